@@ -1,0 +1,38 @@
+# One command sets everything up and runs the story; one sets everything up and runs the tests.
+#   make demo   -> python -m recipes.prune_dlrm on its embedded default
+#   make test   -> the whole test suite (installs redis-server with apt when missing)
+SHELL := /bin/bash
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
+
+.PHONY: install demo train test lint bench redis clean
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install torch==2.13.0
+	$(PY) -m pip install -e '.[dev]' torch==2.13.0
+	$(PY) -m tilesparse.build_ext || echo "tilesparse: fast CPU kernel not built; the reference path will be used"
+	touch $@
+
+install: $(VENV)/.installed
+
+redis:
+	@command -v redis-server >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server)
+
+demo: install
+	$(PY) -m recipes.prune_dlrm
+
+train: install
+	$(PY) -m recipes.train_dlrm
+
+test: install redis
+	$(PY) -m ruff check .
+	$(PY) -m pytest -q
+
+bench: install redis
+	$(PY) -m benchmarks.run_all
+
+clean:
+	rm -rf $(VENV) runs .pytest_cache

@@ -1,0 +1,1 @@
+"""cutlass_kernels."""

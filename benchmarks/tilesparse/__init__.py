@@ -1,0 +1,1 @@
+"""Benchmarks: scripts that compare side by side in one run and write JSON."""

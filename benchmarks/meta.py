@@ -1,0 +1,68 @@
+"""What every benchmark JSON row carries: git sha, machine, versions, threads."""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+import os
+import platform
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RESULTS_DIR = Path(__file__).resolve().parent / "results"
+
+
+def git_sha() -> str:
+    """The checkout's HEAD sha (``"unknown"`` outside a git checkout)."""
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short=12", "HEAD"],
+            cwd=Path(__file__).resolve().parent,
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        return out.stdout.strip()
+    except (OSError, subprocess.CalledProcessError):
+        return "unknown"
+
+
+def machine() -> dict[str, Any]:
+    """Machine and library facts for a benchmark row."""
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    try:
+        load = os.getloadavg()[0]
+    except OSError:
+        load = float("nan")
+    return {
+        "git_sha": git_sha(),
+        "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
+        "cpu": cpu,
+        "cores": os.cpu_count(),
+        "torch_threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "loadavg_1m": load,
+        "cuda_device": torch.cuda.get_device_name(0) if torch.cuda.is_available() else None,
+    }
+
+
+def write_json(path: str | Path, rows: list[dict[str, Any]], **extra: Any) -> Path:
+    """Write ``{"meta": machine(), **extra, "rows": rows}`` to ``path`` (folders created)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    doc = {"meta": machine(), **extra, "rows": rows}
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1, default=str))
+    tmp.replace(path)
+    return path

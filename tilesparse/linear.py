@@ -1,0 +1,264 @@
+"""``TileSparseLinear``: an ``nn.Linear`` whose weight is stored in the condensed TW format.
+
+The module holds the six tensors of a :class:`~tilesparse.format.TWLayout` as buffers (so
+``.to()``, ``state_dict`` and ``load_state_dict`` move and save them like any buffer) and
+computes ``y = x · W + b`` through :func:`tilesparse.ops.tw_linear`, whose backend is chosen by
+``self.backend`` (``"auto"`` by default). Worked example of the buffers (K=4, N=6, G=2)::
+
+    mask (K x N)            buffers
+      n=0 1 2 3 4 5         col_idx  = [0, 1, 4, 5]
+    k=0 x x . . x .         tile_ptr = [0, 2, 3, 4]           tiles {0,1} {4} {5}
+    k=1 . . . . x x         row_idx  = [0, 2, 3, 0, 1, 1, 2]
+    k=2 x x . . . x         row_ptr  = [0, 3, 5, 7]
+    k=3 x x . . . .         val_ptr  = [0, 6, 8, 10]
+                            values   = (10,) the three dense blocks, row-major
+
+>>> import torch
+>>> dense = torch.nn.Linear(4, 6)
+>>> mask_kn = torch.zeros(4, 6, dtype=torch.bool); mask_kn[:2, :4] = True
+>>> sparse = TileSparseLinear.from_dense(dense, mask_kn, tile=2)
+>>> sparse
+TileSparseLinear(in_features=4, out_features=6, tile=2, tiles=2, kept_columns=4/6, nnz=8/24 (sparsity 66.7%), bias=True, backend=auto)
+>>> torch.equal(sparse.to_dense().weight, dense.weight * mask_kn.T)
+True
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from torch import nn
+
+from tilesparse import ops
+from tilesparse.format import TWLayout, condense
+
+__all__ = ["TileSparseLinear"]
+
+_INDEX_BUFFERS = ("col_idx", "tile_ptr", "row_idx", "row_ptr", "val_ptr")
+_LAYOUT_BUFFERS = (*_INDEX_BUFFERS, "values")
+
+
+class TileSparseLinear(nn.Module):
+    """A linear layer with a condensed tile-wise sparse weight.
+
+    Buffers (see :class:`~tilesparse.format.TWLayout` for their meaning):
+        col_idx: ``(Nk,) int64``; tile_ptr, row_ptr, val_ptr: ``(T+1,) int64``;
+        row_idx: ``(R,) int64``; values: ``(V,)`` float, the dense per-tile blocks.
+    Parameters:
+        bias: ``(N,)`` float, when the layer has a bias (trainable, as in ``nn.Linear``).
+
+    A freshly constructed module holds an empty layout (every weight pruned); fill it with
+    :meth:`from_dense` or ``load_state_dict`` of a saved one (buffers take the saved sizes).
+
+    Args:
+        in_features: ``K``.
+        out_features: ``N``.
+        tile: ``G``, the widest a tile may be (> 0).
+        bias: whether the layer has a bias.
+        backend: the :func:`tilesparse.ops.tw_linear` backend (``"auto"``, ``"reference"``,
+            ``"cpu"``, ``"cutlass"``, ``"emulated"``).
+        dtype: dtype of ``values`` and ``bias``.
+
+    Raises:
+        ValueError: for non-positive sizes or tile.
+    """
+
+    def __init__(
+        self,
+        in_features: int,
+        out_features: int,
+        tile: int = 128,
+        bias: bool = True,
+        backend: str = "auto",
+        dtype: torch.dtype = torch.float32,
+    ) -> None:
+        super().__init__()
+        for name, v in (("in_features", in_features), ("out_features", out_features), ("tile", tile)):
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"TileSparseLinear.{name} must be a positive integer, got {v!r}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.tile = tile
+        self.backend = str(getattr(backend, "value", backend))
+        i64 = torch.int64
+        self.register_buffer("col_idx", torch.zeros(0, dtype=i64))
+        self.register_buffer("tile_ptr", torch.zeros(1, dtype=i64))
+        self.register_buffer("row_idx", torch.zeros(0, dtype=i64))
+        self.register_buffer("row_ptr", torch.zeros(1, dtype=i64))
+        self.register_buffer("values", torch.zeros(0, dtype=dtype))
+        self.register_buffer("val_ptr", torch.zeros(1, dtype=i64))
+        if bias:
+            self.bias: nn.Parameter | None = nn.Parameter(torch.zeros(out_features, dtype=dtype))
+        else:
+            self.register_parameter("bias", None)
+        self._layout: TWLayout | None = None
+
+    # -- construction -------------------------------------------------------------------
+    @classmethod
+    def from_dense(
+        cls,
+        linear: nn.Linear,
+        mask_kn: torch.Tensor,
+        tile: int = 128,
+        backend: str = "auto",
+    ) -> TileSparseLinear:
+        """Condense ``linear`` under ``mask_kn``.
+
+        Args:
+            linear: the dense layer; its ``weight`` is ``(N, K)``.
+            mask_kn: ``(K, N) bool``, the kept entries of ``W = linear.weight.T``. Any mask is
+                accepted (a TW-structured one gives the fewest, widest tiles).
+            tile: ``G``.
+            backend: see the class.
+
+        Returns:
+            a module on ``linear.weight``'s device and dtype whose ``to_dense()`` has weight
+            ``linear.weight * mask_kn.T`` exactly.
+
+        Raises:
+            ValueError: when the mask is not ``(K, N) bool``.
+        """
+        weight = linear.weight.detach()
+        n, k = weight.shape
+        if mask_kn.dtype != torch.bool or tuple(mask_kn.shape) != (k, n):
+            raise ValueError(
+                f"mask_kn must be a ({k}, {n}) bool tensor (in x out) for this layer, got "
+                f"{mask_kn.dtype} {tuple(mask_kn.shape)}"
+            )
+        module = cls(k, n, tile=tile, bias=linear.bias is not None, backend=backend, dtype=weight.dtype)
+        layout = condense(weight.T.cpu(), mask_kn.cpu(), tile)
+        module.set_layout(layout)
+        if linear.bias is not None and module.bias is not None:
+            with torch.no_grad():
+                module.bias.copy_(linear.bias.detach().cpu())
+        return module.to(weight.device)
+
+    def set_layout(self, layout: TWLayout) -> None:
+        """Replace the stored weight by ``layout`` (same ``K``, ``N``).
+
+        Raises:
+            ValueError: when the layout's shape differs from the module's.
+        """
+        if (layout.in_features, layout.out_features) != (self.in_features, self.out_features):
+            raise ValueError(
+                f"layout is {layout.in_features}x{layout.out_features} (KxN) but the module is "
+                f"{self.in_features}x{self.out_features}"
+            )
+        layout.validate()
+        device = self.values.device
+        for name in _INDEX_BUFFERS:
+            setattr(self, name, getattr(layout, name).to(device=device, dtype=torch.int64))
+        self.values = layout.values.to(device=device, dtype=self.values.dtype)
+        self.tile = layout.tile
+        self._layout = None
+
+    # -- the layout view ----------------------------------------------------------------
+    @property
+    def layout(self) -> TWLayout:
+        """A :class:`TWLayout` whose tensors ARE this module's buffers (no copy); cached and
+        rebuilt after ``.to()``/``load_state_dict``/:meth:`set_layout`."""
+        if self._layout is None:
+            self._layout = TWLayout(
+                in_features=self.in_features,
+                out_features=self.out_features,
+                tile=self.tile,
+                col_idx=self.col_idx,
+                tile_ptr=self.tile_ptr,
+                row_idx=self.row_idx,
+                row_ptr=self.row_ptr,
+                values=self.values,
+                val_ptr=self.val_ptr,
+            )
+        return self._layout
+
+    def _apply(self, fn: Any, recurse: bool = True) -> TileSparseLinear:
+        # .to()/.cuda()/.half() replace the buffers: the cached layout (and its backend
+        # cache, e.g. packed blocks) would point at the old tensors.
+        self._layout = None
+        out = super()._apply(fn, recurse)
+        self._layout = None
+        return out
+
+    # -- state dict: buffer sizes depend on the mask, so adopt the saved sizes ------------
+    def get_extra_state(self) -> dict[str, int]:
+        return {"in_features": self.in_features, "out_features": self.out_features, "tile": self.tile}
+
+    def set_extra_state(self, state: dict[str, int]) -> None:
+        shape = (int(state["in_features"]), int(state["out_features"]))
+        if shape != (self.in_features, self.out_features):
+            raise ValueError(
+                f"state dict holds a {shape[0]}x{shape[1]} (KxN) TileSparseLinear, this module is "
+                f"{self.in_features}x{self.out_features}"
+            )
+        self.tile = int(state["tile"])
+        self._layout = None
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        for name in _LAYOUT_BUFFERS:
+            saved = state_dict.get(prefix + name)
+            if saved is not None:
+                own = getattr(self, name)
+                # resize in place of copy_: the number of kept entries is the saved mask's
+                setattr(self, name, torch.empty(saved.shape, dtype=own.dtype, device=own.device))
+        self._layout = None
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
+        self._layout = None
+
+    # -- compute ------------------------------------------------------------------------
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x: (..., K)`` → ``(..., N)``, pruned output columns equal to the bias."""
+        return ops.tw_linear(x, self.layout, self.bias, self.backend)
+
+    def to_dense(self) -> nn.Linear:
+        """The equivalent ``nn.Linear`` (pruned weights zero), on this module's device."""
+        dense = nn.Linear(
+            self.in_features, self.out_features, bias=self.bias is not None,
+            device=self.values.device, dtype=self.values.dtype,
+        )
+        with torch.no_grad():
+            dense.weight.copy_(self._cpu_layout().to_dense().T)
+            if self.bias is not None and dense.bias is not None:
+                dense.bias.copy_(self.bias.detach())
+        return dense
+
+    def mask_kn(self) -> torch.Tensor:
+        """``(K, N) bool``: the stored entries."""
+        return self._cpu_layout().mask()
+
+    def _cpu_layout(self) -> TWLayout:
+        # TWLayout.to_dense/mask build CPU tensors; index them with CPU tensors too
+        lay = self.layout
+        return TWLayout(
+            lay.in_features, lay.out_features, lay.tile,
+            *(getattr(lay, n).cpu() for n in ("col_idx", "tile_ptr", "row_idx", "row_ptr", "values", "val_ptr")),
+        )
+
+    @property
+    def nnz(self) -> int:
+        return int(self.values.numel())
+
+    @property
+    def sparsity(self) -> float:
+        """Fraction of the ``K·N`` weights that are not stored."""
+        return 1.0 - self.nnz / (self.in_features * self.out_features)
+
+    def extra_repr(self) -> str:
+        total = self.in_features * self.out_features
+        return (
+            f"in_features={self.in_features}, out_features={self.out_features}, tile={self.tile}, "
+            f"tiles={self.layout.num_tiles}, kept_columns={self.col_idx.numel()}/{self.out_features}, "
+            f"nnz={self.nnz}/{total} (sparsity {100 * self.sparsity:.1f}%), "
+            f"bias={self.bias is not None}, backend={self.backend}"
+        )

@@ -1,0 +1,115 @@
+"""Topology presets: DGX H100 / DGX A100 × any number of nodes, GB200 NVL72 racks, and this
+CPU machine (``cpu-local``, gloo ranks on one host).
+
+>>> t = get_topology("dgx-h100", nodes=8)
+>>> t.world_size, t.gpus_per_node
+(64, 8)
+
+Every figure is per GPU and, for links, per direction. Sources are on each constant.
+"""
+
+from __future__ import annotations
+
+from embark.types import Topology
+
+GB = 1e9
+
+# --- NVIDIA H100 SXM5 80 GB in a DGX H100 (sources: shared/ANCHORS.md "H100 figures";
+# NVIDIA H100 Tensor Core GPU datasheet; DGX H100 user guide: 8 GPUs, 4th-gen NVLink
+# 900 GB/s bidirectional per GPU, 8× ConnectX-7 400 Gb/s, one per GPU).
+H100_HBM_CAPACITY_BYTES = 80 * GB  # 80 GB HBM3
+H100_HBM_BANDWIDTH_BYTES_PER_S = 3.35e12  # 3.35 TB/s
+H100_NVLINK_BYTES_PER_S = 450 * GB  # 900 GB/s bidirectional = 450 GB/s per direction
+H100_IB_BYTES_PER_S = 50 * GB  # 400 Gb/s NDR InfiniBand per GPU
+H100_BF16_DENSE_FLOPS_PER_S = 989e12  # 989 TFLOPS dense bf16 (1979 with 2:4 sparsity)
+
+# --- NVIDIA A100 SXM4 80 GB in a DGX A100 (sources: NVIDIA A100 datasheet; DGX A100 user
+# guide: 3rd-gen NVLink 600 GB/s bidirectional per GPU, 8× ConnectX-6 200 Gb/s HDR).
+A100_HBM_CAPACITY_BYTES = 80 * GB
+A100_HBM_BANDWIDTH_BYTES_PER_S = 2.039e12  # 2,039 GB/s (80 GB SXM)
+A100_NVLINK_BYTES_PER_S = 300 * GB  # 600 GB/s bidirectional
+A100_IB_BYTES_PER_S = 25 * GB  # 200 Gb/s HDR per GPU
+A100_BF16_DENSE_FLOPS_PER_S = 312e12  # 312 TFLOPS dense bf16
+
+# --- NVIDIA GB200 NVL72: one NVLink domain of 72 Blackwell GPUs per rack (sources: NVIDIA
+# GB200 NVL72 product page: 13.4 TB HBM3e, 576 TB/s aggregate HBM bandwidth, 130 TB/s
+# NVLink, 180 PFLOPS dense FP16/BF16 (360 sparse), each over 72 GPUs; between racks one
+# ConnectX-7 400 Gb/s per GPU is assumed, as in the DGX H100).
+GB200_GPUS_PER_RACK = 72
+GB200_HBM_CAPACITY_BYTES = 13.4e12 / 72  # ≈ 186 GB per GPU
+GB200_HBM_BANDWIDTH_BYTES_PER_S = 576e12 / 72  # 8 TB/s
+GB200_NVLINK_BYTES_PER_S = 130e12 / 72 / 2  # 1.8 TB/s bidirectional → 0.9 TB/s per direction
+GB200_IB_BYTES_PER_S = 50 * GB  # assumed 400 Gb/s per GPU between racks
+GB200_BF16_DENSE_FLOPS_PER_S = 180e15 / 72  # 2.5 PFLOPS
+
+# --- This machine: 2 cores, 24 GiB, no GPU; one gloo rank per core (shared/DEPENDENCIES.md:
+# bf16 matmul ≈ 600 GFLOP/s on 2 threads). DRAM and shared-memory figures are rough
+# assumptions for a 2-core VM slice, used only so small plans can be rated and run locally.
+CPU_LOCAL_RANKS = 2
+CPU_LOCAL_MEMORY_BYTES = 24 * 2**30 / CPU_LOCAL_RANKS / 2  # half the RAM, split per rank
+CPU_LOCAL_DRAM_BYTES_PER_S = 10 * GB  # assumed ~10 GB/s per core of random-gather bandwidth
+CPU_LOCAL_SHM_BYTES_PER_S = 5 * GB  # assumed gloo shared-memory transfer rate
+CPU_LOCAL_FLOPS_PER_S = 300e9  # ≈ 600 GFLOP/s bf16 on 2 threads, per rank
+
+PRESETS = ("dgx-h100", "dgx-a100", "gb200-nvl72", "cpu-local")
+
+
+def get_topology(name: str, nodes: int = 1) -> Topology:
+    """A preset topology with ``nodes`` nodes (for ``gb200-nvl72`` a node is a 72-GPU rack;
+    ``cpu-local`` has exactly one node).
+
+    Raises:
+        ValueError: unknown name or a bad node count.
+    """
+    key = name.lower().replace("_", "-")
+    if isinstance(nodes, bool) or not isinstance(nodes, int) or nodes < 1:
+        raise ValueError(f"nodes must be a positive integer, got {nodes!r}")
+    if key == "dgx-h100":
+        return Topology(
+            name=key,
+            num_nodes=nodes,
+            gpus_per_node=8,
+            hbm_capacity_bytes=H100_HBM_CAPACITY_BYTES,
+            hbm_bandwidth_bytes_per_s=H100_HBM_BANDWIDTH_BYTES_PER_S,
+            intra_node_bandwidth_bytes_per_s=H100_NVLINK_BYTES_PER_S,
+            inter_node_bandwidth_bytes_per_s=H100_IB_BYTES_PER_S,
+            dense_peak_flops_per_s=H100_BF16_DENSE_FLOPS_PER_S,
+        )
+    if key == "dgx-a100":
+        return Topology(
+            name=key,
+            num_nodes=nodes,
+            gpus_per_node=8,
+            hbm_capacity_bytes=A100_HBM_CAPACITY_BYTES,
+            hbm_bandwidth_bytes_per_s=A100_HBM_BANDWIDTH_BYTES_PER_S,
+            intra_node_bandwidth_bytes_per_s=A100_NVLINK_BYTES_PER_S,
+            inter_node_bandwidth_bytes_per_s=A100_IB_BYTES_PER_S,
+            dense_peak_flops_per_s=A100_BF16_DENSE_FLOPS_PER_S,
+        )
+    if key == "gb200-nvl72":
+        return Topology(
+            name=key,
+            num_nodes=nodes,
+            gpus_per_node=GB200_GPUS_PER_RACK,
+            hbm_capacity_bytes=GB200_HBM_CAPACITY_BYTES,
+            hbm_bandwidth_bytes_per_s=GB200_HBM_BANDWIDTH_BYTES_PER_S,
+            intra_node_bandwidth_bytes_per_s=GB200_NVLINK_BYTES_PER_S,
+            inter_node_bandwidth_bytes_per_s=GB200_IB_BYTES_PER_S,
+            dense_peak_flops_per_s=GB200_BF16_DENSE_FLOPS_PER_S,
+        )
+    if key == "cpu-local":
+        if nodes != 1:
+            raise ValueError(f"cpu-local is one machine; nodes must be 1, got {nodes}")
+        return Topology(
+            name=key,
+            num_nodes=1,
+            gpus_per_node=CPU_LOCAL_RANKS,
+            hbm_capacity_bytes=CPU_LOCAL_MEMORY_BYTES,
+            hbm_bandwidth_bytes_per_s=CPU_LOCAL_DRAM_BYTES_PER_S,
+            intra_node_bandwidth_bytes_per_s=CPU_LOCAL_SHM_BYTES_PER_S,
+            inter_node_bandwidth_bytes_per_s=CPU_LOCAL_SHM_BYTES_PER_S,
+            dense_peak_flops_per_s=CPU_LOCAL_FLOPS_PER_S,
+            intra_node_latency_s=50e-6,
+            inter_node_latency_s=50e-6,
+        )
+    raise ValueError(f"unknown topology {name!r}; expected one of {list(PRESETS)}")

@@ -1,0 +1,209 @@
+"""Synthetic click-through data whose labels come from a planted *teacher* DLRM.
+
+Each sample has
+
+* ``D`` dense features: raw counts ``c ~ LogNormal(mu, sigma)`` per feature, fed to the model as
+  ``log(1 + c)`` (the same transform :mod:`embark.data.criteo` applies to Criteo's integers);
+* one bag per table of ``hotness`` ids drawn i.i.d. from a bounded Zipf(α) over the table's
+  rows, ``P(id = k) ∝ (k + 1)^-α`` (id 0 is the hottest), α = ``workload.zipf_alpha``;
+  with ``ragged=True`` bag sizes are uniform on ``0 .. 2*hotness`` (mean ``hotness``) instead;
+* a label ``y ~ Bernoulli(sigmoid(s * z + b))`` where ``z`` is the teacher's logit standardised
+  on a calibration sample, ``s = label_sharpness`` and ``b = label_bias``.
+
+The teacher is a DLRM of the same workload (a different seed) whose embedding rows are
+redrawn ``N(0, 1)`` so that every table carries signal. Its probabilities are the Bayes-optimal
+scores for the labels, so :meth:`SyntheticCTR.teacher_auc` is the ceiling a student can reach.
+
+Batches are generated independently from ``(seed, split, index)``: the stream needs no memory,
+any batch can be regenerated, and a resumed run continues with ``batches(n, start=step)``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+
+import numpy as np
+import torch
+
+from embark.data.jagged import JaggedBatch
+from embark.workloads import Workload
+
+
+class Split(StrEnum):
+    """Independent sample streams of one generator."""
+
+    TRAIN = "train"
+    EVAL = "eval"
+    CALIBRATION = "calibration"
+
+
+_SPLIT_ID = {Split.TRAIN: 0, Split.EVAL: 1, Split.CALIBRATION: 2}
+_CALIBRATION_SAMPLES = 8192  # enough for the teacher logit's mean and std to ~1%
+
+
+@dataclass
+class Batch:
+    """One training batch.
+
+    Attributes:
+        dense: ``(B, D) float32`` dense features.
+        sparse: the ids, one key per table.
+        labels: ``(B,) float32`` clicks in {0, 1}.
+    """
+
+    dense: torch.Tensor
+    sparse: JaggedBatch
+    labels: torch.Tensor
+
+    @property
+    def batch_size(self) -> int:
+        return self.dense.shape[0]
+
+    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
+        return Batch(
+            self.dense.to(device, non_blocking=non_blocking),
+            self.sparse.to(device, non_blocking=non_blocking),
+            self.labels.to(device, non_blocking=non_blocking),
+        )
+
+
+class SyntheticCTR:
+    """Deterministic, streaming synthetic CTR data for ``workload`` (see the module docstring).
+
+    Args:
+        workload: tables, hotness, α and dense width; scale it with ``workload.scaled(f)`` first
+            for small runs.
+        batch_size: samples per batch, > 0.
+        seed: generator seed; the teacher's weights derive from it too.
+        ragged: variable bag sizes (uniform 0..2*hotness) instead of fixed ``hotness``.
+        label_sharpness: ``s``; larger → labels closer to deterministic, higher teacher AUC.
+        label_bias: ``b``; sets the click rate (-1.0 → about 30% positives).
+        dense_mu, dense_sigma: log-normal parameters of the raw dense counts.
+
+    Raises:
+        ValueError: for a non-positive batch size or sharpness.
+    """
+
+    def __init__(
+        self,
+        workload: Workload,
+        batch_size: int,
+        seed: int = 0,
+        *,
+        ragged: bool = False,
+        label_sharpness: float = 2.5,
+        label_bias: float = -1.0,
+        dense_mu: float = 1.0,
+        dense_sigma: float = 1.0,
+    ) -> None:
+        from embark.model import build_model  # embark.model imports embark.data: keep lazy
+
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
+        if not label_sharpness > 0:
+            raise ValueError(f"label_sharpness must be > 0, got {label_sharpness}")
+        if not dense_sigma > 0:
+            raise ValueError(f"dense_sigma must be > 0, got {dense_sigma}")
+        self.workload = workload
+        self.batch_size = batch_size
+        self.seed = seed
+        self.ragged = ragged
+        self.label_sharpness = float(label_sharpness)
+        self.label_bias = float(label_bias)
+        self.dense_mu = float(dense_mu)
+        self.dense_sigma = float(dense_sigma)
+        alpha = workload.zipf_alpha
+        self._cdfs = []
+        for t in workload.tables:
+            p = np.arange(1, t.num_rows + 1, dtype=np.float64) ** -alpha
+            cdf = np.cumsum(p)
+            self._cdfs.append(cdf / cdf[-1])
+        self.teacher = build_model(workload, seed=1_000_003 + seed).eval()
+        gen = torch.Generator().manual_seed(2_000_003 + seed)
+        with torch.no_grad():
+            for bag in self.teacher.embeddings.values():
+                bag.weight.normal_(0.0, 1.0, generator=gen)
+        for p_ in self.teacher.parameters():
+            p_.requires_grad_(False)
+        self._z_mean, self._z_std = 0.0, 1.0
+        raw = torch.cat(
+            [
+                self._teacher_raw(*self._features(Split.CALIBRATION, i))
+                for i in range(max(1, -(-_CALIBRATION_SAMPLES // batch_size)))
+            ]
+        )
+        self._z_mean, self._z_std = float(raw.mean()), float(raw.std().clamp_min(1e-12))
+
+    # ------------------------------------------------------------------ pieces
+    def _rng(self, split: Split, index: int) -> np.random.Generator:
+        return np.random.default_rng(np.random.SeedSequence([self.seed, _SPLIT_ID[split], index]))
+
+    def _features(self, split: Split, index: int) -> tuple[torch.Tensor, JaggedBatch, np.random.Generator]:
+        rng = self._rng(split, index)
+        b = self.batch_size
+        raw = rng.lognormal(self.dense_mu, self.dense_sigma, size=(b, self.workload.dense_features))
+        dense = torch.from_numpy(np.log1p(raw).astype(np.float32))
+        values, lengths = [], []
+        for t, cdf in zip(self.workload.tables, self._cdfs):
+            if self.ragged:
+                n = rng.integers(0, 2 * t.hotness + 1, size=b)
+            else:
+                n = np.full(b, t.hotness)
+            ids = np.searchsorted(cdf, rng.random(int(n.sum())), side="right")
+            values.append(np.minimum(ids, t.num_rows - 1))
+            lengths.append(n)
+        sparse = JaggedBatch(
+            [t.name for t in self.workload.tables],
+            torch.from_numpy(np.concatenate(values).astype(np.int64)),
+            torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
+        )
+        return dense, sparse, rng
+
+    def _teacher_raw(self, dense: torch.Tensor, sparse: JaggedBatch, *_: object) -> torch.Tensor:
+        with torch.no_grad():
+            return self.teacher(dense, sparse)
+
+    def teacher_logits(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
+        """``(B,) float32`` the teacher's calibrated logits ``s * z + b`` for given features."""
+        z = (self._teacher_raw(dense, sparse) - self._z_mean) / self._z_std
+        return self.label_sharpness * z + self.label_bias
+
+    def _make(self, split: Split, index: int) -> tuple[Batch, torch.Tensor]:
+        dense, sparse, rng = self._features(split, index)
+        logits = self.teacher_logits(dense, sparse)
+        probs = torch.sigmoid(logits.double()).numpy()
+        labels = torch.from_numpy((rng.random(self.batch_size) < probs).astype(np.float32))
+        return Batch(dense, sparse, labels), logits
+
+    # ------------------------------------------------------------------ public
+    def batch(self, index: int, split: Split | str = Split.TRAIN) -> Batch:
+        """Batch number ``index`` of ``split`` (regenerated on each call, identical each time)."""
+        if index < 0:
+            raise ValueError(f"batch index must be >= 0, got {index}")
+        return self._make(Split(split), index)[0]
+
+    def batches(
+        self, n: int | None = None, start: int = 0, split: Split | str = Split.TRAIN
+    ) -> Iterator[Batch]:
+        """Stream batches ``start, start+1, ...`` of ``split``; ``n=None`` streams forever."""
+        split = Split(split)
+        if start < 0 or (n is not None and n < 0):
+            raise ValueError(f"need n >= 0 and start >= 0, got n={n}, start={start}")
+        i = start
+        while n is None or i < start + n:
+            yield self._make(split, i)[0]
+            i += 1
+
+    def teacher_auc(self, num_batches: int = 16, split: Split | str = Split.EVAL) -> float:
+        """AUC of the teacher's probabilities on the first ``num_batches`` of ``split`` (the
+        ceiling for a student evaluated on the same batches)."""
+        from embark.metrics import auc
+
+        scores, labels = [], []
+        for i in range(num_batches):
+            b, logits = self._make(Split(split), i)
+            scores.append(logits)
+            labels.append(b.labels)
+        return auc(torch.cat(scores), torch.cat(labels))

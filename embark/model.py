@@ -1,0 +1,217 @@
+"""DLRM with dot interaction and DLRM-DCNv2 (low-rank cross layers), over any list of tables.
+
+Data flow for a batch of ``B`` samples, ``T`` tables, bottom-MLP output width ``d``::
+
+    dense (B, D) ──bottom_mlp──▶ x (B, d) ─┐
+    sparse ──embeddings[t] (bags pooled)──▶ e_t (B, dim_t) ──[projections[t] if dim_t != d]─┐
+                                           ▼                                              │
+                   interaction( x, e_1..e_T )  ◀──────────────────────────────────────────┘
+                       dot:   [x, upper triangle of (T+1)×(T+1) pairwise dot products]
+                       dcnv2: x_{l+1} = x_0 ⊙ (U_l V_l x_l + b_l) + x_l,  x_0 = [x, e_1..e_T]
+                                           ▼
+                                  top_mlp ──▶ logit (B,)
+
+Every weighted dense operation is an ``nn.Linear`` (bottom/top MLPs, projections, the cross
+layers' ``V`` (no bias) and ``U``), so a pruner can find and replace them.
+Initialisation follows the MLPerf DLRM reference: linear weights ``N(0, sqrt(2/(fan_in+fan_out)))``,
+biases ``N(0, sqrt(1/fan_out))``, embedding rows ``U(-sqrt(1/num_rows), sqrt(1/num_rows))``.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+from torch import nn
+
+from embark.types import Combiner
+from embark.workloads import Workload
+
+if TYPE_CHECKING:  # runtime import would be circular through embark.data.synthetic
+    from embark.data.jagged import JaggedBatch
+
+
+def _mlp(widths: Sequence[int], in_features: int, last_relu: bool) -> nn.Sequential:
+    layers: list[nn.Module] = []
+    prev = in_features
+    for i, w in enumerate(widths):
+        layers.append(nn.Linear(prev, w))
+        if i < len(widths) - 1 or last_relu:
+            layers.append(nn.ReLU())
+        prev = w
+    return nn.Sequential(*layers)
+
+
+class DotInteraction(nn.Module):
+    """Pairwise dot products of ``T+1`` vectors, concatenated to the bottom output.
+
+    ``forward(x: (B, d), emb: (B, T, d)) -> (B, d + (T+1)*T/2)``.
+    """
+
+    def __init__(self, num_vectors: int) -> None:
+        super().__init__()
+        rows, cols = torch.triu_indices(num_vectors, num_vectors, offset=1)
+        self.register_buffer("rows", rows, persistent=False)
+        self.register_buffer("cols", cols, persistent=False)
+
+    @staticmethod
+    def out_features(d: int, num_tables: int) -> int:
+        n = num_tables + 1
+        return d + n * (n - 1) // 2
+
+    def forward(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        z = torch.cat([x.unsqueeze(1), emb], dim=1)  # (B, T+1, d)
+        gram = torch.bmm(z, z.transpose(1, 2))  # (B, T+1, T+1)
+        return torch.cat([x, gram[:, self.rows, self.cols]], dim=1)
+
+
+class CrossNetV2(nn.Module):
+    """DCNv2 low-rank cross network (as MLPerf DLRM-DCNv2 and TorchRec ``LowRankCrossNet``).
+
+    ``x_{l+1} = x_0 * u[l](v[l](x_l)) + x_l`` with ``v[l] = Linear(F, r, bias=False)`` and
+    ``u[l] = Linear(r, F)``. ``forward(x0: (B, F)) -> (B, F)``.
+    """
+
+    def __init__(self, in_features: int, num_layers: int, low_rank: int) -> None:
+        super().__init__()
+        self.in_features = in_features
+        self.v = nn.ModuleList(nn.Linear(in_features, low_rank, bias=False) for _ in range(num_layers))
+        self.u = nn.ModuleList(nn.Linear(low_rank, in_features) for _ in range(num_layers))
+
+    def forward(self, x0: torch.Tensor) -> torch.Tensor:
+        x = x0
+        for v, u in zip(self.v, self.u):
+            x = x0 * u(v(x)) + x
+        return x
+
+
+class DLRM(nn.Module):
+    """DLRM (``interaction.type == "dot"``) or DLRM-DCNv2 (``"dcnv2"``) for a :class:`Workload`.
+
+    Submodules: ``embeddings`` (``ModuleDict`` table name → ``nn.EmbeddingBag``, weights
+    ``(num_rows, dim) float32``), ``projections`` (``ModuleDict`` table name → ``Linear(dim_t, d,
+    bias=False)``, only for tables whose dim differs from the bottom output ``d``),
+    ``bottom_mlp``, ``interaction`` (:class:`DotInteraction` or :class:`CrossNetV2`), ``top_mlp``.
+    Use :func:`build_model` to construct and initialise one.
+    """
+
+    def __init__(self, workload: Workload) -> None:
+        super().__init__()
+        self.workload = workload
+        self.table_names = [t.name for t in workload.tables]
+        d = workload.bottom_mlp[-1]
+        self.embeddings = nn.ModuleDict(
+            {
+                t.name: nn.EmbeddingBag(
+                    t.num_rows, t.dim, mode="mean" if t.combiner == Combiner.MEAN else "sum"
+                )
+                for t in workload.tables
+            }
+        )
+        self.projections = nn.ModuleDict(
+            {t.name: nn.Linear(t.dim, d, bias=False) for t in workload.tables if t.dim != d}
+        )
+        self.bottom_mlp = _mlp(workload.bottom_mlp, workload.dense_features, last_relu=True)
+        num_tables = len(workload.tables)
+        inter = workload.interaction
+        if inter.type == "dot":
+            self.interaction: nn.Module = DotInteraction(num_tables + 1)
+            top_in = DotInteraction.out_features(d, num_tables)
+        else:
+            top_in = d * (num_tables + 1)
+            self.interaction = CrossNetV2(top_in, inter.num_layers, inter.low_rank)
+        self.top_mlp = _mlp(workload.top_mlp, top_in, last_relu=False)
+
+    def pool(self, sparse: JaggedBatch) -> list[torch.Tensor]:
+        """Pooled embeddings, one ``(B, dim_t) float32`` per table in workload order.
+
+        Raises:
+            KeyError: when a table's key is missing from ``sparse``.
+        """
+        out = []
+        for name in self.table_names:
+            bag = self.embeddings[name]
+            out.append(bag(sparse.values_for(name), sparse.bag_offsets(name)))
+        return out
+
+    def dense_forward(
+        self, dense: torch.Tensor, pooled: torch.Tensor | Sequence[torch.Tensor]
+    ) -> torch.Tensor:
+        """The dense part alone: bottom MLP, interaction, top MLP.
+
+        Args:
+            dense: ``(B, D) float32`` dense features.
+            pooled: ``(B, T, dim) float32`` pooled embeddings in table order, or a sequence of
+                ``T`` tensors ``(B, dim_t)`` (needed when table dims differ).
+
+        Returns:
+            ``(B,) float32`` logits.
+        """
+        x = self.bottom_mlp(dense)
+        if isinstance(pooled, torch.Tensor):
+            if pooled.dim() != 3 or pooled.shape[1] != len(self.table_names):
+                raise ValueError(
+                    f"pooled must be (B, {len(self.table_names)}, dim), got {tuple(pooled.shape)}"
+                )
+            pooled = pooled.unbind(1)
+        if len(pooled) != len(self.table_names):
+            raise ValueError(f"expected {len(self.table_names)} pooled tensors, got {len(pooled)}")
+        embs = [
+            self.projections[n](e) if n in self.projections else e
+            for n, e in zip(self.table_names, pooled)
+        ]
+        emb = torch.stack(embs, dim=1)  # (B, T, d)
+        if isinstance(self.interaction, DotInteraction):
+            z = self.interaction(x, emb)
+        else:
+            z = self.interaction(torch.cat([x, emb.flatten(1)], dim=1))
+        return self.top_mlp(z).squeeze(-1)
+
+    def forward(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
+        """``dense: (B, D) float32``, ``sparse``: a :class:`JaggedBatch` keyed by table name →
+        ``(B,) float32`` logits."""
+        if dense.dim() != 2 or dense.shape[1] != self.workload.dense_features:
+            raise ValueError(
+                f"dense must be (B, {self.workload.dense_features}), got {tuple(dense.shape)}"
+            )
+        if sparse.batch_size != dense.shape[0]:
+            raise ValueError(
+                f"dense has batch {dense.shape[0]} but sparse has batch {sparse.batch_size}"
+            )
+        return self.dense_forward(dense, self.pool(sparse))
+
+
+@torch.no_grad()
+def init_weights_(model: nn.Module, seed: int) -> nn.Module:
+    """MLPerf-reference initialisation of every ``nn.Linear`` and ``nn.EmbeddingBag`` in
+    ``model``, drawn from a private generator seeded by ``seed`` (the global RNG is untouched).
+    Modules are visited in ``named_modules`` order, so the result depends only on ``seed``."""
+    gen = torch.Generator().manual_seed(seed)
+    for _, m in model.named_modules():
+        if isinstance(m, nn.Linear):
+            fan_out, fan_in = m.weight.shape
+            m.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)), generator=gen)
+            if m.bias is not None:
+                m.bias.normal_(0.0, math.sqrt(1.0 / fan_out), generator=gen)
+        elif isinstance(m, nn.EmbeddingBag | nn.Embedding):
+            bound = math.sqrt(1.0 / m.num_embeddings)
+            m.weight.uniform_(-bound, bound, generator=gen)
+    return model
+
+
+def build_model(workload: Workload, seed: int = 0) -> DLRM:
+    """Build and initialise a :class:`DLRM` for ``workload``, deterministically from ``seed``.
+
+    The modules are created on the meta device and materialised once, so building a large
+    table costs one initialisation, not two.
+    """
+    with torch.device("meta"):
+        model = DLRM(workload)
+    model = model.to_empty(device="cpu")
+    # to_empty leaves non-persistent buffers uninitialised: rebuild the interaction indices.
+    if isinstance(model.interaction, DotInteraction):
+        rows, cols = torch.triu_indices(len(workload.tables) + 1, len(workload.tables) + 1, 1)
+        model.interaction.rows, model.interaction.cols = rows, cols
+    return init_weights_(model, seed)

@@ -1,0 +1,90 @@
+// tilerec: torch binding of the generated TW GEMM instances (compiled only on a CUDA machine by
+// cutlass_kernels/build.py). The instance table comes from the generated tw_instances.h.
+#include <string>
+#include <vector>
+
+#include <torch/extension.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+
+#include "tw_instances.h"
+
+namespace {
+
+void check_operand(const at::Tensor &t, const char *name, at::ScalarType dtype, int64_t dim,
+                   const at::Device &device) {
+  TORCH_CHECK(t.device() == device, name, " must be on ", device, ", got ", t.device());
+  TORCH_CHECK(t.scalar_type() == dtype, name, " must be ", dtype, ", got ", t.scalar_type());
+  TORCH_CHECK(t.dim() == dim, name, " must be ", dim, "-D, got ", t.dim(), "-D");
+  TORCH_CHECK(t.dim() == 0 || t.stride(-1) == 1 || t.size(-1) <= 1, name,
+              " must have unit stride in its last dimension");
+  TORCH_CHECK(reinterpret_cast<uintptr_t>(t.data_ptr()) % 16 == 0, name,
+              " must be 16-byte aligned");
+}
+
+int find_instance(const std::string &name) {
+  for (int i = 0; i < tilerec::kTwNumInstances; ++i) {
+    if (name == tilerec::kTwInstances[i].name) return i;
+  }
+  return -1;
+}
+
+// yt[col_idx[...], :batch] = alpha * (W_t^T . xt[row_idx[...], :batch]) + beta * yt[...]
+void tw_gemm(const std::string &instance, const at::Tensor &tile_meta, const at::Tensor &col_idx,
+             const at::Tensor &row_idx, const at::Tensor &w, int64_t lda, const at::Tensor &xt,
+             at::Tensor yt, int64_t batch, double alpha, double beta) {
+  int idx = find_instance(instance);
+  TORCH_CHECK(idx >= 0, "TW GEMM instance '", instance, "' is not in this build");
+  const auto &inst = tilerec::kTwInstances[idx];
+  const at::ScalarType dtype = inst.is_bf16 ? at::kBFloat16 : at::kHalf;
+  const at::Device device = xt.device();
+  TORCH_CHECK(device.is_cuda(), "xt must be a CUDA tensor, got ", device);
+  check_operand(tile_meta, "tile_meta", at::kInt, 2, device);
+  check_operand(col_idx, "col_idx", at::kInt, 1, device);
+  check_operand(row_idx, "row_idx", at::kInt, 1, device);
+  check_operand(w, "w", dtype, 2, device);
+  check_operand(xt, "xt", dtype, 2, device);
+  check_operand(yt, "yt", dtype, 2, device);
+  TORCH_CHECK(tile_meta.size(1) == 4 && tile_meta.is_contiguous(),
+              "tile_meta must be a contiguous (T, 4) int32 tensor");
+  TORCH_CHECK(w.size(0) == 0 || w.stride(0) == lda, "w must have row pitch lda=", lda);
+  TORCH_CHECK(xt.size(1) >= batch && yt.size(1) >= batch, "xt and yt must hold batch=", batch,
+              " columns");
+  c10::cuda::CUDAGuard guard(device);
+  tilerec::TwGemmArgs args{};
+  args.num_tiles = int(tile_meta.size(0));
+  args.batch = int(batch);
+  args.lda = int(lda);
+  args.ldx = int(xt.stride(0));
+  args.ldy = int(yt.stride(0));
+  args.tile_meta = tile_meta.data_ptr<int>();
+  args.col_idx = col_idx.data_ptr<int>();
+  args.row_idx = row_idx.data_ptr<int>();
+  args.w = w.data_ptr();
+  args.xt = xt.data_ptr();
+  args.yt = yt.data_ptr();
+  args.alpha = float(alpha);
+  args.beta = float(beta);
+  int status = inst.launch(&args, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  TORCH_CHECK(status != tilerec::kTwBadShape, "TW GEMM ", instance,
+              ": batch, lda, ldx, ldy must be multiples of ", inst.alignment,
+              " and ldx, ldy >= batch (got batch=", batch, " lda=", lda, " ldx=", args.ldx,
+              " ldy=", args.ldy, ")");
+  TORCH_CHECK(status != tilerec::kTwTooManyBlocks, "TW GEMM ", instance, ": batch ", batch,
+              " needs more than 65535 batch blocks");
+  TORCH_CHECK(status == 0, "TW GEMM ", instance, " launch failed: ",
+              cudaGetErrorString(cudaError_t(status)));
+}
+
+std::vector<std::string> instances() {
+  std::vector<std::string> out;
+  for (int i = 0; i < tilerec::kTwNumInstances; ++i) out.emplace_back(tilerec::kTwInstances[i].name);
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("tw_gemm", &tw_gemm, "TW sparse GEMM on K-major activations (one launch, all tiles)");
+  m.def("instances", &instances, "names of the compiled TW GEMM instances");
+}

@@ -1,0 +1,228 @@
+"""The TW GEMM kernel instances, as data.
+
+One :class:`TWKernel` is one CUTLASS instantiation of the gather/scatter TW GEMM template
+(``csrc/tw_gemm.h``): input dtype (fp16/bf16, always fp32 accumulate), target architecture,
+threadblock tile, warp count, pipeline stages, alignment. The threadblock and math-instruction
+descriptions are ``cutlass_library`` objects (:meth:`TWKernel.tile_description`), the same ones
+CUTLASS's own generator lists, and the instances are gated by architecture and CUDA version the
+way ``cutlass_library.generator`` gates its lists.
+
+The kernel runs the layer transposed (see ``emit.py``), so the layer's output-feature axis N is
+the CUTLASS GEMM's M axis: ``threadblock[0]`` is the tile width ``G`` of the TW pattern (one CTA
+covers one whole tile), ``threadblock[1]`` the batch columns per CTA, ``threadblock[2]`` the
+kept K rows per main-loop stage::
+
+    threadblock = (G, batch tile, k tile) = (128, 128, 32), warps (2, 2, 1) -> warp tile 64x64x32
+
+Both architectures run the Ampere main loop (``cp.async`` multistage + ``mma.sync`` m16n8k16);
+the sm_90a instances are that main loop compiled for Hopper (no wgmma/TMA: TMA cannot gather
+arbitrary rows, and a cp.async + wgmma gather main loop is not written yet).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+
+__all__ = [
+    "Arch",
+    "DType",
+    "TWKernel",
+    "manifest",
+    "select",
+    "ALIGNMENT",
+    "SMEM_BYTES",
+    "MIN_CUDA",
+]
+
+
+class DType(StrEnum):
+    """Input/output element type of an instance (accumulation is always fp32)."""
+
+    F16 = "f16"
+    BF16 = "bf16"
+
+
+class Arch(StrEnum):
+    """Target architecture (the ``-gencode`` ``sm_*`` name)."""
+
+    SM80 = "sm_80"
+    SM90A = "sm_90a"
+
+
+# Elements per global access: 128-bit (16 B) cp.async of 16-bit types. Every leading dimension,
+# the padded batch and the block pitch are multiples of it (reference.py pads to it).
+ALIGNMENT = 8
+
+# Largest dynamic shared memory per CTA, bytes (CUDA C Programming Guide, "Compute
+# Capabilities" table: 163 KB on sm_80 (A100), 227 KB on sm_90 (H100)).
+SMEM_BYTES = {Arch.SM80: 163 * 1024, Arch.SM90A: 227 * 1024}
+
+# Oldest CUDA toolkit that can compile the arch/dtype (bf16 mma and sm_80: CUDA 11.0;
+# sm_90a: CUDA 12.0), as in cutlass_library.generator's CudaToolkitVersionSatisfies gates.
+MIN_CUDA = {Arch.SM80: (11, 0), Arch.SM90A: (12, 0)}
+
+_INSTRUCTION = (16, 8, 16)  # mma.sync.m16n8k16, fp16/bf16 inputs, fp32 accumulate
+
+
+@dataclass(frozen=True)
+class TWKernel:
+    """One kernel instance.
+
+    Attributes:
+        dtype: input and output element type (fp32 accumulate).
+        arch: compile target.
+        threadblock: ``(G, batch tile, k tile)``; ``G`` is the widest TW tile it serves.
+        warps: warps along the three threadblock axes.
+        stages: main-loop pipeline depth (>= 3 for the multistage main loop).
+        alignment: elements per vector access (``ALIGNMENT``).
+    """
+
+    dtype: DType
+    arch: Arch
+    threadblock: tuple[int, int, int]
+    warps: tuple[int, int, int]
+    stages: int
+    alignment: int = ALIGNMENT
+
+    def __post_init__(self) -> None:
+        if self.stages < 3:
+            raise ValueError(f"stages must be >= 3 for the multistage main loop, got {self.stages}")
+        for a, w, i in zip(self.threadblock, self.warps, _INSTRUCTION, strict=True):
+            if w <= 0 or a % w or (a // w) % i:
+                raise ValueError(
+                    f"threadblock {self.threadblock} must split into warps {self.warps} whose "
+                    f"tiles are multiples of the instruction {_INSTRUCTION}"
+                )
+        if self.smem_bytes > SMEM_BYTES[self.arch]:
+            raise ValueError(
+                f"{self.name}: {self.smem_bytes} B of shared memory exceeds the "
+                f"{SMEM_BYTES[self.arch]} B of {self.arch.value}"
+            )
+
+    @property
+    def tile_g(self) -> int:
+        """``G``: the widest TW tile (kept output columns) one CTA covers."""
+        return self.threadblock[0]
+
+    @property
+    def warp_shape(self) -> tuple[int, int, int]:
+        return tuple(a // w for a, w in zip(self.threadblock, self.warps, strict=True))  # type: ignore[return-value]
+
+    @property
+    def instruction(self) -> tuple[int, int, int]:
+        return _INSTRUCTION
+
+    @property
+    def threads(self) -> int:
+        return 32 * self.warps[0] * self.warps[1] * self.warps[2]
+
+    @property
+    def smem_bytes(self) -> int:
+        """Main-loop shared memory: ``stages × (A' tile + B' tile)`` of 2-byte elements."""
+        m, n, k = self.threadblock
+        return self.stages * (m * k + k * n) * 2
+
+    @property
+    def name(self) -> str:
+        """A C identifier naming the instance, e.g. ``tw_gemm_sm80_f16_g128x128x32_w2x2x1_s4_a8``."""
+        m, n, k = self.threadblock
+        wm, wn, wk = self.warps
+        arch = self.arch.value.replace("_", "")
+        return f"tw_gemm_{arch}_{self.dtype.value}_g{m}x{n}x{k}_w{wm}x{wn}x{wk}_s{self.stages}_a{self.alignment}"
+
+    def math_instruction(self):  # -> cutlass_library.MathInstruction
+        """The ``cutlass_library.MathInstruction`` (m16n8k16 tensor-op multiply-add)."""
+        from cutlass_library import library as cl
+
+        el = cl.DataType.f16 if self.dtype is DType.F16 else cl.DataType.bf16
+        return cl.MathInstruction(
+            list(_INSTRUCTION), el, el, cl.DataType.f32, cl.OpcodeClass.TensorOp,
+            cl.MathOperation.multiply_add,
+        )
+
+    def tile_description(self):  # -> cutlass_library.TileDescription
+        """The ``cutlass_library.TileDescription`` of this instance."""
+        from cutlass_library import library as cl
+
+        cc = 90 if self.arch is Arch.SM90A else 80
+        return cl.TileDescription(
+            list(self.threadblock), self.stages, list(self.warps), self.math_instruction(), cc, cc
+        )
+
+    def to_dict(self) -> dict[str, object]:
+        """Plain data (hashed into the generated files' banners)."""
+        return {
+            "name": self.name,
+            "dtype": self.dtype.value,
+            "arch": self.arch.value,
+            "threadblock": list(self.threadblock),
+            "warps": list(self.warps),
+            "instruction": list(_INSTRUCTION),
+            "stages": self.stages,
+            "alignment": self.alignment,
+        }
+
+
+# (threadblock, warps, stages) per G. Shapes from the CUTLASS sm80 16816 tile lists
+# (cutlass_library.generator.GenerateSM80_TensorOp_16816), restricted to M' = G.
+_CONFIGS: tuple[tuple[tuple[int, int, int], tuple[int, int, int], int], ...] = (
+    ((128, 128, 32), (2, 2, 1), 4),
+    ((128, 256, 32), (2, 4, 1), 3),
+    ((128, 128, 64), (2, 2, 1), 3),
+    ((64, 128, 32), (2, 2, 1), 4),
+    ((64, 256, 32), (1, 4, 1), 4),
+)
+
+
+def manifest(
+    arch: Arch | str | None = None, cuda_version: tuple[int, int] | None = None
+) -> tuple[TWKernel, ...]:
+    """Every instance, optionally only one arch's and only those a CUDA toolkit can build.
+
+    Args:
+        arch: keep only this architecture (``"sm_80"`` / ``"sm_90a"``).
+        cuda_version: ``(major, minor)`` of nvcc; instances it cannot compile are dropped.
+
+    Returns:
+        instances in a fixed order (dtype, arch, config), so emission is deterministic.
+    """
+    archs = [Arch(arch)] if arch is not None else list(Arch)
+    out = []
+    for dtype in DType:
+        for a in archs:
+            if cuda_version is not None and tuple(cuda_version) < MIN_CUDA[a]:
+                continue
+            for tb, warps, stages in _CONFIGS:
+                out.append(TWKernel(dtype, a, tb, warps, stages))
+    return tuple(out)
+
+
+def select(
+    kernels: tuple[TWKernel, ...] | list[TWKernel],
+    dtype: DType | str,
+    arch: Arch | str,
+    max_tile_width: int,
+    batch: int,
+) -> TWKernel:
+    """Pick the instance for a call: the smallest ``G >= max_tile_width``; a 256-wide batch
+    tile for large batches (fewer CTAs re-reading the weights), the 128x128x32 default otherwise.
+
+    Raises:
+        ValueError: no instance of that dtype/arch serves tiles that wide.
+    """
+    dtype, arch = DType(dtype), Arch(arch)
+    fit = [k for k in kernels if k.dtype is dtype and k.arch is arch and k.tile_g >= max_tile_width]
+    if not fit:
+        widths = sorted({k.tile_g for k in kernels if k.dtype is dtype and k.arch is arch})
+        raise ValueError(
+            f"no {dtype.value}/{arch.value} TW kernel serves tiles {max_tile_width} columns wide; "
+            f"built tile widths: {widths}"
+        )
+    g = min(k.tile_g for k in fit)
+    fit = [k for k in fit if k.tile_g == g]
+    want_n = 256 if batch >= 16384 else 128
+    for k in fit:
+        if k.threadblock[1] == want_n and k.threadblock[2] == 32:
+            return k
+    return fit[0]

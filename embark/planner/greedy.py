@@ -1,0 +1,388 @@
+"""EMBark's greedy planner.
+
+One round places every table's shards, hottest first, each on the least-loaded rank(s) with
+room; a table split ``k`` ways by rows (``k ≤ gpus_per_node``: ranks of one node; more:
+whole nodes) and ``n`` ways by columns gives ``n`` groups of ``k`` row shards. After each
+round the simulator rates the plan; then the costliest table on the bottleneck rank is
+split further (rows doubled, or columns doubled, whichever the simulator prefers) and the
+next round starts. After ``rounds`` rounds the best plan is kept. Per table the cluster
+(reduction, unique, data parallel) is the one with the lowest modelled cost for its split.
+Everything is deterministic: ties break on rank and table order.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import numpy as np
+
+from embark.planner.cost import NUM_CHANNELS, CostModel
+from embark.planner.layout import make_sharding
+from embark.planner.types import PlannerError, TableConstraints
+from embark.types import Cluster, CommDtype, ShardingPlan, ShardingType, TableConfig, TableSharding
+
+log = logging.getLogger(__name__)
+
+DP_MEMORY_FRACTION = 0.2  # share of each GPU's table memory that replicas may take (assumed)
+
+
+@dataclass(frozen=True)
+class Split:
+    """Row split ``k``, column split ``n`` and cluster of one sharded table."""
+
+    k: int
+    n: int
+    cluster: Cluster
+
+
+def split_type(k: int, n: int, world: int, gpn: int) -> ShardingType:
+    """The sharding type the greedy's layout for ``(k, n)`` gets."""
+    if k == 1:
+        return ShardingType.TW if n == 1 else ShardingType.CW
+    if n == 1:
+        return ShardingType.RW if k == world else (ShardingType.TRW if k <= gpn else ShardingType.THREE_D)
+    return ShardingType.THREE_D
+
+
+class GreedyPlanner:
+    """See the module docstring.
+
+    Args:
+        model: the cost model (workload, topology, batch).
+        constraints: per-table :class:`TableConstraints` by table name.
+        comm_dtype: wire dtype of every sharded table.
+        rounds: split-and-replace rounds after the first placement (EMBark uses ~20).
+    """
+
+    def __init__(
+        self,
+        model: CostModel,
+        constraints: dict[str, TableConstraints] | None = None,
+        comm_dtype: CommDtype = CommDtype.FP32,
+        rounds: int = 20,
+    ) -> None:
+        self.m = model
+        self.cons = dict(constraints or {})
+        self.dtype = CommDtype(comm_dtype)
+        self.rounds = rounds
+        self.tables = {t.name: t for t in model.workload.tables}
+        for name, c in self.cons.items():
+            if name not in self.tables:
+                raise PlannerError(f"constraints name table {name!r}, which is not in the workload")
+            if c.ranks is not None and max(c.ranks) >= model.world:
+                raise PlannerError(
+                    f"table {name!r}: pinned rank {max(c.ranks)} but the topology has ranks "
+                    f"0..{model.world - 1}"
+                )
+        self._owner_cost: dict[tuple[str, int, int, Cluster], float] = {}
+        self._layouts: dict[tuple, TableSharding] = {}
+        self._traffic: dict[int, np.ndarray] = {}  # id() of a memoised layout -> its traffic
+
+    # -- options ---------------------------------------------------------------------------
+    def _cons(self, name: str) -> TableConstraints:
+        return self.cons.get(name, TableConstraints())
+
+    def _row_options(self, t: TableConfig) -> list[int]:
+        g, w = self.m.gpn, self.m.world
+        ks = [1]
+        while ks[-1] * 2 <= g:
+            ks.append(ks[-1] * 2)
+        if ks[-1] != g:
+            ks.append(g)
+        q = 2
+        while q * g <= w:
+            ks.append(q * g)
+            q *= 2
+        if ks[-1] != w:
+            ks.append(w)
+        pinned = self._cons(t.name).ranks
+        limit = len(pinned) if pinned is not None else w
+        return [k for k in ks if k <= t.num_rows and k <= limit]
+
+    def _col_options(self, t: TableConfig) -> list[int]:
+        ns, n = [1], 2
+        while t.dim % n == 0 and t.dim // n >= self.m.c.min_column_block:
+            ns.append(n)
+            n *= 2
+        return ns
+
+    def _allowed(self, t: TableConfig, k: int, n: int) -> bool:
+        c = self._cons(t.name)
+        if k * n > (len(c.ranks) if c.ranks is not None else self.m.world):
+            return False
+        if c.cluster is Cluster.DP:
+            return False
+        return c.allows(split_type(k, n, self.m.world, self.m.gpn))
+
+    def _canonical(self, t: TableConfig, k: int, n: int, cluster: Cluster) -> TableSharding:
+        grid = [[j * k + i for i in range(k)] for j in range(n)]
+        return make_sharding(t, grid, cluster, self.dtype, self.m.world, self.m.gpn)
+
+    def owner_cost(self, t: TableConfig, k: int, n: int, cluster: Cluster) -> float:
+        """Seconds one owner of a ``(k, n)`` shard of ``t`` spends per iteration."""
+        key = (t.name, k, n, cluster)
+        if key not in self._owner_cost:
+            ph = self.m.phase_times(self.m.traffic(self._canonical(t, k, n, cluster)))
+            self._owner_cost[key] = float(sum(v[0] for v in ph.values()))
+        return self._owner_cost[key]
+
+    def _table_total(self, ts: TableSharding) -> float:
+        ph = self.m.phase_times(self.m.traffic(ts))
+        return float(sum(v.max() for v in ph.values()))
+
+    def _table_work(self, ts: TableSharding) -> float:
+        """Rank-seconds ``ts`` costs summed over all ranks (what balancing can spread)."""
+        ph = self.m.phase_times(self.m.traffic(ts))
+        return float(sum(v.sum() for v in ph.values()))
+
+    def choose_cluster(self, t: TableConfig, k: int, n: int) -> Cluster:
+        forced = self._cons(t.name).cluster
+        if forced is not None:
+            return forced
+        costs = {cl: self._table_total(self._canonical(t, k, n, cl)) for cl in (Cluster.REDUCTION, Cluster.UNIQUE)}
+        return min(costs, key=lambda cl: (costs[cl], cl.value))
+
+    def shard_bytes(self, t: TableConfig, k: int, n: int) -> float:
+        return -(-t.num_rows // k) * -(-t.dim // n) * self.m.bytes_per_element()
+
+    # -- data parallel choice --------------------------------------------------------------
+    def choose_dp(self) -> list[str]:
+        """Tables replicated: those whose DP cost beats table-wise, cheapest memory first,
+        within ``DP_MEMORY_FRACTION`` of a GPU (or all allowed ones when forced)."""
+        budget = DP_MEMORY_FRACTION * self.m.memory_cap_bytes
+        chosen, cands = [], []
+        for t in self.m.workload.tables:
+            c = self._cons(t.name)
+            full = t.num_rows * t.dim * self.m.bytes_per_element()
+            if c.cluster is Cluster.DP or c.sharding_types == (ShardingType.DP,):
+                chosen.append(t.name)
+                budget -= full
+                continue
+            if not c.allows(ShardingType.DP) or c.ranks is not None or c.cluster is not None:
+                continue
+            dp = self._table_work(make_sharding(t, [], Cluster.DP, self.dtype, self.m.world, self.m.gpn))
+            if not self._row_options(t):
+                continue
+            tw = min(
+                self._table_work(self._canonical(t, 1, 1, cl)) for cl in (Cluster.REDUCTION, Cluster.UNIQUE)
+            )
+            if dp < tw:
+                cands.append((full, t.name))
+        for full, name in sorted(cands):
+            if full <= budget:
+                chosen.append(name)
+                budget -= full
+        if budget < 0:
+            raise PlannerError(
+                f"data-parallel tables forced by constraints need {(DP_MEMORY_FRACTION * self.m.memory_cap_bytes - budget) / 1e9:.2f} GB "
+                f"per GPU, over the {DP_MEMORY_FRACTION * self.m.memory_cap_bytes / 1e9:.2f} GB replica budget by {-budget / 1e9:.2f} GB"
+            )
+        return chosen
+
+    # -- one round ---------------------------------------------------------------------------
+    def place(self, splits: dict[str, Split], dp: list[str]) -> tuple[ShardingPlan | None, str | None]:
+        """Place every shard; returns ``(plan, None)`` or ``(None, name of a table that did
+        not fit)``."""
+        m = self.m
+        g, world = m.gpn, m.world
+        cap = m.memory_cap_bytes
+        mem = np.zeros(world)
+        for name in dp:
+            t = self.tables[name]
+            mem += t.num_rows * t.dim * m.bytes_per_element()
+        load = np.zeros(world)
+        holds: dict[str, set[int]] = {name: set() for name in splits}
+        groups = []
+        for i, t in enumerate(m.workload.tables):
+            if t.name not in splits:
+                continue
+            s = splits[t.name]
+            cost = self.owner_cost(t, s.k, s.n, s.cluster)
+            for j in range(s.n):
+                groups.append((-cost, i, j, t, s, cost))
+        groups.sort(key=lambda x: x[:3])
+        grids: dict[str, list[list[int]]] = {name: [] for name in splits}
+        all_ranks = np.arange(world)
+        for _, _, _, t, s, cost in groups:
+            need = self.shard_bytes(t, s.k, s.n)
+            pinned = self._cons(t.name).ranks
+            ok = mem + need <= cap
+            ok[list(holds[t.name])] = False
+            if pinned is not None:
+                ok &= np.isin(all_ranks, pinned)
+            chosen: list[int] | None = None
+            if s.k <= g:
+                masked = np.where(ok, load, np.inf).reshape(m.nodes, g)
+                # stable: equal loads keep rank order
+                order = np.argsort(masked, axis=1, kind="stable")[:, : s.k]
+                kth = np.take_along_axis(masked, order, axis=1)[:, -1]
+                node = int(np.argmin(kth))
+                if np.isfinite(kth[node]):
+                    chosen = sorted(int(node * g + j) for j in order[node])
+            else:
+                full = [n for n in range(m.nodes) if ok[n * g : n * g + g].all()]
+                q = s.k // g
+                if len(full) >= q:
+                    full.sort(key=lambda n: (load[n * g : n * g + g].sum(), n))
+                    chosen = [r for n in sorted(full[:q]) for r in range(n * g, n * g + g)]
+            if chosen is None:
+                return None, t.name
+            load[chosen] += cost
+            mem[chosen] += need
+            holds[t.name].update(chosen)
+            grids[t.name].append(chosen)
+        out = []
+        for t in m.workload.tables:
+            if t.name in splits:
+                out.append(self.sharding(t, grids[t.name], splits[t.name].cluster))
+            else:
+                out.append(self.sharding(t, [], Cluster.DP))
+        return ShardingPlan(world, g, tuple(out), m.topology.name), None
+
+    def sharding(self, t: TableConfig, grid: list[list[int]], cluster: Cluster) -> TableSharding:
+        """:func:`make_sharding`, memoised (rounds rebuild mostly identical layouts)."""
+        key = (t.name, tuple(map(tuple, grid)), cluster)
+        ts = self._layouts.get(key)
+        if ts is None:
+            ts = make_sharding(t, grid, cluster, self.dtype, self.m.world, self.m.gpn)
+            self._layouts[key] = ts
+            self._traffic[id(ts)] = self.m.traffic(ts)
+        return ts
+
+    def traffic(self, ts: TableSharding) -> np.ndarray:
+        # memoised layouts stay alive in self._layouts, so their id() cannot be reused
+        tr = self._traffic.get(id(ts))
+        return self.m.traffic(ts) if tr is None else tr
+
+    def evaluate(self, plan: ShardingPlan) -> tuple[tuple[float, float], np.ndarray]:
+        """``((step s, embedding s), per-rank seconds (W,))``."""
+        acc = np.zeros((self.m.world, NUM_CHANNELS))
+        for ts in plan.tables:
+            acc += self.traffic(ts)
+        step, _, emb = self.m.step_seconds(acc)
+        per_rank = sum(self.m.phase_times(acc).values())
+        return (step, emb), per_rank
+
+    # -- the search ----------------------------------------------------------------------------
+    def initial_splits(self, dp: list[str], rows_per_node: bool = False) -> dict[str, Split]:
+        """Starting splits: the fewest shards whose size is at most half a GPU; with
+        ``rows_per_node`` the table-row-wise start (rows over one node's GPUs) instead."""
+        splits = {}
+        cap = self.m.memory_cap_bytes
+        for t in self.m.workload.tables:
+            if t.name in dp:
+                continue
+            opts = [(k * n, n, k) for k in self._row_options(t) for n in self._col_options(t) if self._allowed(t, k, n)]
+            if not opts:
+                raise PlannerError(
+                    f"table {t.name!r}: no layout satisfies its constraints "
+                    f"({self._cons(t.name)}) on {self.m.world} ranks"
+                )
+            opts.sort()
+            fit = [o for o in opts if self.shard_bytes(t, o[2], o[1]) <= cap / 2] or [opts[-1]]
+            if rows_per_node:
+                fit = [o for o in fit if o[1] == 1 and o[2] >= min(self.m.gpn, t.num_rows)] or fit
+            _, n, k = fit[0]
+            splits[t.name] = Split(k, n, self.choose_cluster(t, k, n))
+        return splits
+
+    def _grow(self, t: TableConfig, s: Split) -> list[Split]:
+        """Candidate next splits of ``t``: rows doubled, columns doubled."""
+        out = []
+        ks = [k for k in self._row_options(t) if k > s.k and self._allowed(t, k, s.n)]
+        if ks:
+            out.append(Split(ks[0], s.n, self.choose_cluster(t, ks[0], s.n)))
+        ns = [n for n in self._col_options(t) if n > s.n and self._allowed(t, s.k, n)]
+        if ns:
+            out.append(Split(s.k, ns[0], self.choose_cluster(t, s.k, ns[0])))
+        return out
+
+    def _fit(self, splits: dict[str, Split], dp: list[str]) -> ShardingPlan:
+        """Place, splitting the table that did not fit further until everything fits."""
+        for _ in range(10 * len(splits) + 10):
+            plan, failed = self.place(splits, dp)
+            if plan is not None:
+                return plan
+            t = self.tables[failed]
+            grow = self._grow(t, splits[failed])
+            if not grow:
+                need = t.num_rows * t.dim * self.m.bytes_per_element()
+                raise PlannerError(
+                    f"table {failed!r} ({need / 1e9:.2f} GB with optimizer state) does not fit: split "
+                    f"{splits[failed].k}×{splits[failed].n} ways it needs "
+                    f"{self.shard_bytes(t, splits[failed].k, splits[failed].n) / 1e9:.2f} GB per shard and "
+                    f"no rank set with room is left (per-GPU cap {self.m.memory_cap_bytes / 1e9:.2f} GB)"
+                )
+            splits[failed] = min(grow, key=lambda s: (s.k * s.n, s.k))
+        raise PlannerError("greedy placement did not converge")  # pragma: no cover
+
+    def plan(self) -> ShardingPlan:
+        m = self.m
+        total = sum(t.num_rows * t.dim for t in m.workload.tables) * m.bytes_per_element()
+        have = m.memory_cap_bytes * m.world
+        if total > have:
+            raise PlannerError(
+                f"workload {m.workload.name!r} needs {total / 1e9:.1f} GB of weights + optimizer "
+                f"state but {m.world} GPUs hold {have / 1e9:.1f} GB (short by {(total - have) / 1e9:.1f} GB)"
+            )
+        dp = self.choose_dp()
+        best: tuple[tuple[float, float], ShardingPlan] | None = None
+        for rows_per_node in (False, True):
+            plan = self._fit(self.initial_splits(dp, rows_per_node), dp)
+            cand = self._rounds(plan, dp)
+            if best is None or cand[0] < best[0]:
+                best = cand
+        assert best is not None
+        log.info("greedy: best simulated step %.3f ms", best[0][0] * 1e3)
+        return best[1]
+
+    def _rounds(self, plan: ShardingPlan, dp: list[str]) -> tuple[tuple[float, float], ShardingPlan]:
+        """Split the bottleneck rank's costliest table, re-place, ``rounds`` times; the best."""
+        splits = self._splits_of(plan)
+        best_score, per_rank = self.evaluate(plan)
+        best = plan
+        frozen: set[str] = set()
+        for rnd in range(self.rounds):
+            cand_plans = []
+            for name in self._bottleneck_tables(plan, per_rank):
+                if name in frozen:
+                    continue
+                for s in self._grow(self.tables[name], splits[name]):
+                    trial = dict(splits)
+                    trial[name] = s
+                    p, _ = self.place(trial, dp)
+                    if p is not None:
+                        sc, pr = self.evaluate(p)
+                        cand_plans.append((sc, name, s.k, s.n, p, pr, trial))
+                if cand_plans:
+                    break
+                frozen.add(name)
+            if not cand_plans:
+                log.debug("greedy: nothing left to split after %d rounds", rnd)
+                break
+            score, _, _, _, plan, per_rank, splits = min(cand_plans, key=lambda c: c[:4])
+            if score < best_score:
+                best, best_score = plan, score
+        return best_score, best
+
+    def _splits_of(self, plan: ShardingPlan) -> dict[str, Split]:
+        out = {}
+        for ts in plan.tables:
+            if ts.cluster is Cluster.DP:
+                continue
+            blocks = ts.column_blocks
+            out[ts.name] = Split(len(ts.shards) // len(blocks), len(blocks), ts.cluster)
+        return out
+
+    def _bottleneck_tables(self, plan: ShardingPlan, per_rank: np.ndarray) -> list[str]:
+        """Sharded tables on the slowest rank, costliest first."""
+        r = int(np.argmax(per_rank))
+        on = []
+        for i, ts in enumerate(plan.tables):
+            if ts.cluster is Cluster.DP or r not in ts.ranks:
+                continue
+            tr = self.traffic(ts)
+            cost = float(sum(v[r] for v in self.m.phase_times(tr).values()))
+            on.append((-cost, i, ts.name))
+        return [name for _, _, name in sorted(on)]

@@ -1,0 +1,266 @@
+"""Cache-sizing advisor: how much cache each table should get from one memory budget.
+
+From per-table key statistics (observed counts, or a Zipf exponent fitted to them or given)
+it computes each table's ideal hit-rate curve ``h_t(c)`` (the share of lookups that hit when
+the ``c`` hottest rows are cached) and spends the budget row by row where the marginal hit
+per byte is highest. Because every ``h_t`` is concave (rows sorted hottest first), that
+greedy allocation maximises the overall hit rate ``Σ_t w_t · h_t(c_t)`` with
+``w_t`` = table t's share of all looked-up keys, subject to ``Σ_t c_t · dim_t · 4 ≤ budget``.
+
+>>> stats = {"t0": TableKeyStats.from_zipf(1_000_000, 128, alpha=1.05, lookups=3.0),
+...          "t1": TableKeyStats.from_zipf(100_000, 64, alpha=1.2, lookups=1.0)}
+>>> rec = recommend(stats, budget_bytes=64 * 2**20)            # doctest: +SKIP
+>>> print(format_table(rec))                                   # doctest: +SKIP
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+_BYTES_PER_FLOAT = 4  # float32 rows
+_CURVE_POINTS = 2048  # breakpoints per table curve (piecewise linear between them)
+
+
+class KeyStatistics:
+    """Bounded, thread-safe running counts of looked-up keys for one table.
+
+    Keeps at most ``2 × max_keys`` distinct keys; when it grows past that, the coldest are
+    dropped (a heavy-hitters sketch: hot keys' counts are exact once they are resident).
+
+    Args:
+        max_keys: distinct keys kept after a trim.
+    """
+
+    def __init__(self, max_keys: int = 1_000_000) -> None:
+        if max_keys <= 0:
+            raise ValueError(f"max_keys must be > 0, got {max_keys}")
+        self.max_keys = max_keys
+        self._keys = np.zeros(0, np.int64)
+        self._counts = np.zeros(0, np.int64)
+        self.total = 0  # keys observed (all occurrences)
+        self._lock = threading.Lock()
+
+    def update(self, keys: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Add observations: ``keys (n,) int64`` (with ``counts (n,) int64`` occurrences each)."""
+        if counts is None:
+            keys, counts = np.unique(keys, return_counts=True)
+        with self._lock:
+            k = np.concatenate([self._keys, keys.astype(np.int64, copy=False)])
+            c = np.concatenate([self._counts, counts.astype(np.int64, copy=False)])
+            uk, inv = np.unique(k, return_inverse=True)
+            uc = np.bincount(inv, weights=c, minlength=uk.size).astype(np.int64)
+            if uk.size > 2 * self.max_keys:
+                top = np.argpartition(-uc, self.max_keys)[: self.max_keys]
+                uk, uc = uk[top], uc[top]
+                order = np.argsort(uk)
+                uk, uc = uk[order], uc[order]
+            self._keys, self._counts = uk, uc
+            self.total += int(counts.sum())
+
+    def hottest(self, n: int | None = None) -> np.ndarray:
+        """Keys hottest first, ``(min(n, distinct),) int64``."""
+        with self._lock:
+            order = np.argsort(-self._counts, kind="stable")
+            return self._keys[order[:n]].copy()
+
+    def counts(self) -> np.ndarray:
+        """Counts hottest first, ``(distinct,) int64``."""
+        with self._lock:
+            return np.sort(self._counts)[::-1].copy()
+
+
+def fit_zipf(counts: np.ndarray) -> float:
+    """Fit a Zipf exponent α to observed counts (least squares on log count vs log rank over
+    the ranks holding 99% of the mass, which the tail's sampling noise would otherwise skew).
+
+    Args:
+        counts: ``(k,) int`` occurrences per key (any order).
+
+    Raises:
+        ValueError: with fewer than 2 distinct observed keys.
+    """
+    c = np.sort(np.asarray(counts, dtype=np.float64))[::-1]
+    c = c[c > 0]
+    if c.size < 2:
+        raise ValueError(f"fit_zipf needs counts of at least 2 distinct keys, got {c.size}")
+    cut = int(np.searchsorted(np.cumsum(c) / c.sum(), 0.99)) + 1
+    cut = max(cut, 2)
+    ranks = np.arange(1, cut + 1, dtype=np.float64)
+    # Weighted by count: the head's counts are precise, the single-digit tail is not.
+    w = np.sqrt(c[:cut])
+    slope = np.polyfit(np.log(ranks), np.log(c[:cut]), 1, w=w)[0]
+    return float(-slope)
+
+
+def zipf_hit_curve(num_rows: int, alpha: float, cached: np.ndarray) -> np.ndarray:
+    """Ideal hit rate with the ``cached`` hottest rows of a Zipf(α) table of ``num_rows`` rows.
+
+    ``h(c) = H(c, α) / H(N, α)`` with generalised harmonic numbers, computed from an exact
+    prefix plus the Euler-Maclaurin tail (accurate to ~1e-6 for any N).
+    """
+    cached = np.clip(np.asarray(cached, dtype=np.float64), 0, num_rows)
+    exact = 10_000
+
+    def harmonic(n: np.ndarray) -> np.ndarray:
+        n = np.asarray(n, dtype=np.float64)
+        head = np.cumsum(np.arange(1, exact + 1, dtype=np.float64) ** -alpha)
+        small = head[np.clip(n.astype(np.int64) - 1, 0, exact - 1)] * (n >= 1)
+        a = float(exact)
+
+        def integral(x: np.ndarray) -> np.ndarray:
+            return np.log(x) if abs(alpha - 1.0) < 1e-12 else x ** (1 - alpha) / (1 - alpha)
+
+        big = head[-1] + integral(np.maximum(n, a)) - integral(np.array(a)) \
+            + 0.5 * (np.maximum(n, a) ** -alpha - a ** -alpha)
+        return np.where(n <= exact, small, big)
+
+    return harmonic(np.floor(cached)) / harmonic(np.array(float(num_rows)))
+
+
+@dataclass
+class TableKeyStats:
+    """What the advisor knows about one table.
+
+    Args:
+        num_rows: rows in the table.
+        dim: row width (float32).
+        lookups: relative lookup volume (keys per request, or observed key total); weights
+            the table's hit rate in the overall hit rate.
+        counts: observed counts (any order) — used as the curve when given.
+        alpha: Zipf exponent — used when ``counts`` is None.
+    """
+
+    num_rows: int
+    dim: int
+    lookups: float = 1.0
+    counts: np.ndarray | None = None
+    alpha: float | None = None
+
+    @classmethod
+    def from_zipf(cls, num_rows: int, dim: int, alpha: float, lookups: float = 1.0) -> TableKeyStats:
+        return cls(num_rows=num_rows, dim=dim, lookups=lookups, alpha=alpha)
+
+    @classmethod
+    def from_statistics(cls, stats: KeyStatistics, num_rows: int, dim: int, fit: bool = False) -> TableKeyStats:
+        """From a session's :class:`KeyStatistics`; ``fit`` replaces the counts by a fitted α."""
+        counts = stats.counts()
+        if fit:
+            return cls(num_rows, dim, float(stats.total), alpha=fit_zipf(counts))
+        return cls(num_rows, dim, float(stats.total), counts=counts)
+
+    def curve(self, rows: np.ndarray) -> np.ndarray:
+        """Ideal hit rate with ``rows`` hottest rows cached, ``(k,) float64``."""
+        rows = np.asarray(rows, dtype=np.float64)
+        if self.counts is not None:
+            c = np.sort(np.asarray(self.counts, dtype=np.float64))[::-1]
+            cum = np.concatenate([[0.0], np.cumsum(c)]) / max(c.sum(), 1.0)
+            return np.interp(rows, np.arange(cum.size, dtype=np.float64), cum)
+        if self.alpha is None:
+            raise ValueError("TableKeyStats needs counts or alpha")
+        return zipf_hit_curve(self.num_rows, self.alpha, rows)
+
+
+@dataclass(frozen=True)
+class Recommendation:
+    """One table's recommended cache size."""
+
+    table: str
+    fraction: float  # of the table's rows, for ps.json gpucacheper
+    rows: int
+    bytes: int
+    hit_rate: float  # ideal, at this size
+    weight: float  # share of all lookups
+
+
+def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recommendation]:
+    """Split ``budget_bytes`` of cache between ``tables`` to maximise the overall hit rate.
+
+    Returns:
+        one :class:`Recommendation` per table, in the input order.
+
+    Raises:
+        ValueError: for a non-positive budget or no tables.
+    """
+    if budget_bytes <= 0:
+        raise ValueError(f"budget_bytes must be > 0, got {budget_bytes}")
+    if not tables:
+        raise ValueError("recommend needs at least one table")
+    total = sum(t.lookups for t in tables.values())
+    names, gains, costs, sizes = [], [], [], []
+    for i, t in enumerate(tables.values()):
+        # Geometric breakpoints: the head, where the gain is, is resolved finely.
+        pts = np.unique(np.concatenate([[0], np.geomspace(1, t.num_rows, _CURVE_POINTS).astype(np.int64)]))
+        h = t.curve(pts)
+        dh = np.diff(h) * (t.lookups / total)
+        drows = np.diff(pts)
+        bytes_ = drows * t.dim * _BYTES_PER_FLOAT
+        names.append(np.full(dh.size, i))
+        gains.append(dh / bytes_)
+        costs.append(bytes_)
+        sizes.append(drows)
+    names_a, gain, cost, rows = map(np.concatenate, (names, gains, costs, sizes))
+    order = np.argsort(-gain, kind="stable")
+    spent = np.cumsum(cost[order])
+    take = order[spent <= budget_bytes]
+    granted = np.bincount(names_a[take], weights=rows[take], minlength=len(tables)).astype(np.int64)
+    # Spend what is left inside the next segment, in whole rows.
+    nxt = order[spent > budget_bytes]
+    if nxt.size:
+        i = int(names_a[nxt[0]])
+        left = budget_bytes - (spent[spent <= budget_bytes][-1] if take.size else 0)
+        t = list(tables.values())[i]
+        granted[i] += int(left // (t.dim * _BYTES_PER_FLOAT))
+    out = []
+    for i, (name, t) in enumerate(tables.items()):
+        r = int(min(granted[i], t.num_rows))
+        out.append(Recommendation(name, r / t.num_rows, r, r * t.dim * _BYTES_PER_FLOAT,
+                                  float(t.curve(np.array([r]))[0]), t.lookups / total))
+    return out
+
+
+def overall_hit_rate(recs: list[Recommendation]) -> float:
+    return float(sum(r.hit_rate * r.weight for r in recs))
+
+
+def format_table(recs: list[Recommendation]) -> str:
+    """A plain-text table of recommendations (for logs and CLIs)."""
+    head = f"{'table':<16}{'gpucacheper':>12}{'rows':>12}{'MiB':>10}{'hit rate':>10}{'weight':>8}"
+    lines = [head, "-" * len(head)]
+    for r in recs:
+        lines.append(f"{r.table:<16}{r.fraction:>12.4f}{r.rows:>12d}{r.bytes / 2**20:>10.1f}"
+                     f"{r.hit_rate:>10.4f}{r.weight:>8.3f}")
+    lines.append(f"overall ideal hit rate: {overall_hit_rate(recs):.4f}")
+    return "\n".join(lines)
+
+
+def plot_hit_curves(tables: dict[str, TableKeyStats], path: str | Path,
+                    recs: list[Recommendation] | None = None) -> Path:
+    """PNG of ideal hit rate vs cache fraction per table (recommendations marked)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    frac = np.geomspace(1e-5, 1.0, 200)
+    for name, t in tables.items():
+        ax.plot(frac, t.curve(frac * t.num_rows), label=name)
+    for r in recs or []:
+        ax.plot([max(r.fraction, 1e-5)], [r.hit_rate], "o", color="black")
+    ax.set_xscale("log")
+    ax.set_xlabel("cache size (fraction of table rows)")
+    ax.set_ylabel("ideal hit rate (share of lookups)")
+    ax.set_title("hit rate vs cache size")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+

@@ -1,0 +1,150 @@
+"""The hierarchical parameter server: builds the tiers a ``ps.json`` describes, loads the
+sparse files into them and hands out one :class:`~hps.session.LookupSession` per model.
+
+>>> hps = HierarchicalParameterServer.from_config("ps.json")   # doctest: +SKIP
+>>> rows = hps.session("dlrm").lookup("t0", torch.tensor([[3, 9], [9, 1]]))  # (2, 2, dim)
+
+Loading: the persistent DB (when writable) gets every row of every table once (a table
+already loaded is not reloaded); the volatile DB gets the first ``initial_cache_rate`` of
+each table's rows; each table's cache gets ``ceil(gpucacheper × rows)`` slots, warmed up
+from the hottest keys when the caller has statistics (:meth:`LookupSession.warm_up`).
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hps.cache import EmbeddingCache
+from hps.config import ModelConfig, PSConfig, load_config
+from hps.persistent import RocksDBBackend
+from hps.session import LookupSession, SessionTable
+from hps.sparse_files import read_table
+from hps.types import PersistentDBType, StorageBackend, VolatileDBType
+
+log = logging.getLogger(__name__)
+
+_LOAD_CHUNK = 262144  # rows per insert while loading sparse files
+
+
+def build_volatile(cfg: PSConfig) -> StorageBackend | None:
+    """The volatile DB a config describes (``None`` for ``type: none``)."""
+    v = cfg.volatile_db
+    if v.type is VolatileDBType.NONE:
+        return None
+    if v.type is VolatileDBType.REDIS_CLUSTER:
+        from hps.redis_cluster import RedisClusterBackend
+
+        return RedisClusterBackend(v.addresses(), num_partitions=v.num_partitions,
+                                   max_batch_size=v.max_batch_size, retry_interval_s=v.retry_interval_s,
+                                   socket_timeout_s=v.socket_timeout_s)
+    from hps.volatile import HashMapBackend
+
+    parts = 1 if v.type is VolatileDBType.HASH_MAP else v.num_partitions
+    return HashMapBackend(num_partitions=parts, overflow_margin=v.overflow_margin,
+                          overflow_policy=v.overflow_policy,
+                          overflow_resolution_target=v.overflow_resolution_target)
+
+
+def build_persistent(cfg: PSConfig) -> RocksDBBackend | None:
+    p = cfg.persistent_db
+    if p.type is PersistentDBType.NONE:
+        return None
+    return RocksDBBackend(p.path, read_only=p.read_only, max_batch_size=p.max_batch_size)
+
+
+def resolve_device(model: ModelConfig) -> torch.device:
+    if model.device == "auto":
+        return torch.device("cuda", model.deployed_device_list[0]) if torch.cuda.is_available() else torch.device("cpu")
+    return torch.device(model.device)
+
+
+class HierarchicalParameterServer:
+    """Owns the shared databases and one lookup session per model.
+
+    Args:
+        cfg: a validated config.
+        load: load the sparse files into the databases (skip in a replica that only reads a
+            shared, already loaded Redis cluster / read-only RocksDB).
+    """
+
+    def __init__(self, cfg: PSConfig, load: bool = True) -> None:
+        self.cfg = cfg
+        self.volatile = build_volatile(cfg)
+        self.persistent = build_persistent(cfg)
+        self.num_rows: dict[str, int] = {}
+        self._sessions: dict[str, LookupSession] = {}
+        for model in cfg.models:
+            for t in model.tables:
+                for db in (self.volatile, self.persistent):
+                    if db is not None:
+                        db.create_table(t.name, t.dim)
+                if load:
+                    self._load_table(t.name, t.sparse_file, t.dim)
+                elif t.name not in self.num_rows:
+                    self.num_rows[t.name] = self._known_rows(t.name, t.sparse_file, t.dim)
+            self._sessions[model.model] = self._make_session(model)
+
+    @classmethod
+    def from_config(cls, path: str | Path, load: bool = True) -> HierarchicalParameterServer:
+        return cls(load_config(path), load=load)
+
+    def session(self, model: str) -> LookupSession:
+        try:
+            return self._sessions[model]
+        except KeyError:
+            raise ValueError(f"no model {model!r}; models: {sorted(self._sessions)}") from None
+
+    def _known_rows(self, table: str, sparse_file: str, dim: int) -> int:
+        if self.persistent is not None and self.persistent.loaded_rows(table) is not None:
+            return int(self.persistent.loaded_rows(table))
+        if sparse_file and Path(sparse_file).exists():
+            return int(read_table(sparse_file, dim)[0].shape[0])
+        raise ValueError(f"table {table!r}: cannot size its cache without its sparse file "
+                         f"{sparse_file!r} or a loaded persistent db")
+
+    def _load_table(self, name: str, folder: str, dim: int) -> None:
+        if name in self.num_rows:
+            return  # shared by two models: loaded once
+        keys, vecs = read_table(folder, dim)
+        n = int(keys.shape[0])
+        self.num_rows[name] = n
+        pdb = self.persistent
+        if pdb is not None and not pdb.read_only:
+            if pdb.loaded_rows(name) is None:
+                pdb.bulk_load(name, keys, vecs, chunk=_LOAD_CHUNK)
+                log.info("persistent db: loaded %d rows of %s", n, name)
+        if self.volatile is not None:
+            m = int(round(self.cfg.volatile_db.initial_cache_rate * n))
+            for s in range(0, m, _LOAD_CHUNK):
+                e = min(s + _LOAD_CHUNK, m)
+                self.volatile.insert(name, np.ascontiguousarray(keys[s:e], dtype=np.int64),
+                                     np.ascontiguousarray(vecs[s:e], dtype=np.float32))
+            log.info("volatile db (%s): loaded %d of %d rows of %s", self.volatile.name, m, n, name)
+
+    def _make_session(self, model: ModelConfig) -> LookupSession:
+        device = resolve_device(model)
+        tables = []
+        for t in model.tables:
+            cache = None
+            if model.gpucache:
+                cap = max(1, math.ceil(model.gpucacheper * self.num_rows[t.name]))
+                cache = EmbeddingCache(cap, t.dim, policy=model.cache_policy, device=device)
+            tables.append(SessionTable(t.name, t.dim, t.default_value, model.max_keys_per_lookup(t.name), cache))
+        return LookupSession(
+            tables, volatile=self.volatile, persistent=self.persistent,
+            hit_rate_threshold=model.hit_rate_threshold, exact=model.cache_exact,
+            max_concurrent=model.num_of_worker_buffer_in_pool,
+            cache_missed_embeddings=self.cfg.volatile_db.cache_missed_embeddings, device=device,
+        )
+
+    def close(self) -> None:
+        for s in self._sessions.values():
+            s.close()
+        for db in (self.volatile, self.persistent):
+            if db is not None:
+                db.close()

@@ -1,0 +1,181 @@
+"""The persistent database: RocksDB (``rocksdict``) holding every row of every table.
+
+One column family per table; key = the int64 key's 8 little-endian bytes, value = the row's
+``dim`` little-endian float32s. A ``__hps_meta__`` column family holds each table's dim and the
+online-update offset, written in the same atomic ``WriteBatch`` as the rows of an update.
+Reads are chunked multi-gets of ``max_batch_size`` keys.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from pathlib import Path
+
+import numpy as np
+
+from hps.types import StorageBackend, check_keys, check_values
+
+log = logging.getLogger(__name__)
+
+META_CF = "__hps_meta__"
+
+
+def encode_keys(keys: np.ndarray) -> list[bytes]:
+    """``(n,) int64`` → ``n`` 8-byte little-endian ``bytes`` (one numpy call, no Python loop)."""
+    return keys.astype("<i8", copy=False).view("V8").tolist()
+
+
+def decode_rows(res: list[bytes | None], dim: int, what: str) -> tuple[np.ndarray, np.ndarray]:
+    """Multi-get results (``None`` = missing) → ``(values (n, dim) float32, found (n,) bool)``."""
+    n = len(res)
+    found = np.fromiter((r is not None for r in res), dtype=bool, count=n)
+    out = np.zeros((n, dim), np.float32)
+    if found.any():
+        blob = b"".join(r for r in res if r is not None)
+        if len(blob) != int(found.sum()) * dim * 4:
+            raise ValueError(f"{what}: stored rows are not {dim} float32s each (corrupted database?)")
+        out[found] = np.frombuffer(blob, dtype="<f4").reshape(-1, dim)
+    return out, found
+
+
+class RocksDBBackend(StorageBackend):
+    """RocksDB persistent tier.
+
+    Args:
+        path: database folder (created unless ``read_only``).
+        read_only: open read-only (many processes may share it); writes raise ``ValueError``.
+        max_batch_size: keys per multi-get call.
+    """
+
+    name = "rocks_db"
+
+    def __init__(self, path: str | Path, read_only: bool = False, max_batch_size: int = 65536) -> None:
+        from rocksdict import AccessType, Options, Rdict
+
+        self.path = str(path)
+        self.read_only = read_only
+        self.max_batch_size = max_batch_size
+        self._lock = threading.Lock()
+        opts = Options(raw_mode=True)
+        opts.create_if_missing(not read_only)
+        exists = Path(self.path, "CURRENT").exists()
+        if read_only and not exists:
+            raise ValueError(f"persistent_db.path {self.path!r}: no RocksDB there to open read-only")
+        cfs = Rdict.list_cf(self.path, Options(raw_mode=True)) if exists else ["default"]
+        families = {n: Options(raw_mode=True) for n in cfs if n != "default"}
+        access = AccessType.read_only() if read_only else AccessType.read_write()
+        self._db = Rdict(self.path, opts, column_families=families or None, access_type=access)
+        self._cf: dict[str, object] = {n: self._db.get_column_family(n) for n in families}
+        if META_CF not in self._cf and not read_only:
+            self._cf[META_CF] = self._db.create_column_family(META_CF, Options(raw_mode=True))
+        self._dims: dict[str, int] = {}
+        if META_CF in self._cf:
+            for n in self._cf:
+                raw = self._cf[META_CF].get(f"dim:{n}".encode())
+                if raw is not None:
+                    self._dims[n] = int(raw)
+
+    # ------------------------------------------------------------------ tables and metadata
+    def create_table(self, table: str, dim: int) -> None:
+        from rocksdict import Options
+
+        with self._lock:
+            if table in self._dims:
+                if self._dims[table] != dim:
+                    raise ValueError(f"persistent db table {table!r} has dim {self._dims[table]}, not {dim}")
+                return
+            if self.read_only:
+                raise ValueError(f"persistent db {self.path!r} is read-only and has no table {table!r}")
+            if table not in self._cf:
+                self._cf[table] = self._db.create_column_family(table, Options(raw_mode=True))
+            self._cf[META_CF].put(f"dim:{table}".encode(), str(dim).encode())
+            self._dims[table] = dim
+
+    def has_table(self, table: str) -> bool:
+        return table in self._dims
+
+    def get_meta(self, name: str) -> bytes | None:
+        """A metadata value (e.g. the last applied update offset), ``None`` when unset."""
+        if META_CF not in self._cf:
+            return None
+        return self._cf[META_CF].get(f"user:{name}".encode())
+
+    def _dim(self, table: str) -> int:
+        try:
+            return self._dims[table]
+        except KeyError:
+            raise ValueError(f"persistent db has no table {table!r}; tables: {sorted(self._dims)}") from None
+
+    # -------------------------------------------------------------------------- reads
+    def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        keys = check_keys(keys)
+        dim = self._dim(table)
+        cf = self._cf[table]
+        if keys.size <= self.max_batch_size:
+            return decode_rows(cf.get(encode_keys(keys)), dim, f"persistent db table {table!r}")
+        out = np.zeros((keys.size, dim), np.float32)
+        found = np.zeros(keys.size, bool)
+        for s in range(0, keys.size, self.max_batch_size):
+            v, f = decode_rows(cf.get(encode_keys(keys[s:s + self.max_batch_size])), dim, table)
+            out[s:s + v.shape[0]], found[s:s + v.shape[0]] = v, f
+        return out, found
+
+    def size(self, table: str) -> int:
+        """Rows in ``table`` (RocksDB's estimate; exact right after a bulk load)."""
+        self._dim(table)
+        return int(self._cf[table].property_int_value("rocksdb.estimate-num-keys") or 0)
+
+    # -------------------------------------------------------------------------- writes
+    def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
+        self.write_batch([(table, keys, values)])
+
+    def write_batch(self, rows: list[tuple[str, np.ndarray, np.ndarray]],
+                    meta: dict[str, bytes] | None = None) -> None:
+        """Write rows of several tables and metadata in ONE atomic RocksDB ``WriteBatch``.
+
+        Args:
+            rows: ``[(table, keys (n,) int64, values (n, dim) float32), ...]``.
+            meta: metadata to set in the same batch (``{"update_offset": b"..."}``).
+
+        Raises:
+            ValueError: in read-only mode, or for an unknown table / bad shapes (nothing written).
+        """
+        from rocksdict import WriteBatch
+
+        if self.read_only:
+            raise ValueError(f"persistent db {self.path!r} was opened read-only; cannot write")
+        wb = WriteBatch(raw_mode=True)
+        for table, keys, values in rows:
+            keys = check_keys(keys)
+            values = check_values(values, keys.size, self._dim(table))
+            handle = self._db.get_column_family_handle(table)
+            kb = encode_keys(keys)
+            vb = values.astype("<f4", copy=False).view(f"V{values.shape[1] * 4}").reshape(-1).tolist()
+            for k, v in zip(kb, vb):  # WriteBatch has no bulk put; this is the write path only
+                wb.put(k, v, handle)
+        if meta:
+            handle = self._db.get_column_family_handle(META_CF)
+            for name, value in meta.items():
+                wb.put(f"user:{name}".encode(), value, handle)
+        with self._lock:
+            self._db.write(wb)
+
+    def bulk_load(self, table: str, keys: np.ndarray, values: np.ndarray, chunk: int = 262144) -> None:
+        """Load a whole table in chunks of ``chunk`` rows (each chunk one atomic batch)."""
+        for s in range(0, keys.shape[0], chunk):
+            self.write_batch([(table, np.ascontiguousarray(keys[s:s + chunk], dtype=np.int64),
+                               np.ascontiguousarray(values[s:s + chunk], dtype=np.float32))])
+        self._db.put(f"loaded:{table}".encode(), json.dumps({"rows": int(keys.shape[0])}).encode())
+
+    def loaded_rows(self, table: str) -> int | None:
+        """Row count recorded by :meth:`bulk_load`, ``None`` when the table was never loaded."""
+        raw = self._db.get(f"loaded:{table}".encode())
+        return None if raw is None else int(json.loads(raw)["rows"])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                self._db.close()
+                self._db = None

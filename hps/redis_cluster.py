@@ -1,0 +1,221 @@
+"""The Redis-cluster volatile database: rows spread over many ``redis-server`` processes.
+
+Layout (HugeCTR's): each table is split into ``num_partitions`` partitions by
+``mix64(key) % num_partitions``; partition ``p`` of table ``t`` is one Redis hash named
+``hps_et.t.p<p>`` whose fields are the 8-byte little-endian keys and whose values are the
+rows' float32 bytes. The cluster places each hash on a node by CRC16 of its name, so one
+table's partitions spread over all nodes. A lookup is one pipelined ``HMGET`` per touched
+partition (chunks of ``max_batch_size`` fields), sent node by node by the cluster pipeline.
+
+Failures: any Redis error marks the backend *down* for ``retry_interval_s``; while down,
+lookups return "not found" at once (the session falls through to the persistent DB) and
+writes are queued (bounded by ``max_pending_rows``) and replayed when the cluster answers
+again. Every error is counted in :attr:`RedisClusterBackend.errors` and logged.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+import numpy as np
+
+from hps.persistent import decode_rows, encode_keys
+from hps.types import StorageBackend, check_keys, check_values
+from hps.volatile import split_by_partition
+
+log = logging.getLogger(__name__)
+
+_DEFAULT_MAX_PENDING_ROWS = 1_000_000  # rows of writes kept for replay while the cluster is down
+
+
+def partition_name(table: str, p: int) -> str:
+    """Redis key of partition ``p`` of ``table``."""
+    return f"hps_et.{table}.p{p}"
+
+
+class RedisClusterBackend(StorageBackend):
+    """Volatile tier on a Redis cluster.
+
+    Args:
+        addresses: ``[(host, port), ...]`` startup nodes.
+        num_partitions: partitions per table.
+        max_batch_size: fields per ``HMGET``/``HSET`` command.
+        retry_interval_s: how long the backend stays *down* after an error before it retries.
+        socket_timeout_s: connect and read timeout per node.
+        max_pending_rows: writes queued while down beyond this are dropped (and logged).
+    """
+
+    name = "redis_cluster"
+
+    def __init__(self, addresses: list[tuple[str, int]], num_partitions: int = 8,
+                 max_batch_size: int = 65536, retry_interval_s: float = 1.0,
+                 socket_timeout_s: float = 1.0, max_pending_rows: int = _DEFAULT_MAX_PENDING_ROWS) -> None:
+        if not addresses:
+            raise ValueError("redis_cluster needs at least one 'host:port' address")
+        self.addresses = list(addresses)
+        self.num_partitions = num_partitions
+        self.max_batch_size = max_batch_size
+        self.retry_interval_s = retry_interval_s
+        self.socket_timeout_s = socket_timeout_s
+        self.max_pending_rows = max_pending_rows
+        self._dims: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self._client = None
+        self._down_until = 0.0
+        self._pending: list[tuple[str, np.ndarray, np.ndarray]] = []
+        self._pending_rows = 0
+        self.errors = 0  # Redis errors seen (connection refused, timeouts, cluster down)
+        self.skipped_lookups = 0  # lookups answered "not found" while the backend was down
+        self.dropped_rows = 0  # queued writes dropped because the queue was full
+        self._connect()
+
+    # ------------------------------------------------------------------ connection state
+    def _connect(self) -> None:
+        from redis.backoff import NoBackoff
+        from redis.cluster import ClusterNode, RedisCluster
+        from redis.retry import Retry
+
+        nodes = [ClusterNode(h, p) for h, p in self.addresses]
+        self._client = RedisCluster(
+            startup_nodes=nodes, require_full_coverage=False, retry=Retry(NoBackoff(), 0),
+            socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.socket_timeout_s,
+        )
+
+    def _fail(self, what: str, err: BaseException) -> None:
+        with self._lock:
+            self.errors += 1
+            self._down_until = time.monotonic() + self.retry_interval_s
+        log.warning("redis cluster %s failed (%s: %s); treating it as down for %.1f s",
+                    what, type(err).__name__, err, self.retry_interval_s)
+
+    @property
+    def available(self) -> bool:
+        """False while the backend is in its post-error back-off window."""
+        return time.monotonic() >= self._down_until
+
+    def _ensure_up(self) -> bool:
+        """Reconnect and replay queued writes after a back-off; False while still down."""
+        if not self.available:
+            return False
+        with self._lock:
+            pending, self._pending, self._pending_rows = self._pending, [], 0
+        if pending or self.errors:
+            try:
+                if pending:
+                    self._connect()
+                    for table, keys, values in pending:
+                        self._write(table, keys, values)
+                    log.info("redis cluster is back; replayed %d queued write batches", len(pending))
+            except Exception as e:  # noqa: BLE001 - any client error means "still down"
+                with self._lock:
+                    self._pending = pending + self._pending
+                    self._pending_rows += sum(k.size for _, k, _ in pending)
+                self._fail("replay", e)
+                return False
+        return True
+
+    # ------------------------------------------------------------------ interface
+    def create_table(self, table: str, dim: int) -> None:
+        if self._dims.get(table, dim) != dim:
+            raise ValueError(f"redis table {table!r} exists with dim {self._dims[table]}, not {dim}")
+        self._dims[table] = dim
+
+    def _dim(self, table: str) -> int:
+        try:
+            return self._dims[table]
+        except KeyError:
+            raise ValueError(f"redis volatile db has no table {table!r}; tables: {sorted(self._dims)}") from None
+
+    def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        keys = check_keys(keys)
+        dim = self._dim(table)
+        out = np.zeros((keys.size, dim), np.float32)
+        found = np.zeros(keys.size, bool)
+        if keys.size == 0:
+            return out, found
+        if not self._ensure_up():
+            self.skipped_lookups += 1
+            return out, found
+        try:
+            pipe = self._client.pipeline()
+            plan = []
+            for p, idx in split_by_partition(keys, self.num_partitions):
+                name = partition_name(table, p)
+                for s in range(0, idx.size, self.max_batch_size):
+                    chunk = idx[s:s + self.max_batch_size]
+                    pipe.hmget(name, encode_keys(keys[chunk]))
+                    plan.append(chunk)
+            results = pipe.execute(raise_on_error=False)
+        except Exception as e:  # noqa: BLE001 - redis raises many types; all mean "tier failed"
+            self._fail("lookup", e)
+            return out, found
+        failed = None
+        for chunk, res in zip(plan, results):
+            if isinstance(res, Exception):
+                failed = res
+                continue
+            v, f = decode_rows(res, dim, f"redis table {table!r}")
+            out[chunk], found[chunk] = v, f
+        if failed is not None:
+            self._fail("lookup (some partitions)", failed)
+        return out, found
+
+    def _write(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
+        dim = values.shape[1]
+        pipe = self._client.pipeline()
+        for p, idx in split_by_partition(keys, self.num_partitions):
+            name = partition_name(table, p)
+            for s in range(0, idx.size, self.max_batch_size):
+                chunk = idx[s:s + self.max_batch_size]
+                vb = values[chunk].astype("<f4", copy=False).view(f"V{dim * 4}").reshape(-1).tolist()
+                pipe.hset(name, mapping=dict(zip(encode_keys(keys[chunk]), vb)))
+        results = pipe.execute(raise_on_error=False)
+        errs = [r for r in results if isinstance(r, Exception)]
+        if errs:
+            raise errs[0]
+
+    def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
+        """Write rows; while the cluster is down they are queued and replayed later."""
+        keys = check_keys(keys)
+        values = check_values(values, keys.size, self._dim(table))
+        if keys.size == 0:
+            return
+        if self._ensure_up():
+            try:
+                self._write(table, keys, values)
+                return
+            except Exception as e:  # noqa: BLE001 - queue below, counted in _fail
+                self._fail("insert", e)
+        with self._lock:
+            if self._pending_rows + keys.size > self.max_pending_rows:
+                self.dropped_rows += keys.size
+                log.error("redis cluster down and %d rows already queued: dropped %d rows of %s "
+                          "(the persistent db still has them)", self._pending_rows, keys.size, table)
+                return
+            self._pending.append((table, keys.copy(), values.copy()))
+            self._pending_rows += keys.size
+
+    def size(self, table: str) -> int:
+        self._dim(table)
+        pipe = self._client.pipeline()
+        for p in range(self.num_partitions):
+            pipe.hlen(partition_name(table, p))
+        return int(sum(pipe.execute()))
+
+    def clear(self, table: str) -> None:
+        """Delete every partition of ``table``."""
+        pipe = self._client.pipeline()
+        for p in range(self.num_partitions):
+            pipe.delete(partition_name(table, p))
+        pipe.execute()
+
+    @property
+    def pending_rows(self) -> int:
+        return self._pending_rows
+
+    def close(self) -> None:
+        if self._client is not None:
+            self._client.close()
+            self._client = None

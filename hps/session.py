@@ -1,0 +1,408 @@
+"""Lookup sessions: one request's keys → rows, through cache → volatile DB → persistent DB →
+the table's default vector.
+
+One lookup of ``keys`` (any shape, int64)::
+
+    keys     [[5, 9, 5], [2, 7, 9]]          flat:   [5, 9, 5, 2, 7, 9]
+    unique   [2, 5, 7, 9]                    inverse [1, 3, 1, 0, 2, 3]
+    cache    hit  [F, T, F, T]   → misses [2, 7]
+    volatile hit  [T, F]         → misses [7]
+    persist. hit  [F]            → 7 gets the default vector
+    rows     unique_rows[inverse].reshape(2, 3, dim)
+
+What a cache miss gets (per batch, by the hit rate over the batch's unique keys):
+- hit rate < ``hit_rate_threshold``: *synchronous fill* — misses are fetched from the databases,
+  returned, and inserted into the cache before the call returns;
+- hit rate ≥ threshold: *asynchronous insertion* (HugeCTR) — misses get the table's DEFAULT
+  vector now; a background job fetches and caches them for later requests;
+- ``cache_exact=True``: misses are always fetched and returned (never a default for a key that
+  exists); above the threshold only the cache insertion is moved to the background.
+
+Concurrency: any number of threads may call :meth:`LookupSession.lookup`; at most
+``num_of_worker_buffer_in_pool`` run at once (the others wait: back-pressure, bounded memory),
+and background jobs sit in a bounded queue (a full queue drops the *insertion*, never a reply).
+Online updates take the writer side of a readers-writer lock, so a lookup sees an update
+batch entirely or not at all.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from hps.advisor import KeyStatistics
+from hps.cache import EMPTY_KEY, EmbeddingCache
+from hps.types import StorageBackend, Tier
+
+log = logging.getLogger(__name__)
+
+_LATENCY_WINDOW = 4096  # most recent lookups kept for p50/p99
+_ASYNC_QUEUE = 8  # background cache jobs waiting at most
+
+
+class ReadWriteLock:
+    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation)."""
+
+    def __init__(self) -> None:
+        self._cond = threading.Condition()
+        self._readers = 0
+        self._writer = False
+        self._waiting_writers = 0
+
+    def acquire_read(self) -> None:
+        with self._cond:
+            while self._writer or self._waiting_writers:
+                self._cond.wait()
+            self._readers += 1
+
+    def release_read(self) -> None:
+        with self._cond:
+            self._readers -= 1
+            if self._readers == 0:
+                self._cond.notify_all()
+
+    def acquire_write(self) -> None:
+        with self._cond:
+            self._waiting_writers += 1
+            while self._writer or self._readers:
+                self._cond.wait()
+            self._waiting_writers -= 1
+            self._writer = True
+
+    def release_write(self) -> None:
+        with self._cond:
+            self._writer = False
+            self._cond.notify_all()
+
+
+@dataclass
+class TableStats:
+    """Per-table lookup statistics. ``unique`` counts each distinct key of a lookup once,
+    ``all`` counts every occurrence."""
+
+    lookups: int = 0
+    keys_all: int = 0
+    keys_unique: int = 0
+    hits_unique: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in Tier})
+    hits_all: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in Tier})
+    async_batches: int = 0  # lookups served in asynchronous-insertion mode
+    dropped_async: int = 0  # background jobs dropped because the queue was full
+    errors: int = 0
+    latencies_s: np.ndarray = field(default_factory=lambda: np.full(_LATENCY_WINDOW, np.nan))
+
+    def to_dict(self) -> dict[str, object]:
+        lat = self.latencies_s[~np.isnan(self.latencies_s)]
+        p50, p99 = (np.percentile(lat, [50, 99]) if lat.size else (float("nan"),) * 2)
+        rate = {
+            "unique": {k: v / self.keys_unique if self.keys_unique else 0.0 for k, v in self.hits_unique.items()},
+            "all": {k: v / self.keys_all if self.keys_all else 0.0 for k, v in self.hits_all.items()},
+        }
+        return {"lookups": self.lookups, "keys_all": self.keys_all, "keys_unique": self.keys_unique,
+                "hit_rate": rate, "hits_unique": dict(self.hits_unique), "hits_all": dict(self.hits_all),
+                "async_batches": self.async_batches, "dropped_async": self.dropped_async,
+                "errors": self.errors, "latency_p50_ms": float(p50) * 1e3, "latency_p99_ms": float(p99) * 1e3}
+
+
+@dataclass
+class SessionTable:
+    """One table as a session serves it."""
+
+    name: str
+    dim: int
+    default_value: float
+    max_keys: int
+    cache: EmbeddingCache | None = None
+
+
+class LookupSession:
+    """Serves lookups of one model's tables.
+
+    Args:
+        tables: the model's tables (with their caches, or ``cache=None``).
+        volatile: the volatile DB or ``None``.
+        persistent: the persistent DB or ``None``.
+        hit_rate_threshold: see the module docstring.
+        exact: never return a default vector for a key that exists.
+        max_concurrent: lookups running at once (``num_of_worker_buffer_in_pool``).
+        cache_missed_embeddings: insert rows found only in the persistent DB into the volatile DB.
+        record_key_stats: keep per-table :class:`~hps.advisor.KeyStatistics` (warm-up, advisor).
+        device: where returned rows live (the caches' device).
+        acquire_timeout_s: how long a caller waits for a free worker before ``TimeoutError``.
+    """
+
+    def __init__(self, tables: list[SessionTable], volatile: StorageBackend | None = None,
+                 persistent: StorageBackend | None = None, hit_rate_threshold: float = 0.9,
+                 exact: bool = False, max_concurrent: int = 4, cache_missed_embeddings: bool = False,
+                 record_key_stats: bool = True, device: torch.device | str = "cpu",
+                 acquire_timeout_s: float = 60.0) -> None:
+        if volatile is None and persistent is None:
+            raise ValueError("a LookupSession needs a volatile or a persistent database")
+        self.tables = {t.name: t for t in tables}
+        self.volatile, self.persistent = volatile, persistent
+        self.hit_rate_threshold = hit_rate_threshold
+        self.exact = exact
+        self.cache_missed_embeddings = cache_missed_embeddings
+        self.device = torch.device(device)
+        self.acquire_timeout_s = acquire_timeout_s
+        self.max_concurrent = max_concurrent
+        self._slots = threading.BoundedSemaphore(max_concurrent)
+        self.update_lock = ReadWriteLock()
+        self._stats = {t.name: TableStats() for t in tables}
+        self._stats_lock = threading.Lock()
+        self._lat_pos = {t.name: 0 for t in tables}
+        self.key_stats = {t.name: KeyStatistics() for t in tables} if record_key_stats else None
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=_ASYNC_QUEUE)
+        self._worker = threading.Thread(target=self._work, name="hps-cache-insert", daemon=True)
+        self._worker.start()
+
+    # ------------------------------------------------------------------ public API
+    def lookup(self, table: str, keys: torch.Tensor | np.ndarray) -> torch.Tensor:
+        """Rows of ``keys``.
+
+        Args:
+            table: table name.
+            keys: int64 tensor/array of any shape ``S`` (e.g. ``(batch, hotness)``).
+
+        Returns:
+            ``S + (dim,)`` float32 on the session's device; keys found nowhere get the table's
+            default value (and, above the threshold in non-exact mode, cache misses too).
+
+        Raises:
+            ValueError: unknown table, non-int64 keys, more keys than ``max_batch_size ×
+                maxnum_catfeature_query_per_table_per_sample``, or the reserved key -2**63.
+            TimeoutError: no worker became free within ``acquire_timeout_s``.
+        """
+        t = self._table(table)
+        flat, shape = self._check_keys(t, keys)
+        if not self._slots.acquire(timeout=self.acquire_timeout_s):
+            raise TimeoutError(f"no lookup worker free within {self.acquire_timeout_s} s "
+                               f"({self.max_concurrent} busy)")
+        start = time.perf_counter()
+        try:
+            self.update_lock.acquire_read()
+            try:
+                rows = self._lookup_flat(t, flat)
+            finally:
+                self.update_lock.release_read()
+        except Exception:
+            with self._stats_lock:
+                self._stats[table].errors += 1
+            raise
+        finally:
+            self._slots.release()
+        self._record_latency(table, time.perf_counter() - start)
+        return rows.reshape(*shape, t.dim)
+
+    def stats(self, table: str | None = None) -> dict[str, object]:
+        """Statistics of one table, or ``{table: stats}`` for all."""
+        with self._stats_lock:
+            if table is not None:
+                return self._stats[self._table(table).name].to_dict()
+            return {n: s.to_dict() for n, s in self._stats.items()}
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Wait until queued background cache jobs have run."""
+        deadline = time.monotonic() + timeout_s
+        while self._jobs.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        self.drain()
+        self._jobs.put(None)
+        self._worker.join(timeout=5)
+
+    # ------------------------------------------------------------------ cache maintenance
+    def warm_up(self, table: str, hot_keys: np.ndarray | torch.Tensor | None = None) -> int:
+        """Fill ``table``'s cache with the hottest keys first (not file order).
+
+        Args:
+            hot_keys: keys hottest first; default: the session's observed key statistics.
+
+        Returns:
+            rows placed in the cache.
+        """
+        t = self._table(table)
+        if t.cache is None:
+            return 0
+        if hot_keys is None:
+            if self.key_stats is None:
+                raise ValueError("warm_up without hot_keys needs record_key_stats=True")
+            hot_keys = self.key_stats[table].hottest(t.cache.capacity)
+        k = torch.as_tensor(np.asarray(hot_keys), dtype=torch.int64)[: t.cache.capacity]
+        # Insert coldest first so that, within a full set, the hottest keys are the survivors
+        # (LRU: they carry the newest clock; LFU: ties resolved by stable order).
+        placed = 0
+        for chunk in torch.flip(k, [0]).split(65536):
+            chunk = torch.unique(chunk)
+            vals, found = self._fetch(t, chunk.numpy())
+            c = chunk[torch.from_numpy(found)].to(self.device)
+            placed += t.cache.insert(c, torch.from_numpy(vals[found]).to(self.device))
+        return placed
+
+    def refresh(self, table: str, fraction: float = 1.0) -> int:
+        """Re-read the next ``fraction`` of ``table``'s cached rows from the databases
+        (HugeCTR's periodic refresh); returns the rows refreshed."""
+        t = self._table(table)
+        if t.cache is None:
+            return 0
+        keys = t.cache.next_refresh_keys(fraction).cpu().numpy()
+        if keys.size == 0:
+            return 0
+        vals, found = self._fetch(t, keys)
+        k = torch.from_numpy(keys[found]).to(self.device)
+        return t.cache.update_if_present(k, torch.from_numpy(vals[found]).to(self.device))
+
+    def start_refresh(self, interval_s: float, fraction: float) -> threading.Event:
+        """Refresh every table's cache every ``interval_s`` in a daemon thread; set the
+        returned event to stop it."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval_s):
+                for name in self.tables:
+                    self.refresh(name, fraction)
+
+        threading.Thread(target=loop, name="hps-cache-refresh", daemon=True).start()
+        return stop
+
+    # ------------------------------------------------------------------ internals
+    def _table(self, table: str) -> SessionTable:
+        try:
+            return self.tables[table]
+        except KeyError:
+            raise ValueError(f"unknown table {table!r}; this session serves {sorted(self.tables)}") from None
+
+    def _check_keys(self, t: SessionTable, keys: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, tuple[int, ...]]:
+        if isinstance(keys, np.ndarray):
+            if keys.dtype != np.int64:
+                raise ValueError(f"table {t.name!r}: keys must be int64, got numpy {keys.dtype}")
+            keys = torch.from_numpy(keys)
+        if not isinstance(keys, torch.Tensor):
+            raise ValueError(f"table {t.name!r}: keys must be a torch.Tensor or numpy array, got {type(keys).__name__}")
+        if keys.dtype != torch.int64:
+            raise ValueError(f"table {t.name!r}: keys must be int64, got {keys.dtype}")
+        if keys.numel() > t.max_keys:
+            raise ValueError(f"table {t.name!r}: {keys.numel()} keys in one lookup, at most {t.max_keys} "
+                             f"(max_batch_size × maxnum_catfeature_query_per_table_per_sample)")
+        flat = keys.reshape(-1)
+        if flat.numel() and bool((flat == EMPTY_KEY).any()):
+            raise ValueError(f"table {t.name!r}: key {EMPTY_KEY} is reserved (the empty-slot sentinel)")
+        return flat, tuple(keys.shape)
+
+    def _fetch(self, t: SessionTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Volatile then persistent DB; ``(values (n, dim), found (n,) bool)``."""
+        vals, found, _ = self._fetch_tiers(t, keys)
+        return vals, found
+
+    def _fetch_tiers(self, t: SessionTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Like :meth:`_fetch`, plus ``from_pdb (n,) bool`` (found in the persistent DB)."""
+        n = keys.size
+        vals = np.zeros((n, t.dim), np.float32)
+        found = np.zeros(n, bool)
+        from_pdb = np.zeros(n, bool)
+        rest = np.arange(n)
+        if self.volatile is not None and n:
+            v, f = self.volatile.lookup(t.name, keys)
+            vals[f], found = v[f], f
+            rest = np.flatnonzero(~f)
+        if self.persistent is not None and rest.size:
+            v, f = self.persistent.lookup(t.name, keys[rest])
+            hit = rest[f]
+            vals[hit] = v[f]
+            found[hit] = True
+            from_pdb[hit] = True
+            if self.volatile is not None and self.cache_missed_embeddings and hit.size:
+                self.volatile.insert(t.name, keys[hit], v[f])
+        return vals, found, from_pdb
+
+    def _lookup_flat(self, t: SessionTable, flat: torch.Tensor) -> torch.Tensor:
+        uniq, inverse, counts = torch.unique(flat, return_inverse=True, return_counts=True)
+        n = uniq.numel()
+        tier = torch.full((n,), 3, dtype=torch.int8)  # 0 cache, 1 volatile, 2 persistent, 3 default
+        is_async = False
+        if t.cache is not None:
+            dev_keys = uniq.to(self.device)
+            rows, hit = t.cache.query(dev_keys)
+            hit_cpu = hit.cpu()
+            tier[hit_cpu] = 0
+            miss = torch.nonzero(~hit_cpu).squeeze(1)
+            hit_rate = 1.0 - miss.numel() / max(n, 1)
+            is_async = hit_rate >= self.hit_rate_threshold
+            if miss.numel():
+                mkeys = uniq[miss]
+                if is_async and not self.exact:
+                    rows[miss.to(self.device)] = t.default_value
+                    mk = mkeys.numpy()
+                    self._submit(t, lambda k=mk: self._fill_from_db(t, k))
+                else:
+                    vals, found, from_pdb = self._fetch_tiers(t, mkeys.numpy())
+                    mv = torch.from_numpy(vals).to(self.device)
+                    fm = torch.from_numpy(found)
+                    mv[~fm.to(self.device)] = t.default_value
+                    rows[miss.to(self.device)] = mv
+                    tier[miss] = torch.from_numpy(np.where(found, np.where(from_pdb, 2, 1), 3).astype(np.int8))
+                    fk, fv = mkeys[fm].to(self.device), mv[fm.to(self.device)]
+                    if is_async:
+                        self._submit(t, lambda k=fk, v=fv: t.cache.insert(k, v))
+                    else:
+                        t.cache.insert(fk, fv)
+        else:
+            vals, found, from_pdb = self._fetch_tiers(t, uniq.numpy())
+            rows = torch.from_numpy(vals).to(self.device)
+            rows[~torch.from_numpy(found).to(self.device)] = t.default_value
+            tier = torch.from_numpy(np.where(found, np.where(from_pdb, 2, 1), 3).astype(np.int8))
+        self._record(t.name, tier, counts, is_async)
+        if self.key_stats is not None:
+            self.key_stats[t.name].update(uniq.numpy(), counts.numpy())
+        return rows.index_select(0, inverse.to(self.device))
+
+    def _fill_from_db(self, t: SessionTable, keys: np.ndarray) -> None:
+        vals, found = self._fetch(t, keys)
+        t.cache.insert(torch.from_numpy(keys[found]).to(self.device), torch.from_numpy(vals[found]).to(self.device))
+
+    def _submit(self, t: SessionTable, job: Callable[[], object]) -> None:
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            with self._stats_lock:
+                self._stats[t.name].dropped_async += 1
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                job()
+            except Exception:  # a failed background insertion must not kill the worker
+                log.exception("background cache insertion failed")
+            finally:
+                self._jobs.task_done()
+
+    def _record(self, table: str, tier: torch.Tensor, counts: torch.Tensor, is_async: bool) -> None:
+        t_np = tier.numpy().astype(np.int64)
+        uniq_counts = np.bincount(t_np, minlength=4)
+        all_counts = np.bincount(t_np, weights=counts.numpy(), minlength=4)
+        names = [Tier.CACHE.value, Tier.VOLATILE.value, Tier.PERSISTENT.value, Tier.DEFAULT.value]
+        with self._stats_lock:
+            s = self._stats[table]
+            s.lookups += 1
+            s.keys_unique += int(t_np.size)
+            s.keys_all += int(counts.sum())
+            s.async_batches += int(is_async)
+            for i, name in enumerate(names):
+                s.hits_unique[name] += int(uniq_counts[i])
+                s.hits_all[name] += int(all_counts[i])
+
+    def _record_latency(self, table: str, seconds: float) -> None:
+        with self._stats_lock:
+            pos = self._lat_pos[table]
+            self._stats[table].latencies_s[pos % _LATENCY_WINDOW] = seconds
+            self._lat_pos[table] = pos + 1

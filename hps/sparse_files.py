@@ -1,0 +1,230 @@
+"""Sparse (embedding) files: HugeCTR's folder-per-table layout and a safetensors variant.
+
+HugeCTR layout, one folder per table::
+
+    t0/
+      key          n × int64, little-endian          e.g. 00 00 .. 00 | 01 00 .. 00 | ...
+      emb_vector   n × dim × float32, little-endian  row i belongs to key[i]
+
+    keys   = [  7,   3,  42]                     (n = 3, dim = 2)
+    vectors= [[.1, .2], [.3, .4], [.5, .6]]      key 7 -> [.1, .2], key 3 -> [.3, .4], ...
+
+The safetensors variant is one file ``t0/embedding.safetensors`` holding the tensors ``key``
+``(n,) int64`` and ``emb_vector`` ``(n, dim) float32`` (self-describing: dim is in the header).
+
+:func:`convert_checkpoint` turns the foundation's trainer checkpoint folder
+(``model.safetensors`` with ``embeddings.<table>.weight`` ``(num_rows, dim) float32`` and
+``state.json["workload"]["tables"]``) into one sparse folder per table, keys ``0..num_rows-1``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import shutil
+from enum import StrEnum
+from pathlib import Path
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+KEY_FILE = "key"
+VECTOR_FILE = "emb_vector"
+SAFETENSORS_FILE = "embedding.safetensors"
+_KEY_BYTES = 8  # int64
+_FLOAT_BYTES = 4  # float32
+
+
+class SparseFormat(StrEnum):
+    """On-disk layout of one table's sparse folder."""
+
+    HUGECTR = "hugectr"
+    SAFETENSORS = "safetensors"
+
+
+def detect_format(folder: str | Path) -> SparseFormat:
+    """Which layout ``folder`` holds.
+
+    Raises:
+        ValueError: when it holds neither ``key``+``emb_vector`` nor ``embedding.safetensors``.
+    """
+    folder = Path(folder)
+    if (folder / KEY_FILE).exists() or (folder / VECTOR_FILE).exists():
+        return SparseFormat.HUGECTR
+    if (folder / SAFETENSORS_FILE).exists():
+        return SparseFormat.SAFETENSORS
+    raise ValueError(
+        f"sparse folder {folder}: found neither '{KEY_FILE}'+'{VECTOR_FILE}' (HugeCTR layout) "
+        f"nor '{SAFETENSORS_FILE}'"
+    )
+
+
+def write_table(folder: str | Path, keys: np.ndarray, vectors: np.ndarray,
+                fmt: SparseFormat | str = SparseFormat.HUGECTR, overwrite: bool = False) -> Path:
+    """Write one table.
+
+    Args:
+        folder: the table's folder (created; must not exist unless ``overwrite``).
+        keys: ``(n,) int64``, unique.
+        vectors: ``(n, dim) float32``.
+        fmt: ``hugectr`` or ``safetensors``.
+        overwrite: replace an existing folder (written beside it first, then swapped in).
+
+    Raises:
+        ValueError: on bad dtype/shape, duplicate keys, or an existing folder.
+    """
+    fmt = SparseFormat(fmt)
+    folder = Path(folder)
+    keys = np.asarray(keys)
+    vectors = np.asarray(vectors)
+    if keys.dtype != np.int64 or keys.ndim != 1:
+        raise ValueError(f"keys must be (n,) int64, got {keys.dtype} {tuple(keys.shape)}")
+    if vectors.dtype != np.float32 or vectors.ndim != 2 or vectors.shape[0] != keys.shape[0]:
+        raise ValueError(
+            f"vectors must be ({keys.shape[0]}, dim) float32, got {vectors.dtype} {tuple(vectors.shape)}"
+        )
+    if np.unique(keys).size != keys.size:
+        raise ValueError(f"{folder}: keys must be unique ({keys.size - np.unique(keys).size} duplicates)")
+    if folder.exists() and not overwrite:
+        raise ValueError(f"sparse folder {folder} exists; pass overwrite=True to replace it")
+    tmp = folder.with_name(folder.name + ".tmp-write")
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    if fmt is SparseFormat.HUGECTR:
+        keys.astype("<i8", copy=False).tofile(tmp / KEY_FILE)
+        vectors.astype("<f4", copy=False).tofile(tmp / VECTOR_FILE)
+    else:
+        from safetensors.numpy import save_file
+
+        save_file({"key": np.ascontiguousarray(keys), "emb_vector": np.ascontiguousarray(vectors)},
+                  str(tmp / SAFETENSORS_FILE))
+    if folder.exists():
+        old = folder.with_name(folder.name + ".tmp-old")
+        shutil.rmtree(old, ignore_errors=True)
+        folder.rename(old)
+        tmp.rename(folder)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(folder)
+    return folder
+
+
+def read_table(folder: str | Path, dim: int | None = None, mmap: bool = True) -> tuple[np.ndarray, np.ndarray]:
+    """Read one table's keys and rows.
+
+    Args:
+        folder: the table's folder (either layout, detected).
+        dim: row width; required for the HugeCTR layout (the files carry no header), checked
+            against the safetensors header otherwise.
+        mmap: memory-map the HugeCTR files instead of reading them (large tables).
+
+    Returns:
+        ``(keys (n,) int64, vectors (n, dim) float32)``.
+
+    Raises:
+        ValueError: for a truncated ``emb_vector``, a key count that differs from the row
+            count, a wrong dim, or a missing file.
+    """
+    folder = Path(folder)
+    fmt = detect_format(folder)
+    if fmt is SparseFormat.SAFETENSORS:
+        from safetensors import SafetensorError
+        from safetensors.numpy import load_file
+
+        try:
+            d = load_file(str(folder / SAFETENSORS_FILE))
+        except SafetensorError as e:
+            raise ValueError(f"{folder / SAFETENSORS_FILE}: not a readable safetensors file ({e})") from None
+        if "key" not in d or "emb_vector" not in d:
+            raise ValueError(f"{folder / SAFETENSORS_FILE}: needs tensors 'key' and 'emb_vector', has {sorted(d)}")
+        keys, vec = d["key"], d["emb_vector"]
+        if keys.dtype != np.int64 or keys.ndim != 1:
+            raise ValueError(f"{folder}: 'key' must be (n,) int64, got {keys.dtype} {keys.shape}")
+        if vec.dtype != np.float32 or vec.ndim != 2:
+            raise ValueError(f"{folder}: 'emb_vector' must be (n, dim) float32, got {vec.dtype} {vec.shape}")
+        if dim is not None and vec.shape[1] != dim:
+            raise ValueError(f"{folder}: rows have dim {vec.shape[1]}, the config says {dim}")
+        if vec.shape[0] != keys.shape[0]:
+            raise ValueError(f"{folder}: {keys.shape[0]} keys but {vec.shape[0]} rows in emb_vector")
+        return keys, vec
+    if dim is None or dim <= 0:
+        raise ValueError(f"{folder}: the HugeCTR layout needs the row width; got dim={dim!r}")
+    kpath, vpath = folder / KEY_FILE, folder / VECTOR_FILE
+    for p in (kpath, vpath):
+        if not p.exists():
+            raise ValueError(f"sparse folder {folder}: missing file '{p.name}'")
+    kbytes, vbytes = kpath.stat().st_size, vpath.stat().st_size
+    if kbytes % _KEY_BYTES:
+        raise ValueError(f"{kpath}: {kbytes} bytes is not a whole number of int64 keys (truncated?)")
+    row_bytes = dim * _FLOAT_BYTES
+    if vbytes % row_bytes:
+        raise ValueError(
+            f"{vpath}: {vbytes} bytes is not a whole number of rows of dim {dim} "
+            f"({row_bytes} bytes each): truncated or wrong dim"
+        )
+    n_keys, n_rows = kbytes // _KEY_BYTES, vbytes // row_bytes
+    if n_keys != n_rows:
+        raise ValueError(f"{folder}: {n_keys} keys in '{KEY_FILE}' but {n_rows} rows of dim {dim} in '{VECTOR_FILE}'")
+    if n_keys == 0:
+        return np.zeros(0, np.int64), np.zeros((0, dim), np.float32)
+    if mmap:
+        keys = np.memmap(kpath, dtype="<i8", mode="r", shape=(n_keys,))
+        vec = np.memmap(vpath, dtype="<f4", mode="r", shape=(n_rows, dim))
+    else:
+        keys = np.fromfile(kpath, dtype="<i8")
+        vec = np.fromfile(vpath, dtype="<f4").reshape(n_rows, dim)
+    return keys, vec
+
+
+def convert_checkpoint(ckpt_dir: str | Path, out_dir: str | Path,
+                       fmt: SparseFormat | str = SparseFormat.HUGECTR,
+                       tables: list[str] | None = None, overwrite: bool = False) -> dict[str, Path]:
+    """Convert a trainer checkpoint folder to sparse folders ``out_dir/<table>``.
+
+    Args:
+        ckpt_dir: holds ``model.safetensors`` and ``state.json`` (foundation's format).
+        out_dir: receives one folder per table.
+        fmt: sparse layout to write.
+        tables: subset of table names (default: every table of the workload).
+        overwrite: replace existing table folders.
+
+    Returns:
+        ``{table name: folder}``.
+
+    Raises:
+        ValueError: when a file is missing, a table is unknown, or a weight's shape disagrees
+            with the workload's ``num_rows``/``dim``.
+    """
+    from safetensors import safe_open
+
+    ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
+    state_path, model_path = ckpt_dir / "state.json", ckpt_dir / "model.safetensors"
+    for p in (state_path, model_path):
+        if not p.exists():
+            raise ValueError(f"checkpoint {ckpt_dir}: missing {p.name}")
+    state = json.loads(state_path.read_text())
+    try:
+        specs = {t["name"]: t for t in state["workload"]["tables"]}
+    except (KeyError, TypeError):
+        raise ValueError(f"{state_path}: expected state['workload']['tables'] (a list of tables)") from None
+    names = list(specs) if tables is None else list(tables)
+    unknown = [n for n in names if n not in specs]
+    if unknown:
+        raise ValueError(f"checkpoint {ckpt_dir}: unknown table(s) {unknown}; it has {sorted(specs)}")
+    out: dict[str, Path] = {}
+    with safe_open(str(model_path), framework="numpy") as f:
+        present = set(f.keys())
+        for name in names:
+            key = f"embeddings.{name}.weight"
+            if key not in present:
+                raise ValueError(f"{model_path}: no tensor {key!r} for table {name!r}")
+            w = f.get_tensor(key)
+            want = (int(specs[name]["num_rows"]), int(specs[name]["dim"]))
+            if tuple(w.shape) != want:
+                raise ValueError(f"{model_path}: {key} has shape {tuple(w.shape)}, workload says {want}")
+            w = np.ascontiguousarray(w, dtype=np.float32)
+            keys = np.arange(w.shape[0], dtype=np.int64)
+            out[name] = write_table(out_dir / name, keys, w, fmt=fmt, overwrite=overwrite)
+            log.info("converted table %s: %d rows of dim %d -> %s", name, w.shape[0], w.shape[1], out[name])
+    return out

@@ -1,0 +1,137 @@
+"""Data types and the one small storage-backend interface shared by every HPS tier.
+
+Only enums, the backend protocol and small records live here; tiers live in
+``cache.py``, ``volatile.py``, ``redis_cluster.py``, ``persistent.py``.
+
+Keys are ``int64`` (HugeCTR's ``supportlonglong: true``); rows are ``float32``. Backends work on
+numpy arrays (zero-copy to and from CPU torch tensors) because the lower tiers talk to bytes
+(Redis, RocksDB) or to numpy hash maps.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from enum import StrEnum
+
+import numpy as np
+
+
+class VolatileDBType(StrEnum):
+    """``volatile_db.type`` in ps.json (HugeCTR names). ``none`` disables the tier."""
+
+    NONE = "none"
+    HASH_MAP = "hash_map"
+    PARALLEL_HASH_MAP = "parallel_hash_map"
+    REDIS_CLUSTER = "redis_cluster"
+
+
+class PersistentDBType(StrEnum):
+    """``persistent_db.type`` in ps.json. ``none`` disables the tier."""
+
+    NONE = "none"
+    ROCKS_DB = "rocks_db"
+
+
+class OverflowPolicy(StrEnum):
+    """What a volatile-DB partition evicts when it grows past ``overflow_margin`` rows.
+
+    ``evict_random``: uniformly random rows; ``evict_least_used``: the rows read the fewest
+    times; ``evict_oldest``: the rows whose last read or write is the oldest.
+    """
+
+    EVICT_RANDOM = "evict_random"
+    EVICT_LEAST_USED = "evict_least_used"
+    EVICT_OLDEST = "evict_oldest"
+
+
+class CachePolicy(StrEnum):
+    """Replacement policy inside one cache set: least recently used or least frequently used."""
+
+    LRU = "lru"
+    LFU = "lfu"
+
+
+class UpdateSourceType(StrEnum):
+    """``update_source.type``: where online updates from the trainer arrive."""
+
+    NONE = "none"
+    FILE_LOG = "file_log"
+    REDIS_STREAM = "redis_stream"
+
+
+class Tier(StrEnum):
+    """Where a looked-up key was found (statistics)."""
+
+    CACHE = "cache"
+    VOLATILE = "volatile"
+    PERSISTENT = "persistent"
+    DEFAULT = "default"
+
+
+class StorageBackend(ABC):
+    """The interface of the volatile and persistent tiers (one instance holds many tables).
+
+    Every method is batched: ``keys`` is ``(n,) int64`` (C-contiguous), ``values`` is
+    ``(n, dim) float32``. Implementations are thread-safe.
+    """
+
+    #: short name used in logs and statistics, e.g. ``"hash_map"``
+    name: str = "backend"
+
+    @abstractmethod
+    def create_table(self, table: str, dim: int) -> None:
+        """Declare ``table`` with rows of ``dim`` floats (idempotent for the same dim)."""
+
+    @abstractmethod
+    def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Fetch rows.
+
+        Returns:
+            ``(values (n, dim) float32, found (n,) bool)``; rows of keys not found are zeros.
+        """
+
+    @abstractmethod
+    def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
+        """Insert or overwrite rows (``keys`` must be unique within the call)."""
+
+    @abstractmethod
+    def size(self, table: str) -> int:
+        """Number of rows currently held for ``table``."""
+
+    def close(self) -> None:  # noqa: B027 - optional hook
+        """Release resources (files, connections)."""
+
+
+def check_keys(keys: np.ndarray, what: str = "keys") -> np.ndarray:
+    """Return ``keys`` as a C-contiguous ``(n,) int64`` array or raise ``ValueError``."""
+    if not isinstance(keys, np.ndarray):
+        raise ValueError(f"{what} must be a numpy array, got {type(keys).__name__}")
+    if keys.dtype != np.int64:
+        raise ValueError(f"{what} must have dtype int64, got {keys.dtype}")
+    if keys.ndim != 1:
+        raise ValueError(f"{what} must be 1-D (n,), got shape {tuple(keys.shape)}")
+    return np.ascontiguousarray(keys)
+
+
+def check_values(values: np.ndarray, n: int, dim: int, what: str = "values") -> np.ndarray:
+    """Return ``values`` as a C-contiguous ``(n, dim) float32`` array or raise ``ValueError``."""
+    if not isinstance(values, np.ndarray):
+        raise ValueError(f"{what} must be a numpy array, got {type(values).__name__}")
+    if values.dtype != np.float32:
+        raise ValueError(f"{what} must have dtype float32, got {values.dtype}")
+    if values.shape != (n, dim):
+        raise ValueError(f"{what} must have shape ({n}, {dim}), got {tuple(values.shape)}")
+    return np.ascontiguousarray(values)
+
+
+def mix64(keys: np.ndarray) -> np.ndarray:
+    """A splitmix64 finaliser over ``(n,) int64`` keys → ``(n,) uint64`` well-spread hashes.
+
+    Vectorised; uint64 multiplication wraps modulo 2**64 as intended. Consecutive ids land in
+    different partitions/sets, so a table's row order never clusters into one bucket.
+    """
+    z = keys.view(np.uint64) if keys.dtype == np.int64 else keys.astype(np.uint64)
+    z = z + np.uint64(0x9E3779B97F4A7C15)
+    z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return z ^ (z >> np.uint64(31))

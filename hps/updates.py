@@ -1,0 +1,421 @@
+"""Online updates: the trainer publishes changed rows; every server applies them to its
+volatile DB, persistent DB and cached copies.
+
+One update *batch* (all tables changed by one training step) is one record::
+
+    offset → | "HPSU" | ver u8 | payload_len u64 | crc32(payload) u32 | payload ... |
+    payload  = n_tables u32, then per table:
+               name_len u16 | name utf-8 | n u64 | dim u32 | keys n×int64 | rows n×dim×float32
+    (all little-endian)
+
+Transports: an append-only log file (the embedded default; the offset is the byte position
+after a record) or a Redis Stream (``XADD``; the offset is the entry id). A record whose
+length or CRC does not check out (a torn write) is never applied: the reader stops before it
+(and the log writer truncates a torn tail when it reopens the file).
+
+Applying a batch (:class:`UpdateApplier`): validate every table and shape first (nothing is
+applied on error), then, under the writer side of each session's lock (so a lookup sees the
+batch entirely or not at all): volatile DB, cached copies, and last the persistent DB rows
+*together with the new offset* in one atomic RocksDB write batch (or the offset file when
+there is no writable persistent DB). A restarted server resumes after the last applied offset;
+re-applying a batch is harmless (rows are absolute values, not deltas).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import struct
+import threading
+import zlib
+from abc import ABC, abstractmethod
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from hps.persistent import RocksDBBackend
+from hps.session import LookupSession
+from hps.types import StorageBackend
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"HPSU"
+VERSION = 1
+_HEADER = struct.Struct("<4sBQI")  # magic, version, payload length, crc32
+UpdateBatch = dict[str, tuple[np.ndarray, np.ndarray]]  # table -> (keys (n,) int64, rows (n, dim) float32)
+
+
+class CorruptRecordError(ValueError):
+    """A record's header, length or checksum is wrong."""
+
+
+def encode_batch(batch: UpdateBatch) -> bytes:
+    """One update batch → one checksummed record (bytes)."""
+    parts = [struct.pack("<I", len(batch))]
+    for name, (keys, rows) in batch.items():
+        keys = np.ascontiguousarray(keys, dtype="<i8")
+        rows = np.ascontiguousarray(rows, dtype="<f4")
+        if rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
+            raise ValueError(f"update for {name!r}: rows {rows.shape} do not match {keys.shape[0]} keys")
+        nb = name.encode()
+        parts += [struct.pack("<H", len(nb)), nb, struct.pack("<QI", keys.size, rows.shape[1]),
+                  keys.tobytes(), rows.tobytes()]
+    payload = b"".join(parts)
+    return _HEADER.pack(MAGIC, VERSION, len(payload), zlib.crc32(payload)) + payload
+
+
+def decode_batch(record: bytes) -> UpdateBatch:
+    """The inverse of :func:`encode_batch`.
+
+    Raises:
+        CorruptRecordError: bad magic/version, wrong length, or checksum mismatch.
+    """
+    if len(record) < _HEADER.size:
+        raise CorruptRecordError(f"record of {len(record)} bytes is shorter than its header")
+    magic, ver, n, crc = _HEADER.unpack_from(record)
+    if magic != MAGIC or ver != VERSION:
+        raise CorruptRecordError(f"bad record header (magic {magic!r}, version {ver})")
+    payload = record[_HEADER.size:]
+    if len(payload) != n:
+        raise CorruptRecordError(f"record payload has {len(payload)} bytes, header says {n}")
+    if zlib.crc32(payload) != crc:
+        raise CorruptRecordError("record checksum mismatch (torn or corrupted write)")
+    out: UpdateBatch = {}
+    (n_tables,), pos = struct.unpack_from("<I", payload), 4
+    for _ in range(n_tables):
+        (ln,) = struct.unpack_from("<H", payload, pos)
+        name = payload[pos + 2:pos + 2 + ln].decode()
+        pos += 2 + ln
+        k, dim = struct.unpack_from("<QI", payload, pos)
+        pos += 12
+        keys = np.frombuffer(payload, "<i8", k, pos).astype(np.int64)
+        pos += 8 * k
+        rows = np.frombuffer(payload, "<f4", k * dim, pos).astype(np.float32).reshape(k, dim)
+        pos += 4 * k * dim
+        out[name] = (keys, rows)
+    return out
+
+
+# ------------------------------------------------------------------------------ transports
+
+
+class UpdatePublisher(ABC):
+    @abstractmethod
+    def publish(self, batch: UpdateBatch) -> str:
+        """Append one batch; returns its offset (as a string)."""
+
+
+class UpdateSource(ABC):
+    @abstractmethod
+    def read(self, offset: str | None, max_records: int) -> list[tuple[str, UpdateBatch]]:
+        """Records after ``offset`` (``None`` = from the start): ``[(offset after it, batch)]``."""
+
+
+class FileLogPublisher(UpdatePublisher):
+    """Append-only update log. On open, a torn tail (a partial last record) is truncated."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._lock = threading.Lock()
+        self.path.touch(exist_ok=True)
+        end = _last_complete_end(self.path)
+        size = self.path.stat().st_size
+        if end < size:
+            log.warning("update log %s: truncating a torn tail of %d bytes", self.path, size - end)
+            with open(self.path, "r+b") as f:
+                f.truncate(end)
+
+    def publish(self, batch: UpdateBatch) -> str:
+        rec = encode_batch(batch)
+        with self._lock, open(self.path, "ab") as f:
+            f.write(rec)
+            f.flush()
+            os.fsync(f.fileno())
+            return str(f.tell())
+
+
+def _last_complete_end(path: Path) -> int:
+    """Byte offset after the last record whose full length is present (headers only)."""
+    size, pos = path.stat().st_size, 0
+    with open(path, "rb") as f:
+        while pos + _HEADER.size <= size:
+            f.seek(pos)
+            magic, _, n, _ = _HEADER.unpack(f.read(_HEADER.size))
+            if magic != MAGIC or pos + _HEADER.size + n > size:
+                break
+            pos += _HEADER.size + n
+    return pos
+
+
+class FileLogSource(UpdateSource):
+    """Reads records of an append-only log; stops before a torn or corrupted record."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.corrupt = 0  # records refused (bad checksum/header)
+
+    def read(self, offset: str | None, max_records: int = 64) -> list[tuple[str, UpdateBatch]]:
+        if not self.path.exists():
+            return []
+        pos = int(offset or 0)
+        out = []
+        size = self.path.stat().st_size
+        with open(self.path, "rb") as f:
+            while len(out) < max_records and pos + _HEADER.size <= size:
+                f.seek(pos)
+                head = f.read(_HEADER.size)
+                _, _, n, _ = _HEADER.unpack(head)
+                if pos + _HEADER.size + n > size:
+                    break  # not fully written yet (or torn): never applied
+                rec = head + f.read(n)
+                try:
+                    batch = decode_batch(rec)
+                except CorruptRecordError as e:
+                    self.corrupt += 1
+                    log.error("update log %s: record at offset %d refused: %s", self.path, pos, e)
+                    break
+                pos += _HEADER.size + n
+                out.append((str(pos), batch))
+        return out
+
+
+def redis_client(address: str, cluster: bool) -> Any:
+    """A redis-py client for ``"host:port[,host:port]"`` (``RedisCluster`` when ``cluster``)."""
+    from redis import Redis
+    from redis.cluster import ClusterNode, RedisCluster
+
+    nodes = []
+    for part in filter(None, (p.strip() for p in address.split(","))):
+        host, _, port = part.rpartition(":")
+        nodes.append((host, int(port)))
+    if not nodes:
+        raise ValueError(f"redis address {address!r}: expected 'host:port[,host:port...]'")
+    if cluster:
+        return RedisCluster(startup_nodes=[ClusterNode(h, p) for h, p in nodes])
+    return Redis(host=nodes[0][0], port=nodes[0][1])
+
+
+class RedisStreamPublisher(UpdatePublisher):
+    """Publishes each batch as one Redis Stream entry (``XADD stream * r <record>``)."""
+
+    def __init__(self, client: Any, stream: str = "hps_updates") -> None:
+        self.client, self.stream = client, stream
+
+    def publish(self, batch: UpdateBatch) -> str:
+        rid = self.client.xadd(self.stream, {b"r": encode_batch(batch)})
+        return rid.decode() if isinstance(rid, bytes) else str(rid)
+
+
+class RedisStreamSource(UpdateSource):
+    """Reads a Redis Stream after an entry id; a corrupted entry stops the reader."""
+
+    def __init__(self, client: Any, stream: str = "hps_updates") -> None:
+        self.client, self.stream = client, stream
+        self.corrupt = 0
+
+    def read(self, offset: str | None, max_records: int = 64) -> list[tuple[str, UpdateBatch]]:
+        res = self.client.xread({self.stream: offset or "0-0"}, count=max_records)
+        out = []
+        for _, entries in res or []:
+            for rid, fields in entries:
+                rid = rid.decode() if isinstance(rid, bytes) else str(rid)
+                try:
+                    out.append((rid, decode_batch(fields[b"r"])))
+                except (CorruptRecordError, KeyError) as e:
+                    self.corrupt += 1
+                    log.error("update stream %s: entry %s refused: %s", self.stream, rid, e)
+                    return out
+        return out
+
+
+# ------------------------------------------------------------------------------ applying
+
+
+class OffsetFile:
+    """The last applied offset in a small file, replaced atomically (write + rename)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def load(self) -> str | None:
+        return self.path.read_text().strip() or None if self.path.exists() else None
+
+    def save(self, offset: str) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(offset)
+        os.replace(tmp, self.path)
+
+
+class UpdateApplier:
+    """Applies published batches to the tiers and the sessions' caches, resuming after the
+    last applied offset.
+
+    Args:
+        source: where batches come from.
+        sessions: sessions whose cached copies must follow the updates.
+        volatile, persistent: the databases (a read-only persistent DB is skipped).
+        offset_file: where the offset lives when there is no writable persistent DB.
+        name: the source's name in the persistent DB's metadata.
+    """
+
+    def __init__(self, source: UpdateSource, sessions: Iterable[LookupSession],
+                 volatile: StorageBackend | None = None, persistent: RocksDBBackend | None = None,
+                 offset_file: str | Path | None = None, name: str = "updates") -> None:
+        self.source = source
+        self.sessions = list(sessions)
+        self.volatile = volatile
+        self.persistent = persistent if persistent is not None and not persistent.read_only else None
+        self.offset_file = OffsetFile(offset_file) if offset_file else None
+        if self.persistent is None and self.offset_file is None:
+            raise ValueError("UpdateApplier needs a writable persistent db or an offset_file to resume from")
+        self._meta_key = f"update_offset:{name}"
+        self.offset = self._load_offset()
+        self.applied = 0  # batches applied by this instance
+        self._lock = threading.Lock()
+
+    def _load_offset(self) -> str | None:
+        if self.persistent is not None:
+            raw = self.persistent.get_meta(self._meta_key)
+            return raw.decode() if raw is not None else None
+        return self.offset_file.load()
+
+    def _dims(self) -> dict[str, int]:
+        dims: dict[str, int] = {}
+        for s in self.sessions:
+            dims.update({n: t.dim for n, t in s.tables.items()})
+        return dims
+
+    def validate(self, batch: UpdateBatch) -> None:
+        """Raise ``ValueError`` (naming table and shape) unless every part of ``batch`` fits."""
+        dims = self._dims()
+        for name, (keys, rows) in batch.items():
+            if name not in dims:
+                raise ValueError(f"update for unknown table {name!r}; served tables: {sorted(dims)}")
+            if rows.shape != (keys.shape[0], dims[name]):
+                raise ValueError(f"update for {name!r}: rows {rows.shape}, expected ({keys.shape[0]}, {dims[name]})")
+            if np.unique(keys).size != keys.size:
+                raise ValueError(f"update for {name!r}: duplicate keys")
+
+    def apply(self, batch: UpdateBatch, offset: str) -> None:
+        """Apply one batch entirely (or, on a validation error, not at all) and record ``offset``."""
+        self.validate(batch)
+        locks = [s.update_lock for s in self.sessions]
+        for lk in locks:
+            lk.acquire_write()
+        try:
+            for name, (keys, rows) in batch.items():
+                if self.volatile is not None:
+                    self.volatile.insert(name, keys, rows)
+                for s in self.sessions:
+                    t = s.tables.get(name)
+                    if t is not None and t.cache is not None:
+                        t.cache.update_if_present(torch.from_numpy(keys).to(t.cache.device),
+                                                  torch.from_numpy(rows).to(t.cache.device))
+            if self.persistent is not None:
+                self.persistent.write_batch([(n, k, r) for n, (k, r) in batch.items()],
+                                            meta={self._meta_key: offset.encode()})
+            else:
+                self.offset_file.save(offset)
+            self.offset = offset
+            self.applied += 1
+        finally:
+            for lk in reversed(locks):
+                lk.release_write()
+
+    def poll(self, max_records: int = 64) -> int:
+        """Apply every available record (up to ``max_records``); returns how many."""
+        with self._lock:
+            recs = self.source.read(self.offset, max_records)
+            for off, batch in recs:
+                self.apply(batch, off)
+            return len(recs)
+
+    def start(self, interval_s: float) -> threading.Event:
+        """Poll every ``interval_s`` in a daemon thread; set the returned event to stop."""
+        stop = threading.Event()
+
+        def loop() -> None:
+            while not stop.wait(interval_s):
+                try:
+                    self.poll()
+                except Exception:  # keep serving; the batch stays unapplied and is retried
+                    log.exception("applying online updates failed; will retry")
+
+        threading.Thread(target=loop, name="hps-updates", daemon=True).start()
+        return stop
+
+
+class PublishUpdatesCallback:
+    """Trainer callback (duck-typed to ``embark.train.Callback``): after every
+    ``every_n_steps`` optimizer steps it publishes the rows that changed, all tables in one
+    batch.
+
+    Changed rows are found by comparing each ``trainer.model.embeddings[<table>].weight``
+    with a snapshot (exact for any optimizer; costs one copy of the tables).
+
+    Args:
+        publisher: transport.
+        every_n_steps: publish cadence.
+        tables: table names (default: every table of ``model.embeddings``).
+    """
+
+    def __init__(self, publisher: UpdatePublisher, every_n_steps: int = 1, tables: list[str] | None = None) -> None:
+        if every_n_steps <= 0:
+            raise ValueError(f"every_n_steps must be > 0, got {every_n_steps}")
+        self.publisher = publisher
+        self.every_n_steps = every_n_steps
+        self.tables = tables
+        self._snap: dict[str, torch.Tensor] = {}
+        self.published = 0  # batches
+        self.last_offset: str | None = None
+
+    @staticmethod
+    def _embeddings(trainer: Any) -> Any:
+        model = getattr(trainer, "model", trainer)
+        model = getattr(model, "module", model)  # DDP
+        if not hasattr(model, "embeddings"):
+            raise ValueError("PublishUpdatesCallback: trainer.model has no 'embeddings' ModuleDict")
+        return model.embeddings
+
+    def on_train_begin(self, trainer: Any) -> None:
+        self._snapshot(trainer)
+
+    def _snapshot(self, trainer: Any) -> None:
+        emb = self._embeddings(trainer)
+        for name in self.tables or list(emb.keys()):
+            self._snap[name] = emb[name].weight.detach().cpu().clone()
+
+    def on_after_backward(self, trainer: Any, step: int) -> None:
+        if not self._snap:
+            self._snapshot(trainer)
+
+    def on_step_end(self, trainer: Any, step: int, loss: float) -> None:
+        if not self._snap:
+            self._snapshot(trainer)  # first call: nothing to compare with yet
+            return
+        if (step + 1) % self.every_n_steps:
+            return
+        self.publish_changes(trainer)
+
+    def on_eval(self, trainer: Any, step: int, metrics: dict) -> None:
+        pass
+
+    def publish_changes(self, trainer: Any) -> int:
+        """Publish the rows changed since the last publication; returns the rows published."""
+        emb = self._embeddings(trainer)
+        batch: UpdateBatch = {}
+        for name, snap in self._snap.items():
+            w = emb[name].weight.detach().cpu()
+            rows = torch.nonzero((w != snap).any(1)).squeeze(1)
+            if rows.numel():
+                batch[name] = (rows.numpy().astype(np.int64), w[rows].numpy().astype(np.float32))
+                snap[rows] = w[rows]
+        if not batch:
+            return 0
+        self.last_offset = self.publisher.publish(batch)
+        self.published += 1
+        return sum(k.size for k, _ in batch.values())

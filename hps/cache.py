@@ -3,7 +3,7 @@ device (CPU here, CUDA when present), LRU or LFU within each set.
 
 Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 ways)::
 
-    set(key) = fib_hash(key) % num_sets          num_sets = ceil(capacity / ways) = 2
+    set(key) = splitmix64(key) % num_sets         num_sets = ceil(capacity / ways) = 2
 
     keys     (num_sets, ways) int64    [[ 7, 12, E,  3],      E = EMPTY_KEY (-2**63)
                                         [ 5,  E, E,  E]]
@@ -35,13 +35,30 @@ log = logging.getLogger(__name__)
 
 EMPTY_KEY = -(2**63)  # sentinel of an empty slot; this one int64 key value cannot be cached
 DEFAULT_WAYS = 64  # HugeCTR: slabs of 32 keys, 2 slabs per set
-_FIB = -7046029254386353131  # 0x9E3779B97F4A7C15 as a signed int64 (Fibonacci hashing)
+
+
+def _signed(u: int) -> int:
+    return u - (1 << 64) if u >= 1 << 63 else u
+
+
+_GOLDEN = _signed(0x9E3779B97F4A7C15)  # splitmix64 constants (Steele et al., 2014)
+_M1 = _signed(0xBF58476D1CE4E5B9)
+_M2 = _signed(0x94D049BB133111EB)
+
+
+def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
+    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
+    return (x >> s) & ((1 << (64 - s)) - 1)
 
 
 def set_of(keys: torch.Tensor, num_sets: int) -> torch.Tensor:
-    """``(n,) int64`` keys → ``(n,) int64`` set indices (Fibonacci hash, upper 32 bits)."""
-    h = (keys ^ (keys >> 29)) * _FIB  # int64 multiply wraps modulo 2**64
-    return ((h >> 32) & 0xFFFFFFFF) % num_sets
+    """``(n,) int64`` keys → ``(n,) int64`` set indices: the splitmix64 finaliser (the same
+    as :func:`hps.types.mix64`; int64 multiplication wraps modulo 2**64), then ``% num_sets``."""
+    z = keys + _GOLDEN
+    z = (z ^ _srl(z, 30)) * _M1
+    z = (z ^ _srl(z, 27)) * _M2
+    z = z ^ _srl(z, 31)
+    return _srl(z, 1) % num_sets
 
 
 @dataclass

@@ -177,5 +177,6 @@ class RocksDBBackend(StorageBackend):
     def close(self) -> None:
         with self._lock:
             if self._db is not None:
+                self._cf.clear()  # column-family handles keep the DB (and its LOCK) alive
                 self._db.close()
                 self._db = None

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from hps.config import load_config, parse_config
+from hps.types import CachePolicy, OverflowPolicy, VolatileDBType
+
+
+def _doc(**model_over):
+    m = {
+        "model": "dlrm", "max_batch_size": 64, "sparse_files": ["s/t0", "s/t1"],
+        "embedding_table_names": ["t0", "t1"], "embedding_vecsize_per_table": [8, 4],
+        "maxnum_catfeature_query_per_table_per_sample": [1, 3],
+        "default_value_for_each_table": [0.0, -1.0],
+    }
+    m.update(model_over)
+    return {"supportlonglong": True, "volatile_db": {"type": "parallel_hash_map"},
+            "persistent_db": {"type": "rocks_db", "path": "pdb"}, "models": [m]}
+
+
+def test_valid_config_round_trips(tmp_path: Path) -> None:
+    p = tmp_path / "ps.json"
+    p.write_text(json.dumps(_doc(gpucacheper=0.5, cache_policy="lfu")))
+    cfg = load_config(p)
+    m = cfg.model("dlrm")
+    assert [t.name for t in m.tables] == ["t0", "t1"]
+    assert m.tables[1].dim == 4 and m.tables[1].default_value == -1.0
+    assert m.tables[0].sparse_file == str(tmp_path / "s/t0")  # relative to ps.json
+    assert m.cache_policy is CachePolicy.LFU and m.gpucacheper == 0.5 and m.hit_rate_threshold == 0.9
+    assert m.max_keys_per_lookup("t1") == 64 * 3
+    assert cfg.volatile_db.type is VolatileDBType.PARALLEL_HASH_MAP
+    assert cfg.volatile_db.overflow_policy is OverflowPolicy.EVICT_RANDOM
+    again = parse_config(cfg.to_dict())
+    assert again == cfg
+
+
+@pytest.mark.parametrize(
+    "mutate, match",
+    [
+        (lambda d: d["models"][0].update(gpucahceper=0.1), r"models\[0\]: unknown field\(s\) \['gpucahceper'\]"),
+        (lambda d: d.update(extra=1), r"ps.json: unknown field\(s\) \['extra'\]"),
+        (lambda d: d["models"][0].pop("max_batch_size"), r"models\[0\]\.max_batch_size: required field is missing"),
+        (lambda d: d["models"][0].update(max_batch_size="64"), r"models\[0\]\.max_batch_size: expected an integer"),
+        (lambda d: d["models"][0].update(gpucache=1), r"models\[0\]\.gpucache: expected a boolean"),
+        (lambda d: d["models"][0].update(gpucacheper=1.5), r"models\[0\]\.gpucacheper: 1.5 is impossible"),
+        (lambda d: d["models"][0].update(hit_rate_threshold=-0.1), r"models\[0\]\.hit_rate_threshold"),
+        (lambda d: d["models"][0].update(embedding_vecsize_per_table=[8, 0]),
+         r"models\[0\]\.embedding_vecsize_per_table\[1\]: 0 is impossible"),
+        (lambda d: d["models"][0].update(embedding_vecsize_per_table=[8]),
+         r"models\[0\]\.embedding_vecsize_per_table: expected 2 entries"),
+        (lambda d: d["models"][0].update(embedding_table_names=["t0", "t0"]), r"duplicate table names \['t0'\]"),
+        (lambda d: d["models"][0].update(cache_policy="fifo"), r"models\[0\]\.cache_policy: 'fifo' is not one of"),
+        (lambda d: d["volatile_db"].update(overflow_policy="evict_all"), r"volatile_db\.overflow_policy"),
+        (lambda d: d["volatile_db"].update(overflow_resolution_target=0), r"volatile_db\.overflow_resolution_target"),
+        (lambda d: d["volatile_db"].update(num_partitions=0), r"volatile_db\.num_partitions: 0 is impossible"),
+        (lambda d: d["volatile_db"].update(type="redis_cluster"), r"volatile_db\.address"),
+        (lambda d: d["volatile_db"].update(type="redis_cluster", address="localhost"), r"volatile_db\.address"),
+        (lambda d: d["persistent_db"].update(path=""), r"persistent_db\.path"),
+        (lambda d: d.update(update_source={"type": "file_log"}), r"update_source\.path"),
+        (lambda d: d.update(supportlonglong=False), r"supportlonglong"),
+        (lambda d: (d["volatile_db"].update(type="none"), d["persistent_db"].update(type="none")),
+         r"at least one\s+database tier"),
+        (lambda d: d.update(models=[]), r"models: at least one model"),
+    ],
+)
+def test_bad_config_names_the_field(mutate, match: str) -> None:
+    d = _doc()
+    mutate(d)
+    with pytest.raises(ValueError, match=match):
+        parse_config(d)
+
+
+def test_json_syntax_error_gives_line_and_column(tmp_path: Path) -> None:
+    p = tmp_path / "ps.json"
+    p.write_text('{\n  "models": [\n    {"model": "m",}\n  ]\n}\n')
+    with pytest.raises(ValueError, match=r"line 3 column 19"):
+        load_config(p)

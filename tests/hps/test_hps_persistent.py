@@ -1,0 +1,70 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hps_helpers import make_table
+
+from hps.persistent import RocksDBBackend
+
+
+def test_rocksdb_round_trip_chunked_multiget(tmp_path: Path) -> None:
+    db = RocksDBBackend(tmp_path / "db", max_batch_size=64)
+    db.create_table("t", 5)
+    keys, rows = make_table(300, 5, seed=0)
+    db.bulk_load("t", keys, rows, chunk=100)
+    assert db.loaded_rows("t") == 300
+    q = np.concatenate([keys[::-1], np.array([-1, 2**62], np.int64)])
+    v, f = db.lookup("t", q)  # 302 keys, 5 multi-get chunks
+    assert f[:300].all() and not f[300:].any()
+    assert np.array_equal(v[:300], rows[::-1]) and not v[300:].any()
+    db.close()
+
+
+def test_write_batch_is_atomic_with_metadata(tmp_path: Path) -> None:
+    db = RocksDBBackend(tmp_path / "db")
+    db.create_table("a", 2)
+    db.create_table("b", 3)
+    good = ("a", np.array([1, 2], np.int64), np.ones((2, 2), np.float32))
+    bad = ("b", np.array([1], np.int64), np.ones((1, 2), np.float32))  # wrong dim
+    with pytest.raises(ValueError, match=r"shape \(1, 3\)"):
+        db.write_batch([good, bad], meta={"off": b"7"})
+    assert not db.lookup("a", good[1])[1].any() and db.get_meta("off") is None  # nothing written
+    db.write_batch([good], meta={"off": b"7"})
+    assert db.lookup("a", good[1])[1].all() and db.get_meta("off") == b"7"
+    db.close()
+
+
+def test_read_only_mode(tmp_path: Path) -> None:
+    db = RocksDBBackend(tmp_path / "db")
+    db.create_table("t", 2)
+    keys, rows = make_table(20, 2, seed=1)
+    db.insert("t", keys, rows)
+    db.close()
+    ro = RocksDBBackend(tmp_path / "db", read_only=True)
+    ro2 = RocksDBBackend(tmp_path / "db", read_only=True)  # many readers may share it
+    v, f = ro.lookup("t", keys)
+    assert f.all() and np.array_equal(v, rows) and ro2.lookup("t", keys)[1].all()
+    with pytest.raises(ValueError, match="read-only"):
+        ro.insert("t", keys, rows)
+    with pytest.raises(ValueError, match="read-only and has no table 'u'"):
+        ro.create_table("u", 2)
+    with pytest.raises(ValueError, match="dim 2, not 4"):
+        ro.create_table("t", 4)
+    ro.close()
+    ro2.close()
+    with pytest.raises(ValueError, match="no RocksDB there"):
+        RocksDBBackend(tmp_path / "missing", read_only=True)
+
+
+def test_reopen_keeps_tables(tmp_path: Path) -> None:
+    db = RocksDBBackend(tmp_path / "db")
+    db.create_table("t", 2)
+    db.insert("t", np.array([4], np.int64), np.array([[1, 2]], np.float32))
+    db.close()
+    db = RocksDBBackend(tmp_path / "db")
+    assert db.has_table("t")
+    v, f = db.lookup("t", np.array([4], np.int64))
+    assert f.all() and v.tolist() == [[1.0, 2.0]]
+    db.close()

@@ -1,0 +1,108 @@
+"""The compiled kernels on a CUDA device: exact against the emulation from the same packed
+arguments (integer-valued inputs), close to the reference on random data, and wired into
+``TileSparseLinear`` through ``tilesparse::tw_linear``. Skipped only where no CUDA device exists."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_cutlass_reference import _layout
+
+from cutlass_kernels import build
+from cutlass_kernels.manifest import DType, manifest
+from cutlass_kernels.reference import emulate, pack_launch, pack_weight
+from tilesparse.format import TWLayout, condense, reference_matmul
+
+pytestmark = pytest.mark.gpu
+
+TOL = {torch.float16: {"rtol": 1e-2, "atol": 1e-2}, torch.bfloat16: {"rtol": 4e-2, "atol": 4e-2}}
+_DT = {DType.F16: torch.float16, DType.BF16: torch.bfloat16}
+
+
+@pytest.fixture(scope="module")
+def ext():
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if build.find_nvcc() is None:
+        pytest.fail("a CUDA device but no nvcc: the TW kernels cannot be built")
+    return build.load_extension()
+
+
+def _int_layout(K: int, N: int, G: int, seed: int) -> TWLayout:
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randint(-1, 2, (K, N), generator=g).float()
+    cols = torch.rand(N, generator=g) < 0.7
+    mask = torch.zeros(K, N, dtype=torch.bool)
+    kept = torch.nonzero(cols).flatten()
+    for start in range(0, kept.numel(), G):
+        rows = torch.rand(K, generator=g) < 0.5
+        tile_cols = kept[start : start + G]
+        mask[torch.nonzero(rows).flatten().unsqueeze(1), tile_cols.unsqueeze(0)] = True
+    return condense(w, mask, G)
+
+
+CASES = [  # (M, K, N, G): K and N not multiples of G, M=1, a batch over one CTA tile
+    (1, 100, 300, 128),
+    (77, 301, 257, 128),
+    (300, 64, 130, 64),
+    (8, 513, 129, 128),
+]
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_kernels_equal_emulation_exactly(ext, case) -> None:
+    M, K, N, G = case
+    layout = _int_layout(K, N, G, seed=M + K)
+    arch = build.device_arch()
+    for kernel in manifest(arch):
+        if kernel.tile_g < G:
+            continue
+        dt = _DT[kernel.dtype]
+        x = torch.randint(-1, 2, (M, K), generator=torch.Generator().manual_seed(1)).to(dt)
+        bias = torch.randint(-2, 3, (N,)).to(dt)
+        cpu = pack_launch(x, pack_weight(layout, dtype=dt), bias)
+        want = emulate(cpu)
+        gpu = pack_launch(x.cuda(), pack_weight(layout, dtype=dt, device="cuda"), bias.cuda())
+        got = build.tw_gemm_kmajor(gpu, kernel=kernel, ext=ext)
+        assert torch.equal(got[:, :M].cpu(), want[:, :M]), kernel.name
+
+
+def test_all_pruned_and_empty_tile(ext) -> None:
+    empty = condense(torch.ones(40, 50), torch.zeros(40, 50, dtype=torch.bool), 128)
+    x = torch.ones(5, 40, dtype=torch.float16, device="cuda")
+    bias = torch.arange(50, dtype=torch.float16, device="cuda")
+    assert torch.equal(build.tw_linear_cuda(x, empty, bias), bias.expand(5, 50))
+    layout = _layout(90, 200, 64, 0.8, 0.5, True, seed=5)  # its first tile keeps no rows
+    assert int(layout.row_ptr[1]) == 0
+    xi = torch.randint(-1, 2, (33, 90)).half()
+    got = build.tw_linear_cuda(xi.cuda(), layout).cpu()
+    assert torch.equal(got, reference_matmul(xi, layout))
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_random_layer_close_to_reference(ext, dtype) -> None:
+    torch.manual_seed(0)
+    K, N, M = 768, 1000, 1000
+    w = torch.randn(K, N) / K**0.5
+    layout = _int_layout(K, N, 128, seed=2)
+    layout = condense(w, layout.mask(), 128)
+    x = torch.randn(M, K)
+    want = reference_matmul(x, layout)
+    got = build.tw_linear_cuda(x.to(dtype).cuda(), layout).float().cpu()
+    torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_tile_sparse_linear_runs_the_cutlass_kernel(ext) -> None:
+    from tilesparse.linear import TileSparseLinear
+
+    assert build.register_cuda_kernel()
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(300, 260)
+    mask_kn = torch.rand(300, 260) < 0.5
+    module = TileSparseLinear.from_dense(dense, mask_kn, tile=128).to(device="cuda", dtype=torch.float16)
+    module.backend = "cutlass"
+    x = torch.randn(64, 300, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        got = module(x).float()
+    want = (x.float() @ (dense.weight.T.cuda() * mask_kn.cuda()) + dense.bias.cuda()).float()
+    torch.testing.assert_close(got, want, **TOL[torch.float16])

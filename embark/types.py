@@ -9,6 +9,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from enum import Enum, StrEnum
+from functools import cached_property
 from typing import Any
 
 
@@ -380,7 +381,7 @@ class TableSharding:
                 f"(got {len(blocks)} column blocks; use '3d')"
             )
 
-    @property
+    @cached_property
     def ranks(self) -> tuple[int, ...]:
         """Ranks holding a shard, in shard order."""
         return tuple(s.rank for s in self.shards)

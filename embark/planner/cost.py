@@ -123,7 +123,16 @@ class CostModel:
             block = [s for s in ts.shards if s.col_start == c0]
             ranks = np.array([s.rank for s in block])
             frac = np.array([s.num_rows for s in block], dtype=np.float64) / st.config.num_rows
-            self._block(st, ts, c1 - c0, ranks, frac, acc)
+            self._block(st, ts.cluster, ts.comm_dtype.nbytes, c1 - c0, ranks, frac, acc)
+        return acc
+
+    def block_traffic(
+        self, name: str, cluster: Cluster, comm_bytes: int, width: int, ranks: np.ndarray, frac: np.ndarray
+    ) -> np.ndarray:
+        """``(W, NUM_CHANNELS)`` bytes of one column block of table ``name``, ``width``
+        columns wide, row-split over ``ranks`` (distinct) with row fractions ``frac``."""
+        acc = np.zeros((self.world, NUM_CHANNELS))
+        self._block(self.tables[name], cluster, comm_bytes, width, np.asarray(ranks), np.asarray(frac, dtype=np.float64), acc)
         return acc
 
     def _dp(self, st: TableStats, ts: TableSharding, acc: np.ndarray) -> None:
@@ -153,7 +162,8 @@ class CostModel:
     def _block(
         self,
         st: TableStats,
-        ts: TableSharding,
+        cluster: Cluster,
+        e: int,
         w: int,
         ranks: np.ndarray,
         frac: np.ndarray,
@@ -161,10 +171,10 @@ class CostModel:
     ) -> None:
         """One column block of width ``w`` row-split over ``ranks`` (row fractions ``frac``)."""
         h, wb, kb = st.config.hotness, self.c.weight_bytes, self.c.key_bytes
-        B, b, e = self.batch_size, self.local_batch, ts.comm_dtype.nbytes
+        B, b = self.batch_size, self.local_batch
         W, G = self.world, self.gpn
         upd = 2 + 2 * self.opt_states
-        unique = ts.cluster is Cluster.UNIQUE
+        unique = cluster is Cluster.UNIQUE
         owner_nodes = ranks // G
         is_owner = np.zeros(W, dtype=bool)
         is_owner[ranks] = True
@@ -184,45 +194,46 @@ class CostModel:
         self_keys[ranks] = key_per_owner
         acc[:, KEY_SEND_INTRA] += node_keys[my_node] - self_keys
         acc[:, KEY_SEND_INTER] += node_keys.sum() - node_keys[my_node]
-        np.add.at(acc[:, KEY_RECV_INTRA], ranks, key_per_owner * (G - 1))
-        np.add.at(acc[:, KEY_RECV_INTER], ranks, key_per_owner * (W - G))
+        acc[ranks, KEY_RECV_INTRA] += (key_per_owner * (G - 1))
+        acc[ranks, KEY_RECV_INTER] += (key_per_owner * (W - G))
 
         if unique:
             vec = st.local_unique * frac * w * e  # to each destination rank
-            np.add.at(acc[:, OUT_SEND_INTRA], ranks, vec * (G - 1))
-            np.add.at(acc[:, OUT_SEND_INTER], ranks, vec * (W - G))
+            acc[ranks, OUT_SEND_INTRA] += (vec * (G - 1))
+            acc[ranks, OUT_SEND_INTER] += (vec * (W - G))
             per_dest = st.local_unique * w * e
             acc[:, OUT_RECV_INTRA] += per_dest * (node_frac[my_node] - f_self)
             acc[:, OUT_RECV_INTER] += per_dest * (1.0 - node_frac[my_node])
             gathered = W * st.local_unique * frac * w * wb
-            np.add.at(acc[:, LOOKUP_FWD], ranks, 2 * gathered)
-            np.add.at(acc[:, LOOKUP_BWD], ranks, gathered + st.global_unique * frac * w * wb * upd)
+            acc[ranks, LOOKUP_FWD] += (2 * gathered)
+            acc[ranks, LOOKUP_BWD] += (gathered + st.global_unique * frac * w * wb * upd)
             acc[:, LOOKUP_FWD] += b * h * w * wb  # pooling at the destination
             acc[:, LOOKUP_BWD] += b * h * w * wb
             return
 
         k_m = node_owners[owner_nodes]
         rs = (k_m - 1) / k_m * B * w * e  # reduce-scatter of partial sums inside the node
-        np.add.at(acc[:, OUT_SEND_INTRA], ranks, rs + (G - k_m) / k_m * b * w * e)
-        np.add.at(acc[:, OUT_RECV_INTRA], ranks, rs)
-        np.add.at(acc[:, OUT_SEND_INTER], ranks, (W - G) / k_m * b * w * e)
+        acc[ranks, OUT_SEND_INTRA] += (rs + (G - k_m) / k_m * b * w * e)
+        acc[ranks, OUT_RECV_INTRA] += (rs)
+        acc[ranks, OUT_SEND_INTER] += ((W - G) / k_m * b * w * e)
         has_owner = node_owners[my_node] > 0
         acc[:, OUT_RECV_INTRA] += np.where(has_owner & ~is_owner, b * w * e, 0.0)
         n_owner_nodes = float(np.count_nonzero(node_owners))
         acc[:, OUT_RECV_INTER] += (n_owner_nodes - has_owner) * b * w * e
         reads = B * h * frac * w * wb
-        np.add.at(acc[:, LOOKUP_FWD], ranks, reads + B * w * wb)
-        np.add.at(acc[:, LOOKUP_BWD], ranks, reads + st.global_unique * frac * w * wb * upd)
+        acc[ranks, LOOKUP_FWD] += (reads + B * w * wb)
+        acc[ranks, LOOKUP_BWD] += (reads + st.global_unique * frac * w * wb * upd)
 
     # -- times ---------------------------------------------------------------------------
-    def phase_times(self, acc: np.ndarray) -> dict[str, np.ndarray]:
+    def phase_times(self, acc: np.ndarray, latency: bool = True) -> dict[str, np.ndarray]:
         """Per-rank seconds of each phase from summed traffic ``acc`` ``(W, NUM_CHANNELS)``.
 
         Returns ``lookup_fwd``, ``lookup_bwd``, ``input_a2a``, ``output_a2a``, ``grad_a2a``
         (the backward mirror of ``output_a2a``) and ``dp_allreduce``, each ``(W,)``.
         A full-duplex link moves send and receive at once: a phase's time on one level is
         ``max(send, recv) / bandwidth``; the intra-node and inter-node levels run one after
-        the other (hierarchical).
+        the other (hierarchical). ``latency=False`` leaves out the fixed per-collective cost
+        (to rate one table alone: the collectives are shared by all tables).
         """
         t, c = self.topology, self.c
         hbm = t.hbm_bandwidth_bytes_per_s * c.lookup_hbm_efficiency
@@ -233,9 +244,9 @@ class CostModel:
             intra = np.maximum(acc[:, si], acc[:, ri])
             inter = np.maximum(acc[:, se], acc[:, re])
             out = intra / bi + inter / be
-            if intra.any():
+            if latency and intra.any():
                 out = out + t.intra_node_latency_s
-            if inter.any():
+            if latency and inter.any():
                 out = out + t.inter_node_latency_s
             return out
 

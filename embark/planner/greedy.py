@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from embark.planner.cost import NUM_CHANNELS, CostModel
-from embark.planner.layout import make_sharding
+from embark.planner.layout import even_splits, make_sharding
 from embark.planner.types import PlannerError, TableConstraints
 from embark.types import Cluster, CommDtype, ShardingPlan, ShardingType, TableConfig, TableSharding
 
@@ -76,8 +76,15 @@ class GreedyPlanner:
                     f"0..{model.world - 1}"
                 )
         self._owner_cost: dict[tuple[str, int, int, Cluster], float] = {}
-        self._layouts: dict[tuple, TableSharding] = {}
-        self._traffic: dict[int, np.ndarray] = {}  # id() of a memoised layout -> its traffic
+        self._blocks: dict[tuple[str, int, int, Cluster], np.ndarray] = {}
+        self._dp_cache: dict[tuple[str, ...], np.ndarray] = {}
+        # _swap[n]: the rank map exchanging node 0 and node n
+        g = model.gpn
+        self._swap = []
+        for n in range(model.nodes):
+            nm = np.arange(model.nodes)
+            nm[0], nm[n] = n, 0
+            self._swap.append((nm[:, None] * g + np.arange(g)[None, :]).reshape(-1))
 
     # -- options ---------------------------------------------------------------------------
     def _cons(self, name: str) -> TableConstraints:
@@ -123,17 +130,17 @@ class GreedyPlanner:
         """Seconds one owner of a ``(k, n)`` shard of ``t`` spends per iteration."""
         key = (t.name, k, n, cluster)
         if key not in self._owner_cost:
-            ph = self.m.phase_times(self.m.traffic(self._canonical(t, k, n, cluster)))
+            ph = self.m.phase_times(self.m.traffic(self._canonical(t, k, n, cluster)), latency=False)
             self._owner_cost[key] = float(sum(v[0] for v in ph.values()))
         return self._owner_cost[key]
 
     def _table_total(self, ts: TableSharding) -> float:
-        ph = self.m.phase_times(self.m.traffic(ts))
+        ph = self.m.phase_times(self.m.traffic(ts), latency=False)
         return float(sum(v.max() for v in ph.values()))
 
     def _table_work(self, ts: TableSharding) -> float:
         """Rank-seconds ``ts`` costs summed over all ranks (what balancing can spread)."""
-        ph = self.m.phase_times(self.m.traffic(ts))
+        ph = self.m.phase_times(self.m.traffic(ts), latency=False)
         return float(sum(v.sum() for v in ph.values()))
 
     def choose_cluster(self, t: TableConfig, k: int, n: int) -> Cluster:
@@ -181,9 +188,11 @@ class GreedyPlanner:
         return chosen
 
     # -- one round ---------------------------------------------------------------------------
-    def place(self, splits: dict[str, Split], dp: list[str]) -> tuple[ShardingPlan | None, str | None]:
-        """Place every shard; returns ``(plan, None)`` or ``(None, name of a table that did
-        not fit)``."""
+    def place(
+        self, splits: dict[str, Split], dp: list[str]
+    ) -> tuple[dict[str, list[list[int]]] | None, str | None]:
+        """Place every shard; returns ``(grids, None)`` (ranks of each column block per
+        table) or ``(None, name of a table that did not fit)``."""
         m = self.m
         g, world = m.gpn, m.world
         cap = m.memory_cap_bytes
@@ -232,37 +241,79 @@ class GreedyPlanner:
             mem[chosen] += need
             holds[t.name].update(chosen)
             grids[t.name].append(chosen)
+        return grids, None
+
+    def build(self, grids: dict[str, list[list[int]]], splits: dict[str, Split]) -> ShardingPlan:
+        """The :class:`ShardingPlan` of a placement (DP for tables without a grid)."""
+        m = self.m
         out = []
         for t in m.workload.tables:
-            if t.name in splits:
-                out.append(self.sharding(t, grids[t.name], splits[t.name].cluster))
+            if t.name in grids:
+                out.append(make_sharding(t, grids[t.name], splits[t.name].cluster, self.dtype, m.world, m.gpn))
             else:
-                out.append(self.sharding(t, [], Cluster.DP))
-        return ShardingPlan(world, g, tuple(out), m.topology.name), None
+                out.append(make_sharding(t, [], Cluster.DP, self.dtype, m.world, m.gpn))
+        return ShardingPlan(m.world, m.gpn, tuple(out), m.topology.name)
 
-    def sharding(self, t: TableConfig, grid: list[list[int]], cluster: Cluster) -> TableSharding:
-        """:func:`make_sharding`, memoised (rounds rebuild mostly identical layouts)."""
-        key = (t.name, tuple(map(tuple, grid)), cluster)
-        ts = self._layouts.get(key)
-        if ts is None:
-            ts = make_sharding(t, grid, cluster, self.dtype, self.m.world, self.m.gpn)
-            self._layouts[key] = ts
-            self._traffic[id(ts)] = self.m.traffic(ts)
-        return ts
+    def _canonical_block(self, t: TableConfig, k: int, n: int, cluster: Cluster) -> np.ndarray:
+        key = (t.name, k, n, cluster)
+        tr = self._blocks.get(key)
+        if tr is None:
+            frac = np.array([b - a for a, b in even_splits(t.num_rows, k)], dtype=np.float64) / t.num_rows
+            tr = self.m.block_traffic(t.name, cluster, self.dtype.nbytes, t.dim // n, np.arange(k), frac)
+            self._blocks[key] = tr
+        return tr
 
-    def traffic(self, ts: TableSharding) -> np.ndarray:
-        # memoised layouts stay alive in self._layouts, so their id() cannot be reused
-        tr = self._traffic.get(id(ts))
-        return self.m.traffic(ts) if tr is None else tr
+    def _perm(self, ranks: list[int]) -> np.ndarray:
+        """Rank map ``p`` with ``actual[r] = canonical[p[r]]``: the canonical layout puts the
+        ``k`` owners on ranks ``0..k-1``; traffic only depends on which ranks share a node,
+        so any node-preserving relabelling carries it over exactly."""
+        g, nodes = self.m.gpn, self.m.nodes
+        k = len(ranks)
+        if k <= g:
+            node = ranks[0] // g
+            perm = self._swap[node].copy()
+            local = [r - node * g for r in ranks]
+            taken = set(local)
+            others = [j for j in range(g) if j not in taken]
+            perm[node * g + np.array(local + others)] = np.arange(g)
+            return perm
+        owner_nodes = sorted({r // g for r in ranks})
+        rest = [nd for nd in range(nodes) if nd not in owner_nodes]
+        canon = {nd: i for i, nd in enumerate(owner_nodes + rest)}
+        perm = np.empty(self.m.world, dtype=np.int64)
+        for nd in range(nodes):
+            perm[nd * g : nd * g + g] = np.arange(canon[nd] * g, canon[nd] * g + g)
+        return perm
 
-    def evaluate(self, plan: ShardingPlan) -> tuple[tuple[float, float], np.ndarray]:
-        """``((step s, embedding s), per-rank seconds (W,))``."""
-        acc = np.zeros((self.m.world, NUM_CHANNELS))
-        for ts in plan.tables:
-            acc += self.traffic(ts)
+    def grid_traffic(self, name: str, grid: list[list[int]], split: Split) -> np.ndarray:
+        """Traffic of a placed table, from permuted canonical blocks (equal to
+        :meth:`CostModel.traffic` of its layout; tested)."""
+        t = self.tables[name]
+        out = np.zeros((self.m.world, NUM_CHANNELS))
+        base = self._canonical_block(t, split.k, split.n, split.cluster)
+        for ranks in grid:
+            out += base[self._perm(ranks)]
+        return out
+
+    def _dp_traffic(self, dp: list[str]) -> np.ndarray:
+        key = tuple(dp)
+        if key not in self._dp_cache:
+            acc = np.zeros((self.m.world, NUM_CHANNELS))
+            for name in dp:
+                t = self.tables[name]
+                acc += self.m.traffic(make_sharding(t, [], Cluster.DP, self.dtype, self.m.world, self.m.gpn))
+            self._dp_cache[key] = acc
+        return self._dp_cache[key]
+
+    def evaluate(
+        self, grids: dict[str, list[list[int]]], splits: dict[str, Split], dp: list[str]
+    ) -> tuple[tuple[float, float], np.ndarray, dict[str, np.ndarray]]:
+        """``((step s, embedding s), per-rank seconds (W,), traffic per sharded table)``."""
+        per_table = {name: self.grid_traffic(name, g, splits[name]) for name, g in grids.items()}
+        acc = self._dp_traffic(dp) + (sum(per_table.values()) if per_table else 0.0)
         step, _, emb = self.m.step_seconds(acc)
         per_rank = sum(self.m.phase_times(acc).values())
-        return (step, emb), per_rank
+        return (round(step, 12), round(emb, 12)), per_rank, per_table
 
     # -- the search ----------------------------------------------------------------------------
     def initial_splits(self, dp: list[str], rows_per_node: bool = False) -> dict[str, Split]:
@@ -298,12 +349,13 @@ class GreedyPlanner:
             out.append(Split(s.k, ns[0], self.choose_cluster(t, s.k, ns[0])))
         return out
 
-    def _fit(self, splits: dict[str, Split], dp: list[str]) -> ShardingPlan:
+    def _fit(self, splits: dict[str, Split], dp: list[str]) -> dict[str, list[list[int]]]:
         """Place, splitting the table that did not fit further until everything fits."""
         for _ in range(10 * len(splits) + 10):
-            plan, failed = self.place(splits, dp)
-            if plan is not None:
-                return plan
+            grids, failed = self.place(splits, dp)
+            if grids is not None:
+                return grids
+            assert failed is not None
             t = self.tables[failed]
             grow = self._grow(t, splits[failed])
             if not grow:
@@ -327,62 +379,58 @@ class GreedyPlanner:
                 f"state but {m.world} GPUs hold {have / 1e9:.1f} GB (short by {(total - have) / 1e9:.1f} GB)"
             )
         dp = self.choose_dp()
-        best: tuple[tuple[float, float], ShardingPlan] | None = None
+        best = None
         for rows_per_node in (False, True):
-            plan = self._fit(self.initial_splits(dp, rows_per_node), dp)
-            cand = self._rounds(plan, dp)
+            splits = self.initial_splits(dp, rows_per_node)
+            grids = self._fit(splits, dp)
+            cand = self._rounds(grids, splits, dp)
             if best is None or cand[0] < best[0]:
                 best = cand
         assert best is not None
         log.info("greedy: best simulated step %.3f ms", best[0][0] * 1e3)
-        return best[1]
+        return self.build(best[1], best[2])
 
-    def _rounds(self, plan: ShardingPlan, dp: list[str]) -> tuple[tuple[float, float], ShardingPlan]:
+    def _rounds(
+        self, grids: dict[str, list[list[int]]], splits: dict[str, Split], dp: list[str]
+    ) -> tuple[tuple[float, float], dict[str, list[list[int]]], dict[str, Split]]:
         """Split the bottleneck rank's costliest table, re-place, ``rounds`` times; the best."""
-        splits = self._splits_of(plan)
-        best_score, per_rank = self.evaluate(plan)
-        best = plan
+        score, per_rank, per_table = self.evaluate(grids, splits, dp)
+        best = (score, grids, splits)
         frozen: set[str] = set()
         for rnd in range(self.rounds):
-            cand_plans = []
-            for name in self._bottleneck_tables(plan, per_rank):
+            cands = []
+            for name in self._bottleneck_tables(grids, per_table, per_rank):
                 if name in frozen:
                     continue
                 for s in self._grow(self.tables[name], splits[name]):
                     trial = dict(splits)
                     trial[name] = s
-                    p, _ = self.place(trial, dp)
-                    if p is not None:
-                        sc, pr = self.evaluate(p)
-                        cand_plans.append((sc, name, s.k, s.n, p, pr, trial))
-                if cand_plans:
+                    g, _ = self.place(trial, dp)
+                    if g is not None:
+                        sc, pr, pt = self.evaluate(g, trial, dp)
+                        cands.append((sc, name, s.k, s.n, g, pr, pt, trial))
+                if cands:
                     break
                 frozen.add(name)
-            if not cand_plans:
+            if not cands:
                 log.debug("greedy: nothing left to split after %d rounds", rnd)
                 break
-            score, _, _, _, plan, per_rank, splits = min(cand_plans, key=lambda c: c[:4])
-            if score < best_score:
-                best, best_score = plan, score
-        return best_score, best
+            score, _, _, _, grids, per_rank, per_table, splits = min(cands, key=lambda c: c[:4])
+            if score < best[0]:
+                best = (score, grids, splits)
+        return best
 
-    def _splits_of(self, plan: ShardingPlan) -> dict[str, Split]:
-        out = {}
-        for ts in plan.tables:
-            if ts.cluster is Cluster.DP:
-                continue
-            blocks = ts.column_blocks
-            out[ts.name] = Split(len(ts.shards) // len(blocks), len(blocks), ts.cluster)
-        return out
-
-    def _bottleneck_tables(self, plan: ShardingPlan, per_rank: np.ndarray) -> list[str]:
+    def _bottleneck_tables(
+        self, grids: dict[str, list[list[int]]], per_table: dict[str, np.ndarray], per_rank: np.ndarray
+    ) -> list[str]:
         """Sharded tables on the slowest rank, costliest first."""
         r = int(np.argmax(per_rank))
         on = []
-        for i, ts in enumerate(plan.tables):
-            if ts.cluster is Cluster.DP or r not in ts.ranks:
+        for i, t in enumerate(self.m.workload.tables):
+            g = grids.get(t.name)
+            if g is None or not any(r in b for b in g):
                 continue
-            tr = self.traffic(ts)
-            cost = float(sum(v[r] for v in self.m.phase_times(tr).values()))
-            on.append((-cost, i, ts.name))
+            row = per_table[t.name][r : r + 1]
+            cost = float(sum(v[0] for v in self.m.phase_times(row, latency=False).values()))
+            on.append((-cost, i, t.name))
         return [name for _, _, name in sorted(on)]

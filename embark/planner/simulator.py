@@ -65,7 +65,7 @@ def simulate(plan: ShardingPlan, model: CostModel) -> SimResult:
         tr = model.traffic(ts)
         acc += tr
         mem += model.memory(ts)
-        ph = model.phase_times(tr)
+        ph = model.phase_times(tr, latency=False)
         table_ms[ts.name] = 1e3 * float(sum(v.max() for v in ph.values()))
         ranks = sorted(set(ts.ranks))
         tables[ranks] += 1

@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-EXACT_TERMS = 1 << 15
+EXACT_TERMS = 1 << 12
 TAIL_POINTS = 2048
 
 

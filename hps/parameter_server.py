@@ -24,7 +24,8 @@ from hps.config import ModelConfig, PSConfig, load_config
 from hps.persistent import RocksDBBackend
 from hps.session import LookupSession, SessionTable
 from hps.sparse_files import read_table
-from hps.types import PersistentDBType, StorageBackend, VolatileDBType
+from hps.types import PersistentDBType, StorageBackend, UpdateSourceType, VolatileDBType
+from hps.updates import FileLogSource, RedisStreamSource, UpdateApplier, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -141,6 +142,25 @@ class HierarchicalParameterServer:
             max_concurrent=model.num_of_worker_buffer_in_pool,
             cache_missed_embeddings=self.cfg.volatile_db.cache_missed_embeddings, device=device,
         )
+
+    def update_applier(self) -> UpdateApplier | None:
+        """The applier of ``update_source`` (``None`` for ``type: none``); call ``.poll()`` or
+        ``.start(update_source.poll_interval_s)``. The offset lives in the persistent DB when it
+        is writable, else in ``state_path`` (default: ``<log path>.offset`` for a file log)."""
+        u = self.cfg.update_source
+        if u.type is UpdateSourceType.NONE:
+            return None
+        if u.type is UpdateSourceType.FILE_LOG:
+            source = FileLogSource(u.path)
+            state = u.state_path or u.path + ".offset"
+        else:
+            vdb = self.cfg.volatile_db
+            address = u.address or vdb.address
+            cluster = not u.address and vdb.type is VolatileDBType.REDIS_CLUSTER
+            source = RedisStreamSource(redis_client(address, cluster=cluster), u.stream)
+            state = u.state_path or None
+        return UpdateApplier(source, self._sessions.values(), self.volatile, self.persistent,
+                             offset_file=state, name=f"{u.type.value}:{u.stream if u.path == '' else u.path}")
 
     def close(self) -> None:
         for s in self._sessions.values():

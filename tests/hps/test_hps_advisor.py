@@ -1,0 +1,90 @@
+from __future__ import annotations
+
+import itertools
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from hps.advisor import (
+    KeyStatistics,
+    TableKeyStats,
+    fit_zipf,
+    format_table,
+    overall_hit_rate,
+    plot_hit_curves,
+    recommend,
+    zipf_hit_curve,
+)
+
+
+def _zipf_counts(n: int, alpha: float, samples: int, seed: int) -> np.ndarray:
+    p = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+    p /= p.sum()
+    draws = np.random.default_rng(seed).choice(n, size=samples, p=p)
+    return np.bincount(draws, minlength=n)
+
+
+@pytest.mark.parametrize("alpha", [0.9, 1.05, 1.2])
+def test_fit_zipf_recovers_alpha(alpha: float) -> None:
+    counts = _zipf_counts(20_000, alpha, 400_000, seed=1)
+    assert fit_zipf(counts) == pytest.approx(alpha, abs=0.08)
+
+
+def test_zipf_curve_matches_direct_sum() -> None:
+    n, alpha = 50_000, 1.05
+    p = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+    direct = np.cumsum(p) / p.sum()
+    c = np.array([1, 10, 5000, 12_345, 49_999, 50_000])
+    np.testing.assert_allclose(zipf_hit_curve(n, alpha, c), direct[c - 1], rtol=1e-6)
+    assert zipf_hit_curve(n, alpha, np.array([0]))[0] == 0.0
+
+
+def test_ideal_figures_from_anchors() -> None:
+    # ANCHORS.md: ideal hit rate caching the hottest 10% of 10M rows: 0.906 (1.05), 0.978 (1.2)
+    assert zipf_hit_curve(10_000_000, 1.05, np.array([1_000_000]))[0] == pytest.approx(0.906, abs=0.01)
+    assert zipf_hit_curve(10_000_000, 1.2, np.array([1_000_000]))[0] == pytest.approx(0.978, abs=0.01)
+
+
+def test_recommend_beats_every_grid_split() -> None:
+    tables = {"a": TableKeyStats.from_zipf(100_000, 16, 1.2, lookups=1.0),
+              "b": TableKeyStats.from_zipf(50_000, 64, 0.9, lookups=2.0),
+              "c": TableKeyStats(20_000, 8, lookups=0.5, counts=_zipf_counts(20_000, 1.0, 100_000, seed=3))}
+    budget = 2 * 2**20
+    recs = recommend(tables, budget)
+    assert sum(r.bytes for r in recs) <= budget
+    best = overall_hit_rate(recs)
+    bytes_per_row = {n: t.dim * 4 for n, t in tables.items()}
+    grid = np.linspace(0, 1, 21)
+    for fa, fb in itertools.product(grid, grid):  # brute force over budget shares
+        if fa + fb > 1:
+            continue
+        share = {"a": fa, "b": fb, "c": 1 - fa - fb}
+        h = 0.0
+        total = sum(t.lookups for t in tables.values())
+        for n, t in tables.items():
+            rows = min(t.num_rows, int(share[n] * budget // bytes_per_row[n]))
+            h += t.lookups / total * float(t.curve(np.array([rows]))[0])
+        assert h <= best + 1e-3
+    text = format_table(recs)
+    assert "gpucacheper" in text and "overall ideal hit rate" in text
+
+
+def test_key_statistics_bounded_and_hottest_first(tmp_path: Path) -> None:
+    ks = KeyStatistics(max_keys=100)
+    g = np.random.default_rng(0)
+    for _ in range(20):
+        ks.update(np.concatenate([np.repeat(np.arange(10), 3), g.integers(1000, 10**9, 300)]).astype(np.int64))
+    hot = ks.hottest(10)
+    assert sorted(hot.tolist()) == list(range(10))
+    assert len(ks.counts()) <= 200 and ks.counts()[0] == 60 and ks.total == 20 * 330
+    stats = {"t": TableKeyStats.from_statistics(ks, num_rows=10**9, dim=8)}
+    png = plot_hit_curves(stats, tmp_path / "hit.png", recommend(stats, 4096))
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_inputs() -> None:
+    with pytest.raises(ValueError, match="budget_bytes must be > 0"):
+        recommend({"a": TableKeyStats.from_zipf(10, 4, 1.0)}, 0)
+    with pytest.raises(ValueError, match="at least 2 distinct"):
+        fit_zipf(np.array([5]))

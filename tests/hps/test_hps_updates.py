@@ -1,0 +1,211 @@
+from __future__ import annotations
+
+import threading
+from pathlib import Path
+from types import SimpleNamespace
+
+import numpy as np
+import pytest
+import torch
+from hps_helpers import make_table
+
+from hps.cache import EmbeddingCache
+from hps.persistent import RocksDBBackend
+from hps.session import LookupSession, SessionTable
+from hps.updates import (
+    CorruptRecordError,
+    FileLogPublisher,
+    FileLogSource,
+    PublishUpdatesCallback,
+    RedisStreamPublisher,
+    RedisStreamSource,
+    UpdateApplier,
+    decode_batch,
+    encode_batch,
+    redis_client,
+)
+from hps.volatile import HashMapBackend
+
+DIM = 3
+
+
+def _batch(seed: int, n: int = 5, table: str = "t") -> dict:
+    g = np.random.default_rng(seed)
+    return {table: (g.choice(100, n, replace=False).astype(np.int64),
+                    g.integers(-9, 9, (n, DIM)).astype(np.float32))}
+
+
+def test_record_round_trip_and_checksum() -> None:
+    b = {**_batch(0), "u": (np.array([1], np.int64), np.ones((1, 7), np.float32))}
+    rec = encode_batch(b)
+    out = decode_batch(rec)
+    assert sorted(out) == ["t", "u"]
+    for k in b:
+        assert np.array_equal(out[k][0], b[k][0]) and np.array_equal(out[k][1], b[k][1])
+    flipped = bytearray(rec)
+    flipped[-1] ^= 1
+    with pytest.raises(CorruptRecordError, match="checksum"):
+        decode_batch(bytes(flipped))
+    with pytest.raises(CorruptRecordError, match="payload has"):
+        decode_batch(rec[:-2])
+
+
+def test_file_log_torn_write_is_never_applied(tmp_path: Path) -> None:
+    log = tmp_path / "u.log"
+    pub = FileLogPublisher(log)
+    off1 = pub.publish(_batch(1))
+    pub.publish(_batch(2))
+    whole = log.read_bytes()
+    log.write_bytes(whole[: int(off1) + 20])  # the second record torn mid-write
+    src = FileLogSource(log)
+    recs = src.read(None)
+    assert [o for o, _ in recs] == [off1]  # only the complete record
+    FileLogPublisher(log)  # reopening truncates the torn tail ...
+    assert log.stat().st_size == int(off1)
+    # ... and a record corrupted in place (complete length, bad CRC) stops the reader
+    pub = FileLogPublisher(log)
+    pub.publish(_batch(3))
+    data = bytearray(log.read_bytes())
+    data[-1] ^= 0xFF
+    log.write_bytes(bytes(data))
+    assert [o for o, _ in src.read(None)] == [off1] and src.corrupt == 1
+
+
+def _served(tmp_path: Path, pdb: bool = True):
+    keys, rows = make_table(50, DIM, seed=4, key_space=100)
+    vdb = HashMapBackend(num_partitions=2)
+    vdb.create_table("t", DIM)
+    vdb.insert("t", keys, rows)
+    p = None
+    if pdb:
+        p = RocksDBBackend(tmp_path / "pdb")
+        p.create_table("t", DIM)
+        p.bulk_load("t", keys, rows)
+    cache = EmbeddingCache(64, DIM, ways=8)
+    s = LookupSession([SessionTable("t", DIM, 0.0, 10_000, cache)], vdb, p, exact=True, hit_rate_threshold=1.0)
+    s.lookup("t", torch.from_numpy(keys))  # cache filled
+    return s, vdb, p, keys, rows
+
+
+def test_applier_updates_every_tier_and_resumes(tmp_path: Path) -> None:
+    s, vdb, pdb, keys, rows = _served(tmp_path)
+    pub = FileLogPublisher(tmp_path / "u.log")
+    b1 = {"t": (keys[:4].copy(), rows[:4] + 100)}
+    b2 = {"t": (np.array([999], np.int64), np.full((1, DIM), 5.0, np.float32))}  # a new key
+    pub.publish(b1)
+    ap = UpdateApplier(FileLogSource(tmp_path / "u.log"), [s], vdb, pdb)
+    assert ap.poll() == 1 and ap.poll() == 0
+    q = torch.from_numpy(np.concatenate([keys[:4], [999]]))
+    got = s.lookup("t", q)
+    assert torch.equal(got[:4], torch.from_numpy(rows[:4] + 100))  # the cached copies followed
+    assert np.array_equal(pdb.lookup("t", keys[:4])[0], rows[:4] + 100)
+    pub.publish(b2)
+    pdb.close()
+    # restart: a new applier over the same persistent db resumes after b1
+    pdb2 = RocksDBBackend(tmp_path / "pdb")
+    ap2 = UpdateApplier(FileLogSource(tmp_path / "u.log"), [s], vdb, pdb2)
+    assert ap2.offset == ap.offset
+    assert ap2.poll() == 1 and ap2.applied == 1
+    assert pdb2.lookup("t", np.array([999], np.int64))[1].all()
+    s.close()
+    pdb2.close()
+
+
+def test_invalid_batch_is_applied_not_at_all(tmp_path: Path) -> None:
+    s, vdb, pdb, keys, rows = _served(tmp_path)
+    ap = UpdateApplier(FileLogSource(tmp_path / "none.log"), [s], vdb, pdb)
+    bad = {"t": (keys[:2].copy(), rows[:2] + 1), "zz": (np.array([1], np.int64), np.ones((1, DIM), np.float32))}
+    with pytest.raises(ValueError, match="unknown table 'zz'"):
+        ap.apply(bad, "10")
+    assert np.array_equal(vdb.lookup("t", keys[:2])[0], rows[:2]) and ap.offset is None
+    bad2 = {"t": (keys[:2].copy(), np.ones((2, DIM + 1), np.float32))}
+    with pytest.raises(ValueError, match=r"rows \(2, 4\), expected \(2, 3\)"):
+        ap.apply(bad2, "10")
+    s.close()
+    pdb.close()
+
+
+def test_readers_never_see_half_a_batch(tmp_path: Path) -> None:
+    s, vdb, pdb, keys, rows = _served(tmp_path, pdb=False)
+    ap = UpdateApplier(FileLogSource(tmp_path / "none.log"), [s], vdb, None, offset_file=tmp_path / "off")
+    q = torch.from_numpy(keys[:20].copy())
+    stop = threading.Event()
+    torn: list[float] = []
+
+    def reader() -> None:
+        while not stop.is_set():
+            v = s.lookup("t", q)
+            base = v - torch.from_numpy(rows[:20])
+            if not torch.all(base == base[0, 0]):  # every row shifted by the same version
+                torn.append(float(base.min()))
+
+    t = threading.Thread(target=reader)
+    t.start()
+    for version in range(1, 30):
+        ap.apply({"t": (keys[:20].copy(), rows[:20] + version)}, str(version))
+    stop.set()
+    t.join()
+    assert not torn
+    assert (tmp_path / "off").read_text() == "29"
+    s.close()
+
+
+class _FakeTrainer:
+    """Duck-typed: the callback needs ``trainer.model.embeddings[<table>].weight``."""
+
+    def __init__(self) -> None:
+        self.model = SimpleNamespace(embeddings=torch.nn.ModuleDict({"t": torch.nn.EmbeddingBag(100, DIM)}))
+
+
+def test_trainer_callback_publishes_changed_rows(tmp_path: Path) -> None:
+    pub = FileLogPublisher(tmp_path / "u.log")
+    cb = PublishUpdatesCallback(pub)
+    tr = _FakeTrainer()
+    cb.on_after_backward(tr, 0)  # snapshot before the first optimizer step
+    with torch.no_grad():
+        tr.model.embeddings["t"].weight[[3, 7]] += 1.0
+    cb.on_step_end(tr, 0, 0.5)
+    cb.on_step_end(tr, 1, 0.5)  # nothing changed: nothing published
+    recs = FileLogSource(tmp_path / "u.log").read(None)
+    assert len(recs) == 1 and cb.published == 1
+    k, v = recs[0][1]["t"]
+    assert k.tolist() == [3, 7]
+    assert np.array_equal(v, tr.model.embeddings["t"].weight.detach()[[3, 7]].numpy())
+
+
+def test_real_trainer_callback(tmp_path: Path) -> None:
+    train = pytest.importorskip("embark.train", reason="embark.train has not landed yet")
+    data = pytest.importorskip("embark.data")
+    from embark.model import build_model
+    from embark.workloads import get_workload
+
+    wl = get_workload("tiny")
+    cb = PublishUpdatesCallback(FileLogPublisher(tmp_path / "u.log"))
+    trainer = train.Trainer(build_model(wl, seed=0), train.TrainConfig(), callbacks=[cb])
+    trainer.fit(data.SyntheticCTR(wl, batch_size=16, seed=0).batches(2), steps=2, progress=False)
+    recs = FileLogSource(tmp_path / "u.log").read(None)
+    assert len(recs) == 2
+    last = {}
+    for _, b in recs:
+        for name, (k, v) in b.items():
+            last.update({(name, int(i)): row for i, row in zip(k, v)})
+    for (name, i), row in last.items():
+        assert np.array_equal(row, trainer.model.embeddings[name].weight.detach()[i].numpy())
+
+
+@pytest.mark.redis
+def test_redis_stream_transport(redis_cluster, tmp_path: Path) -> None:
+    client = redis_client(redis_cluster.address, cluster=True)
+    stream = f"upd_{tmp_path.name}"
+    pub = RedisStreamPublisher(client, stream)
+    ids = [pub.publish(_batch(i)) for i in range(3)]
+    src = RedisStreamSource(client, stream)
+    recs = src.read(None, max_records=2)
+    assert [o for o, _ in recs] == ids[:2]
+    assert [o for o, _ in src.read(ids[1])] == ids[2:]
+    s, vdb, _, keys, rows = _served(tmp_path, pdb=False)
+    ap = UpdateApplier(src, [s], vdb, None, offset_file=tmp_path / "off")
+    client.xadd(stream, {b"r": b"HPSU garbage"})
+    assert ap.poll() == 3 and src.corrupt == 1 and ap.offset == ids[2]
+    client.delete(stream)
+    s.close()

@@ -303,7 +303,7 @@ class TableSharding:
         if (self.sharding_type is ShardingType.DP) != (self.cluster is Cluster.DP):
             raise PlanError(
                 f"table {self.name!r}: sharding_type {self.sharding_type.value!r} needs cluster "
-                f"{'data_parallel' if self.sharding_type is ShardingType.DP else 'reduction or unique'}, "
+                f"{repr('data_parallel') if self.sharding_type is ShardingType.DP else repr('reduction') + ' or ' + repr('unique')}, "
                 f"got {self.cluster.value!r}"
             )
         for s in self.shards:

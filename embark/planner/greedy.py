@@ -19,7 +19,7 @@ import numpy as np
 
 from embark.planner.cost import NUM_CHANNELS, CostModel
 from embark.planner.layout import even_splits, make_sharding
-from embark.planner.types import PlannerError, TableConstraints
+from embark.planner.types import PlannerError, TableConstraints, format_bytes
 from embark.types import Cluster, CommDtype, ShardingPlan, ShardingType, TableConfig, TableSharding
 
 log = logging.getLogger(__name__)
@@ -157,7 +157,10 @@ class GreedyPlanner:
     def choose_dp(self) -> list[str]:
         """Tables replicated: those whose DP cost beats table-wise, cheapest memory first,
         within ``DP_MEMORY_FRACTION`` of a GPU (or all allowed ones when forced)."""
-        budget = DP_MEMORY_FRACTION * self.m.memory_cap_bytes
+        per = self.m.bytes_per_element()
+        slack = self.m.memory_cap_bytes - sum(t.num_rows * t.dim for t in self.m.workload.tables) * per / self.m.world
+        budget = min(DP_MEMORY_FRACTION * self.m.memory_cap_bytes, max(0.0, slack / 2))
+        limit = budget
         chosen, cands = [], []
         for t in self.m.workload.tables:
             c = self._cons(t.name)
@@ -182,8 +185,8 @@ class GreedyPlanner:
                 budget -= full
         if budget < 0:
             raise PlannerError(
-                f"data-parallel tables forced by constraints need {(DP_MEMORY_FRACTION * self.m.memory_cap_bytes - budget) / 1e9:.2f} GB "
-                f"per GPU, over the {DP_MEMORY_FRACTION * self.m.memory_cap_bytes / 1e9:.2f} GB replica budget by {-budget / 1e9:.2f} GB"
+                f"data-parallel tables forced by constraints need {format_bytes(limit - budget)} "
+                f"per GPU, over the {format_bytes(limit)} replica budget by {format_bytes(-budget)}"
             )
         return chosen
 
@@ -225,7 +228,7 @@ class GreedyPlanner:
                 masked = np.where(ok, load, np.inf).reshape(m.nodes, g)
                 # stable: equal loads keep rank order
                 order = np.argsort(masked, axis=1, kind="stable")[:, : s.k]
-                kth = np.take_along_axis(masked, order, axis=1)[:, -1]
+                kth = masked[np.arange(m.nodes), order[:, -1]]
                 node = int(np.argmin(kth))
                 if np.isfinite(kth[node]):
                     chosen = sorted(int(node * g + j) for j in order[node])
@@ -295,6 +298,9 @@ class GreedyPlanner:
             out += base[self._perm(ranks)]
         return out
 
+    def _dp_bytes(self, dp: list[str]) -> float:
+        return sum(self.tables[n].num_rows * self.tables[n].dim for n in dp) * self.m.bytes_per_element()
+
     def _dp_traffic(self, dp: list[str]) -> np.ndarray:
         key = tuple(dp)
         if key not in self._dp_cache:
@@ -331,6 +337,16 @@ class GreedyPlanner:
                     f"({self._cons(t.name)}) on {self.m.world} ranks"
                 )
             opts.sort()
+            room = cap - self._dp_bytes(dp)
+            smallest = min(self.shard_bytes(t, k, n) for _, n, k in opts)
+            if smallest > room:
+                k, n = max((o[2], o[1]) for o in opts if self.shard_bytes(t, o[2], o[1]) == smallest)
+                raise PlannerError(
+                    f"table {t.name!r} ({format_bytes(t.num_rows * t.dim * self.m.bytes_per_element())} "
+                    f"with optimizer state) does not fit: its finest allowed split ({k}×{n}) needs "
+                    f"{format_bytes(smallest)} per shard but a GPU holds {format_bytes(room)} "
+                    f"(short by {format_bytes(smallest - room)})"
+                )
             fit = [o for o in opts if self.shard_bytes(t, o[2], o[1]) <= cap / 2] or [opts[-1]]
             if rows_per_node:
                 fit = [o for o in fit if o[1] == 1 and o[2] >= min(self.m.gpn, t.num_rows)] or fit
@@ -351,7 +367,7 @@ class GreedyPlanner:
 
     def _fit(self, splits: dict[str, Split], dp: list[str]) -> dict[str, list[list[int]]]:
         """Place, splitting the table that did not fit further until everything fits."""
-        for _ in range(10 * len(splits) + 10):
+        for _ in range(2 * len(splits) + 10):
             grids, failed = self.place(splits, dp)
             if grids is not None:
                 return grids
@@ -359,13 +375,25 @@ class GreedyPlanner:
             t = self.tables[failed]
             grow = self._grow(t, splits[failed])
             if not grow:
-                need = t.num_rows * t.dim * self.m.bytes_per_element()
-                raise PlannerError(
-                    f"table {failed!r} ({need / 1e9:.2f} GB with optimizer state) does not fit: split "
-                    f"{splits[failed].k}×{splits[failed].n} ways it needs "
-                    f"{self.shard_bytes(t, splits[failed].k, splits[failed].n) / 1e9:.2f} GB per shard and "
-                    f"no rank set with room is left (per-GPU cap {self.m.memory_cap_bytes / 1e9:.2f} GB)"
-                )
+                # split the largest shards that still can be, to free room for this one
+                growable = [
+                    (-self.shard_bytes(self.tables[n], s.k, s.n), i, n)
+                    for i, (n, s) in enumerate(splits.items())
+                    if self._grow(self.tables[n], s)
+                ]
+                if not growable:
+                    need = t.num_rows * t.dim * self.m.bytes_per_element()
+                    shard = self.shard_bytes(t, splits[failed].k, splits[failed].n)
+                    raise PlannerError(
+                        f"table {failed!r} ({format_bytes(need)} with optimizer state) does not fit: "
+                        f"split {splits[failed].k}×{splits[failed].n} ways it needs {format_bytes(shard)} "
+                        f"per shard, and no rank set with room is left (per-GPU cap "
+                        f"{format_bytes(self.m.memory_cap_bytes)}; short by at least "
+                        f"{format_bytes(max(shard - (self.m.memory_cap_bytes - self._dp_bytes(dp)), 0.0))} "
+                        f"on an empty GPU)"
+                    )
+                failed = min(growable)[2]
+                grow = self._grow(self.tables[failed], splits[failed])
             splits[failed] = min(grow, key=lambda s: (s.k * s.n, s.k))
         raise PlannerError("greedy placement did not converge")  # pragma: no cover
 
@@ -375,8 +403,8 @@ class GreedyPlanner:
         have = m.memory_cap_bytes * m.world
         if total > have:
             raise PlannerError(
-                f"workload {m.workload.name!r} needs {total / 1e9:.1f} GB of weights + optimizer "
-                f"state but {m.world} GPUs hold {have / 1e9:.1f} GB (short by {(total - have) / 1e9:.1f} GB)"
+                f"workload {m.workload.name!r} needs {format_bytes(total)} of weights + optimizer "
+                f"state but {m.world} GPUs hold {format_bytes(have)} (short by {format_bytes(total - have)})"
             )
         dp = self.choose_dp()
         best = None

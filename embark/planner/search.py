@@ -37,6 +37,7 @@ def local_search(
     max_passes: int = 60,
     shards_per_pass: int = 8,
     targets_per_pass: int = 3,
+    swaps_per_shard: int = 4,
 ) -> ShardingPlan:
     """Improve ``plan`` by shard moves and swaps (see the module docstring)."""
     cons = constraints or {}
@@ -94,10 +95,14 @@ def local_search(
                     memory[i] = m_new
                     improved = True
                     break
-                # swap with a shard on dst of a table that is not on src
-                for j, other in enumerate(tables):
-                    if j == i or other.cluster is Cluster.DP or dst not in other.ranks or src in other.ranks:
-                        continue
+                # swap with one of the costliest shards on dst whose table is not on src
+                on_dst = [
+                    (-float(traffic[j][dst, :2].sum()), j)
+                    for j, other in enumerate(tables)
+                    if j != i and other.cluster is not Cluster.DP and dst in other.ranks and src not in other.ranks
+                ]
+                for _, j in sorted(on_dst)[:swaps_per_shard]:
+                    other = tables[j]
                     o_moved = _with_rank(other, dst, src, world, gpn)
                     om_new = model.memory(o_moved)
                     new_mem = mem - memory[i] - memory[j] + m_new + om_new

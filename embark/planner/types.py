@@ -12,6 +12,14 @@ from typing import Any
 from embark.types import Cluster, ShardingType
 
 
+def format_bytes(n: float) -> str:
+    """``1.5e9 -> '1.50 GB'``, ``2e6 -> '2.00 MB'`` (decimal units, as HBM sizes are quoted)."""
+    for unit, scale in (("TB", 1e12), ("GB", 1e9), ("MB", 1e6), ("kB", 1e3)):
+        if abs(n) >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n:.0f} B"
+
+
 class PlannerError(ValueError):
     """The planner cannot satisfy the input; the message names what does not fit and by how
     much (e.g. ``table 't3' needs 95.0 GB per replica but one GPU holds 72.0 GB``)."""

@@ -30,7 +30,9 @@ def _labels(labels: ArrayLike, n: int) -> np.ndarray:
         raise ValueError(f"scores has {n} entries but labels has {y.shape[0]}")
     bad = ~np.isin(y, (0.0, 1.0))
     if bad.any():
-        raise ValueError(f"labels must be 0 or 1, got {y[bad][0]!r} at index {int(np.argmax(bad))}")
+        raise ValueError(
+            f"labels must be 0 or 1, got {float(y[bad][0])} at index {int(np.argmax(bad))}"
+        )
     return y
 
 

@@ -77,7 +77,9 @@ class CrossNetV2(nn.Module):
     def __init__(self, in_features: int, num_layers: int, low_rank: int) -> None:
         super().__init__()
         self.in_features = in_features
-        self.v = nn.ModuleList(nn.Linear(in_features, low_rank, bias=False) for _ in range(num_layers))
+        self.v = nn.ModuleList(
+            nn.Linear(in_features, low_rank, bias=False) for _ in range(num_layers)
+        )
         self.u = nn.ModuleList(nn.Linear(low_rank, in_features) for _ in range(num_layers))
 
     def forward(self, x0: torch.Tensor) -> torch.Tensor:

@@ -112,7 +112,9 @@ class TrainConfig:
         if self.embedding_lr is not None and not (
             math.isfinite(self.embedding_lr) and self.embedding_lr > 0
         ):
-            raise ValueError(f"TrainConfig.embedding_lr must be > 0 or None, got {self.embedding_lr!r}")
+            raise ValueError(
+                f"TrainConfig.embedding_lr must be > 0 or None, got {self.embedding_lr!r}"
+            )
         for name in ("momentum", "initial_accumulator_value"):
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
@@ -134,7 +136,9 @@ class TrainConfig:
         allowed = {f.name for f in fields(cls)}
         unknown = set(d) - allowed
         if unknown:
-            raise ValueError(f"TrainConfig: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}")
+            raise ValueError(
+                f"TrainConfig: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}"
+            )
         return cls(**d)
 
 
@@ -190,7 +194,9 @@ class Trainer:
         history: evaluation records ``{"step", "auc", "logloss", ...}`` from :meth:`fit`.
     """
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig, callbacks: Iterable[Callback] = ()) -> None:
+    def __init__(
+        self, model: nn.Module, cfg: TrainConfig, callbacks: Iterable[Callback] = ()
+    ) -> None:
         self.model = model
         self.cfg = cfg
         self.callbacks: list[Callback] = list(callbacks)
@@ -213,7 +219,9 @@ class Trainer:
                 (emb if name.startswith("embeddings.") else dense).append(p)
         groups = []
         if emb:
-            groups.append({"params": emb, "name": "embeddings", "lr": self.cfg.embedding_lr or self.cfg.lr})
+            groups.append(
+                {"params": emb, "name": "embeddings", "lr": self.cfg.embedding_lr or self.cfg.lr}
+            )
         if dense:
             groups.append({"params": dense, "name": "dense", "lr": self.cfg.lr})
         if not groups:
@@ -307,7 +315,11 @@ class Trainer:
                 bar.update(1)
                 if i % 20 == 0:
                     bar.set_postfix(loss=f"{loss:.4f}")
-                if self.cfg.eval_every and eval_batches is not None and self.step % self.cfg.eval_every == 0:
+                if (
+                    self.cfg.eval_every
+                    and eval_batches is not None
+                    and self.step % self.cfg.eval_every == 0
+                ):
                     metrics = self.evaluate(eval_batches)
                     self.history.append(metrics)
                     for cb in self.callbacks:
@@ -363,12 +375,18 @@ class Trainer:
             ValueError: when ``path`` exists and is not a checkpoint folder (nothing is touched).
         """
         path = Path(path)
-        if path.exists() and (not path.is_dir() or (any(path.iterdir()) and not (path / _STATE_FILE).is_file())):
-            raise ValueError(f"refusing to overwrite {str(path)!r}: it exists and is not a checkpoint folder")
+        if path.exists() and (
+            not path.is_dir() or (any(path.iterdir()) and not (path / _STATE_FILE).is_file())
+        ):
+            raise ValueError(
+                f"refusing to overwrite {str(path)!r}: it exists and is not a checkpoint folder"
+            )
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
         try:
-            model_sd = {k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()}
+            model_sd = {
+                k: v.detach().cpu().contiguous() for k, v in self.model.state_dict().items()
+            }
             save_file(model_sd, tmp / _MODEL_FILE, metadata={"format": "pt"})
             names = self._param_names()
             opt_tensors: dict[str, torch.Tensor] = {}
@@ -383,7 +401,10 @@ class Trainer:
             save_file(opt_tensors, tmp / _OPTIMIZER_FILE, metadata={"format": "pt"})
             groups = []
             for g in self.optimizer.param_groups:
-                groups.append({k: v for k, v in g.items() if k != "params"} | {"params": [names[p] for p in g["params"]]})
+                groups.append(
+                    {k: v for k, v in g.items() if k != "params"}
+                    | {"params": [names[p] for p in g["params"]]}
+                )
             workload = getattr(self.model, "workload", None)
             state = {
                 "format_version": CHECKPOINT_FORMAT_VERSION,
@@ -511,12 +532,16 @@ class Trainer:
         if [g["params"] for g in saved_groups] != [
             [trainer._param_names()[p] for p in g["params"]] for g in trainer.optimizer.param_groups
         ]:
-            raise ValueError(f"checkpoint {str(path)!r}: optimizer parameter groups do not match the model")
+            raise ValueError(
+                f"checkpoint {str(path)!r}: optimizer parameter groups do not match the model"
+            )
         stray = sorted(
             {k.split("::")[0] for k in [*opt_tensors, *state["optimizer_scalars"]]} - set(names)
         )
         if stray:
-            raise ValueError(f"checkpoint {str(path)!r}: optimizer state for unknown parameters {stray[:5]}")
+            raise ValueError(
+                f"checkpoint {str(path)!r}: optimizer state for unknown parameters {stray[:5]}"
+            )
         model.load_state_dict(tensors, strict=True)
         for g, saved in zip(trainer.optimizer.param_groups, saved_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})

@@ -126,7 +126,9 @@ class CriteoTSV:
     def num_fields(self) -> int:
         return 1 + self.num_dense + self.num_sparse
 
-    def parse_line(self, line: str, path: str = "<line>", lineno: int = 0) -> tuple[int, list[int], list[int]]:
+    def parse_line(
+        self, line: str, path: str = "<line>", lineno: int = 0
+    ) -> tuple[int, list[int], list[int]]:
         """Parse one line into ``(label, dense ints (D,), row ids (T,))``.
 
         Raises:
@@ -135,10 +137,15 @@ class CriteoTSV:
         fields = line.rstrip("\r\n").split("\t")
         if len(fields) != self.num_fields:
             raise CriteoFormatError(
-                path, lineno, "field_count", f"expected {self.num_fields} tab-separated fields, got {len(fields)}"
+                path,
+                lineno,
+                "field_count",
+                f"expected {self.num_fields} tab-separated fields, got {len(fields)}",
             )
         if fields[0] not in ("0", "1"):
-            raise CriteoFormatError(path, lineno, "label", f"label must be 0 or 1, got {fields[0]!r}")
+            raise CriteoFormatError(
+                path, lineno, "label", f"label must be 0 or 1, got {fields[0]!r}"
+            )
         dense = []
         for j, f in enumerate(fields[1 : 1 + self.num_dense]):
             if f == "":
@@ -161,7 +168,10 @@ class CriteoTSV:
                 ids.append(int(f, 16) % int(self._rows[j]))
             except ValueError:
                 raise CriteoFormatError(
-                    path, lineno, "categorical", f"categorical feature C{j + 1} must be hexadecimal, got {f!r}"
+                    path,
+                    lineno,
+                    "categorical",
+                    f"categorical feature C{j + 1} must be hexadecimal, got {f!r}",
                 ) from None
         return int(fields[0]), dense, ids
 
@@ -187,7 +197,9 @@ class CriteoTSV:
 
     def _batch(self, rows: list[tuple[int, list[int], list[int]]]) -> Batch:
         labels = torch.tensor([r[0] for r in rows], dtype=torch.float32)
-        dense = np.asarray([r[1] for r in rows], dtype=np.float64).reshape(len(rows), self.num_dense)
+        dense = np.asarray([r[1] for r in rows], dtype=np.float64).reshape(
+            len(rows), self.num_dense
+        )
         dense_t = torch.from_numpy(np.log1p(np.maximum(dense, 0.0)).astype(np.float32))
         ids = np.asarray([r[2] for r in rows], dtype=np.int64).reshape(len(rows), self.num_sparse)
         sparse = JaggedBatch(

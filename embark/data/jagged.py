@@ -90,7 +90,9 @@ class JaggedBatch:
     def offsets(self) -> torch.Tensor:
         """``(F*B+1,) int64`` exclusive prefix sum of ``lengths`` (cached)."""
         if self._offsets is None:
-            off = torch.zeros(self.lengths.numel() + 1, dtype=torch.int64, device=self.lengths.device)
+            off = torch.zeros(
+                self.lengths.numel() + 1, dtype=torch.int64, device=self.lengths.device
+            )
             torch.cumsum(self.lengths, 0, out=off[1:])
             self._offsets = off
         return self._offsets
@@ -130,9 +132,7 @@ class JaggedBatch:
 
     # ------------------------------------------------------------ constructors
     @classmethod
-    def from_per_key(
-        cls, per_key: Mapping[str, tuple[torch.Tensor, torch.Tensor]]
-    ) -> JaggedBatch:
+    def from_per_key(cls, per_key: Mapping[str, tuple[torch.Tensor, torch.Tensor]]) -> JaggedBatch:
         """Inverse of :meth:`per_key`: concatenate ``{key: (values, lengths)}`` key-major.
 
         Raises:
@@ -154,7 +154,9 @@ class JaggedBatch:
         per_key = {}
         for k, x in zip(keys, ids, strict=True):
             if x.dim() != 2:
-                raise ValueError(f"key {k!r}: expected (B, hotness) ids, got shape {tuple(x.shape)}")
+                raise ValueError(
+                    f"key {k!r}: expected (B, hotness) ids, got shape {tuple(x.shape)}"
+                )
             lengths = torch.full((x.shape[0],), x.shape[1], dtype=torch.int32)
             per_key[k] = (x.reshape(-1).to(torch.int64), lengths)
         return cls.from_per_key(per_key)
@@ -165,11 +167,13 @@ class JaggedBatch:
         device = torch.device(device)
         if self.values.device == device and self.lengths.device == device:
             return self
-        return JaggedBatch(
-            self.keys,
-            self.values.to(device, non_blocking=non_blocking),
-            self.lengths.to(device, non_blocking=non_blocking),
-        )
+        # Already validated: skip __post_init__ (its checks would sync with the device).
+        moved = object.__new__(JaggedBatch)
+        moved.keys = list(self.keys)
+        moved.values = self.values.to(device, non_blocking=non_blocking)
+        moved.lengths = self.lengths.to(device, non_blocking=non_blocking)
+        moved._offsets = None
+        return moved
 
     def equals(self, other: JaggedBatch) -> bool:
         """Exact equality of keys, values and lengths."""

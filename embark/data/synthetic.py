@@ -21,7 +21,7 @@ any batch can be regenerated, and a resumed run continues with ``batches(n, star
 from __future__ import annotations
 
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from enum import StrEnum
 
 import numpy as np
@@ -41,6 +41,20 @@ class Split(StrEnum):
 
 _SPLIT_ID = {Split.TRAIN: 0, Split.EVAL: 1, Split.CALIBRATION: 2}
 _CALIBRATION_SAMPLES = 8192  # enough for the teacher logit's mean and std to ~1%
+
+
+def default_teacher_workload(workload: Workload) -> Workload:
+    """A narrower DLRM over the same tables: one bottom layer, one hidden top layer of 16,
+    one cross layer of rank ≤ 8. Narrow enough that a student of the full width learns it
+    from a few hundred thousand samples, wide enough to mix every table with the dense part."""
+    inter = workload.interaction
+    return replace(
+        workload,
+        name=f"{workload.name}-teacher",
+        bottom_mlp=(workload.bottom_mlp[-1],),
+        top_mlp=(16, 1),
+        interaction=replace(inter, num_layers=1, low_rank=min(inter.low_rank, 8)),
+    )
 
 
 @dataclass
@@ -93,10 +107,12 @@ class SyntheticCTR:
         seed: int = 0,
         *,
         ragged: bool = False,
-        label_sharpness: float = 2.5,
+        label_sharpness: float = 2.0,
         label_bias: float = -1.0,
         dense_mu: float = 1.0,
         dense_sigma: float = 1.0,
+        teacher_embedding_std: float = 0.1,
+        teacher_workload: Workload | None = None,
     ) -> None:
         from embark.model import build_model  # embark.model imports embark.data: keep lazy
 
@@ -120,11 +136,14 @@ class SyntheticCTR:
             p = np.arange(1, t.num_rows + 1, dtype=np.float64) ** -alpha
             cdf = np.cumsum(p)
             self._cdfs.append(cdf / cdf[-1])
-        self.teacher = build_model(workload, seed=1_000_003 + seed).eval()
+        if teacher_workload is None:
+            teacher_workload = default_teacher_workload(workload)
+        self.teacher_workload = teacher_workload
+        self.teacher = build_model(teacher_workload, seed=1_000_003 + seed).eval()
         gen = torch.Generator().manual_seed(2_000_003 + seed)
         with torch.no_grad():
             for bag in self.teacher.embeddings.values():
-                bag.weight.normal_(0.0, 1.0, generator=gen)
+                bag.weight.normal_(0.0, teacher_embedding_std, generator=gen)
         for p_ in self.teacher.parameters():
             p_.requires_grad_(False)
         self._z_mean, self._z_std = 0.0, 1.0
@@ -140,7 +159,9 @@ class SyntheticCTR:
     def _rng(self, split: Split, index: int) -> np.random.Generator:
         return np.random.default_rng(np.random.SeedSequence([self.seed, _SPLIT_ID[split], index]))
 
-    def _features(self, split: Split, index: int) -> tuple[torch.Tensor, JaggedBatch, np.random.Generator]:
+    def _features(
+        self, split: Split, index: int
+    ) -> tuple[torch.Tensor, JaggedBatch, np.random.Generator]:
         rng = self._rng(split, index)
         b = self.batch_size
         raw = rng.lognormal(self.dense_mu, self.dense_sigma, size=(b, self.workload.dense_features))

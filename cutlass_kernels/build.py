@@ -39,6 +39,7 @@ __all__ = [
     "cache_dir",
     "find_nvcc",
     "nvcc_version",
+    "cuda_toolkit_root",
     "compile_object",
     "device_arch",
     "load_extension",
@@ -54,6 +55,15 @@ log = logging.getLogger(__name__)
 OP_NAME = "tilesparse::tw_linear"
 _CACHE_KEY = "cutlass"  # TWLayout.cache key of the packed weights
 _DTYPES = {torch.float16: DType.F16, torch.bfloat16: DType.BF16}
+# torch.utils.cpp_extension compiles .cu files with -D__CUDA_NO_HALF_OPERATORS__ etc.; CUTLASS's
+# half_t/bfloat16_t want cuda_fp16/cuda_bf16 complete, so the extension undoes them (as CUTLASS
+# based torch extensions do). compile_object never sets them.
+_UNDO_TORCH_NVCC_DEFINES = (
+    "-U__CUDA_NO_HALF_OPERATORS__",
+    "-U__CUDA_NO_HALF_CONVERSIONS__",
+    "-U__CUDA_NO_HALF2_OPERATORS__",
+    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
+)
 
 
 @dataclass(frozen=True)
@@ -99,6 +109,22 @@ def nvcc_version(nvcc: str) -> tuple[int, int]:
     if not m:
         raise RuntimeError(f"cannot read the CUDA version from `{nvcc} --version`: {out!r}")
     return int(m.group(1)), int(m.group(2))
+
+
+def cuda_toolkit_root(nvcc: str) -> Path:
+    """The CUDA toolkit root nvcc really runs from (its ``TOP`` in ``nvcc --dryrun``).
+
+    Raises:
+        RuntimeError: when the dry run names no ``TOP``.
+    """
+    proc = subprocess.run(
+        [nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
+        capture_output=True, text=True,
+    )
+    m = re.search(r"^#\$ TOP=(.+?)\s*$", proc.stdout + proc.stderr, re.MULTILINE)
+    if not m:
+        raise RuntimeError(f"cannot find the CUDA toolkit root from `{nvcc} --dryrun`")
+    return Path(m.group(1)).resolve()
 
 
 def _require_nvcc(nvcc: str | None) -> str:
@@ -198,6 +224,13 @@ def load_extension(
     nvcc = _require_nvcc(None)
     if torch.version.cuda is None:
         raise RuntimeError(f"torch {torch.__version__} is a CPU build; the TW kernels need CUDA torch")
+    # cpp_extension guesses CUDA_HOME as nvcc's grandparent, which is wrong when nvcc on PATH is
+    # a wrapper or link (/usr/local/bin/nvcc -> /usr/local/cuda-X/bin/nvcc): ask nvcc itself.
+    toolkit = cuda_toolkit_root(nvcc)
+    home = cpp_extension.CUDA_HOME
+    if home is None or not (Path(home) / "include" / "cuda_runtime_api.h").is_file():
+        log.info("using CUDA toolkit %s for the torch extension (cpp_extension had %s)", toolkit, home)
+        cpp_extension.CUDA_HOME = str(toolkit)
     version = nvcc_version(nvcc)
     kernels = tuple(kernels) if kernels is not None else manifest(arch, version)
     if not kernels or any(k.arch is not arch for k in kernels):
@@ -222,8 +255,8 @@ def load_extension(
     module = cpp_extension.load(
         name=name,
         sources=[str(emit.csrc_dir() / "tw_binding.cpp"), *(str(p) for p in src_paths if p.suffix == ".cu")],
-        extra_cflags=["-O3", "-std=c++17"],
-        extra_cuda_cflags=[*emit.NVCC_FLAGS, *arch_flags],
+        extra_cflags=["-O3"],
+        extra_cuda_cflags=[*emit.NVCC_FLAGS, *_UNDO_TORCH_NVCC_DEFINES, *arch_flags],
         extra_include_paths=[str(emit.csrc_dir()), str(root / "src"), *map(str, emit.cutlass_include_dirs())],
         build_directory=str(build_dir),
         verbose=verbose,
@@ -264,7 +297,9 @@ def tw_gemm_kmajor(
     arch = device_arch(launch.xt.device)
     ext = ext or load_extension(arch)
     if kernel is None:
-        kernel = select(manifest(arch), _DTYPES[pw.dtype], arch, pw.max_tile_width, launch.batch)
+        sms = torch.cuda.get_device_properties(launch.xt.device).multi_processor_count
+        kernel = select(manifest(arch), _DTYPES[pw.dtype], arch, pw.max_tile_width, launch.batch,
+                        pw.num_tiles, sms)
     elif kernel.tile_g < pw.max_tile_width:
         raise ValueError(f"{kernel.name} covers tiles of {kernel.tile_g} columns, the layer has {pw.max_tile_width}")
     if pw.num_tiles and launch.batch:

@@ -62,7 +62,11 @@ SMEM_BYTES = {Arch.SM80: 163 * 1024, Arch.SM90A: 227 * 1024}
 # sm_90a: CUDA 12.0), as in cutlass_library.generator's CudaToolkitVersionSatisfies gates.
 MIN_CUDA = {Arch.SM80: (11, 0), Arch.SM90A: (12, 0)}
 
-_INSTRUCTION = (16, 8, 16)  # mma.sync.m16n8k16, fp16/bf16 inputs, fp32 accumulate
+_INSTRUCTION = (16, 8, 16)
+
+# select() takes the widest batch tile whose modelled time is within this factor of the best
+# (a heuristic: wider tiles re-read the weights and the gather indices less often).
+_WIDER_TILE_SLACK = 1.1  # mma.sync.m16n8k16, fp16/bf16 inputs, fp32 accumulate
 
 
 @dataclass(frozen=True)
@@ -170,6 +174,9 @@ _CONFIGS: tuple[tuple[tuple[int, int, int], tuple[int, int, int], int], ...] = (
     ((128, 128, 32), (2, 2, 1), 4),
     ((128, 256, 32), (2, 4, 1), 3),
     ((128, 128, 64), (2, 2, 1), 3),
+    # A 64-wide batch tile doubles the CTAs of layers with few tiles (BERT fc2 at 75%: 3 tiles).
+    ((128, 64, 32), (2, 2, 1), 4),
+    ((128, 64, 64), (2, 2, 1), 3),
     ((64, 128, 32), (2, 2, 1), 4),
     ((64, 256, 32), (1, 4, 1), 4),
 )
@@ -204,9 +211,14 @@ def select(
     arch: Arch | str,
     max_tile_width: int,
     batch: int,
+    num_tiles: int | None = None,
+    num_sms: int | None = None,
 ) -> TWKernel:
-    """Pick the instance for a call: the smallest ``G >= max_tile_width``; a 256-wide batch
-    tile for large batches (fewer CTAs re-reading the weights), the 128x128x32 default otherwise.
+    """Pick the instance for a call: the smallest ``G >= max_tile_width``, then (k tile 32) a
+    batch tile. With the tile and SM counts known, a wave model of the grid
+    (``num_tiles × ceil(batch / batch tile)`` CTAs; 2 resident per SM for 128-thread
+    instances, 1 for 256): the widest batch tile within ``_WIDER_TILE_SLACK`` of the best
+    modelled time. Without them a 256-wide batch tile for batches >= 16384, else 128.
 
     Raises:
         ValueError: no instance of that dtype/arch serves tiles that wide.
@@ -221,8 +233,18 @@ def select(
         )
     g = min(k.tile_g for k in fit)
     fit = [k for k in fit if k.tile_g == g]
+    k32 = sorted((k for k in fit if k.threadblock[2] == 32), key=lambda k: -k.threadblock[1])
+    if not k32:
+        return fit[0]
+    if num_tiles is not None and num_sms is not None and num_tiles > 0 and batch > 0:
+        def cost(k: TWKernel) -> int:
+            # waves × per-wave time; a wave's time ∝ batch columns per CTA × CTAs sharing an SM.
+            n = k.threadblock[1]
+            per_sm = 2 if k.threads <= 128 else 1
+            waves = -(-(num_tiles * -(-batch // n)) // (num_sms * per_sm))
+            return waves * n * per_sm
+
+        best = min(cost(k) for k in k32)
+        return next(k for k in k32 if cost(k) <= _WIDER_TILE_SLACK * best)
     want_n = 256 if batch >= 16384 else 128
-    for k in fit:
-        if k.threadblock[1] == want_n and k.threadblock[2] == 32:
-            return k
-    return fit[0]
+    return next((k for k in k32 if k.threadblock[1] == want_n), k32[0])

@@ -51,6 +51,17 @@ def test_select_picks_narrowest_fitting_tile() -> None:
     k = select(ks, "bf16", "sm_90a", 100, 65536)
     assert (k.tile_g, k.threadblock[1], k.dtype, k.arch) == (128, 256, DType.BF16, Arch.SM90A)
     assert select(ks, "f16", "sm_80", 128, 8).threadblock == (128, 128, 32)
+    # Wave model, 132 SMs: cost = waves × batch tile × CTAs per SM (2 for 128 threads, 1 for
+    # the 256-thread n=256 instance); the widest tile within 10% of the cheapest wins.
+    # 3 tiles x 12800: n=256 150 CTAs → 2 waves → 512; n=128 300/264 → 2 → 512; n=64 600/264 → 3
+    # → 384: only n=64 is within 10%.
+    assert select(ks, "f16", "sm_90a", 128, 12800, num_tiles=3, num_sms=132).threadblock[1] == 64
+    # 24 tiles x 12800: 256 → 10 waves → 2560, 128 → 2560, 64 → 19 → 2432; 2560 <= 1.1 × 2432.
+    assert select(ks, "f16", "sm_90a", 128, 12800, num_tiles=24, num_sms=132).threadblock[1] == 256
+    # 2 tiles x 6400: 256 → 256, 128 → 256, 64 → 1 wave → 128.
+    assert select(ks, "f16", "sm_90a", 128, 6400, num_tiles=2, num_sms=132).threadblock[1] == 64
+    # One CTA whatever the tile: 256 → 256, 128 → 256, 64 → 128.
+    assert select(ks, "f16", "sm_90a", 128, 64, num_tiles=1, num_sms=132).threadblock[1] == 64
     with pytest.raises(ValueError, match="129 columns wide"):
         select(ks, "f16", "sm_80", 129, 8)
 

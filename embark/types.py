@@ -121,11 +121,15 @@ class CommDtype(StrEnum):
         return 4 if self is CommDtype.FP32 else 2
 
 
+class PlanError(ValueError):
+    """A sharding plan breaks a rule; the message names the table and the rule."""
+
+
 def _enum(cls: type[Enum], value: Any, what: str) -> Any:
     try:
         return cls(value)
     except ValueError:
-        raise ValueError(
+        raise PlanError(
             f"{what} must be one of {[m.value for m in cls]}, got {value!r}"  # type: ignore[attr-defined]
         ) from None
 
@@ -252,10 +256,6 @@ class Shard:
                 f"missing {sorted(missing)}, unknown {sorted(unknown)}"
             )
         return cls(**d)
-
-
-class PlanError(ValueError):
-    """A sharding plan breaks a rule; the message names the table and the rule."""
 
 
 @dataclass(frozen=True)

@@ -161,7 +161,7 @@ def test_infeasible_inputs_raise_planner_error():
         plan_sharding(w, replace(get_topology("dgx-h100"), gpus_per_node=4), 65536)
     big = get_workload("t180")  # one 500M × 32 table: 64 GB, more than 80 GB × 0.9 minus replicas allows
     topo = replace(get_topology("dgx-h100", 1), hbm_capacity_bytes=60e9)
-    with pytest.raises(PlannerError, match=r"table 't176' \(64\.00 GB .* needs 64\.00 GB per shard .* \(short by 10\.00 GB\)"):
+    with pytest.raises(PlannerError, match=r"table 't176' \(64\.00 GB .* needs 64\.00 GB per shard .* \(short by 10\.24 GB\)"):
         plan_sharding(big, topo, 65536, constraints={"t176": TableConstraints(sharding_types=(ShardingType.TW,))})
     with pytest.raises(PlannerError, match="pinned rank 99"):
         plan_sharding(get_workload("tiny"), get_topology("dgx-h100"), 4096, constraints={"t0": TableConstraints(ranks=(99,))})

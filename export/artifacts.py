@@ -1,0 +1,88 @@
+"""Serving artifacts of a trained (and pruned) DLRM: one folder that the parameter server
+(``hps``) and onnxruntime serve unchanged.
+
+Layout written by :func:`write_serving_artifacts`::
+
+    out/
+      ps.json               the parameter-server config (HugeCTR field names), validated by hps
+      dense.onnx            the dense part (inputs dense (B, D), pooled (B, T, dim))
+      sparse/<table>/key         int64 little-endian, one per row
+      sparse/<table>/emb_vector  float32 rows (num_rows × dim)
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+
+from embark.model import DLRM
+from export.onnx import export_onnx
+from hps.config import PSConfig, parse_config
+from hps.sparse_files import write_table
+
+__all__ = ["write_serving_artifacts"]
+
+
+def write_serving_artifacts(
+    model: DLRM,
+    out_dir: str | Path,
+    model_name: str = "dlrm",
+    max_batch_size: int = 1024,
+    cache_fraction: float = 0.2,
+    overwrite: bool = False,
+) -> PSConfig:
+    """Write the sparse files, the dense ONNX graph and ``ps.json`` for ``model``.
+
+    Args:
+        model: the DLRM (TileSparseLinear layers are exported as condensed standard ops).
+        out_dir: the artifact folder (created).
+        model_name: ``models[0].model`` in ``ps.json``.
+        max_batch_size: the largest request the server accepts.
+        cache_fraction: ``gpucacheper``, fraction of each table the embedding cache holds.
+        overwrite: replace existing table folders / files.
+
+    Returns:
+        the validated :class:`hps.config.PSConfig` read back from the written ``ps.json``.
+
+    Raises:
+        ValueError: when ``out_dir/ps.json`` exists and ``overwrite`` is false, or the config
+            does not validate.
+    """
+    out = Path(out_dir)
+    ps_path = out / "ps.json"
+    if ps_path.exists() and not overwrite:
+        raise ValueError(f"{ps_path} exists; pass overwrite=True to replace the artifacts")
+    out.mkdir(parents=True, exist_ok=True)
+    tables = model.workload.tables
+    for t in tables:
+        w = model.embeddings[t.name].weight.detach().cpu().numpy().astype(np.float32, copy=False)
+        write_table(out / "sparse" / t.name, np.arange(w.shape[0], dtype=np.int64), w,
+                    overwrite=overwrite)
+    export_onnx(model, out / "dense.onnx", include_embeddings=False)
+    doc = {
+        "supportlonglong": True,
+        "volatile_db": {"type": "parallel_hash_map"},
+        "persistent_db": {"type": "none"},
+        "models": [
+            {
+                "model": model_name,
+                "max_batch_size": max_batch_size,
+                "sparse_files": [f"sparse/{t.name}" for t in tables],
+                "embedding_table_names": [t.name for t in tables],
+                "embedding_vecsize_per_table": [t.dim for t in tables],
+                "maxnum_catfeature_query_per_table_per_sample": [t.hotness for t in tables],
+                "default_value_for_each_table": [0.0] * len(tables),
+                "gpucache": True,
+                "gpucacheper": cache_fraction,
+                "hit_rate_threshold": 0.9,
+                "network_file": "dense.onnx",
+            }
+        ],
+    }
+    cfg = parse_config(doc, base_dir=out)  # validate before anything points at it
+    tmp = ps_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2))
+    tmp.replace(ps_path)
+    return cfg

@@ -1,0 +1,209 @@
+"""ONNX export of a (pruned) DLRM that onnxruntime runs with standard ops only.
+
+Two graphs are offered:
+
+* ``include_embeddings=True``: inputs ``dense (B, D) float32`` and one ``ids_<table> (B, H_t)
+  int64`` per table (``-1`` pads a short bag); the embedding bags are ``Gather`` + ``ReduceSum``
+  over a table with one extra zero row that the padding points at — no ONNX ``Loop``.
+* ``include_embeddings=False``: the dense part alone, inputs ``dense (B, D)`` and ``pooled
+  (B, T, dim)`` — what a server that looks embeddings up in the parameter server (``hps``) runs.
+
+A :class:`~tilesparse.linear.TileSparseLinear` becomes, per tile ``t``, ``Gather(x, rows_t)``
+then ``MatMul(block_t)``; the tile outputs are concatenated with one zero column and a last
+``Gather`` puts every output column in place (pruned columns read the zero column)::
+
+    x (B,K) ─Gather rows_0─MatMul B_0─┐
+            ─Gather rows_1─MatMul B_1─┼─Concat(+ zero col)─Gather(col_map)─ + bias ─▶ y (B,N)
+            ─  ...                   ─┘
+    col_map[n] = position of column n in the concatenation, or Nk (the zero column)
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from embark.model import DLRM
+from embark.types import Combiner
+from tilesparse.linear import TileSparseLinear
+
+log = logging.getLogger(__name__)
+
+__all__ = ["CondensedLinear", "export_onnx", "run_onnx", "onnx_inputs"]
+
+
+class CondensedLinear(nn.Module):
+    """A :class:`TileSparseLinear` as standard ops (see the module docstring).
+
+    ``forward(x: (B, K)) -> (B, N)``, equal to the layer's reference forward.
+    """
+
+    def __init__(self, layer: TileSparseLinear) -> None:
+        super().__init__()
+        lay = layer.layout
+        self.out_features = layer.out_features
+        self.num_tiles = lay.num_tiles
+        col_map = torch.full((layer.out_features,), lay.col_idx.numel(), dtype=torch.int64)
+        col_map[lay.col_idx.cpu()] = torch.arange(lay.col_idx.numel())
+        self.register_buffer("col_map", col_map)
+        for t in range(lay.num_tiles):
+            self.register_buffer(f"rows_{t}", lay.tile_rows(t).detach().clone())
+            self.register_buffer(f"block_{t}", lay.block(t).detach().clone())
+        bias = layer.bias.detach().clone() if layer.bias is not None else None
+        self.register_buffer("bias", bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        parts = []
+        for t in range(self.num_tiles):
+            rows = getattr(self, f"rows_{t}")
+            block = getattr(self, f"block_{t}")
+            if rows.numel() == 0:
+                parts.append(x.new_zeros(x.shape[0], block.shape[1]))
+            else:
+                parts.append(torch.matmul(x.index_select(1, rows), block))
+        parts.append(x.new_zeros(x.shape[0], 1))
+        y = torch.cat(parts, dim=1).index_select(1, self.col_map)
+        if self.bias is not None:
+            y = y + self.bias
+        return y
+
+
+def _condense_for_onnx(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` with every TileSparseLinear replaced by :class:`CondensedLinear`."""
+    module = copy.deepcopy(module).cpu().eval()
+    for name, child in list(module.named_modules()):
+        for cname, grandchild in list(child.named_children()):
+            if isinstance(grandchild, TileSparseLinear):
+                setattr(child, cname, CondensedLinear(grandchild))
+                log.debug("export: %s.%s condensed for ONNX", name, cname)
+    return module
+
+
+class _PaddedBags(nn.Module):
+    """Embedding bags from padded ids: ``ids (B, H) int64`` with ``-1`` as padding → ``(B, dim)``."""
+
+    def __init__(self, bag: nn.EmbeddingBag, combiner: Combiner) -> None:
+        super().__init__()
+        w = bag.weight.detach()
+        self.register_buffer("weight", torch.cat([w, w.new_zeros(1, w.shape[1])]))
+        self.num_rows = w.shape[0]
+        self.mean = combiner == Combiner.MEAN
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        pad = ids < 0
+        idx = torch.where(pad, torch.full_like(ids, self.num_rows), ids)
+        pooled = torch.nn.functional.embedding(idx, self.weight).sum(dim=1)
+        if self.mean:
+            count = (~pad).sum(dim=1, keepdim=True).clamp(min=1).to(pooled.dtype)
+            pooled = pooled / count
+        return pooled
+
+
+class _FullGraph(nn.Module):
+    def __init__(self, model: DLRM) -> None:
+        super().__init__()
+        self.model = model
+        self.bags = nn.ModuleList(
+            _PaddedBags(model.embeddings[t.name], t.combiner) for t in model.workload.tables
+        )
+
+    def forward(self, dense: torch.Tensor, *ids: torch.Tensor) -> torch.Tensor:
+        pooled = [bag(i) for bag, i in zip(self.bags, ids)]
+        return self.model.dense_forward(dense, pooled)
+
+
+class _DenseGraph(nn.Module):
+    def __init__(self, model: DLRM) -> None:
+        super().__init__()
+        self.model = model
+
+    def forward(self, dense: torch.Tensor, pooled: torch.Tensor) -> torch.Tensor:
+        return self.model.dense_forward(dense, pooled)
+
+
+def onnx_inputs(
+    model: DLRM, batch_size: int, include_embeddings: bool = True, seed: int = 0
+) -> dict[str, torch.Tensor]:
+    """Example inputs for :func:`export_onnx`'s graph, keyed by ONNX input name.
+
+    ``dense (B, D) float32``; with embeddings ``ids_<table> (B, hotness_t) int64`` (random valid
+    ids, the last sample's bags padded by one ``-1`` where hotness > 1); else ``pooled (B, T, dim)``.
+    """
+    gen = torch.Generator().manual_seed(seed)
+    w = model.workload
+    out = {"dense": torch.rand(batch_size, w.dense_features, generator=gen)}
+    if include_embeddings:
+        for t in w.tables:
+            ids = torch.randint(0, t.num_rows, (batch_size, t.hotness), generator=gen)
+            if t.hotness > 1:
+                ids[-1, -1] = -1
+            out[f"ids_{t.name}"] = ids
+    else:
+        dims = {t.dim for t in w.tables}
+        if len(dims) != 1:
+            raise ValueError(f"pooled input needs one dim for every table, got dims {sorted(dims)}")
+        out["pooled"] = torch.randn(batch_size, len(w.tables), dims.pop(), generator=gen)
+    return out
+
+
+def export_onnx(
+    model: DLRM,
+    path: str | Path,
+    include_embeddings: bool = True,
+    batch_size: int = 64,
+    opset: int = 18,
+) -> Path:
+    """Export ``model`` (dense or pruned with TileSparseLinear layers) to ONNX.
+
+    Args:
+        model: the DLRM; it is copied, not changed.
+        path: the ``.onnx`` file to write (folders created; written atomically).
+        include_embeddings: include the tables (see the module docstring) or export the dense
+            part alone.
+        batch_size: batch of the example inputs; the exported batch dimension is dynamic.
+        opset: ONNX opset.
+
+    Returns:
+        ``path``.
+    """
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    condensed = _condense_for_onnx(model)
+    graph: nn.Module = _FullGraph(condensed) if include_embeddings else _DenseGraph(condensed)
+    inputs = onnx_inputs(model, batch_size, include_embeddings)
+    batch = torch.export.Dim("batch", min=1)
+    dynamic_shapes: Sequence[object]
+    if include_embeddings:
+        # forward(dense, *ids): torch.export sees (dense, ids_tuple)
+        dynamic_shapes = ({0: batch}, tuple({0: batch} for _ in model.workload.tables))
+    else:
+        dynamic_shapes = ({0: batch}, {0: batch})
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    program = torch.onnx.export(
+        graph.eval(),
+        tuple(inputs.values()),
+        input_names=list(inputs),
+        output_names=["logits"],
+        dynamic_shapes=tuple(dynamic_shapes),
+        opset_version=opset,
+        dynamo=True,
+        verbose=False,
+    )
+    program.save(str(tmp))
+    tmp.replace(path)
+    return path
+
+
+def run_onnx(path: str | Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
+    """Run the exported graph with onnxruntime (CPU) → ``(B,) float32`` logits."""
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    (logits,) = sess.run(["logits"], feeds)
+    return torch.from_numpy(logits)

@@ -1,0 +1,84 @@
+"""ONNX export: onnxruntime's output equals the eager model, dense and TW-pruned."""
+
+from __future__ import annotations
+
+import onnx
+import pytest
+import torch
+
+from embark.data.jagged import JaggedBatch
+from embark.model import build_model
+from embark.workloads import get_workload
+from export.onnx import CondensedLinear, export_onnx, onnx_inputs, run_onnx
+from tilesparse.linear import TileSparseLinear
+
+# onnxruntime's kernels reorder fp32 sums: a tolerance, not equality
+TOL = {"rtol": 1e-4, "atol": 1e-5}
+
+
+def _padded_to_jagged(model, inputs: dict[str, torch.Tensor]) -> JaggedBatch:
+    names = [t.name for t in model.workload.tables]
+    values, lengths = [], []
+    for n in names:
+        ids = inputs[f"ids_{n}"]
+        for row in ids:
+            kept = row[row >= 0]
+            values.append(kept)
+            lengths.append(kept.numel())
+    return JaggedBatch(names, torch.cat(values), torch.tensor(lengths, dtype=torch.int32))
+
+
+def _pruned_tiny(seed: int = 0):
+    torch.manual_seed(seed)
+    model = build_model(get_workload("tiny"), seed=seed).eval()
+    for parent, attr in ((model.top_mlp, "0"), (model.bottom_mlp, "2")):
+        lin = getattr(parent, attr)
+        k, n = lin.in_features, lin.out_features
+        mask = torch.zeros(k, n, dtype=torch.bool)
+        for c0 in range(0, n, 8):  # TW: tiles of 8 columns, each its own rows, some columns pruned
+            if (c0 // 8) % 3 == 2:
+                continue
+            rows = torch.randperm(k)[: max(1, k // 2)]
+            mask[rows.unsqueeze(1), torch.arange(c0, min(n, c0 + 8)).unsqueeze(0)] = True
+        setattr(parent, attr, TileSparseLinear.from_dense(lin, mask, tile=8, backend="reference"))
+    return model
+
+
+@pytest.fixture(scope="module")
+def pruned():
+    return _pruned_tiny()
+
+
+def test_condensed_linear_equals_layer_exactly_on_integers() -> None:
+    lin = torch.nn.Linear(37, 21)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randint(-3, 4, lin.weight.shape).float())
+        lin.bias.copy_(torch.randint(-3, 4, lin.bias.shape).float())
+    mask = torch.rand(37, 21) > 0.6
+    mask[:, 5] = False  # a pruned column
+    layer = TileSparseLinear.from_dense(lin, mask, tile=4, backend="reference")
+    x = torch.randint(-3, 4, (3, 37)).float()
+    assert torch.equal(CondensedLinear(layer)(x), layer(x))
+    assert torch.equal(CondensedLinear(layer)(x), lin(x) - x @ (lin.weight.T * ~mask))
+
+
+def test_full_graph_matches_eager_model(tmp_path, pruned) -> None:
+    path = export_onnx(pruned, tmp_path / "m.onnx", batch_size=8)
+    graph = onnx.load(str(path))
+    ops = {n.op_type for n in graph.graph.node}
+    assert "Loop" not in ops and ops <= {
+        "Add", "Concat", "ConstantOfShape", "Expand", "Gather", "Gemm", "Less", "MatMul", "Mul",
+        "ReduceSum", "Relu", "Reshape", "Shape", "Squeeze", "Unsqueeze", "Where", "Div", "Cast",
+        "Clip", "Max", "Flatten", "Transpose", "Slice", "Identity",
+    }
+    for batch in (1, 13):  # a batch size other than the traced one: the batch dim is dynamic
+        inputs = onnx_inputs(pruned, batch, seed=batch)
+        want = pruned(inputs["dense"], _padded_to_jagged(pruned, inputs))
+        torch.testing.assert_close(run_onnx(path, inputs), want.detach(), **TOL)
+
+
+def test_dense_graph_matches_dense_forward(tmp_path, pruned) -> None:
+    path = export_onnx(pruned, tmp_path / "d.onnx", include_embeddings=False)
+    inputs = onnx_inputs(pruned, 9, include_embeddings=False)
+    want = pruned.dense_forward(inputs["dense"], inputs["pooled"]).detach()
+    torch.testing.assert_close(run_onnx(path, inputs), want, **TOL)

@@ -2,7 +2,8 @@
 TorchRec's ``EmbeddingShardingPlanner``, on DGX-H100 × 1, 8, 16 nodes.
 
     python -m benchmarks.embark.bench_planner [--workloads dlrm_dcnv2,t180,t200,t510]
-        [--nodes 1,8,16] [--local-batch 8192] [--comm-dtype fp32] [--no-torchrec] [--out F]
+        [--nodes 1,8,16] [--local-batch 8192] [--comm-dtype fp32] [--no-torchrec]
+        [--torchrec-timeout 60] [--out F]
 
 Every plan is rated by OUR simulator (embark.planner.simulator); TorchRec's plan is converted
 into our format (its shards, ranks; reduction cluster, the same wire dtype). TorchRec is a
@@ -42,8 +43,11 @@ from embark.workloads import Workload, get_workload
 log = logging.getLogger("bench_planner")
 
 
-def torchrec_plan(workload: Workload, topo: Topology, model: CostModel, dtype: CommDtype) -> ShardingPlan:
-    """Plan with TorchRec's EmbeddingShardingPlanner and convert to our ShardingPlan."""
+def torchrec_plan(
+    workload: Workload, topo: Topology, model: CostModel, dtype: CommDtype, timeout_s: int
+) -> ShardingPlan:
+    """Plan with TorchRec's EmbeddingShardingPlanner (its best plan within ``timeout_s``)
+    and convert it to our ShardingPlan."""
     import torch
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel  # noqa: F401
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -75,6 +79,7 @@ def torchrec_plan(workload: Workload, topo: Topology, model: CostModel, dtype: C
         constraints=cons,
         storage_reservation=FixedPercentageStorageReservation(model.c.hbm_reserved_fraction),
         debug=False,
+        timeout_seconds=timeout_s,
     )
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -114,7 +119,9 @@ def _merge_same_rank(shards: list[Shard]) -> list[Shard]:
     return out
 
 
-def bench_one(name: str, nodes: int, local_batch: int, dtype: CommDtype, use_torchrec: bool) -> dict[str, Any]:
+def bench_one(
+    name: str, nodes: int, local_batch: int, dtype: CommDtype, use_torchrec: bool, tr_timeout_s: int
+) -> dict[str, Any]:
     w = get_workload(name)
     topo = get_topology("dgx-h100", nodes)
     batch = local_batch * topo.world_size
@@ -141,8 +148,9 @@ def bench_one(name: str, nodes: int, local_batch: int, dtype: CommDtype, use_tor
     if use_torchrec:
         try:
             t0 = time.perf_counter()
-            tp = torchrec_plan(w, topo, model, dtype)
+            tp = torchrec_plan(w, topo, model, dtype, tr_timeout_s)
             row["torchrec_planning_s"] = time.perf_counter() - t0
+            row["torchrec_hit_timeout"] = row["torchrec_planning_s"] >= tr_timeout_s
             r = simulate(tp, model)
             row["torchrec_ms"] = r.step_ms
             row["torchrec_fits_our_memory_model"] = r.fits_memory
@@ -176,6 +184,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-batch", type=int, default=8192, help="samples per GPU per iteration")
     p.add_argument("--comm-dtype", default="fp32", choices=[d.value for d in CommDtype])
     p.add_argument("--no-torchrec", action="store_true")
+    p.add_argument("--torchrec-timeout", type=int, default=60,
+                   help="seconds TorchRec's planner may search (it keeps its best plan so far)")
     p.add_argument("--out", default=str(RESULTS_DIR / "embark_planner.json"))
     args = p.parse_args(argv)
     use_tr = not args.no_torchrec
@@ -190,7 +200,9 @@ def main(argv: list[str] | None = None) -> int:
     for name in args.workloads.split(","):
         for nodes in (int(n) for n in args.nodes.split(",")):
             log.info("planning %s on dgx-h100 × %d", name, nodes)
-            rows.append(bench_one(name, nodes, args.local_batch, CommDtype(args.comm_dtype), use_tr))
+            rows.append(
+                bench_one(name, nodes, args.local_batch, CommDtype(args.comm_dtype), use_tr, args.torchrec_timeout)
+            )
     head = f"| {'workload':<10} | nodes | {'ours':>9} | {'trw':>9} | {'rw':>9} | {'tw':>9} | {'torchrec':>9} | trw/ours | plan s |"
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:

@@ -1,0 +1,101 @@
+from __future__ import annotations
+
+import gzip
+import logging
+import math
+
+import pytest
+import torch
+
+from embark.data import CriteoFormatError, CriteoTSV
+from embark.workloads import get_workload
+
+W = get_workload("dlrm_dcnv2").scaled(100_000)  # 26 tables, 13 dense: the real layout
+
+
+def _line(label="1", dense=None, cats=None) -> str:
+    dense = [str(i) for i in range(13)] if dense is None else dense
+    cats = [f"{i:08x}" for i in range(26)] if cats is None else cats
+    return "\t".join([label, *dense, *cats]) + "\n"
+
+
+def _write(path, lines):
+    path.write_text("".join(lines))
+    return path
+
+
+def test_parses_values_hashes_and_layout(tmp_path):
+    dense = ["5", "", "-3", "0", "12", *[""] * 8]
+    cats = ["68fd1e64", "", "FFFFFFFF", *[f"{i:x}" for i in range(23)]]
+    f = _write(tmp_path / "day_0", [_line("1", dense, cats), _line("0")])
+    b = next(iter(CriteoTSV(f, W, batch_size=8)))
+    assert torch.equal(b.labels, torch.tensor([1.0, 0.0]))
+    want = [math.log1p(v) for v in (5, 0, 0, 0, 12)]  # empty -> 0, negative -> clipped at 0
+    torch.testing.assert_close(b.dense[0, :5], torch.tensor(want), rtol=1e-6, atol=0)
+    assert b.dense.dtype == torch.float32 and b.dense.shape == (2, 13)
+    rows = [t.num_rows for t in W.tables]
+    assert int(b.sparse.values_for("t0")[0]) == 0x68FD1E64 % rows[0]
+    assert int(b.sparse.values_for("t1")[0]) == 0  # empty category -> row 0
+    assert int(b.sparse.values_for("t2")[0]) == 0xFFFFFFFF % rows[2]
+    assert b.sparse.keys == [t.name for t in W.tables]
+    assert torch.equal(b.sparse.lengths, torch.ones(2 * 26, dtype=torch.int32))
+    # key-major: the first two values are t0 of sample 0 and sample 1
+    assert b.sparse.values[:2].tolist() == [0x68FD1E64 % rows[0], 0]
+
+
+def test_batching_multiple_files_and_gzip(tmp_path):
+    a = _write(tmp_path / "a.tsv", [_line(str(i % 2)) for i in range(3)])
+    gz = tmp_path / "b.tsv.gz"
+    with gzip.open(gz, "wt") as fh:
+        fh.write("".join(_line("1") for _ in range(2)) + "\n")  # trailing blank line is fine
+    sizes = [b.batch_size for b in CriteoTSV([a, gz], W, batch_size=2)]
+    assert sizes == [2, 2, 1]
+    assert [b.batch_size for b in CriteoTSV([a, gz], W, batch_size=2, drop_last=True)] == [2, 2]
+
+
+@pytest.mark.parametrize(
+    ("bad", "kind", "match"),
+    [
+        (_line()[:-1] + "\textra\n", "field_count", "expected 40 tab-separated fields, got 41"),
+        ("1\t2\t3\n", "field_count", "got 3"),
+        (_line(cats=["zz12", *["0"] * 25]), "categorical", "C1 must be hexadecimal, got 'zz12'"),
+        (_line(cats=["0"] * 25 + ["-1f"]), "categorical", "C26 must be hexadecimal"),
+        (_line(dense=["1", "3.5", *["0"] * 11]), "dense", "I2 must be an integer, got '3.5'"),
+        (_line(label="2"), "label", "label must be 0 or 1, got '2'"),
+    ],
+)
+def test_malformed_line_names_file_and_line(tmp_path, bad, kind, match):
+    f = _write(tmp_path / "day_3", [_line(), _line(), bad, _line()])
+    with pytest.raises(CriteoFormatError, match=match) as info:
+        list(CriteoTSV(f, W, batch_size=2))
+    assert str(info.value).startswith(f"{f}:3: ")
+    assert info.value.line == 3 and info.value.kind == kind and isinstance(info.value, ValueError)
+
+
+def test_skip_bad_lines_counts_and_reports(tmp_path, caplog):
+    lines = [
+        _line(),
+        "1\t2\n",
+        _line(cats=["xyz", *["0"] * 25]),
+        _line("0"),
+        _line(dense=["a", *["0"] * 12]),
+    ]
+    f = _write(tmp_path / "day_1", lines)
+    reader = CriteoTSV(f, W, batch_size=10, skip_bad_lines=True)
+    with caplog.at_level(logging.WARNING, logger="embark.data.criteo"):
+        batches = list(reader)
+    assert [b.batch_size for b in batches] == [2]
+    assert torch.equal(batches[0].labels, torch.tensor([1.0, 0.0]))
+    stats = reader.stats.to_dict()
+    assert stats["lines"] == 5 and stats["good_lines"] == 2 and stats["bad_lines"] == 3
+    assert stats["reasons"] == {"field_count": 1, "categorical": 1, "dense": 1}
+    assert stats["examples"][0].startswith(f"{f}:2: ")
+    assert "skipped 3 of 5 lines" in caplog.text
+
+
+def test_constructor_errors(tmp_path):
+    with pytest.raises(FileNotFoundError, match="missing.tsv"):
+        CriteoTSV(tmp_path / "missing.tsv", W, batch_size=4)
+    f = _write(tmp_path / "x", [_line()])
+    with pytest.raises(ValueError, match="batch_size"):
+        CriteoTSV(f, W, batch_size=0)

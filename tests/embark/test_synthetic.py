@@ -1,0 +1,127 @@
+from __future__ import annotations
+
+import itertools
+from dataclasses import replace
+
+import numpy as np
+import pytest
+import torch
+
+from embark.data import Batch, JaggedBatch, SyntheticCTR
+from embark.metrics import auc
+from embark.workloads import get_workload
+
+
+def _workload(n_tables: int = 3):
+    w = get_workload("tiny")
+    return replace(w, tables=w.tables[:n_tables])
+
+
+def _same(a: Batch, b: Batch) -> bool:
+    return (
+        torch.equal(a.dense, b.dense)
+        and a.sparse.equals(b.sparse)
+        and torch.equal(a.labels, b.labels)
+    )
+
+
+@pytest.fixture(scope="module")
+def gen() -> SyntheticCTR:
+    return SyntheticCTR(_workload(), batch_size=256, seed=7)
+
+
+def test_deterministic_by_seed_and_seekable(gen):
+    again = SyntheticCTR(_workload(), batch_size=256, seed=7)
+    other = SyntheticCTR(_workload(), batch_size=256, seed=8)
+    stream = list(gen.batches(4))
+    assert all(_same(a, b) for a, b in zip(stream, again.batches(4)))
+    assert _same(stream[2], gen.batch(2))
+    assert all(_same(a, b) for a, b in zip(stream[1:], gen.batches(3, start=1)))
+    assert not _same(stream[0], other.batch(0))
+    assert not _same(stream[0], gen.batch(0, split="eval"))
+    endless = list(itertools.islice(gen.batches(), 5))
+    assert len(endless) == 5 and _same(endless[4], gen.batch(4))
+
+
+def test_shapes_dtypes_and_fixed_hotness(gen):
+    b = gen.batch(0)
+    assert b.dense.shape == (256, 13) and b.dense.dtype == torch.float32
+    assert b.labels.shape == (256,) and b.labels.dtype == torch.float32
+    assert set(b.labels.unique().tolist()) <= {0.0, 1.0}
+    assert b.sparse.keys == [t.name for t in gen.workload.tables]
+    for t in gen.workload.tables:
+        assert torch.all(b.sparse.lengths_for(t.name) == t.hotness)
+        ids = b.sparse.values_for(t.name)
+        assert int(ids.min()) >= 0 and int(ids.max()) < t.num_rows
+
+
+def test_ragged_bags_have_mean_hotness():
+    g = SyntheticCTR(_workload(), batch_size=2000, seed=1, ragged=True)
+    b = g.batch(0)
+    for t in g.workload.tables:
+        n = b.sparse.lengths_for(t.name).double()
+        assert int(n.min()) == 0 and int(n.max()) == 2 * t.hotness
+        assert abs(n.mean().item() - t.hotness) < 0.1 * t.hotness + 0.05
+
+
+def test_ids_follow_zipf(gen):
+    t = gen.workload.tables[0]  # 1000 rows, hotness 1
+    ids = torch.cat([b.sparse.values_for(t.name) for b in gen.batches(80)]).numpy()
+    counts = np.bincount(ids, minlength=t.num_rows)
+    pmf = np.arange(1, t.num_rows + 1, dtype=np.float64) ** -gen.workload.zipf_alpha
+    pmf /= pmf.sum()
+    n = ids.size
+    for k in range(5):  # each of the hottest ids within 4 standard errors of its probability
+        se = np.sqrt(pmf[k] * (1 - pmf[k]) / n)
+        assert abs(counts[k] / n - pmf[k]) < 4 * se, k
+    assert counts[0] > counts[1] > counts[3] > counts[20]
+
+
+def test_dense_features_are_log1p_of_lognormal(gen):
+    dense = torch.cat([b.dense for b in gen.batches(10)]).double()
+    log_raw = torch.log(torch.expm1(dense))  # back to log of the raw counts
+    assert abs(log_raw.mean().item() - gen.dense_mu) < 0.02
+    assert abs(log_raw.std().item() - gen.dense_sigma) < 0.02
+
+
+def test_teacher_labels_are_calibrated_and_informative(gen):
+    probs, labels = [], []
+    for i in range(20):
+        b = gen.batch(i, split="eval")
+        probs.append(torch.sigmoid(gen.teacher_logits(b.dense, b.sparse)))
+        labels.append(b.labels)
+    p, y = torch.cat(probs), torch.cat(labels)
+    assert abs(p.mean().item() - y.mean().item()) < 0.02  # labels ~ Bernoulli(teacher)
+    ceiling = gen.teacher_auc(20)
+    assert 0.75 < ceiling < 0.95
+    assert ceiling == gen.teacher_auc(20)
+    assert all(not q.requires_grad for q in gen.teacher.parameters())
+
+
+def test_signal_is_in_both_dense_and_sparse_features(gen):
+    big = SyntheticCTR(gen.workload, batch_size=4096, seed=7)
+    b = big.batch(0, split="eval")
+    full = auc(big.teacher_logits(b.dense, b.sparse), b.labels)
+    same_ids = JaggedBatch(b.sparse.keys, torch.zeros_like(b.sparse.values), b.sparse.lengths)
+    mean_dense = b.dense.mean(0, keepdim=True).expand_as(b.dense)
+    without_ids = auc(big.teacher_logits(b.dense, same_ids), b.labels)
+    without_dense = auc(big.teacher_logits(mean_dense, b.sparse), b.labels)
+    assert without_ids < full - 0.05, (full, without_ids)
+    assert without_dense < full - 0.05, (full, without_dense)
+
+
+def test_scaled_workload_rows():
+    w = get_workload("tiny").scaled(10)
+    g = SyntheticCTR(replace(w, tables=w.tables[:4]), batch_size=128, seed=0)
+    b = g.batch(0)
+    for t in g.workload.tables:
+        assert int(b.sparse.values_for(t.name).max()) < t.num_rows <= 200
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [({"batch_size": 0}, "batch_size"), ({"batch_size": 8, "label_sharpness": 0}, "sharpness")],
+)
+def test_bad_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SyntheticCTR(_workload(), **kwargs)

@@ -1,0 +1,65 @@
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Literal
+
+import pytest
+
+from recipes.cli import knob, parse_knobs
+
+
+class Color(StrEnum):
+    RED = "red"
+    BLUE = "blue"
+
+
+@dataclass(frozen=True)
+class Knobs:
+    """Example recipe."""
+
+    steps: int = knob(10, "optimizer steps")
+    lr: float = knob(0.5, "learning rate")
+    name: str = knob("x", "a name")
+    widths: tuple[int, ...] = knob((4, 2), "layer widths")
+    color: Color = knob(Color.RED, "a color")
+    mode: Literal["a", "b"] = knob("a", "a mode")
+    out: str | None = knob(None, "output folder")
+    limit: int | None = knob(3, "optional limit")
+    fast: bool = knob(False, "go fast")
+
+    def __post_init__(self) -> None:
+        if self.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {self.steps}")
+
+
+def test_defaults_round_trip_and_help_shows_them(capsys):
+    assert parse_knobs(Knobs, []) == Knobs()
+    with pytest.raises(SystemExit):
+        parse_knobs(Knobs, ["--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    for shown in ("optimizer steps (default: 10)", "(default: 4 2)", "(default: red)",
+                  "{red,blue}", "--fast, --no-fast", "(default: None)"):  # fmt: skip
+        assert shown in text, shown
+
+
+def test_every_type_parses():
+    cfg = parse_knobs(
+        Knobs,
+        ["--steps", "3", "--lr", "1e-3", "--widths", "8", "4", "1", "--color", "blue",
+         "--mode", "b", "--out", "runs/x", "--limit", "none", "--fast"],
+    )  # fmt: skip
+    assert cfg == Knobs(3, 1e-3, "x", (8, 4, 1), Color.BLUE, "b", "runs/x", None, True)
+
+
+@pytest.mark.parametrize("argv", [["--steps", "x"], ["--color", "green"], ["--steps", "-1"]])
+def test_bad_values_are_usage_errors(argv, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_knobs(Knobs, argv)
+    assert info.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def test_mutable_default_is_refused():
+    with pytest.raises(ValueError, match="immutable"):
+        knob([1, 2], "a list")

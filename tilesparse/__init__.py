@@ -1,1 +1,84 @@
-"""tilesparse."""
+"""tilesparse: tile-wise (TW) sparsity for ``nn.Linear`` layers — importance scores, patterns,
+schedules with fine-tuning, and the condensed :class:`TileSparseLinear`.
+
+>>> import torch, tilesparse
+>>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
+>>> pruner = tilesparse.prune_(model, tilesparse.TileSparseConfig(sparsity=0.75, tile=32))
+>>> round(pruner.overall_sparsity(), 2)
+0.75
+>>> model = pruner.compress()
+>>> type(model[0]).__name__
+'TileSparseLinear'
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from tilesparse.config import (
+    CubicSchedule,
+    Importance,
+    MultiStageSchedule,
+    OneShotSchedule,
+    Pattern,
+    TileSparseConfig,
+)
+from tilesparse.format import TWLayout, condense, reference_matmul
+from tilesparse.linear import TileSparseLinear
+from tilesparse.patterns import (
+    bw_mask,
+    bw_masks,
+    ew_mask,
+    ew_masks,
+    is_tile_wise,
+    nm_mask,
+    render_mask,
+    split_budget,
+    tew_mask,
+    tew_masks,
+    tw_mask,
+    tw_masks,
+    tw_rows_mask,
+    tw_rows_masks,
+)
+from tilesparse.pruner import PruningCallback, TileSparsePruner, prune_
+
+__all__ = [
+    "Backend",
+    "CubicSchedule",
+    "Importance",
+    "MultiStageSchedule",
+    "OneShotSchedule",
+    "Pattern",
+    "PruningCallback",
+    "TWLayout",
+    "TileSparseConfig",
+    "TileSparseLinear",
+    "TileSparsePruner",
+    "bw_mask",
+    "bw_masks",
+    "condense",
+    "ew_mask",
+    "ew_masks",
+    "is_tile_wise",
+    "nm_mask",
+    "prune_",
+    "reference_matmul",
+    "render_mask",
+    "split_budget",
+    "tew_mask",
+    "tew_masks",
+    "tw_mask",
+    "tw_masks",
+    "tw_rows_mask",
+    "tw_rows_masks",
+]
+
+
+def __getattr__(name: str) -> Any:
+    # Backend lives with the kernels (tilesparse.backend); resolved on first use.
+    if name == "Backend":
+        from tilesparse.backend import Backend
+
+        return Backend
+    raise AttributeError(f"module 'tilesparse' has no attribute {name!r}")

@@ -1,0 +1,403 @@
+"""Pruning configuration: what to prune (:class:`TileSparseConfig`) and when (the schedule
+configs). Frozen, validated dataclasses that round-trip through JSON and load from a YAML or
+JSON recipe file, so a pruning recipe can be versioned beside the code::
+
+    # recipe.yaml
+    pattern: tw
+    sparsity: 0.75
+    tile: 128
+    importance: taylor
+    schedule: {kind: multistage, stages: [0.25, 0.5, 0.75], steps_per_stage: 200}
+
+>>> cfg = TileSparseConfig(pattern="tw", sparsity=0.75, tile=64)
+>>> TileSparseConfig.from_json(cfg.to_json()) == cfg
+True
+>>> TileSparseConfig(sparsity=1.0)
+Traceback (most recent call last):
+...
+ValueError: TileSparseConfig.sparsity must be in [0, 1), got 1.0
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from enum import StrEnum
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "Pattern",
+    "Importance",
+    "ScheduleKind",
+    "OneShotSchedule",
+    "MultiStageSchedule",
+    "CubicSchedule",
+    "ScheduleConfig",
+    "TileSparseConfig",
+    "PAPER_STAGES",
+    "schedule_from_dict",
+]
+
+# The paper's stages of rising sparsity with fine-tuning between them (Guo et al., SC20, §5).
+PAPER_STAGES = (0.25, 0.40, 0.50, 0.60, 0.65, 0.70, 0.75, 0.80, 0.85, 0.90)
+
+
+class Pattern(StrEnum):
+    """Sparsity pattern of a pruned weight (see :mod:`tilesparse.patterns`)."""
+
+    TW = "tw"  # tile-wise: global column pruning, then per-tile row pruning
+    TW_ROWS = "tw_rows"  # tile-wise, row pruning only (every column kept)
+    TEW = "tew"  # tile-wise plus the top delta of single elements restored
+    EW = "ew"  # element-wise (unstructured)
+    NM = "nm"  # N:M along K (vector-wise, e.g. 2:4)
+    BW = "bw"  # block-wise
+
+
+class Importance(StrEnum):
+    """Weight importance score (see :mod:`tilesparse.importance`)."""
+
+    MAGNITUDE = "magnitude"  # |w|
+    TAYLOR = "taylor"  # first-order Taylor (g·w)², accumulated over steps
+    MOVEMENT = "movement"  # -Σ g·w (Sanh et al., 2020)
+
+
+class ScheduleKind(StrEnum):
+    ONESHOT = "oneshot"
+    MULTISTAGE = "multistage"
+    CUBIC = "cubic"
+
+
+def _check_int(owner: str, name: str, value: Any, lo: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < lo:
+        raise ValueError(f"{owner}.{name} must be an integer >= {lo}, got {value!r}")
+
+
+def _check_unit(owner: str, name: str, value: Any, *, closed_right: bool) -> None:
+    ok = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    ok = ok and 0.0 <= value and (value <= 1.0 if closed_right else value < 1.0)
+    if not ok:
+        rng = "[0, 1]" if closed_right else "[0, 1)"
+        raise ValueError(f"{owner}.{name} must be in {rng}, got {value!r}")
+
+
+def _reject_unknown(cls: type, d: Mapping[str, Any], ignore: tuple[str, ...] = ()) -> None:
+    allowed = {f.name for f in fields(cls)} | set(ignore)
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}; allowed {sorted(allowed)}")
+
+
+@dataclass(frozen=True)
+class OneShotSchedule:
+    """Prune to the target sparsity once, at ``step``.
+
+    Args:
+        step: the training step at which the masks are set (>= 0).
+    """
+
+    step: int = 0
+    kind: ScheduleKind = field(default=ScheduleKind.ONESHOT, init=False)
+
+    def __post_init__(self) -> None:
+        _check_int("OneShotSchedule", "step", self.step, 0)
+
+
+@dataclass(frozen=True)
+class MultiStageSchedule:
+    """Stages of rising sparsity with ``steps_per_stage`` fine-tuning steps after each.
+
+    Stage ``i`` is applied at step ``start + i * steps_per_stage``. Stages above the target
+    sparsity are dropped and the target is appended when missing, so ``stages=None`` (the
+    paper's 25, 40, 50, 60, 65, 70, 75, 80, 85, 90%) fits any target.
+
+    Args:
+        stages: ascending sparsities in (0, 1), or ``None`` for :data:`PAPER_STAGES`.
+        steps_per_stage: fine-tuning steps between stages (>= 1).
+        start: step of the first stage (>= 0).
+    """
+
+    stages: tuple[float, ...] | None = None
+    steps_per_stage: int = 100
+    start: int = 0
+    kind: ScheduleKind = field(default=ScheduleKind.MULTISTAGE, init=False)
+
+    def __post_init__(self) -> None:
+        if self.stages is not None:
+            stages = tuple(float(s) for s in self.stages)
+            object.__setattr__(self, "stages", stages)
+            if not stages:
+                raise ValueError("MultiStageSchedule.stages must not be empty (use None for the paper's)")
+            for s in stages:
+                _check_unit("MultiStageSchedule", "stages[i]", s, closed_right=False)
+            if any(b <= a for a, b in zip(stages, stages[1:])):
+                raise ValueError(f"MultiStageSchedule.stages must be strictly ascending, got {list(stages)}")
+        _check_int("MultiStageSchedule", "steps_per_stage", self.steps_per_stage, 1)
+        _check_int("MultiStageSchedule", "start", self.start, 0)
+
+
+@dataclass(frozen=True)
+class CubicSchedule:
+    """Gradual pruning of Zhu & Gupta (2017, "To prune, or not to prune"):
+    ``s_t = s_f + (s_i - s_f) · (1 - (t - begin) / (end - begin))³`` for ``begin <= t <= end``,
+    updated every ``frequency`` steps.
+
+    Args:
+        begin_step: first update (>= 0).
+        end_step: last update (> begin_step); the target holds from here on.
+        frequency: steps between mask updates (>= 1).
+        initial_sparsity: ``s_i`` in [0, 1).
+    """
+
+    begin_step: int = 0
+    end_step: int = 1000
+    frequency: int = 100
+    initial_sparsity: float = 0.0
+    kind: ScheduleKind = field(default=ScheduleKind.CUBIC, init=False)
+
+    def __post_init__(self) -> None:
+        _check_int("CubicSchedule", "begin_step", self.begin_step, 0)
+        _check_int("CubicSchedule", "end_step", self.end_step, self.begin_step + 1)
+        _check_int("CubicSchedule", "frequency", self.frequency, 1)
+        _check_unit("CubicSchedule", "initial_sparsity", self.initial_sparsity, closed_right=False)
+
+
+ScheduleConfig = OneShotSchedule | MultiStageSchedule | CubicSchedule
+_SCHEDULES: dict[ScheduleKind, type] = {
+    ScheduleKind.ONESHOT: OneShotSchedule,
+    ScheduleKind.MULTISTAGE: MultiStageSchedule,
+    ScheduleKind.CUBIC: CubicSchedule,
+}
+
+
+def _schedule_to_dict(s: ScheduleConfig) -> dict[str, Any]:
+    d: dict[str, Any] = {"kind": s.kind.value}
+    for f in fields(s):
+        if f.name != "kind":
+            v = getattr(s, f.name)
+            d[f.name] = list(v) if isinstance(v, tuple) else v
+    return d
+
+
+def schedule_from_dict(d: Mapping[str, Any]) -> ScheduleConfig:
+    """Build a schedule config from ``{"kind": "oneshot"|"multistage"|"cubic", ...}``.
+
+    Raises:
+        ValueError: for a missing/unknown kind or an unknown key.
+    """
+    if not isinstance(d, Mapping):
+        raise ValueError(f"schedule must be a mapping with a 'kind', got {d!r}")
+    try:
+        kind = ScheduleKind(d.get("kind"))
+    except ValueError:
+        raise ValueError(
+            f"schedule.kind must be one of {[k.value for k in ScheduleKind]}, got {d.get('kind')!r}"
+        ) from None
+    cls = _SCHEDULES[kind]
+    _reject_unknown(cls, d)
+    kwargs = {k: v for k, v in d.items() if k != "kind"}
+    if "stages" in kwargs and kwargs["stages"] is not None:
+        kwargs["stages"] = tuple(kwargs["stages"])
+    return cls(**kwargs)
+
+
+@dataclass(frozen=True)
+class TileSparseConfig:
+    """What to prune, how, and when.
+
+    Args:
+        pattern: one of :class:`Pattern` (``tw``, ``tw_rows``, ``tew``, ``ew``, ``nm``, ``bw``).
+        sparsity: target fraction of pruned weights in [0, 1). ``None`` means 0.75, or
+            ``1 - n/m`` for ``nm`` (the only sparsity an N:M pattern has).
+        tile: ``G``, columns per tile for the TW family (> 0). 128 matches a tensor-core
+            threadblock N-tile (the paper's choice).
+        importance: one of :class:`Importance`.
+        column_share: how the TW budget is split between column pruning and per-tile row
+            pruning, as the exponent of the kept fraction: columns keep ``(1-s)**column_share``,
+            rows ``(1-s)**(1-column_share)``. 0.5 is the paper's even split
+            ``s' = 100 - sqrt(10000 - 100·s)`` (75% → 50% columns, 50% rows); 0 prunes rows only.
+        n, m: the N:M pattern (keep ``n`` of every ``m`` consecutive K entries), ``1 <= n <= m``.
+        block: ``(bk, bn)`` block shape for ``bw``.
+        tew_delta: fraction of all weights restored as single elements by ``tew``;
+            ``sparsity + tew_delta`` must stay < 1.
+        global_threshold: one threshold over all pruned layers (layers end up with different
+            sparsities) rather than the target in each layer.
+        min_layer_density: floor on the fraction of weights any layer keeps under a global
+            threshold, so no layer is pruned away; in (0, 1].
+        overrides: fully-qualified module name → its own sparsity (pruned alone, outside the
+            global threshold). Not allowed with ``nm``.
+        taylor_steps: most backward passes accumulated into the Taylor score between two
+            mask updates (>= 1; the paper sums ~100).
+        schedule: a :class:`OneShotSchedule`, :class:`MultiStageSchedule` or
+            :class:`CubicSchedule`.
+
+    Raises:
+        ValueError: naming the field and the allowed range.
+    """
+
+    pattern: Pattern = Pattern.TW
+    sparsity: float | None = None
+    tile: int = 128
+    importance: Importance = Importance.MAGNITUDE
+    column_share: float = 0.5
+    n: int = 2
+    m: int = 4
+    block: tuple[int, int] = (32, 32)
+    tew_delta: float = 0.05
+    global_threshold: bool = True
+    min_layer_density: float = 0.02
+    overrides: tuple[tuple[str, float], ...] = ()
+    taylor_steps: int = 100
+    schedule: ScheduleConfig = field(default_factory=OneShotSchedule)
+
+    def __post_init__(self) -> None:
+        owner = "TileSparseConfig"
+        set_ = object.__setattr__
+        try:
+            set_(self, "pattern", Pattern(self.pattern))
+        except ValueError:
+            raise ValueError(
+                f"{owner}.pattern must be one of {[p.value for p in Pattern]}, got {self.pattern!r}"
+            ) from None
+        try:
+            set_(self, "importance", Importance(self.importance))
+        except ValueError:
+            raise ValueError(
+                f"{owner}.importance must be one of {[i.value for i in Importance]}, got {self.importance!r}"
+            ) from None
+        _check_int(owner, "n", self.n, 1)
+        _check_int(owner, "m", self.m, 1)
+        if self.n > self.m:
+            raise ValueError(f"{owner}.n must be <= m={self.m}, got {self.n}")
+        if self.sparsity is None:
+            set_(self, "sparsity", 1.0 - self.n / self.m if self.pattern is Pattern.NM else 0.75)
+        _check_unit(owner, "sparsity", self.sparsity, closed_right=False)
+        set_(self, "sparsity", float(self.sparsity))
+        if self.pattern is Pattern.NM and not math.isclose(self.sparsity, 1.0 - self.n / self.m):
+            raise ValueError(
+                f"{owner}.sparsity must be 1 - n/m = {1.0 - self.n / self.m:g} for pattern 'nm' "
+                f"({self.n}:{self.m}), got {self.sparsity}"
+            )
+        _check_int(owner, "tile", self.tile, 1)
+        _check_unit(owner, "column_share", self.column_share, closed_right=True)
+        block = tuple(self.block) if isinstance(self.block, list | tuple) else (self.block,)
+        if len(block) != 2:
+            raise ValueError(f"{owner}.block must be (bk, bn), got {self.block!r}")
+        for v in block:
+            _check_int(owner, "block[i]", v, 1)
+        set_(self, "block", block)
+        _check_unit(owner, "tew_delta", self.tew_delta, closed_right=False)
+        if self.pattern is Pattern.TEW and self.sparsity + self.tew_delta >= 1.0:
+            raise ValueError(
+                f"{owner}.tew_delta must be < 1 - sparsity = {1 - self.sparsity:g} for 'tew', got {self.tew_delta}"
+            )
+        if not isinstance(self.global_threshold, bool):
+            raise ValueError(f"{owner}.global_threshold must be a bool, got {self.global_threshold!r}")
+        d = self.min_layer_density
+        if isinstance(d, bool) or not isinstance(d, int | float) or not 0.0 < d <= 1.0:
+            raise ValueError(f"{owner}.min_layer_density must be in (0, 1], got {d!r}")
+        ov = dict(self.overrides.items()) if isinstance(self.overrides, Mapping) else dict(self.overrides)
+        for fqn, s in ov.items():
+            if not isinstance(fqn, str) or not fqn:
+                raise ValueError(f"{owner}.overrides keys must be module names, got {fqn!r}")
+            _check_unit(owner, f"overrides[{fqn!r}]", s, closed_right=False)
+        if ov and self.pattern is Pattern.NM:
+            raise ValueError(f"{owner}.overrides are not allowed with pattern 'nm' (its sparsity is fixed)")
+        set_(self, "overrides", tuple(sorted((k, float(v)) for k, v in ov.items())))
+        _check_int(owner, "taylor_steps", self.taylor_steps, 1)
+        sched = self.schedule
+        if isinstance(sched, Mapping):
+            sched = schedule_from_dict(sched)
+            set_(self, "schedule", sched)
+        if not isinstance(sched, OneShotSchedule | MultiStageSchedule | CubicSchedule):
+            raise ValueError(f"{owner}.schedule must be a schedule config, got {sched!r}")
+
+    @property
+    def target_sparsity(self) -> float:
+        """The final sparsity (never ``None`` after construction)."""
+        assert self.sparsity is not None  # set in __post_init__
+        return self.sparsity
+
+    def override_for(self, fqn: str) -> float | None:
+        """The per-module sparsity override of ``fqn``, if any."""
+        return dict(self.overrides).get(fqn)
+
+    # -- serialisation ------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        """Plain JSON-able dict (enums as their values, tuples as lists)."""
+        return {
+            "pattern": self.pattern.value,
+            "sparsity": self.sparsity,
+            "tile": self.tile,
+            "importance": self.importance.value,
+            "column_share": self.column_share,
+            "n": self.n,
+            "m": self.m,
+            "block": list(self.block),
+            "tew_delta": self.tew_delta,
+            "global_threshold": self.global_threshold,
+            "min_layer_density": self.min_layer_density,
+            "overrides": dict(self.overrides),
+            "taylor_steps": self.taylor_steps,
+            "schedule": _schedule_to_dict(self.schedule),
+        }
+
+    @classmethod
+    def from_dict(cls, d: Mapping[str, Any]) -> TileSparseConfig:
+        """Inverse of :meth:`to_dict`; missing keys take their defaults.
+
+        Raises:
+            ValueError: for an unknown key (naming it and the allowed keys) or a bad value.
+        """
+        if not isinstance(d, Mapping):
+            raise ValueError(f"TileSparseConfig: expected a mapping, got {type(d).__name__}")
+        _reject_unknown(cls, d)
+        kwargs = dict(d)
+        if "schedule" in kwargs:
+            kwargs["schedule"] = schedule_from_dict(kwargs["schedule"])
+        if "block" in kwargs:
+            kwargs["block"] = tuple(kwargs["block"])
+        return cls(**kwargs)
+
+    def to_json(self) -> str:
+        return json.dumps(self.to_dict(), indent=2, sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str) -> TileSparseConfig:
+        return cls.from_dict(json.loads(text))
+
+    @classmethod
+    def load(cls, path: str | Path) -> TileSparseConfig:
+        """Load a recipe file: ``.yaml``/``.yml`` or ``.json``.
+
+        Raises:
+            ValueError: for another suffix, a file that is not a mapping, or a bad key/value
+                (the message names the file).
+        """
+        p = Path(path)
+        text = p.read_text()
+        suffix = p.suffix.lower()
+        if suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        elif suffix == ".json":
+            data = json.loads(text)
+        else:
+            raise ValueError(f"recipe file {p}: expected a .yaml, .yml or .json suffix, got {suffix!r}")
+        try:
+            return cls.from_dict(data if data is not None else {})
+        except ValueError as e:
+            raise ValueError(f"recipe file {p}: {e}") from None
+
+    def save(self, path: str | Path) -> None:
+        """Write the config as JSON or YAML (by suffix)."""
+        p = Path(path)
+        if p.suffix.lower() in (".yaml", ".yml"):
+            import yaml
+
+            p.write_text(yaml.safe_dump(self.to_dict(), sort_keys=True))
+        else:
+            p.write_text(self.to_json() + "\n")

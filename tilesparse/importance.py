@@ -1,0 +1,160 @@
+"""Importance scores of weights, and their aggregation into row-segment scores.
+
+A score tracker sees the (masked) weights and, after each backward pass, their gradients; it
+returns per layer a non-negative ``(K, N)`` float32 score in the ``W = linear.weight.T``
+orientation, the input of :mod:`tilesparse.patterns`:
+
+- :class:`MagnitudeScore`: ``|w|``;
+- :class:`TaylorScore`: first-order Taylor ``Σ_t (g_t · w_t)²`` over the backward passes since
+  the last mask update (at most ``max_steps`` of them; the paper sums ~100): the squared
+  first-order change of the loss when ``w`` is zeroed;
+- :class:`MovementScore`: ``-Σ_t g_t · w_t`` since :meth:`reset` (Sanh et al., 2020: weights
+  moving away from zero score high), shifted by the minimum over all tracked layers so every
+  score is >= 0 (the order of weights, within and across layers, is unchanged).
+
+Row-segment aggregation (the paper's): in tile ``t`` of kept columns ``cols_t``, row ``k``'s
+segment scores ``‖S[k, cols_t]‖₂ / |cols_t|`` — :func:`tilesparse.patterns.segment_scores`,
+re-exported here as :func:`segment_scores`.
+
+>>> t = TaylorScore()
+>>> w = {"fc": torch.tensor([[1., -2.], [3., 0.]])}      # (K=2, N=2)
+>>> t.observe(w, {"fc": torch.tensor([[1., 1.], [0., 5.]])})
+>>> t.observe(w, {"fc": torch.tensor([[1., 0.], [1., 1.]])})
+>>> t.scores(w)["fc"]
+tensor([[2., 4.],
+        [9., 0.]])
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from tilesparse.config import Importance
+from tilesparse.patterns import segment_scores
+
+__all__ = [
+    "ScoreTracker",
+    "MagnitudeScore",
+    "TaylorScore",
+    "MovementScore",
+    "make_tracker",
+    "segment_scores",
+]
+
+Tensors = Mapping[str, torch.Tensor]
+
+
+class ScoreTracker:
+    """Base class: scores from weights alone (``observe`` and ``reset`` are no-ops).
+
+    Weights and gradients are ``(K, N)`` float tensors keyed by layer name.
+    """
+
+    needs_gradients = False
+
+    def observe(self, weights: Tensors, grads: Tensors) -> None:
+        """Record one backward pass (called after ``loss.backward()``, before the step)."""
+
+    def reset(self) -> None:
+        """Forget what was observed (called after each mask update)."""
+
+    def scores(self, weights: Tensors) -> dict[str, torch.Tensor]:
+        """Per layer ``(K, N) float32`` non-negative scores."""
+        raise NotImplementedError
+
+
+class MagnitudeScore(ScoreTracker):
+    """``|w|``."""
+
+    def scores(self, weights: Tensors) -> dict[str, torch.Tensor]:
+        return {k: w.detach().abs().float().cpu() for k, w in weights.items()}
+
+
+class TaylorScore(ScoreTracker):
+    """``Σ (g · w)²`` over at most ``max_steps`` backward passes since the last reset.
+
+    Raises (from :meth:`scores`):
+        RuntimeError: when nothing was observed — a Taylor score needs gradients, so the first
+            mask update must come after at least one backward pass.
+    """
+
+    needs_gradients = True
+
+    def __init__(self, max_steps: int = 100) -> None:
+        if max_steps < 1:
+            raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        self.max_steps = max_steps
+        self.steps = 0
+        self._acc: dict[str, torch.Tensor] = {}
+
+    def observe(self, weights: Tensors, grads: Tensors) -> None:
+        if self.steps >= self.max_steps:
+            return
+        for k, g in grads.items():
+            term = (g.detach().float() * weights[k].detach().float()).pow(2).cpu()
+            self._acc[k] = self._acc[k] + term if k in self._acc else term
+        self.steps += 1
+
+    def reset(self) -> None:
+        self.steps = 0
+        self._acc = {}
+
+    def scores(self, weights: Tensors) -> dict[str, torch.Tensor]:
+        if self.steps == 0:
+            raise RuntimeError(
+                "Taylor importance has observed no backward pass yet: schedule the first mask "
+                "update after at least one training step (e.g. OneShotSchedule(step=100)), or "
+                "use importance='magnitude'"
+            )
+        missing = sorted(set(weights) - set(self._acc))
+        if missing:
+            raise RuntimeError(f"Taylor importance has no gradients for layer(s) {missing}")
+        return {k: self._acc[k].clone() for k in weights}
+
+
+class MovementScore(ScoreTracker):
+    """``-Σ g · w`` since the last :meth:`reset`, shifted to be >= 0 across all layers.
+
+    Unlike Taylor, movement keeps accumulating across mask updates (the pruner resets it
+    only when asked): it measures where weights have been heading during fine-tuning.
+    """
+
+    needs_gradients = True
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._acc: dict[str, torch.Tensor] = {}
+
+    def observe(self, weights: Tensors, grads: Tensors) -> None:
+        for k, g in grads.items():
+            term = -(g.detach().float() * weights[k].detach().float()).cpu()
+            self._acc[k] = self._acc[k] + term if k in self._acc else term
+        self.steps += 1
+
+    def reset(self) -> None:
+        """Movement accumulates over the whole run; the pruner does not call this between
+        updates. Call it by hand to start afresh."""
+        self.steps = 0
+        self._acc = {}
+
+    def scores(self, weights: Tensors) -> dict[str, torch.Tensor]:
+        if self.steps == 0:
+            raise RuntimeError(
+                "movement importance has observed no backward pass yet: schedule the first "
+                "mask update after some training steps, or use importance='magnitude'"
+            )
+        raw = {k: self._acc[k] for k in weights}
+        low = min(float(v.min()) for v in raw.values() if v.numel())
+        return {k: v - low for k, v in raw.items()}
+
+
+def make_tracker(kind: Importance | str, taylor_steps: int = 100) -> ScoreTracker:
+    """The tracker for an :class:`~tilesparse.config.Importance`."""
+    kind = Importance(kind)
+    if kind is Importance.MAGNITUDE:
+        return MagnitudeScore()
+    if kind is Importance.TAYLOR:
+        return TaylorScore(taylor_steps)
+    return MovementScore()

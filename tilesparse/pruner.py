@@ -1,0 +1,363 @@
+"""The pruner: masks on any model's ``nn.Linear`` layers, updated on a schedule, then
+compressed into :class:`~tilesparse.linear.TileSparseLinear`.
+
+Life of a pruned model::
+
+    pruner = TileSparsePruner(TileSparseConfig(pattern="tw", sparsity=0.75, tile=128,
+                              schedule=MultiStageSchedule(steps_per_stage=200)))
+    pruner.prepare(model)          # a mask parametrization on each selected layer
+    trainer.rebuild_optimizer()    # (the weights now live at ...parametrizations.weight.original)
+    trainer.add_callback(pruner.callback())   # observe() after backward, step() after the step
+    trainer.fit(batches, steps)    # masks follow the schedule; pruned weights stay exactly 0
+    pruner.compress()              # each pruned nn.Linear → TileSparseLinear
+
+or in one call, pruning to the target now: ``tilesparse.prune_(model, config, filter_fn)``.
+
+Masks are ``torch.nn.utils.parametrize`` parametrizations: ``layer.weight`` is computed as
+``original * mask``, so the forward pass sees zeros at pruned positions, gradients reach the
+kept weights (``original.grad = grad · mask``), and fine-tuning cannot revive a pruned weight.
+On each mask update ``original`` is also zeroed where pruned, so the saved state holds zeros.
+
+Thresholds are global across the selected layers by default (so layers get different
+sparsities), each layer keeping at least ``min_layer_density`` of its weights; a layer named in
+``config.overrides`` is pruned alone to its own sparsity (scaled along the schedule).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+from tilesparse.config import Pattern, TileSparseConfig
+from tilesparse.format import tile_groups
+from tilesparse.importance import ScoreTracker, make_tracker
+from tilesparse.linear import TileSparseLinear
+from tilesparse.patterns import masks_for_config
+from tilesparse.schedule import sparsity_at
+
+__all__ = [
+    "FilterFn",
+    "WeightMask",
+    "LayerStats",
+    "TileSparsePruner",
+    "PruningCallback",
+    "prune_",
+    "default_filter",
+]
+
+log = logging.getLogger(__name__)
+
+FilterFn = Callable[[nn.Module, str], bool]
+
+
+def default_filter(module: nn.Module, fqn: str) -> bool:
+    """Every ``nn.Linear`` (subclasses included)."""
+    return isinstance(module, nn.Linear)
+
+
+class WeightMask(nn.Module):
+    """Parametrization ``weight = original * mask``; ``mask: (N, K) bool`` buffer, in
+    ``nn.Linear.weight``'s orientation (the transpose of the ``(K, N)`` masks elsewhere)."""
+
+    def __init__(self, out_features: int, in_features: int, device: torch.device | None = None) -> None:
+        super().__init__()
+        self.register_buffer("mask", torch.ones(out_features, in_features, dtype=torch.bool, device=device))
+
+    def forward(self, weight: torch.Tensor) -> torch.Tensor:
+        return weight * self.mask
+
+
+@dataclass(frozen=True)
+class LayerStats:
+    """One pruned layer: shape ``K × N``, weights kept, columns kept, tiles of the mask."""
+
+    fqn: str
+    in_features: int
+    out_features: int
+    params: int
+    kept: int
+    kept_columns: int
+    tiles: int
+
+    @property
+    def sparsity(self) -> float:
+        return 1.0 - self.kept / self.params
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self) | {"sparsity": self.sparsity}
+
+
+class TileSparsePruner:
+    """Prunes the ``nn.Linear`` layers of a model that ``filter_fn`` selects.
+
+    Args:
+        config: what, how and when to prune.
+        filter_fn: ``(module, fqn) -> bool``; default: every ``nn.Linear``.
+    """
+
+    def __init__(self, config: TileSparseConfig, filter_fn: FilterFn | None = None) -> None:
+        if not isinstance(config, TileSparseConfig):
+            raise ValueError(f"config must be a TileSparseConfig, got {type(config).__name__}")
+        self.config = config
+        self.filter_fn = filter_fn or default_filter
+        self.tracker: ScoreTracker = make_tracker(config.importance, config.taylor_steps)
+        self.model: nn.Module | None = None
+        self.layers: dict[str, nn.Linear] = {}
+        self.step_count = 0
+        self.current_sparsity = 0.0
+        self.updates = 0
+        self.compressed = False
+
+    # -- setup -----------------------------------------------------------------------------
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Attach an all-ones mask to each selected layer, then apply the schedule's step 0.
+
+        With an importance that needs gradients (Taylor, movement) a step-0 update is
+        deferred to the first :meth:`step` (after one observed backward pass).
+
+        Returns:
+            ``model``, modified in place.
+
+        Raises:
+            ValueError: when the pruner is already prepared, no layer is selected, or an
+                override names a layer that is not selected.
+        """
+        if self.model is not None:
+            raise ValueError("this pruner is already prepared on a model; make a new one")
+        layers = {
+            fqn: m
+            for fqn, m in model.named_modules()
+            if isinstance(m, nn.Linear) and self.filter_fn(m, fqn)
+        }
+        if not layers:
+            raise ValueError("no nn.Linear layer selected by filter_fn: nothing to prune")
+        for fqn, m in layers.items():
+            if parametrize.is_parametrized(m, "weight"):
+                raise ValueError(f"layer {fqn!r} already has a weight parametrization")
+        unknown = sorted(set(dict(self.config.overrides)) - set(layers))
+        if unknown:
+            raise ValueError(f"overrides name layer(s) {unknown} that are not selected; selected: {sorted(layers)}")
+        for m in layers.values():
+            n, k = m.weight.shape
+            parametrize.register_parametrization(m, "weight", WeightMask(n, k, device=m.weight.device))
+        self.model, self.layers = model, layers
+        log.info("tilesparse: prepared %d layers (%d weights)", len(layers), self.total_params)
+        s0 = sparsity_at(self.config.schedule, 0, self.config.target_sparsity)
+        if s0 > 0 and not self.tracker.needs_gradients:
+            self.update_masks(s0)
+        return model
+
+    def _check_prepared(self) -> None:
+        if self.model is None:
+            raise ValueError("call prepare(model) first")
+        if self.compressed:
+            raise ValueError("the model was compressed; masks can no longer change")
+
+    # -- training hooks --------------------------------------------------------------------
+    def observe(self) -> None:
+        """Feed the current gradients to the importance score (after ``backward()``)."""
+        self._check_prepared()
+        if not self.tracker.needs_gradients:
+            return
+        weights, grads = {}, {}
+        for fqn, m in self.layers.items():
+            g = m.parametrizations.weight.original.grad
+            if g is not None:
+                grads[fqn] = g.detach().T  # grad of the masked weight, restricted to kept ones
+                weights[fqn] = m.weight.detach().T
+        self.tracker.observe(weights, grads)
+
+    def step(self) -> bool:
+        """Advance the schedule by one training step (after ``optimizer.step()``).
+
+        Returns:
+            whether the masks were updated.
+        """
+        self._check_prepared()
+        self.step_count += 1
+        s = sparsity_at(self.config.schedule, self.step_count, self.config.target_sparsity)
+        if s != self.current_sparsity:
+            self.update_masks(s)
+            return True
+        return False
+
+    def callback(self) -> PruningCallback:
+        """A trainer callback driving :meth:`observe` and :meth:`step`."""
+        return PruningCallback(self)
+
+    # -- masks -----------------------------------------------------------------------------
+    def _layer_sparsity(self, fqn: str, sparsity: float) -> float:
+        override = self.config.override_for(fqn)
+        target = self.config.target_sparsity
+        if override is None:
+            return sparsity
+        return override * (sparsity / target) if target > 0 else override
+
+    @torch.no_grad()
+    def update_masks(self, sparsity: float) -> None:
+        """Recompute every mask for an overall ``sparsity`` in [0, 1) (override layers: their
+        own, scaled by ``sparsity / target``) from the current importance scores."""
+        self._check_prepared()
+        if not 0.0 <= sparsity < 1.0:
+            raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
+        cfg = self.config
+        weights = {fqn: m.weight.detach().T for fqn, m in self.layers.items()}
+        scores = self.tracker.scores(weights)
+        groups: list[tuple[list[str], float]] = []
+        shared = [f for f in self.layers if cfg.override_for(f) is None]
+        if cfg.global_threshold and cfg.pattern is not Pattern.NM:
+            if shared:
+                groups.append((shared, sparsity))
+        else:
+            groups.extend(([f], sparsity) for f in shared)
+        groups.extend(([f], self._layer_sparsity(f, sparsity)) for f in self.layers if f not in shared)
+        for names, s in groups:
+            masks = masks_for_config(cfg, [scores[f] for f in names], s)
+            for f, mask_kn in zip(names, masks):
+                m = self.layers[f]
+                holder = m.parametrizations.weight
+                mask_nk = mask_kn.T.to(holder[0].mask.device)
+                holder[0].mask.copy_(mask_nk)
+                holder.original.mul_(mask_nk)
+        self.tracker.reset()
+        self.current_sparsity = sparsity
+        self.updates += 1
+        log.info(
+            "tilesparse: step %d, masks at sparsity %.3f (achieved %.4f over %d layers)",
+            self.step_count, sparsity, self.overall_sparsity(), len(self.layers),
+        )
+
+    def mask(self, fqn: str) -> torch.Tensor:
+        """``(K, N) bool`` mask of layer ``fqn`` (a copy, on the CPU)."""
+        if fqn not in self.layers:
+            raise ValueError(f"layer {fqn!r} is not pruned by this pruner; pruned: {sorted(self.layers)}")
+        m = self.layers[fqn]
+        if isinstance(m, TileSparseLinear):
+            return m.mask_kn()
+        return m.parametrizations.weight[0].mask.T.cpu().clone()
+
+    def masks(self) -> dict[str, torch.Tensor]:
+        """Every layer's ``(K, N) bool`` mask."""
+        return {f: self.mask(f) for f in self.layers}
+
+    @property
+    def total_params(self) -> int:
+        return sum(m.in_features * m.out_features for m in self.layers.values())
+
+    def overall_sparsity(self) -> float:
+        """Fraction of the selected layers' weights that are pruned."""
+        kept = sum(int(self.mask(f).sum()) for f in self.layers)
+        return 1.0 - kept / max(1, self.total_params)
+
+    def stats(self) -> list[LayerStats]:
+        """Per-layer shape, kept weights, kept columns and tiles (of width ``config.tile``)."""
+        out = []
+        for f, m in self.layers.items():
+            mask = self.mask(f)
+            out.append(
+                LayerStats(
+                    fqn=f,
+                    in_features=m.in_features,
+                    out_features=m.out_features,
+                    params=m.in_features * m.out_features,
+                    kept=int(mask.sum()),
+                    kept_columns=int(mask.any(dim=0).sum()),
+                    tiles=len(tile_groups(mask, self.config.tile)),
+                )
+            )
+        return out
+
+    # -- finishing -------------------------------------------------------------------------
+    def _replace(self, fqn: str, new: nn.Module) -> None:
+        assert self.model is not None
+        parent_name, _, child = fqn.rpartition(".")
+        parent = self.model.get_submodule(parent_name) if parent_name else self.model
+        setattr(parent, child, new)
+
+    @torch.no_grad()
+    def compress(self, backend: str = "auto") -> nn.Module:
+        """Replace every pruned ``nn.Linear`` by an equivalent
+        :class:`~tilesparse.linear.TileSparseLinear` (tile ``config.tile``).
+
+        The mask of any pattern is accepted; only TW-family masks give few wide tiles (an EW
+        mask gives about one tile per column: correct, not fast). A module whose parent reads
+        ``.weight`` directly (``nn.MultiheadAttention.out_proj``) must not be compressed.
+
+        Returns:
+            the model, modified in place; the trainer's optimizer must be rebuilt to train on.
+        """
+        self._check_prepared()
+        for fqn, m in list(self.layers.items()):
+            mask_kn = self.mask(fqn)
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+            new = TileSparseLinear.from_dense(m, mask_kn, tile=self.config.tile, backend=backend)
+            self._replace(fqn, new)
+            self.layers[fqn] = new  # type: ignore[assignment]
+        self.compressed = True
+        assert self.model is not None
+        return self.model
+
+    @torch.no_grad()
+    def remove(self) -> nn.Module:
+        """Bake the masks into plain ``nn.Linear`` weights (pruned entries zero) and drop the
+        parametrizations; the pruner is done afterwards."""
+        self._check_prepared()
+        for m in self.layers.values():
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
+        self.compressed = True
+        assert self.model is not None
+        return self.model
+
+
+class PruningCallback:
+    """Trainer callback (duck-typed to ``embark.train.Callback``: ``tilesparse`` does not
+    import ``embark``): ``on_after_backward`` → :meth:`TileSparsePruner.observe`,
+    ``on_step_end`` → :meth:`TileSparsePruner.step`."""
+
+    def __init__(self, pruner: TileSparsePruner) -> None:
+        self.pruner = pruner
+
+    def on_after_backward(self, trainer: Any, step: int) -> None:
+        self.pruner.observe()
+
+    def on_step_end(self, trainer: Any, step: int, loss: float) -> None:
+        self.pruner.step()
+
+    def on_eval(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
+        return None
+
+
+def prune_(
+    model: nn.Module, config: TileSparseConfig, filter_fn: FilterFn | None = None
+) -> TileSparsePruner:
+    """Prune ``model`` in place to ``config``'s target sparsity now (the schedule is not
+    followed; use :class:`TileSparsePruner` to fine-tune along one).
+
+    Args:
+        model: any module holding ``nn.Linear`` layers.
+        config: the pruning config; its importance must be computable without training
+            (``magnitude``).
+        filter_fn: ``(module, fqn) -> bool``; default: every ``nn.Linear``.
+
+    Returns:
+        the pruner (masks attached; call ``.compress()`` for ``TileSparseLinear`` layers).
+
+    Raises:
+        ValueError: as :meth:`TileSparsePruner.prepare`, or for an importance needing gradients.
+    """
+    pruner = TileSparsePruner(config, filter_fn)
+    if pruner.tracker.needs_gradients:
+        raise ValueError(
+            f"prune_ prunes now, without training, but importance={config.importance.value!r} "
+            "needs gradients; use TileSparsePruner with a schedule, or importance='magnitude'"
+        )
+    pruner.prepare(model)
+    if pruner.current_sparsity != config.target_sparsity:
+        pruner.update_masks(config.target_sparsity)
+    return pruner

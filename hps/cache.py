@@ -12,8 +12,9 @@ Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 wa
     values   (num_sets * ways, dim)    row of slot s*ways + w
 
 A query compares each key with the ``ways`` keys of its set in one vectorised ``==``; an
-insertion sorts the new keys by set, ranks them within their set and gives the r-th new key
-of a set that set's r-th victim (empty slots first, then the lowest counter). No per-key
+insertion sorts the new keys by set and, inside a set, by their frequency in the request,
+and gives the r-th new key of a set that set's r-th victim (empty slots first, then the
+lowest counter) if that victim is colder (see :meth:`EmbeddingCache.insert`). No per-key
 Python loop anywhere.
 
 The cache itself is exact (it returns only rows it holds). What a *request* gets for a miss is
@@ -69,7 +70,7 @@ class CacheStats:
     hits: int = 0
     inserted: int = 0
     evicted: int = 0
-    overflowed: int = 0  # new keys that found no slot (more new keys than ways in one set)
+    overflowed: int = 0  # new keys not admitted (no colder entry left in their set)
 
     @property
     def hit_rate(self) -> float:
@@ -107,7 +108,7 @@ class EmbeddingCache:
         self.keys = torch.full((self.num_sets, self.ways), EMPTY_KEY, dtype=torch.int64, device=self.device)
         self.counters = torch.full((self.num_sets, self.ways), -1, dtype=torch.int64, device=self.device)
         self.values = torch.zeros((self.capacity, dim), dtype=torch.float32, device=self.device)
-        self._clock = 0
+        self._clock = 1  # LRU: bumped by every query; entries inserted since then carry it
         self._lock = threading.Lock()
         self._refresh_cursor = 0
         self.stats = CacheStats()
@@ -116,35 +117,45 @@ class EmbeddingCache:
     def _slots(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hit (n,) bool, slot (n,) int64)``; ``slot`` is meaningful where ``hit``."""
         s = set_of(keys, self.num_sets)
-        match = self.keys[s] == keys[:, None]  # (n, ways)
-        hit = match.any(1)
-        way = match.to(torch.uint8).argmax(1)
-        return hit, s * self.ways + way
+        match = (self.keys.index_select(0, s) == keys[:, None]).view(torch.uint8)  # (n, ways)
+        hit, way = match.max(1)  # one pass: any match, and where
+        return hit.view(torch.bool), s * self.ways + way
 
-    def query(self, keys: torch.Tensor, count: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    def _touch(self, slots: torch.Tensor, counts: torch.Tensor | None) -> None:
+        flat = self.counters.view(-1)
+        if self.policy is CachePolicy.LRU:
+            flat[slots] = self._clock
+        else:
+            flat[slots] += 1 if counts is None else counts
+
+    def query(self, keys: torch.Tensor, counts: torch.Tensor | None = None,
+              inverse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Look up rows.
 
         Args:
             keys: ``(n,) int64`` unique, on ``device``.
-            count: update recency/frequency counters and statistics.
+            counts: ``(n,) int64`` occurrences of each key in the request (LFU weights).
+            inverse: ``(m,) int64`` indices into ``keys``: when given, the rows come back
+                expanded to the request, ``values[inverse]``, in one gather.
 
         Returns:
-            ``(values (n, dim) float32, hit (n,) bool)``; rows of misses are zeros.
+            ``(values (n or m, dim) float32, hit (n,) bool)``; rows of misses are zeros.
         """
         with self._lock:
             hit, slot = self._slots(keys)
-            out = self.values.index_select(0, slot)
-            out.masked_fill_(~hit[:, None], 0.0)
-            if count:
-                hs = slot[hit]
-                flat = self.counters.view(-1)
-                if self.policy is CachePolicy.LRU:
-                    self._clock += 1
-                    flat[hs] = self._clock
-                else:
-                    flat[hs] += 1
-                self.stats.queries += int(keys.numel())
-                self.stats.hits += int(hs.numel())
+            self._clock += 1
+            hs = slot[hit]
+            self._touch(hs, None if counts is None else counts[hit])
+            self.stats.queries += int(keys.numel())
+            self.stats.hits += int(hs.numel())
+            if inverse is None:
+                out = self.values.index_select(0, slot)
+                miss_rows = torch.nonzero(~hit).squeeze(1)
+            else:
+                out = self.values.index_select(0, slot.index_select(0, inverse))
+                miss_rows = torch.nonzero(~hit.index_select(0, inverse)).squeeze(1)
+        if miss_rows.numel():
+            out.index_fill_(0, miss_rows, 0.0)
         return out, hit
 
     def contains(self, keys: torch.Tensor) -> torch.Tensor:
@@ -153,16 +164,24 @@ class EmbeddingCache:
             return self._slots(keys)[0]
 
     # ------------------------------------------------------------------ writes
-    def insert(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Insert rows (overwriting cached copies of the same keys); returns rows newly placed.
+    def insert(self, keys: torch.Tensor, values: torch.Tensor, priority: torch.Tensor | None = None) -> int:
+        """Insert rows; cached copies of the same keys are overwritten. Returns rows newly placed.
+
+        Admission: within a set, new keys are placed in order of ``priority`` (highest first)
+        into the victims (empty slots first, then the lowest counters), and a new key only
+        replaces a *colder* entry — LRU: one not used since the last query (so one batch's
+        misses never evict that batch's hits); LFU: one used fewer times than ``priority``.
 
         Args:
             keys: ``(n,) int64`` unique, on ``device``; must not contain ``EMPTY_KEY``.
             values: ``(n, dim) float32``.
+            priority: ``(n,) int64`` occurrences of each key in the request (default 1).
         """
         if keys.numel() == 0:
             return 0
         values = values.to(device=self.device, dtype=torch.float32)
+        if priority is None:
+            priority = torch.ones(keys.numel(), dtype=torch.int64, device=self.device)
         with self._lock:
             hit, slot = self._slots(keys)
             if hit.any():
@@ -170,27 +189,30 @@ class EmbeddingCache:
             new = ~hit
             if not new.any():
                 return 0
-            keys, values = keys[new], values[new]
+            keys, values, priority = keys[new], values[new], priority[new].clamp(1, 2**31 - 1)
             s = set_of(keys, self.num_sets)
-            s_sorted, order = torch.sort(s, stable=True)
+            # sort by set, then by priority (descending) inside a set
+            order = torch.argsort(s * 2**31 + (2**31 - 1 - priority), stable=True)
+            s_sorted = s[order]
             sets, inv, counts = torch.unique_consecutive(s_sorted, return_inverse=True, return_counts=True)
             starts = torch.cumsum(counts, 0) - counts
             rank = torch.arange(s_sorted.numel(), device=self.device) - starts[inv]
             fits = rank < self.ways
-            self.stats.overflowed += int((~fits).sum())
-            victim_order = torch.argsort(self.counters[sets], dim=1, stable=True)  # (S, ways)
-            way = victim_order[inv[fits], rank[fits]]
-            tgt = sets[inv[fits]] * self.ways + way
-            src = order[fits]
-            flat_keys, flat_cnt = self.keys.view(-1), self.counters.view(-1)
+            set_counters = self.counters.index_select(0, sets)  # (S, ways)
+            victim_order = torch.argsort(set_counters, dim=1, stable=True)
+            inv_f, rank_f, src = inv[fits], rank[fits], order[fits]
+            way = victim_order[inv_f, rank_f]
+            victim_c = set_counters[inv_f, way]
+            incoming = torch.full_like(victim_c, self._clock) if self.policy is CachePolicy.LRU else priority[src]
+            ok = victim_c < incoming
+            self.stats.overflowed += int(keys.numel() - int(ok.sum()))
+            tgt = (sets[inv_f] * self.ways + way)[ok]
+            src = src[ok]
+            flat_keys = self.keys.view(-1)
             self.stats.evicted += int((flat_keys[tgt] != EMPTY_KEY).sum())
             flat_keys[tgt] = keys[src]
             self.values[tgt] = values[src]
-            if self.policy is CachePolicy.LRU:
-                self._clock += 1
-                flat_cnt[tgt] = self._clock
-            else:
-                flat_cnt[tgt] = 1
+            self.counters.view(-1)[tgt] = incoming[ok]
             n = int(tgt.numel())
             self.stats.inserted += n
             return n

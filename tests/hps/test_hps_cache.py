@@ -44,9 +44,35 @@ def test_lfu_evicts_least_frequently_used() -> None:
     c.insert(k, _rows(k, 2))
     for _ in range(3):
         c.query(torch.tensor([1, 2, 4]))
-    c.query(torch.tensor([3, 4]))  # 3 is least frequent even though it is the most recent
-    c.insert(torch.tensor([9]), _rows(torch.tensor([9]), 2))
+    c.query(torch.tensor([3, 4]))  # 3 is least frequent (2 uses) even though it is the most recent
+    c.insert(torch.tensor([8]), _rows(torch.tensor([8]), 2))  # seen once: not admitted over 3
+    assert not c.contains(torch.tensor([8])).any()
+    c.insert(torch.tensor([9]), _rows(torch.tensor([9]), 2), priority=torch.tensor([3]))
     assert c.contains(torch.tensor([1, 2, 3, 4, 9])).tolist() == [True, True, False, True, True]
+
+
+def test_lru_batch_misses_never_evict_the_batch_hits() -> None:
+    c = _one_set(CachePolicy.LRU)
+    k = torch.tensor([1, 2, 3, 4])
+    c.insert(k, _rows(k, 2))
+    c.query(torch.tensor([1, 2]))
+    new = torch.tensor([10, 11, 12])
+    c.insert(new, _rows(new, 2), priority=torch.tensor([1, 5, 3]))  # 2 cold slots: 11 and 12 win
+    assert c.contains(torch.tensor([1, 2, 3, 4, 10, 11, 12])).tolist() == [True, True, False, False, False, True, True]
+
+
+def test_query_expanded_by_inverse_with_counts() -> None:
+    c = EmbeddingCache(64, 2, policy=CachePolicy.LFU, ways=8)
+    k = torch.tensor([5, 9])
+    c.insert(k, _rows(k, 2))
+    u = torch.tensor([5, 7, 9])
+    inv = torch.tensor([0, 2, 1, 0, 0])
+    out, hit = c.query(u, counts=torch.tensor([3, 1, 1]), inverse=inv)
+    assert hit.tolist() == [True, False, True]
+    expect = torch.stack([_rows(torch.tensor([5]), 2)[0], _rows(torch.tensor([9]), 2)[0], torch.zeros(2),
+                          _rows(torch.tensor([5]), 2)[0], _rows(torch.tensor([5]), 2)[0]])
+    assert torch.equal(out, expect)
+    assert int(c.counters.view(-1)[c._slots(torch.tensor([5]))[1]]) == 1 + 3
 
 
 def test_more_new_keys_than_ways_in_one_set() -> None:

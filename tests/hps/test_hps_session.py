@@ -63,9 +63,11 @@ def test_tiered_lookup_equals_full_table_lookup(tmp_path: Path, request, cache: 
             out = s.lookup(name, q)
             assert out.shape == (64, 3, DIM) and out.dtype == torch.float32
             torch.testing.assert_close(out, reference_lookup(keys, rows, q, DEFAULT), rtol=0, atol=0)
+            qu = torch.randperm(2 * N + 40, generator=g)[:100] - 20  # all unique, unsorted
+            torch.testing.assert_close(s.lookup(name, qu), reference_lookup(keys, rows, qu, DEFAULT), rtol=0, atol=0)
             s.drain()  # exact mode inserts in the background; let it land before the next round
         st = s.stats(name)
-        assert st["keys_all"] == 4 * 64 * 3 and st["hits_all"]["default"] > 0
+        assert st["keys_all"] == 4 * (64 * 3 + 100) and st["hits_all"]["default"] > 0
         assert sum(st["hits_all"].values()) == st["keys_all"]
         assert sum(st["hits_unique"].values()) == st["keys_unique"]
         if cache != "none":

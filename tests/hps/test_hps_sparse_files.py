@@ -8,7 +8,13 @@ import pytest
 import torch
 from hps_helpers import make_table
 
-from hps.sparse_files import SparseFormat, convert_checkpoint, detect_format, read_table, write_table
+from hps.sparse_files import (
+    SparseFormat,
+    convert_checkpoint,
+    detect_format,
+    read_table,
+    write_table,
+)
 
 
 @pytest.mark.parametrize("fmt", list(SparseFormat))

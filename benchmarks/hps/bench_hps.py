@@ -1,0 +1,398 @@
+"""HPS acceptance benchmarks, side by side in one run, JSON out.
+
+    python -m benchmarks.hps.bench_hps                       # everything (~5 min on 2 cores)
+    python -m benchmarks.hps.bench_hps --only hit_rate,rocksdb --rows 2000000
+
+Sections (``--only``):
+- ``hit_rate``: cache hit rate (over all keys and over each batch's unique keys) at 1/10/20%
+  of a ``--rows``-row, dim-128 table under Zipf α = 1.05 and 1.2, LRU and LFU, streamed
+  (sync fill) and warmed up from the hottest keys, against the ideal (hottest rows cached).
+- ``cached``: session lookup throughput (keys/s, ``--batch`` Zipf keys) with a resident
+  cache, and with a 10% cache over the in-process hash map, vs ``torch.index_select`` on the
+  whole table in memory.
+- ``rocksdb``: session over RocksDB only vs raw ``rocksdict`` multi-get (+ decode) on the same keys.
+- ``redis``: session over a local 3-node Redis cluster only vs raw pipelined redis-py ``HMGET``
+  (+ decode) on the same keys and layout.
+- ``concurrency``: ``--callers`` threads calling one session for ``--seconds``: errors,
+  lookups/s, p50/p99, peak RSS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+import shutil
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.meta import RESULTS_DIR, write_json
+from hps.advisor import zipf_hit_curve
+from hps.cache import EmbeddingCache
+from hps.persistent import RocksDBBackend, decode_rows, encode_keys
+from hps.session import LookupSession, SessionTable
+from hps.types import CachePolicy
+from hps.volatile import HashMapBackend, split_by_partition
+
+log = logging.getLogger("bench_hps")
+SECTIONS = ("hit_rate", "cached", "rocksdb", "redis", "concurrency")
+
+
+class Zipf:
+    """Zipf(α) over ``n`` rows; rank r → key ``perm[r]`` (hot keys are not 0, 1, 2, ...)."""
+
+    def __init__(self, n: int, alpha: float, seed: int = 0) -> None:
+        p = np.arange(1, n + 1, dtype=np.float64) ** -alpha
+        self.cdf = np.cumsum(p / p.sum())
+        self.perm = np.random.default_rng(seed).permutation(n).astype(np.int64)
+        self.rng = np.random.default_rng(seed + 1)
+
+    def sample(self, k: int) -> np.ndarray:
+        r = np.minimum(np.searchsorted(self.cdf, self.rng.random(k)), self.cdf.size - 1)
+        return self.perm[r]
+
+    def hottest(self, k: int) -> np.ndarray:
+        return self.perm[:k]
+
+
+def side_by_side(fns: dict[str, Any], repeats: int) -> dict[str, float]:
+    """Median seconds per call of each function, calls interleaved (A B C A B C ...) so that
+    the load of a shared machine hits every contender alike."""
+    for fn in fns.values():
+        fn()  # warm
+    ts: dict[str, list[float]] = {k: [] for k in fns}
+    for _ in range(repeats):
+        for k, fn in fns.items():
+            t0 = time.perf_counter()
+            fn()
+            ts[k].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) for k, v in ts.items()}
+
+
+# ------------------------------------------------------------------------------ hit rate
+
+
+def bench_hit_rate(args: argparse.Namespace) -> list[dict[str, Any]]:
+    rows = []
+    dim = args.dim
+    for alpha in (1.05, 1.2):
+        z = Zipf(args.rows, alpha, seed=1)
+        batches = [z.sample(args.batch) for _ in range(args.warm_batches + args.measure_batches)]
+        for frac in (0.01, 0.10, 0.20):
+            cap = int(frac * args.rows)
+            ideal = float(zipf_hit_curve(args.rows, alpha, np.array([cap]))[0])
+            for policy, warm in ((CachePolicy.LRU, False), (CachePolicy.LFU, False), (CachePolicy.LFU, True)):
+                cache = EmbeddingCache(cap, dim, policy=policy)
+                if warm:  # warm-up from the hottest keys, coldest inserted first
+                    hot = torch.from_numpy(z.hottest(cap)[::-1].copy())
+                    for chunk in hot.split(262144):
+                        cache.insert(chunk, torch.zeros(chunk.numel(), dim))
+                hits_all = keys_all = hits_u = keys_u = 0
+                t0 = time.perf_counter()
+                for i, b in enumerate(batches):
+                    u, counts = torch.unique(torch.from_numpy(b), return_counts=True)
+                    _, hit = cache.query(u)
+                    miss = u[~hit]
+                    cache.insert(miss, torch.zeros(miss.numel(), dim))  # synchronous fill
+                    if i >= args.warm_batches:
+                        hits_all += int(counts[hit].sum())
+                        keys_all += int(counts.sum())
+                        hits_u += int(hit.sum())
+                        keys_u += int(u.numel())
+                row = {"bench": "hit_rate", "alpha": alpha, "rows": args.rows, "dim": dim,
+                       "cache_fraction": frac, "policy": policy.value, "warm_up_hottest": warm,
+                       "hit_rate_all_keys": hits_all / keys_all, "hit_rate_unique_keys": hits_u / keys_u,
+                       "ideal_hottest_rows": ideal, "gap_to_ideal": ideal - hits_all / keys_all,
+                       "overflowed_inserts": cache.stats.overflowed,
+                       "batches_measured": args.measure_batches, "seconds": time.perf_counter() - t0}
+                log.info("hit rate α=%.2f %4.0f%% %s%s: %.4f (ideal %.4f)", alpha, frac * 100, policy.value,
+                         "+warm" if warm else "", row["hit_rate_all_keys"], ideal)
+                rows.append(row)
+                del cache
+    return rows
+
+
+# ------------------------------------------------------------------------------ cached path
+
+
+def bench_cached(args: argparse.Namespace) -> list[dict[str, Any]]:
+    n, dim = args.rows, args.dim
+    W = torch.randn(n, dim)
+    z = Zipf(n, 1.05, seed=2)
+    qs = [torch.from_numpy(z.sample(args.batch)) for _ in range(8)]
+    it = iter(range(10**9))
+
+    def next_q() -> torch.Tensor:
+        return qs[next(it) % len(qs)]
+
+    out = []
+    vdb = HashMapBackend(num_partitions=8)
+    vdb.create_table("t", dim)
+    keys = np.arange(n, dtype=np.int64)
+    for s in range(0, n, 262144):
+        vdb.insert("t", keys[s:s + 262144], W[s:s + 262144].numpy())
+    for label, frac in (("resident_cache", 1.0), ("cache_10pct_over_hash_map", 0.10)):
+        cache = EmbeddingCache(int(frac * n * (1.25 if frac == 1.0 else 1.0)), dim, policy=CachePolicy.LFU)
+        sess = LookupSession([SessionTable("t", dim, 0.0, 10**7, cache)], vdb, None,
+                             hit_rate_threshold=1.0, record_key_stats=False, max_concurrent=1)
+        for q in qs:  # fill: every key of the query set gets a chance to be cached
+            sess.lookup("t", q)
+        ok = torch.equal(sess.lookup("t", qs[0]), torch.index_select(W, 0, qs[0]))
+        before = sess.stats("t")["hits_all"]["cache"]
+        tt = side_by_side({"index_select": lambda: torch.index_select(W, 0, next_q()),
+                           "session": lambda s=sess: s.lookup("t", next_q())}, args.repeats)
+        base, t = tt["index_select"], tt["session"]
+        st = sess.stats("t")
+        hit = (st["hits_all"]["cache"] - before) / max(1, (args.repeats + 1) * args.batch)
+        out.append({"bench": "cached_lookup", "config": label, "rows": n, "dim": dim, "batch": args.batch,
+                    "alpha": 1.05, "session_keys_per_s": args.batch / t, "index_select_keys_per_s": args.batch / base,
+                    "ratio_vs_index_select": base / t, "cache_hit_rate_all_keys": hit, "rows_equal": ok})
+        log.info("cached %s: %.2fM keys/s vs index_select %.2fM keys/s (×%.2f)", label, args.batch / t / 1e6,
+                 args.batch / base / 1e6, base / t)
+        sess.close()
+        del cache, sess
+    return out
+
+
+# ------------------------------------------------------------------------------ RocksDB path
+
+
+def bench_rocksdb(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    n, dim = args.db_rows, args.dim
+    W = np.random.default_rng(3).standard_normal((n, dim)).astype(np.float32)
+    pdb = RocksDBBackend(workdir / "rocks")
+    pdb.create_table("t", dim)
+    t0 = time.perf_counter()
+    pdb.bulk_load("t", np.arange(n, dtype=np.int64), W)
+    load_s = time.perf_counter() - t0
+    z = Zipf(n, 1.05, seed=4)
+    q = z.sample(args.batch)
+    cf = pdb._cf["t"]
+
+    def raw(keys: np.ndarray) -> np.ndarray:
+        res = cf.get(encode_keys(keys))
+        return decode_rows(res, dim, "raw")[0]
+
+    sess = LookupSession([SessionTable("t", dim, 0.0, 10**7, None)], None, pdb, record_key_stats=False)
+    qt = torch.from_numpy(q)
+    ok = np.array_equal(sess.lookup("t", qt).numpy(), raw(q))
+    uq = np.unique(q)
+    tt = side_by_side({"raw": lambda: raw(q), "ours": lambda: sess.lookup("t", qt),
+                       "raw_u": lambda: raw(uq), "ours_u": lambda: sess.lookup("t", torch.from_numpy(uq)),
+                       "raw_nodecode": lambda: cf.get(encode_keys(q))}, args.repeats)
+    t_raw, t_ours, t_raw_u, t_ours_u, t_raw_nodecode = (tt[k] for k in ("raw", "ours", "raw_u", "ours_u", "raw_nodecode"))
+    sess.close()
+    pdb.close()
+    row = {"bench": "rocksdb", "rows": n, "dim": dim, "batch": args.batch, "unique_keys": int(uq.size),
+           "load_s": load_s, "session_keys_per_s": args.batch / t_ours, "raw_multiget_keys_per_s": args.batch / t_raw,
+           "raw_multiget_no_decode_keys_per_s": args.batch / t_raw_nodecode,
+           "ratio_vs_raw_same_keys": t_raw / t_ours, "ratio_vs_raw_unique_keys_both": t_raw_u / t_ours_u,
+           "rows_equal": ok}
+    log.info("rocksdb: session ×%.2f of raw multi-get (same keys), ×%.2f (unique keys both)",
+             row["ratio_vs_raw_same_keys"], row["ratio_vs_raw_unique_keys_both"])
+    return [row]
+
+
+# ------------------------------------------------------------------------------ Redis path
+
+
+def bench_redis(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    from hps.redis_cluster import RedisClusterBackend, partition_name
+    from hps.redis_local import LocalRedisCluster, redis_available
+
+    if not redis_available():
+        log.error("redis-server not installed: redis section skipped")
+        return [{"bench": "redis", "skipped": "redis-server not installed"}]
+    n, dim, parts = args.db_rows, args.dim, 8
+    W = np.random.default_rng(5).standard_normal((n, dim)).astype(np.float32)
+    with LocalRedisCluster(3, workdir / "redis") as rc:
+        vdb = RedisClusterBackend(rc.addresses, num_partitions=parts, socket_timeout_s=30.0)
+        vdb.create_table("t", dim)
+        t0 = time.perf_counter()
+        for s in range(0, n, 65536):
+            vdb.insert("t", np.arange(s, min(s + 65536, n), dtype=np.int64), W[s:s + 65536])
+        load_s = time.perf_counter() - t0
+        client = vdb._client
+        q = Zipf(n, 1.05, seed=6).sample(args.batch)
+
+        def raw(keys: np.ndarray) -> np.ndarray:
+            """What a user writes by hand: one pipelined HMGET per partition, decode."""
+            pipe = client.pipeline()
+            groups = split_by_partition(keys, parts)
+            for p, idx in groups:
+                pipe.hmget(partition_name("t", p), encode_keys(keys[idx]))
+            out = np.empty((keys.size, dim), np.float32)
+            for (_, idx), res in zip(groups, pipe.execute()):
+                out[idx] = decode_rows(res, dim, "raw")[0]
+            return out
+
+        sess = LookupSession([SessionTable("t", dim, 0.0, 10**7, None)], vdb, None, record_key_stats=False)
+        qt = torch.from_numpy(q)
+        ok = np.array_equal(sess.lookup("t", qt).numpy(), raw(q))
+        uq = np.unique(q)
+        tt = side_by_side({"raw": lambda: raw(q), "ours": lambda: sess.lookup("t", qt),
+                           "raw_u": lambda: raw(uq), "ours_u": lambda: sess.lookup("t", torch.from_numpy(uq))},
+                          args.repeats)
+        t_raw, t_ours, t_raw_u, t_ours_u = (tt[k] for k in ("raw", "ours", "raw_u", "ours_u"))
+        sess.close()
+        vdb.close()
+    row = {"bench": "redis", "nodes": 3, "rows": n, "dim": dim, "batch": args.batch, "unique_keys": int(uq.size),
+           "load_s": load_s, "session_keys_per_s": args.batch / t_ours, "raw_pipelined_keys_per_s": args.batch / t_raw,
+           "ratio_vs_raw_same_keys": t_raw / t_ours, "ratio_vs_raw_unique_keys_both": t_raw_u / t_ours_u,
+           "rows_equal": ok}
+    log.info("redis: session ×%.2f of raw pipelined HMGET (same keys), ×%.2f (unique keys both)",
+             row["ratio_vs_raw_same_keys"], row["ratio_vs_raw_unique_keys_both"])
+    return [row]
+
+
+# ------------------------------------------------------------------------------ concurrency
+
+
+def bench_concurrency(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
+    import psutil
+
+    n, dim = args.db_rows, args.dim
+    W = np.random.default_rng(7).standard_normal((n, dim)).astype(np.float32)
+    keys = np.arange(n, dtype=np.int64)
+    vdb = HashMapBackend(num_partitions=8)
+    vdb.create_table("t", dim)
+    vdb.insert("t", keys[: n // 2], W[: n // 2])
+    pdb = RocksDBBackend(workdir / "rocks_conc")
+    pdb.create_table("t", dim)
+    pdb.bulk_load("t", keys, W)
+    cache = EmbeddingCache(n // 10, dim)
+    sess = LookupSession([SessionTable("t", dim, 0.0, 10**6, cache)], vdb, pdb, hit_rate_threshold=0.9,
+                         max_concurrent=4)
+    proc = psutil.Process()
+    rss0 = proc.memory_info().rss
+    peak = [rss0]
+    stop = threading.Event()
+    errors: list[str] = []
+    done = [0] * args.callers
+    wrong = [0]
+
+    def caller(i: int) -> None:
+        z = Zipf(n, 1.05, seed=100 + i)
+        while not stop.is_set():
+            try:
+                q = torch.from_numpy(z.sample(args.concurrent_batch))
+                out = sess.lookup("t", q)
+                if i == 0 and done[i] % 20 == 0:  # spot check against the table (exact rows or default)
+                    ref = torch.from_numpy(W)[q]
+                    good = (out == ref).all(1) | (out == 0).all(1)
+                    wrong[0] += int((~good).sum())
+                done[i] += 1
+            except Exception as e:  # noqa: BLE001 - every failure is counted and reported
+                errors.append(f"{type(e).__name__}: {e}")
+
+    def sampler() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.2)
+
+    threads = [threading.Thread(target=caller, args=(i,)) for i in range(args.callers)]
+    ts = threading.Thread(target=sampler)
+    t0 = time.perf_counter()
+    for t in [*threads, ts]:
+        t.start()
+    time.sleep(args.seconds)
+    stop.set()
+    for t in [*threads, ts]:
+        t.join()
+    wall = time.perf_counter() - t0
+    st = sess.stats("t")
+    sess.close()
+    pdb.close()
+    row = {"bench": "concurrency", "callers": args.callers, "seconds": wall, "batch": args.concurrent_batch,
+           "rows": n, "dim": dim, "max_concurrent": 4, "lookups": int(sum(done)), "errors": len(errors),
+           "error_examples": errors[:3], "wrong_rows_spot_check": wrong[0],
+           "lookups_per_s": sum(done) / wall, "keys_per_s": sum(done) * args.concurrent_batch / wall,
+           "latency_p50_ms": st["latency_p50_ms"], "latency_p99_ms": st["latency_p99_ms"],
+           "hit_rate_all": st["hit_rate"]["all"], "rss_start_mib": rss0 / 2**20, "rss_peak_mib": peak[0] / 2**20,
+           "rss_end_mib": proc.memory_info().rss / 2**20, "dropped_async": st["dropped_async"]}
+    log.info("concurrency: %d callers, %d lookups, %d errors, peak RSS %.0f MiB (start %.0f)", args.callers,
+             row["lookups"], row["errors"], row["rss_peak_mib"], row["rss_start_mib"])
+    return [row]
+
+
+def plot(rows: list[dict[str, Any]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for alpha in (1.05, 1.2):
+        sel = [r for r in rows if r.get("bench") == "hit_rate" and r["alpha"] == alpha]
+        if not sel:
+            continue
+        fr = sorted({r["cache_fraction"] for r in sel})
+        ax.plot(fr, [next(r["ideal_hottest_rows"] for r in sel if r["cache_fraction"] == f) for f in fr], "k--",
+                label=f"ideal α={alpha}")
+        for pol, warm, mk in (("lru", False, "o"), ("lfu", False, "s"), ("lfu", True, "^")):
+            ys = [next(r["hit_rate_all_keys"] for r in sel if r["cache_fraction"] == f and r["policy"] == pol
+                       and r["warm_up_hottest"] == warm) for f in fr]
+            ax.plot(fr, ys, marker=mk, label=f"{pol}{'+warm' if warm else ''} α={alpha}")
+    ax.set_xlabel("cache size (fraction of rows)")
+    ax.set_ylabel("hit rate (all keys)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
+    ap.add_argument("--rows", type=int, default=2_000_000, help="rows of the hit-rate / cached-path table")
+    ap.add_argument("--db-rows", type=int, default=500_000, help="rows loaded into RocksDB / Redis")
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--batch", type=int, default=65536)
+    ap.add_argument("--warm-batches", type=int, default=40)
+    ap.add_argument("--measure-batches", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--callers", type=int, default=32)
+    ap.add_argument("--seconds", type=float, default=30.0)
+    ap.add_argument("--concurrent-batch", type=int, default=4096)
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "hps.json")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = [s for s in only if s not in SECTIONS]
+    if bad:
+        ap.error(f"unknown section(s) {bad}; choose from {SECTIONS}")
+    workdir = Path(tempfile.mkdtemp(prefix="bench_hps_"))
+    rows: list[dict[str, Any]] = []
+    load = {"loadavg_before": os.getloadavg()}
+    try:
+        for section in only:
+            t0 = time.perf_counter()
+            if section == "hit_rate":
+                rows += bench_hit_rate(args)
+            elif section == "cached":
+                rows += bench_cached(args)
+            elif section == "rocksdb":
+                rows += bench_rocksdb(args, workdir)
+            elif section == "redis":
+                rows += bench_redis(args, workdir)
+            else:
+                rows += bench_concurrency(args, workdir)
+            log.info("section %s took %.1f s (load %.2f)", section, time.perf_counter() - t0, os.getloadavg()[0])
+    finally:
+        shutil.rmtree(workdir, ignore_errors=True)
+    load["loadavg_after"] = os.getloadavg()
+    path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()}, load=load)
+    if any(r.get("bench") == "hit_rate" for r in rows):
+        plot(rows, path.with_suffix(".png"))
+    log.info("wrote %s", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -44,6 +44,7 @@ __all__ = [
     "device_arch",
     "load_extension",
     "packed_weight",
+    "select_for",
     "tw_gemm_kmajor",
     "tw_linear_cuda",
     "register_cuda_kernel",
@@ -231,6 +232,15 @@ def load_extension(
     if home is None or not (Path(home) / "include" / "cuda_runtime_api.h").is_file():
         log.info("using CUDA toolkit %s for the torch extension (cpp_extension had %s)", toolkit, home)
         cpp_extension.CUDA_HOME = str(toolkit)
+    # Fast path for repeated calls: everything that names the build except the nvcc version
+    # (which needs a subprocess); the full key below also covers the version.
+    lookup = "tilerec_twl_" + _key(
+        arch.value, ",".join(k.name for k in kernels) if kernels is not None else "<all>",
+        emit.GENERATOR_VERSION, emit._template_text(), (emit.csrc_dir() / "tw_binding.cpp").read_text(),
+        nvcc, torch.__version__,
+    )[:16]
+    if lookup in sys.modules:
+        return sys.modules[lookup]
     version = nvcc_version(nvcc)
     kernels = tuple(kernels) if kernels is not None else manifest(arch, version)
     if not kernels or any(k.arch is not arch for k in kernels):
@@ -246,6 +256,7 @@ def load_extension(
     )
     name = f"tilerec_tw_{key[:16]}"
     if name in sys.modules:
+        sys.modules[lookup] = sys.modules[name]
         return sys.modules[name]
     root = cache_dir() / "ext" / key[:24]
     src_paths = emit.write_sources(files, root / "src")
@@ -264,7 +275,7 @@ def load_extension(
     )
     log.info("TW extension %s (%d instances, %s) ready in %.1f s", name, len(kernels), arch.value,
              time.perf_counter() - t0)
-    sys.modules[name] = module
+    sys.modules[name] = sys.modules[lookup] = module
     return module
 
 
@@ -275,6 +286,18 @@ def packed_weight(layout: TWLayout, dtype: torch.dtype, device: torch.device) ->
     if key not in per_layout:
         per_layout[key] = reference.pack_weight(layout, dtype=dtype, device=device)
     return per_layout[key]
+
+
+def select_for(launch: reference.TWLaunch) -> TWKernel:
+    """The instance :func:`tw_gemm_kmajor` uses by default for ``launch`` (its device's arch,
+    :func:`manifest.select` with the device's SM count)."""
+    pw = launch.weight
+    if pw.dtype not in _DTYPES:
+        raise ValueError(f"the TW kernels take float16 or bfloat16, got {pw.dtype}")
+    arch = device_arch(launch.xt.device)
+    sms = torch.cuda.get_device_properties(launch.xt.device).multi_processor_count
+    return select(manifest(arch), _DTYPES[pw.dtype], arch, pw.max_tile_width, launch.batch,
+                  pw.num_tiles, sms)
 
 
 def tw_gemm_kmajor(
@@ -297,9 +320,7 @@ def tw_gemm_kmajor(
     arch = device_arch(launch.xt.device)
     ext = ext or load_extension(arch)
     if kernel is None:
-        sms = torch.cuda.get_device_properties(launch.xt.device).multi_processor_count
-        kernel = select(manifest(arch), _DTYPES[pw.dtype], arch, pw.max_tile_width, launch.batch,
-                        pw.num_tiles, sms)
+        kernel = select_for(launch)
     elif kernel.tile_g < pw.max_tile_width:
         raise ValueError(f"{kernel.name} covers tiles of {kernel.tile_g} columns, the layer has {pw.max_tile_width}")
     if pw.num_tiles and launch.batch:

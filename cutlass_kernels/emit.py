@@ -1,6 +1,8 @@
 """CUDA C++ for the TW GEMM instances of the manifest, generated through ``cutlass_library``.
 
-What the kernel computes (template ``csrc/tw_gemm.h``, one launch for all tiles). The layer
+What the kernel computes (templates ``csrc/tw_gemm.h`` — CUTLASS 2.x multistage, sm_80/sm_90a —
+and ``csrc/tw_gemm_sm90.h`` — CUTLASS 3.x cp.async + wgmma collective, sm_90a; one launch for
+all tiles, the same arguments for both). The layer
 ``Y = X · W`` runs transposed, in the K-major activation layout of Guo et al. (SC20)::
 
     Y^T[cols_t, :] = alpha · B_t^T · X^T[rows_t, :] + beta · Y^T[cols_t, :]     for every tile t
@@ -36,7 +38,8 @@ the sha256 of its inputs (instance description, kernel template sources, generat
 emission is a pure function of those inputs, so the same manifest gives byte-identical files.
 ``cutlass_cppgen`` is not used for the kernel itself: its ``Gemm``/``GroupedGemm`` plans cannot
 express a gather along K with per-tile index lists; the template parameters are filled from
-``cutlass_library``'s tile descriptions and tag tables instead.
+``cutlass_library``'s tile descriptions and tag tables instead (the sm_90a gmma template gets
+its main loop from CUTLASS's ``CollectiveBuilder`` with ``KernelCpAsyncWarpSpecialized``).
 """
 
 from __future__ import annotations
@@ -47,7 +50,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
-from cutlass_kernels.manifest import Arch, DType, TWKernel
+from cutlass_kernels.manifest import Arch, DType, Mainloop, TWKernel
 
 __all__ = [
     "GENERATOR_VERSION",
@@ -70,7 +73,7 @@ GENERATOR_VERSION = "tilerec-tw-emit 1"
 # Flags every instance is compiled with (DEPENDENCIES.md; --expt-relaxed-constexpr for CUTLASS).
 NVCC_FLAGS = ("-std=c++17", "-O3", "--expt-relaxed-constexpr")
 
-_TEMPLATE_SOURCES = ("tw_args.h", "tw_gemm.h")
+_TEMPLATE_SOURCES = ("tw_args.h", "tw_gemm.h", "tw_gemm_sm90.h")
 
 
 @dataclass(frozen=True)
@@ -152,8 +155,26 @@ def emit_instance(kernel: TWKernel) -> EmittedFile:
     mi = td.math_instruction
     spec = json.dumps(kernel.to_dict(), sort_keys=True)
     digest = _hash(GENERATOR_VERSION, cutlass_version(), spec, _template_text())
+    if kernel.mainloop is Mainloop.SM90_CPASYNC_GMMA:
+        m, n, k = td.threadblock_shape
+        body = f"""#include "tw_gemm_sm90.h"
+
+namespace {{
+using Traits = tilerec::sm90::TwGemmSm90Traits<
+    {cl.DataTypeTag[mi.element_a]},  // element of A' (W^T), B' (X^T), D' (Y^T)
+    {cl.DataTypeTag[mi.element_accumulator]},  // accumulator
+    {m}, {n}, {k},  // CTA tile (G, batch tile, k tile); wgmma {mi.instruction_shape[0]}x{mi.instruction_shape[1]}x{mi.instruction_shape[2]}
+    {td.stages}>;  // stages
+}}  // namespace
+
+extern "C" int {kernel.name}(const tilerec::TwGemmArgs *args, cudaStream_t stream) {{
+  return tilerec::sm90::tw_gemm_sm90_launch<Traits>(*args, stream);
+}}
+"""
+        text = _banner(f"TW GEMM instance {kernel.name}", digest, spec) + "\n" + body
+        return EmittedFile(f"{kernel.name}.cu", text, digest)
     warp = [td.threadblock_shape[i] // td.warp_count[i] for i in range(3)]
-    # Both architectures run the Ampere cp.async + mma.sync main loop (see manifest.py).
+    # The multistage template runs the Ampere cp.async + mma.sync main loop on both archs.
     arch_tag = "cutlass::arch::Sm80"
     body = f"""#include "tw_gemm.h"
 

@@ -1,8 +1,8 @@
 """The TW GEMM kernel instances, as data.
 
-One :class:`TWKernel` is one CUTLASS instantiation of the gather/scatter TW GEMM template
-(``csrc/tw_gemm.h``): input dtype (fp16/bf16, always fp32 accumulate), target architecture,
-threadblock tile, warp count, pipeline stages, alignment. The threadblock and math-instruction
+One :class:`TWKernel` is one CUTLASS instantiation of a gather/scatter TW GEMM template: main
+loop, input dtype (fp16/bf16, always fp32 accumulate), target architecture, threadblock tile,
+warp count, pipeline stages, alignment. The threadblock and math-instruction
 descriptions are ``cutlass_library`` objects (:meth:`TWKernel.tile_description`), the same ones
 CUTLASS's own generator lists, and the instances are gated by architecture and CUDA version the
 way ``cutlass_library.generator`` gates its lists.
@@ -14,9 +14,13 @@ kept K rows per main-loop stage::
 
     threadblock = (G, batch tile, k tile) = (128, 128, 32), warps (2, 2, 1) -> warp tile 64x64x32
 
-Both architectures run the Ampere main loop (``cp.async`` multistage + ``mma.sync`` m16n8k16);
-the sm_90a instances are that main loop compiled for Hopper (no wgmma/TMA: TMA cannot gather
-arbitrary rows, and a cp.async + wgmma gather main loop is not written yet).
+Two main loops (:class:`Mainloop`):
+
+* ``sm80_multistage`` (``csrc/tw_gemm.h``, CUTLASS 2.x): ``cp.async`` multistage + ``mma.sync``
+  m16n8k16, for sm_80 and (compiled for Hopper) sm_90a.
+* ``sm90_cpasync_gmma`` (``csrc/tw_gemm_sm90.h``, CUTLASS 3.x collective): two producer warp
+  groups gather with ``cp.async``, one consumer warp group runs ``wgmma``; sm_90a only. TMA is
+  not used: it cannot gather arbitrary rows. ``warps`` is ``(4, 1, 1)``: the consumer group.
 """
 
 from __future__ import annotations
@@ -26,6 +30,7 @@ from enum import StrEnum
 
 __all__ = [
     "Arch",
+    "Mainloop",
     "DType",
     "TWKernel",
     "manifest",
@@ -48,6 +53,13 @@ class Arch(StrEnum):
 
     SM80 = "sm_80"
     SM90A = "sm_90a"
+
+
+class Mainloop(StrEnum):
+    """Which kernel template (main loop + epilogue) an instance instantiates."""
+
+    SM80_MULTISTAGE = "sm80_multistage"
+    SM90_CPASYNC_GMMA = "sm90_cpasync_gmma"
 
 
 # Elements per global access: 128-bit (16 B) cp.async of 16-bit types. Every leading dimension,
@@ -80,6 +92,7 @@ class TWKernel:
         warps: warps along the three threadblock axes.
         stages: main-loop pipeline depth (>= 3 for the multistage main loop).
         alignment: elements per vector access (``ALIGNMENT``).
+        mainloop: the kernel template.
     """
 
     dtype: DType
@@ -88,8 +101,32 @@ class TWKernel:
     warps: tuple[int, int, int]
     stages: int
     alignment: int = ALIGNMENT
+    mainloop: Mainloop = Mainloop.SM80_MULTISTAGE
 
     def __post_init__(self) -> None:
+        if self.mainloop is Mainloop.SM90_CPASYNC_GMMA:
+            self._check_gmma()
+        else:
+            self._check_multistage()
+        if self.smem_bytes > SMEM_BYTES[self.arch]:
+            raise ValueError(
+                f"{self.name}: {self.smem_bytes} B of shared memory exceeds the "
+                f"{SMEM_BYTES[self.arch]} B of {self.arch.value}"
+            )
+
+    def _check_gmma(self) -> None:
+        m, n, k = self.threadblock
+        if self.arch is not Arch.SM90A:
+            raise ValueError(f"the {self.mainloop.value} main loop needs sm_90a, got {self.arch.value}")
+        if self.warps != (4, 1, 1) or m not in (64, 128) or n % 16 or not 16 <= n <= 256 or k % 16:
+            raise ValueError(
+                f"{self.mainloop.value}: threadblock {self.threadblock} must be (64|128, 16..256 "
+                f"step 16, multiple of 16) with warps (4, 1, 1), got warps {self.warps}"
+            )
+        if self.stages < 2:
+            raise ValueError(f"stages must be >= 2 for the {self.mainloop.value} main loop, got {self.stages}")
+
+    def _check_multistage(self) -> None:
         if self.stages < 3:
             raise ValueError(f"stages must be >= 3 for the multistage main loop, got {self.stages}")
         for a, w, i in zip(self.threadblock, self.warps, _INSTRUCTION, strict=True):
@@ -98,11 +135,6 @@ class TWKernel:
                     f"threadblock {self.threadblock} must split into warps {self.warps} whose "
                     f"tiles are multiples of the instruction {_INSTRUCTION}"
                 )
-        if self.smem_bytes > SMEM_BYTES[self.arch]:
-            raise ValueError(
-                f"{self.name}: {self.smem_bytes} B of shared memory exceeds the "
-                f"{SMEM_BYTES[self.arch]} B of {self.arch.value}"
-            )
 
     @property
     def tile_g(self) -> int:
@@ -115,11 +147,16 @@ class TWKernel:
 
     @property
     def instruction(self) -> tuple[int, int, int]:
+        """The MMA instruction: m16n8k16 ``mma.sync``, or ``wgmma`` 64 x batch tile x 16."""
+        if self.mainloop is Mainloop.SM90_CPASYNC_GMMA:
+            return (64, min(self.threadblock[1], 256), 16)
         return _INSTRUCTION
 
     @property
     def threads(self) -> int:
-        return 32 * self.warps[0] * self.warps[1] * self.warps[2]
+        """Threads per CTA (the gmma kernel adds two 128-thread producer warp groups)."""
+        consumers = 32 * self.warps[0] * self.warps[1] * self.warps[2]
+        return consumers + (256 if self.mainloop is Mainloop.SM90_CPASYNC_GMMA else 0)
 
     @property
     def smem_bytes(self) -> int:
@@ -133,15 +170,17 @@ class TWKernel:
         m, n, k = self.threadblock
         wm, wn, wk = self.warps
         arch = self.arch.value.replace("_", "")
+        if self.mainloop is Mainloop.SM90_CPASYNC_GMMA:
+            arch += "_gmma"
         return f"tw_gemm_{arch}_{self.dtype.value}_g{m}x{n}x{k}_w{wm}x{wn}x{wk}_s{self.stages}_a{self.alignment}"
 
     def math_instruction(self):  # -> cutlass_library.MathInstruction
-        """The ``cutlass_library.MathInstruction`` (m16n8k16 tensor-op multiply-add)."""
+        """The ``cutlass_library.MathInstruction`` (tensor-op multiply-add, fp32 accumulate)."""
         from cutlass_library import library as cl
 
         el = cl.DataType.f16 if self.dtype is DType.F16 else cl.DataType.bf16
         return cl.MathInstruction(
-            list(_INSTRUCTION), el, el, cl.DataType.f32, cl.OpcodeClass.TensorOp,
+            list(self.instruction), el, el, cl.DataType.f32, cl.OpcodeClass.TensorOp,
             cl.MathOperation.multiply_add,
         )
 
@@ -158,11 +197,12 @@ class TWKernel:
         """Plain data (hashed into the generated files' banners)."""
         return {
             "name": self.name,
+            "mainloop": self.mainloop.value,
             "dtype": self.dtype.value,
             "arch": self.arch.value,
             "threadblock": list(self.threadblock),
             "warps": list(self.warps),
-            "instruction": list(_INSTRUCTION),
+            "instruction": list(self.instruction),
             "stages": self.stages,
             "alignment": self.alignment,
         }
@@ -179,6 +219,14 @@ _CONFIGS: tuple[tuple[tuple[int, int, int], tuple[int, int, int], int], ...] = (
     ((128, 64, 64), (2, 2, 1), 3),
     ((64, 128, 32), (2, 2, 1), 4),
     ((64, 256, 32), (1, 4, 1), 4),
+)
+
+
+# (threadblock, stages) of the sm_90a gmma main loop: 32 KB (128x128x64) or 24 KB per stage.
+_GMMA_CONFIGS: tuple[tuple[tuple[int, int, int], int], ...] = (
+    ((128, 128, 64), 5),
+    ((128, 64, 64), 6),
+    ((64, 128, 64), 6),
 )
 
 
@@ -202,6 +250,9 @@ def manifest(
                 continue
             for tb, warps, stages in _CONFIGS:
                 out.append(TWKernel(dtype, a, tb, warps, stages))
+            if a is Arch.SM90A:
+                for tb, stages in _GMMA_CONFIGS:
+                    out.append(TWKernel(dtype, a, tb, (4, 1, 1), stages, ALIGNMENT, Mainloop.SM90_CPASYNC_GMMA))
     return tuple(out)
 
 
@@ -213,6 +264,7 @@ def select(
     batch: int,
     num_tiles: int | None = None,
     num_sms: int | None = None,
+    mainloop: Mainloop | str | None = None,
 ) -> TWKernel:
     """Pick the instance for a call: the smallest ``G >= max_tile_width``, then (k tile 32) a
     batch tile. With the tile and SM counts known, a wave model of the grid
@@ -220,27 +272,37 @@ def select(
     instances, 1 for 256): the widest batch tile within ``_WIDER_TILE_SLACK`` of the best
     modelled time. Without them a 256-wide batch tile for batches >= 16384, else 128.
 
+    The main loop is ``mainloop`` when given, else the gmma one where the arch has it, else the
+    multistage one; its default k tile is 64 (gmma) or 32 (multistage).
+
     Raises:
-        ValueError: no instance of that dtype/arch serves tiles that wide.
+        ValueError: no instance of that dtype/arch/main loop serves tiles that wide.
     """
     dtype, arch = DType(dtype), Arch(arch)
-    fit = [k for k in kernels if k.dtype is dtype and k.arch is arch and k.tile_g >= max_tile_width]
+    kernels = [k for k in kernels if k.dtype is dtype and k.arch is arch]
+    if mainloop is None:
+        have = {k.mainloop for k in kernels}
+        mainloop = Mainloop.SM90_CPASYNC_GMMA if Mainloop.SM90_CPASYNC_GMMA in have else Mainloop.SM80_MULTISTAGE
+    mainloop = Mainloop(mainloop)
+    kernels = [k for k in kernels if k.mainloop is mainloop]
+    k_default = 64 if mainloop is Mainloop.SM90_CPASYNC_GMMA else 32
+    fit = [k for k in kernels if k.tile_g >= max_tile_width]
     if not fit:
-        widths = sorted({k.tile_g for k in kernels if k.dtype is dtype and k.arch is arch})
+        widths = sorted({k.tile_g for k in kernels})
         raise ValueError(
-            f"no {dtype.value}/{arch.value} TW kernel serves tiles {max_tile_width} columns wide; "
+            f"no {dtype.value}/{arch.value}/{mainloop.value} TW kernel serves tiles {max_tile_width} columns wide; "
             f"built tile widths: {widths}"
         )
     g = min(k.tile_g for k in fit)
     fit = [k for k in fit if k.tile_g == g]
-    k32 = sorted((k for k in fit if k.threadblock[2] == 32), key=lambda k: -k.threadblock[1])
+    k32 = sorted((k for k in fit if k.threadblock[2] == k_default), key=lambda k: -k.threadblock[1])
     if not k32:
         return fit[0]
     if num_tiles is not None and num_sms is not None and num_tiles > 0 and batch > 0:
         def cost(k: TWKernel) -> int:
             # waves × per-wave time; a wave's time ∝ batch columns per CTA × CTAs sharing an SM.
             n = k.threadblock[1]
-            per_sm = 2 if k.threads <= 128 else 1
+            per_sm = 2 if k.threads <= 128 else 1  # registers: 255/thread × 128 threads × 2 fit
             waves = -(-(num_tiles * -(-batch // n)) // (num_sms * per_sm))
             return waves * n * per_sm
 

@@ -9,20 +9,28 @@ import sys
 import pytest
 
 from cutlass_kernels import emit
-from cutlass_kernels.manifest import ALIGNMENT, Arch, DType, TWKernel, manifest, select
+from cutlass_kernels.manifest import ALIGNMENT, Arch, DType, Mainloop, TWKernel, manifest, select
 
 
 def test_manifest_covers_every_dtype_and_arch() -> None:
     ks = manifest()
     assert {(k.dtype, k.arch) for k in ks} == {(d, a) for d in DType for a in Arch}
     assert len({k.name for k in ks}) == len(ks)
+    assert {(k.mainloop, k.arch) for k in ks} == {
+        (Mainloop.SM80_MULTISTAGE, Arch.SM80),
+        (Mainloop.SM80_MULTISTAGE, Arch.SM90A),
+        (Mainloop.SM90_CPASYNC_GMMA, Arch.SM90A),
+    }
     for k in ks:
         assert k.alignment == ALIGNMENT
         assert k.tile_g in (64, 128)
         td = k.tile_description()
         assert list(td.threadblock_shape) == list(k.threadblock)
         assert td.stages == k.stages
-        assert list(td.math_instruction.instruction_shape) == [16, 8, 16]
+        gmma = k.mainloop is Mainloop.SM90_CPASYNC_GMMA
+        want = [64, k.threadblock[1], 16] if gmma else [16, 8, 16]
+        assert list(td.math_instruction.instruction_shape) == want
+        assert k.threads == (384 if gmma else 32 * k.warps[0] * k.warps[1] * k.warps[2])
 
 
 def test_manifest_gates_arch_by_cuda_version() -> None:
@@ -45,23 +53,41 @@ def test_invalid_instances_are_rejected(tb, warps, stages, match) -> None:
         TWKernel(DType.F16, Arch.SM80, tb, warps, stages)
 
 
+def test_gmma_instances_need_sm90a_and_one_warp_group() -> None:
+    gmma = Mainloop.SM90_CPASYNC_GMMA
+    with pytest.raises(ValueError, match="needs sm_90a"):
+        TWKernel(DType.F16, Arch.SM80, (128, 128, 64), (4, 1, 1), 4, 8, gmma)
+    with pytest.raises(ValueError, match=r"warps \(4, 1, 1\)"):
+        TWKernel(DType.F16, Arch.SM90A, (128, 128, 64), (2, 2, 1), 4, 8, gmma)
+    with pytest.raises(ValueError, match="shared memory"):
+        TWKernel(DType.F16, Arch.SM90A, (128, 128, 64), (4, 1, 1), 8, 8, gmma)  # 8 × 32 KB
+
+
 def test_select_picks_narrowest_fitting_tile() -> None:
     ks = manifest()
     assert select(ks, "f16", "sm_80", 64, 1000).tile_g == 64
-    k = select(ks, "bf16", "sm_90a", 100, 65536)
+    k = select(ks, "bf16", "sm_90a", 100, 65536, mainloop="sm80_multistage")
     assert (k.tile_g, k.threadblock[1], k.dtype, k.arch) == (128, 256, DType.BF16, Arch.SM90A)
+    # sm_90a defaults to the gmma main loop (k tile 64); 1 CTA of 384 threads per SM:
+    # 3 tiles x 12800: n=128 → 300 CTAs / 132 → 3 waves → 384; n=64 → 600 / 132 → 5 → 320.
+    k = select(ks, "f16", "sm_90a", 128, 12800, 3, 132)
+    assert (k.mainloop, k.threadblock) == (Mainloop.SM90_CPASYNC_GMMA, (128, 64, 64))
+    # 12 tiles: n=128 → 1200 / 132 → 10 → 1280; n=64 → 19 → 1216; 1280 <= 1.1 × 1216.
+    k = select(ks, "f16", "sm_90a", 128, 12800, 12, 132)
+    assert (k.mainloop, k.threadblock) == (Mainloop.SM90_CPASYNC_GMMA, (128, 128, 64))
+    assert select(ks, "f16", "sm_90a", 64, 12800).threadblock == (64, 128, 64)
     assert select(ks, "f16", "sm_80", 128, 8).threadblock == (128, 128, 32)
     # Wave model, 132 SMs: cost = waves × batch tile × CTAs per SM (2 for 128 threads, 1 for
     # the 256-thread n=256 instance); the widest tile within 10% of the cheapest wins.
     # 3 tiles x 12800: n=256 150 CTAs → 2 waves → 512; n=128 300/264 → 2 → 512; n=64 600/264 → 3
     # → 384: only n=64 is within 10%.
-    assert select(ks, "f16", "sm_90a", 128, 12800, num_tiles=3, num_sms=132).threadblock[1] == 64
+    assert select(ks, "f16", "sm_90a", 128, 12800, 3, 132, "sm80_multistage").threadblock[1] == 64
     # 24 tiles x 12800: 256 → 10 waves → 2560, 128 → 2560, 64 → 19 → 2432; 2560 <= 1.1 × 2432.
-    assert select(ks, "f16", "sm_90a", 128, 12800, num_tiles=24, num_sms=132).threadblock[1] == 256
+    assert select(ks, "f16", "sm_90a", 128, 12800, 24, 132, "sm80_multistage").threadblock[1] == 256
     # 2 tiles x 6400: 256 → 256, 128 → 256, 64 → 1 wave → 128.
-    assert select(ks, "f16", "sm_90a", 128, 6400, num_tiles=2, num_sms=132).threadblock[1] == 64
+    assert select(ks, "f16", "sm_90a", 128, 6400, 2, 132, "sm80_multistage").threadblock[1] == 64
     # One CTA whatever the tile: 256 → 256, 128 → 256, 64 → 128.
-    assert select(ks, "f16", "sm_90a", 128, 64, num_tiles=1, num_sms=132).threadblock[1] == 64
+    assert select(ks, "f16", "sm_90a", 128, 64, 1, 132, "sm80_multistage").threadblock[1] == 64
     with pytest.raises(ValueError, match="129 columns wide"):
         select(ks, "f16", "sm_80", 129, 8)
 
@@ -81,7 +107,10 @@ def test_emission_of_the_whole_manifest_is_deterministic() -> None:
         assert head[2] == f"// Input hash: sha256:{f.input_hash}"
         assert f'extern "C" int {k.name}(' in f.text
         m, n, kk = k.threadblock
-        assert f"cutlass::gemm::GemmShape<{m}, {n}, {kk}>" in f.text
+        if k.mainloop is Mainloop.SM90_CPASYNC_GMMA:
+            assert "tilerec::sm90::TwGemmSm90Traits<" in f.text and f"{m}, {n}, {kk}," in f.text
+        else:
+            assert f"cutlass::gemm::GemmShape<{m}, {n}, {kk}>" in f.text
         el = "cutlass::half_t" if k.dtype is DType.F16 else "cutlass::bfloat16_t"
         assert el in f.text
     registry = a[-1]

@@ -1,0 +1,106 @@
+"""Build and load the fast CPU kernel (``tilesparse/csrc/tw_linear_cpu.cpp``).
+
+The extension is compiled with the machine's C++ compiler through
+``torch.utils.cpp_extension`` (ninja), with ``-O3 -march=native``, into a cache folder::
+
+    $XDG_CACHE_HOME/tilerec/tilesparse_cpu/<torch version>-<source hash>/   (default ~/.cache)
+
+so a rebuild happens only when the source, the torch version or the machine's compiler
+flags change. ``make install`` runs ``python -m tilesparse.build_ext`` once; at runtime
+:func:`load_extension` loads the cached build (building it first if it is missing) and
+returns ``None`` after logging ONE warning when it cannot, in which case
+:mod:`tilesparse.ops` uses the reference path.
+
+Set ``TILESPARSE_DISABLE_EXT=1`` to force the reference path (used by the fallback test).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import hashlib
+import logging
+import os
+import sys
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = ["build_dir", "build_extension", "load_extension", "main"]
+
+log = logging.getLogger(__name__)
+
+EXT_NAME = "tilesparse_cpu"
+SOURCE = Path(__file__).resolve().parent / "csrc" / "tw_linear_cpu.cpp"
+CFLAGS = ["-O3", "-march=native", "-fopenmp"]
+DISABLE_ENV = "TILESPARSE_DISABLE_EXT"
+
+
+def build_dir() -> Path:
+    """The cache folder of this source × torch version × flags."""
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    h = hashlib.sha256(SOURCE.read_bytes())
+    h.update(" ".join(CFLAGS).encode())
+    return base / "tilerec" / EXT_NAME / f"{torch.__version__}-{h.hexdigest()[:12]}"
+
+
+def build_extension(verbose: bool = False) -> ModuleType:
+    """Compile (or reuse the cached build of) the extension and import it.
+
+    Raises:
+        RuntimeError / OSError / ImportError: from the compiler or the loader, unchanged.
+    """
+    from torch.utils import cpp_extension
+
+    out = build_dir()
+    out.mkdir(parents=True, exist_ok=True)
+    return cpp_extension.load(
+        name=EXT_NAME,
+        sources=[str(SOURCE)],
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        build_directory=str(out),
+        verbose=verbose,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> ModuleType | None:
+    """The compiled kernel module, or ``None`` (with one logged warning) if it cannot be
+    built or loaded. Cached: the build is attempted at most once per process."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        log.warning(
+            "tilesparse: fast CPU kernel disabled by %s; using the reference path (slow)",
+            DISABLE_ENV,
+        )
+        return None
+    try:
+        return build_extension()
+    except (RuntimeError, OSError, ImportError, SystemExit) as e:
+        log.warning(
+            "tilesparse: fast CPU kernel could not be built or loaded (%s: %s); "
+            "using the reference path (slow). Rebuild with `python -m tilesparse.build_ext -v`.",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
+        return None
+
+
+def main(argv: list[str] | None = None) -> int:
+    """CLI: ``python -m tilesparse.build_ext [-v]``; exit status 1 if the build failed."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("-v", "--verbose", action="store_true", help="show compiler output")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    try:
+        mod = build_extension(verbose=args.verbose)
+    except (RuntimeError, OSError, ImportError) as e:
+        log.error("tilesparse: build failed: %s", e)
+        return 1
+    log.info("tilesparse: built %s (AVX-512 micro-kernel: %s) in %s", EXT_NAME, mod.has_avx512(), build_dir())
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -79,6 +79,7 @@ class HierarchicalParameterServer:
         self.persistent = build_persistent(cfg)
         self.num_rows: dict[str, int] = {}
         self._sessions: dict[str, LookupSession] = {}
+        self._stops: list = []
         for model in cfg.models:
             for t in model.tables:
                 for db in (self.volatile, self.persistent):
@@ -162,7 +163,25 @@ class HierarchicalParameterServer:
         return UpdateApplier(source, self._sessions.values(), self.volatile, self.persistent,
                              offset_file=state, name=f"{u.type.value}:{u.stream if u.path == '' else u.path}")
 
+    def start_background(self, refresh_interval_s: float = 10.0) -> list:
+        """Start the periodic work a config asks for: each model's cache refresh (every
+        ``refresh_interval_s``, ``cache_refresh_percentage_per_iteration`` of the slots each
+        time; skipped when 0) and the online-update poller (every
+        ``update_source.poll_interval_s``). Returns the stop events (set them to stop)."""
+        stops = []
+        for m in self.cfg.models:
+            if m.gpucache and m.cache_refresh_percentage_per_iteration > 0:
+                stops.append(self._sessions[m.model].start_refresh(refresh_interval_s,
+                                                                    m.cache_refresh_percentage_per_iteration))
+        applier = self.update_applier()
+        if applier is not None:
+            stops.append(applier.start(self.cfg.update_source.poll_interval_s))
+        self._stops.extend(stops)
+        return stops
+
     def close(self) -> None:
+        for ev in self._stops:
+            ev.set()
         for s in self._sessions.values():
             s.close()
         for db in (self.volatile, self.persistent):

@@ -89,17 +89,17 @@ def bench_hit_rate(args: argparse.Namespace) -> list[dict[str, Any]]:
             ideal = float(zipf_hit_curve(args.rows, alpha, np.array([cap]))[0])
             for policy, warm in ((CachePolicy.LRU, False), (CachePolicy.LFU, False), (CachePolicy.LFU, True)):
                 cache = EmbeddingCache(cap, dim, policy=policy)
-                if warm:  # warm-up from the hottest keys, coldest inserted first
-                    hot = torch.from_numpy(z.hottest(cap)[::-1].copy())
+                if warm:  # warm-up from the hottest keys, hottest first (LookupSession.warm_up)
+                    hot = torch.from_numpy(z.hottest(cap).copy())
                     for chunk in hot.split(262144):
                         cache.insert(chunk, torch.zeros(chunk.numel(), dim))
                 hits_all = keys_all = hits_u = keys_u = 0
                 t0 = time.perf_counter()
                 for i, b in enumerate(batches):
                     u, counts = torch.unique(torch.from_numpy(b), return_counts=True)
-                    _, hit = cache.query(u)
+                    _, hit = cache.query(u, counts=counts)  # as LookupSession does
                     miss = u[~hit]
-                    cache.insert(miss, torch.zeros(miss.numel(), dim))  # synchronous fill
+                    cache.insert(miss, torch.zeros(miss.numel(), dim), priority=counts[~hit])  # sync fill
                     if i >= args.warm_batches:
                         hits_all += int(counts[hit].sum())
                         keys_all += int(counts.sum())

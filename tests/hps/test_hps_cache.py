@@ -136,3 +136,19 @@ def test_cache_on_numpy_keys_from_int_tensor() -> None:
     k = torch.from_numpy(np.array([5, 6], np.int64))
     c.insert(k, _rows(k, 2))
     assert c.query(k)[1].all()
+
+
+@pytest.mark.gpu
+def test_cuda_cache_matches_cpu_cache() -> None:
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    g = torch.Generator().manual_seed(0)
+    cpu, gpu = EmbeddingCache(512, 8, ways=16), EmbeddingCache(512, 8, ways=16, device="cuda")
+    for _ in range(5):
+        k = torch.unique(torch.randint(0, 5000, (700,), generator=g))
+        v = _rows(k, 8)
+        cnt = torch.randint(1, 5, (k.numel(),), generator=g)
+        assert cpu.insert(k, v, priority=cnt) == gpu.insert(k.cuda(), v.cuda(), priority=cnt.cuda())
+        a, ha = cpu.query(k, counts=cnt)
+        b, hb = gpu.query(k.cuda(), counts=cnt.cuda())
+        assert torch.equal(ha, hb.cpu()) and torch.equal(a, b.cpu())

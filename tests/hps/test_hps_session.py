@@ -195,3 +195,31 @@ def test_parameter_server_from_config(tmp_path: Path) -> None:
     ps2 = HierarchicalParameterServer(parse_config(doc, tmp_path))
     assert torch.equal(ps2.session("m").lookup("t0", q), reference_lookup(keys, rows, q, DEFAULT))
     ps2.close()
+
+
+def test_background_refresh_and_update_polling(tmp_path: Path) -> None:
+    import time
+
+    from hps.updates import FileLogPublisher
+
+    keys, rows = make_table(N, DIM, seed=6)
+    write_table(tmp_path / "sparse/t0", keys, rows)
+    doc = {"volatile_db": {"type": "hash_map"},
+           "update_source": {"type": "file_log", "path": "u.log", "poll_interval_s": 0.05},
+           "models": [{"model": "m", "max_batch_size": 64, "sparse_files": ["sparse/t0"],
+                       "embedding_table_names": ["t0"], "embedding_vecsize_per_table": [DIM],
+                       "maxnum_catfeature_query_per_table_per_sample": [1], "gpucacheper": 0.5,
+                       "cache_exact": True, "hit_rate_threshold": 1.0,
+                       "cache_refresh_percentage_per_iteration": 0.5}]}
+    ps = HierarchicalParameterServer(parse_config(doc, tmp_path))
+    s = ps.session("m")
+    q = torch.from_numpy(keys[:16].copy())
+    s.lookup("t0", q)
+    assert len(ps.start_background(refresh_interval_s=0.05)) == 2
+    FileLogPublisher(tmp_path / "u.log").publish({"t0": (keys[:16].copy(), rows[:16] * 2)})
+    deadline = time.monotonic() + 10
+    while time.monotonic() < deadline and not torch.equal(s.lookup("t0", q), torch.from_numpy(rows[:16] * 2)):
+        time.sleep(0.05)
+    assert torch.equal(s.lookup("t0", q), torch.from_numpy(rows[:16] * 2))
+    assert (tmp_path / "u.log.offset").exists()
+    ps.close()

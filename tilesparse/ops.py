@@ -1,13 +1,274 @@
-"""Execution of the condensed TW format. (Placeholder until the CPU-speed work lands: every
-call goes to the reference.)"""
+"""Execution of the condensed TW format: the ``tilesparse::tw_linear`` custom op.
+
+``tw_linear(x, layout, bias, backend)`` computes ``Y = X · W + b`` for a condensed weight
+(:class:`~tilesparse.format.TWLayout`, drawn in ``tilesparse/format.py``). It is built on one
+``torch.library.custom_op`` with a FIXED schema, shared with the CUDA kernel that
+``cutlass_kernels`` registers for the same op::
+
+    tilesparse::tw_linear(Tensor x, Tensor col_idx, Tensor tile_ptr, Tensor row_idx,
+                          Tensor row_ptr, Tensor values, Tensor val_ptr, Tensor? bias,
+                          int out_features, str backend) -> Tensor
+
+``x`` is ``(M, K)`` contiguous; the result ``(M, N)`` has ``x``'s dtype. The op has a fake
+(meta) kernel, so ``torch.export`` and ``torch.compile`` trace through it, and an autograd
+formula for ``x`` and ``bias`` (the condensed ``values`` are buffers, not trained).
+
+Backends (:class:`~tilesparse.backend.Backend`): ``auto``, ``reference``, ``cpu``,
+``cutlass``, ``emulated``. The CPU kernel (``tilesparse/csrc/tw_linear_cpu.cpp``) transposes
+``X`` once per call into K-major blocks so that a tile's kept rows are contiguous vectors,
+gathers them into L1-sized panels and runs a register-blocked AVX-512 micro-kernel (fp32), or
+``at::mm`` on the gathered panels (bf16/fp16/fp64). The CUDA kernel is registered lazily: the
+first CUDA tensor that reaches :func:`tw_linear` calls
+``cutlass_kernels.build.register_cuda_kernel()``.
+"""
 
 from __future__ import annotations
 
+import functools
+import logging
+
 import torch
 
+from tilesparse.backend import Backend, parse_backend
+from tilesparse.build_ext import load_extension
 from tilesparse.format import TWLayout, reference_matmul
 
+__all__ = ["OP_NAME", "SUPPORTED_DTYPES", "cpu_kernel_available", "tw_linear"]
 
-def tw_linear(x: torch.Tensor, layout: TWLayout, bias: torch.Tensor | None = None, backend: str = "auto") -> torch.Tensor:
-    """``Y = X · W + b`` for a condensed TW weight. ``x: (..., K)`` → ``(..., N)``."""
+log = logging.getLogger(__name__)
+
+OP_NAME = "tilesparse::tw_linear"
+SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64)
+_INDEX_NAMES = ("col_idx", "tile_ptr", "row_idx", "row_ptr", "val_ptr")
+
+
+def cpu_kernel_available() -> bool:
+    """Whether the compiled CPU kernel is loaded (building it on first call if needed)."""
+    return load_extension() is not None
+
+
+def _check_args(
+    x: torch.Tensor,
+    index: dict[str, torch.Tensor],
+    values: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+) -> None:
+    """Shape/dtype checks that need no data (shared by the real and the fake kernel)."""
+    if x.dim() != 2:
+        raise ValueError(f"tilesparse::tw_linear takes x of shape (M, K), got {tuple(x.shape)}")
+    if x.dtype not in SUPPORTED_DTYPES:
+        names = ", ".join(str(d).removeprefix("torch.") for d in SUPPORTED_DTYPES)
+        raise ValueError(f"tw_linear: x has dtype {x.dtype}; expected one of {names}")
+    if values.dtype != x.dtype:
+        raise ValueError(
+            f"tw_linear: x has dtype {x.dtype} but the layer's values are {values.dtype}; "
+            f"cast one to the other (e.g. module.to({x.dtype}))"
+        )
+    if values.dim() != 1:
+        raise ValueError(f"tw_linear: values must be 1-D, got shape {tuple(values.shape)}")
+    for name, t in index.items():
+        if t.dtype != torch.int64 or t.dim() != 1:
+            raise ValueError(f"tw_linear: {name} must be a 1-D int64 tensor, got {t.dtype} {tuple(t.shape)}")
+    n_ptr = index["tile_ptr"].shape[0]
+    if n_ptr < 1 or index["row_ptr"].shape[0] != n_ptr or index["val_ptr"].shape[0] != n_ptr:
+        raise ValueError(
+            "tw_linear: tile_ptr, row_ptr and val_ptr must have T+1 >= 1 entries each, got "
+            f"{index['tile_ptr'].shape[0]}, {index['row_ptr'].shape[0]}, {index['val_ptr'].shape[0]}"
+        )
+    if out_features < 0:
+        raise ValueError(f"tw_linear: out_features must be >= 0, got {out_features}")
+    if bias is not None and tuple(bias.shape) != (out_features,):
+        raise ValueError(f"tw_linear: bias must have shape ({out_features},), got {tuple(bias.shape)}")
+
+
+def _check_data(x: torch.Tensor, layout: TWLayout) -> None:
+    """Checks that read index values (real kernels only): a bad layout must not read out of
+    bounds in the C++ kernel."""
+    K, N = x.shape[1], layout.out_features
+    nk, R = layout.col_idx.numel(), layout.row_idx.numel()
+    if int(layout.tile_ptr[-1]) != nk or int(layout.row_ptr[-1]) != R:
+        raise ValueError("tw_linear: tile_ptr/row_ptr must end at len(col_idx)/len(row_idx)")
+    if int(layout.val_ptr[-1]) != layout.values.numel():
+        raise ValueError(
+            f"tw_linear: val_ptr ends at {int(layout.val_ptr[-1])} but values has {layout.values.numel()} entries"
+        )
+    if R and (int(layout.row_idx.min()) < 0 or int(layout.row_idx.max()) >= K):
+        raise ValueError(f"tw_linear: row_idx must lie in [0, K={K}); x has K={K} features")
+    if nk and (int(layout.col_idx.min()) < 0 or int(layout.col_idx.max()) >= N):
+        raise ValueError(f"tw_linear: col_idx must lie in [0, out_features={N})")
+    widths = layout.tile_ptr[1:] - layout.tile_ptr[:-1]
+    heights = layout.row_ptr[1:] - layout.row_ptr[:-1]
+    if bool((widths <= 0).any()) or not torch.equal(layout.val_ptr[1:] - layout.val_ptr[:-1], widths * heights):
+        raise ValueError("tw_linear: every tile needs >= 1 column and val_ptr blocks of rows × columns")
+
+
+def _layout(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, out_features) -> TWLayout:
+    widths = tile_ptr[1:] - tile_ptr[:-1]
+    tile = int(widths.max()) if widths.numel() else 1
+    return TWLayout(x.shape[1], out_features, max(tile, 1), col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr)
+
+
+@torch.library.custom_op(OP_NAME, mutates_args=())
+def _tw_linear_op(
+    x: torch.Tensor,
+    col_idx: torch.Tensor,
+    tile_ptr: torch.Tensor,
+    row_idx: torch.Tensor,
+    row_ptr: torch.Tensor,
+    values: torch.Tensor,
+    val_ptr: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    backend: str,
+) -> torch.Tensor:
+    index = dict(zip(_INDEX_NAMES, (col_idx, tile_ptr, row_idx, row_ptr, val_ptr)))
+    _check_args(x, index, values, bias, out_features)
+    if not x.is_contiguous():
+        raise ValueError(
+            f"tilesparse::tw_linear needs a contiguous x, got strides {x.stride()} for shape "
+            f"{tuple(x.shape)}; call x.contiguous() (tilesparse.ops.tw_linear does)"
+        )
+    be = parse_backend(backend)
+    layout = _layout(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, out_features)
+    _check_data(x, layout)
+    if be is Backend.EMULATED:
+        try:
+            from cutlass_kernels.reference import tw_linear_emulated
+        except ImportError as e:
+            raise ValueError(f"backend 'emulated' needs cutlass_kernels.reference ({e})") from e
+        return tw_linear_emulated(x, layout, bias)
+    if be is Backend.CUTLASS:
+        raise ValueError(
+            f"backend 'cutlass' runs on CUDA tensors with the kernel from cutlass_kernels; got a "
+            f"{x.device.type} tensor (or no CUDA kernel is registered: see cutlass_kernels.build)"
+        )
+    if x.device.type == "cpu" and be in (Backend.AUTO, Backend.CPU):
+        ext = load_extension()  # None after one logged warning: then the reference runs
+        if ext is not None:
+            vals = values if values.is_contiguous() else values.contiguous()
+            return ext.tw_linear_cpu(x, col_idx, tile_ptr, row_idx, row_ptr, vals, val_ptr, bias, out_features)
+    elif be is Backend.CPU:
+        raise ValueError(f"backend 'cpu' runs on CPU tensors, got a {x.device.type} tensor")
     return reference_matmul(x, layout, bias)
+
+
+@_tw_linear_op.register_fake
+def _tw_linear_fake(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features, backend):
+    index = dict(zip(_INDEX_NAMES, (col_idx, tile_ptr, row_idx, row_ptr, val_ptr)))
+    _check_args(x, index, values, bias, out_features)
+    parse_backend(backend)
+    return x.new_empty((x.shape[0], out_features))
+
+
+def _setup_context(ctx, inputs, output) -> None:
+    x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features, _ = inputs
+    ctx.save_for_backward(col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr)
+    ctx.in_features = x.shape[1]
+    ctx.has_bias = bias is not None
+
+
+@torch.library.custom_op("tilesparse::tw_linear_grad_x", mutates_args=())
+def _tw_linear_grad_x(
+    grad_y: torch.Tensor,
+    col_idx: torch.Tensor,
+    tile_ptr: torch.Tensor,
+    row_idx: torch.Tensor,
+    row_ptr: torch.Tensor,
+    values: torch.Tensor,
+    val_ptr: torch.Tensor,
+    in_features: int,
+) -> torch.Tensor:
+    """``dX (M, K)``: ``dX[:, rows_t] += dY[:, cols_t] · B_tᵀ`` for every tile."""
+    grad_x = grad_y.new_zeros(grad_y.shape[0], in_features)
+    tp, rp, vp = tile_ptr.tolist(), row_ptr.tolist(), val_ptr.tolist()
+    vals = values.to(grad_y.dtype)
+    for t in range(len(tp) - 1):
+        r = rp[t + 1] - rp[t]
+        if r == 0:
+            continue
+        cols, rows = col_idx[tp[t] : tp[t + 1]], row_idx[rp[t] : rp[t + 1]]
+        block = vals[vp[t] : vp[t + 1]].view(r, tp[t + 1] - tp[t])
+        grad_x.index_add_(1, rows, grad_y[:, cols] @ block.T)
+    return grad_x
+
+
+@_tw_linear_grad_x.register_fake
+def _tw_linear_grad_x_fake(grad_y, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, in_features):
+    return grad_y.new_empty((grad_y.shape[0], in_features))
+
+
+def _backward(ctx, grad_y: torch.Tensor):
+    """Gradients for ``x`` and ``bias``; ``values`` get none (they are buffers: fine-tune a
+    pruned model before condensing it)."""
+    col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr = ctx.saved_tensors
+    grad_x = _tw_linear_grad_x(
+        grad_y.contiguous(), col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, ctx.in_features
+    )
+    grad_b = grad_y.sum(0) if ctx.has_bias else None
+    return grad_x, None, None, None, None, None, None, grad_b, None, None
+
+
+_tw_linear_op.register_autograd(_backward, setup_context=_setup_context)
+
+
+@functools.lru_cache(maxsize=1)
+def _register_cuda_kernel() -> bool:
+    """Ask ``cutlass_kernels`` for the CUDA kernel, once per process (only when a CUDA tensor
+    arrives, so nothing CUDA is imported on a CPU machine)."""
+    try:
+        from cutlass_kernels.build import register_cuda_kernel
+    except ImportError as e:
+        log.warning("tilesparse: cutlass_kernels unavailable (%s); CUDA tensors use the reference path", e)
+        return False
+    return bool(register_cuda_kernel())
+
+
+def tw_linear(
+    x: torch.Tensor,
+    layout: TWLayout,
+    bias: torch.Tensor | None = None,
+    backend: Backend | str = Backend.AUTO,
+) -> torch.Tensor:
+    """``Y = X · W + b`` for a condensed TW weight.
+
+    Args:
+        x: ``(..., K)`` float32/bfloat16/float16/float64 activations (any strides; copied to
+            contiguous when needed).
+        layout: the condensed ``(K, N)`` weight; ``layout.values`` in ``x``'s dtype.
+        bias: optional ``(N,)``.
+        backend: a :class:`~tilesparse.backend.Backend` or its name.
+
+    Returns:
+        ``(..., N)`` in ``x.dtype``; pruned columns hold the bias (or zero).
+
+    Raises:
+        ValueError: ``x`` has the wrong number of features or an unsupported dtype, dtypes of
+            ``x`` and ``values`` differ, ``bias`` is not ``(N,)``, or the backend is unknown or
+            cannot run on ``x``'s device.
+    """
+    be = parse_backend(backend)
+    if not isinstance(x, torch.Tensor) or x.dim() < 1:
+        raise ValueError(f"tw_linear: x must be a tensor of shape (..., K), got {type(x).__name__}")
+    if x.shape[-1] != layout.in_features:
+        raise ValueError(
+            f"tw_linear: x has {x.shape[-1]} features (shape {tuple(x.shape)}), the layer "
+            f"expects K={layout.in_features}"
+        )
+    if x.device.type == "cuda":
+        _register_cuda_kernel()
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, layout.in_features).contiguous()
+    y = torch.ops.tilesparse.tw_linear(
+        x2,
+        layout.col_idx,
+        layout.tile_ptr,
+        layout.row_idx,
+        layout.row_ptr,
+        layout.values,
+        layout.val_ptr,
+        bias,
+        layout.out_features,
+        be.value,
+    )
+    return y.reshape(*lead, layout.out_features)

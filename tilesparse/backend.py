@@ -1,0 +1,56 @@
+"""Which implementation runs a tile-wise (TW) linear layer.
+
+One ``str``-valued enum, so a backend can be named in configs (``"auto"``) and compared with
+the enum member alike (``Backend("cpu") is Backend.CPU``).
+
+=========  ===========================================================================
+AUTO       the fastest available for the tensor's device and dtype: ``CPU`` on a CPU
+           tensor when the compiled kernel loaded (else ``REFERENCE``, after one logged
+           warning); on a CUDA tensor the CUTLASS kernel for fp16/bf16 when
+           ``cutlass_kernels`` registered it, else ``REFERENCE``.
+REFERENCE  :func:`tilesparse.format.reference_matmul`: pure torch, tile by tile, any device;
+           what every fast path is tested against.
+CPU        the fused gather-GEMM C++ kernel (``tilesparse/csrc``), built by
+           ``python -m tilesparse.build_ext``; falls back to ``REFERENCE`` with one logged
+           warning when the build is missing and cannot be made.
+CUTLASS    the CUDA kernel from ``cutlass_kernels`` (CUDA tensors only).
+EMULATED   ``cutlass_kernels.reference``'s CPU emulation of exactly what the CUTLASS kernel
+           computes from its packed arguments, for CI without a GPU.
+=========  ===========================================================================
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+
+__all__ = ["Backend", "parse_backend"]
+
+
+class Backend(StrEnum):
+    """Implementation of ``tilesparse::tw_linear`` (see the module docstring)."""
+
+    AUTO = "auto"
+    REFERENCE = "reference"
+    CPU = "cpu"
+    CUTLASS = "cutlass"
+    EMULATED = "emulated"
+
+    def __str__(self) -> str:
+        return self.value
+
+
+def parse_backend(backend: Backend | str) -> Backend:
+    """``Backend`` from a member or its name (case-insensitive).
+
+    Raises:
+        ValueError: naming the bad value and the accepted ones.
+    """
+    if isinstance(backend, Backend):
+        return backend
+    if isinstance(backend, str):
+        try:
+            return Backend(backend.strip().lower())
+        except ValueError:
+            pass
+    accepted = ", ".join(repr(b.value) for b in Backend)
+    raise ValueError(f"unknown tw_linear backend {backend!r}; expected one of {accepted}")

@@ -39,7 +39,7 @@ class TrainDLRMKnobs:
     workload: str = knob("tiny", f"workload preset, one of {', '.join(PRESETS)}")
     scale: float = knob(1.0, "divide every table's rows by this (>= 1) to fit the machine")
     batch_size: int = knob(512, "samples per step")
-    steps: int = knob(3000, "optimizer steps (one fresh batch each)")
+    steps: int = knob(4000, "optimizer steps (one fresh batch each)")
     optimizer: OptimizerKind | None = knob(None, "adagrad or sgd; none = the workload's choice")
     lr: float = knob(0.02, "learning rate of the dense part")
     embedding_lr: float = knob(0.1, "learning rate of the embedding tables")

@@ -233,6 +233,13 @@ class TileSparseLinear(nn.Module):
                 dense.bias.copy_(self.bias.detach())
         return dense
 
+    @property
+    def weight(self) -> torch.Tensor:
+        """The dense ``(N, K)`` weight (pruned entries zero), materialised on each access and
+        not stored: for code that reads ``.weight`` of a linear layer (e.g. the fast-path
+        checks of ``nn.TransformerEncoderLayer``). ``forward`` never uses it."""
+        return self._cpu_layout().to_dense().T.to(self.values.device)
+
     def mask_kn(self) -> torch.Tensor:
         """``(K, N) bool``: the stored entries."""
         return self._cpu_layout().mask()

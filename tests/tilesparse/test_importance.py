@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tilesparse.config import Importance
+from tilesparse.importance import (
+    MagnitudeScore,
+    MovementScore,
+    TaylorScore,
+    make_tracker,
+    segment_scores,
+)
+
+
+def test_magnitude() -> None:
+    w = {"a": torch.tensor([[1.0, -2.0], [0.0, 3.0]])}
+    assert torch.equal(MagnitudeScore().scores(w)["a"], torch.tensor([[1.0, 2.0], [0.0, 3.0]]))
+
+
+def test_taylor_accumulates_squared_first_order_terms() -> None:
+    g = torch.Generator().manual_seed(0)
+    w = {"a": torch.randint(-3, 4, (3, 5), generator=g).float()}
+    grads = [torch.randint(-3, 4, (3, 5), generator=g).float() for _ in range(4)]
+    t = TaylorScore(max_steps=3)
+    for gr in grads:
+        t.observe(w, {"a": gr})
+    expected = sum((gr * w["a"]) ** 2 for gr in grads[:3])  # the 4th is past max_steps
+    assert torch.equal(t.scores(w)["a"], expected)
+    t.reset()
+    with pytest.raises(RuntimeError, match="no backward pass yet"):
+        t.scores(w)
+
+
+def test_taylor_matches_loss_change_to_first_order() -> None:
+    # (g·w)² is the square of the first-order change of the loss when w is zeroed
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(6, 4, bias=False)
+    x = torch.randn(32, 6)
+    loss = lin(x).pow(2).sum()
+    loss.backward()
+    w_kn, g_kn = lin.weight.detach().T.clone(), lin.weight.grad.T.clone()
+    t = TaylorScore()
+    t.observe({"l": w_kn}, {"l": g_kn})
+    score = t.scores({"l": w_kn})["l"]
+    with torch.no_grad():
+        k, n = 2, 1
+        lin.weight[n, k] = 0.0
+        delta = loss.item() - lin(x).pow(2).sum().item()
+        # loss is quadratic: exact change = g·w - ½·h·w², h = 2·Σx_k²
+        h = 2 * float((x[:, k] ** 2).sum())
+        first_order = delta + 0.5 * h * float(w_kn[k, n]) ** 2
+    assert score[k, n].item() == pytest.approx(first_order**2, rel=1e-4)
+
+
+def test_movement_shifted_to_non_negative_across_layers() -> None:
+    m = MovementScore()
+    w = {"a": torch.tensor([[1.0, 2.0]]), "b": torch.tensor([[-1.0]])}
+    m.observe(w, {"a": torch.tensor([[1.0, -1.0]]), "b": torch.tensor([[-3.0]])})
+    s = m.scores(w)
+    # raw -g·w: a = [-1, 2], b = [-3]; shifted by the global min -3
+    assert torch.equal(s["a"], torch.tensor([[2.0, 5.0]])) and torch.equal(s["b"], torch.tensor([[0.0]]))
+
+
+def test_segment_scores_are_l2_over_tile_width() -> None:
+    S = torch.tensor([[3.0, 4.0, 1.0], [0.0, 0.0, 2.0]])
+    seg = segment_scores(S, [torch.tensor([0, 1]), torch.tensor([2])])
+    assert torch.equal(seg, torch.tensor([[2.5, 1.0], [0.0, 2.0]], dtype=torch.float64))
+
+
+def test_make_tracker() -> None:
+    assert isinstance(make_tracker("magnitude"), MagnitudeScore)
+    assert isinstance(make_tracker(Importance.TAYLOR, 7), TaylorScore) and make_tracker("taylor", 7).max_steps == 7
+    assert isinstance(make_tracker("movement"), MovementScore)
+    with pytest.raises(ValueError):
+        make_tracker("random")

@@ -1,0 +1,100 @@
+from __future__ import annotations
+
+import io
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from tilesparse.linear import TileSparseLinear
+from tilesparse.patterns import tw_mask
+
+# assert_close tolerances per dtype for the tile-by-tile reference vs. the masked dense GEMM
+TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float64: {"rtol": 1e-12, "atol": 1e-12}}
+
+
+def int_linear(k: int, n: int, seed: int, bias: bool = True, dtype: torch.dtype = torch.float32) -> torch.nn.Linear:
+    g = torch.Generator().manual_seed(seed)
+    lin = torch.nn.Linear(k, n, bias=bias, dtype=dtype)
+    with torch.no_grad():
+        lin.weight.copy_(torch.randint(-4, 5, (n, k), generator=g))
+        if bias:
+            lin.bias.copy_(torch.randint(-4, 5, (n,), generator=g))
+    return lin
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 40), st.integers(1, 40), st.integers(1, 16), st.floats(0.0, 0.95), st.booleans(), st.integers(0, 1000))
+def test_round_trip_and_forward_exact(k, n, tile, sparsity, bias, seed) -> None:
+    lin = int_linear(k, n, seed, bias)
+    mask = tw_mask(lin.weight.detach().T.abs() + 1e-3 * torch.rand(k, n), sparsity, tile)
+    sparse = TileSparseLinear.from_dense(lin, mask, tile=tile, backend="reference")
+    sparse.layout.validate()
+    dense = sparse.to_dense()
+    assert torch.equal(dense.weight, lin.weight * mask.T)
+    assert torch.equal(sparse.mask_kn(), mask)
+    if bias:
+        assert torch.equal(dense.bias, lin.bias)
+    x = torch.randint(-3, 4, (5, k)).float()  # integer-valued: both paths exact
+    ref = torch.nn.functional.linear(x, lin.weight * mask.T, lin.bias)
+    assert torch.equal(sparse(x), ref)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_forward_random_values_and_batch_dims(dtype) -> None:
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(37, 53, dtype=dtype)
+    mask = tw_mask(lin.weight.detach().T.abs().float(), 0.75, 16)
+    sparse = TileSparseLinear.from_dense(lin, mask, tile=16, backend="reference")
+    x = torch.randn(2, 3, 37, dtype=dtype)
+    ref = torch.nn.functional.linear(x, lin.weight * mask.T, lin.bias)
+    torch.testing.assert_close(sparse(x), ref, **TOL[dtype])
+
+
+def test_state_dict_round_trip_into_an_empty_module() -> None:
+    lin = int_linear(30, 20, 1)
+    mask = tw_mask(lin.weight.detach().T.abs() + 0.5, 0.6, 8)
+    sparse = TileSparseLinear.from_dense(lin, mask, tile=8)
+    buf = io.BytesIO()
+    torch.save(sparse.state_dict(), buf)
+    buf.seek(0)
+    fresh = TileSparseLinear(30, 20, tile=128)
+    assert fresh.nnz == 0 and fresh.layout.num_tiles == 0
+    fresh.load_state_dict(torch.load(buf))
+    assert fresh.tile == 8 and fresh.nnz == sparse.nnz
+    for name in ("col_idx", "tile_ptr", "row_idx", "row_ptr", "values", "val_ptr", "bias"):
+        assert torch.equal(getattr(fresh, name), getattr(sparse, name))
+    assert fresh.layout.values is fresh.values  # the layout is rebuilt over the new buffers
+    x = torch.randint(-3, 4, (4, 30)).float()
+    assert torch.equal(fresh(x), sparse(x))
+    with pytest.raises(ValueError, match="state dict holds a 30x20"):
+        TileSparseLinear(31, 20).load_state_dict(sparse.state_dict())
+
+
+def test_layout_is_the_buffers_and_follows_to() -> None:
+    sparse = TileSparseLinear.from_dense(int_linear(8, 6, 2), torch.ones(8, 6, dtype=torch.bool), tile=4)
+    lay = sparse.layout
+    assert lay is sparse.layout and lay.values is sparse.values and lay.col_idx is sparse.col_idx
+    lay.cache["cpu"] = "packed"
+    sparse.to(torch.float64)
+    assert sparse.layout is not lay and sparse.layout.cache == {}
+    assert sparse.layout.values.dtype == torch.float64 and sparse.col_idx.dtype == torch.int64
+
+
+def test_extra_repr_and_sparsity() -> None:
+    mask = torch.zeros(4, 6, dtype=torch.bool)
+    mask[:2, :4] = True
+    sparse = TileSparseLinear.from_dense(int_linear(4, 6, 3, bias=False), mask, tile=2)
+    assert sparse.sparsity == pytest.approx(1 - 8 / 24)
+    assert repr(sparse) == (
+        "TileSparseLinear(in_features=4, out_features=6, tile=2, tiles=2, kept_columns=4/6, "
+        "nnz=8/24 (sparsity 66.7%), bias=False, backend=auto)"
+    )
+
+
+def test_bad_input() -> None:
+    with pytest.raises(ValueError, match="tile must be a positive integer, got 0"):
+        TileSparseLinear(4, 4, tile=0)
+    with pytest.raises(ValueError, match=r"mask_kn must be a \(3, 2\) bool tensor"):
+        TileSparseLinear.from_dense(torch.nn.Linear(3, 2), torch.ones(2, 3, dtype=torch.bool))

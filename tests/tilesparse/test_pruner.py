@@ -1,0 +1,169 @@
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+from embark.data import SyntheticCTR
+from embark.model import build_model
+from embark.train import TrainConfig, Trainer
+from embark.workloads import get_workload
+from tilesparse import (
+    MultiStageSchedule,
+    OneShotSchedule,
+    TileSparseConfig,
+    TileSparseLinear,
+    TileSparsePruner,
+    is_tile_wise,
+    prune_,
+)
+from tilesparse.format import condense
+
+TOL = {"rtol": 1e-5, "atol": 1e-5}  # float32: tile-by-tile sums vs. one dense GEMM
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    w = get_workload("tiny")
+    data = SyntheticCTR(w, batch_size=64, seed=0)
+    return w, data, [data.batch(i) for i in range(12)]
+
+
+def test_dlrm_tw_masks_structure_and_compression(tiny) -> None:
+    w, _, batches = tiny
+    model = build_model(w, seed=0)
+    dense = copy.deepcopy(model)
+    pruner = prune_(model, TileSparseConfig(pattern="tw", sparsity=0.75, tile=16))
+    fqns = set(pruner.layers)
+    assert {"bottom_mlp.0", "interaction.v.0", "interaction.u.1", "top_mlp.4"} <= fqns  # MLPs + cross
+    assert abs(pruner.overall_sparsity() - 0.75) <= 0.01
+    sparsities = {s.fqn: s.sparsity for s in pruner.stats()}
+    assert max(sparsities.values()) - min(sparsities.values()) > 0.2  # one global threshold
+    assert all(s.kept >= 0.02 * s.params for s in pruner.stats())  # per-layer floor
+    masks = pruner.masks()
+    for fqn, mask in masks.items():
+        assert is_tile_wise(mask, 16), fqn  # every kept column's tile has one row set
+        lin = model.get_submodule(fqn)
+        assert torch.equal(lin.weight.detach().T, dense.get_submodule(fqn).weight.detach().T * mask)
+        layout = condense(lin.weight.detach().T, mask, 16)
+        assert torch.equal(layout.to_dense(), lin.weight.detach().T)
+    b = batches[0]
+    with torch.no_grad():
+        masked_out = model(b.dense, b.sparse)
+    pruner.compress()
+    for fqn, mask in masks.items():
+        sl = model.get_submodule(fqn)
+        assert isinstance(sl, TileSparseLinear)
+        assert torch.equal(sl.to_dense().weight, dense.get_submodule(fqn).weight.detach() * mask.T)
+    with torch.no_grad():
+        torch.testing.assert_close(model(b.dense, b.sparse), masked_out, **TOL)
+
+
+def test_fine_tuning_keeps_pruned_weights_zero(tiny) -> None:
+    w, _, batches = tiny
+    model = build_model(w, seed=1)
+    cfg = TileSparseConfig(sparsity=0.5, tile=16, schedule=MultiStageSchedule((0.25,), steps_per_stage=4))
+    pruner = TileSparsePruner(cfg)
+    trainer = Trainer(model, TrainConfig(lr=0.05))
+    pruner.prepare(model)
+    trainer.rebuild_optimizer()
+    trainer.add_callback(pruner.callback())
+    assert pruner.current_sparsity == 0.25  # stage 0 applied at prepare (magnitude)
+    before = {f: model.get_submodule(f).weight.detach().clone() for f in pruner.layers}
+    trainer.fit(batches, 10, progress=False)
+    assert pruner.current_sparsity == 0.5 and pruner.updates == 2
+    assert abs(pruner.overall_sparsity() - 0.5) <= 0.01
+    changed = 0
+    for f, lin in pruner.layers.items():
+        mask_nk = pruner.mask(f).T
+        weight = lin.weight.detach()
+        assert torch.equal(weight[~mask_nk], torch.zeros(int((~mask_nk).sum())))
+        assert torch.equal(lin.parametrizations.weight.original.detach()[~mask_nk], torch.zeros(int((~mask_nk).sum())))
+        changed += int((weight[mask_nk] != before[f][mask_nk]).sum())
+        assert lin.parametrizations.weight.original.grad is not None  # gradients flow
+    assert changed > 0  # the kept weights did train
+
+
+def test_taylor_first_update_waits_for_gradients(tiny) -> None:
+    w, _, batches = tiny
+    model = build_model(w, seed=2)
+    cfg = TileSparseConfig(sparsity=0.6, tile=16, importance="taylor", schedule=OneShotSchedule(step=3))
+    pruner = TileSparsePruner(cfg)
+    trainer = Trainer(model, TrainConfig(lr=0.05))
+    pruner.prepare(model)
+    trainer.rebuild_optimizer()
+    trainer.add_callback(pruner.callback())
+    trainer.fit(batches, 2, progress=False)
+    assert pruner.current_sparsity == 0.0 and pruner.tracker.steps == 2
+    trainer.fit(batches[2:], 1, progress=False)
+    assert pruner.current_sparsity == 0.6 and pruner.tracker.steps == 0  # reset after the update
+    assert abs(pruner.overall_sparsity() - 0.6) <= 0.01
+    with pytest.raises(ValueError, match="needs gradients"):
+        prune_(build_model(w, seed=2), cfg)
+
+
+def _encoder() -> nn.TransformerEncoder:
+    torch.manual_seed(0)
+    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
+
+
+def _ffn_only(module: nn.Module, fqn: str) -> bool:
+    return isinstance(module, nn.Linear) and fqn.rsplit(".", 1)[-1] in ("linear1", "linear2")
+
+
+def test_transformer_only_filtered_layers_and_identical_at_sparsity_zero() -> None:
+    enc = _encoder()
+    ref = copy.deepcopy(enc)
+    x = torch.randn(3, 5, 32)
+    pruner = prune_(enc, TileSparseConfig(sparsity=0.0, tile=16), filter_fn=_ffn_only)
+    assert sorted(pruner.layers) == [f"layers.{i}.linear{j}" for i in (0, 1) for j in (1, 2)]
+    with torch.no_grad():
+        assert torch.equal(enc(x), ref(x))
+    enc2 = _encoder()
+    pruner = prune_(enc2, TileSparseConfig(sparsity=0.5, tile=16), filter_fn=_ffn_only)
+    assert abs(pruner.overall_sparsity() - 0.5) <= 0.01
+    for name, m in enc2.named_modules():
+        if isinstance(m, nn.Linear):
+            parametrized = hasattr(m, "parametrizations")
+            assert parametrized == (name in pruner.layers), name
+    assert torch.equal(enc2.layers[0].self_attn.out_proj.weight, ref.layers[0].self_attn.out_proj.weight)
+    with torch.no_grad():
+        masked = enc2(x)
+        pruner.compress()
+        torch.testing.assert_close(enc2(x), masked, **TOL)
+    assert isinstance(enc2.layers[1].linear2, TileSparseLinear)
+
+
+def test_overrides_and_per_layer_thresholds() -> None:
+    model = nn.Sequential(nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 8))
+    cfg = TileSparseConfig(sparsity=0.7, tile=8, overrides={"4": 0.25})
+    pruner = prune_(copy.deepcopy(model), cfg)
+    by = {s.fqn: s for s in pruner.stats()}
+    assert abs(by["4"].sparsity - 0.25) <= 0.02
+    shared = [by["0"], by["2"]]
+    kept = sum(s.kept for s in shared)
+    assert abs(1 - kept / sum(s.params for s in shared) - 0.7) <= 0.01
+    local = prune_(copy.deepcopy(model), TileSparseConfig(sparsity=0.7, tile=8, global_threshold=False))
+    for s in local.stats():
+        assert abs(s.sparsity - 0.7) <= 0.03, s
+    with pytest.raises(ValueError, match=r"overrides name layer\(s\) \['9'\]"):
+        prune_(copy.deepcopy(model), TileSparseConfig(overrides={"9": 0.5}))
+
+
+def test_bad_use() -> None:
+    model = nn.Sequential(nn.Linear(4, 4))
+    pruner = prune_(model, TileSparseConfig(sparsity=0.5, tile=2))
+    with pytest.raises(ValueError, match="already prepared"):
+        pruner.prepare(model)
+    with pytest.raises(ValueError, match="already has a weight parametrization"):
+        prune_(model, TileSparseConfig(sparsity=0.5, tile=2))
+    with pytest.raises(ValueError, match="no nn.Linear layer selected"):
+        prune_(nn.Sequential(nn.ReLU()), TileSparseConfig())
+    with pytest.raises(ValueError, match="call prepare"):
+        TileSparsePruner(TileSparseConfig()).step()
+    pruner.compress()
+    with pytest.raises(ValueError, match="compressed"):
+        pruner.update_masks(0.5)

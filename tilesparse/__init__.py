@@ -13,8 +13,7 @@ schedules with fine-tuning, and the condensed :class:`TileSparseLinear`.
 
 from __future__ import annotations
 
-from typing import Any
-
+from tilesparse.backend import Backend
 from tilesparse.config import (
     CubicSchedule,
     Importance,
@@ -74,11 +73,3 @@ __all__ = [
     "tw_rows_masks",
 ]
 
-
-def __getattr__(name: str) -> Any:
-    # Backend lives with the kernels (tilesparse.backend); resolved on first use.
-    if name == "Backend":
-        from tilesparse.backend import Backend
-
-        return Backend
-    raise AttributeError(f"module 'tilesparse' has no attribute {name!r}")

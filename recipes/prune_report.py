@@ -85,7 +85,7 @@ def write_plots(out: Path, report: dict[str, Any], masks: dict[str, torch.Tensor
         a1.imshow(mask[:, kept_cols].numpy(), cmap="Greys", aspect="auto", interpolation="nearest")
         for x in range(tile, kept_cols.numel(), tile):
             a1.axvline(x - 0.5, color="tab:red", lw=1)
-    a1.set_title(f"kept columns only, tiles of G={tile} (red)")
+    a1.set_title(f"kept columns, tiles G={tile}", fontsize=9)
     a1.set_xlabel("kept column")
     fig.tight_layout()
     name = f"mask_{_safe(fqn)}.png"

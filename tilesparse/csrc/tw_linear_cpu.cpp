@@ -200,7 +200,8 @@ at::Tensor init_output(const Plan& p, const at::Tensor& x, const c10::optional<a
                        bool bias_fused) {
   if (p.all_cols_kept) return at::empty({p.M, p.N}, x.options());
   if (bias.has_value() && bias_fused)
-    return bias->to(x.scalar_type()).reshape({1, p.N}).expand({p.M, p.N}).contiguous();
+    // a fresh tensor: for M=1 an expand().contiguous() would alias the caller's bias
+    return at::empty({p.M, p.N}, x.options()).copy_(bias->reshape({1, p.N}).expand({p.M, p.N}));
   return at::zeros({p.M, p.N}, x.options());
 }
 

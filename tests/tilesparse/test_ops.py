@@ -1,0 +1,247 @@
+"""tilesparse.ops: the tw_linear custom op, its backends and the compiled CPU kernel.
+
+Every fast path is compared with :func:`tilesparse.format.reference_matmul`. The first test
+that needs the extension builds it once into the cache (``make install`` already does)."""
+
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from tilesparse import build_ext, ops
+from tilesparse.backend import Backend, parse_backend
+from tilesparse.format import TWLayout, condense, reference_matmul
+from tilesparse.linear import TileSparseLinear
+
+# Per-dtype tolerance of a fast path against the reference (different summation orders).
+TOL = {
+    torch.float32: {"rtol": 1e-4, "atol": 1e-4},
+    torch.bfloat16: {"rtol": 2e-2, "atol": 5e-2},
+}
+
+
+@pytest.fixture
+def ext(require):
+    mod = build_ext.load_extension()
+    require(mod is not None, "the compiled tilesparse CPU kernel (python -m tilesparse.build_ext)")
+    return mod
+
+
+def tw_random_mask(K: int, N: int, G: int, keep_rows: float, gen: torch.Generator,
+                   drop_cols: float = 0.0) -> torch.Tensor:
+    """A TW mask: whole columns dropped, then each tile of G kept columns keeps its own rows."""
+    mask = torch.zeros(K, N, dtype=torch.bool)
+    cols = torch.nonzero(torch.rand(N, generator=gen) >= drop_cols).flatten()
+    for t0 in range(0, cols.numel(), G):
+        c = cols[t0 : t0 + G]
+        rows = torch.rand(K, generator=gen) < keep_rows
+        mask[rows.nonzero().flatten().unsqueeze(1), c.unsqueeze(0)] = True
+    return mask
+
+
+def int_tensor(shape, gen, lo=-3, hi=4, dtype=torch.float32):
+    """Small integers as floats: every product and sum is exact, so results compare exactly."""
+    return torch.randint(lo, hi, shape, generator=gen).to(dtype)
+
+
+def layout_with_empty_tile(K: int, N: int, dtype=torch.float32) -> TWLayout:
+    """Tiles {0..3} rows {1,3}; {4,5} no rows at all; {7} rows {0}. Column 6 pruned."""
+    i64 = torch.int64
+    vals = torch.arange(1, 2 * 4 + 1 + 1, dtype=dtype)  # 8 + 1 values
+    return TWLayout(
+        in_features=K,
+        out_features=N,
+        tile=4,
+        col_idx=torch.tensor([0, 1, 2, 3, 4, 5, 7], dtype=i64),
+        tile_ptr=torch.tensor([0, 4, 6, 7], dtype=i64),
+        row_idx=torch.tensor([1, 3, 0], dtype=i64),
+        row_ptr=torch.tensor([0, 2, 2, 3], dtype=i64),
+        values=vals,
+        val_ptr=torch.tensor([0, 8, 8, 9], dtype=i64),
+    )
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(
+    "M,K,N,G", [(1, 130, 70, 32), (37, 300, 200, 64), (130, 257, 129, 128), (5, 64, 33, 16)]
+)
+def test_cpu_matches_reference(ext, dtype, M, K, N, G):
+    gen = torch.Generator().manual_seed(M * 1000 + K + N)
+    w = torch.randn(K, N, generator=gen).to(dtype)
+    mask = tw_random_mask(K, N, G, 0.4, gen, drop_cols=0.2)
+    layout = condense(w, mask, G)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    bias = torch.randn(N, generator=gen).to(dtype)
+    for b in (None, bias):
+        got = ops.tw_linear(x, layout, b, "cpu")
+        want = reference_matmul(x, layout, b)
+        assert got.dtype == dtype and got.shape == (M, N)
+        torch.testing.assert_close(got, want, **TOL[dtype])
+
+
+def test_cpu_exact_on_integers(ext):
+    gen = torch.Generator().manual_seed(1)
+    K, N, G = 515, 300, 128
+    layout = condense(int_tensor((K, N), gen), tw_random_mask(K, N, G, 0.3, gen, 0.3), G)
+    x = int_tensor((200, K), gen)
+    bias = int_tensor((N,), gen)
+    assert torch.equal(ops.tw_linear(x, layout, bias, "cpu"), reference_matmul(x, layout, bias))
+    # and against the plain dense product of the masked weight
+    assert torch.equal(ops.tw_linear(x, layout, bias, "cpu"), x @ layout.to_dense() + bias)
+
+
+@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(
+    M=st.integers(1, 40),
+    K=st.integers(1, 90),
+    N=st.integers(1, 90),
+    G=st.sampled_from([1, 3, 16, 32, 48]),
+    keep=st.floats(0.0, 1.0),
+    drop=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+)
+def test_cpu_property_shapes(ext, M, K, N, G, keep, drop, seed):
+    gen = torch.Generator().manual_seed(seed)
+    layout = condense(int_tensor((K, N), gen), tw_random_mask(K, N, G, keep, gen, drop), G)
+    x = int_tensor((M, K), gen)
+    bias = int_tensor((N,), gen)
+    assert torch.equal(ops.tw_linear(x, layout, bias, "cpu"), reference_matmul(x, layout, bias))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_tile_without_rows_and_pruned_columns(ext, dtype):
+    layout = layout_with_empty_tile(K=5, N=8, dtype=dtype)
+    gen = torch.Generator().manual_seed(2)
+    x = int_tensor((3, 5), gen, dtype=dtype)
+    bias = int_tensor((8,), gen, dtype=dtype)
+    got = ops.tw_linear(x, layout, bias, "cpu")
+    assert torch.equal(got, reference_matmul(x, layout, bias))
+    # the empty tile's columns and the pruned column hold exactly the bias
+    assert torch.equal(got[:, [4, 5, 6]], bias[[4, 5, 6]].expand(3, 3))
+
+
+def test_all_columns_pruned(ext):
+    layout = condense(torch.randn(10, 6), torch.zeros(10, 6, dtype=torch.bool), 4)
+    assert layout.num_tiles == 0
+    x = torch.randn(4, 10)
+    bias = torch.randn(6)
+    assert torch.equal(ops.tw_linear(x, layout, bias, "cpu"), bias.expand(4, 6))
+    assert torch.equal(ops.tw_linear(x, layout, None, "cpu"), torch.zeros(4, 6))
+
+
+def test_three_d_input_and_auto(ext):
+    gen = torch.Generator().manual_seed(3)
+    K, N, G = 48, 40, 16
+    layout = condense(int_tensor((K, N), gen), tw_random_mask(K, N, G, 0.5, gen), G)
+    x = int_tensor((2, 3, 5, K), gen)
+    got = ops.tw_linear(x, layout, None, Backend.AUTO)
+    assert got.shape == (2, 3, 5, N)
+    assert torch.equal(got, reference_matmul(x, layout))
+    # a non-contiguous view is accepted by the Python API (copied), same result
+    xt = int_tensor((K, 7), gen).T
+    assert torch.equal(ops.tw_linear(xt, layout), reference_matmul(xt.contiguous(), layout))
+
+
+def test_emulated_backend_matches_reference():
+    gen = torch.Generator().manual_seed(4)
+    K, N, G = 70, 50, 16
+    layout = condense(int_tensor((K, N), gen), tw_random_mask(K, N, G, 0.5, gen, 0.2), G)
+    x = int_tensor((9, K), gen)
+    torch.testing.assert_close(ops.tw_linear(x, layout, None, "emulated"), reference_matmul(x, layout))
+
+
+def _op_args(layout, x, bias, backend="cpu"):
+    return (x, layout.col_idx, layout.tile_ptr, layout.row_idx, layout.row_ptr, layout.values,
+            layout.val_ptr, bias, layout.out_features, backend)
+
+
+@pytest.mark.parametrize("backend", ["cpu", "reference"])
+def test_opcheck(ext, backend):
+    gen = torch.Generator().manual_seed(5)
+    K, N, G = 40, 30, 8
+    layout = condense(torch.randn(K, N, generator=gen), tw_random_mask(K, N, G, 0.5, gen, 0.2), G)
+    x = torch.randn(6, K, generator=gen)
+    bias = torch.randn(N, generator=gen)
+    torch.library.opcheck(torch.ops.tilesparse.tw_linear, _op_args(layout, x, bias, backend))
+    xg, bg = x.clone().requires_grad_(), bias.clone().requires_grad_()
+    torch.library.opcheck(torch.ops.tilesparse.tw_linear, _op_args(layout, xg, bg, backend))
+
+
+def test_gradients_match_dense(ext):
+    gen = torch.Generator().manual_seed(6)
+    K, N, G = 33, 20, 8
+    layout = condense(torch.randn(K, N, generator=gen), tw_random_mask(K, N, G, 0.5, gen, 0.2), G)
+    x = torch.randn(5, K, generator=gen, requires_grad=True)
+    b = torch.randn(N, generator=gen, requires_grad=True)
+    ops.tw_linear(x, layout, b).square().sum().backward()
+    x2, b2 = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
+    (x2 @ layout.to_dense() + b2).square().sum().backward()
+    torch.testing.assert_close(x.grad, x2.grad, **TOL[torch.float32])
+    torch.testing.assert_close(b.grad, b2.grad, **TOL[torch.float32])
+
+
+def test_torch_export_and_compile_of_module(ext):
+    gen = torch.Generator().manual_seed(7)
+    dense = torch.nn.Linear(64, 48)
+    mask = tw_random_mask(64, 48, 16, 0.5, gen, 0.2)
+    model = torch.nn.Sequential(TileSparseLinear.from_dense(dense, mask, tile=16), torch.nn.ReLU())
+    x = torch.randn(10, 64, generator=gen)
+    ep = torch.export.export(model, (x,))
+    assert "tilesparse.tw_linear" in str(ep.graph)
+    torch.testing.assert_close(ep.module()(x), model(x))
+    x2 = torch.randn(3, 64, generator=gen)
+    compiled = torch.compile(model, backend="eager", fullgraph=True)
+    torch.testing.assert_close(compiled(x2), model(x2))
+
+
+def test_fallback_without_extension_warns_once(monkeypatch, caplog):
+    gen = torch.Generator().manual_seed(8)
+    layout = condense(int_tensor((20, 12), gen), tw_random_mask(20, 12, 4, 0.5, gen), 4)
+    x = int_tensor((3, 20), gen)
+    monkeypatch.setenv(build_ext.DISABLE_ENV, "1")
+    build_ext.load_extension.cache_clear()
+    try:
+        with caplog.at_level(logging.WARNING, logger="tilesparse.build_ext"):
+            y1 = ops.tw_linear(x, layout, None, "cpu")
+            y2 = ops.tw_linear(x, layout, None, "auto")
+        warnings = [r for r in caplog.records if "reference path" in r.getMessage()]
+        assert len(warnings) == 1
+        assert not ops.cpu_kernel_available()
+        assert torch.equal(y1, reference_matmul(x, layout)) and torch.equal(y2, y1)
+    finally:
+        monkeypatch.delenv(build_ext.DISABLE_ENV)
+        build_ext.load_extension.cache_clear()
+
+
+def test_bad_inputs_raise_clear_errors(ext):
+    gen = torch.Generator().manual_seed(9)
+    layout = condense(torch.randn(20, 12, generator=gen), tw_random_mask(20, 12, 4, 0.5, gen), 4)
+    with pytest.raises(ValueError, match="x has 19 features.*K=20"):
+        ops.tw_linear(torch.randn(3, 19), layout)
+    with pytest.raises(ValueError, match="dtype torch.int64"):
+        ops.tw_linear(torch.ones(3, 20, dtype=torch.int64), layout)
+    with pytest.raises(ValueError, match="values are torch.float32"):
+        ops.tw_linear(torch.randn(3, 20, dtype=torch.bfloat16), layout)
+    with pytest.raises(ValueError, match="bias must have shape"):
+        ops.tw_linear(torch.randn(3, 20), layout, torch.zeros(5))
+    with pytest.raises(ValueError, match="unknown tw_linear backend 'fast'"):
+        ops.tw_linear(torch.randn(3, 20), layout, None, "fast")
+    with pytest.raises(ValueError, match="backend 'cutlass' runs on CUDA"):
+        ops.tw_linear(torch.randn(3, 20), layout, None, "cutlass")
+    xt = torch.randn(20, 3).T
+    with pytest.raises(ValueError, match="contiguous"):
+        torch.ops.tilesparse.tw_linear(*_op_args(layout, xt, None))
+    with pytest.raises(ValueError, match=r"row_idx must lie in \[0, K=10\)"):
+        torch.ops.tilesparse.tw_linear(*_op_args(layout, torch.randn(3, 10), None))
+
+
+def test_backend_enum():
+    assert parse_backend("CPU") is Backend.CPU
+    assert parse_backend(Backend.EMULATED) is Backend.EMULATED
+    assert [b.value for b in Backend] == ["auto", "reference", "cpu", "cutlass", "emulated"]
+    with pytest.raises(ValueError, match="expected one of 'auto'"):
+        parse_backend(3)

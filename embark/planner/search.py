@@ -1,7 +1,9 @@
 """Local search after the greedy: move or swap shards between the most and the least loaded
 ranks while the simulated step time falls.
 
-Each pass takes the slowest rank of the costliest phase, tries moving each of its costliest shards to the least
+First each sharded table, smallest first, may be replicated (data parallel) or switch
+cluster if that lowers the simulated step. Then each pass takes the slowest rank of the
+costliest phase, tries moving each of its costliest shards to the least
 loaded ranks, then swapping them with shards there, and applies the first change that lowers
 ``(step time, embedding time)``. Moves keep the rules of a plan (no two shards of a table on
 one rank, memory caps, pinned ranks, allowed sharding types); a table's sharding type is
@@ -19,7 +21,7 @@ import numpy as np
 from embark.planner.cost import NUM_CHANNELS, CostModel
 from embark.planner.layout import classify, grid_of
 from embark.planner.types import TableConstraints
-from embark.types import Cluster, ShardingPlan, TableSharding
+from embark.types import Cluster, Shard, ShardingPlan, ShardingType, TableSharding
 
 log = logging.getLogger(__name__)
 
@@ -59,9 +61,37 @@ def local_search(
             return True
         if c.ranks is not None and not set(ts.ranks) <= set(c.ranks):
             return False
+        if c.cluster is not None and ts.cluster is not c.cluster:
+            return False
         return c.allows(ts.sharding_type)
 
     best = score(acc)
+    # Re-type pass: replicate a sharded table, or flip its cluster, where the simulator
+    # says so (the greedy decides both per table in isolation).
+    by_size = sorted(range(len(tables)), key=lambda i: (tables[i].num_rows * tables[i].dim, i))
+    for i in by_size:
+        ts = tables[i]
+        if ts.cluster is Cluster.DP:
+            continue
+        options = [replace(ts, cluster=Cluster.UNIQUE if ts.cluster is Cluster.REDUCTION else Cluster.REDUCTION)]
+        full = Shard(0, 0, ts.num_rows, 0, ts.dim)
+        options.append(
+            replace(ts, sharding_type=ShardingType.DP, cluster=Cluster.DP,
+                    shards=tuple(replace(full, rank=r) for r in range(world)))
+        )
+        for cand_ts in options:
+            m_new = model.memory(cand_ts)
+            new_mem = mem - memory[i] + m_new
+            if new_mem.max() > cap or not legal(i, cand_ts):
+                continue
+            t_new = model.traffic(cand_ts)
+            cand = acc - traffic[i] + t_new
+            sc = score(cand)
+            if sc < best:
+                tables[i], traffic[i], memory[i], acc, mem, best = cand_ts, t_new, m_new, cand, new_mem, sc
+                ts = cand_ts
+                if ts.cluster is Cluster.DP:
+                    break
     for _ in range(max_passes):
         phases = model.phase_times(acc)
         per_rank = sum(phases.values())

@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo train test lint bench redis clean
+.PHONY: install demo train test bench-planner bench-hps torchrec redis clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -31,8 +31,16 @@ test: install redis
 	$(PY) -m ruff check .
 	$(PY) -m pytest -q
 
-bench: install redis
-	$(PY) -m benchmarks.run_all
+bench-planner: install
+	$(PY) -m benchmarks.embark.bench_planner
+
+bench-hps: install redis
+	$(PY) -m benchmarks.hps.bench_hps
+
+# TorchRec is a peer for the planner benchmark only (never a dependency); CPU build, see README.
+torchrec: install
+	$(PY) -m pip install fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 pyre-extensions torch==2.13.0
+	$(PY) -m pip install --no-deps torchrec==1.8.0
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

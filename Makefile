@@ -7,12 +7,16 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo train test bench-planner bench-hps torchrec redis clean
+.PHONY: install demo train test bench-planner bench-hps redis clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install torch==2.13.0
 	$(PY) -m pip install -e '.[dev]' torch==2.13.0
+	# TorchRec: a peer for tests (KJT round trip) and the planner benchmark, never imported by
+	# the library; its CPU build, without the CUDA fbgemm-gpu a plain install would pull.
+	$(PY) -m pip install fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 pyre-extensions torch==2.13.0
+	$(PY) -m pip install --no-deps torchrec==1.8.0
 	$(PY) -m tilesparse.build_ext || echo "tilesparse: fast CPU kernel not built; the reference path will be used"
 	touch $@
 
@@ -37,10 +41,6 @@ bench-planner: install
 bench-hps: install redis
 	$(PY) -m benchmarks.hps.bench_hps
 
-# TorchRec is a peer for the planner benchmark only (never a dependency); CPU build, see README.
-torchrec: install
-	$(PY) -m pip install fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 pyre-extensions torch==2.13.0
-	$(PY) -m pip install --no-deps torchrec==1.8.0
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -27,6 +27,7 @@ tensor([[2., 4.],
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Mapping
 
 import torch
@@ -46,7 +47,7 @@ __all__ = [
 Tensors = Mapping[str, torch.Tensor]
 
 
-class ScoreTracker:
+class ScoreTracker(ABC):
     """Base class: scores from weights alone (``observe`` and ``reset`` are no-ops).
 
     Weights and gradients are ``(K, N)`` float tensors keyed by layer name.
@@ -54,15 +55,16 @@ class ScoreTracker:
 
     needs_gradients = False
 
-    def observe(self, weights: Tensors, grads: Tensors) -> None:
+    # observe/reset are deliberate no-op defaults: weight-only scores keep no state
+    def observe(self, weights: Tensors, grads: Tensors) -> None:  # noqa: B027
         """Record one backward pass (called after ``loss.backward()``, before the step)."""
 
-    def reset(self) -> None:
+    def reset(self) -> None:  # noqa: B027
         """Forget what was observed (called after each mask update)."""
 
+    @abstractmethod
     def scores(self, weights: Tensors) -> dict[str, torch.Tensor]:
         """Per layer ``(K, N) float32`` non-negative scores."""
-        raise NotImplementedError
 
 
 class MagnitudeScore(ScoreTracker):

@@ -41,7 +41,7 @@ dense fp32 weight (0.4% at G=128, s=0.75)::
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -202,9 +202,8 @@ class ModelMemory:
     layers: tuple[tuple[str, LayerMemory], ...]
     other_bytes: int
 
-    def _sum(self, name: str, fqns: Iterable[str] | None = None) -> int:
-        keep = None if fqns is None else set(fqns)
-        return sum(getattr(m, name) for f, m in self.layers if keep is None or f in keep)
+    def _sum(self, name: str) -> int:
+        return sum(getattr(m, name) for _, m in self.layers)
 
     @property
     def sparse_layers(self) -> tuple[str, ...]:

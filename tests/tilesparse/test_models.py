@@ -23,6 +23,7 @@ from embark.model import DLRM, build_model
 from embark.workloads import Workload, get_workload
 from tilesparse import build_ext, ops
 from tilesparse.linear import TileSparseLinear
+from tilesparse.memory import model_memory
 
 # Whole-model tolerance against the masked dense model, per dtype. fp32: a different summation
 # order per layer (14 layers deep); bf16: against the fp32 reference, ~8 mantissa bits per layer.
@@ -159,6 +160,11 @@ def test_dlrm_every_linear_compressed_at_75(dlrm):
         layer = dlrm.model.get_submodule(fqn)
         assert isinstance(layer, TileSparseLinear) and layer.tile == 128
         assert layer.sparsity == pytest.approx(SPARSITY, abs=0.01), fqn
+    # the memory acceptance on the whole dense part: ≤ (1−s) values + ≤ 3% indices
+    mem = model_memory(dlrm.model)
+    assert len(mem.sparse_layers) == DLRM_LINEARS
+    assert mem.index_bytes <= 0.03 * mem.dense_bytes
+    assert mem.total_fraction <= (1 - SPARSITY) + 0.005 + 0.03
 
 
 def test_dlrm_dense_forward_and_forward_through_cpu_kernel(dlrm, kernel_calls):

@@ -330,3 +330,13 @@ def test_encoder_torch_compile_fullgraph(encoder, kernel_calls):
     finally:
         torch._dynamo.reset()
     torch.testing.assert_close(got, want, **MODEL_TOL[torch.float32])
+
+
+def test_encoder_bf16_through_cpu_kernel(encoder, kernel_calls):
+    model, reference = encoder
+    x = _tokens(6)
+    got = model.to(torch.bfloat16)(x.bfloat16())
+    assert got.dtype == torch.bfloat16
+    assert (kernel_calls.cpu, kernel_calls.reference) == (2 * N_LAYERS, 0)
+    with torch.no_grad():
+        torch.testing.assert_close(got.float(), reference(x), **MODEL_TOL[torch.bfloat16])

@@ -48,7 +48,7 @@ constexpr int64_t NR = 32;   // columns of Y per micro-kernel: two 16-float vect
 constexpr int64_t KC = 256;  // kept rows per k-block: a B strip of 256 × 32 floats = 32 KiB
 constexpr int64_t PFD = 16;  // kept rows ahead that the micro-kernel prefetches A from
 constexpr int64_t MC = 96;   // rows of Y per work item (8 micro-panels of MR)
-constexpr int64_t MC_MM = 256;  // rows per work item on the at::mm path (amortises the call)
+constexpr int64_t MC_MM = 1024;  // rows per work item on the at::mm path (amortises the call)
 
 // Transpose src (rows × cols, row stride lds) into dst (cols × rows, row stride ldd),
 // in cache blocks, parallel over column blocks.

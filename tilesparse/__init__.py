@@ -24,6 +24,7 @@ from tilesparse.config import (
 )
 from tilesparse.format import TWLayout, condense, reference_matmul
 from tilesparse.linear import TileSparseLinear
+from tilesparse.memory import LayerMemory, ModelMemory, layer_memory, model_memory
 from tilesparse.patterns import (
     bw_mask,
     bw_masks,
@@ -46,6 +47,8 @@ __all__ = [
     "Backend",
     "CubicSchedule",
     "Importance",
+    "LayerMemory",
+    "ModelMemory",
     "MultiStageSchedule",
     "OneShotSchedule",
     "Pattern",
@@ -60,6 +63,8 @@ __all__ = [
     "ew_mask",
     "ew_masks",
     "is_tile_wise",
+    "layer_memory",
+    "model_memory",
     "nm_mask",
     "prune_",
     "reference_matmul",

@@ -39,6 +39,14 @@ _INDEX_BUFFERS = ("col_idx", "tile_ptr", "row_idx", "row_ptr", "val_ptr")
 _LAYOUT_BUFFERS = (*_INDEX_BUFFERS, "values")
 
 
+def _decline_fused_paths(module: nn.Module, args: tuple[Any, ...]) -> None:
+    """A forward pre-hook that changes nothing. Its presence makes ``nn.TransformerEncoderLayer``
+    (and ``nn.TransformerEncoder``) decline the native fused kernel, which would read the dense
+    ``.weight`` of ``linear1``/``linear2`` instead of calling ``tw_linear``: the layer then runs
+    its Python path, through this module's ``forward``."""
+    return None
+
+
 class TileSparseLinear(nn.Module):
     """A linear layer with a condensed tile-wise sparse weight.
 
@@ -93,6 +101,7 @@ class TileSparseLinear(nn.Module):
         else:
             self.register_parameter("bias", None)
         self._layout: TWLayout | None = None
+        self.register_forward_pre_hook(_decline_fused_paths)
 
     # -- construction -------------------------------------------------------------------
     @classmethod

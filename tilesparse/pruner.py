@@ -289,6 +289,10 @@ class TileSparsePruner:
         mask gives about one tile per column: correct, not fast). A module whose parent reads
         ``.weight`` directly (``nn.MultiheadAttention.out_proj``) must not be compressed.
 
+        Copy a model (``copy.deepcopy``) either before pruning or after this call: a deep copy of
+        the pruned-but-not-compressed model shares nothing with this pruner, keeps its
+        parametrizations, and is left masked but dense (compress it with its own pruner).
+
         Returns:
             the model, modified in place; the trainer's optimizer must be rebuilt to train on.
         """

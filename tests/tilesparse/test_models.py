@@ -42,15 +42,9 @@ DLRM_LINEARS = 14  # 3 bottom + 3·2 cross + 5 top
 D_MODEL, N_HEAD, D_FF, N_LAYERS, TX_TILE = 96, 4, 384, 2, 32
 
 # nn.TransformerEncoderLayer's native fused path (torch._transformer_encoder_layer_fwd) reads
-# linear1.weight / linear2.weight directly. TileSparseLinear.weight materialises a dense copy, so
-# in eval mode without autograd the layer runs DENSE, never calling tw_linear, and under
-# torch.export / torch.compile(fullgraph) that materialisation (int() of index tensors) breaks
-# the trace. Checked fix (not in linear.py yet): TileSparseLinear registers a no-op forward
-# pre-hook in __init__, which makes the layer decline the fused path before reading .weight.
-NATIVE_FASTPATH_BUG = (
-    "TileSparseLinear does not make nn.TransformerEncoderLayer decline its native fused path, "
-    "which reads .weight (dense) instead of calling tw_linear"
-)
+# linear1.weight / linear2.weight directly; TileSparseLinear's forward pre-hook makes the layer
+# decline it, so eval + no_grad / inference_mode, torch.export and fullgraph compile all go
+# through tw_linear (the tests below count the kernel calls).
 
 
 @pytest.fixture
@@ -255,7 +249,6 @@ def test_encoder_eager_through_cpu_kernel(encoder, kernel_calls):
         torch.testing.assert_close(got, reference(x), **MODEL_TOL[torch.float32])
 
 
-@pytest.mark.xfail(strict=True, reason=NATIVE_FASTPATH_BUG)
 def test_encoder_inference_mode_through_cpu_kernel(encoder, kernel_calls):
     model, reference = encoder
     x = _tokens(1)
@@ -265,7 +258,6 @@ def test_encoder_inference_mode_through_cpu_kernel(encoder, kernel_calls):
     assert (kernel_calls.cpu, kernel_calls.reference) == (2 * N_LAYERS, 0)
 
 
-@pytest.mark.xfail(strict=True, reason=NATIVE_FASTPATH_BUG)
 def test_encoder_torch_export(encoder, kernel_calls):
     model, _ = encoder
     x = _tokens(2)
@@ -319,7 +311,6 @@ def test_encoder_torch_compile(encoder, kernel_calls, backend):
         torch._dynamo.reset()
 
 
-@pytest.mark.xfail(strict=True, reason=NATIVE_FASTPATH_BUG)
 def test_encoder_torch_compile_fullgraph(encoder, kernel_calls):
     model, _ = encoder
     x = _tokens(5)

@@ -289,9 +289,9 @@ class TileSparsePruner:
         mask gives about one tile per column: correct, not fast). A module whose parent reads
         ``.weight`` directly (``nn.MultiheadAttention.out_proj``) must not be compressed.
 
-        Copy a model (``copy.deepcopy``) either before pruning or after this call: a deep copy of
-        the pruned-but-not-compressed model shares nothing with this pruner, keeps its
-        parametrizations, and is left masked but dense (compress it with its own pruner).
+        The parametrized layers are replaced, not un-parametrized: a ``copy.deepcopy`` of the
+        pruned model taken earlier shares each layer's generated ``Parametrized*`` class, which
+        ``parametrize.remove_parametrizations`` would mutate (the copy would lose ``.weight``).
 
         Returns:
             the model, modified in place; the trainer's optimizer must be rebuilt to train on.
@@ -299,7 +299,6 @@ class TileSparsePruner:
         self._check_prepared()
         for fqn, m in list(self.layers.items()):
             mask_kn = self.mask(fqn)
-            parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)
             new = TileSparseLinear.from_dense(m, mask_kn, tile=self.config.tile, backend=backend)
             self._replace(fqn, new)
             self.layers[fqn] = new  # type: ignore[assignment]
@@ -310,7 +309,9 @@ class TileSparsePruner:
     @torch.no_grad()
     def remove(self) -> nn.Module:
         """Bake the masks into plain ``nn.Linear`` weights (pruned entries zero) and drop the
-        parametrizations; the pruner is done afterwards."""
+        parametrizations; the pruner is done afterwards. In place: a ``copy.deepcopy`` of the
+        pruned model taken before this call shares the layers' generated classes and loses
+        their ``.weight`` (a ``torch.nn.utils.parametrize`` limitation); copy after it."""
         self._check_prepared()
         for m in self.layers.values():
             parametrize.remove_parametrizations(m, "weight", leave_parametrized=True)

@@ -167,3 +167,20 @@ def test_bad_use() -> None:
     pruner.compress()
     with pytest.raises(ValueError, match="compressed"):
         pruner.update_masks(0.5)
+
+
+def test_compress_leaves_an_earlier_deepcopy_working() -> None:
+    """compress() replaces the parametrized layers instead of un-parametrizing them in place:
+    a deep copy shares each layer's generated ``Parametrized*`` class, whose ``weight``
+    property ``remove_parametrizations`` would delete."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 32))
+    pruner = prune_(model, TileSparseConfig(sparsity=0.75, tile=32))
+    snapshot = copy.deepcopy(model)
+    x = torch.randn(5, 64)
+    with torch.no_grad():
+        want = model(x)
+        pruner.compress()
+        assert [type(m).__name__ for m in model if not isinstance(m, nn.ReLU)] == ["TileSparseLinear"] * 2
+        torch.testing.assert_close(snapshot(x), want, rtol=0, atol=0)
+        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-6)

@@ -1,0 +1,389 @@
+"""Whole models with tile-wise (TW) sparse linears on the CPU kernel against the same models
+dense, side by side in one run, JSON out and a markdown table on stdout.
+
+    python -m benchmarks.tilesparse.bench_models                   # everything (~3-5 min, 2 cores)
+    python -m benchmarks.tilesparse.bench_models --only dlrm --dtypes fp32
+    python -m benchmarks.tilesparse.bench_models --quick --out /tmp/models.json   # seconds
+
+Sections (``--only``):
+
+- ``dlrm``: the DLRM-DCNv2 dense part (``DLRM.dense_forward``: bottom MLP 13-512-256-128, three
+  low-rank cross layers over 3456 features, top MLP 3456-1024-1024-512-256-1; 14 linears) at
+  batch 4096, every linear pruned to ``s`` ∈ {0.5, 0.75, 0.9} per layer (``prune_`` with
+  ``global_threshold=False``, G=128) and compressed, against the unpruned model of the same seed.
+  The issue's target is ``speedup >= 2`` at 75%: fields ``target`` / ``meets_target`` on those
+  rows (``null`` elsewhere). The output is checked against the *masked dense* model (same
+  weights, masks multiplied in). bf16 rows cast both models (``.to(torch.bfloat16)``) and
+  check against the fp32 masked dense output.
+- ``encoder``: a BERT-base-like ``nn.TransformerEncoder`` (d_model 768, 12 heads, FFN 3072, 2
+  layers, batch 8 × seq 512 = 4096 tokens), only the FFN linears (``linear1``, ``linear2``) at
+  75% TW, eval + ``no_grad``. A dense ``nn.TransformerEncoderLayer`` in eval + no_grad runs
+  torch's native fused kernel (``aten::_transformer_encoder_layer_fwd``), a TW one cannot (it
+  would read the dense ``.weight``), so the dense model is timed both ways: ``dense_fused_ms``
+  (the fast path) and ``dense_unfused_ms`` (``torch.backends.mha.set_fastpath_enabled(False)``:
+  the same Python path the TW model takes). ``speedup`` is against the unfused (same code path),
+  ``speedup_vs_fused`` against the fused one. Which path each ran is read from the profiler
+  (``*_fused_path``), not assumed.
+
+Every timing is ``torch.no_grad()``, the same ``--threads``, interleaved medians
+(:mod:`benchmarks.tilesparse.timing`). Memory per model is ``tilesparse.model_memory``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import time
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+from torch.profiler import ProfilerActivity, profile
+
+import tilesparse
+from benchmarks.meta import RESULTS_DIR, write_json
+from benchmarks.tilesparse.timing import (
+    add_threads_arg,
+    free_memory,
+    interleaved,
+    set_threads,
+    time_once,
+)
+from embark.model import DLRM, build_model
+from embark.workloads import Workload, get_workload
+from tilesparse import ops
+from tilesparse.memory import model_memory
+
+log = logging.getLogger("bench_models")
+
+SECTIONS = ("dlrm", "encoder")
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+# Whole-model tolerance against the masked dense model (tests/tilesparse/test_models.py's
+# MODEL_TOL: fp32 a different summation order per layer, bf16 against the fp32 reference).
+MODEL_TOL = {
+    torch.float32: {"rtol": 1e-4, "atol": 1e-5},
+    torch.bfloat16: {"rtol": 5e-2, "atol": 5e-2},
+}
+TARGET_SPARSITY, TARGET_SPEEDUP = 0.75, 2.0  # the issue: >= 2x on the DLRM dense part at 75%
+TW_OP = "tilesparse::tw_linear"
+FUSED_OP = "aten::_transformer_encoder_layer_fwd"
+
+# knobs: full size / --quick
+FULL = {"dlrm_batch": 4096, "dlrm_sparsities": (0.5, 0.75, 0.9), "dlrm_tile": 128,
+        "d_model": 768, "heads": 12, "ffn": 3072, "layers": 2, "batch": 8, "seq": 512,
+        "enc_sparsities": (0.75,), "enc_tile": 128}
+QUICK = {"dlrm_batch": 128, "dlrm_sparsities": (0.75,), "dlrm_tile": 128,
+         "d_model": 96, "heads": 4, "ffn": 384, "layers": 2, "batch": 2, "seq": 16,
+         "enc_sparsities": (0.75,), "enc_tile": 32}
+QUICK_REPEATS = 3
+
+
+def op_counts(fn: Callable[[], Any], names: tuple[str, ...]) -> dict[str, int]:
+    """How many times each operator in ``names`` ran during one call of ``fn`` (profiler)."""
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        fn()
+    events = [e.name for e in prof.events()]
+    return {n: events.count(n) for n in names}
+
+
+def max_err(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> tuple[float, bool]:
+    """Max abs error of ``got`` against the fp32 ``want`` and whether it is within
+    :data:`MODEL_TOL` of ``dtype`` (``|got − want| <= atol + rtol·|want|`` elementwise)."""
+    tol = MODEL_TOL[dtype]
+    diff = (got.float() - want.float()).abs()
+    ok = got.shape == want.shape and bool((diff <= tol["atol"] + tol["rtol"] * want.float().abs()).all())
+    return float(diff.max()), ok
+
+
+def auto_repeats(round_s: float, row_seconds: float, lo: int = 5, hi: int = 30) -> int:
+    """Rounds so that a row's calls take about ``row_seconds``."""
+    return max(lo, min(hi, int(row_seconds / max(round_s, 1e-6)) + 1))
+
+
+def _memory_fields(model: nn.Module) -> dict[str, Any]:
+    mem = model_memory(model)
+    return {"dense_weight_bytes": mem.dense_bytes, "weight_bytes": mem.weight_bytes,
+            "index_bytes": mem.index_bytes, "memory_fraction": mem.total_fraction,
+            "index_fraction": mem.index_bytes / max(1, mem.dense_bytes),
+            "sparse_layers": len(mem.sparse_layers), "linear_layers": len(mem.layers),
+            "memory_summary": mem.summary()}
+
+
+def _masked_reference(build: Callable[[], nn.Module], pruner: tilesparse.TileSparsePruner) -> nn.Module:
+    """A freshly built (same-seed) model with the pruner's masks multiplied into its weights."""
+    ref = build()
+    with torch.no_grad():
+        for fqn in pruner.layers:
+            ref.get_submodule(fqn).weight.mul_(pruner.mask(fqn).T)
+    return ref
+
+
+def _time(fns: dict[str, Callable[[], Any]], args: argparse.Namespace) -> tuple[dict[str, float], int]:
+    """Warm, pick the rounds, time interleaved; medians in ms and the rounds used."""
+    for fn in fns.values():
+        fn()
+    round_s = sum(time_once(fn) for fn in fns.values())
+    repeats = args.repeats if args.repeats is not None else auto_repeats(round_s, args.row_seconds)
+    t = interleaved(fns, repeats, warmup=0)
+    return {k: v.median_ms for k, v in t.items()} | {f"{k}_iqr": 1e3 * v.iqr_s for k, v in t.items()}, repeats
+
+
+# ------------------------------------------------------------------------------ DLRM-DCNv2
+
+
+def _dlrm_inputs(w: Workload, batch: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``dense (B, 13)``, ``pooled (B, 26, 128)`` float32 from a fixed seed."""
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.randn(batch, w.dense_features, generator=gen)
+    pooled = torch.randn(batch, len(w.tables), w.tables[0].dim, generator=gen)
+    return dense, pooled
+
+
+@torch.no_grad()
+def _dlrm_row(dense_m: DLRM, tw_m: DLRM, d_in: torch.Tensor, p_in: torch.Tensor, want: torch.Tensor,
+              args: argparse.Namespace) -> dict[str, Any]:
+    """Check and time one (dense, TW) pair of DLRMs on ``dense_forward(d_in, p_in)``."""
+    dtype = d_in.dtype
+    err, ok = max_err(tw_m.dense_forward(d_in, p_in), want, dtype)
+    calls = op_counts(lambda: tw_m.dense_forward(d_in, p_in), (TW_OP,))[TW_OP]
+    t, repeats = _time({"dense": lambda: dense_m.dense_forward(d_in, p_in),
+                        "tw": lambda: tw_m.dense_forward(d_in, p_in)}, args)
+    return {
+        "bench": "dlrm_dcnv2_dense_forward", "model": "dlrm_dcnv2", "threads": torch.get_num_threads(),
+        "repeats": repeats, "dense_ms": t["dense"], "tw_ms": t["tw"], "dense_iqr_ms": t["dense_iqr"],
+        "tw_iqr_ms": t["tw_iqr"], "speedup": t["dense"] / t["tw"],
+        "max_abs_err": err, "rtol": MODEL_TOL[dtype]["rtol"], "atol": MODEL_TOL[dtype]["atol"],
+        "correct": ok, "tw_linear_calls": calls, **_memory_fields(tw_m),
+    }
+
+
+def bench_dlrm(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str, Any]]:
+    """DLRM-DCNv2 dense part: dense vs TW at each sparsity and dtype."""
+    w = get_workload("dlrm_dcnv2").scaled(1e6)  # tables are not timed: keep them tiny
+
+    def build() -> DLRM:
+        return build_model(w, seed=args.seed).eval()
+
+    batch, G = knobs["dlrm_batch"], knobs["dlrm_tile"]
+    dense_in, pooled_in = _dlrm_inputs(w, batch, args.seed)
+    dense32 = build()
+    rows = []
+    for s in knobs["dlrm_sparsities"]:
+        t0 = time.perf_counter()
+        tw32 = build()
+        cfg = tilesparse.TileSparseConfig(sparsity=s, tile=G, global_threshold=False)
+        pruner = tilesparse.prune_(tw32, cfg)
+        reference = _masked_reference(build, pruner)
+        pruner.compress(backend="cpu")
+        prune_s = time.perf_counter() - t0
+        with torch.no_grad():
+            want = reference.dense_forward(dense_in, pooled_in)
+        del reference
+        for dname in args.dtype_list:
+            dtype = DTYPES[dname]
+            dense_m = dense32 if dtype == torch.float32 else copy.deepcopy(dense32).to(dtype)
+            tw_m = tw32 if dtype == torch.float32 else copy.deepcopy(tw32).to(dtype)
+            row = _dlrm_row(dense_m, tw_m, dense_in.to(dtype), pooled_in.to(dtype), want, args)
+            ideal = 1.0 / (1.0 - s)
+            row.update(batch=batch, dtype=dname, G=G, sparsity=s, prune_and_compress_s=prune_s,
+                       ideal=ideal, fraction_of_ideal=row["speedup"] / ideal)
+            target = TARGET_SPEEDUP if s == TARGET_SPARSITY else None
+            row.update(target=target, meets_target=None if target is None else row["speedup"] >= target)
+            rows.append(row)
+            log.info("dlrm %s s=%.2f batch %d: dense %.1f ms, TW %.1f ms (%.2f×; target %s), err %.2e %s, "
+                     "%d tw_linear calls", dname, s, batch, row["dense_ms"], row["tw_ms"], row["speedup"],
+                     "—" if target is None else f"{target:g}× {'met' if row['meets_target'] else 'MISSED'}",
+                     row["max_abs_err"], "ok" if row["correct"] else "WRONG", row["tw_linear_calls"])
+            del dense_m, tw_m
+            free_memory()
+        del tw32, pruner
+        free_memory()
+    return rows
+
+
+# ------------------------------------------------------------------------------ TransformerEncoder
+
+
+def _build_encoder(knobs: dict[str, Any], seed: int) -> nn.TransformerEncoder:
+    """The encoder from a fixed seed; the global RNG (which nn layers draw from) is restored."""
+    state = torch.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        layer = nn.TransformerEncoderLayer(knobs["d_model"], knobs["heads"], knobs["ffn"], dropout=0.0,
+                                           batch_first=True)
+        return nn.TransformerEncoder(layer, knobs["layers"], enable_nested_tensor=False).eval()
+    finally:
+        torch.set_rng_state(state)
+
+
+def _ffn_only(module: nn.Module, fqn: str) -> bool:
+    return fqn.endswith(("linear1", "linear2"))
+
+
+@contextmanager
+def fastpath(enabled: bool) -> Iterator[None]:
+    """``torch.backends.mha.set_fastpath_enabled(enabled)`` for the block, restored after."""
+    before = torch.backends.mha.get_fastpath_enabled()
+    torch.backends.mha.set_fastpath_enabled(enabled)
+    try:
+        yield
+    finally:
+        torch.backends.mha.set_fastpath_enabled(before)
+
+
+@torch.no_grad()
+def _encoder_row(dense_m: nn.Module, tw_m: nn.Module, x: torch.Tensor, want: torch.Tensor,
+                 args: argparse.Namespace) -> dict[str, Any]:
+    """Check and time one (dense, TW) pair of encoders on ``x (B, S, d_model)``: the dense one
+    with and without the fused fast path."""
+
+    def dense_unfused() -> torch.Tensor:
+        with fastpath(False):
+            return dense_m(x)
+
+    dtype = x.dtype
+    err, ok = max_err(tw_m(x), want, dtype)
+    ops_tw = op_counts(lambda: tw_m(x), (TW_OP, FUSED_OP))
+    ops_fused = op_counts(lambda: dense_m(x), (FUSED_OP,))
+    ops_unfused = op_counts(dense_unfused, (FUSED_OP,))
+    t, repeats = _time({"dense_fused": lambda: dense_m(x), "dense_unfused": dense_unfused,
+                        "tw": lambda: tw_m(x)}, args)
+    return {
+        "bench": "transformer_encoder", "model": "transformer_encoder", "threads": torch.get_num_threads(),
+        "repeats": repeats, "dense_fused_ms": t["dense_fused"], "dense_unfused_ms": t["dense_unfused"],
+        "tw_ms": t["tw"], "dense_fused_iqr_ms": t["dense_fused_iqr"],
+        "dense_unfused_iqr_ms": t["dense_unfused_iqr"], "tw_iqr_ms": t["tw_iqr"],
+        "speedup": t["dense_unfused"] / t["tw"], "speedup_vs_fused": t["dense_fused"] / t["tw"],
+        "baseline": "speedup: dense with the fused fast path disabled (the TW model's code path)",
+        "dense_fused_path": ops_fused[FUSED_OP] > 0, "dense_unfused_path_fused": ops_unfused[FUSED_OP] > 0,
+        "tw_fused_path": ops_tw[FUSED_OP] > 0, "tw_linear_calls": ops_tw[TW_OP],
+        "max_abs_err": err, "rtol": MODEL_TOL[dtype]["rtol"], "atol": MODEL_TOL[dtype]["atol"],
+        "correct": ok, **_memory_fields(tw_m),
+    }
+
+
+def bench_encoder(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str, Any]]:
+    """TransformerEncoder with TW FFN linears vs dense (fused and unfused)."""
+    G, tokens = knobs["enc_tile"], knobs["batch"] * knobs["seq"]
+    x32 = torch.randn(knobs["batch"], knobs["seq"], knobs["d_model"],
+                      generator=torch.Generator().manual_seed(args.seed))
+    dense32 = _build_encoder(knobs, args.seed)
+    rows = []
+    for s in knobs["enc_sparsities"]:
+        tw32 = _build_encoder(knobs, args.seed)
+        cfg = tilesparse.TileSparseConfig(sparsity=s, tile=G, global_threshold=False)
+        pruner = tilesparse.prune_(tw32, cfg, _ffn_only)
+        reference = _masked_reference(lambda: _build_encoder(knobs, args.seed), pruner)
+        pruner.compress(backend="cpu")
+        with torch.no_grad(), fastpath(False):
+            want = reference(x32)
+        del reference
+        for dname in args.dtype_list:
+            dtype = DTYPES[dname]
+            dense_m = dense32 if dtype == torch.float32 else copy.deepcopy(dense32).to(dtype)
+            tw_m = tw32 if dtype == torch.float32 else copy.deepcopy(tw32).to(dtype)
+            row = _encoder_row(dense_m, tw_m, x32.to(dtype), want, args)
+            row.update(d_model=knobs["d_model"], heads=knobs["heads"], ffn=knobs["ffn"], layers=knobs["layers"],
+                       batch=knobs["batch"], seq=knobs["seq"], tokens=tokens, dtype=dname, G=G, sparsity=s,
+                       pruned="linear1, linear2 of every layer")
+            rows.append(row)
+            log.info("encoder %s s=%.2f %d tokens: dense fused %.1f ms (fused path %s), unfused %.1f ms, "
+                     "TW %.1f ms (%.2f× unfused, %.2f× fused), %d tw_linear calls, err %.2e %s", dname, s, tokens,
+                     row["dense_fused_ms"], row["dense_fused_path"], row["dense_unfused_ms"], row["tw_ms"],
+                     row["speedup"], row["speedup_vs_fused"], row["tw_linear_calls"], row["max_abs_err"],
+                     "ok" if row["correct"] else "WRONG")
+            del dense_m, tw_m
+            free_memory()
+        del tw32, pruner
+        free_memory()
+    return rows
+
+
+# ------------------------------------------------------------------------------ CLI
+
+
+def markdown(rows: list[dict[str, Any]]) -> str:
+    """The summary tables the README carries."""
+    out = []
+    dlrm = [r for r in rows if r["bench"] == "dlrm_dcnv2_dense_forward"]
+    if dlrm:
+        out += ["| DLRM-DCNv2 dense part | dtype | s | dense ms | TW ms | speedup | ideal | target | "
+                "weights (TW/dense) | ok |", "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in dlrm:
+            tgt = "—" if r["target"] is None else f"≥{r['target']:g}× {'✓' if r['meets_target'] else '✗'}"
+            out.append(f"| batch {r['batch']}, G={r['G']} | {r['dtype']} | {r['sparsity']:.2f} | {r['dense_ms']:.1f} "
+                       f"| {r['tw_ms']:.1f} | {r['speedup']:.2f}× | {r['ideal']:.0f}× | {tgt} "
+                       f"| {100 * r['memory_fraction']:.1f}% | {'yes' if r['correct'] else 'NO'} |")
+    enc = [r for r in rows if r["bench"] == "transformer_encoder"]
+    if enc:
+        if out:
+            out.append("")
+        out += ["| TransformerEncoder (FFN TW) | dtype | s | dense fused ms | dense unfused ms | TW ms "
+                "| speedup (unfused) | speedup (fused) | weights (TW/dense) | ok |",
+                "|---|---|---|---|---|---|---|---|---|---|"]
+        for r in enc:
+            out.append(f"| {r['layers']}×(d {r['d_model']}, FFN {r['ffn']}), {r['tokens']} tokens, G={r['G']} "
+                       f"| {r['dtype']} | {r['sparsity']:.2f} | {r['dense_fused_ms']:.1f} | {r['dense_unfused_ms']:.1f} "
+                       f"| {r['tw_ms']:.1f} | {r['speedup']:.2f}× | {r['speedup_vs_fused']:.2f}× "
+                       f"| {100 * r['memory_fraction']:.1f}% | {'yes' if r['correct'] else 'NO'} |")
+    return "\n".join(out)
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--quick", action="store_true", help=f"tiny models, s=0.75, {QUICK_REPEATS} repeats")
+    ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
+    ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of {tuple(DTYPES)}")
+    ap.add_argument("--repeats", type=int, default=None,
+                    help="interleaved rounds per row (default: enough for ~--row-seconds, 5..30)")
+    ap.add_argument("--row-seconds", type=float, default=8.0, help="time budget of a row's rounds")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "tilesparse_models.json")
+    add_threads_arg(ap)
+    args = ap.parse_args(argv)
+    for name, value, allowed in (("only", args.only, SECTIONS), ("dtypes", args.dtypes, tuple(DTYPES))):
+        items = [v.strip() for v in value.split(",") if v.strip()]
+        bad = [v for v in items if v not in allowed]
+        if bad or not items:
+            ap.error(f"--{name}: unknown {bad or 'empty list'}; choose from {','.join(allowed)}")
+        setattr(args, "section_list" if name == "only" else "dtype_list", items)
+    if args.repeats is not None and args.repeats < 1:
+        ap.error(f"--repeats must be >= 1, got {args.repeats}")
+    if args.quick:
+        args.repeats = args.repeats or QUICK_REPEATS
+    return args
+
+
+def main(argv: list[str] | None = None) -> Path:
+    """CLI entry point; returns the JSON path written.
+
+    Raises:
+        SystemExit: for bad arguments, or when the compiled CPU kernel is missing.
+    """
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    threads = set_threads(args.threads)
+    if not ops.cpu_kernel_available():
+        raise SystemExit("bench_models: the compiled tilesparse CPU kernel is missing; run "
+                         "`python -m tilesparse.build_ext -v` first")
+    knobs = QUICK if args.quick else FULL
+    t_start = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    for section in args.section_list:
+        t0 = time.perf_counter()
+        rows += bench_dlrm(args, knobs) if section == "dlrm" else bench_encoder(args, knobs)
+        log.info("section %s took %.1f s", section, time.perf_counter() - t0)
+    path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()}, threads=threads,
+                      knobs={k: list(v) if isinstance(v, tuple) else v for k, v in knobs.items()},
+                      seconds=time.perf_counter() - t_start)
+    print(markdown(rows), flush=True)
+    log.info("wrote %s (%d rows, %.0f s)", path, len(rows), time.perf_counter() - t_start)
+    return path
+
+
+if __name__ == "__main__":
+    main()

@@ -85,7 +85,7 @@ class CrossNetV2(nn.Module):
     def forward(self, x0: torch.Tensor) -> torch.Tensor:
         x = x0
         for v, u in zip(self.v, self.u):
-            x = x0 * u(v(x)) + x
+            x = torch.addcmul(x, x0, u(v(x)))  # x0 * u(v(x)) + x in one pass over memory
         return x
 
 
@@ -157,6 +157,9 @@ class DLRM(nn.Module):
                 raise ValueError(
                     f"pooled must be (B, {len(self.table_names)}, dim), got {tuple(pooled.shape)}"
                 )
+            if len(self.projections) == 0 and pooled.shape[2] == x.shape[1]:
+                # already (B, T, d): skip the unbind + stack copy of the whole block
+                return self._interact_top(x, pooled)
             pooled = pooled.unbind(1)
         if len(pooled) != len(self.table_names):
             raise ValueError(f"expected {len(self.table_names)} pooled tensors, got {len(pooled)}")
@@ -164,7 +167,10 @@ class DLRM(nn.Module):
             self.projections[n](e) if n in self.projections else e
             for n, e in zip(self.table_names, pooled)
         ]
-        emb = torch.stack(embs, dim=1)  # (B, T, d)
+        return self._interact_top(x, torch.stack(embs, dim=1))
+
+    def _interact_top(self, x: torch.Tensor, emb: torch.Tensor) -> torch.Tensor:
+        """``x: (B, d)`` bottom output, ``emb: (B, T, d)`` → ``(B,)`` logits."""
         if isinstance(self.interaction, DotInteraction):
             z = self.interaction(x, emb)
         else:

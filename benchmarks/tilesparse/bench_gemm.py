@@ -192,7 +192,7 @@ def check_tw(x: torch.Tensor, layout: TWLayout) -> dict[str, Any]:
             "tw_atol": atol, "correct": ok}
 
 
-def auto_repeats(round_s: float, row_seconds: float, lo: int = 5, hi: int = 50) -> int:
+def auto_repeats(round_s: float, row_seconds: float, lo: int = 5, hi: int = 100) -> int:
     """Rounds so that the dense + TW calls of a row take about ``row_seconds``."""
     return max(lo, min(hi, math.ceil(row_seconds / max(round_s, 1e-6))))
 
@@ -314,8 +314,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--sparsities", default=",".join(map(str, SPARSITIES)), help="comma list in [0, 1)")
     ap.add_argument("--tiles", default=",".join(map(str, TILES)), help="comma list of G")
     ap.add_argument("--repeats", type=int, default=None,
-                    help="interleaved rounds per row (default: enough for ~--row-seconds of dense+TW, 5..50)")
-    ap.add_argument("--row-seconds", type=float, default=6.0, help="time budget of a row's dense+TW rounds")
+                    help="interleaved rounds per row (default: enough for ~--row-seconds of dense+TW, 5..100)")
+    # 8 s: the default run (84 rows) takes ~10-12 min on 2 quiet cores, estimated from 1-thread rows
+    ap.add_argument("--row-seconds", type=float, default=8.0, help="time budget of a row's dense+TW rounds")
     ap.add_argument("--csr-repeats", type=int, default=3, help="most rounds CSR joins (it is slow)")
     ap.add_argument("--csr-max-seconds", type=float, default=10.0, help="skip CSR when one call would take longer")
     ap.add_argument("--seed", type=int, default=0)
@@ -337,6 +338,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     if args.csr_repeats < 1:
         ap.error(f"--csr-repeats must be >= 1, got {args.csr_repeats}")
+    if args.row_seconds <= 0 or args.csr_max_seconds <= 0:
+        ap.error(f"--row-seconds and --csr-max-seconds must be > 0, got {args.row_seconds}, {args.csr_max_seconds}")
     if args.quick:
         args.sparsity_list = list(QUICK_SPARSITIES)
         args.repeats = args.repeats or QUICK_REPEATS
@@ -365,6 +368,7 @@ def main(argv: list[str] | None = None) -> Path:
     t_start = time.perf_counter()
     total = len(shapes) * len(args.sparsity_list) * len(args.dtype_list) * len(args.tile_list)
     for shape in shapes:
+        log.info("shape %s (M=%d, K=%d, N=%d)", shape.name, shape.M, shape.K, shape.N)
         gen = torch.Generator().manual_seed(args.seed)
         x32 = torch.randn(shape.M, shape.K, generator=gen)
         w32 = torch.randn(shape.K, shape.N, generator=gen) / math.sqrt(shape.K)

@@ -28,13 +28,15 @@ GEMM_POSITIVE = ("dense_ms", "tw_ms", "speedup", "ideal", "fraction_of_ideal", "
                  "index_fraction", "memory_fraction", "tw_density", "dense_min_ms", "tw_min_ms", "tw_atol")
 DLRM_FIELDS = (
     "batch", "dtype", "G", "sparsity", "threads", "repeats", "dense_ms", "tw_ms", "speedup", "ideal",
-    "fraction_of_ideal", "target", "meets_target", "max_abs_err", "correct", "tw_linear_calls",
+    "fraction_of_ideal", "target", "meets_target", "max_abs_err", "within_tolerance",
+    "masked_dense_max_abs_err", "correct", "tw_linear_calls",
     "memory_fraction", "index_fraction", "dense_weight_bytes", "weight_bytes", "sparse_layers",
 )
 ENCODER_FIELDS = (
     "d_model", "heads", "ffn", "layers", "tokens", "dtype", "G", "sparsity", "threads", "dense_fused_ms",
     "dense_unfused_ms", "tw_ms", "speedup", "speedup_vs_fused", "dense_fused_path", "tw_fused_path",
-    "dense_unfused_path_fused", "tw_linear_calls", "max_abs_err", "correct", "memory_fraction",
+    "dense_unfused_path_fused", "tw_linear_calls", "max_abs_err", "within_tolerance",
+    "masked_dense_max_abs_err", "correct", "memory_fraction",
 )
 DLRM_LINEARS = 14  # 3 bottom + 3·2 cross + 5 top
 
@@ -100,8 +102,12 @@ def test_bad_cli_arguments_are_rejected():
                  ["--repeats", "0"]):
         with pytest.raises(SystemExit):
             bench_gemm.parse_args(argv)
-    with pytest.raises(SystemExit):
-        bench_models.parse_args(["--only", "resnet"])
+    for argv in (["--only", "resnet"], ["--seq", "0"], ["--dlrm-batch", "-1"]):
+        with pytest.raises(SystemExit):
+            bench_models.parse_args(argv)
+    knobs = bench_models.knobs_for(bench_models.parse_args(["--seq", "128", "--encoder-batch", "32"]))
+    assert (knobs["batch"], knobs["seq"], knobs["d_model"]) == (32, 128, 768)
+    assert bench_models.knobs_for(bench_models.parse_args(["--quick"]))["d_model"] == 96
 
 
 def test_dlrm_shapes_follow_the_workload():
@@ -182,5 +188,11 @@ def test_bench_models_quick(kernel, one_thread, tmp_path, capsys):
         assert r["dense_unfused_path_fused"] is False
         assert r["tokens"] == r["batch"] * r["seq"]
     assert next(r for r in enc if r["dtype"] == "fp32")["dense_fused_path"] is True
+    for r in rows:  # fp32 within tolerance outright; bf16 rows also carry the dtype's own error
+        if r["dtype"] == "fp32":
+            assert r["within_tolerance"] is True and r["masked_dense_max_abs_err"] is None
+        else:
+            assert math.isfinite(r["masked_dense_max_abs_err"]) and r["masked_dense_max_abs_err"] >= 0
+        assert r["correct"] is (r["within_tolerance"] or r["max_abs_err"] <= 2 * r["masked_dense_max_abs_err"])
     printed = capsys.readouterr().out
     assert "DLRM-DCNv2 dense part" in printed and "TransformerEncoder" in printed

@@ -45,6 +45,7 @@ import torch
 from benchmarks.meta import RESULTS_DIR, write_json
 from benchmarks.tilesparse.timing import (
     add_threads_arg,
+    cpu_features,
     free_memory,
     interleaved,
     set_threads,
@@ -387,8 +388,9 @@ def main(argv: list[str] | None = None) -> Path:
                              _fmt(r["csr_ms"], ".2f"), r["correct"], time.perf_counter() - t0)
         del x32, w32, scores, masks
         free_memory()
-    path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()},
-                      threads=threads, csr_support={d: why or "supported" for d, why in csr_why_not.items()},
+    path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()}, threads=threads,
+                      cpu_features=cpu_features(),
+                      csr_support={d: why or "supported" for d, why in csr_why_not.items()},
                       seconds=time.perf_counter() - t_start)
     print(markdown(rows), flush=True)
     log.info("wrote %s (%d rows, %.0f s)", path, len(rows), time.perf_counter() - t_start)

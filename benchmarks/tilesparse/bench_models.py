@@ -51,6 +51,7 @@ import tilesparse
 from benchmarks.meta import RESULTS_DIR, write_json
 from benchmarks.tilesparse.timing import (
     add_threads_arg,
+    cpu_features,
     free_memory,
     interleaved,
     set_threads,
@@ -417,6 +418,7 @@ def main(argv: list[str] | None = None) -> Path:
         rows += bench_dlrm(args, knobs) if section == "dlrm" else bench_encoder(args, knobs)
         log.info("section %s took %.1f s", section, time.perf_counter() - t0)
     path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()}, threads=threads,
+                      cpu_features=cpu_features(),
                       knobs={k: list(v) if isinstance(v, tuple) else v for k, v in knobs.items()},
                       seconds=time.perf_counter() - t_start)
     print(markdown(rows), flush=True)

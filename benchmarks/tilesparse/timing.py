@@ -22,6 +22,7 @@ import statistics
 import time
 from collections.abc import Callable, Mapping
 from dataclasses import asdict, dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,6 +31,7 @@ __all__ = [
     "DEFAULT_THREADS",
     "Timing",
     "add_threads_arg",
+    "cpu_features",
     "free_memory",
     "interleaved",
     "interleaved_medians",
@@ -39,6 +41,9 @@ __all__ = [
 
 # The machine the README numbers come from has 2 cores; the lead measures on it.
 DEFAULT_THREADS = 2
+# CPU flags that decide which kernels run: the TW fp32 micro-kernel needs AVX-512; torch's
+# dense bf16 matmul (oneDNN) uses AVX512-BF16 / AMX tiles where present.
+CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 @dataclass(frozen=True)
@@ -157,6 +162,24 @@ def set_threads(n: int) -> int:
         raise ValueError(f"--threads must be >= 1, got {n}")
     torch.set_num_threads(n)
     return torch.get_num_threads()
+
+
+def cpu_features() -> dict[str, Any]:
+    """Which of :data:`CPU_FLAGS` the CPU has (``/proc/cpuinfo``; empty elsewhere), and whether
+    the TW extension was built with its AVX-512 micro-kernel (``None`` if it is not loaded)."""
+    try:
+        text = Path("/proc/cpuinfo").read_text()
+    except OSError:
+        text = ""
+    flags: set[str] = set()
+    for line in text.splitlines():
+        if line.startswith("flags"):
+            flags = set(line.split(":", 1)[1].split())
+            break
+    from tilesparse.build_ext import load_extension
+
+    ext = load_extension()
+    return {f: f in flags for f in CPU_FLAGS} | {"tw_kernel_avx512": None if ext is None else bool(ext.has_avx512())}
 
 
 def free_memory() -> None:

@@ -56,7 +56,8 @@ def kernel(require) -> None:
 
 def _load(path: Path) -> dict[str, Any]:
     doc = json.loads(path.read_text())
-    assert set(doc) >= {"meta", "rows"}
+    assert set(doc) >= {"meta", "rows", "cpu_features"}
+    assert doc["cpu_features"]["tw_kernel_avx512"] in (True, False)
     assert doc["meta"]["torch_threads"] == 1
     return doc
 

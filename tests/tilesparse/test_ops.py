@@ -325,3 +325,33 @@ def test_cpu_matches_reference_tolerance_table(ext, dtype, case):
         idle = got[..., ~computed]
         expect = torch.zeros_like(idle) if b is None else b[~computed].expand_as(idle)
         assert torch.equal(idle, expect), name
+
+
+def test_large_outputs_from_the_pool_stay_independent(ext):
+    """Outputs of ≥ 8 MiB come from the kernel's huge-page pool: a live output is never handed
+    out again, a freed one is reused (same address), results stay exact, and
+    release_scratch() returns the pooled bytes."""
+    gen = torch.Generator().manual_seed(5)
+    M, K, N, G = 2048, 48, 1100, 32  # 2048·1100·4 B = 8.6 MiB ≥ the pool's threshold
+    mask = tw_random_mask(K, N, G, keep_rows=0.5, gen=gen, drop_cols=0.3)
+    lay = condense(int_tensor((K, N), gen), mask, G)
+    bias = int_tensor((N,), gen)
+    xs = [int_tensor((M, K), gen) for _ in range(3)]
+    wants = [reference_matmul(x, lay, bias) for x in xs]
+
+    def run(x: torch.Tensor) -> torch.Tensor:
+        return ops.tw_linear(x, lay, bias, "cpu")
+
+    first = run(xs[0])
+    second = run(xs[1])  # first is alive: a different buffer
+    assert first.data_ptr() != second.data_ptr()
+    torch.testing.assert_close(first, wants[0], rtol=0, atol=0)
+    torch.testing.assert_close(second, wants[1], rtol=0, atol=0)
+    freed = second.data_ptr()
+    del second
+    third = run(xs[2])  # reuses the freed buffer, and overwrites all of it
+    assert third.data_ptr() == freed
+    torch.testing.assert_close(third, wants[2], rtol=0, atol=0)
+    torch.testing.assert_close(first, wants[0], rtol=0, atol=0)
+    del first, third
+    assert ext.release_scratch() >= 2 * M * N * 4

@@ -9,24 +9,25 @@
 // fp32: a thread transposes its M block of X (mc = 96 rows) into a K-major buffer it keeps
 // (K × 96 floats, L2-resident), so a kept row of a tile is 96 contiguous floats. A
 // register-blocked AVX-512 micro-kernel (MR × NR = 12 × 32, 24 zmm accumulators) broadcasts
-// A straight from those rows through the tile's row list (no gather copy; the next rows are
-// prefetched) and reads B from the tile's block, re-packed per call into contiguous
-// zero-padded 32-wide strips (L1-resident across the 8 panels of a block). The last k-block
-// adds the bias and writes into Y directly: masked stores where a strip's columns are
-// contiguous, AVX-512 scatters where column pruning left gaps. Scratch buffers are kept per
-// thread and reused (a fresh 64 MiB buffer per call cost a page clear per page: 23% of the
-// call at 75% in a perf profile).
+// A straight from those rows through the tile's row list (no gather copy; both cache lines
+// of a row's MR floats are prefetched 16 rows ahead) and reads B from the tile's block,
+// re-packed per call into contiguous zero-padded 32-wide strips. The last k-block adds the
+// bias and writes into Y directly: masked stores where a strip's columns are contiguous,
+// AVX-512 scatters where column pruning left gaps. A tile's kept rows are split into k-blocks
+// of equal size (≤ KC); pruned output columns are filled with one masked store per 16-column
+// group.
 //
-// Measured (perf, 4096³, 75%, 2 threads): ~78% of cycles in the micro-kernel, ~3% in the
-// block transposes, ~4% in page faults of the output tensor (which dense matmul pays too).
-// The output is advised for transparent huge pages before the first write (a large
-// at::empty is a fresh mmap): 1.3× on the DLRM cross layer 512 → 3456 at batch 4096, whose
-// 56 MiB output otherwise costs ~14k page faults per call. Pruned output columns are filled
-// with one masked store per 16-column group, and a tile's kept rows are split into k-blocks
-// of equal size.
-// A hot-loop micro-benchmark puts the micro-kernel at ~180 GF/s per core with A read through
-// the row list, ~210 GF/s with A packed contiguously: packing it costs more than that here
-// because the block's rows must come back from L2 once per tile.
+// Memory: scratch buffers are kept per thread and reused, and large outputs come from a pool
+// of huge-page buffers (OutputPool): a fresh 64 MiB buffer per call is a new mmap whose every
+// page faults and is cleared on first touch — 23% of the call at 75% before the scratch was
+// kept, and 1.5x on the DLRM cross layer 512 → 3456 at batch 4096 (56 MiB output) with the
+// output pool.
+//
+// Measured (perf, 4096³, 50%, 2 threads): ~83% of cycles in the micro-kernel, ~2% in the
+// block transposes, ~1% re-packing B. A hot-loop micro-benchmark put the micro-kernel at
+// ~180 GF/s per core with A read through the row list, ~210 GF/s with A packed contiguously;
+// packing A costs more than that here because the block's rows come back from L2 per tile.
+// Prefetching both lines of every A row, for every strip, gained 4%.
 //
 // Other dtypes (bf16, fp16, fp64): the same per-tile gather into a panel, then at::mm per
 // work item, so the GEMM itself runs in torch's backend (oneDNN/AMX for bf16).
@@ -37,7 +38,9 @@
 #include <algorithm>
 #include <cstring>
 #include <cstdlib>
+#include <map>
 #include <memory>
+#include <mutex>
 #include <vector>
 
 #include <sys/mman.h>
@@ -106,11 +109,11 @@ struct Epilogue {
 };
 
 // C[MR × NR] (+)= A[k][0:MR] · B[k][0:NR] with A[k] = A + arows[k] * lda (a kept row of the
-// transposed X block) and B packed contiguous; C row stride ldc, padded. `pf`: prefetch A
-// PFD rows ahead (arows must then have kc + PFD entries). With `out`, the result goes into Y
+// transposed X block) and B packed contiguous; C row stride ldc, padded. A is prefetched PFD
+// rows ahead, both lines its MR floats may span (arows must have kc + PFD entries). With `out`, the result goes into Y
 // (bias added, scattered to the kept columns) instead of C.
 void micro_kernel(int64_t kc, const float* A, const int64_t* arows, int64_t lda, const float* B,
-                  float* C, int64_t ldc, bool accumulate, const Epilogue* out, bool pf) {
+                  float* C, int64_t ldc, bool accumulate, const Epilogue* out) {
 #if defined(__AVX512F__)
   __m512 c[MR][2];
 #pragma GCC unroll 12
@@ -130,7 +133,11 @@ void micro_kernel(int64_t kc, const float* A, const int64_t* arows, int64_t lda,
     const __m512 b0 = _mm512_loadu_ps(B + k * NR);
     const __m512 b1 = _mm512_loadu_ps(B + k * NR + 16);
     const float* a = A + arows[k] * lda;
-    if (pf) _mm_prefetch(reinterpret_cast<const char*>(A + arows[k + PFD] * lda), _MM_HINT_T0);
+    {
+      const float* an = A + arows[k + PFD] * lda;
+      _mm_prefetch(reinterpret_cast<const char*>(an), _MM_HINT_T0);
+      _mm_prefetch(reinterpret_cast<const char*>(an + MR - 1), _MM_HINT_T0);
+    }
 #pragma GCC unroll 12
     for (int r = 0; r < MR; ++r) {
       const __m512 ar = _mm512_set1_ps(a[r]);
@@ -247,6 +254,83 @@ void advise_huge_pages(void* ptr, size_t bytes) {
   if (e > b + kAlign) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
 #endif
 }
+
+// Large fp32 outputs come from a pool of huge-page buffers that a tensor's deleter returns
+// to: a fresh multi-MiB at::empty is a new mmap, and the kernel clears every page on first
+// touch (perf: clear_page 6% of a 4096² call at 50%; dense matmul pays it too). Free buffers
+// are kept up to TILESPARSE_OUTPUT_POOL_MB (default 1024; 0 turns the pool off), matched by
+// size rounded to 2 MiB; release_scratch() empties the pool.
+class OutputPool {
+ public:
+  static OutputPool& get() {
+    static OutputPool* pool = new OutputPool();  // never destroyed: tensors may outlive main
+    return *pool;
+  }
+  static constexpr size_t kMinBytes = size_t(8) << 20;
+  static constexpr size_t kAlign = size_t(2) << 20;
+
+  // A (M, N) float tensor; from the pool when it is large and the pool is on.
+  at::Tensor empty(int64_t M, int64_t N, const at::TensorOptions& options) {
+    const size_t need = static_cast<size_t>(M * N) * sizeof(float);
+    if (need < kMinBytes || cap_ == 0) return at::empty({M, N}, options);
+    const size_t bytes = (need + kAlign - 1) / kAlign * kAlign;
+    void* ptr = nullptr;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      auto it = free_.find(bytes);
+      if (it != free_.end()) {
+        ptr = it->second;
+        free_.erase(it);
+        free_bytes_ -= bytes;
+      }
+    }
+    if (ptr == nullptr) {
+      ptr = std::aligned_alloc(kAlign, bytes);
+      if (ptr == nullptr) return at::empty({M, N}, options);
+#ifdef MADV_HUGEPAGE
+      madvise(ptr, bytes, MADV_HUGEPAGE);
+#endif
+    }
+    return at::from_blob(ptr, {M, N}, [bytes](void* q) { OutputPool::get().put(q, bytes); },
+                         options);
+  }
+
+  void put(void* ptr, size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (free_bytes_ + bytes <= cap_) {
+        free_.emplace(bytes, ptr);
+        free_bytes_ += bytes;
+        return;
+      }
+    }
+    std::free(ptr);
+  }
+
+  size_t clear() {
+    std::multimap<size_t, void*> gone;
+    size_t n = 0;
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      gone.swap(free_);
+      n = free_bytes_;
+      free_bytes_ = 0;
+    }
+    for (auto& kv : gone) std::free(kv.second);
+    return n;
+  }
+
+ private:
+  OutputPool() {
+    const char* env = std::getenv("TILESPARSE_OUTPUT_POOL_MB");
+    const long long mb = env ? std::atoll(env) : 1024;
+    cap_ = mb > 0 ? static_cast<size_t>(mb) << 20 : 0;
+  }
+  std::mutex mu_;
+  std::multimap<size_t, void*> free_;
+  size_t free_bytes_ = 0;
+  size_t cap_ = 0;
+};
 
 struct Plan {
   int64_t M, K, N, T;
@@ -406,9 +490,8 @@ at::Tensor tw_linear_f32(const at::Tensor& x, const at::Tensor& col_idx,
   const float* bptr = bias.has_value() ? bias_f.data_ptr<float>() : nullptr;
   // Every entry of Y is written exactly once below: kept columns by their tile's epilogue,
   // the rest (pruned columns, tiles without rows) with the bias or zero.
-  at::Tensor y = at::empty({p.M, p.N}, x.options());
+  at::Tensor y = OutputPool::get().empty(p.M, p.N, x.options());
   if (p.M == 0) return y;
-  advise_huge_pages(y.data_ptr(), static_cast<size_t>(p.M * p.N) * sizeof(float));
   if (p.T == 0) return bptr ? y.copy_(bias_f.reshape({1, p.N}).expand({p.M, p.N})) : y.zero_();
   const StripTables st = make_strips(p, bptr);
 
@@ -505,14 +588,14 @@ at::Tensor tw_linear_f32(const at::Tensor& x, const at::Tensor& col_idx,
             const float* Bj = Wt + (j / NR) * R * NR + kb * NR;
             float* C = cbuf.data() + i * ldc + j;
             if (!last) {
-              micro_kernel(kc, Xblk + i, rows + kb, mc, Bj, C, ldc, kb > 0, nullptr, j == 0);
+              micro_kernel(kc, Xblk + i, rows + kb, mc, Bj, C, ldc, kb > 0, nullptr);
               continue;
             }
             const int64_t s = st.first[t] + j / NR;
             const Epilogue out{Y + (m0 + i) * pp->N, pp->N, st.cols.data() + s * NR,
                                bptr ? st.bias.data() + s * NR : nullptr, std::min(MR, mcur - i),
                                st.lanes[s], st.contiguous[s] != 0};
-            micro_kernel(kc, Xblk + i, rows + kb, mc, Bj, C, ldc, kb > 0, &out, j == 0);
+            micro_kernel(kc, Xblk + i, rows + kb, mc, Bj, C, ldc, kb > 0, &out);
           }
         }
       }
@@ -602,7 +685,7 @@ int64_t release_scratch() {
   s.xt.release();
   s.wpack.release();
   s.xblk.release();
-  return n;
+  return n + static_cast<int64_t>(OutputPool::get().clear());
 }
 
 bool has_avx512() {
@@ -617,6 +700,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tw_linear_cpu", &tw_linear_cpu, "Fused gather-GEMM for the condensed TW format (CPU)",
         py::call_guard<py::gil_scoped_release>());
   m.def("release_scratch", &release_scratch,
-        "Free the calling thread's scratch buffers (they grow to the largest call); returns bytes");
+        "Free the calling thread's scratch buffers (they grow to the largest call) and the pooled "
+        "free output buffers; returns bytes");
   m.def("has_avx512", &has_avx512, "Whether the fp32 micro-kernel was compiled for AVX-512");
 }

@@ -1,4 +1,4 @@
-"""Build and load the fast CPU kernel (``tilesparse/csrc/tw_linear_cpu.cpp``).
+"""Build and load the fast CPU kernel (``tilesparse/csrc/``: ``tw_linear_cpu.cpp`` fp32, ``tw_linear_lowp.cpp`` bf16/fp16/fp64, ``tw_common.h``).
 
 The extension is compiled with the machine's C++ compiler through
 ``torch.utils.cpp_extension`` (ninja), with ``-O3 -march=native``, into a cache folder::
@@ -32,7 +32,9 @@ __all__ = ["build_dir", "build_extension", "load_extension", "main"]
 log = logging.getLogger(__name__)
 
 EXT_NAME = "tilesparse_cpu"
-SOURCE = Path(__file__).resolve().parent / "csrc" / "tw_linear_cpu.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCES = (CSRC / "tw_linear_cpu.cpp", CSRC / "tw_linear_lowp.cpp")
+HEADERS = (CSRC / "tw_common.h",)
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 DISABLE_ENV = "TILESPARSE_DISABLE_EXT"
 
@@ -40,7 +42,9 @@ DISABLE_ENV = "TILESPARSE_DISABLE_EXT"
 def build_dir() -> Path:
     """The cache folder of this source × torch version × flags."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for f in (*SOURCES, *HEADERS):
+        h.update(f.read_bytes())
     h.update(" ".join(CFLAGS).encode())
     return base / "tilerec" / EXT_NAME / f"{torch.__version__}-{h.hexdigest()[:12]}"
 
@@ -57,7 +61,7 @@ def build_extension(verbose: bool = False) -> ModuleType:
     out.mkdir(parents=True, exist_ok=True)
     return cpp_extension.load(
         name=EXT_NAME,
-        sources=[str(SOURCE)],
+        sources=[str(f) for f in SOURCES],
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
         build_directory=str(out),

@@ -30,53 +30,17 @@
 // Prefetching both lines of every A row, for every strip, gained 4%.
 //
 // Other dtypes (bf16, fp16, fp64): the same per-tile gather into a panel, then at::mm per
-// work item, so the GEMM itself runs in torch's backend (oneDNN/AMX for bf16).
-#include <torch/extension.h>
+#include "tw_common.h"
 
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <cstring>
-#include <cstdlib>
-#include <map>
-#include <memory>
-#include <mutex>
-#include <vector>
-
-#include <sys/mman.h>
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-#endif
-
+namespace tilesparse_cpu {
 namespace {
+
 
 constexpr int64_t MR = 12;   // rows of Y per micro-kernel (broadcast operand)
 constexpr int64_t NR = 32;   // columns of Y per micro-kernel: two 16-float vectors
 constexpr int64_t KC = 256;  // kept rows per k-block: a B strip of 256 × 32 floats = 32 KiB
 constexpr int64_t PFD = 16;  // kept rows ahead that the micro-kernel prefetches A from
 constexpr int64_t MC = 96;   // rows of Y per work item (8 micro-panels of MR)
-constexpr int64_t MC_MM = 1024;  // rows per work item on the at::mm path (amortises the call)
-
-// Transpose src (rows × cols, row stride lds) into dst (cols × rows, row stride ldd),
-// in cache blocks, parallel over column blocks.
-template <typename T>
-void transpose(const T* src, int64_t rows, int64_t cols, T* dst) {
-  constexpr int64_t B = 32;
-  const int64_t nb = (cols + B - 1) / B;
-  at::parallel_for(0, nb, 1, [&](int64_t b0, int64_t b1) {
-    for (int64_t cb = b0; cb < b1; ++cb) {
-      const int64_t c0 = cb * B, c1 = std::min(cols, c0 + B);
-      for (int64_t r0 = 0; r0 < rows; r0 += B) {
-        const int64_t r1 = std::min(rows, r0 + B);
-        for (int64_t c = c0; c < c1; ++c) {
-          T* d = dst + c * rows;
-          for (int64_t r = r0; r < r1; ++r) d[r] = src[r * cols + c];
-        }
-      }
-    }
-  });
-}
 
 // B strip: dst[k][0:NR] = B[k * ldb + 0 : ncols], columns beyond ncols zero.
 void copy_strip(const float* B, int64_t ldb, int64_t kc, int64_t ncols, float* dst) {
@@ -193,216 +157,6 @@ void micro_kernel(int64_t kc, const float* A, const int64_t* arows, int64_t lda,
 #endif
 }
 
-// Scratch memory on 2 MiB-aligned pages advised for transparent huge pages: the per-tile
-// gathers jump across megabytes of it, and with 4 KiB pages they miss the TLB. (Measured here:
-// 90% sparsity 4096³ went from 4.6× to 5.6× over dense with huge pages.)
-//
-// The buffers are kept per calling thread and only grow: a fresh allocation per call costs a
-// page fault and a kernel page-clear per 2 MiB, which perf showed as 23% of the call at 75%
-// (and the faults serialise the two threads on the mm lock). release_scratch() frees them.
-class HugeBuffer {
- public:
-  HugeBuffer() = default;
-  // A pointer to at least n floats, valid until the next reserve() on this buffer.
-  float* reserve(int64_t n) {
-    const size_t need = static_cast<size_t>(std::max<int64_t>(n, 1)) * sizeof(float);
-    if (need > bytes_) {
-      constexpr size_t kAlign = size_t(2) << 20;
-      const size_t bytes = ((need + kAlign - 1) / kAlign) * kAlign;
-      ptr_.reset();
-      bytes_ = 0;
-      ptr_.reset(static_cast<float*>(std::aligned_alloc(kAlign, bytes)));
-      TORCH_CHECK(ptr_ != nullptr, "tw_linear_cpu: out of memory allocating ", bytes, " bytes");
-#ifdef MADV_HUGEPAGE
-      madvise(ptr_.get(), bytes, MADV_HUGEPAGE);  // advisory; failure only costs speed
-#endif
-      bytes_ = bytes;
-    }
-    return ptr_.get();
-  }
-  void release() {
-    ptr_.reset();
-    bytes_ = 0;
-  }
-  size_t bytes() const { return bytes_; }
-
- private:
-  struct Free {
-    void operator()(float* p) const { std::free(p); }
-  };
-  std::unique_ptr<float, Free> ptr_;
-  size_t bytes_ = 0;
-};
-
-// A thread's scratch: transposed activations (bf16/fp16 path), packed weights, and on the
-// fp32 path one M block of X transposed.
-struct Scratch {
-  HugeBuffer xt, wpack, xblk;
-};
-Scratch& thread_scratch() {
-  thread_local Scratch s;
-  return s;
-}
-
-// Ask for transparent huge pages on the 2 MiB-aligned part of a fresh output: a large
-// at::empty is a new mmap whose first touch faults once per 4 KiB page otherwise.
-void advise_huge_pages(void* ptr, size_t bytes) {
-#ifdef MADV_HUGEPAGE
-  constexpr uintptr_t kAlign = uintptr_t(2) << 20;
-  const uintptr_t b = (reinterpret_cast<uintptr_t>(ptr) + kAlign - 1) & ~(kAlign - 1);
-  const uintptr_t e = (reinterpret_cast<uintptr_t>(ptr) + bytes) & ~(kAlign - 1);
-  if (e > b + kAlign) madvise(reinterpret_cast<void*>(b), e - b, MADV_HUGEPAGE);
-#endif
-}
-
-// Large fp32 outputs come from a pool of huge-page buffers that a tensor's deleter returns
-// to: a fresh multi-MiB at::empty is a new mmap, and the kernel clears every page on first
-// touch (perf: clear_page 6% of a 4096² call at 50%; dense matmul pays it too). Free buffers
-// are kept up to TILESPARSE_OUTPUT_POOL_MB (default 1024; 0 turns the pool off), matched by
-// size rounded to 2 MiB; release_scratch() empties the pool.
-class OutputPool {
- public:
-  static OutputPool& get() {
-    static OutputPool* pool = new OutputPool();  // never destroyed: tensors may outlive main
-    return *pool;
-  }
-  static constexpr size_t kMinBytes = size_t(8) << 20;
-  static constexpr size_t kAlign = size_t(2) << 20;
-
-  // A (M, N) float tensor; from the pool when it is large and the pool is on.
-  at::Tensor empty(int64_t M, int64_t N, const at::TensorOptions& options) {
-    const size_t need = static_cast<size_t>(M * N) * sizeof(float);
-    if (need < kMinBytes || cap_ == 0) return at::empty({M, N}, options);
-    const size_t bytes = (need + kAlign - 1) / kAlign * kAlign;
-    void* ptr = nullptr;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      auto it = free_.find(bytes);
-      if (it != free_.end()) {
-        ptr = it->second;
-        free_.erase(it);
-        free_bytes_ -= bytes;
-      }
-    }
-    if (ptr == nullptr) {
-      ptr = std::aligned_alloc(kAlign, bytes);
-      if (ptr == nullptr) return at::empty({M, N}, options);
-#ifdef MADV_HUGEPAGE
-      madvise(ptr, bytes, MADV_HUGEPAGE);
-#endif
-    }
-    return at::from_blob(ptr, {M, N}, [bytes](void* q) { OutputPool::get().put(q, bytes); },
-                         options);
-  }
-
-  void put(void* ptr, size_t bytes) {
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      if (free_bytes_ + bytes <= cap_) {
-        free_.emplace(bytes, ptr);
-        free_bytes_ += bytes;
-        return;
-      }
-    }
-    std::free(ptr);
-  }
-
-  size_t clear() {
-    std::multimap<size_t, void*> gone;
-    size_t n = 0;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      gone.swap(free_);
-      n = free_bytes_;
-      free_bytes_ = 0;
-    }
-    for (auto& kv : gone) std::free(kv.second);
-    return n;
-  }
-
- private:
-  OutputPool() {
-    const char* env = std::getenv("TILESPARSE_OUTPUT_POOL_MB");
-    const long long mb = env ? std::atoll(env) : 1024;
-    cap_ = mb > 0 ? static_cast<size_t>(mb) << 20 : 0;
-  }
-  std::mutex mu_;
-  std::multimap<size_t, void*> free_;
-  size_t free_bytes_ = 0;
-  size_t cap_ = 0;
-};
-
-struct Plan {
-  int64_t M, K, N, T;
-  const int64_t* col_idx;
-  const int64_t* tile_ptr;
-  const int64_t* row_idx;
-  const int64_t* row_ptr;
-  const int64_t* val_ptr;
-  int64_t max_width;
-  bool all_cols_kept;
-};
-
-Plan make_plan(const at::Tensor& x, const at::Tensor& col_idx, const at::Tensor& tile_ptr,
-               const at::Tensor& row_idx, const at::Tensor& row_ptr, const at::Tensor& val_ptr,
-               int64_t N) {
-  Plan p;
-  p.M = x.size(0);
-  p.K = x.size(1);
-  p.N = N;
-  p.T = tile_ptr.numel() - 1;
-  p.col_idx = col_idx.data_ptr<int64_t>();
-  p.tile_ptr = tile_ptr.data_ptr<int64_t>();
-  p.row_idx = row_idx.data_ptr<int64_t>();
-  p.row_ptr = row_ptr.data_ptr<int64_t>();
-  p.val_ptr = val_ptr.data_ptr<int64_t>();
-  p.max_width = 0;
-  for (int64_t t = 0; t < p.T; ++t)
-    p.max_width = std::max(p.max_width, p.tile_ptr[t + 1] - p.tile_ptr[t]);
-  p.all_cols_kept = col_idx.numel() == N;
-  return p;
-}
-
-// Output (advised for huge pages) with pruned columns already holding the bias (or zero);
-// kept columns are overwritten.
-at::Tensor init_output(const Plan& p, const at::Tensor& x, const c10::optional<at::Tensor>& bias,
-                       bool bias_fused) {
-  at::Tensor y = at::empty({p.M, p.N}, x.options());
-  advise_huge_pages(y.data_ptr(), static_cast<size_t>(p.M * p.N) * y.element_size());
-  if (p.all_cols_kept) return y;
-  if (bias.has_value() && bias_fused) return y.copy_(bias->reshape({1, p.N}).expand({p.M, p.N}));
-  return y.zero_();
-}
-
-#if defined(__AVX512F__)
-// dst[j * ldd + i] = src[i * lds + j] for a full 16 × 16 block, in registers.
-inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {
-  __m512 r[16], t[16];
-  for (int i = 0; i < 16; ++i) r[i] = _mm512_loadu_ps(src + i * lds);
-  for (int i = 0; i < 16; i += 2) {
-    t[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
-    t[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
-  }
-  // u[4g + c], lane l = column 4l + c of rows 4g .. 4g+3
-  for (int g = 0; g < 4; ++g) {
-    r[4 * g + 0] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0x44);
-    r[4 * g + 1] = _mm512_shuffle_ps(t[4 * g], t[4 * g + 2], 0xEE);
-    r[4 * g + 2] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0x44);
-    r[4 * g + 3] = _mm512_shuffle_ps(t[4 * g + 1], t[4 * g + 3], 0xEE);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512 vlo = _mm512_shuffle_f32x4(r[c], r[4 + c], 0x88);
-    const __m512 vhi = _mm512_shuffle_f32x4(r[c], r[4 + c], 0xDD);
-    const __m512 wlo = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0x88);
-    const __m512 whi = _mm512_shuffle_f32x4(r[8 + c], r[12 + c], 0xDD);
-    _mm512_storeu_ps(dst + (0 + c) * ldd, _mm512_shuffle_f32x4(vlo, wlo, 0x88));
-    _mm512_storeu_ps(dst + (8 + c) * ldd, _mm512_shuffle_f32x4(vlo, wlo, 0xDD));
-    _mm512_storeu_ps(dst + (4 + c) * ldd, _mm512_shuffle_f32x4(vhi, whi, 0x88));
-    _mm512_storeu_ps(dst + (12 + c) * ldd, _mm512_shuffle_f32x4(vhi, whi, 0xDD));
-  }
-}
-#endif
-
 // Rows m0..m0+mcur of X (M × K row-major) → dst (K × mc, K-major), zero padded past mcur.
 // One block is contiguous (mc·K floats), so the gathers of every tile of that block stay in
 // L2 without the set conflicts a power-of-two row stride would cause.
@@ -477,6 +231,8 @@ StripTables make_strips(const Plan& p, const float* bptr) {
   }
   return st;
 }
+
+}  // namespace
 
 at::Tensor tw_linear_f32(const at::Tensor& x, const at::Tensor& col_idx,
                          const at::Tensor& tile_ptr, const at::Tensor& row_idx,
@@ -604,65 +360,9 @@ at::Tensor tw_linear_f32(const at::Tensor& x, const at::Tensor& col_idx,
   return y;
 }
 
-template <typename T>
-void gather_rows(const T* XT, int64_t M, const int64_t* rows, int64_t R, int64_t m0,
-                 int64_t mcur, T* dst) {
-  for (int64_t k = 0; k < R; ++k) std::memcpy(dst + k * mcur, XT + rows[k] * M + m0, sizeof(T) * mcur);
-}
+}  // namespace tilesparse_cpu
 
-at::Tensor tw_linear_mm(const at::Tensor& x, const at::Tensor& col_idx, const at::Tensor& tile_ptr,
-                        const at::Tensor& row_idx, const at::Tensor& row_ptr,
-                        const at::Tensor& values, const at::Tensor& val_ptr,
-                        const c10::optional<at::Tensor>& bias, int64_t N) {
-  const Plan p = make_plan(x, col_idx, tile_ptr, row_idx, row_ptr, val_ptr, N);
-  at::Tensor y = init_output(p, x, bias, false);
-  if (p.M == 0 || p.T == 0) {
-    if (bias.has_value() && p.all_cols_kept == false) y.add_(*bias);
-    return y;
-  }
-  at::Tensor vals = values.to(x.scalar_type()).contiguous();
-  at::Tensor xt = x.t().contiguous();
-  if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) {
-    xt = at::empty({p.K, p.M}, x.options());
-    transpose<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), p.M, p.K,
-                        reinterpret_cast<uint16_t*>(xt.data_ptr()));
-  }
-  const int64_t mc = std::min(MC_MM, p.M);
-  const int64_t nmb = (p.M + mc - 1) / mc;
-  const Plan* pp = &p;
-  const int64_t esz = x.element_size();
-  const char* XT = static_cast<const char*>(xt.data_ptr());
-  at::parallel_for(0, nmb * p.T, 1, [&](int64_t i0, int64_t i1) {
-    for (int64_t item = i0; item < i1; ++item) {
-      const int64_t mb = item / pp->T, t = item % pp->T;
-      const int64_t m0 = mb * mc, mcur = std::min(mc, pp->M - m0);
-      const int64_t c0 = pp->tile_ptr[t], width = pp->tile_ptr[t + 1] - c0;
-      const int64_t R = pp->row_ptr[t + 1] - pp->row_ptr[t];
-      at::Tensor ysub = y.narrow(0, m0, mcur);
-      at::Tensor cols = col_idx.narrow(0, c0, width);
-      if (R == 0) {
-        ysub.index_fill_(1, cols, 0);
-        continue;
-      }
-      const int64_t* rows = pp->row_idx + pp->row_ptr[t];
-      at::Tensor a = at::empty({R, mcur}, x.options());
-      char* ad = static_cast<char*>(a.data_ptr());
-      for (int64_t k = 0; k < R; ++k)
-        std::memcpy(ad + k * mcur * esz, XT + (rows[k] * pp->M + m0) * esz, esz * mcur);
-      at::Tensor bt = vals.narrow(0, pp->val_ptr[t], R * width).view({R, width});
-      at::Tensor c = at::mm(a.t(), bt);
-      const int64_t* cp = pp->col_idx + c0;
-      if (cp[width - 1] - cp[0] == width - 1)
-        ysub.narrow(1, cp[0], width).copy_(c);
-      else
-        ysub.index_copy_(1, cols, c);
-    }
-  });
-  if (bias.has_value()) y.add_(bias->to(x.scalar_type()));
-  return y;
-}
-
-}  // namespace
+using namespace tilesparse_cpu;
 
 at::Tensor tw_linear_cpu(const at::Tensor& x, const at::Tensor& col_idx, const at::Tensor& tile_ptr,
                          const at::Tensor& row_idx, const at::Tensor& row_ptr,

@@ -1,0 +1,67 @@
+// The condensed TW format for bf16 / fp16 / fp64 on CPU: the same per-tile gather into a
+// panel, then at::mm per (1024-row block, tile), so the GEMM itself runs in torch's backend
+// (oneDNN / AMX for bf16).
+#include "tw_common.h"
+
+namespace tilesparse_cpu {
+namespace {
+
+constexpr int64_t MC_MM = 1024;  // rows per work item on the at::mm path (amortises the call)
+
+
+
+}  // namespace
+
+at::Tensor tw_linear_mm(const at::Tensor& x, const at::Tensor& col_idx, const at::Tensor& tile_ptr,
+                        const at::Tensor& row_idx, const at::Tensor& row_ptr,
+                        const at::Tensor& values, const at::Tensor& val_ptr,
+                        const c10::optional<at::Tensor>& bias, int64_t N) {
+  const Plan p = make_plan(x, col_idx, tile_ptr, row_idx, row_ptr, val_ptr, N);
+  at::Tensor y = init_output(p, x, bias, false);
+  if (p.M == 0 || p.T == 0) {
+    if (bias.has_value() && p.all_cols_kept == false) y.add_(*bias);
+    return y;
+  }
+  at::Tensor vals = values.to(x.scalar_type()).contiguous();
+  at::Tensor xt = x.t().contiguous();
+  if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) {
+    xt = at::empty({p.K, p.M}, x.options());
+    transpose<uint16_t>(reinterpret_cast<const uint16_t*>(x.data_ptr()), p.M, p.K,
+                        reinterpret_cast<uint16_t*>(xt.data_ptr()));
+  }
+  const int64_t mc = std::min(MC_MM, p.M);
+  const int64_t nmb = (p.M + mc - 1) / mc;
+  const Plan* pp = &p;
+  const int64_t esz = x.element_size();
+  const char* XT = static_cast<const char*>(xt.data_ptr());
+  at::parallel_for(0, nmb * p.T, 1, [&](int64_t i0, int64_t i1) {
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t mb = item / pp->T, t = item % pp->T;
+      const int64_t m0 = mb * mc, mcur = std::min(mc, pp->M - m0);
+      const int64_t c0 = pp->tile_ptr[t], width = pp->tile_ptr[t + 1] - c0;
+      const int64_t R = pp->row_ptr[t + 1] - pp->row_ptr[t];
+      at::Tensor ysub = y.narrow(0, m0, mcur);
+      at::Tensor cols = col_idx.narrow(0, c0, width);
+      if (R == 0) {
+        ysub.index_fill_(1, cols, 0);
+        continue;
+      }
+      const int64_t* rows = pp->row_idx + pp->row_ptr[t];
+      at::Tensor a = at::empty({R, mcur}, x.options());
+      char* ad = static_cast<char*>(a.data_ptr());
+      for (int64_t k = 0; k < R; ++k)
+        std::memcpy(ad + k * mcur * esz, XT + (rows[k] * pp->M + m0) * esz, esz * mcur);
+      at::Tensor bt = vals.narrow(0, pp->val_ptr[t], R * width).view({R, width});
+      at::Tensor c = at::mm(a.t(), bt);
+      const int64_t* cp = pp->col_idx + c0;
+      if (cp[width - 1] - cp[0] == width - 1)
+        ysub.narrow(1, cp[0], width).copy_(c);
+      else
+        ysub.index_copy_(1, cols, c);
+    }
+  });
+  if (bias.has_value()) y.add_(bias->to(x.scalar_type()));
+  return y;
+}
+
+}  // namespace tilesparse_cpu

@@ -100,6 +100,48 @@ def test_cpu_exact_on_integers(ext):
     assert torch.equal(ops.tw_linear(x, layout, bias, "cpu"), x @ layout.to_dense() + bias)
 
 
+def _cpu_has_amx_bf16() -> bool:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return "amx_bf16" in f.read()
+    except OSError:
+        return False
+
+
+@pytest.mark.parametrize(
+    "M, K, N, G",
+    [(1, 40, 50, 32), (70, 100, 90, 32), (64, 64, 64, 16), (129, 77, 300, 128), (33, 2, 17, 8)],
+)
+def test_amx_bf16_exact_on_small_integers(ext, M, K, N, G):
+    """bf16 on the AMX kernel (where the CPU has it): with entries in -2..2 and K ≤ 100 every
+    product, sum and the bf16 output are exact, so the result equals the fp64 reference bit
+    for bit — any packing, pair-interleave or transpose error shows. Covers M=1, K and N not
+    multiples of 16/32 and pruned columns (tiles without rows: test_tile_without_rows_and_pruned_columns,
+    whose bf16 case takes the same path)."""
+    if not ext.has_amx():
+        assert not _cpu_has_amx_bf16(), "the CPU has AMX-BF16 but the kernel's AMX path is off"
+        pytest.skip("this CPU has no AMX-BF16 (bf16 takes the at::mm path, tested elsewhere)")
+    gen = torch.Generator().manual_seed(M * K + N)
+    mask = tw_random_mask(K, N, G, keep_rows=0.6, gen=gen, drop_cols=0.25)
+    lay = condense(int_tensor((K, N), gen, -2, 3), mask, G)
+    x = int_tensor((M, K), gen, -2, 3)
+    bias = int_tensor((N,), gen, -2, 3)
+    want = reference_matmul(x.double(), _with_values(lay, lay.values.double()), bias.double())
+    got = ext.tw_linear_cpu(
+        x.bfloat16(), lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr,
+        lay.values.bfloat16(), lay.val_ptr, bias.bfloat16(), N,
+    )
+    assert got.dtype == torch.bfloat16 and got.shape == (M, N)
+    assert torch.equal(got.double(), want)
+
+
+def _with_values(lay: TWLayout, values: torch.Tensor) -> TWLayout:
+    return TWLayout(
+        lay.in_features, lay.out_features, lay.tile, lay.col_idx, lay.tile_ptr, lay.row_idx,
+        lay.row_ptr, values, lay.val_ptr,
+    )
+
+
 @settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(
     M=st.integers(1, 40),

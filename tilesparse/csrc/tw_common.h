@@ -120,9 +120,9 @@ class OutputPool {
   static constexpr size_t kMinBytes = size_t(8) << 20;
   static constexpr size_t kAlign = size_t(2) << 20;
 
-  // A (M, N) float tensor; from the pool when it is large and the pool is on.
+  // An (M, N) tensor of options.dtype(); from the pool when it is large and the pool is on.
   at::Tensor empty(int64_t M, int64_t N, const at::TensorOptions& options) {
-    const size_t need = static_cast<size_t>(M * N) * sizeof(float);
+    const size_t need = static_cast<size_t>(M * N) * options.dtype().itemsize();
     if (need < kMinBytes || cap_ == 0) return at::empty({M, N}, options);
     const size_t bytes = (need + kAlign - 1) / kAlign * kAlign;
     void* ptr = nullptr;
@@ -262,5 +262,12 @@ at::Tensor tw_linear_mm(const at::Tensor& x, const at::Tensor& col_idx, const at
                         const at::Tensor& row_idx, const at::Tensor& row_ptr,
                         const at::Tensor& values, const at::Tensor& val_ptr,
                         const c10::optional<at::Tensor>& bias, int64_t N);
+// bf16 on AMX (tw_linear_amx.cpp); amx_available(): built with AMX and the OS grants it
+// (TILESPARSE_DISABLE_AMX=1 turns it off).
+bool amx_available();
+at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const at::Tensor& tile_ptr,
+                         const at::Tensor& row_idx, const at::Tensor& row_ptr,
+                         const at::Tensor& values, const at::Tensor& val_ptr,
+                         const c10::optional<at::Tensor>& bias, int64_t N);
 
 }  // namespace tilesparse_cpu

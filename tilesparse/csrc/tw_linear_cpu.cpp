@@ -375,6 +375,8 @@ at::Tensor tw_linear_cpu(const at::Tensor& x, const at::Tensor& col_idx, const a
                 "tw_linear_cpu: index tensors must be contiguous int64");
   if (x.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat)
     return tw_linear_f32(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features);
+  if (x.scalar_type() == at::kBFloat16 && amx_available())
+    return tw_linear_amx(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features);
   return tw_linear_mm(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features);
 }
 
@@ -403,4 +405,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Free the calling thread's scratch buffers (they grow to the largest call) and the pooled "
         "free output buffers; returns bytes");
   m.def("has_avx512", &has_avx512, "Whether the fp32 micro-kernel was compiled for AVX-512");
+  m.def("has_amx", &amx_available,
+        "Whether bf16 runs on the AMX kernel (built with AMX, granted by the OS, not disabled)");
 }

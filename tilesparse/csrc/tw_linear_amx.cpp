@@ -1,0 +1,267 @@
+// bf16 condensed TW GEMM on Intel AMX (tile registers, TDPBF16PS, fp32 accumulation).
+//
+// AMX multiplies C[16 × 16] += A[16 × 32] · B[32 × 16] with B in pairs of K ("VNNI": a tile
+// row holds 16 columns × 2 consecutive k). TW gathers K per tile, so the roles are swapped to
+// keep the gathered operand contiguous: per tile t,
+//
+//     Y[:, cols_t]ᵀ (width × m)  =  W_tᵀ (width × R)  ·  X[:, rows_t]ᵀ (R × m)
+//
+//   A = W_tᵀ, re-packed once per call into 16 × 32 blocks      apack[t][nb][kb][16 n][32 k]
+//   B = the tile's kept rows of a K-major M block of X, as pairs bpack[kb][mq][16 pairs][16 m][2]
+//       (row p of a B tile interleaves kept rows rows_t[2p], rows_t[2p+1]; past R: zeros)
+//   C = Yᵀ blocks (16 output columns × 16 batch rows), 2 × 2 of them per step (4 C + 2 A + 2 B
+//       of the 8 tile registers).
+//
+// Work item = one M block of AMC rows and all tiles, so one thread owns every column of its
+// rows: C blocks go (as 16 contiguous floats per output column) into an n-major fp32 staging
+// block ystage[N][AMC]; at the end of the block it is transposed, the bias added, rounded to
+// bf16 (round to nearest even) and written to Y rows contiguously. The M block of X is
+// transposed to K-major bf16 (xblk[K][AMC]) through fp32 16 × 16 register transposes.
+//
+// Built only when the compiler targets AMX-TILE, AMX-BF16 and AVX512-BF16 (-march=native on
+// such a machine); used only when the kernel grants the process AMX state (arch_prctl).
+#include "tw_common.h"
+
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#define TILESPARSE_AMX 1
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
+namespace tilesparse_cpu {
+
+#if TILESPARSE_AMX
+namespace {
+
+constexpr int64_t AMC = 64;  // rows of Y per work item: 2 pairs of 16-row B tiles
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// Tiles 0-3: C (16 × 16 fp32), 4-5: A (16 × 32 bf16), 6-7: B (16 pairs × 16 × 2 bf16).
+void load_tile_config() {
+  TileConfig cfg;
+  for (int i = 0; i < 8; ++i) {
+    cfg.rows[i] = 16;
+    cfg.colsb[i] = 64;
+  }
+  _tile_loadconfig(&cfg);
+}
+
+// Rows m0..m0+mcur of X (M × K bf16, row-major) → dst (K × AMC, K-major), zero past mcur.
+void transpose_block_bf16(const uint16_t* X, int64_t K, int64_t m0, int64_t mcur, uint16_t* dst) {
+  alignas(64) float in[16 * 16];
+  alignas(64) float out[16 * 16];
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    const int64_t kn = std::min<int64_t>(16, K - k0);
+    const __mmask16 km = static_cast<__mmask16>((1u << kn) - 1u);
+    for (int64_t r0 = 0; r0 < AMC; r0 += 16) {
+      for (int64_t r = 0; r < 16; ++r) {
+        __m512i v = _mm512_setzero_si512();
+        if (r0 + r < mcur) {
+          const __m256i h = _mm256_maskz_loadu_epi16(km, X + (m0 + r0 + r) * K + k0);
+          v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);  // bf16 → fp32, exact
+        }
+        _mm512_store_si512(reinterpret_cast<__m512i*>(in + r * 16), v);
+      }
+      transpose16(in, 16, out, 16);
+      for (int64_t j = 0; j < kn; ++j) {
+        const __m512i v = _mm512_srli_epi32(_mm512_load_si512(out + j * 16), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k0 + j) * AMC + r0),
+                            _mm512_cvtepi32_epi16(v));
+      }
+    }
+  }
+}
+
+// The B operand of one tile for the current block: bpack[kb][mq][p][m][e] =
+// xblk[rows[32 kb + 2p + e]][16 mq + m], zero past R.
+void pack_b(const uint16_t* xblk, const int64_t* rows, int64_t R, int64_t nkb, uint16_t* bpack) {
+  const __m512i zero = _mm512_setzero_si512();
+  for (int64_t kb = 0; kb < nkb; ++kb) {
+    for (int64_t p = 0; p < 16; ++p) {
+      const int64_t k0 = kb * 32 + 2 * p, k1 = k0 + 1;
+      const uint16_t* x0 = k0 < R ? xblk + rows[k0] * AMC : nullptr;
+      const uint16_t* x1 = k1 < R ? xblk + rows[k1] * AMC : nullptr;
+      for (int64_t mq = 0; mq < AMC / 16; ++mq) {
+        const __m512i lo = x0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                    reinterpret_cast<const __m256i*>(x0 + mq * 16)))
+                              : zero;
+        const __m512i hi = x1 ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
+                                                      reinterpret_cast<const __m256i*>(x1 + mq * 16))),
+                                                  16)
+                              : zero;
+        _mm512_storeu_si512(bpack + ((kb * (AMC / 16) + mq) * 16 + p) * 32, _mm512_or_si512(lo, hi));
+      }
+    }
+  }
+}
+
+// The A operand of one tile: apack[nb][kb][n][k] = W[32 kb + k][16 nb + n] (W = the tile's
+// R × width block), zero past R and width; nb runs over an even number of 16-column blocks.
+void pack_a(const uint16_t* W, int64_t R, int64_t width, int64_t nnb, int64_t nkb, uint16_t* apack) {
+  for (int64_t nb = 0; nb < nnb; ++nb)
+    for (int64_t kb = 0; kb < nkb; ++kb) {
+      uint16_t* blk = apack + (nb * nkb + kb) * 512;
+      for (int64_t n = 0; n < 16; ++n) {
+        const int64_t col = nb * 16 + n;
+        for (int64_t k = 0; k < 32; ++k) {
+          const int64_t row = kb * 32 + k;
+          blk[n * 32 + k] = (col < width && row < R) ? W[row * width + col] : uint16_t(0);
+        }
+      }
+    }
+}
+
+bool request_amx() {
+  constexpr long kArchReqXcompPerm = 0x1023;  // arch_prctl(ARCH_REQ_XCOMP_PERM, ...)
+  constexpr long kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kArchReqXcompPerm, kXfeatureXtiledata) == 0;
+}
+
+}  // namespace
+
+bool amx_available() {
+  static const bool ok = [] {
+    const char* off = std::getenv("TILESPARSE_DISABLE_AMX");
+    if (off != nullptr && off[0] != '\0' && off[0] != '0') return false;
+    return request_amx();
+  }();
+  return ok;
+}
+
+at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const at::Tensor& tile_ptr,
+                         const at::Tensor& row_idx, const at::Tensor& row_ptr,
+                         const at::Tensor& values, const at::Tensor& val_ptr,
+                         const c10::optional<at::Tensor>& bias, int64_t N) {
+  const Plan p = make_plan(x, col_idx, tile_ptr, row_idx, row_ptr, val_ptr, N);
+  at::Tensor y = OutputPool::get().empty(p.M, p.N, x.options());
+  if (p.M == 0) return y;
+  at::Tensor bias_f = bias.has_value() ? bias->to(at::kFloat).contiguous() : at::zeros({p.N}, x.options().dtype(at::kFloat));
+  const float* bptr = bias_f.data_ptr<float>();
+  const at::Tensor vals = values.to(at::kBFloat16).contiguous();
+  const uint16_t* V = reinterpret_cast<const uint16_t*>(vals.data_ptr());
+  const uint16_t* X = reinterpret_cast<const uint16_t*>(x.data_ptr());
+
+  // A operands of every tile, and the columns no tile with kept rows writes.
+  std::vector<int64_t> nkb(p.T), nnb(p.T), a_off(p.T + 1, 0);
+  std::vector<uint8_t> written(p.N, 0);
+  for (int64_t t = 0; t < p.T; ++t) {
+    const int64_t R = p.row_ptr[t + 1] - p.row_ptr[t], width = p.tile_ptr[t + 1] - p.tile_ptr[t];
+    nkb[t] = (R + 31) / 32;
+    nnb[t] = 2 * ((width + 31) / 32);
+    a_off[t + 1] = a_off[t] + nnb[t] * nkb[t] * 512;
+    if (R > 0)
+      for (int64_t j = 0; j < width; ++j) written[p.col_idx[p.tile_ptr[t] + j]] = 1;
+  }
+  std::vector<int64_t> unwritten;
+  for (int64_t n = 0; n < p.N; ++n)
+    if (!written[n]) unwritten.push_back(n);
+  const int64_t np = (p.N + 15) / 16 * 16;  // staging rows, padded for the 16 × 16 transposes
+  std::vector<uint16_t> apack(static_cast<size_t>(std::max<int64_t>(a_off[p.T], 1)));
+  const Plan* pp = &p;
+  at::parallel_for(0, p.T, 1, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
+      pack_a(V + pp->val_ptr[t], pp->row_ptr[t + 1] - pp->row_ptr[t], pp->tile_ptr[t + 1] - pp->tile_ptr[t],
+             nnb[t], nkb[t], apack.data() + a_off[t]);
+  });
+  int64_t max_nkb = 1;
+  for (int64_t t = 0; t < p.T; ++t) max_nkb = std::max(max_nkb, nkb[t]);
+  const int64_t nmb = (p.M + AMC - 1) / AMC;
+  uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
+
+  at::parallel_for(0, nmb, 1, [&](int64_t b0, int64_t b1) {
+    Scratch& s = thread_scratch();
+    // the three per-thread buffers share one allocation (float units)
+    const int64_t xblk_f = (pp->K * AMC + 1) / 2, bpack_f = max_nkb * 32 * AMC / 2;
+    float* base = s.xt.reserve(xblk_f + bpack_f + np * AMC + 16 * 16 * 4 + 64);
+    uint16_t* xblk = reinterpret_cast<uint16_t*>(base);
+    uint16_t* bpack = reinterpret_cast<uint16_t*>(base + xblk_f);
+    float* ystage = base + xblk_f + bpack_f;
+    float* cbuf = ystage + np * AMC;
+    cbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cbuf) + 63) & ~uintptr_t(63));
+    std::fill(ystage + pp->N * AMC, ystage + np * AMC, 0.f);
+    load_tile_config();
+    for (int64_t mb = b0; mb < b1; ++mb) {
+      const int64_t m0 = mb * AMC, mcur = std::min(AMC, pp->M - m0);
+      const int64_t npairs_m = (mcur + 31) / 32;
+      transpose_block_bf16(X, pp->K, m0, mcur, xblk);
+      for (const int64_t n : unwritten) std::fill(ystage + n * AMC, ystage + (n + 1) * AMC, 0.f);
+      for (int64_t t = 0; t < pp->T; ++t) {
+        const int64_t R = pp->row_ptr[t + 1] - pp->row_ptr[t];
+        if (R == 0) continue;
+        const int64_t c0 = pp->tile_ptr[t], width = pp->tile_ptr[t + 1] - c0, kbs = nkb[t];
+        pack_b(xblk, pp->row_idx + pp->row_ptr[t], R, kbs, bpack);
+        const uint16_t* At = apack.data() + a_off[t];
+        for (int64_t nb = 0; nb < nnb[t]; nb += 2) {
+          for (int64_t mq = 0; mq < 2 * npairs_m; mq += 2) {
+            _tile_zero(0);
+            _tile_zero(1);
+            _tile_zero(2);
+            _tile_zero(3);
+            for (int64_t kb = 0; kb < kbs; ++kb) {
+              _tile_loadd(4, At + (nb * kbs + kb) * 512, 64);
+              _tile_loadd(5, At + ((nb + 1) * kbs + kb) * 512, 64);
+              _tile_loadd(6, bpack + (kb * (AMC / 16) + mq) * 512, 64);
+              _tile_loadd(7, bpack + (kb * (AMC / 16) + mq + 1) * 512, 64);
+              _tile_dpbf16ps(0, 4, 6);
+              _tile_dpbf16ps(1, 4, 7);
+              _tile_dpbf16ps(2, 5, 6);
+              _tile_dpbf16ps(3, 5, 7);
+            }
+            _tile_stored(0, cbuf, 64);
+            _tile_stored(1, cbuf + 256, 64);
+            _tile_stored(2, cbuf + 512, 64);
+            _tile_stored(3, cbuf + 768, 64);
+            // C block (i, j): output columns 16 (nb + i) + r, batch rows 16 (mq + j) + 0..15
+            for (int64_t i = 0; i < 2; ++i) {
+              for (int64_t r = 0; r < 16; ++r) {
+                const int64_t jn = (nb + i) * 16 + r;
+                if (jn >= width) break;
+                float* dst = ystage + pp->col_idx[c0 + jn] * AMC + mq * 16;
+                _mm512_storeu_ps(dst, _mm512_load_ps(cbuf + (2 * i) * 256 + r * 16));
+                _mm512_storeu_ps(dst + 16, _mm512_load_ps(cbuf + (2 * i + 1) * 256 + r * 16));
+              }
+            }
+          }
+        }
+      }
+      // ystage (n-major fp32) → Y rows m0..m0+mcur (bf16), bias added
+      alignas(64) float tr[16 * 16];
+      for (int64_t n0 = 0; n0 < pp->N; n0 += 16) {
+        const int64_t nn = std::min<int64_t>(16, pp->N - n0);
+        const __mmask16 nm = static_cast<__mmask16>((1u << nn) - 1u);
+        const __m512 bv = _mm512_maskz_loadu_ps(nm, bptr + n0);
+        for (int64_t r0 = 0; r0 < mcur; r0 += 16) {
+          transpose16(ystage + n0 * AMC + r0, AMC, tr, 16);
+          const int64_t rn = std::min<int64_t>(16, mcur - r0);
+          for (int64_t r = 0; r < rn; ++r) {
+            const __m256bh h = _mm512_cvtneps_pbh(_mm512_add_ps(_mm512_load_ps(tr + r * 16), bv));
+            _mm256_mask_storeu_epi16(Y + (m0 + r0 + r) * pp->N + n0, nm, (__m256i)h);
+          }
+        }
+      }
+    }
+    _tile_release();
+  });
+  return y;
+}
+
+#else  // no AMX in this build
+
+bool amx_available() { return false; }
+
+at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                         const c10::optional<at::Tensor>&, int64_t) {
+  TORCH_CHECK(false, "tw_linear_cpu: this build has no AMX kernel (got ", x.scalar_type(), ")");
+}
+
+#endif
+
+}  // namespace tilesparse_cpu

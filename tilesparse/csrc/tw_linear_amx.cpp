@@ -80,23 +80,25 @@ void transpose_block_bf16(const uint16_t* X, int64_t K, int64_t m0, int64_t mcur
 }
 
 // The B operand of one tile for the current block: bpack[kb][mq][p][m][e] =
-// xblk[rows[32 kb + 2p + e]][16 mq + m], zero past R.
+// xblk[rows[32 kb + 2p + e]][16 mq + m], zero past R. Two kept rows of 32 batch rows each are
+// interleaved per step (unpack within 128-bit lanes, then a lane permute into m order).
 void pack_b(const uint16_t* xblk, const int64_t* rows, int64_t R, int64_t nkb, uint16_t* bpack) {
   const __m512i zero = _mm512_setzero_si512();
+  // 64-bit lanes of (lo, hi) unpacks → m 0..15 and m 16..31 in order
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
   for (int64_t kb = 0; kb < nkb; ++kb) {
     for (int64_t p = 0; p < 16; ++p) {
       const int64_t k0 = kb * 32 + 2 * p, k1 = k0 + 1;
       const uint16_t* x0 = k0 < R ? xblk + rows[k0] * AMC : nullptr;
       const uint16_t* x1 = k1 < R ? xblk + rows[k1] * AMC : nullptr;
-      for (int64_t mq = 0; mq < AMC / 16; ++mq) {
-        const __m512i lo = x0 ? _mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                    reinterpret_cast<const __m256i*>(x0 + mq * 16)))
-                              : zero;
-        const __m512i hi = x1 ? _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(
-                                                      reinterpret_cast<const __m256i*>(x1 + mq * 16))),
-                                                  16)
-                              : zero;
-        _mm512_storeu_si512(bpack + ((kb * (AMC / 16) + mq) * 16 + p) * 32, _mm512_or_si512(lo, hi));
+      for (int64_t mo = 0; mo < AMC / 32; ++mo) {
+        const __m512i a = x0 ? _mm512_loadu_si512(x0 + mo * 32) : zero;
+        const __m512i b = x1 ? _mm512_loadu_si512(x1 + mo * 32) : zero;
+        const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+        uint16_t* dst = bpack + ((kb * (AMC / 16) + 2 * mo) * 16 + p) * 32;
+        _mm512_storeu_si512(dst, _mm512_permutex2var_epi64(lo, first, hi));
+        _mm512_storeu_si512(dst + 16 * 32, _mm512_permutex2var_epi64(lo, second, hi));
       }
     }
   }
@@ -104,18 +106,28 @@ void pack_b(const uint16_t* xblk, const int64_t* rows, int64_t R, int64_t nkb, u
 
 // The A operand of one tile: apack[nb][kb][n][k] = W[32 kb + k][16 nb + n] (W = the tile's
 // R × width block), zero past R and width; nb runs over an even number of 16-column blocks.
+// Each 16 (k) × 16 (n) block goes through an fp32 register transpose.
 void pack_a(const uint16_t* W, int64_t R, int64_t width, int64_t nnb, int64_t nkb, uint16_t* apack) {
-  for (int64_t nb = 0; nb < nnb; ++nb)
-    for (int64_t kb = 0; kb < nkb; ++kb) {
-      uint16_t* blk = apack + (nb * nkb + kb) * 512;
-      for (int64_t n = 0; n < 16; ++n) {
-        const int64_t col = nb * 16 + n;
-        for (int64_t k = 0; k < 32; ++k) {
-          const int64_t row = kb * 32 + k;
-          blk[n * 32 + k] = (col < width && row < R) ? W[row * width + col] : uint16_t(0);
-        }
+  alignas(64) float in[16 * 16];
+  alignas(64) float out[16 * 16];
+  for (int64_t nb = 0; nb < nnb; ++nb) {
+    const int64_t n0 = nb * 16, nn = std::max<int64_t>(0, std::min<int64_t>(16, width - n0));
+    const __mmask16 nm = static_cast<__mmask16>((1u << nn) - 1u);
+    for (int64_t kh = 0; kh < 2 * nkb; ++kh) {  // 16-row halves of the 32-row k-blocks
+      const int64_t k0 = kh * 16;
+      for (int64_t r = 0; r < 16; ++r) {
+        __m512i v = _mm512_setzero_si512();
+        if (k0 + r < R && nn > 0)
+          v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(nm, W + (k0 + r) * width + n0)), 16);
+        _mm512_store_si512(reinterpret_cast<__m512i*>(in + r * 16), v);
       }
+      transpose16(in, 16, out, 16);  // out[n][k]
+      uint16_t* blk = apack + (nb * nkb + kh / 2) * 512 + (kh % 2) * 16;
+      for (int64_t n = 0; n < 16; ++n)
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(blk + n * 32),
+                            _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_load_si512(out + n * 16), 16)));
     }
+  }
 }
 
 bool request_amx() {
@@ -163,12 +175,12 @@ at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const a
   for (int64_t n = 0; n < p.N; ++n)
     if (!written[n]) unwritten.push_back(n);
   const int64_t np = (p.N + 15) / 16 * 16;  // staging rows, padded for the 16 × 16 transposes
-  std::vector<uint16_t> apack(static_cast<size_t>(std::max<int64_t>(a_off[p.T], 1)));
+  uint16_t* apack = reinterpret_cast<uint16_t*>(thread_scratch().wpack.reserve((a_off[p.T] + 1) / 2 + 32));
   const Plan* pp = &p;
   at::parallel_for(0, p.T, 1, [&](int64_t t0, int64_t t1) {
     for (int64_t t = t0; t < t1; ++t)
       pack_a(V + pp->val_ptr[t], pp->row_ptr[t + 1] - pp->row_ptr[t], pp->tile_ptr[t + 1] - pp->tile_ptr[t],
-             nnb[t], nkb[t], apack.data() + a_off[t]);
+             nnb[t], nkb[t], apack + a_off[t]);
   });
   int64_t max_nkb = 1;
   for (int64_t t = 0; t < p.T; ++t) max_nkb = std::max(max_nkb, nkb[t]);
@@ -197,9 +209,9 @@ at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const a
         if (R == 0) continue;
         const int64_t c0 = pp->tile_ptr[t], width = pp->tile_ptr[t + 1] - c0, kbs = nkb[t];
         pack_b(xblk, pp->row_idx + pp->row_ptr[t], R, kbs, bpack);
-        const uint16_t* At = apack.data() + a_off[t];
-        for (int64_t nb = 0; nb < nnb[t]; nb += 2) {
-          for (int64_t mq = 0; mq < 2 * npairs_m; mq += 2) {
+        const uint16_t* At = apack + a_off[t];
+        for (int64_t mq = 0; mq < 2 * npairs_m; mq += 2) {
+          for (int64_t nb = 0; nb < nnb[t]; nb += 2) {
             _tile_zero(0);
             _tile_zero(1);
             _tile_zero(2);

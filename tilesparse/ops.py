@@ -14,10 +14,12 @@
 formula for ``x`` and ``bias`` (the condensed ``values`` are buffers, not trained).
 
 Backends (:class:`~tilesparse.backend.Backend`): ``auto``, ``reference``, ``cpu``,
-``cutlass``, ``emulated``. The CPU kernel (``tilesparse/csrc/tw_linear_cpu.cpp``) transposes
-``X`` once per call into K-major blocks so that a tile's kept rows are contiguous vectors,
-gathers them into L1-sized panels and runs a register-blocked AVX-512 micro-kernel (fp32), or
-``at::mm`` on the gathered panels (bf16/fp16/fp64). The CUDA kernel is registered lazily: the
+``cutlass``, ``emulated``. The CPU kernel (``tilesparse/csrc/``) transposes each block of
+``X`` rows to K-major so that a tile's kept rows are contiguous vectors. fp32: a
+register-blocked AVX-512 micro-kernel reads them through the tile's row list. bf16 on a CPU
+with AMX: the tile's kept rows are interleaved into VNNI pairs and multiplied on the AMX tile
+unit (fp32 accumulation). bf16 without AMX, fp16, fp64: ``at::mm`` on gathered panels.
+The CUDA kernel is registered lazily: the
 first CUDA tensor that reaches :func:`tw_linear` calls
 ``cutlass_kernels.build.register_cuda_kernel()``.
 """

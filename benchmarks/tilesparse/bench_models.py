@@ -11,8 +11,8 @@ Sections (``--only``):
   low-rank cross layers over 3456 features, top MLP 3456-1024-1024-512-256-1; 14 linears) at
   batch 4096, every linear pruned to ``s`` ∈ {0.5, 0.75, 0.9} per layer (``prune_`` with
   ``global_threshold=False``, G=128) and compressed, against the unpruned model of the same seed.
-  The issue's target is ``speedup >= 2`` at 75%: fields ``target`` / ``meets_target`` on those
-  rows (``null`` elsewhere). The output is checked against the *masked dense* model (same
+  The issue's target is ``speedup >= 2`` at 75% in fp32: fields ``target`` / ``meets_target``
+  on that row (``null`` elsewhere; bf16 is reported beside it, not held to the target). The output is checked against the *masked dense* model (same
   weights, masks multiplied in). bf16 rows cast both models (``.to(torch.bfloat16)``) and
   check against the fp32 masked dense output.
 - ``encoder``: a BERT-base-like ``nn.TransformerEncoder`` (d_model 768, 12 heads, FFN 3072, 2
@@ -214,7 +214,7 @@ def bench_dlrm(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str
             ideal = 1.0 / (1.0 - s)
             row.update(batch=batch, dtype=dname, G=G, sparsity=s, prune_and_compress_s=prune_s,
                        ideal=ideal, fraction_of_ideal=row["speedup"] / ideal)
-            target = TARGET_SPEEDUP if s == TARGET_SPARSITY else None
+            target = TARGET_SPEEDUP if s == TARGET_SPARSITY and dtype == torch.float32 else None
             row.update(target=target, meets_target=None if target is None else row["speedup"] >= target)
             rows.append(row)
             log.info("dlrm %s s=%.2f batch %d: dense %.1f ms, TW %.1f ms (%.2f×; target %s), err %.2e %s, "

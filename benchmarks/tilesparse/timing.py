@@ -166,7 +166,8 @@ def set_threads(n: int) -> int:
 
 def cpu_features() -> dict[str, Any]:
     """Which of :data:`CPU_FLAGS` the CPU has (``/proc/cpuinfo``; empty elsewhere), and whether
-    the TW extension was built with its AVX-512 micro-kernel (``None`` if it is not loaded)."""
+    the TW extension runs its AVX-512 fp32 micro-kernel and its AMX bf16 kernel (``None`` if it
+    is not loaded)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -179,7 +180,10 @@ def cpu_features() -> dict[str, Any]:
     from tilesparse.build_ext import load_extension
 
     ext = load_extension()
-    return {f: f in flags for f in CPU_FLAGS} | {"tw_kernel_avx512": None if ext is None else bool(ext.has_avx512())}
+    return {f: f in flags for f in CPU_FLAGS} | {
+        "tw_kernel_avx512": None if ext is None else bool(ext.has_avx512()),
+        "tw_kernel_amx_bf16": None if ext is None else bool(ext.has_amx()),
+    }
 
 
 def free_memory() -> None:

@@ -171,7 +171,10 @@ def test_bench_models_quick(kernel, one_thread, tmp_path, capsys):
         assert r["threads"] == 1 and r["G"] == 128 and r["sparsity"] == 0.75
         assert r["speedup"] == pytest.approx(r["dense_ms"] / r["tw_ms"], rel=1e-12)
         assert r["ideal"] == pytest.approx(4.0) and r["fraction_of_ideal"] == pytest.approx(r["speedup"] / 4.0)
-        assert r["target"] == 2.0 and r["meets_target"] is (r["speedup"] >= 2.0)
+        if r["dtype"] == "fp32":  # the target holds fp32; bf16 is reported beside it
+            assert r["target"] == 2.0 and r["meets_target"] is (r["speedup"] >= 2.0)
+        else:
+            assert r["target"] is None and r["meets_target"] is None
         # every linear condensed and run through the kernel; the memory bound
         assert r["tw_linear_calls"] == DLRM_LINEARS and r["sparse_layers"] == DLRM_LINEARS
         assert r["memory_fraction"] <= 0.25 + 0.005 + 0.03

@@ -1,6 +1,8 @@
-// The condensed TW format for bf16 / fp16 / fp64 on CPU: the same per-tile gather into a
-// panel, then at::mm per (1024-row block, tile), so the GEMM itself runs in torch's backend
-// (oneDNN / AMX for bf16).
+// The condensed TW format for fp16 / fp64, and bf16 where the AMX kernel (tw_linear_amx.cpp)
+// is not available, on CPU: a per-tile gather into a panel, then at::mm per (1024-row block,
+// tile), so the GEMM itself runs in torch's backend. Correct everywhere, fast nowhere: bf16
+// this way was 0.2-0.8x of dense bf16 (oneDNN/AMX) in benchmarks/results/tilesparse_gemm.json
+// before the AMX kernel.
 #include "tw_common.h"
 
 namespace tilesparse_cpu {

@@ -13,6 +13,23 @@ from typing import Any
 import torch
 
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+
+def scrub_paths(obj: Any) -> Any:
+    """``obj`` with every absolute path string made machine-independent: relative to the
+    checkout when it lies inside it, else just its file name (no machine's paths in results)."""
+    if isinstance(obj, dict):
+        return {k: scrub_paths(v) for k, v in obj.items()}
+    if isinstance(obj, list | tuple):
+        return [scrub_paths(v) for v in obj]
+    if isinstance(obj, str) and obj.startswith("/") and "\n" not in obj and len(obj) < 4096:
+        p = Path(obj)
+        try:
+            return str(p.resolve().relative_to(REPO_ROOT))
+        except (ValueError, OSError):
+            return p.name
+    return obj
 
 
 def git_sha() -> str:
@@ -58,10 +75,11 @@ def machine() -> dict[str, Any]:
 
 
 def write_json(path: str | Path, rows: list[dict[str, Any]], **extra: Any) -> Path:
-    """Write ``{"meta": machine(), **extra, "rows": rows}`` to ``path`` (folders created)."""
+    """Write ``{"meta": machine(), **extra, "rows": rows}`` to ``path`` (folders created);
+    absolute paths in ``extra`` and ``rows`` are scrubbed (:func:`scrub_paths`)."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    doc = {"meta": machine(), **extra, "rows": rows}
+    doc = {"meta": machine(), **scrub_paths(extra), "rows": scrub_paths(rows)}
     tmp = path.with_suffix(path.suffix + ".tmp")
     tmp.write_text(json.dumps(doc, indent=1, default=str))
     tmp.replace(path)

@@ -379,7 +379,10 @@ class LookupSession:
                     fm_dev = fm.to(dev)
                     fk, fv, fp = mkeys[fm].to(dev), mrows[fm_dev], counts[miss][fm].to(dev)
                     if is_async:
-                        self._submit(t, lambda k=fk, v=fv, p=fp: t.cache.insert(k, v, priority=p))
+                        # bind this cache now: a job running after the table's cache was
+                        # replaced must not write these (by then maybe stale) rows into the new one
+                        cache = t.cache
+                        self._submit(t, lambda c=cache, k=fk, v=fv, p=fp: c.insert(k, v, priority=p))
                     else:
                         t.cache.insert(fk, fv, priority=fp)
                 # scatter the miss rows to every request position of a missed key

@@ -163,6 +163,7 @@ def test_warm_up_uses_hottest_keys_and_refresh(tmp_path: Path) -> None:
     s.tables[name].cache = EmbeddingCache(N // 8, DIM, ways=8)
     for _ in range(3):
         s.lookup(name, torch.from_numpy(keys[:5].copy()))
+    s.drain()  # background inserts of those lookups land before the cache is swapped
     s.tables[name].cache = fresh = EmbeddingCache(N // 8, DIM, ways=8)
     s.warm_up(name)
     assert fresh.contains(torch.from_numpy(keys[:5].copy())).all()

@@ -32,6 +32,7 @@ lost every row simply disappears and its columns are zero in ``Y``.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -255,7 +256,7 @@ def reference_matmul(x: torch.Tensor, layout: TWLayout, bias: torch.Tensor | Non
     if x.shape[-1] != layout.in_features:
         raise ValueError(f"x has {x.shape[-1]} features, the layer expects {layout.in_features}")
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, layout.in_features)
+    x2 = x.reshape(math.prod(lead), layout.in_features)
     y = x2.new_zeros(x2.shape[0], layout.out_features)
     vals = layout.values.to(device=x.device, dtype=x.dtype)
     for t in range(layout.num_tiles):

@@ -28,6 +28,10 @@ from __future__ import annotations
 
 import functools
 import logging
+import math
+import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 
@@ -105,6 +109,35 @@ def _check_data(x: torch.Tensor, layout: TWLayout) -> None:
         raise ValueError("tw_linear: every tile needs >= 1 column and val_ptr blocks of rows × columns")
 
 
+# Index sets that passed _check_data, by id() of their col_idx tensor: the check costs about a
+# dozen small tensor ops with host syncs (~80 us, more than the kernel at small M), and a layer's
+# indices do not change between calls. A record holds weak references to the five index tensors
+# (a new tensor is not the old one, whatever its id), their versions (in-place edits bump them)
+# and len(values), K, N; anything different is checked again. Entries leave with their col_idx.
+_VALIDATED: dict[int, tuple[Any, ...]] = {}
+
+
+def _check_data_once(x: torch.Tensor, tensors: tuple[torch.Tensor, ...], out_features: int,
+                     layout: Callable[[], TWLayout]) -> None:
+    """:func:`_check_data` unless this exact index set was checked already (see _VALIDATED)."""
+    col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr = tensors
+    index = (col_idx, tile_ptr, row_idx, row_ptr, val_ptr)
+    try:
+        stamp = (*(t._version for t in index), values.numel(), x.shape[1], out_features)
+    except RuntimeError:  # inference-mode tensors have no version counter: always check
+        stamp = None
+    key = id(col_idx)
+    if stamp is not None:
+        rec = _VALIDATED.get(key)
+        if rec is not None and rec[0] == stamp and all(r() is t for r, t in zip(rec[1], index)):
+            return
+    _check_data(x, layout())
+    if stamp is not None:
+        refs = (weakref.ref(col_idx, lambda _r, k=key: _VALIDATED.pop(k, None)),
+                *(weakref.ref(t) for t in index[1:]))
+        _VALIDATED[key] = (stamp, refs)
+
+
 def _layout(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, out_features) -> TWLayout:
     widths = tile_ptr[1:] - tile_ptr[:-1]
     tile = int(widths.max()) if widths.numel() else 1
@@ -132,14 +165,21 @@ def _tw_linear_op(
             f"{tuple(x.shape)}; call x.contiguous() (tilesparse.ops.tw_linear does)"
         )
     be = parse_backend(backend)
-    layout = _layout(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, out_features)
-    _check_data(x, layout)
+    made: list[TWLayout] = []
+
+    def layout_() -> TWLayout:
+        if not made:
+            made.append(_layout(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, out_features))
+        return made[0]
+
+    _check_data_once(x, (col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr), out_features, layout_)
+    layout = layout_  # built only where a path needs it (the compiled kernel does not)
     if be is Backend.EMULATED:
         try:
             from cutlass_kernels.reference import tw_linear_emulated
         except ImportError as e:
             raise ValueError(f"backend 'emulated' needs cutlass_kernels.reference ({e})") from e
-        return tw_linear_emulated(x, layout, bias)
+        return tw_linear_emulated(x, layout(), bias)
     if be is Backend.CUTLASS:
         raise ValueError(
             f"backend 'cutlass' runs on CUDA tensors with the kernel from cutlass_kernels; got a "
@@ -152,7 +192,7 @@ def _tw_linear_op(
             return ext.tw_linear_cpu(x, col_idx, tile_ptr, row_idx, row_ptr, vals, val_ptr, bias, out_features)
     elif be is Backend.CPU:
         raise ValueError(f"backend 'cpu' runs on CPU tensors, got a {x.device.type} tensor")
-    return reference_matmul(x, layout, bias)
+    return reference_matmul(x, layout(), bias)
 
 
 @_tw_linear_op.register_fake
@@ -260,7 +300,9 @@ def tw_linear(
     if x.device.type == "cuda":
         _register_cuda_kernel()
     lead = x.shape[:-1]
-    x2 = x.reshape(-1, layout.in_features).contiguous()
+    k = layout.in_features
+    # (-1 cannot be inferred from zero elements when K = 0)
+    x2 = (x.reshape(-1, k) if k > 0 else x.reshape(math.prod(lead), 0)).contiguous()
     y = torch.ops.tilesparse.tw_linear(
         x2,
         layout.col_idx,

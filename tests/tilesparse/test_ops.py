@@ -397,3 +397,35 @@ def test_large_outputs_from_the_pool_stay_independent(ext):
     torch.testing.assert_close(first, wants[0], rtol=0, atol=0)
     del first, third
     assert ext.release_scratch() >= 2 * M * N * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("M, K, N", [(0, 16, 16), (5, 0, 16), (5, 16, 0), (1, 1, 1), (3, 7, 5)])
+def test_degenerate_shapes(ext, dtype, M, K, N):
+    """No rows, no input features (output = bias), no outputs, 1×1×1 — every dtype's path."""
+    gen = torch.Generator().manual_seed(M + 7 * K + 31 * N)
+    w = int_tensor((K, N), gen)
+    lay = condense(w, torch.ones(K, N, dtype=torch.bool), 8)
+    lay_d = _with_values(lay, lay.values.to(dtype))
+    x, bias = int_tensor((M, K), gen, dtype=dtype), int_tensor((N,), gen, dtype=dtype)
+    got = ops.tw_linear(x, lay_d, bias, "cpu")
+    assert got.shape == (M, N) and got.dtype == dtype
+    torch.testing.assert_close(got, (x.double() @ w.double() + bias.double()).to(dtype), rtol=0, atol=0)
+
+
+def test_checked_layout_is_checked_again_after_an_in_place_edit(ext):
+    """The bounds check is skipped for an index set already checked (it costs more than the
+    kernel at small M) — but not after the indices change in place."""
+    gen = torch.Generator().manual_seed(9)
+    lay = condense(int_tensor((40, 30), gen), tw_random_mask(40, 30, 8, 0.5, gen), 8)
+    x = int_tensor((4, 40), gen)
+    want = reference_matmul(x, lay)
+    assert torch.equal(ops.tw_linear(x, lay, None, "cpu"), want)
+    assert torch.equal(ops.tw_linear(x, lay, None, "cpu"), want)  # the cached check
+    lay.row_idx[0] = 40  # out of range for K = 40
+    with pytest.raises(ValueError, match="row_idx must lie in"):
+        ops.tw_linear(x, lay, None, "cpu")
+    lay.row_idx[0] = 0
+    lay.col_idx[-1] = 30  # out of range for N = 30
+    with pytest.raises(ValueError, match="col_idx must lie in"):
+        ops.tw_linear(x, lay, None, "cpu")

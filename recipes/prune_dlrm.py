@@ -1,7 +1,7 @@
 """Train a DLRM-DCNv2, prune it with tile-wise sparsity under a schedule with fine-tuning, and
-report what it cost in AUC.
+report what it cost in AUC and what it gained in speed.
 
-    python -m recipes.prune_dlrm                       # tiny default: TW 75%, ~1-2 min on 2 cores
+    python -m recipes.prune_dlrm                       # tiny default: TW 75%, ~30 s on 2 cores
     python -m recipes.prune_dlrm --sweep               # dense vs TW/EW/BW at 50/75/90% and 2:4
     python -m recipes.prune_dlrm --pattern tew --sparsity 0.9 --importance taylor
     python -m recipes.prune_dlrm --recipe my_recipe.yaml   # a TileSparseConfig file
@@ -12,6 +12,8 @@ batches, the same batches, a fresh optimizer), pruned runs following their sched
 ``auc_drop = dense_auc - eval_auc`` compares equal training, not a pruned model against an
 under-trained one. Each pruned model is then compressed into ``TileSparseLinear`` layers and
 evaluated again (``compressed_auc``: the condensed format computes the same model).
+Speed (``--speed-batch``, 0 skips): the same pattern and sparsity on the DLRM-DCNv2 dense part at
+full MLPerf widths, condensed with G=128, timed against dense (``recipes.prune_speed``).
 
 Output folder (``--out``, default ``runs/prune_dlrm-<timestamp>``): ``report.json``,
 ``report.md``, ``auc_vs_sparsity.png``, ``mask_<layer>.png``, ``layer_sparsity.png``.
@@ -40,6 +42,7 @@ from embark.model import build_model
 from embark.train import Callback, TrainConfig, Trainer
 from embark.workloads import PRESETS, get_workload
 from recipes.prune_report import terminal_summary, write_markdown, write_plots
+from recipes.prune_speed import measure_speed
 from tilesparse import (
     CubicSchedule,
     MultiStageSchedule,
@@ -59,6 +62,10 @@ SWEEP: tuple[tuple[str, float], ...] = (
     *((p, s) for p in ("tw", "ew", "bw") for s in (0.5, 0.75, 0.9)),
     ("nm", 0.5),
 )
+
+
+# Patterns whose condensed layers have few, wide tiles: the ones the speed half times.
+SPEED_PATTERNS = ("tw", "tw_rows")
 
 
 @dataclass(frozen=True)
@@ -90,6 +97,10 @@ class PruneDLRMConfig:
     # torch intra-op threads. 1: these layers are too small to split, and on a shared 2-core
     # machine 2 threads measured ~30x slower per step (thread contention), 1 thread ~4 ms/step.
     threads: int = 1
+    # The speed half (recipes.prune_speed): the same pattern/sparsity on the DLRM-DCNv2 dense part
+    # at full MLPerf widths, G=128, timed dense vs condensed. 0 skips it.
+    speed_batch: int = 4096
+    speed_threads: int = 2
 
     def __post_init__(self) -> None:
         if self.workload not in PRESETS:
@@ -97,6 +108,11 @@ class PruneDLRMConfig:
         for name in ("batch_size", "dense_steps", "steps", "eval_batches", "tile", "block", "threads"):
             v = getattr(self, name)
             lo = 0 if name == "dense_steps" else 1
+            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
+                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
+        for name in ("speed_batch", "speed_threads"):
+            v = getattr(self, name)
+            lo = 0 if name == "speed_batch" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
         if not 0.0 <= self.sparsity < 1.0:
@@ -288,6 +304,20 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
             "achieved_sparsity": r["achieved_sparsity"],
         }
     main_i = _main_run_index(runs, cfg)
+    main_run = runs[main_i]
+    if cfg.speed_batch and main_run["pattern"] not in SPEED_PATTERNS:
+        report["speed"] = {"skipped": (
+            f"speed is measured for the TW family ({', '.join(SPEED_PATTERNS)}); a condensed "
+            f"{main_run['pattern']} mask has about one tile per column and no fast path"
+        )}
+    elif cfg.speed_batch:
+        t0 = time.perf_counter()
+        report["speed"] = measure_speed(
+            main_run["pattern"], main_run["sparsity"], tile=128, batch=cfg.speed_batch,
+            threads=cfg.speed_threads, seed=cfg.seed,
+        )
+        report["seconds"]["speed"] = time.perf_counter() - t0
+        torch.set_num_threads(cfg.threads)
     report["plots"] = write_plots(out, report, masks[main_i], runs[main_i])
     report["seconds"]["total"] = time.perf_counter() - t_start
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")

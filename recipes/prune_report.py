@@ -145,9 +145,31 @@ Weights of the pruned `nn.Linear` layers: {run['pruned_params']}, kept {run['kep
 
 {_layer_table(run)}
 
-{plots}
+{_speed_section(report)}{plots}
 
 Total time {report['seconds']['total']:.0f} s.
+"""
+
+
+def _speed_section(report: dict[str, Any]) -> str:
+    sp = report.get("speed")
+    if not sp:
+        return ""
+    if "skipped" in sp:
+        return f"## Speed\n\nNot measured: {sp['skipped']}.\n\n"
+    return f"""## Speed: {sp['model']}
+
+{_PATTERN_NAMES.get(sp['pattern'], sp['pattern'])} at {sp['sparsity']:.0%} (achieved {sp['achieved_sparsity']:.2%}) on every
+linear, G={sp['tile']}, condensed; `dense_forward` at batch {sp['batch']}, {sp['threads']} threads,
+median of {sp['repeats']} interleaved rounds.
+
+| model | ms | speedup | ideal | linear weights |
+|---|---|---|---|---|
+| dense | {sp['dense_ms']:.1f} | — | — | {sp['dense_weight_bytes'] / 2**20:.1f} MiB |
+| pruned + condensed | {sp['pruned_ms']:.1f} | {sp['speedup']:.2f}× | {sp['ideal']:.1f}× | {sp['pruned_weight_bytes'] / 2**20:.1f} MiB |
+
+Largest difference from the masked dense model: {sp['max_abs_err']:.1e}.
+
 """
 
 
@@ -170,6 +192,15 @@ def terminal_summary(report: dict[str, Any], main_index: int, out: Path) -> str:
         rows.append(
             f"  {s['fqn']:<18} {s['in_features']:>4} x {s['out_features']:<4} "
             f"sparsity {s['sparsity']:6.1%}  kept {s['kept']:>6} / {s['params']:<6} tiles {s['tiles']}"
+        )
+    sp = report.get("speed")
+    if sp and "skipped" in sp:
+        rows.append(f"speed: not measured ({sp['skipped']})")
+    elif sp:
+        rows.append(
+            f"speed, DLRM-DCNv2 dense part at full width, batch {sp['batch']}, {sp['threads']} threads: "
+            f"dense {sp['dense_ms']:.0f} ms, {sp['pattern']} {sp['sparsity']:.0%} condensed "
+            f"{sp['pruned_ms']:.0f} ms = {sp['speedup']:.2f}x (ideal {sp['ideal']:.1f}x)"
         )
     rows.append(f"report: {out / 'report.md'} ({report['seconds']['total']:.0f} s)")
     return "\n".join(rows)

@@ -18,12 +18,13 @@ def _png_size(path) -> tuple[int, int]:
 
 
 def _shrunk(tmp_path, **kw) -> PruneDLRMConfig:
-    base = dict(batch_size=64, dense_steps=40, steps=30, eval_batches=4, progress=False, out=str(tmp_path / "run"))
+    base = dict(batch_size=64, dense_steps=40, steps=30, eval_batches=4, progress=False, out=str(tmp_path / "run"),
+                speed_batch=0)
     return PruneDLRMConfig(**(base | kw))
 
 
 def test_main_writes_report_and_plots(tmp_path) -> None:
-    report = main(_shrunk(tmp_path))
+    report = main(_shrunk(tmp_path, speed_batch=32, speed_threads=1))
     out = tmp_path / "run"
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk["dense_auc"] == pytest.approx(report["dense_auc"])
@@ -43,6 +44,14 @@ def test_main_writes_report_and_plots(tmp_path) -> None:
     assert {"auc_vs_sparsity.png", "layer_sparsity.png", "mask_top_mlp_0.png"} == set(on_disk["plots"])
     md = (out / "report.md").read_text()
     assert "| TW | 75%" in md and "`top_mlp.0`" in md
+    # the speed half: the same pattern on the full-width DLRM-DCNv2 dense part, condensed
+    sp = on_disk["speed"]
+    assert (sp["pattern"], sp["sparsity"], sp["tile"], sp["batch"], sp["threads"]) == ("tw", 0.75, 128, 32, 1)
+    assert abs(sp["achieved_sparsity"] - 0.75) <= 0.01
+    assert sp["max_abs_err"] < 1e-4  # the condensed model computes the masked dense one
+    assert sp["speedup"] == pytest.approx(sp["dense_ms"] / sp["pruned_ms"]) and sp["ideal"] == pytest.approx(4.0)
+    assert sp["pruned_weight_bytes"] <= (0.25 + 0.03) * sp["dense_weight_bytes"]
+    assert "## Speed: dlrm_dcnv2 dense part" in md
 
 
 def test_sweep_covers_the_table(tmp_path) -> None:
@@ -78,4 +87,16 @@ def test_recipe_file_drives_the_run(tmp_path) -> None:
     report = main(cfg)
     (run,) = report["runs"]
     assert run["pattern"] == "tew" and run["config"]["tile"] == 8
+    assert "TW family" in report["speed"]["skipped"]  # TEW has no fast condensed path to time
+    assert "Not measured: speed is measured for the TW family" in (tmp_path / "run" / "report.md").read_text()
     assert abs(run["achieved_sparsity"] - 0.6) <= 0.01
+
+
+def test_measure_speed_rejects_bad_settings() -> None:
+    from recipes.prune_speed import measure_speed
+
+    for kw in ({"batch": 0}, {"threads": 0}, {"repeats": True}):
+        with pytest.raises(ValueError, match=next(iter(kw))):
+            measure_speed(**kw)
+    with pytest.raises(ValueError, match="--speed-batch"):
+        PruneDLRMConfig(speed_batch=-1)

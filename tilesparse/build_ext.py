@@ -45,6 +45,9 @@ def build_dir() -> Path:
     h = hashlib.sha256()
     for f in (*SOURCES, *HEADERS):
         h.update(f.read_bytes())
+    # ninja's build file names the source paths: two checkouts sharing one folder would rebuild
+    # each other's build on every load
+    h.update(str(CSRC).encode())
     h.update(" ".join(CFLAGS).encode())
     return base / "tilerec" / EXT_NAME / f"{torch.__version__}-{h.hexdigest()[:12]}"
 

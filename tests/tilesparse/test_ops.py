@@ -429,3 +429,25 @@ def test_checked_layout_is_checked_again_after_an_in_place_edit(ext):
     lay.col_idx[-1] = 30  # out of range for N = 30
     with pytest.raises(ValueError, match="col_idx must lie in"):
         ops.tw_linear(x, lay, None, "cpu")
+
+
+def test_disable_amx_env_takes_the_mm_path(ext):
+    """TILESPARSE_DISABLE_AMX=1 (read once per process): bf16 runs at::mm on gathered panels,
+    with the same results as the reference on small integers."""
+    import subprocess
+    import sys
+
+    code = (
+        "import torch; from tilesparse import build_ext, ops; from tilesparse.format import condense, reference_matmul\n"
+        "ext = build_ext.load_extension(); assert not ext.has_amx()\n"
+        "g = torch.Generator().manual_seed(0)\n"
+        "w = torch.randint(-2, 3, (50, 40), generator=g).float(); m = torch.rand(50, 40, generator=g) < 0.5\n"
+        "lay = condense(w, m, 16); x = torch.randint(-2, 3, (9, 50), generator=g).float()\n"
+        "lb = condense(w, m, 16); lb.values = lb.values.bfloat16()\n"
+        "got = ops.tw_linear(x.bfloat16(), lb, None, 'cpu')\n"
+        "assert torch.equal(got.double(), reference_matmul(x.double(), lay).double().bfloat16().double())\n"
+        "print('ok')\n"
+    )
+    env = {**__import__("os").environ, "TILESPARSE_DISABLE_AMX": "1"}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]

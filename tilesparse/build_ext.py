@@ -40,7 +40,7 @@ DISABLE_ENV = "TILESPARSE_DISABLE_EXT"
 
 
 def build_dir() -> Path:
-    """The cache folder of this source × torch version × flags."""
+    """The cache folder of this source × checkout × torch version × flags."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     h = hashlib.sha256()
     for f in (*SOURCES, *HEADERS):

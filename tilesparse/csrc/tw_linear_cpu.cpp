@@ -29,7 +29,8 @@
 // packing A costs more than that here because the block's rows come back from L2 per tile.
 // Prefetching both lines of every A row, for every strip, gained 4%.
 //
-// Other dtypes (bf16, fp16, fp64): the same per-tile gather into a panel, then at::mm per
+// Other dtypes: bf16 on the AMX kernel where the CPU and OS allow it (tw_linear_amx.cpp);
+// fp16, fp64 and bf16 without AMX gather per tile and call at::mm (tw_linear_lowp.cpp).
 #include "tw_common.h"
 
 namespace tilesparse_cpu {

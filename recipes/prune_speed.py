@@ -58,10 +58,7 @@ def measure_speed(
     dense = build_model(workload, seed=seed).eval()
     pruned = copy.deepcopy(dense)
     pruner = prune_(pruned, cfg)
-    masked = copy.deepcopy(dense)
-    with torch.no_grad():
-        for fqn in pruner.layers:
-            masked.get_submodule(fqn).weight.mul_(pruner.mask(fqn).T)
+    masked = pruner.apply_masks_to(copy.deepcopy(dense))
     achieved = pruner.overall_sparsity()
     pruner.compress()
 

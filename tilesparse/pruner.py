@@ -246,6 +246,28 @@ class TileSparsePruner:
         """Every layer's ``(K, N) bool`` mask."""
         return {f: self.mask(f) for f in self.layers}
 
+    @torch.no_grad()
+    def apply_masks_to(self, other: nn.Module) -> nn.Module:
+        """Multiply this pruner's masks into the same-named ``nn.Linear`` weights of ``other`` (a
+        dense model of the same architecture, e.g. a fresh same-seed build): the masked dense
+        reference that a compressed model must reproduce. Returns ``other``, changed in place.
+
+        Raises:
+            ValueError: when ``other`` lacks a pruned layer or its weight has another shape.
+        """
+        for fqn in self.layers:
+            try:
+                layer = other.get_submodule(fqn)
+            except AttributeError:
+                raise ValueError(f"apply_masks_to: the model has no layer {fqn!r}") from None
+            mask_nk = self.mask(fqn).T
+            weight = getattr(layer, "weight", None)
+            if not isinstance(weight, torch.Tensor) or weight.shape != mask_nk.shape:
+                got = None if weight is None else tuple(weight.shape)
+                raise ValueError(f"apply_masks_to: {fqn!r} weight is {got}, the mask is {tuple(mask_nk.shape)}")
+            weight.mul_(mask_nk.to(weight.device))
+        return other
+
     @property
     def total_params(self) -> int:
         return sum(m.in_features * m.out_features for m in self.layers.values())

@@ -137,11 +137,7 @@ def _memory_fields(model: nn.Module) -> dict[str, Any]:
 
 def _masked_reference(build: Callable[[], nn.Module], pruner: tilesparse.TileSparsePruner) -> nn.Module:
     """A freshly built (same-seed) model with the pruner's masks multiplied into its weights."""
-    ref = build()
-    with torch.no_grad():
-        for fqn in pruner.layers:
-            ref.get_submodule(fqn).weight.mul_(pruner.mask(fqn).T)
-    return ref
+    return pruner.apply_masks_to(build())
 
 
 def _time(fns: dict[str, Callable[[], Any]], args: argparse.Namespace) -> tuple[dict[str, float], int]:

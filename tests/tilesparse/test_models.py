@@ -87,11 +87,7 @@ def kernel_calls(ext, monkeypatch) -> KernelCalls:
 
 def _masked_dense_copy(build: Callable[[], nn.Module], pruner: tilesparse.TileSparsePruner) -> nn.Module:
     """A freshly built (same-seed) model with the pruner's masks multiplied into its weights."""
-    ref = build()
-    with torch.no_grad():
-        for fqn in pruner.layers:
-            ref.get_submodule(fqn).weight.mul_(pruner.mask(fqn).T)
-    return ref
+    return pruner.apply_masks_to(build())
 
 
 def _count(model: nn.Module, kind: type) -> int:

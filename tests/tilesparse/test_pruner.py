@@ -184,3 +184,24 @@ def test_compress_leaves_an_earlier_deepcopy_working() -> None:
         assert [type(m).__name__ for m in model if not isinstance(m, nn.ReLU)] == ["TileSparseLinear"] * 2
         torch.testing.assert_close(snapshot(x), want, rtol=0, atol=0)
         torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-6)
+
+
+def test_apply_masks_to_builds_the_masked_dense_reference() -> None:
+    torch.manual_seed(1)
+
+    def build() -> nn.Sequential:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(96, 32))
+
+    model = build()
+    pruner = prune_(model, TileSparseConfig(sparsity=0.75, tile=32))
+    ref = pruner.apply_masks_to(build())
+    for fqn in ("0", "2"):
+        assert torch.equal(ref.get_submodule(fqn).weight != 0, pruner.mask(fqn).T)
+    x = torch.randn(4, 64)
+    with torch.no_grad():
+        torch.testing.assert_close(pruner.compress()(x), ref(x), rtol=1e-5, atol=1e-6)
+    with pytest.raises(ValueError, match="weight is \\(96, 64\\), the mask is \\(32, 96\\)"):
+        pruner.apply_masks_to(nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(64, 96)))
+    with pytest.raises(ValueError, match="no layer '2'"):
+        pruner.apply_masks_to(nn.Sequential(nn.Linear(64, 96)))

@@ -2,9 +2,11 @@
 
 * :func:`compile_object` — ``nvcc -c`` of one instance into
   ``$XDG_CACHE_HOME/tilerec/cutlass/objects/<hash>/<name>.o`` (no GPU needed; what CI runs).
-* :func:`load_extension` — a torch extension (``torch.utils.cpp_extension.load``) with every
-  instance for one architecture plus ``csrc/tw_binding.cpp``, built under
-  ``$XDG_CACHE_HOME/tilerec/cutlass/ext/<hash>/`` (needs nvcc and a CUDA build of torch).
+* :func:`compile_objects` — many of them, in parallel.
+* :func:`load_extension` — a torch extension: those objects linked with ``csrc/tw_binding.cpp``
+  (``torch.utils.cpp_extension.load``, host compiler) and ``libcudart``, built under
+  ``$XDG_CACHE_HOME/tilerec/cutlass/ext/<hash>/``. Needs nvcc; builds and imports with a
+  CPU-only torch too (CI), runs kernels with a CUDA build of torch on a CUDA device.
 * :func:`tw_gemm_kmajor` / :func:`tw_linear_cuda` — run it (K-major, or ``(M, K) → (M, N)``).
 * :func:`register_cuda_kernel` — registers the CUDA implementation of
   ``tilesparse::tw_linear``; ``tilesparse.ops`` calls it lazily when a CUDA tensor arrives.
@@ -31,7 +33,7 @@ from types import ModuleType
 import torch
 
 from cutlass_kernels import emit, reference
-from cutlass_kernels.manifest import Arch, DType, TWKernel, manifest, select
+from cutlass_kernels.manifest import Arch, DType, Mainloop, TWKernel, manifest, select
 from tilesparse.format import TWLayout, reference_matmul
 
 __all__ = [
@@ -41,10 +43,13 @@ __all__ = [
     "nvcc_version",
     "cuda_toolkit_root",
     "compile_object",
+    "compile_objects",
     "device_arch",
     "load_extension",
+    "default_extension",
     "packed_weight",
     "select_for",
+    "MAINLOOP_ENV",
     "tw_gemm_kmajor",
     "tw_linear_cuda",
     "register_cuda_kernel",
@@ -56,15 +61,6 @@ log = logging.getLogger(__name__)
 OP_NAME = "tilesparse::tw_linear"
 _CACHE_KEY = "cutlass"  # TWLayout.cache key of the packed weights
 _DTYPES = {torch.float16: DType.F16, torch.bfloat16: DType.BF16}
-# torch.utils.cpp_extension compiles .cu files with -D__CUDA_NO_HALF_OPERATORS__ etc.; CUTLASS's
-# half_t/bfloat16_t want cuda_fp16/cuda_bf16 complete, so the extension undoes them (as CUTLASS
-# based torch extensions do). compile_object never sets them.
-_UNDO_TORCH_NVCC_DEFINES = (
-    "-U__CUDA_NO_HALF_OPERATORS__",
-    "-U__CUDA_NO_HALF_CONVERSIONS__",
-    "-U__CUDA_NO_HALF2_OPERATORS__",
-    "-U__CUDA_NO_BFLOAT16_CONVERSIONS__",
-)
 
 
 @dataclass(frozen=True)
@@ -199,84 +195,157 @@ def device_arch(device: torch.device | int | None = None) -> Arch:
     raise RuntimeError(f"the TW kernels need compute capability >= 8.0, got {major}.{minor}")
 
 
+def _toolkit_dir(toolkit: Path, sub: str, probe: str) -> Path:
+    """``include`` or ``lib64`` of a toolkit (or its ``targets/<arch>-linux`` twin) holding ``probe``."""
+    for d in (toolkit / sub, *sorted((toolkit / "targets").glob(f"*-linux/{'lib' if sub == 'lib64' else sub}"))):
+        if (d / probe).exists():
+            return d
+    raise RuntimeError(f"no {probe} under the CUDA toolkit {toolkit} (looked in {sub} and targets/)")
+
+
+def compile_objects(
+    kernels: tuple[TWKernel, ...] | list[TWKernel],
+    *,
+    nvcc: str | None = None,
+    jobs: int | None = None,
+    skip_failed: bool = False,
+    cache: Path | None = None,
+) -> tuple[dict[str, CompileResult], dict[str, str]]:
+    """:func:`compile_object` for many instances, ``jobs`` nvcc processes at a time (default
+    ``$MAX_JOBS``, else the CPU count), logging each as it finishes.
+
+    Returns:
+        ``(objects, failed)``: compiled instances by name, and the error of each that failed
+        (only with ``skip_failed``).
+
+    Raises:
+        RuntimeError: an instance failed to compile and ``skip_failed`` is false.
+    """
+    from concurrent.futures import ThreadPoolExecutor, as_completed
+
+    nvcc = _require_nvcc(nvcc)
+    jobs = jobs or int(os.environ.get("MAX_JOBS") or 0) or os.cpu_count() or 1
+    objects: dict[str, CompileResult] = {}
+    failed: dict[str, str] = {}
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, jobs)) as pool:
+        futures = {pool.submit(compile_object, k, nvcc=nvcc, cache=cache): k for k in kernels}
+        for done, fut in enumerate(as_completed(futures), 1):
+            k = futures[fut]
+            try:
+                objects[k.name] = res = fut.result()
+            except RuntimeError as e:
+                if not skip_failed:
+                    for f in futures:
+                        f.cancel()
+                    raise
+                failed[k.name] = str(e)
+                log.error("[%d/%d] %s FAILED to compile: %s", done, len(kernels), k.name, str(e)[-800:])
+                continue
+            how = "cached" if res.cached else f"{res.seconds:.0f} s"
+            log.info("[%d/%d] %s (%s; %.0f s elapsed)", done, len(kernels), k.name, how, time.perf_counter() - t0)
+    return objects, failed
+
+
+_LOADED: dict[tuple[str, tuple[str, ...] | None, bool], ModuleType] = {}  # load_extension's memo
+_DEFAULT: dict[str, ModuleType] = {}  # arch -> last full-manifest build (default_extension)
+
+
 def load_extension(
     arch: Arch | str | None = None,
     kernels: tuple[TWKernel, ...] | list[TWKernel] | None = None,
     *,
     verbose: bool = False,
+    skip_failed: bool = False,
+    jobs: int | None = None,
 ) -> ModuleType:
     """Build (or load from the cache) the torch extension holding the TW GEMM instances.
 
+    The instances are compiled one object each by :func:`compile_objects` (nvcc, in parallel,
+    cached by input hash: the very objects CI compiles), then ``csrc/tw_binding.cpp`` and the
+    generated instance table are compiled by ``torch.utils.cpp_extension`` with the host
+    compiler and linked with the objects and the toolkit's ``libcudart``. The binding uses only
+    torch's device-generic API, so the extension builds and imports with a CPU-only torch too
+    (CI does so); running a kernel needs a CUDA device and a CUDA build of torch.
+
     Args:
         arch: architecture to build for (default: the current CUDA device's).
-        kernels: instances to include (default: every manifest instance of ``arch``).
-        verbose: show the compiler commands.
+        kernels: instances to include (default: every manifest instance of ``arch`` that the
+            installed nvcc can build).
+        verbose: show the compiler commands of the binding build.
+        skip_failed: leave out instances that fail to compile (their errors are in the
+            module's ``failed`` dict) instead of raising; at least one must compile.
+        jobs: parallel nvcc processes (default ``$MAX_JOBS``, else the CPU count).
 
     Returns:
-        the extension module (``tw_gemm(...)``, ``instances()``), registered in
-        ``sys.modules`` under a name derived from its input hash so later calls reuse it.
+        the extension module: ``tw_gemm(...)``, ``instances()``, and ``failed``.
 
     Raises:
-        RuntimeError: nvcc or a CUDA build of torch missing, or a compile error.
+        RuntimeError: nvcc missing, a compile or link error.
+        ValueError: an empty instance list, or instances of another arch.
     """
     from torch.utils import cpp_extension
 
     arch = Arch(arch) if arch is not None else device_arch()
+    names = tuple(k.name for k in kernels) if kernels is not None else None
+    memo = (arch.value, names, skip_failed)
+    if memo in _LOADED:
+        return _LOADED[memo]
     nvcc = _require_nvcc(None)
-    if torch.version.cuda is None:
-        raise RuntimeError(f"torch {torch.__version__} is a CPU build; the TW kernels need CUDA torch")
-    # cpp_extension guesses CUDA_HOME as nvcc's grandparent, which is wrong when nvcc on PATH is
-    # a wrapper or link (/usr/local/bin/nvcc -> /usr/local/cuda-X/bin/nvcc): ask nvcc itself.
-    toolkit = cuda_toolkit_root(nvcc)
-    home = cpp_extension.CUDA_HOME
-    if home is None or not (Path(home) / "include" / "cuda_runtime_api.h").is_file():
-        log.info("using CUDA toolkit %s for the torch extension (cpp_extension had %s)", toolkit, home)
-        cpp_extension.CUDA_HOME = str(toolkit)
-    # Fast path for repeated calls: everything that names the build except the nvcc version
-    # (which needs a subprocess); the full key below also covers the version.
-    lookup = "tilerec_twl_" + _key(
-        arch.value, ",".join(k.name for k in kernels) if kernels is not None else "<all>",
-        emit.GENERATOR_VERSION, emit._template_text(), (emit.csrc_dir() / "tw_binding.cpp").read_text(),
-        nvcc, torch.__version__,
-    )[:16]
-    if lookup in sys.modules:
-        return sys.modules[lookup]
     version = nvcc_version(nvcc)
     kernels = tuple(kernels) if kernels is not None else manifest(arch, version)
     if not kernels or any(k.arch is not arch for k in kernels):
         raise ValueError(f"kernels must be a non-empty list of {arch.value} instances")
-    files = emit.emit_sources(kernels)
-    arch_flags = emit.nvcc_arch_flags(arch)
-    if arch is Arch.SM80:  # PTX too, so GPUs newer than 8.x can JIT it
-        arch_flags += ["-gencode", "arch=compute_80,code=compute_80"]
-    binding = (emit.csrc_dir() / "tw_binding.cpp").read_text()
+    objects, failed = compile_objects(kernels, nvcc=nvcc, jobs=jobs, skip_failed=skip_failed)
+    built = [k for k in kernels if k.name in objects]
+    if not built:
+        raise RuntimeError(f"no {arch.value} TW instance compiled; first error:\n{next(iter(failed.values()))}")
+    toolkit = cuda_toolkit_root(nvcc)
+    include = _toolkit_dir(toolkit, "include", "cuda_runtime_api.h")
+    libdir = _toolkit_dir(toolkit, "lib64", "libcudart.so")
+    registry = emit.emit_registry(built)
+    binding = emit.csrc_dir() / "tw_binding.cpp"
     key = _key(
-        emit.sources_hash(files), binding, emit._template_text(), " ".join(arch_flags),
-        f"nvcc {version}", f"torch {torch.__version__} cuda {torch.version.cuda}",
+        *(objects[k.name].key for k in built), registry.text, binding.read_text(),
+        (emit.csrc_dir() / "tw_args.h").read_text(), str(include), str(libdir),
+        f"torch {torch.__version__} cuda {torch.version.cuda}", sys.version,
     )
     name = f"tilerec_tw_{key[:16]}"
-    if name in sys.modules:
-        sys.modules[lookup] = sys.modules[name]
-        return sys.modules[name]
     root = cache_dir() / "ext" / key[:24]
-    src_paths = emit.write_sources(files, root / "src")
+    emit.write_sources([registry], root / "src")
     build_dir = root / "build"
     build_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
     module = cpp_extension.load(
         name=name,
-        sources=[str(emit.csrc_dir() / "tw_binding.cpp"), *(str(p) for p in src_paths if p.suffix == ".cu")],
-        extra_cflags=["-O3"],
-        extra_cuda_cflags=[*emit.NVCC_FLAGS, *_UNDO_TORCH_NVCC_DEFINES, *arch_flags],
-        extra_include_paths=[str(emit.csrc_dir()), str(root / "src"), *map(str, emit.cutlass_include_dirs())],
+        sources=[str(binding)],
+        extra_cflags=["-O2"],
+        extra_include_paths=[str(emit.csrc_dir()), str(root / "src"), str(include)],
+        extra_ldflags=[*(str(objects[k.name].path) for k in built), f"-L{libdir}", "-lcudart",
+                       f"-Wl,-rpath,{libdir}"],
         build_directory=str(build_dir),
         verbose=verbose,
-        with_cuda=True,
+        with_cuda=False,
     )
-    log.info("TW extension %s (%d instances, %s) ready in %.1f s", name, len(kernels), arch.value,
-             time.perf_counter() - t0)
-    sys.modules[name] = sys.modules[lookup] = module
+    module.failed = dict(failed)
+    if failed:
+        log.warning("TW extension built without %d instance(s) that failed to compile: %s",
+                    len(failed), ", ".join(sorted(failed)))
+    log.info("TW extension %s (%d instances, %s, %d failed) ready in %.1f s", name, len(built),
+             arch.value, len(failed), time.perf_counter() - t0)
+    _LOADED[memo] = module
+    if names is None:
+        _DEFAULT[arch.value] = module
     return module
+
+
+
+def default_extension(arch: Arch | str | None = None) -> ModuleType:
+    """The extension :func:`tw_gemm_kmajor` uses when given none: the last full-manifest build
+    of ``arch`` loaded in this process, else ``load_extension(arch, skip_failed=True)`` (an
+    instance that does not compile is left out, with a warning, rather than failing every call)."""
+    arch = Arch(arch) if arch is not None else device_arch()
+    return _DEFAULT.get(arch.value) or load_extension(arch, skip_failed=True)
 
 
 def packed_weight(layout: TWLayout, dtype: torch.dtype, device: torch.device) -> reference.TWPackedWeight:
@@ -288,16 +357,33 @@ def packed_weight(layout: TWLayout, dtype: torch.dtype, device: torch.device) ->
     return per_layout[key]
 
 
-def select_for(launch: reference.TWLaunch) -> TWKernel:
-    """The instance :func:`tw_gemm_kmajor` uses by default for ``launch`` (its device's arch,
-    :func:`manifest.select` with the device's SM count)."""
+MAINLOOP_ENV = "TILEREC_CUTLASS_MAINLOOP"
+
+
+def select_for(launch: reference.TWLaunch, ext: ModuleType | None = None) -> TWKernel:
+    """The instance :func:`tw_gemm_kmajor` uses by default for ``launch``: :func:`manifest.select`
+    for its device's arch and SM count, among the instances built into ``ext`` (all of the
+    arch's when ``ext`` is None), on the main loop ``$TILEREC_CUTLASS_MAINLOOP`` names
+    (``sm80_multistage`` / ``sm90_cpasync_gmma``; default: the arch's best).
+
+    Raises:
+        ValueError: fp32 or another unsupported dtype, a bad ``$TILEREC_CUTLASS_MAINLOOP``, or
+            no instance wide enough.
+    """
     pw = launch.weight
     if pw.dtype not in _DTYPES:
         raise ValueError(f"the TW kernels take float16 or bfloat16, got {pw.dtype}")
     arch = device_arch(launch.xt.device)
+    kernels = manifest(arch)
+    if ext is not None:
+        have = set(ext.instances())
+        kernels = tuple(k for k in kernels if k.name in have)
+    mainloop = os.environ.get(MAINLOOP_ENV) or None
+    if mainloop is not None and mainloop not in {m.value for m in Mainloop}:
+        raise ValueError(f"${MAINLOOP_ENV}={mainloop!r}: expected one of {[m.value for m in Mainloop]}")
     sms = torch.cuda.get_device_properties(launch.xt.device).multi_processor_count
-    return select(manifest(arch), _DTYPES[pw.dtype], arch, pw.max_tile_width, launch.batch,
-                  pw.num_tiles, sms)
+    return select(kernels, _DTYPES[pw.dtype], arch, pw.max_tile_width, launch.batch,
+                  pw.num_tiles, sms, mainloop)
 
 
 def tw_gemm_kmajor(
@@ -309,7 +395,7 @@ def tw_gemm_kmajor(
         launch: from :func:`reference.pack_launch` (CUDA tensors, fp16 or bf16), or built
             directly for K-major activations (``xt (K, ldx)``, ``yt (N, ldy)``).
         kernel: the instance (default: :func:`manifest.select` for the call).
-        ext: the extension (default: :func:`load_extension` for the device).
+        ext: the extension (default: :func:`default_extension` for the device).
 
     Raises:
         ValueError: unsupported dtype, or no instance wide enough for the tiles.
@@ -318,14 +404,15 @@ def tw_gemm_kmajor(
     if pw.dtype not in _DTYPES:
         raise ValueError(f"the TW kernels take float16 or bfloat16, got {pw.dtype}")
     arch = device_arch(launch.xt.device)
-    ext = ext or load_extension(arch)
+    ext = ext or default_extension(arch)
     if kernel is None:
-        kernel = select_for(launch)
+        kernel = select_for(launch, ext)
     elif kernel.tile_g < pw.max_tile_width:
         raise ValueError(f"{kernel.name} covers tiles of {kernel.tile_g} columns, the layer has {pw.max_tile_width}")
     if pw.num_tiles and launch.batch:
+        stream = torch.cuda.current_stream(launch.xt.device).cuda_stream
         ext.tw_gemm(kernel.name, pw.tile_meta, pw.col_idx, pw.row_idx, pw.w, pw.lda, launch.xt,
-                    launch.yt, launch.batch, launch.alpha, launch.beta)
+                    launch.yt, launch.batch, launch.alpha, launch.beta, stream)
     return launch.yt
 
 

@@ -70,8 +70,9 @@ __all__ = [
 # Bump when the emitted text changes for the same inputs.
 GENERATOR_VERSION = "tilerec-tw-emit 1"
 
-# Flags every instance is compiled with (DEPENDENCIES.md; --expt-relaxed-constexpr for CUTLASS).
-NVCC_FLAGS = ("-std=c++17", "-O3", "--expt-relaxed-constexpr")
+# Flags every instance is compiled with (DEPENDENCIES.md; --expt-relaxed-constexpr for CUTLASS;
+# -fPIC: the objects are linked into the torch extension's shared library).
+NVCC_FLAGS = ("-std=c++17", "-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC")
 
 _TEMPLATE_SOURCES = ("tw_args.h", "tw_gemm.h", "tw_gemm_sm90.h")
 
@@ -114,8 +115,13 @@ def cutlass_version() -> str:
 
 
 def nvcc_arch_flags(arch: Arch | str) -> list[str]:
-    """``-gencode`` for one architecture (``sm_90a`` needs the arch-specific ``a`` target)."""
-    a = Arch(arch).value.removeprefix("sm_")
+    """``-gencode`` for one architecture: ``sm_90a`` SASS only (wgmma needs the arch-specific
+    ``a`` target, which has no forward-compatible PTX); ``sm_80`` SASS plus its PTX, so GPUs
+    newer than 8.x can JIT it."""
+    arch = Arch(arch)
+    a = arch.value.removeprefix("sm_")
+    if arch is Arch.SM80:
+        return ["-gencode", f"arch=compute_{a},code=[sm_{a},compute_{a}]"]
     return ["-gencode", f"arch=compute_{a},code=sm_{a}"]
 
 

@@ -11,8 +11,13 @@
    semi-structured (``torch.sparse.to_sparse_semi_structured``) at 50% as a peer.
    Every benchmarked TW layer is also checked against dense ``torch.matmul`` on its masked weight.
 
-Exit status: 0 all checks passed; 1 a numeric mismatch (the rows are still written); 3 no CUDA
-device or no CUDA torch; 4 no nvcc.
+Robust to a broken instance: instances that fail to compile are left out of the build, each
+main loop's instances are verified in a child process (a faulting kernel poisons only that
+child's CUDA context), broken ones are left out of the benchmark, and the JSON is rewritten
+after every shape (``--budget-s`` stops starting new shapes in time).
+
+Exit status: 0 all checks passed; 1 a compile error or numeric mismatch (the rows are still
+written); 3 no CUDA device or no CUDA torch; 4 no nvcc.
 
     python -m benchmarks.cutlass_kernels.gpu_check [--out FILE] [--quick]
 """
@@ -56,7 +61,13 @@ def _import_cutlass_library() -> None:
     except ImportError:
         for site in sorted(glob.glob(str(ROOT / ".venv" / "lib" / "python3*" / "site-packages"))):
             sys.path.append(site)
-        import cutlass_library  # noqa: F401
+        try:
+            import cutlass_library  # noqa: F401
+        except ImportError as e:
+            raise SystemExit(
+                "gpu_check: nvidia-cutlass (module cutlass_library) is not installed for this "
+                f"python ({sys.executable}): pip install nvidia-cutlass==4.2.0.0, or put its wheel "
+                "in .whl/ and run gpu_check.sh (see its header)") from e
 
 
 def split_sparsity(s: float) -> float:
@@ -102,16 +113,16 @@ def cuda_time_us(fn, reps: int, warmup: int = 3) -> float:
     return start.elapsed_time(end) * 1000.0 / reps
 
 
-def verify_instances(ext, arch, failures: list[str]) -> list[dict[str, Any]]:
-    """Every instance vs the emulation (exact) and vs the fp32 reference (tolerance)."""
+def verify_instances(ext, kernels, failures: list[str]) -> list[dict[str, Any]]:
+    """Each instance vs the emulation (exact) and vs the fp32 reference (tolerance)."""
     from cutlass_kernels import build
-    from cutlass_kernels.manifest import DType, manifest
+    from cutlass_kernels.manifest import DType
     from cutlass_kernels.reference import emulate, pack_launch, pack_weight
     from tilesparse.format import reference_matmul
 
     rows = []
     gen = torch.Generator().manual_seed(0)
-    for kernel in manifest(arch):
+    for kernel in kernels:
         dt = torch.float16 if kernel.dtype is DType.F16 else torch.bfloat16
         G = kernel.tile_g
         # Exact: values in {-1, 0, 1}; K, N not multiples of G; M=1 and a ragged batch.
@@ -128,6 +139,7 @@ def verify_instances(ext, arch, failures: list[str]) -> list[dict[str, Any]]:
                 bad = int((got[:, :M] != want[:, :M]).sum())
                 failures.append(f"{kernel.name} M={M} K={K} N={N}: {bad} elements differ from the emulation")
             rows.append({"check": "exact_vs_emulation", "kernel": kernel.name, "M": M, "K": K, "N": N, "ok": ok})
+            print(f"  {kernel.name} exact M={M} K={K} N={N}: {'ok' if ok else 'MISMATCH'}", flush=True)
         # Tolerance: random normal data vs the fp32 reference.
         layout = tw_layout(1000, 4 * G + 7, G, 50, gen, torch.float32)
         x = torch.randn(777, 1000, generator=gen)
@@ -145,9 +157,9 @@ def verify_instances(ext, arch, failures: list[str]) -> list[dict[str, Any]]:
     return rows
 
 
-def bench_shape(ext, arch, name, M, K, N, dtype, reps, failures, broken) -> list[dict[str, Any]]:
+def bench_shape(ext, kernels, name, M, K, N, dtype, reps, failures, broken) -> list[dict[str, Any]]:
     from cutlass_kernels import build
-    from cutlass_kernels.manifest import DType, manifest
+    from cutlass_kernels.manifest import DType
     from cutlass_kernels.reference import pack_launch, pack_weight
 
     dev = "cuda"
@@ -161,7 +173,7 @@ def bench_shape(ext, arch, name, M, K, N, dtype, reps, failures, broken) -> list
         "method": "dense_cublas", "us": dense_us, "tflops": flops / dense_us / 1e6,
     }]
     kdt = DType.F16 if dtype == torch.float16 else DType.BF16
-    cands = [k for k in manifest(arch) if k.dtype is kdt and k.tile_g == 128 and k.name not in broken]
+    cands = [k for k in kernels if k.dtype is kdt and k.tile_g == 128 and k.name not in broken]
     if not cands:
         failures.append(f"{name}: every {kdt.value} G=128 instance failed verification; no TW timing")
         return rows
@@ -176,7 +188,10 @@ def bench_shape(ext, arch, name, M, K, N, dtype, reps, failures, broken) -> list
                 lambda k=kernel, a=launch: build.tw_gemm_kmajor(a, kernel=k, ext=ext), reps)
         kernel = min(cands, key=lambda k: per_kernel[k.name])
         tw_us = per_kernel[kernel.name]
-        picked = build.select_for(launch)  # what tw_linear_cuda would pick without tuning
+        try:  # what tw_linear_cuda would pick without tuning (None: a broken or unbuilt one)
+            picked = build.select_for(launch, ext)
+        except ValueError:
+            picked = None
         op_us = cuda_time_us(lambda k=kernel, lay=layout: build.tw_linear_cuda(x, lay, kernel=k), reps)
         # Correctness of exactly this layer against dense cuBLAS on the masked weight.
         y = build.tw_linear_cuda(x[:4096], layout, kernel=kernel).float()
@@ -196,7 +211,8 @@ def bench_shape(ext, arch, name, M, K, N, dtype, reps, failures, broken) -> list
             "ratio": dense_us / tw_us, "ratio_op": dense_us / op_us,
             "ideal": ideal, "fraction_of_ideal": dense_us / tw_us / ideal,
             "effective_tflops": flops * density / tw_us / 1e6, "ok": ok,
-            "selected_kernel": picked.name, "selected_us": per_kernel.get(picked.name),
+            "selected_kernel": picked and picked.name,
+            "selected_us": per_kernel.get(picked.name) if picked else None,
             "candidates_us": per_kernel,
         })
     # 2:4 semi-structured at 50% (the hardware-supported peer).
@@ -216,36 +232,110 @@ def bench_shape(ext, arch, name, M, K, N, dtype, reps, failures, broken) -> list
     return rows
 
 
+def _verify_child(args) -> int:
+    """Child mode (``--verify-kernels``): verify those instances, write the rows as JSON."""
+    import json
+
+    from cutlass_kernels import build
+    from cutlass_kernels.manifest import manifest
+
+    arch = build.device_arch()
+    ext = build.load_extension(arch, skip_failed=True)
+    want = set(args.verify_kernels.split(","))
+    kernels = [k for k in manifest(arch) if k.name in want]
+    failures: list[str] = []
+    rows = verify_instances(ext, kernels, failures)
+    torch.cuda.synchronize()  # a kernel fault surfaces here, before the rows are written
+    Path(args.verify_out).write_text(json.dumps({"checks": rows, "failures": failures}))
+    return 0
+
+
+CHILD_CMD = [sys.executable, "-m", "benchmarks.cutlass_kernels.gpu_check"]
+
+
+def verify_in_children(
+    kernels, failures: list[str], timeout_s: float, child_cmd: list[str] | None = None
+) -> list[dict[str, Any]]:
+    """Verify each main loop's instances in a child process of its own: a kernel that faults
+    (illegal address, trap) poisons only that child's CUDA context; its instances are then
+    marked broken and the benchmark goes on with the others.
+
+    ``child_cmd`` (default: this module) gets ``--verify-kernels a,b --verify-out FILE`` and
+    must write ``{"checks": [...], "failures": [...]}`` there and exit 0."""
+    import json
+    import subprocess
+    import tempfile
+
+    checks: list[dict[str, Any]] = []
+    families: dict[str, list] = {}
+    for k in kernels:
+        families.setdefault(k.mainloop.value, []).append(k)
+    for family, ks in families.items():
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "verify.json"
+            cmd = [*(child_cmd or CHILD_CMD),
+                   "--verify-kernels", ",".join(k.name for k in ks), "--verify-out", str(out)]
+            print(f"verifying {len(ks)} {family} instances (child process)", flush=True)
+            try:
+                proc = subprocess.run(cmd, cwd=ROOT, timeout=timeout_s, capture_output=True, text=True)
+                print(proc.stdout, end="", flush=True)
+                why = None if proc.returncode == 0 and out.is_file() else (
+                    f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}")
+            except subprocess.TimeoutExpired:
+                why = f"timed out after {timeout_s:.0f} s"
+            if why is None:
+                got = json.loads(out.read_text())
+                checks += got["checks"]
+                failures += got["failures"]
+            else:
+                failures.append(f"{family}: verification child failed ({why}); its instances are marked broken")
+                checks += [{"check": "child_process", "kernel": k.name, "ok": False, "error": why[:500]} for k in ks]
+    return checks
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cutlass_gpu_check.json"))
     p.add_argument("--quick", action="store_true", help="BERT-base shapes only, fewer reps")
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--dtype", choices=["f16", "bf16"], default="f16", help="benchmark dtype")
+    p.add_argument("--budget-s", type=float, default=440.0,
+                   help="stop starting new shapes after this many seconds (the JSON is written after every shape)")
+    p.add_argument("--verify-kernels", help=argparse.SUPPRESS)  # child mode
+    p.add_argument("--verify-out", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    t_start = time.perf_counter()
 
     if not torch.cuda.is_available():
         print(f"gpu_check: no CUDA device visible to torch {torch.__version__} (torch.version.cuda="
-              f"{torch.version.cuda}). Install a CUDA build of torch==2.13.0 on the GPU machine "
-              "and rerun.", file=sys.stderr)
+              f"{torch.version.cuda}). Run it with a CUDA build of torch on a machine with an "
+              "NVIDIA GPU (sm_80 or newer).", file=sys.stderr)
         return 3
     _import_cutlass_library()
     sys.path.insert(0, str(ROOT))
+    if args.verify_kernels:
+        return _verify_child(args)
+    import logging
+
     from benchmarks.meta import write_json
     from cutlass_kernels import build
+    from cutlass_kernels.manifest import manifest
 
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     if build.find_nvcc() is None:
         print("gpu_check: nvcc not found (set CUDA_HOME or PATH); cannot build the kernels",
               file=sys.stderr)
         return 4
     arch = build.device_arch()
     t0 = time.perf_counter()
-    ext = build.load_extension(arch)
+    ext = build.load_extension(arch, skip_failed=True)
     build_s = time.perf_counter() - t0
-    print(f"built {len(ext.instances())} {arch.value} instances in {build_s:.1f} s", flush=True)
+    failures: list[str] = [f"{n}: compile error (left out of the build)" for n in ext.failed]
+    kernels = [k for k in manifest(arch) if k.name in set(ext.instances())]
+    print(f"built {len(kernels)} {arch.value} instances in {build_s:.1f} s; "
+          f"{len(ext.failed)} failed to compile: {sorted(ext.failed)}", flush=True)
 
-    failures: list[str] = []
-    checks = verify_instances(ext, arch, failures)
+    checks = verify_in_children(kernels, failures, timeout_s=120.0)
     broken = {c["kernel"] for c in checks if not c["ok"]}
     print(f"verified {len(checks)} checks, {len(failures)} failures; broken: {sorted(broken)}", flush=True)
 
@@ -253,19 +343,32 @@ def main(argv: list[str] | None = None) -> int:
     shapes = SHAPES[:2] if args.quick else SHAPES
     reps = 5 if args.quick else args.reps
     rows: list[dict[str, Any]] = []
+    skipped: list[str] = []
+    meta = {"arch": arch.value, "device": torch.cuda.get_device_name(0), "build_seconds": build_s,
+            "compile_failures": {n: e[-2000:] for n, e in ext.failed.items()}}
+
+    def save():
+        return write_json(args.out, rows, checks=checks, failures=failures, skipped_shapes=skipped, **meta)
+
+    save()
     for name, M, K, N in shapes:
-        rows += bench_shape(ext, arch, name, M, K, N, dtype, reps, failures, broken)
-        for r in rows[-(len(SPARSITIES) + 2):]:
+        if time.perf_counter() - t_start > args.budget_s:
+            skipped.append(name)
+            print(f"{name}: skipped (over the {args.budget_s:.0f} s budget)", flush=True)
+            continue
+        new = bench_shape(ext, kernels, name, M, K, N, dtype, reps, failures, broken)
+        rows += new
+        for r in new:
             tag = f"{r['method']:>20} {r.get('sparsity', ''):>3}"
             fig = f"{r['us']:9.1f} us" if "us" in r else r.get("error", "")
             extra = f" ratio {r['ratio']:.2f} (op {r.get('ratio_op', float('nan')):.2f}) frac {r['fraction_of_ideal']:.2f}" if "ratio" in r else ""
             print(f"{name:>15} {tag} {fig}{extra}", flush=True)
         torch.cuda.empty_cache()
-    out = write_json(args.out, rows, checks=checks, failures=failures, build_seconds=build_s,
-                     arch=arch.value, device=torch.cuda.get_device_name(0))
-    print(f"wrote {out}")
+        save()
+    out = save()
+    print(f"wrote {out} ({time.perf_counter() - t_start:.0f} s)")
     if failures:
-        print("NUMERIC MISMATCH:\n  " + "\n  ".join(failures), file=sys.stderr)
+        print("FAILURES:\n  " + "\n  ".join(failures), file=sys.stderr)
         return 1
     return 0
 

@@ -1,11 +1,19 @@
-// tilerec: torch binding of the generated TW GEMM instances (compiled only on a CUDA machine by
-// cutlass_kernels/build.py). The instance table comes from the generated tw_instances.h.
+// tilerec: torch binding of the generated TW GEMM instances (cutlass_kernels/build.py links it
+// with the nvcc-compiled instance objects and libcudart). The instance table comes from the
+// generated tw_instances.h.
+//
+// Only torch's device-generic headers are used (no c10/cuda, no ATen/cuda): the caller passes
+// the CUDA stream, and c10::DeviceGuard reaches the CUDA guard that a CUDA build of torch
+// registers at runtime. So the same file builds against a CPU-only torch too, which is how CI
+// builds, links and imports the extension on a machine without a GPU.
+#include <cstdint>
 #include <string>
 #include <vector>
 
 #include <torch/extension.h>
-#include <c10/cuda/CUDAGuard.h>
-#include <c10/cuda/CUDAStream.h>
+#include <c10/core/DeviceGuard.h>
+
+#include <cuda_runtime_api.h>
 
 #include "tw_instances.h"
 
@@ -29,10 +37,11 @@ int find_instance(const std::string &name) {
   return -1;
 }
 
-// yt[col_idx[...], :batch] = alpha * (W_t^T . xt[row_idx[...], :batch]) + beta * yt[...]
+// yt[col_idx[...], :batch] = alpha * (W_t^T . xt[row_idx[...], :batch]) + beta * yt[...],
+// launched on `stream` (a cudaStream_t as an integer: torch.cuda.current_stream().cuda_stream).
 void tw_gemm(const std::string &instance, const at::Tensor &tile_meta, const at::Tensor &col_idx,
              const at::Tensor &row_idx, const at::Tensor &w, int64_t lda, const at::Tensor &xt,
-             at::Tensor yt, int64_t batch, double alpha, double beta) {
+             at::Tensor yt, int64_t batch, double alpha, double beta, int64_t stream) {
   int idx = find_instance(instance);
   TORCH_CHECK(idx >= 0, "TW GEMM instance '", instance, "' is not in this build");
   const auto &inst = tilerec::kTwInstances[idx];
@@ -50,7 +59,8 @@ void tw_gemm(const std::string &instance, const at::Tensor &tile_meta, const at:
   TORCH_CHECK(w.size(0) == 0 || w.stride(0) == lda, "w must have row pitch lda=", lda);
   TORCH_CHECK(xt.size(1) >= batch && yt.size(1) >= batch, "xt and yt must hold batch=", batch,
               " columns");
-  c10::cuda::CUDAGuard guard(device);
+  TORCH_CHECK(batch >= 0 && batch <= (int64_t(1) << 30), "batch must be in [0, 2^30], got ", batch);
+  c10::DeviceGuard guard(device);
   tilerec::TwGemmArgs args{};
   args.num_tiles = int(tile_meta.size(0));
   args.batch = int(batch);
@@ -65,7 +75,7 @@ void tw_gemm(const std::string &instance, const at::Tensor &tile_meta, const at:
   args.yt = yt.data_ptr();
   args.alpha = float(alpha);
   args.beta = float(beta);
-  int status = inst.launch(&args, c10::cuda::getCurrentCUDAStream(device.index()).stream());
+  int status = inst.launch(&args, reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)));
   TORCH_CHECK(status != tilerec::kTwBadShape, "TW GEMM ", instance,
               ": batch, lda, ldx, ldy must be multiples of ", inst.alignment,
               " and ldx, ldy >= batch (got batch=", batch, " lda=", lda, " ldx=", args.ldx,

@@ -1,11 +1,22 @@
-"""``nvcc -c`` of one sm_80 and one sm_90a instance (no GPU needed), cached by input hash."""
+"""``nvcc -c`` of one sm_80 and one sm_90a instance (no GPU needed), cached by input hash;
+the torch extension built from such an object, linked, imported and its argument checks run."""
 
 from __future__ import annotations
 
 import pytest
+import torch
 
-from cutlass_kernels.build import compile_object, cuda_toolkit_root, find_nvcc, nvcc_version
+from cutlass_kernels.build import (
+    compile_object,
+    compile_objects,
+    cuda_toolkit_root,
+    find_nvcc,
+    load_extension,
+    nvcc_version,
+)
 from cutlass_kernels.manifest import Arch, DType, Mainloop, manifest
+from cutlass_kernels.reference import pack_launch, pack_weight
+from tilesparse.format import condense
 
 _MS, _GMMA = Mainloop.SM80_MULTISTAGE, Mainloop.SM90_CPASYNC_GMMA
 
@@ -55,3 +66,53 @@ def test_compile_without_nvcc_says_so(monkeypatch) -> None:
     monkeypatch.delenv("CUDA_PATH", raising=False)
     with pytest.raises(RuntimeError, match="nvcc not found"):
         compile_object(manifest(Arch.SM80)[0])
+
+
+@pytest.mark.slow
+def test_extension_builds_links_and_imports_without_a_gpu(require) -> None:
+    """The same build path as on a CUDA machine (objects → binding → link with libcudart),
+    against this machine's torch; a kernel cannot run here, so the binding's checks are run."""
+    nvcc = find_nvcc()
+    require(nvcc is not None, "nvcc")
+    kernel = _pick(Arch.SM80, DType.F16, _MS)  # the object test_instance_compiles_with_nvcc made
+    ext = load_extension(Arch.SM80, [kernel])
+    assert ext.instances() == [kernel.name]
+    assert ext.failed == {}
+    assert load_extension(Arch.SM80, [kernel]) is ext  # memoised in the process
+
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(40, 50, generator=g) < 0.5
+    layout = condense(torch.randn(40, 50, generator=g), mask, 128)
+    pw = pack_weight(layout, dtype=torch.float16)
+    launch = pack_launch(torch.randn(3, 40, generator=g).half(), pw)
+    args = (pw.tile_meta, pw.col_idx, pw.row_idx, pw.w, pw.lda, launch.xt, launch.yt,
+            launch.batch, 1.0, 0.0, 0)
+    with pytest.raises(RuntimeError, match="not in this build"):
+        ext.tw_gemm("tw_gemm_no_such_instance", *args)
+    with pytest.raises(RuntimeError, match="xt must be a CUDA tensor"):
+        ext.tw_gemm(kernel.name, *args)
+
+
+@pytest.mark.slow
+def test_failed_instance_is_skipped_or_raised(require, monkeypatch, tmp_path) -> None:
+    """A compile error names the instance; with ``skip_failed`` the rest still build."""
+    from cutlass_kernels import emit
+
+    nvcc = find_nvcc()
+    require(nvcc is not None, "nvcc")
+    good = _pick(Arch.SM80, DType.F16, _MS)
+    bad = next(k for k in manifest(Arch.SM80) if k.dtype is DType.BF16 and k.mainloop is _MS)
+    real = emit.emit_instance
+
+    def broken(kernel):
+        f = real(kernel)
+        if kernel is bad:
+            return emit.EmittedFile(f.name, f.text + "\n#error planted compile error\n", f.input_hash)
+        return f
+
+    monkeypatch.setattr(emit, "emit_instance", broken)
+    with pytest.raises(RuntimeError, match=f"nvcc failed .* on {bad.name}"):
+        compile_objects([bad], nvcc=nvcc, cache=tmp_path)
+    objects, failed = compile_objects([good, bad], nvcc=nvcc, skip_failed=True, jobs=2)
+    assert set(objects) == {good.name} and set(failed) == {bad.name}
+    assert "planted compile error" in failed[bad.name]

@@ -143,7 +143,7 @@ def test_write_sources_leaves_identical_files_untouched(tmp_path) -> None:
 
 def test_nvcc_arch_flags() -> None:
     assert emit.nvcc_arch_flags("sm_90a") == ["-gencode", "arch=compute_90a,code=sm_90a"]
-    assert emit.nvcc_arch_flags(Arch.SM80) == ["-gencode", "arch=compute_80,code=sm_80"]
+    assert emit.nvcc_arch_flags(Arch.SM80) == ["-gencode", "arch=compute_80,code=[sm_80,compute_80]"]
 
 
 def test_import_needs_no_gpu_nvcc_or_cutlass(tmp_path) -> None:

@@ -42,6 +42,7 @@ __all__ = [
     "find_nvcc",
     "nvcc_version",
     "cuda_toolkit_root",
+    "cudart_library",
     "compile_object",
     "compile_objects",
     "device_arch",
@@ -195,12 +196,37 @@ def device_arch(device: torch.device | int | None = None) -> Arch:
     raise RuntimeError(f"the TW kernels need compute capability >= 8.0, got {major}.{minor}")
 
 
-def _toolkit_dir(toolkit: Path, sub: str, probe: str) -> Path:
-    """``include`` or ``lib64`` of a toolkit (or its ``targets/<arch>-linux`` twin) holding ``probe``."""
-    for d in (toolkit / sub, *sorted((toolkit / "targets").glob(f"*-linux/{'lib' if sub == 'lib64' else sub}"))):
-        if (d / probe).exists():
+def _toolkit_include(toolkit: Path) -> Path:
+    """The toolkit's ``include`` (or its ``targets/<arch>-linux/include`` twin)."""
+    for d in (toolkit / "include", *sorted((toolkit / "targets").glob("*-linux/include"))):
+        if (d / "cuda_runtime_api.h").is_file():
             return d
-    raise RuntimeError(f"no {probe} under the CUDA toolkit {toolkit} (looked in {sub} and targets/)")
+    raise RuntimeError(f"no cuda_runtime_api.h under the CUDA toolkit {toolkit} (include/, targets/*/include/)")
+
+
+def cudart_library(toolkit: Path) -> Path:
+    """The shared ``libcudart`` to link: the toolkit's (``lib64``, ``targets/*/lib``), else the
+    one a CUDA build of torch ships (``nvidia/*/lib`` in site-packages, versioned name only).
+
+    Raises:
+        RuntimeError: none found (the places looked in are named).
+    """
+    dirs = [toolkit / "lib64", *sorted((toolkit / "targets").glob("*-linux/lib"))]
+    dirs += sorted(Path(p).parent.parent / "lib" for p in _nvidia_runtime_markers())
+    for d in dirs:
+        found = sorted(d.glob("libcudart.so*"), key=lambda p: (len(p.name), p.name))
+        if found:
+            return found[0]  # libcudart.so when there, else libcudart.so.<major>
+    raise RuntimeError(f"no shared libcudart in {[str(d) for d in dirs]}")
+
+
+def _nvidia_runtime_markers() -> list[str]:
+    import glob
+
+    out: list[str] = []
+    for site in sys.path:
+        out += glob.glob(str(Path(site) / "nvidia" / "*" / "include" / "cuda_runtime_api.h"))
+    return out
 
 
 def compile_objects(
@@ -301,13 +327,14 @@ def load_extension(
     if not built:
         raise RuntimeError(f"no {arch.value} TW instance compiled; first error:\n{next(iter(failed.values()))}")
     toolkit = cuda_toolkit_root(nvcc)
-    include = _toolkit_dir(toolkit, "include", "cuda_runtime_api.h")
-    libdir = _toolkit_dir(toolkit, "lib64", "libcudart.so")
+    include = _toolkit_include(toolkit)
+    cudart = cudart_library(toolkit)
+    libdir = cudart.parent
     registry = emit.emit_registry(built)
     binding = emit.csrc_dir() / "tw_binding.cpp"
     key = _key(
         *(objects[k.name].key for k in built), registry.text, binding.read_text(),
-        (emit.csrc_dir() / "tw_args.h").read_text(), str(include), str(libdir),
+        (emit.csrc_dir() / "tw_args.h").read_text(), str(include), str(cudart),
         f"torch {torch.__version__} cuda {torch.version.cuda}", sys.version,
     )
     name = f"tilerec_tw_{key[:16]}"
@@ -321,7 +348,7 @@ def load_extension(
         sources=[str(binding)],
         extra_cflags=["-O2"],
         extra_include_paths=[str(emit.csrc_dir()), str(root / "src"), str(include)],
-        extra_ldflags=[*(str(objects[k.name].path) for k in built), f"-L{libdir}", "-lcudart",
+        extra_ldflags=[*(str(objects[k.name].path) for k in built), f"-L{libdir}", f"-l:{cudart.name}",
                        f"-Wl,-rpath,{libdir}"],
         build_directory=str(build_dir),
         verbose=verbose,

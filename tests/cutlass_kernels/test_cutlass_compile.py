@@ -116,3 +116,20 @@ def test_failed_instance_is_skipped_or_raised(require, monkeypatch, tmp_path) ->
     objects, failed = compile_objects([good, bad], nvcc=nvcc, skip_failed=True, jobs=2)
     assert set(objects) == {good.name} and set(failed) == {bad.name}
     assert "planted compile error" in failed[bad.name]
+
+
+def test_cudart_is_found_in_lib64_targets_or_nowhere(tmp_path, monkeypatch) -> None:
+    from cutlass_kernels.build import cudart_library
+
+    monkeypatch.setattr("cutlass_kernels.build._nvidia_runtime_markers", lambda: [])
+    tk = tmp_path / "cuda"
+    with pytest.raises(RuntimeError, match="no shared libcudart"):
+        cudart_library(tk)
+    lib = tk / "targets" / "x86_64-linux" / "lib"
+    lib.mkdir(parents=True)
+    (lib / "libcudart.so.13").write_bytes(b"")
+    assert cudart_library(tk) == lib / "libcudart.so.13"  # only a versioned one: linked as -l:name
+    (tk / "lib64").mkdir()
+    (tk / "lib64" / "libcudart.so.13").write_bytes(b"")
+    (tk / "lib64" / "libcudart.so").write_bytes(b"")
+    assert cudart_library(tk) == tk / "lib64" / "libcudart.so"

@@ -94,7 +94,7 @@ namespace sm90 {
 
 // (N', K') view of X^T whose K' coordinate k reads row index[k] of a row-major (K, ld) matrix.
 template <class Element>
-CUTE_DEVICE auto make_row_gather_tensor(Element const *ptr, int n, int k, int64_t ld,
+CUTE_HOST_DEVICE auto make_row_gather_tensor(Element const *ptr, int n, int k, int64_t ld,
                                         int const *index) {
   using namespace cute;
   auto coords = make_identity_layout(make_shape(n, k));

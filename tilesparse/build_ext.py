@@ -1,4 +1,4 @@
-"""Build and load the fast CPU kernel (``tilesparse/csrc/``: ``tw_linear_cpu.cpp`` fp32, ``tw_linear_lowp.cpp`` bf16/fp16/fp64, ``tw_common.h``).
+"""Build and load the fast CPU kernel (``tilesparse/csrc/``: ``tw_linear_cpu.cpp`` fp32, ``tw_microkernel_avx2.h`` its AVX2 micro-kernel, ``tw_linear_lowp.cpp`` bf16/fp16/fp64, ``tw_linear_amx.cpp`` bf16 on AMX, ``tw_common.h``).
 
 The extension is compiled with the machine's C++ compiler through
 ``torch.utils.cpp_extension`` (ninja), with ``-O3 -march=native``, into a cache folder::
@@ -34,7 +34,7 @@ log = logging.getLogger(__name__)
 EXT_NAME = "tilesparse_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "tw_linear_cpu.cpp", CSRC / "tw_linear_lowp.cpp", CSRC / "tw_linear_amx.cpp")
-HEADERS = (CSRC / "tw_common.h",)
+HEADERS = (CSRC / "tw_common.h", CSRC / "tw_microkernel_avx2.h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 DISABLE_ENV = "TILESPARSE_DISABLE_EXT"
 
@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, OSError, ImportError) as e:
         log.error("tilesparse: build failed: %s", e)
         return 1
-    log.info("tilesparse: built %s (AVX-512 micro-kernel: %s) in %s", EXT_NAME, mod.has_avx512(), build_dir())
+    log.info("tilesparse: built %s (fp32 micro-kernel: %s) in %s", EXT_NAME, mod.simd(), build_dir())
     return 0
 
 

@@ -41,9 +41,9 @@ __all__ = [
 
 # The machine the README numbers come from has 2 cores; the lead measures on it.
 DEFAULT_THREADS = 2
-# CPU flags that decide which kernels run: the TW fp32 micro-kernel needs AVX-512; torch's
-# dense bf16 matmul (oneDNN) uses AVX512-BF16 / AMX tiles where present.
-CPU_FLAGS = ("avx2", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
+# CPU flags that decide which kernels run: the TW fp32 micro-kernel is AVX-512, else AVX2 + FMA,
+# else scalar; torch's dense bf16 matmul (oneDNN) uses AVX512-BF16 / AMX tiles where present.
+CPU_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
 
 @dataclass(frozen=True)
@@ -165,9 +165,10 @@ def set_threads(n: int) -> int:
 
 
 def cpu_features() -> dict[str, Any]:
-    """Which of :data:`CPU_FLAGS` the CPU has (``/proc/cpuinfo``; empty elsewhere), and whether
-    the TW extension runs its AVX-512 fp32 micro-kernel and its AMX bf16 kernel (``None`` if it
-    is not loaded)."""
+    """Which of :data:`CPU_FLAGS` the CPU has (``/proc/cpuinfo``; empty elsewhere), which fp32
+    micro-kernel the TW extension runs (``tw_kernel_simd``: ``"avx512"`` / ``"avx2"`` /
+    ``"scalar"``; ``tw_kernel_avx512`` kept for older readers) and whether it runs its AMX bf16
+    kernel (``None`` where the extension is not loaded)."""
     try:
         text = Path("/proc/cpuinfo").read_text()
     except OSError:
@@ -181,6 +182,7 @@ def cpu_features() -> dict[str, Any]:
 
     ext = load_extension()
     return {f: f in flags for f in CPU_FLAGS} | {
+        "tw_kernel_simd": None if ext is None else str(ext.simd()),
         "tw_kernel_avx512": None if ext is None else bool(ext.has_avx512()),
         "tw_kernel_amx_bf16": None if ext is None else bool(ext.has_amx()),
     }

@@ -58,6 +58,8 @@ def _load(path: Path) -> dict[str, Any]:
     doc = json.loads(path.read_text())
     assert set(doc) >= {"meta", "rows", "cpu_features"}
     assert doc["cpu_features"]["tw_kernel_avx512"] in (True, False)
+    assert doc["cpu_features"]["tw_kernel_simd"] in ("avx512", "avx2", "scalar")
+    assert doc["cpu_features"]["tw_kernel_avx512"] == (doc["cpu_features"]["tw_kernel_simd"] == "avx512")
     assert doc["meta"]["torch_threads"] == 1
     return doc
 

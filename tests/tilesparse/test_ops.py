@@ -100,6 +100,44 @@ def test_cpu_exact_on_integers(ext):
     assert torch.equal(ops.tw_linear(x, layout, bias, "cpu"), x @ layout.to_dense() + bias)
 
 
+# Strip edges of both micro-kernels (AVX-512 12 × 32, AVX2 6 × 16): G=8 and 20 leave strips
+# narrower than NR; drop 0 keeps them contiguous (masked stores), drop 0.3 leaves gaps (scatter
+# / scalar stores); M=1, 5, 7, 13 and 97 are not multiples of MR = 6 or 12, 97 is one row past
+# an M block; K=600 with every row kept is three k-blocks (the accumulate path).
+@pytest.mark.parametrize("G", [8, 20, 40, 128])
+@pytest.mark.parametrize("drop", [0.0, 0.3])
+@pytest.mark.parametrize("M", [1, 5, 7, 13, 97])
+def test_cpu_exact_on_strip_edges(ext, G, drop, M):
+    gen = torch.Generator().manual_seed(G * 100 + M + int(drop * 10))
+    K, N = 600, 150
+    layout = condense(int_tensor((K, N), gen), tw_random_mask(K, N, G, 1.0, gen, drop), G)
+    x = int_tensor((M, K), gen)
+    bias = int_tensor((N,), gen)
+    for b in (None, bias):
+        assert torch.equal(ops.tw_linear(x, layout, b, "cpu"), reference_matmul(x, layout, b))
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def test_simd_reports_the_cpus_vector_isa(ext):
+    """-march=native picks the widest fp32 micro-kernel the CPU has; simd() says which."""
+    flags = _cpu_flags()
+    if not flags:
+        pytest.skip("no /proc/cpuinfo flags to compare with")
+    want = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "scalar"
+    assert ext.simd() == want
+    assert ext.has_avx512() == (want == "avx512")
+
+
 def _cpu_has_amx_bf16() -> bool:
     try:
         with open("/proc/cpuinfo") as f:

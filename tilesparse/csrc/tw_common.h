@@ -225,6 +225,20 @@ inline at::Tensor init_output(const Plan& p, const at::Tensor& x, const c10::opt
   return y.zero_();
 }
 
+// fp32 micro-kernels (tw_linear_cpu.cpp, tw_microkernel_avx2.h): where a micro-tile's
+// finished C goes: rows 0..rows of Y (row stride ldy, starting at y), columns cols[0..NR) of
+// that row (ascending kept columns; lanes past the tile's width are masked off, and the valid
+// lanes are a prefix), plus the bias of those columns (zero padded) when there is one.
+struct Epilogue {
+  float* y;
+  int64_t ldy;
+  const int32_t* cols;  // NR entries
+  const float* bias;    // NR entries or nullptr
+  int64_t rows;         // valid rows, 1..MR
+  uint32_t lanes;       // valid columns as a bit mask (bit c = column c of the strip)
+  bool contiguous;      // cols[c] == cols[0] + c for every valid c
+};
+
 #if defined(__AVX512F__)
 // dst[j * ldd + i] = src[i * lds + j] for a full 16 × 16 block, in registers.
 inline void transpose16(const float* src, int64_t lds, float* dst, int64_t ldd) {

@@ -17,6 +17,12 @@
 // of equal size (≤ KC); pruned output columns are filled with one masked store per 16-column
 // group.
 //
+// Without AVX-512 (AVX2 + FMA, e.g. AMD Zen 3) the same design runs a 6 × 16 micro-kernel
+// (12 ymm accumulators; tw_microkernel_avx2.h) on 16-wide strips; the epilogue has no
+// scatter, so strips with pruned gaps are stored through a 16-float buffer with scalar
+// stores.
+// Without AVX2 a scalar C loop of the AVX-512 shape runs (correct, slow). simd() says which.
+//
 // Memory: scratch buffers are kept per thread and reused, and large outputs come from a pool
 // of huge-page buffers (OutputPool): a fresh 64 MiB buffer per call is a new mmap whose every
 // page faults and is cleared on first touch — 23% of the call at 75% before the scratch was
@@ -32,11 +38,22 @@
 // Other dtypes: bf16 on the AMX kernel where the CPU and OS allow it (tw_linear_amx.cpp);
 // fp16, fp64 and bf16 without AMX gather per tile and call at::mm (tw_linear_lowp.cpp).
 #include "tw_common.h"
+#include "tw_microkernel_avx2.h"
 
 namespace tilesparse_cpu {
 namespace {
 
 
+#if defined(TILESPARSE_AVX2)
+// AVX2 + FMA without AVX-512: the 6 × 16 micro-kernel and helpers of tw_microkernel_avx2.h.
+using avx2::MR;
+using avx2::NR;
+using avx2::KC;
+using avx2::PFD;
+using avx2::MC;
+using avx2::copy_strip;
+using avx2::micro_kernel;
+#else
 constexpr int64_t MR = 12;   // rows of Y per micro-kernel (broadcast operand)
 constexpr int64_t NR = 32;   // columns of Y per micro-kernel: two 16-float vectors
 constexpr int64_t KC = 256;  // kept rows per k-block: a B strip of 256 × 32 floats = 32 KiB
@@ -59,19 +76,6 @@ void copy_strip(const float* B, int64_t ldb, int64_t kc, int64_t ncols, float* d
     for (int64_t j = 0; j < NR; ++j) dst[k * NR + j] = j < ncols ? B[k * ldb + j] : 0.f;
 #endif
 }
-
-// Where a micro-tile's finished C goes: rows 0..rows of Y (row stride ldy, starting at y),
-// columns cols[0..NR) of that row (ascending kept columns; lanes past the tile's width are
-// masked off), plus the bias of those columns (zero padded) when there is one.
-struct Epilogue {
-  float* y;
-  int64_t ldy;
-  const int32_t* cols;  // NR entries
-  const float* bias;    // NR entries or nullptr
-  int64_t rows;         // valid rows, 1..MR
-  uint32_t lanes;       // valid columns as a bit mask (bit c = column c of the strip)
-  bool contiguous;      // cols[c] == cols[0] + c for every valid c
-};
 
 // C[MR × NR] (+)= A[k][0:MR] · B[k][0:NR] with A[k] = A + arows[k] * lda (a kept row of the
 // transposed X block) and B packed contiguous; C row stride ldc, padded. A is prefetched PFD
@@ -158,6 +162,8 @@ void micro_kernel(int64_t kc, const float* A, const int64_t* arows, int64_t lda,
 #endif
 }
 
+#endif  // TILESPARSE_AVX2
+
 // Rows m0..m0+mcur of X (M × K row-major) → dst (K × mc, K-major), zero padded past mcur.
 // One block is contiguous (mc·K floats), so the gathers of every tile of that block stay in
 // L2 without the set conflicts a power-of-two row stride would cause.
@@ -168,6 +174,12 @@ void transpose_block(const float* X, int64_t K, int64_t m0, int64_t mcur, int64_
 #if defined(__AVX512F__)
     if (kn == 16)
       for (; r + 16 <= mcur; r += 16) transpose16(X + (m0 + r) * K + k0, K, dst + k0 * mc + r, mc);
+#elif defined(TILESPARSE_AVX2)
+    if (kn == 16)
+      for (; r + 8 <= mcur; r += 8) {
+        avx2::transpose8(X + (m0 + r) * K + k0, K, dst + k0 * mc + r, mc);
+        avx2::transpose8(X + (m0 + r) * K + k0 + 8, K, dst + (k0 + 8) * mc + r, mc);
+      }
 #endif
     for (; r < mcur; ++r) {
       const float* src = X + (m0 + r) * K + k0;
@@ -315,6 +327,10 @@ at::Tensor tw_linear_f32(const at::Tensor& x, const at::Tensor& col_idx,
             _mm512_mask_storeu_ps(yr + g, m, v);
           }
         }
+#elif defined(TILESPARSE_AVX2)
+        for (int64_t r = 0; r < mcur; ++r)
+          avx2::fill_pruned(Y + (m0 + r) * pp->N, st.group_start.data(), st.group_mask.data(),
+                            st.group_start.size(), bptr);
 #else
         for (int64_t r = 0; r < mcur; ++r) {
           float* yr = Y + (m0 + r) * pp->N;
@@ -399,6 +415,17 @@ bool has_avx512() {
 #endif
 }
 
+// The instruction set the fp32 micro-kernel was compiled for.
+std::string simd() {
+#if defined(__AVX512F__)
+  return "avx512";
+#elif defined(TILESPARSE_AVX2)
+  return "avx2";
+#else
+  return "scalar";
+#endif
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("tw_linear_cpu", &tw_linear_cpu, "Fused gather-GEMM for the condensed TW format (CPU)",
         py::call_guard<py::gil_scoped_release>());
@@ -406,6 +433,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "Free the calling thread's scratch buffers (they grow to the largest call) and the pooled "
         "free output buffers; returns bytes");
   m.def("has_avx512", &has_avx512, "Whether the fp32 micro-kernel was compiled for AVX-512");
+  m.def("simd", &simd,
+        "The fp32 micro-kernel's instruction set: 'avx512' (12x32), 'avx2' (AVX2+FMA, 6x16) or "
+        "'scalar'");
   m.def("has_amx", &amx_available,
         "Whether bf16 runs on the AMX kernel (built with AMX, granted by the OS, not disabled)");
 }

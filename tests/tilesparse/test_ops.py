@@ -103,7 +103,7 @@ def test_cpu_exact_on_integers(ext):
 # Strip edges of both micro-kernels (AVX-512 12 × 32, AVX2 6 × 16): G=8 and 20 leave strips
 # narrower than NR; drop 0 keeps them contiguous (masked stores), drop 0.3 leaves gaps (scatter
 # / scalar stores); M=1, 5, 7, 13 and 97 are not multiples of MR = 6 or 12, 97 is one row past
-# an M block; K=600 with every row kept is three k-blocks (the accumulate path).
+# an M block; K=600 with every row kept is several k-blocks (the accumulate path).
 @pytest.mark.parametrize("G", [8, 20, 40, 128])
 @pytest.mark.parametrize("drop", [0.0, 0.3])
 @pytest.mark.parametrize("M", [1, 5, 7, 13, 97])

@@ -20,7 +20,10 @@
 // Without AVX-512 (AVX2 + FMA, e.g. AMD Zen 3) the same design runs a 6 × 16 micro-kernel
 // (12 ymm accumulators; tw_microkernel_avx2.h) on 16-wide strips; the epilogue has no
 // scatter, so strips with pruned gaps are stored through a 16-float buffer with scalar
-// stores.
+// stores. Measured on an AMD EPYC (Zen 3, 2 threads, 4096³, G=128): 1.51× / 3.08× / 7.69× over
+// dense at 50 / 75 / 90 % (the scalar fallback it replaces: 0.65× / 1.48× / 2.75×); perf at
+// 50 %: ~90 % of the kernel's samples in the micro-kernel's k loop; ~65 GF/s per core over the
+// call (dense torch.matmul: ~80).
 // Without AVX2 a scalar C loop of the AVX-512 shape runs (correct, slow). simd() says which.
 //
 // Memory: scratch buffers are kept per thread and reused, and large outputs come from a pool
@@ -29,7 +32,7 @@
 // kept, and 1.5x on the DLRM cross layer 512 → 3456 at batch 4096 (56 MiB output) with the
 // output pool.
 //
-// Measured (perf, 4096³, 50%, 2 threads): ~83% of cycles in the micro-kernel, ~2% in the
+// Measured on the AVX-512 machine (perf, 4096³, 50%, 2 threads): ~83% of cycles in the micro-kernel, ~2% in the
 // block transposes, ~1% re-packing B. A hot-loop micro-benchmark put the micro-kernel at
 // ~180 GF/s per core with A read through the row list, ~210 GF/s with A packed contiguously;
 // packing A costs more than that here because the block's rows come back from L2 per tile.

@@ -46,6 +46,7 @@ from benchmarks.meta import RESULTS_DIR, write_json
 from benchmarks.tilesparse.timing import (
     add_threads_arg,
     cpu_features,
+    default_dtypes,
     free_memory,
     interleaved,
     set_threads,
@@ -311,7 +312,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--quick", action="store_true",
                     help=f"one tiny shape {QUICK_SHAPES[0].name}, s={QUICK_SPARSITIES}, {QUICK_REPEATS} repeats")
     ap.add_argument("--only", default=",".join(DEFAULT_GROUPS), help=f"comma list of {GROUPS}")
-    ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of {tuple(DTYPES)}")
+    ap.add_argument("--dtypes", default=None,
+                    help=f"comma list of {tuple(DTYPES)} (default: all; bf16 only where the CPU has native bf16)")
     ap.add_argument("--sparsities", default=",".join(map(str, SPARSITIES)), help="comma list in [0, 1)")
     ap.add_argument("--tiles", default=",".join(map(str, TILES)), help="comma list of G")
     ap.add_argument("--repeats", type=int, default=None,
@@ -325,7 +327,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     add_threads_arg(ap)
     args = ap.parse_args(argv)
     args.group_list = _csv(args.only, GROUPS, "only", ap)
-    args.dtype_list = _csv(args.dtypes, tuple(DTYPES), "dtypes", ap)
+    if args.dtypes is None:
+        args.dtype_list = default_dtypes(list(DTYPES), args.quick)
+    else:
+        args.dtype_list = _csv(args.dtypes, tuple(DTYPES), "dtypes", ap)
     try:
         args.sparsity_list = [float(v) for v in args.sparsities.split(",") if v.strip()]
         args.tile_list = [int(v) for v in args.tiles.split(",") if v.strip()]

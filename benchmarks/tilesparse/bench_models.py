@@ -52,6 +52,7 @@ from benchmarks.meta import RESULTS_DIR, write_json
 from benchmarks.tilesparse.timing import (
     add_threads_arg,
     cpu_features,
+    default_dtypes,
     free_memory,
     interleaved,
     set_threads,
@@ -357,7 +358,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--quick", action="store_true", help=f"tiny models, s=0.75, {QUICK_REPEATS} repeats")
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
-    ap.add_argument("--dtypes", default=",".join(DTYPES), help=f"comma list of {tuple(DTYPES)}")
+    ap.add_argument("--dtypes", default=None,
+                    help=f"comma list of {tuple(DTYPES)} (default: all; bf16 only where the CPU has native bf16)")
     ap.add_argument("--repeats", type=int, default=None,
                     help="interleaved rounds per row (default: enough for ~--row-seconds, 5..30)")
     ap.add_argument("--row-seconds", type=float, default=8.0, help="time budget of a row's rounds")
@@ -368,12 +370,15 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "tilesparse_models.json")
     add_threads_arg(ap)
     args = ap.parse_args(argv)
-    for name, value, allowed in (("only", args.only, SECTIONS), ("dtypes", args.dtypes, tuple(DTYPES))):
+    explicit_dtypes = args.dtypes is not None
+    for name, value, allowed in (("only", args.only, SECTIONS), ("dtypes", args.dtypes or ",".join(DTYPES), tuple(DTYPES))):
         items = [v.strip() for v in value.split(",") if v.strip()]
         bad = [v for v in items if v not in allowed]
         if bad or not items:
             ap.error(f"--{name}: unknown {bad or 'empty list'}; choose from {','.join(allowed)}")
         setattr(args, "section_list" if name == "only" else "dtype_list", items)
+    if not explicit_dtypes:
+        args.dtype_list = default_dtypes(args.dtype_list, args.quick)
     if args.repeats is not None and args.repeats < 1:
         ap.error(f"--repeats must be >= 1, got {args.repeats}")
     for name in ("dlrm_batch", "encoder_batch", "seq"):

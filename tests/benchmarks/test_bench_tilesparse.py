@@ -202,3 +202,20 @@ def test_bench_models_quick(kernel, one_thread, tmp_path, capsys):
         assert r["correct"] is (r["within_tolerance"] or r["max_abs_err"] <= 2 * r["masked_dense_max_abs_err"])
     printed = capsys.readouterr().out
     assert "DLRM-DCNv2 dense part" in printed and "TransformerEncoder" in printed
+
+
+def test_default_dtypes_drop_bf16_only_without_native_bf16(monkeypatch, caplog) -> None:
+    from benchmarks.tilesparse import timing
+
+    monkeypatch.setattr(timing, "cpu_flags", lambda: {"avx2", "fma"})
+    with caplog.at_level("WARNING"):
+        assert timing.default_dtypes(["fp32", "bf16"], quick=False) == ["fp32"]
+    assert "--dtypes fp32,bf16" in caplog.text
+    assert timing.default_dtypes(["fp32", "bf16"], quick=True) == ["fp32", "bf16"]
+    assert bench_gemm.parse_args([]).dtype_list == ["fp32"]
+    assert bench_gemm.parse_args(["--dtypes", "bf16"]).dtype_list == ["bf16"]
+    assert bench_models.parse_args([]).dtype_list == ["fp32"]
+    assert bench_models.parse_args(["--dtypes", "fp32,bf16"]).dtype_list == ["fp32", "bf16"]
+    monkeypatch.setattr(timing, "cpu_flags", lambda: {"avx512f", "amx_bf16"})
+    assert timing.default_dtypes(["fp32", "bf16"], quick=False) == ["fp32", "bf16"]
+    assert bench_gemm.parse_args([]).dtype_list == ["fp32", "bf16"]

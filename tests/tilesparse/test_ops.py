@@ -486,6 +486,35 @@ def test_disable_amx_env_takes_the_mm_path(ext):
         "assert torch.equal(got.double(), reference_matmul(x.double(), lay).double().bfloat16().double())\n"
         "print('ok')\n"
     )
-    env = {**__import__("os").environ, "TILESPARSE_DISABLE_AMX": "1"}
+    env = {**__import__("os").environ, "TILESPARSE_DISABLE_AMX": "1", "TILESPARSE_LOWP_FP32": "0"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_16bit_through_the_fp32_kernel_and_through_mm(ext, dtype, monkeypatch):
+    """bf16/fp16 take the fp32 kernel where the CPU has no native 16-bit GEMM (auto, from
+    CPUID), or when TILESPARSE_LOWP_FP32=1; at::mm on panels with =0. Both exact on small
+    integers (bf16 on AMX goes to the AMX kernel first, whatever the variable says)."""
+    name = str(dtype).removeprefix("torch.")
+    flag = {"bfloat16": "avx512_bf16", "float16": "avx512_fp16"}[name]
+    monkeypatch.delenv("TILESPARSE_LOWP_FP32", raising=False)
+    flags = _cpu_flags()
+    if flags:
+        assert ext.lowp_via_fp32(name) is (flag not in flags)
+    g = torch.Generator().manual_seed(3)
+    w = torch.randint(-2, 3, (300, 150), generator=g).float()
+    mask = torch.rand(300, 150, generator=g) < 0.4
+    lay = condense(w, mask, 32)
+    low = condense(w, mask, 32)
+    low.values = low.values.to(dtype)
+    x = torch.randint(-2, 3, (37, 300), generator=g).float()
+    bias = torch.randint(-3, 4, (150,), generator=g).float()
+    want = reference_matmul(x.double(), lay, bias.double()).to(dtype)
+    for env in ("1", "0"):
+        monkeypatch.setenv("TILESPARSE_LOWP_FP32", env)
+        assert ext.lowp_via_fp32(name) is (env == "1")
+        got = ops.tw_linear(x.to(dtype), low, bias.to(dtype), "cpu")
+        assert got.dtype == dtype and torch.equal(got, want), env
+    with pytest.raises(RuntimeError, match="'bfloat16' or 'float16'"):
+        ext.lowp_via_fp32("float32")

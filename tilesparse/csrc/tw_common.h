@@ -276,6 +276,10 @@ at::Tensor tw_linear_mm(const at::Tensor& x, const at::Tensor& col_idx, const at
                         const at::Tensor& row_idx, const at::Tensor& row_ptr,
                         const at::Tensor& values, const at::Tensor& val_ptr,
                         const c10::optional<at::Tensor>& bias, int64_t N);
+// bf16 / fp16 through the fp32 kernel where the CPU has no native 16-bit GEMM
+// (tw_linear_lowp.cpp; TILESPARSE_LOWP_FP32=1/0 forces it on/off).
+bool lowp_via_fp32(at::ScalarType t);
+
 // bf16 on AMX (tw_linear_amx.cpp); amx_available(): built with AMX and the OS grants it
 // (TILESPARSE_DISABLE_AMX=1 turns it off).
 bool amx_available();

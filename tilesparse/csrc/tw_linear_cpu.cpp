@@ -39,7 +39,9 @@
 // Prefetching both lines of every A row, for every strip, gained 4%.
 //
 // Other dtypes: bf16 on the AMX kernel where the CPU and OS allow it (tw_linear_amx.cpp);
-// fp16, fp64 and bf16 without AMX gather per tile and call at::mm (tw_linear_lowp.cpp).
+// bf16 / fp16 through this fp32 kernel (widened, then rounded back) where the CPU has no
+// native 16-bit GEMM; otherwise, and for fp64, gather per tile and call at::mm
+// (tw_linear_lowp.cpp).
 #include "tw_common.h"
 #include "tw_microkernel_avx2.h"
 
@@ -397,6 +399,13 @@ at::Tensor tw_linear_cpu(const at::Tensor& x, const at::Tensor& col_idx, const a
     return tw_linear_f32(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features);
   if (x.scalar_type() == at::kBFloat16 && amx_available())
     return tw_linear_amx(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features);
+  if (lowp_via_fp32(x.scalar_type())) {
+    c10::optional<at::Tensor> bias32;
+    if (bias.has_value()) bias32 = bias->to(at::kFloat);
+    return tw_linear_f32(x.to(at::kFloat), col_idx, tile_ptr, row_idx, row_ptr,
+                         values.to(at::kFloat).contiguous(), val_ptr, bias32, out_features)
+        .to(x.scalar_type());
+  }
   return tw_linear_mm(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features);
 }
 
@@ -439,6 +448,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("simd", &simd,
         "The fp32 micro-kernel's instruction set: 'avx512' (12x32), 'avx2' (AVX2+FMA, 6x16) or "
         "'scalar'");
+  m.def("lowp_via_fp32", [](const std::string& dtype) {
+          TORCH_CHECK(dtype == "bfloat16" || dtype == "float16", "lowp_via_fp32: 'bfloat16' or 'float16', got '", dtype, "'");
+          return lowp_via_fp32(dtype == "bfloat16" ? at::kBFloat16 : at::kHalf);
+        },
+        "Whether that dtype runs through the fp32 kernel (no native 16-bit GEMM on this CPU, or "
+        "TILESPARSE_LOWP_FP32=1; bf16 on AMX takes the AMX kernel first)");
   m.def("has_amx", &amx_available,
         "Whether bf16 runs on the AMX kernel (built with AMX, granted by the OS, not disabled)");
 }

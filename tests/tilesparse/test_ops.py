@@ -158,7 +158,7 @@ def test_amx_bf16_exact_on_small_integers(ext, M, K, N, G):
     whose bf16 case takes the same path)."""
     if not ext.has_amx():
         assert not _cpu_has_amx_bf16(), "the CPU has AMX-BF16 but the kernel's AMX path is off"
-        pytest.skip("this CPU has no AMX-BF16 (bf16 takes the at::mm path, tested elsewhere)")
+        pytest.skip("this CPU has no AMX-BF16 (bf16 takes the fp32-kernel or at::mm path: test_16bit_through_the_fp32_kernel_and_through_mm)")
     gen = torch.Generator().manual_seed(M * K + N)
     mask = tw_random_mask(K, N, G, keep_rows=0.6, gen=gen, drop_cols=0.25)
     lay = condense(int_tensor((K, N), gen, -2, 3), mask, G)

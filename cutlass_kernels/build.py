@@ -400,14 +400,14 @@ def select_for(launch: reference.TWLaunch, ext: ModuleType | None = None) -> TWK
     pw = launch.weight
     if pw.dtype not in _DTYPES:
         raise ValueError(f"the TW kernels take float16 or bfloat16, got {pw.dtype}")
+    mainloop = os.environ.get(MAINLOOP_ENV) or None
+    if mainloop is not None and mainloop not in {m.value for m in Mainloop}:
+        raise ValueError(f"${MAINLOOP_ENV}={mainloop!r}: expected one of {[m.value for m in Mainloop]}")
     arch = device_arch(launch.xt.device)
     kernels = manifest(arch)
     if ext is not None:
         have = set(ext.instances())
         kernels = tuple(k for k in kernels if k.name in have)
-    mainloop = os.environ.get(MAINLOOP_ENV) or None
-    if mainloop is not None and mainloop not in {m.value for m in Mainloop}:
-        raise ValueError(f"${MAINLOOP_ENV}={mainloop!r}: expected one of {[m.value for m in Mainloop]}")
     sms = torch.cuda.get_device_properties(launch.xt.device).multi_processor_count
     return select(kernels, _DTYPES[pw.dtype], arch, pw.max_tile_width, launch.batch,
                   pw.num_tiles, sms, mainloop)

@@ -63,7 +63,6 @@ __all__ = [
     "write_sources",
     "nvcc_arch_flags",
     "NVCC_FLAGS",
-    "sources_hash",
     "cutlass_version",
 ]
 
@@ -282,9 +281,4 @@ def write_sources(files: list[EmittedFile], directory: str | Path) -> list[Path]
             tmp.replace(p)
         out.append(p)
     return out
-
-
-def sources_hash(files: list[EmittedFile]) -> str:
-    """One sha256 over a whole set of emitted files (the build cache key's source part)."""
-    return _hash(*(f.name + "\0" + f.text for f in files))
 

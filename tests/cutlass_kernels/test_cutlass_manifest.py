@@ -96,7 +96,6 @@ def test_emission_of_the_whole_manifest_is_deterministic() -> None:
     ks = manifest()
     a, b = emit.emit_sources(ks), emit.emit_sources(ks)
     assert [f.text for f in a] == [f.text for f in b]
-    assert emit.sources_hash(a) == emit.sources_hash(b)
     assert len(a) == len(ks) + 1
     assert len({f.input_hash for f in a}) == len(a)  # every input set differs
     version = emit.cutlass_version()

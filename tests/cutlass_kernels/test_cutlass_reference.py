@@ -203,3 +203,15 @@ def test_register_cuda_kernel_without_cuda_returns_false() -> None:
     if torch.cuda.is_available():
         pytest.skip("a CUDA device exists: registration is covered by test_cutlass_cuda.py")
     assert register_cuda_kernel() is False
+
+
+def test_select_for_rejects_fp32_and_a_bad_mainloop_variable(monkeypatch) -> None:
+    from cutlass_kernels.build import MAINLOOP_ENV, select_for
+
+    layout = condense(torch.randn(40, 50), torch.rand(40, 50) < 0.5, 32)
+    with pytest.raises(ValueError, match="float16 or bfloat16, got torch.float32"):
+        select_for(pack_launch(torch.randn(3, 40), pack_weight(layout)))
+    monkeypatch.setenv(MAINLOOP_ENV, "sm70_wmma")
+    launch = pack_launch(torch.randn(3, 40).half(), pack_weight(layout, dtype=torch.float16))
+    with pytest.raises(ValueError, match=r"TILEREC_CUTLASS_MAINLOOP='sm70_wmma': expected one of"):
+        select_for(launch)

@@ -5,7 +5,8 @@ Layout written by :func:`write_serving_artifacts`::
 
     out/
       ps.json               the parameter-server config (HugeCTR field names), validated by hps
-      dense.onnx            the dense part (inputs dense (B, D), pooled (B, T, dim))
+      dense.onnx            the dense part (inputs dense (B, D), pooled (B, T, dim)); its
+                            metadata ``tilerec.serving`` names each table's combiner
       sparse/<table>/key         int64 little-endian, one per row
       sparse/<table>/emb_vector  float32 rows (num_rows × dim)
 """
@@ -20,6 +21,7 @@ import numpy as np
 from embark.model import DLRM
 from export.onnx import export_onnx
 from hps.config import PSConfig, parse_config
+from hps.servable import SERVING_METADATA_KEY
 from hps.sparse_files import write_table
 
 __all__ = ["write_serving_artifacts"]
@@ -32,6 +34,7 @@ def write_serving_artifacts(
     max_batch_size: int = 1024,
     cache_fraction: float = 0.2,
     overwrite: bool = False,
+    cache_exact: bool = True,
 ) -> PSConfig:
     """Write the sparse files, the dense ONNX graph and ``ps.json`` for ``model``.
 
@@ -42,6 +45,10 @@ def write_serving_artifacts(
         max_batch_size: the largest request the server accepts.
         cache_fraction: ``gpucacheper``, fraction of each table the embedding cache holds.
         overwrite: replace existing table folders / files.
+        cache_exact: ``cache_exact`` in ``ps.json``: a cache miss is always fetched from the
+            databases, so the served model scores exactly like the eager one. ``False`` is
+            HugeCTR's behaviour: above ``hit_rate_threshold`` (0.9) a miss gets the default
+            vector while its row is inserted in the background (lower latency, approximate).
 
     Returns:
         the validated :class:`hps.config.PSConfig` read back from the written ``ps.json``.
@@ -61,6 +68,7 @@ def write_serving_artifacts(
         write_table(out / "sparse" / t.name, np.arange(w.shape[0], dtype=np.int64), w,
                     overwrite=overwrite)
     export_onnx(model, out / "dense.onnx", include_embeddings=False)
+    _stamp_serving_metadata(out / "dense.onnx", model)
     doc = {
         "supportlonglong": True,
         "volatile_db": {"type": "parallel_hash_map"},
@@ -77,6 +85,7 @@ def write_serving_artifacts(
                 "gpucache": True,
                 "gpucacheper": cache_fraction,
                 "hit_rate_threshold": 0.9,
+                "cache_exact": cache_exact,
                 "network_file": "dense.onnx",
             }
         ],
@@ -86,3 +95,24 @@ def write_serving_artifacts(
     tmp.write_text(json.dumps(doc, indent=2))
     tmp.replace(ps_path)
     return cfg
+
+
+def _stamp_serving_metadata(path: Path, model: DLRM) -> None:
+    """Write what the v2 server needs beyond ``ps.json`` into the graph's metadata: per table
+    its name, combiner and hotness, and the dense feature count."""
+    import onnx
+
+    proto = onnx.load(str(path))
+    doc = {"tables": [{"name": t.name, "combiner": t.combiner.value, "hotness": t.hotness}
+                      for t in model.workload.tables],
+           "dense_features": model.workload.dense_features}
+    kept = [(m.key, m.value) for m in proto.metadata_props if m.key != SERVING_METADATA_KEY]
+    del proto.metadata_props[:]
+    for k, v in kept:
+        e = proto.metadata_props.add()
+        e.key, e.value = k, v
+    entry = proto.metadata_props.add()
+    entry.key, entry.value = SERVING_METADATA_KEY, json.dumps(doc)
+    tmp = path.with_suffix(".onnx.tmp")
+    onnx.save(proto, str(tmp))
+    tmp.replace(path)

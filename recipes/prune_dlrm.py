@@ -15,8 +15,14 @@ evaluated again (``compressed_auc``: the condensed format computes the same mode
 Speed (``--speed-batch``, 0 skips): the same pattern and sparsity on the DLRM-DCNv2 dense part at
 full MLPerf widths, condensed with G=128, timed against dense (``recipes.prune_speed``).
 
+Serving (``--serve-batches``, 0 skips): the main run's condensed model is exported to
+``<out>/serving`` (sparse files, ``dense.onnx``, ``ps.json``), served by the v2 inference server
+(``hps.server``) on a free local port, and that many eval batches are scored through it with
+``tritonclient`` and compared with the eager model (``recipes.prune_serve``).
+
 Output folder (``--out``, default ``runs/prune_dlrm-<timestamp>``): ``report.json``,
-``report.md``, ``auc_vs_sparsity.png``, ``mask_<layer>.png``, ``layer_sparsity.png``.
+``report.md``, ``auc_vs_sparsity.png``, ``mask_<layer>.png``, ``layer_sparsity.png``,
+``serving/``.
 """
 
 from __future__ import annotations
@@ -42,6 +48,7 @@ from embark.model import build_model
 from embark.train import Callback, TrainConfig, Trainer
 from embark.workloads import PRESETS, get_workload
 from recipes.prune_report import terminal_summary, write_markdown, write_plots
+from recipes.prune_serve import serve_check
 from recipes.prune_speed import measure_speed
 from tilesparse import (
     CubicSchedule,
@@ -101,6 +108,10 @@ class PruneDLRMConfig:
     # at full MLPerf widths, G=128, timed dense vs condensed. 0 skips it.
     speed_batch: int = 4096
     speed_threads: int = 2
+    # The serving half (recipes.prune_serve): the main run's condensed model exported (ONNX +
+    # sparse files + ps.json), served by the v2 server, this many eval batches scored through it
+    # and compared with the eager model. 0 skips it.
+    serve_batches: int = 8
 
     def __post_init__(self) -> None:
         if self.workload not in PRESETS:
@@ -110,9 +121,9 @@ class PruneDLRMConfig:
             lo = 0 if name == "dense_steps" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
-        for name in ("speed_batch", "speed_threads"):
+        for name in ("speed_batch", "speed_threads", "serve_batches"):
             v = getattr(self, name)
-            lo = 0 if name == "speed_batch" else 1
+            lo = 0 if name in ("speed_batch", "serve_batches") else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
         if not 0.0 <= self.sparsity < 1.0:
@@ -245,6 +256,7 @@ def run_one(
         "layers": [s.to_dict() for s in stats],
         "seconds": time.perf_counter() - t0,
         "_masks": masks,
+        "_model": model,
     }
 
 
@@ -283,6 +295,7 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
         log.info("%s %.2f: AUC %.4f (drop %+.4f)", r["pattern"], r["sparsity"], r["eval_auc"], r["auc_drop"])
 
     masks = [r.pop("_masks") for r in runs]
+    models = [r.pop("_model") for r in runs]
     report: dict[str, Any] = {
         "recipe": "prune_dlrm",
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -318,6 +331,13 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
         )
         report["seconds"]["speed"] = time.perf_counter() - t0
         torch.set_num_threads(cfg.threads)
+    if cfg.serve_batches:
+        t0 = time.perf_counter()
+        report["serving"] = serve_check(models[main_i], out / "serving",
+                                        eval_batches[: cfg.serve_batches], request_batch=cfg.batch_size)
+        report["seconds"]["serving"] = time.perf_counter() - t0
+        log.info("served %d samples: max |logit diff| %.2e", report["serving"]["samples"],
+                 report["serving"]["max_abs_logit_diff"])
     report["plots"] = write_plots(out, report, masks[main_i], runs[main_i])
     report["seconds"]["total"] = time.perf_counter() - t_start
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")

@@ -145,7 +145,7 @@ Weights of the pruned `nn.Linear` layers: {run['pruned_params']}, kept {run['kep
 
 {_layer_table(run)}
 
-{_speed_section(report)}{plots}
+{_speed_section(report)}{_serving_section(report)}{plots}
 
 Total time {report['seconds']['total']:.0f} s.
 """
@@ -169,6 +169,25 @@ median of {sp['repeats']} interleaved rounds.
 | pruned + condensed | {sp['pruned_ms']:.1f} | {sp['speedup']:.2f}× | {sp['ideal']:.1f}× | {sp['pruned_weight_bytes'] / 2**20:.1f} MiB |
 
 Largest difference from the masked dense model: {sp['max_abs_err']:.1e}.
+
+"""
+
+
+def _serving_section(report: dict[str, Any]) -> str:
+    sv = report.get("serving")
+    if not sv:
+        return ""
+    return f"""## Serving
+
+The condensed model exported to `{sv['artifacts']}` (`dense.onnx` {sv['dense_onnx_bytes'] / 1024:.0f} KiB,
+sparse files, `ps.json`) and served by the v2 inference server (`python -m hps.server`);
+{sv['samples']} eval samples sent by `tritonclient.http` in {sv['requests']} requests of {sv['request_batch']}.
+
+| | value |
+|---|---|
+| largest logit difference, served vs eager | {sv['max_abs_logit_diff']:.1e} |
+| AUC served / eager | {sv['served_auc']:.4f} / {sv['eager_auc']:.4f} |
+| request latency p50 / p99 | {sv['latency_ms_p50']:.1f} / {sv['latency_ms_p99']:.1f} ms |
 
 """
 
@@ -201,6 +220,13 @@ def terminal_summary(report: dict[str, Any], main_index: int, out: Path) -> str:
             f"speed, DLRM-DCNv2 dense part at full width, batch {sp['batch']}, {sp['threads']} threads: "
             f"dense {sp['dense_ms']:.0f} ms, {sp['pattern']} {sp['sparsity']:.0%} condensed "
             f"{sp['pruned_ms']:.0f} ms = {sp['speedup']:.2f}x (ideal {sp['ideal']:.1f}x)"
+        )
+    sv = report.get("serving")
+    if sv:
+        rows.append(
+            f"served {sv['samples']} samples through the v2 server ({sv['artifacts']}): AUC "
+            f"{sv['served_auc']:.4f} (eager {sv['eager_auc']:.4f}), max |logit diff| "
+            f"{sv['max_abs_logit_diff']:.1e}, p50 {sv['latency_ms_p50']:.1f} ms per {sv['request_batch']}-sample request"
         )
     rows.append(f"report: {out / 'report.md'} ({report['seconds']['total']:.0f} s)")
     return "\n".join(rows)

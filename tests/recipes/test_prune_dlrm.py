@@ -19,12 +19,12 @@ def _png_size(path) -> tuple[int, int]:
 
 def _shrunk(tmp_path, **kw) -> PruneDLRMConfig:
     base = dict(batch_size=64, dense_steps=40, steps=30, eval_batches=4, progress=False, out=str(tmp_path / "run"),
-                speed_batch=0)
+                speed_batch=0, serve_batches=0)
     return PruneDLRMConfig(**(base | kw))
 
 
 def test_main_writes_report_and_plots(tmp_path) -> None:
-    report = main(_shrunk(tmp_path, speed_batch=32, speed_threads=1))
+    report = main(_shrunk(tmp_path, speed_batch=32, speed_threads=1, serve_batches=2))
     out = tmp_path / "run"
     on_disk = json.loads((out / "report.json").read_text())
     assert on_disk["dense_auc"] == pytest.approx(report["dense_auc"])
@@ -52,6 +52,15 @@ def test_main_writes_report_and_plots(tmp_path) -> None:
     assert sp["speedup"] == pytest.approx(sp["dense_ms"] / sp["pruned_ms"]) and sp["ideal"] == pytest.approx(4.0)
     assert sp["pruned_weight_bytes"] <= (0.25 + 0.03) * sp["dense_weight_bytes"]
     assert "## Speed: dlrm_dcnv2 dense part" in md
+    # the serving half: the condensed model exported, served over HTTP, scored like the eager one
+    sv = on_disk["serving"]
+    assert (sv["samples"], sv["requests"], sv["request_batch"]) == (128, 2, 64)
+    assert sv["max_abs_logit_diff"] < 1e-4
+    assert sv["served_auc"] == pytest.approx(sv["eager_auc"], abs=1e-6)
+    assert 0 < sv["latency_ms_p50"] <= sv["latency_ms_p99"]
+    art = out / "serving"
+    assert {"ps.json", "dense.onnx", "sparse"} <= {p.name for p in art.iterdir()}
+    assert "## Serving" in md
 
 
 def test_sweep_covers_the_table(tmp_path) -> None:

@@ -1,0 +1,241 @@
+"""The v2 inference server, side by side in one run, JSON out.
+
+    python -m benchmarks.hps.bench_server                    # everything (~3 min on 2 cores)
+    python -m benchmarks.hps.bench_server --only overhead --requests 50
+
+Sections (``--only``):
+- ``overhead``: the tiny DLRM-DCNv2 served; per batch size, the median latency of the same
+  request three ways: in-process (``DLRMServable.infer``: lookups + onnxruntime, no HTTP),
+  through the server with tritonclient's binary tensors, and with JSON tensors. Ratio =
+  served / in-process.
+- ``throughput``: ``--clients`` tritonclient threads sending batch-256 requests for
+  ``--seconds``: requests/s, samples/s, p50/p99, errors.
+- ``pruned``: the DLRM-DCNv2 dense part at full MLPerf widths (tables shrunk), dense vs TW 75 %
+  condensed (G=128): the exported dense graph alone in onnxruntime, the whole model through the
+  server, and torch's eager forward (the TW kernel) for reference; batch ``--pruned-batch``.
+
+All in one process, ``--threads`` threads for onnxruntime and torch; the server runs in a
+background thread of the same process (the clients too), so on 2 cores the figures include
+their contention.
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import logging
+import statistics
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+import tritonclient.http as th
+
+from benchmarks.meta import RESULTS_DIR, write_json
+from embark.model import DLRM, build_model
+from embark.workloads import get_workload
+from export.artifacts import write_serving_artifacts
+from hps.parameter_server import HierarchicalParameterServer
+from hps.server import InferenceServer, ServerConfig
+from tilesparse import TileSparseConfig, prune_
+
+log = logging.getLogger("bench_server")
+SECTIONS = ("overhead", "throughput", "pruned")
+
+
+def request(model: DLRM, batch: int, seed: int) -> dict[str, np.ndarray]:
+    """Random valid inputs: ``dense (B, D) float32``, ``ids_<t> (B, hotness) int64``."""
+    g = np.random.default_rng(seed)
+    out = {"dense": g.random((batch, model.workload.dense_features), dtype=np.float32)}
+    for t in model.workload.tables:
+        out[f"ids_{t.name}"] = g.integers(0, t.num_rows, (batch, t.hotness))
+    return out
+
+
+def infer_inputs(req: dict[str, np.ndarray], binary: bool) -> list[th.InferInput]:
+    out = []
+    for name, arr in req.items():
+        x = th.InferInput(name, list(arr.shape), "FP32" if arr.dtype == np.float32 else "INT64")
+        x.set_data_from_numpy(arr, binary_data=binary)
+        out.append(x)
+    return out
+
+
+def median_ms(fn: Callable[[], object], n: int) -> float:
+    fn()  # warm-up
+    ts = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return 1e3 * statistics.median(ts)
+
+
+class Served:
+    """A model's artifacts, its parameter server and a running v2 server."""
+
+    def __init__(self, model: DLRM, folder: Path, threads: int, max_batch: int, workers: int = 2) -> None:
+        write_serving_artifacts(model, folder, max_batch_size=max_batch, cache_fraction=1.0, overwrite=True)
+        self.ps = HierarchicalParameterServer.from_config(folder / "ps.json")
+        self.srv = InferenceServer(self.ps, ServerConfig(port=0, workers=workers, ort_threads=threads)).start()
+        self.servable = self.srv.servables["dlrm"]
+        self.folder = folder
+
+    def close(self) -> None:
+        self.srv.stop()
+        self.ps.close()
+
+
+def bench_overhead(served: Served, model: DLRM, batches: list[int], n: int) -> list[dict[str, Any]]:
+    rows = []
+    client = th.InferenceServerClient(served.srv.address)
+    for b in batches:
+        req = request(model, b, seed=b)
+        bin_in, json_in = infer_inputs(req, True), infer_inputs(req, False)
+        json_out = [th.InferRequestedOutput("logits", binary_data=False)]
+        t_in = median_ms(lambda: served.servable.infer(req), n)  # noqa: B023 - called right here
+        t_bin = median_ms(lambda: client.infer("dlrm", bin_in), n)  # noqa: B023
+        t_json = median_ms(lambda: client.infer("dlrm", json_in, outputs=json_out), n)  # noqa: B023
+        got = client.infer("dlrm", bin_in).as_numpy("logits")
+        err = float(np.abs(got - served.servable.infer(req)["logits"]).max())
+        rows.append({"bench": "overhead", "batch": b, "inprocess_ms": t_in, "binary_ms": t_bin,
+                     "json_ms": t_json, "binary_ratio": t_bin / t_in, "json_ratio": t_json / t_in,
+                     "max_abs_diff": err})
+        log.info("overhead B=%d: in-process %.2f ms, binary %.2f ms (%.2fx), json %.2f ms (%.2fx)",
+                 b, t_in, t_bin, t_bin / t_in, t_json, t_json / t_in)
+    return rows
+
+
+def bench_throughput(served: Served, model: DLRM, clients: int, seconds: float) -> dict[str, Any]:
+    reqs = [infer_inputs(request(model, 256, seed=1000 + i), True) for i in range(8)]
+    lat: list[float] = []
+    errors: list[str] = []
+    lock = threading.Lock()
+    stop = time.monotonic() + seconds
+
+    def worker(k: int) -> None:
+        c = th.InferenceServerClient(served.srv.address)
+        i = k
+        while time.monotonic() < stop:
+            t0 = time.perf_counter()
+            try:
+                c.infer("dlrm", reqs[i % len(reqs)])
+            except Exception as e:  # counted and reported: the figure is "no errors"
+                with lock:
+                    errors.append(str(e))
+            else:
+                with lock:
+                    lat.append(time.perf_counter() - t0)
+            i += 1
+
+    threads = [threading.Thread(target=worker, args=(k,)) for k in range(clients)]
+    t0 = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    ms = sorted(x * 1e3 for x in lat)
+    row = {"bench": "throughput", "clients": clients, "batch": 256, "seconds": wall,
+           "requests": len(lat), "errors": len(errors), "requests_per_s": len(lat) / wall,
+           "samples_per_s": 256 * len(lat) / wall, "p50_ms": statistics.median(ms) if ms else None,
+           "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None,
+           "first_error": errors[0] if errors else None}
+    log.info("throughput %d clients: %.0f req/s (%.0f samples/s), p50 %.1f ms, p99 %.1f ms, %d errors",
+             clients, row["requests_per_s"], row["samples_per_s"], row["p50_ms"] or 0, row["p99_ms"] or 0,
+             len(errors))
+    return row
+
+
+def bench_pruned(tmp: Path, batch: int, threads: int, n: int) -> list[dict[str, Any]]:
+    import onnxruntime as ort
+
+    workload = get_workload("dlrm_dcnv2").scaled(1e6)  # tables shrunk; dense widths untouched
+    dense = build_model(workload, seed=0).eval()
+    pruned = copy.deepcopy(dense)
+    prune_(pruned, TileSparseConfig(pattern="tw", sparsity=0.75, tile=128, global_threshold=False)).compress()
+    req = request(dense, batch, seed=7)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(batch, workload.dense_features, generator=g)
+    pooled = torch.randn(batch, len(workload.tables), workload.tables[0].dim, generator=g)
+    rows, times = [], {}
+    torch.set_num_threads(threads)
+    for name, model in (("dense", dense), ("tw75", pruned)):
+        served = Served(model, tmp / name, threads, max_batch=batch, workers=1)
+        try:
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = threads
+            sess = ort.InferenceSession(str(tmp / name / "dense.onnx"), opts)
+            feed = {"dense": x.numpy(), "pooled": pooled.numpy()}
+            with torch.no_grad():
+                ref = model.dense_forward(x, pooled).numpy()
+                t_torch = median_ms(lambda: model.dense_forward(x, pooled), n)  # noqa: B023
+            err = float(np.abs(sess.run(None, feed)[0] - ref).max())
+            t_ort = median_ms(lambda: sess.run(None, feed), n)  # noqa: B023
+            client = th.InferenceServerClient(served.srv.address)
+            inputs = infer_inputs(req, True)
+            t_srv = median_ms(lambda: client.infer("dlrm", inputs), n)  # noqa: B023
+        finally:
+            served.close()
+        times[name] = (t_ort, t_srv, t_torch)
+        rows.append({"bench": "pruned", "model": name, "batch": batch, "threads": threads,
+                     "onnx_dense_part_ms": t_ort, "served_ms": t_srv, "torch_dense_part_ms": t_torch,
+                     "onnx_vs_torch_max_abs_diff": err})
+        log.info("pruned %s B=%d: onnxruntime dense part %.1f ms, served %.1f ms, torch %.1f ms",
+                 name, batch, t_ort, t_srv, t_torch)
+    for r in rows:
+        if r["model"] == "tw75":
+            d = times["dense"]
+            r.update(onnx_speedup=d[0] / r["onnx_dense_part_ms"], served_speedup=d[1] / r["served_ms"],
+                     torch_speedup=d[2] / r["torch_dense_part_ms"])
+            log.info("TW 75%% vs dense: onnxruntime %.2fx, served %.2fx, torch %.2fx",
+                     r["onnx_speedup"], r["served_speedup"], r["torch_speedup"])
+    return rows
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m benchmarks.hps.bench_server", description=__doc__.split("\n\n")[0])
+    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p.add_argument("--batches", default="1,64,256,1024")
+    p.add_argument("--requests", type=int, default=30, help="timed requests per figure (median)")
+    p.add_argument("--clients", type=int, default=8)
+    p.add_argument("--seconds", type=float, default=10.0)
+    p.add_argument("--pruned-batch", type=int, default=1024)
+    p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--out", default=str(RESULTS_DIR / "hps_server.json"))
+    args = p.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    only = [s.strip() for s in args.only.split(",") if s.strip()]
+    bad = sorted(set(only) - set(SECTIONS))
+    if bad:
+        p.error(f"--only: unknown sections {bad}; expected a subset of {list(SECTIONS)}")
+    for name in ("requests", "clients", "pruned_batch", "threads"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    batches = [int(b) for b in args.batches.split(",")]
+    torch.set_num_threads(args.threads)
+    rows: list[dict[str, Any]] = []
+    with tempfile.TemporaryDirectory(prefix="bench_server_") as tmp:
+        if "overhead" in only or "throughput" in only:
+            model = build_model(get_workload("tiny"), seed=0).eval()
+            served = Served(model, Path(tmp) / "tiny", threads=1, max_batch=max(batches + [256]))
+            try:
+                if "overhead" in only:
+                    rows += bench_overhead(served, model, batches, args.requests)
+                if "throughput" in only:
+                    rows.append(bench_throughput(served, model, args.clients, args.seconds))
+            finally:
+                served.close()
+        if "pruned" in only:
+            rows += bench_pruned(Path(tmp), args.pruned_batch, args.threads, max(5, args.requests // 3))
+    path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()})
+    log.info("wrote %s", path)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,272 @@
+"""The KServe v2 (Triton) HTTP inference protocol: request parsing and response encoding, with
+the binary tensor extension that ``tritonclient.http`` uses by default.
+
+A request body is JSON, optionally followed by raw tensor bytes. The header
+``Inference-Header-Content-Length: L`` says the first ``L`` bytes are the JSON; each input whose
+``parameters.binary_data_size`` is set takes that many bytes of the rest, in input order::
+
+    body = | {"inputs": [{"name": "dense",     "shape": [2, 3], "datatype": "FP32",
+           |              "parameters": {"binary_data_size": 24}},
+           |             {"name": "ids_t0",    "shape": [2, 1], "datatype": "INT64",
+           |              "data": [7, 3]}],                              (JSON data: row-major)
+           |  "outputs": [{"name": "probability", "parameters": {"binary_data": true}}]}
+           | 24 bytes: dense, 6 × float32 little-endian
+           ↑ L bytes of JSON ↑
+
+The response mirrors it: outputs asked for with ``binary_data: true`` (or all of them when the
+request's ``parameters.binary_data_output`` is true, which tritonclient sets when it names no
+outputs) are appended as raw bytes with their ``binary_data_size``; the others carry ``data``
+as a flat row-major list. Errors are ``{"error": "..."}`` (the server sends status 400).
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import zlib
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+__all__ = [
+    "DTYPES",
+    "HEADER_LENGTH",
+    "InferRequest",
+    "ProtocolError",
+    "RequestedOutput",
+    "encode_infer_response",
+    "parse_infer_request",
+]
+
+HEADER_LENGTH = "Inference-Header-Content-Length"
+
+# v2 datatype name → numpy dtype (little-endian, as the binary extension specifies).
+DTYPES: dict[str, np.dtype] = {
+    "BOOL": np.dtype("?"),
+    "UINT8": np.dtype("<u1"), "UINT16": np.dtype("<u2"), "UINT32": np.dtype("<u4"),
+    "UINT64": np.dtype("<u8"),
+    "INT8": np.dtype("<i1"), "INT16": np.dtype("<i2"), "INT32": np.dtype("<i4"),
+    "INT64": np.dtype("<i8"),
+    "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
+}
+_NAMES = {v: k for k, v in DTYPES.items()}
+
+
+class ProtocolError(ValueError):
+    """A request that does not follow the protocol (or asks for something the model lacks);
+    the message names the bad field or value."""
+
+
+@dataclass(frozen=True)
+class RequestedOutput:
+    name: str
+    binary: bool
+
+
+@dataclass
+class InferRequest:
+    """A parsed ``/infer`` request.
+
+    ``inputs`` maps each input name to its array (shape as sent, dtype of its ``datatype``);
+    ``outputs`` is ``None`` when the request names none (then every output is returned).
+    """
+
+    inputs: dict[str, np.ndarray]
+    datatypes: dict[str, str]
+    outputs: list[RequestedOutput] | None
+    binary_output: bool
+    id: str | None = None
+    parameters: dict[str, Any] = field(default_factory=dict)
+
+
+def _decompress(body: bytes, content_encoding: str | None) -> bytes:
+    enc = (content_encoding or "identity").strip().lower()
+    try:
+        if enc == "gzip":
+            return gzip.decompress(body)
+        if enc == "deflate":
+            return zlib.decompress(body)
+    except (OSError, zlib.error, EOFError) as e:
+        raise ProtocolError(f"request body is not valid {enc} data: {e}") from None
+    if enc != "identity":
+        raise ProtocolError(f"unsupported Content-Encoding {content_encoding!r}; "
+                            "expected gzip, deflate or none")
+    return body
+
+
+def _shape(v: Any, where: str) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in v):
+        raise ProtocolError(f"{where}.shape must be a list of integers, got {v!r}")
+    if any(d < 0 for d in v):
+        raise ProtocolError(f"{where}.shape must not be negative, got {v}")
+    return tuple(v)
+
+
+def _json_data(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
+    try:
+        arr = np.asarray(data)
+    except ValueError as e:  # ragged nesting
+        raise ProtocolError(f"{where}.data is not a regular array: {e}") from None
+    if arr.dtype == object or arr.dtype.kind not in "biuf":
+        raise ProtocolError(f"{where}.data must hold numbers, got {arr.dtype} values")
+    if dtype.kind in "iu" and arr.dtype.kind == "f":
+        raise ProtocolError(f"{where}.data holds non-integer values for an integer datatype")
+    n = int(np.prod(shape)) if shape else 1
+    if arr.size != n:
+        raise ProtocolError(f"{where}: shape {list(shape)} needs {n} values, data has {arr.size}")
+    if dtype.kind in "iu" and arr.size:
+        info = np.iinfo(dtype)
+        lo, hi = int(arr.min()), int(arr.max())
+        if lo < info.min or hi > info.max:
+            raise ProtocolError(f"{where}.data value {lo if lo < info.min else hi} is out of "
+                                f"range for {_NAMES[dtype]}")
+    return arr.astype(dtype, copy=False).reshape(shape)
+
+
+def parse_infer_request(body: bytes, header_length: str | int | None = None,
+                        content_encoding: str | None = None) -> InferRequest:
+    """Parse an ``/infer`` body.
+
+    Args:
+        body: the raw HTTP body (compressed when ``content_encoding`` says so).
+        header_length: the ``Inference-Header-Content-Length`` header, or ``None`` when the
+            body is JSON only.
+        content_encoding: the ``Content-Encoding`` header (``gzip``, ``deflate`` or none).
+
+    Returns:
+        the request; binary inputs are read-only views of ``body``'s bytes.
+
+    Raises:
+        ProtocolError: malformed JSON, a missing or mistyped field, an unknown datatype, data
+            whose count does not match its shape, binary sizes that do not add up.
+    """
+    body = _decompress(body, content_encoding)
+    if header_length is None:
+        n_json = len(body)
+    else:
+        try:
+            n_json = int(header_length)
+        except (TypeError, ValueError):
+            raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header_length!r}") from None
+        if not 0 < n_json <= len(body):
+            raise ProtocolError(f"{HEADER_LENGTH} {n_json} is outside the body of {len(body)} bytes")
+    try:
+        doc = json.loads(body[:n_json])
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise ProtocolError(f"request JSON is malformed: {e}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError(f"request must be a JSON object, got {type(doc).__name__}")
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise ProtocolError("request needs a non-empty 'inputs' list")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ProtocolError("request 'parameters' must be an object")
+    binary = memoryview(body)[n_json:]
+    pos = 0
+    inputs: dict[str, np.ndarray] = {}
+    datatypes: dict[str, str] = {}
+    for i, spec in enumerate(raw_inputs):
+        where = f"inputs[{i}]"
+        if not isinstance(spec, dict):
+            raise ProtocolError(f"{where} must be an object")
+        name = spec.get("name")
+        if not isinstance(name, str) or not name:
+            raise ProtocolError(f"{where}.name must be a non-empty string")
+        where = f"input {name!r}"
+        if name in inputs:
+            raise ProtocolError(f"{where} is given twice")
+        dt_name = spec.get("datatype")
+        if dt_name not in DTYPES:
+            raise ProtocolError(f"{where}: datatype {dt_name!r} is not one of {sorted(DTYPES)}")
+        dtype = DTYPES[dt_name]
+        shape = _shape(spec.get("shape"), where)
+        p = spec.get("parameters") or {}
+        if not isinstance(p, dict):
+            raise ProtocolError(f"{where}.parameters must be an object")
+        size = p.get("binary_data_size")
+        if size is not None:
+            if "data" in spec:
+                raise ProtocolError(f"{where} has both 'data' and binary_data_size")
+            if not isinstance(size, int) or size < 0:
+                raise ProtocolError(f"{where}.binary_data_size must be a non-negative integer, got {size!r}")
+            need = int(np.prod(shape)) * dtype.itemsize if shape else dtype.itemsize
+            if size != need:
+                raise ProtocolError(f"{where}: binary_data_size {size} but shape {list(shape)} × "
+                                    f"{dt_name} needs {need} bytes")
+            if pos + size > len(binary):
+                raise ProtocolError(f"{where}: binary data ends at byte {pos + size} but the body "
+                                    f"carries {len(binary)} bytes after the JSON header")
+            arr = np.frombuffer(binary[pos:pos + size], dtype=dtype).reshape(shape)
+            pos += size
+        elif "data" in spec:
+            arr = _json_data(spec["data"], dtype, shape, where)
+        else:
+            raise ProtocolError(f"{where} has neither 'data' nor parameters.binary_data_size")
+        inputs[name] = arr
+        datatypes[name] = dt_name
+    if pos != len(binary):
+        raise ProtocolError(f"{len(binary) - pos} bytes after the JSON header belong to no input")
+    binary_output = bool(params.get("binary_data_output", False))
+    outputs = None
+    if "outputs" in doc:
+        raw_out = doc["outputs"]
+        if not isinstance(raw_out, list):
+            raise ProtocolError("request 'outputs' must be a list")
+        outputs = []
+        for i, o in enumerate(raw_out):
+            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+                raise ProtocolError(f"outputs[{i}] must be an object with a 'name'")
+            op = o.get("parameters") or {}
+            if not isinstance(op, dict):
+                raise ProtocolError(f"outputs[{i}].parameters must be an object")
+            outputs.append(RequestedOutput(o["name"], bool(op.get("binary_data", binary_output))))
+    rid = doc.get("id")
+    return InferRequest(inputs, datatypes, outputs, binary_output,
+                        id=str(rid) if rid is not None else None, parameters=params)
+
+
+def encode_infer_response(model_name: str, model_version: str, results: dict[str, np.ndarray],
+                          request: InferRequest) -> tuple[bytes, dict[str, str]]:
+    """The ``/infer`` response body and its extra headers.
+
+    Args:
+        results: every output the model computed, by name (any shape, a dtype of ``DTYPES``).
+        request: the parsed request: which outputs to return, binary or JSON.
+
+    Returns:
+        ``(body, headers)``; ``headers`` holds ``Inference-Header-Content-Length`` when any
+        output is binary.
+
+    Raises:
+        ProtocolError: the request asks for an output the model does not have.
+    """
+    if request.outputs is None:
+        wanted = [RequestedOutput(n, request.binary_output) for n in results]
+    else:
+        wanted = request.outputs
+        for o in wanted:
+            if o.name not in results:
+                raise ProtocolError(f"unknown output {o.name!r}; the model has {sorted(results)}")
+    outs: list[dict[str, Any]] = []
+    blobs: list[bytes] = []
+    for o in wanted:
+        arr = np.ascontiguousarray(results[o.name])
+        dt = _NAMES[arr.dtype.newbyteorder("<") if arr.dtype.byteorder == ">" else arr.dtype]
+        entry: dict[str, Any] = {"name": o.name, "datatype": dt, "shape": list(arr.shape)}
+        if o.binary:
+            raw = arr.astype(DTYPES[dt], copy=False).tobytes()
+            entry["parameters"] = {"binary_data_size": len(raw)}
+            blobs.append(raw)
+        else:
+            entry["data"] = arr.reshape(-1).tolist()
+        outs.append(entry)
+    doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": outs}
+    if request.id is not None:
+        doc["id"] = request.id
+    head = json.dumps(doc, separators=(",", ":")).encode()
+    if not blobs:
+        return head, {"Content-Type": "application/json"}
+    return b"".join([head, *blobs]), {HEADER_LENGTH: str(len(head)),
+                                      "Content-Type": "application/octet-stream"}

@@ -413,6 +413,8 @@ class TableSharding:
                 f"table {name!r}: plan entry has unknown field(s) {sorted(unknown)} / "
                 f"missing field(s) {sorted(missing)}; allowed {sorted(allowed)}"
             )
+        if not isinstance(d["shards"], list) or not all(isinstance(s, dict) for s in d["shards"]):
+            raise PlanError(f"table {name!r}: shards must be a list of shard mappings, got {d['shards']!r:.80}")
         try:
             shards = tuple(Shard.from_dict(s) for s in d["shards"])
         except (ValueError, TypeError) as e:

@@ -52,7 +52,12 @@ class GreedyPlanner:
         model: the cost model (workload, topology, batch).
         constraints: per-table :class:`TableConstraints` by table name.
         comm_dtype: wire dtype of every sharded table.
-        rounds: split-and-replace rounds after the first placement (EMBark uses ~20).
+        rounds: split-and-replace rounds after the first placement (EMBark uses ~20); an
+            integer >= 0.
+
+    Raises:
+        PlannerError: for a negative or non-integer ``rounds`` or constraints naming an unknown
+            table or rank.
     """
 
     def __init__(
@@ -65,6 +70,8 @@ class GreedyPlanner:
         self.m = model
         self.cons = dict(constraints or {})
         self.dtype = CommDtype(comm_dtype)
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
+            raise PlannerError(f"rounds must be an integer >= 0, got {rounds!r}")
         self.rounds = rounds
         self.tables = {t.name: t for t in model.workload.tables}
         for name, c in self.cons.items():

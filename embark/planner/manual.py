@@ -110,6 +110,10 @@ def load_plan(
     doc = dict(_read(path_or_doc))
     world = doc.setdefault("world_size", topology.world_size)
     gpn = doc.setdefault("gpus_per_node", topology.gpus_per_node)
+    for field, value in (("world_size", world), ("gpus_per_node", gpn)):
+        # a JSON string "8" would otherwise print as 8 in the mismatch message below
+        if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+            raise PlanError(f"plan: {field} must be a positive integer, got {value!r}")
     if (world, gpn) != (topology.world_size, topology.gpus_per_node):
         raise PlanError(
             f"plan is for {world} ranks ({gpn} per node) but topology {topology.name!r} × "

@@ -67,3 +67,63 @@ def test_cli_as_module():
         capture_output=True, text=True, check=True,
     )
     assert "step" in r.stdout and "rank" in r.stdout.splitlines()[0]
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--nodes", "0"], "argument --nodes: expected an integer >= 1, got 0"),
+        (["--nodes", "two"], "argument --nodes: expected an integer >= 1, got 'two'"),
+        (["--batch-size", "0"], "argument --batch-size: expected an integer >= 1, got 0"),
+        (["--rounds", "-5"], "argument --rounds: expected an integer >= 0, got -5"),
+    ],
+)
+def test_cli_rejects_bad_numbers_as_usage_errors(argv, message, capsys):
+    with pytest.raises(SystemExit) as exc:
+        main(["--workload", "tiny", "--quiet", *argv])
+    assert exc.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "embark.plan", "--workload", "tiny", "--quiet", *argv],
+        capture_output=True, text=True,
+    )
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--batch-size", "4"], "error: batch_size must be an integer >= world_size 8, got 4"),
+        (["--topology", "cpu-local", "--nodes", "2"], "error: cpu-local is one machine; nodes must be 1, got 2"),
+    ],
+)
+def test_cli_bad_combinations_exit_2_without_traceback(argv, message):
+    r = _run_cli(*argv)
+    assert r.returncode == 2, r.stderr
+    assert message in r.stderr and "Traceback" not in r.stderr
+
+
+def test_cli_constraints_on_an_unknown_table_exit_2(tmp_path):
+    cons = tmp_path / "c.json"
+    cons.write_text(json.dumps({"t99": {"ranks": [0]}}))
+    r = _run_cli("--constraints", str(cons))
+    assert r.returncode == 2, r.stderr
+    assert "constraints name table 't99', which is not in workload 'tiny'" in r.stderr
+    assert "Traceback" not in r.stderr
+
+
+@pytest.mark.parametrize("world", ["8", 8.0, True])
+def test_cli_plan_file_with_a_non_integer_world_size(tmp_path, world, caplog):
+    plan_file = tmp_path / "p.json"
+    plan_file.write_text(json.dumps({"world_size": world, "tables": []}))
+    assert main(["--workload", "tiny", "--strategy", str(plan_file), "--quiet"]) == 2
+    assert f"plan: world_size must be a positive integer, got {world!r}" in caplog.text
+
+
+def test_cli_rounds_zero_is_allowed(tmp_path):
+    out = tmp_path / "r0.json"
+    assert main(["--workload", "tiny", "--topology", "cpu-local", "--batch-size", "64", "--rounds", "0",
+                 "--quiet", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["simulated_step_ms"] > 0

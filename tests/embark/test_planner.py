@@ -169,3 +169,10 @@ def test_infeasible_inputs_raise_planner_error():
         plan_sharding(get_workload("tiny"), get_topology("dgx-h100"), 4096, constraints={"nope": TableConstraints()})
     with pytest.raises(PlannerError, match="data_parallel plan does not fit: rank 0 needs"):
         BASELINES["dp"](CostModel(w, get_topology("dgx-h100", 1), 65536))
+
+
+@pytest.mark.parametrize("rounds", [-5, 2.5, True, "3"])
+def test_greedy_rejects_bad_rounds(rounds):
+    model = CostModel(get_workload("tiny"), get_topology("cpu-local"), 64)
+    with pytest.raises(PlannerError, match=f"rounds must be an integer >= 0, got {rounds!r}"):
+        GreedyPlanner(model, rounds=rounds)

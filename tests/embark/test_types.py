@@ -145,6 +145,12 @@ def test_from_dict_errors():
             {"name": "t0", "num_rows": 4, "dim": 4, "sharding_type": "table_wise", "cluster": "magic",
              "shards": [{"rank": 0, "row_start": 0, "row_end": 4, "col_start": 0, "col_end": 4}]}
         )
+    for shards in ("abc", [0]):
+        with pytest.raises(PlanError, match="table 't0': shards must be a list of shard mappings"):
+            TableSharding.from_dict(
+                {"name": "t0", "num_rows": 4, "dim": 4, "sharding_type": "table_wise", "cluster": "reduction",
+                 "shards": shards}
+            )
 
 
 @st.composite

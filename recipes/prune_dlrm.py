@@ -8,7 +8,8 @@ report what it cost in AUC and what it gained in speed.
 
 The story: a dense model is trained once (``dense_steps``); every run — the dense baseline
 included — starts from a deep copy of it and gets the same fine-tuning budget (``steps``
-batches, the same batches, a fresh optimizer), pruned runs following their schedule. So
+batches, the same batches, each with its own copy of the dense trainer's Adagrad state), pruned
+runs following their schedule. So
 ``auc_drop = dense_auc - eval_auc`` compares equal training, not a pruned model against an
 under-trained one. Each pruned model is then compressed into ``TileSparseLinear`` layers and
 evaluated again (``compressed_auc``: the condensed format computes the same model).
@@ -27,17 +28,16 @@ Output folder (``--out``, default ``runs/prune_dlrm-<timestamp>``): ``report.jso
 
 from __future__ import annotations
 
-import argparse
 import copy
 import json
 import logging
 import math
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, fields, replace
+from dataclasses import asdict, dataclass, replace
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -47,6 +47,7 @@ from embark.data import Batch, SyntheticCTR
 from embark.model import build_model
 from embark.train import Callback, TrainConfig, Trainer
 from embark.workloads import PRESETS, get_workload
+from recipes.cli import knob, parse_knobs
 from recipes.prune_report import terminal_summary, write_markdown, write_plots
 from recipes.prune_serve import serve_check
 from recipes.prune_speed import measure_speed
@@ -60,7 +61,7 @@ from tilesparse import (
 )
 from tilesparse.config import Importance, ScheduleConfig
 from tilesparse.pruner import PruningCallback
-from tilesparse.schedule import stages_for
+from tilesparse.schedule import end_step, stages_for
 
 log = logging.getLogger("recipes.prune_dlrm")
 
@@ -79,39 +80,38 @@ SPEED_PATTERNS = ("tw", "tw_rows")
 class PruneDLRMConfig:
     """Every knob of the recipe, with its default (each is a ``--flag`` of the same name)."""
 
-    workload: str = "tiny"  # embark preset: tiny | dlrm_dcnv2 | t180 | t200 | t510
-    scale: float = 1.0  # divide every table's rows by this (to fit a big preset on a laptop)
-    batch_size: int = 256
-    dense_steps: int = 3000  # dense training before pruning (tiny: AUC still rising slowly)
-    steps: int = 600  # fine-tuning budget of EVERY run (dense baseline included)
-    eval_batches: int = 64  # 64 x 256 = 16k eval samples; every run is scored on the same ones
-    lr: float = 0.05  # Adagrad; 0.2 diverges on tiny, 0.1 learns slower than 0.05
-    pattern: str = "tw"  # tw | tw_rows | tew | ew | nm | bw
-    sparsity: float = 0.75
+    workload: str = knob("tiny", f"embark preset, one of {', '.join(PRESETS)}")
+    scale: float = knob(1.0, "divide every table's rows by this (>= 1) to fit a big preset on a laptop")
+    batch_size: int = knob(256, "samples per step (and per served request)")
+    # tiny: AUC still rising slowly after 3000 steps
+    dense_steps: int = knob(3000, "dense training steps before pruning")
+    steps: int = knob(600, "fine-tuning budget of EVERY run, the dense baseline included")
+    eval_batches: int = knob(64, "held-out eval batches; every run is scored on the same ones")
+    lr: float = knob(0.05, "Adagrad learning rate")  # 0.2 diverges on tiny, 0.1 learns slower
+    pattern: Literal["tw", "tw_rows", "tew", "ew", "nm", "bw"] = knob("tw", "sparsity pattern")
+    sparsity: float = knob(0.75, "target sparsity in [0, 1) (nm: always 2:4 = 0.5)")
     # tiny's layers are 13-144 wide (top MLP 144x128, cross layers 144x32): G=128 would put a
     # whole layer in one tile and leave nothing for the per-tile row step to choose; G=16 gives
     # each big layer 4-8 tiles at 75%. (G=128, the library default, matches tensor-core tiles
     # of the full-size dlrm_dcnv2 layers, 512-1024 wide.)
-    tile: int = 16
-    block: int = 16  # BW block side (bk = bn), the same scale as the tile on tiny
-    importance: str = "magnitude"  # magnitude | taylor | movement
-    schedule: str = "multistage"  # multistage (the paper's stages) | cubic | oneshot
-    recipe: str | None = None  # a TileSparseConfig YAML/JSON file: replaces pattern..schedule
-    sweep: bool = False  # run SWEEP instead of the one pattern/sparsity
-    seed: int = 0
-    out: str | None = None  # output folder; default runs/prune_dlrm-<UTC timestamp>
-    progress: bool = True  # tqdm bars
-    # torch intra-op threads. 1: these layers are too small to split, and on a shared 2-core
-    # machine 2 threads measured ~30x slower per step (thread contention), 1 thread ~4 ms/step.
-    threads: int = 1
-    # The speed half (recipes.prune_speed): the same pattern/sparsity on the DLRM-DCNv2 dense part
-    # at full MLPerf widths, G=128, timed dense vs condensed. 0 skips it.
-    speed_batch: int = 4096
-    speed_threads: int = 2
-    # The serving half (recipes.prune_serve): the main run's condensed model exported (ONNX +
-    # sparse files + ps.json), served by the v2 server, this many eval batches scored through it
-    # and compared with the eager model. 0 skips it.
-    serve_batches: int = 8
+    tile: int = knob(16, "TW tile width G (output columns per tile)")
+    block: int = knob(16, "BW block side (bk = bn), the same scale as the tile on tiny")
+    importance: Literal["magnitude", "taylor", "movement"] = knob("magnitude", "importance score")
+    schedule: Literal["multistage", "cubic", "oneshot"] = knob(
+        "multistage", "pruning schedule (multistage: the paper's stages with fine-tuning between)")
+    recipe: str | None = knob(None, "a TileSparseConfig YAML/JSON file: replaces pattern..schedule")
+    sweep: bool = knob(False, "run dense vs TW/EW/BW at 50/75/90%% and 2:4 instead of one run")
+    seed: int = knob(0, "seed of the model, the data and the teacher")
+    out: str | None = knob(None, "output folder; none = runs/prune_dlrm-<UTC timestamp>")
+    progress: bool = knob(True, "tqdm progress bars")
+    # 1: these layers are too small to split, and on a shared 2-core machine 2 threads measured
+    # ~30x slower per step (thread contention), 1 thread ~4 ms/step.
+    threads: int = knob(1, "torch intra-op threads for training")
+    speed_batch: int = knob(4096, "speed half: batch of the full-width DLRM-DCNv2 dense part, "
+                                  "dense vs condensed (0 skips it)")
+    speed_threads: int = knob(2, "speed half: torch threads while timing")
+    serve_batches: int = knob(8, "serving half: eval batches scored through the v2 server after "
+                                 "exporting the condensed model (0 skips it)")
 
     def __post_init__(self) -> None:
         if self.workload not in PRESETS:
@@ -128,6 +128,10 @@ class PruneDLRMConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
         if not 0.0 <= self.sparsity < 1.0:
             raise ValueError(f"--sparsity must be in [0, 1), got {self.sparsity}")
+        for name, allowed in (("pattern", [p.value for p in Pattern]),
+                              ("importance", [i.value for i in Importance])):
+            if getattr(self, name) not in allowed:
+                raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.schedule not in ("multistage", "cubic", "oneshot"):
             raise ValueError(f"--schedule must be multistage, cubic or oneshot, got {self.schedule!r}")
         if self.scale < 1:
@@ -173,13 +177,25 @@ def run_configs(cfg: PruneDLRMConfig) -> list[TileSparseConfig]:
     if cfg.recipe:
         base = TileSparseConfig.load(cfg.recipe)
         if not cfg.sweep:
-            return [base]
-        return [
+            return _check_schedules([base], cfg)
+        return _check_schedules([
             replace(base, pattern=Pattern(p), sparsity=None if p == "nm" else s) for p, s in SWEEP
-        ]
-    if not cfg.sweep:
-        return [prune_config(cfg, cfg.pattern, cfg.sparsity)]
-    return [prune_config(cfg, p, s) for p, s in SWEEP]
+        ], cfg)
+    configs = [prune_config(cfg, cfg.pattern, cfg.sparsity)] if not cfg.sweep else [
+        prune_config(cfg, p, s) for p, s in SWEEP]
+    return _check_schedules(configs, cfg)
+
+
+def _check_schedules(configs: list[TileSparseConfig], cfg: PruneDLRMConfig) -> list[TileSparseConfig]:
+    """Every schedule must reach its target within ``--steps`` (checked before any training)."""
+    for c in configs:
+        end = end_step(c.schedule, c.target_sparsity)
+        if end >= cfg.steps:
+            where = f"{cfg.recipe}: " if cfg.recipe else ""
+            raise ValueError(f"{where}the {c.pattern.value} schedule reaches {c.target_sparsity:g} "
+                             f"at step {end}, but --steps is {cfg.steps}; raise --steps or shorten "
+                             "the schedule")
+    return configs
 
 
 # -- the runs -----------------------------------------------------------------------------
@@ -203,7 +219,9 @@ def _fine_tune(
     """Continue training a deep copy of the dense model, with the dense trainer's optimizer
     state (a fresh Adagrad restarts with large steps and costs AUC), pruning if asked."""
     trainer = Trainer(model, train_cfg)
-    trainer.optimizer.load_state_dict(optimizer_state)
+    # a copy: load_state_dict keeps same-device tensors as they are, and Adagrad updates them in
+    # place, so without it each run would start from the state the previous run left behind
+    trainer.optimizer.load_state_dict(copy.deepcopy(optimizer_state))
     if pruner is not None:
         pruner.prepare(model)
         trainer.rebuild_optimizer()  # keeps the state: the weights moved under parametrizations
@@ -355,21 +373,9 @@ def _main_run_index(runs: list[dict[str, Any]], cfg: PruneDLRMConfig) -> int:
 
 
 # -- command line -------------------------------------------------------------------------
-def _parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m recipes.prune_dlrm", description=__doc__.split("\n\n")[0])
-    for f in fields(PruneDLRMConfig):
-        flag = "--" + f.name.replace("_", "-")
-        if f.type in ("bool",) or isinstance(f.default, bool):
-            p.add_argument(flag, action=argparse.BooleanOptionalAction, default=f.default)
-        else:
-            kind = {"int": int, "float": float}.get(str(f.type), str)
-            p.add_argument(flag, type=kind, default=f.default, metavar=f.name.upper())
-    return p
-
-
 def parse_args(argv: Sequence[str] | None = None) -> PruneDLRMConfig:
-    ns = _parser().parse_args(argv)
-    return PruneDLRMConfig(**vars(ns))
+    """The knobs from the command line; a bad value is a usage error (exit 2) naming it."""
+    return parse_knobs(PruneDLRMConfig, argv, description=__doc__.split("\n\n")[0])
 
 
 if __name__ == "__main__":

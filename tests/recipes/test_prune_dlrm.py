@@ -1,11 +1,17 @@
 from __future__ import annotations
 
+import copy
 import json
 import struct
 
 import pytest
+import torch
 
-from recipes.prune_dlrm import SWEEP, PruneDLRMConfig, main, parse_args
+from embark.data import SyntheticCTR
+from embark.model import build_model
+from embark.train import TrainConfig, Trainer
+from embark.workloads import get_workload
+from recipes.prune_dlrm import SWEEP, PruneDLRMConfig, _fine_tune, main, parse_args
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -73,19 +79,48 @@ def test_sweep_covers_the_table(tmp_path) -> None:
         assert abs(r["achieved_sparsity"] - r["sparsity"]) <= 0.01, r["pattern"]
 
 
-def test_bad_knobs_and_recipe_files(tmp_path) -> None:
-    with pytest.raises(ValueError, match=r"--sparsity must be in \[0, 1\), got 1.5"):
-        parse_args(["--sparsity", "1.5"])
-    with pytest.raises(ValueError, match="--tile must be an integer >= 1, got 0"):
-        parse_args(["--tile", "0"])
-    with pytest.raises(SystemExit):
-        parse_args(["--tile", "big"])
+def test_bad_knobs_and_recipe_files(tmp_path, capsys) -> None:
+    for argv, msg in ((["--sparsity", "1.5"], r"--sparsity must be in [0, 1), got 1.5"),
+                      (["--tile", "0"], "--tile must be an integer >= 1, got 0"),
+                      (["--tile", "big"], "invalid int value: 'big'"),
+                      (["--pattern", "xyz"], "invalid choice: 'xyz'"),
+                      (["--serve-batches", "-1"], "--serve-batches must be an integer >= 0, got -1")):
+        with pytest.raises(SystemExit) as e:
+            parse_args(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv
+    with pytest.raises(ValueError, match="--importance must be one of"):
+        PruneDLRMConfig(importance="foo")
     bad = tmp_path / "bad.yaml"
     bad.write_text("pattern: tw\nsparsity: 0.5\nthreshold: global\n")
     cfg = _shrunk(tmp_path, recipe=str(bad))
     with pytest.raises(ValueError, match=r"bad.yaml: TileSparseConfig: unknown key\(s\) \['threshold'\]"):
         main(cfg)
     assert not (tmp_path / "run").exists()  # failed before anything was written
+    slow = tmp_path / "slow.yaml"
+    slow.write_text("pattern: tw\nsparsity: 0.75\nschedule: {kind: multistage, steps_per_stage: 1000}\n")
+    with pytest.raises(ValueError, match=r"slow.yaml: the tw schedule reaches 0.75 at step \d+, but --steps is 30"):
+        main(_shrunk(tmp_path, recipe=str(slow)))
+    assert not (tmp_path / "run").exists()  # before any training
+
+
+def test_runs_do_not_share_optimizer_state() -> None:
+    """Each fine-tuning run starts from the same copy of the dense trainer's Adagrad state:
+    two identical runs give identical weights, and the shared state is left untouched."""
+    w = get_workload("tiny")
+    data = SyntheticCTR(w, batch_size=32, seed=0)
+    dense = build_model(w, seed=0)
+    trainer = Trainer(dense, TrainConfig(lr=0.05, seed=0))
+    trainer.fit(data.batches(5), 5, progress=False)
+    state = trainer.optimizer.state_dict()
+    before = copy.deepcopy(state)
+    batches = list(data.batches(4, start=5))
+    runs = [_fine_tune(copy.deepcopy(dense), TrainConfig(lr=0.05, seed=0), state, batches, None, False, "x")
+            for _ in range(2)]
+    for a, b in zip(runs[0].model.state_dict().values(), runs[1].model.state_dict().values()):
+        assert torch.equal(a, b)
+    for k, v in before["state"].items():
+        for name, t in v.items():
+            assert torch.equal(torch.as_tensor(state["state"][k][name]), torch.as_tensor(t)), (k, name)
 
 
 def test_recipe_file_drives_the_run(tmp_path) -> None:

@@ -46,6 +46,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
+from embark.checkpoint_schema import check_state
 from embark.data.synthetic import Batch
 from embark.metrics import auc, log_loss
 from embark.workloads import Workload
@@ -444,10 +445,12 @@ class Trainer:
 
     @staticmethod
     def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
-        """``state.json`` of a checkpoint, after checking every tensor file's size and hash.
+        """``state.json`` of a checkpoint, after checking its schema (every field's presence
+        and type, see :mod:`embark.checkpoint_schema`) and every tensor file's size and hash.
 
         Raises:
-            ValueError: naming the file, for a missing, truncated or altered checkpoint file.
+            ValueError: naming the file (and the field), for a missing, truncated or altered
+                checkpoint file or a ``state.json`` that breaks the schema.
         """
         path = Path(path)
         sp = path / _STATE_FILE
@@ -455,13 +458,9 @@ class Trainer:
             raise ValueError(f"{str(path)!r} is not a checkpoint folder: {_STATE_FILE} is missing")
         try:
             state = json.loads(sp.read_text())
-        except json.JSONDecodeError as err:
+        except (json.JSONDecodeError, UnicodeDecodeError) as err:
             raise ValueError(f"checkpoint file {str(sp)!r} is corrupt or truncated: {err}") from err
-        if state.get("format_version") != CHECKPOINT_FORMAT_VERSION:
-            raise ValueError(
-                f"checkpoint {str(path)!r} has format_version {state.get('format_version')!r}, "
-                f"expected {CHECKPOINT_FORMAT_VERSION}"
-            )
+        check_state(state, sp, CHECKPOINT_FORMAT_VERSION)
         for name, info in state["files"].items():
             fp = path / name
             if not fp.is_file():
@@ -499,20 +498,36 @@ class Trainer:
             callbacks: for the new trainer.
 
         Raises:
-            ValueError: for a missing, truncated or altered file, or a model whose state-dict
-                names, shapes or dtypes differ from the checkpoint's. ``model`` is left
-                untouched when an error is raised.
+            ValueError: for a missing, truncated or altered file, a ``state.json`` that breaks
+                the schema (naming the file and field), or a model whose state-dict names,
+                shapes or dtypes differ from the checkpoint's. Everything is checked before
+                ``model`` is written: it is left untouched when an error is raised.
         """
         path = Path(path)
+        sp = path / _STATE_FILE
         state = cls.read_state(path)
         tensors = cls._load_tensors(path / _MODEL_FILE)
         opt_tensors = cls._load_tensors(path / _OPTIMIZER_FILE)
+        for key in opt_tensors:
+            if key.count("::") != 1:
+                raise ValueError(
+                    f"checkpoint file {str(path / _OPTIMIZER_FILE)!r}: tensor {key!r} is not "
+                    f"named '<param name>::<state key>'"
+                )
+        try:
+            cfg = TrainConfig.from_dict(state["train_config"])
+        except (TypeError, ValueError) as err:
+            raise ValueError(f"checkpoint file {str(sp)!r}: train_config: {err}") from None
         if model is None:
-            if state.get("workload") is None:
+            if state["workload"] is None:
                 raise ValueError(f"checkpoint {str(path)!r} stores no workload: pass model=")
+            try:
+                workload = Workload.from_dict(state["workload"])
+            except ValueError as err:
+                raise ValueError(f"checkpoint file {str(sp)!r}: workload: {err}") from None
             from embark.model import build_model
 
-            model = build_model(Workload.from_dict(state["workload"]))
+            model = build_model(workload)
         own = model.state_dict()
         missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
         if missing or unexpected:
@@ -526,7 +541,7 @@ class Trainer:
                     f"checkpoint tensor {k!r} is {tuple(tensors[k].shape)} {tensors[k].dtype}, "
                     f"the model has {tuple(v.shape)} {v.dtype}"
                 )
-        trainer = cls(model, TrainConfig.from_dict(state["train_config"]), callbacks)
+        trainer = cls(model, cfg, callbacks)
         names = {n: p for p, n in trainer._param_names().items()}
         saved_groups = state["param_groups"]
         if [g["params"] for g in saved_groups] != [
@@ -535,6 +550,13 @@ class Trainer:
             raise ValueError(
                 f"checkpoint {str(path)!r}: optimizer parameter groups do not match the model"
             )
+        for i, (g, saved) in enumerate(zip(trainer.optimizer.param_groups, saved_groups)):
+            extra = sorted(set(saved) - set(g))
+            if extra:
+                raise ValueError(
+                    f"checkpoint file {str(sp)!r}: param_groups[{i}] has unknown option(s) "
+                    f"{extra}; {type(trainer.optimizer).__name__} has {sorted(set(g) - {'params'})}"
+                )
         stray = sorted(
             {k.split("::")[0] for k in [*opt_tensors, *state["optimizer_scalars"]]} - set(names)
         )
@@ -542,6 +564,7 @@ class Trainer:
             raise ValueError(
                 f"checkpoint {str(path)!r}: optimizer state for unknown parameters {stray[:5]}"
             )
+        # Everything is checked: only now touch the model (and the new optimizer).
         model.load_state_dict(tensors, strict=True)
         for g, saved in zip(trainer.optimizer.param_groups, saved_groups):
             g.update({k: v for k, v in saved.items() if k != "params"})
@@ -553,6 +576,6 @@ class Trainer:
             trainer.optimizer.state[names[pname]][skey] = v
         gen_state = bytes.fromhex(state["rng"]["trainer_generator"])
         trainer.generator.set_state(torch.frombuffer(bytearray(gen_state), dtype=torch.uint8))
-        trainer.step = int(state["step"])
+        trainer.step = state["step"]
         trainer.history = list(state["history"])
         return trainer

@@ -90,9 +90,10 @@ def test_truncated_checkpoint_is_a_clear_error_and_touches_nothing(data, tmp_pat
         Trainer.load_checkpoint(ck, model=target)
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in weights.items())
     assert {p.name: p.read_bytes() for p in ck.iterdir()} == before
-    # A truncated file with no size record still fails clearly (safetensors' own check).
+    # A truncated file whose record was rewritten to match still fails clearly (safetensors'
+    # own check). (A state.json with no record for it is a schema error: test_checkpoint_schema.)
     state = json.loads((ck / "state.json").read_text())
-    state["files"].pop("model.safetensors")
+    state["files"]["model.safetensors"] = {"bytes": f.stat().st_size, "sha256": train_mod._sha256(f)}
     (ck / "state.json").write_text(json.dumps(state))
     with pytest.raises(ValueError, match="cannot be read"):
         Trainer.load_checkpoint(ck, model=target)

@@ -1,0 +1,127 @@
+"""The schema of a trainer checkpoint's ``state.json``, checked before anything is loaded.
+
+:meth:`embark.train.Trainer.read_state` calls :func:`check_state` right after parsing the
+JSON, so a hand-edited or foreign ``state.json`` fails with an error naming the file and the
+field, before any weight, optimizer slot or generator is touched. The fields (as written by
+:meth:`~embark.train.Trainer.save_checkpoint`)::
+
+    {"format_version": 1,
+     "step": 9, "data_position": 9,                       # integers >= 0
+     "workload": {...} | null,                            # Workload.to_dict() or null
+     "train_config": {...},                               # TrainConfig.to_dict()
+     "rng": {"trainer_generator": "<hex of the torch.Generator state>"},
+     "optimizer": "Adagrad", "torch_version": "2.13.0",   # informational strings
+     "optimizer_scalars": {"<param>::<key>": number, ...},
+     "param_groups": [{"params": ["<param>", ...], "lr": 0.05, ...}, ...],
+     "history": [{"step": 4, "auc": 0.7, ...}, ...],
+     "files": {"model.safetensors": {"bytes": 515428, "sha256": "<64 hex>"},
+               "optimizer.safetensors": {...}}}
+
+Fields not listed are ignored (a later writer may add information).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
+_HEX = re.compile(r"(?:[0-9a-f]{2})*")
+_SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+def _fail(sp: Path, field: str, expected: str, got: Any) -> ValueError:
+    return ValueError(f"checkpoint file {str(sp)!r}: {field} must be {expected}, got {got!r:.120}")
+
+
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _require(state: dict[str, Any], sp: Path, field: str) -> Any:
+    if field not in state:
+        raise ValueError(f"checkpoint file {str(sp)!r}: missing field {field!r}")
+    return state[field]
+
+
+def _check_param_key(key: Any, sp: Path, field: str) -> None:
+    if not isinstance(key, str) or key.count("::") != 1 or not all(key.split("::")):
+        raise _fail(sp, f"a key of {field}", "'<param name>::<state key>'", key)
+
+
+def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
+    """Check the structure and types of a parsed ``state.json`` (see the module docstring).
+
+    Args:
+        state: the parsed JSON document.
+        sp: the ``state.json`` path, for messages.
+        version: the format version this reader understands.
+
+    Returns:
+        ``state``, unchanged.
+
+    Raises:
+        ValueError: naming ``sp`` and the first bad field: a non-mapping document, a missing
+            field, a value of the wrong type (``"step": "abc"``), a generator state torch
+            cannot restore, or a ``files`` record that does not list exactly the tensor files.
+    """
+    if not isinstance(state, dict):
+        raise ValueError(f"checkpoint file {str(sp)!r} must hold a JSON object, got {type(state).__name__}")
+    fv = _require(state, sp, "format_version")
+    if not _is_int(fv) or fv != version:
+        raise ValueError(f"checkpoint file {str(sp)!r} has format_version {fv!r}, expected {version}")
+    for field in ("step", "data_position"):
+        v = _require(state, sp, field)
+        if not _is_int(v) or v < 0:
+            raise _fail(sp, field, "an integer >= 0", v)
+    workload = _require(state, sp, "workload")
+    if workload is not None and not isinstance(workload, dict):
+        raise _fail(sp, "workload", "a mapping or null", workload)
+    if not isinstance(_require(state, sp, "train_config"), dict):
+        raise _fail(sp, "train_config", "a mapping", state["train_config"])
+    for field in ("optimizer", "torch_version"):
+        if field in state and not isinstance(state[field], str):
+            raise _fail(sp, field, "a string", state[field])
+
+    rng = _require(state, sp, "rng")
+    gen = rng.get("trainer_generator") if isinstance(rng, dict) else None
+    if not isinstance(gen, str) or not gen or not _HEX.fullmatch(gen):
+        raise _fail(sp, "rng.trainer_generator", "a hex string", gen if isinstance(rng, dict) else rng)
+    try:
+        torch.Generator().set_state(torch.frombuffer(bytearray(bytes.fromhex(gen)), dtype=torch.uint8))
+    except RuntimeError as err:  # wrong length: torch checks the state size
+        raise _fail(sp, "rng.trainer_generator", "a torch.Generator state", f"{len(gen) // 2} bytes") from err
+
+    scalars = _require(state, sp, "optimizer_scalars")
+    if not isinstance(scalars, dict):
+        raise _fail(sp, "optimizer_scalars", "a mapping", scalars)
+    for key, v in scalars.items():
+        _check_param_key(key, sp, "optimizer_scalars")
+        if v is not None and not isinstance(v, bool | int | float):
+            raise _fail(sp, f"optimizer_scalars[{key!r}]", "a number, a bool or null", v)
+
+    groups = _require(state, sp, "param_groups")
+    if not isinstance(groups, list) or not groups:
+        raise _fail(sp, "param_groups", "a non-empty list", groups)
+    for i, g in enumerate(groups):
+        params = g.get("params") if isinstance(g, dict) else None
+        if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
+            raise _fail(sp, f"param_groups[{i}]", "a mapping with 'params': a list of names", g)
+
+    history = _require(state, sp, "history")
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        raise _fail(sp, "history", "a list of mappings", history)
+
+    files = _require(state, sp, "files")
+    if not isinstance(files, dict) or sorted(files) != sorted(TENSOR_FILES):
+        got = sorted(files) if isinstance(files, dict) else files
+        raise _fail(sp, "files", f"a record of exactly {list(TENSOR_FILES)}", got)
+    for name, info in files.items():
+        if not isinstance(info, dict) or not _is_int(info.get("bytes")) or info["bytes"] < 0:
+            raise _fail(sp, f"files[{name!r}]", "{'bytes': integer >= 0, 'sha256': hex}", info)
+        if not isinstance(info.get("sha256"), str) or not _SHA256.fullmatch(info["sha256"]):
+            raise _fail(sp, f"files[{name!r}].sha256", "64 lowercase hex digits", info.get("sha256"))
+    return state

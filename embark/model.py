@@ -131,12 +131,31 @@ class DLRM(nn.Module):
 
         Raises:
             KeyError: when a table's key is missing from ``sparse``.
+            ValueError: naming the table, when an id is negative or ``>= num_rows``
+                (``nn.EmbeddingBag`` would fail without saying which table).
         """
-        out = []
-        for name in self.table_names:
-            bag = self.embeddings[name]
-            out.append(bag(sparse.values_for(name), sparse.bag_offsets(name)))
-        return out
+        values = [sparse.values_for(name) for name in self.table_names]
+        self._check_ids(values)
+        return [
+            self.embeddings[name](v, sparse.bag_offsets(name))
+            for name, v in zip(self.table_names, values)
+        ]
+
+    def _check_ids(self, values: Sequence[torch.Tensor]) -> None:
+        """Range check of every table's ``(nnz_t,) int64`` ids: one min/max per table and one
+        device-to-host copy for all of them."""
+        filled = [(n, v) for n, v in zip(self.table_names, values) if v.numel()]
+        if not filled:
+            return
+        bounds = torch.stack([torch.stack(torch.aminmax(v)) for _, v in filled]).tolist()
+        for (name, _), (lo, hi) in zip(filled, bounds):
+            rows = self.embeddings[name].num_embeddings
+            if lo < 0 or hi >= rows:
+                bad = hi if hi >= rows else lo
+                raise ValueError(
+                    f"table {name!r} has {rows} rows but id {bad} was looked up "
+                    f"(expected ids 0..{rows - 1})"
+                )
 
     def dense_forward(
         self, dense: torch.Tensor, pooled: torch.Tensor | Sequence[torch.Tensor]

@@ -140,3 +140,34 @@ def test_tiny_preset_trains_on_synthetic_batch():
     loss = nn.functional.binary_cross_entropy_with_logits(model(b.dense, b.sparse), b.labels)
     loss.backward()
     assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize(("bad", "rows"), [(11, 11), (-1, 11), (2**40, 11)])
+def test_out_of_range_id_names_the_table(bad, rows):
+    w = _small("dot")
+    model = build_model(w)
+    dense, sparse = _batch(w)
+    per_key = sparse.per_key()
+    values, lengths = per_key["t1"]  # t1 has 11 rows
+    values = values.clone()
+    values[-1] = bad
+    per_key["t1"] = (values, lengths)
+    msg = rf"table 't1' has {rows} rows but id {bad} was looked up \(expected ids 0\.\.{rows - 1}\)"
+    with pytest.raises(ValueError, match=msg):
+        model(dense, JaggedBatch.from_per_key(per_key))
+
+
+def test_in_range_edge_ids_and_all_empty_bags_pool():
+    w = _small("dot")
+    model = build_model(w)
+    b = 3
+    per_key = {
+        t.name: (torch.tensor([0, t.num_rows - 1]), torch.tensor([2, 0, 0], dtype=torch.int32))
+        for t in w.tables
+    }
+    per_key["t2"] = (torch.zeros(0, dtype=torch.int64), torch.zeros(b, dtype=torch.int32))
+    pooled = model.pool(JaggedBatch.from_per_key(per_key))
+    for t, p in zip(w.tables, pooled):
+        emb = model.embeddings[t.name].weight
+        want = emb[0] + emb[t.num_rows - 1] if t.name != "t2" else torch.zeros_like(emb[0])
+        assert torch.equal(p[0], want) and torch.equal(p[1:], torch.zeros_like(p[1:]))

@@ -50,17 +50,44 @@ def _none_or(convert: Callable[[str], Any]) -> Callable[[str], Any]:
     return parse
 
 
-def _converter(tp: Any, name: str) -> tuple[Callable[[str], Any], list[Any] | None]:
-    """(string → value, choices) for a scalar type."""
+def _one_of(choices: Sequence[Any], name: str, optional: bool) -> Callable[[str], Any]:
+    """A converter accepting exactly the choices' texts (an enum member's ``value``), and
+    ``none`` (→ ``None``) when ``optional``.
+
+    Choices are checked here rather than by argparse's ``choices=``: argparse compares the
+    converted value, so it would reject ``None`` for an optional knob, and it lists choices
+    by ``repr`` (``<OptimizerKind.SGD: 'sgd'>``) in its error.
+    """
+    by_text = {str(getattr(c, "value", c)): c for c in choices}
+    allowed = ", ".join([*by_text, *(["none"] if optional else [])])
+
+    def parse(text: str) -> Any:
+        if optional and text.lower() == "none":
+            return None
+        try:
+            return by_text[text]
+        except KeyError:
+            raise argparse.ArgumentTypeError(f"expected one of {allowed}, got {text!r}") from None
+
+    parse.__name__ = name
+    return parse
+
+
+def _converter(
+    tp: Any, name: str, optional: bool = False
+) -> tuple[Callable[[str], Any], list[str] | None]:
+    """(string → value, the choices' texts or ``None``) for a scalar type; ``optional`` adds
+    the word ``none`` for ``None``."""
     if typing.get_origin(tp) is typing.Literal:
         choices = list(typing.get_args(tp))
-        kind = type(choices[0])
-        return kind, choices
-    if isinstance(tp, type) and issubclass(tp, enum.Enum):
-        return tp, list(tp)
-    if tp in (int, float, str):
-        return tp, None
-    raise TypeError(f"knob {name!r}: unsupported type {tp!r}")
+    elif isinstance(tp, type) and issubclass(tp, enum.Enum):
+        choices = list(tp)
+    elif tp in (int, float, str):
+        return (_none_or(tp) if optional else tp), None
+    else:
+        raise TypeError(f"knob {name!r}: unsupported type {tp!r}")
+    texts = [str(getattr(c, "value", c)) for c in choices]
+    return _one_of(choices, name, optional), texts + (["none"] if optional else [])
 
 
 def add_knobs(parser: argparse.ArgumentParser, cls: type) -> None:
@@ -108,12 +135,10 @@ def add_knobs(parser: argparse.ArgumentParser, cls: type) -> None:
             kw["nargs"] = "*"
             kw["type"] = convert
         else:
-            convert, choices = _converter(tp, f.name)
-            kw["type"] = _none_or(convert) if optional else convert
+            convert, choices = _converter(tp, f.name, optional)
+            kw["type"] = convert
         if choices is not None:
-            kw["choices"] = choices
-            choice_text = "{" + ",".join(str(getattr(c, "value", c)) for c in choices) + "}"
-            kw["metavar"] = choice_text
+            kw["metavar"] = "{" + ",".join(choices) + "}"
         parser.add_argument(flag, help=f"{help_text} (default: {shown})", **kw)
 
 

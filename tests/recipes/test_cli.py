@@ -27,6 +27,8 @@ class Knobs:
     out: str | None = knob(None, "output folder")
     limit: int | None = knob(3, "optional limit")
     fast: bool = knob(False, "go fast")
+    tint: Color | None = knob(Color.BLUE, "optional color; none = no tint")
+    sizes: Literal[1, 2] = knob(1, "an int literal")
 
     def __post_init__(self) -> None:
         if self.steps < 0:
@@ -50,6 +52,40 @@ def test_every_type_parses():
          "--mode", "b", "--out", "runs/x", "--limit", "none", "--fast"],
     )  # fmt: skip
     assert cfg == Knobs(3, 1e-3, "x", (8, 4, 1), Color.BLUE, "b", "runs/x", None, True)
+
+
+@pytest.mark.parametrize(("text", "want"), [("none", None), ("None", None), ("red", Color.RED)])
+def test_optional_enum_takes_none_and_members(text, want):
+    cfg = parse_knobs(Knobs, ["--tint", text])
+    assert cfg.tint is want
+
+
+def test_int_literal_parses_to_int():
+    assert parse_knobs(Knobs, ["--sizes", "2"]).sizes == 2
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--color", "green"], "argument --color: expected one of red, blue, got 'green'"),
+        (["--tint", "green"], "argument --tint: expected one of red, blue, none, got 'green'"),
+        (["--color", "none"], "argument --color: expected one of red, blue, got 'none'"),
+        (["--sizes", "3"], "argument --sizes: expected one of 1, 2, got '3'"),
+    ],
+)
+def test_choice_errors_list_values_not_enum_reprs(argv, message, capsys):
+    with pytest.raises(SystemExit) as info:
+        parse_knobs(Knobs, argv)
+    assert info.value.code == 2
+    err = " ".join(capsys.readouterr().err.split())
+    assert message in err and "<Color" not in err
+
+
+def test_help_shows_choices_by_value(capsys):
+    with pytest.raises(SystemExit):
+        parse_knobs(Knobs, ["--help"])
+    text = capsys.readouterr().out
+    assert "--tint {red,blue,none}" in text and "--sizes {1,2}" in text and "<Color" not in text
 
 
 @pytest.mark.parametrize("argv", [["--steps", "x"], ["--color", "green"], ["--steps", "-1"]])

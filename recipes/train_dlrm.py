@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 import time
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -55,17 +56,38 @@ class TrainDLRMKnobs:
     progress: bool = knob(True, "show a tqdm progress bar")
 
     def __post_init__(self) -> None:
+        # Everything TrainConfig and SyntheticCTR would reject is checked here, so a bad knob
+        # is a usage error (exit 2) before main() creates --out.
         if self.workload not in PRESETS:
             raise ValueError(f"workload must be one of {list(PRESETS)}, got {self.workload!r}")
         for name in ("batch_size", "steps", "eval_batches", "threads"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{name} must be an integer > 0, got {v!r}")
+        for name in ("eval_every", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"{name} must be an integer >= 0, got {v!r}")
         if self.train_eval_batches <= 0 or self.train_eval_batches > self.steps:
             raise ValueError(
                 f"train_eval_batches must be in 1..steps={self.steps}, got {self.train_eval_batches}"
             )
-        if self.scale < 1:
-            raise ValueError(f"scale must be >= 1, got {self.scale}")
+        for name in ("lr", "embedding_lr", "label_sharpness"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
+                raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
+        if isinstance(self.scale, bool) or not isinstance(self.scale, int | float) or not (
+            math.isfinite(self.scale) and self.scale >= 1
+        ):
+            raise ValueError(f"scale must be a finite number >= 1, got {self.scale!r}")
+        if self.optimizer is not None:
+            try:
+                object.__setattr__(self, "optimizer", OptimizerKind(self.optimizer))
+            except ValueError:
+                raise ValueError(
+                    f"optimizer must be one of {[o.value for o in OptimizerKind]} or None, "
+                    f"got {self.optimizer!r}"
+                ) from None
 
 
 def _out_dir(cfg: TrainDLRMKnobs) -> Path:
@@ -102,8 +124,8 @@ def main(cfg: TrainDLRMKnobs) -> dict[str, Any]:
     t_start = time.perf_counter()
     torch.set_num_threads(cfg.threads)
     out = _out_dir(cfg)
+    workload, data, trainer = build(cfg)  # before mkdir: a failure leaves no empty folder
     out.mkdir(parents=True, exist_ok=True)
-    workload, data, trainer = build(cfg)
     eval_set = list(data.batches(cfg.eval_batches, split="eval"))
     teacher_auc = data.teacher_auc(cfg.eval_batches, split="eval")
 

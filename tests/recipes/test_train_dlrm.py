@@ -4,9 +4,11 @@ import json
 
 import pytest
 
-from embark.train import Trainer
+import recipes.train_dlrm as train_dlrm
+from embark.train import OptimizerKind, Trainer
+from embark.workloads import get_workload
 from recipes.cli import parse_knobs
-from recipes.train_dlrm import TrainDLRMKnobs, main
+from recipes.train_dlrm import TrainDLRMKnobs, build, main
 
 
 def test_main_on_a_shrunk_config_writes_results(tmp_path, capsys):
@@ -35,3 +37,43 @@ def test_knobs_from_the_command_line():
     assert parse_knobs(TrainDLRMKnobs, []) == TrainDLRMKnobs()
     with pytest.raises(SystemExit):
         parse_knobs(TrainDLRMKnobs, ["--workload", "nope"])  # rejected by __post_init__
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--lr", "0"], "lr must be a finite number > 0, got 0.0"),
+        (["--lr", "nan"], "lr must be a finite number > 0, got nan"),
+        (["--embedding-lr", "-1"], "embedding_lr must be a finite number > 0, got -1.0"),
+        (["--eval-every", "-1"], "eval_every must be an integer >= 0, got -1"),
+        (["--label-sharpness", "0"], "label_sharpness must be a finite number > 0, got 0.0"),
+        (["--seed", "-3"], "seed must be an integer >= 0, got -3"),
+        (["--scale", "nan"], "scale must be a finite number >= 1, got nan"),
+        (["--optimizer", "adam"], "argument --optimizer: expected one of adagrad, sgd, none, got 'adam'"),
+    ],
+)
+def test_bad_knobs_are_usage_errors_before_anything_is_created(argv, message, tmp_path, capsys):
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as info:
+        parse_knobs(TrainDLRMKnobs, ["--out", str(out), *argv])
+    assert info.value.code == 2
+    assert message in " ".join(capsys.readouterr().err.split())
+    assert not out.exists()
+
+
+def test_optimizer_none_means_the_workloads_choice():
+    cfg = parse_knobs(TrainDLRMKnobs, ["--optimizer", "none"])
+    assert cfg.optimizer is None
+    assert build(cfg)[2].cfg.optimizer == OptimizerKind(get_workload("tiny").optimizer)
+    assert TrainDLRMKnobs(optimizer="sgd").optimizer is OptimizerKind.SGD
+
+
+def test_a_failing_build_leaves_no_empty_out_folder(tmp_path, monkeypatch):
+    def boom(cfg):
+        raise RuntimeError("out of memory")
+
+    monkeypatch.setattr(train_dlrm, "build", boom)
+    out = tmp_path / "run"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        main(TrainDLRMKnobs(out=str(out), progress=False))
+    assert not out.exists()

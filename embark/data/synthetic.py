@@ -10,9 +10,11 @@ Each sample has
 * a label ``y ~ Bernoulli(sigmoid(s * z + b))`` where ``z`` is the teacher's logit standardised
   on a calibration sample, ``s = label_sharpness`` and ``b = label_bias``.
 
-The teacher is a DLRM of the same workload (a different seed) whose embedding rows are
-redrawn ``N(0, 1)`` so that every table carries signal. Its probabilities are the Bayes-optimal
-scores for the labels, so :meth:`SyntheticCTR.teacher_auc` is the ceiling a student can reach.
+The teacher is a DLRM over the same tables (by default the narrower
+:func:`default_teacher_workload`, a different seed) whose embedding rows are redrawn
+``N(0, teacher_embedding_std²)`` (std 0.1 by default) instead of the student's small uniform
+init, so that every table carries signal. Its probabilities are the Bayes-optimal scores for the
+labels, so :meth:`SyntheticCTR.teacher_auc` is the ceiling a student can reach.
 
 Batches are generated independently from ``(seed, split, index)``: the stream needs no memory,
 any batch can be regenerated, and a resumed run continues with ``batches(n, start=step)``.
@@ -20,6 +22,7 @@ any batch can be regenerated, and a resumed run continues with ``batches(n, star
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from enum import StrEnum
@@ -95,9 +98,17 @@ class SyntheticCTR:
         label_sharpness: ``s``; larger → labels closer to deterministic, higher teacher AUC.
         label_bias: ``b``; sets the click rate (-1.0 → about 30% positives).
         dense_mu, dense_sigma: log-normal parameters of the raw dense counts.
+        teacher_embedding_std: std of the teacher's embedding rows, redrawn
+            ``N(0, teacher_embedding_std²)``; > 0. Larger → the tables weigh more in the
+            teacher's logit relative to the dense features.
+        teacher_workload: the teacher's architecture; ``None`` = :func:`default_teacher_workload`.
+            Its tables (names, rows, order) and ``dense_features`` must equal ``workload``'s;
+            its MLP widths and interaction may differ.
 
     Raises:
-        ValueError: for a non-positive batch size or sharpness.
+        ValueError: for a non-positive batch size, sharpness, ``dense_sigma`` or
+            ``teacher_embedding_std``, or a ``teacher_workload`` whose tables or dense width
+            differ from ``workload``'s.
     """
 
     def __init__(
@@ -122,6 +133,9 @@ class SyntheticCTR:
             raise ValueError(f"label_sharpness must be > 0, got {label_sharpness}")
         if not dense_sigma > 0:
             raise ValueError(f"dense_sigma must be > 0, got {dense_sigma}")
+        std = teacher_embedding_std
+        if isinstance(std, bool) or not (isinstance(std, int | float) and 0 < std < math.inf):
+            raise ValueError(f"teacher_embedding_std must be a finite number > 0, got {teacher_embedding_std!r}")
         self.workload = workload
         self.batch_size = batch_size
         self.seed = seed
@@ -138,6 +152,15 @@ class SyntheticCTR:
             self._cdfs.append(cdf / cdf[-1])
         if teacher_workload is None:
             teacher_workload = default_teacher_workload(workload)
+        shape = [(t.name, t.num_rows) for t in workload.tables]
+        teacher_shape = [(t.name, t.num_rows) for t in teacher_workload.tables]
+        if teacher_shape != shape or teacher_workload.dense_features != workload.dense_features:
+            raise ValueError(
+                f"teacher_workload {teacher_workload.name!r} must have workload "
+                f"{workload.name!r}'s tables (name, rows) and dense_features "
+                f"{workload.dense_features}; got {teacher_shape[:4]}... and "
+                f"{teacher_workload.dense_features}"
+            )
         self.teacher_workload = teacher_workload
         self.teacher = build_model(teacher_workload, seed=1_000_003 + seed).eval()
         gen = torch.Generator().manual_seed(2_000_003 + seed)

@@ -125,3 +125,42 @@ def test_scaled_workload_rows():
 def test_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         SyntheticCTR(_workload(), **kwargs)
+
+
+@pytest.mark.parametrize("std", [0.1, 0.5])
+def test_teacher_rows_are_redrawn_with_teacher_embedding_std(std):
+    # Module docstring: teacher rows ~ N(0, teacher_embedding_std²), default 0.1 (not N(0, 1)).
+    g = SyntheticCTR(_workload(), batch_size=64, seed=0, teacher_embedding_std=std)
+    rows = torch.cat([bag.weight.flatten() for bag in g.teacher.embeddings.values()])
+    assert rows.numel() > 20_000
+    assert abs(rows.mean().item()) < 0.05 * std
+    assert rows.std().item() == pytest.approx(std, rel=0.03)
+
+
+def test_default_teacher_embedding_std_is_0_1():
+    g = SyntheticCTR(_workload(), batch_size=64, seed=0)
+    rows = torch.cat([bag.weight.flatten() for bag in g.teacher.embeddings.values()])
+    assert rows.std().item() == pytest.approx(0.1, rel=0.03)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"teacher_embedding_std": 0.0}, "teacher_embedding_std must be a finite number > 0, got 0.0"),
+        ({"teacher_embedding_std": float("nan")}, "teacher_embedding_std must be a finite number > 0, got nan"),
+        ({"teacher_workload": get_workload("tiny")}, "teacher_workload 'tiny' must have workload 'tiny'"),
+        (
+            {"teacher_workload": replace(_workload(), dense_features=4)},
+            "must have workload 'tiny'.s tables .* and dense_features 13; got .* and 4",
+        ),
+    ],
+)
+def test_bad_teacher_arguments(kwargs, match):
+    with pytest.raises(ValueError, match=match):
+        SyntheticCTR(_workload(), batch_size=8, **kwargs)
+
+
+def test_teacher_workload_with_other_widths_is_used():
+    teacher = replace(_workload(), name="wide-teacher", top_mlp=(8, 1), bottom_mlp=(16,))
+    g = SyntheticCTR(_workload(), batch_size=8, teacher_workload=teacher)
+    assert g.teacher.workload is teacher and g.teacher.top_mlp[0].out_features == 8

@@ -3,6 +3,7 @@ from __future__ import annotations
 import gzip
 import logging
 import math
+import re
 
 import pytest
 import torch
@@ -70,6 +71,37 @@ def test_malformed_line_names_file_and_line(tmp_path, bad, kind, match):
         list(CriteoTSV(f, W, batch_size=2))
     assert str(info.value).startswith(f"{f}:3: ")
     assert info.value.line == 3 and info.value.kind == kind and isinstance(info.value, ValueError)
+
+
+@pytest.mark.parametrize("bad", [" 5", "5 ", "1_000", "+7", "\u0663", "\uff15", "--1", "-", "0x5", "5\x00"])
+def test_dense_accepts_only_ascii_decimal(tmp_path, bad):
+    reader = CriteoTSV(_write(tmp_path / "x", [_line()]), W, batch_size=1)
+    dense = ["0"] * 13
+    dense[4] = bad
+    with pytest.raises(CriteoFormatError, match=re.escape(f"I5 must be an integer, got {bad!r}")) as info:
+        reader.parse_line(_line(dense=dense), "f.tsv", 7)
+    assert info.value.kind == "dense" and str(info.value).startswith("f.tsv:7: ")
+
+
+@pytest.mark.parametrize("bad", [" 68fd", "68fd ", "ab cd", "+1f", "0x1f", "1_f", "\u0663", "g1", "-0"])
+def test_categorical_accepts_only_ascii_hex(tmp_path, bad):
+    reader = CriteoTSV(_write(tmp_path / "x", [_line()]), W, batch_size=1)
+    cats = ["0"] * 26
+    cats[2] = bad
+    with pytest.raises(CriteoFormatError, match=re.escape(f"C3 must be hexadecimal, got {bad!r}")) as info:
+        reader.parse_line(_line(cats=cats), "f.tsv", 7)
+    assert info.value.kind == "categorical"
+
+
+def test_strict_syntax_still_takes_valid_fields(tmp_path):
+    f = _write(tmp_path / "x", [_line()])
+    reader = CriteoTSV(f, W, batch_size=1)
+    dense = ["-0", "007", "-12", "", *["1"] * 9]
+    cats = ["00000000", "AbCdEf01", "", *["f"] * 23]
+    label, got_dense, got_ids = reader.parse_line(_line("0", dense, cats))
+    assert label == 0 and got_dense[:4] == [0, 7, -12, 0]
+    rows = [t.num_rows for t in W.tables]
+    assert got_ids[:4] == [0, 0xABCDEF01 % rows[1], 0, 0xF % rows[3]]
 
 
 def test_skip_bad_lines_counts_and_reports(tmp_path, caplog):

@@ -67,8 +67,11 @@ class TWLayout:
     row_ptr: torch.Tensor
     values: torch.Tensor
     val_ptr: torch.Tensor
-    # Derived data a backend keeps beside the layout (packed blocks, device copies), keyed by
-    # backend name. Never part of the format itself; cleared whenever the tensors change.
+    # Derived data a backend may keep beside the layout, keyed by backend name. Never part of
+    # the format, and nothing here clears it: an in-place edit of the tensors leaves it stale,
+    # so whoever edits them clears it (TileSparseLinear builds a new layout, with an empty
+    # cache, after .to()/load_state_dict/set_layout). The CUDA backend keeps its packed weights
+    # elsewhere, keyed on the tensors' identity and version (cutlass_kernels.build.packed_weight).
     cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -122,32 +125,38 @@ class TWLayout:
         return m
 
     def validate(self) -> None:
-        """Check every invariant of the format.
+        """Check every invariant of the format (vectorised: a few tensor ops, whatever ``T``).
 
         Raises:
-            ValueError: naming the broken invariant.
+            ValueError: naming the broken invariant and the offending value.
         """
         K, N = self.in_features, self.out_features
         for name in ("col_idx", "tile_ptr", "row_idx", "row_ptr", "val_ptr"):
             t = getattr(self, name)
             if t.dtype != torch.int64 or t.dim() != 1:
                 raise ValueError(f"TWLayout.{name} must be a 1-D int64 tensor, got {t.dtype} {tuple(t.shape)}")
+        if self.values.dim() != 1:
+            raise ValueError(f"TWLayout.values must be 1-D, got shape {tuple(self.values.shape)}")
         T = self.num_tiles
-        if self.row_ptr.numel() != T + 1 or self.val_ptr.numel() != T + 1:
+        if T < 0 or self.row_ptr.numel() != T + 1 or self.val_ptr.numel() != T + 1:
             raise ValueError(
-                f"TWLayout: tile_ptr, row_ptr, val_ptr must all have T+1={T + 1} entries, got "
+                f"TWLayout: tile_ptr, row_ptr, val_ptr must all have T+1 >= 1 entries, got "
                 f"{self.tile_ptr.numel()}, {self.row_ptr.numel()}, {self.val_ptr.numel()}"
             )
         if self.col_idx.numel() and (int(self.col_idx.min()) < 0 or int(self.col_idx.max()) >= N):
             raise ValueError(f"TWLayout.col_idx out of range [0, {N})")
-        if self.col_idx.numel() > 1 and not bool((self.col_idx[1:] > self.col_idx[:-1]).all()):
-            raise ValueError("TWLayout.col_idx must be strictly ascending")
+        bad = _first_not_ascending(self.col_idx)
+        if bad is not None:
+            raise ValueError(
+                f"TWLayout.col_idx must be strictly ascending, but col_idx[{bad + 1}]="
+                f"{int(self.col_idx[bad + 1])} follows col_idx[{bad}]={int(self.col_idx[bad])}"
+            )
         if self.row_idx.numel() and (int(self.row_idx.min()) < 0 or int(self.row_idx.max()) >= K):
             raise ValueError(f"TWLayout.row_idx out of range [0, {K})")
         for name in ("tile_ptr", "row_ptr", "val_ptr"):
-            p = getattr(self, name)
-            if int(p[0]) != 0 or bool((p[1:] < p[:-1]).any()):
-                raise ValueError(f"TWLayout.{name} must start at 0 and never decrease")
+            problem = _pointer_problem(name, getattr(self, name))
+            if problem:
+                raise ValueError(f"TWLayout.{problem}")
         if int(self.tile_ptr[-1]) != self.col_idx.numel() or int(self.row_ptr[-1]) != self.row_idx.numel():
             raise ValueError("TWLayout: tile_ptr/row_ptr must end at len(col_idx)/len(row_idx)")
         if int(self.val_ptr[-1]) != self.values.numel():
@@ -158,10 +167,48 @@ class TWLayout:
             raise ValueError(f"TWLayout: every tile must hold 1..{self.tile} columns")
         if not torch.equal(self.val_ptr[1:] - self.val_ptr[:-1], widths * heights):
             raise ValueError("TWLayout: block sizes (val_ptr) must equal rows × columns of each tile")
-        for t in range(T):
-            r = self.tile_rows(t)
-            if r.numel() > 1 and not bool((r[1:] > r[:-1]).all()):
-                raise ValueError(f"TWLayout: tile {t} rows must be strictly ascending")
+        t = _first_tile_with_unsorted_rows(self.row_idx, self.row_ptr)
+        if t is not None:
+            raise ValueError(f"TWLayout: tile {t} rows must be strictly ascending, got {self.tile_rows(t).tolist()}")
+
+
+def _pointer_problem(name: str, ptr: torch.Tensor) -> str | None:
+    """What is wrong with an offsets array (``tile_ptr``/``row_ptr``/``val_ptr``, ``(T+1,)
+    int64``, ``T+1 >= 1``): ``None`` when it starts at 0 and never decreases, else a message
+    naming ``name`` and the first bad entry."""
+    if int(ptr[0]) != 0:
+        return f"{name} must start at 0, got {name}[0]={int(ptr[0])}"
+    drops = torch.nonzero(ptr[1:] < ptr[:-1])
+    if drops.numel():
+        i = int(drops[0])
+        return f"{name} must never decrease, got {name}[{i + 1}]={int(ptr[i + 1])} < {name}[{i}]={int(ptr[i])}"
+    return None
+
+
+def _first_not_ascending(v: torch.Tensor) -> int | None:
+    """The first ``i`` with ``v[i+1] <= v[i]`` of a ``(n,)`` tensor, or ``None`` when it is
+    strictly ascending."""
+    bad = torch.nonzero(v[1:] <= v[:-1])
+    return int(bad[0]) if bad.numel() else None
+
+
+def _first_tile_with_unsorted_rows(row_idx: torch.Tensor, row_ptr: torch.Tensor) -> int | None:
+    """The first tile whose rows are not strictly ascending, or ``None``.
+
+    Args:
+        row_idx: ``(R,) int64``.
+        row_ptr: ``(T+1,) int64``, valid (starts at 0, never decreases, ends at ``R``).
+    """
+    R = row_idx.numel()
+    if R < 2:
+        return None
+    up = row_idx[1:] > row_idx[:-1]  # (R-1,): pair (j, j+1)
+    starts = row_ptr[1:-1]
+    up[starts[(starts > 0) & (starts < R)] - 1] = True  # a pair across two tiles may go down
+    bad = torch.nonzero(~up)
+    if not bad.numel():
+        return None
+    return int(torch.searchsorted(row_ptr, bad[0] + 1, right=True)) - 1
 
 
 def tile_groups(mask_kn: torch.Tensor, tile: int) -> list[tuple[list[int], torch.Tensor]]:

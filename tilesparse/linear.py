@@ -29,8 +29,10 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
 from tilesparse import ops
+from tilesparse.backend import Backend, parse_backend
 from tilesparse.format import TWLayout, condense
 
 __all__ = ["TileSparseLinear"]
@@ -69,7 +71,7 @@ class TileSparseLinear(nn.Module):
         dtype: dtype of ``values`` and ``bias``.
 
     Raises:
-        ValueError: for non-positive sizes or tile.
+        ValueError: for non-positive sizes or tile, or an unknown backend.
     """
 
     def __init__(
@@ -78,7 +80,7 @@ class TileSparseLinear(nn.Module):
         out_features: int,
         tile: int = 128,
         bias: bool = True,
-        backend: str = "auto",
+        backend: Backend | str = "auto",
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
@@ -88,7 +90,7 @@ class TileSparseLinear(nn.Module):
         self.in_features = in_features
         self.out_features = out_features
         self.tile = tile
-        self.backend = str(getattr(backend, "value", backend))
+        self.backend = backend
         i64 = torch.int64
         self.register_buffer("col_idx", torch.zeros(0, dtype=i64))
         self.register_buffer("tile_ptr", torch.zeros(1, dtype=i64))
@@ -103,6 +105,22 @@ class TileSparseLinear(nn.Module):
         self._layout: TWLayout | None = None
         self.register_forward_pre_hook(_decline_fused_paths)
 
+    @property
+    def backend(self) -> str:
+        """The :func:`tilesparse.ops.tw_linear` backend's name; set it to a
+        :class:`~tilesparse.backend.Backend` or a name (an unknown one raises ``ValueError``)."""
+        return self._backend
+
+    @backend.setter
+    def backend(self, value: Backend | str) -> None:
+        self._backend = parse_backend(value).value
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        # modules pickled before ``backend`` became a validated property stored it plainly
+        if "backend" in state and "_backend" not in state:
+            state["_backend"] = parse_backend(state.pop("backend")).value
+        super().__setstate__(state)
+
     # -- construction -------------------------------------------------------------------
     @classmethod
     def from_dense(
@@ -110,7 +128,7 @@ class TileSparseLinear(nn.Module):
         linear: nn.Linear,
         mask_kn: torch.Tensor,
         tile: int = 128,
-        backend: str = "auto",
+        backend: Backend | str = "auto",
     ) -> TileSparseLinear:
         """Condense ``linear`` under ``mask_kn``.
 
@@ -126,7 +144,7 @@ class TileSparseLinear(nn.Module):
             ``linear.weight * mask_kn.T`` exactly.
 
         Raises:
-            ValueError: when the mask is not ``(K, N) bool``.
+            ValueError: when the mask is not ``(K, N) bool``, or for an unknown backend.
         """
         weight = linear.weight.detach()
         n, k = weight.shape
@@ -194,14 +212,54 @@ class TileSparseLinear(nn.Module):
         return {"in_features": self.in_features, "out_features": self.out_features, "tile": self.tile}
 
     def set_extra_state(self, state: dict[str, int]) -> None:
-        shape = (int(state["in_features"]), int(state["out_features"]))
+        self.tile = self._saved_tile(state, "extra state")
+        self._layout = None
+
+    def _saved_tile(self, state: Any, where: str) -> int:
+        """The tile of a saved extra state, after checking that it is this module's shape."""
+        try:
+            shape = (int(state["in_features"]), int(state["out_features"]))
+            tile = int(state["tile"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(
+                f"{where}: expected {{'in_features', 'out_features', 'tile'}} integers, got {state!r}"
+            ) from e
         if shape != (self.in_features, self.out_features):
             raise ValueError(
                 f"state dict holds a {shape[0]}x{shape[1]} (KxN) TileSparseLinear, this module is "
                 f"{self.in_features}x{self.out_features}"
             )
-        self.tile = int(state["tile"])
-        self._layout = None
+        return tile
+
+    def _check_saved_layout(self, state_dict: dict[str, Any], prefix: str) -> None:
+        """Validate the layout this module would hold after loading ``state_dict`` (saved
+        tensors where present, its own where not), before anything is changed.
+
+        Raises:
+            ValueError: naming the module's key prefix and the broken invariant.
+        """
+        where = f"state dict for TileSparseLinear {prefix.removesuffix('.') or '(root)'!r}"
+        tile = self.tile
+        extra_key = prefix + _EXTRA_STATE_KEY_SUFFIX
+        if extra_key in state_dict:
+            tile = self._saved_tile(state_dict[extra_key], f"{where}, key {extra_key!r}")
+        tensors: dict[str, torch.Tensor] = {}
+        for name in _LAYOUT_BUFFERS:
+            saved = state_dict.get(prefix + name, getattr(self, name))
+            if not isinstance(saved, torch.Tensor) or saved.is_meta:
+                return  # no data to check (the base class reports a non-tensor entry)
+            # values: only its shape is checked, so it is not copied
+            own = getattr(self, name)
+            tensors[name] = saved.detach() if name == "values" else saved.detach().to("cpu", own.dtype)
+        layout = TWLayout(self.in_features, self.out_features, tile, **tensors)
+        try:
+            layout.validate()
+        except ValueError as e:
+            keys = ",".join(_LAYOUT_BUFFERS)
+            raise ValueError(
+                f"{where}: keys {prefix}{{{keys}}} are not a valid KxN={self.in_features}x"
+                f"{self.out_features}, tile={tile} condensed weight: {e}"
+            ) from None
 
     def _load_from_state_dict(
         self,
@@ -213,16 +271,49 @@ class TileSparseLinear(nn.Module):
         unexpected_keys: list[str],
         error_msgs: list[str],
     ) -> None:
-        for name in _LAYOUT_BUFFERS:
-            saved = state_dict.get(prefix + name)
-            if saved is not None:
-                own = getattr(self, name)
-                # resize in place of copy_: the number of kept entries is the saved mask's
-                setattr(self, name, torch.empty(saved.shape, dtype=own.dtype, device=own.device))
+        # Checked first, so a corrupt checkpoint changes nothing; the loaded buffers are then
+        # the validated ones (copy_ converts dtypes the same way the check did). A copy the
+        # base class rejects puts everything back. A key the state dict lacks keeps the
+        # module's own tensor (validated together with the saved ones); whether that is an
+        # error is for load_state_dict(strict=...) to say: `strict` here is always True.
+        self._check_saved_layout(state_dict, prefix)
+        old = {name: getattr(self, name) for name in _LAYOUT_BUFFERS}
+        old_tile = self.tile
+        old_bias = None if self.bias is None else (self.bias, self.bias.detach().clone())
+        n_errors = len(error_msgs)
+        try:
+            for name in _LAYOUT_BUFFERS:
+                saved = state_dict.get(prefix + name)
+                if isinstance(saved, torch.Tensor):
+                    own = getattr(self, name)
+                    # resize in place of copy_: the number of kept entries is the saved mask's
+                    setattr(self, name, torch.empty(saved.shape, dtype=own.dtype, device=own.device))
+            super()._load_from_state_dict(
+                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+            )
+        except BaseException:
+            self._restore(old, old_tile, old_bias)
+            raise
+        if len(error_msgs) > n_errors:  # load_state_dict raises once every module is loaded
+            self._restore(old, old_tile, old_bias)
         self._layout = None
-        super()._load_from_state_dict(
-            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
-        )
+
+    def _restore(
+        self,
+        buffers: dict[str, torch.Tensor],
+        tile: int,
+        bias: tuple[nn.Parameter, torch.Tensor] | None,
+    ) -> None:
+        """Put back the state a failed :meth:`_load_from_state_dict` found."""
+        for name, t in buffers.items():
+            setattr(self, name, t)
+        self.tile = tile
+        if bias is not None:
+            param, data = bias
+            if self.bias is not param:  # load_state_dict(assign=True) replaced it
+                self.bias = param
+            with torch.no_grad():
+                param.copy_(data)
         self._layout = None
 
     # -- compute ------------------------------------------------------------------------

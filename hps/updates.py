@@ -10,8 +10,17 @@ One update *batch* (all tables changed by one training step) is one record::
 
 Transports: an append-only log file (the embedded default; the offset is the byte position
 after a record) or a Redis Stream (``XADD``; the offset is the entry id). A record whose
-length or CRC does not check out (a torn write) is never applied: the reader stops before it
-(and the log writer truncates a torn tail when it reopens the file).
+header, length or CRC does not check out is never applied: a reader stops before it (logging
+an error) and never skips it. The log's single writer (:class:`FileLogPublisher`) verifies
+every record when it opens the file:
+
+* a bad *last* record (a torn write: a partial header or payload, or a full-length record
+  whose CRC fails; also a tail with no valid record in it, such as the zeros a crash can
+  leave) is truncated, with a warning naming the file, the offset and the bytes dropped;
+* a bad record with a valid record *after it* (corruption in the middle) makes it refuse
+  the file with :class:`CorruptRecordError` naming the offset: readers stop there, so
+  anything appended after it would never be applied, and dropping the valid records that
+  follow is not the writer's call.
 
 Applying a batch (:class:`UpdateApplier`): validate every table and shape first (nothing is
 applied on error), then, under the writer side of each session's lock (so a lookup sees the
@@ -24,6 +33,7 @@ re-applying a batch is harmless (rows are absolute values, not deltas).
 from __future__ import annotations
 
 import logging
+import mmap
 import os
 import struct
 import threading
@@ -115,19 +125,36 @@ class UpdateSource(ABC):
 
 
 class FileLogPublisher(UpdatePublisher):
-    """Append-only update log. On open, a torn tail (a partial last record) is truncated."""
+    """Append-only update log (one writer per file). Opening it verifies every record: a bad
+    last record (a torn write) is truncated; a bad record followed by valid ones is refused.
+
+    Raises:
+        CorruptRecordError: (from the constructor) when a record in the middle of the log
+            is corrupt; the message names its offset and the next valid record's.
+    """
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._lock = threading.Lock()
         self.path.touch(exist_ok=True)
-        end = _last_complete_end(self.path)
+        end, why = _scan_log(self.path)
+        if why is None:
+            return
         size = self.path.stat().st_size
-        if end < size:
-            log.warning("update log %s: truncating a torn tail of %d bytes", self.path, size - end)
-            with open(self.path, "r+b") as f:
-                f.truncate(end)
+        nxt = _next_valid_record(self.path, end + 1)
+        if nxt is not None:
+            raise CorruptRecordError(
+                f"update log {self.path}: the record at offset {end} is corrupt ({why}) but a valid "
+                f"record follows at offset {nxt}; readers stop at offset {end}, so nothing appended "
+                f"after it would be applied. Move the log aside, or truncate it to {end} bytes to "
+                f"drop the corrupt record and every record after it ({size - end} bytes)"
+            )
+        log.warning("update log %s: truncating %d bytes at offset %d, a torn or corrupted last record (%s)",
+                    self.path, size - end, end, why)
+        with open(self.path, "r+b") as f:
+            f.truncate(end)
+            os.fsync(f.fileno())
 
     def publish(self, batch: UpdateBatch) -> str:
         rec = encode_batch(batch)
@@ -138,21 +165,58 @@ class FileLogPublisher(UpdatePublisher):
             return str(f.tell())
 
 
-def _last_complete_end(path: Path) -> int:
-    """Byte offset after the last record whose full length is present (headers only)."""
+_CRC_CHUNK = 1 << 20  # bytes read at a time when verifying a record (records can be large)
+
+
+def _scan_log(path: Path) -> tuple[int, str | None]:
+    """Verify every record (header, length, CRC) from the start of the log.
+
+    Returns:
+        ``(end, why)``: the byte offset after the last record of the valid prefix, and why the
+        bytes at ``end`` are not a valid record (``None`` when the file ends at ``end``).
+    """
     size, pos = path.stat().st_size, 0
     with open(path, "rb") as f:
-        while pos + _HEADER.size <= size:
+        while pos < size:
             f.seek(pos)
-            magic, _, n, _ = _HEADER.unpack(f.read(_HEADER.size))
-            if magic != MAGIC or pos + _HEADER.size + n > size:
-                break
+            head = f.read(_HEADER.size)
+            if len(head) < _HEADER.size:
+                return pos, f"a partial header of {len(head)} bytes"
+            magic, ver, n, crc = _HEADER.unpack(head)
+            if magic != MAGIC or ver != VERSION:
+                return pos, f"bad record header (magic {magic!r}, version {ver})"
+            if pos + _HEADER.size + n > size:
+                return pos, f"the header announces {n} payload bytes, {size - pos - _HEADER.size} are present"
+            got, left = 0, n
+            while left:
+                chunk = f.read(min(left, _CRC_CHUNK))
+                got, left = zlib.crc32(chunk, got), left - len(chunk)
+            if got != crc:
+                return pos, "checksum mismatch"
             pos += _HEADER.size + n
-    return pos
+    return pos, None
+
+
+def _next_valid_record(path: Path, start: int) -> int | None:
+    """Offset of the first valid record (magic, version, length and CRC all right) that
+    begins at or after ``start``, or ``None``; only called on a damaged log."""
+    size = path.stat().st_size
+    if start + _HEADER.size > size:
+        return None
+    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
+        pos = m.find(MAGIC, start)
+        while pos != -1 and pos + _HEADER.size <= size:
+            _, ver, n, crc = _HEADER.unpack_from(m, pos)
+            body = pos + _HEADER.size
+            if ver == VERSION and body + n <= size and zlib.crc32(m[body:body + n]) == crc:
+                return pos
+            pos = m.find(MAGIC, pos + 1)
+    return None
 
 
 class FileLogSource(UpdateSource):
-    """Reads records of an append-only log; stops before a torn or corrupted record."""
+    """Reads records of an append-only log; stops before a torn or corrupted record (and
+    logs an error for a corrupted one): a bad record is never skipped."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -168,7 +232,14 @@ class FileLogSource(UpdateSource):
             while len(out) < max_records and pos + _HEADER.size <= size:
                 f.seek(pos)
                 head = f.read(_HEADER.size)
-                _, _, n, _ = _HEADER.unpack(head)
+                magic, ver, n, _ = _HEADER.unpack(head)
+                if magic != MAGIC or ver != VERSION:
+                    # a garbage header's length means nothing: say so now rather than
+                    # waiting silently for bytes that will never come
+                    self.corrupt += 1
+                    log.error("update log %s: record at offset %d refused: bad record header "
+                              "(magic %r, version %d)", self.path, pos, magic, ver)
+                    break
                 if pos + _HEADER.size + n > size:
                     break  # not fully written yet (or torn): never applied
                 rec = head + f.read(n)
@@ -297,8 +368,10 @@ class UpdateApplier:
                 raise ValueError(f"update for unknown table {name!r}; served tables: {sorted(dims)}")
             if rows.shape != (keys.shape[0], dims[name]):
                 raise ValueError(f"update for {name!r}: rows {rows.shape}, expected ({keys.shape[0]}, {dims[name]})")
-            if np.unique(keys).size != keys.size:
-                raise ValueError(f"update for {name!r}: duplicate keys")
+            s = np.sort(keys)  # not np.unique: numpy 2.4's hash path is ~50x slower on large batches
+            rep = np.flatnonzero(s[1:] == s[:-1])
+            if rep.size:
+                raise ValueError(f"update for {name!r}: duplicate keys (key {int(s[rep[0]])} occurs more than once)")
 
     def apply(self, batch: UpdateBatch, offset: str) -> None:
         """Apply one batch entirely (or, on a validation error, not at all) and record ``offset``."""
@@ -405,17 +478,29 @@ class PublishUpdatesCallback:
         pass
 
     def publish_changes(self, trainer: Any) -> int:
-        """Publish the rows changed since the last publication; returns the rows published."""
+        """Publish the rows changed since the last successful publication; returns the rows
+        published.
+
+        Raises:
+            Exception: whatever ``publisher.publish`` raises (e.g. ``ConnectionError``); the
+                snapshot is then left as it was, so the next call publishes these rows again.
+        """
         emb = self._embeddings(trainer)
         batch: UpdateBatch = {}
+        taken: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (snapshot, rows, values)
         for name, snap in self._snap.items():
             w = emb[name].weight.detach().cpu()
             rows = torch.nonzero((w != snap).any(1)).squeeze(1)
             if rows.numel():
-                batch[name] = (rows.numpy().astype(np.int64), w[rows].numpy().astype(np.float32))
-                snap[rows] = w[rows]
+                vals = w[rows]  # a copy: the trainer may change w before the snapshot is updated
+                batch[name] = (rows.numpy().astype(np.int64), vals.numpy().astype(np.float32))
+                taken.append((snap, rows, vals))
         if not batch:
             return 0
+        # The snapshot moves only once the transport has the rows: when publish raises (the
+        # Redis server went away), the rows still differ from it and the next call re-sends them.
         self.last_offset = self.publisher.publish(batch)
+        for snap, rows, vals in taken:
+            snap[rows] = vals
         self.published += 1
         return sum(k.size for k, _ in batch.values())

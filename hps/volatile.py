@@ -145,9 +145,28 @@ class HashMapBackend(StorageBackend):
         return out, found
 
     def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
+        """Insert or overwrite rows.
+
+        Args:
+            keys: ``(n,) int64``, unique within the call.
+            values: ``(n, dim) float32``.
+
+        Raises:
+            ValueError: for an unknown table, bad shapes, or a key given twice (it would get
+                two rows, and a delete would leave one); nothing is inserted then.
+        """
         keys = check_keys(keys)
         dim, parts = self._table(table)
         values = check_values(values, keys.size, dim)
+        if keys.size > 1:
+            s = np.sort(keys)  # one sort before any partition is touched: the call stays all-or-nothing
+            rep = np.flatnonzero(s[1:] == s[:-1])
+            if rep.size:
+                raise ValueError(
+                    f"volatile db insert into {table!r}: keys must be unique within a call, but key "
+                    f"{int(s[rep[0]])} occurs more than once ({np.unique(s[rep]).size} repeated key(s) "
+                    f"among {keys.size})"
+                )
         now = next(self._clock)
         for p, idx in split_by_partition(keys, self.num_partitions):
             part = parts[p]

@@ -87,11 +87,13 @@ def test_more_new_keys_than_ways_in_one_set() -> None:
 def test_update_invalidate_and_refresh_cursor() -> None:
     c = EmbeddingCache(64, 3, ways=8)
     k = torch.arange(20)
-    c.insert(k, _rows(k, 3))
+    c.insert(k[1:], _rows(k[1:], 3))
+    assert c.insert(k[:1], _rows(k[:1], 3)) == 1  # the newest key: certainly cached
     present = c.contains(k)
-    assert c.update_if_present(torch.tensor([0, 999]), torch.full((2, 3), 7.0)) == int(present[0])
-    if present[0]:
-        assert torch.equal(c.query(torch.tensor([0]))[0], torch.full((1, 3), 7.0))
+    assert bool(present[0]) and not c.contains(torch.tensor([999])).any()
+    assert c.update_if_present(torch.tensor([0, 999]), torch.full((2, 3), 7.0)) == 1
+    assert torch.equal(c.query(torch.tensor([0]))[0], torch.full((1, 3), 7.0))
+    assert not c.contains(torch.tensor([999])).any()  # update_if_present never inserts
     assert c.invalidate(k[:5]) == int(present[:5].sum())
     assert not c.contains(k[:5]).any()
     seen = torch.cat([c.next_refresh_keys(0.25) for _ in range(4)])

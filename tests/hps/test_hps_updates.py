@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import logging
+import struct
 import threading
 from pathlib import Path
 from types import SimpleNamespace
@@ -50,7 +52,8 @@ def test_record_round_trip_and_checksum() -> None:
         decode_batch(rec[:-2])
 
 
-def test_file_log_torn_write_is_never_applied(tmp_path: Path) -> None:
+def test_file_log_torn_write_is_never_applied(tmp_path: Path, caplog) -> None:
+    caplog.set_level(logging.WARNING, logger="hps.updates")
     log = tmp_path / "u.log"
     pub = FileLogPublisher(log)
     off1 = pub.publish(_batch(1))
@@ -69,6 +72,55 @@ def test_file_log_torn_write_is_never_applied(tmp_path: Path) -> None:
     data[-1] ^= 0xFF
     log.write_bytes(bytes(data))
     assert [o for o, _ in src.read(None)] == [off1] and src.corrupt == 1
+    # reopening verifies the CRC: the bad last record is dropped (with a warning naming the
+    # file, the offset and the bytes), so what is published next is readable
+    caplog.clear()
+    pub = FileLogPublisher(log)
+    assert log.stat().st_size == int(off1)
+    bad_len = len(data) - int(off1)
+    assert any(str(log) in r.getMessage() and f"truncating {bad_len} bytes at offset {off1}" in r.getMessage()
+               for r in caplog.records)
+    off4, off5 = pub.publish(_batch(4)), pub.publish(_batch(5))
+    src = FileLogSource(log)
+    recs = src.read(off1)
+    assert [o for o, _ in recs] == [off4, off5] and src.corrupt == 0
+    for (_, got), want in zip(recs, (_batch(4), _batch(5))):
+        assert np.array_equal(got["t"][0], want["t"][0]) and np.array_equal(got["t"][1], want["t"][1])
+
+
+def test_file_log_drops_a_tail_without_records(tmp_path: Path) -> None:
+    log = tmp_path / "u.log"
+    off1 = FileLogPublisher(log).publish(_batch(1))
+    with open(log, "ab") as f:
+        f.write(struct.pack("<4sBQI", b"JUNK", 7, 2**40, 0))  # a garbage header, absurd length
+        f.write(bytes(4096))  # zeros where a crash extended the file but lost the data
+    src = FileLogSource(log)
+    assert [o for o, _ in src.read(None)] == [off1] and src.corrupt == 1  # refused, not awaited
+    pub = FileLogPublisher(log)
+    assert log.stat().st_size == int(off1)
+    off2 = pub.publish(_batch(2))
+    assert [o for o, _ in FileLogSource(log).read(None)] == [off1, off2]
+
+
+@pytest.mark.parametrize("where", ["payload", "magic", "length"])
+def test_file_log_refuses_a_corrupt_record_in_the_middle(tmp_path: Path, where: str) -> None:
+    log = tmp_path / "u.log"
+    pub = FileLogPublisher(log)
+    off1, off2, off3 = (pub.publish(_batch(i)) for i in range(3))
+    data = bytearray(log.read_bytes())
+    if where == "payload":
+        data[int(off2) - 3] ^= 0xFF  # record 2's CRC fails, its length is intact
+    elif where == "magic":
+        data[int(off1)] ^= 0xFF  # record 2's header is garbage
+    else:
+        data[int(off1) + 5] ^= 0x01  # record 2's payload length is one byte off
+    log.write_bytes(bytes(data))
+    with pytest.raises(CorruptRecordError, match=rf"record at offset {off1} is corrupt .* valid record follows at offset {off2}"):
+        FileLogPublisher(log)
+    assert log.read_bytes() == bytes(data)  # nothing truncated, nothing appended
+    src = FileLogSource(log)  # readers stop before the bad record: never skip it
+    assert [o for o, _ in src.read(None)] == [off1] and src.corrupt == 1
+    assert off3 not in [o for o, _ in src.read(off1)]
 
 
 def _served(tmp_path: Path, pdb: bool = True):
@@ -173,9 +225,36 @@ def test_trainer_callback_publishes_changed_rows(tmp_path: Path) -> None:
     assert np.array_equal(v, tr.model.embeddings["t"].weight.detach()[[3, 7]].numpy())
 
 
+def test_trainer_callback_republishes_after_a_failed_publish(tmp_path: Path) -> None:
+    class FailsOnce(FileLogPublisher):
+        failed = False
+
+        def publish(self, batch: dict) -> str:
+            if not self.failed:
+                self.failed = True
+                raise ConnectionError("redis went away")
+            return super().publish(batch)
+
+    cb = PublishUpdatesCallback(FailsOnce(tmp_path / "u.log"))
+    tr = _FakeTrainer()
+    cb.on_train_begin(tr)
+    with torch.no_grad():
+        tr.model.embeddings["t"].weight[3] += 1.0
+    with pytest.raises(ConnectionError):
+        cb.on_step_end(tr, 0, 0.5)
+    assert cb.published == 0
+    cb.on_step_end(tr, 1, 0.5)  # the transport is back: row 3 still differs from what servers hold
+    recs = FileLogSource(tmp_path / "u.log").read(None)
+    assert len(recs) == 1 and cb.published == 1
+    k, v = recs[0][1]["t"]
+    assert k.tolist() == [3]
+    assert np.array_equal(v, tr.model.embeddings["t"].weight.detach()[[3]].numpy())
+    cb.on_step_end(tr, 2, 0.5)  # published once: not again
+    assert len(FileLogSource(tmp_path / "u.log").read(None)) == 1
+
+
 def test_real_trainer_callback(tmp_path: Path) -> None:
-    train = pytest.importorskip("embark.train", reason="embark.train has not landed yet")
-    data = pytest.importorskip("embark.data")
+    from embark import data, train
     from embark.model import build_model
     from embark.workloads import get_workload
 

@@ -26,6 +26,20 @@ def test_partitioned_map_matches_a_dict() -> None:
     assert db.size("t") == 490 and not db.lookup("t", keys[:10])[1].any()
 
 
+@pytest.mark.parametrize("num_partitions", [1, 4])
+def test_insert_refuses_duplicate_keys(num_partitions: int) -> None:
+    db = HashMapBackend(num_partitions=num_partitions)
+    db.create_table("t", 2)
+    db.insert("t", np.array([1, 2], np.int64), np.ones((2, 2), np.float32))
+    keys = np.array([7, 2, 9, 7], np.int64)  # 2 is already held, 7 is new and given twice
+    with pytest.raises(ValueError, match=r"into 't': keys must be unique within a call, but key 7 occurs "
+                                         r"more than once \(1 repeated key\(s\) among 4\)"):
+        db.insert("t", keys, np.full((4, 2), 5.0, np.float32))
+    assert db.size("t") == 2  # nothing inserted, nothing overwritten
+    v, f = db.lookup("t", np.array([1, 2, 7, 9], np.int64))
+    assert f.tolist() == [True, True, False, False] and np.array_equal(v[:2], np.ones((2, 2), np.float32))
+
+
 def test_partitions_split_keys() -> None:
     k = np.arange(10_000, dtype=np.int64)
     parts = split_by_partition(k, 8)

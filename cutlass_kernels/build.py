@@ -26,6 +26,8 @@ import subprocess
 import sys
 import tempfile
 import time
+import weakref
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -34,7 +36,9 @@ import torch
 
 from cutlass_kernels import emit, reference
 from cutlass_kernels.manifest import Arch, DType, Mainloop, TWKernel, manifest, select
+from tilesparse.backend import Backend
 from tilesparse.format import TWLayout, reference_matmul
+from tilesparse.ops import check_op_inputs
 
 __all__ = [
     "CompileResult",
@@ -60,7 +64,6 @@ __all__ = [
 log = logging.getLogger(__name__)
 
 OP_NAME = "tilesparse::tw_linear"
-_CACHE_KEY = "cutlass"  # TWLayout.cache key of the packed weights
 _DTYPES = {torch.float16: DType.F16, torch.bfloat16: DType.BF16}
 
 
@@ -375,13 +378,59 @@ def default_extension(arch: Arch | str | None = None) -> ModuleType:
     return _DEFAULT.get(arch.value) or load_extension(arch, skip_failed=True)
 
 
-def packed_weight(layout: TWLayout, dtype: torch.dtype, device: torch.device) -> reference.TWPackedWeight:
-    """The layout's packed weight for ``dtype``/``device``, cached in ``layout.cache``."""
-    per_layout = layout.cache.setdefault(_CACHE_KEY, {})
-    key = (dtype, str(device))
-    if key not in per_layout:
-        per_layout[key] = reference.pack_weight(layout, dtype=dtype, device=device)
-    return per_layout[key]
+# Packed weights by id() of the layout's values tensor. tilesparse::tw_linear hands the CUDA
+# implementation bare tensors (a fresh TWLayout per call, so nothing can be kept on one), and
+# packing costs more than the kernel at small batches while a layer's tensors do not change
+# between calls. A record holds weak references to the six layout tensors (a new tensor is not
+# the old one, whatever its id), their versions (an in-place edit bumps them) and K, N; when
+# any differs the layer is packed again. Entries leave with their values tensor.
+_PackRecord = tuple[
+    tuple[int, ...],  # versions of the six tensors, K, N
+    tuple[weakref.ref, ...],  # the six tensors
+    dict[tuple[torch.dtype, str], reference.TWPackedWeight],  # by (dtype, device)
+]
+_PACKED: dict[int, _PackRecord] = {}
+
+
+def _packed(
+    tensors: tuple[torch.Tensor, ...],
+    in_features: int,
+    out_features: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    layout: Callable[[], TWLayout],
+) -> reference.TWPackedWeight:
+    """The packed weight of ``tensors`` (``col_idx, tile_ptr, row_idx, row_ptr, values,
+    val_ptr``) for ``dtype``/``device``, packed from ``layout()`` only when not in _PACKED."""
+    device = str(torch.device(device))
+    try:
+        stamp = (*(t._version for t in tensors), in_features, out_features)
+    except RuntimeError:  # inference-mode tensors have no version counter: pack every time
+        return reference.pack_weight(layout(), dtype=dtype, device=device)
+    values = tensors[4]
+    key = id(values)
+    rec = _PACKED.get(key)
+    if rec is None or rec[0] != stamp or any(r() is not t for r, t in zip(rec[1], tensors)):
+        refs = tuple(
+            weakref.ref(t, (lambda _r, k=key: _PACKED.pop(k, None)) if t is values else None) for t in tensors
+        )
+        rec = (stamp, refs, {})
+        _PACKED[key] = rec
+    packs = rec[2]
+    if (dtype, device) not in packs:
+        packs[(dtype, device)] = reference.pack_weight(layout(), dtype=dtype, device=device)
+    return packs[(dtype, device)]
+
+
+def packed_weight(layout: TWLayout, dtype: torch.dtype, device: torch.device | str) -> reference.TWPackedWeight:
+    """The layout's packed weight for ``dtype``/``device``: packed once per set of layout
+    tensors, and again after any of them is replaced or edited in place (its version bumps).
+
+    Raises:
+        ValueError: an invalid layout (from :func:`reference.pack_weight`).
+    """
+    tensors = (layout.col_idx, layout.tile_ptr, layout.row_idx, layout.row_ptr, layout.values, layout.val_ptr)
+    return _packed(tensors, layout.in_features, layout.out_features, dtype, device, lambda: layout)
 
 
 MAINLOOP_ENV = "TILEREC_CUTLASS_MAINLOOP"
@@ -455,10 +504,17 @@ def tw_linear_cuda(
         raise ValueError(f"x has {x.shape[-1]} features, the layer expects {layout.in_features}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, layout.in_features)
-    pw = packed_weight(layout, x.dtype, x.device)
+    y = _run_packed(x2, packed_weight(layout, x.dtype, x.device), bias, kernel)
+    return y.reshape(*lead, layout.out_features)
+
+
+def _run_packed(
+    x2: torch.Tensor, pw: reference.TWPackedWeight, bias: torch.Tensor | None, kernel: TWKernel | None = None
+) -> torch.Tensor:
+    """``(M, K) → (M, N)`` through the kernel on an already packed weight."""
     launch = reference.pack_launch(x2, pw, bias)
     tw_gemm_kmajor(launch, kernel=kernel)
-    return reference.unpack_output(launch).reshape(*lead, layout.out_features)
+    return reference.unpack_output(launch)
 
 
 def _op_impl(
@@ -473,21 +529,38 @@ def _op_impl(
     out_features: int,
     backend: str,
 ) -> torch.Tensor:
-    """CUDA implementation of ``tilesparse::tw_linear`` (x is ``(M, K)``)."""
-    widths = tile_ptr[1:] - tile_ptr[:-1]
-    tile = int(widths.max()) if widths.numel() else 1
-    layout = TWLayout(x.shape[-1], out_features, max(tile, 1), col_idx, tile_ptr, row_idx,
-                      row_ptr, values, val_ptr)
-    backend = str(getattr(backend, "value", backend)).lower()
-    if backend == "reference":
-        return reference_matmul(x, layout, bias)
-    if backend == "emulated":
-        return reference.tw_linear_emulated(x, layout, bias)
+    """CUDA implementation of ``tilesparse::tw_linear`` (x is ``(M, K)``).
+
+    Runs the same checks as the CPU implementation first (``tilesparse.ops.check_op_inputs``:
+    shapes, dtypes, contiguity, the backend for the device, the layout's offsets and indices),
+    then the reference, the emulation or the kernel on the cached packed weight.
+
+    Raises:
+        ValueError: as ``check_op_inputs``; backend ``cpu`` (for a CPU tensor that reached
+            this implementation directly); ``cutlass`` for a dtype other than fp16/bf16.
+    """
+    be = check_op_inputs(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features, backend)
+    tensors = (col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr)
+
+    def layout() -> TWLayout:
+        widths = tile_ptr[1:] - tile_ptr[:-1]
+        tile = int(widths.max()) if widths.numel() else 1
+        return TWLayout(x.shape[1], out_features, max(tile, 1), *tensors)
+
+    if be is Backend.CPU:
+        raise ValueError(
+            f"backend 'cpu' is the CPU kernel; the CUDA implementation got it for a {x.device.type} tensor"
+        )
+    if be is Backend.REFERENCE:
+        return reference_matmul(x, layout(), bias)
+    if be is Backend.EMULATED:
+        return reference.tw_linear_emulated(x, layout(), bias)
     if x.dtype not in _DTYPES:
-        if backend == "cutlass":
+        if be is Backend.CUTLASS:
             raise ValueError(f"backend 'cutlass' takes float16 or bfloat16 inputs, got {x.dtype}")
-        return reference_matmul(x, layout, bias)  # "auto" on fp32: no 16-bit kernel applies
-    return tw_linear_cuda(x, layout, bias)
+        return reference_matmul(x, layout(), bias)  # "auto" on fp32/fp64: no 16-bit kernel applies
+    pw = _packed(tensors, x.shape[1], out_features, x.dtype, x.device, layout)
+    return _run_packed(x, pw, bias)
 
 
 def register_cuda_kernel() -> bool:

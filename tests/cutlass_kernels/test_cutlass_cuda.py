@@ -106,3 +106,32 @@ def test_tile_sparse_linear_runs_the_cutlass_kernel(ext) -> None:
         got = module(x).float()
     want = (x.float() @ (dense.weight.T.cuda() * mask_kn.cuda()) + dense.bias.cuda()).float()
     torch.testing.assert_close(got, want, **TOL[torch.float16])
+
+
+def test_cuda_op_checks_like_the_cpu_op_and_packs_once(ext, monkeypatch) -> None:
+    from tilesparse import ops
+
+    assert build.register_cuda_kernel()
+    layout = _int_layout(96, 80, 32, seed=3)
+    cuda = TWLayout(96, 80, 32, *(getattr(layout, n).cuda() for n in
+                                  ("col_idx", "tile_ptr", "row_idx", "row_ptr", "values", "val_ptr")))
+    cuda.values = cuda.values.half()
+    x = torch.randint(-1, 2, (7, 96)).half().cuda()
+    with pytest.raises(ValueError, match="backend 'cpu' runs on CPU tensors, got a cuda tensor"):
+        ops.tw_linear(x, cuda, None, "cpu")
+    with pytest.raises(ValueError, match="bias has dtype torch.float32 but x has torch.float16"):
+        ops.tw_linear(x, cuda, torch.zeros(80, device="cuda"), "cutlass")
+    packs = []
+    real = build.reference.pack_weight
+    monkeypatch.setattr(build.reference, "pack_weight", lambda *a, **k: packs.append(1) or real(*a, **k))
+    want = reference_matmul(x.cpu().float(), layout)
+    for _ in range(3):
+        assert torch.equal(ops.tw_linear(x, cuda, None, "cutlass").float().cpu(), want)
+    assert len(packs) == 1
+    cuda.values.mul_(2)
+    assert torch.equal(ops.tw_linear(x, cuda, None, "cutlass").float().cpu(), 2 * want)
+    assert len(packs) == 2
+    broken = TWLayout(96, 80, 32, cuda.col_idx, cuda.tile_ptr + 1, cuda.row_idx, cuda.row_ptr,
+                      cuda.values, cuda.val_ptr)
+    with pytest.raises(ValueError, match="tile_ptr must start at 0"):
+        ops.tw_linear(x, broken, None, "cutlass")

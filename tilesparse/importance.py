@@ -8,9 +8,10 @@ orientation, the input of :mod:`tilesparse.patterns`:
 - :class:`TaylorScore`: first-order Taylor ``Σ_t (g_t · w_t)²`` over the backward passes since
   the last mask update (at most ``max_steps`` of them; the paper sums ~100): the squared
   first-order change of the loss when ``w`` is zeroed;
-- :class:`MovementScore`: ``-Σ_t g_t · w_t`` since :meth:`reset` (Sanh et al., 2020: weights
-  moving away from zero score high), shifted by the minimum over all tracked layers so every
-  score is >= 0 (the order of weights, within and across layers, is unchanged).
+- :class:`MovementScore`: ``-Σ_t g_t · w_t`` over the whole run, across mask updates (Sanh
+  et al., 2020: weights moving away from zero score high), shifted by the minimum over all
+  tracked layers so every score is >= 0 (the order of weights, within and across layers, is
+  unchanged).
 
 Row-segment aggregation (the paper's): in tile ``t`` of kept columns ``cols_t``, row ``k``'s
 segment scores ``‖S[k, cols_t]‖₂ / |cols_t|`` — :func:`tilesparse.patterns.segment_scores`,
@@ -54,13 +55,17 @@ class ScoreTracker(ABC):
     """
 
     needs_gradients = False
+    # Whether the pruner calls reset() after each mask update (scores since the last update);
+    # False: the score accumulates over the whole run.
+    reset_on_mask_update = True
 
     # observe/reset are deliberate no-op defaults: weight-only scores keep no state
     def observe(self, weights: Tensors, grads: Tensors) -> None:  # noqa: B027
         """Record one backward pass (called after ``loss.backward()``, before the step)."""
 
     def reset(self) -> None:  # noqa: B027
-        """Forget what was observed (called after each mask update)."""
+        """Forget what was observed (the pruner calls it after each mask update when
+        ``reset_on_mask_update``)."""
 
     @abstractmethod
     def scores(self, weights: Tensors) -> dict[str, torch.Tensor]:
@@ -119,11 +124,12 @@ class TaylorScore(ScoreTracker):
 class MovementScore(ScoreTracker):
     """``-Σ g · w`` since the last :meth:`reset`, shifted to be >= 0 across all layers.
 
-    Unlike Taylor, movement keeps accumulating across mask updates (the pruner resets it
-    only when asked): it measures where weights have been heading during fine-tuning.
+    Unlike Taylor, movement keeps accumulating across mask updates (the pruner never resets
+    it): it measures where weights have been heading during fine-tuning.
     """
 
     needs_gradients = True
+    reset_on_mask_update = False
 
     def __init__(self) -> None:
         self.steps = 0

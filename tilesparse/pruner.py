@@ -34,6 +34,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
+from tilesparse.backend import Backend, parse_backend
 from tilesparse.config import Pattern, TileSparseConfig
 from tilesparse.format import tile_groups
 from tilesparse.importance import ScoreTracker, make_tracker
@@ -125,8 +126,9 @@ class TileSparsePruner:
             ``model``, modified in place.
 
         Raises:
-            ValueError: when the pruner is already prepared, no layer is selected, or an
-                override names a layer that is not selected.
+            ValueError: when the pruner is already prepared, no layer is selected, a selected
+                layer has no weights (``in_features`` or ``out_features`` 0), or an override
+                names a layer that is not selected.
         """
         if self.model is not None:
             raise ValueError("this pruner is already prepared on a model; make a new one")
@@ -140,6 +142,11 @@ class TileSparsePruner:
         for fqn, m in layers.items():
             if parametrize.is_parametrized(m, "weight"):
                 raise ValueError(f"layer {fqn!r} already has a weight parametrization")
+            if m.weight.numel() == 0:
+                raise ValueError(
+                    f"layer {fqn!r} has an empty weight of shape {tuple(m.weight.shape)} (out x in "
+                    f"features): nothing to prune; leave it out with filter_fn"
+                )
         unknown = sorted(set(dict(self.config.overrides)) - set(layers))
         if unknown:
             raise ValueError(f"overrides name layer(s) {unknown} that are not selected; selected: {sorted(layers)}")
@@ -225,7 +232,8 @@ class TileSparsePruner:
                 mask_nk = mask_kn.T.to(holder[0].mask.device)
                 holder[0].mask.copy_(mask_nk)
                 holder.original.mul_(mask_nk)
-        self.tracker.reset()
+        if self.tracker.reset_on_mask_update:  # Taylor: scores since the last update
+            self.tracker.reset()
         self.current_sparsity = sparsity
         self.updates += 1
         log.info(
@@ -303,7 +311,7 @@ class TileSparsePruner:
         setattr(parent, child, new)
 
     @torch.no_grad()
-    def compress(self, backend: str = "auto") -> nn.Module:
+    def compress(self, backend: Backend | str = "auto") -> nn.Module:
         """Replace every pruned ``nn.Linear`` by an equivalent
         :class:`~tilesparse.linear.TileSparseLinear` (tile ``config.tile``).
 
@@ -315,10 +323,17 @@ class TileSparsePruner:
         pruned model taken earlier shares each layer's generated ``Parametrized*`` class, which
         ``parametrize.remove_parametrizations`` would mutate (the copy would lose ``.weight``).
 
+        Args:
+            backend: the :func:`tilesparse.ops.tw_linear` backend of the new layers.
+
         Returns:
             the model, modified in place; the trainer's optimizer must be rebuilt to train on.
+
+        Raises:
+            ValueError: for an unknown backend (before any layer is replaced).
         """
         self._check_prepared()
+        backend = parse_backend(backend)
         for fqn, m in list(self.layers.items()):
             mask_kn = self.mask(fqn)
             new = TileSparseLinear.from_dense(m, mask_kn, tile=self.config.tile, backend=backend)

@@ -205,3 +205,65 @@ def test_apply_masks_to_builds_the_masked_dense_reference() -> None:
         pruner.apply_masks_to(nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(64, 96)))
     with pytest.raises(ValueError, match="no layer '2'"):
         pruner.apply_masks_to(nn.Sequential(nn.Linear(64, 96)))
+
+
+def _observed_training(importance: str, steps: int) -> tuple[TileSparsePruner, list[torch.Tensor]]:
+    """A 16x16 layer trained ``steps`` steps with mask updates after steps 1 and 3; returns
+    the pruner and every ``-g·w`` term (K x N) the tracker was shown."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 16))
+    sched = MultiStageSchedule((0.25,), steps_per_stage=2, start=1)
+    pruner = TileSparsePruner(TileSparseConfig(pattern="ew", sparsity=0.5, importance=importance, schedule=sched))
+    pruner.prepare(model)
+    terms: list[torch.Tensor] = []
+    observe = pruner.tracker.observe
+
+    def recording(weights, grads):
+        terms.append(-(grads["0"].float() * weights["0"].float()))
+        observe(weights, grads)
+
+    pruner.tracker.observe = recording
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for _ in range(steps):
+        model(torch.randn(4, 16)).sum().backward()
+        pruner.observe()
+        opt.step()
+        opt.zero_grad()
+        pruner.step()
+    return pruner, terms
+
+
+def test_movement_accumulates_across_mask_updates() -> None:
+    pruner, terms = _observed_training("movement", 4)
+    assert pruner.updates == 2 and pruner.current_sparsity == 0.5
+    assert pruner.tracker.steps == 4  # never reset by the pruner
+    torch.testing.assert_close(pruner.tracker._acc["0"], sum(terms), rtol=0, atol=1e-6)
+    pruner.tracker.reset()  # by hand it still starts afresh
+    assert pruner.tracker.steps == 0
+
+
+def test_taylor_restarts_after_each_mask_update() -> None:
+    pruner, _ = _observed_training("taylor", 4)
+    assert pruner.updates == 2 and pruner.tracker.steps == 1  # step 4 is after the update at 3
+
+
+@pytest.mark.parametrize("pattern", ["tw", "ew", "nm"])
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0)])
+def test_empty_layer_is_refused_by_prepare(pattern, shape) -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(*shape))
+    cfg = TileSparseConfig(pattern=pattern, sparsity=None if pattern == "nm" else 0.5, tile=4)
+    want = rf"layer '1' has an empty weight of shape \({shape[1]}, {shape[0]}\)"
+    with pytest.raises(ValueError, match=want):
+        prune_(model, cfg)
+    assert not hasattr(model[0], "parametrizations")  # nothing attached to the other layer
+    prune_(model, cfg, filter_fn=lambda m, fqn: isinstance(m, nn.Linear) and fqn != "1")
+
+
+def test_compress_refuses_an_unknown_backend_before_replacing_anything() -> None:
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 4))
+    pruner = prune_(model, TileSparseConfig(sparsity=0.5, tile=4))
+    with pytest.raises(ValueError, match="unknown tw_linear backend 'fast'"):
+        pruner.compress(backend="fast")
+    assert not pruner.compressed and all(type(m) is not TileSparseLinear for m in model)
+    pruner.compress(backend="reference")
+    assert all(isinstance(m, TileSparseLinear) and m.backend == "reference" for m in model)

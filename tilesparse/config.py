@@ -221,7 +221,7 @@ class TileSparseConfig:
         n, m: the N:M pattern (keep ``n`` of every ``m`` consecutive K entries), ``1 <= n <= m``.
         block: ``(bk, bn)`` block shape for ``bw``.
         tew_delta: fraction of all weights restored as single elements by ``tew``;
-            ``sparsity + tew_delta`` must stay < 1.
+            ``sparsity + tew_delta`` (and each override's sparsity ``+ tew_delta``) must stay < 1.
         global_threshold: one threshold over all pruned layers (layers end up with different
             sparsities) rather than the target in each layer.
         min_layer_density: floor on the fraction of weights any layer keeps under a global
@@ -305,6 +305,13 @@ class TileSparseConfig:
             _check_unit(owner, f"overrides[{fqn!r}]", s, closed_right=False)
         if ov and self.pattern is Pattern.NM:
             raise ValueError(f"{owner}.overrides are not allowed with pattern 'nm' (its sparsity is fixed)")
+        if self.pattern is Pattern.TEW:
+            for fqn, s in ov.items():
+                if s + self.tew_delta >= 1.0:
+                    raise ValueError(
+                        f"{owner}.overrides[{fqn!r}] = {s} plus tew_delta = {self.tew_delta} must be < 1 "
+                        f"for 'tew' (the restored elements come out of the kept ones)"
+                    )
         set_(self, "overrides", tuple(sorted((k, float(v)) for k, v in ov.items())))
         _check_int(owner, "taylor_steps", self.taylor_steps, 1)
         sched = self.schedule

@@ -60,6 +60,8 @@ def test_json_round_trip(schedule: object) -> None:
         ({"pattern": "tew", "sparsity": 0.9, "tew_delta": 0.2}, "tew_delta", "< 1 - sparsity"),
         ({"block": (0, 4)}, "block", ">= 1"),
         ({"overrides": {"fc": 1.2}}, "overrides", "[0, 1)"),
+        ({"pattern": "tew", "sparsity": 0.5, "overrides": {"1": 0.97}}, "overrides['1']",
+         "= 0.97 plus tew_delta = 0.05 must be < 1"),
         ({"taylor_steps": 0}, "taylor_steps", ">= 1"),
     ],
 )
@@ -126,3 +128,10 @@ def test_recipe_files(tmp_path) -> None:
     txt.write_text("pattern: tw\n")
     with pytest.raises(ValueError, match="expected a .yaml, .yml or .json suffix"):
         TileSparseConfig.load(txt)
+
+
+def test_tew_override_below_one_minus_delta_is_accepted() -> None:
+    cfg = TileSparseConfig(pattern="tew", sparsity=0.5, tew_delta=0.05, overrides={"1": 0.94})
+    assert cfg.override_for("1") == 0.94
+    # the same override under a pattern without restored elements is fine at 0.97
+    assert TileSparseConfig(pattern="tw", overrides={"1": 0.97}).override_for("1") == 0.97

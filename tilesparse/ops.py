@@ -312,6 +312,26 @@ def _tw_linear_grad_x_fake(grad_y, col_idx, tile_ptr, row_idx, row_ptr, values, 
     return grad_y.new_empty((grad_y.shape[0], in_features))
 
 
+def _grad_x_setup_context(ctx, inputs, output) -> None:
+    grad_y, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, _ = inputs
+    ctx.save_for_backward(col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr)
+    ctx.out_features = grad_y.shape[1]
+
+
+def _grad_x_backward(ctx, grad_grad_x: torch.Tensor):
+    """``dX = dY · Wᵀ`` is linear in ``dY``, so its gradient is ``ddX · W``: the forward op
+    again (what double backward, e.g. a gradient penalty, needs)."""
+    col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr = ctx.saved_tensors
+    grad_grad_y = torch.ops.tilesparse.tw_linear(
+        grad_grad_x.contiguous(), col_idx, tile_ptr, row_idx, row_ptr, values.to(grad_grad_x.dtype),
+        val_ptr, None, ctx.out_features, Backend.AUTO.value,
+    )
+    return grad_grad_y, None, None, None, None, None, None, None
+
+
+_tw_linear_grad_x.register_autograd(_grad_x_backward, setup_context=_grad_x_setup_context)
+
+
 def _backward(ctx, grad_y: torch.Tensor):
     """Gradients for ``x`` and ``bias``; ``values`` get none (they are buffers: fine-tune a
     pruned model before condensing it)."""

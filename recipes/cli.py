@@ -67,7 +67,8 @@ def _one_of(choices: Sequence[Any], name: str, optional: bool) -> Callable[[str]
         try:
             return by_text[text]
         except KeyError:
-            raise argparse.ArgumentTypeError(f"expected one of {allowed}, got {text!r}") from None
+            # argparse's own wording for choices, listing values rather than reprs
+            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {allowed})") from None
 
     parse.__name__ = name
     return parse

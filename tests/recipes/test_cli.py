@@ -67,10 +67,10 @@ def test_int_literal_parses_to_int():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--color", "green"], "argument --color: expected one of red, blue, got 'green'"),
-        (["--tint", "green"], "argument --tint: expected one of red, blue, none, got 'green'"),
-        (["--color", "none"], "argument --color: expected one of red, blue, got 'none'"),
-        (["--sizes", "3"], "argument --sizes: expected one of 1, 2, got '3'"),
+        (["--color", "green"], "argument --color: invalid choice: 'green' (choose from red, blue)"),
+        (["--tint", "green"], "argument --tint: invalid choice: 'green' (choose from red, blue, none)"),
+        (["--color", "none"], "argument --color: invalid choice: 'none' (choose from red, blue)"),
+        (["--sizes", "3"], "argument --sizes: invalid choice: '3' (choose from 1, 2)"),
     ],
 )
 def test_choice_errors_list_values_not_enum_reprs(argv, message, capsys):

@@ -74,11 +74,11 @@ SMEM_BYTES = {Arch.SM80: 163 * 1024, Arch.SM90A: 227 * 1024}
 # sm_90a: CUDA 12.0), as in cutlass_library.generator's CudaToolkitVersionSatisfies gates.
 MIN_CUDA = {Arch.SM80: (11, 0), Arch.SM90A: (12, 0)}
 
-_INSTRUCTION = (16, 8, 16)
+_INSTRUCTION = (16, 8, 16)  # mma.sync.m16n8k16, fp16/bf16 inputs, fp32 accumulate
 
 # select() takes the widest batch tile whose modelled time is within this factor of the best
 # (a heuristic: wider tiles re-read the weights and the gather indices less often).
-_WIDER_TILE_SLACK = 1.1  # mma.sync.m16n8k16, fp16/bf16 inputs, fp32 accumulate
+_WIDER_TILE_SLACK = 1.1
 
 
 @dataclass(frozen=True)

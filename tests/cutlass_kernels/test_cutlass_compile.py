@@ -3,10 +3,13 @@ the torch extension built from such an object, linked, imported and its argument
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
 from cutlass_kernels.build import (
+    _toolkit_include,
     compile_object,
     compile_objects,
     cuda_toolkit_root,
@@ -14,7 +17,7 @@ from cutlass_kernels.build import (
     load_extension,
     nvcc_version,
 )
-from cutlass_kernels.manifest import Arch, DType, Mainloop, manifest
+from cutlass_kernels.manifest import MIN_CUDA, Arch, DType, Mainloop, manifest
 from cutlass_kernels.reference import pack_launch, pack_weight
 from tilesparse.format import condense
 
@@ -53,11 +56,14 @@ def test_toolkit_root_and_version(require) -> None:
     nvcc = find_nvcc()
     require(nvcc is not None, "nvcc")
     root = cuda_toolkit_root(nvcc)
-    assert (root / "include" / "cuda_runtime_api.h").is_file() or (
-        root / "targets" / "x86_64-linux" / "include" / "cuda_runtime_api.h"
-    ).is_file()
+    header = _toolkit_include(root) / "cuda_runtime_api.h"
+    assert header.is_file()
     major, minor = nvcc_version(nvcc)
-    assert major >= 11 and minor >= 0
+    assert (major, minor) >= MIN_CUDA[Arch.SM80]  # the oldest toolkit the manifest builds with
+    # nvcc's "release X.Y" against the toolkit's own header: CUDART_VERSION = 1000·X + 10·Y
+    m = re.search(r"^#define CUDART_VERSION\s+(\d+)", header.read_text(), re.MULTILINE)
+    assert m, f"no CUDART_VERSION in {header}"
+    assert (major, minor) == divmod(int(m.group(1)) // 10, 100), (header, m.group(1))
 
 
 def test_compile_without_nvcc_says_so(monkeypatch) -> None:

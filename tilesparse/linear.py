@@ -59,7 +59,8 @@ class TileSparseLinear(nn.Module):
         bias: ``(N,)`` float, when the layer has a bias (trainable, as in ``nn.Linear``).
 
     A freshly constructed module holds an empty layout (every weight pruned); fill it with
-    :meth:`from_dense` or ``load_state_dict`` of a saved one (buffers take the saved sizes).
+    :meth:`from_dense` or ``load_state_dict`` of a saved one (buffers take the saved sizes;
+    the saved layout is validated first, and a load that fails leaves the module unchanged).
 
     Args:
         in_features: ``K``.

@@ -21,7 +21,6 @@ import numpy as np
 from embark.model import DLRM
 from export.onnx import export_onnx
 from hps.config import PSConfig, parse_config
-from hps.servable import SERVING_METADATA_KEY
 from hps.sparse_files import write_table
 
 __all__ = ["write_serving_artifacts"]
@@ -61,14 +60,7 @@ def write_serving_artifacts(
     ps_path = out / "ps.json"
     if ps_path.exists() and not overwrite:
         raise ValueError(f"{ps_path} exists; pass overwrite=True to replace the artifacts")
-    out.mkdir(parents=True, exist_ok=True)
     tables = model.workload.tables
-    for t in tables:
-        w = model.embeddings[t.name].weight.detach().cpu().numpy().astype(np.float32, copy=False)
-        write_table(out / "sparse" / t.name, np.arange(w.shape[0], dtype=np.int64), w,
-                    overwrite=overwrite)
-    export_onnx(model, out / "dense.onnx", include_embeddings=False)
-    _stamp_serving_metadata(out / "dense.onnx", model)
     doc = {
         "supportlonglong": True,
         "volatile_db": {"type": "parallel_hash_map"},
@@ -90,29 +82,19 @@ def write_serving_artifacts(
             }
         ],
     }
-    cfg = parse_config(doc, base_dir=out)  # validate before anything points at it
+    cfg = parse_config(doc, base_dir=out)  # validate before anything is written
+    if not overwrite:
+        taken = [str(out / "sparse" / t.name) for t in tables if (out / "sparse" / t.name).exists()]
+        if taken:
+            raise ValueError(f"sparse folders exist: {taken}; pass overwrite=True to replace them")
+    out.mkdir(parents=True, exist_ok=True)
+    for t in tables:
+        w = model.embeddings[t.name].weight.detach().cpu().numpy().astype(np.float32, copy=False)
+        write_table(out / "sparse" / t.name, np.arange(w.shape[0], dtype=np.int64), w,
+                    overwrite=overwrite)
+    export_onnx(model, out / "dense.onnx", include_embeddings=False)  # metadata: tilerec.serving
     tmp = ps_path.with_suffix(".json.tmp")
     tmp.write_text(json.dumps(doc, indent=2))
     tmp.replace(ps_path)
     return cfg
 
-
-def _stamp_serving_metadata(path: Path, model: DLRM) -> None:
-    """Write what the v2 server needs beyond ``ps.json`` into the graph's metadata: per table
-    its name, combiner and hotness, and the dense feature count."""
-    import onnx
-
-    proto = onnx.load(str(path))
-    doc = {"tables": [{"name": t.name, "combiner": t.combiner.value, "hotness": t.hotness}
-                      for t in model.workload.tables],
-           "dense_features": model.workload.dense_features}
-    kept = [(m.key, m.value) for m in proto.metadata_props if m.key != SERVING_METADATA_KEY]
-    del proto.metadata_props[:]
-    for k, v in kept:
-        e = proto.metadata_props.add()
-        e.key, e.value = k, v
-    entry = proto.metadata_props.add()
-    entry.key, entry.value = SERVING_METADATA_KEY, json.dumps(doc)
-    tmp = path.with_suffix(".onnx.tmp")
-    onnx.save(proto, str(tmp))
-    tmp.replace(path)

@@ -27,6 +27,7 @@ batch 1024, 1 thread: 543 ms against 442 ms dense; K-major: 201 ms).
 from __future__ import annotations
 
 import copy
+import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
@@ -36,6 +37,7 @@ from torch import nn
 
 from embark.model import DLRM
 from embark.types import Combiner
+from hps.servable import SERVING_METADATA_KEY
 from tilesparse.linear import TileSparseLinear
 
 log = logging.getLogger(__name__)
@@ -202,14 +204,62 @@ def export_onnx(
         verbose=False,
     )
     program.save(str(tmp))
+    _stamp_metadata(tmp, model)
     tmp.replace(path)
     return path
 
 
+# JSON {"tables": [{name, rows, combiner, hotness}], "dense_features"}; the server reads it
+METADATA_KEY = SERVING_METADATA_KEY
+
+
+def _stamp_metadata(path: Path, model: DLRM) -> None:
+    """Record in the graph's ``metadata_props`` what the ops do not say: each table's rows,
+    combiner and hotness, and the dense width (read by :func:`run_onnx` to check ids and by
+    the v2 server for the pooling)."""
+    import onnx
+
+    proto = onnx.load(str(path))
+    doc = {"tables": [{"name": t.name, "rows": t.num_rows, "combiner": t.combiner.value,
+                       "hotness": t.hotness} for t in model.workload.tables],
+           "dense_features": model.workload.dense_features}
+    kept = [(m.key, m.value) for m in proto.metadata_props if m.key != METADATA_KEY]
+    del proto.metadata_props[:]
+    for k, v in [*kept, (METADATA_KEY, json.dumps(doc))]:
+        e = proto.metadata_props.add()
+        e.key, e.value = k, v
+    onnx.save(proto, str(path))
+
+
+def check_ids(path: str | Path, inputs: dict[str, torch.Tensor]) -> None:
+    """Raise ``ValueError`` naming the input unless every ``ids_<table>`` holds -1 (padding) or a
+    row in ``[0, rows)``: the graph itself cannot (``Gather`` would treat ``rows`` and any
+    negative id as padding, and fail without naming the input above that)."""
+    import onnx
+
+    meta = {m.key: m.value for m in onnx.load(str(path), load_external_data=False).metadata_props}
+    if METADATA_KEY not in meta:
+        return  # a graph we did not stamp: nothing to check against
+    for t in json.loads(meta[METADATA_KEY])["tables"]:
+        ids = inputs.get(f"ids_{t['name']}")
+        if ids is None or ids.numel() == 0:
+            continue
+        bad = (ids < -1) | (ids >= t["rows"])
+        if bool(bad.any()):
+            v = int(ids[bad][0])
+            raise ValueError(f"input 'ids_{t['name']}': id {v} is outside table {t['name']!r} "
+                             f"(rows 0..{t['rows'] - 1}; -1 pads a short bag)")
+
+
 def run_onnx(path: str | Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:
-    """Run the exported graph with onnxruntime (CPU) → ``(B,) float32`` logits."""
+    """Run the exported graph with onnxruntime (CPU) → ``(B,) float32`` logits.
+
+    Raises:
+        ValueError: an ``ids_<table>`` input with an id other than -1 or a row of the table.
+    """
     import onnxruntime as ort
 
+    check_ids(path, inputs)
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     feeds = {k: v.numpy() for k, v in inputs.items()}
     (logits,) = sess.run(["logits"], feeds)

@@ -61,6 +61,16 @@ class KeyStatistics:
             self._keys, self._counts = uk, uc
             self.total += int(counts.sum())
 
+    def count_of(self, keys: np.ndarray) -> np.ndarray:
+        """Observed occurrences of each of ``keys (n,) int64`` so far, ``(n,) int64`` (0 for a
+        key never seen or trimmed)."""
+        keys = np.asarray(keys, dtype=np.int64)
+        with self._lock:
+            if self._keys.size == 0:
+                return np.zeros(keys.shape, np.int64)
+            pos = np.minimum(np.searchsorted(self._keys, keys), self._keys.size - 1)
+            return np.where(self._keys[pos] == keys, self._counts[pos], 0)
+
     def hottest(self, n: int | None = None) -> np.ndarray:
         """Keys hottest first, ``(min(n, distinct),) int64``."""
         with self._lock:

@@ -11,9 +11,11 @@ Inputs and outputs of one request (batch ``B``; ``H_t`` = the table's
     probability  FP32  (B,)   sigmoid(logits)
 
 These are the input names of ``export.onnx.export_onnx(model, include_embeddings=True)``, so a
-client sends the same request to this server and to the full ONNX graph. A key that no tier
-holds pools the table's default vector (parameter-server semantics: keys are arbitrary int64,
-not row numbers); keys below -1 are an error.
+client sends the same request to this server and to the full ONNX graph, and gets the same
+scores for ids that are -1 or rows of the tables. Beyond that the two differ on purpose: a key
+that no tier holds pools the table's default vector here (parameter-server semantics: keys are
+arbitrary int64, not row numbers), where ``export.onnx.run_onnx`` refuses an id outside the
+table; keys below -1 are an error in both.
 
 The pooling ``combiner`` of each table is read from the dense graph's metadata
 (``tilerec.serving``, written by ``export.artifacts``); a graph without it pools by sum.

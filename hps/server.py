@@ -5,7 +5,8 @@
     python -m hps.server --config out/ps.json --port 8000
 
 Endpoints (errors are ``{"error": "..."}``: 400 for a bad request or an unknown model or
-version, 503 when the parameter server had no free lookup worker in time, 500 otherwise)::
+version, 404 / 405 for an unknown path or method, 503 when the parameter server had no free
+lookup worker in time, 500 otherwise)::
 
     GET  /v2                                   server metadata
     GET  /v2/health/live | /v2/health/ready
@@ -16,7 +17,8 @@ version, 503 when the parameter server had no free lookup worker in time, 500 ot
 
 Requests run on ``workers`` threads (parsing and inference both: they are CPU work);
 ``max_queued`` more may wait, beyond that a connection gets 503 at once (uvicorn's
-``limit_concurrency``), so memory stays bounded under any number of clients. The background
+``limit_concurrency``; that one reply is plain text, sent before the application sees the
+request), so memory stays bounded under any number of clients. The background
 work ``ps.json`` asks for (online updates, cache refresh) runs while the server does.
 """
 
@@ -207,7 +209,12 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
         Route(m + "/stats", model_stats), Route(v + "/stats", model_stats),
         Route(m + "/infer", infer, methods=["POST"]), Route(v + "/infer", infer, methods=["POST"]),
     ]
-    return Starlette(routes=routes)
+    async def http_error(request: Request, exc: Exception) -> Response:
+        code = getattr(exc, "status_code", 500)
+        detail = getattr(exc, "detail", str(exc))
+        return _error(f"{request.method} {request.url.path}: {detail}", code)
+
+    return Starlette(routes=routes, exception_handlers={404: http_error, 405: http_error})
 
 
 def build_servables(ps: HierarchicalParameterServer, models: Sequence[str] | None = None,

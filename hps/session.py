@@ -22,7 +22,13 @@ Concurrency: any number of threads may call :meth:`LookupSession.lookup`; at mos
 ``num_of_worker_buffer_in_pool`` run at once (the others wait: back-pressure, bounded memory),
 and background jobs sit in a bounded queue (a full queue drops the *insertion*, never a reply).
 Online updates take the writer side of a readers-writer lock, so a lookup sees an update
-batch entirely or not at all.
+batch entirely or not at all. Background cache work never undoes an update: a job that fills
+the cache reads the databases under the reader side, and a job inserting rows a lookup read
+earlier drops them if an update was applied since (the lock's ``generation`` moved).
+
+Admission priority of a missed key (LFU: compared with resident entries' use counts; LRU:
+order inside a set) is its count in this request plus its count in the session's key
+statistics so far, so a key hot across requests gets in even if each request holds it once.
 """
 
 from __future__ import annotations
@@ -77,6 +83,7 @@ class ReadWriteLock:
         self._readers = 0
         self._writer = False
         self._waiting_writers = 0
+        self.generation = 0  # completed write sections (read it under the reader side)
 
     def acquire_read(self) -> None:
         with self._cond:
@@ -100,6 +107,7 @@ class ReadWriteLock:
 
     def release_write(self) -> None:
         with self._cond:
+            self.generation += 1
             self._writer = False
             self._cond.notify_all()
 
@@ -116,6 +124,7 @@ class TableStats:
     hits_all: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in Tier})
     async_batches: int = 0  # lookups served in asynchronous-insertion mode
     dropped_async: int = 0  # background jobs dropped because the queue was full
+    stale_dropped: int = 0  # background insertions dropped: an update landed after their read
     errors: int = 0
     latencies_s: np.ndarray = field(default_factory=lambda: np.full(_LATENCY_WINDOW, np.nan))
 
@@ -129,6 +138,7 @@ class TableStats:
         return {"lookups": self.lookups, "keys_all": self.keys_all, "keys_unique": self.keys_unique,
                 "hit_rate": rate, "hits_unique": dict(self.hits_unique), "hits_all": dict(self.hits_all),
                 "async_batches": self.async_batches, "dropped_async": self.dropped_async,
+                "stale_dropped": self.stale_dropped,
                 "errors": self.errors, "latency_p50_ms": float(p50) * 1e3, "latency_p99_ms": float(p99) * 1e3}
 
 
@@ -264,9 +274,13 @@ class LookupSession:
         # (LRU: same clock; LFU: same priority, and a new key must be strictly hotter).
         placed = 0
         for chunk in k.split(65536):  # insert() keeps input order among equals inside a set
-            vals, found = self._fetch(t, chunk.numpy())
-            c = chunk[torch.from_numpy(found)].to(self.device)
-            placed += t.cache.insert(c, torch.from_numpy(vals[found]).to(self.device))
+            self.update_lock.acquire_read()  # no update between the read and the insert
+            try:
+                vals, found = self._fetch(t, chunk.numpy())
+                c = chunk[torch.from_numpy(found)].to(self.device)
+                placed += t.cache.insert(c, torch.from_numpy(vals[found]).to(self.device))
+            finally:
+                self.update_lock.release_read()
         return placed
 
     def refresh(self, table: str, fraction: float = 1.0) -> int:
@@ -278,9 +292,13 @@ class LookupSession:
         keys = t.cache.next_refresh_keys(fraction).cpu().numpy()
         if keys.size == 0:
             return 0
-        vals, found = self._fetch(t, keys)
-        k = torch.from_numpy(keys[found]).to(self.device)
-        return t.cache.update_if_present(k, torch.from_numpy(vals[found]).to(self.device))
+        self.update_lock.acquire_read()  # no update between the read and the write-back
+        try:
+            vals, found = self._fetch(t, keys)
+            k = torch.from_numpy(keys[found]).to(self.device)
+            return t.cache.update_if_present(k, torch.from_numpy(vals[found]).to(self.device))
+        finally:
+            self.update_lock.release_read()
 
     def start_refresh(self, interval_s: float, fraction: float) -> threading.Event:
         """Refresh every table's cache every ``interval_s`` in a daemon thread; set the
@@ -365,10 +383,13 @@ class LookupSession:
             is_async = 1.0 - miss.numel() / max(n, 1) >= self.hit_rate_threshold
             if miss.numel():
                 mkeys = uniq[miss]
+                prio = counts[miss]
+                if self.key_stats is not None:  # history so far (this request is added below)
+                    prio = prio + torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
                 if is_async and not self.exact:
                     mrows = torch.full((miss.numel(), t.dim), t.default_value, device=dev)
-                    mk = mkeys.numpy()
-                    self._submit(t, lambda k=mk: self._fill_from_db(t, k))
+                    mk, mp = mkeys.numpy(), prio.to(dev)
+                    self._submit(t, lambda k=mk, p=mp: self._fill_from_db(t, k, p))
                 else:
                     vals, found, from_pdb = self._fetch_tiers(t, mkeys.numpy())
                     mrows = torch.from_numpy(vals).to(dev)
@@ -377,12 +398,13 @@ class LookupSession:
                         mrows[~fm.to(dev)] = t.default_value
                     tier[miss] = torch.from_numpy(np.where(found, np.where(from_pdb, 2, 1), 3).astype(np.int8))
                     fm_dev = fm.to(dev)
-                    fk, fv, fp = mkeys[fm].to(dev), mrows[fm_dev], counts[miss][fm].to(dev)
+                    fk, fv, fp = mkeys[fm].to(dev), mrows[fm_dev], prio[fm].to(dev)
                     if is_async:
                         # bind this cache now: a job running after the table's cache was
                         # replaced must not write these (by then maybe stale) rows into the new one
-                        cache = t.cache
-                        self._submit(t, lambda c=cache, k=fk, v=fv, p=fp: c.insert(k, v, priority=p))
+                        cache, gen = t.cache, self.update_lock.generation
+                        self._submit(t, lambda c=cache, k=fk, v=fv, p=fp, g=gen:
+                                     self._insert_if_current(t, c, k, v, p, g))
                     else:
                         t.cache.insert(fk, fv, priority=fp)
                 # scatter the miss rows to every request position of a missed key
@@ -405,9 +427,31 @@ class LookupSession:
             self.key_stats[t.name].update(uniq.numpy(), counts.numpy())
         return out
 
-    def _fill_from_db(self, t: SessionTable, keys: np.ndarray) -> None:
-        vals, found = self._fetch(t, keys)
-        t.cache.insert(torch.from_numpy(keys[found]).to(self.device), torch.from_numpy(vals[found]).to(self.device))
+    def _fill_from_db(self, t: SessionTable, keys: np.ndarray, priority: torch.Tensor | None = None) -> None:
+        """Background job: read ``keys`` from the databases and cache them, under the reader
+        side of the update lock (an update cannot land between the read and the insert)."""
+        self.update_lock.acquire_read()
+        try:
+            vals, found = self._fetch(t, keys)
+            fm = torch.from_numpy(found)
+            t.cache.insert(torch.from_numpy(keys[found]).to(self.device),
+                           torch.from_numpy(vals[found]).to(self.device),
+                           priority=None if priority is None else priority[fm.to(priority.device)])
+        finally:
+            self.update_lock.release_read()
+
+    def _insert_if_current(self, t: SessionTable, cache: EmbeddingCache, keys: torch.Tensor,
+                           values: torch.Tensor, priority: torch.Tensor, generation: int) -> None:
+        """Background job: cache rows a lookup read, unless an update was applied since."""
+        self.update_lock.acquire_read()
+        try:
+            if self.update_lock.generation != generation:
+                with self._stats_lock:
+                    self._stats[t.name].stale_dropped += 1
+                return
+            cache.insert(keys, values, priority=priority)
+        finally:
+            self.update_lock.release_read()
 
     def _submit(self, t: SessionTable, job: Callable[[], object]) -> None:
         try:

@@ -56,3 +56,12 @@ def test_existing_artifacts_are_not_overwritten(tmp_path) -> None:
         write_serving_artifacts(model, tmp_path, model_name="other")
     assert (tmp_path / "ps.json").read_text() == before
     assert json.loads(before)["models"][0]["model"] == "dlrm"
+
+
+def test_bad_settings_fail_before_anything_is_written(tmp_path) -> None:
+    model = build_model(get_workload("tiny"), seed=0)
+    with pytest.raises(ValueError, match=r"models\[0\].gpucacheper: 1.5 is impossible"):
+        write_serving_artifacts(model, tmp_path / "a", cache_fraction=1.5)
+    assert not (tmp_path / "a").exists()
+    cfg = write_serving_artifacts(model, tmp_path / "a")  # the retry needs no overwrite=True
+    assert cfg.model("dlrm").tables[0].name == "t0"

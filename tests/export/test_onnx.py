@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import onnx
 import pytest
 import torch
@@ -82,3 +84,21 @@ def test_dense_graph_matches_dense_forward(tmp_path, pruned) -> None:
     inputs = onnx_inputs(pruned, 9, include_embeddings=False)
     want = pruned.dense_forward(inputs["dense"], inputs["pooled"]).detach()
     torch.testing.assert_close(run_onnx(path, inputs), want, **TOL)
+
+
+def test_graph_metadata_and_bad_ids(tmp_path, pruned) -> None:
+    """The graph records each table's rows/combiner; run_onnx refuses ids the graph would
+    silently pool as padding (-5, rows) or fail on without naming the input (rows + 1)."""
+    path = export_onnx(pruned, tmp_path / "m.onnx", batch_size=4)
+    meta = {m.key: m.value for m in onnx.load(str(path)).metadata_props}
+    tables = json.loads(meta["tilerec.serving"])["tables"]
+    assert [(t["name"], t["rows"], t["combiner"]) for t in tables] == [
+        (t.name, t.num_rows, t.combiner.value) for t in pruned.workload.tables]
+    inputs = onnx_inputs(pruned, 4, seed=1)
+    rows = pruned.workload.tables[0].num_rows
+    for bad in (-5, rows, rows + 1):
+        ids = inputs["ids_t0"].clone()
+        ids[2, 0] = bad
+        with pytest.raises(ValueError, match=f"input 'ids_t0': id {bad} is outside table 't0'"):
+            run_onnx(path, {**inputs, "ids_t0": ids})
+    run_onnx(path, inputs)  # -1 padding and in-range ids are fine

@@ -201,6 +201,10 @@ def test_bad_requests_are_400_naming_the_problem(served, model) -> None:
     assert r.status_code == 400 and "exceeds the server's limit" in r.json()["error"]
     r = _post(served, _doc(req), headers={"Inference-Header-Content-Length": "99999999"})
     assert r.status_code == 400 and "outside the body" in r.json()["error"]
+    r = httpx.get(f"http://{served.address}/v2/models/tiny/infer", timeout=30)
+    assert r.status_code == 405 and "GET /v2/models/tiny/infer" in r.json()["error"]
+    r = httpx.get(f"http://{served.address}/v3/nothing", timeout=30)
+    assert r.status_code == 404 and "error" in r.json()
     ok = _post(served, _doc(req), path="/v2/models/tiny/versions/1/infer")  # still serving
     assert ok.status_code == 200
     got = np.array(next(o for o in ok.json()["outputs"] if o["name"] == "logits")["data"], np.float32)

@@ -7,7 +7,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo train test bench-planner bench-hps bench-tilesparse redis clean
+.PHONY: install demo train test bench-planner bench-hps bench-server bench-tilesparse redis clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -40,6 +40,9 @@ bench-planner: install
 
 bench-hps: install redis
 	$(PY) -m benchmarks.hps.bench_hps
+
+bench-server: install
+	$(PY) -m benchmarks.hps.bench_server
 
 bench-tilesparse: install
 	$(PY) -m benchmarks.tilesparse.bench_gemm

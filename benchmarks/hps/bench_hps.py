@@ -97,7 +97,8 @@ def bench_hit_rate(args: argparse.Namespace) -> list[dict[str, Any]]:
                 t0 = time.perf_counter()
                 for i, b in enumerate(batches):
                     u, counts = torch.unique(torch.from_numpy(b), return_counts=True)
-                    _, hit = cache.query(u, counts=counts)  # as LookupSession does
+                    _, hit = cache.query(u, counts=counts)  # as LookupSession does (it also adds
+                    # each key's count in earlier requests to the admission priority; not here)
                     miss = u[~hit]
                     cache.insert(miss, torch.zeros(miss.numel(), dim), priority=counts[~hit])  # sync fill
                     if i >= args.warm_batches:

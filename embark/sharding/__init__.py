@@ -1,0 +1,9 @@
+"""Runtime of a sharding plan on ``torch.distributed``: :class:`ShardedEmbeddingCollection`
+holds this rank's shards, distributes the keys of each local batch to their owners and
+returns pooled embeddings equal to ``nn.EmbeddingBag`` on the full tables."""
+
+from embark.sharding.collection import DistributedInput, ShardedEmbeddingCollection
+from embark.sharding.comm import CommStats
+from embark.sharding.routing import Layout, ShardRef
+
+__all__ = ["CommStats", "DistributedInput", "Layout", "ShardRef", "ShardedEmbeddingCollection"]

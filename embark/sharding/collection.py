@@ -1,0 +1,476 @@
+"""``ShardedEmbeddingCollection``: the embedding tables of a sharding plan, run on
+``torch.distributed`` (gloo on CPU).
+
+Each rank holds only its shards (one ``nn.Parameter`` per table it has a piece of) and pools
+its own local batch; the result equals ``nn.EmbeddingBag(mode=combiner)`` on the full table.
+One forward is three exchanges (all-to-alls) plus local work::
+
+    1 header   every rank -> every rank: [status, table, bad id, B, count per owned shard]
+               (errors are raised here, on every rank, before any data moves)
+    2 keys     source -> owner: ids re-based to the shard (REDUCTION: with per-sample
+               lengths; UNIQUE: de-duplicated per (source, shard))
+    3 vectors  owner -> source, in the table's wire dtype:
+               REDUCTION: (B_source, cols) partial sums per shard
+               UNIQUE:    (distinct ids, cols) one row per distinct id
+       then at the source: sum partials over row shards, concatenate column blocks,
+       divide by the full bag length for ``mean``.
+    DP tables: local lookup in the replica; :meth:`reduce_dp_gradients` after backward.
+
+Worked example, 2 ranks, local batch B = 2 on each, table ``t`` (8 rows × 4 cols) sharded
+3D: cols 0:2 row-split (rows 0:4 on rank 0, 4:8 on rank 1), cols 2:4 whole on rank 1,
+cluster REDUCTION; rank 0's bags are sample 0 = [1, 5], sample 1 = [5, 5, 7]::
+
+    keys from rank 0:   to rank 0  [lengths 1, 0 | rows 1]            (shard rows 0:4)
+                        to rank 1  [lengths 1, 2 | rows 1, 1, 3]      (shard rows 4:8, -4)
+                                   [lengths 2, 3 | rows 1, 5, 5, 5, 7] (shard cols 2:4)
+    vectors to rank 0:  from 0  (2, 2) = [W[1, 0:2],  0                      ]
+                        from 1  (2, 2) = [W[5, 0:2],  2 W[5, 0:2] + W[7, 0:2]]
+                        from 1  (2, 2) = [W[1]+W[5],  2 W[5] + W[7]          ][:, 2:4]
+    output on rank 0:   (2, 4) = [ from0 + from1 (cols 0:2) | from1' (cols 2:4) ]
+
+Gradients: the exchanges are differentiable (backward is the reverse exchange, also in the
+wire dtype), so a shard's gradient is the sum of what every rank's loss sends it. DP
+replicas get the same by a SUM all-reduce: every embedding parameter then holds the gradient
+of ``Σ_ranks loss_rank``, which is single-process training on the global batch when each
+rank's loss is its share of the global loss (e.g. per-sample losses summed and divided by
+the *global* batch size). Averaging (DDP's default) would make DP tables ``world`` times
+smaller than sharded ones.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from embark.data.jagged import JaggedBatch
+from embark.sharding.comm import (
+    CommStats,
+    all_reduce_sum,
+    distributed_world,
+    exchange_ints,
+    exchange_vectors,
+    tie,
+)
+from embark.sharding.routing import (
+    Layout,
+    ShardRef,
+    bag_lengths,
+    check_ids,
+    route_keys,
+    sample_ids,
+)
+from embark.types import Cluster, Combiner, CommDtype, Shard, ShardingPlan, TableConfig
+
+_OK, _BAD_ID, _MISSING_KEY = 0, 1, 2
+_HEADER = 4  # status, table index, bad id, batch size
+
+
+@dataclass
+class _Sent:
+    """What a source remembers about one (destination shard) segment it sent."""
+
+    ref: ShardRef
+    count: int  # ids (REDUCTION) or distinct ids (UNIQUE) sent
+    inverse: torch.Tensor | None = None  # UNIQUE: (n,) position of each id among the distinct
+    samples: torch.Tensor | None = None  # UNIQUE: (n,) sample of each id
+
+
+@dataclass
+class DistributedInput:
+    """A local batch after the input distribution (steps 1-2), ready for lookup.
+
+    Args:
+        batch_size: this rank's ``B``.
+        lengths: per table, ``(B,) int32`` full bag sizes (for ``mean``).
+        dp_input: per DP table, ``(values (nnz,) int64, offsets (B,) int64)``.
+        sent: ``sent[o][i]``: the segment sent for ``owned[o][i]``.
+        batch_sizes: ``(world,)`` every source's ``B``.
+        received: ``received[r][i]``: ``(lengths or None, rows)`` from source ``r`` for
+            ``owned[rank][i]``.
+    """
+
+    batch_size: int
+    lengths: dict[str, torch.Tensor]
+    dp_input: dict[str, tuple[torch.Tensor, torch.Tensor]]
+    sent: list[list[_Sent]]
+    batch_sizes: list[int]
+    received: list[list[tuple[torch.Tensor | None, torch.Tensor]]]
+
+
+class ShardedEmbeddingCollection(nn.Module):
+    """This rank's part of the embedding tables of ``plan`` (see the module docstring).
+
+    Args:
+        tables: every table of the collection (all ranks pass the same list).
+        plan: sharding plan for exactly ``tables`` and this process group's world size.
+        rank: this process's rank (must match the process group's).
+        process_group: collectives' group (``None``: the default group; a one-rank world
+            when ``torch.distributed`` is not initialised).
+        comm_dtype: when set, the wire dtype of every table (overrides the plan's).
+        seed: initialisation seed (uniform ``±sqrt(1/num_rows)``, as ``embark.model``); a
+            shard's values depend on the seed, the table and the shard's corner, so DP
+            replicas start equal. Use :meth:`load_full_weights` for given values.
+
+    Raises:
+        ValueError: (on every rank, before any collective) when the plan's world size is not
+            the group's, ``rank`` is outside the plan or is not this process's rank, a table
+            is missing from the plan or mis-shaped (:class:`~embark.types.PlanError`), or a
+            table name is duplicated or contains ``"."``.
+    """
+
+    def __init__(
+        self,
+        tables: Sequence[TableConfig],
+        plan: ShardingPlan,
+        rank: int,
+        process_group: Any | None = None,
+        comm_dtype: CommDtype | str | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        tables = tuple(tables)
+        names = [t.name for t in tables]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ShardedEmbeddingCollection: duplicate table names in {names}")
+        for n in names:
+            if "." in n:
+                raise ValueError(f"table {n!r}: names with '.' cannot be parameter names")
+        world = distributed_world(process_group)
+        group_size = 1 if world is None else world[1]
+        if plan.world_size != group_size:
+            raise ValueError(
+                f"the plan is for world size {plan.world_size} but the process group has "
+                f"{group_size} rank(s)"
+            )
+        if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.world_size:
+            raise ValueError(f"rank {rank!r} is outside the plan's ranks 0..{plan.world_size - 1}")
+        if world is not None and world[0] != rank:
+            raise ValueError(f"rank {rank} was given but this process is rank {world[0]} of its group")
+        plan.check_tables(tables)
+        wire = None if comm_dtype is None else CommDtype(comm_dtype)
+        self.layout = Layout(tables, plan, wire)
+        self.rank, self.world_size = rank, plan.world_size
+        self.process_group = process_group
+        self.stats = CommStats(rank=rank, gpus_per_node=plan.gpus_per_node)
+        self.local_shards: dict[str, Shard] = {}
+        self.weights = nn.ParameterDict()
+        for i, t in enumerate(tables):
+            s = self.layout.local_shard(t.name, rank)
+            if s is None:
+                continue
+            gen = torch.Generator().manual_seed(hash((seed, i, s.row_start, s.col_start)) & (2**62 - 1))
+            bound = (1.0 / t.num_rows) ** 0.5
+            w = torch.empty(s.num_rows, s.num_cols).uniform_(-bound, bound, generator=gen)
+            self.local_shards[t.name] = s
+            self.weights[t.name] = nn.Parameter(w)
+        # positions: table -> [(owner rank, index in owned[owner])], in shards_of order
+        self._positions: dict[str, list[tuple[int, int]]] = {}
+        for o, refs in enumerate(self.layout.owned):
+            for i, ref in enumerate(refs):
+                self._positions.setdefault(ref.table, []).append((o, i))
+        for pos in self._positions.values():
+            pos.sort(key=lambda oi: self._shard_key(self.layout.owned[oi[0]][oi[1]]))
+
+    @staticmethod
+    def _shard_key(ref: ShardRef) -> tuple[int, int]:
+        return ref.shard.col_start, ref.shard.row_start
+
+    # ------------------------------------------------------------------ weights
+    @torch.no_grad()
+    def load_full_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Copy this rank's slices of full tables into its shards.
+
+        Args:
+            weights: ``{table: (num_rows, dim) float tensor}`` for every table.
+
+        Raises:
+            ValueError: naming a missing or mis-shaped table.
+        """
+        for t in self.layout.tables:
+            if t.name not in weights:
+                raise ValueError(f"load_full_weights: table {t.name!r} is missing")
+            w = weights[t.name]
+            if tuple(w.shape) != (t.num_rows, t.dim):
+                raise ValueError(
+                    f"load_full_weights: table {t.name!r} is {t.num_rows} × {t.dim}, got shape "
+                    f"{tuple(w.shape)}"
+                )
+            s = self.local_shards.get(t.name)
+            if s is not None:
+                self.weights[t.name].copy_(w[s.row_start : s.row_end, s.col_start : s.col_end])
+
+    @torch.no_grad()
+    def full_weights(self, dst: int | None = 0) -> dict[str, torch.Tensor]:
+        """Assemble the full tables (a collective: every rank must call it; for checking).
+
+        Args:
+            dst: rank that gets the tables; ``None``: every rank.
+
+        Returns:
+            ``{table: (num_rows, dim) float32}`` on ``dst`` (or everywhere), ``{}`` elsewhere.
+            DP tables are this rank's replica.
+        """
+        sharded = self.layout.sharded_tables
+        sizes = [self.layout.plan[n].num_rows * self.layout.plan[n].dim for n in sharded]
+        buf = torch.zeros(sum(sizes))
+        pos = 0
+        for n, size in zip(sharded, sizes):
+            ts = self.layout.plan[n]
+            if n in self.local_shards:
+                s = self.local_shards[n]
+                buf[pos : pos + size].view(ts.num_rows, ts.dim)[
+                    s.row_start : s.row_end, s.col_start : s.col_end
+                ] = self.weights[n]
+            pos += size
+        if distributed_world(self.process_group) is not None:
+            dist.all_reduce(buf, group=self.process_group)
+        if dst is not None and dst != self.rank:
+            return {}
+        out: dict[str, torch.Tensor] = {}
+        pos = 0
+        for n, size in zip(sharded, sizes):
+            ts = self.layout.plan[n]
+            out[n] = buf[pos : pos + size].view(ts.num_rows, ts.dim).clone()
+            pos += size
+        for n in self.layout.dp_tables:
+            out[n] = self.weights[n].detach().clone()
+        return {t.name: out[t.name] for t in self.layout.tables}
+
+    # ---------------------------------------------------------- input distribution
+    def _check_batch(self, sparse: JaggedBatch) -> tuple[int, int, int, list[torch.Tensor]]:
+        tables = self.layout.tables
+        for i, t in enumerate(tables):
+            if t.name not in sparse.keys:
+                return _MISSING_KEY, i, 0, []
+        values = [sparse.values_for(t.name) for t in tables]
+        bad = check_ids(tables, values)
+        if bad is not None:
+            return _BAD_ID, bad[0], bad[1], []
+        return _OK, 0, 0, values
+
+    def _raise_if_bad(self, headers: list[torch.Tensor]) -> None:
+        for r, h in enumerate(headers):
+            code, ti, bad = (int(v) for v in h[:3])
+            if code == _OK:
+                continue
+            t = self.layout.tables[ti]
+            if code == _MISSING_KEY:
+                raise ValueError(
+                    f"rank {r}: the batch has no key {t.name!r} (every table of the collection "
+                    "needs its key, possibly with empty bags)"
+                )
+            raise ValueError(
+                f"rank {r}: table {t.name!r} has {t.num_rows} rows but id {bad} was looked up "
+                f"(expected ids 0..{t.num_rows - 1})"
+            )
+
+    def distribute_input(self, sparse: JaggedBatch) -> DistributedInput:
+        """Steps 1-2: exchange the header and send every id to its owners.
+
+        Args:
+            sparse: this rank's local batch, a key per table (extra keys are ignored).
+
+        Raises:
+            ValueError: on every rank, when any rank's batch lacks a table's key or looks up
+                an id outside its table (naming the rank, the table and the id).
+        """
+        layout, owned, me, world = self.layout, self.layout.owned, self.rank, self.world_size
+        code, ti, bad, values = self._check_batch(sparse)
+        batch = sparse.batch_size if code == _OK else 0
+        sent: list[list[_Sent]] = [[_Sent(ref, 0) for ref in refs] for refs in owned]
+        segments: list[list[torch.Tensor]] = [[] for _ in range(world)]
+        lengths: dict[str, torch.Tensor] = {}
+        dp_input: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        if code == _OK:
+            for i, t in enumerate(layout.tables):
+                lengths[t.name] = sparse.lengths_for(t.name)
+                if layout.is_dp(t.name):
+                    dp_input[t.name] = (values[i], sparse.bag_offsets(t.name))
+                    continue
+                samples = sample_ids(lengths[t.name])
+                pos = self._positions[t.name]
+                shards = [owned[o][k].shard for o, k in pos]
+                for (o, k), (rows, smp) in zip(pos, route_keys(values[i], samples, shards)):
+                    ref = owned[o][k]
+                    if ref.cluster is Cluster.REDUCTION:
+                        segments[o].append(bag_lengths(smp, batch))
+                        segments[o].append(rows)
+                        sent[o][k] = _Sent(ref, rows.numel())
+                    else:
+                        uniq, inv = torch.unique(rows, return_inverse=True)
+                        segments[o].append(uniq)
+                        sent[o][k] = _Sent(ref, uniq.numel(), inv, smp)
+        header = torch.tensor(
+            [v for o in range(world) for v in (code, ti, bad, batch, *(s.count for s in sent[o]))],
+            dtype=torch.int64,
+        )
+        send_h = [_HEADER + len(owned[o]) for o in range(world)]
+        recv_h = [_HEADER + len(owned[me])] * world
+        got = exchange_ints(header, send_h, recv_h, self.process_group, stats=self.stats, phase="header")
+        headers = list(got.split(recv_h))
+        self._raise_if_bad(headers)
+        batch_sizes = [int(h[3]) for h in headers]
+        counts = [h[_HEADER:].tolist() for h in headers]
+        seg_size = [
+            [
+                (batch_sizes[r] if ref.cluster is Cluster.REDUCTION else 0) + counts[r][k]
+                for k, ref in enumerate(owned[me])
+            ]
+            for r in range(world)
+        ]
+        flat = [x for o in range(world) for x in segments[o]]
+        keys = torch.cat(flat) if flat else torch.empty(0, dtype=torch.int64)
+        send_k = [sum(int(x.numel()) for x in segments[o]) for o in range(world)]
+        recv_k = [sum(s) for s in seg_size]
+        got = exchange_ints(keys, send_k, recv_k, self.process_group, stats=self.stats, phase="keys")
+        received: list[list[tuple[torch.Tensor | None, torch.Tensor]]] = []
+        for r, chunk in enumerate(got.split(recv_k)):
+            parts = chunk.split(seg_size[r])
+            row: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+            for k, ref in enumerate(owned[me]):
+                if ref.cluster is Cluster.REDUCTION:
+                    b = batch_sizes[r]
+                    row.append((parts[k][:b], parts[k][b:]))
+                else:
+                    row.append((None, parts[k]))
+            received.append(row)
+        return DistributedInput(batch, lengths, dp_input, sent, batch_sizes, received)
+
+    # ------------------------------------------------------ lookup and output
+    def _lookup(self, inp: DistributedInput) -> list[list[torch.Tensor]]:
+        """Owner side: ``out[k][r]``, shard ``owned[rank][k]``'s answer to source ``r``:
+        ``(B_r, cols)`` partial sums (REDUCTION) or ``(distinct ids, cols)`` rows (UNIQUE)."""
+        out: list[list[torch.Tensor]] = []
+        for k, ref in enumerate(self.layout.owned[self.rank]):
+            w = self.weights[ref.table]
+            rows = torch.cat([inp.received[r][k][1] for r in range(self.world_size)])
+            if ref.cluster is Cluster.REDUCTION:
+                lens = torch.cat([inp.received[r][k][0] for r in range(self.world_size)])  # type: ignore[misc]
+                if lens.numel():
+                    offsets = torch.zeros_like(lens)
+                    torch.cumsum(lens[:-1], 0, out=offsets[1:])
+                    pooled = F.embedding_bag(rows, w, offsets, mode="sum")
+                else:
+                    pooled = w[:0]
+                out.append(list(pooled.split(inp.batch_sizes)))
+            else:
+                counts = [inp.received[r][k][1].numel() for r in range(self.world_size)]
+                out.append(list(F.embedding(rows, w).split(counts)))
+        return out
+
+    def compute(self, inp: DistributedInput) -> dict[str, torch.Tensor]:
+        """Step 3 and pooling: look up, send vectors back, assemble this rank's outputs.
+
+        Returns:
+            ``{table: (B, dim) float32}`` in table order.
+        """
+        layout, owned, me, world = self.layout, self.layout.owned, self.rank, self.world_size
+        wires = list(layout.wires_in_use)
+        answers = self._lookup(inp)
+        xs, send, recv = [], [], []
+        for wire in wires:
+            pieces, send_g, recv_g = [], [], []
+            for r in range(world):
+                mine = [a[r].reshape(-1) for k, a in enumerate(answers) if owned[me][k].wire is wire]
+                pieces += mine
+                send_g.append(sum(p.numel() for p in mine))
+            for o in range(world):
+                recv_g.append(sum(self._answer_rows(inp, o, k) * ref.num_cols
+                                  for k, ref in enumerate(owned[o]) if ref.wire is wire))
+            x = torch.cat(pieces) if pieces else torch.zeros(0)
+            if torch.is_grad_enabled() and not x.requires_grad:
+                # every rank must record the exchange, or backward would wait for this one
+                x = x.detach().requires_grad_(True)
+            xs.append(x)
+            send.append(send_g)
+            recv.append(recv_g)
+        got = exchange_vectors(xs, wires, send, recv, self.process_group, stats=self.stats) if wires else []
+        vectors: dict[tuple[int, int], torch.Tensor] = {}
+        for g, wire in enumerate(wires):
+            parts = got[g].split(recv[g])
+            for o in range(world):
+                refs = [(k, ref) for k, ref in enumerate(owned[o]) if ref.wire is wire]
+                sizes = [self._answer_rows(inp, o, k) * ref.num_cols for k, ref in refs]
+                for (k, ref), v in zip(refs, parts[o].split(sizes)):
+                    vectors[(o, k)] = v.view(-1, ref.num_cols)
+        outs: dict[str, torch.Tensor] = {}
+        for t in layout.tables:
+            if layout.is_dp(t.name):
+                continue
+            outs[t.name] = self._assemble(t, inp, vectors)
+        if outs:
+            names = list(outs)
+            outs = dict(zip(names, tie([outs[n] for n in names], got)))
+        for t in layout.tables:
+            if layout.is_dp(t.name):
+                values, offsets = inp.dp_input[t.name]
+                mode = "mean" if t.combiner is Combiner.MEAN else "sum"
+                w = self.weights[t.name]
+                outs[t.name] = (
+                    F.embedding_bag(values, w, offsets, mode=mode) if inp.batch_size else w[:0]
+                )
+        return {t.name: outs[t.name] for t in layout.tables}
+
+    def _answer_rows(self, inp: DistributedInput, o: int, k: int) -> int:
+        s = inp.sent[o][k]
+        return inp.batch_size if s.ref.cluster is Cluster.REDUCTION else s.count
+
+    def _assemble(
+        self, t: TableConfig, inp: DistributedInput, vectors: dict[tuple[int, int], torch.Tensor]
+    ) -> torch.Tensor:
+        """``(B, dim)``: partials summed over row shards, column blocks concatenated."""
+        blocks: dict[int, torch.Tensor] = {}
+        for o, k in self._positions[t.name]:
+            s = inp.sent[o][k]
+            v = vectors[(o, k)]
+            if s.ref.cluster is Cluster.UNIQUE:
+                assert s.inverse is not None and s.samples is not None
+                v = v.new_zeros(inp.batch_size, s.ref.num_cols).index_add(0, s.samples, v[s.inverse])
+            c0 = s.ref.shard.col_start
+            blocks[c0] = blocks[c0] + v if c0 in blocks else v
+        out = torch.cat([blocks[c] for c in sorted(blocks)], dim=1)
+        if t.combiner is Combiner.MEAN and inp.batch_size:
+            out = out / inp.lengths[t.name].clamp(min=1).unsqueeze(1).to(out.dtype)
+        return out
+
+    def forward(self, sparse: JaggedBatch) -> dict[str, torch.Tensor]:
+        """Pool this rank's local batch (a collective: every rank calls it, in step).
+
+        Args:
+            sparse: ``B`` samples, a key per table (ids ``0 .. num_rows-1``).
+
+        Returns:
+            ``{table: (B, dim) float32}`` in table order, equal to
+            ``nn.EmbeddingBag(mode=combiner)`` on the full table.
+
+        Raises:
+            ValueError: on every rank, naming the rank, table and id, when any rank's batch
+                is missing a key or looks up an id out of range.
+        """
+        return self.compute(self.distribute_input(sparse))
+
+    # ------------------------------------------------------------ DP gradients
+    @torch.no_grad()
+    def reduce_dp_gradients(self) -> None:
+        """Sum the gradients of the DP replicas over the ranks, in their wire dtype (a
+        collective; call after ``backward`` and before the optimizer step). A replica with no
+        gradient counts as zero and gets one."""
+        dp = self.layout.dp_tables
+        for wire in CommDtype:
+            names = [n for n in dp if self.layout.wire(n) is wire]
+            if not names:
+                continue
+            params = [self.weights[n] for n in names]
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+            flat = all_reduce_sum(
+                torch.cat([g.reshape(-1) for g in grads]), self.process_group, wire=wire,
+                stats=self.stats,
+            )
+            for p, piece in zip(params, flat.split([p.numel() for p in params])):
+                p.grad = piece.view_as(p).clone()

@@ -1,0 +1,292 @@
+"""Collectives of the sharding runtime: a differentiable all-to-all and a byte counter.
+
+All traffic goes through :func:`exchange_ints` (keys, counts) and :func:`exchange_vectors`
+(pooled partials or per-key vectors, differentiable), each one ``dist.all_to_all_single`` on
+a flat 1-d buffer with uneven splits, and :func:`all_reduce_sum` (data-parallel gradients).
+Gloo (CPU) in torch 2.13 supports these for int64, uint8, float32, float16 and bfloat16, with
+uneven splits and ``async_op``. ``torch.distributed.nn.functional.all_to_all_single`` works on
+gloo too but is deprecated, and one autograd node per wire dtype would let ranks enter the
+backward collectives in different orders; :class:`_VectorAllToAll` packs every wire dtype's
+bytes into one exchange instead.
+
+Layout of one all-to-all on 3 ranks, seen from rank 1 (``send_splits`` / ``recv_splits`` are
+element counts per peer; the buffers are the peers' segments concatenated in rank order)::
+
+    rank 1 sends    [ a a | b b b | c ]        send_splits = [2, 3, 1]
+                      to 0  to 1    to 2
+    rank 1 receives [ x | b b b | y y ]        recv_splits = [1, 3, 2]
+                    from 0 from 1 from 2
+
+Backward is the same exchange with the splits swapped: the gradient of what rank 1 received
+from rank 0 goes back to rank 0. Vectors travel in the wire dtype (``CommDtype``); the cast
+back to float32 happens on arrival, so gradients also travel in the wire dtype.
+
+Without an initialised process group (``group`` is ``None`` and ``dist`` is not initialised)
+the world has one rank and every collective is the identity, which keeps single-process use
+and unit tests free of ``torch.distributed``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from embark.types import CommDtype
+
+WIRE_DTYPES: dict[CommDtype, torch.dtype] = {
+    CommDtype.FP32: torch.float32,
+    CommDtype.FP16: torch.float16,
+    CommDtype.BF16: torch.bfloat16,
+}
+
+
+def distributed_world(group: Any | None) -> tuple[int, int] | None:
+    """``(rank, world_size)`` of ``group`` (the default group when ``None``), or ``None`` when
+    ``torch.distributed`` is not initialised and no group was given (a one-rank world)."""
+    if group is None and not (dist.is_available() and dist.is_initialized()):
+        return None
+    return dist.get_rank(group), dist.get_world_size(group)
+
+
+@dataclass
+class CommStats:
+    """Bytes this rank sent to other ranks, by phase and by level (self-sends not counted).
+
+    ``phases`` keys: ``"header"`` (per-batch counts), ``"keys"`` (input distribution),
+    ``"vectors"`` (output distribution), ``"vector_grads"`` (its backward), ``"dp_grads"``
+    (all-reduce of data-parallel replicas, counted as the buffer size once per call);
+    ``levels`` keys ``"intra"`` / ``"inter"`` split the all-to-all bytes by whether the peer
+    sits on this rank's node (``rank // gpus_per_node``).
+    """
+
+    rank: int = 0
+    gpus_per_node: int = 1
+    phases: dict[str, int] = field(default_factory=dict)
+    levels: dict[str, int] = field(default_factory=lambda: {"intra": 0, "inter": 0})
+
+    def record(self, phase: str, splits: Sequence[int], itemsize: int) -> None:
+        """Count one all-to-all: ``splits[p]`` elements of ``itemsize`` bytes sent to rank ``p``."""
+        node = self.rank // self.gpus_per_node
+        for peer, n in enumerate(splits):
+            if peer == self.rank or not n:
+                continue
+            nbytes = int(n) * itemsize
+            self.phases[phase] = self.phases.get(phase, 0) + nbytes
+            level = "intra" if peer // self.gpus_per_node == node else "inter"
+            self.levels[level] += nbytes
+
+    def record_bytes(self, phase: str, nbytes: int) -> None:
+        """Count ``nbytes`` for ``phase`` without a level (all-reduce)."""
+        self.phases[phase] = self.phases.get(phase, 0) + int(nbytes)
+
+    def reset(self) -> None:
+        self.phases.clear()
+        self.levels = {"intra": 0, "inter": 0}
+
+
+def _exchange(
+    x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Any | None,
+    async_op: bool = False,
+) -> tuple[torch.Tensor, Any]:
+    """One ``all_to_all_single`` of a flat buffer; identity in a one-rank world."""
+    if distributed_world(group) is None:
+        return x, None
+    out = x.new_empty(sum(recv_splits))
+    work = dist.all_to_all_single(
+        out, x.contiguous(), recv_splits, send_splits, group=group, async_op=async_op
+    )
+    return out, work
+
+
+def exchange_ints(
+    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+    group: Any | None = None, *, stats: CommStats | None = None, phase: str = "keys",
+) -> torch.Tensor:
+    """All-to-all of ``x: (sum(send_splits),) int64`` (keys, counts; not differentiable).
+
+    Returns:
+        ``(sum(recv_splits),) int64``, the peers' segments in rank order.
+    """
+    send, recv = [int(n) for n in send_splits], [int(n) for n in recv_splits]
+    if x.dim() != 1 or x.numel() != sum(send):
+        raise ValueError(
+            f"exchange_ints: x must be 1-d with sum(send_splits)={sum(send)} elements, got "
+            f"shape {tuple(x.shape)}"
+        )
+    if stats is not None:
+        stats.record(phase, send, x.element_size())
+    out, _ = _exchange(x, send, recv, group)
+    return out
+
+
+def _pack(
+    xs: Sequence[torch.Tensor], splits: Sequence[Sequence[int]], wires: Sequence[torch.dtype]
+) -> tuple[torch.Tensor, list[int]]:
+    """Bytes of every group's segment for peer 0, then peer 1, ... (each group cast to its
+    wire dtype); returns ``(uint8 buffer, bytes per peer)``."""
+    world = len(splits[0]) if splits else 0
+    offs = [0] * len(xs)
+    chunks: list[torch.Tensor] = []
+    per_peer: list[int] = []
+    for p in range(world):
+        n_bytes = 0
+        for g, (x, wdt) in enumerate(zip(xs, wires)):
+            n = splits[g][p]
+            if n:
+                seg = x[offs[g] : offs[g] + n].detach().to(wdt).contiguous().view(torch.uint8)
+                chunks.append(seg)
+                n_bytes += seg.numel()
+            offs[g] += n
+        per_peer.append(n_bytes)
+    buf = torch.cat(chunks) if chunks else torch.empty(0, dtype=torch.uint8)
+    return buf, per_peer
+
+
+def _unpack(
+    buf: torch.Tensor, splits: Sequence[Sequence[int]], wires: Sequence[torch.dtype]
+) -> list[torch.Tensor]:
+    """Inverse of :func:`_pack` on the receiving side: float32 tensor per group."""
+    world = len(splits[0]) if splits else 0
+    parts: list[list[torch.Tensor]] = [[] for _ in wires]
+    pos = 0
+    for p in range(world):
+        for g, wdt in enumerate(wires):
+            n = splits[g][p]
+            if n:
+                nbytes = n * torch.empty((), dtype=wdt).element_size()
+                # clone: a segment may start at an offset not aligned for wdt
+                seg = buf[pos : pos + nbytes].clone().view(wdt)
+                parts[g].append(seg.to(torch.float32))
+                pos += nbytes
+    return [torch.cat(ps) if ps else torch.empty(0) for ps in parts]
+
+
+def _peer_bytes(splits: Sequence[Sequence[int]], wires: Sequence[torch.dtype]) -> list[int]:
+    world = len(splits[0]) if splits else 0
+    sizes = [torch.empty((), dtype=w).element_size() for w in wires]
+    return [sum(splits[g][p] * sizes[g] for g in range(len(wires))) for p in range(world)]
+
+
+def _vector_exchange(
+    xs: Sequence[torch.Tensor], send: Sequence[Sequence[int]], recv: Sequence[Sequence[int]],
+    wires: Sequence[torch.dtype], group: Any | None, stats: CommStats | None, phase: str,
+) -> list[torch.Tensor]:
+    buf, send_bytes = _pack(xs, send, wires)
+    if stats is not None:
+        stats.record(phase, send_bytes, 1)
+    out, _ = _exchange(buf, send_bytes, _peer_bytes(recv, wires), group)
+    return _unpack(out, recv, wires)
+
+
+class _VectorAllToAll(torch.autograd.Function):
+    """Differentiable all-to-all of several float32 buffers, each with its own wire dtype, in
+    one exchange: one collective forward and one backward, so ranks never disagree on the
+    order of collectives during backward."""
+
+    @staticmethod
+    def forward(ctx: Any, meta: dict[str, Any], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.meta = meta
+        return tuple(
+            _vector_exchange(
+                xs, meta["send"], meta["recv"], meta["wires"], meta["group"], meta["stats"],
+                "vectors",
+            )
+        )
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        m = ctx.meta
+        g = _vector_exchange(
+            [x.contiguous() for x in grads], m["recv"], m["send"], m["wires"], m["group"],
+            m["stats"], "vector_grads",
+        )
+        return (None, *g)
+
+
+def exchange_vectors(
+    xs: Sequence[torch.Tensor],
+    wires: Sequence[CommDtype],
+    send_splits: Sequence[Sequence[int]],
+    recv_splits: Sequence[Sequence[int]],
+    group: Any | None = None,
+    *,
+    stats: CommStats | None = None,
+) -> list[torch.Tensor]:
+    """Differentiable all-to-all of ``G`` float32 buffers in one collective, buffer ``g``
+    travelling in ``wires[g]`` (gradients too).
+
+    Args:
+        xs: ``G`` tensors, ``xs[g]: (sum(send_splits[g]),) float32``; its segment ``p`` goes to
+            rank ``p``.
+        wires: ``(G,)`` wire dtype of each buffer.
+        send_splits: ``(G, world)`` element counts sent to each rank.
+        recv_splits: ``(G, world)`` element counts received from each rank.
+        group: process group (``None``: the default group, or a one-rank world).
+        stats: byte counter to update (``"vectors"``, and ``"vector_grads"`` in backward).
+
+    Returns:
+        ``G`` tensors, ``(sum(recv_splits[g]),) float32``, segments in rank order, rounded
+        through the wire dtype (also in a one-rank world, so numerics do not depend on it).
+    """
+    if not (len(xs) == len(wires) == len(send_splits) == len(recv_splits)):
+        raise ValueError("exchange_vectors: xs, wires and splits must have one entry per buffer")
+    for g, x in enumerate(xs):
+        if x.dim() != 1 or x.dtype != torch.float32 or x.numel() != sum(send_splits[g]):
+            raise ValueError(
+                f"exchange_vectors: buffer {g} must be 1-d float32 with "
+                f"{sum(send_splits[g])} elements, got {x.dtype} of shape {tuple(x.shape)}"
+            )
+    meta = {
+        "send": [[int(n) for n in s] for s in send_splits],
+        "recv": [[int(n) for n in r] for r in recv_splits],
+        "wires": [WIRE_DTYPES[w] for w in wires],
+        "group": group,
+        "stats": stats,
+    }
+    return list(_VectorAllToAll.apply(meta, *xs))
+
+
+class _Tie(torch.autograd.Function):
+    """Identity on ``outs`` whose backward also hands zero gradients to ``anchors``."""
+
+    @staticmethod
+    def forward(ctx: Any, n: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+        ctx.anchor_shapes = [a.shape for a in args[n:]]
+        return tuple(o.view_as(o) for o in args[:n])
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+        return (None, *grads, *[torch.zeros(s) for s in ctx.anchor_shapes])
+
+
+def tie(outs: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor]) -> list[torch.Tensor]:
+    """Make ``anchors`` part of the backward of every tensor in ``outs``.
+
+    Backward of an exchange is itself a collective that every rank must enter. A rank's
+    outputs may not depend on what it received (it received nothing, or its loss uses only
+    some tables), and autograd would then skip the exchange's backward on that rank while
+    the others wait in it. Tying the received buffers to every output makes the backward run
+    whenever any output is used; the zero gradients added change nothing.
+    """
+    if not outs or not anchors:
+        return list(outs)
+    return list(_Tie.apply(len(outs), *outs, *anchors))
+
+
+def all_reduce_sum(
+    x: torch.Tensor, group: Any | None = None, *, wire: CommDtype = CommDtype.FP32,
+    stats: CommStats | None = None, phase: str = "dp_grads",
+) -> torch.Tensor:
+    """Sum ``x`` over the ranks (not differentiable), travelling in ``wire``; returns a new
+    tensor of ``x.dtype`` and ``x.shape``."""
+    wdt = WIRE_DTYPES[wire]
+    buf = x.detach().to(wdt, copy=True)
+    if distributed_world(group) is not None:
+        if stats is not None:
+            stats.record_bytes(phase, buf.numel() * buf.element_size())
+        dist.all_reduce(buf, op=dist.ReduceOp.SUM, group=group)
+    return buf.to(x.dtype)

@@ -1,0 +1,125 @@
+"""The communication-free parts of embark.sharding, in one process: key routing, the layout's
+canonical order, the one-rank world (collectives are identities) and argument checks."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from embark.data.jagged import JaggedBatch
+from embark.sharding import Layout, ShardedEmbeddingCollection
+from embark.sharding.comm import CommStats, exchange_vectors
+from embark.sharding.routing import bag_lengths, route_keys, sample_ids
+from embark.types import CommDtype, Shard, ShardingPlan, TableConfig, TableSharding
+
+
+def _two_rank_plan() -> tuple[list[TableConfig], ShardingPlan]:
+    tables = [TableConfig("t0", 8, 4), TableConfig("t1", 6, 4), TableConfig("t2", 5, 3)]
+    plan = ShardingPlan(2, 2, (
+        TableSharding("t0", 8, 4, "row_wise", "reduction", (Shard(0, 0, 4, 0, 4), Shard(1, 4, 8, 0, 4))),
+        TableSharding("t1", 6, 4, "column_wise", "unique", (Shard(1, 0, 6, 2, 4), Shard(0, 0, 6, 0, 2))),
+        TableSharding("t2", 5, 3, "data_parallel", "data_parallel", (Shard(0, 0, 5, 0, 3), Shard(1, 0, 5, 0, 3))),
+    ))
+    return tables, plan
+
+
+def test_route_keys_matches_the_docstring_example() -> None:
+    values = torch.tensor([1, 5, 5, 5, 7])
+    samples = sample_ids(torch.tensor([2, 3], dtype=torch.int32))
+    assert samples.tolist() == [0, 0, 1, 1, 1]
+    shards = [Shard(0, 0, 4, 0, 4), Shard(1, 4, 8, 0, 4)]
+    (r0, s0), (r1, s1) = route_keys(values, samples, shards)
+    assert (r0.tolist(), s0.tolist()) == ([1], [0])
+    assert (r1.tolist(), s1.tolist()) == ([1, 1, 1, 3], [0, 1, 1, 1])
+    assert bag_lengths(s1, 2).tolist() == [1, 3]
+    # column blocks: every id goes to each block; uneven 3d row splits per block
+    shards = [Shard(0, 0, 3, 0, 2), Shard(1, 3, 8, 0, 2), Shard(2, 0, 8, 2, 4)]
+    routed = route_keys(values, samples, shards)
+    assert [r.tolist() for r, _ in routed] == [[1], [2, 2, 2, 4], [1, 5, 5, 5, 7]]
+
+
+def test_layout_lists_owned_shards_in_table_order() -> None:
+    tables, plan = _two_rank_plan()
+    layout = Layout(tuple(tables), plan)
+    assert [[(r.table, r.shard.col_start, r.shard.row_start) for r in refs] for refs in layout.owned] == [
+        [("t0", 0, 0), ("t1", 0, 0)],
+        [("t0", 0, 4), ("t1", 2, 0)],
+    ]
+    assert layout.dp_tables == ("t2",) and layout.sharded_tables == ("t0", "t1")
+    assert Layout(tuple(tables), plan, CommDtype.BF16).wires_in_use == (CommDtype.BF16,)
+
+
+@pytest.mark.parametrize("wire,exact", [("fp32", True), ("fp16", False), ("bf16", False)])
+def test_exchange_vectors_rounds_through_the_wire_dtype(wire: str, exact: bool) -> None:
+    x = (torch.randn(10) / 3).requires_grad_(True)
+    stats = CommStats()
+    (y,) = exchange_vectors([x], [CommDtype(wire)], [[10]], [[10]], stats=stats)
+    dt = {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[wire]
+    assert y.dtype == torch.float32 and torch.equal(y, x.detach().to(dt).float())
+    g = torch.randn(10) / 3
+    y.backward(g)
+    assert torch.equal(x.grad, g.to(dt).float())
+    assert torch.equal(x.detach(), y.detach()) == exact
+    assert stats.phases == {}  # self-sends are not counted
+
+
+def _one_rank() -> tuple[list[TableConfig], ShardingPlan]:
+    tables = [TableConfig("a", 10, 4, combiner="mean"), TableConfig("b", 7, 3), TableConfig("c", 5, 2)]
+    plan = ShardingPlan(1, 1, (
+        TableSharding("a", 10, 4, "table_wise", "unique", (Shard(0, 0, 10, 0, 4),)),
+        TableSharding("b", 7, 3, "table_wise", "reduction", (Shard(0, 0, 7, 0, 3),)),
+        TableSharding("c", 5, 2, "data_parallel", "data_parallel", (Shard(0, 0, 5, 0, 2),)),
+    ))
+    return tables, plan
+
+
+def _batch(tables: list[TableConfig], b: int, seed: int) -> JaggedBatch:
+    g = torch.Generator().manual_seed(seed)
+    per = {}
+    for t in tables:
+        lengths = torch.randint(0, 4, (b,), generator=g, dtype=torch.int32)
+        per[t.name] = (torch.randint(0, t.num_rows, (int(lengths.sum()),), generator=g), lengths)
+    return JaggedBatch.from_per_key(per)
+
+
+@pytest.mark.parametrize("b", [0, 1, 7])
+def test_one_rank_world_equals_embedding_bag(b: int) -> None:
+    tables, plan = _one_rank()
+    m = ShardedEmbeddingCollection(tables, plan, 0)
+    full = {t.name: torch.randint(-5, 6, (t.num_rows, t.dim)).float() for t in tables}
+    m.load_full_weights(full)
+    batch = _batch(tables, b, seed=b)
+    out = m(batch)
+    for t in tables:
+        want = F.embedding_bag(batch.values_for(t.name), full[t.name], batch.bag_offsets(t.name),
+                               mode=t.combiner.value) if b else torch.zeros(0, t.dim)
+        assert torch.equal(out[t.name], want), t.name
+    assert all(torch.equal(m.full_weights()[n], w) for n, w in full.items())
+
+
+def test_one_rank_errors_name_the_table_rank_and_id() -> None:
+    tables, plan = _one_rank()
+    with pytest.raises(ValueError, match="world size 2 but the process group has 1 rank"):
+        ShardedEmbeddingCollection(*_two_rank_plan(), 0)
+    with pytest.raises(ValueError, match="rank 1 is outside the plan's ranks 0..0"):
+        ShardedEmbeddingCollection(tables, plan, 1)
+    with pytest.raises(ValueError, match="table 'd': missing from the plan"):
+        ShardedEmbeddingCollection([*tables, TableConfig("d", 3, 2)], plan, 0)
+    with pytest.raises(ValueError, match="names with '.'"):
+        ShardedEmbeddingCollection([TableConfig("x.y", 3, 2)], plan, 0)
+    m = ShardedEmbeddingCollection(tables, plan, 0)
+    with pytest.raises(ValueError, match="table 'b' is missing"):
+        m.load_full_weights({"a": torch.zeros(10, 4)})
+    with pytest.raises(ValueError, match=r"table 'a' is 10 × 4, got shape \(4, 10\)"):
+        m.load_full_weights({"a": torch.zeros(4, 10)})
+    batch = _batch(tables, 3, seed=0)
+    for bad in (7, -1):
+        per = batch.per_key()
+        per["b"] = (torch.tensor([0, bad]), torch.tensor([1, 1, 0], dtype=torch.int32))
+        with pytest.raises(ValueError, match=rf"rank 0: table 'b' has 7 rows but id {bad} was looked up"):
+            m(JaggedBatch.from_per_key(per))
+    per = batch.per_key()
+    del per["c"]
+    with pytest.raises(ValueError, match="rank 0: the batch has no key 'c'"):
+        m(JaggedBatch.from_per_key(per))

@@ -189,7 +189,7 @@ def parse_infer_request(body: bytes, header_length: str | int | None = None,
         if size is not None:
             if "data" in spec:
                 raise ProtocolError(f"{where} has both 'data' and binary_data_size")
-            if not isinstance(size, int) or size < 0:
+            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise ProtocolError(f"{where}.binary_data_size must be a non-negative integer, got {size!r}")
             need = int(np.prod(shape)) * dtype.itemsize if shape else dtype.itemsize
             if size != need:

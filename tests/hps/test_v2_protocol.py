@@ -100,6 +100,7 @@ BAD = [
     (*_raw([{**_X, "parameters": {"binary_data_size": 8}}], b"\0" * 12), "4 bytes after the JSON header"),
     (*_raw([{**_X, "data": [1, 2], "parameters": {"binary_data_size": 8}}], b"\0" * 8), "both 'data'"),
     (*_raw([{**_X, "data": [1, 2]}], outputs={"name": "y"}), "'outputs' must be a list"),
+    (*_raw([{**_X, "parameters": {"binary_data_size": True}}], b"\0"), "non-negative integer, got True"),
 ]
 
 

@@ -4,6 +4,14 @@ returns pooled embeddings equal to ``nn.EmbeddingBag`` on the full tables."""
 
 from embark.sharding.collection import DistributedInput, ShardedEmbeddingCollection
 from embark.sharding.comm import CommStats
+from embark.sharding.hierarchical import NodeGroups
 from embark.sharding.routing import Layout, ShardRef
 
-__all__ = ["CommStats", "DistributedInput", "Layout", "ShardRef", "ShardedEmbeddingCollection"]
+__all__ = [
+    "CommStats",
+    "DistributedInput",
+    "Layout",
+    "NodeGroups",
+    "ShardRef",
+    "ShardedEmbeddingCollection",
+]

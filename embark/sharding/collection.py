@@ -15,6 +15,8 @@ One forward is three exchanges (all-to-alls) plus local work::
        then at the source: sum partials over row shards, concatenate column blocks,
        divide by the full bag length for ``mean``.
     DP tables: local lookup in the replica; :meth:`reduce_dp_gradients` after backward.
+    ``hierarchical=True``: step 3 for REDUCTION goes owner -> node relay (sum) -> source,
+    see :mod:`embark.sharding.hierarchical`; :attr:`stats` counts bytes per phase and level.
 
 Worked example, 2 ranks, local batch B = 2 on each, table ``t`` (8 rows × 4 cols) sharded
 3D: cols 0:2 row-split (rows 0:4 on rank 0, 4:8 on rank 1), cols 2:4 whole on rank 1,
@@ -57,6 +59,7 @@ from embark.sharding.comm import (
     exchange_vectors,
     tie,
 )
+from embark.sharding.hierarchical import NodeGroups, node_blocks, reduce_hierarchically
 from embark.sharding.routing import (
     Layout,
     ShardRef,
@@ -113,6 +116,9 @@ class ShardedEmbeddingCollection(nn.Module):
         process_group: collectives' group (``None``: the default group; a one-rank world
             when ``torch.distributed`` is not initialised).
         comm_dtype: when set, the wire dtype of every table (overrides the plan's).
+        hierarchical: REDUCTION partial sums are reduced inside a node before the inter-node
+            exchange (:mod:`embark.sharding.hierarchical`); needs the default process group.
+            Creating the subgroups is a collective. No effect on one node or one GPU per node.
         seed: initialisation seed (uniform ``±sqrt(1/num_rows)``, as ``embark.model``); a
             shard's values depend on the seed, the table and the shard's corner, so DP
             replicas start equal. Use :meth:`load_full_weights` for given values.
@@ -121,7 +127,8 @@ class ShardedEmbeddingCollection(nn.Module):
         ValueError: (on every rank, before any collective) when the plan's world size is not
             the group's, ``rank`` is outside the plan or is not this process's rank, a table
             is missing from the plan or mis-shaped (:class:`~embark.types.PlanError`), or a
-            table name is duplicated or contains ``"."``.
+            table name is duplicated or contains ``"."``, or ``hierarchical`` is asked of a
+            non-default process group.
     """
 
     def __init__(
@@ -131,6 +138,7 @@ class ShardedEmbeddingCollection(nn.Module):
         rank: int,
         process_group: Any | None = None,
         comm_dtype: CommDtype | str | None = None,
+        hierarchical: bool = False,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -153,6 +161,8 @@ class ShardedEmbeddingCollection(nn.Module):
         if world is not None and world[0] != rank:
             raise ValueError(f"rank {rank} was given but this process is rank {world[0]} of its group")
         plan.check_tables(tables)
+        if hierarchical and process_group is not None:
+            raise ValueError("hierarchical=True needs the default process group (process_group=None)")
         wire = None if comm_dtype is None else CommDtype(comm_dtype)
         self.layout = Layout(tables, plan, wire)
         self.rank, self.world_size = rank, plan.world_size
@@ -176,6 +186,11 @@ class ShardedEmbeddingCollection(nn.Module):
                 self._positions.setdefault(ref.table, []).append((o, i))
         for pos in self._positions.values():
             pos.sort(key=lambda oi: self._shard_key(self.layout.owned[oi[0]][oi[1]]))
+        gpn = plan.gpus_per_node
+        self._groups: NodeGroups | None = None
+        if hierarchical and world is not None and 1 < gpn < plan.world_size:
+            self._groups = NodeGroups.create(plan.world_size, gpn, rank)
+            self._blocks = node_blocks(self.layout, gpn)
 
     @staticmethod
     def _shard_key(ref: ShardRef) -> tuple[int, int]:
@@ -373,16 +388,21 @@ class ShardedEmbeddingCollection(nn.Module):
         layout, owned, me, world = self.layout, self.layout.owned, self.rank, self.world_size
         wires = list(layout.wires_in_use)
         answers = self._lookup(inp)
+        hier = self._groups is not None
+
+        def flat(ref: ShardRef, wire: CommDtype) -> bool:
+            return ref.wire is wire and not (hier and ref.cluster is Cluster.REDUCTION)
+
         xs, send, recv = [], [], []
         for wire in wires:
             pieces, send_g, recv_g = [], [], []
             for r in range(world):
-                mine = [a[r].reshape(-1) for k, a in enumerate(answers) if owned[me][k].wire is wire]
+                mine = [a[r].reshape(-1) for k, a in enumerate(answers) if flat(owned[me][k], wire)]
                 pieces += mine
                 send_g.append(sum(p.numel() for p in mine))
             for o in range(world):
                 recv_g.append(sum(self._answer_rows(inp, o, k) * ref.num_cols
-                                  for k, ref in enumerate(owned[o]) if ref.wire is wire))
+                                  for k, ref in enumerate(owned[o]) if flat(ref, wire)))
             x = torch.cat(pieces) if pieces else torch.zeros(0)
             if torch.is_grad_enabled() and not x.requires_grad:
                 # every rank must record the exchange, or backward would wait for this one
@@ -395,18 +415,26 @@ class ShardedEmbeddingCollection(nn.Module):
         for g, wire in enumerate(wires):
             parts = got[g].split(recv[g])
             for o in range(world):
-                refs = [(k, ref) for k, ref in enumerate(owned[o]) if ref.wire is wire]
+                refs = [(k, ref) for k, ref in enumerate(owned[o]) if flat(ref, wire)]
                 sizes = [self._answer_rows(inp, o, k) * ref.num_cols for k, ref in refs]
                 for (k, ref), v in zip(refs, parts[o].split(sizes)):
                     vectors[(o, k)] = v.view(-1, ref.num_cols)
+        block_parts: dict[tuple[str, int], list[torch.Tensor]] = {}
+        anchors = list(got)
+        if self._groups is not None and wires:
+            block_parts, more = reduce_hierarchically(
+                answers, owned, me, inp.batch_sizes, self._groups, self._blocks, wires,
+                self.stats, after=got,
+            )
+            anchors += more
         outs: dict[str, torch.Tensor] = {}
         for t in layout.tables:
             if layout.is_dp(t.name):
                 continue
-            outs[t.name] = self._assemble(t, inp, vectors)
+            outs[t.name] = self._assemble(t, inp, vectors, block_parts)
         if outs:
             names = list(outs)
-            outs = dict(zip(names, tie([outs[n] for n in names], got)))
+            outs = dict(zip(names, tie([outs[n] for n in names], anchors)))
         for t in layout.tables:
             if layout.is_dp(t.name):
                 values, offsets = inp.dp_input[t.name]
@@ -422,11 +450,19 @@ class ShardedEmbeddingCollection(nn.Module):
         return inp.batch_size if s.ref.cluster is Cluster.REDUCTION else s.count
 
     def _assemble(
-        self, t: TableConfig, inp: DistributedInput, vectors: dict[tuple[int, int], torch.Tensor]
+        self, t: TableConfig, inp: DistributedInput, vectors: dict[tuple[int, int], torch.Tensor],
+        block_parts: dict[tuple[str, int], list[torch.Tensor]],
     ) -> torch.Tensor:
-        """``(B, dim)``: partials summed over row shards, column blocks concatenated."""
+        """``(B, dim)``: partials summed over row shards (or over nodes, for hierarchical
+        REDUCTION), column blocks concatenated."""
         blocks: dict[int, torch.Tensor] = {}
+        for (name, c0), parts in block_parts.items():
+            if name == t.name:
+                for v in parts:
+                    blocks[c0] = blocks[c0] + v if c0 in blocks else v
         for o, k in self._positions[t.name]:
+            if (o, k) not in vectors:
+                continue
             s = inp.sent[o][k]
             v = vectors[(o, k)]
             if s.ref.cluster is Cluster.UNIQUE:

@@ -56,36 +56,50 @@ def distributed_world(group: Any | None) -> tuple[int, int] | None:
 class CommStats:
     """Bytes this rank sent to other ranks, by phase and by level (self-sends not counted).
 
-    ``phases`` keys: ``"header"`` (per-batch counts), ``"keys"`` (input distribution),
-    ``"vectors"`` (output distribution), ``"vector_grads"`` (its backward), ``"dp_grads"``
-    (all-reduce of data-parallel replicas, counted as the buffer size once per call);
-    ``levels`` keys ``"intra"`` / ``"inter"`` split the all-to-all bytes by whether the peer
-    sits on this rank's node (``rank // gpus_per_node``).
+    Phases: ``"header"`` (per-batch counts), ``"keys"`` (input distribution), ``"vectors"``
+    (output distribution), ``"vector_grads"`` (its backward), ``"dp_grads"`` (all-reduce of
+    data-parallel replicas, counted as the buffer size once per call, level ``"all"``).
+    Levels: ``"intra"`` / ``"inter"``, whether the peer sits on this rank's node
+    (``rank // gpus_per_node``).
     """
 
     rank: int = 0
     gpus_per_node: int = 1
-    phases: dict[str, int] = field(default_factory=dict)
-    levels: dict[str, int] = field(default_factory=lambda: {"intra": 0, "inter": 0})
+    bytes: dict[tuple[str, str], int] = field(default_factory=dict)
 
-    def record(self, phase: str, splits: Sequence[int], itemsize: int) -> None:
-        """Count one all-to-all: ``splits[p]`` elements of ``itemsize`` bytes sent to rank ``p``."""
+    def record(
+        self, phase: str, splits: Sequence[int], itemsize: int, peers: Sequence[int] | None = None
+    ) -> None:
+        """Count one all-to-all: ``splits[i]`` elements of ``itemsize`` bytes sent to rank
+        ``peers[i]`` (default ``i``: the world group)."""
         node = self.rank // self.gpus_per_node
-        for peer, n in enumerate(splits):
+        for i, n in enumerate(splits):
+            peer = i if peers is None else peers[i]
             if peer == self.rank or not n:
                 continue
-            nbytes = int(n) * itemsize
-            self.phases[phase] = self.phases.get(phase, 0) + nbytes
             level = "intra" if peer // self.gpus_per_node == node else "inter"
-            self.levels[level] += nbytes
+            key = (phase, level)
+            self.bytes[key] = self.bytes.get(key, 0) + int(n) * itemsize
 
     def record_bytes(self, phase: str, nbytes: int) -> None:
-        """Count ``nbytes`` for ``phase`` without a level (all-reduce)."""
-        self.phases[phase] = self.phases.get(phase, 0) + int(nbytes)
+        """Count ``nbytes`` for ``phase`` at level ``"all"`` (all-reduce)."""
+        key = (phase, "all")
+        self.bytes[key] = self.bytes.get(key, 0) + int(nbytes)
+
+    @property
+    def phases(self) -> dict[str, int]:
+        """Bytes per phase, all levels."""
+        out: dict[str, int] = {}
+        for (phase, _), n in self.bytes.items():
+            out[phase] = out.get(phase, 0) + n
+        return out
+
+    def level(self, level: str, phase: str | None = None) -> int:
+        """Bytes sent at ``level`` (``"intra"`` / ``"inter"``), in one phase or all."""
+        return sum(n for (p, lv), n in self.bytes.items() if lv == level and phase in (None, p))
 
     def reset(self) -> None:
-        self.phases.clear()
-        self.levels = {"intra": 0, "inter": 0}
+        self.bytes.clear()
 
 
 def _exchange(
@@ -174,10 +188,11 @@ def _peer_bytes(splits: Sequence[Sequence[int]], wires: Sequence[torch.dtype]) -
 def _vector_exchange(
     xs: Sequence[torch.Tensor], send: Sequence[Sequence[int]], recv: Sequence[Sequence[int]],
     wires: Sequence[torch.dtype], group: Any | None, stats: CommStats | None, phase: str,
+    peers: Sequence[int] | None,
 ) -> list[torch.Tensor]:
     buf, send_bytes = _pack(xs, send, wires)
     if stats is not None:
-        stats.record(phase, send_bytes, 1)
+        stats.record(phase, send_bytes, 1, peers)
     out, _ = _exchange(buf, send_bytes, _peer_bytes(recv, wires), group)
     return _unpack(out, recv, wires)
 
@@ -193,7 +208,7 @@ class _VectorAllToAll(torch.autograd.Function):
         return tuple(
             _vector_exchange(
                 xs, meta["send"], meta["recv"], meta["wires"], meta["group"], meta["stats"],
-                "vectors",
+                "vectors", meta["peers"],
             )
         )
 
@@ -202,7 +217,7 @@ class _VectorAllToAll(torch.autograd.Function):
         m = ctx.meta
         g = _vector_exchange(
             [x.contiguous() for x in grads], m["recv"], m["send"], m["wires"], m["group"],
-            m["stats"], "vector_grads",
+            m["stats"], "vector_grads", m["peers"],
         )
         return (None, *g)
 
@@ -215,6 +230,7 @@ def exchange_vectors(
     group: Any | None = None,
     *,
     stats: CommStats | None = None,
+    peers: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """Differentiable all-to-all of ``G`` float32 buffers in one collective, buffer ``g``
     travelling in ``wires[g]`` (gradients too).
@@ -227,6 +243,7 @@ def exchange_vectors(
         recv_splits: ``(G, world)`` element counts received from each rank.
         group: process group (``None``: the default group, or a one-rank world).
         stats: byte counter to update (``"vectors"``, and ``"vector_grads"`` in backward).
+        peers: world rank of each group rank, for ``stats`` (default: the group is the world).
 
     Returns:
         ``G`` tensors, ``(sum(recv_splits[g]),) float32``, segments in rank order, rounded
@@ -246,6 +263,7 @@ def exchange_vectors(
         "wires": [WIRE_DTYPES[w] for w in wires],
         "group": group,
         "stats": stats,
+        "peers": None if peers is None else list(peers),
     }
     return list(_VectorAllToAll.apply(meta, *xs))
 

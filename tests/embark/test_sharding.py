@@ -109,6 +109,16 @@ def main_case(world: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     return tables, {"world_size": world, "gpus_per_node": GPN, "tables": entries}
 
 
+HIER_DIM = 6
+
+
+def hier_case(world: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    """One table-row-wise REDUCTION table on node 0 (ranks 0 and 1)."""
+    t = {"name": "trw", "num_rows": 20, "dim": HIER_DIM, "hotness": 2, "combiner": "sum"}
+    e = _table_entry("trw", "table_row_wise", "reduction", world, 20, HIER_DIM, 2)
+    return [t], {"world_size": world, "gpus_per_node": GPN, "tables": [e]}
+
+
 def lonely_case(world: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     """One table-wise table on the last rank: every other rank owns nothing."""
     t = {"name": "lonely", "num_rows": 9, "dim": 5, "hotness": 2, "combiner": "sum"}
@@ -150,7 +160,7 @@ def _batches(
 
 
 def _run_case(name: str, tables_d: list[Any], plan_d: dict[str, Any], rank: int, world: int,
-              comm_dtype: str | None = None) -> dict[str, Any]:
+              comm_dtype: str | None = None, hierarchical: bool = False) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
@@ -167,7 +177,7 @@ def _run_case(name: str, tables_d: list[Any], plan_d: dict[str, Any], rank: int,
             full[t.name] = torch.randint(-8, 9, (t.num_rows, t.dim), generator=g).float()
         else:
             full[t.name] = torch.randn(t.num_rows, t.dim, generator=g)
-    m = ShardedEmbeddingCollection(tables, plan, rank, comm_dtype=comm_dtype)
+    m = ShardedEmbeddingCollection(tables, plan, rank, comm_dtype=comm_dtype, hierarchical=hierarchical)
     m.load_full_weights(full)
     result: dict[str, Any] = {t.name: {"fwd": True, "grad": True, "err": 0.0} for t in tables}
 
@@ -218,7 +228,7 @@ def _run_case(name: str, tables_d: list[Any], plan_d: dict[str, Any], rank: int,
     back = m.full_weights(dst=None)
     for t in tables:
         result[t.name]["full_weights"] = torch.equal(back[t.name], full[t.name])
-    result["_stats"] = dict(m.stats.phases)
+    result["_stats"] = {f"{p}/{lv}": n for (p, lv), n in m.stats.bytes.items()}
     return result
 
 
@@ -280,8 +290,12 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         t, p = main_case(world)
         report["main"] = _run_case("main", t, p, rank, world)
         report["override_bf16"] = _run_case("override_bf16", t, p, rank, world, comm_dtype="bf16")
+        report["main_hierarchical"] = _run_case("main", t, p, rank, world, hierarchical=True)
         t, p = lonely_case(world)
         report["lonely"] = _run_case("lonely", t, p, rank, world)
+        t, p = hier_case(world)
+        report["trw_flat"] = _run_case("trw_flat", t, p, rank, world)
+        report["trw_hierarchical"] = _run_case("trw_hierarchical", t, p, rank, world, hierarchical=True)
         report["errors"] = _run_errors(rank, world)
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
@@ -314,7 +328,9 @@ def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
     return world, [json.loads((d / f"rank{r}.json").read_text()) for r in range(world)]
 
 
-@pytest.mark.parametrize("case", ["main", "override_bf16", "lonely"])
+@pytest.mark.parametrize(
+    "case", ["main", "override_bf16", "main_hierarchical", "lonely", "trw_flat", "trw_hierarchical"]
+)
 def test_matches_single_process_embedding_bag(reports: Any, case: str) -> None:
     """Forward equals nn.EmbeddingBag on the full table for each rank's local batch; shard
     gradients equal the slices of the single-process gradient of the global loss; the full
@@ -338,8 +354,31 @@ def test_main_case_covers_every_layout(reports: Any) -> None:
             for comb in ("sum", "mean"):
                 assert f"{st}-{cl}-{comb}-fp32" in tables
     assert {"data_parallel-data_parallel-sum-fp32", "data_parallel-data_parallel-mean-fp32"} <= tables
-    stats = reps[0]["main"]["_stats"]
-    assert {"header", "keys", "vectors", "vector_grads", "dp_grads"} <= set(stats)
+    phases = {k.split("/")[0] for k in reps[0]["main"]["_stats"]}
+    assert {"header", "keys", "vectors", "vector_grads", "dp_grads"} <= phases
+
+
+def test_hierarchical_reduction_bytes(reports: Any) -> None:
+    """A table row-split over node 0's two ranks: flat, both owners send each node-1 sample's
+    partial across; hierarchical, node 0 reduces first and sends it once (half the inter-node
+    bytes) at the price of more intra-node bytes. Figures summed over ranks, 2 batches."""
+    world, reps = reports
+    sizes = [4, 6] if world == 2 else [5, 3, 0, 4]
+    row = HIER_DIM * 4  # fp32 bytes of one pooled row
+
+    def total(case: str, key: str) -> int:
+        return sum(rep[case]["_stats"].get(key, 0) for rep in reps)
+
+    if world == 2:  # one node: hierarchical is the flat exchange
+        assert total("trw_hierarchical", "vectors/intra") == total("trw_flat", "vectors/intra")
+        assert total("trw_flat", "vectors/inter") == 0
+        return
+    remote = sum(sizes[GPN:])  # samples on node 1
+    for phase in ("vectors", "vector_grads"):
+        assert total("trw_flat", f"{phase}/inter") == 2 * 2 * remote * row
+        assert total("trw_hierarchical", f"{phase}/inter") == 2 * remote * row
+        assert total("trw_flat", f"{phase}/intra") == 2 * (sizes[0] + sizes[1]) * row
+        assert total("trw_hierarchical", f"{phase}/intra") == 2 * sum(sizes) * row
 
 
 def test_errors_are_raised_on_every_rank(reports: Any) -> None:

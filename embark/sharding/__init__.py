@@ -2,7 +2,11 @@
 holds this rank's shards, distributes the keys of each local batch to their owners and
 returns pooled embeddings equal to ``nn.EmbeddingBag`` on the full tables."""
 
-from embark.sharding.collection import DistributedInput, ShardedEmbeddingCollection
+from embark.sharding.collection import (
+    DistributedInput,
+    PendingInput,
+    ShardedEmbeddingCollection,
+)
 from embark.sharding.comm import CommStats
 from embark.sharding.hierarchical import NodeGroups
 from embark.sharding.routing import Layout, ShardRef
@@ -12,6 +16,7 @@ __all__ = [
     "DistributedInput",
     "Layout",
     "NodeGroups",
+    "PendingInput",
     "ShardRef",
     "ShardedEmbeddingCollection",
 ]

@@ -17,6 +17,9 @@ One forward is three exchanges (all-to-alls) plus local work::
     DP tables: local lookup in the replica; :meth:`reduce_dp_gradients` after backward.
     ``hierarchical=True``: step 3 for REDUCTION goes owner -> node relay (sum) -> source,
     see :mod:`embark.sharding.hierarchical`; :attr:`stats` counts bytes per phase and level.
+    Pipelining: :meth:`pipeline` / :meth:`forward_async` start batch i+1's keys exchange
+    (async) before batch i's lookup; keys read no weights, so an optimizer step between the
+    two changes nothing: results equal the plain :meth:`forward`, step by step.
 
 Worked example, 2 ranks, local batch B = 2 on each, table ``t`` (8 rows × 4 cols) sharded
 3D: cols 0:2 row-split (rows 0:4 on rank 0, 4:8 on rank 1), cols 2:4 whole on rank 1,
@@ -41,7 +44,7 @@ smaller than sharded ones.
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -56,6 +59,7 @@ from embark.sharding.comm import (
     all_reduce_sum,
     distributed_world,
     exchange_ints,
+    exchange_ints_async,
     exchange_vectors,
     tie,
 )
@@ -104,6 +108,20 @@ class DistributedInput:
     sent: list[list[_Sent]]
     batch_sizes: list[int]
     received: list[list[tuple[torch.Tensor | None, torch.Tensor]]]
+
+
+class PendingInput:
+    """An input distribution in flight (:meth:`ShardedEmbeddingCollection.start_input`)."""
+
+    def __init__(self, finish: Callable[[], DistributedInput]) -> None:
+        self._finish = finish
+        self._done: DistributedInput | None = None
+
+    def wait(self) -> DistributedInput:
+        """Wait for the keys exchange and return the distributed input (idempotent)."""
+        if self._done is None:
+            self._done = self._finish()
+        return self._done
 
 
 class ShardedEmbeddingCollection(nn.Module):
@@ -285,8 +303,9 @@ class ShardedEmbeddingCollection(nn.Module):
                 f"(expected ids 0..{t.num_rows - 1})"
             )
 
-    def distribute_input(self, sparse: JaggedBatch) -> DistributedInput:
-        """Steps 1-2: exchange the header and send every id to its owners.
+    def start_input(self, sparse: JaggedBatch) -> PendingInput:
+        """Steps 1-2: exchange the header (synchronously: it is small and carries the
+        errors) and start sending every id to its owners (asynchronously).
 
         Args:
             sparse: this rank's local batch, a key per table (extra keys are ignored).
@@ -343,19 +362,54 @@ class ShardedEmbeddingCollection(nn.Module):
         keys = torch.cat(flat) if flat else torch.empty(0, dtype=torch.int64)
         send_k = [sum(int(x.numel()) for x in segments[o]) for o in range(world)]
         recv_k = [sum(s) for s in seg_size]
-        got = exchange_ints(keys, send_k, recv_k, self.process_group, stats=self.stats, phase="keys")
-        received: list[list[tuple[torch.Tensor | None, torch.Tensor]]] = []
-        for r, chunk in enumerate(got.split(recv_k)):
-            parts = chunk.split(seg_size[r])
-            row: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-            for k, ref in enumerate(owned[me]):
-                if ref.cluster is Cluster.REDUCTION:
-                    b = batch_sizes[r]
-                    row.append((parts[k][:b], parts[k][b:]))
-                else:
-                    row.append((None, parts[k]))
-            received.append(row)
-        return DistributedInput(batch, lengths, dp_input, sent, batch_sizes, received)
+        got, work = exchange_ints_async(
+            keys, send_k, recv_k, self.process_group, stats=self.stats, phase="keys"
+        )
+
+        def finish() -> DistributedInput:
+            if work is not None:
+                work.wait()
+            received: list[list[tuple[torch.Tensor | None, torch.Tensor]]] = []
+            for r, chunk in enumerate(got.split(recv_k)):
+                parts = chunk.split(seg_size[r])
+                row: list[tuple[torch.Tensor | None, torch.Tensor]] = []
+                for k, ref in enumerate(owned[me]):
+                    if ref.cluster is Cluster.REDUCTION:
+                        b = batch_sizes[r]
+                        row.append((parts[k][:b], parts[k][b:]))
+                    else:
+                        row.append((None, parts[k]))
+                received.append(row)
+            return DistributedInput(batch, lengths, dp_input, sent, batch_sizes, received)
+
+        return PendingInput(finish)
+
+    def forward_async(self, sparse: JaggedBatch) -> PendingInput:
+        """Start the input distribution of ``sparse``; pool it later with
+        ``compute(pending.wait())``, after other work (e.g. the previous batch's compute)."""
+        return self.start_input(sparse)
+
+    def distribute_input(self, sparse: JaggedBatch) -> DistributedInput:
+        """Steps 1-2 for one batch, waiting for the keys (:meth:`start_input` then ``wait``)."""
+        return self.start_input(sparse).wait()
+
+    def pipeline(self, batches: Iterable[JaggedBatch]) -> Iterator[dict[str, torch.Tensor]]:
+        """Pool a stream of local batches, batch ``i+1``'s keys exchange in flight while
+        batch ``i`` is looked up and its vectors exchanged (every rank iterates in step).
+
+        Yields:
+            per batch, what :meth:`forward` returns for it (equal values and gradients).
+        """
+        it = iter(batches)
+        first = next(it, None)
+        if first is None:
+            return
+        pending = self.start_input(first)
+        for nxt in it:
+            ahead = self.start_input(nxt)
+            yield self.compute(pending.wait())
+            pending = ahead
+        yield self.compute(pending.wait())
 
     # ------------------------------------------------------ lookup and output
     def _lookup(self, inp: DistributedInput) -> list[list[torch.Tensor]]:

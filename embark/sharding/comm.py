@@ -125,6 +125,18 @@ def exchange_ints(
     Returns:
         ``(sum(recv_splits),) int64``, the peers' segments in rank order.
     """
+    out, work = exchange_ints_async(x, send_splits, recv_splits, group, stats=stats, phase=phase)
+    if work is not None:
+        work.wait()
+    return out
+
+
+def exchange_ints_async(
+    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
+    group: Any | None = None, *, stats: CommStats | None = None, phase: str = "keys",
+) -> tuple[torch.Tensor, Any]:
+    """:func:`exchange_ints` started asynchronously: ``(output buffer, work)``; read the
+    buffer only after ``work.wait()`` (``work`` is ``None`` in a one-rank world)."""
     send, recv = [int(n) for n in send_splits], [int(n) for n in recv_splits]
     if x.dim() != 1 or x.numel() != sum(send):
         raise ValueError(
@@ -133,8 +145,7 @@ def exchange_ints(
         )
     if stats is not None:
         stats.record(phase, send, x.element_size())
-    out, _ = _exchange(x, send, recv, group)
-    return out
+    return _exchange(x, send, recv, group, async_op=True)
 
 
 def _pack(

@@ -27,6 +27,7 @@ ROOT = Path(__file__).resolve().parents[2]
 WORLDS = (2, 4)
 GPN = 2
 MAX_BAG = 4
+NUM_BATCHES = 3  # per case, through one collection
 # 16-bit payloads, non-integer weights: max |got - want| / max(1, max |want|) allowed
 TOL = {"fp16": 5e-3, "bf16": 3e-2}
 
@@ -160,7 +161,8 @@ def _batches(
 
 
 def _run_case(name: str, tables_d: list[Any], plan_d: dict[str, Any], rank: int, world: int,
-              comm_dtype: str | None = None, hierarchical: bool = False) -> dict[str, Any]:
+              comm_dtype: str | None = None, hierarchical: bool = False,
+              pipelined: bool = False) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
@@ -190,9 +192,12 @@ def _run_case(name: str, tables_d: list[Any], plan_d: dict[str, Any], rank: int,
             return torch.equal(a, b), err
         return a.shape == b.shape and err <= TOL[wire[t.name]], err
 
-    for it in range(2):
-        inexact = frozenset(n for n, w in wire.items() if w != "fp32")
-        batches, ups = _batches(tables, world, seed=100 * it + 7, inexact=inexact)
+    inexact = frozenset(n for n, w in wire.items() if w != "fp32")
+    data = [_batches(tables, world, seed=100 * it + 7, inexact=inexact) for it in range(NUM_BATCHES)]
+    local = [batches[rank] for batches, _ in data]
+    # lazily: batch i+1 is pooled (pipelined: its keys sent) after batch i's backward
+    outs = m.pipeline(local) if pipelined else (m(b) for b in local)
+    for (batches, ups), out in zip(data, outs):
         ref_w = {n: w.clone().requires_grad_(True) for n, w in full.items()}
         ref_loss = 0.0
         ref_out = {}
@@ -207,7 +212,6 @@ def _run_case(name: str, tables_d: list[Any], plan_d: dict[str, Any], rank: int,
                     ref_out[t.name] = o.detach()
         ref_loss.backward()  # type: ignore[union-attr]
         m.zero_grad(set_to_none=True)
-        out = m(batches[rank])
         loss = sum((out[t.name] * ups[rank][t.name]).sum() for t in tables)
         loss.backward()  # type: ignore[union-attr]
         m.reduce_dp_gradients()
@@ -291,6 +295,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         report["main"] = _run_case("main", t, p, rank, world)
         report["override_bf16"] = _run_case("override_bf16", t, p, rank, world, comm_dtype="bf16")
         report["main_hierarchical"] = _run_case("main", t, p, rank, world, hierarchical=True)
+        report["main_pipelined"] = _run_case("main", t, p, rank, world, pipelined=True)
         t, p = lonely_case(world)
         report["lonely"] = _run_case("lonely", t, p, rank, world)
         t, p = hier_case(world)
@@ -329,7 +334,9 @@ def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 
 @pytest.mark.parametrize(
-    "case", ["main", "override_bf16", "main_hierarchical", "lonely", "trw_flat", "trw_hierarchical"]
+    "case",
+    ["main", "override_bf16", "main_hierarchical", "main_pipelined", "lonely", "trw_flat",
+     "trw_hierarchical"],
 )
 def test_matches_single_process_embedding_bag(reports: Any, case: str) -> None:
     """Forward equals nn.EmbeddingBag on the full table for each rank's local batch; shard
@@ -361,7 +368,7 @@ def test_main_case_covers_every_layout(reports: Any) -> None:
 def test_hierarchical_reduction_bytes(reports: Any) -> None:
     """A table row-split over node 0's two ranks: flat, both owners send each node-1 sample's
     partial across; hierarchical, node 0 reduces first and sends it once (half the inter-node
-    bytes) at the price of more intra-node bytes. Figures summed over ranks, 2 batches."""
+    bytes) at the price of more intra-node bytes. Figures summed over ranks and batches."""
     world, reps = reports
     sizes = [4, 6] if world == 2 else [5, 3, 0, 4]
     row = HIER_DIM * 4  # fp32 bytes of one pooled row
@@ -375,10 +382,11 @@ def test_hierarchical_reduction_bytes(reports: Any) -> None:
         return
     remote = sum(sizes[GPN:])  # samples on node 1
     for phase in ("vectors", "vector_grads"):
-        assert total("trw_flat", f"{phase}/inter") == 2 * 2 * remote * row
-        assert total("trw_hierarchical", f"{phase}/inter") == 2 * remote * row
-        assert total("trw_flat", f"{phase}/intra") == 2 * (sizes[0] + sizes[1]) * row
-        assert total("trw_hierarchical", f"{phase}/intra") == 2 * sum(sizes) * row
+        n = NUM_BATCHES
+        assert total("trw_flat", f"{phase}/inter") == n * 2 * remote * row
+        assert total("trw_hierarchical", f"{phase}/inter") == n * remote * row
+        assert total("trw_flat", f"{phase}/intra") == n * (sizes[0] + sizes[1]) * row
+        assert total("trw_hierarchical", f"{phase}/intra") == n * sum(sizes) * row
 
 
 def test_errors_are_raised_on_every_rank(reports: Any) -> None:

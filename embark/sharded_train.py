@@ -1,0 +1,353 @@
+"""Sharded data-parallel training of a DLRM: embedding tables held by a
+:class:`~embark.sharding.ShardedEmbeddingCollection` per a :class:`~embark.types.ShardingPlan`,
+the dense part replicated on every rank.
+
+N ranks, each training on its slice of a global batch of ``B`` samples, take the same steps as
+the single-process :class:`~embark.train.Trainer` on the whole global batch (up to the order
+of float sums)::
+
+    rank r:  local batch (B_r samples, Σ_r B_r = B)
+       sparse ──ShardedEmbeddingCollection──▶ {table: (B_r, dim)}  (keys to owners, vectors back)
+       dense  ──dense part (replica)─────────▶ logits (B_r,)
+       loss_r = Σ_{local samples} BCE-with-logits / B             (B = GLOBAL batch size)
+       backward: shard gradients arrive through the (differentiable) exchanges
+       reduce_dp_gradients()          DP table replicas: SUM over ranks
+       dense gradients + loss_r       one SUM all-reduce
+       optimizer step                 same optimizer, same options as the Trainer
+
+Gradient convention. Each rank's loss is its *share of the global loss*: ``Σ_r loss_r`` is
+the single-process mean loss over the global batch. Every parameter must then hold the
+gradient of ``Σ_r loss_r``: shard gradients already do (each rank's loss sends its part back
+through the exchanges), DP replicas and the dense part get it by a SUM all-reduce. An AVERAGE
+all-reduce (DDP's default, which pairs with a per-rank *mean* loss) would make the dense and
+DP gradients ``world`` times smaller than the sharded tables'. Uneven local batches are
+exact under this convention; a per-rank mean would weigh their samples unequally.
+
+Optimizers. SGD (with momentum) and Adagrad are elementwise, so a shard stepped by itself
+equals the same slice of the full table stepped whole; the optimizer state of a shard (e.g.
+Adagrad's ``sum``) is the matching slice of the full table's state. The dense replicas get
+bit-identical gradients (the all-reduce gives every rank the same sum) and therefore stay
+bit-identical.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from embark.data.jagged import JaggedBatch
+from embark.data.synthetic import Batch
+from embark.metrics import auc, log_loss
+from embark.model import DLRM
+from embark.sharding import ShardedEmbeddingCollection
+from embark.sharding.comm import distributed_world
+from embark.train import Callback, OptimizerKind, TrainConfig
+from embark.types import CommDtype, ShardingPlan
+
+log = logging.getLogger(__name__)
+
+
+# ------------------------------------------------------------------------------ data
+def local_range(batch_size: int, rank: int, world_size: int) -> tuple[int, int]:
+    """``(start, end)`` of rank ``rank``'s contiguous slice of a global batch: sizes differ
+    by at most one (``batch_size = 10, world 4`` → ``[0:2], [2:5], [5:7], [7:10]``)."""
+    return batch_size * rank // world_size, batch_size * (rank + 1) // world_size
+
+
+def slice_batch(batch: Batch, start: int, end: int) -> Batch:
+    """Samples ``start:end`` of ``batch`` (dense rows, labels and every key's bags).
+
+    Raises:
+        ValueError: when ``0 <= start <= end <= batch.batch_size`` does not hold.
+    """
+    b = batch.batch_size
+    if not 0 <= start <= end <= b:
+        raise ValueError(f"slice {start}:{end} is outside a batch of {b} samples")
+    sp = batch.sparse
+    per_key = {}
+    for k in sp.keys:
+        values, lengths = sp.values_for(k), sp.lengths_for(k)
+        off = sp.bag_offsets(k)
+        lo = int(off[start]) if start < b else values.numel()
+        hi = int(off[end]) if end < b else values.numel()
+        per_key[k] = (values[lo:hi], lengths[start:end])
+    return Batch(batch.dense[start:end], JaggedBatch.from_per_key(per_key), batch.labels[start:end])
+
+
+def local_batch(batch: Batch, rank: int, world_size: int) -> Batch:
+    """This rank's slice of a global batch (:func:`local_range`)."""
+    return slice_batch(batch, *local_range(batch.batch_size, rank, world_size))
+
+
+# ----------------------------------------------------------------------- collectives
+def _group_src(group: Any | None) -> int:
+    """Global rank of the group's rank 0 (``broadcast`` takes global ranks)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def _is_distributed(group: Any | None) -> bool:
+    return distributed_world(group) is not None
+
+
+def _gather_1d(x: torch.Tensor, group: Any | None) -> torch.Tensor:
+    """Concatenate every rank's ``(n_r,)`` tensor in rank order, on every rank (gloo's
+    all_gather needs equal sizes: pad to the largest, then cut)."""
+    if not _is_distributed(group):
+        return x
+    world = dist.get_world_size(group)
+    n = torch.tensor([x.numel()])
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n, group=group)
+    most = int(max(int(s) for s in sizes))
+    padded = torch.cat([x, x.new_zeros(most - x.numel())])
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])
+
+
+# ----------------------------------------------------------------------------- model
+class ShardedDLRM(nn.Module):
+    """A :class:`~embark.model.DLRM` whose tables are sharded per ``plan`` and whose dense part
+    (projections, bottom MLP, interaction, top MLP) is a replica on every rank.
+
+    Args:
+        model: the single-process model to start from (every rank passes an equal one, e.g.
+            ``build_model(workload, seed)``); it is not modified: its dense part is copied and
+            each rank copies its shards of the tables (``load_full_weights``). The dense part
+            and the DP replicas are then broadcast from rank 0, so they start bit-identical
+            even if the ranks' models were not.
+        plan: the sharding plan of ``model.workload``'s tables for this group's world size.
+        rank: this process's rank in ``process_group``.
+        process_group: ``None``: the default group (a one-rank world without
+            ``torch.distributed``).
+        comm_dtype: wire dtype of every table, overriding the plan's.
+
+    Attributes:
+        embeddings: the :class:`ShardedEmbeddingCollection` (parameters ``embeddings.weights.<table>``).
+        dense: the copied DLRM without its tables (``dense.embeddings`` is empty); only its
+            :meth:`~embark.model.DLRM.dense_forward` is used.
+
+    Raises:
+        ValueError: from :class:`ShardedEmbeddingCollection` (world size, rank, tables).
+    """
+
+    def __init__(
+        self,
+        model: DLRM,
+        plan: ShardingPlan,
+        rank: int,
+        process_group: Any | None = None,
+        comm_dtype: CommDtype | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.workload = model.workload
+        self.table_names = list(model.table_names)
+        self.process_group = process_group
+        self.embeddings = ShardedEmbeddingCollection(
+            model.workload.tables, plan, rank, process_group, comm_dtype=comm_dtype
+        )
+        self.embeddings.load_full_weights({n: bag.weight for n, bag in model.embeddings.items()})
+        tables = model.embeddings
+        model.embeddings = nn.ModuleDict()  # deep-copy the dense part only
+        try:
+            self.dense = copy.deepcopy(model)
+        finally:
+            model.embeddings = tables
+        self.rank, self.world_size = rank, plan.world_size
+        self._broadcast_replicas()
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters every rank holds whole: the dense part's, then the DP replicas."""
+        dp = [self.embeddings.weights[n] for n in self.embeddings.layout.dp_tables]
+        return [*self.dense.parameters(), *dp]
+
+    @torch.no_grad()
+    def _broadcast_replicas(self) -> None:
+        if not _is_distributed(self.process_group):
+            return
+        params = self.replicated_parameters()
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        dist.broadcast(flat, src=_group_src(self.process_group), group=self.process_group)
+        for p, piece in zip(params, flat.split([p.numel() for p in params])):
+            p.copy_(piece.view_as(p))
+
+    def forward_with_batch_sizes(
+        self, dense: torch.Tensor, sparse: JaggedBatch
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Like :meth:`forward`, also returning every rank's local batch size (learnt in the
+        collection's header exchange: no extra collective)."""
+        if dense.dim() != 2 or dense.shape[1] != self.workload.dense_features:
+            raise ValueError(
+                f"dense must be (B, {self.workload.dense_features}), got {tuple(dense.shape)}"
+            )
+        if sparse.batch_size != dense.shape[0]:
+            raise ValueError(
+                f"dense has batch {dense.shape[0]} but sparse has batch {sparse.batch_size}"
+            )
+        inp = self.embeddings.distribute_input(sparse)
+        pooled = self.embeddings.compute(inp)
+        logits = self.dense.dense_forward(dense, [pooled[n] for n in self.table_names])
+        return logits, list(inp.batch_sizes)
+
+    def forward(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
+        """``dense: (B_r, D) float32`` and ``sparse`` (``B_r`` samples) of this rank's local
+        batch → ``(B_r,) float32`` logits (a collective: every rank calls it, in step)."""
+        return self.forward_with_batch_sizes(dense, sparse)[0]
+
+    @torch.no_grad()
+    def reduce_dense_gradients(self, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+        """SUM all-reduce of the dense part's gradients (a collective; after ``backward``).
+
+        Args:
+            extra: a small float32 tensor summed in the same all-reduce (e.g. the local loss).
+
+        Returns:
+            ``extra`` summed over the ranks (``None`` when not given).
+        """
+        params = list(self.dense.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        pieces = [g.reshape(-1) for g in grads]
+        if extra is not None:
+            pieces.append(extra.detach().reshape(-1).float())
+        flat = torch.cat(pieces)
+        if _is_distributed(self.process_group):
+            dist.all_reduce(flat, group=self.process_group)
+        sizes = [p.numel() for p in params] + ([extra.numel()] if extra is not None else [])
+        parts = flat.split(sizes)
+        for p, piece in zip(params, parts):
+            p.grad = piece.view_as(p).clone()
+        return parts[-1].view_as(extra) if extra is not None else None
+
+    def full_state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor]:
+        """The single-process :class:`~embark.model.DLRM` ``state_dict`` (names as there:
+        ``embeddings.<table>.weight`` gathered whole, then the dense part), on ``dst`` (``None``:
+        every rank); ``{}`` elsewhere. A collective."""
+        tables = self.embeddings.full_weights(dst=dst)
+        if not tables:
+            return {}
+        out = {f"embeddings.{n}.weight": w for n, w in tables.items()}
+        dense = {k: v.detach().clone() for k, v in self.dense.state_dict().items()}
+        return {**out, **dense}
+
+
+# --------------------------------------------------------------------------- trainer
+def make_optimizer(
+    cfg: TrainConfig, embedding_params: Sequence[nn.Parameter], dense_params: Sequence[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The optimizer :class:`~embark.train.Trainer` builds for ``cfg``: groups ``"embeddings"``
+    (``embedding_lr or lr``) and ``"dense"`` (``lr``), empty ones left out.
+
+    Raises:
+        ValueError: when both groups are empty.
+    """
+    groups: list[dict[str, Any]] = []
+    if embedding_params:
+        groups.append(
+            {"params": list(embedding_params), "name": "embeddings", "lr": cfg.embedding_lr or cfg.lr}
+        )
+    if dense_params:
+        groups.append({"params": list(dense_params), "name": "dense", "lr": cfg.lr})
+    if not groups:
+        raise ValueError("make_optimizer: no trainable parameters")
+    if cfg.optimizer == OptimizerKind.ADAGRAD:
+        return torch.optim.Adagrad(
+            groups, lr=cfg.lr, eps=cfg.adagrad_eps,
+            initial_accumulator_value=cfg.initial_accumulator_value,
+        )
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+
+
+class ShardedTrainer:
+    """Train a :class:`ShardedDLRM` with the single-process :class:`~embark.train.Trainer`'s
+    optimizer semantics (see the module docstring for the gradient convention).
+
+    Every rank calls every method in step, each with its own local batch.
+
+    Args:
+        model: the sharded model.
+        cfg: hyper-parameters (``eval_every`` / ``checkpoint_*`` are used by the CLI).
+        callbacks: :class:`~embark.train.Callback` hooks, called on every rank with this
+            trainer (gradients are already reduced in ``on_after_backward``).
+
+    Attributes:
+        step: optimizer steps taken.
+        generator: seeded by ``cfg.seed`` (as the Trainer's; saved in checkpoints).
+        history: evaluation records.
+    """
+
+    def __init__(
+        self, model: ShardedDLRM, cfg: TrainConfig, callbacks: Iterable[Callback] = ()
+    ) -> None:
+        self.model = model
+        self.cfg = cfg
+        self.callbacks: list[Callback] = list(callbacks)
+        self.step = 0
+        self.generator = torch.Generator().manual_seed(cfg.seed)
+        self.history: list[dict[str, float]] = []
+        emb = [p for p in model.embeddings.parameters() if p.requires_grad]
+        dense = [p for p in model.dense.parameters() if p.requires_grad]
+        self.optimizer = make_optimizer(cfg, emb, dense)
+
+    def train_step(self, batch: Batch) -> float:
+        """One optimizer step on this rank's local ``batch`` (a collective).
+
+        Returns:
+            the global batch's mean loss (equal on every rank).
+        """
+        self.model.train()
+        self.optimizer.zero_grad(set_to_none=True)
+        logits, sizes = self.model.forward_with_batch_sizes(batch.dense, batch.sparse)
+        total = sum(sizes)
+        if total == 0:
+            raise ValueError("train_step: the global batch is empty on every rank")
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / total
+        loss.backward()
+        self.model.embeddings.reduce_dp_gradients()
+        global_loss = self.model.reduce_dense_gradients(extra=loss.detach().reshape(1))
+        assert global_loss is not None
+        step = self.step + 1
+        for cb in self.callbacks:
+            cb.on_after_backward(self, step)  # type: ignore[arg-type]
+        self.optimizer.step()
+        self.step = step
+        value = float(global_loss)
+        for cb in self.callbacks:
+            cb.on_step_end(self, step, value)  # type: ignore[arg-type]
+        return value
+
+    @torch.no_grad()
+    def predict(self, batches: Iterable[Batch]) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(logits (N,), labels (N,))`` of every rank's local ``batches`` concatenated in
+        rank order, on every rank (each rank must pass the same number of batches)."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            logits, labels = [], []
+            for b in batches:
+                logits.append(self.model(b.dense, b.sparse).float())
+                labels.append(b.labels.float())
+        finally:
+            self.model.train(was_training)
+        if not logits:
+            raise ValueError("evaluate: no batches")
+        group = self.model.process_group
+        return _gather_1d(torch.cat(logits), group), _gather_1d(torch.cat(labels), group)
+
+    def evaluate(self, batches: Iterable[Batch]) -> dict[str, float]:
+        """``{"step", "auc", "logloss", "num_samples", "positive_rate"}`` over every rank's
+        local ``batches`` (a collective; the same on every rank)."""
+        logits, labels = self.predict(batches)
+        return {
+            "step": self.step,
+            "auc": auc(logits, labels),
+            "logloss": log_loss(logits, labels, from_logits=True),
+            "num_samples": int(labels.numel()),
+            "positive_rate": float(labels.mean()),
+        }

@@ -13,6 +13,7 @@ lookup worker in time, 500 otherwise)::
     GET  /v2/models/{m}[/versions/1]           model metadata (inputs, outputs)
     GET  /v2/models/{m}[/versions/1]/ready
     GET  /v2/models/{m}[/versions/1]/stats     Triton-style counts + per-table HPS statistics
+    GET  /v2/models/stats                      the same for every model
     POST /v2/models/{m}[/versions/1]/infer     JSON or binary tensors (Inference-Header-Content-Length)
 
 Requests run on ``workers`` threads (parsing and inference both: they are CPU work);
@@ -74,20 +75,41 @@ class ServerConfig:
             raise ValueError(f"ServerConfig.max_request_mb must be > 0, got {self.max_request_mb!r}")
 
 
+_PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
+
+
 @dataclass
 class _Counts:
+    """Triton-style statistics of one model (counts and summed nanoseconds)."""
+
     success: int = 0
     success_ns: int = 0
     fail: int = 0
     fail_ns: int = 0
+    samples: int = 0  # Triton's inference_count: samples, not requests
+    phase_ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_PHASES, 0))
+    last_ms: int = 0  # wall-clock ms of the last successful inference
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, ok: bool, ns: int) -> None:
+    def add(self, ok: bool, ns: int, samples: int = 0, phases: dict[str, int] | None = None) -> None:
         with self.lock:
             if ok:
                 self.success, self.success_ns = self.success + 1, self.success_ns + ns
+                self.samples += samples
+                for k, v in (phases or {}).items():
+                    self.phase_ns[k] += v
+                self.last_ms = int(time.time() * 1e3)
             else:
                 self.fail, self.fail_ns = self.fail + 1, self.fail_ns + ns
+
+    def to_dict(self, name: str) -> dict[str, Any]:
+        with self.lock:
+            n = self.success
+            stats = {"success": {"count": n, "ns": self.success_ns},
+                     "fail": {"count": self.fail, "ns": self.fail_ns},
+                     **{k: {"count": n, "ns": v} for k, v in self.phase_ns.items()}}
+            return {"name": name, "version": MODEL_VERSION, "last_inference": self.last_ms,
+                    "inference_count": self.samples, "execution_count": n, "inference_stats": stats}
 
 
 def _error(msg: str, status: int = 400) -> JSONResponse:
@@ -137,21 +159,18 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
             return _error(str(e))
         return Response(status_code=200)
 
+    def stats_of(name: str) -> dict[str, Any]:
+        return {**counts[name].to_dict(name), "hps": servables[name].session.stats()}
+
     async def model_stats(request: Request) -> Response:
         try:
             s = model_of(request)
         except ProtocolError as e:
             return _error(str(e))
-        c = counts[s.name]
-        with c.lock:
-            inference = {"success": {"count": c.success, "ns": c.success_ns},
-                         "fail": {"count": c.fail, "ns": c.fail_ns}}
-            n = c.success
-        return JSONResponse({"model_stats": [{
-            "name": s.name, "version": MODEL_VERSION, "inference_count": n,
-            "execution_count": n, "inference_stats": inference,
-            "hps": s.session.stats(),
-        }]})
+        return JSONResponse({"model_stats": [stats_of(s.name)]})
+
+    async def all_stats(request: Request) -> Response:
+        return JSONResponse({"model_stats": [stats_of(n) for n in servables]})
 
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
@@ -167,11 +186,18 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def run(s: DLRMServable, body: bytes, header_length: str | None,
-            encoding: str | None) -> tuple[bytes, dict[str, str]]:
-        req = parse_infer_request(body, header_length, encoding)
+    def run(s: DLRMServable, body: bytes, header_length: str | None, encoding: str | None,
+            queued_at: int) -> tuple[bytes, dict[str, str], int, dict[str, int]]:
+        t0 = time.perf_counter_ns()
+        req = parse_infer_request(body, header_length, encoding, max_bytes=max_bytes)
+        t1 = time.perf_counter_ns()
         results = s.infer(req.inputs)
-        return encode_infer_response(s.name, MODEL_VERSION, results, req)
+        t2 = time.perf_counter_ns()
+        out, headers = encode_infer_response(s.name, MODEL_VERSION, results, req)
+        t3 = time.perf_counter_ns()
+        phases = {"queue": t0 - queued_at, "compute_input": t1 - t0, "compute_infer": t2 - t1,
+                  "compute_output": t3 - t2}
+        return out, headers, int(req.inputs["dense"].shape[0]) if "dense" in req.inputs else 0, phases
 
     async def infer(request: Request) -> Response:
         start = time.perf_counter_ns()
@@ -179,9 +205,9 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
         try:
             s = model_of(request)
             body = await read_body(request)
-            out, headers = await anyio.to_thread.run_sync(
+            out, headers, samples, phases = await anyio.to_thread.run_sync(
                 run, s, body, request.headers.get(HEADER_LENGTH),
-                request.headers.get("content-encoding"), limiter=limiter)
+                request.headers.get("content-encoding"), time.perf_counter_ns(), limiter=limiter)
         except (ProtocolError, InputError, ValueError) as e:
             return _failed(name, start, _error(str(e)))
         except TimeoutError as e:
@@ -189,7 +215,7 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
         except Exception as e:  # a bug or a backend that went away: say so, keep serving
             log.exception("model %r: inference failed", name)
             return _failed(name, start, _error(f"internal error: {type(e).__name__}: {e}", 500))
-        counts[s.name].add(True, time.perf_counter_ns() - start)
+        counts[s.name].add(True, time.perf_counter_ns() - start, samples, phases)
         media = headers.pop("Content-Type")
         return Response(out, media_type=media, headers=headers)
 
@@ -204,6 +230,7 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
         Route("/v2", server_metadata),
         Route("/v2/health/live", live),
         Route("/v2/health/ready", live),  # the app exists only once every model has loaded
+        Route("/v2/models/stats", all_stats),  # before {model}: tritonclient's all-model stats
         Route(m, model_metadata), Route(v, model_metadata),
         Route(m + "/ready", model_ready), Route(v + "/ready", model_ready),
         Route(m + "/stats", model_stats), Route(v + "/stats", model_stats),
@@ -249,11 +276,15 @@ class InferenceServer:
         self.servables = build_servables(ps, models, self.cfg.ort_threads)
         self.app = create_app(self.servables, self.cfg)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
-        self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        # Accepted sockets inherit it. Without it, uvicorn's separate header and body writes
-        # meet the client's delayed ACK: +44 ms on every request here (5 ms with it).
-        self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._sock.bind((self.cfg.host, self.cfg.port))
+        try:
+            self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            # Accepted sockets inherit it. Without it, uvicorn's separate header and body writes
+            # meet the client's delayed ACK: +44 ms on every request here (5 ms with it).
+            self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            self._sock.bind((self.cfg.host, self.cfg.port))
+        except OSError:
+            self._sock.close()
+            raise
         self.port: int = self._sock.getsockname()[1]
         self._uv = uvicorn.Server(uvicorn.Config(
             self.app, log_level="warning", access_log=False,
@@ -289,6 +320,9 @@ class InferenceServer:
         self._uv.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
+            if self._thread.is_alive():
+                log.warning("the v2 server on %s did not finish within 10 s; closing its socket",
+                            self.address)
         self._sock.close()
 
     def __enter__(self) -> InferenceServer:

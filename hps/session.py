@@ -139,7 +139,10 @@ class TableStats:
                 "hit_rate": rate, "hits_unique": dict(self.hits_unique), "hits_all": dict(self.hits_all),
                 "async_batches": self.async_batches, "dropped_async": self.dropped_async,
                 "stale_dropped": self.stale_dropped,
-                "errors": self.errors, "latency_p50_ms": float(p50) * 1e3, "latency_p99_ms": float(p99) * 1e3}
+                "errors": self.errors,
+                # None before the first lookup (NaN is not JSON)
+                "latency_p50_ms": float(p50) * 1e3 if lat.size else None,
+                "latency_p99_ms": float(p99) * 1e3 if lat.size else None}
 
 
 @dataclass

@@ -21,8 +21,8 @@ as a flat row-major list. Errors are ``{"error": "..."}`` (the server sends stat
 
 from __future__ import annotations
 
-import gzip
 import json
+import math
 import zlib
 from dataclasses import dataclass, field
 from typing import Any
@@ -80,19 +80,27 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
-def _decompress(body: bytes, content_encoding: str | None) -> bytes:
+def _decompress(body: bytes, content_encoding: str | None, max_bytes: int | None) -> bytes:
+    """The body decoded; at most ``max_bytes`` once decompressed (a small gzip body can expand
+    to gigabytes)."""
     enc = (content_encoding or "identity").strip().lower()
-    try:
-        if enc == "gzip":
-            return gzip.decompress(body)
-        if enc == "deflate":
-            return zlib.decompress(body)
-    except (OSError, zlib.error, EOFError) as e:
-        raise ProtocolError(f"request body is not valid {enc} data: {e}") from None
-    if enc != "identity":
+    if enc == "identity":
+        return body
+    if enc not in ("gzip", "deflate"):
         raise ProtocolError(f"unsupported Content-Encoding {content_encoding!r}; "
                             "expected gzip, deflate or none")
-    return body
+    d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
+    limit = max_bytes if max_bytes is not None else 0  # 0: no limit
+    try:
+        out = d.decompress(body, limit + 1 if limit else 0)
+    except zlib.error as e:
+        raise ProtocolError(f"request body is not valid {enc} data: {e}") from None
+    if limit and len(out) > limit:
+        raise ProtocolError(f"request body decompresses to more than the server's limit of "
+                            f"{limit} bytes")
+    if not d.eof:
+        raise ProtocolError(f"request body is not valid {enc} data: truncated stream")
+    return out
 
 
 def _shape(v: Any, where: str) -> tuple[int, ...]:
@@ -110,9 +118,9 @@ def _json_data(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) -
         raise ProtocolError(f"{where}.data is not a regular array: {e}") from None
     if arr.dtype == object or arr.dtype.kind not in "biuf":
         raise ProtocolError(f"{where}.data must hold numbers, got {arr.dtype} values")
-    if dtype.kind in "iu" and arr.dtype.kind == "f":
+    if dtype.kind in "iu" and arr.dtype.kind == "f" and arr.size:  # [] parses as float64
         raise ProtocolError(f"{where}.data holds non-integer values for an integer datatype")
-    n = int(np.prod(shape)) if shape else 1
+    n = math.prod(shape)  # Python ints: no int64 wrap-around for huge declared shapes
     if arr.size != n:
         raise ProtocolError(f"{where}: shape {list(shape)} needs {n} values, data has {arr.size}")
     if dtype.kind in "iu" and arr.size:
@@ -125,7 +133,8 @@ def _json_data(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) -
 
 
 def parse_infer_request(body: bytes, header_length: str | int | None = None,
-                        content_encoding: str | None = None) -> InferRequest:
+                        content_encoding: str | None = None,
+                        max_bytes: int | None = None) -> InferRequest:
     """Parse an ``/infer`` body.
 
     Args:
@@ -133,6 +142,7 @@ def parse_infer_request(body: bytes, header_length: str | int | None = None,
         header_length: the ``Inference-Header-Content-Length`` header, or ``None`` when the
             body is JSON only.
         content_encoding: the ``Content-Encoding`` header (``gzip``, ``deflate`` or none).
+        max_bytes: the largest decompressed body accepted (``None``: no limit).
 
     Returns:
         the request; binary inputs are read-only views of ``body``'s bytes.
@@ -141,7 +151,7 @@ def parse_infer_request(body: bytes, header_length: str | int | None = None,
         ProtocolError: malformed JSON, a missing or mistyped field, an unknown datatype, data
             whose count does not match its shape, binary sizes that do not add up.
     """
-    body = _decompress(body, content_encoding)
+    body = _decompress(body, content_encoding, max_bytes)
     if header_length is None:
         n_json = len(body)
     else:
@@ -191,7 +201,7 @@ def parse_infer_request(body: bytes, header_length: str | int | None = None,
                 raise ProtocolError(f"{where} has both 'data' and binary_data_size")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
                 raise ProtocolError(f"{where}.binary_data_size must be a non-negative integer, got {size!r}")
-            need = int(np.prod(shape)) * dtype.itemsize if shape else dtype.itemsize
+            need = math.prod(shape) * dtype.itemsize
             if size != need:
                 raise ProtocolError(f"{where}: binary_data_size {size} but shape {list(shape)} × "
                                     f"{dt_name} needs {need} bytes")

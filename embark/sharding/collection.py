@@ -26,7 +26,7 @@ Worked example, 2 ranks, local batch B = 2 on each, table ``t`` (8 rows × 4 col
 cluster REDUCTION; rank 0's bags are sample 0 = [1, 5], sample 1 = [5, 5, 7]::
 
     keys from rank 0:   to rank 0  [lengths 1, 0 | rows 1]            (shard rows 0:4)
-                        to rank 1  [lengths 1, 2 | rows 1, 1, 3]      (shard rows 4:8, -4)
+                        to rank 1  [lengths 1, 3 | rows 1, 1, 1, 3]   (shard rows 4:8, -4)
                                    [lengths 2, 3 | rows 1, 5, 5, 5, 7] (shard cols 2:4)
     vectors to rank 0:  from 0  (2, 2) = [W[1, 0:2],  0                      ]
                         from 1  (2, 2) = [W[5, 0:2],  2 W[5, 0:2] + W[7, 0:2]]

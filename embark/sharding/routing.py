@@ -16,11 +16,11 @@ Worked example: ``t0`` RW on 2 ranks (rows 0:4 on rank 0, 4:8 on rank 1), ``t1``
     owned[0] = [t0 rows 0:4, t1 cols 0:2]      owned[1] = [t0 rows 4:8, t1 cols 2:4]
 
     route_keys(t0): shard on rank 0  rows [1]        samples [0]   (local rows = id - 0)
-                    shard on rank 1  rows [1, 1, 3]  samples [0, 1, 1]   (id - 4)
+                    shard on rank 1  rows [1, 1, 1, 3]  samples [0, 1, 1, 1]   (id - 4)
     route_keys(t1): every key to both column blocks: rows [3], samples [0] for each
 
-    REDUCTION segment to rank 1 for t0: [lengths per sample | rows] = [1, 2 | 1, 1, 3]
-    UNIQUE    segment to rank 1 for t0: distinct rows [1, 3], inverse [0, 0, 1]
+    REDUCTION segment to rank 1 for t0: [lengths per sample | rows] = [1, 3 | 1, 1, 1, 3]
+    UNIQUE    segment to rank 1 for t0: distinct rows [1, 3], inverse [0, 0, 0, 1]
 """
 
 from __future__ import annotations
@@ -109,8 +109,8 @@ class Layout:
 
     @cached_property
     def wires_in_use(self) -> tuple[CommDtype, ...]:
-        """Wire dtypes of the sharded tables, in :class:`CommDtype` order (one output
-        all-to-all per entry; every rank walks the same tuple)."""
+        """Wire dtypes of the sharded tables, in :class:`CommDtype` order (every rank walks
+        the same tuple; the vectors of all of them travel packed in one exchange)."""
         used = {self.wire(n) for n in self.sharded_tables}
         return tuple(d for d in CommDtype if d in used)
 

@@ -160,6 +160,27 @@ def test_metadata_health_and_stats(client, model) -> None:
     assert after["hps"]["t3"]["lookups"] > before["hps"]["t3"]["lookups"]
 
 
+def test_statistics_before_and_after_the_first_request(artifacts, model) -> None:
+    """Stats work on a fresh server (no latency sample yet), for one model and for all, and
+    count samples as Triton does (inference_count) beside requests (execution_count)."""
+    ps = HierarchicalParameterServer.from_config(artifacts / "ps.json")
+    try:
+        with InferenceServer(ps, ServerConfig(port=0)) as srv:
+            c = th.InferenceServerClient(srv.address)
+            fresh = c.get_inference_statistics("tiny")["model_stats"][0]
+            assert fresh["inference_count"] == 0 and fresh["hps"]["t0"]["latency_p50_ms"] is None
+            assert [m["name"] for m in c.get_inference_statistics()["model_stats"]] == ["tiny"]
+            c.infer("tiny", _inputs(_request(model, 3, seed=11)))
+            st = c.get_inference_statistics("tiny")["model_stats"][0]
+            assert (st["inference_count"], st["execution_count"]) == (3, 1)
+            phases = st["inference_stats"]
+            assert all(phases[k]["count"] == 1 and phases[k]["ns"] > 0
+                       for k in ("queue", "compute_input", "compute_infer", "compute_output"))
+            assert phases["compute_infer"]["ns"] <= phases["success"]["ns"] and st["last_inference"] > 0
+    finally:
+        ps.close()
+
+
 def _post(served: InferenceServer, body: bytes, headers: dict | None = None,
           path: str = "/v2/models/tiny/infer") -> httpx.Response:
     return httpx.post(f"http://{served.address}{path}", content=body, headers=headers or {}, timeout=30)

@@ -126,3 +126,26 @@ def test_unknown_output_is_an_error() -> None:
     req = parse_infer_request(_raw([{**_X, "data": [1, 2]}], outputs=[{"name": "nope"}])[0])
     with pytest.raises(ProtocolError, match="unknown output 'nope'"):
         encode_infer_response("m", "1", {"y": np.zeros(1, dtype=np.float32)}, req)
+
+
+def test_decompressed_size_is_limited() -> None:
+    """A small gzip body that expands past the limit is refused without expanding it all."""
+    head = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]})
+    bomb = gzip.compress(head.encode() + b" " * (8 << 20))
+    assert len(bomb) < 64 << 10
+    with pytest.raises(ProtocolError, match="decompresses to more than the server's limit of 1048576"):
+        parse_infer_request(bomb, None, "gzip", max_bytes=1 << 20)
+    assert parse_infer_request(gzip.compress(head.encode()), None, "gzip", max_bytes=1 << 20).inputs["x"].tolist() == [1.0]
+    with pytest.raises(ProtocolError, match="truncated stream"):
+        parse_infer_request(gzip.compress(head.encode())[:-9], None, "gzip")
+
+
+def test_huge_declared_shapes_and_empty_data() -> None:
+    body, n = _raw([{"name": "x", "shape": [2**62, 4], "datatype": "INT64",
+                     "parameters": {"binary_data_size": 0}}], b"")
+    with pytest.raises(ProtocolError, match="needs 147573952589676412928 bytes"):
+        parse_infer_request(body, n)
+    with pytest.raises(ProtocolError, match="needs 18446744073709551616 values"):
+        parse_infer_request(_raw([{"name": "x", "shape": [2**32, 2**32], "datatype": "FP32", "data": [1]}])[0])
+    req = parse_infer_request(_raw([{"name": "ids", "shape": [0, 1], "datatype": "INT64", "data": []}])[0])
+    assert req.inputs["ids"].shape == (0, 1) and req.inputs["ids"].dtype == np.int64

@@ -28,13 +28,30 @@ equals the same slice of the full table stepped whole; the optimizer state of a 
 Adagrad's ``sum``) is the matching slice of the full table's state. The dense replicas get
 bit-identical gradients (the all-reduce gives every rank the same sum) and therefore stay
 bit-identical.
+
+Command line (gloo on CPU; rank 0 prints the loss, the eval AUC and writes ``--out``)::
+
+    torchrun --nproc-per-node 2 -m embark.sharded_train --workload tiny --steps 50 \\
+        [--plan plan.json]        # a plan, or `python -m embark.plan --out` output; none = plan
+                                  # here with the greedy planner for one cpu-local node
+    python -m embark.sharded_train --help   # every knob with its default
+
+Every rank generates the same global batches (:class:`~embark.data.SyntheticCTR`) and trains
+on its :func:`local_batch`. A plan for another world size exits with status 2 on every rank.
 """
 
 from __future__ import annotations
 
+import argparse
 import copy
+import json
 import logging
-from collections.abc import Iterable, Sequence
+import os
+import sys
+import time
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -43,13 +60,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from embark.data.jagged import JaggedBatch
-from embark.data.synthetic import Batch
+from embark.data.synthetic import Batch, SyntheticCTR
 from embark.metrics import auc, log_loss
-from embark.model import DLRM
+from embark.model import DLRM, build_model
+from embark.planner import PlannerError, plan_sharding
+from embark.planner.planner import STRATEGIES
 from embark.sharding import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world
+from embark.topology import get_topology
 from embark.train import Callback, OptimizerKind, TrainConfig
-from embark.types import CommDtype, ShardingPlan
+from embark.types import CommDtype, PlanError, ShardingPlan
+from embark.workloads import PRESETS as WORKLOADS
+from embark.workloads import Workload, get_workload
 
 log = logging.getLogger(__name__)
 
@@ -351,3 +373,145 @@ class ShardedTrainer:
             "num_samples": int(labels.numel()),
             "positive_rate": float(labels.mean()),
         }
+
+
+# ------------------------------------------------------------------------------- CLI
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        prog="torchrun --nproc-per-node N -m embark.sharded_train",
+        description="Sharded data-parallel DLRM training on synthetic teacher data (gloo, CPU).",
+    )
+    p.add_argument("--workload", default="tiny", choices=WORKLOADS)
+    p.add_argument("--scale", type=float, default=1.0, help="divide every table's rows by this (>= 1)")
+    p.add_argument("--steps", type=_int_at_least(0), default=50)
+    p.add_argument("--batch-size", type=_int_at_least(1), default=512, help="GLOBAL batch (all ranks)")
+    p.add_argument("--plan", default=None,
+                   help="plan JSON (a plan, or `python -m embark.plan --out` output); none = plan here")
+    p.add_argument("--strategy", default="auto", choices=STRATEGIES, help="planner strategy without --plan")
+    p.add_argument("--optimizer", default=None, choices=[o.value for o in OptimizerKind],
+                   help="none = the workload's choice")
+    p.add_argument("--lr", type=float, default=0.02, help="learning rate of the dense part")
+    p.add_argument("--embedding-lr", type=float, default=0.1, help="learning rate of the tables")
+    p.add_argument("--seed", type=_int_at_least(0), default=0, help="model, data and teacher seed")
+    p.add_argument("--eval-batches", type=_int_at_least(1), default=8, help="held-out global batches")
+    p.add_argument("--log-every", type=_int_at_least(1), default=10, help="print the loss every N steps")
+    p.add_argument("--out", default=None, help="rank 0 writes the results JSON here")
+    return p.parse_args(argv)
+
+
+def _int_at_least(low: int) -> Callable[[str], int]:
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
+        return value
+
+    return parse
+
+
+def resolve_plan(args: argparse.Namespace, workload: Workload, world_size: int) -> ShardingPlan:
+    """The plan of ``--plan`` (checked against the world and the workload), or one made by the
+    planner for ``world_size`` ranks on one ``cpu-local`` node.
+
+    Raises:
+        ValueError: naming the file, for a plan whose world size is not ``world_size``, or
+            one that does not place exactly the workload's tables.
+    """
+    if args.plan is None:
+        topology = replace(get_topology("cpu-local"), gpus_per_node=world_size)
+        return plan_sharding(workload, topology, args.batch_size, args.strategy)
+    try:
+        doc = json.loads(Path(args.plan).read_text())
+    except (OSError, json.JSONDecodeError) as e:
+        raise ValueError(f"--plan {args.plan!r} cannot be read as JSON: {e}") from None
+    if isinstance(doc, dict) and isinstance(doc.get("plan"), dict):
+        doc = doc["plan"]  # the document `python -m embark.plan --out` writes
+    plan = ShardingPlan.from_dict(doc)
+    if plan.world_size != world_size:
+        raise ValueError(
+            f"--plan {args.plan!r} is for world size {plan.world_size} but this run has "
+            f"{world_size} rank(s): start it with `torchrun --nproc-per-node {plan.world_size}` "
+            f"or plan for {world_size} rank(s)"
+        )
+    plan.check_tables(workload.tables)
+    return plan
+
+
+def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
+    """Train and evaluate (every rank); returns the results (equal on every rank)."""
+    workload = get_workload(args.workload)
+    if args.scale > 1:
+        workload = workload.scaled(args.scale)
+    if args.batch_size < world_size:
+        raise ValueError(f"--batch-size {args.batch_size} is smaller than the world size {world_size}")
+    plan = resolve_plan(args, workload, world_size)
+    cfg = TrainConfig(
+        lr=args.lr, embedding_lr=args.embedding_lr, seed=args.seed,
+        optimizer=args.optimizer or workload.optimizer,
+    )
+    data = SyntheticCTR(workload, args.batch_size, seed=args.seed)
+    trainer = ShardedTrainer(ShardedDLRM(build_model(workload, seed=args.seed), plan, rank), cfg)
+    t0 = time.perf_counter()
+    losses = []
+    for batch in data.batches(args.steps):
+        losses.append(trainer.train_step(local_batch(batch, rank, world_size)))
+        if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
+            print(f"step {trainer.step:>6}  loss {losses[-1]:.4f}", flush=True)
+    seconds = time.perf_counter() - t0
+    evals = [local_batch(b, rank, world_size) for b in data.batches(args.eval_batches, split="eval")]
+    metrics = trainer.evaluate(evals)
+    samples = args.steps * args.batch_size
+    return {
+        "workload": workload.name, "world_size": world_size, "steps": trainer.step,
+        "batch_size": args.batch_size, "optimizer": cfg.optimizer.value,
+        "final_loss": losses[-1] if losses else None,
+        "mean_loss": sum(losses) / len(losses) if losses else None,
+        "eval_auc": metrics["auc"], "eval_logloss": metrics["logloss"],
+        "teacher_auc": data.teacher_auc(args.eval_batches, split="eval"),
+        "train_seconds": seconds, "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        "plan": plan.to_dict(),
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Entry point: ``torchrun --nproc-per-node N -m embark.sharded_train ...`` (gloo), or plain
+    ``python -m embark.sharded_train`` for one rank. Exit status 2 on a bad plan or setting,
+    on every rank (each checks the same inputs, so none waits in a collective)."""
+    quiet = os.environ.get("RANK", "0") != "0"  # progress and planner logs from rank 0 only
+    logging.basicConfig(
+        level=logging.WARNING if quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+    )
+    args = parse_args(argv)
+    torch.set_num_threads(1)
+    distributed = "WORLD_SIZE" in os.environ and not dist.is_initialized()
+    if distributed:
+        dist.init_process_group("gloo")
+    rank, world_size = (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+    try:
+        results = run(args, rank, world_size)
+    except (PlanError, PlannerError, ValueError) as e:
+        if rank == 0:
+            log.error("error: %s", e)
+        return 2
+    finally:
+        if distributed:
+            dist.destroy_process_group()
+    if rank == 0:
+        print(
+            f"sharded_train [{results['workload']}, world {world_size}, {results['steps']} steps × "
+            f"{results['batch_size']}]  loss {results['final_loss'] or float('nan'):.4f}  eval AUC "
+            f"{results['eval_auc']:.4f} (teacher {results['teacher_auc']:.4f})  eval logloss "
+            f"{results['eval_logloss']:.4f}  {results['samples_per_s']:,.0f} samples/s",
+            flush=True,
+        )
+        if args.out:
+            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+            Path(args.out).write_text(json.dumps(results, indent=1) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

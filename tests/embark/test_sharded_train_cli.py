@@ -1,0 +1,70 @@
+"""``python -m embark.sharded_train``: a real ``torchrun`` launch of 2 gloo ranks, and the
+one-rank paths (planner-made plan, a plan for the wrong world size) in process."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from test_sharded_train import tiny_plan
+
+from embark.sharded_train import main
+from embark.types import ShardingPlan
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_torchrun_two_ranks_with_a_plan_file(tmp_path: Path) -> None:
+    """A hand plan (TW, RW, CW, TRW, DP) in `embark.plan --out`'s document form; rank 0 prints
+    the loss and the eval AUC and writes the results."""
+    plan = tmp_path / "plan.json"
+    plan.write_text(json.dumps({"workload": "tiny", "plan": tiny_plan(2)}))
+    out = tmp_path / "results.json"
+    cmd = [
+        # a static rendezvous on a free port: --standalone's c10d rendezvous adds ~6 s here
+        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
+        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "-m", "embark.sharded_train", "--workload", "tiny", "--steps", "4", "--batch-size", "64",
+        "--eval-batches", "1", "--log-every", "2", "--plan", str(plan), "--out", str(out),
+    ]
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
+    assert p.stdout.count("sharded_train [tiny, world 2, 4 steps × 64]") == 1  # rank 0 only
+    assert [line.split()[1] for line in p.stdout.splitlines() if line.startswith("step")] == ["2", "4"]
+    res = json.loads(out.read_text())
+    assert res["world_size"] == 2 and res["steps"] == 4
+    assert ShardingPlan.from_dict(res["plan"]) == ShardingPlan.from_dict(tiny_plan(2))
+    assert 0.0 <= res["eval_auc"] <= 1.0 and math.isfinite(res["final_loss"])
+
+
+def test_one_rank_with_the_planner(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out = tmp_path / "r.json"
+    argv = ["--steps", "2", "--batch-size", "32", "--eval-batches", "1", "--out", str(out)]
+    assert main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["world_size"] == 1 and res["plan"]["world_size"] == 1 and res["steps"] == 2
+    assert "eval AUC" in capsys.readouterr().out
+
+
+def test_plan_for_another_world_size_is_a_clear_error(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    plan = tmp_path / "plan4.json"
+    plan.write_text(json.dumps(tiny_plan(4)))
+    assert main(["--steps", "1", "--plan", str(plan)]) == 2
+    msg = caplog.text
+    assert f"--plan {str(plan)!r} is for world size 4 but this run has 1 rank(s)" in msg
+    assert "torchrun --nproc-per-node 4" in msg

@@ -331,6 +331,9 @@ class ShardedTrainer:
             raise ValueError("train_step: the global batch is empty on every rank")
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / total
         loss.backward()
+        for p in self.model.embeddings.parameters():
+            if p.grad is None:  # keep every parameter's optimizer state in lockstep (as the
+                p.grad = torch.zeros_like(p)  # Trainer's EmbeddingBags, which always get one)
         self.model.embeddings.reduce_dp_gradients()
         global_loss = self.model.reduce_dense_gradients(extra=loss.detach().reshape(1))
         assert global_loss is not None

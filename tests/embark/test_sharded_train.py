@@ -6,6 +6,10 @@ writes its gathered model (``full_state_dict``) and losses; the tests compare th
 real single-process :class:`~embark.train.Trainer` on the whole global batches. Run a worker
 by hand with ``python tests/embark/test_sharded_train.py --worker RANK WORLD INIT_FILE OUT_DIR``.
 
+Checkpoints: ranks 0-1 (world 4: a 2-rank subgroup) train RESUME_AT steps on the world-2
+plan and save; every rank resumes on its own world's plan (world 4: resharded), and the
+single-process Trainer resumes the same files; all end equal to the uninterrupted run.
+
 The global batch (30) does not divide by 4, so world 4 also checks uneven local batches.
 Float sums are reordered (all-to-all partial sums, all-reduce), so values agree within
 ``ATOL``, not bit for bit; dense parts and DP replicas must be bit-identical across ranks.
@@ -27,6 +31,7 @@ WORLDS = (2, 4)
 GPN = 2
 STEPS = 5
 GLOBAL_BATCH = 30
+RESUME_AT = 3  # checkpoint after this many steps
 MODEL_SEED, DATA_SEED = 3, 7
 ATOL = 1e-5  # fp32, 5 steps: observed max |diff| is 5e-8 (worlds 2 and 4)
 # Adagrad's step lr·g/sqrt(Σg²) is scale-free: an element whose first gradients are tiny and
@@ -117,9 +122,43 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             state = model.full_state_dict(dst=None)
             save_file(state, str(Path(out_dir, f"{case}-rank{rank}.safetensors")))
             report[case] = {"losses": losses, "step": trainer.step}
+        report["resume"] = _resume(rank, world, out_dir, batches)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
+
+
+def _resume(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str, Any]:
+    """Train RESUME_AT steps on ranks 0-1 (world 2: the default group, world 4: a 2-rank
+    subgroup), checkpoint to ``<out_dir>/ckpt``, then every rank of the world resumes from it
+    with its own plan and trains the remaining steps."""
+    import torch.distributed as dist
+    from safetensors.torch import save_file
+
+    from embark.model import build_model
+    from embark.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+    from embark.sharded_train import ShardedDLRM, ShardedTrainer, local_batch
+    from embark.train import TrainConfig
+    from embark.types import ShardingPlan
+    from embark.workloads import get_workload
+
+    group = None if world == 2 else dist.new_group([0, 1])  # every rank creates the group
+    ckpt = Path(out_dir, "ckpt")
+    if rank < 2:
+        model = ShardedDLRM(
+            build_model(get_workload("tiny"), seed=MODEL_SEED),
+            ShardingPlan.from_dict(tiny_plan(2)), rank, group,
+        )
+        first = ShardedTrainer(model, TrainConfig(**CASES["adagrad"]))
+        for b in batches[:RESUME_AT]:
+            first.train_step(local_batch(b, rank, 2))
+        save_sharded_checkpoint(first, ckpt)
+    dist.barrier()
+    trainer = load_sharded_checkpoint(ckpt, ShardingPlan.from_dict(tiny_plan(world)), rank)
+    start = trainer.step
+    losses = [trainer.train_step(local_batch(b, rank, world)) for b in batches[start:]]
+    save_file(trainer.model.full_state_dict(dst=None), str(Path(out_dir, f"resume-rank{rank}.safetensors")))
+    return {"start": start, "losses": losses, "step": trainer.step}
 
 
 # ------------------------------------------------------------------------------- tests
@@ -149,8 +188,9 @@ def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactor
 
 
 @pytest.fixture(scope="module")
-def reference() -> dict[str, tuple[dict[str, Any], list[float]]]:
-    """The single-process Trainer on the whole global batches: (state_dict, losses) per case."""
+def reference() -> dict[str, tuple[dict[str, Any], list[float], Any]]:
+    """The single-process Trainer on the whole global batches: (state_dict, losses, trainer)
+    per case."""
     import torch
 
     from embark.data import SyntheticCTR
@@ -165,7 +205,7 @@ def reference() -> dict[str, tuple[dict[str, Any], list[float]]]:
     for case, cfg in CASES.items():
         t = Trainer(build_model(workload, seed=MODEL_SEED), TrainConfig(**cfg))
         losses = [t.train_step(b) for b in data.batches(STEPS)]
-        out[case] = ({k: v.detach().clone() for k, v in t.model.state_dict().items()}, losses)
+        out[case] = ({k: v.detach().clone() for k, v in t.model.state_dict().items()}, losses, t)
     return out
 
 
@@ -177,7 +217,7 @@ def test_equals_single_process_trainer(runs: Any, reference: Any, case: str) -> 
     from safetensors.torch import load_file
 
     world, d = runs
-    want, want_losses = reference[case]
+    want, want_losses, _ = reference[case]
     for r in range(world):
         got = load_file(str(d / f"{case}-rank{r}.safetensors"))
         assert got.keys() == want.keys()
@@ -208,6 +248,51 @@ def test_replicas_stay_bit_identical(runs: Any, case: str) -> None:
     for r in range(1, world):
         for k in states[0]:
             assert torch.equal(states[r][k], states[0][k]), (r, k)
+
+
+def test_checkpoint_from_world_2_resumes_resharded(runs: Any, reference: Any) -> None:
+    """A checkpoint written by 2 ranks after RESUME_AT steps, resumed on this world's plan
+    (world 2: same world; world 4: resharded), ends equal to the uninterrupted Trainer."""
+    import torch
+    from safetensors.torch import load_file
+
+    world, d = runs
+    want, want_losses, _ = reference["adagrad"]
+    for r in range(world):
+        rep = json.loads((d / f"rank{r}.json").read_text())["resume"]
+        assert (rep["start"], rep["step"]) == (RESUME_AT, STEPS)
+        torch.testing.assert_close(
+            torch.tensor(rep["losses"]), torch.tensor(want_losses[RESUME_AT:]), atol=ATOL, rtol=0
+        )
+        got = load_file(str(d / f"resume-rank{r}.safetensors"))
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=0, msg=f"rank {r} {k}")
+
+
+def test_checkpoint_from_world_2_resumes_in_one_process(runs: Any, reference: Any) -> None:
+    """The same checkpoint in the single-process Trainer: weights and Adagrad sums after the
+    remaining steps equal the uninterrupted run's."""
+    import torch
+
+    from embark.data import SyntheticCTR
+    from embark.train import Trainer
+    from embark.workloads import get_workload
+
+    _, d = runs
+    want, _, ref = reference["adagrad"]
+    t = Trainer.load_checkpoint(d / "ckpt")
+    assert t.step == RESUME_AT
+    data = SyntheticCTR(get_workload("tiny"), GLOBAL_BATCH, seed=DATA_SEED)
+    t.fit(data.batches(STEPS - RESUME_AT, start=RESUME_AT), STEPS - RESUME_AT, progress=False)
+    got = t.model.state_dict()
+    for k in want:
+        torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=0, msg=k)
+    mine = dict(t.model.named_parameters())
+    for n, p in ref.model.named_parameters():
+        torch.testing.assert_close(
+            t.optimizer.state[mine[n]]["sum"], ref.optimizer.state[p]["sum"], atol=ATOL, rtol=0, msg=n
+        )
+        assert float(t.optimizer.state[mine[n]]["step"]) == STEPS
 
 
 if __name__ == "__main__":

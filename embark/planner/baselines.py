@@ -10,7 +10,7 @@ import numpy as np
 from embark.planner.cost import CostModel
 from embark.planner.layout import make_sharding
 from embark.planner.simulator import check_memory
-from embark.planner.types import PlannerError
+from embark.planner.types import PlannerError, format_bytes
 from embark.types import Cluster, CommDtype, ShardingPlan, TableSharding
 
 
@@ -58,8 +58,8 @@ def table_wise(model: CostModel, comm_dtype: CommDtype = CommDtype.FP32) -> Shar
                 break
         else:
             raise PlannerError(
-                f"table_wise plan does not fit: table {t.name!r} needs {need / 1e9:.2f} GB but the "
-                f"emptiest rank has {(cap - mem.min()) / 1e9:.2f} GB free"
+                f"table_wise plan does not fit: table {t.name!r} needs {format_bytes(need)} but the "
+                f"emptiest rank has {format_bytes(cap - mem.min())} free"
             )
         mem[r] += need
         nxt = r + 1

@@ -9,7 +9,7 @@ from __future__ import annotations
 import numpy as np
 
 from embark.planner.cost import NUM_CHANNELS, CostModel
-from embark.planner.types import GpuStats, PlannerError, SimResult
+from embark.planner.types import GpuStats, PlannerError, SimResult, format_bytes
 from embark.types import Cluster, ShardingPlan
 
 
@@ -42,9 +42,9 @@ def check_memory(plan: ShardingPlan, model: CostModel) -> np.ndarray:
             ((float(model.memory(ts)[r]), ts.name) for ts in plan.tables if r in ts.ranks), reverse=True
         )[:3]
         raise PlannerError(
-            f"rank {r} needs {mem[r] / 1e9:.2f} GB of weights + optimizer state but holds "
-            f"{cap / 1e9:.2f} GB (over by {(mem[r] - cap) / 1e9:.2f} GB; largest tables there: "
-            + ", ".join(f"{n!r} {b / 1e9:.2f} GB" for b, n in big)
+            f"rank {r} needs {format_bytes(mem[r])} of weights + optimizer state but holds "
+            f"{format_bytes(cap)} (over by {format_bytes(mem[r] - cap)}; largest tables there: "
+            + ", ".join(f"{n!r} {format_bytes(b)}" for b, n in big)
             + ")"
         )
     return mem

@@ -137,6 +137,8 @@ class ShardedEmbeddingCollection(nn.Module):
         hierarchical: REDUCTION partial sums are reduced inside a node before the inter-node
             exchange (:mod:`embark.sharding.hierarchical`); needs the default process group.
             Creating the subgroups is a collective. No effect on one node or one GPU per node.
+            ``None`` (default): on with the default process group — the exchange the
+            planner's cost model rates — off with any other group.
         seed: initialisation seed (uniform ``±sqrt(1/num_rows)``, as ``embark.model``); a
             shard's values depend on the seed, the table and the shard's corner, so DP
             replicas start equal. Use :meth:`load_full_weights` for given values.
@@ -156,7 +158,7 @@ class ShardedEmbeddingCollection(nn.Module):
         rank: int,
         process_group: Any | None = None,
         comm_dtype: CommDtype | str | None = None,
-        hierarchical: bool = False,
+        hierarchical: bool | None = None,
         seed: int = 0,
     ) -> None:
         super().__init__()
@@ -181,6 +183,8 @@ class ShardedEmbeddingCollection(nn.Module):
         plan.check_tables(tables)
         if hierarchical and process_group is not None:
             raise ValueError("hierarchical=True needs the default process group (process_group=None)")
+        if hierarchical is None:
+            hierarchical = process_group is None
         wire = None if comm_dtype is None else CommDtype(comm_dtype)
         self.layout = Layout(tables, plan, wire)
         self.rank, self.world_size = rank, plan.world_size

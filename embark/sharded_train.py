@@ -49,7 +49,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -68,7 +68,7 @@ from embark.planner.planner import STRATEGIES
 from embark.sharding import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world
 from embark.topology import get_topology
-from embark.train import Callback, OptimizerKind, TrainConfig
+from embark.train import Callback, OptimizerKind, TrainConfig, build_optimizer
 from embark.types import CommDtype, PlanError, ShardingPlan
 from embark.workloads import PRESETS as WORKLOADS
 from embark.workloads import Workload, get_workload
@@ -260,32 +260,6 @@ class ShardedDLRM(nn.Module):
 
 
 # --------------------------------------------------------------------------- trainer
-def make_optimizer(
-    cfg: TrainConfig, embedding_params: Sequence[nn.Parameter], dense_params: Sequence[nn.Parameter]
-) -> torch.optim.Optimizer:
-    """The optimizer :class:`~embark.train.Trainer` builds for ``cfg``: groups ``"embeddings"``
-    (``embedding_lr or lr``) and ``"dense"`` (``lr``), empty ones left out.
-
-    Raises:
-        ValueError: when both groups are empty.
-    """
-    groups: list[dict[str, Any]] = []
-    if embedding_params:
-        groups.append(
-            {"params": list(embedding_params), "name": "embeddings", "lr": cfg.embedding_lr or cfg.lr}
-        )
-    if dense_params:
-        groups.append({"params": list(dense_params), "name": "dense", "lr": cfg.lr})
-    if not groups:
-        raise ValueError("make_optimizer: no trainable parameters")
-    if cfg.optimizer == OptimizerKind.ADAGRAD:
-        return torch.optim.Adagrad(
-            groups, lr=cfg.lr, eps=cfg.adagrad_eps,
-            initial_accumulator_value=cfg.initial_accumulator_value,
-        )
-    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
-
-
 class ShardedTrainer:
     """Train a :class:`ShardedDLRM` with the single-process :class:`~embark.train.Trainer`'s
     optimizer semantics (see the module docstring for the gradient convention).
@@ -315,7 +289,7 @@ class ShardedTrainer:
         self.history: list[dict[str, float]] = []
         emb = [p for p in model.embeddings.parameters() if p.requires_grad]
         dense = [p for p in model.dense.parameters() if p.requires_grad]
-        self.optimizer = make_optimizer(cfg, emb, dense)
+        self.optimizer = build_optimizer(cfg, emb, dense)
 
     def train_step(self, batch: Batch) -> float:
         """One optimizer step on this rank's local ``batch`` (a collective).

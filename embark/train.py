@@ -34,7 +34,7 @@ import shutil
 import tempfile
 import time
 import uuid
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 from pathlib import Path
@@ -179,6 +179,29 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def build_optimizer(
+    cfg: TrainConfig, embedding_params: Sequence[nn.Parameter], dense_params: Sequence[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The trainer's optimizer for ``cfg``: param groups ``"embeddings"`` (``embedding_lr or
+    lr``) and ``"dense"`` (``lr``), empty ones left out (also used by sharded training).
+
+    Raises:
+        ValueError: when both groups are empty.
+    """
+    groups: list[dict[str, Any]] = []
+    if embedding_params:
+        groups.append({"params": list(embedding_params), "name": "embeddings",
+                       "lr": cfg.embedding_lr or cfg.lr})
+    if dense_params:
+        groups.append({"params": list(dense_params), "name": "dense", "lr": cfg.lr})
+    if not groups:
+        raise ValueError("Trainer: the model has no trainable parameters")
+    if cfg.optimizer == OptimizerKind.ADAGRAD:
+        return torch.optim.Adagrad(groups, lr=cfg.lr, eps=cfg.adagrad_eps,
+                                   initial_accumulator_value=cfg.initial_accumulator_value)
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+
+
 class Trainer:
     """Train a model whose ``forward(dense, sparse)`` returns ``(B,)`` logits with binary
     cross-entropy on ``Batch.labels``.
@@ -213,32 +236,12 @@ class Trainer:
         p = next(self.model.parameters(), None)
         return p.device if p is not None else torch.device("cpu")
 
-    def _param_groups(self) -> list[dict[str, Any]]:
+    def _make_optimizer(self) -> torch.optim.Optimizer:
         emb, dense = [], []
         for name, p in self.model.named_parameters():
             if p.requires_grad:
                 (emb if name.startswith("embeddings.") else dense).append(p)
-        groups = []
-        if emb:
-            groups.append(
-                {"params": emb, "name": "embeddings", "lr": self.cfg.embedding_lr or self.cfg.lr}
-            )
-        if dense:
-            groups.append({"params": dense, "name": "dense", "lr": self.cfg.lr})
-        if not groups:
-            raise ValueError("Trainer: the model has no trainable parameters")
-        return groups
-
-    def _make_optimizer(self) -> torch.optim.Optimizer:
-        groups = self._param_groups()
-        if self.cfg.optimizer == OptimizerKind.ADAGRAD:
-            return torch.optim.Adagrad(
-                groups,
-                lr=self.cfg.lr,
-                eps=self.cfg.adagrad_eps,
-                initial_accumulator_value=self.cfg.initial_accumulator_value,
-            )
-        return torch.optim.SGD(groups, lr=self.cfg.lr, momentum=self.cfg.momentum)
+        return build_optimizer(self.cfg, emb, dense)
 
     def rebuild_optimizer(self) -> None:
         """Build a new optimizer over the model's current parameters (call after modules were

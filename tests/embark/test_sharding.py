@@ -15,15 +15,12 @@ non-integer weights and a tolerance.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import pytest
+from gloo_world import spawn_world, worker_main
 
-ROOT = Path(__file__).resolve().parents[2]
 WORLDS = (2, 4)
 GPN = 2
 MAX_BAG = 4
@@ -312,24 +309,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
     world = request.param
     d = tmp_path_factory.mktemp(f"sharding{world}")
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(r), str(world), str(d / "init"), str(d)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(world)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=240)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {r} of {world} failed:\n{log[-4000:]}"
+    spawn_world(__file__, world, d, timeout_s=240)
     return world, [json.loads((d / f"rank{r}.json").read_text()) for r in range(world)]
 
 
@@ -407,7 +387,4 @@ def test_errors_are_raised_on_every_rank(reports: Any) -> None:
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
-    else:
-        sys.exit("usage: test_sharding.py --worker RANK WORLD INIT_FILE OUT_DIR")
+    worker_main(worker, "test_sharding.py")

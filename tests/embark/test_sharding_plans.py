@@ -19,14 +19,12 @@ gradients that are integers × 12 (every tiny table is ``sum``), so ``torch.equa
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
 import pytest
+from gloo_world import spawn_world, worker_main
 
 from embark.planner import PlannerError, plan_sharding
 from embark.planner.baselines import BASELINES
@@ -34,7 +32,6 @@ from embark.topology import get_topology
 from embark.types import Topology
 from embark.workloads import get_workload
 
-ROOT = Path(__file__).resolve().parents[2]
 WORLD, GPN = 4, 2
 MODES = ("flat", "hierarchical")
 BATCH_SIZES = ((5, 3, 0, 4), (2, 6, 4, 1))  # per step, per rank (rank 2 empty in step 0)
@@ -204,24 +201,7 @@ def world_reports(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, A
     d = tmp_path_factory.mktemp("sharding_plans")
     plans = make_plans()
     (d / "plans.json").write_text(json.dumps(plans))
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    procs = [
-        subprocess.Popen(
-            [sys.executable, __file__, "--worker", str(r), str(WORLD), str(d / "init"), str(d)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-        )
-        for r in range(WORLD)
-    ]
-    logs = []
-    try:
-        for p in procs:
-            logs.append(p.communicate(timeout=120)[0])
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-    for r, (p, log) in enumerate(zip(procs, logs)):
-        assert p.returncode == 0, f"rank {r} failed:\n{log[-4000:]}"
+    spawn_world(__file__, WORLD, d, timeout_s=120)
     return plans, [json.loads((d / f"rank{r}.json").read_text()) for r in range(WORLD)]
 
 
@@ -306,7 +286,4 @@ def test_specs_cover_the_layouts_they_were_picked_for(world_reports: Any) -> Non
 
 
 if __name__ == "__main__":
-    if len(sys.argv) == 6 and sys.argv[1] == "--worker":
-        worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
-    else:
-        sys.exit("usage: test_sharding_plans.py --worker RANK WORLD INIT_FILE OUT_DIR")
+    worker_main(worker, "test_sharding_plans.py")

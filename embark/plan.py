@@ -35,7 +35,7 @@ from embark.workloads import get_workload
 log = logging.getLogger("embark.plan")
 
 
-def _int_at_least(low: int) -> Callable[[str], int]:
+def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse ``type`` for an integer >= ``low``; anything else is a usage error (exit 2)."""
 
     def parse(text: str) -> int:
@@ -54,14 +54,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m embark.plan", description=__doc__.split("\n")[0])
     p.add_argument("--workload", required=True, choices=WORKLOADS)
     p.add_argument("--topology", default="dgx-h100", choices=TOPOLOGIES)
-    p.add_argument("--nodes", type=_int_at_least(1), default=1)
+    p.add_argument("--nodes", type=int_at_least(1), default=1)
     p.add_argument(
-        "--batch-size", type=_int_at_least(1), default=65536, help="global batch (all ranks, >= world size)"
+        "--batch-size", type=int_at_least(1), default=65536, help="global batch (all ranks, >= world size)"
     )
     p.add_argument("--strategy", default="auto", help=f"{'|'.join(STRATEGIES)} or a plan file (JSON/YAML)")
     p.add_argument("--constraints", default=None, help="per-table constraints file (JSON/YAML)")
     p.add_argument("--comm-dtype", default="fp32", choices=[d.value for d in CommDtype])
-    p.add_argument("--rounds", type=_int_at_least(0), default=20, help="greedy split rounds (>= 0)")
+    p.add_argument("--rounds", type=int_at_least(0), default=20, help="greedy split rounds (>= 0)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--quiet", action="store_true", help="do not print the stats table")
     return p.parse_args(argv)

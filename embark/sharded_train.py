@@ -49,7 +49,7 @@ import logging
 import os
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -63,6 +63,7 @@ from embark.data.jagged import JaggedBatch
 from embark.data.synthetic import Batch, SyntheticCTR
 from embark.metrics import auc, log_loss
 from embark.model import DLRM, build_model
+from embark.plan import int_at_least
 from embark.planner import PlannerError, plan_sharding
 from embark.planner.planner import STRATEGIES
 from embark.sharding import ShardedEmbeddingCollection
@@ -360,8 +361,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--workload", default="tiny", choices=WORKLOADS)
     p.add_argument("--scale", type=float, default=1.0, help="divide every table's rows by this (>= 1)")
-    p.add_argument("--steps", type=_int_at_least(0), default=50)
-    p.add_argument("--batch-size", type=_int_at_least(1), default=512, help="GLOBAL batch (all ranks)")
+    p.add_argument("--steps", type=int_at_least(0), default=50)
+    p.add_argument("--batch-size", type=int_at_least(1), default=512, help="GLOBAL batch (all ranks)")
     p.add_argument("--plan", default=None,
                    help="plan JSON (a plan, or `python -m embark.plan --out` output); none = plan here")
     p.add_argument("--strategy", default="auto", choices=STRATEGIES, help="planner strategy without --plan")
@@ -369,24 +370,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help="none = the workload's choice")
     p.add_argument("--lr", type=float, default=0.02, help="learning rate of the dense part")
     p.add_argument("--embedding-lr", type=float, default=0.1, help="learning rate of the tables")
-    p.add_argument("--seed", type=_int_at_least(0), default=0, help="model, data and teacher seed")
-    p.add_argument("--eval-batches", type=_int_at_least(1), default=8, help="held-out global batches")
-    p.add_argument("--log-every", type=_int_at_least(1), default=10, help="print the loss every N steps")
+    p.add_argument("--seed", type=int_at_least(0), default=0, help="model, data and teacher seed")
+    p.add_argument("--eval-batches", type=int_at_least(1), default=8, help="held-out global batches")
+    p.add_argument("--log-every", type=int_at_least(1), default=10, help="print the loss every N steps")
     p.add_argument("--out", default=None, help="rank 0 writes the results JSON here")
     return p.parse_args(argv)
-
-
-def _int_at_least(low: int) -> Callable[[str], int]:
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
-
-    return parse
 
 
 def resolve_plan(args: argparse.Namespace, workload: Workload, world_size: int) -> ShardingPlan:

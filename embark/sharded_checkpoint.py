@@ -107,10 +107,12 @@ def to_single_process(trainer: ShardedTrainer, dst: int | None = 0) -> Trainer |
 
 def save_sharded_checkpoint(trainer: ShardedTrainer, path: str | os.PathLike[str]) -> Path:
     """Write the Trainer-format checkpoint of ``trainer`` at ``path`` from the group's rank 0
-    (a collective; every rank returns once it is written).
+    (a collective; every rank returns once it is written, or raises if it was not).
 
     Raises:
-        ValueError: as :meth:`Trainer.save_checkpoint`, on rank 0.
+        ValueError: on every rank when rank 0 could not write it: there as
+            :meth:`Trainer.save_checkpoint` (or an ``OSError``, naming ``path``), elsewhere
+            naming ``path`` (so no rank goes on to wait in a collective alone).
     """
     single = to_single_process(trainer, dst=0)
     error: ValueError | None = None
@@ -119,11 +121,18 @@ def save_sharded_checkpoint(trainer: ShardedTrainer, path: str | os.PathLike[str
             single.save_checkpoint(path)
         except ValueError as e:
             error = e
+        except OSError as e:
+            error = ValueError(f"cannot write the checkpoint {str(path)!r}: {e}")
     group = trainer.model.process_group
+    failed = error is not None
     if distributed_world(group) is not None:
-        dist.barrier(group=group)
+        flag = torch.tensor([int(failed)])
+        dist.all_reduce(flag, group=group)  # also the barrier: rank 0 has finished writing
+        failed = bool(flag.item())
     if error is not None:
         raise error
+    if failed:
+        raise ValueError(f"rank 0 could not write the checkpoint {str(path)!r}")
     return Path(path)
 
 

@@ -34,10 +34,23 @@ Command line (gloo on CPU; rank 0 prints the loss, the eval AUC and writes ``--o
     torchrun --nproc-per-node 2 -m embark.sharded_train --workload tiny --steps 50 \\
         [--plan plan.json]        # a plan, or `python -m embark.plan --out` output; none = plan
                                   # here with the greedy planner for one cpu-local node
+        [--checkpoint-dir ckpt [--checkpoint-every N]]   # rank 0 writes it at the end (and
+                                  # every N steps), atomically, in the Trainer's format
+        [--resume ckpt]           # continue a checkpoint of any world size, or of the
+                                  # single-process Trainer (`python -m recipes.train_dlrm`)
     python -m embark.sharded_train --help   # every knob with its default
 
 Every rank generates the same global batches (:class:`~embark.data.SyntheticCTR`) and trains
 on its :func:`local_batch`. A plan for another world size exits with status 2 on every rank.
+
+Resuming. ``--steps`` is the TOTAL number of steps (as the recipe's and the Trainer's
+``total - t.step`` example): a checkpoint at step ``k`` trains ``--steps - k`` more steps on
+global batches ``k, k+1, ...`` (batch ``i`` at step ``i + 1``, as an uninterrupted run), so
+the weights end as an uninterrupted ``--steps``-step run's, up to float sums (on another world
+size). The seed, optimizer and learning rates are the checkpoint's (giving a different one is an
+error); ``--batch-size`` is not recorded in a checkpoint: pass the one it was trained with. A
+missing or corrupt checkpoint, one of another workload (or ``--scale``) or one past
+``--steps`` exits with status 2 on every rank, naming the path.
 """
 
 from __future__ import annotations
@@ -69,7 +82,7 @@ from embark.planner.planner import STRATEGIES
 from embark.sharding import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world
 from embark.topology import get_topology
-from embark.train import Callback, OptimizerKind, TrainConfig, build_optimizer
+from embark.train import Callback, OptimizerKind, TrainConfig, Trainer, build_optimizer
 from embark.types import CommDtype, PlanError, ShardingPlan
 from embark.workloads import PRESETS as WORKLOADS
 from embark.workloads import Workload, get_workload
@@ -354,6 +367,9 @@ class ShardedTrainer:
 
 
 # ------------------------------------------------------------------------------- CLI
+DEFAULTS: dict[str, Any] = {"lr": 0.02, "embedding_lr": 0.1, "seed": 0}  # without --resume
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         prog="torchrun --nproc-per-node N -m embark.sharded_train",
@@ -368,13 +384,85 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--strategy", default="auto", choices=STRATEGIES, help="planner strategy without --plan")
     p.add_argument("--optimizer", default=None, choices=[o.value for o in OptimizerKind],
                    help="none = the workload's choice")
-    p.add_argument("--lr", type=float, default=0.02, help="learning rate of the dense part")
-    p.add_argument("--embedding-lr", type=float, default=0.1, help="learning rate of the tables")
-    p.add_argument("--seed", type=int_at_least(0), default=0, help="model, data and teacher seed")
+    p.add_argument("--lr", type=float, default=None,
+                   help=f"learning rate of the dense part (default {DEFAULTS['lr']}; --resume: the checkpoint's)")
+    p.add_argument("--embedding-lr", type=float, default=None,
+                   help=f"learning rate of the tables (default {DEFAULTS['embedding_lr']}; --resume: the checkpoint's)")
+    p.add_argument("--seed", type=int_at_least(0), default=None,
+                   help="model, data and teacher seed (default 0; --resume: the checkpoint's)")
     p.add_argument("--eval-batches", type=int_at_least(1), default=8, help="held-out global batches")
     p.add_argument("--log-every", type=int_at_least(1), default=10, help="print the loss every N steps")
     p.add_argument("--out", default=None, help="rank 0 writes the results JSON here")
+    p.add_argument("--checkpoint-dir", default=None,
+                   help="rank 0 writes the final checkpoint here (replaced atomically)")
+    p.add_argument("--checkpoint-every", type=int_at_least(0), default=0,
+                   help="also checkpoint every N steps (0 = only at the end); needs --checkpoint-dir")
+    p.add_argument("--resume", default=None,
+                   help="continue this checkpoint (any world size, or the single-process Trainer's) "
+                   "to --steps TOTAL steps")
     return p.parse_args(argv)
+
+
+def check_checkpoint_dir(args: argparse.Namespace) -> None:
+    """``--checkpoint-dir`` / ``--checkpoint-every`` are usable (checked on every rank before
+    training, so a save cannot fail on rank 0 alone for these reasons).
+
+    Raises:
+        ValueError: ``--checkpoint-every`` without a folder, or a path that exists and is not
+            a checkpoint folder (the Trainer refuses to replace it).
+    """
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir is None:
+        return
+    path = Path(args.checkpoint_dir)
+    if path.exists() and (
+        not path.is_dir() or (any(path.iterdir()) and not (path / "state.json").is_file())
+    ):
+        raise ValueError(
+            f"--checkpoint-dir {args.checkpoint_dir!r} exists and is not a checkpoint folder"
+        )
+
+
+def load_resume(args: argparse.Namespace, workload: Workload) -> Trainer:
+    """The single-process Trainer of ``--resume``, checked against this run's settings.
+
+    Raises:
+        ValueError: naming the path, for a missing, corrupt or unreadable checkpoint, one of
+            another workload, one trained with another seed / optimizer / learning rate than
+            given, or one past ``--steps``.
+    """
+    path = args.resume
+    try:
+        single = Trainer.load_checkpoint(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--resume {path!r}: {e}") from None
+    stored = single.model.workload
+    if stored != workload:
+        rows = [t.num_rows for t in workload.tables]
+        raise ValueError(
+            f"--resume {path!r} is a checkpoint of workload {stored.name!r} (rows "
+            f"{[t.num_rows for t in stored.tables]}), not of --workload {args.workload} "
+            f"--scale {args.scale:g} ({workload.name!r}, rows {rows})"
+        )
+    cfg = single.cfg
+    for flag, given, saved in (
+        ("--seed", args.seed, cfg.seed),
+        ("--optimizer", args.optimizer, cfg.optimizer.value),
+        ("--lr", args.lr, cfg.lr),
+        ("--embedding-lr", args.embedding_lr, cfg.lr if cfg.embedding_lr is None else cfg.embedding_lr),
+    ):
+        if given is not None and given != saved:
+            raise ValueError(
+                f"--resume {path!r} was trained with {flag} {saved}, not {given}: leave {flag} "
+                "out (a resumed run keeps the checkpoint's)"
+            )
+    if single.step > args.steps:
+        raise ValueError(
+            f"--resume {path!r} is at step {single.step}, past --steps {args.steps} "
+            "(the total number of steps)"
+        )
+    return single
 
 
 def resolve_plan(args: argparse.Namespace, workload: Workload, world_size: int) -> ShardingPlan:
@@ -413,24 +501,46 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     if args.batch_size < world_size:
         raise ValueError(f"--batch-size {args.batch_size} is smaller than the world size {world_size}")
     plan = resolve_plan(args, workload, world_size)
-    cfg = TrainConfig(
-        lr=args.lr, embedding_lr=args.embedding_lr, seed=args.seed,
-        optimizer=args.optimizer or workload.optimizer,
-    )
-    data = SyntheticCTR(workload, args.batch_size, seed=args.seed)
-    trainer = ShardedTrainer(ShardedDLRM(build_model(workload, seed=args.seed), plan, rank), cfg)
+    check_checkpoint_dir(args)
+    from embark.sharded_checkpoint import from_single_process, save_sharded_checkpoint
+
+    if args.resume is not None:
+        trainer = from_single_process(load_resume(args, workload), plan, rank)
+    else:
+        seed = DEFAULTS["seed"] if args.seed is None else args.seed
+        cfg = TrainConfig(
+            lr=DEFAULTS["lr"] if args.lr is None else args.lr,
+            embedding_lr=DEFAULTS["embedding_lr"] if args.embedding_lr is None else args.embedding_lr,
+            seed=seed, optimizer=args.optimizer or workload.optimizer,
+        )
+        trainer = ShardedTrainer(ShardedDLRM(build_model(workload, seed=seed), plan, rank), cfg)
+    cfg = trainer.cfg
+    data = SyntheticCTR(workload, args.batch_size, seed=cfg.seed)
+    start, saved_at, save_seconds = trainer.step, None, 0.0
+
+    def save() -> None:
+        nonlocal saved_at, save_seconds
+        t = time.perf_counter()
+        save_sharded_checkpoint(trainer, args.checkpoint_dir)  # a collective; rank 0 writes
+        saved_at, save_seconds = trainer.step, save_seconds + time.perf_counter() - t
+
     t0 = time.perf_counter()
     losses = []
-    for batch in data.batches(args.steps):
+    for batch in data.batches(args.steps - start, start=start):  # batch i → step i + 1
         losses.append(trainer.train_step(local_batch(batch, rank, world_size)))
         if rank == 0 and (trainer.step % args.log_every == 0 or trainer.step == args.steps):
             print(f"step {trainer.step:>6}  loss {losses[-1]:.4f}", flush=True)
-    seconds = time.perf_counter() - t0
+        if args.checkpoint_every and trainer.step % args.checkpoint_every == 0:
+            save()
+    if args.checkpoint_dir is not None and saved_at != trainer.step:
+        save()
+    seconds = time.perf_counter() - t0 - save_seconds
     evals = [local_batch(b, rank, world_size) for b in data.batches(args.eval_batches, split="eval")]
     metrics = trainer.evaluate(evals)
-    samples = args.steps * args.batch_size
+    samples = len(losses) * args.batch_size
     return {
         "workload": workload.name, "world_size": world_size, "steps": trainer.step,
+        "start_step": start, "resumed_from": args.resume, "checkpoint": args.checkpoint_dir,
         "batch_size": args.batch_size, "optimizer": cfg.optimizer.value,
         "final_loss": losses[-1] if losses else None,
         "mean_loss": sum(losses) / len(losses) if losses else None,
@@ -443,8 +553,8 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
 
 def main(argv: list[str] | None = None) -> int:
     """Entry point: ``torchrun --nproc-per-node N -m embark.sharded_train ...`` (gloo), or plain
-    ``python -m embark.sharded_train`` for one rank. Exit status 2 on a bad plan or setting,
-    on every rank (each checks the same inputs, so none waits in a collective)."""
+    ``python -m embark.sharded_train`` for one rank. Exit status 2 on a bad plan, setting or
+    checkpoint, on every rank (each checks the same inputs, so none waits in a collective)."""
     quiet = os.environ.get("RANK", "0") != "0"  # progress and planner logs from rank 0 only
     logging.basicConfig(
         level=logging.WARNING if quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
@@ -469,7 +579,9 @@ def main(argv: list[str] | None = None) -> int:
             f"sharded_train [{results['workload']}, world {world_size}, {results['steps']} steps × "
             f"{results['batch_size']}]  loss {results['final_loss'] or float('nan'):.4f}  eval AUC "
             f"{results['eval_auc']:.4f} (teacher {results['teacher_auc']:.4f})  eval logloss "
-            f"{results['eval_logloss']:.4f}  {results['samples_per_s']:,.0f} samples/s",
+            f"{results['eval_logloss']:.4f}  {results['samples_per_s']:,.0f} samples/s"
+            + (f"  (resumed at step {results['start_step']})" if args.resume else "")
+            + (f"  checkpoint {args.checkpoint_dir}" if args.checkpoint_dir else ""),
             flush=True,
         )
         if args.out:

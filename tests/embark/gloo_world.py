@@ -48,3 +48,33 @@ def worker_main(worker, usage: str) -> None:  # noqa: ANN001 - worker(rank, worl
         worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
     else:
         sys.exit(f"usage: {usage} --worker RANK WORLD INIT_FILE OUT_DIR")
+
+
+def reference_step(full, tables, batches, ups, rank: int):  # noqa: ANN001, ANN201 - test helper
+    """The single-process reference of one sharded step: ``F.embedding_bag`` on the full tables
+    for every rank's local batch, loss ``Σ_ranks Σ_tables (pooled · upstream)``, backward.
+
+    Args:
+        full: ``{table: (rows, dim)}`` full weights; tables: the TableConfigs; batches: one
+            JaggedBatch per rank; ups: per rank ``{table: (B_r, dim)}`` upstream gradients.
+
+    Returns:
+        ``(weights, pooled)``: ``{table: leaf tensor with .grad}`` and this rank's pooled outputs.
+    """
+    import torch
+    import torch.nn.functional as F
+
+    ref_w = {n: w.clone().requires_grad_(True) for n, w in full.items()}
+    loss = torch.zeros(())
+    pooled = {}
+    for r, batch in enumerate(batches):
+        for t in tables:
+            o = F.embedding_bag(
+                batch.values_for(t.name), ref_w[t.name], batch.bag_offsets(t.name),
+                mode=t.combiner.value,
+            ) if batch.batch_size else ref_w[t.name][:0]
+            loss = loss + (o * ups[r][t.name]).sum()
+            if r == rank:
+                pooled[t.name] = o.detach()
+    loss.backward()
+    return ref_w, pooled

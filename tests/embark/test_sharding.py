@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gloo_world import spawn_world, worker_main
+from gloo_world import reference_step, spawn_world, worker_main
 
 WORLDS = (2, 4)
 GPN = 2
@@ -161,7 +161,6 @@ def _run_case(name: str, tables_d: list[Any], plan_d: dict[str, Any], rank: int,
               comm_dtype: str | None = None, hierarchical: bool = False,
               pipelined: bool = False) -> dict[str, Any]:
     import torch
-    import torch.nn.functional as F
 
     from embark.sharding import ShardedEmbeddingCollection
     from embark.types import ShardingPlan, TableConfig
@@ -195,19 +194,7 @@ def _run_case(name: str, tables_d: list[Any], plan_d: dict[str, Any], rank: int,
     # lazily: batch i+1 is pooled (pipelined: its keys sent) after batch i's backward
     outs = m.pipeline(local) if pipelined else (m(b) for b in local)
     for (batches, ups), out in zip(data, outs):
-        ref_w = {n: w.clone().requires_grad_(True) for n, w in full.items()}
-        ref_loss = 0.0
-        ref_out = {}
-        for r, batch in enumerate(batches):
-            for t in tables:
-                o = F.embedding_bag(
-                    batch.values_for(t.name), ref_w[t.name], batch.bag_offsets(t.name),
-                    mode=t.combiner.value,
-                ) if batch.batch_size else ref_w[t.name][:0]
-                ref_loss = ref_loss + (o * ups[r][t.name]).sum()
-                if r == rank:
-                    ref_out[t.name] = o.detach()
-        ref_loss.backward()  # type: ignore[union-attr]
+        ref_w, ref_out = reference_step(full, tables, batches, ups, rank)
         m.zero_grad(set_to_none=True)
         loss = sum((out[t.name] * ups[rank][t.name]).sum() for t in tables)
         loss.backward()  # type: ignore[union-attr]

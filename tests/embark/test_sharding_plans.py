@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gloo_world import spawn_world, worker_main
+from gloo_world import reference_step, spawn_world, worker_main
 
 from embark.planner import PlannerError, plan_sharding
 from embark.planner.baselines import BASELINES
@@ -126,7 +126,6 @@ def _steps(tables: list[Any]) -> list[tuple[list[Any], list[dict[str, Any]]]]:
 
 def _run(plan_d: dict[str, Any], rank: int, hierarchical: bool) -> dict[str, Any]:
     import torch
-    import torch.nn.functional as F
 
     from embark.sharding import ShardedEmbeddingCollection
     from embark.types import ShardingPlan
@@ -139,19 +138,7 @@ def _run(plan_d: dict[str, Any], rank: int, hierarchical: bool) -> dict[str, Any
     m.load_full_weights(full)
     res: dict[str, Any] = {t.name: {"fwd": True, "grad": True} for t in tables}
     for batches, ups in _steps(tables):
-        ref_w = {n: w.clone().requires_grad_(True) for n, w in full.items()}
-        ref_loss = torch.zeros(())
-        ref_out = {}
-        for r, batch in enumerate(batches):
-            for t in tables:
-                o = F.embedding_bag(
-                    batch.values_for(t.name), ref_w[t.name], batch.bag_offsets(t.name),
-                    mode=t.combiner.value,
-                ) if batch.batch_size else ref_w[t.name][:0]
-                ref_loss = ref_loss + (o * ups[r][t.name]).sum()
-                if r == rank:
-                    ref_out[t.name] = o.detach()
-        ref_loss.backward()
+        ref_w, ref_out = reference_step(full, tables, batches, ups, rank)
         m.zero_grad(set_to_none=True)
         out = m(batches[rank])
         loss = sum((out[t.name] * ups[rank][t.name]).sum() for t in tables)

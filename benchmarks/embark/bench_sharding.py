@@ -47,6 +47,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.embark.bench_planner import _layouts
 from benchmarks.meta import REPO_ROOT, RESULTS_DIR, write_json
 from embark.planner import plan_sharding
 from embark.planner.cost import (
@@ -210,14 +211,6 @@ def modelled_bytes(model: CostModel, plan: ShardingPlan) -> dict[str, float]:
         "vectors_intra_bytes": float(acc[:, OUT_SEND_INTRA].sum()),
         "vectors_inter_bytes": float(acc[:, OUT_SEND_INTER].sum()),
     }
-
-
-def _layouts(plan: ShardingPlan) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for ts in plan.tables:
-        k = f"{ts.sharding_type.value}/{ts.cluster.value}"
-        out[k] = out.get(k, 0) + 1
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:

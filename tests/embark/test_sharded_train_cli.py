@@ -1,29 +1,22 @@
-"""``python -m embark.sharded_train``: a real ``torchrun`` launch of 2 gloo ranks, and the
-one-rank paths (planner-made plan, a plan for the wrong world size) in process."""
+"""``python -m embark.sharded_train``: a real ``torchrun`` launch of 2 gloo ranks, the
+one-rank planner path in process, and a plan for the wrong world size on 2 launched ranks
+(:func:`gloo_world.launch_ranks`: every rank must exit 2, which torchrun's agent would race)."""
 
 from __future__ import annotations
 
 import json
 import math
 import os
-import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from gloo_world import ROOT, free_port, launch_ranks
 from test_sharded_train import tiny_plan
 
 from embark.sharded_train import main
 from embark.types import ShardingPlan
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def test_torchrun_two_ranks_with_a_plan_file(tmp_path: Path) -> None:
@@ -35,7 +28,7 @@ def test_torchrun_two_ranks_with_a_plan_file(tmp_path: Path) -> None:
     cmd = [
         # a static rendezvous on a free port: --standalone's c10d rendezvous adds ~6 s here
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
+        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
         "-m", "embark.sharded_train", "--workload", "tiny", "--steps", "4", "--batch-size", "64",
         "--eval-batches", "1", "--log-every", "2", "--plan", str(plan), "--out", str(out),
     ]
@@ -59,12 +52,12 @@ def test_one_rank_with_the_planner(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "eval AUC" in capsys.readouterr().out
 
 
-def test_plan_for_another_world_size_is_a_clear_error(
-    tmp_path: Path, caplog: pytest.LogCaptureFixture
-) -> None:
+def test_plan_for_another_world_size_exits_2_on_every_rank(tmp_path: Path) -> None:
     plan = tmp_path / "plan4.json"
     plan.write_text(json.dumps(tiny_plan(4)))
-    assert main(["--steps", "1", "--plan", str(plan)]) == 2
-    msg = caplog.text
-    assert f"--plan {str(plan)!r} is for world size 4 but this run has 1 rank(s)" in msg
+    ranks = launch_ranks(2, ["-m", "embark.sharded_train", "--steps", "1", "--plan", str(plan)])
+    assert [p.returncode for p in ranks] == [2, 2], [p.stderr[-2000:] for p in ranks]
+    msg = ranks[0].stderr
+    assert f"--plan {str(plan)!r} is for world size 4 but this run has 2 rank(s)" in msg, msg
     assert "torchrun --nproc-per-node 4" in msg
+    assert "Traceback" not in ranks[1].stderr, ranks[1].stderr

@@ -1,41 +1,35 @@
-"""``python -m embark.sharded_train --checkpoint-dir / --resume`` under real ``torchrun``:
-2 ranks train 4 steps and checkpoint, 1 rank resumes to 6 steps, and its final checkpoint
-equals an uninterrupted 6-step 2-rank run's; a corrupt checkpoint exits 2, naming the path."""
+"""``python -m embark.sharded_train --checkpoint-dir / --resume`` as launched ranks (torchrun's
+environment, :func:`gloo_world.launch_ranks`): 2 ranks train 4 steps and checkpoint, 1 rank
+resumes to 6 steps, and its final checkpoint equals an uninterrupted 6-step 2-rank run's; a
+corrupt checkpoint exits 2 on every rank, rank 0 naming the path."""
 
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
+from gloo_world import launch_ranks
 from safetensors.torch import load_file
 from test_sharded_train import tiny_plan
-from test_sharded_train_cli import _free_port
 
 from embark.sharded_train import main
 
-ROOT = Path(__file__).resolve().parents[2]
 COMMON = ["--workload", "tiny", "--batch-size", "64", "--eval-batches", "1", "--log-every", "100"]
 
 
-def _torchrun(nproc: int, *args: str) -> subprocess.CompletedProcess[str]:
-    cmd = [
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node",
-        str(nproc), "--master-addr", "127.0.0.1", "--master-port", str(_free_port()),
-        "-m", "embark.sharded_train", *COMMON, *args,
-    ]
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
-    return subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+def _ranks(nproc: int, *args: str) -> list[subprocess.CompletedProcess[str]]:
+    return launch_ranks(nproc, ["-m", "embark.sharded_train", *COMMON, *args])
 
 
-def _ok(p: subprocess.CompletedProcess[str]) -> str:
-    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
-    return p.stdout
+def _ok(ranks: list[subprocess.CompletedProcess[str]]) -> str:
+    """Rank 0's stdout, once every rank exited 0."""
+    for r, p in enumerate(ranks):
+        assert p.returncode == 0, f"rank {r}: " + p.stdout[-3000:] + p.stderr[-3000:]
+    return ranks[0].stdout
 
 
 @pytest.fixture(scope="module")
@@ -43,11 +37,11 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     d = tmp_path_factory.mktemp("resume")
     plan = d / "plan2.json"
     plan.write_text(json.dumps(tiny_plan(2)))  # TW, RW, CW, TRW, DP: resharded to world 1
-    _ok(_torchrun(2, "--steps", "4", "--plan", str(plan), "--checkpoint-dir", str(d / "c4")))
-    out = _ok(_torchrun(1, "--steps", "6", "--resume", str(d / "c4"), "--checkpoint-dir", str(d / "c6r")))
+    _ok(_ranks(2, "--steps", "4", "--plan", str(plan), "--checkpoint-dir", str(d / "c4")))
+    out = _ok(_ranks(1, "--steps", "6", "--resume", str(d / "c4"), "--checkpoint-dir", str(d / "c6r")))
     assert "sharded_train [tiny, world 1, 6 steps × 64]" in out and "(resumed at step 4)" in out
-    _ok(_torchrun(2, "--steps", "6", "--plan", str(plan), "--checkpoint-dir", str(d / "c6"),
-                  "--checkpoint-every", "3"))
+    _ok(_ranks(2, "--steps", "6", "--plan", str(plan), "--checkpoint-dir", str(d / "c6"),
+               "--checkpoint-every", "3"))
     return d
 
 
@@ -70,10 +64,11 @@ def test_corrupt_checkpoint_exits_2_on_every_rank(runs: Path, tmp_path: Path) ->
     with open(bad / "optimizer.safetensors", "r+b") as fh:
         fh.seek(100)
         fh.write(b"\xff" * 8)  # same size, other bytes
-    p = _torchrun(2, "--steps", "6", "--resume", str(bad))
-    assert p.returncode != 0
-    assert f"--resume {str(bad)!r}" in p.stderr and "does not match its recorded sha256" in p.stderr
-    assert p.stderr.count("exitcode  : 2") == 2, p.stderr[-3000:]  # torchrun's per-rank report
+    ranks = _ranks(2, "--steps", "6", "--resume", str(bad))
+    assert [p.returncode for p in ranks] == [2, 2], [p.stderr[-2000:] for p in ranks]
+    err = ranks[0].stderr
+    assert f"--resume {str(bad)!r}" in err and "does not match its recorded sha256" in err, err
+    assert "Traceback" not in ranks[1].stderr, ranks[1].stderr  # a clean exit 2, not a crash
 
 
 def test_resume_errors_in_process(runs: Path, caplog: pytest.LogCaptureFixture) -> None:

@@ -7,8 +7,9 @@ One forward is three exchanges (all-to-alls) plus local work::
 
     1 header   every rank -> every rank: [status, table, bad id, B, count per owned shard]
                (errors are raised here, on every rank, before any data moves)
-    2 keys     source -> owner: ids re-based to the shard (REDUCTION: with per-sample
-               lengths; UNIQUE: de-duplicated per (source, shard))
+    2 keys     source -> owner: int64 ids re-based to the shard (REDUCTION: after the
+               int32 per-sample lengths; UNIQUE: de-duplicated per (source, shard)), one
+               byte buffer
     3 vectors  owner -> source, in the table's wire dtype:
                REDUCTION: (B_source, cols) partial sums per shard
                UNIQUE:    (distinct ids, cols) one row per distinct id
@@ -55,12 +56,16 @@ from torch import nn
 
 from embark.data.jagged import JaggedBatch
 from embark.sharding.comm import (
+    KEY_DTYPE,
+    LENGTH_DTYPE,
     CommStats,
     all_reduce_sum,
     distributed_world,
     exchange_ints,
     exchange_ints_async,
     exchange_vectors,
+    from_int_bytes,
+    int_bytes,
     tie,
 )
 from embark.sharding.hierarchical import NodeGroups, node_blocks, reduce_hierarchically
@@ -98,8 +103,8 @@ class DistributedInput:
         dp_input: per DP table, ``(values (nnz,) int64, offsets (B,) int64)``.
         sent: ``sent[o][i]``: the segment sent for ``owned[o][i]``.
         batch_sizes: ``(world,)`` every source's ``B``.
-        received: ``received[r][i]``: ``(lengths or None, rows)`` from source ``r`` for
-            ``owned[rank][i]``.
+        received: ``received[r][i]``: ``(lengths (B_r,) int64 or None, rows (n,) int64)``
+            from source ``r`` for ``owned[rank][i]``.
     """
 
     batch_size: int
@@ -337,12 +342,12 @@ class ShardedEmbeddingCollection(nn.Module):
                 for (o, k), (rows, smp) in zip(pos, route_keys(values[i], samples, shards)):
                     ref = owned[o][k]
                     if ref.cluster is Cluster.REDUCTION:
-                        segments[o].append(bag_lengths(smp, batch))
-                        segments[o].append(rows)
+                        segments[o].append(int_bytes(bag_lengths(smp, batch).to(LENGTH_DTYPE)))
+                        segments[o].append(int_bytes(rows))
                         sent[o][k] = _Sent(ref, rows.numel())
                     else:
                         uniq, inv = torch.unique(rows, return_inverse=True)
-                        segments[o].append(uniq)
+                        segments[o].append(int_bytes(uniq))
                         sent[o][k] = _Sent(ref, uniq.numel(), inv, smp)
         header = torch.tensor(
             [v for o in range(world) for v in (code, ti, bad, batch, *(s.count for s in sent[o]))],
@@ -355,15 +360,17 @@ class ShardedEmbeddingCollection(nn.Module):
         self._raise_if_bad(headers)
         batch_sizes = [int(h[3]) for h in headers]
         counts = [h[_HEADER:].tolist() for h in headers]
-        seg_size = [
+        len_b, key_b = LENGTH_DTYPE.itemsize, KEY_DTYPE.itemsize
+        seg_size = [  # bytes
             [
-                (batch_sizes[r] if ref.cluster is Cluster.REDUCTION else 0) + counts[r][k]
+                (batch_sizes[r] * len_b if ref.cluster is Cluster.REDUCTION else 0)
+                + counts[r][k] * key_b
                 for k, ref in enumerate(owned[me])
             ]
             for r in range(world)
         ]
         flat = [x for o in range(world) for x in segments[o]]
-        keys = torch.cat(flat) if flat else torch.empty(0, dtype=torch.int64)
+        keys = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
         send_k = [sum(int(x.numel()) for x in segments[o]) for o in range(world)]
         recv_k = [sum(s) for s in seg_size]
         got, work = exchange_ints_async(
@@ -379,10 +386,11 @@ class ShardedEmbeddingCollection(nn.Module):
                 row: list[tuple[torch.Tensor | None, torch.Tensor]] = []
                 for k, ref in enumerate(owned[me]):
                     if ref.cluster is Cluster.REDUCTION:
-                        b = batch_sizes[r]
-                        row.append((parts[k][:b], parts[k][b:]))
+                        b = batch_sizes[r] * len_b
+                        lens = from_int_bytes(parts[k][:b], LENGTH_DTYPE).to(torch.int64)
+                        row.append((lens, from_int_bytes(parts[k][b:], KEY_DTYPE)))
                     else:
-                        row.append((None, parts[k]))
+                        row.append((None, from_int_bytes(parts[k], KEY_DTYPE)))
                 received.append(row)
             return DistributedInput(batch, lengths, dp_input, sent, batch_sizes, received)
 

@@ -1,8 +1,9 @@
 """Collectives of the sharding runtime: a differentiable all-to-all and a byte counter.
 
-All traffic goes through :func:`exchange_ints` (keys, counts) and :func:`exchange_vectors`
-(pooled partials or per-key vectors, differentiable), each one ``dist.all_to_all_single`` on
-a flat 1-d buffer with uneven splits, and :func:`all_reduce_sum` (data-parallel gradients).
+All traffic goes through :func:`exchange_ints` (headers as int64; keys as the bytes of int32
+bag lengths and int64 ids, :func:`int_bytes`) and :func:`exchange_vectors` (pooled partials or
+per-key vectors, differentiable), each one ``dist.all_to_all_single`` on a flat 1-d buffer
+with uneven splits, and :func:`all_reduce_sum` (data-parallel gradients).
 Gloo (CPU) in torch 2.13 supports these for int64, uint8, float32, float16 and bfloat16, with
 uneven splits and ``async_op``. ``torch.distributed.nn.functional.all_to_all_single`` works on
 gloo too but is deprecated, and one autograd node per wire dtype would let ranks enter the
@@ -42,6 +43,34 @@ WIRE_DTYPES: dict[CommDtype, torch.dtype] = {
     CommDtype.FP16: torch.float16,
     CommDtype.BF16: torch.bfloat16,
 }
+
+
+# Integer dtypes of the keys exchange, as the planner's cost model counts them
+# (CostConstants.key_bytes / length_bytes). A bag length travels as int32: a shard's part of a
+# bag is at most the whole bag, whose length JaggedBatch already holds as int32.
+KEY_DTYPE = torch.int64
+LENGTH_DTYPE = torch.int32
+
+
+def int_bytes(x: torch.Tensor) -> torch.Tensor:
+    """``(n * itemsize,) uint8`` the bytes of ``x: (n,)`` (a view when ``x`` is contiguous)."""
+    return x.contiguous().view(torch.uint8)
+
+
+def from_int_bytes(buf: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """Inverse of :func:`int_bytes`: ``buf: (n * itemsize,) uint8`` → ``(n,) dtype`` (a copy:
+    a segment of a packed buffer may start at an offset not aligned for ``dtype``).
+
+    Raises:
+        ValueError: when ``buf``'s length is not a multiple of ``dtype``'s size.
+    """
+    size = torch.empty((), dtype=dtype).element_size()
+    if buf.dim() != 1 or buf.dtype != torch.uint8 or buf.numel() % size:
+        raise ValueError(
+            f"from_int_bytes: need 1-d uint8 bytes, a multiple of {size} for {dtype}, got "
+            f"{buf.dtype} of shape {tuple(buf.shape)}"
+        )
+    return buf.clone().view(dtype)
 
 
 def distributed_world(group: Any | None) -> tuple[int, int] | None:
@@ -120,10 +149,11 @@ def exchange_ints(
     x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
     group: Any | None = None, *, stats: CommStats | None = None, phase: str = "keys",
 ) -> torch.Tensor:
-    """All-to-all of ``x: (sum(send_splits),) int64`` (keys, counts; not differentiable).
+    """All-to-all of ``x: (sum(send_splits),)`` integers (int64 counts, or uint8 bytes of
+    packed keys; not differentiable); splits count elements of ``x``'s dtype.
 
     Returns:
-        ``(sum(recv_splits),) int64``, the peers' segments in rank order.
+        ``(sum(recv_splits),)`` of ``x``'s dtype, the peers' segments in rank order.
     """
     out, work = exchange_ints_async(x, send_splits, recv_splits, group, stats=stats, phase=phase)
     if work is not None:

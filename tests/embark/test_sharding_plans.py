@@ -28,6 +28,7 @@ from gloo_world import reference_step, spawn_world, worker_main
 
 from embark.planner import PlannerError, plan_sharding
 from embark.planner.baselines import BASELINES
+from embark.planner.types import CostConstants
 from embark.topology import get_topology
 from embark.types import Topology
 from embark.workloads import get_workload
@@ -235,10 +236,39 @@ def _reduction_inter_bytes(plan: dict[str, Any], hierarchical: bool) -> int:
     return total
 
 
+def _key_bytes(plan: dict[str, Any]) -> dict[str, int]:
+    """Bytes of the keys exchange over all steps and ranks, per level, as the cost model counts
+    them (:class:`~embark.planner.types.CostConstants`: int64 keys, one int32 length per bag),
+    from the actual batches: to each shard on another rank, a REDUCTION source sends one length
+    per local sample and its ids in the shard's rows (once per column block), a UNIQUE source
+    its distinct ids there."""
+    import torch
+
+    c = CostConstants()
+    out = {"intra": 0, "inter": 0}
+    for batches, _ in _steps(list(get_workload("tiny").tables)):
+        for r, batch in enumerate(batches):
+            for ts in plan["tables"]:
+                if ts["cluster"] == "data_parallel":
+                    continue
+                ids = batch.values_for(ts["name"])
+                for s in ts["shards"]:
+                    if s["rank"] == r:
+                        continue
+                    mine = ids[(ids >= s["row_start"]) & (ids < s["row_end"])]
+                    if ts["cluster"] == "reduction":
+                        n = batch.batch_size * c.length_bytes + mine.numel() * c.key_bytes
+                    else:
+                        n = torch.unique(mine).numel() * c.key_bytes
+                    out["intra" if s["rank"] // GPN == r // GPN else "inter"] += n
+    return out
+
+
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_hierarchical_saves_exactly_the_reduction_bytes(world_reports: Any, spec: str) -> None:
     """Hierarchical changes only REDUCTION partials: keys and headers are unchanged, and the
-    inter-node vector bytes (and their gradients) fall by exactly the modelled amount."""
+    inter-node vector bytes (and their gradients) fall by exactly the modelled amount. The
+    keys (ids and bag lengths) are exactly the bytes the cost model counts for them."""
     plans, reps = world_reports
     plan = _plan_of(plans, spec)
 
@@ -247,6 +277,9 @@ def test_hierarchical_saves_exactly_the_reduction_bytes(world_reports: Any, spec
 
     for key in ("header/intra", "header/inter", "keys/intra", "keys/inter"):
         assert total("hierarchical", key) == total("flat", key), key
+    keys = _key_bytes(plan)
+    for level in ("intra", "inter"):
+        assert total("flat", f"keys/{level}") == keys[level], (level, total("flat", f"keys/{level}"), keys)
     saved = _reduction_inter_bytes(plan, False) - _reduction_inter_bytes(plan, True)
     for phase in ("vectors", "vector_grads"):
         flat, hier = total("flat", f"{phase}/inter"), total("hierarchical", f"{phase}/inter")

@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from embark.data.jagged import JaggedBatch
 from embark.sharding import Layout, ShardedEmbeddingCollection
-from embark.sharding.comm import CommStats, exchange_vectors
+from embark.sharding.comm import CommStats, exchange_vectors, from_int_bytes, int_bytes
 from embark.sharding.routing import bag_lengths, route_keys, sample_ids
 from embark.types import CommDtype, Shard, ShardingPlan, TableConfig, TableSharding
 
@@ -62,6 +62,20 @@ def test_exchange_vectors_rounds_through_the_wire_dtype(wire: str, exact: bool) 
     assert torch.equal(x.grad, g.to(dt).float())
     assert torch.equal(x.detach(), y.detach()) == exact
     assert stats.phases == {}  # self-sends are not counted
+
+
+def test_int_bytes_round_trip_at_any_offset() -> None:
+    """A keys segment: int32 lengths then int64 ids, packed as bytes; an odd number of lengths
+    leaves the ids at an offset not aligned for int64."""
+    lengths = torch.tensor([3, 0, 2**31 - 1], dtype=torch.int32)
+    ids = torch.tensor([5, 2**40, 0], dtype=torch.int64)
+    buf = torch.cat([int_bytes(lengths), int_bytes(ids)])
+    assert buf.dtype == torch.uint8 and buf.numel() == 3 * 4 + 3 * 8
+    assert torch.equal(from_int_bytes(buf[:12], torch.int32), lengths)
+    assert torch.equal(from_int_bytes(buf[12:], torch.int64), ids)
+    assert from_int_bytes(buf[:0], torch.int64).numel() == 0
+    with pytest.raises(ValueError, match="a multiple of 8"):
+        from_int_bytes(buf[:12], torch.int64)
 
 
 def _one_rank() -> tuple[list[TableConfig], ShardingPlan]:

@@ -7,6 +7,7 @@ field, before any weight, optimizer slot or generator is touched. The fields (as
 
     {"format_version": 1,
      "step": 9, "data_position": 9,                       # integers >= 0
+     "batch_size": 64 | null,                             # optional: integer >= 1 or null
      "workload": {...} | null,                            # Workload.to_dict() or null
      "train_config": {...},                               # TrainConfig.to_dict()
      "rng": {"trainer_generator": "<hex of the torch.Generator state>"},
@@ -17,7 +18,9 @@ field, before any weight, optimizer slot or generator is touched. The fields (as
      "files": {"model.safetensors": {"bytes": 515428, "sha256": "<64 hex>"},
                "optimizer.safetensors": {...}}}
 
-Fields not listed are ignored (a later writer may add information).
+Fields not listed are ignored (a later writer may add information). ``batch_size`` (samples
+per step of the data stream) was added without a new ``format_version``: checkpoints written
+before it lack it and still load (the trainer's ``batch_size`` is then ``None``, unknown).
 """
 
 from __future__ import annotations
@@ -77,6 +80,9 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
         v = _require(state, sp, field)
         if not _is_int(v) or v < 0:
             raise _fail(sp, field, "an integer >= 0", v)
+    bs = state.get("batch_size")
+    if bs is not None and (not _is_int(bs) or bs < 1):
+        raise _fail(sp, "batch_size", "an integer >= 1 or null", bs)
     workload = _require(state, sp, "workload")
     if workload is not None and not isinstance(workload, dict):
         raise _fail(sp, "workload", "a mapping or null", workload)

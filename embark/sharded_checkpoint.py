@@ -15,6 +15,9 @@ A table's state of the table's shape is sliced like the table; scalar state (Ada
 ``step``) is the same for every parameter, because :class:`ShardedTrainer` gives every
 parameter a gradient on every step (as the Trainer's ``EmbeddingBag`` modules always get).
 
+The checks ``python -m embark.sharded_train`` makes of ``--checkpoint-dir`` and ``--resume``
+(:func:`check_checkpoint_dir`, :func:`load_resume`) live here too.
+
 Limits of this first step: every rank of the loading world builds the full model (the
 whole tables) before slicing, and the gather is one all-reduce per table and state key:
 fine for the tiny and scaled workloads, not for production-sized tables.
@@ -22,6 +25,7 @@ fine for the tiny and scaled workloads, not for production-sized tables.
 
 from __future__ import annotations
 
+import argparse
 import os
 from pathlib import Path
 from typing import Any
@@ -34,6 +38,7 @@ from embark.sharded_train import ShardedDLRM, ShardedTrainer
 from embark.sharding.comm import distributed_world
 from embark.train import Callback, Trainer
 from embark.types import CommDtype, ShardingPlan
+from embark.workloads import Workload
 
 
 @torch.no_grad()
@@ -100,7 +105,7 @@ def to_single_process(trainer: ShardedTrainer, dst: int | None = 0) -> Trainer |
     for mine, theirs in zip(out.optimizer.param_groups, trainer.optimizer.param_groups):
         mine.update({k: v for k, v in theirs.items() if k != "params"})
     out.generator.set_state(trainer.generator.get_state())
-    out.step = trainer.step
+    out.step, out.batch_size = trainer.step, trainer.batch_size
     out.history = list(trainer.history)
     return out
 
@@ -146,7 +151,7 @@ def from_single_process(
 ) -> ShardedTrainer:
     """Shard a single-process :class:`Trainer` (of a :class:`~embark.model.DLRM`) per ``plan``:
     weights, optimizer state (table-shaped state sliced like the table), options, step,
-    generator and history. Every rank passes an equal ``single``."""
+    batch size, generator and history. Every rank passes an equal ``single``."""
     model = ShardedDLRM(single.model, plan, rank, process_group, comm_dtype)  # type: ignore[arg-type]
     out = ShardedTrainer(model, single.cfg, callbacks or ())
     names = {p: n for n, p in single.model.named_parameters()}
@@ -169,7 +174,7 @@ def from_single_process(
     for mine, theirs in zip(out.optimizer.param_groups, single.optimizer.param_groups):
         mine.update({k: v for k, v in theirs.items() if k != "params"})
     out.generator.set_state(single.generator.get_state())
-    out.step = single.step
+    out.step, out.batch_size = single.step, single.batch_size
     out.history = list(single.history)
     return out
 
@@ -189,3 +194,67 @@ def load_sharded_checkpoint(
             or from :class:`ShardedDLRM` (a plan that does not fit the world or the tables).
     """
     return from_single_process(Trainer.load_checkpoint(path), plan, rank, process_group, comm_dtype)
+
+
+# ------------------------------------------------- embark.sharded_train's checks
+def check_checkpoint_dir(args: argparse.Namespace) -> None:
+    """``--checkpoint-dir`` / ``--checkpoint-every`` are usable (checked on every rank before
+    training, so a save cannot fail on rank 0 alone for these reasons).
+
+    Raises:
+        ValueError: ``--checkpoint-every`` without a folder, or a path that exists and is not
+            a checkpoint folder (the Trainer refuses to replace it).
+    """
+    if args.checkpoint_every and not args.checkpoint_dir:
+        raise ValueError("--checkpoint-every needs --checkpoint-dir")
+    if args.checkpoint_dir is None:
+        return
+    path = Path(args.checkpoint_dir)
+    if path.exists() and (
+        not path.is_dir() or (any(path.iterdir()) and not (path / "state.json").is_file())
+    ):
+        raise ValueError(
+            f"--checkpoint-dir {args.checkpoint_dir!r} exists and is not a checkpoint folder"
+        )
+
+
+def load_resume(args: argparse.Namespace, workload: Workload) -> Trainer:
+    """The single-process Trainer of ``--resume``, checked against this run's settings.
+
+    Raises:
+        ValueError: naming the path, for a missing, corrupt or unreadable checkpoint, one of
+            another workload, one trained with another seed / optimizer / learning rate /
+            batch size than given, or one past ``--steps``.
+    """
+    path = args.resume
+    try:
+        single = Trainer.load_checkpoint(path)
+    except (ValueError, OSError) as e:
+        raise ValueError(f"--resume {path!r}: {e}") from None
+    stored = single.model.workload
+    if stored != workload:
+        rows = [t.num_rows for t in workload.tables]
+        raise ValueError(
+            f"--resume {path!r} is a checkpoint of workload {stored.name!r} (rows "
+            f"{[t.num_rows for t in stored.tables]}), not of --workload {args.workload} "
+            f"--scale {args.scale:g} ({workload.name!r}, rows {rows})"
+        )
+    cfg = single.cfg
+    for flag, given, saved in (
+        ("--seed", args.seed, cfg.seed),
+        ("--optimizer", args.optimizer, cfg.optimizer.value),
+        ("--lr", args.lr, cfg.lr),
+        ("--embedding-lr", args.embedding_lr, cfg.lr if cfg.embedding_lr is None else cfg.embedding_lr),
+        ("--batch-size", args.batch_size, single.batch_size),  # None: not recorded (older)
+    ):
+        if given is not None and saved is not None and given != saved:
+            raise ValueError(
+                f"--resume {path!r} was trained with {flag} {saved}, not {given}: leave {flag} "
+                "out (a resumed run keeps the checkpoint's)"
+            )
+    if single.step > args.steps:
+        raise ValueError(
+            f"--resume {path!r} is at step {single.step}, past --steps {args.steps} "
+            "(the total number of steps)"
+        )
+    return single

@@ -47,9 +47,11 @@ Resuming. ``--steps`` is the TOTAL number of steps (as the recipe's and the Trai
 ``total - t.step`` example): a checkpoint at step ``k`` trains ``--steps - k`` more steps on
 global batches ``k, k+1, ...`` (batch ``i`` at step ``i + 1``, as an uninterrupted run), so
 the weights end as an uninterrupted ``--steps``-step run's, up to float sums (on another world
-size). The seed, optimizer and learning rates are the checkpoint's (giving a different one is an
-error); ``--batch-size`` is not recorded in a checkpoint: pass the one it was trained with. A
-missing or corrupt checkpoint, one of another workload (or ``--scale``) or one past
+size). The seed, optimizer, learning rates and global batch size are the checkpoint's (giving
+a different one is an error: another ``--batch-size`` would be another data stream, batch
+``k`` of it not the samples an uninterrupted run trains on next). A checkpoint written before
+checkpoints recorded the batch size resumes with ``--batch-size`` (default 512), with a
+warning. A missing or corrupt checkpoint, one of another workload (or ``--scale``) or one past
 ``--steps`` exits with status 2 on every rank, naming the path.
 """
 
@@ -82,7 +84,7 @@ from embark.planner.planner import STRATEGIES
 from embark.sharding import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world
 from embark.topology import get_topology
-from embark.train import Callback, OptimizerKind, TrainConfig, Trainer, build_optimizer
+from embark.train import Callback, OptimizerKind, TrainConfig, build_optimizer
 from embark.types import CommDtype, PlanError, ShardingPlan
 from embark.workloads import PRESETS as WORKLOADS
 from embark.workloads import Workload, get_workload
@@ -288,6 +290,8 @@ class ShardedTrainer:
 
     Attributes:
         step: optimizer steps taken.
+        batch_size: the GLOBAL batch of the first step (as the Trainer's ``batch_size``;
+            saved in checkpoints); ``None`` before it.
         generator: seeded by ``cfg.seed`` (as the Trainer's; saved in checkpoints).
         history: evaluation records.
     """
@@ -299,6 +303,7 @@ class ShardedTrainer:
         self.cfg = cfg
         self.callbacks: list[Callback] = list(callbacks)
         self.step = 0
+        self.batch_size: int | None = None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.history: list[dict[str, float]] = []
         emb = [p for p in model.embeddings.parameters() if p.requires_grad]
@@ -330,6 +335,8 @@ class ShardedTrainer:
             cb.on_after_backward(self, step)  # type: ignore[arg-type]
         self.optimizer.step()
         self.step = step
+        if self.batch_size is None:
+            self.batch_size = total
         value = float(global_loss)
         for cb in self.callbacks:
             cb.on_step_end(self, step, value)  # type: ignore[arg-type]
@@ -367,7 +374,7 @@ class ShardedTrainer:
 
 
 # ------------------------------------------------------------------------------- CLI
-DEFAULTS: dict[str, Any] = {"lr": 0.02, "embedding_lr": 0.1, "seed": 0}  # without --resume
+DEFAULTS: dict[str, Any] = {"lr": 0.02, "embedding_lr": 0.1, "seed": 0, "batch_size": 512}  # without --resume
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -378,7 +385,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--workload", default="tiny", choices=WORKLOADS)
     p.add_argument("--scale", type=float, default=1.0, help="divide every table's rows by this (>= 1)")
     p.add_argument("--steps", type=int_at_least(0), default=50)
-    p.add_argument("--batch-size", type=int_at_least(1), default=512, help="GLOBAL batch (all ranks)")
+    p.add_argument("--batch-size", type=int_at_least(1), default=None,
+                   help=f"GLOBAL batch, all ranks (default {DEFAULTS['batch_size']}; --resume: the checkpoint's)")
     p.add_argument("--plan", default=None,
                    help="plan JSON (a plan, or `python -m embark.plan --out` output); none = plan here")
     p.add_argument("--strategy", default="auto", choices=STRATEGIES, help="planner strategy without --plan")
@@ -403,71 +411,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return p.parse_args(argv)
 
 
-def check_checkpoint_dir(args: argparse.Namespace) -> None:
-    """``--checkpoint-dir`` / ``--checkpoint-every`` are usable (checked on every rank before
-    training, so a save cannot fail on rank 0 alone for these reasons).
-
-    Raises:
-        ValueError: ``--checkpoint-every`` without a folder, or a path that exists and is not
-            a checkpoint folder (the Trainer refuses to replace it).
-    """
-    if args.checkpoint_every and not args.checkpoint_dir:
-        raise ValueError("--checkpoint-every needs --checkpoint-dir")
-    if args.checkpoint_dir is None:
-        return
-    path = Path(args.checkpoint_dir)
-    if path.exists() and (
-        not path.is_dir() or (any(path.iterdir()) and not (path / "state.json").is_file())
-    ):
-        raise ValueError(
-            f"--checkpoint-dir {args.checkpoint_dir!r} exists and is not a checkpoint folder"
-        )
-
-
-def load_resume(args: argparse.Namespace, workload: Workload) -> Trainer:
-    """The single-process Trainer of ``--resume``, checked against this run's settings.
-
-    Raises:
-        ValueError: naming the path, for a missing, corrupt or unreadable checkpoint, one of
-            another workload, one trained with another seed / optimizer / learning rate than
-            given, or one past ``--steps``.
-    """
-    path = args.resume
-    try:
-        single = Trainer.load_checkpoint(path)
-    except (ValueError, OSError) as e:
-        raise ValueError(f"--resume {path!r}: {e}") from None
-    stored = single.model.workload
-    if stored != workload:
-        rows = [t.num_rows for t in workload.tables]
-        raise ValueError(
-            f"--resume {path!r} is a checkpoint of workload {stored.name!r} (rows "
-            f"{[t.num_rows for t in stored.tables]}), not of --workload {args.workload} "
-            f"--scale {args.scale:g} ({workload.name!r}, rows {rows})"
-        )
-    cfg = single.cfg
-    for flag, given, saved in (
-        ("--seed", args.seed, cfg.seed),
-        ("--optimizer", args.optimizer, cfg.optimizer.value),
-        ("--lr", args.lr, cfg.lr),
-        ("--embedding-lr", args.embedding_lr, cfg.lr if cfg.embedding_lr is None else cfg.embedding_lr),
-    ):
-        if given is not None and given != saved:
-            raise ValueError(
-                f"--resume {path!r} was trained with {flag} {saved}, not {given}: leave {flag} "
-                "out (a resumed run keeps the checkpoint's)"
-            )
-    if single.step > args.steps:
-        raise ValueError(
-            f"--resume {path!r} is at step {single.step}, past --steps {args.steps} "
-            "(the total number of steps)"
-        )
-    return single
-
-
-def resolve_plan(args: argparse.Namespace, workload: Workload, world_size: int) -> ShardingPlan:
+def resolve_plan(
+    args: argparse.Namespace, workload: Workload, world_size: int, batch_size: int
+) -> ShardingPlan:
     """The plan of ``--plan`` (checked against the world and the workload), or one made by the
-    planner for ``world_size`` ranks on one ``cpu-local`` node.
+    planner for ``world_size`` ranks on one ``cpu-local`` node at global ``batch_size``.
 
     Raises:
         ValueError: naming the file, for a plan whose world size is not ``world_size``, or
@@ -475,7 +423,7 @@ def resolve_plan(args: argparse.Namespace, workload: Workload, world_size: int) 
     """
     if args.plan is None:
         topology = replace(get_topology("cpu-local"), gpus_per_node=world_size)
-        return plan_sharding(workload, topology, args.batch_size, args.strategy)
+        return plan_sharding(workload, topology, batch_size, args.strategy)
     try:
         doc = json.loads(Path(args.plan).read_text())
     except (OSError, json.JSONDecodeError) as e:
@@ -495,17 +443,29 @@ def resolve_plan(args: argparse.Namespace, workload: Workload, world_size: int) 
 
 def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     """Train and evaluate (every rank); returns the results (equal on every rank)."""
+    from embark.sharded_checkpoint import (
+        check_checkpoint_dir,
+        from_single_process,
+        load_resume,
+        save_sharded_checkpoint,
+    )
+
     workload = get_workload(args.workload)
     if args.scale > 1:
         workload = workload.scaled(args.scale)
-    if args.batch_size < world_size:
-        raise ValueError(f"--batch-size {args.batch_size} is smaller than the world size {world_size}")
-    plan = resolve_plan(args, workload, world_size)
+    single = load_resume(args, workload) if args.resume is not None else None
+    batch_size = args.batch_size or (single.batch_size if single else None) or DEFAULTS["batch_size"]
+    if single is not None and single.batch_size is None and rank == 0:
+        log.warning("--resume %r records no batch size (written before checkpoints did): "
+                    "resuming with --batch-size %d; it must be the one it was trained with",
+                    args.resume, batch_size)
+    if batch_size < world_size:
+        raise ValueError(f"--batch-size {batch_size} is smaller than the world size {world_size}")
+    plan = resolve_plan(args, workload, world_size, batch_size)
     check_checkpoint_dir(args)
-    from embark.sharded_checkpoint import from_single_process, save_sharded_checkpoint
 
-    if args.resume is not None:
-        trainer = from_single_process(load_resume(args, workload), plan, rank)
+    if single is not None:
+        trainer = from_single_process(single, plan, rank)
     else:
         seed = DEFAULTS["seed"] if args.seed is None else args.seed
         cfg = TrainConfig(
@@ -515,7 +475,7 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
         )
         trainer = ShardedTrainer(ShardedDLRM(build_model(workload, seed=seed), plan, rank), cfg)
     cfg = trainer.cfg
-    data = SyntheticCTR(workload, args.batch_size, seed=cfg.seed)
+    data = SyntheticCTR(workload, batch_size, seed=cfg.seed)
     start, saved_at, save_seconds = trainer.step, None, 0.0
 
     def save() -> None:
@@ -537,11 +497,11 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     seconds = time.perf_counter() - t0 - save_seconds
     evals = [local_batch(b, rank, world_size) for b in data.batches(args.eval_batches, split="eval")]
     metrics = trainer.evaluate(evals)
-    samples = len(losses) * args.batch_size
+    samples = len(losses) * batch_size
     return {
         "workload": workload.name, "world_size": world_size, "steps": trainer.step,
         "start_step": start, "resumed_from": args.resume, "checkpoint": args.checkpoint_dir,
-        "batch_size": args.batch_size, "optimizer": cfg.optimizer.value,
+        "batch_size": batch_size, "optimizer": cfg.optimizer.value,
         "final_loss": losses[-1] if losses else None,
         "mean_loss": sum(losses) / len(losses) if losses else None,
         "eval_auc": metrics["auc"], "eval_logloss": metrics["logloss"],

@@ -15,8 +15,12 @@ Checkpoint folder layout (no pickle anywhere)::
 
     <dir>/model.safetensors      model.state_dict(), names as in the model
     <dir>/optimizer.safetensors  "<param name>::<state key>" -> tensor (e.g. "...weight::sum")
-    <dir>/state.json             {"format_version", "step", "data_position", "workload",
-                                  "train_config", "rng", "param_groups", "history", "files"}
+    <dir>/state.json             {"format_version", "step", "data_position", "batch_size",
+                                  "workload", "train_config", "rng", "param_groups",
+                                  "history", "files"}
+
+``batch_size`` is the samples per step of the data stream that ``data_position`` counts
+batches of (:attr:`Trainer.batch_size`), so a resume can check it is fed the same stream.
 
 ``files`` records each tensor file's size and sha256, so a truncated or altered file is a
 clear error on load. A save writes into a temporary sibling folder and renames it into place:
@@ -214,6 +218,10 @@ class Trainer:
 
     Attributes:
         step: optimizer steps taken so far (= training batches consumed).
+        batch_size: samples per step of the data stream: the first training batch's size
+            (a stream's later batches may be shorter, e.g. a file's last), kept through
+            checkpoints; ``None`` before the first step, and after loading a checkpoint
+            written before it was recorded (until the next step).
         generator: a ``torch.Generator`` seeded by ``cfg.seed``, saved in checkpoints.
         history: evaluation records ``{"step", "auc", "logloss", ...}`` from :meth:`fit`.
     """
@@ -225,6 +233,7 @@ class Trainer:
         self.cfg = cfg
         self.callbacks: list[Callback] = list(callbacks)
         self.step = 0
+        self.batch_size: int | None = None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.history: list[dict[str, float]] = []
         self.loss_fn = nn.BCEWithLogitsLoss()
@@ -272,6 +281,8 @@ class Trainer:
             cb.on_after_backward(self, step)
         self.optimizer.step()
         self.step = step
+        if self.batch_size is None:
+            self.batch_size = batch.batch_size
         value = float(loss.detach())
         for cb in self.callbacks:
             cb.on_step_end(self, step, value)
@@ -414,6 +425,7 @@ class Trainer:
                 "format_version": CHECKPOINT_FORMAT_VERSION,
                 "step": self.step,
                 "data_position": self.step,
+                "batch_size": self.batch_size,
                 "workload": workload.to_dict() if isinstance(workload, Workload) else None,
                 "train_config": self.cfg.to_dict(),
                 "rng": {"trainer_generator": self.generator.get_state().numpy().tobytes().hex()},
@@ -580,5 +592,6 @@ class Trainer:
         gen_state = bytes.fromhex(state["rng"]["trainer_generator"])
         trainer.generator.set_state(torch.frombuffer(bytearray(gen_state), dtype=torch.uint8))
         trainer.step = state["step"]
+        trainer.batch_size = state.get("batch_size")  # absent: written before it was recorded
         trainer.history = list(state["history"])
         return trainer

@@ -57,6 +57,8 @@ CASES = [
     (_with(step=-1), "step must be an integer >= 0, got -1"),
     (_with(step=True), "step must be an integer >= 0, got True"),
     (_with(data_position="3"), "data_position must be an integer >= 0, got '3'"),
+    (_with(batch_size=0), "batch_size must be an integer >= 1 or null, got 0"),
+    (_with(batch_size="32"), "batch_size must be an integer >= 1 or null, got '32'"),
     (_with(workload=[1]), r"workload must be a mapping or null, got \[1\]"),
     (_with(train_config="lr=1"), "train_config must be a mapping, got 'lr=1'"),
     (_with(rng="00"), "rng.trainer_generator must be a hex string, got '00'"),
@@ -140,3 +142,19 @@ def test_good_checkpoint_still_loads(checkpoint):
     ck, state, _ = checkpoint
     t = Trainer.load_checkpoint(ck)
     assert t.step == state["step"] == 3 and type(t.step) is int
+    assert t.batch_size == state["batch_size"] == 32
+
+
+def test_checkpoint_from_before_batch_size_was_recorded_loads(checkpoint, tmp_path):
+    """``batch_size`` came without a new format_version: an older state.json has no such
+    field; it loads with the batch size unknown, and the next step records it."""
+    src, state, data = checkpoint
+    ck = tmp_path / "old"
+    ck.mkdir()
+    for f in src.iterdir():
+        (ck / f.name).write_bytes(f.read_bytes())
+    (ck / "state.json").write_text(json.dumps(_without("batch_size")(state)))
+    t = Trainer.load_checkpoint(ck)
+    assert t.step == 3 and t.batch_size is None
+    t.fit(data.batches(1, start=3), 1, progress=False)
+    assert t.batch_size == 32

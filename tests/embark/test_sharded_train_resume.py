@@ -47,7 +47,8 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def test_resume_on_another_world_size_equals_an_uninterrupted_run(runs: Path) -> None:
     for ckpt, step in (("c4", 4), ("c6r", 6), ("c6", 6)):
-        assert json.loads((runs / ckpt / "state.json").read_text())["step"] == step
+        state = json.loads((runs / ckpt / "state.json").read_text())
+        assert state["step"] == step and state["batch_size"] == 64, (ckpt, state["batch_size"])
     assert not [p.name for p in runs.iterdir() if p.name.startswith(".")]  # no temporary left
     for f in ("model.safetensors", "optimizer.safetensors"):
         resumed, whole = load_file(runs / "c6r" / f), load_file(runs / "c6" / f)
@@ -78,8 +79,29 @@ def test_resume_errors_in_process(runs: Path, caplog: pytest.LogCaptureFixture) 
         (["--resume", c4, "--scale", "2"], "is a checkpoint of workload 'tiny'"),
         (["--resume", c4, "--seed", "3"], "was trained with --seed 0, not 3"),
         (["--resume", c4, "--steps", "3"], "is at step 4, past --steps 3"),
+        (["--resume", c4, "--batch-size", "32"], "was trained with --batch-size 64, not 32"),
     ]
     for argv, msg in cases:
         caplog.clear()
         assert main(["--steps", "6", "--batch-size", "64", *argv]) == 2
         assert msg in caplog.text and "--resume '" in caplog.text, caplog.text
+
+
+def test_resume_keeps_the_checkpoints_batch_size(
+    runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    """Without --batch-size a resume takes the checkpoint's; a checkpoint from before batch
+    sizes were recorded resumes with --batch-size (default 512), warning that it must match."""
+    out = tmp_path / "r.json"
+    assert main(["--steps", "4", "--eval-batches", "1", "--resume", str(runs / "c4"), "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["batch_size"] == 64 and "4 steps × 64]" in capsys.readouterr().out
+    old = tmp_path / "old"
+    shutil.copytree(runs / "c4", old)
+    state = json.loads((old / "state.json").read_text())
+    del state["batch_size"]
+    (old / "state.json").write_text(json.dumps(state))
+    caplog.clear()
+    argv = ["--steps", "4", "--eval-batches", "1", "--resume", str(old), "--out", str(out)]
+    assert main([*argv, "--batch-size", "64"]) == 0
+    assert json.loads(out.read_text())["batch_size"] == 64
+    assert "records no batch size" in caplog.text and "--batch-size 64" in caplog.text

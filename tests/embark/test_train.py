@@ -63,11 +63,11 @@ def test_resume_equals_uninterrupted(data, tmp_path):
     torch.rand(3, generator=first.generator)  # advance the trainer RNG: it must be restored
     first.save_checkpoint(tmp_path / "ck")
     state = json.loads((tmp_path / "ck" / "state.json").read_text())
-    assert state["step"] == state["data_position"] == 9
+    assert state["step"] == state["data_position"] == 9 and state["batch_size"] == 64
     assert state["workload"] == data.workload.to_dict()
 
     resumed = Trainer.load_checkpoint(tmp_path / "ck")
-    assert resumed.step == 9
+    assert resumed.step == 9 and resumed.batch_size == 64
     assert torch.equal(resumed.generator.get_state(), first.generator.get_state())
     resumed.fit(
         data.batches(16 - resumed.step, start=resumed.step), 16 - resumed.step, progress=False

@@ -33,8 +33,13 @@ log = logging.getLogger(__name__)
 
 EXT_NAME = "tilesparse_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCES = (CSRC / "tw_linear_cpu.cpp", CSRC / "tw_linear_lowp.cpp", CSRC / "tw_linear_amx.cpp")
-HEADERS = (CSRC / "tw_common.h", CSRC / "tw_microkernel_avx2.h")
+SOURCES = (
+    CSRC / "tw_linear_cpu.cpp",
+    CSRC / "tw_linear_lowp.cpp",
+    CSRC / "tw_linear_amx.cpp",
+    CSRC / "tw_linear_bf16.cpp",
+)
+HEADERS = (CSRC / "tw_common.h", CSRC / "tw_microkernel_avx2.h", CSRC / "tw_bf16_common.h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 DISABLE_ENV = "TILESPARSE_DISABLE_EXT"
 

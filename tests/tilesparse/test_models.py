@@ -21,7 +21,7 @@ import tilesparse
 from embark.data import JaggedBatch
 from embark.model import DLRM, build_model
 from embark.workloads import Workload, get_workload
-from tilesparse import build_ext, ops
+from tilesparse import ops
 from tilesparse.linear import TileSparseLinear
 from tilesparse.memory import model_memory
 
@@ -45,13 +45,6 @@ D_MODEL, N_HEAD, D_FF, N_LAYERS, TX_TILE = 96, 4, 384, 2, 32
 # linear1.weight / linear2.weight directly; TileSparseLinear's forward pre-hook makes the layer
 # decline it, so eval + no_grad / inference_mode, torch.export and fullgraph compile all go
 # through tw_linear (the tests below count the kernel calls).
-
-
-@pytest.fixture
-def ext(require):
-    mod = build_ext.load_extension()
-    require(mod is not None, "the compiled tilesparse CPU kernel (python -m tilesparse.build_ext)")
-    return mod
 
 
 @dataclass

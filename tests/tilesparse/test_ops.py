@@ -31,13 +31,6 @@ TOL = {
 }
 
 
-@pytest.fixture
-def ext(require):
-    mod = build_ext.load_extension()
-    require(mod is not None, "the compiled tilesparse CPU kernel (python -m tilesparse.build_ext)")
-    return mod
-
-
 def tw_random_mask(K: int, N: int, G: int, keep_rows: float, gen: torch.Generator,
                    drop_cols: float = 0.0) -> torch.Tensor:
     """A TW mask: whole columns dropped, then each tile of G kept columns keeps its own rows."""
@@ -118,20 +111,9 @@ def test_cpu_exact_on_strip_edges(ext, G, drop, M):
         assert torch.equal(ops.tw_linear(x, layout, b, "cpu"), reference_matmul(x, layout, b))
 
 
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def test_simd_reports_the_cpus_vector_isa(ext):
+def test_simd_reports_the_cpus_vector_isa(ext, cpu_flags):
     """-march=native picks the widest fp32 micro-kernel the CPU has; simd() says which."""
-    flags = _cpu_flags()
+    flags = cpu_flags
     if not flags:
         pytest.skip("no /proc/cpuinfo flags to compare with")
     want = "avx512" if "avx512f" in flags else "avx2" if {"avx2", "fma"} <= flags else "scalar"
@@ -139,27 +121,19 @@ def test_simd_reports_the_cpus_vector_isa(ext):
     assert ext.has_avx512() == (want == "avx512")
 
 
-def _cpu_has_amx_bf16() -> bool:
-    try:
-        with open("/proc/cpuinfo") as f:
-            return "amx_bf16" in f.read()
-    except OSError:
-        return False
-
-
 @pytest.mark.parametrize(
     "M, K, N, G",
     [(1, 40, 50, 32), (70, 100, 90, 32), (64, 64, 64, 16), (129, 77, 300, 128), (33, 2, 17, 8)],
 )
-def test_amx_bf16_exact_on_small_integers(ext, M, K, N, G):
+def test_amx_bf16_exact_on_small_integers(ext, cpu_flags, M, K, N, G):
     """bf16 on the AMX kernel (where the CPU has it): with entries in -2..2 and K ≤ 100 every
     product, sum and the bf16 output are exact, so the result equals the fp64 reference bit
     for bit — any packing, pair-interleave or transpose error shows. Covers M=1, K and N not
     multiples of 16/32 and pruned columns (tiles without rows: test_tile_without_rows_and_pruned_columns,
     whose bf16 case takes the same path)."""
     if not ext.has_amx():
-        assert not _cpu_has_amx_bf16(), "the CPU has AMX-BF16 but the kernel's AMX path is off"
-        pytest.skip("this CPU has no AMX-BF16 (bf16 takes the fp32-kernel or at::mm path: test_16bit_through_the_fp32_kernel_and_through_mm)")
+        assert "amx_bf16" not in cpu_flags, "the CPU has AMX-BF16 but the kernel's AMX path is off"
+        pytest.skip("this CPU has no AMX-BF16 (bf16 takes the AVX512-BF16 kernel, test_ops_bf16.py, or the fp32-kernel or at::mm path: test_16bit_through_the_fp32_kernel_and_through_mm)")
     gen = torch.Generator().manual_seed(M * K + N)
     mask = tw_random_mask(K, N, G, keep_rows=0.6, gen=gen, drop_cols=0.25)
     lay = condense(int_tensor((K, N), gen, -2, 3), mask, G)
@@ -471,14 +445,14 @@ def test_checked_layout_is_checked_again_after_an_in_place_edit(ext):
 
 
 def test_disable_amx_env_takes_the_mm_path(ext):
-    """TILESPARSE_DISABLE_AMX=1 (read once per process): bf16 runs at::mm on gathered panels,
-    with the same results as the reference on small integers."""
+    """TILESPARSE_DISABLE_AMX=1 (read once per process) and TILESPARSE_DISABLE_AVX512BF16=1: bf16
+    runs at::mm on gathered panels, with the same results as the reference on small integers."""
     import subprocess
     import sys
 
     code = (
         "import torch; from tilesparse import build_ext, ops; from tilesparse.format import condense, reference_matmul\n"
-        "ext = build_ext.load_extension(); assert not ext.has_amx()\n"
+        "ext = build_ext.load_extension(); assert not ext.has_amx() and ext.bf16_kernel() == 'mm'\n"
         "g = torch.Generator().manual_seed(0)\n"
         "w = torch.randint(-2, 3, (50, 40), generator=g).float(); m = torch.rand(50, 40, generator=g) < 0.5\n"
         "lay = condense(w, m, 16); x = torch.randint(-2, 3, (9, 50), generator=g).float()\n"
@@ -487,22 +461,24 @@ def test_disable_amx_env_takes_the_mm_path(ext):
         "assert torch.equal(got.double(), reference_matmul(x.double(), lay).double().bfloat16().double())\n"
         "print('ok')\n"
     )
-    env = {**__import__("os").environ, "TILESPARSE_DISABLE_AMX": "1", "TILESPARSE_LOWP_FP32": "0"}
+    env = {**__import__("os").environ, "TILESPARSE_DISABLE_AMX": "1", "TILESPARSE_LOWP_FP32": "0",
+           "TILESPARSE_DISABLE_AVX512BF16": "1"}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
-def test_16bit_through_the_fp32_kernel_and_through_mm(ext, dtype, monkeypatch):
+def test_16bit_through_the_fp32_kernel_and_through_mm(ext, cpu_flags, dtype, monkeypatch):
     """bf16/fp16 take the fp32 kernel where the CPU has no native 16-bit GEMM (auto, from
     CPUID), or when TILESPARSE_LOWP_FP32=1; at::mm on panels with =0. Both exact on small
-    integers (bf16 on AMX goes to the AMX kernel first, whatever the variable says)."""
+    integers (bf16 on AMX goes to the AMX kernel first, whatever the variable says; the
+    AVX512-BF16 kernel, which would come next, is turned off here: test_ops_bf16.py)."""
     name = str(dtype).removeprefix("torch.")
     flag = {"bfloat16": "avx512_bf16", "float16": "avx512_fp16"}[name]
     monkeypatch.delenv("TILESPARSE_LOWP_FP32", raising=False)
-    flags = _cpu_flags()
-    if flags:
-        assert ext.lowp_via_fp32(name) is (flag not in flags)
+    monkeypatch.setenv("TILESPARSE_DISABLE_AVX512BF16", "1")
+    if cpu_flags:
+        assert ext.lowp_via_fp32(name) is (flag not in cpu_flags)
     g = torch.Generator().manual_seed(3)
     w = torch.randint(-2, 3, (300, 150), generator=g).float()
     mask = torch.rand(300, 150, generator=g) < 0.4

@@ -21,7 +21,28 @@
 #include <immintrin.h>
 #endif
 
+#if defined(__x86_64__) || defined(__i386__)
+#include <cpuid.h>
+#endif
+
 namespace tilesparse_cpu {
+
+// Whether the CPU executes native 16-bit dot products (CPUID, not the compiler's target):
+// CPUID.(EAX=7, ECX=0).EDX[23] = AVX512-FP16; CPUID.(EAX=7, ECX=1).EAX[5] = AVX512-BF16.
+inline bool cpu_has_native(at::ScalarType t) {
+#if defined(__x86_64__) || defined(__i386__)
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (t == at::kHalf) return (d >> 23) & 1u;
+  if (a < 1) return false;  // no sub-leaf 1
+  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
+  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) return false;
+  return (a1 >> 5) & 1u;
+#else
+  (void)t;
+  return false;
+#endif
+}
 
 // Transpose src (rows × cols, row stride lds) into dst (cols × rows, row stride ldd),
 // in cache blocks, parallel over column blocks.
@@ -287,5 +308,13 @@ at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const a
                          const at::Tensor& row_idx, const at::Tensor& row_ptr,
                          const at::Tensor& values, const at::Tensor& val_ptr,
                          const c10::optional<at::Tensor>& bias, int64_t N);
+
+// bf16 on AVX512-BF16 without AMX (tw_linear_bf16.cpp); bf16_dot_available(): built with
+// AVX512-BF16, the CPU has it, and TILESPARSE_DISABLE_AVX512BF16 is unset or 0 (read per call).
+bool bf16_dot_available();
+at::Tensor tw_linear_bf16(const at::Tensor& x, const at::Tensor& col_idx, const at::Tensor& tile_ptr,
+                          const at::Tensor& row_idx, const at::Tensor& row_ptr,
+                          const at::Tensor& values, const at::Tensor& val_ptr,
+                          const c10::optional<at::Tensor>& bias, int64_t N);
 
 }  // namespace tilesparse_cpu

@@ -12,18 +12,16 @@
 //   C = Yᵀ blocks (16 output columns × 16 batch rows), 2 × 2 of them per step (4 C + 2 A + 2 B
 //       of the 8 tile registers).
 //
-// Work item = one M block of AMC rows and all tiles, so one thread owns every column of its
+// Work item = one M block of BM rows and all tiles, so one thread owns every column of its
 // rows: C blocks go (as 16 contiguous floats per output column) into an n-major fp32 staging
-// block ystage[N][AMC]; at the end of the block the bias is added, column pairs are rounded to
-// bf16 (round to nearest even) and interleaved into 32-bit words, transposed 16 × 16 and written
-// to Y rows contiguously. The M block of X is
-// transposed to K-major bf16 (xblk[K][AMC]) through fp32 16 × 16 register transposes.
+// block ystage[N][BM], which store_block_bf16 rounds and writes back to Y's rows, bias added
+// (block transpose, staging and store are shared with tw_linear_bf16.cpp: tw_bf16_common.h).
 //
 // Built only when the compiler targets AMX-TILE, AMX-BF16 and AVX512-BF16 (-march=native on
 // such a machine); used only when the kernel grants the process AMX state (arch_prctl).
-#include "tw_common.h"
+#include "tw_bf16_common.h"
 
-#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__AVX512BF16__)
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(TILESPARSE_BF16_BLOCK)
 #define TILESPARSE_AMX 1
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -33,8 +31,6 @@ namespace tilesparse_cpu {
 
 #if TILESPARSE_AMX
 namespace {
-
-constexpr int64_t AMC = 64;  // rows of Y per work item: 2 pairs of 16-row B tiles
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;
@@ -54,32 +50,6 @@ void load_tile_config() {
   _tile_loadconfig(&cfg);
 }
 
-// Rows m0..m0+mcur of X (M × K bf16, row-major) → dst (K × AMC, K-major), zero past mcur.
-void transpose_block_bf16(const uint16_t* X, int64_t K, int64_t m0, int64_t mcur, uint16_t* dst) {
-  alignas(64) float in[16 * 16];
-  alignas(64) float out[16 * 16];
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    const int64_t kn = std::min<int64_t>(16, K - k0);
-    const __mmask16 km = static_cast<__mmask16>((1u << kn) - 1u);
-    for (int64_t r0 = 0; r0 < AMC; r0 += 16) {
-      for (int64_t r = 0; r < 16; ++r) {
-        __m512i v = _mm512_setzero_si512();
-        if (r0 + r < mcur) {
-          const __m256i h = _mm256_maskz_loadu_epi16(km, X + (m0 + r0 + r) * K + k0);
-          v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);  // bf16 → fp32, exact
-        }
-        _mm512_store_si512(reinterpret_cast<__m512i*>(in + r * 16), v);
-      }
-      transpose16(in, 16, out, 16);
-      for (int64_t j = 0; j < kn; ++j) {
-        const __m512i v = _mm512_srli_epi32(_mm512_load_si512(out + j * 16), 16);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k0 + j) * AMC + r0),
-                            _mm512_cvtepi32_epi16(v));
-      }
-    }
-  }
-}
-
 // The B operand of one tile for the current block: bpack[kb][mq][p][m][e] =
 // xblk[rows[32 kb + 2p + e]][16 mq + m], zero past R. Two kept rows of 32 batch rows each are
 // interleaved per step (unpack within 128-bit lanes, then a lane permute into m order).
@@ -91,13 +61,13 @@ void pack_b(const uint16_t* xblk, const int64_t* rows, int64_t R, int64_t nkb, u
   for (int64_t kb = 0; kb < nkb; ++kb) {
     for (int64_t p = 0; p < 16; ++p) {
       const int64_t k0 = kb * 32 + 2 * p, k1 = k0 + 1;
-      const uint16_t* x0 = k0 < R ? xblk + rows[k0] * AMC : nullptr;
-      const uint16_t* x1 = k1 < R ? xblk + rows[k1] * AMC : nullptr;
-      for (int64_t mo = 0; mo < AMC / 32; ++mo) {
+      const uint16_t* x0 = k0 < R ? xblk + rows[k0] * BM : nullptr;
+      const uint16_t* x1 = k1 < R ? xblk + rows[k1] * BM : nullptr;
+      for (int64_t mo = 0; mo < BM / 32; ++mo) {
         const __m512i a = x0 ? _mm512_loadu_si512(x0 + mo * 32) : zero;
         const __m512i b = x1 ? _mm512_loadu_si512(x1 + mo * 32) : zero;
         const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
-        uint16_t* dst = bpack + ((kb * (AMC / 16) + 2 * mo) * 16 + p) * 32;
+        uint16_t* dst = bpack + ((kb * (BM / 16) + 2 * mo) * 16 + p) * 32;
         _mm512_storeu_si512(dst, _mm512_permutex2var_epi64(lo, first, hi));
         _mm512_storeu_si512(dst + 16 * 32, _mm512_permutex2var_epi64(lo, second, hi));
       }
@@ -163,18 +133,13 @@ at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const a
 
   // A operands of every tile, and the columns no tile with kept rows writes.
   std::vector<int64_t> nkb(p.T), nnb(p.T), a_off(p.T + 1, 0);
-  std::vector<uint8_t> written(p.N, 0);
   for (int64_t t = 0; t < p.T; ++t) {
     const int64_t R = p.row_ptr[t + 1] - p.row_ptr[t], width = p.tile_ptr[t + 1] - p.tile_ptr[t];
     nkb[t] = (R + 31) / 32;
     nnb[t] = 2 * ((width + 31) / 32);
     a_off[t + 1] = a_off[t] + nnb[t] * nkb[t] * 512;
-    if (R > 0)
-      for (int64_t j = 0; j < width; ++j) written[p.col_idx[p.tile_ptr[t] + j]] = 1;
   }
-  std::vector<int64_t> unwritten;
-  for (int64_t n = 0; n < p.N; ++n)
-    if (!written[n]) unwritten.push_back(n);
+  const std::vector<int64_t> unwritten = unwritten_columns(p);
   const int64_t np = (p.N + 31) / 32 * 32;  // staging rows, padded for the 32-column conversion
   uint16_t* apack = reinterpret_cast<uint16_t*>(thread_scratch().wpack.reserve((a_off[p.T] + 1) / 2 + 32));
   const Plan* pp = &p;
@@ -185,29 +150,26 @@ at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const a
   });
   int64_t max_nkb = 1;
   for (int64_t t = 0; t < p.T; ++t) max_nkb = std::max(max_nkb, nkb[t]);
-  const int64_t nmb = (p.M + AMC - 1) / AMC;
+  const int64_t nmb = (p.M + BM - 1) / BM;
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
 
   at::parallel_for(0, nmb, 1, [&](int64_t b0, int64_t b1) {
     Scratch& s = thread_scratch();
     // the three per-thread buffers share one allocation (float units)
-    const int64_t xblk_f = (pp->K * AMC + 1) / 2, bpack_f = max_nkb * 32 * AMC / 2;
-    float* base = s.xt.reserve(xblk_f + bpack_f + np * AMC + 16 * 16 * 4 + 64);
+    const int64_t xblk_f = (pp->K * BM + 1) / 2, bpack_f = max_nkb * 32 * BM / 2;
+    float* base = s.xt.reserve(xblk_f + bpack_f + np * BM + 16 * 16 * 4 + 64);
     uint16_t* xblk = reinterpret_cast<uint16_t*>(base);
     uint16_t* bpack = reinterpret_cast<uint16_t*>(base + xblk_f);
     float* ystage = base + xblk_f + bpack_f;
-    float* cbuf = ystage + np * AMC;
+    float* cbuf = ystage + np * BM;
     cbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cbuf) + 63) & ~uintptr_t(63));
-    std::fill(ystage + pp->N * AMC, ystage + np * AMC, 0.f);
-    alignas(64) int16_t idx[32];
-    for (int i = 0; i < 32; ++i) idx[i] = static_cast<int16_t>((i & 1) ? 16 + i / 2 : i / 2);
-    const __m512i pair_interleave = _mm512_load_si512(idx);
+    std::fill(ystage + pp->N * BM, ystage + np * BM, 0.f);
     load_tile_config();
     for (int64_t mb = b0; mb < b1; ++mb) {
-      const int64_t m0 = mb * AMC, mcur = std::min(AMC, pp->M - m0);
+      const int64_t m0 = mb * BM, mcur = std::min(BM, pp->M - m0);
       const int64_t npairs_m = (mcur + 31) / 32;
       transpose_block_bf16(X, pp->K, m0, mcur, xblk);
-      for (const int64_t n : unwritten) std::fill(ystage + n * AMC, ystage + (n + 1) * AMC, 0.f);
+      for (const int64_t n : unwritten) std::fill(ystage + n * BM, ystage + (n + 1) * BM, 0.f);
       for (int64_t t = 0; t < pp->T; ++t) {
         const int64_t R = pp->row_ptr[t + 1] - pp->row_ptr[t];
         if (R == 0) continue;
@@ -223,8 +185,8 @@ at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const a
             for (int64_t kb = 0; kb < kbs; ++kb) {
               _tile_loadd(4, At + (nb * kbs + kb) * 512, 64);
               _tile_loadd(5, At + ((nb + 1) * kbs + kb) * 512, 64);
-              _tile_loadd(6, bpack + (kb * (AMC / 16) + mq) * 512, 64);
-              _tile_loadd(7, bpack + (kb * (AMC / 16) + mq + 1) * 512, 64);
+              _tile_loadd(6, bpack + (kb * (BM / 16) + mq) * 512, 64);
+              _tile_loadd(7, bpack + (kb * (BM / 16) + mq + 1) * 512, 64);
               _tile_dpbf16ps(0, 4, 6);
               _tile_dpbf16ps(1, 4, 7);
               _tile_dpbf16ps(2, 5, 6);
@@ -239,7 +201,7 @@ at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const a
               for (int64_t r = 0; r < 16; ++r) {
                 const int64_t jn = (nb + i) * 16 + r;
                 if (jn >= width) break;
-                float* dst = ystage + pp->col_idx[c0 + jn] * AMC + mq * 16;
+                float* dst = ystage + pp->col_idx[c0 + jn] * BM + mq * 16;
                 _mm512_storeu_ps(dst, _mm512_load_ps(cbuf + (2 * i) * 256 + r * 16));
                 _mm512_storeu_ps(dst + 16, _mm512_load_ps(cbuf + (2 * i + 1) * 256 + r * 16));
               }
@@ -247,30 +209,7 @@ at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const a
           }
         }
       }
-      // ystage (n-major fp32) → Y rows m0..m0+mcur (bf16), bias added. Columns go in pairs:
-      // (n, n+1) rounded to bf16 and interleaved into one 32-bit word per batch row, so one
-      // 16 × 16 word transpose moves 16 rows × 32 columns (half the shuffles of an fp32 one).
-      alignas(64) float words[16 * 16];
-      alignas(64) float tr[16 * 16];
-      for (int64_t n0 = 0; n0 < pp->N; n0 += 32) {
-        const int64_t nn = std::min<int64_t>(32, pp->N - n0);
-        const __mmask32 nm = nn >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << nn) - 1u);
-        for (int64_t r0 = 0; r0 < mcur; r0 += 16) {
-          for (int64_t j = 0; j < 16; ++j) {
-            const int64_t n = n0 + 2 * j;
-            const __m512 a = _mm512_add_ps(_mm512_loadu_ps(ystage + n * AMC + r0),
-                                           _mm512_set1_ps(n < pp->N ? bptr[n] : 0.f));
-            const __m512 b = _mm512_add_ps(_mm512_loadu_ps(ystage + (n + 1) * AMC + r0),
-                                           _mm512_set1_ps(n + 1 < pp->N ? bptr[n + 1] : 0.f));
-            const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in lanes 0-15, b in 16-31
-            _mm512_store_si512(words + j * 16, _mm512_permutexvar_epi16(pair_interleave, ab));
-          }
-          transpose16(words, 16, tr, 16);  // tr[m][j] = columns n0 + 2j, n0 + 2j + 1 of row m
-          const int64_t rn = std::min<int64_t>(16, mcur - r0);
-          for (int64_t r = 0; r < rn; ++r)
-            _mm512_mask_storeu_epi16(Y + (m0 + r0 + r) * pp->N + n0, nm, _mm512_load_si512(tr + r * 16));
-        }
-      }
+      store_block_bf16(ystage, pp->N, bptr, mcur, Y + m0 * pp->N);
     }
     _tile_release();
   });

@@ -38,10 +38,10 @@
 // packing A costs more than that here because the block's rows come back from L2 per tile.
 // Prefetching both lines of every A row, for every strip, gained 4%.
 //
-// Other dtypes: bf16 on the AMX kernel where the CPU and OS allow it (tw_linear_amx.cpp);
-// bf16 / fp16 through this fp32 kernel (widened, then rounded back) where the CPU has no
-// native 16-bit GEMM; otherwise, and for fp64, gather per tile and call at::mm
-// (tw_linear_lowp.cpp).
+// Other dtypes: bf16 on the AMX kernel where the CPU and OS allow it (tw_linear_amx.cpp), else
+// on the AVX512-BF16 kernel where the CPU has VDPBF16PS (tw_linear_bf16.cpp); bf16 / fp16
+// through this fp32 kernel (widened, then rounded back) where the CPU has no native 16-bit
+// GEMM; otherwise, and for fp64, gather per tile and call at::mm (tw_linear_lowp.cpp).
 #include "tw_common.h"
 #include "tw_microkernel_avx2.h"
 
@@ -399,6 +399,8 @@ at::Tensor tw_linear_cpu(const at::Tensor& x, const at::Tensor& col_idx, const a
     return tw_linear_f32(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features);
   if (x.scalar_type() == at::kBFloat16 && amx_available())
     return tw_linear_amx(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features);
+  if (x.scalar_type() == at::kBFloat16 && bf16_dot_available())
+    return tw_linear_bf16(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features);
   if (lowp_via_fp32(x.scalar_type())) {
     c10::optional<at::Tensor> bias32;
     if (bias.has_value()) bias32 = bias->to(at::kFloat);
@@ -456,4 +458,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "TILESPARSE_LOWP_FP32=1; bf16 on AMX takes the AMX kernel first)");
   m.def("has_amx", &amx_available,
         "Whether bf16 runs on the AMX kernel (built with AMX, granted by the OS, not disabled)");
+  m.def("has_avx512_bf16", &bf16_dot_available,
+        "Whether the AVX512-BF16 kernel can run (built with it, the CPU has it, "
+        "TILESPARSE_DISABLE_AVX512BF16 unset or 0); bf16 takes it where AMX is off");
+  m.def("bf16_kernel", [] {
+          return std::string(amx_available() ? "amx"
+                             : bf16_dot_available() ? "avx512_bf16"
+                             : lowp_via_fp32(at::kBFloat16) ? "fp32"
+                                                            : "mm");
+        },
+        "The kernel a bf16 call takes now: 'amx', 'avx512_bf16', 'fp32' (widened to the fp32 "
+        "kernel) or 'mm' (at::mm on gathered panels)");
+  m.def("tw_linear_avx512_bf16", &tw_linear_bf16,
+        "The AVX512-BF16 kernel itself, whatever the dispatch would pick (tests; x bf16)",
+        py::call_guard<py::gil_scoped_release>());
 }

@@ -1,8 +1,9 @@
-// The condensed TW format for fp64, and for bf16 / fp16 where neither the AMX kernel
-// (tw_linear_amx.cpp) nor the fp32 route below applies, on CPU: a per-tile gather into a panel,
-// then at::mm per (1024-row block, tile), so the GEMM itself runs in torch's backend. Correct
-// everywhere, fast nowhere: bf16 this way was 0.2-0.8x of dense bf16 (oneDNN/AMX) in
-// benchmarks/results/tilesparse_gemm.json before the AMX kernel.
+// The condensed TW format for fp64, and for bf16 / fp16 where none of the AMX kernel
+// (tw_linear_amx.cpp), the AVX512-BF16 kernel (tw_linear_bf16.cpp) and the fp32 route below
+// applies, on CPU: a per-tile gather into a panel, then at::mm per (1024-row block, tile), so
+// the GEMM itself runs in torch's backend. Correct everywhere, fast nowhere: bf16 this way was
+// 0.2-0.8x of dense bf16 (oneDNN/AMX) in benchmarks/results/tilesparse_gemm.json before the AMX
+// kernel, and 0.3-0.9x at 50 % on an AMD Zen 4 (oneDNN on AVX512-BF16) before the AVX512-BF16 one.
 //
 // lowp_via_fp32(): on a CPU without native 16-bit GEMM instructions (no AVX512-BF16 for bf16,
 // no AVX512-FP16 for fp16 — e.g. AVX2 machines such as AMD Zen 3) torch's own bf16/fp16 matmul
@@ -11,30 +12,10 @@
 // fp32 kernel (fp32 accumulation, as every path here) and rounds Y back to the input type.
 #include "tw_common.h"
 
-#if defined(__x86_64__) || defined(__i386__)
-#include <cpuid.h>
-#endif
-
 namespace tilesparse_cpu {
 namespace {
 
 constexpr int64_t MC_MM = 1024;  // rows per work item on the at::mm path (amortises the call)
-
-// CPUID.(EAX=7, ECX=0).EDX[23] = AVX512-FP16; CPUID.(EAX=7, ECX=1).EAX[5] = AVX512-BF16.
-bool cpu_has_native(at::ScalarType t) {
-#if defined(__x86_64__) || defined(__i386__)
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (t == at::kHalf) return (d >> 23) & 1u;
-  if (a < 1) return false;  // no sub-leaf 1
-  unsigned a1 = 0, b1 = 0, c1 = 0, d1 = 0;
-  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1)) return false;
-  return (a1 >> 5) & 1u;
-#else
-  (void)t;
-  return false;
-#endif
-}
 
 }  // namespace
 

@@ -1,0 +1,94 @@
+// Shared pieces of the two bf16 TW kernels that compute Yᵀ per block of batch rows with fp32
+// accumulation: tw_linear_amx.cpp (AMX tiles) and tw_linear_bf16.cpp (AVX512-BF16 VDPBF16PS).
+//
+// Both work on one block of BM = 64 rows of Y at a time, owned by one thread:
+//   1. transpose_block_bf16: rows m0..m0+mcur of X (M × K bf16) → xblk (K × BM, K-major), so a
+//      kept row of a tile is BM contiguous bf16 values;
+//   2. the tile products land as fp32 columns of Y in an n-major staging block
+//      ystage[N][BM] (columns no tile writes hold zeros);
+//   3. store_block_bf16: bias added, rounded to bf16 (nearest even), transposed back into the
+//      rows of Y.
+// Only compiled where the compiler targets AVX512-BF16 (and so AVX512-BW).
+#pragma once
+
+#include "tw_common.h"
+
+#if defined(__AVX512BF16__) && defined(__AVX512BW__)
+#define TILESPARSE_BF16_BLOCK 1
+
+namespace tilesparse_cpu {
+
+constexpr int64_t BM = 64;  // rows of Y per bf16 work item (4 vectors of 16 fp32 lanes)
+
+// Rows m0..m0+mcur of X (M × K bf16, row-major) → dst (K × BM, K-major), zero past mcur.
+inline void transpose_block_bf16(const uint16_t* X, int64_t K, int64_t m0, int64_t mcur, uint16_t* dst) {
+  alignas(64) float in[16 * 16];
+  alignas(64) float out[16 * 16];
+  for (int64_t k0 = 0; k0 < K; k0 += 16) {
+    const int64_t kn = std::min<int64_t>(16, K - k0);
+    const __mmask16 km = static_cast<__mmask16>((1u << kn) - 1u);
+    for (int64_t r0 = 0; r0 < BM; r0 += 16) {
+      for (int64_t r = 0; r < 16; ++r) {
+        __m512i v = _mm512_setzero_si512();
+        if (r0 + r < mcur) {
+          const __m256i h = _mm256_maskz_loadu_epi16(km, X + (m0 + r0 + r) * K + k0);
+          v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);  // bf16 → fp32, exact
+        }
+        _mm512_store_si512(reinterpret_cast<__m512i*>(in + r * 16), v);
+      }
+      transpose16(in, 16, out, 16);
+      for (int64_t j = 0; j < kn; ++j) {
+        const __m512i v = _mm512_srli_epi32(_mm512_load_si512(out + j * 16), 16);
+        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k0 + j) * BM + r0),
+                            _mm512_cvtepi32_epi16(v));
+      }
+    }
+  }
+}
+
+// The output columns no tile with kept rows writes (their staging rows must be zeroed per block).
+inline std::vector<int64_t> unwritten_columns(const Plan& p) {
+  std::vector<uint8_t> written(static_cast<size_t>(p.N), 0);
+  for (int64_t t = 0; t < p.T; ++t)
+    if (p.row_ptr[t + 1] > p.row_ptr[t])
+      for (int64_t j = p.tile_ptr[t]; j < p.tile_ptr[t + 1]; ++j) written[p.col_idx[j]] = 1;
+  std::vector<int64_t> out;
+  for (int64_t n = 0; n < p.N; ++n)
+    if (!written[n]) out.push_back(n);
+  return out;
+}
+
+// ystage (n-major fp32, rows padded to a multiple of 32 columns, row stride BM) → rows
+// 0..mcur of Y (bf16, row stride N, starting at y), bias (N floats) added. Columns go in pairs:
+// (n, n+1) rounded to bf16 and interleaved into one 32-bit word per batch row, so one 16 × 16
+// word transpose moves 16 rows × 32 columns (half the shuffles of an fp32 one).
+inline void store_block_bf16(const float* ystage, int64_t N, const float* bias, int64_t mcur, uint16_t* y) {
+  alignas(64) int16_t idx[32];
+  for (int i = 0; i < 32; ++i) idx[i] = static_cast<int16_t>((i & 1) ? 16 + i / 2 : i / 2);
+  const __m512i pair_interleave = _mm512_load_si512(idx);
+  alignas(64) float words[16 * 16];
+  alignas(64) float tr[16 * 16];
+  for (int64_t n0 = 0; n0 < N; n0 += 32) {
+    const int64_t nn = std::min<int64_t>(32, N - n0);
+    const __mmask32 nm = nn >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << nn) - 1u);
+    for (int64_t r0 = 0; r0 < mcur; r0 += 16) {
+      for (int64_t j = 0; j < 16; ++j) {
+        const int64_t n = n0 + 2 * j;
+        const __m512 a = _mm512_add_ps(_mm512_loadu_ps(ystage + n * BM + r0),
+                                       _mm512_set1_ps(n < N ? bias[n] : 0.f));
+        const __m512 b = _mm512_add_ps(_mm512_loadu_ps(ystage + (n + 1) * BM + r0),
+                                       _mm512_set1_ps(n + 1 < N ? bias[n + 1] : 0.f));
+        const __m512i ab = (__m512i)_mm512_cvtne2ps_pbh(b, a);  // a in lanes 0-15, b in 16-31
+        _mm512_store_si512(words + j * 16, _mm512_permutexvar_epi16(pair_interleave, ab));
+      }
+      transpose16(words, 16, tr, 16);  // tr[m][j] = columns n0 + 2j, n0 + 2j + 1 of row m
+      const int64_t rn = std::min<int64_t>(16, mcur - r0);
+      for (int64_t r = 0; r < rn; ++r)
+        _mm512_mask_storeu_epi16(y + (r0 + r) * N + n0, nm, _mm512_load_si512(tr + r * 16));
+    }
+  }
+}
+
+}  // namespace tilesparse_cpu
+
+#endif  // __AVX512BF16__ && __AVX512BW__

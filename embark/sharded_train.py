@@ -41,7 +41,9 @@ Command line (gloo on CPU; rank 0 prints the loss, the eval AUC and writes ``--o
     python -m embark.sharded_train --help   # every knob with its default
 
 Every rank generates the same global batches (:class:`~embark.data.SyntheticCTR`) and trains
-on its :func:`local_batch`. A plan for another world size exits with status 2 on every rank.
+on its :func:`local_batch`. (Generating only the slice would not be the same data: a label is
+drawn against the teacher's logit from a forward over the whole batch, and a forward over a
+slice can differ in the last bit.) A plan for another world size exits with status 2 on every rank.
 
 Resuming. ``--steps`` is the TOTAL number of steps (as the recipe's and the Trainer's
 ``total - t.step`` example): a checkpoint at step ``k`` trains ``--steps - k`` more steps on

@@ -21,26 +21,51 @@ namespace tilesparse_cpu {
 constexpr int64_t BM = 64;  // rows of Y per bf16 work item (4 vectors of 16 fp32 lanes)
 
 // Rows m0..m0+mcur of X (M × K bf16, row-major) → dst (K × BM, K-major), zero past mcur.
-inline void transpose_block_bf16(const uint16_t* X, int64_t K, int64_t m0, int64_t mcur, uint16_t* dst) {
-  alignas(64) float in[16 * 16];
-  alignas(64) float out[16 * 16];
-  for (int64_t k0 = 0; k0 < K; k0 += 16) {
-    const int64_t kn = std::min<int64_t>(16, K - k0);
-    const __mmask16 km = static_cast<__mmask16>((1u << kn) - 1u);
-    for (int64_t r0 = 0; r0 < BM; r0 += 16) {
-      for (int64_t r = 0; r < 16; ++r) {
-        __m512i v = _mm512_setzero_si512();
-        if (r0 + r < mcur) {
-          const __m256i h = _mm256_maskz_loadu_epi16(km, X + (m0 + r0 + r) * K + k0);
-          v = _mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16);  // bf16 → fp32, exact
-        }
-        _mm512_store_si512(reinterpret_cast<__m512i*>(in + r * 16), v);
+//
+// Per half block of 32 batch rows: rows 2i and 2i+1 are read whole, side by side, and
+// interleaved into 32-bit words w[i][k] = (x[2i][k], x[2i+1][k]) (one unpack pair and two lane
+// permutes per 64 values); the 16 × K word matrix w, transposed in 16 × 16 register blocks, is
+// then exactly the K-major block: row k holds w[0][k] … w[15][k] = batch rows 0 … 31 in
+// order. Reading two rows at a time keeps the loads in streams the hardware prefetcher
+// follows (column blocks of all 64 rows at once left the loads waiting on memory: half the
+// time of the tile products at 4096 × 512 → 256, 75 %), and the shuffles are a third of
+// widening to fp32 and transposing floats. `words` is scratch of 16 · round_up(K, 16) words.
+inline void transpose_block_bf16(const uint16_t* X, int64_t K, int64_t m0, int64_t mcur, uint16_t* dst,
+                                 uint32_t* words) {
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  const int64_t ldw = (K + 15) / 16 * 16;
+  alignas(64) uint32_t tail[16 * 16];  // result rows of a partial k block
+  for (int64_t r0 = 0; r0 < BM; r0 += 32) {
+    if (r0 >= mcur) {  // a half block past the batch: zeros
+      for (int64_t k = 0; k < K; ++k) std::memset(dst + k * BM + r0, 0, 32 * sizeof(uint16_t));
+      continue;
+    }
+    for (int64_t i = 0; i < 16; ++i) {
+      const int64_t ra = r0 + 2 * i, rb = ra + 1;
+      const uint16_t* xa = ra < mcur ? X + (m0 + ra) * K : nullptr;
+      const uint16_t* xb = rb < mcur ? X + (m0 + rb) * K : nullptr;
+      uint32_t* w = words + i * ldw;
+      for (int64_t k0 = 0; k0 < ldw; k0 += 32) {
+        const int64_t kn = std::min<int64_t>(32, K - k0);
+        const __mmask32 km = kn >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << kn) - 1u);
+        const __m512i a = xa ? _mm512_maskz_loadu_epi16(km, xa + k0) : zero;
+        const __m512i b = xb ? _mm512_maskz_loadu_epi16(km, xb + k0) : zero;
+        const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
+        _mm512_storeu_si512(w + k0, _mm512_permutex2var_epi64(lo, first, hi));
+        if (k0 + 16 < ldw) _mm512_storeu_si512(w + k0 + 16, _mm512_permutex2var_epi64(lo, second, hi));
       }
-      transpose16(in, 16, out, 16);
-      for (int64_t j = 0; j < kn; ++j) {
-        const __m512i v = _mm512_srli_epi32(_mm512_load_si512(out + j * 16), 16);
-        _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst + (k0 + j) * BM + r0),
-                            _mm512_cvtepi32_epi16(v));
+    }
+    // result row k (16 words = batch rows r0 .. r0+31) goes to dst + k * BM + r0
+    const float* wf = reinterpret_cast<const float*>(words);
+    for (int64_t k0 = 0; k0 < K; k0 += 16) {
+      if (k0 + 16 <= K) {
+        transpose16(wf + k0, ldw, reinterpret_cast<float*>(dst + k0 * BM + r0), BM / 2);
+      } else {
+        transpose16(wf + k0, ldw, reinterpret_cast<float*>(tail), 16);
+        for (int64_t k = k0; k < K; ++k)
+          std::memcpy(dst + k * BM + r0, tail + (k - k0) * 16, 16 * sizeof(uint32_t));
       }
     }
   }

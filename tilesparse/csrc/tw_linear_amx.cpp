@@ -157,18 +157,20 @@ at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const a
     Scratch& s = thread_scratch();
     // the three per-thread buffers share one allocation (float units)
     const int64_t xblk_f = (pp->K * BM + 1) / 2, bpack_f = max_nkb * 32 * BM / 2;
-    float* base = s.xt.reserve(xblk_f + bpack_f + np * BM + 16 * 16 * 4 + 64);
+    const int64_t words_f = 16 * ((pp->K + 15) / 16 * 16);
+    float* base = s.xt.reserve(xblk_f + bpack_f + np * BM + 16 * 16 * 4 + 64 + words_f);
     uint16_t* xblk = reinterpret_cast<uint16_t*>(base);
     uint16_t* bpack = reinterpret_cast<uint16_t*>(base + xblk_f);
     float* ystage = base + xblk_f + bpack_f;
     float* cbuf = ystage + np * BM;
     cbuf = reinterpret_cast<float*>((reinterpret_cast<uintptr_t>(cbuf) + 63) & ~uintptr_t(63));
+    uint32_t* words = reinterpret_cast<uint32_t*>(cbuf + 16 * 16 * 4);  // transpose scratch
     std::fill(ystage + pp->N * BM, ystage + np * BM, 0.f);
     load_tile_config();
     for (int64_t mb = b0; mb < b1; ++mb) {
       const int64_t m0 = mb * BM, mcur = std::min(BM, pp->M - m0);
       const int64_t npairs_m = (mcur + 31) / 32;
-      transpose_block_bf16(X, pp->K, m0, mcur, xblk);
+      transpose_block_bf16(X, pp->K, m0, mcur, xblk, words);
       for (const int64_t n : unwritten) std::fill(ystage + n * BM, ystage + (n + 1) * BM, 0.f);
       for (int64_t t = 0; t < pp->T; ++t) {
         const int64_t R = pp->row_ptr[t + 1] - pp->row_ptr[t];

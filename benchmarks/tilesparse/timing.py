@@ -182,8 +182,9 @@ def cpu_flags() -> set[str]:
 def cpu_features() -> dict[str, Any]:
     """Which of :data:`CPU_FLAGS` the CPU has (``/proc/cpuinfo``; empty elsewhere), which fp32
     micro-kernel the TW extension runs (``tw_kernel_simd``: ``"avx512"`` / ``"avx2"`` /
-    ``"scalar"``; ``tw_kernel_avx512`` kept for older readers) and whether it runs its AMX bf16
-    kernel (``None`` where the extension is not loaded)."""
+    ``"scalar"``; ``tw_kernel_avx512`` kept for older readers), whether it runs its AMX bf16
+    kernel, and which kernel a bf16 call takes (``tw_kernel_bf16``: ``"amx"`` /
+    ``"avx512_bf16"`` / ``"fp32"`` / ``"mm"``) (``None`` where the extension is not loaded)."""
     flags = cpu_flags()
     from tilesparse.build_ext import load_extension
 
@@ -192,6 +193,7 @@ def cpu_features() -> dict[str, Any]:
         "tw_kernel_simd": None if ext is None else str(ext.simd()),
         "tw_kernel_avx512": None if ext is None else bool(ext.has_avx512()),
         "tw_kernel_amx_bf16": None if ext is None else bool(ext.has_amx()),
+        "tw_kernel_bf16": None if ext is None else str(ext.bf16_kernel()),
     }
 
 

@@ -60,6 +60,7 @@ def _load(path: Path) -> dict[str, Any]:
     assert doc["cpu_features"]["tw_kernel_avx512"] in (True, False)
     assert doc["cpu_features"]["tw_kernel_simd"] in ("avx512", "avx2", "scalar")
     assert doc["cpu_features"]["tw_kernel_avx512"] == (doc["cpu_features"]["tw_kernel_simd"] == "avx512")
+    assert doc["cpu_features"]["tw_kernel_bf16"] in ("amx", "avx512_bf16", "fp32", "mm")
     assert doc["meta"]["torch_threads"] == 1
     return doc
 

@@ -29,13 +29,19 @@ constexpr int64_t BM = 64;  // rows of Y per bf16 work item (4 vectors of 16 fp3
 // order. Reading two rows at a time keeps the loads in streams the hardware prefetcher
 // follows (column blocks of all 64 rows at once left the loads waiting on memory: half the
 // time of the tile products at 4096 × 512 → 256, 75 %), and the shuffles are a third of
-// widening to fp32 and transposing floats. `words` is scratch of 16 · round_up(K, 16) words.
+// widening to fp32 and transposing floats. `words` is scratch of transpose_words(K) words.
+//
+// The row stride of w is padded by one cache line: with K a power of two the 16 rows a 16 × 16
+// transpose reads would sit in one L1 set.
+inline int64_t transpose_ldw(int64_t K) { return (K + 15) / 16 * 16 + 16; }
+inline int64_t transpose_words(int64_t K) { return 16 * transpose_ldw(K); }
+
 inline void transpose_block_bf16(const uint16_t* X, int64_t K, int64_t m0, int64_t mcur, uint16_t* dst,
                                  uint32_t* words) {
   const __m512i zero = _mm512_setzero_si512();
   const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
   const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
-  const int64_t ldw = (K + 15) / 16 * 16;
+  const int64_t kpad = (K + 15) / 16 * 16, ldw = transpose_ldw(K);
   alignas(64) uint32_t tail[16 * 16];  // result rows of a partial k block
   for (int64_t r0 = 0; r0 < BM; r0 += 32) {
     if (r0 >= mcur) {  // a half block past the batch: zeros
@@ -47,14 +53,14 @@ inline void transpose_block_bf16(const uint16_t* X, int64_t K, int64_t m0, int64
       const uint16_t* xa = ra < mcur ? X + (m0 + ra) * K : nullptr;
       const uint16_t* xb = rb < mcur ? X + (m0 + rb) * K : nullptr;
       uint32_t* w = words + i * ldw;
-      for (int64_t k0 = 0; k0 < ldw; k0 += 32) {
+      for (int64_t k0 = 0; k0 < kpad; k0 += 32) {
         const int64_t kn = std::min<int64_t>(32, K - k0);
         const __mmask32 km = kn >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << kn) - 1u);
         const __m512i a = xa ? _mm512_maskz_loadu_epi16(km, xa + k0) : zero;
         const __m512i b = xb ? _mm512_maskz_loadu_epi16(km, xb + k0) : zero;
         const __m512i lo = _mm512_unpacklo_epi16(a, b), hi = _mm512_unpackhi_epi16(a, b);
         _mm512_storeu_si512(w + k0, _mm512_permutex2var_epi64(lo, first, hi));
-        if (k0 + 16 < ldw) _mm512_storeu_si512(w + k0 + 16, _mm512_permutex2var_epi64(lo, second, hi));
+        if (k0 + 16 < kpad) _mm512_storeu_si512(w + k0 + 16, _mm512_permutex2var_epi64(lo, second, hi));
       }
     }
     // result row k (16 words = batch rows r0 .. r0+31) goes to dst + k * BM + r0

@@ -157,7 +157,7 @@ at::Tensor tw_linear_amx(const at::Tensor& x, const at::Tensor& col_idx, const a
     Scratch& s = thread_scratch();
     // the three per-thread buffers share one allocation (float units)
     const int64_t xblk_f = (pp->K * BM + 1) / 2, bpack_f = max_nkb * 32 * BM / 2;
-    const int64_t words_f = 16 * ((pp->K + 15) / 16 * 16);
+    const int64_t words_f = transpose_words(pp->K);
     float* base = s.xt.reserve(xblk_f + bpack_f + np * BM + 16 * 16 * 4 + 64 + words_f);
     uint16_t* xblk = reinterpret_cast<uint16_t*>(base);
     uint16_t* bpack = reinterpret_cast<uint16_t*>(base + xblk_f);

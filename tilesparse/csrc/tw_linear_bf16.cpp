@@ -44,20 +44,33 @@ bool cpu_has_bf16_dot() {
 }
 
 // Every tile's W block as strips of NS columns of bf16 pairs (layout above). W is the tile's
-// R × width row-major block.
-void pack_w(const uint16_t* W, int64_t R, int64_t width, uint32_t* dst) {
+// R × width row-major block; `words` is scratch of round_up(width, 32) words. Per pair of rows,
+// the two rows are interleaved into words in column order (one unpack pair and two lane
+// permutes per 32 columns), then each strip's NS words are one masked store (the scalar loop
+// it replaces made a call at batch 64, 3456 → 1024, 75 % take 1.5 ms instead of 1.0).
+void pack_w(const uint16_t* W, int64_t R, int64_t width, uint32_t* dst, uint32_t* words) {
   const int64_t np = (R + 1) / 2, ns = (width + NS - 1) / NS;
-  for (int64_t s = 0; s < ns; ++s)
-    for (int64_t q = 0; q < np; ++q)
-      for (int64_t i = 0; i < NS; ++i) {
-        const int64_t n = s * NS + i;
-        uint32_t lo = 0, hi = 0;
-        if (n < width) {
-          lo = W[2 * q * width + n];
-          if (2 * q + 1 < R) hi = W[(2 * q + 1) * width + n];
-        }
-        dst[(s * np + q) * NS + i] = lo | (hi << 16);
-      }
+  const __m512i zero = _mm512_setzero_si512();
+  const __m512i first = _mm512_set_epi64(11, 10, 3, 2, 9, 8, 1, 0);
+  const __m512i second = _mm512_set_epi64(15, 14, 7, 6, 13, 12, 5, 4);
+  const int64_t wpad = (width + 31) / 32 * 32;
+  const __mmask16 six = static_cast<__mmask16>((1u << NS) - 1u);
+  for (int64_t q = 0; q < np; ++q) {
+    const uint16_t* lo = W + 2 * q * width;
+    const uint16_t* hi = 2 * q + 1 < R ? lo + width : nullptr;
+    for (int64_t n0 = 0; n0 < wpad; n0 += 32) {
+      const int64_t nn = std::min<int64_t>(32, width - n0);
+      const __mmask32 m = nn >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << nn) - 1u);
+      const __m512i a = _mm512_maskz_loadu_epi16(m, lo + n0);
+      const __m512i b = hi ? _mm512_maskz_loadu_epi16(m, hi + n0) : zero;
+      const __m512i l = _mm512_unpacklo_epi16(a, b), h = _mm512_unpackhi_epi16(a, b);
+      _mm512_storeu_si512(words + n0, _mm512_permutex2var_epi64(l, first, h));
+      _mm512_storeu_si512(words + n0 + 16, _mm512_permutex2var_epi64(l, second, h));
+    }
+    // words past width are zero (masked loads), so the last strip's padding columns are too
+    for (int64_t s = 0; s < ns; ++s)
+      _mm512_mask_storeu_epi32(dst + (s * np + q) * NS, six, _mm512_maskz_loadu_epi32(six, words + s * NS));
+  }
 }
 
 // The tile's kept rows of the K-major block, interleaved in pairs: dst[q][m][e] =
@@ -161,9 +174,10 @@ at::Tensor tw_linear_bf16(const at::Tensor& x, const at::Tensor& col_idx, const 
   uint32_t* wpack = reinterpret_cast<uint32_t*>(thread_scratch().wpack.reserve(w_off[p.T] + 16));
   const Plan* pp = &p;
   at::parallel_for(0, p.T, 1, [&](int64_t t0, int64_t t1) {
+    std::vector<uint32_t> words(static_cast<size_t>((pp->max_width + 31) / 32 * 32));
     for (int64_t t = t0; t < t1; ++t)
       pack_w(V + pp->val_ptr[t], pp->row_ptr[t + 1] - pp->row_ptr[t],
-             pp->tile_ptr[t + 1] - pp->tile_ptr[t], wpack + w_off[t]);
+             pp->tile_ptr[t + 1] - pp->tile_ptr[t], wpack + w_off[t], words.data());
   });
   const int64_t nmb = (p.M + BM - 1) / BM;
   int64_t strips = 0;  // micro-kernel calls per block
@@ -176,7 +190,7 @@ at::Tensor tw_linear_bf16(const at::Tensor& x, const at::Tensor& col_idx, const 
     // the per-thread buffers share one allocation (float units): xblk, xpack, ystage, junk,
     // transpose words
     const int64_t xblk_f = (pp->K * BM + 1) / 2, xpack_f = max_np * BM;
-    const int64_t words_f = 16 * ((pp->K + 15) / 16 * 16);
+    const int64_t words_f = transpose_words(pp->K);
     float* base = thread_scratch().xt.reserve(xblk_f + xpack_f + (nstage + 1) * BM + words_f + 16);
     uint16_t* xblk = reinterpret_cast<uint16_t*>(base);
     uint16_t* xpack = reinterpret_cast<uint16_t*>(base + xblk_f);

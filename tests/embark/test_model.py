@@ -107,6 +107,11 @@ def test_crossnet_matches_formula():
     for v, u in zip(net.v, net.u):
         x = x0 * (x @ v.weight.T @ u.weight.T + u.bias) + x
     torch.testing.assert_close(net(x0), x, rtol=1e-6, atol=1e-6)
+    with torch.no_grad():  # the inference path writes into u's output instead of a new tensor
+        x0_before = x0.clone()
+        assert torch.equal(net(x0), net.forward(x0))
+        torch.testing.assert_close(net(x0), x, rtol=1e-6, atol=1e-6)
+        assert torch.equal(x0, x0_before)  # the input is not the buffer written into
 
 
 def test_seeded_and_leaves_global_rng_alone():

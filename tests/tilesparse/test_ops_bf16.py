@@ -72,6 +72,24 @@ def test_exact_on_small_integers(bf16dot, M, K, N, G, keep, drop):
         assert torch.equal(got, exact_reference(x, lay, b))
 
 
+@pytest.mark.parametrize("threads", [1, 3])
+@pytest.mark.parametrize("M, K, N, G", [(1, 40, 50, 32), (64, 100, 300, 128), (70, 77, 300, 16), (130, 90, 77, 3)])
+def test_small_batches_split_a_block_between_threads(bf16dot, threads, M, K, N, G):
+    """With fewer 64-row blocks than threads a block's strips are split between threads into a
+    shared staging block, stored in a second pass; with one thread each block is one item."""
+    gen = torch.Generator().manual_seed(M + K + N)
+    lay = condense(int_tensor((K, N), gen, -2, 3), tw_random_mask(K, N, G, 0.5, gen, 0.3), G)
+    x = int_tensor((M, K), gen, -2, 3)
+    bias = int_tensor((N,), gen, -2, 3)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = run_kernel(bf16dot, x, lay, bias)
+    finally:
+        torch.set_num_threads(before)
+    assert torch.equal(got, exact_reference(x, lay, bias))
+
+
 def test_tile_without_rows_and_pruned_columns(bf16dot):
     lay = layout_with_empty_tile(6, 8)
     gen = torch.Generator().manual_seed(4)

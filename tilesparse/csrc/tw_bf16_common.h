@@ -93,13 +93,15 @@ inline std::vector<int64_t> unwritten_columns(const Plan& p) {
 // 0..mcur of Y (bf16, row stride N, starting at y), bias (N floats) added. Columns go in pairs:
 // (n, n+1) rounded to bf16 and interleaved into one 32-bit word per batch row, so one 16 × 16
 // word transpose moves 16 rows × 32 columns (half the shuffles of an fp32 one).
-inline void store_block_bf16(const float* ystage, int64_t N, const float* bias, int64_t mcur, uint16_t* y) {
+// Columns n_begin .. n_end only (n_begin a multiple of 32), when given.
+inline void store_block_bf16(const float* ystage, int64_t N, const float* bias, int64_t mcur, uint16_t* y,
+                             int64_t n_begin = 0, int64_t n_end = INT64_MAX) {
   alignas(64) int16_t idx[32];
   for (int i = 0; i < 32; ++i) idx[i] = static_cast<int16_t>((i & 1) ? 16 + i / 2 : i / 2);
   const __m512i pair_interleave = _mm512_load_si512(idx);
   alignas(64) float words[16 * 16];
   alignas(64) float tr[16 * 16];
-  for (int64_t n0 = 0; n0 < N; n0 += 32) {
+  for (int64_t n0 = n_begin; n0 < std::min(N, n_end); n0 += 32) {
     const int64_t nn = std::min<int64_t>(32, N - n0);
     const __mmask32 nm = nn >= 32 ? ~__mmask32(0) : static_cast<__mmask32>((1u << nn) - 1u);
     for (int64_t r0 = 0; r0 < mcur; r0 += 16) {

@@ -27,7 +27,8 @@
 // back into Y's rows with the bias (tw_bf16_common.h, shared with the AMX kernel).
 //
 // Work item = one block of BM = 64 rows of Y and all tiles (one thread owns every column of
-// its rows); the block of X is transposed to K-major once per item.
+// its rows); the block of X is transposed to K-major once per item. With fewer blocks than
+// threads (small batches) a block's strips are split between threads instead (see below).
 #include "tw_bf16_common.h"
 
 namespace tilesparse_cpu {
@@ -180,13 +181,41 @@ at::Tensor tw_linear_bf16(const at::Tensor& x, const at::Tensor& col_idx, const 
              pp->tile_ptr[t + 1] - pp->tile_ptr[t], wpack + w_off[t], words.data());
   });
   const int64_t nmb = (p.M + BM - 1) / BM;
-  int64_t strips = 0;  // micro-kernel calls per block
-  for (int64_t t = 0; t < p.T; ++t)
-    if (p.row_ptr[t + 1] > p.row_ptr[t]) strips += (p.tile_ptr[t + 1] - p.tile_ptr[t] + NS - 1) / NS;
   const int64_t nstage = (p.N + 31) / 32 * 32;  // staging rows, padded for store_block_bf16
   uint16_t* Y = reinterpret_cast<uint16_t*>(y.data_ptr());
 
-  at::parallel_for(0, nmb, 1, [&](int64_t b0, int64_t b1) {
+  // The micro-kernel calls of one block, (tile, strip), tiles with rows only; work[i] = pairs
+  // before call i (its cost is proportional to its pairs).
+  std::vector<std::pair<int64_t, int64_t>> calls;
+  std::vector<int64_t> work{0};
+  for (int64_t t = 0; t < p.T; ++t) {
+    const int64_t np = (p.row_ptr[t + 1] - p.row_ptr[t] + 1) / 2;
+    if (np == 0) continue;
+    for (int64_t st = 0; st * NS < p.tile_ptr[t + 1] - p.tile_ptr[t]; ++st) {
+      calls.emplace_back(t, st);
+      work.push_back(work.back() + np);
+    }
+  }
+  const int64_t strips = static_cast<int64_t>(calls.size());
+  // Fewer blocks than threads (a small batch): a block's calls are cut into `nchunk` chunks of
+  // about equal work that threads run side by side, each into its columns of one staging block
+  // per M block shared by all; the stores into Y follow in a second parallel pass over
+  // 32-column groups. Otherwise one thread runs a whole block and stores it at once.
+  const int64_t nthreads = at::get_num_threads();
+  const int64_t nchunk = nmb >= nthreads || strips == 0 ? 1 : std::min(strips, (nthreads + nmb - 1) / nmb);
+  std::vector<int64_t> chunk_first(static_cast<size_t>(nchunk + 1), strips);
+  for (int64_t c = 0; c < nchunk; ++c)
+    chunk_first[c] = std::lower_bound(work.begin(), work.end() - 1, work.back() * c / nchunk) - work.begin();
+  at::Tensor shared;
+  if (nchunk > 1) {
+    shared = at::empty({nmb * nstage * BM}, x.options().dtype(at::kFloat));
+    for (int64_t mb = 0; mb < nmb; ++mb)  // the padding rows store_block_bf16 reads
+      std::fill(shared.data_ptr<float>() + (mb * nstage + p.N) * BM,
+                shared.data_ptr<float>() + (mb + 1) * nstage * BM, 0.f);
+  }
+  float* const shared_stage = nchunk > 1 ? shared.data_ptr<float>() : nullptr;
+
+  at::parallel_for(0, nmb * nchunk, 1, [&](int64_t i0, int64_t i1) {
     // the per-thread buffers share one allocation (float units): xblk, xpack, ystage, junk,
     // transpose words
     const int64_t xblk_f = (pp->K * BM + 1) / 2, xpack_f = max_np * BM;
@@ -194,43 +223,58 @@ at::Tensor tw_linear_bf16(const at::Tensor& x, const at::Tensor& col_idx, const 
     float* base = thread_scratch().xt.reserve(xblk_f + xpack_f + (nstage + 1) * BM + words_f + 16);
     uint16_t* xblk = reinterpret_cast<uint16_t*>(base);
     uint16_t* xpack = reinterpret_cast<uint16_t*>(base + xblk_f);
-    float* ystage = base + xblk_f + xpack_f;
-    float* junk = ystage + nstage * BM;  // the staging row of a strip's padded columns
+    float* const own_stage = base + xblk_f + xpack_f;
+    float* junk = own_stage + nstage * BM;  // the staging row of a strip's padded columns
     uint32_t* words = reinterpret_cast<uint32_t*>(junk + BM);
-    std::fill(ystage + pp->N * BM, ystage + nstage * BM, 0.f);
+    if (nchunk == 1) std::fill(own_stage + pp->N * BM, own_stage + nstage * BM, 0.f);
     float* dst[NS];
-    for (int64_t mb = b0; mb < b1; ++mb) {
+    int64_t have_mb = -1;
+    for (int64_t item = i0; item < i1; ++item) {
+      const int64_t mb = item / nchunk, chunk = item % nchunk;
       const int64_t m0 = mb * BM, mcur = std::min(BM, pp->M - m0);
       const int mv = static_cast<int>((mcur + 15) / 16);
-      transpose_block_bf16(X, pp->K, m0, mcur, xblk, words);
-      for (const int64_t n : unwritten) std::fill(ystage + n * BM, ystage + (n + 1) * BM, 0.f);
+      float* ystage = nchunk == 1 ? own_stage : shared_stage + mb * nstage * BM;
+      if (mb != have_mb) transpose_block_bf16(X, pp->K, m0, mcur, xblk, words);
+      have_mb = mb;
+      if (chunk == 0)
+        for (const int64_t n : unwritten) std::fill(ystage + n * BM, ystage + (n + 1) * BM, 0.f);
       // The next block's rows of X (one contiguous range) are prefetched into L2 a few lines
       // after each strip, so its transpose does not wait on memory (with X out of cache the
       // transpose took half the time of the products at 4096 × 512 → 256, 75 %).
       const char* pf = nullptr;
       const char* pf_end = nullptr;
-      if (mb + 1 < b1) {
+      if (nchunk == 1 && item + 1 < i1) {
         pf = reinterpret_cast<const char*>(X + (m0 + BM) * pp->K);
         pf_end = reinterpret_cast<const char*>(X + std::min(pp->M, m0 + 2 * BM) * pp->K);
       }
       const int64_t pf_step = strips > 0 ? ((pf_end - pf) / 64 + strips - 1) / strips * 64 : 0;
-      for (int64_t t = 0; t < pp->T; ++t) {
+      int64_t packed = -1;  // the tile whose pairs are in xpack
+      for (int64_t ci = chunk_first[chunk]; ci < chunk_first[chunk + 1]; ++ci) {
+        const auto [t, st] = calls[ci];
         const int64_t R = pp->row_ptr[t + 1] - pp->row_ptr[t];
-        if (R == 0) continue;
         const int64_t c0 = pp->tile_ptr[t], width = pp->tile_ptr[t + 1] - c0, np = (R + 1) / 2;
-        pack_x(xblk, pp->row_idx + pp->row_ptr[t], R, xpack);
-        for (int64_t s = 0; s * NS < width; ++s) {
-          for (int64_t i = 0; i < NS; ++i) {
-            const int64_t n = s * NS + i;
-            dst[i] = n < width ? ystage + pp->col_idx[c0 + n] * BM : junk;
-          }
-          run_strip(mv, np, wpack + w_off[t] + s * np * NS, xpack, dst);
-          for (const char* e = std::min(pf + pf_step, pf_end); pf < e; pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+        if (t != packed) pack_x(xblk, pp->row_idx + pp->row_ptr[t], R, xpack);
+        packed = t;
+        for (int64_t i = 0; i < NS; ++i) {
+          const int64_t n = st * NS + i;
+          dst[i] = n < width ? ystage + pp->col_idx[c0 + n] * BM : junk;
         }
+        run_strip(mv, np, wpack + w_off[t] + st * np * NS, xpack, dst);
+        for (const char* e = std::min(pf + pf_step, pf_end); pf < e; pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
       }
-      store_block_bf16(ystage, pp->N, bptr, mcur, Y + m0 * pp->N);
+      if (nchunk == 1) store_block_bf16(ystage, pp->N, bptr, mcur, Y + m0 * pp->N);
     }
   });
+  if (nchunk > 1) {
+    const int64_t ngroups = nstage / 32;
+    at::parallel_for(0, nmb * ngroups, 1, [&](int64_t i0, int64_t i1) {
+      for (int64_t item = i0; item < i1; ++item) {
+        const int64_t mb = item / ngroups, n0 = (item % ngroups) * 32;
+        store_block_bf16(shared_stage + mb * nstage * BM, pp->N, bptr, std::min(BM, pp->M - mb * BM),
+                         Y + mb * BM * pp->N, n0, n0 + 32);
+      }
+    });
+  }
   return y;
 #else
   (void)col_idx, (void)tile_ptr, (void)row_idx, (void)row_ptr, (void)values, (void)val_ptr;

@@ -17,7 +17,7 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from test_ops import TOL, int_tensor, layout_with_empty_tile, tw_random_mask
+from tw_cases import TOL, int_tensor, layout_with_empty_tile, tw_random_mask
 
 from tilesparse import build_ext, ops
 from tilesparse.format import condense, reference_matmul
@@ -53,6 +53,8 @@ def exact_reference(x, lay, bias):
     "M, K, N, G, keep, drop",
     [
         (1, 40, 50, 32, 0.6, 0.25),    # M = 1: one vector of 16 batch rows, 15 of them padding
+        (20, 60, 45, 32, 0.6, 0.2),    # M = 20: two vectors of batch rows (mv = 2)
+        (84, 60, 45, 16, 0.6, 0.2),    # a second block of 20 rows
         (64, 64, 64, 16, 1.0, 0.0),    # one full block, every column kept (no gaps)
         (70, 100, 90, 32, 0.6, 0.25),  # a second block of 6 rows
         (129, 77, 300, 128, 0.5, 0.3),  # G = 128 with pruned columns: widths not multiples of 6
@@ -72,7 +74,16 @@ def test_exact_on_small_integers(bf16dot, M, K, N, G, keep, drop):
         assert torch.equal(got, exact_reference(x, lay, b))
 
 
-@pytest.mark.parametrize("threads", [1, 3])
+@pytest.fixture(params=[1, 4], ids=lambda n: f"threads{n}")
+def threads(request):
+    """torch's thread count for the test: 1 (a block per item) and 4, where M <= 64 (one block)
+    and M = 70 (two) take the small-batch split of a block's strips between threads."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(request.param)
+    yield request.param
+    torch.set_num_threads(before)
+
+
 @pytest.mark.parametrize("M, K, N, G", [(1, 40, 50, 32), (64, 100, 300, 128), (70, 77, 300, 16), (130, 90, 77, 3)])
 def test_small_batches_split_a_block_between_threads(bf16dot, threads, M, K, N, G):
     """With fewer 64-row blocks than threads a block's strips are split between threads into a
@@ -81,21 +92,49 @@ def test_small_batches_split_a_block_between_threads(bf16dot, threads, M, K, N, 
     lay = condense(int_tensor((K, N), gen, -2, 3), tw_random_mask(K, N, G, 0.5, gen, 0.3), G)
     x = int_tensor((M, K), gen, -2, 3)
     bias = int_tensor((N,), gen, -2, 3)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        got = run_kernel(bf16dot, x, lay, bias)
-    finally:
-        torch.set_num_threads(before)
-    assert torch.equal(got, exact_reference(x, lay, bias))
+    for b in (bias, None):
+        assert torch.equal(run_kernel(bf16dot, x, lay, b), exact_reference(x, lay, b))
 
 
-def test_tile_without_rows_and_pruned_columns(bf16dot):
+@pytest.mark.parametrize("M", [5, 70])
+def test_tile_without_rows_and_pruned_columns(bf16dot, threads, M):
     lay = layout_with_empty_tile(6, 8)
     gen = torch.Generator().manual_seed(4)
-    x = int_tensor((70, 6), gen)
+    x = int_tensor((M, 6), gen)
     bias = int_tensor((8,), gen)
-    assert torch.equal(run_kernel(bf16dot, x, lay, bias), exact_reference(x, lay, bias))
+    for b in (bias, None):
+        assert torch.equal(run_kernel(bf16dot, x, lay, b), exact_reference(x, lay, b))
+
+
+def test_rounds_once_to_nearest_even(bf16dot):
+    """Column 0 sums 256 + 1 = 257, plus bias 1: rounded once that is 258 (bf16 steps by 2 above
+    256); rounding the sum before the bias would give 256 + 1 -> 256. Column 1 sums 256 + 3 =
+    259, no bias: a tie between 258 and 260, and nearest even gives 260 (truncation 258)."""
+    w = torch.tensor([[256.0, 256.0], [1.0, 3.0]])
+    lay = condense(w, torch.ones(2, 2, dtype=torch.bool), 2)
+    x = torch.ones(3, 2)
+    got = run_kernel(bf16dot, x, lay, torch.tensor([1.0, 0.0]))
+    assert torch.equal(got.float(), torch.tensor([[258.0, 260.0]] * 3))
+
+
+@pytest.mark.parametrize("M, K, N", [(0, 5, 7), (4, 0, 7), (4, 5, 0)])
+def test_empty_dimensions(bf16dot, M, K, N):
+    gen = torch.Generator().manual_seed(0)
+    lay = condense(int_tensor((K, N), gen), torch.ones(K, N, dtype=torch.bool), 4)
+    x = int_tensor((M, K), gen)
+    bias = int_tensor((N,), gen)
+    got = run_kernel(bf16dot, x, lay, bias)
+    assert got.shape == (M, N) and torch.equal(got, exact_reference(x, lay, bias))
+
+
+def test_argument_errors(bf16dot):
+    gen = torch.Generator().manual_seed(0)
+    lay = condense(int_tensor((8, 6), gen), torch.ones(8, 6, dtype=torch.bool), 4)
+    x = int_tensor((5, 8), gen).bfloat16()
+    with pytest.raises(RuntimeError, match="contiguous"):
+        run_kernel(bf16dot, int_tensor((8, 5), gen).bfloat16().t(), lay, None)
+    with pytest.raises(RuntimeError, match="bias must have out_features = 6 entries, got 5"):
+        run_kernel(bf16dot, x, lay, torch.ones(5))
 
 
 @settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])

@@ -1,7 +1,8 @@
 // Shared pieces of the two bf16 TW kernels that compute Yᵀ per block of batch rows with fp32
 // accumulation: tw_linear_amx.cpp (AMX tiles) and tw_linear_bf16.cpp (AVX512-BF16 VDPBF16PS).
 //
-// Both work on one block of BM = 64 rows of Y at a time, owned by one thread:
+// Both work on one block of BM = 64 rows of Y at a time (one thread per block, except the
+// AVX512-BF16 kernel's small-batch split of a block's columns between threads):
 //   1. transpose_block_bf16: rows m0..m0+mcur of X (M × K bf16) → xblk (K × BM, K-major), so a
 //      kept row of a tile is BM contiguous bf16 values;
 //   2. the tile products land as fp32 columns of Y in an n-major staging block

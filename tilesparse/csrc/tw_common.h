@@ -1,5 +1,6 @@
 // Shared pieces of the tilesparse CPU kernels (tw_linear_cpu.cpp: fp32, tw_linear_lowp.cpp:
-// bf16/fp16/fp64): scratch and output memory, the per-call plan of a layout, transposes.
+// bf16/fp16/fp64, tw_linear_amx.cpp / tw_linear_bf16.cpp: bf16 on AMX / AVX512-BF16):
+// argument checks, scratch and output memory, the per-call plan of a layout, transposes.
 #pragma once
 
 #include <torch/extension.h>
@@ -106,8 +107,9 @@ class HugeBuffer {
   size_t bytes_ = 0;
 };
 
-// A thread's scratch: transposed activations (bf16/fp16 path), packed weights, and on the
-// fp32 path one M block of X transposed.
+// A thread's scratch: `xt` the per-block buffers of the bf16 kernels (transposed block of X,
+// packed pairs, staging), `wpack` packed weights (the calling thread's, shared by all), and on
+// the fp32 path `xblk` one M block of X transposed.
 struct Scratch {
   HugeBuffer xt, wpack, xblk;
 };
@@ -203,6 +205,21 @@ class OutputPool {
   size_t free_bytes_ = 0;
   size_t cap_ = 0;
 };
+
+// The argument checks every entry point runs (tilesparse.ops.check_op_inputs validates the
+// layout itself, once per index set, before any kernel sees it).
+inline void check_cpu_inputs(const at::Tensor& x, const at::Tensor& col_idx, const at::Tensor& tile_ptr,
+                             const at::Tensor& row_idx, const at::Tensor& row_ptr,
+                             const at::Tensor& values, const at::Tensor& val_ptr,
+                             const c10::optional<at::Tensor>& bias, int64_t N) {
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "tw_linear_cpu: x must be a contiguous (M, K) tensor");
+  TORCH_CHECK(values.is_contiguous(), "tw_linear_cpu: values must be contiguous");
+  for (const at::Tensor* t : {&col_idx, &tile_ptr, &row_idx, &row_ptr, &val_ptr})
+    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
+                "tw_linear_cpu: index tensors must be contiguous int64");
+  TORCH_CHECK(!bias.has_value() || bias->numel() == N, "tw_linear_cpu: bias must have out_features = ", N,
+              " entries, got ", bias.has_value() ? bias->numel() : 0);
+}
 
 struct Plan {
   int64_t M, K, N, T;

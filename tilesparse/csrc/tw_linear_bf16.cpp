@@ -28,7 +28,8 @@
 //
 // Work item = one block of BM = 64 rows of Y and all tiles (one thread owns every column of
 // its rows); the block of X is transposed to K-major once per item. With fewer blocks than
-// threads (small batches) a block's strips are split between threads instead (see below).
+// threads (small batches) a block's strips are split between threads instead, each of which
+// transposes the block for itself (see below).
 #include "tw_bf16_common.h"
 
 namespace tilesparse_cpu {
@@ -47,8 +48,9 @@ bool cpu_has_bf16_dot() {
 // Every tile's W block as strips of NS columns of bf16 pairs (layout above). W is the tile's
 // R × width row-major block; `words` is scratch of round_up(width, 32) words. Per pair of rows,
 // the two rows are interleaved into words in column order (one unpack pair and two lane
-// permutes per 32 columns), then each strip's NS words are one masked store (the scalar loop
-// it replaces made a call at batch 64, 3456 → 1024, 75 % take 1.5 ms instead of 1.0).
+// permutes per 32 columns), then each strip's words are one masked load and store, the load
+// masked to the tile's width so a narrow last strip gets zeros (the scalar loop this replaces
+// made a call at batch 64, 3456 → 1024, 75 % take 1.5 ms instead of 1.0).
 void pack_w(const uint16_t* W, int64_t R, int64_t width, uint32_t* dst, uint32_t* words) {
   const int64_t np = (R + 1) / 2, ns = (width + NS - 1) / NS;
   const __m512i zero = _mm512_setzero_si512();
@@ -68,9 +70,11 @@ void pack_w(const uint16_t* W, int64_t R, int64_t width, uint32_t* dst, uint32_t
       _mm512_storeu_si512(words + n0, _mm512_permutex2var_epi64(l, first, h));
       _mm512_storeu_si512(words + n0 + 16, _mm512_permutex2var_epi64(l, second, h));
     }
-    // words past width are zero (masked loads), so the last strip's padding columns are too
-    for (int64_t s = 0; s < ns; ++s)
-      _mm512_mask_storeu_epi32(dst + (s * np + q) * NS, six, _mm512_maskz_loadu_epi32(six, words + s * NS));
+    for (int64_t s = 0; s < ns; ++s) {
+      const int64_t valid = std::min<int64_t>(NS, width - s * NS);
+      const __mmask16 in = static_cast<__mmask16>((1u << valid) - 1u);
+      _mm512_mask_storeu_epi32(dst + (s * np + q) * NS, six, _mm512_maskz_loadu_epi32(in, words + s * NS));
+    }
   }
 }
 
@@ -97,8 +101,11 @@ void pack_x(const uint16_t* xblk, const int64_t* rows, int64_t R, uint16_t* dst)
 
 // dst[i][0 : 16·MV] = Σ_q w[q][i] · x[q][0 : 16·MV] for the NS columns of one strip (w: its
 // np × NS words, x: np × BM pairs); dst[i] is the column's staging row.
+// wpack lives in a scratch buffer that also holds the fp32 kernel's floats
+typedef uint32_t __attribute__((__may_alias__)) word_alias;
+
 template <int MV>
-void strip_kernel(int64_t np, const uint32_t* w, const uint16_t* x, float* const* dst) {
+void strip_kernel(int64_t np, const word_alias* w, const uint16_t* x, float* const* dst) {
   __m512 c[NS][MV];
 #pragma GCC unroll 6
   for (int i = 0; i < NS; ++i)
@@ -109,7 +116,7 @@ void strip_kernel(int64_t np, const uint32_t* w, const uint16_t* x, float* const
     __m512bh b[MV];
 #pragma GCC unroll 4
     for (int v = 0; v < MV; ++v) b[v] = (__m512bh)_mm512_loadu_si512(xq + v * 32);
-    const uint32_t* wq = w + q * NS;
+    const word_alias* wq = w + q * NS;
 #pragma GCC unroll 6
     for (int i = 0; i < NS; ++i) {
       const __m512bh a = (__m512bh)_mm512_set1_epi32(static_cast<int>(wq[i]));
@@ -123,7 +130,7 @@ void strip_kernel(int64_t np, const uint32_t* w, const uint16_t* x, float* const
     for (int v = 0; v < MV; ++v) _mm512_storeu_ps(dst[i] + 16 * v, c[i][v]);
 }
 
-void run_strip(int mv, int64_t np, const uint32_t* w, const uint16_t* x, float* const* dst) {
+void run_strip(int mv, int64_t np, const word_alias* w, const uint16_t* x, float* const* dst) {
   switch (mv) {
     case 1: return strip_kernel<1>(np, w, x, dst);
     case 2: return strip_kernel<2>(np, w, x, dst);
@@ -150,6 +157,7 @@ at::Tensor tw_linear_bf16(const at::Tensor& x, const at::Tensor& col_idx, const 
                           const at::Tensor& values, const at::Tensor& val_ptr,
                           const c10::optional<at::Tensor>& bias, int64_t N) {
 #if defined(TILESPARSE_BF16_BLOCK)
+  check_cpu_inputs(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, N);
   TORCH_CHECK(x.scalar_type() == at::kBFloat16, "tw_linear_bf16: x must be bf16, got ", x.scalar_type());
   TORCH_CHECK(cpu_has_bf16_dot(), "tw_linear_bf16: this CPU has no AVX512-BF16");
   const Plan p = make_plan(x, col_idx, tile_ptr, row_idx, row_ptr, val_ptr, N);
@@ -202,7 +210,8 @@ at::Tensor tw_linear_bf16(const at::Tensor& x, const at::Tensor& col_idx, const 
   // per M block shared by all; the stores into Y follow in a second parallel pass over
   // 32-column groups. Otherwise one thread runs a whole block and stores it at once.
   const int64_t nthreads = at::get_num_threads();
-  const int64_t nchunk = nmb >= nthreads || strips == 0 ? 1 : std::min(strips, (nthreads + nmb - 1) / nmb);
+  // (at::parallel_for hands each thread a contiguous run of items: floor keeps the runs equal)
+  const int64_t nchunk = strips == 0 ? 1 : std::max<int64_t>(1, std::min(strips, nthreads / nmb));
   std::vector<int64_t> chunk_first(static_cast<size_t>(nchunk + 1), strips);
   for (int64_t c = 0; c < nchunk; ++c)
     chunk_first[c] = std::lower_bound(work.begin(), work.end() - 1, work.back() * c / nchunk) - work.begin();
@@ -241,13 +250,10 @@ at::Tensor tw_linear_bf16(const at::Tensor& x, const at::Tensor& col_idx, const 
       // The next block's rows of X (one contiguous range) are prefetched into L2 a few lines
       // after each strip, so its transpose does not wait on memory (with X out of cache the
       // transpose took half the time of the products at 4096 × 512 → 256, 75 %).
-      const char* pf = nullptr;
-      const char* pf_end = nullptr;
-      if (nchunk == 1 && item + 1 < i1) {
-        pf = reinterpret_cast<const char*>(X + (m0 + BM) * pp->K);
-        pf_end = reinterpret_cast<const char*>(X + std::min(pp->M, m0 + 2 * BM) * pp->K);
-      }
-      const int64_t pf_step = strips > 0 ? ((pf_end - pf) / 64 + strips - 1) / strips * 64 : 0;
+      const char* const pf_base = reinterpret_cast<const char*>(X + (m0 + BM) * pp->K);
+      int64_t pf = 0, pf_bytes = 0;  // byte offsets into the next block's rows
+      if (nchunk == 1 && item + 1 < i1) pf_bytes = (std::min(pp->M, m0 + 2 * BM) - (m0 + BM)) * pp->K * 2;
+      const int64_t pf_step = strips > 0 ? (pf_bytes / 64 + strips - 1) / strips * 64 : 0;
       int64_t packed = -1;  // the tile whose pairs are in xpack
       for (int64_t ci = chunk_first[chunk]; ci < chunk_first[chunk + 1]; ++ci) {
         const auto [t, st] = calls[ci];
@@ -260,7 +266,7 @@ at::Tensor tw_linear_bf16(const at::Tensor& x, const at::Tensor& col_idx, const 
           dst[i] = n < width ? ystage + pp->col_idx[c0 + n] * BM : junk;
         }
         run_strip(mv, np, wpack + w_off[t] + st * np * NS, xpack, dst);
-        for (const char* e = std::min(pf + pf_step, pf_end); pf < e; pf += 64) _mm_prefetch(pf, _MM_HINT_T1);
+        for (const int64_t e = std::min(pf + pf_step, pf_bytes); pf < e; pf += 64) _mm_prefetch(pf_base + pf, _MM_HINT_T1);
       }
       if (nchunk == 1) store_block_bf16(ystage, pp->N, bptr, mcur, Y + m0 * pp->N);
     }

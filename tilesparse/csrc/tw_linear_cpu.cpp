@@ -390,11 +390,7 @@ at::Tensor tw_linear_cpu(const at::Tensor& x, const at::Tensor& col_idx, const a
                          const at::Tensor& row_idx, const at::Tensor& row_ptr,
                          const at::Tensor& values, const at::Tensor& val_ptr,
                          const c10::optional<at::Tensor>& bias, int64_t out_features) {
-  TORCH_CHECK(x.dim() == 2 && x.is_contiguous(), "tw_linear_cpu: x must be a contiguous (M, K) tensor");
-  TORCH_CHECK(values.is_contiguous(), "tw_linear_cpu: values must be contiguous");
-  for (const at::Tensor* t : {&col_idx, &tile_ptr, &row_idx, &row_ptr, &val_ptr})
-    TORCH_CHECK(t->scalar_type() == at::kLong && t->is_contiguous(),
-                "tw_linear_cpu: index tensors must be contiguous int64");
+  check_cpu_inputs(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features);
   if (x.scalar_type() == at::kFloat && values.scalar_type() == at::kFloat)
     return tw_linear_f32(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features);
   if (x.scalar_type() == at::kBFloat16 && amx_available())

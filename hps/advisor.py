@@ -61,6 +61,23 @@ class KeyStatistics:
             self._keys, self._counts = uk, uc
             self.total += int(counts.sum())
 
+    def halve(self, times: int = 1) -> None:
+        """Age the counts: ``c >> times`` each (``total`` is not aged); keys whose count reaches
+        0 are dropped. A session halves its tables' statistics in step with an LFU cache's
+        aging, so admission priorities, warm-up and the advisor see recent popularity.
+
+        Raises:
+            ValueError: for ``times < 0``.
+        """
+        if times < 0:
+            raise ValueError(f"halve needs times >= 0, got {times}")
+        if times == 0:
+            return
+        with self._lock:
+            c = self._counts >> min(times, 63)
+            keep = c > 0
+            self._keys, self._counts = self._keys[keep], c[keep]
+
     def count_of(self, keys: np.ndarray) -> np.ndarray:
         """Observed occurrences of each of ``keys (n,) int64`` so far, ``(n,) int64`` (0 for a
         key never seen or trimmed)."""

@@ -8,7 +8,7 @@ Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 wa
     keys     (num_sets, ways) int64    [[ 7, 12, E,  3],      E = EMPTY_KEY (-2**63)
                                         [ 5,  E, E,  E]]
     counters (num_sets, ways) int64    [[40, 38, -1, 12],     LRU: clock of last use
-                                        [41, -1, -1, -1]]     LFU: number of uses
+                                        [41, -1, -1, -1]]     LFU: number of uses (aged)
     values   (num_sets * ways, dim)    row of slot s*ways + w
 
 A query compares each key with the ``ways`` keys of its set in one vectorised ``==``; an
@@ -16,6 +16,21 @@ insertion sorts the new keys by set and, inside a set, by their frequency in the
 and gives the r-th new key of a set that set's r-th victim (empty slots first, then the
 lowest counter) if that victim is colder (see :meth:`EmbeddingCache.insert`). No per-key
 Python loop anywhere.
+
+LFU aging (TinyLFU's "reset", Einziger et al., 2017): counts that only grow pin yesterday's
+hot keys forever once popularity drifts, since no new key can reach their totals. So every
+``lfu_decay_interval`` looked-up keys (occurrences, hits and misses: the same unit the counters
+grow by), every counter is halved (``c >> 1``; -1, an empty slot, stays -1). Worked example,
+``lfu_decay_interval = 10``::
+
+    one set's counters                               [5, 3, 1, -1]   clock  0   decay_epoch 0
+    query 6 keys, no hit                             [5, 3, 1, -1]   clock  6
+    query 5 keys, slot 0 hit once: [6, 3, 1, -1] >> 1 = [3, 1, 0, -1]   clock 11   decay_epoch 1
+    query 25 keys, no hit (crosses 20 and 30):  >> 2 = [0, 0, 0, -1]   clock 36   decay_epoch 3
+
+A query's own hits are counted before the halving its keys trigger. A counter that reaches 0
+stays cached until a new key (priority ≥ 1) wants its slot. Insertions and warm-up never move
+the clock; LRU ignores it.
 
 The cache itself is exact (it returns only rows it holds). What a *request* gets for a miss is
 decided by :class:`hps.session.LookupSession` (synchronous fill below the hit-rate threshold,
@@ -25,17 +40,20 @@ default vector + background insertion above it, or the exact mode).
 from __future__ import annotations
 
 import logging
+import math
+import numbers
 import threading
 from dataclasses import dataclass
 
 import torch
 
-from hps.types import CachePolicy
+from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 
 log = logging.getLogger(__name__)
 
 EMPTY_KEY = -(2**63)  # sentinel of an empty slot; this one int64 key value cannot be cached
 DEFAULT_WAYS = 64  # HugeCTR: slabs of 32 keys, 2 slabs per set
+_MAX_SHIFT = 63  # an int64 counter is 0 (or -1) after 63 halvings
 
 
 def _signed(u: int) -> int:
@@ -71,6 +89,7 @@ class CacheStats:
     inserted: int = 0
     evicted: int = 0
     overflowed: int = 0  # new keys not admitted (no colder entry left in their set)
+    decays: int = 0  # LFU halvings of every counter
 
     @property
     def hit_rate(self) -> float:
@@ -86,19 +105,32 @@ class EmbeddingCache:
         policy: ``lru`` or ``lfu``.
         ways: slots per set.
         device: where keys, counters and rows live.
+        lfu_decay_keys_per_slot: LFU aging period, in looked-up keys per slot: every counter
+            is halved after each ``lfu_decay_interval = max(1, round(lfu_decay_keys_per_slot ×
+            capacity))`` looked-up keys (see the module docstring); 0 never ages. Ignored by LRU.
+
+    Raises:
+        ValueError: naming a non-positive capacity, dim or ways, or a negative, non-finite or
+            non-numeric ``lfu_decay_keys_per_slot``.
 
     All methods take ``keys: (n,) int64`` without duplicates on ``device`` and are
     thread-safe (one lock; each call is a few vectorised tensor ops).
     """
 
     def __init__(self, capacity: int, dim: int, policy: CachePolicy | str = CachePolicy.LRU,
-                 ways: int = DEFAULT_WAYS, device: torch.device | str = "cpu") -> None:
+                 ways: int = DEFAULT_WAYS, device: torch.device | str = "cpu",
+                 lfu_decay_keys_per_slot: float = DEFAULT_LFU_DECAY_KEYS_PER_SLOT) -> None:
         if capacity <= 0:
             raise ValueError(f"cache capacity must be > 0 rows, got {capacity}")
         if dim <= 0:
             raise ValueError(f"cache dim must be > 0, got {dim}")
         if ways <= 0:
             raise ValueError(f"cache ways must be > 0, got {ways}")
+        per_slot = lfu_decay_keys_per_slot
+        if isinstance(per_slot, bool) or not isinstance(per_slot, numbers.Real) or not math.isfinite(per_slot) \
+                or per_slot < 0:
+            raise ValueError(f"cache lfu_decay_keys_per_slot must be a finite number >= 0 (looked-up keys "
+                             f"per slot between halvings; 0: never), got {per_slot!r}")
         self.policy = CachePolicy(policy)
         self.dim = dim
         self.device = torch.device(device)
@@ -109,6 +141,13 @@ class EmbeddingCache:
         self.counters = torch.full((self.num_sets, self.ways), -1, dtype=torch.int64, device=self.device)
         self.values = torch.zeros((self.capacity, dim), dtype=torch.float32, device=self.device)
         self._clock = 1  # LRU: bumped by every query; entries inserted since then carry it
+        self.lfu_decay_keys_per_slot = float(per_slot)
+        #: looked-up keys between two LFU halvings (0: never; always 0 for LRU)
+        self.lfu_decay_interval = (max(1, round(per_slot * self.capacity))
+                                   if per_slot > 0 and self.policy is CachePolicy.LFU else 0)
+        self._looked_up = 0  # the aging clock: keys (occurrences) looked up so far
+        #: halvings applied so far; a priority counted at epoch e is worth ``p >> (decay_epoch - e)``
+        self.decay_epoch = 0
         self._lock = threading.Lock()
         self._refresh_cursor = 0
         self.stats = CacheStats()
@@ -128,13 +167,26 @@ class EmbeddingCache:
         else:
             flat[slots] += 1 if counts is None else counts
 
+    def _age(self, looked_up: int) -> None:
+        """Advance the aging clock by ``looked_up`` keys; halve every counter once per multiple
+        of ``lfu_decay_interval`` crossed."""
+        w = self.lfu_decay_interval
+        before = self._looked_up // w
+        self._looked_up += looked_up
+        crossed = self._looked_up // w - before
+        if crossed:
+            self.counters.bitwise_right_shift_(min(crossed, _MAX_SHIFT))  # -1 (empty) stays -1
+            self.decay_epoch += crossed
+            self.stats.decays += crossed
+
     def query(self, keys: torch.Tensor, counts: torch.Tensor | None = None,
               inverse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Look up rows.
 
         Args:
             keys: ``(n,) int64`` unique, on ``device``.
-            counts: ``(n,) int64`` occurrences of each key in the request (LFU weights).
+            counts: ``(n,) int64`` occurrences of each key in the request (LFU weights; the
+                aging clock advances by their sum, else by ``n``).
             inverse: ``(m,) int64`` indices into ``keys``: when given, the rows come back
                 expanded to the request, ``values[inverse]``, in one gather.
 
@@ -148,6 +200,8 @@ class EmbeddingCache:
             self._touch(hs, None if counts is None else counts[hit])
             self.stats.queries += int(keys.numel())
             self.stats.hits += int(hs.numel())
+            if self.lfu_decay_interval:
+                self._age(int(keys.numel()) if counts is None else int(counts.sum()))
             if inverse is None:
                 out = self.values.index_select(0, slot)
                 miss_rows = torch.nonzero(~hit).squeeze(1)
@@ -164,7 +218,8 @@ class EmbeddingCache:
             return self._slots(keys)[0]
 
     # ------------------------------------------------------------------ writes
-    def insert(self, keys: torch.Tensor, values: torch.Tensor, priority: torch.Tensor | None = None) -> int:
+    def insert(self, keys: torch.Tensor, values: torch.Tensor, priority: torch.Tensor | None = None,
+               epoch: int | None = None) -> int:
         """Insert rows; cached copies of the same keys are overwritten. Returns rows newly placed.
 
         Admission: within a set, new keys are placed in order of ``priority`` (highest first)
@@ -176,6 +231,10 @@ class EmbeddingCache:
             keys: ``(n,) int64`` unique, on ``device``; must not contain ``EMPTY_KEY``.
             values: ``(n, dim) float32``.
             priority: ``(n,) int64`` occurrences of each key in the request (default 1).
+            epoch: the ``decay_epoch`` at which ``priority`` was counted (LFU): halved once per
+                aging since, so a priority counted before a halving (an asynchronous insertion,
+                or a concurrent query that aged the cache) weighs what a resident count would.
+                Default: counted now.
         """
         if keys.numel() == 0:
             return 0
@@ -183,6 +242,8 @@ class EmbeddingCache:
         if priority is None:
             priority = torch.ones(keys.numel(), dtype=torch.int64, device=self.device)
         with self._lock:
+            if epoch is not None and self.decay_epoch > epoch and self.policy is CachePolicy.LFU:
+                priority = priority >> min(self.decay_epoch - epoch, _MAX_SHIFT)
             hit, slot = self._slots(keys)
             if hit.any():
                 self.values[slot[hit]] = values[hit]

@@ -22,10 +22,18 @@ Example (every field shown; the ones marked *ours* are not in HugeCTR)::
         "default_value_for_each_table": [0.0, 0.0],
         "gpucache": true, "gpucacheper": 0.2, "hit_rate_threshold": 0.9,
         "cache_policy": "lru", "cache_exact": false,                          (ours)
+        "cache_lfu_decay_keys_per_slot": 20.0,                                (ours)
         "cache_refresh_percentage_per_iteration": 0.0, "num_of_worker_buffer_in_pool": 4,
         "deployed_device_list": [0], "device": "auto"                         (device: ours)
       }]
     }
+
+``cache_lfu_decay_keys_per_slot`` (LFU only; ignored by LRU): every cache counter is halved
+after each ``value × cache slots`` looked-up keys (key occurrences in requests, hits and
+misses), and so are the session's key statistics; 0 never ages. Default 20
+(:data:`hps.types.DEFAULT_LFU_DECAY_KEYS_PER_SLOT`): a key must keep being looked up to stay
+cached, so a drift in popularity is followed within a few periods, at ~0.01 of hit rate in a
+workload that never drifts (README, HPS: the drift benchmark).
 
 Relative paths are resolved against the folder holding ``ps.json``. Unknown fields, missing
 required fields, wrong types and impossible values raise ``ValueError`` naming the field
@@ -35,12 +43,14 @@ required fields, wrong types and impossible values raise ``ValueError`` naming t
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
 from hps.types import (
+    DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
     CachePolicy,
     OverflowPolicy,
     PersistentDBType,
@@ -76,6 +86,7 @@ class ModelConfig:
     hit_rate_threshold: float = 0.9
     cache_policy: CachePolicy = CachePolicy.LRU
     cache_exact: bool = False
+    cache_lfu_decay_keys_per_slot: float = DEFAULT_LFU_DECAY_KEYS_PER_SLOT
     cache_refresh_percentage_per_iteration: float = 0.0
     num_of_worker_buffer_in_pool: int = 4
     deployed_device_list: tuple[int, ...] = (0,)
@@ -258,7 +269,7 @@ _MODEL_FIELDS = {
     "model", "sparse_files", "embedding_table_names", "embedding_vecsize_per_table",
     "maxnum_catfeature_query_per_table_per_sample", "default_value_for_each_table",
     "max_batch_size", "gpucache", "gpucacheper", "hit_rate_threshold", "cache_policy",
-    "cache_exact", "cache_refresh_percentage_per_iteration", "num_of_worker_buffer_in_pool",
+    "cache_exact", "cache_lfu_decay_keys_per_slot", "cache_refresh_percentage_per_iteration", "num_of_worker_buffer_in_pool",
     "deployed_device_list", "device", "dense_file", "network_file", "maxnum_des_feature_per_sample",
 }
 
@@ -287,6 +298,9 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
     _check(0.0 < per <= 1.0, where, "gpucacheper", per, "a fraction in (0, 1]")
     thr = _get(d, "hit_rate_threshold", where, float, 0.9)
     _check(0.0 <= thr <= 1.0, where, "hit_rate_threshold", thr, "a fraction in [0, 1]")
+    decay = _get(d, "cache_lfu_decay_keys_per_slot", where, float, DEFAULT_LFU_DECAY_KEYS_PER_SLOT)
+    _check(math.isfinite(decay) and decay >= 0, where, "cache_lfu_decay_keys_per_slot", decay,
+           "looked-up keys per cache slot between LFU halvings, a finite number >= 0 (0: never)")
     refresh = _get(d, "cache_refresh_percentage_per_iteration", where, float, 0.0)
     _check(0.0 <= refresh <= 1.0, where, "cache_refresh_percentage_per_iteration", refresh, "in [0, 1]")
     workers = _get(d, "num_of_worker_buffer_in_pool", where, int, 4)
@@ -305,7 +319,7 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
         model=name, tables=tables, max_batch_size=mbs,
         gpucache=_get(d, "gpucache", where, bool, True), gpucacheper=per, hit_rate_threshold=thr,
         cache_policy=_enum(d, "cache_policy", where, CachePolicy, CachePolicy.LRU),
-        cache_exact=_get(d, "cache_exact", where, bool, False),
+        cache_exact=_get(d, "cache_exact", where, bool, False), cache_lfu_decay_keys_per_slot=decay,
         cache_refresh_percentage_per_iteration=refresh, num_of_worker_buffer_in_pool=workers,
         deployed_device_list=tuple(devs), device=device,
         dense_file=_resolve(_get(d, "dense_file", where, str, ""), base),

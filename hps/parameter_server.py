@@ -6,7 +6,8 @@ sparse files into them and hands out one :class:`~hps.session.LookupSession` per
 
 Loading: the persistent DB (when writable) gets every row of every table once (a table
 already loaded is not reloaded); the volatile DB gets the first ``initial_cache_rate`` of
-each table's rows; each table's cache gets ``ceil(gpucacheper × rows)`` slots, warmed up
+each table's rows; each table's cache gets ``ceil(gpucacheper × rows)`` slots (LFU counters halved every
+``cache_lfu_decay_keys_per_slot`` × slots looked-up keys), warmed up
 from the hottest keys when the caller has statistics (:meth:`LookupSession.warm_up`).
 """
 
@@ -135,7 +136,8 @@ class HierarchicalParameterServer:
             cache = None
             if model.gpucache:
                 cap = max(1, math.ceil(model.gpucacheper * self.num_rows[t.name]))
-                cache = EmbeddingCache(cap, t.dim, policy=model.cache_policy, device=device)
+                cache = EmbeddingCache(cap, t.dim, policy=model.cache_policy, device=device,
+                                       lfu_decay_keys_per_slot=model.cache_lfu_decay_keys_per_slot)
             tables.append(SessionTable(t.name, t.dim, t.default_value, model.max_keys_per_lookup(t.name), cache))
         return LookupSession(
             tables, volatile=self.volatile, persistent=self.persistent,

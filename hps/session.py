@@ -29,6 +29,11 @@ earlier drops them if an update was applied since (the lock's ``generation`` mov
 Admission priority of a missed key (LFU: compared with resident entries' use counts; LRU:
 order inside a set) is its count in this request plus its count in the session's key
 statistics so far, so a key hot across requests gets in even if each request holds it once.
+With LFU aging (:mod:`hps.cache`) those statistics are halved whenever the table's cache
+halves its counters, so a priority and a resident count are on one scale: a key hot long
+ago re-enters with its aged count, not its lifetime total. For sequential lookups this is
+exact (a missed key is admitted with what its counter would be had it been cached all
+along); concurrent lookups of one table may halve a priority once more or once less.
 """
 
 from __future__ import annotations
@@ -193,6 +198,9 @@ class LookupSession:
         self._stats_lock = threading.Lock()
         self._lat_pos = {t.name: 0 for t in tables}
         self.key_stats = {t.name: KeyStatistics() for t in tables} if record_key_stats else None
+        # per table: the cache whose decay_epoch key_stats were last aged to, and that epoch
+        self._stats_epoch: dict[str, tuple[EmbeddingCache, int]] = {}
+        self._aging_lock = threading.Lock()
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=_ASYNC_QUEUE)
         self._worker = threading.Thread(target=self._work, name="hps-cache-insert", daemon=True)
         self._worker.start()
@@ -258,7 +266,8 @@ class LookupSession:
         """Fill ``table``'s cache with the hottest keys first (not file order).
 
         Args:
-            hot_keys: keys hottest first; default: the session's observed key statistics.
+            hot_keys: keys hottest first; default: the session's observed key statistics
+                (with LFU aging: aged in step with the cache, so recent popularity counts most).
 
         Returns:
             rows placed in the cache.
@@ -379,6 +388,7 @@ class LookupSession:
         if t.cache is not None:
             dev = self.device
             dev_keys, dev_inv, dev_counts = uniq.to(dev), inverse.to(dev), counts.to(dev)
+            epoch = self._age_key_stats(t)  # priorities below are counted at this epoch
             out, hit = t.cache.query(dev_keys, counts=dev_counts, inverse=dev_inv)
             hit_cpu = hit.cpu()
             tier[hit_cpu] = 0
@@ -392,7 +402,7 @@ class LookupSession:
                 if is_async and not self.exact:
                     mrows = torch.full((miss.numel(), t.dim), t.default_value, device=dev)
                     mk, mp = mkeys.numpy(), prio.to(dev)
-                    self._submit(t, lambda k=mk, p=mp: self._fill_from_db(t, k, p))
+                    self._submit(t, lambda k=mk, p=mp, e=epoch: self._fill_from_db(t, k, p, e))
                 else:
                     vals, found, from_pdb = self._fetch_tiers(t, mkeys.numpy())
                     mrows = torch.from_numpy(vals).to(dev)
@@ -406,10 +416,10 @@ class LookupSession:
                         # bind this cache now: a job running after the table's cache was
                         # replaced must not write these (by then maybe stale) rows into the new one
                         cache, gen = t.cache, self.update_lock.generation
-                        self._submit(t, lambda c=cache, k=fk, v=fv, p=fp, g=gen:
-                                     self._insert_if_current(t, c, k, v, p, g))
+                        self._submit(t, lambda c=cache, k=fk, v=fv, p=fp, g=gen, e=epoch:
+                                     self._insert_if_current(t, c, k, v, p, g, e))
                     else:
-                        t.cache.insert(fk, fv, priority=fp)
+                        t.cache.insert(fk, fv, priority=fp, epoch=epoch)
                 # scatter the miss rows to every request position of a missed key
                 rank = torch.full((n,), -1, dtype=torch.int64)
                 rank[miss] = torch.arange(miss.numel())
@@ -430,29 +440,49 @@ class LookupSession:
             self.key_stats[t.name].update(uniq.numpy(), counts.numpy())
         return out
 
-    def _fill_from_db(self, t: SessionTable, keys: np.ndarray, priority: torch.Tensor | None = None) -> None:
+    def _age_key_stats(self, t: SessionTable) -> int:
+        """Halve ``t``'s key statistics once per aging of its cache since the last call;
+        returns the cache's ``decay_epoch`` they now match. A cache swapped in since restarts
+        the count from its own epoch (nothing halved)."""
+        cache = t.cache
+        epoch = cache.decay_epoch
+        if self.key_stats is None:
+            return epoch
+        with self._aging_lock:
+            seen_cache, seen = self._stats_epoch.get(t.name, (cache, 0))
+            if seen_cache is cache and epoch > seen:
+                self.key_stats[t.name].halve(epoch - seen)
+            if seen_cache is not cache or epoch > seen:
+                self._stats_epoch[t.name] = (cache, epoch)
+        return epoch
+
+    def _fill_from_db(self, t: SessionTable, keys: np.ndarray, priority: torch.Tensor | None = None,
+                      epoch: int | None = None) -> None:
         """Background job: read ``keys`` from the databases and cache them, under the reader
-        side of the update lock (an update cannot land between the read and the insert)."""
+        side of the update lock (an update cannot land between the read and the insert).
+        ``priority`` was counted at the cache's ``epoch`` (halved for agings since)."""
         self.update_lock.acquire_read()
         try:
             vals, found = self._fetch(t, keys)
             fm = torch.from_numpy(found)
             t.cache.insert(torch.from_numpy(keys[found]).to(self.device),
                            torch.from_numpy(vals[found]).to(self.device),
-                           priority=None if priority is None else priority[fm.to(priority.device)])
+                           priority=None if priority is None else priority[fm.to(priority.device)], epoch=epoch)
         finally:
             self.update_lock.release_read()
 
     def _insert_if_current(self, t: SessionTable, cache: EmbeddingCache, keys: torch.Tensor,
-                           values: torch.Tensor, priority: torch.Tensor, generation: int) -> None:
-        """Background job: cache rows a lookup read, unless an update was applied since."""
+                           values: torch.Tensor, priority: torch.Tensor, generation: int,
+                           epoch: int | None = None) -> None:
+        """Background job: cache rows a lookup read, unless an update was applied since
+        (``priority`` counted at ``cache``'s ``epoch``)."""
         self.update_lock.acquire_read()
         try:
             if self.update_lock.generation != generation:
                 with self._stats_lock:
                     self._stats[t.name].stale_dropped += 1
                 return
-            cache.insert(keys, values, priority=priority)
+            cache.insert(keys, values, priority=priority, epoch=epoch)
         finally:
             self.update_lock.release_read()
 

@@ -15,11 +15,25 @@ Sections (``--only``):
   (+ decode) on the same keys and layout.
 - ``concurrency``: ``--callers`` threads calling one session for ``--seconds``: errors,
   lookups/s, p50/p99, peak RSS.
+- ``drift``: popularity drift (~9 min). Zipf α = 1.05 over ``--rows`` keys, a 10% cache
+  (``--drift-alpha``, ``--drift-cache-fraction``): ``--drift-before`` batches (120: the drift
+  halfway; 480: a longer-lived server), then the popularity permuted (a new random key per
+  rank) for ``--drift-batches`` (120), through a :class:`~hps.session.LookupSession`
+  (synchronous fill, key statistics on: the admission priorities users get). LRU, LFU never
+  aging and LFU aging every ``--drift-decays`` looked-up keys per slot; hit rate before the
+  drift (its second half: the steady state), after it, and over its last quarter, against the
+  ideal (the new distribution's hottest rows; the curve is the same). Figure: ``hps_drift.png``.
+
+``--merge`` keeps the rows of the sections not run from the existing ``--out`` file (each
+section's machine, date and arguments stay in ``section_meta``), so one section can be
+re-run without losing the others:
+``python -m benchmarks.hps.bench_hps --only drift --merge``.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import os
 import shutil
@@ -32,16 +46,19 @@ from typing import Any
 import numpy as np
 import torch
 
-from benchmarks.meta import RESULTS_DIR, write_json
+from benchmarks.meta import RESULTS_DIR, machine, write_json
 from hps.advisor import zipf_hit_curve
 from hps.cache import EmbeddingCache
 from hps.persistent import RocksDBBackend, decode_rows, encode_keys
 from hps.session import LookupSession, SessionTable
-from hps.types import CachePolicy
+from hps.types import CachePolicy, StorageBackend
 from hps.volatile import HashMapBackend, split_by_partition
 
 log = logging.getLogger("bench_hps")
-SECTIONS = ("hit_rate", "cached", "rocksdb", "redis", "concurrency")
+SECTIONS = ("hit_rate", "cached", "rocksdb", "redis", "concurrency", "drift")
+#: a row's "bench" → the section that writes it
+SECTION_OF = {"hit_rate": "hit_rate", "cached_lookup": "cached", "rocksdb": "rocksdb", "redis": "redis",
+              "concurrency": "concurrency", "drift": "drift"}
 
 
 class Zipf:
@@ -322,6 +339,122 @@ def bench_concurrency(args: argparse.Namespace, workdir: Path) -> list[dict[str,
     return [row]
 
 
+# ------------------------------------------------------------------------------ drift
+
+
+class ZeroRows(StorageBackend):
+    """A database holding every key in ``[0, n)`` with a zero row (hit rates need no values)."""
+
+    name = "zero_rows"
+
+    def __init__(self, n: int, dim: int) -> None:
+        self.n, self.dim = n, dim
+
+    def create_table(self, table: str, dim: int) -> None:
+        pass
+
+    def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        return np.zeros((keys.size, self.dim), np.float32), (keys >= 0) & (keys < self.n)
+
+    def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
+        raise NotImplementedError("read-only")
+
+    def size(self, table: str) -> int:
+        return self.n
+
+
+def bench_drift(args: argparse.Namespace) -> list[dict[str, Any]]:
+    n, dim, alpha, frac, nb = args.rows, args.dim, args.drift_alpha, args.drift_cache_fraction, args.drift_batches
+    cap = int(frac * n)
+    ideal = float(zipf_hit_curve(n, alpha, np.array([cap]))[0])
+    configs = [(CachePolicy.LRU, 0.0), (CachePolicy.LFU, 0.0)]
+    configs += [(CachePolicy.LFU, float(x)) for x in args.drift_decays.split(",") if x.strip()]
+    out = []
+    for n0 in (int(x) for x in args.drift_before.split(",") if x.strip()):
+        for policy, per_slot in configs:
+            # the same key stream for every config: same curve before and after, a new key per rank
+            before, after = Zipf(n, alpha, seed=8), Zipf(n, alpha, seed=9)
+            cache = EmbeddingCache(cap, dim, policy=policy, lfu_decay_keys_per_slot=per_slot)
+            sess = LookupSession([SessionTable("t", dim, 0.0, 10**7, cache)], ZeroRows(n, dim), None,
+                                 hit_rate_threshold=1.0, max_concurrent=1)  # sync fill, key statistics on
+            series = []
+            hits = 0
+            t0 = time.perf_counter()
+            for i in range(n0 + nb):
+                b = (before if i < n0 else after).sample(args.batch)
+                sess.lookup("t", torch.from_numpy(b))
+                now = sess.stats("t")["hits_all"]["cache"]
+                series.append((now - hits) / b.size)
+                hits = now
+            cached = cache.cached_keys().numpy()
+            sess.close()
+            old_hot, new_hot = before.hottest(cap), after.hottest(cap)
+            label = policy.value if policy is CachePolicy.LRU else (
+                f"lfu, aging every {per_slot:g} keys/slot" if per_slot else "lfu, never aging")
+            row = {"bench": "drift", "config": label, "policy": policy.value, "lfu_decay_keys_per_slot": per_slot,
+                   "lfu_decay_interval_keys": cache.lfu_decay_interval, "decays": cache.stats.decays,
+                   "alpha": alpha, "rows": n, "dim": dim, "cache_fraction": frac, "batch": args.batch,
+                   "batches_before_drift": n0, "batches_after_drift": nb,
+                   "hit_rate_before_drift": float(np.mean(series[n0 // 2:n0])),  # steady state
+                   "hit_rate_after_drift": float(np.mean(series[n0:])),
+                   "hit_rate_after_drift_last_quarter": float(np.mean(series[-max(1, nb // 4):])),
+                   "ideal_hottest_rows": ideal,
+                   "cached_new_hot_fraction": float(np.isin(cached, new_hot).sum() / cap),
+                   "cached_stale_old_hot": int(np.isin(cached, np.setdiff1d(old_hot, new_hot)).sum()),
+                   "hit_rate_per_batch": [round(x, 4) for x in series], "seconds": time.perf_counter() - t0}
+            log.info("drift after %d: %-30s before %.4f  after %.4f  last quarter %.4f  (ideal %.4f)", n0, label,
+                     row["hit_rate_before_drift"], row["hit_rate_after_drift"],
+                     row["hit_rate_after_drift_last_quarter"], ideal)
+            out.append(row)
+            del cache, sess
+    return out
+
+
+def plot_drift(rows: list[dict[str, Any]], path: Path) -> None:
+    """Hit rate per batch, one panel per drift point."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    points = sorted({r["batches_before_drift"] for r in rows})
+    fig, axes = plt.subplots(len(points), 1, figsize=(7, 3.2 * len(points)), squeeze=False)
+    for ax, n0 in zip(axes[:, 0], points):
+        sel = [r for r in rows if r["batches_before_drift"] == n0]
+        for r in sel:
+            ys = r["hit_rate_per_batch"]
+            ax.plot(np.arange(1, len(ys) + 1), ys, label=r["config"], lw=0.8)
+        r = sel[0]
+        ax.axhline(r["ideal_hottest_rows"], color="k", ls="--", lw=1, label="ideal (hottest rows)")
+        ax.axvline(n0 + 0.5, color="grey", ls=":", lw=1)
+        ax.set_xlabel(f"batch of {r['batch']} keys (popularity permuted after batch {n0})")
+        ax.set_ylabel("hit rate (all keys)")
+        low = min(float(np.percentile(r["hit_rate_per_batch"], 2)) for r in sel)  # the drop itself clipped
+        ax.set_ylim(np.floor(low * 20) / 20, 1.0)
+        ax.set_title(f"Zipf α={r['alpha']}, {r['rows']:,} rows, {r['cache_fraction']:.0%} cache", fontsize=9)
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=7, loc="lower left", ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+
+
+def merge_previous(path: Path, rows: list[dict[str, Any]], only: list[str],
+                   section_meta: dict[str, Any]) -> list[dict[str, Any]]:
+    """``rows`` plus the rows of the sections not in ``only`` from the JSON at ``path``, in
+    section order; ``section_meta`` gains the kept sections' meta (their own, or the file's)."""
+    if not path.exists():
+        return rows
+    old = json.loads(path.read_text())
+    kept = [r for r in old["rows"] if SECTION_OF.get(r.get("bench")) not in only]
+    for r in kept:
+        sec = SECTION_OF.get(r.get("bench"), str(r.get("bench")))
+        section_meta.setdefault(sec, old.get("section_meta", {}).get(
+            sec, {**old["meta"], "args": old.get("args"), "load": old.get("load")}))
+    order = {s: i for i, s in enumerate(SECTIONS)}
+    return sorted(kept + rows, key=lambda r: order.get(SECTION_OF.get(r.get("bench"), ""), len(order)))
+
+
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
     import matplotlib
 
@@ -362,7 +495,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--callers", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--concurrent-batch", type=int, default=4096)
+    ap.add_argument("--drift-before", default="120,480", help="batches before the drift, one run each")
+    ap.add_argument("--drift-batches", type=int, default=120, help="batches after the drift")
+    ap.add_argument("--drift-alpha", type=float, default=1.05)
+    ap.add_argument("--drift-cache-fraction", type=float, default=0.10)
+    ap.add_argument("--drift-decays", default="10,20,50", help="LFU aging periods to run, looked-up keys per slot")
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "hps.json")
+    ap.add_argument("--merge", action="store_true", help="keep the other sections' rows of --out")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     only = [s.strip() for s in args.only.split(",") if s.strip()]
@@ -383,15 +522,24 @@ def main(argv: list[str] | None = None) -> None:
                 rows += bench_rocksdb(args, workdir)
             elif section == "redis":
                 rows += bench_redis(args, workdir)
+            elif section == "drift":
+                rows += bench_drift(args)
             else:
                 rows += bench_concurrency(args, workdir)
             log.info("section %s took %.1f s (load %.2f)", section, time.perf_counter() - t0, os.getloadavg()[0])
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     load["loadavg_after"] = os.getloadavg()
-    path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()}, load=load)
+    run_args = {k: str(v) for k, v in vars(args).items()}
+    section_meta = {s: {**machine(), "args": run_args, "load": load} for s in only}
+    if args.merge:
+        rows = merge_previous(args.out, rows, only, section_meta)
+    path = write_json(args.out, rows, args=run_args, load=load, section_meta=section_meta)
     if any(r.get("bench") == "hit_rate" for r in rows):
         plot(rows, path.with_suffix(".png"))
+    drift = [r for r in rows if r.get("bench") == "drift"]
+    if drift:
+        plot_drift(drift, path.with_name(path.stem + "_drift.png"))
     log.info("wrote %s", path)
 
 

@@ -357,7 +357,7 @@ class ZeroRows(StorageBackend):
         return np.zeros((keys.size, self.dim), np.float32), (keys >= 0) & (keys < self.n)
 
     def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
-        raise NotImplementedError("read-only")
+        raise ValueError(f"{self.name}: a read-only stand-in database; insert into {table!r} refused")
 
     def size(self, table: str) -> int:
         return self.n

@@ -50,7 +50,7 @@ class _AllKeys(StorageBackend):
         return keys.astype(np.float32)[:, None], (keys >= 0) & (keys < self.n)
 
     def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
-        raise NotImplementedError
+        raise ValueError(f"{self.name}: read-only; insert into {table!r} refused")
 
     def size(self, table: str) -> int:
         return self.n

@@ -22,6 +22,7 @@ from embark.model import DLRM
 from export.onnx import export_onnx
 from hps.config import PSConfig, parse_config
 from hps.sparse_files import write_table
+from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 
 __all__ = ["write_serving_artifacts"]
 
@@ -34,6 +35,8 @@ def write_serving_artifacts(
     cache_fraction: float = 0.2,
     overwrite: bool = False,
     cache_exact: bool = True,
+    cache_policy: CachePolicy | str = CachePolicy.LRU,
+    cache_lfu_decay_keys_per_slot: float = DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
 ) -> PSConfig:
     """Write the sparse files, the dense ONNX graph and ``ps.json`` for ``model``.
 
@@ -48,6 +51,10 @@ def write_serving_artifacts(
             databases, so the served model scores exactly like the eager one. ``False`` is
             HugeCTR's behaviour: above ``hit_rate_threshold`` (0.9) a miss gets the default
             vector while its row is inserted in the background (lower latency, approximate).
+        cache_policy: ``cache_policy`` in ``ps.json``, ``"lru"`` or ``"lfu"``.
+        cache_lfu_decay_keys_per_slot: ``cache_lfu_decay_keys_per_slot`` in ``ps.json``: the
+            LFU aging period in looked-up keys per cache slot (0: never age; ignored by LRU).
+            Both cache fields are written out even at their defaults, so the knobs are in the file.
 
     Returns:
         the validated :class:`hps.config.PSConfig` read back from the written ``ps.json``.
@@ -78,6 +85,8 @@ def write_serving_artifacts(
                 "gpucacheper": cache_fraction,
                 "hit_rate_threshold": 0.9,
                 "cache_exact": cache_exact,
+                "cache_policy": str(cache_policy),
+                "cache_lfu_decay_keys_per_slot": cache_lfu_decay_keys_per_slot,
                 "network_file": "dense.onnx",
             }
         ],

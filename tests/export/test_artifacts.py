@@ -65,3 +65,26 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path) -> None:
     assert not (tmp_path / "a").exists()
     cfg = write_serving_artifacts(model, tmp_path / "a")  # the retry needs no overwrite=True
     assert cfg.model("dlrm").tables[0].name == "t0"
+
+
+def test_cache_knobs_are_written_and_read_back(tmp_path) -> None:
+    model = build_model(get_workload("tiny"), seed=0)
+    cfg = write_serving_artifacts(model, tmp_path / "lfu", cache_policy="lfu", cache_lfu_decay_keys_per_slot=5)
+    doc = json.loads((tmp_path / "lfu" / "ps.json").read_text())["models"][0]
+    assert (doc["cache_policy"], doc["cache_lfu_decay_keys_per_slot"]) == ("lfu", 5)
+    m = cfg.model("dlrm")
+    assert (m.cache_policy.value, m.cache_lfu_decay_keys_per_slot) == ("lfu", 5.0)
+    write_serving_artifacts(model, tmp_path / "d")
+    default = json.loads((tmp_path / "d" / "ps.json").read_text())["models"][0]
+    assert (default["cache_policy"], default["cache_lfu_decay_keys_per_slot"]) == ("lru", 20.0)
+
+
+@pytest.mark.parametrize(("kwargs", "match"), [
+    ({"cache_policy": "mru"}, r"models\[0\].cache_policy: 'mru' is not one of \['lru', 'lfu'\]"),
+    ({"cache_lfu_decay_keys_per_slot": -1.0}, r"models\[0\].cache_lfu_decay_keys_per_slot: -1.0"),
+])
+def test_bad_cache_knobs_fail_before_anything_is_written(tmp_path, kwargs, match) -> None:
+    model = build_model(get_workload("tiny"), seed=0)
+    with pytest.raises(ValueError, match=match):
+        write_serving_artifacts(model, tmp_path / "a", **kwargs)
+    assert not (tmp_path / "a").exists()

@@ -8,6 +8,7 @@ field, before any weight, optimizer slot or generator is touched. The fields (as
     {"format_version": 1,
      "step": 9, "data_position": 9,                       # integers >= 0
      "batch_size": 64 | null,                             # optional: integer >= 1 or null
+     "data_stream": {...} | null,                         # optional: mapping or null
      "workload": {...} | null,                            # Workload.to_dict() or null
      "train_config": {...},                               # TrainConfig.to_dict()
      "rng": {"trainer_generator": "<hex of the torch.Generator state>"},
@@ -19,8 +20,9 @@ field, before any weight, optimizer slot or generator is touched. The fields (as
                "optimizer.safetensors": {...}}}
 
 Fields not listed are ignored (a later writer may add information). ``batch_size`` (samples
-per step of the data stream) was added without a new ``format_version``: checkpoints written
-before it lack it and still load (the trainer's ``batch_size`` is then ``None``, unknown).
+per step of the data stream) and ``data_stream`` (what else fixes its batches, e.g.
+``SyntheticCTR.stream_config()``) were added without a new ``format_version``: checkpoints
+written before them lack them and still load (the trainer's fields are then ``None``, unknown).
 """
 
 from __future__ import annotations
@@ -83,6 +85,9 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
     bs = state.get("batch_size")
     if bs is not None and (not _is_int(bs) or bs < 1):
         raise _fail(sp, "batch_size", "an integer >= 1 or null", bs)
+    stream = state.get("data_stream")
+    if stream is not None and not isinstance(stream, dict):
+        raise _fail(sp, "data_stream", "a mapping or null", stream)
     workload = _require(state, sp, "workload")
     if workload is not None and not isinstance(workload, dict):
         raise _fail(sp, "workload", "a mapping or null", workload)

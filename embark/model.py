@@ -86,14 +86,27 @@ class CrossNetV2(nn.Module):
         x = x0
         for v, u in zip(self.v, self.u):
             ux = u(v(x))
-            if torch.is_grad_enabled():
-                x = torch.addcmul(x, x0, ux)  # x0 * u(v(x)) + x in one pass over memory
-            else:
+            if self._may_overwrite(u, x, x0, ux):
                 # Without autograd the result goes into u's output, which nothing else holds: a
                 # fresh (B, F) tensor is a new mmap that faults on every page it first touches
                 # (4096 × 3456 on 2 cores: 25 ms out of place vs 5.7 ms in place in fp32).
                 x = torch.addcmul(x, x0, ux, out=ux)
+            else:
+                x = torch.addcmul(x, x0, ux)  # x0 * u(v(x)) + x in one pass over memory
         return x
+
+    @staticmethod
+    def _may_overwrite(u: nn.Module, x: torch.Tensor, x0: torch.Tensor, ux: torch.Tensor) -> bool:
+        """Whether ``u``'s output ``ux`` can take the step's result in place: autograd off (it
+        would need ``ux`` for the backward), the out-of-place result's dtype and shape equal
+        ``ux``'s (under autocast ``ux`` is bf16 while ``x`` stays fp32), and no forward hook
+        that could hold ``ux`` (activation statistics would see it overwritten)."""
+        if torch.is_grad_enabled() or ux.shape != x.shape:
+            return False
+        if torch.promote_types(torch.promote_types(x.dtype, x0.dtype), ux.dtype) != ux.dtype:
+            return False
+        hooks = nn.modules.module
+        return not (u._forward_hooks or hooks._global_forward_hooks)
 
 
 class DLRM(nn.Module):

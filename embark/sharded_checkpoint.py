@@ -33,6 +33,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from embark.data.synthetic import SyntheticCTR
 from embark.model import build_model
 from embark.sharded_train import ShardedDLRM, ShardedTrainer
 from embark.sharding.comm import distributed_world
@@ -105,7 +106,7 @@ def to_single_process(trainer: ShardedTrainer, dst: int | None = 0) -> Trainer |
     for mine, theirs in zip(out.optimizer.param_groups, trainer.optimizer.param_groups):
         mine.update({k: v for k, v in theirs.items() if k != "params"})
     out.generator.set_state(trainer.generator.get_state())
-    out.step, out.batch_size = trainer.step, trainer.batch_size
+    out.step, out.batch_size, out.data_stream = trainer.step, trainer.batch_size, trainer.data_stream
     out.history = list(trainer.history)
     return out
 
@@ -174,7 +175,7 @@ def from_single_process(
     for mine, theirs in zip(out.optimizer.param_groups, single.optimizer.param_groups):
         mine.update({k: v for k, v in theirs.items() if k != "params"})
     out.generator.set_state(single.generator.get_state())
-    out.step, out.batch_size = single.step, single.batch_size
+    out.step, out.batch_size, out.data_stream = single.step, single.batch_size, single.data_stream
     out.history = list(single.history)
     return out
 
@@ -218,13 +219,31 @@ def check_checkpoint_dir(args: argparse.Namespace) -> None:
         )
 
 
+def _stream_flags(
+    args: argparse.Namespace, stream: dict[str, Any] | None, path: str
+) -> list[tuple[str, Any, Any]]:
+    """``(flag, given, saved)`` for the data-stream flags against a checkpoint's
+    ``data_stream`` (saved ``None`` where it records none)."""
+    if stream is None:
+        return [("--ragged", args.ragged, None), ("--label-sharpness", args.label_sharpness, None)]
+    if set(stream) != set(SyntheticCTR.STREAM_KEYS):
+        raise ValueError(
+            f"--resume {path!r} records a data stream with keys {sorted(stream)}, not a "
+            f"SyntheticCTR stream's {sorted(SyntheticCTR.STREAM_KEYS)}: this CLI cannot regenerate it"
+        )
+    return [("--ragged", args.ragged, stream["ragged"]),
+            ("--label-sharpness", args.label_sharpness, stream["label_sharpness"])]
+
+
 def load_resume(args: argparse.Namespace, workload: Workload) -> Trainer:
     """The single-process Trainer of ``--resume``, checked against this run's settings.
 
     Raises:
         ValueError: naming the path, for a missing, corrupt or unreadable checkpoint, one of
             another workload, one trained with another seed / optimizer / learning rate /
-            batch size than given, or one past ``--steps``.
+            batch size / ``--ragged`` / ``--label-sharpness`` than given, one whose
+            ``data_stream`` is not a :class:`~embark.data.SyntheticCTR` stream, or one past
+            ``--steps``.
     """
     path = args.resume
     try:
@@ -246,6 +265,7 @@ def load_resume(args: argparse.Namespace, workload: Workload) -> Trainer:
         ("--lr", args.lr, cfg.lr),
         ("--embedding-lr", args.embedding_lr, cfg.lr if cfg.embedding_lr is None else cfg.embedding_lr),
         ("--batch-size", args.batch_size, single.batch_size),  # None: not recorded (older)
+        *_stream_flags(args, single.data_stream, path),
     ):
         if given is not None and saved is not None and given != saved:
             raise ValueError(

@@ -293,7 +293,8 @@ class ShardedTrainer:
     Attributes:
         step: optimizer steps taken.
         batch_size: the GLOBAL batch of the first step (as the Trainer's ``batch_size``;
-            saved in checkpoints); ``None`` before it.
+            saved in checkpoints); ``None`` before it. A larger global batch is an error.
+        data_stream: what else fixes the data stream (as the Trainer's; saved in checkpoints).
         generator: seeded by ``cfg.seed`` (as the Trainer's; saved in checkpoints).
         history: evaluation records.
     """
@@ -306,6 +307,7 @@ class ShardedTrainer:
         self.callbacks: list[Callback] = list(callbacks)
         self.step = 0
         self.batch_size: int | None = None
+        self.data_stream: dict[str, Any] | None = None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.history: list[dict[str, float]] = []
         emb = [p for p in model.embeddings.parameters() if p.requires_grad]
@@ -324,6 +326,11 @@ class ShardedTrainer:
         total = sum(sizes)
         if total == 0:
             raise ValueError("train_step: the global batch is empty on every rank")
+        if self.batch_size is not None and total > self.batch_size:  # equal on every rank
+            raise ValueError(
+                f"train_step: a global batch of {total} samples, but this trainer's data stream "
+                f"has {self.batch_size} per step (recorded at its first step or in its checkpoint)"
+            )
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / total
         loss.backward()
         for p in self.model.embeddings.parameters():
@@ -400,6 +407,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                    help=f"learning rate of the tables (default {DEFAULTS['embedding_lr']}; --resume: the checkpoint's)")
     p.add_argument("--seed", type=int_at_least(0), default=None,
                    help="model, data and teacher seed (default 0; --resume: the checkpoint's)")
+    p.add_argument("--ragged", action="store_true", default=None,
+                   help="variable bag sizes 0..2*hotness (default: fixed hotness; --resume: the checkpoint's)")
+    p.add_argument("--label-sharpness", type=float, default=None,
+                   help="teacher logit scale, > 0 (default 2.0; --resume: the checkpoint's)")
     p.add_argument("--eval-batches", type=int_at_least(1), default=8, help="held-out global batches")
     p.add_argument("--log-every", type=int_at_least(1), default=10, help="print the loss every N steps")
     p.add_argument("--out", default=None, help="rank 0 writes the results JSON here")
@@ -462,12 +473,15 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
                     "resuming with --batch-size %d; it must be the one it was trained with",
                     args.resume, batch_size)
     if batch_size < world_size:
-        raise ValueError(f"--batch-size {batch_size} is smaller than the world size {world_size}")
+        what = ("--batch-size" if args.batch_size else "the checkpoint's batch size"
+                if single is not None and single.batch_size else "the default batch size")
+        raise ValueError(f"{what} {batch_size} is smaller than the world size {world_size}")
     plan = resolve_plan(args, workload, world_size, batch_size)
     check_checkpoint_dir(args)
 
     if single is not None:
         trainer = from_single_process(single, plan, rank)
+        trainer.batch_size = trainer.batch_size or batch_size  # an older checkpoint: the given one
     else:
         seed = DEFAULTS["seed"] if args.seed is None else args.seed
         cfg = TrainConfig(
@@ -477,7 +491,16 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
         )
         trainer = ShardedTrainer(ShardedDLRM(build_model(workload, seed=seed), plan, rank), cfg)
     cfg = trainer.cfg
-    data = SyntheticCTR(workload, batch_size, seed=cfg.seed)
+    if single is not None and single.data_stream is not None:
+        data = SyntheticCTR.from_stream_config(workload, batch_size, cfg.seed, single.data_stream)
+    else:
+        if single is not None and rank == 0:
+            log.warning("--resume %r records no data stream (written before checkpoints did): "
+                        "resuming on --ragged %s --label-sharpness %g; they must be the ones it "
+                        "was trained with", args.resume, bool(args.ragged), args.label_sharpness or 2.0)
+        data = SyntheticCTR(workload, batch_size, seed=cfg.seed, ragged=bool(args.ragged),
+                            label_sharpness=2.0 if args.label_sharpness is None else args.label_sharpness)
+    trainer.data_stream = data.stream_config()
     start, saved_at, save_seconds = trainer.step, None, 0.0
 
     def save() -> None:

@@ -16,11 +16,13 @@ Checkpoint folder layout (no pickle anywhere)::
     <dir>/model.safetensors      model.state_dict(), names as in the model
     <dir>/optimizer.safetensors  "<param name>::<state key>" -> tensor (e.g. "...weight::sum")
     <dir>/state.json             {"format_version", "step", "data_position", "batch_size",
-                                  "workload", "train_config", "rng", "param_groups",
-                                  "history", "files"}
+                                  "data_stream", "workload", "train_config", "rng",
+                                  "param_groups", "history", "files"}
 
 ``batch_size`` is the samples per step of the data stream that ``data_position`` counts
-batches of (:attr:`Trainer.batch_size`), so a resume can check it is fed the same stream.
+batches of (:attr:`Trainer.batch_size`), and ``data_stream`` what else fixes that stream's
+batches (:attr:`Trainer.data_stream`, e.g. :meth:`embark.data.SyntheticCTR.stream_config`),
+so a resume can check it is fed the same stream.
 
 ``files`` records each tensor file's size and sha256, so a truncated or altered file is a
 clear error on load. A save writes into a temporary sibling folder and renames it into place:
@@ -221,7 +223,11 @@ class Trainer:
         batch_size: samples per step of the data stream: the first training batch's size
             (a stream's later batches may be shorter, e.g. a file's last), kept through
             checkpoints; ``None`` before the first step, and after loading a checkpoint
-            written before it was recorded (until the next step).
+            written before it was recorded (until the next step). A training batch larger
+            than it is an error (the stream changed under a resumed run).
+        data_stream: a JSON-able mapping of what fixes the data stream besides
+            ``batch_size`` (set by the caller, e.g. ``data.stream_config()``), kept through
+            checkpoints; ``None`` when unknown.
         generator: a ``torch.Generator`` seeded by ``cfg.seed``, saved in checkpoints.
         history: evaluation records ``{"step", "auc", "logloss", ...}`` from :meth:`fit`.
     """
@@ -234,6 +240,7 @@ class Trainer:
         self.callbacks: list[Callback] = list(callbacks)
         self.step = 0
         self.batch_size: int | None = None
+        self.data_stream: dict[str, Any] | None = None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.history: list[dict[str, float]] = []
         self.loss_fn = nn.BCEWithLogitsLoss()
@@ -269,7 +276,18 @@ class Trainer:
 
     # ---------------------------------------------------------------- training
     def train_step(self, batch: Batch) -> float:
-        """One optimizer step on ``batch`` with the callbacks' hooks; returns the loss."""
+        """One optimizer step on ``batch`` with the callbacks' hooks; returns the loss.
+
+        Raises:
+            ValueError: for a batch larger than :attr:`batch_size` (later batches of a stream
+                may be shorter, never longer), before anything changes.
+        """
+        if self.batch_size is not None and batch.batch_size > self.batch_size:
+            raise ValueError(
+                f"train_step: a batch of {batch.batch_size} samples, but this trainer's data "
+                f"stream has {self.batch_size} per step (recorded at its first step or in its "
+                "checkpoint); a resumed run must be fed the stream it was trained on"
+            )
         self.model.train()
         batch = batch.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)
@@ -426,6 +444,7 @@ class Trainer:
                 "step": self.step,
                 "data_position": self.step,
                 "batch_size": self.batch_size,
+                "data_stream": self.data_stream,
                 "workload": workload.to_dict() if isinstance(workload, Workload) else None,
                 "train_config": self.cfg.to_dict(),
                 "rng": {"trainer_generator": self.generator.get_state().numpy().tobytes().hex()},
@@ -593,5 +612,6 @@ class Trainer:
         trainer.generator.set_state(torch.frombuffer(bytearray(gen_state), dtype=torch.uint8))
         trainer.step = state["step"]
         trainer.batch_size = state.get("batch_size")  # absent: written before it was recorded
+        trainer.data_stream = state.get("data_stream")
         trainer.history = list(state["history"])
         return trainer

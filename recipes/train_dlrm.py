@@ -116,7 +116,9 @@ def build(cfg: TrainDLRMKnobs) -> tuple[Workload, SyntheticCTR, Trainer]:
         eval_every=cfg.eval_every,
         seed=cfg.seed,
     )
-    return workload, data, Trainer(build_model(workload, seed=cfg.seed), train_cfg)
+    trainer = Trainer(build_model(workload, seed=cfg.seed), train_cfg)
+    trainer.data_stream = data.stream_config()  # checkpoints record it; a resume checks it
+    return workload, data, trainer
 
 
 def main(cfg: TrainDLRMKnobs) -> dict[str, Any]:

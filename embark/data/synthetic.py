@@ -26,6 +26,7 @@ import math
 from collections.abc import Iterator
 from dataclasses import dataclass, replace
 from enum import StrEnum
+from typing import Any
 
 import numpy as np
 import torch
@@ -144,6 +145,7 @@ class SyntheticCTR:
         self.label_bias = float(label_bias)
         self.dense_mu = float(dense_mu)
         self.dense_sigma = float(dense_sigma)
+        self.teacher_embedding_std = float(std)
         alpha = workload.zipf_alpha
         self._cdfs = []
         for t in workload.tables:
@@ -177,6 +179,40 @@ class SyntheticCTR:
             ]
         )
         self._z_mean, self._z_std = float(raw.mean()), float(raw.std().clamp_min(1e-12))
+
+    #: :meth:`stream_config` keys, the keyword arguments that regenerate the stream.
+    STREAM_KEYS = ("ragged", "label_sharpness", "label_bias", "dense_mu", "dense_sigma",
+                   "teacher_embedding_std", "teacher_workload")
+
+    def stream_config(self) -> dict[str, Any]:
+        """Everything besides the workload, ``batch_size`` and ``seed`` that fixes the batches:
+        a JSON-able mapping (``teacher_workload`` as :meth:`Workload.to_dict`) that
+        :meth:`from_stream_config` turns back into this stream. Checkpoints record it as
+        ``data_stream``, so a resume can check it is fed the same data."""
+        return {
+            "ragged": self.ragged, "label_sharpness": self.label_sharpness,
+            "label_bias": self.label_bias, "dense_mu": self.dense_mu,
+            "dense_sigma": self.dense_sigma, "teacher_embedding_std": self.teacher_embedding_std,
+            "teacher_workload": self.teacher_workload.to_dict(),
+        }
+
+    @classmethod
+    def from_stream_config(
+        cls, workload: Workload, batch_size: int, seed: int, config: dict[str, Any]
+    ) -> SyntheticCTR:
+        """The stream ``SyntheticCTR(workload, batch_size, seed, **config)`` of a
+        :meth:`stream_config` mapping.
+
+        Raises:
+            ValueError: naming the keys, for a mapping with other keys than
+                :attr:`STREAM_KEYS`, or values the constructor rejects.
+        """
+        if not isinstance(config, dict) or set(config) != set(cls.STREAM_KEYS):
+            got = sorted(config) if isinstance(config, dict) else type(config).__name__
+            raise ValueError(f"data stream config must have exactly the keys {sorted(cls.STREAM_KEYS)}, got {got}")
+        kwargs = dict(config)
+        kwargs["teacher_workload"] = Workload.from_dict(config["teacher_workload"])
+        return cls(workload, batch_size, seed, **kwargs)
 
     # ------------------------------------------------------------------ pieces
     def _rng(self, split: Split, index: int) -> np.random.Generator:

@@ -24,6 +24,7 @@ def checkpoint(tmp_path_factory) -> tuple[Path, dict[str, Any], SyntheticCTR]:
     w = get_workload("tiny")
     data = SyntheticCTR(replace(w, tables=w.tables[:3]), batch_size=32, seed=2)
     t = Trainer(build_model(data.workload, seed=1), TrainConfig(lr=0.05))
+    t.data_stream = data.stream_config()
     t.fit(data.batches(3), 3, progress=False)
     ck = t.save_checkpoint(tmp_path_factory.mktemp("ck") / "ck")
     return ck, json.loads((ck / "state.json").read_text()), data
@@ -59,6 +60,7 @@ CASES = [
     (_with(data_position="3"), "data_position must be an integer >= 0, got '3'"),
     (_with(batch_size=0), "batch_size must be an integer >= 1 or null, got 0"),
     (_with(batch_size="32"), "batch_size must be an integer >= 1 or null, got '32'"),
+    (_with(data_stream=[1]), r"data_stream must be a mapping or null, got \[1\]"),
     (_with(workload=[1]), r"workload must be a mapping or null, got \[1\]"),
     (_with(train_config="lr=1"), "train_config must be a mapping, got 'lr=1'"),
     (_with(rng="00"), "rng.trainer_generator must be a hex string, got '00'"),
@@ -139,10 +141,23 @@ def test_unknown_param_group_option_is_rejected(checkpoint, tmp_path):
 
 
 def test_good_checkpoint_still_loads(checkpoint):
-    ck, state, _ = checkpoint
+    ck, state, data = checkpoint
     t = Trainer.load_checkpoint(ck)
     assert t.step == state["step"] == 3 and type(t.step) is int
     assert t.batch_size == state["batch_size"] == 32
+    assert t.data_stream == state["data_stream"] == json.loads(json.dumps(data.stream_config()))
+
+
+def test_a_batch_larger_than_the_stream_s_is_refused(checkpoint):
+    ck, _, data = checkpoint
+    t = Trainer.load_checkpoint(ck)
+    before = {k: v.clone() for k, v in t.model.state_dict().items()}
+    bigger = SyntheticCTR(data.workload, batch_size=64, seed=2)
+    with pytest.raises(ValueError, match="a batch of 64 samples, but this trainer's data stream has 32"):
+        t.train_step(bigger.batch(3))
+    assert t.step == 3 and all(torch.equal(v, t.model.state_dict()[k]) for k, v in before.items())
+    t.train_step(SyntheticCTR(data.workload, batch_size=20, seed=2).batch(3))  # a shorter last batch
+    assert t.step == 4 and t.batch_size == 32
 
 
 def test_checkpoint_from_before_batch_size_was_recorded_loads(checkpoint, tmp_path):
@@ -153,8 +168,8 @@ def test_checkpoint_from_before_batch_size_was_recorded_loads(checkpoint, tmp_pa
     ck.mkdir()
     for f in src.iterdir():
         (ck / f.name).write_bytes(f.read_bytes())
-    (ck / "state.json").write_text(json.dumps(_without("batch_size")(state)))
+    (ck / "state.json").write_text(json.dumps(_without("data_stream")(_without("batch_size")(state))))
     t = Trainer.load_checkpoint(ck)
-    assert t.step == 3 and t.batch_size is None
+    assert t.step == 3 and t.batch_size is None and t.data_stream is None
     t.fit(data.batches(1, start=3), 1, progress=False)
     assert t.batch_size == 32

@@ -109,9 +109,44 @@ def test_crossnet_matches_formula():
     torch.testing.assert_close(net(x0), x, rtol=1e-6, atol=1e-6)
     with torch.no_grad():  # the inference path writes into u's output instead of a new tensor
         x0_before = x0.clone()
-        assert torch.equal(net(x0), net.forward(x0))
         torch.testing.assert_close(net(x0), x, rtol=1e-6, atol=1e-6)
         assert torch.equal(x0, x0_before)  # the input is not the buffer written into
+
+
+def test_crossnet_in_place_path_equals_autograd_path_exactly():
+    net = CrossNetV2(24, num_layers=3, low_rank=5)
+    x0 = torch.randn(7, 24, generator=torch.Generator().manual_seed(2))
+    want = net(x0).detach()  # autograd on: out of place
+    with torch.no_grad():
+        no_grad = net(x0)
+    with torch.inference_mode():
+        inference = net(x0)
+    assert torch.equal(no_grad, want) and torch.equal(inference, want)
+
+
+def test_crossnet_under_autocast_keeps_the_running_sum_in_fp32():
+    net = CrossNetV2(24, num_layers=3, low_rank=5)
+    x0 = torch.randn(7, 24, generator=torch.Generator().manual_seed(3))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        want = net(x0).detach()  # u's output is bf16; x0 * u + x is fp32
+        with torch.no_grad():
+            got = net(x0)
+    assert want.dtype == got.dtype == torch.float32
+    assert torch.equal(got, want)
+
+
+def test_crossnet_does_not_overwrite_what_a_forward_hook_holds():
+    net = CrossNetV2(24, num_layers=2, low_rank=5)
+    x0 = torch.randn(7, 24, generator=torch.Generator().manual_seed(4))
+    seen: list[torch.Tensor] = []
+    handle = net.u[0].register_forward_hook(lambda m, i, o: seen.append((o, o.clone())))
+    try:
+        with torch.no_grad():
+            net(x0)
+    finally:
+        handle.remove()
+    held, copy = seen[0]
+    assert torch.equal(held, copy)
 
 
 def test_seeded_and_leaves_global_rng_alone():

@@ -80,6 +80,8 @@ def test_resume_errors_in_process(runs: Path, caplog: pytest.LogCaptureFixture) 
         (["--resume", c4, "--seed", "3"], "was trained with --seed 0, not 3"),
         (["--resume", c4, "--steps", "3"], "is at step 4, past --steps 3"),
         (["--resume", c4, "--batch-size", "32"], "was trained with --batch-size 64, not 32"),
+        (["--resume", c4, "--ragged"], "was trained with --ragged False, not True"),
+        (["--resume", c4, "--label-sharpness", "8"], "was trained with --label-sharpness 2.0, not 8.0"),
     ]
     for argv, msg in cases:
         caplog.clear()
@@ -91,17 +93,50 @@ def test_resume_keeps_the_checkpoints_batch_size(
     runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     """Without --batch-size a resume takes the checkpoint's; a checkpoint from before batch
-    sizes were recorded resumes with --batch-size (default 512), warning that it must match."""
+    sizes and streams were recorded resumes with --batch-size (default 512) and the stream
+    flags, warning that they must match, and its next checkpoint records them."""
     out = tmp_path / "r.json"
     assert main(["--steps", "4", "--eval-batches", "1", "--resume", str(runs / "c4"), "--out", str(out)]) == 0
     assert json.loads(out.read_text())["batch_size"] == 64 and "4 steps × 64]" in capsys.readouterr().out
     old = tmp_path / "old"
     shutil.copytree(runs / "c4", old)
     state = json.loads((old / "state.json").read_text())
+    stream = state.pop("data_stream")
+    assert stream["ragged"] is False and stream["label_sharpness"] == 2.0
     del state["batch_size"]
     (old / "state.json").write_text(json.dumps(state))
     caplog.clear()
     argv = ["--steps", "4", "--eval-batches", "1", "--resume", str(old), "--out", str(out)]
-    assert main([*argv, "--batch-size", "64"]) == 0
+    assert main([*argv, "--batch-size", "64", "--checkpoint-dir", str(tmp_path / "again")]) == 0
     assert json.loads(out.read_text())["batch_size"] == 64
     assert "records no batch size" in caplog.text and "--batch-size 64" in caplog.text
+    assert "records no data stream" in caplog.text
+    again = json.loads((tmp_path / "again" / "state.json").read_text())
+    assert again["batch_size"] == 64 and again["data_stream"] == stream
+    caplog.clear()
+    assert main(argv) == 0  # no --batch-size: the default, named in the warning
+    assert json.loads(out.read_text())["batch_size"] == 512 and "--batch-size 512" in caplog.text
+
+
+def test_a_train_dlrm_checkpoint_resumes_on_its_own_data_stream(tmp_path: Path) -> None:
+    """``recipes.train_dlrm --ragged --label-sharpness 8`` for 4 steps, resumed here to 6,
+    equals train_dlrm's uninterrupted 6 steps: the resume regenerates the recorded stream."""
+    from recipes.train_dlrm import TrainDLRMKnobs
+    from recipes.train_dlrm import main as train_dlrm
+
+    def knobs(steps: int, out: str) -> TrainDLRMKnobs:
+        return TrainDLRMKnobs(steps=steps, batch_size=64, ragged=True, label_sharpness=8.0,
+                              eval_batches=1, train_eval_batches=1, out=str(tmp_path / out),
+                              progress=False)
+
+    train_dlrm(knobs(4, "four"))
+    train_dlrm(knobs(6, "six"))
+    assert main(["--steps", "6", "--eval-batches", "1", "--resume", str(tmp_path / "four" / "checkpoint"),
+                 "--checkpoint-dir", str(tmp_path / "resumed")]) == 0
+    state = json.loads((tmp_path / "resumed" / "state.json").read_text())
+    assert state["data_stream"]["ragged"] is True and state["data_stream"]["label_sharpness"] == 8.0
+    resumed = load_file(tmp_path / "resumed" / "model.safetensors")
+    whole = load_file(tmp_path / "six" / "checkpoint" / "model.safetensors")
+    assert resumed.keys() == whole.keys()
+    for k in whole:
+        torch.testing.assert_close(resumed[k], whole[k], rtol=0, atol=1e-5, msg=k)

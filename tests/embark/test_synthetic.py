@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import itertools
+import json
 from dataclasses import replace
 
 import numpy as np
@@ -164,3 +165,28 @@ def test_teacher_workload_with_other_widths_is_used():
     teacher = replace(_workload(), name="wide-teacher", top_mlp=(8, 1), bottom_mlp=(16,))
     g = SyntheticCTR(_workload(), batch_size=8, teacher_workload=teacher)
     assert g.teacher.workload is teacher and g.teacher.top_mlp[0].out_features == 8
+
+
+def test_stream_config_regenerates_the_stream_exactly():
+    w = get_workload("tiny")
+    data = SyntheticCTR(w, 16, seed=5, ragged=True, label_sharpness=6.0, dense_sigma=0.5)
+    config = json.loads(json.dumps(data.stream_config()))  # as a checkpoint stores it
+    again = SyntheticCTR.from_stream_config(w, 16, 5, config)
+    for i in (0, 3):
+        a, b = data.batch(i), again.batch(i)
+        assert torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
+        assert torch.equal(a.sparse.values, b.sparse.values) and torch.equal(a.sparse.lengths, b.sparse.lengths)
+    assert again.stream_config() == data.stream_config()
+    other = SyntheticCTR.from_stream_config(w, 16, 5, config | {"label_sharpness": 2.0})
+    b0 = data.batch(0)
+    torch.testing.assert_close(other.teacher_logits(b0.dense, b0.sparse) * 6.0,
+                               (data.teacher_logits(b0.dense, b0.sparse) + 1.0) * 2.0 - 6.0)
+
+
+def test_a_bad_stream_config_names_the_keys():
+    w = get_workload("tiny")
+    config = SyntheticCTR(w, 8).stream_config()
+    with pytest.raises(ValueError, match=r"exactly the keys .* got \['ragged'\]"):
+        SyntheticCTR.from_stream_config(w, 8, 0, {"ragged": True})
+    with pytest.raises(ValueError, match="label_sharpness must be > 0, got -1"):
+        SyntheticCTR.from_stream_config(w, 8, 0, config | {"label_sharpness": -1})

@@ -15,6 +15,7 @@ greedy allocation maximises the overall hit rate ``Σ_t w_t · h_t(c_t)`` with
 
 from __future__ import annotations
 
+import math
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,6 +43,9 @@ class KeyStatistics:
         self._keys = np.zeros(0, np.int64)
         self._counts = np.zeros(0, np.int64)
         self.total = 0  # keys observed (all occurrences)
+        #: the occurrences' mass after aging: ``total`` halved as the counts are (float, so the
+        #: mass of keys whose counts rounded down to 0 stays in the denominator of hit rates)
+        self.aged_mass = 0.0
         self._lock = threading.Lock()
 
     def update(self, keys: np.ndarray, counts: np.ndarray | None = None) -> None:
@@ -60,10 +64,11 @@ class KeyStatistics:
                 uk, uc = uk[order], uc[order]
             self._keys, self._counts = uk, uc
             self.total += int(counts.sum())
+            self.aged_mass += float(counts.sum())
 
     def halve(self, times: int = 1) -> None:
-        """Age the counts: ``c >> times`` each (``total`` is not aged); keys whose count reaches
-        0 are dropped. A session halves its tables' statistics in step with an LFU cache's
+        """Age the counts: ``c >> times`` each, and ``aged_mass / 2**times`` (``total`` is not
+        aged); keys whose count reaches 0 are dropped. A session halves its tables' statistics in step with an LFU cache's
         aging, so admission priorities, warm-up and the advisor see recent popularity.
 
         Raises:
@@ -77,6 +82,7 @@ class KeyStatistics:
             c = self._counts >> min(times, 63)
             keep = c > 0
             self._keys, self._counts = self._keys[keep], c[keep]
+            self.aged_mass = math.ldexp(self.aged_mass, -min(times, 1100))
 
     def count_of(self, keys: np.ndarray) -> np.ndarray:
         """Observed occurrences of each of ``keys (n,) int64`` so far, ``(n,) int64`` (0 for a
@@ -159,6 +165,9 @@ class TableKeyStats:
             the table's hit rate in the overall hit rate.
         counts: observed counts (any order) — used as the curve when given.
         alpha: Zipf exponent — used when ``counts`` is None.
+        mass: the occurrences ``counts`` are a part of (``None``: their sum): keys dropped
+            from the counts (trimmed, or aged to 0) still count as misses, so the curve
+            ``cumsum(sorted counts) / max(mass, sum(counts))`` does not overstate hit rates.
     """
 
     num_rows: int
@@ -166,6 +175,7 @@ class TableKeyStats:
     lookups: float = 1.0
     counts: np.ndarray | None = None
     alpha: float | None = None
+    mass: float | None = None
 
     @classmethod
     def from_zipf(cls, num_rows: int, dim: int, alpha: float, lookups: float = 1.0) -> TableKeyStats:
@@ -177,14 +187,14 @@ class TableKeyStats:
         counts = stats.counts()
         if fit:
             return cls(num_rows, dim, float(stats.total), alpha=fit_zipf(counts))
-        return cls(num_rows, dim, float(stats.total), counts=counts)
+        return cls(num_rows, dim, float(stats.total), counts=counts, mass=stats.aged_mass)
 
     def curve(self, rows: np.ndarray) -> np.ndarray:
         """Ideal hit rate with ``rows`` hottest rows cached, ``(k,) float64``."""
         rows = np.asarray(rows, dtype=np.float64)
         if self.counts is not None:
             c = np.sort(np.asarray(self.counts, dtype=np.float64))[::-1]
-            cum = np.concatenate([[0.0], np.cumsum(c)]) / max(c.sum(), 1.0)
+            cum = np.concatenate([[0.0], np.cumsum(c)]) / max(c.sum(), self.mass or 0.0, 1.0)
             return np.interp(rows, np.arange(cum.size, dtype=np.float64), cum)
         if self.alpha is None:
             raise ValueError("TableKeyStats needs counts or alpha")

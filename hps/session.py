@@ -42,6 +42,7 @@ import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -199,7 +200,7 @@ class LookupSession:
         self._lat_pos = {t.name: 0 for t in tables}
         self.key_stats = {t.name: KeyStatistics() for t in tables} if record_key_stats else None
         # per table: the cache whose decay_epoch key_stats were last aged to, and that epoch
-        self._stats_epoch: dict[str, tuple[EmbeddingCache, int]] = {}
+        self._stats_epoch: dict[str, tuple[weakref.ref[EmbeddingCache], int]] = {}
         self._aging_lock = threading.Lock()
         self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=_ASYNC_QUEUE)
         self._worker = threading.Thread(target=self._work, name="hps-cache-insert", daemon=True)
@@ -385,11 +386,14 @@ class LookupSession:
         n = uniq.numel()
         tier = torch.full((n,), 3, dtype=torch.int8)  # 0 cache, 1 volatile, 2 persistent, 3 default
         is_async = False
-        if t.cache is not None:
+        cache = t.cache  # one cache for the whole lookup, even if the table's is swapped meanwhile
+        if cache is not None:
             dev = self.device
             dev_keys, dev_inv, dev_counts = uniq.to(dev), inverse.to(dev), counts.to(dev)
-            epoch = self._age_key_stats(t)  # priorities below are counted at this epoch
-            out, hit = t.cache.query(dev_keys, counts=dev_counts, inverse=dev_inv)
+            out, hit = cache.query(dev_keys, counts=dev_counts, inverse=dev_inv)
+            # after the query (which ages before counting its own uses), the statistics catch
+            # up with every halving so far; the priorities below are counted at this epoch
+            epoch = self._age_key_stats(t, cache)
             hit_cpu = hit.cpu()
             tier[hit_cpu] = 0
             miss = torch.nonzero(~hit_cpu).squeeze(1)
@@ -402,7 +406,7 @@ class LookupSession:
                 if is_async and not self.exact:
                     mrows = torch.full((miss.numel(), t.dim), t.default_value, device=dev)
                     mk, mp = mkeys.numpy(), prio.to(dev)
-                    self._submit(t, lambda k=mk, p=mp, e=epoch: self._fill_from_db(t, k, p, e))
+                    self._submit(t, lambda c=cache, k=mk, p=mp, e=epoch: self._fill_from_db(t, c, k, p, e))
                 else:
                     vals, found, from_pdb = self._fetch_tiers(t, mkeys.numpy())
                     mrows = torch.from_numpy(vals).to(dev)
@@ -413,13 +417,13 @@ class LookupSession:
                     fm_dev = fm.to(dev)
                     fk, fv, fp = mkeys[fm].to(dev), mrows[fm_dev], prio[fm].to(dev)
                     if is_async:
-                        # bind this cache now: a job running after the table's cache was
+                        # bound to this cache: a job running after the table's cache was
                         # replaced must not write these (by then maybe stale) rows into the new one
-                        cache, gen = t.cache, self.update_lock.generation
+                        gen = self.update_lock.generation
                         self._submit(t, lambda c=cache, k=fk, v=fv, p=fp, g=gen, e=epoch:
                                      self._insert_if_current(t, c, k, v, p, g, e))
                     else:
-                        t.cache.insert(fk, fv, priority=fp, epoch=epoch)
+                        cache.insert(fk, fv, priority=fp, epoch=epoch)
                 # scatter the miss rows to every request position of a missed key
                 rank = torch.full((n,), -1, dtype=torch.int64)
                 rank[miss] = torch.arange(miss.numel())
@@ -440,34 +444,38 @@ class LookupSession:
             self.key_stats[t.name].update(uniq.numpy(), counts.numpy())
         return out
 
-    def _age_key_stats(self, t: SessionTable) -> int:
-        """Halve ``t``'s key statistics once per aging of its cache since the last call;
-        returns the cache's ``decay_epoch`` they now match. A cache swapped in since restarts
-        the count from its own epoch (nothing halved)."""
-        cache = t.cache
-        epoch = cache.decay_epoch
+    def _age_key_stats(self, t: SessionTable, cache: EmbeddingCache) -> int:
+        """Halve ``t``'s key statistics once per aging of ``cache`` since the last call;
+        returns the ``decay_epoch`` they now match. A cache seen for the first time (the
+        table's first, or one swapped in since) starts the count at its own epoch: nothing is
+        halved. The epoch is read under the lock, so two lookups racing never label
+        statistics with an epoch older than the one they were aged to. Only a weak reference
+        to the cache is kept (a cache taken out of the table is freed)."""
         if self.key_stats is None:
-            return epoch
+            return cache.decay_epoch
         with self._aging_lock:
-            seen_cache, seen = self._stats_epoch.get(t.name, (cache, 0))
-            if seen_cache is cache and epoch > seen:
-                self.key_stats[t.name].halve(epoch - seen)
-            if seen_cache is not cache or epoch > seen:
-                self._stats_epoch[t.name] = (cache, epoch)
+            epoch = cache.decay_epoch
+            ref, seen = self._stats_epoch.get(t.name, (None, epoch))
+            if ref is not None and ref() is cache:
+                if epoch > seen:
+                    self.key_stats[t.name].halve(epoch - seen)
+                epoch = max(epoch, seen)
+            self._stats_epoch[t.name] = (weakref.ref(cache), epoch)
         return epoch
 
-    def _fill_from_db(self, t: SessionTable, keys: np.ndarray, priority: torch.Tensor | None = None,
-                      epoch: int | None = None) -> None:
-        """Background job: read ``keys`` from the databases and cache them, under the reader
-        side of the update lock (an update cannot land between the read and the insert).
-        ``priority`` was counted at the cache's ``epoch`` (halved for agings since)."""
+    def _fill_from_db(self, t: SessionTable, cache: EmbeddingCache, keys: np.ndarray,
+                      priority: torch.Tensor | None = None, epoch: int | None = None) -> None:
+        """Background job: read ``keys`` from the databases and put them in ``cache`` (the one
+        the lookup queried, even if the table's was swapped since), under the reader side of
+        the update lock (an update cannot land between the read and the insert). ``priority``
+        was counted at ``cache``'s ``epoch`` (halved for agings since)."""
         self.update_lock.acquire_read()
         try:
             vals, found = self._fetch(t, keys)
             fm = torch.from_numpy(found)
-            t.cache.insert(torch.from_numpy(keys[found]).to(self.device),
-                           torch.from_numpy(vals[found]).to(self.device),
-                           priority=None if priority is None else priority[fm.to(priority.device)], epoch=epoch)
+            cache.insert(torch.from_numpy(keys[found]).to(self.device),
+                         torch.from_numpy(vals[found]).to(self.device),
+                         priority=None if priority is None else priority[fm.to(priority.device)], epoch=epoch)
         finally:
             self.update_lock.release_read()
 

@@ -83,6 +83,24 @@ def test_key_statistics_bounded_and_hottest_first(tmp_path: Path) -> None:
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_aged_or_trimmed_statistics_do_not_overstate_hit_rates() -> None:
+    """Key 1 is half the occurrences. Halving drops the keys seen once (their counts reach
+    0) and trimming drops the coldest, but their mass stays in the curve's denominator: one
+    cached row still hits half of the lookups, not all of them."""
+    ks = KeyStatistics()
+    ks.update(np.array([1] * 8 + list(range(2, 10)), dtype=np.int64))
+    ks.halve()
+    assert ks.counts().tolist() == [4] and ks.aged_mass == 8.0 and ks.total == 16
+    curve = TableKeyStats.from_statistics(ks, num_rows=100, dim=4).curve(np.array([0, 1, 5]))
+    assert curve.tolist() == [0.0, 0.5, 0.5]
+    trimmed = KeyStatistics(max_keys=1)
+    trimmed.update(np.array([1] * 4 + [2, 3, 4, 5], dtype=np.int64))  # 5 distinct > 2 × 1: trimmed to 1
+    assert trimmed.counts().tolist() == [4]
+    assert TableKeyStats.from_statistics(trimmed, 100, 4).curve(np.array([1])).tolist() == [0.5]
+    ks.halve(2000)  # any number of halvings: the mass stays a finite float
+    assert ks.aged_mass == 0.0 and ks.counts().size == 0
+
+
 def test_bad_inputs() -> None:
     with pytest.raises(ValueError, match="budget_bytes must be > 0"):
         recommend({"a": TableKeyStats.from_zipf(10, 4, 1.0)}, 0)

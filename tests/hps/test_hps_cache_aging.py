@@ -3,7 +3,10 @@ looked-up keys, so a drift in popularity is followed; exact arithmetic, config, 
 
 from __future__ import annotations
 
+import gc
 import math
+import threading
+import weakref
 from pathlib import Path
 
 import numpy as np
@@ -79,25 +82,43 @@ def test_counters_halve_exactly_when_the_clock_reaches_the_interval() -> None:
     assert counters() == [5, 3, 1] and c.decay_epoch == 0
     c.query(_keys(1, 106, 107))  # clock 9: key 1 hit, no halving yet
     assert counters() == [6, 3, 1] and c.decay_epoch == 0
-    c.query(_keys(1))  # clock 10: the hit counts first (7), then every counter halves
-    assert counters() == [3, 1, 0] and c.decay_epoch == 1
+    c.query(_keys(1))  # clock 10: every counter halves first ([3, 1, 0]), then the hit counts
+    assert counters() == [4, 1, 0] and c.decay_epoch == 1
     # counts weigh the clock: 25 more looked-up keys cross 20 and 30 → two halvings in one query
     c.query(_keys(2, 200), counts=_keys(5, 20))
-    assert counters() == [0, 1, 0]  # key 2: (1 + 5) >> 2
+    assert counters() == [1, 5, 0]  # key 1: 4 >> 2; key 2: (1 >> 2) + 5, the query's own uses in full
     assert c.decay_epoch == 3 and c.stats.decays == 3 and c._looked_up == 35
     assert len(c) == 3  # halving never evicts; a 0 counter only makes a slot replaceable
-    # priority 1: the empty slot, then a counter of 0 (key 1 or 3); key 2 (counter 1) stays
+    # priority 1 takes the empty slot, then key 3's (counter 0); keys 1 (1) and 2 (5) stay
     assert c.insert(_keys(9, 10), torch.zeros(2, 1)) == 2
-    assert c.contains(_keys(2, 9, 10)).all() and int(c.contains(_keys(1, 3)).sum()) == 1
-    assert c.insert(_keys(11, 12), torch.zeros(2, 1)) == 1 and c.stats.overflowed == 1
+    assert c.contains(_keys(1, 2, 9, 10)).all() and not bool(c.contains(_keys(3))[0])
+    assert c.insert(_keys(11, 12), torch.zeros(2, 1)) == 0 and c.stats.overflowed == 2
 
 
 def test_a_huge_query_saturates_the_shift() -> None:
     c = _one_set(0.25)  # interval 1
     c.insert(_keys(1), torch.zeros(1, 1), priority=_keys(2**31 - 1))
     c.query(_keys(1, 5), counts=_keys(1, 10_000))
-    assert _counter(c, 1) == 0 and c.decay_epoch == 10_001
+    assert _counter(c, 1) == 1 and c.decay_epoch == 10_001  # shifted to 0, then its own hit
     assert int((c.counters == -1).sum()) == 3
+
+
+def test_a_query_longer_than_the_period_keeps_its_own_hot_hits() -> None:
+    """A 65,536-key batch against a small cache's period halves the cache many times in one
+    query; the query's own hits count after those halvings, so its hot key is not lost to the
+    cold misses inserted right after (with the halvings last it would be (1 + 10) >> 15 = 0)."""
+    c = _one_set(0.25)  # interval 1
+    c.insert(_keys(1, 2, 3, 4), torch.zeros(4, 1), priority=_keys(1, 1, 1, 1))
+    _, hit = c.query(_keys(1, 50, 51, 52, 53, 54), counts=_keys(10, 1, 1, 1, 1, 1))
+    assert hit.tolist() == [True] + [False] * 5 and c.decay_epoch == 15
+    assert [_counter(c, k) for k in (1, 2, 3, 4)] == [10, 0, 0, 0]
+    assert c.insert(_keys(50, 51, 52, 53, 54), torch.zeros(5, 1)) == 3  # the 0 counters only
+    assert bool(c.contains(_keys(1))[0]) and c.stats.overflowed == 2
+
+
+def test_an_aging_period_that_overflows_is_named() -> None:
+    with pytest.raises(ValueError, match=r"lfu_decay_keys_per_slot 1e\+300 × 8 slots is no usable aging period"):
+        EmbeddingCache(8, 1, policy="lfu", ways=8, lfu_decay_keys_per_slot=1e300)
 
 
 def test_interval_from_keys_per_slot() -> None:
@@ -240,9 +261,9 @@ def test_session_key_statistics_age_in_step_with_the_cache() -> None:
     ks = s.key_stats["t"]
     s.lookup("t", _keys(7, 7, 7))  # miss, priority 3; clock 3
     assert _counter(c, 7) == 3 and ks.count_of(np.array([7]))[0] == 3
-    s.lookup("t", _keys(7))  # hit → 4; clock 4: halved → 2
+    s.lookup("t", _keys(7))  # clock 4: halved first (3 >> 1 = 1), then the hit → 2
     assert _counter(c, 7) == 2 and c.decay_epoch == 1
-    s.lookup("t", _keys(1))  # the statistics catch up first: 7: 4 >> 1 = 2; clock 5
+    s.lookup("t", _keys(1))  # the statistics catch up: 7: 4 >> 1 = 2; clock 5
     assert ks.count_of(np.array([7, 1])).tolist() == [2, 1] == [_counter(c, 7), _counter(c, 1)]
     c.invalidate(_keys(7))  # evicted
     s.lookup("t", _keys(1, 2, 3))  # clock 8: halved (epoch 2)
@@ -252,17 +273,20 @@ def test_session_key_statistics_age_in_step_with_the_cache() -> None:
 
 
 @pytest.mark.parametrize("mode", ["sync", "async", "exact_async"])
-def test_priorities_counted_before_the_query_halves_them(mode: str) -> None:
-    """8 occurrences of a missed key cross the interval (4) twice: whether it is inserted now or
-    by the background worker later, it gets what a resident counter would hold: 8 >> 2."""
+def test_a_query_s_own_uses_count_in_full_after_its_halvings(mode: str) -> None:
+    """8 occurrences of a missed key cross the interval (4) twice: the halvings age what came
+    before, and whether the key is inserted now or by the background worker later, it gets
+    what a resident's hits would add: all 8."""
     c = _one_set(1.0)
     s = _session(c, threshold=1.0 if mode == "sync" else 0.0, exact=mode == "exact_async")
     rows = s.lookup("t", torch.full((8,), 7, dtype=torch.int64))
     s.drain()
     assert rows[:, 0].tolist() == ([-1.0] * 8 if mode == "async" else [7.0] * 8)  # async: default now
-    assert c.decay_epoch == 2 and _counter(c, 7) == 2
-    s.lookup("t", _keys(5))
-    assert s.key_stats["t"].count_of(np.array([7]))[0] == 2
+    assert c.decay_epoch == 2 and _counter(c, 7) == 8
+    s.lookup("t", _keys(5))  # clock 9: no halving
+    assert s.key_stats["t"].count_of(np.array([7]))[0] == 8
+    s.lookup("t", _keys(5, 5, 5))  # clock 12: epoch 3, the statistics follow
+    assert s.key_stats["t"].count_of(np.array([7]))[0] == 4 and _counter(c, 7) == 4
     s.close()
 
 
@@ -283,6 +307,93 @@ def test_a_swapped_in_cache_restarts_the_statistics_epoch() -> None:
     s.close()
 
 
+def test_the_first_cache_a_table_gets_does_not_halve_earlier_statistics() -> None:
+    """Statistics recorded while a table had no cache are not halved for agings the cache
+    went through before it was put in (another session's lookups)."""
+    shared = _one_set(1.0)  # interval 4
+    other = _session(shared)
+    other.lookup("t", torch.arange(24))  # epoch 6
+    s = LookupSession([SessionTable("t", 1, -1.0, 10**6, None)], _AllKeys(100), None, max_concurrent=1)
+    s.lookup("t", torch.full((40,), 7, dtype=torch.int64))
+    s.tables["t"].cache = shared
+    s.lookup("t", _keys(1))  # no halving by this lookup
+    assert s.key_stats["t"].count_of(np.array([7]))[0] == 40 and shared.decay_epoch == 6
+    s.lookup("t", _keys(1, 2, 3))  # clock 28: epoch 7, the statistics follow once
+    assert s.key_stats["t"].count_of(np.array([7]))[0] == 20
+    other.close()
+    s.close()
+
+
+def test_a_background_fill_goes_into_the_cache_its_lookup_queried() -> None:
+    """Above the hit-rate threshold a miss is filled by the worker; when the table's cache is
+    swapped before the job runs, the row and its priority (counted at the queried cache's
+    epoch) go into the queried cache, never into the new one with another cache's epoch."""
+    queried = _one_set(1000.0)  # epoch 0
+    swapped_in = _one_set(0.25)
+    swapped_in.query(torch.arange(100, 130))  # epoch 30
+    s = _session(queried, threshold=0.0)
+    gate = threading.Event()
+    s._submit(s.tables["t"], gate.wait)  # hold the worker
+    s.lookup("t", torch.full((1000,), 7, dtype=torch.int64))
+    s.tables["t"].cache = swapped_in
+    gate.set()
+    s.drain()
+    assert _counter(queried, 7) == 1000 and not bool(swapped_in.contains(_keys(7))[0])
+    s.close()
+
+
+def test_a_cache_taken_out_of_a_table_is_freed() -> None:
+    c = _one_set(0.25)
+    s = _session(c)
+    for _ in range(2):
+        s.lookup("t", _keys(1, 2))  # epoch 4
+    assert "t" in s._stats_epoch
+    ref = weakref.ref(c)
+    s.tables["t"].cache = None
+    del c
+    gc.collect()
+    assert ref() is None  # the session's aging bookkeeping holds no strong reference
+    s.lookup("t", _keys(1))  # and still works without a cache
+    s.close()
+
+
+def test_statistics_labelled_with_the_epoch_they_were_aged_to_under_a_race() -> None:
+    """Two lookups racing: one reads the cache's epoch, the other ages cache and statistics
+    further before the first takes the aging lock. The first must return the epoch the
+    statistics now match, not the older one it read (its priorities would be over-halved)."""
+
+    class Paused(EmbeddingCache):
+        pause: tuple[threading.Event, threading.Event] | None = None
+
+        @property
+        def decay_epoch(self) -> int:
+            if Paused.pause is not None and threading.current_thread().name == "racer":
+                (read, go), Paused.pause = Paused.pause, None
+                read.set()
+                go.wait(5)
+            return self.__dict__.get("_epoch", 0)
+
+        @decay_epoch.setter
+        def decay_epoch(self, v: int) -> None:
+            self.__dict__["_epoch"] = v
+
+    c = Paused(4, 1, policy="lfu", ways=4, lfu_decay_keys_per_slot=1.0)  # interval 4
+    s = LookupSession([SessionTable("t", 1, -1.0, 10**6, c)], _AllKeys(100), None,
+                      hit_rate_threshold=1.0, max_concurrent=2)
+    s.lookup("t", _keys(9, 9, 9, 9))  # epoch 1
+    read, go = threading.Event(), threading.Event()
+    Paused.pause = (read, go)
+    got: dict[str, int] = {}
+    racer = threading.Thread(target=lambda: got.update(e=s._age_key_stats(s.tables["t"], c)), name="racer")
+    racer.start()
+    assert read.wait(5)
+    s.lookup("t", _keys(60, 61, 62, 63))  # epoch 2, statistics aged to it
+    go.set()
+    racer.join(5)
+    assert got["e"] == s._stats_epoch["t"][1] == c.decay_epoch == 2
+    s.close()
+
+
 def test_online_update_keeps_counters(tmp_path: Path) -> None:
     from hps.updates import FileLogSource, UpdateApplier
     from hps.volatile import HashMapBackend
@@ -296,7 +407,7 @@ def test_online_update_keeps_counters(tmp_path: Path) -> None:
     ap = UpdateApplier(FileLogSource(tmp_path / "none.log"), [s], vdb, None, offset_file=tmp_path / "off")
     ap.apply({"t": (np.array([3], np.int64), np.full((1, 1), 5.0, np.float32))}, "1")
     assert _counter(c, 3) == 3 and c._looked_up == 3
-    assert s.lookup("t", _keys(3)).tolist() == [[5.0]] and _counter(c, 3) == 2  # 3 + 1 = 4 → halved
+    assert s.lookup("t", _keys(3)).tolist() == [[5.0]] and _counter(c, 3) == 2  # 3 >> 1, then + 1
     s.close()
 
 

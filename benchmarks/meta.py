@@ -47,6 +47,21 @@ def git_sha() -> str:
         return "unknown"
 
 
+def git_changed(cwd: str | Path | None = None) -> list[str] | None:
+    """Tracked files that differ from HEAD, besides ``benchmarks/results/`` (whose JSON a run
+    rewrites): a non-empty list means the figures are of uncommitted code, which ``git_sha``
+    alone would mislabel. ``None`` outside a git checkout."""
+    try:
+        out = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=cwd or REPO_ROOT, capture_output=True, text=True, check=True,
+        )
+    except (OSError, subprocess.CalledProcessError):
+        return None
+    paths = [line[3:].split(" -> ")[-1] for line in out.stdout.splitlines() if len(line) > 3]
+    return sorted(p for p in paths if not p.startswith("benchmarks/results/"))
+
+
 def machine() -> dict[str, Any]:
     """Machine and library facts for a benchmark row."""
     cpu = platform.processor() or platform.machine()
@@ -63,6 +78,7 @@ def machine() -> dict[str, Any]:
         load = float("nan")
     return {
         "git_sha": git_sha(),
+        "git_changed": git_changed(),
         "date": _dt.datetime.now(_dt.UTC).isoformat(timespec="seconds"),
         "cpu": cpu,
         "cores": os.cpu_count(),

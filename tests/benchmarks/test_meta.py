@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import subprocess
 
 from benchmarks import meta
 
@@ -18,3 +19,22 @@ def test_write_json_scrubs_absolute_paths(tmp_path):
     assert doc["args"] == {"out": "benchmarks/results/x.json", "name": "plain", "paths": ["c.txt", "relative/p"]}
     assert doc["rows"] == [{"file": "data.bin", "n": 3}]
     assert str(tmp_path) not in out.read_text()
+
+
+def test_git_changed_names_uncommitted_code_but_not_results(tmp_path):
+    def git(*args: str) -> None:
+        subprocess.run(["git", *args], cwd=tmp_path, check=True, capture_output=True)
+
+    git("init", "-q")
+    (tmp_path / "benchmarks" / "results").mkdir(parents=True)
+    (tmp_path / "code.py").write_text("a = 1\n")
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text("{}")
+    git("add", ".")
+    git("-c", "user.name=t", "-c", "user.email=t@t", "commit", "-qm", "init")
+    assert meta.git_changed(tmp_path) == []
+    (tmp_path / "code.py").write_text("a = 2\n")
+    (tmp_path / "benchmarks" / "results" / "r.json").write_text('{"new": 1}')
+    (tmp_path / "untracked.py").write_text("")
+    assert meta.git_changed(tmp_path) == ["code.py"]
+    assert meta.git_changed(tmp_path / "nowhere") is None
+    assert "git_changed" in meta.machine()

@@ -1,12 +1,12 @@
-"""Build and load the fast CPU kernel (``tilesparse/csrc/``: ``tw_linear_cpu.cpp`` fp32, ``tw_microkernel_avx2.h`` its AVX2 micro-kernel, ``tw_linear_lowp.cpp`` bf16/fp16/fp64, ``tw_linear_amx.cpp`` bf16 on AMX, ``tw_common.h``).
+"""Build and load the fast CPU kernel (``tilesparse/csrc/``: ``tw_linear_cpu.cpp`` fp32, ``tw_microkernel_avx2.h`` its AVX2 micro-kernel, ``tw_linear_lowp.cpp`` bf16/fp16/fp64, ``tw_linear_amx.cpp`` bf16 on AMX, ``tw_linear_bf16.cpp`` bf16 on AVX512-BF16, ``tw_common.h`` / ``tw_bf16_common.h``).
 
 The extension is compiled with the machine's C++ compiler through
 ``torch.utils.cpp_extension`` (ninja), with ``-O3 -march=native``, into a cache folder::
 
     $XDG_CACHE_HOME/tilerec/tilesparse_cpu/<torch version>-<source hash>/   (default ~/.cache)
 
-so a rebuild happens only when the source, the torch version or the machine's compiler
-flags change. ``make install`` runs ``python -m tilesparse.build_ext`` once; at runtime
+so a rebuild happens only when the source, the torch version, the compiler flags or the CPU
+(its feature flags: :func:`cpu_identity`) change. ``make install`` runs ``python -m tilesparse.build_ext`` once; at runtime
 :func:`load_extension` loads the cached build (building it first if it is missing) and
 returns ``None`` after logging ONE warning when it cannot, in which case
 :mod:`tilesparse.ops` uses the reference path.
@@ -21,13 +21,14 @@ import functools
 import hashlib
 import logging
 import os
+import platform
 import sys
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
-__all__ = ["build_dir", "build_extension", "load_extension", "main"]
+__all__ = ["build_dir", "build_extension", "cpu_identity", "load_extension", "main"]
 
 log = logging.getLogger(__name__)
 
@@ -44,8 +45,23 @@ CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 DISABLE_ENV = "TILESPARSE_DISABLE_EXT"
 
 
+def cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's feature flags (``/proc/cpuinfo``), else
+    the platform's processor name. Part of the build hash, so a cache folder shared between
+    machines (a home directory on NFS, a copied cache) never hands one CPU a build that uses
+    instructions it lacks (SIGILL) or that leaves out kernels it has."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):  # x86 / arm64
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.machine() + " " + platform.processor()
+
+
 def build_dir() -> Path:
-    """The cache folder of this source × checkout × torch version × flags."""
+    """The cache folder of this source × checkout × torch version × flags × CPU."""
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     h = hashlib.sha256()
     for f in (*SOURCES, *HEADERS):
@@ -54,6 +70,7 @@ def build_dir() -> Path:
     # each other's build on every load
     h.update(str(CSRC).encode())
     h.update(" ".join(CFLAGS).encode())
+    h.update(cpu_identity().encode())
     return base / "tilerec" / EXT_NAME / f"{torch.__version__}-{h.hexdigest()[:12]}"
 
 

@@ -21,10 +21,14 @@ where the CPU has it, else AVX2 + FMA (6 × 16), else scalar C (``ext.simd()`` s
 bf16 on a CPU with AMX: the tile's kept rows are interleaved into VNNI pairs and multiplied on
 the AMX tile unit (fp32 accumulation). bf16 on a CPU with AVX512-BF16 and no AMX (AMD Zen 4/5,
 Intel Cooper Lake): the same pairs, multiplied by ``VDPBF16PS`` in a 6-column × 64-row
-register-blocked micro-kernel (``TILESPARSE_DISABLE_AVX512BF16=1`` turns it off). bf16/fp16 on
+register-blocked micro-kernel (``TILESPARSE_DISABLE_AVX512BF16=1`` turns it off). Both flush
+subnormal inputs, products and results to zero (the instructions do; so does oneDNN's bf16
+GEMM there); the other routes keep them. bf16/fp16 on
 a CPU without native 16-bit GEMM instructions (no AVX512-BF16 / AVX512-FP16, e.g. AVX2-only
 machines; ``ext.lowp_via_fp32``, forced by ``TILESPARSE_LOWP_FP32``): widened to fp32, run on
-the fp32 kernel, rounded back. Otherwise fp16, and fp64 always: ``at::mm`` on gathered panels.
+the fp32 kernel, rounded back. Otherwise (fp16; bf16 with those kernels off or not built) and
+fp64 always: ``at::mm`` on gathered panels (``addmm`` with the bias: every route rounds
+product + bias once).
 ``ext.bf16_kernel()`` names the kernel a bf16 call takes.
 
 Every real implementation starts with :func:`check_op_inputs`: a layout whose offsets or

@@ -232,6 +232,15 @@ def test_fallback_without_extension_warns_once(monkeypatch, caplog):
         build_ext.load_extension.cache_clear()
 
 
+def test_the_build_cache_is_per_cpu(monkeypatch):
+    """Two CPUs never share a -march=native build: the folder changes with the feature flags."""
+    here = build_ext.build_dir()
+    assert build_ext.cpu_identity() and here == build_ext.build_dir()
+    monkeypatch.setattr(build_ext, "cpu_identity", lambda: "fpu sse2 avx2")
+    other = build_ext.build_dir()
+    assert other != here and other.parent == here.parent
+
+
 def test_bad_inputs_raise_clear_errors(ext):
     gen = torch.Generator().manual_seed(9)
     layout = condense(torch.randn(20, 12, generator=gen), tw_random_mask(20, 12, 4, 0.5, gen), 4)
@@ -449,3 +458,27 @@ def test_16bit_through_the_fp32_kernel_and_through_mm(ext, cpu_flags, dtype, mon
         assert got.dtype == dtype and torch.equal(got, want), env
     with pytest.raises(RuntimeError, match="'bfloat16' or 'float16'"):
         ext.lowp_via_fp32("float32")
+
+
+@pytest.mark.parametrize("route", ["default", "fp32", "mm"])
+@pytest.mark.parametrize(("dtype", "big"), [(torch.bfloat16, 256.0), (torch.float16, 2048.0)])
+def test_every_16bit_route_rounds_product_plus_bias_once(ext, monkeypatch, route, dtype, big):
+    """Column 0 sums big + 1, plus bias 1: the exact big + 2 is representable (the type steps
+    by 2 there); rounding the product first gives big + 1 -> big (a tie, nearest even), then
+    + 1 -> big again. Every route (the default kernel, the fp32 route, at::mm on panels) must
+    round once, also in a tile with every row pruned (its columns are the bias) and when
+    every column is kept (no pre-filled output)."""
+    monkeypatch.setenv("TILESPARSE_LOWP_FP32", {"default": "", "fp32": "1", "mm": "0"}[route])
+    monkeypatch.setenv("TILESPARSE_DISABLE_AVX512BF16", "1" if route != "default" else "0")
+    if dtype == torch.bfloat16 and not ext.has_amx():
+        assert ext.bf16_kernel() == {"default": ext.bf16_kernel(), "fp32": "fp32", "mm": "mm"}[route]
+    w = torch.tensor([[big, big, 5.0], [1.0, 3.0, 7.0]])
+    x = torch.ones(3, 2, dtype=dtype)
+    for mask, bias, want in (
+        (torch.tensor([[True, True, False], [True, True, False]]), [1.0, 0.0, -4.0], [big + 2, big + 4, -4.0]),
+        (torch.ones(2, 3, dtype=torch.bool), [1.0, 0.0, 1.0], [big + 2, big + 4, 13.0]),
+    ):
+        lay = condense(w, mask, 2)
+        lay.values = lay.values.to(dtype)
+        got = ops.tw_linear(x, lay, torch.tensor(bias, dtype=dtype), "cpu")
+        assert got.dtype == dtype and got.float().tolist() == [want] * 3, (route, got)

@@ -117,6 +117,19 @@ def test_rounds_once_to_nearest_even(bf16dot):
     assert torch.equal(got.float(), torch.tensor([[258.0, 260.0]] * 3))
 
 
+def test_subnormals_are_flushed_to_zero_as_documented(bf16dot):
+    """VDPBF16PS flushes subnormal products and VCVTNE2PS2BF16 subnormal results (ops.py's
+    docstring says so): column 0's only product is 2**-60 · 2**-70 = 2**-130 (the smallest
+    normal is 2**-126), column 1 is pruned and holds a subnormal bias; both come out 0, where
+    the reference keeps them, and the normal column 2 next to them is exact."""
+    w = torch.tensor([[2.0 ** -70, 0.0, 0.0], [0.0, 0.0, 4.0]])
+    lay = condense(w, torch.tensor([[True, False, True], [True, False, True]]), 1)
+    x = torch.tensor([[2.0 ** -60, 1.0]] * 2)
+    bias = torch.tensor([0.0, 2.0 ** -130, 1.0])
+    assert bool((exact_reference(x, lay, bias)[:, :2] != 0).all())
+    assert run_kernel(bf16dot, x, lay, bias).float().tolist() == [[0.0, 0.0, 5.0]] * 2
+
+
 @pytest.mark.parametrize("M, K, N", [(0, 5, 7), (4, 0, 7), (4, 5, 0)])
 def test_empty_dimensions(bf16dot, M, K, N):
     gen = torch.Generator().manual_seed(0)
@@ -201,6 +214,7 @@ CROSS_BUILDS = [
     ("tw_linear_bf16.cpp", "cooperlake", "TILESPARSE_BF16_BLOCK", lambda ext, flags: "avx512_bf16" in flags),
     ("tw_linear_cpu.cpp", "znver3", "TILESPARSE_AVX2", lambda ext, flags: ext.simd() == "avx2"),
     ("tw_linear_bf16.cpp", "x86-64", None, lambda ext, flags: "avx512_bf16" not in flags),
+    ("tw_linear_cpu.cpp", "x86-64", None, lambda ext, flags: ext.simd() == "scalar"),
 ]
 
 

@@ -7,8 +7,8 @@
 //      kept row of a tile is BM contiguous bf16 values;
 //   2. the tile products land as fp32 columns of Y in an n-major staging block
 //      ystage[N][BM] (columns no tile writes hold zeros);
-//   3. store_block_bf16: bias added, rounded to bf16 (nearest even), transposed back into the
-//      rows of Y.
+//   3. store_block_bf16: bias added, rounded to bf16 (nearest even; a subnormal result is
+//      flushed to zero by VCVTNE2PS2BF16), transposed back into the rows of Y.
 // Only compiled where the compiler targets AVX512-BF16 (and so AVX512-BW).
 #pragma once
 

@@ -27,9 +27,12 @@
 // back into Y's rows with the bias (tw_bf16_common.h, shared with the AMX kernel).
 //
 // Work item = one block of BM = 64 rows of Y and all tiles (one thread owns every column of
-// its rows); the block of X is transposed to K-major once per item. With fewer blocks than
-// threads (small batches) a block's strips are split between threads instead, each of which
-// transposes the block for itself (see below).
+// its rows); the block of X is transposed to K-major once per item. With at least twice as
+// many threads as blocks (small batches) a block's strips are split between floor(threads /
+// blocks) threads instead, each of which transposes the block for itself (see below).
+//
+// Subnormals: VDPBF16PS flushes subnormal inputs and products to zero and VCVTNE2PS2BF16
+// subnormal results (as oneDNN's bf16 GEMM on these CPUs); the fp32 route keeps them.
 #include "tw_bf16_common.h"
 
 namespace tilesparse_cpu {
@@ -99,10 +102,11 @@ void pack_x(const uint16_t* xblk, const int64_t* rows, int64_t R, uint16_t* dst)
   }
 }
 
-// dst[i][0 : 16·MV] = Σ_q w[q][i] · x[q][0 : 16·MV] for the NS columns of one strip (w: its
-// np × NS words, x: np × BM pairs); dst[i] is the column's staging row.
 // wpack lives in a scratch buffer that also holds the fp32 kernel's floats
 typedef uint32_t __attribute__((__may_alias__)) word_alias;
+
+// dst[i][0 : 16·MV] = Σ_q w[q][i] · x[q][0 : 16·MV] for the NS columns of one strip (w: its
+// np × NS words, x: np × BM pairs); dst[i] is the column's staging row.
 
 template <int MV>
 void strip_kernel(int64_t np, const word_alias* w, const uint16_t* x, float* const* dst) {
@@ -205,7 +209,8 @@ at::Tensor tw_linear_bf16(const at::Tensor& x, const at::Tensor& col_idx, const 
     }
   }
   const int64_t strips = static_cast<int64_t>(calls.size());
-  // Fewer blocks than threads (a small batch): a block's calls are cut into `nchunk` chunks of
+  // At least twice as many threads as blocks (a small batch; 3 threads on 2 blocks leave one
+  // idle, as before this split): a block's calls are cut into `nchunk` chunks of
   // about equal work that threads run side by side, each into its columns of one staging block
   // per M block shared by all; the stores into Y follow in a second parallel pass over
   // 32-column groups. Otherwise one thread runs a whole block and stores it at once.

@@ -32,12 +32,13 @@ at::Tensor tw_linear_mm(const at::Tensor& x, const at::Tensor& col_idx, const at
                         const at::Tensor& values, const at::Tensor& val_ptr,
                         const c10::optional<at::Tensor>& bias, int64_t N) {
   const Plan p = make_plan(x, col_idx, tile_ptr, row_idx, row_ptr, val_ptr, N);
-  at::Tensor y = init_output(p, x, bias, false);
-  if (p.M == 0 || p.T == 0) {
-    if (bias.has_value() && p.all_cols_kept == false) y.add_(*bias);
-    return y;
-  }
+  // The bias goes into the GEMM (addmm): one rounding of product + bias, as every other route
+  // (mm, then + bias in bf16, rounded twice: 257 + 1 gave 256 instead of 258). Pruned columns
+  // hold the bias from init_output, unless every column is kept.
+  at::Tensor y = init_output(p, x, bias, /*bias_fused=*/true);
+  if (p.M == 0 || p.T == 0) return y;
   at::Tensor vals = values.to(x.scalar_type()).contiguous();
+  const at::Tensor bx = bias.has_value() ? bias->to(x.scalar_type()).contiguous() : at::Tensor();
   at::Tensor xt = x.t().contiguous();
   if (x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf) {
     xt = at::empty({p.K, p.M}, x.options());
@@ -57,8 +58,11 @@ at::Tensor tw_linear_mm(const at::Tensor& x, const at::Tensor& col_idx, const at
       const int64_t R = pp->row_ptr[t + 1] - pp->row_ptr[t];
       at::Tensor ysub = y.narrow(0, m0, mcur);
       at::Tensor cols = col_idx.narrow(0, c0, width);
-      if (R == 0) {
-        ysub.index_fill_(1, cols, 0);
+      if (R == 0) {  // every row of the tile pruned: its columns are the bias (or 0)
+        if (bx.defined())
+          ysub.index_copy_(1, cols, bx.index_select(0, cols).unsqueeze(0).expand({mcur, width}).contiguous());
+        else
+          ysub.index_fill_(1, cols, 0);
         continue;
       }
       const int64_t* rows = pp->row_idx + pp->row_ptr[t];
@@ -67,7 +71,7 @@ at::Tensor tw_linear_mm(const at::Tensor& x, const at::Tensor& col_idx, const at
       for (int64_t k = 0; k < R; ++k)
         std::memcpy(ad + k * mcur * esz, XT + (rows[k] * pp->M + m0) * esz, esz * mcur);
       at::Tensor bt = vals.narrow(0, pp->val_ptr[t], R * width).view({R, width});
-      at::Tensor c = at::mm(a.t(), bt);
+      at::Tensor c = bx.defined() ? at::addmm(bx.index_select(0, cols), a.t(), bt) : at::mm(a.t(), bt);
       const int64_t* cp = pp->col_idx + c0;
       if (cp[width - 1] - cp[0] == width - 1)
         ysub.narrow(1, cp[0], width).copy_(c);
@@ -75,7 +79,6 @@ at::Tensor tw_linear_mm(const at::Tensor& x, const at::Tensor& col_idx, const at
         ysub.index_copy_(1, cols, c);
     }
   });
-  if (bias.has_value()) y.add_(bias->to(x.scalar_type()));
   return y;
 }
 

@@ -104,6 +104,18 @@ CUTE_HOST_DEVICE auto make_row_gather_tensor(Element const *ptr, int n, int k, i
   return make_tensor(make_gmem_ptr(ptr), ComposedLayout{gather, offset, coords});
 }
 
+// Whether accumulators i and i + 1 of a thread's C partition (coordinates `coords`, tile-local
+// (m, n)) are (m, n) and (m, n + 1) with n even: the epilogue then stores them as one 32-bit
+// pair (n is the batch, contiguous in Y^T; the CTA's batch offset is a multiple of the tile).
+// wgmma's accumulator layout pairs every even i so (checked on the CPU by
+// tw_sm90_address_check.cu); any other layout falls back to 16-bit stores.
+template <class Coords>
+CUTE_HOST_DEVICE bool accum_pair(Coords const &coords, int i) {
+  using cute::get;
+  return i + 1 < int(cute::size(coords)) && get<0>(coords(i + 1)) == get<0>(coords(i)) &&
+         get<1>(coords(i + 1)) == get<1>(coords(i)) + 1 && get<1>(coords(i)) % 2 == 0;
+}
+
 template <typename Element_, typename ElementAccumulator_, int TileM, int TileN, int TileK,
           int Stages>
 struct TwGemmSm90Traits {
@@ -212,8 +224,7 @@ struct TwGemmSm90Kernel {
     int const *scatter = args.col_idx + col_off;
     cutlass::NumericConverter<Element, ElementAccumulator> to_out;
     cutlass::NumericConverter<ElementAccumulator, Element> to_acc;
-    CUTLASS_PRAGMA_UNROLL
-    for (int i = 0; i < size(accum); ++i) {
+    auto store_one = [&](int i) {
       int const m = get<0>(coords(i));
       int const n = n_offset + get<1>(coords(i));
       if (m < ncols && n < args.batch) {
@@ -223,6 +234,29 @@ struct TwGemmSm90Kernel {
           v += args.beta * to_acc(*dst);
         }
         *dst = to_out(v);
+      }
+    };
+    // Pairs (m, n), (m, n + 1) go out as one 32-bit store: half the store instructions and twice
+    // the bytes per touched sector. ldy is a multiple of the alignment (checked at launch) and
+    // n is even, so the pair is 4-byte aligned when Y^T's base is.
+    using Pair = cutlass::AlignedArray<Element, 2>;
+    bool const paired = args.beta == 0.f && (reinterpret_cast<uintptr_t>(ptr_y) % sizeof(Pair)) == 0;
+    CUTLASS_PRAGMA_UNROLL
+    for (int i = 0; i < size(accum); i += 2) {
+      int const m = get<0>(coords(i));
+      int const n = n_offset + get<1>(coords(i));
+      if (paired && accum_pair(coords, i) && n + 1 < args.batch) {
+        if (m < ncols) {
+          Pair v;
+          v[0] = to_out(args.alpha * accum(i));
+          v[1] = to_out(args.alpha * accum(i + 1));
+          *reinterpret_cast<Pair *>(ptr_y + int64_t(scatter[m]) * args.ldy + n) = v;
+        }
+      } else {
+        store_one(i);
+        if (i + 1 < size(accum)) {
+          store_one(i + 1);
+        }
       }
     }
   }

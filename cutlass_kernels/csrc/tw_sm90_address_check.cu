@@ -7,7 +7,8 @@
 // does (residue shift, n and k predicates), and checks every address a cp.async would read:
 //   element (n, k) of the tile  ->  xt + row_idx[k] * ldx + n            (k, n global)
 // and that the predicated copies cover each in-range element exactly once. It also checks that
-// the consumer's accumulator partition covers the CTA tile once (the epilogue's coordinates).
+// the consumer's accumulator partition covers the CTA tile once (the epilogue's coordinates), in
+// (m, n), (m, n + 1) pairs with n even (the epilogue's 32-bit stores).
 // Exit status 0 when all hold; the last line says how many addresses were checked.
 // Built and run by tests/cutlass_kernels/test_cutlass_sm90_layout.py.
 #include <cstdio>
@@ -92,7 +93,8 @@ struct Check {
         if (seen[size_t(kg) * BN + bn] != 1) fail("coverage", kg, bn, seen[size_t(kg) * BN + bn], nb);
   }
 
-  // The consumer warp group's accumulators: every (m, n) of the CTA tile exactly once.
+  // The consumer warp group's accumulators: every (m, n) of the CTA tile exactly once, and every
+  // even i pairs with i + 1 as (m, n), (m, n + 1), n even (the epilogue's 32-bit stores).
   static void check_c() {
     using namespace cute;
     typename Kernel::TiledMma mma;
@@ -100,6 +102,11 @@ struct Check {
     for (int t = 0; t < Kernel::kWarpGroupThreads; ++t) {
       auto coords = mma.get_thread_slice(t).partition_C(make_identity_tensor(take<0, 2>(TileShape{})));
       for (int i = 0; i < size(coords); ++i) ++seen[get<0>(coords(i)) * Kernel::kTileN + get<1>(coords(i))];
+      if (size(coords) % 2 != 0) fail("odd accumulator count", t, int(size(coords)), 0, 0);
+      for (int i = 0; i < size(coords); i += 2) {
+        if (!tilerec::sm90::accum_pair(coords, i)) fail("unpaired accumulators", t, i, get<0>(coords(i)), get<1>(coords(i)));
+        ++g_checked;
+      }
     }
     for (int i = 0; i < int(seen.size()); ++i)
       if (seen[i] != 1) fail("accumulator coverage", i / Kernel::kTileN, i % Kernel::kTileN, seen[i], 0);

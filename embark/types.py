@@ -288,6 +288,8 @@ class TableSharding:
     comm_dtype: CommDtype = CommDtype.FP32
 
     def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise PlanError(f"a table's name must be a non-empty string, got {self.name!r}")
         object.__setattr__(
             self, "sharding_type", _enum(ShardingType, self.sharding_type, f"table {self.name!r}: sharding_type")
         )
@@ -538,14 +540,27 @@ class ShardingPlan:
         fmt = d.get("format", PLAN_FORMAT)
         if fmt != PLAN_FORMAT:
             raise PlanError(f"unknown plan format {fmt!r}; expected {PLAN_FORMAT!r}")
+        allowed = {"format", "world_size", "gpus_per_node", "tables", "topology"}
+        unknown = sorted(set(d) - allowed)
+        if unknown:
+            raise PlanError(f"sharding plan: unknown field(s) {unknown}; allowed {sorted(allowed)}")
         for f in ("world_size", "gpus_per_node", "tables"):
             if f not in d:
                 raise PlanError(f"sharding plan: missing field {f!r}")
+        tables = d["tables"]
+        if not isinstance(tables, list):
+            raise PlanError(f"sharding plan: tables must be a list of table entries, got {tables!r:.80}")
+        for i, t in enumerate(tables):
+            if not isinstance(t, dict):
+                raise PlanError(f"sharding plan: tables[{i}] must be a mapping, got {t!r:.80}")
+        topology = d.get("topology", "")
+        if not isinstance(topology, str):
+            raise PlanError(f"sharding plan: topology must be a string, got {topology!r:.80}")
         return cls(
             world_size=d["world_size"],
             gpus_per_node=d["gpus_per_node"],
-            tables=tuple(TableSharding.from_dict(t) for t in d["tables"]),
-            topology=d.get("topology", ""),
+            tables=tuple(TableSharding.from_dict(t) for t in tables),
+            topology=topology,
         )
 
     def to_json(self) -> str:

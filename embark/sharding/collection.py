@@ -34,8 +34,9 @@ cluster REDUCTION; rank 0's bags are sample 0 = [1, 5], sample 1 = [5, 5, 7]::
                         from 1  (2, 2) = [W[1]+W[5],  2 W[5] + W[7]          ][:, 2:4]
     output on rank 0:   (2, 4) = [ from0 + from1 (cols 0:2) | from1' (cols 2:4) ]
 
-Gradients: the exchanges are differentiable (backward is the reverse exchange, also in the
-wire dtype), so a shard's gradient is the sum of what every rank's loss sends it. DP
+Gradients: the exchanges are differentiable (backward is the reverse exchange, in the wire
+dtype, except that fp16 payloads send their gradients as bf16: ``comm.grad_wire``; a loss
+divided by the global batch puts them below fp16's normal range), so a shard's gradient is the sum of what every rank's loss sends it. DP
 replicas get the same by a SUM all-reduce: every embedding parameter then holds the gradient
 of ``Σ_ranks loss_rank``, which is single-process training on the global batch when each
 rank's loss is its share of the global loss (e.g. per-sample losses summed and divided by
@@ -65,6 +66,7 @@ from embark.sharding.comm import (
     exchange_ints_async,
     exchange_vectors,
     from_int_bytes,
+    grad_wire,
     int_bytes,
     tie,
 )
@@ -560,8 +562,9 @@ class ShardedEmbeddingCollection(nn.Module):
     # ------------------------------------------------------------ DP gradients
     @torch.no_grad()
     def reduce_dp_gradients(self) -> None:
-        """Sum the gradients of the DP replicas over the ranks, in their wire dtype (a
-        collective; call after ``backward`` and before the optimizer step). A replica with no
+        """Sum the gradients of the DP replicas over the ranks, in their wire dtype's gradient
+        wire (``comm.grad_wire``: bf16 for fp16; a collective; call after ``backward`` and
+        before the optimizer step). A replica with no
         gradient counts as zero and gets one."""
         dp = self.layout.dp_tables
         for wire in CommDtype:
@@ -571,7 +574,7 @@ class ShardedEmbeddingCollection(nn.Module):
             params = [self.weights[n] for n in names]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = all_reduce_sum(
-                torch.cat([g.reshape(-1) for g in grads]), self.process_group, wire=wire,
+                torch.cat([g.reshape(-1) for g in grads]), self.process_group, wire=grad_wire(wire),
                 stats=self.stats,
             )
             for p, piece in zip(params, flat.split([p.numel() for p in params])):

@@ -184,3 +184,23 @@ def test_plan_json_round_trip(plan):
     back = ShardingPlan.from_json(text)
     assert back == plan
     assert json.loads(back.to_json()) == json.loads(text)
+
+
+_GOOD_PLAN = {"format": "embark.sharding_plan/1", "world_size": 2, "gpus_per_node": 2, "tables": [
+    {"name": "t0", "num_rows": 8, "dim": 4, "sharding_type": "table_wise", "cluster": "reduction",
+     "shards": [{"rank": 0, "row_start": 0, "row_end": 8, "col_start": 0, "col_end": 4}]}]}
+
+
+@pytest.mark.parametrize(("change", "match"), [
+    ({"tables": {"t0": {}}}, r"tables must be a list of table entries, got \{'t0'"),
+    ({"tables": ["t0"]}, r"tables\[0\] must be a mapping, got 't0'"),
+    ({"tables": None}, "tables must be a list of table entries, got None"),
+    ({"tables": [{**_GOOD_PLAN["tables"][0], "name": 5}]}, "a table's name must be a non-empty string, got 5"),
+    ({"tables": [{**_GOOD_PLAN["tables"][0], "name": ""}]}, "a table's name must be a non-empty string, got ''"),
+    ({"topology": [1]}, r"topology must be a string, got \[1\]"),
+    ({"topolgy": "dgx"}, r"unknown field\(s\) \['topolgy'\]"),
+])
+def test_malformed_plan_documents_name_the_bad_value(change, match) -> None:
+    assert ShardingPlan.from_dict(_GOOD_PLAN).tables[0].name == "t0"
+    with pytest.raises(PlanError, match=match):
+        ShardingPlan.from_json(json.dumps(_GOOD_PLAN | change))

@@ -12,7 +12,8 @@ Example (every field shown; the ones marked *ours* are not in HugeCTR)::
       "persistent_db": {"type": "rocks_db", "path": "pdb", "read_only": false,
                         "max_batch_size": 65536},
       "update_source": {"type": "file_log", "path": "updates.log",            (ours)
-                        "stream": "hps_updates", "poll_interval_s": 0.5},
+                        "stream": "hps_updates", "poll_interval_s": 0.5,
+                        "address": "", "state_path": ""},
       "models": [{
         "model": "dlrm", "max_batch_size": 1024,
         "sparse_files": ["sparse/t0", "sparse/t1"],
@@ -121,11 +122,27 @@ class VolatileDBConfig:
 
     def addresses(self) -> list[tuple[str, int]]:
         """``address`` ("h:p,h:p") parsed into ``[(host, port), ...]``."""
-        out = []
-        for part in filter(None, (p.strip() for p in self.address.split(","))):
-            host, _, port = part.rpartition(":")
-            out.append((host, int(port)))
-        return out
+        return parse_addresses(self.address)
+
+
+def parse_addresses(address: str) -> list[tuple[str, int]]:
+    """``"host:port[,host:port...]"`` → ``[(host, port), ...]`` (``ValueError`` for a port
+    that is not an integer)."""
+    out = []
+    for part in filter(None, (p.strip() for p in address.split(","))):
+        host, _, port = part.rpartition(":")
+        out.append((host, int(port)))
+    return out
+
+
+def _check_address(address: str, where: str, what: str) -> None:
+    """``address`` must be ``host:port[,host:port...]`` with ports in 1..65535."""
+    try:
+        addrs = parse_addresses(address)
+    except ValueError:
+        addrs = []
+    _check(bool(addrs) and all(h and 0 < p < 65536 for h, p in addrs), where, "address", address,
+           f"'host:port[,host:port...]' with ports in 1..65535 for {what}")
 
 
 @dataclass(frozen=True)
@@ -355,12 +372,7 @@ def _parse_vdb(d: dict[str, Any]) -> VolatileDBConfig:
     _check(cfg.retry_interval_s >= 0, w, "retry_interval_s", cfg.retry_interval_s, ">= 0")
     _check(cfg.socket_timeout_s > 0, w, "socket_timeout_s", cfg.socket_timeout_s, "> 0")
     if typ is VolatileDBType.REDIS_CLUSTER:
-        try:
-            addrs = cfg.addresses()
-        except ValueError:
-            addrs = []
-        _check(bool(addrs) and all(h and 0 < p < 65536 for h, p in addrs), w, "address",
-               cfg.address, "'host:port[,host:port...]' for a redis_cluster")
+        _check_address(cfg.address, w, "a redis_cluster")
     return cfg
 
 
@@ -379,7 +391,8 @@ def _parse_pdb(d: dict[str, Any], base: Path | None) -> PersistentDBConfig:
     return cfg
 
 
-def _parse_updates(d: dict[str, Any], base: Path | None, vdb: VolatileDBConfig) -> UpdateSourceConfig:
+def _parse_updates(d: dict[str, Any], base: Path | None, vdb: VolatileDBConfig,
+                   pdb: PersistentDBConfig) -> UpdateSourceConfig:
     w = "update_source"
     _no_unknown(d, set(UpdateSourceConfig.__dataclass_fields__), w)
     typ = _enum(d, "type", w, UpdateSourceType, UpdateSourceType.NONE)
@@ -393,9 +406,17 @@ def _parse_updates(d: dict[str, Any], base: Path | None, vdb: VolatileDBConfig) 
     if typ is UpdateSourceType.FILE_LOG:
         _check(bool(cfg.path), w, "path", cfg.path, "the update log file for a file_log source")
     if typ is UpdateSourceType.REDIS_STREAM:
-        _check(bool(cfg.address or vdb.address), w, "address", cfg.address,
-               "a redis address (or a redis_cluster volatile_db.address)")
+        if cfg.address:
+            _check_address(cfg.address, w, "a redis_stream source")
+        elif vdb.address:  # the volatile db's redis is the stream's
+            _check_address(vdb.address, "volatile_db", "the redis_stream source (update_source.address is empty)")
+        else:
+            _check(False, w, "address", cfg.address, "a redis address (or a redis_cluster volatile_db.address)")
         _check(bool(cfg.stream), w, "stream", cfg.stream, "a non-empty stream name")
+        writable_pdb = pdb.type is PersistentDBType.ROCKS_DB and not pdb.read_only
+        _check(bool(cfg.state_path) or writable_pdb, w, "state_path", cfg.state_path,
+               "a file for the last applied stream entry id: a redis_stream source needs one "
+               "unless persistent_db is a writable rocks_db (which then stores it)")
     return cfg
 
 
@@ -420,7 +441,7 @@ def parse_config(doc: Any, base_dir: str | Path | None = None) -> PSConfig:
         raise ValueError(f"ps.json.models: duplicate model names {names}")
     vdb = _parse_vdb(_obj(doc, "volatile_db", "ps.json"))
     pdb = _parse_pdb(_obj(doc, "persistent_db", "ps.json"), base)
-    upd = _parse_updates(_obj(doc, "update_source", "ps.json"), base, vdb)
+    upd = _parse_updates(_obj(doc, "update_source", "ps.json"), base, vdb, pdb)
     if vdb.type is VolatileDBType.NONE and pdb.type is PersistentDBType.NONE:
         raise ValueError(
             "ps.json: volatile_db.type and persistent_db.type are both 'none'; at least one "

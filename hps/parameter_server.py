@@ -9,6 +9,16 @@ already loaded is not reloaded); the volatile DB gets the first ``initial_cache_
 each table's rows; each table's cache gets ``ceil(gpucacheper × rows)`` slots (LFU counters halved every
 ``cache_lfu_decay_keys_per_slot`` × slots looked-up keys), warmed up
 from the hottest keys when the caller has statistics (:meth:`LookupSession.warm_up`).
+
+Restarts keep online updates: when a writable persistent DB already held a table (a restart),
+the volatile DB is filled with that table's rows *as the persistent DB holds them* (online
+updates included; keys from the sparse files, values from RocksDB), and the applier resumes
+after the offset stored with them. Without a writable persistent DB the only record of the
+applied updates is the offset file, while the volatile DB was just rebuilt from the sparse
+files: the offset file is then cleared, so the applier replays the update source from its
+start (rows are absolute values: replaying is idempotent). A Redis stream trimmed with
+``MAXLEN`` replays only what it still holds. A replica built with ``load=False`` over a shared
+Redis cluster keeps its offset (that Redis still holds the updates).
 """
 
 from __future__ import annotations
@@ -26,7 +36,7 @@ from hps.persistent import RocksDBBackend
 from hps.session import LookupSession, SessionTable
 from hps.sparse_files import read_table
 from hps.types import PersistentDBType, StorageBackend, UpdateSourceType, VolatileDBType
-from hps.updates import FileLogSource, RedisStreamSource, UpdateApplier, redis_client
+from hps.updates import FileLogSource, OffsetFile, RedisStreamSource, UpdateApplier, redis_client
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +101,8 @@ class HierarchicalParameterServer:
                 elif t.name not in self.num_rows:
                     self.num_rows[t.name] = self._known_rows(t.name, t.sparse_file, t.dim)
             self._sessions[model.model] = self._make_session(model)
+        if self._volatile_rebuilt(load):
+            self._reset_update_offset()
 
     @classmethod
     def from_config(cls, path: str | Path, load: bool = True) -> HierarchicalParameterServer:
@@ -117,17 +129,53 @@ class HierarchicalParameterServer:
         n = int(keys.shape[0])
         self.num_rows[name] = n
         pdb = self.persistent
+        from_pdb = None  # the persistent db, when it holds newer rows than the sparse files
         if pdb is not None and not pdb.read_only:
             if pdb.loaded_rows(name) is None:
                 pdb.bulk_load(name, keys, vecs, chunk=_LOAD_CHUNK)
                 log.info("persistent db: loaded %d rows of %s", n, name)
+            else:
+                from_pdb = pdb  # loaded by an earlier start: it has the online updates since
         if self.volatile is not None:
             m = int(round(self.cfg.volatile_db.initial_cache_rate * n))
             for s in range(0, m, _LOAD_CHUNK):
                 e = min(s + _LOAD_CHUNK, m)
-                self.volatile.insert(name, np.ascontiguousarray(keys[s:e], dtype=np.int64),
-                                     np.ascontiguousarray(vecs[s:e], dtype=np.float32))
-            log.info("volatile db (%s): loaded %d of %d rows of %s", self.volatile.name, m, n, name)
+                k = np.ascontiguousarray(keys[s:e], dtype=np.int64)
+                v = np.ascontiguousarray(vecs[s:e], dtype=np.float32)
+                if from_pdb is not None:
+                    rows, found = from_pdb.lookup(name, k)
+                    v = np.where(found[:, None], rows, v)
+                self.volatile.insert(name, k, v)
+            log.info("volatile db (%s): loaded %d of %d rows of %s from the %s", self.volatile.name, m, n,
+                     name, "persistent db" if from_pdb is not None else "sparse files")
+
+    def _volatile_rebuilt(self, load: bool) -> bool:
+        """Whether this start left the volatile DB without the online updates applied before
+        it (rebuilt from the sparse files, or an empty in-process map) while no writable
+        persistent DB holds them."""
+        if self.volatile is None or self.cfg.update_source.type is UpdateSourceType.NONE:
+            return False
+        if self.persistent is not None and not self.persistent.read_only:
+            return False  # the rows and the offset live together in the persistent db
+        return load or self.cfg.volatile_db.type is not VolatileDBType.REDIS_CLUSTER
+
+    def _offset_path(self) -> str | None:
+        """Where the applied-update offset lives when there is no writable persistent DB."""
+        u = self.cfg.update_source
+        if u.type is UpdateSourceType.FILE_LOG:
+            return u.state_path or u.path + ".offset"
+        return u.state_path or None
+
+    def _reset_update_offset(self) -> None:
+        path = self._offset_path()
+        if path is None:
+            return
+        f = OffsetFile(path)
+        old = f.load()
+        if old is not None:
+            log.info("update offset %s was %s; the volatile db was rebuilt without the updates applied "
+                     "so far, so the update source is replayed from its start", path, old)
+            f.clear()
 
     def _make_session(self, model: ModelConfig) -> LookupSession:
         device = resolve_device(model)
@@ -149,21 +197,20 @@ class HierarchicalParameterServer:
     def update_applier(self) -> UpdateApplier | None:
         """The applier of ``update_source`` (``None`` for ``type: none``); call ``.poll()`` or
         ``.start(update_source.poll_interval_s)``. The offset lives in the persistent DB when it
-        is writable, else in ``state_path`` (default: ``<log path>.offset`` for a file log)."""
+        is writable, else in ``state_path`` (default: ``<log path>.offset`` for a file log),
+        which a start that rebuilt the volatile DB clears (see the module docstring)."""
         u = self.cfg.update_source
         if u.type is UpdateSourceType.NONE:
             return None
         if u.type is UpdateSourceType.FILE_LOG:
             source = FileLogSource(u.path)
-            state = u.state_path or u.path + ".offset"
         else:
             vdb = self.cfg.volatile_db
             address = u.address or vdb.address
             cluster = not u.address and vdb.type is VolatileDBType.REDIS_CLUSTER
             source = RedisStreamSource(redis_client(address, cluster=cluster), u.stream)
-            state = u.state_path or None
         return UpdateApplier(source, self._sessions.values(), self.volatile, self.persistent,
-                             offset_file=state, name=f"{u.type.value}:{u.stream if u.path == '' else u.path}")
+                             offset_file=self._offset_path(), name=f"{u.type.value}:{u.stream if u.path == '' else u.path}")
 
     def start_background(self, refresh_interval_s: float = 10.0) -> list:
         """Start the periodic work a config asks for: each model's cache refresh (every

@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import math
 import signal
 import socket
 import threading
@@ -38,7 +39,7 @@ from typing import Any
 
 import anyio
 from starlette.applications import Starlette
-from starlette.requests import Request
+from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
@@ -71,8 +72,11 @@ class ServerConfig:
                 raise ValueError(f"ServerConfig.{f} must be an integer >= {lo}, got {v!r}")
         if self.port > 65535:
             raise ValueError(f"ServerConfig.port must be <= 65535, got {self.port}")
-        if not self.max_request_mb > 0:
-            raise ValueError(f"ServerConfig.max_request_mb must be > 0, got {self.max_request_mb!r}")
+        mb = self.max_request_mb
+        ok = isinstance(mb, (int, float)) and not isinstance(mb, bool) and math.isfinite(mb)
+        if not ok or mb * 2**20 < 1:
+            raise ValueError(f"ServerConfig.max_request_mb must be a finite number of MiB > 0 "
+                             f"(at least one byte), got {mb!r}")
 
 
 _PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -208,6 +212,9 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
             out, headers, samples, phases = await anyio.to_thread.run_sync(
                 run, s, body, request.headers.get(HEADER_LENGTH),
                 request.headers.get("content-encoding"), time.perf_counter_ns(), limiter=limiter)
+        except ClientDisconnect:  # the client went away mid-body: no one to answer, nothing failed
+            log.debug("model %r: the client disconnected before sending the whole request", name)
+            return Response(status_code=400)
         except (ProtocolError, InputError, ValueError) as e:
             return _failed(name, start, _error(str(e)))
         except TimeoutError as e:
@@ -354,12 +361,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         ps = HierarchicalParameterServer.from_config(a.config)
     except (ValueError, OSError) as e:
         p.error(str(e))
+    srv = None
     try:
         srv = InferenceServer(ps, cfg, a.models)
-    except (ValueError, OSError) as e:
+        ps.start_background()
+    except Exception as e:  # e.g. an update source that cannot start: exit 2 naming it
+        if srv is not None:
+            srv.stop()  # not started: releases the bound socket
         ps.close()
-        p.error(str(e))
-    ps.start_background()
+        p.error(str(e) if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}")
     log.info("serving %s on http://%s (v2 protocol)", sorted(srv.servables), srv.address)
     def shut_down(signum: int, frame: object) -> None:
         log.info("signal %d: shutting down", signum)

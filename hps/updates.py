@@ -27,7 +27,9 @@ applied on error), then, under the writer side of each session's lock (so a look
 batch entirely or not at all): volatile DB, cached copies, and last the persistent DB rows
 *together with the new offset* in one atomic RocksDB write batch (or the offset file when
 there is no writable persistent DB). A restarted server resumes after the last applied offset;
-re-applying a batch is harmless (rows are absolute values, not deltas).
+re-applying a batch is harmless (rows are absolute values, not deltas), which is why a server
+that rebuilt its volatile DB from the sparse files clears the offset file and replays the
+source from its start (:mod:`hps.parameter_server`).
 """
 
 from __future__ import annotations
@@ -59,7 +61,23 @@ UpdateBatch = dict[str, tuple[np.ndarray, np.ndarray]]  # table -> (keys (n,) in
 
 
 class CorruptRecordError(ValueError):
-    """A record's header, length or checksum is wrong."""
+    """A record's header, length, checksum or payload is wrong (or, for
+    :class:`OffsetPastEndError`, the stored offset does not fit the log)."""
+
+
+class OffsetPastEndError(CorruptRecordError):
+    """The stored offset lies past the end of the update log: the log was replaced, rotated
+    or truncated after the updates up to that offset were applied; reading from there would
+    wait forever. Reset the stored offset (:meth:`UpdateApplier.reset_offset`)."""
+
+    def __init__(self, path: Path, offset: int, size: int, hint: str = "") -> None:
+        self.path, self.offset, self.size = path, offset, size
+        super().__init__(
+            f"update log {path}: the stored offset {offset} is past the end of the log ({size} bytes): "
+            f"the log was replaced, rotated or truncated after the updates up to that offset were "
+            f"applied, and nothing appended to it would ever be applied. Reset the stored offset to "
+            f"apply this log from its start{': ' + hint if hint else ' (UpdateApplier.reset_offset())'}"
+        )
 
 
 def encode_batch(batch: UpdateBatch) -> bytes:
@@ -81,7 +99,9 @@ def decode_batch(record: bytes) -> UpdateBatch:
     """The inverse of :func:`encode_batch`.
 
     Raises:
-        CorruptRecordError: bad magic/version, wrong length, or checksum mismatch.
+        CorruptRecordError: bad magic/version, wrong length, checksum mismatch, or a payload
+            that does not parse (lengths past its end, a name that is not UTF-8, a table given
+            twice, trailing bytes).
     """
     if len(record) < _HEADER.size:
         raise CorruptRecordError(f"record of {len(record)} bytes is shorter than its header")
@@ -93,19 +113,44 @@ def decode_batch(record: bytes) -> UpdateBatch:
         raise CorruptRecordError(f"record payload has {len(payload)} bytes, header says {n}")
     if zlib.crc32(payload) != crc:
         raise CorruptRecordError("record checksum mismatch (torn or corrupted write)")
+    return _decode_payload(payload)
+
+
+def _decode_payload(payload: bytes) -> UpdateBatch:
+    """The tables of a payload whose checksum matched; every length is checked against the
+    bytes present (a producer bug or a foreign entry must not escape as ``struct.error``)."""
+    size = len(payload)
+
+    def need(pos: int, n: int, what: str) -> None:
+        if pos + n > size:
+            raise CorruptRecordError(f"record payload ends at byte {size}, but {what} needs bytes "
+                                     f"{pos}..{pos + n}")
+
     out: UpdateBatch = {}
+    need(0, 4, "the table count")
     (n_tables,), pos = struct.unpack_from("<I", payload), 4
-    for _ in range(n_tables):
+    for i in range(n_tables):
+        need(pos, 2, f"table {i} of {n_tables}'s name length")
         (ln,) = struct.unpack_from("<H", payload, pos)
-        name = payload[pos + 2:pos + 2 + ln].decode()
+        need(pos + 2, ln, f"table {i}'s name")
+        try:
+            name = payload[pos + 2:pos + 2 + ln].decode()
+        except UnicodeDecodeError as e:
+            raise CorruptRecordError(f"table {i}'s name at byte {pos + 2} is not UTF-8: {e}") from None
+        if name in out:
+            raise CorruptRecordError(f"table {name!r} appears twice in one record")
         pos += 2 + ln
+        need(pos, 12, f"table {name!r}'s row count and width")
         k, dim = struct.unpack_from("<QI", payload, pos)
         pos += 12
+        need(pos, 8 * k + 4 * k * dim, f"table {name!r}'s {k} keys of {dim} floats each")
         keys = np.frombuffer(payload, "<i8", k, pos).astype(np.int64)
         pos += 8 * k
         rows = np.frombuffer(payload, "<f4", k * dim, pos).astype(np.float32).reshape(k, dim)
         pos += 4 * k * dim
         out[name] = (keys, rows)
+    if pos != size:
+        raise CorruptRecordError(f"record payload has {size - pos} bytes after its {n_tables} table(s)")
     return out
 
 
@@ -147,8 +192,10 @@ class FileLogPublisher(UpdatePublisher):
             raise CorruptRecordError(
                 f"update log {self.path}: the record at offset {end} is corrupt ({why}) but a valid "
                 f"record follows at offset {nxt}; readers stop at offset {end}, so nothing appended "
-                f"after it would be applied. Move the log aside, or truncate it to {end} bytes to "
-                f"drop the corrupt record and every record after it ({size - end} bytes)"
+                f"after it would be applied. Move the log aside (then reset every server's stored offset "
+                f"so it reads the new log from its start: UpdateApplier.reset_offset(), or delete its "
+                f"offset file), or truncate it to {end} bytes to drop the corrupt record and every "
+                f"record after it ({size - end} bytes)"
             )
         log.warning("update log %s: truncating %d bytes at offset %d, a torn or corrupted last record (%s)",
                     self.path, size - end, end, why)
@@ -223,11 +270,18 @@ class FileLogSource(UpdateSource):
         self.corrupt = 0  # records refused (bad checksum/header)
 
     def read(self, offset: str | None, max_records: int = 64) -> list[tuple[str, UpdateBatch]]:
+        """Records after byte ``offset``.
+
+        Raises:
+            OffsetPastEndError: ``offset`` lies past the end of the log (it was replaced).
+        """
         if not self.path.exists():
             return []
         pos = int(offset or 0)
         out = []
         size = self.path.stat().st_size
+        if pos > size:
+            raise OffsetPastEndError(self.path, pos, size)
         with open(self.path, "rb") as f:
             while len(out) < max_records and pos + _HEADER.size <= size:
                 f.seek(pos)
@@ -320,6 +374,10 @@ class OffsetFile:
         tmp.write_text(offset)
         os.replace(tmp, self.path)
 
+    def clear(self) -> None:
+        """Forget the offset: the next reader starts at the beginning of the source."""
+        self.path.unlink(missing_ok=True)
+
 
 class UpdateApplier:
     """Applies published batches to the tiers and the sessions' caches, resuming after the
@@ -351,8 +409,29 @@ class UpdateApplier:
     def _load_offset(self) -> str | None:
         if self.persistent is not None:
             raw = self.persistent.get_meta(self._meta_key)
-            return raw.decode() if raw is not None else None
+            return raw.decode() or None if raw is not None else None
         return self.offset_file.load()
+
+    def _where(self) -> str:
+        """Where the offset is stored, and how to reset it (for error messages)."""
+        if self.persistent is not None:
+            return (f"the offset is {self._meta_key!r} in the persistent db {self.persistent.path}; "
+                    f"call UpdateApplier.reset_offset(), e.g. HierarchicalParameterServer.from_config("
+                    f"<ps.json>, load=False).update_applier().reset_offset() with the server stopped")
+        return (f"stop the server and delete the offset file {self.offset_file.path} "
+                f"(or call UpdateApplier.reset_offset())")
+
+    def reset_offset(self, offset: str | None = None) -> None:
+        """Store ``offset`` as the last applied one (``None``: read the source from its start,
+        e.g. after the update log was replaced)."""
+        with self._lock:
+            if self.persistent is not None:
+                self.persistent.write_batch([], meta={self._meta_key: (offset or "").encode()})
+            elif offset is None:
+                self.offset_file.clear()
+            else:
+                self.offset_file.save(offset)
+            self.offset = offset
 
     def _dims(self) -> dict[str, int]:
         dims: dict[str, int] = {}
@@ -400,9 +479,17 @@ class UpdateApplier:
                 lk.release_write()
 
     def poll(self, max_records: int = 64) -> int:
-        """Apply every available record (up to ``max_records``); returns how many."""
+        """Apply every available record (up to ``max_records``); returns how many.
+
+        Raises:
+            OffsetPastEndError: the stored offset lies past the end of a replaced update log;
+                the message says where the offset is stored and how to reset it.
+        """
         with self._lock:
-            recs = self.source.read(self.offset, max_records)
+            try:
+                recs = self.source.read(self.offset, max_records)
+            except OffsetPastEndError as e:
+                raise OffsetPastEndError(e.path, e.offset, e.size, self._where()) from None
             for off, batch in recs:
                 self.apply(batch, off)
             return len(recs)
@@ -415,6 +502,8 @@ class UpdateApplier:
             while not stop.wait(interval_s):
                 try:
                     self.poll()
+                except CorruptRecordError as e:  # the message says it all; no traceback
+                    log.error("applying online updates failed; will retry: %s", e)
                 except Exception:  # keep serving; the batch stays unapplied and is retried
                     log.exception("applying online updates failed; will retry")
 

@@ -103,6 +103,12 @@ def _decompress(body: bytes, content_encoding: str | None, max_bytes: int | None
     return out
 
 
+def _bool(v: Any, where: str) -> bool:
+    if not isinstance(v, bool):
+        raise ProtocolError(f"{where} must be true or false, got {v!r}")
+    return v
+
+
 def _shape(v: Any, where: str) -> tuple[int, ...]:
     if not isinstance(v, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in v):
         raise ProtocolError(f"{where}.shape must be a list of integers, got {v!r}")
@@ -111,11 +117,32 @@ def _shape(v: Any, where: str) -> tuple[int, ...]:
     return tuple(v)
 
 
-def _json_data(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
+def _as_array(data: Any, where: str, dtype: Any = None) -> np.ndarray:
     try:
-        arr = np.asarray(data)
+        return np.asarray(data, dtype=dtype)
     except ValueError as e:  # ragged nesting
         raise ProtocolError(f"{where}.data is not a regular array: {e}") from None
+    except RecursionError:
+        raise ProtocolError(f"{where}.data is nested too deeply") from None
+
+
+def _check_integers(data: Any, dtype: np.dtype, where: str) -> None:
+    """Name the value that makes integer ``data`` parse as float or object: a non-integer, or
+    an integer outside ``dtype``'s range (JSON integers are unbounded)."""
+    info = np.iinfo(dtype)
+    for x in _as_array(data, where, dtype=object).reshape(-1):
+        if isinstance(x, bool) or not isinstance(x, int):
+            raise ProtocolError(f"{where}.data holds non-integer values for an integer datatype "
+                                f"(e.g. {x!r})")
+        if not info.min <= x <= info.max:
+            raise ProtocolError(f"{where}.data value {x} is out of range for {_NAMES[dtype]} "
+                                f"[{info.min}, {info.max}]")
+
+
+def _json_data(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
+    arr = _as_array(data, where)
+    if dtype.kind in "iu" and arr.size and (arr.dtype == object or arr.dtype.kind == "f"):
+        _check_integers(data, dtype, where)  # raises: big integers parse as float64 or object
     if arr.dtype == object or arr.dtype.kind not in "biuf":
         raise ProtocolError(f"{where}.data must hold numbers, got {arr.dtype} values")
     if dtype.kind in "iu" and arr.dtype.kind == "f" and arr.size:  # [] parses as float64
@@ -148,8 +175,10 @@ def parse_infer_request(body: bytes, header_length: str | int | None = None,
         the request; binary inputs are read-only views of ``body``'s bytes.
 
     Raises:
-        ProtocolError: malformed JSON, a missing or mistyped field, an unknown datatype, data
-            whose count does not match its shape, binary sizes that do not add up.
+        ProtocolError: malformed or too deeply nested JSON, a missing or mistyped field (a
+            ``binary_data`` that is not a JSON boolean), an unknown datatype, data whose count
+            does not match its shape or whose integers exceed the datatype's range, binary
+            sizes that do not add up.
     """
     body = _decompress(body, content_encoding, max_bytes)
     if header_length is None:
@@ -165,6 +194,8 @@ def parse_infer_request(body: bytes, header_length: str | int | None = None,
         doc = json.loads(body[:n_json])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"request JSON is malformed: {e}") from None
+    except RecursionError:
+        raise ProtocolError("request JSON is nested too deeply") from None
     if not isinstance(doc, dict):
         raise ProtocolError(f"request must be a JSON object, got {type(doc).__name__}")
     raw_inputs = doc.get("inputs")
@@ -218,7 +249,7 @@ def parse_infer_request(body: bytes, header_length: str | int | None = None,
         datatypes[name] = dt_name
     if pos != len(binary):
         raise ProtocolError(f"{len(binary) - pos} bytes after the JSON header belong to no input")
-    binary_output = bool(params.get("binary_data_output", False))
+    binary_output = _bool(params.get("binary_data_output", False), "parameters.binary_data_output")
     outputs = None
     if "outputs" in doc:
         raw_out = doc["outputs"]
@@ -231,7 +262,8 @@ def parse_infer_request(body: bytes, header_length: str | int | None = None,
             op = o.get("parameters") or {}
             if not isinstance(op, dict):
                 raise ProtocolError(f"outputs[{i}].parameters must be an object")
-            outputs.append(RequestedOutput(o["name"], bool(op.get("binary_data", binary_output))))
+            as_binary = _bool(op.get("binary_data", binary_output), f"outputs[{i}].parameters.binary_data")
+            outputs.append(RequestedOutput(o["name"], as_binary))
     rid = doc.get("id")
     return InferRequest(inputs, datatypes, outputs, binary_output,
                         id=str(rid) if rid is not None else None, parameters=params)

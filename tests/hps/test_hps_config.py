@@ -60,6 +60,17 @@ def test_valid_config_round_trips(tmp_path: Path) -> None:
         (lambda d: d["volatile_db"].update(type="redis_cluster", address="localhost"), r"volatile_db\.address"),
         (lambda d: d["persistent_db"].update(path=""), r"persistent_db\.path"),
         (lambda d: d.update(update_source={"type": "file_log"}), r"update_source\.path"),
+        (lambda d: d.update(update_source={"type": "redis_stream", "address": "localhost"}),
+         r"update_source\.address: 'localhost' is impossible; expected 'host:port"),
+        (lambda d: d.update(update_source={"type": "redis_stream", "address": "h:6379,h:70000"}),
+         r"update_source\.address: 'h:6379,h:70000' is impossible.*1\.\.65535"),
+        (lambda d: d.update(update_source={"type": "redis_stream"}), r"update_source\.address: '' is impossible"),
+        (lambda d: (d["persistent_db"].update(read_only=True),
+                    d.update(update_source={"type": "redis_stream", "address": "h:6379"})),
+         r"update_source\.state_path: '' is impossible.*writable rocks_db"),
+        (lambda d: (d["persistent_db"].update(type="none"),
+                    d.update(update_source={"type": "redis_stream", "address": "h:6379"})),
+         r"update_source\.state_path"),
         (lambda d: d.update(supportlonglong=False), r"supportlonglong"),
         (lambda d: (d["volatile_db"].update(type="none"), d["persistent_db"].update(type="none")),
          r"at least one\s+database tier"),
@@ -71,6 +82,15 @@ def test_bad_config_names_the_field(mutate, match: str) -> None:
     mutate(d)
     with pytest.raises(ValueError, match=match):
         parse_config(d)
+
+
+def test_redis_stream_sources_that_can_resume_are_accepted() -> None:
+    d = _doc()
+    d["update_source"] = {"type": "redis_stream", "address": "127.0.0.1:6379"}  # offset in rocks_db
+    assert parse_config(d).update_source.address == "127.0.0.1:6379"
+    d["persistent_db"] = {"type": "none"}
+    d["update_source"]["state_path"] = "stream.offset"
+    assert parse_config(d, "/srv").update_source.state_path == "/srv/stream.offset"
 
 
 def test_json_syntax_error_gives_line_and_column(tmp_path: Path) -> None:

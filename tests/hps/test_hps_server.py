@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
+import math
 import os
 import shutil
 import signal
@@ -31,7 +33,7 @@ from embark.workloads import get_workload
 from export.artifacts import write_serving_artifacts
 from export.onnx import export_onnx, run_onnx
 from hps.parameter_server import HierarchicalParameterServer
-from hps.server import InferenceServer, ServerConfig
+from hps.server import InferenceServer, ServerConfig, main
 from hps.updates import FileLogPublisher
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -232,6 +234,22 @@ def test_bad_requests_are_400_naming_the_problem(served, model) -> None:
     np.testing.assert_allclose(got, _eager(model, req), rtol=1e-5, atol=1e-6)
 
 
+def test_a_client_gone_mid_body_is_neither_an_error_nor_a_failure(served, caplog) -> None:
+    def fails() -> int:
+        r = httpx.get(f"http://{served.address}/v2/models/tiny/stats", timeout=30)
+        return r.json()["model_stats"][0]["inference_stats"]["fail"]["count"]
+
+    before = fails()
+    caplog.set_level(logging.WARNING, logger="hps.server")
+    with socket.create_connection(("127.0.0.1", served.port)) as s:
+        s.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+                  b'{"inputs": [')
+        time.sleep(0.2)
+    time.sleep(0.5)  # the server notices the disconnect
+    assert fails() == before
+    assert not [r for r in caplog.records if r.name == "hps.server" and r.levelno >= logging.WARNING]
+
+
 def test_gzip_request_and_many_concurrent_clients(served, model) -> None:
     reqs = [_request(model, 1 + i % 7, seed=100 + i) for i in range(48)]
     want = [_eager(model, r) for r in reqs]
@@ -356,3 +374,28 @@ def test_cli_bad_config_exits_2(tmp_path) -> None:
     r = subprocess.run([sys.executable, "-m", "hps.server", "--config", str(bad)], cwd=ROOT,
                        capture_output=True, text=True, timeout=60)
     assert r.returncode == 2 and "line 1" in r.stderr
+
+
+@pytest.mark.parametrize("mb", [math.inf, math.nan, 1e-9])
+def test_max_request_mb_must_be_a_finite_size(mb: float) -> None:
+    with pytest.raises(ValueError, match=r"max_request_mb must be a finite number of MiB > 0 .*got"):
+        ServerConfig(max_request_mb=mb)
+
+
+def test_cli_rejects_an_infinite_request_limit(artifacts, capsys) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(artifacts / "ps.json"), "--port", "0", "--max-request-mb", "inf"])
+    assert e.value.code == 2 and "max_request_mb must be a finite number" in capsys.readouterr().err
+
+
+def test_cli_background_work_that_cannot_start_exits_2(artifacts, monkeypatch, capsys) -> None:
+    def cannot_start(self: HierarchicalParameterServer, refresh_interval_s: float = 10.0) -> list:
+        raise ValueError("update_source: cannot start (test)")
+
+    monkeypatch.setattr(HierarchicalParameterServer, "start_background", cannot_start)
+    port = _free_port()
+    with pytest.raises(SystemExit) as e:
+        main(["--config", str(artifacts / "ps.json"), "--port", str(port)])
+    assert e.value.code == 2 and "update_source: cannot start (test)" in capsys.readouterr().err
+    with socket.socket() as s:  # the server's socket was released
+        s.bind(("127.0.0.1", port))

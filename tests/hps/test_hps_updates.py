@@ -3,6 +3,7 @@ from __future__ import annotations
 import logging
 import struct
 import threading
+import zlib
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -50,6 +51,27 @@ def test_record_round_trip_and_checksum() -> None:
         decode_batch(bytes(flipped))
     with pytest.raises(CorruptRecordError, match="payload has"):
         decode_batch(rec[:-2])
+
+
+def _record(payload: bytes) -> bytes:
+    """A record whose header and CRC are right around any payload."""
+    return struct.pack("<4sBQI", b"HPSU", 1, len(payload), zlib.crc32(payload)) + payload
+
+
+_GOOD = encode_batch({"t": (np.array([1], np.int64), np.ones((1, 2), np.float32))})[17:]  # the payload
+
+
+@pytest.mark.parametrize("payload, match", [
+    (b"", "the table count"),
+    (struct.pack("<I", 2) + _GOOD[4:], r"table 1 of 2's name length"),
+    (_GOOD[:7] + struct.pack("<QI", 2**40, 2) + _GOOD[19:], r"table 't'.s 1099511627776 keys of 2 floats"),
+    (_GOOD[:6] + b"\xff" + _GOOD[7:], "table 0's name at byte 6 is not UTF-8"),
+    (_GOOD + b"garbage", "7 bytes after its 1 table"),
+    (struct.pack("<I", 2) + _GOOD[4:] + _GOOD[4:], "table 't' appears twice"),
+], ids=["empty", "missing_table", "huge_count", "non_utf8_name", "trailing_bytes", "table_twice"])
+def test_malformed_payload_with_a_valid_checksum_is_corrupt(payload: bytes, match: str) -> None:
+    with pytest.raises(CorruptRecordError, match=match):
+        decode_batch(_record(payload))
 
 
 def test_file_log_torn_write_is_never_applied(tmp_path: Path, caplog) -> None:
@@ -288,3 +310,43 @@ def test_redis_stream_transport(redis_cluster, tmp_path: Path) -> None:
     assert ap.poll() == 3 and src.corrupt == 1 and ap.offset == ids[2]
     client.delete(stream)
     s.close()
+
+
+@pytest.mark.parametrize("store", ["rocks_db", "offset_file"])
+def test_an_offset_past_the_end_of_a_replaced_log_is_an_error(tmp_path: Path, store: str) -> None:
+    s, vdb, pdb, keys, rows = _served(tmp_path, pdb=store == "rocks_db")
+    log = tmp_path / "u.log"
+    pub = FileLogPublisher(log)
+    for i in range(3):
+        pub.publish(_batch(i))
+    off = tmp_path / "u.log.offset"
+    ap = UpdateApplier(FileLogSource(log), [s], vdb, pdb, offset_file=None if pdb else off)
+    assert ap.poll() == 3
+    log.rename(tmp_path / "u.log.old")  # the operator moves the log aside; the trainer starts anew
+    FileLogPublisher(log).publish({"t": (np.array([7], np.int64), np.full((1, DIM), 42.0, np.float32))})
+    size = log.stat().st_size
+    with pytest.raises(CorruptRecordError, match=rf"update log {log}: the stored offset {ap.offset} is past "
+                                                 rf"the end of the log \({size} bytes\).*[Rr]eset"):
+        FileLogSource(log).read(ap.offset)
+    where = "update_offset:updates' in the persistent db" if pdb else f"delete the offset file {off}"
+    with pytest.raises(CorruptRecordError, match=where):
+        ap.poll()
+    # after a reset (also across a restart of the applier) the new log is applied from its start
+    ap.reset_offset()
+    ap2 = UpdateApplier(FileLogSource(log), [s], vdb, pdb, offset_file=None if pdb else off)
+    assert ap2.offset is None and ap2.poll() == 1
+    assert s.lookup("t", torch.tensor([7]))[0, 0].item() == 42.0
+    s.close()
+    if pdb:
+        pdb.close()
+
+
+def test_move_aside_advice_mentions_the_stored_offset(tmp_path: Path) -> None:
+    log = tmp_path / "u.log"
+    pub = FileLogPublisher(log)
+    off1, _ = pub.publish(_batch(0)), pub.publish(_batch(1))
+    data = bytearray(log.read_bytes())
+    data[int(off1) - 3] ^= 0xFF
+    log.write_bytes(bytes(data))
+    with pytest.raises(CorruptRecordError, match=r"Move the log aside \(then reset every server's stored offset"):
+        FileLogPublisher(log)

@@ -101,10 +101,21 @@ BAD = [
     (*_raw([{**_X, "data": [1, 2], "parameters": {"binary_data_size": 8}}], b"\0" * 8), "both 'data'"),
     (*_raw([{**_X, "data": [1, 2]}], outputs={"name": "y"}), "'outputs' must be a list"),
     (*_raw([{**_X, "parameters": {"binary_data_size": True}}], b"\0"), "non-negative integer, got True"),
+    (*_raw([{**_X, "datatype": "INT64", "data": [2**63, -1]}]), r"value 9223372036854775808 is out of range for INT64"),
+    (*_raw([{**_X, "datatype": "INT64", "data": [2**64 + 5, 1]}]), r"value 18446744073709551621 is out of range for INT64"),
+    (*_raw([{**_X, "datatype": "UINT8", "data": [-1, 2**70]}]), r"value -1 is out of range for UINT8"),
+    (*_raw([{**_X, "datatype": "INT64", "data": [1.5, 2**64]}]), r"non-integer values .*\(e\.g\. 1\.5\)"),
+    (b'{"inputs": ' + b"[" * 100000 + b"]" * 100000 + b"}", None, "nested too deeply"),
+    (json.dumps({"inputs": [{**_X, "data": [1, 2]}]}).replace("[1, 2]", "[" * 3000 + "1" + "]" * 3000).encode(),
+     None, "nested too deeply"),
+    (*_raw([{**_X, "data": [1, 2]}], outputs=[{"name": "y", "parameters": {"binary_data": "false"}}]),
+     r"outputs\[0\]\.parameters\.binary_data must be true or false, got 'false'"),
+    (*_raw([{**_X, "data": [1, 2]}], parameters={"binary_data_output": 1}),
+     r"parameters\.binary_data_output must be true or false, got 1"),
 ]
 
 
-@pytest.mark.parametrize("body,n,match", BAD, ids=[m for *_, m in BAD])
+@pytest.mark.parametrize("body,n,match", BAD, ids=[m[:60] for *_, m in BAD])
 def test_malformed_requests_name_the_problem(body: bytes, n: int | None, match: str) -> None:
     with pytest.raises(ProtocolError, match=match):
         parse_infer_request(body, n)
@@ -149,3 +160,14 @@ def test_huge_declared_shapes_and_empty_data() -> None:
         parse_infer_request(_raw([{"name": "x", "shape": [2**32, 2**32], "datatype": "FP32", "data": [1]}])[0])
     req = parse_infer_request(_raw([{"name": "ids", "shape": [0, 1], "datatype": "INT64", "data": []}])[0])
     assert req.inputs["ids"].shape == (0, 1) and req.inputs["ids"].dtype == np.int64
+
+
+def test_data_that_recurses_while_converting_is_a_protocol_error() -> None:
+    from hps.v2_protocol import _json_data
+
+    class Deep:  # np.asarray recursing without end (JSON itself is bounded by json.loads)
+        def __array__(self, *args: object, **kwargs: object) -> np.ndarray:
+            return np.asarray(self)
+
+    with pytest.raises(ProtocolError, match="input 'x'.data is nested too deeply"):
+        _json_data(Deep(), np.dtype("<f4"), (1,), "input 'x'")

@@ -179,7 +179,13 @@ def export_onnx(
 
     Returns:
         ``path``.
+
+    Raises:
+        ValueError: for a model with a floating-point parameter or buffer that is not float32
+            (a bf16 / fp16 model would export to a graph onnxruntime refuses to load, its
+            inputs being float32); nothing is written then.
     """
+    _check_float32(model)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     condensed = _condense_for_onnx(model)
@@ -207,6 +213,18 @@ def export_onnx(
     _stamp_metadata(tmp, model)
     tmp.replace(path)
     return path
+
+
+def _check_float32(model: nn.Module) -> None:
+    """Refuse a model with a non-float32 floating-point tensor (the graph's inputs are float32)."""
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in tensors:
+        if t.is_floating_point() and t.dtype != torch.float32:
+            raise ValueError(
+                f"export_onnx needs a float32 model, but {name!r} is {t.dtype} (the graph's inputs "
+                f"are float32 and onnxruntime cannot mix them): export a float32 copy, "
+                f"export_onnx(copy.deepcopy(model).float(), ...)"
+            )
 
 
 # JSON {"tables": [{name, rows, combiner, hotness}], "dense_features"}; the server reads it

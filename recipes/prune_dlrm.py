@@ -9,7 +9,8 @@ report what it cost in AUC and what it gained in speed.
 The story: a dense model is trained once (``dense_steps``); every run — the dense baseline
 included — starts from a deep copy of it and gets the same fine-tuning budget (``steps``
 batches, the same batches, each with its own copy of the dense trainer's Adagrad state), pruned
-runs following their schedule. So
+runs following their schedule (2:4, whose masks have one sparsity, is pruned once, at the step
+where the other 50 % runs reach 50 %). So
 ``auc_drop = dense_auc - eval_auc`` compares equal training, not a pruned model against an
 under-trained one. Each pruned model is then compressed into ``TileSparseLinear`` layers and
 evaluated again (``compressed_auc``: the condensed format computes the same model).
@@ -134,8 +135,12 @@ class PruneDLRMConfig:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.schedule not in ("multistage", "cubic", "oneshot"):
             raise ValueError(f"--schedule must be multistage, cubic or oneshot, got {self.schedule!r}")
-        if self.scale < 1:
-            raise ValueError(f"--scale must be >= 1, got {self.scale}")
+        # NaN passes every comparison: check finiteness first, naming the flag
+        for name, ok, want in (("scale", lambda v: v >= 1, "a finite number >= 1"),
+                               ("lr", lambda v: v > 0, "a finite number > 0")):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not ok(v):
+                raise ValueError(f"--{name} must be {want}, got {v!r}")
 
 
 # -- building the pruning configs ---------------------------------------------------------
@@ -160,6 +165,12 @@ def prune_config(cfg: PruneDLRMConfig, pattern: str, sparsity: float) -> TileSpa
     warmup = 0 if importance is Importance.MAGNITUDE else min(100, cfg.steps // 6)
     p = Pattern(pattern)
     target = sparsity if p is not Pattern.NM else 1.0 - 2 / 4
+    schedule = _schedule(cfg.schedule, cfg.steps, warmup, target)
+    if p is Pattern.NM and not isinstance(schedule, OneShotSchedule):
+        # 2:4 has one sparsity (the N:M masks ignore a stage's), so stages would only re-pick the
+        # same-sparsity mask: prune once, at the step where the 50 % runs of the other patterns
+        # reach their target, so every 50 % run fine-tunes at its target as long.
+        schedule = OneShotSchedule(step=end_step(schedule, target))
     return TileSparseConfig(
         pattern=p,
         sparsity=target,
@@ -167,7 +178,7 @@ def prune_config(cfg: PruneDLRMConfig, pattern: str, sparsity: float) -> TileSpa
         block=(cfg.block, cfg.block),
         importance=importance,
         taylor_steps=max(1, warmup),
-        schedule=_schedule(cfg.schedule, cfg.steps, warmup, target),
+        schedule=schedule,
     )
 
 

@@ -58,6 +58,11 @@ class TileSparseLinear(nn.Module):
     Parameters:
         bias: ``(N,)`` float, when the layer has a bias (trainable, as in ``nn.Linear``).
 
+    Inference only: the kept weights (``values``) are a buffer and get no gradient (the
+    autograd formula of :func:`tilesparse.ops.tw_linear` covers ``x`` and ``bias``), so an
+    optimizer built over a compressed model trains its biases alone. Fine-tune while the mask
+    is a parametrization (:class:`~tilesparse.pruner.TileSparsePruner`), then compress.
+
     A freshly constructed module holds an empty layout (every weight pruned); fill it with
     :meth:`from_dense` or ``load_state_dict`` of a saved one (buffers take the saved sizes;
     the saved layout is validated first, and a load that fails leaves the module unchanged).

@@ -13,7 +13,8 @@ Tile-wise (TW, Guo et al. SC20) in two steps, the budget split by ``column_share
 paper's ``s' = 100 - sqrt(10000 - 100·s)`` for each step):
 
 1. global column pruning: column ``n`` scores the RMS ``‖S[:, n]‖₂ / sqrt(K)``; the worst
-   columns go whole;
+   columns go whole, but every layer keeps at least its best column (when a layer's column
+   budget is under one column, its sparsity then comes from the row step alone);
 2. per-tile row pruning: the kept columns, in order, form tiles of ``G`` columns (the last may be
    narrower); in tile ``t`` the row segment ``S[k, cols_t]`` scores ``‖S[k, cols_t]‖₂ / |cols_t|``
    (the paper's rule) and the worst segments go, under one threshold for all tiles. A tile may
@@ -231,7 +232,10 @@ def tw_masks(
 
     Returns:
         per layer ``(K_l, N_l) bool``; within a layer, kept columns are tiled ``G`` at a time in
-        ascending order and every column of a tile has the same row set.
+        ascending order and every column of a tile has the same row set. The column step never
+        removes a layer's last column (so a 64×1 layer at 75 % keeps 16 of its 64 rows, not
+        nothing); the row step may still empty a layer under the global threshold unless
+        ``min_density`` keeps some of it.
     """
     for i, s in enumerate(scores):
         _check_scores(s, f"scores[{i}]")
@@ -241,12 +245,15 @@ def tw_masks(
     shapes = [(int(s.shape[0]), int(s.shape[1])) for s in scores]
     col_sparsity, _ = split_budget(sparsity, column_share)
     floors = _floors(shapes, min_density)
-    # step 1: columns, each a unit of K_l weights
+    # step 1: columns, each a unit of K_l weights. A layer keeps at least its best column: on a
+    # narrow layer (N_l = 1, or a column budget below K_l) the column step would otherwise take
+    # every column and leave the row step nothing (13x1 at 75 % came out 100 % sparse); the
+    # row step then prunes that column's rows down to the budget.
     col_keep = select_units(
         [column_scores(s) for s in scores],
         [torch.full((n,), k, dtype=torch.int64) for k, n in shapes],
         _budget(shapes, col_sparsity),
-        floors,
+        [max(f, k) if k * n else f for f, (k, n) in zip(floors, shapes)],
     )
     # step 2: row segments of each tile of kept columns, each a unit of |cols_t| weights
     tiles = [_tiles_of(torch.nonzero(c).flatten(), tile) for c in col_keep]

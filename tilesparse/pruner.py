@@ -9,14 +9,30 @@ Life of a pruned model::
     trainer.rebuild_optimizer()    # (the weights now live at ...parametrizations.weight.original)
     trainer.add_callback(pruner.callback())   # observe() after backward, step() after the step
     trainer.fit(batches, steps)    # masks follow the schedule; pruned weights stay exactly 0
-    pruner.compress()              # each pruned nn.Linear → TileSparseLinear
+    pruner.compress()              # each pruned nn.Linear → TileSparseLinear (inference only)
 
 or in one call, pruning to the target now: ``tilesparse.prune_(model, config, filter_fn)``.
 
 Masks are ``torch.nn.utils.parametrize`` parametrizations: ``layer.weight`` is computed as
-``original * mask``, so the forward pass sees zeros at pruned positions, gradients reach the
-kept weights (``original.grad = grad · mask``), and fine-tuning cannot revive a pruned weight.
-On each mask update ``original`` is also zeroed where pruned, so the saved state holds zeros.
+``original * mask``, so the forward pass sees zeros at pruned positions and gradients reach the
+kept weights only (``original.grad = grad · mask``). What holds, with any optimizer (SGD
+momentum and weight decay move ``original`` even where the gradient is 0):
+
+- after each mask update and after each :meth:`TileSparsePruner.step` (the callback calls it
+  right after ``optimizer.step()``), ``original`` is 0 wherever the mask is 0, so the forward
+  pass, the model's ``state_dict`` and a checkpoint hold exact zeros at pruned positions;
+- masks are recomputed from the importance scores at each schedule update and need NOT be
+  nested: a later stage may re-admit a weight an earlier stage pruned (TW re-tiles the kept
+  columns; a zeroed weight can land in a kept row segment). A re-admitted weight restarts
+  from 0; between updates, a pruned weight cannot come back.
+
+Resuming: the schedule counts the trainer's optimizer steps. :class:`PruningCallback` sets
+``step_count`` from the trainer's ``step``, so a pruner prepared on the model handed to
+``Trainer.load_checkpoint`` continues the schedule where the run stopped (the masks come back
+with the model's ``state_dict``; at the first step the masks are recomputed from the loaded
+weights at the schedule's sparsity if the pruner's own record disagrees). For an exact resume
+(update count, Taylor / movement sums) also save :meth:`TileSparsePruner.state_dict` and
+restore it with :meth:`TileSparsePruner.load_state_dict`.
 
 Thresholds are global across the selected layers by default (so layers get different
 sparsities), each layer keeping at least ``min_layer_density`` of its weights; a layer named in
@@ -183,10 +199,15 @@ class TileSparsePruner:
     def step(self) -> bool:
         """Advance the schedule by one training step (after ``optimizer.step()``).
 
+        First zeroes ``original`` wherever the mask is 0 (an optimizer with momentum or weight
+        decay moves pruned entries although their gradient is 0), then moves ``step_count`` on
+        by one and updates the masks when the schedule's sparsity changed.
+
         Returns:
             whether the masks were updated.
         """
         self._check_prepared()
+        self._zero_pruned()
         self.step_count += 1
         s = sparsity_at(self.config.schedule, self.step_count, self.config.target_sparsity)
         if s != self.current_sparsity:
@@ -194,9 +215,84 @@ class TileSparsePruner:
             return True
         return False
 
-    def callback(self) -> PruningCallback:
-        """A trainer callback driving :meth:`observe` and :meth:`step`."""
-        return PruningCallback(self)
+    @torch.no_grad()
+    def _zero_pruned(self) -> None:
+        for m in self.layers.values():
+            holder = m.parametrizations.weight
+            holder.original.mul_(holder[0].mask)
+
+    def callback(self, step_offset: int = 0) -> PruningCallback:
+        """A trainer callback driving :meth:`observe` and :meth:`step`, with the schedule at
+        step ``trainer.step - step_offset`` (see :class:`PruningCallback`)."""
+        return PruningCallback(self, step_offset)
+
+    # -- saving and resuming ---------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """The pruner's progress: what an exact resume needs besides the model's own
+        ``state_dict`` (which holds the masks and the weights).
+
+        Returns:
+            ``{"step_count": int, "current_sparsity": float, "updates": int, "layers":
+            [fqn, ...], "tracker_steps": int, "tracker_sums": {fqn: (K, N) float32 tensor}}``;
+            every value but ``tracker_sums`` is JSON-serializable, ``tracker_sums`` (the
+            Taylor / movement accumulators, empty for magnitude) is a flat name → CPU tensor
+            dict that ``safetensors`` or ``torch.save`` store as is.
+        """
+        sums = getattr(self.tracker, "_acc", {})
+        return {
+            "step_count": self.step_count,
+            "current_sparsity": self.current_sparsity,
+            "updates": self.updates,
+            "layers": list(self.layers),
+            "tracker_steps": int(getattr(self.tracker, "steps", 0)),
+            "tracker_sums": {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in sums.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` into this pruner, prepared on the same architecture.
+        The masks are not touched: they come back with the model's ``state_dict`` (e.g.
+        ``Trainer.load_checkpoint(path, model=<the prepared model>)``).
+
+        Raises:
+            ValueError: naming the field, for a missing or mistyped field, other layers than
+                this pruner's, a sparsity outside [0, 1) or a tracker sum of the wrong shape;
+                the pruner is unchanged then.
+        """
+        self._check_prepared()
+        if not isinstance(state, dict):
+            raise ValueError(f"pruner state must be a dict, got {type(state).__name__}")
+        need = ("step_count", "current_sparsity", "updates", "layers", "tracker_steps", "tracker_sums")
+        missing = [k for k in need if k not in state]
+        if missing:
+            raise ValueError(f"pruner state lacks {missing}")
+        for k in ("step_count", "updates", "tracker_steps"):
+            v = state[k]
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"pruner state {k} must be an integer >= 0, got {v!r}")
+        s = state["current_sparsity"]
+        if isinstance(s, bool) or not isinstance(s, int | float) or not 0.0 <= s < 1.0:
+            raise ValueError(f"pruner state current_sparsity must be in [0, 1), got {s!r}")
+        if list(state["layers"]) != list(self.layers):
+            raise ValueError(f"pruner state is for layers {list(state['layers'])}, this pruner prunes {list(self.layers)}")
+        sums = state["tracker_sums"]
+        if not isinstance(sums, dict):
+            raise ValueError(f"pruner state tracker_sums must be a dict, got {type(sums).__name__}")
+        for k, v in sums.items():
+            lin = self.layers.get(k)
+            want = None if lin is None else (lin.in_features, lin.out_features)
+            if not isinstance(v, torch.Tensor) or want is None or tuple(v.shape) != want:
+                got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
+                raise ValueError(f"pruner state tracker_sums[{k!r}] is {got}, expected a (K, N) = {want} tensor")
+        if (sums or state["tracker_steps"]) and not hasattr(self.tracker, "_acc"):
+            raise ValueError(
+                f"pruner state has importance sums, but importance={self.config.importance.value!r} keeps none"
+            )
+        self.step_count = state["step_count"]
+        self.current_sparsity = float(s)
+        self.updates = state["updates"]
+        if hasattr(self.tracker, "_acc"):
+            self.tracker.steps = state["tracker_steps"]  # type: ignore[attr-defined]
+            self.tracker._acc = {k: v.detach().cpu().float().clone() for k, v in sums.items()}  # type: ignore[attr-defined]
 
     # -- masks -----------------------------------------------------------------------------
     def _layer_sparsity(self, fqn: str, sparsity: float) -> float:
@@ -326,8 +422,12 @@ class TileSparsePruner:
         Args:
             backend: the :func:`tilesparse.ops.tw_linear` backend of the new layers.
 
+        The compressed model is for inference: a ``TileSparseLinear`` keeps its weights in
+        buffers (``values``), not parameters, so an optimizer (rebuilt or not) trains only the
+        biases. Fine-tune before compressing, while the masks are parametrizations.
+
         Returns:
-            the model, modified in place; the trainer's optimizer must be rebuilt to train on.
+            the model, modified in place.
 
         Raises:
             ValueError: for an unknown backend (before any layer is replaced).
@@ -360,15 +460,44 @@ class TileSparsePruner:
 class PruningCallback:
     """Trainer callback (duck-typed to ``embark.train.Callback``: ``tilesparse`` does not
     import ``embark``): ``on_after_backward`` → :meth:`TileSparsePruner.observe`,
-    ``on_step_end`` → :meth:`TileSparsePruner.step`."""
+    ``on_step_end`` → :meth:`TileSparsePruner.step`.
 
-    def __init__(self, pruner: TileSparsePruner) -> None:
+    The schedule follows the trainer: at the end of trainer step ``step`` the pruner is at
+    schedule step ``step - step_offset``. When the pruner's ``step_count`` disagrees (a pruner
+    prepared on a model resumed from a checkpoint, or attached to a trainer that already took
+    steps), it is set from the trainer's step first, and the masks are recomputed from the
+    current weights if the pruner's sparsity is not the schedule's at that step.
+
+    Args:
+        pruner: the prepared pruner.
+        step_offset: the trainer step at which the schedule starts (``trainer.step`` when
+            attaching to a trainer that trained dense before; keep it on resume).
+
+    Raises:
+        ValueError: for a negative ``step_offset``, or (from ``on_step_end``) a trainer step
+            at or before it.
+    """
+
+    def __init__(self, pruner: TileSparsePruner, step_offset: int = 0) -> None:
+        if isinstance(step_offset, bool) or not isinstance(step_offset, int) or step_offset < 0:
+            raise ValueError(f"step_offset must be an integer >= 0, got {step_offset!r}")
         self.pruner = pruner
+        self.step_offset = step_offset
 
     def on_after_backward(self, trainer: Any, step: int) -> None:
         self.pruner.observe()
 
     def on_step_end(self, trainer: Any, step: int, loss: float) -> None:
+        schedule_step = step - self.step_offset
+        if schedule_step < 1:
+            raise ValueError(
+                f"trainer step {step} is not after step_offset {self.step_offset}: the pruning "
+                "schedule would start in the future"
+            )
+        if self.pruner.step_count != schedule_step - 1:
+            log.info("tilesparse: schedule synced from step %d to the trainer's %d",
+                     self.pruner.step_count, schedule_step - 1)
+            self.pruner.step_count = schedule_step - 1
         self.pruner.step()
 
     def on_eval(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:

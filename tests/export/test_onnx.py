@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 import json
 
 import onnx
@@ -102,3 +103,22 @@ def test_graph_metadata_and_bad_ids(tmp_path, pruned) -> None:
         with pytest.raises(ValueError, match=f"input 'ids_t0': id {bad} is outside table 't0'"):
             run_onnx(path, {**inputs, "ids_t0": ids})
     run_onnx(path, inputs)  # -1 padding and in-range ids are fine
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_non_float32_model_is_refused_before_writing(tmp_path, pruned, dtype) -> None:
+    """A bf16 model used to export without error to a graph onnxruntime cannot load (its MatMul
+    mixes bf16 weights with the float32 inputs); now it is refused naming the dtype, nothing is
+    written, the model is untouched, and the float32 copy the message suggests exports fine."""
+    low = copy.deepcopy(pruned).to(dtype)
+    before = {k: v.clone() for k, v in low.state_dict().items() if isinstance(v, torch.Tensor)}
+    out = tmp_path / "sub" / "low.onnx"
+    with pytest.raises(ValueError, match=rf"needs a float32 model, but '.+' is {dtype}.*\.float\(\)"):
+        export_onnx(low, out, include_embeddings=False)
+    assert not out.parent.exists()
+    after = low.state_dict()
+    assert all(after[k].dtype == v.dtype and torch.equal(after[k], v) for k, v in before.items())
+    path = export_onnx(copy.deepcopy(low).float(), tmp_path / "f32.onnx", include_embeddings=False)
+    inputs = onnx_inputs(pruned, 3, include_embeddings=False)
+    want = low.float().dense_forward(inputs["dense"], inputs["pooled"]).detach()
+    torch.testing.assert_close(run_onnx(path, inputs), want, **TOL)

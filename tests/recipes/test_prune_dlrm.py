@@ -11,7 +11,9 @@ from embark.data import SyntheticCTR
 from embark.model import build_model
 from embark.train import TrainConfig, Trainer
 from embark.workloads import get_workload
-from recipes.prune_dlrm import SWEEP, PruneDLRMConfig, _fine_tune, main, parse_args
+from recipes.prune_dlrm import SWEEP, PruneDLRMConfig, _fine_tune, main, parse_args, prune_config
+from tilesparse import OneShotSchedule
+from tilesparse.schedule import end_step
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 
@@ -101,6 +103,40 @@ def test_bad_knobs_and_recipe_files(tmp_path, capsys) -> None:
     with pytest.raises(ValueError, match=r"slow.yaml: the tw schedule reaches 0.75 at step \d+, but --steps is 30"):
         main(_shrunk(tmp_path, recipe=str(slow)))
     assert not (tmp_path / "run").exists()  # before any training
+
+
+@pytest.mark.parametrize(("argv", "msg"), [
+    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+    (["--lr", "-0.05"], "--lr must be a finite number > 0, got -0.05"),
+    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+    (["--scale", "nan"], "--scale must be a finite number >= 1, got nan"),
+    (["--scale", "inf"], "--scale must be a finite number >= 1, got inf"),
+    (["--scale", "0.5"], "--scale must be a finite number >= 1, got 0.5"),
+])
+def test_bad_lr_and_scale_are_usage_errors_before_any_output(tmp_path, capsys, argv, msg) -> None:
+    """NaN passed the old ``scale < 1`` check and --lr was not checked at all: both failed
+    late (or never), after the output folder was made. Now parse_args refuses them."""
+    out = tmp_path / "run"
+    with pytest.raises(SystemExit) as e:
+        parse_args([*argv, "--out", str(out)])
+    assert e.value.code == 2 and msg in capsys.readouterr().err, argv
+    assert not out.exists()
+    with pytest.raises(ValueError, match=msg.split(",")[0]):
+        PruneDLRMConfig(**{argv[0][2:]: float(argv[1])})
+
+
+@pytest.mark.parametrize("schedule", ["multistage", "cubic", "oneshot"])
+def test_nm_prunes_once_when_the_other_50_percent_runs_reach_their_target(schedule) -> None:
+    """2:4 masks ignore a stage's sparsity: a staged schedule only re-picked the same 50 % mask
+    from step 0 on. nm is pruned once, where tw/ew/bw at 50 % reach 50 %."""
+    cfg = PruneDLRMConfig(steps=600, schedule=schedule, progress=False)
+    nm = prune_config(cfg, "nm", 0.5).schedule
+    assert isinstance(nm, OneShotSchedule)
+    for p in ("tw", "ew", "bw"):
+        other = prune_config(cfg, p, 0.5).schedule
+        assert nm.step == end_step(other, 0.5), p
+    assert nm.step > 0 or schedule == "oneshot"
 
 
 def test_runs_do_not_share_optimizer_state() -> None:

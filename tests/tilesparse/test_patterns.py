@@ -253,3 +253,31 @@ def test_masks_for_config_dispatch() -> None:
         cfg = TileSparseConfig(pattern=pattern, sparsity=0.5, tile=4, block=(4, 4))
         assert torch.equal(masks_for_config(cfg, [S], 0.5, min_density=0.0)[0], fn())
     assert masks_for_config(TileSparseConfig(), [S], 0.0)[0].all()
+
+
+@pytest.mark.parametrize("k", [13, 64])
+def test_tw_narrow_layer_keeps_its_column_and_prunes_rows(k: int) -> None:
+    """A one-column layer at 75 %: the column budget (round(0.5·K) weights) is under one
+    column, which used to drop the only column (100 % sparse). The column is kept and the row
+    step keeps the round(0.25·K) best rows (segments one column wide), the budget exactly."""
+    g = torch.Generator().manual_seed(k)
+    S = (torch.randperm(k, generator=g).float() + 1).unsqueeze(1)  # (K, 1), distinct
+    keep = round(0.25 * k)  # 3 of 13, 16 of 64
+    want = S >= torch.topk(S.flatten(), keep).values.min()
+    mask = tw_mask(S, 0.75, tile=16)
+    assert torch.equal(mask, want), render_mask(mask.T)
+    assert int(mask.sum()) == keep
+
+
+def test_tw_global_column_step_keeps_a_narrow_layers_last_column() -> None:
+    """Under one threshold a 64x1 layer whose column scores lowest (RMS 5 against 10) keeps that
+    column through the column step, so the shared row step can keep its 4 strong rows (width-1
+    segments scoring 20 against the wide layer's 2.5); the column step used to drop it whole."""
+    wide = torch.full((64, 64), 10.0)
+    narrow = torch.full((64, 1), 0.0)
+    strong = [3, 17, 40, 63]
+    narrow[strong] = 20.0
+    masks = tw_masks([wide, narrow], 0.75, tile=16)
+    assert masks[1][strong].all()  # (the budget's remainder under one wide segment may add
+    total = sum(int(m.sum()) for m in masks)  # some of its weak rows too)
+    assert 0 <= round(0.25 * 65 * 64) - total <= 16

@@ -149,11 +149,11 @@ class EmbeddingCache:
         self.lfu_decay_keys_per_slot = float(per_slot)
         #: looked-up keys between two LFU halvings (0: never; always 0 for LRU)
         interval = per_slot * self.capacity
-        if not math.isfinite(interval) or interval >= 2**62:
+        aging = per_slot > 0 and self.policy is CachePolicy.LFU  # LRU ignores the knob
+        if aging and (not math.isfinite(interval) or interval >= 2**62):
             raise ValueError(f"cache lfu_decay_keys_per_slot {per_slot!r} × {self.capacity} slots is no "
                              f"usable aging period (over 2**62 keys); use 0 for never")
-        self.lfu_decay_interval = (max(1, round(interval))
-                                   if per_slot > 0 and self.policy is CachePolicy.LFU else 0)
+        self.lfu_decay_interval = max(1, round(interval)) if aging else 0
         self._looked_up = 0  # the aging clock: keys (occurrences) looked up so far
         #: halvings applied so far; a priority counted at epoch e is worth ``p >> (decay_epoch - e)``
         self.decay_epoch = 0

@@ -417,6 +417,12 @@ def _parse_updates(d: dict[str, Any], base: Path | None, vdb: VolatileDBConfig,
         _check(bool(cfg.state_path) or writable_pdb, w, "state_path", cfg.state_path,
                "a file for the last applied stream entry id: a redis_stream source needs one "
                "unless persistent_db is a writable rocks_db (which then stores it)")
+    if typ is not UpdateSourceType.NONE and vdb.type is VolatileDBType.NONE:
+        writable_pdb = pdb.type is PersistentDBType.ROCKS_DB and not pdb.read_only
+        _check(writable_pdb, w, "type", typ.value,
+               "a source whose updates some tier keeps: with volatile_db 'none' the persistent_db "
+               "must be a rocks_db that is not read_only (else updates reach only cached copies "
+               "and are lost on eviction and restart)")
     return cfg
 
 

@@ -36,7 +36,14 @@ from hps.persistent import RocksDBBackend
 from hps.session import LookupSession, SessionTable
 from hps.sparse_files import read_table
 from hps.types import PersistentDBType, StorageBackend, UpdateSourceType, VolatileDBType
-from hps.updates import FileLogSource, OffsetFile, RedisStreamSource, UpdateApplier, redis_client
+from hps.updates import (
+    CorruptRecordError,
+    FileLogSource,
+    OffsetFile,
+    RedisStreamSource,
+    UpdateApplier,
+    redis_client,
+)
 
 log = logging.getLogger(__name__)
 
@@ -216,7 +223,10 @@ class HierarchicalParameterServer:
         """Start the periodic work a config asks for: each model's cache refresh (every
         ``refresh_interval_s``, ``cache_refresh_percentage_per_iteration`` of the slots each
         time; skipped when 0) and the online-update poller (every
-        ``update_source.poll_interval_s``). Returns the stop events (set them to stop)."""
+        ``update_source.poll_interval_s``). The updates already in the source are applied
+        first, before this returns (after a restart that replays the log, the server must not
+        report ready while serving rows older than before it); a corrupt record there is
+        logged and retried by the poller, as later. Returns the stop events (set them to stop)."""
         stops = []
         for m in self.cfg.models:
             if m.gpucache and m.cache_refresh_percentage_per_iteration > 0:
@@ -224,6 +234,12 @@ class HierarchicalParameterServer:
                                                                     m.cache_refresh_percentage_per_iteration))
         applier = self.update_applier()
         if applier is not None:
+            try:
+                n = applier.drain()
+                if n:
+                    log.info("online updates: applied %d pending record(s) before serving", n)
+            except CorruptRecordError as e:
+                log.error("applying online updates failed; the poller will retry: %s", e)
             stops.append(applier.start(self.cfg.update_source.poll_interval_s))
         self._stops.extend(stops)
         return stops

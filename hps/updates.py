@@ -494,14 +494,22 @@ class UpdateApplier:
                 self.apply(batch, off)
             return len(recs)
 
+    def drain(self, max_records: int = 64) -> int:
+        """:meth:`poll` until the source is empty (a backlog, e.g. a replay, at once); returns how many."""
+        total = n = self.poll(max_records)
+        while n == max_records:
+            n = self.poll(max_records)
+            total += n
+        return total
+
     def start(self, interval_s: float) -> threading.Event:
-        """Poll every ``interval_s`` in a daemon thread; set the returned event to stop."""
+        """Every ``interval_s``, :meth:`drain` in a daemon thread; set the returned event to stop."""
         stop = threading.Event()
 
         def loop() -> None:
             while not stop.wait(interval_s):
                 try:
-                    self.poll()
+                    self.drain()
                 except CorruptRecordError as e:  # the message says it all; no traceback
                     log.error("applying online updates failed; will retry: %s", e)
                 except Exception:  # keep serving; the batch stays unapplied and is retried

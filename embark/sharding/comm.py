@@ -20,7 +20,10 @@ element counts per peer; the buffers are the peers' segments concatenated in ran
 
 Backward is the same exchange with the splits swapped: the gradient of what rank 1 received
 from rank 0 goes back to rank 0. Vectors travel in the wire dtype (``CommDtype``); the cast
-back to float32 happens on arrival, so gradients also travel in the wire dtype.
+back to float32 happens on arrival. Gradients travel in :func:`grad_wire` of it: the wire dtype,
+except bf16 for fp16 (same bytes; fp16 cannot hold gradients scaled by 1 / global batch). DP
+gradients are summed by the all-reduce in that dtype too (bf16's 8-bit mantissa for an fp16
+table's hot rows, in exchange for its range).
 
 Without an initialised process group (``group`` is ``None`` and ``dist`` is not initialised)
 the world has one rank and every collective is the identity, which keeps single-process use
@@ -287,7 +290,7 @@ def exchange_vectors(
     peers: Sequence[int] | None = None,
 ) -> list[torch.Tensor]:
     """Differentiable all-to-all of ``G`` float32 buffers in one collective, buffer ``g``
-    travelling in ``wires[g]`` (gradients too).
+    travelling in ``wires[g]`` (gradients in ``grad_wire(wires[g])``).
 
     Args:
         xs: ``G`` tensors, ``xs[g]: (sum(send_splits[g]),) float32``; its segment ``p`` goes to

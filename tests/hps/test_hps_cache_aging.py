@@ -119,6 +119,7 @@ def test_a_query_longer_than_the_period_keeps_its_own_hot_hits() -> None:
 def test_an_aging_period_that_overflows_is_named() -> None:
     with pytest.raises(ValueError, match=r"lfu_decay_keys_per_slot 1e\+300 × 8 slots is no usable aging period"):
         EmbeddingCache(8, 1, policy="lfu", ways=8, lfu_decay_keys_per_slot=1e300)
+    assert EmbeddingCache(8, 1, policy="lru", ways=8, lfu_decay_keys_per_slot=1e300).lfu_decay_interval == 0
 
 
 def test_interval_from_keys_per_slot() -> None:

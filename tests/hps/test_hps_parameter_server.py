@@ -71,3 +71,28 @@ def test_a_restart_before_polling_serves_the_persistent_rows(tmp_path: Path) -> 
         assert ps.volatile.lookup("t", np.array([1], np.int64))[0][0, 0] == 2.0
     finally:
         ps.close()
+
+
+def test_start_background_applies_a_backlog_before_it_returns(tmp_path: Path) -> None:
+    """After a restart in offset-file mode the whole log is replayed; 300 one-row records are
+    more than one poll (64): start_background drains them all before the server serves, not
+    64 per poll interval while stale rows are served."""
+    cfg = _folder(tmp_path, {"type": "none"})
+    pub = FileLogPublisher(tmp_path / "u.log")
+    for i in range(300):
+        pub.publish({"t": (np.array([i % 100], np.int64), np.full((1, DIM), float(i), np.float32))})
+    ps = HierarchicalParameterServer.from_config(cfg)
+    try:
+        stops = ps.start_background(refresh_interval_s=0)
+        assert _served(ps, [0, 99]) == [200.0, 299.0]  # the last write of each key
+        for ev in stops:
+            ev.set()
+    finally:
+        ps.close()
+    ps = HierarchicalParameterServer.from_config(cfg)  # restart: replayed from the start
+    try:
+        ap = ps.update_applier()
+        assert ap.drain() == 300 and ap.drain() == 0
+        assert _served(ps, [0, 99]) == [200.0, 299.0]
+    finally:
+        ps.close()

@@ -41,7 +41,7 @@ def _resume(w, cfg: TileSparseConfig, ckpt) -> tuple[Trainer, TileSparsePruner]:
     model = build_model(w, seed=0)
     pruner = TileSparsePruner(cfg)
     pruner.prepare(model)
-    return Trainer.load_checkpoint(ckpt, model=model, callbacks=[pruner.callback()]), pruner
+    return Trainer.load_checkpoint(ckpt, model=model, callbacks=[pruner.callback(step_offset=0)]), pruner
 
 
 def test_resume_continues_the_schedule_from_the_trainer_step(tiny, tmp_path) -> None:
@@ -115,7 +115,7 @@ def test_load_state_dict_refuses_foreign_state(tiny) -> None:
     with pytest.raises(ValueError, match="keeps none"):
         pruner.load_state_dict(good | {"tracker_steps": 3, "tracker_sums": {}})
     assert pruner.step_count == 0 and pruner.current_sparsity == 0.25  # unchanged
-    with pytest.raises(ValueError, match="step_offset must be an integer >= 0, got -2"):
+    with pytest.raises(ValueError, match="step_offset must be an integer >= 0 or None, got -2"):
         PruningCallback(pruner, step_offset=-2)
 
 
@@ -173,3 +173,23 @@ def test_compressed_model_trains_biases_only(tiny) -> None:
     before = {f: lin.values.clone() for f, lin in pruner.layers.items()}
     trainer.fit(batches[:2], 2, progress=False)
     assert all(torch.equal(lin.values, before[f]) for f, lin in pruner.layers.items())
+
+
+def test_a_fresh_pruner_on_a_trained_trainer_must_say_where_the_schedule_starts(tiny) -> None:
+    """Attached after 3 dense steps without step_offset, the callback cannot tell "start now"
+    from "continue a resumed schedule" (which would jump straight to the target): the first
+    step raises before the optimizer moves anything, naming both choices."""
+    w, batches = tiny
+    model = build_model(w, seed=0)
+    trainer = Trainer(model, TrainConfig(lr=0.05))
+    for b in batches[:3]:
+        trainer.train_step(b)
+    pruner = TileSparsePruner(TileSparseConfig(sparsity=0.75, tile=16, schedule=SCHEDULE))
+    pruner.prepare(model)
+    trainer.rebuild_optimizer()
+    trainer.add_callback(pruner.callback())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(ValueError, match=r"step_offset=3\) to start .* or step_offset=0 to continue"):
+        trainer.train_step(batches[3])
+    assert trainer.step == 3 and pruner.step_count == 0
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

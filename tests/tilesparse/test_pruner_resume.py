@@ -119,8 +119,8 @@ def test_load_state_dict_refuses_foreign_state(tiny) -> None:
         PruningCallback(pruner, step_offset=-2)
 
 
-def test_step_offset_starts_the_schedule_after_dense_training(tiny) -> None:
-    w, batches = tiny
+def _dense_then_pruner(w, batches) -> tuple[Trainer, TileSparsePruner]:
+    """3 dense steps, then a pruner prepared on the model (no callback yet)."""
     model = build_model(w, seed=0)
     trainer = Trainer(model, TrainConfig(lr=0.05))
     for b in batches[:3]:
@@ -128,6 +128,12 @@ def test_step_offset_starts_the_schedule_after_dense_training(tiny) -> None:
     pruner = TileSparsePruner(TileSparseConfig(sparsity=0.75, tile=16, schedule=SCHEDULE))
     pruner.prepare(model)
     trainer.rebuild_optimizer()
+    return trainer, pruner
+
+
+def test_step_offset_starts_the_schedule_after_dense_training(tiny) -> None:
+    w, batches = tiny
+    trainer, pruner = _dense_then_pruner(w, batches)
     trainer.add_callback(pruner.callback(step_offset=trainer.step))
     for b in batches[3:7]:
         trainer.train_step(b)
@@ -180,13 +186,8 @@ def test_a_fresh_pruner_on_a_trained_trainer_must_say_where_the_schedule_starts(
     from "continue a resumed schedule" (which would jump straight to the target): the first
     step raises before the optimizer moves anything, naming both choices."""
     w, batches = tiny
-    model = build_model(w, seed=0)
-    trainer = Trainer(model, TrainConfig(lr=0.05))
-    for b in batches[:3]:
-        trainer.train_step(b)
-    pruner = TileSparsePruner(TileSparseConfig(sparsity=0.75, tile=16, schedule=SCHEDULE))
-    pruner.prepare(model)
-    trainer.rebuild_optimizer()
+    trainer, pruner = _dense_then_pruner(w, batches)
+    model = trainer.model
     trainer.add_callback(pruner.callback())
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with pytest.raises(ValueError, match=r"step_offset=3\) to start .* or step_offset=0 to continue"):

@@ -35,7 +35,13 @@ from hps.config import ModelConfig, PSConfig, load_config
 from hps.persistent import RocksDBBackend
 from hps.session import LookupSession, SessionTable
 from hps.sparse_files import read_table
-from hps.types import PersistentDBType, StorageBackend, UpdateSourceType, VolatileDBType
+from hps.types import (
+    PersistentDBType,
+    StorageBackend,
+    UpdateSourceType,
+    VolatileDBType,
+    VolatileUnavailableError,
+)
 from hps.updates import (
     CorruptRecordError,
     FileLogSource,
@@ -152,7 +158,11 @@ class HierarchicalParameterServer:
                 if from_pdb is not None:
                     rows, found = from_pdb.lookup(name, k)
                     v = np.where(found[:, None], rows, v)
-                self.volatile.insert(name, k, v)
+                try:
+                    self.volatile.insert(name, k, v)
+                except VolatileUnavailableError as e:  # serve from the persistent db meanwhile
+                    log.error("volatile db: loading %s stopped at row %d of %d: %s", name, s, m, e)
+                    break
             log.info("volatile db (%s): loaded %d of %d rows of %s from the %s", self.volatile.name, m, n,
                      name, "persistent db" if from_pdb is not None else "sparse files")
 
@@ -238,7 +248,7 @@ class HierarchicalParameterServer:
                 n = applier.drain()
                 if n:
                     log.info("online updates: applied %d pending record(s) before serving", n)
-            except CorruptRecordError as e:
+            except (CorruptRecordError, VolatileUnavailableError) as e:
                 log.error("applying online updates failed; the poller will retry: %s", e)
             stops.append(applier.start(self.cfg.update_source.poll_interval_s))
         self._stops.extend(stops)

@@ -10,7 +10,13 @@ partition (chunks of ``max_batch_size`` fields), sent node by node by the cluste
 Failures: any Redis error marks the backend *down* for ``retry_interval_s``; while down,
 lookups return "not found" at once (the session falls through to the persistent DB) and
 writes are queued (bounded by ``max_pending_rows``) and replayed when the cluster answers
-again. Every error is counted in :attr:`RedisClusterBackend.errors` and logged.
+again. A write that no longer fits the queue raises :class:`VolatileUnavailableError` instead
+of being dropped: the Redis hashes still hold the old rows of its keys and are read before the
+persistent DB, so a dropped online update would be undone silently once the cluster is back.
+The update applier lets the error fail the batch (its offset is not advanced; the batch is
+applied again, rows being absolute values, when the cluster answers); loading and the session's
+``cache_missed_embeddings`` fills catch it (their rows are copies of the persistent DB's).
+Every error is counted in :attr:`RedisClusterBackend.errors` and logged.
 """
 
 from __future__ import annotations
@@ -22,12 +28,13 @@ import time
 import numpy as np
 
 from hps.persistent import decode_rows, encode_keys
-from hps.types import StorageBackend, check_keys, check_values
+from hps.types import StorageBackend, VolatileUnavailableError, check_keys, check_values
 from hps.volatile import split_by_partition
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_MAX_PENDING_ROWS = 1_000_000  # rows of writes kept for replay while the cluster is down
+
 
 
 def partition_name(table: str, p: int) -> str:
@@ -44,7 +51,8 @@ class RedisClusterBackend(StorageBackend):
         max_batch_size: fields per ``HMGET``/``HSET`` command.
         retry_interval_s: how long the backend stays *down* after an error before it retries.
         socket_timeout_s: connect and read timeout per node.
-        max_pending_rows: writes queued while down beyond this are dropped (and logged).
+        max_pending_rows: rows of writes queued while down; a write beyond them raises
+            :class:`VolatileUnavailableError` (nothing of it is written or queued).
     """
 
     name = "redis_cluster"
@@ -177,7 +185,12 @@ class RedisClusterBackend(StorageBackend):
             raise errs[0]
 
     def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
-        """Write rows; while the cluster is down they are queued and replayed later."""
+        """Write rows; while the cluster is down they are queued and replayed later.
+
+        Raises:
+            VolatileUnavailableError: the cluster is down and the queue is full (``dropped_rows``
+                counts the rows refused).
+        """
         keys = check_keys(keys)
         values = check_values(values, keys.size, self._dim(table))
         if keys.size == 0:
@@ -191,9 +204,10 @@ class RedisClusterBackend(StorageBackend):
         with self._lock:
             if self._pending_rows + keys.size > self.max_pending_rows:
                 self.dropped_rows += keys.size
-                log.error("redis cluster down and %d rows already queued: dropped %d rows of %s "
-                          "(the persistent db still has them)", self._pending_rows, keys.size, table)
-                return
+                raise VolatileUnavailableError(
+                    f"redis cluster down and {self._pending_rows} rows already queued "
+                    f"(max_pending_rows {self.max_pending_rows}): {keys.size} rows of {table!r} "
+                    "neither written nor queued")
             self._pending.append((table, keys.copy(), values.copy()))
             self._pending_rows += keys.size
 

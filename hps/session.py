@@ -51,7 +51,7 @@ import torch
 
 from hps.advisor import KeyStatistics
 from hps.cache import EMPTY_KEY, EmbeddingCache
-from hps.types import StorageBackend, Tier
+from hps.types import StorageBackend, Tier, VolatileUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -376,7 +376,10 @@ class LookupSession:
                 found[hit] = True
                 from_pdb[hit] = True
             if self.volatile is not None and self.cache_missed_embeddings and f.any():
-                self.volatile.insert(t.name, sub[f], v[f])
+                try:
+                    self.volatile.insert(t.name, sub[f], v[f])
+                except VolatileUnavailableError:  # an optional copy of the persistent db's rows
+                    pass
         if vals is None:
             vals = np.zeros((n, t.dim), np.float32)
         return vals, found, from_pdb

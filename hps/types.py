@@ -143,3 +143,8 @@ def mix64(keys: np.ndarray) -> np.ndarray:
     z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
     z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
     return z ^ (z >> np.uint64(31))
+
+
+class VolatileUnavailableError(RuntimeError):
+    """A write the volatile DB could neither apply nor queue (a Redis cluster down with
+    ``max_pending_rows`` rows already queued); nothing of it was written."""

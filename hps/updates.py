@@ -50,7 +50,7 @@ import torch
 
 from hps.persistent import RocksDBBackend
 from hps.session import LookupSession
-from hps.types import StorageBackend
+from hps.types import StorageBackend, VolatileUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -510,7 +510,7 @@ class UpdateApplier:
             while not stop.wait(interval_s):
                 try:
                     self.drain()
-                except CorruptRecordError as e:  # the message says it all; no traceback
+                except (CorruptRecordError, VolatileUnavailableError) as e:  # no traceback needed
                     log.error("applying online updates failed; will retry: %s", e)
                 except Exception:  # keep serving; the batch stays unapplied and is retried
                     log.exception("applying online updates failed; will retry")

@@ -84,3 +84,49 @@ def test_node_killed_mid_run_falls_back_to_rocksdb(redis_cluster, tmp_path: Path
     vdb.clear(name)
     vdb.close()
     pdb.close()
+
+
+def test_an_update_that_no_longer_fits_the_outage_queue_is_retried_not_lost(redis_cluster, tmp_path: Path) -> None:
+    """While a node is down, a write beyond max_pending_rows is refused, not dropped: Redis still
+    holds the old rows and is read first, so a dropped update would be undone once the node is
+    back. The applier's batch fails, its offset stays, and the next poll after recovery applies
+    it: every row serves the update."""
+    from hps.types import VolatileUnavailableError
+    from hps.updates import FileLogPublisher, FileLogSource, UpdateApplier
+
+    name = f"t_{uuid.uuid4().hex[:8]}"
+    keys, old = np.arange(200, dtype=np.int64), np.zeros((200, 4), np.float32)
+    vdb = RedisClusterBackend(redis_cluster.addresses, num_partitions=8, retry_interval_s=0.2,
+                              socket_timeout_s=0.5, max_pending_rows=50)
+    vdb.create_table(name, 4)
+    vdb.insert(name, keys, old)
+    pdb = RocksDBBackend(tmp_path / "pdb")
+    pdb.create_table(name, 4)
+    pdb.bulk_load(name, keys, old)
+    s = LookupSession([SessionTable(name, 4, -1.0, 10_000, None)], vdb, pdb)
+    pub = FileLogPublisher(tmp_path / "u.log")
+    app = UpdateApplier(FileLogSource(tmp_path / "u.log"), [s], vdb, pdb)
+    try:
+        redis_cluster.kill(1)
+        s.lookup(name, torch.from_numpy(keys))  # the failure is noticed: the backend is down
+        pub.publish({name: (keys, np.full((200, 4), 7.0, np.float32))})
+        with pytest.raises(VolatileUnavailableError, match=r"200 rows of .* neither written nor queued"):
+            app.poll()
+        assert app.offset is None and app.applied == 0 and vdb.dropped_rows == 200
+        redis_cluster.restart(1)
+        deadline = time.monotonic() + 10
+        while time.monotonic() < deadline:
+            time.sleep(0.25)
+            try:
+                if app.poll() == 1:
+                    break
+            except VolatileUnavailableError:
+                continue
+        assert app.applied == 1
+        served = s.lookup(name, torch.from_numpy(keys))
+        assert bool((served == 7.0).all())
+        assert s.stats(name)["hits_unique"]["volatile"] > 0  # from Redis again, not only RocksDB
+    finally:
+        s.close()
+        vdb.clear(name)
+        vdb.close()

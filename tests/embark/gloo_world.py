@@ -121,6 +121,11 @@ def worker_main(worker, usage: str) -> None:  # noqa: ANN001 - worker(rank, worl
     """The ``__main__`` of a test file run as a worker."""
     if len(sys.argv) == 6 and sys.argv[1] == "--worker":
         worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5])
+        # finished, its report written: skip interpreter teardown, where a gloo thread still
+        # joinable at static destruction can abort a completed rank (as embark.sharded_train)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(0)
     else:
         sys.exit(f"usage: {usage} --worker RANK WORLD INIT_FILE OUT_DIR")
 

@@ -142,20 +142,18 @@ def _check_integers(data: Any, dtype: np.dtype, where: str) -> None:
 def _json_data(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
     arr = _as_array(data, where)
     if dtype.kind in "iu" and arr.size and (arr.dtype == object or arr.dtype.kind == "f"):
-        _check_integers(data, dtype, where)  # raises: big integers parse as float64 or object
+        _check_integers(data, dtype, where)  # always raises: a float, or an int past int64/uint64
     if arr.dtype == object or arr.dtype.kind not in "biuf":
         raise ProtocolError(f"{where}.data must hold numbers, got {arr.dtype} values")
-    if dtype.kind in "iu" and arr.dtype.kind == "f" and arr.size:  # [] parses as float64
-        raise ProtocolError(f"{where}.data holds non-integer values for an integer datatype")
     n = math.prod(shape)  # Python ints: no int64 wrap-around for huge declared shapes
     if arr.size != n:
         raise ProtocolError(f"{where}: shape {list(shape)} needs {n} values, data has {arr.size}")
     if dtype.kind in "iu" and arr.size:
         info = np.iinfo(dtype)
         lo, hi = int(arr.min()), int(arr.max())
-        if lo < info.min or hi > info.max:
+        if lo < info.min or hi > info.max:  # e.g. 2**63 parses as uint64
             raise ProtocolError(f"{where}.data value {lo if lo < info.min else hi} is out of "
-                                f"range for {_NAMES[dtype]}")
+                                f"range for {_NAMES[dtype]} [{info.min}, {info.max}]")
     return arr.astype(dtype, copy=False).reshape(shape)
 
 

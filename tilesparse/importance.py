@@ -71,6 +71,41 @@ class ScoreTracker(ABC):
     def scores(self, weights: Tensors) -> dict[str, torch.Tensor]:
         """Per layer ``(K, N) float32`` non-negative scores."""
 
+    def state(self) -> tuple[int, dict[str, torch.Tensor]]:
+        """``(backward passes observed, per layer (K, N) float32 sums)``, what a resume needs;
+        weight-only scores keep none."""
+        return 0, {}
+
+    def load_state(self, steps: int, sums: dict[str, torch.Tensor]) -> None:
+        """Restore :meth:`state`.
+
+        Raises:
+            ValueError: for observations given to a score that keeps none.
+        """
+        if steps or sums:
+            raise ValueError(f"{type(self).__name__} keeps no observations, got {steps} step(s) "
+                             f"and sums for {sorted(sums)}")
+
+
+class _SummedScore(ScoreTracker):
+    """A score summed over backward passes: ``steps`` observed, ``_acc`` the per-layer sums."""
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._acc: dict[str, torch.Tensor] = {}
+
+    def reset(self) -> None:
+        self.steps = 0
+        self._acc = {}
+
+    def state(self) -> tuple[int, dict[str, torch.Tensor]]:
+        return self.steps, {k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
+                            for k, v in self._acc.items()}
+
+    def load_state(self, steps: int, sums: dict[str, torch.Tensor]) -> None:
+        self.steps = steps
+        self._acc = {k: v.detach().cpu().float().clone() for k, v in sums.items()}
+
 
 class MagnitudeScore(ScoreTracker):
     """``|w|``."""
@@ -79,7 +114,7 @@ class MagnitudeScore(ScoreTracker):
         return {k: w.detach().abs().float().cpu() for k, w in weights.items()}
 
 
-class TaylorScore(ScoreTracker):
+class TaylorScore(_SummedScore):
     """``Σ (g · w)²`` over at most ``max_steps`` backward passes since the last reset.
 
     Raises (from :meth:`scores`):
@@ -92,9 +127,8 @@ class TaylorScore(ScoreTracker):
     def __init__(self, max_steps: int = 100) -> None:
         if max_steps < 1:
             raise ValueError(f"max_steps must be >= 1, got {max_steps}")
+        super().__init__()
         self.max_steps = max_steps
-        self.steps = 0
-        self._acc: dict[str, torch.Tensor] = {}
 
     def observe(self, weights: Tensors, grads: Tensors) -> None:
         if self.steps >= self.max_steps:
@@ -103,10 +137,6 @@ class TaylorScore(ScoreTracker):
             term = (g.detach().float() * weights[k].detach().float()).pow(2).cpu()
             self._acc[k] = self._acc[k] + term if k in self._acc else term
         self.steps += 1
-
-    def reset(self) -> None:
-        self.steps = 0
-        self._acc = {}
 
     def scores(self, weights: Tensors) -> dict[str, torch.Tensor]:
         if self.steps == 0:
@@ -121,7 +151,7 @@ class TaylorScore(ScoreTracker):
         return {k: self._acc[k].clone() for k in weights}
 
 
-class MovementScore(ScoreTracker):
+class MovementScore(_SummedScore):
     """``-Σ g · w`` since the last :meth:`reset`, shifted to be >= 0 across all layers.
 
     Unlike Taylor, movement keeps accumulating across mask updates (the pruner never resets
@@ -130,10 +160,6 @@ class MovementScore(ScoreTracker):
 
     needs_gradients = True
     reset_on_mask_update = False
-
-    def __init__(self) -> None:
-        self.steps = 0
-        self._acc: dict[str, torch.Tensor] = {}
 
     def observe(self, weights: Tensors, grads: Tensors) -> None:
         for k, g in grads.items():
@@ -144,8 +170,7 @@ class MovementScore(ScoreTracker):
     def reset(self) -> None:
         """Movement accumulates over the whole run; the pruner does not call this between
         updates. Call it by hand to start afresh."""
-        self.steps = 0
-        self._acc = {}
+        super().reset()
 
     def scores(self, weights: Tensors) -> dict[str, torch.Tensor]:
         if self.steps == 0:

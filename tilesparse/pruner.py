@@ -240,14 +240,14 @@ class TileSparsePruner:
             Taylor / movement accumulators, empty for magnitude) is a flat name → CPU tensor
             dict that ``safetensors`` or ``torch.save`` store as is.
         """
-        sums = getattr(self.tracker, "_acc", {})
+        steps, sums = self.tracker.state()
         return {
             "step_count": self.step_count,
             "current_sparsity": self.current_sparsity,
             "updates": self.updates,
             "layers": list(self.layers),
-            "tracker_steps": int(getattr(self.tracker, "steps", 0)),
-            "tracker_sums": {k: v.detach().cpu().clone(memory_format=torch.contiguous_format) for k, v in sums.items()},
+            "tracker_steps": steps,
+            "tracker_sums": sums,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -285,16 +285,15 @@ class TileSparsePruner:
             if not isinstance(v, torch.Tensor) or want is None or tuple(v.shape) != want:
                 got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
                 raise ValueError(f"pruner state tracker_sums[{k!r}] is {got}, expected a (K, N) = {want} tensor")
-        if (sums or state["tracker_steps"]) and not hasattr(self.tracker, "_acc"):
+        try:  # the last check, and the first change: nothing is changed when it raises
+            self.tracker.load_state(state["tracker_steps"], sums)
+        except ValueError:
             raise ValueError(
                 f"pruner state has importance sums, but importance={self.config.importance.value!r} keeps none"
-            )
+            ) from None
         self.step_count = state["step_count"]
         self.current_sparsity = float(s)
         self.updates = state["updates"]
-        if hasattr(self.tracker, "_acc"):
-            self.tracker.steps = state["tracker_steps"]  # type: ignore[attr-defined]
-            self.tracker._acc = {k: v.detach().cpu().float().clone() for k, v in sums.items()}  # type: ignore[attr-defined]
 
     # -- masks -----------------------------------------------------------------------------
     def _layer_sparsity(self, fqn: str, sparsity: float) -> float:

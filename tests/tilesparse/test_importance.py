@@ -74,3 +74,19 @@ def test_make_tracker() -> None:
     assert isinstance(make_tracker("movement"), MovementScore)
     with pytest.raises(ValueError):
         make_tracker("random")
+
+
+def test_summed_scores_round_trip_their_state_and_magnitude_keeps_none() -> None:
+    w = {"a": torch.tensor([[1.0, -2.0]])}
+    for tracker in (TaylorScore(), MovementScore()):
+        tracker.observe(w, {"a": torch.tensor([[0.5, 0.25]])})
+        steps, sums = tracker.state()
+        again = type(tracker)()
+        again.load_state(steps, sums)
+        assert again.state()[0] == steps == 1
+        assert torch.equal(again.scores(w)["a"], tracker.scores(w)["a"])
+        sums["a"].zero_()  # state() hands out copies
+        assert torch.equal(again.scores(w)["a"], tracker.scores(w)["a"])
+    assert MagnitudeScore().state() == (0, {})
+    with pytest.raises(ValueError, match=r"MagnitudeScore keeps no observations, got 1 step"):
+        MagnitudeScore().load_state(1, {"a": torch.ones(1, 2)})

@@ -1,27 +1,37 @@
 """Hierarchical output distribution for the REDUCTION cluster: partial sums are reduced
 inside a node before they cross to another node.
 
-Ranks ``n*gpn .. (n+1)*gpn-1`` form node ``n`` (``gpn`` = ``gpus_per_node``); a rank's
-*local index* is ``rank % gpn``. Two kinds of subgroups: the *node group* (one per node) and
-the *rail group* (one per local index: the ranks with that index on every node). For a
-source rank ``r``, the *relay* of node ``n`` is the rank of node ``n`` with ``r``'s local
-index. Two exchanges replace the flat one:
+Ranks ``n*gpn .. (n+1)*gpn-1`` form node ``n`` (``gpn`` = ``gpus_per_node``). Take one
+column block ``b`` of a REDUCTION table and a node ``n``; its *owners* there are the ranks of
+node ``n`` holding a row shard of ``b`` (``k`` of them). Every source rank ``r`` gets one
+*relay* among those owners: ``r`` itself when ``r`` is an owner, else the owners take the
+other sources in turn (in rank order: the ``j``-th non-owner source goes to owner
+``j mod k``). Two exchanges replace the flat one:
 
     stage 1 (node group, intra-node): each owner sends its (B_r, cols) partial for source r
-             to node n's relay of r; the relay sums the partials of one (table, column block)
-    stage 2 (rail group, inter-node): the relay sends one (B_r, cols) per (table, block)
-             to r (a self-send when r is the relay, i.e. r sits on node n)
+             to r's relay (kept when it is the relay); the relay sums the k partials
+    stage 2 (default group): the relay sends the sum to r (kept when r is the relay)
 
-Worked example: 2 nodes × 2 ranks, table ``t`` row-split over ranks 0 and 1 (node 0), B = 4
-on rank 3 (local index 1, so its relay on node 0 is rank 1)::
+Stage 1 is a reduce-scatter of the node's partials over its owners; stage 2 sends each source
+one (B_r, cols) per (block, node). A block with one owner on a node is sent by that owner
+directly (nothing in stage 1), and with an owner on every rank of the node the relay of a
+source is the owner with its local index (``rank % gpn``), so stage 2 stays rail-aligned.
+These are the bytes the planner's cost model counts (:mod:`embark.planner.cost`): stage 1
+moves ``(k-1)/k · B · cols`` per owner, stage 2 one ``b × cols`` per remote source and per
+non-owner on the node.
+
+Worked example: 2 nodes × 2 ranks, table ``t`` row-split over ranks 0 and 1 (node 0),
+B = 4 on every rank. Non-owner sources 2 and 3 go to owners 0 and 1 in turn::
 
     flat:    rank 0 --(4, D)--> rank 3      rank 1 --(4, D)--> rank 3     inter: 2 × 4·D
-    stage 1: rank 0 --(4, D)--> rank 1      (intra)
-             rank 1: p = partial_0 + partial_1
+    relays:  r = 0 -> 0, r = 1 -> 1 (owners), r = 2 -> 0, r = 3 -> 1
+    stage 1: rank 0 --(4, D)--> rank 1 for r = 1, 3;  rank 1 --> rank 0 for r = 0, 2
+             rank 1: p_3 = partial_0 + partial_1                     intra: 4 × 4·D
     stage 2: rank 1 --(4, D)--> rank 3      (inter)                       inter: 1 × 4·D
 
 A node's inter-node bytes for a block shrink by the number of its row shards in that node;
-intra-node bytes grow by as much (NVLink is ~9× InfiniBand per GPU on a DGX H100).
+intra-node bytes grow by ``(k-1)/k`` of them (NVLink is ~9× InfiniBand per GPU on a DGX
+H100).
 """
 
 from __future__ import annotations
@@ -40,62 +50,88 @@ from embark.types import Cluster, CommDtype
 
 @dataclass(frozen=True)
 class BlockRef:
-    """One column block of a REDUCTION table with at least one row shard on a node."""
+    """One column block of a REDUCTION table with at least one row shard on a node.
+
+    Args:
+        table: table name.
+        col_start: first column of the block.
+        num_cols: its width.
+        wire: wire dtype of its vectors.
+        owners: ranks of the node holding a row shard of the block, ascending (``k``).
+        relays: ``(world,)`` the relay of every source rank (one of ``owners``).
+    """
 
     table: str
     col_start: int
     num_cols: int
     wire: CommDtype
+    owners: tuple[int, ...]
+    relays: tuple[int, ...]
+
+
+def relays_for(owners: Sequence[int], world_size: int) -> tuple[int, ...]:
+    """``(world_size,)`` the relay of each source rank: itself when it is one of ``owners``,
+    else the owners in turn over the other sources in rank order.
+
+    Raises:
+        ValueError: when ``owners`` is empty or names a rank outside ``0 .. world_size-1``.
+    """
+    own = sorted(set(owners))
+    if not own or own[0] < 0 or own[-1] >= world_size:
+        raise ValueError(f"relays_for: owners must be ranks in 0..{world_size - 1}, got {list(owners)}")
+    out, j = [], 0
+    for r in range(world_size):
+        if r in own:
+            out.append(r)
+        else:
+            out.append(own[j % len(own)])
+            j += 1
+    return tuple(out)
 
 
 @dataclass
 class NodeGroups:
-    """This rank's node group and rail group (see the module docstring).
+    """This rank's node group (see the module docstring).
 
     Args:
         gpus_per_node: ``gpn``.
         num_nodes: number of nodes.
         node_group: process group of this rank's node (group rank = local index).
-        rail_group: process group of this rank's local index (group rank = node).
     """
 
     gpus_per_node: int
     num_nodes: int
     node_group: Any
-    rail_group: Any
 
     @classmethod
     def create(cls, world_size: int, gpus_per_node: int, rank: int) -> NodeGroups:
-        """Create the subgroups (a collective on the default group: every rank calls it with
-        the same arguments)."""
+        """Create the node groups (a collective on the default group: every rank calls it
+        with the same arguments)."""
         nodes = world_size // gpus_per_node
-        node_group = rail_group = None
+        node_group = None
         for n in range(nodes):
             g = dist.new_group(list(range(n * gpus_per_node, (n + 1) * gpus_per_node)))
             if n == rank // gpus_per_node:
                 node_group = g
-        for lo in range(gpus_per_node):
-            g = dist.new_group([n * gpus_per_node + lo for n in range(nodes)])
-            if lo == rank % gpus_per_node:
-                rail_group = g
-        return cls(gpus_per_node, nodes, node_group, rail_group)
+        return cls(gpus_per_node, nodes, node_group)
 
 
 def node_blocks(layout: Layout, gpus_per_node: int) -> list[list[BlockRef]]:
     """``blocks[n]``: the (table, column block) pairs with a REDUCTION row shard on node
-    ``n``, in table order then column order (both ends of stage 2 walk this list)."""
-    nodes = layout.world_size // gpus_per_node
+    ``n``, in table order then column order (both ends of each stage walk this list)."""
+    world = layout.world_size
+    nodes = world // gpus_per_node
     out: list[list[BlockRef]] = [[] for _ in range(nodes)]
     for name in layout.sharded_tables:
         refs = [r for r in layout.shards_of(name) if r.cluster is Cluster.REDUCTION]
         for n in range(nodes):
-            seen: list[BlockRef] = []
+            owners: dict[tuple[int, int, CommDtype], set[int]] = {}
             for r in refs:
                 if r.shard.rank // gpus_per_node == n:
-                    b = BlockRef(name, r.shard.col_start, r.num_cols, r.wire)
-                    if b not in seen:
-                        seen.append(b)
-            out[n] += sorted(seen, key=lambda b: b.col_start)
+                    owners.setdefault((r.shard.col_start, r.num_cols, r.wire), set()).add(r.shard.rank)
+            for (c0, cols, wire), own in sorted(owners.items(), key=lambda kv: kv[0][0]):
+                ranks = tuple(sorted(own))
+                out[n].append(BlockRef(name, c0, cols, wire, ranks, relays_for(ranks, world)))
     return out
 
 
@@ -118,7 +154,7 @@ def reduce_hierarchically(
         owned: :attr:`Layout.owned`.
         rank: this rank.
         batch_sizes: ``(world,)`` every source's ``B``.
-        groups: the subgroups.
+        groups: the node groups.
         blocks: :func:`node_blocks`.
         wires: wire dtypes in use (one buffer per dtype in each stage's single exchange).
         stats: byte counter.
@@ -127,18 +163,23 @@ def reduce_hierarchically(
             order.
 
     Returns:
-        ``({(table, col_start): [(B_rank, cols) partial per node]}, received buffers)``; the
-        buffers are to be tied to the outputs (:func:`embark.sharding.comm.tie`).
+        ``({(table, col_start): [(B_rank, cols) sum per node holding the block]}, received
+        buffers)``; the buffers are to be tied to the outputs
+        (:func:`embark.sharding.comm.tie`).
     """
     gpn, nodes = groups.gpus_per_node, groups.num_nodes
-    node, local = rank // gpn, rank % gpn
+    node = rank // gpn
     world = gpn * nodes
-    by_local = [[r for r in range(world) if r % gpn == lo] for lo in range(gpn)]
     mates = [node * gpn + j for j in range(gpn)]
+    here = list(blocks[node])
 
-    def red(o: int, wire: CommDtype) -> list[tuple[int, ShardRef]]:
-        return [(k, ref) for k, ref in enumerate(owned[o])
-                if ref.cluster is Cluster.REDUCTION and ref.wire is wire]
+    # this rank's partial of each block it owns, per source (summed over its shards of it)
+    mine: dict[tuple[str, int], list[torch.Tensor]] = {}
+    for k, ref in enumerate(owned[rank]):
+        if ref.cluster is Cluster.REDUCTION:
+            key = (ref.table, ref.shard.col_start)
+            parts = [answers[k][r] for r in range(world)]
+            mine[key] = [a + p for a, p in zip(mine[key], parts)] if key in mine else parts
 
     def chained(x: torch.Tensor, prev: Sequence[torch.Tensor]) -> torch.Tensor:
         if not torch.is_grad_enabled():
@@ -146,49 +187,56 @@ def reduce_hierarchically(
         x = torch.cat([x, *[p[:0] for p in prev]])
         return x if x.requires_grad else x.detach().requires_grad_(True)
 
+    def cat(pieces: list[torch.Tensor], prev: Sequence[torch.Tensor]) -> torch.Tensor:
+        return chained(torch.cat(pieces) if pieces else torch.zeros(0), prev)
+
     # stage 1: owner -> relay of each source, inside the node
     xs, send, recv = [], [], []
     for wire in wires:
-        pieces, send_g = [], []
-        for j in range(gpn):
-            mine = [answers[k][r].reshape(-1) for r in by_local[j] for k, _ in red(rank, wire)]
-            pieces += mine
-            send_g.append(sum(p.numel() for p in mine))
-        recv_g = [sum(batch_sizes[r] * ref.num_cols for r in by_local[local] for _, ref in red(m, wire))
-                  for m in mates]
-        xs.append(chained(torch.cat(pieces) if pieces else torch.zeros(0), after))
+        pieces, send_g, recv_g = [], [], []
+        for m in mates:
+            seg = [mine[(b.table, b.col_start)][r].reshape(-1)
+                   for b in here if b.wire is wire and rank in b.owners
+                   for r in range(world) if b.relays[r] == m]
+            pieces += seg
+            send_g.append(sum(p.numel() for p in seg))
+            recv_g.append(sum(batch_sizes[r] * b.num_cols
+                              for b in here if b.wire is wire and m in b.owners
+                              for r in range(world) if b.relays[r] == rank))
+        xs.append(cat(pieces, after))
         send.append(send_g)
         recv.append(recv_g)
     got1 = exchange_vectors(xs, wires, send, recv, groups.node_group, stats=stats, peers=mates)
-    # relay: sum the partials of each (table, block) for each source of my local index
-    sums: dict[tuple[int, str, int], torch.Tensor] = {}
+    # relay: sum the partials of each (block, source) it relays
+    sums: dict[tuple[str, int, int], torch.Tensor] = {}
     for g, wire in enumerate(wires):
         for m, chunk in zip(mates, got1[g].split(recv[g])):
-            sizes = [(r, ref) for r in by_local[local] for _, ref in red(m, wire)]
-            parts = chunk.split([batch_sizes[r] * ref.num_cols for r, ref in sizes])
-            for (r, ref), v in zip(sizes, parts):
-                key = (r, ref.table, ref.shard.col_start)
-                v = v.view(batch_sizes[r], ref.num_cols)
+            sizes = [(b, r) for b in here if b.wire is wire and m in b.owners
+                     for r in range(world) if b.relays[r] == rank]
+            parts = chunk.split([batch_sizes[r] * b.num_cols for b, r in sizes])
+            for (b, r), v in zip(sizes, parts):
+                key = (b.table, b.col_start, r)
+                v = v.view(batch_sizes[r], b.num_cols)
                 sums[key] = sums[key] + v if key in sums else v
-    # stage 2: relay -> source, across nodes (same local index)
-    rail = [n * gpn + local for n in range(nodes)]
+    # stage 2: relay -> source, over the world (peers on this node are intra-node)
     xs, send, recv = [], [], []
     for wire in wires:
-        pieces, send_g = [], []
-        for r in rail:
-            mine = [sums[(r, b.table, b.col_start)].reshape(-1) for b in blocks[node] if b.wire is wire]
-            pieces += mine
-            send_g.append(sum(p.numel() for p in mine))
-        recv_g = [sum(batch_sizes[rank] * b.num_cols for b in blocks[n] if b.wire is wire)
-                  for n in range(nodes)]
-        xs.append(chained(torch.cat(pieces) if pieces else torch.zeros(0), got1))
+        pieces, send_g, recv_g = [], [], []
+        for r in range(world):
+            seg = [sums[(b.table, b.col_start, r)].reshape(-1)
+                   for b in here if b.wire is wire and b.relays[r] == rank]
+            pieces += seg
+            send_g.append(sum(p.numel() for p in seg))
+            recv_g.append(sum(batch_sizes[rank] * b.num_cols
+                              for b in blocks[r // gpn] if b.wire is wire and b.relays[rank] == r))
+        xs.append(cat(pieces, got1))
         send.append(send_g)
         recv.append(recv_g)
-    got2 = exchange_vectors(xs, wires, send, recv, groups.rail_group, stats=stats, peers=rail)
+    got2 = exchange_vectors(xs, wires, send, recv, None, stats=stats)
     out: dict[tuple[str, int], list[torch.Tensor]] = {}
     for g, wire in enumerate(wires):
-        for n, chunk in enumerate(got2[g].split(recv[g])):
-            bs = [b for b in blocks[n] if b.wire is wire]
+        for p, chunk in enumerate(got2[g].split(recv[g])):
+            bs = [b for b in blocks[p // gpn] if b.wire is wire and b.relays[rank] == p]
             for b, v in zip(bs, chunk.split([batch_sizes[rank] * b.num_cols for b in bs])):
                 out.setdefault((b.table, b.col_start), []).append(v.view(batch_sizes[rank], b.num_cols))
     return out, [*got1, *got2]

@@ -236,6 +236,32 @@ def _reduction_inter_bytes(plan: dict[str, Any], hierarchical: bool) -> int:
     return total
 
 
+def _reduction_intra_bytes(plan: dict[str, Any], hierarchical: bool) -> int:
+    """Intra-node bytes of REDUCTION partials over all steps and ranks (forward), as the cost
+    model counts them. Flat: every row shard sends each other source on its node a
+    ``(B, cols)`` partial. Hierarchical, per (node, column block) with ``k`` owners there:
+    stage 1 sends each source's partial from the ``k - 1`` owners that are not its relay;
+    stage 2 sends the sum to each non-owner source on the node."""
+    total = 0
+    for ts in plan["tables"]:
+        if ts["cluster"] != "reduction":
+            continue
+        owners: dict[tuple[int, int, int], set[int]] = {}  # (node, col_start, cols) -> ranks
+        for s in ts["shards"]:
+            key = (s["rank"] // GPN, s["col_start"], s["col_end"] - s["col_start"])
+            owners.setdefault(key, set()).add(s["rank"])
+        for (node, _, cols), own in owners.items():
+            for sizes in BATCH_SIZES:
+                mates = [b for r, b in enumerate(sizes) if r // GPN == node]
+                if hierarchical:
+                    n = (len(own) - 1) * sum(sizes)
+                    n += sum(b for r, b in enumerate(sizes) if r // GPN == node and r not in own)
+                else:
+                    n = sum(sum(mates) - sizes[o] for o in own)
+                total += n * cols * ROW_BYTES
+    return total
+
+
 def _key_bytes(plan: dict[str, Any]) -> dict[str, int]:
     """Bytes of the keys exchange over all steps and ranks, per level, as the cost model counts
     them (:class:`~embark.planner.types.CostConstants`: int64 keys, one int32 length per bag),
@@ -266,9 +292,11 @@ def _key_bytes(plan: dict[str, Any]) -> dict[str, int]:
 
 @pytest.mark.parametrize("spec", list(SPECS))
 def test_hierarchical_saves_exactly_the_reduction_bytes(world_reports: Any, spec: str) -> None:
-    """Hierarchical changes only REDUCTION partials: keys and headers are unchanged, and the
-    inter-node vector bytes (and their gradients) fall by exactly the modelled amount. The
-    keys (ids and bag lengths) are exactly the bytes the cost model counts for them."""
+    """Hierarchical changes only REDUCTION partials: keys and headers are unchanged, the
+    inter-node vector bytes (and their gradients) fall by exactly the modelled amount and the
+    intra-node ones grow by exactly the modelled amount (the cost model's reduce-scatter over
+    a block's owners on a node). The keys (ids and bag lengths) are exactly the bytes the
+    cost model counts for them."""
     plans, reps = world_reports
     plan = _plan_of(plans, spec)
 
@@ -281,9 +309,12 @@ def test_hierarchical_saves_exactly_the_reduction_bytes(world_reports: Any, spec
     for level in ("intra", "inter"):
         assert total("flat", f"keys/{level}") == keys[level], (level, total("flat", f"keys/{level}"), keys)
     saved = _reduction_inter_bytes(plan, False) - _reduction_inter_bytes(plan, True)
+    added = _reduction_intra_bytes(plan, True) - _reduction_intra_bytes(plan, False)
     for phase in ("vectors", "vector_grads"):
         flat, hier = total("flat", f"{phase}/inter"), total("hierarchical", f"{phase}/inter")
         assert flat - hier == saved, (phase, flat, hier, saved)
+        flat, hier = total("flat", f"{phase}/intra"), total("hierarchical", f"{phase}/intra")
+        assert hier - flat == added, (phase, flat, hier, added)
     if all(t["cluster"] != "unique" for t in plan["tables"]):
         assert total("flat", "vectors/inter") == _reduction_inter_bytes(plan, False)
         assert total("hierarchical", "vectors/inter") == _reduction_inter_bytes(plan, True)

@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from embark.data.jagged import JaggedBatch
 from embark.sharding import Layout, ShardedEmbeddingCollection
 from embark.sharding.comm import CommStats, exchange_vectors, from_int_bytes, int_bytes
+from embark.sharding.hierarchical import node_blocks, relays_for
 from embark.sharding.routing import bag_lengths, route_keys, sample_ids
 from embark.types import CommDtype, Shard, ShardingPlan, TableConfig, TableSharding
 
@@ -37,6 +38,41 @@ def test_route_keys_matches_the_docstring_example() -> None:
     shards = [Shard(0, 0, 3, 0, 2), Shard(1, 3, 8, 0, 2), Shard(2, 0, 8, 2, 4)]
     routed = route_keys(values, samples, shards)
     assert [r.tolist() for r, _ in routed] == [[1], [2, 2, 2, 4], [1, 5, 5, 5, 7]]
+
+
+def test_relays_match_the_docstring_and_the_cost_model() -> None:
+    """Owners relay themselves, the other sources go to the owners in turn (the module's worked
+    example); one owner relays every source (sends directly); an owner on every rank of a node
+    relays each source by its local index (rail-aligned); the split is even, as the cost
+    model's reduce-scatter assumes."""
+    assert relays_for([0, 1], 4) == (0, 1, 0, 1)
+    assert relays_for([1], 4) == (1, 1, 1, 1)
+    assert relays_for([2, 3], 8) == (2, 3, 2, 3, 2, 3, 2, 3)
+    assert relays_for([4, 5, 6, 7], 12) == (4, 5, 6, 7, 4, 5, 6, 7, 4, 5, 6, 7)
+    load = [relays_for([0, 2, 3], 16).count(o) for o in (0, 2, 3)]
+    assert max(load) - min(load) <= 1 and sum(load) == 16
+    with pytest.raises(ValueError, match="0..3"):
+        relays_for([4], 4)
+    with pytest.raises(ValueError, match=r"\[\]"):
+        relays_for([], 4)
+
+
+def test_node_blocks_list_owners_and_relays_per_node() -> None:
+    tables = [TableConfig("t0", 8, 4), TableConfig("t1", 6, 4)]
+    plan = ShardingPlan(4, 2, (
+        TableSharding("t0", 8, 4, "3d", "reduction", (
+            Shard(0, 0, 4, 0, 4), Shard(1, 4, 6, 0, 4), Shard(2, 6, 8, 0, 4))),
+        TableSharding("t1", 6, 4, "column_wise", "reduction", (Shard(3, 0, 6, 2, 4), Shard(2, 0, 6, 0, 2))),
+    ))
+    blocks = node_blocks(Layout(tables, plan), 2)
+    assert [(b.table, b.col_start, b.num_cols, b.owners, b.relays) for b in blocks[0]] == [
+        ("t0", 0, 4, (0, 1), (0, 1, 0, 1)),
+    ]
+    assert [(b.table, b.col_start, b.num_cols, b.owners, b.relays) for b in blocks[1]] == [
+        ("t0", 0, 4, (2,), (2, 2, 2, 2)),
+        ("t1", 0, 2, (2,), (2, 2, 2, 2)),
+        ("t1", 2, 2, (3,), (3, 3, 3, 3)),
+    ]
 
 
 def test_layout_lists_owned_shards_in_table_order() -> None:

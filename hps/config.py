@@ -228,6 +228,8 @@ def _get(d: dict[str, Any], key: str, where: str, typ: type, default: Any = _MIS
         ok, v = True, float(v)
     if not ok:
         raise ValueError(f"{where}.{key}: expected {_type_name(typ)}, got {v!r} ({type(v).__name__})")
+    if typ is float and not math.isfinite(v):  # json.loads takes NaN and Infinity
+        raise ValueError(f"{where}.{key}: {v!r} is impossible; expected a finite number")
     return v
 
 
@@ -270,6 +272,8 @@ def _list(d: dict[str, Any], key: str, where: str, item: type, n: int | None,
             ok, x = True, float(x)
         if not ok:
             raise ValueError(f"{where}.{key}[{i}]: expected {_type_name(item)}, got {x!r}")
+        if item is float and not math.isfinite(x):
+            raise ValueError(f"{where}.{key}[{i}]: {x!r} is impossible; expected a finite number")
         if check is not None and not check(x):
             raise ValueError(f"{where}.{key}[{i}]: {x!r} is impossible; expected {expected}")
         out.append(x)
@@ -280,6 +284,9 @@ def _resolve(p: str, base: Path | None) -> str:
     if not p or base is None or Path(p).is_absolute():
         return p
     return str(base / p)
+
+
+_MAX_WAIT_S = 86400.0  # a day: the longest poll / retry interval or timeout ps.json may ask for
 
 
 _MODEL_FIELDS = {
@@ -369,8 +376,10 @@ def _parse_vdb(d: dict[str, Any]) -> VolatileDBConfig:
     _check(0.0 <= cfg.initial_cache_rate <= 1.0, w, "initial_cache_rate", cfg.initial_cache_rate,
            "a fraction in [0, 1]")
     _check(cfg.max_batch_size > 0, w, "max_batch_size", cfg.max_batch_size, "> 0")
-    _check(cfg.retry_interval_s >= 0, w, "retry_interval_s", cfg.retry_interval_s, ">= 0")
-    _check(cfg.socket_timeout_s > 0, w, "socket_timeout_s", cfg.socket_timeout_s, "> 0")
+    _check(0 <= cfg.retry_interval_s <= _MAX_WAIT_S, w, "retry_interval_s", cfg.retry_interval_s,
+           f"seconds in [0, {_MAX_WAIT_S:.0f}]")
+    _check(0 < cfg.socket_timeout_s <= _MAX_WAIT_S, w, "socket_timeout_s", cfg.socket_timeout_s,
+           f"seconds in (0, {_MAX_WAIT_S:.0f}]")
     if typ is VolatileDBType.REDIS_CLUSTER:
         _check_address(cfg.address, w, "a redis_cluster")
     return cfg
@@ -402,7 +411,8 @@ def _parse_updates(d: dict[str, Any], base: Path | None, vdb: VolatileDBConfig,
         poll_interval_s=_get(d, "poll_interval_s", w, float, 0.5),
         state_path=_resolve(_get(d, "state_path", w, str, ""), base),
     )
-    _check(cfg.poll_interval_s >= 0, w, "poll_interval_s", cfg.poll_interval_s, ">= 0")
+    _check(0 <= cfg.poll_interval_s <= _MAX_WAIT_S, w, "poll_interval_s", cfg.poll_interval_s,
+           f"seconds in [0, {_MAX_WAIT_S:.0f}]")
     if typ is UpdateSourceType.FILE_LOG:
         _check(bool(cfg.path), w, "path", cfg.path, "the update log file for a file_log source")
     if typ is UpdateSourceType.REDIS_STREAM:
@@ -424,6 +434,25 @@ def _parse_updates(d: dict[str, Any], base: Path | None, vdb: VolatileDBConfig,
                "must be a rocks_db that is not read_only (else updates reach only cached copies "
                "and are lost on eviction and restart)")
     return cfg
+
+
+def _check_shared_tables(models: tuple[ModelConfig, ...]) -> None:
+    """Tables are keyed by name in the databases: models may share a table only when they
+    name the same rows (same sparse file and dim)."""
+    seen: dict[str, tuple[str, TableSpec]] = {}
+    for m in models:
+        for t in m.tables:
+            if t.name not in seen:
+                seen[t.name] = (m.model, t)
+                continue
+            other, u = seen[t.name]
+            if (Path(u.sparse_file).resolve() if u.sparse_file else "") != (
+                    Path(t.sparse_file).resolve() if t.sparse_file else "") or u.dim != t.dim:
+                raise ValueError(
+                    f"ps.json.models: table {t.name!r} of model {m.model!r} (sparse file "
+                    f"{t.sparse_file!r}, dim {t.dim}) and of model {other!r} (sparse file "
+                    f"{u.sparse_file!r}, dim {u.dim}) differ; the databases key tables by name, so "
+                    "models may share a table only with the same sparse file and dim: rename one")
 
 
 def parse_config(doc: Any, base_dir: str | Path | None = None) -> PSConfig:
@@ -453,6 +482,11 @@ def parse_config(doc: Any, base_dir: str | Path | None = None) -> PSConfig:
             "ps.json: volatile_db.type and persistent_db.type are both 'none'; at least one "
             "database tier must hold the tables"
         )
+    if pdb.type is PersistentDBType.NONE:
+        _check(vdb.initial_cache_rate == 1.0, "volatile_db", "initial_cache_rate", vdb.initial_cache_rate,
+               "1.0 without a persistent_db (the rows not loaded would be served as default "
+               "vectors: no tier would hold them)")
+    _check_shared_tables(models)
     return PSConfig(models=models, volatile_db=vdb, persistent_db=pdb, update_source=upd,
                     supportlonglong=longlong)
 

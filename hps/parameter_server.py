@@ -64,9 +64,11 @@ def build_volatile(cfg: PSConfig) -> StorageBackend | None:
     if v.type is VolatileDBType.REDIS_CLUSTER:
         from hps.redis_cluster import RedisClusterBackend
 
+        # with a persistent DB every row can be served while the cluster is unreachable
         return RedisClusterBackend(v.addresses(), num_partitions=v.num_partitions,
                                    max_batch_size=v.max_batch_size, retry_interval_s=v.retry_interval_s,
-                                   socket_timeout_s=v.socket_timeout_s)
+                                   socket_timeout_s=v.socket_timeout_s,
+                                   start_down=cfg.persistent_db.type is not PersistentDBType.NONE)
     from hps.volatile import HashMapBackend
 
     parts = 1 if v.type is VolatileDBType.HASH_MAP else v.num_partitions
@@ -165,6 +167,16 @@ class HierarchicalParameterServer:
                     break
             log.info("volatile db (%s): loaded %d of %d rows of %s from the %s", self.volatile.name, m, n,
                      name, "persistent db" if from_pdb is not None else "sparse files")
+            if pdb is None and self.cfg.volatile_db.type is not VolatileDBType.REDIS_CLUSTER:
+                held = self.volatile.size(name)
+                if held < n:  # evicted while loading: no tier holds the rest
+                    v = self.cfg.volatile_db
+                    raise ValueError(
+                        f"table {name!r}: the volatile db holds {held} of its {n} rows after loading "
+                        f"(overflow_margin {v.overflow_margin} rows per partition, "
+                        f"{self.volatile.num_partitions} partitions) and there is no persistent_db, "
+                        "so the evicted rows would be served as default vectors; raise "
+                        "volatile_db.overflow_margin or add a persistent_db")
 
     def _volatile_rebuilt(self, load: bool) -> bool:
         """Whether this start left the volatile DB without the online updates applied before

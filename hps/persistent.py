@@ -15,7 +15,7 @@ from pathlib import Path
 
 import numpy as np
 
-from hps.types import StorageBackend, check_keys, check_values
+from hps.types import CorruptRowError, StorageBackend, check_keys, check_values
 
 log = logging.getLogger(__name__)
 
@@ -27,16 +27,32 @@ def encode_keys(keys: np.ndarray) -> list[bytes]:
     return keys.astype("<i8", copy=False).view("V8").tolist()
 
 
-def decode_rows(res: list[bytes | None], dim: int, what: str) -> tuple[np.ndarray, np.ndarray]:
-    """Multi-get results (``None`` = missing) → ``(values (n, dim) float32, found (n,) bool)``."""
+def decode_rows(res: list[bytes | None], dim: int, what: str,
+                keys: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+    """Multi-get results (``None`` = missing) → ``(values (n, dim) float32, found (n,) bool)``.
+
+    Args:
+        res: ``n`` stored values, ``dim * 4`` bytes each, or ``None``.
+        dim: the table's dim.
+        what: the database and table, for errors.
+        keys: ``(n,)`` the keys looked up, to name a damaged row.
+
+    Raises:
+        CorruptRowError: a stored value is not ``dim`` float32s, naming the first such key.
+    """
     n = len(res)
     found = np.fromiter((r is not None for r in res), dtype=bool, count=n)
     out = np.zeros((n, dim), np.float32)
     if found.any():
-        blob = b"".join(r for r in res if r is not None)
-        if len(blob) != int(found.sum()) * dim * 4:
-            raise ValueError(f"{what}: stored rows are not {dim} float32s each (corrupted database?)")
-        out[found] = np.frombuffer(blob, dtype="<f4").reshape(-1, dim)
+        sizes = np.fromiter((len(r) if r is not None else dim * 4 for r in res), dtype=np.int64, count=n)
+        bad = np.flatnonzero(sizes != dim * 4)
+        if bad.size:
+            i = int(bad[0])
+            key = f"key {int(keys[i])}" if keys is not None else f"entry {i} of the batch"
+            raise CorruptRowError(
+                f"{what}: {key} holds {int(sizes[i])} bytes, not {dim} float32s "
+                f"({bad.size} such rows in this batch of {n}; corrupted database?)")
+        out[found] = np.frombuffer(b"".join(r for r in res if r is not None), dtype="<f4").reshape(-1, dim)
     return out, found
 
 
@@ -114,11 +130,12 @@ class RocksDBBackend(StorageBackend):
         dim = self._dim(table)
         cf = self._cf[table]
         if keys.size <= self.max_batch_size:
-            return decode_rows(cf.get(encode_keys(keys)), dim, f"persistent db table {table!r}")
+            return decode_rows(cf.get(encode_keys(keys)), dim, f"persistent db table {table!r}", keys)
         out = np.zeros((keys.size, dim), np.float32)
         found = np.zeros(keys.size, bool)
         for s in range(0, keys.size, self.max_batch_size):
-            v, f = decode_rows(cf.get(encode_keys(keys[s:s + self.max_batch_size])), dim, table)
+            chunk = keys[s:s + self.max_batch_size]
+            v, f = decode_rows(cf.get(encode_keys(chunk)), dim, f"persistent db table {table!r}", chunk)
             out[s:s + v.shape[0]], found[s:s + v.shape[0]] = v, f
         return out, found
 

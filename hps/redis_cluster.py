@@ -53,13 +53,21 @@ class RedisClusterBackend(StorageBackend):
         socket_timeout_s: connect and read timeout per node.
         max_pending_rows: rows of writes queued while down; a write beyond them raises
             :class:`VolatileUnavailableError` (nothing of it is written or queued).
+        start_down: when no node answers at construction, start *down* (lookups fall through,
+            writes queue, the connection is retried after ``retry_interval_s``) instead of
+            raising; for a server with a persistent DB that holds every row.
+
+    Raises:
+        ValueError: no address, or (``start_down=False``) no node of the cluster answers,
+            naming the addresses.
     """
 
     name = "redis_cluster"
 
     def __init__(self, addresses: list[tuple[str, int]], num_partitions: int = 8,
                  max_batch_size: int = 65536, retry_interval_s: float = 1.0,
-                 socket_timeout_s: float = 1.0, max_pending_rows: int = _DEFAULT_MAX_PENDING_ROWS) -> None:
+                 socket_timeout_s: float = 1.0, max_pending_rows: int = _DEFAULT_MAX_PENDING_ROWS,
+                 start_down: bool = False) -> None:
         if not addresses:
             raise ValueError("redis_cluster needs at least one 'host:port' address")
         self.addresses = list(addresses)
@@ -77,7 +85,16 @@ class RedisClusterBackend(StorageBackend):
         self.errors = 0  # Redis errors seen (connection refused, timeouts, cluster down)
         self.skipped_lookups = 0  # lookups answered "not found" while the backend was down
         self.dropped_rows = 0  # queued writes dropped because the queue was full
-        self._connect()
+        self._replaying = False  # a replay of queued writes is running (the tier stays down)
+        try:
+            self._connect()
+        except Exception as e:  # noqa: BLE001 - redis raises many types; all mean "unreachable"
+            if not start_down:
+                raise ValueError(
+                    f"redis cluster at {', '.join(f'{h}:{p}' for h, p in self.addresses)} cannot "
+                    f"be reached ({type(e).__name__}: {e})") from e
+            self._client = None
+            self._fail("connect", e)
 
     # ------------------------------------------------------------------ connection state
     def _connect(self) -> None:
@@ -86,10 +103,24 @@ class RedisClusterBackend(StorageBackend):
         from redis.retry import Retry
 
         nodes = [ClusterNode(h, p) for h, p in self.addresses]
-        self._client = RedisCluster(
+        client = RedisCluster(
             startup_nodes=nodes, require_full_coverage=False, retry=Retry(NoBackoff(), 0),
             socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.socket_timeout_s,
         )
+        old, self._client = self._client, client
+        if old is not None:
+            try:
+                old.close()
+            except Exception:  # noqa: BLE001 - the old connections may already be gone
+                pass
+
+    def _connected(self) -> object:
+        """The client, or :class:`VolatileUnavailableError` when no node answered yet."""
+        if self._client is None:
+            raise VolatileUnavailableError(
+                f"redis cluster at {', '.join(f'{h}:{p}' for h, p in self.addresses)} has not "
+                "answered since the start")
+        return self._client
 
     def _fail(self, what: str, err: BaseException) -> None:
         with self._lock:
@@ -104,24 +135,53 @@ class RedisClusterBackend(StorageBackend):
         return time.monotonic() >= self._down_until
 
     def _ensure_up(self) -> bool:
-        """Reconnect and replay queued writes after a back-off; False while still down."""
+        """Reconnect and replay queued writes after a back-off; False while still down.
+
+        The tier stays down until the replay has finished: a lookup meanwhile must not read a
+        row whose queued update has not reached Redis yet (it would fill the embedding cache
+        with the old row, for good). Writes that arrive during the replay are queued behind it
+        and replayed by it, in order.
+        """
         if not self.available:
             return False
         with self._lock:
-            pending, self._pending, self._pending_rows = self._pending, [], 0
-        if pending or self.errors:
-            try:
-                if pending:
-                    self._connect()
-                    for table, keys, values in pending:
-                        self._write(table, keys, values)
-                    log.info("redis cluster is back; replayed %d queued write batches", len(pending))
-            except Exception as e:  # noqa: BLE001 - any client error means "still down"
-                with self._lock:
-                    self._pending = pending + self._pending
-                    self._pending_rows += sum(k.size for _, k, _ in pending)
-                self._fail("replay", e)
+            if self._replaying:
                 return False
+            if not self._pending and self._client is not None:
+                return True
+            self._replaying = True
+        try:
+            if self._client is None or self._pending:
+                self._connect()
+            replayed = 0
+            while True:
+                with self._lock:
+                    batch, self._pending, self._pending_rows = self._pending, [], 0
+                    if not batch:
+                        self._replaying = False
+                        break
+                done = 0
+                try:
+                    for table, keys, values in batch:
+                        self._write(table, keys, values)
+                        done += 1
+                except BaseException:
+                    with self._lock:  # not yet written: back to the front of the queue
+                        rest = batch[done:]
+                        self._pending = rest + self._pending
+                        self._pending_rows += sum(k.size for _, k, _ in rest)
+                    raise
+        except Exception as e:  # noqa: BLE001 - any client error means "still down"
+            with self._lock:
+                self._replaying = False
+            self._fail("replay" if self._client is not None else "connect", e)
+            return False
+        except BaseException:
+            with self._lock:
+                self._replaying = False
+            raise
+        if replayed:
+            log.info("redis cluster is back; replayed %d queued write batches", replayed)
         return True
 
     # ------------------------------------------------------------------ interface
@@ -164,7 +224,7 @@ class RedisClusterBackend(StorageBackend):
             if isinstance(res, Exception):
                 failed = res
                 continue
-            v, f = decode_rows(res, dim, f"redis table {table!r}")
+            v, f = decode_rows(res, dim, f"redis table {table!r}", keys[chunk])
             out[chunk], found[chunk] = v, f
         if failed is not None:
             self._fail("lookup (some partitions)", failed)
@@ -212,15 +272,24 @@ class RedisClusterBackend(StorageBackend):
             self._pending_rows += keys.size
 
     def size(self, table: str) -> int:
+        """Rows of ``table`` in the cluster.
+
+        Raises:
+            VolatileUnavailableError: no node has answered since the start.
+        """
         self._dim(table)
-        pipe = self._client.pipeline()
+        pipe = self._connected().pipeline()
         for p in range(self.num_partitions):
             pipe.hlen(partition_name(table, p))
         return int(sum(pipe.execute()))
 
     def clear(self, table: str) -> None:
-        """Delete every partition of ``table``."""
-        pipe = self._client.pipeline()
+        """Delete every partition of ``table``.
+
+        Raises:
+            VolatileUnavailableError: no node has answered since the start.
+        """
+        pipe = self._connected().pipeline()
         for p in range(self.num_partitions):
             pipe.delete(partition_name(table, p))
         pipe.execute()

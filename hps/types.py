@@ -148,3 +148,8 @@ def mix64(keys: np.ndarray) -> np.ndarray:
 class VolatileUnavailableError(RuntimeError):
     """A write the volatile DB could neither apply nor queue (a Redis cluster down with
     ``max_pending_rows`` rows already queued); nothing of it was written."""
+
+
+class CorruptRowError(RuntimeError):
+    """A row a database returned is not ``dim`` float32s: the database is damaged (not the
+    request's fault; the server answers 500 and logs it)."""

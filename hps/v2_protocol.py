@@ -139,12 +139,32 @@ def _check_integers(data: Any, dtype: np.dtype, where: str) -> None:
                                 f"[{info.min}, {info.max}]")
 
 
+def _holds_bool(data: Any) -> bool:
+    """Whether JSON ``data`` (a regular nest of lists) holds a ``true``/``false`` anywhere:
+    numpy turns ``[1, true]`` into ``[1, 1]`` without a word."""
+    stack = [data]
+    while stack:
+        x = stack.pop()
+        if isinstance(x, list):
+            if x and not isinstance(x[0], list):  # innermost list: scalars only (regular)
+                if bool in map(type, x):
+                    return True
+            else:
+                stack.extend(x)
+        elif type(x) is bool:
+            return True
+    return False
+
+
 def _json_data(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) -> np.ndarray:
     arr = _as_array(data, where)
     if dtype.kind in "iu" and arr.size and (arr.dtype == object or arr.dtype.kind == "f"):
         _check_integers(data, dtype, where)  # always raises: a float, or an int past int64/uint64
     if arr.dtype == object or arr.dtype.kind not in "biuf":
         raise ProtocolError(f"{where}.data must hold numbers, got {arr.dtype} values")
+    if dtype.kind != "b" and arr.size and (arr.dtype.kind == "b" or _holds_bool(data)):
+        raise ProtocolError(f"{where}.data holds true/false for datatype {_NAMES[dtype]} "
+                            "(booleans are values of a BOOL input only)")
     n = math.prod(shape)  # Python ints: no int64 wrap-around for huge declared shapes
     if arr.size != n:
         raise ProtocolError(f"{where}: shape {list(shape)} needs {n} values, data has {arr.size}")

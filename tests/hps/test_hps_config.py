@@ -78,6 +78,25 @@ def test_valid_config_round_trips(tmp_path: Path) -> None:
         (lambda d: (d["volatile_db"].update(type="none"), d["persistent_db"].update(type="none")),
          r"at least one\s+database tier"),
         (lambda d: d.update(models=[]), r"models: at least one model"),
+        # json.loads takes NaN and Infinity: every number in ps.json must be finite
+        (lambda d: d["models"][0].update(default_value_for_each_table=[0.0, float("nan")]),
+         r"models\[0\]\.default_value_for_each_table\[1\]: nan is impossible; expected a finite"),
+        (lambda d: d["models"][0].update(gpucacheper=float("nan")), r"models\[0\]\.gpucacheper: nan is impossible"),
+        (lambda d: d.update(update_source={"type": "file_log", "path": "u.log", "poll_interval_s": float("inf")}),
+         r"update_source\.poll_interval_s: inf is impossible; expected a finite"),
+        (lambda d: d.update(update_source={"type": "file_log", "path": "u.log", "poll_interval_s": 1e12}),
+         r"update_source\.poll_interval_s: 1000000000000.0 is impossible; expected seconds in \[0, 86400\]"),
+        (lambda d: d["volatile_db"].update(retry_interval_s=float("inf")), r"volatile_db\.retry_interval_s: inf"),
+        (lambda d: d["volatile_db"].update(socket_timeout_s=1e9), r"volatile_db\.socket_timeout_s: 1000000000.0"),
+        # without a persistent db, rows the volatile db does not load are held by no tier
+        (lambda d: (d["persistent_db"].update(type="none"), d["volatile_db"].update(initial_cache_rate=0.5)),
+         r"volatile_db\.initial_cache_rate: 0\.5 is impossible; expected 1\.0 without a persistent_db"),
+        # tables are keyed by name in the databases: a shared name must mean the same rows
+        (lambda d: d["models"].append({**d["models"][0], "model": "other", "sparse_files": ["s/x0", "s/t1"]}),
+         r"table 't0' of model 'other' \(sparse file 's/x0', dim 8\) and of model 'dlrm' \(sparse file "
+         r"'s/t0', dim 8\) differ"),
+        (lambda d: d["models"].append({**d["models"][0], "model": "other", "embedding_vecsize_per_table": [8, 2]}),
+         r"table 't1' of model 'other' .* dim 2\) and of model 'dlrm' .* dim 4\) differ"),
     ],
 )
 def test_bad_config_names_the_field(mutate, match: str) -> None:
@@ -85,6 +104,16 @@ def test_bad_config_names_the_field(mutate, match: str) -> None:
     mutate(d)
     with pytest.raises(ValueError, match=match):
         parse_config(d)
+
+
+def test_models_may_share_a_table_with_the_same_rows(tmp_path: Path) -> None:
+    """The same sparse file and dim under one name (relative or absolute path): loaded once."""
+    d = _doc()
+    d["models"].append({**d["models"][0], "model": "other",
+                        "sparse_files": [str(tmp_path / "s" / "t0"), "s/t1"]})
+    cfg = parse_config(d, tmp_path)
+    assert [m.model for m in cfg.models] == ["dlrm", "other"]
+    assert cfg.model("other").tables[0].sparse_file == cfg.model("dlrm").tables[0].sparse_file
 
 
 def test_redis_stream_sources_that_can_resume_are_accepted() -> None:

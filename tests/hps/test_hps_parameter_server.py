@@ -96,3 +96,26 @@ def test_start_background_applies_a_backlog_before_it_returns(tmp_path: Path) ->
         assert _served(ps, [0, 99]) == [200.0, 299.0]
     finally:
         ps.close()
+
+
+@pytest.mark.parametrize("vdb", [{"type": "hash_map", "overflow_margin": 60},
+                                 {"type": "parallel_hash_map", "num_partitions": 4, "overflow_margin": 20}],
+                         ids=["hash_map", "parallel_hash_map"])
+def test_a_volatile_only_server_that_cannot_hold_every_row_refuses_to_start(tmp_path: Path, vdb: dict) -> None:
+    """Without a persistent DB the rows a full volatile DB evicts while loading are held by no
+    tier and would be served as default vectors: an error naming the table and the knobs. With
+    room for every row the same server starts and serves them all."""
+    cfg = _folder(tmp_path, {"type": "none"})
+    doc = json.loads(cfg.read_text())
+    doc["volatile_db"] = vdb
+    cfg.write_text(json.dumps(doc))
+    with pytest.raises(ValueError, match=r"table 't': the volatile db holds \d+ of its 100 rows after "
+                                         r"loading \(overflow_margin \d+ rows per partition"):
+        HierarchicalParameterServer.from_config(cfg)
+    doc["volatile_db"]["overflow_margin"] = 100
+    cfg.write_text(json.dumps(doc))
+    ps = HierarchicalParameterServer.from_config(cfg)
+    try:
+        assert ps.volatile.size("t") == 100 and _served(ps, [0, 99]) == [0.0, 0.0]
+    finally:
+        ps.close()

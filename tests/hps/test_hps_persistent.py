@@ -68,3 +68,33 @@ def test_reopen_keeps_tables(tmp_path: Path) -> None:
     v, f = db.lookup("t", np.array([4], np.int64))
     assert f.all() and v.tolist() == [[1.0, 2.0]]
     db.close()
+
+
+def test_a_damaged_row_is_named_even_when_the_total_length_fits(tmp_path: Path) -> None:
+    """Two damaged rows whose lengths cancel (+4 and -4 bytes) must not decode into shifted
+    values: the error names the first bad key, and it is a CorruptRowError (the server's 500,
+    not the client's 400)."""
+    from rocksdict import WriteBatch
+
+    from hps.persistent import encode_keys
+    from hps.types import CorruptRowError
+
+    db = RocksDBBackend(tmp_path / "pdb", max_batch_size=2)
+    db.create_table("t0", 2)
+    keys = np.array([1, 2, 3], np.int64)
+    db.insert("t0", keys, np.array([[1, 2], [3, 4], [5, 6]], np.float32))
+    h = db._db.get_column_family_handle("t0")
+    wb = WriteBatch(raw_mode=True)
+    k2, k3 = encode_keys(keys[1:])
+    wb.put(k2, np.array([3, 4, 9], "<f4").tobytes(), h)
+    wb.put(k3, np.array([5], "<f4").tobytes(), h)
+    db._db.write(wb)
+    try:
+        v, f = db.lookup("t0", keys[:1])
+        assert f.all() and v.tolist() == [[1.0, 2.0]]
+        with pytest.raises(CorruptRowError, match=r"'t0': key 2 holds 12 bytes, not 2 float32s \(2 such rows"):
+            db.lookup("t0", np.array([2, 3], np.int64))
+        with pytest.raises(CorruptRowError, match=r"key 3 holds 4 bytes"):
+            db.lookup("t0", np.array([1, 3, 1], np.int64))  # chunked multi-get (max_batch_size 2)
+    finally:
+        db.close()

@@ -130,3 +130,94 @@ def test_an_update_that_no_longer_fits_the_outage_queue_is_retried_not_lost(redi
         s.close()
         vdb.clear(name)
         vdb.close()
+
+
+def test_the_tier_stays_down_until_the_replay_has_finished(redis_cluster) -> None:
+    """While queued writes are replayed after an outage, lookups fall through (a row read from
+    Redis then would be the old one, and would be cached for good), and writes made meanwhile
+    queue behind the replay and reach Redis in order."""
+    import threading
+
+    name = f"t_{uuid.uuid4().hex[:8]}"
+    keys = np.arange(8, dtype=np.int64)
+    vdb = RedisClusterBackend(redis_cluster.addresses, num_partitions=4, retry_interval_s=0.1)
+    vdb.create_table(name, 2)
+    vdb.insert(name, keys, np.zeros((8, 2), np.float32))
+    try:
+        vdb._fail("a simulated outage", ConnectionError("node down"))
+        vdb.insert(name, keys[:1], np.full((1, 2), 7.0, np.float32))  # queued
+        assert vdb.pending_rows == 1
+        time.sleep(0.15)  # the back-off is over: the next call replays
+        entered, release = threading.Event(), threading.Event()
+        real_write = vdb._write
+
+        def held_write(*args: object) -> None:
+            entered.set()
+            assert release.wait(10)
+            real_write(*args)
+
+        vdb._write = held_write
+        replayer = threading.Thread(target=vdb.lookup, args=(name, keys[5:6]))
+        replayer.start()
+        assert entered.wait(10)
+        v, f = vdb.lookup(name, keys[:1])  # during the replay: not found, never the old row
+        assert not f.any() and vdb.skipped_lookups >= 1
+        vdb.insert(name, keys[1:2], np.full((1, 2), 9.0, np.float32))  # queued behind it
+        assert vdb.pending_rows == 1
+        vdb._write = real_write
+        release.set()
+        replayer.join(10)
+        assert not replayer.is_alive() and vdb.pending_rows == 0
+        v, f = vdb.lookup(name, keys[:3])
+        assert f.all() and v.tolist() == [[7.0, 7.0], [9.0, 9.0], [0.0, 0.0]]
+    finally:
+        vdb._write = real_write if "real_write" in locals() else vdb._write
+        vdb.clear(name)
+        vdb.close()
+
+
+def test_an_unreachable_cluster_at_start_is_an_error_or_starts_down(redis_cluster, monkeypatch) -> None:
+    """No node answering at construction: a ValueError naming the addresses, or, with
+    ``start_down`` (a server with a persistent DB), a backend that is down, queues writes, and
+    connects and replays them once the cluster answers."""
+    import socket
+
+    from hps.types import VolatileUnavailableError
+
+    with socket.socket() as sk:  # a port nobody listens on
+        sk.bind(("127.0.0.1", 0))
+        port = sk.getsockname()[1]
+    with pytest.raises(ValueError, match=rf"redis cluster at 127\.0\.0\.1:{port} cannot be reached"):
+        RedisClusterBackend([("127.0.0.1", port)], socket_timeout_s=0.5)
+
+    name = f"t_{uuid.uuid4().hex[:8]}"
+    real_connect = RedisClusterBackend._connect
+
+    def refused(self: RedisClusterBackend) -> None:
+        raise ConnectionError("connection refused")
+
+    monkeypatch.setattr(RedisClusterBackend, "_connect", refused)
+    vdb = RedisClusterBackend(redis_cluster.addresses, num_partitions=4, retry_interval_s=0.1,
+                              start_down=True)
+    try:
+        assert vdb.errors == 1 and not vdb.available
+        vdb.create_table(name, 2)
+        v, f = vdb.lookup(name, np.arange(3, dtype=np.int64))
+        assert not f.any()
+        vdb.insert(name, np.arange(3, dtype=np.int64), np.ones((3, 2), np.float32))
+        assert vdb.pending_rows == 3
+        with pytest.raises(VolatileUnavailableError, match="has not answered since the start"):
+            vdb.size(name)
+        time.sleep(0.15)
+        v, f = vdb.lookup(name, np.arange(3, dtype=np.int64))  # still refused: down again
+        assert not f.any() and vdb.errors == 2 and vdb.pending_rows == 3
+        monkeypatch.setattr(RedisClusterBackend, "_connect", real_connect)
+        time.sleep(0.15)
+        v, f = vdb.lookup(name, np.arange(3, dtype=np.int64))  # connects, replays, reads
+        assert f.all() and np.array_equal(v, np.ones((3, 2), np.float32))
+        assert vdb.pending_rows == 0 and vdb.size(name) == 3
+    finally:
+        monkeypatch.setattr(RedisClusterBackend, "_connect", real_connect)
+        if vdb._client is not None:
+            vdb.clear(name)
+        vdb.close()

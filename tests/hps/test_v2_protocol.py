@@ -112,7 +112,16 @@ BAD = [
      r"outputs\[0\]\.parameters\.binary_data must be true or false, got 'false'"),
     (*_raw([{**_X, "data": [1, 2]}], parameters={"binary_data_output": 1}),
      r"parameters\.binary_data_output must be true or false, got 1"),
+    # numpy would read true/false as 1/0 and serve real rows for them
+    (*_raw([{**_X, "datatype": "INT64", "data": [True, False]}]), r"holds true/false for datatype INT64"),
+    (*_raw([{**_X, "datatype": "INT64", "data": [1, True]}]), r"holds true/false for datatype INT64"),
+    (*_raw([{**_X, "shape": [2, 2], "data": [[0.5, 1.0], [2.0, False]]}]), r"holds true/false for datatype FP32"),
 ]
+
+
+def test_a_bool_input_keeps_its_booleans() -> None:
+    body, n = _raw([{"name": "mask", "shape": [3], "datatype": "BOOL", "data": [True, False, True]}])
+    assert parse_infer_request(body, n).inputs["mask"].tolist() == [True, False, True]
 
 
 @pytest.mark.parametrize("body,n,match", BAD, ids=[m[:60] for *_, m in BAD])

@@ -9,17 +9,24 @@ Layout written by :func:`write_serving_artifacts`::
                             metadata ``tilerec.serving`` names each table's combiner
       sparse/<table>/key         int64 little-endian, one per row
       sparse/<table>/emb_vector  float32 rows (num_rows × dim)
+
+The model is checked first (float32, one dim for every table) and everything is written into a
+staging folder inside ``out/`` and then moved in place, ``ps.json`` last: a failure leaves ``out/``
+as it was (no partial tables, a folder this call created is removed again).
 """
 
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
 
 from embark.model import DLRM
-from export.onnx import export_onnx
+from export.onnx import check_exportable, export_onnx
 from hps.config import PSConfig, parse_config
 from hps.sparse_files import write_table
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
@@ -60,13 +67,17 @@ def write_serving_artifacts(
         the validated :class:`hps.config.PSConfig` read back from the written ``ps.json``.
 
     Raises:
-        ValueError: when ``out_dir/ps.json`` exists and ``overwrite`` is false, or the config
-            does not validate.
+        ValueError: when ``out_dir/ps.json`` or a table's sparse folder exists and ``overwrite``
+            is false, the config does not validate, the model is not float32 (convert it with
+            ``model.float()``), or its tables differ in dim (the served dense graph takes one
+            ``pooled (B, T, dim)``). Nothing is written then, and a failure while writing
+            leaves ``out_dir`` as it was (replaced files are restored).
     """
     out = Path(out_dir)
     ps_path = out / "ps.json"
     if ps_path.exists() and not overwrite:
         raise ValueError(f"{ps_path} exists; pass overwrite=True to replace the artifacts")
+    check_exportable(model, include_embeddings=False, caller="write_serving_artifacts")
     tables = model.workload.tables
     doc = {
         "supportlonglong": True,
@@ -96,14 +107,71 @@ def write_serving_artifacts(
         taken = [str(out / "sparse" / t.name) for t in tables if (out / "sparse" / t.name).exists()]
         if taken:
             raise ValueError(f"sparse folders exist: {taken}; pass overwrite=True to replace them")
-    out.mkdir(parents=True, exist_ok=True)
-    for t in tables:
-        w = model.embeddings[t.name].weight.detach().cpu().numpy().astype(np.float32, copy=False)
-        write_table(out / "sparse" / t.name, np.arange(w.shape[0], dtype=np.int64), w,
-                    overwrite=overwrite)
-    export_onnx(model, out / "dense.onnx", include_embeddings=False)  # metadata: tilerec.serving
-    tmp = ps_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2))
-    tmp.replace(ps_path)
+    created = _make_dirs(out)
+    staging: Path | None = None
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+        export_onnx(model, staging / "dense.onnx", include_embeddings=False)  # tilerec.serving
+        for t in tables:
+            w = model.embeddings[t.name].weight.detach().cpu().numpy().astype(np.float32, copy=False)
+            write_table(staging / "sparse" / t.name, np.arange(w.shape[0], dtype=np.int64), w)
+        (staging / "ps.json").write_text(json.dumps(doc, indent=2))
+        _commit(staging, out, [*(f"sparse/{t.name}" for t in tables), "dense.onnx", "ps.json"])
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        for d in reversed(created):  # innermost first; only if still empty
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise
+    shutil.rmtree(staging, ignore_errors=True)  # holds the replaced files, if any
     return cfg
 
+
+def _make_dirs(path: Path) -> list[Path]:
+    """``mkdir -p path``; returns the folders it created, outermost first."""
+    missing = []
+    p = path
+    while not p.exists() and p != p.parent:
+        missing.append(p)
+        p = p.parent
+    path.mkdir(parents=True, exist_ok=True)
+    return missing[::-1]
+
+
+def _commit(staging: Path, out: Path, rels: Sequence[str]) -> None:
+    """Move ``staging/<rel>`` to ``out/<rel>`` for each ``rel`` in order; an existing one is moved
+    to ``staging/replaced/<rel>`` first. On failure every move is undone (the replaced files
+    are put back) and the error re-raised."""
+    done: list[tuple[Path, Path | None, bool]] = []  # (dest, its backup, moved in)
+    created: list[Path] = []
+    try:
+        for rel in rels:
+            src, dest = staging / rel, out / rel
+            backup = None
+            if dest.exists() or dest.is_symlink():
+                backup = staging / "replaced" / rel
+                backup.parent.mkdir(parents=True, exist_ok=True)
+                dest.rename(backup)
+            else:
+                created += _make_dirs(dest.parent)
+            done.append((dest, backup, False))
+            src.rename(dest)
+            done[-1] = (dest, backup, True)
+    except BaseException:
+        for dest, backup, moved in reversed(done):
+            if moved:
+                if dest.is_dir() and not dest.is_symlink():
+                    shutil.rmtree(dest)
+                else:
+                    dest.unlink()
+            if backup is not None:
+                backup.rename(dest)
+        for d in reversed(created):
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise

@@ -42,7 +42,7 @@ from tilesparse.linear import TileSparseLinear
 
 log = logging.getLogger(__name__)
 
-__all__ = ["CondensedLinear", "export_onnx", "run_onnx", "onnx_inputs"]
+__all__ = ["CondensedLinear", "check_exportable", "export_onnx", "run_onnx", "onnx_inputs"]
 
 
 class CondensedLinear(nn.Module):
@@ -153,11 +153,36 @@ def onnx_inputs(
                 ids[-1, -1] = -1
             out[f"ids_{t.name}"] = ids
     else:
-        dims = {t.dim for t in w.tables}
-        if len(dims) != 1:
-            raise ValueError(f"pooled input needs one dim for every table, got dims {sorted(dims)}")
-        out["pooled"] = torch.randn(batch_size, len(w.tables), dims.pop(), generator=gen)
+        dim = _pooled_dim(model, "onnx_inputs")
+        out["pooled"] = torch.randn(batch_size, len(w.tables), dim, generator=gen)
     return out
+
+
+def check_exportable(model: DLRM, include_embeddings: bool = True, caller: str = "export_onnx") -> None:
+    """Raise ``ValueError`` unless :func:`export_onnx` can export ``model``: every floating-point
+    parameter and buffer float32, and (for the dense graph alone, ``include_embeddings=False``)
+    one dim for every table. Writes nothing; ``caller`` names the function in the message.
+    """
+    _check_float32(model, caller)
+    if not include_embeddings:
+        _pooled_dim(model, caller)
+
+
+def _pooled_dim(model: DLRM, caller: str) -> int:
+    """The one table dim of the dense graph's ``pooled (B, T, dim)`` input, or ``ValueError``."""
+    tables = model.workload.tables
+    dims = {t.dim for t in tables}
+    if len(dims) != 1:
+        by_dim = "; ".join(
+            f"dim {d}: " + ", ".join(repr(t.name) for t in tables if t.dim == d) for d in sorted(dims)
+        )
+        raise ValueError(
+            f"{caller}: the dense graph's input 'pooled' (B, T, dim) needs one dim for every "
+            f"table, but the tables' dims differ ({by_dim}); serving from the parameter server "
+            f"runs that graph, so give every table the same dim (the full graph, "
+            f"export_onnx(model, path, include_embeddings=True), takes ids and any dims)"
+        )
+    return dims.pop()
 
 
 def export_onnx(
@@ -183,9 +208,11 @@ def export_onnx(
     Raises:
         ValueError: for a model with a floating-point parameter or buffer that is not float32
             (a bf16 / fp16 model would export to a graph onnxruntime refuses to load, its
-            inputs being float32); nothing is written then.
+            inputs being float32), or, with ``include_embeddings=False``, tables of different
+            dims (see :func:`check_exportable`); nothing is written then. A failure while
+            exporting leaves neither ``path`` (an existing one is kept) nor a temporary file.
     """
-    _check_float32(model)
+    check_exportable(model, include_embeddings)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
     condensed = _condense_for_onnx(model)
@@ -199,32 +226,39 @@ def export_onnx(
     else:
         dynamic_shapes = ({0: batch}, {0: batch})
     tmp = path.with_suffix(path.suffix + ".tmp")
-    program = torch.onnx.export(
-        graph.eval(),
-        tuple(inputs.values()),
-        input_names=list(inputs),
-        output_names=["logits"],
-        dynamic_shapes=tuple(dynamic_shapes),
-        opset_version=opset,
-        dynamo=True,
-        verbose=False,
-    )
-    program.save(str(tmp))
-    _stamp_metadata(tmp, model)
-    tmp.replace(path)
+    try:
+        program = torch.onnx.export(
+            graph.eval(),
+            tuple(inputs.values()),
+            input_names=list(inputs),
+            output_names=["logits"],
+            dynamic_shapes=tuple(dynamic_shapes),
+            opset_version=opset,
+            dynamo=True,
+            verbose=False,
+        )
+        program.save(str(tmp))
+        _stamp_metadata(tmp, model)
+        tmp.replace(path)
+    except BaseException:
+        tmp.unlink(missing_ok=True)
+        raise
     return path
 
 
-def _check_float32(model: nn.Module) -> None:
+def _check_float32(model: nn.Module, caller: str = "export_onnx") -> None:
     """Refuse a model with a non-float32 floating-point tensor (the graph's inputs are float32)."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    for name, t in tensors:
-        if t.is_floating_point() and t.dtype != torch.float32:
-            raise ValueError(
-                f"export_onnx needs a float32 model, but {name!r} is {t.dtype} (the graph's inputs "
-                f"are float32 and onnxruntime cannot mix them): export a float32 copy, "
-                f"export_onnx(copy.deepcopy(model).float(), ...)"
-            )
+    bad = [(name, t.dtype) for name, t in tensors
+           if t.is_floating_point() and t.dtype != torch.float32]
+    if bad:
+        name, dtype = bad[0]
+        more = f" (and {len(bad) - 1} more tensors are not float32 either)" if len(bad) > 1 else ""
+        raise ValueError(
+            f"{caller} needs a float32 model, but {name!r} is {dtype}{more}; the graph's inputs "
+            f"are float32 and onnxruntime cannot mix dtypes. Convert it first: "
+            f"{caller}(copy.deepcopy(model).float(), ...), or model.float() in place"
+        )
 
 
 # JSON {"tables": [{name, rows, combiner, hotness}], "dense_features"}; the server reads it

@@ -31,6 +31,7 @@ GLOBAL_BATCH = 30
 RESUME_AT = 3  # checkpoint after this many steps
 MODEL_SEED, DATA_SEED = 3, 7
 ATOL = 1e-5  # fp32, 5 steps: observed max |diff| is 5e-8 (worlds 2 and 4)
+WIRE_ATOL = 1e-2  # 16-bit wires, 5 steps: observed max |diff| 3.8e-3 (fp16, world 4), 7.7e-4 bf16
 # Adagrad's step lr·g/sqrt(Σg²) is scale-free: an element whose first gradients are tiny and
 # come from cancelling sums (g ~ 1e-7 ± 1e-10 of reordering) moves by lr·(relative error of g),
 # up to ~7e-5 here with initial_accumulator_value 0 — on 1 element in ~5000, while SGD agrees to
@@ -40,6 +41,16 @@ CASES: dict[str, dict[str, Any]] = {
         "optimizer": "adagrad", "lr": 0.05, "embedding_lr": 0.1, "initial_accumulator_value": 0.01,
     },
     "sgd_momentum": {"optimizer": "sgd", "lr": 0.05, "embedding_lr": 0.2, "momentum": 0.9},
+}
+
+
+# 16-bit wires: the fp32 cases' configs with every table's vectors (or one in three each of
+# fp32/fp16/bf16: several wire dtypes packed in one exchange) travelling in 16 bits; gradients
+# of fp16 payloads travel as bf16 (comm.grad_wire).
+WIRE_CASES: dict[str, tuple[str, str]] = {
+    "adagrad_fp16_wire": ("adagrad", "fp16"),
+    "sgd_momentum_bf16_wire": ("sgd_momentum", "bf16"),
+    "adagrad_mixed_wire": ("adagrad", "mixed"),
 }
 
 
@@ -118,6 +129,17 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             losses = [trainer.train_step(local_batch(b, rank, world)) for b in batches]
             state = model.full_state_dict(dst=None)
             save_file(state, str(Path(out_dir, f"{case}-rank{rank}.safetensors")))
+            report[case] = {"losses": losses, "step": trainer.step}
+        for case, (cfg_name, wire) in WIRE_CASES.items():
+            plan_d = tiny_plan(world)
+            if wire == "mixed":  # several wire dtypes in one exchange
+                for i, t in enumerate(plan_d["tables"]):
+                    t["comm_dtype"] = ("fp32", "fp16", "bf16")[i % 3]
+            model = ShardedDLRM(build_model(workload, seed=MODEL_SEED), ShardingPlan.from_dict(plan_d),
+                                rank, comm_dtype=None if wire == "mixed" else wire)
+            trainer = ShardedTrainer(model, TrainConfig(**CASES[cfg_name]))
+            losses = [trainer.train_step(local_batch(b, rank, world)) for b in batches]
+            save_file(model.full_state_dict(dst=None), str(Path(out_dir, f"{case}-rank{rank}.safetensors")))
             report[case] = {"losses": losses, "step": trainer.step}
         report["resume"] = _resume(rank, world, out_dir, batches)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
@@ -216,7 +238,31 @@ def test_equals_single_process_trainer(runs: Any, reference: Any, case: str) -> 
     assert all(not torch.equal(init[k], want[k]) for k in want if k.endswith("weight"))
 
 
-@pytest.mark.parametrize("case", list(CASES))
+@pytest.mark.parametrize("case", list(WIRE_CASES))
+def test_16bit_wires_train_like_fp32(runs: Any, reference: Any, case: str) -> None:
+    """With vectors on a 16-bit wire the sharded run differs from the fp32 single-process one
+    only by the wire's rounding: losses and every weight within WIRE_ATOL, and not equal (the
+    rounding did happen, so the wire dtype was used)."""
+    import torch
+    from safetensors.torch import load_file
+
+    world, d = runs
+    want, want_losses, _ = reference[WIRE_CASES[case][0]]
+    worst = 0.0
+    for r in range(world):
+        got = load_file(str(d / f"{case}-rank{r}.safetensors"))
+        assert got.keys() == want.keys()
+        for k in want:
+            torch.testing.assert_close(got[k], want[k], atol=WIRE_ATOL, rtol=0, msg=f"rank {r} {k}")
+            worst = max(worst, float((got[k] - want[k]).abs().max()))
+        rep = json.loads((d / f"rank{r}.json").read_text())[case]
+        assert rep["step"] == STEPS
+        torch.testing.assert_close(torch.tensor(rep["losses"]), torch.tensor(want_losses),
+                                   atol=WIRE_ATOL, rtol=0)
+    assert worst > ATOL, f"{case}: no weight moved by more than {ATOL}: was the 16-bit wire used?"
+
+
+@pytest.mark.parametrize("case", [*CASES, *WIRE_CASES])
 def test_replicas_stay_bit_identical(runs: Any, case: str) -> None:
     """The dense part and the DP tables are the same bits on every rank; sharded tables
     gathered on every rank agree too."""

@@ -3,11 +3,16 @@ parameter server and onnxruntime equals the eager model."""
 
 from __future__ import annotations
 
+import copy
+import dataclasses
 import json
+import re
+from pathlib import Path
 
 import pytest
 import torch
 
+import export.artifacts as artifacts
 from embark.data.jagged import JaggedBatch
 from embark.model import build_model
 from embark.workloads import get_workload
@@ -15,7 +20,7 @@ from export.artifacts import write_serving_artifacts
 from export.onnx import run_onnx
 from hps.config import load_config
 from hps.parameter_server import HierarchicalParameterServer
-from hps.sparse_files import read_table
+from hps.sparse_files import read_table, write_table
 
 
 def test_request_served_from_artifacts_equals_eager(tmp_path) -> None:
@@ -88,3 +93,116 @@ def test_bad_cache_knobs_fail_before_anything_is_written(tmp_path, kwargs, match
     with pytest.raises(ValueError, match=match):
         write_serving_artifacts(model, tmp_path / "a", **kwargs)
     assert not (tmp_path / "a").exists()
+
+
+def _snapshot(root: Path) -> dict[str, bytes | None] | None:
+    """Every path under ``root`` with its bytes (``None`` for a folder); ``None`` if no ``root``."""
+    if not root.exists():
+        return None
+    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+            for p in sorted(root.rglob("*"))}
+
+
+def _mixed_dim_tiny():
+    w = get_workload("tiny")
+    tables = (dataclasses.replace(w.tables[0], dim=8), *w.tables[1:])
+    return build_model(dataclasses.replace(w, tables=tables), seed=0).eval()
+
+
+def _assert_written(out: Path, model) -> None:
+    assert sorted(p.name for p in out.iterdir()) == ["dense.onnx", "ps.json", "sparse"]
+    for t in model.workload.tables:
+        keys, rows = read_table(out / "sparse" / t.name, dim=t.dim)
+        assert torch.equal(torch.from_numpy(rows.copy()), model.embeddings[t.name].weight.detach())
+        assert keys.tolist() == list(range(t.num_rows))
+
+
+@pytest.mark.parametrize("case", ["float16", "bfloat16", "mixed_dims"])
+def test_unexportable_model_fails_before_anything_is_written(tmp_path, case) -> None:
+    """A model the served dense graph cannot take (not float32, or tables of different dims) is
+    refused with a ValueError naming the problem before anything is written (bf16 used to fail
+    with onnx's TypeError, fp16 / mixed dims after the sparse folders were written), so the
+    corrected export into the same folder needs no overwrite=True."""
+    if case == "mixed_dims":
+        model = _mixed_dim_tiny()
+        match = (r"write_serving_artifacts: .*needs one dim for every table, but the tables' dims "
+                 r"differ \(dim 8: 't0'; dim 16: 't1', 't2'.*give every table the same dim")
+        fixed = build_model(get_workload("tiny"), seed=0).eval()
+    else:
+        dtype = getattr(torch, case)
+        model = build_model(get_workload("tiny"), seed=0).eval().to(dtype)
+        match = (rf"write_serving_artifacts needs a float32 model, but 'embeddings\.t0\.weight' "
+                 rf"is {dtype}.*model\.float\(\)")
+        fixed = copy.deepcopy(model).float()
+    out = tmp_path / "art"
+    with pytest.raises(ValueError) as err:
+        write_serving_artifacts(model, out)
+    assert not out.exists()
+    assert re.search(match, str(err.value)), str(err.value)
+    out.mkdir()
+    with pytest.raises(ValueError, match=match):
+        write_serving_artifacts(model, out)
+    assert list(out.iterdir()) == []
+    cfg = write_serving_artifacts(fixed, out)  # no overwrite=True needed
+    assert [t.name for t in cfg.model("dlrm").tables] == [t.name for t in fixed.workload.tables]
+    _assert_written(out, fixed)
+
+
+def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch) -> None:
+    """A failure midway (here: the second table's write) removes what was written, the folders
+    this call created included, so the retry needs no overwrite=True."""
+    model = build_model(get_workload("tiny"), seed=0).eval()
+    calls = []
+
+    def failing_write_table(*args, **kwargs):
+        calls.append(args[0])
+        if len(calls) == 2:
+            raise OSError("disk full")
+        return write_table(*args, **kwargs)
+
+    monkeypatch.setattr(artifacts, "write_table", failing_write_table)
+    with pytest.raises(OSError, match="disk full"):
+        write_serving_artifacts(model, tmp_path / "a" / "art")
+    assert len(calls) == 2
+    assert list(tmp_path.iterdir()) == []
+    monkeypatch.undo()
+    write_serving_artifacts(model, tmp_path / "a" / "art")
+    _assert_written(tmp_path / "a" / "art", model)
+
+
+@pytest.mark.parametrize("stage", ["export", "move"])
+def test_failed_overwrite_restores_the_old_artifacts(tmp_path, monkeypatch, stage) -> None:
+    """overwrite=True failing midway leaves the folder byte for byte what it was, never old and
+    new files mixed: failing in the ONNX export (the sparse folders used to be replaced already)
+    or while the new files are moved in (here: ps.json, the last one; every replaced file is
+    put back)."""
+    out = tmp_path / "art"
+    old = build_model(get_workload("tiny"), seed=0).eval()
+    write_serving_artifacts(old, out)
+    (out / "notes.txt").write_text("kept")
+    before = _snapshot(out)
+    new = build_model(get_workload("tiny"), seed=1).eval()
+    if stage == "export":
+        def failing_export(*_args, **_kwargs):
+            raise OSError("export failed")
+
+        monkeypatch.setattr(artifacts, "export_onnx", failing_export)
+    else:
+        rename = Path.rename
+
+        def failing_rename(self, target):
+            if self.name == "ps.json" and self.parent.name.startswith(".staging-"):
+                raise OSError("move failed")
+            return rename(self, target)
+
+        monkeypatch.setattr(Path, "rename", failing_rename)
+    with pytest.raises(OSError, match=f"{stage} failed"):
+        write_serving_artifacts(new, out, model_name="new", overwrite=True)
+    monkeypatch.undo()
+    assert _snapshot(out) == before
+    write_serving_artifacts(new, out, model_name="new", overwrite=True)
+    assert json.loads((out / "ps.json").read_text())["models"][0]["model"] == "new"
+    assert (out / "notes.txt").read_text() == "kept"
+    for t in new.workload.tables:
+        _, rows = read_table(out / "sparse" / t.name, dim=t.dim)
+        assert torch.equal(torch.from_numpy(rows.copy()), new.embeddings[t.name].weight.detach())

@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
+import re
 
 import onnx
 import pytest
 import torch
 
+import export.onnx as onnx_export
 from embark.data.jagged import JaggedBatch
 from embark.model import build_model
 from embark.workloads import get_workload
@@ -122,3 +125,42 @@ def test_non_float32_model_is_refused_before_writing(tmp_path, pruned, dtype) ->
     inputs = onnx_inputs(pruned, 3, include_embeddings=False)
     want = low.float().dense_forward(inputs["dense"], inputs["pooled"]).detach()
     torch.testing.assert_close(run_onnx(path, inputs), want, **TOL)
+
+
+def _mixed_dim_tiny(seed: int = 0):
+    """The tiny DLRM with table t0 at dim 8, the others at 16 (t0 goes through a projection)."""
+    w = get_workload("tiny")
+    tables = (dataclasses.replace(w.tables[0], dim=8), *w.tables[1:])
+    return build_model(dataclasses.replace(w, tables=tables), seed=seed).eval()
+
+
+def test_dense_graph_of_mixed_dims_is_refused_before_writing(tmp_path) -> None:
+    """The dense graph's one ``pooled (B, T, dim)`` input cannot hold tables of different dims:
+    refused naming the dims, nothing written (not even the folder); the full graph, which takes
+    ids, exports and runs."""
+    model = _mixed_dim_tiny()
+    out = tmp_path / "sub" / "d.onnx"
+    with pytest.raises(ValueError) as err:
+        export_onnx(model, out, include_embeddings=False)
+    assert not out.parent.exists()
+    assert re.search(r"one dim for every table.*dim 8: 't0'; dim 16: 't1', 't2'", str(err.value))
+    path = export_onnx(model, tmp_path / "full.onnx", batch_size=4)
+    inputs = onnx_inputs(model, 5, seed=2)
+    want = model(inputs["dense"], _padded_to_jagged(model, inputs)).detach()
+    torch.testing.assert_close(run_onnx(path, inputs), want, **TOL)
+
+
+def test_failed_export_leaves_no_temporary_file(tmp_path, pruned, monkeypatch) -> None:
+    """A failure after the graph was saved (here: stamping the metadata) removes the ``.tmp``
+    file and keeps the graph already at ``path``."""
+    path = tmp_path / "d.onnx"
+    path.write_bytes(b"old graph")
+
+    def fail(*_args, **_kwargs):
+        raise OSError("disk full")
+
+    monkeypatch.setattr(onnx_export, "_stamp_metadata", fail)
+    with pytest.raises(OSError, match="disk full"):
+        export_onnx(pruned, path, include_embeddings=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["d.onnx"]
+    assert path.read_bytes() == b"old graph"

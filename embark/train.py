@@ -224,7 +224,9 @@ class Trainer:
             (a stream's later batches may be shorter, e.g. a file's last), kept through
             checkpoints; ``None`` before the first step, and after loading a checkpoint
             written before it was recorded (until the next step). A training batch larger
-            than it is an error (the stream changed under a resumed run).
+            than it is an error (the stream changed under a resumed run), except after such
+            a checkpoint: the size recorded then may be a file's short last batch, so the
+            first larger batch raises it (with a warning) instead.
         data_stream: a JSON-able mapping of what fixes the data stream besides
             ``batch_size`` (set by the caller, e.g. ``data.stream_config()``), kept through
             checkpoints; ``None`` when unknown.
@@ -240,6 +242,9 @@ class Trainer:
         self.callbacks: list[Callback] = list(callbacks)
         self.step = 0
         self.batch_size: int | None = None
+        # set by load_checkpoint for a checkpoint without batch_size: the size recorded at the
+        # next step is a guess (it may be a short last batch), so a larger batch raises it
+        self._batch_size_provisional = False
         self.data_stream: dict[str, Any] | None = None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.history: list[dict[str, float]] = []
@@ -282,6 +287,13 @@ class Trainer:
             ValueError: for a batch larger than :attr:`batch_size` (later batches of a stream
                 may be shorter, never longer), before anything changes.
         """
+        if self._batch_size_provisional and self.batch_size is not None and batch.batch_size > self.batch_size:
+            log.warning("train_step: a batch of %d samples after %d (the first batch after resuming a "
+                        "checkpoint that did not record the stream's batch size, e.g. a file's short "
+                        "last batch); the stream's batch size is now %d",
+                        batch.batch_size, self.batch_size, batch.batch_size)
+            self.batch_size = batch.batch_size
+            self._batch_size_provisional = False  # a stream's batches are never larger than this
         if self.batch_size is not None and batch.batch_size > self.batch_size:
             raise ValueError(
                 f"train_step: a batch of {batch.batch_size} samples, but this trainer's data "
@@ -612,6 +624,7 @@ class Trainer:
         trainer.generator.set_state(torch.frombuffer(bytearray(gen_state), dtype=torch.uint8))
         trainer.step = state["step"]
         trainer.batch_size = state.get("batch_size")  # absent: written before it was recorded
+        trainer._batch_size_provisional = trainer.batch_size is None
         trainer.data_stream = state.get("data_stream")
         trainer.history = list(state["history"])
         return trainer

@@ -76,6 +76,36 @@ def test_resume_equals_uninterrupted(data, tmp_path):
     _assert_same_state(full, resumed)
 
 
+def test_a_checkpoint_without_batch_size_resumed_on_a_short_batch(data, tmp_path, caplog):
+    """A checkpoint written before batch_size was recorded, resumed on a file's short last
+    batch: the next full batch raises the recorded size (a warning, not an error), and from
+    then on a larger batch is refused as for any checkpoint."""
+    t = _trainer(data)
+    t.fit(data.batches(2), 2, progress=False)
+    ck = t.save_checkpoint(tmp_path / "ck")
+    state = json.loads((ck / "state.json").read_text())
+    del state["batch_size"]
+    (ck / "state.json").write_text(json.dumps(state))
+    resumed = Trainer.load_checkpoint(ck)
+    assert resumed.batch_size is None
+    short = SyntheticCTR(data.workload, batch_size=10, seed=5)
+    resumed.train_step(next(iter(short.batches(1))))
+    assert resumed.batch_size == 10
+    with caplog.at_level("WARNING", logger="embark.train"):
+        resumed.train_step(next(iter(data.batches(1, start=2))))
+    assert resumed.batch_size == 64 and resumed.step == 4
+    assert any("the stream's batch size is now 64" in r.message for r in caplog.records)
+    big = SyntheticCTR(data.workload, batch_size=65, seed=5)
+    with pytest.raises(ValueError, match=r"a batch of 65 samples, but this trainer's data stream has 64"):
+        resumed.train_step(next(iter(big.batches(1))))
+    assert resumed.step == 4
+    # a checkpoint that recorded it refuses the larger batch at once
+    strict = Trainer.load_checkpoint(t.save_checkpoint(tmp_path / "ck2"))
+    strict.train_step(next(iter(short.batches(1))))
+    with pytest.raises(ValueError, match=r"a batch of 65 samples, but this trainer's data stream has 64"):
+        strict.train_step(next(iter(big.batches(1))))
+
+
 def test_truncated_checkpoint_is_a_clear_error_and_touches_nothing(data, tmp_path):
     t = _trainer(data)
     t.fit(data.batches(3), 3, progress=False)

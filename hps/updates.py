@@ -1,46 +1,29 @@
 """Online updates: the trainer publishes changed rows; every server applies them to its
 volatile DB, persistent DB and cached copies.
 
-One update *batch* (all tables changed by one training step) is one record::
+One update *batch* (all tables changed by one training step) is one checksummed record
+(:mod:`hps.update_log` has the format). Transports: an append-only log file (the embedded
+default; the offset is the byte position after a record, stored together with the log's id so
+that a replaced or rotated log is detected on resume, :class:`LogReplacedError`) or a Redis
+Stream (``XADD``; the offset is the entry id). A record whose header, length or CRC does not
+check out is never applied: a reader stops before it (logging an error) and never skips it.
 
-    offset → | "HPSU" | ver u8 | payload_len u64 | crc32(payload) u32 | payload ... |
-    payload  = n_tables u32, then per table:
-               name_len u16 | name utf-8 | n u64 | dim u32 | keys n×int64 | rows n×dim×float32
-    (all little-endian)
-
-Transports: an append-only log file (the embedded default; the offset is the byte position
-after a record) or a Redis Stream (``XADD``; the offset is the entry id). A record whose
-header, length or CRC does not check out is never applied: a reader stops before it (logging
-an error) and never skips it. The log's single writer (:class:`FileLogPublisher`) verifies
-every record when it opens the file:
-
-* a bad *last* record (a torn write: a partial header or payload, or a full-length record
-  whose CRC fails; also a tail with no valid record in it, such as the zeros a crash can
-  leave) is truncated, with a warning naming the file, the offset and the bytes dropped;
-* a bad record with a valid record *after it* (corruption in the middle) makes it refuse
-  the file with :class:`CorruptRecordError` naming the offset: readers stop there, so
-  anything appended after it would never be applied, and dropping the valid records that
-  follow is not the writer's call.
-
-Applying a batch (:class:`UpdateApplier`): validate every table and shape first (nothing is
-applied on error), then, under the writer side of each session's lock (so a lookup sees the
-batch entirely or not at all): volatile DB, cached copies, and last the persistent DB rows
-*together with the new offset* in one atomic RocksDB write batch (or the offset file when
-there is no writable persistent DB). A restarted server resumes after the last applied offset;
-re-applying a batch is harmless (rows are absolute values, not deltas), which is why a server
-that rebuilt its volatile DB from the sparse files clears the offset file and replays the
-source from its start (:mod:`hps.parameter_server`).
+Applying a batch (:class:`UpdateApplier`): validate every table first (keys ``(n,)`` int64,
+rows ``(n, dim)`` float32 and finite, no duplicate key; nothing is applied on error, and the
+error names the table), then, under the writer side of each session's lock (so a lookup sees
+the batch entirely or not at all): volatile DB, cached copies, and last the persistent DB rows
+*together with the new offset and log id* in one atomic RocksDB write batch (or the offset
+file when there is no writable persistent DB). A restarted server resumes after the last
+applied offset; re-applying a batch is harmless (rows are absolute values, not deltas), which
+is why a server that rebuilt its volatile DB from the sparse files clears the offset file and
+replays the source from its start (:mod:`hps.parameter_server`).
 """
 
 from __future__ import annotations
 
 import logging
-import mmap
 import os
-import struct
 import threading
-import zlib
-from abc import ABC, abstractmethod
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -50,262 +33,32 @@ import torch
 
 from hps.persistent import RocksDBBackend
 from hps.session import LookupSession
-from hps.types import StorageBackend, VolatileUnavailableError
+from hps.types import StorageBackend, VolatileUnavailableError, check_keys, check_values
+from hps.update_log import (
+    LOG_ID_RE,
+    MAGIC,
+    VERSION,
+    CorruptRecordError,
+    FileLogPublisher,
+    FileLogSource,
+    LogReplacedError,
+    OffsetPastEndError,
+    StaleOffsetError,
+    UpdateBatch,
+    UpdatePublisher,
+    UpdateSource,
+    decode_batch,
+    encode_batch,
+)
 
 log = logging.getLogger(__name__)
 
-MAGIC = b"HPSU"
-VERSION = 1
-_HEADER = struct.Struct("<4sBQI")  # magic, version, payload length, crc32
-UpdateBatch = dict[str, tuple[np.ndarray, np.ndarray]]  # table -> (keys (n,) int64, rows (n, dim) float32)
-
-
-class CorruptRecordError(ValueError):
-    """A record's header, length, checksum or payload is wrong (or, for
-    :class:`OffsetPastEndError`, the stored offset does not fit the log)."""
-
-
-class OffsetPastEndError(CorruptRecordError):
-    """The stored offset lies past the end of the update log: the log was replaced, rotated
-    or truncated after the updates up to that offset were applied; reading from there would
-    wait forever. Reset the stored offset (:meth:`UpdateApplier.reset_offset`)."""
-
-    def __init__(self, path: Path, offset: int, size: int, hint: str = "") -> None:
-        self.path, self.offset, self.size = path, offset, size
-        super().__init__(
-            f"update log {path}: the stored offset {offset} is past the end of the log ({size} bytes): "
-            f"the log was replaced, rotated or truncated after the updates up to that offset were "
-            f"applied, and nothing appended to it would ever be applied. Reset the stored offset to "
-            f"apply this log from its start{': ' + hint if hint else ' (UpdateApplier.reset_offset())'}"
-        )
-
-
-def encode_batch(batch: UpdateBatch) -> bytes:
-    """One update batch → one checksummed record (bytes)."""
-    parts = [struct.pack("<I", len(batch))]
-    for name, (keys, rows) in batch.items():
-        keys = np.ascontiguousarray(keys, dtype="<i8")
-        rows = np.ascontiguousarray(rows, dtype="<f4")
-        if rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
-            raise ValueError(f"update for {name!r}: rows {rows.shape} do not match {keys.shape[0]} keys")
-        nb = name.encode()
-        parts += [struct.pack("<H", len(nb)), nb, struct.pack("<QI", keys.size, rows.shape[1]),
-                  keys.tobytes(), rows.tobytes()]
-    payload = b"".join(parts)
-    return _HEADER.pack(MAGIC, VERSION, len(payload), zlib.crc32(payload)) + payload
-
-
-def decode_batch(record: bytes) -> UpdateBatch:
-    """The inverse of :func:`encode_batch`.
-
-    Raises:
-        CorruptRecordError: bad magic/version, wrong length, checksum mismatch, or a payload
-            that does not parse (lengths past its end, a name that is not UTF-8, a table given
-            twice, trailing bytes).
-    """
-    if len(record) < _HEADER.size:
-        raise CorruptRecordError(f"record of {len(record)} bytes is shorter than its header")
-    magic, ver, n, crc = _HEADER.unpack_from(record)
-    if magic != MAGIC or ver != VERSION:
-        raise CorruptRecordError(f"bad record header (magic {magic!r}, version {ver})")
-    payload = record[_HEADER.size:]
-    if len(payload) != n:
-        raise CorruptRecordError(f"record payload has {len(payload)} bytes, header says {n}")
-    if zlib.crc32(payload) != crc:
-        raise CorruptRecordError("record checksum mismatch (torn or corrupted write)")
-    return _decode_payload(payload)
-
-
-def _decode_payload(payload: bytes) -> UpdateBatch:
-    """The tables of a payload whose checksum matched; every length is checked against the
-    bytes present (a producer bug or a foreign entry must not escape as ``struct.error``)."""
-    size = len(payload)
-
-    def need(pos: int, n: int, what: str) -> None:
-        if pos + n > size:
-            raise CorruptRecordError(f"record payload ends at byte {size}, but {what} needs bytes "
-                                     f"{pos}..{pos + n}")
-
-    out: UpdateBatch = {}
-    need(0, 4, "the table count")
-    (n_tables,), pos = struct.unpack_from("<I", payload), 4
-    for i in range(n_tables):
-        need(pos, 2, f"table {i} of {n_tables}'s name length")
-        (ln,) = struct.unpack_from("<H", payload, pos)
-        need(pos + 2, ln, f"table {i}'s name")
-        try:
-            name = payload[pos + 2:pos + 2 + ln].decode()
-        except UnicodeDecodeError as e:
-            raise CorruptRecordError(f"table {i}'s name at byte {pos + 2} is not UTF-8: {e}") from None
-        if name in out:
-            raise CorruptRecordError(f"table {name!r} appears twice in one record")
-        pos += 2 + ln
-        need(pos, 12, f"table {name!r}'s row count and width")
-        k, dim = struct.unpack_from("<QI", payload, pos)
-        pos += 12
-        need(pos, 8 * k + 4 * k * dim, f"table {name!r}'s {k} keys of {dim} floats each")
-        keys = np.frombuffer(payload, "<i8", k, pos).astype(np.int64)
-        pos += 8 * k
-        rows = np.frombuffer(payload, "<f4", k * dim, pos).astype(np.float32).reshape(k, dim)
-        pos += 4 * k * dim
-        out[name] = (keys, rows)
-    if pos != size:
-        raise CorruptRecordError(f"record payload has {size - pos} bytes after its {n_tables} table(s)")
-    return out
-
-
-# ------------------------------------------------------------------------------ transports
-
-
-class UpdatePublisher(ABC):
-    @abstractmethod
-    def publish(self, batch: UpdateBatch) -> str:
-        """Append one batch; returns its offset (as a string)."""
-
-
-class UpdateSource(ABC):
-    @abstractmethod
-    def read(self, offset: str | None, max_records: int) -> list[tuple[str, UpdateBatch]]:
-        """Records after ``offset`` (``None`` = from the start): ``[(offset after it, batch)]``."""
-
-
-class FileLogPublisher(UpdatePublisher):
-    """Append-only update log (one writer per file). Opening it verifies every record: a bad
-    last record (a torn write) is truncated; a bad record followed by valid ones is refused.
-
-    Raises:
-        CorruptRecordError: (from the constructor) when a record in the middle of the log
-            is corrupt; the message names its offset and the next valid record's.
-    """
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._lock = threading.Lock()
-        self.path.touch(exist_ok=True)
-        end, why = _scan_log(self.path)
-        if why is None:
-            return
-        size = self.path.stat().st_size
-        nxt = _next_valid_record(self.path, end + 1)
-        if nxt is not None:
-            raise CorruptRecordError(
-                f"update log {self.path}: the record at offset {end} is corrupt ({why}) but a valid "
-                f"record follows at offset {nxt}; readers stop at offset {end}, so nothing appended "
-                f"after it would be applied. Move the log aside (then reset every server's stored offset "
-                f"so it reads the new log from its start: UpdateApplier.reset_offset(), or delete its "
-                f"offset file), or truncate it to {end} bytes to drop the corrupt record and every "
-                f"record after it ({size - end} bytes)"
-            )
-        log.warning("update log %s: truncating %d bytes at offset %d, a torn or corrupted last record (%s)",
-                    self.path, size - end, end, why)
-        with open(self.path, "r+b") as f:
-            f.truncate(end)
-            os.fsync(f.fileno())
-
-    def publish(self, batch: UpdateBatch) -> str:
-        rec = encode_batch(batch)
-        with self._lock, open(self.path, "ab") as f:
-            f.write(rec)
-            f.flush()
-            os.fsync(f.fileno())
-            return str(f.tell())
-
-
-_CRC_CHUNK = 1 << 20  # bytes read at a time when verifying a record (records can be large)
-
-
-def _scan_log(path: Path) -> tuple[int, str | None]:
-    """Verify every record (header, length, CRC) from the start of the log.
-
-    Returns:
-        ``(end, why)``: the byte offset after the last record of the valid prefix, and why the
-        bytes at ``end`` are not a valid record (``None`` when the file ends at ``end``).
-    """
-    size, pos = path.stat().st_size, 0
-    with open(path, "rb") as f:
-        while pos < size:
-            f.seek(pos)
-            head = f.read(_HEADER.size)
-            if len(head) < _HEADER.size:
-                return pos, f"a partial header of {len(head)} bytes"
-            magic, ver, n, crc = _HEADER.unpack(head)
-            if magic != MAGIC or ver != VERSION:
-                return pos, f"bad record header (magic {magic!r}, version {ver})"
-            if pos + _HEADER.size + n > size:
-                return pos, f"the header announces {n} payload bytes, {size - pos - _HEADER.size} are present"
-            got, left = 0, n
-            while left:
-                chunk = f.read(min(left, _CRC_CHUNK))
-                got, left = zlib.crc32(chunk, got), left - len(chunk)
-            if got != crc:
-                return pos, "checksum mismatch"
-            pos += _HEADER.size + n
-    return pos, None
-
-
-def _next_valid_record(path: Path, start: int) -> int | None:
-    """Offset of the first valid record (magic, version, length and CRC all right) that
-    begins at or after ``start``, or ``None``; only called on a damaged log."""
-    size = path.stat().st_size
-    if start + _HEADER.size > size:
-        return None
-    with open(path, "rb") as f, mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) as m:
-        pos = m.find(MAGIC, start)
-        while pos != -1 and pos + _HEADER.size <= size:
-            _, ver, n, crc = _HEADER.unpack_from(m, pos)
-            body = pos + _HEADER.size
-            if ver == VERSION and body + n <= size and zlib.crc32(m[body:body + n]) == crc:
-                return pos
-            pos = m.find(MAGIC, pos + 1)
-    return None
-
-
-class FileLogSource(UpdateSource):
-    """Reads records of an append-only log; stops before a torn or corrupted record (and
-    logs an error for a corrupted one): a bad record is never skipped."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        self.corrupt = 0  # records refused (bad checksum/header)
-
-    def read(self, offset: str | None, max_records: int = 64) -> list[tuple[str, UpdateBatch]]:
-        """Records after byte ``offset``.
-
-        Raises:
-            OffsetPastEndError: ``offset`` lies past the end of the log (it was replaced).
-        """
-        if not self.path.exists():
-            return []
-        pos = int(offset or 0)
-        out = []
-        size = self.path.stat().st_size
-        if pos > size:
-            raise OffsetPastEndError(self.path, pos, size)
-        with open(self.path, "rb") as f:
-            while len(out) < max_records and pos + _HEADER.size <= size:
-                f.seek(pos)
-                head = f.read(_HEADER.size)
-                magic, ver, n, _ = _HEADER.unpack(head)
-                if magic != MAGIC or ver != VERSION:
-                    # a garbage header's length means nothing: say so now rather than
-                    # waiting silently for bytes that will never come
-                    self.corrupt += 1
-                    log.error("update log %s: record at offset %d refused: bad record header "
-                              "(magic %r, version %d)", self.path, pos, magic, ver)
-                    break
-                if pos + _HEADER.size + n > size:
-                    break  # not fully written yet (or torn): never applied
-                rec = head + f.read(n)
-                try:
-                    batch = decode_batch(rec)
-                except CorruptRecordError as e:
-                    self.corrupt += 1
-                    log.error("update log %s: record at offset %d refused: %s", self.path, pos, e)
-                    break
-                pos += _HEADER.size + n
-                out.append((str(pos), batch))
-        return out
+__all__ = [  # the record format and the file log live in hps.update_log; re-exported here
+    "LOG_ID_RE", "MAGIC", "VERSION", "CorruptRecordError", "FileLogPublisher", "FileLogSource",
+    "LogReplacedError", "OffsetFile", "OffsetPastEndError", "PublishUpdatesCallback",
+    "RedisStreamPublisher", "RedisStreamSource", "StaleOffsetError", "UpdateApplier", "UpdateBatch",
+    "UpdatePublisher", "UpdateSource", "decode_batch", "encode_batch", "redis_client",
+]
 
 
 def redis_client(address: str, cluster: bool) -> Any:
@@ -361,17 +114,39 @@ class RedisStreamSource(UpdateSource):
 
 
 class OffsetFile:
-    """The last applied offset in a small file, replaced atomically (write + rename)."""
+    """The last applied offset in a small file, replaced atomically (write + rename): one line,
+    ``<offset>`` or ``<offset> <log id>`` (the id of the update log the offset was taken in;
+    files written before log ids existed hold the offset alone)."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
 
     def load(self) -> str | None:
-        return self.path.read_text().strip() or None if self.path.exists() else None
+        """The file's text, stripped (``None`` when missing or empty); not checked."""
+        return self.path.read_text(errors="replace").strip() or None if self.path.exists() else None
 
-    def save(self, offset: str) -> None:
+    def load_position(self) -> tuple[str | None, str | None]:
+        """``(offset, log id)`` (``None`` for what the file does not hold).
+
+        Raises:
+            ValueError: naming the file and its text, unless it is empty or one or two words,
+                the second one a log id (``log:<32 hex digits>`` or ``rec0:<n>:<8 hex digits>``).
+        """
+        if not self.path.exists():
+            return None, None
+        raw = self.path.read_bytes()
+        try:
+            words = raw.decode("ascii").split()
+        except UnicodeDecodeError:
+            words = None
+        if words is None or len(words) > 2 or (len(words) == 2 and not LOG_ID_RE.fullmatch(words[1])):
+            raise ValueError(f"offset file {self.path} holds {raw[:200]!r}, not '<offset>' or "
+                             f"'<offset> <log id>'")
+        return (words[0] if words else None), (words[1] if len(words) == 2 else None)
+
+    def save(self, offset: str, log_id: str | None = None) -> None:
         tmp = self.path.with_name(self.path.name + ".tmp")
-        tmp.write_text(offset)
+        tmp.write_text(offset if log_id is None else f"{offset} {log_id}")
         os.replace(tmp, self.path)
 
     def clear(self) -> None:
@@ -382,6 +157,14 @@ class OffsetFile:
 class UpdateApplier:
     """Applies published batches to the tiers and the sessions' caches, resuming after the
     last applied offset.
+
+    The offset is stored with the id of the log it was taken in (:mod:`hps.update_log`) and
+    checked when read: a replaced or rotated log (another id) raises :class:`LogReplacedError`
+    and nothing is applied. An offset stored without an id (by an older version, or given to
+    :meth:`reset_offset` alone) is accepted when a record of the log starts there, and is then
+    stored with the log's id. A stored offset that is not well-formed (not a non-negative
+    integer for a file log; a damaged offset file) makes :meth:`poll` raise ``ValueError``
+    naming where it is stored and the bad value; :meth:`reset_offset` still works.
 
     Args:
         source: where batches come from.
@@ -402,15 +185,46 @@ class UpdateApplier:
         if self.persistent is None and self.offset_file is None:
             raise ValueError("UpdateApplier needs a writable persistent db or an offset_file to resume from")
         self._meta_key = f"update_offset:{name}"
+        self._id_key = f"update_log_id:{name}"
+        self.log_id: str | None = None  # the id of the log ``offset`` was taken in
+        self._bad_offset: str | None = None  # why the stored offset cannot be used (raised by poll)
         self.offset = self._load_offset()
         self.applied = 0  # batches applied by this instance
         self._lock = threading.Lock()
 
     def _load_offset(self) -> str | None:
+        """The stored offset (and :attr:`log_id`); a malformed one is kept for :meth:`poll` to
+        refuse (the constructor must work, so that :meth:`reset_offset` can replace it)."""
+        try:
+            if self.persistent is not None:
+                raw, rid = self.persistent.get_meta(self._meta_key), self.persistent.get_meta(self._id_key)
+                try:
+                    offset = raw.decode("ascii") or None if raw is not None else None
+                    log_id = rid.decode("ascii") or None if rid is not None else None
+                    ok = (offset is None or offset.split() == [offset]) and (
+                        log_id is None or LOG_ID_RE.fullmatch(log_id) is not None)
+                except UnicodeDecodeError:
+                    ok = False
+                if not ok:
+                    raise ValueError(f"{self._stored_in()} holds {raw!r} and log id {rid!r}, not an "
+                                     f"update offset and a log id")
+            else:
+                offset, log_id = self.offset_file.load_position()
+            if offset is not None:
+                try:
+                    self.source.check_offset(offset)
+                except ValueError as e:
+                    raise ValueError(f"{self._stored_in()} holds the update offset {offset!r}: {e}") from None
+        except ValueError as e:
+            self._bad_offset = f"{e}; nothing was applied. To apply the source from its start, {self._where()}"
+            return None
+        self.log_id = log_id if offset is not None else None
+        return offset
+
+    def _stored_in(self) -> str:
         if self.persistent is not None:
-            raw = self.persistent.get_meta(self._meta_key)
-            return raw.decode() or None if raw is not None else None
-        return self.offset_file.load()
+            return f"the persistent db {self.persistent.path} (metadata {self._meta_key!r})"
+        return f"the offset file {self.offset_file.path}"
 
     def _where(self) -> str:
         """Where the offset is stored, and how to reset it (for error messages)."""
@@ -421,17 +235,29 @@ class UpdateApplier:
         return (f"stop the server and delete the offset file {self.offset_file.path} "
                 f"(or call UpdateApplier.reset_offset())")
 
-    def reset_offset(self, offset: str | None = None) -> None:
+    def _store(self, offset: str | None, log_id: str | None, rows: list | None = None) -> None:
+        """Record the offset and its log id (with ``rows`` in one atomic write when the
+        persistent db holds them)."""
+        if self.persistent is not None:
+            self.persistent.write_batch(rows or [], meta={self._meta_key: (offset or "").encode(),
+                                                          self._id_key: (log_id or "").encode()})
+        elif offset is None:
+            self.offset_file.clear()
+        else:
+            self.offset_file.save(offset, log_id)
+        self.offset, self.log_id = offset, log_id if offset is not None else None
+        self._bad_offset = None  # a malformed stored offset is replaced
+
+    def reset_offset(self, offset: str | None = None, log_id: str | None = None) -> None:
         """Store ``offset`` as the last applied one (``None``: read the source from its start,
-        e.g. after the update log was replaced)."""
+        e.g. after the update log was replaced). An ``offset`` without ``log_id`` must be on a
+        record boundary of the log when it is next read (see the class docstring)."""
+        if offset is not None:
+            self.source.check_offset(offset)
+        if log_id is not None and not LOG_ID_RE.fullmatch(log_id):
+            raise ValueError(f"log id {log_id!r} is not 'log:<32 hex digits>' or 'rec0:<n>:<8 hex digits>'")
         with self._lock:
-            if self.persistent is not None:
-                self.persistent.write_batch([], meta={self._meta_key: (offset or "").encode()})
-            elif offset is None:
-                self.offset_file.clear()
-            else:
-                self.offset_file.save(offset)
-            self.offset = offset
+            self._store(offset, log_id)
 
     def _dims(self) -> dict[str, int]:
         dims: dict[str, int] = {}
@@ -439,22 +265,43 @@ class UpdateApplier:
             dims.update({n: t.dim for n, t in s.tables.items()})
         return dims
 
-    def validate(self, batch: UpdateBatch) -> None:
-        """Raise ``ValueError`` (naming table and shape) unless every part of ``batch`` fits."""
+    def validate(self, batch: UpdateBatch) -> UpdateBatch:
+        """Check every table of ``batch`` before anything is written; returns it with each
+        array C-contiguous.
+
+        Raises:
+            ValueError: naming the table, for an unknown table, keys that are not a ``(n,)``
+                int64 array or hold a key twice, rows that are not an ``(n, dim)`` float32
+                array (``dim`` the table's) or hold a NaN or infinite value (a diverged trainer's
+                rows are refused, not served; the poller retries the record, never skips it).
+        """
         dims = self._dims()
+        out: UpdateBatch = {}
         for name, (keys, rows) in batch.items():
             if name not in dims:
                 raise ValueError(f"update for unknown table {name!r}; served tables: {sorted(dims)}")
-            if rows.shape != (keys.shape[0], dims[name]):
-                raise ValueError(f"update for {name!r}: rows {rows.shape}, expected ({keys.shape[0]}, {dims[name]})")
+            what = f"update for {name!r}:"
+            keys = check_keys(keys, f"{what} keys")
+            if not isinstance(rows, np.ndarray) or rows.shape != (keys.shape[0], dims[name]):
+                got = rows.shape if isinstance(rows, np.ndarray) else type(rows).__name__
+                raise ValueError(f"{what} rows {got}, expected ({keys.shape[0]}, {dims[name]})")
+            rows = check_values(rows, keys.shape[0], dims[name], f"{what} rows")
+            bad = np.flatnonzero(~np.isfinite(rows).all(1))
+            if bad.size:
+                raise ValueError(f"{what} the row of key {int(keys[bad[0]])} holds a non-finite value "
+                                 f"({rows[bad[0]][~np.isfinite(rows[bad[0]])][0]}); {bad.size} such row(s)")
             s = np.sort(keys)  # not np.unique: numpy 2.4's hash path is ~50x slower on large batches
             rep = np.flatnonzero(s[1:] == s[:-1])
             if rep.size:
-                raise ValueError(f"update for {name!r}: duplicate keys (key {int(s[rep[0]])} occurs more than once)")
+                raise ValueError(f"{what} duplicate keys (key {int(s[rep[0]])} occurs more than once)")
+            out[name] = (keys, rows)
+        return out
 
-    def apply(self, batch: UpdateBatch, offset: str) -> None:
-        """Apply one batch entirely (or, on a validation error, not at all) and record ``offset``."""
-        self.validate(batch)
+    def apply(self, batch: UpdateBatch, offset: str, log_id: str | None = None) -> None:
+        """Apply one batch entirely (or, on a validation error, not at all: :meth:`validate`
+        checks every table before anything is written) and record ``offset`` (taken in the
+        log ``log_id``, ``None`` when unknown)."""
+        batch = self.validate(batch)
         locks = [s.update_lock for s in self.sessions]
         for lk in locks:
             lk.acquire_write()
@@ -467,12 +314,7 @@ class UpdateApplier:
                     if t is not None and t.cache is not None:
                         t.cache.update_if_present(torch.from_numpy(keys).to(t.cache.device),
                                                   torch.from_numpy(rows).to(t.cache.device))
-            if self.persistent is not None:
-                self.persistent.write_batch([(n, k, r) for n, (k, r) in batch.items()],
-                                            meta={self._meta_key: offset.encode()})
-            else:
-                self.offset_file.save(offset)
-            self.offset = offset
+            self._store(offset, log_id, [(n, k, r) for n, (k, r) in batch.items()])
             self.applied += 1
         finally:
             for lk in reversed(locks):
@@ -482,16 +324,24 @@ class UpdateApplier:
         """Apply every available record (up to ``max_records``); returns how many.
 
         Raises:
-            OffsetPastEndError: the stored offset lies past the end of a replaced update log;
-                the message says where the offset is stored and how to reset it.
+            StaleOffsetError: the stored offset does not fit the update log (a
+                :class:`LogReplacedError`: another log replaced it, or an offset without a log id
+                is not on a record boundary; an :class:`OffsetPastEndError`: past its end); the
+                message names the log, both log ids, where the offset is stored and how to reset
+                it. Nothing is applied.
+            ValueError: the stored offset is malformed (the message names where it is stored).
         """
         with self._lock:
+            if self._bad_offset is not None:
+                raise ValueError(self._bad_offset)
             try:
-                recs = self.source.read(self.offset, max_records)
-            except OffsetPastEndError as e:
-                raise OffsetPastEndError(e.path, e.offset, e.size, self._where()) from None
+                log_id, recs = self.source.read_log(self.offset, self.log_id, max_records)
+            except StaleOffsetError as e:
+                raise e.with_hint(self._where()) from None
+            if not recs and self.offset is not None and log_id is not None and self.log_id is None:
+                self._store(self.offset, log_id)  # an offset without a log id, now checked: adopt the id
             for off, batch in recs:
-                self.apply(batch, off)
+                self.apply(batch, off, log_id)
             return len(recs)
 
     def drain(self, max_records: int = 64) -> int:

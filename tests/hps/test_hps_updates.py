@@ -199,6 +199,55 @@ def test_invalid_batch_is_applied_not_at_all(tmp_path: Path) -> None:
     pdb.close()
 
 
+@pytest.mark.parametrize("bad, match", [
+    ({"rows": np.ones((2, DIM), np.float64)}, "rows must have dtype float32, got float64"),
+    ({"rows": np.ones((2, DIM), np.float16)}, "rows must have dtype float32, got float16"),
+    ({"keys": np.array([1, 2], np.int32)}, "keys must have dtype int64, got int32"),
+    ({"keys": np.array([[1], [2]], np.int64)}, r"keys must be 1-D \(n,\), got shape \(2, 1\)"),
+    ({"keys": [1, 2]}, "keys must be a numpy array, got list"),
+    ({"rows": [[1.0] * DIM] * 2}, r"rows list, expected \(2, 3\)"),
+    ({"rows": np.array([[1, 1, 1], [1, np.nan, 1]], np.float32)}, r"the row of key 2 holds a non-finite value \(nan\)"),
+    ({"rows": np.array([[np.inf, 1, 1], [1, 1, 1]], np.float32)}, r"the row of key 1 holds a non-finite value \(inf\)"),
+], ids=["float64", "float16", "int32_keys", "2d_keys", "list_keys", "list_rows", "nan", "inf"])
+@pytest.mark.parametrize("store", ["rocks_db", "offset_file"])
+def test_a_batch_with_one_bad_table_applies_nothing_and_names_it(tmp_path: Path, bad: dict, match: str,
+                                                                 store: str) -> None:
+    """Every table is checked before anything is written: the good table 't' (first in the
+    batch) is not written to the volatile db, the cache or RocksDB when table 'u' is bad."""
+    keys = np.arange(4, dtype=np.int64)
+    vdb = HashMapBackend(num_partitions=1)
+    pdb = RocksDBBackend(tmp_path / "pdb") if store == "rocks_db" else None
+    for db in filter(None, (vdb, pdb)):
+        for t in ("t", "u"):
+            db.create_table(t, DIM)
+            db.insert(t, keys, np.zeros((4, DIM), np.float32))
+    s = LookupSession([SessionTable(t, DIM, 0.0, 64, EmbeddingCache(8, DIM)) for t in ("t", "u")], vdb, pdb,
+                      exact=True, hit_rate_threshold=1.0)
+    q = torch.from_numpy(keys)
+    for t in ("t", "u"):
+        s.lookup(t, q)  # cached
+    ap = UpdateApplier(FileLogSource(tmp_path / "none.log"), [s], vdb, pdb, offset_file=tmp_path / "off")
+    u = {"keys": np.array([1, 2], np.int64), "rows": np.ones((2, DIM), np.float32), **bad}
+    batch = {"t": (keys[:2].copy(), np.full((2, DIM), 7.0, np.float32)), "u": (u["keys"], u["rows"])}
+    with pytest.raises(ValueError, match=rf"update for 'u': {match}"):
+        ap.apply(batch, "99")
+    for t in ("t", "u"):
+        assert bool((s.lookup(t, q) == 0).all()), t  # the cached copies
+        assert not vdb.lookup(t, keys)[0].any(), t
+        if pdb is not None:
+            assert not pdb.lookup(t, keys)[0].any(), t
+    assert ap.offset is None and ap.applied == 0 and not (tmp_path / "off").exists()
+    if pdb is not None:
+        assert pdb.get_meta("update_offset:updates") is None
+    # the same batch with 'u' right is applied whole
+    ap.apply({**batch, "u": (np.array([1, 2], np.int64), np.ones((2, DIM), np.float32))}, "99")
+    assert s.lookup("t", q)[:, 0].tolist() == [7.0, 7.0, 0.0, 0.0]
+    assert s.lookup("u", q)[:, 0].tolist() == [0.0, 1.0, 1.0, 0.0] and ap.offset == "99"
+    s.close()
+    if pdb is not None:
+        pdb.close()
+
+
 def test_readers_never_see_half_a_batch(tmp_path: Path) -> None:
     s, vdb, pdb, keys, rows = _served(tmp_path, pdb=False)
     ap = UpdateApplier(FileLogSource(tmp_path / "none.log"), [s], vdb, None, offset_file=tmp_path / "off")

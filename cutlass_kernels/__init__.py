@@ -16,6 +16,7 @@ from cutlass_kernels.manifest import Arch, DType, TWKernel, manifest, select
 from cutlass_kernels.reference import (
     TWLaunch,
     TWPackedWeight,
+    check_launch,
     emulate,
     pack_launch,
     pack_weight,
@@ -34,6 +35,7 @@ __all__ = [
     "pack_weight",
     "pack_launch",
     "emulate",
+    "check_launch",
     "unpack_output",
     "tw_linear_emulated",
     "register_cuda_kernel",

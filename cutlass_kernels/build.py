@@ -35,7 +35,7 @@ from types import ModuleType
 import torch
 
 from cutlass_kernels import emit, reference
-from cutlass_kernels.manifest import Arch, DType, Mainloop, TWKernel, manifest, select
+from cutlass_kernels.manifest import Arch, DType, Mainloop, TWKernel, manifest, select, widest_tile
 from tilesparse.backend import Backend
 from tilesparse.format import TWLayout, reference_matmul
 from tilesparse.ops import check_op_inputs
@@ -54,6 +54,7 @@ __all__ = [
     "default_extension",
     "packed_weight",
     "select_for",
+    "tile_limit",
     "MAINLOOP_ENV",
     "tw_gemm_kmajor",
     "tw_linear_cuda",
@@ -387,7 +388,7 @@ def default_extension(arch: Arch | str | None = None) -> ModuleType:
 _PackRecord = tuple[
     tuple[int, ...],  # versions of the six tensors, K, N
     tuple[weakref.ref, ...],  # the six tensors
-    dict[tuple[torch.dtype, str], reference.TWPackedWeight],  # by (dtype, device)
+    dict[tuple[torch.dtype, str, int | None], reference.TWPackedWeight],  # by (dtype, device, max width)
 ]
 _PACKED: dict[int, _PackRecord] = {}
 
@@ -399,14 +400,16 @@ def _packed(
     dtype: torch.dtype,
     device: torch.device | str,
     layout: Callable[[], TWLayout],
+    max_tile_width: int | None = None,
 ) -> reference.TWPackedWeight:
     """The packed weight of ``tensors`` (``col_idx, tile_ptr, row_idx, row_ptr, values,
-    val_ptr``) for ``dtype``/``device``, packed from ``layout()`` only when not in _PACKED."""
+    val_ptr``) for ``dtype``/``device``, tiles wider than ``max_tile_width`` split into
+    sub-tiles, packed from ``layout()`` only when not in _PACKED."""
     device = str(torch.device(device))
     try:
         stamp = (*(t._version for t in tensors), in_features, out_features)
     except RuntimeError:  # inference-mode tensors have no version counter: pack every time
-        return reference.pack_weight(layout(), dtype=dtype, device=device)
+        return _pack(layout(), dtype, device, max_tile_width)
     values = tensors[4]
     key = id(values)
     rec = _PACKED.get(key)
@@ -417,20 +420,33 @@ def _packed(
         rec = (stamp, refs, {})
         _PACKED[key] = rec
     packs = rec[2]
-    if (dtype, device) not in packs:
-        packs[(dtype, device)] = reference.pack_weight(layout(), dtype=dtype, device=device)
-    return packs[(dtype, device)]
+    pkey = (dtype, device, max_tile_width)
+    if pkey not in packs:
+        packs[pkey] = _pack(layout(), dtype, device, max_tile_width)
+    return packs[pkey]
 
 
-def packed_weight(layout: TWLayout, dtype: torch.dtype, device: torch.device | str) -> reference.TWPackedWeight:
-    """The layout's packed weight for ``dtype``/``device``: packed once per set of layout
+def _pack(layout: TWLayout, dtype: torch.dtype, device: str, max_tile_width: int | None) -> reference.TWPackedWeight:
+    pw = reference.pack_weight(layout, dtype=dtype, device=device, max_tile_width=max_tile_width)
+    if max_tile_width is not None and pw.num_tiles > layout.num_tiles:
+        log.info("TW layer %dx%d: tiles wider than %d columns (the widest kernel instance) packed as "
+                 "%d sub-tiles of at most %d columns (%d tiles)", layout.in_features, layout.out_features,
+                 max_tile_width, pw.num_tiles, max_tile_width, layout.num_tiles)
+    return pw
+
+
+def packed_weight(
+    layout: TWLayout, dtype: torch.dtype, device: torch.device | str, max_tile_width: int | None = None
+) -> reference.TWPackedWeight:
+    """The layout's packed weight for ``dtype``/``device`` (tiles wider than ``max_tile_width``
+    packed as sub-tiles, see :func:`reference.pack_weight`): packed once per set of layout
     tensors, and again after any of them is replaced or edited in place (its version bumps).
 
     Raises:
         ValueError: an invalid layout (from :func:`reference.pack_weight`).
     """
     tensors = (layout.col_idx, layout.tile_ptr, layout.row_idx, layout.row_ptr, layout.values, layout.val_ptr)
-    return _packed(tensors, layout.in_features, layout.out_features, dtype, device, lambda: layout)
+    return _packed(tensors, layout.in_features, layout.out_features, dtype, device, lambda: layout, max_tile_width)
 
 
 MAINLOOP_ENV = "TILEREC_CUTLASS_MAINLOOP"
@@ -449,17 +465,47 @@ def select_for(launch: reference.TWLaunch, ext: ModuleType | None = None) -> TWK
     pw = launch.weight
     if pw.dtype not in _DTYPES:
         raise ValueError(f"the TW kernels take float16 or bfloat16, got {pw.dtype}")
+    mainloop = _mainloop_env()
+    arch = device_arch(launch.xt.device)
+    kernels = _built(arch, ext)
+    sms = torch.cuda.get_device_properties(launch.xt.device).multi_processor_count
+    return select(kernels, _DTYPES[pw.dtype], arch, pw.max_tile_width, launch.batch,
+                  pw.num_tiles, sms, mainloop)
+
+
+def _mainloop_env() -> str | None:
     mainloop = os.environ.get(MAINLOOP_ENV) or None
     if mainloop is not None and mainloop not in {m.value for m in Mainloop}:
         raise ValueError(f"${MAINLOOP_ENV}={mainloop!r}: expected one of {[m.value for m in Mainloop]}")
-    arch = device_arch(launch.xt.device)
+    return mainloop
+
+
+def _built(arch: Arch, ext: ModuleType | None) -> tuple[TWKernel, ...]:
+    """The arch's manifest instances, only those built into ``ext`` when given."""
     kernels = manifest(arch)
     if ext is not None:
         have = set(ext.instances())
         kernels = tuple(k for k in kernels if k.name in have)
-    sms = torch.cuda.get_device_properties(launch.xt.device).multi_processor_count
-    return select(kernels, _DTYPES[pw.dtype], arch, pw.max_tile_width, launch.batch,
-                  pw.num_tiles, sms, mainloop)
+    return kernels
+
+
+def tile_limit(
+    dtype: torch.dtype, device: torch.device | str | int | None = None, ext: ModuleType | None = None
+) -> int | None:
+    """The widest tile (``G``) among the instances :func:`select_for` would choose from for
+    ``dtype`` on ``device`` (built into ``ext``, default :func:`default_extension`; main loop as
+    ``$TILEREC_CUTLASS_MAINLOOP`` says): the layer is packed with wider tiles split into
+    sub-tiles of at most this many columns. None for a dtype without kernels, or when no
+    instance of it was built.
+
+    Raises:
+        ValueError: a bad ``$TILEREC_CUTLASS_MAINLOOP``.
+    """
+    if dtype not in _DTYPES:
+        return None
+    mainloop = _mainloop_env()
+    arch = device_arch(device)
+    return widest_tile(_built(arch, ext or default_extension(arch)), _DTYPES[dtype], arch, mainloop)
 
 
 def tw_gemm_kmajor(
@@ -504,7 +550,8 @@ def tw_linear_cuda(
         raise ValueError(f"x has {x.shape[-1]} features, the layer expects {layout.in_features}")
     lead = x.shape[:-1]
     x2 = x.reshape(-1, layout.in_features)
-    y = _run_packed(x2, packed_weight(layout, x.dtype, x.device), bias, kernel)
+    limit = kernel.tile_g if kernel is not None else tile_limit(x.dtype, x.device)
+    y = _run_packed(x2, packed_weight(layout, x.dtype, x.device, limit), bias, kernel)
     return y.reshape(*lead, layout.out_features)
 
 
@@ -533,7 +580,11 @@ def _op_impl(
 
     Runs the same checks as the CPU implementation first (``tilesparse.ops.check_op_inputs``:
     shapes, dtypes, contiguity, the backend for the device, the layout's offsets and indices),
-    then the reference, the emulation or the kernel on the cached packed weight.
+    then the reference, the emulation or the kernel on the cached packed weight. Tiles wider
+    than the widest built instance (``G = 128``) are packed as sub-tiles of at most ``G``
+    columns that share the tile's kept rows (exact), so any tile width runs on the kernel;
+    ``auto`` runs the reference (one logged warning) only when no instance of the dtype was
+    built for the device.
 
     Raises:
         ValueError: as ``check_op_inputs``; backend ``cpu`` (for a CPU tensor that reached
@@ -559,8 +610,20 @@ def _op_impl(
         if be is Backend.CUTLASS:
             raise ValueError(f"backend 'cutlass' takes float16 or bfloat16 inputs, got {x.dtype}")
         return reference_matmul(x, layout(), bias)  # "auto" on fp32/fp64: no 16-bit kernel applies
-    pw = _packed(tensors, x.shape[1], out_features, x.dtype, x.device, layout)
+    # Tiles wider than the widest built instance are packed as sub-tiles (exact), so every
+    # valid tile width runs on the kernel.
+    limit = tile_limit(x.dtype, x.device)
+    if limit is None and be is Backend.AUTO:  # no instance of this dtype was built
+        if x.dtype not in _NO_KERNEL_WARNED:
+            _NO_KERNEL_WARNED.add(x.dtype)
+            log.warning("no %s TW kernel instance is built for this device: backend 'auto' runs "
+                        "the reference", x.dtype)
+        return reference_matmul(x, layout(), bias)
+    pw = _packed(tensors, x.shape[1], out_features, x.dtype, x.device, layout, limit)
     return _run_packed(x, pw, bias)
+
+
+_NO_KERNEL_WARNED: set[torch.dtype] = set()
 
 
 def register_cuda_kernel() -> bool:

@@ -25,6 +25,7 @@ Two main loops (:class:`Mainloop`):
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from enum import StrEnum
 
@@ -35,6 +36,7 @@ __all__ = [
     "TWKernel",
     "manifest",
     "select",
+    "widest_tile",
     "ALIGNMENT",
     "SMEM_BYTES",
     "MIN_CUDA",
@@ -242,7 +244,13 @@ def manifest(
     Returns:
         instances in a fixed order (dtype, arch, config), so emission is deterministic.
     """
-    archs = [Arch(arch)] if arch is not None else list(Arch)
+    return _manifest(Arch(arch) if arch is not None else None,
+                     tuple(cuda_version) if cuda_version is not None else None)
+
+
+@functools.cache  # immutable instances; select_for and tile_limit ask for them on every call
+def _manifest(arch: Arch | None, cuda_version: tuple[int, ...] | None) -> tuple[TWKernel, ...]:
+    archs = [arch] if arch is not None else list(Arch)
     out = []
     for dtype in DType:
         for a in archs:
@@ -254,6 +262,33 @@ def manifest(
                 for tb, stages in _GMMA_CONFIGS:
                     out.append(TWKernel(dtype, a, tb, (4, 1, 1), stages, ALIGNMENT, Mainloop.SM90_CPASYNC_GMMA))
     return tuple(out)
+
+
+def _candidates(
+    kernels: tuple[TWKernel, ...] | list[TWKernel], dtype: DType, arch: Arch, mainloop: Mainloop | str | None
+) -> tuple[Mainloop, list[TWKernel]]:
+    """The main loop :func:`select` uses (``mainloop``, else gmma where the arch has it, else
+    multistage) and the instances of ``dtype``/``arch`` on it."""
+    kernels = [k for k in kernels if k.dtype is dtype and k.arch is arch]
+    if mainloop is None:
+        have = {k.mainloop for k in kernels}
+        mainloop = Mainloop.SM90_CPASYNC_GMMA if Mainloop.SM90_CPASYNC_GMMA in have else Mainloop.SM80_MULTISTAGE
+    mainloop = Mainloop(mainloop)
+    return mainloop, [k for k in kernels if k.mainloop is mainloop]
+
+
+def widest_tile(
+    kernels: tuple[TWKernel, ...] | list[TWKernel],
+    dtype: DType | str,
+    arch: Arch | str,
+    mainloop: Mainloop | str | None = None,
+) -> int | None:
+    """The widest ``G`` among the instances :func:`select` chooses from for ``dtype``/``arch``/
+    ``mainloop`` (same defaults): the widest tile a packed weight may have (wider tiles are
+    packed as sub-tiles, ``reference.pack_weight(max_tile_width=...)``). None when there is no
+    such instance."""
+    _, kernels = _candidates(kernels, DType(dtype), Arch(arch), mainloop)
+    return max((k.tile_g for k in kernels), default=None)
 
 
 def select(
@@ -279,12 +314,7 @@ def select(
         ValueError: no instance of that dtype/arch/main loop serves tiles that wide.
     """
     dtype, arch = DType(dtype), Arch(arch)
-    kernels = [k for k in kernels if k.dtype is dtype and k.arch is arch]
-    if mainloop is None:
-        have = {k.mainloop for k in kernels}
-        mainloop = Mainloop.SM90_CPASYNC_GMMA if Mainloop.SM90_CPASYNC_GMMA in have else Mainloop.SM80_MULTISTAGE
-    mainloop = Mainloop(mainloop)
-    kernels = [k for k in kernels if k.mainloop is mainloop]
+    mainloop, kernels = _candidates(kernels, dtype, arch, mainloop)
     k_default = 64 if mainloop is Mainloop.SM90_CPASYNC_GMMA else 32
     fit = [k for k in kernels if k.tile_g >= max_tile_width]
     if not fit:

@@ -26,8 +26,14 @@ For each CTA (t, b) the kernel computes, in fp32::
     B = xt[row_idx[row_off : row_off+nrows], b·bn : (b+1)·bn]       (nrows, bn)   gathered
     yt[col_idx[col_off : col_off+ncols], b·bn : (b+1)·bn] = alpha·A·B + beta·yt[...]  scattered
 
+A tile wider than the kernel's ``G`` is packed as several sub-tiles (``pack_weight(...,
+max_tile_width=G)``): consecutive column ranges of the tile, each with its own ``tile_meta`` row
+and its own copy of the tile's kept rows in ``row_idx`` and ``w``; ``col_idx`` is unchanged.
+
 :func:`emulate` does the same arithmetic through the same flat buffers, offsets and pitches
-(``as_strided`` views), so a packing bug shows up here on a machine without a GPU.
+(``as_strided`` views), after the same argument checks as the binding and the launchers
+(:func:`check_launch`), so a packing bug or a pitch the kernel refuses shows up here on a
+machine without a GPU.
 """
 
 from __future__ import annotations
@@ -45,6 +51,7 @@ __all__ = [
     "pack_weight",
     "pack_launch",
     "emulate",
+    "check_launch",
     "unpack_output",
     "tw_linear_emulated",
     "round_up",
@@ -138,44 +145,76 @@ class TWLaunch:
 
 
 def pack_weight(
-    layout: TWLayout, dtype: torch.dtype | None = None, device: torch.device | str | None = None
+    layout: TWLayout,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str | None = None,
+    max_tile_width: int | None = None,
 ) -> TWPackedWeight:
     """Pack a condensed TW weight into the kernel's weight arguments.
+
+    A tile wider than ``max_tile_width`` is packed as consecutive sub-tiles of at most that many
+    columns (the last one the remainder), each with the tile's kept rows: sub-tile ``j`` of tile
+    ``t`` scatters to ``col_idx[tile_ptr[t] + j·w : ...]`` (``col_idx`` is unchanged), gathers
+    the same ``row_idx`` entries (repeated once per sub-tile) and holds columns ``j·w ...`` of
+    ``B_t``. Every output column is still computed from the same products, exactly as one tile
+    computes it, so a layer with tiles wider than the widest kernel instance (``G``) runs on it.
+    A tile that keeps no rows gives sub-tiles that keep none (they write 0 or the bias).
 
     Args:
         layout: the condensed weight (validated here).
         dtype: element type of ``w`` (default ``layout.values.dtype``).
         device: where the packed tensors live (default the layout's device).
+        max_tile_width: the widest (sub-)tile to pack, >= 1 (default: no splitting).
 
     Returns:
-        the packed weight.
+        the packed weight; ``max_tile_width`` is its widest (sub-)tile.
 
     Raises:
-        ValueError: an invalid layout, or sizes beyond the kernel's int32 indices.
+        ValueError: an invalid layout, ``max_tile_width < 1``, or sizes beyond the kernel's
+            int32 indices.
     """
     layout.validate()
+    if max_tile_width is not None and max_tile_width < 1:
+        raise ValueError(f"max_tile_width must be >= 1, got {max_tile_width}")
     dev = torch.device(device) if device is not None else layout.values.device
     dtype = dtype or layout.values.dtype
     K, N = layout.in_features, layout.out_features
-    R, V = int(layout.row_idx.numel()), int(layout.values.numel())
-    if max(K, N, R, V) > _INT32_MAX:
-        raise ValueError(f"layout too large for int32 kernel indices: K={K} N={N} R={R} V={V}")
     tile_ptr = layout.tile_ptr.to(dev)
     row_ptr = layout.row_ptr.to(dev)
     val_ptr = layout.val_ptr.to(dev)
     widths = tile_ptr[1:] - tile_ptr[:-1]
     heights = row_ptr[1:] - row_ptr[:-1]
     T = int(widths.numel())
-    max_width = int(widths.max()) if T else 0
+    # Sub-tiles: tile t becomes n_sub[t] >= 1 of them (1 when it is no wider than the limit).
+    cap = max_tile_width if max_tile_width is not None else max(int(widths.max()) if T else 1, 1)
+    n_sub = ((widths + cap - 1) // cap).clamp(min=1)
+    S = int(n_sub.sum()) if T else 0
+    tile_of_sub = torch.repeat_interleave(torch.arange(T, device=dev), n_sub, output_size=S)
+    first_sub = torch.cumsum(n_sub, 0) - n_sub
+    j_sub = torch.arange(S, device=dev) - first_sub[tile_of_sub]  # index within its tile
+    sub_col_off = tile_ptr[:-1][tile_of_sub] + j_sub * cap
+    sub_width = (widths[tile_of_sub] - j_sub * cap).clamp(min=0, max=cap)
+    sub_height = heights[tile_of_sub]
+    sub_row_off = torch.cumsum(sub_height, 0) - sub_height
+    R = int(sub_height.sum()) if S else 0
+    V = int(layout.values.numel())
+    if max(K, N, R, V, S) > _INT32_MAX:
+        raise ValueError(f"layout too large for int32 kernel indices: K={K} N={N} R={R} V={V} tiles={S}")
+    max_width = int(sub_width.max()) if S else 0
     lda = round_up(max(max_width, 1), ALIGNMENT)
-    meta = torch.stack([tile_ptr[:-1], widths, row_ptr[:-1], heights], dim=1).to(torch.int32)
-    # w[r, j] = values[val_ptr[t] + (r - row_ptr[t]) * width_t + j] for j < width_t, else 0.
-    tile_of_row = torch.repeat_interleave(torch.arange(T, device=dev), heights, output_size=R)
-    local = torch.arange(R, device=dev) - row_ptr[:-1][tile_of_row]
-    j = torch.arange(lda, device=dev)
-    width_r = widths[tile_of_row].unsqueeze(1)
-    src = val_ptr[:-1][tile_of_row].unsqueeze(1) + local.unsqueeze(1) * width_r + j.unsqueeze(0)
-    valid = j.unsqueeze(0) < width_r
+    meta = torch.stack([sub_col_off, sub_width, sub_row_off, sub_height], dim=1).to(torch.int32)
+    # Packed row r (sub-tile s of tile t, local row k) is row row_ptr[t] + k of the layout:
+    # row_idx_p[r] = row_idx[row_ptr[t] + k] and w[r, c] = B_t[k, j_s·cap + c] for c < width_s,
+    # with B_t[k, i] = values[val_ptr[t] + k·width_t + i]; zeros beyond width_s.
+    sub_of_row = torch.repeat_interleave(torch.arange(S, device=dev), sub_height, output_size=R)
+    tile_of_row = tile_of_sub[sub_of_row]
+    local = torch.arange(R, device=dev) - sub_row_off[sub_of_row]
+    row_idx = layout.row_idx.to(dev)[row_ptr[:-1][tile_of_row] + local]
+    c = torch.arange(lda, device=dev)
+    width_r = sub_width[sub_of_row].unsqueeze(1)
+    base = val_ptr[:-1][tile_of_row] + j_sub[sub_of_row] * cap + local * widths[tile_of_row]
+    src = base.unsqueeze(1) + c.unsqueeze(0)
+    valid = c.unsqueeze(0) < width_r
     vals = layout.values.to(device=dev, dtype=dtype)
     if V:
         w = torch.where(valid, vals[src.clamp(max=V - 1)], torch.zeros((), dtype=dtype, device=dev))
@@ -187,8 +226,8 @@ def pack_weight(
         lda=lda,
         max_tile_width=max_width,
         tile_meta=meta.contiguous(),
-        col_idx=layout.col_idx.to(device=dev, dtype=torch.int32),
-        row_idx=layout.row_idx.to(device=dev, dtype=torch.int32),
+        col_idx=layout.col_idx.to(device=dev, dtype=torch.int32, copy=True),
+        row_idx=row_idx.to(torch.int32).contiguous(),
         w=w.contiguous(),
     )
 
@@ -221,41 +260,126 @@ def pack_launch(
     if M > _INT32_MAX:
         raise ValueError(f"batch of {M} rows exceeds the kernel's int32 batch")
     batch = round_up(M, ALIGNMENT)
-    if batch == M:
-        xt = x2.t().contiguous()
-    else:
-        xt = x2.new_zeros(K, batch)
-        xt[:, :M] = x2.t()
+    # Fresh (K, batch) / (N, batch) buffers: their row pitch is always `batch`. (x2.t().contiguous()
+    # is not: for K = 1 the (1, M) transpose already counts as contiguous, with stride (1, 1),
+    # so it came back as is and the kernel got ldx = 1.)
+    xt = x2.new_empty((K, batch)) if batch == M else x2.new_zeros((K, batch))
+    xt[:, :M] = x2.t()
     if bias is None:
-        yt = x2.new_zeros(N, batch)
+        yt = x2.new_zeros((N, batch))
         beta = 0.0
     else:
         if bias.shape != (N,):
             raise ValueError(f"bias must be ({N},), got {tuple(bias.shape)}")
-        yt = bias.to(device=x2.device, dtype=x2.dtype).unsqueeze(1).expand(N, batch).contiguous()
+        yt = x2.new_empty((N, batch))
+        yt.copy_(bias.to(device=x2.device, dtype=x2.dtype).unsqueeze(1).expand(N, batch))
         beta = 1.0
     return TWLaunch(weight, xt, yt, batch, M, 1.0, beta)
 
 
-def emulate(launch: TWLaunch, tile_m: int | None = None) -> torch.Tensor:
+def _operand_problem(t: torch.Tensor, name: str, dtype: torch.dtype, dim: int, device: torch.device) -> str | None:
+    """``check_operand`` of ``csrc/tw_binding.cpp`` (the dtype is the launch's, not an instance's)."""
+    if t.device != device:
+        return f"{name} must be on {device}, got {t.device}"
+    if t.dtype != dtype:
+        return f"{name} must be {dtype}, got {t.dtype}"
+    if t.dim() != dim:
+        return f"{name} must be {dim}-D, got {t.dim()}-D"
+    if not (t.dim() == 0 or t.stride(-1) == 1 or t.size(-1) <= 1):
+        return f"{name} must have unit stride in its last dimension"
+    if t.data_ptr() % 16:
+        return f"{name} must be 16-byte aligned"
+    return None
+
+
+def _bad_shape(batch: int, lda: int, ldx: int, ldy: int, align: int) -> bool:
+    """The launchers' ``kTwBadShape`` condition, term for term (``tw_gemm_launch``,
+    ``tw_gemm_sm90_launch``; a test compares it with the headers' text)."""
+    return bool(batch % align or ldx % align or ldy % align or lda % align or
+                ldx < batch or ldy < batch or lda < 1)
+
+
+def check_launch(launch: TWLaunch, batch_tile: int | None = None, alignment: int = ALIGNMENT) -> bool:
+    """Refuse a launch the kernel would refuse, with the checks of ``csrc/tw_binding.cpp``
+    (``tw_gemm``) and of the launchers (``tw_gemm_launch`` in ``tw_gemm.h``,
+    ``tw_gemm_sm90_launch`` in ``tw_gemm_sm90.h``), in their order and on the same values:
+    the binding passes ``ldx = xt.stride(0)``, ``ldy = yt.stride(0)``.
+
+    Args:
+        launch: the packed arguments.
+        batch_tile: the instance's batch columns per CTA, for the grid-size check (default:
+            not checked).
+        alignment: the instance's elements per vector access (``ALIGNMENT`` for every one).
+
+    Returns:
+        False when the launcher returns without launching (no tiles or an empty batch: nothing
+        to compute), True when the kernel would run.
+
+    Raises:
+        ValueError: what the binding's ``TORCH_CHECK`` would raise (``kTwBadShape``: batch,
+            lda, ldx, ldy not multiples of ``alignment``, ldx or ldy < batch, lda < 1;
+            ``kTwTooManyBlocks``: more than 65535 batch blocks).
+    """
+    pw = launch.weight
+    dev, dt = launch.xt.device, pw.w.dtype
+    problem = (
+        _operand_problem(pw.tile_meta, "tile_meta", torch.int32, 2, dev)
+        or _operand_problem(pw.col_idx, "col_idx", torch.int32, 1, dev)
+        or _operand_problem(pw.row_idx, "row_idx", torch.int32, 1, dev)
+        or _operand_problem(pw.w, "w", dt, 2, dev)
+        or _operand_problem(launch.xt, "xt", dt, 2, dev)
+        or _operand_problem(launch.yt, "yt", dt, 2, dev)
+    )
+    if problem:
+        raise ValueError(problem)
+    if pw.tile_meta.size(1) != 4 or not pw.tile_meta.is_contiguous():
+        raise ValueError("tile_meta must be a contiguous (T, 4) int32 tensor")
+    if not (pw.w.size(0) == 0 or pw.w.stride(0) == pw.lda):
+        raise ValueError(f"w must have row pitch lda={pw.lda}")
+    batch, lda, ldx, ldy = launch.batch, pw.lda, launch.ldx, launch.ldy
+    if not (launch.xt.size(1) >= batch and launch.yt.size(1) >= batch):
+        raise ValueError(f"xt and yt must hold batch={batch} columns")
+    if not 0 <= batch <= 1 << 30:
+        raise ValueError(f"batch must be in [0, 2^30], got {batch}")
+    if pw.num_tiles <= 0 or batch <= 0:
+        return False  # kTwOk: nothing to compute (every column pruned, or an empty batch)
+    if _bad_shape(batch, lda, ldx, ldy, alignment):
+        raise ValueError(
+            f"TW GEMM: batch, lda, ldx, ldy must be multiples of {alignment} and ldx, ldy >= batch "
+            f"(got batch={batch} lda={lda} ldx={ldx} ldy={ldy})"
+        )
+    if batch_tile is not None and -(-batch // batch_tile) > 65535:
+        raise ValueError(f"TW GEMM: batch {batch} needs more than 65535 batch blocks")
+    return True
+
+
+def emulate(launch: TWLaunch, tile_m: int | None = None, batch_tile: int | None = None) -> torch.Tensor:
     """Compute ``launch.yt`` in place, as the kernel does, from the packed buffers.
 
-    Each tile reads its block at ``w + row_off·lda`` with pitch ``lda``, gathers its rows of
-    ``xt`` through ``row_idx`` and scatters its result rows through ``col_idx``; products are
-    accumulated in fp32 and rounded once to the output dtype, as the epilogue does. CTAs along
-    the batch are independent, so all batch blocks of a tile are computed at once.
+    The launch is first checked as the binding and the launcher check it
+    (:func:`check_launch`): a packing the kernel would refuse raises here too. Each tile reads
+    its block at ``w + row_off·lda`` with pitch ``lda``, gathers its rows of ``xt`` through
+    ``row_idx`` and scatters its result rows through ``col_idx``; products are accumulated in
+    fp32 and rounded once to the output dtype, as the epilogue does. CTAs along the batch are
+    independent, so all batch blocks of a tile are computed at once.
 
     Args:
         launch: the packed arguments.
         tile_m: the instance's ``G``; a tile wider than it raises, as the kernel would drop
             its columns beyond ``G`` (default: no check).
+        batch_tile: the instance's batch tile, for :func:`check_launch`'s grid check.
 
     Returns:
         ``launch.yt``.
+
+    Raises:
+        ValueError: a tile wider than ``tile_m``, or a launch :func:`check_launch` refuses.
     """
     pw = launch.weight
     if tile_m is not None and pw.max_tile_width > tile_m:
         raise ValueError(f"a tile is {pw.max_tile_width} columns wide but the kernel covers G={tile_m}")
+    if not check_launch(launch, batch_tile):
+        return launch.yt  # the launcher returns before launching: yt untouched
     K, N, lda = pw.in_features, pw.out_features, pw.lda
     acc_t = torch.float64 if launch.yt.dtype == torch.float64 else torch.float32
     w_flat = pw.w.reshape(-1)

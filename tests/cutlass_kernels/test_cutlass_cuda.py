@@ -135,3 +135,22 @@ def test_cuda_op_checks_like_the_cpu_op_and_packs_once(ext, monkeypatch) -> None
                       cuda.values, cuda.val_ptr)
     with pytest.raises(ValueError, match="tile_ptr must start at 0"):
         ops.tw_linear(x, broken, None, "cutlass")
+
+
+def test_tiles_wider_than_every_instance_run_split(ext) -> None:
+    # A tile=256 layer on kernels of G <= 128: packed as 128-wide sub-tiles, exact.
+    layout = _int_layout(96, 700, 256, seed=9)
+    assert int((layout.tile_ptr[1:] - layout.tile_ptr[:-1]).max()) == 256
+    bias = torch.randint(-2, 3, (700,)).half()
+    for M in (1, 40, 300):
+        x = torch.randint(-1, 2, (M, 96)).half()
+        got = build.tw_linear_cuda(x.cuda(), layout, bias.cuda()).cpu()
+        assert torch.equal(got, reference_matmul(x, layout, bias)), M
+
+
+@pytest.mark.parametrize("M", [1, 5, 8, 16])
+def test_in_features_one(ext, M) -> None:
+    layout = _int_layout(1, 40, 16, seed=M)
+    x = torch.randint(-3, 4, (M, 1)).half()
+    got = build.tw_linear_cuda(x.cuda(), layout).cpu()
+    assert torch.equal(got, reference_matmul(x, layout))

@@ -1,17 +1,22 @@
 """The CUDA implementation of ``tilesparse::tw_linear`` (``build._op_impl``) without a GPU:
 it runs the same argument and layout checks as the CPU implementation, and packs a layer's
 weight once (again only after its tensors change). Called directly on CPU tensors, with the
-kernel launch replaced by a stand-in where a launch would happen."""
+device queries faked and the kernel launch replaced by a stand-in where a launch would happen
+(the compiled extension's ``tw_gemm`` by the CPU emulation of the arguments it receives)."""
 
 from __future__ import annotations
 
 import gc
+import logging
+import types
 
 import pytest
 import torch
 
 from cutlass_kernels import build, reference
-from tilesparse.format import TWLayout, condense
+from cutlass_kernels.manifest import Arch, manifest
+from tilesparse.format import TWLayout, condense, reference_matmul
+from tilesparse.linear import TileSparseLinear
 
 REAL_PACK_WEIGHT = reference.pack_weight
 
@@ -78,9 +83,58 @@ def test_op_impl_backend_rules() -> None:
         build._op_impl(*meta, None, 6, "cpu")
 
 
+class EmulatingExt:
+    """A stand-in for the compiled extension of ``arch``: ``instances()`` names the manifest's
+    instances (or ``names``), ``tw_gemm`` emulates, with the instance's ``G`` and batch tile,
+    exactly the arguments the binding receives (the binding's and the launcher's checks
+    included, see ``reference.check_launch``)."""
+
+    def __init__(self, arch: Arch, names: list[str] | None = None) -> None:
+        self.arch = arch
+        self.names = names if names is not None else [k.name for k in manifest(arch)]
+        self.calls: list[str] = []
+
+    def instances(self) -> list[str]:
+        return list(self.names)
+
+    def tw_gemm(self, name, tile_meta, col_idx, row_idx, w, lda, xt, yt, batch, alpha, beta, stream):
+        assert name in self.names
+        kernel = next(k for k in manifest(self.arch) if k.name == name)
+        widest = int(tile_meta[:, 1].max()) if tile_meta.numel() else 0
+        pw = reference.TWPackedWeight(xt.shape[0], yt.shape[0], lda, widest, tile_meta, col_idx, row_idx, w)
+        launch = reference.TWLaunch(pw, xt, yt, batch, batch, alpha, beta)
+        reference.emulate(launch, tile_m=kernel.tile_g, batch_tile=kernel.threadblock[1])
+        self.calls.append(name)
+
+
+def fake_device(monkeypatch, arch: Arch = Arch.SM90A, names: list[str] | None = None) -> EmulatingExt:
+    """CPU tensors treated as on a CUDA device of ``arch``; returns the extension stand-in."""
+    ext = EmulatingExt(arch, names)
+    monkeypatch.setattr(build, "device_arch", lambda device=None: arch)
+    monkeypatch.setattr(build, "default_extension", lambda arch=None: ext)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: types.SimpleNamespace(cuda_stream=0))
+    return ext
+
+
+def allow_cutlass_on_cpu(monkeypatch) -> None:
+    """``check_op_inputs`` refuses backend 'cutlass' for a CPU tensor: run its checks as for
+    'auto' and hand back CUTLASS, as it does for a CUDA tensor."""
+    from tilesparse.backend import Backend
+
+    real = build.check_op_inputs
+
+    def check(*args):
+        be = real(*args[:-1], "auto" if args[-1] == "cutlass" else args[-1])
+        return Backend.CUTLASS if args[-1] == "cutlass" else be
+
+    monkeypatch.setattr(build, "check_op_inputs", check)
+
+
 @pytest.fixture
 def counted(monkeypatch):
     """(pack_weight calls, launches): pack_weight counted, the kernel launch a stand-in."""
+    fake_device(monkeypatch)
     packs: list[int] = []
     launches: list[reference.TWLaunch] = []
 
@@ -146,3 +200,76 @@ def test_a_packed_weight_leaves_with_its_values(counted) -> None:
     del lay
     gc.collect()
     assert key not in build._PACKED
+
+
+def _int_layer(K: int, N: int, tile: int, dtype: torch.dtype, seed: int = 0) -> TileSparseLinear:
+    """A TileSparseLinear with values in {-1, 0, 1} (exact in fp16/bf16 for K <= 256), some
+    columns pruned, every kept column keeping the same rows (so tiles are ``tile`` wide)."""
+    gen = torch.Generator().manual_seed(seed)
+    dense = torch.nn.Linear(K, N)
+    with torch.no_grad():
+        dense.weight.copy_(torch.randint(-1, 2, dense.weight.shape, generator=gen).float())
+        dense.bias.copy_(torch.randint(-2, 3, dense.bias.shape, generator=gen).float())
+    mask = torch.zeros(K, N, dtype=torch.bool)
+    mask[torch.rand(K, generator=gen) < 0.6] = True
+    mask[:, torch.rand(N, generator=gen) < 0.05] = False
+    return TileSparseLinear.from_dense(dense, mask, tile=tile).to(dtype)
+
+
+@pytest.mark.parametrize("arch", [Arch.SM90A, Arch.SM80])
+@pytest.mark.parametrize("backend", ["auto", "cutlass"])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_tiles_wider_than_every_instance_run_on_the_kernel(monkeypatch, arch, backend, dtype) -> None:
+    # TileSparseConfig(tile=256) is valid, the widest instance has G = 128: the layer is packed
+    # as 128-wide sub-tiles and runs on a G = 128 instance, exactly.
+    ext = fake_device(monkeypatch, arch)
+    allow_cutlass_on_cpu(monkeypatch)
+    module = _int_layer(40, 600, 256, dtype)
+    lay = module.layout
+    assert int((lay.tile_ptr[1:] - lay.tile_ptr[:-1]).max()) == 256
+    bias = module.bias.detach()
+    for M in (1, 9, 64):
+        x = torch.randint(-1, 2, (M, 40)).to(dtype)
+        got = _call(x, lay, bias, backend)
+        assert torch.equal(got, reference_matmul(x, lay, bias)), M
+    assert len(ext.calls) == 3
+    assert all(next(k for k in manifest(arch) if k.name == n).tile_g == 128 for n in ext.calls), ext.calls
+    pw = build.packed_weight(lay, dtype, "cpu", 128)
+    assert pw.max_tile_width == 128 and pw.num_tiles > lay.num_tiles
+
+
+def test_tw_linear_cuda_splits_tiles_for_an_explicit_kernel(monkeypatch) -> None:
+    ext = fake_device(monkeypatch, Arch.SM80)
+    module = _int_layer(24, 300, 256, torch.float16, seed=3)
+    x = torch.randint(-1, 2, (2, 5, 24)).half()
+    want = reference_matmul(x, module.layout, module.bias.detach())
+    assert torch.equal(build.tw_linear_cuda(x, module.layout, module.bias.detach()), want)
+    g64 = next(k for k in manifest(Arch.SM80) if k.tile_g == 64)
+    assert torch.equal(build.tw_linear_cuda(x, module.layout, module.bias.detach(), kernel=g64), want)
+    assert ext.calls[-1] == g64.name
+
+
+def test_auto_without_an_instance_of_the_dtype_runs_the_reference(monkeypatch, caplog) -> None:
+    bf16_only = [k.name for k in manifest(Arch.SM90A) if k.dtype.value == "bf16"]
+    ext = fake_device(monkeypatch, Arch.SM90A, bf16_only)
+    allow_cutlass_on_cpu(monkeypatch)
+    monkeypatch.setattr(build, "_NO_KERNEL_WARNED", set())
+    module = _int_layer(16, 40, 8, torch.float16)
+    x = torch.randint(-1, 2, (3, 16)).half()
+    with caplog.at_level(logging.WARNING, logger=build.__name__):
+        for _ in range(2):
+            assert torch.equal(_call(x, module.layout, None, "auto"), reference_matmul(x, module.layout))
+    assert ext.calls == []
+    assert sum("backend 'auto' runs the reference" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(ValueError, match=r"no f16/sm_90a/sm80_multistage TW kernel serves tiles"):
+        _call(x, module.layout, None, "cutlass")
+
+
+@pytest.mark.parametrize("M", [1, 5, 8, 16])
+def test_in_features_one_reaches_the_kernel_with_a_valid_pitch(monkeypatch, M) -> None:
+    ext = fake_device(monkeypatch, Arch.SM90A)
+    module = _int_layer(1, 20, 8, torch.float16)
+    x = torch.randint(-3, 4, (M, 1)).half()
+    got = _call(x, module.layout, module.bias.detach(), "auto")
+    assert torch.equal(got, reference_matmul(x, module.layout, module.bias.detach()))
+    assert len(ext.calls) == 1

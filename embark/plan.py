@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import math
 import sys
 import time
 from collections.abc import Callable
@@ -33,6 +34,22 @@ from embark.workloads import PRESETS as WORKLOADS
 from embark.workloads import get_workload
 
 log = logging.getLogger("embark.plan")
+
+
+def float_at_least(low: float) -> Callable[[str], float]:
+    """An argparse ``type`` for a finite number >= ``low``; anything else (nan, inf, less) is a
+    usage error (exit 2)."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected a number >= {low:g}, got {text!r}") from None
+        if not (math.isfinite(value) and value >= low):
+            raise argparse.ArgumentTypeError(f"expected a finite number >= {low:g}, got {text}")
+        return value
+
+    return parse
 
 
 def int_at_least(low: int) -> Callable[[str], int]:

@@ -103,12 +103,22 @@ def to_single_process(trainer: ShardedTrainer, dst: int | None = 0) -> Trainer |
             k: v.detach().clone() if isinstance(v, torch.Tensor) else v
             for k, v in trainer.optimizer.state.get(p, {}).items()
         }
-    for mine, theirs in zip(out.optimizer.param_groups, trainer.optimizer.param_groups):
-        mine.update({k: v for k, v in theirs.items() if k != "params"})
+    _copy_group_options(out.optimizer, trainer.optimizer)
     out.generator.set_state(trainer.generator.get_state())
     out.step, out.batch_size, out.data_stream = trainer.step, trainer.batch_size, trainer.data_stream
     out.history = list(trainer.history)
     return out
+
+
+def _copy_group_options(dst: torch.optim.Optimizer, src: torch.optim.Optimizer) -> None:
+    """Copy the options (lr, ...) of ``src``'s param groups onto ``dst``'s groups of the same
+    ``"name"`` (``"embeddings"`` / ``"dense"``, :func:`embark.train.build_optimizer`). By name,
+    not position: a rank that holds no embedding parameter has only the dense group."""
+    theirs = {g.get("name"): g for g in src.param_groups}
+    for mine in dst.param_groups:
+        g = theirs.get(mine.get("name"))
+        if g is not None:
+            mine.update({k: v for k, v in g.items() if k != "params"})
 
 
 def save_sharded_checkpoint(trainer: ShardedTrainer, path: str | os.PathLike[str]) -> Path:
@@ -172,8 +182,7 @@ def from_single_process(
             k: v.detach().clone() if isinstance(v, torch.Tensor) else v
             for k, v in state.get(name, {}).items()
         }
-    for mine, theirs in zip(out.optimizer.param_groups, single.optimizer.param_groups):
-        mine.update({k: v for k, v in theirs.items() if k != "params"})
+    _copy_group_options(out.optimizer, single.optimizer)
     out.generator.set_state(single.generator.get_state())
     out.step, out.batch_size, out.data_stream = single.step, single.batch_size, single.data_stream
     out.history = list(single.history)

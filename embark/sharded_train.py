@@ -80,7 +80,7 @@ from embark.data.jagged import JaggedBatch
 from embark.data.synthetic import Batch, SyntheticCTR
 from embark.metrics import auc, log_loss
 from embark.model import DLRM, build_model
-from embark.plan import int_at_least
+from embark.plan import float_at_least, int_at_least
 from embark.planner import PlannerError, plan_sharding
 from embark.planner.planner import STRATEGIES
 from embark.sharding import ShardedEmbeddingCollection
@@ -392,7 +392,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Sharded data-parallel DLRM training on synthetic teacher data (gloo, CPU).",
     )
     p.add_argument("--workload", default="tiny", choices=WORKLOADS)
-    p.add_argument("--scale", type=float, default=1.0, help="divide every table's rows by this (>= 1)")
+    p.add_argument("--scale", type=float_at_least(1.0), default=1.0, help="divide every table's rows by this (>= 1)")
     p.add_argument("--steps", type=int_at_least(0), default=50)
     p.add_argument("--batch-size", type=int_at_least(1), default=None,
                    help=f"GLOBAL batch, all ranks (default {DEFAULTS['batch_size']}; --resume: the checkpoint's)")

@@ -610,6 +610,13 @@ class Trainer:
             raise ValueError(
                 f"checkpoint {str(path)!r}: optimizer state for unknown parameters {stray[:5]}"
             )
+        for key, v in opt_tensors.items():  # per-parameter state: a scalar or the parameter's shape
+            p = names[key.split("::")[0]]
+            if v.dim() and (v.shape != p.shape or v.dtype != p.dtype):
+                raise ValueError(
+                    f"checkpoint file {str(path / _OPTIMIZER_FILE)!r}: optimizer state {key!r} is "
+                    f"{tuple(v.shape)} {v.dtype}, its parameter is {tuple(p.shape)} {p.dtype}"
+                )
         # Everything is checked: only now touch the model (and the new optimizer).
         model.load_state_dict(tensors, strict=True)
         for g, saved in zip(trainer.optimizer.param_groups, saved_groups):

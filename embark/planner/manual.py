@@ -49,6 +49,8 @@ def _expand(entry: dict[str, Any], workload: Workload, world: int, gpn: int) -> 
     if "shards" in entry:
         return entry
     name = entry.get("name")
+    if not isinstance(name, str):
+        raise PlanError(f"a table entry's name must be a string, got {name!r}")
     by_name = {t.name: t for t in workload.tables}
     if name not in by_name:
         raise PlanError(f"table {name!r}: not in workload {workload.name!r}")

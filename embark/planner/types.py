@@ -75,6 +75,9 @@ class TableConstraints:
         unknown = set(d) - allowed
         if unknown:
             raise ValueError(f"constraints: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}")
+        for key in ("sharding_types", "ranks"):
+            if d.get(key) is not None and not isinstance(d[key], (list, tuple)):
+                raise ValueError(f"{key} must be a list, got {d[key]!r}")
         st = d.get("sharding_types")
         return cls(
             sharding_types=tuple(st) if st is not None else None,

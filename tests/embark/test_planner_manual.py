@@ -131,6 +131,9 @@ def test_short_form_errors():
     bad["tables"][1] = {"name": "t1"}
     with pytest.raises(PlanError, match=r"table 't1': give 'shards', 'ranks' or 'grid'"):
         load_plan(bad, W, TOPO)
+    bad["tables"][1] = {"name": ["t1"], "ranks": [3]}
+    with pytest.raises(PlanError, match=r"a table entry's name must be a string, got \['t1'\]"):
+        load_plan(bad, W, TOPO)
 
 
 def test_unreadable_file(tmp_path):
@@ -155,4 +158,11 @@ def test_constraints_file(tmp_path):
         load_constraints(p, W)
     p.write_text("t1: {sharding_types: [diagonal]}\n")
     with pytest.raises(ValueError, match="constraints for table 't1': sharding_types must be among"):
+        load_constraints(p, W)
+    # a scalar where a list belongs: named, not a TypeError or a string split into letters
+    p.write_text("t0: {ranks: 3}\n")
+    with pytest.raises(ValueError, match=r"constraints for table 't0': ranks must be a list, got 3"):
+        load_constraints(p, W)
+    p.write_text("t0: {sharding_types: table_wise}\n")
+    with pytest.raises(ValueError, match=r"constraints for table 't0': sharding_types must be a list, got 'table_wise'"):
         load_constraints(p, W)

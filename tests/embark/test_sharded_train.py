@@ -142,6 +142,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             save_file(model.full_state_dict(dst=None), str(Path(out_dir, f"{case}-rank{rank}.safetensors")))
             report[case] = {"losses": losses, "step": trainer.step}
         report["resume"] = _resume(rank, world, out_dir, batches)
+        report["groups"] = _groups_on_a_rank_without_tables(rank, world, out_dir, batches)
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
     finally:
         dist.destroy_process_group()
@@ -178,6 +179,47 @@ def _resume(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str
     losses = [trainer.train_step(local_batch(b, rank, world)) for b in batches[start:]]
     save_file(trainer.model.full_state_dict(dst=None), str(Path(out_dir, f"resume-rank{rank}.safetensors")))
     return {"start": start, "losses": losses, "step": trainer.step}
+
+
+def _groups_on_a_rank_without_tables(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str, Any]:
+    """Every table table-wise on the last rank, so the others hold no embedding parameter
+    (their optimizer has only the ``dense`` group): train 2 steps, checkpoint, resume, and
+    resume a single-process checkpoint; the learning rate of each group, by name."""
+    import torch.distributed as dist
+
+    from embark.model import build_model
+    from embark.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+    from embark.sharded_train import ShardedDLRM, ShardedTrainer, local_batch
+    from embark.train import TrainConfig, Trainer
+    from embark.types import ShardingPlan
+    from embark.workloads import get_workload
+
+    workload = get_workload("tiny")
+    plan = ShardingPlan.from_dict({"world_size": world, "gpus_per_node": GPN, "tables": [
+        {"name": t.name, "num_rows": t.num_rows, "dim": t.dim, "sharding_type": "table_wise",
+         "cluster": "reduction", "shards": [
+             {"rank": world - 1, "row_start": 0, "row_end": t.num_rows, "col_start": 0, "col_end": t.dim}]}
+        for t in workload.tables]})
+    cfg = TrainConfig(optimizer="adagrad", lr=0.02, embedding_lr=0.1)
+    trainer = ShardedTrainer(ShardedDLRM(build_model(workload, seed=MODEL_SEED), plan, rank), cfg)
+    for b in batches[:2]:
+        trainer.train_step(local_batch(b, rank, world))
+    ckpt = Path(out_dir, "ckpt_no_tables")
+    save_sharded_checkpoint(trainer, ckpt)
+    single = Path(out_dir, "ckpt_single")
+    if rank == 0:
+        Trainer(build_model(workload, seed=MODEL_SEED), cfg).save_checkpoint(single)
+    dist.barrier()
+
+    def lrs(t: Any) -> dict[str, float]:
+        return {g["name"]: g["lr"] for g in t.optimizer.param_groups}
+
+    return {
+        "live": lrs(trainer),
+        "resumed": lrs(load_sharded_checkpoint(ckpt, plan, rank)),
+        "from_single": lrs(load_sharded_checkpoint(single, plan, rank)),
+        "saved": {g["name"]: g["lr"] for g in json.loads((ckpt / "state.json").read_text())["param_groups"]},
+    }
 
 
 # ------------------------------------------------------------------------------- tests
@@ -274,6 +316,17 @@ def test_replicas_stay_bit_identical(runs: Any, case: str) -> None:
     for r in range(1, world):
         for k in states[0]:
             assert torch.equal(states[r][k], states[0][k]), (r, k)
+
+
+def test_optimizer_groups_match_by_name_on_a_rank_without_tables(runs: Any) -> None:
+    """A rank that holds no table has only the dense group: checkpointing and resuming (also
+    from a single-process checkpoint) keep every group's own learning rate."""
+    world, d = runs
+    for r in range(world):
+        got = json.loads((d / f"rank{r}.json").read_text())["groups"]
+        want = {"embeddings": 0.1, "dense": 0.02} if r == world - 1 else {"dense": 0.02}
+        assert got["live"] == got["resumed"] == got["from_single"] == want, (r, got)
+        assert got["saved"] == {"embeddings": 0.1, "dense": 0.02}, (r, got)
 
 
 def test_checkpoint_from_world_2_resumes_resharded(runs: Any, reference: Any) -> None:

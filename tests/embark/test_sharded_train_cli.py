@@ -52,6 +52,14 @@ def test_one_rank_with_the_planner(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "eval AUC" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("scale", ["0.5", "nan", "-3", "inf", "x"])
+def test_a_bad_scale_is_a_usage_error(scale: str, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as e:
+        main(["--scale", scale, "--steps", "0"])
+    assert e.value.code == 2
+    assert "argument --scale: expected a" in capsys.readouterr().err
+
+
 def test_plan_for_another_world_size_exits_2_on_every_rank(tmp_path: Path) -> None:
     plan = tmp_path / "plan4.json"
     plan.write_text(json.dumps(tiny_plan(4)))

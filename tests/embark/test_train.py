@@ -106,6 +106,26 @@ def test_a_checkpoint_without_batch_size_resumed_on_a_short_batch(data, tmp_path
         strict.train_step(next(iter(big.batches(1))))
 
 
+def test_misshaped_optimizer_state_is_refused_before_anything_loads(data, tmp_path):
+    """An optimizer state tensor of the wrong shape (its file's hash rewritten to match) is a
+    clear error at load, naming the key, not a failure at the first step."""
+    from safetensors.torch import load_file, save_file
+
+    t = _trainer(data, optimizer="adagrad")
+    t.fit(data.batches(2), 2, progress=False)
+    ck = t.save_checkpoint(tmp_path / "ck")
+    f = ck / "optimizer.safetensors"
+    opt = load_file(str(f))
+    key = next(k for k in opt if k.endswith("::sum") and k.startswith("embeddings."))
+    opt[key] = torch.zeros(3, 3)
+    save_file(opt, str(f))
+    state = json.loads((ck / "state.json").read_text())
+    state["files"][f.name] = {"bytes": f.stat().st_size, "sha256": train_mod._sha256(f)}
+    (ck / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=rf"optimizer state '{key}' is \(3, 3\) torch.float32, its parameter is"):
+        Trainer.load_checkpoint(ck)
+
+
 def test_truncated_checkpoint_is_a_clear_error_and_touches_nothing(data, tmp_path):
     t = _trainer(data)
     t.fit(data.batches(3), 3, progress=False)

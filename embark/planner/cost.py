@@ -12,7 +12,8 @@ lookups and of the distinct keys):
   gradients and updates the distinct rows (read + write weight and optimizer state).
 * reduction cluster: keys ``b·h·f`` (int64) + ``b`` lengths go to each owner; owners pool
   partial sums for all ``B`` samples, reduce them inside the node (reduce-scatter over
-  NVLink), then each node sends one ``b × w`` partial to every rank (hierarchical).
+  NVLink), then each node sends one ``b × w`` partial to every rank (hierarchical); on one
+  node, every owner sends each other rank its ``b × w`` partial (the runtime's flat exchange).
 * unique cluster: each rank de-duplicates its ``b·h`` keys (expected distinct count
   ``U(b·h)`` under the table's Zipf, :mod:`embark.planner.zipf`) and receives one vector per
   distinct key from its owner; pooling happens at the destination.
@@ -211,6 +212,16 @@ class CostModel:
             acc[:, LOOKUP_BWD] += b * h * w * wb
             return
 
+        if self.nodes == 1:
+            # one node: the runtime's flat exchange (hierarchical mode needs two nodes): every
+            # owner sends each other rank its (b, w) partial; the same bytes in total as the
+            # reduce-scatter below, spread differently over the ranks
+            acc[ranks, OUT_SEND_INTRA] += (W - 1) * b * w * e
+            acc[:, OUT_RECV_INTRA] += (ranks.size - is_owner) * b * w * e
+            reads = B * h * frac * w * wb
+            acc[ranks, LOOKUP_FWD] += (reads + B * w * wb)
+            acc[ranks, LOOKUP_BWD] += (reads + st.global_unique * frac * w * wb * upd)
+            return
         k_m = node_owners[owner_nodes]
         rs = (k_m - 1) / k_m * B * w * e  # reduce-scatter of partial sums inside the node
         acc[ranks, OUT_SEND_INTRA] += (rs + (G - k_m) / k_m * b * w * e)

@@ -90,6 +90,19 @@ def test_hierarchical_reduction_sends_one_partial_per_node():
     assert tr[0, C.OUT_RECV_INTRA] == rs and tr[0, C.OUT_SEND_INTRA] == rs
 
 
+def test_one_node_reduction_books_the_runtimes_flat_exchange():
+    """On one node the runtime runs the flat exchange (hierarchical mode needs two nodes):
+    each owner sends every other rank its b × d partial, and each rank receives one from every
+    owner but itself. 4 ranks, rows split over ranks 0 and 1, b = 8, d = 16, fp32: the bytes a
+    gloo run of this layout received, [512, 512, 1024, 1024]."""
+    m, t = _model(nodes=1, gpn=4, batch=32, dim=16)
+    b, d = 8, 16
+    tr = m.traffic(make_sharding(t, [[0, 1]], Cluster.REDUCTION, CommDtype.FP32, 4, 4))
+    assert tr[:, C.OUT_RECV_INTRA].tolist() == [512, 512, 1024, 1024]
+    assert tr[:, C.OUT_SEND_INTRA].tolist() == [3 * b * d * 4] * 2 + [0, 0]
+    assert not tr[:, [C.OUT_SEND_INTER, C.OUT_RECV_INTER]].any()
+
+
 def test_memory_and_data_parallel_allreduce():
     m, t = _model(optimizer="adagrad", nodes=2)
     dp = make_sharding(t, [], Cluster.DP, CommDtype.FP32, 4, 2)

@@ -153,11 +153,15 @@ def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
 
 
 def parse_knobs(
-    cls: type[T], argv: Sequence[str] | None = None, description: str | None = None
+    cls: type[T],
+    argv: Sequence[str] | None = None,
+    description: str | None = None,
+    check: Callable[[T], object] | None = None,
 ) -> T:
     """Parse ``argv`` (default ``sys.argv[1:]``) into an instance of the dataclass ``cls``.
 
-    Errors raised by the dataclass's own validation (``ValueError`` in ``__post_init__``)
+    Errors raised by the dataclass's own validation (``ValueError`` in ``__post_init__``), or
+    by ``check(instance)`` (``ValueError`` or ``OSError``: e.g. loading a file a knob names),
     are reported as argparse usage errors (exit code 2) naming the message.
     """
     parser = argparse.ArgumentParser(
@@ -167,7 +171,10 @@ def parse_knobs(
     add_knobs(parser, cls)
     ns = parser.parse_args(argv)
     try:
-        return from_namespace(cls, ns)
-    except ValueError as err:
+        cfg = from_namespace(cls, ns)
+        if check is not None:
+            check(cfg)
+        return cfg
+    except (ValueError, OSError) as err:
         parser.error(str(err))
         raise  # parser.error exits; this line is for type checkers

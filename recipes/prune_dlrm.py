@@ -1,7 +1,7 @@
 """Train a DLRM-DCNv2, prune it with tile-wise sparsity under a schedule with fine-tuning, and
 report what it cost in AUC and what it gained in speed.
 
-    python -m recipes.prune_dlrm                       # tiny default: TW 75%, ~30 s on 2 cores
+    python -m recipes.prune_dlrm                       # tiny default: TW 75%, ~45 s on 2 cores
     python -m recipes.prune_dlrm --sweep               # dense vs TW/EW/BW at 50/75/90% and 2:4
     python -m recipes.prune_dlrm --pattern tew --sparsity 0.9 --importance taylor
     python -m recipes.prune_dlrm --recipe my_recipe.yaml   # a TileSparseConfig file
@@ -76,6 +76,9 @@ SWEEP: tuple[tuple[str, float], ...] = (
 # Patterns whose condensed layers have few, wide tiles: the ones the speed half times.
 SPEED_PATTERNS = ("tw", "tw_rows")
 
+# The tew_delta of the knob-built configs (TileSparseConfig's default).
+_TEW_DELTA: float = TileSparseConfig().tew_delta
+
 
 @dataclass(frozen=True)
 class PruneDLRMConfig:
@@ -129,6 +132,14 @@ class PruneDLRMConfig:
                 raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
         if not 0.0 <= self.sparsity < 1.0:
             raise ValueError(f"--sparsity must be in [0, 1), got {self.sparsity}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+            raise ValueError(f"--seed must be an integer in [0, 2**32), got {self.seed!r}")
+        # tew prunes sparsity + tew_delta, then restores tew_delta of single weights
+        if self.pattern == "tew" and not (self.recipe or self.sweep) and self.sparsity + _TEW_DELTA >= 1.0:
+            raise ValueError(
+                f"--sparsity must be < {1 - _TEW_DELTA:g} for --pattern tew (it prunes sparsity + "
+                f"tew_delta = {_TEW_DELTA:g} first, then restores the best tew_delta), got {self.sparsity}"
+            )
         for name, allowed in (("pattern", [p.value for p in Pattern]),
                               ("importance", [i.value for i in Importance])):
             if getattr(self, name) not in allowed:
@@ -385,8 +396,19 @@ def _main_run_index(runs: list[dict[str, Any]], cfg: PruneDLRMConfig) -> int:
 
 # -- command line -------------------------------------------------------------------------
 def parse_args(argv: Sequence[str] | None = None) -> PruneDLRMConfig:
-    """The knobs from the command line; a bad value is a usage error (exit 2) naming it."""
-    return parse_knobs(PruneDLRMConfig, argv, description=__doc__.split("\n\n")[0])
+    """The knobs from the command line; a bad value is a usage error (exit 2) naming it, and
+    so is a ``--recipe`` file that does not load or a config that cannot run (a schedule
+    longer than ``--steps``): :func:`run_configs` is checked before anything is created."""
+    return parse_knobs(PruneDLRMConfig, argv, description=__doc__.split("\n\n")[0], check=_check_runnable)
+
+
+def _check_runnable(cfg: PruneDLRMConfig) -> None:
+    """:func:`run_configs` (loads ``--recipe``), an unreadable recipe file a ``ValueError``
+    naming the flag."""
+    try:
+        run_configs(cfg)
+    except OSError as e:
+        raise ValueError(f"--recipe {cfg.recipe}: cannot read it: {e.strerror or e}") from None
 
 
 if __name__ == "__main__":

@@ -22,7 +22,8 @@ from __future__ import annotations
 
 import json
 import math
-from collections.abc import Mapping
+import numbers
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
@@ -85,7 +86,7 @@ def _check_unit(owner: str, name: str, value: Any, *, closed_right: bool) -> Non
 
 def _reject_unknown(cls: type, d: Mapping[str, Any], ignore: tuple[str, ...] = ()) -> None:
     allowed = {f.name for f in fields(cls)} | set(ignore)
-    unknown = sorted(set(d) - allowed)
+    unknown = sorted(set(d) - allowed, key=str)  # a file's keys need not all be strings
     if unknown:
         raise ValueError(f"{cls.__name__}: unknown key(s) {unknown}; allowed {sorted(allowed)}")
 
@@ -126,12 +127,18 @@ class MultiStageSchedule:
 
     def __post_init__(self) -> None:
         if self.stages is not None:
-            stages = tuple(float(s) for s in self.stages)
+            if isinstance(self.stages, str | bytes | Mapping) or not isinstance(self.stages, Iterable):
+                raise ValueError(
+                    f"MultiStageSchedule.stages must be a list of sparsities in [0, 1) or None, got {self.stages!r}"
+                )
+            stages = tuple(self.stages)
+            for i, s in enumerate(stages):  # numbers.Real: NumPy scalars too, not "0.5" or True
+                ok = isinstance(s, numbers.Real) and not isinstance(s, bool)
+                _check_unit("MultiStageSchedule", f"stages[{i}]", float(s) if ok else s, closed_right=False)
+            stages = tuple(float(s) for s in stages)
             object.__setattr__(self, "stages", stages)
             if not stages:
                 raise ValueError("MultiStageSchedule.stages must not be empty (use None for the paper's)")
-            for s in stages:
-                _check_unit("MultiStageSchedule", "stages[i]", s, closed_right=False)
             if any(b <= a for a, b in zip(stages, stages[1:])):
                 raise ValueError(f"MultiStageSchedule.stages must be strictly ascending, got {list(stages)}")
         _check_int("MultiStageSchedule", "steps_per_stage", self.steps_per_stage, 1)
@@ -188,7 +195,7 @@ def schedule_from_dict(d: Mapping[str, Any]) -> ScheduleConfig:
         ValueError: for a missing/unknown kind or an unknown key.
     """
     if not isinstance(d, Mapping):
-        raise ValueError(f"schedule must be a mapping with a 'kind', got {d!r}")
+        raise ValueError(f"schedule must be a schedule config or a mapping with a 'kind', got {d!r}")
     try:
         kind = ScheduleKind(d.get("kind"))
     except ValueError:
@@ -198,9 +205,23 @@ def schedule_from_dict(d: Mapping[str, Any]) -> ScheduleConfig:
     cls = _SCHEDULES[kind]
     _reject_unknown(cls, d)
     kwargs = {k: v for k, v in d.items() if k != "kind"}
-    if "stages" in kwargs and kwargs["stages"] is not None:
+    if isinstance(kwargs.get("stages"), list):
         kwargs["stages"] = tuple(kwargs["stages"])
     return cls(**kwargs)
+
+
+def _overrides_dict(owner: str, overrides: Any) -> dict[Any, Any]:
+    """``overrides`` (a mapping, or ``(name, sparsity)`` pairs) as a dict, else ``ValueError``."""
+    if isinstance(overrides, Mapping):
+        return dict(overrides.items())
+    if isinstance(overrides, Iterable) and not isinstance(overrides, str | bytes):
+        pairs = list(overrides)
+        if all(isinstance(p, list | tuple) and len(p) == 2 for p in pairs):
+            return dict(pairs)
+    raise ValueError(
+        f"{owner}.overrides must be a mapping of module name to sparsity (in a recipe file: "
+        f"'overrides: {{top_mlp.0: 0.5}}'), got {overrides!r}"
+    )
 
 
 @dataclass(frozen=True)
@@ -219,13 +240,16 @@ class TileSparseConfig:
             rows ``(1-s)**(1-column_share)``. 0.5 is the paper's even split
             ``s' = 100 - sqrt(10000 - 100·s)`` (75% → 50% columns, 50% rows); 0 prunes rows only.
         n, m: the N:M pattern (keep ``n`` of every ``m`` consecutive K entries), ``1 <= n <= m``.
-        block: ``(bk, bn)`` block shape for ``bw``.
+        block: ``(bk, bn)`` block shape for ``bw``; one integer ``b`` means ``(b, b)``.
         tew_delta: fraction of all weights restored as single elements by ``tew``;
             ``sparsity + tew_delta`` (and each override's sparsity ``+ tew_delta``) must stay < 1.
         global_threshold: one threshold over all pruned layers (layers end up with different
             sparsities) rather than the target in each layer.
-        min_layer_density: floor on the fraction of weights any layer keeps under a global
-            threshold, so no layer is pruned away; in (0, 1].
+        min_layer_density: floor on the fraction of weights each layer keeps when two or more
+            layers share a global threshold, so no layer is pruned away (their overall sparsity
+            then stays <= ``1 - min_layer_density``); in (0, 1]. A layer pruned alone (every
+            layer under ``global_threshold=False``, an override, a lone selected layer) is not
+            floored: it reaches its own sparsity.
         overrides: fully-qualified module name → its own sparsity (pruned alone, outside the
             global threshold). Not allowed with ``nm``.
         taylor_steps: most backward passes accumulated into the Taylor score between two
@@ -282,11 +306,14 @@ class TileSparseConfig:
             )
         _check_int(owner, "tile", self.tile, 1)
         _check_unit(owner, "column_share", self.column_share, closed_right=True)
-        block = tuple(self.block) if isinstance(self.block, list | tuple) else (self.block,)
-        if len(block) != 2:
-            raise ValueError(f"{owner}.block must be (bk, bn), got {self.block!r}")
-        for v in block:
-            _check_int(owner, "block[i]", v, 1)
+        if isinstance(self.block, int) and not isinstance(self.block, bool):
+            block = (self.block, self.block)  # a square block
+        elif isinstance(self.block, list | tuple) and len(self.block) == 2:
+            block = tuple(self.block)
+        else:
+            raise ValueError(f"{owner}.block must be (bk, bn) or one integer b for (b, b), got {self.block!r}")
+        for i, v in enumerate(block):
+            _check_int(owner, f"block[{i}]", v, 1)
         set_(self, "block", block)
         _check_unit(owner, "tew_delta", self.tew_delta, closed_right=False)
         if self.pattern is Pattern.TEW and self.sparsity + self.tew_delta >= 1.0:
@@ -298,7 +325,7 @@ class TileSparseConfig:
         d = self.min_layer_density
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0.0 < d <= 1.0:
             raise ValueError(f"{owner}.min_layer_density must be in (0, 1], got {d!r}")
-        ov = dict(self.overrides.items()) if isinstance(self.overrides, Mapping) else dict(self.overrides)
+        ov = _overrides_dict(owner, self.overrides)
         for fqn, s in ov.items():
             if not isinstance(fqn, str) or not fqn:
                 raise ValueError(f"{owner}.overrides keys must be module names, got {fqn!r}")
@@ -315,11 +342,13 @@ class TileSparseConfig:
         set_(self, "overrides", tuple(sorted((k, float(v)) for k, v in ov.items())))
         _check_int(owner, "taylor_steps", self.taylor_steps, 1)
         sched = self.schedule
-        if isinstance(sched, Mapping):
-            sched = schedule_from_dict(sched)
-            set_(self, "schedule", sched)
         if not isinstance(sched, OneShotSchedule | MultiStageSchedule | CubicSchedule):
-            raise ValueError(f"{owner}.schedule must be a schedule config, got {sched!r}")
+            try:
+                sched = schedule_from_dict(sched)
+            except ValueError as e:  # name the field: "...schedule.kind must be", "...schedule: ..."
+                msg = str(e)
+                raise ValueError(f"{owner}.{msg}" if msg.startswith("schedule") else f"{owner}.schedule: {msg}") from None
+            set_(self, "schedule", sched)
 
     @property
     def target_sparsity(self) -> float:
@@ -361,12 +390,7 @@ class TileSparseConfig:
         if not isinstance(d, Mapping):
             raise ValueError(f"TileSparseConfig: expected a mapping, got {type(d).__name__}")
         _reject_unknown(cls, d)
-        kwargs = dict(d)
-        if "schedule" in kwargs:
-            kwargs["schedule"] = schedule_from_dict(kwargs["schedule"])
-        if "block" in kwargs:
-            kwargs["block"] = tuple(kwargs["block"])
-        return cls(**kwargs)
+        return cls(**dict(d))  # __post_init__ builds the schedule from its mapping
 
     def to_json(self) -> str:
         return json.dumps(self.to_dict(), indent=2, sort_keys=True)
@@ -380,23 +404,23 @@ class TileSparseConfig:
         """Load a recipe file: ``.yaml``/``.yml`` or ``.json``.
 
         Raises:
-            ValueError: for another suffix, a file that is not a mapping, or a bad key/value
-                (the message names the file).
+            ValueError: one line naming the file, for another suffix, text that does not parse
+                (with its line and column), a file that is not a mapping, or a bad key/value
+                (naming the field, e.g. ``TileSparseConfig.schedule: MultiStageSchedule.stages``).
+            OSError: when the file cannot be read.
         """
         p = Path(path)
-        text = p.read_text()
         suffix = p.suffix.lower()
-        if suffix in (".yaml", ".yml"):
-            import yaml
-
-            data = yaml.safe_load(text)
-        elif suffix == ".json":
-            data = json.loads(text)
-        else:
+        if suffix not in (".yaml", ".yml", ".json"):
             raise ValueError(f"recipe file {p}: expected a .yaml, .yml or .json suffix, got {suffix!r}")
         try:
+            text = p.read_text(encoding="utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"recipe file {p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+        data = _parse_yaml(p, text) if suffix != ".json" else _parse_json(p, text)
+        try:
             return cls.from_dict(data if data is not None else {})
-        except ValueError as e:
+        except (ValueError, TypeError) as e:  # TypeError: a safety net; checks raise ValueError
             raise ValueError(f"recipe file {p}: {e}") from None
 
     def save(self, path: str | Path) -> None:
@@ -408,3 +432,22 @@ class TileSparseConfig:
             p.write_text(yaml.safe_dump(self.to_dict(), sort_keys=True))
         else:
             p.write_text(self.to_json() + "\n")
+
+
+def _parse_json(p: Path, text: str) -> Any:
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"recipe file {p}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+
+
+def _parse_yaml(p: Path, text: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        what = getattr(e, "problem", None) or str(e).splitlines()[0]
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else ""
+        raise ValueError(f"recipe file {p}: not valid YAML: {what}{where}") from None

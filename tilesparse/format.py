@@ -48,7 +48,7 @@ class TWLayout:
     Attributes:
         in_features: ``K``.
         out_features: ``N``.
-        tile: ``G``, the widest a tile may be.
+        tile: ``G``, the widest a tile may be (an integer >= 1).
         col_idx: ``(Nk,) int64`` kept output columns, ascending.
         tile_ptr: ``(T+1,) int64`` offsets into ``col_idx``.
         row_idx: ``(R,) int64`` kept input rows of every tile, ascending within a tile.
@@ -131,6 +131,8 @@ class TWLayout:
             ValueError: naming the broken invariant and the offending value.
         """
         K, N = self.in_features, self.out_features
+        if isinstance(self.tile, bool) or not isinstance(self.tile, int) or self.tile < 1:
+            raise ValueError(f"TWLayout.tile must be an integer >= 1, got {self.tile!r}")
         for name in ("col_idx", "tile_ptr", "row_idx", "row_ptr", "val_ptr"):
             t = getattr(self, name)
             if t.dtype != torch.int64 or t.dim() != 1:

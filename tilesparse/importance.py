@@ -13,9 +13,10 @@ orientation, the input of :mod:`tilesparse.patterns`:
   tracked layers so every score is >= 0 (the order of weights, within and across layers, is
   unchanged).
 
-Row-segment aggregation (the paper's): in tile ``t`` of kept columns ``cols_t``, row ``k``'s
-segment scores ``‖S[k, cols_t]‖₂ / |cols_t|`` — :func:`tilesparse.patterns.segment_scores`,
-re-exported here as :func:`segment_scores`.
+Row-segment aggregation: in tile ``t`` of kept columns ``cols_t``, row ``k``'s segment scores
+the RMS ``‖S[k, cols_t]‖₂ / sqrt(|cols_t|)`` (so tiles of different widths compete fairly under
+one threshold; for equal widths it ranks like the paper's ``‖·‖₂ / |cols_t|``) —
+:func:`tilesparse.patterns.segment_scores`, re-exported here as :func:`segment_scores`.
 
 >>> t = TaylorScore()
 >>> w = {"fc": torch.tensor([[1., -2.], [3., 0.]])}      # (K=2, N=2)
@@ -107,6 +108,14 @@ class _SummedScore(ScoreTracker):
         self._acc = {k: v.detach().cpu().float().clone() for k, v in sums.items()}
 
 
+def _check_observed(kind: str, weights: Tensors, sums: Tensors) -> None:
+    """Raise ``RuntimeError`` naming the layers of ``weights`` that no observed backward pass
+    gave a gradient (e.g. frozen with ``requires_grad_(False)``)."""
+    missing = sorted(set(weights) - set(sums))
+    if missing:
+        raise RuntimeError(f"{kind} importance has no gradients for layer(s) {missing}")
+
+
 class MagnitudeScore(ScoreTracker):
     """``|w|``."""
 
@@ -119,7 +128,8 @@ class TaylorScore(_SummedScore):
 
     Raises (from :meth:`scores`):
         RuntimeError: when nothing was observed — a Taylor score needs gradients, so the first
-            mask update must come after at least one backward pass.
+            mask update must come after at least one backward pass — or a layer got no
+            gradient in any observed backward pass (naming the layers).
     """
 
     needs_gradients = True
@@ -145,9 +155,7 @@ class TaylorScore(_SummedScore):
                 "update after at least one training step (e.g. OneShotSchedule(step=100)), or "
                 "use importance='magnitude'"
             )
-        missing = sorted(set(weights) - set(self._acc))
-        if missing:
-            raise RuntimeError(f"Taylor importance has no gradients for layer(s) {missing}")
+        _check_observed("Taylor", weights, self._acc)
         return {k: self._acc[k].clone() for k in weights}
 
 
@@ -156,6 +164,10 @@ class MovementScore(_SummedScore):
 
     Unlike Taylor, movement keeps accumulating across mask updates (the pruner never resets
     it): it measures where weights have been heading during fine-tuning.
+
+    Raises (from :meth:`scores`):
+        RuntimeError: when nothing was observed, or a layer got no gradient in any observed
+            backward pass (naming the layers).
     """
 
     needs_gradients = True
@@ -178,6 +190,7 @@ class MovementScore(_SummedScore):
                 "movement importance has observed no backward pass yet: schedule the first "
                 "mask update after some training steps, or use importance='magnitude'"
             )
+        _check_observed("movement", weights, self._acc)
         raw = {k: self._acc[k] for k in weights}
         low = min(float(v.min()) for v in raw.values() if v.numel())
         return {k: v - low for k, v in raw.items()}

@@ -25,6 +25,7 @@ True
 
 from __future__ import annotations
 
+import operator
 from typing import Any
 
 import torch
@@ -39,6 +40,16 @@ __all__ = ["TileSparseLinear"]
 
 _INDEX_BUFFERS = ("col_idx", "tile_ptr", "row_idx", "row_ptr", "val_ptr")
 _LAYOUT_BUFFERS = (*_INDEX_BUFFERS, "values")
+# dtypes a saved index buffer may have: both convert to int64 exactly
+_INDEX_DTYPES = (torch.int64, torch.int32)
+
+
+def _saved_int(v: Any) -> int:
+    """``v`` as an ``int`` when it is an integer (a Python or NumPy int, an integer 0-d
+    tensor); raises ``TypeError`` for anything else, a bool or a float included."""
+    if isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
+        raise TypeError(f"expected an integer, got {v!r}")
+    return operator.index(v)
 
 
 def _decline_fused_paths(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -65,7 +76,8 @@ class TileSparseLinear(nn.Module):
 
     A freshly constructed module holds an empty layout (every weight pruned); fill it with
     :meth:`from_dense` or ``load_state_dict`` of a saved one (buffers take the saved sizes;
-    the saved layout is validated first, and a load that fails leaves the module unchanged).
+    the saved layout is validated first — index tensors must be int64 or int32, the saved
+    ``tile`` an integer >= 1 — and a load that fails leaves the module unchanged).
 
     Args:
         in_features: ``K``.
@@ -222,14 +234,21 @@ class TileSparseLinear(nn.Module):
         self._layout = None
 
     def _saved_tile(self, state: Any, where: str) -> int:
-        """The tile of a saved extra state, after checking that it is this module's shape."""
+        """The tile of a saved extra state, after checking that it is this module's shape.
+
+        Raises:
+            ValueError: when a field is missing or not an integer (``2.7`` is not truncated,
+                ``True`` is not 1), the tile is under 1, or the shape is not this module's.
+        """
         try:
-            shape = (int(state["in_features"]), int(state["out_features"]))
-            tile = int(state["tile"])
+            shape = (_saved_int(state["in_features"]), _saved_int(state["out_features"]))
+            tile = _saved_int(state["tile"])
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(
                 f"{where}: expected {{'in_features', 'out_features', 'tile'}} integers, got {state!r}"
             ) from e
+        if tile < 1:
+            raise ValueError(f"{where}: the saved tile must be an integer >= 1, got {tile}")
         if shape != (self.in_features, self.out_features):
             raise ValueError(
                 f"state dict holds a {shape[0]}x{shape[1]} (KxN) TileSparseLinear, this module is "
@@ -254,6 +273,12 @@ class TileSparseLinear(nn.Module):
             saved = state_dict.get(prefix + name, getattr(self, name))
             if not isinstance(saved, torch.Tensor) or saved.is_meta:
                 return  # no data to check (the base class reports a non-tensor entry)
+            if name in _INDEX_BUFFERS and saved.dtype not in _INDEX_DTYPES:
+                # a cast would truncate (fp16 holds integers exactly only up to 2048) or wrap
+                raise ValueError(
+                    f"{where}: key {prefix + name!r} is an index tensor and must be torch.int64 or "
+                    f"torch.int32, got {saved.dtype} (was the state dict cast to another dtype?)"
+                )
             # values: only its shape is checked, so it is not copied
             own = getattr(self, name)
             tensors[name] = saved.detach() if name == "values" else saved.detach().to("cpu", own.dtype)

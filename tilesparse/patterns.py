@@ -16,9 +16,12 @@ paper's ``s' = 100 - sqrt(10000 - 100·s)`` for each step):
    columns go whole, but every layer keeps at least its best column (when a layer's column
    budget is under one column, its sparsity then comes from the row step alone);
 2. per-tile row pruning: the kept columns, in order, form tiles of ``G`` columns (the last may be
-   narrower); in tile ``t`` the row segment ``S[k, cols_t]`` scores ``‖S[k, cols_t]‖₂ / |cols_t|``
-   (the paper's rule) and the worst segments go, under one threshold for all tiles. A tile may
-   lose every row.
+   narrower); in tile ``t`` the row segment ``S[k, cols_t]`` scores its RMS
+   ``‖S[k, cols_t]‖₂ / sqrt(|cols_t|)`` and the worst segments go, under one threshold for all
+   tiles. A tile may lose every row. Between tiles of one width this ranks segments as the
+   paper's ``‖·‖₂ / |cols_t|`` does; across widths (a layer's narrower last tile, a layer
+   narrower than ``G``) the RMS scores a segment of equal elements ``v`` as ``v`` whatever its
+   width, where ``/ |cols_t|`` gave ``v / sqrt(|cols_t|)`` and kept narrow tiles first.
 
 >>> S = torch.tensor([[9., 1, 8, 7, 2, 6],
 ...                   [8., 2, 1, 6, 1, 1],
@@ -201,16 +204,27 @@ def _tiles_of(cols: torch.Tensor, tile: int) -> list[torch.Tensor]:
 
 
 def segment_scores(scores: torch.Tensor, tiles: Sequence[torch.Tensor]) -> torch.Tensor:
-    """``(K, T)`` float64: the row segment ``(k, t)`` scores ``‖S[k, cols_t]‖₂ / |cols_t|``.
+    """``(K, T)`` float64: the row segment ``(k, t)`` scores ``‖S[k, cols_t]‖₂ / sqrt(|cols_t|)``,
+    the RMS of its scores.
+
+    The RMS, as in :func:`column_scores`: segments of tiles of different widths (a layer's
+    narrower last tile, layers narrower than ``G``) compete under one threshold, and the RMS
+    scores a segment of equal elements ``v`` as ``v`` whatever its width (``/ |cols_t|`` scored
+    it ``v / sqrt(|cols_t|)``, keeping narrow tiles before wide ones of larger weights).
+
+    >>> S = torch.tensor([[3., 4., 1.], [0., 0., 2.]])
+    >>> segment_scores(S, [torch.tensor([0, 1]), torch.tensor([2])])  # 5/sqrt(2), 1/sqrt(1)
+    tensor([[3.5355, 1.0000],
+            [0.0000, 2.0000]], dtype=torch.float64)
 
     Args:
         scores: ``(K, N)``.
-        tiles: the column indices of each tile, ``(G_t,) int64``.
+        tiles: the column indices of each tile, ``(G_t,) int64``, each non-empty.
     """
     s = scores.double()
     out = torch.zeros(s.shape[0], len(tiles), dtype=torch.float64)
     for t, cols in enumerate(tiles):
-        out[:, t] = torch.linalg.vector_norm(s[:, cols], dim=1) / cols.numel()
+        out[:, t] = torch.linalg.vector_norm(s[:, cols], dim=1) / math.sqrt(cols.numel())
     return out
 
 
@@ -285,8 +299,8 @@ def tw_mask(
 
         S =  9 1 8 7 2 6      column scores ‖S[:,n]‖₂/2: 7.0 1.6 7.2 6.5 1.9 5.5
              8 2 1 6 1 1      → columns 1 and 4 pruned; tiles {0,2}, {3,5}
-             1 1 9 1 3 7      segment scores (tile {0,2} | tile {3,5}), /2:
-             7 2 8 9 1 6      k0 6.0 | 4.6   k1 4.0 | 3.0   k2 4.5 | 3.5   k3 5.3 | 5.4
+             1 1 9 1 3 7      segment scores (tile {0,2} | tile {3,5}), RMS ‖·‖₂/sqrt(2):
+             7 2 8 9 1 6      k0 8.5 | 6.5   k1 5.7 | 4.3   k2 6.4 | 5.0   k3 7.5 | 7.6
                               best six segments of 2 weights: k0|0 k3|1 k3|0 k0|1 k2|0 k1|0
 
     >>> S = torch.tensor([[9., 1, 8, 7, 2, 6], [8., 2, 1, 6, 1, 1],
@@ -475,8 +489,23 @@ def masks_for_config(
     config: TileSparseConfig, scores: Sequence[torch.Tensor], sparsity: float, min_density: float | None = None
 ) -> list[torch.Tensor]:
     """The masks ``config.pattern`` gives the layers ``scores`` at ``sparsity`` under one
-    threshold (``nm`` ignores ``sparsity`` except that 0 keeps everything)."""
-    floor = config.min_layer_density if min_density is None else min_density
+    threshold (``nm`` ignores ``sparsity`` except that 0 keeps everything).
+
+    Args:
+        config: the pattern and its settings.
+        scores: per layer ``(K_l, N_l)`` float, non-negative.
+        sparsity: target over all the layers, in [0, 1).
+        min_density: per-layer floor on the kept fraction; ``None`` (default):
+            ``config.min_layer_density`` when two or more layers share the threshold, 0 for a
+            single layer (pruned alone, it reaches ``sparsity``: a floor would only cap it).
+
+    Returns:
+        per layer ``(K_l, N_l) bool``, the kept weights.
+    """
+    if min_density is None:
+        floor = config.min_layer_density if len(scores) > 1 else 0.0
+    else:
+        floor = min_density
     p = config.pattern
     if sparsity == 0.0:
         return [torch.ones(s.shape, dtype=torch.bool) for s in scores]

@@ -37,7 +37,9 @@ restore it with :meth:`TileSparsePruner.load_state_dict`.
 
 Thresholds are global across the selected layers by default (so layers get different
 sparsities), each layer keeping at least ``min_layer_density`` of its weights; a layer named in
-``config.overrides`` is pruned alone to its own sparsity (scaled along the schedule).
+``config.overrides`` is pruned alone to its own sparsity (scaled along the schedule), and so is
+every layer under ``global_threshold=False``: a layer pruned alone is not floored by
+``min_layer_density`` and reaches its sparsity.
 """
 
 from __future__ import annotations
@@ -306,7 +308,11 @@ class TileSparsePruner:
     @torch.no_grad()
     def update_masks(self, sparsity: float) -> None:
         """Recompute every mask for an overall ``sparsity`` in [0, 1) (override layers: their
-        own, scaled by ``sparsity / target``) from the current importance scores."""
+        own, scaled by ``sparsity / target``) from the current importance scores.
+
+        Layers sharing the global threshold keep at least ``config.min_layer_density`` each;
+        a layer pruned alone (an override, ``global_threshold=False``, a lone shared layer)
+        gets its sparsity exactly (up to one selection unit), with no floor."""
         self._check_prepared()
         if not 0.0 <= sparsity < 1.0:
             raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
@@ -322,7 +328,8 @@ class TileSparsePruner:
             groups.extend(([f], sparsity) for f in shared)
         groups.extend(([f], self._layer_sparsity(f, sparsity)) for f in self.layers if f not in shared)
         for names, s in groups:
-            masks = masks_for_config(cfg, [scores[f] for f in names], s)
+            # min_density=None: the config's floor for a shared group, none for a lone layer
+            masks = masks_for_config(cfg, [scores[f] for f in names], s, min_density=None)
             for f, mask_kn in zip(names, masks):
                 m = self.layers[f]
                 holder = m.parametrizations.weight

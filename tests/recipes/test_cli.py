@@ -99,3 +99,20 @@ def test_bad_values_are_usage_errors(argv, capsys):
 def test_mutable_default_is_refused():
     with pytest.raises(ValueError, match="immutable"):
         knob([1, 2], "a list")
+
+
+def test_check_errors_are_usage_errors(tmp_path, capsys):
+    """``check`` runs on the parsed knobs; its ValueError / OSError is a usage error (exit 2)."""
+    def check(k: Knobs) -> None:
+        if k.name == "bad":
+            raise ValueError("--name must not be 'bad'")
+        if k.name == "file":
+            (tmp_path / "missing.yaml").read_text()
+
+    assert parse_knobs(Knobs, ["--name", "ok"], check=check).name == "ok"
+    for name, msg in (("bad", "error: --name must not be 'bad'"), ("file", "No such file or directory")):
+        with pytest.raises(SystemExit) as info:
+            parse_knobs(Knobs, ["--name", name], check=check)
+        assert info.value.code == 2
+        err = capsys.readouterr().err
+        assert msg in err and "Traceback" not in err

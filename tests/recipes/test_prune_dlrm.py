@@ -126,6 +126,54 @@ def test_bad_lr_and_scale_are_usage_errors_before_any_output(tmp_path, capsys, a
         PruneDLRMConfig(**{argv[0][2:]: float(argv[1])})
 
 
+BAD_RECIPE_TEXTS = {
+    "broken.yaml": ("pattern: [tw\n", "not valid YAML: expected ',' or ']'"),
+    "truncated.json": ('{"pattern": "tw", ', "not valid JSON: Expecting property name"),
+    "stages.yaml": ("schedule: {kind: multistage, stages: 0.5}\n", "TileSparseConfig.schedule: MultiStageSchedule.stages must be a list"),
+    "overrides.yaml": ("overrides: [fc1, 0.5]\n", "TileSparseConfig.overrides must be a mapping"),
+}
+
+
+@pytest.mark.parametrize(("argv", "msg"), [
+    (["--seed", "-1"], "--seed must be an integer in [0, 2**32), got -1"),
+    (["--seed", str(2**32)], f"--seed must be an integer in [0, 2**32), got {2**32}"),
+    (["--pattern", "tew", "--sparsity", "0.96"],
+     "--sparsity must be < 0.95 for --pattern tew (it prunes sparsity + tew_delta = 0.05 first"),
+    (["--steps", "5"], "the tw schedule reaches 0.75 at step 6, but --steps is 5"),
+    (["--recipe", "{tmp}/missing.yaml"], "--recipe {tmp}/missing.yaml: cannot read it: No such file or directory"),
+    *((["--recipe", f"{{tmp}}/{name}"], f"recipe file {{tmp}}/{name}: {msg}")
+      for name, (_, msg) in BAD_RECIPE_TEXTS.items()),
+])
+def test_bad_seed_tew_sparsity_and_recipe_files_are_usage_errors_before_any_output(tmp_path, capsys, argv, msg) -> None:
+    """--seed -1 passed parsing, made the --out folder and died in numpy; --pattern tew
+    --sparsity 0.96 and malformed --recipe files failed in main with a traceback (a TypeError
+    or a parser error without the file's name for some recipes). All are usage errors now."""
+    for name, (text, _) in BAD_RECIPE_TEXTS.items():
+        (tmp_path / name).write_text(text)
+    out = tmp_path / "run"
+    argv = [a.replace("{tmp}", str(tmp_path)) for a in argv]
+    with pytest.raises(SystemExit) as e:
+        parse_args([*argv, "--out", str(out)])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and f"error: {msg.replace('{tmp}', str(tmp_path))}" in err, err
+    assert not out.exists()
+
+
+def test_bad_recipe_on_the_command_line_exits_2_without_a_traceback(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("pattern: [tw\n")
+    out = tmp_path / "run"
+    proc = subprocess.run([sys.executable, "-m", "recipes.prune_dlrm", "--recipe", str(bad), "--out", str(out)],
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2, proc.stderr
+    assert "Traceback" not in proc.stderr and not out.exists()
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last.startswith("prune_dlrm.py: error: recipe file ") and "bad.yaml: not valid YAML" in last
+
+
 @pytest.mark.parametrize("schedule", ["multistage", "cubic", "oneshot"])
 def test_nm_prunes_once_when_the_other_50_percent_runs_reach_their_target(schedule) -> None:
     """2:4 masks ignore a stage's sparsity: a staged schedule only re-picked the same 50 % mask

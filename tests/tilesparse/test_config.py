@@ -76,7 +76,7 @@ def test_bad_values_name_field_and_range(kwargs: dict, field: str, allowed: str)
     ("make", "text"),
     [
         (lambda: MultiStageSchedule(stages=(0.5, 0.25)), "ascending"),
-        (lambda: MultiStageSchedule(stages=(0.5, 1.0)), "stages[i] must be in [0, 1)"),
+        (lambda: MultiStageSchedule(stages=(0.5, 1.0)), "stages[1] must be in [0, 1), got 1.0"),
         (lambda: MultiStageSchedule(steps_per_stage=0), "steps_per_stage must be an integer >= 1"),
         (lambda: CubicSchedule(begin_step=10, end_step=10), "end_step must be an integer >= 11"),
         (lambda: CubicSchedule(frequency=0), "frequency"),
@@ -135,3 +135,49 @@ def test_tew_override_below_one_minus_delta_is_accepted() -> None:
     assert cfg.override_for("1") == 0.94
     # the same override under a pattern without restored elements is fine at 0.97
     assert TileSparseConfig(pattern="tw", overrides={"1": 0.97}).override_for("1") == 0.97
+
+
+BAD_RECIPES = [  # (file name, text, expected message after "recipe file <path>: ")
+    ("stages_scalar.yaml", "schedule: {kind: multistage, stages: 0.5}\n",
+     "TileSparseConfig.schedule: MultiStageSchedule.stages must be a list of sparsities in [0, 1) or None, got 0.5"),
+    ("stage_str.yaml", "schedule: {kind: multistage, stages: [0.5, x]}\n",
+     "TileSparseConfig.schedule: MultiStageSchedule.stages[1] must be in [0, 1), got 'x'"),
+    ("kind.yaml", "schedule: {kind: linear}\n", "TileSparseConfig.schedule.kind must be one of"),
+    ("sched_scalar.yaml", "schedule: 5\n", "TileSparseConfig.schedule must be a schedule config or a mapping"),
+    ("truncated.json", '{"pattern": "tw", ',
+     "not valid JSON: Expecting property name enclosed in double quotes at line 1, column 19"),
+    ("broken.yaml", "pattern: [tw\n", "not valid YAML: expected ',' or ']', but got '<stream end>' at line 2, column 1"),
+    ("overrides_list.yaml", "overrides: [fc1, 0.5]\n",
+     "TileSparseConfig.overrides must be a mapping of module name to sparsity"),
+    ("overrides_str.yaml", "overrides: fc1\n", "TileSparseConfig.overrides must be a mapping"),
+    ("top_list.yaml", "- pattern: tw\n", "TileSparseConfig: expected a mapping, got list"),
+    ("block_three.yaml", "pattern: bw\nblock: [4, 4, 4]\n", "TileSparseConfig.block must be (bk, bn) or one integer"),
+    ("block_str.yaml", "pattern: bw\nblock: '16'\n", "TileSparseConfig.block must be (bk, bn) or one integer"),
+    ("block_zero.yaml", "pattern: bw\nblock: 0\n", "TileSparseConfig.block[0] must be an integer >= 1, got 0"),
+    ("int_keys.yaml", "1: 2\nfoo: 3\n", "TileSparseConfig: unknown key(s) [1, 'foo']"),
+    ("latin1.yaml", b"pattern: tw\n# caf\xe9\n", "not UTF-8 text (invalid continuation byte at byte 17)"),
+]
+
+
+@pytest.mark.parametrize(("name", "text", "message"), BAD_RECIPES, ids=[c[0] for c in BAD_RECIPES])
+def test_malformed_recipe_files_are_one_line_value_errors_naming_file_and_field(tmp_path, name, text, message) -> None:
+    """They used to raise TypeError (a scalar stages), JSONDecodeError / yaml ParserError
+    without the path (multi-line for YAML), or a message that named no field."""
+    p = tmp_path / name
+    p.write_bytes(text if isinstance(text, bytes) else text.encode())
+    with pytest.raises(ValueError) as e:
+        TileSparseConfig.load(p)
+    assert type(e.value) is ValueError
+    assert str(e.value).startswith(f"recipe file {p}: ") and message in str(e.value), str(e.value)
+    assert "\n" not in str(e.value)
+
+
+def test_a_scalar_block_is_square(tmp_path) -> None:
+    """``block: 16`` raised TypeError in a recipe file; one integer b means (b, b)."""
+    p = tmp_path / "block_int.yaml"
+    p.write_text("pattern: bw\nblock: 16\n")
+    assert TileSparseConfig.load(p).block == (16, 16)
+    assert TileSparseConfig(pattern="bw", block=8).block == (8, 8)
+    assert TileSparseConfig.from_json(TileSparseConfig(pattern="bw", block=8).to_json()).block == (8, 8)
+    with pytest.raises(ValueError, match="block must be"):
+        TileSparseConfig(block=True)

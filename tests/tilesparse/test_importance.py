@@ -1,5 +1,7 @@
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -62,10 +64,16 @@ def test_movement_shifted_to_non_negative_across_layers() -> None:
     assert torch.equal(s["a"], torch.tensor([[2.0, 5.0]])) and torch.equal(s["b"], torch.tensor([[0.0]]))
 
 
-def test_segment_scores_are_l2_over_tile_width() -> None:
+def test_segment_scores_are_rms_over_the_tile() -> None:
+    """‖S[k, cols_t]‖₂ / sqrt(|cols_t|): the 2-wide segment (3, 4) scores 5/sqrt(2), the 1-wide
+    ones their element (the old ``/ |cols_t|`` gave 2.5 and 1)."""
     S = torch.tensor([[3.0, 4.0, 1.0], [0.0, 0.0, 2.0]])
     seg = segment_scores(S, [torch.tensor([0, 1]), torch.tensor([2])])
-    assert torch.equal(seg, torch.tensor([[2.5, 1.0], [0.0, 2.0]], dtype=torch.float64))
+    assert torch.equal(seg, torch.tensor([[5.0 / math.sqrt(2.0), 1.0], [0.0, 2.0]], dtype=torch.float64))
+    # a segment of equal elements v scores v, whatever its width
+    flat = torch.full((2, 19), 7.0)
+    seg = segment_scores(flat, [torch.arange(16), torch.arange(16, 18), torch.tensor([18])])
+    assert torch.allclose(seg, torch.full((2, 3), 7.0, dtype=torch.float64), rtol=0, atol=1e-12)
 
 
 def test_make_tracker() -> None:
@@ -90,3 +98,15 @@ def test_summed_scores_round_trip_their_state_and_magnitude_keeps_none() -> None
     assert MagnitudeScore().state() == (0, {})
     with pytest.raises(ValueError, match=r"MagnitudeScore keeps no observations, got 1 step"):
         MagnitudeScore().load_state(1, {"a": torch.ones(1, 2)})
+
+
+@pytest.mark.parametrize(("cls", "kind"), [(TaylorScore, "Taylor"), (MovementScore, "movement")])
+def test_a_layer_without_gradients_is_named(cls, kind) -> None:
+    """A selected layer that no backward pass reached (frozen): movement raised a bare
+    KeyError; both gradient scores now say which layer has no gradients."""
+    w = {"a": torch.tensor([[1.0, -2.0]]), "b": torch.tensor([[3.0]]), "c": torch.tensor([[1.0]])}
+    t = cls()
+    t.observe({"a": w["a"]}, {"a": torch.tensor([[1.0, 1.0]])})
+    with pytest.raises(RuntimeError, match=rf"{kind} importance has no gradients for layer\(s\) \['b', 'c'\]"):
+        t.scores(w)
+    assert set(t.scores({"a": w["a"]})) == {"a"}

@@ -188,3 +188,58 @@ def test_backend_is_validated_when_set() -> None:
     torch.save(m, buf)
     buf.seek(0)
     assert torch.load(buf, weights_only=False).backend == "reference"
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int16, torch.uint8])
+def test_index_tensors_of_a_cast_state_dict_are_refused(dtype) -> None:
+    """A state dict with every tensor cast to fp16 used to load: col_idx 2049 came back 2048
+    (fp16 holds integers exactly only up to 2048) and the module computed other columns."""
+    k, n = 8, 4096
+    mask = torch.zeros(k, n, dtype=torch.bool)
+    mask[:, [2049, 3001]] = True
+    src = TileSparseLinear.from_dense(torch.nn.Linear(k, n), mask, tile=1)
+    sd = {key: v.to(dtype) if key == "col_idx" else v for key, v in src.state_dict().items()}
+    dst = TileSparseLinear(k, n, tile=1)
+    with pytest.raises(ValueError, match=rf"key 'col_idx' is an index tensor and must be torch.int64 or torch.int32, got {dtype}"):
+        dst.load_state_dict(sd)
+    assert dst.nnz == 0 and dst.col_idx.numel() == 0  # unchanged
+    # every tensor cast, the reviewer's case: the first index buffer is named
+    cast = {key: v.half() if isinstance(v, torch.Tensor) else v for key, v in src.state_dict().items()}
+    with pytest.raises(ValueError, match="key 'col_idx' .* got torch.float16"):
+        TileSparseLinear(k, n, tile=1).half().load_state_dict(cast)
+
+
+def test_int32_index_tensors_load_exactly() -> None:
+    good = _two_tile_module()
+    sd = {key: v.int() if key in ("col_idx", "tile_ptr", "row_idx", "row_ptr", "val_ptr") else v
+          for key, v in good.state_dict().items()}
+    dst = TileSparseLinear(4, 4, tile=128)
+    dst.load_state_dict(sd)
+    assert dst.col_idx.dtype == torch.int64 and torch.equal(dst.col_idx, good.col_idx)
+    x = torch.randint(-3, 4, (3, 4)).float()
+    assert torch.equal(dst(x), good(x))
+
+
+@pytest.mark.parametrize("tile", [0, -3, 2.7, True, "2", None])
+def test_corrupt_saved_tile_is_refused(tile) -> None:
+    """A saved tile of 0, -3 or 2.7 (truncated to 2) used to load."""
+    from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
+
+    good = _two_tile_module()
+    sd = dict(good.state_dict())
+    sd[_EXTRA_STATE_KEY_SUFFIX] = {"in_features": 4, "out_features": 4, "tile": tile}
+    target = TileSparseLinear.from_dense(int_linear(4, 4, 6), torch.rand(4, 4) < 0.5, tile=2)
+    x = torch.randint(-3, 4, (3, 4)).float()
+    before, y = _snapshot(target), target(x)
+    with pytest.raises(ValueError, match=r"key '_extra_state': (the saved tile must be an integer >= 1|expected)"):
+        target.load_state_dict(sd)
+    _assert_unchanged(target, before, x, y)
+
+
+@pytest.mark.parametrize("tile", [0, -1, 2.0, True])
+def test_layout_validate_requires_an_integer_tile(tile) -> None:
+    from dataclasses import replace
+
+    layout = replace(_two_tile_module().layout, tile=tile)
+    with pytest.raises(ValueError, match=r"TWLayout.tile must be an integer >= 1"):
+        layout.validate()

@@ -272,7 +272,7 @@ def test_tw_narrow_layer_keeps_its_column_and_prunes_rows(k: int) -> None:
 def test_tw_global_column_step_keeps_a_narrow_layers_last_column() -> None:
     """Under one threshold a 64x1 layer whose column scores lowest (RMS 5 against 10) keeps that
     column through the column step, so the shared row step can keep its 4 strong rows (width-1
-    segments scoring 20 against the wide layer's 2.5); the column step used to drop it whole."""
+    segments scoring 20 against the wide layer's RMS 10); the column step used to drop it whole."""
     wide = torch.full((64, 64), 10.0)
     narrow = torch.full((64, 1), 0.0)
     strong = [3, 17, 40, 63]
@@ -281,3 +281,43 @@ def test_tw_global_column_step_keeps_a_narrow_layers_last_column() -> None:
     assert masks[1][strong].all()  # (the budget's remainder under one wide segment may add
     total = sum(int(m.sum()) for m in masks)  # some of its weak rows too)
     assert 0 <= round(0.25 * 65 * 64) - total <= 16
+
+
+def test_tw_ranks_equal_valued_tiles_of_different_widths_by_magnitude() -> None:
+    """K=4, N=17, G=16, rows only: a 16-wide tile of weights 10 and a 1-wide last tile of 3.
+    Row segments scored ``‖·‖₂ / |cols_t|`` made the 10s score 2.5 and the 3s score 3, so the
+    weak narrow tile was kept whole first (at 50 %: 16 of the 10s kept, all 4 of the 3s). Scored
+    by RMS (10 against 3) the wide tile's rows come first."""
+    S = torch.full((4, 17), 10.0)
+    S[:, 16] = 3.0
+    # 50 %: 34 weights; two 16-wide rows (32) fit, a third does not, and 2 of the 1-wide
+    # segments fill the rest of the budget
+    m = tw_masks([S], 0.5, tile=16, column_share=0.0)[0]
+    assert int(m[:, :16].sum()) == 32 and int(m[:, 16].sum()) == 2, render_mask(m)
+    assert int(m.sum()) == 34
+    # a budget of exactly three wide rows (48 of 68): the weak tile loses every row
+    m = tw_masks([S], 20 / 68, tile=16, column_share=0.0)[0]
+    assert int(m[:, :16].sum()) == 48 and not m[:, 16].any(), render_mask(m)
+
+
+def test_tw_global_threshold_does_not_favour_a_layer_narrower_than_the_tile() -> None:
+    """Two layers under one threshold, the narrow one (N=4 < G=16) of weaker weights: it is
+    pruned first. Under ``/ |cols_t|`` its 4-wide segments of 3 (score 1.5) beat the wide
+    layer's 16-wide segments of 5 (score 1.25) and it was kept whole."""
+    wide, narrow = torch.full((8, 32), 5.0), torch.full((8, 4), 3.0)
+    m_wide, m_narrow = tw_masks([wide, narrow], 0.5, tile=16, column_share=0.0)
+    assert not m_narrow.any(), render_mask(m_narrow)
+    assert int(m_wide.sum()) == 144  # the budget, round(0.5 · 288): 9 of the 16 wide segments
+
+
+def test_masks_for_config_floors_shared_layers_not_a_lone_one() -> None:
+    """min_density=None: ``config.min_layer_density`` for two or more layers under one
+    threshold, none for one layer (which the floor of 0.25 would cap at 75 %)."""
+    cfg = TileSparseConfig(pattern="ew", sparsity=0.9, min_layer_density=0.25)
+    strong, weak = distinct_scores(8, 8, 0) + 100, distinct_scores(8, 8, 1)
+    (alone,) = masks_for_config(cfg, [weak], 0.9)
+    assert int(alone.sum()) == round(0.1 * 64)
+    m_strong, m_weak = masks_for_config(cfg, [strong, weak], 0.5)
+    assert int(m_weak.sum()) == 16 and int(m_strong.sum()) == 48  # the weak layer's floor
+    (capped,) = masks_for_config(cfg, [weak], 0.9, min_density=0.25)  # an explicit floor holds
+    assert int(capped.sum()) == 16

@@ -267,3 +267,41 @@ def test_compress_refuses_an_unknown_backend_before_replacing_anything() -> None
     assert not pruner.compressed and all(type(m) is not TileSparseLinear for m in model)
     pruner.compress(backend="reference")
     assert all(isinstance(m, TileSparseLinear) and m.backend == "reference" for m in model)
+
+
+@pytest.mark.parametrize("pattern", ["ew", "tw"])
+def test_min_layer_density_floors_only_layers_sharing_a_threshold(pattern) -> None:
+    """``min_layer_density`` (0.02) also capped layers pruned alone: at 0.99 with
+    global_threshold=False each layer came out 0.98, and so did an override of 0.99. A layer
+    pruned alone now reaches its sparsity; layers sharing the threshold keep the floor."""
+    def model() -> nn.Module:
+        torch.manual_seed(0)
+        return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+
+    tol = 0.001 if pattern == "ew" else 16 / 4096  # TW: at most one segment short
+    alone = prune_(model(), TileSparseConfig(pattern=pattern, sparsity=0.99, tile=16, global_threshold=False))
+    for s in alone.stats():
+        assert abs(s.sparsity - 0.99) <= tol, s
+    over = prune_(model(), TileSparseConfig(pattern=pattern, sparsity=0.5, tile=16, overrides={"1": 0.99}))
+    by = {s.fqn: s.sparsity for s in over.stats()}
+    assert abs(by["1"] - 0.99) <= tol and abs(by["0"] - 0.5) <= tol, by
+    one = prune_(nn.Sequential(nn.Linear(64, 64)), TileSparseConfig(pattern=pattern, sparsity=0.99, tile=16))
+    assert abs(one.overall_sparsity() - 0.99) <= tol
+    shared = prune_(model(), TileSparseConfig(pattern=pattern, sparsity=0.99, tile=16))
+    assert all(s.kept >= 0.02 * s.params for s in shared.stats())  # the floor, as documented
+    assert shared.overall_sparsity() <= 0.98 + 1e-9
+
+
+@pytest.mark.parametrize("importance", ["taylor", "movement"])
+def test_a_selected_layer_without_gradients_is_a_clear_error(importance) -> None:
+    """Movement raised a bare KeyError('0') when a selected layer got no gradient (frozen)."""
+    model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    pruner = TileSparsePruner(TileSparseConfig(importance=importance, sparsity=0.5, tile=4,
+                                               schedule=OneShotSchedule(step=1)))
+    pruner.prepare(model)
+    for p in model[0].parameters():
+        p.requires_grad_(False)
+    model(torch.randn(4, 8)).sum().backward()
+    pruner.observe()
+    with pytest.raises(RuntimeError, match=r"importance has no gradients for layer\(s\) \['0'\]"):
+        pruner.step()

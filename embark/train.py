@@ -455,7 +455,8 @@ class Trainer:
                 "format_version": CHECKPOINT_FORMAT_VERSION,
                 "step": self.step,
                 "data_position": self.step,
-                "batch_size": self.batch_size,
+                # still a guess after an older checkpoint (maybe a short last batch): not recorded
+                "batch_size": None if self._batch_size_provisional else self.batch_size,
                 "data_stream": self.data_stream,
                 "workload": workload.to_dict() if isinstance(workload, Workload) else None,
                 "train_config": self.cfg.to_dict(),

@@ -143,7 +143,8 @@ def _make_dirs(path: Path) -> list[Path]:
 
 def _commit(staging: Path, out: Path, rels: Sequence[str]) -> None:
     """Move ``staging/<rel>`` to ``out/<rel>`` for each ``rel`` in order; an existing one is moved
-    to ``staging/replaced/<rel>`` first. On failure every move is undone (the replaced files
+    to ``staging/replaced/<rel>`` first (a rename, or a copy when ``out/<rel>`` resolves to
+    another filesystem, e.g. ``out/sparse`` a symlink to another disk). On failure every move is undone (the replaced files
     are put back) and the error re-raised."""
     done: list[tuple[Path, Path | None, bool]] = []  # (dest, its backup, moved in)
     created: list[Path] = []
@@ -154,11 +155,11 @@ def _commit(staging: Path, out: Path, rels: Sequence[str]) -> None:
             if dest.exists() or dest.is_symlink():
                 backup = staging / "replaced" / rel
                 backup.parent.mkdir(parents=True, exist_ok=True)
-                dest.rename(backup)
+                shutil.move(dest, backup)  # rename, or copy + delete across filesystems
             else:
                 created += _make_dirs(dest.parent)
             done.append((dest, backup, False))
-            src.rename(dest)
+            shutil.move(src, dest)
             done[-1] = (dest, backup, True)
     except BaseException:
         for dest, backup, moved in reversed(done):
@@ -168,7 +169,7 @@ def _commit(staging: Path, out: Path, rels: Sequence[str]) -> None:
                 else:
                     dest.unlink()
             if backup is not None:
-                backup.rename(dest)
+                shutil.move(backup, dest)
         for d in reversed(created):
             try:
                 d.rmdir()

@@ -45,6 +45,7 @@ from hps.types import (
 from hps.updates import (
     CorruptRecordError,
     FileLogSource,
+    InvalidUpdateError,
     OffsetFile,
     RedisStreamSource,
     UpdateApplier,
@@ -260,7 +261,7 @@ class HierarchicalParameterServer:
                 n = applier.drain()
                 if n:
                     log.info("online updates: applied %d pending record(s) before serving", n)
-            except (CorruptRecordError, VolatileUnavailableError) as e:
+            except (CorruptRecordError, InvalidUpdateError, VolatileUnavailableError) as e:
                 log.error("applying online updates failed; the poller will retry: %s", e)
             stops.append(applier.start(self.cfg.update_source.poll_interval_s))
         self._stops.extend(stops)

@@ -165,6 +165,7 @@ class RedisClusterBackend(StorageBackend):
                     for table, keys, values in batch:
                         self._write(table, keys, values)
                         done += 1
+                    replayed += done
                 except BaseException:
                     with self._lock:  # not yet written: back to the front of the queue
                         rest = batch[done:]

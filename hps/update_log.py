@@ -58,6 +58,13 @@ LOG_ID_RE = re.compile(r"log:[0-9a-f]{32}|rec0:[0-9]{1,20}:[0-9a-f]{8}")
 UpdateBatch = dict[str, tuple[np.ndarray, np.ndarray]]  # table -> (keys (n,) int64, rows (n, dim) float32)
 
 
+class InvalidUpdateError(ValueError):
+    """An update batch that parses but must not be applied (an unknown table, misshaped or
+    wrongly typed arrays, a NaN or infinite row, a key given twice); the message names the
+    table. Publishers refuse such a batch; an applier that meets one in a log (written by an
+    older or foreign publisher) leaves it unapplied and retries it."""
+
+
 class CorruptRecordError(ValueError):
     """A record's header, length, checksum or payload is wrong (or, for
     :class:`StaleOffsetError`, the stored offset does not fit the log)."""
@@ -122,13 +129,23 @@ class LogReplacedError(StaleOffsetError):
 
 
 def encode_batch(batch: UpdateBatch) -> bytes:
-    """One update batch → one checksummed record (bytes)."""
+    """One update batch → one checksummed record (bytes).
+
+    Raises:
+        InvalidUpdateError: rows that do not match their keys, or hold a NaN or infinite value
+            (naming the table and the first such key).
+    """
     parts = [struct.pack("<I", len(batch))]
     for name, (keys, rows) in batch.items():
         keys = np.ascontiguousarray(keys, dtype="<i8")
         rows = np.ascontiguousarray(rows, dtype="<f4")
         if rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
-            raise ValueError(f"update for {name!r}: rows {rows.shape} do not match {keys.shape[0]} keys")
+            raise InvalidUpdateError(f"update for {name!r}: rows {rows.shape} do not match {keys.shape[0]} keys")
+        bad = np.flatnonzero(~np.isfinite(rows).all(1)) if rows.size else ()
+        if len(bad):  # a diverged trainer's rows: refused here, so they never reach a log
+            raise InvalidUpdateError(
+                f"update for {name!r}: the row of key {int(keys[bad[0]])} holds a non-finite value; "
+                f"{len(bad)} such row(s): nothing published")
         nb = name.encode()
         parts += [struct.pack("<H", len(nb)), nb, struct.pack("<QI", keys.size, rows.shape[1]),
                   keys.tobytes(), rows.tobytes()]

@@ -41,6 +41,7 @@ from hps.update_log import (
     CorruptRecordError,
     FileLogPublisher,
     FileLogSource,
+    InvalidUpdateError,
     LogReplacedError,
     OffsetPastEndError,
     StaleOffsetError,
@@ -55,7 +56,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [  # the record format and the file log live in hps.update_log; re-exported here
     "LOG_ID_RE", "MAGIC", "VERSION", "CorruptRecordError", "FileLogPublisher", "FileLogSource",
-    "LogReplacedError", "OffsetFile", "OffsetPastEndError", "PublishUpdatesCallback",
+    "InvalidUpdateError", "LogReplacedError", "OffsetFile", "OffsetPastEndError", "PublishUpdatesCallback",
     "RedisStreamPublisher", "RedisStreamSource", "StaleOffsetError", "UpdateApplier", "UpdateBatch",
     "UpdatePublisher", "UpdateSource", "decode_batch", "encode_batch", "redis_client",
 ]
@@ -270,7 +271,7 @@ class UpdateApplier:
         array C-contiguous.
 
         Raises:
-            ValueError: naming the table, for an unknown table, keys that are not a ``(n,)``
+            InvalidUpdateError: naming the table, for an unknown table, keys that are not a ``(n,)``
                 int64 array or hold a key twice, rows that are not an ``(n, dim)`` float32
                 array (``dim`` the table's) or hold a NaN or infinite value (a diverged trainer's
                 rows are refused, not served; the poller retries the record, never skips it).
@@ -279,21 +280,21 @@ class UpdateApplier:
         out: UpdateBatch = {}
         for name, (keys, rows) in batch.items():
             if name not in dims:
-                raise ValueError(f"update for unknown table {name!r}; served tables: {sorted(dims)}")
+                raise InvalidUpdateError(f"update for unknown table {name!r}; served tables: {sorted(dims)}")
             what = f"update for {name!r}:"
             keys = check_keys(keys, f"{what} keys")
             if not isinstance(rows, np.ndarray) or rows.shape != (keys.shape[0], dims[name]):
                 got = rows.shape if isinstance(rows, np.ndarray) else type(rows).__name__
-                raise ValueError(f"{what} rows {got}, expected ({keys.shape[0]}, {dims[name]})")
+                raise InvalidUpdateError(f"{what} rows {got}, expected ({keys.shape[0]}, {dims[name]})")
             rows = check_values(rows, keys.shape[0], dims[name], f"{what} rows")
             bad = np.flatnonzero(~np.isfinite(rows).all(1))
             if bad.size:
-                raise ValueError(f"{what} the row of key {int(keys[bad[0]])} holds a non-finite value "
+                raise InvalidUpdateError(f"{what} the row of key {int(keys[bad[0]])} holds a non-finite value "
                                  f"({rows[bad[0]][~np.isfinite(rows[bad[0]])][0]}); {bad.size} such row(s)")
             s = np.sort(keys)  # not np.unique: numpy 2.4's hash path is ~50x slower on large batches
             rep = np.flatnonzero(s[1:] == s[:-1])
             if rep.size:
-                raise ValueError(f"{what} duplicate keys (key {int(s[rep[0]])} occurs more than once)")
+                raise InvalidUpdateError(f"{what} duplicate keys (key {int(s[rep[0]])} occurs more than once)")
             out[name] = (keys, rows)
         return out
 
@@ -341,7 +342,13 @@ class UpdateApplier:
             if not recs and self.offset is not None and log_id is not None and self.log_id is None:
                 self._store(self.offset, log_id)  # an offset without a log id, now checked: adopt the id
             for off, batch in recs:
-                self.apply(batch, off, log_id)
+                try:
+                    self.apply(batch, off, log_id)
+                except InvalidUpdateError as e:
+                    raise InvalidUpdateError(
+                        f"{e} (the record ending at offset {off}: it stays unapplied and is "
+                        f"retried; to skip it, UpdateApplier.reset_offset({off!r}, {log_id!r}) "
+                        "with the server stopped)") from None
             return len(recs)
 
     def drain(self, max_records: int = 64) -> int:
@@ -360,7 +367,7 @@ class UpdateApplier:
             while not stop.wait(interval_s):
                 try:
                     self.drain()
-                except (CorruptRecordError, VolatileUnavailableError) as e:  # no traceback needed
+                except (CorruptRecordError, InvalidUpdateError, VolatileUnavailableError) as e:  # no traceback needed
                     log.error("applying online updates failed; will retry: %s", e)
                 except Exception:  # keep serving; the batch stays unapplied and is retried
                     log.exception("applying online updates failed; will retry")

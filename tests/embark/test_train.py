@@ -91,14 +91,20 @@ def test_a_checkpoint_without_batch_size_resumed_on_a_short_batch(data, tmp_path
     short = SyntheticCTR(data.workload, batch_size=10, seed=5)
     resumed.train_step(next(iter(short.batches(1))))
     assert resumed.batch_size == 10
+    # saved and resumed again while the size is still a guess: it stays one (not recorded)
+    ck3 = resumed.save_checkpoint(tmp_path / "ck3")
+    assert json.loads((ck3 / "state.json").read_text())["batch_size"] is None
+    resumed = Trainer.load_checkpoint(ck3)
+    resumed.train_step(next(iter(short.batches(1))))
     with caplog.at_level("WARNING", logger="embark.train"):
         resumed.train_step(next(iter(data.batches(1, start=2))))
-    assert resumed.batch_size == 64 and resumed.step == 4
+    assert resumed.batch_size == 64 and resumed.step == 5
     assert any("the stream's batch size is now 64" in r.message for r in caplog.records)
+    assert json.loads((resumed.save_checkpoint(tmp_path / "ck4") / "state.json").read_text())["batch_size"] == 64
     big = SyntheticCTR(data.workload, batch_size=65, seed=5)
     with pytest.raises(ValueError, match=r"a batch of 65 samples, but this trainer's data stream has 64"):
         resumed.train_step(next(iter(big.batches(1))))
-    assert resumed.step == 4
+    assert resumed.step == 5
     # a checkpoint that recorded it refuses the larger batch at once
     strict = Trainer.load_checkpoint(t.save_checkpoint(tmp_path / "ck2"))
     strict.train_step(next(iter(short.batches(1))))

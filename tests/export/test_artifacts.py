@@ -7,6 +7,7 @@ import copy
 import dataclasses
 import json
 import re
+import shutil
 from pathlib import Path
 
 import pytest
@@ -188,14 +189,14 @@ def test_failed_overwrite_restores_the_old_artifacts(tmp_path, monkeypatch, stag
 
         monkeypatch.setattr(artifacts, "export_onnx", failing_export)
     else:
-        rename = Path.rename
+        move = shutil.move
 
-        def failing_rename(self, target):
-            if self.name == "ps.json" and self.parent.name.startswith(".staging-"):
+        def failing_move(src, dst):
+            if Path(src).name == "ps.json" and Path(src).parent.name.startswith(".staging-"):
                 raise OSError("move failed")
-            return rename(self, target)
+            return move(src, dst)
 
-        monkeypatch.setattr(Path, "rename", failing_rename)
+        monkeypatch.setattr(artifacts.shutil, "move", failing_move)
     with pytest.raises(OSError, match=f"{stage} failed"):
         write_serving_artifacts(new, out, model_name="new", overwrite=True)
     monkeypatch.undo()
@@ -205,4 +206,35 @@ def test_failed_overwrite_restores_the_old_artifacts(tmp_path, monkeypatch, stag
     assert (out / "notes.txt").read_text() == "kept"
     for t in new.workload.tables:
         _, rows = read_table(out / "sparse" / t.name, dim=t.dim)
+        assert torch.equal(torch.from_numpy(rows.copy()), new.embeddings[t.name].weight.detach())
+
+
+def test_overwrite_through_a_link_to_another_filesystem(tmp_path, monkeypatch) -> None:
+    """``out/sparse`` a symlink to another disk: a rename between the staging folder and it
+    fails with EXDEV, and the move falls back to copying (the export used to fail there)."""
+    import errno
+    import os
+
+    out, elsewhere = tmp_path / "art", tmp_path / "other_disk"
+    elsewhere.mkdir()
+    out.mkdir()
+    (out / "sparse").symlink_to(elsewhere, target_is_directory=True)
+    old = build_model(get_workload("tiny"), seed=0).eval()
+    write_serving_artifacts(old, out)
+    rename = os.rename
+
+    def cross_device(src, dst, *args, **kwargs):
+        a, b = os.path.realpath(src), os.path.realpath(os.path.dirname(os.fspath(dst)))
+        if (a.startswith(str(elsewhere)) or b.startswith(str(elsewhere))) and ".staging-" in a + b:
+            raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+        return rename(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", cross_device)
+    new = build_model(get_workload("tiny"), seed=1).eval()
+    write_serving_artifacts(new, out, model_name="new", overwrite=True)
+    monkeypatch.undo()
+    assert (out / "sparse").is_symlink() and not list(out.glob(".staging-*"))
+    assert json.loads((out / "ps.json").read_text())["models"][0]["model"] == "new"
+    for t in new.workload.tables:
+        _, rows = read_table(elsewhere / t.name, dim=t.dim)
         assert torch.equal(torch.from_numpy(rows.copy()), new.embeddings[t.name].weight.detach())

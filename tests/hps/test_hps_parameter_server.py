@@ -119,3 +119,47 @@ def test_a_volatile_only_server_that_cannot_hold_every_row_refuses_to_start(tmp_
         assert ps.volatile.size("t") == 100 and _served(ps, [0, 99]) == [0.0, 0.0]
     finally:
         ps.close()
+
+
+def test_a_non_finite_update_is_refused_at_publish_and_never_blocks_a_start(tmp_path: Path, caplog) -> None:
+    """A NaN row is refused when published (nothing reaches the log). One in a log written by
+    an older publisher does not stop the server from starting: it is logged, left unapplied
+    (with the records after it) and retried, until the operator skips it by the offset the
+    message names."""
+    import re
+    import struct
+    import zlib
+
+    from hps.updates import InvalidUpdateError, encode_batch
+
+    cfg = _folder(tmp_path, {"type": "none"})
+    pub = FileLogPublisher(tmp_path / "u.log")
+    pub.publish({"t": (np.array([1], np.int64), np.full((1, DIM), 2.0, np.float32))})
+    size = (tmp_path / "u.log").stat().st_size
+    nan = np.full((1, DIM), 1.0, np.float32)
+    nan[0, 1] = np.nan
+    with pytest.raises(InvalidUpdateError, match=r"update for 't': the row of key 3 holds a non-finite"):
+        pub.publish({"t": (np.array([3], np.int64), nan)})
+    assert (tmp_path / "u.log").stat().st_size == size
+    # an older publisher's record: the same layout, NaN row included
+    payload = encode_batch({"t": (np.array([3], np.int64), np.ones((1, DIM), np.float32))})[17:]
+    payload = payload[: -4 * DIM] + nan.tobytes()
+    with open(tmp_path / "u.log", "ab") as f:
+        f.write(struct.pack("<4sBQI", b"HPSU", 1, len(payload), zlib.crc32(payload)) + payload)
+    pub.publish({"t": (np.array([5], np.int64), np.full((1, DIM), 7.0, np.float32))})
+
+    ps = HierarchicalParameterServer.from_config(cfg)
+    try:
+        with caplog.at_level("ERROR", logger="hps.parameter_server"):
+            stops = ps.start_background(refresh_interval_s=0)
+        for ev in stops:
+            ev.set()
+        assert _served(ps, [1, 3, 5]) == [2.0, 0.0, 0.0]  # stalled at the bad record
+        msg = next(r.getMessage() for r in caplog.records if "non-finite" in r.getMessage())
+        off, log_id = re.search(r"reset_offset\('(\d+)', '([^']+)'\)", msg).groups()
+        ap = ps.update_applier()
+        ap.reset_offset(off, log_id)  # the operator skips it
+        assert ap.drain() == 1
+        assert _served(ps, [1, 3, 5]) == [2.0, 0.0, 7.0]
+    finally:
+        ps.close()

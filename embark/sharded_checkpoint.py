@@ -106,6 +106,7 @@ def to_single_process(trainer: ShardedTrainer, dst: int | None = 0) -> Trainer |
     _copy_group_options(out.optimizer, trainer.optimizer)
     out.generator.set_state(trainer.generator.get_state())
     out.step, out.batch_size, out.data_stream = trainer.step, trainer.batch_size, trainer.data_stream
+    out._batch_size_provisional = trainer._batch_size_provisional
     out.history = list(trainer.history)
     return out
 
@@ -185,6 +186,7 @@ def from_single_process(
     _copy_group_options(out.optimizer, single.optimizer)
     out.generator.set_state(single.generator.get_state())
     out.step, out.batch_size, out.data_stream = single.step, single.batch_size, single.data_stream
+    out._batch_size_provisional = single._batch_size_provisional
     out.history = list(single.history)
     return out
 

@@ -86,7 +86,7 @@ from embark.planner.planner import STRATEGIES
 from embark.sharding import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world
 from embark.topology import get_topology
-from embark.train import Callback, OptimizerKind, TrainConfig, build_optimizer
+from embark.train import Callback, OptimizerKind, TrainConfig, admit_batch, build_optimizer
 from embark.types import CommDtype, PlanError, ShardingPlan
 from embark.workloads import PRESETS as WORKLOADS
 from embark.workloads import Workload, get_workload
@@ -307,6 +307,7 @@ class ShardedTrainer:
         self.callbacks: list[Callback] = list(callbacks)
         self.step = 0
         self.batch_size: int | None = None
+        self._batch_size_provisional = False  # as the Trainer's: see embark.train.admit_batch
         self.data_stream: dict[str, Any] | None = None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.history: list[dict[str, float]] = []
@@ -326,11 +327,7 @@ class ShardedTrainer:
         total = sum(sizes)
         if total == 0:
             raise ValueError("train_step: the global batch is empty on every rank")
-        if self.batch_size is not None and total > self.batch_size:  # equal on every rank
-            raise ValueError(
-                f"train_step: a global batch of {total} samples, but this trainer's data stream "
-                f"has {self.batch_size} per step (recorded at its first step or in its checkpoint)"
-            )
+        admit_batch(self, total, "a global batch")  # equal on every rank
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / total
         loss.backward()
         for p in self.model.embeddings.parameters():
@@ -481,7 +478,8 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
 
     if single is not None:
         trainer = from_single_process(single, plan, rank)
-        trainer.batch_size = trainer.batch_size or batch_size  # an older checkpoint: the given one
+        if trainer.batch_size is None:  # an older checkpoint: the given one
+            trainer.batch_size, trainer._batch_size_provisional = batch_size, False
     else:
         seed = DEFAULTS["seed"] if args.seed is None else args.seed
         cfg = TrainConfig(

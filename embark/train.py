@@ -185,6 +185,32 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
+def admit_batch(trainer: Any, n: int, what: str) -> None:
+    """The data-stream check of :class:`Trainer` and the sharded trainer, before a step on a
+    batch of ``n`` samples: a batch larger than ``trainer.batch_size`` is refused, except the
+    second batch after resuming a checkpoint that did not record the size
+    (``trainer._batch_size_provisional``: the first one, whose size was recorded, may have been
+    a file's short last batch), which raises it with a warning. The second batch settles the
+    size either way.
+
+    Raises:
+        ValueError: naming both sizes, before anything changes.
+    """
+    if trainer._batch_size_provisional and trainer.batch_size is not None:
+        if n > trainer.batch_size:
+            log.warning("train_step: %s of %d samples after %d (the first batch after resuming a "
+                        "checkpoint that did not record the stream's batch size, e.g. a file's short "
+                        "last batch); the stream's batch size is now %d", what, n, trainer.batch_size, n)
+            trainer.batch_size = n
+        trainer._batch_size_provisional = False
+    if trainer.batch_size is not None and n > trainer.batch_size:
+        raise ValueError(
+            f"train_step: {what} of {n} samples, but this trainer's data stream has "
+            f"{trainer.batch_size} per step (recorded at its first step or in its checkpoint); a "
+            "resumed run must be fed the stream it was trained on"
+        )
+
+
 def build_optimizer(
     cfg: TrainConfig, embedding_params: Sequence[nn.Parameter], dense_params: Sequence[nn.Parameter]
 ) -> torch.optim.Optimizer:
@@ -225,8 +251,8 @@ class Trainer:
             checkpoints; ``None`` before the first step, and after loading a checkpoint
             written before it was recorded (until the next step). A training batch larger
             than it is an error (the stream changed under a resumed run), except after such
-            a checkpoint: the size recorded then may be a file's short last batch, so the
-            first larger batch raises it (with a warning) instead.
+            a checkpoint: the size recorded then may be a file's short last batch, so a larger
+            second batch raises it (with a warning) instead (:func:`admit_batch`).
         data_stream: a JSON-able mapping of what fixes the data stream besides
             ``batch_size`` (set by the caller, e.g. ``data.stream_config()``), kept through
             checkpoints; ``None`` when unknown.
@@ -287,19 +313,7 @@ class Trainer:
             ValueError: for a batch larger than :attr:`batch_size` (later batches of a stream
                 may be shorter, never longer), before anything changes.
         """
-        if self._batch_size_provisional and self.batch_size is not None and batch.batch_size > self.batch_size:
-            log.warning("train_step: a batch of %d samples after %d (the first batch after resuming a "
-                        "checkpoint that did not record the stream's batch size, e.g. a file's short "
-                        "last batch); the stream's batch size is now %d",
-                        batch.batch_size, self.batch_size, batch.batch_size)
-            self.batch_size = batch.batch_size
-            self._batch_size_provisional = False  # a stream's batches are never larger than this
-        if self.batch_size is not None and batch.batch_size > self.batch_size:
-            raise ValueError(
-                f"train_step: a batch of {batch.batch_size} samples, but this trainer's data "
-                f"stream has {self.batch_size} per step (recorded at its first step or in its "
-                "checkpoint); a resumed run must be fed the stream it was trained on"
-            )
+        admit_batch(self, batch.batch_size, "a batch")
         self.model.train()
         batch = batch.to(self.device)
         self.optimizer.zero_grad(set_to_none=True)

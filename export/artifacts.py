@@ -17,9 +17,12 @@ as it was (no partial tables, a folder this call created is removed again).
 
 from __future__ import annotations
 
+import errno
 import json
+import os
 import shutil
 import tempfile
+import uuid
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -141,11 +144,42 @@ def _make_dirs(path: Path) -> list[Path]:
     return missing[::-1]
 
 
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
+def _move_in(src: Path, dest: Path) -> None:
+    """Put ``src`` at ``dest`` (which does not exist): a rename, or, when ``dest``'s folder is
+    on another filesystem (``out/sparse`` a symlink to another disk), a copy into a hidden
+    sibling of ``dest`` renamed into place, so ``dest`` never holds a partial copy."""
+    try:
+        os.rename(src, dest)
+        return
+    except OSError as e:
+        if e.errno != errno.EXDEV:
+            raise
+    tmp = dest.with_name(f".{dest.name}.incoming-{uuid.uuid4().hex[:8]}")
+    try:
+        if src.is_dir():
+            shutil.copytree(src, tmp, symlinks=True, copy_function=shutil.copy2)
+        else:
+            shutil.copy2(src, tmp)
+        os.rename(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True) if tmp.is_dir() else tmp.unlink(missing_ok=True)
+        raise
+
+
 def _commit(staging: Path, out: Path, rels: Sequence[str]) -> None:
-    """Move ``staging/<rel>`` to ``out/<rel>`` for each ``rel`` in order; an existing one is moved
-    to ``staging/replaced/<rel>`` first (a rename, or a copy when ``out/<rel>`` resolves to
-    another filesystem, e.g. ``out/sparse`` a symlink to another disk). On failure every move is undone (the replaced files
-    are put back) and the error re-raised."""
+    """Move ``staging/<rel>`` to ``out/<rel>`` for each ``rel`` in order. An existing one is first
+    renamed to a hidden sibling (same folder, so never a copy; deleted once all are in place).
+    A per-table symlink ``out/sparse/<t>`` is replaced by the new folder, not written through;
+    a symlinked ``out/sparse`` is written through. On failure every step is undone (the
+    replaced files are put back) and the error re-raised."""
+    token = uuid.uuid4().hex[:8]
     done: list[tuple[Path, Path | None, bool]] = []  # (dest, its backup, moved in)
     created: list[Path] = []
     try:
@@ -153,26 +187,28 @@ def _commit(staging: Path, out: Path, rels: Sequence[str]) -> None:
             src, dest = staging / rel, out / rel
             backup = None
             if dest.exists() or dest.is_symlink():
-                backup = staging / "replaced" / rel
-                backup.parent.mkdir(parents=True, exist_ok=True)
-                shutil.move(dest, backup)  # rename, or copy + delete across filesystems
+                backup = dest.with_name(f".{dest.name}.replaced-{token}")
+                done.append((dest, None, False))  # recorded first: restored if the rename half-fails
+                os.rename(dest, backup)
+                done[-1] = (dest, backup, False)
             else:
                 created += _make_dirs(dest.parent)
-            done.append((dest, backup, False))
-            shutil.move(src, dest)
+                done.append((dest, None, False))
+            _move_in(src, dest)
             done[-1] = (dest, backup, True)
     except BaseException:
         for dest, backup, moved in reversed(done):
             if moved:
-                if dest.is_dir() and not dest.is_symlink():
-                    shutil.rmtree(dest)
-                else:
-                    dest.unlink()
+                _remove(dest)
             if backup is not None:
-                shutil.move(backup, dest)
+                _remove(dest)
+                os.rename(backup, dest)
         for d in reversed(created):
             try:
                 d.rmdir()
             except OSError:
                 pass
         raise
+    for _, backup, _ in done:
+        if backup is not None:
+            _remove(backup)

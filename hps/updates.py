@@ -346,9 +346,13 @@ class UpdateApplier:
                     self.apply(batch, off, log_id)
                 except InvalidUpdateError as e:
                     raise InvalidUpdateError(
-                        f"{e} (the record ending at offset {off}: it stays unapplied and is "
-                        f"retried; to skip it, UpdateApplier.reset_offset({off!r}, {log_id!r}) "
-                        "with the server stopped)") from None
+                        f"{e} (the record ending at offset {off}: it stays unapplied, with the "
+                        "records after it, and is retried. To skip it where the offset is kept "
+                        "across restarts (a writable persistent db, or a Redis volatile db that is "
+                        f"not reloaded): UpdateApplier.reset_offset({off!r}, {log_id!r}) with the "
+                        "server stopped. A server that rebuilds its volatile db at start replays "
+                        "the source from its beginning: there the record must be removed from "
+                        "the source, or the source replaced)") from None
             return len(recs)
 
     def drain(self, max_records: int = 64) -> int:

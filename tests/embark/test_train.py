@@ -105,6 +105,13 @@ def test_a_checkpoint_without_batch_size_resumed_on_a_short_batch(data, tmp_path
     with pytest.raises(ValueError, match=r"a batch of 65 samples, but this trainer's data stream has 64"):
         resumed.train_step(next(iter(big.batches(1))))
     assert resumed.step == 5
+    # resumed on full batches: the second one settles the size, which the next save records
+    steady = Trainer.load_checkpoint(ck)
+    for b in data.batches(2, start=2):
+        steady.train_step(b)
+    assert json.loads((steady.save_checkpoint(tmp_path / "ck5") / "state.json").read_text())["batch_size"] == 64
+    with pytest.raises(ValueError, match=r"a batch of 65 samples, but this trainer's data stream has 64"):
+        steady.train_step(next(iter(big.batches(1))))
     # a checkpoint that recorded it refuses the larger batch at once
     strict = Trainer.load_checkpoint(t.save_checkpoint(tmp_path / "ck2"))
     strict.train_step(next(iter(short.batches(1))))

@@ -189,14 +189,14 @@ def test_failed_overwrite_restores_the_old_artifacts(tmp_path, monkeypatch, stag
 
         monkeypatch.setattr(artifacts, "export_onnx", failing_export)
     else:
-        move = shutil.move
+        move_in = artifacts._move_in
 
         def failing_move(src, dst):
             if Path(src).name == "ps.json" and Path(src).parent.name.startswith(".staging-"):
                 raise OSError("move failed")
-            return move(src, dst)
+            return move_in(src, dst)
 
-        monkeypatch.setattr(artifacts.shutil, "move", failing_move)
+        monkeypatch.setattr(artifacts, "_move_in", failing_move)
     with pytest.raises(OSError, match=f"{stage} failed"):
         write_serving_artifacts(new, out, model_name="new", overwrite=True)
     monkeypatch.undo()
@@ -238,3 +238,44 @@ def test_overwrite_through_a_link_to_another_filesystem(tmp_path, monkeypatch) -
     for t in new.workload.tables:
         _, rows = read_table(elsewhere / t.name, dim=t.dim)
         assert torch.equal(torch.from_numpy(rows.copy()), new.embeddings[t.name].weight.detach())
+
+
+def test_a_copy_across_filesystems_failing_half_way_restores_the_old_table(tmp_path, monkeypatch) -> None:
+    """``out/sparse`` on another disk and the copy of a table failing after its first file (disk
+    full): the destination never holds a partial copy, the old tables are restored whole and
+    nothing hidden is left beside them."""
+    import errno
+    import os
+
+    out, elsewhere = tmp_path / "art", tmp_path / "other_disk"
+    elsewhere.mkdir()
+    out.mkdir()
+    (out / "sparse").symlink_to(elsewhere, target_is_directory=True)
+    old = build_model(get_workload("tiny"), seed=0).eval()
+    write_serving_artifacts(old, out)
+    before = _snapshot(out)
+    rename, copy2 = os.rename, shutil.copy2
+    copied = []
+
+    def cross_device(src, dst, *args, **kwargs):
+        if ".staging-" in os.fspath(src) and os.path.realpath(os.path.dirname(os.fspath(dst))).startswith(str(elsewhere)):
+            raise OSError(errno.EXDEV, "Invalid cross-device link", src)
+        return rename(src, dst, *args, **kwargs)
+
+    def disk_full(src, dst, *args, **kwargs):
+        copied.append(dst)
+        if len(copied) == 2:
+            raise OSError(errno.ENOSPC, "No space left on device", dst)
+        return copy2(src, dst, *args, **kwargs)
+
+    monkeypatch.setattr(os, "rename", cross_device)
+    monkeypatch.setattr(shutil, "copy2", disk_full)
+    new = build_model(get_workload("tiny"), seed=1).eval()
+    with pytest.raises(OSError, match="No space left"):
+        write_serving_artifacts(new, out, model_name="new", overwrite=True)
+    monkeypatch.undo()
+    assert _snapshot(out) == before
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted(t.name for t in old.workload.tables)
+    for t in old.workload.tables:
+        _, rows = read_table(elsewhere / t.name, dim=t.dim)
+        assert torch.equal(torch.from_numpy(rows.copy()), old.embeddings[t.name].weight.detach())

@@ -209,18 +209,25 @@ def test_failed_overwrite_restores_the_old_artifacts(tmp_path, monkeypatch, stag
         assert torch.equal(torch.from_numpy(rows.copy()), new.embeddings[t.name].weight.detach())
 
 
-def test_overwrite_through_a_link_to_another_filesystem(tmp_path, monkeypatch) -> None:
-    """``out/sparse`` a symlink to another disk: a rename between the staging folder and it
-    fails with EXDEV, and the move falls back to copying (the export used to fail there)."""
-    import errno
-    import os
-
+def _exported_with_sparse_elsewhere(tmp_path: Path) -> tuple[Path, Path, object]:
+    """``tmp_path/art`` exported from a tiny model, its ``sparse`` folder a symlink to
+    ``tmp_path/other_disk``: ``(out, other_disk, model)``."""
     out, elsewhere = tmp_path / "art", tmp_path / "other_disk"
     elsewhere.mkdir()
     out.mkdir()
     (out / "sparse").symlink_to(elsewhere, target_is_directory=True)
     old = build_model(get_workload("tiny"), seed=0).eval()
     write_serving_artifacts(old, out)
+    return out, elsewhere, old
+
+
+def test_overwrite_through_a_link_to_another_filesystem(tmp_path, monkeypatch) -> None:
+    """``out/sparse`` a symlink to another disk: a rename between the staging folder and it
+    fails with EXDEV, and the move falls back to copying (the export used to fail there)."""
+    import errno
+    import os
+
+    out, elsewhere, old = _exported_with_sparse_elsewhere(tmp_path)
     rename = os.rename
 
     def cross_device(src, dst, *args, **kwargs):
@@ -247,12 +254,7 @@ def test_a_copy_across_filesystems_failing_half_way_restores_the_old_table(tmp_p
     import errno
     import os
 
-    out, elsewhere = tmp_path / "art", tmp_path / "other_disk"
-    elsewhere.mkdir()
-    out.mkdir()
-    (out / "sparse").symlink_to(elsewhere, target_is_directory=True)
-    old = build_model(get_workload("tiny"), seed=0).eval()
-    write_serving_artifacts(old, out)
+    out, elsewhere, old = _exported_with_sparse_elsewhere(tmp_path)
     before = _snapshot(out)
     rename, copy2 = os.rename, shutil.copy2
     copied = []

@@ -36,7 +36,6 @@ log = logging.getLogger(__name__)
 _DEFAULT_MAX_PENDING_ROWS = 1_000_000  # rows of writes kept for replay while the cluster is down
 
 
-
 def partition_name(table: str, p: int) -> str:
     """Redis key of partition ``p`` of ``table``."""
     return f"hps_et.{table}.p{p}"
@@ -91,7 +90,7 @@ class RedisClusterBackend(StorageBackend):
         except Exception as e:  # noqa: BLE001 - redis raises many types; all mean "unreachable"
             if not start_down:
                 raise ValueError(
-                    f"redis cluster at {', '.join(f'{h}:{p}' for h, p in self.addresses)} cannot "
+                    f"redis cluster at {self._address_list} cannot "
                     f"be reached ({type(e).__name__}: {e})") from e
             self._client = None
             self._fail("connect", e)
@@ -114,11 +113,15 @@ class RedisClusterBackend(StorageBackend):
             except Exception:  # noqa: BLE001 - the old connections may already be gone
                 pass
 
+    @property
+    def _address_list(self) -> str:
+        return ", ".join(f"{h}:{p}" for h, p in self.addresses)
+
     def _connected(self) -> object:
         """The client, or :class:`VolatileUnavailableError` when no node answered yet."""
         if self._client is None:
             raise VolatileUnavailableError(
-                f"redis cluster at {', '.join(f'{h}:{p}' for h, p in self.addresses)} has not "
+                f"redis cluster at {self._address_list} has not "
                 "answered since the start")
         return self._client
 

@@ -38,16 +38,24 @@ def test_cluster_has_three_masters_and_partitions_spread(redis_cluster) -> None:
     b.close()
 
 
-def test_node_killed_mid_run_falls_back_to_rocksdb(redis_cluster, tmp_path: Path, caplog) -> None:
-    name = f"t_{uuid.uuid4().hex[:8]}"
-    keys, rows = make_table(2000, 4, seed=7)
+def _tiers(redis_cluster, tmp_path: Path, name: str, keys: np.ndarray, rows: np.ndarray,
+           **kw: int) -> tuple[RedisClusterBackend, RocksDBBackend]:
+    """Table ``name`` (``rows``, dim 4) in the cluster (8 partitions, 0.2 s retry, 0.5 s
+    timeout) and in a RocksDB under ``tmp_path``."""
     vdb = RedisClusterBackend(redis_cluster.addresses, num_partitions=8, retry_interval_s=0.2,
-                              socket_timeout_s=0.5)
+                              socket_timeout_s=0.5, **kw)
     vdb.create_table(name, 4)
     vdb.insert(name, keys, rows)
     pdb = RocksDBBackend(tmp_path / "pdb")
     pdb.create_table(name, 4)
     pdb.bulk_load(name, keys, rows)
+    return vdb, pdb
+
+
+def test_node_killed_mid_run_falls_back_to_rocksdb(redis_cluster, tmp_path: Path, caplog) -> None:
+    name = f"t_{uuid.uuid4().hex[:8]}"
+    keys, rows = make_table(2000, 4, seed=7)
+    vdb, pdb = _tiers(redis_cluster, tmp_path, name, keys, rows)
     s = LookupSession([SessionTable(name, 4, -1.0, 100_000, None)], vdb, pdb)
     g = torch.Generator().manual_seed(1)
 
@@ -96,13 +104,7 @@ def test_an_update_that_no_longer_fits_the_outage_queue_is_retried_not_lost(redi
 
     name = f"t_{uuid.uuid4().hex[:8]}"
     keys, old = np.arange(200, dtype=np.int64), np.zeros((200, 4), np.float32)
-    vdb = RedisClusterBackend(redis_cluster.addresses, num_partitions=8, retry_interval_s=0.2,
-                              socket_timeout_s=0.5, max_pending_rows=50)
-    vdb.create_table(name, 4)
-    vdb.insert(name, keys, old)
-    pdb = RocksDBBackend(tmp_path / "pdb")
-    pdb.create_table(name, 4)
-    pdb.bulk_load(name, keys, old)
+    vdb, pdb = _tiers(redis_cluster, tmp_path, name, keys, old, max_pending_rows=50)
     s = LookupSession([SessionTable(name, 4, -1.0, 10_000, None)], vdb, pdb)
     pub = FileLogPublisher(tmp_path / "u.log")
     app = UpdateApplier(FileLogSource(tmp_path / "u.log"), [s], vdb, pdb)

@@ -54,7 +54,10 @@ def git_changed(cwd: str | Path | None = None) -> list[str] | None:
     try:
         out = subprocess.run(
             ["git", "status", "--porcelain", "--untracked-files=no"],
-            cwd=cwd or REPO_ROOT, capture_output=True, text=True, check=True,
+            cwd=cwd or REPO_ROOT,
+            capture_output=True,
+            text=True,
+            check=True,
         )
     except (OSError, subprocess.CalledProcessError):
         return None

@@ -121,7 +121,8 @@ def cuda_toolkit_root(nvcc: str) -> Path:
     """
     proc = subprocess.run(
         [nvcc, "--dryrun", "-x", "cu", "-c", os.devnull, "-o", os.devnull],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     m = re.search(r"^#\$ TOP=(.+?)\s*$", proc.stdout + proc.stderr, re.MULTILINE)
     if not m:
@@ -159,7 +160,9 @@ def compile_object(
     nvcc = _require_nvcc(nvcc)
     version = nvcc_version(nvcc)
     if not manifest(kernel.arch, version):
-        raise RuntimeError(f"nvcc {version} cannot compile {kernel.arch.value} (needs a newer CUDA)")
+        raise RuntimeError(
+            f"nvcc {version} cannot compile {kernel.arch.value} (needs a newer CUDA)"
+        )
     src = emit.emit_instance(kernel)
     flags = [*emit.NVCC_FLAGS, *emit.nvcc_arch_flags(kernel.arch)]
     key = _key(src.text, " ".join(flags), f"nvcc {version}", emit._template_text())
@@ -205,7 +208,9 @@ def _toolkit_include(toolkit: Path) -> Path:
     for d in (toolkit / "include", *sorted((toolkit / "targets").glob("*-linux/include"))):
         if (d / "cuda_runtime_api.h").is_file():
             return d
-    raise RuntimeError(f"no cuda_runtime_api.h under the CUDA toolkit {toolkit} (include/, targets/*/include/)")
+    raise RuntimeError(
+        f"no cuda_runtime_api.h under the CUDA toolkit {toolkit} (include/, targets/*/include/)"
+    )
 
 
 def cudart_library(toolkit: Path) -> Path:
@@ -270,10 +275,19 @@ def compile_objects(
                         f.cancel()
                     raise
                 failed[k.name] = str(e)
-                log.error("[%d/%d] %s FAILED to compile: %s", done, len(kernels), k.name, str(e)[-800:])
+                log.error(
+                    "[%d/%d] %s FAILED to compile: %s", done, len(kernels), k.name, str(e)[-800:]
+                )
                 continue
             how = "cached" if res.cached else f"{res.seconds:.0f} s"
-            log.info("[%d/%d] %s (%s; %.0f s elapsed)", done, len(kernels), k.name, how, time.perf_counter() - t0)
+            log.info(
+                "[%d/%d] %s (%s; %.0f s elapsed)",
+                done,
+                len(kernels),
+                k.name,
+                how,
+                time.perf_counter() - t0,
+            )
     return objects, failed
 
 
@@ -329,7 +343,9 @@ def load_extension(
     objects, failed = compile_objects(kernels, nvcc=nvcc, jobs=jobs, skip_failed=skip_failed)
     built = [k for k in kernels if k.name in objects]
     if not built:
-        raise RuntimeError(f"no {arch.value} TW instance compiled; first error:\n{next(iter(failed.values()))}")
+        raise RuntimeError(
+            f"no {arch.value} TW instance compiled; first error:\n{next(iter(failed.values()))}"
+        )
     toolkit = cuda_toolkit_root(nvcc)
     include = _toolkit_include(toolkit)
     cudart = cudart_library(toolkit)
@@ -337,9 +353,14 @@ def load_extension(
     registry = emit.emit_registry(built)
     binding = emit.csrc_dir() / "tw_binding.cpp"
     key = _key(
-        *(objects[k.name].key for k in built), registry.text, binding.read_text(),
-        (emit.csrc_dir() / "tw_args.h").read_text(), str(include), str(cudart),
-        f"torch {torch.__version__} cuda {torch.version.cuda}", sys.version,
+        *(objects[k.name].key for k in built),
+        registry.text,
+        binding.read_text(),
+        (emit.csrc_dir() / "tw_args.h").read_text(),
+        str(include),
+        str(cudart),
+        f"torch {torch.__version__} cuda {torch.version.cuda}",
+        sys.version,
     )
     name = f"tilerec_tw_{key[:16]}"
     root = cache_dir() / "ext" / key[:24]
@@ -352,23 +373,35 @@ def load_extension(
         sources=[str(binding)],
         extra_cflags=["-O2"],
         extra_include_paths=[str(emit.csrc_dir()), str(root / "src"), str(include)],
-        extra_ldflags=[*(str(objects[k.name].path) for k in built), f"-L{libdir}", f"-l:{cudart.name}",
-                       f"-Wl,-rpath,{libdir}"],
+        extra_ldflags=[
+            *(str(objects[k.name].path) for k in built),
+            f"-L{libdir}",
+            f"-l:{cudart.name}",
+            f"-Wl,-rpath,{libdir}",
+        ],
         build_directory=str(build_dir),
         verbose=verbose,
         with_cuda=False,
     )
     module.failed = dict(failed)
     if failed:
-        log.warning("TW extension built without %d instance(s) that failed to compile: %s",
-                    len(failed), ", ".join(sorted(failed)))
-    log.info("TW extension %s (%d instances, %s, %d failed) ready in %.1f s", name, len(built),
-             arch.value, len(failed), time.perf_counter() - t0)
+        log.warning(
+            "TW extension built without %d instance(s) that failed to compile: %s",
+            len(failed),
+            ", ".join(sorted(failed)),
+        )
+    log.info(
+        "TW extension %s (%d instances, %s, %d failed) ready in %.1f s",
+        name,
+        len(built),
+        arch.value,
+        len(failed),
+        time.perf_counter() - t0,
+    )
     _LOADED[memo] = module
     if names is None:
         _DEFAULT[arch.value] = module
     return module
-
 
 
 def default_extension(arch: Arch | str | None = None) -> ModuleType:
@@ -388,7 +421,9 @@ def default_extension(arch: Arch | str | None = None) -> ModuleType:
 _PackRecord = tuple[
     tuple[int, ...],  # versions of the six tensors, K, N
     tuple[weakref.ref, ...],  # the six tensors
-    dict[tuple[torch.dtype, str, int | None], reference.TWPackedWeight],  # by (dtype, device, max width)
+    dict[
+        tuple[torch.dtype, str, int | None], reference.TWPackedWeight
+    ],  # by (dtype, device, max width)
 ]
 _PACKED: dict[int, _PackRecord] = {}
 
@@ -415,7 +450,8 @@ def _packed(
     rec = _PACKED.get(key)
     if rec is None or rec[0] != stamp or any(r() is not t for r, t in zip(rec[1], tensors)):
         refs = tuple(
-            weakref.ref(t, (lambda _r, k=key: _PACKED.pop(k, None)) if t is values else None) for t in tensors
+            weakref.ref(t, (lambda _r, k=key: _PACKED.pop(k, None)) if t is values else None)
+            for t in tensors
         )
         rec = (stamp, refs, {})
         _PACKED[key] = rec
@@ -426,17 +462,29 @@ def _packed(
     return packs[pkey]
 
 
-def _pack(layout: TWLayout, dtype: torch.dtype, device: str, max_tile_width: int | None) -> reference.TWPackedWeight:
+def _pack(
+    layout: TWLayout, dtype: torch.dtype, device: str, max_tile_width: int | None
+) -> reference.TWPackedWeight:
     pw = reference.pack_weight(layout, dtype=dtype, device=device, max_tile_width=max_tile_width)
     if max_tile_width is not None and pw.num_tiles > layout.num_tiles:
-        log.info("TW layer %dx%d: tiles wider than %d columns (the widest kernel instance) packed as "
-                 "%d sub-tiles of at most %d columns (%d tiles)", layout.in_features, layout.out_features,
-                 max_tile_width, pw.num_tiles, max_tile_width, layout.num_tiles)
+        log.info(
+            "TW layer %dx%d: tiles wider than %d columns (the widest kernel instance) packed as "
+            "%d sub-tiles of at most %d columns (%d tiles)",
+            layout.in_features,
+            layout.out_features,
+            max_tile_width,
+            pw.num_tiles,
+            max_tile_width,
+            layout.num_tiles,
+        )
     return pw
 
 
 def packed_weight(
-    layout: TWLayout, dtype: torch.dtype, device: torch.device | str, max_tile_width: int | None = None
+    layout: TWLayout,
+    dtype: torch.dtype,
+    device: torch.device | str,
+    max_tile_width: int | None = None,
 ) -> reference.TWPackedWeight:
     """The layout's packed weight for ``dtype``/``device`` (tiles wider than ``max_tile_width``
     packed as sub-tiles, see :func:`reference.pack_weight`): packed once per set of layout
@@ -445,8 +493,23 @@ def packed_weight(
     Raises:
         ValueError: an invalid layout (from :func:`reference.pack_weight`).
     """
-    tensors = (layout.col_idx, layout.tile_ptr, layout.row_idx, layout.row_ptr, layout.values, layout.val_ptr)
-    return _packed(tensors, layout.in_features, layout.out_features, dtype, device, lambda: layout, max_tile_width)
+    tensors = (
+        layout.col_idx,
+        layout.tile_ptr,
+        layout.row_idx,
+        layout.row_ptr,
+        layout.values,
+        layout.val_ptr,
+    )
+    return _packed(
+        tensors,
+        layout.in_features,
+        layout.out_features,
+        dtype,
+        device,
+        lambda: layout,
+        max_tile_width,
+    )
 
 
 MAINLOOP_ENV = "TILEREC_CUTLASS_MAINLOOP"
@@ -469,14 +532,24 @@ def select_for(launch: reference.TWLaunch, ext: ModuleType | None = None) -> TWK
     arch = device_arch(launch.xt.device)
     kernels = _built(arch, ext)
     sms = torch.cuda.get_device_properties(launch.xt.device).multi_processor_count
-    return select(kernels, _DTYPES[pw.dtype], arch, pw.max_tile_width, launch.batch,
-                  pw.num_tiles, sms, mainloop)
+    return select(
+        kernels,
+        _DTYPES[pw.dtype],
+        arch,
+        pw.max_tile_width,
+        launch.batch,
+        pw.num_tiles,
+        sms,
+        mainloop,
+    )
 
 
 def _mainloop_env() -> str | None:
     mainloop = os.environ.get(MAINLOOP_ENV) or None
     if mainloop is not None and mainloop not in {m.value for m in Mainloop}:
-        raise ValueError(f"${MAINLOOP_ENV}={mainloop!r}: expected one of {[m.value for m in Mainloop]}")
+        raise ValueError(
+            f"${MAINLOOP_ENV}={mainloop!r}: expected one of {[m.value for m in Mainloop]}"
+        )
     return mainloop
 
 
@@ -490,7 +563,9 @@ def _built(arch: Arch, ext: ModuleType | None) -> tuple[TWKernel, ...]:
 
 
 def tile_limit(
-    dtype: torch.dtype, device: torch.device | str | int | None = None, ext: ModuleType | None = None
+    dtype: torch.dtype,
+    device: torch.device | str | int | None = None,
+    ext: ModuleType | None = None,
 ) -> int | None:
     """The widest tile (``G``) among the instances :func:`select_for` would choose from for
     ``dtype`` on ``device`` (built into ``ext``, default :func:`default_extension`; main loop as
@@ -530,16 +605,34 @@ def tw_gemm_kmajor(
     if kernel is None:
         kernel = select_for(launch, ext)
     elif kernel.tile_g < pw.max_tile_width:
-        raise ValueError(f"{kernel.name} covers tiles of {kernel.tile_g} columns, the layer has {pw.max_tile_width}")
+        raise ValueError(
+            f"{kernel.name} covers tiles of {kernel.tile_g} columns, the layer has {pw.max_tile_width}"
+        )
     if pw.num_tiles and launch.batch:
         stream = torch.cuda.current_stream(launch.xt.device).cuda_stream
-        ext.tw_gemm(kernel.name, pw.tile_meta, pw.col_idx, pw.row_idx, pw.w, pw.lda, launch.xt,
-                    launch.yt, launch.batch, launch.alpha, launch.beta, stream)
+        ext.tw_gemm(
+            kernel.name,
+            pw.tile_meta,
+            pw.col_idx,
+            pw.row_idx,
+            pw.w,
+            pw.lda,
+            launch.xt,
+            launch.yt,
+            launch.batch,
+            launch.alpha,
+            launch.beta,
+            stream,
+        )
     return launch.yt
 
 
 def tw_linear_cuda(
-    x: torch.Tensor, layout: TWLayout, bias: torch.Tensor | None = None, *, kernel: TWKernel | None = None
+    x: torch.Tensor,
+    layout: TWLayout,
+    bias: torch.Tensor | None = None,
+    *,
+    kernel: TWKernel | None = None,
 ) -> torch.Tensor:
     """``Y = X · W + b`` on the GPU: ``x (..., K)`` fp16/bf16 CUDA → ``(..., N)``.
 
@@ -556,7 +649,10 @@ def tw_linear_cuda(
 
 
 def _run_packed(
-    x2: torch.Tensor, pw: reference.TWPackedWeight, bias: torch.Tensor | None, kernel: TWKernel | None = None
+    x2: torch.Tensor,
+    pw: reference.TWPackedWeight,
+    bias: torch.Tensor | None,
+    kernel: TWKernel | None = None,
 ) -> torch.Tensor:
     """``(M, K) → (M, N)`` through the kernel on an already packed weight."""
     launch = reference.pack_launch(x2, pw, bias)
@@ -590,7 +686,9 @@ def _op_impl(
         ValueError: as ``check_op_inputs``; backend ``cpu`` (for a CPU tensor that reached
             this implementation directly); ``cutlass`` for a dtype other than fp16/bf16.
     """
-    be = check_op_inputs(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features, backend)
+    be = check_op_inputs(
+        x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features, backend
+    )
     tensors = (col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr)
 
     def layout() -> TWLayout:
@@ -616,8 +714,11 @@ def _op_impl(
     if limit is None and be is Backend.AUTO:  # no instance of this dtype was built
         if x.dtype not in _NO_KERNEL_WARNED:
             _NO_KERNEL_WARNED.add(x.dtype)
-            log.warning("no %s TW kernel instance is built for this device: backend 'auto' runs "
-                        "the reference", x.dtype)
+            log.warning(
+                "no %s TW kernel instance is built for this device: backend 'auto' runs "
+                "the reference",
+                x.dtype,
+            )
         return reference_matmul(x, layout(), bias)
     pw = _packed(tensors, x.shape[1], out_features, x.dtype, x.device, layout, limit)
     return _run_packed(x, pw, bias)

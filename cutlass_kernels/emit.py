@@ -215,9 +215,13 @@ def emit_registry(kernels: tuple[TWKernel, ...] | list[TWKernel]) -> EmittedFile
         raise ValueError("emit_registry needs at least one kernel instance")
     names = [k.name for k in kernels]
     if len(set(names)) != len(names):
-        raise ValueError(f"duplicate kernel instances: {sorted(n for n in names if names.count(n) > 1)}")
+        raise ValueError(
+            f"duplicate kernel instances: {sorted(n for n in names if names.count(n) > 1)}"
+        )
     spec = json.dumps([k.to_dict() for k in kernels], sort_keys=True)
-    digest = _hash(GENERATOR_VERSION, cutlass_version(), spec, (csrc_dir() / "tw_args.h").read_text())
+    digest = _hash(
+        GENERATOR_VERSION, cutlass_version(), spec, (csrc_dir() / "tw_args.h").read_text()
+    )
     decls = "\n".join(f"int {k.name}(const tilerec::TwGemmArgs *, cudaStream_t);" for k in kernels)
     rows = "\n".join(
         f'    {{"{k.name}", {"true" if k.dtype is DType.BF16 else "false"}, {k.alignment}, '
@@ -281,4 +285,3 @@ def write_sources(files: list[EmittedFile], directory: str | Path) -> list[Path]
             tmp.replace(p)
         out.append(p)
     return out
-

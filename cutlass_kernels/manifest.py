@@ -119,14 +119,18 @@ class TWKernel:
     def _check_gmma(self) -> None:
         m, n, k = self.threadblock
         if self.arch is not Arch.SM90A:
-            raise ValueError(f"the {self.mainloop.value} main loop needs sm_90a, got {self.arch.value}")
+            raise ValueError(
+                f"the {self.mainloop.value} main loop needs sm_90a, got {self.arch.value}"
+            )
         if self.warps != (4, 1, 1) or m not in (64, 128) or n % 16 or not 16 <= n <= 256 or k % 16:
             raise ValueError(
                 f"{self.mainloop.value}: threadblock {self.threadblock} must be (64|128, 16..256 "
                 f"step 16, multiple of 16) with warps (4, 1, 1), got warps {self.warps}"
             )
         if self.stages < 2:
-            raise ValueError(f"stages must be >= 2 for the {self.mainloop.value} main loop, got {self.stages}")
+            raise ValueError(
+                f"stages must be >= 2 for the {self.mainloop.value} main loop, got {self.stages}"
+            )
 
     def _check_multistage(self) -> None:
         if self.stages < 3:
@@ -182,7 +186,11 @@ class TWKernel:
 
         el = cl.DataType.f16 if self.dtype is DType.F16 else cl.DataType.bf16
         return cl.MathInstruction(
-            list(self.instruction), el, el, cl.DataType.f32, cl.OpcodeClass.TensorOp,
+            list(self.instruction),
+            el,
+            el,
+            cl.DataType.f32,
+            cl.OpcodeClass.TensorOp,
             cl.MathOperation.multiply_add,
         )
 
@@ -244,8 +252,10 @@ def manifest(
     Returns:
         instances in a fixed order (dtype, arch, config), so emission is deterministic.
     """
-    return _manifest(Arch(arch) if arch is not None else None,
-                     tuple(cuda_version) if cuda_version is not None else None)
+    return _manifest(
+        Arch(arch) if arch is not None else None,
+        tuple(cuda_version) if cuda_version is not None else None,
+    )
 
 
 @functools.cache  # immutable instances; select_for and tile_limit ask for them on every call
@@ -260,19 +270,30 @@ def _manifest(arch: Arch | None, cuda_version: tuple[int, ...] | None) -> tuple[
                 out.append(TWKernel(dtype, a, tb, warps, stages))
             if a is Arch.SM90A:
                 for tb, stages in _GMMA_CONFIGS:
-                    out.append(TWKernel(dtype, a, tb, (4, 1, 1), stages, ALIGNMENT, Mainloop.SM90_CPASYNC_GMMA))
+                    out.append(
+                        TWKernel(
+                            dtype, a, tb, (4, 1, 1), stages, ALIGNMENT, Mainloop.SM90_CPASYNC_GMMA
+                        )
+                    )
     return tuple(out)
 
 
 def _candidates(
-    kernels: tuple[TWKernel, ...] | list[TWKernel], dtype: DType, arch: Arch, mainloop: Mainloop | str | None
+    kernels: tuple[TWKernel, ...] | list[TWKernel],
+    dtype: DType,
+    arch: Arch,
+    mainloop: Mainloop | str | None,
 ) -> tuple[Mainloop, list[TWKernel]]:
     """The main loop :func:`select` uses (``mainloop``, else gmma where the arch has it, else
     multistage) and the instances of ``dtype``/``arch`` on it."""
     kernels = [k for k in kernels if k.dtype is dtype and k.arch is arch]
     if mainloop is None:
         have = {k.mainloop for k in kernels}
-        mainloop = Mainloop.SM90_CPASYNC_GMMA if Mainloop.SM90_CPASYNC_GMMA in have else Mainloop.SM80_MULTISTAGE
+        mainloop = (
+            Mainloop.SM90_CPASYNC_GMMA
+            if Mainloop.SM90_CPASYNC_GMMA in have
+            else Mainloop.SM80_MULTISTAGE
+        )
     mainloop = Mainloop(mainloop)
     return mainloop, [k for k in kernels if k.mainloop is mainloop]
 
@@ -329,6 +350,7 @@ def select(
     if not k32:
         return fit[0]
     if num_tiles is not None and num_sms is not None and num_tiles > 0 and batch > 0:
+
         def cost(k: TWKernel) -> int:
             # waves × per-wave time; a wave's time ∝ batch columns per CTA × CTAs sharing an SM.
             n = k.threadblock[1]

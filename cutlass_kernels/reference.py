@@ -104,8 +104,13 @@ class TWPackedWeight:
     def to(self, device: torch.device | str) -> TWPackedWeight:
         """A copy with every tensor on ``device``."""
         return TWPackedWeight(
-            self.in_features, self.out_features, self.lda, self.max_tile_width,
-            self.tile_meta.to(device), self.col_idx.to(device), self.row_idx.to(device),
+            self.in_features,
+            self.out_features,
+            self.lda,
+            self.max_tile_width,
+            self.tile_meta.to(device),
+            self.col_idx.to(device),
+            self.row_idx.to(device),
             self.w.to(device),
         )
 
@@ -199,7 +204,9 @@ def pack_weight(
     R = int(sub_height.sum()) if S else 0
     V = int(layout.values.numel())
     if max(K, N, R, V, S) > _INT32_MAX:
-        raise ValueError(f"layout too large for int32 kernel indices: K={K} N={N} R={R} V={V} tiles={S}")
+        raise ValueError(
+            f"layout too large for int32 kernel indices: K={K} N={N} R={R} V={V} tiles={S}"
+        )
     max_width = int(sub_width.max()) if S else 0
     lda = round_up(max(max_width, 1), ALIGNMENT)
     meta = torch.stack([sub_col_off, sub_width, sub_row_off, sub_height], dim=1).to(torch.int32)
@@ -277,7 +284,9 @@ def pack_launch(
     return TWLaunch(weight, xt, yt, batch, M, 1.0, beta)
 
 
-def _operand_problem(t: torch.Tensor, name: str, dtype: torch.dtype, dim: int, device: torch.device) -> str | None:
+def _operand_problem(
+    t: torch.Tensor, name: str, dtype: torch.dtype, dim: int, device: torch.device
+) -> str | None:
     """``check_operand`` of ``csrc/tw_binding.cpp`` (the dtype is the launch's, not an instance's)."""
     if t.device != device:
         return f"{name} must be on {device}, got {t.device}"
@@ -295,11 +304,20 @@ def _operand_problem(t: torch.Tensor, name: str, dtype: torch.dtype, dim: int, d
 def _bad_shape(batch: int, lda: int, ldx: int, ldy: int, align: int) -> bool:
     """The launchers' ``kTwBadShape`` condition, term for term (``tw_gemm_launch``,
     ``tw_gemm_sm90_launch``; a test compares it with the headers' text)."""
-    return bool(batch % align or ldx % align or ldy % align or lda % align or
-                ldx < batch or ldy < batch or lda < 1)
+    return bool(
+        batch % align
+        or ldx % align
+        or ldy % align
+        or lda % align
+        or ldx < batch
+        or ldy < batch
+        or lda < 1
+    )
 
 
-def check_launch(launch: TWLaunch, batch_tile: int | None = None, alignment: int = ALIGNMENT) -> bool:
+def check_launch(
+    launch: TWLaunch, batch_tile: int | None = None, alignment: int = ALIGNMENT
+) -> bool:
     """Refuse a launch the kernel would refuse, with the checks of ``csrc/tw_binding.cpp``
     (``tw_gemm``) and of the launchers (``tw_gemm_launch`` in ``tw_gemm.h``,
     ``tw_gemm_sm90_launch`` in ``tw_gemm_sm90.h``), in their order and on the same values:
@@ -353,7 +371,9 @@ def check_launch(launch: TWLaunch, batch_tile: int | None = None, alignment: int
     return True
 
 
-def emulate(launch: TWLaunch, tile_m: int | None = None, batch_tile: int | None = None) -> torch.Tensor:
+def emulate(
+    launch: TWLaunch, tile_m: int | None = None, batch_tile: int | None = None
+) -> torch.Tensor:
     """Compute ``launch.yt`` in place, as the kernel does, from the packed buffers.
 
     The launch is first checked as the binding and the launcher check it
@@ -377,7 +397,9 @@ def emulate(launch: TWLaunch, tile_m: int | None = None, batch_tile: int | None 
     """
     pw = launch.weight
     if tile_m is not None and pw.max_tile_width > tile_m:
-        raise ValueError(f"a tile is {pw.max_tile_width} columns wide but the kernel covers G={tile_m}")
+        raise ValueError(
+            f"a tile is {pw.max_tile_width} columns wide but the kernel covers G={tile_m}"
+        )
     if not check_launch(launch, batch_tile):
         return launch.yt  # the launcher returns before launching: yt untouched
     K, N, lda = pw.in_features, pw.out_features, pw.lda

@@ -74,10 +74,14 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
             cannot restore, or a ``files`` record that does not list exactly the tensor files.
     """
     if not isinstance(state, dict):
-        raise ValueError(f"checkpoint file {str(sp)!r} must hold a JSON object, got {type(state).__name__}")
+        raise ValueError(
+            f"checkpoint file {str(sp)!r} must hold a JSON object, got {type(state).__name__}"
+        )
     fv = _require(state, sp, "format_version")
     if not _is_int(fv) or fv != version:
-        raise ValueError(f"checkpoint file {str(sp)!r} has format_version {fv!r}, expected {version}")
+        raise ValueError(
+            f"checkpoint file {str(sp)!r} has format_version {fv!r}, expected {version}"
+        )
     for field in ("step", "data_position"):
         v = _require(state, sp, field)
         if not _is_int(v) or v < 0:
@@ -100,11 +104,17 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
     rng = _require(state, sp, "rng")
     gen = rng.get("trainer_generator") if isinstance(rng, dict) else None
     if not isinstance(gen, str) or not gen or not _HEX.fullmatch(gen):
-        raise _fail(sp, "rng.trainer_generator", "a hex string", gen if isinstance(rng, dict) else rng)
+        raise _fail(
+            sp, "rng.trainer_generator", "a hex string", gen if isinstance(rng, dict) else rng
+        )
     try:
-        torch.Generator().set_state(torch.frombuffer(bytearray(bytes.fromhex(gen)), dtype=torch.uint8))
+        torch.Generator().set_state(
+            torch.frombuffer(bytearray(bytes.fromhex(gen)), dtype=torch.uint8)
+        )
     except RuntimeError as err:  # wrong length: torch checks the state size
-        raise _fail(sp, "rng.trainer_generator", "a torch.Generator state", f"{len(gen) // 2} bytes") from err
+        raise _fail(
+            sp, "rng.trainer_generator", "a torch.Generator state", f"{len(gen) // 2} bytes"
+        ) from err
 
     scalars = _require(state, sp, "optimizer_scalars")
     if not isinstance(scalars, dict):
@@ -134,5 +144,7 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
         if not isinstance(info, dict) or not _is_int(info.get("bytes")) or info["bytes"] < 0:
             raise _fail(sp, f"files[{name!r}]", "{'bytes': integer >= 0, 'sha256': hex}", info)
         if not isinstance(info.get("sha256"), str) or not _SHA256.fullmatch(info["sha256"]):
-            raise _fail(sp, f"files[{name!r}].sha256", "64 lowercase hex digits", info.get("sha256"))
+            raise _fail(
+                sp, f"files[{name!r}].sha256", "64 lowercase hex digits", info.get("sha256")
+            )
     return state

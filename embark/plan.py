@@ -44,7 +44,9 @@ def float_at_least(low: float) -> Callable[[str], float]:
         try:
             value = float(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected a number >= {low:g}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected a number >= {low:g}, got {text!r}"
+            ) from None
         if not (math.isfinite(value) and value >= low):
             raise argparse.ArgumentTypeError(f"expected a finite number >= {low:g}, got {text}")
         return value
@@ -59,7 +61,9 @@ def int_at_least(low: int) -> Callable[[str], int]:
         try:
             value = int(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"expected an integer >= {low}, got {text!r}"
+            ) from None
         if value < low:
             raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
         return value
@@ -73,9 +77,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--topology", default="dgx-h100", choices=TOPOLOGIES)
     p.add_argument("--nodes", type=int_at_least(1), default=1)
     p.add_argument(
-        "--batch-size", type=int_at_least(1), default=65536, help="global batch (all ranks, >= world size)"
+        "--batch-size",
+        type=int_at_least(1),
+        default=65536,
+        help="global batch (all ranks, >= world size)",
     )
-    p.add_argument("--strategy", default="auto", help=f"{'|'.join(STRATEGIES)} or a plan file (JSON/YAML)")
+    p.add_argument(
+        "--strategy", default="auto", help=f"{'|'.join(STRATEGIES)} or a plan file (JSON/YAML)"
+    )
     p.add_argument("--constraints", default=None, help="per-table constraints file (JSON/YAML)")
     p.add_argument("--comm-dtype", default="fp32", choices=[d.value for d in CommDtype])
     p.add_argument("--rounds", type=int_at_least(0), default=20, help="greedy split rounds (>= 0)")

@@ -105,7 +105,11 @@ def to_single_process(trainer: ShardedTrainer, dst: int | None = 0) -> Trainer |
         }
     _copy_group_options(out.optimizer, trainer.optimizer)
     out.generator.set_state(trainer.generator.get_state())
-    out.step, out.batch_size, out.data_stream = trainer.step, trainer.batch_size, trainer.data_stream
+    out.step, out.batch_size, out.data_stream = (
+        trainer.step,
+        trainer.batch_size,
+        trainer.data_stream,
+    )
     out._batch_size_provisional = trainer._batch_size_provisional
     out.history = list(trainer.history)
     return out
@@ -242,8 +246,10 @@ def _stream_flags(
             f"--resume {path!r} records a data stream with keys {sorted(stream)}, not a "
             f"SyntheticCTR stream's {sorted(SyntheticCTR.STREAM_KEYS)}: this CLI cannot regenerate it"
         )
-    return [("--ragged", args.ragged, stream["ragged"]),
-            ("--label-sharpness", args.label_sharpness, stream["label_sharpness"])]
+    return [
+        ("--ragged", args.ragged, stream["ragged"]),
+        ("--label-sharpness", args.label_sharpness, stream["label_sharpness"]),
+    ]
 
 
 def load_resume(args: argparse.Namespace, workload: Workload) -> Trainer:
@@ -274,7 +280,11 @@ def load_resume(args: argparse.Namespace, workload: Workload) -> Trainer:
         ("--seed", args.seed, cfg.seed),
         ("--optimizer", args.optimizer, cfg.optimizer.value),
         ("--lr", args.lr, cfg.lr),
-        ("--embedding-lr", args.embedding_lr, cfg.lr if cfg.embedding_lr is None else cfg.embedding_lr),
+        (
+            "--embedding-lr",
+            args.embedding_lr,
+            cfg.lr if cfg.embedding_lr is None else cfg.embedding_lr,
+        ),
         ("--batch-size", args.batch_size, single.batch_size),  # None: not recorded (older)
         *_stream_flags(args, single.data_stream, path),
     ):

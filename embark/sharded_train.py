@@ -380,7 +380,12 @@ class ShardedTrainer:
 
 
 # ------------------------------------------------------------------------------- CLI
-DEFAULTS: dict[str, Any] = {"lr": 0.02, "embedding_lr": 0.1, "seed": 0, "batch_size": 512}  # without --resume
+DEFAULTS: dict[str, Any] = {
+    "lr": 0.02,
+    "embedding_lr": 0.1,
+    "seed": 0,
+    "batch_size": 512,
+}  # without --resume
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -389,35 +394,87 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         description="Sharded data-parallel DLRM training on synthetic teacher data (gloo, CPU).",
     )
     p.add_argument("--workload", default="tiny", choices=WORKLOADS)
-    p.add_argument("--scale", type=float_at_least(1.0), default=1.0, help="divide every table's rows by this (>= 1)")
+    p.add_argument(
+        "--scale",
+        type=float_at_least(1.0),
+        default=1.0,
+        help="divide every table's rows by this (>= 1)",
+    )
     p.add_argument("--steps", type=int_at_least(0), default=50)
-    p.add_argument("--batch-size", type=int_at_least(1), default=None,
-                   help=f"GLOBAL batch, all ranks (default {DEFAULTS['batch_size']}; --resume: the checkpoint's)")
-    p.add_argument("--plan", default=None,
-                   help="plan JSON (a plan, or `python -m embark.plan --out` output); none = plan here")
-    p.add_argument("--strategy", default="auto", choices=STRATEGIES, help="planner strategy without --plan")
-    p.add_argument("--optimizer", default=None, choices=[o.value for o in OptimizerKind],
-                   help="none = the workload's choice")
-    p.add_argument("--lr", type=float, default=None,
-                   help=f"learning rate of the dense part (default {DEFAULTS['lr']}; --resume: the checkpoint's)")
-    p.add_argument("--embedding-lr", type=float, default=None,
-                   help=f"learning rate of the tables (default {DEFAULTS['embedding_lr']}; --resume: the checkpoint's)")
-    p.add_argument("--seed", type=int_at_least(0), default=None,
-                   help="model, data and teacher seed (default 0; --resume: the checkpoint's)")
-    p.add_argument("--ragged", action="store_true", default=None,
-                   help="variable bag sizes 0..2*hotness (default: fixed hotness; --resume: the checkpoint's)")
-    p.add_argument("--label-sharpness", type=float, default=None,
-                   help="teacher logit scale, > 0 (default 2.0; --resume: the checkpoint's)")
-    p.add_argument("--eval-batches", type=int_at_least(1), default=8, help="held-out global batches")
-    p.add_argument("--log-every", type=int_at_least(1), default=10, help="print the loss every N steps")
+    p.add_argument(
+        "--batch-size",
+        type=int_at_least(1),
+        default=None,
+        help=f"GLOBAL batch, all ranks (default {DEFAULTS['batch_size']}; --resume: the checkpoint's)",
+    )
+    p.add_argument(
+        "--plan",
+        default=None,
+        help="plan JSON (a plan, or `python -m embark.plan --out` output); none = plan here",
+    )
+    p.add_argument(
+        "--strategy", default="auto", choices=STRATEGIES, help="planner strategy without --plan"
+    )
+    p.add_argument(
+        "--optimizer",
+        default=None,
+        choices=[o.value for o in OptimizerKind],
+        help="none = the workload's choice",
+    )
+    p.add_argument(
+        "--lr",
+        type=float,
+        default=None,
+        help=f"learning rate of the dense part (default {DEFAULTS['lr']}; --resume: the checkpoint's)",
+    )
+    p.add_argument(
+        "--embedding-lr",
+        type=float,
+        default=None,
+        help=f"learning rate of the tables (default {DEFAULTS['embedding_lr']}; --resume: the checkpoint's)",
+    )
+    p.add_argument(
+        "--seed",
+        type=int_at_least(0),
+        default=None,
+        help="model, data and teacher seed (default 0; --resume: the checkpoint's)",
+    )
+    p.add_argument(
+        "--ragged",
+        action="store_true",
+        default=None,
+        help="variable bag sizes 0..2*hotness (default: fixed hotness; --resume: the checkpoint's)",
+    )
+    p.add_argument(
+        "--label-sharpness",
+        type=float,
+        default=None,
+        help="teacher logit scale, > 0 (default 2.0; --resume: the checkpoint's)",
+    )
+    p.add_argument(
+        "--eval-batches", type=int_at_least(1), default=8, help="held-out global batches"
+    )
+    p.add_argument(
+        "--log-every", type=int_at_least(1), default=10, help="print the loss every N steps"
+    )
     p.add_argument("--out", default=None, help="rank 0 writes the results JSON here")
-    p.add_argument("--checkpoint-dir", default=None,
-                   help="rank 0 writes the final checkpoint here (replaced atomically)")
-    p.add_argument("--checkpoint-every", type=int_at_least(0), default=0,
-                   help="also checkpoint every N steps (0 = only at the end); needs --checkpoint-dir")
-    p.add_argument("--resume", default=None,
-                   help="continue this checkpoint (any world size, or the single-process Trainer's) "
-                   "to --steps TOTAL steps")
+    p.add_argument(
+        "--checkpoint-dir",
+        default=None,
+        help="rank 0 writes the final checkpoint here (replaced atomically)",
+    )
+    p.add_argument(
+        "--checkpoint-every",
+        type=int_at_least(0),
+        default=0,
+        help="also checkpoint every N steps (0 = only at the end); needs --checkpoint-dir",
+    )
+    p.add_argument(
+        "--resume",
+        default=None,
+        help="continue this checkpoint (any world size, or the single-process Trainer's) "
+        "to --steps TOTAL steps",
+    )
     return p.parse_args(argv)
 
 
@@ -464,14 +521,24 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     if args.scale > 1:
         workload = workload.scaled(args.scale)
     single = load_resume(args, workload) if args.resume is not None else None
-    batch_size = args.batch_size or (single.batch_size if single else None) or DEFAULTS["batch_size"]
+    batch_size = (
+        args.batch_size or (single.batch_size if single else None) or DEFAULTS["batch_size"]
+    )
     if single is not None and single.batch_size is None and rank == 0:
-        log.warning("--resume %r records no batch size (written before checkpoints did): "
-                    "resuming with --batch-size %d; it must be the one it was trained with",
-                    args.resume, batch_size)
+        log.warning(
+            "--resume %r records no batch size (written before checkpoints did): "
+            "resuming with --batch-size %d; it must be the one it was trained with",
+            args.resume,
+            batch_size,
+        )
     if batch_size < world_size:
-        what = ("--batch-size" if args.batch_size else "the checkpoint's batch size"
-                if single is not None and single.batch_size else "the default batch size")
+        what = (
+            "--batch-size"
+            if args.batch_size
+            else "the checkpoint's batch size"
+            if single is not None and single.batch_size
+            else "the default batch size"
+        )
         raise ValueError(f"{what} {batch_size} is smaller than the world size {world_size}")
     plan = resolve_plan(args, workload, world_size, batch_size)
     check_checkpoint_dir(args)
@@ -484,8 +551,11 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
         seed = DEFAULTS["seed"] if args.seed is None else args.seed
         cfg = TrainConfig(
             lr=DEFAULTS["lr"] if args.lr is None else args.lr,
-            embedding_lr=DEFAULTS["embedding_lr"] if args.embedding_lr is None else args.embedding_lr,
-            seed=seed, optimizer=args.optimizer or workload.optimizer,
+            embedding_lr=DEFAULTS["embedding_lr"]
+            if args.embedding_lr is None
+            else args.embedding_lr,
+            seed=seed,
+            optimizer=args.optimizer or workload.optimizer,
         )
         trainer = ShardedTrainer(ShardedDLRM(build_model(workload, seed=seed), plan, rank), cfg)
     cfg = trainer.cfg
@@ -493,11 +563,21 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
         data = SyntheticCTR.from_stream_config(workload, batch_size, cfg.seed, single.data_stream)
     else:
         if single is not None and rank == 0:
-            log.warning("--resume %r records no data stream (written before checkpoints did): "
-                        "resuming on --ragged %s --label-sharpness %g; they must be the ones it "
-                        "was trained with", args.resume, bool(args.ragged), args.label_sharpness or 2.0)
-        data = SyntheticCTR(workload, batch_size, seed=cfg.seed, ragged=bool(args.ragged),
-                            label_sharpness=2.0 if args.label_sharpness is None else args.label_sharpness)
+            log.warning(
+                "--resume %r records no data stream (written before checkpoints did): "
+                "resuming on --ragged %s --label-sharpness %g; they must be the ones it "
+                "was trained with",
+                args.resume,
+                bool(args.ragged),
+                args.label_sharpness or 2.0,
+            )
+        data = SyntheticCTR(
+            workload,
+            batch_size,
+            seed=cfg.seed,
+            ragged=bool(args.ragged),
+            label_sharpness=2.0 if args.label_sharpness is None else args.label_sharpness,
+        )
     trainer.data_stream = data.stream_config()
     start, saved_at, save_seconds = trainer.step, None, 0.0
 
@@ -518,18 +598,27 @@ def run(args: argparse.Namespace, rank: int, world_size: int) -> dict[str, Any]:
     if args.checkpoint_dir is not None and saved_at != trainer.step:
         save()
     seconds = time.perf_counter() - t0 - save_seconds
-    evals = [local_batch(b, rank, world_size) for b in data.batches(args.eval_batches, split="eval")]
+    evals = [
+        local_batch(b, rank, world_size) for b in data.batches(args.eval_batches, split="eval")
+    ]
     metrics = trainer.evaluate(evals)
     samples = len(losses) * batch_size
     return {
-        "workload": workload.name, "world_size": world_size, "steps": trainer.step,
-        "start_step": start, "resumed_from": args.resume, "checkpoint": args.checkpoint_dir,
-        "batch_size": batch_size, "optimizer": cfg.optimizer.value,
+        "workload": workload.name,
+        "world_size": world_size,
+        "steps": trainer.step,
+        "start_step": start,
+        "resumed_from": args.resume,
+        "checkpoint": args.checkpoint_dir,
+        "batch_size": batch_size,
+        "optimizer": cfg.optimizer.value,
         "final_loss": losses[-1] if losses else None,
         "mean_loss": sum(losses) / len(losses) if losses else None,
-        "eval_auc": metrics["auc"], "eval_logloss": metrics["logloss"],
+        "eval_auc": metrics["auc"],
+        "eval_logloss": metrics["logloss"],
         "teacher_auc": data.teacher_auc(args.eval_batches, split="eval"),
-        "train_seconds": seconds, "samples_per_s": samples / seconds if seconds > 0 else 0.0,
+        "train_seconds": seconds,
+        "samples_per_s": samples / seconds if seconds > 0 else 0.0,
         "plan": plan.to_dict(),
     }
 
@@ -540,7 +629,8 @@ def main(argv: list[str] | None = None) -> int:
     checkpoint, on every rank (each checks the same inputs, so none waits in a collective)."""
     quiet = os.environ.get("RANK", "0") != "0"  # progress and planner logs from rank 0 only
     logging.basicConfig(
-        level=logging.WARNING if quiet else logging.INFO, format="%(levelname)s %(name)s: %(message)s"
+        level=logging.WARNING if quiet else logging.INFO,
+        format="%(levelname)s %(name)s: %(message)s",
     )
     args = parse_args(argv)
     torch.set_num_threads(1)

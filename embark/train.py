@@ -198,9 +198,15 @@ def admit_batch(trainer: Any, n: int, what: str) -> None:
     """
     if trainer._batch_size_provisional and trainer.batch_size is not None:
         if n > trainer.batch_size:
-            log.warning("train_step: %s of %d samples after %d (the first batch after resuming a "
-                        "checkpoint that did not record the stream's batch size, e.g. a file's short "
-                        "last batch); the stream's batch size is now %d", what, n, trainer.batch_size, n)
+            log.warning(
+                "train_step: %s of %d samples after %d (the first batch after resuming a "
+                "checkpoint that did not record the stream's batch size, e.g. a file's short "
+                "last batch); the stream's batch size is now %d",
+                what,
+                n,
+                trainer.batch_size,
+                n,
+            )
             trainer.batch_size = n
         trainer._batch_size_provisional = False
     if trainer.batch_size is not None and n > trainer.batch_size:
@@ -222,15 +228,24 @@ def build_optimizer(
     """
     groups: list[dict[str, Any]] = []
     if embedding_params:
-        groups.append({"params": list(embedding_params), "name": "embeddings",
-                       "lr": cfg.embedding_lr or cfg.lr})
+        groups.append(
+            {
+                "params": list(embedding_params),
+                "name": "embeddings",
+                "lr": cfg.embedding_lr or cfg.lr,
+            }
+        )
     if dense_params:
         groups.append({"params": list(dense_params), "name": "dense", "lr": cfg.lr})
     if not groups:
         raise ValueError("Trainer: the model has no trainable parameters")
     if cfg.optimizer == OptimizerKind.ADAGRAD:
-        return torch.optim.Adagrad(groups, lr=cfg.lr, eps=cfg.adagrad_eps,
-                                   initial_accumulator_value=cfg.initial_accumulator_value)
+        return torch.optim.Adagrad(
+            groups,
+            lr=cfg.lr,
+            eps=cfg.adagrad_eps,
+            initial_accumulator_value=cfg.initial_accumulator_value,
+        )
     return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
 
 

@@ -68,7 +68,9 @@ class TableConfig:
         allowed = {"name", "num_rows", "dim", "hotness", "combiner"}
         unknown = set(d) - allowed
         if unknown:
-            raise ValueError(f"TableConfig: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}")
+            raise ValueError(
+                f"TableConfig: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}"
+            )
         return cls(**d)
 
 
@@ -205,7 +207,9 @@ class Topology:
         allowed = {f for f in cls.__dataclass_fields__}
         unknown = set(d) - allowed
         if unknown:
-            raise ValueError(f"Topology: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}")
+            raise ValueError(
+                f"Topology: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}"
+            )
         return cls(**d)
 
 
@@ -291,11 +295,17 @@ class TableSharding:
         if not isinstance(self.name, str) or not self.name:
             raise PlanError(f"a table's name must be a non-empty string, got {self.name!r}")
         object.__setattr__(
-            self, "sharding_type", _enum(ShardingType, self.sharding_type, f"table {self.name!r}: sharding_type")
+            self,
+            "sharding_type",
+            _enum(ShardingType, self.sharding_type, f"table {self.name!r}: sharding_type"),
         )
-        object.__setattr__(self, "cluster", _enum(Cluster, self.cluster, f"table {self.name!r}: cluster"))
         object.__setattr__(
-            self, "comm_dtype", _enum(CommDtype, self.comm_dtype, f"table {self.name!r}: comm_dtype")
+            self, "cluster", _enum(Cluster, self.cluster, f"table {self.name!r}: cluster")
+        )
+        object.__setattr__(
+            self,
+            "comm_dtype",
+            _enum(CommDtype, self.comm_dtype, f"table {self.name!r}: comm_dtype"),
         )
         object.__setattr__(self, "shards", tuple(self.shards))
         for f in ("num_rows", "dim"):
@@ -317,7 +327,12 @@ class TableSharding:
                 )
         if self.sharding_type is ShardingType.DP:
             for s in self.shards:
-                if (s.row_start, s.row_end, s.col_start, s.col_end) != (0, self.num_rows, 0, self.dim):
+                if (s.row_start, s.row_end, s.col_start, s.col_end) != (
+                    0,
+                    self.num_rows,
+                    0,
+                    self.dim,
+                ):
                     raise PlanError(
                         f"table {self.name!r}: data-parallel replica on rank {s.rank} must hold the "
                         f"whole table (rows 0:{self.num_rows}, cols 0:{self.dim})"
@@ -349,7 +364,9 @@ class TableSharding:
                 f"column ranges {blocks} end at column {pos}"
             )
         for c0, c1 in blocks:
-            rows = sorted((s.row_start, s.row_end, s.rank) for s in self.shards if s.col_start == c0)
+            rows = sorted(
+                (s.row_start, s.row_end, s.rank) for s in self.shards if s.col_start == c0
+            )
             pos = 0
             for r0, r1, rank in rows:
                 if r0 < pos:
@@ -416,7 +433,9 @@ class TableSharding:
                 f"missing field(s) {sorted(missing)}; allowed {sorted(allowed)}"
             )
         if not isinstance(d["shards"], list) or not all(isinstance(s, dict) for s in d["shards"]):
-            raise PlanError(f"table {name!r}: shards must be a list of shard mappings, got {d['shards']!r:.80}")
+            raise PlanError(
+                f"table {name!r}: shards must be a list of shard mappings, got {d['shards']!r:.80}"
+            )
         try:
             shards = tuple(Shard.from_dict(s) for s in d["shards"])
         except (ValueError, TypeError) as e:
@@ -512,7 +531,9 @@ class ShardingPlan:
         want = {t.name: t for t in tables}
         for name in want:
             if name not in by_name:
-                raise PlanError(f"table {name!r}: missing from the plan (every table must be placed)")
+                raise PlanError(
+                    f"table {name!r}: missing from the plan (every table must be placed)"
+                )
         for name in by_name:
             if name not in want:
                 raise PlanError(f"table {name!r}: in the plan but not in the workload")
@@ -549,7 +570,9 @@ class ShardingPlan:
                 raise PlanError(f"sharding plan: missing field {f!r}")
         tables = d["tables"]
         if not isinstance(tables, list):
-            raise PlanError(f"sharding plan: tables must be a list of table entries, got {tables!r:.80}")
+            raise PlanError(
+                f"sharding plan: tables must be a list of table entries, got {tables!r:.80}"
+            )
         for i, t in enumerate(tables):
             if not isinstance(t, dict):
                 raise PlanError(f"sharding plan: tables[{i}] must be a mapping, got {t!r:.80}")

@@ -117,7 +117,9 @@ class Workload:
             raise ValueError(f"workload name must be a non-empty string, got {self.name!r}")
         what = f"workload {self.name!r}"
         if not isinstance(self.tables, (list, tuple)) or not self.tables:
-            raise ValueError(f"{what}: tables must be a non-empty list of tables, got {self.tables!r:.80}")
+            raise ValueError(
+                f"{what}: tables must be a non-empty list of tables, got {self.tables!r:.80}"
+            )
         object.__setattr__(self, "tables", tuple(self.tables))
         for t in self.tables:
             if not isinstance(t, TableConfig):
@@ -132,11 +134,19 @@ class Workload:
         if self.top_mlp[-1] != 1:
             raise ValueError(f"{what}: top_mlp must end in 1 (the logit), got {self.top_mlp}")
         if not isinstance(self.interaction, Interaction):
-            raise ValueError(f"{what}: interaction must be an Interaction, got {self.interaction!r}")
+            raise ValueError(
+                f"{what}: interaction must be an Interaction, got {self.interaction!r}"
+            )
         if self.optimizer not in ("adagrad", "sgd"):
-            raise ValueError(f"{what}: optimizer must be 'adagrad' or 'sgd', got {self.optimizer!r}")
+            raise ValueError(
+                f"{what}: optimizer must be 'adagrad' or 'sgd', got {self.optimizer!r}"
+            )
         alpha = self.zipf_alpha
-        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not (math.isfinite(alpha) and alpha > 0):
+        if (
+            isinstance(alpha, bool)
+            or not isinstance(alpha, (int, float))
+            or not (math.isfinite(alpha) and alpha > 0)
+        ):
             raise ValueError(f"{what}: zipf_alpha must be a finite number > 0, got {alpha!r}")
         object.__setattr__(self, "zipf_alpha", float(alpha))
         if not isinstance(self.source, str):
@@ -184,7 +194,8 @@ class Workload:
         if not isinstance(raw_tables, list):
             raise ValueError(f"{what}: tables must be a list of tables, got {raw_tables!r:.80}")
         tables = tuple(
-            TableConfig.from_dict(_mapping(t, f"{what}: tables[{i}]")) for i, t in enumerate(raw_tables)
+            TableConfig.from_dict(_mapping(t, f"{what}: tables[{i}]"))
+            for i, t in enumerate(raw_tables)
         )
         kwargs = {k: v for k, v in d.items() if k not in ("tables", "interaction")}
         if "interaction" in d:
@@ -197,7 +208,8 @@ def _tiny() -> Workload:
     rows = (1000, 500, 200, 2000, 100, 50, 800, 300)
     hot = (1, 2, 1, 3, 1, 1, 2, 1)
     tables = tuple(
-        TableConfig(name=f"t{i}", num_rows=r, dim=16, hotness=h) for i, (r, h) in enumerate(zip(rows, hot))
+        TableConfig(name=f"t{i}", num_rows=r, dim=16, hotness=h)
+        for i, (r, h) in enumerate(zip(rows, hot))
     )
     return Workload(
         name="tiny",

@@ -116,7 +116,13 @@ def write_serving_artifacts(
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
         export_onnx(model, staging / "dense.onnx", include_embeddings=False)  # tilerec.serving
         for t in tables:
-            w = model.embeddings[t.name].weight.detach().cpu().numpy().astype(np.float32, copy=False)
+            w = (
+                model.embeddings[t.name]
+                .weight.detach()
+                .cpu()
+                .numpy()
+                .astype(np.float32, copy=False)
+            )
             write_table(staging / "sparse" / t.name, np.arange(w.shape[0], dtype=np.int64), w)
         (staging / "ps.json").write_text(json.dumps(doc, indent=2))
         _commit(staging, out, [*(f"sparse/{t.name}" for t in tables), "dense.onnx", "ps.json"])
@@ -188,7 +194,9 @@ def _commit(staging: Path, out: Path, rels: Sequence[str]) -> None:
             backup = None
             if dest.exists() or dest.is_symlink():
                 backup = dest.with_name(f".{dest.name}.replaced-{token}")
-                done.append((dest, None, False))  # recorded first: restored if the rename half-fails
+                done.append(
+                    (dest, None, False)
+                )  # recorded first: restored if the rename half-fails
                 os.rename(dest, backup)
                 done[-1] = (dest, backup, False)
             else:

@@ -158,7 +158,9 @@ def onnx_inputs(
     return out
 
 
-def check_exportable(model: DLRM, include_embeddings: bool = True, caller: str = "export_onnx") -> None:
+def check_exportable(
+    model: DLRM, include_embeddings: bool = True, caller: str = "export_onnx"
+) -> None:
     """Raise ``ValueError`` unless :func:`export_onnx` can export ``model``: every floating-point
     parameter and buffer float32, and (for the dense graph alone, ``include_embeddings=False``)
     one dim for every table. Writes nothing; ``caller`` names the function in the message.
@@ -174,7 +176,8 @@ def _pooled_dim(model: DLRM, caller: str) -> int:
     dims = {t.dim for t in tables}
     if len(dims) != 1:
         by_dim = "; ".join(
-            f"dim {d}: " + ", ".join(repr(t.name) for t in tables if t.dim == d) for d in sorted(dims)
+            f"dim {d}: " + ", ".join(repr(t.name) for t in tables if t.dim == d)
+            for d in sorted(dims)
         )
         raise ValueError(
             f"{caller}: the dense graph's input 'pooled' (B, T, dim) needs one dim for every "
@@ -249,8 +252,9 @@ def export_onnx(
 def _check_float32(model: nn.Module, caller: str = "export_onnx") -> None:
     """Refuse a model with a non-float32 floating-point tensor (the graph's inputs are float32)."""
     tensors = [*model.named_parameters(), *model.named_buffers()]
-    bad = [(name, t.dtype) for name, t in tensors
-           if t.is_floating_point() and t.dtype != torch.float32]
+    bad = [
+        (name, t.dtype) for name, t in tensors if t.is_floating_point() and t.dtype != torch.float32
+    ]
     if bad:
         name, dtype = bad[0]
         more = f" (and {len(bad) - 1} more tensors are not float32 either)" if len(bad) > 1 else ""
@@ -272,9 +276,13 @@ def _stamp_metadata(path: Path, model: DLRM) -> None:
     import onnx
 
     proto = onnx.load(str(path))
-    doc = {"tables": [{"name": t.name, "rows": t.num_rows, "combiner": t.combiner.value,
-                       "hotness": t.hotness} for t in model.workload.tables],
-           "dense_features": model.workload.dense_features}
+    doc = {
+        "tables": [
+            {"name": t.name, "rows": t.num_rows, "combiner": t.combiner.value, "hotness": t.hotness}
+            for t in model.workload.tables
+        ],
+        "dense_features": model.workload.dense_features,
+    }
     kept = [(m.key, m.value) for m in proto.metadata_props if m.key != METADATA_KEY]
     del proto.metadata_props[:]
     for k, v in [*kept, (METADATA_KEY, json.dumps(doc))]:
@@ -299,8 +307,10 @@ def check_ids(path: str | Path, inputs: dict[str, torch.Tensor]) -> None:
         bad = (ids < -1) | (ids >= t["rows"])
         if bool(bad.any()):
             v = int(ids[bad][0])
-            raise ValueError(f"input 'ids_{t['name']}': id {v} is outside table {t['name']!r} "
-                             f"(rows 0..{t['rows'] - 1}; -1 pads a short bag)")
+            raise ValueError(
+                f"input 'ids_{t['name']}': id {v} is outside table {t['name']!r} "
+                f"(rows 0..{t['rows'] - 1}; -1 pads a short bag)"
+            )
 
 
 def run_onnx(path: str | Path, inputs: dict[str, torch.Tensor]) -> torch.Tensor:

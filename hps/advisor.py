@@ -147,8 +147,12 @@ def zipf_hit_curve(num_rows: int, alpha: float, cached: np.ndarray) -> np.ndarra
         def integral(x: np.ndarray) -> np.ndarray:
             return np.log(x) if abs(alpha - 1.0) < 1e-12 else x ** (1 - alpha) / (1 - alpha)
 
-        big = head[-1] + integral(np.maximum(n, a)) - integral(np.array(a)) \
-            + 0.5 * (np.maximum(n, a) ** -alpha - a ** -alpha)
+        big = (
+            head[-1]
+            + integral(np.maximum(n, a))
+            - integral(np.array(a))
+            + 0.5 * (np.maximum(n, a) ** -alpha - a**-alpha)
+        )
         return np.where(n <= exact, small, big)
 
     return harmonic(np.floor(cached)) / harmonic(np.array(float(num_rows)))
@@ -178,11 +182,15 @@ class TableKeyStats:
     mass: float | None = None
 
     @classmethod
-    def from_zipf(cls, num_rows: int, dim: int, alpha: float, lookups: float = 1.0) -> TableKeyStats:
+    def from_zipf(
+        cls, num_rows: int, dim: int, alpha: float, lookups: float = 1.0
+    ) -> TableKeyStats:
         return cls(num_rows=num_rows, dim=dim, lookups=lookups, alpha=alpha)
 
     @classmethod
-    def from_statistics(cls, stats: KeyStatistics, num_rows: int, dim: int, fit: bool = False) -> TableKeyStats:
+    def from_statistics(
+        cls, stats: KeyStatistics, num_rows: int, dim: int, fit: bool = False
+    ) -> TableKeyStats:
         """From a session's :class:`KeyStatistics`; ``fit`` replaces the counts by a fitted α."""
         counts = stats.counts()
         if fit:
@@ -230,7 +238,9 @@ def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recom
     names, gains, costs, sizes = [], [], [], []
     for i, t in enumerate(tables.values()):
         # Geometric breakpoints: the head, where the gain is, is resolved finely.
-        pts = np.unique(np.concatenate([[0], np.geomspace(1, t.num_rows, _CURVE_POINTS).astype(np.int64)]))
+        pts = np.unique(
+            np.concatenate([[0], np.geomspace(1, t.num_rows, _CURVE_POINTS).astype(np.int64)])
+        )
         h = t.curve(pts)
         dh = np.diff(h) * (t.lookups / total)
         drows = np.diff(pts)
@@ -254,8 +264,16 @@ def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recom
     out = []
     for i, (name, t) in enumerate(tables.items()):
         r = int(min(granted[i], t.num_rows))
-        out.append(Recommendation(name, r / t.num_rows, r, r * t.dim * _BYTES_PER_FLOAT,
-                                  float(t.curve(np.array([r]))[0]), t.lookups / total))
+        out.append(
+            Recommendation(
+                name,
+                r / t.num_rows,
+                r,
+                r * t.dim * _BYTES_PER_FLOAT,
+                float(t.curve(np.array([r]))[0]),
+                t.lookups / total,
+            )
+        )
     return out
 
 
@@ -268,14 +286,17 @@ def format_table(recs: list[Recommendation]) -> str:
     head = f"{'table':<16}{'gpucacheper':>12}{'rows':>12}{'MiB':>10}{'hit rate':>10}{'weight':>8}"
     lines = [head, "-" * len(head)]
     for r in recs:
-        lines.append(f"{r.table:<16}{r.fraction:>12.4f}{r.rows:>12d}{r.bytes / 2**20:>10.1f}"
-                     f"{r.hit_rate:>10.4f}{r.weight:>8.3f}")
+        lines.append(
+            f"{r.table:<16}{r.fraction:>12.4f}{r.rows:>12d}{r.bytes / 2**20:>10.1f}"
+            f"{r.hit_rate:>10.4f}{r.weight:>8.3f}"
+        )
     lines.append(f"overall ideal hit rate: {overall_hit_rate(recs):.4f}")
     return "\n".join(lines)
 
 
-def plot_hit_curves(tables: dict[str, TableKeyStats], path: str | Path,
-                    recs: list[Recommendation] | None = None) -> Path:
+def plot_hit_curves(
+    tables: dict[str, TableKeyStats], path: str | Path, recs: list[Recommendation] | None = None
+) -> Path:
     """PNG of ideal hit rate vs cache fraction per table (recommendations marked)."""
     import matplotlib
 
@@ -300,4 +321,3 @@ def plot_hit_curves(tables: dict[str, TableKeyStats], path: str | Path,
     fig.savefig(path, dpi=100)
     plt.close(fig)
     return path
-

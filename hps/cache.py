@@ -122,9 +122,15 @@ class EmbeddingCache:
     thread-safe (one lock; each call is a few vectorised tensor ops).
     """
 
-    def __init__(self, capacity: int, dim: int, policy: CachePolicy | str = CachePolicy.LRU,
-                 ways: int = DEFAULT_WAYS, device: torch.device | str = "cpu",
-                 lfu_decay_keys_per_slot: float = DEFAULT_LFU_DECAY_KEYS_PER_SLOT) -> None:
+    def __init__(
+        self,
+        capacity: int,
+        dim: int,
+        policy: CachePolicy | str = CachePolicy.LRU,
+        ways: int = DEFAULT_WAYS,
+        device: torch.device | str = "cpu",
+        lfu_decay_keys_per_slot: float = DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
+    ) -> None:
         if capacity <= 0:
             raise ValueError(f"cache capacity must be > 0 rows, got {capacity}")
         if dim <= 0:
@@ -132,18 +138,28 @@ class EmbeddingCache:
         if ways <= 0:
             raise ValueError(f"cache ways must be > 0, got {ways}")
         per_slot = lfu_decay_keys_per_slot
-        if isinstance(per_slot, bool) or not isinstance(per_slot, numbers.Real) or not math.isfinite(per_slot) \
-                or per_slot < 0:
-            raise ValueError(f"cache lfu_decay_keys_per_slot must be a finite number >= 0 (looked-up keys "
-                             f"per slot between halvings; 0: never), got {per_slot!r}")
+        if (
+            isinstance(per_slot, bool)
+            or not isinstance(per_slot, numbers.Real)
+            or not math.isfinite(per_slot)
+            or per_slot < 0
+        ):
+            raise ValueError(
+                f"cache lfu_decay_keys_per_slot must be a finite number >= 0 (looked-up keys "
+                f"per slot between halvings; 0: never), got {per_slot!r}"
+            )
         self.policy = CachePolicy(policy)
         self.dim = dim
         self.device = torch.device(device)
         self.ways = min(ways, capacity)
         self.num_sets = -(-capacity // self.ways)
         self.capacity = self.num_sets * self.ways
-        self.keys = torch.full((self.num_sets, self.ways), EMPTY_KEY, dtype=torch.int64, device=self.device)
-        self.counters = torch.full((self.num_sets, self.ways), -1, dtype=torch.int64, device=self.device)
+        self.keys = torch.full(
+            (self.num_sets, self.ways), EMPTY_KEY, dtype=torch.int64, device=self.device
+        )
+        self.counters = torch.full(
+            (self.num_sets, self.ways), -1, dtype=torch.int64, device=self.device
+        )
         self.values = torch.zeros((self.capacity, dim), dtype=torch.float32, device=self.device)
         self._clock = 1  # LRU: bumped by every query; entries inserted since then carry it
         self.lfu_decay_keys_per_slot = float(per_slot)
@@ -151,8 +167,10 @@ class EmbeddingCache:
         interval = per_slot * self.capacity
         aging = per_slot > 0 and self.policy is CachePolicy.LFU  # LRU ignores the knob
         if aging and (not math.isfinite(interval) or interval >= 2**62):
-            raise ValueError(f"cache lfu_decay_keys_per_slot {per_slot!r} × {self.capacity} slots is no "
-                             f"usable aging period (over 2**62 keys); use 0 for never")
+            raise ValueError(
+                f"cache lfu_decay_keys_per_slot {per_slot!r} × {self.capacity} slots is no "
+                f"usable aging period (over 2**62 keys); use 0 for never"
+            )
         self.lfu_decay_interval = max(1, round(interval)) if aging else 0
         self._looked_up = 0  # the aging clock: keys (occurrences) looked up so far
         #: halvings applied so far; a priority counted at epoch e is worth ``p >> (decay_epoch - e)``
@@ -188,8 +206,12 @@ class EmbeddingCache:
             self.decay_epoch += crossed
             self.stats.decays += crossed
 
-    def query(self, keys: torch.Tensor, counts: torch.Tensor | None = None,
-              inverse: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    def query(
+        self,
+        keys: torch.Tensor,
+        counts: torch.Tensor | None = None,
+        inverse: torch.Tensor | None = None,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Look up rows.
 
         Args:
@@ -229,8 +251,13 @@ class EmbeddingCache:
             return self._slots(keys)[0]
 
     # ------------------------------------------------------------------ writes
-    def insert(self, keys: torch.Tensor, values: torch.Tensor, priority: torch.Tensor | None = None,
-               epoch: int | None = None) -> int:
+    def insert(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        priority: torch.Tensor | None = None,
+        epoch: int | None = None,
+    ) -> int:
         """Insert rows; cached copies of the same keys are overwritten. Returns rows newly placed.
 
         Admission: within a set, new keys are placed in order of ``priority`` (highest first)
@@ -266,7 +293,9 @@ class EmbeddingCache:
             # sort by set, then by priority (descending) inside a set
             order = torch.argsort(s * 2**31 + (2**31 - 1 - priority), stable=True)
             s_sorted = s[order]
-            sets, inv, counts = torch.unique_consecutive(s_sorted, return_inverse=True, return_counts=True)
+            sets, inv, counts = torch.unique_consecutive(
+                s_sorted, return_inverse=True, return_counts=True
+            )
             starts = torch.cumsum(counts, 0) - counts
             rank = torch.arange(s_sorted.numel(), device=self.device) - starts[inv]
             fits = rank < self.ways
@@ -275,7 +304,11 @@ class EmbeddingCache:
             inv_f, rank_f, src = inv[fits], rank[fits], order[fits]
             way = victim_order[inv_f, rank_f]
             victim_c = set_counters[inv_f, way]
-            incoming = torch.full_like(victim_c, self._clock) if self.policy is CachePolicy.LRU else priority[src]
+            incoming = (
+                torch.full_like(victim_c, self._clock)
+                if self.policy is CachePolicy.LRU
+                else priority[src]
+            )
             ok = victim_c < incoming
             self.stats.overflowed += int(keys.numel() - int(ok.sum()))
             tgt = (sets[inv_f] * self.ways + way)[ok]

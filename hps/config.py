@@ -99,7 +99,9 @@ class ModelConfig:
         for t in self.tables:
             if t.name == name:
                 return t
-        raise ValueError(f"model {self.model!r} has no table {name!r}; tables: {[t.name for t in self.tables]}")
+        raise ValueError(
+            f"model {self.model!r} has no table {name!r}; tables: {[t.name for t in self.tables]}"
+        )
 
     def max_keys_per_lookup(self, table: str) -> int:
         """Largest number of keys one lookup of ``table`` may carry."""
@@ -141,8 +143,13 @@ def _check_address(address: str, where: str, what: str) -> None:
         addrs = parse_addresses(address)
     except ValueError:
         addrs = []
-    _check(bool(addrs) and all(h and 0 < p < 65536 for h, p in addrs), where, "address", address,
-           f"'host:port[,host:port...]' with ports in 1..65535 for {what}")
+    _check(
+        bool(addrs) and all(h and 0 < p < 65536 for h, p in addrs),
+        where,
+        "address",
+        address,
+        f"'host:port[,host:port...]' with ports in 1..65535 for {what}",
+    )
 
 
 @dataclass(frozen=True)
@@ -189,7 +196,9 @@ class PSConfig:
             d["sparse_files"] = [t.sparse_file for t in m.tables]
             d["embedding_table_names"] = [t.name for t in m.tables]
             d["embedding_vecsize_per_table"] = [t.dim for t in m.tables]
-            d["maxnum_catfeature_query_per_table_per_sample"] = [t.max_query_per_sample for t in m.tables]
+            d["maxnum_catfeature_query_per_table_per_sample"] = [
+                t.max_query_per_sample for t in m.tables
+            ]
             d["default_value_for_each_table"] = [t.default_value for t in m.tables]
             models.append(d)
 
@@ -214,7 +223,13 @@ class PSConfig:
 
 
 def _type_name(t: Any) -> str:
-    return {bool: "a boolean", int: "an integer", float: "a number", str: "a string", list: "a list"}[t]
+    return {
+        bool: "a boolean",
+        int: "an integer",
+        float: "a number",
+        str: "a string",
+        list: "a list",
+    }[t]
 
 
 def _get(d: dict[str, Any], key: str, where: str, typ: type, default: Any = _MISSING) -> Any:
@@ -227,7 +242,9 @@ def _get(d: dict[str, Any], key: str, where: str, typ: type, default: Any = _MIS
     if typ is float and isinstance(v, int) and not isinstance(v, bool):
         ok, v = True, float(v)
     if not ok:
-        raise ValueError(f"{where}.{key}: expected {_type_name(typ)}, got {v!r} ({type(v).__name__})")
+        raise ValueError(
+            f"{where}.{key}: expected {_type_name(typ)}, got {v!r} ({type(v).__name__})"
+        )
     if typ is float and not math.isfinite(v):  # json.loads takes NaN and Infinity
         raise ValueError(f"{where}.{key}: {v!r} is impossible; expected a finite number")
     return v
@@ -259,15 +276,26 @@ def _obj(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
     return v
 
 
-def _list(d: dict[str, Any], key: str, where: str, item: type, n: int | None,
-          default: Any = _MISSING, check: Callable[[Any], bool] | None = None,
-          expected: str = "") -> list[Any]:
+def _list(
+    d: dict[str, Any],
+    key: str,
+    where: str,
+    item: type,
+    n: int | None,
+    default: Any = _MISSING,
+    check: Callable[[Any], bool] | None = None,
+    expected: str = "",
+) -> list[Any]:
     v = _get(d, key, where, list, default)
     if n is not None and len(v) != n:
         raise ValueError(f"{where}.{key}: expected {n} entries (one per table), got {len(v)}")
     out = []
     for i, x in enumerate(v):
-        ok = isinstance(x, item) and not isinstance(x, bool) if item is not bool else isinstance(x, bool)
+        ok = (
+            isinstance(x, item) and not isinstance(x, bool)
+            if item is not bool
+            else isinstance(x, bool)
+        )
         if item is float and isinstance(x, int) and not isinstance(x, bool):
             ok, x = True, float(x)
         if not ok:
@@ -290,11 +318,26 @@ _MAX_WAIT_S = 86400.0  # a day: the longest poll / retry interval or timeout ps.
 
 
 _MODEL_FIELDS = {
-    "model", "sparse_files", "embedding_table_names", "embedding_vecsize_per_table",
-    "maxnum_catfeature_query_per_table_per_sample", "default_value_for_each_table",
-    "max_batch_size", "gpucache", "gpucacheper", "hit_rate_threshold", "cache_policy",
-    "cache_exact", "cache_lfu_decay_keys_per_slot", "cache_refresh_percentage_per_iteration", "num_of_worker_buffer_in_pool",
-    "deployed_device_list", "device", "dense_file", "network_file", "maxnum_des_feature_per_sample",
+    "model",
+    "sparse_files",
+    "embedding_table_names",
+    "embedding_vecsize_per_table",
+    "maxnum_catfeature_query_per_table_per_sample",
+    "default_value_for_each_table",
+    "max_batch_size",
+    "gpucache",
+    "gpucacheper",
+    "hit_rate_threshold",
+    "cache_policy",
+    "cache_exact",
+    "cache_lfu_decay_keys_per_slot",
+    "cache_refresh_percentage_per_iteration",
+    "num_of_worker_buffer_in_pool",
+    "deployed_device_list",
+    "device",
+    "dense_file",
+    "network_file",
+    "maxnum_des_feature_per_sample",
 }
 
 
@@ -304,7 +347,9 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
     _no_unknown(d, _MODEL_FIELDS, where)
     name = _get(d, "model", where, str)
     _check(bool(name), where, "model", name, "a non-empty model name")
-    names = _list(d, "embedding_table_names", where, str, None, check=bool, expected="a non-empty name")
+    names = _list(
+        d, "embedding_table_names", where, str, None, check=bool, expected="a non-empty name"
+    )
     if not names:
         raise ValueError(f"{where}.embedding_table_names: a model needs at least one table")
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -312,9 +357,18 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
         raise ValueError(f"{where}.embedding_table_names: duplicate table names {dup}")
     n = len(names)
     files = _list(d, "sparse_files", where, str, n)
-    dims = _list(d, "embedding_vecsize_per_table", where, int, n, check=lambda x: x > 0, expected="> 0")
-    hot = _list(d, "maxnum_catfeature_query_per_table_per_sample", where, int, n,
-                check=lambda x: x > 0, expected="> 0")
+    dims = _list(
+        d, "embedding_vecsize_per_table", where, int, n, check=lambda x: x > 0, expected="> 0"
+    )
+    hot = _list(
+        d,
+        "maxnum_catfeature_query_per_table_per_sample",
+        where,
+        int,
+        n,
+        check=lambda x: x > 0,
+        expected="> 0",
+    )
     defaults = _list(d, "default_value_for_each_table", where, float, n, default=[0.0] * n)
     mbs = _get(d, "max_batch_size", where, int)
     _check(mbs > 0, where, "max_batch_size", mbs, "> 0")
@@ -323,29 +377,57 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
     thr = _get(d, "hit_rate_threshold", where, float, 0.9)
     _check(0.0 <= thr <= 1.0, where, "hit_rate_threshold", thr, "a fraction in [0, 1]")
     decay = _get(d, "cache_lfu_decay_keys_per_slot", where, float, DEFAULT_LFU_DECAY_KEYS_PER_SLOT)
-    _check(math.isfinite(decay) and decay >= 0, where, "cache_lfu_decay_keys_per_slot", decay,
-           "looked-up keys per cache slot between LFU halvings, a finite number >= 0 (0: never)")
+    _check(
+        math.isfinite(decay) and decay >= 0,
+        where,
+        "cache_lfu_decay_keys_per_slot",
+        decay,
+        "looked-up keys per cache slot between LFU halvings, a finite number >= 0 (0: never)",
+    )
     refresh = _get(d, "cache_refresh_percentage_per_iteration", where, float, 0.0)
-    _check(0.0 <= refresh <= 1.0, where, "cache_refresh_percentage_per_iteration", refresh, "in [0, 1]")
+    _check(
+        0.0 <= refresh <= 1.0, where, "cache_refresh_percentage_per_iteration", refresh, "in [0, 1]"
+    )
     workers = _get(d, "num_of_worker_buffer_in_pool", where, int, 4)
     _check(workers > 0, where, "num_of_worker_buffer_in_pool", workers, "> 0")
     device = _get(d, "device", where, str, "auto")
-    _check(device in ("auto", "cpu") or device.startswith("cuda"), where, "device", device,
-           "'auto', 'cpu' or 'cuda[:i]'")
-    devs = _list(d, "deployed_device_list", where, int, None, default=[0], check=lambda x: x >= 0,
-                 expected=">= 0")
+    _check(
+        device in ("auto", "cpu") or device.startswith("cuda"),
+        where,
+        "device",
+        device,
+        "'auto', 'cpu' or 'cuda[:i]'",
+    )
+    devs = _list(
+        d,
+        "deployed_device_list",
+        where,
+        int,
+        None,
+        default=[0],
+        check=lambda x: x >= 0,
+        expected=">= 0",
+    )
     if "maxnum_des_feature_per_sample" in d:
         _get(d, "maxnum_des_feature_per_sample", where, int)
     tables = tuple(
-        TableSpec(names[i], _resolve(files[i], base), dims[i], hot[i], defaults[i]) for i in range(n)
+        TableSpec(names[i], _resolve(files[i], base), dims[i], hot[i], defaults[i])
+        for i in range(n)
     )
     return ModelConfig(
-        model=name, tables=tables, max_batch_size=mbs,
-        gpucache=_get(d, "gpucache", where, bool, True), gpucacheper=per, hit_rate_threshold=thr,
+        model=name,
+        tables=tables,
+        max_batch_size=mbs,
+        gpucache=_get(d, "gpucache", where, bool, True),
+        gpucacheper=per,
+        hit_rate_threshold=thr,
         cache_policy=_enum(d, "cache_policy", where, CachePolicy, CachePolicy.LRU),
-        cache_exact=_get(d, "cache_exact", where, bool, False), cache_lfu_decay_keys_per_slot=decay,
-        cache_refresh_percentage_per_iteration=refresh, num_of_worker_buffer_in_pool=workers,
-        deployed_device_list=tuple(devs), device=device,
+        cache_exact=_get(d, "cache_exact", where, bool, False),
+        cache_lfu_decay_keys_per_slot=decay,
+        cache_refresh_percentage_per_iteration=refresh,
+        num_of_worker_buffer_in_pool=workers,
+        deployed_device_list=tuple(devs),
+        device=device,
         dense_file=_resolve(_get(d, "dense_file", where, str, ""), base),
         network_file=_resolve(_get(d, "network_file", where, str, ""), base),
     )
@@ -370,16 +452,38 @@ def _parse_vdb(d: dict[str, Any]) -> VolatileDBConfig:
         socket_timeout_s=_get(d, "socket_timeout_s", w, float, dflt.socket_timeout_s),
     )
     _check(cfg.num_partitions > 0, w, "num_partitions", cfg.num_partitions, "> 0")
-    _check(cfg.overflow_margin > 0, w, "overflow_margin", cfg.overflow_margin, "> 0 rows per partition")
-    _check(0.0 < cfg.overflow_resolution_target <= 1.0, w, "overflow_resolution_target",
-           cfg.overflow_resolution_target, "a fraction in (0, 1]")
-    _check(0.0 <= cfg.initial_cache_rate <= 1.0, w, "initial_cache_rate", cfg.initial_cache_rate,
-           "a fraction in [0, 1]")
+    _check(
+        cfg.overflow_margin > 0, w, "overflow_margin", cfg.overflow_margin, "> 0 rows per partition"
+    )
+    _check(
+        0.0 < cfg.overflow_resolution_target <= 1.0,
+        w,
+        "overflow_resolution_target",
+        cfg.overflow_resolution_target,
+        "a fraction in (0, 1]",
+    )
+    _check(
+        0.0 <= cfg.initial_cache_rate <= 1.0,
+        w,
+        "initial_cache_rate",
+        cfg.initial_cache_rate,
+        "a fraction in [0, 1]",
+    )
     _check(cfg.max_batch_size > 0, w, "max_batch_size", cfg.max_batch_size, "> 0")
-    _check(0 <= cfg.retry_interval_s <= _MAX_WAIT_S, w, "retry_interval_s", cfg.retry_interval_s,
-           f"seconds in [0, {_MAX_WAIT_S:.0f}]")
-    _check(0 < cfg.socket_timeout_s <= _MAX_WAIT_S, w, "socket_timeout_s", cfg.socket_timeout_s,
-           f"seconds in (0, {_MAX_WAIT_S:.0f}]")
+    _check(
+        0 <= cfg.retry_interval_s <= _MAX_WAIT_S,
+        w,
+        "retry_interval_s",
+        cfg.retry_interval_s,
+        f"seconds in [0, {_MAX_WAIT_S:.0f}]",
+    )
+    _check(
+        0 < cfg.socket_timeout_s <= _MAX_WAIT_S,
+        w,
+        "socket_timeout_s",
+        cfg.socket_timeout_s,
+        f"seconds in (0, {_MAX_WAIT_S:.0f}]",
+    )
     if typ is VolatileDBType.REDIS_CLUSTER:
         _check_address(cfg.address, w, "a redis_cluster")
     return cfg
@@ -390,7 +494,8 @@ def _parse_pdb(d: dict[str, Any], base: Path | None) -> PersistentDBConfig:
     _no_unknown(d, set(PersistentDBConfig.__dataclass_fields__), w)
     typ = _enum(d, "type", w, PersistentDBType, PersistentDBType.NONE)
     cfg = PersistentDBConfig(
-        type=typ, path=_resolve(_get(d, "path", w, str, ""), base),
+        type=typ,
+        path=_resolve(_get(d, "path", w, str, ""), base),
         read_only=_get(d, "read_only", w, bool, False),
         max_batch_size=_get(d, "max_batch_size", w, int, 65536),
     )
@@ -400,39 +505,67 @@ def _parse_pdb(d: dict[str, Any], base: Path | None) -> PersistentDBConfig:
     return cfg
 
 
-def _parse_updates(d: dict[str, Any], base: Path | None, vdb: VolatileDBConfig,
-                   pdb: PersistentDBConfig) -> UpdateSourceConfig:
+def _parse_updates(
+    d: dict[str, Any], base: Path | None, vdb: VolatileDBConfig, pdb: PersistentDBConfig
+) -> UpdateSourceConfig:
     w = "update_source"
     _no_unknown(d, set(UpdateSourceConfig.__dataclass_fields__), w)
     typ = _enum(d, "type", w, UpdateSourceType, UpdateSourceType.NONE)
     cfg = UpdateSourceConfig(
-        type=typ, path=_resolve(_get(d, "path", w, str, ""), base),
-        address=_get(d, "address", w, str, ""), stream=_get(d, "stream", w, str, "hps_updates"),
+        type=typ,
+        path=_resolve(_get(d, "path", w, str, ""), base),
+        address=_get(d, "address", w, str, ""),
+        stream=_get(d, "stream", w, str, "hps_updates"),
         poll_interval_s=_get(d, "poll_interval_s", w, float, 0.5),
         state_path=_resolve(_get(d, "state_path", w, str, ""), base),
     )
-    _check(0 <= cfg.poll_interval_s <= _MAX_WAIT_S, w, "poll_interval_s", cfg.poll_interval_s,
-           f"seconds in [0, {_MAX_WAIT_S:.0f}]")
+    _check(
+        0 <= cfg.poll_interval_s <= _MAX_WAIT_S,
+        w,
+        "poll_interval_s",
+        cfg.poll_interval_s,
+        f"seconds in [0, {_MAX_WAIT_S:.0f}]",
+    )
     if typ is UpdateSourceType.FILE_LOG:
         _check(bool(cfg.path), w, "path", cfg.path, "the update log file for a file_log source")
     if typ is UpdateSourceType.REDIS_STREAM:
         if cfg.address:
             _check_address(cfg.address, w, "a redis_stream source")
         elif vdb.address:  # the volatile db's redis is the stream's
-            _check_address(vdb.address, "volatile_db", "the redis_stream source (update_source.address is empty)")
+            _check_address(
+                vdb.address,
+                "volatile_db",
+                "the redis_stream source (update_source.address is empty)",
+            )
         else:
-            _check(False, w, "address", cfg.address, "a redis address (or a redis_cluster volatile_db.address)")
+            _check(
+                False,
+                w,
+                "address",
+                cfg.address,
+                "a redis address (or a redis_cluster volatile_db.address)",
+            )
         _check(bool(cfg.stream), w, "stream", cfg.stream, "a non-empty stream name")
         writable_pdb = pdb.type is PersistentDBType.ROCKS_DB and not pdb.read_only
-        _check(bool(cfg.state_path) or writable_pdb, w, "state_path", cfg.state_path,
-               "a file for the last applied stream entry id: a redis_stream source needs one "
-               "unless persistent_db is a writable rocks_db (which then stores it)")
+        _check(
+            bool(cfg.state_path) or writable_pdb,
+            w,
+            "state_path",
+            cfg.state_path,
+            "a file for the last applied stream entry id: a redis_stream source needs one "
+            "unless persistent_db is a writable rocks_db (which then stores it)",
+        )
     if typ is not UpdateSourceType.NONE and vdb.type is VolatileDBType.NONE:
         writable_pdb = pdb.type is PersistentDBType.ROCKS_DB and not pdb.read_only
-        _check(writable_pdb, w, "type", typ.value,
-               "a source whose updates some tier keeps: with volatile_db 'none' the persistent_db "
-               "must be a rocks_db that is not read_only (else updates reach only cached copies "
-               "and are lost on eviction and restart)")
+        _check(
+            writable_pdb,
+            w,
+            "type",
+            typ.value,
+            "a source whose updates some tier keeps: with volatile_db 'none' the persistent_db "
+            "must be a rocks_db that is not read_only (else updates reach only cached copies "
+            "and are lost on eviction and restart)",
+        )
     return cfg
 
 
@@ -447,12 +580,14 @@ def _check_shared_tables(models: tuple[ModelConfig, ...]) -> None:
                 continue
             other, u = seen[t.name]
             if (Path(u.sparse_file).resolve() if u.sparse_file else "") != (
-                    Path(t.sparse_file).resolve() if t.sparse_file else "") or u.dim != t.dim:
+                Path(t.sparse_file).resolve() if t.sparse_file else ""
+            ) or u.dim != t.dim:
                 raise ValueError(
                     f"ps.json.models: table {t.name!r} of model {m.model!r} (sparse file "
                     f"{t.sparse_file!r}, dim {t.dim}) and of model {other!r} (sparse file "
                     f"{u.sparse_file!r}, dim {u.dim}) differ; the databases key tables by name, so "
-                    "models may share a table only with the same sparse file and dim: rename one")
+                    "models may share a table only with the same sparse file and dim: rename one"
+                )
 
 
 def parse_config(doc: Any, base_dir: str | Path | None = None) -> PSConfig:
@@ -463,8 +598,14 @@ def parse_config(doc: Any, base_dir: str | Path | None = None) -> PSConfig:
     """
     base = Path(base_dir) if base_dir is not None else None
     if not isinstance(doc, dict):
-        raise ValueError(f"ps.json: expected a JSON object at the top level, got {type(doc).__name__}")
-    _no_unknown(doc, {"supportlonglong", "models", "volatile_db", "persistent_db", "update_source"}, "ps.json")
+        raise ValueError(
+            f"ps.json: expected a JSON object at the top level, got {type(doc).__name__}"
+        )
+    _no_unknown(
+        doc,
+        {"supportlonglong", "models", "volatile_db", "persistent_db", "update_source"},
+        "ps.json",
+    )
     longlong = _get(doc, "supportlonglong", "ps.json", bool, True)
     _check(longlong, "ps.json", "supportlonglong", longlong, "true (keys are int64)")
     models_raw = _get(doc, "models", "ps.json", list)
@@ -483,12 +624,22 @@ def parse_config(doc: Any, base_dir: str | Path | None = None) -> PSConfig:
             "database tier must hold the tables"
         )
     if pdb.type is PersistentDBType.NONE:
-        _check(vdb.initial_cache_rate == 1.0, "volatile_db", "initial_cache_rate", vdb.initial_cache_rate,
-               "1.0 without a persistent_db (the rows not loaded would be served as default "
-               "vectors: no tier would hold them)")
+        _check(
+            vdb.initial_cache_rate == 1.0,
+            "volatile_db",
+            "initial_cache_rate",
+            vdb.initial_cache_rate,
+            "1.0 without a persistent_db (the rows not loaded would be served as default "
+            "vectors: no tier would hold them)",
+        )
     _check_shared_tables(models)
-    return PSConfig(models=models, volatile_db=vdb, persistent_db=pdb, update_source=upd,
-                    supportlonglong=longlong)
+    return PSConfig(
+        models=models,
+        volatile_db=vdb,
+        persistent_db=pdb,
+        update_source=upd,
+        supportlonglong=longlong,
+    )
 
 
 def load_config(path: str | Path) -> PSConfig:
@@ -502,5 +653,7 @@ def load_config(path: str | Path) -> PSConfig:
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: JSON syntax error at line {e.lineno} column {e.colno}: {e.msg}") from None
+        raise ValueError(
+            f"{path}: JSON syntax error at line {e.lineno} column {e.colno}: {e.msg}"
+        ) from None
     return parse_config(doc, base_dir=path.parent)

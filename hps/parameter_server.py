@@ -66,16 +66,23 @@ def build_volatile(cfg: PSConfig) -> StorageBackend | None:
         from hps.redis_cluster import RedisClusterBackend
 
         # with a persistent DB every row can be served while the cluster is unreachable
-        return RedisClusterBackend(v.addresses(), num_partitions=v.num_partitions,
-                                   max_batch_size=v.max_batch_size, retry_interval_s=v.retry_interval_s,
-                                   socket_timeout_s=v.socket_timeout_s,
-                                   start_down=cfg.persistent_db.type is not PersistentDBType.NONE)
+        return RedisClusterBackend(
+            v.addresses(),
+            num_partitions=v.num_partitions,
+            max_batch_size=v.max_batch_size,
+            retry_interval_s=v.retry_interval_s,
+            socket_timeout_s=v.socket_timeout_s,
+            start_down=cfg.persistent_db.type is not PersistentDBType.NONE,
+        )
     from hps.volatile import HashMapBackend
 
     parts = 1 if v.type is VolatileDBType.HASH_MAP else v.num_partitions
-    return HashMapBackend(num_partitions=parts, overflow_margin=v.overflow_margin,
-                          overflow_policy=v.overflow_policy,
-                          overflow_resolution_target=v.overflow_resolution_target)
+    return HashMapBackend(
+        num_partitions=parts,
+        overflow_margin=v.overflow_margin,
+        overflow_policy=v.overflow_policy,
+        overflow_resolution_target=v.overflow_resolution_target,
+    )
 
 
 def build_persistent(cfg: PSConfig) -> RocksDBBackend | None:
@@ -87,7 +94,11 @@ def build_persistent(cfg: PSConfig) -> RocksDBBackend | None:
 
 def resolve_device(model: ModelConfig) -> torch.device:
     if model.device == "auto":
-        return torch.device("cuda", model.deployed_device_list[0]) if torch.cuda.is_available() else torch.device("cpu")
+        return (
+            torch.device("cuda", model.deployed_device_list[0])
+            if torch.cuda.is_available()
+            else torch.device("cpu")
+        )
     return torch.device(model.device)
 
 
@@ -135,8 +146,10 @@ class HierarchicalParameterServer:
             return int(self.persistent.loaded_rows(table))
         if sparse_file and Path(sparse_file).exists():
             return int(read_table(sparse_file, dim)[0].shape[0])
-        raise ValueError(f"table {table!r}: cannot size its cache without its sparse file "
-                         f"{sparse_file!r} or a loaded persistent db")
+        raise ValueError(
+            f"table {table!r}: cannot size its cache without its sparse file "
+            f"{sparse_file!r} or a loaded persistent db"
+        )
 
     def _load_table(self, name: str, folder: str, dim: int) -> None:
         if name in self.num_rows:
@@ -166,8 +179,14 @@ class HierarchicalParameterServer:
                 except VolatileUnavailableError as e:  # serve from the persistent db meanwhile
                     log.error("volatile db: loading %s stopped at row %d of %d: %s", name, s, m, e)
                     break
-            log.info("volatile db (%s): loaded %d of %d rows of %s from the %s", self.volatile.name, m, n,
-                     name, "persistent db" if from_pdb is not None else "sparse files")
+            log.info(
+                "volatile db (%s): loaded %d of %d rows of %s from the %s",
+                self.volatile.name,
+                m,
+                n,
+                name,
+                "persistent db" if from_pdb is not None else "sparse files",
+            )
             if pdb is None and self.cfg.volatile_db.type is not VolatileDBType.REDIS_CLUSTER:
                 held = self.volatile.size(name)
                 if held < n:  # evicted while loading: no tier holds the rest
@@ -177,7 +196,8 @@ class HierarchicalParameterServer:
                         f"(overflow_margin {v.overflow_margin} rows per partition, "
                         f"{self.volatile.num_partitions} partitions) and there is no persistent_db, "
                         "so the evicted rows would be served as default vectors; raise "
-                        "volatile_db.overflow_margin or add a persistent_db")
+                        "volatile_db.overflow_margin or add a persistent_db"
+                    )
 
     def _volatile_rebuilt(self, load: bool) -> bool:
         """Whether this start left the volatile DB without the online updates applied before
@@ -203,8 +223,12 @@ class HierarchicalParameterServer:
         f = OffsetFile(path)
         old = f.load()
         if old is not None:
-            log.info("update offset %s was %s; the volatile db was rebuilt without the updates applied "
-                     "so far, so the update source is replayed from its start", path, old)
+            log.info(
+                "update offset %s was %s; the volatile db was rebuilt without the updates applied "
+                "so far, so the update source is replayed from its start",
+                path,
+                old,
+            )
             f.clear()
 
     def _make_session(self, model: ModelConfig) -> LookupSession:
@@ -214,14 +238,27 @@ class HierarchicalParameterServer:
             cache = None
             if model.gpucache:
                 cap = max(1, math.ceil(model.gpucacheper * self.num_rows[t.name]))
-                cache = EmbeddingCache(cap, t.dim, policy=model.cache_policy, device=device,
-                                       lfu_decay_keys_per_slot=model.cache_lfu_decay_keys_per_slot)
-            tables.append(SessionTable(t.name, t.dim, t.default_value, model.max_keys_per_lookup(t.name), cache))
+                cache = EmbeddingCache(
+                    cap,
+                    t.dim,
+                    policy=model.cache_policy,
+                    device=device,
+                    lfu_decay_keys_per_slot=model.cache_lfu_decay_keys_per_slot,
+                )
+            tables.append(
+                SessionTable(
+                    t.name, t.dim, t.default_value, model.max_keys_per_lookup(t.name), cache
+                )
+            )
         return LookupSession(
-            tables, volatile=self.volatile, persistent=self.persistent,
-            hit_rate_threshold=model.hit_rate_threshold, exact=model.cache_exact,
+            tables,
+            volatile=self.volatile,
+            persistent=self.persistent,
+            hit_rate_threshold=model.hit_rate_threshold,
+            exact=model.cache_exact,
             max_concurrent=model.num_of_worker_buffer_in_pool,
-            cache_missed_embeddings=self.cfg.volatile_db.cache_missed_embeddings, device=device,
+            cache_missed_embeddings=self.cfg.volatile_db.cache_missed_embeddings,
+            device=device,
         )
 
     def update_applier(self) -> UpdateApplier | None:
@@ -239,8 +276,14 @@ class HierarchicalParameterServer:
             address = u.address or vdb.address
             cluster = not u.address and vdb.type is VolatileDBType.REDIS_CLUSTER
             source = RedisStreamSource(redis_client(address, cluster=cluster), u.stream)
-        return UpdateApplier(source, self._sessions.values(), self.volatile, self.persistent,
-                             offset_file=self._offset_path(), name=f"{u.type.value}:{u.stream if u.path == '' else u.path}")
+        return UpdateApplier(
+            source,
+            self._sessions.values(),
+            self.volatile,
+            self.persistent,
+            offset_file=self._offset_path(),
+            name=f"{u.type.value}:{u.stream if u.path == '' else u.path}",
+        )
 
     def start_background(self, refresh_interval_s: float = 10.0) -> list:
         """Start the periodic work a config asks for: each model's cache refresh (every
@@ -253,8 +296,11 @@ class HierarchicalParameterServer:
         stops = []
         for m in self.cfg.models:
             if m.gpucache and m.cache_refresh_percentage_per_iteration > 0:
-                stops.append(self._sessions[m.model].start_refresh(refresh_interval_s,
-                                                                    m.cache_refresh_percentage_per_iteration))
+                stops.append(
+                    self._sessions[m.model].start_refresh(
+                        refresh_interval_s, m.cache_refresh_percentage_per_iteration
+                    )
+                )
         applier = self.update_applier()
         if applier is not None:
             try:

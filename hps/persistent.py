@@ -27,8 +27,9 @@ def encode_keys(keys: np.ndarray) -> list[bytes]:
     return keys.astype("<i8", copy=False).view("V8").tolist()
 
 
-def decode_rows(res: list[bytes | None], dim: int, what: str,
-                keys: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+def decode_rows(
+    res: list[bytes | None], dim: int, what: str, keys: np.ndarray | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """Multi-get results (``None`` = missing) → ``(values (n, dim) float32, found (n,) bool)``.
 
     Args:
@@ -44,15 +45,20 @@ def decode_rows(res: list[bytes | None], dim: int, what: str,
     found = np.fromiter((r is not None for r in res), dtype=bool, count=n)
     out = np.zeros((n, dim), np.float32)
     if found.any():
-        sizes = np.fromiter((len(r) if r is not None else dim * 4 for r in res), dtype=np.int64, count=n)
+        sizes = np.fromiter(
+            (len(r) if r is not None else dim * 4 for r in res), dtype=np.int64, count=n
+        )
         bad = np.flatnonzero(sizes != dim * 4)
         if bad.size:
             i = int(bad[0])
             key = f"key {int(keys[i])}" if keys is not None else f"entry {i} of the batch"
             raise CorruptRowError(
                 f"{what}: {key} holds {int(sizes[i])} bytes, not {dim} float32s "
-                f"({bad.size} such rows in this batch of {n}; corrupted database?)")
-        out[found] = np.frombuffer(b"".join(r for r in res if r is not None), dtype="<f4").reshape(-1, dim)
+                f"({bad.size} such rows in this batch of {n}; corrupted database?)"
+            )
+        out[found] = np.frombuffer(b"".join(r for r in res if r is not None), dtype="<f4").reshape(
+            -1, dim
+        )
     return out, found
 
 
@@ -67,7 +73,9 @@ class RocksDBBackend(StorageBackend):
 
     name = "rocks_db"
 
-    def __init__(self, path: str | Path, read_only: bool = False, max_batch_size: int = 65536) -> None:
+    def __init__(
+        self, path: str | Path, read_only: bool = False, max_batch_size: int = 65536
+    ) -> None:
         from rocksdict import AccessType, Options, Rdict
 
         self.path = str(path)
@@ -78,7 +86,9 @@ class RocksDBBackend(StorageBackend):
         opts.create_if_missing(not read_only)
         exists = Path(self.path, "CURRENT").exists()
         if read_only and not exists:
-            raise ValueError(f"persistent_db.path {self.path!r}: no RocksDB there to open read-only")
+            raise ValueError(
+                f"persistent_db.path {self.path!r}: no RocksDB there to open read-only"
+            )
         cfs = Rdict.list_cf(self.path, Options(raw_mode=True)) if exists else ["default"]
         families = {n: Options(raw_mode=True) for n in cfs if n != "default"}
         access = AccessType.read_only() if read_only else AccessType.read_write()
@@ -100,10 +110,14 @@ class RocksDBBackend(StorageBackend):
         with self._lock:
             if table in self._dims:
                 if self._dims[table] != dim:
-                    raise ValueError(f"persistent db table {table!r} has dim {self._dims[table]}, not {dim}")
+                    raise ValueError(
+                        f"persistent db table {table!r} has dim {self._dims[table]}, not {dim}"
+                    )
                 return
             if self.read_only:
-                raise ValueError(f"persistent db {self.path!r} is read-only and has no table {table!r}")
+                raise ValueError(
+                    f"persistent db {self.path!r} is read-only and has no table {table!r}"
+                )
             if table not in self._cf:
                 self._cf[table] = self._db.create_column_family(table, Options(raw_mode=True))
             self._cf[META_CF].put(f"dim:{table}".encode(), str(dim).encode())
@@ -122,7 +136,9 @@ class RocksDBBackend(StorageBackend):
         try:
             return self._dims[table]
         except KeyError:
-            raise ValueError(f"persistent db has no table {table!r}; tables: {sorted(self._dims)}") from None
+            raise ValueError(
+                f"persistent db has no table {table!r}; tables: {sorted(self._dims)}"
+            ) from None
 
     # -------------------------------------------------------------------------- reads
     def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -130,13 +146,17 @@ class RocksDBBackend(StorageBackend):
         dim = self._dim(table)
         cf = self._cf[table]
         if keys.size <= self.max_batch_size:
-            return decode_rows(cf.get(encode_keys(keys)), dim, f"persistent db table {table!r}", keys)
+            return decode_rows(
+                cf.get(encode_keys(keys)), dim, f"persistent db table {table!r}", keys
+            )
         out = np.zeros((keys.size, dim), np.float32)
         found = np.zeros(keys.size, bool)
         for s in range(0, keys.size, self.max_batch_size):
-            chunk = keys[s:s + self.max_batch_size]
-            v, f = decode_rows(cf.get(encode_keys(chunk)), dim, f"persistent db table {table!r}", chunk)
-            out[s:s + v.shape[0]], found[s:s + v.shape[0]] = v, f
+            chunk = keys[s : s + self.max_batch_size]
+            v, f = decode_rows(
+                cf.get(encode_keys(chunk)), dim, f"persistent db table {table!r}", chunk
+            )
+            out[s : s + v.shape[0]], found[s : s + v.shape[0]] = v, f
         return out, found
 
     def size(self, table: str) -> int:
@@ -148,8 +168,9 @@ class RocksDBBackend(StorageBackend):
     def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
         self.write_batch([(table, keys, values)])
 
-    def write_batch(self, rows: list[tuple[str, np.ndarray, np.ndarray]],
-                    meta: dict[str, bytes] | None = None) -> None:
+    def write_batch(
+        self, rows: list[tuple[str, np.ndarray, np.ndarray]], meta: dict[str, bytes] | None = None
+    ) -> None:
         """Write rows of several tables and metadata in ONE atomic RocksDB ``WriteBatch``.
 
         Args:
@@ -169,7 +190,12 @@ class RocksDBBackend(StorageBackend):
             values = check_values(values, keys.size, self._dim(table))
             handle = self._db.get_column_family_handle(table)
             kb = encode_keys(keys)
-            vb = values.astype("<f4", copy=False).view(f"V{values.shape[1] * 4}").reshape(-1).tolist()
+            vb = (
+                values.astype("<f4", copy=False)
+                .view(f"V{values.shape[1] * 4}")
+                .reshape(-1)
+                .tolist()
+            )
             for k, v in zip(kb, vb):  # WriteBatch has no bulk put; this is the write path only
                 wb.put(k, v, handle)
         if meta:
@@ -179,11 +205,20 @@ class RocksDBBackend(StorageBackend):
         with self._lock:
             self._db.write(wb)
 
-    def bulk_load(self, table: str, keys: np.ndarray, values: np.ndarray, chunk: int = 262144) -> None:
+    def bulk_load(
+        self, table: str, keys: np.ndarray, values: np.ndarray, chunk: int = 262144
+    ) -> None:
         """Load a whole table in chunks of ``chunk`` rows (each chunk one atomic batch)."""
         for s in range(0, keys.shape[0], chunk):
-            self.write_batch([(table, np.ascontiguousarray(keys[s:s + chunk], dtype=np.int64),
-                               np.ascontiguousarray(values[s:s + chunk], dtype=np.float32))])
+            self.write_batch(
+                [
+                    (
+                        table,
+                        np.ascontiguousarray(keys[s : s + chunk], dtype=np.int64),
+                        np.ascontiguousarray(values[s : s + chunk], dtype=np.float32),
+                    )
+                ]
+            )
         self._db.put(f"loaded:{table}".encode(), json.dumps({"rows": int(keys.shape[0])}).encode())
 
     def loaded_rows(self, table: str) -> int | None:

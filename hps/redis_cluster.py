@@ -63,10 +63,16 @@ class RedisClusterBackend(StorageBackend):
 
     name = "redis_cluster"
 
-    def __init__(self, addresses: list[tuple[str, int]], num_partitions: int = 8,
-                 max_batch_size: int = 65536, retry_interval_s: float = 1.0,
-                 socket_timeout_s: float = 1.0, max_pending_rows: int = _DEFAULT_MAX_PENDING_ROWS,
-                 start_down: bool = False) -> None:
+    def __init__(
+        self,
+        addresses: list[tuple[str, int]],
+        num_partitions: int = 8,
+        max_batch_size: int = 65536,
+        retry_interval_s: float = 1.0,
+        socket_timeout_s: float = 1.0,
+        max_pending_rows: int = _DEFAULT_MAX_PENDING_ROWS,
+        start_down: bool = False,
+    ) -> None:
         if not addresses:
             raise ValueError("redis_cluster needs at least one 'host:port' address")
         self.addresses = list(addresses)
@@ -91,7 +97,8 @@ class RedisClusterBackend(StorageBackend):
             if not start_down:
                 raise ValueError(
                     f"redis cluster at {self._address_list} cannot "
-                    f"be reached ({type(e).__name__}: {e})") from e
+                    f"be reached ({type(e).__name__}: {e})"
+                ) from e
             self._client = None
             self._fail("connect", e)
 
@@ -103,8 +110,11 @@ class RedisClusterBackend(StorageBackend):
 
         nodes = [ClusterNode(h, p) for h, p in self.addresses]
         client = RedisCluster(
-            startup_nodes=nodes, require_full_coverage=False, retry=Retry(NoBackoff(), 0),
-            socket_timeout=self.socket_timeout_s, socket_connect_timeout=self.socket_timeout_s,
+            startup_nodes=nodes,
+            require_full_coverage=False,
+            retry=Retry(NoBackoff(), 0),
+            socket_timeout=self.socket_timeout_s,
+            socket_connect_timeout=self.socket_timeout_s,
         )
         old, self._client = self._client, client
         if old is not None:
@@ -121,16 +131,21 @@ class RedisClusterBackend(StorageBackend):
         """The client, or :class:`VolatileUnavailableError` when no node answered yet."""
         if self._client is None:
             raise VolatileUnavailableError(
-                f"redis cluster at {self._address_list} has not "
-                "answered since the start")
+                f"redis cluster at {self._address_list} has not answered since the start"
+            )
         return self._client
 
     def _fail(self, what: str, err: BaseException) -> None:
         with self._lock:
             self.errors += 1
             self._down_until = time.monotonic() + self.retry_interval_s
-        log.warning("redis cluster %s failed (%s: %s); treating it as down for %.1f s",
-                    what, type(err).__name__, err, self.retry_interval_s)
+        log.warning(
+            "redis cluster %s failed (%s: %s); treating it as down for %.1f s",
+            what,
+            type(err).__name__,
+            err,
+            self.retry_interval_s,
+        )
 
     @property
     def available(self) -> bool:
@@ -191,14 +206,18 @@ class RedisClusterBackend(StorageBackend):
     # ------------------------------------------------------------------ interface
     def create_table(self, table: str, dim: int) -> None:
         if self._dims.get(table, dim) != dim:
-            raise ValueError(f"redis table {table!r} exists with dim {self._dims[table]}, not {dim}")
+            raise ValueError(
+                f"redis table {table!r} exists with dim {self._dims[table]}, not {dim}"
+            )
         self._dims[table] = dim
 
     def _dim(self, table: str) -> int:
         try:
             return self._dims[table]
         except KeyError:
-            raise ValueError(f"redis volatile db has no table {table!r}; tables: {sorted(self._dims)}") from None
+            raise ValueError(
+                f"redis volatile db has no table {table!r}; tables: {sorted(self._dims)}"
+            ) from None
 
     def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keys = check_keys(keys)
@@ -216,7 +235,7 @@ class RedisClusterBackend(StorageBackend):
             for p, idx in split_by_partition(keys, self.num_partitions):
                 name = partition_name(table, p)
                 for s in range(0, idx.size, self.max_batch_size):
-                    chunk = idx[s:s + self.max_batch_size]
+                    chunk = idx[s : s + self.max_batch_size]
                     pipe.hmget(name, encode_keys(keys[chunk]))
                     plan.append(chunk)
             results = pipe.execute(raise_on_error=False)
@@ -240,8 +259,10 @@ class RedisClusterBackend(StorageBackend):
         for p, idx in split_by_partition(keys, self.num_partitions):
             name = partition_name(table, p)
             for s in range(0, idx.size, self.max_batch_size):
-                chunk = idx[s:s + self.max_batch_size]
-                vb = values[chunk].astype("<f4", copy=False).view(f"V{dim * 4}").reshape(-1).tolist()
+                chunk = idx[s : s + self.max_batch_size]
+                vb = (
+                    values[chunk].astype("<f4", copy=False).view(f"V{dim * 4}").reshape(-1).tolist()
+                )
                 pipe.hset(name, mapping=dict(zip(encode_keys(keys[chunk]), vb)))
         results = pipe.execute(raise_on_error=False)
         errs = [r for r in results if isinstance(r, Exception)]
@@ -271,7 +292,8 @@ class RedisClusterBackend(StorageBackend):
                 raise VolatileUnavailableError(
                     f"redis cluster down and {self._pending_rows} rows already queued "
                     f"(max_pending_rows {self.max_pending_rows}): {keys.size} rows of {table!r} "
-                    "neither written nor queued")
+                    "neither written nor queued"
+                )
             self._pending.append((table, keys.copy(), values.copy()))
             self._pending_rows += keys.size
 

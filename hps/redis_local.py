@@ -47,8 +47,9 @@ def free_port() -> int:
 def _ping(port: int, timeout_s: float = 10.0) -> None:
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
-        r = subprocess.run([REDIS_CLI, "-h", "127.0.0.1", "-p", str(port), "ping"],
-                           capture_output=True, text=True)
+        r = subprocess.run(
+            [REDIS_CLI, "-h", "127.0.0.1", "-p", str(port), "ping"], capture_output=True, text=True
+        )
         if r.stdout.strip() == "PONG":
             return
         time.sleep(0.05)
@@ -65,7 +66,9 @@ class LocalRedisCluster:
         node_timeout_ms: ``cluster-node-timeout`` (how soon peers notice a dead node).
     """
 
-    def __init__(self, n: int, workdir: str | Path, cluster: bool = True, node_timeout_ms: int = 1000) -> None:
+    def __init__(
+        self, n: int, workdir: str | Path, cluster: bool = True, node_timeout_ms: int = 1000
+    ) -> None:
         if cluster and n < 3:
             raise ValueError(f"a Redis cluster needs at least 3 nodes, got {n}")
         self.n = n
@@ -88,12 +91,32 @@ class LocalRedisCluster:
         port = self.ports[i]
         node_dir = self.workdir / f"node{i}"
         node_dir.mkdir(parents=True, exist_ok=True)
-        args = [REDIS_SERVER, "--bind", "127.0.0.1", "--port", str(port), "--save", "",
-                "--appendonly", "no", "--dir", str(node_dir), "--protected-mode", "no"]
+        args = [
+            REDIS_SERVER,
+            "--bind",
+            "127.0.0.1",
+            "--port",
+            str(port),
+            "--save",
+            "",
+            "--appendonly",
+            "no",
+            "--dir",
+            str(node_dir),
+            "--protected-mode",
+            "no",
+        ]
         if self.cluster:
-            args += ["--cluster-enabled", "yes", "--cluster-config-file", str(node_dir / "nodes.conf"),
-                     "--cluster-node-timeout", str(self.node_timeout_ms),
-                     "--cluster-require-full-coverage", "no"]
+            args += [
+                "--cluster-enabled",
+                "yes",
+                "--cluster-config-file",
+                str(node_dir / "nodes.conf"),
+                "--cluster-node-timeout",
+                str(self.node_timeout_ms),
+                "--cluster-require-full-coverage",
+                "no",
+            ]
         logf = open(node_dir / "redis.log", "ab")  # noqa: SIM115 - owned by the child
         proc = subprocess.Popen(args, stdout=logf, stderr=subprocess.STDOUT)
         logf.close()
@@ -101,7 +124,9 @@ class LocalRedisCluster:
 
     def start(self) -> LocalRedisCluster:
         if not redis_available():
-            raise RuntimeError("redis-server/redis-cli are not installed (apt-get install redis-server)")
+            raise RuntimeError(
+                "redis-server/redis-cli are not installed (apt-get install redis-server)"
+            )
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.ports = []
         for _ in range(self.n):
@@ -113,8 +138,15 @@ class LocalRedisCluster:
         for p in self.ports:
             _ping(p)
         if self.cluster:
-            cmd = [REDIS_CLI, "--cluster", "create", *[f"127.0.0.1:{p}" for p in self.ports],
-                   "--cluster-replicas", "0", "--cluster-yes"]
+            cmd = [
+                REDIS_CLI,
+                "--cluster",
+                "create",
+                *[f"127.0.0.1:{p}" for p in self.ports],
+                "--cluster-replicas",
+                "0",
+                "--cluster-yes",
+            ]
             r = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
             if r.returncode != 0:
                 self.stop()
@@ -131,12 +163,16 @@ class LocalRedisCluster:
             for i, p in enumerate(self.ports):
                 if self.procs[i] is None:
                     continue
-                r = subprocess.run([REDIS_CLI, "-p", str(p), "cluster", "info"], capture_output=True, text=True)
+                r = subprocess.run(
+                    [REDIS_CLI, "-p", str(p), "cluster", "info"], capture_output=True, text=True
+                )
                 states.append("cluster_state:ok" in r.stdout)
             if states and all(states):
                 return
             time.sleep(0.05)
-        raise RuntimeError(f"redis cluster on {self.ports} did not reach cluster_state:ok in {timeout_s} s")
+        raise RuntimeError(
+            f"redis cluster on {self.ports} did not reach cluster_state:ok in {timeout_s} s"
+        )
 
     def kill(self, i: int) -> None:
         """Kill node ``i`` (SIGKILL, by pid): its data is gone, as after a crash."""

@@ -73,8 +73,10 @@ class DLRMServable:
         import onnxruntime as ort
 
         if not model.network_file:
-            raise ValueError(f"model {model.model!r} has no network_file in ps.json; the server "
-                             "serves a whole DLRM (dense graph + embeddings)")
+            raise ValueError(
+                f"model {model.model!r} has no network_file in ps.json; the server "
+                "serves a whole DLRM (dense graph + embeddings)"
+            )
         path = Path(model.network_file)
         if not path.is_file():
             raise ValueError(f"model {model.model!r}: network_file {str(path)!r} does not exist")
@@ -92,57 +94,78 @@ class DLRMServable:
         self.session = session
         ins = {i.name: i for i in self._ort.get_inputs()}
         if set(ins) != {"dense", "pooled"}:
-            raise ValueError(f"model {model.model!r}: {path.name} must have inputs 'dense' and "
-                             f"'pooled' (export_onnx(include_embeddings=False)), has {sorted(ins)}")
+            raise ValueError(
+                f"model {model.model!r}: {path.name} must have inputs 'dense' and "
+                f"'pooled' (export_onnx(include_embeddings=False)), has {sorted(ins)}"
+            )
         d = ins["dense"].shape[1] if len(ins["dense"].shape) == 2 else None
         if not isinstance(d, int):
-            raise ValueError(f"model {model.model!r}: input 'dense' must be (B, D) with a fixed D, "
-                             f"got {ins['dense'].shape}")
+            raise ValueError(
+                f"model {model.model!r}: input 'dense' must be (B, D) with a fixed D, "
+                f"got {ins['dense'].shape}"
+            )
         self.dense_features = d
         self._output = self._ort.get_outputs()[0].name
         meta = self._ort.get_modelmeta().custom_metadata_map.get(SERVING_METADATA_KEY)
         combiners = self._combiners(model, meta, path)
-        self.tables = [_Table(t.name, t.dim, t.max_query_per_sample, combiners[t.name])
-                       for t in model.tables]
+        self.tables = [
+            _Table(t.name, t.dim, t.max_query_per_sample, combiners[t.name]) for t in model.tables
+        ]
         dims = {t.dim for t in self.tables}
         if len(dims) != 1:
-            raise ValueError(f"model {model.model!r}: the dense graph takes one pooled block, so "
-                             f"every table needs the same vector size; got {sorted(dims)}")
+            raise ValueError(
+                f"model {model.model!r}: the dense graph takes one pooled block, so "
+                f"every table needs the same vector size; got {sorted(dims)}"
+            )
 
     @staticmethod
     def _combiners(model: ModelConfig, meta: str | None, path: Path) -> dict[str, str]:
         names = [t.name for t in model.tables]
         if meta is None:
-            log.warning("model %r: %s has no %s metadata; pooling every table by sum",
-                        model.model, path.name, SERVING_METADATA_KEY)
+            log.warning(
+                "model %r: %s has no %s metadata; pooling every table by sum",
+                model.model,
+                path.name,
+                SERVING_METADATA_KEY,
+            )
             return dict.fromkeys(names, "sum")
         try:
             tables = json.loads(meta)["tables"]
             got = {str(t["name"]): str(t["combiner"]) for t in tables}
         except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(f"model {model.model!r}: {path.name} metadata {SERVING_METADATA_KEY} "
-                             f"is malformed: {e}") from None
+            raise ValueError(
+                f"model {model.model!r}: {path.name} metadata {SERVING_METADATA_KEY} "
+                f"is malformed: {e}"
+            ) from None
         if list(got) != names:
-            raise ValueError(f"model {model.model!r}: ps.json tables {names} differ from the dense "
-                             f"graph's {list(got)} ({path.name} metadata)")
+            raise ValueError(
+                f"model {model.model!r}: ps.json tables {names} differ from the dense "
+                f"graph's {list(got)} ({path.name} metadata)"
+            )
         bad = {n: c for n, c in got.items() if c not in _COMBINERS}
         if bad:
-            raise ValueError(f"model {model.model!r}: unknown combiner(s) {bad}; expected {_COMBINERS}")
+            raise ValueError(
+                f"model {model.model!r}: unknown combiner(s) {bad}; expected {_COMBINERS}"
+            )
         return got
 
     # ------------------------------------------------------------------ protocol metadata
     def metadata(self) -> dict[str, Any]:
         """The v2 model-metadata document (``GET /v2/models/{name}``)."""
         inputs = [{"name": "dense", "datatype": "FP32", "shape": [-1, self.dense_features]}]
-        inputs += [{"name": f"ids_{t.name}", "datatype": "INT64", "shape": [-1, t.max_hotness]}
-                   for t in self.tables]
+        inputs += [
+            {"name": f"ids_{t.name}", "datatype": "INT64", "shape": [-1, t.max_hotness]}
+            for t in self.tables
+        ]
         return {
             "name": self.name,
             "versions": ["1"],
             "platform": "tilerec_dlrm",
             "inputs": inputs,
-            "outputs": [{"name": "logits", "datatype": "FP32", "shape": [-1]},
-                        {"name": "probability", "datatype": "FP32", "shape": [-1]}],
+            "outputs": [
+                {"name": "logits", "datatype": "FP32", "shape": [-1]},
+                {"name": "probability", "datatype": "FP32", "shape": [-1]},
+            ],
         }
 
     # ------------------------------------------------------------------ inference
@@ -163,18 +186,22 @@ class DLRMServable:
         want = {"dense", *(f"ids_{t.name}" for t in self.tables)}
         missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)
         if missing or extra:
-            raise InputError(f"model {self.name!r}: missing inputs {missing}, unknown inputs "
-                             f"{extra}; expected {sorted(want)}")
+            raise InputError(
+                f"model {self.name!r}: missing inputs {missing}, unknown inputs "
+                f"{extra}; expected {sorted(want)}"
+            )
         dense = inputs["dense"]
         if dense.dtype != np.float32:
             raise InputError(f"input 'dense' must be FP32, got {dense.dtype}")
         if dense.ndim != 2 or dense.shape[1] != self.dense_features:
-            raise InputError(f"input 'dense' must have shape [B, {self.dense_features}], got "
-                             f"{list(dense.shape)}")
+            raise InputError(
+                f"input 'dense' must have shape [B, {self.dense_features}], got {list(dense.shape)}"
+            )
         b = dense.shape[0]
         if b > self.max_batch_size:
-            raise InputError(f"batch {b} exceeds model {self.name!r}'s max_batch_size "
-                             f"{self.max_batch_size}")
+            raise InputError(
+                f"batch {b} exceeds model {self.name!r}'s max_batch_size {self.max_batch_size}"
+            )
         if not np.isfinite(dense).all():
             raise InputError("input 'dense' holds NaN or infinite values")
         pooled = np.empty((b, len(self.tables), self.tables[0].dim), dtype=np.float32)
@@ -183,8 +210,9 @@ class DLRMServable:
         if b == 0:
             logits = np.zeros((0,), dtype=np.float32)
         else:
-            logits = self._ort.run([self._output], {"dense": np.ascontiguousarray(dense),
-                                                    "pooled": pooled})[0].astype(np.float32)
+            logits = self._ort.run(
+                [self._output], {"dense": np.ascontiguousarray(dense), "pooled": pooled}
+            )[0].astype(np.float32)
             logits = logits.reshape(b)
         prob = (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
         return {"logits": logits, "probability": prob}
@@ -195,16 +223,21 @@ class DLRMServable:
         if ids.dtype not in (np.int64, np.int32):
             raise InputError(f"input {name!r} must be INT64 or INT32, got {ids.dtype}")
         if ids.ndim != 2 or ids.shape[0] != b:
-            raise InputError(f"input {name!r} must have shape [{b}, w] (w ≤ {t.max_hotness}), "
-                             f"got {list(ids.shape)}")
+            raise InputError(
+                f"input {name!r} must have shape [{b}, w] (w ≤ {t.max_hotness}), "
+                f"got {list(ids.shape)}"
+            )
         if ids.shape[1] > t.max_hotness:
-            raise InputError(f"input {name!r} has {ids.shape[1]} ids per sample; table {t.name!r} "
-                             f"allows at most {t.max_hotness} "
-                             "(maxnum_catfeature_query_per_table_per_sample)")
+            raise InputError(
+                f"input {name!r} has {ids.shape[1]} ids per sample; table {t.name!r} "
+                f"allows at most {t.max_hotness} "
+                "(maxnum_catfeature_query_per_table_per_sample)"
+            )
         ids64 = torch.from_numpy(ids.astype(np.int64))  # a copy: request buffers are read-only
         if ids64.numel() and int(ids64.min()) < -1:
-            raise InputError(f"input {name!r} holds key {int(ids64.min())}; keys are ≥ 0 "
-                             "(-1 pads a short bag)")
+            raise InputError(
+                f"input {name!r} holds key {int(ids64.min())}; keys are ≥ 0 (-1 pads a short bag)"
+            )
         keep = ids64 >= 0
         sample = torch.arange(b).unsqueeze(1).expand_as(ids64)[keep]
         rows = self.session.lookup(t.name, ids64[keep]).to("cpu", torch.float32)

@@ -75,8 +75,10 @@ class ServerConfig:
         mb = self.max_request_mb
         ok = isinstance(mb, (int, float)) and not isinstance(mb, bool) and math.isfinite(mb)
         if not ok or mb * 2**20 < 1:
-            raise ValueError(f"ServerConfig.max_request_mb must be a finite number of MiB > 0 "
-                             f"(at least one byte), got {mb!r}")
+            raise ValueError(
+                f"ServerConfig.max_request_mb must be a finite number of MiB > 0 "
+                f"(at least one byte), got {mb!r}"
+            )
 
 
 _PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
@@ -95,7 +97,9 @@ class _Counts:
     last_ms: int = 0  # wall-clock ms of the last successful inference
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(self, ok: bool, ns: int, samples: int = 0, phases: dict[str, int] | None = None) -> None:
+    def add(
+        self, ok: bool, ns: int, samples: int = 0, phases: dict[str, int] | None = None
+    ) -> None:
         with self.lock:
             if ok:
                 self.success, self.success_ns = self.success + 1, self.success_ns + ns
@@ -109,11 +113,19 @@ class _Counts:
     def to_dict(self, name: str) -> dict[str, Any]:
         with self.lock:
             n = self.success
-            stats = {"success": {"count": n, "ns": self.success_ns},
-                     "fail": {"count": self.fail, "ns": self.fail_ns},
-                     **{k: {"count": n, "ns": v} for k, v in self.phase_ns.items()}}
-            return {"name": name, "version": MODEL_VERSION, "last_inference": self.last_ms,
-                    "inference_count": self.samples, "execution_count": n, "inference_stats": stats}
+            stats = {
+                "success": {"count": n, "ns": self.success_ns},
+                "fail": {"count": self.fail, "ns": self.fail_ns},
+                **{k: {"count": n, "ns": v} for k, v in self.phase_ns.items()},
+            }
+            return {
+                "name": name,
+                "version": MODEL_VERSION,
+                "last_inference": self.last_ms,
+                "inference_count": self.samples,
+                "execution_count": n,
+                "inference_stats": stats,
+            }
 
 
 def _error(msg: str, status: int = 400) -> JSONResponse:
@@ -140,12 +152,19 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
             raise ProtocolError(f"unknown model {name!r}; this server serves {sorted(servables)}")
         ver = request.path_params.get("version", MODEL_VERSION)
         if ver != MODEL_VERSION:
-            raise ProtocolError(f"model {name!r} has no version {ver!r}; versions: ['{MODEL_VERSION}']")
+            raise ProtocolError(
+                f"model {name!r} has no version {ver!r}; versions: ['{MODEL_VERSION}']"
+            )
         return servables[name]
 
     async def server_metadata(request: Request) -> Response:
-        return JSONResponse({"name": "tilerec-hps", "version": _package_version(),
-                             "extensions": ["binary_tensor_data", "statistics"]})
+        return JSONResponse(
+            {
+                "name": "tilerec-hps",
+                "version": _package_version(),
+                "extensions": ["binary_tensor_data", "statistics"],
+            }
+        )
 
     async def live(request: Request) -> Response:
         return Response(status_code=200)
@@ -179,19 +198,28 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit() and int(declared) > max_bytes:
-            raise ProtocolError(f"request body of {declared} bytes exceeds the server's limit of "
-                                f"{max_bytes} bytes (--max-request-mb)")
+            raise ProtocolError(
+                f"request body of {declared} bytes exceeds the server's limit of "
+                f"{max_bytes} bytes (--max-request-mb)"
+            )
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
             if size > max_bytes:
-                raise ProtocolError(f"request body exceeds the server's limit of {max_bytes} bytes "
-                                    "(--max-request-mb)")
+                raise ProtocolError(
+                    f"request body exceeds the server's limit of {max_bytes} bytes "
+                    "(--max-request-mb)"
+                )
             chunks.append(chunk)
         return b"".join(chunks)
 
-    def run(s: DLRMServable, body: bytes, header_length: str | None, encoding: str | None,
-            queued_at: int) -> tuple[bytes, dict[str, str], int, dict[str, int]]:
+    def run(
+        s: DLRMServable,
+        body: bytes,
+        header_length: str | None,
+        encoding: str | None,
+        queued_at: int,
+    ) -> tuple[bytes, dict[str, str], int, dict[str, int]]:
         t0 = time.perf_counter_ns()
         req = parse_infer_request(body, header_length, encoding, max_bytes=max_bytes)
         t1 = time.perf_counter_ns()
@@ -199,9 +227,18 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
         t2 = time.perf_counter_ns()
         out, headers = encode_infer_response(s.name, MODEL_VERSION, results, req)
         t3 = time.perf_counter_ns()
-        phases = {"queue": t0 - queued_at, "compute_input": t1 - t0, "compute_infer": t2 - t1,
-                  "compute_output": t3 - t2}
-        return out, headers, int(req.inputs["dense"].shape[0]) if "dense" in req.inputs else 0, phases
+        phases = {
+            "queue": t0 - queued_at,
+            "compute_input": t1 - t0,
+            "compute_infer": t2 - t1,
+            "compute_output": t3 - t2,
+        }
+        return (
+            out,
+            headers,
+            int(req.inputs["dense"].shape[0]) if "dense" in req.inputs else 0,
+            phases,
+        )
 
     async def infer(request: Request) -> Response:
         start = time.perf_counter_ns()
@@ -210,8 +247,14 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
             s = model_of(request)
             body = await read_body(request)
             out, headers, samples, phases = await anyio.to_thread.run_sync(
-                run, s, body, request.headers.get(HEADER_LENGTH),
-                request.headers.get("content-encoding"), time.perf_counter_ns(), limiter=limiter)
+                run,
+                s,
+                body,
+                request.headers.get(HEADER_LENGTH),
+                request.headers.get("content-encoding"),
+                time.perf_counter_ns(),
+                limiter=limiter,
+            )
         except ClientDisconnect:  # the client went away mid-body: no one to answer, nothing failed
             log.debug("model %r: the client disconnected before sending the whole request", name)
             return Response(status_code=400)
@@ -238,11 +281,16 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
         Route("/v2/health/live", live),
         Route("/v2/health/ready", live),  # the app exists only once every model has loaded
         Route("/v2/models/stats", all_stats),  # before {model}: tritonclient's all-model stats
-        Route(m, model_metadata), Route(v, model_metadata),
-        Route(m + "/ready", model_ready), Route(v + "/ready", model_ready),
-        Route(m + "/stats", model_stats), Route(v + "/stats", model_stats),
-        Route(m + "/infer", infer, methods=["POST"]), Route(v + "/infer", infer, methods=["POST"]),
+        Route(m, model_metadata),
+        Route(v, model_metadata),
+        Route(m + "/ready", model_ready),
+        Route(v + "/ready", model_ready),
+        Route(m + "/stats", model_stats),
+        Route(v + "/stats", model_stats),
+        Route(m + "/infer", infer, methods=["POST"]),
+        Route(v + "/infer", infer, methods=["POST"]),
     ]
+
     async def http_error(request: Request, exc: Exception) -> Response:
         code = getattr(exc, "status_code", 500)
         detail = getattr(exc, "detail", str(exc))
@@ -251,8 +299,9 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
     return Starlette(routes=routes, exception_handlers={404: http_error, 405: http_error})
 
 
-def build_servables(ps: HierarchicalParameterServer, models: Sequence[str] | None = None,
-                    ort_threads: int = 1) -> dict[str, DLRMServable]:
+def build_servables(
+    ps: HierarchicalParameterServer, models: Sequence[str] | None = None, ort_threads: int = 1
+) -> dict[str, DLRMServable]:
     """One :class:`DLRMServable` per model of ``ps`` (or of ``models``).
 
     Raises:
@@ -275,8 +324,12 @@ class InferenceServer:
         models: the models to serve (default: all of ``ps.json``).
     """
 
-    def __init__(self, ps: HierarchicalParameterServer, cfg: ServerConfig | None = None,
-                 models: Sequence[str] | None = None) -> None:
+    def __init__(
+        self,
+        ps: HierarchicalParameterServer,
+        cfg: ServerConfig | None = None,
+        models: Sequence[str] | None = None,
+    ) -> None:
         import uvicorn
 
         self.cfg = cfg or ServerConfig()
@@ -293,9 +346,14 @@ class InferenceServer:
             self._sock.close()
             raise
         self.port: int = self._sock.getsockname()[1]
-        self._uv = uvicorn.Server(uvicorn.Config(
-            self.app, log_level="warning", access_log=False,
-            limit_concurrency=self.cfg.workers + self.cfg.max_queued))
+        self._uv = uvicorn.Server(
+            uvicorn.Config(
+                self.app,
+                log_level="warning",
+                access_log=False,
+                limit_concurrency=self.cfg.workers + self.cfg.max_queued,
+            )
+        )
         self._thread: threading.Thread | None = None
 
     @property
@@ -304,8 +362,9 @@ class InferenceServer:
         return f"{self.cfg.host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> InferenceServer:
-        self._thread = threading.Thread(target=self._uv.run, kwargs={"sockets": [self._sock]},
-                                        name="hps-v2-server", daemon=True)
+        self._thread = threading.Thread(
+            target=self._uv.run, kwargs={"sockets": [self._sock]}, name="hps-v2-server", daemon=True
+        )
         self._thread.start()
         deadline = time.monotonic() + timeout_s
         while not self._uv.started:
@@ -328,8 +387,10 @@ class InferenceServer:
         if self._thread is not None:
             self._thread.join(timeout=10)
             if self._thread.is_alive():
-                log.warning("the v2 server on %s did not finish within 10 s; closing its socket",
-                            self.address)
+                log.warning(
+                    "the v2 server on %s did not finish within 10 s; closing its socket",
+                    self.address,
+                )
         self._sock.close()
 
     def __enter__(self) -> InferenceServer:
@@ -341,17 +402,28 @@ class InferenceServer:
 
 def main(argv: Sequence[str] | None = None) -> int:
     d = ServerConfig()
-    p = argparse.ArgumentParser(prog="python -m hps.server", description=__doc__.split("\n\n")[0],
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(
+        prog="python -m hps.server",
+        description=__doc__.split("\n\n")[0],
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     p.add_argument("--config", required=True, help="ps.json (e.g. written by export.artifacts)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--models", nargs="*", default=None, help="models to serve (default: all)")
     p.add_argument("--workers", type=int, default=d.workers, help="request threads")
-    p.add_argument("--max-queued", type=int, default=d.max_queued,
-                   help="requests that may wait for a worker before new ones get 503")
-    p.add_argument("--ort-threads", type=int, default=d.ort_threads,
-                   help="onnxruntime intra-op threads per request (0: its default)")
+    p.add_argument(
+        "--max-queued",
+        type=int,
+        default=d.max_queued,
+        help="requests that may wait for a worker before new ones get 503",
+    )
+    p.add_argument(
+        "--ort-threads",
+        type=int,
+        default=d.ort_threads,
+        help="onnxruntime intra-op threads per request (0: its default)",
+    )
     p.add_argument("--max-request-mb", type=float, default=d.max_request_mb)
     p.add_argument("--log-level", default="info")
     a = p.parse_args(argv)
@@ -371,6 +443,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         ps.close()
         p.error(str(e) if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}")
     log.info("serving %s on http://%s (v2 protocol)", sorted(srv.servables), srv.address)
+
     def shut_down(signum: int, frame: object) -> None:
         log.info("signal %d: shutting down", signum)
         srv.request_stop()

@@ -136,19 +136,31 @@ class TableStats:
 
     def to_dict(self) -> dict[str, object]:
         lat = self.latencies_s[~np.isnan(self.latencies_s)]
-        p50, p99 = (np.percentile(lat, [50, 99]) if lat.size else (float("nan"),) * 2)
+        p50, p99 = np.percentile(lat, [50, 99]) if lat.size else (float("nan"),) * 2
         rate = {
-            "unique": {k: v / self.keys_unique if self.keys_unique else 0.0 for k, v in self.hits_unique.items()},
-            "all": {k: v / self.keys_all if self.keys_all else 0.0 for k, v in self.hits_all.items()},
+            "unique": {
+                k: v / self.keys_unique if self.keys_unique else 0.0
+                for k, v in self.hits_unique.items()
+            },
+            "all": {
+                k: v / self.keys_all if self.keys_all else 0.0 for k, v in self.hits_all.items()
+            },
         }
-        return {"lookups": self.lookups, "keys_all": self.keys_all, "keys_unique": self.keys_unique,
-                "hit_rate": rate, "hits_unique": dict(self.hits_unique), "hits_all": dict(self.hits_all),
-                "async_batches": self.async_batches, "dropped_async": self.dropped_async,
-                "stale_dropped": self.stale_dropped,
-                "errors": self.errors,
-                # None before the first lookup (NaN is not JSON)
-                "latency_p50_ms": float(p50) * 1e3 if lat.size else None,
-                "latency_p99_ms": float(p99) * 1e3 if lat.size else None}
+        return {
+            "lookups": self.lookups,
+            "keys_all": self.keys_all,
+            "keys_unique": self.keys_unique,
+            "hit_rate": rate,
+            "hits_unique": dict(self.hits_unique),
+            "hits_all": dict(self.hits_all),
+            "async_batches": self.async_batches,
+            "dropped_async": self.dropped_async,
+            "stale_dropped": self.stale_dropped,
+            "errors": self.errors,
+            # None before the first lookup (NaN is not JSON)
+            "latency_p50_ms": float(p50) * 1e3 if lat.size else None,
+            "latency_p99_ms": float(p99) * 1e3 if lat.size else None,
+        }
 
 
 @dataclass
@@ -178,11 +190,19 @@ class LookupSession:
         acquire_timeout_s: how long a caller waits for a free worker before ``TimeoutError``.
     """
 
-    def __init__(self, tables: list[SessionTable], volatile: StorageBackend | None = None,
-                 persistent: StorageBackend | None = None, hit_rate_threshold: float = 0.9,
-                 exact: bool = False, max_concurrent: int = 4, cache_missed_embeddings: bool = False,
-                 record_key_stats: bool = True, device: torch.device | str = "cpu",
-                 acquire_timeout_s: float = 60.0) -> None:
+    def __init__(
+        self,
+        tables: list[SessionTable],
+        volatile: StorageBackend | None = None,
+        persistent: StorageBackend | None = None,
+        hit_rate_threshold: float = 0.9,
+        exact: bool = False,
+        max_concurrent: int = 4,
+        cache_missed_embeddings: bool = False,
+        record_key_stats: bool = True,
+        device: torch.device | str = "cpu",
+        acquire_timeout_s: float = 60.0,
+    ) -> None:
         if volatile is None and persistent is None:
             raise ValueError("a LookupSession needs a volatile or a persistent database")
         self.tables = {t.name: t for t in tables}
@@ -226,8 +246,10 @@ class LookupSession:
         t = self._table(table)
         flat, shape = self._check_keys(t, keys)
         if not self._slots.acquire(timeout=self.acquire_timeout_s):
-            raise TimeoutError(f"no lookup worker free within {self.acquire_timeout_s} s "
-                               f"({self.max_concurrent} busy)")
+            raise TimeoutError(
+                f"no lookup worker free within {self.acquire_timeout_s} s "
+                f"({self.max_concurrent} busy)"
+            )
         start = time.perf_counter()
         try:
             self.update_lock.acquire_read()
@@ -331,23 +353,33 @@ class LookupSession:
         try:
             return self.tables[table]
         except KeyError:
-            raise ValueError(f"unknown table {table!r}; this session serves {sorted(self.tables)}") from None
+            raise ValueError(
+                f"unknown table {table!r}; this session serves {sorted(self.tables)}"
+            ) from None
 
-    def _check_keys(self, t: SessionTable, keys: torch.Tensor | np.ndarray) -> tuple[torch.Tensor, tuple[int, ...]]:
+    def _check_keys(
+        self, t: SessionTable, keys: torch.Tensor | np.ndarray
+    ) -> tuple[torch.Tensor, tuple[int, ...]]:
         if isinstance(keys, np.ndarray):
             if keys.dtype != np.int64:
                 raise ValueError(f"table {t.name!r}: keys must be int64, got numpy {keys.dtype}")
             keys = torch.from_numpy(keys)
         if not isinstance(keys, torch.Tensor):
-            raise ValueError(f"table {t.name!r}: keys must be a torch.Tensor or numpy array, got {type(keys).__name__}")
+            raise ValueError(
+                f"table {t.name!r}: keys must be a torch.Tensor or numpy array, got {type(keys).__name__}"
+            )
         if keys.dtype != torch.int64:
             raise ValueError(f"table {t.name!r}: keys must be int64, got {keys.dtype}")
         if keys.numel() > t.max_keys:
-            raise ValueError(f"table {t.name!r}: {keys.numel()} keys in one lookup, at most {t.max_keys} "
-                             f"(max_batch_size × maxnum_catfeature_query_per_table_per_sample)")
+            raise ValueError(
+                f"table {t.name!r}: {keys.numel()} keys in one lookup, at most {t.max_keys} "
+                f"(max_batch_size × maxnum_catfeature_query_per_table_per_sample)"
+            )
         flat = keys.reshape(-1)
         if flat.numel() and bool((flat == EMPTY_KEY).any()):
-            raise ValueError(f"table {t.name!r}: key {EMPTY_KEY} is reserved (the empty-slot sentinel)")
+            raise ValueError(
+                f"table {t.name!r}: key {EMPTY_KEY} is reserved (the empty-slot sentinel)"
+            )
         return flat, tuple(keys.shape)
 
     def _fetch(self, t: SessionTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -355,7 +387,9 @@ class LookupSession:
         vals, found, _ = self._fetch_tiers(t, keys)
         return vals, found
 
-    def _fetch_tiers(self, t: SessionTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _fetch_tiers(
+        self, t: SessionTable, keys: np.ndarray
+    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Like :meth:`_fetch`, plus ``from_pdb (n,) bool`` (found in the persistent DB)."""
         n = keys.size
         vals: np.ndarray | None = None
@@ -409,22 +443,30 @@ class LookupSession:
                 if is_async and not self.exact:
                     mrows = torch.full((miss.numel(), t.dim), t.default_value, device=dev)
                     mk, mp = mkeys.numpy(), prio.to(dev)
-                    self._submit(t, lambda c=cache, k=mk, p=mp, e=epoch: self._fill_from_db(t, c, k, p, e))
+                    self._submit(
+                        t, lambda c=cache, k=mk, p=mp, e=epoch: self._fill_from_db(t, c, k, p, e)
+                    )
                 else:
                     vals, found, from_pdb = self._fetch_tiers(t, mkeys.numpy())
                     mrows = torch.from_numpy(vals).to(dev)
                     fm = torch.from_numpy(found)
                     if not found.all():
                         mrows[~fm.to(dev)] = t.default_value
-                    tier[miss] = torch.from_numpy(np.where(found, np.where(from_pdb, 2, 1), 3).astype(np.int8))
+                    tier[miss] = torch.from_numpy(
+                        np.where(found, np.where(from_pdb, 2, 1), 3).astype(np.int8)
+                    )
                     fm_dev = fm.to(dev)
                     fk, fv, fp = mkeys[fm].to(dev), mrows[fm_dev], prio[fm].to(dev)
                     if is_async:
                         # bound to this cache: a job running after the table's cache was
                         # replaced must not write these (by then maybe stale) rows into the new one
                         gen = self.update_lock.generation
-                        self._submit(t, lambda c=cache, k=fk, v=fv, p=fp, g=gen, e=epoch:
-                                     self._insert_if_current(t, c, k, v, p, g, e))
+                        self._submit(
+                            t,
+                            lambda c=cache, k=fk, v=fv, p=fp, g=gen, e=epoch: (
+                                self._insert_if_current(t, c, k, v, p, g, e)
+                            ),
+                        )
                     else:
                         cache.insert(fk, fv, priority=fp, epoch=epoch)
                 # scatter the miss rows to every request position of a missed key
@@ -466,8 +508,14 @@ class LookupSession:
             self._stats_epoch[t.name] = (weakref.ref(cache), epoch)
         return epoch
 
-    def _fill_from_db(self, t: SessionTable, cache: EmbeddingCache, keys: np.ndarray,
-                      priority: torch.Tensor | None = None, epoch: int | None = None) -> None:
+    def _fill_from_db(
+        self,
+        t: SessionTable,
+        cache: EmbeddingCache,
+        keys: np.ndarray,
+        priority: torch.Tensor | None = None,
+        epoch: int | None = None,
+    ) -> None:
         """Background job: read ``keys`` from the databases and put them in ``cache`` (the one
         the lookup queried, even if the table's was swapped since), under the reader side of
         the update lock (an update cannot land between the read and the insert). ``priority``
@@ -476,15 +524,25 @@ class LookupSession:
         try:
             vals, found = self._fetch(t, keys)
             fm = torch.from_numpy(found)
-            cache.insert(torch.from_numpy(keys[found]).to(self.device),
-                         torch.from_numpy(vals[found]).to(self.device),
-                         priority=None if priority is None else priority[fm.to(priority.device)], epoch=epoch)
+            cache.insert(
+                torch.from_numpy(keys[found]).to(self.device),
+                torch.from_numpy(vals[found]).to(self.device),
+                priority=None if priority is None else priority[fm.to(priority.device)],
+                epoch=epoch,
+            )
         finally:
             self.update_lock.release_read()
 
-    def _insert_if_current(self, t: SessionTable, cache: EmbeddingCache, keys: torch.Tensor,
-                           values: torch.Tensor, priority: torch.Tensor, generation: int,
-                           epoch: int | None = None) -> None:
+    def _insert_if_current(
+        self,
+        t: SessionTable,
+        cache: EmbeddingCache,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        priority: torch.Tensor,
+        generation: int,
+        epoch: int | None = None,
+    ) -> None:
         """Background job: cache rows a lookup read, unless an update was applied since
         (``priority`` counted at ``cache``'s ``epoch``)."""
         self.update_lock.acquire_read()

@@ -60,8 +60,13 @@ def detect_format(folder: str | Path) -> SparseFormat:
     )
 
 
-def write_table(folder: str | Path, keys: np.ndarray, vectors: np.ndarray,
-                fmt: SparseFormat | str = SparseFormat.HUGECTR, overwrite: bool = False) -> Path:
+def write_table(
+    folder: str | Path,
+    keys: np.ndarray,
+    vectors: np.ndarray,
+    fmt: SparseFormat | str = SparseFormat.HUGECTR,
+    overwrite: bool = False,
+) -> Path:
     """Write one table.
 
     Args:
@@ -96,8 +101,10 @@ def write_table(folder: str | Path, keys: np.ndarray, vectors: np.ndarray,
     else:
         from safetensors.numpy import save_file
 
-        save_file({"key": np.ascontiguousarray(keys), "emb_vector": np.ascontiguousarray(vectors)},
-                  str(tmp / SAFETENSORS_FILE))
+        save_file(
+            {"key": np.ascontiguousarray(keys), "emb_vector": np.ascontiguousarray(vectors)},
+            str(tmp / SAFETENSORS_FILE),
+        )
     if folder.exists():
         old = folder.with_name(folder.name + ".tmp-old")
         shutil.rmtree(old, ignore_errors=True)
@@ -109,7 +116,9 @@ def write_table(folder: str | Path, keys: np.ndarray, vectors: np.ndarray,
     return folder
 
 
-def read_table(folder: str | Path, dim: int | None = None, mmap: bool = True) -> tuple[np.ndarray, np.ndarray]:
+def read_table(
+    folder: str | Path, dim: int | None = None, mmap: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
     """Read one table's keys and rows.
 
     Args:
@@ -135,18 +144,26 @@ def read_table(folder: str | Path, dim: int | None = None, mmap: bool = True) ->
         try:
             d = load_file(str(folder / SAFETENSORS_FILE))
         except SafetensorError as e:
-            raise ValueError(f"{folder / SAFETENSORS_FILE}: not a readable safetensors file ({e})") from None
+            raise ValueError(
+                f"{folder / SAFETENSORS_FILE}: not a readable safetensors file ({e})"
+            ) from None
         if "key" not in d or "emb_vector" not in d:
-            raise ValueError(f"{folder / SAFETENSORS_FILE}: needs tensors 'key' and 'emb_vector', has {sorted(d)}")
+            raise ValueError(
+                f"{folder / SAFETENSORS_FILE}: needs tensors 'key' and 'emb_vector', has {sorted(d)}"
+            )
         keys, vec = d["key"], d["emb_vector"]
         if keys.dtype != np.int64 or keys.ndim != 1:
             raise ValueError(f"{folder}: 'key' must be (n,) int64, got {keys.dtype} {keys.shape}")
         if vec.dtype != np.float32 or vec.ndim != 2:
-            raise ValueError(f"{folder}: 'emb_vector' must be (n, dim) float32, got {vec.dtype} {vec.shape}")
+            raise ValueError(
+                f"{folder}: 'emb_vector' must be (n, dim) float32, got {vec.dtype} {vec.shape}"
+            )
         if dim is not None and vec.shape[1] != dim:
             raise ValueError(f"{folder}: rows have dim {vec.shape[1]}, the config says {dim}")
         if vec.shape[0] != keys.shape[0]:
-            raise ValueError(f"{folder}: {keys.shape[0]} keys but {vec.shape[0]} rows in emb_vector")
+            raise ValueError(
+                f"{folder}: {keys.shape[0]} keys but {vec.shape[0]} rows in emb_vector"
+            )
         _check_unique_keys(folder, keys)
         return keys, vec
     if dim is None or dim <= 0:
@@ -157,7 +174,9 @@ def read_table(folder: str | Path, dim: int | None = None, mmap: bool = True) ->
             raise ValueError(f"sparse folder {folder}: missing file '{p.name}'")
     kbytes, vbytes = kpath.stat().st_size, vpath.stat().st_size
     if kbytes % _KEY_BYTES:
-        raise ValueError(f"{kpath}: {kbytes} bytes is not a whole number of int64 keys (truncated?)")
+        raise ValueError(
+            f"{kpath}: {kbytes} bytes is not a whole number of int64 keys (truncated?)"
+        )
     row_bytes = dim * _FLOAT_BYTES
     if vbytes % row_bytes:
         raise ValueError(
@@ -166,7 +185,9 @@ def read_table(folder: str | Path, dim: int | None = None, mmap: bool = True) ->
         )
     n_keys, n_rows = kbytes // _KEY_BYTES, vbytes // row_bytes
     if n_keys != n_rows:
-        raise ValueError(f"{folder}: {n_keys} keys in '{KEY_FILE}' but {n_rows} rows of dim {dim} in '{VECTOR_FILE}'")
+        raise ValueError(
+            f"{folder}: {n_keys} keys in '{KEY_FILE}' but {n_rows} rows of dim {dim} in '{VECTOR_FILE}'"
+        )
     if n_keys == 0:
         return np.zeros(0, np.int64), np.zeros((0, dim), np.float32)
     if mmap:
@@ -201,9 +222,13 @@ def _check_unique_keys(folder: Path, keys: np.ndarray) -> None:
     )
 
 
-def convert_checkpoint(ckpt_dir: str | Path, out_dir: str | Path,
-                       fmt: SparseFormat | str = SparseFormat.HUGECTR,
-                       tables: list[str] | None = None, overwrite: bool = False) -> dict[str, Path]:
+def convert_checkpoint(
+    ckpt_dir: str | Path,
+    out_dir: str | Path,
+    fmt: SparseFormat | str = SparseFormat.HUGECTR,
+    tables: list[str] | None = None,
+    overwrite: bool = False,
+) -> dict[str, Path]:
     """Convert a trainer checkpoint folder to sparse folders ``out_dir/<table>``.
 
     Args:
@@ -231,11 +256,15 @@ def convert_checkpoint(ckpt_dir: str | Path, out_dir: str | Path,
     try:
         specs = {t["name"]: t for t in state["workload"]["tables"]}
     except (KeyError, TypeError):
-        raise ValueError(f"{state_path}: expected state['workload']['tables'] (a list of tables)") from None
+        raise ValueError(
+            f"{state_path}: expected state['workload']['tables'] (a list of tables)"
+        ) from None
     names = list(specs) if tables is None else list(tables)
     unknown = [n for n in names if n not in specs]
     if unknown:
-        raise ValueError(f"checkpoint {ckpt_dir}: unknown table(s) {unknown}; it has {sorted(specs)}")
+        raise ValueError(
+            f"checkpoint {ckpt_dir}: unknown table(s) {unknown}; it has {sorted(specs)}"
+        )
     out: dict[str, Path] = {}
     with safe_open(str(model_path), framework="numpy") as f:
         present = set(f.keys())
@@ -246,9 +275,17 @@ def convert_checkpoint(ckpt_dir: str | Path, out_dir: str | Path,
             w = f.get_tensor(key)
             want = (int(specs[name]["num_rows"]), int(specs[name]["dim"]))
             if tuple(w.shape) != want:
-                raise ValueError(f"{model_path}: {key} has shape {tuple(w.shape)}, workload says {want}")
+                raise ValueError(
+                    f"{model_path}: {key} has shape {tuple(w.shape)}, workload says {want}"
+                )
             w = np.ascontiguousarray(w, dtype=np.float32)
             keys = np.arange(w.shape[0], dtype=np.int64)
             out[name] = write_table(out_dir / name, keys, w, fmt=fmt, overwrite=overwrite)
-            log.info("converted table %s: %d rows of dim %d -> %s", name, w.shape[0], w.shape[1], out[name])
+            log.info(
+                "converted table %s: %d rows of dim %d -> %s",
+                name,
+                w.shape[0],
+                w.shape[1],
+                out[name],
+            )
     return out

@@ -55,7 +55,9 @@ LOG_VERSION = 1
 _LOG_ID_BYTES = 16
 _LOG_HEADER_SIZE = _HEADER.size + _LOG_ID_BYTES
 LOG_ID_RE = re.compile(r"log:[0-9a-f]{32}|rec0:[0-9]{1,20}:[0-9a-f]{8}")
-UpdateBatch = dict[str, tuple[np.ndarray, np.ndarray]]  # table -> (keys (n,) int64, rows (n, dim) float32)
+UpdateBatch = dict[
+    str, tuple[np.ndarray, np.ndarray]
+]  # table -> (keys (n,) int64, rows (n, dim) float32)
 
 
 class InvalidUpdateError(ValueError):
@@ -83,10 +85,12 @@ class StaleOffsetError(CorruptRecordError):
         return f"update log {self.path}: the stored offset {self.offset} does not fit the log"
 
     def _message(self) -> str:
-        return (f"{self._what()}: the log was replaced, rotated or truncated after the updates up to "
-                f"that offset were applied; nothing was applied from it. Reset the stored offset to "
-                f"apply this log from its start"
-                f"{': ' + self.hint if self.hint else ' (UpdateApplier.reset_offset())'}")
+        return (
+            f"{self._what()}: the log was replaced, rotated or truncated after the updates up to "
+            f"that offset were applied; nothing was applied from it. Reset the stored offset to "
+            f"apply this log from its start"
+            f"{': ' + self.hint if self.hint else ' (UpdateApplier.reset_offset())'}"
+        )
 
     def with_hint(self, hint: str) -> StaleOffsetError:
         """The same error, its advice naming where the offset is stored and how to reset it."""
@@ -106,8 +110,10 @@ class OffsetPastEndError(StaleOffsetError):
         super().__init__(path, offset, hint)
 
     def _what(self) -> str:
-        return (f"update log {self.path}: the stored offset {self.offset} is past the end of the log "
-                f"({self.size} bytes)")
+        return (
+            f"update log {self.path}: the stored offset {self.offset} is past the end of the log "
+            f"({self.size} bytes)"
+        )
 
 
 class LogReplacedError(StaleOffsetError):
@@ -115,17 +121,28 @@ class LogReplacedError(StaleOffsetError):
     (``stored_id`` and ``log_id``), or, stored without a log id (by an older version), it is not
     on a record boundary of this log (``reason`` says where the records around it lie)."""
 
-    def __init__(self, path: str | Path, offset: str | int, stored_id: str | None, log_id: str | None,
-                 reason: str = "", hint: str = "") -> None:
+    def __init__(
+        self,
+        path: str | Path,
+        offset: str | int,
+        stored_id: str | None,
+        log_id: str | None,
+        reason: str = "",
+        hint: str = "",
+    ) -> None:
         self.stored_id, self.log_id, self.reason = stored_id, log_id, reason
         super().__init__(path, offset, hint)
 
     def _what(self) -> str:
         if self.stored_id is not None:
-            return (f"update log {self.path}: the stored offset {self.offset} was taken in the log with "
-                    f"id {self.stored_id}, but this log's id is {self.log_id}")
-        return (f"update log {self.path} (log id {self.log_id}): the stored offset {self.offset} has no "
-                f"log id (stored by an older version) and {self.reason}")
+            return (
+                f"update log {self.path}: the stored offset {self.offset} was taken in the log with "
+                f"id {self.stored_id}, but this log's id is {self.log_id}"
+            )
+        return (
+            f"update log {self.path} (log id {self.log_id}): the stored offset {self.offset} has no "
+            f"log id (stored by an older version) and {self.reason}"
+        )
 
 
 def encode_batch(batch: UpdateBatch) -> bytes:
@@ -140,15 +157,23 @@ def encode_batch(batch: UpdateBatch) -> bytes:
         keys = np.ascontiguousarray(keys, dtype="<i8")
         rows = np.ascontiguousarray(rows, dtype="<f4")
         if rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
-            raise InvalidUpdateError(f"update for {name!r}: rows {rows.shape} do not match {keys.shape[0]} keys")
+            raise InvalidUpdateError(
+                f"update for {name!r}: rows {rows.shape} do not match {keys.shape[0]} keys"
+            )
         bad = np.flatnonzero(~np.isfinite(rows).all(1)) if rows.size else ()
         if len(bad):  # a diverged trainer's rows: refused here, so they never reach a log
             raise InvalidUpdateError(
                 f"update for {name!r}: the row of key {int(keys[bad[0]])} holds a non-finite value; "
-                f"{len(bad)} such row(s): nothing published")
+                f"{len(bad)} such row(s): nothing published"
+            )
         nb = name.encode()
-        parts += [struct.pack("<H", len(nb)), nb, struct.pack("<QI", keys.size, rows.shape[1]),
-                  keys.tobytes(), rows.tobytes()]
+        parts += [
+            struct.pack("<H", len(nb)),
+            nb,
+            struct.pack("<QI", keys.size, rows.shape[1]),
+            keys.tobytes(),
+            rows.tobytes(),
+        ]
     payload = b"".join(parts)
     return _HEADER.pack(MAGIC, VERSION, len(payload), zlib.crc32(payload)) + payload
 
@@ -166,7 +191,7 @@ def decode_batch(record: bytes) -> UpdateBatch:
     magic, ver, n, crc = _HEADER.unpack_from(record)
     if magic != MAGIC or ver != VERSION:
         raise CorruptRecordError(f"bad record header (magic {magic!r}, version {ver})")
-    payload = record[_HEADER.size:]
+    payload = record[_HEADER.size :]
     if len(payload) != n:
         raise CorruptRecordError(f"record payload has {len(payload)} bytes, header says {n}")
     if zlib.crc32(payload) != crc:
@@ -181,8 +206,9 @@ def _decode_payload(payload: bytes) -> UpdateBatch:
 
     def need(pos: int, n: int, what: str) -> None:
         if pos + n > size:
-            raise CorruptRecordError(f"record payload ends at byte {size}, but {what} needs bytes "
-                                     f"{pos}..{pos + n}")
+            raise CorruptRecordError(
+                f"record payload ends at byte {size}, but {what} needs bytes {pos}..{pos + n}"
+            )
 
     out: UpdateBatch = {}
     need(0, 4, "the table count")
@@ -192,9 +218,11 @@ def _decode_payload(payload: bytes) -> UpdateBatch:
         (ln,) = struct.unpack_from("<H", payload, pos)
         need(pos + 2, ln, f"table {i}'s name")
         try:
-            name = payload[pos + 2:pos + 2 + ln].decode()
+            name = payload[pos + 2 : pos + 2 + ln].decode()
         except UnicodeDecodeError as e:
-            raise CorruptRecordError(f"table {i}'s name at byte {pos + 2} is not UTF-8: {e}") from None
+            raise CorruptRecordError(
+                f"table {i}'s name at byte {pos + 2} is not UTF-8: {e}"
+            ) from None
         if name in out:
             raise CorruptRecordError(f"table {name!r} appears twice in one record")
         pos += 2 + ln
@@ -208,7 +236,9 @@ def _decode_payload(payload: bytes) -> UpdateBatch:
         pos += 4 * k * dim
         out[name] = (keys, rows)
     if pos != size:
-        raise CorruptRecordError(f"record payload has {size - pos} bytes after its {n_tables} table(s)")
+        raise CorruptRecordError(
+            f"record payload has {size - pos} bytes after its {n_tables} table(s)"
+        )
     return out
 
 
@@ -226,8 +256,9 @@ class UpdateSource(ABC):
     def read(self, offset: str | None, max_records: int) -> list[tuple[str, UpdateBatch]]:
         """Records after ``offset`` (``None`` = from the start): ``[(offset after it, batch)]``."""
 
-    def read_log(self, offset: str | None, log_id: str | None,
-                 max_records: int = 64) -> tuple[str | None, list[tuple[str, UpdateBatch]]]:
+    def read_log(
+        self, offset: str | None, log_id: str | None, max_records: int = 64
+    ) -> tuple[str | None, list[tuple[str, UpdateBatch]]]:
         """:meth:`read`, for a source whose offsets mean something only within one log: checks
         that ``offset`` was taken in the log ``log_id`` and returns ``(the log's id, records)``.
         This default (a source with one history, e.g. a Redis stream) has no log id: ``None``."""
@@ -277,8 +308,13 @@ class FileLogPublisher(UpdatePublisher):
                 f"offset file), or truncate it to {end} bytes to drop the corrupt record and every "
                 f"record after it ({size - end} bytes)"
             )
-        log.warning("update log %s: truncating %d bytes at offset %d, a torn or corrupted last record (%s)",
-                    self.path, size - end, end, why)
+        log.warning(
+            "update log %s: truncating %d bytes at offset %d, a torn or corrupted last record (%s)",
+            self.path,
+            size - end,
+            end,
+            why,
+        )
         with open(self.path, "r+b") as f:
             f.truncate(end)
             os.fsync(f.fileno())
@@ -314,7 +350,7 @@ def _log_start(f: BinaryIO, size: int) -> tuple[int, str | None, str | None]:
         if len(head) < _LOG_HEADER_SIZE:
             return _LOG_HEADER_SIZE, None, None  # not fully written yet
         _, ver, n, crc = _HEADER.unpack_from(head)
-        body = head[_HEADER.size:]
+        body = head[_HEADER.size :]
         if ver != LOG_VERSION or n != _LOG_ID_BYTES or zlib.crc32(body) != crc:
             return 0, None, f"bad log header (version {ver}, length {n}, or checksum)"
         return _LOG_HEADER_SIZE, "log:" + body.hex(), None
@@ -368,7 +404,10 @@ def _scan_log(path: Path) -> tuple[int, str | None]:
             if magic != MAGIC or ver != VERSION:
                 return pos, f"bad record header (magic {magic!r}, version {ver})"
             if pos + _HEADER.size + n > size:
-                return pos, f"the header announces {n} payload bytes, {size - pos - _HEADER.size} are present"
+                return (
+                    pos,
+                    f"the header announces {n} payload bytes, {size - pos - _HEADER.size} are present",
+                )
             got, left = 0, n
             while left:
                 chunk = f.read(min(left, _CRC_CHUNK))
@@ -390,7 +429,7 @@ def _next_valid_record(path: Path, start: int) -> int | None:
         while pos != -1 and pos + _HEADER.size <= size:
             _, ver, n, crc = _HEADER.unpack_from(m, pos)
             body = pos + _HEADER.size
-            if ver == VERSION and body + n <= size and zlib.crc32(m[body:body + n]) == crc:
+            if ver == VERSION and body + n <= size and zlib.crc32(m[body : body + n]) == crc:
                 return pos
             pos = m.find(MAGIC, pos + 1)
     return None
@@ -419,8 +458,9 @@ class FileLogSource(UpdateSource):
         on a record boundary)."""
         return self.read_log(offset, None, max_records)[1]
 
-    def read_log(self, offset: str | None, log_id: str | None,
-                 max_records: int = 64) -> tuple[str | None, list[tuple[str, UpdateBatch]]]:
+    def read_log(
+        self, offset: str | None, log_id: str | None, max_records: int = 64
+    ) -> tuple[str | None, list[tuple[str, UpdateBatch]]]:
         """Records after byte ``offset`` of the log ``log_id``: ``(the log's id, records)``.
 
         ``offset`` ``None`` reads the log from its start, whatever its id. Otherwise the log's
@@ -461,10 +501,14 @@ class FileLogSource(UpdateSource):
             elif ident is None:
                 return None, []  # the log's start is not written yet: nothing to check against
             elif log_id is None and (miss := _boundary_miss(f, start, size, pos)) is not None:
-                raise LogReplacedError(self.path, pos, None, ident, f"is not on a record boundary ({miss})")
+                raise LogReplacedError(
+                    self.path, pos, None, ident, f"is not on a record boundary ({miss})"
+                )
             return ident, self._records(f, pos, size, max_records)
 
-    def _records(self, f: BinaryIO, pos: int, size: int, max_records: int) -> list[tuple[str, UpdateBatch]]:
+    def _records(
+        self, f: BinaryIO, pos: int, size: int, max_records: int
+    ) -> list[tuple[str, UpdateBatch]]:
         out = []
         while len(out) < max_records and pos + _HEADER.size <= size:
             f.seek(pos)
@@ -474,8 +518,14 @@ class FileLogSource(UpdateSource):
                 # a garbage header's length means nothing: say so now rather than
                 # waiting silently for bytes that will never come
                 self.corrupt += 1
-                log.error("update log %s: record at offset %d refused: bad record header "
-                          "(magic %r, version %d)", self.path, pos, magic, ver)
+                log.error(
+                    "update log %s: record at offset %d refused: bad record header "
+                    "(magic %r, version %d)",
+                    self.path,
+                    pos,
+                    magic,
+                    ver,
+                )
                 break
             if pos + _HEADER.size + n > size:
                 break  # not fully written yet (or torn): never applied

@@ -55,10 +55,27 @@ from hps.update_log import (
 log = logging.getLogger(__name__)
 
 __all__ = [  # the record format and the file log live in hps.update_log; re-exported here
-    "LOG_ID_RE", "MAGIC", "VERSION", "CorruptRecordError", "FileLogPublisher", "FileLogSource",
-    "InvalidUpdateError", "LogReplacedError", "OffsetFile", "OffsetPastEndError", "PublishUpdatesCallback",
-    "RedisStreamPublisher", "RedisStreamSource", "StaleOffsetError", "UpdateApplier", "UpdateBatch",
-    "UpdatePublisher", "UpdateSource", "decode_batch", "encode_batch", "redis_client",
+    "LOG_ID_RE",
+    "MAGIC",
+    "VERSION",
+    "CorruptRecordError",
+    "FileLogPublisher",
+    "FileLogSource",
+    "InvalidUpdateError",
+    "LogReplacedError",
+    "OffsetFile",
+    "OffsetPastEndError",
+    "PublishUpdatesCallback",
+    "RedisStreamPublisher",
+    "RedisStreamSource",
+    "StaleOffsetError",
+    "UpdateApplier",
+    "UpdateBatch",
+    "UpdatePublisher",
+    "UpdateSource",
+    "decode_batch",
+    "encode_batch",
+    "redis_client",
 ]
 
 
@@ -140,9 +157,15 @@ class OffsetFile:
             words = raw.decode("ascii").split()
         except UnicodeDecodeError:
             words = None
-        if words is None or len(words) > 2 or (len(words) == 2 and not LOG_ID_RE.fullmatch(words[1])):
-            raise ValueError(f"offset file {self.path} holds {raw[:200]!r}, not '<offset>' or "
-                             f"'<offset> <log id>'")
+        if (
+            words is None
+            or len(words) > 2
+            or (len(words) == 2 and not LOG_ID_RE.fullmatch(words[1]))
+        ):
+            raise ValueError(
+                f"offset file {self.path} holds {raw[:200]!r}, not '<offset>' or "
+                f"'<offset> <log id>'"
+            )
         return (words[0] if words else None), (words[1] if len(words) == 2 else None)
 
     def save(self, offset: str, log_id: str | None = None) -> None:
@@ -175,16 +198,26 @@ class UpdateApplier:
         name: the source's name in the persistent DB's metadata.
     """
 
-    def __init__(self, source: UpdateSource, sessions: Iterable[LookupSession],
-                 volatile: StorageBackend | None = None, persistent: RocksDBBackend | None = None,
-                 offset_file: str | Path | None = None, name: str = "updates") -> None:
+    def __init__(
+        self,
+        source: UpdateSource,
+        sessions: Iterable[LookupSession],
+        volatile: StorageBackend | None = None,
+        persistent: RocksDBBackend | None = None,
+        offset_file: str | Path | None = None,
+        name: str = "updates",
+    ) -> None:
         self.source = source
         self.sessions = list(sessions)
         self.volatile = volatile
-        self.persistent = persistent if persistent is not None and not persistent.read_only else None
+        self.persistent = (
+            persistent if persistent is not None and not persistent.read_only else None
+        )
         self.offset_file = OffsetFile(offset_file) if offset_file else None
         if self.persistent is None and self.offset_file is None:
-            raise ValueError("UpdateApplier needs a writable persistent db or an offset_file to resume from")
+            raise ValueError(
+                "UpdateApplier needs a writable persistent db or an offset_file to resume from"
+            )
         self._meta_key = f"update_offset:{name}"
         self._id_key = f"update_log_id:{name}"
         self.log_id: str | None = None  # the id of the log ``offset`` was taken in
@@ -198,26 +231,36 @@ class UpdateApplier:
         refuse (the constructor must work, so that :meth:`reset_offset` can replace it)."""
         try:
             if self.persistent is not None:
-                raw, rid = self.persistent.get_meta(self._meta_key), self.persistent.get_meta(self._id_key)
+                raw, rid = (
+                    self.persistent.get_meta(self._meta_key),
+                    self.persistent.get_meta(self._id_key),
+                )
                 try:
                     offset = raw.decode("ascii") or None if raw is not None else None
                     log_id = rid.decode("ascii") or None if rid is not None else None
                     ok = (offset is None or offset.split() == [offset]) and (
-                        log_id is None or LOG_ID_RE.fullmatch(log_id) is not None)
+                        log_id is None or LOG_ID_RE.fullmatch(log_id) is not None
+                    )
                 except UnicodeDecodeError:
                     ok = False
                 if not ok:
-                    raise ValueError(f"{self._stored_in()} holds {raw!r} and log id {rid!r}, not an "
-                                     f"update offset and a log id")
+                    raise ValueError(
+                        f"{self._stored_in()} holds {raw!r} and log id {rid!r}, not an "
+                        f"update offset and a log id"
+                    )
             else:
                 offset, log_id = self.offset_file.load_position()
             if offset is not None:
                 try:
                     self.source.check_offset(offset)
                 except ValueError as e:
-                    raise ValueError(f"{self._stored_in()} holds the update offset {offset!r}: {e}") from None
+                    raise ValueError(
+                        f"{self._stored_in()} holds the update offset {offset!r}: {e}"
+                    ) from None
         except ValueError as e:
-            self._bad_offset = f"{e}; nothing was applied. To apply the source from its start, {self._where()}"
+            self._bad_offset = (
+                f"{e}; nothing was applied. To apply the source from its start, {self._where()}"
+            )
             return None
         self.log_id = log_id if offset is not None else None
         return offset
@@ -230,18 +273,27 @@ class UpdateApplier:
     def _where(self) -> str:
         """Where the offset is stored, and how to reset it (for error messages)."""
         if self.persistent is not None:
-            return (f"the offset is {self._meta_key!r} in the persistent db {self.persistent.path}; "
-                    f"call UpdateApplier.reset_offset(), e.g. HierarchicalParameterServer.from_config("
-                    f"<ps.json>, load=False).update_applier().reset_offset() with the server stopped")
-        return (f"stop the server and delete the offset file {self.offset_file.path} "
-                f"(or call UpdateApplier.reset_offset())")
+            return (
+                f"the offset is {self._meta_key!r} in the persistent db {self.persistent.path}; "
+                f"call UpdateApplier.reset_offset(), e.g. HierarchicalParameterServer.from_config("
+                f"<ps.json>, load=False).update_applier().reset_offset() with the server stopped"
+            )
+        return (
+            f"stop the server and delete the offset file {self.offset_file.path} "
+            f"(or call UpdateApplier.reset_offset())"
+        )
 
     def _store(self, offset: str | None, log_id: str | None, rows: list | None = None) -> None:
         """Record the offset and its log id (with ``rows`` in one atomic write when the
         persistent db holds them)."""
         if self.persistent is not None:
-            self.persistent.write_batch(rows or [], meta={self._meta_key: (offset or "").encode(),
-                                                          self._id_key: (log_id or "").encode()})
+            self.persistent.write_batch(
+                rows or [],
+                meta={
+                    self._meta_key: (offset or "").encode(),
+                    self._id_key: (log_id or "").encode(),
+                },
+            )
         elif offset is None:
             self.offset_file.clear()
         else:
@@ -256,7 +308,9 @@ class UpdateApplier:
         if offset is not None:
             self.source.check_offset(offset)
         if log_id is not None and not LOG_ID_RE.fullmatch(log_id):
-            raise ValueError(f"log id {log_id!r} is not 'log:<32 hex digits>' or 'rec0:<n>:<8 hex digits>'")
+            raise ValueError(
+                f"log id {log_id!r} is not 'log:<32 hex digits>' or 'rec0:<n>:<8 hex digits>'"
+            )
         with self._lock:
             self._store(offset, log_id)
 
@@ -280,21 +334,31 @@ class UpdateApplier:
         out: UpdateBatch = {}
         for name, (keys, rows) in batch.items():
             if name not in dims:
-                raise InvalidUpdateError(f"update for unknown table {name!r}; served tables: {sorted(dims)}")
+                raise InvalidUpdateError(
+                    f"update for unknown table {name!r}; served tables: {sorted(dims)}"
+                )
             what = f"update for {name!r}:"
             keys = check_keys(keys, f"{what} keys")
             if not isinstance(rows, np.ndarray) or rows.shape != (keys.shape[0], dims[name]):
                 got = rows.shape if isinstance(rows, np.ndarray) else type(rows).__name__
-                raise InvalidUpdateError(f"{what} rows {got}, expected ({keys.shape[0]}, {dims[name]})")
+                raise InvalidUpdateError(
+                    f"{what} rows {got}, expected ({keys.shape[0]}, {dims[name]})"
+                )
             rows = check_values(rows, keys.shape[0], dims[name], f"{what} rows")
             bad = np.flatnonzero(~np.isfinite(rows).all(1))
             if bad.size:
-                raise InvalidUpdateError(f"{what} the row of key {int(keys[bad[0]])} holds a non-finite value "
-                                 f"({rows[bad[0]][~np.isfinite(rows[bad[0]])][0]}); {bad.size} such row(s)")
-            s = np.sort(keys)  # not np.unique: numpy 2.4's hash path is ~50x slower on large batches
+                raise InvalidUpdateError(
+                    f"{what} the row of key {int(keys[bad[0]])} holds a non-finite value "
+                    f"({rows[bad[0]][~np.isfinite(rows[bad[0]])][0]}); {bad.size} such row(s)"
+                )
+            s = np.sort(
+                keys
+            )  # not np.unique: numpy 2.4's hash path is ~50x slower on large batches
             rep = np.flatnonzero(s[1:] == s[:-1])
             if rep.size:
-                raise InvalidUpdateError(f"{what} duplicate keys (key {int(s[rep[0]])} occurs more than once)")
+                raise InvalidUpdateError(
+                    f"{what} duplicate keys (key {int(s[rep[0]])} occurs more than once)"
+                )
             out[name] = (keys, rows)
         return out
 
@@ -313,8 +377,10 @@ class UpdateApplier:
                 for s in self.sessions:
                     t = s.tables.get(name)
                     if t is not None and t.cache is not None:
-                        t.cache.update_if_present(torch.from_numpy(keys).to(t.cache.device),
-                                                  torch.from_numpy(rows).to(t.cache.device))
+                        t.cache.update_if_present(
+                            torch.from_numpy(keys).to(t.cache.device),
+                            torch.from_numpy(rows).to(t.cache.device),
+                        )
             self._store(offset, log_id, [(n, k, r) for n, (k, r) in batch.items()])
             self.applied += 1
         finally:
@@ -340,7 +406,9 @@ class UpdateApplier:
             except StaleOffsetError as e:
                 raise e.with_hint(self._where()) from None
             if not recs and self.offset is not None and log_id is not None and self.log_id is None:
-                self._store(self.offset, log_id)  # an offset without a log id, now checked: adopt the id
+                self._store(
+                    self.offset, log_id
+                )  # an offset without a log id, now checked: adopt the id
             for off, batch in recs:
                 try:
                     self.apply(batch, off, log_id)
@@ -352,7 +420,8 @@ class UpdateApplier:
                         f"not reloaded): UpdateApplier.reset_offset({off!r}, {log_id!r}) with the "
                         "server stopped. A server that rebuilds its volatile db at start replays "
                         "the source from its beginning: there the record must be removed from "
-                        "the source, or the source replaced)") from None
+                        "the source, or the source replaced)"
+                    ) from None
             return len(recs)
 
     def drain(self, max_records: int = 64) -> int:
@@ -371,7 +440,11 @@ class UpdateApplier:
             while not stop.wait(interval_s):
                 try:
                     self.drain()
-                except (CorruptRecordError, InvalidUpdateError, VolatileUnavailableError) as e:  # no traceback needed
+                except (
+                    CorruptRecordError,
+                    InvalidUpdateError,
+                    VolatileUnavailableError,
+                ) as e:  # no traceback needed
                     log.error("applying online updates failed; will retry: %s", e)
                 except Exception:  # keep serving; the batch stays unapplied and is retried
                     log.exception("applying online updates failed; will retry")
@@ -394,7 +467,9 @@ class PublishUpdatesCallback:
         tables: table names (default: every table of ``model.embeddings``).
     """
 
-    def __init__(self, publisher: UpdatePublisher, every_n_steps: int = 1, tables: list[str] | None = None) -> None:
+    def __init__(
+        self, publisher: UpdatePublisher, every_n_steps: int = 1, tables: list[str] | None = None
+    ) -> None:
         if every_n_steps <= 0:
             raise ValueError(f"every_n_steps must be > 0, got {every_n_steps}")
         self.publisher = publisher
@@ -445,7 +520,9 @@ class PublishUpdatesCallback:
         """
         emb = self._embeddings(trainer)
         batch: UpdateBatch = {}
-        taken: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (snapshot, rows, values)
+        taken: list[
+            tuple[torch.Tensor, torch.Tensor, torch.Tensor]
+        ] = []  # (snapshot, rows, values)
         for name, snap in self._snap.items():
             w = emb[name].weight.detach().cpu()
             rows = torch.nonzero((w != snap).any(1)).squeeze(1)

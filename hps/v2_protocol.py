@@ -44,11 +44,17 @@ HEADER_LENGTH = "Inference-Header-Content-Length"
 # v2 datatype name → numpy dtype (little-endian, as the binary extension specifies).
 DTYPES: dict[str, np.dtype] = {
     "BOOL": np.dtype("?"),
-    "UINT8": np.dtype("<u1"), "UINT16": np.dtype("<u2"), "UINT32": np.dtype("<u4"),
+    "UINT8": np.dtype("<u1"),
+    "UINT16": np.dtype("<u2"),
+    "UINT32": np.dtype("<u4"),
     "UINT64": np.dtype("<u8"),
-    "INT8": np.dtype("<i1"), "INT16": np.dtype("<i2"), "INT32": np.dtype("<i4"),
+    "INT8": np.dtype("<i1"),
+    "INT16": np.dtype("<i2"),
+    "INT32": np.dtype("<i4"),
     "INT64": np.dtype("<i8"),
-    "FP16": np.dtype("<f2"), "FP32": np.dtype("<f4"), "FP64": np.dtype("<f8"),
+    "FP16": np.dtype("<f2"),
+    "FP32": np.dtype("<f4"),
+    "FP64": np.dtype("<f8"),
 }
 _NAMES = {v: k for k, v in DTYPES.items()}
 
@@ -87,8 +93,9 @@ def _decompress(body: bytes, content_encoding: str | None, max_bytes: int | None
     if enc == "identity":
         return body
     if enc not in ("gzip", "deflate"):
-        raise ProtocolError(f"unsupported Content-Encoding {content_encoding!r}; "
-                            "expected gzip, deflate or none")
+        raise ProtocolError(
+            f"unsupported Content-Encoding {content_encoding!r}; expected gzip, deflate or none"
+        )
     d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
     limit = max_bytes if max_bytes is not None else 0  # 0: no limit
     try:
@@ -96,8 +103,9 @@ def _decompress(body: bytes, content_encoding: str | None, max_bytes: int | None
     except zlib.error as e:
         raise ProtocolError(f"request body is not valid {enc} data: {e}") from None
     if limit and len(out) > limit:
-        raise ProtocolError(f"request body decompresses to more than the server's limit of "
-                            f"{limit} bytes")
+        raise ProtocolError(
+            f"request body decompresses to more than the server's limit of {limit} bytes"
+        )
     if not d.eof:
         raise ProtocolError(f"request body is not valid {enc} data: truncated stream")
     return out
@@ -110,7 +118,9 @@ def _bool(v: Any, where: str) -> bool:
 
 
 def _shape(v: Any, where: str) -> tuple[int, ...]:
-    if not isinstance(v, list) or not all(isinstance(d, int) and not isinstance(d, bool) for d in v):
+    if not isinstance(v, list) or not all(
+        isinstance(d, int) and not isinstance(d, bool) for d in v
+    ):
         raise ProtocolError(f"{where}.shape must be a list of integers, got {v!r}")
     if any(d < 0 for d in v):
         raise ProtocolError(f"{where}.shape must not be negative, got {v}")
@@ -132,11 +142,14 @@ def _check_integers(data: Any, dtype: np.dtype, where: str) -> None:
     info = np.iinfo(dtype)
     for x in _as_array(data, where, dtype=object).reshape(-1):
         if isinstance(x, bool) or not isinstance(x, int):
-            raise ProtocolError(f"{where}.data holds non-integer values for an integer datatype "
-                                f"(e.g. {x!r})")
+            raise ProtocolError(
+                f"{where}.data holds non-integer values for an integer datatype (e.g. {x!r})"
+            )
         if not info.min <= x <= info.max:
-            raise ProtocolError(f"{where}.data value {x} is out of range for {_NAMES[dtype]} "
-                                f"[{info.min}, {info.max}]")
+            raise ProtocolError(
+                f"{where}.data value {x} is out of range for {_NAMES[dtype]} "
+                f"[{info.min}, {info.max}]"
+            )
 
 
 def _holds_bool(data: Any) -> bool:
@@ -163,8 +176,10 @@ def _json_data(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) -
     if arr.dtype == object or arr.dtype.kind not in "biuf":
         raise ProtocolError(f"{where}.data must hold numbers, got {arr.dtype} values")
     if dtype.kind != "b" and arr.size and (arr.dtype.kind == "b" or _holds_bool(data)):
-        raise ProtocolError(f"{where}.data holds true/false for datatype {_NAMES[dtype]} "
-                            "(booleans are values of a BOOL input only)")
+        raise ProtocolError(
+            f"{where}.data holds true/false for datatype {_NAMES[dtype]} "
+            "(booleans are values of a BOOL input only)"
+        )
     n = math.prod(shape)  # Python ints: no int64 wrap-around for huge declared shapes
     if arr.size != n:
         raise ProtocolError(f"{where}: shape {list(shape)} needs {n} values, data has {arr.size}")
@@ -172,14 +187,19 @@ def _json_data(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) -
         info = np.iinfo(dtype)
         lo, hi = int(arr.min()), int(arr.max())
         if lo < info.min or hi > info.max:  # e.g. 2**63 parses as uint64
-            raise ProtocolError(f"{where}.data value {lo if lo < info.min else hi} is out of "
-                                f"range for {_NAMES[dtype]} [{info.min}, {info.max}]")
+            raise ProtocolError(
+                f"{where}.data value {lo if lo < info.min else hi} is out of "
+                f"range for {_NAMES[dtype]} [{info.min}, {info.max}]"
+            )
     return arr.astype(dtype, copy=False).reshape(shape)
 
 
-def parse_infer_request(body: bytes, header_length: str | int | None = None,
-                        content_encoding: str | None = None,
-                        max_bytes: int | None = None) -> InferRequest:
+def parse_infer_request(
+    body: bytes,
+    header_length: str | int | None = None,
+    content_encoding: str | None = None,
+    max_bytes: int | None = None,
+) -> InferRequest:
     """Parse an ``/infer`` body.
 
     Args:
@@ -205,9 +225,13 @@ def parse_infer_request(body: bytes, header_length: str | int | None = None,
         try:
             n_json = int(header_length)
         except (TypeError, ValueError):
-            raise ProtocolError(f"{HEADER_LENGTH} must be an integer, got {header_length!r}") from None
+            raise ProtocolError(
+                f"{HEADER_LENGTH} must be an integer, got {header_length!r}"
+            ) from None
         if not 0 < n_json <= len(body):
-            raise ProtocolError(f"{HEADER_LENGTH} {n_json} is outside the body of {len(body)} bytes")
+            raise ProtocolError(
+                f"{HEADER_LENGTH} {n_json} is outside the body of {len(body)} bytes"
+            )
     try:
         doc = json.loads(body[:n_json])
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
@@ -249,15 +273,21 @@ def parse_infer_request(body: bytes, header_length: str | int | None = None,
             if "data" in spec:
                 raise ProtocolError(f"{where} has both 'data' and binary_data_size")
             if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ProtocolError(f"{where}.binary_data_size must be a non-negative integer, got {size!r}")
+                raise ProtocolError(
+                    f"{where}.binary_data_size must be a non-negative integer, got {size!r}"
+                )
             need = math.prod(shape) * dtype.itemsize
             if size != need:
-                raise ProtocolError(f"{where}: binary_data_size {size} but shape {list(shape)} × "
-                                    f"{dt_name} needs {need} bytes")
+                raise ProtocolError(
+                    f"{where}: binary_data_size {size} but shape {list(shape)} × "
+                    f"{dt_name} needs {need} bytes"
+                )
             if pos + size > len(binary):
-                raise ProtocolError(f"{where}: binary data ends at byte {pos + size} but the body "
-                                    f"carries {len(binary)} bytes after the JSON header")
-            arr = np.frombuffer(binary[pos:pos + size], dtype=dtype).reshape(shape)
+                raise ProtocolError(
+                    f"{where}: binary data ends at byte {pos + size} but the body "
+                    f"carries {len(binary)} bytes after the JSON header"
+                )
+            arr = np.frombuffer(binary[pos : pos + size], dtype=dtype).reshape(shape)
             pos += size
         elif "data" in spec:
             arr = _json_data(spec["data"], dtype, shape, where)
@@ -280,15 +310,24 @@ def parse_infer_request(body: bytes, header_length: str | int | None = None,
             op = o.get("parameters") or {}
             if not isinstance(op, dict):
                 raise ProtocolError(f"outputs[{i}].parameters must be an object")
-            as_binary = _bool(op.get("binary_data", binary_output), f"outputs[{i}].parameters.binary_data")
+            as_binary = _bool(
+                op.get("binary_data", binary_output), f"outputs[{i}].parameters.binary_data"
+            )
             outputs.append(RequestedOutput(o["name"], as_binary))
     rid = doc.get("id")
-    return InferRequest(inputs, datatypes, outputs, binary_output,
-                        id=str(rid) if rid is not None else None, parameters=params)
+    return InferRequest(
+        inputs,
+        datatypes,
+        outputs,
+        binary_output,
+        id=str(rid) if rid is not None else None,
+        parameters=params,
+    )
 
 
-def encode_infer_response(model_name: str, model_version: str, results: dict[str, np.ndarray],
-                          request: InferRequest) -> tuple[bytes, dict[str, str]]:
+def encode_infer_response(
+    model_name: str, model_version: str, results: dict[str, np.ndarray], request: InferRequest
+) -> tuple[bytes, dict[str, str]]:
     """The ``/infer`` response body and its extra headers.
 
     Args:
@@ -322,11 +361,17 @@ def encode_infer_response(model_name: str, model_version: str, results: dict[str
         else:
             entry["data"] = arr.reshape(-1).tolist()
         outs.append(entry)
-    doc: dict[str, Any] = {"model_name": model_name, "model_version": model_version, "outputs": outs}
+    doc: dict[str, Any] = {
+        "model_name": model_name,
+        "model_version": model_version,
+        "outputs": outs,
+    }
     if request.id is not None:
         doc["id"] = request.id
     head = json.dumps(doc, separators=(",", ":")).encode()
     if not blobs:
         return head, {"Content-Type": "application/json"}
-    return b"".join([head, *blobs]), {HEADER_LENGTH: str(len(head)),
-                                      "Content-Type": "application/octet-stream"}
+    return b"".join([head, *blobs]), {
+        HEADER_LENGTH: str(len(head)),
+        "Content-Type": "application/octet-stream",
+    }

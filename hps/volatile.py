@@ -40,7 +40,11 @@ def split_by_partition(keys: np.ndarray, num_partitions: int) -> list[tuple[int,
     part = partition_of(keys, num_partitions)
     order = np.argsort(part, kind="stable")
     bounds = np.searchsorted(part[order], np.arange(num_partitions + 1))
-    return [(p, order[bounds[p]:bounds[p + 1]]) for p in range(num_partitions) if bounds[p + 1] > bounds[p]]
+    return [
+        (p, order[bounds[p] : bounds[p + 1]])
+        for p in range(num_partitions)
+        if bounds[p + 1] > bounds[p]
+    ]
 
 
 class _Partition:
@@ -67,11 +71,15 @@ class _Partition:
             cap = self.values.shape[0]
             new_cap = max(2 * cap, cap + n - self.free.size)
             grow = new_cap - cap
-            self.values = np.concatenate([self.values, np.zeros((grow, self.values.shape[1]), np.float32)])
+            self.values = np.concatenate(
+                [self.values, np.zeros((grow, self.values.shape[1]), np.float32)]
+            )
             self.uses = np.concatenate([self.uses, np.zeros(grow, np.int64)])
             self.stamp = np.concatenate([self.stamp, np.zeros(grow, np.int64)])
-            self.free = np.concatenate([np.arange(new_cap - 1, cap - 1, -1, dtype=np.int64), self.free])
-        out = self.free[self.free.size - n:]
+            self.free = np.concatenate(
+                [np.arange(new_cap - 1, cap - 1, -1, dtype=np.int64), self.free]
+            )
+        out = self.free[self.free.size - n :]
         self.free = self.free[: self.free.size - n]
         return out
 
@@ -95,15 +103,22 @@ class HashMapBackend(StorageBackend):
 
     name = "hash_map"
 
-    def __init__(self, num_partitions: int = 8, overflow_margin: int = 2**40,
-                 overflow_policy: OverflowPolicy | str = OverflowPolicy.EVICT_RANDOM,
-                 overflow_resolution_target: float = 0.8, seed: int = 0) -> None:
+    def __init__(
+        self,
+        num_partitions: int = 8,
+        overflow_margin: int = 2**40,
+        overflow_policy: OverflowPolicy | str = OverflowPolicy.EVICT_RANDOM,
+        overflow_resolution_target: float = 0.8,
+        seed: int = 0,
+    ) -> None:
         if num_partitions <= 0:
             raise ValueError(f"num_partitions must be > 0, got {num_partitions}")
         if overflow_margin <= 0:
             raise ValueError(f"overflow_margin must be > 0, got {overflow_margin}")
         if not 0.0 < overflow_resolution_target <= 1.0:
-            raise ValueError(f"overflow_resolution_target must be in (0, 1], got {overflow_resolution_target}")
+            raise ValueError(
+                f"overflow_resolution_target must be in (0, 1], got {overflow_resolution_target}"
+            )
         self.num_partitions = num_partitions
         self.overflow_margin = overflow_margin
         self.overflow_policy = OverflowPolicy(overflow_policy)
@@ -118,7 +133,9 @@ class HashMapBackend(StorageBackend):
         with self._lock:
             if table in self._tables:
                 if self._tables[table][0] != dim:
-                    raise ValueError(f"table {table!r} exists with dim {self._tables[table][0]}, not {dim}")
+                    raise ValueError(
+                        f"table {table!r} exists with dim {self._tables[table][0]}, not {dim}"
+                    )
                 return
             self._tables[table] = (dim, [_Partition(dim) for _ in range(self.num_partitions)])
 
@@ -126,7 +143,9 @@ class HashMapBackend(StorageBackend):
         try:
             return self._tables[table]
         except KeyError:
-            raise ValueError(f"volatile db has no table {table!r}; tables: {sorted(self._tables)}") from None
+            raise ValueError(
+                f"volatile db has no table {table!r}; tables: {sorted(self._tables)}"
+            ) from None
 
     def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         keys = check_keys(keys)
@@ -159,7 +178,9 @@ class HashMapBackend(StorageBackend):
         dim, parts = self._table(table)
         values = check_values(values, keys.size, dim)
         if keys.size > 1:
-            s = np.sort(keys)  # one sort before any partition is touched: the call stays all-or-nothing
+            s = np.sort(
+                keys
+            )  # one sort before any partition is touched: the call stays all-or-nothing
             rep = np.flatnonzero(s[1:] == s[:-1])
             if rep.size:
                 raise ValueError(
@@ -196,13 +217,22 @@ class HashMapBackend(StorageBackend):
         if self.overflow_policy is OverflowPolicy.EVICT_RANDOM:
             pos = self._rng.choice(part.keys.size, size=n_evict, replace=False)
         else:
-            score = (part.uses if self.overflow_policy is OverflowPolicy.EVICT_LEAST_USED else part.stamp)
+            score = (
+                part.uses if self.overflow_policy is OverflowPolicy.EVICT_LEAST_USED else part.stamp
+            )
             s = score[part.slots]
-            pos = np.argpartition(s, n_evict - 1)[:n_evict] if n_evict < s.size else np.arange(s.size)
+            pos = (
+                np.argpartition(s, n_evict - 1)[:n_evict] if n_evict < s.size else np.arange(s.size)
+            )
         part.remove_positions(pos)
         self.evicted += int(n_evict)
-        log.debug("volatile db: table %s partition %d evicted %d rows (%s)", table, p, n_evict,
-                  self.overflow_policy.value)
+        log.debug(
+            "volatile db: table %s partition %d evicted %d rows (%s)",
+            table,
+            p,
+            n_evict,
+            self.overflow_policy.value,
+        )
 
     def delete(self, table: str, keys: np.ndarray) -> None:
         """Remove rows (missing keys are ignored)."""

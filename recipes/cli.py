@@ -68,7 +68,9 @@ def _one_of(choices: Sequence[Any], name: str, optional: bool) -> Callable[[str]
             return by_text[text]
         except KeyError:
             # argparse's own wording for choices, listing values rather than reprs
-            raise argparse.ArgumentTypeError(f"invalid choice: {text!r} (choose from {allowed})") from None
+            raise argparse.ArgumentTypeError(
+                f"invalid choice: {text!r} (choose from {allowed})"
+            ) from None
 
     parse.__name__ = name
     return parse

@@ -85,7 +85,9 @@ class PruneDLRMConfig:
     """Every knob of the recipe, with its default (each is a ``--flag`` of the same name)."""
 
     workload: str = knob("tiny", f"embark preset, one of {', '.join(PRESETS)}")
-    scale: float = knob(1.0, "divide every table's rows by this (>= 1) to fit a big preset on a laptop")
+    scale: float = knob(
+        1.0, "divide every table's rows by this (>= 1) to fit a big preset on a laptop"
+    )
     batch_size: int = knob(256, "samples per step (and per served request)")
     # tiny: AUC still rising slowly after 3000 steps
     dense_steps: int = knob(3000, "dense training steps before pruning")
@@ -102,7 +104,8 @@ class PruneDLRMConfig:
     block: int = knob(16, "BW block side (bk = bn), the same scale as the tile on tiny")
     importance: Literal["magnitude", "taylor", "movement"] = knob("magnitude", "importance score")
     schedule: Literal["multistage", "cubic", "oneshot"] = knob(
-        "multistage", "pruning schedule (multistage: the paper's stages with fine-tuning between)")
+        "multistage", "pruning schedule (multistage: the paper's stages with fine-tuning between)"
+    )
     recipe: str | None = knob(None, "a TileSparseConfig YAML/JSON file: replaces pattern..schedule")
     sweep: bool = knob(False, "run dense vs TW/EW/BW at 50/75/90%% and 2:4 instead of one run")
     seed: int = knob(0, "seed of the model, the data and the teacher")
@@ -111,46 +114,83 @@ class PruneDLRMConfig:
     # 1: these layers are too small to split, and on a shared 2-core machine 2 threads measured
     # ~30x slower per step (thread contention), 1 thread ~4 ms/step.
     threads: int = knob(1, "torch intra-op threads for training")
-    speed_batch: int = knob(4096, "speed half: batch of the full-width DLRM-DCNv2 dense part, "
-                                  "dense vs condensed (0 skips it)")
+    speed_batch: int = knob(
+        4096,
+        "speed half: batch of the full-width DLRM-DCNv2 dense part, "
+        "dense vs condensed (0 skips it)",
+    )
     speed_threads: int = knob(2, "speed half: torch threads while timing")
-    serve_batches: int = knob(8, "serving half: eval batches scored through the v2 server after "
-                                 "exporting the condensed model (0 skips it)")
+    serve_batches: int = knob(
+        8,
+        "serving half: eval batches scored through the v2 server after "
+        "exporting the condensed model (0 skips it)",
+    )
 
     def __post_init__(self) -> None:
         if self.workload not in PRESETS:
             raise ValueError(f"--workload must be one of {list(PRESETS)}, got {self.workload!r}")
-        for name in ("batch_size", "dense_steps", "steps", "eval_batches", "tile", "block", "threads"):
+        for name in (
+            "batch_size",
+            "dense_steps",
+            "steps",
+            "eval_batches",
+            "tile",
+            "block",
+            "threads",
+        ):
             v = getattr(self, name)
             lo = 0 if name == "dense_steps" else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}"
+                )
         for name in ("speed_batch", "speed_threads", "serve_batches"):
             v = getattr(self, name)
             lo = 0 if name in ("speed_batch", "serve_batches") else 1
             if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}")
+                raise ValueError(
+                    f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}"
+                )
         if not 0.0 <= self.sparsity < 1.0:
             raise ValueError(f"--sparsity must be in [0, 1), got {self.sparsity}")
-        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+        if (
+            isinstance(self.seed, bool)
+            or not isinstance(self.seed, int)
+            or not 0 <= self.seed < 2**32
+        ):
             raise ValueError(f"--seed must be an integer in [0, 2**32), got {self.seed!r}")
         # tew prunes sparsity + tew_delta, then restores tew_delta of single weights
-        if self.pattern == "tew" and not (self.recipe or self.sweep) and self.sparsity + _TEW_DELTA >= 1.0:
+        if (
+            self.pattern == "tew"
+            and not (self.recipe or self.sweep)
+            and self.sparsity + _TEW_DELTA >= 1.0
+        ):
             raise ValueError(
                 f"--sparsity must be < {1 - _TEW_DELTA:g} for --pattern tew (it prunes sparsity + "
                 f"tew_delta = {_TEW_DELTA:g} first, then restores the best tew_delta), got {self.sparsity}"
             )
-        for name, allowed in (("pattern", [p.value for p in Pattern]),
-                              ("importance", [i.value for i in Importance])):
+        for name, allowed in (
+            ("pattern", [p.value for p in Pattern]),
+            ("importance", [i.value for i in Importance]),
+        ):
             if getattr(self, name) not in allowed:
                 raise ValueError(f"--{name} must be one of {allowed}, got {getattr(self, name)!r}")
         if self.schedule not in ("multistage", "cubic", "oneshot"):
-            raise ValueError(f"--schedule must be multistage, cubic or oneshot, got {self.schedule!r}")
+            raise ValueError(
+                f"--schedule must be multistage, cubic or oneshot, got {self.schedule!r}"
+            )
         # NaN passes every comparison: check finiteness first, naming the flag
-        for name, ok, want in (("scale", lambda v: v >= 1, "a finite number >= 1"),
-                               ("lr", lambda v: v > 0, "a finite number > 0")):
+        for name, ok, want in (
+            ("scale", lambda v: v >= 1, "a finite number >= 1"),
+            ("lr", lambda v: v > 0, "a finite number > 0"),
+        ):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not math.isfinite(v) or not ok(v):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int | float)
+                or not math.isfinite(v)
+                or not ok(v)
+            ):
                 raise ValueError(f"--{name} must be {want}, got {v!r}")
 
 
@@ -164,10 +204,14 @@ def _schedule(kind: str, steps: int, warmup: int, target: float) -> ScheduleConf
         return OneShotSchedule(step=warmup)
     if kind == "cubic":
         end = warmup + max(1, (4 * body) // 5)
-        return CubicSchedule(begin_step=warmup, end_step=end, frequency=max(1, (end - warmup) // 10))
+        return CubicSchedule(
+            begin_step=warmup, end_step=end, frequency=max(1, (end - warmup) // 10)
+        )
     # the paper's stages up to the target; the last one holds for two stages' worth of steps
     n_stages = len(stages_for(MultiStageSchedule(), target))
-    return MultiStageSchedule(stages=None, steps_per_stage=max(1, body // (n_stages + 1)), start=warmup)
+    return MultiStageSchedule(
+        stages=None, steps_per_stage=max(1, body // (n_stages + 1)), start=warmup
+    )
 
 
 def prune_config(cfg: PruneDLRMConfig, pattern: str, sparsity: float) -> TileSparseConfig:
@@ -200,23 +244,34 @@ def run_configs(cfg: PruneDLRMConfig) -> list[TileSparseConfig]:
         base = TileSparseConfig.load(cfg.recipe)
         if not cfg.sweep:
             return _check_schedules([base], cfg)
-        return _check_schedules([
-            replace(base, pattern=Pattern(p), sparsity=None if p == "nm" else s) for p, s in SWEEP
-        ], cfg)
-    configs = [prune_config(cfg, cfg.pattern, cfg.sparsity)] if not cfg.sweep else [
-        prune_config(cfg, p, s) for p, s in SWEEP]
+        return _check_schedules(
+            [
+                replace(base, pattern=Pattern(p), sparsity=None if p == "nm" else s)
+                for p, s in SWEEP
+            ],
+            cfg,
+        )
+    configs = (
+        [prune_config(cfg, cfg.pattern, cfg.sparsity)]
+        if not cfg.sweep
+        else [prune_config(cfg, p, s) for p, s in SWEEP]
+    )
     return _check_schedules(configs, cfg)
 
 
-def _check_schedules(configs: list[TileSparseConfig], cfg: PruneDLRMConfig) -> list[TileSparseConfig]:
+def _check_schedules(
+    configs: list[TileSparseConfig], cfg: PruneDLRMConfig
+) -> list[TileSparseConfig]:
     """Every schedule must reach its target within ``--steps`` (checked before any training)."""
     for c in configs:
         end = end_step(c.schedule, c.target_sparsity)
         if end >= cfg.steps:
             where = f"{cfg.recipe}: " if cfg.recipe else ""
-            raise ValueError(f"{where}the {c.pattern.value} schedule reaches {c.target_sparsity:g} "
-                             f"at step {end}, but --steps is {cfg.steps}; raise --steps or shorten "
-                             "the schedule")
+            raise ValueError(
+                f"{where}the {c.pattern.value} schedule reaches {c.target_sparsity:g} "
+                f"at step {end}, but --steps is {cfg.steps}; raise --steps or shorten "
+                "the schedule"
+            )
     return configs
 
 
@@ -270,7 +325,9 @@ def run_one(
     model = copy.deepcopy(dense_model)
     pruner = TileSparsePruner(pcfg)
     label = f"{pcfg.pattern.value} {pcfg.target_sparsity:.0%}"
-    trainer = _fine_tune(model, train_cfg, optimizer_state, ft_batches, pruner, progress, f"fine-tune {label}")
+    trainer = _fine_tune(
+        model, train_cfg, optimizer_state, ft_batches, pruner, progress, f"fine-tune {label}"
+    )
     if pruner.current_sparsity != pcfg.target_sparsity:
         raise ValueError(
             f"the schedule did not reach {pcfg.target_sparsity} within {len(ft_batches)} steps "
@@ -304,7 +361,9 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
     """Run the recipe; returns the report (also written to ``cfg.out``)."""
     torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
-    out = Path(cfg.out) if cfg.out else Path("runs") / f"prune_dlrm-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    out = (
+        Path(cfg.out) if cfg.out else Path("runs") / f"prune_dlrm-{datetime.now(UTC):%Y%m%d-%H%M%S}"
+    )
     configs = run_configs(cfg)  # bad recipe files fail here, before any training
     out.mkdir(parents=True, exist_ok=True)
     workload = get_workload(cfg.workload)
@@ -324,7 +383,9 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
 
     baseline = copy.deepcopy(dense)
     opt_state = trainer.optimizer.state_dict()
-    bt = _fine_tune(baseline, train_cfg, opt_state, ft_batches, None, cfg.progress, "fine-tune dense")
+    bt = _fine_tune(
+        baseline, train_cfg, opt_state, ft_batches, None, cfg.progress, "fine-tune dense"
+    )
     dense_auc = bt.evaluate(eval_batches)["auc"]
 
     runs = []
@@ -332,7 +393,13 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
         r = run_one(dense, pcfg, train_cfg, opt_state, ft_batches, eval_batches, cfg.progress)
         r["auc_drop"] = dense_auc - r["eval_auc"]
         runs.append(r)
-        log.info("%s %.2f: AUC %.4f (drop %+.4f)", r["pattern"], r["sparsity"], r["eval_auc"], r["auc_drop"])
+        log.info(
+            "%s %.2f: AUC %.4f (drop %+.4f)",
+            r["pattern"],
+            r["sparsity"],
+            r["eval_auc"],
+            r["auc_drop"],
+        )
 
     masks = [r.pop("_masks") for r in runs]
     models = [r.pop("_model") for r in runs]
@@ -359,25 +426,38 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
     main_i = _main_run_index(runs, cfg)
     main_run = runs[main_i]
     if cfg.speed_batch and main_run["pattern"] not in SPEED_PATTERNS:
-        report["speed"] = {"skipped": (
-            f"speed is measured for the TW family ({', '.join(SPEED_PATTERNS)}); a condensed "
-            f"{main_run['pattern']} mask has about one tile per column and no fast path"
-        )}
+        report["speed"] = {
+            "skipped": (
+                f"speed is measured for the TW family ({', '.join(SPEED_PATTERNS)}); a condensed "
+                f"{main_run['pattern']} mask has about one tile per column and no fast path"
+            )
+        }
     elif cfg.speed_batch:
         t0 = time.perf_counter()
         report["speed"] = measure_speed(
-            main_run["pattern"], main_run["sparsity"], tile=128, batch=cfg.speed_batch,
-            threads=cfg.speed_threads, seed=cfg.seed,
+            main_run["pattern"],
+            main_run["sparsity"],
+            tile=128,
+            batch=cfg.speed_batch,
+            threads=cfg.speed_threads,
+            seed=cfg.seed,
         )
         report["seconds"]["speed"] = time.perf_counter() - t0
         torch.set_num_threads(cfg.threads)
     if cfg.serve_batches:
         t0 = time.perf_counter()
-        report["serving"] = serve_check(models[main_i], out / "serving",
-                                        eval_batches[: cfg.serve_batches], request_batch=cfg.batch_size)
+        report["serving"] = serve_check(
+            models[main_i],
+            out / "serving",
+            eval_batches[: cfg.serve_batches],
+            request_batch=cfg.batch_size,
+        )
         report["seconds"]["serving"] = time.perf_counter() - t0
-        log.info("served %d samples: max |logit diff| %.2e", report["serving"]["samples"],
-                 report["serving"]["max_abs_logit_diff"])
+        log.info(
+            "served %d samples: max |logit diff| %.2e",
+            report["serving"]["samples"],
+            report["serving"]["max_abs_logit_diff"],
+        )
     report["plots"] = write_plots(out, report, masks[main_i], runs[main_i])
     report["seconds"]["total"] = time.perf_counter() - t_start
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
@@ -399,7 +479,9 @@ def parse_args(argv: Sequence[str] | None = None) -> PruneDLRMConfig:
     """The knobs from the command line; a bad value is a usage error (exit 2) naming it, and
     so is a ``--recipe`` file that does not load or a config that cannot run (a schedule
     longer than ``--steps``): :func:`run_configs` is checked before anything is created."""
-    return parse_knobs(PruneDLRMConfig, argv, description=__doc__.split("\n\n")[0], check=_check_runnable)
+    return parse_knobs(
+        PruneDLRMConfig, argv, description=__doc__.split("\n\n")[0], check=_check_runnable
+    )
 
 
 def _check_runnable(cfg: PruneDLRMConfig) -> None:

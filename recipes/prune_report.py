@@ -33,7 +33,9 @@ def _safe(name: str) -> str:
     return "".join(c if c.isalnum() or c in "-_" else "_" for c in name)
 
 
-def write_plots(out: Path, report: dict[str, Any], masks: dict[str, torch.Tensor], run: dict[str, Any]) -> list[str]:
+def write_plots(
+    out: Path, report: dict[str, Any], masks: dict[str, torch.Tensor], run: dict[str, Any]
+) -> list[str]:
     """Write ``auc_vs_sparsity.png``, ``layer_sparsity.png`` and ``mask_<layer>.png`` (the
     largest pruned layer of ``run``); returns the file names."""
     plt = _pyplot()
@@ -45,8 +47,15 @@ def write_plots(out: Path, report: dict[str, Any], masks: dict[str, torch.Tensor
         by_pattern.setdefault(r["pattern"], []).append((r["sparsity"], r["eval_auc"]))
     for pattern, pts in by_pattern.items():
         pts.sort()
-        ax.plot([100 * s for s, _ in pts], [a for _, a in pts], marker="o", label=_PATTERN_NAMES.get(pattern, pattern))
-    ax.axhline(report["dense_auc"], color="k", ls="--", lw=1, label=f"dense ({report['dense_auc']:.4f})")
+        ax.plot(
+            [100 * s for s, _ in pts],
+            [a for _, a in pts],
+            marker="o",
+            label=_PATTERN_NAMES.get(pattern, pattern),
+        )
+    ax.axhline(
+        report["dense_auc"], color="k", ls="--", lw=1, label=f"dense ({report['dense_auc']:.4f})"
+    )
     ax.set_xlabel("sparsity of the pruned layers (%)")
     ax.set_ylabel("eval AUC")
     ax.set_title(f"{report['workload']['name']}: AUC after the same fine-tuning budget")
@@ -76,7 +85,12 @@ def write_plots(out: Path, report: dict[str, Any], masks: dict[str, torch.Tensor
     mask = masks[fqn]
     tile = int(run["config"]["tile"])
     kept_cols = torch.nonzero(mask.any(dim=0)).flatten()
-    fig, (a0, a1) = plt.subplots(1, 2, figsize=(10, 4.6), gridspec_kw={"width_ratios": [mask.shape[1], max(1, kept_cols.numel())]})
+    fig, (a0, a1) = plt.subplots(
+        1,
+        2,
+        figsize=(10, 4.6),
+        gridspec_kw={"width_ratios": [mask.shape[1], max(1, kept_cols.numel())]},
+    )
     a0.imshow(mask.numpy(), cmap="Greys", aspect="auto", interpolation="nearest")
     a0.set_title(f"{fqn}: mask, K={mask.shape[0]} x N={mask.shape[1]} (black = kept)")
     a0.set_xlabel("output column n")
@@ -131,23 +145,23 @@ def write_markdown(report: dict[str, Any], main_index: int) -> str:
     plots = "\n".join(f"![{p}]({p})" for p in report["plots"])
     return f"""# prune_dlrm report
 
-Workload `{report['workload']['name']}`, {k['dense_steps']} dense training steps, then
-{k['steps']} fine-tuning steps for every model (the dense baseline too), batch {k['batch_size']},
-Adagrad lr {k['lr']}, eval on {k['eval_batches']} x {k['batch_size']} samples.
-Teacher AUC (ceiling) {report['teacher_auc']:.4f}; dense before fine-tuning {report['dense_pretrain_auc']:.4f}.
+Workload `{report["workload"]["name"]}`, {k["dense_steps"]} dense training steps, then
+{k["steps"]} fine-tuning steps for every model (the dense baseline too), batch {k["batch_size"]},
+Adagrad lr {k["lr"]}, eval on {k["eval_batches"]} x {k["batch_size"]} samples.
+Teacher AUC (ceiling) {report["teacher_auc"]:.4f}; dense before fine-tuning {report["dense_pretrain_auc"]:.4f}.
 
 {results_table(report)}
 
-## Layers of `{run['pattern']}` at {run['sparsity']:.0%}
+## Layers of `{run["pattern"]}` at {run["sparsity"]:.0%}
 
 Thresholds are global across the pruned layers, so each layer lands at its own sparsity.
-Weights of the pruned `nn.Linear` layers: {run['pruned_params']}, kept {run['kept_params']}.
+Weights of the pruned `nn.Linear` layers: {run["pruned_params"]}, kept {run["kept_params"]}.
 
 {_layer_table(run)}
 
 {_speed_section(report)}{_serving_section(report)}{plots}
 
-Total time {report['seconds']['total']:.0f} s.
+Total time {report["seconds"]["total"]:.0f} s.
 """
 
 
@@ -157,18 +171,18 @@ def _speed_section(report: dict[str, Any]) -> str:
         return ""
     if "skipped" in sp:
         return f"## Speed\n\nNot measured: {sp['skipped']}.\n\n"
-    return f"""## Speed: {sp['model']}
+    return f"""## Speed: {sp["model"]}
 
-{_PATTERN_NAMES.get(sp['pattern'], sp['pattern'])} at {sp['sparsity']:.0%} (achieved {sp['achieved_sparsity']:.2%}) on every
-linear, G={sp['tile']}, condensed; `dense_forward` at batch {sp['batch']}, {sp['threads']} threads,
-median of {sp['repeats']} interleaved rounds.
+{_PATTERN_NAMES.get(sp["pattern"], sp["pattern"])} at {sp["sparsity"]:.0%} (achieved {sp["achieved_sparsity"]:.2%}) on every
+linear, G={sp["tile"]}, condensed; `dense_forward` at batch {sp["batch"]}, {sp["threads"]} threads,
+median of {sp["repeats"]} interleaved rounds.
 
 | model | ms | speedup | ideal | linear weights |
 |---|---|---|---|---|
-| dense | {sp['dense_ms']:.1f} | — | — | {sp['dense_weight_bytes'] / 2**20:.1f} MiB |
-| pruned + condensed | {sp['pruned_ms']:.1f} | {sp['speedup']:.2f}× | {sp['ideal']:.1f}× | {sp['pruned_weight_bytes'] / 2**20:.1f} MiB |
+| dense | {sp["dense_ms"]:.1f} | — | — | {sp["dense_weight_bytes"] / 2**20:.1f} MiB |
+| pruned + condensed | {sp["pruned_ms"]:.1f} | {sp["speedup"]:.2f}× | {sp["ideal"]:.1f}× | {sp["pruned_weight_bytes"] / 2**20:.1f} MiB |
 
-Largest difference from the masked dense model: {sp['max_abs_err']:.1e}.
+Largest difference from the masked dense model: {sp["max_abs_err"]:.1e}.
 
 """
 
@@ -179,15 +193,15 @@ def _serving_section(report: dict[str, Any]) -> str:
         return ""
     return f"""## Serving
 
-The condensed model exported to `{sv['artifacts']}` (`dense.onnx` {sv['dense_onnx_bytes'] / 1024:.0f} KiB,
+The condensed model exported to `{sv["artifacts"]}` (`dense.onnx` {sv["dense_onnx_bytes"] / 1024:.0f} KiB,
 sparse files, `ps.json`) and served by the v2 inference server (`python -m hps.server`);
-{sv['samples']} eval samples sent by `tritonclient.http` in {sv['requests']} requests of {sv['request_batch']}.
+{sv["samples"]} eval samples sent by `tritonclient.http` in {sv["requests"]} requests of {sv["request_batch"]}.
 
 | | value |
 |---|---|
-| largest logit difference, served vs eager | {sv['max_abs_logit_diff']:.1e} |
-| AUC served / eager | {sv['served_auc']:.4f} / {sv['eager_auc']:.4f} |
-| request latency p50 / p99 | {sv['latency_ms_p50']:.1f} / {sv['latency_ms_p99']:.1f} ms |
+| largest logit difference, served vs eager | {sv["max_abs_logit_diff"]:.1e} |
+| AUC served / eager | {sv["served_auc"]:.4f} / {sv["eager_auc"]:.4f} |
+| request latency p50 / p99 | {sv["latency_ms_p50"]:.1f} / {sv["latency_ms_p99"]:.1f} ms |
 
 """
 

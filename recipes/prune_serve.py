@@ -47,8 +47,9 @@ def padded_ids(sparse: JaggedBatch, key: str, width: int) -> np.ndarray:
     return out.numpy()
 
 
-def serve_check(model: DLRM, out_dir: str | Path, batches: Sequence[Batch],
-                request_batch: int = 256) -> dict[str, Any]:
+def serve_check(
+    model: DLRM, out_dir: str | Path, batches: Sequence[Batch], request_batch: int = 256
+) -> dict[str, Any]:
     """Export ``model``, serve it, score ``batches`` through the server and compare.
 
     Args:

@@ -69,7 +69,9 @@ def measure_speed(
     torch.set_num_threads(threads)
     try:
         with torch.no_grad():
-            err = float((pruned.dense_forward(x, pooled) - masked.dense_forward(x, pooled)).abs().max())
+            err = float(
+                (pruned.dense_forward(x, pooled) - masked.dense_forward(x, pooled)).abs().max()
+            )
             times: dict[str, list[float]] = {"dense": [], "pruned": []}
             models = {"dense": dense, "pruned": pruned}
             for rnd in range(repeats + 1):

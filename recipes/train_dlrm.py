@@ -74,10 +74,16 @@ class TrainDLRMKnobs:
             )
         for name in ("lr", "embedding_lr", "label_sharpness"):
             v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int | float) or not (math.isfinite(v) and v > 0):
+            if (
+                isinstance(v, bool)
+                or not isinstance(v, int | float)
+                or not (math.isfinite(v) and v > 0)
+            ):
                 raise ValueError(f"{name} must be a finite number > 0, got {v!r}")
-        if isinstance(self.scale, bool) or not isinstance(self.scale, int | float) or not (
-            math.isfinite(self.scale) and self.scale >= 1
+        if (
+            isinstance(self.scale, bool)
+            or not isinstance(self.scale, int | float)
+            or not (math.isfinite(self.scale) and self.scale >= 1)
         ):
             raise ValueError(f"scale must be a finite number >= 1, got {self.scale!r}")
         if self.optimizer is not None:

@@ -77,4 +77,3 @@ __all__ = [
     "tw_rows_mask",
     "tw_rows_masks",
 ]
-

@@ -127,7 +127,9 @@ def main(argv: list[str] | None = None) -> int:
     except (RuntimeError, OSError, ImportError) as e:
         log.error("tilesparse: build failed: %s", e)
         return 1
-    log.info("tilesparse: built %s (fp32 micro-kernel: %s) in %s", EXT_NAME, mod.simd(), build_dir())
+    log.info(
+        "tilesparse: built %s (fp32 micro-kernel: %s) in %s", EXT_NAME, mod.simd(), build_dir()
+    )
     return 0
 
 

@@ -127,20 +127,28 @@ class MultiStageSchedule:
 
     def __post_init__(self) -> None:
         if self.stages is not None:
-            if isinstance(self.stages, str | bytes | Mapping) or not isinstance(self.stages, Iterable):
+            if isinstance(self.stages, str | bytes | Mapping) or not isinstance(
+                self.stages, Iterable
+            ):
                 raise ValueError(
                     f"MultiStageSchedule.stages must be a list of sparsities in [0, 1) or None, got {self.stages!r}"
                 )
             stages = tuple(self.stages)
             for i, s in enumerate(stages):  # numbers.Real: NumPy scalars too, not "0.5" or True
                 ok = isinstance(s, numbers.Real) and not isinstance(s, bool)
-                _check_unit("MultiStageSchedule", f"stages[{i}]", float(s) if ok else s, closed_right=False)
+                _check_unit(
+                    "MultiStageSchedule", f"stages[{i}]", float(s) if ok else s, closed_right=False
+                )
             stages = tuple(float(s) for s in stages)
             object.__setattr__(self, "stages", stages)
             if not stages:
-                raise ValueError("MultiStageSchedule.stages must not be empty (use None for the paper's)")
+                raise ValueError(
+                    "MultiStageSchedule.stages must not be empty (use None for the paper's)"
+                )
             if any(b <= a for a, b in zip(stages, stages[1:])):
-                raise ValueError(f"MultiStageSchedule.stages must be strictly ascending, got {list(stages)}")
+                raise ValueError(
+                    f"MultiStageSchedule.stages must be strictly ascending, got {list(stages)}"
+                )
         _check_int("MultiStageSchedule", "steps_per_stage", self.steps_per_stage, 1)
         _check_int("MultiStageSchedule", "start", self.start, 0)
 
@@ -195,7 +203,9 @@ def schedule_from_dict(d: Mapping[str, Any]) -> ScheduleConfig:
         ValueError: for a missing/unknown kind or an unknown key.
     """
     if not isinstance(d, Mapping):
-        raise ValueError(f"schedule must be a schedule config or a mapping with a 'kind', got {d!r}")
+        raise ValueError(
+            f"schedule must be a schedule config or a mapping with a 'kind', got {d!r}"
+        )
     try:
         kind = ScheduleKind(d.get("kind"))
     except ValueError:
@@ -311,7 +321,9 @@ class TileSparseConfig:
         elif isinstance(self.block, list | tuple) and len(self.block) == 2:
             block = tuple(self.block)
         else:
-            raise ValueError(f"{owner}.block must be (bk, bn) or one integer b for (b, b), got {self.block!r}")
+            raise ValueError(
+                f"{owner}.block must be (bk, bn) or one integer b for (b, b), got {self.block!r}"
+            )
         for i, v in enumerate(block):
             _check_int(owner, f"block[{i}]", v, 1)
         set_(self, "block", block)
@@ -321,7 +333,9 @@ class TileSparseConfig:
                 f"{owner}.tew_delta must be < 1 - sparsity = {1 - self.sparsity:g} for 'tew', got {self.tew_delta}"
             )
         if not isinstance(self.global_threshold, bool):
-            raise ValueError(f"{owner}.global_threshold must be a bool, got {self.global_threshold!r}")
+            raise ValueError(
+                f"{owner}.global_threshold must be a bool, got {self.global_threshold!r}"
+            )
         d = self.min_layer_density
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0.0 < d <= 1.0:
             raise ValueError(f"{owner}.min_layer_density must be in (0, 1], got {d!r}")
@@ -331,7 +345,9 @@ class TileSparseConfig:
                 raise ValueError(f"{owner}.overrides keys must be module names, got {fqn!r}")
             _check_unit(owner, f"overrides[{fqn!r}]", s, closed_right=False)
         if ov and self.pattern is Pattern.NM:
-            raise ValueError(f"{owner}.overrides are not allowed with pattern 'nm' (its sparsity is fixed)")
+            raise ValueError(
+                f"{owner}.overrides are not allowed with pattern 'nm' (its sparsity is fixed)"
+            )
         if self.pattern is Pattern.TEW:
             for fqn, s in ov.items():
                 if s + self.tew_delta >= 1.0:
@@ -345,9 +361,13 @@ class TileSparseConfig:
         if not isinstance(sched, OneShotSchedule | MultiStageSchedule | CubicSchedule):
             try:
                 sched = schedule_from_dict(sched)
-            except ValueError as e:  # name the field: "...schedule.kind must be", "...schedule: ..."
+            except (
+                ValueError
+            ) as e:  # name the field: "...schedule.kind must be", "...schedule: ..."
                 msg = str(e)
-                raise ValueError(f"{owner}.{msg}" if msg.startswith("schedule") else f"{owner}.schedule: {msg}") from None
+                raise ValueError(
+                    f"{owner}.{msg}" if msg.startswith("schedule") else f"{owner}.schedule: {msg}"
+                ) from None
             set_(self, "schedule", sched)
 
     @property
@@ -412,11 +432,15 @@ class TileSparseConfig:
         p = Path(path)
         suffix = p.suffix.lower()
         if suffix not in (".yaml", ".yml", ".json"):
-            raise ValueError(f"recipe file {p}: expected a .yaml, .yml or .json suffix, got {suffix!r}")
+            raise ValueError(
+                f"recipe file {p}: expected a .yaml, .yml or .json suffix, got {suffix!r}"
+            )
         try:
             text = p.read_text(encoding="utf-8")
         except UnicodeDecodeError as e:
-            raise ValueError(f"recipe file {p}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+            raise ValueError(
+                f"recipe file {p}: not UTF-8 text ({e.reason} at byte {e.start})"
+            ) from None
         data = _parse_yaml(p, text) if suffix != ".json" else _parse_json(p, text)
         try:
             return cls.from_dict(data if data is not None else {})
@@ -438,7 +462,9 @@ def _parse_json(p: Path, text: str) -> Any:
     try:
         return json.loads(text)
     except json.JSONDecodeError as e:
-        raise ValueError(f"recipe file {p}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}") from None
+        raise ValueError(
+            f"recipe file {p}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
+        ) from None
 
 
 def _parse_yaml(p: Path, text: str) -> Any:

@@ -136,7 +136,9 @@ class TWLayout:
         for name in ("col_idx", "tile_ptr", "row_idx", "row_ptr", "val_ptr"):
             t = getattr(self, name)
             if t.dtype != torch.int64 or t.dim() != 1:
-                raise ValueError(f"TWLayout.{name} must be a 1-D int64 tensor, got {t.dtype} {tuple(t.shape)}")
+                raise ValueError(
+                    f"TWLayout.{name} must be a 1-D int64 tensor, got {t.dtype} {tuple(t.shape)}"
+                )
         if self.values.dim() != 1:
             raise ValueError(f"TWLayout.values must be 1-D, got shape {tuple(self.values.shape)}")
         T = self.num_tiles
@@ -159,7 +161,10 @@ class TWLayout:
             problem = _pointer_problem(name, getattr(self, name))
             if problem:
                 raise ValueError(f"TWLayout.{problem}")
-        if int(self.tile_ptr[-1]) != self.col_idx.numel() or int(self.row_ptr[-1]) != self.row_idx.numel():
+        if (
+            int(self.tile_ptr[-1]) != self.col_idx.numel()
+            or int(self.row_ptr[-1]) != self.row_idx.numel()
+        ):
             raise ValueError("TWLayout: tile_ptr/row_ptr must end at len(col_idx)/len(row_idx)")
         if int(self.val_ptr[-1]) != self.values.numel():
             raise ValueError("TWLayout: val_ptr must end at len(values)")
@@ -168,10 +173,14 @@ class TWLayout:
         if bool((widths > self.tile).any()) or bool((widths <= 0).any()):
             raise ValueError(f"TWLayout: every tile must hold 1..{self.tile} columns")
         if not torch.equal(self.val_ptr[1:] - self.val_ptr[:-1], widths * heights):
-            raise ValueError("TWLayout: block sizes (val_ptr) must equal rows × columns of each tile")
+            raise ValueError(
+                "TWLayout: block sizes (val_ptr) must equal rows × columns of each tile"
+            )
         t = _first_tile_with_unsorted_rows(self.row_idx, self.row_ptr)
         if t is not None:
-            raise ValueError(f"TWLayout: tile {t} rows must be strictly ascending, got {self.tile_rows(t).tolist()}")
+            raise ValueError(
+                f"TWLayout: tile {t} rows must be strictly ascending, got {self.tile_rows(t).tolist()}"
+            )
 
 
 def _pointer_problem(name: str, ptr: torch.Tensor) -> str | None:
@@ -221,7 +230,9 @@ def tile_groups(mask_kn: torch.Tensor, tile: int) -> list[tuple[list[int], torch
         row sets are identical, ``rows`` that set as a ``(R,) int64`` tensor.
     """
     if mask_kn.dim() != 2 or mask_kn.dtype != torch.bool:
-        raise ValueError(f"mask must be a 2-D bool tensor, got {mask_kn.dtype} {tuple(mask_kn.shape)}")
+        raise ValueError(
+            f"mask must be a 2-D bool tensor, got {mask_kn.dtype} {tuple(mask_kn.shape)}"
+        )
     if tile <= 0:
         raise ValueError(f"tile must be > 0, got {tile}")
     kept = torch.nonzero(mask_kn.any(dim=0)).flatten().tolist()
@@ -290,7 +301,9 @@ def condense(weight_kn: torch.Tensor, mask_kn: torch.Tensor, tile: int) -> TWLay
     return layout
 
 
-def reference_matmul(x: torch.Tensor, layout: TWLayout, bias: torch.Tensor | None = None) -> torch.Tensor:
+def reference_matmul(
+    x: torch.Tensor, layout: TWLayout, bias: torch.Tensor | None = None
+) -> torch.Tensor:
     """``Y = X · W`` from the condensed layout, tile by tile, in pure torch: the reference that
     every fast path is tested against.
 
@@ -319,4 +332,3 @@ def reference_matmul(x: torch.Tensor, layout: TWLayout, bias: torch.Tensor | Non
     if bias is not None:
         y = y + bias.to(y.dtype)
     return y.reshape(*lead, layout.out_features)
-

@@ -84,8 +84,10 @@ class ScoreTracker(ABC):
             ValueError: for observations given to a score that keeps none.
         """
         if steps or sums:
-            raise ValueError(f"{type(self).__name__} keeps no observations, got {steps} step(s) "
-                             f"and sums for {sorted(sums)}")
+            raise ValueError(
+                f"{type(self).__name__} keeps no observations, got {steps} step(s) "
+                f"and sums for {sorted(sums)}"
+            )
 
 
 class _SummedScore(ScoreTracker):
@@ -100,8 +102,10 @@ class _SummedScore(ScoreTracker):
         self._acc = {}
 
     def state(self) -> tuple[int, dict[str, torch.Tensor]]:
-        return self.steps, {k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
-                            for k, v in self._acc.items()}
+        return self.steps, {
+            k: v.detach().cpu().clone(memory_format=torch.contiguous_format)
+            for k, v in self._acc.items()
+        }
 
     def load_state(self, steps: int, sums: dict[str, torch.Tensor]) -> None:
         self.steps = steps

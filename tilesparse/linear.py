@@ -102,7 +102,11 @@ class TileSparseLinear(nn.Module):
         dtype: torch.dtype = torch.float32,
     ) -> None:
         super().__init__()
-        for name, v in (("in_features", in_features), ("out_features", out_features), ("tile", tile)):
+        for name, v in (
+            ("in_features", in_features),
+            ("out_features", out_features),
+            ("tile", tile),
+        ):
             if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
                 raise ValueError(f"TileSparseLinear.{name} must be a positive integer, got {v!r}")
         self.in_features = in_features
@@ -171,7 +175,9 @@ class TileSparseLinear(nn.Module):
                 f"mask_kn must be a ({k}, {n}) bool tensor (in x out) for this layer, got "
                 f"{mask_kn.dtype} {tuple(mask_kn.shape)}"
             )
-        module = cls(k, n, tile=tile, bias=linear.bias is not None, backend=backend, dtype=weight.dtype)
+        module = cls(
+            k, n, tile=tile, bias=linear.bias is not None, backend=backend, dtype=weight.dtype
+        )
         layout = condense(weight.T.cpu(), mask_kn.cpu(), tile)
         module.set_layout(layout)
         if linear.bias is not None and module.bias is not None:
@@ -227,7 +233,11 @@ class TileSparseLinear(nn.Module):
 
     # -- state dict: buffer sizes depend on the mask, so adopt the saved sizes ------------
     def get_extra_state(self) -> dict[str, int]:
-        return {"in_features": self.in_features, "out_features": self.out_features, "tile": self.tile}
+        return {
+            "in_features": self.in_features,
+            "out_features": self.out_features,
+            "tile": self.tile,
+        }
 
     def set_extra_state(self, state: dict[str, int]) -> None:
         self.tile = self._saved_tile(state, "extra state")
@@ -281,7 +291,9 @@ class TileSparseLinear(nn.Module):
                 )
             # values: only its shape is checked, so it is not copied
             own = getattr(self, name)
-            tensors[name] = saved.detach() if name == "values" else saved.detach().to("cpu", own.dtype)
+            tensors[name] = (
+                saved.detach() if name == "values" else saved.detach().to("cpu", own.dtype)
+            )
         layout = TWLayout(self.in_features, self.out_features, tile, **tensors)
         try:
             layout.validate()
@@ -318,9 +330,17 @@ class TileSparseLinear(nn.Module):
                 if isinstance(saved, torch.Tensor):
                     own = getattr(self, name)
                     # resize in place of copy_: the number of kept entries is the saved mask's
-                    setattr(self, name, torch.empty(saved.shape, dtype=own.dtype, device=own.device))
+                    setattr(
+                        self, name, torch.empty(saved.shape, dtype=own.dtype, device=own.device)
+                    )
             super()._load_from_state_dict(
-                state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+                state_dict,
+                prefix,
+                local_metadata,
+                strict,
+                missing_keys,
+                unexpected_keys,
+                error_msgs,
             )
         except BaseException:
             self._restore(old, old_tile, old_bias)
@@ -355,8 +375,11 @@ class TileSparseLinear(nn.Module):
     def to_dense(self) -> nn.Linear:
         """The equivalent ``nn.Linear`` (pruned weights zero), on this module's device."""
         dense = nn.Linear(
-            self.in_features, self.out_features, bias=self.bias is not None,
-            device=self.values.device, dtype=self.values.dtype,
+            self.in_features,
+            self.out_features,
+            bias=self.bias is not None,
+            device=self.values.device,
+            dtype=self.values.dtype,
         )
         with torch.no_grad():
             dense.weight.copy_(self._cpu_layout().to_dense().T)
@@ -379,8 +402,13 @@ class TileSparseLinear(nn.Module):
         # TWLayout.to_dense/mask build CPU tensors; index them with CPU tensors too
         lay = self.layout
         return TWLayout(
-            lay.in_features, lay.out_features, lay.tile,
-            *(getattr(lay, n).cpu() for n in ("col_idx", "tile_ptr", "row_idx", "row_ptr", "values", "val_ptr")),
+            lay.in_features,
+            lay.out_features,
+            lay.tile,
+            *(
+                getattr(lay, n).cpu()
+                for n in ("col_idx", "tile_ptr", "row_idx", "row_ptr", "values", "val_ptr")
+            ),
         )
 
     @property

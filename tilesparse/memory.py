@@ -182,7 +182,9 @@ def _from_layout(lay: TWLayout, bias_bytes: int) -> LayerMemory:
         nnz=lay.values.numel(),
         dense_bytes=lay.in_features * lay.out_features * item,
         values_bytes=_tensor_bytes(lay.values),
-        index_bytes=_tensor_bytes([lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.val_ptr]),
+        index_bytes=_tensor_bytes(
+            [lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.val_ptr]
+        ),
         cache_bytes=_tensor_bytes(lay.cache),
         bias_bytes=bias_bytes,
     )
@@ -208,7 +210,9 @@ class ModelMemory:
     @property
     def sparse_layers(self) -> tuple[str, ...]:
         """Names of the layers stored condensed (or masked)."""
-        return tuple(f for f, m in self.layers if m.index_bytes or m.nnz != m.in_features * m.out_features)
+        return tuple(
+            f for f, m in self.layers if m.index_bytes or m.nnz != m.in_features * m.out_features
+        )
 
     @property
     def dense_bytes(self) -> int:

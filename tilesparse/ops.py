@@ -94,7 +94,9 @@ def _check_args(
         raise ValueError(f"tw_linear: values must be 1-D, got shape {tuple(values.shape)}")
     for name, t in index.items():
         if t.dtype != torch.int64 or t.dim() != 1:
-            raise ValueError(f"tw_linear: {name} must be a 1-D int64 tensor, got {t.dtype} {tuple(t.shape)}")
+            raise ValueError(
+                f"tw_linear: {name} must be a 1-D int64 tensor, got {t.dtype} {tuple(t.shape)}"
+            )
     n_ptr = index["tile_ptr"].shape[0]
     if n_ptr < 1 or index["row_ptr"].shape[0] != n_ptr or index["val_ptr"].shape[0] != n_ptr:
         raise ValueError(
@@ -104,7 +106,9 @@ def _check_args(
     if out_features < 0:
         raise ValueError(f"tw_linear: out_features must be >= 0, got {out_features}")
     if bias is not None and tuple(bias.shape) != (out_features,):
-        raise ValueError(f"tw_linear: bias must have shape ({out_features},), got {tuple(bias.shape)}")
+        raise ValueError(
+            f"tw_linear: bias must have shape ({out_features},), got {tuple(bias.shape)}"
+        )
     if bias is not None and bias.dtype != x.dtype:
         raise ValueError(
             f"tw_linear: bias has dtype {bias.dtype} but x has {x.dtype}; cast one to the other "
@@ -113,8 +117,14 @@ def _check_args(
 
 
 def _check_data(
-    K: int, N: int, col_idx: torch.Tensor, tile_ptr: torch.Tensor, row_idx: torch.Tensor,
-    row_ptr: torch.Tensor, values: torch.Tensor, val_ptr: torch.Tensor,
+    K: int,
+    N: int,
+    col_idx: torch.Tensor,
+    tile_ptr: torch.Tensor,
+    row_idx: torch.Tensor,
+    row_ptr: torch.Tensor,
+    values: torch.Tensor,
+    val_ptr: torch.Tensor,
 ) -> None:
     """Checks that read index values (real kernels only): a bad layout must not reach the C++
     kernel, which trusts every offset and index (it would read or write out of bounds, or
@@ -130,7 +140,9 @@ def _check_data(
             f"{int(tile_ptr[-1])}/{int(row_ptr[-1])}"
         )
     if int(val_ptr[-1]) != values.numel():
-        raise ValueError(f"tw_linear: val_ptr ends at {int(val_ptr[-1])} but values has {values.numel()} entries")
+        raise ValueError(
+            f"tw_linear: val_ptr ends at {int(val_ptr[-1])} but values has {values.numel()} entries"
+        )
     if R and (int(row_idx.min()) < 0 or int(row_idx.max()) >= K):
         raise ValueError(f"tw_linear: row_idx must lie in [0, K={K}); x has K={K} features")
     if nk and (int(col_idx.min()) < 0 or int(col_idx.max()) >= N):
@@ -144,7 +156,9 @@ def _check_data(
     widths = tile_ptr[1:] - tile_ptr[:-1]
     heights = row_ptr[1:] - row_ptr[:-1]
     if bool((widths <= 0).any()) or not torch.equal(val_ptr[1:] - val_ptr[:-1], widths * heights):
-        raise ValueError("tw_linear: every tile needs >= 1 column and val_ptr blocks of rows × columns")
+        raise ValueError(
+            "tw_linear: every tile needs >= 1 column and val_ptr blocks of rows × columns"
+        )
     t = _first_tile_with_unsorted_rows(row_idx, row_ptr)
     if t is not None:
         rows = row_idx[int(row_ptr[t]) : int(row_ptr[t + 1])].tolist()
@@ -180,8 +194,10 @@ def _check_data_once(K: int, N: int, tensors: tuple[torch.Tensor, ...]) -> None:
             return
     _check_data(K, N, *tensors)
     if stamp is not None:
-        refs = (weakref.ref(col_idx, lambda _r, k=key: _VALIDATED.pop(k, None)),
-                *(weakref.ref(t) for t in index[1:]))
+        refs = (
+            weakref.ref(col_idx, lambda _r, k=key: _VALIDATED.pop(k, None)),
+            *(weakref.ref(t) for t in index[1:]),
+        )
         _VALIDATED[key] = (stamp, refs)
 
 
@@ -227,14 +243,18 @@ def check_op_inputs(
             f"backend 'cutlass' runs on CUDA tensors with the kernel from cutlass_kernels; got a "
             f"{x.device.type} tensor"
         )
-    _check_data_once(x.shape[1], out_features, (col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr))
+    _check_data_once(
+        x.shape[1], out_features, (col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr)
+    )
     return be
 
 
 def _layout(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, out_features) -> TWLayout:
     widths = tile_ptr[1:] - tile_ptr[:-1]
     tile = int(widths.max()) if widths.numel() else 1
-    return TWLayout(x.shape[1], out_features, max(tile, 1), col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr)
+    return TWLayout(
+        x.shape[1], out_features, max(tile, 1), col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr
+    )
 
 
 @torch.library.custom_op(OP_NAME, mutates_args=())
@@ -250,7 +270,9 @@ def _tw_linear_op(
     out_features: int,
     backend: str,
 ) -> torch.Tensor:
-    be = check_op_inputs(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features, backend)
+    be = check_op_inputs(
+        x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features, backend
+    )
 
     def layout() -> TWLayout:  # built only where a path needs it (the compiled kernel does not)
         return _layout(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, out_features)
@@ -270,12 +292,16 @@ def _tw_linear_op(
         ext = load_extension()  # None after one logged warning: then the reference runs
         if ext is not None:
             vals = values if values.is_contiguous() else values.contiguous()
-            return ext.tw_linear_cpu(x, col_idx, tile_ptr, row_idx, row_ptr, vals, val_ptr, bias, out_features)
+            return ext.tw_linear_cpu(
+                x, col_idx, tile_ptr, row_idx, row_ptr, vals, val_ptr, bias, out_features
+            )
     return reference_matmul(x, layout(), bias)
 
 
 @_tw_linear_op.register_fake
-def _tw_linear_fake(x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features, backend):
+def _tw_linear_fake(
+    x, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, bias, out_features, backend
+):
     index = dict(zip(_INDEX_NAMES, (col_idx, tile_ptr, row_idx, row_ptr, val_ptr)))
     _check_args(x, index, values, bias, out_features)
     parse_backend(backend)
@@ -315,7 +341,9 @@ def _tw_linear_grad_x(
 
 
 @_tw_linear_grad_x.register_fake
-def _tw_linear_grad_x_fake(grad_y, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, in_features):
+def _tw_linear_grad_x_fake(
+    grad_y, col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr, in_features
+):
     return grad_y.new_empty((grad_y.shape[0], in_features))
 
 
@@ -330,8 +358,16 @@ def _grad_x_backward(ctx, grad_grad_x: torch.Tensor):
     again (what double backward, e.g. a gradient penalty, needs)."""
     col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr = ctx.saved_tensors
     grad_grad_y = torch.ops.tilesparse.tw_linear(
-        grad_grad_x.contiguous(), col_idx, tile_ptr, row_idx, row_ptr, values.to(grad_grad_x.dtype),
-        val_ptr, None, ctx.out_features, Backend.AUTO.value,
+        grad_grad_x.contiguous(),
+        col_idx,
+        tile_ptr,
+        row_idx,
+        row_ptr,
+        values.to(grad_grad_x.dtype),
+        val_ptr,
+        None,
+        ctx.out_features,
+        Backend.AUTO.value,
     )
     return grad_grad_y, None, None, None, None, None, None, None
 
@@ -360,7 +396,9 @@ def _register_cuda_kernel() -> bool:
     try:
         from cutlass_kernels.build import register_cuda_kernel
     except ImportError as e:
-        log.warning("tilesparse: cutlass_kernels unavailable (%s); CUDA tensors use the reference path", e)
+        log.warning(
+            "tilesparse: cutlass_kernels unavailable (%s); CUDA tensors use the reference path", e
+        )
         return False
     return bool(register_cuda_kernel())
 

@@ -73,10 +73,16 @@ __all__ = [
 # -- checks and the budget ----------------------------------------------------------------
 def _check_scores(scores: torch.Tensor, name: str = "scores") -> None:
     if not isinstance(scores, torch.Tensor) or scores.dim() != 2 or not scores.is_floating_point():
-        desc = f"{scores.dtype} {tuple(scores.shape)}" if isinstance(scores, torch.Tensor) else type(scores).__name__
+        desc = (
+            f"{scores.dtype} {tuple(scores.shape)}"
+            if isinstance(scores, torch.Tensor)
+            else type(scores).__name__
+        )
         raise ValueError(f"{name} must be a 2-D float (K, N) tensor, got {desc}")
     if scores.numel() and (not bool(torch.isfinite(scores).all()) or bool((scores < 0).any())):
-        raise ValueError(f"{name} must be finite and >= 0 (importance scores), got min {float(scores.min())}")
+        raise ValueError(
+            f"{name} must be finite and >= 0 (importance scores), got min {float(scores.min())}"
+        )
 
 
 def _check_sparsity(sparsity: float) -> None:
@@ -145,7 +151,9 @@ def select_units(
             continue
         order = torch.sort(s, descending=True, stable=True).indices
         csum = torch.cumsum(z[order], 0)
-        n_forced = int(torch.searchsorted(csum, torch.tensor(floors[g], dtype=csum.dtype)).item()) + 1
+        n_forced = (
+            int(torch.searchsorted(csum, torch.tensor(floors[g], dtype=csum.dtype)).item()) + 1
+        )
         n_forced = min(n_forced, s.numel())
         kept[g][order[:n_forced]] = True
         used += int(csum[n_forced - 1])
@@ -367,7 +375,11 @@ def tew_masks(
 
 
 def tew_mask(
-    scores: torch.Tensor, sparsity: float, tile: int = 128, delta: float = 0.05, column_share: float = 0.5
+    scores: torch.Tensor,
+    sparsity: float,
+    tile: int = 128,
+    delta: float = 0.05,
+    column_share: float = 0.5,
 ) -> torch.Tensor:
     """One layer of :func:`tew_masks`.
 
@@ -384,7 +396,9 @@ def tew_mask(
 
 
 # -- comparison patterns --------------------------------------------------------------------
-def ew_masks(scores: Sequence[torch.Tensor], sparsity: float, min_density: float = 0.0) -> list[torch.Tensor]:
+def ew_masks(
+    scores: Sequence[torch.Tensor], sparsity: float, min_density: float = 0.0
+) -> list[torch.Tensor]:
     """Unstructured (element-wise) masks: the best weights across all layers."""
     for i, s in enumerate(scores):
         _check_scores(s, f"scores[{i}]")
@@ -444,7 +458,10 @@ def _block_view(x: torch.Tensor, bk: int, bn: int) -> torch.Tensor:
 
 
 def bw_masks(
-    scores: Sequence[torch.Tensor], sparsity: float, block: tuple[int, int] = (32, 32), min_density: float = 0.0
+    scores: Sequence[torch.Tensor],
+    sparsity: float,
+    block: tuple[int, int] = (32, 32),
+    min_density: float = 0.0,
 ) -> list[torch.Tensor]:
     """Block-wise masks: ``bk × bn`` blocks (edge blocks clipped) score the RMS of their
     scores, ``‖S_block‖₂ / sqrt(size)``, and are kept or pruned whole, one threshold across
@@ -472,7 +489,9 @@ def bw_masks(
     return out
 
 
-def bw_mask(scores: torch.Tensor, sparsity: float, block: tuple[int, int] = (32, 32)) -> torch.Tensor:
+def bw_mask(
+    scores: torch.Tensor, sparsity: float, block: tuple[int, int] = (32, 32)
+) -> torch.Tensor:
     """One layer of :func:`bw_masks`.
 
     >>> S = torch.tensor([[9., 9, 1], [9, 9, 1], [1, 1, 8]])
@@ -486,7 +505,10 @@ def bw_mask(scores: torch.Tensor, sparsity: float, block: tuple[int, int] = (32,
 
 # -- dispatch and helpers -------------------------------------------------------------------
 def masks_for_config(
-    config: TileSparseConfig, scores: Sequence[torch.Tensor], sparsity: float, min_density: float | None = None
+    config: TileSparseConfig,
+    scores: Sequence[torch.Tensor],
+    sparsity: float,
+    min_density: float | None = None,
 ) -> list[torch.Tensor]:
     """The masks ``config.pattern`` gives the layers ``scores`` at ``sparsity`` under one
     threshold (``nm`` ignores ``sparsity`` except that 0 keeps everything).

@@ -85,9 +85,13 @@ class WeightMask(nn.Module):
     """Parametrization ``weight = original * mask``; ``mask: (N, K) bool`` buffer, in
     ``nn.Linear.weight``'s orientation (the transpose of the ``(K, N)`` masks elsewhere)."""
 
-    def __init__(self, out_features: int, in_features: int, device: torch.device | None = None) -> None:
+    def __init__(
+        self, out_features: int, in_features: int, device: torch.device | None = None
+    ) -> None:
         super().__init__()
-        self.register_buffer("mask", torch.ones(out_features, in_features, dtype=torch.bool, device=device))
+        self.register_buffer(
+            "mask", torch.ones(out_features, in_features, dtype=torch.bool, device=device)
+        )
 
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return weight * self.mask
@@ -168,10 +172,14 @@ class TileSparsePruner:
                 )
         unknown = sorted(set(dict(self.config.overrides)) - set(layers))
         if unknown:
-            raise ValueError(f"overrides name layer(s) {unknown} that are not selected; selected: {sorted(layers)}")
+            raise ValueError(
+                f"overrides name layer(s) {unknown} that are not selected; selected: {sorted(layers)}"
+            )
         for m in layers.values():
             n, k = m.weight.shape
-            parametrize.register_parametrization(m, "weight", WeightMask(n, k, device=m.weight.device))
+            parametrize.register_parametrization(
+                m, "weight", WeightMask(n, k, device=m.weight.device)
+            )
         self.model, self.layers = model, layers
         log.info("tilesparse: prepared %d layers (%d weights)", len(layers), self.total_params)
         s0 = sparsity_at(self.config.schedule, 0, self.config.target_sparsity)
@@ -265,7 +273,14 @@ class TileSparsePruner:
         self._check_prepared()
         if not isinstance(state, dict):
             raise ValueError(f"pruner state must be a dict, got {type(state).__name__}")
-        need = ("step_count", "current_sparsity", "updates", "layers", "tracker_steps", "tracker_sums")
+        need = (
+            "step_count",
+            "current_sparsity",
+            "updates",
+            "layers",
+            "tracker_steps",
+            "tracker_sums",
+        )
         missing = [k for k in need if k not in state]
         if missing:
             raise ValueError(f"pruner state lacks {missing}")
@@ -277,7 +292,9 @@ class TileSparsePruner:
         if isinstance(s, bool) or not isinstance(s, int | float) or not 0.0 <= s < 1.0:
             raise ValueError(f"pruner state current_sparsity must be in [0, 1), got {s!r}")
         if list(state["layers"]) != list(self.layers):
-            raise ValueError(f"pruner state is for layers {list(state['layers'])}, this pruner prunes {list(self.layers)}")
+            raise ValueError(
+                f"pruner state is for layers {list(state['layers'])}, this pruner prunes {list(self.layers)}"
+            )
         sums = state["tracker_sums"]
         if not isinstance(sums, dict):
             raise ValueError(f"pruner state tracker_sums must be a dict, got {type(sums).__name__}")
@@ -286,7 +303,9 @@ class TileSparsePruner:
             want = None if lin is None else (lin.in_features, lin.out_features)
             if not isinstance(v, torch.Tensor) or want is None or tuple(v.shape) != want:
                 got = tuple(v.shape) if isinstance(v, torch.Tensor) else type(v).__name__
-                raise ValueError(f"pruner state tracker_sums[{k!r}] is {got}, expected a (K, N) = {want} tensor")
+                raise ValueError(
+                    f"pruner state tracker_sums[{k!r}] is {got}, expected a (K, N) = {want} tensor"
+                )
         try:  # the last check, and the first change: nothing is changed when it raises
             self.tracker.load_state(state["tracker_steps"], sums)
         except ValueError:
@@ -326,7 +345,9 @@ class TileSparsePruner:
                 groups.append((shared, sparsity))
         else:
             groups.extend(([f], sparsity) for f in shared)
-        groups.extend(([f], self._layer_sparsity(f, sparsity)) for f in self.layers if f not in shared)
+        groups.extend(
+            ([f], self._layer_sparsity(f, sparsity)) for f in self.layers if f not in shared
+        )
         for names, s in groups:
             # min_density=None: the config's floor for a shared group, none for a lone layer
             masks = masks_for_config(cfg, [scores[f] for f in names], s, min_density=None)
@@ -342,13 +363,18 @@ class TileSparsePruner:
         self.updates += 1
         log.info(
             "tilesparse: step %d, masks at sparsity %.3f (achieved %.4f over %d layers)",
-            self.step_count, sparsity, self.overall_sparsity(), len(self.layers),
+            self.step_count,
+            sparsity,
+            self.overall_sparsity(),
+            len(self.layers),
         )
 
     def mask(self, fqn: str) -> torch.Tensor:
         """``(K, N) bool`` mask of layer ``fqn`` (a copy, on the CPU)."""
         if fqn not in self.layers:
-            raise ValueError(f"layer {fqn!r} is not pruned by this pruner; pruned: {sorted(self.layers)}")
+            raise ValueError(
+                f"layer {fqn!r} is not pruned by this pruner; pruned: {sorted(self.layers)}"
+            )
         m = self.layers[fqn]
         if isinstance(m, TileSparseLinear):
             return m.mask_kn()
@@ -376,7 +402,9 @@ class TileSparsePruner:
             weight = getattr(layer, "weight", None)
             if not isinstance(weight, torch.Tensor) or weight.shape != mask_nk.shape:
                 got = None if weight is None else tuple(weight.shape)
-                raise ValueError(f"apply_masks_to: {fqn!r} weight is {got}, the mask is {tuple(mask_nk.shape)}")
+                raise ValueError(
+                    f"apply_masks_to: {fqn!r} weight is {got}, the mask is {tuple(mask_nk.shape)}"
+                )
             weight.mul_(mask_nk.to(weight.device))
         return other
 
@@ -527,8 +555,11 @@ class PruningCallback:
     def on_step_end(self, trainer: Any, step: int, loss: float) -> None:
         schedule_step = step - self._offset_for(step)
         if self.pruner.step_count != schedule_step - 1:
-            log.info("tilesparse: schedule synced from step %d to the trainer's %d",
-                     self.pruner.step_count, schedule_step - 1)
+            log.info(
+                "tilesparse: schedule synced from step %d to the trainer's %d",
+                self.pruner.step_count,
+                schedule_step - 1,
+            )
             self.pruner.step_count = schedule_step - 1
         self.pruner.step()
 

@@ -71,7 +71,10 @@ def sparsity_at(schedule: ScheduleConfig, step: int, target: float) -> float:
         s_i = min(schedule.initial_sparsity, target)
         if step >= schedule.end_step:
             return target
-        t = schedule.begin_step + (step - schedule.begin_step) // schedule.frequency * schedule.frequency
+        t = (
+            schedule.begin_step
+            + (step - schedule.begin_step) // schedule.frequency * schedule.frequency
+        )
         frac = (t - schedule.begin_step) / (schedule.end_step - schedule.begin_step)
         return target + (s_i - target) * (1.0 - frac) ** 3
     raise ValueError(f"unknown schedule {schedule!r}")

@@ -79,7 +79,11 @@ SHAPES = [
     ("dcnv2_top_3", 65536, 512, 256),
 ]
 SPARSITIES = (50, 75, 90)
-DTYPES = {"f16": (torch.float16,), "bf16": (torch.bfloat16,), "both": (torch.float16, torch.bfloat16)}
+DTYPES = {
+    "f16": (torch.float16,),
+    "bf16": (torch.bfloat16,),
+    "both": (torch.float16, torch.bfloat16),
+}
 EXIT_NO_TIMING = 5
 LAST_BLOCK = 256  # widest batch tile of any instance: the sampled columns cover the last one
 
@@ -98,10 +102,13 @@ def _import_cutlass_library() -> None:
             raise SystemExit(
                 "gpu_check: nvidia-cutlass (module cutlass_library) is not installed for this "
                 f"python ({sys.executable}): pip install nvidia-cutlass==4.2.0.0, or put its wheel "
-                "in .whl/ and run gpu_check.sh (see its header)") from e
+                "in .whl/ and run gpu_check.sh (see its header)"
+            ) from e
 
 
-def build_order(kernels: tuple[TWKernel, ...] | list[TWKernel], dtypes: tuple[torch.dtype, ...]) -> list[TWKernel]:
+def build_order(
+    kernels: tuple[TWKernel, ...] | list[TWKernel], dtypes: tuple[torch.dtype, ...]
+) -> list[TWKernel]:
     """The instances in the order to compile them: the benchmarked dtypes first (in ``dtypes``
     order), G=128 (the benchmarked width) before G=64, then manifest order. ``nvcc`` jobs start
     in this order, so the instances the benchmark needs never wait behind the others."""
@@ -109,18 +116,26 @@ def build_order(kernels: tuple[TWKernel, ...] | list[TWKernel], dtypes: tuple[to
 
     rank = {DType.F16 if d == torch.float16 else DType.BF16: i for i, d in enumerate(dtypes)}
     pos = {k.name: i for i, k in enumerate(kernels)}
-    return sorted(kernels, key=lambda k: (rank.get(k.dtype, len(rank)), k.tile_g != 128, pos[k.name]))
+    return sorted(
+        kernels, key=lambda k: (rank.get(k.dtype, len(rank)), k.tile_g != 128, pos[k.name])
+    )
 
 
 def sample_columns(M: int, n: int = 64, last: int = LAST_BLOCK) -> list[int]:
     """Batch rows to check of an ``(M, N)`` output: the first ``n``, ``n`` in the middle and the
     last ``last`` (the last batch block of any instance, ragged or not)."""
-    picked = set(range(min(n, M))) | set(range(M // 2, min(M // 2 + n, M))) | set(range(max(0, M - last), M))
+    picked = (
+        set(range(min(n, M)))
+        | set(range(M // 2, min(M // 2 + n, M)))
+        | set(range(max(0, M - last), M))
+    )
     return sorted(picked)
 
 
 # ------------------------------------------------------------------------------------ benchmark
-def _tw_linear(x: torch.Tensor, pw: TWPackedWeight, kernel: TWKernel, ext: ModuleType) -> torch.Tensor:
+def _tw_linear(
+    x: torch.Tensor, pw: TWPackedWeight, kernel: TWKernel, ext: ModuleType
+) -> torch.Tensor:
     """Row-major ``(M, K) → (M, N)`` through the kernel (pack, run, unpack), on ``ext``
     (``build.tw_linear_cuda`` would load the default extension, not this run's)."""
     from cutlass_kernels import build
@@ -131,9 +146,12 @@ def _tw_linear(x: torch.Tensor, pw: TWPackedWeight, kernel: TWKernel, ext: Modul
     return unpack_output(launch)
 
 
-def time_candidates(cands: list[TWKernel], time_one: Callable[[TWKernel], Timing],
-                    check_one: Callable[[TWKernel], tuple[bool, float]], alive: Callable[[], bool],
-                    ) -> tuple[dict[str, Timing], dict[str, float], dict[str, str]]:
+def time_candidates(
+    cands: list[TWKernel],
+    time_one: Callable[[TWKernel], Timing],
+    check_one: Callable[[TWKernel], tuple[bool, float]],
+    alive: Callable[[], bool],
+) -> tuple[dict[str, Timing], dict[str, float], dict[str, str]]:
     """Time each candidate instance, then check its timed output; ``(timings, max_abs_err,
     errors)`` by instance name. A candidate that raises or whose output is off is recorded in
     ``errors`` and not in ``timings``.
@@ -149,7 +167,9 @@ def time_candidates(cands: list[TWKernel], time_one: Callable[[TWKernel], Timing
             t = time_one(k)
             ok, max_err[k.name] = check_one(k)
             if not ok:
-                errors[k.name] = f"timed output off the fp32 reference (max abs err {max_err[k.name]:.3g})"
+                errors[k.name] = (
+                    f"timed output off the fp32 reference (max abs err {max_err[k.name]:.3g})"
+                )
                 continue
             timings[k.name] = t
         except Exception as e:  # recorded in the row
@@ -159,9 +179,20 @@ def time_candidates(cands: list[TWKernel], time_one: Callable[[TWKernel], Timing
     return timings, max_err, errors
 
 
-def _bench_tw(row: dict[str, Any], ext: ModuleType | None, cands: list[TWKernel], x: torch.Tensor,
-              cols: torch.Tensor, s: int, dtype: torch.dtype, gen: torch.Generator, timer: Timer, reps: int,
-              dense_fn: Callable[[], object], device: str) -> None:
+def _bench_tw(
+    row: dict[str, Any],
+    ext: ModuleType | None,
+    cands: list[TWKernel],
+    x: torch.Tensor,
+    cols: torch.Tensor,
+    s: int,
+    dtype: torch.dtype,
+    gen: torch.Generator,
+    timer: Timer,
+    reps: int,
+    dense_fn: Callable[[], object],
+    device: str,
+) -> None:
     """Fill ``row`` with one TW layer's figures: ``x (M, K)``, ``cols`` the sampled batch rows
     checked, the layer ``(K, row["N"])`` at ``s`` % (``row`` stays partial on an error)."""
     from cutlass_kernels import build
@@ -185,9 +216,14 @@ def _bench_tw(row: dict[str, Any], ext: ModuleType | None, cands: list[TWKernel]
         launch.yt.zero_()
         return timer.time(lambda: build.tw_gemm_kmajor(launch, kernel=k, ext=ext), reps)
 
-    timings, max_err, errors = time_candidates(cands, time_one, kmajor_output_ok, lambda: cuda_alive(device))
-    row.update(candidates_us={n: t.us for n, t in timings.items()}, candidate_errors=errors,
-               candidate_max_abs_err=max_err)
+    timings, max_err, errors = time_candidates(
+        cands, time_one, kmajor_output_ok, lambda: cuda_alive(device)
+    )
+    row.update(
+        candidates_us={n: t.us for n, t in timings.items()},
+        candidate_errors=errors,
+        candidate_max_abs_err=max_err,
+    )
     if not timings:
         raise RuntimeError(f"every candidate failed: {errors}")
     best = min(timings, key=lambda n: timings[n].us)
@@ -196,28 +232,54 @@ def _bench_tw(row: dict[str, Any], ext: ModuleType | None, cands: list[TWKernel]
         picked = build.select_for(launch, ext)
     except ValueError:
         picked = None
-    row.update(kernel=best, selected_kernel=picked and picked.name,
-               selected_us=timings[picked.name].us if picked and picked.name in timings else None,
-               **timings[best].fields(), search_us=timings[best].us)
+    row.update(
+        kernel=best,
+        selected_kernel=picked and picked.name,
+        selected_us=timings[picked.name].us if picked and picked.name in timings else None,
+        **timings[best].fields(),
+        search_us=timings[best].us,
+    )
     # The winner again, in a fresh measurement alternating with dense: the reported figures.
     tw_fn = lambda: build.tw_gemm_kmajor(launch, kernel=kernel, ext=ext)  # noqa: E731
     launch.yt.zero_()
     fresh = timer.interleaved({"tw": tw_fn, "dense": dense_fn}, reps)
     ok, err = kmajor_output_ok()
     us, dense_us = fresh["tw"], fresh["dense"]
-    row.update(us=us, dense_us=dense_us, ratio=dense_us / us, fraction_of_ideal=dense_us / us * density,
-               launch_bound=launch_bound(row["host_us"], us), max_abs_err=err, ok=ok and not errors,
-               effective_tflops=2.0 * M * K * N * density / us / 1e6)
+    row.update(
+        us=us,
+        dense_us=dense_us,
+        ratio=dense_us / us,
+        fraction_of_ideal=dense_us / us * density,
+        launch_bound=launch_bound(row["host_us"], us),
+        max_abs_err=err,
+        ok=ok and not errors,
+        effective_tflops=2.0 * M * K * N * density / us / 1e6,
+    )
     # Row-major path: the two transposes included.
     last: dict[str, torch.Tensor] = {}
     op = timer.time(lambda: last.__setitem__("y", _tw_linear(x, pw, kernel, ext)), reps)
     op_ok, op_err = check_close(last["y"][cols], ref, dtype)
-    row.update(op_us=op.us, op_hot_us=op.hot_us, op_host_us=op.host_us, op_launch_bound=op.launch_bound,
-               ratio_op=dense_us / op.us, op_max_abs_err=op_err, ok=row["ok"] and op_ok)
+    row.update(
+        op_us=op.us,
+        op_hot_us=op.hot_us,
+        op_host_us=op.host_us,
+        op_launch_bound=op.launch_bound,
+        ratio_op=dense_us / op.us,
+        op_max_abs_err=op_err,
+        ok=row["ok"] and op_ok,
+    )
 
 
-def _bench_24(row: dict[str, Any], x: torch.Tensor, w_dense: torch.Tensor, cols: torch.Tensor,
-              dtype: torch.dtype, timer: Timer, reps: int, dense_fn: Callable[[], object]) -> None:
+def _bench_24(
+    row: dict[str, Any],
+    x: torch.Tensor,
+    w_dense: torch.Tensor,
+    cols: torch.Tensor,
+    dtype: torch.dtype,
+    timer: Timer,
+    reps: int,
+    dense_fn: Callable[[], object],
+) -> None:
     """Fill ``row`` with 2:4 semi-structured at 50% (``x (M, K)``, ``w_dense (K, N)``)."""
     from torch.sparse import to_sparse_semi_structured
 
@@ -229,15 +291,33 @@ def _bench_24(row: dict[str, Any], x: torch.Tensor, w_dense: torch.Tensor, cols:
     t = timer.time(lambda: last.__setitem__("y", torch.nn.functional.linear(x, w_sp)), reps)
     ok, err = check_close(last["y"][cols], x[cols].float() @ w_masked.float().t(), dtype)
     row.update(**t.fields(), search_us=t.us, max_abs_err=err, ok=ok)
-    fresh = timer.interleaved({"sp": lambda: torch.nn.functional.linear(x, w_sp), "dense": dense_fn}, reps)
+    fresh = timer.interleaved(
+        {"sp": lambda: torch.nn.functional.linear(x, w_sp), "dense": dense_fn}, reps
+    )
     us, dense_us = fresh["sp"], fresh["dense"]
-    row.update(us=us, dense_us=dense_us, ratio=dense_us / us, fraction_of_ideal=dense_us / us / 2.0,
-               launch_bound=launch_bound(t.host_us, us))
+    row.update(
+        us=us,
+        dense_us=dense_us,
+        ratio=dense_us / us,
+        fraction_of_ideal=dense_us / us / 2.0,
+        launch_bound=launch_bound(t.host_us, us),
+    )
 
 
-def bench_shape(ext: ModuleType | None, kernels: list[TWKernel], name: str, M: int, K: int, N: int,
-                dtype: torch.dtype, timer: Timer, reps: int, failures: list[str], broken: set[str],
-                device: str = "cuda") -> list[dict[str, Any]]:
+def bench_shape(
+    ext: ModuleType | None,
+    kernels: list[TWKernel],
+    name: str,
+    M: int,
+    K: int,
+    N: int,
+    dtype: torch.dtype,
+    timer: Timer,
+    reps: int,
+    failures: list[str],
+    broken: set[str],
+    device: str = "cuda",
+) -> list[dict[str, Any]]:
     """Rows of one GEMM ``(M, K) x (K, N)``: dense, TW at each sparsity, 2:4. An error in a
     candidate, a sparsity or the 2:4 peer is recorded in its row (TW ones also in ``failures``).
 
@@ -253,8 +333,14 @@ def bench_shape(ext: ModuleType | None, kernels: list[TWKernel], name: str, M: i
     w_dense = (torch.randn(K, N, device=device) / math.sqrt(K)).to(dtype)
     dense_fn = lambda: torch.matmul(x, w_dense)  # noqa: E731
     dense = timer.time(dense_fn, reps)
-    rows: list[dict[str, Any]] = [{**base, "method": "dense_cublas", **dense.fields(),
-                                   "tflops": 2.0 * M * K * N / dense.us / 1e6}]
+    rows: list[dict[str, Any]] = [
+        {
+            **base,
+            "method": "dense_cublas",
+            **dense.fields(),
+            "tflops": 2.0 * M * K * N / dense.us / 1e6,
+        }
+    ]
     cols = torch.tensor(sample_columns(M), device=device)
     kdt = DType.F16 if dtype == torch.float16 else DType.BF16
     cands = [k for k in kernels if k.dtype is kdt and k.tile_g == 128 and k.name not in broken]
@@ -265,8 +351,10 @@ def bench_shape(ext: ModuleType | None, kernels: list[TWKernel], name: str, M: i
                 raise RuntimeError(f"every {kdt.value} G=128 instance failed verification")
             _bench_tw(row, ext, cands, x, cols, s, dtype, gen, timer, reps, dense_fn, device)
             if not row["ok"]:
-                failures.append(f"{name} {dts} {s}%: candidate errors {row['candidate_errors']}, "
-                                f"max abs err {row['max_abs_err']:.3g} / op {row['op_max_abs_err']:.3g}")
+                failures.append(
+                    f"{name} {dts} {s}%: candidate errors {row['candidate_errors']}, "
+                    f"max abs err {row['max_abs_err']:.3g} / op {row['op_max_abs_err']:.3g}"
+                )
         except CudaContextLost:
             raise
         except Exception as e:  # recorded in the row
@@ -288,16 +376,29 @@ def bench_shape(ext: ModuleType | None, kernels: list[TWKernel], name: str, M: i
 
 def _print_row(r: dict[str, Any]) -> None:
     tag = f"{r['shape']:>15} {r.get('dtype', ''):>8} {r.get('method', ''):>20} {r.get('sparsity', ''):>3}"
-    fig = f"{r['us']:9.1f} us (hot {r.get('hot_us', float('nan')):.1f})" if "us" in r else r.get("error", "")
-    extra = (f" ratio {r['ratio']:.2f} (op {r.get('ratio_op', float('nan')):.2f}) frac "
-             f"{r['fraction_of_ideal']:.2f}{' LAUNCH-BOUND' if r.get('launch_bound') else ''}"
-             if "ratio" in r else "")
+    fig = (
+        f"{r['us']:9.1f} us (hot {r.get('hot_us', float('nan')):.1f})"
+        if "us" in r
+        else r.get("error", "")
+    )
+    extra = (
+        f" ratio {r['ratio']:.2f} (op {r.get('ratio_op', float('nan')):.2f}) frac "
+        f"{r['fraction_of_ideal']:.2f}{' LAUNCH-BOUND' if r.get('launch_bound') else ''}"
+        if "ratio" in r
+        else ""
+    )
     print(f"{tag} {fig}{extra}", flush=True)
 
 
-def run_shapes(jobs: list[tuple[str, int, int, int, torch.dtype]], bench_one: Callable[..., list[dict[str, Any]]],
-               budget: Budget, rows: list[dict[str, Any]], failures: list[str], skipped: list[str],
-               save: Callable[[], object]) -> None:
+def run_shapes(
+    jobs: list[tuple[str, int, int, int, torch.dtype]],
+    bench_one: Callable[..., list[dict[str, Any]]],
+    budget: Budget,
+    rows: list[dict[str, Any]],
+    failures: list[str],
+    skipped: list[str],
+    save: Callable[[], object],
+) -> None:
     """``bench_one(name, M, K, N, dtype)`` for each job while the budget lasts, appending to
     ``rows`` and saving after each; a job that raises leaves an error row (and a failure), a
     lost CUDA context ends the run (the rest are skipped)."""
@@ -312,8 +413,12 @@ def run_shapes(jobs: list[tuple[str, int, int, int, torch.dtype]], bench_one: Ca
             new = bench_one(name, M, K, N, dtype)
         except CudaContextLost as e:
             rows.append({**base, "error": f"CUDA context lost: {e}"})
-            failures.append(f"{name} {dts}: CUDA context lost ({e}); the rest of the run is skipped")
-            skipped.extend(f"{n}/{str(d).removeprefix('torch.')}" for n, _, _, _, d in jobs[i + 1:])
+            failures.append(
+                f"{name} {dts}: CUDA context lost ({e}); the rest of the run is skipped"
+            )
+            skipped.extend(
+                f"{n}/{str(d).removeprefix('torch.')}" for n, _, _, _, d in jobs[i + 1 :]
+            )
             save()
             return
         except Exception as e:  # recorded in the row
@@ -337,11 +442,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=str(ROOT / "benchmarks" / "results" / "cutlass_gpu_check.json"))
     p.add_argument("--quick", action="store_true", help="BERT-base shapes only, fewer reps")
     p.add_argument("--reps", type=int, default=20)
-    p.add_argument("--dtype", choices=sorted(DTYPES), default="both",
-                   help="benchmark dtype(s); both: every fp16 shape, then every bf16 one")
-    p.add_argument("--budget-s", type=float, default=440.0,
-                   help="seconds from start after which no new shape or verification child starts "
-                        "(child timeouts are capped to what is left; the JSON is written after every shape)")
+    p.add_argument(
+        "--dtype",
+        choices=sorted(DTYPES),
+        default="both",
+        help="benchmark dtype(s); both: every fp16 shape, then every bf16 one",
+    )
+    p.add_argument(
+        "--budget-s",
+        type=float,
+        default=440.0,
+        help="seconds from start after which no new shape or verification child starts "
+        "(child timeouts are capped to what is left; the JSON is written after every shape)",
+    )
     p.add_argument("--verify-kernels", help=argparse.SUPPRESS)  # child mode
     p.add_argument("--verify-out", help=argparse.SUPPRESS)
     p.add_argument("--built", help=argparse.SUPPRESS)  # child mode: the parent's built instances
@@ -349,9 +462,12 @@ def main(argv: list[str] | None = None) -> int:
     budget = Budget(args.budget_s)
 
     if not torch.cuda.is_available():
-        print(f"gpu_check: no CUDA device visible to torch {torch.__version__} (torch.version.cuda="
-              f"{torch.version.cuda}). Run it with a CUDA build of torch on a machine with an "
-              "NVIDIA GPU (sm_80 or newer).", file=sys.stderr)
+        print(
+            f"gpu_check: no CUDA device visible to torch {torch.__version__} (torch.version.cuda="
+            f"{torch.version.cuda}). Run it with a CUDA build of torch on a machine with an "
+            "NVIDIA GPU (sm_80 or newer).",
+            file=sys.stderr,
+        )
         return 3
     _import_cutlass_library()
     sys.path.insert(0, str(ROOT))
@@ -366,8 +482,10 @@ def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     nvcc = build.find_nvcc()
     if nvcc is None:
-        print("gpu_check: nvcc not found (set CUDA_HOME or PATH); cannot build the kernels",
-              file=sys.stderr)
+        print(
+            "gpu_check: nvcc not found (set CUDA_HOME or PATH); cannot build the kernels",
+            file=sys.stderr,
+        )
         return 4
     dtypes = DTYPES[args.dtype]
     arch = build.device_arch()
@@ -375,13 +493,24 @@ def main(argv: list[str] | None = None) -> int:
     checks: list[dict[str, Any]] = []
     failures: list[str] = []
     skipped: list[str] = []
-    meta: dict[str, Any] = {"arch": arch.value, "device": torch.cuda.get_device_name(0),
-                            "budget_s": args.budget_s, "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
-                            "stage": "building"}
+    meta: dict[str, Any] = {
+        "arch": arch.value,
+        "device": torch.cuda.get_device_name(0),
+        "budget_s": args.budget_s,
+        "dtypes": [str(d).removeprefix("torch.") for d in dtypes],
+        "stage": "building",
+    }
 
     def save() -> Path:
-        return write_json(args.out, rows, checks=checks, failures=failures, skipped_shapes=skipped,
-                          elapsed_s=budget.elapsed(), **meta)
+        return write_json(
+            args.out,
+            rows,
+            checks=checks,
+            failures=failures,
+            skipped_shapes=skipped,
+            elapsed_s=budget.elapsed(),
+            **meta,
+        )
 
     save()
     t0 = time.perf_counter()
@@ -397,19 +526,28 @@ def main(argv: list[str] | None = None) -> int:
     meta["build_seconds"] = build_s = time.perf_counter() - t0
     failures += [f"{n}: compile error (left out of the build)" for n in ext.failed]
     have = set(ext.instances())
-    kernels = [k for k in order if k.name in have]  # in build order: --built gives the child the same ext
+    kernels = [
+        k for k in order if k.name in have
+    ]  # in build order: --built gives the child the same ext
     meta.update(stage="verifying", compile_failures={n: e[-2000:] for n, e in ext.failed.items()})
-    print(f"built {len(kernels)} {arch.value} instances in {build_s:.1f} s; "
-          f"{len(ext.failed)} failed to compile: {sorted(ext.failed)}", flush=True)
+    print(
+        f"built {len(kernels)} {arch.value} instances in {build_s:.1f} s; "
+        f"{len(ext.failed)} failed to compile: {sorted(ext.failed)}",
+        flush=True,
+    )
     save()
 
     t0 = time.perf_counter()
-    checks += verify_in_children(kernels, failures, CHILD_TIMEOUT_S, built=[k.name for k in kernels],
-                                 budget=budget)
+    checks += verify_in_children(
+        kernels, failures, CHILD_TIMEOUT_S, built=[k.name for k in kernels], budget=budget
+    )
     broken = {c["kernel"] for c in checks if not c["ok"]}
     meta.update(stage="benchmarking", verify_seconds=time.perf_counter() - t0)
-    print(f"verified {len(checks)} checks in {meta['verify_seconds']:.0f} s, {len(failures)} failures; "
-          f"broken: {sorted(broken)}", flush=True)
+    print(
+        f"verified {len(checks)} checks in {meta['verify_seconds']:.0f} s, {len(failures)} failures; "
+        f"broken: {sorted(broken)}",
+        flush=True,
+    )
     save()
 
     shapes = SHAPES[:2] if args.quick else SHAPES

@@ -51,8 +51,12 @@ class Budget:
 
     ``clock`` is injectable for tests (default ``time.perf_counter``)."""
 
-    def __init__(self, budget_s: float, t0: float | None = None,
-                 clock: Callable[[], float] = time.perf_counter) -> None:
+    def __init__(
+        self,
+        budget_s: float,
+        t0: float | None = None,
+        clock: Callable[[], float] = time.perf_counter,
+    ) -> None:
         self.budget_s = float(budget_s)
         self.clock = clock
         self.t0 = clock() if t0 is None else t0
@@ -121,8 +125,14 @@ def make_timing(cold_us: list[float], hot_us: float, host_us: float, drained: bo
     if not cold_us:
         raise ValueError("no cold repetition timed")
     us = float(statistics.median(cold_us))
-    return Timing(us, float(min(cold_us)), float(hot_us), float(host_us),
-                  launch_bound(host_us, us), bool(drained))
+    return Timing(
+        us,
+        float(min(cold_us)),
+        float(hot_us),
+        float(host_us),
+        launch_bound(host_us, us),
+        bool(drained),
+    )
 
 
 class Timer:
@@ -136,9 +146,13 @@ class Timer:
             (``scratch``: ``(flush_bytes // 4,)`` fp32).
     """
 
-    def __init__(self, device: str | torch.device = "cuda", flush_bytes: int = L2_FLUSH_BYTES) -> None:
+    def __init__(
+        self, device: str | torch.device = "cuda", flush_bytes: int = L2_FLUSH_BYTES
+    ) -> None:
         self.device = torch.device(device)
-        self.scratch = torch.empty(max(flush_bytes // 4, 1), dtype=torch.float32, device=self.device)
+        self.scratch = torch.empty(
+            max(flush_bytes // 4, 1), dtype=torch.float32, device=self.device
+        )
         self.has_sleep = hasattr(torch.cuda, "_sleep")
         self.cycles_per_us = self._calibrate() if self.has_sleep else 0.0
 
@@ -197,8 +211,9 @@ class Timer:
         cold, drained_cold = self._cold({"fn": fn}, reps, host_est)
         return make_timing(cold["fn"], hot, host_total / reps, drained or drained_cold)
 
-    def _cold(self, fns: dict[str, Callable[[], object]], reps: int,
-              host_est: float) -> tuple[dict[str, list[float]], bool]:
+    def _cold(
+        self, fns: dict[str, Callable[[], object]], reps: int, host_est: float
+    ) -> tuple[dict[str, list[float]], bool]:
         """Per-repetition cold µs of each of ``fns``, interleaved (flush before every call)."""
         pairs = {k: [(self._event(), self._event()) for _ in range(reps)] for k in fns}
         stalled = self._stall(stall_us(host_est, reps * len(fns)))

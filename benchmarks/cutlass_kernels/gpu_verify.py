@@ -64,7 +64,9 @@ def split_sparsity(s: float) -> float:
     return 100.0 - math.sqrt(10000.0 - 100.0 * s)
 
 
-def tw_layout(K: int, N: int, G: int, sparsity: float, gen: torch.Generator, dtype: torch.dtype) -> TWLayout:
+def tw_layout(
+    K: int, N: int, G: int, sparsity: float, gen: torch.Generator, dtype: torch.dtype
+) -> TWLayout:
     """A random exactly-tiled TW ``(K, N)`` layer: (1-s') of the columns, each tile of G keeping
     (1-s') of the rows; values ~ N(0, 1/K). Built directly in the condensed format (fast)."""
     from tilesparse.format import TWLayout
@@ -83,9 +85,17 @@ def tw_layout(K: int, N: int, G: int, sparsity: float, gen: torch.Generator, dty
         val_ptr.append(val_ptr[-1] + rk * g)
     i64 = torch.int64
     values = (torch.randn(val_ptr[-1], generator=gen) / math.sqrt(K)).to(dtype)
-    return TWLayout(K, N, G, col_idx.to(i64), torch.tensor(tile_ptr, dtype=i64),
-                    torch.cat(row_idx).to(i64), torch.tensor(row_ptr, dtype=i64), values,
-                    torch.tensor(val_ptr, dtype=i64))
+    return TWLayout(
+        K,
+        N,
+        G,
+        col_idx.to(i64),
+        torch.tensor(tile_ptr, dtype=i64),
+        torch.cat(row_idx).to(i64),
+        torch.tensor(row_ptr, dtype=i64),
+        values,
+        torch.tensor(val_ptr, dtype=i64),
+    )
 
 
 def check_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tuple[bool, float]:
@@ -93,7 +103,9 @@ def check_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tup
     tol = TOL[dtype]
     diff = (got.float() - ref.float()).abs()
     err = float(diff.max()) if diff.numel() else 0.0
-    ok = bool(torch.isfinite(got).all()) and bool((diff <= tol["atol"] + tol["rtol"] * ref.abs()).all())
+    ok = bool(torch.isfinite(got).all()) and bool(
+        (diff <= tol["atol"] + tol["rtol"] * ref.abs()).all()
+    )
     return ok, err
 
 
@@ -123,8 +135,12 @@ def verify_instance(ext: ModuleType, kernel: TWKernel) -> tuple[list[dict[str, A
         ok = torch.equal(got[:, :M], want[:, :M])
         if not ok:
             bad = int((got[:, :M] != want[:, :M]).sum())
-            failures.append(f"{kernel.name} M={M} K={K} N={N}: {bad} elements differ from the emulation")
-        rows.append({"check": "exact_vs_emulation", "kernel": kernel.name, "M": M, "K": K, "N": N, "ok": ok})
+            failures.append(
+                f"{kernel.name} M={M} K={K} N={N}: {bad} elements differ from the emulation"
+            )
+        rows.append(
+            {"check": "exact_vs_emulation", "kernel": kernel.name, "M": M, "K": K, "N": N, "ok": ok}
+        )
         print(f"  {kernel.name} exact M={M} K={K} N={N}: {'ok' if ok else 'MISMATCH'}", flush=True)
     # Tolerance: random normal data vs the fp32 reference.
     layout = tw_layout(1000, 4 * G + 7, G, 50, gen, torch.float32)
@@ -139,19 +155,26 @@ def verify_instance(ext: ModuleType, kernel: TWKernel) -> tuple[list[dict[str, A
     except AssertionError as e:
         ok = False
         failures.append(f"{kernel.name} random layer: {str(e).splitlines()[0]} (max err {err:.3g})")
-    rows.append({"check": "close_to_reference", "kernel": kernel.name, "max_abs_err": err, "ok": ok})
+    rows.append(
+        {"check": "close_to_reference", "kernel": kernel.name, "max_abs_err": err, "ok": ok}
+    )
     torch.cuda.synchronize()  # a kernel fault surfaces here, inside this instance's try
     return rows, failures
 
 
-def child_loop(names: list[str], verify_one: Callable[[str], tuple[list[dict[str, Any]], list[str]]],
-               out: Path, alive: Callable[[], bool] = cuda_alive) -> int:
+def child_loop(
+    names: list[str],
+    verify_one: Callable[[str], tuple[list[dict[str, Any]], list[str]]],
+    out: Path,
+    alive: Callable[[], bool] = cuda_alive,
+) -> int:
     """Verify ``names`` one by one, appending JSON lines to ``out`` as it goes: ``{"start":
     name}`` before an instance, then its ``{"check": row}`` / ``{"failure": msg}`` lines and
     ``{"done": name}`` in one write. An exception is recorded against its instance only; after
     one that left the device unusable (``alive()`` false) the loop stops and returns 2, so the
     parent re-runs the rest in a fresh process. Returns 0 when all were verified."""
     with open(out, "a") as f:
+
         def emit(*events: dict[str, Any]) -> None:
             f.write("".join(json.dumps(e, default=str) + "\n" for e in events))
             f.flush()
@@ -210,16 +233,20 @@ def verify_child(args: argparse.Namespace) -> int:
     by_name = {k.name: k for k in manifest(arch)}
     built = [by_name[n] for n in args.built.split(",")] if args.built else None
     ext = build.load_extension(arch, built, skip_failed=True)
-    return child_loop(args.verify_kernels.split(","), lambda n: verify_instance(ext, by_name[n]),
-                      Path(args.verify_out))
+    return child_loop(
+        args.verify_kernels.split(","),
+        lambda n: verify_instance(ext, by_name[n]),
+        Path(args.verify_out),
+    )
 
 
 def _text(s: str | bytes | None) -> str:
     return s.decode(errors="replace") if isinstance(s, bytes) else (s or "")
 
 
-def _verify_group(label: str, names: list[str], cmd: list[str], timeout_s: float,
-                  budget: Budget | None) -> tuple[list[dict[str, Any]], list[str], str]:
+def _verify_group(
+    label: str, names: list[str], cmd: list[str], timeout_s: float, budget: Budget | None
+) -> tuple[list[dict[str, Any]], list[str], str]:
     """Verify one (main loop, dtype) group in child processes: a child that dies or hangs
     costs the instance it was on; the rest go on in a new child while it makes progress (after
     ``MAX_HANGS`` time-outs the rest are given up: a main loop that hangs every time would
@@ -232,7 +259,9 @@ def _verify_group(label: str, names: list[str], cmd: list[str], timeout_s: float
     log: list[str] = []
 
     def broken(ns: list[str], why: str) -> None:
-        checks.extend({"check": "child_process", "kernel": n, "ok": False, "error": why[:500]} for n in ns)
+        checks.extend(
+            {"check": "child_process", "kernel": n, "ok": False, "error": why[:500]} for n in ns
+        )
 
     todo = list(names)
     hangs = 0
@@ -240,16 +269,29 @@ def _verify_group(label: str, names: list[str], cmd: list[str], timeout_s: float
         for attempt in range(len(names)):
             limit = timeout_s if budget is None else budget.child_timeout(timeout_s)
             if limit < 1.0:
-                failures.append(f"{label}: out of time before verifying {len(todo)} instance(s); not benchmarked")
+                failures.append(
+                    f"{label}: out of time before verifying {len(todo)} instance(s); not benchmarked"
+                )
                 broken(todo, "not verified: out of time")
                 break
             out = Path(tmp) / f"verify{attempt}.jsonl"
-            log.append(f"verifying {len(todo)} {label} instance(s) (child process, {limit:.0f} s)\n")
+            log.append(
+                f"verifying {len(todo)} {label} instance(s) (child process, {limit:.0f} s)\n"
+            )
             try:
-                proc = subprocess.run([*cmd, "--verify-kernels", ",".join(todo), "--verify-out", str(out)],
-                                      cwd=ROOT, timeout=limit, capture_output=True, text=True)
+                proc = subprocess.run(
+                    [*cmd, "--verify-kernels", ",".join(todo), "--verify-out", str(out)],
+                    cwd=ROOT,
+                    timeout=limit,
+                    capture_output=True,
+                    text=True,
+                )
                 log.append(proc.stdout)
-                why = None if proc.returncode == 0 else f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"
+                why = (
+                    None
+                    if proc.returncode == 0
+                    else f"exit {proc.returncode}: {proc.stderr.strip()[-1500:]}"
+                )
             except subprocess.TimeoutExpired as e:
                 log.append(_text(e.stdout))
                 why = f"timed out after {limit:.0f} s"
@@ -258,15 +300,19 @@ def _verify_group(label: str, names: list[str], cmd: list[str], timeout_s: float
             checks += got
             failures += fails
             if current is not None:
-                failures.append(f"{current}: its verification child failed on it ({why}); marked broken")
+                failures.append(
+                    f"{current}: its verification child failed on it ({why}); marked broken"
+                )
                 broken([current], why or "")
             rest = [n for n in todo if n not in done and n != current]
             if not rest:
                 break
             if why is None or (not done and current is None) or hangs >= MAX_HANGS:  # do not retry
                 why = why or "exit 0 without reporting them"
-                failures.append(f"{label}: verification child failed ({why}); "
-                                f"{len(rest)} instance(s) marked broken")
+                failures.append(
+                    f"{label}: verification child failed ({why}); "
+                    f"{len(rest)} instance(s) marked broken"
+                )
                 broken(rest, why)
                 break
             todo = rest
@@ -274,8 +320,12 @@ def _verify_group(label: str, names: list[str], cmd: list[str], timeout_s: float
 
 
 def verify_in_children(
-    kernels: list[TWKernel] | tuple[TWKernel, ...], failures: list[str], timeout_s: float = CHILD_TIMEOUT_S, child_cmd: list[str] | None = None,
-    built: list[str] | None = None, budget: Budget | None = None,
+    kernels: list[TWKernel] | tuple[TWKernel, ...],
+    failures: list[str],
+    timeout_s: float = CHILD_TIMEOUT_S,
+    child_cmd: list[str] | None = None,
+    built: list[str] | None = None,
+    budget: Budget | None = None,
 ) -> list[dict[str, Any]]:
     """Verify the instances in child processes, one (main loop, dtype) group per child, the
     groups concurrently: a kernel that faults (illegal address, trap) poisons only its child's
@@ -295,8 +345,10 @@ def verify_in_children(
     if not groups:
         return []
     with ThreadPoolExecutor(max_workers=len(groups)) as pool:
-        futures = {label: pool.submit(_verify_group, label, ns, cmd, timeout_s, budget)
-                   for label, ns in groups.items()}
+        futures = {
+            label: pool.submit(_verify_group, label, ns, cmd, timeout_s, budget)
+            for label, ns in groups.items()
+        }
         checks: list[dict[str, Any]] = []
         for label, fut in futures.items():
             got, fails, log = fut.result()

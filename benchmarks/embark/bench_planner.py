@@ -58,7 +58,12 @@ def torchrec_plan(
     from torchrec.modules.embedding_modules import EmbeddingBagCollection
 
     cfgs = [
-        EmbeddingBagConfig(name=t.name, embedding_dim=t.dim, num_embeddings=t.num_rows, feature_names=[f"f_{t.name}"])
+        EmbeddingBagConfig(
+            name=t.name,
+            embedding_dim=t.dim,
+            num_embeddings=t.num_rows,
+            feature_names=[f"f_{t.name}"],
+        )
         for t in workload.tables
     ]
     ebc = EmbeddingBagCollection(tables=cfgs, device=torch.device("meta"))
@@ -72,7 +77,9 @@ def torchrec_plan(
         intra_host_bw=topo.intra_node_bandwidth_bytes_per_s / 1e3,
         inter_host_bw=topo.inter_node_bandwidth_bytes_per_s / 1e3,
     )
-    cons = {t.name: ParameterConstraints(pooling_factors=[float(t.hotness)]) for t in workload.tables}
+    cons = {
+        t.name: ParameterConstraints(pooling_factors=[float(t.hotness)]) for t in workload.tables
+    }
     planner = EmbeddingShardingPlanner(
         topology=tr_topo,
         batch_size=int(model.local_batch),
@@ -90,7 +97,9 @@ def torchrec_plan(
         ps = params[t.name]
         if ps.sharding_type == "data_parallel":
             shards = tuple(Shard(r, 0, t.num_rows, 0, t.dim) for r in range(topo.world_size))
-            out.append(TableSharding(t.name, t.num_rows, t.dim, ShardingType.DP, Cluster.DP, shards, dtype))
+            out.append(
+                TableSharding(t.name, t.num_rows, t.dim, ShardingType.DP, Cluster.DP, shards, dtype)
+            )
             continue
         raw = []
         for md in ps.sharding_spec.shards:
@@ -100,9 +109,13 @@ def torchrec_plan(
             if r1 > r0 and nc > 0:
                 raw.append(Shard(md.placement.rank(), r0, r1, c0, c0 + nc))
         shards = _merge_same_rank(raw)
-        ts = TableSharding(t.name, t.num_rows, t.dim, ShardingType.THREE_D, Cluster.REDUCTION, tuple(shards), dtype)
+        ts = TableSharding(
+            t.name, t.num_rows, t.dim, ShardingType.THREE_D, Cluster.REDUCTION, tuple(shards), dtype
+        )
         st = classify(grid_of(ts), topo.world_size, topo.gpus_per_node, Cluster.REDUCTION)
-        out.append(TableSharding(t.name, t.num_rows, t.dim, st, Cluster.REDUCTION, tuple(shards), dtype))
+        out.append(
+            TableSharding(t.name, t.num_rows, t.dim, st, Cluster.REDUCTION, tuple(shards), dtype)
+        )
     return ShardingPlan(topo.world_size, topo.gpus_per_node, tuple(out), topo.name)
 
 
@@ -112,7 +125,12 @@ def _merge_same_rank(shards: list[Shard]) -> list[Shard]:
     out: list[Shard] = []
     for s in shards:
         p = out[-1] if out else None
-        if p and p.rank == s.rank and (p.row_start, p.row_end) == (s.row_start, s.row_end) and p.col_end == s.col_start:
+        if (
+            p
+            and p.rank == s.rank
+            and (p.row_start, p.row_end) == (s.row_start, s.row_end)
+            and p.col_end == s.col_start
+        ):
             out[-1] = Shard(p.rank, p.row_start, p.row_end, p.col_start, s.col_end)
         else:
             out.append(s)
@@ -126,7 +144,12 @@ def bench_one(
     topo = get_topology("dgx-h100", nodes)
     batch = local_batch * topo.world_size
     model = CostModel(w, topo, batch)
-    row: dict[str, Any] = {"workload": name, "nodes": nodes, "world_size": topo.world_size, "batch_size": batch}
+    row: dict[str, Any] = {
+        "workload": name,
+        "nodes": nodes,
+        "world_size": topo.world_size,
+        "batch_size": batch,
+    }
     t0, c0 = time.perf_counter(), time.process_time()
     ours = plan_sharding(w, topo, batch, "auto", comm_dtype=dtype)
     row["planning_s"] = time.perf_counter() - t0
@@ -155,7 +178,13 @@ def bench_one(
             row["torchrec_ms"] = r.step_ms
             row["torchrec_fits_our_memory_model"] = r.fits_memory
             row["torchrec_layouts"] = _layouts(tp)
-        except (PlanError, PlannerError, RuntimeError, ValueError, KeyError) as e:  # TorchRec failures vary
+        except (
+            PlanError,
+            PlannerError,
+            RuntimeError,
+            ValueError,
+            KeyError,
+        ) as e:  # TorchRec failures vary
             row["torchrec_note"] = f"{type(e).__name__}: {e}"[:400]
             log.warning("torchrec on %s × %d: %s", name, nodes, row["torchrec_note"])
     if row.get("trw_ms"):
@@ -184,8 +213,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--local-batch", type=int, default=8192, help="samples per GPU per iteration")
     p.add_argument("--comm-dtype", default="fp32", choices=[d.value for d in CommDtype])
     p.add_argument("--no-torchrec", action="store_true")
-    p.add_argument("--torchrec-timeout", type=int, default=60,
-                   help="seconds TorchRec's planner may search (it keeps its best plan so far)")
+    p.add_argument(
+        "--torchrec-timeout",
+        type=int,
+        default=60,
+        help="seconds TorchRec's planner may search (it keeps its best plan so far)",
+    )
     p.add_argument("--out", default=str(RESULTS_DIR / "embark_planner.json"))
     args = p.parse_args(argv)
     use_tr = not args.no_torchrec
@@ -193,15 +226,24 @@ def main(argv: list[str] | None = None) -> int:
         try:
             import torchrec  # noqa: F401
         except ImportError:
-            log.warning("torchrec is not installed: the TorchRec column is skipped "
-                        "(pip install fbgemm-gpu-cpu==1.8.0 ... see the README)")
+            log.warning(
+                "torchrec is not installed: the TorchRec column is skipped "
+                "(pip install fbgemm-gpu-cpu==1.8.0 ... see the README)"
+            )
             use_tr = False
     rows = []
     for name in args.workloads.split(","):
         for nodes in (int(n) for n in args.nodes.split(",")):
             log.info("planning %s on dgx-h100 × %d", name, nodes)
             rows.append(
-                bench_one(name, nodes, args.local_batch, CommDtype(args.comm_dtype), use_tr, args.torchrec_timeout)
+                bench_one(
+                    name,
+                    nodes,
+                    args.local_batch,
+                    CommDtype(args.comm_dtype),
+                    use_tr,
+                    args.torchrec_timeout,
+                )
             )
     head = f"| {'workload':<10} | nodes | {'ours':>9} | {'trw':>9} | {'rw':>9} | {'tw':>9} | {'torchrec':>9} | trw/ours | plan s |"
     lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
@@ -213,7 +255,11 @@ def main(argv: list[str] | None = None) -> int:
         )
     per_model: dict[str, float] = {}
     for name in args.workloads.split(","):
-        sps = [r["speedup_over_trw"] for r in rows if r["workload"] == name and r.get("speedup_over_trw")]
+        sps = [
+            r["speedup_over_trw"]
+            for r in rows
+            if r["workload"] == name and r.get("speedup_over_trw")
+        ]
         per_model[name] = sum(sps) / len(sps)
     all_sp = [r["speedup_over_trw"] for r in rows if r.get("speedup_over_trw")]
     summary = {
@@ -224,16 +270,29 @@ def main(argv: list[str] | None = None) -> int:
     }
     tr_rows = [r for r in rows if r.get("torchrec_ms")]
     if tr_rows:
-        summary["mean_torchrec_over_ours"] = sum(r["torchrec_ms"] / r["ours_ms"] for r in tr_rows) / len(tr_rows)
+        summary["mean_torchrec_over_ours"] = sum(
+            r["torchrec_ms"] / r["ours_ms"] for r in tr_rows
+        ) / len(tr_rows)
     lines.append("")
-    lines.append("simulated step ms (pipelined), DGX-H100, weak scaling "
-                 f"{args.local_batch} samples/GPU, comm {args.comm_dtype}")
-    lines.append(f"speedup over TRW: mean {summary['mean_speedup_over_trw']:.2f}×, max {summary['max_speedup_over_trw']:.2f}×; "
-                 + ", ".join(f"{k} {v:.2f}×" for k, v in per_model.items()))
+    lines.append(
+        "simulated step ms (pipelined), DGX-H100, weak scaling "
+        f"{args.local_batch} samples/GPU, comm {args.comm_dtype}"
+    )
+    lines.append(
+        f"speedup over TRW: mean {summary['mean_speedup_over_trw']:.2f}×, max {summary['max_speedup_over_trw']:.2f}×; "
+        + ", ".join(f"{k} {v:.2f}×" for k, v in per_model.items())
+    )
     if tr_rows:
         lines.append(f"TorchRec plan / ours (mean): {summary['mean_torchrec_over_ours']:.2f}×")
     sys.stdout.write("\n".join(lines) + "\n")
-    path = write_json(args.out, rows, benchmark="embark_planner", args=vars(args), summary=summary, table="\n".join(lines))
+    path = write_json(
+        args.out,
+        rows,
+        benchmark="embark_planner",
+        args=vars(args),
+        summary=summary,
+        table="\n".join(lines),
+    )
     log.info("wrote %s", path)
     return 0
 

@@ -96,13 +96,16 @@ def _batches(tables: list[Any], alpha: float, batch: int, n: int, seed: int) -> 
         ids = []
         for t, cdf, perm in zip(tables, cdfs, perms):
             draw = np.searchsorted(cdf, rng.random(batch * t.hotness), side="right")
-            ids.append(torch.from_numpy(perm[np.minimum(draw, t.num_rows - 1)]).view(batch, t.hotness))
+            ids.append(
+                torch.from_numpy(perm[np.minimum(draw, t.num_rows - 1)]).view(batch, t.hotness)
+            )
         out.append(JaggedBatch.from_dense_bags([t.name for t in tables], ids))
     return out
 
 
-def _run_all(tables: list[Any], plans: dict[str, ShardingPlan], rank: int, batches: list[Any],
-             warmup: int) -> dict[str, Any]:
+def _run_all(
+    tables: list[Any], plans: dict[str, ShardingPlan], rank: int, batches: list[Any], warmup: int
+) -> dict[str, Any]:
     """Every (plan, mode) collection side by side, stepped round-robin (step ``i`` of each
     before step ``i+1`` of any), so load on the shared host drifts over all of them alike."""
     import torch
@@ -129,8 +132,11 @@ def _run_all(tables: list[Any], plans: dict[str, ShardingPlan], rank: int, batch
     # bytes over every step, warm-up included: pipelined sends batch i+1's keys during step i,
     # so a counter reset at the first timed step would miss that batch's keys
     return {
-        key: {"times_s": times[key][warmup:], "steps": len(batches),
-              "bytes": {f"{p}/{lv}": n for (p, lv), n in m.stats.bytes.items()}}
+        key: {
+            "times_s": times[key][warmup:],
+            "steps": len(batches),
+            "bytes": {f"{p}/{lv}": n for (p, lv), n in m.stats.bytes.items()},
+        }
         for key, (m, _) in runs.items()
     }
 
@@ -162,9 +168,21 @@ def _spawn(cfg: dict[str, Any], timeout_s: int) -> list[dict[str, Any]]:
         env = {**os.environ, "PYTHONPATH": str(REPO_ROOT), "OMP_NUM_THREADS": "1"}
         procs = [
             subprocess.Popen(
-                [sys.executable, "-m", "benchmarks.embark.bench_sharding", "--worker", str(r),
-                 str(WORLD), str(Path(d, "init")), d],
-                cwd=REPO_ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+                [
+                    sys.executable,
+                    "-m",
+                    "benchmarks.embark.bench_sharding",
+                    "--worker",
+                    str(r),
+                    str(WORLD),
+                    str(Path(d, "init")),
+                    d,
+                ],
+                cwd=REPO_ROOT,
+                env=env,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.STDOUT,
+                text=True,
             )
             for r in range(WORLD)
         ]
@@ -191,8 +209,12 @@ def _row(plan: str, mode: str, reps: list[dict[str, Any]]) -> dict[str, Any]:
     for rep in reps:
         for k, n in rep[key]["bytes"].items():
             tot[k] = tot.get(k, 0) + n / rep[key]["steps"]
-    row: dict[str, Any] = {"plan": plan, "mode": mode, "step_ms": max(per_rank_ms),
-                           "step_ms_per_rank": per_rank_ms}
+    row: dict[str, Any] = {
+        "plan": plan,
+        "mode": mode,
+        "step_ms": max(per_rank_ms),
+        "step_ms_per_rank": per_rank_ms,
+    }
     for lv in ("intra", "inter"):
         row[f"{lv}_bytes"] = sum(v for k, v in tot.items() if k.endswith(f"/{lv}"))
         for ph in PHASES:
@@ -229,12 +251,23 @@ def main(argv: list[str] | None = None) -> int:
     global_batch = args.local_batch * WORLD
     plans = {s: plan_sharding(w, topo, global_batch, s) for s in PLANS}
     weight_mb = sum(t.num_rows * t.dim * 4 for t in w.tables) / 1e6
-    log.info("dlrm_dcnv2 / %g: %d tables, %.0f MB fp32; %s; global batch %d", args.scale,
-             len(w.tables), weight_mb, topo.name, global_batch)
+    log.info(
+        "dlrm_dcnv2 / %g: %d tables, %.0f MB fp32; %s; global batch %d",
+        args.scale,
+        len(w.tables),
+        weight_mb,
+        topo.name,
+        global_batch,
+    )
     for s, plan in plans.items():
         log.info("plan %s: %s", s, _layouts(plan))
-    cfg = {"scale": args.scale, "local_batch": args.local_batch, "steps": args.steps,
-           "warmup": args.warmup, "plans": {s: pl.to_dict() for s, pl in plans.items()}}
+    cfg = {
+        "scale": args.scale,
+        "local_batch": args.local_batch,
+        "steps": args.steps,
+        "warmup": args.warmup,
+        "plans": {s: pl.to_dict() for s, pl in plans.items()},
+    }
     t0 = time.perf_counter()
     reps = _spawn(cfg, args.timeout)
     wall = time.perf_counter() - t0
@@ -263,12 +296,16 @@ def main(argv: list[str] | None = None) -> int:
             "step_ms": ratio(a["step_ms"], b["step_ms"]),
         }
     mb = 1e6
-    head = (f"| {'plan':<5} | {'mode':<12} | {'step ms':>8} | {'intra MB':>8} | {'inter MB':>8} | "
-            f"{'keys i/x MB':>13} | {'vec i/x MB':>13} | {'grad i/x MB':>13} | {'dp MB':>6} |")
+    head = (
+        f"| {'plan':<5} | {'mode':<12} | {'step ms':>8} | {'intra MB':>8} | {'inter MB':>8} | "
+        f"{'keys i/x MB':>13} | {'vec i/x MB':>13} | {'grad i/x MB':>13} | {'dp MB':>6} |"
+    )
     lines = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
     for r in rows:
+
         def ix(ph: str, r: dict[str, Any] = r) -> str:
             return f"{r[f'{ph}_intra_bytes'] / mb:6.2f}/{r[f'{ph}_inter_bytes'] / mb:6.2f}"
+
         lines.append(
             f"| {r['plan']:<5} | {r['mode']:<12} | {r['step_ms']:8.1f} | {r['intra_bytes'] / mb:8.2f} | "
             f"{r['inter_bytes'] / mb:8.2f} | {ix('keys'):>13} | {ix('vectors'):>13} | "
@@ -282,11 +319,15 @@ def main(argv: list[str] | None = None) -> int:
             f"{q['vectors_intra_bytes'] / mb:6.2f}/{q['vectors_inter_bytes'] / mb:6.2f} | {'':>13} | {'':>6} |"
         )
     lines.append("")
-    lines.append("model: the planner's CostModel bytes for the same plan and batch (vectors as "
-                 "hierarchical; its backward mirrors them)")
-    lines.append(f"dlrm_dcnv2 / {args.scale:g} ({weight_mb:.0f} MB fp32), {topo.name}, gloo on one CPU host "
-                 f"(inter-node = loopback), local batch {args.local_batch}, median of {args.steps} steps; "
-                 "bytes per step, all ranks")
+    lines.append(
+        "model: the planner's CostModel bytes for the same plan and batch (vectors as "
+        "hierarchical; its backward mirrors them)"
+    )
+    lines.append(
+        f"dlrm_dcnv2 / {args.scale:g} ({weight_mb:.0f} MB fp32), {topo.name}, gloo on one CPU host "
+        f"(inter-node = loopback), local batch {args.local_batch}, median of {args.steps} steps; "
+        "bytes per step, all ranks"
+    )
     for s in PLANS:
         q = ratios[s]
         lines.append(
@@ -296,13 +337,22 @@ def main(argv: list[str] | None = None) -> int:
         )
     for m in MODES:
         q = ratios[f"auto_over_trw/{m}"]
-        lines.append(f"auto/trw ({m}): inter bytes {q['inter_bytes']:.3f}, intra {q['intra_bytes']:.3f}, "
-                     f"step {q['step_ms']:.2f}×")
+        lines.append(
+            f"auto/trw ({m}): inter bytes {q['inter_bytes']:.3f}, intra {q['intra_bytes']:.3f}, "
+            f"step {q['step_ms']:.2f}×"
+        )
     sys.stdout.write("\n".join(lines) + "\n")
     path = write_json(
-        args.out, rows, benchmark="embark_sharding", args=vars(args), topology=topo.to_dict(),
+        args.out,
+        rows,
+        benchmark="embark_sharding",
+        args=vars(args),
+        topology=topo.to_dict(),
         plans={s: {"layouts": _layouts(pl), "plan": pl.to_dict()} for s, pl in plans.items()},
-        ratios=ratios, modelled=modelled, world_wall_s=wall, table="\n".join(lines),
+        ratios=ratios,
+        modelled=modelled,
+        world_wall_s=wall,
+        table="\n".join(lines),
         note="one CPU host: inter-node traffic is loopback; bytes are the measurement, times are not a network figure",
     )
     log.info("wrote %s (world ran %.0f s)", path, wall)

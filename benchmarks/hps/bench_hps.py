@@ -57,8 +57,14 @@ from hps.volatile import HashMapBackend, split_by_partition
 log = logging.getLogger("bench_hps")
 SECTIONS = ("hit_rate", "cached", "rocksdb", "redis", "concurrency", "drift")
 #: a row's "bench" → the section that writes it
-SECTION_OF = {"hit_rate": "hit_rate", "cached_lookup": "cached", "rocksdb": "rocksdb", "redis": "redis",
-              "concurrency": "concurrency", "drift": "drift"}
+SECTION_OF = {
+    "hit_rate": "hit_rate",
+    "cached_lookup": "cached",
+    "rocksdb": "rocksdb",
+    "redis": "redis",
+    "concurrency": "concurrency",
+    "drift": "drift",
+}
 
 
 class Zipf:
@@ -104,7 +110,11 @@ def bench_hit_rate(args: argparse.Namespace) -> list[dict[str, Any]]:
         for frac in (0.01, 0.10, 0.20):
             cap = int(frac * args.rows)
             ideal = float(zipf_hit_curve(args.rows, alpha, np.array([cap]))[0])
-            for policy, warm in ((CachePolicy.LRU, False), (CachePolicy.LFU, False), (CachePolicy.LFU, True)):
+            for policy, warm in (
+                (CachePolicy.LRU, False),
+                (CachePolicy.LFU, False),
+                (CachePolicy.LFU, True),
+            ):
                 cache = EmbeddingCache(cap, dim, policy=policy)
                 if warm:  # warm-up from the hottest keys, hottest first (LookupSession.warm_up)
                     hot = torch.from_numpy(z.hottest(cap).copy())
@@ -117,20 +127,39 @@ def bench_hit_rate(args: argparse.Namespace) -> list[dict[str, Any]]:
                     _, hit = cache.query(u, counts=counts)  # as LookupSession does (it also adds
                     # each key's count in earlier requests to the admission priority; not here)
                     miss = u[~hit]
-                    cache.insert(miss, torch.zeros(miss.numel(), dim), priority=counts[~hit])  # sync fill
+                    cache.insert(
+                        miss, torch.zeros(miss.numel(), dim), priority=counts[~hit]
+                    )  # sync fill
                     if i >= args.warm_batches:
                         hits_all += int(counts[hit].sum())
                         keys_all += int(counts.sum())
                         hits_u += int(hit.sum())
                         keys_u += int(u.numel())
-                row = {"bench": "hit_rate", "alpha": alpha, "rows": args.rows, "dim": dim,
-                       "cache_fraction": frac, "policy": policy.value, "warm_up_hottest": warm,
-                       "hit_rate_all_keys": hits_all / keys_all, "hit_rate_unique_keys": hits_u / keys_u,
-                       "ideal_hottest_rows": ideal, "gap_to_ideal": ideal - hits_all / keys_all,
-                       "overflowed_inserts": cache.stats.overflowed,
-                       "batches_measured": args.measure_batches, "seconds": time.perf_counter() - t0}
-                log.info("hit rate α=%.2f %4.0f%% %s%s: %.4f (ideal %.4f)", alpha, frac * 100, policy.value,
-                         "+warm" if warm else "", row["hit_rate_all_keys"], ideal)
+                row = {
+                    "bench": "hit_rate",
+                    "alpha": alpha,
+                    "rows": args.rows,
+                    "dim": dim,
+                    "cache_fraction": frac,
+                    "policy": policy.value,
+                    "warm_up_hottest": warm,
+                    "hit_rate_all_keys": hits_all / keys_all,
+                    "hit_rate_unique_keys": hits_u / keys_u,
+                    "ideal_hottest_rows": ideal,
+                    "gap_to_ideal": ideal - hits_all / keys_all,
+                    "overflowed_inserts": cache.stats.overflowed,
+                    "batches_measured": args.measure_batches,
+                    "seconds": time.perf_counter() - t0,
+                }
+                log.info(
+                    "hit rate α=%.2f %4.0f%% %s%s: %.4f (ideal %.4f)",
+                    alpha,
+                    frac * 100,
+                    policy.value,
+                    "+warm" if warm else "",
+                    row["hit_rate_all_keys"],
+                    ideal,
+                )
                 rows.append(row)
                 del cache
     return rows
@@ -154,25 +183,55 @@ def bench_cached(args: argparse.Namespace) -> list[dict[str, Any]]:
     vdb.create_table("t", dim)
     keys = np.arange(n, dtype=np.int64)
     for s in range(0, n, 262144):
-        vdb.insert("t", keys[s:s + 262144], W[s:s + 262144].numpy())
+        vdb.insert("t", keys[s : s + 262144], W[s : s + 262144].numpy())
     for label, frac in (("resident_cache", 1.0), ("cache_10pct_over_hash_map", 0.10)):
-        cache = EmbeddingCache(int(frac * n * (1.25 if frac == 1.0 else 1.0)), dim, policy=CachePolicy.LFU)
-        sess = LookupSession([SessionTable("t", dim, 0.0, 10**7, cache)], vdb, None,
-                             hit_rate_threshold=1.0, record_key_stats=False, max_concurrent=1)
+        cache = EmbeddingCache(
+            int(frac * n * (1.25 if frac == 1.0 else 1.0)), dim, policy=CachePolicy.LFU
+        )
+        sess = LookupSession(
+            [SessionTable("t", dim, 0.0, 10**7, cache)],
+            vdb,
+            None,
+            hit_rate_threshold=1.0,
+            record_key_stats=False,
+            max_concurrent=1,
+        )
         for q in qs:  # fill: every key of the query set gets a chance to be cached
             sess.lookup("t", q)
         ok = torch.equal(sess.lookup("t", qs[0]), torch.index_select(W, 0, qs[0]))
         before = sess.stats("t")["hits_all"]["cache"]
-        tt = side_by_side({"index_select": lambda: torch.index_select(W, 0, next_q()),
-                           "session": lambda s=sess: s.lookup("t", next_q())}, args.repeats)
+        tt = side_by_side(
+            {
+                "index_select": lambda: torch.index_select(W, 0, next_q()),
+                "session": lambda s=sess: s.lookup("t", next_q()),
+            },
+            args.repeats,
+        )
         base, t = tt["index_select"], tt["session"]
         st = sess.stats("t")
         hit = (st["hits_all"]["cache"] - before) / max(1, (args.repeats + 1) * args.batch)
-        out.append({"bench": "cached_lookup", "config": label, "rows": n, "dim": dim, "batch": args.batch,
-                    "alpha": 1.05, "session_keys_per_s": args.batch / t, "index_select_keys_per_s": args.batch / base,
-                    "ratio_vs_index_select": base / t, "cache_hit_rate_all_keys": hit, "rows_equal": ok})
-        log.info("cached %s: %.2fM keys/s vs index_select %.2fM keys/s (×%.2f)", label, args.batch / t / 1e6,
-                 args.batch / base / 1e6, base / t)
+        out.append(
+            {
+                "bench": "cached_lookup",
+                "config": label,
+                "rows": n,
+                "dim": dim,
+                "batch": args.batch,
+                "alpha": 1.05,
+                "session_keys_per_s": args.batch / t,
+                "index_select_keys_per_s": args.batch / base,
+                "ratio_vs_index_select": base / t,
+                "cache_hit_rate_all_keys": hit,
+                "rows_equal": ok,
+            }
+        )
+        log.info(
+            "cached %s: %.2fM keys/s vs index_select %.2fM keys/s (×%.2f)",
+            label,
+            args.batch / t / 1e6,
+            args.batch / base / 1e6,
+            base / t,
+        )
         sess.close()
         del cache, sess
     return out
@@ -197,23 +256,46 @@ def bench_rocksdb(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any
         res = cf.get(encode_keys(keys))
         return decode_rows(res, dim, "raw")[0]
 
-    sess = LookupSession([SessionTable("t", dim, 0.0, 10**7, None)], None, pdb, record_key_stats=False)
+    sess = LookupSession(
+        [SessionTable("t", dim, 0.0, 10**7, None)], None, pdb, record_key_stats=False
+    )
     qt = torch.from_numpy(q)
     ok = np.array_equal(sess.lookup("t", qt).numpy(), raw(q))
     uq = np.unique(q)
-    tt = side_by_side({"raw": lambda: raw(q), "ours": lambda: sess.lookup("t", qt),
-                       "raw_u": lambda: raw(uq), "ours_u": lambda: sess.lookup("t", torch.from_numpy(uq)),
-                       "raw_nodecode": lambda: cf.get(encode_keys(q))}, args.repeats)
-    t_raw, t_ours, t_raw_u, t_ours_u, t_raw_nodecode = (tt[k] for k in ("raw", "ours", "raw_u", "ours_u", "raw_nodecode"))
+    tt = side_by_side(
+        {
+            "raw": lambda: raw(q),
+            "ours": lambda: sess.lookup("t", qt),
+            "raw_u": lambda: raw(uq),
+            "ours_u": lambda: sess.lookup("t", torch.from_numpy(uq)),
+            "raw_nodecode": lambda: cf.get(encode_keys(q)),
+        },
+        args.repeats,
+    )
+    t_raw, t_ours, t_raw_u, t_ours_u, t_raw_nodecode = (
+        tt[k] for k in ("raw", "ours", "raw_u", "ours_u", "raw_nodecode")
+    )
     sess.close()
     pdb.close()
-    row = {"bench": "rocksdb", "rows": n, "dim": dim, "batch": args.batch, "unique_keys": int(uq.size),
-           "load_s": load_s, "session_keys_per_s": args.batch / t_ours, "raw_multiget_keys_per_s": args.batch / t_raw,
-           "raw_multiget_no_decode_keys_per_s": args.batch / t_raw_nodecode,
-           "ratio_vs_raw_same_keys": t_raw / t_ours, "ratio_vs_raw_unique_keys_both": t_raw_u / t_ours_u,
-           "rows_equal": ok}
-    log.info("rocksdb: session ×%.2f of raw multi-get (same keys), ×%.2f (unique keys both)",
-             row["ratio_vs_raw_same_keys"], row["ratio_vs_raw_unique_keys_both"])
+    row = {
+        "bench": "rocksdb",
+        "rows": n,
+        "dim": dim,
+        "batch": args.batch,
+        "unique_keys": int(uq.size),
+        "load_s": load_s,
+        "session_keys_per_s": args.batch / t_ours,
+        "raw_multiget_keys_per_s": args.batch / t_raw,
+        "raw_multiget_no_decode_keys_per_s": args.batch / t_raw_nodecode,
+        "ratio_vs_raw_same_keys": t_raw / t_ours,
+        "ratio_vs_raw_unique_keys_both": t_raw_u / t_ours_u,
+        "rows_equal": ok,
+    }
+    log.info(
+        "rocksdb: session ×%.2f of raw multi-get (same keys), ×%.2f (unique keys both)",
+        row["ratio_vs_raw_same_keys"],
+        row["ratio_vs_raw_unique_keys_both"],
+    )
     return [row]
 
 
@@ -234,7 +316,7 @@ def bench_redis(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]
         vdb.create_table("t", dim)
         t0 = time.perf_counter()
         for s in range(0, n, 65536):
-            vdb.insert("t", np.arange(s, min(s + 65536, n), dtype=np.int64), W[s:s + 65536])
+            vdb.insert("t", np.arange(s, min(s + 65536, n), dtype=np.int64), W[s : s + 65536])
         load_s = time.perf_counter() - t0
         client = vdb._client
         q = Zipf(n, 1.05, seed=6).sample(args.batch)
@@ -250,22 +332,43 @@ def bench_redis(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]
                 out[idx] = decode_rows(res, dim, "raw")[0]
             return out
 
-        sess = LookupSession([SessionTable("t", dim, 0.0, 10**7, None)], vdb, None, record_key_stats=False)
+        sess = LookupSession(
+            [SessionTable("t", dim, 0.0, 10**7, None)], vdb, None, record_key_stats=False
+        )
         qt = torch.from_numpy(q)
         ok = np.array_equal(sess.lookup("t", qt).numpy(), raw(q))
         uq = np.unique(q)
-        tt = side_by_side({"raw": lambda: raw(q), "ours": lambda: sess.lookup("t", qt),
-                           "raw_u": lambda: raw(uq), "ours_u": lambda: sess.lookup("t", torch.from_numpy(uq))},
-                          args.repeats)
+        tt = side_by_side(
+            {
+                "raw": lambda: raw(q),
+                "ours": lambda: sess.lookup("t", qt),
+                "raw_u": lambda: raw(uq),
+                "ours_u": lambda: sess.lookup("t", torch.from_numpy(uq)),
+            },
+            args.repeats,
+        )
         t_raw, t_ours, t_raw_u, t_ours_u = (tt[k] for k in ("raw", "ours", "raw_u", "ours_u"))
         sess.close()
         vdb.close()
-    row = {"bench": "redis", "nodes": 3, "rows": n, "dim": dim, "batch": args.batch, "unique_keys": int(uq.size),
-           "load_s": load_s, "session_keys_per_s": args.batch / t_ours, "raw_pipelined_keys_per_s": args.batch / t_raw,
-           "ratio_vs_raw_same_keys": t_raw / t_ours, "ratio_vs_raw_unique_keys_both": t_raw_u / t_ours_u,
-           "rows_equal": ok}
-    log.info("redis: session ×%.2f of raw pipelined HMGET (same keys), ×%.2f (unique keys both)",
-             row["ratio_vs_raw_same_keys"], row["ratio_vs_raw_unique_keys_both"])
+    row = {
+        "bench": "redis",
+        "nodes": 3,
+        "rows": n,
+        "dim": dim,
+        "batch": args.batch,
+        "unique_keys": int(uq.size),
+        "load_s": load_s,
+        "session_keys_per_s": args.batch / t_ours,
+        "raw_pipelined_keys_per_s": args.batch / t_raw,
+        "ratio_vs_raw_same_keys": t_raw / t_ours,
+        "ratio_vs_raw_unique_keys_both": t_raw_u / t_ours_u,
+        "rows_equal": ok,
+    }
+    log.info(
+        "redis: session ×%.2f of raw pipelined HMGET (same keys), ×%.2f (unique keys both)",
+        row["ratio_vs_raw_same_keys"],
+        row["ratio_vs_raw_unique_keys_both"],
+    )
     return [row]
 
 
@@ -285,8 +388,13 @@ def bench_concurrency(args: argparse.Namespace, workdir: Path) -> list[dict[str,
     pdb.create_table("t", dim)
     pdb.bulk_load("t", keys, W)
     cache = EmbeddingCache(n // 10, dim)
-    sess = LookupSession([SessionTable("t", dim, 0.0, 10**6, cache)], vdb, pdb, hit_rate_threshold=0.9,
-                         max_concurrent=4)
+    sess = LookupSession(
+        [SessionTable("t", dim, 0.0, 10**6, cache)],
+        vdb,
+        pdb,
+        hit_rate_threshold=0.9,
+        max_concurrent=4,
+    )
     proc = psutil.Process()
     rss0 = proc.memory_info().rss
     peak = [rss0]
@@ -301,7 +409,9 @@ def bench_concurrency(args: argparse.Namespace, workdir: Path) -> list[dict[str,
             try:
                 q = torch.from_numpy(z.sample(args.concurrent_batch))
                 out = sess.lookup("t", q)
-                if i == 0 and done[i] % 20 == 0:  # spot check against the table (exact rows or default)
+                if (
+                    i == 0 and done[i] % 20 == 0
+                ):  # spot check against the table (exact rows or default)
                     ref = torch.from_numpy(W)[q]
                     good = (out == ref).all(1) | (out == 0).all(1)
                     wrong[0] += int((~good).sum())
@@ -327,15 +437,36 @@ def bench_concurrency(args: argparse.Namespace, workdir: Path) -> list[dict[str,
     st = sess.stats("t")
     sess.close()
     pdb.close()
-    row = {"bench": "concurrency", "callers": args.callers, "seconds": wall, "batch": args.concurrent_batch,
-           "rows": n, "dim": dim, "max_concurrent": 4, "lookups": int(sum(done)), "errors": len(errors),
-           "error_examples": errors[:3], "wrong_rows_spot_check": wrong[0],
-           "lookups_per_s": sum(done) / wall, "keys_per_s": sum(done) * args.concurrent_batch / wall,
-           "latency_p50_ms": st["latency_p50_ms"], "latency_p99_ms": st["latency_p99_ms"],
-           "hit_rate_all": st["hit_rate"]["all"], "rss_start_mib": rss0 / 2**20, "rss_peak_mib": peak[0] / 2**20,
-           "rss_end_mib": proc.memory_info().rss / 2**20, "dropped_async": st["dropped_async"]}
-    log.info("concurrency: %d callers, %d lookups, %d errors, peak RSS %.0f MiB (start %.0f)", args.callers,
-             row["lookups"], row["errors"], row["rss_peak_mib"], row["rss_start_mib"])
+    row = {
+        "bench": "concurrency",
+        "callers": args.callers,
+        "seconds": wall,
+        "batch": args.concurrent_batch,
+        "rows": n,
+        "dim": dim,
+        "max_concurrent": 4,
+        "lookups": int(sum(done)),
+        "errors": len(errors),
+        "error_examples": errors[:3],
+        "wrong_rows_spot_check": wrong[0],
+        "lookups_per_s": sum(done) / wall,
+        "keys_per_s": sum(done) * args.concurrent_batch / wall,
+        "latency_p50_ms": st["latency_p50_ms"],
+        "latency_p99_ms": st["latency_p99_ms"],
+        "hit_rate_all": st["hit_rate"]["all"],
+        "rss_start_mib": rss0 / 2**20,
+        "rss_peak_mib": peak[0] / 2**20,
+        "rss_end_mib": proc.memory_info().rss / 2**20,
+        "dropped_async": st["dropped_async"],
+    }
+    log.info(
+        "concurrency: %d callers, %d lookups, %d errors, peak RSS %.0f MiB (start %.0f)",
+        args.callers,
+        row["lookups"],
+        row["errors"],
+        row["rss_peak_mib"],
+        row["rss_start_mib"],
+    )
     return [row]
 
 
@@ -357,14 +488,22 @@ class ZeroRows(StorageBackend):
         return np.zeros((keys.size, self.dim), np.float32), (keys >= 0) & (keys < self.n)
 
     def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
-        raise ValueError(f"{self.name}: a read-only stand-in database; insert into {table!r} refused")
+        raise ValueError(
+            f"{self.name}: a read-only stand-in database; insert into {table!r} refused"
+        )
 
     def size(self, table: str) -> int:
         return self.n
 
 
 def bench_drift(args: argparse.Namespace) -> list[dict[str, Any]]:
-    n, dim, alpha, frac, nb = args.rows, args.dim, args.drift_alpha, args.drift_cache_fraction, args.drift_batches
+    n, dim, alpha, frac, nb = (
+        args.rows,
+        args.dim,
+        args.drift_alpha,
+        args.drift_cache_fraction,
+        args.drift_batches,
+    )
     cap = int(frac * n)
     ideal = float(zipf_hit_curve(n, alpha, np.array([cap]))[0])
     configs = [(CachePolicy.LRU, 0.0), (CachePolicy.LFU, 0.0)]
@@ -375,8 +514,13 @@ def bench_drift(args: argparse.Namespace) -> list[dict[str, Any]]:
             # the same key stream for every config: same curve before and after, a new key per rank
             before, after = Zipf(n, alpha, seed=8), Zipf(n, alpha, seed=9)
             cache = EmbeddingCache(cap, dim, policy=policy, lfu_decay_keys_per_slot=per_slot)
-            sess = LookupSession([SessionTable("t", dim, 0.0, 10**7, cache)], ZeroRows(n, dim), None,
-                                 hit_rate_threshold=1.0, max_concurrent=1)  # sync fill, key statistics on
+            sess = LookupSession(
+                [SessionTable("t", dim, 0.0, 10**7, cache)],
+                ZeroRows(n, dim),
+                None,
+                hit_rate_threshold=1.0,
+                max_concurrent=1,
+            )  # sync fill, key statistics on
             series = []
             hits = 0
             t0 = time.perf_counter()
@@ -389,22 +533,45 @@ def bench_drift(args: argparse.Namespace) -> list[dict[str, Any]]:
             cached = cache.cached_keys().numpy()
             sess.close()
             old_hot, new_hot = before.hottest(cap), after.hottest(cap)
-            label = policy.value if policy is CachePolicy.LRU else (
-                f"lfu, aging every {per_slot:g} keys/slot" if per_slot else "lfu, never aging")
-            row = {"bench": "drift", "config": label, "policy": policy.value, "lfu_decay_keys_per_slot": per_slot,
-                   "lfu_decay_interval_keys": cache.lfu_decay_interval, "decays": cache.stats.decays,
-                   "alpha": alpha, "rows": n, "dim": dim, "cache_fraction": frac, "batch": args.batch,
-                   "batches_before_drift": n0, "batches_after_drift": nb,
-                   "hit_rate_before_drift": float(np.mean(series[n0 // 2:n0])),  # steady state
-                   "hit_rate_after_drift": float(np.mean(series[n0:])),
-                   "hit_rate_after_drift_last_quarter": float(np.mean(series[-max(1, nb // 4):])),
-                   "ideal_hottest_rows": ideal,
-                   "cached_new_hot_fraction": float(np.isin(cached, new_hot).sum() / cap),
-                   "cached_stale_old_hot": int(np.isin(cached, np.setdiff1d(old_hot, new_hot)).sum()),
-                   "hit_rate_per_batch": [round(x, 4) for x in series], "seconds": time.perf_counter() - t0}
-            log.info("drift after %d: %-30s before %.4f  after %.4f  last quarter %.4f  (ideal %.4f)", n0, label,
-                     row["hit_rate_before_drift"], row["hit_rate_after_drift"],
-                     row["hit_rate_after_drift_last_quarter"], ideal)
+            label = (
+                policy.value
+                if policy is CachePolicy.LRU
+                else (
+                    f"lfu, aging every {per_slot:g} keys/slot" if per_slot else "lfu, never aging"
+                )
+            )
+            row = {
+                "bench": "drift",
+                "config": label,
+                "policy": policy.value,
+                "lfu_decay_keys_per_slot": per_slot,
+                "lfu_decay_interval_keys": cache.lfu_decay_interval,
+                "decays": cache.stats.decays,
+                "alpha": alpha,
+                "rows": n,
+                "dim": dim,
+                "cache_fraction": frac,
+                "batch": args.batch,
+                "batches_before_drift": n0,
+                "batches_after_drift": nb,
+                "hit_rate_before_drift": float(np.mean(series[n0 // 2 : n0])),  # steady state
+                "hit_rate_after_drift": float(np.mean(series[n0:])),
+                "hit_rate_after_drift_last_quarter": float(np.mean(series[-max(1, nb // 4) :])),
+                "ideal_hottest_rows": ideal,
+                "cached_new_hot_fraction": float(np.isin(cached, new_hot).sum() / cap),
+                "cached_stale_old_hot": int(np.isin(cached, np.setdiff1d(old_hot, new_hot)).sum()),
+                "hit_rate_per_batch": [round(x, 4) for x in series],
+                "seconds": time.perf_counter() - t0,
+            }
+            log.info(
+                "drift after %d: %-30s before %.4f  after %.4f  last quarter %.4f  (ideal %.4f)",
+                n0,
+                label,
+                row["hit_rate_before_drift"],
+                row["hit_rate_after_drift"],
+                row["hit_rate_after_drift_last_quarter"],
+                ideal,
+            )
             out.append(row)
             del cache, sess
     return out
@@ -429,9 +596,13 @@ def plot_drift(rows: list[dict[str, Any]], path: Path) -> None:
         ax.axvline(n0 + 0.5, color="grey", ls=":", lw=1)
         ax.set_xlabel(f"batch of {r['batch']} keys (popularity permuted after batch {n0})")
         ax.set_ylabel("hit rate (all keys)")
-        low = min(float(np.percentile(r["hit_rate_per_batch"], 2)) for r in sel)  # the drop itself clipped
+        low = min(
+            float(np.percentile(r["hit_rate_per_batch"], 2)) for r in sel
+        )  # the drop itself clipped
         ax.set_ylim(np.floor(low * 20) / 20, 1.0)
-        ax.set_title(f"Zipf α={r['alpha']}, {r['rows']:,} rows, {r['cache_fraction']:.0%} cache", fontsize=9)
+        ax.set_title(
+            f"Zipf α={r['alpha']}, {r['rows']:,} rows, {r['cache_fraction']:.0%} cache", fontsize=9
+        )
         ax.grid(alpha=0.3)
         ax.legend(fontsize=7, loc="lower left", ncol=2)
     fig.tight_layout()
@@ -439,8 +610,9 @@ def plot_drift(rows: list[dict[str, Any]], path: Path) -> None:
     plt.close(fig)
 
 
-def merge_previous(path: Path, rows: list[dict[str, Any]], only: list[str],
-                   section_meta: dict[str, Any]) -> list[dict[str, Any]]:
+def merge_previous(
+    path: Path, rows: list[dict[str, Any]], only: list[str], section_meta: dict[str, Any]
+) -> list[dict[str, Any]]:
     """``rows`` plus the rows of the sections not in ``only`` from the JSON at ``path``, in
     section order; ``section_meta`` gains the kept sections' meta (their own, or the file's)."""
     if not path.exists():
@@ -449,10 +621,16 @@ def merge_previous(path: Path, rows: list[dict[str, Any]], only: list[str],
     kept = [r for r in old["rows"] if SECTION_OF.get(r.get("bench")) not in only]
     for r in kept:
         sec = SECTION_OF.get(r.get("bench"), str(r.get("bench")))
-        section_meta.setdefault(sec, old.get("section_meta", {}).get(
-            sec, {**old["meta"], "args": old.get("args"), "load": old.get("load")}))
+        section_meta.setdefault(
+            sec,
+            old.get("section_meta", {}).get(
+                sec, {**old["meta"], "args": old.get("args"), "load": old.get("load")}
+            ),
+        )
     order = {s: i for i, s in enumerate(SECTIONS)}
-    return sorted(kept + rows, key=lambda r: order.get(SECTION_OF.get(r.get("bench"), ""), len(order)))
+    return sorted(
+        kept + rows, key=lambda r: order.get(SECTION_OF.get(r.get("bench"), ""), len(order))
+    )
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
@@ -467,11 +645,23 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
         if not sel:
             continue
         fr = sorted({r["cache_fraction"] for r in sel})
-        ax.plot(fr, [next(r["ideal_hottest_rows"] for r in sel if r["cache_fraction"] == f) for f in fr], "k--",
-                label=f"ideal α={alpha}")
+        ax.plot(
+            fr,
+            [next(r["ideal_hottest_rows"] for r in sel if r["cache_fraction"] == f) for f in fr],
+            "k--",
+            label=f"ideal α={alpha}",
+        )
         for pol, warm, mk in (("lru", False, "o"), ("lfu", False, "s"), ("lfu", True, "^")):
-            ys = [next(r["hit_rate_all_keys"] for r in sel if r["cache_fraction"] == f and r["policy"] == pol
-                       and r["warm_up_hottest"] == warm) for f in fr]
+            ys = [
+                next(
+                    r["hit_rate_all_keys"]
+                    for r in sel
+                    if r["cache_fraction"] == f
+                    and r["policy"] == pol
+                    and r["warm_up_hottest"] == warm
+                )
+                for f in fr
+            ]
             ax.plot(fr, ys, marker=mk, label=f"{pol}{'+warm' if warm else ''} α={alpha}")
     ax.set_xlabel("cache size (fraction of rows)")
     ax.set_ylabel("hit rate (all keys)")
@@ -483,9 +673,13 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
-    ap.add_argument("--rows", type=int, default=2_000_000, help="rows of the hit-rate / cached-path table")
+    ap.add_argument(
+        "--rows", type=int, default=2_000_000, help="rows of the hit-rate / cached-path table"
+    )
     ap.add_argument("--db-rows", type=int, default=500_000, help="rows loaded into RocksDB / Redis")
     ap.add_argument("--dim", type=int, default=128)
     ap.add_argument("--batch", type=int, default=65536)
@@ -495,11 +689,17 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--callers", type=int, default=32)
     ap.add_argument("--seconds", type=float, default=30.0)
     ap.add_argument("--concurrent-batch", type=int, default=4096)
-    ap.add_argument("--drift-before", default="120,480", help="batches before the drift, one run each")
+    ap.add_argument(
+        "--drift-before", default="120,480", help="batches before the drift, one run each"
+    )
     ap.add_argument("--drift-batches", type=int, default=120, help="batches after the drift")
     ap.add_argument("--drift-alpha", type=float, default=1.05)
     ap.add_argument("--drift-cache-fraction", type=float, default=0.10)
-    ap.add_argument("--drift-decays", default="10,20,50", help="LFU aging periods to run, looked-up keys per slot")
+    ap.add_argument(
+        "--drift-decays",
+        default="10,20,50",
+        help="LFU aging periods to run, looked-up keys per slot",
+    )
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "hps.json")
     ap.add_argument("--merge", action="store_true", help="keep the other sections' rows of --out")
     args = ap.parse_args(argv)
@@ -526,7 +726,12 @@ def main(argv: list[str] | None = None) -> None:
                 rows += bench_drift(args)
             else:
                 rows += bench_concurrency(args, workdir)
-            log.info("section %s took %.1f s (load %.2f)", section, time.perf_counter() - t0, os.getloadavg()[0])
+            log.info(
+                "section %s took %.1f s (load %.2f)",
+                section,
+                time.perf_counter() - t0,
+                os.getloadavg()[0],
+            )
     finally:
         shutil.rmtree(workdir, ignore_errors=True)
     load["loadavg_after"] = os.getloadavg()

@@ -79,10 +79,16 @@ def median_ms(fn: Callable[[], object], n: int) -> float:
 class Served:
     """A model's artifacts, its parameter server and a running v2 server."""
 
-    def __init__(self, model: DLRM, folder: Path, threads: int, max_batch: int, workers: int = 2) -> None:
-        write_serving_artifacts(model, folder, max_batch_size=max_batch, cache_fraction=1.0, overwrite=True)
+    def __init__(
+        self, model: DLRM, folder: Path, threads: int, max_batch: int, workers: int = 2
+    ) -> None:
+        write_serving_artifacts(
+            model, folder, max_batch_size=max_batch, cache_fraction=1.0, overwrite=True
+        )
         self.ps = HierarchicalParameterServer.from_config(folder / "ps.json")
-        self.srv = InferenceServer(self.ps, ServerConfig(port=0, workers=workers, ort_threads=threads)).start()
+        self.srv = InferenceServer(
+            self.ps, ServerConfig(port=0, workers=workers, ort_threads=threads)
+        ).start()
         self.servable = self.srv.servables["dlrm"]
         self.folder = folder
 
@@ -103,11 +109,27 @@ def bench_overhead(served: Served, model: DLRM, batches: list[int], n: int) -> l
         t_json = median_ms(lambda: client.infer("dlrm", json_in, outputs=json_out), n)  # noqa: B023
         got = client.infer("dlrm", bin_in).as_numpy("logits")
         err = float(np.abs(got - served.servable.infer(req)["logits"]).max())
-        rows.append({"bench": "overhead", "batch": b, "inprocess_ms": t_in, "binary_ms": t_bin,
-                     "json_ms": t_json, "binary_ratio": t_bin / t_in, "json_ratio": t_json / t_in,
-                     "max_abs_diff": err})
-        log.info("overhead B=%d: in-process %.2f ms, binary %.2f ms (%.2fx), json %.2f ms (%.2fx)",
-                 b, t_in, t_bin, t_bin / t_in, t_json, t_json / t_in)
+        rows.append(
+            {
+                "bench": "overhead",
+                "batch": b,
+                "inprocess_ms": t_in,
+                "binary_ms": t_bin,
+                "json_ms": t_json,
+                "binary_ratio": t_bin / t_in,
+                "json_ratio": t_json / t_in,
+                "max_abs_diff": err,
+            }
+        )
+        log.info(
+            "overhead B=%d: in-process %.2f ms, binary %.2f ms (%.2fx), json %.2f ms (%.2fx)",
+            b,
+            t_in,
+            t_bin,
+            t_bin / t_in,
+            t_json,
+            t_json / t_in,
+        )
     return rows
 
 
@@ -141,14 +163,28 @@ def bench_throughput(served: Served, model: DLRM, clients: int, seconds: float) 
         t.join()
     wall = time.perf_counter() - t0
     ms = sorted(x * 1e3 for x in lat)
-    row = {"bench": "throughput", "clients": clients, "batch": 256, "seconds": wall,
-           "requests": len(lat), "errors": len(errors), "requests_per_s": len(lat) / wall,
-           "samples_per_s": 256 * len(lat) / wall, "p50_ms": statistics.median(ms) if ms else None,
-           "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None,
-           "first_error": errors[0] if errors else None}
-    log.info("throughput %d clients: %.0f req/s (%.0f samples/s), p50 %.1f ms, p99 %.1f ms, %d errors",
-             clients, row["requests_per_s"], row["samples_per_s"], row["p50_ms"] or 0, row["p99_ms"] or 0,
-             len(errors))
+    row = {
+        "bench": "throughput",
+        "clients": clients,
+        "batch": 256,
+        "seconds": wall,
+        "requests": len(lat),
+        "errors": len(errors),
+        "requests_per_s": len(lat) / wall,
+        "samples_per_s": 256 * len(lat) / wall,
+        "p50_ms": statistics.median(ms) if ms else None,
+        "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None,
+        "first_error": errors[0] if errors else None,
+    }
+    log.info(
+        "throughput %d clients: %.0f req/s (%.0f samples/s), p50 %.1f ms, p99 %.1f ms, %d errors",
+        clients,
+        row["requests_per_s"],
+        row["samples_per_s"],
+        row["p50_ms"] or 0,
+        row["p99_ms"] or 0,
+        len(errors),
+    )
     return row
 
 
@@ -158,7 +194,9 @@ def bench_pruned(tmp: Path, batch: int, threads: int, n: int) -> list[dict[str, 
     workload = get_workload("dlrm_dcnv2").scaled(1e6)  # tables shrunk; dense widths untouched
     dense = build_model(workload, seed=0).eval()
     pruned = copy.deepcopy(dense)
-    prune_(pruned, TileSparseConfig(pattern="tw", sparsity=0.75, tile=128, global_threshold=False)).compress()
+    prune_(
+        pruned, TileSparseConfig(pattern="tw", sparsity=0.75, tile=128, global_threshold=False)
+    ).compress()
     req = request(dense, batch, seed=7)
     g = torch.Generator().manual_seed(0)
     x = torch.randn(batch, workload.dense_features, generator=g)
@@ -183,24 +221,50 @@ def bench_pruned(tmp: Path, batch: int, threads: int, n: int) -> list[dict[str, 
         finally:
             served.close()
         times[name] = (t_ort, t_srv, t_torch)
-        rows.append({"bench": "pruned", "model": name, "batch": batch, "threads": threads,
-                     "onnx_dense_part_ms": t_ort, "served_ms": t_srv, "torch_dense_part_ms": t_torch,
-                     "onnx_vs_torch_max_abs_diff": err})
-        log.info("pruned %s B=%d: onnxruntime dense part %.1f ms, served %.1f ms, torch %.1f ms",
-                 name, batch, t_ort, t_srv, t_torch)
+        rows.append(
+            {
+                "bench": "pruned",
+                "model": name,
+                "batch": batch,
+                "threads": threads,
+                "onnx_dense_part_ms": t_ort,
+                "served_ms": t_srv,
+                "torch_dense_part_ms": t_torch,
+                "onnx_vs_torch_max_abs_diff": err,
+            }
+        )
+        log.info(
+            "pruned %s B=%d: onnxruntime dense part %.1f ms, served %.1f ms, torch %.1f ms",
+            name,
+            batch,
+            t_ort,
+            t_srv,
+            t_torch,
+        )
     for r in rows:
         if r["model"] == "tw75":
             d = times["dense"]
-            r.update(onnx_speedup=d[0] / r["onnx_dense_part_ms"], served_speedup=d[1] / r["served_ms"],
-                     torch_speedup=d[2] / r["torch_dense_part_ms"])
-            log.info("TW 75%% vs dense: onnxruntime %.2fx, served %.2fx, torch %.2fx",
-                     r["onnx_speedup"], r["served_speedup"], r["torch_speedup"])
+            r.update(
+                onnx_speedup=d[0] / r["onnx_dense_part_ms"],
+                served_speedup=d[1] / r["served_ms"],
+                torch_speedup=d[2] / r["torch_dense_part_ms"],
+            )
+            log.info(
+                "TW 75%% vs dense: onnxruntime %.2fx, served %.2fx, torch %.2fx",
+                r["onnx_speedup"],
+                r["served_speedup"],
+                r["torch_speedup"],
+            )
     return rows
 
 
 def main(argv: list[str] | None = None) -> None:
-    p = argparse.ArgumentParser(prog="python -m benchmarks.hps.bench_server", description=__doc__.split("\n\n")[0])
-    p.add_argument("--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}")
+    p = argparse.ArgumentParser(
+        prog="python -m benchmarks.hps.bench_server", description=__doc__.split("\n\n")[0]
+    )
+    p.add_argument(
+        "--only", default=",".join(SECTIONS), help=f"comma-separated subset of {SECTIONS}"
+    )
     p.add_argument("--batches", default="1,64,256,1024")
     p.add_argument("--requests", type=int, default=30, help="timed requests per figure (median)")
     p.add_argument("--clients", type=int, default=8)
@@ -232,7 +296,9 @@ def main(argv: list[str] | None = None) -> None:
             finally:
                 served.close()
         if "pruned" in only:
-            rows += bench_pruned(Path(tmp), args.pruned_batch, args.threads, max(5, args.requests // 3))
+            rows += bench_pruned(
+                Path(tmp), args.pruned_batch, args.threads, max(5, args.requests // 3)
+            )
     path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()})
     log.info("wrote %s", path)
 

@@ -174,8 +174,12 @@ def pick_csr(x: torch.Tensor, w_masked: torch.Tensor, max_seconds: float) -> CSR
     if est[best] > max_seconds:
         return f"one call estimated at {est[best]:.1f} s (> --csr-max-seconds {max_seconds:g})"
     mat, f = variants[best]
-    csr_bytes = sum(t.numel() * t.element_size() for t in (mat.crow_indices(), mat.col_indices(), mat.values()))
-    return CSRContender(best, lambda: f(x), est[best], csr_bytes / (w_masked.numel() * w_masked.element_size()))
+    csr_bytes = sum(
+        t.numel() * t.element_size() for t in (mat.crow_indices(), mat.col_indices(), mat.values())
+    )
+    return CSRContender(
+        best, lambda: f(x), est[best], csr_bytes / (w_masked.numel() * w_masked.element_size())
+    )
 
 
 def check_tw(x: torch.Tensor, layout: TWLayout) -> dict[str, Any]:
@@ -189,9 +193,17 @@ def check_tw(x: torch.Tensor, layout: TWLayout) -> dict[str, Any]:
     tol = TOL[x.dtype]
     atol = tol["atol"] * max(1.0, math.sqrt(x.shape[1] / TOL_K))
     diff = (y.float() - ref.float()).abs()
-    ok = y.shape == ref.shape and y.dtype == x.dtype and bool((diff <= atol + tol["rtol"] * ref.float().abs()).all())
-    return {"tw_max_abs_err": float(diff.max()) if diff.numel() else 0.0, "tw_rtol": tol["rtol"],
-            "tw_atol": atol, "correct": ok}
+    ok = (
+        y.shape == ref.shape
+        and y.dtype == x.dtype
+        and bool((diff <= atol + tol["rtol"] * ref.float().abs()).all())
+    )
+    return {
+        "tw_max_abs_err": float(diff.max()) if diff.numel() else 0.0,
+        "tw_rtol": tol["rtol"],
+        "tw_atol": atol,
+        "correct": ok,
+    }
 
 
 def auto_repeats(round_s: float, row_seconds: float, lo: int = 5, hi: int = 100) -> int:
@@ -258,21 +270,40 @@ def bench_row(
     ideal = 1.0 / (1.0 - s)
     speedup = dense_ms / tw_ms
     row: dict[str, Any] = {
-        "bench": "tw_gemm", "shape": shape.name, "group": shape.group,
-        "M": shape.M, "K": shape.K, "N": shape.N, "dtype": dtype_name, "G": G, "sparsity": s,
-        "threads": torch.get_num_threads(), "bias": False, "repeats": repeats,
-        "dense_ms": dense_ms, "tw_ms": tw_ms, "csr_ms": csr_ms,
-        "speedup": speedup, "csr_speedup": dense_ms / csr_ms if csr_ms else None,
+        "bench": "tw_gemm",
+        "shape": shape.name,
+        "group": shape.group,
+        "M": shape.M,
+        "K": shape.K,
+        "N": shape.N,
+        "dtype": dtype_name,
+        "G": G,
+        "sparsity": s,
+        "threads": torch.get_num_threads(),
+        "bias": False,
+        "repeats": repeats,
+        "dense_ms": dense_ms,
+        "tw_ms": tw_ms,
+        "csr_ms": csr_ms,
+        "speedup": speedup,
+        "csr_speedup": dense_ms / csr_ms if csr_ms else None,
         "tw_vs_csr": csr_ms / tw_ms if csr_ms else None,
-        "ideal": ideal, "fraction_of_ideal": speedup / ideal,
-        "dense_min_ms": 1e3 * t["dense"].min_s, "dense_iqr_ms": 1e3 * t["dense"].iqr_s,
-        "tw_min_ms": 1e3 * t["tw"].min_s, "tw_iqr_ms": 1e3 * t["tw"].iqr_s,
+        "ideal": ideal,
+        "fraction_of_ideal": speedup / ideal,
+        "dense_min_ms": 1e3 * t["dense"].min_s,
+        "dense_iqr_ms": 1e3 * t["dense"].iqr_s,
+        "tw_min_ms": 1e3 * t["tw"].min_s,
+        "tw_iqr_ms": 1e3 * t["tw"].iqr_s,
         "csr_min_ms": 1e3 * t["csr"].min_s if csr else None,
         "csr_repeats": t["csr"].samples if csr else 0,
-        "csr_variant": csr.variant if csr else None, "csr_skipped": csr_skipped,
+        "csr_variant": csr.variant if csr else None,
+        "csr_skipped": csr_skipped,
         **check,
-        "tw_density": layout.density, "tiles": layout.num_tiles, "kept_columns": int(layout.col_idx.numel()),
-        "values_fraction": mem.values_fraction, "index_fraction": mem.index_fraction,
+        "tw_density": layout.density,
+        "tiles": layout.num_tiles,
+        "kept_columns": int(layout.col_idx.numel()),
+        "values_fraction": mem.values_fraction,
+        "index_fraction": mem.index_fraction,
         "memory_fraction": mem.total_fraction,
         "csr_memory_fraction": csr.total_fraction if csr else None,
     }
@@ -285,8 +316,10 @@ def _fmt(v: float | None, spec: str) -> str:
 
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The summary table the README carries (one line per row)."""
-    head = ("| shape | M×K×N | dtype | G | s | dense ms | TW ms | speedup | ideal | of ideal "
-            "| CSR ms | CSR speedup | TW mem | ok |")
+    head = (
+        "| shape | M×K×N | dtype | G | s | dense ms | TW ms | speedup | ideal | of ideal "
+        "| CSR ms | CSR speedup | TW mem | ok |"
+    )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
@@ -308,20 +341,41 @@ def _csv(value: str, allowed: tuple[str, ...], what: str, ap: argparse.ArgumentP
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true",
-                    help=f"one tiny shape {QUICK_SHAPES[0].name}, s={QUICK_SPARSITIES}, {QUICK_REPEATS} repeats")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick",
+        action="store_true",
+        help=f"one tiny shape {QUICK_SHAPES[0].name}, s={QUICK_SPARSITIES}, {QUICK_REPEATS} repeats",
+    )
     ap.add_argument("--only", default=",".join(DEFAULT_GROUPS), help=f"comma list of {GROUPS}")
-    ap.add_argument("--dtypes", default=None,
-                    help=f"comma list of {tuple(DTYPES)} (default: all; bf16 only where the CPU has native bf16)")
-    ap.add_argument("--sparsities", default=",".join(map(str, SPARSITIES)), help="comma list in [0, 1)")
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help=f"comma list of {tuple(DTYPES)} (default: all; bf16 only where the CPU has native bf16)",
+    )
+    ap.add_argument(
+        "--sparsities", default=",".join(map(str, SPARSITIES)), help="comma list in [0, 1)"
+    )
     ap.add_argument("--tiles", default=",".join(map(str, TILES)), help="comma list of G")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="interleaved rounds per row (default: enough for ~--row-seconds of dense+TW, 5..100)")
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved rounds per row (default: enough for ~--row-seconds of dense+TW, 5..100)",
+    )
     # 8 s: the default run (84 rows) takes ~10-12 min on 2 quiet cores, estimated from 1-thread rows
-    ap.add_argument("--row-seconds", type=float, default=8.0, help="time budget of a row's dense+TW rounds")
+    ap.add_argument(
+        "--row-seconds", type=float, default=8.0, help="time budget of a row's dense+TW rounds"
+    )
     ap.add_argument("--csr-repeats", type=int, default=3, help="most rounds CSR joins (it is slow)")
-    ap.add_argument("--csr-max-seconds", type=float, default=10.0, help="skip CSR when one call would take longer")
+    ap.add_argument(
+        "--csr-max-seconds",
+        type=float,
+        default=10.0,
+        help="skip CSR when one call would take longer",
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "tilesparse_gemm.json")
     add_threads_arg(ap)
@@ -345,7 +399,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     if args.csr_repeats < 1:
         ap.error(f"--csr-repeats must be >= 1, got {args.csr_repeats}")
     if args.row_seconds <= 0 or args.csr_max_seconds <= 0:
-        ap.error(f"--row-seconds and --csr-max-seconds must be > 0, got {args.row_seconds}, {args.csr_max_seconds}")
+        ap.error(
+            f"--row-seconds and --csr-max-seconds must be > 0, got {args.row_seconds}, {args.csr_max_seconds}"
+        )
     if args.quick:
         args.sparsity_list = list(QUICK_SPARSITIES)
         args.repeats = args.repeats or QUICK_REPEATS
@@ -363,9 +419,13 @@ def main(argv: list[str] | None = None) -> Path:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     threads = set_threads(args.threads)
     if not ops.cpu_kernel_available():
-        raise SystemExit("bench_gemm: the compiled tilesparse CPU kernel is missing; run "
-                         "`python -m tilesparse.build_ext -v` first")
-    shapes = QUICK_SHAPES if args.quick else [s for s in full_shapes() if s.group in args.group_list]
+        raise SystemExit(
+            "bench_gemm: the compiled tilesparse CPU kernel is missing; run "
+            "`python -m tilesparse.build_ext -v` first"
+        )
+    shapes = (
+        QUICK_SHAPES if args.quick else [s for s in full_shapes() if s.group in args.group_list]
+    )
     csr_why_not = {d: csr_support(DTYPES[d]) for d in args.dtype_list}
     for d, why in csr_why_not.items():
         if why:
@@ -384,19 +444,49 @@ def main(argv: list[str] | None = None) -> Path:
             for dtype_name in args.dtype_list:
                 for G in args.tile_list:
                     t0 = time.perf_counter()
-                    r = bench_row(shape, dtype_name, G, s, x32, w32, scores, masks, csr_why_not[dtype_name], args)
+                    r = bench_row(
+                        shape,
+                        dtype_name,
+                        G,
+                        s,
+                        x32,
+                        w32,
+                        scores,
+                        masks,
+                        csr_why_not[dtype_name],
+                        args,
+                    )
                     rows.append(r)
                     free_memory()
-                    log.info("[%d/%d] %s %s G=%d s=%.2f: dense %.2f ms, TW %.2f ms (%.2f×, %.0f%% of %.0f×), "
-                             "CSR %s ms, correct=%s (%.1f s)", len(rows), total, shape.name, dtype_name, G, s,
-                             r["dense_ms"], r["tw_ms"], r["speedup"], 100 * r["fraction_of_ideal"], r["ideal"],
-                             _fmt(r["csr_ms"], ".2f"), r["correct"], time.perf_counter() - t0)
+                    log.info(
+                        "[%d/%d] %s %s G=%d s=%.2f: dense %.2f ms, TW %.2f ms (%.2f×, %.0f%% of %.0f×), "
+                        "CSR %s ms, correct=%s (%.1f s)",
+                        len(rows),
+                        total,
+                        shape.name,
+                        dtype_name,
+                        G,
+                        s,
+                        r["dense_ms"],
+                        r["tw_ms"],
+                        r["speedup"],
+                        100 * r["fraction_of_ideal"],
+                        r["ideal"],
+                        _fmt(r["csr_ms"], ".2f"),
+                        r["correct"],
+                        time.perf_counter() - t0,
+                    )
         del x32, w32, scores, masks
         free_memory()
-    path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()}, threads=threads,
-                      cpu_features=cpu_features(),
-                      csr_support={d: why or "supported" for d, why in csr_why_not.items()},
-                      seconds=time.perf_counter() - t_start)
+    path = write_json(
+        args.out,
+        rows,
+        args={k: str(v) for k, v in vars(args).items()},
+        threads=threads,
+        cpu_features=cpu_features(),
+        csr_support={d: why or "supported" for d, why in csr_why_not.items()},
+        seconds=time.perf_counter() - t_start,
+    )
     print(markdown(rows), flush=True)
     log.info("wrote %s (%d rows, %.0f s)", path, len(rows), time.perf_counter() - t_start)
     return path

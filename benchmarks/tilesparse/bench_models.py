@@ -78,12 +78,32 @@ TW_OP = "tilesparse::tw_linear"
 FUSED_OP = "aten::_transformer_encoder_layer_fwd"
 
 # knobs: full size / --quick
-FULL = {"dlrm_batch": 4096, "dlrm_sparsities": (0.5, 0.75, 0.9), "dlrm_tile": 128,
-        "d_model": 768, "heads": 12, "ffn": 3072, "layers": 2, "batch": 8, "seq": 512,
-        "enc_sparsities": (0.75,), "enc_tile": 128}
-QUICK = {"dlrm_batch": 128, "dlrm_sparsities": (0.75,), "dlrm_tile": 128,
-         "d_model": 96, "heads": 4, "ffn": 384, "layers": 2, "batch": 2, "seq": 16,
-         "enc_sparsities": (0.75,), "enc_tile": 32}
+FULL = {
+    "dlrm_batch": 4096,
+    "dlrm_sparsities": (0.5, 0.75, 0.9),
+    "dlrm_tile": 128,
+    "d_model": 768,
+    "heads": 12,
+    "ffn": 3072,
+    "layers": 2,
+    "batch": 8,
+    "seq": 512,
+    "enc_sparsities": (0.75,),
+    "enc_tile": 128,
+}
+QUICK = {
+    "dlrm_batch": 128,
+    "dlrm_sparsities": (0.75,),
+    "dlrm_tile": 128,
+    "d_model": 96,
+    "heads": 4,
+    "ffn": 384,
+    "layers": 2,
+    "batch": 2,
+    "seq": 16,
+    "enc_sparsities": (0.75,),
+    "enc_tile": 32,
+}
 QUICK_REPEATS = 3
 
 
@@ -100,7 +120,9 @@ def max_err(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> tuple[
     :data:`MODEL_TOL` of ``dtype`` (``|got − want| <= atol + rtol·|want|`` elementwise)."""
     tol = MODEL_TOL[dtype]
     diff = (got.float() - want.float()).abs()
-    ok = got.shape == want.shape and bool((diff <= tol["atol"] + tol["rtol"] * want.float().abs()).all())
+    ok = got.shape == want.shape and bool(
+        (diff <= tol["atol"] + tol["rtol"] * want.float().abs()).all()
+    )
     return float(diff.max()), ok
 
 
@@ -108,12 +130,20 @@ def verdict(err: float, within_tol: bool, reference_err: float | None) -> dict[s
     """The correctness fields of a row. ``correct``: within :data:`MODEL_TOL`, or (bf16) no
     more than twice the error the masked dense model itself makes in that dtype against the
     same fp32 output (``reference_err``): the error of the dtype, not of the TW path."""
-    return {"max_abs_err": err, "within_tolerance": within_tol, "masked_dense_max_abs_err": reference_err,
-            "correct": within_tol or (reference_err is not None and err <= 2.0 * reference_err)}
+    return {
+        "max_abs_err": err,
+        "within_tolerance": within_tol,
+        "masked_dense_max_abs_err": reference_err,
+        "correct": within_tol or (reference_err is not None and err <= 2.0 * reference_err),
+    }
 
 
-def _reference_err(reference: nn.Module, dtype: torch.dtype, run: Callable[[nn.Module], torch.Tensor],
-                   want: torch.Tensor) -> float | None:
+def _reference_err(
+    reference: nn.Module,
+    dtype: torch.dtype,
+    run: Callable[[nn.Module], torch.Tensor],
+    want: torch.Tensor,
+) -> float | None:
     """Max abs error of the masked dense model cast to ``dtype`` against its fp32 output
     ``want`` (``None`` for fp32)."""
     if dtype == torch.float32:
@@ -129,26 +159,37 @@ def auto_repeats(round_s: float, row_seconds: float, lo: int = 5, hi: int = 30) 
 
 def _memory_fields(model: nn.Module) -> dict[str, Any]:
     mem = model_memory(model)
-    return {"dense_weight_bytes": mem.dense_bytes, "weight_bytes": mem.weight_bytes,
-            "index_bytes": mem.index_bytes, "memory_fraction": mem.total_fraction,
-            "index_fraction": mem.index_bytes / max(1, mem.dense_bytes),
-            "sparse_layers": len(mem.sparse_layers), "linear_layers": len(mem.layers),
-            "memory_summary": mem.summary()}
+    return {
+        "dense_weight_bytes": mem.dense_bytes,
+        "weight_bytes": mem.weight_bytes,
+        "index_bytes": mem.index_bytes,
+        "memory_fraction": mem.total_fraction,
+        "index_fraction": mem.index_bytes / max(1, mem.dense_bytes),
+        "sparse_layers": len(mem.sparse_layers),
+        "linear_layers": len(mem.layers),
+        "memory_summary": mem.summary(),
+    }
 
 
-def _masked_reference(build: Callable[[], nn.Module], pruner: tilesparse.TileSparsePruner) -> nn.Module:
+def _masked_reference(
+    build: Callable[[], nn.Module], pruner: tilesparse.TileSparsePruner
+) -> nn.Module:
     """A freshly built (same-seed) model with the pruner's masks multiplied into its weights."""
     return pruner.apply_masks_to(build())
 
 
-def _time(fns: dict[str, Callable[[], Any]], args: argparse.Namespace) -> tuple[dict[str, float], int]:
+def _time(
+    fns: dict[str, Callable[[], Any]], args: argparse.Namespace
+) -> tuple[dict[str, float], int]:
     """Warm, pick the rounds, time interleaved; medians in ms and the rounds used."""
     for fn in fns.values():
         fn()
     round_s = sum(time_once(fn) for fn in fns.values())
     repeats = args.repeats if args.repeats is not None else auto_repeats(round_s, args.row_seconds)
     t = interleaved(fns, repeats, warmup=0)
-    return {k: v.median_ms for k, v in t.items()} | {f"{k}_iqr": 1e3 * v.iqr_s for k, v in t.items()}, repeats
+    return {k: v.median_ms for k, v in t.items()} | {
+        f"{k}_iqr": 1e3 * v.iqr_s for k, v in t.items()
+    }, repeats
 
 
 # ------------------------------------------------------------------------------ DLRM-DCNv2
@@ -163,20 +204,41 @@ def _dlrm_inputs(w: Workload, batch: int, seed: int) -> tuple[torch.Tensor, torc
 
 
 @torch.no_grad()
-def _dlrm_row(dense_m: DLRM, tw_m: DLRM, d_in: torch.Tensor, p_in: torch.Tensor, want: torch.Tensor,
-              reference_err: float | None, args: argparse.Namespace) -> dict[str, Any]:
+def _dlrm_row(
+    dense_m: DLRM,
+    tw_m: DLRM,
+    d_in: torch.Tensor,
+    p_in: torch.Tensor,
+    want: torch.Tensor,
+    reference_err: float | None,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     """Check and time one (dense, TW) pair of DLRMs on ``dense_forward(d_in, p_in)``."""
     dtype = d_in.dtype
     err, ok = max_err(tw_m.dense_forward(d_in, p_in), want, dtype)
     calls = op_counts(lambda: tw_m.dense_forward(d_in, p_in), (TW_OP,))[TW_OP]
-    t, repeats = _time({"dense": lambda: dense_m.dense_forward(d_in, p_in),
-                        "tw": lambda: tw_m.dense_forward(d_in, p_in)}, args)
+    t, repeats = _time(
+        {
+            "dense": lambda: dense_m.dense_forward(d_in, p_in),
+            "tw": lambda: tw_m.dense_forward(d_in, p_in),
+        },
+        args,
+    )
     return {
-        "bench": "dlrm_dcnv2_dense_forward", "model": "dlrm_dcnv2", "threads": torch.get_num_threads(),
-        "repeats": repeats, "dense_ms": t["dense"], "tw_ms": t["tw"], "dense_iqr_ms": t["dense_iqr"],
-        "tw_iqr_ms": t["tw_iqr"], "speedup": t["dense"] / t["tw"],
-        **verdict(err, ok, reference_err), "rtol": MODEL_TOL[dtype]["rtol"], "atol": MODEL_TOL[dtype]["atol"],
-        "tw_linear_calls": calls, **_memory_fields(tw_m),
+        "bench": "dlrm_dcnv2_dense_forward",
+        "model": "dlrm_dcnv2",
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "dense_ms": t["dense"],
+        "tw_ms": t["tw"],
+        "dense_iqr_ms": t["dense_iqr"],
+        "tw_iqr_ms": t["tw_iqr"],
+        "speedup": t["dense"] / t["tw"],
+        **verdict(err, ok, reference_err),
+        "rtol": MODEL_TOL[dtype]["rtol"],
+        "atol": MODEL_TOL[dtype]["atol"],
+        "tw_linear_calls": calls,
+        **_memory_fields(tw_m),
     }
 
 
@@ -206,18 +268,41 @@ def bench_dlrm(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str
             dense_m = dense32 if dtype == torch.float32 else copy.deepcopy(dense32).to(dtype)
             tw_m = tw32 if dtype == torch.float32 else copy.deepcopy(tw32).to(dtype)
             d_in, p_in = dense_in.to(dtype), pooled_in.to(dtype)
-            ref_err = _reference_err(reference, dtype, lambda m, a=d_in, b=p_in: m.dense_forward(a, b), want)
+            ref_err = _reference_err(
+                reference, dtype, lambda m, a=d_in, b=p_in: m.dense_forward(a, b), want
+            )
             row = _dlrm_row(dense_m, tw_m, d_in, p_in, want, ref_err, args)
             ideal = 1.0 / (1.0 - s)
-            row.update(batch=batch, dtype=dname, G=G, sparsity=s, prune_and_compress_s=prune_s,
-                       ideal=ideal, fraction_of_ideal=row["speedup"] / ideal)
+            row.update(
+                batch=batch,
+                dtype=dname,
+                G=G,
+                sparsity=s,
+                prune_and_compress_s=prune_s,
+                ideal=ideal,
+                fraction_of_ideal=row["speedup"] / ideal,
+            )
             target = TARGET_SPEEDUP if s == TARGET_SPARSITY and dtype == torch.float32 else None
-            row.update(target=target, meets_target=None if target is None else row["speedup"] >= target)
+            row.update(
+                target=target, meets_target=None if target is None else row["speedup"] >= target
+            )
             rows.append(row)
-            log.info("dlrm %s s=%.2f batch %d: dense %.1f ms, TW %.1f ms (%.2f×; target %s), err %.2e %s, "
-                     "%d tw_linear calls", dname, s, batch, row["dense_ms"], row["tw_ms"], row["speedup"],
-                     "—" if target is None else f"{target:g}× {'met' if row['meets_target'] else 'MISSED'}",
-                     row["max_abs_err"], "ok" if row["correct"] else "WRONG", row["tw_linear_calls"])
+            log.info(
+                "dlrm %s s=%.2f batch %d: dense %.1f ms, TW %.1f ms (%.2f×; target %s), err %.2e %s, "
+                "%d tw_linear calls",
+                dname,
+                s,
+                batch,
+                row["dense_ms"],
+                row["tw_ms"],
+                row["speedup"],
+                "—"
+                if target is None
+                else f"{target:g}× {'met' if row['meets_target'] else 'MISSED'}",
+                row["max_abs_err"],
+                "ok" if row["correct"] else "WRONG",
+                row["tw_linear_calls"],
+            )
             del dense_m, tw_m
             free_memory()
         del tw32, pruner, reference
@@ -233,8 +318,9 @@ def _build_encoder(knobs: dict[str, Any], seed: int) -> nn.TransformerEncoder:
     state = torch.get_rng_state()
     try:
         torch.manual_seed(seed)
-        layer = nn.TransformerEncoderLayer(knobs["d_model"], knobs["heads"], knobs["ffn"], dropout=0.0,
-                                           batch_first=True)
+        layer = nn.TransformerEncoderLayer(
+            knobs["d_model"], knobs["heads"], knobs["ffn"], dropout=0.0, batch_first=True
+        )
         return nn.TransformerEncoder(layer, knobs["layers"], enable_nested_tensor=False).eval()
     finally:
         torch.set_rng_state(state)
@@ -256,8 +342,14 @@ def fastpath(enabled: bool) -> Iterator[None]:
 
 
 @torch.no_grad()
-def _encoder_row(dense_m: nn.Module, tw_m: nn.Module, x: torch.Tensor, want: torch.Tensor,
-                 reference_err: float | None, args: argparse.Namespace) -> dict[str, Any]:
+def _encoder_row(
+    dense_m: nn.Module,
+    tw_m: nn.Module,
+    x: torch.Tensor,
+    want: torch.Tensor,
+    reference_err: float | None,
+    args: argparse.Namespace,
+) -> dict[str, Any]:
     """Check and time one (dense, TW) pair of encoders on ``x (B, S, d_model)``: the dense one
     with and without the fused fast path."""
 
@@ -270,18 +362,31 @@ def _encoder_row(dense_m: nn.Module, tw_m: nn.Module, x: torch.Tensor, want: tor
     ops_tw = op_counts(lambda: tw_m(x), (TW_OP, FUSED_OP))
     ops_fused = op_counts(lambda: dense_m(x), (FUSED_OP,))
     ops_unfused = op_counts(dense_unfused, (FUSED_OP,))
-    t, repeats = _time({"dense_fused": lambda: dense_m(x), "dense_unfused": dense_unfused,
-                        "tw": lambda: tw_m(x)}, args)
+    t, repeats = _time(
+        {"dense_fused": lambda: dense_m(x), "dense_unfused": dense_unfused, "tw": lambda: tw_m(x)},
+        args,
+    )
     return {
-        "bench": "transformer_encoder", "model": "transformer_encoder", "threads": torch.get_num_threads(),
-        "repeats": repeats, "dense_fused_ms": t["dense_fused"], "dense_unfused_ms": t["dense_unfused"],
-        "tw_ms": t["tw"], "dense_fused_iqr_ms": t["dense_fused_iqr"],
-        "dense_unfused_iqr_ms": t["dense_unfused_iqr"], "tw_iqr_ms": t["tw_iqr"],
-        "speedup": t["dense_unfused"] / t["tw"], "speedup_vs_fused": t["dense_fused"] / t["tw"],
+        "bench": "transformer_encoder",
+        "model": "transformer_encoder",
+        "threads": torch.get_num_threads(),
+        "repeats": repeats,
+        "dense_fused_ms": t["dense_fused"],
+        "dense_unfused_ms": t["dense_unfused"],
+        "tw_ms": t["tw"],
+        "dense_fused_iqr_ms": t["dense_fused_iqr"],
+        "dense_unfused_iqr_ms": t["dense_unfused_iqr"],
+        "tw_iqr_ms": t["tw_iqr"],
+        "speedup": t["dense_unfused"] / t["tw"],
+        "speedup_vs_fused": t["dense_fused"] / t["tw"],
         "baseline": "speedup: dense with the fused fast path disabled (the TW model's code path)",
-        "dense_fused_path": ops_fused[FUSED_OP] > 0, "dense_unfused_path_fused": ops_unfused[FUSED_OP] > 0,
-        "tw_fused_path": ops_tw[FUSED_OP] > 0, "tw_linear_calls": ops_tw[TW_OP],
-        **verdict(err, ok, reference_err), "rtol": MODEL_TOL[dtype]["rtol"], "atol": MODEL_TOL[dtype]["atol"],
+        "dense_fused_path": ops_fused[FUSED_OP] > 0,
+        "dense_unfused_path_fused": ops_unfused[FUSED_OP] > 0,
+        "tw_fused_path": ops_tw[FUSED_OP] > 0,
+        "tw_linear_calls": ops_tw[TW_OP],
+        **verdict(err, ok, reference_err),
+        "rtol": MODEL_TOL[dtype]["rtol"],
+        "atol": MODEL_TOL[dtype]["atol"],
         **_memory_fields(tw_m),
     }
 
@@ -289,8 +394,12 @@ def _encoder_row(dense_m: nn.Module, tw_m: nn.Module, x: torch.Tensor, want: tor
 def bench_encoder(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str, Any]]:
     """TransformerEncoder with TW FFN linears vs dense (fused and unfused)."""
     G, tokens = knobs["enc_tile"], knobs["batch"] * knobs["seq"]
-    x32 = torch.randn(knobs["batch"], knobs["seq"], knobs["d_model"],
-                      generator=torch.Generator().manual_seed(args.seed))
+    x32 = torch.randn(
+        knobs["batch"],
+        knobs["seq"],
+        knobs["d_model"],
+        generator=torch.Generator().manual_seed(args.seed),
+    )
     dense32 = _build_encoder(knobs, args.seed)
     rows = []
     for s in knobs["enc_sparsities"]:
@@ -308,15 +417,36 @@ def bench_encoder(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[
             x = x32.to(dtype)
             ref_err = _reference_err(reference, dtype, lambda m, a=x: m(a), want)
             row = _encoder_row(dense_m, tw_m, x, want, ref_err, args)
-            row.update(d_model=knobs["d_model"], heads=knobs["heads"], ffn=knobs["ffn"], layers=knobs["layers"],
-                       batch=knobs["batch"], seq=knobs["seq"], tokens=tokens, dtype=dname, G=G, sparsity=s,
-                       pruned="linear1, linear2 of every layer")
+            row.update(
+                d_model=knobs["d_model"],
+                heads=knobs["heads"],
+                ffn=knobs["ffn"],
+                layers=knobs["layers"],
+                batch=knobs["batch"],
+                seq=knobs["seq"],
+                tokens=tokens,
+                dtype=dname,
+                G=G,
+                sparsity=s,
+                pruned="linear1, linear2 of every layer",
+            )
             rows.append(row)
-            log.info("encoder %s s=%.2f %d tokens: dense fused %.1f ms (fused path %s), unfused %.1f ms, "
-                     "TW %.1f ms (%.2f× unfused, %.2f× fused), %d tw_linear calls, err %.2e %s", dname, s, tokens,
-                     row["dense_fused_ms"], row["dense_fused_path"], row["dense_unfused_ms"], row["tw_ms"],
-                     row["speedup"], row["speedup_vs_fused"], row["tw_linear_calls"], row["max_abs_err"],
-                     "ok" if row["correct"] else "WRONG")
+            log.info(
+                "encoder %s s=%.2f %d tokens: dense fused %.1f ms (fused path %s), unfused %.1f ms, "
+                "TW %.1f ms (%.2f× unfused, %.2f× fused), %d tw_linear calls, err %.2e %s",
+                dname,
+                s,
+                tokens,
+                row["dense_fused_ms"],
+                row["dense_fused_path"],
+                row["dense_unfused_ms"],
+                row["tw_ms"],
+                row["speedup"],
+                row["speedup_vs_fused"],
+                row["tw_linear_calls"],
+                row["max_abs_err"],
+                "ok" if row["correct"] else "WRONG",
+            )
             del dense_m, tw_m
             free_memory()
         del tw32, pruner, reference
@@ -332,46 +462,79 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     out = []
     dlrm = [r for r in rows if r["bench"] == "dlrm_dcnv2_dense_forward"]
     if dlrm:
-        out += ["| DLRM-DCNv2 dense part | dtype | s | dense ms | TW ms | speedup | ideal | target | "
-                "linear weights TW/dense | ok |", "|---|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            "| DLRM-DCNv2 dense part | dtype | s | dense ms | TW ms | speedup | ideal | target | "
+            "linear weights TW/dense | ok |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in dlrm:
-            tgt = "—" if r["target"] is None else f"≥{r['target']:g}× {'✓' if r['meets_target'] else '✗'}"
-            out.append(f"| batch {r['batch']}, G={r['G']} | {r['dtype']} | {r['sparsity']:.2f} | {r['dense_ms']:.1f} "
-                       f"| {r['tw_ms']:.1f} | {r['speedup']:.2f}× | {r['ideal']:.0f}× | {tgt} "
-                       f"| {100 * r['memory_fraction']:.1f}% | {'yes' if r['correct'] else 'NO'} |")
+            tgt = (
+                "—"
+                if r["target"] is None
+                else f"≥{r['target']:g}× {'✓' if r['meets_target'] else '✗'}"
+            )
+            out.append(
+                f"| batch {r['batch']}, G={r['G']} | {r['dtype']} | {r['sparsity']:.2f} | {r['dense_ms']:.1f} "
+                f"| {r['tw_ms']:.1f} | {r['speedup']:.2f}× | {r['ideal']:.0f}× | {tgt} "
+                f"| {100 * r['memory_fraction']:.1f}% | {'yes' if r['correct'] else 'NO'} |"
+            )
     enc = [r for r in rows if r["bench"] == "transformer_encoder"]
     if enc:
         if out:
             out.append("")
-        out += ["| TransformerEncoder (FFN TW) | dtype | s | dense fused ms | dense unfused ms | TW ms "
-                "| speedup (unfused) | speedup (fused) | linear weights TW/dense | ok |",
-                "|---|---|---|---|---|---|---|---|---|---|"]
+        out += [
+            "| TransformerEncoder (FFN TW) | dtype | s | dense fused ms | dense unfused ms | TW ms "
+            "| speedup (unfused) | speedup (fused) | linear weights TW/dense | ok |",
+            "|---|---|---|---|---|---|---|---|---|---|",
+        ]
         for r in enc:
-            out.append(f"| {r['layers']}×(d {r['d_model']}, FFN {r['ffn']}), {r['tokens']} tokens, G={r['G']} "
-                       f"| {r['dtype']} | {r['sparsity']:.2f} | {r['dense_fused_ms']:.1f} | {r['dense_unfused_ms']:.1f} "
-                       f"| {r['tw_ms']:.1f} | {r['speedup']:.2f}× | {r['speedup_vs_fused']:.2f}× "
-                       f"| {100 * r['memory_fraction']:.1f}% | {'yes' if r['correct'] else 'NO'} |")
+            out.append(
+                f"| {r['layers']}×(d {r['d_model']}, FFN {r['ffn']}), {r['tokens']} tokens, G={r['G']} "
+                f"| {r['dtype']} | {r['sparsity']:.2f} | {r['dense_fused_ms']:.1f} | {r['dense_unfused_ms']:.1f} "
+                f"| {r['tw_ms']:.1f} | {r['speedup']:.2f}× | {r['speedup_vs_fused']:.2f}× "
+                f"| {100 * r['memory_fraction']:.1f}% | {'yes' if r['correct'] else 'NO'} |"
+            )
     return "\n".join(out)
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--quick", action="store_true", help=f"tiny models, s=0.75, {QUICK_REPEATS} repeats")
+    ap = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    ap.add_argument(
+        "--quick", action="store_true", help=f"tiny models, s=0.75, {QUICK_REPEATS} repeats"
+    )
     ap.add_argument("--only", default=",".join(SECTIONS), help=f"comma list of {SECTIONS}")
-    ap.add_argument("--dtypes", default=None,
-                    help=f"comma list of {tuple(DTYPES)} (default: all; bf16 only where the CPU has native bf16)")
-    ap.add_argument("--repeats", type=int, default=None,
-                    help="interleaved rounds per row (default: enough for ~--row-seconds, 5..30)")
+    ap.add_argument(
+        "--dtypes",
+        default=None,
+        help=f"comma list of {tuple(DTYPES)} (default: all; bf16 only where the CPU has native bf16)",
+    )
+    ap.add_argument(
+        "--repeats",
+        type=int,
+        default=None,
+        help="interleaved rounds per row (default: enough for ~--row-seconds, 5..30)",
+    )
     ap.add_argument("--row-seconds", type=float, default=8.0, help="time budget of a row's rounds")
-    ap.add_argument("--dlrm-batch", type=int, default=None, help=f"DLRM batch (default {FULL['dlrm_batch']})")
-    ap.add_argument("--encoder-batch", type=int, default=None, help=f"encoder batch (default {FULL['batch']})")
-    ap.add_argument("--seq", type=int, default=None, help=f"encoder sequence length (default {FULL['seq']})")
+    ap.add_argument(
+        "--dlrm-batch", type=int, default=None, help=f"DLRM batch (default {FULL['dlrm_batch']})"
+    )
+    ap.add_argument(
+        "--encoder-batch", type=int, default=None, help=f"encoder batch (default {FULL['batch']})"
+    )
+    ap.add_argument(
+        "--seq", type=int, default=None, help=f"encoder sequence length (default {FULL['seq']})"
+    )
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--out", type=Path, default=RESULTS_DIR / "tilesparse_models.json")
     add_threads_arg(ap)
     args = ap.parse_args(argv)
     explicit_dtypes = args.dtypes is not None
-    for name, value, allowed in (("only", args.only, SECTIONS), ("dtypes", args.dtypes or ",".join(DTYPES), tuple(DTYPES))):
+    for name, value, allowed in (
+        ("only", args.only, SECTIONS),
+        ("dtypes", args.dtypes or ",".join(DTYPES), tuple(DTYPES)),
+    ):
         items = [v.strip() for v in value.split(",") if v.strip()]
         bad = [v for v in items if v not in allowed]
         if bad or not items:
@@ -409,8 +572,10 @@ def main(argv: list[str] | None = None) -> Path:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     threads = set_threads(args.threads)
     if not ops.cpu_kernel_available():
-        raise SystemExit("bench_models: the compiled tilesparse CPU kernel is missing; run "
-                         "`python -m tilesparse.build_ext -v` first")
+        raise SystemExit(
+            "bench_models: the compiled tilesparse CPU kernel is missing; run "
+            "`python -m tilesparse.build_ext -v` first"
+        )
     knobs = knobs_for(args)
     t_start = time.perf_counter()
     rows: list[dict[str, Any]] = []
@@ -418,10 +583,15 @@ def main(argv: list[str] | None = None) -> Path:
         t0 = time.perf_counter()
         rows += bench_dlrm(args, knobs) if section == "dlrm" else bench_encoder(args, knobs)
         log.info("section %s took %.1f s", section, time.perf_counter() - t0)
-    path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()}, threads=threads,
-                      cpu_features=cpu_features(),
-                      knobs={k: list(v) if isinstance(v, tuple) else v for k, v in knobs.items()},
-                      seconds=time.perf_counter() - t_start)
+    path = write_json(
+        args.out,
+        rows,
+        args={k: str(v) for k, v in vars(args).items()},
+        threads=threads,
+        cpu_features=cpu_features(),
+        knobs={k: list(v) if isinstance(v, tuple) else v for k, v in knobs.items()},
+        seconds=time.perf_counter() - t_start,
+    )
     print(markdown(rows), flush=True)
     log.info("wrote %s (%d rows, %.0f s)", path, len(rows), time.perf_counter() - t_start)
     return path

@@ -147,7 +147,9 @@ def interleaved_medians(
 def add_threads_arg(parser: argparse.ArgumentParser) -> None:
     """Add ``--threads N`` (torch intra-op threads, default :data:`DEFAULT_THREADS`)."""
     parser.add_argument(
-        "--threads", type=int, default=DEFAULT_THREADS,
+        "--threads",
+        type=int,
+        default=DEFAULT_THREADS,
         help=f"torch.set_num_threads for every contender (default {DEFAULT_THREADS})",
     )
 
@@ -211,9 +213,11 @@ def default_dtypes(names: list[str], quick: bool) -> list[str]:
     ``--quick`` keeps every dtype (its shapes are tiny)."""
     if quick or native_bf16() or "bf16" not in names:
         return list(names)
-    log.warning("bf16 rows skipped: this CPU has no avx512_bf16/amx_bf16, so dense bf16 matmul (the "
-                "baseline) takes minutes per full-size call; pass --dtypes %s to run them anyway",
-                ",".join(names))
+    log.warning(
+        "bf16 rows skipped: this CPU has no avx512_bf16/amx_bf16, so dense bf16 matmul (the "
+        "baseline) takes minutes per full-size call; pass --dtypes %s to run them anyway",
+        ",".join(names),
+    )
     return [n for n in names if n != "bf16"]
 
 

@@ -136,7 +136,9 @@ class SyntheticCTR:
             raise ValueError(f"dense_sigma must be > 0, got {dense_sigma}")
         std = teacher_embedding_std
         if isinstance(std, bool) or not (isinstance(std, int | float) and 0 < std < math.inf):
-            raise ValueError(f"teacher_embedding_std must be a finite number > 0, got {teacher_embedding_std!r}")
+            raise ValueError(
+                f"teacher_embedding_std must be a finite number > 0, got {teacher_embedding_std!r}"
+            )
         self.workload = workload
         self.batch_size = batch_size
         self.seed = seed
@@ -181,8 +183,15 @@ class SyntheticCTR:
         self._z_mean, self._z_std = float(raw.mean()), float(raw.std().clamp_min(1e-12))
 
     #: :meth:`stream_config` keys, the keyword arguments that regenerate the stream.
-    STREAM_KEYS = ("ragged", "label_sharpness", "label_bias", "dense_mu", "dense_sigma",
-                   "teacher_embedding_std", "teacher_workload")
+    STREAM_KEYS = (
+        "ragged",
+        "label_sharpness",
+        "label_bias",
+        "dense_mu",
+        "dense_sigma",
+        "teacher_embedding_std",
+        "teacher_workload",
+    )
 
     def stream_config(self) -> dict[str, Any]:
         """Everything besides the workload, ``batch_size`` and ``seed`` that fixes the batches:
@@ -190,9 +199,12 @@ class SyntheticCTR:
         :meth:`from_stream_config` turns back into this stream. Checkpoints record it as
         ``data_stream``, so a resume can check it is fed the same data."""
         return {
-            "ragged": self.ragged, "label_sharpness": self.label_sharpness,
-            "label_bias": self.label_bias, "dense_mu": self.dense_mu,
-            "dense_sigma": self.dense_sigma, "teacher_embedding_std": self.teacher_embedding_std,
+            "ragged": self.ragged,
+            "label_sharpness": self.label_sharpness,
+            "label_bias": self.label_bias,
+            "dense_mu": self.dense_mu,
+            "dense_sigma": self.dense_sigma,
+            "teacher_embedding_std": self.teacher_embedding_std,
             "teacher_workload": self.teacher_workload.to_dict(),
         }
 
@@ -209,7 +221,9 @@ class SyntheticCTR:
         """
         if not isinstance(config, dict) or set(config) != set(cls.STREAM_KEYS):
             got = sorted(config) if isinstance(config, dict) else type(config).__name__
-            raise ValueError(f"data stream config must have exactly the keys {sorted(cls.STREAM_KEYS)}, got {got}")
+            raise ValueError(
+                f"data stream config must have exactly the keys {sorted(cls.STREAM_KEYS)}, got {got}"
+            )
         kwargs = dict(config)
         kwargs["teacher_workload"] = Workload.from_dict(config["teacher_workload"])
         return cls(workload, batch_size, seed, **kwargs)

@@ -31,7 +31,9 @@ def table_row_wise(model: CostModel, comm_dtype: CommDtype = CommDtype.FP32) -> 
     for i, t in enumerate(model.workload.tables):
         node = i % model.nodes
         ranks = [node * g + j for j in range(min(g, t.num_rows))]
-        out.append(make_sharding(t, [ranks], Cluster.REDUCTION, CommDtype(comm_dtype), model.world, g))
+        out.append(
+            make_sharding(t, [ranks], Cluster.REDUCTION, CommDtype(comm_dtype), model.world, g)
+        )
     return _finish(model, out, "table_row_wise")
 
 
@@ -40,7 +42,11 @@ def row_wise(model: CostModel, comm_dtype: CommDtype = CommDtype.FP32) -> Shardi
     out = []
     for t in model.workload.tables:
         ranks = list(range(min(model.world, t.num_rows)))
-        out.append(make_sharding(t, [ranks], Cluster.REDUCTION, CommDtype(comm_dtype), model.world, model.gpn))
+        out.append(
+            make_sharding(
+                t, [ranks], Cluster.REDUCTION, CommDtype(comm_dtype), model.world, model.gpn
+            )
+        )
     return _finish(model, out, "row_wise")
 
 
@@ -63,7 +69,11 @@ def table_wise(model: CostModel, comm_dtype: CommDtype = CommDtype.FP32) -> Shar
             )
         mem[r] += need
         nxt = r + 1
-        out.append(make_sharding(t, [[r]], Cluster.REDUCTION, CommDtype(comm_dtype), model.world, model.gpn))
+        out.append(
+            make_sharding(
+                t, [[r]], Cluster.REDUCTION, CommDtype(comm_dtype), model.world, model.gpn
+            )
+        )
     return _finish(model, out, "table_wise")
 
 

@@ -69,7 +69,11 @@ class CostModel:
         batch_size: int,
         constants: CostConstants | None = None,
     ) -> None:
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < topology.world_size:
+        if (
+            isinstance(batch_size, bool)
+            or not isinstance(batch_size, int)
+            or batch_size < topology.world_size
+        ):
             raise ValueError(
                 f"batch_size must be an integer >= world_size {topology.world_size}, got {batch_size!r}"
             )
@@ -128,12 +132,26 @@ class CostModel:
         return acc
 
     def block_traffic(
-        self, name: str, cluster: Cluster, comm_bytes: int, width: int, ranks: np.ndarray, frac: np.ndarray
+        self,
+        name: str,
+        cluster: Cluster,
+        comm_bytes: int,
+        width: int,
+        ranks: np.ndarray,
+        frac: np.ndarray,
     ) -> np.ndarray:
         """``(W, NUM_CHANNELS)`` bytes of one column block of table ``name``, ``width``
         columns wide, row-split over ``ranks`` (distinct) with row fractions ``frac``."""
         acc = np.zeros((self.world, NUM_CHANNELS))
-        self._block(self.tables[name], cluster, comm_bytes, width, np.asarray(ranks), np.asarray(frac, dtype=np.float64), acc)
+        self._block(
+            self.tables[name],
+            cluster,
+            comm_bytes,
+            width,
+            np.asarray(ranks),
+            np.asarray(frac, dtype=np.float64),
+            acc,
+        )
         return acc
 
     def _dp(self, st: TableStats, ts: TableSharding, acc: np.ndarray) -> None:
@@ -156,9 +174,9 @@ class CostModel:
 
     def _link_time(self, intra: float, inter: float) -> float:
         t = self.topology
-        return intra / (t.intra_node_bandwidth_bytes_per_s * self.c.intra_a2a_efficiency) + inter / (
-            t.inter_node_bandwidth_bytes_per_s * self.c.inter_a2a_efficiency
-        )
+        return intra / (
+            t.intra_node_bandwidth_bytes_per_s * self.c.intra_a2a_efficiency
+        ) + inter / (t.inter_node_bandwidth_bytes_per_s * self.c.inter_a2a_efficiency)
 
     def _block(
         self,
@@ -195,19 +213,19 @@ class CostModel:
         self_keys[ranks] = key_per_owner
         acc[:, KEY_SEND_INTRA] += node_keys[my_node] - self_keys
         acc[:, KEY_SEND_INTER] += node_keys.sum() - node_keys[my_node]
-        acc[ranks, KEY_RECV_INTRA] += (key_per_owner * (G - 1))
-        acc[ranks, KEY_RECV_INTER] += (key_per_owner * (W - G))
+        acc[ranks, KEY_RECV_INTRA] += key_per_owner * (G - 1)
+        acc[ranks, KEY_RECV_INTER] += key_per_owner * (W - G)
 
         if unique:
             vec = st.local_unique * frac * w * e  # to each destination rank
-            acc[ranks, OUT_SEND_INTRA] += (vec * (G - 1))
-            acc[ranks, OUT_SEND_INTER] += (vec * (W - G))
+            acc[ranks, OUT_SEND_INTRA] += vec * (G - 1)
+            acc[ranks, OUT_SEND_INTER] += vec * (W - G)
             per_dest = st.local_unique * w * e
             acc[:, OUT_RECV_INTRA] += per_dest * (node_frac[my_node] - f_self)
             acc[:, OUT_RECV_INTER] += per_dest * (1.0 - node_frac[my_node])
             gathered = W * st.local_unique * frac * w * wb
-            acc[ranks, LOOKUP_FWD] += (2 * gathered)
-            acc[ranks, LOOKUP_BWD] += (gathered + st.global_unique * frac * w * wb * upd)
+            acc[ranks, LOOKUP_FWD] += 2 * gathered
+            acc[ranks, LOOKUP_BWD] += gathered + st.global_unique * frac * w * wb * upd
             acc[:, LOOKUP_FWD] += b * h * w * wb  # pooling at the destination
             acc[:, LOOKUP_BWD] += b * h * w * wb
             return
@@ -219,21 +237,21 @@ class CostModel:
             acc[ranks, OUT_SEND_INTRA] += (W - 1) * b * w * e
             acc[:, OUT_RECV_INTRA] += (ranks.size - is_owner) * b * w * e
             reads = B * h * frac * w * wb
-            acc[ranks, LOOKUP_FWD] += (reads + B * w * wb)
-            acc[ranks, LOOKUP_BWD] += (reads + st.global_unique * frac * w * wb * upd)
+            acc[ranks, LOOKUP_FWD] += reads + B * w * wb
+            acc[ranks, LOOKUP_BWD] += reads + st.global_unique * frac * w * wb * upd
             return
         k_m = node_owners[owner_nodes]
         rs = (k_m - 1) / k_m * B * w * e  # reduce-scatter of partial sums inside the node
-        acc[ranks, OUT_SEND_INTRA] += (rs + (G - k_m) / k_m * b * w * e)
-        acc[ranks, OUT_RECV_INTRA] += (rs)
-        acc[ranks, OUT_SEND_INTER] += ((W - G) / k_m * b * w * e)
+        acc[ranks, OUT_SEND_INTRA] += rs + (G - k_m) / k_m * b * w * e
+        acc[ranks, OUT_RECV_INTRA] += rs
+        acc[ranks, OUT_SEND_INTER] += (W - G) / k_m * b * w * e
         has_owner = node_owners[my_node] > 0
         acc[:, OUT_RECV_INTRA] += np.where(has_owner & ~is_owner, b * w * e, 0.0)
         n_owner_nodes = float(np.count_nonzero(node_owners))
         acc[:, OUT_RECV_INTER] += (n_owner_nodes - has_owner) * b * w * e
         reads = B * h * frac * w * wb
-        acc[ranks, LOOKUP_FWD] += (reads + B * w * wb)
-        acc[ranks, LOOKUP_BWD] += (reads + st.global_unique * frac * w * wb * upd)
+        acc[ranks, LOOKUP_FWD] += reads + B * w * wb
+        acc[ranks, LOOKUP_BWD] += reads + st.global_unique * frac * w * wb * upd
 
     # -- times ---------------------------------------------------------------------------
     def phase_times(self, acc: np.ndarray, latency: bool = True) -> dict[str, np.ndarray]:

@@ -41,7 +41,11 @@ def split_type(k: int, n: int, world: int, gpn: int) -> ShardingType:
     if k == 1:
         return ShardingType.TW if n == 1 else ShardingType.CW
     if n == 1:
-        return ShardingType.RW if k == world else (ShardingType.TRW if k <= gpn else ShardingType.THREE_D)
+        return (
+            ShardingType.RW
+            if k == world
+            else (ShardingType.TRW if k <= gpn else ShardingType.THREE_D)
+        )
     return ShardingType.THREE_D
 
 
@@ -137,7 +141,9 @@ class GreedyPlanner:
         """Seconds one owner of a ``(k, n)`` shard of ``t`` spends per iteration."""
         key = (t.name, k, n, cluster)
         if key not in self._owner_cost:
-            ph = self.m.phase_times(self.m.traffic(self._canonical(t, k, n, cluster)), latency=False)
+            ph = self.m.phase_times(
+                self.m.traffic(self._canonical(t, k, n, cluster)), latency=False
+            )
             self._owner_cost[key] = float(sum(v[0] for v in ph.values()))
         return self._owner_cost[key]
 
@@ -154,7 +160,10 @@ class GreedyPlanner:
         forced = self._cons(t.name).cluster
         if forced is not None:
             return forced
-        costs = {cl: self._table_total(self._canonical(t, k, n, cl)) for cl in (Cluster.REDUCTION, Cluster.UNIQUE)}
+        costs = {
+            cl: self._table_total(self._canonical(t, k, n, cl))
+            for cl in (Cluster.REDUCTION, Cluster.UNIQUE)
+        }
         return min(costs, key=lambda cl: (costs[cl], cl.value))
 
     def shard_bytes(self, t: TableConfig, k: int, n: int) -> float:
@@ -165,7 +174,10 @@ class GreedyPlanner:
         """Tables replicated: those whose DP cost beats table-wise, cheapest memory first,
         within ``DP_MEMORY_FRACTION`` of a GPU (or all allowed ones when forced)."""
         per = self.m.bytes_per_element()
-        slack = self.m.memory_cap_bytes - sum(t.num_rows * t.dim for t in self.m.workload.tables) * per / self.m.world
+        slack = (
+            self.m.memory_cap_bytes
+            - sum(t.num_rows * t.dim for t in self.m.workload.tables) * per / self.m.world
+        )
         budget = min(DP_MEMORY_FRACTION * self.m.memory_cap_bytes, max(0.0, slack / 2))
         limit = budget
         chosen, cands = [], []
@@ -178,11 +190,14 @@ class GreedyPlanner:
                 continue
             if not c.allows(ShardingType.DP) or c.ranks is not None or c.cluster is not None:
                 continue
-            dp = self._table_work(make_sharding(t, [], Cluster.DP, self.dtype, self.m.world, self.m.gpn))
+            dp = self._table_work(
+                make_sharding(t, [], Cluster.DP, self.dtype, self.m.world, self.m.gpn)
+            )
             if not self._row_options(t):
                 continue
             tw = min(
-                self._table_work(self._canonical(t, 1, 1, cl)) for cl in (Cluster.REDUCTION, Cluster.UNIQUE)
+                self._table_work(self._canonical(t, 1, 1, cl))
+                for cl in (Cluster.REDUCTION, Cluster.UNIQUE)
             )
             if dp < tw:
                 cands.append((full, t.name))
@@ -259,7 +274,11 @@ class GreedyPlanner:
         out = []
         for t in m.workload.tables:
             if t.name in grids:
-                out.append(make_sharding(t, grids[t.name], splits[t.name].cluster, self.dtype, m.world, m.gpn))
+                out.append(
+                    make_sharding(
+                        t, grids[t.name], splits[t.name].cluster, self.dtype, m.world, m.gpn
+                    )
+                )
             else:
                 out.append(make_sharding(t, [], Cluster.DP, self.dtype, m.world, m.gpn))
         return ShardingPlan(m.world, m.gpn, tuple(out), m.topology.name)
@@ -268,8 +287,13 @@ class GreedyPlanner:
         key = (t.name, k, n, cluster)
         tr = self._blocks.get(key)
         if tr is None:
-            frac = np.array([b - a for a, b in even_splits(t.num_rows, k)], dtype=np.float64) / t.num_rows
-            tr = self.m.block_traffic(t.name, cluster, self.dtype.nbytes, t.dim // n, np.arange(k), frac)
+            frac = (
+                np.array([b - a for a, b in even_splits(t.num_rows, k)], dtype=np.float64)
+                / t.num_rows
+            )
+            tr = self.m.block_traffic(
+                t.name, cluster, self.dtype.nbytes, t.dim // n, np.arange(k), frac
+            )
             self._blocks[key] = tr
         return tr
 
@@ -306,7 +330,10 @@ class GreedyPlanner:
         return out
 
     def _dp_bytes(self, dp: list[str]) -> float:
-        return sum(self.tables[n].num_rows * self.tables[n].dim for n in dp) * self.m.bytes_per_element()
+        return (
+            sum(self.tables[n].num_rows * self.tables[n].dim for n in dp)
+            * self.m.bytes_per_element()
+        )
 
     def _dp_traffic(self, dp: list[str]) -> np.ndarray:
         key = tuple(dp)
@@ -314,7 +341,9 @@ class GreedyPlanner:
             acc = np.zeros((self.m.world, NUM_CHANNELS))
             for name in dp:
                 t = self.tables[name]
-                acc += self.m.traffic(make_sharding(t, [], Cluster.DP, self.dtype, self.m.world, self.m.gpn))
+                acc += self.m.traffic(
+                    make_sharding(t, [], Cluster.DP, self.dtype, self.m.world, self.m.gpn)
+                )
             self._dp_cache[key] = acc
         return self._dp_cache[key]
 
@@ -337,7 +366,12 @@ class GreedyPlanner:
         for t in self.m.workload.tables:
             if t.name in dp:
                 continue
-            opts = [(k * n, n, k) for k in self._row_options(t) for n in self._col_options(t) if self._allowed(t, k, n)]
+            opts = [
+                (k * n, n, k)
+                for k in self._row_options(t)
+                for n in self._col_options(t)
+                if self._allowed(t, k, n)
+            ]
             if not opts:
                 raise PlannerError(
                     f"table {t.name!r}: no layout satisfies its constraints "
@@ -347,7 +381,9 @@ class GreedyPlanner:
             room = cap - self._dp_bytes(dp)
             smallest = min(self.shard_bytes(t, k, n) for _, n, k in opts)
             if smallest > room:
-                k, n = max((o[2], o[1]) for o in opts if self.shard_bytes(t, o[2], o[1]) == smallest)
+                k, n = max(
+                    (o[2], o[1]) for o in opts if self.shard_bytes(t, o[2], o[1]) == smallest
+                )
                 raise PlannerError(
                     f"table {t.name!r} ({format_bytes(t.num_rows * t.dim * self.m.bytes_per_element())} "
                     f"with optimizer state) does not fit: its finest allowed split ({k}×{n}) needs "
@@ -456,7 +492,10 @@ class GreedyPlanner:
         return best
 
     def _bottleneck_tables(
-        self, grids: dict[str, list[list[int]]], per_table: dict[str, np.ndarray], per_rank: np.ndarray
+        self,
+        grids: dict[str, list[list[int]]],
+        per_table: dict[str, np.ndarray],
+        per_rank: np.ndarray,
     ) -> list[str]:
         """Sharded tables on the slowest rank, costliest first."""
         r = int(np.argmax(per_rank))

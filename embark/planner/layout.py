@@ -60,18 +60,24 @@ def make_sharding(
     For ``Cluster.DP`` the grid is ignored and the table is replicated on every rank."""
     if cluster is Cluster.DP:
         shards = tuple(Shard(r, 0, table.num_rows, 0, table.dim) for r in range(world_size))
-        return TableSharding(table.name, table.num_rows, table.dim, ShardingType.DP, cluster, shards, comm_dtype)
+        return TableSharding(
+            table.name, table.num_rows, table.dim, ShardingType.DP, cluster, shards, comm_dtype
+        )
     shards = []
     for (c0, c1), ranks in zip(even_splits(table.dim, len(grid)), grid):
         for (r0, r1), rank in zip(even_splits(table.num_rows, len(ranks)), ranks):
             shards.append(Shard(rank, r0, r1, c0, c1))
     st = classify(grid, world_size, gpus_per_node, cluster)
-    return TableSharding(table.name, table.num_rows, table.dim, st, cluster, tuple(shards), comm_dtype)
+    return TableSharding(
+        table.name, table.num_rows, table.dim, st, cluster, tuple(shards), comm_dtype
+    )
 
 
 def grid_of(ts: TableSharding) -> list[list[int]]:
     """The ranks of each column block of ``ts`` in row order (inverse of :func:`make_sharding`)."""
     out = []
     for c0, _ in ts.column_blocks:
-        out.append([s.rank for s in sorted(ts.shards, key=lambda s: s.row_start) if s.col_start == c0])
+        out.append(
+            [s.rank for s in sorted(ts.shards, key=lambda s: s.row_start) if s.col_start == c0]
+        )
     return out

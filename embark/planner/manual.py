@@ -45,7 +45,9 @@ def _read(path_or_doc: str | Path | dict[str, Any]) -> dict[str, Any]:
     return doc
 
 
-def _expand(entry: dict[str, Any], workload: Workload, world: int, gpn: int) -> dict[str, Any] | TableSharding:
+def _expand(
+    entry: dict[str, Any], workload: Workload, world: int, gpn: int
+) -> dict[str, Any] | TableSharding:
     if "shards" in entry:
         return entry
     name = entry.get("name")
@@ -57,7 +59,9 @@ def _expand(entry: dict[str, Any], workload: Workload, world: int, gpn: int) -> 
     allowed = {"name", "ranks", "grid", "cluster", "comm_dtype", "sharding_type"}
     unknown = set(entry) - allowed
     if unknown:
-        raise PlanError(f"table {name!r}: unknown field(s) {sorted(unknown)}; short form allows {sorted(allowed)}")
+        raise PlanError(
+            f"table {name!r}: unknown field(s) {sorted(unknown)}; short form allows {sorted(allowed)}"
+        )
     try:
         cluster = Cluster(entry.get("cluster", Cluster.REDUCTION.value))
     except ValueError:
@@ -79,9 +83,13 @@ def _expand(entry: dict[str, Any], workload: Workload, world: int, gpn: int) -> 
     elif "ranks" in entry:
         grid = [entry["ranks"]]
     else:
-        raise PlanError(f"table {name!r}: give 'shards', 'ranks' or 'grid' (or cluster: data_parallel)")
+        raise PlanError(
+            f"table {name!r}: give 'shards', 'ranks' or 'grid' (or cluster: data_parallel)"
+        )
     if not isinstance(grid, list) or any(not isinstance(b, list) or not b for b in grid):
-        raise PlanError(f"table {name!r}: grid must be a list of non-empty rank lists, got {grid!r}")
+        raise PlanError(
+            f"table {name!r}: grid must be a list of non-empty rank lists, got {grid!r}"
+        )
     for block in grid:
         for r in block:
             if isinstance(r, bool) or not isinstance(r, int) or not 0 <= r < world:
@@ -145,7 +153,9 @@ def load_plan(
     return plan
 
 
-def load_constraints(path_or_doc: str | Path | dict[str, Any], workload: Workload) -> dict[str, TableConstraints]:
+def load_constraints(
+    path_or_doc: str | Path | dict[str, Any], workload: Workload
+) -> dict[str, TableConstraints]:
     """Read per-table constraints (see the module docstring).
 
     Raises:
@@ -157,7 +167,9 @@ def load_constraints(path_or_doc: str | Path | dict[str, Any], workload: Workloa
     out = {}
     for name, c in doc.items():
         if name not in names:
-            raise ValueError(f"constraints name table {name!r}, which is not in workload {workload.name!r}")
+            raise ValueError(
+                f"constraints name table {name!r}, which is not in workload {workload.name!r}"
+            )
         if not isinstance(c, dict):
             raise ValueError(f"constraints for table {name!r} must be a mapping, got {c!r}")
         try:

@@ -48,12 +48,16 @@ def plan_sharding(
         ValueError: unknown strategy.
     """
     if strategy not in STRATEGIES:
-        raise ValueError(f"unknown strategy {strategy!r}; expected one of {list(STRATEGIES)} or a plan file")
+        raise ValueError(
+            f"unknown strategy {strategy!r}; expected one of {list(STRATEGIES)} or a plan file"
+        )
     model = CostModel(workload, topology, batch_size, constants)
     dtype = CommDtype(comm_dtype)
     if strategy in BASELINES:
         if constraints:
-            raise PlannerError(f"strategy {strategy!r} is a fixed baseline and ignores constraints; use 'auto'")
+            raise PlannerError(
+                f"strategy {strategy!r} is a fixed baseline and ignores constraints; use 'auto'"
+            )
         return BASELINES[strategy](model, dtype)
     cons = dict(constraints or {})
     plan = GreedyPlanner(model, cons, dtype, rounds).plan()

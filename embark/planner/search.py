@@ -73,11 +73,19 @@ def local_search(
         ts = tables[i]
         if ts.cluster is Cluster.DP:
             continue
-        options = [replace(ts, cluster=Cluster.UNIQUE if ts.cluster is Cluster.REDUCTION else Cluster.REDUCTION)]
+        options = [
+            replace(
+                ts, cluster=Cluster.UNIQUE if ts.cluster is Cluster.REDUCTION else Cluster.REDUCTION
+            )
+        ]
         full = Shard(0, 0, ts.num_rows, 0, ts.dim)
         options.append(
-            replace(ts, sharding_type=ShardingType.DP, cluster=Cluster.DP,
-                    shards=tuple(replace(full, rank=r) for r in range(world)))
+            replace(
+                ts,
+                sharding_type=ShardingType.DP,
+                cluster=Cluster.DP,
+                shards=tuple(replace(full, rank=r) for r in range(world)),
+            )
         )
         for cand_ts in options:
             m_new = model.memory(cand_ts)
@@ -88,7 +96,14 @@ def local_search(
             cand = acc - traffic[i] + t_new
             sc = score(cand)
             if sc < best:
-                tables[i], traffic[i], memory[i], acc, mem, best = cand_ts, t_new, m_new, cand, new_mem, sc
+                tables[i], traffic[i], memory[i], acc, mem, best = (
+                    cand_ts,
+                    t_new,
+                    m_new,
+                    cand,
+                    new_mem,
+                    sc,
+                )
                 ts = cand_ts
                 if ts.cluster is Cluster.DP:
                     break
@@ -129,7 +144,10 @@ def local_search(
                 on_dst = [
                     (-float(traffic[j][dst, :2].sum()), j)
                     for j, other in enumerate(tables)
-                    if j != i and other.cluster is not Cluster.DP and dst in other.ranks and src not in other.ranks
+                    if j != i
+                    and other.cluster is not Cluster.DP
+                    and dst in other.ranks
+                    and src not in other.ranks
                 ]
                 for _, j in sorted(on_dst)[:swaps_per_shard]:
                     other = tables[j]

@@ -39,7 +39,8 @@ def check_memory(plan: ShardingPlan, model: CostModel) -> np.ndarray:
     if over.size:
         r = int(over[0])
         big = sorted(
-            ((float(model.memory(ts)[r]), ts.name) for ts in plan.tables if r in ts.ranks), reverse=True
+            ((float(model.memory(ts)[r]), ts.name) for ts in plan.tables if r in ts.ranks),
+            reverse=True,
         )[:3]
         raise PlannerError(
             f"rank {r} needs {format_bytes(mem[r])} of weights + optimizer state but holds "

@@ -11,7 +11,9 @@ def top_tables(result: SimResult, n: int = 5) -> list[tuple[str, float]]:
     return sorted(result.table_ms.items(), key=lambda kv: (-kv[1], kv[0]))[:n]
 
 
-def format_stats(plan: ShardingPlan, result: SimResult, baselines: dict[str, float | None] | None = None) -> str:
+def format_stats(
+    plan: ShardingPlan, result: SimResult, baselines: dict[str, float | None] | None = None
+) -> str:
     """Per rank: memory, lookup time, communication time, tables/shards; then totals,
     imbalance, the 5 costliest tables and the baselines' step times."""
     lines = [
@@ -30,21 +32,29 @@ def format_stats(plan: ShardingPlan, result: SimResult, baselines: dict[str, flo
         f"step {result.step_ms:.3f} ms pipelined ({result.step_ms_no_overlap:.3f} ms without overlap); "
         f"embedding {result.embedding_ms:.3f} ms, dense {result.dense_ms:.3f} ms"
     )
-    lines.append("phases (slowest rank): " + ", ".join(f"{k} {v:.3f}" for k, v in result.phases_ms.items()))
+    lines.append(
+        "phases (slowest rank): " + ", ".join(f"{k} {v:.3f}" for k, v in result.phases_ms.items())
+    )
     lines.append(
         f"memory total {sum(mem) / 1e9:.1f} GB, max {max(mem) / 1e9:.2f} GB per rank; "
         f"imbalance (max/mean rank time) {result.imbalance:.3f}; fits memory: {result.fits_memory}"
     )
     kinds: dict[str, int] = {}
     for ts in plan.tables:
-        kinds[ts.sharding_type.value + "/" + ts.cluster.value] = kinds.get(ts.sharding_type.value + "/" + ts.cluster.value, 0) + 1
+        kinds[ts.sharding_type.value + "/" + ts.cluster.value] = (
+            kinds.get(ts.sharding_type.value + "/" + ts.cluster.value, 0) + 1
+        )
     lines.append("layouts: " + ", ".join(f"{k} ×{v}" for k, v in sorted(kinds.items())))
-    lines.append("costliest tables: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in top_tables(result)))
+    lines.append(
+        "costliest tables: " + ", ".join(f"{n} {ms:.3f} ms" for n, ms in top_tables(result))
+    )
     if baselines:
         lines.append(
             "baselines: "
             + ", ".join(
-                f"{k} {v:.3f} ms ({v / result.step_ms:.2f}× ours)" if v is not None else f"{k} does not fit"
+                f"{k} {v:.3f} ms ({v / result.step_ms:.2f}× ours)"
+                if v is not None
+                else f"{k} does not fit"
                 for k, v in baselines.items()
             )
         )

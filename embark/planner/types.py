@@ -53,8 +53,12 @@ class TableConstraints:
             object.__setattr__(self, "sharding_types", types)
         if self.ranks is not None:
             ranks = tuple(self.ranks)
-            if not ranks or any(isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks):
-                raise ValueError(f"ranks must be a non-empty list of non-negative ints, got {self.ranks!r}")
+            if not ranks or any(
+                isinstance(r, bool) or not isinstance(r, int) or r < 0 for r in ranks
+            ):
+                raise ValueError(
+                    f"ranks must be a non-empty list of non-negative ints, got {self.ranks!r}"
+                )
             object.__setattr__(self, "ranks", tuple(sorted(set(ranks))))
         if self.cluster is not None:
             try:
@@ -63,8 +67,14 @@ class TableConstraints:
                 raise ValueError(
                     f"cluster must be one of {[c.value for c in Cluster]}, got {self.cluster!r}"
                 ) from None
-        if self.cluster is Cluster.DP and self.sharding_types and ShardingType.DP not in self.sharding_types:
-            raise ValueError("cluster 'data_parallel' needs sharding type 'data_parallel' to be allowed")
+        if (
+            self.cluster is Cluster.DP
+            and self.sharding_types
+            and ShardingType.DP not in self.sharding_types
+        ):
+            raise ValueError(
+                "cluster 'data_parallel' needs sharding type 'data_parallel' to be allowed"
+            )
 
     def allows(self, st: ShardingType) -> bool:
         return self.sharding_types is None or st in self.sharding_types
@@ -74,7 +84,9 @@ class TableConstraints:
         allowed = {"sharding_types", "ranks", "cluster"}
         unknown = set(d) - allowed
         if unknown:
-            raise ValueError(f"constraints: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}")
+            raise ValueError(
+                f"constraints: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}"
+            )
         for key in ("sharding_types", "ranks"):
             if d.get(key) is not None and not isinstance(d[key], (list, tuple)):
                 raise ValueError(f"{key} must be a list, got {d[key]!r}")
@@ -118,7 +130,12 @@ class CostConstants:
     min_column_block: int = 32
 
     def __post_init__(self) -> None:
-        for f in ("lookup_hbm_efficiency", "intra_a2a_efficiency", "inter_a2a_efficiency", "dense_mfu"):
+        for f in (
+            "lookup_hbm_efficiency",
+            "intra_a2a_efficiency",
+            "inter_a2a_efficiency",
+            "dense_mfu",
+        ):
             v = getattr(self, f)
             if not 0 < v <= 1:
                 raise ValueError(f"CostConstants.{f} must be in (0, 1], got {v!r}")

@@ -37,7 +37,9 @@ def zipf_normaliser(num_rows: int, alpha: float, exact_terms: int = EXACT_TERMS)
     return head
 
 
-def expected_distinct(num_rows: int, alpha: float, n: float, exact_terms: int = EXACT_TERMS) -> float:
+def expected_distinct(
+    num_rows: int, alpha: float, n: float, exact_terms: int = EXACT_TERMS
+) -> float:
     """Expected distinct ids among ``n`` Zipf(α) draws over ``num_rows`` rows.
 
     Args:

@@ -186,10 +186,14 @@ class ShardedEmbeddingCollection(nn.Module):
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < plan.world_size:
             raise ValueError(f"rank {rank!r} is outside the plan's ranks 0..{plan.world_size - 1}")
         if world is not None and world[0] != rank:
-            raise ValueError(f"rank {rank} was given but this process is rank {world[0]} of its group")
+            raise ValueError(
+                f"rank {rank} was given but this process is rank {world[0]} of its group"
+            )
         plan.check_tables(tables)
         if hierarchical and process_group is not None:
-            raise ValueError("hierarchical=True needs the default process group (process_group=None)")
+            raise ValueError(
+                "hierarchical=True needs the default process group (process_group=None)"
+            )
         if hierarchical is None:
             hierarchical = process_group is None
         wire = None if comm_dtype is None else CommDtype(comm_dtype)
@@ -203,7 +207,9 @@ class ShardedEmbeddingCollection(nn.Module):
             s = self.layout.local_shard(t.name, rank)
             if s is None:
                 continue
-            gen = torch.Generator().manual_seed(hash((seed, i, s.row_start, s.col_start)) & (2**62 - 1))
+            gen = torch.Generator().manual_seed(
+                hash((seed, i, s.row_start, s.col_start)) & (2**62 - 1)
+            )
             bound = (1.0 / t.num_rows) ** 0.5
             w = torch.empty(s.num_rows, s.num_cols).uniform_(-bound, bound, generator=gen)
             self.local_shards[t.name] = s
@@ -357,7 +363,9 @@ class ShardedEmbeddingCollection(nn.Module):
         )
         send_h = [_HEADER + len(owned[o]) for o in range(world)]
         recv_h = [_HEADER + len(owned[me])] * world
-        got = exchange_ints(header, send_h, recv_h, self.process_group, stats=self.stats, phase="header")
+        got = exchange_ints(
+            header, send_h, recv_h, self.process_group, stats=self.stats, phase="header"
+        )
         headers = list(got.split(recv_h))
         self._raise_if_bad(headers)
         batch_sizes = [int(h[3]) for h in headers]
@@ -469,8 +477,13 @@ class ShardedEmbeddingCollection(nn.Module):
                 pieces += mine
                 send_g.append(sum(p.numel() for p in mine))
             for o in range(world):
-                recv_g.append(sum(self._answer_rows(inp, o, k) * ref.num_cols
-                                  for k, ref in enumerate(owned[o]) if flat(ref, wire)))
+                recv_g.append(
+                    sum(
+                        self._answer_rows(inp, o, k) * ref.num_cols
+                        for k, ref in enumerate(owned[o])
+                        if flat(ref, wire)
+                    )
+                )
             x = torch.cat(pieces) if pieces else torch.zeros(0)
             if torch.is_grad_enabled() and not x.requires_grad:
                 # every rank must record the exchange, or backward would wait for this one
@@ -478,7 +491,11 @@ class ShardedEmbeddingCollection(nn.Module):
             xs.append(x)
             send.append(send_g)
             recv.append(recv_g)
-        got = exchange_vectors(xs, wires, send, recv, self.process_group, stats=self.stats) if wires else []
+        got = (
+            exchange_vectors(xs, wires, send, recv, self.process_group, stats=self.stats)
+            if wires
+            else []
+        )
         vectors: dict[tuple[int, int], torch.Tensor] = {}
         for g, wire in enumerate(wires):
             parts = got[g].split(recv[g])
@@ -491,8 +508,15 @@ class ShardedEmbeddingCollection(nn.Module):
         anchors = list(got)
         if self._groups is not None and wires:
             block_parts, more = reduce_hierarchically(
-                answers, owned, me, inp.batch_sizes, self._groups, self._blocks, wires,
-                self.stats, after=got,
+                answers,
+                owned,
+                me,
+                inp.batch_sizes,
+                self._groups,
+                self._blocks,
+                wires,
+                self.stats,
+                after=got,
             )
             anchors += more
         outs: dict[str, torch.Tensor] = {}
@@ -518,7 +542,10 @@ class ShardedEmbeddingCollection(nn.Module):
         return inp.batch_size if s.ref.cluster is Cluster.REDUCTION else s.count
 
     def _assemble(
-        self, t: TableConfig, inp: DistributedInput, vectors: dict[tuple[int, int], torch.Tensor],
+        self,
+        t: TableConfig,
+        inp: DistributedInput,
+        vectors: dict[tuple[int, int], torch.Tensor],
         block_parts: dict[tuple[str, int], list[torch.Tensor]],
     ) -> torch.Tensor:
         """``(B, dim)``: partials summed over row shards (or over nodes, for hierarchical
@@ -535,7 +562,9 @@ class ShardedEmbeddingCollection(nn.Module):
             v = vectors[(o, k)]
             if s.ref.cluster is Cluster.UNIQUE:
                 assert s.inverse is not None and s.samples is not None
-                v = v.new_zeros(inp.batch_size, s.ref.num_cols).index_add(0, s.samples, v[s.inverse])
+                v = v.new_zeros(inp.batch_size, s.ref.num_cols).index_add(
+                    0, s.samples, v[s.inverse]
+                )
             c0 = s.ref.shard.col_start
             blocks[c0] = blocks[c0] + v if c0 in blocks else v
         out = torch.cat([blocks[c] for c in sorted(blocks)], dim=1)
@@ -574,7 +603,9 @@ class ShardedEmbeddingCollection(nn.Module):
             params = [self.weights[n] for n in names]
             grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
             flat = all_reduce_sum(
-                torch.cat([g.reshape(-1) for g in grads]), self.process_group, wire=grad_wire(wire),
+                torch.cat([g.reshape(-1) for g in grads]),
+                self.process_group,
+                wire=grad_wire(wire),
                 stats=self.stats,
             )
             for p, piece in zip(params, flat.split([p.numel() for p in params])):

@@ -148,7 +148,10 @@ class CommStats:
 
 
 def _exchange(
-    x: torch.Tensor, send_splits: list[int], recv_splits: list[int], group: Any | None,
+    x: torch.Tensor,
+    send_splits: list[int],
+    recv_splits: list[int],
+    group: Any | None,
     async_op: bool = False,
 ) -> tuple[torch.Tensor, Any]:
     """One ``all_to_all_single`` of a flat buffer; identity in a one-rank world."""
@@ -162,8 +165,13 @@ def _exchange(
 
 
 def exchange_ints(
-    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-    group: Any | None = None, *, stats: CommStats | None = None, phase: str = "keys",
+    x: torch.Tensor,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    group: Any | None = None,
+    *,
+    stats: CommStats | None = None,
+    phase: str = "keys",
 ) -> torch.Tensor:
     """All-to-all of ``x: (sum(send_splits),)`` integers (int64 counts, or uint8 bytes of
     packed keys; not differentiable); splits count elements of ``x``'s dtype.
@@ -178,8 +186,13 @@ def exchange_ints(
 
 
 def exchange_ints_async(
-    x: torch.Tensor, send_splits: Sequence[int], recv_splits: Sequence[int],
-    group: Any | None = None, *, stats: CommStats | None = None, phase: str = "keys",
+    x: torch.Tensor,
+    send_splits: Sequence[int],
+    recv_splits: Sequence[int],
+    group: Any | None = None,
+    *,
+    stats: CommStats | None = None,
+    phase: str = "keys",
 ) -> tuple[torch.Tensor, Any]:
     """:func:`exchange_ints` started asynchronously: ``(output buffer, work)``; read the
     buffer only after ``work.wait()`` (``work`` is ``None`` in a one-rank world)."""
@@ -243,8 +256,13 @@ def _peer_bytes(splits: Sequence[Sequence[int]], wires: Sequence[torch.dtype]) -
 
 
 def _vector_exchange(
-    xs: Sequence[torch.Tensor], send: Sequence[Sequence[int]], recv: Sequence[Sequence[int]],
-    wires: Sequence[torch.dtype], group: Any | None, stats: CommStats | None, phase: str,
+    xs: Sequence[torch.Tensor],
+    send: Sequence[Sequence[int]],
+    recv: Sequence[Sequence[int]],
+    wires: Sequence[torch.dtype],
+    group: Any | None,
+    stats: CommStats | None,
+    phase: str,
     peers: Sequence[int] | None,
 ) -> list[torch.Tensor]:
     buf, send_bytes = _pack(xs, send, wires)
@@ -264,8 +282,14 @@ class _VectorAllToAll(torch.autograd.Function):
         ctx.meta = meta
         return tuple(
             _vector_exchange(
-                xs, meta["send"], meta["recv"], meta["wires"], meta["group"], meta["stats"],
-                "vectors", meta["peers"],
+                xs,
+                meta["send"],
+                meta["recv"],
+                meta["wires"],
+                meta["group"],
+                meta["stats"],
+                "vectors",
+                meta["peers"],
             )
         )
 
@@ -273,8 +297,14 @@ class _VectorAllToAll(torch.autograd.Function):
     def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
         m = ctx.meta
         g = _vector_exchange(  # fp16 payloads send their gradients as bf16: grad_wire()
-            [x.contiguous() for x in grads], m["recv"], m["send"], [_grad_dtype(w) for w in m["wires"]],
-            m["group"], m["stats"], "vector_grads", m["peers"],
+            [x.contiguous() for x in grads],
+            m["recv"],
+            m["send"],
+            [_grad_dtype(w) for w in m["wires"]],
+            m["group"],
+            m["stats"],
+            "vector_grads",
+            m["peers"],
         )
         return (None, *g)
 
@@ -353,8 +383,12 @@ def tie(outs: Sequence[torch.Tensor], anchors: Sequence[torch.Tensor]) -> list[t
 
 
 def all_reduce_sum(
-    x: torch.Tensor, group: Any | None = None, *, wire: CommDtype = CommDtype.FP32,
-    stats: CommStats | None = None, phase: str = "dp_grads",
+    x: torch.Tensor,
+    group: Any | None = None,
+    *,
+    wire: CommDtype = CommDtype.FP32,
+    stats: CommStats | None = None,
+    phase: str = "dp_grads",
 ) -> torch.Tensor:
     """Sum ``x`` over the ranks (not differentiable), travelling in ``wire``; returns a new
     tensor of ``x.dtype`` and ``x.shape``."""

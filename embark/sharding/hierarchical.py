@@ -78,7 +78,9 @@ def relays_for(owners: Sequence[int], world_size: int) -> tuple[int, ...]:
     """
     own = sorted(set(owners))
     if not own or own[0] < 0 or own[-1] >= world_size:
-        raise ValueError(f"relays_for: owners must be ranks in 0..{world_size - 1}, got {list(owners)}")
+        raise ValueError(
+            f"relays_for: owners must be ranks in 0..{world_size - 1}, got {list(owners)}"
+        )
     out, j = [], 0
     for r in range(world_size):
         if r in own:
@@ -128,7 +130,9 @@ def node_blocks(layout: Layout, gpus_per_node: int) -> list[list[BlockRef]]:
             owners: dict[tuple[int, int, CommDtype], set[int]] = {}
             for r in refs:
                 if r.shard.rank // gpus_per_node == n:
-                    owners.setdefault((r.shard.col_start, r.num_cols, r.wire), set()).add(r.shard.rank)
+                    owners.setdefault((r.shard.col_start, r.num_cols, r.wire), set()).add(
+                        r.shard.rank
+                    )
             for (c0, cols, wire), own in sorted(owners.items(), key=lambda kv: kv[0][0]):
                 ranks = tuple(sorted(own))
                 out[n].append(BlockRef(name, c0, cols, wire, ranks, relays_for(ranks, world)))
@@ -195,14 +199,24 @@ def reduce_hierarchically(
     for wire in wires:
         pieces, send_g, recv_g = [], [], []
         for m in mates:
-            seg = [mine[(b.table, b.col_start)][r].reshape(-1)
-                   for b in here if b.wire is wire and rank in b.owners
-                   for r in range(world) if b.relays[r] == m]
+            seg = [
+                mine[(b.table, b.col_start)][r].reshape(-1)
+                for b in here
+                if b.wire is wire and rank in b.owners
+                for r in range(world)
+                if b.relays[r] == m
+            ]
             pieces += seg
             send_g.append(sum(p.numel() for p in seg))
-            recv_g.append(sum(batch_sizes[r] * b.num_cols
-                              for b in here if b.wire is wire and m in b.owners
-                              for r in range(world) if b.relays[r] == rank))
+            recv_g.append(
+                sum(
+                    batch_sizes[r] * b.num_cols
+                    for b in here
+                    if b.wire is wire and m in b.owners
+                    for r in range(world)
+                    if b.relays[r] == rank
+                )
+            )
         xs.append(cat(pieces, after))
         send.append(send_g)
         recv.append(recv_g)
@@ -211,8 +225,13 @@ def reduce_hierarchically(
     sums: dict[tuple[str, int, int], torch.Tensor] = {}
     for g, wire in enumerate(wires):
         for m, chunk in zip(mates, got1[g].split(recv[g])):
-            sizes = [(b, r) for b in here if b.wire is wire and m in b.owners
-                     for r in range(world) if b.relays[r] == rank]
+            sizes = [
+                (b, r)
+                for b in here
+                if b.wire is wire and m in b.owners
+                for r in range(world)
+                if b.relays[r] == rank
+            ]
             parts = chunk.split([batch_sizes[r] * b.num_cols for b, r in sizes])
             for (b, r), v in zip(sizes, parts):
                 key = (b.table, b.col_start, r)
@@ -223,12 +242,20 @@ def reduce_hierarchically(
     for wire in wires:
         pieces, send_g, recv_g = [], [], []
         for r in range(world):
-            seg = [sums[(b.table, b.col_start, r)].reshape(-1)
-                   for b in here if b.wire is wire and b.relays[r] == rank]
+            seg = [
+                sums[(b.table, b.col_start, r)].reshape(-1)
+                for b in here
+                if b.wire is wire and b.relays[r] == rank
+            ]
             pieces += seg
             send_g.append(sum(p.numel() for p in seg))
-            recv_g.append(sum(batch_sizes[rank] * b.num_cols
-                              for b in blocks[r // gpn] if b.wire is wire and b.relays[rank] == r))
+            recv_g.append(
+                sum(
+                    batch_sizes[rank] * b.num_cols
+                    for b in blocks[r // gpn]
+                    if b.wire is wire and b.relays[rank] == r
+                )
+            )
         xs.append(cat(pieces, got1))
         send.append(send_g)
         recv.append(recv_g)
@@ -238,5 +265,7 @@ def reduce_hierarchically(
         for p, chunk in enumerate(got2[g].split(recv[g])):
             bs = [b for b in blocks[p // gpn] if b.wire is wire and b.relays[rank] == p]
             for b, v in zip(bs, chunk.split([batch_sizes[rank] * b.num_cols for b in bs])):
-                out.setdefault((b.table, b.col_start), []).append(v.view(batch_sizes[rank], b.num_cols))
+                out.setdefault((b.table, b.col_start), []).append(
+                    v.view(batch_sizes[rank], b.num_cols)
+                )
     return out, [*got1, *got2]

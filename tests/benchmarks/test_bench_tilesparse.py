@@ -19,24 +19,98 @@ from benchmarks.tilesparse.timing import Timing, interleaved, interleaved_median
 from tilesparse import ops
 
 GEMM_FIELDS = (
-    "bench", "shape", "M", "K", "N", "dtype", "G", "sparsity", "threads", "bias", "repeats",
-    "dense_ms", "tw_ms", "csr_ms", "speedup", "csr_speedup", "ideal", "fraction_of_ideal",
-    "tw_max_abs_err", "correct", "values_fraction", "index_fraction", "memory_fraction",
-    "csr_variant", "csr_skipped", "tw_density", "tiles", "kept_columns",
+    "bench",
+    "shape",
+    "M",
+    "K",
+    "N",
+    "dtype",
+    "G",
+    "sparsity",
+    "threads",
+    "bias",
+    "repeats",
+    "dense_ms",
+    "tw_ms",
+    "csr_ms",
+    "speedup",
+    "csr_speedup",
+    "ideal",
+    "fraction_of_ideal",
+    "tw_max_abs_err",
+    "correct",
+    "values_fraction",
+    "index_fraction",
+    "memory_fraction",
+    "csr_variant",
+    "csr_skipped",
+    "tw_density",
+    "tiles",
+    "kept_columns",
 )
-GEMM_POSITIVE = ("dense_ms", "tw_ms", "speedup", "ideal", "fraction_of_ideal", "values_fraction",
-                 "index_fraction", "memory_fraction", "tw_density", "dense_min_ms", "tw_min_ms", "tw_atol")
+GEMM_POSITIVE = (
+    "dense_ms",
+    "tw_ms",
+    "speedup",
+    "ideal",
+    "fraction_of_ideal",
+    "values_fraction",
+    "index_fraction",
+    "memory_fraction",
+    "tw_density",
+    "dense_min_ms",
+    "tw_min_ms",
+    "tw_atol",
+)
 DLRM_FIELDS = (
-    "batch", "dtype", "G", "sparsity", "threads", "repeats", "dense_ms", "tw_ms", "speedup", "ideal",
-    "fraction_of_ideal", "target", "meets_target", "max_abs_err", "within_tolerance",
-    "masked_dense_max_abs_err", "correct", "tw_linear_calls",
-    "memory_fraction", "index_fraction", "dense_weight_bytes", "weight_bytes", "sparse_layers",
+    "batch",
+    "dtype",
+    "G",
+    "sparsity",
+    "threads",
+    "repeats",
+    "dense_ms",
+    "tw_ms",
+    "speedup",
+    "ideal",
+    "fraction_of_ideal",
+    "target",
+    "meets_target",
+    "max_abs_err",
+    "within_tolerance",
+    "masked_dense_max_abs_err",
+    "correct",
+    "tw_linear_calls",
+    "memory_fraction",
+    "index_fraction",
+    "dense_weight_bytes",
+    "weight_bytes",
+    "sparse_layers",
 )
 ENCODER_FIELDS = (
-    "d_model", "heads", "ffn", "layers", "tokens", "dtype", "G", "sparsity", "threads", "dense_fused_ms",
-    "dense_unfused_ms", "tw_ms", "speedup", "speedup_vs_fused", "dense_fused_path", "tw_fused_path",
-    "dense_unfused_path_fused", "tw_linear_calls", "max_abs_err", "within_tolerance",
-    "masked_dense_max_abs_err", "correct", "memory_fraction",
+    "d_model",
+    "heads",
+    "ffn",
+    "layers",
+    "tokens",
+    "dtype",
+    "G",
+    "sparsity",
+    "threads",
+    "dense_fused_ms",
+    "dense_unfused_ms",
+    "tw_ms",
+    "speedup",
+    "speedup_vs_fused",
+    "dense_fused_path",
+    "tw_fused_path",
+    "dense_unfused_path_fused",
+    "tw_linear_calls",
+    "max_abs_err",
+    "within_tolerance",
+    "masked_dense_max_abs_err",
+    "correct",
+    "memory_fraction",
 )
 DLRM_LINEARS = 14  # 3 bottom + 3·2 cross + 5 top
 
@@ -51,7 +125,10 @@ def one_thread() -> Iterator[None]:
 
 @pytest.fixture
 def kernel(require) -> None:
-    require(ops.cpu_kernel_available(), "the compiled tilesparse CPU kernel (python -m tilesparse.build_ext)")
+    require(
+        ops.cpu_kernel_available(),
+        "the compiled tilesparse CPU kernel (python -m tilesparse.build_ext)",
+    )
 
 
 def _load(path: Path) -> dict[str, Any]:
@@ -59,7 +136,9 @@ def _load(path: Path) -> dict[str, Any]:
     assert set(doc) >= {"meta", "rows", "cpu_features"}
     assert doc["cpu_features"]["tw_kernel_avx512"] in (True, False)
     assert doc["cpu_features"]["tw_kernel_simd"] in ("avx512", "avx2", "scalar")
-    assert doc["cpu_features"]["tw_kernel_avx512"] == (doc["cpu_features"]["tw_kernel_simd"] == "avx512")
+    assert doc["cpu_features"]["tw_kernel_avx512"] == (
+        doc["cpu_features"]["tw_kernel_simd"] == "avx512"
+    )
     assert doc["cpu_features"]["tw_kernel_bf16"] in ("amx", "avx512_bf16", "fp32", "mm")
     assert doc["meta"]["torch_threads"] == 1
     return doc
@@ -87,7 +166,9 @@ def test_interleaved_runs_round_robin_with_caps():
 
 
 def test_interleaved_medians_and_bad_arguments():
-    med = interleaved_medians({"x": lambda: None, "y": lambda: sum(range(100))}, repeats=2, warmup=0)
+    med = interleaved_medians(
+        {"x": lambda: None, "y": lambda: sum(range(100))}, repeats=2, warmup=0
+    )
     assert list(med) == ["x", "y"] and all(v >= 0 for v in med.values())
     with pytest.raises(ValueError, match="repeats"):
         interleaved({"x": lambda: None}, repeats=0)
@@ -102,14 +183,21 @@ def test_interleaved_medians_and_bad_arguments():
 
 
 def test_bad_cli_arguments_are_rejected():
-    for argv in (["--only", "nope"], ["--dtypes", "fp8"], ["--sparsities", "1.0"], ["--tiles", "0"],
-                 ["--repeats", "0"]):
+    for argv in (
+        ["--only", "nope"],
+        ["--dtypes", "fp8"],
+        ["--sparsities", "1.0"],
+        ["--tiles", "0"],
+        ["--repeats", "0"],
+    ):
         with pytest.raises(SystemExit):
             bench_gemm.parse_args(argv)
     for argv in (["--only", "resnet"], ["--seq", "0"], ["--dlrm-batch", "-1"]):
         with pytest.raises(SystemExit):
             bench_models.parse_args(argv)
-    knobs = bench_models.knobs_for(bench_models.parse_args(["--seq", "128", "--encoder-batch", "32"]))
+    knobs = bench_models.knobs_for(
+        bench_models.parse_args(["--seq", "128", "--encoder-batch", "32"])
+    )
     assert (knobs["batch"], knobs["seq"], knobs["d_model"]) == (32, 128, 768)
     assert bench_models.knobs_for(bench_models.parse_args(["--quick"]))["d_model"] == 96
 
@@ -126,14 +214,26 @@ def test_bench_gemm_quick(kernel, one_thread, tmp_path, capsys):
     rows = doc["rows"]
     csr_ok = {d: bench_gemm.csr_support(bench_gemm.DTYPES[d]) is None for d in bench_gemm.DTYPES}
     # one shape × one sparsity × both dtypes × both tiles
-    assert sorted((r["dtype"], r["G"]) for r in rows) == [("bf16", 64), ("bf16", 128), ("fp32", 64), ("fp32", 128)]
+    assert sorted((r["dtype"], r["G"]) for r in rows) == [
+        ("bf16", 64),
+        ("bf16", 128),
+        ("fp32", 64),
+        ("fp32", 128),
+    ]
     for r in rows:
         missing = [f for f in GEMM_FIELDS if f not in r]
         assert not missing, missing
         _positive_finite(r, GEMM_POSITIVE)
         assert r["correct"] is True, r
         assert math.isfinite(r["tw_max_abs_err"]) and r["tw_max_abs_err"] >= 0
-        assert (r["M"], r["K"], r["N"], r["threads"], r["bias"], r["repeats"]) == (256, 512, 512, 1, False, 3)
+        assert (r["M"], r["K"], r["N"], r["threads"], r["bias"], r["repeats"]) == (
+            256,
+            512,
+            512,
+            1,
+            False,
+            3,
+        )
         s = r["sparsity"]
         assert s == 0.75
         assert r["speedup"] == pytest.approx(r["dense_ms"] / r["tw_ms"], rel=1e-12)
@@ -142,7 +242,9 @@ def test_bench_gemm_quick(kernel, one_thread, tmp_path, capsys):
         # the layout: as sparse as asked (within one tile-row of G), memory = values + indices
         assert r["tw_density"] == pytest.approx(1.0 - s, abs=r["G"] / (r["K"] * r["N"]) + 1e-9)
         assert r["values_fraction"] == pytest.approx(r["tw_density"], rel=1e-12)
-        assert r["memory_fraction"] == pytest.approx(r["values_fraction"] + r["index_fraction"], rel=1e-12)
+        assert r["memory_fraction"] == pytest.approx(
+            r["values_fraction"] + r["index_fraction"], rel=1e-12
+        )
         assert r["index_fraction"] < 0.03
         assert r["kept_columns"] <= r["N"] and r["tiles"] >= math.ceil(r["kept_columns"] / r["G"])
         if csr_ok[r["dtype"]]:
@@ -169,11 +271,15 @@ def test_bench_models_quick(kernel, one_thread, tmp_path, capsys):
     for r in dlrm:
         missing = [f for f in DLRM_FIELDS if f not in r]
         assert not missing, missing
-        _positive_finite(r, ("dense_ms", "tw_ms", "speedup", "ideal", "fraction_of_ideal", "memory_fraction"))
+        _positive_finite(
+            r, ("dense_ms", "tw_ms", "speedup", "ideal", "fraction_of_ideal", "memory_fraction")
+        )
         assert r["correct"] is True, r
         assert r["threads"] == 1 and r["G"] == 128 and r["sparsity"] == 0.75
         assert r["speedup"] == pytest.approx(r["dense_ms"] / r["tw_ms"], rel=1e-12)
-        assert r["ideal"] == pytest.approx(4.0) and r["fraction_of_ideal"] == pytest.approx(r["speedup"] / 4.0)
+        assert r["ideal"] == pytest.approx(4.0) and r["fraction_of_ideal"] == pytest.approx(
+            r["speedup"] / 4.0
+        )
         if r["dtype"] == "fp32":  # the target holds fp32; bf16 is reported beside it
             assert r["target"] == 2.0 and r["meets_target"] is (r["speedup"] >= 2.0)
         else:
@@ -181,11 +287,15 @@ def test_bench_models_quick(kernel, one_thread, tmp_path, capsys):
         # every linear condensed and run through the kernel; the memory bound
         assert r["tw_linear_calls"] == DLRM_LINEARS and r["sparse_layers"] == DLRM_LINEARS
         assert r["memory_fraction"] <= 0.25 + 0.005 + 0.03
-        assert r["weight_bytes"] == pytest.approx(r["memory_fraction"] * r["dense_weight_bytes"], rel=1e-12)
+        assert r["weight_bytes"] == pytest.approx(
+            r["memory_fraction"] * r["dense_weight_bytes"], rel=1e-12
+        )
     for r in enc:
         missing = [f for f in ENCODER_FIELDS if f not in r]
         assert not missing, missing
-        _positive_finite(r, ("dense_fused_ms", "dense_unfused_ms", "tw_ms", "speedup", "speedup_vs_fused"))
+        _positive_finite(
+            r, ("dense_fused_ms", "dense_unfused_ms", "tw_ms", "speedup", "speedup_vs_fused")
+        )
         assert r["correct"] is True, r
         assert r["speedup"] == pytest.approx(r["dense_unfused_ms"] / r["tw_ms"], rel=1e-12)
         assert r["speedup_vs_fused"] == pytest.approx(r["dense_fused_ms"] / r["tw_ms"], rel=1e-12)
@@ -199,8 +309,12 @@ def test_bench_models_quick(kernel, one_thread, tmp_path, capsys):
         if r["dtype"] == "fp32":
             assert r["within_tolerance"] is True and r["masked_dense_max_abs_err"] is None
         else:
-            assert math.isfinite(r["masked_dense_max_abs_err"]) and r["masked_dense_max_abs_err"] >= 0
-        assert r["correct"] is (r["within_tolerance"] or r["max_abs_err"] <= 2 * r["masked_dense_max_abs_err"])
+            assert (
+                math.isfinite(r["masked_dense_max_abs_err"]) and r["masked_dense_max_abs_err"] >= 0
+            )
+        assert r["correct"] is (
+            r["within_tolerance"] or r["max_abs_err"] <= 2 * r["masked_dense_max_abs_err"]
+        )
     printed = capsys.readouterr().out
     assert "DLRM-DCNv2 dense part" in printed and "TransformerEncoder" in printed
 

@@ -152,8 +152,10 @@ def test_child_loop_stops_after_a_sticky_error(tmp_path) -> None:
 
 def test_read_progress_names_the_unfinished_instance(tmp_path) -> None:
     out = tmp_path / "v.jsonl"
-    out.write_text('{"start": "a"}\n{"check": {"kernel": "a", "ok": true}}\n{"done": "a"}\n'
-                   '{"start": "b"}\n{"che')  # cut short by the crash
+    out.write_text(
+        '{"start": "a"}\n{"check": {"kernel": "a", "ok": true}}\n{"done": "a"}\n'
+        '{"start": "b"}\n{"che'
+    )  # cut short by the crash
     checks, _, done, current = gpu_verify.read_progress(out)
     assert done == {"a"} and current == "b" and len(checks) == 1
     assert gpu_verify.read_progress(tmp_path / "missing.jsonl") == ([], [], set(), None)
@@ -201,8 +203,9 @@ with open(out, "a") as f:
 def test_a_crashing_main_loop_is_marked_broken_and_the_rest_verified() -> None:
     ms, gmma = _kernels()
     failures: list[str] = []
-    checks = gpu_check.verify_in_children(ms + gmma, failures, timeout_s=60,
-                                          child_cmd=[sys.executable, "-c", _CHILD])
+    checks = gpu_check.verify_in_children(
+        ms + gmma, failures, timeout_s=60, child_cmd=[sys.executable, "-c", _CHILD]
+    )
     ok = {c["kernel"] for c in checks if c["ok"]}
     bad = {c["kernel"] for c in checks if not c["ok"]}
     assert ok == {k.name for k in ms}
@@ -213,13 +216,22 @@ def test_a_crashing_main_loop_is_marked_broken_and_the_rest_verified() -> None:
 
 @pytest.mark.parametrize("hang", [False, True])
 def test_a_fault_or_hang_costs_only_the_instance_it_hit(hang) -> None:
-    ks = [k for k in manifest(Arch.SM90A) if k.mainloop is Mainloop.SM80_MULTISTAGE and k.dtype is DType.F16][:4]
+    ks = [
+        k
+        for k in manifest(Arch.SM90A)
+        if k.mainloop is Mainloop.SM80_MULTISTAGE and k.dtype is DType.F16
+    ][:4]
     names = [k.name for k in ks]
     child = _CHILD_DIES_ON_ONE.replace("BAD", repr(names[1])).replace("HANG", str(hang))
     failures: list[str] = []
     built = ["x_first", *names]
-    checks = gpu_check.verify_in_children(ks, failures, timeout_s=3 if hang else 60,
-                                          child_cmd=[sys.executable, "-c", child], built=built)
+    checks = gpu_check.verify_in_children(
+        ks,
+        failures,
+        timeout_s=3 if hang else 60,
+        child_cmd=[sys.executable, "-c", child],
+        built=built,
+    )
     assert {c["kernel"]: c["ok"] for c in checks} == {n: n != names[1] for n in names}
     assert len(failures) == 1 and names[1] in failures[0]
     assert ("timed out after 3 s" if hang else "exit") in failures[0]
@@ -227,11 +239,17 @@ def test_a_fault_or_hang_costs_only_the_instance_it_hit(hang) -> None:
 
 
 def test_a_main_loop_that_hangs_every_time_is_given_up_after_two() -> None:
-    ks = [k for k in manifest(Arch.SM90A) if k.mainloop is Mainloop.SM80_MULTISTAGE and k.dtype is DType.F16][:4]
+    ks = [
+        k
+        for k in manifest(Arch.SM90A)
+        if k.mainloop is Mainloop.SM80_MULTISTAGE and k.dtype is DType.F16
+    ][:4]
     child = _CHILD_DIES_ON_ONE.replace("n == BAD", "True").replace("HANG", "True")
     failures: list[str] = []
     t0 = time.perf_counter()
-    checks = gpu_check.verify_in_children(ks, failures, timeout_s=1, child_cmd=[sys.executable, "-c", child])
+    checks = gpu_check.verify_in_children(
+        ks, failures, timeout_s=1, child_cmd=[sys.executable, "-c", child]
+    )
     assert time.perf_counter() - t0 < 10  # two time-outs, not four
     assert [c["ok"] for c in checks] == [False] * 4
     assert ks[0].name in failures[0] and ks[1].name in failures[1]
@@ -241,8 +259,9 @@ def test_a_main_loop_that_hangs_every_time_is_given_up_after_two() -> None:
 def test_a_hanging_child_times_out() -> None:
     ms, _ = _kernels()
     failures: list[str] = []
-    checks = gpu_check.verify_in_children(ms, failures, timeout_s=1,
-                                          child_cmd=[sys.executable, "-c", "import time; time.sleep(30)"])
+    checks = gpu_check.verify_in_children(
+        ms, failures, timeout_s=1, child_cmd=[sys.executable, "-c", "import time; time.sleep(30)"]
+    )
     assert [c["ok"] for c in checks] == [False] * len(ms)
     assert "timed out after 1 s" in failures[0]
 
@@ -251,8 +270,13 @@ def test_no_child_starts_once_the_budget_is_spent() -> None:
     ms, _ = _kernels()
     failures: list[str] = []
     budget = gpu_timing.Budget(0.0)
-    checks = gpu_check.verify_in_children(ms, failures, timeout_s=60, budget=budget,
-                                          child_cmd=[sys.executable, "-c", "raise SystemExit(9)"])
+    checks = gpu_check.verify_in_children(
+        ms,
+        failures,
+        timeout_s=60,
+        budget=budget,
+        child_cmd=[sys.executable, "-c", "raise SystemExit(9)"],
+    )
     assert [c["ok"] for c in checks] == [False] * len(ms)
     assert "out of time" in failures[0]
 
@@ -260,10 +284,14 @@ def test_no_child_starts_once_the_budget_is_spent() -> None:
 def test_verification_groups_by_mainloop_and_dtype() -> None:
     ks = manifest(Arch.SM90A)
     failures: list[str] = []
-    checks = gpu_check.verify_in_children(ks, failures, timeout_s=60,
-                                          child_cmd=[sys.executable, "-c", _CHILD])
+    checks = gpu_check.verify_in_children(
+        ks, failures, timeout_s=60, child_cmd=[sys.executable, "-c", _CHILD]
+    )
     assert len(failures) == 2  # sm90_cpasync_gmma/f16 and sm90_cpasync_gmma/bf16
-    assert {f.split(":")[0] for f in failures} == {"sm90_cpasync_gmma/f16", "sm90_cpasync_gmma/bf16"}
+    assert {f.split(":")[0] for f in failures} == {
+        "sm90_cpasync_gmma/f16",
+        "sm90_cpasync_gmma/bf16",
+    }
     assert sum(c["ok"] for c in checks) == sum(k.mainloop is Mainloop.SM80_MULTISTAGE for k in ks)
 
 
@@ -308,8 +336,15 @@ def test_a_failing_shape_leaves_an_error_row_and_the_run_goes_on() -> None:
         return [{"shape": name, "dtype": "float16", "method": "dense_cublas", "us": 1.0}]
 
     rows, failures, skipped, saves = [], [], [], []
-    gpu_check.run_shapes(_jobs(), bench_one, gpu_timing.Budget(100), rows, failures, skipped,
-                         lambda: saves.append(len(rows)))
+    gpu_check.run_shapes(
+        _jobs(),
+        bench_one,
+        gpu_timing.Budget(100),
+        rows,
+        failures,
+        skipped,
+        lambda: saves.append(len(rows)),
+    )
     assert [r["shape"] for r in rows] == ["s0", "s1", "s2"]
     assert "out of memory" in rows[1]["error"] and rows[1]["ok"] is False and "us" not in rows[1]
     assert len(failures) == 1 and saves == [1, 2, 3]  # saved after every shape
@@ -321,15 +356,24 @@ def test_a_lost_cuda_context_ends_the_run() -> None:
         raise gpu_check.CudaContextLost("illegal memory access")
 
     rows, failures, skipped = [], [], []
-    gpu_check.run_shapes(_jobs(), bench_one, gpu_timing.Budget(100), rows, failures, skipped, lambda: None)
+    gpu_check.run_shapes(
+        _jobs(), bench_one, gpu_timing.Budget(100), rows, failures, skipped, lambda: None
+    )
     assert len(rows) == 1 and skipped == ["s1/float16", "s2/float16"]
     assert gpu_check.exit_status(rows, failures) == gpu_check.EXIT_NO_TIMING
 
 
 def test_exit_nonzero_when_every_shape_is_skipped() -> None:
     rows, failures, skipped = [], [], []
-    gpu_check.run_shapes(_jobs(), lambda *a: pytest.fail("must not run"), gpu_timing.Budget(0.0),
-                         rows, failures, skipped, lambda: None)
+    gpu_check.run_shapes(
+        _jobs(),
+        lambda *a: pytest.fail("must not run"),
+        gpu_timing.Budget(0.0),
+        rows,
+        failures,
+        skipped,
+        lambda: None,
+    )
     assert rows == [] and skipped == ["s0/float16", "s1/float16", "s2/float16"]
     assert gpu_check.exit_status(rows, failures) == gpu_check.EXIT_NO_TIMING != 0
     assert gpu_check.exit_status([{"us": 1.0}], []) == 0
@@ -344,9 +388,13 @@ def test_time_candidates_records_errors_per_candidate() -> None:
             raise RuntimeError("launch failed: invalid argument")
         return gpu_timing.make_timing([5.0], 5.0, 1.0, False)
 
-    timings, max_err, errors = gpu_check.time_candidates(ks, time_one, lambda k: (True, 0.0), lambda: True)
+    timings, max_err, errors = gpu_check.time_candidates(
+        ks, time_one, lambda k: (True, 0.0), lambda: True
+    )
     assert list(timings) == [b.name] and "invalid argument" in errors[a.name]
-    timings, _, errors = gpu_check.time_candidates([b], time_one, lambda k: (False, 3.0), lambda: True)
+    timings, _, errors = gpu_check.time_candidates(
+        [b], time_one, lambda k: (False, 3.0), lambda: True
+    )
     assert timings == {} and "max abs err 3" in errors[b.name]
     with pytest.raises(gpu_check.CudaContextLost):
         gpu_check.time_candidates([a], time_one, lambda k: (True, 0.0), lambda: False)
@@ -383,8 +431,20 @@ def test_bench_shape_on_the_emulation_records_errors_in_rows(monkeypatch) -> Non
     monkeypatch.setattr(build, "tw_gemm_kmajor", fake_gemm)
     monkeypatch.setattr(build, "select_for", lambda launch, ext: ks[2])
     failures: list[str] = []
-    rows = gpu_check.bench_shape(None, ks, "tiny", 300, 256, 384, torch.float16, _FakeTimer(), 2,
-                                 failures, broken=set(), device="cpu")
+    rows = gpu_check.bench_shape(
+        None,
+        ks,
+        "tiny",
+        300,
+        256,
+        384,
+        torch.float16,
+        _FakeTimer(),
+        2,
+        failures,
+        broken=set(),
+        device="cpu",
+    )
     dense, tw, s24 = rows[0], rows[1:4], rows[4]
     assert dense["method"] == "dense_cublas" and dense["us"] == 11.0
     for r in tw:
@@ -403,8 +463,20 @@ def test_bench_shape_on_the_emulation_records_errors_in_rows(monkeypatch) -> Non
 def test_bench_shape_without_verified_instances_still_times_dense() -> None:
     ks = [k for k in manifest(Arch.SM90A) if k.dtype is DType.F16 and k.tile_g == 128]
     failures: list[str] = []
-    rows = gpu_check.bench_shape(None, ks, "tiny", 64, 64, 128, torch.float16, _FakeTimer(), 2,
-                                 failures, broken={k.name for k in ks}, device="cpu")
+    rows = gpu_check.bench_shape(
+        None,
+        ks,
+        "tiny",
+        64,
+        64,
+        128,
+        torch.float16,
+        _FakeTimer(),
+        2,
+        failures,
+        broken={k.name for k in ks},
+        device="cpu",
+    )
     assert rows[0]["us"] == 11.0 and all("failed verification" in r["error"] for r in rows[1:4])
     assert len(failures) == 3
 
@@ -444,12 +516,17 @@ def fake_gpu_run(monkeypatch):
     monkeypatch.setattr(build, "nvcc_version", lambda nvcc: (13, 0))
     monkeypatch.setattr(build, "device_arch", lambda *a: Arch.SM90A)
     monkeypatch.setattr(build, "load_extension", load_extension)
-    monkeypatch.setattr(build, "tw_gemm_kmajor",
-                        lambda launch, *, kernel=None, ext=None: emulate(launch, tile_m=kernel.tile_g))
+    monkeypatch.setattr(
+        build,
+        "tw_gemm_kmajor",
+        lambda launch, *, kernel=None, ext=None: emulate(launch, tile_m=kernel.tile_g),
+    )
     monkeypatch.setattr(build, "select_for", lambda launch, ext: None)
     monkeypatch.setattr(gpu_check, "verify_in_children", verify)
     monkeypatch.setattr(gpu_check, "gpu_warmup", lambda: 150.0)
-    monkeypatch.setattr(gpu_check, "Timer", lambda device: type("T", (_FakeTimer,), {"cycles_per_us": 1.0})())
+    monkeypatch.setattr(
+        gpu_check, "Timer", lambda device: type("T", (_FakeTimer,), {"cycles_per_us": 1.0})()
+    )
     monkeypatch.setattr(gpu_check, "SHAPES", [("tiny_a", 200, 128, 256), ("tiny_b", 64, 256, 128)])
     monkeypatch.setattr(gpu_check, "bench_shape", lambda *a: orig_bench(*a, device="cpu"))
     return calls, ks
@@ -480,6 +557,9 @@ def test_main_writes_json_when_the_build_fails(fake_gpu_run, tmp_path) -> None:
 
 def test_main_exits_nonzero_when_every_shape_is_skipped(fake_gpu_run, tmp_path) -> None:
     out = tmp_path / "r.json"
-    assert gpu_check.main(["--out", str(out), "--budget-s", "0", "--dtype", "f16"]) == gpu_check.EXIT_NO_TIMING
+    assert (
+        gpu_check.main(["--out", str(out), "--budget-s", "0", "--dtype", "f16"])
+        == gpu_check.EXIT_NO_TIMING
+    )
     doc = json.loads(out.read_text())
     assert doc["rows"] == [] and doc["skipped_shapes"] == ["tiny_a/float16", "tiny_b/float16"]

@@ -16,7 +16,11 @@ def test_write_json_scrubs_absolute_paths(tmp_path):
         args={"out": inside, "name": "plain", "paths": ["/a/b/c.txt", "relative/p"]},
     )
     doc = json.loads(out.read_text())
-    assert doc["args"] == {"out": "benchmarks/results/x.json", "name": "plain", "paths": ["c.txt", "relative/p"]}
+    assert doc["args"] == {
+        "out": "benchmarks/results/x.json",
+        "name": "plain",
+        "paths": ["c.txt", "relative/p"],
+    }
     assert doc["rows"] == [{"file": "data.bin", "n": 3}]
     assert str(tmp_path) not in out.read_text()
 

@@ -27,7 +27,8 @@ _MS, _GMMA = Mainloop.SM80_MULTISTAGE, Mainloop.SM90_CPASYNC_GMMA
 def _pick(arch: Arch, dtype: DType, mainloop: Mainloop):
     tb = (128, 128, 64) if mainloop is _GMMA else (128, 128, 32)
     return next(
-        k for k in manifest(arch)
+        k
+        for k in manifest(arch)
         if k.dtype is dtype and k.mainloop is mainloop and k.threadblock == tb
     )
 
@@ -91,8 +92,19 @@ def test_extension_builds_links_and_imports_without_a_gpu(require) -> None:
     layout = condense(torch.randn(40, 50, generator=g), mask, 128)
     pw = pack_weight(layout, dtype=torch.float16)
     launch = pack_launch(torch.randn(3, 40, generator=g).half(), pw)
-    args = (pw.tile_meta, pw.col_idx, pw.row_idx, pw.w, pw.lda, launch.xt, launch.yt,
-            launch.batch, 1.0, 0.0, 0)
+    args = (
+        pw.tile_meta,
+        pw.col_idx,
+        pw.row_idx,
+        pw.w,
+        pw.lda,
+        launch.xt,
+        launch.yt,
+        launch.batch,
+        1.0,
+        0.0,
+        0,
+    )
     with pytest.raises(RuntimeError, match="not in this build"):
         ext.tw_gemm("tw_gemm_no_such_instance", *args)
     with pytest.raises(RuntimeError, match="xt must be a CUDA tensor"):
@@ -113,7 +125,9 @@ def test_failed_instance_is_skipped_or_raised(require, monkeypatch, tmp_path) ->
     def broken(kernel):
         f = real(kernel)
         if kernel is bad:
-            return emit.EmittedFile(f.name, f.text + "\n#error planted compile error\n", f.input_hash)
+            return emit.EmittedFile(
+                f.name, f.text + "\n#error planted compile error\n", f.input_hash
+            )
         return f
 
     monkeypatch.setattr(emit, "emit_instance", broken)

@@ -99,7 +99,9 @@ def test_tile_sparse_linear_runs_the_cutlass_kernel(ext) -> None:
     torch.manual_seed(0)
     dense = torch.nn.Linear(300, 260)
     mask_kn = torch.rand(300, 260) < 0.5
-    module = TileSparseLinear.from_dense(dense, mask_kn, tile=128).to(device="cuda", dtype=torch.float16)
+    module = TileSparseLinear.from_dense(dense, mask_kn, tile=128).to(
+        device="cuda", dtype=torch.float16
+    )
     module.backend = "cutlass"
     x = torch.randn(64, 300, device="cuda", dtype=torch.float16)
     with torch.no_grad():
@@ -113,8 +115,15 @@ def test_cuda_op_checks_like_the_cpu_op_and_packs_once(ext, monkeypatch) -> None
 
     assert build.register_cuda_kernel()
     layout = _int_layout(96, 80, 32, seed=3)
-    cuda = TWLayout(96, 80, 32, *(getattr(layout, n).cuda() for n in
-                                  ("col_idx", "tile_ptr", "row_idx", "row_ptr", "values", "val_ptr")))
+    cuda = TWLayout(
+        96,
+        80,
+        32,
+        *(
+            getattr(layout, n).cuda()
+            for n in ("col_idx", "tile_ptr", "row_idx", "row_ptr", "values", "val_ptr")
+        ),
+    )
     cuda.values = cuda.values.half()
     x = torch.randint(-1, 2, (7, 96)).half().cuda()
     with pytest.raises(ValueError, match="backend 'cpu' runs on CPU tensors, got a cuda tensor"):
@@ -123,7 +132,9 @@ def test_cuda_op_checks_like_the_cpu_op_and_packs_once(ext, monkeypatch) -> None
         ops.tw_linear(x, cuda, torch.zeros(80, device="cuda"), "cutlass")
     packs = []
     real = build.reference.pack_weight
-    monkeypatch.setattr(build.reference, "pack_weight", lambda *a, **k: packs.append(1) or real(*a, **k))
+    monkeypatch.setattr(
+        build.reference, "pack_weight", lambda *a, **k: packs.append(1) or real(*a, **k)
+    )
     want = reference_matmul(x.cpu().float(), layout)
     for _ in range(3):
         assert torch.equal(ops.tw_linear(x, cuda, None, "cutlass").float().cpu(), want)
@@ -131,8 +142,17 @@ def test_cuda_op_checks_like_the_cpu_op_and_packs_once(ext, monkeypatch) -> None
     cuda.values.mul_(2)
     assert torch.equal(ops.tw_linear(x, cuda, None, "cutlass").float().cpu(), 2 * want)
     assert len(packs) == 2
-    broken = TWLayout(96, 80, 32, cuda.col_idx, cuda.tile_ptr + 1, cuda.row_idx, cuda.row_ptr,
-                      cuda.values, cuda.val_ptr)
+    broken = TWLayout(
+        96,
+        80,
+        32,
+        cuda.col_idx,
+        cuda.tile_ptr + 1,
+        cuda.row_idx,
+        cuda.row_ptr,
+        cuda.values,
+        cuda.val_ptr,
+    )
     with pytest.raises(ValueError, match="tile_ptr must start at 0"):
         ops.tw_linear(x, broken, None, "cutlass")
 

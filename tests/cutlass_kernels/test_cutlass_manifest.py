@@ -142,7 +142,10 @@ def test_write_sources_leaves_identical_files_untouched(tmp_path) -> None:
 
 def test_nvcc_arch_flags() -> None:
     assert emit.nvcc_arch_flags("sm_90a") == ["-gencode", "arch=compute_90a,code=sm_90a"]
-    assert emit.nvcc_arch_flags(Arch.SM80) == ["-gencode", "arch=compute_80,code=[sm_80,compute_80]"]
+    assert emit.nvcc_arch_flags(Arch.SM80) == [
+        "-gencode",
+        "arch=compute_80,code=[sm_80,compute_80]",
+    ]
 
 
 def test_import_needs_no_gpu_nvcc_or_cutlass(tmp_path) -> None:
@@ -152,7 +155,9 @@ def test_import_needs_no_gpu_nvcc_or_cutlass(tmp_path) -> None:
         " if m in sys.modules]; assert not bad, bad"
     )
     env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
-    proc = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    proc = subprocess.run(
+        [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
     assert proc.returncode == 0, proc.stderr
     assert not list(tmp_path.iterdir())  # no compiled_cache.db or anything else in the CWD
 

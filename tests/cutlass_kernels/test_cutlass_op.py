@@ -23,21 +23,37 @@ REAL_PACK_WEIGHT = reference.pack_weight
 
 def _layout(dtype: torch.dtype = torch.float32, seed: int = 0) -> TWLayout:
     gen = torch.Generator().manual_seed(seed)
-    lay = condense(torch.randint(-3, 4, (8, 6), generator=gen).float(), torch.rand(8, 6, generator=gen) < 0.5, 4)
+    lay = condense(
+        torch.randint(-3, 4, (8, 6), generator=gen).float(),
+        torch.rand(8, 6, generator=gen) < 0.5,
+        4,
+    )
     lay.values = lay.values.to(dtype)
     return lay
 
 
 def _call(x: torch.Tensor, lay: TWLayout, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
-    return build._op_impl(x, lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.values,
-                          lay.val_ptr, bias, lay.out_features, backend)
+    return build._op_impl(
+        x,
+        lay.col_idx,
+        lay.tile_ptr,
+        lay.row_idx,
+        lay.row_ptr,
+        lay.values,
+        lay.val_ptr,
+        bias,
+        lay.out_features,
+        backend,
+    )
 
 
 @pytest.mark.parametrize("backend", ["auto", "reference", "emulated", "cutlass"])
 def test_op_impl_checks_its_arguments(backend) -> None:
     lay = _layout()
     x = torch.randn(3, 8)
-    with pytest.raises(ValueError, match="x has dtype torch.float32 but the layer's values are torch.float64"):
+    with pytest.raises(
+        ValueError, match="x has dtype torch.float32 but the layer's values are torch.float64"
+    ):
         _call(x, _layout(torch.float64), None, backend)
     with pytest.raises(ValueError, match="needs a contiguous x"):
         _call(torch.randn(8, 3).T, lay, None, backend)
@@ -78,7 +94,10 @@ def test_op_impl_backend_rules() -> None:
     with pytest.raises(ValueError, match="backend 'cutlass' runs on CUDA tensors"):
         _call(x.half(), _layout(torch.float16), None, "cutlass")
     # the device rule itself, for a tensor that is not on the CPU (meta: no data, no GPU)
-    meta = [t.to("meta") for t in (x, lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.values, lay.val_ptr)]
+    meta = [
+        t.to("meta")
+        for t in (x, lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.values, lay.val_ptr)
+    ]
     with pytest.raises(ValueError, match="backend 'cpu' runs on CPU tensors, got a meta tensor"):
         build._op_impl(*meta, None, 6, "cpu")
 
@@ -97,23 +116,35 @@ class EmulatingExt:
     def instances(self) -> list[str]:
         return list(self.names)
 
-    def tw_gemm(self, name, tile_meta, col_idx, row_idx, w, lda, xt, yt, batch, alpha, beta, stream):
+    def tw_gemm(
+        self, name, tile_meta, col_idx, row_idx, w, lda, xt, yt, batch, alpha, beta, stream
+    ):
         assert name in self.names
         kernel = next(k for k in manifest(self.arch) if k.name == name)
         widest = int(tile_meta[:, 1].max()) if tile_meta.numel() else 0
-        pw = reference.TWPackedWeight(xt.shape[0], yt.shape[0], lda, widest, tile_meta, col_idx, row_idx, w)
+        pw = reference.TWPackedWeight(
+            xt.shape[0], yt.shape[0], lda, widest, tile_meta, col_idx, row_idx, w
+        )
         launch = reference.TWLaunch(pw, xt, yt, batch, batch, alpha, beta)
         reference.emulate(launch, tile_m=kernel.tile_g, batch_tile=kernel.threadblock[1])
         self.calls.append(name)
 
 
-def fake_device(monkeypatch, arch: Arch = Arch.SM90A, names: list[str] | None = None) -> EmulatingExt:
+def fake_device(
+    monkeypatch, arch: Arch = Arch.SM90A, names: list[str] | None = None
+) -> EmulatingExt:
     """CPU tensors treated as on a CUDA device of ``arch``; returns the extension stand-in."""
     ext = EmulatingExt(arch, names)
     monkeypatch.setattr(build, "device_arch", lambda device=None: arch)
     monkeypatch.setattr(build, "default_extension", lambda arch=None: ext)
-    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda d: types.SimpleNamespace(multi_processor_count=132))
-    monkeypatch.setattr(torch.cuda, "current_stream", lambda d=None: types.SimpleNamespace(cuda_stream=0))
+    monkeypatch.setattr(
+        torch.cuda,
+        "get_device_properties",
+        lambda d: types.SimpleNamespace(multi_processor_count=132),
+    )
+    monkeypatch.setattr(
+        torch.cuda, "current_stream", lambda d=None: types.SimpleNamespace(cuda_stream=0)
+    )
     return ext
 
 
@@ -219,7 +250,9 @@ def _int_layer(K: int, N: int, tile: int, dtype: torch.dtype, seed: int = 0) -> 
 @pytest.mark.parametrize("arch", [Arch.SM90A, Arch.SM80])
 @pytest.mark.parametrize("backend", ["auto", "cutlass"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tiles_wider_than_every_instance_run_on_the_kernel(monkeypatch, arch, backend, dtype) -> None:
+def test_tiles_wider_than_every_instance_run_on_the_kernel(
+    monkeypatch, arch, backend, dtype
+) -> None:
     # TileSparseConfig(tile=256) is valid, the widest instance has G = 128: the layer is packed
     # as 128-wide sub-tiles and runs on a G = 128 instance, exactly.
     ext = fake_device(monkeypatch, arch)
@@ -233,7 +266,9 @@ def test_tiles_wider_than_every_instance_run_on_the_kernel(monkeypatch, arch, ba
         got = _call(x, lay, bias, backend)
         assert torch.equal(got, reference_matmul(x, lay, bias)), M
     assert len(ext.calls) == 3
-    assert all(next(k for k in manifest(arch) if k.name == n).tile_g == 128 for n in ext.calls), ext.calls
+    assert all(next(k for k in manifest(arch) if k.name == n).tile_g == 128 for n in ext.calls), (
+        ext.calls
+    )
     pw = build.packed_weight(lay, dtype, "cpu", 128)
     assert pw.max_tile_width == 128 and pw.num_tiles > lay.num_tiles
 
@@ -245,7 +280,9 @@ def test_tw_linear_cuda_splits_tiles_for_an_explicit_kernel(monkeypatch) -> None
     want = reference_matmul(x, module.layout, module.bias.detach())
     assert torch.equal(build.tw_linear_cuda(x, module.layout, module.bias.detach()), want)
     g64 = next(k for k in manifest(Arch.SM80) if k.tile_g == 64)
-    assert torch.equal(build.tw_linear_cuda(x, module.layout, module.bias.detach(), kernel=g64), want)
+    assert torch.equal(
+        build.tw_linear_cuda(x, module.layout, module.bias.detach(), kernel=g64), want
+    )
     assert ext.calls[-1] == g64.name
 
 
@@ -258,7 +295,9 @@ def test_auto_without_an_instance_of_the_dtype_runs_the_reference(monkeypatch, c
     x = torch.randint(-1, 2, (3, 16)).half()
     with caplog.at_level(logging.WARNING, logger=build.__name__):
         for _ in range(2):
-            assert torch.equal(_call(x, module.layout, None, "auto"), reference_matmul(x, module.layout))
+            assert torch.equal(
+                _call(x, module.layout, None, "auto"), reference_matmul(x, module.layout)
+            )
     assert ext.calls == []
     assert sum("backend 'auto' runs the reference" in r.getMessage() for r in caplog.records) == 1
     with pytest.raises(ValueError, match=r"no f16/sm_90a/sm80_multistage TW kernel serves tiles"):

@@ -43,7 +43,9 @@ def test_packing_of_the_drawn_example() -> None:
     w, mask = _drawn_example()
     layout = condense(w, mask, tile=2)
     pw = pack_weight(layout)
-    assert torch.equal(pw.tile_meta, torch.tensor([[0, 2, 0, 3], [2, 1, 3, 2], [3, 1, 5, 2]], dtype=torch.int32))
+    assert torch.equal(
+        pw.tile_meta, torch.tensor([[0, 2, 0, 3], [2, 1, 3, 2], [3, 1, 5, 2]], dtype=torch.int32)
+    )
     assert torch.equal(pw.col_idx, torch.tensor([0, 1, 4, 5], dtype=torch.int32))
     assert torch.equal(pw.row_idx, torch.tensor([0, 2, 3, 0, 1, 1, 2], dtype=torch.int32))
     assert (pw.lda, pw.max_tile_width, pw.num_tiles) == (8, 2, 3)
@@ -71,7 +73,9 @@ def test_packing_of_the_drawn_example() -> None:
     assert torch.equal(y[:, 2:4], bias[2:4].expand(3, 2))
 
 
-def _layout(K: int, N: int, G: int, col_p: float, row_p: float, empty_tile: bool, seed: int) -> TWLayout:
+def _layout(
+    K: int, N: int, G: int, col_p: float, row_p: float, empty_tile: bool, seed: int
+) -> TWLayout:
     """A random TW layout built directly (so a tile may keep no rows), integer values."""
     g = torch.Generator().manual_seed(seed)
     kept = torch.nonzero(torch.rand(N, generator=g) < col_p).flatten()
@@ -89,9 +93,15 @@ def _layout(K: int, N: int, G: int, col_p: float, row_p: float, empty_tile: bool
         vals.append(block.flatten())
         val_ptr.append(val_ptr[-1] + block.numel())
     layout = TWLayout(
-        K, N, G, torch.tensor(col_idx, dtype=I64), torch.tensor(tile_ptr, dtype=I64),
-        torch.tensor(row_idx, dtype=I64), torch.tensor(row_ptr, dtype=I64),
-        torch.cat(vals) if vals else torch.zeros(0), torch.tensor(val_ptr, dtype=I64),
+        K,
+        N,
+        G,
+        torch.tensor(col_idx, dtype=I64),
+        torch.tensor(tile_ptr, dtype=I64),
+        torch.tensor(row_idx, dtype=I64),
+        torch.tensor(row_ptr, dtype=I64),
+        torch.cat(vals) if vals else torch.zeros(0),
+        torch.tensor(val_ptr, dtype=I64),
     )
     layout.validate()
     return layout
@@ -109,7 +119,9 @@ def _layout(K: int, N: int, G: int, col_p: float, row_p: float, empty_tile: bool
     with_bias=st.booleans(),
     seed=st.integers(0, 2**16),
 )
-def test_emulation_equals_reference_exactly(K, N, G, M, col_p, row_p, empty_tile, with_bias, seed) -> None:
+def test_emulation_equals_reference_exactly(
+    K, N, G, M, col_p, row_p, empty_tile, with_bias, seed
+) -> None:
     layout = _layout(K, N, G, col_p, row_p, empty_tile, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(-4, 5, (M, K), generator=g).float()
@@ -199,8 +211,18 @@ def test_op_schema_adapter_rebuilds_the_layout(backend) -> None:
     layout = _layout(33, 41, 8, 0.8, 0.5, True, 11)
     x = torch.randint(-3, 4, (6, 33)).float()
     bias = torch.randint(-3, 4, (41,)).float()
-    got = _op_impl(x, layout.col_idx, layout.tile_ptr, layout.row_idx, layout.row_ptr,
-                   layout.values, layout.val_ptr, bias, 41, backend)
+    got = _op_impl(
+        x,
+        layout.col_idx,
+        layout.tile_ptr,
+        layout.row_idx,
+        layout.row_ptr,
+        layout.values,
+        layout.val_ptr,
+        bias,
+        41,
+        backend,
+    )
     assert torch.equal(got, reference_matmul(x, layout, bias))
 
 
@@ -234,7 +256,9 @@ def test_split_packing_of_a_drawn_example() -> None:
     mask[[0, 2], :] = True
     layout = condense(w, mask, tile=5)
     pw = pack_weight(layout, max_tile_width=2)
-    assert torch.equal(pw.tile_meta, torch.tensor([[0, 2, 0, 2], [2, 2, 2, 2], [4, 1, 4, 2]], dtype=torch.int32))
+    assert torch.equal(
+        pw.tile_meta, torch.tensor([[0, 2, 0, 2], [2, 2, 2, 2], [4, 1, 4, 2]], dtype=torch.int32)
+    )
     assert torch.equal(pw.col_idx, torch.arange(5, dtype=torch.int32))  # unchanged
     assert torch.equal(pw.row_idx, torch.tensor([0, 2, 0, 2, 0, 2], dtype=torch.int32))
     assert (pw.lda, pw.max_tile_width, pw.num_tiles) == (8, 2, 3)
@@ -322,7 +346,9 @@ def test_tile_256_layer_on_128_wide_kernels_equals_tile_sparse_linear(dtype) -> 
         launch = pack_launch(x.to(dtype), pw, module.bias.detach().to(dtype))
         emulate(launch, tile_m=128)
         assert torch.equal(unpack_output(launch).float(), want)
-        with pytest.raises(ValueError, match="a tile is 256 columns wide but the kernel covers G=128"):
+        with pytest.raises(
+            ValueError, match="a tile is 256 columns wide but the kernel covers G=128"
+        ):
             emulate(pack_launch(x.to(dtype), pack_weight(layout, dtype=dtype)), tile_m=128)
     assert int(empty_first.row_ptr[1]) == 0
 
@@ -351,7 +377,9 @@ def test_k_equal_one_packs_a_kernel_pitch_and_emulates_exactly(M, with_bias) -> 
     bias = torch.randint(-3, 4, (16,)).float() if with_bias else None
     for dtype in (torch.float32, torch.float16):
         x = torch.randint(-3, 4, (M, 1)).to(dtype)
-        launch = pack_launch(x, pack_weight(layout, dtype=dtype), None if bias is None else bias.to(dtype))
+        launch = pack_launch(
+            x, pack_weight(layout, dtype=dtype), None if bias is None else bias.to(dtype)
+        )
         batch = round_up(M, 8)
         assert (launch.batch, launch.ldx, launch.ldy) == (batch, batch, batch)
         assert launch.xt.stride() == (batch, 1) and launch.yt.stride() == (batch, 1)
@@ -367,7 +395,9 @@ def test_one_output_feature_and_aligned_batches_keep_the_pitch() -> None:
         launch = pack_launch(torch.ones(M, 5), pack_weight(layout), torch.ones(1))
         assert (launch.ldx, launch.ldy) == (M, M)
         emulate(launch)
-        assert torch.equal(unpack_output(launch), reference_matmul(torch.ones(M, 5), layout, torch.ones(1)))
+        assert torch.equal(
+            unpack_output(launch), reference_matmul(torch.ones(M, 5), layout, torch.ones(1))
+        )
 
 
 def _cxx_bad_shape_condition(header: str) -> str:
@@ -384,7 +414,9 @@ def test_emulate_checks_the_launchers_shape_condition_exactly() -> None:
     cond = next(iter(conds.values()))
     values = [0, 1, 4, 7, 8, 12, 16, 24, 32]
     for batch, lda, ldx, ldy in itertools.product([8, 16, 24], values, values, values):
-        want = bool(eval(cond, {}, {"batch": batch, "lda": lda, "ldx": ldx, "ldy": ldy, "align": 8}))
+        want = bool(
+            eval(cond, {}, {"batch": batch, "lda": lda, "ldx": ldx, "ldy": ldy, "align": 8})
+        )
         assert _bad_shape(batch, lda, ldx, ldy, 8) == want, (batch, lda, ldx, ldy)
     for batch in (1, 5, 9):  # an unpadded batch is refused whatever the pitches
         assert _bad_shape(batch, 8, 16, 16, 8)
@@ -422,7 +454,9 @@ def test_emulate_refuses_pitches_the_kernel_refuses() -> None:
         emulate(dataclasses.replace(good, weight=odd))
     # the binding's own checks
     with pytest.raises(ValueError, match="w must have row pitch lda=16"):
-        emulate(dataclasses.replace(good, weight=dataclasses.replace(pw, w=torch.zeros(1, 24)[:, :16])))
+        emulate(
+            dataclasses.replace(good, weight=dataclasses.replace(pw, w=torch.zeros(1, 24)[:, :16]))
+        )
     with pytest.raises(ValueError, match="xt and yt must hold batch=8 columns"):
         emulate(dataclasses.replace(good, yt=torch.zeros(16, 8)[:, :4]))
     with pytest.raises(ValueError, match="xt must be 16-byte aligned"):
@@ -436,6 +470,8 @@ def test_emulate_refuses_pitches_the_kernel_refuses() -> None:
     emulate(dataclasses.replace(empty, xt=x.t()))
     # and a good launch passes, including the grid check
     assert check_launch(good, batch_tile=128) is True
-    huge = dataclasses.replace(good, batch=8 * 65536, xt=torch.zeros(1, 8 * 65536), yt=torch.zeros(16, 8 * 65536))
+    huge = dataclasses.replace(
+        good, batch=8 * 65536, xt=torch.zeros(1, 8 * 65536), yt=torch.zeros(16, 8 * 65536)
+    )
     with pytest.raises(ValueError, match="needs more than 65535 batch blocks"):
         check_launch(huge, batch_tile=8)

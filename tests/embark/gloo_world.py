@@ -30,8 +30,20 @@ def spawn_world(script: str | Path, world: int, out_dir: Path, timeout_s: float 
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = [
         subprocess.Popen(
-            [sys.executable, str(script), "--worker", str(r), str(world), str(out_dir / "init"), str(out_dir)],
-            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            [
+                sys.executable,
+                str(script),
+                "--worker",
+                str(r),
+                str(world),
+                str(out_dir / "init"),
+                str(out_dir),
+            ],
+            cwd=ROOT,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
         )
         for r in range(world)
     ]
@@ -86,8 +98,13 @@ def _launch_once(
     world: int, args: Sequence[str], timeout_s: float, port: int
 ) -> list[subprocess.CompletedProcess[str]]:
     base = {
-        **os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1", "WORLD_SIZE": str(world),
-        "LOCAL_WORLD_SIZE": str(world), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port),
+        **os.environ,
+        "PYTHONPATH": str(ROOT),
+        "OMP_NUM_THREADS": "1",
+        "WORLD_SIZE": str(world),
+        "LOCAL_WORLD_SIZE": str(world),
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
     }
     cmd = [sys.executable, *args]
     with tempfile.TemporaryDirectory() as tmp:
@@ -149,10 +166,16 @@ def reference_step(full, tables, batches, ups, rank: int):  # noqa: ANN001, ANN2
     pooled = {}
     for r, batch in enumerate(batches):
         for t in tables:
-            o = F.embedding_bag(
-                batch.values_for(t.name), ref_w[t.name], batch.bag_offsets(t.name),
-                mode=t.combiner.value,
-            ) if batch.batch_size else ref_w[t.name][:0]
+            o = (
+                F.embedding_bag(
+                    batch.values_for(t.name),
+                    ref_w[t.name],
+                    batch.bag_offsets(t.name),
+                    mode=t.combiner.value,
+                )
+                if batch.batch_size
+                else ref_w[t.name][:0]
+            )
             loss = loss + (o * ups[r][t.name]).sum()
             if r == rank:
                 pooled[t.name] = o.detach()

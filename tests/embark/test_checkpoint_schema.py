@@ -65,18 +65,39 @@ CASES = [
     (_with(train_config="lr=1"), "train_config must be a mapping, got 'lr=1'"),
     (_with(rng="00"), "rng.trainer_generator must be a hex string, got '00'"),
     (_with(rng={}), "rng.trainer_generator must be a hex string, got None"),
-    (_with(rng={"trainer_generator": "zz"}), "rng.trainer_generator must be a hex string, got 'zz'"),
-    (_with(rng={"trainer_generator": "0011"}), "rng.trainer_generator must be a torch.Generator state, got '2 bytes'"),
+    (
+        _with(rng={"trainer_generator": "zz"}),
+        "rng.trainer_generator must be a hex string, got 'zz'",
+    ),
+    (
+        _with(rng={"trainer_generator": "0011"}),
+        "rng.trainer_generator must be a torch.Generator state, got '2 bytes'",
+    ),
     (_with(optimizer_scalars=[]), r"optimizer_scalars must be a mapping, got \[\]"),
-    (_with(optimizer_scalars={"w": 1}), "a key of optimizer_scalars must be '<param name>::<state key>', got 'w'"),
+    (
+        _with(optimizer_scalars={"w": 1}),
+        "a key of optimizer_scalars must be '<param name>::<state key>', got 'w'",
+    ),
     (_with(optimizer_scalars={"w::step": [1]}), r"optimizer_scalars\['w::step'\] must be a number"),
     (_with(param_groups=[]), r"param_groups must be a non-empty list, got \[\]"),
     (_with(param_groups=[{"lr": 1}]), r"param_groups\[0\] must be a mapping with 'params'"),
     (_with(history={}), "history must be a list of mappings, got {}"),
-    (_with(files={}), r"files must be a record of exactly \['model.safetensors', 'optimizer.safetensors'\], got \[\]"),
-    (_files(lambda f: f.pop("model.safetensors")), r"files must be a record of exactly .*got \['optimizer.safetensors'\]"),
-    (_files(lambda f: f["model.safetensors"].update(bytes="12")), r"files\['model.safetensors'\] must be"),
-    (_files(lambda f: f["model.safetensors"].update(sha256=None)), r"files\['model.safetensors'\].sha256 must be 64"),
+    (
+        _with(files={}),
+        r"files must be a record of exactly \['model.safetensors', 'optimizer.safetensors'\], got \[\]",
+    ),
+    (
+        _files(lambda f: f.pop("model.safetensors")),
+        r"files must be a record of exactly .*got \['optimizer.safetensors'\]",
+    ),
+    (
+        _files(lambda f: f["model.safetensors"].update(bytes="12")),
+        r"files\['model.safetensors'\] must be",
+    ),
+    (
+        _files(lambda f: f["model.safetensors"].update(sha256=None)),
+        r"files\['model.safetensors'\].sha256 must be 64",
+    ),
 ]
 
 
@@ -105,14 +126,25 @@ def test_bad_state_is_named_and_touches_nothing(checkpoint, tmp_path, mutate, ma
     assert now["param_groups"] == opt["param_groups"]
     for pid, slots in opt["state"].items():
         for key, v in slots.items():
-            assert torch.equal(torch.as_tensor(now["state"][pid][key]), torch.as_tensor(v)), (pid, key)
+            assert torch.equal(torch.as_tensor(now["state"][pid][key]), torch.as_tensor(v)), (
+                pid,
+                key,
+            )
 
 
 def test_bad_workload_or_train_config_names_the_file(checkpoint, tmp_path):
     src, state, _ = checkpoint
     for field, bad, match in [
-        ("workload", state["workload"] | {"botom_mlp": [8]}, r"workload: .*unknown field\(s\) \['botom_mlp'\]"),
-        ("train_config", state["train_config"] | {"lr": "fast"}, "train_config: TrainConfig.lr must be"),
+        (
+            "workload",
+            state["workload"] | {"botom_mlp": [8]},
+            r"workload: .*unknown field\(s\) \['botom_mlp'\]",
+        ),
+        (
+            "train_config",
+            state["train_config"] | {"lr": "fast"},
+            "train_config: TrainConfig.lr must be",
+        ),
     ]:
         ck = tmp_path / field
         ck.mkdir()
@@ -135,7 +167,9 @@ def test_unknown_param_group_option_is_rejected(checkpoint, tmp_path):
     (ck / "state.json").write_text(json.dumps(bad))
     target = build_model(data.workload, seed=9)
     weights = {k: v.clone() for k, v in target.state_dict().items()}
-    with pytest.raises(ValueError, match=r"param_groups\[0\] has unknown option\(s\) \['lr_schedule'\]"):
+    with pytest.raises(
+        ValueError, match=r"param_groups\[0\] has unknown option\(s\) \['lr_schedule'\]"
+    ):
         Trainer.load_checkpoint(ck, model=target)
     assert all(torch.equal(v, target.state_dict()[k]) for k, v in weights.items())
 
@@ -153,10 +187,14 @@ def test_a_batch_larger_than_the_stream_s_is_refused(checkpoint):
     t = Trainer.load_checkpoint(ck)
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     bigger = SyntheticCTR(data.workload, batch_size=64, seed=2)
-    with pytest.raises(ValueError, match="a batch of 64 samples, but this trainer's data stream has 32"):
+    with pytest.raises(
+        ValueError, match="a batch of 64 samples, but this trainer's data stream has 32"
+    ):
         t.train_step(bigger.batch(3))
     assert t.step == 3 and all(torch.equal(v, t.model.state_dict()[k]) for k, v in before.items())
-    t.train_step(SyntheticCTR(data.workload, batch_size=20, seed=2).batch(3))  # a shorter last batch
+    t.train_step(
+        SyntheticCTR(data.workload, batch_size=20, seed=2).batch(3)
+    )  # a shorter last batch
     assert t.step == 4 and t.batch_size == 32
 
 
@@ -168,7 +206,9 @@ def test_checkpoint_from_before_batch_size_was_recorded_loads(checkpoint, tmp_pa
     ck.mkdir()
     for f in src.iterdir():
         (ck / f.name).write_bytes(f.read_bytes())
-    (ck / "state.json").write_text(json.dumps(_without("data_stream")(_without("batch_size")(state))))
+    (ck / "state.json").write_text(
+        json.dumps(_without("data_stream")(_without("batch_size")(state)))
+    )
     t = Trainer.load_checkpoint(ck)
     assert t.step == 3 and t.batch_size is None and t.data_stream is None
     t.fit(data.batches(1, start=3), 1, progress=False)

@@ -73,22 +73,30 @@ def test_malformed_line_names_file_and_line(tmp_path, bad, kind, match):
     assert info.value.line == 3 and info.value.kind == kind and isinstance(info.value, ValueError)
 
 
-@pytest.mark.parametrize("bad", [" 5", "5 ", "1_000", "+7", "\u0663", "\uff15", "--1", "-", "0x5", "5\x00"])
+@pytest.mark.parametrize(
+    "bad", [" 5", "5 ", "1_000", "+7", "\u0663", "\uff15", "--1", "-", "0x5", "5\x00"]
+)
 def test_dense_accepts_only_ascii_decimal(tmp_path, bad):
     reader = CriteoTSV(_write(tmp_path / "x", [_line()]), W, batch_size=1)
     dense = ["0"] * 13
     dense[4] = bad
-    with pytest.raises(CriteoFormatError, match=re.escape(f"I5 must be an integer, got {bad!r}")) as info:
+    with pytest.raises(
+        CriteoFormatError, match=re.escape(f"I5 must be an integer, got {bad!r}")
+    ) as info:
         reader.parse_line(_line(dense=dense), "f.tsv", 7)
     assert info.value.kind == "dense" and str(info.value).startswith("f.tsv:7: ")
 
 
-@pytest.mark.parametrize("bad", [" 68fd", "68fd ", "ab cd", "+1f", "0x1f", "1_f", "\u0663", "g1", "-0"])
+@pytest.mark.parametrize(
+    "bad", [" 68fd", "68fd ", "ab cd", "+1f", "0x1f", "1_f", "\u0663", "g1", "-0"]
+)
 def test_categorical_accepts_only_ascii_hex(tmp_path, bad):
     reader = CriteoTSV(_write(tmp_path / "x", [_line()]), W, batch_size=1)
     cats = ["0"] * 26
     cats[2] = bad
-    with pytest.raises(CriteoFormatError, match=re.escape(f"C3 must be hexadecimal, got {bad!r}")) as info:
+    with pytest.raises(
+        CriteoFormatError, match=re.escape(f"C3 must be hexadecimal, got {bad!r}")
+    ) as info:
         reader.parse_line(_line(cats=cats), "f.tsv", 7)
     assert info.value.kind == "categorical"
 

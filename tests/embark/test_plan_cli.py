@@ -14,15 +14,37 @@ from embark.types import ShardingPlan
 
 def test_cli_writes_json_fields(tmp_path, capsys):
     out = tmp_path / "plan.json"
-    rc = main(["--workload", "t200", "--topology", "dgx-h100", "--nodes", "2", "--batch-size", "16384",
-               "--out", str(out)])
+    rc = main(
+        [
+            "--workload",
+            "t200",
+            "--topology",
+            "dgx-h100",
+            "--nodes",
+            "2",
+            "--batch-size",
+            "16384",
+            "--out",
+            str(out),
+        ]
+    )
     assert rc == 0
     doc = json.loads(out.read_text())
-    for key in ("plan", "simulated_step_ms", "per_gpu", "baselines", "top_tables", "imbalance", "phases_ms"):
+    for key in (
+        "plan",
+        "simulated_step_ms",
+        "per_gpu",
+        "baselines",
+        "top_tables",
+        "imbalance",
+        "phases_ms",
+    ):
         assert key in doc, key
     assert set(doc["baselines"]) >= {"trw", "rw", "tw"}
     assert len(doc["per_gpu"]) == 16 and doc["world_size"] == 16
-    assert {"memory_gb", "lookup_ms", "comm_ms", "num_tables", "num_shards"} <= set(doc["per_gpu"][0])
+    assert {"memory_gb", "lookup_ms", "comm_ms", "num_tables", "num_shards"} <= set(
+        doc["per_gpu"][0]
+    )
     assert len(doc["top_tables"]) == 5
     assert doc["simulated_step_ms"] <= doc["baselines"]["trw"]
     plan = ShardingPlan.from_dict(doc["plan"])
@@ -35,36 +57,107 @@ def test_cli_writes_json_fields(tmp_path, capsys):
 @pytest.mark.parametrize("strategy", ["trw", "tw", "rw"])
 def test_cli_baseline_strategies(tmp_path, strategy):
     out = tmp_path / f"{strategy}.json"
-    assert main(["--workload", "tiny", "--topology", "cpu-local", "--batch-size", "256", "--strategy", strategy,
-                 "--quiet", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--workload",
+                "tiny",
+                "--topology",
+                "cpu-local",
+                "--batch-size",
+                "256",
+                "--strategy",
+                strategy,
+                "--quiet",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(out.read_text())
     assert doc["simulated_step_ms"] == pytest.approx(doc["baselines"][strategy])
 
 
 def test_cli_plan_file_round_trip_and_errors(tmp_path):
     first = tmp_path / "a.json"
-    assert main(["--workload", "tiny", "--nodes", "1", "--batch-size", "1024", "--quiet", "--out", str(first)]) == 0
+    assert (
+        main(
+            [
+                "--workload",
+                "tiny",
+                "--nodes",
+                "1",
+                "--batch-size",
+                "1024",
+                "--quiet",
+                "--out",
+                str(first),
+            ]
+        )
+        == 0
+    )
     doc = json.loads(first.read_text())
     plan_file = tmp_path / "plan.json"
     plan_file.write_text(json.dumps(doc["plan"]))
     second = tmp_path / "b.json"
-    assert main(["--workload", "tiny", "--batch-size", "1024", "--strategy", str(plan_file), "--quiet",
-                 "--out", str(second)]) == 0
+    assert (
+        main(
+            [
+                "--workload",
+                "tiny",
+                "--batch-size",
+                "1024",
+                "--strategy",
+                str(plan_file),
+                "--quiet",
+                "--out",
+                str(second),
+            ]
+        )
+        == 0
+    )
     again = json.loads(second.read_text())
     assert again["plan"] == doc["plan"]
     assert again["simulated_step_ms"] == pytest.approx(doc["simulated_step_ms"])
     bad = dict(doc["plan"], tables=doc["plan"]["tables"][1:])
     plan_file.write_text(json.dumps(bad))
     third = tmp_path / "c.json"
-    assert main(["--workload", "tiny", "--batch-size", "1024", "--strategy", str(plan_file), "--quiet",
-                 "--out", str(third)]) == 2
+    assert (
+        main(
+            [
+                "--workload",
+                "tiny",
+                "--batch-size",
+                "1024",
+                "--strategy",
+                str(plan_file),
+                "--quiet",
+                "--out",
+                str(third),
+            ]
+        )
+        == 2
+    )
     assert not third.exists()
 
 
 def test_cli_as_module():
     r = subprocess.run(
-        [sys.executable, "-m", "embark.plan", "--workload", "tiny", "--topology", "cpu-local", "--batch-size", "64"],
-        capture_output=True, text=True, check=True,
+        [
+            sys.executable,
+            "-m",
+            "embark.plan",
+            "--workload",
+            "tiny",
+            "--topology",
+            "cpu-local",
+            "--batch-size",
+            "64",
+        ],
+        capture_output=True,
+        text=True,
+        check=True,
     )
     assert "step" in r.stdout and "rank" in r.stdout.splitlines()[0]
 
@@ -88,7 +181,8 @@ def test_cli_rejects_bad_numbers_as_usage_errors(argv, message, capsys):
 def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "embark.plan", "--workload", "tiny", "--quiet", *argv],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
 
 
@@ -96,7 +190,10 @@ def _run_cli(*argv: str) -> subprocess.CompletedProcess[str]:
     ("argv", "message"),
     [
         (["--batch-size", "4"], "error: batch_size must be an integer >= world_size 8, got 4"),
-        (["--topology", "cpu-local", "--nodes", "2"], "error: cpu-local is one machine; nodes must be 1, got 2"),
+        (
+            ["--topology", "cpu-local", "--nodes", "2"],
+            "error: cpu-local is one machine; nodes must be 1, got 2",
+        ),
     ],
 )
 def test_cli_bad_combinations_exit_2_without_traceback(argv, message):
@@ -124,6 +221,22 @@ def test_cli_plan_file_with_a_non_integer_world_size(tmp_path, world, caplog):
 
 def test_cli_rounds_zero_is_allowed(tmp_path):
     out = tmp_path / "r0.json"
-    assert main(["--workload", "tiny", "--topology", "cpu-local", "--batch-size", "64", "--rounds", "0",
-                 "--quiet", "--out", str(out)]) == 0
+    assert (
+        main(
+            [
+                "--workload",
+                "tiny",
+                "--topology",
+                "cpu-local",
+                "--batch-size",
+                "64",
+                "--rounds",
+                "0",
+                "--quiet",
+                "--out",
+                str(out),
+            ]
+        )
+        == 0
+    )
     assert json.loads(out.read_text())["simulated_step_ms"] > 0

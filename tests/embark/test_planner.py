@@ -28,17 +28,26 @@ def assert_covers_once(plan: ShardingPlan, workload: Workload) -> None:
         ts = plan[cfg.name]
         if ts.cluster is Cluster.DP:
             assert sorted(ts.ranks) == list(range(plan.world_size))
-            assert all((s.row_start, s.row_end, s.col_start, s.col_end) == (0, cfg.num_rows, 0, cfg.dim) for s in ts.shards)
+            assert all(
+                (s.row_start, s.row_end, s.col_start, s.col_end) == (0, cfg.num_rows, 0, cfg.dim)
+                for s in ts.shards
+            )
             continue
-        cuts_r = sorted({0, cfg.num_rows} | {s.row_start for s in ts.shards} | {s.row_end for s in ts.shards})
-        cuts_c = sorted({0, cfg.dim} | {s.col_start for s in ts.shards} | {s.col_end for s in ts.shards})
+        cuts_r = sorted(
+            {0, cfg.num_rows} | {s.row_start for s in ts.shards} | {s.row_end for s in ts.shards}
+        )
+        cuts_c = sorted(
+            {0, cfg.dim} | {s.col_start for s in ts.shards} | {s.col_end for s in ts.shards}
+        )
         owners = np.zeros((len(cuts_r) - 1, len(cuts_c) - 1), dtype=np.int64)
         for s in ts.shards:
             i0, i1 = cuts_r.index(s.row_start), cuts_r.index(s.row_end)
             j0, j1 = cuts_c.index(s.col_start), cuts_c.index(s.col_end)
             owners[i0:i1, j0:j1] += 1
             assert 0 <= s.rank < plan.world_size
-        assert (owners == 1).all(), f"table {cfg.name}: cells owned {owners.min()}..{owners.max()} times"
+        assert (owners == 1).all(), (
+            f"table {cfg.name}: cells owned {owners.min()}..{owners.max()} times"
+        )
         assert len(set(ts.ranks)) == len(ts.ranks)
 
 
@@ -51,9 +60,15 @@ def assert_fits(plan: ShardingPlan, model: CostModel) -> None:
     assert mem.max() <= model.memory_cap_bytes, f"rank {mem.argmax()} over the cap"
 
 
-def tight_topology(workload: Workload, world_nodes: int = 2, gpn: int = 4, fill: float = 0.7) -> Topology:
+def tight_topology(
+    workload: Workload, world_nodes: int = 2, gpn: int = 4, fill: float = 0.7
+) -> Topology:
     """A DGX-H100-like topology whose HBM is just large enough (total need / fill)."""
-    need = sum(t.num_rows * t.dim for t in workload.tables) * 4 * (2 if workload.optimizer == "adagrad" else 1)
+    need = (
+        sum(t.num_rows * t.dim for t in workload.tables)
+        * 4
+        * (2 if workload.optimizer == "adagrad" else 1)
+    )
     cap = need / fill / (world_nodes * gpn) / 0.9
     base = get_topology("dgx-h100", world_nodes)
     return replace(base, name="tight", gpus_per_node=gpn, hbm_capacity_bytes=cap)
@@ -120,12 +135,15 @@ def test_grid_traffic_equals_model_traffic():
         n = len(ts.column_blocks)
         split = Split(len(ts.shards) // n, n, ts.cluster)
         kinds.add((ts.sharding_type, ts.cluster))
-        np.testing.assert_allclose(g.grid_traffic(ts.name, grid_of(ts), split), model.traffic(ts), rtol=1e-12)
+        np.testing.assert_allclose(
+            g.grid_traffic(ts.name, grid_of(ts), split), model.traffic(ts), rtol=1e-12
+        )
     assert len(kinds) >= 2
 
 
 @pytest.mark.parametrize(
-    "workload_name, nodes", [("dlrm_dcnv2", 1), ("dlrm_dcnv2", 2), ("t180", 2), ("t200", 2), ("t510", 1)]
+    "workload_name, nodes",
+    [("dlrm_dcnv2", 1), ("dlrm_dcnv2", 2), ("t180", 2), ("t200", 2), ("t510", 1)],
 )
 def test_ours_never_worse_than_table_row_wise(workload_name, nodes):
     w = get_workload(workload_name)
@@ -139,17 +157,24 @@ def test_ours_never_worse_than_table_row_wise(workload_name, nodes):
 
 def test_constraints_are_honoured():
     tiny = get_workload("tiny")
-    w = replace(tiny, tables=tuple(replace(t, dim=128) if t.name == "t3" else t for t in tiny.tables))
+    w = replace(
+        tiny, tables=tuple(replace(t, dim=128) if t.name == "t3" else t for t in tiny.tables)
+    )
     topo = get_topology("dgx-h100", 2)
     cons = {
         "t0": TableConstraints(sharding_types=(ShardingType.TW,), ranks=(5,)),
-        "t1": TableConstraints(cluster=Cluster.UNIQUE, sharding_types=(ShardingType.TRW, ShardingType.RW)),
+        "t1": TableConstraints(
+            cluster=Cluster.UNIQUE, sharding_types=(ShardingType.TRW, ShardingType.RW)
+        ),
         "t2": TableConstraints(cluster=Cluster.DP),
         "t3": TableConstraints(sharding_types=(ShardingType.CW,), ranks=(8, 9, 10, 11)),
     }
     plan = plan_sharding(w, topo, 4096, constraints=cons)
     assert plan["t0"].sharding_type is ShardingType.TW and plan["t0"].ranks == (5,)
-    assert plan["t1"].cluster is Cluster.UNIQUE and plan["t1"].sharding_type in (ShardingType.TRW, ShardingType.RW)
+    assert plan["t1"].cluster is Cluster.UNIQUE and plan["t1"].sharding_type in (
+        ShardingType.TRW,
+        ShardingType.RW,
+    )
     assert plan["t2"].sharding_type is ShardingType.DP
     assert plan["t3"].sharding_type is ShardingType.CW and set(plan["t3"].ranks) <= {8, 9, 10, 11}
     assert_covers_once(plan, w)
@@ -157,16 +182,38 @@ def test_constraints_are_honoured():
 
 def test_infeasible_inputs_raise_planner_error():
     w = get_workload("t200")
-    with pytest.raises(PlannerError, match=r"needs 415\.45 GB .* 4 GPUs hold 288\.00 GB \(short by 127\.45 GB\)"):
+    with pytest.raises(
+        PlannerError, match=r"needs 415\.45 GB .* 4 GPUs hold 288\.00 GB \(short by 127\.45 GB\)"
+    ):
         plan_sharding(w, replace(get_topology("dgx-h100"), gpus_per_node=4), 65536)
-    big = get_workload("t180")  # one 500M × 32 table: 64 GB, more than 80 GB × 0.9 minus replicas allows
+    big = get_workload(
+        "t180"
+    )  # one 500M × 32 table: 64 GB, more than 80 GB × 0.9 minus replicas allows
     topo = replace(get_topology("dgx-h100", 1), hbm_capacity_bytes=60e9)
-    with pytest.raises(PlannerError, match=r"table 't176' \(64\.00 GB .* needs 64\.00 GB per shard .* \(short by 10\.24 GB\)"):
-        plan_sharding(big, topo, 65536, constraints={"t176": TableConstraints(sharding_types=(ShardingType.TW,))})
+    with pytest.raises(
+        PlannerError,
+        match=r"table 't176' \(64\.00 GB .* needs 64\.00 GB per shard .* \(short by 10\.24 GB\)",
+    ):
+        plan_sharding(
+            big,
+            topo,
+            65536,
+            constraints={"t176": TableConstraints(sharding_types=(ShardingType.TW,))},
+        )
     with pytest.raises(PlannerError, match="pinned rank 99"):
-        plan_sharding(get_workload("tiny"), get_topology("dgx-h100"), 4096, constraints={"t0": TableConstraints(ranks=(99,))})
+        plan_sharding(
+            get_workload("tiny"),
+            get_topology("dgx-h100"),
+            4096,
+            constraints={"t0": TableConstraints(ranks=(99,))},
+        )
     with pytest.raises(PlannerError, match="'nope', which is not in the workload"):
-        plan_sharding(get_workload("tiny"), get_topology("dgx-h100"), 4096, constraints={"nope": TableConstraints()})
+        plan_sharding(
+            get_workload("tiny"),
+            get_topology("dgx-h100"),
+            4096,
+            constraints={"nope": TableConstraints()},
+        )
     with pytest.raises(PlannerError, match="data_parallel plan does not fit: rank 0 needs"):
         BASELINES["dp"](CostModel(w, get_topology("dgx-h100", 1), 65536))
 

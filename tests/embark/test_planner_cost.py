@@ -112,8 +112,10 @@ def test_memory_and_data_parallel_allreduce():
     sparse = m.tables["t"].local_unique * (t.dim * 4 + 8)
     ring_time = m._link_time(2 * 0.5 * ring, 2 * 0.5 * ring / 2)
     sparse_time = m._link_time(2 * sparse, sparse)
-    assert m._link_time(tr[0, C.AR_INTRA], tr[0, C.AR_INTER]) == pytest.approx(min(ring_time, sparse_time))
-    assert not tr[:, C.KEY_SEND_INTRA:C.OUT_RECV_INTER + 1].any()
+    assert m._link_time(tr[0, C.AR_INTRA], tr[0, C.AR_INTER]) == pytest.approx(
+        min(ring_time, sparse_time)
+    )
+    assert not tr[:, C.KEY_SEND_INTRA : C.OUT_RECV_INTER + 1].any()
 
 
 def test_phase_times_use_max_of_send_and_receive():

@@ -48,7 +48,10 @@ def test_short_form_yaml(tmp_path):
     assert plan["t1"].sharding_type is ShardingType.TW and plan["t1"].ranks == (3,)
     assert plan["t2"].sharding_type is ShardingType.TRW and plan["t2"].cluster is Cluster.UNIQUE
     assert plan["t2"].comm_dtype is CommDtype.BF16
-    assert plan["t3"].sharding_type is ShardingType.THREE_D and plan["t3"].column_blocks == ((0, 8), (8, 16))
+    assert plan["t3"].sharding_type is ShardingType.THREE_D and plan["t3"].column_blocks == (
+        (0, 8),
+        (8, 16),
+    )
     assert plan["t4"].sharding_type is ShardingType.RW
     assert plan["t5"].sharding_type is ShardingType.CW
     assert simulate(plan, CostModel(W, TOPO, 1024)).step_ms > 0
@@ -113,7 +116,9 @@ def test_invalid_hand_written_plans(kind, match):
 
 def test_plan_for_other_topology_rejected():
     d = _break("trw across nodes")
-    with pytest.raises(PlanError, match="plan is for 8 ranks \\(4 per node\\) but topology 'dgx-h100'"):
+    with pytest.raises(
+        PlanError, match="plan is for 8 ranks \\(4 per node\\) but topology 'dgx-h100'"
+    ):
         load_plan(d, W, TOPO)
 
 
@@ -126,7 +131,10 @@ def test_short_form_errors():
     with pytest.raises(PlanError, match=r"table 't1': unknown cluster 'magic'"):
         load_plan(bad, W, TOPO)
     bad["tables"][1] = {"name": "t1", "ranks": [3], "sharding_type": "row_wise"}
-    with pytest.raises(PlanError, match=r"table 't1': sharding_type 'row_wise' does not match its layout, which is 'table_wise'"):
+    with pytest.raises(
+        PlanError,
+        match=r"table 't1': sharding_type 'row_wise' does not match its layout, which is 'table_wise'",
+    ):
         load_plan(bad, W, TOPO)
     bad["tables"][1] = {"name": "t1"}
     with pytest.raises(PlanError, match=r"table 't1': give 'shards', 'ranks' or 'grid'"):
@@ -147,7 +155,9 @@ def test_unreadable_file(tmp_path):
 
 def test_constraints_file(tmp_path):
     p = tmp_path / "c.yaml"
-    p.write_text("t3: {sharding_types: [table_wise], ranks: [2], cluster: unique}\nt0: {cluster: data_parallel}\n")
+    p.write_text(
+        "t3: {sharding_types: [table_wise], ranks: [2], cluster: unique}\nt0: {cluster: data_parallel}\n"
+    )
     cons = load_constraints(p, W)
     assert cons["t3"] == TableConstraints((ShardingType.TW,), (2,), Cluster.UNIQUE)
     plan = plan_sharding(W, TOPO, 1024, constraints=cons)
@@ -157,12 +167,19 @@ def test_constraints_file(tmp_path):
     with pytest.raises(ValueError, match="'t42', which is not in workload 'tiny'"):
         load_constraints(p, W)
     p.write_text("t1: {sharding_types: [diagonal]}\n")
-    with pytest.raises(ValueError, match="constraints for table 't1': sharding_types must be among"):
+    with pytest.raises(
+        ValueError, match="constraints for table 't1': sharding_types must be among"
+    ):
         load_constraints(p, W)
     # a scalar where a list belongs: named, not a TypeError or a string split into letters
     p.write_text("t0: {ranks: 3}\n")
-    with pytest.raises(ValueError, match=r"constraints for table 't0': ranks must be a list, got 3"):
+    with pytest.raises(
+        ValueError, match=r"constraints for table 't0': ranks must be a list, got 3"
+    ):
         load_constraints(p, W)
     p.write_text("t0: {sharding_types: table_wise}\n")
-    with pytest.raises(ValueError, match=r"constraints for table 't0': sharding_types must be a list, got 'table_wise'"):
+    with pytest.raises(
+        ValueError,
+        match=r"constraints for table 't0': sharding_types must be a list, got 'table_wise'",
+    ):
         load_constraints(p, W)

@@ -38,7 +38,10 @@ WIRE_ATOL = 1e-2  # 16-bit wires, 5 steps: observed max |diff| 3.8e-3 (fp16, wor
 # 3e-8. A starting sum of 0.01 bounds the denominator (>= 0.1) and makes the check well posed.
 CASES: dict[str, dict[str, Any]] = {
     "adagrad": {
-        "optimizer": "adagrad", "lr": 0.05, "embedding_lr": 0.1, "initial_accumulator_value": 0.01,
+        "optimizer": "adagrad",
+        "lr": 0.05,
+        "embedding_lr": 0.1,
+        "initial_accumulator_value": 0.01,
     },
     "sgd_momentum": {"optimizer": "sgd", "lr": 0.05, "embedding_lr": 0.2, "momentum": 0.9},
 }
@@ -77,10 +80,14 @@ def tiny_plan(world: int) -> dict[str, Any]:
     spec = {  # name: (sharding_type, cluster, shards)
         "t0": ("row_wise", "reduction", _rows("t0", 1000, 16, every)),
         "t1": ("table_wise", "unique", _rows("t1", 500, 16, [1])),
-        "t2": ("column_wise", "reduction", [
-            {"rank": r, "row_start": 0, "row_end": 200, "col_start": c0, "col_end": c1}
-            for r, (c0, c1) in zip(every[::-1], zip(_cuts(16, world), _cuts(16, world)[1:]))
-        ]),
+        "t2": (
+            "column_wise",
+            "reduction",
+            [
+                {"rank": r, "row_start": 0, "row_end": 200, "col_start": c0, "col_end": c1}
+                for r, (c0, c1) in zip(every[::-1], zip(_cuts(16, world), _cuts(16, world)[1:]))
+            ],
+        ),
         "t3": ("data_parallel", "data_parallel", None),
         "t4": ("table_wise", "reduction", _rows("t4", 100, 16, [last])),
         "t5": ("data_parallel", "data_parallel", None),
@@ -95,10 +102,16 @@ def tiny_plan(world: int) -> dict[str, Any]:
                 {"rank": r, "row_start": 0, "row_end": t.num_rows, "col_start": 0, "col_end": t.dim}
                 for r in every
             ]
-        entries.append({
-            "name": name, "num_rows": t.num_rows, "dim": t.dim, "sharding_type": stype,
-            "cluster": cluster, "shards": shards,
-        })
+        entries.append(
+            {
+                "name": name,
+                "num_rows": t.num_rows,
+                "dim": t.dim,
+                "sharding_type": stype,
+                "cluster": cluster,
+                "shards": shards,
+            }
+        )
     return {"world_size": world, "gpus_per_node": GPN, "tables": entries}
 
 
@@ -135,11 +148,18 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             if wire == "mixed":  # several wire dtypes in one exchange
                 for i, t in enumerate(plan_d["tables"]):
                     t["comm_dtype"] = ("fp32", "fp16", "bf16")[i % 3]
-            model = ShardedDLRM(build_model(workload, seed=MODEL_SEED), ShardingPlan.from_dict(plan_d),
-                                rank, comm_dtype=None if wire == "mixed" else wire)
+            model = ShardedDLRM(
+                build_model(workload, seed=MODEL_SEED),
+                ShardingPlan.from_dict(plan_d),
+                rank,
+                comm_dtype=None if wire == "mixed" else wire,
+            )
             trainer = ShardedTrainer(model, TrainConfig(**CASES[cfg_name]))
             losses = [trainer.train_step(local_batch(b, rank, world)) for b in batches]
-            save_file(model.full_state_dict(dst=None), str(Path(out_dir, f"{case}-rank{rank}.safetensors")))
+            save_file(
+                model.full_state_dict(dst=None),
+                str(Path(out_dir, f"{case}-rank{rank}.safetensors")),
+            )
             report[case] = {"losses": losses, "step": trainer.step}
         report["resume"] = _resume(rank, world, out_dir, batches)
         report["groups"] = _groups_on_a_rank_without_tables(rank, world, out_dir, batches)
@@ -167,7 +187,9 @@ def _resume(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str
     if rank < 2:
         model = ShardedDLRM(
             build_model(get_workload("tiny"), seed=MODEL_SEED),
-            ShardingPlan.from_dict(tiny_plan(2)), rank, group,
+            ShardingPlan.from_dict(tiny_plan(2)),
+            rank,
+            group,
         )
         first = ShardedTrainer(model, TrainConfig(**CASES["adagrad"]))
         for b in batches[:RESUME_AT]:
@@ -177,11 +199,16 @@ def _resume(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str
     trainer = load_sharded_checkpoint(ckpt, ShardingPlan.from_dict(tiny_plan(world)), rank)
     start = trainer.step
     losses = [trainer.train_step(local_batch(b, rank, world)) for b in batches[start:]]
-    save_file(trainer.model.full_state_dict(dst=None), str(Path(out_dir, f"resume-rank{rank}.safetensors")))
+    save_file(
+        trainer.model.full_state_dict(dst=None),
+        str(Path(out_dir, f"resume-rank{rank}.safetensors")),
+    )
     return {"start": start, "losses": losses, "step": trainer.step}
 
 
-def _groups_on_a_rank_without_tables(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str, Any]:
+def _groups_on_a_rank_without_tables(
+    rank: int, world: int, out_dir: str, batches: list[Any]
+) -> dict[str, Any]:
     """Every table table-wise on the last rank, so the others hold no embedding parameter
     (their optimizer has only the ``dense`` group): train 2 steps, checkpoint, resume, and
     resume a single-process checkpoint; the learning rate of each group, by name."""
@@ -195,11 +222,31 @@ def _groups_on_a_rank_without_tables(rank: int, world: int, out_dir: str, batche
     from embark.workloads import get_workload
 
     workload = get_workload("tiny")
-    plan = ShardingPlan.from_dict({"world_size": world, "gpus_per_node": GPN, "tables": [
-        {"name": t.name, "num_rows": t.num_rows, "dim": t.dim, "sharding_type": "table_wise",
-         "cluster": "reduction", "shards": [
-             {"rank": world - 1, "row_start": 0, "row_end": t.num_rows, "col_start": 0, "col_end": t.dim}]}
-        for t in workload.tables]})
+    plan = ShardingPlan.from_dict(
+        {
+            "world_size": world,
+            "gpus_per_node": GPN,
+            "tables": [
+                {
+                    "name": t.name,
+                    "num_rows": t.num_rows,
+                    "dim": t.dim,
+                    "sharding_type": "table_wise",
+                    "cluster": "reduction",
+                    "shards": [
+                        {
+                            "rank": world - 1,
+                            "row_start": 0,
+                            "row_end": t.num_rows,
+                            "col_start": 0,
+                            "col_end": t.dim,
+                        }
+                    ],
+                }
+                for t in workload.tables
+            ],
+        }
+    )
     cfg = TrainConfig(optimizer="adagrad", lr=0.02, embedding_lr=0.1)
     trainer = ShardedTrainer(ShardedDLRM(build_model(workload, seed=MODEL_SEED), plan, rank), cfg)
     for b in batches[:2]:
@@ -218,13 +265,18 @@ def _groups_on_a_rank_without_tables(rank: int, world: int, out_dir: str, batche
         "live": lrs(trainer),
         "resumed": lrs(load_sharded_checkpoint(ckpt, plan, rank)),
         "from_single": lrs(load_sharded_checkpoint(single, plan, rank)),
-        "saved": {g["name"]: g["lr"] for g in json.loads((ckpt / "state.json").read_text())["param_groups"]},
+        "saved": {
+            g["name"]: g["lr"]
+            for g in json.loads((ckpt / "state.json").read_text())["param_groups"]
+        },
     }
 
 
 # ------------------------------------------------------------------------------- tests
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def runs(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, Path]:
+def runs(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, Path]:
     world = request.param
     d = tmp_path_factory.mktemp(f"sharded_train{world}")
     spawn_world(__file__, world, d, timeout_s=240)
@@ -299,8 +351,9 @@ def test_16bit_wires_train_like_fp32(runs: Any, reference: Any, case: str) -> No
             worst = max(worst, float((got[k] - want[k]).abs().max()))
         rep = json.loads((d / f"rank{r}.json").read_text())[case]
         assert rep["step"] == STEPS
-        torch.testing.assert_close(torch.tensor(rep["losses"]), torch.tensor(want_losses),
-                                   atol=WIRE_ATOL, rtol=0)
+        torch.testing.assert_close(
+            torch.tensor(rep["losses"]), torch.tensor(want_losses), atol=WIRE_ATOL, rtol=0
+        )
     assert worst > ATOL, f"{case}: no weight moved by more than {ATOL}: was the 16-bit wire used?"
 
 
@@ -369,7 +422,11 @@ def test_checkpoint_from_world_2_resumes_in_one_process(runs: Any, reference: An
     mine = dict(t.model.named_parameters())
     for n, p in ref.model.named_parameters():
         torch.testing.assert_close(
-            t.optimizer.state[mine[n]]["sum"], ref.optimizer.state[p]["sum"], atol=ATOL, rtol=0, msg=n
+            t.optimizer.state[mine[n]]["sum"],
+            ref.optimizer.state[p]["sum"],
+            atol=ATOL,
+            rtol=0,
+            msg=n,
         )
         assert float(t.optimizer.state[mine[n]]["step"]) == STEPS
 

@@ -27,16 +27,42 @@ def test_torchrun_two_ranks_with_a_plan_file(tmp_path: Path) -> None:
     out = tmp_path / "results.json"
     cmd = [
         # a static rendezvous on a free port: --standalone's c10d rendezvous adds ~6 s here
-        sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", "2",
-        "--master-addr", "127.0.0.1", "--master-port", str(free_port()),
-        "-m", "embark.sharded_train", "--workload", "tiny", "--steps", "4", "--batch-size", "64",
-        "--eval-batches", "1", "--log-every", "2", "--plan", str(plan), "--out", str(out),
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(free_port()),
+        "-m",
+        "embark.sharded_train",
+        "--workload",
+        "tiny",
+        "--steps",
+        "4",
+        "--batch-size",
+        "64",
+        "--eval-batches",
+        "1",
+        "--log-every",
+        "2",
+        "--plan",
+        str(plan),
+        "--out",
+        str(out),
     ]
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-3000:]
     assert p.stdout.count("sharded_train [tiny, world 2, 4 steps × 64]") == 1  # rank 0 only
-    assert [line.split()[1] for line in p.stdout.splitlines() if line.startswith("step")] == ["2", "4"]
+    assert [line.split()[1] for line in p.stdout.splitlines() if line.startswith("step")] == [
+        "2",
+        "4",
+    ]
     res = json.loads(out.read_text())
     assert res["world_size"] == 2 and res["steps"] == 4
     assert ShardingPlan.from_dict(res["plan"]) == ShardingPlan.from_dict(tiny_plan(2))

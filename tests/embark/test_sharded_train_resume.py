@@ -38,10 +38,23 @@ def runs(tmp_path_factory: pytest.TempPathFactory) -> Path:
     plan = d / "plan2.json"
     plan.write_text(json.dumps(tiny_plan(2)))  # TW, RW, CW, TRW, DP: resharded to world 1
     _ok(_ranks(2, "--steps", "4", "--plan", str(plan), "--checkpoint-dir", str(d / "c4")))
-    out = _ok(_ranks(1, "--steps", "6", "--resume", str(d / "c4"), "--checkpoint-dir", str(d / "c6r")))
+    out = _ok(
+        _ranks(1, "--steps", "6", "--resume", str(d / "c4"), "--checkpoint-dir", str(d / "c6r"))
+    )
     assert "sharded_train [tiny, world 1, 6 steps × 64]" in out and "(resumed at step 4)" in out
-    _ok(_ranks(2, "--steps", "6", "--plan", str(plan), "--checkpoint-dir", str(d / "c6"),
-               "--checkpoint-every", "3"))
+    _ok(
+        _ranks(
+            2,
+            "--steps",
+            "6",
+            "--plan",
+            str(plan),
+            "--checkpoint-dir",
+            str(d / "c6"),
+            "--checkpoint-every",
+            "3",
+        )
+    )
     return d
 
 
@@ -81,7 +94,10 @@ def test_resume_errors_in_process(runs: Path, caplog: pytest.LogCaptureFixture) 
         (["--resume", c4, "--steps", "3"], "is at step 4, past --steps 3"),
         (["--resume", c4, "--batch-size", "32"], "was trained with --batch-size 64, not 32"),
         (["--resume", c4, "--ragged"], "was trained with --ragged False, not True"),
-        (["--resume", c4, "--label-sharpness", "8"], "was trained with --label-sharpness 2.0, not 8.0"),
+        (
+            ["--resume", c4, "--label-sharpness", "8"],
+            "was trained with --label-sharpness 2.0, not 8.0",
+        ),
     ]
     for argv, msg in cases:
         caplog.clear()
@@ -96,8 +112,16 @@ def test_resume_keeps_the_checkpoints_batch_size(
     sizes and streams were recorded resumes with --batch-size (default 512) and the stream
     flags, warning that they must match, and its next checkpoint records them."""
     out = tmp_path / "r.json"
-    assert main(["--steps", "4", "--eval-batches", "1", "--resume", str(runs / "c4"), "--out", str(out)]) == 0
-    assert json.loads(out.read_text())["batch_size"] == 64 and "4 steps × 64]" in capsys.readouterr().out
+    assert (
+        main(
+            ["--steps", "4", "--eval-batches", "1", "--resume", str(runs / "c4"), "--out", str(out)]
+        )
+        == 0
+    )
+    assert (
+        json.loads(out.read_text())["batch_size"] == 64
+        and "4 steps × 64]" in capsys.readouterr().out
+    )
     old = tmp_path / "old"
     shutil.copytree(runs / "c4", old)
     state = json.loads((old / "state.json").read_text())
@@ -125,14 +149,34 @@ def test_a_train_dlrm_checkpoint_resumes_on_its_own_data_stream(tmp_path: Path) 
     from recipes.train_dlrm import main as train_dlrm
 
     def knobs(steps: int, out: str) -> TrainDLRMKnobs:
-        return TrainDLRMKnobs(steps=steps, batch_size=64, ragged=True, label_sharpness=8.0,
-                              eval_batches=1, train_eval_batches=1, out=str(tmp_path / out),
-                              progress=False)
+        return TrainDLRMKnobs(
+            steps=steps,
+            batch_size=64,
+            ragged=True,
+            label_sharpness=8.0,
+            eval_batches=1,
+            train_eval_batches=1,
+            out=str(tmp_path / out),
+            progress=False,
+        )
 
     train_dlrm(knobs(4, "four"))
     train_dlrm(knobs(6, "six"))
-    assert main(["--steps", "6", "--eval-batches", "1", "--resume", str(tmp_path / "four" / "checkpoint"),
-                 "--checkpoint-dir", str(tmp_path / "resumed")]) == 0
+    assert (
+        main(
+            [
+                "--steps",
+                "6",
+                "--eval-batches",
+                "1",
+                "--resume",
+                str(tmp_path / "four" / "checkpoint"),
+                "--checkpoint-dir",
+                str(tmp_path / "resumed"),
+            ]
+        )
+        == 0
+    )
     state = json.loads((tmp_path / "resumed" / "state.json").read_text())
     assert state["data_stream"]["ragged"] is True and state["data_stream"]["label_sharpness"] == 8.0
     resumed = load_file(tmp_path / "resumed" / "model.safetensors")

@@ -48,7 +48,13 @@ def _row_shards(ranks: list[int], n: int, c0: int, c1: int, salt: int) -> list[d
 
 
 def _table_entry(
-    name: str, stype: str, cluster: str, world: int, rows: int, dim: int, salt: int,
+    name: str,
+    stype: str,
+    cluster: str,
+    world: int,
+    rows: int,
+    dim: int,
+    salt: int,
     comm: str = "fp32",
 ) -> dict[str, Any]:
     nodes = world // GPN
@@ -63,7 +69,13 @@ def _table_entry(
         owners = list(range(world)) if world == 2 else [1, 2, 3]
         cuts = _splits(dim, len(owners), salt)
         shards = [
-            {"rank": r, "row_start": 0, "row_end": rows, "col_start": cuts[i], "col_end": cuts[i + 1]}
+            {
+                "rank": r,
+                "row_start": 0,
+                "row_end": rows,
+                "col_start": cuts[i],
+                "col_end": cuts[i + 1],
+            }
             for i, r in enumerate(owners)
         ]
     elif stype == "row_wise":
@@ -76,12 +88,21 @@ def _table_entry(
         if world == 2:
             shards = _row_shards([1], rows, 0, half, 0) + _row_shards([0], rows, half, dim, 0)
         elif salt % 2:  # 2 × 2 grid, the two column blocks split their rows differently
-            shards = _row_shards([0, 1], rows, 0, half, salt) + _row_shards([3, 2], rows, half, dim, salt + 1)
+            shards = _row_shards([0, 1], rows, 0, half, salt) + _row_shards(
+                [3, 2], rows, half, dim, salt + 1
+            )
         else:  # 3 row shards beside 1 whole column block
-            shards = _row_shards([2, 0, 1], rows, 0, half, salt) + _row_shards([3], rows, half, dim, 0)
+            shards = _row_shards([2, 0, 1], rows, 0, half, salt) + _row_shards(
+                [3], rows, half, dim, 0
+            )
     return {
-        "name": name, "num_rows": rows, "dim": dim, "sharding_type": stype, "cluster": cluster,
-        "comm_dtype": comm, "shards": shards,
+        "name": name,
+        "num_rows": rows,
+        "dim": dim,
+        "sharding_type": stype,
+        "cluster": cluster,
+        "comm_dtype": comm,
+        "shards": shards,
     }
 
 
@@ -94,11 +115,16 @@ def main_case(world: int) -> tuple[list[dict[str, Any]], dict[str, Any]]:
     salt = 0
     specs = [
         (st, cl, comb, "fp32")
-        for st in SHARDED for cl in ("reduction", "unique") for comb in ("sum", "mean")
+        for st in SHARDED
+        for cl in ("reduction", "unique")
+        for comb in ("sum", "mean")
     ]
     specs += [("data_parallel", "data_parallel", c, "fp32") for c in ("sum", "mean")]
-    specs += [("row_wise", "reduction", "mean", "fp16"), ("3d", "unique", "sum", "bf16"),
-              ("data_parallel", "data_parallel", "sum", "bf16")]
+    specs += [
+        ("row_wise", "reduction", "mean", "fp16"),
+        ("3d", "unique", "sum", "bf16"),
+        ("data_parallel", "data_parallel", "sum", "bf16"),
+    ]
     for st, cl, comb, comm in specs:
         salt += 1
         name = f"{st}-{cl}-{comb}-{comm}"
@@ -158,9 +184,16 @@ def _batches(
     return batches, grads
 
 
-def _run_case(name: str, tables_d: list[Any], plan_d: dict[str, Any], rank: int, world: int,
-              comm_dtype: str | None = None, hierarchical: bool = False,
-              pipelined: bool = False) -> dict[str, Any]:
+def _run_case(
+    name: str,
+    tables_d: list[Any],
+    plan_d: dict[str, Any],
+    rank: int,
+    world: int,
+    comm_dtype: str | None = None,
+    hierarchical: bool = False,
+    pipelined: bool = False,
+) -> dict[str, Any]:
     import torch
 
     from embark.sharding import ShardedEmbeddingCollection
@@ -176,7 +209,9 @@ def _run_case(name: str, tables_d: list[Any], plan_d: dict[str, Any], rank: int,
             full[t.name] = torch.randint(-8, 9, (t.num_rows, t.dim), generator=g).float()
         else:
             full[t.name] = torch.randn(t.num_rows, t.dim, generator=g)
-    m = ShardedEmbeddingCollection(tables, plan, rank, comm_dtype=comm_dtype, hierarchical=hierarchical)
+    m = ShardedEmbeddingCollection(
+        tables, plan, rank, comm_dtype=comm_dtype, hierarchical=hierarchical
+    )
     m.load_full_weights(full)
     result: dict[str, Any] = {t.name: {"fwd": True, "grad": True, "err": 0.0} for t in tables}
 
@@ -190,7 +225,9 @@ def _run_case(name: str, tables_d: list[Any], plan_d: dict[str, Any], rank: int,
         return a.shape == b.shape and err <= tol, err
 
     inexact = frozenset(n for n, w in wire.items() if w != "fp32")
-    data = [_batches(tables, world, seed=100 * it + 7, inexact=inexact) for it in range(NUM_BATCHES)]
+    data = [
+        _batches(tables, world, seed=100 * it + 7, inexact=inexact) for it in range(NUM_BATCHES)
+    ]
     local = [batches[rank] for batches, _ in data]
     # lazily: batch i+1 is pooled (pipelined: its keys sent) after batch i's backward
     outs = m.pipeline(local) if pipelined else (m(b) for b in local)
@@ -254,7 +291,10 @@ def _run_errors(rank: int, world: int) -> dict[str, str]:
 
     def with_bad_id(batch: JaggedBatch) -> JaggedBatch:
         per = batch.per_key()
-        per[bad_name] = (torch.tensor([0, bad_id]), torch.tensor([2] + [0] * (batch.batch_size - 1), dtype=torch.int32))
+        per[bad_name] = (
+            torch.tensor([0, bad_id]),
+            torch.tensor([2] + [0] * (batch.batch_size - 1), dtype=torch.int32),
+        )
         return JaggedBatch.from_per_key(per)
 
     mine = batches[rank]
@@ -285,7 +325,9 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         report["lonely"] = _run_case("lonely", t, p, rank, world)
         t, p = hier_case(world)
         report["trw_flat"] = _run_case("trw_flat", t, p, rank, world)
-        report["trw_hierarchical"] = _run_case("trw_hierarchical", t, p, rank, world, hierarchical=True)
+        report["trw_hierarchical"] = _run_case(
+            "trw_hierarchical", t, p, rank, world, hierarchical=True
+        )
         report["errors"] = _run_errors(rank, world)
     finally:
         Path(out_dir, f"rank{rank}.json").write_text(json.dumps(report))
@@ -294,7 +336,9 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 # ------------------------------------------------------------------------------ tests
 @pytest.fixture(scope="module", params=WORLDS, ids=lambda w: f"world{w}")
-def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> tuple[int, list[dict[str, Any]]]:
+def reports(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> tuple[int, list[dict[str, Any]]]:
     world = request.param
     d = tmp_path_factory.mktemp(f"sharding{world}")
     spawn_world(__file__, world, d, timeout_s=240)
@@ -303,8 +347,15 @@ def reports(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFac
 
 @pytest.mark.parametrize(
     "case",
-    ["main", "override_bf16", "main_hierarchical", "main_pipelined", "lonely", "trw_flat",
-     "trw_hierarchical"],
+    [
+        "main",
+        "override_bf16",
+        "main_hierarchical",
+        "main_pipelined",
+        "lonely",
+        "trw_flat",
+        "trw_hierarchical",
+    ],
 )
 def test_matches_single_process_embedding_bag(reports: Any, case: str) -> None:
     """Forward equals nn.EmbeddingBag on the full table for each rank's local batch; shard
@@ -328,7 +379,10 @@ def test_main_case_covers_every_layout(reports: Any) -> None:
         for cl in ("reduction", "unique"):
             for comb in ("sum", "mean"):
                 assert f"{st}-{cl}-{comb}-fp32" in tables
-    assert {"data_parallel-data_parallel-sum-fp32", "data_parallel-data_parallel-mean-fp32"} <= tables
+    assert {
+        "data_parallel-data_parallel-sum-fp32",
+        "data_parallel-data_parallel-mean-fp32",
+    } <= tables
     phases = {k.split("/")[0] for k in reps[0]["main"]["_stats"]}
     assert {"header", "keys", "vectors", "vector_grads", "dp_grads"} <= phases
 
@@ -362,8 +416,13 @@ def test_errors_are_raised_on_every_rank(reports: Any) -> None:
     bad = main_case(world)[0][4]
     for r, rep in enumerate(reps):
         e = rep["errors"]
-        assert e["wrong_world"].startswith("ValueError") and f"world size {2 * world}" in e["wrong_world"]
-        assert e["rank_outside"].startswith("ValueError") and f"rank {world + 1}" in e["rank_outside"]
+        assert (
+            e["wrong_world"].startswith("ValueError")
+            and f"world size {2 * world}" in e["wrong_world"]
+        )
+        assert (
+            e["rank_outside"].startswith("ValueError") and f"rank {world + 1}" in e["rank_outside"]
+        )
         assert "PlanError" in e["missing_table"] or e["missing_table"].startswith("ValueError")
         assert "'extra'" in e["missing_table"] and "missing from the plan" in e["missing_table"]
         # every rank names the rank, the table and the id that only the last rank looked up

@@ -68,14 +68,18 @@ class PlanSpec:
 SPECS: dict[str, PlanSpec] = {
     "greedy": PlanSpec("auto", cpu_2x2(), 64, "table-wise, reduction and unique"),
     "greedy-large-batch": PlanSpec("auto", cpu_2x2(), 4096, "row-wise unique"),
-    "greedy-400kB": PlanSpec("auto", cpu_2x2(hbm_capacity_bytes=4e5), 64,
-                             "a 3d row split across nodes beside table-wise"),
+    "greedy-400kB": PlanSpec(
+        "auto", cpu_2x2(hbm_capacity_bytes=4e5), 64, "a 3d row split across nodes beside table-wise"
+    ),
     "greedy-slow-inter": PlanSpec(
-        "auto", cpu_2x2(hbm_capacity_bytes=1e6, inter_node_bandwidth_bytes_per_s=_INTER_SLOW), 64,
+        "auto",
+        cpu_2x2(hbm_capacity_bytes=1e6, inter_node_bandwidth_bytes_per_s=_INTER_SLOW),
+        64,
         "data parallel, table-row-wise reduction and unique, table-wise",
     ),
-    "greedy-dgx-h100": PlanSpec("auto", dgx_h100_2x2(), 16,
-                                "data parallel, table-row-wise reduction, row-wise unique"),
+    "greedy-dgx-h100": PlanSpec(
+        "auto", dgx_h100_2x2(), 16, "data parallel, table-row-wise reduction, row-wise unique"
+    ),
     **{f"baseline-{b}": PlanSpec(b, cpu_2x2(), 64, f"baseline {b}") for b in BASELINES},
 }
 
@@ -147,7 +151,9 @@ def _run(plan_d: dict[str, Any], rank: int, hierarchical: bool) -> dict[str, Any
         m.reduce_dp_gradients()
         for t in tables:
             got = out[t.name].detach()
-            res[t.name]["fwd"] &= got.shape == ref_out[t.name].shape and torch.equal(got, ref_out[t.name])
+            res[t.name]["fwd"] &= got.shape == ref_out[t.name].shape and torch.equal(
+                got, ref_out[t.name]
+            )
             s = m.local_shards.get(t.name)
             if s is None:
                 continue
@@ -185,7 +191,9 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
 
 # ------------------------------------------------------------------------------ tests
 @pytest.fixture(scope="module")
-def world_reports(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, Any], list[dict[str, Any]]]:
+def world_reports(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     d = tmp_path_factory.mktemp("sharding_plans")
     plans = make_plans()
     (d / "plans.json").write_text(json.dumps(plans))
@@ -195,7 +203,9 @@ def world_reports(tmp_path_factory: pytest.TempPathFactory) -> tuple[dict[str, A
 
 def _plan_of(plans: dict[str, Any], spec: str) -> dict[str, Any]:
     entry = plans[spec]
-    assert "plan" in entry, f"the planner could not make plan {spec!r} ({SPECS[spec]}): {entry['error']}"
+    assert "plan" in entry, (
+        f"the planner could not make plan {spec!r} ({SPECS[spec]}): {entry['error']}"
+    )
     return entry["plan"]
 
 
@@ -307,7 +317,11 @@ def test_hierarchical_saves_exactly_the_reduction_bytes(world_reports: Any, spec
         assert total("hierarchical", key) == total("flat", key), key
     keys = _key_bytes(plan)
     for level in ("intra", "inter"):
-        assert total("flat", f"keys/{level}") == keys[level], (level, total("flat", f"keys/{level}"), keys)
+        assert total("flat", f"keys/{level}") == keys[level], (
+            level,
+            total("flat", f"keys/{level}"),
+            keys,
+        )
     saved = _reduction_inter_bytes(plan, False) - _reduction_inter_bytes(plan, True)
     added = _reduction_intra_bytes(plan, True) - _reduction_intra_bytes(plan, False)
     for phase in ("vectors", "vector_grads"):
@@ -326,12 +340,19 @@ def test_specs_cover_the_layouts_they_were_picked_for(world_reports: Any) -> Non
     plans, _ = world_reports
     seen = {
         (t["sharding_type"], t["cluster"])
-        for name, e in plans.items() if "plan" in e for t in e["plan"]["tables"]
+        for name, e in plans.items()
+        if "plan" in e
+        for t in e["plan"]["tables"]
     }
     want = {
-        ("table_wise", "reduction"), ("table_wise", "unique"), ("row_wise", "unique"),
-        ("row_wise", "reduction"), ("table_row_wise", "reduction"), ("table_row_wise", "unique"),
-        ("3d", "reduction"), ("data_parallel", "data_parallel"),
+        ("table_wise", "reduction"),
+        ("table_wise", "unique"),
+        ("row_wise", "unique"),
+        ("row_wise", "reduction"),
+        ("table_row_wise", "reduction"),
+        ("table_row_wise", "unique"),
+        ("3d", "reduction"),
+        ("data_parallel", "data_parallel"),
     }
     assert want <= seen, f"missing layouts {sorted(want - seen)}; seen {sorted(seen)}"
 

@@ -17,11 +17,26 @@ from embark.types import CommDtype, Shard, ShardingPlan, TableConfig, TableShard
 
 def _two_rank_plan() -> tuple[list[TableConfig], ShardingPlan]:
     tables = [TableConfig("t0", 8, 4), TableConfig("t1", 6, 4), TableConfig("t2", 5, 3)]
-    plan = ShardingPlan(2, 2, (
-        TableSharding("t0", 8, 4, "row_wise", "reduction", (Shard(0, 0, 4, 0, 4), Shard(1, 4, 8, 0, 4))),
-        TableSharding("t1", 6, 4, "column_wise", "unique", (Shard(1, 0, 6, 2, 4), Shard(0, 0, 6, 0, 2))),
-        TableSharding("t2", 5, 3, "data_parallel", "data_parallel", (Shard(0, 0, 5, 0, 3), Shard(1, 0, 5, 0, 3))),
-    ))
+    plan = ShardingPlan(
+        2,
+        2,
+        (
+            TableSharding(
+                "t0", 8, 4, "row_wise", "reduction", (Shard(0, 0, 4, 0, 4), Shard(1, 4, 8, 0, 4))
+            ),
+            TableSharding(
+                "t1", 6, 4, "column_wise", "unique", (Shard(1, 0, 6, 2, 4), Shard(0, 0, 6, 0, 2))
+            ),
+            TableSharding(
+                "t2",
+                5,
+                3,
+                "data_parallel",
+                "data_parallel",
+                (Shard(0, 0, 5, 0, 3), Shard(1, 0, 5, 0, 3)),
+            ),
+        ),
+    )
     return tables, plan
 
 
@@ -59,11 +74,23 @@ def test_relays_match_the_docstring_and_the_cost_model() -> None:
 
 def test_node_blocks_list_owners_and_relays_per_node() -> None:
     tables = [TableConfig("t0", 8, 4), TableConfig("t1", 6, 4)]
-    plan = ShardingPlan(4, 2, (
-        TableSharding("t0", 8, 4, "3d", "reduction", (
-            Shard(0, 0, 4, 0, 4), Shard(1, 4, 6, 0, 4), Shard(2, 6, 8, 0, 4))),
-        TableSharding("t1", 6, 4, "column_wise", "reduction", (Shard(3, 0, 6, 2, 4), Shard(2, 0, 6, 0, 2))),
-    ))
+    plan = ShardingPlan(
+        4,
+        2,
+        (
+            TableSharding(
+                "t0",
+                8,
+                4,
+                "3d",
+                "reduction",
+                (Shard(0, 0, 4, 0, 4), Shard(1, 4, 6, 0, 4), Shard(2, 6, 8, 0, 4)),
+            ),
+            TableSharding(
+                "t1", 6, 4, "column_wise", "reduction", (Shard(3, 0, 6, 2, 4), Shard(2, 0, 6, 0, 2))
+            ),
+        ),
+    )
     blocks = node_blocks(Layout(tables, plan), 2)
     assert [(b.table, b.col_start, b.num_cols, b.owners, b.relays) for b in blocks[0]] == [
         ("t0", 0, 4, (0, 1), (0, 1, 0, 1)),
@@ -78,7 +105,9 @@ def test_node_blocks_list_owners_and_relays_per_node() -> None:
 def test_layout_lists_owned_shards_in_table_order() -> None:
     tables, plan = _two_rank_plan()
     layout = Layout(tuple(tables), plan)
-    assert [[(r.table, r.shard.col_start, r.shard.row_start) for r in refs] for refs in layout.owned] == [
+    assert [
+        [(r.table, r.shard.col_start, r.shard.row_start) for r in refs] for refs in layout.owned
+    ] == [
         [("t0", 0, 0), ("t1", 0, 0)],
         [("t0", 0, 4), ("t1", 2, 0)],
     ]
@@ -116,12 +145,20 @@ def test_int_bytes_round_trip_at_any_offset() -> None:
 
 
 def _one_rank() -> tuple[list[TableConfig], ShardingPlan]:
-    tables = [TableConfig("a", 10, 4, combiner="mean"), TableConfig("b", 7, 3), TableConfig("c", 5, 2)]
-    plan = ShardingPlan(1, 1, (
-        TableSharding("a", 10, 4, "table_wise", "unique", (Shard(0, 0, 10, 0, 4),)),
-        TableSharding("b", 7, 3, "table_wise", "reduction", (Shard(0, 0, 7, 0, 3),)),
-        TableSharding("c", 5, 2, "data_parallel", "data_parallel", (Shard(0, 0, 5, 0, 2),)),
-    ))
+    tables = [
+        TableConfig("a", 10, 4, combiner="mean"),
+        TableConfig("b", 7, 3),
+        TableConfig("c", 5, 2),
+    ]
+    plan = ShardingPlan(
+        1,
+        1,
+        (
+            TableSharding("a", 10, 4, "table_wise", "unique", (Shard(0, 0, 10, 0, 4),)),
+            TableSharding("b", 7, 3, "table_wise", "reduction", (Shard(0, 0, 7, 0, 3),)),
+            TableSharding("c", 5, 2, "data_parallel", "data_parallel", (Shard(0, 0, 5, 0, 2),)),
+        ),
+    )
     return tables, plan
 
 
@@ -143,8 +180,16 @@ def test_one_rank_world_equals_embedding_bag(b: int) -> None:
     batch = _batch(tables, b, seed=b)
     out = m(batch)
     for t in tables:
-        want = F.embedding_bag(batch.values_for(t.name), full[t.name], batch.bag_offsets(t.name),
-                               mode=t.combiner.value) if b else torch.zeros(0, t.dim)
+        want = (
+            F.embedding_bag(
+                batch.values_for(t.name),
+                full[t.name],
+                batch.bag_offsets(t.name),
+                mode=t.combiner.value,
+            )
+            if b
+            else torch.zeros(0, t.dim)
+        )
         assert torch.equal(out[t.name], want), t.name
     assert all(torch.equal(m.full_weights()[n], w) for n, w in full.items())
 
@@ -168,7 +213,9 @@ def test_one_rank_errors_name_the_table_rank_and_id() -> None:
     for bad in (7, -1):
         per = batch.per_key()
         per["b"] = (torch.tensor([0, bad]), torch.tensor([1, 1, 0], dtype=torch.int32))
-        with pytest.raises(ValueError, match=rf"rank 0: table 'b' has 7 rows but id {bad} was looked up"):
+        with pytest.raises(
+            ValueError, match=rf"rank 0: table 'b' has 7 rows but id {bad} was looked up"
+        ):
             m(JaggedBatch.from_per_key(per))
     per = batch.per_key()
     del per["c"]
@@ -186,18 +233,34 @@ def test_16bit_gradients_at_training_scale_keep_their_norm(wire: str) -> None:
     from embark.types import ShardingPlan, TableConfig
 
     def entry(name: str, rows: int, stype: str, cluster: str, comm: str) -> dict[str, object]:
-        return {"name": name, "num_rows": rows, "dim": 64, "sharding_type": stype, "cluster": cluster,
-                "comm_dtype": comm, "shards": [{"rank": 0, "row_start": 0, "row_end": rows,
-                                                 "col_start": 0, "col_end": 64}]}
+        return {
+            "name": name,
+            "num_rows": rows,
+            "dim": 64,
+            "sharding_type": stype,
+            "cluster": cluster,
+            "comm_dtype": comm,
+            "shards": [{"rank": 0, "row_start": 0, "row_end": rows, "col_start": 0, "col_end": 64}],
+        }
 
     tables = [TableConfig("sh", 1000, 64, 4), TableConfig("dp", 100, 64, 4)]
     g = torch.Generator().manual_seed(0)
-    batch = JaggedBatch.from_dense_bags(["sh", "dp"], [torch.randint(0, t.num_rows, (256, 4), generator=g) for t in tables])
+    batch = JaggedBatch.from_dense_bags(
+        ["sh", "dp"], [torch.randint(0, t.num_rows, (256, 4), generator=g) for t in tables]
+    )
     ups = {t.name: torch.randn(256, 64, generator=g) * 0.02 / 65536 for t in tables}
     grads = {}
     for comm in ("fp32", wire):
-        plan = ShardingPlan.from_dict({"world_size": 1, "gpus_per_node": 1, "tables": [
-            entry("sh", 1000, "table_wise", "reduction", comm), entry("dp", 100, "data_parallel", "data_parallel", comm)]})
+        plan = ShardingPlan.from_dict(
+            {
+                "world_size": 1,
+                "gpus_per_node": 1,
+                "tables": [
+                    entry("sh", 1000, "table_wise", "reduction", comm),
+                    entry("dp", 100, "data_parallel", "data_parallel", comm),
+                ],
+            }
+        )
         m = ShardedEmbeddingCollection(tables, plan, 0, seed=3)
         out = m(batch)
         sum((out[n] * ups[n]).sum() for n in out).backward()

@@ -147,9 +147,18 @@ def test_default_teacher_embedding_std_is_0_1():
 @pytest.mark.parametrize(
     ("kwargs", "match"),
     [
-        ({"teacher_embedding_std": 0.0}, "teacher_embedding_std must be a finite number > 0, got 0.0"),
-        ({"teacher_embedding_std": float("nan")}, "teacher_embedding_std must be a finite number > 0, got nan"),
-        ({"teacher_workload": get_workload("tiny")}, "teacher_workload 'tiny' must have workload 'tiny'"),
+        (
+            {"teacher_embedding_std": 0.0},
+            "teacher_embedding_std must be a finite number > 0, got 0.0",
+        ),
+        (
+            {"teacher_embedding_std": float("nan")},
+            "teacher_embedding_std must be a finite number > 0, got nan",
+        ),
+        (
+            {"teacher_workload": get_workload("tiny")},
+            "teacher_workload 'tiny' must have workload 'tiny'",
+        ),
         (
             {"teacher_workload": replace(_workload(), dense_features=4)},
             "must have workload 'tiny'.s tables .* and dense_features 13; got .* and 4",
@@ -175,12 +184,16 @@ def test_stream_config_regenerates_the_stream_exactly():
     for i in (0, 3):
         a, b = data.batch(i), again.batch(i)
         assert torch.equal(a.dense, b.dense) and torch.equal(a.labels, b.labels)
-        assert torch.equal(a.sparse.values, b.sparse.values) and torch.equal(a.sparse.lengths, b.sparse.lengths)
+        assert torch.equal(a.sparse.values, b.sparse.values) and torch.equal(
+            a.sparse.lengths, b.sparse.lengths
+        )
     assert again.stream_config() == data.stream_config()
     other = SyntheticCTR.from_stream_config(w, 16, 5, config | {"label_sharpness": 2.0})
     b0 = data.batch(0)
-    torch.testing.assert_close(other.teacher_logits(b0.dense, b0.sparse) * 6.0,
-                               (data.teacher_logits(b0.dense, b0.sparse) + 1.0) * 2.0 - 6.0)
+    torch.testing.assert_close(
+        other.teacher_logits(b0.dense, b0.sparse) * 6.0,
+        (data.teacher_logits(b0.dense, b0.sparse) + 1.0) * 2.0 - 6.0,
+    )
 
 
 def test_a_bad_stream_config_names_the_keys():

@@ -100,22 +100,38 @@ def test_a_checkpoint_without_batch_size_resumed_on_a_short_batch(data, tmp_path
         resumed.train_step(next(iter(data.batches(1, start=2))))
     assert resumed.batch_size == 64 and resumed.step == 5
     assert any("the stream's batch size is now 64" in r.message for r in caplog.records)
-    assert json.loads((resumed.save_checkpoint(tmp_path / "ck4") / "state.json").read_text())["batch_size"] == 64
+    assert (
+        json.loads((resumed.save_checkpoint(tmp_path / "ck4") / "state.json").read_text())[
+            "batch_size"
+        ]
+        == 64
+    )
     big = SyntheticCTR(data.workload, batch_size=65, seed=5)
-    with pytest.raises(ValueError, match=r"a batch of 65 samples, but this trainer's data stream has 64"):
+    with pytest.raises(
+        ValueError, match=r"a batch of 65 samples, but this trainer's data stream has 64"
+    ):
         resumed.train_step(next(iter(big.batches(1))))
     assert resumed.step == 5
     # resumed on full batches: the second one settles the size, which the next save records
     steady = Trainer.load_checkpoint(ck)
     for b in data.batches(2, start=2):
         steady.train_step(b)
-    assert json.loads((steady.save_checkpoint(tmp_path / "ck5") / "state.json").read_text())["batch_size"] == 64
-    with pytest.raises(ValueError, match=r"a batch of 65 samples, but this trainer's data stream has 64"):
+    assert (
+        json.loads((steady.save_checkpoint(tmp_path / "ck5") / "state.json").read_text())[
+            "batch_size"
+        ]
+        == 64
+    )
+    with pytest.raises(
+        ValueError, match=r"a batch of 65 samples, but this trainer's data stream has 64"
+    ):
         steady.train_step(next(iter(big.batches(1))))
     # a checkpoint that recorded it refuses the larger batch at once
     strict = Trainer.load_checkpoint(t.save_checkpoint(tmp_path / "ck2"))
     strict.train_step(next(iter(short.batches(1))))
-    with pytest.raises(ValueError, match=r"a batch of 65 samples, but this trainer's data stream has 64"):
+    with pytest.raises(
+        ValueError, match=r"a batch of 65 samples, but this trainer's data stream has 64"
+    ):
         strict.train_step(next(iter(big.batches(1))))
 
 
@@ -135,7 +151,9 @@ def test_misshaped_optimizer_state_is_refused_before_anything_loads(data, tmp_pa
     state = json.loads((ck / "state.json").read_text())
     state["files"][f.name] = {"bytes": f.stat().st_size, "sha256": train_mod._sha256(f)}
     (ck / "state.json").write_text(json.dumps(state))
-    with pytest.raises(ValueError, match=rf"optimizer state '{key}' is \(3, 3\) torch.float32, its parameter is"):
+    with pytest.raises(
+        ValueError, match=rf"optimizer state '{key}' is \(3, 3\) torch.float32, its parameter is"
+    ):
         Trainer.load_checkpoint(ck)
 
 
@@ -156,7 +174,10 @@ def test_truncated_checkpoint_is_a_clear_error_and_touches_nothing(data, tmp_pat
     # A truncated file whose record was rewritten to match still fails clearly (safetensors'
     # own check). (A state.json with no record for it is a schema error: test_checkpoint_schema.)
     state = json.loads((ck / "state.json").read_text())
-    state["files"]["model.safetensors"] = {"bytes": f.stat().st_size, "sha256": train_mod._sha256(f)}
+    state["files"]["model.safetensors"] = {
+        "bytes": f.stat().st_size,
+        "sha256": train_mod._sha256(f),
+    }
     (ck / "state.json").write_text(json.dumps(state))
     with pytest.raises(ValueError, match="cannot be read"):
         Trainer.load_checkpoint(ck, model=target)

@@ -31,7 +31,12 @@ def test_enums_are_str_valued():
     assert Cluster("unique") is Cluster.UNIQUE
     assert CommDtype.BF16.nbytes == 2 and CommDtype.FP32.nbytes == 4
     assert {t.value for t in ShardingType} == {
-        "data_parallel", "table_wise", "column_wise", "row_wise", "table_row_wise", "3d"
+        "data_parallel",
+        "table_wise",
+        "column_wise",
+        "row_wise",
+        "table_row_wise",
+        "3d",
     }
 
 
@@ -46,7 +51,11 @@ def test_topology_presets(name):
 
 def test_topology_h100_figures_from_anchors():
     t = get_topology("dgx-h100", 2)
-    assert (t.gpus_per_node, t.hbm_capacity_bytes, t.hbm_bandwidth_bytes_per_s) == (8, 80e9, 3.35e12)
+    assert (t.gpus_per_node, t.hbm_capacity_bytes, t.hbm_bandwidth_bytes_per_s) == (
+        8,
+        80e9,
+        3.35e12,
+    )
     assert (t.intra_node_bandwidth_bytes_per_s, t.inter_node_bandwidth_bytes_per_s) == (450e9, 50e9)
     assert get_topology("gb200-nvl72").gpus_per_node == 72
 
@@ -80,16 +89,44 @@ def test_valid_grid_layout():
 @pytest.mark.parametrize(
     "shards, st, match",
     [
-        ([(0, 0, 60, 0, 64), (1, 50, 100, 0, 64)], ShardingType.TRW, r"rows 50:60 of columns 0:64 are owned twice"),
-        ([(0, 0, 40, 0, 64), (1, 50, 100, 0, 64)], ShardingType.TRW, r"rows 40:50 of columns 0:64 are owned by no shard"),
+        (
+            [(0, 0, 60, 0, 64), (1, 50, 100, 0, 64)],
+            ShardingType.TRW,
+            r"rows 50:60 of columns 0:64 are owned twice",
+        ),
+        (
+            [(0, 0, 40, 0, 64), (1, 50, 100, 0, 64)],
+            ShardingType.TRW,
+            r"rows 40:50 of columns 0:64 are owned by no shard",
+        ),
         ([(0, 0, 100, 0, 64), (1, 0, 90, 0, 64)], ShardingType.THREE_D, r"owned twice"),
         ([(0, 0, 90, 0, 64)], ShardingType.TW, r"rows 90:100 .* owned by no shard"),
-        ([(0, 0, 100, 0, 40), (1, 0, 100, 32, 64)], ShardingType.CW, r"column splits do not add up to dim 64.*overlap"),
-        ([(0, 0, 100, 0, 30), (1, 0, 100, 32, 64)], ShardingType.CW, r"column splits do not add up.*gap"),
+        (
+            [(0, 0, 100, 0, 40), (1, 0, 100, 32, 64)],
+            ShardingType.CW,
+            r"column splits do not add up to dim 64.*overlap",
+        ),
+        (
+            [(0, 0, 100, 0, 30), (1, 0, 100, 32, 64)],
+            ShardingType.CW,
+            r"column splits do not add up.*gap",
+        ),
         ([(0, 0, 100, 0, 32)], ShardingType.TW, r"column splits do not add up to dim 64"),
-        ([(0, 0, 50, 0, 64), (0, 50, 100, 0, 64)], ShardingType.TRW, r"rank\(s\) \[0\] hold more than one shard"),
-        ([(0, 0, 50, 0, 64), (1, 50, 100, 0, 64)], ShardingType.TW, r"table_wise needs exactly one shard"),
-        ([(0, 0, 100, 0, 64), (1, 0, 100, 0, 64)], ShardingType.DP, r"needs cluster 'data_parallel'"),
+        (
+            [(0, 0, 50, 0, 64), (0, 50, 100, 0, 64)],
+            ShardingType.TRW,
+            r"rank\(s\) \[0\] hold more than one shard",
+        ),
+        (
+            [(0, 0, 50, 0, 64), (1, 50, 100, 0, 64)],
+            ShardingType.TW,
+            r"table_wise needs exactly one shard",
+        ),
+        (
+            [(0, 0, 100, 0, 64), (1, 0, 100, 0, 64)],
+            ShardingType.DP,
+            r"needs cluster 'data_parallel'",
+        ),
         ([(0, 0, 100, 0, 200)], ShardingType.TW, r"lies outside the table"),
     ],
 )
@@ -111,7 +148,9 @@ def test_data_parallel_rules():
 
 def test_plan_rules():
     trw = _ts([(2, 0, 50, 0, 64), (5, 50, 100, 0, 64)], ShardingType.TRW)
-    with pytest.raises(PlanError, match=r"table_row_wise shards must sit in one node, got nodes \[0, 1\]"):
+    with pytest.raises(
+        PlanError, match=r"table_row_wise shards must sit in one node, got nodes \[0, 1\]"
+    ):
         ShardingPlan(8, 4, (trw,))
     with pytest.raises(PlanError, match=r"shard on rank 5 but the plan has ranks 0..3"):
         ShardingPlan(4, 4, (trw,))
@@ -137,19 +176,33 @@ def test_check_tables():
 
 def test_from_dict_errors():
     with pytest.raises(PlanError, match="unknown plan format"):
-        ShardingPlan.from_dict({"format": "other/9", "world_size": 1, "gpus_per_node": 1, "tables": []})
+        ShardingPlan.from_dict(
+            {"format": "other/9", "world_size": 1, "gpus_per_node": 1, "tables": []}
+        )
     with pytest.raises(PlanError, match="missing field 'tables'"):
         ShardingPlan.from_dict({"world_size": 1, "gpus_per_node": 1})
     with pytest.raises(ValueError, match="table 't0': cluster must be one of"):
         TableSharding.from_dict(
-            {"name": "t0", "num_rows": 4, "dim": 4, "sharding_type": "table_wise", "cluster": "magic",
-             "shards": [{"rank": 0, "row_start": 0, "row_end": 4, "col_start": 0, "col_end": 4}]}
+            {
+                "name": "t0",
+                "num_rows": 4,
+                "dim": 4,
+                "sharding_type": "table_wise",
+                "cluster": "magic",
+                "shards": [{"rank": 0, "row_start": 0, "row_end": 4, "col_start": 0, "col_end": 4}],
+            }
         )
     for shards in ("abc", [0]):
         with pytest.raises(PlanError, match="table 't0': shards must be a list of shard mappings"):
             TableSharding.from_dict(
-                {"name": "t0", "num_rows": 4, "dim": 4, "sharding_type": "table_wise", "cluster": "reduction",
-                 "shards": shards}
+                {
+                    "name": "t0",
+                    "num_rows": 4,
+                    "dim": 4,
+                    "sharding_type": "table_wise",
+                    "cluster": "reduction",
+                    "shards": shards,
+                }
             )
 
 
@@ -164,16 +217,26 @@ def plans(draw):
         n = draw(st.integers(1, min(dim, world)))
         k = draw(st.integers(1, max(1, min(rows, world // n))))
         ranks = draw(st.permutations(range(world)))[: n * k]
-        cuts_c = sorted(draw(st.sets(st.integers(1, dim - 1), min_size=n - 1, max_size=n - 1))) if n > 1 else []
+        cuts_c = (
+            sorted(draw(st.sets(st.integers(1, dim - 1), min_size=n - 1, max_size=n - 1)))
+            if n > 1
+            else []
+        )
         cols = list(zip([0, *cuts_c], [*cuts_c, dim]))
         shards = []
         for j, (c0, c1) in enumerate(cols):
-            cuts_r = sorted(draw(st.sets(st.integers(1, rows - 1), min_size=k - 1, max_size=k - 1))) if k > 1 else []
+            cuts_r = (
+                sorted(draw(st.sets(st.integers(1, rows - 1), min_size=k - 1, max_size=k - 1)))
+                if k > 1
+                else []
+            )
             for q, (r0, r1) in enumerate(zip([0, *cuts_r], [*cuts_r, rows])):
                 shards.append(Shard(ranks[j * k + q], r0, r1, c0, c1))
         cluster = draw(st.sampled_from([Cluster.REDUCTION, Cluster.UNIQUE]))
         dtype = draw(st.sampled_from(list(CommDtype)))
-        tables.append(TableSharding(f"t{i}", rows, dim, ShardingType.THREE_D, cluster, tuple(shards), dtype))
+        tables.append(
+            TableSharding(f"t{i}", rows, dim, ShardingType.THREE_D, cluster, tuple(shards), dtype)
+        )
     return ShardingPlan(world, gpn, tuple(tables), "test")
 
 
@@ -186,20 +249,41 @@ def test_plan_json_round_trip(plan):
     assert json.loads(back.to_json()) == json.loads(text)
 
 
-_GOOD_PLAN = {"format": "embark.sharding_plan/1", "world_size": 2, "gpus_per_node": 2, "tables": [
-    {"name": "t0", "num_rows": 8, "dim": 4, "sharding_type": "table_wise", "cluster": "reduction",
-     "shards": [{"rank": 0, "row_start": 0, "row_end": 8, "col_start": 0, "col_end": 4}]}]}
+_GOOD_PLAN = {
+    "format": "embark.sharding_plan/1",
+    "world_size": 2,
+    "gpus_per_node": 2,
+    "tables": [
+        {
+            "name": "t0",
+            "num_rows": 8,
+            "dim": 4,
+            "sharding_type": "table_wise",
+            "cluster": "reduction",
+            "shards": [{"rank": 0, "row_start": 0, "row_end": 8, "col_start": 0, "col_end": 4}],
+        }
+    ],
+}
 
 
-@pytest.mark.parametrize(("change", "match"), [
-    ({"tables": {"t0": {}}}, r"tables must be a list of table entries, got \{'t0'"),
-    ({"tables": ["t0"]}, r"tables\[0\] must be a mapping, got 't0'"),
-    ({"tables": None}, "tables must be a list of table entries, got None"),
-    ({"tables": [{**_GOOD_PLAN["tables"][0], "name": 5}]}, "a table's name must be a non-empty string, got 5"),
-    ({"tables": [{**_GOOD_PLAN["tables"][0], "name": ""}]}, "a table's name must be a non-empty string, got ''"),
-    ({"topology": [1]}, r"topology must be a string, got \[1\]"),
-    ({"topolgy": "dgx"}, r"unknown field\(s\) \['topolgy'\]"),
-])
+@pytest.mark.parametrize(
+    ("change", "match"),
+    [
+        ({"tables": {"t0": {}}}, r"tables must be a list of table entries, got \{'t0'"),
+        ({"tables": ["t0"]}, r"tables\[0\] must be a mapping, got 't0'"),
+        ({"tables": None}, "tables must be a list of table entries, got None"),
+        (
+            {"tables": [{**_GOOD_PLAN["tables"][0], "name": 5}]},
+            "a table's name must be a non-empty string, got 5",
+        ),
+        (
+            {"tables": [{**_GOOD_PLAN["tables"][0], "name": ""}]},
+            "a table's name must be a non-empty string, got ''",
+        ),
+        ({"topology": [1]}, r"topology must be a string, got \[1\]"),
+        ({"topolgy": "dgx"}, r"unknown field\(s\) \['topolgy'\]"),
+    ],
+)
 def test_malformed_plan_documents_name_the_bad_value(change, match) -> None:
     assert ShardingPlan.from_dict(_GOOD_PLAN).tables[0].name == "t0"
     with pytest.raises(PlanError, match=match):

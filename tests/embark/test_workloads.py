@@ -56,7 +56,10 @@ def _inter(**kw: Any):
         (_set(dense_features="13"), "dense_features must be a positive integer, got '13'"),
         (_set(dense_features=0), "dense_features must be a positive integer, got 0"),
         (_set(bottom_mlp=[64.5, 16]), r"bottom_mlp\[0\] must be a positive integer, got 64.5"),
-        (_set(bottom_mlp="64"), "bottom_mlp must be a non-empty list of positive integers, got '64'"),
+        (
+            _set(bottom_mlp="64"),
+            "bottom_mlp must be a non-empty list of positive integers, got '64'",
+        ),
         (_set(bottom_mlp=[]), "bottom_mlp must be a non-empty list"),
         (_set(top_mlp=[8, False]), r"top_mlp\[1\] must be a positive integer, got False"),
         (_set(top_mlp=[8, 2]), r"top_mlp must end in 1 \(the logit\), got \(8, 2\)"),
@@ -69,7 +72,10 @@ def _inter(**kw: Any):
         (_set(tables={"name": "x"}), "tables must be a list of tables"),
         (_set(tables=[]), "tables must be a non-empty list"),
         (_set(tables=["t0"]), r"tables\[0\] must be a mapping, got str"),
-        (lambda d: d["tables"][0].update(num_rows="100"), "num_rows must be a positive integer, got '100'"),
+        (
+            lambda d: d["tables"][0].update(num_rows="100"),
+            "num_rows must be a positive integer, got '100'",
+        ),
         (lambda d: d["tables"].append(dict(d["tables"][0])), r"duplicate table names \['t0'\]"),
         (_inter(lowrank=4), r"interaction: unknown field\(s\) \['lowrank'\]"),
         (_inter(num_layers="3"), "interaction.num_layers must be a positive integer, got '3'"),

@@ -44,11 +44,15 @@ def test_request_served_from_artifacts_equals_eager(tmp_path) -> None:
             pooled.append(session.lookup(t.name, ids).sum(dim=1))  # sum combiner
             values.append(ids.flatten())
             lengths += [t.hotness] * batch
-        sparse = JaggedBatch([t.name for t in model.workload.tables], torch.cat(values),
-                             torch.tensor(lengths, dtype=torch.int32))
+        sparse = JaggedBatch(
+            [t.name for t in model.workload.tables],
+            torch.cat(values),
+            torch.tensor(lengths, dtype=torch.int32),
+        )
         want = model(dense, sparse).detach()
-        got = run_onnx(tmp_path / "art" / "dense.onnx",
-                       {"dense": dense, "pooled": torch.stack(pooled, dim=1)})
+        got = run_onnx(
+            tmp_path / "art" / "dense.onnx", {"dense": dense, "pooled": torch.stack(pooled, dim=1)}
+        )
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
     finally:
         server.close()
@@ -75,7 +79,9 @@ def test_bad_settings_fail_before_anything_is_written(tmp_path) -> None:
 
 def test_cache_knobs_are_written_and_read_back(tmp_path) -> None:
     model = build_model(get_workload("tiny"), seed=0)
-    cfg = write_serving_artifacts(model, tmp_path / "lfu", cache_policy="lfu", cache_lfu_decay_keys_per_slot=5)
+    cfg = write_serving_artifacts(
+        model, tmp_path / "lfu", cache_policy="lfu", cache_lfu_decay_keys_per_slot=5
+    )
     doc = json.loads((tmp_path / "lfu" / "ps.json").read_text())["models"][0]
     assert (doc["cache_policy"], doc["cache_lfu_decay_keys_per_slot"]) == ("lfu", 5)
     m = cfg.model("dlrm")
@@ -85,10 +91,19 @@ def test_cache_knobs_are_written_and_read_back(tmp_path) -> None:
     assert (default["cache_policy"], default["cache_lfu_decay_keys_per_slot"]) == ("lru", 20.0)
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"cache_policy": "mru"}, r"models\[0\].cache_policy: 'mru' is not one of \['lru', 'lfu'\]"),
-    ({"cache_lfu_decay_keys_per_slot": -1.0}, r"models\[0\].cache_lfu_decay_keys_per_slot: -1.0"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        (
+            {"cache_policy": "mru"},
+            r"models\[0\].cache_policy: 'mru' is not one of \['lru', 'lfu'\]",
+        ),
+        (
+            {"cache_lfu_decay_keys_per_slot": -1.0},
+            r"models\[0\].cache_lfu_decay_keys_per_slot: -1.0",
+        ),
+    ],
+)
 def test_bad_cache_knobs_fail_before_anything_is_written(tmp_path, kwargs, match) -> None:
     model = build_model(get_workload("tiny"), seed=0)
     with pytest.raises(ValueError, match=match):
@@ -100,8 +115,10 @@ def _snapshot(root: Path) -> dict[str, bytes | None] | None:
     """Every path under ``root`` with its bytes (``None`` for a folder); ``None`` if no ``root``."""
     if not root.exists():
         return None
-    return {str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
-            for p in sorted(root.rglob("*"))}
+    return {
+        str(p.relative_to(root)): p.read_bytes() if p.is_file() else None
+        for p in sorted(root.rglob("*"))
+    }
 
 
 def _mixed_dim_tiny():
@@ -126,14 +143,18 @@ def test_unexportable_model_fails_before_anything_is_written(tmp_path, case) -> 
     corrected export into the same folder needs no overwrite=True."""
     if case == "mixed_dims":
         model = _mixed_dim_tiny()
-        match = (r"write_serving_artifacts: .*needs one dim for every table, but the tables' dims "
-                 r"differ \(dim 8: 't0'; dim 16: 't1', 't2'.*give every table the same dim")
+        match = (
+            r"write_serving_artifacts: .*needs one dim for every table, but the tables' dims "
+            r"differ \(dim 8: 't0'; dim 16: 't1', 't2'.*give every table the same dim"
+        )
         fixed = build_model(get_workload("tiny"), seed=0).eval()
     else:
         dtype = getattr(torch, case)
         model = build_model(get_workload("tiny"), seed=0).eval().to(dtype)
-        match = (rf"write_serving_artifacts needs a float32 model, but 'embeddings\.t0\.weight' "
-                 rf"is {dtype}.*model\.float\(\)")
+        match = (
+            rf"write_serving_artifacts needs a float32 model, but 'embeddings\.t0\.weight' "
+            rf"is {dtype}.*model\.float\(\)"
+        )
         fixed = copy.deepcopy(model).float()
     out = tmp_path / "art"
     with pytest.raises(ValueError) as err:
@@ -184,6 +205,7 @@ def test_failed_overwrite_restores_the_old_artifacts(tmp_path, monkeypatch, stag
     before = _snapshot(out)
     new = build_model(get_workload("tiny"), seed=1).eval()
     if stage == "export":
+
         def failing_export(*_args, **_kwargs):
             raise OSError("export failed")
 
@@ -247,7 +269,9 @@ def test_overwrite_through_a_link_to_another_filesystem(tmp_path, monkeypatch) -
         assert torch.equal(torch.from_numpy(rows.copy()), new.embeddings[t.name].weight.detach())
 
 
-def test_a_copy_across_filesystems_failing_half_way_restores_the_old_table(tmp_path, monkeypatch) -> None:
+def test_a_copy_across_filesystems_failing_half_way_restores_the_old_table(
+    tmp_path, monkeypatch
+) -> None:
     """``out/sparse`` on another disk and the copy of a table failing after its first file (disk
     full): the destination never holds a partial copy, the old tables are restored whole and
     nothing hidden is left beside them."""
@@ -260,7 +284,9 @@ def test_a_copy_across_filesystems_failing_half_way_restores_the_old_table(tmp_p
     copied = []
 
     def cross_device(src, dst, *args, **kwargs):
-        if ".staging-" in os.fspath(src) and os.path.realpath(os.path.dirname(os.fspath(dst))).startswith(str(elsewhere)):
+        if ".staging-" in os.fspath(src) and os.path.realpath(
+            os.path.dirname(os.fspath(dst))
+        ).startswith(str(elsewhere)):
             raise OSError(errno.EXDEV, "Invalid cross-device link", src)
         return rename(src, dst, *args, **kwargs)
 
@@ -277,7 +303,9 @@ def test_a_copy_across_filesystems_failing_half_way_restores_the_old_table(tmp_p
         write_serving_artifacts(new, out, model_name="new", overwrite=True)
     monkeypatch.undo()
     assert _snapshot(out) == before
-    assert sorted(p.name for p in elsewhere.iterdir()) == sorted(t.name for t in old.workload.tables)
+    assert sorted(p.name for p in elsewhere.iterdir()) == sorted(
+        t.name for t in old.workload.tables
+    )
     for t in old.workload.tables:
         _, rows = read_table(elsewhere / t.name, dim=t.dim)
         assert torch.equal(torch.from_numpy(rows.copy()), old.embeddings[t.name].weight.detach())

@@ -73,9 +73,30 @@ def test_full_graph_matches_eager_model(tmp_path, pruned) -> None:
     graph = onnx.load(str(path))
     ops = {n.op_type for n in graph.graph.node}
     assert "Loop" not in ops and ops <= {
-        "Add", "Concat", "ConstantOfShape", "Expand", "Gather", "Gemm", "Less", "MatMul", "Mul",
-        "ReduceSum", "Relu", "Reshape", "Shape", "Squeeze", "Unsqueeze", "Where", "Div", "Cast",
-        "Clip", "Max", "Flatten", "Transpose", "Slice", "Identity",
+        "Add",
+        "Concat",
+        "ConstantOfShape",
+        "Expand",
+        "Gather",
+        "Gemm",
+        "Less",
+        "MatMul",
+        "Mul",
+        "ReduceSum",
+        "Relu",
+        "Reshape",
+        "Shape",
+        "Squeeze",
+        "Unsqueeze",
+        "Where",
+        "Div",
+        "Cast",
+        "Clip",
+        "Max",
+        "Flatten",
+        "Transpose",
+        "Slice",
+        "Identity",
     }
     for batch in (1, 13):  # a batch size other than the traced one: the batch dim is dynamic
         inputs = onnx_inputs(pruned, batch, seed=batch)
@@ -97,7 +118,8 @@ def test_graph_metadata_and_bad_ids(tmp_path, pruned) -> None:
     meta = {m.key: m.value for m in onnx.load(str(path)).metadata_props}
     tables = json.loads(meta["tilerec.serving"])["tables"]
     assert [(t["name"], t["rows"], t["combiner"]) for t in tables] == [
-        (t.name, t.num_rows, t.combiner.value) for t in pruned.workload.tables]
+        (t.name, t.num_rows, t.combiner.value) for t in pruned.workload.tables
+    ]
     inputs = onnx_inputs(pruned, 4, seed=1)
     rows = pruned.workload.tables[0].num_rows
     for bad in (-5, rows, rows + 1):
@@ -116,7 +138,9 @@ def test_non_float32_model_is_refused_before_writing(tmp_path, pruned, dtype) ->
     low = copy.deepcopy(pruned).to(dtype)
     before = {k: v.clone() for k, v in low.state_dict().items() if isinstance(v, torch.Tensor)}
     out = tmp_path / "sub" / "low.onnx"
-    with pytest.raises(ValueError, match=rf"needs a float32 model, but '.+' is {dtype}.*\.float\(\)"):
+    with pytest.raises(
+        ValueError, match=rf"needs a float32 model, but '.+' is {dtype}.*\.float\(\)"
+    ):
         export_onnx(low, out, include_embeddings=False)
     assert not out.parent.exists()
     after = low.state_dict()

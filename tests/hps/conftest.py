@@ -11,11 +11,15 @@ from hps.redis_local import LocalRedisCluster, redis_available
 
 
 @pytest.fixture(scope="session")
-def _redis_cluster_session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRedisCluster | None]:
+def _redis_cluster_session(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> Iterator[LocalRedisCluster | None]:
     if not redis_available():
         yield None
         return
-    rc = LocalRedisCluster(3, tmp_path_factory.mktemp("redis_cluster"), node_timeout_ms=1000).start()
+    rc = LocalRedisCluster(
+        3, tmp_path_factory.mktemp("redis_cluster"), node_timeout_ms=1000
+    ).start()
     try:
         yield rc
     finally:
@@ -31,4 +35,3 @@ def redis_cluster(require, _redis_cluster_session: LocalRedisCluster | None) -> 
     for i in range(rc.n):
         rc.restart(i)  # no-op for live nodes
     return rc
-

@@ -6,7 +6,9 @@ import numpy as np
 import torch
 
 
-def make_table(num_keys: int, dim: int, seed: int, key_space: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+def make_table(
+    num_keys: int, dim: int, seed: int, key_space: int | None = None
+) -> tuple[np.ndarray, np.ndarray]:
     """``num_keys`` unique keys drawn from ``[0, key_space)`` (shuffled), integer-valued rows
     (so every comparison is exact)."""
     g = np.random.default_rng(seed)
@@ -16,7 +18,9 @@ def make_table(num_keys: int, dim: int, seed: int, key_space: int | None = None)
     return keys, rows
 
 
-def reference_lookup(keys: np.ndarray, rows: np.ndarray, query: torch.Tensor, default: float) -> torch.Tensor:
+def reference_lookup(
+    keys: np.ndarray, rows: np.ndarray, query: torch.Tensor, default: float
+) -> torch.Tensor:
     """Plain full-table index lookup: a dense table over the key range with ``default`` rows
     where no key exists, then ``torch.nn.functional.embedding``."""
     span = int(keys.max()) + 1

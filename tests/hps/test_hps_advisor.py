@@ -42,14 +42,22 @@ def test_zipf_curve_matches_direct_sum() -> None:
 
 def test_ideal_figures_from_anchors() -> None:
     # ANCHORS.md: ideal hit rate caching the hottest 10% of 10M rows: 0.906 (1.05), 0.978 (1.2)
-    assert zipf_hit_curve(10_000_000, 1.05, np.array([1_000_000]))[0] == pytest.approx(0.906, abs=0.01)
-    assert zipf_hit_curve(10_000_000, 1.2, np.array([1_000_000]))[0] == pytest.approx(0.978, abs=0.01)
+    assert zipf_hit_curve(10_000_000, 1.05, np.array([1_000_000]))[0] == pytest.approx(
+        0.906, abs=0.01
+    )
+    assert zipf_hit_curve(10_000_000, 1.2, np.array([1_000_000]))[0] == pytest.approx(
+        0.978, abs=0.01
+    )
 
 
 def test_recommend_beats_every_grid_split() -> None:
-    tables = {"a": TableKeyStats.from_zipf(100_000, 16, 1.2, lookups=1.0),
-              "b": TableKeyStats.from_zipf(50_000, 64, 0.9, lookups=2.0),
-              "c": TableKeyStats(20_000, 8, lookups=0.5, counts=_zipf_counts(20_000, 1.0, 100_000, seed=3))}
+    tables = {
+        "a": TableKeyStats.from_zipf(100_000, 16, 1.2, lookups=1.0),
+        "b": TableKeyStats.from_zipf(50_000, 64, 0.9, lookups=2.0),
+        "c": TableKeyStats(
+            20_000, 8, lookups=0.5, counts=_zipf_counts(20_000, 1.0, 100_000, seed=3)
+        ),
+    }
     budget = 2 * 2**20
     recs = recommend(tables, budget)
     assert sum(r.bytes for r in recs) <= budget
@@ -74,7 +82,11 @@ def test_key_statistics_bounded_and_hottest_first(tmp_path: Path) -> None:
     ks = KeyStatistics(max_keys=100)
     g = np.random.default_rng(0)
     for _ in range(20):
-        ks.update(np.concatenate([np.repeat(np.arange(10), 3), g.integers(1000, 10**9, 300)]).astype(np.int64))
+        ks.update(
+            np.concatenate([np.repeat(np.arange(10), 3), g.integers(1000, 10**9, 300)]).astype(
+                np.int64
+            )
+        )
     hot = ks.hottest(10)
     assert sorted(hot.tolist()) == list(range(10))
     assert len(ks.counts()) <= 200 and ks.counts()[0] == 60 and ks.total == 20 * 330
@@ -94,7 +106,9 @@ def test_aged_or_trimmed_statistics_do_not_overstate_hit_rates() -> None:
     curve = TableKeyStats.from_statistics(ks, num_rows=100, dim=4).curve(np.array([0, 1, 5]))
     assert curve.tolist() == [0.0, 0.5, 0.5]
     trimmed = KeyStatistics(max_keys=1)
-    trimmed.update(np.array([1] * 4 + [2, 3, 4, 5], dtype=np.int64))  # 5 distinct > 2 × 1: trimmed to 1
+    trimmed.update(
+        np.array([1] * 4 + [2, 3, 4, 5], dtype=np.int64)
+    )  # 5 distinct > 2 × 1: trimmed to 1
     assert trimmed.counts().tolist() == [4]
     assert TableKeyStats.from_statistics(trimmed, 100, 4).curve(np.array([1])).tolist() == [0.5]
     ks.halve(2000)  # any number of halvings: the mass stays a finite float

@@ -58,7 +58,15 @@ def test_lru_batch_misses_never_evict_the_batch_hits() -> None:
     c.query(torch.tensor([1, 2]))
     new = torch.tensor([10, 11, 12])
     c.insert(new, _rows(new, 2), priority=torch.tensor([1, 5, 3]))  # 2 cold slots: 11 and 12 win
-    assert c.contains(torch.tensor([1, 2, 3, 4, 10, 11, 12])).tolist() == [True, True, False, False, False, True, True]
+    assert c.contains(torch.tensor([1, 2, 3, 4, 10, 11, 12])).tolist() == [
+        True,
+        True,
+        False,
+        False,
+        False,
+        True,
+        True,
+    ]
 
 
 def test_query_expanded_by_inverse_with_counts() -> None:
@@ -69,8 +77,15 @@ def test_query_expanded_by_inverse_with_counts() -> None:
     inv = torch.tensor([0, 2, 1, 0, 0])
     out, hit = c.query(u, counts=torch.tensor([3, 1, 1]), inverse=inv)
     assert hit.tolist() == [True, False, True]
-    expect = torch.stack([_rows(torch.tensor([5]), 2)[0], _rows(torch.tensor([9]), 2)[0], torch.zeros(2),
-                          _rows(torch.tensor([5]), 2)[0], _rows(torch.tensor([5]), 2)[0]])
+    expect = torch.stack(
+        [
+            _rows(torch.tensor([5]), 2)[0],
+            _rows(torch.tensor([9]), 2)[0],
+            torch.zeros(2),
+            _rows(torch.tensor([5]), 2)[0],
+            _rows(torch.tensor([5]), 2)[0],
+        ]
+    )
     assert torch.equal(out, expect)
     assert int(c.counters.view(-1)[c._slots(torch.tensor([5]))[1]]) == 1 + 3
 
@@ -114,8 +129,14 @@ def test_set_hash_spreads_consecutive_keys() -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.lists(st.lists(st.integers(-(2**62), 2**62), min_size=0, max_size=40), min_size=1, max_size=6),
-       st.sampled_from(list(CachePolicy)), st.integers(1, 40), st.integers(1, 8))
+@given(
+    st.lists(
+        st.lists(st.integers(-(2**62), 2**62), min_size=0, max_size=40), min_size=1, max_size=6
+    ),
+    st.sampled_from(list(CachePolicy)),
+    st.integers(1, 40),
+    st.integers(1, 8),
+)
 def test_cache_never_returns_a_wrong_row(batches, policy, capacity, ways) -> None:
     """Whatever is inserted and evicted, a hit always returns the row last inserted for that key."""
     c = EmbeddingCache(capacity, 2, policy=policy, ways=ways)
@@ -126,7 +147,11 @@ def test_cache_never_returns_a_wrong_row(batches, policy, capacity, ways) -> Non
         c.insert(k, vals)
         truth.update({int(x): float(i) for x in k})
         assert len(c) <= c.capacity
-        allk = torch.tensor(sorted(truth), dtype=torch.int64) if truth else torch.zeros(0, dtype=torch.int64)
+        allk = (
+            torch.tensor(sorted(truth), dtype=torch.int64)
+            if truth
+            else torch.zeros(0, dtype=torch.int64)
+        )
         v, hit = c.query(allk)
         expect = torch.tensor([truth[int(x)] for x in allk[hit]])
         assert torch.equal(v[hit][:, 0], expect)

@@ -25,7 +25,9 @@ from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy, StorageBacke
 
 def _one_set(per_slot: float, capacity: int = 4) -> EmbeddingCache:
     """A single fully associative set (no hashing in the way of exact checks)."""
-    return EmbeddingCache(capacity, 1, policy=CachePolicy.LFU, ways=capacity, lfu_decay_keys_per_slot=per_slot)
+    return EmbeddingCache(
+        capacity, 1, policy=CachePolicy.LFU, ways=capacity, lfu_decay_keys_per_slot=per_slot
+    )
 
 
 def _counter(c: EmbeddingCache, key: int) -> int:
@@ -59,9 +61,17 @@ class _AllKeys(StorageBackend):
         return self.n
 
 
-def _session(cache: EmbeddingCache, n: int = 10**6, threshold: float = 1.0, exact: bool = False) -> LookupSession:
-    return LookupSession([SessionTable("t", 1, -1.0, 10**6, cache)], _AllKeys(n), None,
-                         hit_rate_threshold=threshold, exact=exact, max_concurrent=1)
+def _session(
+    cache: EmbeddingCache, n: int = 10**6, threshold: float = 1.0, exact: bool = False
+) -> LookupSession:
+    return LookupSession(
+        [SessionTable("t", 1, -1.0, 10**6, cache)],
+        _AllKeys(n),
+        None,
+        hit_rate_threshold=threshold,
+        exact=exact,
+        max_concurrent=1,
+    )
 
 
 # ------------------------------------------------------------------ counter arithmetic
@@ -86,7 +96,11 @@ def test_counters_halve_exactly_when_the_clock_reaches_the_interval() -> None:
     assert counters() == [4, 1, 0] and c.decay_epoch == 1
     # counts weigh the clock: 25 more looked-up keys cross 20 and 30 → two halvings in one query
     c.query(_keys(2, 200), counts=_keys(5, 20))
-    assert counters() == [1, 5, 0]  # key 1: 4 >> 2; key 2: (1 >> 2) + 5, the query's own uses in full
+    assert counters() == [
+        1,
+        5,
+        0,
+    ]  # key 1: 4 >> 2; key 2: (1 >> 2) + 5, the query's own uses in full
     assert c.decay_epoch == 3 and c.stats.decays == 3 and c._looked_up == 35
     assert len(c) == 3  # halving never evicts; a 0 counter only makes a slot replaceable
     # priority 1 takes the empty slot, then key 3's (counter 0); keys 1 (1) and 2 (5) stay
@@ -117,17 +131,35 @@ def test_a_query_longer_than_the_period_keeps_its_own_hot_hits() -> None:
 
 
 def test_an_aging_period_that_overflows_is_named() -> None:
-    with pytest.raises(ValueError, match=r"lfu_decay_keys_per_slot 1e\+300 × 8 slots is no usable aging period"):
+    with pytest.raises(
+        ValueError, match=r"lfu_decay_keys_per_slot 1e\+300 × 8 slots is no usable aging period"
+    ):
         EmbeddingCache(8, 1, policy="lfu", ways=8, lfu_decay_keys_per_slot=1e300)
-    assert EmbeddingCache(8, 1, policy="lru", ways=8, lfu_decay_keys_per_slot=1e300).lfu_decay_interval == 0
+    assert (
+        EmbeddingCache(8, 1, policy="lru", ways=8, lfu_decay_keys_per_slot=1e300).lfu_decay_interval
+        == 0
+    )
 
 
 def test_interval_from_keys_per_slot() -> None:
     lfu = EmbeddingCache(100, 2, policy=CachePolicy.LFU, ways=8)  # 13 sets × 8 = 104 slots
-    assert lfu.capacity == 104 and lfu.lfu_decay_interval == round(DEFAULT_LFU_DECAY_KEYS_PER_SLOT * 104)
-    assert EmbeddingCache(100, 2, policy="lfu", ways=8, lfu_decay_keys_per_slot=0).lfu_decay_interval == 0
-    assert EmbeddingCache(100, 2, policy="lfu", ways=8, lfu_decay_keys_per_slot=1e-9).lfu_decay_interval == 1
-    assert EmbeddingCache(100, 2, policy="lru", ways=8, lfu_decay_keys_per_slot=1.0).lfu_decay_interval == 0
+    assert lfu.capacity == 104 and lfu.lfu_decay_interval == round(
+        DEFAULT_LFU_DECAY_KEYS_PER_SLOT * 104
+    )
+    assert (
+        EmbeddingCache(100, 2, policy="lfu", ways=8, lfu_decay_keys_per_slot=0).lfu_decay_interval
+        == 0
+    )
+    assert (
+        EmbeddingCache(
+            100, 2, policy="lfu", ways=8, lfu_decay_keys_per_slot=1e-9
+        ).lfu_decay_interval
+        == 1
+    )
+    assert (
+        EmbeddingCache(100, 2, policy="lru", ways=8, lfu_decay_keys_per_slot=1.0).lfu_decay_interval
+        == 0
+    )
 
 
 def test_lru_and_never_aging_lfu_do_not_age() -> None:
@@ -159,13 +191,17 @@ def test_insert_halves_a_priority_counted_before_a_halving() -> None:
     c.insert(_keys(4), torch.zeros(1, 1), priority=_keys(12), epoch=5)  # "ahead": not scaled up
     assert [_counter(c, k) for k in (1, 2, 3, 4)] == [3, 6, 12, 12]
     lru = EmbeddingCache(4, 1, ways=4)
-    lru.insert(_keys(1), torch.zeros(1, 1), priority=_keys(12), epoch=-3)  # LRU: epochs mean nothing
+    lru.insert(
+        _keys(1), torch.zeros(1, 1), priority=_keys(12), epoch=-3
+    )  # LRU: epochs mean nothing
     assert lru.contains(_keys(1)).all()
 
 
 @pytest.mark.parametrize("bad", [-1, -0.5, math.nan, math.inf, "10", None, True])
 def test_bad_decay_values_are_named(bad) -> None:
-    with pytest.raises(ValueError, match=r"lfu_decay_keys_per_slot must be a finite number >= 0.*got"):
+    with pytest.raises(
+        ValueError, match=r"lfu_decay_keys_per_slot must be a finite number >= 0.*got"
+    ):
         EmbeddingCache(8, 1, policy="lfu", lfu_decay_keys_per_slot=bad)
 
 
@@ -174,7 +210,9 @@ def test_key_statistics_halve() -> None:
     ks.update(np.array([1, 2, 3], np.int64), np.array([9, 1, 4], np.int64))
     ks.halve()
     assert ks.count_of(np.array([1, 2, 3], np.int64)).tolist() == [4, 0, 2]
-    assert ks.hottest().tolist() == [1, 3] and ks.total == 14  # 2 reached 0: dropped; total not aged
+    assert (
+        ks.hottest().tolist() == [1, 3] and ks.total == 14
+    )  # 2 reached 0: dropped; total not aged
     ks.halve(0)
     ks.halve(100)
     assert ks.hottest().size == 0 and ks.total == 14
@@ -219,10 +257,14 @@ class _Zipf:
         self.rng = np.random.default_rng(seed + 100)
 
     def sample(self, k: int) -> torch.Tensor:
-        return torch.from_numpy(self.perm[np.minimum(np.searchsorted(self.cdf, self.rng.random(k)), self.cdf.size - 1)])
+        return torch.from_numpy(
+            self.perm[np.minimum(np.searchsorted(self.cdf, self.rng.random(k)), self.cdf.size - 1)]
+        )
 
 
-def _session_drift(per_slot: float, n: int = 10_000, before: int = 300, after: int = 80) -> tuple[float, float, float]:
+def _session_drift(
+    per_slot: float, n: int = 10_000, before: int = 300, after: int = 80
+) -> tuple[float, float, float]:
     """Zipf α=1.05 over ``n`` keys through a session (sync fill, key statistics on), 10% cache,
     batches of n/10; the popularity permuted after ``before`` batches. Returns the hit rates
     (all keys) over the second half before the drift, the last quarter after it, and the ideal."""
@@ -237,7 +279,11 @@ def _session_drift(per_slot: float, n: int = 10_000, before: int = 300, after: i
         hits = now
     s.close()
     ideal = float(zipf_hit_curve(n, 1.05, np.array([c.capacity]))[0])
-    return float(np.mean(series[before // 2:before])), float(np.mean(series[-after // 4:])), ideal
+    return (
+        float(np.mean(series[before // 2 : before])),
+        float(np.mean(series[-after // 4 :])),
+        ideal,
+    )
 
 
 def test_zipf_drift_through_a_session() -> None:
@@ -271,7 +317,11 @@ def test_a_cache_smaller_than_one_request_s_period_is_not_worse_than_lru() -> No
         assert c.lfu_decay_interval in (0, 2560)
         return float(np.mean(series[20:]))
 
-    lru, never, aged = steady(CachePolicy.LRU, 0), steady(CachePolicy.LFU, 0), steady(CachePolicy.LFU, 20)
+    lru, never, aged = (
+        steady(CachePolicy.LRU, 0),
+        steady(CachePolicy.LFU, 0),
+        steady(CachePolicy.LFU, 20),
+    )
     assert aged > lru - 0.015 and aged > never - 0.015, (lru, never, aged)
 
 
@@ -305,7 +355,9 @@ def test_a_query_s_own_uses_count_in_full_after_its_halvings(mode: str) -> None:
     s = _session(c, threshold=1.0 if mode == "sync" else 0.0, exact=mode == "exact_async")
     rows = s.lookup("t", torch.full((8,), 7, dtype=torch.int64))
     s.drain()
-    assert rows[:, 0].tolist() == ([-1.0] * 8 if mode == "async" else [7.0] * 8)  # async: default now
+    assert rows[:, 0].tolist() == (
+        [-1.0] * 8 if mode == "async" else [7.0] * 8
+    )  # async: default now
     assert c.decay_epoch == 2 and _counter(c, 7) == 8
     s.lookup("t", _keys(5))  # clock 9: no halving
     assert s.key_stats["t"].count_of(np.array([7]))[0] == 8
@@ -322,7 +374,9 @@ def test_a_swapped_in_cache_restarts_the_statistics_epoch() -> None:
     for _ in range(3):
         s.lookup("t", _keys(7, 8))  # every lookup crosses the interval twice: epoch 6
     ks = s.key_stats["t"]
-    assert c.decay_epoch == 6 and ks.count_of(np.array([7]))[0] == 1  # the last lookup's, not yet halved
+    assert (
+        c.decay_epoch == 6 and ks.count_of(np.array([7]))[0] == 1
+    )  # the last lookup's, not yet halved
     s.tables["t"].cache = _one_set(0.25)
     s.lookup("t", _keys(9))  # the fresh cache's epoch 0 → 1
     assert ks.count_of(np.array([7, 9])).tolist() == [1, 1]
@@ -337,7 +391,9 @@ def test_the_first_cache_a_table_gets_does_not_halve_earlier_statistics() -> Non
     shared = _one_set(1.0)  # interval 4
     other = _session(shared)
     other.lookup("t", torch.arange(24))  # epoch 6
-    s = LookupSession([SessionTable("t", 1, -1.0, 10**6, None)], _AllKeys(100), None, max_concurrent=1)
+    s = LookupSession(
+        [SessionTable("t", 1, -1.0, 10**6, None)], _AllKeys(100), None, max_concurrent=1
+    )
     s.lookup("t", torch.full((40,), 7, dtype=torch.int64))
     s.tables["t"].cache = shared
     s.lookup("t", _keys(1))  # no halving by this lookup
@@ -402,13 +458,20 @@ def test_statistics_labelled_with_the_epoch_they_were_aged_to_under_a_race() -> 
             self.__dict__["_epoch"] = v
 
     c = Paused(4, 1, policy="lfu", ways=4, lfu_decay_keys_per_slot=1.0)  # interval 4
-    s = LookupSession([SessionTable("t", 1, -1.0, 10**6, c)], _AllKeys(100), None,
-                      hit_rate_threshold=1.0, max_concurrent=2)
+    s = LookupSession(
+        [SessionTable("t", 1, -1.0, 10**6, c)],
+        _AllKeys(100),
+        None,
+        hit_rate_threshold=1.0,
+        max_concurrent=2,
+    )
     s.lookup("t", _keys(9, 9, 9, 9))  # epoch 1
     read, go = threading.Event(), threading.Event()
     Paused.pause = (read, go)
     got: dict[str, int] = {}
-    racer = threading.Thread(target=lambda: got.update(e=s._age_key_stats(s.tables["t"], c)), name="racer")
+    racer = threading.Thread(
+        target=lambda: got.update(e=s._age_key_stats(s.tables["t"], c)), name="racer"
+    )
     racer.start()
     assert read.wait(5)
     s.lookup("t", _keys(60, 61, 62, 63))  # epoch 2, statistics aged to it
@@ -428,7 +491,9 @@ def test_online_update_keeps_counters(tmp_path: Path) -> None:
     c = _one_set(1.0)
     s = LookupSession([SessionTable("t", 1, 0.0, 100, c)], vdb, None, hit_rate_threshold=1.0)
     s.lookup("t", _keys(3, 3, 3))
-    ap = UpdateApplier(FileLogSource(tmp_path / "none.log"), [s], vdb, None, offset_file=tmp_path / "off")
+    ap = UpdateApplier(
+        FileLogSource(tmp_path / "none.log"), [s], vdb, None, offset_file=tmp_path / "off"
+    )
     ap.apply({"t": (np.array([3], np.int64), np.full((1, 1), 5.0, np.float32))}, "1")
     assert _counter(c, 3) == 3 and c._looked_up == 3
     assert s.lookup("t", _keys(3)).tolist() == [[5.0]] and _counter(c, 3) == 2  # 3 >> 1, then + 1
@@ -439,9 +504,16 @@ def test_online_update_keeps_counters(tmp_path: Path) -> None:
 
 
 def _doc(**model_over):
-    m = {"model": "m", "max_batch_size": 32, "sparse_files": ["sparse/t0"], "embedding_table_names": ["t0"],
-         "embedding_vecsize_per_table": [4], "maxnum_catfeature_query_per_table_per_sample": [1],
-         "gpucacheper": 0.25, "cache_policy": "lfu"}
+    m = {
+        "model": "m",
+        "max_batch_size": 32,
+        "sparse_files": ["sparse/t0"],
+        "embedding_table_names": ["t0"],
+        "embedding_vecsize_per_table": [4],
+        "maxnum_catfeature_query_per_table_per_sample": [1],
+        "gpucacheper": 0.25,
+        "cache_policy": "lfu",
+    }
     m.update(model_over)
     return {"volatile_db": {"type": "hash_map"}, "models": [m]}
 
@@ -453,22 +525,33 @@ def test_config_default_round_trip_and_plumbing(tmp_path: Path) -> None:
     assert cfg.model("m").cache_lfu_decay_keys_per_slot == 2.5
     assert cfg.to_dict()["models"][0]["cache_lfu_decay_keys_per_slot"] == 2.5
     assert parse_config(cfg.to_dict()) == cfg
-    assert parse_config(_doc(cache_lfu_decay_keys_per_slot=0)).model("m").cache_lfu_decay_keys_per_slot == 0.0
+    assert (
+        parse_config(_doc(cache_lfu_decay_keys_per_slot=0)).model("m").cache_lfu_decay_keys_per_slot
+        == 0.0
+    )
     keys, rows = make_table(400, 4, seed=3)
     write_table(tmp_path / "sparse/t0", keys, rows)
     ps = HierarchicalParameterServer(cfg)
     cache = ps.session("m").tables["t0"].cache
-    assert cache.policy is CachePolicy.LFU and cache.lfu_decay_interval == round(2.5 * cache.capacity)
+    assert cache.policy is CachePolicy.LFU and cache.lfu_decay_interval == round(
+        2.5 * cache.capacity
+    )
     ps.close()
 
 
-@pytest.mark.parametrize("bad, match", [
-    (-1, r"models\[0\]\.cache_lfu_decay_keys_per_slot: -1.0 is impossible; expected looked-up keys per cache"),
-    (math.inf, r"models\[0\]\.cache_lfu_decay_keys_per_slot: inf is impossible"),
-    (math.nan, r"models\[0\]\.cache_lfu_decay_keys_per_slot: nan is impossible"),
-    ("10", r"models\[0\]\.cache_lfu_decay_keys_per_slot: expected a number, got '10'"),
-    (True, r"models\[0\]\.cache_lfu_decay_keys_per_slot: expected a number, got True"),
-])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        (
+            -1,
+            r"models\[0\]\.cache_lfu_decay_keys_per_slot: -1.0 is impossible; expected looked-up keys per cache",
+        ),
+        (math.inf, r"models\[0\]\.cache_lfu_decay_keys_per_slot: inf is impossible"),
+        (math.nan, r"models\[0\]\.cache_lfu_decay_keys_per_slot: nan is impossible"),
+        ("10", r"models\[0\]\.cache_lfu_decay_keys_per_slot: expected a number, got '10'"),
+        (True, r"models\[0\]\.cache_lfu_decay_keys_per_slot: expected a number, got True"),
+    ],
+)
 def test_bad_config_value_is_named(bad, match: str) -> None:
     with pytest.raises(ValueError, match=match):
         parse_config(_doc(cache_lfu_decay_keys_per_slot=bad))
@@ -490,8 +573,9 @@ def test_cuda_aging_matches_cpu() -> None:
         miss = ~ha
         v = k[miss].float()[:, None].repeat(1, 8)
         e = cpu.decay_epoch - 1
-        assert cpu.insert(k[miss], v, cnt[miss], epoch=e) == gpu.insert(k[miss].cuda(), v.cuda(), cnt[miss].cuda(),
-                                                                         epoch=e)
+        assert cpu.insert(k[miss], v, cnt[miss], epoch=e) == gpu.insert(
+            k[miss].cuda(), v.cuda(), cnt[miss].cuda(), epoch=e
+        )
     assert cpu.decay_epoch == gpu.decay_epoch > 0
     assert torch.equal(cpu.counters, gpu.counters.cpu()) and torch.equal(cpu.keys, gpu.keys.cpu())
     assert EMPTY_KEY not in cpu.cached_keys().tolist()

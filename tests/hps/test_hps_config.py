@@ -11,14 +11,21 @@ from hps.types import CachePolicy, OverflowPolicy, VolatileDBType
 
 def _doc(**model_over):
     m = {
-        "model": "dlrm", "max_batch_size": 64, "sparse_files": ["s/t0", "s/t1"],
-        "embedding_table_names": ["t0", "t1"], "embedding_vecsize_per_table": [8, 4],
+        "model": "dlrm",
+        "max_batch_size": 64,
+        "sparse_files": ["s/t0", "s/t1"],
+        "embedding_table_names": ["t0", "t1"],
+        "embedding_vecsize_per_table": [8, 4],
         "maxnum_catfeature_query_per_table_per_sample": [1, 3],
         "default_value_for_each_table": [0.0, -1.0],
     }
     m.update(model_over)
-    return {"supportlonglong": True, "volatile_db": {"type": "parallel_hash_map"},
-            "persistent_db": {"type": "rocks_db", "path": "pdb"}, "models": [m]}
+    return {
+        "supportlonglong": True,
+        "volatile_db": {"type": "parallel_hash_map"},
+        "persistent_db": {"type": "rocks_db", "path": "pdb"},
+        "models": [m],
+    }
 
 
 def test_valid_config_round_trips(tmp_path: Path) -> None:
@@ -29,7 +36,9 @@ def test_valid_config_round_trips(tmp_path: Path) -> None:
     assert [t.name for t in m.tables] == ["t0", "t1"]
     assert m.tables[1].dim == 4 and m.tables[1].default_value == -1.0
     assert m.tables[0].sparse_file == str(tmp_path / "s/t0")  # relative to ps.json
-    assert m.cache_policy is CachePolicy.LFU and m.gpucacheper == 0.5 and m.hit_rate_threshold == 0.9
+    assert (
+        m.cache_policy is CachePolicy.LFU and m.gpucacheper == 0.5 and m.hit_rate_threshold == 0.9
+    )
     assert m.max_keys_per_lookup("t1") == 64 * 3
     assert cfg.volatile_db.type is VolatileDBType.PARALLEL_HASH_MAP
     assert cfg.volatile_db.overflow_policy is OverflowPolicy.EVICT_RANDOM
@@ -40,63 +49,157 @@ def test_valid_config_round_trips(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "mutate, match",
     [
-        (lambda d: d["models"][0].update(gpucahceper=0.1), r"models\[0\]: unknown field\(s\) \['gpucahceper'\]"),
+        (
+            lambda d: d["models"][0].update(gpucahceper=0.1),
+            r"models\[0\]: unknown field\(s\) \['gpucahceper'\]",
+        ),
         (lambda d: d.update(extra=1), r"ps.json: unknown field\(s\) \['extra'\]"),
-        (lambda d: d["models"][0].pop("max_batch_size"), r"models\[0\]\.max_batch_size: required field is missing"),
-        (lambda d: d["models"][0].update(max_batch_size="64"), r"models\[0\]\.max_batch_size: expected an integer"),
+        (
+            lambda d: d["models"][0].pop("max_batch_size"),
+            r"models\[0\]\.max_batch_size: required field is missing",
+        ),
+        (
+            lambda d: d["models"][0].update(max_batch_size="64"),
+            r"models\[0\]\.max_batch_size: expected an integer",
+        ),
         (lambda d: d["models"][0].update(gpucache=1), r"models\[0\]\.gpucache: expected a boolean"),
-        (lambda d: d["models"][0].update(gpucacheper=1.5), r"models\[0\]\.gpucacheper: 1.5 is impossible"),
-        (lambda d: d["models"][0].update(hit_rate_threshold=-0.1), r"models\[0\]\.hit_rate_threshold"),
-        (lambda d: d["models"][0].update(embedding_vecsize_per_table=[8, 0]),
-         r"models\[0\]\.embedding_vecsize_per_table\[1\]: 0 is impossible"),
-        (lambda d: d["models"][0].update(embedding_vecsize_per_table=[8]),
-         r"models\[0\]\.embedding_vecsize_per_table: expected 2 entries"),
-        (lambda d: d["models"][0].update(embedding_table_names=["t0", "t0"]), r"duplicate table names \['t0'\]"),
-        (lambda d: d["models"][0].update(cache_policy="fifo"), r"models\[0\]\.cache_policy: 'fifo' is not one of"),
-        (lambda d: d["volatile_db"].update(overflow_policy="evict_all"), r"volatile_db\.overflow_policy"),
-        (lambda d: d["volatile_db"].update(overflow_resolution_target=0), r"volatile_db\.overflow_resolution_target"),
-        (lambda d: d["volatile_db"].update(num_partitions=0), r"volatile_db\.num_partitions: 0 is impossible"),
+        (
+            lambda d: d["models"][0].update(gpucacheper=1.5),
+            r"models\[0\]\.gpucacheper: 1.5 is impossible",
+        ),
+        (
+            lambda d: d["models"][0].update(hit_rate_threshold=-0.1),
+            r"models\[0\]\.hit_rate_threshold",
+        ),
+        (
+            lambda d: d["models"][0].update(embedding_vecsize_per_table=[8, 0]),
+            r"models\[0\]\.embedding_vecsize_per_table\[1\]: 0 is impossible",
+        ),
+        (
+            lambda d: d["models"][0].update(embedding_vecsize_per_table=[8]),
+            r"models\[0\]\.embedding_vecsize_per_table: expected 2 entries",
+        ),
+        (
+            lambda d: d["models"][0].update(embedding_table_names=["t0", "t0"]),
+            r"duplicate table names \['t0'\]",
+        ),
+        (
+            lambda d: d["models"][0].update(cache_policy="fifo"),
+            r"models\[0\]\.cache_policy: 'fifo' is not one of",
+        ),
+        (
+            lambda d: d["volatile_db"].update(overflow_policy="evict_all"),
+            r"volatile_db\.overflow_policy",
+        ),
+        (
+            lambda d: d["volatile_db"].update(overflow_resolution_target=0),
+            r"volatile_db\.overflow_resolution_target",
+        ),
+        (
+            lambda d: d["volatile_db"].update(num_partitions=0),
+            r"volatile_db\.num_partitions: 0 is impossible",
+        ),
         (lambda d: d["volatile_db"].update(type="redis_cluster"), r"volatile_db\.address"),
-        (lambda d: d["volatile_db"].update(type="redis_cluster", address="localhost"), r"volatile_db\.address"),
+        (
+            lambda d: d["volatile_db"].update(type="redis_cluster", address="localhost"),
+            r"volatile_db\.address",
+        ),
         (lambda d: d["persistent_db"].update(path=""), r"persistent_db\.path"),
         (lambda d: d.update(update_source={"type": "file_log"}), r"update_source\.path"),
-        (lambda d: d.update(update_source={"type": "redis_stream", "address": "localhost"}),
-         r"update_source\.address: 'localhost' is impossible; expected 'host:port"),
-        (lambda d: d.update(update_source={"type": "redis_stream", "address": "h:6379,h:70000"}),
-         r"update_source\.address: 'h:6379,h:70000' is impossible.*1\.\.65535"),
-        (lambda d: d.update(update_source={"type": "redis_stream"}), r"update_source\.address: '' is impossible"),
-        (lambda d: (d["persistent_db"].update(read_only=True),
-                    d.update(update_source={"type": "redis_stream", "address": "h:6379"})),
-         r"update_source\.state_path: '' is impossible.*writable rocks_db"),
-        (lambda d: (d["persistent_db"].update(type="none"),
-                    d.update(update_source={"type": "redis_stream", "address": "h:6379"})),
-         r"update_source\.state_path"),
-        (lambda d: (d["volatile_db"].update(type="none"), d["persistent_db"].update(read_only=True),
-                    d.update(update_source={"type": "file_log", "path": "u.log"})),
-         r"update_source\.type: 'file_log' is impossible.*rocks_db that is not read_only"),
+        (
+            lambda d: d.update(update_source={"type": "redis_stream", "address": "localhost"}),
+            r"update_source\.address: 'localhost' is impossible; expected 'host:port",
+        ),
+        (
+            lambda d: d.update(update_source={"type": "redis_stream", "address": "h:6379,h:70000"}),
+            r"update_source\.address: 'h:6379,h:70000' is impossible.*1\.\.65535",
+        ),
+        (
+            lambda d: d.update(update_source={"type": "redis_stream"}),
+            r"update_source\.address: '' is impossible",
+        ),
+        (
+            lambda d: (
+                d["persistent_db"].update(read_only=True),
+                d.update(update_source={"type": "redis_stream", "address": "h:6379"}),
+            ),
+            r"update_source\.state_path: '' is impossible.*writable rocks_db",
+        ),
+        (
+            lambda d: (
+                d["persistent_db"].update(type="none"),
+                d.update(update_source={"type": "redis_stream", "address": "h:6379"}),
+            ),
+            r"update_source\.state_path",
+        ),
+        (
+            lambda d: (
+                d["volatile_db"].update(type="none"),
+                d["persistent_db"].update(read_only=True),
+                d.update(update_source={"type": "file_log", "path": "u.log"}),
+            ),
+            r"update_source\.type: 'file_log' is impossible.*rocks_db that is not read_only",
+        ),
         (lambda d: d.update(supportlonglong=False), r"supportlonglong"),
-        (lambda d: (d["volatile_db"].update(type="none"), d["persistent_db"].update(type="none")),
-         r"at least one\s+database tier"),
+        (
+            lambda d: (
+                d["volatile_db"].update(type="none"),
+                d["persistent_db"].update(type="none"),
+            ),
+            r"at least one\s+database tier",
+        ),
         (lambda d: d.update(models=[]), r"models: at least one model"),
         # json.loads takes NaN and Infinity: every number in ps.json must be finite
-        (lambda d: d["models"][0].update(default_value_for_each_table=[0.0, float("nan")]),
-         r"models\[0\]\.default_value_for_each_table\[1\]: nan is impossible; expected a finite"),
-        (lambda d: d["models"][0].update(gpucacheper=float("nan")), r"models\[0\]\.gpucacheper: nan is impossible"),
-        (lambda d: d.update(update_source={"type": "file_log", "path": "u.log", "poll_interval_s": float("inf")}),
-         r"update_source\.poll_interval_s: inf is impossible; expected a finite"),
-        (lambda d: d.update(update_source={"type": "file_log", "path": "u.log", "poll_interval_s": 1e12}),
-         r"update_source\.poll_interval_s: 1000000000000.0 is impossible; expected seconds in \[0, 86400\]"),
-        (lambda d: d["volatile_db"].update(retry_interval_s=float("inf")), r"volatile_db\.retry_interval_s: inf"),
-        (lambda d: d["volatile_db"].update(socket_timeout_s=1e9), r"volatile_db\.socket_timeout_s: 1000000000.0"),
+        (
+            lambda d: d["models"][0].update(default_value_for_each_table=[0.0, float("nan")]),
+            r"models\[0\]\.default_value_for_each_table\[1\]: nan is impossible; expected a finite",
+        ),
+        (
+            lambda d: d["models"][0].update(gpucacheper=float("nan")),
+            r"models\[0\]\.gpucacheper: nan is impossible",
+        ),
+        (
+            lambda d: d.update(
+                update_source={"type": "file_log", "path": "u.log", "poll_interval_s": float("inf")}
+            ),
+            r"update_source\.poll_interval_s: inf is impossible; expected a finite",
+        ),
+        (
+            lambda d: d.update(
+                update_source={"type": "file_log", "path": "u.log", "poll_interval_s": 1e12}
+            ),
+            r"update_source\.poll_interval_s: 1000000000000.0 is impossible; expected seconds in \[0, 86400\]",
+        ),
+        (
+            lambda d: d["volatile_db"].update(retry_interval_s=float("inf")),
+            r"volatile_db\.retry_interval_s: inf",
+        ),
+        (
+            lambda d: d["volatile_db"].update(socket_timeout_s=1e9),
+            r"volatile_db\.socket_timeout_s: 1000000000.0",
+        ),
         # without a persistent db, rows the volatile db does not load are held by no tier
-        (lambda d: (d["persistent_db"].update(type="none"), d["volatile_db"].update(initial_cache_rate=0.5)),
-         r"volatile_db\.initial_cache_rate: 0\.5 is impossible; expected 1\.0 without a persistent_db"),
+        (
+            lambda d: (
+                d["persistent_db"].update(type="none"),
+                d["volatile_db"].update(initial_cache_rate=0.5),
+            ),
+            r"volatile_db\.initial_cache_rate: 0\.5 is impossible; expected 1\.0 without a persistent_db",
+        ),
         # tables are keyed by name in the databases: a shared name must mean the same rows
-        (lambda d: d["models"].append({**d["models"][0], "model": "other", "sparse_files": ["s/x0", "s/t1"]}),
-         r"table 't0' of model 'other' \(sparse file 's/x0', dim 8\) and of model 'dlrm' \(sparse file "
-         r"'s/t0', dim 8\) differ"),
-        (lambda d: d["models"].append({**d["models"][0], "model": "other", "embedding_vecsize_per_table": [8, 2]}),
-         r"table 't1' of model 'other' .* dim 2\) and of model 'dlrm' .* dim 4\) differ"),
+        (
+            lambda d: d["models"].append(
+                {**d["models"][0], "model": "other", "sparse_files": ["s/x0", "s/t1"]}
+            ),
+            r"table 't0' of model 'other' \(sparse file 's/x0', dim 8\) and of model 'dlrm' \(sparse file "
+            r"'s/t0', dim 8\) differ",
+        ),
+        (
+            lambda d: d["models"].append(
+                {**d["models"][0], "model": "other", "embedding_vecsize_per_table": [8, 2]}
+            ),
+            r"table 't1' of model 'other' .* dim 2\) and of model 'dlrm' .* dim 4\) differ",
+        ),
     ],
 )
 def test_bad_config_names_the_field(mutate, match: str) -> None:
@@ -109,8 +212,9 @@ def test_bad_config_names_the_field(mutate, match: str) -> None:
 def test_models_may_share_a_table_with_the_same_rows(tmp_path: Path) -> None:
     """The same sparse file and dim under one name (relative or absolute path): loaded once."""
     d = _doc()
-    d["models"].append({**d["models"][0], "model": "other",
-                        "sparse_files": [str(tmp_path / "s" / "t0"), "s/t1"]})
+    d["models"].append(
+        {**d["models"][0], "model": "other", "sparse_files": [str(tmp_path / "s" / "t0"), "s/t1"]}
+    )
     cfg = parse_config(d, tmp_path)
     assert [m.model for m in cfg.models] == ["dlrm", "other"]
     assert cfg.model("other").tables[0].sparse_file == cfg.model("dlrm").tables[0].sparse_file

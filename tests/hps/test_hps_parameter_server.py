@@ -20,11 +20,22 @@ DIM = 4
 def _folder(tmp_path: Path, pdb: dict, vdb: str = "hash_map") -> Path:
     keys = np.arange(100, dtype=np.int64)
     write_table(tmp_path / "sparse" / "t", keys, np.zeros((100, DIM), np.float32))
-    doc = {"volatile_db": {"type": vdb}, "persistent_db": pdb,
-           "update_source": {"type": "file_log", "path": "u.log"},
-           "models": [{"model": "m", "max_batch_size": 16, "sparse_files": ["sparse/t"],
-                       "embedding_table_names": ["t"], "embedding_vecsize_per_table": [DIM],
-                       "maxnum_catfeature_query_per_table_per_sample": [1], "gpucache": False}]}
+    doc = {
+        "volatile_db": {"type": vdb},
+        "persistent_db": pdb,
+        "update_source": {"type": "file_log", "path": "u.log"},
+        "models": [
+            {
+                "model": "m",
+                "max_batch_size": 16,
+                "sparse_files": ["sparse/t"],
+                "embedding_table_names": ["t"],
+                "embedding_vecsize_per_table": [DIM],
+                "maxnum_catfeature_query_per_table_per_sample": [1],
+                "gpucache": False,
+            }
+        ],
+    }
     (tmp_path / "ps.json").write_text(json.dumps(doc))
     return tmp_path / "ps.json"
 
@@ -33,8 +44,9 @@ def _served(ps: HierarchicalParameterServer, keys: list[int]) -> list[float]:
     return ps.session("m").lookup("t", torch.tensor(keys))[:, 0].tolist()
 
 
-@pytest.mark.parametrize("pdb", [{"type": "none"}, {"type": "rocks_db", "path": "pdb"}],
-                         ids=["offset_file", "rocks_db"])
+@pytest.mark.parametrize(
+    "pdb", [{"type": "none"}, {"type": "rocks_db", "path": "pdb"}], ids=["offset_file", "rocks_db"]
+)
 def test_a_restart_serves_the_updated_rows(tmp_path: Path, pdb: dict) -> None:
     cfg = _folder(tmp_path, pdb)
     pub = FileLogPublisher(tmp_path / "u.log")
@@ -61,7 +73,8 @@ def test_a_restart_serves_the_updated_rows(tmp_path: Path, pdb: dict) -> None:
 def test_a_restart_before_polling_serves_the_persistent_rows(tmp_path: Path) -> None:
     cfg = _folder(tmp_path, {"type": "rocks_db", "path": "pdb"}, vdb="parallel_hash_map")
     FileLogPublisher(tmp_path / "u.log").publish(
-        {"t": (np.arange(3, dtype=np.int64), np.full((3, DIM), 2.0, np.float32))})
+        {"t": (np.arange(3, dtype=np.int64), np.full((3, DIM), 2.0, np.float32))}
+    )
     ps = HierarchicalParameterServer.from_config(cfg)
     ps.update_applier().poll()
     ps.close()
@@ -98,10 +111,17 @@ def test_start_background_applies_a_backlog_before_it_returns(tmp_path: Path) ->
         ps.close()
 
 
-@pytest.mark.parametrize("vdb", [{"type": "hash_map", "overflow_margin": 60},
-                                 {"type": "parallel_hash_map", "num_partitions": 4, "overflow_margin": 20}],
-                         ids=["hash_map", "parallel_hash_map"])
-def test_a_volatile_only_server_that_cannot_hold_every_row_refuses_to_start(tmp_path: Path, vdb: dict) -> None:
+@pytest.mark.parametrize(
+    "vdb",
+    [
+        {"type": "hash_map", "overflow_margin": 60},
+        {"type": "parallel_hash_map", "num_partitions": 4, "overflow_margin": 20},
+    ],
+    ids=["hash_map", "parallel_hash_map"],
+)
+def test_a_volatile_only_server_that_cannot_hold_every_row_refuses_to_start(
+    tmp_path: Path, vdb: dict
+) -> None:
     """Without a persistent DB the rows a full volatile DB evicts while loading are held by no
     tier and would be served as default vectors: an error naming the table and the knobs. With
     room for every row the same server starts and serves them all."""
@@ -109,8 +129,11 @@ def test_a_volatile_only_server_that_cannot_hold_every_row_refuses_to_start(tmp_
     doc = json.loads(cfg.read_text())
     doc["volatile_db"] = vdb
     cfg.write_text(json.dumps(doc))
-    with pytest.raises(ValueError, match=r"table 't': the volatile db holds \d+ of its 100 rows after "
-                                         r"loading \(overflow_margin \d+ rows per partition"):
+    with pytest.raises(
+        ValueError,
+        match=r"table 't': the volatile db holds \d+ of its 100 rows after "
+        r"loading \(overflow_margin \d+ rows per partition",
+    ):
         HierarchicalParameterServer.from_config(cfg)
     doc["volatile_db"]["overflow_margin"] = 100
     cfg.write_text(json.dumps(doc))
@@ -121,7 +144,9 @@ def test_a_volatile_only_server_that_cannot_hold_every_row_refuses_to_start(tmp_
         ps.close()
 
 
-def test_a_non_finite_update_is_refused_at_publish_and_never_blocks_a_start(tmp_path: Path, caplog) -> None:
+def test_a_non_finite_update_is_refused_at_publish_and_never_blocks_a_start(
+    tmp_path: Path, caplog
+) -> None:
     """A NaN row is refused when published (nothing reaches the log). One in a log written by
     an older publisher does not stop the server from starting: it is logged, left unapplied
     (with the records after it) and retried, until the operator skips it by the offset the
@@ -138,7 +163,9 @@ def test_a_non_finite_update_is_refused_at_publish_and_never_blocks_a_start(tmp_
     size = (tmp_path / "u.log").stat().st_size
     nan = np.full((1, DIM), 1.0, np.float32)
     nan[0, 1] = np.nan
-    with pytest.raises(InvalidUpdateError, match=r"update for 't': the row of key 3 holds a non-finite"):
+    with pytest.raises(
+        InvalidUpdateError, match=r"update for 't': the row of key 3 holds a non-finite"
+    ):
         pub.publish({"t": (np.array([3], np.int64), nan)})
     assert (tmp_path / "u.log").stat().st_size == size
     # an older publisher's record: the same layout, NaN row included

@@ -92,7 +92,9 @@ def test_a_damaged_row_is_named_even_when_the_total_length_fits(tmp_path: Path) 
     try:
         v, f = db.lookup("t0", keys[:1])
         assert f.all() and v.tolist() == [[1.0, 2.0]]
-        with pytest.raises(CorruptRowError, match=r"'t0': key 2 holds 12 bytes, not 2 float32s \(2 such rows"):
+        with pytest.raises(
+            CorruptRowError, match=r"'t0': key 2 holds 12 bytes, not 2 float32s \(2 such rows"
+        ):
             db.lookup("t0", np.array([2, 3], np.int64))
         with pytest.raises(CorruptRowError, match=r"key 3 holds 4 bytes"):
             db.lookup("t0", np.array([1, 3, 1], np.int64))  # chunked multi-get (max_batch_size 2)

@@ -38,12 +38,14 @@ def test_cluster_has_three_masters_and_partitions_spread(redis_cluster) -> None:
     b.close()
 
 
-def _tiers(redis_cluster, tmp_path: Path, name: str, keys: np.ndarray, rows: np.ndarray,
-           **kw: int) -> tuple[RedisClusterBackend, RocksDBBackend]:
+def _tiers(
+    redis_cluster, tmp_path: Path, name: str, keys: np.ndarray, rows: np.ndarray, **kw: int
+) -> tuple[RedisClusterBackend, RocksDBBackend]:
     """Table ``name`` (``rows``, dim 4) in the cluster (8 partitions, 0.2 s retry, 0.5 s
     timeout) and in a RocksDB under ``tmp_path``."""
-    vdb = RedisClusterBackend(redis_cluster.addresses, num_partitions=8, retry_interval_s=0.2,
-                              socket_timeout_s=0.5, **kw)
+    vdb = RedisClusterBackend(
+        redis_cluster.addresses, num_partitions=8, retry_interval_s=0.2, socket_timeout_s=0.5, **kw
+    )
     vdb.create_table(name, 4)
     vdb.insert(name, keys, rows)
     pdb = RocksDBBackend(tmp_path / "pdb")
@@ -94,7 +96,9 @@ def test_node_killed_mid_run_falls_back_to_rocksdb(redis_cluster, tmp_path: Path
     pdb.close()
 
 
-def test_an_update_that_no_longer_fits_the_outage_queue_is_retried_not_lost(redis_cluster, tmp_path: Path) -> None:
+def test_an_update_that_no_longer_fits_the_outage_queue_is_retried_not_lost(
+    redis_cluster, tmp_path: Path
+) -> None:
     """While a node is down, a write beyond max_pending_rows is refused, not dropped: Redis still
     holds the old rows and is read first, so a dropped update would be undone once the node is
     back. The applier's batch fails, its offset stays, and the next poll after recovery applies
@@ -112,7 +116,9 @@ def test_an_update_that_no_longer_fits_the_outage_queue_is_retried_not_lost(redi
         redis_cluster.kill(1)
         s.lookup(name, torch.from_numpy(keys))  # the failure is noticed: the backend is down
         pub.publish({name: (keys, np.full((200, 4), 7.0, np.float32))})
-        with pytest.raises(VolatileUnavailableError, match=r"200 rows of .* neither written nor queued"):
+        with pytest.raises(
+            VolatileUnavailableError, match=r"200 rows of .* neither written nor queued"
+        ):
             app.poll()
         assert app.offset is None and app.applied == 0 and vdb.dropped_rows == 200
         redis_cluster.restart(1)
@@ -178,7 +184,9 @@ def test_the_tier_stays_down_until_the_replay_has_finished(redis_cluster) -> Non
         vdb.close()
 
 
-def test_an_unreachable_cluster_at_start_is_an_error_or_starts_down(redis_cluster, monkeypatch) -> None:
+def test_an_unreachable_cluster_at_start_is_an_error_or_starts_down(
+    redis_cluster, monkeypatch
+) -> None:
     """No node answering at construction: a ValueError naming the addresses, or, with
     ``start_down`` (a server with a persistent DB), a backend that is down, queues writes, and
     connects and replays them once the cluster answers."""
@@ -189,7 +197,9 @@ def test_an_unreachable_cluster_at_start_is_an_error_or_starts_down(redis_cluste
     with socket.socket() as sk:  # a port nobody listens on
         sk.bind(("127.0.0.1", 0))
         port = sk.getsockname()[1]
-    with pytest.raises(ValueError, match=rf"redis cluster at 127\.0\.0\.1:{port} cannot be reached"):
+    with pytest.raises(
+        ValueError, match=rf"redis cluster at 127\.0\.0\.1:{port} cannot be reached"
+    ):
         RedisClusterBackend([("127.0.0.1", port)], socket_timeout_s=0.5)
 
     name = f"t_{uuid.uuid4().hex[:8]}"
@@ -199,8 +209,9 @@ def test_an_unreachable_cluster_at_start_is_an_error_or_starts_down(redis_cluste
         raise ConnectionError("connection refused")
 
     monkeypatch.setattr(RedisClusterBackend, "_connect", refused)
-    vdb = RedisClusterBackend(redis_cluster.addresses, num_partitions=4, retry_interval_s=0.1,
-                              start_down=True)
+    vdb = RedisClusterBackend(
+        redis_cluster.addresses, num_partitions=4, retry_interval_s=0.1, start_down=True
+    )
     try:
         assert vdb.errors == 1 and not vdb.available
         vdb.create_table(name, 2)

@@ -37,33 +37,63 @@ def test_two_processes_see_one_update(redis_cluster, tmp_path: Path) -> None:
     stream = f"stream_{table}"
 
     def doc(state: str) -> dict:
-        return {"volatile_db": {"type": "redis_cluster", "address": redis_cluster.address, "num_partitions": 4},
-                "update_source": {"type": "redis_stream", "stream": stream, "state_path": state},
-                "models": [{"model": "m", "max_batch_size": 64, "sparse_files": [f"sparse/{table}"],
-                            "embedding_table_names": [table], "embedding_vecsize_per_table": [DIM],
-                            "maxnum_catfeature_query_per_table_per_sample": [1], "gpucacheper": 0.5,
-                            "cache_exact": True, "hit_rate_threshold": 1.0}]}
+        return {
+            "volatile_db": {
+                "type": "redis_cluster",
+                "address": redis_cluster.address,
+                "num_partitions": 4,
+            },
+            "update_source": {"type": "redis_stream", "stream": stream, "state_path": state},
+            "models": [
+                {
+                    "model": "m",
+                    "max_batch_size": 64,
+                    "sparse_files": [f"sparse/{table}"],
+                    "embedding_table_names": [table],
+                    "embedding_vecsize_per_table": [DIM],
+                    "maxnum_catfeature_query_per_table_per_sample": [1],
+                    "gpucacheper": 0.5,
+                    "cache_exact": True,
+                    "hit_rate_threshold": 1.0,
+                }
+            ],
+        }
 
-    loader = HierarchicalParameterServer(parse_config(doc("loader.off"), tmp_path))  # fills Redis once
+    loader = HierarchicalParameterServer(
+        parse_config(doc("loader.off"), tmp_path)
+    )  # fills Redis once
     loader.close()
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parent),
-                                                                    os.environ.get("PYTHONPATH")]))}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+        ),
+    }
     procs = []
     try:
         for i in range(2):
             cfg = tmp_path / f"ps{i}.json"
             cfg.write_text(json.dumps(doc(f"replica{i}.off")))
-            p = subprocess.Popen([sys.executable, str(Path(__file__).parent / "hps_replica.py"), str(cfg)],
-                                 stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                 text=True, env=env)
+            p = subprocess.Popen(
+                [sys.executable, str(Path(__file__).parent / "hps_replica.py"), str(cfg)],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+                env=env,
+            )
             procs.append(p)
         for p in procs:
             assert json.loads(p.stdout.readline())["ready"]
         q = keys[:8].tolist()
         for p in procs:  # both cache the old rows
-            assert np.array_equal(np.array(_ask(p, {"op": "lookup", "table": table, "keys": q})["rows"]), rows[:8])
+            assert np.array_equal(
+                np.array(_ask(p, {"op": "lookup", "table": table, "keys": q})["rows"]), rows[:8]
+            )
         client = redis_client(redis_cluster.address, cluster=True)
-        RedisStreamPublisher(client, stream).publish({table: (keys[:8].copy(), rows[:8] + 0.5)})  # once
+        RedisStreamPublisher(client, stream).publish(
+            {table: (keys[:8].copy(), rows[:8] + 0.5)}
+        )  # once
         for p in procs:
             assert _ask(p, {"op": "poll"})["applied"] == 1
             got = np.array(_ask(p, {"op": "lookup", "table": table, "keys": q})["rows"])

@@ -41,8 +41,10 @@ ROOT = Path(__file__).resolve().parents[2]
 
 def _model() -> DLRM:
     w = get_workload("tiny")
-    tables = tuple(dataclasses.replace(t, combiner=Combiner.MEAN) if i % 2 else t
-                   for i, t in enumerate(w.tables))
+    tables = tuple(
+        dataclasses.replace(t, combiner=Combiner.MEAN) if i % 2 else t
+        for i, t in enumerate(w.tables)
+    )
     return build_model(dataclasses.replace(w, tables=tables), seed=5).eval()
 
 
@@ -72,13 +74,18 @@ def _eager(model: DLRM, req: dict[str, np.ndarray]) -> np.ndarray:
     return model(torch.from_numpy(req["dense"]), sparse).numpy()
 
 
-def _inputs(req: dict[str, np.ndarray], binary: bool = True, int32: bool = False) -> list[th.InferInput]:
+def _inputs(
+    req: dict[str, np.ndarray], binary: bool = True, int32: bool = False
+) -> list[th.InferInput]:
     out = []
     for name, arr in req.items():
         if arr.dtype == np.int64 and int32:
             arr = arr.astype(np.int32)
-        x = th.InferInput(name, list(arr.shape), {np.float32: "FP32", np.int64: "INT64",
-                                                  np.int32: "INT32"}[arr.dtype.type])
+        x = th.InferInput(
+            name,
+            list(arr.shape),
+            {np.float32: "FP32", np.int64: "INT64", np.int32: "INT32"}[arr.dtype.type],
+        )
         x.set_data_from_numpy(arr, binary_data=binary)
         out.append(x)
     return out
@@ -112,16 +119,21 @@ def client(served: InferenceServer) -> th.InferenceServerClient:
     return th.InferenceServerClient(served.address, concurrency=4)
 
 
-@pytest.mark.parametrize("binary,int32,narrow", [(True, False, False), (False, False, True),
-                                                 (True, True, True)])
+@pytest.mark.parametrize(
+    "binary,int32,narrow", [(True, False, False), (False, False, True), (True, True, True)]
+)
 def test_infer_equals_eager_model(client, model, binary: bool, int32: bool, narrow: bool) -> None:
     req = _request(model, 9, seed=1, narrow=narrow)
     want = _eager(model, req)
-    outs = [th.InferRequestedOutput("logits", binary_data=binary),
-            th.InferRequestedOutput("probability", binary_data=not binary)]
+    outs = [
+        th.InferRequestedOutput("logits", binary_data=binary),
+        th.InferRequestedOutput("probability", binary_data=not binary),
+    ]
     res = client.infer("tiny", _inputs(req, binary, int32), outputs=outs, request_id="r7")
     np.testing.assert_allclose(res.as_numpy("logits"), want, rtol=1e-5, atol=1e-6)
-    np.testing.assert_allclose(res.as_numpy("probability"), 1 / (1 + np.exp(-want)), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(
+        res.as_numpy("probability"), 1 / (1 + np.exp(-want)), rtol=1e-5, atol=1e-6
+    )
     assert res.get_response()["id"] == "r7" and res.as_numpy("logits").dtype == np.float32
 
 
@@ -157,8 +169,13 @@ def test_metadata_health_and_stats(client, model) -> None:
     with pytest.raises(InferenceServerException):
         client.infer("tiny", _inputs({"dense": np.zeros((1, 13), np.float32)}))
     after = client.get_inference_statistics("tiny")["model_stats"][0]
-    assert after["inference_stats"]["success"]["count"] == before["inference_stats"]["success"]["count"] + 1
-    assert after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"] + 1
+    assert (
+        after["inference_stats"]["success"]["count"]
+        == before["inference_stats"]["success"]["count"] + 1
+    )
+    assert (
+        after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"] + 1
+    )
     assert after["hps"]["t3"]["lookups"] > before["hps"]["t3"]["lookups"]
 
 
@@ -176,21 +193,39 @@ def test_statistics_before_and_after_the_first_request(artifacts, model) -> None
             st = c.get_inference_statistics("tiny")["model_stats"][0]
             assert (st["inference_count"], st["execution_count"]) == (3, 1)
             phases = st["inference_stats"]
-            assert all(phases[k]["count"] == 1 and phases[k]["ns"] > 0
-                       for k in ("queue", "compute_input", "compute_infer", "compute_output"))
-            assert phases["compute_infer"]["ns"] <= phases["success"]["ns"] and st["last_inference"] > 0
+            assert all(
+                phases[k]["count"] == 1 and phases[k]["ns"] > 0
+                for k in ("queue", "compute_input", "compute_infer", "compute_output")
+            )
+            assert (
+                phases["compute_infer"]["ns"] <= phases["success"]["ns"]
+                and st["last_inference"] > 0
+            )
     finally:
         ps.close()
 
 
-def _post(served: InferenceServer, body: bytes, headers: dict | None = None,
-          path: str = "/v2/models/tiny/infer") -> httpx.Response:
-    return httpx.post(f"http://{served.address}{path}", content=body, headers=headers or {}, timeout=30)
+def _post(
+    served: InferenceServer,
+    body: bytes,
+    headers: dict | None = None,
+    path: str = "/v2/models/tiny/infer",
+) -> httpx.Response:
+    return httpx.post(
+        f"http://{served.address}{path}", content=body, headers=headers or {}, timeout=30
+    )
 
 
 def _doc(req: dict[str, np.ndarray], **change) -> bytes:
-    inputs = [{"name": k, "shape": list(v.shape), "datatype": "FP32" if v.dtype == np.float32 else "INT64",
-               "data": v.reshape(-1).tolist()} for k, v in req.items()]
+    inputs = [
+        {
+            "name": k,
+            "shape": list(v.shape),
+            "datatype": "FP32" if v.dtype == np.float32 else "INT64",
+            "data": v.reshape(-1).tolist(),
+        }
+        for k, v in req.items()
+    ]
     for name, patch in change.items():
         for i in inputs:
             if i["name"] == name:
@@ -230,7 +265,9 @@ def test_bad_requests_are_400_naming_the_problem(served, model) -> None:
     assert r.status_code == 404 and "error" in r.json()
     ok = _post(served, _doc(req), path="/v2/models/tiny/versions/1/infer")  # still serving
     assert ok.status_code == 200
-    got = np.array(next(o for o in ok.json()["outputs"] if o["name"] == "logits")["data"], np.float32)
+    got = np.array(
+        next(o for o in ok.json()["outputs"] if o["name"] == "logits")["data"], np.float32
+    )
     np.testing.assert_allclose(got, _eager(model, req), rtol=1e-5, atol=1e-6)
 
 
@@ -242,12 +279,16 @@ def test_a_client_gone_mid_body_is_neither_an_error_nor_a_failure(served, caplog
     before = fails()
     caplog.set_level(logging.WARNING, logger="hps.server")
     with socket.create_connection(("127.0.0.1", served.port)) as s:
-        s.sendall(b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
-                  b'{"inputs": [')
+        s.sendall(
+            b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
+            b'{"inputs": ['
+        )
         time.sleep(0.2)
     time.sleep(0.5)  # the server notices the disconnect
     assert fails() == before
-    assert not [r for r in caplog.records if r.name == "hps.server" and r.levelno >= logging.WARNING]
+    assert not [
+        r for r in caplog.records if r.name == "hps.server" and r.levelno >= logging.WARNING
+    ]
 
 
 def test_gzip_request_and_many_concurrent_clients(served, model) -> None:
@@ -259,7 +300,11 @@ def test_gzip_request_and_many_concurrent_clients(served, model) -> None:
         c = th.InferenceServerClient(served.address)
         for i in range(k, len(reqs), 12):
             try:
-                res = c.infer("tiny", _inputs(reqs[i]), request_compression_algorithm="gzip" if i % 2 else None)
+                res = c.infer(
+                    "tiny",
+                    _inputs(reqs[i]),
+                    request_compression_algorithm="gzip" if i % 2 else None,
+                )
                 np.testing.assert_allclose(res.as_numpy("logits"), want[i], rtol=1e-5, atol=1e-6)
             except Exception as e:  # collected: a failure in a thread must fail the test
                 errors.append(f"request {i}: {e}")
@@ -299,8 +344,12 @@ def test_online_update_is_visible_through_the_server(artifacts, model, tmp_path)
     try:
         with InferenceServer(ps, ServerConfig(port=0)) as srv:
             c = th.InferenceServerClient(srv.address)
-            np.testing.assert_allclose(c.infer("tiny", _inputs(req)).as_numpy("logits"),
-                                       _eager(model, req), rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(
+                c.infer("tiny", _inputs(req)).as_numpy("logits"),
+                _eager(model, req),
+                rtol=1e-5,
+                atol=1e-6,
+            )
             new_row = torch.linspace(-1, 1, 16)
             pub.publish({"t0": (np.array([4], np.int64), new_row.numpy()[None].astype(np.float32))})
             updated = _model()
@@ -344,9 +393,24 @@ def _free_port() -> int:
 def test_cli_serves_until_sigterm(artifacts, model) -> None:
     port = _free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    proc = subprocess.Popen([sys.executable, "-m", "hps.server", "--config", str(artifacts / "ps.json"),
-                             "--port", str(port), "--workers", "2"], cwd=ROOT, env=env,
-                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "hps.server",
+            "--config",
+            str(artifacts / "ps.json"),
+            "--port",
+            str(port),
+            "--workers",
+            "2",
+        ],
+        cwd=ROOT,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     try:
         c = th.InferenceServerClient(f"127.0.0.1:{port}")
         deadline = time.monotonic() + 60
@@ -359,8 +423,12 @@ def test_cli_serves_until_sigterm(artifacts, model) -> None:
             assert proc.poll() is None and time.monotonic() < deadline, proc.stdout.read()
             time.sleep(0.2)
         req = _request(model, 4, seed=10)
-        np.testing.assert_allclose(c.infer("tiny", _inputs(req)).as_numpy("logits"), _eager(model, req),
-                                   rtol=1e-5, atol=1e-6)
+        np.testing.assert_allclose(
+            c.infer("tiny", _inputs(req)).as_numpy("logits"),
+            _eager(model, req),
+            rtol=1e-5,
+            atol=1e-6,
+        )
     finally:
         proc.send_signal(signal.SIGTERM)
         out, _ = proc.communicate(timeout=30)
@@ -371,14 +439,21 @@ def test_cli_serves_until_sigterm(artifacts, model) -> None:
 def test_cli_bad_config_exits_2(tmp_path) -> None:
     bad = tmp_path / "ps.json"
     bad.write_text('{"models": [}')
-    r = subprocess.run([sys.executable, "-m", "hps.server", "--config", str(bad)], cwd=ROOT,
-                       capture_output=True, text=True, timeout=60)
+    r = subprocess.run(
+        [sys.executable, "-m", "hps.server", "--config", str(bad)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 2 and "line 1" in r.stderr
 
 
 @pytest.mark.parametrize("mb", [math.inf, math.nan, 1e-9])
 def test_max_request_mb_must_be_a_finite_size(mb: float) -> None:
-    with pytest.raises(ValueError, match=r"max_request_mb must be a finite number of MiB > 0 .*got"):
+    with pytest.raises(
+        ValueError, match=r"max_request_mb must be a finite number of MiB > 0 .*got"
+    ):
         ServerConfig(max_request_mb=mb)
 
 

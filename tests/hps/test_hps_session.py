@@ -42,17 +42,29 @@ def _build(tmp_path: Path, cache: str, vdb: str, pdb: str, redis_cluster=None):
         half = N // 2 if persistent is not None else N  # both tiers: rows split between them
         volatile.insert(name, keys[:half], rows[:half])
     c = None if cache == "none" else EmbeddingCache(N // 8, DIM, ways=8)
-    s = LookupSession([SessionTable(name, DIM, DEFAULT, 10_000, c)], volatile, persistent,
-                      hit_rate_threshold=1.0 if cache == "sync" else 0.0, exact=cache != "none")
+    s = LookupSession(
+        [SessionTable(name, DIM, DEFAULT, 10_000, c)],
+        volatile,
+        persistent,
+        hit_rate_threshold=1.0 if cache == "sync" else 0.0,
+        exact=cache != "none",
+    )
     return s, name, keys, rows, volatile, persistent
 
 
-COMBOS = [(c, v, p) for c, v, p in itertools.product(["none", "sync", "exact"], ["none", "hash_map", "redis"],
-                                                      ["none", "rocks_db"]) if (v, p) != ("none", "none")]
+COMBOS = [
+    (c, v, p)
+    for c, v, p in itertools.product(
+        ["none", "sync", "exact"], ["none", "hash_map", "redis"], ["none", "rocks_db"]
+    )
+    if (v, p) != ("none", "none")
+]
 
 
 @pytest.mark.parametrize("cache,vdb,pdb", COMBOS, ids=["-".join(c) for c in COMBOS])
-def test_tiered_lookup_equals_full_table_lookup(tmp_path: Path, request, cache: str, vdb: str, pdb: str) -> None:
+def test_tiered_lookup_equals_full_table_lookup(
+    tmp_path: Path, request, cache: str, vdb: str, pdb: str
+) -> None:
     rc = request.getfixturevalue("redis_cluster") if vdb == "redis" else None
     s, name, keys, rows, volatile, persistent = _build(tmp_path, cache, vdb, pdb, rc)
     g = torch.Generator().manual_seed(0)
@@ -62,9 +74,13 @@ def test_tiered_lookup_equals_full_table_lookup(tmp_path: Path, request, cache: 
             q[0, :] = q[1, 0]  # duplicates for sure
             out = s.lookup(name, q)
             assert out.shape == (64, 3, DIM) and out.dtype == torch.float32
-            torch.testing.assert_close(out, reference_lookup(keys, rows, q, DEFAULT), rtol=0, atol=0)
+            torch.testing.assert_close(
+                out, reference_lookup(keys, rows, q, DEFAULT), rtol=0, atol=0
+            )
             qu = torch.randperm(2 * N + 40, generator=g)[:100] - 20  # all unique, unsorted
-            torch.testing.assert_close(s.lookup(name, qu), reference_lookup(keys, rows, qu, DEFAULT), rtol=0, atol=0)
+            torch.testing.assert_close(
+                s.lookup(name, qu), reference_lookup(keys, rows, qu, DEFAULT), rtol=0, atol=0
+            )
             s.drain()  # exact mode inserts in the background; let it land before the next round
         st = s.stats(name)
         assert st["keys_all"] == 4 * (64 * 3 + 100) and st["hits_all"]["default"] > 0
@@ -170,19 +186,36 @@ def test_warm_up_uses_hottest_keys_and_refresh(tmp_path: Path) -> None:
     # refresh re-reads cached rows from the databases
     volatile.insert(name, keys[:5], rows[:5] + 100)
     assert s.refresh(name, 1.0) >= 5
-    assert torch.equal(fresh.query(torch.from_numpy(keys[:5].copy()))[0], torch.from_numpy(rows[:5] + 100))
+    assert torch.equal(
+        fresh.query(torch.from_numpy(keys[:5].copy()))[0], torch.from_numpy(rows[:5] + 100)
+    )
     s.close()
 
 
 def test_parameter_server_from_config(tmp_path: Path) -> None:
     keys, rows = make_table(N, DIM, seed=5)
     write_table(tmp_path / "sparse/t0", keys, rows)
-    doc = {"volatile_db": {"type": "parallel_hash_map", "initial_cache_rate": 0.3, "num_partitions": 2},
-           "persistent_db": {"type": "rocks_db", "path": "pdb"},
-           "models": [{"model": "m", "max_batch_size": 32, "sparse_files": ["sparse/t0"],
-                       "embedding_table_names": ["t0"], "embedding_vecsize_per_table": [DIM],
-                       "maxnum_catfeature_query_per_table_per_sample": [2],
-                       "default_value_for_each_table": [DEFAULT], "gpucacheper": 0.1, "cache_exact": True}]}
+    doc = {
+        "volatile_db": {
+            "type": "parallel_hash_map",
+            "initial_cache_rate": 0.3,
+            "num_partitions": 2,
+        },
+        "persistent_db": {"type": "rocks_db", "path": "pdb"},
+        "models": [
+            {
+                "model": "m",
+                "max_batch_size": 32,
+                "sparse_files": ["sparse/t0"],
+                "embedding_table_names": ["t0"],
+                "embedding_vecsize_per_table": [DIM],
+                "maxnum_catfeature_query_per_table_per_sample": [2],
+                "default_value_for_each_table": [DEFAULT],
+                "gpucacheper": 0.1,
+                "cache_exact": True,
+            }
+        ],
+    }
     ps = HierarchicalParameterServer(parse_config(doc, tmp_path))
     assert ps.volatile.size("t0") == int(0.3 * N) and ps.num_rows["t0"] == N
     s = ps.session("m")
@@ -205,13 +238,24 @@ def test_background_refresh_and_update_polling(tmp_path: Path) -> None:
 
     keys, rows = make_table(N, DIM, seed=6)
     write_table(tmp_path / "sparse/t0", keys, rows)
-    doc = {"volatile_db": {"type": "hash_map"},
-           "update_source": {"type": "file_log", "path": "u.log", "poll_interval_s": 0.05},
-           "models": [{"model": "m", "max_batch_size": 64, "sparse_files": ["sparse/t0"],
-                       "embedding_table_names": ["t0"], "embedding_vecsize_per_table": [DIM],
-                       "maxnum_catfeature_query_per_table_per_sample": [1], "gpucacheper": 0.5,
-                       "cache_exact": True, "hit_rate_threshold": 1.0,
-                       "cache_refresh_percentage_per_iteration": 0.5}]}
+    doc = {
+        "volatile_db": {"type": "hash_map"},
+        "update_source": {"type": "file_log", "path": "u.log", "poll_interval_s": 0.05},
+        "models": [
+            {
+                "model": "m",
+                "max_batch_size": 64,
+                "sparse_files": ["sparse/t0"],
+                "embedding_table_names": ["t0"],
+                "embedding_vecsize_per_table": [DIM],
+                "maxnum_catfeature_query_per_table_per_sample": [1],
+                "gpucacheper": 0.5,
+                "cache_exact": True,
+                "hit_rate_threshold": 1.0,
+                "cache_refresh_percentage_per_iteration": 0.5,
+            }
+        ],
+    }
     ps = HierarchicalParameterServer(parse_config(doc, tmp_path))
     s = ps.session("m")
     q = torch.from_numpy(keys[:16].copy())
@@ -219,7 +263,9 @@ def test_background_refresh_and_update_polling(tmp_path: Path) -> None:
     assert len(ps.start_background(refresh_interval_s=0.05)) == 2
     FileLogPublisher(tmp_path / "u.log").publish({"t0": (keys[:16].copy(), rows[:16] * 2)})
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline and not torch.equal(s.lookup("t0", q), torch.from_numpy(rows[:16] * 2)):
+    while time.monotonic() < deadline and not torch.equal(
+        s.lookup("t0", q), torch.from_numpy(rows[:16] * 2)
+    ):
         time.sleep(0.05)
     assert torch.equal(s.lookup("t0", q), torch.from_numpy(rows[:16] * 2))
     assert (tmp_path / "u.log.offset").exists()

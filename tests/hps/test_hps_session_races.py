@@ -16,9 +16,16 @@ from hps.volatile import HashMapBackend
 
 
 def _session(tmp_path, vdb: HashMapBackend, cache: EmbeddingCache, exact: bool, threshold: float):
-    s = LookupSession([SessionTable("t", 2, 0.0, 10_000, cache)], vdb, None, exact=exact,
-                      hit_rate_threshold=threshold)
-    ap = UpdateApplier(FileLogSource(tmp_path / "none.log"), [s], vdb, None, offset_file=tmp_path / "off")
+    s = LookupSession(
+        [SessionTable("t", 2, 0.0, 10_000, cache)],
+        vdb,
+        None,
+        exact=exact,
+        hit_rate_threshold=threshold,
+    )
+    ap = UpdateApplier(
+        FileLogSource(tmp_path / "none.log"), [s], vdb, None, offset_file=tmp_path / "off"
+    )
     return s, ap
 
 

@@ -64,9 +64,16 @@ def test_bad_inputs(tmp_path: Path) -> None:
         read_table(tmp_path, 4)
     with pytest.raises(ValueError, match="int64"):
         write_table(tmp_path / "a", np.arange(3, dtype=np.int32), np.zeros((3, 2), np.float32))
-    with pytest.raises(ValueError, match=r"1 key\(s\) occur more than once .* key 1 .*Keys must be unique"):
+    with pytest.raises(
+        ValueError, match=r"1 key\(s\) occur more than once .* key 1 .*Keys must be unique"
+    ):
         write_table(tmp_path / "b", np.array([1, 1], np.int64), np.zeros((2, 2), np.float32))
-    write_table(tmp_path / "c", np.arange(3, dtype=np.int64), np.zeros((3, 2), np.float32), fmt="safetensors")
+    write_table(
+        tmp_path / "c",
+        np.arange(3, dtype=np.int64),
+        np.zeros((3, 2), np.float32),
+        fmt="safetensors",
+    )
     with pytest.raises(ValueError, match="dim 2, the config says 3"):
         read_table(tmp_path / "c", 3)
     (tmp_path / "c/embedding.safetensors").write_bytes(b"garbage")
@@ -79,8 +86,10 @@ def test_duplicate_keys_are_refused_hugectr(tmp_path: Path, mmap: bool) -> None:
     (tmp_path / "t").mkdir()
     np.array([9, 5, 6, 5, 6, 5], "<i8").tofile(tmp_path / "t/key")  # 5 three times, 6 twice
     np.zeros((6, 2), "<f4").tofile(tmp_path / "t/emb_vector")
-    want = (rf"sparse folder {tmp_path / 't'}: 2 key\(s\) occur more than once \(3 extra rows\); "
-            r"the first is key 5 \(3 times, first at row 1\)")
+    want = (
+        rf"sparse folder {tmp_path / 't'}: 2 key\(s\) occur more than once \(3 extra rows\); "
+        r"the first is key 5 \(3 times, first at row 1\)"
+    )
     with pytest.raises(ValueError, match=want):
         read_table(tmp_path / "t", 2, mmap=mmap)
 
@@ -89,9 +98,13 @@ def test_duplicate_keys_are_refused_safetensors(tmp_path: Path) -> None:
     from safetensors.numpy import save_file
 
     (tmp_path / "t").mkdir()
-    save_file({"key": np.array([1, 2, 2], np.int64), "emb_vector": np.zeros((3, 2), np.float32)},
-              str(tmp_path / "t/embedding.safetensors"))
-    with pytest.raises(ValueError, match=r"1 key\(s\) occur more than once .* key 2 \(2 times, first at row 1\)"):
+    save_file(
+        {"key": np.array([1, 2, 2], np.int64), "emb_vector": np.zeros((3, 2), np.float32)},
+        str(tmp_path / "t/embedding.safetensors"),
+    )
+    with pytest.raises(
+        ValueError, match=r"1 key\(s\) occur more than once .* key 2 \(2 times, first at row 1\)"
+    ):
         read_table(tmp_path / "t", 2)
 
 
@@ -102,11 +115,21 @@ def test_duplicate_sparse_keys_never_reach_the_tiers(tmp_path: Path) -> None:
     (tmp_path / "sparse/t0").mkdir(parents=True)
     np.array([5, 5, 6], "<i8").tofile(tmp_path / "sparse/t0/key")
     np.array([[1, 1], [2, 2], [3, 3]], "<f4").tofile(tmp_path / "sparse/t0/emb_vector")
-    doc = {"volatile_db": {"type": "parallel_hash_map", "num_partitions": 1},
-           "persistent_db": {"type": "rocks_db", "path": "pdb"},
-           "models": [{"model": "m", "max_batch_size": 8, "sparse_files": ["sparse/t0"],
-                       "embedding_table_names": ["t0"], "embedding_vecsize_per_table": [2],
-                       "maxnum_catfeature_query_per_table_per_sample": [1], "gpucache": False}]}
+    doc = {
+        "volatile_db": {"type": "parallel_hash_map", "num_partitions": 1},
+        "persistent_db": {"type": "rocks_db", "path": "pdb"},
+        "models": [
+            {
+                "model": "m",
+                "max_batch_size": 8,
+                "sparse_files": ["sparse/t0"],
+                "embedding_table_names": ["t0"],
+                "embedding_vecsize_per_table": [2],
+                "maxnum_catfeature_query_per_table_per_sample": [1],
+                "gpucache": False,
+            }
+        ],
+    }
     with pytest.raises(ValueError, match=r"sparse/t0: 1 key\(s\) occur more than once .* key 5"):
         HierarchicalParameterServer(parse_config(doc, tmp_path))
 
@@ -119,8 +142,13 @@ def _write_checkpoint(folder: Path, tables: dict[str, torch.Tensor]) -> None:
     state = {f"embeddings.{n}.weight": w for n, w in tables.items()}
     state["bottom_mlp.0.weight"] = torch.zeros(3, 3)
     save_file(state, str(folder / "model.safetensors"))
-    wl = {"name": "x", "tables": [{"name": n, "num_rows": w.shape[0], "dim": w.shape[1], "hotness": 1,
-                                   "combiner": "sum"} for n, w in tables.items()]}
+    wl = {
+        "name": "x",
+        "tables": [
+            {"name": n, "num_rows": w.shape[0], "dim": w.shape[1], "hotness": 1, "combiner": "sum"}
+            for n, w in tables.items()
+        ],
+    }
     (folder / "state.json").write_text(json.dumps({"step": 3, "workload": wl}))
 
 

@@ -49,14 +49,24 @@ class _Server:
             self.pdb = RocksDBBackend(tmp_path / "pdb")
             self.pdb.create_table("t", DIM)
             self.pdb.bulk_load("t", keys, rows)
-        self.s = LookupSession([SessionTable("t", DIM, 0.0, 64, EmbeddingCache(N, DIM))], self.vdb, self.pdb,
-                               exact=True, hit_rate_threshold=1.0)
+        self.s = LookupSession(
+            [SessionTable("t", DIM, 0.0, 64, EmbeddingCache(N, DIM))],
+            self.vdb,
+            self.pdb,
+            exact=True,
+            hit_rate_threshold=1.0,
+        )
         self.s.lookup("t", torch.from_numpy(keys))  # every row cached
 
     def applier(self) -> UpdateApplier:
         """A new applier (a restarted server): it loads the stored offset and log id."""
-        return UpdateApplier(FileLogSource(self.log), [self.s], self.vdb, self.pdb,
-                             offset_file=None if self.pdb else self.off)
+        return UpdateApplier(
+            FileLogSource(self.log),
+            [self.s],
+            self.vdb,
+            self.pdb,
+            offset_file=None if self.pdb else self.off,
+        )
 
     def where(self) -> str:
         return str(self.pdb.path) if self.pdb else str(self.off)
@@ -84,7 +94,9 @@ def server(request, tmp_path: Path):
 
 
 @pytest.mark.parametrize("new_log", ["equal_length", "longer", "mid_record"])
-def test_a_replaced_log_is_detected_on_resume_and_nothing_is_applied(server: _Server, new_log: str) -> None:
+def test_a_replaced_log_is_detected_on_resume_and_nothing_is_applied(
+    server: _Server, new_log: str
+) -> None:
     pub = FileLogPublisher(server.log)
     pub.publish(_one(0, 1.0))
     pub.publish(_one(1, 1.0))
@@ -124,7 +136,9 @@ def test_a_replaced_log_is_detected_on_resume_and_nothing_is_applied(server: _Se
     ap2 = server.applier()
     ap2.reset_offset()
     assert ap2.drain() == (4 if new_log == "longer" else 2) and ap2.log_id == new_id
-    assert server.served()[4:8] == ([2.0] * 4 if new_log != "equal_length" else [2.0, 2.0, 0.0, 0.0])
+    assert server.served()[4:8] == (
+        [2.0] * 4 if new_log != "equal_length" else [2.0, 2.0, 0.0, 0.0]
+    )
 
 
 def test_a_copy_and_truncate_rotation_is_detected(server: _Server) -> None:
@@ -161,8 +175,20 @@ def test_the_log_id_is_stored_with_the_offset_and_survives_a_restart(server: _Se
     assert server.served()[:3] == [1.0, 1.0, 0.0]
 
 
-@pytest.mark.parametrize("text", ["garbage", "-8", "+8", " 8_0", "1e3", "8 9", "8 log:xyz",
-                                  "8 log:0123456789abcdef0123456789abcdef extra", "\xff8"])
+@pytest.mark.parametrize(
+    "text",
+    [
+        "garbage",
+        "-8",
+        "+8",
+        " 8_0",
+        "1e3",
+        "8 9",
+        "8 log:xyz",
+        "8 log:0123456789abcdef0123456789abcdef extra",
+        "\xff8",
+    ],
+)
 def test_a_damaged_offset_file_is_a_value_error_naming_it(tmp_path: Path, text: str) -> None:
     server = _Server(tmp_path, "offset_file")
     try:
@@ -188,7 +214,9 @@ def test_a_damaged_offset_in_rocksdb_is_a_value_error_naming_it(tmp_path: Path) 
         FileLogPublisher(server.log).publish(_one(0, 1.0))
         server.pdb.write_batch([], meta={"update_offset:updates": b"-8"})
         ap = server.applier()
-        with pytest.raises(ValueError, match=rf"{re.escape(str(server.pdb.path))}.*'update_offset:updates'.*'-8'"):
+        with pytest.raises(
+            ValueError, match=rf"{re.escape(str(server.pdb.path))}.*'update_offset:updates'.*'-8'"
+        ):
             ap.poll()
         assert server.served()[0] == 0.0
         ap.reset_offset()
@@ -197,7 +225,9 @@ def test_a_damaged_offset_in_rocksdb_is_a_value_error_naming_it(tmp_path: Path) 
         server.close()
 
 
-def test_an_offset_stored_without_a_log_id_is_accepted_on_a_record_boundary(server: _Server) -> None:
+def test_an_offset_stored_without_a_log_id_is_accepted_on_a_record_boundary(
+    server: _Server,
+) -> None:
     """An older version stored the offset alone: it is used when a record starts there (and
     then stored with the log's id); inside a record it is refused, nothing applied."""
     pub = FileLogPublisher(server.log)
@@ -216,8 +246,11 @@ def test_an_offset_stored_without_a_log_id_is_accepted_on_a_record_boundary(serv
     inside = str(int(offs[1]) + 5)
     ap2.reset_offset(inside)
     ap3 = server.applier()
-    with pytest.raises(LogReplacedError, match=rf"stored offset {inside} has no log id .* not on a record "
-                                               rf"boundary \(it lies inside the record at offsets {offs[1]}\.\.{offs[2]}\)") as ei:
+    with pytest.raises(
+        LogReplacedError,
+        match=rf"stored offset {inside} has no log id .* not on a record "
+        rf"boundary \(it lies inside the record at offsets {offs[1]}\.\.{offs[2]}\)",
+    ) as ei:
         ap3.poll()
     assert server.where() in str(ei.value) and str(server.log) in str(ei.value)
     assert ap3.source.corrupt == 0 and ap3.offset == inside and ap3.applied == 0
@@ -276,7 +309,9 @@ def test_a_torn_log_header_is_rewritten_by_the_writer(tmp_path: Path) -> None:
 
 
 @pytest.mark.parametrize("offset", ["x", "-1", "1.5", "", "٣"])
-def test_reading_a_file_log_at_a_malformed_offset_is_a_value_error(tmp_path: Path, offset: str) -> None:
+def test_reading_a_file_log_at_a_malformed_offset_is_a_value_error(
+    tmp_path: Path, offset: str
+) -> None:
     FileLogPublisher(tmp_path / "u.log").publish(_one(0, 1.0))
     with pytest.raises(ValueError, match="not a byte position"):
         FileLogSource(tmp_path / "u.log").read(offset)

@@ -34,8 +34,12 @@ DIM = 3
 
 def _batch(seed: int, n: int = 5, table: str = "t") -> dict:
     g = np.random.default_rng(seed)
-    return {table: (g.choice(100, n, replace=False).astype(np.int64),
-                    g.integers(-9, 9, (n, DIM)).astype(np.float32))}
+    return {
+        table: (
+            g.choice(100, n, replace=False).astype(np.int64),
+            g.integers(-9, 9, (n, DIM)).astype(np.float32),
+        )
+    }
 
 
 def test_record_round_trip_and_checksum() -> None:
@@ -58,17 +62,26 @@ def _record(payload: bytes) -> bytes:
     return struct.pack("<4sBQI", b"HPSU", 1, len(payload), zlib.crc32(payload)) + payload
 
 
-_GOOD = encode_batch({"t": (np.array([1], np.int64), np.ones((1, 2), np.float32))})[17:]  # the payload
+_GOOD = encode_batch({"t": (np.array([1], np.int64), np.ones((1, 2), np.float32))})[
+    17:
+]  # the payload
 
 
-@pytest.mark.parametrize("payload, match", [
-    (b"", "the table count"),
-    (struct.pack("<I", 2) + _GOOD[4:], r"table 1 of 2's name length"),
-    (_GOOD[:7] + struct.pack("<QI", 2**40, 2) + _GOOD[19:], r"table 't'.s 1099511627776 keys of 2 floats"),
-    (_GOOD[:6] + b"\xff" + _GOOD[7:], "table 0's name at byte 6 is not UTF-8"),
-    (_GOOD + b"garbage", "7 bytes after its 1 table"),
-    (struct.pack("<I", 2) + _GOOD[4:] + _GOOD[4:], "table 't' appears twice"),
-], ids=["empty", "missing_table", "huge_count", "non_utf8_name", "trailing_bytes", "table_twice"])
+@pytest.mark.parametrize(
+    "payload, match",
+    [
+        (b"", "the table count"),
+        (struct.pack("<I", 2) + _GOOD[4:], r"table 1 of 2's name length"),
+        (
+            _GOOD[:7] + struct.pack("<QI", 2**40, 2) + _GOOD[19:],
+            r"table 't'.s 1099511627776 keys of 2 floats",
+        ),
+        (_GOOD[:6] + b"\xff" + _GOOD[7:], "table 0's name at byte 6 is not UTF-8"),
+        (_GOOD + b"garbage", "7 bytes after its 1 table"),
+        (struct.pack("<I", 2) + _GOOD[4:] + _GOOD[4:], "table 't' appears twice"),
+    ],
+    ids=["empty", "missing_table", "huge_count", "non_utf8_name", "trailing_bytes", "table_twice"],
+)
 def test_malformed_payload_with_a_valid_checksum_is_corrupt(payload: bytes, match: str) -> None:
     with pytest.raises(CorruptRecordError, match=match):
         decode_batch(_record(payload))
@@ -100,14 +113,19 @@ def test_file_log_torn_write_is_never_applied(tmp_path: Path, caplog) -> None:
     pub = FileLogPublisher(log)
     assert log.stat().st_size == int(off1)
     bad_len = len(data) - int(off1)
-    assert any(str(log) in r.getMessage() and f"truncating {bad_len} bytes at offset {off1}" in r.getMessage()
-               for r in caplog.records)
+    assert any(
+        str(log) in r.getMessage()
+        and f"truncating {bad_len} bytes at offset {off1}" in r.getMessage()
+        for r in caplog.records
+    )
     off4, off5 = pub.publish(_batch(4)), pub.publish(_batch(5))
     src = FileLogSource(log)
     recs = src.read(off1)
     assert [o for o, _ in recs] == [off4, off5] and src.corrupt == 0
     for (_, got), want in zip(recs, (_batch(4), _batch(5))):
-        assert np.array_equal(got["t"][0], want["t"][0]) and np.array_equal(got["t"][1], want["t"][1])
+        assert np.array_equal(got["t"][0], want["t"][0]) and np.array_equal(
+            got["t"][1], want["t"][1]
+        )
 
 
 def test_file_log_drops_a_tail_without_records(tmp_path: Path) -> None:
@@ -137,7 +155,10 @@ def test_file_log_refuses_a_corrupt_record_in_the_middle(tmp_path: Path, where: 
     else:
         data[int(off1) + 5] ^= 0x01  # record 2's payload length is one byte off
     log.write_bytes(bytes(data))
-    with pytest.raises(CorruptRecordError, match=rf"record at offset {off1} is corrupt .* valid record follows at offset {off2}"):
+    with pytest.raises(
+        CorruptRecordError,
+        match=rf"record at offset {off1} is corrupt .* valid record follows at offset {off2}",
+    ):
         FileLogPublisher(log)
     assert log.read_bytes() == bytes(data)  # nothing truncated, nothing appended
     src = FileLogSource(log)  # readers stop before the bad record: never skip it
@@ -156,7 +177,9 @@ def _served(tmp_path: Path, pdb: bool = True):
         p.create_table("t", DIM)
         p.bulk_load("t", keys, rows)
     cache = EmbeddingCache(64, DIM, ways=8)
-    s = LookupSession([SessionTable("t", DIM, 0.0, 10_000, cache)], vdb, p, exact=True, hit_rate_threshold=1.0)
+    s = LookupSession(
+        [SessionTable("t", DIM, 0.0, 10_000, cache)], vdb, p, exact=True, hit_rate_threshold=1.0
+    )
     s.lookup("t", torch.from_numpy(keys))  # cache filled
     return s, vdb, p, keys, rows
 
@@ -188,7 +211,10 @@ def test_applier_updates_every_tier_and_resumes(tmp_path: Path) -> None:
 def test_invalid_batch_is_applied_not_at_all(tmp_path: Path) -> None:
     s, vdb, pdb, keys, rows = _served(tmp_path)
     ap = UpdateApplier(FileLogSource(tmp_path / "none.log"), [s], vdb, pdb)
-    bad = {"t": (keys[:2].copy(), rows[:2] + 1), "zz": (np.array([1], np.int64), np.ones((1, DIM), np.float32))}
+    bad = {
+        "t": (keys[:2].copy(), rows[:2] + 1),
+        "zz": (np.array([1], np.int64), np.ones((1, DIM), np.float32)),
+    }
     with pytest.raises(ValueError, match="unknown table 'zz'"):
         ap.apply(bad, "10")
     assert np.array_equal(vdb.lookup("t", keys[:2])[0], rows[:2]) and ap.offset is None
@@ -199,19 +225,30 @@ def test_invalid_batch_is_applied_not_at_all(tmp_path: Path) -> None:
     pdb.close()
 
 
-@pytest.mark.parametrize("bad, match", [
-    ({"rows": np.ones((2, DIM), np.float64)}, "rows must have dtype float32, got float64"),
-    ({"rows": np.ones((2, DIM), np.float16)}, "rows must have dtype float32, got float16"),
-    ({"keys": np.array([1, 2], np.int32)}, "keys must have dtype int64, got int32"),
-    ({"keys": np.array([[1], [2]], np.int64)}, r"keys must be 1-D \(n,\), got shape \(2, 1\)"),
-    ({"keys": [1, 2]}, "keys must be a numpy array, got list"),
-    ({"rows": [[1.0] * DIM] * 2}, r"rows list, expected \(2, 3\)"),
-    ({"rows": np.array([[1, 1, 1], [1, np.nan, 1]], np.float32)}, r"the row of key 2 holds a non-finite value \(nan\)"),
-    ({"rows": np.array([[np.inf, 1, 1], [1, 1, 1]], np.float32)}, r"the row of key 1 holds a non-finite value \(inf\)"),
-], ids=["float64", "float16", "int32_keys", "2d_keys", "list_keys", "list_rows", "nan", "inf"])
+@pytest.mark.parametrize(
+    "bad, match",
+    [
+        ({"rows": np.ones((2, DIM), np.float64)}, "rows must have dtype float32, got float64"),
+        ({"rows": np.ones((2, DIM), np.float16)}, "rows must have dtype float32, got float16"),
+        ({"keys": np.array([1, 2], np.int32)}, "keys must have dtype int64, got int32"),
+        ({"keys": np.array([[1], [2]], np.int64)}, r"keys must be 1-D \(n,\), got shape \(2, 1\)"),
+        ({"keys": [1, 2]}, "keys must be a numpy array, got list"),
+        ({"rows": [[1.0] * DIM] * 2}, r"rows list, expected \(2, 3\)"),
+        (
+            {"rows": np.array([[1, 1, 1], [1, np.nan, 1]], np.float32)},
+            r"the row of key 2 holds a non-finite value \(nan\)",
+        ),
+        (
+            {"rows": np.array([[np.inf, 1, 1], [1, 1, 1]], np.float32)},
+            r"the row of key 1 holds a non-finite value \(inf\)",
+        ),
+    ],
+    ids=["float64", "float16", "int32_keys", "2d_keys", "list_keys", "list_rows", "nan", "inf"],
+)
 @pytest.mark.parametrize("store", ["rocks_db", "offset_file"])
-def test_a_batch_with_one_bad_table_applies_nothing_and_names_it(tmp_path: Path, bad: dict, match: str,
-                                                                 store: str) -> None:
+def test_a_batch_with_one_bad_table_applies_nothing_and_names_it(
+    tmp_path: Path, bad: dict, match: str, store: str
+) -> None:
     """Every table is checked before anything is written: the good table 't' (first in the
     batch) is not written to the volatile db, the cache or RocksDB when table 'u' is bad."""
     keys = np.arange(4, dtype=np.int64)
@@ -221,14 +258,24 @@ def test_a_batch_with_one_bad_table_applies_nothing_and_names_it(tmp_path: Path,
         for t in ("t", "u"):
             db.create_table(t, DIM)
             db.insert(t, keys, np.zeros((4, DIM), np.float32))
-    s = LookupSession([SessionTable(t, DIM, 0.0, 64, EmbeddingCache(8, DIM)) for t in ("t", "u")], vdb, pdb,
-                      exact=True, hit_rate_threshold=1.0)
+    s = LookupSession(
+        [SessionTable(t, DIM, 0.0, 64, EmbeddingCache(8, DIM)) for t in ("t", "u")],
+        vdb,
+        pdb,
+        exact=True,
+        hit_rate_threshold=1.0,
+    )
     q = torch.from_numpy(keys)
     for t in ("t", "u"):
         s.lookup(t, q)  # cached
-    ap = UpdateApplier(FileLogSource(tmp_path / "none.log"), [s], vdb, pdb, offset_file=tmp_path / "off")
+    ap = UpdateApplier(
+        FileLogSource(tmp_path / "none.log"), [s], vdb, pdb, offset_file=tmp_path / "off"
+    )
     u = {"keys": np.array([1, 2], np.int64), "rows": np.ones((2, DIM), np.float32), **bad}
-    batch = {"t": (keys[:2].copy(), np.full((2, DIM), 7.0, np.float32)), "u": (u["keys"], u["rows"])}
+    batch = {
+        "t": (keys[:2].copy(), np.full((2, DIM), 7.0, np.float32)),
+        "u": (u["keys"], u["rows"]),
+    }
     with pytest.raises(ValueError, match=rf"update for 'u': {match}"):
         ap.apply(batch, "99")
     for t in ("t", "u"):
@@ -250,7 +297,9 @@ def test_a_batch_with_one_bad_table_applies_nothing_and_names_it(tmp_path: Path,
 
 def test_readers_never_see_half_a_batch(tmp_path: Path) -> None:
     s, vdb, pdb, keys, rows = _served(tmp_path, pdb=False)
-    ap = UpdateApplier(FileLogSource(tmp_path / "none.log"), [s], vdb, None, offset_file=tmp_path / "off")
+    ap = UpdateApplier(
+        FileLogSource(tmp_path / "none.log"), [s], vdb, None, offset_file=tmp_path / "off"
+    )
     q = torch.from_numpy(keys[:20].copy())
     stop = threading.Event()
     torn: list[float] = []
@@ -277,7 +326,9 @@ class _FakeTrainer:
     """Duck-typed: the callback needs ``trainer.model.embeddings[<table>].weight``."""
 
     def __init__(self) -> None:
-        self.model = SimpleNamespace(embeddings=torch.nn.ModuleDict({"t": torch.nn.EmbeddingBag(100, DIM)}))
+        self.model = SimpleNamespace(
+            embeddings=torch.nn.ModuleDict({"t": torch.nn.EmbeddingBag(100, DIM)})
+        )
 
 
 def test_trainer_callback_publishes_changed_rows(tmp_path: Path) -> None:
@@ -372,12 +423,19 @@ def test_an_offset_past_the_end_of_a_replaced_log_is_an_error(tmp_path: Path, st
     ap = UpdateApplier(FileLogSource(log), [s], vdb, pdb, offset_file=None if pdb else off)
     assert ap.poll() == 3
     log.rename(tmp_path / "u.log.old")  # the operator moves the log aside; the trainer starts anew
-    FileLogPublisher(log).publish({"t": (np.array([7], np.int64), np.full((1, DIM), 42.0, np.float32))})
+    FileLogPublisher(log).publish(
+        {"t": (np.array([7], np.int64), np.full((1, DIM), 42.0, np.float32))}
+    )
     size = log.stat().st_size
-    with pytest.raises(CorruptRecordError, match=rf"update log {log}: the stored offset {ap.offset} is past "
-                                                 rf"the end of the log \({size} bytes\).*[Rr]eset"):
+    with pytest.raises(
+        CorruptRecordError,
+        match=rf"update log {log}: the stored offset {ap.offset} is past "
+        rf"the end of the log \({size} bytes\).*[Rr]eset",
+    ):
         FileLogSource(log).read(ap.offset)
-    where = "update_offset:updates' in the persistent db" if pdb else f"delete the offset file {off}"
+    where = (
+        "update_offset:updates' in the persistent db" if pdb else f"delete the offset file {off}"
+    )
     with pytest.raises(CorruptRecordError, match=where):
         ap.poll()
     # after a reset (also across a restart of the applier) the new log is applied from its start
@@ -397,5 +455,7 @@ def test_move_aside_advice_mentions_the_stored_offset(tmp_path: Path) -> None:
     data = bytearray(log.read_bytes())
     data[int(off1) - 3] ^= 0xFF
     log.write_bytes(bytes(data))
-    with pytest.raises(CorruptRecordError, match=r"Move the log aside \(then reset every server's stored offset"):
+    with pytest.raises(
+        CorruptRecordError, match=r"Move the log aside \(then reset every server's stored offset"
+    ):
         FileLogPublisher(log)

@@ -32,12 +32,17 @@ def test_insert_refuses_duplicate_keys(num_partitions: int) -> None:
     db.create_table("t", 2)
     db.insert("t", np.array([1, 2], np.int64), np.ones((2, 2), np.float32))
     keys = np.array([7, 2, 9, 7], np.int64)  # 2 is already held, 7 is new and given twice
-    with pytest.raises(ValueError, match=r"into 't': keys must be unique within a call, but key 7 occurs "
-                                         r"more than once \(1 repeated key\(s\) among 4\)"):
+    with pytest.raises(
+        ValueError,
+        match=r"into 't': keys must be unique within a call, but key 7 occurs "
+        r"more than once \(1 repeated key\(s\) among 4\)",
+    ):
         db.insert("t", keys, np.full((4, 2), 5.0, np.float32))
     assert db.size("t") == 2  # nothing inserted, nothing overwritten
     v, f = db.lookup("t", np.array([1, 2, 7, 9], np.int64))
-    assert f.tolist() == [True, True, False, False] and np.array_equal(v[:2], np.ones((2, 2), np.float32))
+    assert f.tolist() == [True, True, False, False] and np.array_equal(
+        v[:2], np.ones((2, 2), np.float32)
+    )
 
 
 def test_partitions_split_keys() -> None:
@@ -49,8 +54,12 @@ def test_partitions_split_keys() -> None:
 
 
 def _filled(policy: str, margin: int = 100) -> tuple[HashMapBackend, np.ndarray, np.ndarray]:
-    db = HashMapBackend(num_partitions=1, overflow_margin=margin, overflow_policy=policy,
-                        overflow_resolution_target=0.5)
+    db = HashMapBackend(
+        num_partitions=1,
+        overflow_margin=margin,
+        overflow_policy=policy,
+        overflow_resolution_target=0.5,
+    )
     db.create_table("t", 2)
     keys, rows = make_table(100, 2, seed=3)
     db.insert("t", keys, rows)
@@ -102,8 +111,14 @@ def test_bad_inputs() -> None:
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.lists(st.integers(-(2**63) + 1, 2**63 - 1), max_size=50, unique=True), min_size=1, max_size=5),
-       st.integers(1, 5))
+@given(
+    st.lists(
+        st.lists(st.integers(-(2**63) + 1, 2**63 - 1), max_size=50, unique=True),
+        min_size=1,
+        max_size=5,
+    ),
+    st.integers(1, 5),
+)
 def test_hash_map_property(batches, parts) -> None:
     db = HashMapBackend(num_partitions=parts)
     db.create_table("t", 1)

@@ -14,8 +14,9 @@ import tritonclient.http as th
 from hps.v2_protocol import ProtocolError, encode_infer_response, parse_infer_request
 
 
-def _client_body(inputs: list[th.InferInput], outputs: list[th.InferRequestedOutput] | None = None
-                 ) -> tuple[bytes, int | None]:
+def _client_body(
+    inputs: list[th.InferInput], outputs: list[th.InferRequestedOutput] | None = None
+) -> tuple[bytes, int | None]:
     """The exact body tritonclient.http sends (its own request builder)."""
     body, json_size = th.InferenceServerClient.generate_request_body(inputs, outputs=outputs)
     return body, json_size
@@ -32,8 +33,13 @@ def test_tritonclient_request_round_trips(binary: bool) -> None:
     dense = np.arange(6, dtype=np.float32).reshape(2, 3) / 7
     ids = np.array([[5, -1], [2**40, 3]], dtype=np.int64)
     small = np.array([[1], [2]], dtype=np.int32)
-    body, n = _client_body([_input("dense", dense, "FP32", binary), _input("ids", ids, "INT64", binary),
-                            _input("small", small, "INT32", not binary)])
+    body, n = _client_body(
+        [
+            _input("dense", dense, "FP32", binary),
+            _input("ids", ids, "INT64", binary),
+            _input("small", small, "INT32", not binary),
+        ]
+    )
     req = parse_infer_request(body, n)
     assert list(req.inputs) == ["dense", "ids", "small"]
     assert req.inputs["dense"].dtype == np.float32 and np.array_equal(req.inputs["dense"], dense)
@@ -51,15 +57,22 @@ def test_compressed_bodies(encoding: str, compress) -> None:
 
 
 def test_nested_json_data_and_outputs() -> None:
-    doc = {"id": "r1", "inputs": [{"name": "x", "shape": [2, 2], "datatype": "INT64",
-                                   "data": [[1, 2], [3, 4]]}],
-           "outputs": [{"name": "a"}, {"name": "b", "parameters": {"binary_data": True}}]}
+    doc = {
+        "id": "r1",
+        "inputs": [{"name": "x", "shape": [2, 2], "datatype": "INT64", "data": [[1, 2], [3, 4]]}],
+        "outputs": [{"name": "a"}, {"name": "b", "parameters": {"binary_data": True}}],
+    }
     req = parse_infer_request(json.dumps(doc).encode())
     assert req.inputs["x"].tolist() == [[1, 2], [3, 4]] and req.id == "r1"
-    results = {"a": np.array([1.5, -2.0], dtype=np.float32), "b": np.array([[7], [8]], dtype=np.int64),
-               "c": np.zeros(3, dtype=np.float32)}
+    results = {
+        "a": np.array([1.5, -2.0], dtype=np.float32),
+        "b": np.array([[7], [8]], dtype=np.int64),
+        "c": np.zeros(3, dtype=np.float32),
+    }
     body, headers = encode_infer_response("m", "1", results, req)
-    res = th.InferResult.from_response_body(body, header_length=int(headers["Inference-Header-Content-Length"]))
+    res = th.InferResult.from_response_body(
+        body, header_length=int(headers["Inference-Header-Content-Length"])
+    )
     assert np.array_equal(res.as_numpy("a"), results["a"]) and res.as_numpy("a").dtype == np.float32
     assert np.array_equal(res.as_numpy("b"), results["b"]) and res.as_numpy("b").dtype == np.int64
     assert res.as_numpy("c") is None  # not asked for
@@ -72,7 +85,9 @@ def test_all_outputs_json_when_not_binary() -> None:
     req = parse_infer_request(b'{"inputs":[{"name":"x","shape":[1],"datatype":"FP32","data":[1]}]}')
     body, headers = encode_infer_response("m", "1", {"y": np.array([0.25], dtype=np.float32)}, req)
     assert "Inference-Header-Content-Length" not in headers
-    assert json.loads(body)["outputs"] == [{"name": "y", "datatype": "FP32", "shape": [1], "data": [0.25]}]
+    assert json.loads(body)["outputs"] == [
+        {"name": "y", "datatype": "FP32", "shape": [1], "data": [0.25]}
+    ]
 
 
 def _raw(inputs: list[dict], extra: bytes = b"", **doc) -> tuple[bytes, int | None]:
@@ -97,30 +112,74 @@ BAD = [
     (*_raw([{**_X, "data": [1, 2]}, {**_X, "data": [1, 2]}]), "given twice"),
     (*_raw([{**_X, "parameters": {"binary_data_size": 4}}], b"\0" * 4), "needs 8 bytes"),
     (*_raw([{**_X, "parameters": {"binary_data_size": 8}}], b"\0" * 4), "carries 4 bytes"),
-    (*_raw([{**_X, "parameters": {"binary_data_size": 8}}], b"\0" * 12), "4 bytes after the JSON header"),
-    (*_raw([{**_X, "data": [1, 2], "parameters": {"binary_data_size": 8}}], b"\0" * 8), "both 'data'"),
+    (
+        *_raw([{**_X, "parameters": {"binary_data_size": 8}}], b"\0" * 12),
+        "4 bytes after the JSON header",
+    ),
+    (
+        *_raw([{**_X, "data": [1, 2], "parameters": {"binary_data_size": 8}}], b"\0" * 8),
+        "both 'data'",
+    ),
     (*_raw([{**_X, "data": [1, 2]}], outputs={"name": "y"}), "'outputs' must be a list"),
-    (*_raw([{**_X, "parameters": {"binary_data_size": True}}], b"\0"), "non-negative integer, got True"),
-    (*_raw([{**_X, "datatype": "INT64", "data": [2**63, -1]}]), r"value 9223372036854775808 is out of range for INT64"),
-    (*_raw([{**_X, "datatype": "INT64", "data": [2**64 + 5, 1]}]), r"value 18446744073709551621 is out of range for INT64"),
-    (*_raw([{**_X, "datatype": "UINT8", "data": [-1, 2**70]}]), r"value -1 is out of range for UINT8"),
-    (*_raw([{**_X, "datatype": "INT64", "data": [1.5, 2**64]}]), r"non-integer values .*\(e\.g\. 1\.5\)"),
+    (
+        *_raw([{**_X, "parameters": {"binary_data_size": True}}], b"\0"),
+        "non-negative integer, got True",
+    ),
+    (
+        *_raw([{**_X, "datatype": "INT64", "data": [2**63, -1]}]),
+        r"value 9223372036854775808 is out of range for INT64",
+    ),
+    (
+        *_raw([{**_X, "datatype": "INT64", "data": [2**64 + 5, 1]}]),
+        r"value 18446744073709551621 is out of range for INT64",
+    ),
+    (
+        *_raw([{**_X, "datatype": "UINT8", "data": [-1, 2**70]}]),
+        r"value -1 is out of range for UINT8",
+    ),
+    (
+        *_raw([{**_X, "datatype": "INT64", "data": [1.5, 2**64]}]),
+        r"non-integer values .*\(e\.g\. 1\.5\)",
+    ),
     (b'{"inputs": ' + b"[" * 100000 + b"]" * 100000 + b"}", None, "nested too deeply"),
-    (json.dumps({"inputs": [{**_X, "data": [1, 2]}]}).replace("[1, 2]", "[" * 3000 + "1" + "]" * 3000).encode(),
-     None, "nested too deeply"),
-    (*_raw([{**_X, "data": [1, 2]}], outputs=[{"name": "y", "parameters": {"binary_data": "false"}}]),
-     r"outputs\[0\]\.parameters\.binary_data must be true or false, got 'false'"),
-    (*_raw([{**_X, "data": [1, 2]}], parameters={"binary_data_output": 1}),
-     r"parameters\.binary_data_output must be true or false, got 1"),
+    (
+        json.dumps({"inputs": [{**_X, "data": [1, 2]}]})
+        .replace("[1, 2]", "[" * 3000 + "1" + "]" * 3000)
+        .encode(),
+        None,
+        "nested too deeply",
+    ),
+    (
+        *_raw(
+            [{**_X, "data": [1, 2]}],
+            outputs=[{"name": "y", "parameters": {"binary_data": "false"}}],
+        ),
+        r"outputs\[0\]\.parameters\.binary_data must be true or false, got 'false'",
+    ),
+    (
+        *_raw([{**_X, "data": [1, 2]}], parameters={"binary_data_output": 1}),
+        r"parameters\.binary_data_output must be true or false, got 1",
+    ),
     # numpy would read true/false as 1/0 and serve real rows for them
-    (*_raw([{**_X, "datatype": "INT64", "data": [True, False]}]), r"holds true/false for datatype INT64"),
-    (*_raw([{**_X, "datatype": "INT64", "data": [1, True]}]), r"holds true/false for datatype INT64"),
-    (*_raw([{**_X, "shape": [2, 2], "data": [[0.5, 1.0], [2.0, False]]}]), r"holds true/false for datatype FP32"),
+    (
+        *_raw([{**_X, "datatype": "INT64", "data": [True, False]}]),
+        r"holds true/false for datatype INT64",
+    ),
+    (
+        *_raw([{**_X, "datatype": "INT64", "data": [1, True]}]),
+        r"holds true/false for datatype INT64",
+    ),
+    (
+        *_raw([{**_X, "shape": [2, 2], "data": [[0.5, 1.0], [2.0, False]]}]),
+        r"holds true/false for datatype FP32",
+    ),
 ]
 
 
 def test_a_bool_input_keeps_its_booleans() -> None:
-    body, n = _raw([{"name": "mask", "shape": [3], "datatype": "BOOL", "data": [True, False, True]}])
+    body, n = _raw(
+        [{"name": "mask", "shape": [3], "datatype": "BOOL", "data": [True, False, True]}]
+    )
     assert parse_infer_request(body, n).inputs["mask"].tolist() == [True, False, True]
 
 
@@ -153,21 +212,38 @@ def test_decompressed_size_is_limited() -> None:
     head = json.dumps({"inputs": [{"name": "x", "shape": [1], "datatype": "FP32", "data": [1]}]})
     bomb = gzip.compress(head.encode() + b" " * (8 << 20))
     assert len(bomb) < 64 << 10
-    with pytest.raises(ProtocolError, match="decompresses to more than the server's limit of 1048576"):
+    with pytest.raises(
+        ProtocolError, match="decompresses to more than the server's limit of 1048576"
+    ):
         parse_infer_request(bomb, None, "gzip", max_bytes=1 << 20)
-    assert parse_infer_request(gzip.compress(head.encode()), None, "gzip", max_bytes=1 << 20).inputs["x"].tolist() == [1.0]
+    assert parse_infer_request(
+        gzip.compress(head.encode()), None, "gzip", max_bytes=1 << 20
+    ).inputs["x"].tolist() == [1.0]
     with pytest.raises(ProtocolError, match="truncated stream"):
         parse_infer_request(gzip.compress(head.encode())[:-9], None, "gzip")
 
 
 def test_huge_declared_shapes_and_empty_data() -> None:
-    body, n = _raw([{"name": "x", "shape": [2**62, 4], "datatype": "INT64",
-                     "parameters": {"binary_data_size": 0}}], b"")
+    body, n = _raw(
+        [
+            {
+                "name": "x",
+                "shape": [2**62, 4],
+                "datatype": "INT64",
+                "parameters": {"binary_data_size": 0},
+            }
+        ],
+        b"",
+    )
     with pytest.raises(ProtocolError, match="needs 147573952589676412928 bytes"):
         parse_infer_request(body, n)
     with pytest.raises(ProtocolError, match="needs 18446744073709551616 values"):
-        parse_infer_request(_raw([{"name": "x", "shape": [2**32, 2**32], "datatype": "FP32", "data": [1]}])[0])
-    req = parse_infer_request(_raw([{"name": "ids", "shape": [0, 1], "datatype": "INT64", "data": []}])[0])
+        parse_infer_request(
+            _raw([{"name": "x", "shape": [2**32, 2**32], "datatype": "FP32", "data": [1]}])[0]
+        )
+    req = parse_infer_request(
+        _raw([{"name": "ids", "shape": [0, 1], "datatype": "INT64", "data": []}])[0]
+    )
     assert req.inputs["ids"].shape == (0, 1) and req.inputs["ids"].dtype == np.int64
 
 

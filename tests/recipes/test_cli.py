@@ -68,7 +68,10 @@ def test_int_literal_parses_to_int():
     ("argv", "message"),
     [
         (["--color", "green"], "argument --color: invalid choice: 'green' (choose from red, blue)"),
-        (["--tint", "green"], "argument --tint: invalid choice: 'green' (choose from red, blue, none)"),
+        (
+            ["--tint", "green"],
+            "argument --tint: invalid choice: 'green' (choose from red, blue, none)",
+        ),
         (["--color", "none"], "argument --color: invalid choice: 'none' (choose from red, blue)"),
         (["--sizes", "3"], "argument --sizes: invalid choice: '3' (choose from 1, 2)"),
     ],
@@ -103,6 +106,7 @@ def test_mutable_default_is_refused():
 
 def test_check_errors_are_usage_errors(tmp_path, capsys):
     """``check`` runs on the parsed knobs; its ValueError / OSError is a usage error (exit 2)."""
+
     def check(k: Knobs) -> None:
         if k.name == "bad":
             raise ValueError("--name must not be 'bad'")
@@ -110,7 +114,10 @@ def test_check_errors_are_usage_errors(tmp_path, capsys):
             (tmp_path / "missing.yaml").read_text()
 
     assert parse_knobs(Knobs, ["--name", "ok"], check=check).name == "ok"
-    for name, msg in (("bad", "error: --name must not be 'bad'"), ("file", "No such file or directory")):
+    for name, msg in (
+        ("bad", "error: --name must not be 'bad'"),
+        ("file", "No such file or directory"),
+    ):
         with pytest.raises(SystemExit) as info:
             parse_knobs(Knobs, ["--name", name], check=check)
         assert info.value.code == 2

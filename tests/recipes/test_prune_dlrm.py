@@ -26,8 +26,16 @@ def _png_size(path) -> tuple[int, int]:
 
 
 def _shrunk(tmp_path, **kw) -> PruneDLRMConfig:
-    base = dict(batch_size=64, dense_steps=40, steps=30, eval_batches=4, progress=False, out=str(tmp_path / "run"),
-                speed_batch=0, serve_batches=0)
+    base = dict(
+        batch_size=64,
+        dense_steps=40,
+        steps=30,
+        eval_batches=4,
+        progress=False,
+        out=str(tmp_path / "run"),
+        speed_batch=0,
+        serve_batches=0,
+    )
     return PruneDLRMConfig(**(base | kw))
 
 
@@ -49,15 +57,25 @@ def test_main_writes_report_and_plots(tmp_path) -> None:
     for name in on_disk["plots"]:
         w, h = _png_size(out / name)
         assert w > 100 and h > 100
-    assert {"auc_vs_sparsity.png", "layer_sparsity.png", "mask_top_mlp_0.png"} == set(on_disk["plots"])
+    assert {"auc_vs_sparsity.png", "layer_sparsity.png", "mask_top_mlp_0.png"} == set(
+        on_disk["plots"]
+    )
     md = (out / "report.md").read_text()
     assert "| TW | 75%" in md and "`top_mlp.0`" in md
     # the speed half: the same pattern on the full-width DLRM-DCNv2 dense part, condensed
     sp = on_disk["speed"]
-    assert (sp["pattern"], sp["sparsity"], sp["tile"], sp["batch"], sp["threads"]) == ("tw", 0.75, 128, 32, 1)
+    assert (sp["pattern"], sp["sparsity"], sp["tile"], sp["batch"], sp["threads"]) == (
+        "tw",
+        0.75,
+        128,
+        32,
+        1,
+    )
     assert abs(sp["achieved_sparsity"] - 0.75) <= 0.01
     assert sp["max_abs_err"] < 1e-4  # the condensed model computes the masked dense one
-    assert sp["speedup"] == pytest.approx(sp["dense_ms"] / sp["pruned_ms"]) and sp["ideal"] == pytest.approx(4.0)
+    assert sp["speedup"] == pytest.approx(sp["dense_ms"] / sp["pruned_ms"]) and sp[
+        "ideal"
+    ] == pytest.approx(4.0)
     assert sp["pruned_weight_bytes"] <= (0.25 + 0.03) * sp["dense_weight_bytes"]
     assert "## Speed: dlrm_dcnv2 dense part" in md
     # the serving half: the condensed model exported, served over HTTP, scored like the eager one
@@ -72,7 +90,9 @@ def test_main_writes_report_and_plots(tmp_path) -> None:
 
 
 def test_sweep_covers_the_table(tmp_path) -> None:
-    report = main(_shrunk(tmp_path, dense_steps=10, steps=24, eval_batches=2, schedule="oneshot", sweep=True))
+    report = main(
+        _shrunk(tmp_path, dense_steps=10, steps=24, eval_batches=2, schedule="oneshot", sweep=True)
+    )
     got = {(r["pattern"], r["sparsity"]) for r in report["runs"]}
     assert got == set(SWEEP)
     assert set(report["results"]) == {"tw", "ew", "bw", "nm"}
@@ -82,11 +102,13 @@ def test_sweep_covers_the_table(tmp_path) -> None:
 
 
 def test_bad_knobs_and_recipe_files(tmp_path, capsys) -> None:
-    for argv, msg in ((["--sparsity", "1.5"], r"--sparsity must be in [0, 1), got 1.5"),
-                      (["--tile", "0"], "--tile must be an integer >= 1, got 0"),
-                      (["--tile", "big"], "invalid int value: 'big'"),
-                      (["--pattern", "xyz"], "invalid choice: 'xyz'"),
-                      (["--serve-batches", "-1"], "--serve-batches must be an integer >= 0, got -1")):
+    for argv, msg in (
+        (["--sparsity", "1.5"], r"--sparsity must be in [0, 1), got 1.5"),
+        (["--tile", "0"], "--tile must be an integer >= 1, got 0"),
+        (["--tile", "big"], "invalid int value: 'big'"),
+        (["--pattern", "xyz"], "invalid choice: 'xyz'"),
+        (["--serve-batches", "-1"], "--serve-batches must be an integer >= 0, got -1"),
+    ):
         with pytest.raises(SystemExit) as e:
             parse_args(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err, argv
@@ -95,25 +117,34 @@ def test_bad_knobs_and_recipe_files(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.yaml"
     bad.write_text("pattern: tw\nsparsity: 0.5\nthreshold: global\n")
     cfg = _shrunk(tmp_path, recipe=str(bad))
-    with pytest.raises(ValueError, match=r"bad.yaml: TileSparseConfig: unknown key\(s\) \['threshold'\]"):
+    with pytest.raises(
+        ValueError, match=r"bad.yaml: TileSparseConfig: unknown key\(s\) \['threshold'\]"
+    ):
         main(cfg)
     assert not (tmp_path / "run").exists()  # failed before anything was written
     slow = tmp_path / "slow.yaml"
-    slow.write_text("pattern: tw\nsparsity: 0.75\nschedule: {kind: multistage, steps_per_stage: 1000}\n")
-    with pytest.raises(ValueError, match=r"slow.yaml: the tw schedule reaches 0.75 at step \d+, but --steps is 30"):
+    slow.write_text(
+        "pattern: tw\nsparsity: 0.75\nschedule: {kind: multistage, steps_per_stage: 1000}\n"
+    )
+    with pytest.raises(
+        ValueError, match=r"slow.yaml: the tw schedule reaches 0.75 at step \d+, but --steps is 30"
+    ):
         main(_shrunk(tmp_path, recipe=str(slow)))
     assert not (tmp_path / "run").exists()  # before any training
 
 
-@pytest.mark.parametrize(("argv", "msg"), [
-    (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
-    (["--lr", "-0.05"], "--lr must be a finite number > 0, got -0.05"),
-    (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
-    (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
-    (["--scale", "nan"], "--scale must be a finite number >= 1, got nan"),
-    (["--scale", "inf"], "--scale must be a finite number >= 1, got inf"),
-    (["--scale", "0.5"], "--scale must be a finite number >= 1, got 0.5"),
-])
+@pytest.mark.parametrize(
+    ("argv", "msg"),
+    [
+        (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+        (["--lr", "-0.05"], "--lr must be a finite number > 0, got -0.05"),
+        (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+        (["--lr", "inf"], "--lr must be a finite number > 0, got inf"),
+        (["--scale", "nan"], "--scale must be a finite number >= 1, got nan"),
+        (["--scale", "inf"], "--scale must be a finite number >= 1, got inf"),
+        (["--scale", "0.5"], "--scale must be a finite number >= 1, got 0.5"),
+    ],
+)
 def test_bad_lr_and_scale_are_usage_errors_before_any_output(tmp_path, capsys, argv, msg) -> None:
     """NaN passed the old ``scale < 1`` check and --lr was not checked at all: both failed
     late (or never), after the output folder was made. Now parse_args refuses them."""
@@ -129,22 +160,37 @@ def test_bad_lr_and_scale_are_usage_errors_before_any_output(tmp_path, capsys, a
 BAD_RECIPE_TEXTS = {
     "broken.yaml": ("pattern: [tw\n", "not valid YAML: expected ',' or ']'"),
     "truncated.json": ('{"pattern": "tw", ', "not valid JSON: Expecting property name"),
-    "stages.yaml": ("schedule: {kind: multistage, stages: 0.5}\n", "TileSparseConfig.schedule: MultiStageSchedule.stages must be a list"),
+    "stages.yaml": (
+        "schedule: {kind: multistage, stages: 0.5}\n",
+        "TileSparseConfig.schedule: MultiStageSchedule.stages must be a list",
+    ),
     "overrides.yaml": ("overrides: [fc1, 0.5]\n", "TileSparseConfig.overrides must be a mapping"),
 }
 
 
-@pytest.mark.parametrize(("argv", "msg"), [
-    (["--seed", "-1"], "--seed must be an integer in [0, 2**32), got -1"),
-    (["--seed", str(2**32)], f"--seed must be an integer in [0, 2**32), got {2**32}"),
-    (["--pattern", "tew", "--sparsity", "0.96"],
-     "--sparsity must be < 0.95 for --pattern tew (it prunes sparsity + tew_delta = 0.05 first"),
-    (["--steps", "5"], "the tw schedule reaches 0.75 at step 6, but --steps is 5"),
-    (["--recipe", "{tmp}/missing.yaml"], "--recipe {tmp}/missing.yaml: cannot read it: No such file or directory"),
-    *((["--recipe", f"{{tmp}}/{name}"], f"recipe file {{tmp}}/{name}: {msg}")
-      for name, (_, msg) in BAD_RECIPE_TEXTS.items()),
-])
-def test_bad_seed_tew_sparsity_and_recipe_files_are_usage_errors_before_any_output(tmp_path, capsys, argv, msg) -> None:
+@pytest.mark.parametrize(
+    ("argv", "msg"),
+    [
+        (["--seed", "-1"], "--seed must be an integer in [0, 2**32), got -1"),
+        (["--seed", str(2**32)], f"--seed must be an integer in [0, 2**32), got {2**32}"),
+        (
+            ["--pattern", "tew", "--sparsity", "0.96"],
+            "--sparsity must be < 0.95 for --pattern tew (it prunes sparsity + tew_delta = 0.05 first",
+        ),
+        (["--steps", "5"], "the tw schedule reaches 0.75 at step 6, but --steps is 5"),
+        (
+            ["--recipe", "{tmp}/missing.yaml"],
+            "--recipe {tmp}/missing.yaml: cannot read it: No such file or directory",
+        ),
+        *(
+            (["--recipe", f"{{tmp}}/{name}"], f"recipe file {{tmp}}/{name}: {msg}")
+            for name, (_, msg) in BAD_RECIPE_TEXTS.items()
+        ),
+    ],
+)
+def test_bad_seed_tew_sparsity_and_recipe_files_are_usage_errors_before_any_output(
+    tmp_path, capsys, argv, msg
+) -> None:
     """--seed -1 passed parsing, made the --out folder and died in numpy; --pattern tew
     --sparsity 0.96 and malformed --recipe files failed in main with a traceback (a TypeError
     or a parser error without the file's name for some recipes). All are usage errors now."""
@@ -166,12 +212,18 @@ def test_bad_recipe_on_the_command_line_exits_2_without_a_traceback(tmp_path) ->
     bad = tmp_path / "bad.yaml"
     bad.write_text("pattern: [tw\n")
     out = tmp_path / "run"
-    proc = subprocess.run([sys.executable, "-m", "recipes.prune_dlrm", "--recipe", str(bad), "--out", str(out)],
-                          capture_output=True, text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "recipes.prune_dlrm", "--recipe", str(bad), "--out", str(out)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2, proc.stderr
     assert "Traceback" not in proc.stderr and not out.exists()
     last = proc.stderr.strip().splitlines()[-1]
-    assert last.startswith("prune_dlrm.py: error: recipe file ") and "bad.yaml: not valid YAML" in last
+    assert (
+        last.startswith("prune_dlrm.py: error: recipe file ") and "bad.yaml: not valid YAML" in last
+    )
 
 
 @pytest.mark.parametrize("schedule", ["multistage", "cubic", "oneshot"])
@@ -198,25 +250,50 @@ def test_runs_do_not_share_optimizer_state() -> None:
     state = trainer.optimizer.state_dict()
     before = copy.deepcopy(state)
     batches = list(data.batches(4, start=5))
-    runs = [_fine_tune(copy.deepcopy(dense), TrainConfig(lr=0.05, seed=0), state, batches, None, False, "x")
-            for _ in range(2)]
+    runs = [
+        _fine_tune(
+            copy.deepcopy(dense), TrainConfig(lr=0.05, seed=0), state, batches, None, False, "x"
+        )
+        for _ in range(2)
+    ]
     for a, b in zip(runs[0].model.state_dict().values(), runs[1].model.state_dict().values()):
         assert torch.equal(a, b)
     for k, v in before["state"].items():
         for name, t in v.items():
-            assert torch.equal(torch.as_tensor(state["state"][k][name]), torch.as_tensor(t)), (k, name)
+            assert torch.equal(torch.as_tensor(state["state"][k][name]), torch.as_tensor(t)), (
+                k,
+                name,
+            )
 
 
 def test_recipe_file_drives_the_run(tmp_path) -> None:
     recipe = tmp_path / "r.yaml"
     recipe.write_text("pattern: tew\nsparsity: 0.6\ntile: 8\nschedule: {kind: oneshot, step: 0}\n")
-    cfg = parse_args(["--recipe", str(recipe), "--out", str(tmp_path / "run"), "--no-progress",
-                      "--dense-steps", "10", "--steps", "10", "--eval-batches", "2", "--batch-size", "64"])
+    cfg = parse_args(
+        [
+            "--recipe",
+            str(recipe),
+            "--out",
+            str(tmp_path / "run"),
+            "--no-progress",
+            "--dense-steps",
+            "10",
+            "--steps",
+            "10",
+            "--eval-batches",
+            "2",
+            "--batch-size",
+            "64",
+        ]
+    )
     report = main(cfg)
     (run,) = report["runs"]
     assert run["pattern"] == "tew" and run["config"]["tile"] == 8
     assert "TW family" in report["speed"]["skipped"]  # TEW has no fast condensed path to time
-    assert "Not measured: speed is measured for the TW family" in (tmp_path / "run" / "report.md").read_text()
+    assert (
+        "Not measured: speed is measured for the TW family"
+        in (tmp_path / "run" / "report.md").read_text()
+    )
     assert abs(run["achieved_sparsity"] - 0.6) <= 0.01
 
 

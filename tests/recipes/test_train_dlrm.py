@@ -49,7 +49,10 @@ def test_knobs_from_the_command_line():
         (["--label-sharpness", "0"], "label_sharpness must be a finite number > 0, got 0.0"),
         (["--seed", "-3"], "seed must be an integer >= 0, got -3"),
         (["--scale", "nan"], "scale must be a finite number >= 1, got nan"),
-        (["--optimizer", "adam"], "argument --optimizer: invalid choice: 'adam' (choose from adagrad, sgd, none)"),
+        (
+            ["--optimizer", "adam"],
+            "argument --optimizer: invalid choice: 'adam' (choose from adagrad, sgd, none)",
+        ),
     ],
 )
 def test_bad_knobs_are_usage_errors_before_anything_is_created(argv, message, tmp_path, capsys):

@@ -27,13 +27,26 @@ def test_defaults() -> None:
 
 @pytest.mark.parametrize(
     "schedule",
-    [OneShotSchedule(step=3), MultiStageSchedule((0.25, 0.5), steps_per_stage=7, start=2), CubicSchedule(1, 50, 5, 0.1)],
+    [
+        OneShotSchedule(step=3),
+        MultiStageSchedule((0.25, 0.5), steps_per_stage=7, start=2),
+        CubicSchedule(1, 50, 5, 0.1),
+    ],
 )
 def test_json_round_trip(schedule: object) -> None:
     cfg = TileSparseConfig(
-        pattern="tew", sparsity=0.6, tile=64, importance="taylor", column_share=0.3, block=(8, 4),
-        tew_delta=0.1, global_threshold=False, min_layer_density=0.1,
-        overrides={"top.0": 0.5, "a.b": 0.25}, taylor_steps=10, schedule=schedule,
+        pattern="tew",
+        sparsity=0.6,
+        tile=64,
+        importance="taylor",
+        column_share=0.3,
+        block=(8, 4),
+        tew_delta=0.1,
+        global_threshold=False,
+        min_layer_density=0.1,
+        overrides={"top.0": 0.5, "a.b": 0.25},
+        taylor_steps=10,
+        schedule=schedule,
     )
     text = cfg.to_json()
     json.loads(text)  # plain JSON
@@ -60,8 +73,11 @@ def test_json_round_trip(schedule: object) -> None:
         ({"pattern": "tew", "sparsity": 0.9, "tew_delta": 0.2}, "tew_delta", "< 1 - sparsity"),
         ({"block": (0, 4)}, "block", ">= 1"),
         ({"overrides": {"fc": 1.2}}, "overrides", "[0, 1)"),
-        ({"pattern": "tew", "sparsity": 0.5, "overrides": {"1": 0.97}}, "overrides['1']",
-         "= 0.97 plus tew_delta = 0.05 must be < 1"),
+        (
+            {"pattern": "tew", "sparsity": 0.5, "overrides": {"1": 0.97}},
+            "overrides['1']",
+            "= 0.97 plus tew_delta = 0.05 must be < 1",
+        ),
         ({"taylor_steps": 0}, "taylor_steps", ">= 1"),
     ],
 )
@@ -121,7 +137,9 @@ def test_recipe_files(tmp_path) -> None:
 
     neg = tmp_path / "neg.json"
     neg.write_text('{"tile": 0}')
-    with pytest.raises(ValueError, match=r"neg.json: TileSparseConfig.tile must be an integer >= 1, got 0"):
+    with pytest.raises(
+        ValueError, match=r"neg.json: TileSparseConfig.tile must be an integer >= 1, got 0"
+    ):
         TileSparseConfig.load(neg)
 
     txt = tmp_path / "x.txt"
@@ -138,29 +156,67 @@ def test_tew_override_below_one_minus_delta_is_accepted() -> None:
 
 
 BAD_RECIPES = [  # (file name, text, expected message after "recipe file <path>: ")
-    ("stages_scalar.yaml", "schedule: {kind: multistage, stages: 0.5}\n",
-     "TileSparseConfig.schedule: MultiStageSchedule.stages must be a list of sparsities in [0, 1) or None, got 0.5"),
-    ("stage_str.yaml", "schedule: {kind: multistage, stages: [0.5, x]}\n",
-     "TileSparseConfig.schedule: MultiStageSchedule.stages[1] must be in [0, 1), got 'x'"),
+    (
+        "stages_scalar.yaml",
+        "schedule: {kind: multistage, stages: 0.5}\n",
+        "TileSparseConfig.schedule: MultiStageSchedule.stages must be a list of sparsities in [0, 1) or None, got 0.5",
+    ),
+    (
+        "stage_str.yaml",
+        "schedule: {kind: multistage, stages: [0.5, x]}\n",
+        "TileSparseConfig.schedule: MultiStageSchedule.stages[1] must be in [0, 1), got 'x'",
+    ),
     ("kind.yaml", "schedule: {kind: linear}\n", "TileSparseConfig.schedule.kind must be one of"),
-    ("sched_scalar.yaml", "schedule: 5\n", "TileSparseConfig.schedule must be a schedule config or a mapping"),
-    ("truncated.json", '{"pattern": "tw", ',
-     "not valid JSON: Expecting property name enclosed in double quotes at line 1, column 19"),
-    ("broken.yaml", "pattern: [tw\n", "not valid YAML: expected ',' or ']', but got '<stream end>' at line 2, column 1"),
-    ("overrides_list.yaml", "overrides: [fc1, 0.5]\n",
-     "TileSparseConfig.overrides must be a mapping of module name to sparsity"),
+    (
+        "sched_scalar.yaml",
+        "schedule: 5\n",
+        "TileSparseConfig.schedule must be a schedule config or a mapping",
+    ),
+    (
+        "truncated.json",
+        '{"pattern": "tw", ',
+        "not valid JSON: Expecting property name enclosed in double quotes at line 1, column 19",
+    ),
+    (
+        "broken.yaml",
+        "pattern: [tw\n",
+        "not valid YAML: expected ',' or ']', but got '<stream end>' at line 2, column 1",
+    ),
+    (
+        "overrides_list.yaml",
+        "overrides: [fc1, 0.5]\n",
+        "TileSparseConfig.overrides must be a mapping of module name to sparsity",
+    ),
     ("overrides_str.yaml", "overrides: fc1\n", "TileSparseConfig.overrides must be a mapping"),
     ("top_list.yaml", "- pattern: tw\n", "TileSparseConfig: expected a mapping, got list"),
-    ("block_three.yaml", "pattern: bw\nblock: [4, 4, 4]\n", "TileSparseConfig.block must be (bk, bn) or one integer"),
-    ("block_str.yaml", "pattern: bw\nblock: '16'\n", "TileSparseConfig.block must be (bk, bn) or one integer"),
-    ("block_zero.yaml", "pattern: bw\nblock: 0\n", "TileSparseConfig.block[0] must be an integer >= 1, got 0"),
+    (
+        "block_three.yaml",
+        "pattern: bw\nblock: [4, 4, 4]\n",
+        "TileSparseConfig.block must be (bk, bn) or one integer",
+    ),
+    (
+        "block_str.yaml",
+        "pattern: bw\nblock: '16'\n",
+        "TileSparseConfig.block must be (bk, bn) or one integer",
+    ),
+    (
+        "block_zero.yaml",
+        "pattern: bw\nblock: 0\n",
+        "TileSparseConfig.block[0] must be an integer >= 1, got 0",
+    ),
     ("int_keys.yaml", "1: 2\nfoo: 3\n", "TileSparseConfig: unknown key(s) [1, 'foo']"),
-    ("latin1.yaml", b"pattern: tw\n# caf\xe9\n", "not UTF-8 text (invalid continuation byte at byte 17)"),
+    (
+        "latin1.yaml",
+        b"pattern: tw\n# caf\xe9\n",
+        "not UTF-8 text (invalid continuation byte at byte 17)",
+    ),
 ]
 
 
 @pytest.mark.parametrize(("name", "text", "message"), BAD_RECIPES, ids=[c[0] for c in BAD_RECIPES])
-def test_malformed_recipe_files_are_one_line_value_errors_naming_file_and_field(tmp_path, name, text, message) -> None:
+def test_malformed_recipe_files_are_one_line_value_errors_naming_file_and_field(
+    tmp_path, name, text, message
+) -> None:
     """They used to raise TypeError (a scalar stages), JSONDecodeError / yaml ParserError
     without the path (multi-line for YAML), or a message that named no field."""
     p = tmp_path / name
@@ -178,6 +234,9 @@ def test_a_scalar_block_is_square(tmp_path) -> None:
     p.write_text("pattern: bw\nblock: 16\n")
     assert TileSparseConfig.load(p).block == (16, 16)
     assert TileSparseConfig(pattern="bw", block=8).block == (8, 8)
-    assert TileSparseConfig.from_json(TileSparseConfig(pattern="bw", block=8).to_json()).block == (8, 8)
+    assert TileSparseConfig.from_json(TileSparseConfig(pattern="bw", block=8).to_json()).block == (
+        8,
+        8,
+    )
     with pytest.raises(ValueError, match="block must be"):
         TileSparseConfig(block=True)

@@ -61,7 +61,9 @@ def test_movement_shifted_to_non_negative_across_layers() -> None:
     m.observe(w, {"a": torch.tensor([[1.0, -1.0]]), "b": torch.tensor([[-3.0]])})
     s = m.scores(w)
     # raw -g·w: a = [-1, 2], b = [-3]; shifted by the global min -3
-    assert torch.equal(s["a"], torch.tensor([[2.0, 5.0]])) and torch.equal(s["b"], torch.tensor([[0.0]]))
+    assert torch.equal(s["a"], torch.tensor([[2.0, 5.0]])) and torch.equal(
+        s["b"], torch.tensor([[0.0]])
+    )
 
 
 def test_segment_scores_are_rms_over_the_tile() -> None:
@@ -69,7 +71,9 @@ def test_segment_scores_are_rms_over_the_tile() -> None:
     ones their element (the old ``/ |cols_t|`` gave 2.5 and 1)."""
     S = torch.tensor([[3.0, 4.0, 1.0], [0.0, 0.0, 2.0]])
     seg = segment_scores(S, [torch.tensor([0, 1]), torch.tensor([2])])
-    assert torch.equal(seg, torch.tensor([[5.0 / math.sqrt(2.0), 1.0], [0.0, 2.0]], dtype=torch.float64))
+    assert torch.equal(
+        seg, torch.tensor([[5.0 / math.sqrt(2.0), 1.0], [0.0, 2.0]], dtype=torch.float64)
+    )
     # a segment of equal elements v scores v, whatever its width
     flat = torch.full((2, 19), 7.0)
     seg = segment_scores(flat, [torch.arange(16), torch.arange(16, 18), torch.tensor([18])])
@@ -78,7 +82,10 @@ def test_segment_scores_are_rms_over_the_tile() -> None:
 
 def test_make_tracker() -> None:
     assert isinstance(make_tracker("magnitude"), MagnitudeScore)
-    assert isinstance(make_tracker(Importance.TAYLOR, 7), TaylorScore) and make_tracker("taylor", 7).max_steps == 7
+    assert (
+        isinstance(make_tracker(Importance.TAYLOR, 7), TaylorScore)
+        and make_tracker("taylor", 7).max_steps == 7
+    )
     assert isinstance(make_tracker("movement"), MovementScore)
     with pytest.raises(ValueError):
         make_tracker("random")
@@ -107,6 +114,8 @@ def test_a_layer_without_gradients_is_named(cls, kind) -> None:
     w = {"a": torch.tensor([[1.0, -2.0]]), "b": torch.tensor([[3.0]]), "c": torch.tensor([[1.0]])}
     t = cls()
     t.observe({"a": w["a"]}, {"a": torch.tensor([[1.0, 1.0]])})
-    with pytest.raises(RuntimeError, match=rf"{kind} importance has no gradients for layer\(s\) \['b', 'c'\]"):
+    with pytest.raises(
+        RuntimeError, match=rf"{kind} importance has no gradients for layer\(s\) \['b', 'c'\]"
+    ):
         t.scores(w)
     assert set(t.scores({"a": w["a"]})) == {"a"}

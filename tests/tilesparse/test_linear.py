@@ -14,7 +14,9 @@ from tilesparse.patterns import tw_mask
 TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float64: {"rtol": 1e-12, "atol": 1e-12}}
 
 
-def int_linear(k: int, n: int, seed: int, bias: bool = True, dtype: torch.dtype = torch.float32) -> torch.nn.Linear:
+def int_linear(
+    k: int, n: int, seed: int, bias: bool = True, dtype: torch.dtype = torch.float32
+) -> torch.nn.Linear:
     g = torch.Generator().manual_seed(seed)
     lin = torch.nn.Linear(k, n, bias=bias, dtype=dtype)
     with torch.no_grad():
@@ -25,7 +27,14 @@ def int_linear(k: int, n: int, seed: int, bias: bool = True, dtype: torch.dtype 
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 40), st.integers(1, 40), st.integers(1, 16), st.floats(0.0, 0.95), st.booleans(), st.integers(0, 1000))
+@given(
+    st.integers(1, 40),
+    st.integers(1, 40),
+    st.integers(1, 16),
+    st.floats(0.0, 0.95),
+    st.booleans(),
+    st.integers(0, 1000),
+)
 def test_round_trip_and_forward_exact(k, n, tile, sparsity, bias, seed) -> None:
     lin = int_linear(k, n, seed, bias)
     mask = tw_mask(lin.weight.detach().T.abs() + 1e-3 * torch.rand(k, n), sparsity, tile)
@@ -73,7 +82,9 @@ def test_state_dict_round_trip_into_an_empty_module() -> None:
 
 
 def test_layout_is_the_buffers_and_follows_to() -> None:
-    sparse = TileSparseLinear.from_dense(int_linear(8, 6, 2), torch.ones(8, 6, dtype=torch.bool), tile=4)
+    sparse = TileSparseLinear.from_dense(
+        int_linear(8, 6, 2), torch.ones(8, 6, dtype=torch.bool), tile=4
+    )
     lay = sparse.layout
     assert lay is sparse.layout and lay.values is sparse.values and lay.col_idx is sparse.col_idx
     lay.cache["cpu"] = "packed"
@@ -112,7 +123,9 @@ def _snapshot(m: TileSparseLinear) -> dict[str, object]:
     return state | {"tile": m.tile}
 
 
-def _assert_unchanged(m: TileSparseLinear, before: dict[str, object], x: torch.Tensor, y: torch.Tensor) -> None:
+def _assert_unchanged(
+    m: TileSparseLinear, before: dict[str, object], x: torch.Tensor, y: torch.Tensor
+) -> None:
     now = _snapshot(m)
     assert now.keys() == before.keys() and now["tile"] == before["tile"]
     for k, v in before.items():
@@ -122,8 +135,16 @@ def _assert_unchanged(m: TileSparseLinear, before: dict[str, object], x: torch.T
 
 
 CORRUPT_STATE = [  # (name, {key: value}, expected message)
-    ("negative_pointers", {"row_ptr": [-2, 2, 6], "val_ptr": [-4, 4, 12]}, r"row_ptr must start at 0, got row_ptr\[0\]=-2"),
-    ("decreasing_pointer", {"row_ptr": [0, -2, 0], "val_ptr": [0, -4, 0]}, r"row_ptr must never decrease"),
+    (
+        "negative_pointers",
+        {"row_ptr": [-2, 2, 6], "val_ptr": [-4, 4, 12]},
+        r"row_ptr must start at 0, got row_ptr\[0\]=-2",
+    ),
+    (
+        "decreasing_pointer",
+        {"row_ptr": [0, -2, 0], "val_ptr": [0, -4, 0]},
+        r"row_ptr must never decrease",
+    ),
     ("column_twice", {"col_idx": [0, 1, 0, 1]}, r"col_idx must be strictly ascending"),
     ("values_truncated", {"values": None}, r"val_ptr must end at len\(values\)"),
     ("rows_reversed", {"row_idx": [3, 2, 1, 0, 1, 0]}, r"tile 0 rows must be strictly ascending"),
@@ -137,12 +158,16 @@ def test_corrupt_state_dict_is_refused_and_changes_nothing(case) -> None:
     sd = {k: v.clone() if isinstance(v, torch.Tensor) else v for k, v in good.state_dict().items()}
     for key, value in edits.items():
         sd[key] = sd[key][:-1] if value is None else torch.tensor(value)
-    target = TileSparseLinear.from_dense(int_linear(4, 4, 6), torch.rand(4, 4) < 0.5, tile=2, backend="cpu")
+    target = TileSparseLinear.from_dense(
+        int_linear(4, 4, 6), torch.rand(4, 4) < 0.5, tile=2, backend="cpu"
+    )
     x = torch.randint(-3, 4, (3, 4)).float()
     before, y = _snapshot(target), target(x)
     model = torch.nn.Sequential(torch.nn.Sequential(target))
     sd = {f"0.0.{k}": v for k, v in sd.items()}
-    with pytest.raises(ValueError, match=r"state dict for TileSparseLinear '0\.0': keys 0\.0\.\{col_idx") as err:
+    with pytest.raises(
+        ValueError, match=r"state dict for TileSparseLinear '0\.0': keys 0\.0\.\{col_idx"
+    ) as err:
         model.load_state_dict(sd)
     assert err.match(message)
     _assert_unchanged(target, before, x, y)
@@ -160,7 +185,9 @@ def test_failed_load_leaves_the_module_as_it_was() -> None:
     with pytest.raises(RuntimeError, match="size mismatch for bias"):
         target.load_state_dict(sd)
     _assert_unchanged(target, before, x, y)
-    wrong = TileSparseLinear.from_dense(int_linear(5, 4, 7), torch.ones(5, 4, dtype=torch.bool), tile=4)
+    wrong = TileSparseLinear.from_dense(
+        int_linear(5, 4, 7), torch.ones(5, 4, dtype=torch.bool), tile=4
+    )
     with pytest.raises(ValueError, match="state dict holds a 5x4"):
         target.load_state_dict(wrong.state_dict())
     _assert_unchanged(target, before, x, y)
@@ -174,7 +201,9 @@ def test_backend_is_validated_when_set() -> None:
     with pytest.raises(ValueError, match="unknown tw_linear backend 'fast'"):
         TileSparseLinear(4, 4, backend="fast")
     with pytest.raises(ValueError, match="unknown tw_linear backend 'gpu'"):
-        TileSparseLinear.from_dense(torch.nn.Linear(4, 4), torch.ones(4, 4, dtype=torch.bool), backend="gpu")
+        TileSparseLinear.from_dense(
+            torch.nn.Linear(4, 4), torch.ones(4, 4, dtype=torch.bool), backend="gpu"
+        )
     m = TileSparseLinear(4, 4, backend="CPU")
     assert m.backend == "cpu"
     with pytest.raises(ValueError, match="unknown tw_linear backend 'fast'"):
@@ -190,7 +219,9 @@ def test_backend_is_validated_when_set() -> None:
     assert torch.load(buf, weights_only=False).backend == "reference"
 
 
-@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int16, torch.uint8])
+@pytest.mark.parametrize(
+    "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int16, torch.uint8]
+)
 def test_index_tensors_of_a_cast_state_dict_are_refused(dtype) -> None:
     """A state dict with every tensor cast to fp16 used to load: col_idx 2049 came back 2048
     (fp16 holds integers exactly only up to 2048) and the module computed other columns."""
@@ -200,19 +231,26 @@ def test_index_tensors_of_a_cast_state_dict_are_refused(dtype) -> None:
     src = TileSparseLinear.from_dense(torch.nn.Linear(k, n), mask, tile=1)
     sd = {key: v.to(dtype) if key == "col_idx" else v for key, v in src.state_dict().items()}
     dst = TileSparseLinear(k, n, tile=1)
-    with pytest.raises(ValueError, match=rf"key 'col_idx' is an index tensor and must be torch.int64 or torch.int32, got {dtype}"):
+    with pytest.raises(
+        ValueError,
+        match=rf"key 'col_idx' is an index tensor and must be torch.int64 or torch.int32, got {dtype}",
+    ):
         dst.load_state_dict(sd)
     assert dst.nnz == 0 and dst.col_idx.numel() == 0  # unchanged
     # every tensor cast, the reviewer's case: the first index buffer is named
-    cast = {key: v.half() if isinstance(v, torch.Tensor) else v for key, v in src.state_dict().items()}
+    cast = {
+        key: v.half() if isinstance(v, torch.Tensor) else v for key, v in src.state_dict().items()
+    }
     with pytest.raises(ValueError, match="key 'col_idx' .* got torch.float16"):
         TileSparseLinear(k, n, tile=1).half().load_state_dict(cast)
 
 
 def test_int32_index_tensors_load_exactly() -> None:
     good = _two_tile_module()
-    sd = {key: v.int() if key in ("col_idx", "tile_ptr", "row_idx", "row_ptr", "val_ptr") else v
-          for key, v in good.state_dict().items()}
+    sd = {
+        key: v.int() if key in ("col_idx", "tile_ptr", "row_idx", "row_ptr", "val_ptr") else v
+        for key, v in good.state_dict().items()
+    }
     dst = TileSparseLinear(4, 4, tile=128)
     dst.load_state_dict(sd)
     assert dst.col_idx.dtype == torch.int64 and torch.equal(dst.col_idx, good.col_idx)
@@ -231,7 +269,9 @@ def test_corrupt_saved_tile_is_refused(tile) -> None:
     target = TileSparseLinear.from_dense(int_linear(4, 4, 6), torch.rand(4, 4) < 0.5, tile=2)
     x = torch.randint(-3, 4, (3, 4)).float()
     before, y = _snapshot(target), target(x)
-    with pytest.raises(ValueError, match=r"key '_extra_state': (the saved tile must be an integer >= 1|expected)"):
+    with pytest.raises(
+        ValueError, match=r"key '_extra_state': (the saved tile must be an integer >= 1|expected)"
+    ):
         target.load_state_dict(sd)
     _assert_unchanged(target, before, x, y)
 

@@ -44,7 +44,9 @@ def test_tw_layer_memory_within_acceptance(K, N, sparsity):
     mem = layer_memory(lay)
     # the figures are the tensors' own sizes, not a formula
     assert mem.values_bytes == _actual_bytes(lay.values)
-    assert mem.index_bytes == _actual_bytes(lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.val_ptr)
+    assert mem.index_bytes == _actual_bytes(
+        lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.val_ptr
+    )
     assert mem.dense_bytes == K * N * 4 and mem.nnz == int(mask.sum())
     assert mem.values_fraction <= (1 - sparsity) + MASK_SPARSITY_ERROR
     assert mem.index_fraction <= INDEX_LIMIT
@@ -55,12 +57,12 @@ def test_tw_layer_memory_within_acceptance(K, N, sparsity):
 def test_exact_bytes_of_a_drawn_layout():
     """Tiles {0,1,2,3} rows {1,3}; {4,5} no rows; {7} row {0}; column 6 pruned (K=5, N=8)::
 
-          n=0 1 2 3 4 5 6 7
-        k=0 . . . . . . . x
-        k=1 x x x x . . . .
-        k=2 . . . . . . . .
-        k=3 x x x x . . . .
-        k=4 . . . . . . . .
+      n=0 1 2 3 4 5 6 7
+    k=0 . . . . . . . x
+    k=1 x x x x . . . .
+    k=2 . . . . . . . .
+    k=3 x x x x . . . .
+    k=4 . . . . . . . .
     """
     i64 = torch.int64
     lay = TWLayout(
@@ -78,10 +80,19 @@ def test_exact_bytes_of_a_drawn_layout():
     mem = layer_memory(lay)
     # 7 col_idx + 3 row_idx + 3 pointers × 4 = 22 int64; 9 bf16 values; dense 5·8 bf16
     assert mem == LayerMemory(
-        in_features=5, out_features=8, itemsize=2, nnz=9, dense_bytes=80, values_bytes=18,
-        index_bytes=176, cache_bytes=0, bias_bytes=0,
+        in_features=5,
+        out_features=8,
+        itemsize=2,
+        nnz=9,
+        dense_bytes=80,
+        values_bytes=18,
+        index_bytes=176,
+        cache_bytes=0,
+        bias_bytes=0,
     )
-    assert mem.density == 9 / 40 and mem.values_fraction == 18 / 80 and mem.index_fraction == 176 / 80
+    assert (
+        mem.density == 9 / 40 and mem.values_fraction == 18 / 80 and mem.index_fraction == 176 / 80
+    )
     # a backend's derived tensors kept in the layout's cache are counted too
     lay.cache["cpu"] = {"packed": torch.zeros(3, 4, dtype=torch.float32)}
     assert layer_memory(lay).cache_bytes == 48 and layer_memory(lay).weight_bytes == 18 + 176 + 48
@@ -94,9 +105,20 @@ def test_tile_sparse_linear_counts_bias_and_follows_dtype():
     layer = TileSparseLinear.from_dense(dense, mask, tile=2)
     mem = layer_memory(layer)
     # col_idx 2 + row_idx 3 + three pointers of 2 = 11 int64
-    assert (mem.nnz, mem.values_bytes, mem.index_bytes, mem.bias_bytes, mem.dense_bytes) == (6, 24, 88, 16, 96)
+    assert (mem.nnz, mem.values_bytes, mem.index_bytes, mem.bias_bytes, mem.dense_bytes) == (
+        6,
+        24,
+        88,
+        16,
+        96,
+    )
     half = layer_memory(layer.to(torch.bfloat16))
-    assert (half.values_bytes, half.index_bytes, half.bias_bytes, half.dense_bytes) == (12, 88, 8, 48)
+    assert (half.values_bytes, half.index_bytes, half.bias_bytes, half.dense_bytes) == (
+        12,
+        88,
+        8,
+        48,
+    )
 
 
 def test_masked_nn_linear_counts_original_and_mask():
@@ -109,7 +131,11 @@ def test_masked_nn_linear_counts_original_and_mask():
 def test_model_memory_sums_layers_and_others():
     torch.manual_seed(0)
     model = nn.Sequential(
-        nn.Embedding(100, 8), nn.Linear(8, 256), nn.ReLU(), nn.Linear(256, 128), nn.LayerNorm(128),
+        nn.Embedding(100, 8),
+        nn.Linear(8, 256),
+        nn.ReLU(),
+        nn.Linear(256, 128),
+        nn.LayerNorm(128),
         nn.Linear(128, 3),
     )
     pruner = tilesparse.prune_(
@@ -124,7 +150,10 @@ def test_model_memory_sums_layers_and_others():
     assert mm.weight_bytes == sum(per[f].weight_bytes for f in per)
     assert per["5"].weight_bytes == per["5"].dense_bytes == 128 * 3 * 4  # the dense layer
     s1, s3 = model[1], model[3]
-    assert per["3"].values_bytes == s3.values.numel() * 4 and per["1"].values_bytes == s1.values.numel() * 4
+    assert (
+        per["3"].values_bytes == s3.values.numel() * 4
+        and per["1"].values_bytes == s1.values.numel() * 4
+    )
     assert mm.bias_bytes == (256 + 128 + 3) * 4
     assert mm.other_bytes == (100 * 8 + 2 * 128) * 4  # the embedding and the LayerNorm
     assert mm.total_fraction < 0.5

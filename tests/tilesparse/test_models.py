@@ -78,7 +78,9 @@ def kernel_calls(ext, monkeypatch) -> KernelCalls:
     return calls
 
 
-def _masked_dense_copy(build: Callable[[], nn.Module], pruner: tilesparse.TileSparsePruner) -> nn.Module:
+def _masked_dense_copy(
+    build: Callable[[], nn.Module], pruner: tilesparse.TileSparsePruner
+) -> nn.Module:
     """A freshly built (same-seed) model with the pruner's masks multiplied into its weights."""
     return pruner.apply_masks_to(build())
 
@@ -113,14 +115,19 @@ def dlrm() -> PrunedDLRM:
     return PrunedDLRM(w, model, reference, fqns)
 
 
-def _dlrm_inputs(w: Workload, batch: int, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, JaggedBatch]:
+def _dlrm_inputs(
+    w: Workload, batch: int, seed: int = 0
+) -> tuple[torch.Tensor, torch.Tensor, JaggedBatch]:
     gen = torch.Generator().manual_seed(seed)
     dense = torch.randn(batch, w.dense_features, generator=gen)
     pooled = torch.randn(batch, len(w.tables), w.tables[0].dim, generator=gen)
     per_key = {}
     for t in w.tables:
         lengths = torch.randint(0, 2 * t.hotness + 1, (batch,), generator=gen, dtype=torch.int32)
-        per_key[t.name] = (torch.randint(0, t.num_rows, (int(lengths.sum()),), generator=gen), lengths)
+        per_key[t.name] = (
+            torch.randint(0, t.num_rows, (int(lengths.sum()),), generator=gen),
+            lengths,
+        )
     return dense, pooled, JaggedBatch.from_per_key(per_key)
 
 
@@ -168,7 +175,9 @@ def test_dlrm_dense_forward_and_forward_through_cpu_kernel(dlrm, kernel_calls):
     with torch.no_grad():
         one = dlrm.model.dense_forward(dense[:1], pooled[:1])
     assert kernel_calls.cpu == DLRM_LINEARS
-    torch.testing.assert_close(one, dlrm.reference.dense_forward(dense[:1], pooled[:1]), **MODEL_TOL[torch.float32])
+    torch.testing.assert_close(
+        one, dlrm.reference.dense_forward(dense[:1], pooled[:1]), **MODEL_TOL[torch.float32]
+    )
 
 
 def test_dlrm_torch_export_of_dense_part(dlrm, kernel_calls):
@@ -216,7 +225,9 @@ def encoder() -> tuple[nn.TransformerEncoder, nn.TransformerEncoder]:
         model = _build_encoder()
         cfg = tilesparse.TileSparseConfig(sparsity=SPARSITY, tile=TX_TILE, global_threshold=False)
         pruner = tilesparse.prune_(model, cfg, _ffn_only)
-        assert sorted(pruner.layers) == [f"layers.{i}.{n}" for i in range(N_LAYERS) for n in ("linear1", "linear2")]
+        assert sorted(pruner.layers) == [
+            f"layers.{i}.{n}" for i in range(N_LAYERS) for n in ("linear1", "linear2")
+        ]
         reference = _masked_dense_copy(_build_encoder, pruner)
         pruner.compress()
     finally:

@@ -87,7 +87,9 @@ def test_amx_bf16_exact_on_small_integers(ext, cpu_flags, M, K, N, G):
     whose bf16 case takes the same path)."""
     if not ext.has_amx():
         assert "amx_bf16" not in cpu_flags, "the CPU has AMX-BF16 but the kernel's AMX path is off"
-        pytest.skip("this CPU has no AMX-BF16 (bf16 takes the AVX512-BF16 kernel, test_ops_bf16.py, or the fp32-kernel or at::mm path: test_16bit_through_the_fp32_kernel_and_through_mm)")
+        pytest.skip(
+            "this CPU has no AMX-BF16 (bf16 takes the AVX512-BF16 kernel, test_ops_bf16.py, or the fp32-kernel or at::mm path: test_16bit_through_the_fp32_kernel_and_through_mm)"
+        )
     gen = torch.Generator().manual_seed(M * K + N)
     mask = tw_random_mask(K, N, G, keep_rows=0.6, gen=gen, drop_cols=0.25)
     lay = condense(int_tensor((K, N), gen, -2, 3), mask, G)
@@ -95,8 +97,15 @@ def test_amx_bf16_exact_on_small_integers(ext, cpu_flags, M, K, N, G):
     bias = int_tensor((N,), gen, -2, 3)
     want = reference_matmul(x.double(), _with_values(lay, lay.values.double()), bias.double())
     got = ext.tw_linear_cpu(
-        x.bfloat16(), lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr,
-        lay.values.bfloat16(), lay.val_ptr, bias.bfloat16(), N,
+        x.bfloat16(),
+        lay.col_idx,
+        lay.tile_ptr,
+        lay.row_idx,
+        lay.row_ptr,
+        lay.values.bfloat16(),
+        lay.val_ptr,
+        bias.bfloat16(),
+        N,
     )
     assert got.dtype == torch.bfloat16 and got.shape == (M, N)
     assert torch.equal(got.double(), want)
@@ -104,12 +113,21 @@ def test_amx_bf16_exact_on_small_integers(ext, cpu_flags, M, K, N, G):
 
 def _with_values(lay: TWLayout, values: torch.Tensor) -> TWLayout:
     return TWLayout(
-        lay.in_features, lay.out_features, lay.tile, lay.col_idx, lay.tile_ptr, lay.row_idx,
-        lay.row_ptr, values, lay.val_ptr,
+        lay.in_features,
+        lay.out_features,
+        lay.tile,
+        lay.col_idx,
+        lay.tile_ptr,
+        lay.row_idx,
+        lay.row_ptr,
+        values,
+        lay.val_ptr,
     )
 
 
-@settings(max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=25, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     M=st.integers(1, 40),
     K=st.integers(1, 90),
@@ -166,12 +184,24 @@ def test_emulated_backend_matches_reference():
     K, N, G = 70, 50, 16
     layout = condense(int_tensor((K, N), gen), tw_random_mask(K, N, G, 0.5, gen, 0.2), G)
     x = int_tensor((9, K), gen)
-    torch.testing.assert_close(ops.tw_linear(x, layout, None, "emulated"), reference_matmul(x, layout))
+    torch.testing.assert_close(
+        ops.tw_linear(x, layout, None, "emulated"), reference_matmul(x, layout)
+    )
 
 
 def _op_args(layout, x, bias, backend="cpu"):
-    return (x, layout.col_idx, layout.tile_ptr, layout.row_idx, layout.row_ptr, layout.values,
-            layout.val_ptr, bias, layout.out_features, backend)
+    return (
+        x,
+        layout.col_idx,
+        layout.tile_ptr,
+        layout.row_idx,
+        layout.row_ptr,
+        layout.values,
+        layout.val_ptr,
+        bias,
+        layout.out_features,
+        backend,
+    )
 
 
 @pytest.mark.parametrize("backend", ["cpu", "reference"])
@@ -274,7 +304,10 @@ def test_backend_enum():
 def _insert_empty_tile(layout: TWLayout, cols: list[int]) -> TWLayout:
     """``layout`` plus one tile over the (pruned) columns ``cols`` that keeps no row at all, in
     its ascending place: a layout :func:`condense` never makes but the format allows."""
-    tiles = [(layout.tile_cols(t).tolist(), layout.tile_rows(t), layout.block(t)) for t in range(layout.num_tiles)]
+    tiles = [
+        (layout.tile_cols(t).tolist(), layout.tile_rows(t), layout.block(t))
+        for t in range(layout.num_tiles)
+    ]
     tiles.append((cols, torch.zeros(0, dtype=torch.int64), layout.values.new_zeros(0, len(cols))))
     tiles.sort(key=lambda t: t[0][0])
     i64 = torch.int64
@@ -283,11 +316,17 @@ def _insert_empty_tile(layout: TWLayout, cols: list[int]) -> TWLayout:
         out_features=layout.out_features,
         tile=layout.tile,
         col_idx=torch.tensor([c for cs, _, _ in tiles for c in cs], dtype=i64),
-        tile_ptr=torch.tensor([0, *torch.tensor([len(cs) for cs, _, _ in tiles]).cumsum(0).tolist()], dtype=i64),
+        tile_ptr=torch.tensor(
+            [0, *torch.tensor([len(cs) for cs, _, _ in tiles]).cumsum(0).tolist()], dtype=i64
+        ),
         row_idx=torch.cat([r for _, r, _ in tiles]).to(i64),
-        row_ptr=torch.tensor([0, *torch.tensor([r.numel() for _, r, _ in tiles]).cumsum(0).tolist()], dtype=i64),
+        row_ptr=torch.tensor(
+            [0, *torch.tensor([r.numel() for _, r, _ in tiles]).cumsum(0).tolist()], dtype=i64
+        ),
         values=torch.cat([b.flatten() for _, _, b in tiles]),
-        val_ptr=torch.tensor([0, *torch.tensor([b.numel() for _, _, b in tiles]).cumsum(0).tolist()], dtype=i64),
+        val_ptr=torch.tensor(
+            [0, *torch.tensor([b.numel() for _, _, b in tiles]).cumsum(0).tolist()], dtype=i64
+        ),
     )
     out.validate()
     return out
@@ -386,7 +425,9 @@ def test_degenerate_shapes(ext, dtype, M, K, N):
     x, bias = int_tensor((M, K), gen, dtype=dtype), int_tensor((N,), gen, dtype=dtype)
     got = ops.tw_linear(x, lay_d, bias, "cpu")
     assert got.shape == (M, N) and got.dtype == dtype
-    torch.testing.assert_close(got, (x.double() @ w.double() + bias.double()).to(dtype), rtol=0, atol=0)
+    torch.testing.assert_close(
+        got, (x.double() @ w.double() + bias.double()).to(dtype), rtol=0, atol=0
+    )
 
 
 def test_checked_layout_is_checked_again_after_an_in_place_edit(ext):
@@ -424,9 +465,15 @@ def test_disable_amx_env_takes_the_mm_path(ext):
         "assert torch.equal(got.double(), reference_matmul(x.double(), lay).double().bfloat16().double())\n"
         "print('ok')\n"
     )
-    env = {**__import__("os").environ, "TILESPARSE_DISABLE_AMX": "1", "TILESPARSE_LOWP_FP32": "0",
-           "TILESPARSE_DISABLE_AVX512BF16": "1"}
-    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    env = {
+        **__import__("os").environ,
+        "TILESPARSE_DISABLE_AMX": "1",
+        "TILESPARSE_LOWP_FP32": "0",
+        "TILESPARSE_DISABLE_AVX512BF16": "1",
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300
+    )
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-2000:]
 
 
@@ -471,11 +518,17 @@ def test_every_16bit_route_rounds_product_plus_bias_once(ext, monkeypatch, route
     monkeypatch.setenv("TILESPARSE_LOWP_FP32", {"default": "", "fp32": "1", "mm": "0"}[route])
     monkeypatch.setenv("TILESPARSE_DISABLE_AVX512BF16", "1" if route != "default" else "0")
     if dtype == torch.bfloat16 and not ext.has_amx():
-        assert ext.bf16_kernel() == {"default": ext.bf16_kernel(), "fp32": "fp32", "mm": "mm"}[route]
+        assert (
+            ext.bf16_kernel() == {"default": ext.bf16_kernel(), "fp32": "fp32", "mm": "mm"}[route]
+        )
     w = torch.tensor([[big, big, 5.0], [1.0, 3.0, 7.0]])
     x = torch.ones(3, 2, dtype=dtype)
     for mask, bias, want in (
-        (torch.tensor([[True, True, False], [True, True, False]]), [1.0, 0.0, -4.0], [big + 2, big + 4, -4.0]),
+        (
+            torch.tensor([[True, True, False], [True, True, False]]),
+            [1.0, 0.0, -4.0],
+            [big + 2, big + 4, -4.0],
+        ),
         (torch.ones(2, 3, dtype=torch.bool), [1.0, 0.0, 1.0], [big + 2, big + 4, 13.0]),
     ):
         lay = condense(w, mask, 2)

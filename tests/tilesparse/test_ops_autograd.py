@@ -31,9 +31,13 @@ def _layout(K: int, N: int, G: int, keep: float, seed: int) -> TWLayout:
 def _empty_tile_layout() -> TWLayout:
     """K=5, N=6: tiles {0,1} rows {1,3}; {2,3} no rows; {5} row {0}. Column 4 pruned."""
     return TWLayout(
-        5, 6, 2,
-        col_idx=torch.tensor([0, 1, 2, 3, 5]), tile_ptr=torch.tensor([0, 2, 4, 5]),
-        row_idx=torch.tensor([1, 3, 0]), row_ptr=torch.tensor([0, 2, 2, 3]),
+        5,
+        6,
+        2,
+        col_idx=torch.tensor([0, 1, 2, 3, 5]),
+        tile_ptr=torch.tensor([0, 2, 4, 5]),
+        row_idx=torch.tensor([1, 3, 0]),
+        row_ptr=torch.tensor([0, 2, 2, 3]),
         values=torch.randn(5, dtype=f64, generator=torch.Generator().manual_seed(1)),
         val_ptr=torch.tensor([0, 4, 4, 5]),
     )
@@ -42,7 +46,10 @@ def _empty_tile_layout() -> TWLayout:
 CASES = {  # name: (layout, x shape)
     "random": (lambda: _layout(13, 11, 4, 0.5, 0), (3, 13)),
     "one_row": (lambda: _layout(13, 11, 4, 0.5, 1), (1, 13)),
-    "all_pruned": (lambda: condense(torch.randn(7, 5, dtype=f64), torch.zeros(7, 5, dtype=torch.bool), 4), (2, 7)),
+    "all_pruned": (
+        lambda: condense(torch.randn(7, 5, dtype=f64), torch.zeros(7, 5, dtype=torch.bool), 4),
+        (2, 7),
+    ),
     "empty_tile": (_empty_tile_layout, (4, 5)),
     "three_d": (lambda: _layout(9, 10, 3, 0.6, 2), (2, 3, 9)),
 }
@@ -91,6 +98,15 @@ def test_gradient_penalty_matches_dense() -> None:
 def test_opcheck_of_the_gradient_op() -> None:
     lay, x, _ = _inputs("random", seed=3)
     gy = torch.randn(3, lay.out_features, dtype=f64)
-    args = (gy, lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.values, lay.val_ptr, lay.in_features)
+    args = (
+        gy,
+        lay.col_idx,
+        lay.tile_ptr,
+        lay.row_idx,
+        lay.row_ptr,
+        lay.values,
+        lay.val_ptr,
+        lay.in_features,
+    )
     torch.library.opcheck(torch.ops.tilesparse.tw_linear_grad_x, args)
     torch.library.opcheck(torch.ops.tilesparse.tw_linear_grad_x, (gy.requires_grad_(), *args[1:]))

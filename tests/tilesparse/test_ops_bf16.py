@@ -38,8 +38,15 @@ def bf16dot(ext, cpu_flags, monkeypatch):
 
 def run_kernel(ext, x, lay, bias):
     return ext.tw_linear_avx512_bf16(
-        x.bfloat16(), lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.values.bfloat16(),
-        lay.val_ptr, None if bias is None else bias.bfloat16(), lay.out_features,
+        x.bfloat16(),
+        lay.col_idx,
+        lay.tile_ptr,
+        lay.row_idx,
+        lay.row_ptr,
+        lay.values.bfloat16(),
+        lay.val_ptr,
+        None if bias is None else bias.bfloat16(),
+        lay.out_features,
     )
 
 
@@ -52,15 +59,15 @@ def exact_reference(x, lay, bias):
 @pytest.mark.parametrize(
     "M, K, N, G, keep, drop",
     [
-        (1, 40, 50, 32, 0.6, 0.25),    # M = 1: one vector of 16 batch rows, 15 of them padding
-        (20, 60, 45, 32, 0.6, 0.2),    # M = 20: two vectors of batch rows (mv = 2)
-        (84, 60, 45, 16, 0.6, 0.2),    # a second block of 20 rows
-        (64, 64, 64, 16, 1.0, 0.0),    # one full block, every column kept (no gaps)
+        (1, 40, 50, 32, 0.6, 0.25),  # M = 1: one vector of 16 batch rows, 15 of them padding
+        (20, 60, 45, 32, 0.6, 0.2),  # M = 20: two vectors of batch rows (mv = 2)
+        (84, 60, 45, 16, 0.6, 0.2),  # a second block of 20 rows
+        (64, 64, 64, 16, 1.0, 0.0),  # one full block, every column kept (no gaps)
         (70, 100, 90, 32, 0.6, 0.25),  # a second block of 6 rows
         (129, 77, 300, 128, 0.5, 0.3),  # G = 128 with pruned columns: widths not multiples of 6
-        (200, 90, 77, 3, 0.3, 0.2),    # G = 3: a strip narrower than the micro-kernel's 6
-        (33, 2, 17, 8, 0.5, 0.5),      # K = 2: one pair or a lone row per tile
-        (50, 31, 40, 16, 0.0, 0.1),    # no tile keeps a row: bias only
+        (200, 90, 77, 3, 0.3, 0.2),  # G = 3: a strip narrower than the micro-kernel's 6
+        (33, 2, 17, 8, 0.5, 0.5),  # K = 2: one pair or a lone row per tile
+        (50, 31, 40, 16, 0.0, 0.1),  # no tile keeps a row: bias only
     ],
 )
 def test_exact_on_small_integers(bf16dot, M, K, N, G, keep, drop):
@@ -84,7 +91,9 @@ def threads(request):
     torch.set_num_threads(before)
 
 
-@pytest.mark.parametrize("M, K, N, G", [(1, 40, 50, 32), (64, 100, 300, 128), (70, 77, 300, 16), (130, 90, 77, 3)])
+@pytest.mark.parametrize(
+    "M, K, N, G", [(1, 40, 50, 32), (64, 100, 300, 128), (70, 77, 300, 16), (130, 90, 77, 3)]
+)
 def test_small_batches_split_a_block_between_threads(bf16dot, threads, M, K, N, G):
     """With fewer 64-row blocks than threads a block's strips are split between threads into a
     shared staging block, stored in a second pass; with one thread each block is one item."""
@@ -122,10 +131,10 @@ def test_subnormals_are_flushed_to_zero_as_documented(bf16dot):
     docstring says so): column 0's only product is 2**-60 · 2**-70 = 2**-130 (the smallest
     normal is 2**-126), column 1 is pruned and holds a subnormal bias; both come out 0, where
     the reference keeps them, and the normal column 2 next to them is exact."""
-    w = torch.tensor([[2.0 ** -70, 0.0, 0.0], [0.0, 0.0, 4.0]])
+    w = torch.tensor([[2.0**-70, 0.0, 0.0], [0.0, 0.0, 4.0]])
     lay = condense(w, torch.tensor([[True, False, True], [True, False, True]]), 1)
-    x = torch.tensor([[2.0 ** -60, 1.0]] * 2)
-    bias = torch.tensor([0.0, 2.0 ** -130, 1.0])
+    x = torch.tensor([[2.0**-60, 1.0]] * 2)
+    bias = torch.tensor([0.0, 2.0**-130, 1.0])
     assert bool((exact_reference(x, lay, bias)[:, :2] != 0).all())
     assert run_kernel(bf16dot, x, lay, bias).float().tolist() == [[0.0, 0.0, 5.0]] * 2
 
@@ -150,7 +159,9 @@ def test_argument_errors(bf16dot):
         run_kernel(bf16dot, x, lay, torch.ones(5))
 
 
-@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@settings(
+    max_examples=30, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
 @given(
     M=st.integers(1, 140),
     K=st.integers(1, 90),
@@ -200,8 +211,15 @@ def test_dispatch_takes_it_for_bf16_and_env_turns_it_off(bf16dot, monkeypatch):
     assert torch.equal(ops.tw_linear(x, lay, None, "cpu"), want)
     with pytest.raises(RuntimeError, match="x must be bf16"):
         bf16dot.tw_linear_avx512_bf16(
-            x.float(), lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.values, lay.val_ptr,
-            None, lay.out_features,
+            x.float(),
+            lay.col_idx,
+            lay.tile_ptr,
+            lay.row_idx,
+            lay.row_ptr,
+            lay.values,
+            lay.val_ptr,
+            None,
+            lay.out_features,
         )
 
 
@@ -211,7 +229,12 @@ def test_dispatch_takes_it_for_bf16_and_env_turns_it_off(bf16dot, monkeypatch):
 # A variant the native build already compiled is left out (each compile takes ~20-40 s).
 CROSS_BUILDS = [
     ("tw_linear_amx.cpp", "sapphirerapids", "TILESPARSE_AMX", lambda ext, flags: ext.has_amx()),
-    ("tw_linear_bf16.cpp", "cooperlake", "TILESPARSE_BF16_BLOCK", lambda ext, flags: "avx512_bf16" in flags),
+    (
+        "tw_linear_bf16.cpp",
+        "cooperlake",
+        "TILESPARSE_BF16_BLOCK",
+        lambda ext, flags: "avx512_bf16" in flags,
+    ),
     ("tw_linear_cpu.cpp", "znver3", "TILESPARSE_AVX2", lambda ext, flags: ext.simd() == "avx2"),
     ("tw_linear_bf16.cpp", "x86-64", None, lambda ext, flags: "avx512_bf16" not in flags),
     ("tw_linear_cpu.cpp", "x86-64", None, lambda ext, flags: ext.simd() == "scalar"),
@@ -221,12 +244,25 @@ CROSS_BUILDS = [
 def _compile(src: Path, march: str, macro: str | None) -> subprocess.CompletedProcess[str]:
     from torch.utils.cpp_extension import include_paths
 
-    check = f"\n#ifndef {macro}\n#error {macro} is not defined for -march={march}\n#endif\n" if macro else ""
+    check = (
+        f"\n#ifndef {macro}\n#error {macro} is not defined for -march={march}\n#endif\n"
+        if macro
+        else ""
+    )
     code = f'#include "{src}"\n{check}'
     cmd = [
-        os.environ.get("CXX", "c++"), "-std=c++17", "-fsyntax-only", "-w", f"-march={march}",
-        "-DTORCH_EXTENSION_NAME=tilesparse_cpu", "-x", "c++", "-",
-        *(f"-I{p}" for p in include_paths()), f"-I{sysconfig.get_paths()['include']}", f"-I{src.parent}",
+        os.environ.get("CXX", "c++"),
+        "-std=c++17",
+        "-fsyntax-only",
+        "-w",
+        f"-march={march}",
+        "-DTORCH_EXTENSION_NAME=tilesparse_cpu",
+        "-x",
+        "c++",
+        "-",
+        *(f"-I{p}" for p in include_paths()),
+        f"-I{sysconfig.get_paths()['include']}",
+        f"-I{src.parent}",
     ]
     return subprocess.run(cmd, input=code, capture_output=True, text=True, timeout=300)
 
@@ -235,7 +271,11 @@ def _compile(src: Path, march: str, macro: str | None) -> subprocess.CompletedPr
 def test_kernel_variants_compile_for_other_cpus(ext, cpu_flags):
     """Every variant compiles (syntax and template instantiation), and the -march really selects
     it (its macro is defined): the AMX kernel, which no CI machine here can run, included."""
-    todo = [(src, march, macro) for src, march, macro, native in CROSS_BUILDS if not native(ext, cpu_flags)]
+    todo = [
+        (src, march, macro)
+        for src, march, macro, native in CROSS_BUILDS
+        if not native(ext, cpu_flags)
+    ]
     assert todo  # no machine compiles every variant natively (AMX and the stub exclude each other)
     csrc = build_ext.CSRC
     with ThreadPoolExecutor(max_workers=2) as pool:

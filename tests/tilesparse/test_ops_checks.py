@@ -21,7 +21,9 @@ i64 = torch.int64
 def drawn_layout() -> TWLayout:
     """The layout drawn in tilesparse/format.py (K=4, N=6, G=2): tiles {0,1} {4} {5}."""
     return TWLayout(
-        in_features=4, out_features=6, tile=2,
+        in_features=4,
+        out_features=6,
+        tile=2,
         col_idx=torch.tensor([0, 1, 4, 5]),
         tile_ptr=torch.tensor([0, 2, 3, 4]),
         row_idx=torch.tensor([0, 2, 3, 0, 1, 1, 2]),
@@ -34,12 +36,37 @@ def drawn_layout() -> TWLayout:
 # (name, field, new value, expected message): each keeps the lengths _check_args looks at
 CORRUPTIONS = [
     ("tile_ptr_from_1", "tile_ptr", [1, 2, 3, 4], r"tile_ptr must start at 0, got tile_ptr\[0\]=1"),
-    ("row_ptr_down", "row_ptr", [0, 5, 3, 7], r"row_ptr must never decrease, got row_ptr\[2\]=3 < row_ptr\[1\]=5"),
-    ("val_ptr_down", "val_ptr", [0, 6, 4, 10], r"val_ptr must never decrease, got val_ptr\[2\]=4 < val_ptr\[1\]=6"),
-    ("val_ptr_negative", "val_ptr", [-2, 6, 8, 10], r"val_ptr must start at 0, got val_ptr\[0\]=-2"),
-    ("col_twice", "col_idx", [0, 1, 1, 5], r"col_idx must be strictly ascending.*col_idx\[2\]=1 follows col_idx\[1\]=1"),
+    (
+        "row_ptr_down",
+        "row_ptr",
+        [0, 5, 3, 7],
+        r"row_ptr must never decrease, got row_ptr\[2\]=3 < row_ptr\[1\]=5",
+    ),
+    (
+        "val_ptr_down",
+        "val_ptr",
+        [0, 6, 4, 10],
+        r"val_ptr must never decrease, got val_ptr\[2\]=4 < val_ptr\[1\]=6",
+    ),
+    (
+        "val_ptr_negative",
+        "val_ptr",
+        [-2, 6, 8, 10],
+        r"val_ptr must start at 0, got val_ptr\[0\]=-2",
+    ),
+    (
+        "col_twice",
+        "col_idx",
+        [0, 1, 1, 5],
+        r"col_idx must be strictly ascending.*col_idx\[2\]=1 follows col_idx\[1\]=1",
+    ),
     ("cols_descending", "col_idx", [1, 0, 4, 5], r"col_idx must be strictly ascending"),
-    ("rows_unsorted", "row_idx", [2, 0, 3, 0, 1, 1, 2], r"tile 0 rows must be strictly ascending, got \[2, 0, 3\]"),
+    (
+        "rows_unsorted",
+        "row_idx",
+        [2, 0, 3, 0, 1, 1, 2],
+        r"tile 0 rows must be strictly ascending, got \[2, 0, 3\]",
+    ),
 ]
 
 
@@ -94,11 +121,18 @@ def test_negative_row_ptr_is_an_error_not_a_crash() -> None:
         "    except ValueError as e:\n"
         "        print(backend, e)\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
-                         env={**__import__("os").environ, "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**__import__("os").environ, "OMP_NUM_THREADS": "1"},
+    )
     assert out.returncode == 0, f"exit {out.returncode}: {out.stderr[-2000:]}"
     lines = out.stdout.strip().splitlines()
-    assert len(lines) == 3 and all("row_ptr must start at 0, got row_ptr[0]=-2" in ln for ln in lines), out.stdout
+    assert len(lines) == 3 and all(
+        "row_ptr must start at 0, got row_ptr[0]=-2" in ln for ln in lines
+    ), out.stdout
 
 
 def test_empty_layout_is_valid() -> None:
@@ -128,7 +162,18 @@ def test_fake_kernel_refuses_a_bias_of_another_dtype_too() -> None:
 
     lay = condense(torch.randn(8, 6), torch.ones(8, 6, dtype=torch.bool), 4)
     with FakeTensorMode() as mode:
-        args = [mode.from_tensor(t) for t in (torch.randn(3, 8), lay.col_idx, lay.tile_ptr, lay.row_idx,
-                                              lay.row_ptr, lay.values, lay.val_ptr, torch.zeros(6).double())]
+        args = [
+            mode.from_tensor(t)
+            for t in (
+                torch.randn(3, 8),
+                lay.col_idx,
+                lay.tile_ptr,
+                lay.row_idx,
+                lay.row_ptr,
+                lay.values,
+                lay.val_ptr,
+                torch.zeros(6).double(),
+            )
+        ]
         with pytest.raises(ValueError, match="bias has dtype torch.float64"):
             torch.ops.tilesparse.tw_linear(*args[:7], args[7], 6, "cpu")

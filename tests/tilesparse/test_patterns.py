@@ -120,7 +120,9 @@ def test_select_units_floors_and_skipping() -> None:
 
 def test_column_scores_are_rms() -> None:
     s = torch.tensor([[3.0, 0.0], [4.0, 0.0]])
-    assert torch.equal(column_scores(s), torch.tensor([5.0 / math.sqrt(2), 0.0], dtype=torch.float64))
+    assert torch.equal(
+        column_scores(s), torch.tensor([5.0 / math.sqrt(2), 0.0], dtype=torch.float64)
+    )
 
 
 @pytest.mark.parametrize(
@@ -132,7 +134,10 @@ def test_column_scores_are_rms() -> None:
         (lambda: tw_mask(torch.ones(2, 2), 0.5, 0), "tile must be a positive integer, got 0"),
         (lambda: nm_mask(torch.ones(4, 2), 3, 2), "1 <= n <= m"),
         (lambda: bw_mask(torch.ones(4, 2), 0.5, (0, 2)), "block must be positive"),
-        (lambda: tew_mask(torch.ones(4, 4), 0.9, 2, delta=0.2), "delta must be in [0, 1 - sparsity"),
+        (
+            lambda: tew_mask(torch.ones(4, 4), 0.9, 2, delta=0.2),
+            "delta must be in [0, 1 - sparsity",
+        ),
     ],
 )
 def test_bad_input(call, text: str) -> None:
@@ -188,7 +193,13 @@ def test_ew_keeps_exactly_the_best(k, n, sparsity, seed) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 30), st.integers(1, 10), st.integers(1, 4), st.integers(1, 6), st.integers(0, 10_000))
+@given(
+    st.integers(1, 30),
+    st.integers(1, 10),
+    st.integers(1, 4),
+    st.integers(1, 6),
+    st.integers(0, 10_000),
+)
 def test_nm_properties(k, n_cols, n, m, seed) -> None:
     if n > m:
         n, m = m, n
@@ -203,7 +214,14 @@ def test_nm_properties(k, n_cols, n, m, seed) -> None:
 
 
 @settings(max_examples=40, deadline=None)
-@given(st.integers(1, 30), st.integers(1, 30), st.integers(1, 8), st.integers(1, 8), sparsities, st.integers(0, 10_000))
+@given(
+    st.integers(1, 30),
+    st.integers(1, 30),
+    st.integers(1, 8),
+    st.integers(1, 8),
+    sparsities,
+    st.integers(0, 10_000),
+)
 def test_bw_properties(k, n, bk, bn, sparsity, seed) -> None:
     S = distinct_scores(k, n, seed)
     mask = bw_mask(S, sparsity, (bk, bn))
@@ -215,7 +233,11 @@ def test_bw_properties(k, n, bk, bn, sparsity, seed) -> None:
 
 
 @settings(max_examples=30, deadline=None)
-@given(st.lists(st.tuples(st.integers(2, 30), st.integers(2, 30)), min_size=1, max_size=4), st.floats(0.1, 0.9), st.integers(0, 10_000))
+@given(
+    st.lists(st.tuples(st.integers(2, 30), st.integers(2, 30)), min_size=1, max_size=4),
+    st.floats(0.1, 0.9),
+    st.integers(0, 10_000),
+)
 def test_global_masks_share_one_budget_with_floors(layer_shapes, sparsity, seed) -> None:
     scores = [distinct_scores(k, n, seed + i) for i, (k, n) in enumerate(layer_shapes)]
     total = sum(k * n for k, n in layer_shapes)
@@ -223,7 +245,10 @@ def test_global_masks_share_one_budget_with_floors(layer_shapes, sparsity, seed)
     budget = round((1 - sparsity) * total)
     floors = [math.ceil(floor * k * n) for k, n in layer_shapes]
     cases = {  # pattern -> (masks, largest selection unit of each layer)
-        "tw": (tw_masks(scores, sparsity, 4, min_density=floor), [max(k, 4) for k, _ in layer_shapes]),
+        "tw": (
+            tw_masks(scores, sparsity, 4, min_density=floor),
+            [max(k, 4) for k, _ in layer_shapes],
+        ),
         "ew": (ew_masks(scores, sparsity, floor), [1] * len(layer_shapes)),
         "bw": (bw_masks(scores, sparsity, (3, 3), floor), [9] * len(layer_shapes)),
     }
@@ -248,8 +273,12 @@ def test_global_threshold_differs_from_per_layer() -> None:
 
 def test_masks_for_config_dispatch() -> None:
     S = distinct_scores(12, 10, 3)
-    for pattern, fn in (("tw", lambda: tw_mask(S, 0.5, 4)), ("ew", lambda: ew_mask(S, 0.5)),
-                        ("nm", lambda: nm_mask(S, 2, 4)), ("bw", lambda: bw_mask(S, 0.5, (4, 4)))):
+    for pattern, fn in (
+        ("tw", lambda: tw_mask(S, 0.5, 4)),
+        ("ew", lambda: ew_mask(S, 0.5)),
+        ("nm", lambda: nm_mask(S, 2, 4)),
+        ("bw", lambda: bw_mask(S, 0.5, (4, 4))),
+    ):
         cfg = TileSparseConfig(pattern=pattern, sparsity=0.5, tile=4, block=(4, 4))
         assert torch.equal(masks_for_config(cfg, [S], 0.5, min_density=0.0)[0], fn())
     assert masks_for_config(TileSparseConfig(), [S], 0.0)[0].all()

@@ -37,7 +37,12 @@ def test_dlrm_tw_masks_structure_and_compression(tiny) -> None:
     dense = copy.deepcopy(model)
     pruner = prune_(model, TileSparseConfig(pattern="tw", sparsity=0.75, tile=16))
     fqns = set(pruner.layers)
-    assert {"bottom_mlp.0", "interaction.v.0", "interaction.u.1", "top_mlp.4"} <= fqns  # MLPs + cross
+    assert {
+        "bottom_mlp.0",
+        "interaction.v.0",
+        "interaction.u.1",
+        "top_mlp.4",
+    } <= fqns  # MLPs + cross
     assert abs(pruner.overall_sparsity() - 0.75) <= 0.01
     sparsities = {s.fqn: s.sparsity for s in pruner.stats()}
     assert max(sparsities.values()) - min(sparsities.values()) > 0.2  # one global threshold
@@ -64,7 +69,9 @@ def test_dlrm_tw_masks_structure_and_compression(tiny) -> None:
 def test_fine_tuning_keeps_pruned_weights_zero(tiny) -> None:
     w, _, batches = tiny
     model = build_model(w, seed=1)
-    cfg = TileSparseConfig(sparsity=0.5, tile=16, schedule=MultiStageSchedule((0.25,), steps_per_stage=4))
+    cfg = TileSparseConfig(
+        sparsity=0.5, tile=16, schedule=MultiStageSchedule((0.25,), steps_per_stage=4)
+    )
     pruner = TileSparsePruner(cfg)
     trainer = Trainer(model, TrainConfig(lr=0.05))
     pruner.prepare(model)
@@ -80,7 +87,10 @@ def test_fine_tuning_keeps_pruned_weights_zero(tiny) -> None:
         mask_nk = pruner.mask(f).T
         weight = lin.weight.detach()
         assert torch.equal(weight[~mask_nk], torch.zeros(int((~mask_nk).sum())))
-        assert torch.equal(lin.parametrizations.weight.original.detach()[~mask_nk], torch.zeros(int((~mask_nk).sum())))
+        assert torch.equal(
+            lin.parametrizations.weight.original.detach()[~mask_nk],
+            torch.zeros(int((~mask_nk).sum())),
+        )
         changed += int((weight[mask_nk] != before[f][mask_nk]).sum())
         assert lin.parametrizations.weight.original.grad is not None  # gradients flow
     assert changed > 0  # the kept weights did train
@@ -89,7 +99,9 @@ def test_fine_tuning_keeps_pruned_weights_zero(tiny) -> None:
 def test_taylor_first_update_waits_for_gradients(tiny) -> None:
     w, _, batches = tiny
     model = build_model(w, seed=2)
-    cfg = TileSparseConfig(sparsity=0.6, tile=16, importance="taylor", schedule=OneShotSchedule(step=3))
+    cfg = TileSparseConfig(
+        sparsity=0.6, tile=16, importance="taylor", schedule=OneShotSchedule(step=3)
+    )
     pruner = TileSparsePruner(cfg)
     trainer = Trainer(model, TrainConfig(lr=0.05))
     pruner.prepare(model)
@@ -106,7 +118,9 @@ def test_taylor_first_update_waits_for_gradients(tiny) -> None:
 
 def _encoder() -> nn.TransformerEncoder:
     torch.manual_seed(0)
-    layer = nn.TransformerEncoderLayer(d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True)
+    layer = nn.TransformerEncoderLayer(
+        d_model=32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True
+    )
     return nn.TransformerEncoder(layer, num_layers=2, enable_nested_tensor=False).eval()
 
 
@@ -129,7 +143,9 @@ def test_transformer_only_filtered_layers_and_identical_at_sparsity_zero() -> No
         if isinstance(m, nn.Linear):
             parametrized = hasattr(m, "parametrizations")
             assert parametrized == (name in pruner.layers), name
-    assert torch.equal(enc2.layers[0].self_attn.out_proj.weight, ref.layers[0].self_attn.out_proj.weight)
+    assert torch.equal(
+        enc2.layers[0].self_attn.out_proj.weight, ref.layers[0].self_attn.out_proj.weight
+    )
     with torch.no_grad():
         masked = enc2(x)
         pruner.compress()
@@ -138,7 +154,9 @@ def test_transformer_only_filtered_layers_and_identical_at_sparsity_zero() -> No
 
 
 def test_overrides_and_per_layer_thresholds() -> None:
-    model = nn.Sequential(nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 8))
+    model = nn.Sequential(
+        nn.Linear(40, 64), nn.ReLU(), nn.Linear(64, 48), nn.ReLU(), nn.Linear(48, 8)
+    )
     cfg = TileSparseConfig(sparsity=0.7, tile=8, overrides={"4": 0.25})
     pruner = prune_(copy.deepcopy(model), cfg)
     by = {s.fqn: s for s in pruner.stats()}
@@ -146,7 +164,9 @@ def test_overrides_and_per_layer_thresholds() -> None:
     shared = [by["0"], by["2"]]
     kept = sum(s.kept for s in shared)
     assert abs(1 - kept / sum(s.params for s in shared) - 0.7) <= 0.01
-    local = prune_(copy.deepcopy(model), TileSparseConfig(sparsity=0.7, tile=8, global_threshold=False))
+    local = prune_(
+        copy.deepcopy(model), TileSparseConfig(sparsity=0.7, tile=8, global_threshold=False)
+    )
     for s in local.stats():
         assert abs(s.sparsity - 0.7) <= 0.03, s
     with pytest.raises(ValueError, match=r"overrides name layer\(s\) \['9'\]"):
@@ -181,7 +201,9 @@ def test_compress_leaves_an_earlier_deepcopy_working() -> None:
     with torch.no_grad():
         want = model(x)
         pruner.compress()
-        assert [type(m).__name__ for m in model if not isinstance(m, nn.ReLU)] == ["TileSparseLinear"] * 2
+        assert [type(m).__name__ for m in model if not isinstance(m, nn.ReLU)] == [
+            "TileSparseLinear"
+        ] * 2
         torch.testing.assert_close(snapshot(x), want, rtol=0, atol=0)
         torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-6)
 
@@ -213,7 +235,9 @@ def _observed_training(importance: str, steps: int) -> tuple[TileSparsePruner, l
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 16))
     sched = MultiStageSchedule((0.25,), steps_per_stage=2, start=1)
-    pruner = TileSparsePruner(TileSparseConfig(pattern="ew", sparsity=0.5, importance=importance, schedule=sched))
+    pruner = TileSparsePruner(
+        TileSparseConfig(pattern="ew", sparsity=0.5, importance=importance, schedule=sched)
+    )
     pruner.prepare(model)
     terms: list[torch.Tensor] = []
     observe = pruner.tracker.observe
@@ -274,18 +298,25 @@ def test_min_layer_density_floors_only_layers_sharing_a_threshold(pattern) -> No
     """``min_layer_density`` (0.02) also capped layers pruned alone: at 0.99 with
     global_threshold=False each layer came out 0.98, and so did an override of 0.99. A layer
     pruned alone now reaches its sparsity; layers sharing the threshold keep the floor."""
+
     def model() -> nn.Module:
         torch.manual_seed(0)
         return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
 
     tol = 0.001 if pattern == "ew" else 16 / 4096  # TW: at most one segment short
-    alone = prune_(model(), TileSparseConfig(pattern=pattern, sparsity=0.99, tile=16, global_threshold=False))
+    alone = prune_(
+        model(), TileSparseConfig(pattern=pattern, sparsity=0.99, tile=16, global_threshold=False)
+    )
     for s in alone.stats():
         assert abs(s.sparsity - 0.99) <= tol, s
-    over = prune_(model(), TileSparseConfig(pattern=pattern, sparsity=0.5, tile=16, overrides={"1": 0.99}))
+    over = prune_(
+        model(), TileSparseConfig(pattern=pattern, sparsity=0.5, tile=16, overrides={"1": 0.99})
+    )
     by = {s.fqn: s.sparsity for s in over.stats()}
     assert abs(by["1"] - 0.99) <= tol and abs(by["0"] - 0.5) <= tol, by
-    one = prune_(nn.Sequential(nn.Linear(64, 64)), TileSparseConfig(pattern=pattern, sparsity=0.99, tile=16))
+    one = prune_(
+        nn.Sequential(nn.Linear(64, 64)), TileSparseConfig(pattern=pattern, sparsity=0.99, tile=16)
+    )
     assert abs(one.overall_sparsity() - 0.99) <= tol
     shared = prune_(model(), TileSparseConfig(pattern=pattern, sparsity=0.99, tile=16))
     assert all(s.kept >= 0.02 * s.params for s in shared.stats())  # the floor, as documented
@@ -296,8 +327,11 @@ def test_min_layer_density_floors_only_layers_sharing_a_threshold(pattern) -> No
 def test_a_selected_layer_without_gradients_is_a_clear_error(importance) -> None:
     """Movement raised a bare KeyError('0') when a selected layer got no gradient (frozen)."""
     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
-    pruner = TileSparsePruner(TileSparseConfig(importance=importance, sparsity=0.5, tile=4,
-                                               schedule=OneShotSchedule(step=1)))
+    pruner = TileSparsePruner(
+        TileSparseConfig(
+            importance=importance, sparsity=0.5, tile=4, schedule=OneShotSchedule(step=1)
+        )
+    )
     pruner.prepare(model)
     for p in model[0].parameters():
         p.requires_grad_(False)

@@ -41,7 +41,9 @@ def _resume(w, cfg: TileSparseConfig, ckpt) -> tuple[Trainer, TileSparsePruner]:
     model = build_model(w, seed=0)
     pruner = TileSparsePruner(cfg)
     pruner.prepare(model)
-    return Trainer.load_checkpoint(ckpt, model=model, callbacks=[pruner.callback(step_offset=0)]), pruner
+    return Trainer.load_checkpoint(
+        ckpt, model=model, callbacks=[pruner.callback(step_offset=0)]
+    ), pruner
 
 
 def test_resume_continues_the_schedule_from_the_trainer_step(tiny, tmp_path) -> None:
@@ -87,12 +89,17 @@ def test_resume_with_pruner_state_is_exact(tiny, tmp_path) -> None:
         ref.train_step(b)
 
     resumed, pr2 = _resume(w, cfg, tmp_path / "ck")
-    pr2.load_state_dict(json.loads((tmp_path / "pruner.json").read_text())
-                        | {"tracker_sums": load_file(tmp_path / "pruner.safetensors")})
+    pr2.load_state_dict(
+        json.loads((tmp_path / "pruner.json").read_text())
+        | {"tracker_sums": load_file(tmp_path / "pruner.safetensors")}
+    )
     for b in batches[6:]:
         resumed.train_step(b)
-    assert (pr2.step_count, pr2.current_sparsity, pr2.updates) == (
-        ref_pruner.step_count, ref_pruner.current_sparsity, ref_pruner.updates) == (12, 0.75, 3)
+    assert (
+        (pr2.step_count, pr2.current_sparsity, pr2.updates)
+        == (ref_pruner.step_count, ref_pruner.current_sparsity, ref_pruner.updates)
+        == (12, 0.75, 3)
+    )
     for f in ref_pruner.layers:
         assert torch.equal(pr2.mask(f), ref_pruner.mask(f)), f
     want, got = ref.model.state_dict(), resumed.model.state_dict()
@@ -160,8 +167,16 @@ def test_sgd_momentum_keeps_pruned_original_at_zero(tiny) -> None:
             mask = sd[f + ".parametrizations.weight.0.mask"]
             assert not bool(orig[~mask].any()), (trainer.step, f)
     assert pruner.current_sparsity == 0.75
-    moved = sum(int(trainer.optimizer.state[lin.parametrizations.weight.original]["momentum_buffer"]
-                    [~lin.parametrizations.weight[0].mask].ne(0).sum()) for lin in pruner.layers.values())
+    moved = sum(
+        int(
+            trainer.optimizer.state[lin.parametrizations.weight.original]["momentum_buffer"][
+                ~lin.parametrizations.weight[0].mask
+            ]
+            .ne(0)
+            .sum()
+        )
+        for lin in pruner.layers.values()
+    )
     assert moved > 0  # the momentum did push pruned entries: the zeroing is what holds them
 
 
@@ -190,7 +205,9 @@ def test_a_fresh_pruner_on_a_trained_trainer_must_say_where_the_schedule_starts(
     model = trainer.model
     trainer.add_callback(pruner.callback())
     before = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"step_offset=3\) to start .* or step_offset=0 to continue"):
+    with pytest.raises(
+        ValueError, match=r"step_offset=3\) to start .* or step_offset=0 to continue"
+    ):
         trainer.train_step(batches[3])
     assert trainer.step == 3 and pruner.step_count == 0
     assert all(torch.equal(v, model.state_dict()[k]) for k, v in before.items())

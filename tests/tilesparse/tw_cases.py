@@ -20,8 +20,9 @@ TOL = {
 }
 
 
-def tw_random_mask(K: int, N: int, G: int, keep_rows: float, gen: torch.Generator,
-                   drop_cols: float = 0.0) -> torch.Tensor:
+def tw_random_mask(
+    K: int, N: int, G: int, keep_rows: float, gen: torch.Generator, drop_cols: float = 0.0
+) -> torch.Tensor:
     """A TW mask: whole columns dropped, then each tile of G kept columns keeps its own rows."""
     mask = torch.zeros(K, N, dtype=torch.bool)
     cols = torch.nonzero(torch.rand(N, generator=gen) >= drop_cols).flatten()

@@ -1,6 +1,7 @@
 # One command sets everything up and runs the story; one sets everything up and runs the tests.
 #   make demo   -> python -m recipes.prune_dlrm on its embedded default
-#   make test   -> the whole test suite (installs redis-server with apt when missing)
+#   make test   -> ruff check, ruff format --check, mypy, then the whole test suite
+#                  (installs redis-server with apt when missing)
 SHELL := /bin/bash
 PYTHON ?= python3
 VENV ?= .venv
@@ -33,6 +34,8 @@ train: install
 
 test: install redis
 	$(PY) -m ruff check .
+	$(PY) -m ruff format --check .
+	$(PY) -m mypy
 	$(PY) -m pytest -q
 
 bench-planner: install

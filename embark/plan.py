@@ -20,6 +20,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from embark.models.workloads import PRESETS as WORKLOADS
+from embark.models.workloads import get_workload
 from embark.planner.baselines import BASELINES
 from embark.planner.cost import CostModel
 from embark.planner.manual import load_constraints, load_plan
@@ -30,8 +32,6 @@ from embark.planner.types import PlannerError
 from embark.topology import PRESETS as TOPOLOGIES
 from embark.topology import get_topology
 from embark.types import CommDtype, PlanError
-from embark.workloads import PRESETS as WORKLOADS
-from embark.workloads import get_workload
 
 log = logging.getLogger("embark.plan")
 

@@ -1,4 +1,4 @@
-"""Checkpoints of sharded training in the single-process :class:`~embark.train.Trainer`'s
+"""Checkpoints of sharded training in the single-process :class:`~embark.training.trainer.Trainer`'s
 format, so they resume on any world size (reshard) or in one process.
 
 A sharded trainer is converted to the Trainer it equals: full tables and their optimizer
@@ -34,12 +34,12 @@ import torch
 import torch.distributed as dist
 
 from embark.data.synthetic import SyntheticCTR
-from embark.model import build_model
+from embark.models.dlrm import build_model
+from embark.models.workloads import Workload
 from embark.sharded_train import ShardedDLRM, ShardedTrainer
 from embark.sharding.comm import distributed_world
-from embark.train import Callback, Trainer
+from embark.training.trainer import Callback, Trainer
 from embark.types import CommDtype, ShardingPlan
-from embark.workloads import Workload
 
 
 @torch.no_grad()
@@ -117,7 +117,7 @@ def to_single_process(trainer: ShardedTrainer, dst: int | None = 0) -> Trainer |
 
 def _copy_group_options(dst: torch.optim.Optimizer, src: torch.optim.Optimizer) -> None:
     """Copy the options (lr, ...) of ``src``'s param groups onto ``dst``'s groups of the same
-    ``"name"`` (``"embeddings"`` / ``"dense"``, :func:`embark.train.build_optimizer`). By name,
+    ``"name"`` (``"embeddings"`` / ``"dense"``, :func:`embark.training.trainer.build_optimizer`). By name,
     not position: a rank that holds no embedding parameter has only the dense group."""
     theirs = {g.get("name"): g for g in src.param_groups}
     for mine in dst.param_groups:
@@ -165,7 +165,7 @@ def from_single_process(
     comm_dtype: CommDtype | str | None = None,
     callbacks: list[Callback] | None = None,
 ) -> ShardedTrainer:
-    """Shard a single-process :class:`Trainer` (of a :class:`~embark.model.DLRM`) per ``plan``:
+    """Shard a single-process :class:`Trainer` (of a :class:`~embark.models.dlrm.DLRM`) per ``plan``:
     weights, optimizer state (table-shaped state sliced like the table), options, step,
     batch size, generator and history. Every rank passes an equal ``single``."""
     model = ShardedDLRM(single.model, plan, rank, process_group, comm_dtype)  # type: ignore[arg-type]

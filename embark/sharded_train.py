@@ -3,7 +3,7 @@
 the dense part replicated on every rank.
 
 N ranks, each training on its slice of a global batch of ``B`` samples, take the same steps as
-the single-process :class:`~embark.train.Trainer` on the whole global batch (up to the order
+the single-process :class:`~embark.training.trainer.Trainer` on the whole global batch (up to the order
 of float sums)::
 
     rank r:  local batch (B_r samples, Σ_r B_r = B)
@@ -76,20 +76,27 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
+from embark.data.batch import Batch
 from embark.data.jagged import JaggedBatch
-from embark.data.synthetic import Batch, SyntheticCTR
-from embark.metrics import auc, log_loss
-from embark.model import DLRM, build_model
+from embark.data.synthetic import SyntheticCTR
+from embark.models.dlrm import DLRM, build_model
+from embark.models.workloads import PRESETS as WORKLOADS
+from embark.models.workloads import Workload, get_workload
 from embark.plan import float_at_least, int_at_least
 from embark.planner import PlannerError, plan_sharding
 from embark.planner.planner import STRATEGIES
 from embark.sharding import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world
 from embark.topology import get_topology
-from embark.train import Callback, OptimizerKind, TrainConfig, admit_batch, build_optimizer
+from embark.training.metrics import auc, log_loss
+from embark.training.trainer import (
+    Callback,
+    OptimizerKind,
+    TrainConfig,
+    admit_batch,
+    build_optimizer,
+)
 from embark.types import CommDtype, PlanError, ShardingPlan
-from embark.workloads import PRESETS as WORKLOADS
-from embark.workloads import Workload, get_workload
 
 log = logging.getLogger(__name__)
 
@@ -154,7 +161,7 @@ def _gather_1d(x: torch.Tensor, group: Any | None) -> torch.Tensor:
 
 # ----------------------------------------------------------------------------- model
 class ShardedDLRM(nn.Module):
-    """A :class:`~embark.model.DLRM` whose tables are sharded per ``plan`` and whose dense part
+    """A :class:`~embark.models.dlrm.DLRM` whose tables are sharded per ``plan`` and whose dense part
     (projections, bottom MLP, interaction, top MLP) is a replica on every rank.
 
     Args:
@@ -172,7 +179,7 @@ class ShardedDLRM(nn.Module):
     Attributes:
         embeddings: the :class:`ShardedEmbeddingCollection` (parameters ``embeddings.weights.<table>``).
         dense: the copied DLRM without its tables (``dense.embeddings`` is empty); only its
-            :meth:`~embark.model.DLRM.dense_forward` is used.
+            :meth:`~embark.models.dlrm.DLRM.dense_forward` is used.
 
     Raises:
         ValueError: from :class:`ShardedEmbeddingCollection` (world size, rank, tables).
@@ -266,7 +273,7 @@ class ShardedDLRM(nn.Module):
         return parts[-1].view_as(extra) if extra is not None else None
 
     def full_state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor]:
-        """The single-process :class:`~embark.model.DLRM` ``state_dict`` (names as there:
+        """The single-process :class:`~embark.models.dlrm.DLRM` ``state_dict`` (names as there:
         ``embeddings.<table>.weight`` gathered whole, then the dense part), on ``dst`` (``None``:
         every rank); ``{}`` elsewhere. A collective."""
         tables = self.embeddings.full_weights(dst=dst)
@@ -279,7 +286,7 @@ class ShardedDLRM(nn.Module):
 
 # --------------------------------------------------------------------------- trainer
 class ShardedTrainer:
-    """Train a :class:`ShardedDLRM` with the single-process :class:`~embark.train.Trainer`'s
+    """Train a :class:`ShardedDLRM` with the single-process :class:`~embark.training.trainer.Trainer`'s
     optimizer semantics (see the module docstring for the gradient convention).
 
     Every rank calls every method in step, each with its own local batch.
@@ -287,7 +294,7 @@ class ShardedTrainer:
     Args:
         model: the sharded model.
         cfg: hyper-parameters (``eval_every`` / ``checkpoint_*`` are used by the CLI).
-        callbacks: :class:`~embark.train.Callback` hooks, called on every rank with this
+        callbacks: :class:`~embark.training.trainer.Callback` hooks, called on every rank with this
             trainer (gradients are already reduced in ``on_after_backward``).
 
     Attributes:
@@ -307,7 +314,9 @@ class ShardedTrainer:
         self.callbacks: list[Callback] = list(callbacks)
         self.step = 0
         self.batch_size: int | None = None
-        self._batch_size_provisional = False  # as the Trainer's: see embark.train.admit_batch
+        self._batch_size_provisional = (
+            False  # as the Trainer's: see embark.training.trainer.admit_batch
+        )
         self.data_stream: dict[str, Any] | None = None
         self.generator = torch.Generator().manual_seed(cfg.seed)
         self.history: list[dict[str, float]] = []

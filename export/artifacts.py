@@ -28,10 +28,10 @@ from pathlib import Path
 
 import numpy as np
 
-from embark.model import DLRM
+from embark.models.dlrm import DLRM
 from export.onnx import check_exportable, export_onnx
 from hps.config import PSConfig, parse_config
-from hps.sparse_files import write_table
+from hps.storage.sparse_files import write_table
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 
 __all__ = ["write_serving_artifacts"]

@@ -35,9 +35,9 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from embark.model import DLRM
+from embark.models.dlrm import DLRM
 from embark.types import Combiner
-from hps.servable import SERVING_METADATA_KEY
+from hps.serving.servable import SERVING_METADATA_KEY
 from tilesparse.linear import TileSparseLinear
 
 log = logging.getLogger(__name__)

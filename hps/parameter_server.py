@@ -30,11 +30,11 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hps.cache import EmbeddingCache
 from hps.config import ModelConfig, PSConfig, load_config
-from hps.persistent import RocksDBBackend
 from hps.session import LookupSession, SessionTable
-from hps.sparse_files import read_table
+from hps.storage.cache import EmbeddingCache
+from hps.storage.persistent import RocksDBBackend
+from hps.storage.sparse_files import read_table
 from hps.types import (
     PersistentDBType,
     StorageBackend,
@@ -42,7 +42,7 @@ from hps.types import (
     VolatileDBType,
     VolatileUnavailableError,
 )
-from hps.updates import (
+from hps.updates.online import (
     CorruptRecordError,
     FileLogSource,
     InvalidUpdateError,
@@ -63,7 +63,7 @@ def build_volatile(cfg: PSConfig) -> StorageBackend | None:
     if v.type is VolatileDBType.NONE:
         return None
     if v.type is VolatileDBType.REDIS_CLUSTER:
-        from hps.redis_cluster import RedisClusterBackend
+        from hps.storage.redis_cluster import RedisClusterBackend
 
         # with a persistent DB every row can be served while the cluster is unreachable
         return RedisClusterBackend(
@@ -74,7 +74,7 @@ def build_volatile(cfg: PSConfig) -> StorageBackend | None:
             socket_timeout_s=v.socket_timeout_s,
             start_down=cfg.persistent_db.type is not PersistentDBType.NONE,
         )
-    from hps.volatile import HashMapBackend
+    from hps.storage.volatile import HashMapBackend
 
     parts = 1 if v.type is VolatileDBType.HASH_MAP else v.num_partitions
     return HashMapBackend(

@@ -29,7 +29,7 @@ earlier drops them if an update was applied since (the lock's ``generation`` mov
 Admission priority of a missed key (LFU: compared with resident entries' use counts; LRU:
 order inside a set) is its count in this request plus its count in the session's key
 statistics so far, so a key hot across requests gets in even if each request holds it once.
-With LFU aging (:mod:`hps.cache`) those statistics are halved whenever the table's cache
+With LFU aging (:mod:`hps.storage.cache`) those statistics are halved whenever the table's cache
 halves its counters, so a priority and a resident count are on one scale: a key hot long
 ago re-enters with its aged count, not its lifetime total. For sequential lookups this is
 exact (a missed key is admitted with what its counter would be had it been cached all
@@ -50,7 +50,7 @@ import numpy as np
 import torch
 
 from hps.advisor import KeyStatistics
-from hps.cache import EMPTY_KEY, EmbeddingCache
+from hps.storage.cache import EMPTY_KEY, EmbeddingCache
 from hps.types import StorageBackend, Tier, VolatileUnavailableError
 
 log = logging.getLogger(__name__)

@@ -19,7 +19,7 @@ full MLPerf widths, condensed with G=128, timed against dense (``recipes.prune_s
 
 Serving (``--serve-batches``, 0 skips): the main run's condensed model is exported to
 ``<out>/serving`` (sparse files, ``dense.onnx``, ``ps.json``), served by the v2 inference server
-(``hps.server``) on a free local port, and that many eval batches are scored through it with
+(``hps.serving.server``) on a free local port, and that many eval batches are scored through it with
 ``tritonclient`` and compared with the eager model (``recipes.prune_serve``).
 
 Output folder (``--out``, default ``runs/prune_dlrm-<timestamp>``): ``report.json``,
@@ -45,9 +45,9 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from embark.data import Batch, SyntheticCTR
-from embark.model import build_model
-from embark.train import Callback, TrainConfig, Trainer
-from embark.workloads import PRESETS, get_workload
+from embark.models.dlrm import build_model
+from embark.models.workloads import PRESETS, get_workload
+from embark.training.trainer import Callback, TrainConfig, Trainer
 from recipes.cli import knob, parse_knobs
 from recipes.prune_report import terminal_summary, write_markdown, write_plots
 from recipes.prune_serve import serve_check

@@ -2,7 +2,7 @@
 
 ``write_serving_artifacts`` writes the sparse files, the dense ONNX graph (TW layers as
 condensed standard ops) and ``ps.json``; the parameter server loads them; the v2 server
-(``hps.server``) serves them on a free local port; ``tritonclient.http`` sends the eval
+(``hps.serving.server``) serves them on a free local port; ``tritonclient.http`` sends the eval
 samples in requests of ``request_batch`` and the served scores are compared with the eager
 model's: the largest logit difference and the AUC of both on the same samples, plus request
 latency (median and p99) for the whole round trip (HTTP, lookups, onnxruntime).
@@ -21,11 +21,11 @@ import torch
 
 from embark.data import Batch
 from embark.data.jagged import JaggedBatch
-from embark.metrics import auc
-from embark.model import DLRM
+from embark.models.dlrm import DLRM
+from embark.training.metrics import auc
 from export.artifacts import write_serving_artifacts
 from hps.parameter_server import HierarchicalParameterServer
-from hps.server import InferenceServer, ServerConfig
+from hps.serving.server import InferenceServer, ServerConfig
 
 __all__ = ["padded_ids", "serve_check"]
 

@@ -19,8 +19,8 @@ from typing import Any
 
 import torch
 
-from embark.model import build_model
-from embark.workloads import get_workload
+from embark.models.dlrm import build_model
+from embark.models.workloads import get_workload
 from tilesparse import TileSparseConfig, model_memory, prune_
 
 __all__ = ["measure_speed"]

@@ -7,7 +7,7 @@
 Writes into ``--out`` (default ``runs/train_dlrm-<UTC timestamp>`` under the current folder):
 ``results.json`` (``eval_auc``, ``eval_logloss``, ``teacher_auc``, ``train_auc``,
 ``samples_per_s``, ...), ``config.json`` (the knobs) and ``checkpoint/`` (a trainer
-checkpoint that :meth:`embark.train.Trainer.load_checkpoint` restores).
+checkpoint that :meth:`embark.training.trainer.Trainer.load_checkpoint` restores).
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from typing import Any
 import torch
 
 from embark.data import SyntheticCTR
-from embark.model import build_model
-from embark.train import OptimizerKind, TrainConfig, Trainer
-from embark.workloads import PRESETS, Workload, get_workload
+from embark.models.dlrm import build_model
+from embark.models.workloads import PRESETS, Workload, get_workload
+from embark.training.trainer import OptimizerKind, TrainConfig, Trainer
 from recipes.cli import knob, parse_knobs
 
 log = logging.getLogger("recipes.train_dlrm")

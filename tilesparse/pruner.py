@@ -494,7 +494,7 @@ class TileSparsePruner:
 
 
 class PruningCallback:
-    """Trainer callback (duck-typed to ``embark.train.Callback``: ``tilesparse`` does not
+    """Trainer callback (duck-typed to ``embark.training.trainer.Callback``: ``tilesparse`` does not
     import ``embark``): ``on_after_backward`` → :meth:`TileSparsePruner.observe`,
     ``on_step_end`` → :meth:`TileSparsePruner.step`.
 

@@ -21,6 +21,7 @@ import warnings
 from typing import Any
 
 from benchmarks.meta import RESULTS_DIR, write_json
+from embark.models.workloads import Workload, get_workload
 from embark.planner.baselines import BASELINES
 from embark.planner.cost import CostModel
 from embark.planner.layout import classify, grid_of
@@ -38,7 +39,6 @@ from embark.types import (
     TableSharding,
     Topology,
 )
-from embark.workloads import Workload, get_workload
 
 log = logging.getLogger("bench_planner")
 

@@ -49,6 +49,7 @@ from typing import Any
 
 from benchmarks.embark.bench_planner import _layouts
 from benchmarks.meta import REPO_ROOT, RESULTS_DIR, write_json
+from embark.models.workloads import get_workload
 from embark.planner import plan_sharding
 from embark.planner.cost import (
     KEY_SEND_INTER,
@@ -59,7 +60,6 @@ from embark.planner.cost import (
 )
 from embark.topology import get_topology
 from embark.types import ShardingPlan, Topology
-from embark.workloads import get_workload
 
 log = logging.getLogger("bench_sharding")
 

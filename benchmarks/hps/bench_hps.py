@@ -48,11 +48,11 @@ import torch
 
 from benchmarks.meta import RESULTS_DIR, machine, write_json
 from hps.advisor import zipf_hit_curve
-from hps.cache import EmbeddingCache
-from hps.persistent import RocksDBBackend, decode_rows, encode_keys
 from hps.session import LookupSession, SessionTable
+from hps.storage.cache import EmbeddingCache
+from hps.storage.persistent import RocksDBBackend, decode_rows, encode_keys
+from hps.storage.volatile import HashMapBackend, split_by_partition
 from hps.types import CachePolicy, StorageBackend
-from hps.volatile import HashMapBackend, split_by_partition
 
 log = logging.getLogger("bench_hps")
 SECTIONS = ("hit_rate", "cached", "rocksdb", "redis", "concurrency", "drift")
@@ -303,8 +303,8 @@ def bench_rocksdb(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any
 
 
 def bench_redis(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    from hps.redis_cluster import RedisClusterBackend, partition_name
-    from hps.redis_local import LocalRedisCluster, redis_available
+    from hps.storage.redis_cluster import RedisClusterBackend, partition_name
+    from tests.hps.redis_local import LocalRedisCluster, redis_available
 
     if not redis_available():
         log.error("redis-server not installed: redis section skipped")

@@ -37,11 +37,11 @@ import torch
 import tritonclient.http as th
 
 from benchmarks.meta import RESULTS_DIR, write_json
-from embark.model import DLRM, build_model
-from embark.workloads import get_workload
+from embark.models.dlrm import DLRM, build_model
+from embark.models.workloads import get_workload
 from export.artifacts import write_serving_artifacts
 from hps.parameter_server import HierarchicalParameterServer
-from hps.server import InferenceServer, ServerConfig
+from hps.serving.server import InferenceServer, ServerConfig
 from tilesparse import TileSparseConfig, prune_
 
 log = logging.getLogger("bench_server")

@@ -52,7 +52,7 @@ from benchmarks.tilesparse.timing import (
     set_threads,
     time_once,
 )
-from embark.workloads import get_workload
+from embark.models.workloads import get_workload
 from tilesparse import ops
 from tilesparse.format import TWLayout, condense, reference_matmul
 from tilesparse.memory import layer_memory

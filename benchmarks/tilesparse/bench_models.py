@@ -58,8 +58,8 @@ from benchmarks.tilesparse.timing import (
     set_threads,
     time_once,
 )
-from embark.model import DLRM, build_model
-from embark.workloads import Workload, get_workload
+from embark.models.dlrm import DLRM, build_model
+from embark.models.workloads import Workload, get_workload
 from tilesparse import ops
 from tilesparse.memory import model_memory
 

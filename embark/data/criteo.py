@@ -37,9 +37,9 @@ from typing import IO
 import numpy as np
 import torch
 
+from embark.data.batch import Batch
 from embark.data.jagged import JaggedBatch
-from embark.data.synthetic import Batch
-from embark.workloads import Workload
+from embark.models.workloads import Workload
 
 log = logging.getLogger(__name__)
 
@@ -86,7 +86,7 @@ def _open(path: Path) -> IO[str]:
 
 
 class CriteoTSV:
-    """Stream :class:`~embark.data.synthetic.Batch` es from Criteo TSV files.
+    """Stream :class:`~embark.data.batch.Batch` es from Criteo TSV files.
 
     Args:
         paths: one file or several, read in order.

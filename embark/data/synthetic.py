@@ -24,15 +24,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from enum import StrEnum
 from typing import Any
 
 import numpy as np
 import torch
 
+from embark.data.batch import Batch
 from embark.data.jagged import JaggedBatch
-from embark.workloads import Workload
+from embark.models.workloads import Workload
 
 
 class Split(StrEnum):
@@ -59,32 +60,6 @@ def default_teacher_workload(workload: Workload) -> Workload:
         top_mlp=(16, 1),
         interaction=replace(inter, num_layers=1, low_rank=min(inter.low_rank, 8)),
     )
-
-
-@dataclass
-class Batch:
-    """One training batch.
-
-    Attributes:
-        dense: ``(B, D) float32`` dense features.
-        sparse: the ids, one key per table.
-        labels: ``(B,) float32`` clicks in {0, 1}.
-    """
-
-    dense: torch.Tensor
-    sparse: JaggedBatch
-    labels: torch.Tensor
-
-    @property
-    def batch_size(self) -> int:
-        return self.dense.shape[0]
-
-    def to(self, device: torch.device | str, non_blocking: bool = False) -> Batch:
-        return Batch(
-            self.dense.to(device, non_blocking=non_blocking),
-            self.sparse.to(device, non_blocking=non_blocking),
-            self.labels.to(device, non_blocking=non_blocking),
-        )
 
 
 class SyntheticCTR:
@@ -126,7 +101,9 @@ class SyntheticCTR:
         teacher_embedding_std: float = 0.1,
         teacher_workload: Workload | None = None,
     ) -> None:
-        from embark.model import build_model  # embark.model imports embark.data: keep lazy
+        from embark.models.dlrm import (
+            build_model,  # embark.models.dlrm imports embark.data: keep lazy
+        )
 
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
@@ -293,7 +270,7 @@ class SyntheticCTR:
     def teacher_auc(self, num_batches: int = 16, split: Split | str = Split.EVAL) -> float:
         """AUC of the teacher's probabilities on the first ``num_batches`` of ``split`` (the
         ceiling for a student evaluated on the same batches)."""
-        from embark.metrics import auc
+        from embark.training.metrics import auc
 
         scores, labels = [], []
         for i in range(num_batches):

@@ -2,7 +2,7 @@
 
 >>> from embark.planner import plan_sharding, simulate, CostModel
 >>> from embark.topology import get_topology
->>> from embark.workloads import get_workload
+>>> from embark.models.workloads import get_workload
 >>> w, topo = get_workload("t200"), get_topology("dgx-h100", nodes=8)
 >>> plan = plan_sharding(w, topo, batch_size=65536)               # doctest: +SKIP
 >>> simulate(plan, CostModel(w, topo, 65536)).step_ms             # doctest: +SKIP

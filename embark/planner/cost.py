@@ -28,10 +28,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from embark.models.workloads import Workload
 from embark.planner.types import CostConstants
 from embark.planner.zipf import expected_distinct
 from embark.types import Cluster, TableConfig, TableSharding, Topology
-from embark.workloads import Workload
 
 # Channels of the traffic array (bytes per rank per iteration).
 LOOKUP_FWD, LOOKUP_BWD = 0, 1

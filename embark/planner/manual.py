@@ -24,10 +24,10 @@ from typing import Any
 
 import yaml
 
+from embark.models.workloads import Workload
 from embark.planner.layout import make_sharding
 from embark.planner.types import TableConstraints
 from embark.types import Cluster, CommDtype, PlanError, ShardingPlan, TableSharding, Topology
-from embark.workloads import Workload
 
 
 def _read(path_or_doc: str | Path | dict[str, Any]) -> dict[str, Any]:

@@ -9,6 +9,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Mapping
 
+from embark.models.workloads import Workload
 from embark.planner.baselines import BASELINES
 from embark.planner.cost import CostModel
 from embark.planner.greedy import GreedyPlanner
@@ -16,7 +17,6 @@ from embark.planner.search import local_search
 from embark.planner.simulator import check_memory
 from embark.planner.types import CostConstants, PlannerError, TableConstraints
 from embark.types import CommDtype, ShardingPlan, Topology
-from embark.workloads import Workload
 
 log = logging.getLogger(__name__)
 

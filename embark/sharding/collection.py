@@ -146,7 +146,7 @@ class ShardedEmbeddingCollection(nn.Module):
             Creating the subgroups is a collective. No effect on one node or one GPU per node.
             ``None`` (default): on with the default process group — the exchange the
             planner's cost model rates — off with any other group.
-        seed: initialisation seed (uniform ``±sqrt(1/num_rows)``, as ``embark.model``); a
+        seed: initialisation seed (uniform ``±sqrt(1/num_rows)``, as ``embark.models.dlrm``); a
             shard's values depend on the seed, the table and the shard's corner, so DP
             replicas start equal. Use :meth:`load_full_weights` for given values.
 

@@ -6,11 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_cutlass_reference import _layout
 
 from cutlass_kernels import build
 from cutlass_kernels.manifest import DType, manifest
 from cutlass_kernels.reference import emulate, pack_launch, pack_weight
+from tests.cutlass_kernels.test_cutlass_reference import _layout
 from tilesparse.format import TWLayout, condense, reference_matmul
 
 pytestmark = pytest.mark.gpu

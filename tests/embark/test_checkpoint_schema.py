@@ -14,9 +14,9 @@ import pytest
 import torch
 
 from embark.data import SyntheticCTR
-from embark.model import build_model
-from embark.train import TrainConfig, Trainer
-from embark.workloads import get_workload
+from embark.models.dlrm import build_model
+from embark.models.workloads import get_workload
+from embark.training.trainer import TrainConfig, Trainer
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from embark.data import CriteoFormatError, CriteoTSV
-from embark.workloads import get_workload
+from embark.models.workloads import get_workload
 
 W = get_workload("dlrm_dcnv2").scaled(100_000)  # 26 tables, 13 dense: the real layout
 

@@ -8,7 +8,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from embark.metrics import auc, log_loss
+from embark.training.metrics import auc, log_loss
 
 
 def _pairwise_auc(scores, labels) -> float:

@@ -7,9 +7,9 @@ import torch
 from torch import nn
 
 from embark.data import JaggedBatch, SyntheticCTR
-from embark.model import CrossNetV2, DotInteraction, build_model
+from embark.models.dlrm import CrossNetV2, DotInteraction, build_model
+from embark.models.workloads import Interaction, Workload, get_workload
 from embark.types import Combiner, TableConfig
-from embark.workloads import Interaction, Workload, get_workload
 
 
 def _small(interaction: str = "dot", dims=(4, 4, 4), combiner=Combiner.SUM) -> Workload:

@@ -8,6 +8,7 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from embark.models.workloads import Workload, get_workload
 from embark.planner.baselines import BASELINES
 from embark.planner.cost import CostModel
 from embark.planner.greedy import GreedyPlanner, Split
@@ -17,7 +18,6 @@ from embark.planner.simulator import simulate
 from embark.planner.types import PlannerError, TableConstraints
 from embark.topology import get_topology
 from embark.types import Cluster, ShardingPlan, ShardingType, Topology
-from embark.workloads import Workload, get_workload
 
 
 def assert_covers_once(plan: ShardingPlan, workload: Workload) -> None:

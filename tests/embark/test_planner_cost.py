@@ -7,13 +7,13 @@ from dataclasses import replace
 import numpy as np
 import pytest
 
+from embark.models.workloads import Workload
 from embark.planner import cost as C
 from embark.planner.cost import CostModel
 from embark.planner.layout import make_sharding
 from embark.planner.zipf import expected_distinct
 from embark.topology import get_topology
 from embark.types import Cluster, CommDtype, TableConfig
-from embark.workloads import Workload
 
 
 @pytest.mark.parametrize("rows, alpha, n", [(5000, 1.1, 3000), (2000, 0.8, 500), (300, 1.5, 2000)])

@@ -8,6 +8,7 @@ import json
 import pytest
 import yaml
 
+from embark.models.workloads import get_workload
 from embark.planner.cost import CostModel
 from embark.planner.manual import load_constraints, load_plan
 from embark.planner.planner import plan_sharding
@@ -15,7 +16,6 @@ from embark.planner.simulator import simulate
 from embark.planner.types import TableConstraints
 from embark.topology import get_topology
 from embark.types import Cluster, CommDtype, PlanError, ShardingType
-from embark.workloads import get_workload
 
 W = get_workload("tiny")  # t0..t7, dim 16
 TOPO = get_topology("dgx-h100", 1)  # 8 ranks

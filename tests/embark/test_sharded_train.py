@@ -3,7 +3,7 @@
 Each world size (2 and 4) is spawned once (a module-scoped fixture, as in test_sharding.py):
 every worker trains each case for ``STEPS`` steps on its slice of the same global batches and
 writes its gathered model (``full_state_dict``) and losses; the tests compare them with the
-real single-process :class:`~embark.train.Trainer` on the whole global batches. Run a worker
+real single-process :class:`~embark.training.trainer.Trainer` on the whole global batches. Run a worker
 by hand with ``python tests/embark/test_sharded_train.py --worker RANK WORLD INIT_FILE OUT_DIR``.
 
 Checkpoints: ranks 0-1 (world 4: a 2-rank subgroup) train RESUME_AT steps on the world-2
@@ -22,7 +22,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gloo_world import spawn_world, worker_main
+
+from tests.embark.gloo_world import spawn_world, worker_main
 
 WORLDS = (2, 4)
 GPN = 2
@@ -72,7 +73,7 @@ def _rows(name: str, n: int, dim: int, ranks: list[int]) -> list[dict[str, int]]
 
 def tiny_plan(world: int) -> dict[str, Any]:
     """The tiny workload's 8 tables as TW, RW, CW, TRW and DP, REDUCTION and UNIQUE."""
-    from embark.workloads import get_workload
+    from embark.models.workloads import get_workload
 
     tables = {t.name: t for t in get_workload("tiny").tables}
     every = list(range(world))
@@ -122,11 +123,11 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     from safetensors.torch import save_file
 
     from embark.data import SyntheticCTR
-    from embark.model import build_model
+    from embark.models.dlrm import build_model
+    from embark.models.workloads import get_workload
     from embark.sharded_train import ShardedDLRM, ShardedTrainer, local_batch
-    from embark.train import TrainConfig
+    from embark.training.trainer import TrainConfig
     from embark.types import ShardingPlan
-    from embark.workloads import get_workload
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -175,12 +176,12 @@ def _resume(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str
     import torch.distributed as dist
     from safetensors.torch import save_file
 
-    from embark.model import build_model
+    from embark.models.dlrm import build_model
+    from embark.models.workloads import get_workload
     from embark.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
     from embark.sharded_train import ShardedDLRM, ShardedTrainer, local_batch
-    from embark.train import TrainConfig
+    from embark.training.trainer import TrainConfig
     from embark.types import ShardingPlan
-    from embark.workloads import get_workload
 
     group = None if world == 2 else dist.new_group([0, 1])  # every rank creates the group
     ckpt = Path(out_dir, "ckpt")
@@ -214,12 +215,12 @@ def _groups_on_a_rank_without_tables(
     resume a single-process checkpoint; the learning rate of each group, by name."""
     import torch.distributed as dist
 
-    from embark.model import build_model
+    from embark.models.dlrm import build_model
+    from embark.models.workloads import get_workload
     from embark.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
     from embark.sharded_train import ShardedDLRM, ShardedTrainer, local_batch
-    from embark.train import TrainConfig, Trainer
+    from embark.training.trainer import TrainConfig, Trainer
     from embark.types import ShardingPlan
-    from embark.workloads import get_workload
 
     workload = get_workload("tiny")
     plan = ShardingPlan.from_dict(
@@ -290,9 +291,9 @@ def reference() -> dict[str, tuple[dict[str, Any], list[float], Any]]:
     import torch
 
     from embark.data import SyntheticCTR
-    from embark.model import build_model
-    from embark.train import TrainConfig, Trainer
-    from embark.workloads import get_workload
+    from embark.models.dlrm import build_model
+    from embark.models.workloads import get_workload
+    from embark.training.trainer import TrainConfig, Trainer
 
     torch.set_num_threads(1)
     workload = get_workload("tiny")
@@ -325,8 +326,8 @@ def test_equals_single_process_trainer(runs: Any, reference: Any, case: str) -> 
             torch.tensor(rep["losses"]), torch.tensor(want_losses), atol=ATOL, rtol=0
         )
     # training moved the weights (the comparison is not trivially of initial weights)
-    from embark.model import build_model
-    from embark.workloads import get_workload
+    from embark.models.dlrm import build_model
+    from embark.models.workloads import get_workload
 
     init = build_model(get_workload("tiny"), seed=MODEL_SEED).state_dict()
     assert all(not torch.equal(init[k], want[k]) for k in want if k.endswith("weight"))
@@ -407,8 +408,8 @@ def test_checkpoint_from_world_2_resumes_in_one_process(runs: Any, reference: An
     import torch
 
     from embark.data import SyntheticCTR
-    from embark.train import Trainer
-    from embark.workloads import get_workload
+    from embark.models.workloads import get_workload
+    from embark.training.trainer import Trainer
 
     _, d = runs
     want, _, ref = reference["adagrad"]

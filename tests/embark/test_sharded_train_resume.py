@@ -12,11 +12,11 @@ from pathlib import Path
 
 import pytest
 import torch
-from gloo_world import launch_ranks
 from safetensors.torch import load_file
-from test_sharded_train import tiny_plan
 
 from embark.sharded_train import main
+from tests.embark.gloo_world import launch_ranks
+from tests.embark.test_sharded_train import tiny_plan
 
 COMMON = ["--workload", "tiny", "--batch-size", "64", "--eval-batches", "1", "--log-every", "100"]
 

@@ -19,7 +19,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gloo_world import reference_step, spawn_world, worker_main
+
+from tests.embark.gloo_world import reference_step, spawn_world, worker_main
 
 WORLDS = (2, 4)
 GPN = 2

@@ -24,14 +24,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from gloo_world import reference_step, spawn_world, worker_main
 
+from embark.models.workloads import get_workload
 from embark.planner import PlannerError, plan_sharding
 from embark.planner.baselines import BASELINES
 from embark.planner.types import CostConstants
 from embark.topology import get_topology
 from embark.types import Topology
-from embark.workloads import get_workload
+from tests.embark.gloo_world import reference_step, spawn_world, worker_main
 
 WORLD, GPN = 4, 2
 MODES = ("flat", "hierarchical")

@@ -9,8 +9,8 @@ import pytest
 import torch
 
 from embark.data import Batch, JaggedBatch, SyntheticCTR
-from embark.metrics import auc
-from embark.workloads import get_workload
+from embark.models.workloads import get_workload
+from embark.training.metrics import auc
 
 
 def _workload(n_tables: int = 3):

@@ -8,12 +8,12 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-import embark.train as train_mod
+import embark.training.trainer as train_mod
 from embark.data import SyntheticCTR
-from embark.model import build_model
-from embark.train import Callback, TrainConfig, Trainer
+from embark.models.dlrm import build_model
+from embark.models.workloads import Workload, get_workload
+from embark.training.trainer import Callback, TrainConfig, Trainer
 from embark.types import TableConfig
-from embark.workloads import Workload, get_workload
 
 
 @pytest.fixture(scope="module")
@@ -96,7 +96,7 @@ def test_a_checkpoint_without_batch_size_resumed_on_a_short_batch(data, tmp_path
     assert json.loads((ck3 / "state.json").read_text())["batch_size"] is None
     resumed = Trainer.load_checkpoint(ck3)
     resumed.train_step(next(iter(short.batches(1))))
-    with caplog.at_level("WARNING", logger="embark.train"):
+    with caplog.at_level("WARNING", logger="embark.training.trainer"):
         resumed.train_step(next(iter(data.batches(1, start=2))))
     assert resumed.batch_size == 64 and resumed.step == 5
     assert any("the stream's batch size is now 64" in r.message for r in caplog.records)

@@ -9,9 +9,9 @@ from typing import Any
 
 import pytest
 
-from embark.workloads import PRESETS, Interaction, Workload, get_workload
+from embark.models.workloads import PRESETS, Interaction, Workload, get_workload
 
-SHIPPED = Path(__file__).resolve().parents[2] / "embark" / "presets"
+SHIPPED = Path(__file__).resolve().parents[2] / "embark" / "models" / "presets"
 
 
 @pytest.mark.parametrize("name", PRESETS)

@@ -15,13 +15,13 @@ import torch
 
 import export.artifacts as artifacts
 from embark.data.jagged import JaggedBatch
-from embark.model import build_model
-from embark.workloads import get_workload
+from embark.models.dlrm import build_model
+from embark.models.workloads import get_workload
 from export.artifacts import write_serving_artifacts
 from export.onnx import run_onnx
 from hps.config import load_config
 from hps.parameter_server import HierarchicalParameterServer
-from hps.sparse_files import read_table, write_table
+from hps.storage.sparse_files import read_table, write_table
 
 
 def test_request_served_from_artifacts_equals_eager(tmp_path) -> None:

@@ -13,8 +13,8 @@ import torch
 
 import export.onnx as onnx_export
 from embark.data.jagged import JaggedBatch
-from embark.model import build_model
-from embark.workloads import get_workload
+from embark.models.dlrm import build_model
+from embark.models.workloads import get_workload
 from export.onnx import CondensedLinear, export_onnx, onnx_inputs, run_onnx
 from tilesparse.linear import TileSparseLinear
 

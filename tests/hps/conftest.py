@@ -7,7 +7,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from hps.redis_local import LocalRedisCluster, redis_available
+from tests.hps.redis_local import LocalRedisCluster, redis_available
 
 
 @pytest.fixture(scope="session")

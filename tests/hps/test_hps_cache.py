@@ -6,7 +6,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hps.cache import EMPTY_KEY, EmbeddingCache, set_of
+from hps.storage.cache import EMPTY_KEY, EmbeddingCache, set_of
 from hps.types import CachePolicy
 
 

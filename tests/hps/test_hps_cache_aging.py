@@ -12,15 +12,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hps_helpers import make_table
 
 from hps.advisor import KeyStatistics, zipf_hit_curve
-from hps.cache import EMPTY_KEY, EmbeddingCache
 from hps.config import parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
-from hps.sparse_files import write_table
+from hps.storage.cache import EMPTY_KEY, EmbeddingCache
+from hps.storage.sparse_files import write_table
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy, StorageBackend
+from tests.hps.hps_helpers import make_table
 
 
 def _one_set(per_slot: float, capacity: int = 4) -> EmbeddingCache:
@@ -482,8 +482,8 @@ def test_statistics_labelled_with_the_epoch_they_were_aged_to_under_a_race() -> 
 
 
 def test_online_update_keeps_counters(tmp_path: Path) -> None:
-    from hps.updates import FileLogSource, UpdateApplier
-    from hps.volatile import HashMapBackend
+    from hps.storage.volatile import HashMapBackend
+    from hps.updates.online import FileLogSource, UpdateApplier
 
     vdb = HashMapBackend(num_partitions=1)
     vdb.create_table("t", 1)

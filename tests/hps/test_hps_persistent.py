@@ -4,9 +4,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hps_helpers import make_table
 
-from hps.persistent import RocksDBBackend
+from hps.storage.persistent import RocksDBBackend
+from tests.hps.hps_helpers import make_table
 
 
 def test_rocksdb_round_trip_chunked_multiget(tmp_path: Path) -> None:
@@ -76,7 +76,7 @@ def test_a_damaged_row_is_named_even_when_the_total_length_fits(tmp_path: Path) 
     not the client's 400)."""
     from rocksdict import WriteBatch
 
-    from hps.persistent import encode_keys
+    from hps.storage.persistent import encode_keys
     from hps.types import CorruptRowError
 
     db = RocksDBBackend(tmp_path / "pdb", max_batch_size=2)

@@ -10,11 +10,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hps_helpers import make_table, reference_lookup
 
-from hps.persistent import RocksDBBackend
-from hps.redis_cluster import RedisClusterBackend, partition_name
 from hps.session import LookupSession, SessionTable
+from hps.storage.persistent import RocksDBBackend
+from hps.storage.redis_cluster import RedisClusterBackend, partition_name
+from tests.hps.hps_helpers import make_table, reference_lookup
 
 pytestmark = pytest.mark.redis
 
@@ -68,7 +68,7 @@ def test_node_killed_mid_run_falls_back_to_rocksdb(redis_cluster, tmp_path: Path
 
     before = check()
     assert before["volatile"] > 0 and before["persistent"] == 0
-    caplog.set_level(logging.WARNING, logger="hps.redis_cluster")
+    caplog.set_level(logging.WARNING, logger="hps.storage.redis_cluster")
     redis_cluster.kill(1)
     t0 = time.monotonic()
     during = [check() for _ in range(10)]  # every lookup still exact, served from RocksDB
@@ -104,7 +104,7 @@ def test_an_update_that_no_longer_fits_the_outage_queue_is_retried_not_lost(
     back. The applier's batch fails, its offset stays, and the next poll after recovery applies
     it: every row serves the update."""
     from hps.types import VolatileUnavailableError
-    from hps.updates import FileLogPublisher, FileLogSource, UpdateApplier
+    from hps.updates.online import FileLogPublisher, FileLogSource, UpdateApplier
 
     name = f"t_{uuid.uuid4().hex[:8]}"
     keys, old = np.arange(200, dtype=np.int64), np.zeros((200, 4), np.float32)

@@ -10,12 +10,12 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from hps_helpers import make_table
 
 from hps.config import parse_config
 from hps.parameter_server import HierarchicalParameterServer
-from hps.sparse_files import write_table
-from hps.updates import RedisStreamPublisher, redis_client
+from hps.storage.sparse_files import write_table
+from hps.updates.online import RedisStreamPublisher, redis_client
+from tests.hps.hps_helpers import make_table
 
 pytestmark = pytest.mark.redis
 DIM = 4

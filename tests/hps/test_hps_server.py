@@ -27,14 +27,14 @@ import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
 from embark.data.jagged import JaggedBatch
-from embark.model import DLRM, build_model
+from embark.models.dlrm import DLRM, build_model
+from embark.models.workloads import get_workload
 from embark.types import Combiner
-from embark.workloads import get_workload
 from export.artifacts import write_serving_artifacts
 from export.onnx import export_onnx, run_onnx
 from hps.parameter_server import HierarchicalParameterServer
-from hps.server import InferenceServer, ServerConfig, main
-from hps.updates import FileLogPublisher
+from hps.serving.server import InferenceServer, ServerConfig, main
+from hps.updates.online import FileLogPublisher
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -277,7 +277,7 @@ def test_a_client_gone_mid_body_is_neither_an_error_nor_a_failure(served, caplog
         return r.json()["model_stats"][0]["inference_stats"]["fail"]["count"]
 
     before = fails()
-    caplog.set_level(logging.WARNING, logger="hps.server")
+    caplog.set_level(logging.WARNING, logger="hps.serving.server")
     with socket.create_connection(("127.0.0.1", served.port)) as s:
         s.sendall(
             b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
@@ -287,7 +287,7 @@ def test_a_client_gone_mid_body_is_neither_an_error_nor_a_failure(served, caplog
     time.sleep(0.5)  # the server notices the disconnect
     assert fails() == before
     assert not [
-        r for r in caplog.records if r.name == "hps.server" and r.levelno >= logging.WARNING
+        r for r in caplog.records if r.name == "hps.serving.server" and r.levelno >= logging.WARNING
     ]
 
 

@@ -8,15 +8,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hps_helpers import make_table, reference_lookup
 
-from hps.cache import EmbeddingCache
 from hps.config import parse_config
 from hps.parameter_server import HierarchicalParameterServer
-from hps.persistent import RocksDBBackend
 from hps.session import LookupSession, SessionTable
-from hps.sparse_files import write_table
-from hps.volatile import HashMapBackend
+from hps.storage.cache import EmbeddingCache
+from hps.storage.persistent import RocksDBBackend
+from hps.storage.sparse_files import write_table
+from hps.storage.volatile import HashMapBackend
+from tests.hps.hps_helpers import make_table, reference_lookup
 
 DIM = 4
 DEFAULT = -7.0
@@ -30,7 +30,7 @@ def _build(tmp_path: Path, cache: str, vdb: str, pdb: str, redis_cluster=None):
     if vdb == "hash_map":
         volatile = HashMapBackend(num_partitions=3)
     elif vdb == "redis":
-        from hps.redis_cluster import RedisClusterBackend
+        from hps.storage.redis_cluster import RedisClusterBackend
 
         volatile = RedisClusterBackend(redis_cluster.addresses, num_partitions=4)
     if pdb == "rocks_db":
@@ -234,7 +234,7 @@ def test_parameter_server_from_config(tmp_path: Path) -> None:
 def test_background_refresh_and_update_polling(tmp_path: Path) -> None:
     import time
 
-    from hps.updates import FileLogPublisher
+    from hps.updates.online import FileLogPublisher
 
     keys, rows = make_table(N, DIM, seed=6)
     write_table(tmp_path / "sparse/t0", keys, rows)

@@ -9,10 +9,10 @@ import time
 import numpy as np
 import torch
 
-from hps.cache import EmbeddingCache
 from hps.session import LookupSession, SessionTable
-from hps.updates import FileLogSource, UpdateApplier
-from hps.volatile import HashMapBackend
+from hps.storage.cache import EmbeddingCache
+from hps.storage.volatile import HashMapBackend
+from hps.updates.online import FileLogSource, UpdateApplier
 
 
 def _session(tmp_path, vdb: HashMapBackend, cache: EmbeddingCache, exact: bool, threshold: float):

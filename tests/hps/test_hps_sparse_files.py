@@ -6,15 +6,15 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from hps_helpers import make_table
 
-from hps.sparse_files import (
+from hps.storage.sparse_files import (
     SparseFormat,
     convert_checkpoint,
     detect_format,
     read_table,
     write_table,
 )
+from tests.hps.hps_helpers import make_table
 
 
 @pytest.mark.parametrize("fmt", list(SparseFormat))
@@ -177,9 +177,9 @@ def test_convert_checkpoint_errors(tmp_path: Path) -> None:
 
 
 def test_convert_real_trainer_checkpoint(tmp_path: Path) -> None:
-    from embark import train
-    from embark.model import build_model
-    from embark.workloads import get_workload
+    import embark.training.trainer as train
+    from embark.models.dlrm import build_model
+    from embark.models.workloads import get_workload
 
     wl = get_workload("tiny")
     trainer = train.Trainer(build_model(wl, seed=0), train.TrainConfig())

@@ -12,10 +12,11 @@ import numpy as np
 import pytest
 import torch
 
-from hps.cache import EmbeddingCache
-from hps.persistent import RocksDBBackend
 from hps.session import LookupSession, SessionTable
-from hps.updates import (
+from hps.storage.cache import EmbeddingCache
+from hps.storage.persistent import RocksDBBackend
+from hps.storage.volatile import HashMapBackend
+from hps.updates.online import (
     CorruptRecordError,
     FileLogPublisher,
     FileLogSource,
@@ -24,7 +25,6 @@ from hps.updates import (
     UpdateApplier,
     encode_batch,
 )
-from hps.volatile import HashMapBackend
 
 DIM = 2
 N = 12

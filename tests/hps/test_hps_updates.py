@@ -10,12 +10,12 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-from hps_helpers import make_table
 
-from hps.cache import EmbeddingCache
-from hps.persistent import RocksDBBackend
 from hps.session import LookupSession, SessionTable
-from hps.updates import (
+from hps.storage.cache import EmbeddingCache
+from hps.storage.persistent import RocksDBBackend
+from hps.storage.volatile import HashMapBackend
+from hps.updates.online import (
     CorruptRecordError,
     FileLogPublisher,
     FileLogSource,
@@ -27,7 +27,7 @@ from hps.updates import (
     encode_batch,
     redis_client,
 )
-from hps.volatile import HashMapBackend
+from tests.hps.hps_helpers import make_table
 
 DIM = 3
 
@@ -88,7 +88,7 @@ def test_malformed_payload_with_a_valid_checksum_is_corrupt(payload: bytes, matc
 
 
 def test_file_log_torn_write_is_never_applied(tmp_path: Path, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="hps.updates")
+    caplog.set_level(logging.WARNING, logger="hps.updates.online")
     log = tmp_path / "u.log"
     pub = FileLogPublisher(log)
     off1 = pub.publish(_batch(1))
@@ -376,9 +376,10 @@ def test_trainer_callback_republishes_after_a_failed_publish(tmp_path: Path) -> 
 
 
 def test_real_trainer_callback(tmp_path: Path) -> None:
-    from embark import data, train
-    from embark.model import build_model
-    from embark.workloads import get_workload
+    import embark.training.trainer as train
+    from embark import data
+    from embark.models.dlrm import build_model
+    from embark.models.workloads import get_workload
 
     wl = get_workload("tiny")
     cb = PublishUpdatesCallback(FileLogPublisher(tmp_path / "u.log"))

@@ -2,11 +2,11 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from hps_helpers import make_table
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from hps.volatile import HashMapBackend, partition_of, split_by_partition
+from hps.storage.volatile import HashMapBackend, partition_of, split_by_partition
+from tests.hps.hps_helpers import make_table
 
 
 def test_partitioned_map_matches_a_dict() -> None:

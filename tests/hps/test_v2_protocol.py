@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import tritonclient.http as th
 
-from hps.v2_protocol import ProtocolError, encode_infer_response, parse_infer_request
+from hps.serving.v2_protocol import ProtocolError, encode_infer_response, parse_infer_request
 
 
 def _client_body(
@@ -248,7 +248,7 @@ def test_huge_declared_shapes_and_empty_data() -> None:
 
 
 def test_data_that_recurses_while_converting_is_a_protocol_error() -> None:
-    from hps.v2_protocol import _json_data
+    from hps.serving.v2_protocol import _json_data
 
     class Deep:  # np.asarray recursing without end (JSON itself is bounded by json.loads)
         def __array__(self, *args: object, **kwargs: object) -> np.ndarray:

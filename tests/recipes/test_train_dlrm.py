@@ -5,8 +5,8 @@ import json
 import pytest
 
 import recipes.train_dlrm as train_dlrm
-from embark.train import OptimizerKind, Trainer
-from embark.workloads import get_workload
+from embark.models.workloads import get_workload
+from embark.training.trainer import OptimizerKind, Trainer
 from recipes.cli import parse_knobs
 from recipes.train_dlrm import TrainDLRMKnobs, build, main
 

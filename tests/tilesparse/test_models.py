@@ -19,8 +19,8 @@ from torch import nn
 
 import tilesparse
 from embark.data import JaggedBatch
-from embark.model import DLRM, build_model
-from embark.workloads import Workload, get_workload
+from embark.models.dlrm import DLRM, build_model
+from embark.models.workloads import Workload, get_workload
 from tilesparse import ops
 from tilesparse.linear import TileSparseLinear
 from tilesparse.memory import model_memory

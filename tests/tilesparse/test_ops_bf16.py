@@ -17,8 +17,8 @@ import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from tw_cases import TOL, int_tensor, layout_with_empty_tile, tw_random_mask
 
+from tests.tilesparse.tw_cases import TOL, int_tensor, layout_with_empty_tile, tw_random_mask
 from tilesparse import build_ext, ops
 from tilesparse.format import condense, reference_matmul
 

@@ -10,9 +10,9 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from embark.data import SyntheticCTR
-from embark.model import build_model
-from embark.train import TrainConfig, Trainer
-from embark.workloads import get_workload
+from embark.models.dlrm import build_model
+from embark.models.workloads import get_workload
+from embark.training.trainer import TrainConfig, Trainer
 from tilesparse import MultiStageSchedule, TileSparseConfig, TileSparsePruner, prune_
 from tilesparse.pruner import PruningCallback
 

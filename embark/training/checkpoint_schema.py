@@ -1,9 +1,9 @@
 """The schema of a trainer checkpoint's ``state.json``, checked before anything is loaded.
 
-:meth:`embark.train.Trainer.read_state` calls :func:`check_state` right after parsing the
+:meth:`embark.training.trainer.Trainer.read_state` calls :func:`check_state` right after parsing the
 JSON, so a hand-edited or foreign ``state.json`` fails with an error naming the file and the
 field, before any weight, optimizer slot or generator is touched. The fields (as written by
-:meth:`~embark.train.Trainer.save_checkpoint`)::
+:meth:`~embark.training.trainer.Trainer.save_checkpoint`)::
 
     {"format_version": 1,
      "step": 9, "data_position": 9,                       # integers >= 0

@@ -1,4 +1,4 @@
-"""The update record format and the append-only update log (:mod:`hps.updates` applies them).
+"""The update record format and the append-only update log (:mod:`hps.updates.online` applies them).
 
 One update *batch* (all tables changed by one training step) is one record::
 
@@ -45,7 +45,7 @@ from typing import BinaryIO
 
 import numpy as np
 
-log = logging.getLogger("hps.updates")  # one logger for the whole online-update path
+log = logging.getLogger("hps.updates.online")  # one logger for the whole online-update path
 
 MAGIC = b"HPSU"
 VERSION = 1
@@ -75,7 +75,7 @@ class CorruptRecordError(ValueError):
 class StaleOffsetError(CorruptRecordError):
     """The stored offset does not belong to the update log as it is now (the log was
     replaced, rotated or truncated after the updates up to that offset were applied); nothing
-    was read. Reset the stored offset (:meth:`hps.updates.UpdateApplier.reset_offset`)."""
+    was read. Reset the stored offset (:meth:`hps.updates.online.UpdateApplier.reset_offset`)."""
 
     def __init__(self, path: str | Path, offset: str | int, hint: str = "") -> None:
         self.path, self.offset, self.hint = Path(path), offset, hint

@@ -27,9 +27,9 @@ import time
 
 import numpy as np
 
-from hps.persistent import decode_rows, encode_keys
+from hps.storage.persistent import decode_rows, encode_keys
+from hps.storage.volatile import split_by_partition
 from hps.types import StorageBackend, VolatileUnavailableError, check_keys, check_values
-from hps.volatile import split_by_partition
 
 log = logging.getLogger(__name__)
 

@@ -26,8 +26,8 @@ from typing import TYPE_CHECKING
 import torch
 from torch import nn
 
+from embark.models.workloads import Workload
 from embark.types import Combiner
-from embark.workloads import Workload
 
 if TYPE_CHECKING:  # runtime import would be circular through embark.data.synthetic
     from embark.data.jagged import JaggedBatch

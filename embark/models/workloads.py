@@ -89,7 +89,7 @@ class Workload:
         tables: the embedding tables.
         dense_features: number of dense (continuous) inputs.
         bottom_mlp: bottom MLP widths. Its last width need not equal the tables'
-            dims: a table of another dim gets a projection to that width (see :class:`~embark.model.DLRM`).
+            dims: a table of another dim gets a projection to that width (see :class:`~embark.models.dlrm.DLRM`).
         top_mlp: top MLP widths, ending in 1 (the logit).
         interaction: see :class:`Interaction`.
         optimizer: ``adagrad`` or ``sgd``.
@@ -234,5 +234,5 @@ def get_workload(name: str) -> Workload:
         return _tiny()
     if name not in PRESETS:
         raise ValueError(f"unknown workload {name!r}; expected one of {list(PRESETS)}")
-    text = resources.files("embark.presets").joinpath(f"{name}.json").read_text()
+    text = resources.files("embark.models.presets").joinpath(f"{name}.json").read_text()
     return Workload.from_dict(json.loads(text))

@@ -2,7 +2,7 @@
 volatile DB, persistent DB and cached copies.
 
 One update *batch* (all tables changed by one training step) is one checksummed record
-(:mod:`hps.update_log` has the format). Transports: an append-only log file (the embedded
+(:mod:`hps.updates.log` has the format). Transports: an append-only log file (the embedded
 default; the offset is the byte position after a record, stored together with the log's id so
 that a replaced or rotated log is detected on resume, :class:`LogReplacedError`) or a Redis
 Stream (``XADD``; the offset is the entry id). A record whose header, length or CRC does not
@@ -31,10 +31,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from hps.persistent import RocksDBBackend
 from hps.session import LookupSession
+from hps.storage.persistent import RocksDBBackend
 from hps.types import StorageBackend, VolatileUnavailableError, check_keys, check_values
-from hps.update_log import (
+from hps.updates.log import (
     LOG_ID_RE,
     MAGIC,
     VERSION,
@@ -54,7 +54,7 @@ from hps.update_log import (
 
 log = logging.getLogger(__name__)
 
-__all__ = [  # the record format and the file log live in hps.update_log; re-exported here
+__all__ = [  # the record format and the file log live in hps.updates.log; re-exported here
     "LOG_ID_RE",
     "MAGIC",
     "VERSION",
@@ -182,7 +182,7 @@ class UpdateApplier:
     """Applies published batches to the tiers and the sessions' caches, resuming after the
     last applied offset.
 
-    The offset is stored with the id of the log it was taken in (:mod:`hps.update_log`) and
+    The offset is stored with the id of the log it was taken in (:mod:`hps.updates.log`) and
     checked when read: a replaced or rotated log (another id) raises :class:`LogReplacedError`
     and nothing is applied. An offset stored without an id (by an older version, or given to
     :meth:`reset_offset` alone) is accepted when a record of the log starts there, and is then
@@ -454,7 +454,7 @@ class UpdateApplier:
 
 
 class PublishUpdatesCallback:
-    """Trainer callback (duck-typed to ``embark.train.Callback``): after every
+    """Trainer callback (duck-typed to ``embark.training.trainer.Callback``): after every
     ``every_n_steps`` optimizer steps it publishes the rows that changed, all tables in one
     batch.
 

@@ -52,10 +52,10 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 from tqdm.auto import tqdm
 
-from embark.checkpoint_schema import check_state
-from embark.data.synthetic import Batch
-from embark.metrics import auc, log_loss
-from embark.workloads import Workload
+from embark.data.batch import Batch
+from embark.models.workloads import Workload
+from embark.training.checkpoint_schema import check_state
+from embark.training.metrics import auc, log_loss
 
 log = logging.getLogger(__name__)
 
@@ -254,7 +254,7 @@ class Trainer:
     cross-entropy on ``Batch.labels``.
 
     Args:
-        model: typically :class:`embark.model.DLRM`; its ``workload`` attribute, when present,
+        model: typically :class:`embark.models.dlrm.DLRM`; its ``workload`` attribute, when present,
             is written into checkpoints so :meth:`load_checkpoint` can rebuild it.
         cfg: hyper-parameters.
         callbacks: called in order at each hook.
@@ -522,7 +522,7 @@ class Trainer:
     @staticmethod
     def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
         """``state.json`` of a checkpoint, after checking its schema (every field's presence
-        and type, see :mod:`embark.checkpoint_schema`) and every tensor file's size and hash.
+        and type, see :mod:`embark.training.checkpoint_schema`) and every tensor file's size and hash.
 
         Raises:
             ValueError: naming the file (and the field), for a missing, truncated or altered
@@ -570,7 +570,7 @@ class Trainer:
         Args:
             path: a folder written by :meth:`save_checkpoint`.
             model: load into this model (e.g. one already parametrized by a pruner); ``None``
-                builds a :class:`~embark.model.DLRM` from the stored workload.
+                builds a :class:`~embark.models.dlrm.DLRM` from the stored workload.
             callbacks: for the new trainer.
 
         Raises:
@@ -601,7 +601,7 @@ class Trainer:
                 workload = Workload.from_dict(state["workload"])
             except ValueError as err:
                 raise ValueError(f"checkpoint file {str(sp)!r}: workload: {err}") from None
-            from embark.model import build_model
+            from embark.models.dlrm import build_model
 
             model = build_model(workload)
         own = model.state_dict()

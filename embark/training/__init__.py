@@ -1,0 +1,1 @@
+"""Training: the trainer, its checkpoints and evaluation metrics."""

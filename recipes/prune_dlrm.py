@@ -45,7 +45,7 @@ from torch import nn
 from tqdm.auto import tqdm
 
 from embark.data import Batch, SyntheticCTR
-from embark.models.dlrm import build_model
+from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import PRESETS, get_workload
 from embark.training.trainer import Callback, TrainConfig, Trainer
 from recipes.cli import knob, parse_knobs
@@ -310,15 +310,31 @@ def _fine_tune(
     return trainer
 
 
+@dataclass
+class PruneRun:
+    """One pruning run: its report row (JSON-able), its final masks and compressed model.
+
+    Attributes:
+        row: ``{"pattern", "sparsity", "config", "eval_auc", "compressed_auc", ...}`` as
+            written under ``runs`` in ``report.json``.
+        masks: ``{layer fqn: bool mask shaped like the layer's weight}``.
+        model: the pruned model, compressed into ``TileSparseLinear`` layers.
+    """
+
+    row: dict[str, Any]
+    masks: dict[str, torch.Tensor]
+    model: DLRM
+
+
 def run_one(
-    dense_model: nn.Module,
+    dense_model: DLRM,
     pcfg: TileSparseConfig,
     train_cfg: TrainConfig,
     optimizer_state: dict[str, Any],
     ft_batches: Sequence[Batch],
     eval_batches: Sequence[Batch],
     progress: bool,
-) -> dict[str, Any]:
+) -> PruneRun:
     """Prune a deep copy of ``dense_model`` along ``pcfg``'s schedule while fine-tuning on
     ``ft_batches``; evaluate masked and compressed."""
     t0 = time.perf_counter()
@@ -339,7 +355,7 @@ def run_one(
     pruner.compress()
     compressed = trainer.evaluate(eval_batches)
     kept = sum(s.kept for s in stats)
-    return {
+    row = {
         "pattern": pcfg.pattern.value,
         "sparsity": pcfg.target_sparsity,
         "config": pcfg.to_dict(),
@@ -352,9 +368,8 @@ def run_one(
         "mask_updates": pruner.updates,
         "layers": [s.to_dict() for s in stats],
         "seconds": time.perf_counter() - t0,
-        "_masks": masks,
-        "_model": model,
     }
+    return PruneRun(row, masks, model)
 
 
 def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
@@ -388,21 +403,20 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
     )
     dense_auc = bt.evaluate(eval_batches)["auc"]
 
-    runs = []
+    runs: list[PruneRun] = []
     for pcfg in configs:
         r = run_one(dense, pcfg, train_cfg, opt_state, ft_batches, eval_batches, cfg.progress)
-        r["auc_drop"] = dense_auc - r["eval_auc"]
+        r.row["auc_drop"] = dense_auc - r.row["eval_auc"]
         runs.append(r)
         log.info(
             "%s %.2f: AUC %.4f (drop %+.4f)",
-            r["pattern"],
-            r["sparsity"],
-            r["eval_auc"],
-            r["auc_drop"],
+            r.row["pattern"],
+            r.row["sparsity"],
+            r.row["eval_auc"],
+            r.row["auc_drop"],
         )
 
-    masks = [r.pop("_masks") for r in runs]
-    models = [r.pop("_model") for r in runs]
+    rows = [r.row for r in runs]
     report: dict[str, Any] = {
         "recipe": "prune_dlrm",
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
@@ -412,58 +426,82 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
         "dense_pretrain_auc": pretrain["auc"],
         "dense_auc": dense_auc,
         "dense_linear_params": _linear_params(dense),
-        "results": {},
-        "runs": runs,
+        "results": _results_table(rows),
+        "runs": rows,
         "seconds": {"dense_train": dense_train_s},
     }
-    for r in runs:
-        report["results"].setdefault(r["pattern"], {})[f"{r['sparsity']:g}"] = {
-            "eval_auc": r["eval_auc"],
-            "auc_drop": r["auc_drop"],
-            "compressed_auc": r["compressed_auc"],
-            "achieved_sparsity": r["achieved_sparsity"],
-        }
-    main_i = _main_run_index(runs, cfg)
-    main_run = runs[main_i]
-    if cfg.speed_batch and main_run["pattern"] not in SPEED_PATTERNS:
-        report["speed"] = {
-            "skipped": (
-                f"speed is measured for the TW family ({', '.join(SPEED_PATTERNS)}); a condensed "
-                f"{main_run['pattern']} mask has about one tile per column and no fast path"
-            )
-        }
-    elif cfg.speed_batch:
-        t0 = time.perf_counter()
-        report["speed"] = measure_speed(
-            main_run["pattern"],
-            main_run["sparsity"],
-            tile=128,
-            batch=cfg.speed_batch,
-            threads=cfg.speed_threads,
-            seed=cfg.seed,
-        )
-        report["seconds"]["speed"] = time.perf_counter() - t0
-        torch.set_num_threads(cfg.threads)
-    if cfg.serve_batches:
-        t0 = time.perf_counter()
-        report["serving"] = serve_check(
-            models[main_i],
-            out / "serving",
-            eval_batches[: cfg.serve_batches],
-            request_batch=cfg.batch_size,
-        )
-        report["seconds"]["serving"] = time.perf_counter() - t0
-        log.info(
-            "served %d samples: max |logit diff| %.2e",
-            report["serving"]["samples"],
-            report["serving"]["max_abs_logit_diff"],
-        )
-    report["plots"] = write_plots(out, report, masks[main_i], runs[main_i])
+    main_i = _main_run_index(rows, cfg)
+    _measure_speed(report, cfg, rows[main_i])
+    _check_serving(report, cfg, runs[main_i].model, out / "serving", eval_batches)
+    report["plots"] = write_plots(out, report, runs[main_i].masks, rows[main_i])
     report["seconds"]["total"] = time.perf_counter() - t_start
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
     (out / "report.md").write_text(write_markdown(report, main_i))
     print(terminal_summary(report, main_i, out))
     return report
+
+
+def _results_table(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, float]]]:
+    """``{pattern: {sparsity: {"eval_auc", "auc_drop", "compressed_auc",
+    "achieved_sparsity"}}}`` from the runs' rows."""
+    table: dict[str, dict[str, dict[str, float]]] = {}
+    for r in rows:
+        table.setdefault(r["pattern"], {})[f"{r['sparsity']:g}"] = {
+            "eval_auc": r["eval_auc"],
+            "auc_drop": r["auc_drop"],
+            "compressed_auc": r["compressed_auc"],
+            "achieved_sparsity": r["achieved_sparsity"],
+        }
+    return table
+
+
+def _measure_speed(report: dict[str, Any], cfg: PruneDLRMConfig, main_row: dict[str, Any]) -> None:
+    """``report["speed"]``: the main run's pattern and sparsity on the DLRM-DCNv2 dense part
+    against dense (``--speed-batch`` 0 skips; non-TW patterns are recorded as skipped)."""
+    if not cfg.speed_batch:
+        return
+    if main_row["pattern"] not in SPEED_PATTERNS:
+        report["speed"] = {
+            "skipped": (
+                f"speed is measured for the TW family ({', '.join(SPEED_PATTERNS)}); a condensed "
+                f"{main_row['pattern']} mask has about one tile per column and no fast path"
+            )
+        }
+        return
+    t0 = time.perf_counter()
+    report["speed"] = measure_speed(
+        main_row["pattern"],
+        main_row["sparsity"],
+        tile=128,
+        batch=cfg.speed_batch,
+        threads=cfg.speed_threads,
+        seed=cfg.seed,
+    )
+    report["seconds"]["speed"] = time.perf_counter() - t0
+    torch.set_num_threads(cfg.threads)
+
+
+def _check_serving(
+    report: dict[str, Any],
+    cfg: PruneDLRMConfig,
+    model: DLRM,
+    folder: Path,
+    eval_batches: Sequence[Batch],
+) -> None:
+    """``report["serving"]``: ``model`` exported to ``folder``, served, and scored on the first
+    ``--serve-batches`` eval batches against eager (0 skips)."""
+    if not cfg.serve_batches:
+        return
+    t0 = time.perf_counter()
+    report["serving"] = serve_check(
+        model, folder, eval_batches[: cfg.serve_batches], request_batch=cfg.batch_size
+    )
+    report["seconds"]["serving"] = time.perf_counter() - t0
+    log.info(
+        "served %d samples: max |logit diff| %.2e",
+        report["serving"]["samples"],
+        report["serving"]["max_abs_logit_diff"],
+    )
 
 
 def _main_run_index(runs: list[dict[str, Any]], cfg: PruneDLRMConfig) -> int:

@@ -21,7 +21,7 @@ import torch
 
 from embark.models.dlrm import build_model
 from embark.models.workloads import get_workload
-from tilesparse import TileSparseConfig, model_memory, prune_
+from tilesparse import Pattern, TileSparseConfig, model_memory, prune_
 
 __all__ = ["measure_speed"]
 
@@ -53,12 +53,15 @@ def measure_speed(
     for name, v in (("batch", batch), ("threads", threads), ("repeats", repeats)):
         if isinstance(v, bool) or not isinstance(v, int) or v < 1:
             raise ValueError(f"measure_speed: {name} must be an integer >= 1, got {v!r}")
-    cfg = TileSparseConfig(pattern=pattern, sparsity=sparsity, tile=tile, global_threshold=False)
+    cfg = TileSparseConfig(
+        pattern=Pattern(pattern), sparsity=sparsity, tile=tile, global_threshold=False
+    )
     workload = get_workload("dlrm_dcnv2").scaled(1e6)  # tables shrunk; dense widths untouched
     dense = build_model(workload, seed=seed).eval()
     pruned = copy.deepcopy(dense)
     pruner = prune_(pruned, cfg)
-    masked = pruner.apply_masks_to(copy.deepcopy(dense))
+    masked = copy.deepcopy(dense)
+    pruner.apply_masks_to(masked)
     achieved = pruner.overall_sparsity()
     pruner.compress()
 

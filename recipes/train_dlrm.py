@@ -118,7 +118,7 @@ def build(cfg: TrainDLRMKnobs) -> tuple[Workload, SyntheticCTR, Trainer]:
     train_cfg = TrainConfig(
         lr=cfg.lr,
         embedding_lr=cfg.embedding_lr,
-        optimizer=cfg.optimizer or workload.optimizer,
+        optimizer=OptimizerKind(cfg.optimizer or workload.optimizer),
         eval_every=cfg.eval_every,
         seed=cfg.seed,
     )

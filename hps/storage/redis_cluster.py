@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -83,7 +84,7 @@ class RedisClusterBackend(StorageBackend):
         self.max_pending_rows = max_pending_rows
         self._dims: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._client = None
+        self._client: Any = None  # a redis.cluster.RedisCluster once a node answered
         self._down_until = 0.0
         self._pending: list[tuple[str, np.ndarray, np.ndarray]] = []
         self._pending_rows = 0
@@ -127,7 +128,7 @@ class RedisClusterBackend(StorageBackend):
     def _address_list(self) -> str:
         return ", ".join(f"{h}:{p}" for h, p in self.addresses)
 
-    def _connected(self) -> object:
+    def _connected(self) -> Any:
         """The client, or :class:`VolatileUnavailableError` when no node answered yet."""
         if self._client is None:
             raise VolatileUnavailableError(

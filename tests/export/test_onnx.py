@@ -16,10 +16,11 @@ from embark.data.jagged import JaggedBatch
 from embark.models.dlrm import build_model
 from embark.models.workloads import get_workload
 from export.onnx import CondensedLinear, export_onnx, onnx_inputs, run_onnx
+from tests.tolerances import tol
 from tilesparse.linear import TileSparseLinear
 
 # onnxruntime's kernels reorder fp32 sums: a tolerance, not equality
-TOL = {"rtol": 1e-4, "atol": 1e-5}
+TOL = tol("onnx")
 
 
 def _padded_to_jagged(model, inputs: dict[str, torch.Tensor]) -> JaggedBatch:

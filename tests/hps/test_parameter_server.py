@@ -12,7 +12,7 @@ import torch
 
 from hps.parameter_server import HierarchicalParameterServer
 from hps.storage.sparse_files import write_table
-from hps.updates.online import FileLogPublisher
+from hps.updates import FileLogPublisher
 
 DIM = 4
 
@@ -155,7 +155,7 @@ def test_a_non_finite_update_is_refused_at_publish_and_never_blocks_a_start(
     import struct
     import zlib
 
-    from hps.updates.online import InvalidUpdateError, encode_batch
+    from hps.updates import InvalidUpdateError, encode_batch
 
     cfg = _folder(tmp_path, {"type": "none"})
     pub = FileLogPublisher(tmp_path / "u.log")

@@ -10,7 +10,7 @@ partition (chunks of ``max_batch_size`` fields), sent node by node by the cluste
 Failures: any Redis error marks the backend *down* for ``retry_interval_s``; while down,
 lookups return "not found" at once (the session falls through to the persistent DB) and
 writes are queued (bounded by ``max_pending_rows``) and replayed when the cluster answers
-again. A write that no longer fits the queue raises :class:`VolatileUnavailableError` instead
+again. A write that the full queue cannot take raises :class:`VolatileUnavailableError` instead
 of being dropped: the Redis hashes still hold the old rows of its keys and are read before the
 persistent DB, so a dropped online update would be undone silently once the cluster is back.
 The update applier lets the error fail the batch (its offset is not advanced; the batch is

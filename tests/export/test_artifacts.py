@@ -142,9 +142,9 @@ def _assert_written(out: Path, model) -> None:
 @pytest.mark.parametrize("case", ["float16", "bfloat16", "mixed_dims"])
 def test_unexportable_model_fails_before_anything_is_written(tmp_path, case) -> None:
     """A model the served dense graph cannot take (not float32, or tables of different dims) is
-    refused with a ValueError naming the problem before anything is written (bf16 used to fail
-    with onnx's TypeError, fp16 / mixed dims after the sparse folders were written), so the
-    corrected export into the same folder needs no overwrite=True."""
+    refused with a ValueError naming the problem before anything is written (not onnx's
+    TypeError, not after the sparse folders), so the corrected export into the same folder needs
+    no overwrite=True."""
     if case == "mixed_dims":
         model = _mixed_dim_tiny()
         match = (
@@ -199,8 +199,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize("stage", ["export", "move"])
 def test_failed_overwrite_restores_the_old_artifacts(tmp_path, monkeypatch, stage) -> None:
     """overwrite=True failing midway leaves the folder byte for byte what it was, never old and
-    new files mixed: failing in the ONNX export (the sparse folders used to be replaced already)
-    or while the new files are moved in (here: ps.json, the last one; every replaced file is
+    new files mixed: failing in the ONNX export (after the sparse folders were staged) or while the new files are moved in (here: ps.json, the last one; every replaced file is
     put back)."""
     out = tmp_path / "art"
     old = build_model(get_workload("tiny"), seed=0).eval()
@@ -249,7 +248,7 @@ def _exported_with_sparse_elsewhere(tmp_path: Path) -> tuple[Path, Path, object]
 
 def test_overwrite_through_a_link_to_another_filesystem(tmp_path, monkeypatch) -> None:
     """``out/sparse`` a symlink to another disk: a rename between the staging folder and it
-    fails with EXDEV, and the move falls back to copying (the export used to fail there)."""
+    fails with EXDEV, and the move falls back to copying."""
     import errno
     import os
 

@@ -5,8 +5,8 @@ from pathlib import Path
 
 import pytest
 
-from hps.config_parse import load_config, parse_config
 from hps.artifact_format import ARTIFACT_VERSION
+from hps.config_parse import load_config, parse_config
 from hps.types import CachePolicy, FormatVersionError, OverflowPolicy, VolatileDBType
 
 

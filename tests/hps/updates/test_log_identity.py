@@ -283,7 +283,7 @@ def test_a_torn_log_header_is_rewritten_by_the_writer(tmp_path: Path) -> None:
     off = pub.publish(_one(0, 1.0))
     assert [o for o, _ in FileLogSource(log).read(None)] == [off]
     data = bytearray(log.read_bytes())
-    data[30] ^= 0xFF  # the log id no longer matches its checksum
+    data[30] ^= 0xFF  # the log id does not match its checksum
     log.write_bytes(bytes(data))
     src = FileLogSource(log)
     assert src.read(None) == [] and src.corrupt == 1  # refused, as a corrupt record is

@@ -1,12 +1,15 @@
 """Serving artifacts of a trained (and pruned) DLRM: one folder that the parameter server
 (``hps``) and onnxruntime serve unchanged.
 
-Layout written by :func:`write_serving_artifacts`::
+Layout written by :func:`write_serving_artifacts` (format version
+:data:`hps.artifact_format.ARTIFACT_VERSION`, which ``ps.json`` carries as ``tilerec_artifact_version``
+and the graph's metadata as ``version``; hps refuses artifacts of another version)::
 
     out/
       ps.json               the parameter-server config (HugeCTR field names), validated by hps
       dense.onnx            the dense part (inputs dense (B, D), pooled (B, T, dim)); its
-                            metadata ``tilerec.serving`` names each table's combiner
+                            metadata ``tilerec.serving`` (hps.artifact_format) names each
+                            table's combiner
       sparse/<table>/key         int64 little-endian, one per row
       sparse/<table>/emb_vector  float32 rows (num_rows × dim)
 
@@ -25,12 +28,16 @@ import tempfile
 import uuid
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
+import torch
 
 from embark.models.dlrm import DLRM
 from export.onnx import check_exportable, export_onnx
-from hps.config import PSConfig, parse_config
+from hps.artifact_format import ARTIFACT_VERSION, ARTIFACT_VERSION_FIELD
+from hps.config import PSConfig
+from hps.config_parse import parse_config
 from hps.storage.sparse_files import write_table
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 
@@ -82,7 +89,53 @@ def write_serving_artifacts(
         raise ValueError(f"{ps_path} exists; pass overwrite=True to replace the artifacts")
     check_exportable(model, include_embeddings=False, caller="write_serving_artifacts")
     tables = model.workload.tables
-    doc = {
+    doc = _ps_json(
+        model,
+        model_name,
+        max_batch_size,
+        cache_fraction,
+        cache_exact,
+        str(cache_policy),  # checked by parse_config, which names the field
+        cache_lfu_decay_keys_per_slot,
+    )
+    cfg = parse_config(doc, base_dir=out)  # validate before anything is written
+    if not overwrite:
+        taken = [str(out / "sparse" / t.name) for t in tables if (out / "sparse" / t.name).exists()]
+        if taken:
+            raise ValueError(f"sparse folders exist: {taken}; pass overwrite=True to replace them")
+    created = _make_dirs(out)
+    staging: Path | None = None
+    try:
+        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
+        _write_into(staging, model, doc)
+        _commit(staging, out, [*(f"sparse/{t.name}" for t in tables), "dense.onnx", "ps.json"])
+    except BaseException:
+        if staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
+        for d in reversed(created):  # innermost first; only if still empty
+            try:
+                d.rmdir()
+            except OSError:
+                pass
+        raise
+    shutil.rmtree(staging, ignore_errors=True)  # holds the replaced files, if any
+    return cfg
+
+
+def _ps_json(
+    model: DLRM,
+    model_name: str,
+    max_batch_size: int,
+    cache_fraction: float,
+    cache_exact: bool,
+    cache_policy: str,
+    cache_lfu_decay_keys_per_slot: float,
+) -> dict[str, Any]:
+    """The ``ps.json`` document of the artifacts (HugeCTR's per-table lists, paths relative to
+    the artifact folder, the artifact format version at the top)."""
+    tables = model.workload.tables
+    return {
+        ARTIFACT_VERSION_FIELD: ARTIFACT_VERSION,
         "supportlonglong": True,
         "volatile_db": {"type": "parallel_hash_map"},
         "persistent_db": {"type": "none"},
@@ -99,44 +152,25 @@ def write_serving_artifacts(
                 "gpucacheper": cache_fraction,
                 "hit_rate_threshold": 0.9,
                 "cache_exact": cache_exact,
-                "cache_policy": str(cache_policy),
+                "cache_policy": cache_policy,
                 "cache_lfu_decay_keys_per_slot": cache_lfu_decay_keys_per_slot,
                 "network_file": "dense.onnx",
             }
         ],
     }
-    cfg = parse_config(doc, base_dir=out)  # validate before anything is written
-    if not overwrite:
-        taken = [str(out / "sparse" / t.name) for t in tables if (out / "sparse" / t.name).exists()]
-        if taken:
-            raise ValueError(f"sparse folders exist: {taken}; pass overwrite=True to replace them")
-    created = _make_dirs(out)
-    staging: Path | None = None
-    try:
-        staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
-        export_onnx(model, staging / "dense.onnx", include_embeddings=False)  # tilerec.serving
-        for t in tables:
-            w = (
-                model.embeddings[t.name]
-                .weight.detach()
-                .cpu()
-                .numpy()
-                .astype(np.float32, copy=False)
-            )
-            write_table(staging / "sparse" / t.name, np.arange(w.shape[0], dtype=np.int64), w)
-        (staging / "ps.json").write_text(json.dumps(doc, indent=2))
-        _commit(staging, out, [*(f"sparse/{t.name}" for t in tables), "dense.onnx", "ps.json"])
-    except BaseException:
-        if staging is not None:
-            shutil.rmtree(staging, ignore_errors=True)
-        for d in reversed(created):  # innermost first; only if still empty
-            try:
-                d.rmdir()
-            except OSError:
-                pass
-        raise
-    shutil.rmtree(staging, ignore_errors=True)  # holds the replaced files, if any
-    return cfg
+
+
+def _write_into(folder: Path, model: DLRM, doc: dict[str, Any]) -> None:
+    """Write every artifact into ``folder``: the dense graph (stamped with its serving
+    metadata), one sparse folder per table (keys ``0..rows-1``) and ``ps.json``."""
+    export_onnx(model, folder / "dense.onnx", include_embeddings=False)
+    for t in model.workload.tables:
+        weight = model.embeddings[t.name].weight
+        if not isinstance(weight, torch.Tensor):
+            raise TypeError(f"table {t.name!r}: its weight is a {type(weight).__name__}")
+        w = weight.detach().cpu().numpy().astype(np.float32, copy=False)
+        write_table(folder / "sparse" / t.name, np.arange(w.shape[0], dtype=np.int64), w)
+    (folder / "ps.json").write_text(json.dumps(doc, indent=2))
 
 
 def _make_dirs(path: Path) -> list[Path]:

@@ -27,20 +27,21 @@ batch 1024, 1 thread: 543 ms against 442 ms dense; K-major: 201 ms).
 from __future__ import annotations
 
 import copy
-import json
 import logging
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 from torch import nn
 
 from embark.models.dlrm import DLRM
 from embark.types import Combiner
-from hps.serving.servable import SERVING_METADATA_KEY
+from hps.artifact_format import SERVING_METADATA_KEY, ServingMetadata, TableMetadata
 from tilesparse.linear import TileSparseLinear
 
 log = logging.getLogger(__name__)
+M = TypeVar("M", bound=nn.Module)
 
 __all__ = ["CondensedLinear", "check_exportable", "export_onnx", "run_onnx", "onnx_inputs"]
 
@@ -50,6 +51,9 @@ class CondensedLinear(nn.Module):
 
     ``forward(x: (B, K)) -> (B, N)``, equal to the layer's reference forward.
     """
+
+    col_map: torch.Tensor  # (N,) int64 buffer
+    bias: torch.Tensor | None  # (N,) buffer
 
     def __init__(self, layer: TileSparseLinear) -> None:
         super().__init__()
@@ -82,7 +86,7 @@ class CondensedLinear(nn.Module):
         return y
 
 
-def _condense_for_onnx(module: nn.Module) -> nn.Module:
+def _condense_for_onnx(module: M) -> M:
     """A copy of ``module`` with every TileSparseLinear replaced by :class:`CondensedLinear`."""
     module = copy.deepcopy(module).cpu().eval()
     for name, child in list(module.named_modules()):
@@ -96,8 +100,12 @@ def _condense_for_onnx(module: nn.Module) -> nn.Module:
 class _PaddedBags(nn.Module):
     """Embedding bags from padded ids: ``ids (B, H) int64`` with ``-1`` as padding → ``(B, dim)``."""
 
-    def __init__(self, bag: nn.EmbeddingBag, combiner: Combiner) -> None:
+    weight: torch.Tensor  # (rows + 1, dim) buffer, the last row zeros (what padding reads)
+
+    def __init__(self, bag: nn.Module, combiner: Combiner) -> None:
         super().__init__()
+        if not isinstance(bag.weight, torch.Tensor):
+            raise TypeError(f"an embedding bag's weight is a {type(bag.weight).__name__}")
         w = bag.weight.detach()
         self.register_buffer("weight", torch.cat([w, w.new_zeros(1, w.shape[1])]))
         self.num_rows = w.shape[0]
@@ -240,6 +248,8 @@ def export_onnx(
             dynamo=True,
             verbose=False,
         )
+        if program is None:  # only without dynamo=True
+            raise RuntimeError("torch.onnx.export returned no ONNX program")
         program.save(str(tmp))
         _stamp_metadata(tmp, model)
         tmp.replace(path)
@@ -265,27 +275,24 @@ def _check_float32(model: nn.Module, caller: str = "export_onnx") -> None:
         )
 
 
-# JSON {"tables": [{name, rows, combiner, hotness}], "dense_features"}; the server reads it
-METADATA_KEY = SERVING_METADATA_KEY
-
-
 def _stamp_metadata(path: Path, model: DLRM) -> None:
-    """Record in the graph's ``metadata_props`` what the ops do not say: each table's rows,
-    combiner and hotness, and the dense width (read by :func:`run_onnx` to check ids and by
-    the v2 server for the pooling)."""
+    """Record in the graph's ``metadata_props`` what the ops do not say
+    (:class:`hps.artifact_format.ServingMetadata`: the format version, each table's rows,
+    combiner and hotness, and the dense width), read by :func:`run_onnx` to check ids and by
+    the v2 server for the pooling."""
     import onnx
 
     proto = onnx.load(str(path))
-    doc = {
-        "tables": [
-            {"name": t.name, "rows": t.num_rows, "combiner": t.combiner.value, "hotness": t.hotness}
+    meta = ServingMetadata(
+        tables=tuple(
+            TableMetadata(t.name, t.num_rows, t.combiner.value, t.hotness)
             for t in model.workload.tables
-        ],
-        "dense_features": model.workload.dense_features,
-    }
-    kept = [(m.key, m.value) for m in proto.metadata_props if m.key != METADATA_KEY]
+        ),
+        dense_features=model.workload.dense_features,
+    )
+    kept = [(m.key, m.value) for m in proto.metadata_props if m.key != SERVING_METADATA_KEY]
     del proto.metadata_props[:]
-    for k, v in [*kept, (METADATA_KEY, json.dumps(doc))]:
+    for k, v in [*kept, (SERVING_METADATA_KEY, meta.to_json())]:
         e = proto.metadata_props.add()
         e.key, e.value = k, v
     onnx.save(proto, str(path))
@@ -294,22 +301,27 @@ def _stamp_metadata(path: Path, model: DLRM) -> None:
 def check_ids(path: str | Path, inputs: dict[str, torch.Tensor]) -> None:
     """Raise ``ValueError`` naming the input unless every ``ids_<table>`` holds -1 (padding) or a
     row in ``[0, rows)``: the graph itself cannot (``Gather`` would treat ``rows`` and any
-    negative id as padding, and fail without naming the input above that)."""
+    negative id as padding, and fail without naming the input above that).
+
+    Raises:
+        FormatVersionError: the graph's serving metadata is of another version.
+    """
     import onnx
 
-    meta = {m.key: m.value for m in onnx.load(str(path), load_external_data=False).metadata_props}
-    if METADATA_KEY not in meta:
+    props = onnx.load(str(path), load_external_data=False).metadata_props
+    meta = {m.key: m.value for m in props}
+    if SERVING_METADATA_KEY not in meta:
         return  # a graph we did not stamp: nothing to check against
-    for t in json.loads(meta[METADATA_KEY])["tables"]:
-        ids = inputs.get(f"ids_{t['name']}")
+    for t in ServingMetadata.from_json(meta[SERVING_METADATA_KEY], str(path)).tables:
+        ids = inputs.get(f"ids_{t.name}")
         if ids is None or ids.numel() == 0:
             continue
-        bad = (ids < -1) | (ids >= t["rows"])
+        bad = (ids < -1) | (ids >= t.rows)
         if bool(bad.any()):
             v = int(ids[bad][0])
             raise ValueError(
-                f"input 'ids_{t['name']}': id {v} is outside table {t['name']!r} "
-                f"(rows 0..{t['rows'] - 1}; -1 pads a short bag)"
+                f"input 'ids_{t.name}': id {v} is outside table {t.name!r} "
+                f"(rows 0..{t.rows - 1}; -1 pads a short bag)"
             )
 
 

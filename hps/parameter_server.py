@@ -25,16 +25,20 @@ from __future__ import annotations
 
 import logging
 import math
+import threading
 from pathlib import Path
 
 import numpy as np
 import torch
 
-from hps.config import ModelConfig, PSConfig, load_config
+from hps.config import ModelConfig, PSConfig
+from hps.config_parse import load_config
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.persistent import RocksDBBackend
+from hps.storage.redis_cluster import RedisClusterBackend
 from hps.storage.sparse_files import read_table
+from hps.storage.volatile import HashMapBackend
 from hps.types import (
     PersistentDBType,
     StorageBackend,
@@ -42,15 +46,11 @@ from hps.types import (
     VolatileDBType,
     VolatileUnavailableError,
 )
-from hps.updates.online import (
-    CorruptRecordError,
-    FileLogSource,
-    InvalidUpdateError,
-    OffsetFile,
-    RedisStreamSource,
-    UpdateApplier,
-    redis_client,
-)
+from hps.updates.applier import OffsetFile, UpdateApplier
+from hps.updates.file_log import FileLogSource
+from hps.updates.record import CorruptRecordError, InvalidUpdateError
+from hps.updates.redis_stream import RedisStreamSource, redis_client
+from hps.updates.transport import UpdateSource
 
 log = logging.getLogger(__name__)
 
@@ -63,8 +63,6 @@ def build_volatile(cfg: PSConfig) -> StorageBackend | None:
     if v.type is VolatileDBType.NONE:
         return None
     if v.type is VolatileDBType.REDIS_CLUSTER:
-        from hps.storage.redis_cluster import RedisClusterBackend
-
         # with a persistent DB every row can be served while the cluster is unreachable
         return RedisClusterBackend(
             v.addresses(),
@@ -74,8 +72,6 @@ def build_volatile(cfg: PSConfig) -> StorageBackend | None:
             socket_timeout_s=v.socket_timeout_s,
             start_down=cfg.persistent_db.type is not PersistentDBType.NONE,
         )
-    from hps.storage.volatile import HashMapBackend
-
     parts = 1 if v.type is VolatileDBType.HASH_MAP else v.num_partitions
     return HashMapBackend(
         num_partitions=parts,
@@ -86,6 +82,7 @@ def build_volatile(cfg: PSConfig) -> StorageBackend | None:
 
 
 def build_persistent(cfg: PSConfig) -> RocksDBBackend | None:
+    """The persistent DB a config describes (``None`` for ``type: none``)."""
     p = cfg.persistent_db
     if p.type is PersistentDBType.NONE:
         return None
@@ -93,6 +90,8 @@ def build_persistent(cfg: PSConfig) -> RocksDBBackend | None:
 
 
 def resolve_device(model: ModelConfig) -> torch.device:
+    """Where a model's caches and returned rows live: ``device`` of ``ps.json``; ``auto`` is
+    the first deployed CUDA device when there is one, else the CPU."""
     if model.device == "auto":
         return (
             torch.device("cuda", model.deployed_device_list[0])
@@ -117,7 +116,7 @@ class HierarchicalParameterServer:
         self.persistent = build_persistent(cfg)
         self.num_rows: dict[str, int] = {}
         self._sessions: dict[str, LookupSession] = {}
-        self._stops: list = []
+        self._stops: list[threading.Event] = []
         for model in cfg.models:
             for t in model.tables:
                 for db in (self.volatile, self.persistent):
@@ -133,17 +132,25 @@ class HierarchicalParameterServer:
 
     @classmethod
     def from_config(cls, path: str | Path, load: bool = True) -> HierarchicalParameterServer:
+        """The parameter server of the ``ps.json`` at ``path`` (see :func:`hps.config.load_config`).
+
+        Raises:
+            ValueError: an invalid ``ps.json`` (naming the field), or a sparse file that does
+                not match it.
+        """
         return cls(load_config(path), load=load)
 
     def session(self, model: str) -> LookupSession:
+        """The lookup session of ``model`` (``ValueError`` naming the models for another name)."""
         try:
             return self._sessions[model]
         except KeyError:
             raise ValueError(f"no model {model!r}; models: {sorted(self._sessions)}") from None
 
     def _known_rows(self, table: str, sparse_file: str, dim: int) -> int:
-        if self.persistent is not None and self.persistent.loaded_rows(table) is not None:
-            return int(self.persistent.loaded_rows(table))
+        loaded = self.persistent.loaded_rows(table) if self.persistent is not None else None
+        if loaded is not None:
+            return loaded
         if sparse_file and Path(sparse_file).exists():
             return int(read_table(sparse_file, dim)[0].shape[0])
         raise ValueError(
@@ -187,13 +194,13 @@ class HierarchicalParameterServer:
                 name,
                 "persistent db" if from_pdb is not None else "sparse files",
             )
-            if pdb is None and self.cfg.volatile_db.type is not VolatileDBType.REDIS_CLUSTER:
+            if pdb is None and isinstance(self.volatile, HashMapBackend):
                 held = self.volatile.size(name)
                 if held < n:  # evicted while loading: no tier holds the rest
-                    v = self.cfg.volatile_db
+                    margin = self.cfg.volatile_db.overflow_margin
                     raise ValueError(
                         f"table {name!r}: the volatile db holds {held} of its {n} rows after loading "
-                        f"(overflow_margin {v.overflow_margin} rows per partition, "
+                        f"(overflow_margin {margin} rows per partition, "
                         f"{self.volatile.num_partitions} partitions) and there is no persistent_db, "
                         "so the evicted rows would be served as default vectors; raise "
                         "volatile_db.overflow_margin or add a persistent_db"
@@ -269,6 +276,7 @@ class HierarchicalParameterServer:
         u = self.cfg.update_source
         if u.type is UpdateSourceType.NONE:
             return None
+        source: UpdateSource
         if u.type is UpdateSourceType.FILE_LOG:
             source = FileLogSource(u.path)
         else:
@@ -285,15 +293,19 @@ class HierarchicalParameterServer:
             name=f"{u.type.value}:{u.stream if u.path == '' else u.path}",
         )
 
-    def start_background(self, refresh_interval_s: float = 10.0) -> list:
+    def start_background(self, refresh_interval_s: float = 10.0) -> list[threading.Event]:
         """Start the periodic work a config asks for: each model's cache refresh (every
         ``refresh_interval_s``, ``cache_refresh_percentage_per_iteration`` of the slots each
         time; skipped when 0) and the online-update poller (every
         ``update_source.poll_interval_s``). The updates already in the source are applied
         first, before this returns (after a restart that replays the log, the server must not
         report ready while serving rows older than before it); a corrupt record there is
-        logged and retried by the poller, as later. Returns the stop events (set them to stop)."""
-        stops = []
+        logged and retried by the poller, as later. Returns the stop events (set them to stop).
+
+        Raises:
+            FormatVersionError: the update log is of another format version.
+        """
+        stops: list[threading.Event] = []
         for m in self.cfg.models:
             if m.gpucache and m.cache_refresh_percentage_per_iteration > 0:
                 stops.append(
@@ -314,6 +326,7 @@ class HierarchicalParameterServer:
         return stops
 
     def close(self) -> None:
+        """Stop the background work and close the sessions and the databases."""
         for ev in self._stops:
             ev.set()
         for s in self._sessions.values():

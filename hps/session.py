@@ -38,6 +38,7 @@ along); concurrent lookups of one table may halve a priority once more or once l
 
 from __future__ import annotations
 
+import functools
 import logging
 import queue
 import threading
@@ -443,9 +444,7 @@ class LookupSession:
                 if is_async and not self.exact:
                     mrows = torch.full((miss.numel(), t.dim), t.default_value, device=dev)
                     mk, mp = mkeys.numpy(), prio.to(dev)
-                    self._submit(
-                        t, lambda c=cache, k=mk, p=mp, e=epoch: self._fill_from_db(t, c, k, p, e)
-                    )
+                    self._submit(t, functools.partial(self._fill_from_db, t, cache, mk, mp, epoch))
                 else:
                     vals, found, from_pdb = self._fetch_tiers(t, mkeys.numpy())
                     mrows = torch.from_numpy(vals).to(dev)
@@ -461,12 +460,10 @@ class LookupSession:
                         # bound to this cache: a job running after the table's cache was
                         # replaced must not write these (by then maybe stale) rows into the new one
                         gen = self.update_lock.generation
-                        self._submit(
-                            t,
-                            lambda c=cache, k=fk, v=fv, p=fp, g=gen, e=epoch: (
-                                self._insert_if_current(t, c, k, v, p, g, e)
-                            ),
+                        job = functools.partial(
+                            self._insert_if_current, t, cache, fk, fv, fp, gen, epoch
                         )
+                        self._submit(t, job)
                     else:
                         cache.insert(fk, fv, priority=fp, epoch=epoch)
                 # scatter the miss rows to every request position of a missed key
@@ -555,7 +552,7 @@ class LookupSession:
         finally:
             self.update_lock.release_read()
 
-    def _submit(self, t: SessionTable, job: Callable[[], object]) -> None:
+    def _submit(self, t: SessionTable, job: Callable[[], None]) -> None:
         try:
             self._jobs.put_nowait(job)
         except queue.Full:

@@ -1,7 +1,7 @@
 """Data types and the one small storage-backend interface shared by every HPS tier.
 
-Only enums, the backend protocol and small records live here; tiers live in
-``cache.py``, ``volatile.py``, ``redis_cluster.py``, ``persistent.py``.
+Only enums, the backend protocol, small records and the error types shared across the package
+live here; the tiers live in :mod:`hps.storage`.
 
 Keys are ``int64`` (HugeCTR's ``supportlonglong: true``); rows are ``float32``. Backends work on
 numpy arrays (zero-copy to and from CPU torch tensors) because the lower tiers talk to bytes
@@ -153,3 +153,23 @@ class VolatileUnavailableError(RuntimeError):
 class CorruptRowError(RuntimeError):
     """A row a database returned is not ``dim`` float32s: the database is damaged (not the
     request's fault; the server answers 500 and logs it)."""
+
+
+class FormatVersionError(ValueError):
+    """A file (or stream entry) in one of the formats hps reads (an update log, an update record,
+    a ``ps.json`` of serving artifacts, a dense graph's serving metadata) whose format version is
+    not the one this hps reads. Nothing of it is used.
+
+    Attributes:
+        what: the file or entry (``update log out/u.log``).
+        found: the version it holds (``None`` when it holds none).
+        expected: the version this hps reads.
+    """
+
+    def __init__(self, what: str, found: object, expected: int, hint: str = "") -> None:
+        self.what, self.found, self.expected = what, found, expected
+        has = "has no format version" if found is None else f"has format version {found!r}"
+        super().__init__(
+            f"{what} {has}; this hps reads format version {expected} only"
+            + (f" ({hint})" if hint else "")
+        )

@@ -19,7 +19,7 @@ full MLPerf widths, condensed with G=128, timed against dense (``recipes.prune_s
 
 Serving (``--serve-batches``, 0 skips): the main run's condensed model is exported to
 ``<out>/serving`` (sparse files, ``dense.onnx``, ``ps.json``), served by the v2 inference server
-(``hps.serving.server``) on a free local port, and that many eval batches are scored through it with
+(``hps.serving.http_server``) on a free local port, and that many eval batches are scored through it with
 ``tritonclient`` and compared with the eager model (``recipes.prune_serve``).
 
 Output folder (``--out``, default ``runs/prune_dlrm-<timestamp>``): ``report.json``,

@@ -2,7 +2,7 @@
 
 ``write_serving_artifacts`` writes the sparse files, the dense ONNX graph (TW layers as
 condensed standard ops) and ``ps.json``; the parameter server loads them; the v2 server
-(``hps.serving.server``) serves them on a free local port; ``tritonclient.http`` sends the eval
+(``hps.serving.http_server``) serves them on a free local port; ``tritonclient.http`` sends the eval
 samples in requests of ``request_batch`` and the served scores are compared with the eager
 model's: the largest logit difference and the AUC of both on the same samples, plus request
 latency (median and p99) for the whole round trip (HTTP, lookups, onnxruntime).
@@ -25,7 +25,7 @@ from embark.models.dlrm import DLRM
 from embark.training.metrics import auc
 from export.artifacts import write_serving_artifacts
 from hps.parameter_server import HierarchicalParameterServer
-from hps.serving.server import InferenceServer, ServerConfig
+from hps.serving import InferenceServer, ServerConfig
 
 __all__ = ["padded_ids", "serve_check"]
 

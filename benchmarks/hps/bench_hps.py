@@ -24,6 +24,9 @@ Sections (``--only``):
   drift (its second half: the steady state), after it, and over its last quarter, against the
   ideal (the new distribution's hottest rows; the curve is the same). Figure: ``hps_drift.png``.
 
+The database sections live in :mod:`benchmarks.hps.db_sections`, the drift in
+:mod:`benchmarks.hps.drift_section`.
+
 ``--merge`` keeps the rows of the sections not run from the existing ``--out`` file (each
 section's machine, date and arguments stay in ``section_meta``), so one section can be
 re-run without losing the others:
@@ -38,7 +41,6 @@ import logging
 import os
 import shutil
 import tempfile
-import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -46,13 +48,15 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.hps.db_sections import bench_concurrency, bench_redis, bench_rocksdb
+from benchmarks.hps.drift_section import bench_drift, plot_drift
+from benchmarks.hps.zipf_keys import Zipf, side_by_side
 from benchmarks.meta import RESULTS_DIR, machine, write_json
 from hps.advisor import zipf_hit_curve
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
-from hps.storage.persistent import RocksDBBackend, decode_rows, encode_keys
-from hps.storage.volatile import HashMapBackend, split_by_partition
-from hps.types import CachePolicy, StorageBackend
+from hps.storage.volatile import HashMapBackend
+from hps.types import CachePolicy
 
 log = logging.getLogger("bench_hps")
 SECTIONS = ("hit_rate", "cached", "rocksdb", "redis", "concurrency", "drift")
@@ -65,37 +69,6 @@ SECTION_OF = {
     "concurrency": "concurrency",
     "drift": "drift",
 }
-
-
-class Zipf:
-    """Zipf(α) over ``n`` rows; rank r → key ``perm[r]`` (hot keys are not 0, 1, 2, ...)."""
-
-    def __init__(self, n: int, alpha: float, seed: int = 0) -> None:
-        p = np.arange(1, n + 1, dtype=np.float64) ** -alpha
-        self.cdf = np.cumsum(p / p.sum())
-        self.perm = np.random.default_rng(seed).permutation(n).astype(np.int64)
-        self.rng = np.random.default_rng(seed + 1)
-
-    def sample(self, k: int) -> np.ndarray:
-        r = np.minimum(np.searchsorted(self.cdf, self.rng.random(k)), self.cdf.size - 1)
-        return self.perm[r]
-
-    def hottest(self, k: int) -> np.ndarray:
-        return self.perm[:k]
-
-
-def side_by_side(fns: dict[str, Any], repeats: int) -> dict[str, float]:
-    """Median seconds per call of each function, calls interleaved (A B C A B C ...) so that
-    the load of a shared machine hits every contender alike."""
-    for fn in fns.values():
-        fn()  # warm
-    ts: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(repeats):
-        for k, fn in fns.items():
-            t0 = time.perf_counter()
-            fn()
-            ts[k].append(time.perf_counter() - t0)
-    return {k: float(np.median(v)) for k, v in ts.items()}
 
 
 # ------------------------------------------------------------------------------ hit rate
@@ -235,379 +208,6 @@ def bench_cached(args: argparse.Namespace) -> list[dict[str, Any]]:
         sess.close()
         del cache, sess
     return out
-
-
-# ------------------------------------------------------------------------------ RocksDB path
-
-
-def bench_rocksdb(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    n, dim = args.db_rows, args.dim
-    W = np.random.default_rng(3).standard_normal((n, dim)).astype(np.float32)
-    pdb = RocksDBBackend(workdir / "rocks")
-    pdb.create_table("t", dim)
-    t0 = time.perf_counter()
-    pdb.bulk_load("t", np.arange(n, dtype=np.int64), W)
-    load_s = time.perf_counter() - t0
-    z = Zipf(n, 1.05, seed=4)
-    q = z.sample(args.batch)
-    cf = pdb._cf["t"]
-
-    def raw(keys: np.ndarray) -> np.ndarray:
-        res = cf.get(encode_keys(keys))
-        return decode_rows(res, dim, "raw")[0]
-
-    sess = LookupSession(
-        [SessionTable("t", dim, 0.0, 10**7, None)], None, pdb, record_key_stats=False
-    )
-    qt = torch.from_numpy(q)
-    ok = np.array_equal(sess.lookup("t", qt).numpy(), raw(q))
-    uq = np.unique(q)
-    tt = side_by_side(
-        {
-            "raw": lambda: raw(q),
-            "ours": lambda: sess.lookup("t", qt),
-            "raw_u": lambda: raw(uq),
-            "ours_u": lambda: sess.lookup("t", torch.from_numpy(uq)),
-            "raw_nodecode": lambda: cf.get(encode_keys(q)),
-        },
-        args.repeats,
-    )
-    t_raw, t_ours, t_raw_u, t_ours_u, t_raw_nodecode = (
-        tt[k] for k in ("raw", "ours", "raw_u", "ours_u", "raw_nodecode")
-    )
-    sess.close()
-    pdb.close()
-    row = {
-        "bench": "rocksdb",
-        "rows": n,
-        "dim": dim,
-        "batch": args.batch,
-        "unique_keys": int(uq.size),
-        "load_s": load_s,
-        "session_keys_per_s": args.batch / t_ours,
-        "raw_multiget_keys_per_s": args.batch / t_raw,
-        "raw_multiget_no_decode_keys_per_s": args.batch / t_raw_nodecode,
-        "ratio_vs_raw_same_keys": t_raw / t_ours,
-        "ratio_vs_raw_unique_keys_both": t_raw_u / t_ours_u,
-        "rows_equal": ok,
-    }
-    log.info(
-        "rocksdb: session ×%.2f of raw multi-get (same keys), ×%.2f (unique keys both)",
-        row["ratio_vs_raw_same_keys"],
-        row["ratio_vs_raw_unique_keys_both"],
-    )
-    return [row]
-
-
-# ------------------------------------------------------------------------------ Redis path
-
-
-def bench_redis(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    from hps.storage.redis_cluster import RedisClusterBackend, partition_name
-    from tests.hps.redis_local import LocalRedisCluster, redis_available
-
-    if not redis_available():
-        log.error("redis-server not installed: redis section skipped")
-        return [{"bench": "redis", "skipped": "redis-server not installed"}]
-    n, dim, parts = args.db_rows, args.dim, 8
-    W = np.random.default_rng(5).standard_normal((n, dim)).astype(np.float32)
-    with LocalRedisCluster(3, workdir / "redis") as rc:
-        vdb = RedisClusterBackend(rc.addresses, num_partitions=parts, socket_timeout_s=30.0)
-        vdb.create_table("t", dim)
-        t0 = time.perf_counter()
-        for s in range(0, n, 65536):
-            vdb.insert("t", np.arange(s, min(s + 65536, n), dtype=np.int64), W[s : s + 65536])
-        load_s = time.perf_counter() - t0
-        client = vdb._client
-        q = Zipf(n, 1.05, seed=6).sample(args.batch)
-
-        def raw(keys: np.ndarray) -> np.ndarray:
-            """What a user writes by hand: one pipelined HMGET per partition, decode."""
-            pipe = client.pipeline()
-            groups = split_by_partition(keys, parts)
-            for p, idx in groups:
-                pipe.hmget(partition_name("t", p), encode_keys(keys[idx]))
-            out = np.empty((keys.size, dim), np.float32)
-            for (_, idx), res in zip(groups, pipe.execute()):
-                out[idx] = decode_rows(res, dim, "raw")[0]
-            return out
-
-        sess = LookupSession(
-            [SessionTable("t", dim, 0.0, 10**7, None)], vdb, None, record_key_stats=False
-        )
-        qt = torch.from_numpy(q)
-        ok = np.array_equal(sess.lookup("t", qt).numpy(), raw(q))
-        uq = np.unique(q)
-        tt = side_by_side(
-            {
-                "raw": lambda: raw(q),
-                "ours": lambda: sess.lookup("t", qt),
-                "raw_u": lambda: raw(uq),
-                "ours_u": lambda: sess.lookup("t", torch.from_numpy(uq)),
-            },
-            args.repeats,
-        )
-        t_raw, t_ours, t_raw_u, t_ours_u = (tt[k] for k in ("raw", "ours", "raw_u", "ours_u"))
-        sess.close()
-        vdb.close()
-    row = {
-        "bench": "redis",
-        "nodes": 3,
-        "rows": n,
-        "dim": dim,
-        "batch": args.batch,
-        "unique_keys": int(uq.size),
-        "load_s": load_s,
-        "session_keys_per_s": args.batch / t_ours,
-        "raw_pipelined_keys_per_s": args.batch / t_raw,
-        "ratio_vs_raw_same_keys": t_raw / t_ours,
-        "ratio_vs_raw_unique_keys_both": t_raw_u / t_ours_u,
-        "rows_equal": ok,
-    }
-    log.info(
-        "redis: session ×%.2f of raw pipelined HMGET (same keys), ×%.2f (unique keys both)",
-        row["ratio_vs_raw_same_keys"],
-        row["ratio_vs_raw_unique_keys_both"],
-    )
-    return [row]
-
-
-# ------------------------------------------------------------------------------ concurrency
-
-
-def bench_concurrency(args: argparse.Namespace, workdir: Path) -> list[dict[str, Any]]:
-    import psutil
-
-    n, dim = args.db_rows, args.dim
-    W = np.random.default_rng(7).standard_normal((n, dim)).astype(np.float32)
-    keys = np.arange(n, dtype=np.int64)
-    vdb = HashMapBackend(num_partitions=8)
-    vdb.create_table("t", dim)
-    vdb.insert("t", keys[: n // 2], W[: n // 2])
-    pdb = RocksDBBackend(workdir / "rocks_conc")
-    pdb.create_table("t", dim)
-    pdb.bulk_load("t", keys, W)
-    cache = EmbeddingCache(n // 10, dim)
-    sess = LookupSession(
-        [SessionTable("t", dim, 0.0, 10**6, cache)],
-        vdb,
-        pdb,
-        hit_rate_threshold=0.9,
-        max_concurrent=4,
-    )
-    proc = psutil.Process()
-    rss0 = proc.memory_info().rss
-    peak = [rss0]
-    stop = threading.Event()
-    errors: list[str] = []
-    done = [0] * args.callers
-    wrong = [0]
-
-    def caller(i: int) -> None:
-        z = Zipf(n, 1.05, seed=100 + i)
-        while not stop.is_set():
-            try:
-                q = torch.from_numpy(z.sample(args.concurrent_batch))
-                out = sess.lookup("t", q)
-                if (
-                    i == 0 and done[i] % 20 == 0
-                ):  # spot check against the table (exact rows or default)
-                    ref = torch.from_numpy(W)[q]
-                    good = (out == ref).all(1) | (out == 0).all(1)
-                    wrong[0] += int((~good).sum())
-                done[i] += 1
-            except Exception as e:  # noqa: BLE001 - every failure is counted and reported
-                errors.append(f"{type(e).__name__}: {e}")
-
-    def sampler() -> None:
-        while not stop.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.2)
-
-    threads = [threading.Thread(target=caller, args=(i,)) for i in range(args.callers)]
-    ts = threading.Thread(target=sampler)
-    t0 = time.perf_counter()
-    for t in [*threads, ts]:
-        t.start()
-    time.sleep(args.seconds)
-    stop.set()
-    for t in [*threads, ts]:
-        t.join()
-    wall = time.perf_counter() - t0
-    st = sess.stats("t")
-    sess.close()
-    pdb.close()
-    row = {
-        "bench": "concurrency",
-        "callers": args.callers,
-        "seconds": wall,
-        "batch": args.concurrent_batch,
-        "rows": n,
-        "dim": dim,
-        "max_concurrent": 4,
-        "lookups": int(sum(done)),
-        "errors": len(errors),
-        "error_examples": errors[:3],
-        "wrong_rows_spot_check": wrong[0],
-        "lookups_per_s": sum(done) / wall,
-        "keys_per_s": sum(done) * args.concurrent_batch / wall,
-        "latency_p50_ms": st["latency_p50_ms"],
-        "latency_p99_ms": st["latency_p99_ms"],
-        "hit_rate_all": st["hit_rate"]["all"],
-        "rss_start_mib": rss0 / 2**20,
-        "rss_peak_mib": peak[0] / 2**20,
-        "rss_end_mib": proc.memory_info().rss / 2**20,
-        "dropped_async": st["dropped_async"],
-    }
-    log.info(
-        "concurrency: %d callers, %d lookups, %d errors, peak RSS %.0f MiB (start %.0f)",
-        args.callers,
-        row["lookups"],
-        row["errors"],
-        row["rss_peak_mib"],
-        row["rss_start_mib"],
-    )
-    return [row]
-
-
-# ------------------------------------------------------------------------------ drift
-
-
-class ZeroRows(StorageBackend):
-    """A database holding every key in ``[0, n)`` with a zero row (hit rates need no values)."""
-
-    name = "zero_rows"
-
-    def __init__(self, n: int, dim: int) -> None:
-        self.n, self.dim = n, dim
-
-    def create_table(self, table: str, dim: int) -> None:
-        pass
-
-    def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        return np.zeros((keys.size, self.dim), np.float32), (keys >= 0) & (keys < self.n)
-
-    def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
-        raise ValueError(
-            f"{self.name}: a read-only stand-in database; insert into {table!r} refused"
-        )
-
-    def size(self, table: str) -> int:
-        return self.n
-
-
-def bench_drift(args: argparse.Namespace) -> list[dict[str, Any]]:
-    n, dim, alpha, frac, nb = (
-        args.rows,
-        args.dim,
-        args.drift_alpha,
-        args.drift_cache_fraction,
-        args.drift_batches,
-    )
-    cap = int(frac * n)
-    ideal = float(zipf_hit_curve(n, alpha, np.array([cap]))[0])
-    configs = [(CachePolicy.LRU, 0.0), (CachePolicy.LFU, 0.0)]
-    configs += [(CachePolicy.LFU, float(x)) for x in args.drift_decays.split(",") if x.strip()]
-    out = []
-    for n0 in (int(x) for x in args.drift_before.split(",") if x.strip()):
-        for policy, per_slot in configs:
-            # the same key stream for every config: same curve before and after, a new key per rank
-            before, after = Zipf(n, alpha, seed=8), Zipf(n, alpha, seed=9)
-            cache = EmbeddingCache(cap, dim, policy=policy, lfu_decay_keys_per_slot=per_slot)
-            sess = LookupSession(
-                [SessionTable("t", dim, 0.0, 10**7, cache)],
-                ZeroRows(n, dim),
-                None,
-                hit_rate_threshold=1.0,
-                max_concurrent=1,
-            )  # sync fill, key statistics on
-            series = []
-            hits = 0
-            t0 = time.perf_counter()
-            for i in range(n0 + nb):
-                b = (before if i < n0 else after).sample(args.batch)
-                sess.lookup("t", torch.from_numpy(b))
-                now = sess.stats("t")["hits_all"]["cache"]
-                series.append((now - hits) / b.size)
-                hits = now
-            cached = cache.cached_keys().numpy()
-            sess.close()
-            old_hot, new_hot = before.hottest(cap), after.hottest(cap)
-            label = (
-                policy.value
-                if policy is CachePolicy.LRU
-                else (
-                    f"lfu, aging every {per_slot:g} keys/slot" if per_slot else "lfu, never aging"
-                )
-            )
-            row = {
-                "bench": "drift",
-                "config": label,
-                "policy": policy.value,
-                "lfu_decay_keys_per_slot": per_slot,
-                "lfu_decay_interval_keys": cache.lfu_decay_interval,
-                "decays": cache.stats.decays,
-                "alpha": alpha,
-                "rows": n,
-                "dim": dim,
-                "cache_fraction": frac,
-                "batch": args.batch,
-                "batches_before_drift": n0,
-                "batches_after_drift": nb,
-                "hit_rate_before_drift": float(np.mean(series[n0 // 2 : n0])),  # steady state
-                "hit_rate_after_drift": float(np.mean(series[n0:])),
-                "hit_rate_after_drift_last_quarter": float(np.mean(series[-max(1, nb // 4) :])),
-                "ideal_hottest_rows": ideal,
-                "cached_new_hot_fraction": float(np.isin(cached, new_hot).sum() / cap),
-                "cached_stale_old_hot": int(np.isin(cached, np.setdiff1d(old_hot, new_hot)).sum()),
-                "hit_rate_per_batch": [round(x, 4) for x in series],
-                "seconds": time.perf_counter() - t0,
-            }
-            log.info(
-                "drift after %d: %-30s before %.4f  after %.4f  last quarter %.4f  (ideal %.4f)",
-                n0,
-                label,
-                row["hit_rate_before_drift"],
-                row["hit_rate_after_drift"],
-                row["hit_rate_after_drift_last_quarter"],
-                ideal,
-            )
-            out.append(row)
-            del cache, sess
-    return out
-
-
-def plot_drift(rows: list[dict[str, Any]], path: Path) -> None:
-    """Hit rate per batch, one panel per drift point."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    points = sorted({r["batches_before_drift"] for r in rows})
-    fig, axes = plt.subplots(len(points), 1, figsize=(7, 3.2 * len(points)), squeeze=False)
-    for ax, n0 in zip(axes[:, 0], points):
-        sel = [r for r in rows if r["batches_before_drift"] == n0]
-        for r in sel:
-            ys = r["hit_rate_per_batch"]
-            ax.plot(np.arange(1, len(ys) + 1), ys, label=r["config"], lw=0.8)
-        r = sel[0]
-        ax.axhline(r["ideal_hottest_rows"], color="k", ls="--", lw=1, label="ideal (hottest rows)")
-        ax.axvline(n0 + 0.5, color="grey", ls=":", lw=1)
-        ax.set_xlabel(f"batch of {r['batch']} keys (popularity permuted after batch {n0})")
-        ax.set_ylabel("hit rate (all keys)")
-        low = min(
-            float(np.percentile(r["hit_rate_per_batch"], 2)) for r in sel
-        )  # the drop itself clipped
-        ax.set_ylim(np.floor(low * 20) / 20, 1.0)
-        ax.set_title(
-            f"Zipf α={r['alpha']}, {r['rows']:,} rows, {r['cache_fraction']:.0%} cache", fontsize=9
-        )
-        ax.grid(alpha=0.3)
-        ax.legend(fontsize=7, loc="lower left", ncol=2)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
-    plt.close(fig)
 
 
 def merge_previous(

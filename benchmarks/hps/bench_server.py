@@ -41,7 +41,7 @@ from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import get_workload
 from export.artifacts import write_serving_artifacts
 from hps.parameter_server import HierarchicalParameterServer
-from hps.serving.server import InferenceServer, ServerConfig
+from hps.serving import InferenceServer, ServerConfig
 from tilesparse import TileSparseConfig, prune_
 
 log = logging.getLogger("bench_server")

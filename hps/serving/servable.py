@@ -17,14 +17,13 @@ that no tier holds pools the table's default vector here (parameter-server seman
 arbitrary int64, not row numbers), where ``export.onnx.run_onnx`` refuses an id outside the
 table; keys below -1 are an error in both.
 
-The pooling ``combiner`` of each table is read from the dense graph's metadata
-(``tilerec.serving``, written by ``export.artifacts``); a graph without it pools by sum.
+The pooling ``combiner`` of each table is read from the dense graph's serving metadata
+(:mod:`hps.artifact_format`, written by ``export.onnx``); a graph without it, or with
+metadata of another version, is refused.
 """
 
 from __future__ import annotations
 
-import json
-import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -32,15 +31,12 @@ from typing import Any
 import numpy as np
 import torch
 
+from hps.artifact_format import ARTIFACT_VERSION, SERVING_METADATA_KEY, ServingMetadata
 from hps.config import ModelConfig
 from hps.session import LookupSession
+from hps.types import FormatVersionError
 
-log = logging.getLogger(__name__)
-
-__all__ = ["SERVING_METADATA_KEY", "DLRMServable", "InputError"]
-
-SERVING_METADATA_KEY = "tilerec.serving"  # ONNX metadata_props key (JSON; see module docstring)
-_COMBINERS = ("sum", "mean")
+__all__ = ["DLRMServable", "InputError"]
 
 
 class InputError(ValueError):
@@ -65,6 +61,7 @@ class DLRMServable:
         ort_threads: onnxruntime intra-op threads per call (0: onnxruntime's default).
 
     Raises:
+        FormatVersionError: the graph's serving metadata is missing or of another version.
         ValueError: no ``network_file``, a graph whose inputs are not ``dense`` / ``pooled``,
             or metadata whose tables disagree with ``ps.json``.
     """
@@ -120,34 +117,24 @@ class DLRMServable:
 
     @staticmethod
     def _combiners(model: ModelConfig, meta: str | None, path: Path) -> dict[str, str]:
-        names = [t.name for t in model.tables]
+        """Each table's combiner from the graph's serving metadata, which must be of this
+        version and name the tables of ``ps.json`` in its order."""
         if meta is None:
-            log.warning(
-                "model %r: %s has no %s metadata; pooling every table by sum",
-                model.model,
-                path.name,
-                SERVING_METADATA_KEY,
+            raise FormatVersionError(
+                f"{path} (ONNX metadata {SERVING_METADATA_KEY!r})",
+                None,
+                ARTIFACT_VERSION,
+                f"model {model.model!r}: the dense graph has no serving metadata; export it "
+                "with export.onnx.export_onnx",
             )
-            return dict.fromkeys(names, "sum")
-        try:
-            tables = json.loads(meta)["tables"]
-            got = {str(t["name"]): str(t["combiner"]) for t in tables}
-        except (ValueError, KeyError, TypeError) as e:
-            raise ValueError(
-                f"model {model.model!r}: {path.name} metadata {SERVING_METADATA_KEY} "
-                f"is malformed: {e}"
-            ) from None
-        if list(got) != names:
+        tables = ServingMetadata.from_json(meta, str(path)).tables
+        names = [t.name for t in model.tables]
+        if [t.name for t in tables] != names:
             raise ValueError(
                 f"model {model.model!r}: ps.json tables {names} differ from the dense "
-                f"graph's {list(got)} ({path.name} metadata)"
+                f"graph's {[t.name for t in tables]} ({path.name} metadata)"
             )
-        bad = {n: c for n, c in got.items() if c not in _COMBINERS}
-        if bad:
-            raise ValueError(
-                f"model {model.model!r}: unknown combiner(s) {bad}; expected {_COMBINERS}"
-            )
-        return got
+        return {t.name: t.combiner for t in tables}
 
     # ------------------------------------------------------------------ protocol metadata
     def metadata(self) -> dict[str, Any]:

@@ -219,6 +219,36 @@ def parse_infer_request(
             sizes that do not add up.
     """
     body = _decompress(body, content_encoding, max_bytes)
+    doc, binary = _split_body(body, header_length)
+    raw_inputs = doc.get("inputs")
+    if not isinstance(raw_inputs, list) or not raw_inputs:
+        raise ProtocolError("request needs a non-empty 'inputs' list")
+    params = doc.get("parameters") or {}
+    if not isinstance(params, dict):
+        raise ProtocolError("request 'parameters' must be an object")
+    inputs: dict[str, np.ndarray] = {}
+    datatypes: dict[str, str] = {}
+    pos = 0
+    for i, spec in enumerate(raw_inputs):
+        name, dt_name, arr, pos = _parse_input(i, spec, binary, pos, inputs)
+        inputs[name] = arr
+        datatypes[name] = dt_name
+    if pos != len(binary):
+        raise ProtocolError(f"{len(binary) - pos} bytes after the JSON header belong to no input")
+    binary_output = _bool(params.get("binary_data_output", False), "parameters.binary_data_output")
+    rid = doc.get("id")
+    return InferRequest(
+        inputs,
+        datatypes,
+        _parse_outputs(doc, binary_output),
+        binary_output,
+        id=str(rid) if rid is not None else None,
+        parameters=params,
+    )
+
+
+def _split_body(body: bytes, header_length: str | int | None) -> tuple[dict[str, Any], memoryview]:
+    """``(the JSON header as an object, the binary bytes after it)``."""
     if header_length is None:
         n_json = len(body)
     else:
@@ -240,89 +270,76 @@ def parse_infer_request(
         raise ProtocolError("request JSON is nested too deeply") from None
     if not isinstance(doc, dict):
         raise ProtocolError(f"request must be a JSON object, got {type(doc).__name__}")
-    raw_inputs = doc.get("inputs")
-    if not isinstance(raw_inputs, list) or not raw_inputs:
-        raise ProtocolError("request needs a non-empty 'inputs' list")
-    params = doc.get("parameters") or {}
-    if not isinstance(params, dict):
-        raise ProtocolError("request 'parameters' must be an object")
-    binary = memoryview(body)[n_json:]
-    pos = 0
-    inputs: dict[str, np.ndarray] = {}
-    datatypes: dict[str, str] = {}
-    for i, spec in enumerate(raw_inputs):
-        where = f"inputs[{i}]"
-        if not isinstance(spec, dict):
-            raise ProtocolError(f"{where} must be an object")
-        name = spec.get("name")
-        if not isinstance(name, str) or not name:
-            raise ProtocolError(f"{where}.name must be a non-empty string")
-        where = f"input {name!r}"
-        if name in inputs:
-            raise ProtocolError(f"{where} is given twice")
-        dt_name = spec.get("datatype")
-        if dt_name not in DTYPES:
-            raise ProtocolError(f"{where}: datatype {dt_name!r} is not one of {sorted(DTYPES)}")
-        dtype = DTYPES[dt_name]
-        shape = _shape(spec.get("shape"), where)
-        p = spec.get("parameters") or {}
-        if not isinstance(p, dict):
-            raise ProtocolError(f"{where}.parameters must be an object")
-        size = p.get("binary_data_size")
-        if size is not None:
-            if "data" in spec:
-                raise ProtocolError(f"{where} has both 'data' and binary_data_size")
-            if not isinstance(size, int) or isinstance(size, bool) or size < 0:
-                raise ProtocolError(
-                    f"{where}.binary_data_size must be a non-negative integer, got {size!r}"
-                )
-            need = math.prod(shape) * dtype.itemsize
-            if size != need:
-                raise ProtocolError(
-                    f"{where}: binary_data_size {size} but shape {list(shape)} × "
-                    f"{dt_name} needs {need} bytes"
-                )
-            if pos + size > len(binary):
-                raise ProtocolError(
-                    f"{where}: binary data ends at byte {pos + size} but the body "
-                    f"carries {len(binary)} bytes after the JSON header"
-                )
-            arr = np.frombuffer(binary[pos : pos + size], dtype=dtype).reshape(shape)
-            pos += size
-        elif "data" in spec:
-            arr = _json_data(spec["data"], dtype, shape, where)
-        else:
+    return doc, memoryview(body)[n_json:]
+
+
+def _parse_input(
+    i: int, spec: Any, binary: memoryview, pos: int, seen: dict[str, np.ndarray]
+) -> tuple[str, str, np.ndarray, int]:
+    """Input ``i`` of the request: ``(name, datatype, array, binary position after it)``;
+    ``seen`` holds the inputs before it."""
+    where = f"inputs[{i}]"
+    if not isinstance(spec, dict):
+        raise ProtocolError(f"{where} must be an object")
+    name = spec.get("name")
+    if not isinstance(name, str) or not name:
+        raise ProtocolError(f"{where}.name must be a non-empty string")
+    where = f"input {name!r}"
+    if name in seen:
+        raise ProtocolError(f"{where} is given twice")
+    dt_name = spec.get("datatype")
+    if dt_name not in DTYPES:
+        raise ProtocolError(f"{where}: datatype {dt_name!r} is not one of {sorted(DTYPES)}")
+    dtype = DTYPES[dt_name]
+    shape = _shape(spec.get("shape"), where)
+    p = spec.get("parameters") or {}
+    if not isinstance(p, dict):
+        raise ProtocolError(f"{where}.parameters must be an object")
+    size = p.get("binary_data_size")
+    if size is None:
+        if "data" not in spec:
             raise ProtocolError(f"{where} has neither 'data' nor parameters.binary_data_size")
-        inputs[name] = arr
-        datatypes[name] = dt_name
-    if pos != len(binary):
-        raise ProtocolError(f"{len(binary) - pos} bytes after the JSON header belong to no input")
-    binary_output = _bool(params.get("binary_data_output", False), "parameters.binary_data_output")
-    outputs = None
-    if "outputs" in doc:
-        raw_out = doc["outputs"]
-        if not isinstance(raw_out, list):
-            raise ProtocolError("request 'outputs' must be a list")
-        outputs = []
-        for i, o in enumerate(raw_out):
-            if not isinstance(o, dict) or not isinstance(o.get("name"), str):
-                raise ProtocolError(f"outputs[{i}] must be an object with a 'name'")
-            op = o.get("parameters") or {}
-            if not isinstance(op, dict):
-                raise ProtocolError(f"outputs[{i}].parameters must be an object")
-            as_binary = _bool(
-                op.get("binary_data", binary_output), f"outputs[{i}].parameters.binary_data"
-            )
-            outputs.append(RequestedOutput(o["name"], as_binary))
-    rid = doc.get("id")
-    return InferRequest(
-        inputs,
-        datatypes,
-        outputs,
-        binary_output,
-        id=str(rid) if rid is not None else None,
-        parameters=params,
-    )
+        return name, dt_name, _json_data(spec["data"], dtype, shape, where), pos
+    if "data" in spec:
+        raise ProtocolError(f"{where} has both 'data' and binary_data_size")
+    if not isinstance(size, int) or isinstance(size, bool) or size < 0:
+        raise ProtocolError(
+            f"{where}.binary_data_size must be a non-negative integer, got {size!r}"
+        )
+    need = math.prod(shape) * dtype.itemsize
+    if size != need:
+        raise ProtocolError(
+            f"{where}: binary_data_size {size} but shape {list(shape)} × "
+            f"{dt_name} needs {need} bytes"
+        )
+    if pos + size > len(binary):
+        raise ProtocolError(
+            f"{where}: binary data ends at byte {pos + size} but the body "
+            f"carries {len(binary)} bytes after the JSON header"
+        )
+    arr = np.frombuffer(binary[pos : pos + size], dtype=dtype).reshape(shape)
+    return name, dt_name, arr, pos + size
+
+
+def _parse_outputs(doc: dict[str, Any], binary_output: bool) -> list[RequestedOutput] | None:
+    """The outputs a request names (``None`` when it names none: every output is returned)."""
+    if "outputs" not in doc:
+        return None
+    raw_out = doc["outputs"]
+    if not isinstance(raw_out, list):
+        raise ProtocolError("request 'outputs' must be a list")
+    outputs = []
+    for i, o in enumerate(raw_out):
+        if not isinstance(o, dict) or not isinstance(o.get("name"), str):
+            raise ProtocolError(f"outputs[{i}] must be an object with a 'name'")
+        op = o.get("parameters") or {}
+        if not isinstance(op, dict):
+            raise ProtocolError(f"outputs[{i}].parameters must be an object")
+        as_binary = _bool(
+            op.get("binary_data", binary_output), f"outputs[{i}].parameters.binary_data"
+        )
+        outputs.append(RequestedOutput(o["name"], as_binary))
+    return outputs
 
 
 def encode_infer_response(

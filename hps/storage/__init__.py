@@ -1,2 +1,40 @@
-"""Storage tiers of the parameter server: embedding cache, volatile DBs (in-process hash map,
-Redis cluster), the persistent DB (RocksDB) and the sparse-file format they load from."""
+"""The storage tiers of the parameter server and the files they load from.
+
+- :mod:`hps.storage.cache`: the embedding cache (set-associative, LRU or LFU with aging),
+  rows as torch tensors on the compute device.
+- :mod:`hps.storage.volatile`: the in-process volatile DB, a partitioned hash map.
+- :mod:`hps.storage.redis_cluster`: the volatile DB on a Redis cluster (survives outages:
+  lookups fall through, writes are queued and replayed).
+- :mod:`hps.storage.persistent`: the persistent DB on RocksDB, every row of every table.
+- :mod:`hps.storage.sparse_files`: HugeCTR's sparse-file layout (and a safetensors variant).
+
+The DBs implement :class:`hps.types.StorageBackend` (batched ``lookup`` / ``insert`` on
+``(n,) int64`` keys and ``(n, dim) float32`` rows).
+"""
+
+from hps.storage.cache import CacheStats, EmbeddingCache
+from hps.storage.persistent import RocksDBBackend
+from hps.storage.redis_cluster import RedisClusterBackend
+from hps.storage.sparse_files import (
+    SparseFormat,
+    convert_checkpoint,
+    detect_format,
+    read_table,
+    write_table,
+)
+from hps.storage.volatile import HashMapBackend
+from hps.types import StorageBackend
+
+__all__ = [
+    "CacheStats",
+    "EmbeddingCache",
+    "HashMapBackend",
+    "RedisClusterBackend",
+    "RocksDBBackend",
+    "SparseFormat",
+    "StorageBackend",
+    "convert_checkpoint",
+    "detect_format",
+    "read_table",
+    "write_table",
+]

@@ -137,7 +137,7 @@ class EmbeddingCache:
             raise ValueError(f"cache dim must be > 0, got {dim}")
         if ways <= 0:
             raise ValueError(f"cache ways must be > 0, got {ways}")
-        per_slot = lfu_decay_keys_per_slot
+        per_slot: object = lfu_decay_keys_per_slot  # checked: any real number, not a bool
         if (
             isinstance(per_slot, bool)
             or not isinstance(per_slot, numbers.Real)
@@ -164,8 +164,10 @@ class EmbeddingCache:
         self._clock = 1  # LRU: bumped by every query; entries inserted since then carry it
         self.lfu_decay_keys_per_slot = float(per_slot)
         #: looked-up keys between two LFU halvings (0: never; always 0 for LRU)
-        interval = per_slot * self.capacity
-        aging = per_slot > 0 and self.policy is CachePolicy.LFU  # LRU ignores the knob
+        interval = float(per_slot) * self.capacity
+        aging = (
+            self.lfu_decay_keys_per_slot > 0 and self.policy is CachePolicy.LFU
+        )  # LRU ignores the knob
         if aging and (not math.isfinite(interval) or interval >= 2**62):
             raise ValueError(
                 f"cache lfu_decay_keys_per_slot {per_slot!r} × {self.capacity} slots is no "

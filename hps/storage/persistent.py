@@ -12,6 +12,7 @@ import json
 import logging
 import threading
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -92,8 +93,8 @@ class RocksDBBackend(StorageBackend):
         cfs = Rdict.list_cf(self.path, Options(raw_mode=True)) if exists else ["default"]
         families = {n: Options(raw_mode=True) for n in cfs if n != "default"}
         access = AccessType.read_only() if read_only else AccessType.read_write()
-        self._db = Rdict(self.path, opts, column_families=families or None, access_type=access)
-        self._cf: dict[str, object] = {n: self._db.get_column_family(n) for n in families}
+        self._db: Any = Rdict(self.path, opts, column_families=families or None, access_type=access)
+        self._cf: dict[str, Any] = {n: self._db.get_column_family(n) for n in families}
         if META_CF not in self._cf and not read_only:
             self._cf[META_CF] = self._db.create_column_family(META_CF, Options(raw_mode=True))
         self._dims: dict[str, int] = {}

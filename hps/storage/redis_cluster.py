@@ -10,7 +10,7 @@ partition (chunks of ``max_batch_size`` fields), sent node by node by the cluste
 Failures: any Redis error marks the backend *down* for ``retry_interval_s``; while down,
 lookups return "not found" at once (the session falls through to the persistent DB) and
 writes are queued (bounded by ``max_pending_rows``) and replayed when the cluster answers
-again. A write that no longer fits the queue raises :class:`VolatileUnavailableError` instead
+again. A write that the full queue cannot take raises :class:`VolatileUnavailableError` instead
 of being dropped: the Redis hashes still hold the old rows of its keys and are read before the
 persistent DB, so a dropped online update would be undone silently once the cluster is back.
 The update applier lets the error fail the batch (its offset is not advanced; the batch is
@@ -24,6 +24,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from typing import Any
 
 import numpy as np
 
@@ -83,7 +84,7 @@ class RedisClusterBackend(StorageBackend):
         self.max_pending_rows = max_pending_rows
         self._dims: dict[str, int] = {}
         self._lock = threading.Lock()
-        self._client = None
+        self._client: Any = None  # a redis.cluster.RedisCluster once a node answered
         self._down_until = 0.0
         self._pending: list[tuple[str, np.ndarray, np.ndarray]] = []
         self._pending_rows = 0
@@ -127,7 +128,7 @@ class RedisClusterBackend(StorageBackend):
     def _address_list(self) -> str:
         return ", ".join(f"{h}:{p}" for h, p in self.addresses)
 
-    def _connected(self) -> object:
+    def _connected(self) -> Any:
         """The client, or :class:`VolatileUnavailableError` when no node answered yet."""
         if self._client is None:
             raise VolatileUnavailableError(

@@ -12,7 +12,7 @@ HugeCTR layout, one folder per table::
 The safetensors variant is one file ``t0/embedding.safetensors`` holding the tensors ``key``
 ``(n,) int64`` and ``emb_vector`` ``(n, dim) float32`` (self-describing: dim is in the header).
 
-:func:`convert_checkpoint` turns the foundation's trainer checkpoint folder
+:func:`convert_checkpoint` turns a trainer checkpoint folder
 (``model.safetensors`` with ``embeddings.<table>.weight`` ``(num_rows, dim) float32`` and
 ``state.json["workload"]["tables"]``) into one sparse folder per table, keys ``0..num_rows-1``.
 """
@@ -136,36 +136,46 @@ def read_table(
             tiers would hold two rows for it).
     """
     folder = Path(folder)
-    fmt = detect_format(folder)
-    if fmt is SparseFormat.SAFETENSORS:
-        from safetensors import SafetensorError
-        from safetensors.numpy import load_file
+    if detect_format(folder) is SparseFormat.SAFETENSORS:
+        keys, vec = _read_safetensors(folder, dim)
+    else:
+        keys, vec = _read_hugectr(folder, dim, mmap)
+    _check_unique_keys(folder, keys)
+    return keys, vec
 
-        try:
-            d = load_file(str(folder / SAFETENSORS_FILE))
-        except SafetensorError as e:
-            raise ValueError(
-                f"{folder / SAFETENSORS_FILE}: not a readable safetensors file ({e})"
-            ) from None
-        if "key" not in d or "emb_vector" not in d:
-            raise ValueError(
-                f"{folder / SAFETENSORS_FILE}: needs tensors 'key' and 'emb_vector', has {sorted(d)}"
-            )
-        keys, vec = d["key"], d["emb_vector"]
-        if keys.dtype != np.int64 or keys.ndim != 1:
-            raise ValueError(f"{folder}: 'key' must be (n,) int64, got {keys.dtype} {keys.shape}")
-        if vec.dtype != np.float32 or vec.ndim != 2:
-            raise ValueError(
-                f"{folder}: 'emb_vector' must be (n, dim) float32, got {vec.dtype} {vec.shape}"
-            )
-        if dim is not None and vec.shape[1] != dim:
-            raise ValueError(f"{folder}: rows have dim {vec.shape[1]}, the config says {dim}")
-        if vec.shape[0] != keys.shape[0]:
-            raise ValueError(
-                f"{folder}: {keys.shape[0]} keys but {vec.shape[0]} rows in emb_vector"
-            )
-        _check_unique_keys(folder, keys)
-        return keys, vec
+
+def _read_safetensors(folder: Path, dim: int | None) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys, vectors)`` of ``folder/embedding.safetensors``, dtypes and shapes checked."""
+    from safetensors import SafetensorError
+    from safetensors.numpy import load_file
+
+    try:
+        d = load_file(str(folder / SAFETENSORS_FILE))
+    except SafetensorError as e:
+        raise ValueError(
+            f"{folder / SAFETENSORS_FILE}: not a readable safetensors file ({e})"
+        ) from None
+    if "key" not in d or "emb_vector" not in d:
+        raise ValueError(
+            f"{folder / SAFETENSORS_FILE}: needs tensors 'key' and 'emb_vector', has {sorted(d)}"
+        )
+    keys, vec = d["key"], d["emb_vector"]
+    if keys.dtype != np.int64 or keys.ndim != 1:
+        raise ValueError(f"{folder}: 'key' must be (n,) int64, got {keys.dtype} {keys.shape}")
+    if vec.dtype != np.float32 or vec.ndim != 2:
+        raise ValueError(
+            f"{folder}: 'emb_vector' must be (n, dim) float32, got {vec.dtype} {vec.shape}"
+        )
+    if dim is not None and vec.shape[1] != dim:
+        raise ValueError(f"{folder}: rows have dim {vec.shape[1]}, the config says {dim}")
+    if vec.shape[0] != keys.shape[0]:
+        raise ValueError(f"{folder}: {keys.shape[0]} keys but {vec.shape[0]} rows in emb_vector")
+    return keys, vec
+
+
+def _read_hugectr(folder: Path, dim: int | None, mmap: bool) -> tuple[np.ndarray, np.ndarray]:
+    """``(keys, vectors)`` of HugeCTR's ``key`` + ``emb_vector`` files (headerless: their sizes
+    are checked against ``dim``), memory-mapped when ``mmap``."""
     if dim is None or dim <= 0:
         raise ValueError(f"{folder}: the HugeCTR layout needs the row width; got dim={dim!r}")
     kpath, vpath = folder / KEY_FILE, folder / VECTOR_FILE
@@ -193,11 +203,8 @@ def read_table(
     if mmap:
         keys = np.memmap(kpath, dtype="<i8", mode="r", shape=(n_keys,))
         vec = np.memmap(vpath, dtype="<f4", mode="r", shape=(n_rows, dim))
-    else:
-        keys = np.fromfile(kpath, dtype="<i8")
-        vec = np.fromfile(vpath, dtype="<f4").reshape(n_rows, dim)
-    _check_unique_keys(folder, keys)
-    return keys, vec
+        return keys, vec
+    return np.fromfile(kpath, dtype="<i8"), np.fromfile(vpath, dtype="<f4").reshape(n_rows, dim)
 
 
 def _check_unique_keys(folder: Path, keys: np.ndarray) -> None:
@@ -232,7 +239,7 @@ def convert_checkpoint(
     """Convert a trainer checkpoint folder to sparse folders ``out_dir/<table>``.
 
     Args:
-        ckpt_dir: holds ``model.safetensors`` and ``state.json`` (foundation's format).
+        ckpt_dir: holds ``model.safetensors`` and ``state.json`` (the trainer's checkpoint layout).
         out_dir: receives one folder per table.
         fmt: sparse layout to write.
         tables: subset of table names (default: every table of the workload).

@@ -18,10 +18,14 @@ from embark.data.jagged import JaggedBatch
 from embark.models.dlrm import build_model
 from embark.models.workloads import get_workload
 from export.artifacts import write_serving_artifacts
-from export.onnx import run_onnx
-from hps.config import load_config
+from export.onnx import onnx_inputs, run_onnx
+from hps.artifact_format import ARTIFACT_VERSION, SERVING_METADATA_KEY
+from hps.config_parse import load_config
 from hps.parameter_server import HierarchicalParameterServer
+from hps.serving.http_server import build_servables
 from hps.storage.sparse_files import read_table, write_table
+from hps.types import FormatVersionError
+from tests.tolerances import tol
 
 
 def test_request_served_from_artifacts_equals_eager(tmp_path) -> None:
@@ -53,7 +57,7 @@ def test_request_served_from_artifacts_equals_eager(tmp_path) -> None:
         got = run_onnx(
             tmp_path / "art" / "dense.onnx", {"dense": dense, "pooled": torch.stack(pooled, dim=1)}
         )
-        torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(got, want, **tol("onnx"))
     finally:
         server.close()
 
@@ -138,9 +142,9 @@ def _assert_written(out: Path, model) -> None:
 @pytest.mark.parametrize("case", ["float16", "bfloat16", "mixed_dims"])
 def test_unexportable_model_fails_before_anything_is_written(tmp_path, case) -> None:
     """A model the served dense graph cannot take (not float32, or tables of different dims) is
-    refused with a ValueError naming the problem before anything is written (bf16 used to fail
-    with onnx's TypeError, fp16 / mixed dims after the sparse folders were written), so the
-    corrected export into the same folder needs no overwrite=True."""
+    refused with a ValueError naming the problem before anything is written (not onnx's
+    TypeError, not after the sparse folders), so the corrected export into the same folder needs
+    no overwrite=True."""
     if case == "mixed_dims":
         model = _mixed_dim_tiny()
         match = (
@@ -195,8 +199,7 @@ def test_failure_while_writing_leaves_nothing(tmp_path, monkeypatch) -> None:
 @pytest.mark.parametrize("stage", ["export", "move"])
 def test_failed_overwrite_restores_the_old_artifacts(tmp_path, monkeypatch, stage) -> None:
     """overwrite=True failing midway leaves the folder byte for byte what it was, never old and
-    new files mixed: failing in the ONNX export (the sparse folders used to be replaced already)
-    or while the new files are moved in (here: ps.json, the last one; every replaced file is
+    new files mixed: failing in the ONNX export (after the sparse folders were staged) or while the new files are moved in (here: ps.json, the last one; every replaced file is
     put back)."""
     out = tmp_path / "art"
     old = build_model(get_workload("tiny"), seed=0).eval()
@@ -245,7 +248,7 @@ def _exported_with_sparse_elsewhere(tmp_path: Path) -> tuple[Path, Path, object]
 
 def test_overwrite_through_a_link_to_another_filesystem(tmp_path, monkeypatch) -> None:
     """``out/sparse`` a symlink to another disk: a rename between the staging folder and it
-    fails with EXDEV, and the move falls back to copying (the export used to fail there)."""
+    fails with EXDEV, and the move falls back to copying."""
     import errno
     import os
 
@@ -309,3 +312,58 @@ def test_a_copy_across_filesystems_failing_half_way_restores_the_old_table(
     for t in old.workload.tables:
         _, rows = read_table(elsewhere / t.name, dim=t.dim)
         assert torch.equal(torch.from_numpy(rows.copy()), old.embeddings[t.name].weight.detach())
+
+
+def _set_serving_metadata(path: Path, text: str | None) -> None:
+    """Replace (``None``: remove) the graph's ``tilerec.serving`` metadata."""
+    import onnx
+
+    proto = onnx.load(str(path))
+    kept = [(m.key, m.value) for m in proto.metadata_props if m.key != SERVING_METADATA_KEY]
+    del proto.metadata_props[:]
+    for k, v in kept + ([] if text is None else [(SERVING_METADATA_KEY, text)]):
+        e = proto.metadata_props.add()
+        e.key, e.value = k, v
+    onnx.save(proto, str(path))
+
+
+def test_artifacts_carry_their_format_version_and_another_is_refused(tmp_path) -> None:
+    """ps.json and the dense graph's serving metadata both carry the artifact format version;
+    the server refuses a graph whose metadata has another version or none, naming the file."""
+    model = build_model(get_workload("tiny"), seed=0)
+    art = tmp_path / "art"
+    cfg = write_serving_artifacts(model, art)
+    doc = json.loads((art / "ps.json").read_text())
+    assert doc["tilerec_artifact_version"] == ARTIFACT_VERSION == cfg.artifact_version
+    dense = art / "dense.onnx"
+    meta = json.loads(_serving_metadata(dense))
+    assert meta["version"] == ARTIFACT_VERSION
+    inputs = onnx_inputs(model, 2, include_embeddings=False)
+    for text, found in (
+        (json.dumps({**meta, "version": 2}), 2),
+        (json.dumps(meta | {"version": None}), None),
+    ):
+        _set_serving_metadata(dense, text)
+        ps = HierarchicalParameterServer(load_config(art / "ps.json"))
+        try:
+            with pytest.raises(FormatVersionError, match=re.escape(str(dense))) as ei:
+                build_servables(ps)
+            assert (ei.value.found, ei.value.expected) == (found, ARTIFACT_VERSION)
+        finally:
+            ps.close()
+        with pytest.raises(FormatVersionError, match=re.escape(str(dense))):
+            run_onnx(dense, inputs)
+    _set_serving_metadata(dense, None)  # a graph without serving metadata
+    ps = HierarchicalParameterServer(load_config(art / "ps.json"))
+    try:
+        with pytest.raises(FormatVersionError, match="has no format version") as ei:
+            build_servables(ps)
+        assert str(dense) in str(ei.value) and "no serving metadata" in str(ei.value)
+    finally:
+        ps.close()
+
+
+def _serving_metadata(path: Path) -> str:
+    import onnx
+
+    return {m.key: m.value for m in onnx.load(str(path)).metadata_props}[SERVING_METADATA_KEY]

@@ -16,10 +16,11 @@ from embark.data.jagged import JaggedBatch
 from embark.models.dlrm import build_model
 from embark.models.workloads import get_workload
 from export.onnx import CondensedLinear, export_onnx, onnx_inputs, run_onnx
+from tests.tolerances import tol
 from tilesparse.linear import TileSparseLinear
 
 # onnxruntime's kernels reorder fp32 sums: a tolerance, not equality
-TOL = {"rtol": 1e-4, "atol": 1e-5}
+TOL = tol("onnx")
 
 
 def _padded_to_jagged(model, inputs: dict[str, torch.Tensor]) -> JaggedBatch:
@@ -132,9 +133,8 @@ def test_graph_metadata_and_bad_ids(tmp_path, pruned) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_non_float32_model_is_refused_before_writing(tmp_path, pruned, dtype) -> None:
-    """A bf16 model used to export without error to a graph onnxruntime cannot load (its MatMul
-    mixes bf16 weights with the float32 inputs); now it is refused naming the dtype, nothing is
-    written, the model is untouched, and the float32 copy the message suggests exports fine."""
+    """A bf16 model would export to a graph onnxruntime cannot load (its MatMul mixes bf16
+    weights with the float32 inputs): it is refused naming the dtype, nothing is written, the model is untouched, and the float32 copy the message suggests exports fine."""
     low = copy.deepcopy(pruned).to(dtype)
     before = {k: v.clone() for k, v in low.state_dict().items() if isinstance(v, torch.Tensor)}
     out = tmp_path / "sub" / "low.onnx"

@@ -12,7 +12,7 @@ import torch
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.volatile import HashMapBackend
-from hps.updates.online import FileLogSource, UpdateApplier
+from hps.updates import FileLogSource, UpdateApplier
 
 
 def _session(tmp_path, vdb: HashMapBackend, cache: EmbeddingCache, exact: bool, threshold: float):

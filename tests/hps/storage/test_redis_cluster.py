@@ -104,7 +104,7 @@ def test_an_update_that_no_longer_fits_the_outage_queue_is_retried_not_lost(
     back. The applier's batch fails, its offset stays, and the next poll after recovery applies
     it: every row serves the update."""
     from hps.types import VolatileUnavailableError
-    from hps.updates.online import FileLogPublisher, FileLogSource, UpdateApplier
+    from hps.updates import FileLogPublisher, FileLogSource, UpdateApplier
 
     name = f"t_{uuid.uuid4().hex[:8]}"
     keys, old = np.arange(200, dtype=np.int64), np.zeros((200, 4), np.float32)

@@ -109,7 +109,7 @@ def test_duplicate_keys_are_refused_safetensors(tmp_path: Path) -> None:
 
 
 def test_duplicate_sparse_keys_never_reach_the_tiers(tmp_path: Path) -> None:
-    from hps.config import parse_config
+    from hps.config_parse import parse_config
     from hps.parameter_server import HierarchicalParameterServer
 
     (tmp_path / "sparse/t0").mkdir(parents=True)
@@ -135,7 +135,7 @@ def test_duplicate_sparse_keys_never_reach_the_tiers(tmp_path: Path) -> None:
 
 
 def _write_checkpoint(folder: Path, tables: dict[str, torch.Tensor]) -> None:
-    """A checkpoint folder in the foundation's contract layout (written by hand)."""
+    """A checkpoint folder in the trainer's checkpoint layout (written by hand)."""
     from safetensors.torch import save_file
 
     folder.mkdir(parents=True)

@@ -33,10 +33,12 @@ from embark.types import Combiner
 from export.artifacts import write_serving_artifacts
 from export.onnx import export_onnx, run_onnx
 from hps.parameter_server import HierarchicalParameterServer
-from hps.serving.server import InferenceServer, ServerConfig, main
-from hps.updates.online import FileLogPublisher
+from hps.server import main
+from hps.serving.http_server import InferenceServer, ServerConfig
+from hps.updates import FileLogPublisher
+from tests.tolerances import tol
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[3]
 
 
 def _model() -> DLRM:
@@ -130,9 +132,9 @@ def test_infer_equals_eager_model(client, model, binary: bool, int32: bool, narr
         th.InferRequestedOutput("probability", binary_data=not binary),
     ]
     res = client.infer("tiny", _inputs(req, binary, int32), outputs=outs, request_id="r7")
-    np.testing.assert_allclose(res.as_numpy("logits"), want, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.as_numpy("logits"), want, **tol("served"))
     np.testing.assert_allclose(
-        res.as_numpy("probability"), 1 / (1 + np.exp(-want)), rtol=1e-5, atol=1e-6
+        res.as_numpy("probability"), 1 / (1 + np.exp(-want)), **tol("served")
     )
     assert res.get_response()["id"] == "r7" and res.as_numpy("logits").dtype == np.float32
 
@@ -143,7 +145,7 @@ def test_same_request_runs_on_the_full_onnx_graph(client, model, tmp_path) -> No
     req = _request(model, 5, seed=2)
     res = client.infer("tiny", _inputs(req))  # no outputs named: all, binary
     graph = run_onnx(full, {k: torch.from_numpy(v) for k, v in req.items()}).numpy()
-    np.testing.assert_allclose(res.as_numpy("logits"), graph, rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(res.as_numpy("logits"), graph, **tol("served"))
 
 
 def test_keys_found_nowhere_pool_the_default_vector(client, model) -> None:
@@ -152,7 +154,7 @@ def test_keys_found_nowhere_pool_the_default_vector(client, model) -> None:
     unknown = dict(req, ids_t0=np.array([[10**12], [7], [2**62], [3]], dtype=np.int64))
     empty = dict(req, ids_t0=np.array([[-1], [7], [-1], [3]], dtype=np.int64))
     got = client.infer("tiny", _inputs(unknown)).as_numpy("logits")
-    np.testing.assert_allclose(got, _eager(model, empty), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, _eager(model, empty), **tol("served"))
 
 
 def test_metadata_health_and_stats(client, model) -> None:
@@ -268,7 +270,7 @@ def test_bad_requests_are_400_naming_the_problem(served, model) -> None:
     got = np.array(
         next(o for o in ok.json()["outputs"] if o["name"] == "logits")["data"], np.float32
     )
-    np.testing.assert_allclose(got, _eager(model, req), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(got, _eager(model, req), **tol("served"))
 
 
 def test_a_client_gone_mid_body_is_neither_an_error_nor_a_failure(served, caplog) -> None:
@@ -277,7 +279,7 @@ def test_a_client_gone_mid_body_is_neither_an_error_nor_a_failure(served, caplog
         return r.json()["model_stats"][0]["inference_stats"]["fail"]["count"]
 
     before = fails()
-    caplog.set_level(logging.WARNING, logger="hps.serving.server")
+    caplog.set_level(logging.WARNING, logger="hps.serving.http_server")
     with socket.create_connection(("127.0.0.1", served.port)) as s:
         s.sendall(
             b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: x\r\nContent-Length: 1000\r\n\r\n"
@@ -287,7 +289,9 @@ def test_a_client_gone_mid_body_is_neither_an_error_nor_a_failure(served, caplog
     time.sleep(0.5)  # the server notices the disconnect
     assert fails() == before
     assert not [
-        r for r in caplog.records if r.name == "hps.serving.server" and r.levelno >= logging.WARNING
+        r
+        for r in caplog.records
+        if r.name == "hps.serving.http_server" and r.levelno >= logging.WARNING
     ]
 
 
@@ -305,7 +309,7 @@ def test_gzip_request_and_many_concurrent_clients(served, model) -> None:
                     _inputs(reqs[i]),
                     request_compression_algorithm="gzip" if i % 2 else None,
                 )
-                np.testing.assert_allclose(res.as_numpy("logits"), want[i], rtol=1e-5, atol=1e-6)
+                np.testing.assert_allclose(res.as_numpy("logits"), want[i], **tol("served"))
             except Exception as e:  # collected: a failure in a thread must fail the test
                 errors.append(f"request {i}: {e}")
 
@@ -347,8 +351,7 @@ def test_online_update_is_visible_through_the_server(artifacts, model, tmp_path)
             np.testing.assert_allclose(
                 c.infer("tiny", _inputs(req)).as_numpy("logits"),
                 _eager(model, req),
-                rtol=1e-5,
-                atol=1e-6,
+                **tol("served"),
             )
             new_row = torch.linspace(-1, 1, 16)
             pub.publish({"t0": (np.array([4], np.int64), new_row.numpy()[None].astype(np.float32))})
@@ -359,10 +362,10 @@ def test_online_update_is_visible_through_the_server(artifacts, model, tmp_path)
             deadline = time.monotonic() + 10
             while True:
                 got = c.infer("tiny", _inputs(req)).as_numpy("logits")
-                if np.allclose(got, want, rtol=1e-5, atol=1e-6) or time.monotonic() > deadline:
+                if np.allclose(got, want, **tol("served")) or time.monotonic() > deadline:
                     break
                 time.sleep(0.05)
-            np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-6)
+            np.testing.assert_allclose(got, want, **tol("served"))
             assert not np.allclose(want[:2], _eager(model, req)[:2])  # the update changed them
     finally:
         ps.close()
@@ -424,10 +427,7 @@ def test_cli_serves_until_sigterm(artifacts, model) -> None:
             time.sleep(0.2)
         req = _request(model, 4, seed=10)
         np.testing.assert_allclose(
-            c.infer("tiny", _inputs(req)).as_numpy("logits"),
-            _eager(model, req),
-            rtol=1e-5,
-            atol=1e-6,
+            c.infer("tiny", _inputs(req)).as_numpy("logits"), _eager(model, req), **tol("served")
         )
     finally:
         proc.send_signal(signal.SIGTERM)

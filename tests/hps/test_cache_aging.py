@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hps.advisor import KeyStatistics, zipf_hit_curve
-from hps.config import parse_config
+from hps.config_parse import parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache
@@ -483,7 +483,7 @@ def test_statistics_labelled_with_the_epoch_they_were_aged_to_under_a_race() -> 
 
 def test_online_update_keeps_counters(tmp_path: Path) -> None:
     from hps.storage.volatile import HashMapBackend
-    from hps.updates.online import FileLogSource, UpdateApplier
+    from hps.updates import FileLogSource, UpdateApplier
 
     vdb = HashMapBackend(num_partitions=1)
     vdb.create_table("t", 1)

@@ -16,7 +16,8 @@ from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.volatile import HashMapBackend
-from hps.updates.online import (
+from hps.types import FormatVersionError
+from hps.updates import (
     CorruptRecordError,
     FileLogPublisher,
     FileLogSource,
@@ -25,6 +26,7 @@ from hps.updates.online import (
     UpdateApplier,
     encode_batch,
 )
+from hps.updates.file_log import LOG_VERSION
 
 DIM = 2
 N = 12
@@ -225,65 +227,46 @@ def test_a_damaged_offset_in_rocksdb_is_a_value_error_naming_it(tmp_path: Path) 
         server.close()
 
 
-def test_an_offset_stored_without_a_log_id_is_accepted_on_a_record_boundary(
-    server: _Server,
-) -> None:
-    """An older version stored the offset alone: it is used when a record starts there (and
-    then stored with the log's id); inside a record it is refused, nothing applied."""
+def test_a_file_log_offset_without_a_log_id_is_refused(server: _Server) -> None:
+    """An offset into a file log means something only with the id of the log it was taken in:
+    stored alone it is refused (naming where it is stored), nothing applied; reset_offset
+    refuses it too, and with its log id it is used."""
     pub = FileLogPublisher(server.log)
     offs = [pub.publish(_one(k, 1.0)) for k in range(4)]
-    ap = server.applier()
-    ap.reset_offset(offs[1])  # the offset alone, as an older version stored it
-    assert server.applier().log_id is None
-    ap2 = server.applier()
-    assert ap2.poll() == 2 and server.served()[:5] == [0.0, 0.0, 1.0, 1.0, 0.0]
-    assert ap2.log_id.startswith("log:") and server.applier().log_id == ap2.log_id
-    # an offset with no id that is caught up (nothing to apply) gets the id too
-    log_id = ap2.log_id
-    ap2.reset_offset(offs[3])
-    assert ap2.log_id is None and server.applier().poll() == 0 and server.applier().log_id == log_id
-    # inside a record: refused, naming the record, the log and where the offset is stored
-    inside = str(int(offs[1]) + 5)
-    ap2.reset_offset(inside)
-    ap3 = server.applier()
-    with pytest.raises(
-        LogReplacedError,
-        match=rf"stored offset {inside} has no log id .* not on a record "
-        rf"boundary \(it lies inside the record at offsets {offs[1]}\.\.{offs[2]}\)",
-    ) as ei:
-        ap3.poll()
-    assert server.where() in str(ei.value) and str(server.log) in str(ei.value)
-    assert ap3.source.corrupt == 0 and ap3.offset == inside and ap3.applied == 0
-    assert server.served()[:5] == [0.0, 0.0, 1.0, 1.0, 0.0]
-
-
-def _legacy_log(path: Path, batches: list[dict]) -> list[str]:
-    """A log as written before log headers existed: records only."""
-    offs, data = [], b""
-    for b in batches:
-        data += encode_batch(b)
-        offs.append(str(len(data)))
-    path.write_bytes(data)
-    return offs
-
-
-def test_a_log_without_a_header_is_identified_by_its_first_record(server: _Server) -> None:
-    offs = _legacy_log(server.log, [_one(k, 1.0) for k in range(3)])
     if server.pdb is None:
-        server.off.write_text(offs[0])  # an offset file of an older version: the offset alone
+        server.off.write_text(offs[1])
     else:
-        server.applier().reset_offset(offs[0])
+        server.pdb.write_batch([], meta={"update_offset:updates": offs[1].encode()})
     ap = server.applier()
-    assert ap.poll() == 2 and ap.log_id.startswith("rec0:")
-    pub = FileLogPublisher(server.log)  # the new writer appends to it as it is (no header)
-    assert server.log.read_bytes()[:4] == b"HPSU"
-    pub.publish(_one(3, 1.0))
-    assert ap.poll() == 1 and server.served()[:5] == [0.0, 1.0, 1.0, 1.0, 0.0]
-    # replaced by another header-less log of the same length: a different first record
-    _legacy_log(server.log, [_one(k, 5.0) for k in range(6, 10)])
-    with pytest.raises(LogReplacedError, match=re.escape(ap.log_id)):
+    with pytest.raises(ValueError, match=r"needs the id of the log it was taken in") as ei:
         ap.poll()
-    assert server.served()[6:10] == [0.0] * 4
+    assert server.where() in str(ei.value) and repr(offs[1]) in str(ei.value)
+    assert ap.applied == 0 and server.served() == [0.0] * N
+    with pytest.raises(ValueError, match=r"needs the id of the log it was taken in"):
+        ap.reset_offset(offs[1])
+    log_id = FileLogSource(server.log).read_log(None, None)[0]
+    ap.reset_offset(offs[1], log_id)
+    assert ap.poll() == 2 and server.served()[:5] == [0.0, 0.0, 1.0, 1.0, 0.0]
+
+
+def _headerless_log(path: Path, batches: list[dict]) -> None:
+    """A file of records with no log header in front."""
+    path.write_bytes(b"".join(encode_batch(b) for b in batches))
+
+
+def test_a_log_without_a_header_is_refused(server: _Server) -> None:
+    """A file that starts with a record has no log header, hence no format version: readers
+    and the writer refuse it naming the file; nothing is applied, nothing written."""
+    _headerless_log(server.log, [_one(k, 1.0) for k in range(3)])
+    data = server.log.read_bytes()
+    ap = server.applier()
+    msg = f"update log {server.log} has no format version; this hps reads format version 1"
+    with pytest.raises(FormatVersionError, match=re.escape(msg)) as ei:
+        ap.poll()
+    assert (ei.value.found, ei.value.expected) == (None, LOG_VERSION)
+    with pytest.raises(FormatVersionError, match="starts with an update record, not a log header"):
+        FileLogPublisher(server.log)
+    assert server.log.read_bytes() == data and server.served() == [0.0] * N
 
 
 def test_a_torn_log_header_is_rewritten_by_the_writer(tmp_path: Path) -> None:
@@ -300,7 +283,7 @@ def test_a_torn_log_header_is_rewritten_by_the_writer(tmp_path: Path) -> None:
     off = pub.publish(_one(0, 1.0))
     assert [o for o, _ in FileLogSource(log).read(None)] == [off]
     data = bytearray(log.read_bytes())
-    data[30] ^= 0xFF  # the log id no longer matches its checksum
+    data[30] ^= 0xFF  # the log id does not match its checksum
     log.write_bytes(bytes(data))
     src = FileLogSource(log)
     assert src.read(None) == [] and src.corrupt == 1  # refused, as a corrupt record is

@@ -15,7 +15,7 @@ from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.volatile import HashMapBackend
-from hps.updates.online import (
+from hps.updates import (
     CorruptRecordError,
     FileLogPublisher,
     FileLogSource,
@@ -88,7 +88,7 @@ def test_malformed_payload_with_a_valid_checksum_is_corrupt(payload: bytes, matc
 
 
 def test_file_log_torn_write_is_never_applied(tmp_path: Path, caplog) -> None:
-    caplog.set_level(logging.WARNING, logger="hps.updates.online")
+    caplog.set_level(logging.WARNING, logger="hps.updates")
     log = tmp_path / "u.log"
     pub = FileLogPublisher(log)
     off1 = pub.publish(_batch(1))

@@ -25,7 +25,6 @@ work ``ps.json`` asks for (online updates, cache refresh) runs while the server 
 
 from __future__ import annotations
 
-import argparse
 import logging
 import math
 import signal
@@ -33,8 +32,9 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field, fields
 from importlib.metadata import PackageNotFoundError, version
+from types import FrameType
 from typing import Any
 
 import anyio
@@ -54,14 +54,19 @@ from hps.serving.v2_protocol import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InferenceServer", "ServerConfig", "create_app", "main"]
+__all__ = ["InferenceServer", "ServerConfig", "build_servables", "create_app", "open_server"]
 
 MODEL_VERSION = "1"
 
 
 @dataclass(frozen=True)
 class ServerConfig:
-    """Server knobs (each is a ``--flag`` of the CLI)."""
+    """Server knobs (each is a ``--flag`` of ``python -m hps.server``).
+
+    Raises:
+        ValueError: naming the knob, for a count below its minimum, a port past 65535, or a
+            request limit that is not a finite number of MiB of at least one byte.
+    """
 
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free port (read it from InferenceServer.port)
@@ -86,11 +91,22 @@ class ServerConfig:
             )
 
 
-_PHASES = ("queue", "compute_input", "compute_infer", "compute_output")
+@dataclass
+class _PhaseNs:
+    """Nanoseconds spent in each phase of requests (Triton's statistics names)."""
+
+    queue: int = 0
+    compute_input: int = 0
+    compute_infer: int = 0
+    compute_output: int = 0
+
+    def add(self, other: _PhaseNs) -> None:
+        for f in fields(self):
+            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
 
 @dataclass
-class _Counts:
+class _ModelCounts:
     """Triton-style statistics of one model (counts and summed nanoseconds)."""
 
     success: int = 0
@@ -98,30 +114,29 @@ class _Counts:
     fail: int = 0
     fail_ns: int = 0
     samples: int = 0  # Triton's inference_count: samples, not requests
-    phase_ns: dict[str, int] = field(default_factory=lambda: dict.fromkeys(_PHASES, 0))
+    phase_ns: _PhaseNs = field(default_factory=_PhaseNs)
     last_ms: int = 0  # wall-clock ms of the last successful inference
     lock: threading.Lock = field(default_factory=threading.Lock)
 
-    def add(
-        self, ok: bool, ns: int, samples: int = 0, phases: dict[str, int] | None = None
-    ) -> None:
+    def succeeded(self, ns: int, samples: int, phases: _PhaseNs) -> None:
         with self.lock:
-            if ok:
-                self.success, self.success_ns = self.success + 1, self.success_ns + ns
-                self.samples += samples
-                for k, v in (phases or {}).items():
-                    self.phase_ns[k] += v
-                self.last_ms = int(time.time() * 1e3)
-            else:
-                self.fail, self.fail_ns = self.fail + 1, self.fail_ns + ns
+            self.success, self.success_ns = self.success + 1, self.success_ns + ns
+            self.samples += samples
+            self.phase_ns.add(phases)
+            self.last_ms = int(time.time() * 1e3)
+
+    def failed(self, ns: int) -> None:
+        with self.lock:
+            self.fail, self.fail_ns = self.fail + 1, self.fail_ns + ns
 
     def to_dict(self, name: str) -> dict[str, Any]:
+        """The model's entry of Triton's statistics document."""
         with self.lock:
             n = self.success
             stats = {
                 "success": {"count": n, "ns": self.success_ns},
                 "fail": {"count": self.fail, "ns": self.fail_ns},
-                **{k: {"count": n, "ns": v} for k, v in self.phase_ns.items()},
+                **{k: {"count": n, "ns": v} for k, v in asdict(self.phase_ns).items()},
             }
             return {
                 "name": name,
@@ -131,6 +146,16 @@ class _Counts:
                 "execution_count": n,
                 "inference_stats": stats,
             }
+
+
+@dataclass(frozen=True)
+class _Answer:
+    """One inference's response body and headers, with what the statistics count."""
+
+    body: bytes
+    headers: dict[str, str]
+    samples: int
+    phases: _PhaseNs
 
 
 def _error(msg: str, status: int = 400) -> JSONResponse:
@@ -144,25 +169,50 @@ def _package_version() -> str:
         return "0"
 
 
-def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = None) -> Starlette:
-    """The v2 HTTP application over ``servables`` (model name → servable)."""
-    cfg = cfg or ServerConfig()
-    limiter = anyio.CapacityLimiter(cfg.workers)
-    counts = {name: _Counts() for name in servables}
-    max_bytes = int(cfg.max_request_mb * 2**20)
+class _V2Endpoints:
+    """The endpoints of the v2 protocol over ``servables`` (model name → servable): request
+    handlers, the worker limiter and the statistics of one application."""
 
-    def model_of(request: Request) -> DLRMServable:
+    def __init__(self, servables: dict[str, DLRMServable], cfg: ServerConfig) -> None:
+        self.servables = servables
+        self.limiter = anyio.CapacityLimiter(cfg.workers)
+        self.counts = {name: _ModelCounts() for name in servables}
+        self.max_bytes = int(cfg.max_request_mb * 2**20)
+
+    def routes(self) -> list[Route]:
+        m = "/v2/models/{model}"
+        v = m + "/versions/{version}"
+        return [
+            Route("/v2", self.server_metadata),
+            Route("/v2/health/live", self.live),
+            Route("/v2/health/ready", self.live),  # the app exists once every model has loaded
+            Route("/v2/models/stats", self.all_stats),  # before {model}: all-model stats
+            Route(m, self.model_metadata),
+            Route(v, self.model_metadata),
+            Route(m + "/ready", self.model_ready),
+            Route(v + "/ready", self.model_ready),
+            Route(m + "/stats", self.model_stats),
+            Route(v + "/stats", self.model_stats),
+            Route(m + "/infer", self.infer, methods=["POST"]),
+            Route(v + "/infer", self.infer, methods=["POST"]),
+        ]
+
+    def model_of(self, request: Request) -> DLRMServable:
+        """The servable a path names (``ProtocolError`` for an unknown model or version)."""
         name = request.path_params["model"]
-        if name not in servables:
-            raise ProtocolError(f"unknown model {name!r}; this server serves {sorted(servables)}")
+        if name not in self.servables:
+            raise ProtocolError(
+                f"unknown model {name!r}; this server serves {sorted(self.servables)}"
+            )
         ver = request.path_params.get("version", MODEL_VERSION)
         if ver != MODEL_VERSION:
             raise ProtocolError(
                 f"model {name!r} has no version {ver!r}; versions: ['{MODEL_VERSION}']"
             )
-        return servables[name]
+        return self.servables[name]
 
-    async def server_metadata(request: Request) -> Response:
+    # ------------------------------------------------------------------ metadata and health
+    async def server_metadata(self, request: Request) -> Response:
         return JSONResponse(
             {
                 "name": "tilerec-hps",
@@ -171,137 +221,125 @@ def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = No
             }
         )
 
-    async def live(request: Request) -> Response:
+    async def live(self, request: Request) -> Response:
         return Response(status_code=200)
 
-    async def model_metadata(request: Request) -> Response:
+    async def model_metadata(self, request: Request) -> Response:
         try:
-            return JSONResponse(model_of(request).metadata())
+            return JSONResponse(self.model_of(request).metadata())
         except ProtocolError as e:
             return _error(str(e))
 
-    async def model_ready(request: Request) -> Response:
+    async def model_ready(self, request: Request) -> Response:
         try:
-            model_of(request)
+            self.model_of(request)
         except ProtocolError as e:
             return _error(str(e))
         return Response(status_code=200)
 
-    def stats_of(name: str) -> dict[str, Any]:
-        return {**counts[name].to_dict(name), "hps": servables[name].session.stats()}
+    def stats_of(self, name: str) -> dict[str, Any]:
+        return {**self.counts[name].to_dict(name), "hps": self.servables[name].session.stats()}
 
-    async def model_stats(request: Request) -> Response:
+    async def model_stats(self, request: Request) -> Response:
         try:
-            s = model_of(request)
+            s = self.model_of(request)
         except ProtocolError as e:
             return _error(str(e))
-        return JSONResponse({"model_stats": [stats_of(s.name)]})
+        return JSONResponse({"model_stats": [self.stats_of(s.name)]})
 
-    async def all_stats(request: Request) -> Response:
-        return JSONResponse({"model_stats": [stats_of(n) for n in servables]})
+    async def all_stats(self, request: Request) -> Response:
+        return JSONResponse({"model_stats": [self.stats_of(n) for n in self.servables]})
 
-    async def read_body(request: Request) -> bytes:
+    # ------------------------------------------------------------------ inference
+    async def read_body(self, request: Request) -> bytes:
+        """The request body, refused (``ProtocolError``) past ``max_request_mb``."""
+        limit = self.max_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > max_bytes:
+        if declared is not None and declared.isdigit() and int(declared) > limit:
             raise ProtocolError(
                 f"request body of {declared} bytes exceeds the server's limit of "
-                f"{max_bytes} bytes (--max-request-mb)"
+                f"{limit} bytes (--max-request-mb)"
             )
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
-            if size > max_bytes:
+            if size > limit:
                 raise ProtocolError(
-                    f"request body exceeds the server's limit of {max_bytes} bytes "
-                    "(--max-request-mb)"
+                    f"request body exceeds the server's limit of {limit} bytes (--max-request-mb)"
                 )
             chunks.append(chunk)
         return b"".join(chunks)
 
     def run(
+        self,
         s: DLRMServable,
         body: bytes,
         header_length: str | None,
         encoding: str | None,
         queued_at: int,
-    ) -> tuple[bytes, dict[str, str], int, dict[str, int]]:
+    ) -> _Answer:
+        """Parse, infer and encode one request (on a worker thread)."""
         t0 = time.perf_counter_ns()
-        req = parse_infer_request(body, header_length, encoding, max_bytes=max_bytes)
+        req = parse_infer_request(body, header_length, encoding, max_bytes=self.max_bytes)
         t1 = time.perf_counter_ns()
         results = s.infer(req.inputs)
         t2 = time.perf_counter_ns()
         out, headers = encode_infer_response(s.name, MODEL_VERSION, results, req)
         t3 = time.perf_counter_ns()
-        phases = {
-            "queue": t0 - queued_at,
-            "compute_input": t1 - t0,
-            "compute_infer": t2 - t1,
-            "compute_output": t3 - t2,
-        }
-        return (
-            out,
-            headers,
-            int(req.inputs["dense"].shape[0]) if "dense" in req.inputs else 0,
-            phases,
-        )
+        samples = int(req.inputs["dense"].shape[0]) if "dense" in req.inputs else 0
+        return _Answer(out, headers, samples, _PhaseNs(t0 - queued_at, t1 - t0, t2 - t1, t3 - t2))
 
-    async def infer(request: Request) -> Response:
+    async def infer(self, request: Request) -> Response:
         start = time.perf_counter_ns()
         name = request.path_params["model"]
         try:
-            s = model_of(request)
-            body = await read_body(request)
-            out, headers, samples, phases = await anyio.to_thread.run_sync(
-                run,
+            s = self.model_of(request)
+            body = await self.read_body(request)
+            answer = await anyio.to_thread.run_sync(
+                self.run,
                 s,
                 body,
                 request.headers.get(HEADER_LENGTH),
                 request.headers.get("content-encoding"),
                 time.perf_counter_ns(),
-                limiter=limiter,
+                limiter=self.limiter,
             )
         except ClientDisconnect:  # the client went away mid-body: no one to answer, nothing failed
             log.debug("model %r: the client disconnected before sending the whole request", name)
             return Response(status_code=400)
         except (ProtocolError, InputError, ValueError) as e:
-            return _failed(name, start, _error(str(e)))
+            return self._failed(name, start, _error(str(e)))
         except TimeoutError as e:
-            return _failed(name, start, _error(f"parameter server busy: {e}", 503))
+            return self._failed(name, start, _error(f"parameter server busy: {e}", 503))
         except Exception as e:  # a bug or a backend that went away: say so, keep serving
             log.exception("model %r: inference failed", name)
-            return _failed(name, start, _error(f"internal error: {type(e).__name__}: {e}", 500))
-        counts[s.name].add(True, time.perf_counter_ns() - start, samples, phases)
+            return self._failed(
+                name, start, _error(f"internal error: {type(e).__name__}: {e}", 500)
+            )
+        self.counts[s.name].succeeded(time.perf_counter_ns() - start, answer.samples, answer.phases)
+        headers = dict(answer.headers)
         media = headers.pop("Content-Type")
-        return Response(out, media_type=media, headers=headers)
+        return Response(answer.body, media_type=media, headers=headers)
 
-    def _failed(name: str, start: int, resp: Response) -> Response:
-        if name in counts:
-            counts[name].add(False, time.perf_counter_ns() - start)
+    def _failed(self, name: str, start: int, resp: Response) -> Response:
+        if name in self.counts:
+            self.counts[name].failed(time.perf_counter_ns() - start)
         return resp
 
-    m = "/v2/models/{model}"
-    v = m + "/versions/{version}"
-    routes = [
-        Route("/v2", server_metadata),
-        Route("/v2/health/live", live),
-        Route("/v2/health/ready", live),  # the app exists only once every model has loaded
-        Route("/v2/models/stats", all_stats),  # before {model}: tritonclient's all-model stats
-        Route(m, model_metadata),
-        Route(v, model_metadata),
-        Route(m + "/ready", model_ready),
-        Route(v + "/ready", model_ready),
-        Route(m + "/stats", model_stats),
-        Route(v + "/stats", model_stats),
-        Route(m + "/infer", infer, methods=["POST"]),
-        Route(v + "/infer", infer, methods=["POST"]),
-    ]
 
-    async def http_error(request: Request, exc: Exception) -> Response:
-        code = getattr(exc, "status_code", 500)
-        detail = getattr(exc, "detail", str(exc))
-        return _error(f"{request.method} {request.url.path}: {detail}", code)
+async def _http_error(request: Request, exc: Exception) -> Response:
+    """404 / 405 as the protocol's JSON error, naming the method and path."""
+    code = getattr(exc, "status_code", 500)
+    detail = getattr(exc, "detail", str(exc))
+    return _error(f"{request.method} {request.url.path}: {detail}", code)
 
-    return Starlette(routes=routes, exception_handlers={404: http_error, 405: http_error})
+
+def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = None) -> Starlette:
+    """The v2 HTTP application over ``servables`` (model name → servable)."""
+    endpoints = _V2Endpoints(servables, cfg or ServerConfig())
+    return Starlette(
+        routes=endpoints.routes(), exception_handlers={404: _http_error, 405: _http_error}
+    )
 
 
 def build_servables(
@@ -387,7 +425,23 @@ class InferenceServer:
         while self._thread is not None and self._thread.is_alive():
             self._thread.join(timeout=0.2)
 
+    def serve_until_signalled(self) -> None:
+        """Start, then serve until SIGINT or SIGTERM (installed here: call it from the main
+        thread); in-flight requests finish, then the server stops."""
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, self._on_signal)
+        try:
+            self.start()
+            self.wait()
+        finally:
+            self.stop()
+
+    def _on_signal(self, signum: int, frame: FrameType | None) -> None:
+        log.info("signal %d: shutting down", signum)
+        self.request_stop()
+
     def stop(self) -> None:
+        """Stop serving (finishing in-flight requests, at most 10 s) and close the socket."""
         self._uv.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -405,64 +459,25 @@ class InferenceServer:
         self.stop()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    d = ServerConfig()
-    p = argparse.ArgumentParser(
-        prog="python -m hps.server",
-        description=__doc__.split("\n\n")[0],
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    p.add_argument("--config", required=True, help="ps.json (e.g. written by export.artifacts)")
-    p.add_argument("--host", default=d.host)
-    p.add_argument("--port", type=int, default=d.port)
-    p.add_argument("--models", nargs="*", default=None, help="models to serve (default: all)")
-    p.add_argument("--workers", type=int, default=d.workers, help="request threads")
-    p.add_argument(
-        "--max-queued",
-        type=int,
-        default=d.max_queued,
-        help="requests that may wait for a worker before new ones get 503",
-    )
-    p.add_argument(
-        "--ort-threads",
-        type=int,
-        default=d.ort_threads,
-        help="onnxruntime intra-op threads per request (0: its default)",
-    )
-    p.add_argument("--max-request-mb", type=float, default=d.max_request_mb)
-    p.add_argument("--log-level", default="info")
-    a = p.parse_args(argv)
-    logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
-    try:
-        cfg = ServerConfig(a.host, a.port, a.workers, a.max_queued, a.ort_threads, a.max_request_mb)
-        ps = HierarchicalParameterServer.from_config(a.config)
-    except (ValueError, OSError) as e:
-        p.error(str(e))
+def open_server(
+    ps: HierarchicalParameterServer, cfg: ServerConfig, models: Sequence[str] | None = None
+) -> InferenceServer:
+    """A v2 server over ``ps`` (bound, not started) with the background work of ``ps.json``
+    started (:meth:`HierarchicalParameterServer.start_background`).
+
+    Raises:
+        Exception: whatever building the servables or starting the background work raises
+            (e.g. ``ValueError`` for a model that cannot be served); the bound socket is
+            released and ``ps`` closed first.
+    """
     srv = None
     try:
-        srv = InferenceServer(ps, cfg, a.models)
+        srv = InferenceServer(ps, cfg, models)
         ps.start_background()
-    except Exception as e:  # e.g. an update source that cannot start: exit 2 naming it
+    except BaseException:
         if srv is not None:
             srv.stop()  # not started: releases the bound socket
         ps.close()
-        p.error(str(e) if isinstance(e, (ValueError, OSError)) else f"{type(e).__name__}: {e}")
+        raise
     log.info("serving %s on http://%s (v2 protocol)", sorted(srv.servables), srv.address)
-
-    def shut_down(signum: int, frame: object) -> None:
-        log.info("signal %d: shutting down", signum)
-        srv.request_stop()
-
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        signal.signal(sig, shut_down)
-    try:
-        srv.start()
-        srv.wait()  # until SIGINT / SIGTERM: in-flight requests finish, then the databases close
-    finally:
-        srv.stop()
-        ps.close()
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())
+    return srv

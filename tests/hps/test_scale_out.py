@@ -11,10 +11,10 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hps.config import parse_config
+from hps.config_parse import parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.storage.sparse_files import write_table
-from hps.updates.online import RedisStreamPublisher, redis_client
+from hps.updates import RedisStreamPublisher, redis_client
 from tests.hps.hps_helpers import make_table
 
 pytestmark = pytest.mark.redis
@@ -65,8 +65,9 @@ def test_two_processes_see_one_update(redis_cluster, tmp_path: Path) -> None:
     loader.close()
     env = {
         **os.environ,
+        # the repository root first: the replica imports this checkout's hps
         "PYTHONPATH": os.pathsep.join(
-            filter(None, [str(Path(__file__).parent), os.environ.get("PYTHONPATH")])
+            filter(None, [str(Path(__file__).resolve().parents[2]), os.environ.get("PYTHONPATH")])
         ),
     }
     procs = []

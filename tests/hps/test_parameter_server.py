@@ -12,7 +12,7 @@ import torch
 
 from hps.parameter_server import HierarchicalParameterServer
 from hps.storage.sparse_files import write_table
-from hps.updates.online import FileLogPublisher
+from hps.updates import FileLogPublisher
 
 DIM = 4
 
@@ -148,14 +148,14 @@ def test_a_non_finite_update_is_refused_at_publish_and_never_blocks_a_start(
     tmp_path: Path, caplog
 ) -> None:
     """A NaN row is refused when published (nothing reaches the log). One in a log written by
-    an older publisher does not stop the server from starting: it is logged, left unapplied
+    a foreign publisher does not stop the server from starting: it is logged, left unapplied
     (with the records after it) and retried, until the operator skips it by the offset the
     message names."""
     import re
     import struct
     import zlib
 
-    from hps.updates.online import InvalidUpdateError, encode_batch
+    from hps.updates import InvalidUpdateError, encode_batch
 
     cfg = _folder(tmp_path, {"type": "none"})
     pub = FileLogPublisher(tmp_path / "u.log")
@@ -168,7 +168,7 @@ def test_a_non_finite_update_is_refused_at_publish_and_never_blocks_a_start(
     ):
         pub.publish({"t": (np.array([3], np.int64), nan)})
     assert (tmp_path / "u.log").stat().st_size == size
-    # an older publisher's record: the same layout, NaN row included
+    # a foreign publisher's record: the same layout, NaN row included
     payload = encode_batch({"t": (np.array([3], np.int64), np.ones((1, DIM), np.float32))})[17:]
     payload = payload[: -4 * DIM] + nan.tobytes()
     with open(tmp_path / "u.log", "ab") as f:

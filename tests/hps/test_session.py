@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from hps.config import parse_config
+from hps.config_parse import parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
@@ -234,7 +234,7 @@ def test_parameter_server_from_config(tmp_path: Path) -> None:
 def test_background_refresh_and_update_polling(tmp_path: Path) -> None:
     import time
 
-    from hps.updates.online import FileLogPublisher
+    from hps.updates import FileLogPublisher
 
     keys, rows = make_table(N, DIM, seed=6)
     write_table(tmp_path / "sparse/t0", keys, rows)

@@ -5,8 +5,9 @@ from pathlib import Path
 
 import pytest
 
-from hps.config import load_config, parse_config
-from hps.types import CachePolicy, OverflowPolicy, VolatileDBType
+from hps.artifact_format import ARTIFACT_VERSION
+from hps.config_parse import load_config, parse_config
+from hps.types import CachePolicy, FormatVersionError, OverflowPolicy, VolatileDBType
 
 
 def _doc(**model_over):
@@ -234,3 +235,23 @@ def test_json_syntax_error_gives_line_and_column(tmp_path: Path) -> None:
     p.write_text('{\n  "models": [\n    {"model": "m",}\n  ]\n}\n')
     with pytest.raises(ValueError, match=r"line 3 column 19"):
         load_config(p)
+
+
+def test_the_artifact_version_is_read_and_another_is_refused(tmp_path: Path) -> None:
+    """``tilerec_artifact_version`` (serving artifacts) must be this hps's; a ps.json without it
+    (written by hand or for HugeCTR) is read as it is."""
+    assert parse_config(_doc()).artifact_version is None
+    cfg = parse_config({**_doc(), "tilerec_artifact_version": ARTIFACT_VERSION})
+    assert cfg.artifact_version == ARTIFACT_VERSION
+    assert cfg.to_dict()["tilerec_artifact_version"] == ARTIFACT_VERSION
+    assert parse_config(cfg.to_dict()) == cfg
+    p = tmp_path / "ps.json"
+    for found in (ARTIFACT_VERSION + 1, "1", True, None):
+        p.write_text(json.dumps({**_doc(), "tilerec_artifact_version": found}))
+        with pytest.raises(FormatVersionError) as ei:
+            load_config(p)
+        msg = str(ei.value)
+        has = "has no format version" if found is None else f"has format version {found!r}"
+        assert str(p) in msg and has in msg
+        assert f"reads format version {ARTIFACT_VERSION} only" in msg
+        assert (ei.value.found, ei.value.expected) == (found, ARTIFACT_VERSION)

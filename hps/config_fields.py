@@ -1,0 +1,145 @@
+"""Typed reads of the fields of a decoded JSON object (``ps.json``), each error naming the
+field as ``<where>.<key>[<i>]`` (``models[0].embedding_vecsize_per_table[1]``).
+
+A JSON integer is accepted where a number is expected (and becomes a ``float``); a boolean is
+never an integer; ``NaN`` and ``Infinity`` (which ``json.loads`` takes) are refused.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from enum import StrEnum
+from pathlib import Path
+from typing import Any, TypeVar
+
+__all__ = [
+    "MISSING",
+    "check",
+    "enum_field",
+    "field",
+    "list_field",
+    "no_unknown",
+    "object_field",
+    "resolve_path",
+]
+
+MISSING: Any = object()  # the default of a required field
+E = TypeVar("E", bound=StrEnum)
+
+_TYPE_NAMES = {
+    bool: "a boolean",
+    int: "an integer",
+    float: "a number",
+    str: "a string",
+    list: "a list",
+}
+
+
+def _is(v: Any, typ: type) -> bool:
+    """``isinstance`` as JSON means it: a boolean is not a number, an integer is a number."""
+    if typ is bool:
+        return isinstance(v, bool)
+    if isinstance(v, bool):
+        return False
+    return isinstance(v, typ) or (typ is float and isinstance(v, int))
+
+
+def field(d: dict[str, Any], key: str, where: str, typ: type, default: Any = MISSING) -> Any:
+    """``d[key]`` checked to be of ``typ`` (``default`` when absent; required when
+    ``default`` is :data:`MISSING`).
+
+    Raises:
+        ValueError: a required field is missing, or the value has another type or is not finite.
+    """
+    if key not in d:
+        if default is MISSING:
+            raise ValueError(f"{where}.{key}: required field is missing")
+        return default
+    v = d[key]
+    if not _is(v, typ):
+        raise ValueError(
+            f"{where}.{key}: expected {_TYPE_NAMES[typ]}, got {v!r} ({type(v).__name__})"
+        )
+    if typ is float:
+        v = float(v)
+        if not math.isfinite(v):
+            raise ValueError(f"{where}.{key}: {v!r} is impossible; expected a finite number")
+    return v
+
+
+def check(ok: bool, where: str, key: str, value: Any, expected: str) -> None:
+    """Raise ``ValueError`` naming ``<where>.<key>``, ``value`` and what was ``expected``
+    unless ``ok``."""
+    if not ok:
+        raise ValueError(f"{where}.{key}: {value!r} is impossible; expected {expected}")
+
+
+def enum_field(d: dict[str, Any], key: str, where: str, enum: type[E], default: E) -> E:
+    """``d[key]`` as a member of ``enum`` (``default`` when absent).
+
+    Raises:
+        ValueError: a value that is not one of the enum's, naming them.
+    """
+    v = field(d, key, where, str, default.value)
+    try:
+        return enum(v)
+    except ValueError:
+        raise ValueError(f"{where}.{key}: {v!r} is not one of {[e.value for e in enum]}") from None
+
+
+def no_unknown(d: dict[str, Any], allowed: set[str], where: str) -> None:
+    """Raise ``ValueError`` naming the fields of ``d`` that are not ``allowed``."""
+    unknown = sorted(set(d) - allowed)
+    if unknown:
+        raise ValueError(f"{where}: unknown field(s) {unknown}; allowed: {sorted(allowed)}")
+
+
+def object_field(d: dict[str, Any], key: str, where: str) -> dict[str, Any]:
+    """``d[key]`` checked to be an object (``{}`` when absent)."""
+    v = d.get(key, {})
+    if not isinstance(v, dict):
+        raise ValueError(f"{where}.{key}: expected an object, got {type(v).__name__}")
+    return v
+
+
+def list_field(
+    d: dict[str, Any],
+    key: str,
+    where: str,
+    item: type,
+    n: int | None,
+    default: Any = MISSING,
+    ok: Callable[[Any], bool] | None = None,
+    expected: str = "",
+) -> list[Any]:
+    """``d[key]``, a list of ``n`` (any number when ``None``) items of type ``item``, each
+    passing ``ok`` (described by ``expected`` in the error).
+
+    Raises:
+        ValueError: naming the field and the first bad item's index.
+    """
+    v = field(d, key, where, list, default)
+    if n is not None and len(v) != n:
+        raise ValueError(f"{where}.{key}: expected {n} entries (one per table), got {len(v)}")
+    out = []
+    for i, x in enumerate(v):
+        if not _is(x, item):
+            raise ValueError(f"{where}.{key}[{i}]: expected {_TYPE_NAMES[item]}, got {x!r}")
+        if item is float:
+            x = float(x)
+            if not math.isfinite(x):
+                raise ValueError(
+                    f"{where}.{key}[{i}]: {x!r} is impossible; expected a finite number"
+                )
+        if ok is not None and not ok(x):
+            raise ValueError(f"{where}.{key}[{i}]: {x!r} is impossible; expected {expected}")
+        out.append(x)
+    return out
+
+
+def resolve_path(p: str, base: Path | None) -> str:
+    """``p`` resolved against ``base`` (the folder of ``ps.json``) when it is relative."""
+    if not p or base is None or Path(p).is_absolute():
+        return p
+    return str(base / p)

@@ -1,0 +1,377 @@
+"""Applying online updates: every server reads the update source and writes each batch into
+its volatile DB, persistent DB and cached copies, resuming after the last applied offset.
+
+Applying a batch (:class:`UpdateApplier`): validate every table first (keys ``(n,)`` int64,
+rows ``(n, dim)`` float32 and finite, no duplicate key; nothing is applied on error, and the
+error names the table), then, under the writer side of each session's lock (so a lookup sees
+the batch entirely or not at all): volatile DB, cached copies, and last the persistent DB rows
+*together with the new offset and log id* in one atomic RocksDB write batch (or the offset
+file when there is no writable persistent DB). A restarted server resumes after the last
+applied offset; re-applying a batch is harmless (rows are absolute values, not deltas), which
+is why a server that rebuilt its volatile DB from the sparse files clears the offset file and
+replays the source from its start (:mod:`hps.parameter_server`).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import threading
+from collections.abc import Iterable
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from hps.session import LookupSession
+from hps.storage.persistent import RocksDBBackend
+from hps.types import (
+    FormatVersionError,
+    StorageBackend,
+    VolatileUnavailableError,
+    check_keys,
+    check_values,
+)
+from hps.updates.file_log import StaleOffsetError
+from hps.updates.record import CorruptRecordError, InvalidUpdateError, UpdateBatch
+from hps.updates.transport import UpdateSource
+
+__all__ = ["OffsetFile", "UpdateApplier"]
+
+log = logging.getLogger("hps.updates")
+
+
+class OffsetFile:
+    """The last applied offset in a small file, replaced atomically (write + rename): one line,
+    ``<offset> <log id>`` for a file log (the id of the log the offset was taken in), or
+    ``<offset>`` for a source with one history (a Redis stream)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+
+    def load(self) -> str | None:
+        """The file's text, stripped (``None`` when missing or empty); not checked."""
+        return self.path.read_text(errors="replace").strip() or None if self.path.exists() else None
+
+    def load_position(self) -> tuple[str | None, str | None]:
+        """``(offset, log id)`` (``None`` for what the file does not hold); the source checks
+        that they fit it (:meth:`~hps.updates.transport.UpdateSource.check_offset`).
+
+        Raises:
+            ValueError: naming the file and its text, unless it is empty or one or two ASCII
+                words.
+        """
+        if not self.path.exists():
+            return None, None
+        raw = self.path.read_bytes()
+        try:
+            words = raw.decode("ascii").split()
+        except UnicodeDecodeError:
+            words = None
+        if words is None or len(words) > 2:
+            raise ValueError(
+                f"offset file {self.path} holds {raw[:200]!r}, not '<offset> <log id>' "
+                f"or '<offset>'"
+            )
+        return (words[0] if words else None), (words[1] if len(words) == 2 else None)
+
+    def save(self, offset: str, log_id: str | None = None) -> None:
+        tmp = self.path.with_name(self.path.name + ".tmp")
+        tmp.write_text(offset if log_id is None else f"{offset} {log_id}")
+        os.replace(tmp, self.path)
+
+    def clear(self) -> None:
+        """Forget the offset: the next reader starts at the beginning of the source."""
+        self.path.unlink(missing_ok=True)
+
+
+class UpdateApplier:
+    """Applies published batches to the tiers and the sessions' caches, resuming after the
+    last applied offset.
+
+    The offset is stored with the id of the log it was taken in (:mod:`hps.updates.file_log`)
+    and checked when read: a replaced or rotated log (another id) raises
+    :class:`~hps.updates.file_log.LogReplacedError` and nothing is applied. A stored offset
+    that does not fit the source (not a non-negative integer, or without a log id, for a file
+    log; a damaged offset file) makes :meth:`poll` raise ``ValueError`` naming where it is
+    stored and the bad value; :meth:`reset_offset` still works.
+
+    Args:
+        source: where batches come from.
+        sessions: sessions whose cached copies must follow the updates.
+        volatile, persistent: the databases (a read-only persistent DB is skipped).
+        offset_file: where the offset lives when there is no writable persistent DB.
+        name: the source's name in the persistent DB's metadata.
+    """
+
+    def __init__(
+        self,
+        source: UpdateSource,
+        sessions: Iterable[LookupSession],
+        volatile: StorageBackend | None = None,
+        persistent: RocksDBBackend | None = None,
+        offset_file: str | Path | None = None,
+        name: str = "updates",
+    ) -> None:
+        self.source = source
+        self.sessions = list(sessions)
+        self.volatile = volatile
+        self.persistent = (
+            persistent if persistent is not None and not persistent.read_only else None
+        )
+        self.offset_file = OffsetFile(offset_file) if offset_file else None
+        if self.persistent is None and self.offset_file is None:
+            raise ValueError(
+                "UpdateApplier needs a writable persistent db or an offset_file to resume from"
+            )
+        self._meta_key = f"update_offset:{name}"
+        self._id_key = f"update_log_id:{name}"
+        self.log_id: str | None = None  # the id of the log ``offset`` was taken in
+        self._bad_offset: str | None = None  # why the stored offset cannot be used (raised by poll)
+        self.offset = self._load_offset()
+        self.applied = 0  # batches applied by this instance
+        self._lock = threading.Lock()
+
+    # ------------------------------------------------------------------ the stored offset
+    def _stored_position(self) -> tuple[str | None, str | None]:
+        """``(offset, log id)`` as stored, not checked against the source.
+
+        Raises:
+            ValueError: what is stored is not text, or not one offset and one log id.
+        """
+        if self.persistent is None:
+            return self._offset_file().load_position()
+        raw = self.persistent.get_meta(self._meta_key)
+        rid = self.persistent.get_meta(self._id_key)
+        try:
+            offset = raw.decode("ascii") or None if raw is not None else None
+            log_id = rid.decode("ascii") or None if rid is not None else None
+        except UnicodeDecodeError:
+            offset = log_id = ""  # refused below
+        if offset == "" or (offset is not None and offset.split() != [offset]):
+            raise ValueError(
+                f"{self._stored_in()} holds {raw!r} and log id {rid!r}, not an "
+                f"update offset and a log id"
+            )
+        return offset, log_id
+
+    def _load_offset(self) -> str | None:
+        """The stored offset (and :attr:`log_id`); one that does not fit the source is kept
+        for :meth:`poll` to refuse (the constructor must work, so that :meth:`reset_offset` can
+        replace it)."""
+        try:
+            offset, log_id = self._stored_position()
+            if offset is not None:
+                try:
+                    self.source.check_offset(offset, log_id)
+                except ValueError as e:
+                    raise ValueError(
+                        f"{self._stored_in()} holds the update offset {offset!r} "
+                        f"(log id {log_id!r}): {e}"
+                    ) from None
+        except ValueError as e:
+            self._bad_offset = (
+                f"{e}; nothing was applied. To apply the source from its start, {self._where()}"
+            )
+            return None
+        self.log_id = log_id if offset is not None else None
+        return offset
+
+    def _stored_in(self) -> str:
+        if self.persistent is not None:
+            return f"the persistent db {self.persistent.path} (metadata {self._meta_key!r})"
+        return f"the offset file {self._offset_file().path}"
+
+    def _offset_file(self) -> OffsetFile:
+        """The offset file (the constructor requires it without a writable persistent db)."""
+        if self.offset_file is None:
+            raise RuntimeError("UpdateApplier: no offset file, and no writable persistent db")
+        return self.offset_file
+
+    def _where(self) -> str:
+        """Where the offset is stored, and how to reset it (for error messages)."""
+        if self.persistent is not None:
+            return (
+                f"the offset is {self._meta_key!r} in the persistent db {self.persistent.path}; "
+                f"call UpdateApplier.reset_offset(), e.g. HierarchicalParameterServer.from_config("
+                f"<ps.json>, load=False).update_applier().reset_offset() with the server stopped"
+            )
+        return (
+            f"stop the server and delete the offset file {self._offset_file().path} "
+            f"(or call UpdateApplier.reset_offset())"
+        )
+
+    def _store(
+        self,
+        offset: str | None,
+        log_id: str | None,
+        rows: list[tuple[str, np.ndarray, np.ndarray]] | None = None,
+    ) -> None:
+        """Record the offset and its log id (with ``rows`` in one atomic write when the
+        persistent db holds them)."""
+        if self.persistent is not None:
+            self.persistent.write_batch(
+                rows or [],
+                meta={
+                    self._meta_key: (offset or "").encode(),
+                    self._id_key: (log_id or "").encode(),
+                },
+            )
+        elif offset is None:
+            self._offset_file().clear()
+        else:
+            self._offset_file().save(offset, log_id)
+        self.offset, self.log_id = offset, log_id if offset is not None else None
+        self._bad_offset = None  # a malformed stored offset is replaced
+
+    def reset_offset(self, offset: str | None = None, log_id: str | None = None) -> None:
+        """Store ``offset``, taken in the log ``log_id``, as the last applied one (``None``:
+        read the source from its start, e.g. after the update log was replaced).
+
+        Raises:
+            ValueError: ``offset`` and ``log_id`` do not fit the source (a file log needs both).
+        """
+        if offset is not None:
+            self.source.check_offset(offset, log_id)
+        with self._lock:
+            self._store(offset, log_id)
+
+    # ------------------------------------------------------------------ applying
+    def _dims(self) -> dict[str, int]:
+        dims: dict[str, int] = {}
+        for s in self.sessions:
+            dims.update({n: t.dim for n, t in s.tables.items()})
+        return dims
+
+    def validate(self, batch: UpdateBatch) -> UpdateBatch:
+        """Check every table of ``batch`` before anything is written; returns it with each
+        array C-contiguous.
+
+        Raises:
+            InvalidUpdateError: naming the table, for an unknown table, keys that are not a ``(n,)``
+                int64 array or hold a key twice, rows that are not an ``(n, dim)`` float32
+                array (``dim`` the table's) or hold a NaN or infinite value (a diverged trainer's
+                rows are refused, not served; the poller retries the record, never skips it).
+        """
+        dims = self._dims()
+        out: UpdateBatch = {}
+        for name, (keys, rows) in batch.items():
+            if name not in dims:
+                raise InvalidUpdateError(
+                    f"update for unknown table {name!r}; served tables: {sorted(dims)}"
+                )
+            what = f"update for {name!r}:"
+            keys = check_keys(keys, f"{what} keys")
+            if not isinstance(rows, np.ndarray) or rows.shape != (keys.shape[0], dims[name]):
+                got = rows.shape if isinstance(rows, np.ndarray) else type(rows).__name__
+                raise InvalidUpdateError(
+                    f"{what} rows {got}, expected ({keys.shape[0]}, {dims[name]})"
+                )
+            rows = check_values(rows, keys.shape[0], dims[name], f"{what} rows")
+            bad = np.flatnonzero(~np.isfinite(rows).all(1))
+            if bad.size:
+                raise InvalidUpdateError(
+                    f"{what} the row of key {int(keys[bad[0]])} holds a non-finite value "
+                    f"({rows[bad[0]][~np.isfinite(rows[bad[0]])][0]}); {bad.size} such row(s)"
+                )
+            # np.sort, not np.unique: numpy 2.4's hash path is ~50x slower on large batches
+            s = np.sort(keys)
+            rep = np.flatnonzero(s[1:] == s[:-1])
+            if rep.size:
+                raise InvalidUpdateError(
+                    f"{what} duplicate keys (key {int(s[rep[0]])} occurs more than once)"
+                )
+            out[name] = (keys, rows)
+        return out
+
+    def apply(self, batch: UpdateBatch, offset: str, log_id: str | None = None) -> None:
+        """Apply one batch entirely (or, on a validation error, not at all: :meth:`validate`
+        checks every table before anything is written) and record ``offset`` (taken in the
+        log ``log_id``; ``None`` for a source without log ids)."""
+        batch = self.validate(batch)
+        locks = [s.update_lock for s in self.sessions]
+        for lk in locks:
+            lk.acquire_write()
+        try:
+            for name, (keys, rows) in batch.items():
+                if self.volatile is not None:
+                    self.volatile.insert(name, keys, rows)
+                for s in self.sessions:
+                    t = s.tables.get(name)
+                    if t is not None and t.cache is not None:
+                        device = t.cache.device
+                        t.cache.update_if_present(
+                            torch.from_numpy(keys).to(device), torch.from_numpy(rows).to(device)
+                        )
+            self._store(offset, log_id, [(n, k, r) for n, (k, r) in batch.items()])
+            self.applied += 1
+        finally:
+            for lk in reversed(locks):
+                lk.release_write()
+
+    def poll(self, max_records: int = 64) -> int:
+        """Apply every available record (up to ``max_records``); returns how many.
+
+        Raises:
+            StaleOffsetError: the stored offset does not fit the update log (a
+                :class:`~hps.updates.file_log.LogReplacedError`: another log replaced it; an
+                :class:`~hps.updates.file_log.OffsetPastEndError`: past its end); the message
+                names the log, both log ids, where the offset is stored and how to reset it.
+                Nothing is applied.
+            FormatVersionError: the update log is of another format version.
+            ValueError: the stored offset does not fit the source (the message names where it
+                is stored).
+        """
+        with self._lock:
+            if self._bad_offset is not None:
+                raise ValueError(self._bad_offset)
+            try:
+                log_id, recs = self.source.read_log(self.offset, self.log_id, max_records)
+            except StaleOffsetError as e:
+                raise e.with_hint(self._where()) from None
+            for off, batch in recs:
+                try:
+                    self.apply(batch, off, log_id)
+                except InvalidUpdateError as e:
+                    raise InvalidUpdateError(
+                        f"{e} (the record ending at offset {off}: it stays unapplied, with the "
+                        "records after it, and is retried. To skip it where the offset is kept "
+                        "across restarts (a writable persistent db, or a Redis volatile db that is "
+                        f"not reloaded): UpdateApplier.reset_offset({off!r}, {log_id!r}) with the "
+                        "server stopped. A server that rebuilds its volatile db at start replays "
+                        "the source from its beginning: there the record must be removed from "
+                        "the source, or the source replaced)"
+                    ) from None
+            return len(recs)
+
+    def drain(self, max_records: int = 64) -> int:
+        """:meth:`poll` until the source is empty (a backlog, e.g. a replay, at once); returns how many."""
+        total = n = self.poll(max_records)
+        while n == max_records:
+            n = self.poll(max_records)
+            total += n
+        return total
+
+    def start(self, interval_s: float) -> threading.Event:
+        """Every ``interval_s``, :meth:`drain` in a daemon thread; set the returned event to stop."""
+        stop = threading.Event()
+        threading.Thread(
+            target=self._drain_until, args=(stop, interval_s), name="hps-updates", daemon=True
+        ).start()
+        return stop
+
+    def _drain_until(self, stop: threading.Event, interval_s: float) -> None:
+        """:meth:`drain` every ``interval_s`` until ``stop`` is set; a failure is logged and
+        retried (the batch stays unapplied), so serving goes on."""
+        while not stop.wait(interval_s):
+            try:
+                self.drain()
+            except (
+                CorruptRecordError,
+                InvalidUpdateError,
+                VolatileUnavailableError,
+                FormatVersionError,
+            ) as e:  # no traceback needed
+                log.error("applying online updates failed; will retry: %s", e)
+            except Exception:  # keep serving; the batch stays unapplied and is retried
+                log.exception("applying online updates failed; will retry")

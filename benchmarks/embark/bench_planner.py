@@ -27,7 +27,6 @@ from embark.planner.cost import CostModel
 from embark.planner.layout import classify, grid_of
 from embark.planner.planner import plan_sharding
 from embark.planner.simulator import simulate
-from embark.planner.types import PlannerError
 from embark.topology import get_topology
 from embark.types import (
     Cluster,
@@ -164,7 +163,7 @@ def bench_one(
         try:
             r = simulate(BASELINES[b](model, dtype), model)
             row[f"{b}_ms"] = r.step_ms
-        except PlannerError as e:
+        except PlanError as e:
             row[f"{b}_ms"] = None
             row[f"{b}_note"] = str(e)
     row["torchrec_ms"] = None
@@ -180,7 +179,7 @@ def bench_one(
             row["torchrec_layouts"] = _layouts(tp)
         except (
             PlanError,
-            PlannerError,
+            PlanError,
             RuntimeError,
             ValueError,
             KeyError,

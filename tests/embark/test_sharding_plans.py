@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from embark.models.workloads import get_workload
-from embark.planner import PlannerError, plan_sharding
+from embark.planner import PlanError, plan_sharding
 from embark.planner.baselines import BASELINES
 from embark.planner.types import CostConstants
 from embark.topology import get_topology
@@ -93,8 +93,8 @@ def make_plans() -> dict[str, dict[str, Any]]:
         assert spec.topology.world_size == WORLD and spec.topology.gpus_per_node == GPN
         try:
             plan = plan_sharding(w, spec.topology, spec.batch_size, spec.strategy)
-        except PlannerError as e:
-            out[name] = {"error": f"PlannerError: {e}"}
+        except PlanError as e:
+            out[name] = {"error": f"PlanError: {e}"}
             continue
         out[name] = {"plan": plan.to_dict()}
     return out

@@ -50,6 +50,13 @@ def _parser() -> argparse.ArgumentParser:
         prog="torchrun --nproc-per-node N -m embark.sharded_train",
         description="Sharded data-parallel DLRM training on synthetic teacher data (gloo, CPU).",
     )
+    _add_training_args(p)
+    _add_run_args(p)
+    return p
+
+
+def _add_training_args(p: argparse.ArgumentParser) -> None:
+    """What is trained: workload, plan, optimizer, data stream."""
     add = p.add_argument
     add("--workload", default="tiny", choices=WORKLOADS)
     add(
@@ -107,6 +114,11 @@ def _parser() -> argparse.ArgumentParser:
         default=None,
         help="teacher logit scale, > 0 (default 2.0; --resume: the checkpoint's)",
     )
+
+
+def _add_run_args(p: argparse.ArgumentParser) -> None:
+    """How the run is evaluated, logged, checkpointed and resumed."""
+    add = p.add_argument
     add("--eval-batches", type=int_at_least(1), default=8, help="held-out global batches")
     add("--log-every", type=int_at_least(1), default=10, help="print the loss every N steps")
     add("--out", default=None, help="rank 0 writes the results JSON here")
@@ -127,7 +139,6 @@ def _parser() -> argparse.ArgumentParser:
         help="continue this checkpoint (any world size, or the single-process Trainer's) "
         "to --steps TOTAL steps",
     )
-    return p  # fmt: skip
 
 
 def to_config(args: argparse.Namespace) -> ShardedRunConfig:

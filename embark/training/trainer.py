@@ -42,7 +42,7 @@ from embark.training.callbacks import Callback
 from embark.training.config import OptimizerKind, TrainConfig, build_optimizer
 from embark.training.metrics import auc, log_loss
 from embark.training.state import TrainState
-from embark.training.sync import GradientSync, LocalSync, sync_for
+from embark.training.sync import GradientSync, SupportsGradientSync, sync_for
 
 EvalData = Iterable[Batch] | Callable[[], Iterable[Batch]]
 
@@ -282,7 +282,7 @@ class Trainer:
                 touched), or for a trainer of a sharded model (its checkpoint is gathered by
                 ``embark.sharding.save_sharded_checkpoint``).
         """
-        if not isinstance(self.sync, LocalSync):
+        if isinstance(self.model, SupportsGradientSync):
             raise ValueError(
                 f"save_checkpoint: this trainer's model ({type(self.model).__name__}) is "
                 "distributed; save it with embark.sharding.save_sharded_checkpoint"

@@ -25,7 +25,7 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Iterable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
@@ -114,9 +114,7 @@ class ShardedRunResult:
     plan: ShardingPlan
 
     def to_dict(self) -> dict[str, Any]:
-        return {k: getattr(self, k) for k in self.__dataclass_fields__} | {
-            "plan": self.plan.to_dict()
-        }
+        return {f.name: getattr(self, f.name) for f in fields(self)} | {"plan": self.plan.to_dict()}
 
 
 # ------------------------------------------------------------------------------ checks

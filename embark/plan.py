@@ -5,7 +5,8 @@
         [--comm-dtype fp32|fp16|bf16] [--out plan.json]
 
 Prints the stats table and writes ``{"plan", "simulated_step_ms", "per_gpu", "baselines",
-...}`` as JSON to ``--out``.
+...}`` as JSON to ``--out`` (:func:`embark.planner.report.plan_and_rate`). Exit status 2 on a
+bad argument, plan, constraints file or combination.
 """
 
 from __future__ import annotations
@@ -13,65 +14,20 @@ from __future__ import annotations
 import argparse
 import json
 import logging
-import math
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
+from embark.cli import int_at_least
 from embark.models.workloads import PRESETS as WORKLOADS
-from embark.models.workloads import get_workload
-from embark.planner.baselines import BASELINES
-from embark.planner.cost import CostModel
-from embark.planner.manual import load_constraints, load_plan
-from embark.planner.planner import STRATEGIES, plan_sharding
-from embark.planner.simulator import check_memory, simulate
-from embark.planner.stats import format_stats, top_tables
-from embark.planner.types import PlannerError
+from embark.planner.planner import STRATEGIES
+from embark.planner.report import PlanRequest, plan_and_rate
 from embark.topology import PRESETS as TOPOLOGIES
-from embark.topology import get_topology
-from embark.types import CommDtype, PlanError
+from embark.types import CommDtype
 
 log = logging.getLogger("embark.plan")
 
 
-def float_at_least(low: float) -> Callable[[str], float]:
-    """An argparse ``type`` for a finite number >= ``low``; anything else (nan, inf, less) is a
-    usage error (exit 2)."""
-
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected a number >= {low:g}, got {text!r}"
-            ) from None
-        if not (math.isfinite(value) and value >= low):
-            raise argparse.ArgumentTypeError(f"expected a finite number >= {low:g}, got {text}")
-        return value
-
-    return parse
-
-
-def int_at_least(low: int) -> Callable[[str], int]:
-    """An argparse ``type`` for an integer >= ``low``; anything else is a usage error (exit 2)."""
-
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(
-                f"expected an integer >= {low}, got {text!r}"
-            ) from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"expected an integer >= {low}, got {value}")
-        return value
-
-    return parse
-
-
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m embark.plan", description=__doc__.split("\n")[0])
     p.add_argument("--workload", required=True, choices=WORKLOADS)
     p.add_argument("--topology", default="dgx-h100", choices=TOPOLOGIES)
@@ -90,68 +46,45 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--rounds", type=int_at_least(0), default=20, help="greedy split rounds (>= 0)")
     p.add_argument("--out", default=None, help="write the JSON result here")
     p.add_argument("--quiet", action="store_true", help="do not print the stats table")
-    return p.parse_args(argv)
+    return p
 
 
-def run(args: argparse.Namespace) -> dict[str, Any]:
-    """Plan (or load), simulate, rate the baselines; returns the JSON document."""
-    workload = get_workload(args.workload)
-    topology = get_topology(args.topology, args.nodes)
-    model = CostModel(workload, topology, args.batch_size)
-    cons = load_constraints(args.constraints, workload) if args.constraints else None
-    t0 = time.perf_counter()
-    if args.strategy in STRATEGIES:
-        plan = plan_sharding(
-            workload, topology, args.batch_size, args.strategy, cons, args.comm_dtype, args.rounds
-        )
-    else:
-        plan = load_plan(args.strategy, workload, topology)
-        check_memory(plan, model)
-    planning_s = time.perf_counter() - t0
-    result = simulate(plan, model)
-    baselines: dict[str, float | None] = {}
-    for name, fn in BASELINES.items():
-        try:
-            baselines[name] = simulate(fn(model, CommDtype(args.comm_dtype)), model).step_ms
-        except PlannerError as e:
-            log.info("baseline %s: %s", name, e)
-            baselines[name] = None
-    if not args.quiet:
-        sys.stdout.write(format_stats(plan, result, baselines) + "\n")
-    doc = {
-        "workload": workload.name,
-        "topology": topology.name,
-        "nodes": topology.num_nodes,
-        "world_size": topology.world_size,
-        "batch_size": args.batch_size,
-        "strategy": args.strategy,
-        "comm_dtype": args.comm_dtype,
-        "planning_s": planning_s,
-        **result.to_dict(),
-        "top_tables": [{"name": n, "ms": ms} for n, ms in top_tables(result)],
-        "baselines": baselines,
-        "plan": plan.to_dict(),
-    }
-    if args.out:
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(out.suffix + ".tmp")
-        tmp.write_text(json.dumps(doc, indent=1))
-        tmp.replace(out)
-        log.info("wrote %s", out)
-    return doc
+def _request(args: argparse.Namespace) -> PlanRequest:
+    """The planning part of the command line (``--out`` and ``--quiet`` stay here)."""
+    return PlanRequest(
+        workload=args.workload,
+        topology=args.topology,
+        nodes=args.nodes,
+        batch_size=args.batch_size,
+        strategy=args.strategy,
+        constraints=args.constraints,
+        comm_dtype=CommDtype(args.comm_dtype),
+        rounds=args.rounds,
+    )
+
+
+def _write(out: Path, doc: dict[str, object]) -> None:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_suffix(out.suffix + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=1))
+    tmp.replace(out)
+    log.info("wrote %s", out)
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = parse_args(argv)
+    args = _parser().parse_args(argv)
     try:
-        run(args)
-    except (PlanError, PlannerError, FileNotFoundError, ValueError) as e:
+        report = plan_and_rate(_request(args))
+    except (FileNotFoundError, ValueError) as e:  # PlanError is a ValueError
         # ValueError: the topology, cost model and constraints reject bad combinations
         # (cpu-local with 2 nodes, a batch smaller than the world, an unknown table).
         log.error("error: %s", e)
         return 2
+    if not args.quiet:
+        sys.stdout.write(report.stats_table() + "\n")
+    if args.out:
+        _write(Path(args.out), report.to_dict())
     return 0
 
 

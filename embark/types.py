@@ -124,16 +124,16 @@ class CommDtype(StrEnum):
 
 
 class PlanError(ValueError):
-    """A sharding plan breaks a rule; the message names the table and the rule."""
+    """A sharding plan breaks a rule, or the planner cannot satisfy its input; the message
+    names the table and the rule, or what does not fit and by how much (e.g. ``table 't3'
+    needs 95.0 GB per replica but one GPU holds 72.0 GB``)."""
 
 
 def _enum(cls: type[Enum], value: Any, what: str) -> Any:
     try:
         return cls(value)
     except ValueError:
-        raise PlanError(
-            f"{what} must be one of {[m.value for m in cls]}, got {value!r}"  # type: ignore[attr-defined]
-        ) from None
+        raise PlanError(f"{what} must be one of {[m.value for m in cls]}, got {value!r}") from None
 
 
 def _positive(value: Any, what: str, kind: type = float) -> None:

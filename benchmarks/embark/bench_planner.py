@@ -27,7 +27,6 @@ from embark.planner.cost import CostModel
 from embark.planner.layout import classify, grid_of
 from embark.planner.planner import plan_sharding
 from embark.planner.simulator import simulate
-from embark.planner.types import PlannerError
 from embark.topology import get_topology
 from embark.types import (
     Cluster,
@@ -108,14 +107,12 @@ def torchrec_plan(
             r1 = min(r0 + nr, t.num_rows)
             if r1 > r0 and nc > 0:
                 raw.append(Shard(md.placement.rank(), r0, r1, c0, c0 + nc))
-        shards = _merge_same_rank(raw)
+        merged = tuple(_merge_same_rank(raw))
         ts = TableSharding(
-            t.name, t.num_rows, t.dim, ShardingType.THREE_D, Cluster.REDUCTION, tuple(shards), dtype
+            t.name, t.num_rows, t.dim, ShardingType.THREE_D, Cluster.REDUCTION, merged, dtype
         )
         st = classify(grid_of(ts), topo.world_size, topo.gpus_per_node, Cluster.REDUCTION)
-        out.append(
-            TableSharding(t.name, t.num_rows, t.dim, st, Cluster.REDUCTION, tuple(shards), dtype)
-        )
+        out.append(TableSharding(t.name, t.num_rows, t.dim, st, Cluster.REDUCTION, merged, dtype))
     return ShardingPlan(topo.world_size, topo.gpus_per_node, tuple(out), topo.name)
 
 
@@ -164,7 +161,7 @@ def bench_one(
         try:
             r = simulate(BASELINES[b](model, dtype), model)
             row[f"{b}_ms"] = r.step_ms
-        except PlannerError as e:
+        except PlanError as e:
             row[f"{b}_ms"] = None
             row[f"{b}_note"] = str(e)
     row["torchrec_ms"] = None
@@ -178,13 +175,7 @@ def bench_one(
             row["torchrec_ms"] = r.step_ms
             row["torchrec_fits_our_memory_model"] = r.fits_memory
             row["torchrec_layouts"] = _layouts(tp)
-        except (
-            PlanError,
-            PlannerError,
-            RuntimeError,
-            ValueError,
-            KeyError,
-        ) as e:  # TorchRec failures vary
+        except (RuntimeError, ValueError, KeyError) as e:  # TorchRec failures vary (PlanError too)
             row["torchrec_note"] = f"{type(e).__name__}: {e}"[:400]
             log.warning("torchrec on %s × %d: %s", name, nodes, row["torchrec_note"])
     if row.get("trw_ms"):
@@ -204,9 +195,7 @@ def _fmt(v: float | None) -> str:
     return f"{v:9.3f}" if v is not None else f"{'—':>9}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    logging.getLogger("torchrec").setLevel(logging.WARNING)  # its planner logs every table
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--workloads", default="dlrm_dcnv2,t180,t200,t510")
     p.add_argument("--nodes", default="1,8,16")
@@ -220,19 +209,80 @@ def main(argv: list[str] | None = None) -> int:
         help="seconds TorchRec's planner may search (it keeps its best plan so far)",
     )
     p.add_argument("--out", default=str(RESULTS_DIR / "embark_planner.json"))
-    args = p.parse_args(argv)
-    use_tr = not args.no_torchrec
-    if use_tr:
-        try:
-            import torchrec  # noqa: F401
-        except ImportError:
-            log.warning(
-                "torchrec is not installed: the TorchRec column is skipped "
-                "(pip install fbgemm-gpu-cpu==1.8.0 ... see the README)"
-            )
-            use_tr = False
+    return p.parse_args(argv)
+
+
+def _torchrec_available() -> bool:
+    try:
+        import torchrec  # noqa: F401
+    except ImportError:
+        log.warning(
+            "torchrec is not installed: the TorchRec column is skipped "
+            "(pip install fbgemm-gpu-cpu==1.8.0 ... see the README)"
+        )
+        return False
+    return True
+
+
+def _summary(rows: list[dict[str, Any]], workloads: list[str], use_tr: bool) -> dict[str, Any]:
+    """Mean and max speed-up over TRW (overall and per workload), TorchRec over ours."""
+    per_model: dict[str, float] = {}
+    for name in workloads:
+        sps = [
+            r["speedup_over_trw"]
+            for r in rows
+            if r["workload"] == name and r.get("speedup_over_trw")
+        ]
+        per_model[name] = sum(sps) / len(sps)
+    all_sp = [r["speedup_over_trw"] for r in rows if r.get("speedup_over_trw")]
+    summary: dict[str, Any] = {
+        "mean_speedup_over_trw": sum(all_sp) / len(all_sp),
+        "max_speedup_over_trw": max(all_sp),
+        "per_model_mean_speedup_over_trw": per_model,
+        "torchrec": use_tr,
+    }
+    tr_rows = [r for r in rows if r.get("torchrec_ms")]
+    if tr_rows:
+        summary["mean_torchrec_over_ours"] = sum(
+            r["torchrec_ms"] / r["ours_ms"] for r in tr_rows
+        ) / len(tr_rows)
+    return summary
+
+
+def _table(
+    rows: list[dict[str, Any]], summary: dict[str, Any], args: argparse.Namespace
+) -> list[str]:
+    head = f"| {'workload':<10} | nodes | {'ours':>9} | {'trw':>9} | {'rw':>9} | {'tw':>9} | {'torchrec':>9} | trw/ours | plan s |"
+    lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
+    for r in rows:
+        sp = r.get("speedup_over_trw")
+        lines.append(
+            f"| {r['workload']:<10} | {r['nodes']:>5} | {_fmt(r['ours_ms'])} | {_fmt(r['trw_ms'])} | {_fmt(r['rw_ms'])} | "
+            f"{_fmt(r['tw_ms'])} | {_fmt(r['torchrec_ms'])} | {sp:7.2f}× | {r['planning_s']:6.2f} |"
+        )
+    per_model = summary["per_model_mean_speedup_over_trw"]
+    lines.append("")
+    lines.append(
+        "simulated step ms (pipelined), DGX-H100, weak scaling "
+        f"{args.local_batch} samples/GPU, comm {args.comm_dtype}"
+    )
+    lines.append(
+        f"speedup over TRW: mean {summary['mean_speedup_over_trw']:.2f}×, max {summary['max_speedup_over_trw']:.2f}×; "
+        + ", ".join(f"{k} {v:.2f}×" for k, v in per_model.items())
+    )
+    if "mean_torchrec_over_ours" in summary:
+        lines.append(f"TorchRec plan / ours (mean): {summary['mean_torchrec_over_ours']:.2f}×")
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    logging.getLogger("torchrec").setLevel(logging.WARNING)  # its planner logs every table
+    args = _parse(argv)
+    use_tr = not args.no_torchrec and _torchrec_available()
+    workloads = args.workloads.split(",")
     rows = []
-    for name in args.workloads.split(","):
+    for name in workloads:
         for nodes in (int(n) for n in args.nodes.split(",")):
             log.info("planning %s on dgx-h100 × %d", name, nodes)
             rows.append(
@@ -245,45 +295,8 @@ def main(argv: list[str] | None = None) -> int:
                     args.torchrec_timeout,
                 )
             )
-    head = f"| {'workload':<10} | nodes | {'ours':>9} | {'trw':>9} | {'rw':>9} | {'tw':>9} | {'torchrec':>9} | trw/ours | plan s |"
-    lines = [head, "|" + "|".join("-" * (len(c)) for c in head.split("|")[1:-1]) + "|"]
-    for r in rows:
-        sp = r.get("speedup_over_trw")
-        lines.append(
-            f"| {r['workload']:<10} | {r['nodes']:>5} | {_fmt(r['ours_ms'])} | {_fmt(r['trw_ms'])} | {_fmt(r['rw_ms'])} | "
-            f"{_fmt(r['tw_ms'])} | {_fmt(r['torchrec_ms'])} | {sp:7.2f}× | {r['planning_s']:6.2f} |"
-        )
-    per_model: dict[str, float] = {}
-    for name in args.workloads.split(","):
-        sps = [
-            r["speedup_over_trw"]
-            for r in rows
-            if r["workload"] == name and r.get("speedup_over_trw")
-        ]
-        per_model[name] = sum(sps) / len(sps)
-    all_sp = [r["speedup_over_trw"] for r in rows if r.get("speedup_over_trw")]
-    summary = {
-        "mean_speedup_over_trw": sum(all_sp) / len(all_sp),
-        "max_speedup_over_trw": max(all_sp),
-        "per_model_mean_speedup_over_trw": per_model,
-        "torchrec": use_tr,
-    }
-    tr_rows = [r for r in rows if r.get("torchrec_ms")]
-    if tr_rows:
-        summary["mean_torchrec_over_ours"] = sum(
-            r["torchrec_ms"] / r["ours_ms"] for r in tr_rows
-        ) / len(tr_rows)
-    lines.append("")
-    lines.append(
-        "simulated step ms (pipelined), DGX-H100, weak scaling "
-        f"{args.local_batch} samples/GPU, comm {args.comm_dtype}"
-    )
-    lines.append(
-        f"speedup over TRW: mean {summary['mean_speedup_over_trw']:.2f}×, max {summary['max_speedup_over_trw']:.2f}×; "
-        + ", ".join(f"{k} {v:.2f}×" for k, v in per_model.items())
-    )
-    if tr_rows:
-        lines.append(f"TorchRec plan / ours (mean): {summary['mean_torchrec_over_ours']:.2f}×")
+    summary = _summary(rows, workloads, use_tr)
+    lines = _table(rows, summary, args)
     sys.stdout.write("\n".join(lines) + "\n")
     path = write_json(
         args.out,

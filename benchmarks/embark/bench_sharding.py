@@ -47,6 +47,8 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+import numpy as np
+
 from benchmarks.embark.bench_planner import _layouts
 from benchmarks.meta import REPO_ROOT, RESULTS_DIR, write_json
 from embark.models.workloads import get_workload
@@ -226,7 +228,7 @@ def _row(plan: str, mode: str, reps: list[dict[str, Any]]) -> dict[str, Any]:
 def modelled_bytes(model: CostModel, plan: ShardingPlan) -> dict[str, float]:
     """The planner's cost model: bytes all ranks send per step for keys and (hierarchical)
     output vectors, intra and inter; the backward mirrors the vectors."""
-    acc = sum(model.traffic(ts) for ts in plan.tables)
+    acc = np.asarray(sum(model.traffic(ts) for ts in plan.tables))
     return {
         "keys_intra_bytes": float(acc[:, KEY_SEND_INTRA].sum()),
         "keys_inter_bytes": float(acc[:, KEY_SEND_INTER].sum()),
@@ -235,8 +237,7 @@ def modelled_bytes(model: CostModel, plan: ShardingPlan) -> dict[str, float]:
     }
 
 
-def main(argv: list[str] | None = None) -> int:
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
+def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--scale", type=float, default=500, help="dlrm_dcnv2 rows divided by this")
     p.add_argument("--local-batch", type=int, default=1024, help="samples per rank per step")
@@ -245,7 +246,94 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--topology", default="cpu-local", choices=["cpu-local", "dgx-h100", "dgx-a100"])
     p.add_argument("--timeout", type=int, default=600, help="seconds before the world is killed")
     p.add_argument("--out", default=str(RESULTS_DIR / "embark_sharding.json"))
-    args = p.parse_args(argv)
+    return p.parse_args(argv)
+
+
+def _ratio(a: float, b: float) -> float | None:
+    return a / b if b else None
+
+
+def _ratios(rows: list[dict[str, Any]]) -> dict[str, Any]:
+    """Hierarchical and pipelined over flat per plan; auto over trw per mode."""
+    by = {(r["plan"], r["mode"]): r for r in rows}
+    ratios: dict[str, Any] = {}
+    for s in PLANS:
+        f, h, pl = by[(s, "flat")], by[(s, "hierarchical")], by[(s, "pipelined")]
+        ratios[s] = {
+            "hierarchical_over_flat_inter_bytes": _ratio(h["inter_bytes"], f["inter_bytes"]),
+            "hierarchical_over_flat_intra_bytes": _ratio(h["intra_bytes"], f["intra_bytes"]),
+            "hierarchical_over_flat_step_ms": _ratio(h["step_ms"], f["step_ms"]),
+            "pipelined_over_flat_step_ms": _ratio(pl["step_ms"], f["step_ms"]),
+        }
+    for m in MODES:
+        a, b = by[("auto", m)], by[("trw", m)]
+        ratios[f"auto_over_trw/{m}"] = {
+            "inter_bytes": _ratio(a["inter_bytes"], b["inter_bytes"]),
+            "intra_bytes": _ratio(a["intra_bytes"], b["intra_bytes"]),
+            "step_ms": _ratio(a["step_ms"], b["step_ms"]),
+        }
+    return ratios
+
+
+def _table_rows(rows: list[dict[str, Any]], modelled: dict[str, dict[str, float]]) -> list[str]:
+    """The markdown table: measured rows, then the cost model's bytes per plan."""
+    mb = 1e6
+    head = (
+        f"| {'plan':<5} | {'mode':<12} | {'step ms':>8} | {'intra MB':>8} | {'inter MB':>8} | "
+        f"{'keys i/x MB':>13} | {'vec i/x MB':>13} | {'grad i/x MB':>13} | {'dp MB':>6} |"
+    )
+    lines = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
+    for r in rows:
+
+        def ix(ph: str, r: dict[str, Any] = r) -> str:
+            return f"{r[f'{ph}_intra_bytes'] / mb:6.2f}/{r[f'{ph}_inter_bytes'] / mb:6.2f}"
+
+        lines.append(
+            f"| {r['plan']:<5} | {r['mode']:<12} | {r['step_ms']:8.1f} | {r['intra_bytes'] / mb:8.2f} | "
+            f"{r['inter_bytes'] / mb:8.2f} | {ix('keys'):>13} | {ix('vectors'):>13} | "
+            f"{ix('vector_grads'):>13} | {r['dp_grads_bytes'] / mb:6.2f} |"
+        )
+    for s in PLANS:
+        q = modelled[s]
+        lines.append(
+            f"| {s:<5} | {'model':<12} | {'':>8} | {'':>8} | {'':>8} | "
+            f"{q['keys_intra_bytes'] / mb:6.2f}/{q['keys_inter_bytes'] / mb:6.2f} | "
+            f"{q['vectors_intra_bytes'] / mb:6.2f}/{q['vectors_inter_bytes'] / mb:6.2f} | {'':>13} | {'':>6} |"
+        )
+    return lines
+
+
+def _notes(
+    ratios: dict[str, Any], args: argparse.Namespace, weight_mb: float, topo: Topology
+) -> list[str]:
+    """The lines under the table: what ``model`` means, the setting, the ratios."""
+    lines = [
+        "",
+        "model: the planner's CostModel bytes for the same plan and batch (vectors as "
+        "hierarchical; its backward mirrors them)",
+        f"dlrm_dcnv2 / {args.scale:g} ({weight_mb:.0f} MB fp32), {topo.name}, gloo on one CPU host "
+        f"(inter-node = loopback), local batch {args.local_batch}, median of {args.steps} steps; "
+        "bytes per step, all ranks",
+    ]
+    for s in PLANS:
+        q = ratios[s]
+        lines.append(
+            f"{s}: hierarchical/flat inter bytes {q['hierarchical_over_flat_inter_bytes']:.3f}, intra "
+            f"{q['hierarchical_over_flat_intra_bytes']:.3f}, step {q['hierarchical_over_flat_step_ms']:.2f}×; "
+            f"pipelined/flat step {q['pipelined_over_flat_step_ms']:.2f}×"
+        )
+    for m in MODES:
+        q = ratios[f"auto_over_trw/{m}"]
+        lines.append(
+            f"auto/trw ({m}): inter bytes {q['inter_bytes']:.3f}, intra {q['intra_bytes']:.3f}, "
+            f"step {q['step_ms']:.2f}×"
+        )
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    args = _parse(argv)
     w = get_workload("dlrm_dcnv2").scaled(args.scale)
     topo = topology_2x2(args.topology)
     global_batch = args.local_batch * WORLD
@@ -274,73 +362,8 @@ def main(argv: list[str] | None = None) -> int:
     rows = [_row(s, m, reps) for s in PLANS for m in MODES]
     model = CostModel(w, topo, global_batch)
     modelled = {s: modelled_bytes(model, pl) for s, pl in plans.items()}
-    by = {(r["plan"], r["mode"]): r for r in rows}
-
-    def ratio(a: float, b: float) -> float | None:
-        return a / b if b else None
-
-    ratios: dict[str, Any] = {}
-    for s in PLANS:
-        f, h, pl = by[(s, "flat")], by[(s, "hierarchical")], by[(s, "pipelined")]
-        ratios[s] = {
-            "hierarchical_over_flat_inter_bytes": ratio(h["inter_bytes"], f["inter_bytes"]),
-            "hierarchical_over_flat_intra_bytes": ratio(h["intra_bytes"], f["intra_bytes"]),
-            "hierarchical_over_flat_step_ms": ratio(h["step_ms"], f["step_ms"]),
-            "pipelined_over_flat_step_ms": ratio(pl["step_ms"], f["step_ms"]),
-        }
-    for m in MODES:
-        a, b = by[("auto", m)], by[("trw", m)]
-        ratios[f"auto_over_trw/{m}"] = {
-            "inter_bytes": ratio(a["inter_bytes"], b["inter_bytes"]),
-            "intra_bytes": ratio(a["intra_bytes"], b["intra_bytes"]),
-            "step_ms": ratio(a["step_ms"], b["step_ms"]),
-        }
-    mb = 1e6
-    head = (
-        f"| {'plan':<5} | {'mode':<12} | {'step ms':>8} | {'intra MB':>8} | {'inter MB':>8} | "
-        f"{'keys i/x MB':>13} | {'vec i/x MB':>13} | {'grad i/x MB':>13} | {'dp MB':>6} |"
-    )
-    lines = [head, "|" + "|".join("-" * len(c) for c in head.split("|")[1:-1]) + "|"]
-    for r in rows:
-
-        def ix(ph: str, r: dict[str, Any] = r) -> str:
-            return f"{r[f'{ph}_intra_bytes'] / mb:6.2f}/{r[f'{ph}_inter_bytes'] / mb:6.2f}"
-
-        lines.append(
-            f"| {r['plan']:<5} | {r['mode']:<12} | {r['step_ms']:8.1f} | {r['intra_bytes'] / mb:8.2f} | "
-            f"{r['inter_bytes'] / mb:8.2f} | {ix('keys'):>13} | {ix('vectors'):>13} | "
-            f"{ix('vector_grads'):>13} | {r['dp_grads_bytes'] / mb:6.2f} |"
-        )
-    for s in PLANS:
-        q = modelled[s]
-        lines.append(
-            f"| {s:<5} | {'model':<12} | {'':>8} | {'':>8} | {'':>8} | "
-            f"{q['keys_intra_bytes'] / mb:6.2f}/{q['keys_inter_bytes'] / mb:6.2f} | "
-            f"{q['vectors_intra_bytes'] / mb:6.2f}/{q['vectors_inter_bytes'] / mb:6.2f} | {'':>13} | {'':>6} |"
-        )
-    lines.append("")
-    lines.append(
-        "model: the planner's CostModel bytes for the same plan and batch (vectors as "
-        "hierarchical; its backward mirrors them)"
-    )
-    lines.append(
-        f"dlrm_dcnv2 / {args.scale:g} ({weight_mb:.0f} MB fp32), {topo.name}, gloo on one CPU host "
-        f"(inter-node = loopback), local batch {args.local_batch}, median of {args.steps} steps; "
-        "bytes per step, all ranks"
-    )
-    for s in PLANS:
-        q = ratios[s]
-        lines.append(
-            f"{s}: hierarchical/flat inter bytes {q['hierarchical_over_flat_inter_bytes']:.3f}, intra "
-            f"{q['hierarchical_over_flat_intra_bytes']:.3f}, step {q['hierarchical_over_flat_step_ms']:.2f}×; "
-            f"pipelined/flat step {q['pipelined_over_flat_step_ms']:.2f}×"
-        )
-    for m in MODES:
-        q = ratios[f"auto_over_trw/{m}"]
-        lines.append(
-            f"auto/trw ({m}): inter bytes {q['inter_bytes']:.3f}, intra {q['intra_bytes']:.3f}, "
-            f"step {q['step_ms']:.2f}×"
-        )
+    ratios = _ratios(rows)
+    lines = _table_rows(rows, modelled) + _notes(ratios, args, weight_mb, topo)
     sys.stdout.write("\n".join(lines) + "\n")
     path = write_json(
         args.out,

@@ -33,7 +33,9 @@ import torch
 
 from embark.data.batch import Batch
 from embark.data.jagged import JaggedBatch
+from embark.models.dlrm import build_model
 from embark.models.workloads import Workload
+from embark.training.metrics import auc
 
 
 class Split(StrEnum):
@@ -101,10 +103,6 @@ class SyntheticCTR:
         teacher_embedding_std: float = 0.1,
         teacher_workload: Workload | None = None,
     ) -> None:
-        from embark.models.dlrm import (
-            build_model,  # embark.models.dlrm imports embark.data: keep lazy
-        )
-
         if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
             raise ValueError(f"batch_size must be a positive integer, got {batch_size!r}")
         if not label_sharpness > 0:
@@ -146,8 +144,8 @@ class SyntheticCTR:
         self.teacher = build_model(teacher_workload, seed=1_000_003 + seed).eval()
         gen = torch.Generator().manual_seed(2_000_003 + seed)
         with torch.no_grad():
-            for bag in self.teacher.embeddings.values():
-                bag.weight.normal_(0.0, teacher_embedding_std, generator=gen)
+            for table in self.teacher.embeddings.parameters():  # one weight per table, in order
+                table.normal_(0.0, teacher_embedding_std, generator=gen)
         for p_ in self.teacher.parameters():
             p_.requires_grad_(False)
         self._z_mean, self._z_std = 0.0, 1.0
@@ -270,8 +268,6 @@ class SyntheticCTR:
     def teacher_auc(self, num_batches: int = 16, split: Split | str = Split.EVAL) -> float:
         """AUC of the teacher's probabilities on the first ``num_batches`` of ``split`` (the
         ceiling for a student evaluated on the same batches)."""
-        from embark.training.metrics import auc
-
         scores, labels = [], []
         for i in range(num_batches):
             b, logits = self._make(Split(split), i)

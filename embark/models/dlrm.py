@@ -21,16 +21,14 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TypeVar
 
 import torch
 from torch import nn
 
+from embark.data.jagged import JaggedBatch
 from embark.models.workloads import Workload
 from embark.types import Combiner
-
-if TYPE_CHECKING:  # runtime import would be circular through embark.data.synthetic
-    from embark.data.jagged import JaggedBatch
 
 
 def _mlp(widths: Sequence[int], in_features: int, last_relu: bool) -> nn.Sequential:
@@ -49,6 +47,9 @@ class DotInteraction(nn.Module):
 
     ``forward(x: (B, d), emb: (B, T, d)) -> (B, d + (T+1)*T/2)``.
     """
+
+    rows: torch.Tensor
+    cols: torch.Tensor
 
     def __init__(self, num_vectors: int) -> None:
         super().__init__()
@@ -123,6 +124,7 @@ class DLRM(nn.Module):
         super().__init__()
         self.workload = workload
         self.table_names = [t.name for t in workload.tables]
+        self._num_rows = {t.name: t.num_rows for t in workload.tables}
         d = workload.bottom_mlp[-1]
         self.embeddings = nn.ModuleDict(
             {
@@ -169,7 +171,7 @@ class DLRM(nn.Module):
             return
         bounds = torch.stack([torch.stack(torch.aminmax(v)) for _, v in filled]).tolist()
         for (name, _), (lo, hi) in zip(filled, bounds):
-            rows = self.embeddings[name].num_embeddings
+            rows = self._num_rows[name]
             if lo < 0 or hi >= rows:
                 bad = hi if hi >= rows else lo
                 raise ValueError(
@@ -230,8 +232,11 @@ class DLRM(nn.Module):
         return self.dense_forward(dense, self.pool(sparse))
 
 
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+
 @torch.no_grad()
-def init_weights_(model: nn.Module, seed: int) -> nn.Module:
+def init_weights_(model: ModuleT, seed: int) -> ModuleT:
     """MLPerf-reference initialisation of every ``nn.Linear`` and ``nn.EmbeddingBag`` in
     ``model``, drawn from a private generator seeded by ``seed`` (the global RNG is untouched).
     Modules are visited in ``named_modules`` order, so the result depends only on ``seed``."""
@@ -256,7 +261,7 @@ def build_model(workload: Workload, seed: int = 0) -> DLRM:
     """
     with torch.device("meta"):
         model = DLRM(workload)
-    model = model.to_empty(device="cpu")
+    model.to_empty(device="cpu")
     # to_empty leaves non-persistent buffers uninitialised: rebuild the interaction indices.
     if isinstance(model.interaction, DotInteraction):
         rows, cols = torch.triu_indices(len(workload.tables) + 1, len(workload.tables) + 1, 1)

@@ -10,16 +10,16 @@ import numpy as np
 from embark.planner.cost import CostModel
 from embark.planner.layout import make_sharding
 from embark.planner.simulator import check_memory
-from embark.planner.types import PlannerError, format_bytes
-from embark.types import Cluster, CommDtype, ShardingPlan, TableSharding
+from embark.planner.types import format_bytes
+from embark.types import Cluster, CommDtype, PlanError, ShardingPlan, TableSharding
 
 
 def _finish(model: CostModel, tables: list[TableSharding], what: str) -> ShardingPlan:
     plan = ShardingPlan(model.world, model.gpn, tuple(tables), model.topology.name)
     try:
         check_memory(plan, model)
-    except PlannerError as e:
-        raise PlannerError(f"{what} plan does not fit: {e}") from None
+    except PlanError as e:
+        raise PlanError(f"{what} plan does not fit: {e}") from None
     return plan
 
 
@@ -63,7 +63,7 @@ def table_wise(model: CostModel, comm_dtype: CommDtype = CommDtype.FP32) -> Shar
             if mem[r] + need <= cap:
                 break
         else:
-            raise PlannerError(
+            raise PlanError(
                 f"table_wise plan does not fit: table {t.name!r} needs {format_bytes(need)} but the "
                 f"emptiest rank has {format_bytes(cap - mem.min())} free"
             )

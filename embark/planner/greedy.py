@@ -19,8 +19,16 @@ import numpy as np
 
 from embark.planner.cost import NUM_CHANNELS, CostModel
 from embark.planner.layout import even_splits, make_sharding
-from embark.planner.types import PlannerError, TableConstraints, format_bytes
-from embark.types import Cluster, CommDtype, ShardingPlan, ShardingType, TableConfig, TableSharding
+from embark.planner.types import TableConstraints, format_bytes
+from embark.types import (
+    Cluster,
+    CommDtype,
+    PlanError,
+    ShardingPlan,
+    ShardingType,
+    TableConfig,
+    TableSharding,
+)
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +68,7 @@ class GreedyPlanner:
             integer >= 0.
 
     Raises:
-        PlannerError: for a negative or non-integer ``rounds`` or constraints naming an unknown
+        PlanError: for a negative or non-integer ``rounds`` or constraints naming an unknown
             table or rank.
     """
 
@@ -75,14 +83,14 @@ class GreedyPlanner:
         self.cons = dict(constraints or {})
         self.dtype = CommDtype(comm_dtype)
         if isinstance(rounds, bool) or not isinstance(rounds, int) or rounds < 0:
-            raise PlannerError(f"rounds must be an integer >= 0, got {rounds!r}")
+            raise PlanError(f"rounds must be an integer >= 0, got {rounds!r}")
         self.rounds = rounds
         self.tables = {t.name: t for t in model.workload.tables}
         for name, c in self.cons.items():
             if name not in self.tables:
-                raise PlannerError(f"constraints name table {name!r}, which is not in the workload")
+                raise PlanError(f"constraints name table {name!r}, which is not in the workload")
             if c.ranks is not None and max(c.ranks) >= model.world:
-                raise PlannerError(
+                raise PlanError(
                     f"table {name!r}: pinned rank {max(c.ranks)} but the topology has ranks "
                     f"0..{model.world - 1}"
                 )
@@ -206,7 +214,7 @@ class GreedyPlanner:
                 chosen.append(name)
                 budget -= full
         if budget < 0:
-            raise PlannerError(
+            raise PlanError(
                 f"data-parallel tables forced by constraints need {format_bytes(limit - budget)} "
                 f"per GPU, over the {format_bytes(limit)} replica budget by {format_bytes(-budget)}"
             )
@@ -354,7 +362,7 @@ class GreedyPlanner:
         per_table = {name: self.grid_traffic(name, g, splits[name]) for name, g in grids.items()}
         acc = self._dp_traffic(dp) + (sum(per_table.values()) if per_table else 0.0)
         step, _, emb = self.m.step_seconds(acc)
-        per_rank = sum(self.m.phase_times(acc).values())
+        per_rank = np.asarray(sum(self.m.phase_times(acc).values()))
         return (round(step, 12), round(emb, 12)), per_rank, per_table
 
     # -- the search ----------------------------------------------------------------------------
@@ -373,7 +381,7 @@ class GreedyPlanner:
                 if self._allowed(t, k, n)
             ]
             if not opts:
-                raise PlannerError(
+                raise PlanError(
                     f"table {t.name!r}: no layout satisfies its constraints "
                     f"({self._cons(t.name)}) on {self.m.world} ranks"
                 )
@@ -384,7 +392,7 @@ class GreedyPlanner:
                 k, n = max(
                     (o[2], o[1]) for o in opts if self.shard_bytes(t, o[2], o[1]) == smallest
                 )
-                raise PlannerError(
+                raise PlanError(
                     f"table {t.name!r} ({format_bytes(t.num_rows * t.dim * self.m.bytes_per_element())} "
                     f"with optimizer state) does not fit: its finest allowed split ({k}×{n}) needs "
                     f"{format_bytes(smallest)} per shard but a GPU holds {format_bytes(room)} "
@@ -427,7 +435,7 @@ class GreedyPlanner:
                 if not growable:
                     need = t.num_rows * t.dim * self.m.bytes_per_element()
                     shard = self.shard_bytes(t, splits[failed].k, splits[failed].n)
-                    raise PlannerError(
+                    raise PlanError(
                         f"table {failed!r} ({format_bytes(need)} with optimizer state) does not fit: "
                         f"split {splits[failed].k}×{splits[failed].n} ways it needs {format_bytes(shard)} "
                         f"per shard, and no rank set with room is left (per-GPU cap "
@@ -438,14 +446,14 @@ class GreedyPlanner:
                 failed = min(growable)[2]
                 grow = self._grow(self.tables[failed], splits[failed])
             splits[failed] = min(grow, key=lambda s: (s.k * s.n, s.k))
-        raise PlannerError("greedy placement did not converge")  # pragma: no cover
+        raise PlanError("greedy placement did not converge")  # pragma: no cover
 
     def plan(self) -> ShardingPlan:
         m = self.m
         total = sum(t.num_rows * t.dim for t in m.workload.tables) * m.bytes_per_element()
         have = m.memory_cap_bytes * m.world
         if total > have:
-            raise PlannerError(
+            raise PlanError(
                 f"workload {m.workload.name!r} needs {format_bytes(total)} of weights + optimizer "
                 f"state but {m.world} GPUs hold {format_bytes(have)} (short by {format_bytes(total - have)})"
             )

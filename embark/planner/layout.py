@@ -63,13 +63,13 @@ def make_sharding(
         return TableSharding(
             table.name, table.num_rows, table.dim, ShardingType.DP, cluster, shards, comm_dtype
         )
-    shards = []
+    pieces: list[Shard] = []
     for (c0, c1), ranks in zip(even_splits(table.dim, len(grid)), grid):
         for (r0, r1), rank in zip(even_splits(table.num_rows, len(ranks)), ranks):
-            shards.append(Shard(rank, r0, r1, c0, c1))
+            pieces.append(Shard(rank, r0, r1, c0, c1))
     st = classify(grid, world_size, gpus_per_node, cluster)
     return TableSharding(
-        table.name, table.num_rows, table.dim, st, cluster, tuple(shards), comm_dtype
+        table.name, table.num_rows, table.dim, st, cluster, tuple(pieces), comm_dtype
     )
 
 

@@ -141,7 +141,8 @@ def load_plan(
         got = _expand(e, workload, world, gpn)
         if isinstance(got, dict):
             full = dict(got)
-            t = by_name.get(full.get("name"))
+            name = full.get("name")
+            t = by_name.get(name) if isinstance(name, str) else None
             if t is not None:
                 full.setdefault("num_rows", t.num_rows)
                 full.setdefault("dim", t.dim)

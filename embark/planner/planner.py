@@ -15,8 +15,8 @@ from embark.planner.cost import CostModel
 from embark.planner.greedy import GreedyPlanner
 from embark.planner.search import local_search
 from embark.planner.simulator import check_memory
-from embark.planner.types import CostConstants, PlannerError, TableConstraints
-from embark.types import CommDtype, ShardingPlan, Topology
+from embark.planner.types import CostConstants, TableConstraints
+from embark.types import CommDtype, PlanError, ShardingPlan, Topology
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ def plan_sharding(
         rounds: greedy split rounds.
 
     Raises:
-        PlannerError: the workload or a table does not fit (naming it and by how much), or
+        PlanError: the workload or a table does not fit (naming it and by how much), or
             constraints cannot be met.
         ValueError: unknown strategy.
     """
@@ -55,7 +55,7 @@ def plan_sharding(
     dtype = CommDtype(comm_dtype)
     if strategy in BASELINES:
         if constraints:
-            raise PlannerError(
+            raise PlanError(
                 f"strategy {strategy!r} is a fixed baseline and ignores constraints; use 'auto'"
             )
         return BASELINES[strategy](model, dtype)
@@ -67,4 +67,4 @@ def plan_sharding(
     return plan
 
 
-__all__ = ["STRATEGIES", "PlannerError", "plan_sharding"]
+__all__ = ["STRATEGIES", "PlanError", "plan_sharding"]

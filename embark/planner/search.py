@@ -14,7 +14,7 @@ the pass budget is a count, not a clock.
 from __future__ import annotations
 
 import logging
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 
@@ -32,6 +32,136 @@ def _with_rank(ts: TableSharding, old: int, new: int, world: int, gpn: int) -> T
     return replace(tmp, sharding_type=classify(grid_of(tmp), world, gpn, ts.cluster))
 
 
+@dataclass
+class _Search:
+    """The plan under search and its per-table traffic and memory, with their sums."""
+
+    model: CostModel
+    cons: dict[str, TableConstraints]
+    tables: list[TableSharding]
+    traffic: list[np.ndarray] = field(init=False)
+    memory: list[np.ndarray] = field(init=False)
+    acc: np.ndarray = field(init=False)
+    mem: np.ndarray = field(init=False)
+    best: tuple[float, float] = field(init=False)
+
+    def __post_init__(self) -> None:
+        model, world = self.model, self.model.world
+        self.traffic = [model.traffic(ts) for ts in self.tables]
+        self.memory = [model.memory(ts) for ts in self.tables]
+        self.acc = np.sum(self.traffic, axis=0) if self.tables else np.zeros((world, NUM_CHANNELS))
+        self.mem = np.sum(self.memory, axis=0)
+        self.best = self.score(self.acc)
+
+    def score(self, a: np.ndarray) -> tuple[float, float]:
+        step, _, emb = self.model.step_seconds(a)
+        return (round(step, 12), round(emb, 12))
+
+    def legal(self, ts: TableSharding) -> bool:
+        c = self.cons.get(ts.name)
+        if c is None:
+            return True
+        if c.ranks is not None and not set(ts.ranks) <= set(c.ranks):
+            return False
+        if c.cluster is not None and ts.cluster is not c.cluster:
+            return False
+        return c.allows(ts.sharding_type)
+
+    def retype(self) -> None:
+        """Replicate a sharded table, or flip its cluster, where the simulator says so (the
+        greedy decides both per table in isolation); smallest tables first."""
+        model, cap, world = self.model, self.model.memory_cap_bytes, self.model.world
+        tables = self.tables
+        by_size = sorted(range(len(tables)), key=lambda i: (tables[i].num_rows * tables[i].dim, i))
+        for i in by_size:
+            ts = tables[i]
+            if ts.cluster is Cluster.DP:
+                continue
+            flipped = Cluster.UNIQUE if ts.cluster is Cluster.REDUCTION else Cluster.REDUCTION
+            full = Shard(0, 0, ts.num_rows, 0, ts.dim)
+            replicated = replace(
+                ts,
+                sharding_type=ShardingType.DP,
+                cluster=Cluster.DP,
+                shards=tuple(replace(full, rank=r) for r in range(world)),
+            )
+            for cand_ts in (replace(ts, cluster=flipped), replicated):
+                m_new = model.memory(cand_ts)
+                new_mem = self.mem - self.memory[i] + m_new
+                if new_mem.max() > cap or not self.legal(cand_ts):
+                    continue
+                t_new = model.traffic(cand_ts)
+                cand = self.acc - self.traffic[i] + t_new
+                sc = self.score(cand)
+                if sc < self.best:
+                    tables[i], self.traffic[i], self.memory[i] = cand_ts, t_new, m_new
+                    self.acc, self.mem, self.best = cand, new_mem, sc
+                    if cand_ts.cluster is Cluster.DP:
+                        break
+
+    def improve(self, shards_per_pass: int, targets_per_pass: int, swaps_per_shard: int) -> bool:
+        """One pass: move (or swap) one of the costliest shards of the slowest rank of the
+        costliest phase to one of the least loaded ranks; whether anything improved."""
+        model = self.model
+        phases = model.phase_times(self.acc)
+        per_rank = sum(phases.values())
+        # the slowest rank of the phase that costs most (collectives wait for it)
+        worst = max(phases, key=lambda k: (float(phases[k].max()), k))
+        src = int(np.argmax(phases[worst]))
+        order = [int(r) for r in np.argsort(per_rank, kind="stable") if r != src][:targets_per_pass]
+        costs: list[tuple[float, int]] = []
+        for i, ts in enumerate(self.tables):
+            if ts.cluster is Cluster.DP or src not in ts.ranks:
+                continue
+            times = model.phase_times(self.traffic[i], latency=False)
+            costs.append((-float(sum(v[src] for v in times.values())), i))
+        for _, i in sorted(costs)[:shards_per_pass]:
+            for dst in order:
+                if dst not in self.tables[i].ranks and self._move(i, src, dst, swaps_per_shard):
+                    return True
+        return False
+
+    def _move(self, i: int, src: int, dst: int, swaps: int) -> bool:
+        """Move table ``i``'s shard from ``src`` to ``dst``, or else swap it with one of the
+        costliest shards on ``dst`` whose table is not on ``src``; whether one was applied."""
+        model, cap, tables = self.model, self.model.memory_cap_bytes, self.tables
+        moved = _with_rank(tables[i], src, dst, model.world, model.gpn)
+        m_new = model.memory(moved)
+        if (self.mem - self.memory[i] + m_new)[dst] > cap or not self.legal(moved):
+            return False
+        t_new = model.traffic(moved)
+        cand = self.acc - self.traffic[i] + t_new
+        sc = self.score(cand)
+        if sc < self.best:
+            tables[i], self.traffic[i], self.acc, self.best = moved, t_new, cand, sc
+            self.mem = self.mem - self.memory[i] + m_new
+            self.memory[i] = m_new
+            return True
+        on_dst = [
+            (-float(self.traffic[j][dst, :2].sum()), j)
+            for j, other in enumerate(tables)
+            if j != i
+            and other.cluster is not Cluster.DP
+            and dst in other.ranks
+            and src not in other.ranks
+        ]
+        for _, j in sorted(on_dst)[:swaps]:
+            o_moved = _with_rank(tables[j], dst, src, model.world, model.gpn)
+            om_new = model.memory(o_moved)
+            new_mem = self.mem - self.memory[i] - self.memory[j] + m_new + om_new
+            if new_mem[src] > cap or new_mem[dst] > cap or not self.legal(o_moved):
+                continue
+            ot_new = model.traffic(o_moved)
+            cand2 = cand - self.traffic[j] + ot_new
+            sc = self.score(cand2)
+            if sc < self.best:
+                tables[i], self.traffic[i], self.memory[i] = moved, t_new, m_new
+                tables[j], self.traffic[j], self.memory[j] = o_moved, ot_new, om_new
+                self.acc, self.best, self.mem = cand2, sc, new_mem
+                return True
+        return False
+
+
 def local_search(
     plan: ShardingPlan,
     model: CostModel,
@@ -41,138 +171,15 @@ def local_search(
     targets_per_pass: int = 3,
     swaps_per_shard: int = 4,
 ) -> ShardingPlan:
-    """Improve ``plan`` by shard moves and swaps (see the module docstring)."""
-    cons = constraints or {}
-    world, gpn = model.world, model.gpn
-    cap = model.memory_cap_bytes
-    tables = list(plan.tables)
-    traffic = [model.traffic(ts) for ts in tables]
-    memory = [model.memory(ts) for ts in tables]
-    acc = np.sum(traffic, axis=0) if tables else np.zeros((world, NUM_CHANNELS))
-    mem = np.sum(memory, axis=0)
-
-    def score(a: np.ndarray) -> tuple[float, float]:
-        step, _, emb = model.step_seconds(a)
-        return (round(step, 12), round(emb, 12))
-
-    def legal(i: int, ts: TableSharding) -> bool:
-        c = cons.get(ts.name)
-        if c is None:
-            return True
-        if c.ranks is not None and not set(ts.ranks) <= set(c.ranks):
-            return False
-        if c.cluster is not None and ts.cluster is not c.cluster:
-            return False
-        return c.allows(ts.sharding_type)
-
-    best = score(acc)
-    # Re-type pass: replicate a sharded table, or flip its cluster, where the simulator
-    # says so (the greedy decides both per table in isolation).
-    by_size = sorted(range(len(tables)), key=lambda i: (tables[i].num_rows * tables[i].dim, i))
-    for i in by_size:
-        ts = tables[i]
-        if ts.cluster is Cluster.DP:
-            continue
-        options = [
-            replace(
-                ts, cluster=Cluster.UNIQUE if ts.cluster is Cluster.REDUCTION else Cluster.REDUCTION
-            )
-        ]
-        full = Shard(0, 0, ts.num_rows, 0, ts.dim)
-        options.append(
-            replace(
-                ts,
-                sharding_type=ShardingType.DP,
-                cluster=Cluster.DP,
-                shards=tuple(replace(full, rank=r) for r in range(world)),
-            )
-        )
-        for cand_ts in options:
-            m_new = model.memory(cand_ts)
-            new_mem = mem - memory[i] + m_new
-            if new_mem.max() > cap or not legal(i, cand_ts):
-                continue
-            t_new = model.traffic(cand_ts)
-            cand = acc - traffic[i] + t_new
-            sc = score(cand)
-            if sc < best:
-                tables[i], traffic[i], memory[i], acc, mem, best = (
-                    cand_ts,
-                    t_new,
-                    m_new,
-                    cand,
-                    new_mem,
-                    sc,
-                )
-                ts = cand_ts
-                if ts.cluster is Cluster.DP:
-                    break
+    """Improve ``plan`` by re-typing tables, then shard moves and swaps (see the module
+    docstring), for at most ``max_passes`` passes."""
+    search = _Search(model, constraints or {}, list(plan.tables))
+    search.retype()
     for _ in range(max_passes):
-        phases = model.phase_times(acc)
-        per_rank = sum(phases.values())
-        # the slowest rank of the phase that costs most (collectives wait for it)
-        worst = max(phases, key=lambda k: (float(phases[k].max()), k))
-        src = int(np.argmax(phases[worst]))
-        order = [int(r) for r in np.argsort(per_rank, kind="stable") if r != src][:targets_per_pass]
-        on_src = []
-        for i, ts in enumerate(tables):
-            if ts.cluster is Cluster.DP or src not in ts.ranks:
-                continue
-            cost = float(sum(v[src] for v in model.phase_times(traffic[i], latency=False).values()))
-            on_src.append((-cost, i))
-        on_src = [i for _, i in sorted(on_src)[:shards_per_pass]]
-        improved = False
-        for i in on_src:
-            ts = tables[i]
-            for dst in order:
-                if dst in ts.ranks:
-                    continue
-                moved = _with_rank(ts, src, dst, world, gpn)
-                m_new = model.memory(moved)
-                if (mem - memory[i] + m_new)[dst] > cap or not legal(i, moved):
-                    continue
-                t_new = model.traffic(moved)
-                cand = acc - traffic[i] + t_new
-                sc = score(cand)
-                if sc < best:
-                    tables[i], traffic[i], acc, best = moved, t_new, cand, sc
-                    mem = mem - memory[i] + m_new
-                    memory[i] = m_new
-                    improved = True
-                    break
-                # swap with one of the costliest shards on dst whose table is not on src
-                on_dst = [
-                    (-float(traffic[j][dst, :2].sum()), j)
-                    for j, other in enumerate(tables)
-                    if j != i
-                    and other.cluster is not Cluster.DP
-                    and dst in other.ranks
-                    and src not in other.ranks
-                ]
-                for _, j in sorted(on_dst)[:swaps_per_shard]:
-                    other = tables[j]
-                    o_moved = _with_rank(other, dst, src, world, gpn)
-                    om_new = model.memory(o_moved)
-                    new_mem = mem - memory[i] - memory[j] + m_new + om_new
-                    if new_mem[src] > cap or new_mem[dst] > cap or not legal(j, o_moved):
-                        continue
-                    ot_new = model.traffic(o_moved)
-                    cand2 = cand - traffic[j] + ot_new
-                    sc = score(cand2)
-                    if sc < best:
-                        tables[i], traffic[i], memory[i] = moved, t_new, m_new
-                        tables[j], traffic[j], memory[j] = o_moved, ot_new, om_new
-                        acc, best, mem = cand2, sc, new_mem
-                        improved = True
-                        break
-                if improved:
-                    break
-            if improved:
-                break
-        if not improved:
+        if not search.improve(shards_per_pass, targets_per_pass, swaps_per_shard):
             break
-    log.info("local search: simulated step %.3f ms", best[0] * 1e3)
-    return ShardingPlan(world, gpn, tuple(tables), plan.topology)
+    log.info("local search: simulated step %.3f ms", search.best[0] * 1e3)
+    return ShardingPlan(model.world, model.gpn, tuple(search.tables), plan.topology)
 
 
 __all__ = ["local_search"]

@@ -9,8 +9,8 @@ from __future__ import annotations
 import numpy as np
 
 from embark.planner.cost import NUM_CHANNELS, CostModel
-from embark.planner.types import GpuStats, PlannerError, SimResult, format_bytes
-from embark.types import Cluster, ShardingPlan
+from embark.planner.types import GpuStats, SimResult, format_bytes
+from embark.types import Cluster, PlanError, ShardingPlan
 
 
 def check_plan(plan: ShardingPlan, model: CostModel) -> None:
@@ -18,18 +18,18 @@ def check_plan(plan: ShardingPlan, model: CostModel) -> None:
 
     Raises:
         PlanError: missing/unknown/mis-shaped tables (from :meth:`ShardingPlan.check_tables`).
-        PlannerError: world size or node size differ from the topology.
+        PlanError: world size or node size differ from the topology.
     """
     plan.check_tables(model.workload.tables)
     if plan.world_size != model.world or plan.gpus_per_node != model.gpn:
-        raise PlannerError(
+        raise PlanError(
             f"plan is for {plan.world_size} ranks ({plan.gpus_per_node} per node) but the "
             f"topology {model.topology.name!r} has {model.world} ({model.gpn} per node)"
         )
 
 
 def check_memory(plan: ShardingPlan, model: CostModel) -> np.ndarray:
-    """Per-rank bytes ``(W,)``; raises :class:`PlannerError` naming the first rank over the
+    """Per-rank bytes ``(W,)``; raises :class:`PlanError` naming the first rank over the
     cap, by how much, and its largest tables."""
     mem = np.zeros(model.world)
     for ts in plan.tables:
@@ -42,7 +42,7 @@ def check_memory(plan: ShardingPlan, model: CostModel) -> np.ndarray:
             ((float(model.memory(ts)[r]), ts.name) for ts in plan.tables if r in ts.ranks),
             reverse=True,
         )[:3]
-        raise PlannerError(
+        raise PlanError(
             f"rank {r} needs {format_bytes(mem[r])} of weights + optimizer state but holds "
             f"{format_bytes(cap)} (over by {format_bytes(mem[r] - cap)}; largest tables there: "
             + ", ".join(f"{n!r} {format_bytes(b)}" for b, n in big)

@@ -20,11 +20,6 @@ def format_bytes(n: float) -> str:
     return f"{n:.0f} B"
 
 
-class PlannerError(ValueError):
-    """The planner cannot satisfy the input; the message names what does not fit and by how
-    much (e.g. ``table 't3' needs 95.0 GB per replica but one GPU holds 72.0 GB``)."""
-
-
 @dataclass(frozen=True)
 class TableConstraints:
     """User constraints on one table.

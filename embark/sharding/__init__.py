@@ -1,15 +1,26 @@
-"""Runtime of a sharding plan on ``torch.distributed``: :class:`ShardedEmbeddingCollection`
-holds this rank's shards, distributes the keys of each local batch to their owners and
-returns pooled embeddings equal to ``nn.EmbeddingBag`` on the full tables."""
+"""embark.sharding: the runtime of a sharding plan on ``torch.distributed``.
 
-from embark.sharding.collection import (
-    DistributedInput,
-    PendingInput,
-    ShardedEmbeddingCollection,
+:class:`ShardedEmbeddingCollection` holds this rank's shards, distributes the keys of each
+local batch to their owners and returns pooled embeddings equal to ``nn.EmbeddingBag`` on the
+full tables; :class:`ShardedDLRM` is the DLRM over it (dense part replicated), trained by the
+one :class:`~embark.training.Trainer` with its :class:`ShardedSync`; its checkpoints are the
+single-process format (:func:`save_sharded_checkpoint`, :func:`load_sharded_checkpoint`), and
+:func:`run_sharded` is a whole run (``torchrun -m embark.sharded_train``).
+"""
+
+from embark.sharding.checkpoint import (
+    from_single_process,
+    load_sharded_checkpoint,
+    save_sharded_checkpoint,
+    to_single_process,
 )
+from embark.sharding.collection import ShardedEmbeddingCollection
 from embark.sharding.comm import CommStats
 from embark.sharding.hierarchical import NodeGroups
+from embark.sharding.input import DistributedInput, PendingInput
+from embark.sharding.model import ShardedDLRM, ShardedSync
 from embark.sharding.routing import Layout, ShardRef
+from embark.sharding.run import ShardedRunConfig, ShardedRunResult, run_sharded
 
 __all__ = [
     "CommStats",
@@ -18,5 +29,14 @@ __all__ = [
     "NodeGroups",
     "PendingInput",
     "ShardRef",
+    "ShardedDLRM",
     "ShardedEmbeddingCollection",
+    "ShardedRunConfig",
+    "ShardedRunResult",
+    "ShardedSync",
+    "from_single_process",
+    "load_sharded_checkpoint",
+    "run_sharded",
+    "save_sharded_checkpoint",
+    "to_single_process",
 ]

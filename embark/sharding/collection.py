@@ -46,8 +46,7 @@ smaller than sharded ones.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -57,7 +56,6 @@ from torch import nn
 
 from embark.data.jagged import JaggedBatch
 from embark.sharding.comm import (
-    KEY_DTYPE,
     LENGTH_DTYPE,
     CommStats,
     all_reduce_sum,
@@ -65,12 +63,23 @@ from embark.sharding.comm import (
     exchange_ints,
     exchange_ints_async,
     exchange_vectors,
-    from_int_bytes,
     grad_wire,
     int_bytes,
     tie,
 )
 from embark.sharding.hierarchical import NodeGroups, node_blocks, reduce_hierarchically
+from embark.sharding.input import (
+    BAD_ID,
+    HEADER,
+    MISSING_KEY,
+    OK,
+    DistributedInput,
+    PendingInput,
+    Routed,
+    Sent,
+    decode_keys,
+    segment_bytes,
+)
 from embark.sharding.routing import (
     Layout,
     ShardRef,
@@ -80,55 +89,6 @@ from embark.sharding.routing import (
     sample_ids,
 )
 from embark.types import Cluster, Combiner, CommDtype, Shard, ShardingPlan, TableConfig
-
-_OK, _BAD_ID, _MISSING_KEY = 0, 1, 2
-_HEADER = 4  # status, table index, bad id, batch size
-
-
-@dataclass
-class _Sent:
-    """What a source remembers about one (destination shard) segment it sent."""
-
-    ref: ShardRef
-    count: int  # ids (REDUCTION) or distinct ids (UNIQUE) sent
-    inverse: torch.Tensor | None = None  # UNIQUE: (n,) position of each id among the distinct
-    samples: torch.Tensor | None = None  # UNIQUE: (n,) sample of each id
-
-
-@dataclass
-class DistributedInput:
-    """A local batch after the input distribution (steps 1-2), ready for lookup.
-
-    Args:
-        batch_size: this rank's ``B``.
-        lengths: per table, ``(B,) int32`` full bag sizes (for ``mean``).
-        dp_input: per DP table, ``(values (nnz,) int64, offsets (B,) int64)``.
-        sent: ``sent[o][i]``: the segment sent for ``owned[o][i]``.
-        batch_sizes: ``(world,)`` every source's ``B``.
-        received: ``received[r][i]``: ``(lengths (B_r,) int64 or None, rows (n,) int64)``
-            from source ``r`` for ``owned[rank][i]``.
-    """
-
-    batch_size: int
-    lengths: dict[str, torch.Tensor]
-    dp_input: dict[str, tuple[torch.Tensor, torch.Tensor]]
-    sent: list[list[_Sent]]
-    batch_sizes: list[int]
-    received: list[list[tuple[torch.Tensor | None, torch.Tensor]]]
-
-
-class PendingInput:
-    """An input distribution in flight (:meth:`ShardedEmbeddingCollection.start_input`)."""
-
-    def __init__(self, finish: Callable[[], DistributedInput]) -> None:
-        self._finish = finish
-        self._done: DistributedInput | None = None
-
-    def wait(self) -> DistributedInput:
-        """Wait for the keys exchange and return the distributed input (idempotent)."""
-        if self._done is None:
-            self._done = self._finish()
-        return self._done
 
 
 class ShardedEmbeddingCollection(nn.Module):
@@ -297,20 +257,20 @@ class ShardedEmbeddingCollection(nn.Module):
         tables = self.layout.tables
         for i, t in enumerate(tables):
             if t.name not in sparse.keys:
-                return _MISSING_KEY, i, 0, []
+                return MISSING_KEY, i, 0, []
         values = [sparse.values_for(t.name) for t in tables]
         bad = check_ids(tables, values)
         if bad is not None:
-            return _BAD_ID, bad[0], bad[1], []
-        return _OK, 0, 0, values
+            return BAD_ID, bad[0], bad[1], []
+        return OK, 0, 0, values
 
     def _raise_if_bad(self, headers: list[torch.Tensor]) -> None:
         for r, h in enumerate(headers):
             code, ti, bad = (int(v) for v in h[:3])
-            if code == _OK:
+            if code == OK:
                 continue
             t = self.layout.tables[ti]
-            if code == _MISSING_KEY:
+            if code == MISSING_KEY:
                 raise ValueError(
                     f"rank {r}: the batch has no key {t.name!r} (every table of the collection "
                     "needs its key, possibly with empty bags)"
@@ -319,6 +279,35 @@ class ShardedEmbeddingCollection(nn.Module):
                 f"rank {r}: table {t.name!r} has {t.num_rows} rows but id {bad} was looked up "
                 f"(expected ids 0..{t.num_rows - 1})"
             )
+
+    def _route(self, sparse: JaggedBatch) -> Routed:
+        """Cut every table's ids into per-shard segments (nothing sent yet)."""
+        layout, owned = self.layout, self.layout.owned
+        code, ti, bad, values = self._check_batch(sparse)
+        batch = sparse.batch_size if code == OK else 0
+        sent = [[Sent(ref, 0) for ref in refs] for refs in owned]
+        out = Routed(code, ti, bad, batch, sent, [[] for _ in range(self.world_size)])
+        if code != OK:
+            return out
+        for i, t in enumerate(layout.tables):
+            out.lengths[t.name] = sparse.lengths_for(t.name)
+            if layout.is_dp(t.name):
+                out.dp_input[t.name] = (values[i], sparse.bag_offsets(t.name))
+                continue
+            samples = sample_ids(out.lengths[t.name])
+            pos = self._positions[t.name]
+            shards = [owned[o][k].shard for o, k in pos]
+            for (o, k), (rows, smp) in zip(pos, route_keys(values[i], samples, shards)):
+                ref = owned[o][k]
+                if ref.cluster is Cluster.REDUCTION:
+                    out.segments[o].append(int_bytes(bag_lengths(smp, batch).to(LENGTH_DTYPE)))
+                    out.segments[o].append(int_bytes(rows))
+                    sent[o][k] = Sent(ref, rows.numel())
+                else:
+                    uniq, inv = torch.unique(rows, return_inverse=True)
+                    out.segments[o].append(int_bytes(uniq))
+                    sent[o][k] = Sent(ref, uniq.numel(), inv, smp)
+        return out
 
     def start_input(self, sparse: JaggedBatch) -> PendingInput:
         """Steps 1-2: exchange the header (synchronously: it is small and carries the
@@ -331,57 +320,20 @@ class ShardedEmbeddingCollection(nn.Module):
             ValueError: on every rank, when any rank's batch lacks a table's key or looks up
                 an id outside its table (naming the rank, the table and the id).
         """
-        layout, owned, me, world = self.layout, self.layout.owned, self.rank, self.world_size
-        code, ti, bad, values = self._check_batch(sparse)
-        batch = sparse.batch_size if code == _OK else 0
-        sent: list[list[_Sent]] = [[_Sent(ref, 0) for ref in refs] for refs in owned]
-        segments: list[list[torch.Tensor]] = [[] for _ in range(world)]
-        lengths: dict[str, torch.Tensor] = {}
-        dp_input: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
-        if code == _OK:
-            for i, t in enumerate(layout.tables):
-                lengths[t.name] = sparse.lengths_for(t.name)
-                if layout.is_dp(t.name):
-                    dp_input[t.name] = (values[i], sparse.bag_offsets(t.name))
-                    continue
-                samples = sample_ids(lengths[t.name])
-                pos = self._positions[t.name]
-                shards = [owned[o][k].shard for o, k in pos]
-                for (o, k), (rows, smp) in zip(pos, route_keys(values[i], samples, shards)):
-                    ref = owned[o][k]
-                    if ref.cluster is Cluster.REDUCTION:
-                        segments[o].append(int_bytes(bag_lengths(smp, batch).to(LENGTH_DTYPE)))
-                        segments[o].append(int_bytes(rows))
-                        sent[o][k] = _Sent(ref, rows.numel())
-                    else:
-                        uniq, inv = torch.unique(rows, return_inverse=True)
-                        segments[o].append(int_bytes(uniq))
-                        sent[o][k] = _Sent(ref, uniq.numel(), inv, smp)
-        header = torch.tensor(
-            [v for o in range(world) for v in (code, ti, bad, batch, *(s.count for s in sent[o]))],
-            dtype=torch.int64,
-        )
-        send_h = [_HEADER + len(owned[o]) for o in range(world)]
-        recv_h = [_HEADER + len(owned[me])] * world
+        owned, me, world = self.layout.owned, self.rank, self.world_size
+        routed = self._route(sparse)
+        send_h = [HEADER + len(owned[o]) for o in range(world)]
+        recv_h = [HEADER + len(owned[me])] * world
         got = exchange_ints(
-            header, send_h, recv_h, self.process_group, stats=self.stats, phase="header"
+            routed.header(), send_h, recv_h, self.process_group, stats=self.stats, phase="header"
         )
         headers = list(got.split(recv_h))
         self._raise_if_bad(headers)
         batch_sizes = [int(h[3]) for h in headers]
-        counts = [h[_HEADER:].tolist() for h in headers]
-        len_b, key_b = LENGTH_DTYPE.itemsize, KEY_DTYPE.itemsize
-        seg_size = [  # bytes
-            [
-                (batch_sizes[r] * len_b if ref.cluster is Cluster.REDUCTION else 0)
-                + counts[r][k] * key_b
-                for k, ref in enumerate(owned[me])
-            ]
-            for r in range(world)
-        ]
-        flat = [x for o in range(world) for x in segments[o]]
+        seg_size = segment_bytes(owned[me], batch_sizes, [h[HEADER:].tolist() for h in headers])
+        flat = [x for o in range(world) for x in routed.segments[o]]
         keys = torch.cat(flat) if flat else torch.empty(0, dtype=torch.uint8)
-        send_k = [sum(int(x.numel()) for x in segments[o]) for o in range(world)]
+        send_k = [sum(int(x.numel()) for x in routed.segments[o]) for o in range(world)]
         recv_k = [sum(s) for s in seg_size]
         got, work = exchange_ints_async(
             keys, send_k, recv_k, self.process_group, stats=self.stats, phase="keys"
@@ -390,19 +342,15 @@ class ShardedEmbeddingCollection(nn.Module):
         def finish() -> DistributedInput:
             if work is not None:
                 work.wait()
-            received: list[list[tuple[torch.Tensor | None, torch.Tensor]]] = []
-            for r, chunk in enumerate(got.split(recv_k)):
-                parts = chunk.split(seg_size[r])
-                row: list[tuple[torch.Tensor | None, torch.Tensor]] = []
-                for k, ref in enumerate(owned[me]):
-                    if ref.cluster is Cluster.REDUCTION:
-                        b = batch_sizes[r] * len_b
-                        lens = from_int_bytes(parts[k][:b], LENGTH_DTYPE).to(torch.int64)
-                        row.append((lens, from_int_bytes(parts[k][b:], KEY_DTYPE)))
-                    else:
-                        row.append((None, from_int_bytes(parts[k], KEY_DTYPE)))
-                received.append(row)
-            return DistributedInput(batch, lengths, dp_input, sent, batch_sizes, received)
+            received = decode_keys(got, owned[me], batch_sizes, recv_k, seg_size)
+            return DistributedInput(
+                routed.batch_size,
+                routed.lengths,
+                routed.dp_input,
+                routed.sent,
+                batch_sizes,
+                received,
+            )
 
         return PendingInput(finish)
 
@@ -461,9 +409,50 @@ class ShardedEmbeddingCollection(nn.Module):
         Returns:
             ``{table: (B, dim) float32}`` in table order.
         """
-        layout, owned, me, world = self.layout, self.layout.owned, self.rank, self.world_size
+        layout, me = self.layout, self.rank
         wires = list(layout.wires_in_use)
         answers = self._lookup(inp)
+        vectors, got = self._exchange_flat(inp, answers, wires)
+        block_parts: dict[tuple[str, int], list[torch.Tensor]] = {}
+        anchors = list(got)
+        if self._groups is not None and wires:
+            block_parts, more = reduce_hierarchically(
+                answers,
+                layout.owned,
+                me,
+                inp.batch_sizes,
+                self._groups,
+                self._blocks,
+                wires,
+                self.stats,
+                after=got,
+            )
+            anchors += more
+        outs: dict[str, torch.Tensor] = {}
+        for t in layout.tables:
+            if layout.is_dp(t.name):
+                continue
+            outs[t.name] = self._assemble(t, inp, vectors, block_parts)
+        if outs:
+            names = list(outs)
+            outs = dict(zip(names, tie([outs[n] for n in names], anchors)))
+        for t in layout.tables:
+            if layout.is_dp(t.name):
+                values, offsets = inp.dp_input[t.name]
+                mode = "mean" if t.combiner is Combiner.MEAN else "sum"
+                w = self.weights[t.name]
+                outs[t.name] = (
+                    F.embedding_bag(values, w, offsets, mode=mode) if inp.batch_size else w[:0]
+                )
+        return {t.name: outs[t.name] for t in layout.tables}
+
+    def _exchange_flat(
+        self, inp: DistributedInput, answers: list[list[torch.Tensor]], wires: list[CommDtype]
+    ) -> tuple[dict[tuple[int, int], torch.Tensor], list[torch.Tensor]]:
+        """The flat vectors exchange (every shard but hierarchical REDUCTION ones): one
+        buffer per wire dtype in one all-to-all. Returns ``({(owner, k): (rows, cols)},
+        received buffers)``."""
+        owned, me, world = self.layout.owned, self.rank, self.world_size
         hier = self._groups is not None
 
         def flat(ref: ShardRef, wire: CommDtype) -> bool:
@@ -471,7 +460,8 @@ class ShardedEmbeddingCollection(nn.Module):
 
         xs, send, recv = [], [], []
         for wire in wires:
-            pieces, send_g, recv_g = [], [], []
+            pieces: list[torch.Tensor] = []
+            send_g, recv_g = [], []
             for r in range(world):
                 mine = [a[r].reshape(-1) for k, a in enumerate(answers) if flat(owned[me][k], wire)]
                 pieces += mine
@@ -504,38 +494,7 @@ class ShardedEmbeddingCollection(nn.Module):
                 sizes = [self._answer_rows(inp, o, k) * ref.num_cols for k, ref in refs]
                 for (k, ref), v in zip(refs, parts[o].split(sizes)):
                     vectors[(o, k)] = v.view(-1, ref.num_cols)
-        block_parts: dict[tuple[str, int], list[torch.Tensor]] = {}
-        anchors = list(got)
-        if self._groups is not None and wires:
-            block_parts, more = reduce_hierarchically(
-                answers,
-                owned,
-                me,
-                inp.batch_sizes,
-                self._groups,
-                self._blocks,
-                wires,
-                self.stats,
-                after=got,
-            )
-            anchors += more
-        outs: dict[str, torch.Tensor] = {}
-        for t in layout.tables:
-            if layout.is_dp(t.name):
-                continue
-            outs[t.name] = self._assemble(t, inp, vectors, block_parts)
-        if outs:
-            names = list(outs)
-            outs = dict(zip(names, tie([outs[n] for n in names], anchors)))
-        for t in layout.tables:
-            if layout.is_dp(t.name):
-                values, offsets = inp.dp_input[t.name]
-                mode = "mean" if t.combiner is Combiner.MEAN else "sum"
-                w = self.weights[t.name]
-                outs[t.name] = (
-                    F.embedding_bag(values, w, offsets, mode=mode) if inp.batch_size else w[:0]
-                )
-        return {t.name: outs[t.name] for t in layout.tables}
+        return vectors, list(got)
 
     def _answer_rows(self, inp: DistributedInput, o: int, k: int) -> int:
         s = inp.sent[o][k]

@@ -278,7 +278,7 @@ class _VectorAllToAll(torch.autograd.Function):
     order of collectives during backward."""
 
     @staticmethod
-    def forward(ctx: Any, meta: dict[str, Any], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, meta: dict[str, Any], *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.meta = meta
         return tuple(
             _vector_exchange(
@@ -294,7 +294,7 @@ class _VectorAllToAll(torch.autograd.Function):
         )
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         m = ctx.meta
         g = _vector_exchange(  # fp16 payloads send their gradients as bf16: grad_wire()
             [x.contiguous() for x in grads],
@@ -359,12 +359,12 @@ class _Tie(torch.autograd.Function):
     """Identity on ``outs`` whose backward also hands zero gradients to ``anchors``."""
 
     @staticmethod
-    def forward(ctx: Any, n: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:  # type: ignore[override]
+    def forward(ctx: Any, n: int, *args: torch.Tensor) -> tuple[torch.Tensor, ...]:
         ctx.anchor_shapes = [a.shape for a in args[n:]]
         return tuple(o.view_as(o) for o in args[:n])
 
     @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         return (None, *grads, *[torch.zeros(s) for s in ctx.anchor_shapes])
 
 

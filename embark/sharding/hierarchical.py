@@ -171,101 +171,146 @@ def reduce_hierarchically(
         buffers)``; the buffers are to be tied to the outputs
         (:func:`embark.sharding.comm.tie`).
     """
-    gpn, nodes = groups.gpus_per_node, groups.num_nodes
-    node = rank // gpn
-    world = gpn * nodes
-    mates = [node * gpn + j for j in range(gpn)]
-    here = list(blocks[node])
+    ctx = _Stages(rank, groups, blocks, batch_sizes, wires, stats)
+    sums, got1 = ctx.stage1(_own_partials(answers, owned, rank, ctx.world), after)
+    out, got2 = ctx.stage2(sums, got1)
+    return out, [*got1, *got2]
 
-    # this rank's partial of each block it owns, per source (summed over its shards of it)
+
+def _own_partials(
+    answers: Sequence[Sequence[torch.Tensor]],
+    owned: Sequence[Sequence[ShardRef]],
+    rank: int,
+    world: int,
+) -> dict[tuple[str, int], list[torch.Tensor]]:
+    """This rank's partial of each block it owns, per source (summed over its shards of it)."""
     mine: dict[tuple[str, int], list[torch.Tensor]] = {}
     for k, ref in enumerate(owned[rank]):
         if ref.cluster is Cluster.REDUCTION:
             key = (ref.table, ref.shard.col_start)
             parts = [answers[k][r] for r in range(world)]
             mine[key] = [a + p for a, p in zip(mine[key], parts)] if key in mine else parts
+    return mine
 
-    def chained(x: torch.Tensor, prev: Sequence[torch.Tensor]) -> torch.Tensor:
-        if not torch.is_grad_enabled():
-            return x
-        x = torch.cat([x, *[p[:0] for p in prev]])
-        return x if x.requires_grad else x.detach().requires_grad_(True)
 
-    def cat(pieces: list[torch.Tensor], prev: Sequence[torch.Tensor]) -> torch.Tensor:
-        return chained(torch.cat(pieces) if pieces else torch.zeros(0), prev)
+def _chained(pieces: list[torch.Tensor], prev: Sequence[torch.Tensor]) -> torch.Tensor:
+    """``pieces`` concatenated, with zero-size slices of ``prev`` so that its backward runs
+    after theirs (under autograd: a leaf that requires grad when nothing did)."""
+    x = torch.cat(pieces) if pieces else torch.zeros(0)
+    if not torch.is_grad_enabled():
+        return x
+    x = torch.cat([x, *[p[:0] for p in prev]])
+    return x if x.requires_grad else x.detach().requires_grad_(True)
 
-    # stage 1: owner -> relay of each source, inside the node
-    xs, send, recv = [], [], []
-    for wire in wires:
-        pieces, send_g, recv_g = [], [], []
-        for m in mates:
-            seg = [
-                mine[(b.table, b.col_start)][r].reshape(-1)
-                for b in here
-                if b.wire is wire and rank in b.owners
-                for r in range(world)
-                if b.relays[r] == m
-            ]
-            pieces += seg
-            send_g.append(sum(p.numel() for p in seg))
-            recv_g.append(
-                sum(
-                    batch_sizes[r] * b.num_cols
-                    for b in here
-                    if b.wire is wire and m in b.owners
-                    for r in range(world)
-                    if b.relays[r] == rank
+
+@dataclass
+class _Stages:
+    """The two exchanges of one rank, over the blocks of its node (``here``)."""
+
+    rank: int
+    groups: NodeGroups
+    blocks: Sequence[Sequence[BlockRef]]
+    batch_sizes: Sequence[int]
+    wires: Sequence[CommDtype]
+    stats: CommStats | None
+
+    @property
+    def gpn(self) -> int:
+        return self.groups.gpus_per_node
+
+    @property
+    def world(self) -> int:
+        return self.gpn * self.groups.num_nodes
+
+    @property
+    def mates(self) -> list[int]:
+        node = self.rank // self.gpn
+        return [node * self.gpn + j for j in range(self.gpn)]
+
+    @property
+    def here(self) -> Sequence[BlockRef]:
+        return self.blocks[self.rank // self.gpn]
+
+    def _relayed(self, wire: CommDtype, owner: int, relay: int) -> list[tuple[BlockRef, int]]:
+        """``(block, source)`` pairs of ``wire`` that ``owner`` sends to ``relay`` in stage 1."""
+        return [
+            (b, r)
+            for b in self.here
+            if b.wire is wire and owner in b.owners
+            for r in range(self.world)
+            if b.relays[r] == relay
+        ]
+
+    def stage1(
+        self, mine: dict[tuple[str, int], list[torch.Tensor]], after: Sequence[torch.Tensor]
+    ) -> tuple[dict[tuple[str, int, int], torch.Tensor], list[torch.Tensor]]:
+        """Owner → relay of each source, inside the node; the relay sums the partials of each
+        (block, source) it relays. Returns ``({(table, col_start, source): (B_source, cols)},
+        received buffers)``."""
+        rank, bs = self.rank, self.batch_sizes
+        xs, send, recv = [], [], []
+        for wire in self.wires:
+            pieces: list[torch.Tensor] = []
+            send_g, recv_g = [], []
+            for m in self.mates:
+                seg = [
+                    mine[(b.table, b.col_start)][r].reshape(-1)
+                    for b, r in self._relayed(wire, rank, m)
+                ]
+                pieces += seg
+                send_g.append(sum(p.numel() for p in seg))
+                recv_g.append(sum(bs[r] * b.num_cols for b, r in self._relayed(wire, m, rank)))
+            xs.append(_chained(pieces, after))
+            send.append(send_g)
+            recv.append(recv_g)
+        group = self.groups.node_group
+        got = exchange_vectors(
+            xs, self.wires, send, recv, group, stats=self.stats, peers=self.mates
+        )
+        sums: dict[tuple[str, int, int], torch.Tensor] = {}
+        for g, wire in enumerate(self.wires):
+            for m, chunk in zip(self.mates, got[g].split(recv[g])):
+                pairs = self._relayed(wire, m, rank)
+                parts = chunk.split([bs[r] * b.num_cols for b, r in pairs])
+                for (b, r), v in zip(pairs, parts):
+                    key = (b.table, b.col_start, r)
+                    v = v.view(bs[r], b.num_cols)
+                    sums[key] = sums[key] + v if key in sums else v
+        return sums, got
+
+    def stage2(
+        self, sums: dict[tuple[str, int, int], torch.Tensor], got1: Sequence[torch.Tensor]
+    ) -> tuple[dict[tuple[str, int], list[torch.Tensor]], list[torch.Tensor]]:
+        """Relay → source, over the world (peers on this node are intra-node). Returns
+        ``({(table, col_start): [(B_rank, cols) per node]}, received buffers)``."""
+        rank, gpn, b_me = self.rank, self.gpn, self.batch_sizes[self.rank]
+        xs, send, recv = [], [], []
+        for wire in self.wires:
+            pieces: list[torch.Tensor] = []
+            send_g, recv_g = [], []
+            for r in range(self.world):
+                seg = [
+                    sums[(b.table, b.col_start, r)].reshape(-1)
+                    for b in self.here
+                    if b.wire is wire and b.relays[r] == rank
+                ]
+                pieces += seg
+                send_g.append(sum(p.numel() for p in seg))
+                recv_g.append(
+                    sum(
+                        b_me * b.num_cols
+                        for b in self.blocks[r // gpn]
+                        if b.wire is wire and b.relays[rank] == r
+                    )
                 )
-            )
-        xs.append(cat(pieces, after))
-        send.append(send_g)
-        recv.append(recv_g)
-    got1 = exchange_vectors(xs, wires, send, recv, groups.node_group, stats=stats, peers=mates)
-    # relay: sum the partials of each (block, source) it relays
-    sums: dict[tuple[str, int, int], torch.Tensor] = {}
-    for g, wire in enumerate(wires):
-        for m, chunk in zip(mates, got1[g].split(recv[g])):
-            sizes = [
-                (b, r)
-                for b in here
-                if b.wire is wire and m in b.owners
-                for r in range(world)
-                if b.relays[r] == rank
-            ]
-            parts = chunk.split([batch_sizes[r] * b.num_cols for b, r in sizes])
-            for (b, r), v in zip(sizes, parts):
-                key = (b.table, b.col_start, r)
-                v = v.view(batch_sizes[r], b.num_cols)
-                sums[key] = sums[key] + v if key in sums else v
-    # stage 2: relay -> source, over the world (peers on this node are intra-node)
-    xs, send, recv = [], [], []
-    for wire in wires:
-        pieces, send_g, recv_g = [], [], []
-        for r in range(world):
-            seg = [
-                sums[(b.table, b.col_start, r)].reshape(-1)
-                for b in here
-                if b.wire is wire and b.relays[r] == rank
-            ]
-            pieces += seg
-            send_g.append(sum(p.numel() for p in seg))
-            recv_g.append(
-                sum(
-                    batch_sizes[rank] * b.num_cols
-                    for b in blocks[r // gpn]
-                    if b.wire is wire and b.relays[rank] == r
-                )
-            )
-        xs.append(cat(pieces, got1))
-        send.append(send_g)
-        recv.append(recv_g)
-    got2 = exchange_vectors(xs, wires, send, recv, None, stats=stats)
-    out: dict[tuple[str, int], list[torch.Tensor]] = {}
-    for g, wire in enumerate(wires):
-        for p, chunk in enumerate(got2[g].split(recv[g])):
-            bs = [b for b in blocks[p // gpn] if b.wire is wire and b.relays[rank] == p]
-            for b, v in zip(bs, chunk.split([batch_sizes[rank] * b.num_cols for b in bs])):
-                out.setdefault((b.table, b.col_start), []).append(
-                    v.view(batch_sizes[rank], b.num_cols)
-                )
-    return out, [*got1, *got2]
+            xs.append(_chained(pieces, got1))
+            send.append(send_g)
+            recv.append(recv_g)
+        got = exchange_vectors(xs, self.wires, send, recv, None, stats=self.stats)
+        out: dict[tuple[str, int], list[torch.Tensor]] = {}
+        for g, wire in enumerate(self.wires):
+            for p, chunk in enumerate(got[g].split(recv[g])):
+                bs = [b for b in self.blocks[p // gpn] if b.wire is wire and b.relays[rank] == p]
+                for b, v in zip(bs, chunk.split([b_me * b.num_cols for b in bs])):
+                    out.setdefault((b.table, b.col_start), []).append(v.view(b_me, b.num_cols))
+        return out, got

@@ -1,1 +1,28 @@
-"""Training: the trainer, its checkpoints and evaluation metrics."""
+"""embark.training: one :class:`Trainer` for single-process and sharded training (the
+gradient synchronisation injected, :class:`GradientSync`), its run state
+(:class:`TrainState`), callbacks (:class:`Callback`, a protocol), versioned checkpoints
+(:mod:`embark.training.checkpoint`) and evaluation metrics (:func:`auc`, :func:`log_loss`)."""
+
+from embark.training.callbacks import Callback, TrainerView
+from embark.training.checkpoint import CHECKPOINT_FORMAT_VERSION, read_state
+from embark.training.config import OptimizerKind, TrainConfig
+from embark.training.metrics import auc, log_loss
+from embark.training.state import TrainState
+from embark.training.sync import GradientSync, LocalSync
+from embark.training.trainer import EvalData, Trainer
+
+__all__ = [
+    "CHECKPOINT_FORMAT_VERSION",
+    "Callback",
+    "EvalData",
+    "GradientSync",
+    "LocalSync",
+    "OptimizerKind",
+    "TrainConfig",
+    "TrainState",
+    "Trainer",
+    "TrainerView",
+    "auc",
+    "log_loss",
+    "read_state",
+]

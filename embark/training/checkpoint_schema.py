@@ -19,10 +19,9 @@ field, before any weight, optimizer slot or generator is touched. The fields (as
      "files": {"model.safetensors": {"bytes": 515428, "sha256": "<64 hex>"},
                "optimizer.safetensors": {...}}}
 
-Fields not listed are ignored (a later writer may add information). ``batch_size`` (samples
-per step of the data stream) and ``data_stream`` (what else fixes its batches, e.g.
-``SyntheticCTR.stream_config()``) were added without a new ``format_version``: checkpoints
-written before them lack them and still load (the trainer's fields are then ``None``, unknown).
+Fields not listed are ignored (a writer of the same version may add information).
+``batch_size`` is the samples per step of the data stream, ``data_stream`` what else fixes
+its batches (e.g. ``SyntheticCTR.stream_config()``).
 """
 
 from __future__ import annotations
@@ -82,14 +81,28 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
         raise ValueError(
             f"checkpoint file {str(sp)!r} has format_version {fv!r}, expected {version}"
         )
+    _check_run(state, sp)
+    _check_rng(_require(state, sp, "rng"), sp)
+    _check_optimizer(state, sp)
+    history = _require(state, sp, "history")
+    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
+        raise _fail(sp, "history", "a list of mappings", history)
+    _check_files(_require(state, sp, "files"), sp)
+    return state
+
+
+def _check_run(state: dict[str, Any], sp: Path) -> None:
+    """Step, data position, batch size, data stream, workload, config, informational strings."""
     for field in ("step", "data_position"):
         v = _require(state, sp, field)
         if not _is_int(v) or v < 0:
             raise _fail(sp, field, "an integer >= 0", v)
-    bs = state.get("batch_size")
+    bs = _require(state, sp, "batch_size")
+    if bs is None and state["step"] > 0:
+        raise _fail(sp, "batch_size", "an integer >= 1 after step 0", bs)
     if bs is not None and (not _is_int(bs) or bs < 1):
         raise _fail(sp, "batch_size", "an integer >= 1 or null", bs)
-    stream = state.get("data_stream")
+    stream = _require(state, sp, "data_stream")
     if stream is not None and not isinstance(stream, dict):
         raise _fail(sp, "data_stream", "a mapping or null", stream)
     workload = _require(state, sp, "workload")
@@ -101,7 +114,8 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
         if field in state and not isinstance(state[field], str):
             raise _fail(sp, field, "a string", state[field])
 
-    rng = _require(state, sp, "rng")
+
+def _check_rng(rng: Any, sp: Path) -> None:
     gen = rng.get("trainer_generator") if isinstance(rng, dict) else None
     if not isinstance(gen, str) or not gen or not _HEX.fullmatch(gen):
         raise _fail(
@@ -116,6 +130,8 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
             sp, "rng.trainer_generator", "a torch.Generator state", f"{len(gen) // 2} bytes"
         ) from err
 
+
+def _check_optimizer(state: dict[str, Any], sp: Path) -> None:
     scalars = _require(state, sp, "optimizer_scalars")
     if not isinstance(scalars, dict):
         raise _fail(sp, "optimizer_scalars", "a mapping", scalars)
@@ -123,7 +139,6 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
         _check_param_key(key, sp, "optimizer_scalars")
         if v is not None and not isinstance(v, bool | int | float):
             raise _fail(sp, f"optimizer_scalars[{key!r}]", "a number, a bool or null", v)
-
     groups = _require(state, sp, "param_groups")
     if not isinstance(groups, list) or not groups:
         raise _fail(sp, "param_groups", "a non-empty list", groups)
@@ -132,11 +147,8 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
         if not isinstance(params, list) or not all(isinstance(p, str) for p in params):
             raise _fail(sp, f"param_groups[{i}]", "a mapping with 'params': a list of names", g)
 
-    history = _require(state, sp, "history")
-    if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
-        raise _fail(sp, "history", "a list of mappings", history)
 
-    files = _require(state, sp, "files")
+def _check_files(files: Any, sp: Path) -> None:
     if not isinstance(files, dict) or sorted(files) != sorted(TENSOR_FILES):
         got = sorted(files) if isinstance(files, dict) else files
         raise _fail(sp, "files", f"a record of exactly {list(TENSOR_FILES)}", got)
@@ -147,4 +159,3 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
             raise _fail(
                 sp, f"files[{name!r}].sha256", "64 lowercase hex digits", info.get("sha256")
             )
-    return state

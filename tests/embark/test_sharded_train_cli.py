@@ -16,7 +16,7 @@ import pytest
 from embark.sharded_train import main
 from embark.types import ShardingPlan
 from tests.embark.gloo_world import ROOT, free_port, launch_ranks
-from tests.embark.test_sharded_train import tiny_plan
+from tests.embark.sharding.plans import tiny_plan
 
 
 def test_torchrun_two_ranks_with_a_plan_file(tmp_path: Path) -> None:

@@ -16,7 +16,8 @@ from safetensors.torch import load_file
 
 from embark.sharded_train import main
 from tests.embark.gloo_world import launch_ranks
-from tests.embark.test_sharded_train import tiny_plan
+from tests.embark.sharding.plans import tiny_plan
+from tests.tolerances import tol
 
 COMMON = ["--workload", "tiny", "--batch-size", "64", "--eval-batches", "1", "--log-every", "100"]
 
@@ -67,7 +68,7 @@ def test_resume_on_another_world_size_equals_an_uninterrupted_run(runs: Path) ->
         resumed, whole = load_file(runs / "c6r" / f), load_file(runs / "c6" / f)
         assert resumed.keys() == whole.keys()
         for k in whole:
-            torch.testing.assert_close(resumed[k], whole[k], rtol=0, atol=1e-5, msg=k)
+            torch.testing.assert_close(resumed[k], whole[k], **tol("sharded_train"), msg=k)
     four, six = (load_file(runs / c / "model.safetensors") for c in ("c4", "c6"))
     assert any(not torch.equal(four[k], six[k]) for k in six)  # the last 2 steps did train
 
@@ -108,9 +109,8 @@ def test_resume_errors_in_process(runs: Path, caplog: pytest.LogCaptureFixture) 
 def test_resume_keeps_the_checkpoints_batch_size(
     runs: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """Without --batch-size a resume takes the checkpoint's; a checkpoint from before batch
-    sizes and streams were recorded resumes with --batch-size (default 512) and the stream
-    flags, warning that they must match, and its next checkpoint records them."""
+    """Without --batch-size a resume takes the checkpoint's; a checkpoint that records no
+    batch size or no data stream (not of this format) is refused, naming the field."""
     out = tmp_path / "r.json"
     assert (
         main(
@@ -122,24 +122,17 @@ def test_resume_keeps_the_checkpoints_batch_size(
         json.loads(out.read_text())["batch_size"] == 64
         and "4 steps × 64]" in capsys.readouterr().out
     )
-    old = tmp_path / "old"
-    shutil.copytree(runs / "c4", old)
-    state = json.loads((old / "state.json").read_text())
-    stream = state.pop("data_stream")
-    assert stream["ragged"] is False and stream["label_sharpness"] == 2.0
-    del state["batch_size"]
-    (old / "state.json").write_text(json.dumps(state))
-    caplog.clear()
-    argv = ["--steps", "4", "--eval-batches", "1", "--resume", str(old), "--out", str(out)]
-    assert main([*argv, "--batch-size", "64", "--checkpoint-dir", str(tmp_path / "again")]) == 0
-    assert json.loads(out.read_text())["batch_size"] == 64
-    assert "records no batch size" in caplog.text and "--batch-size 64" in caplog.text
-    assert "records no data stream" in caplog.text
-    again = json.loads((tmp_path / "again" / "state.json").read_text())
-    assert again["batch_size"] == 64 and again["data_stream"] == stream
-    caplog.clear()
-    assert main(argv) == 0  # no --batch-size: the default, named in the warning
-    assert json.loads(out.read_text())["batch_size"] == 512 and "--batch-size 512" in caplog.text
+    for field in ("batch_size", "data_stream"):
+        old = tmp_path / f"without_{field}"
+        shutil.copytree(runs / "c4", old)
+        state = json.loads((old / "state.json").read_text())
+        del state[field]
+        (old / "state.json").write_text(json.dumps(state))
+        caplog.clear()
+        argv = ["--steps", "4", "--eval-batches", "1", "--resume", str(old), "--batch-size", "64"]
+        assert main(argv) == 2
+        assert f"--resume {str(old)!r}" in caplog.text, caplog.text
+        assert f"missing field {field!r}" in caplog.text, caplog.text
 
 
 def test_a_train_dlrm_checkpoint_resumes_on_its_own_data_stream(tmp_path: Path) -> None:
@@ -183,4 +176,4 @@ def test_a_train_dlrm_checkpoint_resumes_on_its_own_data_stream(tmp_path: Path) 
     whole = load_file(tmp_path / "six" / "checkpoint" / "model.safetensors")
     assert resumed.keys() == whole.keys()
     for k in whole:
-        torch.testing.assert_close(resumed[k], whole[k], rtol=0, atol=1e-5, msg=k)
+        torch.testing.assert_close(resumed[k], whole[k], **tol("sharded_train"), msg=k)

@@ -177,12 +177,10 @@ def test_convert_checkpoint_errors(tmp_path: Path) -> None:
 
 
 def test_convert_real_trainer_checkpoint(tmp_path: Path) -> None:
-    import embark.training.trainer as train
-    from embark.models.dlrm import build_model
-    from embark.models.workloads import get_workload
+    from embark import TrainConfig, Trainer, build_model, get_workload
 
     wl = get_workload("tiny")
-    trainer = train.Trainer(build_model(wl, seed=0), train.TrainConfig())
+    trainer = Trainer(build_model(wl, seed=0), TrainConfig())
     trainer.save_checkpoint(tmp_path / "ckpt")
     out = convert_checkpoint(tmp_path / "ckpt", tmp_path / "sparse")
     for t in wl.tables:

@@ -376,15 +376,12 @@ def test_trainer_callback_republishes_after_a_failed_publish(tmp_path: Path) -> 
 
 
 def test_real_trainer_callback(tmp_path: Path) -> None:
-    import embark.training.trainer as train
-    from embark import data
-    from embark.models.dlrm import build_model
-    from embark.models.workloads import get_workload
+    from embark import SyntheticCTR, TrainConfig, Trainer, build_model, get_workload
 
     wl = get_workload("tiny")
     cb = PublishUpdatesCallback(FileLogPublisher(tmp_path / "u.log"))
-    trainer = train.Trainer(build_model(wl, seed=0), train.TrainConfig(), callbacks=[cb])
-    trainer.fit(data.SyntheticCTR(wl, batch_size=16, seed=0).batches(2), steps=2, progress=False)
+    trainer = Trainer(build_model(wl, seed=0), TrainConfig(), callbacks=[cb])
+    trainer.fit(SyntheticCTR(wl, batch_size=16, seed=0).batches(2), steps=2, progress=False)
     recs = FileLogSource(tmp_path / "u.log").read(None)
     assert len(recs) == 2
     last = {}

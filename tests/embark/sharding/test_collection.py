@@ -3,7 +3,7 @@
 Spawning torch processes costs seconds on a small machine, so each world size is spawned
 once (a module-scoped fixture): every worker runs every case, writes its findings to a JSON
 file, and the tests below only read them. Run a worker by hand with
-``python tests/embark/test_sharding.py --worker RANK WORLD INIT_FILE OUT_DIR``.
+``python tests/embark/sharding/test_collection.py --worker RANK WORLD INIT_FILE OUT_DIR``.
 
 Numerics are exact by construction for fp32: integer-valued weights, bags of at most 4 ids
 (``mean`` tables: 0, 1, 2 or 4, since EmbeddingBag's mean backward multiplies by ``1/len``)
@@ -19,15 +19,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from tests.embark.gloo_world import reference_step, spawn_world, worker_main
+from tests.tolerances import tol
 
 WORLDS = (2, 4)
 GPN = 2
 MAX_BAG = 4
 NUM_BATCHES = 3  # per case, through one collection
 # 16-bit payloads, non-integer weights: max |got - want| / max(1, max |want|) allowed
-TOL = {"fp16": 5e-3, "bf16": 3e-2}
+TOL = {"fp16": tol("wire", torch.float16)["atol"], "bf16": tol("wire", torch.bfloat16)["atol"]}
 GRAD_WIRE = {"fp16": "bf16"}  # embark.sharding.comm.grad_wire
 
 
@@ -435,4 +437,4 @@ def test_errors_are_raised_on_every_rank(reports: Any) -> None:
 
 
 if __name__ == "__main__":
-    worker_main(worker, "test_sharding.py")
+    worker_main(worker, "test_collection.py")

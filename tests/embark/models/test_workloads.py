@@ -11,7 +11,7 @@ import pytest
 
 from embark.models.workloads import PRESETS, Interaction, Workload, get_workload
 
-SHIPPED = Path(__file__).resolve().parents[2] / "embark" / "models" / "presets"
+SHIPPED = Path(__file__).resolve().parents[3] / "embark" / "models" / "presets"
 
 
 @pytest.mark.parametrize("name", PRESETS)

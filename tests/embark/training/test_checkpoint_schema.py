@@ -49,6 +49,8 @@ def _files(mutate: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]
 CASES = [
     (lambda s: [s], "must hold a JSON object, got list"),
     (_with(format_version="1"), "has format_version '1', expected 1"),
+    (_with(format_version=2), "has format_version 2, expected 1"),
+    (_without("format_version"), "missing field 'format_version'"),
     (_without("files"), "missing field 'files'"),
     (_without("rng"), "missing field 'rng'"),
     (_without("step"), "missing field 'step'"),
@@ -58,6 +60,9 @@ CASES = [
     (_with(step=-1), "step must be an integer >= 0, got -1"),
     (_with(step=True), "step must be an integer >= 0, got True"),
     (_with(data_position="3"), "data_position must be an integer >= 0, got '3'"),
+    (_without("batch_size"), "missing field 'batch_size'"),
+    (_without("data_stream"), "missing field 'data_stream'"),
+    (_with(batch_size=None), "batch_size must be an integer >= 1 after step 0, got None"),
     (_with(batch_size=0), "batch_size must be an integer >= 1 or null, got 0"),
     (_with(batch_size="32"), "batch_size must be an integer >= 1 or null, got '32'"),
     (_with(data_stream=[1]), r"data_stream must be a mapping or null, got \[1\]"),
@@ -196,20 +201,3 @@ def test_a_batch_larger_than_the_stream_s_is_refused(checkpoint):
         SyntheticCTR(data.workload, batch_size=20, seed=2).batch(3)
     )  # a shorter last batch
     assert t.step == 4 and t.batch_size == 32
-
-
-def test_checkpoint_from_before_batch_size_was_recorded_loads(checkpoint, tmp_path):
-    """``batch_size`` came without a new format_version: an older state.json has no such
-    field; it loads with the batch size unknown, and the next step records it."""
-    src, state, data = checkpoint
-    ck = tmp_path / "old"
-    ck.mkdir()
-    for f in src.iterdir():
-        (ck / f.name).write_bytes(f.read_bytes())
-    (ck / "state.json").write_text(
-        json.dumps(_without("data_stream")(_without("batch_size")(state)))
-    )
-    t = Trainer.load_checkpoint(ck)
-    assert t.step == 3 and t.batch_size is None and t.data_stream is None
-    t.fit(data.batches(1, start=3), 1, progress=False)
-    assert t.batch_size == 32

@@ -1,10 +1,11 @@
 """Sharded data-parallel training equals single-process training on the global batch.
 
-Each world size (2 and 4) is spawned once (a module-scoped fixture, as in test_sharding.py):
+Each world size (2 and 4) is spawned once (a module-scoped fixture, as in test_collection.py):
 every worker trains each case for ``STEPS`` steps on its slice of the same global batches and
 writes its gathered model (``full_state_dict``) and losses; the tests compare them with the
-real single-process :class:`~embark.training.trainer.Trainer` on the whole global batches. Run a worker
-by hand with ``python tests/embark/test_sharded_train.py --worker RANK WORLD INIT_FILE OUT_DIR``.
+one :class:`~embark.training.trainer.Trainer` of a single-process model on the whole global
+batches. Run a worker by hand with
+``python tests/embark/sharding/test_sharded_training.py --worker RANK WORLD INIT_FILE OUT_DIR``.
 
 Checkpoints: ranks 0-1 (world 4: a 2-rank subgroup) train RESUME_AT steps on the world-2
 plan and save; every rank resumes on its own world's plan (world 4: resharded), and the
@@ -12,7 +13,8 @@ single-process Trainer resumes the same files; all end equal to the uninterrupte
 
 The global batch (30) does not divide by 4, so world 4 also checks uneven local batches.
 Float sums are reordered (all-to-all partial sums, all-reduce), so values agree within
-``ATOL``, not bit for bit; dense parts and DP replicas must be bit-identical across ranks.
+``tol("sharded_train")``, not bit for bit; dense parts and DP replicas must be bit-identical
+across ranks.
 """
 
 from __future__ import annotations
@@ -24,15 +26,16 @@ from typing import Any
 import pytest
 
 from tests.embark.gloo_world import spawn_world, worker_main
+from tests.embark.sharding.plans import GPN, tiny_plan
+from tests.tolerances import tol
 
 WORLDS = (2, 4)
-GPN = 2
 STEPS = 5
 GLOBAL_BATCH = 30
 RESUME_AT = 3  # checkpoint after this many steps
 MODEL_SEED, DATA_SEED = 3, 7
-ATOL = 1e-5  # fp32, 5 steps: observed max |diff| is 5e-8 (worlds 2 and 4)
-WIRE_ATOL = 1e-2  # 16-bit wires, 5 steps: observed max |diff| 3.8e-3 (fp16, world 4), 7.7e-4 bf16
+ATOL = tol("sharded_train")  # fp32, 5 steps
+WIRE_ATOL = tol("sharded_train_16bit_wire")  # 16-bit wires, 5 steps
 # Adagrad's step lr·g/sqrt(Σg²) is scale-free: an element whose first gradients are tiny and
 # come from cancelling sums (g ~ 1e-7 ± 1e-10 of reordering) moves by lr·(relative error of g),
 # up to ~7e-5 here with initial_accumulator_value 0 — on 1 element in ~5000, while SGD agrees to
@@ -58,76 +61,16 @@ WIRE_CASES: dict[str, tuple[str, str]] = {
 }
 
 
-def _cuts(n: int, parts: int) -> list[int]:
-    """Uneven row boundaries ``0 = b0 < ... < b_parts = n`` (quadratic spacing)."""
-    return [n * i * i // (parts * parts) for i in range(parts + 1)]
-
-
-def _rows(name: str, n: int, dim: int, ranks: list[int]) -> list[dict[str, int]]:
-    b = _cuts(n, len(ranks))
-    return [
-        {"rank": r, "row_start": b[i], "row_end": b[i + 1], "col_start": 0, "col_end": dim}
-        for i, r in enumerate(ranks)
-    ]
-
-
-def tiny_plan(world: int) -> dict[str, Any]:
-    """The tiny workload's 8 tables as TW, RW, CW, TRW and DP, REDUCTION and UNIQUE."""
-    from embark.models.workloads import get_workload
-
-    tables = {t.name: t for t in get_workload("tiny").tables}
-    every = list(range(world))
-    last = world - 1
-    spec = {  # name: (sharding_type, cluster, shards)
-        "t0": ("row_wise", "reduction", _rows("t0", 1000, 16, every)),
-        "t1": ("table_wise", "unique", _rows("t1", 500, 16, [1])),
-        "t2": (
-            "column_wise",
-            "reduction",
-            [
-                {"rank": r, "row_start": 0, "row_end": 200, "col_start": c0, "col_end": c1}
-                for r, (c0, c1) in zip(every[::-1], zip(_cuts(16, world), _cuts(16, world)[1:]))
-            ],
-        ),
-        "t3": ("data_parallel", "data_parallel", None),
-        "t4": ("table_wise", "reduction", _rows("t4", 100, 16, [last])),
-        "t5": ("data_parallel", "data_parallel", None),
-        "t6": ("row_wise", "unique", _rows("t6", 800, 16, every[::-1])),
-        "t7": ("table_row_wise", "reduction", _rows("t7", 300, 16, [last - 1, last])),
-    }
-    entries = []
-    for name, (stype, cluster, shards) in spec.items():
-        t = tables[name]
-        if shards is None:
-            shards = [
-                {"rank": r, "row_start": 0, "row_end": t.num_rows, "col_start": 0, "col_end": t.dim}
-                for r in every
-            ]
-        entries.append(
-            {
-                "name": name,
-                "num_rows": t.num_rows,
-                "dim": t.dim,
-                "sharding_type": stype,
-                "cluster": cluster,
-                "shards": shards,
-            }
-        )
-    return {"world_size": world, "gpus_per_node": GPN, "tables": entries}
-
-
 # ------------------------------------------------------------------------------ worker
 def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
     import torch
     import torch.distributed as dist
     from safetensors.torch import save_file
 
+    from embark import ShardedDLRM, ShardingPlan, TrainConfig, Trainer, local_batch
     from embark.data import SyntheticCTR
     from embark.models.dlrm import build_model
     from embark.models.workloads import get_workload
-    from embark.sharded_train import ShardedDLRM, ShardedTrainer, local_batch
-    from embark.training.trainer import TrainConfig
-    from embark.types import ShardingPlan
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=world)
@@ -139,7 +82,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         report: dict[str, Any] = {}
         for case, cfg in CASES.items():
             model = ShardedDLRM(build_model(workload, seed=MODEL_SEED), plan, rank)
-            trainer = ShardedTrainer(model, TrainConfig(**cfg))
+            trainer = Trainer(model, TrainConfig(**cfg))
             losses = [trainer.train_step(local_batch(b, rank, world)) for b in batches]
             state = model.full_state_dict(dst=None)
             save_file(state, str(Path(out_dir, f"{case}-rank{rank}.safetensors")))
@@ -155,7 +98,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
                 rank,
                 comm_dtype=None if wire == "mixed" else wire,
             )
-            trainer = ShardedTrainer(model, TrainConfig(**CASES[cfg_name]))
+            trainer = Trainer(model, TrainConfig(**CASES[cfg_name]))
             losses = [trainer.train_step(local_batch(b, rank, world)) for b in batches]
             save_file(
                 model.full_state_dict(dst=None),
@@ -176,12 +119,17 @@ def _resume(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str
     import torch.distributed as dist
     from safetensors.torch import save_file
 
+    from embark import (
+        ShardedDLRM,
+        ShardingPlan,
+        TrainConfig,
+        Trainer,
+        load_sharded_checkpoint,
+        local_batch,
+        save_sharded_checkpoint,
+    )
     from embark.models.dlrm import build_model
     from embark.models.workloads import get_workload
-    from embark.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-    from embark.sharded_train import ShardedDLRM, ShardedTrainer, local_batch
-    from embark.training.trainer import TrainConfig
-    from embark.types import ShardingPlan
 
     group = None if world == 2 else dist.new_group([0, 1])  # every rank creates the group
     ckpt = Path(out_dir, "ckpt")
@@ -192,7 +140,7 @@ def _resume(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str
             rank,
             group,
         )
-        first = ShardedTrainer(model, TrainConfig(**CASES["adagrad"]))
+        first = Trainer(model, TrainConfig(**CASES["adagrad"]))
         for b in batches[:RESUME_AT]:
             first.train_step(local_batch(b, rank, 2))
         save_sharded_checkpoint(first, ckpt)
@@ -215,12 +163,17 @@ def _groups_on_a_rank_without_tables(
     resume a single-process checkpoint; the learning rate of each group, by name."""
     import torch.distributed as dist
 
+    from embark import (
+        ShardedDLRM,
+        ShardingPlan,
+        TrainConfig,
+        Trainer,
+        load_sharded_checkpoint,
+        local_batch,
+        save_sharded_checkpoint,
+    )
     from embark.models.dlrm import build_model
     from embark.models.workloads import get_workload
-    from embark.sharded_checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-    from embark.sharded_train import ShardedDLRM, ShardedTrainer, local_batch
-    from embark.training.trainer import TrainConfig, Trainer
-    from embark.types import ShardingPlan
 
     workload = get_workload("tiny")
     plan = ShardingPlan.from_dict(
@@ -249,7 +202,7 @@ def _groups_on_a_rank_without_tables(
         }
     )
     cfg = TrainConfig(optimizer="adagrad", lr=0.02, embedding_lr=0.1)
-    trainer = ShardedTrainer(ShardedDLRM(build_model(workload, seed=MODEL_SEED), plan, rank), cfg)
+    trainer = Trainer(ShardedDLRM(build_model(workload, seed=MODEL_SEED), plan, rank), cfg)
     for b in batches[:2]:
         trainer.train_step(local_batch(b, rank, world))
     ckpt = Path(out_dir, "ckpt_no_tables")
@@ -319,12 +272,10 @@ def test_equals_single_process_trainer(runs: Any, reference: Any, case: str) -> 
         got = load_file(str(d / f"{case}-rank{r}.safetensors"))
         assert got.keys() == want.keys()
         for k in want:
-            torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=0, msg=f"rank {r} {k}")
+            torch.testing.assert_close(got[k], want[k], **ATOL, msg=f"rank {r} {k}")
         rep = json.loads((d / f"rank{r}.json").read_text())[case]
         assert rep["step"] == STEPS
-        torch.testing.assert_close(
-            torch.tensor(rep["losses"]), torch.tensor(want_losses), atol=ATOL, rtol=0
-        )
+        torch.testing.assert_close(torch.tensor(rep["losses"]), torch.tensor(want_losses), **ATOL)
     # training moved the weights (the comparison is not trivially of initial weights)
     from embark.models.dlrm import build_model
     from embark.models.workloads import get_workload
@@ -348,14 +299,15 @@ def test_16bit_wires_train_like_fp32(runs: Any, reference: Any, case: str) -> No
         got = load_file(str(d / f"{case}-rank{r}.safetensors"))
         assert got.keys() == want.keys()
         for k in want:
-            torch.testing.assert_close(got[k], want[k], atol=WIRE_ATOL, rtol=0, msg=f"rank {r} {k}")
+            torch.testing.assert_close(got[k], want[k], **WIRE_ATOL, msg=f"rank {r} {k}")
             worst = max(worst, float((got[k] - want[k]).abs().max()))
         rep = json.loads((d / f"rank{r}.json").read_text())[case]
         assert rep["step"] == STEPS
         torch.testing.assert_close(
-            torch.tensor(rep["losses"]), torch.tensor(want_losses), atol=WIRE_ATOL, rtol=0
+            torch.tensor(rep["losses"]), torch.tensor(want_losses), **WIRE_ATOL
         )
-    assert worst > ATOL, f"{case}: no weight moved by more than {ATOL}: was the 16-bit wire used?"
+    least = ATOL["atol"]
+    assert worst > least, f"{case}: no weight moved by more than {least}: was the 16-bit wire used?"
 
 
 @pytest.mark.parametrize("case", [*CASES, *WIRE_CASES])
@@ -395,11 +347,11 @@ def test_checkpoint_from_world_2_resumes_resharded(runs: Any, reference: Any) ->
         rep = json.loads((d / f"rank{r}.json").read_text())["resume"]
         assert (rep["start"], rep["step"]) == (RESUME_AT, STEPS)
         torch.testing.assert_close(
-            torch.tensor(rep["losses"]), torch.tensor(want_losses[RESUME_AT:]), atol=ATOL, rtol=0
+            torch.tensor(rep["losses"]), torch.tensor(want_losses[RESUME_AT:]), **ATOL
         )
         got = load_file(str(d / f"resume-rank{r}.safetensors"))
         for k in want:
-            torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=0, msg=f"rank {r} {k}")
+            torch.testing.assert_close(got[k], want[k], **ATOL, msg=f"rank {r} {k}")
 
 
 def test_checkpoint_from_world_2_resumes_in_one_process(runs: Any, reference: Any) -> None:
@@ -419,18 +371,17 @@ def test_checkpoint_from_world_2_resumes_in_one_process(runs: Any, reference: An
     t.fit(data.batches(STEPS - RESUME_AT, start=RESUME_AT), STEPS - RESUME_AT, progress=False)
     got = t.model.state_dict()
     for k in want:
-        torch.testing.assert_close(got[k], want[k], atol=ATOL, rtol=0, msg=k)
+        torch.testing.assert_close(got[k], want[k], **ATOL, msg=k)
     mine = dict(t.model.named_parameters())
     for n, p in ref.model.named_parameters():
         torch.testing.assert_close(
             t.optimizer.state[mine[n]]["sum"],
             ref.optimizer.state[p]["sum"],
-            atol=ATOL,
-            rtol=0,
+            **ATOL,
             msg=n,
         )
         assert float(t.optimizer.state[mine[n]]["step"]) == STEPS
 
 
 if __name__ == "__main__":
-    worker_main(worker, "test_sharded_train.py")
+    worker_main(worker, "test_sharded_training.py")

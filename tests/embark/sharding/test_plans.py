@@ -9,7 +9,7 @@ every shard's gradient the slice of the single-process gradient of the global lo
 
 The plans are made once in the pytest process and written to JSON; one 4-rank world is
 spawned for all of them (spawning costs seconds). A worker by hand:
-``python tests/embark/test_sharding_plans.py --worker RANK WORLD INIT_FILE OUT_DIR``
+``python tests/embark/sharding/test_plans.py --worker RANK WORLD INIT_FILE OUT_DIR``
 (``OUT_DIR/plans.json`` must exist).
 
 Numerics are exact by construction: integer-valued weights, bags of at most 4 ids, upstream
@@ -26,7 +26,7 @@ from typing import Any
 import pytest
 
 from embark.models.workloads import get_workload
-from embark.planner import PlannerError, plan_sharding
+from embark.planner import PlanError, plan_sharding
 from embark.planner.baselines import BASELINES
 from embark.planner.types import CostConstants
 from embark.topology import get_topology
@@ -93,8 +93,8 @@ def make_plans() -> dict[str, dict[str, Any]]:
         assert spec.topology.world_size == WORLD and spec.topology.gpus_per_node == GPN
         try:
             plan = plan_sharding(w, spec.topology, spec.batch_size, spec.strategy)
-        except PlannerError as e:
-            out[name] = {"error": f"PlannerError: {e}"}
+        except PlanError as e:
+            out[name] = {"error": f"PlanError: {e}"}
             continue
         out[name] = {"plan": plan.to_dict()}
     return out
@@ -358,4 +358,4 @@ def test_specs_cover_the_layouts_they_were_picked_for(world_reports: Any) -> Non
 
 
 if __name__ == "__main__":
-    worker_main(worker, "test_sharding_plans.py")
+    worker_main(worker, "test_plans.py")

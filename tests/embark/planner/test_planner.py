@@ -15,9 +15,9 @@ from embark.planner.greedy import GreedyPlanner, Split
 from embark.planner.layout import grid_of
 from embark.planner.planner import plan_sharding
 from embark.planner.simulator import simulate
-from embark.planner.types import PlannerError, TableConstraints
+from embark.planner.types import TableConstraints
 from embark.topology import get_topology
-from embark.types import Cluster, ShardingPlan, ShardingType, Topology
+from embark.types import Cluster, PlanError, ShardingPlan, ShardingType, Topology
 
 
 def assert_covers_once(plan: ShardingPlan, workload: Workload) -> None:
@@ -95,7 +95,7 @@ def test_every_plan_covers_rows_and_fits(workload_name, topo_name, nodes, scale)
     for name, fn in BASELINES.items():
         try:
             plans[name] = fn(model)
-        except PlannerError as e:
+        except PlanError as e:
             assert "does not fit" in str(e) and name in ("dp", "tw")
     assert {"auto", "trw", "rw"} <= set(plans)
     for name, plan in plans.items():
@@ -183,7 +183,7 @@ def test_constraints_are_honoured():
 def test_infeasible_inputs_raise_planner_error():
     w = get_workload("t200")
     with pytest.raises(
-        PlannerError, match=r"needs 415\.45 GB .* 4 GPUs hold 288\.00 GB \(short by 127\.45 GB\)"
+        PlanError, match=r"needs 415\.45 GB .* 4 GPUs hold 288\.00 GB \(short by 127\.45 GB\)"
     ):
         plan_sharding(w, replace(get_topology("dgx-h100"), gpus_per_node=4), 65536)
     big = get_workload(
@@ -191,7 +191,7 @@ def test_infeasible_inputs_raise_planner_error():
     )  # one 500M × 32 table: 64 GB, more than 80 GB × 0.9 minus replicas allows
     topo = replace(get_topology("dgx-h100", 1), hbm_capacity_bytes=60e9)
     with pytest.raises(
-        PlannerError,
+        PlanError,
         match=r"table 't176' \(64\.00 GB .* needs 64\.00 GB per shard .* \(short by 10\.24 GB\)",
     ):
         plan_sharding(
@@ -200,26 +200,26 @@ def test_infeasible_inputs_raise_planner_error():
             65536,
             constraints={"t176": TableConstraints(sharding_types=(ShardingType.TW,))},
         )
-    with pytest.raises(PlannerError, match="pinned rank 99"):
+    with pytest.raises(PlanError, match="pinned rank 99"):
         plan_sharding(
             get_workload("tiny"),
             get_topology("dgx-h100"),
             4096,
             constraints={"t0": TableConstraints(ranks=(99,))},
         )
-    with pytest.raises(PlannerError, match="'nope', which is not in the workload"):
+    with pytest.raises(PlanError, match="'nope', which is not in the workload"):
         plan_sharding(
             get_workload("tiny"),
             get_topology("dgx-h100"),
             4096,
             constraints={"nope": TableConstraints()},
         )
-    with pytest.raises(PlannerError, match="data_parallel plan does not fit: rank 0 needs"):
+    with pytest.raises(PlanError, match="data_parallel plan does not fit: rank 0 needs"):
         BASELINES["dp"](CostModel(w, get_topology("dgx-h100", 1), 65536))
 
 
 @pytest.mark.parametrize("rounds", [-5, 2.5, True, "3"])
 def test_greedy_rejects_bad_rounds(rounds):
     model = CostModel(get_workload("tiny"), get_topology("cpu-local"), 64)
-    with pytest.raises(PlannerError, match=f"rounds must be an integer >= 0, got {rounds!r}"):
+    with pytest.raises(PlanError, match=f"rounds must be an integer >= 0, got {rounds!r}"):
         GreedyPlanner(model, rounds=rounds)

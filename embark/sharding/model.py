@@ -1,0 +1,247 @@
+"""The sharded DLRM: embedding tables held by a
+:class:`~embark.sharding.collection.ShardedEmbeddingCollection` per a
+:class:`~embark.types.ShardingPlan`, the dense part replicated on every rank, and the
+:class:`ShardedSync` that lets the one :class:`~embark.training.trainer.Trainer` train it.
+
+N ranks, each training on its slice of a global batch of ``B`` samples
+(:func:`embark.data.batch.local_batch`), take the same steps as one process on the whole
+global batch (up to the order of float sums)::
+
+    rank r:  local batch (B_r samples, Σ_r B_r = B)
+       sparse ──ShardedEmbeddingCollection──▶ {table: (B_r, dim)}  (keys to owners, vectors back)
+       dense  ──dense part (replica)─────────▶ logits (B_r,)
+       loss_r = Σ_{local samples} BCE-with-logits / B             (B = GLOBAL batch size)
+       backward: shard gradients arrive through the (differentiable) exchanges
+       reduce_dp_gradients()          DP table replicas: SUM over ranks
+       dense gradients + loss_r       one SUM all-reduce
+       optimizer step                 same optimizer, same options as one process
+
+Gradient convention. Each rank's loss is its *share of the global loss*: ``Σ_r loss_r`` is
+the single-process mean loss over the global batch (``B`` is learnt in the collection's
+header exchange, no extra collective). Every parameter must then hold the gradient of
+``Σ_r loss_r``: shard gradients already do (each rank's loss sends its part back through the
+exchanges), DP replicas and the dense part get it by a SUM all-reduce. An AVERAGE all-reduce
+(DDP's default, which pairs with a per-rank *mean* loss) would make the dense and DP
+gradients ``world`` times smaller than the sharded tables'. Uneven local batches are exact
+under this convention; a per-rank mean would weigh their samples unequally.
+
+Optimizers. SGD (with momentum) and Adagrad are elementwise, so a shard stepped by itself
+equals the same slice of the full table stepped whole; the optimizer state of a shard (e.g.
+Adagrad's ``sum``) is the matching slice of the full table's state. The dense replicas get
+bit-identical gradients (the all-reduce gives every rank the same sum) and therefore stay
+bit-identical. Every embedding parameter gets a gradient on every step (zeros when its rank
+looked nothing up), as a single-process ``nn.EmbeddingBag`` always does, so optimizer state
+stays in lockstep over parameters.
+"""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+
+from embark.data.batch import Batch
+from embark.data.jagged import JaggedBatch
+from embark.models.dlrm import DLRM
+from embark.sharding.collection import ShardedEmbeddingCollection
+from embark.sharding.comm import distributed_world
+from embark.types import CommDtype, ShardingPlan
+
+
+def group_src(group: Any | None) -> int:
+    """Global rank of the group's rank 0 (``broadcast`` takes global ranks)."""
+    return 0 if group is None else dist.get_global_rank(group, 0)
+
+
+def is_distributed(group: Any | None) -> bool:
+    """Whether ``group`` (``None``: the default group) is a real process group."""
+    return distributed_world(group) is not None
+
+
+def gather_1d(x: torch.Tensor, group: Any | None) -> torch.Tensor:
+    """Concatenate every rank's ``(n_r,)`` tensor in rank order, on every rank (gloo's
+    all_gather needs equal sizes: pad to the largest, then cut)."""
+    if not is_distributed(group):
+        return x
+    world = dist.get_world_size(group)
+    n = torch.tensor([x.numel()])
+    sizes = [torch.zeros_like(n) for _ in range(world)]
+    dist.all_gather(sizes, n, group=group)
+    most = int(max(int(s) for s in sizes))
+    padded = torch.cat([x, x.new_zeros(most - x.numel())])
+    parts = [torch.empty_like(padded) for _ in range(world)]
+    dist.all_gather(parts, padded, group=group)
+    return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])
+
+
+class ShardedDLRM(nn.Module):
+    """A :class:`~embark.models.dlrm.DLRM` whose tables are sharded per ``plan`` and whose
+    dense part (projections, bottom MLP, interaction, top MLP) is a replica on every rank.
+
+    Args:
+        model: the single-process model to start from (every rank passes an equal one, e.g.
+            ``build_model(workload, seed)``); it is not modified: its dense part is copied and
+            each rank copies its shards of the tables (``load_full_weights``). The dense part
+            and the DP replicas are then broadcast from rank 0, so they start bit-identical
+            even if the ranks' models were not.
+        plan: the sharding plan of ``model.workload``'s tables for this group's world size.
+        rank: this process's rank in ``process_group``.
+        process_group: ``None``: the default group (a one-rank world without
+            ``torch.distributed``).
+        comm_dtype: wire dtype of every table, overriding the plan's.
+
+    Attributes:
+        embeddings: the :class:`ShardedEmbeddingCollection` (parameters
+            ``embeddings.weights.<table>``).
+        dense: the copied DLRM without its tables (``dense.embeddings`` is empty); only its
+            :meth:`~embark.models.dlrm.DLRM.dense_forward` is used.
+
+    Raises:
+        ValueError: from :class:`ShardedEmbeddingCollection` (world size, rank, tables).
+    """
+
+    def __init__(
+        self,
+        model: DLRM,
+        plan: ShardingPlan,
+        rank: int,
+        process_group: Any | None = None,
+        comm_dtype: CommDtype | str | None = None,
+    ) -> None:
+        super().__init__()
+        self.workload = model.workload
+        self.table_names = list(model.table_names)
+        self.process_group = process_group
+        self.embeddings = ShardedEmbeddingCollection(
+            model.workload.tables, plan, rank, process_group, comm_dtype=comm_dtype
+        )
+        self.embeddings.load_full_weights(
+            {n: model.embeddings[n].get_parameter("weight") for n in model.table_names}
+        )
+        tables = model.embeddings
+        model.embeddings = nn.ModuleDict()  # deep-copy the dense part only
+        try:
+            self.dense = copy.deepcopy(model)
+        finally:
+            model.embeddings = tables
+        self.rank, self.world_size = rank, plan.world_size
+        self._broadcast_replicas()
+
+    def replicated_parameters(self) -> list[nn.Parameter]:
+        """Parameters every rank holds whole: the dense part's, then the DP replicas."""
+        dp = [self.embeddings.weights[n] for n in self.embeddings.layout.dp_tables]
+        return [*self.dense.parameters(), *dp]
+
+    @torch.no_grad()
+    def _broadcast_replicas(self) -> None:
+        if not is_distributed(self.process_group):
+            return
+        params = self.replicated_parameters()
+        flat = torch.cat([p.detach().reshape(-1) for p in params])
+        dist.broadcast(flat, src=group_src(self.process_group), group=self.process_group)
+        for p, piece in zip(params, flat.split([p.numel() for p in params])):
+            p.copy_(piece.view_as(p))
+
+    def forward_with_batch_sizes(
+        self, dense: torch.Tensor, sparse: JaggedBatch
+    ) -> tuple[torch.Tensor, list[int]]:
+        """Like :meth:`forward`, also returning every rank's local batch size (learnt in the
+        collection's header exchange: no extra collective)."""
+        if dense.dim() != 2 or dense.shape[1] != self.workload.dense_features:
+            raise ValueError(
+                f"dense must be (B, {self.workload.dense_features}), got {tuple(dense.shape)}"
+            )
+        if sparse.batch_size != dense.shape[0]:
+            raise ValueError(
+                f"dense has batch {dense.shape[0]} but sparse has batch {sparse.batch_size}"
+            )
+        inp = self.embeddings.distribute_input(sparse)
+        pooled = self.embeddings.compute(inp)
+        logits = self.dense.dense_forward(dense, [pooled[n] for n in self.table_names])
+        return logits, list(inp.batch_sizes)
+
+    def forward(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
+        """``dense: (B_r, D) float32`` and ``sparse`` (``B_r`` samples) of this rank's local
+        batch → ``(B_r,) float32`` logits (a collective: every rank calls it, in step)."""
+        return self.forward_with_batch_sizes(dense, sparse)[0]
+
+    @torch.no_grad()
+    def reduce_dense_gradients(self, extra: torch.Tensor | None = None) -> torch.Tensor | None:
+        """SUM all-reduce of the dense part's gradients (a collective; after ``backward``).
+
+        Args:
+            extra: a small float32 tensor summed in the same all-reduce (e.g. the local loss).
+
+        Returns:
+            ``extra`` summed over the ranks (``None`` when not given).
+        """
+        params = list(self.dense.parameters())
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        pieces = [g.reshape(-1) for g in grads]
+        if extra is not None:
+            pieces.append(extra.detach().reshape(-1).float())
+        flat = torch.cat(pieces)
+        if is_distributed(self.process_group):
+            dist.all_reduce(flat, group=self.process_group)
+        sizes = [p.numel() for p in params] + ([extra.numel()] if extra is not None else [])
+        parts = flat.split(sizes)
+        for p, piece in zip(params, parts):
+            p.grad = piece.view_as(p).clone()
+        return parts[-1].view_as(extra) if extra is not None else None
+
+    def full_state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor]:
+        """The single-process :class:`~embark.models.dlrm.DLRM` ``state_dict`` (names as
+        there: ``embeddings.<table>.weight`` gathered whole, then the dense part), on ``dst``
+        (``None``: every rank); ``{}`` elsewhere. A collective."""
+        tables = self.embeddings.full_weights(dst=dst)
+        if not tables:
+            return {}
+        out = {f"embeddings.{n}.weight": w for n, w in tables.items()}
+        dense = {k: v.detach().clone() for k, v in self.dense.state_dict().items()}
+        return {**out, **dense}
+
+    def gradient_sync(self) -> ShardedSync:
+        """The :class:`~embark.training.sync.GradientSync` a Trainer of this model uses."""
+        return ShardedSync(self)
+
+
+class ShardedSync:
+    """The collective parts of a training step of a :class:`ShardedDLRM` (see the module
+    docstring for the gradient convention); a :class:`~embark.training.sync.GradientSync`."""
+
+    batch_scope = "a global batch"
+
+    def __init__(self, model: ShardedDLRM) -> None:
+        self.model = model
+
+    def loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
+        """This rank's share of the global loss, and the global batch size (equal on every
+        rank).
+
+        Raises:
+            ValueError: when the global batch is empty, or from the forward (on every rank).
+        """
+        logits, sizes = self.model.forward_with_batch_sizes(batch.dense, batch.sparse)
+        total = sum(sizes)
+        if total == 0:
+            raise ValueError("train_step: the global batch is empty on every rank")
+        loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / total
+        return loss, total
+
+    def reduce(self, loss: torch.Tensor) -> float:
+        """Give every table parameter a gradient, sum the DP replicas' and the dense part's
+        over the ranks (the latter with the loss, in one all-reduce); the global mean loss."""
+        for p in self.model.embeddings.parameters():
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        self.model.embeddings.reduce_dp_gradients()
+        global_loss = self.model.reduce_dense_gradients(extra=loss.detach().reshape(1))
+        assert global_loss is not None  # extra was given
+        return float(global_loss)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        return gather_1d(x, self.model.process_group)

@@ -1,0 +1,376 @@
+"""Trainer checkpoints: a folder of safetensors files and a versioned ``state.json``, written
+atomically and checked whole before anything is loaded.
+
+Folder layout (no pickle anywhere)::
+
+    <dir>/model.safetensors      model.state_dict(), names as in the model
+    <dir>/optimizer.safetensors  "<param name>::<state key>" -> tensor (e.g. "...weight::sum")
+    <dir>/state.json             {"format_version", "step", "data_position", "batch_size",
+                                  "data_stream", "workload", "train_config", "rng",
+                                  "param_groups", "history", "files"}
+
+``format_version`` is :data:`CHECKPOINT_FORMAT_VERSION`; a checkpoint of another version is
+refused (:mod:`embark.training.checkpoint_schema` lists every field). ``batch_size`` is the
+samples per step of the data stream that ``data_position`` counts batches of, and
+``data_stream`` what else fixes that stream's batches
+(:attr:`embark.training.state.TrainState.data_stream`), so a resume can check it is fed the
+same stream. ``files`` records each tensor file's size and sha256, so a truncated or altered
+file is a clear error on load. A save writes into a temporary sibling folder and renames it
+into place: an interrupted save never leaves a half-written checkpoint at ``<dir>``.
+
+Loading is three steps, so that nothing is touched until everything is checked:
+:func:`read_checkpoint` (files, schema, tensor names), :func:`check_fits` (the model's
+state-dict names, shapes and dtypes; the optimizer's groups and state shapes), then
+:func:`restore` (writes the model and the optimizer).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+from embark.models.workloads import Workload
+from embark.training.checkpoint_schema import TENSOR_FILES, check_state
+from embark.training.config import TrainConfig
+from embark.training.state import TrainState
+
+log = logging.getLogger(__name__)
+
+CHECKPOINT_FORMAT_VERSION = 1
+MODEL_FILE, OPTIMIZER_FILE = TENSOR_FILES
+STATE_FILE = "state.json"
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for chunk in iter(lambda: fh.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def is_replaceable(path: Path) -> bool:
+    """Whether a save may write at ``path``: it does not exist, is an empty folder or a
+    checkpoint folder (one holding ``state.json``)."""
+    return not path.exists() or (
+        path.is_dir() and (not any(path.iterdir()) or (path / STATE_FILE).is_file())
+    )
+
+
+# ------------------------------------------------------------------------------- save
+def _optimizer_files(
+    optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]
+) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[dict[str, Any]]]:
+    """``(tensor state, scalar state, param groups)`` of ``optimizer``, keyed by parameter name."""
+    tensors: dict[str, torch.Tensor] = {}
+    scalars: dict[str, Any] = {}
+    for p, st in optimizer.state.items():
+        for k, v in st.items():
+            key = f"{names[p]}::{k}"
+            if isinstance(v, torch.Tensor):
+                tensors[key] = v.detach().cpu().contiguous()
+            else:
+                scalars[key] = v
+    groups = [
+        {k: v for k, v in g.items() if k != "params"} | {"params": [names[p] for p in g["params"]]}
+        for g in optimizer.param_groups
+    ]
+    return tensors, scalars, groups
+
+
+def _state_document(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    state: TrainState,
+    scalars: dict[str, Any],
+    groups: list[dict[str, Any]],
+    folder: Path,
+) -> dict[str, Any]:
+    workload = getattr(model, "workload", None)
+    return {
+        "format_version": CHECKPOINT_FORMAT_VERSION,
+        "step": state.step,
+        "data_position": state.step,
+        "batch_size": state.batch_size,
+        "data_stream": state.data_stream,
+        "workload": workload.to_dict() if isinstance(workload, Workload) else None,
+        "train_config": cfg.to_dict(),
+        "rng": {"trainer_generator": state.generator.get_state().numpy().tobytes().hex()},
+        "optimizer": type(optimizer).__name__,
+        "optimizer_scalars": scalars,
+        "param_groups": groups,
+        "history": state.history,
+        "torch_version": torch.__version__,
+        "files": {
+            f: {"bytes": (folder / f).stat().st_size, "sha256": _sha256(folder / f)}
+            for f in TENSOR_FILES
+        },
+    }
+
+
+def save_checkpoint(
+    path: str | os.PathLike[str],
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    cfg: TrainConfig,
+    state: TrainState,
+) -> Path:
+    """Write a checkpoint folder at ``path`` (replacing a checkpoint there, atomically).
+
+    Args:
+        model: a single-process model (its ``workload`` attribute, when a
+            :class:`Workload`, is recorded so a load can rebuild it).
+        optimizer: over ``model``'s parameters.
+
+    Raises:
+        ValueError: when ``path`` exists and is not a checkpoint folder (nothing is touched).
+    """
+    path = Path(path)
+    if not is_replaceable(path):
+        raise ValueError(
+            f"refusing to overwrite {str(path)!r}: it exists and is not a checkpoint folder"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    try:
+        model_sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
+        save_file(model_sd, tmp / MODEL_FILE, metadata={"format": "pt"})
+        names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
+        tensors, scalars, groups = _optimizer_files(optimizer, names)
+        save_file(tensors, tmp / OPTIMIZER_FILE, metadata={"format": "pt"})
+        doc = _state_document(model, optimizer, cfg, state, scalars, groups, tmp)
+        with open(tmp / STATE_FILE, "w") as fh:
+            json.dump(doc, fh, indent=1)
+            fh.flush()
+            os.fsync(fh.fileno())
+        _fsync_dir(tmp)
+        if path.exists():
+            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            path.rename(old)
+            tmp.rename(path)
+            shutil.rmtree(old)
+        else:
+            tmp.rename(path)
+        _fsync_dir(path.parent)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    log.info("saved checkpoint at step %d to %s", state.step, path)
+    return path
+
+
+# ------------------------------------------------------------------------------- read
+def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+    """``state.json`` of a checkpoint, after checking its format version and schema (every
+    field's presence and type) and every tensor file's size and hash.
+
+    Raises:
+        ValueError: naming the file (and the field), for a missing, truncated or altered
+            checkpoint file, another ``format_version`` or a ``state.json`` that breaks the
+            schema.
+    """
+    path = Path(path)
+    sp = path / STATE_FILE
+    if not sp.is_file():
+        raise ValueError(f"{str(path)!r} is not a checkpoint folder: {STATE_FILE} is missing")
+    try:
+        state = json.loads(sp.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as err:
+        raise ValueError(f"checkpoint file {str(sp)!r} is corrupt or truncated: {err}") from err
+    check_state(state, sp, CHECKPOINT_FORMAT_VERSION)
+    for name, info in state["files"].items():
+        fp = path / name
+        if not fp.is_file():
+            raise ValueError(f"checkpoint file {str(fp)!r} is missing")
+        size = fp.stat().st_size
+        if size != info["bytes"]:
+            raise ValueError(
+                f"checkpoint file {str(fp)!r} is {size} bytes but {info['bytes']} were written "
+                f"(truncated or replaced)"
+            )
+        if _sha256(fp) != info["sha256"]:
+            raise ValueError(f"checkpoint file {str(fp)!r} does not match its recorded sha256")
+    return state
+
+
+def _load_tensors(fp: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(fp)
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"checkpoint file {str(fp)!r} cannot be read: {err}") from err
+
+
+@dataclass
+class Checkpoint:
+    """A checkpoint read and checked by :func:`read_checkpoint` (nothing loaded anywhere yet).
+
+    Attributes:
+        path: the folder.
+        state: its ``state.json``.
+        cfg: its training configuration.
+        model_tensors: ``model.safetensors``.
+        optimizer_tensors: ``optimizer.safetensors`` (keys ``"<param name>::<state key>"``).
+    """
+
+    path: Path
+    state: dict[str, Any]
+    cfg: TrainConfig
+    model_tensors: dict[str, torch.Tensor]
+    optimizer_tensors: dict[str, torch.Tensor]
+
+    @property
+    def state_file(self) -> Path:
+        return self.path / STATE_FILE
+
+    def workload(self) -> Workload:
+        """The stored workload (to rebuild the model).
+
+        Raises:
+            ValueError: naming the checkpoint, when it stores none or an invalid one.
+        """
+        if self.state["workload"] is None:
+            raise ValueError(f"checkpoint {str(self.path)!r} stores no workload: pass model=")
+        try:
+            return Workload.from_dict(self.state["workload"])
+        except ValueError as err:
+            raise ValueError(f"checkpoint file {str(self.state_file)!r}: workload: {err}") from None
+
+    def train_state(self) -> TrainState:
+        """Step, batch size, data stream, generator and history as saved."""
+        gen = torch.Generator()
+        raw = bytes.fromhex(self.state["rng"]["trainer_generator"])
+        gen.set_state(torch.frombuffer(bytearray(raw), dtype=torch.uint8))
+        return TrainState(
+            step=self.state["step"],
+            batch_size=self.state["batch_size"],
+            data_stream=self.state["data_stream"],
+            generator=gen,
+            history=list(self.state["history"]),
+        )
+
+
+def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
+    """Read a checkpoint folder and check it on its own (:func:`read_state`, readable tensor
+    files, optimizer tensor names, a valid ``train_config``).
+
+    Raises:
+        ValueError: naming the file (and the field) of the first problem.
+    """
+    path = Path(path)
+    state = read_state(path)
+    tensors = _load_tensors(path / MODEL_FILE)
+    opt_tensors = _load_tensors(path / OPTIMIZER_FILE)
+    for key in opt_tensors:
+        if key.count("::") != 1:
+            raise ValueError(
+                f"checkpoint file {str(path / OPTIMIZER_FILE)!r}: tensor {key!r} is not "
+                f"named '<param name>::<state key>'"
+            )
+    try:
+        cfg = TrainConfig.from_dict(state["train_config"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"checkpoint file {str(path / STATE_FILE)!r}: train_config: {err}"
+        ) from None
+    return Checkpoint(path, state, cfg, tensors, opt_tensors)
+
+
+# ------------------------------------------------------------------- check and restore
+def _check_model(ckpt: Checkpoint, model: nn.Module) -> None:
+    tensors = ckpt.model_tensors
+    own = model.state_dict()
+    missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {str(ckpt.path)!r} does not fit the model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    for k, v in own.items():
+        if v.shape != tensors[k].shape or v.dtype != tensors[k].dtype:
+            raise ValueError(
+                f"checkpoint tensor {k!r} is {tuple(tensors[k].shape)} {tensors[k].dtype}, "
+                f"the model has {tuple(v.shape)} {v.dtype}"
+            )
+
+
+def _check_optimizer(
+    ckpt: Checkpoint, optimizer: torch.optim.Optimizer, names: dict[str, nn.Parameter]
+) -> None:
+    path, sp = ckpt.path, ckpt.state_file
+    by_param = {p: n for n, p in names.items()}
+    saved_groups = ckpt.state["param_groups"]
+    if [g["params"] for g in saved_groups] != [
+        [by_param[p] for p in g["params"]] for g in optimizer.param_groups
+    ]:
+        raise ValueError(
+            f"checkpoint {str(path)!r}: optimizer parameter groups do not match the model"
+        )
+    for i, (g, saved) in enumerate(zip(optimizer.param_groups, saved_groups)):
+        extra = sorted(set(saved) - set(g))
+        if extra:
+            raise ValueError(
+                f"checkpoint file {str(sp)!r}: param_groups[{i}] has unknown option(s) "
+                f"{extra}; {type(optimizer).__name__} has {sorted(set(g) - {'params'})}"
+            )
+    keys = [*ckpt.optimizer_tensors, *ckpt.state["optimizer_scalars"]]
+    stray = sorted({k.split("::")[0] for k in keys} - set(names))
+    if stray:
+        raise ValueError(
+            f"checkpoint {str(path)!r}: optimizer state for unknown parameters {stray[:5]}"
+        )
+    for key, v in ckpt.optimizer_tensors.items():  # a scalar or the parameter's shape
+        p = names[key.split("::")[0]]
+        if v.dim() and (v.shape != p.shape or v.dtype != p.dtype):
+            raise ValueError(
+                f"checkpoint file {str(path / OPTIMIZER_FILE)!r}: optimizer state {key!r} is "
+                f"{tuple(v.shape)} {v.dtype}, its parameter is {tuple(p.shape)} {p.dtype}"
+            )
+
+
+def check_fits(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Check that ``ckpt`` loads into ``model`` and ``optimizer`` (built over ``model``'s
+    parameters, with the checkpoint's configuration) without touching either.
+
+    Raises:
+        ValueError: for state-dict names, shapes or dtypes that differ from the checkpoint's,
+            other optimizer parameter groups or options, or optimizer state of the wrong shape.
+    """
+    _check_model(ckpt, model)
+    _check_optimizer(ckpt, optimizer, dict(model.named_parameters()))
+
+
+def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
+    """Load ``ckpt``'s weights into ``model`` and its options and state into ``optimizer``
+    (after :func:`check_fits`)."""
+    names = dict(model.named_parameters())
+    model.load_state_dict(ckpt.model_tensors, strict=True)
+    for g, saved in zip(optimizer.param_groups, ckpt.state["param_groups"]):
+        g.update({k: v for k, v in saved.items() if k != "params"})
+    for key, v in ckpt.optimizer_tensors.items():
+        pname, skey = key.split("::")
+        optimizer.state[names[pname]][skey] = v.to(names[pname].device)
+    for key, sv in ckpt.state["optimizer_scalars"].items():
+        pname, skey = key.split("::")
+        optimizer.state[names[pname]][skey] = sv

@@ -1,0 +1,140 @@
+"""Training hyper-parameters (:class:`TrainConfig`) and the optimizer they build."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, fields
+from enum import StrEnum
+from typing import Any
+
+import torch
+from torch import nn
+
+
+class OptimizerKind(StrEnum):
+    """Optimizers the trainer builds (one for embeddings and dense part, two param groups)."""
+
+    ADAGRAD = "adagrad"
+    SGD = "sgd"
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    """Training hyper-parameters.
+
+    Args:
+        lr: learning rate of the dense part (and of the embeddings unless ``embedding_lr``).
+        embedding_lr: learning rate of the embedding tables; ``None`` = ``lr``.
+        optimizer: ``adagrad`` or ``sgd``.
+        momentum: SGD momentum (ignored by Adagrad).
+        adagrad_eps: Adagrad's denominator epsilon.
+        initial_accumulator_value: Adagrad's starting squared-gradient sum.
+        eval_every: evaluate every this many steps during :meth:`Trainer.fit` when eval
+            batches are given; 0 = never during fit.
+        checkpoint_every: save a checkpoint to ``checkpoint_dir`` every this many steps; 0 = never.
+        checkpoint_dir: folder for periodic checkpoints (replaced atomically each time).
+        seed: seed of the trainer's generator (for callbacks needing randomness).
+
+    Raises:
+        ValueError: naming the field, for out-of-range values.
+    """
+
+    lr: float = 0.05
+    embedding_lr: float | None = None
+    optimizer: OptimizerKind = OptimizerKind.ADAGRAD
+    momentum: float = 0.0
+    adagrad_eps: float = 1e-8
+    initial_accumulator_value: float = 0.0
+    eval_every: int = 0
+    checkpoint_every: int = 0
+    checkpoint_dir: str | None = None
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "optimizer", OptimizerKind(self.optimizer))
+        except ValueError:
+            raise ValueError(
+                f"TrainConfig.optimizer must be one of {[o.value for o in OptimizerKind]}, "
+                f"got {self.optimizer!r}"
+            ) from None
+        for name in ("lr", "adagrad_eps"):
+            v = getattr(self, name)
+            if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
+                raise ValueError(f"TrainConfig.{name} must be a finite number > 0, got {v!r}")
+        if self.embedding_lr is not None and not (
+            math.isfinite(self.embedding_lr) and self.embedding_lr > 0
+        ):
+            raise ValueError(
+                f"TrainConfig.embedding_lr must be > 0 or None, got {self.embedding_lr!r}"
+            )
+        for name in ("momentum", "initial_accumulator_value"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"TrainConfig.{name} must be >= 0, got {v!r}")
+        for name in ("eval_every", "checkpoint_every", "seed"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 0:
+                raise ValueError(f"TrainConfig.{name} must be an integer >= 0, got {v!r}")
+        if self.checkpoint_every and not self.checkpoint_dir:
+            raise ValueError("TrainConfig.checkpoint_every > 0 needs checkpoint_dir")
+
+    def to_dict(self) -> dict[str, Any]:
+        d = asdict(self)
+        d["optimizer"] = self.optimizer.value
+        return d
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        allowed = {f.name for f in fields(cls)}
+        unknown = set(d) - allowed
+        if unknown:
+            raise ValueError(
+                f"TrainConfig: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}"
+            )
+        return cls(**d)
+
+
+def build_optimizer(
+    cfg: TrainConfig, embedding_params: Sequence[nn.Parameter], dense_params: Sequence[nn.Parameter]
+) -> torch.optim.Optimizer:
+    """The trainer's optimizer for ``cfg``: param groups ``"embeddings"`` (``embedding_lr or
+    lr``) and ``"dense"`` (``lr``), empty ones left out (a rank of a sharded run may hold no
+    table).
+
+    Raises:
+        ValueError: when both groups are empty.
+    """
+    groups: list[dict[str, Any]] = []
+    if embedding_params:
+        groups.append(
+            {
+                "params": list(embedding_params),
+                "name": "embeddings",
+                "lr": cfg.embedding_lr or cfg.lr,
+            }
+        )
+    if dense_params:
+        groups.append({"params": list(dense_params), "name": "dense", "lr": cfg.lr})
+    if not groups:
+        raise ValueError("Trainer: the model has no trainable parameters")
+    if cfg.optimizer == OptimizerKind.ADAGRAD:
+        return torch.optim.Adagrad(
+            groups,
+            lr=cfg.lr,
+            eps=cfg.adagrad_eps,
+            initial_accumulator_value=cfg.initial_accumulator_value,
+        )
+    return torch.optim.SGD(groups, lr=cfg.lr, momentum=cfg.momentum)
+
+
+def copy_group_options(dst: torch.optim.Optimizer, src: torch.optim.Optimizer) -> None:
+    """Copy the options (lr, ...) of ``src``'s param groups onto ``dst``'s groups of the same
+    ``"name"`` (``"embeddings"`` / ``"dense"``, :func:`build_optimizer`). By name, not
+    position: a rank that holds no embedding parameter has only the dense group."""
+    theirs = {g.get("name"): g for g in src.param_groups}
+    for mine in dst.param_groups:
+        g = theirs.get(mine.get("name"))
+        if g is not None:
+            mine.update({k: v for k, v in g.items() if k != "params"})

@@ -1,0 +1,63 @@
+"""The one Trainer over a :class:`ShardedDLRM` on a one-rank world (no process group): the
+same steps, loss and evaluation as over the single-process DLRM, and checkpoints only through
+the sharded save."""
+
+from __future__ import annotations
+
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+import torch
+
+from embark import (
+    ShardedDLRM,
+    SyntheticCTR,
+    TrainConfig,
+    Trainer,
+    build_model,
+    get_topology,
+    get_workload,
+    load_sharded_checkpoint,
+    plan_sharding,
+    save_sharded_checkpoint,
+)
+from embark.sharding.model import ShardedSync
+from embark.training.sync import LocalSync
+from tests.tolerances import tol
+
+CFG = TrainConfig(lr=0.05, embedding_lr=0.1, initial_accumulator_value=0.01)
+
+
+def test_one_rank_sharded_trainer_equals_the_single_process_one(tmp_path: Path) -> None:
+    w = get_workload("tiny")
+    plan = plan_sharding(w, replace(get_topology("cpu-local"), gpus_per_node=1), 32)
+    data = SyntheticCTR(w, 32, seed=4)
+    single = Trainer(build_model(w, seed=3), CFG)
+    sharded = Trainer(ShardedDLRM(build_model(w, seed=3), plan, 0), CFG)
+    assert isinstance(single.sync, LocalSync) and isinstance(sharded.sync, ShardedSync)
+    want = [single.train_step(b) for b in data.batches(3)]
+    got = [sharded.train_step(b) for b in data.batches(3)]
+    torch.testing.assert_close(torch.tensor(got), torch.tensor(want), **tol("sharded_train"))
+    full = sharded.model.full_state_dict(dst=None)
+    for k, v in single.model.state_dict().items():
+        torch.testing.assert_close(full[k], v, **tol("sharded_train"), msg=k)
+    evals = list(data.batches(2, split="eval"))
+    a, b = single.evaluate(evals), sharded.evaluate(evals)
+    assert a["num_samples"] == b["num_samples"] == 64 and a["step"] == b["step"] == 3
+    assert a["auc"] == pytest.approx(b["auc"], abs=1e-4)
+
+    with pytest.raises(ValueError, match="save it with embark.sharding.save_sharded_checkpoint"):
+        sharded.save_checkpoint(tmp_path / "direct")
+    assert not (tmp_path / "direct").exists()
+    save_sharded_checkpoint(sharded, tmp_path / "ck")
+    resumed = Trainer.load_checkpoint(tmp_path / "ck")
+    assert (resumed.step, resumed.batch_size) == (3, 32)
+    again = load_sharded_checkpoint(tmp_path / "ck", plan, 0)
+    assert again.step == 3 and isinstance(again.sync, ShardedSync)
+    b3 = next(iter(data.batches(1, start=3)))
+    torch.testing.assert_close(
+        torch.tensor(again.train_step(b3)),
+        torch.tensor(single.train_step(b3)),
+        **tol("sharded_train"),
+    )

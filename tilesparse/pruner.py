@@ -47,7 +47,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -93,8 +93,19 @@ class WeightMask(nn.Module):
             "mask", torch.ones(out_features, in_features, dtype=torch.bool, device=device)
         )
 
+    mask: torch.Tensor
+
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return weight * self.mask
+
+
+def _masked_weight(m: nn.Module) -> tuple[torch.Tensor, WeightMask]:
+    """``(original, mask module)`` of a layer whose ``weight`` :meth:`TileSparsePruner.prepare`
+    parametrized (``m.parametrizations.weight``: ``original`` and one :class:`WeightMask`)."""
+    holder = cast(
+        parametrize.ParametrizationList, cast(nn.ModuleDict, m.parametrizations)["weight"]
+    )
+    return holder.original, cast(WeightMask, holder[0])
 
 
 @dataclass(frozen=True)
@@ -201,7 +212,7 @@ class TileSparsePruner:
             return
         weights, grads = {}, {}
         for fqn, m in self.layers.items():
-            g = m.parametrizations.weight.original.grad
+            g = _masked_weight(m)[0].grad
             if g is not None:
                 grads[fqn] = g.detach().T  # grad of the masked weight, restricted to kept ones
                 weights[fqn] = m.weight.detach().T
@@ -229,8 +240,8 @@ class TileSparsePruner:
     @torch.no_grad()
     def _zero_pruned(self) -> None:
         for m in self.layers.values():
-            holder = m.parametrizations.weight
-            holder.original.mul_(holder[0].mask)
+            original, wm = _masked_weight(m)
+            original.mul_(wm.mask)
 
     def callback(self, step_offset: int | None = None) -> PruningCallback:
         """A trainer callback driving :meth:`observe` and :meth:`step`, with the schedule at
@@ -353,10 +364,10 @@ class TileSparsePruner:
             masks = masks_for_config(cfg, [scores[f] for f in names], s, min_density=None)
             for f, mask_kn in zip(names, masks):
                 m = self.layers[f]
-                holder = m.parametrizations.weight
-                mask_nk = mask_kn.T.to(holder[0].mask.device)
-                holder[0].mask.copy_(mask_nk)
-                holder.original.mul_(mask_nk)
+                original, wm = _masked_weight(m)
+                mask_nk = mask_kn.T.to(wm.mask.device)
+                wm.mask.copy_(mask_nk)
+                original.mul_(mask_nk)
         if self.tracker.reset_on_mask_update:  # Taylor: scores since the last update
             self.tracker.reset()
         self.current_sparsity = sparsity
@@ -378,7 +389,7 @@ class TileSparsePruner:
         m = self.layers[fqn]
         if isinstance(m, TileSparseLinear):
             return m.mask_kn()
-        return m.parametrizations.weight[0].mask.T.cpu().clone()
+        return _masked_weight(m)[1].mask.T.cpu().clone()
 
     def masks(self) -> dict[str, torch.Tensor]:
         """Every layer's ``(K, N) bool`` mask."""

@@ -188,7 +188,7 @@ def cpu_features() -> dict[str, Any]:
     kernel, and which kernel a bf16 call takes (``tw_kernel_bf16``: ``"amx"`` /
     ``"avx512_bf16"`` / ``"fp32"`` / ``"mm"``) (``None`` where the extension is not loaded)."""
     flags = cpu_flags()
-    from tilesparse.build_ext import load_extension
+    from tilesparse.kernels.cpu import load_extension
 
     ext = load_extension()
     return {f: f in flags for f in CPU_FLAGS} | {

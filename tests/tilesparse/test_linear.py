@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.tolerances import tol
 from tilesparse.linear import TileSparseLinear
 from tilesparse.patterns import tw_mask
 
 # assert_close tolerances per dtype for the tile-by-tile reference vs. the masked dense GEMM
-TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float64: {"rtol": 1e-12, "atol": 1e-12}}
 
 
 def int_linear(
@@ -58,7 +58,7 @@ def test_forward_random_values_and_batch_dims(dtype) -> None:
     sparse = TileSparseLinear.from_dense(lin, mask, tile=16, backend="reference")
     x = torch.randn(2, 3, 37, dtype=dtype)
     ref = torch.nn.functional.linear(x, lin.weight * mask.T, lin.bias)
-    torch.testing.assert_close(sparse(x), ref, **TOL[dtype])
+    torch.testing.assert_close(sparse(x), ref, **tol("tw_layer", dtype))
 
 
 def test_state_dict_round_trip_into_an_empty_module() -> None:

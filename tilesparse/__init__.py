@@ -14,6 +14,7 @@ schedules with fine-tuning, and the condensed :class:`TileSparseLinear`.
 from __future__ import annotations
 
 from tilesparse.backend import Backend
+from tilesparse.callback import PruningCallback
 from tilesparse.config import (
     CubicSchedule,
     Importance,
@@ -41,7 +42,7 @@ from tilesparse.patterns import (
     tw_rows_mask,
     tw_rows_masks,
 )
-from tilesparse.pruner import PruningCallback, TileSparsePruner, prune_
+from tilesparse.pruner import TileSparsePruner, prune_
 
 __all__ = [
     "Backend",

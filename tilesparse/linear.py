@@ -144,12 +144,6 @@ class TileSparseLinear(nn.Module):
     def backend(self, value: Backend | str) -> None:
         self._backend = parse_backend(value).value
 
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # modules pickled before ``backend`` became a validated property stored it plainly
-        if "backend" in state and "_backend" not in state:
-            state["_backend"] = parse_backend(state.pop("backend")).value
-        super().__setstate__(state)
-
     # -- construction -------------------------------------------------------------------
     @classmethod
     def from_dense(

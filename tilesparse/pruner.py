@@ -26,7 +26,7 @@ momentum and weight decay move ``original`` even where the gradient is 0):
   columns; a zeroed weight can land in a kept row segment). A re-admitted weight restarts
   from 0; between updates, a pruned weight cannot come back.
 
-Resuming: the schedule counts the trainer's optimizer steps. :class:`PruningCallback` sets
+Resuming: the schedule counts the trainer's optimizer steps. :class:`~tilesparse.callback.PruningCallback` sets
 ``step_count`` from the trainer's ``step``, so a pruner prepared on the model handed to
 ``Trainer.load_checkpoint`` continues the schedule where the run stopped (attach it with
 ``step_offset=0``, the step its schedule started at) (the masks come back
@@ -54,6 +54,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from tilesparse.backend import Backend, parse_backend
+from tilesparse.callback import PruningCallback
 from tilesparse.config import Pattern, TileSparseConfig
 from tilesparse.format import tile_groups
 from tilesparse.importance import ScoreTracker, make_tracker
@@ -66,7 +67,6 @@ __all__ = [
     "WeightMask",
     "LayerStats",
     "TileSparsePruner",
-    "PruningCallback",
     "prune_",
     "default_filter",
 ]
@@ -502,80 +502,6 @@ class TileSparsePruner:
         self.compressed = True
         assert self.model is not None
         return self.model
-
-
-class PruningCallback:
-    """Trainer callback (duck-typed to ``embark.training.trainer.Callback``: ``tilesparse`` does not
-    import ``embark``): ``on_after_backward`` → :meth:`TileSparsePruner.observe`,
-    ``on_step_end`` → :meth:`TileSparsePruner.step`.
-
-    The schedule follows the trainer: at the end of trainer step ``step`` the pruner is at
-    schedule step ``step - step_offset``. When the pruner's ``step_count`` disagrees (a pruner
-    prepared on a model resumed from a checkpoint), it is set from the trainer's step first,
-    and the masks are recomputed from the current weights if the pruner's sparsity is not the
-    schedule's at that step.
-
-    ``step_offset=None`` (the default) takes it from the first step: the trainer steps taken
-    minus the pruner's (0 for a fresh trainer and pruner, or a pruner restored with
-    :meth:`TileSparsePruner.load_state_dict` beside its checkpoint). A fresh pruner on a
-    trainer that already took steps is ambiguous — start the schedule now
-    (``step_offset=trainer.step``, after dense training) or continue the schedule the
-    checkpoint's masks were pruned along (``step_offset=0``) — and is an error naming both.
-
-    Args:
-        pruner: the prepared pruner.
-        step_offset: the trainer step at which the schedule starts, or ``None`` (above).
-
-    Raises:
-        ValueError: for a negative ``step_offset``; from ``on_after_backward`` (before the
-            optimizer step, so nothing has changed), for a trainer step at or before
-            ``step_offset``, or the ambiguous case above.
-    """
-
-    def __init__(self, pruner: TileSparsePruner, step_offset: int | None = None) -> None:
-        if step_offset is not None and (
-            isinstance(step_offset, bool) or not isinstance(step_offset, int) or step_offset < 0
-        ):
-            raise ValueError(f"step_offset must be an integer >= 0 or None, got {step_offset!r}")
-        self.pruner = pruner
-        self.step_offset = step_offset
-
-    def _offset_for(self, step: int) -> int:
-        """``step_offset`` for trainer step ``step`` (the one in progress), checked."""
-        if self.step_offset is None:
-            done = self.pruner.step_count
-            if done == 0 and step > 1:
-                raise ValueError(
-                    f"the trainer has taken {step - 1} steps and this pruner none: pass "
-                    f"pruner.callback(step_offset={step - 1}) to start the pruning schedule now "
-                    "(after dense training), or step_offset=0 to continue the schedule a "
-                    "resumed checkpoint was pruned along (or restore the pruner's state_dict)"
-                )
-            self.step_offset = max(0, step - 1 - done)
-        if step - self.step_offset < 1:
-            raise ValueError(
-                f"trainer step {step} is not after step_offset {self.step_offset}: the pruning "
-                "schedule would start in the future"
-            )
-        return self.step_offset
-
-    def on_after_backward(self, trainer: Any, step: int) -> None:
-        self._offset_for(step)
-        self.pruner.observe()
-
-    def on_step_end(self, trainer: Any, step: int, loss: float) -> None:
-        schedule_step = step - self._offset_for(step)
-        if self.pruner.step_count != schedule_step - 1:
-            log.info(
-                "tilesparse: schedule synced from step %d to the trainer's %d",
-                self.pruner.step_count,
-                schedule_step - 1,
-            )
-            self.pruner.step_count = schedule_step - 1
-        self.pruner.step()
-
-    def on_eval(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        return None
 
 
 def prune_(

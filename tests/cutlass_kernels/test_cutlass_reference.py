@@ -365,7 +365,7 @@ def _k1_launch(M: int = 8):
 def test_emulate_refuses_pitches_the_kernel_refuses() -> None:
     good = _k1_launch(8)
     bad_shape = r"batch, lda, ldx, ldy must be multiples of 8 and ldx, ldy >= batch"
-    # ldx = 1: the (1, 8) transpose of an (8, 1) x, the pitch pack_launch used to hand over
+    # ldx = 1: the (1, 8) transpose of an (8, 1) x, the pitch x2.t().contiguous() would give
     x = torch.ones(8, 1)
     assert x.t().stride() == (1, 1)
     with pytest.raises(ValueError, match=bad_shape + r" \(got batch=8 lda=16 ldx=1 ldy=8\)"):

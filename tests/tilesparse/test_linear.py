@@ -223,8 +223,9 @@ def test_backend_is_validated_when_set() -> None:
     "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int16, torch.uint8]
 )
 def test_index_tensors_of_a_cast_state_dict_are_refused(dtype) -> None:
-    """A state dict with every tensor cast to fp16 used to load: col_idx 2049 came back 2048
-    (fp16 holds integers exactly only up to 2048) and the module computed other columns."""
+    """A state dict with every tensor cast to fp16 is refused: loaded, col_idx 2049 would come
+    back 2048 (fp16 holds integers exactly only up to 2048) and the module compute other
+    columns."""
     k, n = 8, 4096
     mask = torch.zeros(k, n, dtype=torch.bool)
     mask[:, [2049, 3001]] = True
@@ -260,7 +261,7 @@ def test_int32_index_tensors_load_exactly() -> None:
 
 @pytest.mark.parametrize("tile", [0, -3, 2.7, True, "2", None])
 def test_corrupt_saved_tile_is_refused(tile) -> None:
-    """A saved tile of 0, -3 or 2.7 (truncated to 2) used to load."""
+    """A saved tile of 0, -3 or 2.7 (which an int() would truncate to 2) is refused."""
     from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
     good = _two_tile_module()

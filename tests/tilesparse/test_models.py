@@ -268,7 +268,7 @@ def test_encoder_torch_export(encoder, kernel_calls):
 
 def test_encoder_torch_export_train_mode(encoder, kernel_calls):
     """The op itself exports: in train mode (dropout 0, same function) the layer never reaches
-    the native fused path's ``.weight`` read, so this isolates the op from that bug."""
+    the native fused path's ``.weight`` read, so this isolates the op from that path."""
     model, _ = encoder
     model.train()
     x = _tokens(3)

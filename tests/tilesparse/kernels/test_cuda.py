@@ -72,7 +72,7 @@ def test_op_impl_checks_its_arguments(backend) -> None:
 def test_op_impl_refuses_a_corrupt_layout(backend) -> None:
     x = torch.ones(2, 8)
     lay = _layout()
-    lay.tile_ptr = lay.tile_ptr + 1  # starts at 1: the first column silently dropped before
+    lay.tile_ptr = lay.tile_ptr + 1  # starts at 1: unchecked, the first column would be dropped
     with pytest.raises(ValueError, match=r"tile_ptr must start at 0, got tile_ptr\[0\]=1"):
         _call(x, lay, None, backend)
     lay = _layout()

@@ -106,8 +106,8 @@ def test_a_checked_layout_is_checked_again_after_its_pointers_change() -> None:
 
 
 def test_negative_row_ptr_is_an_error_not_a_crash() -> None:
-    """row_ptr = [-2, 0] once made the C++ kernel read before row_idx (exit 139): run in a
-    child process so that a crash fails this test instead of the test run."""
+    """row_ptr = [-2, 0] would make the C++ kernel read before row_idx (exit 139) if it got
+    through: run in a child process so that a crash fails this test instead of the test run."""
     code = (
         "import torch\n"
         "from tilesparse import ops\n"

@@ -26,12 +26,12 @@ momentum and weight decay move ``original`` even where the gradient is 0):
   columns; a zeroed weight can land in a kept row segment). A re-admitted weight restarts
   from 0; between updates, a pruned weight cannot come back.
 
-Resuming: the schedule counts the trainer's optimizer steps. :class:`~tilesparse.callback.PruningCallback` sets
-``step_count`` from the trainer's ``step``, so a pruner prepared on the model handed to
-``Trainer.load_checkpoint`` continues the schedule where the run stopped (attach it with
-``step_offset=0``, the step its schedule started at) (the masks come back
-with the model's ``state_dict``; at the first step the masks are recomputed from the loaded
-weights at the schedule's sparsity if the pruner's own record disagrees). For an exact resume
+Resuming: the schedule counts the trainer's optimizer steps.
+:class:`~tilesparse.callback.PruningCallback` sets ``step_count`` from the trainer's ``step``,
+so a pruner prepared on the model handed to ``Trainer.load_checkpoint`` continues the schedule
+where the run stopped (attach it with ``step_offset=0``, the step its schedule started at). The
+masks come back with the model's ``state_dict``; at the first step they are recomputed from the
+loaded weights at the schedule's sparsity if the pruner's own record disagrees. For an exact resume
 (update count, Taylor / movement sums) also save :meth:`TileSparsePruner.state_dict` and
 restore it with :meth:`TileSparsePruner.load_state_dict`.
 

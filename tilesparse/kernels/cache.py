@@ -48,7 +48,7 @@ class LayoutCache(Generic[V]):
     >>> t = torch.arange(3)
     >>> cache.get((t,), (), "sum", lambda: int(t.sum()))
     3
-    >>> _ = t.add_(1)  # an in-place edit: computed again
+    >>> t += 1  # an in-place edit: computed again
     >>> cache.get((t,), (), "sum", lambda: int(t.sum()))
     6
     >>> key = id(t); del t  # the record leaves with its anchor

@@ -2,8 +2,9 @@
 the CUTLASS kernels of :mod:`cutlass_kernels`.
 
 * :func:`register_cuda_kernel` — registers :func:`_op_impl` for CUDA tensors;
-  :func:`tilesparse.ops.tw_linear` calls it lazily when the first CUDA tensor arrives, so
-  nothing of CUDA or ``cutlass_kernels`` is imported on a machine that never sees one.
+  :func:`tilesparse.ops.tw_linear` calls it lazily when the first CUDA tensor arrives, so this
+  module and ``cutlass_kernels`` are not imported on a machine that never sees one (backend
+  ``emulated`` imports only ``cutlass_kernels.reference``).
 * :func:`packed_weight` — a layer's kernel arguments, packed once per set of layout tensors
   (:class:`~tilesparse.kernels.cache.LayoutCache`: again only after a tensor is replaced or
   edited in place).

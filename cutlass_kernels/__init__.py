@@ -1,22 +1,41 @@
-"""CUTLASS tile-wise (TW) sparse GEMMs for tensor cores.
+"""CUTLASS tile-wise (TW) sparse GEMMs for tensor cores: emitted, built and launched on plain
+index tensors.
+
+A condensed TW weight (per tile: kept output columns, kept input rows, a dense block) is
+packed into the kernel's arguments, and one launch computes every tile's small GEMM with the
+activation rows gathered in the main loop and the output columns scattered in the epilogue.
 
 * :mod:`cutlass_kernels.manifest` — the kernel instances as data (dtype, arch, tiles, stages).
 * :mod:`cutlass_kernels.emit` — CUDA C++ generated through ``cutlass_library``, stamped.
 * :mod:`cutlass_kernels.reference` — the kernel's argument packing and a CPU emulation of it.
+* :mod:`cutlass_kernels.toolchain` — nvcc, the CUDA toolkit, the device's architecture.
 * :mod:`cutlass_kernels.build` — nvcc / torch-extension builds cached under
-  ``$XDG_CACHE_HOME/tilerec/cutlass``; ``register_cuda_kernel()`` for ``tilesparse::tw_linear``.
+  ``$XDG_CACHE_HOME/tilerec/cutlass``.
+* :mod:`cutlass_kernels.launch` — instance selection and launches on packed arguments.
 
-Importing this package needs neither a GPU nor nvcc (``build`` and ``emit`` import CUTLASS and
-compile only when called).
+>>> import torch, cutlass_kernels
+>>> class Weight:  # one tile: columns {0, 2} of N=3, rows {1} of K=2
+...     in_features, out_features = 2, 3
+...     col_idx, tile_ptr = torch.tensor([0, 2]), torch.tensor([0, 2])
+...     row_idx, row_ptr = torch.tensor([1]), torch.tensor([0, 1])
+...     values, val_ptr = torch.tensor([5.0, 7.0]), torch.tensor([0, 2])
+>>> cutlass_kernels.tw_linear_emulated(torch.tensor([[1.0, 2.0]]), Weight())
+tensor([[10.,  0., 14.]])
+
+This package imports nothing else of the project. Importing it needs neither a GPU nor nvcc
+nor nvidia-cutlass (``build``, ``emit`` and ``launch`` compile, import CUTLASS and query the
+device only when called).
 """
 
 from __future__ import annotations
 
-from cutlass_kernels.manifest import Arch, DType, TWKernel, manifest, select
+from cutlass_kernels.manifest import Arch, DType, Mainloop, TWKernel, manifest, select
 from cutlass_kernels.reference import (
+    CondensedWeight,
     TWLaunch,
     TWPackedWeight,
     check_launch,
+    check_weight,
     emulate,
     pack_launch,
     pack_weight,
@@ -26,25 +45,19 @@ from cutlass_kernels.reference import (
 
 __all__ = [
     "Arch",
+    "CondensedWeight",
     "DType",
+    "Mainloop",
     "TWKernel",
-    "manifest",
-    "select",
     "TWLaunch",
     "TWPackedWeight",
-    "pack_weight",
-    "pack_launch",
-    "emulate",
     "check_launch",
-    "unpack_output",
+    "check_weight",
+    "emulate",
+    "manifest",
+    "pack_launch",
+    "pack_weight",
+    "select",
     "tw_linear_emulated",
-    "register_cuda_kernel",
+    "unpack_output",
 ]
-
-
-def register_cuda_kernel() -> bool:
-    """Register the CUDA implementation of ``tilesparse::tw_linear`` (see
-    :func:`cutlass_kernels.build.register_cuda_kernel`)."""
-    from cutlass_kernels.build import register_cuda_kernel as _register
-
-    return _register()

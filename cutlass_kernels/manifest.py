@@ -28,6 +28,7 @@ from __future__ import annotations
 import functools
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 __all__ = [
     "Arch",
@@ -180,7 +181,7 @@ class TWKernel:
             arch += "_gmma"
         return f"tw_gemm_{arch}_{self.dtype.value}_g{m}x{n}x{k}_w{wm}x{wn}x{wk}_s{self.stages}_a{self.alignment}"
 
-    def math_instruction(self):  # -> cutlass_library.MathInstruction
+    def math_instruction(self) -> Any:  # a cutlass_library.MathInstruction (untyped package)
         """The ``cutlass_library.MathInstruction`` (tensor-op multiply-add, fp32 accumulate)."""
         from cutlass_library import library as cl
 
@@ -194,7 +195,7 @@ class TWKernel:
             cl.MathOperation.multiply_add,
         )
 
-    def tile_description(self):  # -> cutlass_library.TileDescription
+    def tile_description(self) -> Any:  # a cutlass_library.TileDescription (untyped package)
         """The ``cutlass_library.TileDescription`` of this instance."""
         from cutlass_library import library as cl
 

@@ -60,8 +60,8 @@ from tilesparse import (
     TileSparseConfig,
     TileSparsePruner,
 )
+from tilesparse.callback import PruningCallback
 from tilesparse.config import Importance, ScheduleConfig
-from tilesparse.pruner import PruningCallback
 from tilesparse.schedule import end_step, stages_for
 
 log = logging.getLogger("recipes.prune_dlrm")

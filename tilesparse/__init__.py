@@ -1,5 +1,6 @@
 """tilesparse: tile-wise (TW) sparsity for ``nn.Linear`` layers — importance scores, patterns,
-schedules with fine-tuning, and the condensed :class:`TileSparseLinear`.
+schedules with fine-tuning, and the condensed :class:`TileSparseLinear` that runs on fast
+kernels.
 
 >>> import torch, tilesparse
 >>> model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(), torch.nn.Linear(256, 64))
@@ -9,11 +10,20 @@ schedules with fine-tuning, and the condensed :class:`TileSparseLinear`.
 >>> model = pruner.compress()
 >>> type(model[0]).__name__
 'TileSparseLinear'
+
+Where things are: ``config`` (frozen configs, JSON/YAML), ``patterns`` (masks from scores),
+``importance``, ``schedule``, ``pruner`` (:func:`prune_`, :class:`TileSparsePruner`),
+``callback`` (the pruner as a trainer callback), ``format`` (the condensed layout,
+:class:`TWLayout`), ``linear`` (:class:`TileSparseLinear`), ``memory`` (bytes as stored),
+``ops`` (the ``tilesparse::tw_linear`` op, :func:`tw_linear`, and its :class:`Backend`), and
+``kernels`` (the op's CPU kernel and its CUDA glue to ``cutlass_kernels``, imported only when a
+CUDA tensor arrives). Importing the package needs no GPU, no nvcc and no nvidia-cutlass.
 """
 
 from __future__ import annotations
 
 from tilesparse.backend import Backend
+from tilesparse.callback import PruningCallback
 from tilesparse.config import (
     CubicSchedule,
     Importance,
@@ -25,6 +35,7 @@ from tilesparse.config import (
 from tilesparse.format import TWLayout, condense, reference_matmul
 from tilesparse.linear import TileSparseLinear
 from tilesparse.memory import LayerMemory, ModelMemory, layer_memory, model_memory
+from tilesparse.ops import tw_linear
 from tilesparse.patterns import (
     bw_mask,
     bw_masks,
@@ -41,7 +52,7 @@ from tilesparse.patterns import (
     tw_rows_mask,
     tw_rows_masks,
 )
-from tilesparse.pruner import PruningCallback, TileSparsePruner, prune_
+from tilesparse.pruner import TileSparsePruner, prune_
 
 __all__ = [
     "Backend",
@@ -72,6 +83,7 @@ __all__ = [
     "split_budget",
     "tew_mask",
     "tew_masks",
+    "tw_linear",
     "tw_mask",
     "tw_masks",
     "tw_rows_mask",

@@ -7,12 +7,14 @@ the enum member alike (``Backend("cpu") is Backend.CPU``).
 AUTO       the fastest available for the tensor's device and dtype: ``CPU`` on a CPU
            tensor when the compiled kernel loaded (else ``REFERENCE``, after one logged
            warning); on a CUDA tensor the CUTLASS kernel for fp16/bf16 when
-           ``cutlass_kernels`` registered it, else ``REFERENCE``.
+           ``tilesparse.kernels.cuda`` registered it and an instance of the dtype is
+           built, else ``REFERENCE``.
 REFERENCE  :func:`tilesparse.format.reference_matmul`: pure torch, tile by tile, any device;
            what every fast path is tested against.
-CPU        the fused gather-GEMM C++ kernel (``tilesparse/csrc``), built by
-           ``python -m tilesparse.build_ext``; falls back to ``REFERENCE`` with one logged
-           warning when the build is missing and cannot be made.
+CPU        the fused gather-GEMM C++ kernel (``tilesparse/csrc``, loaded by
+           ``tilesparse.kernels.cpu``; ``python -m tilesparse.build_ext`` builds it ahead);
+           falls back to ``REFERENCE`` with one logged warning when the build is missing
+           and cannot be made.
 CUTLASS    the CUDA kernel from ``cutlass_kernels`` (CUDA tensors only).
 EMULATED   ``cutlass_kernels.reference``'s CPU emulation of exactly what the CUTLASS kernel
            computes from its packed arguments, for CI without a GPU.

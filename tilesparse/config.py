@@ -27,7 +27,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field, fields
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 __all__ = [
     "Pattern",
@@ -207,7 +207,7 @@ def schedule_from_dict(d: Mapping[str, Any]) -> ScheduleConfig:
             f"schedule must be a schedule config or a mapping with a 'kind', got {d!r}"
         )
     try:
-        kind = ScheduleKind(d.get("kind"))
+        kind = ScheduleKind(str(d.get("kind")))
     except ValueError:
         raise ValueError(
             f"schedule.kind must be one of {[k.value for k in ScheduleKind]}, got {d.get('kind')!r}"
@@ -232,6 +232,47 @@ def _overrides_dict(owner: str, overrides: Any) -> dict[Any, Any]:
         f"{owner}.overrides must be a mapping of module name to sparsity (in a recipe file: "
         f"'overrides: {{top_mlp.0: 0.5}}'), got {overrides!r}"
     )
+
+
+E = TypeVar("E", Pattern, Importance)
+
+
+def _enum_field(owner: str, name: str, enum: type[E], value: Any) -> E:
+    """``enum(value)``, else ``ValueError`` naming the field and the accepted values."""
+    try:
+        return enum(value)
+    except ValueError:
+        raise ValueError(
+            f"{owner}.{name} must be one of {[e.value for e in enum]}, got {value!r}"
+        ) from None
+
+
+def _block_field(owner: str, block: Any) -> tuple[int, int]:
+    """``(bk, bn)`` from a pair or one integer ``b`` (a square block), each >= 1."""
+    if isinstance(block, int) and not isinstance(block, bool):
+        pair = (block, block)
+    elif isinstance(block, list | tuple) and len(block) == 2:
+        pair = (block[0], block[1])
+    else:
+        raise ValueError(
+            f"{owner}.block must be (bk, bn) or one integer b for (b, b), got {block!r}"
+        )
+    for i, v in enumerate(pair):
+        _check_int(owner, f"block[{i}]", v, 1)
+    return pair
+
+
+def _schedule_field(owner: str, schedule: Any) -> ScheduleConfig:
+    """A schedule config as is, or one built from its mapping (errors name the field)."""
+    if isinstance(schedule, OneShotSchedule | MultiStageSchedule | CubicSchedule):
+        return schedule
+    try:
+        return schedule_from_dict(schedule)
+    except ValueError as e:  # name the field: "...schedule.kind must be", "...schedule: ..."
+        msg = str(e)
+        raise ValueError(
+            f"{owner}.{msg}" if msg.startswith("schedule") else f"{owner}.schedule: {msg}"
+        ) from None
 
 
 @dataclass(frozen=True)
@@ -289,48 +330,21 @@ class TileSparseConfig:
     def __post_init__(self) -> None:
         owner = "TileSparseConfig"
         set_ = object.__setattr__
-        try:
-            set_(self, "pattern", Pattern(self.pattern))
-        except ValueError:
-            raise ValueError(
-                f"{owner}.pattern must be one of {[p.value for p in Pattern]}, got {self.pattern!r}"
-            ) from None
-        try:
-            set_(self, "importance", Importance(self.importance))
-        except ValueError:
-            raise ValueError(
-                f"{owner}.importance must be one of {[i.value for i in Importance]}, got {self.importance!r}"
-            ) from None
+        set_(self, "pattern", _enum_field(owner, "pattern", Pattern, self.pattern))
+        set_(self, "importance", _enum_field(owner, "importance", Importance, self.importance))
         _check_int(owner, "n", self.n, 1)
         _check_int(owner, "m", self.m, 1)
         if self.n > self.m:
             raise ValueError(f"{owner}.n must be <= m={self.m}, got {self.n}")
-        if self.sparsity is None:
-            set_(self, "sparsity", 1.0 - self.n / self.m if self.pattern is Pattern.NM else 0.75)
-        _check_unit(owner, "sparsity", self.sparsity, closed_right=False)
-        set_(self, "sparsity", float(self.sparsity))
-        if self.pattern is Pattern.NM and not math.isclose(self.sparsity, 1.0 - self.n / self.m):
-            raise ValueError(
-                f"{owner}.sparsity must be 1 - n/m = {1.0 - self.n / self.m:g} for pattern 'nm' "
-                f"({self.n}:{self.m}), got {self.sparsity}"
-            )
+        sparsity = self._checked_sparsity(owner)
+        set_(self, "sparsity", sparsity)
         _check_int(owner, "tile", self.tile, 1)
         _check_unit(owner, "column_share", self.column_share, closed_right=True)
-        if isinstance(self.block, int) and not isinstance(self.block, bool):
-            block = (self.block, self.block)  # a square block
-        elif isinstance(self.block, list | tuple) and len(self.block) == 2:
-            block = tuple(self.block)
-        else:
-            raise ValueError(
-                f"{owner}.block must be (bk, bn) or one integer b for (b, b), got {self.block!r}"
-            )
-        for i, v in enumerate(block):
-            _check_int(owner, f"block[{i}]", v, 1)
-        set_(self, "block", block)
+        set_(self, "block", _block_field(owner, self.block))
         _check_unit(owner, "tew_delta", self.tew_delta, closed_right=False)
-        if self.pattern is Pattern.TEW and self.sparsity + self.tew_delta >= 1.0:
+        if self.pattern is Pattern.TEW and sparsity + self.tew_delta >= 1.0:
             raise ValueError(
-                f"{owner}.tew_delta must be < 1 - sparsity = {1 - self.sparsity:g} for 'tew', got {self.tew_delta}"
+                f"{owner}.tew_delta must be < 1 - sparsity = {1 - sparsity:g} for 'tew', got {self.tew_delta}"
             )
         if not isinstance(self.global_threshold, bool):
             raise ValueError(
@@ -339,6 +353,26 @@ class TileSparseConfig:
         d = self.min_layer_density
         if isinstance(d, bool) or not isinstance(d, int | float) or not 0.0 < d <= 1.0:
             raise ValueError(f"{owner}.min_layer_density must be in (0, 1], got {d!r}")
+        set_(self, "overrides", self._checked_overrides(owner))
+        _check_int(owner, "taylor_steps", self.taylor_steps, 1)
+        set_(self, "schedule", _schedule_field(owner, self.schedule))
+
+    def _checked_sparsity(self, owner: str) -> float:
+        """``sparsity`` as a float in [0, 1) (its default when None), ``1 - n/m`` for ``nm``."""
+        if self.sparsity is None:
+            return 1.0 - self.n / self.m if self.pattern is Pattern.NM else 0.75
+        _check_unit(owner, "sparsity", self.sparsity, closed_right=False)
+        sparsity = float(self.sparsity)
+        if self.pattern is Pattern.NM and not math.isclose(sparsity, 1.0 - self.n / self.m):
+            raise ValueError(
+                f"{owner}.sparsity must be 1 - n/m = {1.0 - self.n / self.m:g} for pattern 'nm' "
+                f"({self.n}:{self.m}), got {sparsity}"
+            )
+        return sparsity
+
+    def _checked_overrides(self, owner: str) -> tuple[tuple[str, float], ...]:
+        """``overrides`` as sorted ``(name, sparsity)`` pairs, each sparsity in [0, 1) (and
+        under ``1 - tew_delta`` for ``tew``); none allowed for ``nm``."""
         ov = _overrides_dict(owner, self.overrides)
         for fqn, s in ov.items():
             if not isinstance(fqn, str) or not fqn:
@@ -355,20 +389,7 @@ class TileSparseConfig:
                         f"{owner}.overrides[{fqn!r}] = {s} plus tew_delta = {self.tew_delta} must be < 1 "
                         f"for 'tew' (the restored elements come out of the kept ones)"
                     )
-        set_(self, "overrides", tuple(sorted((k, float(v)) for k, v in ov.items())))
-        _check_int(owner, "taylor_steps", self.taylor_steps, 1)
-        sched = self.schedule
-        if not isinstance(sched, OneShotSchedule | MultiStageSchedule | CubicSchedule):
-            try:
-                sched = schedule_from_dict(sched)
-            except (
-                ValueError
-            ) as e:  # name the field: "...schedule.kind must be", "...schedule: ..."
-                msg = str(e)
-                raise ValueError(
-                    f"{owner}.{msg}" if msg.startswith("schedule") else f"{owner}.schedule: {msg}"
-                ) from None
-            set_(self, "schedule", sched)
+        return tuple(sorted((k, float(v)) for k, v in ov.items()))
 
     @property
     def target_sparsity(self) -> float:

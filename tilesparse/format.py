@@ -1,6 +1,6 @@
 """The condensed tile-wise (TW) weight format: the one contract between the pruner
-(`tilesparse.linear`), the CPU kernels (`tilesparse.ops`) and the CUTLASS kernels
-(`cutlass_kernels.reference`).
+(`tilesparse.linear`), the CPU kernels (`tilesparse.kernels.cpu`) and the CUTLASS kernels
+(`cutlass_kernels.reference`, which reads these tensors without importing this module).
 
 A linear layer computes ``Y = X · W`` with ``W`` of shape ``K × N`` (in-features ×
 out-features; ``nn.Linear.weight`` is ``W.T``). After TW pruning some output columns are gone
@@ -71,7 +71,7 @@ class TWLayout:
     # the format, and nothing here clears it: an in-place edit of the tensors leaves it stale,
     # so whoever edits them clears it (TileSparseLinear builds a new layout, with an empty
     # cache, after .to()/load_state_dict/set_layout). The CUDA backend keeps its packed weights
-    # elsewhere, keyed on the tensors' identity and version (cutlass_kernels.build.packed_weight).
+    # elsewhere, keyed on the tensors' identity and version (tilesparse.kernels.cuda).
     cache: dict[str, Any] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -237,11 +237,11 @@ def tile_groups(mask_kn: torch.Tensor, tile: int) -> list[tuple[list[int], torch
         raise ValueError(f"tile must be > 0, got {tile}")
     kept = torch.nonzero(mask_kn.any(dim=0)).flatten().tolist()
     groups: list[tuple[list[int], torch.Tensor]] = []
-    cur: list[int] = []
-    cur_col: torch.Tensor | None = None
+    cur: list[int] = []  # the open tile's columns; cur_col their shared row set
+    cur_col = torch.zeros(0, dtype=torch.bool)
     for c in kept:
         col = mask_kn[:, c]
-        if cur and len(cur) < tile and cur_col is not None and torch.equal(col, cur_col):
+        if cur and len(cur) < tile and torch.equal(col, cur_col):
             cur.append(c)
             continue
         if cur:

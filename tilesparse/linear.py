@@ -32,9 +32,9 @@ import torch
 from torch import nn
 from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
-from tilesparse import ops
 from tilesparse.backend import Backend, parse_backend
 from tilesparse.format import TWLayout, condense
+from tilesparse.ops import tw_linear
 
 __all__ = ["TileSparseLinear"]
 
@@ -92,6 +92,13 @@ class TileSparseLinear(nn.Module):
         ValueError: for non-positive sizes or tile, or an unknown backend.
     """
 
+    col_idx: torch.Tensor
+    tile_ptr: torch.Tensor
+    row_idx: torch.Tensor
+    row_ptr: torch.Tensor
+    values: torch.Tensor
+    val_ptr: torch.Tensor
+
     def __init__(
         self,
         in_features: int,
@@ -136,12 +143,6 @@ class TileSparseLinear(nn.Module):
     @backend.setter
     def backend(self, value: Backend | str) -> None:
         self._backend = parse_backend(value).value
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        # modules pickled before ``backend`` became a validated property stored it plainly
-        if "backend" in state and "_backend" not in state:
-            state["_backend"] = parse_backend(state.pop("backend")).value
-        super().__setstate__(state)
 
     # -- construction -------------------------------------------------------------------
     @classmethod
@@ -294,7 +295,17 @@ class TileSparseLinear(nn.Module):
             tensors[name] = (
                 saved.detach() if name == "values" else saved.detach().to("cpu", own.dtype)
             )
-        layout = TWLayout(self.in_features, self.out_features, tile, **tensors)
+        layout = TWLayout(
+            self.in_features,
+            self.out_features,
+            tile,
+            col_idx=tensors["col_idx"],
+            tile_ptr=tensors["tile_ptr"],
+            row_idx=tensors["row_idx"],
+            row_ptr=tensors["row_ptr"],
+            values=tensors["values"],
+            val_ptr=tensors["val_ptr"],
+        )
         try:
             layout.validate()
         except ValueError as e:
@@ -370,7 +381,7 @@ class TileSparseLinear(nn.Module):
     # -- compute ------------------------------------------------------------------------
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x: (..., K)`` → ``(..., N)``, pruned output columns equal to the bias."""
-        return ops.tw_linear(x, self.layout, self.bias, self.backend)
+        return tw_linear(x, self.layout, self.bias, self.backend)
 
     def to_dense(self) -> nn.Linear:
         """The equivalent ``nn.Linear`` (pruned weights zero), on this module's device."""

@@ -43,7 +43,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -151,7 +151,10 @@ def layer_memory(layer: TileSparseLinear | TWLayout | nn.Linear) -> LayerMemory:
         return _from_layout(layer, 0)
     if isinstance(layer, nn.Linear):
         if parametrize.is_parametrized(layer, "weight"):
-            holder = layer.parametrizations.weight
+            holder = cast(
+                parametrize.ParametrizationList,
+                cast(nn.ModuleDict, layer.parametrizations)["weight"],
+            )
             weight = holder.original
             index = sum(_tensor_bytes(b) for p in holder for b in p.buffers())
         else:

@@ -26,12 +26,12 @@ momentum and weight decay move ``original`` even where the gradient is 0):
   columns; a zeroed weight can land in a kept row segment). A re-admitted weight restarts
   from 0; between updates, a pruned weight cannot come back.
 
-Resuming: the schedule counts the trainer's optimizer steps. :class:`PruningCallback` sets
-``step_count`` from the trainer's ``step``, so a pruner prepared on the model handed to
-``Trainer.load_checkpoint`` continues the schedule where the run stopped (attach it with
-``step_offset=0``, the step its schedule started at) (the masks come back
-with the model's ``state_dict``; at the first step the masks are recomputed from the loaded
-weights at the schedule's sparsity if the pruner's own record disagrees). For an exact resume
+Resuming: the schedule counts the trainer's optimizer steps.
+:class:`~tilesparse.callback.PruningCallback` sets ``step_count`` from the trainer's ``step``,
+so a pruner prepared on the model handed to ``Trainer.load_checkpoint`` continues the schedule
+where the run stopped (attach it with ``step_offset=0``, the step its schedule started at). The
+masks come back with the model's ``state_dict``; at the first step they are recomputed from the
+loaded weights at the schedule's sparsity if the pruner's own record disagrees. For an exact resume
 (update count, Taylor / movement sums) also save :meth:`TileSparsePruner.state_dict` and
 restore it with :meth:`TileSparsePruner.load_state_dict`.
 
@@ -47,13 +47,14 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
 from tilesparse.backend import Backend, parse_backend
+from tilesparse.callback import PruningCallback
 from tilesparse.config import Pattern, TileSparseConfig
 from tilesparse.format import tile_groups
 from tilesparse.importance import ScoreTracker, make_tracker
@@ -66,7 +67,6 @@ __all__ = [
     "WeightMask",
     "LayerStats",
     "TileSparsePruner",
-    "PruningCallback",
     "prune_",
     "default_filter",
 ]
@@ -93,8 +93,19 @@ class WeightMask(nn.Module):
             "mask", torch.ones(out_features, in_features, dtype=torch.bool, device=device)
         )
 
+    mask: torch.Tensor
+
     def forward(self, weight: torch.Tensor) -> torch.Tensor:
         return weight * self.mask
+
+
+def _masked_weight(m: nn.Module) -> tuple[torch.Tensor, WeightMask]:
+    """``(original, mask module)`` of a layer whose ``weight`` :meth:`TileSparsePruner.prepare`
+    parametrized (``m.parametrizations.weight``: ``original`` and one :class:`WeightMask`)."""
+    holder = cast(
+        parametrize.ParametrizationList, cast(nn.ModuleDict, m.parametrizations)["weight"]
+    )
+    return holder.original, cast(WeightMask, holder[0])
 
 
 @dataclass(frozen=True)
@@ -201,7 +212,7 @@ class TileSparsePruner:
             return
         weights, grads = {}, {}
         for fqn, m in self.layers.items():
-            g = m.parametrizations.weight.original.grad
+            g = _masked_weight(m)[0].grad
             if g is not None:
                 grads[fqn] = g.detach().T  # grad of the masked weight, restricted to kept ones
                 weights[fqn] = m.weight.detach().T
@@ -229,8 +240,8 @@ class TileSparsePruner:
     @torch.no_grad()
     def _zero_pruned(self) -> None:
         for m in self.layers.values():
-            holder = m.parametrizations.weight
-            holder.original.mul_(holder[0].mask)
+            original, wm = _masked_weight(m)
+            original.mul_(wm.mask)
 
     def callback(self, step_offset: int | None = None) -> PruningCallback:
         """A trainer callback driving :meth:`observe` and :meth:`step`, with the schedule at
@@ -353,10 +364,10 @@ class TileSparsePruner:
             masks = masks_for_config(cfg, [scores[f] for f in names], s, min_density=None)
             for f, mask_kn in zip(names, masks):
                 m = self.layers[f]
-                holder = m.parametrizations.weight
-                mask_nk = mask_kn.T.to(holder[0].mask.device)
-                holder[0].mask.copy_(mask_nk)
-                holder.original.mul_(mask_nk)
+                original, wm = _masked_weight(m)
+                mask_nk = mask_kn.T.to(wm.mask.device)
+                wm.mask.copy_(mask_nk)
+                original.mul_(mask_nk)
         if self.tracker.reset_on_mask_update:  # Taylor: scores since the last update
             self.tracker.reset()
         self.current_sparsity = sparsity
@@ -378,7 +389,7 @@ class TileSparsePruner:
         m = self.layers[fqn]
         if isinstance(m, TileSparseLinear):
             return m.mask_kn()
-        return m.parametrizations.weight[0].mask.T.cpu().clone()
+        return _masked_weight(m)[1].mask.T.cpu().clone()
 
     def masks(self) -> dict[str, torch.Tensor]:
         """Every layer's ``(K, N) bool`` mask."""
@@ -491,80 +502,6 @@ class TileSparsePruner:
         self.compressed = True
         assert self.model is not None
         return self.model
-
-
-class PruningCallback:
-    """Trainer callback (duck-typed to ``embark.training.trainer.Callback``: ``tilesparse`` does not
-    import ``embark``): ``on_after_backward`` → :meth:`TileSparsePruner.observe`,
-    ``on_step_end`` → :meth:`TileSparsePruner.step`.
-
-    The schedule follows the trainer: at the end of trainer step ``step`` the pruner is at
-    schedule step ``step - step_offset``. When the pruner's ``step_count`` disagrees (a pruner
-    prepared on a model resumed from a checkpoint), it is set from the trainer's step first,
-    and the masks are recomputed from the current weights if the pruner's sparsity is not the
-    schedule's at that step.
-
-    ``step_offset=None`` (the default) takes it from the first step: the trainer steps taken
-    minus the pruner's (0 for a fresh trainer and pruner, or a pruner restored with
-    :meth:`TileSparsePruner.load_state_dict` beside its checkpoint). A fresh pruner on a
-    trainer that already took steps is ambiguous — start the schedule now
-    (``step_offset=trainer.step``, after dense training) or continue the schedule the
-    checkpoint's masks were pruned along (``step_offset=0``) — and is an error naming both.
-
-    Args:
-        pruner: the prepared pruner.
-        step_offset: the trainer step at which the schedule starts, or ``None`` (above).
-
-    Raises:
-        ValueError: for a negative ``step_offset``; from ``on_after_backward`` (before the
-            optimizer step, so nothing has changed), for a trainer step at or before
-            ``step_offset``, or the ambiguous case above.
-    """
-
-    def __init__(self, pruner: TileSparsePruner, step_offset: int | None = None) -> None:
-        if step_offset is not None and (
-            isinstance(step_offset, bool) or not isinstance(step_offset, int) or step_offset < 0
-        ):
-            raise ValueError(f"step_offset must be an integer >= 0 or None, got {step_offset!r}")
-        self.pruner = pruner
-        self.step_offset = step_offset
-
-    def _offset_for(self, step: int) -> int:
-        """``step_offset`` for trainer step ``step`` (the one in progress), checked."""
-        if self.step_offset is None:
-            done = self.pruner.step_count
-            if done == 0 and step > 1:
-                raise ValueError(
-                    f"the trainer has taken {step - 1} steps and this pruner none: pass "
-                    f"pruner.callback(step_offset={step - 1}) to start the pruning schedule now "
-                    "(after dense training), or step_offset=0 to continue the schedule a "
-                    "resumed checkpoint was pruned along (or restore the pruner's state_dict)"
-                )
-            self.step_offset = max(0, step - 1 - done)
-        if step - self.step_offset < 1:
-            raise ValueError(
-                f"trainer step {step} is not after step_offset {self.step_offset}: the pruning "
-                "schedule would start in the future"
-            )
-        return self.step_offset
-
-    def on_after_backward(self, trainer: Any, step: int) -> None:
-        self._offset_for(step)
-        self.pruner.observe()
-
-    def on_step_end(self, trainer: Any, step: int, loss: float) -> None:
-        schedule_step = step - self._offset_for(step)
-        if self.pruner.step_count != schedule_step - 1:
-            log.info(
-                "tilesparse: schedule synced from step %d to the trainer's %d",
-                self.pruner.step_count,
-                schedule_step - 1,
-            )
-            self.pruner.step_count = schedule_step - 1
-        self.pruner.step()
-
-    def on_eval(self, trainer: Any, step: int, metrics: dict[str, float]) -> None:
-        return None
 
 
 def prune_(

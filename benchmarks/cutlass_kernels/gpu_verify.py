@@ -113,7 +113,7 @@ def check_close(got: torch.Tensor, ref: torch.Tensor, dtype: torch.dtype) -> tup
 def verify_instance(ext: ModuleType, kernel: TWKernel) -> tuple[list[dict[str, Any]], list[str]]:
     """One instance vs the emulation (exact) and vs the fp32 reference (tolerance): its check
     rows and failure messages. Raises whatever the launch raises (the caller records it)."""
-    from cutlass_kernels import build
+    from cutlass_kernels import launch
     from cutlass_kernels.manifest import DType
     from cutlass_kernels.reference import emulate, pack_launch, pack_weight
     from tilesparse.format import reference_matmul
@@ -131,7 +131,7 @@ def verify_instance(ext: ModuleType, kernel: TWKernel) -> tuple[list[dict[str, A
         bias = torch.randint(-2, 3, (N,), generator=gen).to(dt)
         want = emulate(pack_launch(x, pack_weight(layout, dtype=dt), bias))
         gpu = pack_launch(x.cuda(), pack_weight(layout, dtype=dt, device="cuda"), bias.cuda())
-        got = build.tw_gemm_kmajor(gpu, kernel=kernel, ext=ext).cpu()
+        got = launch.tw_gemm_kmajor(gpu, kernel=kernel, ext=ext).cpu()
         ok = torch.equal(got[:, :M], want[:, :M])
         if not ok:
             bad = int((got[:, :M] != want[:, :M]).sum())
@@ -146,8 +146,8 @@ def verify_instance(ext: ModuleType, kernel: TWKernel) -> tuple[list[dict[str, A
     layout = tw_layout(1000, 4 * G + 7, G, 50, gen, torch.float32)
     x = torch.randn(777, 1000, generator=gen)
     want = reference_matmul(x, layout)
-    launch = pack_launch(x.to(dt).cuda(), pack_weight(layout, dtype=dt, device="cuda"))
-    got = build.tw_gemm_kmajor(launch, kernel=kernel, ext=ext)[:, :777].t().float().cpu()
+    args = pack_launch(x.to(dt).cuda(), pack_weight(layout, dtype=dt, device="cuda"))
+    got = launch.tw_gemm_kmajor(args, kernel=kernel, ext=ext)[:, :777].t().float().cpu()
     err = float((got - want).abs().max())
     try:
         torch.testing.assert_close(got, want, **TOL[dt])
@@ -226,10 +226,10 @@ def verify_child(args: argparse.Namespace) -> int:
     """Child mode (``--verify-kernels a,b --verify-out FILE [--built x,y]``): load the extension
     of exactly the parent's built instances (``--built``, in its order: the same cache key, so
     nothing is recompiled) and verify the named instances (:func:`child_loop`)."""
-    from cutlass_kernels import build
+    from cutlass_kernels import build, toolchain
     from cutlass_kernels.manifest import manifest
 
-    arch = build.device_arch()
+    arch = toolchain.device_arch()
     by_name = {k.name: k for k in manifest(arch)}
     built = [by_name[n] for n in args.built.split(",")] if args.built else None
     ext = build.load_extension(arch, built, skip_failed=True)

@@ -18,7 +18,7 @@ Every row is one ``Y (M, N) = X (M, K) · W (K, N)``, no bias in any contender:
 ``scores`` are ``torch.rand`` from a fixed seed. ``speedup = dense_ms / tw_ms``; the ideal is
 ``1 / (1 − s)`` (only the kept weights' FLOPs); ``fraction_of_ideal = speedup / ideal``.
 ``correct`` compares ``tw`` with ``tilesparse.reference_matmul`` elementwise under
-``|y − ref| <= atol + rtol·|ref|`` (test_ops.py's per-dtype table, atol scaled by
+``|y − ref| <= atol + rtol·|ref|`` (the ``tw_gemm`` bounds of tests/tolerances.py, atol scaled by
 ``sqrt(K / 300)``). Memory: the condensed layout's bytes over the dense weight's
 (``tilesparse.layer_memory``), and the CSR matrix's for comparison.
 
@@ -53,9 +53,10 @@ from benchmarks.tilesparse.timing import (
     time_once,
 )
 from embark.models.workloads import get_workload
-from tilesparse import ops
 from tilesparse.format import TWLayout, condense, reference_matmul
+from tilesparse.kernels import cpu_kernel_available
 from tilesparse.memory import layer_memory
+from tilesparse.ops import tw_linear
 from tilesparse.patterns import ew_mask, tw_mask
 
 log = logging.getLogger("bench_gemm")
@@ -66,9 +67,9 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
 SPARSITIES = (0.5, 0.75, 0.9)
 TILES = (128, 64)
 TOKENS = 4096  # M of every full-size row: BERT tokens per batch, DLRM batch
-# Per-dtype tolerance of the kernel against reference_matmul: tests/tilesparse/test_ops.py's
-# TOL table, measured at K <= 300; rounding of a K-term sum grows ~sqrt(K), so atol is scaled
-# by sqrt(K / TOL_K) above that.
+# Per-dtype tolerance of the kernel against reference_matmul: the ("tw_gemm", dtype) bounds of
+# tests/tolerances.py, measured at K <= 300; rounding of a K-term sum grows ~sqrt(K), so atol
+# is scaled by sqrt(K / TOL_K) above that.
 TOL = {
     torch.float32: {"rtol": 1e-4, "atol": 1e-4},
     torch.bfloat16: {"rtol": 2e-2, "atol": 5e-2},
@@ -188,7 +189,7 @@ def check_tw(x: torch.Tensor, layout: TWLayout) -> dict[str, Any]:
     Returns:
         ``tw_max_abs_err``, ``tw_rtol``, ``tw_atol``, ``correct``.
     """
-    y = ops.tw_linear(x, layout, None, "cpu")
+    y = tw_linear(x, layout, None, "cpu")
     ref = reference_matmul(x, layout)
     tol = TOL[x.dtype]
     atol = tol["atol"] * max(1.0, math.sqrt(x.shape[1] / TOL_K))
@@ -227,6 +228,26 @@ class MaskCache:
         return self.ew
 
 
+def _csr_contender(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    scores: torch.Tensor,
+    s: float,
+    masks: MaskCache,
+    csr_why_not: str | None,
+    args: argparse.Namespace,
+) -> tuple[CSRContender | None, str | None]:
+    """``(contender, None)`` for the CSR peer on ``w`` under the EW mask of ``s`` (its
+    full-size call warmed), or ``(None, why it is skipped)``."""
+    if csr_why_not is not None:
+        return None, csr_why_not
+    picked = pick_csr(x, w * masks.ew_mask(scores, s).to(w.dtype), args.csr_max_seconds)
+    if isinstance(picked, str):
+        return None, picked
+    picked.fn()  # warm the full-size call
+    return picked, None
+
+
 def bench_row(
     shape: Shape,
     dtype_name: str,
@@ -246,30 +267,23 @@ def bench_row(
     mem = layer_memory(layout)
     fns: dict[str, Callable[[], Any]] = {
         "dense": lambda: torch.matmul(x, w),
-        "tw": lambda: ops.tw_linear(x, layout, None, "cpu"),
+        "tw": lambda: tw_linear(x, layout, None, "cpu"),
     }
     check = check_tw(x, layout)
     for fn in fns.values():
         fn()  # warm
     round_s = sum(time_once(fn) for fn in fns.values())
     repeats = args.repeats if args.repeats is not None else auto_repeats(round_s, args.row_seconds)
-    csr: CSRContender | None = None
-    csr_skipped = csr_why_not
-    if csr_skipped is None:
-        picked = pick_csr(x, w * masks.ew_mask(scores, s).to(dtype), args.csr_max_seconds)
-        if isinstance(picked, str):
-            csr_skipped = picked
-        else:
-            csr = picked
-            fns["csr"] = csr.fn
-            csr.fn()  # warm the full-size call
+    csr, csr_skipped = _csr_contender(x, w, scores, s, masks, csr_why_not, args)
+    if csr is not None:
+        fns["csr"] = csr.fn
     caps = {"csr": min(args.csr_repeats, repeats)} if csr else {}
     t = interleaved(fns, repeats, warmup=0, caps=caps)
     dense_ms, tw_ms = t["dense"].median_ms, t["tw"].median_ms
     csr_ms = t["csr"].median_ms if csr else None
     ideal = 1.0 / (1.0 - s)
     speedup = dense_ms / tw_ms
-    row: dict[str, Any] = {
+    return {
         "bench": "tw_gemm",
         "shape": shape.name,
         "group": shape.group,
@@ -306,8 +320,7 @@ def bench_row(
         "index_fraction": mem.index_fraction,
         "memory_fraction": mem.total_fraction,
         "csr_memory_fraction": csr.total_fraction if csr else None,
-    }
-    return row  # the row's tensors die here; main() collects before the next row
+    }  # the row's tensors die here; main() collects before the next row
 
 
 def _fmt(v: float | None, spec: str) -> str:
@@ -408,6 +421,49 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _bench_shape(
+    shape: Shape,
+    args: argparse.Namespace,
+    csr_why_not: dict[str, str | None],
+    rows: list[dict[str, Any]],
+    total: int,
+) -> None:
+    """Every (sparsity, dtype, G) row of one shape, appended to ``rows`` and logged."""
+    log.info("shape %s (M=%d, K=%d, N=%d)", shape.name, shape.M, shape.K, shape.N)
+    gen = torch.Generator().manual_seed(args.seed)
+    x32 = torch.randn(shape.M, shape.K, generator=gen)
+    w32 = torch.randn(shape.K, shape.N, generator=gen) / math.sqrt(shape.K)
+    scores = torch.rand(shape.K, shape.N, generator=gen)
+    masks = MaskCache()
+    for s in args.sparsity_list:
+        for dtype_name in args.dtype_list:
+            for G in args.tile_list:
+                t0 = time.perf_counter()
+                r = bench_row(
+                    shape, dtype_name, G, s, x32, w32, scores, masks, csr_why_not[dtype_name], args
+                )
+                rows.append(r)
+                free_memory()
+                log.info(
+                    "[%d/%d] %s %s G=%d s=%.2f: dense %.2f ms, TW %.2f ms (%.2f×, %.0f%% of %.0f×), "
+                    "CSR %s ms, correct=%s (%.1f s)",
+                    len(rows),
+                    total,
+                    shape.name,
+                    dtype_name,
+                    G,
+                    s,
+                    r["dense_ms"],
+                    r["tw_ms"],
+                    r["speedup"],
+                    100 * r["fraction_of_ideal"],
+                    r["ideal"],
+                    _fmt(r["csr_ms"], ".2f"),
+                    r["correct"],
+                    time.perf_counter() - t0,
+                )
+
+
 def main(argv: list[str] | None = None) -> Path:
     """CLI entry point; returns the JSON path written.
 
@@ -418,7 +474,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     threads = set_threads(args.threads)
-    if not ops.cpu_kernel_available():
+    if not cpu_kernel_available():
         raise SystemExit(
             "bench_gemm: the compiled tilesparse CPU kernel is missing; run "
             "`python -m tilesparse.build_ext -v` first"
@@ -434,49 +490,7 @@ def main(argv: list[str] | None = None) -> Path:
     t_start = time.perf_counter()
     total = len(shapes) * len(args.sparsity_list) * len(args.dtype_list) * len(args.tile_list)
     for shape in shapes:
-        log.info("shape %s (M=%d, K=%d, N=%d)", shape.name, shape.M, shape.K, shape.N)
-        gen = torch.Generator().manual_seed(args.seed)
-        x32 = torch.randn(shape.M, shape.K, generator=gen)
-        w32 = torch.randn(shape.K, shape.N, generator=gen) / math.sqrt(shape.K)
-        scores = torch.rand(shape.K, shape.N, generator=gen)
-        masks = MaskCache()
-        for s in args.sparsity_list:
-            for dtype_name in args.dtype_list:
-                for G in args.tile_list:
-                    t0 = time.perf_counter()
-                    r = bench_row(
-                        shape,
-                        dtype_name,
-                        G,
-                        s,
-                        x32,
-                        w32,
-                        scores,
-                        masks,
-                        csr_why_not[dtype_name],
-                        args,
-                    )
-                    rows.append(r)
-                    free_memory()
-                    log.info(
-                        "[%d/%d] %s %s G=%d s=%.2f: dense %.2f ms, TW %.2f ms (%.2f×, %.0f%% of %.0f×), "
-                        "CSR %s ms, correct=%s (%.1f s)",
-                        len(rows),
-                        total,
-                        shape.name,
-                        dtype_name,
-                        G,
-                        s,
-                        r["dense_ms"],
-                        r["tw_ms"],
-                        r["speedup"],
-                        100 * r["fraction_of_ideal"],
-                        r["ideal"],
-                        _fmt(r["csr_ms"], ".2f"),
-                        r["correct"],
-                        time.perf_counter() - t0,
-                    )
-        del x32, w32, scores, masks
+        _bench_shape(shape, args, csr_why_not, rows, total)
         free_memory()
     path = write_json(
         args.out,

@@ -38,41 +38,41 @@ import argparse
 import copy
 import logging
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import ProfilerActivity, profile
 
 import tilesparse
 from benchmarks.meta import RESULTS_DIR, write_json
+from benchmarks.tilesparse.model_checks import (
+    MODEL_TOL,
+    masked_dense_err,
+    masked_reference,
+    max_err,
+    memory_fields,
+    op_counts,
+    time_rows,
+    verdict,
+)
 from benchmarks.tilesparse.timing import (
     add_threads_arg,
     cpu_features,
     default_dtypes,
     free_memory,
-    interleaved,
     set_threads,
-    time_once,
 )
 from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import Workload, get_workload
-from tilesparse import ops
-from tilesparse.memory import model_memory
+from tilesparse.kernels import cpu_kernel_available
 
 log = logging.getLogger("bench_models")
 
 SECTIONS = ("dlrm", "encoder")
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}
-# Whole-model tolerance against the masked dense model (tests/tilesparse/test_models.py's
-# MODEL_TOL: fp32 a different summation order per layer, bf16 against the fp32 reference).
-MODEL_TOL = {
-    torch.float32: {"rtol": 1e-4, "atol": 1e-5},
-    torch.bfloat16: {"rtol": 5e-2, "atol": 5e-2},
-}
 TARGET_SPARSITY, TARGET_SPEEDUP = 0.75, 2.0  # the issue: >= 2x on the DLRM dense part at 75%
 TW_OP = "tilesparse::tw_linear"
 FUSED_OP = "aten::_transformer_encoder_layer_fwd"
@@ -107,91 +107,6 @@ QUICK = {
 QUICK_REPEATS = 3
 
 
-def op_counts(fn: Callable[[], Any], names: tuple[str, ...]) -> dict[str, int]:
-    """How many times each operator in ``names`` ran during one call of ``fn`` (profiler)."""
-    with profile(activities=[ProfilerActivity.CPU]) as prof:
-        fn()
-    events = [e.name for e in prof.events()]
-    return {n: events.count(n) for n in names}
-
-
-def max_err(got: torch.Tensor, want: torch.Tensor, dtype: torch.dtype) -> tuple[float, bool]:
-    """Max abs error of ``got`` against the fp32 ``want`` and whether it is within
-    :data:`MODEL_TOL` of ``dtype`` (``|got − want| <= atol + rtol·|want|`` elementwise)."""
-    tol = MODEL_TOL[dtype]
-    diff = (got.float() - want.float()).abs()
-    ok = got.shape == want.shape and bool(
-        (diff <= tol["atol"] + tol["rtol"] * want.float().abs()).all()
-    )
-    return float(diff.max()), ok
-
-
-def verdict(err: float, within_tol: bool, reference_err: float | None) -> dict[str, Any]:
-    """The correctness fields of a row. ``correct``: within :data:`MODEL_TOL`, or (bf16) no
-    more than twice the error the masked dense model itself makes in that dtype against the
-    same fp32 output (``reference_err``): the error of the dtype, not of the TW path."""
-    return {
-        "max_abs_err": err,
-        "within_tolerance": within_tol,
-        "masked_dense_max_abs_err": reference_err,
-        "correct": within_tol or (reference_err is not None and err <= 2.0 * reference_err),
-    }
-
-
-def _reference_err(
-    reference: nn.Module,
-    dtype: torch.dtype,
-    run: Callable[[nn.Module], torch.Tensor],
-    want: torch.Tensor,
-) -> float | None:
-    """Max abs error of the masked dense model cast to ``dtype`` against its fp32 output
-    ``want`` (``None`` for fp32)."""
-    if dtype == torch.float32:
-        return None
-    with torch.no_grad():
-        return max_err(run(copy.deepcopy(reference).to(dtype)), want, dtype)[0]
-
-
-def auto_repeats(round_s: float, row_seconds: float, lo: int = 5, hi: int = 30) -> int:
-    """Rounds so that a row's calls take about ``row_seconds``."""
-    return max(lo, min(hi, int(row_seconds / max(round_s, 1e-6)) + 1))
-
-
-def _memory_fields(model: nn.Module) -> dict[str, Any]:
-    mem = model_memory(model)
-    return {
-        "dense_weight_bytes": mem.dense_bytes,
-        "weight_bytes": mem.weight_bytes,
-        "index_bytes": mem.index_bytes,
-        "memory_fraction": mem.total_fraction,
-        "index_fraction": mem.index_bytes / max(1, mem.dense_bytes),
-        "sparse_layers": len(mem.sparse_layers),
-        "linear_layers": len(mem.layers),
-        "memory_summary": mem.summary(),
-    }
-
-
-def _masked_reference(
-    build: Callable[[], nn.Module], pruner: tilesparse.TileSparsePruner
-) -> nn.Module:
-    """A freshly built (same-seed) model with the pruner's masks multiplied into its weights."""
-    return pruner.apply_masks_to(build())
-
-
-def _time(
-    fns: dict[str, Callable[[], Any]], args: argparse.Namespace
-) -> tuple[dict[str, float], int]:
-    """Warm, pick the rounds, time interleaved; medians in ms and the rounds used."""
-    for fn in fns.values():
-        fn()
-    round_s = sum(time_once(fn) for fn in fns.values())
-    repeats = args.repeats if args.repeats is not None else auto_repeats(round_s, args.row_seconds)
-    t = interleaved(fns, repeats, warmup=0)
-    return {k: v.median_ms for k, v in t.items()} | {
-        f"{k}_iqr": 1e3 * v.iqr_s for k, v in t.items()
-    }, repeats
-
-
 # ------------------------------------------------------------------------------ DLRM-DCNv2
 
 
@@ -217,7 +132,7 @@ def _dlrm_row(
     dtype = d_in.dtype
     err, ok = max_err(tw_m.dense_forward(d_in, p_in), want, dtype)
     calls = op_counts(lambda: tw_m.dense_forward(d_in, p_in), (TW_OP,))[TW_OP]
-    t, repeats = _time(
+    t, repeats = time_rows(
         {
             "dense": lambda: dense_m.dense_forward(d_in, p_in),
             "tw": lambda: tw_m.dense_forward(d_in, p_in),
@@ -238,7 +153,7 @@ def _dlrm_row(
         "rtol": MODEL_TOL[dtype]["rtol"],
         "atol": MODEL_TOL[dtype]["atol"],
         "tw_linear_calls": calls,
-        **_memory_fields(tw_m),
+        **memory_fields(tw_m),
     }
 
 
@@ -258,7 +173,7 @@ def bench_dlrm(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str
         tw32 = build()
         cfg = tilesparse.TileSparseConfig(sparsity=s, tile=G, global_threshold=False)
         pruner = tilesparse.prune_(tw32, cfg)
-        reference = _masked_reference(build, pruner)
+        reference = masked_reference(build, pruner)
         pruner.compress(backend="cpu")
         prune_s = time.perf_counter() - t0
         with torch.no_grad():
@@ -268,7 +183,7 @@ def bench_dlrm(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str
             dense_m = dense32 if dtype == torch.float32 else copy.deepcopy(dense32).to(dtype)
             tw_m = tw32 if dtype == torch.float32 else copy.deepcopy(tw32).to(dtype)
             d_in, p_in = dense_in.to(dtype), pooled_in.to(dtype)
-            ref_err = _reference_err(
+            ref_err = masked_dense_err(
                 reference, dtype, lambda m, a=d_in, b=p_in: m.dense_forward(a, b), want
             )
             row = _dlrm_row(dense_m, tw_m, d_in, p_in, want, ref_err, args)
@@ -362,7 +277,7 @@ def _encoder_row(
     ops_tw = op_counts(lambda: tw_m(x), (TW_OP, FUSED_OP))
     ops_fused = op_counts(lambda: dense_m(x), (FUSED_OP,))
     ops_unfused = op_counts(dense_unfused, (FUSED_OP,))
-    t, repeats = _time(
+    t, repeats = time_rows(
         {"dense_fused": lambda: dense_m(x), "dense_unfused": dense_unfused, "tw": lambda: tw_m(x)},
         args,
     )
@@ -387,7 +302,7 @@ def _encoder_row(
         **verdict(err, ok, reference_err),
         "rtol": MODEL_TOL[dtype]["rtol"],
         "atol": MODEL_TOL[dtype]["atol"],
-        **_memory_fields(tw_m),
+        **memory_fields(tw_m),
     }
 
 
@@ -406,7 +321,7 @@ def bench_encoder(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[
         tw32 = _build_encoder(knobs, args.seed)
         cfg = tilesparse.TileSparseConfig(sparsity=s, tile=G, global_threshold=False)
         pruner = tilesparse.prune_(tw32, cfg, _ffn_only)
-        reference = _masked_reference(lambda: _build_encoder(knobs, args.seed), pruner)
+        reference = masked_reference(lambda: _build_encoder(knobs, args.seed), pruner)
         pruner.compress(backend="cpu")
         with torch.no_grad(), fastpath(False):
             want = reference(x32)
@@ -415,7 +330,7 @@ def bench_encoder(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[
             dense_m = dense32 if dtype == torch.float32 else copy.deepcopy(dense32).to(dtype)
             tw_m = tw32 if dtype == torch.float32 else copy.deepcopy(tw32).to(dtype)
             x = x32.to(dtype)
-            ref_err = _reference_err(reference, dtype, lambda m, a=x: m(a), want)
+            ref_err = masked_dense_err(reference, dtype, lambda m, a=x: m(a), want)
             row = _encoder_row(dense_m, tw_m, x, want, ref_err, args)
             row.update(
                 d_model=knobs["d_model"],
@@ -571,7 +486,7 @@ def main(argv: list[str] | None = None) -> Path:
     args = parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
     threads = set_threads(args.threads)
-    if not ops.cpu_kernel_available():
+    if not cpu_kernel_available():
         raise SystemExit(
             "bench_models: the compiled tilesparse CPU kernel is missing; run "
             "`python -m tilesparse.build_ext -v` first"

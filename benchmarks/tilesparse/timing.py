@@ -184,11 +184,11 @@ def cpu_flags() -> set[str]:
 def cpu_features() -> dict[str, Any]:
     """Which of :data:`CPU_FLAGS` the CPU has (``/proc/cpuinfo``; empty elsewhere), which fp32
     micro-kernel the TW extension runs (``tw_kernel_simd``: ``"avx512"`` / ``"avx2"`` /
-    ``"scalar"``; ``tw_kernel_avx512`` kept for older readers), whether it runs its AMX bf16
+    ``"scalar"``; ``tw_kernel_avx512``: whether it is the AVX-512 one), whether it runs its AMX bf16
     kernel, and which kernel a bf16 call takes (``tw_kernel_bf16``: ``"amx"`` /
     ``"avx512_bf16"`` / ``"fp32"`` / ``"mm"``) (``None`` where the extension is not loaded)."""
     flags = cpu_flags()
-    from tilesparse.build_ext import load_extension
+    from tilesparse.kernels.cpu import load_extension
 
     ext = load_extension()
     return {f: f in flags for f in CPU_FLAGS} | {

@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.tilesparse import bench_gemm, bench_models
 from benchmarks.tilesparse.timing import Timing, interleaved, interleaved_medians, set_threads
-from tilesparse import ops
+from tilesparse.kernels import cpu_kernel_available
 
 GEMM_FIELDS = (
     "bench",
@@ -126,7 +126,7 @@ def one_thread() -> Iterator[None]:
 @pytest.fixture
 def kernel(require) -> None:
     require(
-        ops.cpu_kernel_available(),
+        cpu_kernel_available(),
         "the compiled tilesparse CPU kernel (python -m tilesparse.build_ext)",
     )
 

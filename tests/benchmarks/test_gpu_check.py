@@ -13,13 +13,13 @@ import time
 import pytest
 import torch
 
-from benchmarks.cutlass_kernels import gpu_check, gpu_timing, gpu_verify
+from benchmarks.cutlass_kernels import gpu_bench, gpu_check, gpu_timing, gpu_verify
 from cutlass_kernels.manifest import Arch, DType, Mainloop, manifest
 
 
 @pytest.mark.parametrize(("s", "want"), [(0, 0.0), (75, 50.0), (50, 29.289), (90, 68.377)])
 def test_split_sparsity_composes_to_the_target(s, want) -> None:
-    step = gpu_check.split_sparsity(s)
+    step = gpu_verify.split_sparsity(s)
     assert step == pytest.approx(want, abs=1e-3)
     assert 1 - (1 - step / 100) ** 2 == pytest.approx(s / 100)
 
@@ -27,12 +27,12 @@ def test_split_sparsity_composes_to_the_target(s, want) -> None:
 @pytest.mark.parametrize("s", [50, 75, 90])
 def test_random_tw_layer_has_the_target_density(s) -> None:
     gen = torch.Generator().manual_seed(s)
-    layout = gpu_check.tw_layout(1024, 768, 128, s, gen, torch.float32)
+    layout = gpu_verify.tw_layout(1024, 768, 128, s, gen, torch.float32)
     assert layout.density == pytest.approx(1 - s / 100, abs=0.01)
     dense = layout.to_dense()
     assert dense.shape == (1024, 768)
     kept_cols = (dense != 0).any(0).sum().item()
-    assert kept_cols == round(768 * (1 - gpu_check.split_sparsity(s) / 100))
+    assert kept_cols == round(768 * (1 - gpu_verify.split_sparsity(s) / 100))
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the exit without a CUDA device")
@@ -308,21 +308,21 @@ def test_build_order_puts_the_benchmarked_instances_first() -> None:
 
 
 def test_sampled_columns_include_the_last_batch_block() -> None:
-    cols = gpu_check.sample_columns(12800)
+    cols = gpu_bench.sample_columns(12800)
     assert cols[0] == 0 and 6400 in cols and cols[-256:] == list(range(12544, 12800))
-    assert gpu_check.sample_columns(5) == [0, 1, 2, 3, 4]
+    assert gpu_bench.sample_columns(5) == [0, 1, 2, 3, 4]
 
 
 def test_check_close_flags_a_wrong_output() -> None:
     ref = torch.randn(8, 16)
-    assert gpu_check.check_close(ref.half(), ref, torch.float16)[0]
+    assert gpu_verify.check_close(ref.half(), ref, torch.float16)[0]
     bad = ref.half().clone()
     bad[-1, -1] += 1.0
-    ok, err = gpu_check.check_close(bad, ref, torch.float16)
+    ok, err = gpu_verify.check_close(bad, ref, torch.float16)
     assert not ok and err == pytest.approx(1.0, abs=0.01)
     nan = ref.half().clone()
     nan[0, 0] = float("nan")
-    assert not gpu_check.check_close(nan, ref, torch.float16)[0]
+    assert not gpu_verify.check_close(nan, ref, torch.float16)[0]
 
 
 def _jobs(n: int = 3):
@@ -353,7 +353,7 @@ def test_a_failing_shape_leaves_an_error_row_and_the_run_goes_on() -> None:
 
 def test_a_lost_cuda_context_ends_the_run() -> None:
     def bench_one(name, M, K, N, dtype):
-        raise gpu_check.CudaContextLost("illegal memory access")
+        raise gpu_verify.CudaContextLost("illegal memory access")
 
     rows, failures, skipped = [], [], []
     gpu_check.run_shapes(
@@ -388,16 +388,16 @@ def test_time_candidates_records_errors_per_candidate() -> None:
             raise RuntimeError("launch failed: invalid argument")
         return gpu_timing.make_timing([5.0], 5.0, 1.0, False)
 
-    timings, max_err, errors = gpu_check.time_candidates(
+    timings, max_err, errors = gpu_bench.time_candidates(
         ks, time_one, lambda k: (True, 0.0), lambda: True
     )
     assert list(timings) == [b.name] and "invalid argument" in errors[a.name]
-    timings, _, errors = gpu_check.time_candidates(
+    timings, _, errors = gpu_bench.time_candidates(
         [b], time_one, lambda k: (False, 3.0), lambda: True
     )
     assert timings == {} and "max abs err 3" in errors[b.name]
-    with pytest.raises(gpu_check.CudaContextLost):
-        gpu_check.time_candidates([a], time_one, lambda k: (True, 0.0), lambda: False)
+    with pytest.raises(gpu_verify.CudaContextLost):
+        gpu_bench.time_candidates([a], time_one, lambda k: (True, 0.0), lambda: False)
 
 
 class _FakeTimer:
@@ -414,7 +414,7 @@ class _FakeTimer:
 
 
 def test_bench_shape_on_the_emulation_records_errors_in_rows(monkeypatch) -> None:
-    from cutlass_kernels import build
+    from cutlass_kernels import launch
     from cutlass_kernels.reference import emulate
 
     ks = [k for k in manifest(Arch.SM90A) if k.dtype is DType.F16 and k.tile_g == 128]
@@ -428,8 +428,8 @@ def test_bench_shape_on_the_emulation_records_errors_in_rows(monkeypatch) -> Non
             launch.yt[:, launch.rows - 1] += 1.0  # the last batch row is off
         return launch.yt
 
-    monkeypatch.setattr(build, "tw_gemm_kmajor", fake_gemm)
-    monkeypatch.setattr(build, "select_for", lambda launch, ext: ks[2])
+    monkeypatch.setattr(launch, "tw_gemm_kmajor", fake_gemm)
+    monkeypatch.setattr(launch, "select_for", lambda launch, ext: ks[2])
     failures: list[str] = []
     rows = gpu_check.bench_shape(
         None,
@@ -485,7 +485,7 @@ def test_bench_shape_without_verified_instances_still_times_dense() -> None:
 def fake_gpu_run(monkeypatch):
     """``main()`` with the GPU pieces stubbed: a fake extension whose kernel is the emulation
     (one instance "failed to compile"), verification passing, tiny shapes run on the CPU."""
-    from cutlass_kernels import build
+    from cutlass_kernels import build, launch, toolchain
     from cutlass_kernels.reference import emulate
 
     ks = manifest(Arch.SM90A)
@@ -512,16 +512,16 @@ def fake_gpu_run(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: "fake H200")
     monkeypatch.setattr(gpu_check, "_import_cutlass_library", lambda: None)
-    monkeypatch.setattr(build, "find_nvcc", lambda: "/nonexistent/nvcc")
-    monkeypatch.setattr(build, "nvcc_version", lambda nvcc: (13, 0))
-    monkeypatch.setattr(build, "device_arch", lambda *a: Arch.SM90A)
+    monkeypatch.setattr(toolchain, "find_nvcc", lambda: "/nonexistent/nvcc")
+    monkeypatch.setattr(toolchain, "nvcc_version", lambda nvcc: (13, 0))
+    monkeypatch.setattr(toolchain, "device_arch", lambda *a: Arch.SM90A)
     monkeypatch.setattr(build, "load_extension", load_extension)
     monkeypatch.setattr(
-        build,
+        launch,
         "tw_gemm_kmajor",
         lambda launch, *, kernel=None, ext=None: emulate(launch, tile_m=kernel.tile_g),
     )
-    monkeypatch.setattr(build, "select_for", lambda launch, ext: None)
+    monkeypatch.setattr(launch, "select_for", lambda launch, ext: None)
     monkeypatch.setattr(gpu_check, "verify_in_children", verify)
     monkeypatch.setattr(gpu_check, "gpu_warmup", lambda: 150.0)
     monkeypatch.setattr(

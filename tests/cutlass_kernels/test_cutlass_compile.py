@@ -8,17 +8,10 @@ import re
 import pytest
 import torch
 
-from cutlass_kernels.build import (
-    _toolkit_include,
-    compile_object,
-    compile_objects,
-    cuda_toolkit_root,
-    find_nvcc,
-    load_extension,
-    nvcc_version,
-)
+from cutlass_kernels.build import compile_object, compile_objects, load_extension
 from cutlass_kernels.manifest import MIN_CUDA, Arch, DType, Mainloop, manifest
 from cutlass_kernels.reference import pack_launch, pack_weight
+from cutlass_kernels.toolchain import cuda_toolkit_root, find_nvcc, nvcc_version, toolkit_include
 from tilesparse.format import condense
 
 _MS, _GMMA = Mainloop.SM80_MULTISTAGE, Mainloop.SM90_CPASYNC_GMMA
@@ -57,7 +50,7 @@ def test_toolkit_root_and_version(require) -> None:
     nvcc = find_nvcc()
     require(nvcc is not None, "nvcc")
     root = cuda_toolkit_root(nvcc)
-    header = _toolkit_include(root) / "cuda_runtime_api.h"
+    header = toolkit_include(root) / "cuda_runtime_api.h"
     assert header.is_file()
     major, minor = nvcc_version(nvcc)
     assert (major, minor) >= MIN_CUDA[Arch.SM80]  # the oldest toolkit the manifest builds with
@@ -139,9 +132,9 @@ def test_failed_instance_is_skipped_or_raised(require, monkeypatch, tmp_path) ->
 
 
 def test_cudart_is_found_in_lib64_targets_or_nowhere(tmp_path, monkeypatch) -> None:
-    from cutlass_kernels.build import cudart_library
+    from cutlass_kernels.toolchain import cudart_library
 
-    monkeypatch.setattr("cutlass_kernels.build._nvidia_runtime_markers", lambda: [])
+    monkeypatch.setattr("cutlass_kernels.toolchain._nvidia_runtime_markers", lambda: [])
     tk = tmp_path / "cuda"
     with pytest.raises(RuntimeError, match="no shared libcudart"):
         cudart_library(tk)

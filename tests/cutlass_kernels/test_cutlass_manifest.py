@@ -5,6 +5,7 @@ from __future__ import annotations
 import re
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -151,10 +152,14 @@ def test_nvcc_arch_flags() -> None:
 def test_import_needs_no_gpu_nvcc_or_cutlass(tmp_path) -> None:
     code = (
         "import sys, cutlass_kernels, cutlass_kernels.build, cutlass_kernels.emit;"
+        "import cutlass_kernels.launch, cutlass_kernels.toolchain;"
         "bad = [m for m in ('cutlass_library', 'cutlass_cppgen', 'torch.utils.cpp_extension')"
-        " if m in sys.modules]; assert not bad, bad"
+        " if m in sys.modules]; assert not bad, bad;"
+        "ours = [m for m in sys.modules if m.split('.')[0] in ('tilesparse', 'embark', 'hps')];"
+        "assert not ours, ours  # a leaf: nothing else of the project"
     )
-    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": ""}
+    repo = Path(__file__).resolve().parents[2]  # this checkout's packages, not an installed copy
+    env = {"PATH": "/usr/bin:/bin", "CUDA_VISIBLE_DEVICES": "", "PYTHONPATH": str(repo)}
     proc = subprocess.run(
         [sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True
     )

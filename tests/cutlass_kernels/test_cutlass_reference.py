@@ -23,7 +23,8 @@ from cutlass_kernels.reference import (
     tw_linear_emulated,
     unpack_output,
 )
-from tilesparse.format import TWLayout, condense, reference_matmul
+from tests.cutlass_kernels.layouts import random_layout
+from tilesparse.format import condense, reference_matmul
 from tilesparse.linear import TileSparseLinear
 
 I64 = torch.int64
@@ -73,40 +74,6 @@ def test_packing_of_the_drawn_example() -> None:
     assert torch.equal(y[:, 2:4], bias[2:4].expand(3, 2))
 
 
-def _layout(
-    K: int, N: int, G: int, col_p: float, row_p: float, empty_tile: bool, seed: int
-) -> TWLayout:
-    """A random TW layout built directly (so a tile may keep no rows), integer values."""
-    g = torch.Generator().manual_seed(seed)
-    kept = torch.nonzero(torch.rand(N, generator=g) < col_p).flatten()
-    col_idx, tile_ptr, row_idx, row_ptr, val_ptr, vals = [], [0], [], [0], [0], []
-    for start in range(0, kept.numel(), G):
-        cols = kept[start : start + G]
-        rows = torch.nonzero(torch.rand(K, generator=g) < row_p).flatten()
-        if empty_tile and start == 0:
-            rows = rows[:0]
-        col_idx += cols.tolist()
-        tile_ptr.append(len(col_idx))
-        row_idx += rows.tolist()
-        row_ptr.append(len(row_idx))
-        block = torch.randint(-4, 5, (rows.numel(), cols.numel()), generator=g).float()
-        vals.append(block.flatten())
-        val_ptr.append(val_ptr[-1] + block.numel())
-    layout = TWLayout(
-        K,
-        N,
-        G,
-        torch.tensor(col_idx, dtype=I64),
-        torch.tensor(tile_ptr, dtype=I64),
-        torch.tensor(row_idx, dtype=I64),
-        torch.tensor(row_ptr, dtype=I64),
-        torch.cat(vals) if vals else torch.zeros(0),
-        torch.tensor(val_ptr, dtype=I64),
-    )
-    layout.validate()
-    return layout
-
-
 @settings(max_examples=60, deadline=None)
 @given(
     K=st.integers(1, 70),
@@ -122,7 +89,7 @@ def _layout(
 def test_emulation_equals_reference_exactly(
     K, N, G, M, col_p, row_p, empty_tile, with_bias, seed
 ) -> None:
-    layout = _layout(K, N, G, col_p, row_p, empty_tile, seed)
+    layout = random_layout(K, N, G, col_p, row_p, empty_tile, seed)
     g = torch.Generator().manual_seed(seed + 1)
     x = torch.randint(-4, 5, (M, K), generator=g).float()
     bias = torch.randint(-4, 5, (N,), generator=g).float() if with_bias else None
@@ -134,7 +101,7 @@ def test_emulation_equals_reference_exactly(
 def test_16bit_emulation_is_exact_on_small_integers(dtype) -> None:
     # Values in {-1, 0, 1} and K=40: every partial sum and output is an integer of magnitude
     # <= 42, exact in fp16 (11-bit significand) and bf16 (8-bit: exact up to 256).
-    layout = _layout(40, 37, 16, 0.8, 0.5, True, 3)
+    layout = random_layout(40, 37, 16, 0.8, 0.5, True, 3)
     layout.values.clamp_(-1, 1)
     x = torch.randint(-1, 2, (9, 40)).to(dtype)
     bias = torch.randint(-2, 3, (37,)).to(dtype)
@@ -170,7 +137,7 @@ def test_matches_tile_sparse_linear_module() -> None:
 
 
 def test_m_equal_one_and_aligned_batch_need_no_padding_copy() -> None:
-    layout = _layout(20, 20, 8, 1.0, 0.5, False, 7)
+    layout = random_layout(20, 20, 8, 1.0, 0.5, False, 7)
     pw = pack_weight(layout)
     one = pack_launch(torch.ones(1, 20), pw)
     assert (one.batch, one.rows, tuple(one.xt.shape)) == (8, 1, (20, 8))
@@ -180,7 +147,7 @@ def test_m_equal_one_and_aligned_batch_need_no_padding_copy() -> None:
 
 
 def test_bad_inputs_raise_clear_errors() -> None:
-    layout = _layout(20, 20, 8, 1.0, 0.5, False, 7)
+    layout = random_layout(20, 20, 8, 1.0, 0.5, False, 7)
     pw = pack_weight(layout)
     with pytest.raises(ValueError, match=r"x must be \(M, 20\)"):
         pack_launch(torch.ones(3, 19), pw)
@@ -192,7 +159,7 @@ def test_bad_inputs_raise_clear_errors() -> None:
         emulate(pack_launch(torch.ones(3, 20), pw), tile_m=4)
     with pytest.raises(ValueError, match="features"):
         tw_linear_emulated(torch.ones(2, 3), layout)
-    broken = _layout(20, 20, 8, 1.0, 0.5, False, 7)
+    broken = random_layout(20, 20, 8, 1.0, 0.5, False, 7)
     broken.row_idx[0] = 99
     with pytest.raises(ValueError, match="row_idx out of range"):
         pack_weight(broken)
@@ -202,40 +169,8 @@ def test_round_up() -> None:
     assert [round_up(v, 8) for v in (0, 1, 8, 9, 16)] == [0, 8, 8, 16, 16]
 
 
-@pytest.mark.parametrize("backend", ["emulated", "reference"])
-def test_op_schema_adapter_rebuilds_the_layout(backend) -> None:
-    # The CUDA implementation of tilesparse::tw_linear receives the layout as the op schema's
-    # tensors; its non-kernel branches run on any device, so the adapter is checked here.
-    from cutlass_kernels.build import _op_impl
-
-    layout = _layout(33, 41, 8, 0.8, 0.5, True, 11)
-    x = torch.randint(-3, 4, (6, 33)).float()
-    bias = torch.randint(-3, 4, (41,)).float()
-    got = _op_impl(
-        x,
-        layout.col_idx,
-        layout.tile_ptr,
-        layout.row_idx,
-        layout.row_ptr,
-        layout.values,
-        layout.val_ptr,
-        bias,
-        41,
-        backend,
-    )
-    assert torch.equal(got, reference_matmul(x, layout, bias))
-
-
-def test_register_cuda_kernel_without_cuda_returns_false() -> None:
-    from cutlass_kernels import register_cuda_kernel
-
-    if torch.cuda.is_available():
-        pytest.skip("a CUDA device exists: registration is covered by test_cutlass_cuda.py")
-    assert register_cuda_kernel() is False
-
-
 def test_select_for_rejects_fp32_and_a_bad_mainloop_variable(monkeypatch) -> None:
-    from cutlass_kernels.build import MAINLOOP_ENV, select_for
+    from cutlass_kernels.launch import MAINLOOP_ENV, select_for
 
     layout = condense(torch.randn(40, 50), torch.rand(40, 50) < 0.5, 32)
     with pytest.raises(ValueError, match="float16 or bfloat16, got torch.float32"):
@@ -274,7 +209,7 @@ def test_split_packing_of_a_drawn_example() -> None:
 
 
 def test_split_is_a_no_op_for_tiles_no_wider_than_the_limit() -> None:
-    layout = _layout(50, 300, 128, 0.9, 0.5, True, 4)
+    layout = random_layout(50, 300, 128, 0.9, 0.5, True, 4)
     plain = pack_weight(layout)
     for limit in (128, 256, 1000):
         same = pack_weight(layout, max_tile_width=limit)
@@ -303,7 +238,7 @@ def test_wide_tiles_split_into_sub_tiles_emulate_exactly(
 ) -> None:
     # Tiles up to G > 128 wide (a tail tile narrower; a tile with no kept rows; every column
     # pruned when col_p = 0), packed for a kernel of G = limit: same result, exactly.
-    layout = _layout(K, N, G, col_p, row_p, empty_tile, seed)
+    layout = random_layout(K, N, G, col_p, row_p, empty_tile, seed)
     pw = pack_weight(layout, max_tile_width=limit)
     assert pw.max_tile_width <= limit and pw.lda % 8 == 0
     widths = (layout.tile_ptr[1:] - layout.tile_ptr[:-1]).tolist()
@@ -332,7 +267,7 @@ def test_tile_256_layer_on_128_wide_kernels_equals_tile_sparse_linear(dtype) -> 
     mask_kn[torch.randperm(K)[:25]] = True
     mask_kn[:, torch.randperm(N)[:12]] = False  # a few pruned columns: a 289-wide rest, tail 33
     module = TileSparseLinear.from_dense(dense, mask_kn, tile=256)
-    empty_first = _layout(K, N, 256, 0.9, 0.6, True, 5)
+    empty_first = random_layout(K, N, 256, 0.9, 0.6, True, 5)
     empty_first.values.clamp_(-1, 1)
     x = torch.randint(-1, 2, (9, K)).float()
     for layout in (module.layout, empty_first):
@@ -430,7 +365,7 @@ def _k1_launch(M: int = 8):
 def test_emulate_refuses_pitches_the_kernel_refuses() -> None:
     good = _k1_launch(8)
     bad_shape = r"batch, lda, ldx, ldy must be multiples of 8 and ldx, ldy >= batch"
-    # ldx = 1: the (1, 8) transpose of an (8, 1) x, the pitch pack_launch used to hand over
+    # ldx = 1: the (1, 8) transpose of an (8, 1) x, the pitch x2.t().contiguous() would give
     x = torch.ones(8, 1)
     assert x.t().stride() == (1, 1)
     with pytest.raises(ValueError, match=bad_shape + r" \(got batch=8 lda=16 ldx=1 ldy=8\)"):
@@ -440,7 +375,7 @@ def test_emulate_refuses_pitches_the_kernel_refuses() -> None:
     with pytest.raises(ValueError, match=bad_shape + r" \(got batch=8 lda=16 ldx=8 ldy=20\)"):
         emulate(dataclasses.replace(good, yt=yt))
     # ldx < batch (two overlapping rows of 16 columns, pitch 8)
-    two = _layout(2, 16, 8, 1.0, 1.0, False, 0)
+    two = random_layout(2, 16, 8, 1.0, 1.0, False, 0)
     wide = pack_launch(torch.ones(16, 2), pack_weight(two))
     with pytest.raises(ValueError, match=bad_shape + r" \(got batch=16 lda=8 ldx=8 ldy=16\)"):
         emulate(dataclasses.replace(wide, xt=torch.zeros(32).as_strided((2, 16), (8, 1))))

@@ -11,8 +11,9 @@ import subprocess
 import pytest
 
 from cutlass_kernels import emit
-from cutlass_kernels.build import _key, cache_dir, find_nvcc, nvcc_version
+from cutlass_kernels.build import _key
 from cutlass_kernels.manifest import Arch, Mainloop, manifest
+from cutlass_kernels.toolchain import cache_dir, find_nvcc, nvcc_version
 
 SRC = emit.csrc_dir() / "tw_sm90_address_check.cu"
 

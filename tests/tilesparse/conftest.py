@@ -6,13 +6,13 @@ from types import ModuleType
 
 import pytest
 
-from tilesparse import build_ext
+from tilesparse.kernels import cpu as cpu_kernels
 
 
 @pytest.fixture
 def ext(require) -> ModuleType:
     """The compiled CPU kernel (built into the cache on first use; ``make install`` already does)."""
-    mod = build_ext.load_extension()
+    mod = cpu_kernels.load_extension()
     require(mod is not None, "the compiled tilesparse CPU kernel (python -m tilesparse.build_ext)")
     return mod
 

@@ -217,8 +217,9 @@ BAD_RECIPES = [  # (file name, text, expected message after "recipe file <path>:
 def test_malformed_recipe_files_are_one_line_value_errors_naming_file_and_field(
     tmp_path, name, text, message
 ) -> None:
-    """They used to raise TypeError (a scalar stages), JSONDecodeError / yaml ParserError
-    without the path (multi-line for YAML), or a message that named no field."""
+    """A ValueError naming the file and the field, not a TypeError (a scalar stages), a
+    JSONDecodeError / yaml ParserError without the path (multi-line for YAML), or a message
+    that names no field."""
     p = tmp_path / name
     p.write_bytes(text if isinstance(text, bytes) else text.encode())
     with pytest.raises(ValueError) as e:

@@ -7,11 +7,11 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from tests.tolerances import tol
 from tilesparse.linear import TileSparseLinear
 from tilesparse.patterns import tw_mask
 
 # assert_close tolerances per dtype for the tile-by-tile reference vs. the masked dense GEMM
-TOL = {torch.float32: {"rtol": 1e-5, "atol": 1e-5}, torch.float64: {"rtol": 1e-12, "atol": 1e-12}}
 
 
 def int_linear(
@@ -58,7 +58,7 @@ def test_forward_random_values_and_batch_dims(dtype) -> None:
     sparse = TileSparseLinear.from_dense(lin, mask, tile=16, backend="reference")
     x = torch.randn(2, 3, 37, dtype=dtype)
     ref = torch.nn.functional.linear(x, lin.weight * mask.T, lin.bias)
-    torch.testing.assert_close(sparse(x), ref, **TOL[dtype])
+    torch.testing.assert_close(sparse(x), ref, **tol("tw_layer", dtype))
 
 
 def test_state_dict_round_trip_into_an_empty_module() -> None:
@@ -223,8 +223,9 @@ def test_backend_is_validated_when_set() -> None:
     "dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.int16, torch.uint8]
 )
 def test_index_tensors_of_a_cast_state_dict_are_refused(dtype) -> None:
-    """A state dict with every tensor cast to fp16 used to load: col_idx 2049 came back 2048
-    (fp16 holds integers exactly only up to 2048) and the module computed other columns."""
+    """A state dict with every tensor cast to fp16 is refused: loaded, col_idx 2049 would come
+    back 2048 (fp16 holds integers exactly only up to 2048) and the module compute other
+    columns."""
     k, n = 8, 4096
     mask = torch.zeros(k, n, dtype=torch.bool)
     mask[:, [2049, 3001]] = True
@@ -260,7 +261,7 @@ def test_int32_index_tensors_load_exactly() -> None:
 
 @pytest.mark.parametrize("tile", [0, -3, 2.7, True, "2", None])
 def test_corrupt_saved_tile_is_refused(tile) -> None:
-    """A saved tile of 0, -3 or 2.7 (truncated to 2) used to load."""
+    """A saved tile of 0, -3 or 2.7 (which an int() would truncate to 2) is refused."""
     from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
     good = _two_tile_module()

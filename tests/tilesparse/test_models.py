@@ -21,16 +21,10 @@ import tilesparse
 from embark.data import JaggedBatch
 from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import Workload, get_workload
+from tests.tolerances import tol
 from tilesparse import ops
 from tilesparse.linear import TileSparseLinear
 from tilesparse.memory import model_memory
-
-# Whole-model tolerance against the masked dense model, per dtype. fp32: a different summation
-# order per layer (14 layers deep); bf16: against the fp32 reference, ~8 mantissa bits per layer.
-MODEL_TOL = {
-    torch.float32: {"rtol": 1e-4, "atol": 1e-5},
-    torch.bfloat16: {"rtol": 5e-2, "atol": 5e-2},
-}
 
 SPARSITY = 0.75
 # The DLRM-DCNv2 dense part (real MLPerf widths: bottom 13-512-256-128, 3 cross layers of rank
@@ -164,19 +158,21 @@ def test_dlrm_dense_forward_and_forward_through_cpu_kernel(dlrm, kernel_calls):
         assert (kernel_calls.cpu, kernel_calls.reference) == (DLRM_LINEARS, 0)
         want = dlrm.reference.dense_forward(dense, pooled)
         assert got.shape == (DLRM_BATCH,)
-        torch.testing.assert_close(got, want, **MODEL_TOL[torch.float32])
+        torch.testing.assert_close(got, want, **tol("tw_model", torch.float32))
         # the whole model on a synthetic batch: embeddings (unpruned) → dense part
         kernel_calls.reset()
         got = dlrm.model(dense, sparse)
         assert (kernel_calls.cpu, kernel_calls.reference) == (DLRM_LINEARS, 0)
-        torch.testing.assert_close(got, dlrm.reference(dense, sparse), **MODEL_TOL[torch.float32])
+        torch.testing.assert_close(
+            got, dlrm.reference(dense, sparse), **tol("tw_model", torch.float32)
+        )
     # a batch of one goes through the same path
     kernel_calls.reset()
     with torch.no_grad():
         one = dlrm.model.dense_forward(dense[:1], pooled[:1])
     assert kernel_calls.cpu == DLRM_LINEARS
     torch.testing.assert_close(
-        one, dlrm.reference.dense_forward(dense[:1], pooled[:1]), **MODEL_TOL[torch.float32]
+        one, dlrm.reference.dense_forward(dense[:1], pooled[:1]), **tol("tw_model", torch.float32)
     )
 
 
@@ -190,7 +186,7 @@ def test_dlrm_torch_export_of_dense_part(dlrm, kernel_calls):
     with torch.no_grad():
         got = exported.module()(dense, pooled)
         assert kernel_calls.cpu == DLRM_LINEARS and kernel_calls.reference == 0
-        torch.testing.assert_close(got, module(dense, pooled), **MODEL_TOL[torch.float32])
+        torch.testing.assert_close(got, module(dense, pooled), **tol("tw_model", torch.float32))
 
 
 def test_dlrm_bf16_through_cpu_kernel(dlrm, kernel_calls):
@@ -203,7 +199,7 @@ def test_dlrm_bf16_through_cpu_kernel(dlrm, kernel_calls):
         want = dlrm.reference.dense_forward(dense, pooled)
     assert got.dtype == torch.bfloat16
     assert (kernel_calls.cpu, kernel_calls.reference) == (DLRM_LINEARS, 0)
-    torch.testing.assert_close(got.float(), want, **MODEL_TOL[torch.bfloat16])
+    torch.testing.assert_close(got.float(), want, **tol("tw_model", torch.bfloat16))
 
 
 # -- TransformerEncoder -------------------------------------------------------------------------
@@ -246,7 +242,7 @@ def test_encoder_eager_through_cpu_kernel(encoder, kernel_calls):
     got = model(x)  # eval, autograd on: the layer takes its Python path
     assert (kernel_calls.cpu, kernel_calls.reference) == (2 * N_LAYERS, 0)
     with torch.no_grad():
-        torch.testing.assert_close(got, reference(x), **MODEL_TOL[torch.float32])
+        torch.testing.assert_close(got, reference(x), **tol("tw_model", torch.float32))
 
 
 def test_encoder_inference_mode_through_cpu_kernel(encoder, kernel_calls):
@@ -254,7 +250,7 @@ def test_encoder_inference_mode_through_cpu_kernel(encoder, kernel_calls):
     x = _tokens(1)
     with torch.inference_mode():
         got = model(x)
-        torch.testing.assert_close(got, reference(x), **MODEL_TOL[torch.float32])
+        torch.testing.assert_close(got, reference(x), **tol("tw_model", torch.float32))
     assert (kernel_calls.cpu, kernel_calls.reference) == (2 * N_LAYERS, 0)
 
 
@@ -267,12 +263,12 @@ def test_encoder_torch_export(encoder, kernel_calls):
     kernel_calls.reset()
     got = exported.module()(x)
     assert kernel_calls.cpu == 2 * N_LAYERS
-    torch.testing.assert_close(got, model(x), **MODEL_TOL[torch.float32])
+    torch.testing.assert_close(got, model(x), **tol("tw_model", torch.float32))
 
 
 def test_encoder_torch_export_train_mode(encoder, kernel_calls):
     """The op itself exports: in train mode (dropout 0, same function) the layer never reaches
-    the native fused path's ``.weight`` read, so this isolates the op from that bug."""
+    the native fused path's ``.weight`` read, so this isolates the op from that path."""
     model, _ = encoder
     model.train()
     x = _tokens(3)
@@ -282,7 +278,7 @@ def test_encoder_torch_export_train_mode(encoder, kernel_calls):
     kernel_calls.reset()
     got = exported.module()(x)
     assert (kernel_calls.cpu, kernel_calls.reference) == (2 * N_LAYERS, 0)
-    torch.testing.assert_close(got, model(x), **MODEL_TOL[torch.float32])
+    torch.testing.assert_close(got, model(x), **tol("tw_model", torch.float32))
 
 
 @pytest.mark.parametrize(
@@ -304,9 +300,9 @@ def test_encoder_torch_compile(encoder, kernel_calls, backend):
         kernel_calls.reset()
         got = compiled(x)
         assert kernel_calls.cpu >= 2 * N_LAYERS and kernel_calls.reference == 0
-        torch.testing.assert_close(got, want, **MODEL_TOL[torch.float32])
+        torch.testing.assert_close(got, want, **tol("tw_model", torch.float32))
         with torch.no_grad():
-            torch.testing.assert_close(got, reference(x), **MODEL_TOL[torch.float32])
+            torch.testing.assert_close(got, reference(x), **tol("tw_model", torch.float32))
     finally:
         torch._dynamo.reset()
 
@@ -320,7 +316,7 @@ def test_encoder_torch_compile_fullgraph(encoder, kernel_calls):
         got = torch.compile(model, backend="eager", fullgraph=True)(x)
     finally:
         torch._dynamo.reset()
-    torch.testing.assert_close(got, want, **MODEL_TOL[torch.float32])
+    torch.testing.assert_close(got, want, **tol("tw_model", torch.float32))
 
 
 def test_encoder_bf16_through_cpu_kernel(encoder, kernel_calls):
@@ -330,4 +326,4 @@ def test_encoder_bf16_through_cpu_kernel(encoder, kernel_calls):
     assert got.dtype == torch.bfloat16
     assert (kernel_calls.cpu, kernel_calls.reference) == (2 * N_LAYERS, 0)
     with torch.no_grad():
-        torch.testing.assert_close(got.float(), reference(x), **MODEL_TOL[torch.bfloat16])
+        torch.testing.assert_close(got.float(), reference(x), **tol("tw_model", torch.bfloat16))

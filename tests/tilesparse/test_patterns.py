@@ -287,7 +287,7 @@ def test_masks_for_config_dispatch() -> None:
 @pytest.mark.parametrize("k", [13, 64])
 def test_tw_narrow_layer_keeps_its_column_and_prunes_rows(k: int) -> None:
     """A one-column layer at 75 %: the column budget (round(0.5·K) weights) is under one
-    column, which used to drop the only column (100 % sparse). The column is kept and the row
+    column, which must not drop the only column (100 % sparse). The column is kept and the row
     step keeps the round(0.25·K) best rows (segments one column wide), the budget exactly."""
     g = torch.Generator().manual_seed(k)
     S = (torch.randperm(k, generator=g).float() + 1).unsqueeze(1)  # (K, 1), distinct
@@ -301,7 +301,7 @@ def test_tw_narrow_layer_keeps_its_column_and_prunes_rows(k: int) -> None:
 def test_tw_global_column_step_keeps_a_narrow_layers_last_column() -> None:
     """Under one threshold a 64x1 layer whose column scores lowest (RMS 5 against 10) keeps that
     column through the column step, so the shared row step can keep its 4 strong rows (width-1
-    segments scoring 20 against the wide layer's RMS 10); the column step used to drop it whole."""
+    segments scoring 20 against the wide layer's RMS 10) instead of losing it whole."""
     wide = torch.full((64, 64), 10.0)
     narrow = torch.full((64, 1), 0.0)
     strong = [3, 17, 40, 63]

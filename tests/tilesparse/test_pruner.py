@@ -10,6 +10,7 @@ from embark.data import SyntheticCTR
 from embark.models.dlrm import build_model
 from embark.models.workloads import get_workload
 from embark.training.trainer import TrainConfig, Trainer
+from tests.tolerances import tol
 from tilesparse import (
     MultiStageSchedule,
     OneShotSchedule,
@@ -20,8 +21,6 @@ from tilesparse import (
     prune_,
 )
 from tilesparse.format import condense
-
-TOL = {"rtol": 1e-5, "atol": 1e-5}  # float32: tile-by-tile sums vs. one dense GEMM
 
 
 @pytest.fixture(scope="module")
@@ -63,7 +62,9 @@ def test_dlrm_tw_masks_structure_and_compression(tiny) -> None:
         assert isinstance(sl, TileSparseLinear)
         assert torch.equal(sl.to_dense().weight, dense.get_submodule(fqn).weight.detach() * mask.T)
     with torch.no_grad():
-        torch.testing.assert_close(model(b.dense, b.sparse), masked_out, **TOL)
+        torch.testing.assert_close(
+            model(b.dense, b.sparse), masked_out, **tol("tw_layer", torch.float32)
+        )
 
 
 def test_fine_tuning_keeps_pruned_weights_zero(tiny) -> None:
@@ -149,7 +150,7 @@ def test_transformer_only_filtered_layers_and_identical_at_sparsity_zero() -> No
     with torch.no_grad():
         masked = enc2(x)
         pruner.compress()
-        torch.testing.assert_close(enc2(x), masked, **TOL)
+        torch.testing.assert_close(enc2(x), masked, **tol("tw_layer", torch.float32))
     assert isinstance(enc2.layers[1].linear2, TileSparseLinear)
 
 
@@ -205,7 +206,7 @@ def test_compress_leaves_an_earlier_deepcopy_working() -> None:
             "TileSparseLinear"
         ] * 2
         torch.testing.assert_close(snapshot(x), want, rtol=0, atol=0)
-        torch.testing.assert_close(model(x), want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(model(x), want, **tol("tw_two_layers", torch.float32))
 
 
 def test_apply_masks_to_builds_the_masked_dense_reference() -> None:
@@ -222,7 +223,9 @@ def test_apply_masks_to_builds_the_masked_dense_reference() -> None:
         assert torch.equal(ref.get_submodule(fqn).weight != 0, pruner.mask(fqn).T)
     x = torch.randn(4, 64)
     with torch.no_grad():
-        torch.testing.assert_close(pruner.compress()(x), ref(x), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(
+            pruner.compress()(x), ref(x), **tol("tw_two_layers", torch.float32)
+        )
     with pytest.raises(ValueError, match="weight is \\(96, 64\\), the mask is \\(32, 96\\)"):
         pruner.apply_masks_to(nn.Sequential(nn.Linear(64, 96), nn.ReLU(), nn.Linear(64, 96)))
     with pytest.raises(ValueError, match="no layer '2'"):

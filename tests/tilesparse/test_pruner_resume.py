@@ -14,7 +14,7 @@ from embark.models.dlrm import build_model
 from embark.models.workloads import get_workload
 from embark.training.trainer import TrainConfig, Trainer
 from tilesparse import MultiStageSchedule, TileSparseConfig, TileSparsePruner, prune_
-from tilesparse.pruner import PruningCallback
+from tilesparse.callback import PruningCallback
 
 # stages 0.25 (steps 0-3), 0.5 (4-7), 0.75 (8 on)
 SCHEDULE = MultiStageSchedule((0.25, 0.5), steps_per_stage=4)

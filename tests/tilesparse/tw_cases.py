@@ -6,18 +6,9 @@ import torch
 
 from tilesparse.format import TWLayout
 
-# Per-dtype tolerance of a fast path against the reference (different summation orders).
-# Measured over test_cpu_matches_reference_tolerance_table's cases: fp32 worst 3.8e-6 abs /
-# 6.9e-5 rel; bf16, fp16, fp64 bitwise equal when measured (the kernel ran at::mm on the
-# gathered panels for them; bf16/fp16 now take the fp32 kernel on CPUs without native 16-bit
-# GEMM, see tilesparse.ops); their bounds leave room for another summation order (eps fp16
-# 9.8e-4, fp64 2.2e-16; outputs ~|y| <= 50 at K <= 300).
-TOL = {
-    torch.float64: {"rtol": 1e-10, "atol": 1e-10},
-    torch.float32: {"rtol": 1e-4, "atol": 1e-4},
-    torch.bfloat16: {"rtol": 2e-2, "atol": 5e-2},
-    torch.float16: {"rtol": 5e-3, "atol": 1e-2},
-}
+# The dtypes every fast path is compared in against the reference, at
+# tests.tolerances.tol("tw_gemm", dtype).
+GEMM_DTYPES = (torch.float64, torch.float32, torch.bfloat16, torch.float16)
 
 
 def tw_random_mask(

@@ -68,7 +68,7 @@ void transpose(const T* src, int64_t rows, int64_t cols, T* dst) {
 
 // Scratch memory on 2 MiB-aligned pages advised for transparent huge pages: the per-tile
 // gathers jump across megabytes of it, and with 4 KiB pages they miss the TLB. (Measured here:
-// 90% sparsity 4096³ went from 4.6× to 5.6× over dense with huge pages.)
+// 90% sparsity 4096³ runs 5.6× over dense with huge pages, 4.6× without.)
 //
 // The buffers are kept per calling thread and only grow: a fresh allocation per call costs a
 // page fault and a kernel page-clear per 2 MiB, which perf showed as 23% of the call at 75%

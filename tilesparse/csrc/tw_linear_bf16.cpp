@@ -209,8 +209,8 @@ at::Tensor tw_linear_bf16(const at::Tensor& x, const at::Tensor& col_idx, const 
     }
   }
   const int64_t strips = static_cast<int64_t>(calls.size());
-  // At least twice as many threads as blocks (a small batch; 3 threads on 2 blocks leave one
-  // idle, as before this split): a block's calls are cut into `nchunk` chunks of
+  // At least twice as many threads as blocks (a small batch, where one thread per block would
+  // leave threads idle: 3 threads on 2 blocks): a block's calls are cut into `nchunk` chunks of
   // about equal work that threads run side by side, each into its columns of one staging block
   // per M block shared by all; the stores into Y follow in a second parallel pass over
   // 32-column groups. Otherwise one thread runs a whole block and stores it at once.

@@ -21,16 +21,16 @@
 // (12 ymm accumulators; tw_microkernel_avx2.h) on 16-wide strips; the epilogue has no
 // scatter, so strips with pruned gaps are stored through a 16-float buffer with scalar
 // stores. Measured on an AMD EPYC (Zen 3, 2 threads, 4096³, G=128): 1.51× / 3.08× / 7.69× over
-// dense at 50 / 75 / 90 % (the scalar fallback it replaces: 0.65× / 1.48× / 2.75×); perf at
+// dense at 50 / 75 / 90 % (the scalar loop of the same shape: 0.65× / 1.48× / 2.75×); perf at
 // 50 %: ~90 % of the kernel's samples in the micro-kernel's k loop; ~65 GF/s per core over the
 // call (dense torch.matmul: ~80).
 // Without AVX2 a scalar C loop of the AVX-512 shape runs (correct, slow). simd() says which.
 //
 // Memory: scratch buffers are kept per thread and reused, and large outputs come from a pool
 // of huge-page buffers (OutputPool): a fresh 64 MiB buffer per call is a new mmap whose every
-// page faults and is cleared on first touch — 23% of the call at 75% before the scratch was
-// kept, and 1.5x on the DLRM cross layer 512 → 3456 at batch 4096 (56 MiB output) with the
-// output pool.
+// page faults and is cleared on first touch: fresh scratch buffers cost 23% of the call at 75%,
+// and the output pool is worth 1.5x on the DLRM cross layer 512 → 3456 at batch 4096 (56 MiB
+// output).
 //
 // Measured on the AVX-512 machine (perf, 4096³, 50%, 2 threads): ~83% of cycles in the micro-kernel, ~2% in the
 // block transposes, ~1% re-packing B. A hot-loop micro-benchmark put the micro-kernel at

@@ -1,9 +1,9 @@
 // The condensed TW format for fp64, and for bf16 / fp16 where none of the AMX kernel
 // (tw_linear_amx.cpp), the AVX512-BF16 kernel (tw_linear_bf16.cpp) and the fp32 route below
 // applies, on CPU: a per-tile gather into a panel, then at::mm per (1024-row block, tile), so
-// the GEMM itself runs in torch's backend. Correct everywhere, fast nowhere: bf16 this way was
-// 0.2-0.8x of dense bf16 (oneDNN/AMX) in benchmarks/results/tilesparse_gemm.json before the AMX
-// kernel, and 0.3-0.9x at 50 % on an AMD Zen 4 (oneDNN on AVX512-BF16) before the AVX512-BF16 one.
+// the GEMM itself runs in torch's backend. Correct everywhere, fast nowhere: bf16 this way
+// measures 0.2-0.8x of dense bf16 (oneDNN/AMX) on an AMX machine and 0.3-0.9x at 50 % on an AMD
+// Zen 4 (oneDNN on AVX512-BF16), which is why those CPUs take the AMX / AVX512-BF16 kernels.
 //
 // lowp_via_fp32(): on a CPU without native 16-bit GEMM instructions (no AVX512-BF16 for bf16,
 // no AVX512-FP16 for fp16 — e.g. AVX2 machines such as AMD Zen 3) torch's own bf16/fp16 matmul

@@ -7,8 +7,9 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tilesparse import build_ext, ops
+from tilesparse import ops
 from tilesparse.format import TWLayout, condense
+from tilesparse.kernels import cpu as cpu_kernels
 
 BACKENDS = ["reference", "cpu", "emulated"]
 f64 = torch.float64
@@ -17,7 +18,7 @@ f64 = torch.float64
 @pytest.fixture
 def backend(request, require) -> str:
     if request.param == "cpu":
-        require(build_ext.load_extension() is not None, "the compiled tilesparse CPU kernel")
+        require(cpu_kernels.load_extension() is not None, "the compiled tilesparse CPU kernel")
     return request.param
 
 

@@ -18,9 +18,15 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.tilesparse.tw_cases import TOL, int_tensor, layout_with_empty_tile, tw_random_mask
-from tilesparse import build_ext, ops
+from tests.tilesparse.tw_cases import (
+    int_tensor,
+    layout_with_empty_tile,
+    tw_random_mask,
+)
+from tests.tolerances import tol
+from tilesparse import ops
 from tilesparse.format import condense, reference_matmul
+from tilesparse.kernels import cpu as cpu_kernels
 
 DISABLE = "TILESPARSE_DISABLE_AVX512BF16"
 
@@ -189,7 +195,7 @@ def test_random_values_within_the_bf16_tolerance(bf16dot):
     bias = torch.randn(N, generator=gen).bfloat16()
     want = reference_matmul(x.float(), lay, bias.float())
     got = run_kernel(bf16dot, x, lay, bias)
-    torch.testing.assert_close(got.float(), want, **TOL[torch.bfloat16])
+    torch.testing.assert_close(got.float(), want, **tol("tw_gemm", torch.bfloat16))
 
 
 def test_dispatch_takes_it_for_bf16_and_env_turns_it_off(bf16dot, monkeypatch):
@@ -277,7 +283,7 @@ def test_kernel_variants_compile_for_other_cpus(ext, cpu_flags):
         if not native(ext, cpu_flags)
     ]
     assert todo  # no machine compiles every variant natively (AMX and the stub exclude each other)
-    csrc = build_ext.CSRC
+    csrc = cpu_kernels.CSRC
     with ThreadPoolExecutor(max_workers=2) as pool:
         results = list(pool.map(lambda c: _compile(csrc / c[0], c[1], c[2]), todo))
     for (src, march, _), res in zip(todo, results):

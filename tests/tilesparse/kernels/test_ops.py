@@ -12,10 +12,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from tests.tilesparse.tw_cases import TOL, int_tensor, layout_with_empty_tile, tw_random_mask
-from tilesparse import build_ext, ops
+from tests.tilesparse.tw_cases import (
+    GEMM_DTYPES,
+    int_tensor,
+    layout_with_empty_tile,
+    tw_random_mask,
+)
+from tests.tolerances import tol
+from tilesparse import ops
 from tilesparse.backend import Backend, parse_backend
 from tilesparse.format import TWLayout, condense, reference_matmul
+from tilesparse.kernels import cpu as cpu_kernels
 from tilesparse.linear import TileSparseLinear
 
 
@@ -34,7 +41,7 @@ def test_cpu_matches_reference(ext, dtype, M, K, N, G):
         got = ops.tw_linear(x, layout, b, "cpu")
         want = reference_matmul(x, layout, b)
         assert got.dtype == dtype and got.shape == (M, N)
-        torch.testing.assert_close(got, want, **TOL[dtype])
+        torch.testing.assert_close(got, want, **tol("tw_gemm", dtype))
 
 
 def test_cpu_exact_on_integers(ext):
@@ -225,8 +232,8 @@ def test_gradients_match_dense(ext):
     ops.tw_linear(x, layout, b).square().sum().backward()
     x2, b2 = x.detach().clone().requires_grad_(), b.detach().clone().requires_grad_()
     (x2 @ layout.to_dense() + b2).square().sum().backward()
-    torch.testing.assert_close(x.grad, x2.grad, **TOL[torch.float32])
-    torch.testing.assert_close(b.grad, b2.grad, **TOL[torch.float32])
+    torch.testing.assert_close(x.grad, x2.grad, **tol("tw_gemm", torch.float32))
+    torch.testing.assert_close(b.grad, b2.grad, **tol("tw_gemm", torch.float32))
 
 
 def test_torch_export_and_compile_of_module(ext):
@@ -247,27 +254,27 @@ def test_fallback_without_extension_warns_once(monkeypatch, caplog):
     gen = torch.Generator().manual_seed(8)
     layout = condense(int_tensor((20, 12), gen), tw_random_mask(20, 12, 4, 0.5, gen), 4)
     x = int_tensor((3, 20), gen)
-    monkeypatch.setenv(build_ext.DISABLE_ENV, "1")
-    build_ext.load_extension.cache_clear()
+    monkeypatch.setenv(cpu_kernels.DISABLE_ENV, "1")
+    cpu_kernels.load_extension.cache_clear()
     try:
-        with caplog.at_level(logging.WARNING, logger="tilesparse.build_ext"):
+        with caplog.at_level(logging.WARNING, logger="tilesparse.kernels.cpu"):
             y1 = ops.tw_linear(x, layout, None, "cpu")
             y2 = ops.tw_linear(x, layout, None, "auto")
         warnings = [r for r in caplog.records if "reference path" in r.getMessage()]
         assert len(warnings) == 1
-        assert not ops.cpu_kernel_available()
+        assert not cpu_kernels.cpu_kernel_available()
         assert torch.equal(y1, reference_matmul(x, layout)) and torch.equal(y2, y1)
     finally:
-        monkeypatch.delenv(build_ext.DISABLE_ENV)
-        build_ext.load_extension.cache_clear()
+        monkeypatch.delenv(cpu_kernels.DISABLE_ENV)
+        cpu_kernels.load_extension.cache_clear()
 
 
 def test_the_build_cache_is_per_cpu(monkeypatch):
     """Two CPUs never share a -march=native build: the folder changes with the feature flags."""
-    here = build_ext.build_dir()
-    assert build_ext.cpu_identity() and here == build_ext.build_dir()
-    monkeypatch.setattr(build_ext, "cpu_identity", lambda: "fpu sse2 avx2")
-    other = build_ext.build_dir()
+    here = cpu_kernels.build_dir()
+    assert cpu_kernels.cpu_identity() and here == cpu_kernels.build_dir()
+    monkeypatch.setattr(cpu_kernels, "cpu_identity", lambda: "fpu sse2 avx2")
+    other = cpu_kernels.build_dir()
     assert other != here and other.parent == here.parent
 
 
@@ -344,7 +351,7 @@ TOLERANCE_CASES = [
 ]
 
 
-@pytest.mark.parametrize("dtype", list(TOL), ids=lambda d: str(d).removeprefix("torch."))
+@pytest.mark.parametrize("dtype", GEMM_DTYPES, ids=lambda d: str(d).removeprefix("torch."))
 @pytest.mark.parametrize("case", TOLERANCE_CASES, ids=lambda c: c[0])
 def test_cpu_matches_reference_tolerance_table(ext, dtype, case):
     name, M, K, N, G, kind, x_kind = case
@@ -373,7 +380,7 @@ def test_cpu_matches_reference_tolerance_table(ext, dtype, case):
         got = ops.tw_linear(x, layout, b, "cpu")
         want = ops.tw_linear(x, layout, b, "reference")
         assert got.dtype == dtype and got.shape == (*x.shape[:-1], N)
-        torch.testing.assert_close(got, want, **TOL[dtype])
+        torch.testing.assert_close(got, want, **tol("tw_gemm", dtype))
         # columns no tile computes hold exactly the bias (or zero)
         computed = torch.zeros(N, dtype=torch.bool)
         for t in range(layout.num_tiles):
@@ -455,8 +462,8 @@ def test_disable_amx_env_takes_the_mm_path(ext):
     import sys
 
     code = (
-        "import torch; from tilesparse import build_ext, ops; from tilesparse.format import condense, reference_matmul\n"
-        "ext = build_ext.load_extension(); assert not ext.has_amx() and ext.bf16_kernel() == 'mm'\n"
+        "import torch; from tilesparse import ops; from tilesparse.kernels import cpu as cpu_kernels; from tilesparse.format import condense, reference_matmul\n"
+        "ext = cpu_kernels.load_extension(); assert not ext.has_amx() and ext.bf16_kernel() == 'mm'\n"
         "g = torch.Generator().manual_seed(0)\n"
         "w = torch.randint(-2, 3, (50, 40), generator=g).float(); m = torch.rand(50, 40, generator=g) < 0.5\n"
         "lay = condense(w, m, 16); x = torch.randint(-2, 3, (9, 50), generator=g).float()\n"

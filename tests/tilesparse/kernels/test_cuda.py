@@ -1,4 +1,4 @@
-"""The CUDA implementation of ``tilesparse::tw_linear`` (``build._op_impl``) without a GPU:
+"""The CUDA implementation of ``tilesparse::tw_linear`` (``cuda._op_impl``) without a GPU:
 it runs the same argument and layout checks as the CPU implementation, and packs a layer's
 weight once (again only after its tensors change). Called directly on CPU tensors, with the
 device queries faked and the kernel launch replaced by a stand-in where a launch would happen
@@ -8,14 +8,17 @@ from __future__ import annotations
 
 import gc
 import logging
-import types
 
 import pytest
 import torch
 
-from cutlass_kernels import build, reference
+from cutlass_kernels import launch as launcher
+from cutlass_kernels import reference
 from cutlass_kernels.manifest import Arch, manifest
+from tests.cutlass_kernels.fake_device import fake_device
+from tests.cutlass_kernels.layouts import random_layout
 from tilesparse.format import TWLayout, condense, reference_matmul
+from tilesparse.kernels import cuda
 from tilesparse.linear import TileSparseLinear
 
 REAL_PACK_WEIGHT = reference.pack_weight
@@ -33,7 +36,7 @@ def _layout(dtype: torch.dtype = torch.float32, seed: int = 0) -> TWLayout:
 
 
 def _call(x: torch.Tensor, lay: TWLayout, bias: torch.Tensor | None, backend: str) -> torch.Tensor:
-    return build._op_impl(
+    return cuda._op_impl(
         x,
         lay.col_idx,
         lay.tile_ptr,
@@ -69,7 +72,7 @@ def test_op_impl_checks_its_arguments(backend) -> None:
 def test_op_impl_refuses_a_corrupt_layout(backend) -> None:
     x = torch.ones(2, 8)
     lay = _layout()
-    lay.tile_ptr = lay.tile_ptr + 1  # starts at 1: the first column silently dropped before
+    lay.tile_ptr = lay.tile_ptr + 1  # starts at 1: unchecked, the first column would be dropped
     with pytest.raises(ValueError, match=r"tile_ptr must start at 0, got tile_ptr\[0\]=1"):
         _call(x, lay, None, backend)
     lay = _layout()
@@ -99,53 +102,7 @@ def test_op_impl_backend_rules() -> None:
         for t in (x, lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.values, lay.val_ptr)
     ]
     with pytest.raises(ValueError, match="backend 'cpu' runs on CPU tensors, got a meta tensor"):
-        build._op_impl(*meta, None, 6, "cpu")
-
-
-class EmulatingExt:
-    """A stand-in for the compiled extension of ``arch``: ``instances()`` names the manifest's
-    instances (or ``names``), ``tw_gemm`` emulates, with the instance's ``G`` and batch tile,
-    exactly the arguments the binding receives (the binding's and the launcher's checks
-    included, see ``reference.check_launch``)."""
-
-    def __init__(self, arch: Arch, names: list[str] | None = None) -> None:
-        self.arch = arch
-        self.names = names if names is not None else [k.name for k in manifest(arch)]
-        self.calls: list[str] = []
-
-    def instances(self) -> list[str]:
-        return list(self.names)
-
-    def tw_gemm(
-        self, name, tile_meta, col_idx, row_idx, w, lda, xt, yt, batch, alpha, beta, stream
-    ):
-        assert name in self.names
-        kernel = next(k for k in manifest(self.arch) if k.name == name)
-        widest = int(tile_meta[:, 1].max()) if tile_meta.numel() else 0
-        pw = reference.TWPackedWeight(
-            xt.shape[0], yt.shape[0], lda, widest, tile_meta, col_idx, row_idx, w
-        )
-        launch = reference.TWLaunch(pw, xt, yt, batch, batch, alpha, beta)
-        reference.emulate(launch, tile_m=kernel.tile_g, batch_tile=kernel.threadblock[1])
-        self.calls.append(name)
-
-
-def fake_device(
-    monkeypatch, arch: Arch = Arch.SM90A, names: list[str] | None = None
-) -> EmulatingExt:
-    """CPU tensors treated as on a CUDA device of ``arch``; returns the extension stand-in."""
-    ext = EmulatingExt(arch, names)
-    monkeypatch.setattr(build, "device_arch", lambda device=None: arch)
-    monkeypatch.setattr(build, "default_extension", lambda arch=None: ext)
-    monkeypatch.setattr(
-        torch.cuda,
-        "get_device_properties",
-        lambda d: types.SimpleNamespace(multi_processor_count=132),
-    )
-    monkeypatch.setattr(
-        torch.cuda, "current_stream", lambda d=None: types.SimpleNamespace(cuda_stream=0)
-    )
-    return ext
+        cuda._op_impl(*meta, None, 6, "cpu")
 
 
 def allow_cutlass_on_cpu(monkeypatch) -> None:
@@ -153,13 +110,13 @@ def allow_cutlass_on_cpu(monkeypatch) -> None:
     'auto' and hand back CUTLASS, as it does for a CUDA tensor."""
     from tilesparse.backend import Backend
 
-    real = build.check_op_inputs
+    real = cuda.check_op_inputs
 
     def check(*args):
         be = real(*args[:-1], "auto" if args[-1] == "cutlass" else args[-1])
         return Backend.CUTLASS if args[-1] == "cutlass" else be
 
-    monkeypatch.setattr(build, "check_op_inputs", check)
+    monkeypatch.setattr(cuda, "check_op_inputs", check)
 
 
 @pytest.fixture
@@ -178,7 +135,7 @@ def counted(monkeypatch):
         return launch.yt
 
     monkeypatch.setattr(reference, "pack_weight", pack)
-    monkeypatch.setattr(build, "tw_gemm_kmajor", launch)
+    monkeypatch.setattr(launcher, "tw_gemm_kmajor", launch)
     return packs, launches
 
 
@@ -205,12 +162,12 @@ def test_op_impl_packs_a_layer_once_and_again_after_an_edit(counted) -> None:
 def test_packed_weight_follows_the_layout_tensors(counted) -> None:
     packs, _ = counted
     lay = _layout(torch.float16)
-    first = build.packed_weight(lay, torch.float16, "cpu")
-    assert build.packed_weight(lay, torch.float16, "cpu") is first and len(packs) == 1
-    build.packed_weight(lay, torch.float32, "cpu")  # another dtype: its own pack
+    first = cuda.packed_weight(lay, torch.float16, "cpu")
+    assert cuda.packed_weight(lay, torch.float16, "cpu") is first and len(packs) == 1
+    cuda.packed_weight(lay, torch.float32, "cpu")  # another dtype: its own pack
     assert len(packs) == 2
     lay.values.mul_(2)
-    again = build.packed_weight(lay, torch.float16, "cpu")
+    again = cuda.packed_weight(lay, torch.float16, "cpu")
     assert again is not first and len(packs) == 3
     assert torch.equal(again.w, 2 * first.w)
 
@@ -218,19 +175,19 @@ def test_packed_weight_follows_the_layout_tensors(counted) -> None:
 def test_a_packed_weight_leaves_with_its_values(counted) -> None:
     lay = _layout(torch.float16)
     x = torch.randn(2, 8).half()
-    build.packed_weight(lay, torch.float16, "cpu")
+    cuda.packed_weight(lay, torch.float16, "cpu")
     key = id(lay.values)
-    assert key in build._PACKED
+    assert key in cuda._PACKED
     del lay
     gc.collect()
-    assert key not in build._PACKED
+    assert key not in cuda._PACKED
     lay = _layout(torch.float16)
     _call(x, lay, None, "auto")
     key = id(lay.values)
-    assert key in build._PACKED
+    assert key in cuda._PACKED
     del lay
     gc.collect()
-    assert key not in build._PACKED
+    assert key not in cuda._PACKED
 
 
 def _int_layer(K: int, N: int, tile: int, dtype: torch.dtype, seed: int = 0) -> TileSparseLinear:
@@ -269,7 +226,7 @@ def test_tiles_wider_than_every_instance_run_on_the_kernel(
     assert all(next(k for k in manifest(arch) if k.name == n).tile_g == 128 for n in ext.calls), (
         ext.calls
     )
-    pw = build.packed_weight(lay, dtype, "cpu", 128)
+    pw = cuda.packed_weight(lay, dtype, "cpu", 128)
     assert pw.max_tile_width == 128 and pw.num_tiles > lay.num_tiles
 
 
@@ -278,10 +235,10 @@ def test_tw_linear_cuda_splits_tiles_for_an_explicit_kernel(monkeypatch) -> None
     module = _int_layer(24, 300, 256, torch.float16, seed=3)
     x = torch.randint(-1, 2, (2, 5, 24)).half()
     want = reference_matmul(x, module.layout, module.bias.detach())
-    assert torch.equal(build.tw_linear_cuda(x, module.layout, module.bias.detach()), want)
+    assert torch.equal(cuda.tw_linear_cuda(x, module.layout, module.bias.detach()), want)
     g64 = next(k for k in manifest(Arch.SM80) if k.tile_g == 64)
     assert torch.equal(
-        build.tw_linear_cuda(x, module.layout, module.bias.detach(), kernel=g64), want
+        cuda.tw_linear_cuda(x, module.layout, module.bias.detach(), kernel=g64), want
     )
     assert ext.calls[-1] == g64.name
 
@@ -290,10 +247,10 @@ def test_auto_without_an_instance_of_the_dtype_runs_the_reference(monkeypatch, c
     bf16_only = [k.name for k in manifest(Arch.SM90A) if k.dtype.value == "bf16"]
     ext = fake_device(monkeypatch, Arch.SM90A, bf16_only)
     allow_cutlass_on_cpu(monkeypatch)
-    monkeypatch.setattr(build, "_NO_KERNEL_WARNED", set())
+    monkeypatch.setattr(cuda, "_NO_KERNEL_WARNED", set())
     module = _int_layer(16, 40, 8, torch.float16)
     x = torch.randint(-1, 2, (3, 16)).half()
-    with caplog.at_level(logging.WARNING, logger=build.__name__):
+    with caplog.at_level(logging.WARNING, logger=cuda.__name__):
         for _ in range(2):
             assert torch.equal(
                 _call(x, module.layout, None, "auto"), reference_matmul(x, module.layout)
@@ -312,3 +269,33 @@ def test_in_features_one_reaches_the_kernel_with_a_valid_pitch(monkeypatch, M) -
     got = _call(x, module.layout, module.bias.detach(), "auto")
     assert torch.equal(got, reference_matmul(x, module.layout, module.bias.detach()))
     assert len(ext.calls) == 1
+
+
+@pytest.mark.parametrize("backend", ["emulated", "reference"])
+def test_op_schema_adapter_rebuilds_the_layout(backend) -> None:
+    # The CUDA implementation of tilesparse::tw_linear receives the layout as the op schema's
+    # tensors; its non-kernel branches run on any device, so the adapter is checked here.
+    layout = random_layout(33, 41, 8, 0.8, 0.5, True, 11)
+    x = torch.randint(-3, 4, (6, 33)).float()
+    bias = torch.randint(-3, 4, (41,)).float()
+    got = cuda._op_impl(
+        x,
+        layout.col_idx,
+        layout.tile_ptr,
+        layout.row_idx,
+        layout.row_ptr,
+        layout.values,
+        layout.val_ptr,
+        bias,
+        41,
+        backend,
+    )
+    assert torch.equal(got, reference_matmul(x, layout, bias))
+
+
+def test_register_cuda_kernel_without_cuda_returns_false() -> None:
+    from tilesparse.kernels import register_cuda_kernel
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device exists: registration is covered by test_cuda_device.py")
+    assert register_cuda_kernel() is False

@@ -1,7 +1,7 @@
 """tilesparse.ops: what the op refuses before a kernel runs — layouts whose offsets or
 indices would send the C++ kernel out of bounds or write a column twice, and a bias of another
 dtype. Every backend that reads the data (cpu, reference, emulated) goes through the same
-checks (``ops.check_op_inputs``)."""
+checks (``tilesparse.kernels.schema.check_op_inputs``)."""
 
 from __future__ import annotations
 
@@ -91,7 +91,7 @@ def test_corrupt_layout_is_refused_before_the_kernel(case, backend) -> None:
 
 
 def test_a_checked_layout_is_checked_again_after_its_pointers_change() -> None:
-    """The cached check (ops._VALIDATED) must not let an in-place edit of a pointer through."""
+    """The cached check (tilesparse.kernels.schema._VALIDATED) must not let an in-place edit of a pointer through."""
     lay = drawn_layout()
     x = torch.ones(2, 4)
     want = ops.tw_linear(x, lay, None, "cpu")
@@ -106,8 +106,8 @@ def test_a_checked_layout_is_checked_again_after_its_pointers_change() -> None:
 
 
 def test_negative_row_ptr_is_an_error_not_a_crash() -> None:
-    """row_ptr = [-2, 0] once made the C++ kernel read before row_idx (exit 139): run in a
-    child process so that a crash fails this test instead of the test run."""
+    """row_ptr = [-2, 0] would make the C++ kernel read before row_idx (exit 139) if it got
+    through: run in a child process so that a crash fails this test instead of the test run."""
     code = (
         "import torch\n"
         "from tilesparse import ops\n"

@@ -150,7 +150,8 @@ class TWKernel:
 
     @property
     def warp_shape(self) -> tuple[int, int, int]:
-        return tuple(a // w for a, w in zip(self.threadblock, self.warps, strict=True))  # type: ignore[return-value]
+        (m, n, k), (wm, wn, wk) = self.threadblock, self.warps
+        return m // wm, n // wn, k // wk
 
     @property
     def instruction(self) -> tuple[int, int, int]:

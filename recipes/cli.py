@@ -148,7 +148,8 @@ def add_knobs(parser: argparse.ArgumentParser, cls: type) -> None:
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
     """Build ``cls`` from parsed options (lists become tuples)."""
     values = {}
-    for f in dataclasses.fields(cls):  # type: ignore[arg-type]
+    # fields() is typed for dataclass instances and types alike; a bare TypeVar is neither
+    for f in dataclasses.fields(cls):  # type: ignore[arg-type]  # cls is a dataclass type
         v = getattr(ns, f.name)
         values[f.name] = tuple(v) if isinstance(v, list) else v
     return cls(**values)

@@ -485,7 +485,8 @@ class TileSparsePruner:
             mask_kn = self.mask(fqn)
             new = TileSparseLinear.from_dense(m, mask_kn, tile=self.config.tile, backend=backend)
             self._replace(fqn, new)
-            self.layers[fqn] = new  # type: ignore[assignment]
+            # the pruned layers, compressed: TileSparseLinear stands in for the nn.Linear
+            self.layers[fqn] = new  # type: ignore[assignment]  # same fqn, condensed layer
         self.compressed = True
         assert self.model is not None
         return self.model

@@ -390,7 +390,7 @@ class ShardedEmbeddingCollection(nn.Module):
             w = self.weights[ref.table]
             rows = torch.cat([inp.received[r][k][1] for r in range(self.world_size)])
             if ref.cluster is Cluster.REDUCTION:
-                lens = torch.cat([inp.received[r][k][0] for r in range(self.world_size)])  # type: ignore[misc]
+                lens = torch.cat([_lengths(inp.received[r][k][0]) for r in range(self.world_size)])
                 if lens.numel():
                     offsets = torch.zeros_like(lens)
                     torch.cumsum(lens[:-1], 0, out=offsets[1:])
@@ -569,3 +569,10 @@ class ShardedEmbeddingCollection(nn.Module):
             )
             for p, piece in zip(params, flat.split([p.numel() for p in params])):
                 p.grad = piece.view_as(p).clone()
+
+
+def _lengths(lengths: torch.Tensor | None) -> torch.Tensor:
+    """The bag lengths a REDUCTION shard receives (sent for every REDUCTION shard)."""
+    if lengths is None:
+        raise RuntimeError("a REDUCTION shard received keys without bag lengths")
+    return lengths

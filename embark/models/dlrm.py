@@ -221,6 +221,15 @@ class DLRM(nn.Module):
     def forward(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
         """``dense: (B, D) float32``, ``sparse``: a :class:`JaggedBatch` keyed by table name →
         ``(B,) float32`` logits."""
+        self.check_inputs(dense, sparse)
+        return self.dense_forward(dense, self.pool(sparse))
+
+    def check_inputs(self, dense: torch.Tensor, sparse: JaggedBatch) -> None:
+        """``dense`` is ``(B, dense_features)`` and ``sparse`` has the same ``B``.
+
+        Raises:
+            ValueError: naming the shapes.
+        """
         if dense.dim() != 2 or dense.shape[1] != self.workload.dense_features:
             raise ValueError(
                 f"dense must be (B, {self.workload.dense_features}), got {tuple(dense.shape)}"
@@ -229,7 +238,6 @@ class DLRM(nn.Module):
             raise ValueError(
                 f"dense has batch {dense.shape[0]} but sparse has batch {sparse.batch_size}"
             )
-        return self.dense_forward(dense, self.pool(sparse))
 
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)

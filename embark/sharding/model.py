@@ -151,14 +151,7 @@ class ShardedDLRM(nn.Module):
     ) -> tuple[torch.Tensor, list[int]]:
         """Like :meth:`forward`, also returning every rank's local batch size (learnt in the
         collection's header exchange: no extra collective)."""
-        if dense.dim() != 2 or dense.shape[1] != self.workload.dense_features:
-            raise ValueError(
-                f"dense must be (B, {self.workload.dense_features}), got {tuple(dense.shape)}"
-            )
-        if sparse.batch_size != dense.shape[0]:
-            raise ValueError(
-                f"dense has batch {dense.shape[0]} but sparse has batch {sparse.batch_size}"
-            )
+        self.dense.check_inputs(dense, sparse)
         inp = self.embeddings.distribute_input(sparse)
         pooled = self.embeddings.compute(inp)
         logits = self.dense.dense_forward(dense, [pooled[n] for n in self.table_names])

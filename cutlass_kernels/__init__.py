@@ -11,6 +11,8 @@ activation rows gathered in the main loop and the output columns scattered in th
 * :mod:`cutlass_kernels.toolchain` — nvcc, the CUDA toolkit, the device's architecture.
 * :mod:`cutlass_kernels.build` — nvcc / torch-extension builds cached under
   ``$XDG_CACHE_HOME/tilerec/cutlass``.
+* :mod:`cutlass_kernels.torch_ext` — torch-extension builds into cache folders: one builder
+  at a time, a killed build's lock cleared, one ninja (the CPU kernel of ``tilesparse`` too).
 * :mod:`cutlass_kernels.launch` — instance selection and launches on packed arguments.
 
 >>> import torch, cutlass_kernels

@@ -5,8 +5,10 @@
 * :func:`compile_objects` — many of them, in parallel.
 * :func:`load_extension` — a torch extension: those objects linked with ``csrc/tw_binding.cpp``
   (``torch.utils.cpp_extension.load``, host compiler) and ``libcudart``, built under
-  ``$XDG_CACHE_HOME/tilerec/cutlass/ext/<hash>/``. Needs nvcc; builds and imports with a
-  CPU-only torch too (CI), runs kernels with a CUDA build of torch on a CUDA device.
+  ``$XDG_CACHE_HOME/tilerec/cutlass/ext/<hash>/`` by :func:`cutlass_kernels.torch_ext.load`
+  (one builder at a time, a killed build's lock cleared, one ninja). Needs nvcc; builds and
+  imports with a CPU-only torch too (CI), runs kernels with a CUDA build of torch on a CUDA
+  device.
 * :func:`default_extension` — the extension a launch uses when given none.
 
 Importing this module needs neither a GPU nor nvcc; every such dependency is checked at call
@@ -30,6 +32,7 @@ import torch
 
 import cutlass_kernels.emit as emit
 import cutlass_kernels.toolchain as toolchain
+import cutlass_kernels.torch_ext as torch_ext
 from cutlass_kernels.manifest import Arch, TWKernel, manifest
 
 __all__ = [
@@ -245,8 +248,6 @@ def _link_extension(
 ) -> ModuleType:
     """Compile the binding and the instance table of ``built`` with the host compiler and link
     them with ``objects`` and ``libcudart``, under a folder named by the hash of all inputs."""
-    from torch.utils import cpp_extension
-
     toolkit = toolchain.cuda_toolkit_root(nvcc)
     include = toolchain.toolkit_include(toolkit)
     cudart = toolchain.cudart_library(toolkit)
@@ -262,14 +263,14 @@ def _link_extension(
         str(cudart),
         f"torch {torch.__version__} cuda {torch.version.cuda}",
         sys.version,
+        torch_ext.toolchain_key(),
     )
     root = toolchain.cache_dir() / "ext" / key[:24]
     emit.write_sources([registry], root / "src")
-    build_dir = root / "build"
-    build_dir.mkdir(parents=True, exist_ok=True)
-    return cpp_extension.load(
-        name=f"tilerec_tw_{key[:16]}",
-        sources=[str(binding)],
+    return torch_ext.load(
+        f"tilerec_tw_{key[:16]}",
+        [str(binding)],
+        root / "build",
         extra_cflags=["-O2"],
         extra_include_paths=[str(emit.csrc_dir()), str(root / "src"), str(include)],
         extra_ldflags=[
@@ -278,7 +279,6 @@ def _link_extension(
             f"-l:{cudart.name}",
             f"-Wl,-rpath,{libdir}",
         ],
-        build_directory=str(build_dir),
         verbose=verbose,
         with_cuda=False,
     )

@@ -25,8 +25,11 @@ The extension is compiled with the machine's C++ compiler through ``torch.utils.
 
     $XDG_CACHE_HOME/tilerec/tilesparse_cpu/<torch version>-<source hash>/   (default ~/.cache)
 
-so a rebuild happens only when the source, the torch version, the compiler flags or the CPU
-(its feature flags: :func:`cpu_identity`) change. ``make install`` builds it once
+so a rebuild happens only when the source, the compiler flags, the CPU (its feature flags:
+:func:`cpu_identity`) or the toolchain (the ninja version, the Python, the torch install)
+change. The build runs through :func:`cutlass_kernels.torch_ext.load` (a leaf module of torch
+and the standard library): one builder per folder at a time, a killed build's lock cleared
+rather than waited on forever, and the interpreter environment's ninja whatever ``PATH`` says. ``make install`` builds it once
 (``python -m tilesparse.build_ext``); at runtime :func:`load_extension` loads the cached build
 (building it first if it is missing) and returns ``None`` after logging ONE warning when it
 cannot, in which case :mod:`tilesparse.ops` uses the reference path.
@@ -87,7 +90,10 @@ def cpu_identity() -> str:
 
 
 def build_dir() -> Path:
-    """The cache folder of this source × checkout × torch version × flags × CPU."""
+    """The cache folder of this source × checkout × flags × CPU × toolchain (ninja, Python,
+    torch: :func:`cutlass_kernels.torch_ext.toolchain_key`)."""
+    from cutlass_kernels import torch_ext
+
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     h = hashlib.sha256()
     for f in (*SOURCES, *HEADERS):
@@ -97,28 +103,28 @@ def build_dir() -> Path:
     h.update(str(CSRC).encode())
     h.update(" ".join(CFLAGS).encode())
     h.update(cpu_identity().encode())
+    h.update(torch_ext.toolchain_key().encode())
     return base / "tilerec" / EXT_NAME / f"{torch.__version__}-{h.hexdigest()[:12]}"
 
 
 def build_extension(verbose: bool = False) -> ModuleType:
-    """Compile (or reuse the cached build of) the extension and import it.
+    """Compile (or reuse the cached build of) the extension and import it, through
+    :func:`cutlass_kernels.torch_ext.load`: one builder at a time per folder (a live one is
+    waited for, a killed one's lock is cleared) and one ninja whatever ``PATH`` says.
 
     Raises:
         RuntimeError / OSError / ImportError: from the compiler or the loader, unchanged.
     """
-    from torch.utils import cpp_extension
+    from cutlass_kernels import torch_ext
 
-    out = build_dir()
-    out.mkdir(parents=True, exist_ok=True)
-    module: ModuleType = cpp_extension.load(
-        name=EXT_NAME,
-        sources=[str(f) for f in SOURCES],
+    return torch_ext.load(
+        EXT_NAME,
+        [str(f) for f in SOURCES],
+        build_dir(),
         extra_cflags=CFLAGS,
         extra_ldflags=["-fopenmp"],
-        build_directory=str(out),
         verbose=verbose,
     )
-    return module
 
 
 @functools.lru_cache(maxsize=1)

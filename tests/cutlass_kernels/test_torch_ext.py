@@ -1,0 +1,107 @@
+"""The builder lock and the ninja of :mod:`cutlass_kernels.torch_ext`, without compiling: a live
+holder is waited for (and named), a dead build's torch ``lock`` is removed once the processes
+it left have ended, and the interpreter environment's ninja wins over ``PATH``'s. The whole
+build (a real compile killed, a real second build) is in ``tests/faults/test_build_killed.py``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import sysconfig
+import threading
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from cutlass_kernels import torch_ext
+
+
+def test_a_live_holder_is_waited_for_and_named(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch_ext, "POLL_S", 0.01)
+    holding, release = threading.Event(), threading.Event()
+    events: list[str] = []
+
+    def holder() -> None:
+        with torch_ext.build_lock(tmp_path):
+            (tmp_path / torch_ext.TORCH_LOCK_NAME).touch()  # torch's, of the live build
+            holding.set()
+            release.wait(timeout=30)
+            events.append("holder done")
+            (tmp_path / torch_ext.TORCH_LOCK_NAME).unlink()
+
+    def waiter() -> None:
+        with torch_ext.build_lock(tmp_path):
+            events.append("waiter in")
+
+    first = threading.Thread(target=holder)
+    first.start()
+    assert holding.wait(timeout=30)
+    with caplog.at_level(logging.INFO, logger=torch_ext.__name__):
+        second = threading.Thread(target=waiter)
+        second.start()
+        second.join(timeout=0.5)
+        assert second.is_alive() and events == []  # waiting, and the holder's lock kept
+        assert (tmp_path / torch_ext.TORCH_LOCK_NAME).exists()
+        release.set()
+        first.join(timeout=30)
+        second.join(timeout=30)
+    assert events == ["holder done", "waiter in"]
+    waits = [r.getMessage() for r in caplog.records if "waiting for the build" in r.getMessage()]
+    assert len(waits) == 1 and f"pid {os.getpid()} on host" in waits[0], waits
+    assert not any("removed the lock" in r.getMessage() for r in caplog.records)
+
+
+def test_a_dead_builds_lock_is_removed_after_the_processes_it_left(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(torch_ext, "POLL_S", 0.01)
+    (tmp_path / torch_ext.LOCK_NAME).write_text("pid 999999 on host elsewhere since then (x)\n")
+    (tmp_path / torch_ext.TORCH_LOCK_NAME).touch()
+    # a compiler the dead build started, still running (it carries the build's marker)
+    env = {**os.environ, torch_ext.BUILD_ENV: os.path.realpath(tmp_path)}
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"], env=env)
+    try:
+        with caplog.at_level(logging.WARNING, logger=torch_ext.__name__):
+            with torch_ext.build_lock(tmp_path):
+                assert orphan.poll() is not None  # waited for it to end
+                assert not (tmp_path / torch_ext.TORCH_LOCK_NAME).exists()
+                record = (tmp_path / torch_ext.LOCK_NAME).read_text()
+                assert record.startswith(f"pid {os.getpid()} on host ")
+    finally:
+        orphan.kill()
+        orphan.wait()
+    messages = " | ".join(r.getMessage() for r in caplog.records)
+    assert f"pid {orphan.pid} " in messages and "left running" in messages, messages
+    assert "removed the lock" in messages and "pid 999999 on host elsewhere" in messages
+
+
+def test_no_torch_lock_nothing_removed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    with caplog.at_level(logging.WARNING, logger=torch_ext.__name__):
+        with torch_ext.build_lock(tmp_path):
+            pass
+        with torch_ext.build_lock(tmp_path):  # released on exit: taken again at once
+            pass
+    assert caplog.records == []
+
+
+def test_the_environments_ninja_wins_over_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, require: Callable[[bool, str], None]
+) -> None:
+    scripts = Path(sysconfig.get_path("scripts"))
+    require((scripts / "ninja").is_file(), f"ninja in the interpreter's environment ({scripts})")
+    decoy = tmp_path / "ninja"
+    decoy.write_text("#!/bin/sh\nexit 3\n")
+    decoy.chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    assert torch_ext.find_ninja() == scripts / "ninja"
+    with torch_ext._build_environment(tmp_path / "build"):
+        ran = subprocess.run(["ninja", "--version"], capture_output=True, text=True)
+        assert os.environ[torch_ext.BUILD_ENV] == os.path.realpath(tmp_path / "build")
+    assert ran.returncode == 0 and ran.stdout.strip() == torch_ext.ninja_version(scripts / "ninja")
+    assert os.environ["PATH"].startswith(str(tmp_path)) and torch_ext.BUILD_ENV not in os.environ

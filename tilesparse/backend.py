@@ -6,9 +6,9 @@ the enum member alike (``Backend("cpu") is Backend.CPU``).
 =========  ===========================================================================
 AUTO       the fastest available for the tensor's device and dtype: ``CPU`` on a CPU
            tensor when the compiled kernel loaded (else ``REFERENCE``, after one logged
-           warning); on a CUDA tensor the CUTLASS kernel for fp16/bf16 when
-           ``tilesparse.kernels.cuda`` registered it and an instance of the dtype is
-           built, else ``REFERENCE``.
+           warning); on a CUDA tensor the dense GEMM on the layer's reconstructed dense
+           weight (cached), because the CUTLASS op path measured slower than dense on an
+           H200 (``tilesparse.kernels.cuda``).
 REFERENCE  :func:`tilesparse.format.reference_matmul`: pure torch, tile by tile, any device;
            what every fast path is tested against.
 CPU        the fused gather-GEMM C++ kernel (``tilesparse/csrc``, loaded by

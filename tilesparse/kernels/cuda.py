@@ -13,8 +13,10 @@ the CUTLASS kernels of :mod:`cutlass_kernels`.
 
 Backends on a CUDA tensor (:class:`~tilesparse.backend.Backend`): ``reference`` and
 ``emulated`` run as on the CPU; ``cutlass`` runs the kernel (fp16/bf16 only); ``auto`` runs the
-kernel for fp16/bf16 and the reference for fp32/fp64 (no 16-bit kernel applies), and the
-reference (one logged warning) when no instance of the dtype was built for the device.
+dense GEMM (cuBLAS) on the layer's dense weight, pruned entries zero, reconstructed once per
+set of layout tensors (:func:`dense_weight`). The kernel's row-major op path measured 0.09–0.31×
+of that GEMM on an H200 (``benchmarks/results/cutlass_gpu_check_h200.json``: the activations'
+and output's layout copies cost 3–8 times the kernel), and ``auto`` is never slower than dense.
 """
 
 from __future__ import annotations
@@ -32,14 +34,16 @@ from tilesparse.format import TWLayout, reference_matmul
 from tilesparse.kernels.cache import LayoutCache
 from tilesparse.kernels.schema import OP_NAME, check_op_inputs, op_layout
 
-__all__ = ["packed_weight", "register_cuda_kernel", "tw_linear_cuda"]
+__all__ = ["dense_weight", "packed_weight", "register_cuda_kernel", "tw_linear_cuda"]
 
 log = logging.getLogger(__name__)
 
 # Packed weights, anchored on the layout's values tensor; the stamp holds the six tensors'
 # versions, K and N; by (dtype, device, widest sub-tile).
 _PACKED: LayoutCache[reference.TWPackedWeight] = LayoutCache()
-_NO_KERNEL_WARNED: set[torch.dtype] = set()  # dtypes whose "no instance built" was logged
+# Dense reconstructions for backend "auto", anchored and stamped as the packed weights; by
+# (dtype, device).
+_DENSE: LayoutCache[torch.Tensor] = LayoutCache()
 
 
 def _pack(
@@ -114,6 +118,33 @@ def packed_weight(
     )
 
 
+def dense_weight(
+    tensors: tuple[torch.Tensor, ...],
+    in_features: int,
+    out_features: int,
+    dtype: torch.dtype,
+    device: torch.device | str,
+) -> torch.Tensor:
+    """``(in_features, out_features)`` weight of the op's layout tensors (``col_idx ..
+    val_ptr``) in ``dtype`` on ``device``, pruned entries zero: built once per set of layout
+    tensors (on the host: the tile loop reads offsets), again after one is replaced or edited
+    in place. The record leaves with ``values``."""
+    col_idx, tile_ptr, row_idx, row_ptr, values, val_ptr = tensors
+    dev = str(torch.device(device))
+
+    def build() -> torch.Tensor:
+        host = tuple(t.detach().cpu() for t in tensors)
+        w = op_layout(in_features, out_features, host).to_dense()
+        return w.to(device=dev, dtype=dtype)
+
+    return _DENSE.get(
+        (values, col_idx, tile_ptr, row_idx, row_ptr, val_ptr),
+        (in_features, out_features),
+        (dtype, dev),
+        build,
+    )
+
+
 def tw_linear_cuda(
     x: torch.Tensor,
     layout: TWLayout,
@@ -154,10 +185,10 @@ def _op_impl(
 
     Runs the same checks as the CPU implementation first (``check_op_inputs``: shapes, dtypes,
     contiguity, the backend for the device, the layout's offsets and indices), then the
-    reference, the emulation or the kernel on the cached packed weight. Tiles wider than the
-    widest built instance (``G = 128``) are packed as sub-tiles of at most ``G`` columns that
-    share the tile's kept rows (exact), so any tile width runs on the kernel; ``auto`` runs the
-    reference (one logged warning) only when no instance of the dtype was built for the device.
+    reference, the emulation, the dense GEMM on the cached dense weight (``auto``) or the kernel
+    on the cached packed weight (``cutlass``). Tiles wider than the widest built instance
+    (``G = 128``) are packed as sub-tiles of at most ``G`` columns that share the tile's kept
+    rows (exact), so any tile width runs on the kernel.
 
     Raises:
         ValueError: as ``check_op_inputs``; backend ``cpu`` (for a CPU tensor that reached
@@ -175,21 +206,12 @@ def _op_impl(
         return reference_matmul(x, op_layout(x.shape[1], out_features, tensors), bias)
     if be is Backend.EMULATED:
         return reference.tw_linear_emulated(x, op_layout(x.shape[1], out_features, tensors), bias)
+    if be is Backend.AUTO:
+        w = dense_weight(tensors, x.shape[1], out_features, x.dtype, x.device)
+        return x @ w if bias is None else torch.addmm(bias, x, w)
     if x.dtype not in launch.DTYPES:
-        if be is Backend.CUTLASS:
-            raise ValueError(f"backend 'cutlass' takes float16 or bfloat16 inputs, got {x.dtype}")
-        # "auto" on fp32/fp64: no 16-bit kernel applies
-        return reference_matmul(x, op_layout(x.shape[1], out_features, tensors), bias)
+        raise ValueError(f"backend 'cutlass' takes float16 or bfloat16 inputs, got {x.dtype}")
     limit = launch.tile_limit(x.dtype, x.device)
-    if limit is None and be is Backend.AUTO:  # no instance of this dtype was built
-        if x.dtype not in _NO_KERNEL_WARNED:
-            _NO_KERNEL_WARNED.add(x.dtype)
-            log.warning(
-                "no %s TW kernel instance is built for this device: backend 'auto' runs "
-                "the reference",
-                x.dtype,
-            )
-        return reference_matmul(x, op_layout(x.shape[1], out_features, tensors), bias)
     pw = _packed(tensors, x.shape[1], out_features, x.dtype, x.device, limit)
     return launch.tw_linear_packed(x, pw, bias)
 

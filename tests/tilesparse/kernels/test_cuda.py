@@ -7,7 +7,6 @@ device queries faked and the kernel launch replaced by a stand-in where a launch
 from __future__ import annotations
 
 import gc
-import logging
 
 import pytest
 import torch
@@ -139,24 +138,26 @@ def counted(monkeypatch):
     return packs, launches
 
 
-def test_op_impl_packs_a_layer_once_and_again_after_an_edit(counted) -> None:
+def test_op_impl_packs_a_layer_once_and_again_after_an_edit(counted, monkeypatch) -> None:
     packs, launches = counted
+    allow_cutlass_on_cpu(monkeypatch)
     lay = _layout(torch.float16)
     x = torch.randn(4, 8).half()
     for _ in range(3):
-        _call(x, lay, None, "auto")
+        _call(x, lay, None, "cutlass")
     assert len(packs) == 1 and len(launches) == 3
     assert all(launch.weight is launches[0].weight for launch in launches)
     lay.values.add_(1)  # in place: the version counter moves
-    _call(x, lay, None, "auto")
+    _call(x, lay, None, "cutlass")
     assert len(packs) == 2
     assert torch.equal(launches[-1].weight.w, REAL_PACK_WEIGHT(lay).w)  # the new values
     lay.row_idx = lay.row_idx.clone()  # same content, another tensor
-    _call(x, lay, None, "auto")
-    _call(x, lay, None, "auto")
+    _call(x, lay, None, "cutlass")
+    _call(x, lay, None, "cutlass")
     assert len(packs) == 3
-    _call(x, lay, None, "reference")  # the reference needs no packed weight
-    assert len(packs) == 3
+    _call(x, lay, None, "reference")  # neither the reference nor "auto" packs a weight
+    _call(x, lay, None, "auto")
+    assert len(packs) == 3 and len(launches) == 6
 
 
 def test_packed_weight_follows_the_layout_tensors(counted) -> None:
@@ -172,7 +173,8 @@ def test_packed_weight_follows_the_layout_tensors(counted) -> None:
     assert torch.equal(again.w, 2 * first.w)
 
 
-def test_a_packed_weight_leaves_with_its_values(counted) -> None:
+def test_a_packed_weight_leaves_with_its_values(counted, monkeypatch) -> None:
+    allow_cutlass_on_cpu(monkeypatch)
     lay = _layout(torch.float16)
     x = torch.randn(2, 8).half()
     cuda.packed_weight(lay, torch.float16, "cpu")
@@ -182,7 +184,7 @@ def test_a_packed_weight_leaves_with_its_values(counted) -> None:
     gc.collect()
     assert key not in cuda._PACKED
     lay = _layout(torch.float16)
-    _call(x, lay, None, "auto")
+    _call(x, lay, None, "cutlass")
     key = id(lay.values)
     assert key in cuda._PACKED
     del lay
@@ -205,11 +207,8 @@ def _int_layer(K: int, N: int, tile: int, dtype: torch.dtype, seed: int = 0) -> 
 
 
 @pytest.mark.parametrize("arch", [Arch.SM90A, Arch.SM80])
-@pytest.mark.parametrize("backend", ["auto", "cutlass"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_tiles_wider_than_every_instance_run_on_the_kernel(
-    monkeypatch, arch, backend, dtype
-) -> None:
+def test_tiles_wider_than_every_instance_run_on_the_kernel(monkeypatch, arch, dtype) -> None:
     # TileSparseConfig(tile=256) is valid, the widest instance has G = 128: the layer is packed
     # as 128-wide sub-tiles and runs on a G = 128 instance, exactly.
     ext = fake_device(monkeypatch, arch)
@@ -220,7 +219,7 @@ def test_tiles_wider_than_every_instance_run_on_the_kernel(
     bias = module.bias.detach()
     for M in (1, 9, 64):
         x = torch.randint(-1, 2, (M, 40)).to(dtype)
-        got = _call(x, lay, bias, backend)
+        got = _call(x, lay, bias, "cutlass")
         assert torch.equal(got, reference_matmul(x, lay, bias)), M
     assert len(ext.calls) == 3
     assert all(next(k for k in manifest(arch) if k.name == n).tile_g == 128 for n in ext.calls), (
@@ -243,20 +242,44 @@ def test_tw_linear_cuda_splits_tiles_for_an_explicit_kernel(monkeypatch) -> None
     assert ext.calls[-1] == g64.name
 
 
-def test_auto_without_an_instance_of_the_dtype_runs_the_reference(monkeypatch, caplog) -> None:
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_auto_runs_the_dense_gemm_on_a_cached_reconstruction(counted, dtype) -> None:
+    # "auto" on a CUDA tensor: x @ W with W the layer's dense weight (pruned entries zero),
+    # built once per set of layout tensors and again after an edit; no kernel, no packing.
+    packs, launches = counted
+    module = _int_layer(40, 70, 16, dtype)
+    lay, bias = module.layout, module.bias.detach()
+    built: list[int] = []
+    real = TWLayout.to_dense
+    TWLayout.to_dense = lambda self: built.append(1) or real(self)  # type: ignore[method-assign]
+    try:
+        x = torch.randint(-1, 2, (9, 40)).to(dtype)
+        for _ in range(3):
+            assert torch.equal(_call(x, lay, bias, "auto"), reference_matmul(x, lay, bias))
+        assert len(built) == 1
+        w = cuda.dense_weight(
+            (lay.col_idx, lay.tile_ptr, lay.row_idx, lay.row_ptr, lay.values, lay.val_ptr),
+            40,
+            70,
+            dtype,
+            "cpu",
+        )
+        assert torch.equal(w, real(lay).to(dtype)) and len(built) == 1
+        lay.values.mul_(2)  # in place: built again
+        assert torch.equal(_call(x, lay, None, "auto"), reference_matmul(x, lay))
+        assert len(built) == 2
+    finally:
+        TWLayout.to_dense = real  # type: ignore[method-assign]
+    assert packs == [] and launches == []
+
+
+def test_cutlass_without_an_instance_of_the_dtype_is_an_error(monkeypatch) -> None:
     bf16_only = [k.name for k in manifest(Arch.SM90A) if k.dtype.value == "bf16"]
-    ext = fake_device(monkeypatch, Arch.SM90A, bf16_only)
+    fake_device(monkeypatch, Arch.SM90A, bf16_only)
     allow_cutlass_on_cpu(monkeypatch)
-    monkeypatch.setattr(cuda, "_NO_KERNEL_WARNED", set())
     module = _int_layer(16, 40, 8, torch.float16)
     x = torch.randint(-1, 2, (3, 16)).half()
-    with caplog.at_level(logging.WARNING, logger=cuda.__name__):
-        for _ in range(2):
-            assert torch.equal(
-                _call(x, module.layout, None, "auto"), reference_matmul(x, module.layout)
-            )
-    assert ext.calls == []
-    assert sum("backend 'auto' runs the reference" in r.getMessage() for r in caplog.records) == 1
+    assert torch.equal(_call(x, module.layout, None, "auto"), reference_matmul(x, module.layout))
     with pytest.raises(ValueError, match=r"no f16/sm_90a/sm80_multistage TW kernel serves tiles"):
         _call(x, module.layout, None, "cutlass")
 
@@ -264,9 +287,10 @@ def test_auto_without_an_instance_of_the_dtype_runs_the_reference(monkeypatch, c
 @pytest.mark.parametrize("M", [1, 5, 8, 16])
 def test_in_features_one_reaches_the_kernel_with_a_valid_pitch(monkeypatch, M) -> None:
     ext = fake_device(monkeypatch, Arch.SM90A)
+    allow_cutlass_on_cpu(monkeypatch)
     module = _int_layer(1, 20, 8, torch.float16)
     x = torch.randint(-3, 4, (M, 1)).half()
-    got = _call(x, module.layout, module.bias.detach(), "auto")
+    got = _call(x, module.layout, module.bias.detach(), "cutlass")
     assert torch.equal(got, reference_matmul(x, module.layout, module.bias.detach()))
     assert len(ext.calls) == 1
 

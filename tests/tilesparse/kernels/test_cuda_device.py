@@ -132,3 +132,24 @@ def test_in_features_one(ext, M) -> None:
     x = torch.randint(-3, 4, (M, 1)).half()
     got = cuda_glue.tw_linear_cuda(x.cuda(), layout).cpu()
     assert torch.equal(got, reference_matmul(x, layout))
+
+
+def test_auto_on_cuda_is_the_dense_gemm_of_the_pruned_weight(ext) -> None:
+    # backend "auto" (the default) on a CUDA tensor multiplies by the cached dense
+    # reconstruction: the masked dense layer's result, and no packed weight is made.
+    from tilesparse.linear import TileSparseLinear
+
+    assert cuda_glue.register_cuda_kernel()
+    torch.manual_seed(0)
+    dense = torch.nn.Linear(300, 260)
+    mask_kn = torch.rand(300, 260) < 0.5
+    module = TileSparseLinear.from_dense(dense, mask_kn, tile=128).to(
+        device="cuda", dtype=torch.float16
+    )
+    assert module.backend == "auto"
+    x = torch.randn(64, 300, device="cuda", dtype=torch.float16)
+    with torch.no_grad():
+        got = module(x).float()
+    want = x.float() @ (dense.weight.T.cuda() * mask_kn.cuda()) + dense.bias.cuda()
+    torch.testing.assert_close(got, want, **tol("cutlass", torch.float16))
+    assert id(module.layout.values) not in cuda_glue._PACKED

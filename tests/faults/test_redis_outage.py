@@ -29,6 +29,7 @@ import threading
 import time
 from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -180,11 +181,9 @@ class _Tally:
         try:
             msg = json.loads(body)["error"]
         except (ValueError, KeyError, TypeError):
-            msg = None
-        named = (
-            isinstance(msg, str) and TIER in msg and re.search(r"^table '(\w+)'", msg) is not None
-        )
-        if status == 503 and named and re.match(r"^table '(\w+)'", msg).group(1) in self.tables:  # type: ignore[union-attr]
+            msg = ""
+        table = re.match(r"table '(\w+)': ", msg) if isinstance(msg, str) else None
+        if status == 503 and table is not None and table.group(1) in self.tables and TIER in msg:
             return "503_tier"
         self._problem(f"HTTP {status}: {body[:300]!r}")
         return f"other_{status}"
@@ -221,6 +220,47 @@ def _stats(url: str) -> dict[str, Any]:
     return httpx.get(f"{url}/v2/models/{MODEL}/stats", timeout=30).json()["model_stats"][0]
 
 
+@dataclass
+class _Load:
+    """One paced load: what to send, and each answer's send time and kind."""
+
+    client: httpx.Client
+    url: str
+    bodies: list[bytes]
+    wants: list[np.ndarray]
+    tally: _Tally
+    t0: float = 0.0
+    timeline: list[tuple[float, str]] = field(default_factory=list)
+
+    def send(self, i: int) -> str:
+        kind = _send(self.client, self.url, self.bodies[i % 8], self.wants[i % 8], self.tally)
+        self.tally.add(kind)
+        return kind
+
+    def paced(self, i: int) -> tuple[float, str]:
+        """Request ``i`` at ``t0 + i / RATE`` (or at once when late)."""
+        time.sleep(max(0.0, self.t0 + i / RATE - time.monotonic()))
+        return time.monotonic() - self.t0, self.send(i)
+
+    def run_with_faults(self, rc: LocalRedisCluster) -> dict[str, float]:
+        """``RATE × DURATION_S`` requests from 4 threads while node ``KILLED`` is killed and
+        restarted; then requests until one is right (60 s at most). Returns when the node was
+        killed and restarted (seconds after ``t0``)."""
+        events: dict[str, float] = {}
+        self.t0 = time.monotonic()
+        faults = threading.Thread(target=_faults, args=(rc, self.t0, events))
+        faults.start()
+        with ThreadPoolExecutor(max_workers=4) as ex:
+            self.timeline = list(ex.map(self.paced, range(int(RATE * DURATION_S))))
+        faults.join(timeout=60)
+        events["load_end"] = time.monotonic() - self.t0
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline and self.timeline[-1][1] != "200_correct":
+            time.sleep(0.2)
+            self.timeline.append((time.monotonic() - self.t0, self.send(0)))
+        return events
+
+
 @pytest.mark.parametrize("cache", ["off", "small"])
 def test_a_killed_redis_node_never_yields_a_wrong_score(
     require, tmp_path: Path, cache: str
@@ -240,41 +280,18 @@ def test_a_killed_redis_node_never_yields_a_wrong_score(
         url = f"{srv.url}/v2/models/{MODEL}/infer"
         tally = _Tally(tables)
         with httpx.Client() as client:
-            assert _send(client, url, bodies[0], wants[0], tally) == "200_correct"  # healthy
-            # ------------------------------------------------ the load, the kill, the restart
-            n = int(RATE * DURATION_S)
-            events: dict[str, float] = {}
-            t0 = time.monotonic()
-            faults = threading.Thread(target=_faults, args=(rc, t0, events))
-            faults.start()
-
-            def one(i: int) -> tuple[float, str]:
-                time.sleep(max(0.0, t0 + i / RATE - time.monotonic()))
-                sent = time.monotonic() - t0
-                kind = _send(client, url, bodies[i % len(bodies)], wants[i % len(bodies)], tally)
-                tally.add(kind)
-                return sent, kind
-
-            with ThreadPoolExecutor(max_workers=4) as ex:
-                timeline = list(ex.map(one, range(n)))
-            faults.join(timeout=60)
-            load_s = time.monotonic() - t0
-            during = Counter(tally.counts)
-            # ------------------------------------------------ recovery: right answers again
-            deadline = time.monotonic() + 60
-            while time.monotonic() < deadline and timeline[-1][1] != "200_correct":
-                time.sleep(0.2)
-                timeline.append(
-                    (time.monotonic() - t0, _send(client, url, bodies[0], wants[0], tally))
-                )
-                tally.add(timeline[-1][1])
-            after = [_send(client, url, bodies[i % 8], wants[i % 8], tally) for i in range(20)]
+            load = _Load(client, url, bodies, wants, tally)
+            assert load.send(0) == "200_correct"  # healthy
+            events = load.run_with_faults(rc)
+            during = Counter(k for _, k in load.timeline[: int(RATE * DURATION_S)])
+            after = [load.send(i) for i in range(20)]
         stats = _stats(srv.url)
         server_log = srv.log_path.read_text()
     finally:
         if srv is not None:
             srv.stop()
         rc.stop()
+    timeline, n = load.timeline, int(RATE * DURATION_S)
     killed, restarted = events.get("killed", float("inf")), events.get("restarted", float("inf"))
     phases = {
         "before the kill": Counter(k for t, k in timeline if t < killed),
@@ -283,11 +300,11 @@ def test_a_killed_redis_node_never_yields_a_wrong_score(
     }
     recovered_at = next((t for t, k in timeline if t >= restarted and k == "200_correct"), None)
     n503 = tally.counts["503_tier"]
-    unavailable = sum(t["unavailable"] for t in stats["hps"].values())
-    failed_keys = sum(t["tier_failed_keys"] for t in stats["hps"].values())
+    unavailable = sum(t.get("unavailable", 0) for t in stats["hps"].values())
+    failed_keys = sum(t.get("tier_failed_keys", 0) for t in stats["hps"].values())
     others = sum(v for k, v in during.items() if k.startswith(("other", "no_")))
     print(
-        f"\nredis outage, cache {cache}: {n} requests in {load_s:.1f} s (node killed at "
+        f"\nredis outage, cache {cache}: {n} requests in {events['load_end']:.1f} s (node killed at "
         f"{killed:.1f} s, restarted at {restarted:.1f} s): 200 correct {during['200_correct']}, "
         f"503 {during['503_tier']}, 200 wrong {during['200_wrong']}, other {others}; "
         + "; ".join(f"{p}: {dict(c)}" for p, c in phases.items())

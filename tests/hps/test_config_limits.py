@@ -1,6 +1,6 @@
-"""ps.json values that used to pass the checks and then failed later (a traceback, a machine
-out of memory, or a server that guesses rows): each refused by the config check, naming the
-field, the value and what was expected."""
+"""ps.json values the config check refuses, each naming the field, the value and what was
+expected: values that otherwise fail later (a traceback, a machine out of memory) or that
+would let the server guess rows (a Redis-only config with asynchronous insertion)."""
 
 from __future__ import annotations
 

@@ -379,11 +379,12 @@ class LookupSession:
             return
         tier = f"volatile db ({self.volatile.name if self.volatile is not None else 'none'})"
         below = (
-            "there is no persistent db"
+            "there is no persistent db to fall through to"
             if self.persistent is None
-            else f"the persistent db ({self.persistent.name}) does not hold every row of it"
+            else f"the persistent db ({self.persistent.name}) lacks them and does not hold "
+            "every row of the table"
         )
-        raise TierUnavailableError(t.name, tier, k, fetched.reason, f"; {below} to fall through to")
+        raise TierUnavailableError(t.name, tier, k, fetched.reason, f"; {below}")
 
     def _lookup_flat(self, t: SessionTable, flat: torch.Tensor) -> torch.Tensor:
         uniq, inverse, counts = unique_with_inverse(flat)

@@ -16,8 +16,8 @@ restarted empty, or it was deleted) or was never completely loaded: a read of it
 Failures: any Redis error marks the backend *down* for ``retry_interval_s``; while down,
 reads fail at once for every key (the session falls through to a persistent DB that holds
 every row, or refuses the lookup with :class:`~hps.types.TierUnavailableError`; it never
-answers such a key with the default vector) and writes are queued (bounded by ``max_pending_rows``) and replayed when the cluster answers
-again. A write that the full queue cannot take raises :class:`VolatileUnavailableError` instead
+answers such a key with the default vector) and writes are queued (bounded by
+``max_pending_rows``) and replayed when the cluster answers again. A write that the full queue cannot take raises :class:`VolatileUnavailableError` instead
 of being dropped: the Redis hashes still hold the old rows of its keys and are read before the
 persistent DB, so a dropped online update would be undone silently once the cluster is back.
 The update applier lets the error fail the batch (its offset is not advanced; the batch is
@@ -378,11 +378,7 @@ class RedisClusterBackend(StorageBackend):
     def mark_loaded(self, table: str, partitions: list[int] | None = None) -> None:
         """Mark ``table``'s partitions (default: all) as holding every row meant for them;
         call it once they were written. While the cluster is down the mark is queued behind
-        the rows (replayed after them).
-
-        Raises:
-            VolatileUnavailableError: the cluster is down and the queue is full.
-        """
+        the rows and replayed after them (it holds no row: a full queue still takes it)."""
         self._dim(table)
         parts = list(range(self.num_partitions)) if partitions is None else list(partitions)
         if self._ensure_up():

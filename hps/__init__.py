@@ -4,15 +4,18 @@ after HugeCTR's HPS (whose own is deprecated), and the inference application aro
 A key is looked up through tiers, fastest first, and the row is returned from the first that
 holds it: the embedding cache (set-associative, LRU or LFU, on the compute device) → the
 volatile DB (an in-process hash map, or a Redis cluster) → the persistent DB (RocksDB, every
-row) → the table's default vector for a key found nowhere. ``ps.json`` (HugeCTR's format)
-says which tiers, tables and models; online updates from the trainer reach every tier.
+row) → the table's default vector for a key found nowhere. A key whose tier failed is never
+given the default vector: it falls through, or the lookup raises ``TierUnavailableError``.
+``ps.json`` (HugeCTR's format) says which tiers, tables and models; online updates from the
+trainer reach every tier.
 
     >>> from hps import HierarchicalParameterServer
     >>> ps = HierarchicalParameterServer.from_config("out/ps.json")       # doctest: +SKIP
     >>> rows = ps.session("dlrm").lookup("t0", torch.tensor([[3, 9]]))   # doctest: +SKIP
 
 Rooms: this package (``config`` / ``config_parse`` read ``ps.json``, ``session`` serves
-lookups, ``parameter_server`` builds the tiers, ``advisor`` sizes caches, ``artifact_format``
+lookups (``session_stats`` its statistics, ``rwlock`` its update lock), ``parameter_server``
+builds the tiers (``volatile_repair`` writes back Redis partitions that lost their rows), ``advisor`` sizes caches, ``artifact_format``
 is the serving-artifact format, ``types`` the shared enums and errors); :mod:`hps.storage`
 the tiers and the sparse files; :mod:`hps.updates` online updates; :mod:`hps.serving` the
 inference application (HPS lookups + onnxruntime behind the KServe v2 protocol,
@@ -40,6 +43,8 @@ from hps.types import (
     PersistentDBType,
     StorageBackend,
     Tier,
+    TierRead,
+    TierUnavailableError,
     UpdateSourceType,
     VolatileDBType,
     VolatileUnavailableError,
@@ -70,6 +75,8 @@ __all__ = [
     "TableKeyStats",
     "TableSpec",
     "Tier",
+    "TierRead",
+    "TierUnavailableError",
     "UpdateSourceConfig",
     "UpdateSourceType",
     "VolatileDBConfig",

@@ -50,7 +50,21 @@ by name and never walks an object's keys, so a key it does not know is ignored a
 
 Relative paths are resolved against the folder holding ``ps.json``. Unknown fields, missing
 required fields, wrong types and impossible values raise ``ValueError`` naming the field
-(``models[0].gpucacheper``); JSON syntax errors name the line and column.
+(``models[0].gpucacheper``); JSON syntax errors name the line and column. Among the impossible
+values: ``volatile_db.num_partitions`` above :data:`MAX_PARTITIONS`; any ``max_batch_size``
+(a model's samples per request, a database's keys per command) above :data:`MAX_BATCH_SIZE`;
+a ``device`` other than ``auto``, ``cpu`` or ``cuda[:i]``, or a ``cuda`` device this machine
+does not have; a ``persistent_db.path`` that is a file or lies under one.
+
+A key that may exist but cannot be read (its tier failed) is never answered with the table's
+default vector: the lookup falls through to a persistent DB holding every row, or is refused
+(:class:`~hps.types.TierUnavailableError`; the server answers 503). A configuration that
+cannot keep to this is refused: with ``volatile_db.type: redis_cluster`` (a tier that fails:
+nodes go down, restart empty) and no ``persistent_db``, every model with ``gpucache`` must
+have ``cache_exact: true`` or ``hit_rate_threshold: 1.0``. Otherwise a lookup whose cache
+hit rate reaches the threshold answers its misses with the default vector *without reading
+any tier* (HugeCTR's asynchronous insertion), and while a node is down the background fill
+fails every time, so its keys would get the default vector for the whole outage.
 """
 
 from __future__ import annotations
@@ -73,6 +87,18 @@ from hps.types import (
 
 #: HugeCTR's default for ``overflow_margin`` is "unbounded"; ours is a large finite row count.
 DEFAULT_OVERFLOW_MARGIN = 2**40  # rows
+
+#: Most ``volatile_db.num_partitions``. Each hash-map partition starts with room for 1,024 rows
+#: (``hps.storage.volatile``): 1,024 partitions of a dim-128 table start at 0.55 GB, and
+#: partitions only spread locks and Redis hash slots, which a few dozen already do (HugeCTR's
+#: default is 16).
+MAX_PARTITIONS = 1024
+
+#: Most ``max_batch_size`` of a model (samples per request) and of a database (keys per Redis
+#: command or RocksDB multi-get): 2**24 keys are 128 MiB of int64 per lookup, and a Redis
+#: command of 2**24 fields (~22 bytes each with its framing) is 0.37 GiB, within Redis's 1 GiB
+#: ``client-query-buffer-limit``. More is a typo, not a workload.
+MAX_BATCH_SIZE = 2**24
 
 
 @dataclass(frozen=True)

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
 from hps.artifact_format import ARTIFACT_VERSION, ARTIFACT_VERSION_FIELD
 from hps.config import (
+    MAX_BATCH_SIZE,
+    MAX_PARTITIONS,
     ModelConfig,
     PersistentDBConfig,
     PSConfig,
@@ -67,6 +70,32 @@ def _check_address(address: str, where: str, what: str) -> None:
 
 
 _MAX_WAIT_S = 86400.0  # a day: the longest poll / retry interval or timeout ps.json may ask for
+
+
+_BATCH_RANGE = f"an integer in [1, {MAX_BATCH_SIZE}] (hps.config.MAX_BATCH_SIZE)"
+
+
+def _check_device(device: str, where: str) -> None:
+    """``device`` must be ``auto``, ``cpu`` or ``cuda[:i]`` with ``i`` a CUDA device of this
+    machine (a config naming a GPU the machine lacks fails here, not at the first lookup)."""
+    m = re.fullmatch(r"auto|cpu|cuda(?::(\d+))?", device)
+    check(m is not None, where, "device", device, "'auto', 'cpu' or 'cuda[:i]'")
+    if not device.startswith("cuda"):
+        return
+    import torch
+
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    index = int(m.group(1)) if m is not None and m.group(1) else 0
+    check(
+        index < n,
+        where,
+        "device",
+        device,
+        f"a CUDA device of this machine ({n} visible), 'auto' or 'cpu'"
+        if n
+        else "'auto' or 'cpu': CUDA is not available on this machine "
+        "(torch.cuda.is_available() is False)",
+    )
 
 
 _MODEL_FIELDS = {
@@ -132,7 +161,7 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
     check(bool(name), where, "model", name, "a non-empty model name")
     tables = _parse_tables(d, where, base)
     mbs = field(d, "max_batch_size", where, int)
-    check(mbs > 0, where, "max_batch_size", mbs, "> 0")
+    check(0 < mbs <= MAX_BATCH_SIZE, where, "max_batch_size", mbs, _BATCH_RANGE)
     per = field(d, "gpucacheper", where, float, 0.2)
     check(0.0 < per <= 1.0, where, "gpucacheper", per, "a fraction in (0, 1]")
     thr = field(d, "hit_rate_threshold", where, float, 0.9)
@@ -152,13 +181,7 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
     workers = field(d, "num_of_worker_buffer_in_pool", where, int, 4)
     check(workers > 0, where, "num_of_worker_buffer_in_pool", workers, "> 0")
     device = field(d, "device", where, str, "auto")
-    check(
-        device in ("auto", "cpu") or device.startswith("cuda"),
-        where,
-        "device",
-        device,
-        "'auto', 'cpu' or 'cuda[:i]'",
-    )
+    _check_device(device, where)
     devs = list_field(
         d,
         "deployed_device_list",
@@ -208,7 +231,13 @@ def _parse_vdb(d: dict[str, Any]) -> VolatileDBConfig:
         retry_interval_s=field(d, "retry_interval_s", w, float, dflt.retry_interval_s),
         socket_timeout_s=field(d, "socket_timeout_s", w, float, dflt.socket_timeout_s),
     )
-    check(cfg.num_partitions > 0, w, "num_partitions", cfg.num_partitions, "> 0")
+    check(
+        0 < cfg.num_partitions <= MAX_PARTITIONS,
+        w,
+        "num_partitions",
+        cfg.num_partitions,
+        f"an integer in [1, {MAX_PARTITIONS}] (hps.config.MAX_PARTITIONS)",
+    )
     check(
         cfg.overflow_margin > 0, w, "overflow_margin", cfg.overflow_margin, "> 0 rows per partition"
     )
@@ -226,7 +255,13 @@ def _parse_vdb(d: dict[str, Any]) -> VolatileDBConfig:
         cfg.initial_cache_rate,
         "a fraction in [0, 1]",
     )
-    check(cfg.max_batch_size > 0, w, "max_batch_size", cfg.max_batch_size, "> 0")
+    check(
+        0 < cfg.max_batch_size <= MAX_BATCH_SIZE,
+        w,
+        "max_batch_size",
+        cfg.max_batch_size,
+        _BATCH_RANGE,
+    )
     check(
         0 <= cfg.retry_interval_s <= _MAX_WAIT_S,
         w,
@@ -256,10 +291,27 @@ def _parse_pdb(d: dict[str, Any], base: Path | None) -> PersistentDBConfig:
         read_only=field(d, "read_only", w, bool, False),
         max_batch_size=field(d, "max_batch_size", w, int, 65536),
     )
-    check(cfg.max_batch_size > 0, w, "max_batch_size", cfg.max_batch_size, "> 0")
+    check(
+        0 < cfg.max_batch_size <= MAX_BATCH_SIZE,
+        w,
+        "max_batch_size",
+        cfg.max_batch_size,
+        _BATCH_RANGE,
+    )
     if typ is PersistentDBType.ROCKS_DB:
         check(bool(cfg.path), w, "path", cfg.path, "a folder for the rocks_db")
+        _check_folder_path(cfg.path, w, "path", "a folder for the rocks_db")
     return cfg
+
+
+def _check_folder_path(path: str, where: str, key: str, expected: str) -> None:
+    """``path`` must be a folder or not exist yet, and no existing part of it a file."""
+    p = Path(path)
+    for q in (p, *p.parents):
+        if q.exists():
+            what = "is a file" if q == p else f"lies under the file {str(q)!r}"
+            check(q.is_dir(), where, key, path, f"{expected} (it {what})")
+            return
 
 
 def _parse_updates(
@@ -324,6 +376,28 @@ def _parse_updates(
             "and are lost on eviction and restart)",
         )
     return cfg
+
+
+def _check_failed_keys_not_guessed(
+    models: tuple[ModelConfig, ...], vdb: VolatileDBConfig, pdb: PersistentDBConfig
+) -> None:
+    """With a Redis cluster as the only database, a model must never answer a cache miss
+    without reading the tiers (asynchronous insertion): while a node is down its keys would
+    get the default vector for the whole outage (:mod:`hps.config`)."""
+    if vdb.type is not VolatileDBType.REDIS_CLUSTER or pdb.type is not PersistentDBType.NONE:
+        return
+    for i, m in enumerate(models):
+        check(
+            not m.gpucache or m.cache_exact or m.hit_rate_threshold >= 1.0,
+            f"models[{i}]",
+            "cache_exact",
+            m.cache_exact,
+            "true (or hit_rate_threshold 1.0, or gpucache false, or a persistent_db) with a "
+            "redis_cluster volatile_db and no persistent_db: otherwise a lookup whose cache "
+            f"hit rate reaches hit_rate_threshold ({m.hit_rate_threshold}) answers its misses "
+            "with the default vector without reading Redis, and while a node is down its keys "
+            "would get it for the whole outage",
+        )
 
 
 def _check_shared_tables(models: tuple[ModelConfig, ...]) -> None:
@@ -410,6 +484,7 @@ def parse_config(doc: Any, base_dir: str | Path | None = None, name: str = "ps.j
             "1.0 without a persistent_db (the rows not loaded would be served as default "
             "vectors: no tier would hold them)",
         )
+    _check_failed_keys_not_guessed(models, vdb, pdb)
     _check_shared_tables(models)
     return PSConfig(
         models=models,

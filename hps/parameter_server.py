@@ -10,6 +10,12 @@ each table's rows; each table's cache gets ``ceil(gpucacheper × rows)`` slots (
 ``cache_lfu_decay_keys_per_slot`` × slots looked-up keys), warmed up
 from the hottest keys when the caller has statistics (:meth:`LookupSession.warm_up`).
 
+A table's rows in the volatile DB are marked loaded once all are in
+(:meth:`~hps.types.StorageBackend.mark_loaded`): a Redis partition that later loses them (its
+node restarted empty) fails its reads instead of answering "not found", and
+:meth:`HierarchicalParameterServer.start_background` runs the repair that writes it back
+(:mod:`hps.volatile_repair`).
+
 Restarts keep online updates: when a writable persistent DB already held a table (a restart),
 the volatile DB is filled with that table's rows *as the persistent DB holds them* (online
 updates included; keys from the sparse files, values from RocksDB), and the applier resumes
@@ -51,10 +57,12 @@ from hps.updates.file_log import FileLogSource
 from hps.updates.record import CorruptRecordError, InvalidUpdateError
 from hps.updates.redis_stream import RedisStreamSource, redis_client
 from hps.updates.transport import UpdateSource
+from hps.volatile_repair import VolatileRepair
 
 log = logging.getLogger(__name__)
 
 _LOAD_CHUNK = 262144  # rows per insert while loading sparse files
+_MIN_REPAIR_INTERVAL_S = 0.1  # the volatile repair checks at most this often
 
 
 def build_volatile(cfg: PSConfig) -> StorageBackend | None:
@@ -101,6 +109,16 @@ def resolve_device(model: ModelConfig) -> torch.device:
     return torch.device(model.device)
 
 
+def _read_sparse(
+    table: str, folder: str, dim: int, check_finite: bool = True
+) -> tuple[np.ndarray, np.ndarray]:
+    """:func:`read_table` of ``table``'s sparse folder, its errors naming the table."""
+    try:
+        return read_table(folder, dim, check_finite=check_finite)
+    except ValueError as e:
+        raise ValueError(f"table {table!r}: {e}") from None
+
+
 class HierarchicalParameterServer:
     """Owns the shared databases and one lookup session per model.
 
@@ -117,6 +135,7 @@ class HierarchicalParameterServer:
         self.num_rows: dict[str, int] = {}
         self._sessions: dict[str, LookupSession] = {}
         self._stops: list[threading.Event] = []
+        self.repair: VolatileRepair | None = None  # set by start_background for a Redis tier
         for model in cfg.models:
             for t in model.tables:
                 for db in (self.volatile, self.persistent):
@@ -152,7 +171,7 @@ class HierarchicalParameterServer:
         if loaded is not None:
             return loaded
         if sparse_file and Path(sparse_file).exists():
-            return int(read_table(sparse_file, dim)[0].shape[0])
+            return int(_read_sparse(table, sparse_file, dim, check_finite=False)[0].shape[0])
         raise ValueError(
             f"table {table!r}: cannot size its cache without its sparse file "
             f"{sparse_file!r} or a loaded persistent db"
@@ -161,7 +180,7 @@ class HierarchicalParameterServer:
     def _load_table(self, name: str, folder: str, dim: int) -> None:
         if name in self.num_rows:
             return  # shared by two models: loaded once
-        keys, vecs = read_table(folder, dim)
+        keys, vecs = _read_sparse(name, folder, dim)
         n = int(keys.shape[0])
         self.num_rows[name] = n
         pdb = self.persistent
@@ -173,38 +192,59 @@ class HierarchicalParameterServer:
             else:
                 from_pdb = pdb  # loaded by an earlier start: it has the online updates since
         if self.volatile is not None:
-            m = int(round(self.cfg.volatile_db.initial_cache_rate * n))
-            for s in range(0, m, _LOAD_CHUNK):
-                e = min(s + _LOAD_CHUNK, m)
-                k = np.ascontiguousarray(keys[s:e], dtype=np.int64)
-                v = np.ascontiguousarray(vecs[s:e], dtype=np.float32)
-                if from_pdb is not None:
-                    rows, found = from_pdb.lookup(name, k)
-                    v = np.where(found[:, None], rows, v)
-                try:
-                    self.volatile.insert(name, k, v)
-                except VolatileUnavailableError as e:  # serve from the persistent db meanwhile
-                    log.error("volatile db: loading %s stopped at row %d of %d: %s", name, s, m, e)
-                    break
-            log.info(
-                "volatile db (%s): loaded %d of %d rows of %s from the %s",
-                self.volatile.name,
-                m,
-                n,
-                name,
-                "persistent db" if from_pdb is not None else "sparse files",
-            )
-            if pdb is None and isinstance(self.volatile, HashMapBackend):
-                held = self.volatile.size(name)
-                if held < n:  # evicted while loading: no tier holds the rest
-                    margin = self.cfg.volatile_db.overflow_margin
-                    raise ValueError(
-                        f"table {name!r}: the volatile db holds {held} of its {n} rows after loading "
-                        f"(overflow_margin {margin} rows per partition, "
-                        f"{self.volatile.num_partitions} partitions) and there is no persistent_db, "
-                        "so the evicted rows would be served as default vectors; raise "
-                        "volatile_db.overflow_margin or add a persistent_db"
-                    )
+            self._load_volatile(self.volatile, name, keys, vecs, from_pdb)
+
+    def _load_volatile(
+        self,
+        vdb: StorageBackend,
+        name: str,
+        keys: np.ndarray,
+        vecs: np.ndarray,
+        from_pdb: RocksDBBackend | None,
+    ) -> None:
+        """The first ``initial_cache_rate`` of a table's rows into the volatile DB (values from
+        ``from_pdb`` where it holds them), then its mark (:meth:`StorageBackend.mark_loaded`:
+        a load that stopped leaves the table unmarked, so its reads fail, none is guessed)."""
+        n = int(keys.shape[0])
+        m = int(round(self.cfg.volatile_db.initial_cache_rate * n))
+        complete = True
+        for s in range(0, m, _LOAD_CHUNK):
+            e = min(s + _LOAD_CHUNK, m)
+            k = np.ascontiguousarray(keys[s:e], dtype=np.int64)
+            v = np.ascontiguousarray(vecs[s:e], dtype=np.float32)
+            if from_pdb is not None:
+                rows, found = from_pdb.lookup(name, k)
+                v = np.where(found[:, None], rows, v)
+            try:
+                vdb.insert(name, k, v)
+            except VolatileUnavailableError as err:
+                log.error("volatile db: loading %s stopped at row %d of %d: %s", name, s, m, err)
+                complete = False
+                break
+        if complete:
+            try:
+                vdb.mark_loaded(name)
+            except VolatileUnavailableError as err:
+                log.error("volatile db: marking %s as loaded failed: %s", name, err)
+        log.info(
+            "volatile db (%s): loaded %d of %d rows of %s from the %s",
+            vdb.name,
+            m,
+            n,
+            name,
+            "persistent db" if from_pdb is not None else "sparse files",
+        )
+        if self.persistent is None and isinstance(vdb, HashMapBackend):
+            held = vdb.size(name)
+            if held < n:  # evicted while loading: no tier holds the rest
+                margin = self.cfg.volatile_db.overflow_margin
+                raise ValueError(
+                    f"table {name!r}: the volatile db holds {held} of its {n} rows after loading "
+                    f"(overflow_margin {margin} rows per partition, "
+                    f"{vdb.num_partitions} partitions) and there is no persistent_db, "
+                    "so the evicted rows would be served as default vectors; raise "
+                    "volatile_db.overflow_margin or add a persistent_db"
+                )
 
     def _volatile_rebuilt(self, load: bool) -> bool:
         """Whether this start left the volatile DB without the online updates applied before
@@ -297,7 +337,9 @@ class HierarchicalParameterServer:
         """Start the periodic work a config asks for: each model's cache refresh (every
         ``refresh_interval_s``, ``cache_refresh_percentage_per_iteration`` of the slots each
         time; skipped when 0) and the online-update poller (every
-        ``update_source.poll_interval_s``). The updates already in the source are applied
+        ``update_source.poll_interval_s``) and, for a Redis volatile DB, the repair of
+        partitions that lost their rows (:mod:`hps.volatile_repair`; checked every
+        ``volatile_db.retry_interval_s`` after the cluster reported trouble). The updates already in the source are applied
         first, before this returns (after a restart that replays the log, the server must not
         report ready while serving rows older than before it); a corrupt record there is
         logged and retried by the poller, as later. Returns the stop events (set them to stop).
@@ -313,6 +355,17 @@ class HierarchicalParameterServer:
                         refresh_interval_s, m.cache_refresh_percentage_per_iteration
                     )
                 )
+        if isinstance(self.volatile, RedisClusterBackend):
+            self.repair = VolatileRepair(
+                self.volatile,
+                self.persistent,
+                list({t.name: t for m in self.cfg.models for t in m.tables}.values()),
+                list(self._sessions.values()),
+                self.cfg.volatile_db.initial_cache_rate,
+                has_updates=self.cfg.update_source.type is not UpdateSourceType.NONE,
+            )
+            interval = max(self.cfg.volatile_db.retry_interval_s, _MIN_REPAIR_INTERVAL_S)
+            stops.append(self.repair.start(interval))
         applier = self.update_applier()
         if applier is not None:
             try:

@@ -10,6 +10,12 @@ One lookup of ``keys`` (any shape, int64)::
     persist. hit  [F]            → 7 gets the default vector
     rows     unique_rows[inverse].reshape(2, 3, dim)
 
+A key a tier could not read (a Redis node down, or one that restarted empty: ``failed`` in
+its :class:`~hps.types.TierRead`) falls through to the persistent DB; if no tier below holds
+every row, the lookup raises :class:`~hps.types.TierUnavailableError` naming the table and the
+tier: such a key is never answered with the default vector (it may exist). Both are counted
+(``tier_failed_keys``, ``unavailable`` in :meth:`LookupSession.stats`).
+
 What a cache miss gets (per batch, by the hit rate over the batch's unique keys):
 - hit rate < ``hit_rate_threshold``: *synchronous fill* — misses are fetched from the databases,
   returned, and inserted into the cache before the call returns;
@@ -45,18 +51,24 @@ import threading
 import time
 import weakref
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from hps.advisor import KeyStatistics
+from hps.rwlock import ReadWriteLock
+from hps.session_stats import LATENCY_WINDOW, TableStats
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache
-from hps.types import StorageBackend, Tier, VolatileUnavailableError
+from hps.types import (
+    StorageBackend,
+    Tier,
+    TierUnavailableError,
+    VolatileUnavailableError,
+)
 
 log = logging.getLogger(__name__)
 
-_LATENCY_WINDOW = 4096  # most recent lookups kept for p50/p99
 _ASYNC_QUEUE = 8  # background cache jobs waiting at most
 
 
@@ -82,86 +94,15 @@ def unique_with_inverse(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     return uniq, inverse, counts
 
 
-class ReadWriteLock:
-    """Many readers or one writer; a waiting writer blocks new readers (no writer starvation)."""
+@dataclass(frozen=True)
+class _Fetched:
+    """What the databases gave for ``n`` keys (:meth:`LookupSession._fetch_tiers`)."""
 
-    def __init__(self) -> None:
-        self._cond = threading.Condition()
-        self._readers = 0
-        self._writer = False
-        self._waiting_writers = 0
-        self.generation = 0  # completed write sections (read it under the reader side)
-
-    def acquire_read(self) -> None:
-        with self._cond:
-            while self._writer or self._waiting_writers:
-                self._cond.wait()
-            self._readers += 1
-
-    def release_read(self) -> None:
-        with self._cond:
-            self._readers -= 1
-            if self._readers == 0:
-                self._cond.notify_all()
-
-    def acquire_write(self) -> None:
-        with self._cond:
-            self._waiting_writers += 1
-            while self._writer or self._readers:
-                self._cond.wait()
-            self._waiting_writers -= 1
-            self._writer = True
-
-    def release_write(self) -> None:
-        with self._cond:
-            self.generation += 1
-            self._writer = False
-            self._cond.notify_all()
-
-
-@dataclass
-class TableStats:
-    """Per-table lookup statistics. ``unique`` counts each distinct key of a lookup once,
-    ``all`` counts every occurrence."""
-
-    lookups: int = 0
-    keys_all: int = 0
-    keys_unique: int = 0
-    hits_unique: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in Tier})
-    hits_all: dict[str, int] = field(default_factory=lambda: {t.value: 0 for t in Tier})
-    async_batches: int = 0  # lookups served in asynchronous-insertion mode
-    dropped_async: int = 0  # background jobs dropped because the queue was full
-    stale_dropped: int = 0  # background insertions dropped: an update landed after their read
-    errors: int = 0
-    latencies_s: np.ndarray = field(default_factory=lambda: np.full(_LATENCY_WINDOW, np.nan))
-
-    def to_dict(self) -> dict[str, object]:
-        lat = self.latencies_s[~np.isnan(self.latencies_s)]
-        p50, p99 = np.percentile(lat, [50, 99]) if lat.size else (float("nan"),) * 2
-        rate = {
-            "unique": {
-                k: v / self.keys_unique if self.keys_unique else 0.0
-                for k, v in self.hits_unique.items()
-            },
-            "all": {
-                k: v / self.keys_all if self.keys_all else 0.0 for k, v in self.hits_all.items()
-            },
-        }
-        return {
-            "lookups": self.lookups,
-            "keys_all": self.keys_all,
-            "keys_unique": self.keys_unique,
-            "hit_rate": rate,
-            "hits_unique": dict(self.hits_unique),
-            "hits_all": dict(self.hits_all),
-            "async_batches": self.async_batches,
-            "dropped_async": self.dropped_async,
-            "stale_dropped": self.stale_dropped,
-            "errors": self.errors,
-            # None before the first lookup (NaN is not JSON)
-            "latency_p50_ms": float(p50) * 1e3 if lat.size else None,
-            "latency_p99_ms": float(p99) * 1e3 if lat.size else None,
-        }
+    values: np.ndarray  # (n, dim) float32; zeros where not found
+    found: np.ndarray  # (n,) bool
+    from_pdb: np.ndarray  # (n,) bool: found in the persistent DB
+    unreadable: np.ndarray  # (n,) bool: may exist, but no tier could read it
+    reason: str  # what the failed tier reported
 
 
 @dataclass
@@ -243,6 +184,8 @@ class LookupSession:
             ValueError: unknown table, non-int64 keys, more keys than ``max_batch_size ×
                 maxnum_catfeature_query_per_table_per_sample``, or the reserved key -2**63.
             TimeoutError: no worker became free within ``acquire_timeout_s``.
+            TierUnavailableError: a key that may exist could be read from no tier (see the
+                module docstring).
         """
         t = self._table(table)
         flat, shape = self._check_keys(t, keys)
@@ -258,9 +201,10 @@ class LookupSession:
                 rows = self._lookup_flat(t, flat)
             finally:
                 self.update_lock.release_read()
-        except Exception:
+        except Exception as e:
             with self._stats_lock:
                 self._stats[table].errors += 1
+                self._stats[table].unavailable += isinstance(e, TierUnavailableError)
             raise
         finally:
             self._slots.release()
@@ -384,22 +328,29 @@ class LookupSession:
         return flat, tuple(keys.shape)
 
     def _fetch(self, t: SessionTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Volatile then persistent DB; ``(values (n, dim), found (n,) bool)``."""
-        vals, found, _ = self._fetch_tiers(t, keys)
-        return vals, found
+        """Volatile then persistent DB; ``(values (n, dim), found (n,) bool)``. Keys no tier
+        could read are not found (for cache fills, which then skip them)."""
+        f = self._fetch_tiers(t, keys)
+        return f.values, f.found
 
-    def _fetch_tiers(
-        self, t: SessionTable, keys: np.ndarray
-    ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        """Like :meth:`_fetch`, plus ``from_pdb (n,) bool`` (found in the persistent DB)."""
+    def _fetch_tiers(self, t: SessionTable, keys: np.ndarray) -> _Fetched:
+        """Volatile then persistent DB: the rows, where each was found, and the keys no tier
+        could read (failed in the volatile DB and absent from a persistent DB that does not
+        hold every row)."""
         n = keys.size
         vals: np.ndarray | None = None
         found = np.zeros(n, bool)
+        failed = np.zeros(n, bool)
         from_pdb = np.zeros(n, bool)
+        reason = ""
         rest = np.arange(n)
         if self.volatile is not None and n:
-            vals, found = self.volatile.lookup(t.name, keys)  # zeros where not found
+            r = self.volatile.read(t.name, keys)  # zeros where not found
+            vals, found, failed, reason = r.values, r.found, r.failed, r.reason
             rest = np.flatnonzero(~found)
+            if failed.any():
+                with self._stats_lock:
+                    self._stats[t.name].tier_failed_keys += int(failed.sum())
         if self.persistent is not None and rest.size:
             sub = keys if rest.size == n else keys[rest]
             v, f = self.persistent.lookup(t.name, sub)
@@ -410,6 +361,8 @@ class LookupSession:
                 vals[hit] = v[f]
                 found[hit] = True
                 from_pdb[hit] = True
+            if failed.any() and self.persistent.holds_every_row(t.name):
+                failed[:] = False  # its "not found" is an answer for every key
             if self.volatile is not None and self.cache_missed_embeddings and f.any():
                 try:
                     self.volatile.insert(t.name, sub[f], v[f])
@@ -417,7 +370,21 @@ class LookupSession:
                     pass
         if vals is None:
             vals = np.zeros((n, t.dim), np.float32)
-        return vals, found, from_pdb
+        return _Fetched(vals, found, from_pdb, failed & ~found, reason)
+
+    def _refuse(self, t: SessionTable, fetched: _Fetched) -> None:
+        """Raise :class:`TierUnavailableError` when a key of ``fetched`` could be read from no tier."""
+        k = int(fetched.unreadable.sum())
+        if not k:
+            return
+        tier = f"volatile db ({self.volatile.name if self.volatile is not None else 'none'})"
+        below = (
+            "there is no persistent db to fall through to"
+            if self.persistent is None
+            else f"the persistent db ({self.persistent.name}) lacks them and does not hold "
+            "every row of the table"
+        )
+        raise TierUnavailableError(t.name, tier, k, fetched.reason, f"; {below}")
 
     def _lookup_flat(self, t: SessionTable, flat: torch.Tensor) -> torch.Tensor:
         uniq, inverse, counts = unique_with_inverse(flat)
@@ -446,7 +413,9 @@ class LookupSession:
                     mk, mp = mkeys.numpy(), prio.to(dev)
                     self._submit(t, functools.partial(self._fill_from_db, t, cache, mk, mp, epoch))
                 else:
-                    vals, found, from_pdb = self._fetch_tiers(t, mkeys.numpy())
+                    fetched = self._fetch_tiers(t, mkeys.numpy())
+                    self._refuse(t, fetched)
+                    vals, found, from_pdb = fetched.values, fetched.found, fetched.from_pdb
                     mrows = torch.from_numpy(vals).to(dev)
                     fm = torch.from_numpy(found)
                     if not found.all():
@@ -475,7 +444,9 @@ class LookupSession:
         else:
             all_unique = n == flat.numel()
             # the databases do not care about order: an all-unique request skips the final gather
-            vals, found, from_pdb = self._fetch_tiers(t, (flat if all_unique else uniq).numpy())
+            fetched = self._fetch_tiers(t, (flat if all_unique else uniq).numpy())
+            self._refuse(t, fetched)
+            vals, found, from_pdb = fetched.values, fetched.found, fetched.from_pdb
             rows = torch.from_numpy(vals).to(self.device)
             if not found.all():
                 rows[~torch.from_numpy(found).to(self.device)] = t.default_value
@@ -589,5 +560,5 @@ class LookupSession:
     def _record_latency(self, table: str, seconds: float) -> None:
         with self._stats_lock:
             pos = self._lat_pos[table]
-            self._stats[table].latencies_s[pos % _LATENCY_WINDOW] = seconds
+            self._stats[table].latencies_s[pos % LATENCY_WINDOW] = seconds
             self._lat_pos[table] = pos + 1

@@ -11,6 +11,7 @@ numpy arrays (zero-copy to and from CPU torch tensors) because the lower tiers t
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
@@ -76,11 +77,34 @@ class Tier(StrEnum):
     DEFAULT = "default"
 
 
+@dataclass(frozen=True)
+class TierRead:
+    """What one tier answered for ``n`` keys (:meth:`StorageBackend.read`).
+
+    ``found`` and ``failed`` never overlap: a key is held (``found``, its row in ``values``), or
+    known not to be held (neither), or the tier could not say (``failed``: a Redis node down,
+    or one that restarted empty). Only the middle case may get the table's default vector.
+
+        keys    [ 7,  3, 42, 11]
+        found   [ T,  F,  F,  F]
+        failed  [ F,  F,  T,  T]    -> 3 is not there; 42 and 11 must be read elsewhere
+    """
+
+    values: np.ndarray  # (n, dim) float32; zeros where not found
+    found: np.ndarray  # (n,) bool
+    failed: np.ndarray  # (n,) bool
+    reason: str = ""  # why the failed keys could not be read (for errors and logs)
+
+
 class StorageBackend(ABC):
     """The interface of the volatile and persistent tiers (one instance holds many tables).
 
     Every method is batched: ``keys`` is ``(n,) int64`` (C-contiguous), ``values`` is
     ``(n, dim) float32``. Implementations are thread-safe.
+
+    "Not found" is an answer: a backend that cannot tell whether it holds a key (a tier that
+    failed) says so in :meth:`read` and raises :class:`TierUnavailableError` from
+    :meth:`lookup`, never reports the key as absent.
     """
 
     #: short name used in logs and statistics, e.g. ``"hash_map"``
@@ -97,6 +121,28 @@ class StorageBackend(ABC):
         Returns:
             ``(values (n, dim) float32, found (n,) bool)``; rows of keys not found are zeros.
         """
+
+    def read(self, table: str, keys: np.ndarray) -> TierRead:
+        """Like :meth:`lookup`, plus the keys this tier could not answer for (``failed``).
+
+        A backend that cannot fail (in-process) reads with :meth:`lookup`; one that can
+        overrides this.
+        """
+        values, found = self.lookup(table, keys)
+        return TierRead(values, found, np.zeros(found.shape, bool))
+
+    def mark_loaded(self, table: str, partitions: list[int] | None = None) -> None:  # noqa: B027
+        """Record that every row meant for ``table`` (or for its ``partitions``) was written.
+
+        A tier that can lose rows behind the server's back (a Redis node restarted empty)
+        keeps this mark beside the rows, and a read of a part without it fails instead of
+        answering "not found". A no-op for tiers that cannot lose rows.
+        """
+
+    def holds_every_row(self, table: str) -> bool:
+        """True when a key this tier does not hold is in no tier (the persistent DB after a
+        complete load): a miss here is an answer even for keys a tier above failed to read."""
+        return False
 
     @abstractmethod
     def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
@@ -148,6 +194,27 @@ def mix64(keys: np.ndarray) -> np.ndarray:
 class VolatileUnavailableError(RuntimeError):
     """A write the volatile DB could neither apply nor queue (a Redis cluster down with
     ``max_pending_rows`` rows already queued); nothing of it was written."""
+
+
+class TierUnavailableError(RuntimeError):
+    """A lookup some of whose keys may exist but could be read from no tier (the tier holding
+    them failed and no tier below holds every row). The lookup is refused rather than answered
+    with default vectors; the server answers 503 (retry later).
+
+    Attributes:
+        table: the table looked up.
+        tier: the tier that failed (``volatile db (redis_cluster)``).
+        keys: how many distinct keys of the lookup could not be read.
+        reason: what the tier reported.
+    """
+
+    def __init__(self, table: str, tier: str, keys: int, reason: str, detail: str = "") -> None:
+        self.table, self.tier, self.keys, self.reason = table, tier, keys, reason
+        super().__init__(
+            f"table {table!r}: {keys} key(s) could not be read: the {tier} failed for them "
+            f"({reason}){detail}; the lookup is refused rather than answered with default "
+            "vectors (retry later)"
+        )
 
 
 class CorruptRowError(RuntimeError):

@@ -6,7 +6,8 @@
 
 Endpoints (errors are ``{"error": "..."}``: 400 for a bad request or an unknown model or
 version, 404 / 405 for an unknown path or method, 503 when the parameter server had no free
-lookup worker in time, 500 otherwise)::
+lookup worker in time or a tier holding a looked-up key failed (the message names the table
+and the tier: :class:`~hps.types.TierUnavailableError`), 500 otherwise)::
 
     GET  /v2                                   server metadata
     GET  /v2/health/live | /v2/health/ready
@@ -51,6 +52,7 @@ from hps.serving.v2_protocol import (
     encode_infer_response,
     parse_infer_request,
 )
+from hps.types import TierUnavailableError
 
 log = logging.getLogger(__name__)
 
@@ -311,6 +313,8 @@ class _V2Endpoints:
             return self._failed(name, start, _error(str(e)))
         except TimeoutError as e:
             return self._failed(name, start, _error(f"parameter server busy: {e}", 503))
+        except TierUnavailableError as e:  # a key that may exist could not be read: retry later
+            return self._failed(name, start, _error(str(e), 503))
         except Exception as e:  # a bug or a backend that went away: say so, keep serving
             log.exception("model %r: inference failed", name)
             return self._failed(

@@ -169,6 +169,7 @@ class DLRMServable:
             InputError: a missing, unknown, mistyped or misshaped input, a batch over
                 ``max_batch_size``, a key below -1.
             TimeoutError: the parameter server had no free lookup worker in time.
+            TierUnavailableError: a key that may exist could be read from no tier.
         """
         want = {"dense", *(f"ids_{t.name}" for t in self.tables)}
         missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)

@@ -4,12 +4,13 @@
   rows as torch tensors on the compute device.
 - :mod:`hps.storage.volatile`: the in-process volatile DB, a partitioned hash map.
 - :mod:`hps.storage.redis_cluster`: the volatile DB on a Redis cluster (survives outages:
-  lookups fall through, writes are queued and replayed).
+  reads it cannot answer fail, never "not found", and fall through or are refused; writes
+  are queued and replayed; each partition carries a mark that a node restarted empty lacks).
 - :mod:`hps.storage.persistent`: the persistent DB on RocksDB, every row of every table.
 - :mod:`hps.storage.sparse_files`: HugeCTR's sparse-file layout (and a safetensors variant).
 
-The DBs implement :class:`hps.types.StorageBackend` (batched ``lookup`` / ``insert`` on
-``(n,) int64`` keys and ``(n, dim) float32`` rows).
+The DBs implement :class:`hps.types.StorageBackend` (batched ``lookup`` / ``read`` /
+``insert`` on ``(n,) int64`` keys and ``(n, dim) float32`` rows).
 """
 
 from hps.storage.cache import CacheStats, EmbeddingCache

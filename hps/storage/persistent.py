@@ -222,6 +222,10 @@ class RocksDBBackend(StorageBackend):
             )
         self._db.put(f"loaded:{table}".encode(), json.dumps({"rows": int(keys.shape[0])}).encode())
 
+    def holds_every_row(self, table: str) -> bool:
+        """True once :meth:`bulk_load` loaded ``table`` whole: a key it lacks is in no tier."""
+        return self.loaded_rows(table) is not None
+
     def loaded_rows(self, table: str) -> int | None:
         """Row count recorded by :meth:`bulk_load`, ``None`` when the table was never loaded."""
         raw = self._db.get(f"loaded:{table}".encode())

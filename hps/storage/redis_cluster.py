@@ -7,16 +7,26 @@ rows' float32 bytes. The cluster places each hash on a node by CRC16 of its name
 table's partitions spread over all nodes. A lookup is one pipelined ``HMGET`` per touched
 partition (chunks of ``max_batch_size`` fields), sent node by node by the cluster pipeline.
 
+Each partition also holds the field ``hps:loaded`` (not 8 bytes long, so no key's field),
+written by :meth:`RedisClusterBackend.mark_loaded` once every row meant for the partition is
+in, and fetched first by every ``HMGET``. A partition without it has lost its rows (its node
+restarted empty, or it was deleted) or was never completely loaded: a read of its keys
+*fails*, it never answers "not found" (:class:`~hps.types.TierRead`).
+
 Failures: any Redis error marks the backend *down* for ``retry_interval_s``; while down,
-lookups return "not found" at once (the session falls through to the persistent DB) and
-writes are queued (bounded by ``max_pending_rows``) and replayed when the cluster answers
-again. A write that the full queue cannot take raises :class:`VolatileUnavailableError` instead
+reads fail at once for every key (the session falls through to a persistent DB that holds
+every row, or refuses the lookup with :class:`~hps.types.TierUnavailableError`; it never
+answers such a key with the default vector) and writes are queued (bounded by
+``max_pending_rows``) and replayed when the cluster answers again. A write that the full queue cannot take raises :class:`VolatileUnavailableError` instead
 of being dropped: the Redis hashes still hold the old rows of its keys and are read before the
 persistent DB, so a dropped online update would be undone silently once the cluster is back.
 The update applier lets the error fail the batch (its offset is not advanced; the batch is
 applied again, rows being absolute values, when the cluster answers); loading and the session's
 ``cache_missed_embeddings`` fills catch it (their rows are copies of the persistent DB's).
-Every error is counted in :attr:`RedisClusterBackend.errors` and logged.
+Every error is counted in :attr:`RedisClusterBackend.errors` and logged; partitions found
+without their mark are counted in :attr:`RedisClusterBackend.unmarked_reads`, and
+:meth:`RedisClusterBackend.unmarked_partitions` lists them for a repair
+(:mod:`hps.volatile_repair`).
 """
 
 from __future__ import annotations
@@ -24,22 +34,47 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
 from hps.storage.persistent import decode_rows, encode_keys
 from hps.storage.volatile import split_by_partition
-from hps.types import StorageBackend, VolatileUnavailableError, check_keys, check_values
+from hps.types import (
+    StorageBackend,
+    TierRead,
+    TierUnavailableError,
+    VolatileUnavailableError,
+    check_keys,
+    check_values,
+)
 
 log = logging.getLogger(__name__)
 
 _DEFAULT_MAX_PENDING_ROWS = 1_000_000  # rows of writes kept for replay while the cluster is down
 
 
+#: the field of a partition's hash that says every row meant for it was written (not 8 bytes
+#: long: never a key's field)
+LOADED_FIELD = b"hps:loaded"
+
+
 def partition_name(table: str, p: int) -> str:
     """Redis key of partition ``p`` of ``table``."""
     return f"hps_et.{table}.p{p}"
+
+
+class _Queued(NamedTuple):
+    """A write kept for replay while the cluster is down: rows (``values`` set), or the mark
+    of ``partitions`` (``values`` is ``None``, ``keys`` holds the partition ids)."""
+
+    table: str
+    keys: np.ndarray
+    values: np.ndarray | None
+
+    @property
+    def rows(self) -> int:
+        return 0 if self.values is None else int(self.keys.size)
 
 
 class RedisClusterBackend(StorageBackend):
@@ -86,10 +121,12 @@ class RedisClusterBackend(StorageBackend):
         self._lock = threading.Lock()
         self._client: Any = None  # a redis.cluster.RedisCluster once a node answered
         self._down_until = 0.0
-        self._pending: list[tuple[str, np.ndarray, np.ndarray]] = []
+        self._pending: list[_Queued] = []
         self._pending_rows = 0
         self.errors = 0  # Redis errors seen (connection refused, timeouts, cluster down)
-        self.skipped_lookups = 0  # lookups answered "not found" while the backend was down
+        self.skipped_lookups = 0  # reads failed at once because the backend was down
+        self.unmarked_reads = 0  # reads that met a partition without its mark (rows lost)
+        self._unmarked_logged: set[str] = set()  # unmarked partitions already logged
         self.dropped_rows = 0  # queued writes dropped because the queue was full
         self._replaying = False  # a replay of queued writes is running (the tier stays down)
         try:
@@ -181,15 +218,18 @@ class RedisClusterBackend(StorageBackend):
                         break
                 done = 0
                 try:
-                    for table, keys, values in batch:
-                        self._write(table, keys, values)
+                    for item in batch:
+                        if item.values is None:
+                            self._write_marks(item.table, item.keys.tolist())
+                        else:
+                            self._write(item.table, item.keys, item.values)
                         done += 1
                     replayed += done
                 except BaseException:
                     with self._lock:  # not yet written: back to the front of the queue
                         rest = batch[done:]
                         self._pending = rest + self._pending
-                        self._pending_rows += sum(k.size for _, k, _ in rest)
+                        self._pending_rows += sum(q.rows for q in rest)
                     raise
         except Exception as e:  # noqa: BLE001 - any client error means "still down"
             with self._lock:
@@ -221,15 +261,35 @@ class RedisClusterBackend(StorageBackend):
             ) from None
 
     def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Rows of ``keys`` (see :meth:`read`).
+
+        Raises:
+            TierUnavailableError: some keys could not be read (the cluster or a node is down,
+                or a partition lost its rows): "not found" would be a guess.
+        """
+        r = self.read(table, keys)
+        if r.failed.any():
+            raise TierUnavailableError(
+                table, f"volatile db ({self.name})", int(r.failed.sum()), r.reason
+            )
+        return r.values, r.found
+
+    def read(self, table: str, keys: np.ndarray) -> TierRead:
+        """One pipelined ``HMGET`` per touched partition (its mark first, then the keys).
+
+        A key fails (``failed``) when the backend is down, when its command failed, or when its
+        partition has no mark (:data:`LOADED_FIELD`): lost rows are not "not found".
+        """
         keys = check_keys(keys)
         dim = self._dim(table)
         out = np.zeros((keys.size, dim), np.float32)
         found = np.zeros(keys.size, bool)
         if keys.size == 0:
-            return out, found
+            return TierRead(out, found, np.zeros(0, bool))
         if not self._ensure_up():
             self.skipped_lookups += 1
-            return out, found
+            why = "replaying the writes queued during an outage" if self._replaying else "down"
+            return TierRead(out, found, np.ones(keys.size, bool), f"redis cluster {why}")
         try:
             pipe = self._client.pipeline()
             plan = []
@@ -237,22 +297,57 @@ class RedisClusterBackend(StorageBackend):
                 name = partition_name(table, p)
                 for s in range(0, idx.size, self.max_batch_size):
                     chunk = idx[s : s + self.max_batch_size]
-                    pipe.hmget(name, encode_keys(keys[chunk]))
-                    plan.append(chunk)
+                    pipe.hmget(name, [LOADED_FIELD, *encode_keys(keys[chunk])])
+                    plan.append((p, chunk))
             results = pipe.execute(raise_on_error=False)
         except Exception as e:  # noqa: BLE001 - redis raises many types; all mean "tier failed"
             self._fail("lookup", e)
-            return out, found
-        failed = None
-        for chunk, res in zip(plan, results):
+            return TierRead(out, found, np.ones(keys.size, bool), f"{type(e).__name__}: {e}")
+        return self._decode(table, dim, keys, plan, results, out, found)
+
+    def _decode(
+        self,
+        table: str,
+        dim: int,
+        keys: np.ndarray,
+        plan: list[tuple[int, np.ndarray]],
+        results: list[Any],
+        out: np.ndarray,
+        found: np.ndarray,
+    ) -> TierRead:
+        """The :class:`TierRead` of a pipelined read: ``plan[i] = (partition, positions)`` of
+        the ``i``-th ``HMGET``, whose reply ``results[i]`` is an exception or the mark + rows."""
+        failed = np.zeros(keys.size, bool)
+        error: BaseException | None = None
+        unmarked: list[int] = []
+        for (p, chunk), res in zip(plan, results):
             if isinstance(res, Exception):
-                failed = res
-                continue
-            v, f = decode_rows(res, dim, f"redis table {table!r}", keys[chunk])
-            out[chunk], found[chunk] = v, f
-        if failed is not None:
-            self._fail("lookup (some partitions)", failed)
-        return out, found
+                error = res
+                failed[chunk] = True
+            elif res[0] is None:
+                unmarked.append(p)
+                failed[chunk] = True
+            else:
+                v, f = decode_rows(res[1:], dim, f"redis table {table!r}", keys[chunk])
+                out[chunk], found[chunk] = v, f
+        reasons = []
+        if error is not None:
+            self._fail("lookup (some partitions)", error)
+            reasons.append(f"{type(error).__name__}: {error}")
+        if unmarked:
+            names = sorted({partition_name(table, p) for p in unmarked})
+            with self._lock:
+                self.unmarked_reads += 1
+                new = [n for n in names if n not in self._unmarked_logged]
+                self._unmarked_logged.update(new)
+            if new:  # once per partition until it is marked again
+                log.warning("redis partitions %s hold no %r mark: rows lost", new, LOADED_FIELD)
+            shown = ", ".join(names[:4]) + (f" and {len(names) - 4} more" if len(names) > 4 else "")
+            reasons.append(
+                f"partition(s) {shown} hold no {LOADED_FIELD.decode()!r} mark: their node "
+                "restarted empty or they were never completely loaded"
+            )
+        return TierRead(out, found, failed, "; ".join(reasons))
 
     def _write(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
         dim = values.shape[1]
@@ -269,6 +364,53 @@ class RedisClusterBackend(StorageBackend):
         errs = [r for r in results if isinstance(r, Exception)]
         if errs:
             raise errs[0]
+
+    def _write_marks(self, table: str, partitions: list[int]) -> None:
+        pipe = self._client.pipeline()
+        for p in partitions:
+            pipe.hset(partition_name(table, p), LOADED_FIELD, b"1")
+        errs = [r for r in pipe.execute(raise_on_error=False) if isinstance(r, Exception)]
+        if errs:
+            raise errs[0]
+        with self._lock:
+            self._unmarked_logged.difference_update(partition_name(table, p) for p in partitions)
+
+    def mark_loaded(self, table: str, partitions: list[int] | None = None) -> None:
+        """Mark ``table``'s partitions (default: all) as holding every row meant for them;
+        call it once they were written. While the cluster is down the mark is queued behind
+        the rows and replayed after them (it holds no row: a full queue still takes it)."""
+        self._dim(table)
+        parts = list(range(self.num_partitions)) if partitions is None else list(partitions)
+        if self._ensure_up():
+            try:
+                self._write_marks(table, parts)
+                return
+            except Exception as e:  # noqa: BLE001 - queue below, counted in _fail
+                self._fail("mark", e)
+        self._enqueue(_Queued(table, np.asarray(parts, np.int64), None))
+
+    def unmarked_partitions(self, table: str) -> list[int]:
+        """The partitions of ``table`` without their mark (rows lost, or never loaded).
+
+        Raises:
+            VolatileUnavailableError: the cluster is down or a node does not answer.
+        """
+        self._dim(table)
+        if not self._ensure_up():
+            raise VolatileUnavailableError(f"redis cluster at {self._address_list} is down")
+        try:
+            pipe = self._client.pipeline()
+            for p in range(self.num_partitions):
+                pipe.hexists(partition_name(table, p), LOADED_FIELD)
+            res = pipe.execute(raise_on_error=False)
+        except Exception as e:  # noqa: BLE001 - any client error means "cannot tell"
+            self._fail("mark check", e)
+            raise VolatileUnavailableError(f"redis cluster: cannot check marks ({e})") from e
+        bad = [r for r in res if isinstance(r, Exception)]
+        if bad:
+            self._fail("mark check", bad[0])
+            raise VolatileUnavailableError(f"redis cluster: cannot check marks ({bad[0]})")
+        return [p for p, ok in enumerate(res) if not ok]
 
     def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
         """Write rows; while the cluster is down they are queued and replayed later.
@@ -287,19 +429,24 @@ class RedisClusterBackend(StorageBackend):
                 return
             except Exception as e:  # noqa: BLE001 - queue below, counted in _fail
                 self._fail("insert", e)
+        self._enqueue(_Queued(table, keys.copy(), values.copy()))
+
+    def _enqueue(self, item: _Queued) -> None:
+        """Keep ``item`` for the replay, or raise :class:`VolatileUnavailableError` when its
+        rows do not fit the queue (``dropped_rows`` counts them)."""
         with self._lock:
-            if self._pending_rows + keys.size > self.max_pending_rows:
-                self.dropped_rows += keys.size
+            if self._pending_rows + item.rows > self.max_pending_rows:
+                self.dropped_rows += item.rows
                 raise VolatileUnavailableError(
                     f"redis cluster down and {self._pending_rows} rows already queued "
-                    f"(max_pending_rows {self.max_pending_rows}): {keys.size} rows of {table!r} "
-                    "neither written nor queued"
+                    f"(max_pending_rows {self.max_pending_rows}): {item.rows} rows of "
+                    f"{item.table!r} neither written nor queued"
                 )
-            self._pending.append((table, keys.copy(), values.copy()))
-            self._pending_rows += keys.size
+            self._pending.append(item)
+            self._pending_rows += item.rows
 
     def size(self, table: str) -> int:
-        """Rows of ``table`` in the cluster.
+        """Rows of ``table`` in the cluster (the marks are not rows).
 
         Raises:
             VolatileUnavailableError: no node has answered since the start.
@@ -308,7 +455,9 @@ class RedisClusterBackend(StorageBackend):
         pipe = self._connected().pipeline()
         for p in range(self.num_partitions):
             pipe.hlen(partition_name(table, p))
-        return int(sum(pipe.execute()))
+            pipe.hexists(partition_name(table, p), LOADED_FIELD)
+        res = pipe.execute()
+        return int(sum(res[0::2])) - int(sum(res[1::2]))
 
     def clear(self, table: str) -> None:
         """Delete every partition of ``table``.

@@ -34,6 +34,7 @@ VECTOR_FILE = "emb_vector"
 SAFETENSORS_FILE = "embedding.safetensors"
 _KEY_BYTES = 8  # int64
 _FLOAT_BYTES = 4  # float32
+_FINITE_CHUNK = 1 << 16  # rows checked for NaN / inf at a time (16 MiB of bools at dim 256)
 
 
 class SparseFormat(StrEnum):
@@ -117,7 +118,7 @@ def write_table(
 
 
 def read_table(
-    folder: str | Path, dim: int | None = None, mmap: bool = True
+    folder: str | Path, dim: int | None = None, mmap: bool = True, check_finite: bool = True
 ) -> tuple[np.ndarray, np.ndarray]:
     """Read one table's keys and rows.
 
@@ -126,14 +127,17 @@ def read_table(
         dim: row width; required for the HugeCTR layout (the files carry no header), checked
             against the safetensors header otherwise.
         mmap: memory-map the HugeCTR files instead of reading them (large tables).
+        check_finite: refuse a row holding a NaN or infinite value (one pass over the rows;
+            off only for a caller that needs the row count, not the rows).
 
     Returns:
         ``(keys (n,) int64, vectors (n, dim) float32)``.
 
     Raises:
         ValueError: for a truncated ``emb_vector``, a key count that differs from the row
-            count, a wrong dim, a missing file, or a key that occurs more than once (the
-            tiers would hold two rows for it).
+            count, a wrong dim, a missing file, a key that occurs more than once (the
+            tiers would hold two rows for it), or (``check_finite``) a non-finite row, naming
+            its key (served, it would turn every score it touches into NaN).
     """
     folder = Path(folder)
     if detect_format(folder) is SparseFormat.SAFETENSORS:
@@ -141,7 +145,32 @@ def read_table(
     else:
         keys, vec = _read_hugectr(folder, dim, mmap)
     _check_unique_keys(folder, keys)
+    if check_finite:
+        _check_finite_rows(folder, keys, vec)
     return keys, vec
+
+
+def _check_finite_rows(folder: Path, keys: np.ndarray, vec: np.ndarray) -> None:
+    """Raise ``ValueError`` naming the first key whose row of ``vec (n, dim)`` holds a NaN or
+    an infinity. Checked in chunks of ``_FINITE_CHUNK`` rows: a memory-mapped table is never
+    read whole into memory."""
+    bad_rows = 0
+    first: int | None = None
+    for s in range(0, vec.shape[0], _FINITE_CHUNK):
+        ok = np.isfinite(vec[s : s + _FINITE_CHUNK]).all(axis=1)
+        if not ok.all():
+            bad = np.flatnonzero(~ok)
+            bad_rows += int(bad.size)
+            if first is None:
+                first = s + int(bad[0])
+    if first is None:
+        return
+    row = np.asarray(vec[first])
+    raise ValueError(
+        f"sparse folder {folder}: the row of key {int(keys[first])} (row {first} of "
+        f"'{VECTOR_FILE}') holds a non-finite value ({row[~np.isfinite(row)][0]}); "
+        f"{bad_rows} such row(s). Rows must be finite: a NaN row would be served"
+    )
 
 
 def _read_safetensors(folder: Path, dim: int | None) -> tuple[np.ndarray, np.ndarray]:

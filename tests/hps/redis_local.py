@@ -190,6 +190,20 @@ class LocalRedisCluster:
             if self.cluster:
                 self.wait_ok()
 
+    def owner(self, key: str) -> int:
+        """The index of the node that owns Redis key ``key`` (its hash slot)."""
+        import redis
+        from redis.crc import key_slot
+
+        slot = key_slot(key.encode())
+        for i, port in enumerate(self.ports):
+            if self.procs[i] is None:
+                continue
+            for lo, hi, master, *_ in redis.Redis(port=port).execute_command("CLUSTER SLOTS"):
+                if lo <= slot <= hi:
+                    return self.ports.index(int(master[1]))
+        raise RuntimeError(f"no live node of {self.ports} reports the slot {slot} of {key!r}")
+
     def stop(self) -> None:
         for i in range(len(self.procs)):
             proc = self.procs[i]

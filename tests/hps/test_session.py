@@ -41,6 +41,7 @@ def _build(tmp_path: Path, cache: str, vdb: str, pdb: str, redis_cluster=None):
         volatile.create_table(name, DIM)
         half = N // 2 if persistent is not None else N  # both tiers: rows split between them
         volatile.insert(name, keys[:half], rows[:half])
+        volatile.mark_loaded(name)
     c = None if cache == "none" else EmbeddingCache(N // 8, DIM, ways=8)
     s = LookupSession(
         [SessionTable(name, DIM, DEFAULT, 10_000, c)],

@@ -14,6 +14,7 @@ import torch
 from hps.session import LookupSession, SessionTable
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import RedisClusterBackend, partition_name
+from hps.storage.volatile import partition_of
 from tests.hps.hps_helpers import make_table, reference_lookup
 
 pytestmark = pytest.mark.redis
@@ -29,7 +30,8 @@ def test_cluster_has_three_masters_and_partitions_spread(redis_cluster) -> None:
     b.create_table(name, 3)
     keys, rows = make_table(600, 3, seed=2)
     b.insert(name, keys, rows)
-    assert b.size(name) == 600
+    b.mark_loaded(name)
+    assert b.size(name) == 600  # the marks are not rows
     owners = {b._client.get_node_from_key(partition_name(name, p)).port for p in range(12)}
     assert len(owners) == 3  # one table's partitions land on every node
     v, f = b.lookup(name, np.concatenate([keys, [-1]]).astype(np.int64))
@@ -48,14 +50,26 @@ def _tiers(
     )
     vdb.create_table(name, 4)
     vdb.insert(name, keys, rows)
+    vdb.mark_loaded(name)
     pdb = RocksDBBackend(tmp_path / "pdb")
     pdb.create_table(name, 4)
     pdb.bulk_load(name, keys, rows)
     return vdb, pdb
 
 
+def _name_on_node(redis_cluster, node: int, parts: int = 8) -> str:
+    """A fresh table name with at least one of its ``parts`` partitions on ``node``."""
+    while True:
+        name = f"t_{uuid.uuid4().hex[:8]}"
+        if any(redis_cluster.owner(partition_name(name, p)) == node for p in range(parts)):
+            return name
+
+
 def test_node_killed_mid_run_falls_back_to_rocksdb(redis_cluster, tmp_path: Path, caplog) -> None:
-    name = f"t_{uuid.uuid4().hex[:8]}"
+    """A node killed under lookups: every answer stays exact (RocksDB serves its keys); it
+    restarts empty: its partitions lack their mark, so their keys still fall through (never
+    "not found"), counted, until they are written back and marked."""
+    name = _name_on_node(redis_cluster, 1)
     keys, rows = make_table(2000, 4, seed=7)
     vdb, pdb = _tiers(redis_cluster, tmp_path, name, keys, rows)
     s = LookupSession([SessionTable(name, 4, -1.0, 100_000, None)], vdb, pdb)
@@ -74,18 +88,39 @@ def test_node_killed_mid_run_falls_back_to_rocksdb(redis_cluster, tmp_path: Path
     during = [check() for _ in range(10)]  # every lookup still exact, served from RocksDB
     assert time.monotonic() - t0 < 10
     assert vdb.errors >= 1 and during[-1]["persistent"] > before["persistent"]
+    assert s.stats(name)["tier_failed_keys"] > 0 and s.stats(name)["unavailable"] == 0
     assert any("redis cluster lookup failed" in r.message for r in caplog.records)
     # an update while the node is down is queued, not lost
     vdb.insert(name, keys[:10], rows[:10] + 1)
     assert vdb.pending_rows == 10
     redis_cluster.restart(1)
     deadline = time.monotonic() + 10
-    while time.monotonic() < deadline:
+    while vdb.pending_rows and time.monotonic() < deadline:
         time.sleep(0.25)
-        v, f = vdb.lookup(name, keys[:10])
-        if f.all():
-            break
-    assert f.all() and np.array_equal(v, rows[:10] + 1) and vdb.pending_rows == 0  # replayed
+        vdb.read(name, keys[10:11])  # after the back-off a read reconnects and replays
+    assert vdb.pending_rows == 0  # replayed
+    on_node = np.isin(
+        partition_of(keys, 8),
+        [p for p in range(8) if redis_cluster.owner(partition_name(name, p)) == 1],
+    )
+    lost = vdb.unmarked_partitions(name)
+    assert on_node.any() and np.array_equal(np.isin(partition_of(keys, 8), lost), on_node)
+    r = vdb.read(name, keys)  # the restarted node's keys fail, the others are found
+    assert np.array_equal(r.failed, on_node) and r.found[~on_node].all()
+    assert "hold no 'hps:loaded' mark" in r.reason
+    failed_before = s.stats(name)["tier_failed_keys"]
+    # still exact: the restarted node's keys fall through to RocksDB (keys[:10] left out: the
+    # update above went to Redis only)
+    q = torch.from_numpy(np.concatenate([keys[10:], np.arange(4000, 4100, dtype=np.int64)]))
+    assert torch.equal(s.lookup(name, q), reference_lookup(keys, rows, q, -1.0))
+    assert s.stats(name)["tier_failed_keys"] > failed_before
+    back = on_node.copy()
+    back[:10] = False  # written back as hps.volatile_repair does; the replayed updates stay
+    vdb.insert(name, keys[back], rows[back])
+    vdb.mark_loaded(name, lost)
+    r = vdb.read(name, keys)
+    assert r.found.all() and not r.failed.any()
+    assert np.array_equal(r.values[:10], rows[:10] + 1) and np.array_equal(r.values[10:], rows[10:])
     vol_before = s.stats(name)["hits_unique"]["volatile"]
     q = torch.from_numpy(keys[:10].copy())
     s.lookup(name, q)
@@ -151,6 +186,7 @@ def test_the_tier_stays_down_until_the_replay_has_finished(redis_cluster) -> Non
     vdb = RedisClusterBackend(redis_cluster.addresses, num_partitions=4, retry_interval_s=0.1)
     vdb.create_table(name, 2)
     vdb.insert(name, keys, np.zeros((8, 2), np.float32))
+    vdb.mark_loaded(name)
     try:
         vdb._fail("a simulated outage", ConnectionError("node down"))
         vdb.insert(name, keys[:1], np.full((1, 2), 7.0, np.float32))  # queued
@@ -168,8 +204,9 @@ def test_the_tier_stays_down_until_the_replay_has_finished(redis_cluster) -> Non
         replayer = threading.Thread(target=vdb.lookup, args=(name, keys[5:6]))
         replayer.start()
         assert entered.wait(10)
-        v, f = vdb.lookup(name, keys[:1])  # during the replay: not found, never the old row
-        assert not f.any() and vdb.skipped_lookups >= 1
+        r = vdb.read(name, keys[:1])  # during the replay: failed, never the old row
+        assert r.failed.all() and not r.found.any() and vdb.skipped_lookups >= 1
+        assert "replaying" in r.reason
         vdb.insert(name, keys[1:2], np.full((1, 2), 9.0, np.float32))  # queued behind it
         assert vdb.pending_rows == 1
         vdb._write = real_write
@@ -188,11 +225,12 @@ def test_an_unreachable_cluster_at_start_is_an_error_or_starts_down(
     redis_cluster, monkeypatch
 ) -> None:
     """No node answering at construction: a ValueError naming the addresses, or, with
-    ``start_down`` (a server with a persistent DB), a backend that is down, queues writes, and
-    connects and replays them once the cluster answers."""
+    ``start_down`` (a server with a persistent DB), a backend that is down (its reads fail:
+    "not found" would be a guess), queues writes and the mark, and connects and replays them
+    once the cluster answers."""
     import socket
 
-    from hps.types import VolatileUnavailableError
+    from hps.types import TierUnavailableError, VolatileUnavailableError
 
     with socket.socket() as sk:  # a port nobody listens on
         sk.bind(("127.0.0.1", 0))
@@ -215,15 +253,18 @@ def test_an_unreachable_cluster_at_start_is_an_error_or_starts_down(
     try:
         assert vdb.errors == 1 and not vdb.available
         vdb.create_table(name, 2)
-        v, f = vdb.lookup(name, np.arange(3, dtype=np.int64))
-        assert not f.any()
+        r = vdb.read(name, np.arange(3, dtype=np.int64))
+        assert r.failed.all() and not r.found.any()
+        with pytest.raises(TierUnavailableError, match=r"3 key\(s\) could not be read"):
+            vdb.lookup(name, np.arange(3, dtype=np.int64))
         vdb.insert(name, np.arange(3, dtype=np.int64), np.ones((3, 2), np.float32))
+        vdb.mark_loaded(name)  # queued behind the rows
         assert vdb.pending_rows == 3
         with pytest.raises(VolatileUnavailableError, match="has not answered since the start"):
             vdb.size(name)
         time.sleep(0.15)
-        v, f = vdb.lookup(name, np.arange(3, dtype=np.int64))  # still refused: down again
-        assert not f.any() and vdb.errors == 2 and vdb.pending_rows == 3
+        r = vdb.read(name, np.arange(3, dtype=np.int64))  # still refused: down again
+        assert r.failed.all() and vdb.errors == 2 and vdb.pending_rows == 3
         monkeypatch.setattr(RedisClusterBackend, "_connect", real_connect)
         time.sleep(0.15)
         v, f = vdb.lookup(name, np.arange(3, dtype=np.int64))  # connects, replays, reads

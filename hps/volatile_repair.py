@@ -1,0 +1,165 @@
+"""Writing back, while serving, the partitions of a Redis volatile DB that lost their rows.
+
+A Redis node that restarts empty (no Redis persistence) comes back owning its hash slots but
+none of the partitions there; a read of them fails, since they hold no ``hps:loaded`` mark
+(:mod:`hps.storage.redis_cluster`), so their keys fall through to the persistent DB or are
+refused (503) — never answered with the default vector. :class:`VolatileRepair` looks for
+unmarked partitions after the backend reported trouble (an error, or a read that met an
+unmarked partition) and writes each one again from the source that holds its current rows:
+
+    persistent DB holds every row of the table   → its rows (online updates included),
+                                                   keys from the sparse files
+    no such persistent DB, no update source      → the sparse files (the rows never change)
+    no such persistent DB, an update source      → none: the online updates since the load
+                                                   are only in the lost partition; its keys
+                                                   stay refused until a restart, which
+                                                   reloads and replays the source
+
+Only the first ``initial_cache_rate`` of each table's rows are written, as at load; the
+partition's mark goes last, so its keys are read from Redis again only once all its rows
+are back. Each chunk is read and written under the reader side of every session's update
+lock, so an online update lands before or after a chunk, never between its read and write.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Sequence
+
+import numpy as np
+
+from hps.config import TableSpec
+from hps.session import LookupSession
+from hps.storage.redis_cluster import RedisClusterBackend
+from hps.storage.sparse_files import read_table
+from hps.storage.volatile import partition_of
+from hps.types import StorageBackend, VolatileUnavailableError
+
+log = logging.getLogger(__name__)
+
+_CHUNK = 65536  # rows read and written per hold of the update locks
+
+
+class VolatileRepair:
+    """Restores unmarked partitions of a Redis volatile DB (see the module docstring).
+
+    Args:
+        volatile: the Redis volatile DB.
+        persistent: the persistent DB or ``None``.
+        tables: every table served (one entry per name).
+        sessions: the sessions whose update locks order a repair against online updates.
+        initial_cache_rate: the fraction of each table's rows the volatile DB holds.
+        has_updates: an update source is configured (its updates may live only in Redis).
+    """
+
+    def __init__(
+        self,
+        volatile: RedisClusterBackend,
+        persistent: StorageBackend | None,
+        tables: Sequence[TableSpec],
+        sessions: Sequence[LookupSession],
+        initial_cache_rate: float = 1.0,
+        has_updates: bool = False,
+    ) -> None:
+        self.volatile, self.persistent = volatile, persistent
+        self.tables = list(tables)
+        self.sessions = list(sessions)
+        self.initial_cache_rate = initial_cache_rate
+        self.has_updates = has_updates
+        self.restored = 0  # partitions written back so far
+        self._checked = 0  # the backend's trouble count when every table was last checked
+        self._refused: set[tuple[str, int]] = set()  # partitions reported as not restorable
+
+    def _trouble(self) -> int:
+        return self.volatile.errors + self.volatile.unmarked_reads
+
+    def repair_once(self) -> int:
+        """Check every table for unmarked partitions if the backend reported trouble since
+        the last complete check, and write them back; returns the partitions restored.
+
+        Raises:
+            VolatileUnavailableError: the cluster is still down (retry later).
+        """
+        trouble = self._trouble()
+        if trouble == self._checked:
+            return 0
+        restored = 0
+        for t in self.tables:
+            lost = self.volatile.unmarked_partitions(t.name)
+            if lost:
+                restored += self._restore(t, lost)
+        self._checked = trouble
+        return restored
+
+    def _restore(self, t: TableSpec, lost: list[int]) -> int:
+        """Write back partitions ``lost`` of ``t``; 0 when no source holds their rows."""
+        from_pdb = self.persistent is not None and self.persistent.holds_every_row(t.name)
+        if not from_pdb and self.has_updates:
+            new = sorted({(t.name, p) for p in lost} - self._refused)
+            if new:
+                self._refused.update(new)
+                log.error(
+                    "table %s: redis partitions %s lost their rows and cannot be written back "
+                    "while serving (no persistent db holds the rows with their online updates); "
+                    "lookups of their keys are refused until the server is restarted (it "
+                    "reloads the volatile db and replays the update source)",
+                    t.name,
+                    [p for _, p in new],
+                )
+            return 0
+        keys, vecs = read_table(t.sparse_file, t.dim)
+        m = int(round(self.initial_cache_rate * keys.shape[0]))
+        sel = np.flatnonzero(
+            np.isin(partition_of(np.asarray(keys[:m]), self.volatile.num_partitions), lost)
+        )
+        for s in range(0, sel.size, _CHUNK):
+            idx = sel[s : s + _CHUNK]
+            k = np.ascontiguousarray(keys[idx], dtype=np.int64)
+            self._write_chunk(t, k, np.ascontiguousarray(vecs[idx], dtype=np.float32), from_pdb)
+        self.volatile.mark_loaded(t.name, lost)
+        self._refused.difference_update((t.name, p) for p in lost)
+        self.restored += len(lost)
+        log.info(
+            "table %s: wrote back %d rows of redis partitions %s from the %s",
+            t.name,
+            sel.size,
+            lost,
+            "persistent db" if from_pdb else "sparse files",
+        )
+        return len(lost)
+
+    def _write_chunk(
+        self, t: TableSpec, keys: np.ndarray, rows: np.ndarray, from_pdb: bool
+    ) -> None:
+        """Write ``keys``' rows (the persistent DB's when ``from_pdb``, else ``rows``) under
+        the reader side of every session's update lock."""
+        locks = [s.update_lock for s in self.sessions]
+        for lk in locks:
+            lk.acquire_read()
+        try:
+            if from_pdb and self.persistent is not None:
+                v, found = self.persistent.lookup(t.name, keys)
+                rows = np.where(found[:, None], v, rows)
+            self.volatile.insert(t.name, keys, rows)
+        finally:
+            for lk in reversed(locks):
+                lk.release_read()
+
+    def start(self, interval_s: float) -> threading.Event:
+        """Every ``interval_s``, :meth:`repair_once` in a daemon thread; set the returned
+        event to stop. A failure is logged and retried."""
+        stop = threading.Event()
+        threading.Thread(
+            target=self._loop, args=(stop, interval_s), name="hps-volatile-repair", daemon=True
+        ).start()
+        return stop
+
+    def _loop(self, stop: threading.Event, interval_s: float) -> None:
+        while not stop.wait(interval_s):
+            try:
+                self.repair_once()
+            except VolatileUnavailableError as e:
+                log.debug("volatile repair: cluster still unavailable (%s); will retry", e)
+            except Exception:  # keep serving; the partitions stay refused and are retried
+                log.exception("volatile repair failed; will retry")

@@ -28,6 +28,7 @@ from hps.config_fields import (
     object_field,
     resolve_path,
 )
+from hps.names import NAME_RULE, is_name
 from hps.types import (
     DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
     CachePolicy,
@@ -95,9 +96,7 @@ _MODEL_FIELDS = {
 
 def _parse_tables(d: dict[str, Any], where: str, base: Path | None) -> tuple[TableSpec, ...]:
     """A model's tables from HugeCTR's per-table lists (one entry per table in each)."""
-    names = list_field(
-        d, "embedding_table_names", where, str, None, ok=bool, expected="a non-empty name"
-    )
+    names = list_field(d, "embedding_table_names", where, str, None, ok=is_name, expected=NAME_RULE)
     if not names:
         raise ValueError(f"{where}.embedding_table_names: a model needs at least one table")
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -129,7 +128,7 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
         raise ValueError(f"{where}: expected an object, got {type(d).__name__}")
     no_unknown(d, _MODEL_FIELDS, where)
     name = field(d, "model", where, str)
-    check(bool(name), where, "model", name, "a non-empty model name")
+    check(is_name(name), where, "model", name, NAME_RULE)
     tables = _parse_tables(d, where, base)
     mbs = field(d, "max_batch_size", where, int)
     check(mbs > 0, where, "max_batch_size", mbs, "> 0")

@@ -31,13 +31,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hps.config import ModelConfig, PSConfig
+from hps.config import ModelConfig, PSConfig, TableSpec
 from hps.config_parse import load_config
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import RedisClusterBackend
 from hps.storage.sparse_files import read_table
+from hps.storage.sparse_source import SparseSource
 from hps.storage.volatile import HashMapBackend
 from hps.types import (
     PersistentDBType,
@@ -119,6 +120,7 @@ class HierarchicalParameterServer:
         self._stops: list[threading.Event] = []
         for model in cfg.models:
             for t in model.tables:
+                self._check_persistent_source(t, load)
                 for db in (self.volatile, self.persistent):
                     if db is not None:
                         db.create_table(t.name, t.dim)
@@ -158,6 +160,53 @@ class HierarchicalParameterServer:
             f"{sparse_file!r} or a loaded persistent db"
         )
 
+    def _check_persistent_source(self, t: TableSpec, load: bool) -> None:
+        """Make sure the persistent DB serves ``t`` from the sparse files ``ps.json`` names.
+
+        A table the persistent DB loaded from other files (another export put in place of
+        the sparse folder), or with no record of its files, is dropped and loaded again by a
+        start that loads into a writable DB, once the new files have passed
+        :func:`read_table`'s checks; any other start refuses it. A replica without the sparse
+        files (``load=False``) has nothing to compare and trusts the DB.
+
+        Raises:
+            ValueError: naming the table, both sets of files and how to reset the DB; or, from
+                :func:`read_table`, new sparse files that cannot be loaded (nothing dropped).
+        """
+        pdb = self.persistent
+        if pdb is None or pdb.loaded_rows(t.name) is None:
+            return
+        if not load and not (t.sparse_file and Path(t.sparse_file).exists()):
+            return
+        recorded = SparseSource.from_json(pdb.loaded_source(t.name))
+        if recorded is not None and recorded.matches(t.sparse_file):
+            return
+        was = recorded.describe() if recorded is not None else "no record of its files"
+        if not load or pdb.read_only:
+            how = (
+                "It is opened read-only here: start one server on it with "
+                "persistent_db.read_only false (it loads changed tables again)"
+                if pdb.read_only
+                else "This start does not load (load=False): start the loading server first "
+                "(it loads changed tables again)"
+            )
+            raise ValueError(
+                f"persistent db {pdb.path!r}: table {t.name!r} was loaded from other sparse "
+                f"files ({was}) than {t.sparse_file!r} holds now; it would serve the old rows "
+                f"with the new model. {how}, or stop every server using it and delete "
+                f"{pdb.path!r} (it is loaded from the sparse files on the next start)"
+            )
+        read_table(t.sparse_file, t.dim)  # the new files load: only then drop the old rows
+        log.warning(
+            "persistent db %s: table %r was loaded from other sparse files (%s) than %s holds "
+            "now: dropping its rows (and the online updates applied to them) to load it again",
+            pdb.path,
+            t.name,
+            was,
+            t.sparse_file,
+        )
+        pdb.drop_table(t.name)
+
     def _load_table(self, name: str, folder: str, dim: int) -> None:
         if name in self.num_rows:
             return  # shared by two models: loaded once
@@ -168,7 +217,8 @@ class HierarchicalParameterServer:
         from_pdb = None  # the persistent db, when it holds newer rows than the sparse files
         if pdb is not None and not pdb.read_only:
             if pdb.loaded_rows(name) is None:
-                pdb.bulk_load(name, keys, vecs, chunk=_LOAD_CHUNK)
+                source = SparseSource.of(folder).to_json()
+                pdb.bulk_load(name, keys, vecs, chunk=_LOAD_CHUNK, source=source)
                 log.info("persistent db: loaded %d rows of %s", n, name)
             else:
                 from_pdb = pdb  # loaded by an earlier start: it has the online updates since

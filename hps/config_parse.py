@@ -118,7 +118,7 @@ def _parse_tables(d: dict[str, Any], where: str, base: Path | None) -> tuple[Tab
     )
     defaults = list_field(d, "default_value_for_each_table", where, float, n, default=[0.0] * n)
     return tuple(
-        TableSpec(names[i], resolve_path(files[i], base), dims[i], hot[i], defaults[i])
+        TableSpec(names[i], resolve_path(files[i], base, f"{where}.sparse_files[{i}]"), dims[i], hot[i], defaults[i])
         for i in range(n)
     )
 
@@ -184,8 +184,10 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
         num_of_worker_buffer_in_pool=workers,
         deployed_device_list=tuple(devs),
         device=device,
-        dense_file=resolve_path(field(d, "dense_file", where, str, ""), base),
-        network_file=resolve_path(field(d, "network_file", where, str, ""), base),
+        dense_file=resolve_path(field(d, "dense_file", where, str, ""), base, f"{where}.dense_file"),
+        network_file=resolve_path(
+            field(d, "network_file", where, str, ""), base, f"{where}.network_file"
+        ),
     )
 
 
@@ -251,7 +253,7 @@ def _parse_pdb(d: dict[str, Any], base: Path | None) -> PersistentDBConfig:
     typ = enum_field(d, "type", w, PersistentDBType, PersistentDBType.NONE)
     cfg = PersistentDBConfig(
         type=typ,
-        path=resolve_path(field(d, "path", w, str, ""), base),
+        path=resolve_path(field(d, "path", w, str, ""), base, f"{w}.path"),
         read_only=field(d, "read_only", w, bool, False),
         max_batch_size=field(d, "max_batch_size", w, int, 65536),
     )
@@ -269,11 +271,11 @@ def _parse_updates(
     typ = enum_field(d, "type", w, UpdateSourceType, UpdateSourceType.NONE)
     cfg = UpdateSourceConfig(
         type=typ,
-        path=resolve_path(field(d, "path", w, str, ""), base),
+        path=resolve_path(field(d, "path", w, str, ""), base, f"{w}.path"),
         address=field(d, "address", w, str, ""),
         stream=field(d, "stream", w, str, "hps_updates"),
         poll_interval_s=field(d, "poll_interval_s", w, float, 0.5),
-        state_path=resolve_path(field(d, "state_path", w, str, ""), base),
+        state_path=resolve_path(field(d, "state_path", w, str, ""), base, f"{w}.state_path"),
     )
     check(
         0 <= cfg.poll_interval_s <= _MAX_WAIT_S,
@@ -425,14 +427,27 @@ def load_config(path: str | Path) -> PSConfig:
 
     Raises:
         FormatVersionError: serving artifacts of another version (see :func:`parse_config`).
-        ValueError: for a JSON syntax error (with line and column) or an invalid field.
+        ValueError: for a file that is not UTF-8 JSON text (a syntax error with line and
+            column, a number past Python's limits, nesting past the parser's depth) or an
+            invalid field.
     """
     path = Path(path)
-    text = path.read_text()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "ps.json is a JSON text file"
+        ) from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(
             f"{path}: JSON syntax error at line {e.lineno} column {e.colno}: {e.msg}"
         ) from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply for the parser") from None
+    except ValueError as e:  # e.g. an integer of more digits than int() converts
+        raise ValueError(f"{path}: not a JSON document this parser reads: {e}") from None
     return parse_config(doc, base_dir=path.parent, name=str(path))

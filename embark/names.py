@@ -1,10 +1,11 @@
 """The name rule of tables (and so of features, which are named after their tables).
 
-A table name is an ASCII identifier of at most 128 characters, ``[A-Za-z_][A-Za-z0-9_]{0,127}``
-(``t0``, ``user_id``; not ``../t``, ``/abs``, ``a/b``, ``x.y``, ``t-0``): it becomes a torch
-parameter path (``embeddings.<table>.weight``, where ``.`` separates modules), a checkpoint
-tensor name and, exported, a folder (``sparse/<table>``) and database keys. This is the rule of
-``hps.names``, which says why at length; embark and hps import nothing of each other, and
+A table name is 1 to 128 ASCII letters, digits, ``_`` or ``-``, not starting with ``-``:
+``[A-Za-z0-9_][A-Za-z0-9_-]{0,127}`` (``t0``, ``user_id``, ``3d-tables``; not ``../t``,
+``/abs``, ``a/b``, ``x.y``, ``-t``). It becomes a torch parameter path
+(``embeddings.<table>.weight``, where ``.`` separates modules), a checkpoint tensor name and,
+exported, a folder (``sparse/<table>``) and database keys. This is the rule of ``hps.names``,
+which says why at length; embark and hps import nothing of each other, and
 ``tests/faults/test_paths.py`` checks that the two accept exactly the same names.
 """
 
@@ -16,10 +17,10 @@ from typing import TypeGuard
 __all__ = ["NAME_RULE", "check_name", "is_name"]
 
 _MAX_CHARS = 128
-_NAME = re.compile(rf"[A-Za-z_][A-Za-z0-9_]{{0,{_MAX_CHARS - 1}}}")
+_NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9_-]{{0,{_MAX_CHARS - 1}}}")
 NAME_RULE = (
-    f"an ASCII identifier of at most {_MAX_CHARS} characters: a letter or '_', then "
-    "letters, digits or '_' (e.g. 't0', 'user_id')"
+    f"1 to {_MAX_CHARS} ASCII letters, digits, '_' or '-', not starting with '-' "
+    "(e.g. 't0', 'user_id', 'dlrm-v2')"
 )
 
 

@@ -27,7 +27,8 @@ class TableConfig:
     """One embedding table.
 
     Args:
-        name: unique table name, an identifier (:mod:`embark.names`), e.g. ``"t3"``.
+        name: unique table name, e.g. ``"t3"`` (ASCII letters, digits, ``_``, ``-``: see
+            :mod:`embark.names`).
         num_rows: number of rows (ids ``0 .. num_rows-1``); must be > 0.
         dim: embedding dimension; must be > 0.
         hotness: average number of ids per sample in this table's bag (multi-hot); must be > 0.

@@ -63,7 +63,7 @@ def write_serving_artifacts(
         model: the DLRM (TileSparseLinear layers are exported as condensed standard ops).
         out_dir: the artifact folder (created).
         model_name: ``models[0].model`` in ``ps.json``, the model's name in the server's URLs
-            (``/v2/models/<model_name>/infer``): an identifier (:mod:`hps.names`).
+            (``/v2/models/<model_name>/infer``): letters, digits, ``_``, ``-`` (:mod:`hps.names`).
         max_batch_size: the largest request the server accepts.
         cache_fraction: ``gpucacheper``, fraction of each table the embedding cache holds.
         overwrite: replace existing table folders / files.

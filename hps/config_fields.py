@@ -74,7 +74,9 @@ def field(d: dict[str, Any], key: str, where: str, typ: type, default: Any = MIS
     if typ is float:
         v = _finite(v)
         if v is None:
-            raise ValueError(f"{where}.{key}: {d[key]!r:.40} is impossible; expected a finite number")
+            raise ValueError(
+                f"{where}.{key}: {d[key]!r:.40} is impossible; expected a finite number"
+            )
     return v
 
 

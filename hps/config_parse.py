@@ -118,7 +118,13 @@ def _parse_tables(d: dict[str, Any], where: str, base: Path | None) -> tuple[Tab
     )
     defaults = list_field(d, "default_value_for_each_table", where, float, n, default=[0.0] * n)
     return tuple(
-        TableSpec(names[i], resolve_path(files[i], base, f"{where}.sparse_files[{i}]"), dims[i], hot[i], defaults[i])
+        TableSpec(
+            names[i],
+            resolve_path(files[i], base, f"{where}.sparse_files[{i}]"),
+            dims[i],
+            hot[i],
+            defaults[i],
+        )
         for i in range(n)
     )
 
@@ -184,7 +190,9 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
         num_of_worker_buffer_in_pool=workers,
         deployed_device_list=tuple(devs),
         device=device,
-        dense_file=resolve_path(field(d, "dense_file", where, str, ""), base, f"{where}.dense_file"),
+        dense_file=resolve_path(
+            field(d, "dense_file", where, str, ""), base, f"{where}.dense_file"
+        ),
         network_file=resolve_path(
             field(d, "network_file", where, str, ""), base, f"{where}.network_file"
         ),

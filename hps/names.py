@@ -1,18 +1,20 @@
 """Names of tables and models, and the folder entries that writers make of them.
 
-**The name rule.** A table, feature or model name is an ASCII identifier of at most 128
-characters, ``[A-Za-z_][A-Za-z0-9_]{0,127}``::
+**The name rule.** A table, feature or model name is 1 to 128 ASCII letters, digits, ``_`` or
+``-``, not starting with ``-``: ``[A-Za-z0-9_][A-Za-z0-9_-]{0,127}``::
 
-    accepted   t0   user_id   _dlrm2   T_1
-    refused    ""   ../t   /abs/t   a/b   x.y   t-0   "t 0"   é   (129 characters)
+    accepted   t0   user_id   _dlrm2   dlrm-v2   3d-tables   T_1
+    refused    ""   ../t   /abs/t   a/b   x.y   -t   "t 0"   é   (129 characters)
 
 A table name becomes a folder (``sparse/<table>``), a RocksDB column family, part of a Redis
-key (``hps_et.<table>.p<p>``) and a torch parameter path (``embeddings.<table>.weight``, where
-``.`` separates modules); a model name becomes a URL path segment (``/v2/models/<model>/infer``).
-An identifier is safe in every one of them; 128 characters leave room under the file system's
-255-byte limit for the hidden sibling names writers add. ``embark.names`` applies the same rule
-to ``TableConfig`` (embark and hps import nothing of each other); ``tests/faults/test_paths.py``
-checks that the two accept exactly the same names.
+key (``hps_et.<table>.p<p>``, where ``.`` separates the parts) and a torch parameter path
+(``embeddings.<table>.weight``, where ``.`` separates modules); a model name becomes a URL path
+segment (``/v2/models/<model>/infer``) and, deployed, often a Kubernetes name (hence ``-``).
+Such a name is safe in every one of them: never a separator, ``.`` or ``..``, never an option
+(no leading ``-``). 128 characters leave room under the file system's 255-byte limit for the
+hidden sibling names writers add. ``embark.names`` applies the same rule to ``TableConfig``
+(embark and hps import nothing of each other); ``tests/faults/test_paths.py`` checks that the
+two accept exactly the same names.
 
 **Writers.** A writer joins a name to its folder through :func:`entry` only (one path component:
 never ``..``, an absolute path or a separator), so what it writes lies directly inside the
@@ -43,10 +45,10 @@ __all__ = [
 ]
 
 NAME_MAX_CHARS = 128
-_NAME = re.compile(rf"[A-Za-z_][A-Za-z0-9_]{{0,{NAME_MAX_CHARS - 1}}}")
+_NAME = re.compile(rf"[A-Za-z0-9_][A-Za-z0-9_-]{{0,{NAME_MAX_CHARS - 1}}}")
 NAME_RULE = (
-    f"an ASCII identifier of at most {NAME_MAX_CHARS} characters: a letter or '_', then "
-    "letters, digits or '_' (e.g. 't0', 'user_id')"
+    f"1 to {NAME_MAX_CHARS} ASCII letters, digits, '_' or '-', not starting with '-' "
+    "(e.g. 't0', 'user_id', 'dlrm-v2')"
 )
 
 

@@ -16,6 +16,11 @@ and the graph's metadata as ``version``; hps refuses artifacts of another versio
 The model is checked first (float32, one dim for every table) and everything is written into a
 staging folder inside ``out/`` and then moved in place, ``ps.json`` last: a failure leaves ``out/``
 as it was (no partial tables, a folder this call created is removed again).
+
+The model name and the table names follow the name rule of :mod:`hps.names` (a name with ``/``
+would be written and then answer 404). Every path is joined one component at a time
+(:func:`hps.names.entry`), and an entry being replaced is renamed aside, never followed: a
+symlink at ``out/ps.json`` or ``out/sparse/<table>`` is replaced, its target untouched.
 """
 
 from __future__ import annotations

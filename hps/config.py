@@ -50,7 +50,9 @@ by name and never walks an object's keys, so a key it does not know is ignored a
 
 Relative paths are resolved against the folder holding ``ps.json``. Unknown fields, missing
 required fields, wrong types and impossible values raise ``ValueError`` naming the field
-(``models[0].gpucacheper``); JSON syntax errors name the line and column.
+(``models[0].gpucacheper``); JSON syntax errors name the line and column. Model and table names
+follow the name rule of :mod:`hps.names` (``models[0].model``: 1 to 128 ASCII letters, digits,
+``_`` or ``-``, not starting with ``-``).
 """
 
 from __future__ import annotations

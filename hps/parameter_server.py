@@ -13,7 +13,10 @@ from the hottest keys when the caller has statistics (:meth:`LookupSession.warm_
 Restarts keep online updates: when a writable persistent DB already held a table (a restart),
 the volatile DB is filled with that table's rows *as the persistent DB holds them* (online
 updates included; keys from the sparse files, values from RocksDB), and the applier resumes
-after the offset stored with them. Without a writable persistent DB the only record of the
+after the offset stored with them. That holds while the sparse files are the ones the table was
+loaded from (recorded with it, :mod:`hps.storage.sparse_source`): a table whose files changed
+(another export put in place) is dropped and loaded again from them, its online updates with
+it, by a loading start; a start that does not load refuses it (the error says how to reset). Without a writable persistent DB the only record of the
 applied updates is the offset file, while the volatile DB was just rebuilt from the sparse
 files: the offset file is then cleared, so the applier replays the update source from its
 start (rows are absolute values: replaying is idempotent). A Redis stream trimmed with
@@ -166,7 +169,8 @@ class HierarchicalParameterServer:
         A table the persistent DB loaded from other files (another export put in place of
         the sparse folder), or with no record of its files, is dropped and loaded again by a
         start that loads into a writable DB, once the new files have passed
-        :func:`read_table`'s checks; any other start refuses it. A replica without the sparse
+        :func:`read_table`'s checks (a Redis volatile DB's copy of it is deleted first); any
+        other start refuses it. A replica without the sparse
         files (``load=False``) has nothing to compare and trusts the DB.
 
         Raises:
@@ -197,6 +201,15 @@ class HierarchicalParameterServer:
                 f"{pdb.path!r} (it is loaded from the sparse files on the next start)"
             )
         read_table(t.sparse_file, t.dim)  # the new files load: only then drop the old rows
+        if isinstance(self.volatile, RedisClusterBackend):  # it outlives a restart too
+            try:
+                self.volatile.clear(t.name)  # first: a failed clear leaves the record in place
+            except VolatileUnavailableError as e:
+                raise ValueError(
+                    f"table {t.name!r} changed since the persistent db {pdb.path!r} loaded it and "
+                    f"must be loaded again, but the redis_cluster volatile db, which may hold its "
+                    f"old rows, cannot be cleared ({e}); start again once the cluster answers"
+                ) from None
         log.warning(
             "persistent db %s: table %r was loaded from other sparse files (%s) than %s holds "
             "now: dropping its rows (and the online updates applied to them) to load it again",

@@ -13,7 +13,8 @@ says which tiers, tables and models; online updates from the trainer reach every
 
 Rooms: this package (``config`` / ``config_parse`` read ``ps.json``, ``session`` serves
 lookups, ``parameter_server`` builds the tiers, ``advisor`` sizes caches, ``artifact_format``
-is the serving-artifact format, ``types`` the shared enums and errors); :mod:`hps.storage`
+is the serving-artifact format, ``names`` the name rule and the folder entries writers make
+of names, ``types`` the shared enums and errors); :mod:`hps.storage`
 the tiers and the sparse files; :mod:`hps.updates` online updates; :mod:`hps.serving` the
 inference application (HPS lookups + onnxruntime behind the KServe v2 protocol,
 ``python -m hps.server``), which the library never imports.

@@ -21,6 +21,7 @@ from hps.types import CorruptRowError, StorageBackend, check_keys, check_values
 log = logging.getLogger(__name__)
 
 META_CF = "__hps_meta__"
+_RESERVED = frozenset({"default", META_CF})  # column families that are not tables
 
 
 def encode_keys(keys: np.ndarray) -> list[bytes]:
@@ -106,8 +107,19 @@ class RocksDBBackend(StorageBackend):
 
     # ------------------------------------------------------------------ tables and metadata
     def create_table(self, table: str, dim: int) -> None:
+        """Declare ``table`` (its own column family).
+
+        Raises:
+            ValueError: another dim than the stored one; a table the read-only database lacks;
+                a name RocksDB or this backend holds already (``default``, ``__hps_meta__``).
+        """
         from rocksdict import Options
 
+        if table in _RESERVED:
+            raise ValueError(
+                f"persistent db table name {table!r} is reserved (RocksDB's own column families "
+                f"and ours: {sorted(_RESERVED)}); rename the table"
+            )
         with self._lock:
             if table in self._dims:
                 if self._dims[table] != dim:

@@ -125,3 +125,11 @@ def test_drop_table_forgets_rows_dim_and_load_record_but_keeps_the_offset(tmp_pa
     with pytest.raises(ValueError, match="read-only; cannot drop"):
         ro.drop_table("u")
     ro.close()
+
+
+@pytest.mark.parametrize("name", ["default", "__hps_meta__"])
+def test_column_family_names_of_rocksdb_and_ours_are_not_tables(tmp_path: Path, name: str) -> None:
+    db = RocksDBBackend(tmp_path / "db")
+    with pytest.raises(ValueError, match=rf"table name '{name}' is reserved"):
+        db.create_table(name, 2)
+    db.close()

@@ -12,6 +12,8 @@ from enum import Enum, StrEnum
 from functools import cached_property
 from typing import Any
 
+from embark.names import check_name
+
 
 class Combiner(StrEnum):
     """How the ``hotness`` embedding rows of one bag are pooled into one vector."""
@@ -25,7 +27,8 @@ class TableConfig:
     """One embedding table.
 
     Args:
-        name: unique table name, e.g. ``"t3"``.
+        name: unique table name, e.g. ``"t3"`` (ASCII letters, digits, ``_``, ``-``: see
+            :mod:`embark.names`).
         num_rows: number of rows (ids ``0 .. num_rows-1``); must be > 0.
         dim: embedding dimension; must be > 0.
         hotness: average number of ids per sample in this table's bag (multi-hot); must be > 0.
@@ -42,8 +45,7 @@ class TableConfig:
     combiner: Combiner = Combiner.SUM
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise ValueError(f"TableConfig.name must be a non-empty string, got {self.name!r}")
+        check_name(self.name, "TableConfig.name")
         for field in ("num_rows", "dim", "hotness"):
             value = getattr(self, field)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
@@ -292,8 +294,7 @@ class TableSharding:
     comm_dtype: CommDtype = CommDtype.FP32
 
     def __post_init__(self) -> None:
-        if not isinstance(self.name, str) or not self.name:
-            raise PlanError(f"a table's name must be a non-empty string, got {self.name!r}")
+        check_name(self.name, "a table's name", PlanError)
         object.__setattr__(
             self,
             "sharding_type",

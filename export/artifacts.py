@@ -16,6 +16,11 @@ and the graph's metadata as ``version``; hps refuses artifacts of another versio
 The model is checked first (float32, one dim for every table) and everything is written into a
 staging folder inside ``out/`` and then moved in place, ``ps.json`` last: a failure leaves ``out/``
 as it was (no partial tables, a folder this call created is removed again).
+
+The model name and the table names follow the name rule of :mod:`hps.names` (a name with ``/``
+would be written and then answer 404). Every path is joined one component at a time
+(:func:`hps.names.entry`), and an entry being replaced is renamed aside, never followed: a
+symlink at ``out/ps.json`` or ``out/sparse/<table>`` is replaced, its target untouched.
 """
 
 from __future__ import annotations
@@ -34,10 +39,12 @@ import numpy as np
 import torch
 
 from embark.models.dlrm import DLRM
+from embark.types import TableConfig
 from export.onnx import check_exportable, export_onnx
 from hps.artifact_format import ARTIFACT_VERSION, ARTIFACT_VERSION_FIELD
 from hps.config import PSConfig
 from hps.config_parse import parse_config
+from hps.names import check_name, entry, entry_exists, hidden_sibling, remove_entry
 from hps.storage.sparse_files import write_table
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 
@@ -60,7 +67,8 @@ def write_serving_artifacts(
     Args:
         model: the DLRM (TileSparseLinear layers are exported as condensed standard ops).
         out_dir: the artifact folder (created).
-        model_name: ``models[0].model`` in ``ps.json``.
+        model_name: ``models[0].model`` in ``ps.json``, the model's name in the server's URLs
+            (``/v2/models/<model_name>/infer``): letters, digits, ``_``, ``-`` (:mod:`hps.names`).
         max_batch_size: the largest request the server accepts.
         cache_fraction: ``gpucacheper``, fraction of each table the embedding cache holds.
         overwrite: replace existing table folders / files.
@@ -78,12 +86,14 @@ def write_serving_artifacts(
 
     Raises:
         ValueError: when ``out_dir/ps.json`` or a table's sparse folder exists and ``overwrite``
-            is false, the config does not validate, the model is not float32 (convert it with
+            is false, ``model_name`` or a table name is not a valid name (``a/b``, ``../x``),
+            the config does not validate, the model is not float32 (convert it with
             ``model.float()``), or its tables differ in dim (the served dense graph takes one
             ``pooled (B, T, dim)``). Nothing is written then, and a failure while writing
             leaves ``out_dir`` as it was (replaced files are restored).
     """
     out = Path(out_dir)
+    check_name(model_name, "model_name")
     ps_path = out / "ps.json"
     if ps_path.exists() and not overwrite:
         raise ValueError(f"{ps_path} exists; pass overwrite=True to replace the artifacts")
@@ -100,7 +110,7 @@ def write_serving_artifacts(
     )
     cfg = parse_config(doc, base_dir=out)  # validate before anything is written
     if not overwrite:
-        taken = [str(out / "sparse" / t.name) for t in tables if (out / "sparse" / t.name).exists()]
+        taken = [str(p) for p in _table_entries(out, tables) if entry_exists(p)]
         if taken:
             raise ValueError(f"sparse folders exist: {taken}; pass overwrite=True to replace them")
     created = _make_dirs(out)
@@ -108,7 +118,8 @@ def write_serving_artifacts(
     try:
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
         _write_into(staging, model, doc)
-        _commit(staging, out, [*(f"sparse/{t.name}" for t in tables), "dense.onnx", "ps.json"])
+        rels = [*(("sparse", t.name) for t in tables), ("dense.onnx",), ("ps.json",)]
+        _commit(staging, out, rels)
     except BaseException:
         if staging is not None:
             shutil.rmtree(staging, ignore_errors=True)
@@ -169,7 +180,7 @@ def _write_into(folder: Path, model: DLRM, doc: dict[str, Any]) -> None:
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"table {t.name!r}: its weight is a {type(weight).__name__}")
         w = weight.detach().cpu().numpy().astype(np.float32, copy=False)
-        write_table(folder / "sparse" / t.name, np.arange(w.shape[0], dtype=np.int64), w)
+        write_table(_inside(folder, ("sparse", t.name)), np.arange(w.shape[0], dtype=np.int64), w)
     (folder / "ps.json").write_text(json.dumps(doc, indent=2))
 
 
@@ -184,11 +195,18 @@ def _make_dirs(path: Path) -> list[Path]:
     return missing[::-1]
 
 
-def _remove(path: Path) -> None:
-    if path.is_dir() and not path.is_symlink():
-        shutil.rmtree(path)
-    elif path.exists() or path.is_symlink():
-        path.unlink()
+def _inside(root: Path, rel: Sequence[str]) -> Path:
+    """``root/rel[0]/rel[1]/...``, each component an entry of the folder before it
+    (:func:`hps.names.entry`: never ``..``, absolute or holding a separator)."""
+    path = root
+    for part in rel:
+        path = entry(path, part, "artifact path component")
+    return path
+
+
+def _table_entries(out: Path, tables: Sequence[TableConfig]) -> list[Path]:
+    """``out/sparse/<table>`` of each table."""
+    return [_inside(out, ("sparse", t.name)) for t in tables]
 
 
 def _move_in(src: Path, dest: Path) -> None:
@@ -201,7 +219,7 @@ def _move_in(src: Path, dest: Path) -> None:
     except OSError as e:
         if e.errno != errno.EXDEV:
             raise
-    tmp = dest.with_name(f".{dest.name}.incoming-{uuid.uuid4().hex[:8]}")
+    tmp = hidden_sibling(dest, "incoming")
     try:
         if src.is_dir():
             shutil.copytree(src, tmp, symlinks=True, copy_function=shutil.copy2)
@@ -213,8 +231,9 @@ def _move_in(src: Path, dest: Path) -> None:
         raise
 
 
-def _commit(staging: Path, out: Path, rels: Sequence[str]) -> None:
-    """Move ``staging/<rel>`` to ``out/<rel>`` for each ``rel`` in order. An existing one is first
+def _commit(staging: Path, out: Path, rels: Sequence[Sequence[str]]) -> None:
+    """Move ``staging/<rel>`` to ``out/<rel>`` for each ``rel`` (path components) in order,
+    each joined by :func:`_inside`. An existing one is first
     renamed to a hidden sibling (same folder, so never a copy; deleted once all are in place).
     A per-table symlink ``out/sparse/<t>`` is replaced by the new folder, not written through;
     a symlinked ``out/sparse`` is written through. On failure every step is undone (the
@@ -224,9 +243,9 @@ def _commit(staging: Path, out: Path, rels: Sequence[str]) -> None:
     created: list[Path] = []
     try:
         for rel in rels:
-            src, dest = staging / rel, out / rel
+            src, dest = _inside(staging, rel), _inside(out, rel)
             backup = None
-            if dest.exists() or dest.is_symlink():
+            if entry_exists(dest):
                 backup = dest.with_name(f".{dest.name}.replaced-{token}")
                 done.append(
                     (dest, None, False)
@@ -241,9 +260,9 @@ def _commit(staging: Path, out: Path, rels: Sequence[str]) -> None:
     except BaseException:
         for dest, backup, moved in reversed(done):
             if moved:
-                _remove(dest)
+                remove_entry(dest)
             if backup is not None:
-                _remove(dest)
+                remove_entry(dest)
                 os.rename(backup, dest)
         for d in reversed(created):
             try:
@@ -253,4 +272,4 @@ def _commit(staging: Path, out: Path, rels: Sequence[str]) -> None:
         raise
     for _, backup, _ in done:
         if backup is not None:
-            _remove(backup)
+            remove_entry(backup)

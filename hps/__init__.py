@@ -15,8 +15,10 @@ trainer reach every tier.
 
 Rooms: this package (``config`` / ``config_parse`` read ``ps.json``, ``session`` serves
 lookups (``session_stats`` its statistics, ``rwlock`` its update lock), ``parameter_server``
-builds the tiers (``volatile_repair`` writes back Redis partitions that lost their rows), ``advisor`` sizes caches, ``artifact_format``
-is the serving-artifact format, ``types`` the shared enums and errors); :mod:`hps.storage`
+builds the tiers (``volatile_repair`` writes back Redis partitions that lost their rows),
+``advisor`` sizes caches, ``artifact_format`` is the serving-artifact format, ``names`` the name
+rule and the folder entries writers make of names, ``types`` the shared enums and errors);
+:mod:`hps.storage`
 the tiers and the sparse files; :mod:`hps.updates` online updates; :mod:`hps.serving` the
 inference application (HPS lookups + onnxruntime behind the KServe v2 protocol,
 ``python -m hps.server``), which the library never imports.

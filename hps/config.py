@@ -54,7 +54,9 @@ required fields, wrong types and impossible values raise ``ValueError`` naming t
 values: ``volatile_db.num_partitions`` above :data:`MAX_PARTITIONS`; any ``max_batch_size``
 (a model's samples per request, a database's keys per command) above :data:`MAX_BATCH_SIZE`;
 a ``device`` other than ``auto``, ``cpu`` or ``cuda[:i]``, or a ``cuda`` device this machine
-does not have; a ``persistent_db.path`` that is a file or lies under one.
+does not have; a ``persistent_db.path`` that is a file or lies under one. Model and table names
+follow the name rule of :mod:`hps.names` (``models[0].model``: 1 to 128 ASCII letters, digits,
+``_`` or ``-``, not starting with ``-``).
 
 A key that may exist but cannot be read (its tier failed) is never answered with the table's
 default vector: the lookup falls through to a persistent DB holding every row, or is refused

@@ -45,6 +45,16 @@ def _is(v: Any, typ: type) -> bool:
     return isinstance(v, typ) or (typ is float and isinstance(v, int))
 
 
+def _finite(v: float) -> float | None:
+    """``v`` as a finite ``float``; ``None`` for NaN, an infinity, or an integer too large for
+    a float (``float(10**400)`` raises ``OverflowError``)."""
+    try:
+        f = float(v)
+    except OverflowError:
+        return None
+    return f if math.isfinite(f) else None
+
+
 def field(d: dict[str, Any], key: str, where: str, typ: type, default: Any = MISSING) -> Any:
     """``d[key]`` checked to be of ``typ`` (``default`` when absent; required when
     ``default`` is :data:`MISSING`).
@@ -62,9 +72,11 @@ def field(d: dict[str, Any], key: str, where: str, typ: type, default: Any = MIS
             f"{where}.{key}: expected {_TYPE_NAMES[typ]}, got {v!r} ({type(v).__name__})"
         )
     if typ is float:
-        v = float(v)
-        if not math.isfinite(v):
-            raise ValueError(f"{where}.{key}: {v!r} is impossible; expected a finite number")
+        v = _finite(v)
+        if v is None:
+            raise ValueError(
+                f"{where}.{key}: {d[key]!r:.40} is impossible; expected a finite number"
+            )
     return v
 
 
@@ -127,19 +139,28 @@ def list_field(
         if not _is(x, item):
             raise ValueError(f"{where}.{key}[{i}]: expected {_TYPE_NAMES[item]}, got {x!r}")
         if item is float:
-            x = float(x)
-            if not math.isfinite(x):
+            f = _finite(x)
+            if f is None:
                 raise ValueError(
-                    f"{where}.{key}[{i}]: {x!r} is impossible; expected a finite number"
+                    f"{where}.{key}[{i}]: {x!r:.40} is impossible; expected a finite number"
                 )
+            x = f
         if ok is not None and not ok(x):
             raise ValueError(f"{where}.{key}[{i}]: {x!r} is impossible; expected {expected}")
         out.append(x)
     return out
 
 
-def resolve_path(p: str, base: Path | None) -> str:
-    """``p`` resolved against ``base`` (the folder of ``ps.json``) when it is relative."""
+def resolve_path(p: str, base: Path | None, where: str) -> str:
+    """``p`` (the field ``where``) resolved against ``base`` (the folder of ``ps.json``) when
+    it is relative.
+
+    Raises:
+        ValueError: naming ``where`` for a path holding a NUL character (no file system
+            takes one).
+    """
+    if "\0" in p:
+        raise ValueError(f"{where}: {p!r} is impossible; expected a path (it holds a NUL)")
     if not p or base is None or Path(p).is_absolute():
         return p
     return str(base / p)

@@ -31,6 +31,7 @@ from hps.config_fields import (
     object_field,
     resolve_path,
 )
+from hps.names import NAME_RULE, is_name
 from hps.types import (
     DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
     CachePolicy,
@@ -124,9 +125,7 @@ _MODEL_FIELDS = {
 
 def _parse_tables(d: dict[str, Any], where: str, base: Path | None) -> tuple[TableSpec, ...]:
     """A model's tables from HugeCTR's per-table lists (one entry per table in each)."""
-    names = list_field(
-        d, "embedding_table_names", where, str, None, ok=bool, expected="a non-empty name"
-    )
+    names = list_field(d, "embedding_table_names", where, str, None, ok=is_name, expected=NAME_RULE)
     if not names:
         raise ValueError(f"{where}.embedding_table_names: a model needs at least one table")
     dup = sorted({n for n in names if names.count(n) > 1})
@@ -148,7 +147,13 @@ def _parse_tables(d: dict[str, Any], where: str, base: Path | None) -> tuple[Tab
     )
     defaults = list_field(d, "default_value_for_each_table", where, float, n, default=[0.0] * n)
     return tuple(
-        TableSpec(names[i], resolve_path(files[i], base), dims[i], hot[i], defaults[i])
+        TableSpec(
+            names[i],
+            resolve_path(files[i], base, f"{where}.sparse_files[{i}]"),
+            dims[i],
+            hot[i],
+            defaults[i],
+        )
         for i in range(n)
     )
 
@@ -158,7 +163,7 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
         raise ValueError(f"{where}: expected an object, got {type(d).__name__}")
     no_unknown(d, _MODEL_FIELDS, where)
     name = field(d, "model", where, str)
-    check(bool(name), where, "model", name, "a non-empty model name")
+    check(is_name(name), where, "model", name, NAME_RULE)
     tables = _parse_tables(d, where, base)
     mbs = field(d, "max_batch_size", where, int)
     check(0 < mbs <= MAX_BATCH_SIZE, where, "max_batch_size", mbs, _BATCH_RANGE)
@@ -208,8 +213,12 @@ def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
         num_of_worker_buffer_in_pool=workers,
         deployed_device_list=tuple(devs),
         device=device,
-        dense_file=resolve_path(field(d, "dense_file", where, str, ""), base),
-        network_file=resolve_path(field(d, "network_file", where, str, ""), base),
+        dense_file=resolve_path(
+            field(d, "dense_file", where, str, ""), base, f"{where}.dense_file"
+        ),
+        network_file=resolve_path(
+            field(d, "network_file", where, str, ""), base, f"{where}.network_file"
+        ),
     )
 
 
@@ -287,7 +296,7 @@ def _parse_pdb(d: dict[str, Any], base: Path | None) -> PersistentDBConfig:
     typ = enum_field(d, "type", w, PersistentDBType, PersistentDBType.NONE)
     cfg = PersistentDBConfig(
         type=typ,
-        path=resolve_path(field(d, "path", w, str, ""), base),
+        path=resolve_path(field(d, "path", w, str, ""), base, f"{w}.path"),
         read_only=field(d, "read_only", w, bool, False),
         max_batch_size=field(d, "max_batch_size", w, int, 65536),
     )
@@ -322,11 +331,11 @@ def _parse_updates(
     typ = enum_field(d, "type", w, UpdateSourceType, UpdateSourceType.NONE)
     cfg = UpdateSourceConfig(
         type=typ,
-        path=resolve_path(field(d, "path", w, str, ""), base),
+        path=resolve_path(field(d, "path", w, str, ""), base, f"{w}.path"),
         address=field(d, "address", w, str, ""),
         stream=field(d, "stream", w, str, "hps_updates"),
         poll_interval_s=field(d, "poll_interval_s", w, float, 0.5),
-        state_path=resolve_path(field(d, "state_path", w, str, ""), base),
+        state_path=resolve_path(field(d, "state_path", w, str, ""), base, f"{w}.state_path"),
     )
     check(
         0 <= cfg.poll_interval_s <= _MAX_WAIT_S,
@@ -501,14 +510,27 @@ def load_config(path: str | Path) -> PSConfig:
 
     Raises:
         FormatVersionError: serving artifacts of another version (see :func:`parse_config`).
-        ValueError: for a JSON syntax error (with line and column) or an invalid field.
+        ValueError: for a file that is not UTF-8 JSON text (a syntax error with line and
+            column, a number past Python's limits, nesting past the parser's depth) or an
+            invalid field.
     """
     path = Path(path)
-    text = path.read_text()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "ps.json is a JSON text file"
+        ) from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:
         raise ValueError(
             f"{path}: JSON syntax error at line {e.lineno} column {e.colno}: {e.msg}"
         ) from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply for the parser") from None
+    except ValueError as e:  # e.g. an integer of more digits than int() converts
+        raise ValueError(f"{path}: not a JSON document this parser reads: {e}") from None
     return parse_config(doc, base_dir=path.parent, name=str(path))

@@ -19,7 +19,10 @@ node restarted empty) fails its reads instead of answering "not found", and
 Restarts keep online updates: when a writable persistent DB already held a table (a restart),
 the volatile DB is filled with that table's rows *as the persistent DB holds them* (online
 updates included; keys from the sparse files, values from RocksDB), and the applier resumes
-after the offset stored with them. Without a writable persistent DB the only record of the
+after the offset stored with them. That holds while the sparse files are the ones the table was
+loaded from (recorded with it, :mod:`hps.storage.sparse_source`): a table whose files changed
+(another export put in place) is dropped and loaded again from them, its online updates with
+it, by a loading start; a start that does not load refuses it (the error says how to reset). Without a writable persistent DB the only record of the
 applied updates is the offset file, while the volatile DB was just rebuilt from the sparse
 files: the offset file is then cleared, so the applier replays the update source from its
 start (rows are absolute values: replaying is idempotent). A Redis stream trimmed with
@@ -37,13 +40,14 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hps.config import ModelConfig, PSConfig
+from hps.config import ModelConfig, PSConfig, TableSpec
 from hps.config_parse import load_config
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import RedisClusterBackend
 from hps.storage.sparse_files import read_table
+from hps.storage.sparse_source import SparseSource
 from hps.storage.volatile import HashMapBackend
 from hps.types import (
     PersistentDBType,
@@ -138,6 +142,7 @@ class HierarchicalParameterServer:
         self.repair: VolatileRepair | None = None  # set by start_background for a Redis tier
         for model in cfg.models:
             for t in model.tables:
+                self._check_persistent_source(t, load)
                 for db in (self.volatile, self.persistent):
                     if db is not None:
                         db.create_table(t.name, t.dim)
@@ -177,6 +182,63 @@ class HierarchicalParameterServer:
             f"{sparse_file!r} or a loaded persistent db"
         )
 
+    def _check_persistent_source(self, t: TableSpec, load: bool) -> None:
+        """Make sure the persistent DB serves ``t`` from the sparse files ``ps.json`` names.
+
+        A table the persistent DB loaded from other files (another export put in place of
+        the sparse folder), or with no record of its files, is dropped and loaded again by a
+        start that loads into a writable DB, once the new files have passed
+        :func:`read_table`'s checks (a Redis volatile DB's copy of it is deleted first); any
+        other start refuses it. A replica without the sparse
+        files (``load=False``) has nothing to compare and trusts the DB.
+
+        Raises:
+            ValueError: naming the table, both sets of files and how to reset the DB; or, from
+                :func:`read_table`, new sparse files that cannot be loaded (nothing dropped).
+        """
+        pdb = self.persistent
+        if pdb is None or pdb.loaded_rows(t.name) is None:
+            return
+        if not load and not (t.sparse_file and Path(t.sparse_file).exists()):
+            return
+        recorded = SparseSource.from_json(pdb.loaded_source(t.name))
+        if recorded is not None and recorded.matches(t.sparse_file):
+            return
+        was = recorded.describe() if recorded is not None else "no record of its files"
+        if not load or pdb.read_only:
+            how = (
+                "It is opened read-only here: start one server on it with "
+                "persistent_db.read_only false (it loads changed tables again)"
+                if pdb.read_only
+                else "This start does not load (load=False): start the loading server first "
+                "(it loads changed tables again)"
+            )
+            raise ValueError(
+                f"persistent db {pdb.path!r}: table {t.name!r} was loaded from other sparse "
+                f"files ({was}) than {t.sparse_file!r} holds now; it would serve the old rows "
+                f"with the new model. {how}, or stop every server using it and delete "
+                f"{pdb.path!r} (it is loaded from the sparse files on the next start)"
+            )
+        read_table(t.sparse_file, t.dim)  # the new files load: only then drop the old rows
+        if isinstance(self.volatile, RedisClusterBackend):  # it outlives a restart too
+            try:
+                self.volatile.clear(t.name)  # first: a failed clear leaves the record in place
+            except VolatileUnavailableError as e:
+                raise ValueError(
+                    f"table {t.name!r} changed since the persistent db {pdb.path!r} loaded it and "
+                    f"must be loaded again, but the redis_cluster volatile db, which may hold its "
+                    f"old rows, cannot be cleared ({e}); start again once the cluster answers"
+                ) from None
+        log.warning(
+            "persistent db %s: table %r was loaded from other sparse files (%s) than %s holds "
+            "now: dropping its rows (and the online updates applied to them) to load it again",
+            pdb.path,
+            t.name,
+            was,
+            t.sparse_file,
+        )
+        pdb.drop_table(t.name)
+
     def _load_table(self, name: str, folder: str, dim: int) -> None:
         if name in self.num_rows:
             return  # shared by two models: loaded once
@@ -187,7 +249,8 @@ class HierarchicalParameterServer:
         from_pdb = None  # the persistent db, when it holds newer rows than the sparse files
         if pdb is not None and not pdb.read_only:
             if pdb.loaded_rows(name) is None:
-                pdb.bulk_load(name, keys, vecs, chunk=_LOAD_CHUNK)
+                source = SparseSource.of(folder).to_json()
+                pdb.bulk_load(name, keys, vecs, chunk=_LOAD_CHUNK, source=source)
                 log.info("persistent db: loaded %d rows of %s", n, name)
             else:
                 from_pdb = pdb  # loaded by an earlier start: it has the online updates since

@@ -114,8 +114,8 @@ class ShardedEmbeddingCollection(nn.Module):
         ValueError: (on every rank, before any collective) when the plan's world size is not
             the group's, ``rank`` is outside the plan or is not this process's rank, a table
             is missing from the plan or mis-shaped (:class:`~embark.types.PlanError`), or a
-            table name is duplicated or contains ``"."``, or ``hierarchical`` is asked of a
-            non-default process group.
+            table name is duplicated (a ``"."`` in one is refused by ``TableConfig``), or
+            ``hierarchical`` is asked of a non-default process group.
     """
 
     def __init__(
@@ -133,9 +133,6 @@ class ShardedEmbeddingCollection(nn.Module):
         names = [t.name for t in tables]
         if len(set(names)) != len(names):
             raise ValueError(f"ShardedEmbeddingCollection: duplicate table names in {names}")
-        for n in names:
-            if "." in n:
-                raise ValueError(f"table {n!r}: names with '.' cannot be parameter names")
         world = distributed_world(process_group)
         group_size = 1 if world is None else world[1]
         if plan.world_size != group_size:

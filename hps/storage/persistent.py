@@ -21,6 +21,7 @@ from hps.types import CorruptRowError, StorageBackend, check_keys, check_values
 log = logging.getLogger(__name__)
 
 META_CF = "__hps_meta__"
+_RESERVED = frozenset({"default", META_CF})  # column families that are not tables
 
 
 def encode_keys(keys: np.ndarray) -> list[bytes]:
@@ -106,8 +107,19 @@ class RocksDBBackend(StorageBackend):
 
     # ------------------------------------------------------------------ tables and metadata
     def create_table(self, table: str, dim: int) -> None:
+        """Declare ``table`` (its own column family).
+
+        Raises:
+            ValueError: another dim than the stored one; a table the read-only database lacks;
+                a name RocksDB or this backend holds already (``default``, ``__hps_meta__``).
+        """
         from rocksdict import Options
 
+        if table in _RESERVED:
+            raise ValueError(
+                f"persistent db table name {table!r} is reserved (RocksDB's own column families "
+                f"and ours: {sorted(_RESERVED)}); rename the table"
+            )
         with self._lock:
             if table in self._dims:
                 if self._dims[table] != dim:
@@ -207,9 +219,16 @@ class RocksDBBackend(StorageBackend):
             self._db.write(wb)
 
     def bulk_load(
-        self, table: str, keys: np.ndarray, values: np.ndarray, chunk: int = 262144
+        self,
+        table: str,
+        keys: np.ndarray,
+        values: np.ndarray,
+        chunk: int = 262144,
+        source: Any = None,
     ) -> None:
-        """Load a whole table in chunks of ``chunk`` rows (each chunk one atomic batch)."""
+        """Load a whole table in chunks of ``chunk`` rows (each chunk one atomic batch), then
+        record it as loaded, with ``source`` (JSON: which files the rows came from, see
+        :mod:`hps.storage.sparse_source`; :meth:`loaded_source` returns it)."""
         for s in range(0, keys.shape[0], chunk):
             self.write_batch(
                 [
@@ -220,7 +239,12 @@ class RocksDBBackend(StorageBackend):
                     )
                 ]
             )
-        self._db.put(f"loaded:{table}".encode(), json.dumps({"rows": int(keys.shape[0])}).encode())
+        record = {"rows": int(keys.shape[0]), "source": source}
+        self._db.put(f"loaded:{table}".encode(), json.dumps(record).encode())
+
+    def _load_record(self, table: str) -> dict[str, Any] | None:
+        raw = self._db.get(f"loaded:{table}".encode())
+        return None if raw is None else dict(json.loads(raw))
 
     def holds_every_row(self, table: str) -> bool:
         """True once :meth:`bulk_load` loaded ``table`` whole: a key it lacks is in no tier."""
@@ -228,8 +252,32 @@ class RocksDBBackend(StorageBackend):
 
     def loaded_rows(self, table: str) -> int | None:
         """Row count recorded by :meth:`bulk_load`, ``None`` when the table was never loaded."""
-        raw = self._db.get(f"loaded:{table}".encode())
-        return None if raw is None else int(json.loads(raw)["rows"])
+        record = self._load_record(table)
+        return None if record is None else int(record["rows"])
+
+    def loaded_source(self, table: str) -> Any:
+        """The ``source`` recorded by :meth:`bulk_load` (``None`` when none was given or the
+        table was never loaded)."""
+        record = self._load_record(table)
+        return None if record is None else record.get("source")
+
+    def drop_table(self, table: str) -> None:
+        """Delete ``table``: its rows, its dim and its load record (a new :meth:`create_table`
+        and :meth:`bulk_load` start from nothing). The load record goes first, so a drop cut
+        short leaves a table that is loaded again. The update offset is kept.
+
+        Raises:
+            ValueError: in read-only mode.
+        """
+        if self.read_only:
+            raise ValueError(f"persistent db {self.path!r} was opened read-only; cannot drop")
+        with self._lock:
+            self._db.delete(f"loaded:{table}".encode())
+            if table in self._cf:
+                del self._cf[table]  # its handle keeps the column family alive
+                self._db.drop_column_family(table)
+            self._cf[META_CF].delete(f"dim:{table}".encode())
+            self._dims.pop(table, None)
 
     def close(self) -> None:
         with self._lock:

@@ -21,11 +21,14 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import shutil
 from enum import StrEnum
 from pathlib import Path
 
 import numpy as np
+
+from hps.names import check_name, entry, entry_exists, hidden_sibling, remove_entry
 
 log = logging.getLogger(__name__)
 
@@ -71,17 +74,20 @@ def write_table(
     """Write one table.
 
     Args:
-        folder: the table's folder (created; must not exist unless ``overwrite``).
+        folder: the table's folder (created; must not exist unless ``overwrite``). It is
+            written beside itself first and renamed into place; an existing one (a folder, a
+            file or a symlink, never followed) is replaced only with ``overwrite``.
         keys: ``(n,) int64``, unique.
         vectors: ``(n, dim) float32``.
         fmt: ``hugectr`` or ``safetensors``.
-        overwrite: replace an existing folder (written beside it first, then swapped in).
+        overwrite: replace an existing folder.
 
     Raises:
-        ValueError: on bad dtype/shape, duplicate keys, or an existing folder.
+        ValueError: on bad dtype/shape, duplicate keys, an existing folder, or a ``folder``
+            whose last component is ``..`` (it would not name an entry of its parent).
     """
     fmt = SparseFormat(fmt)
-    folder = Path(folder)
+    folder = entry(Path(folder).parent, Path(folder).name, "sparse folder")
     keys = np.asarray(keys)
     vectors = np.asarray(vectors)
     if keys.dtype != np.int64 or keys.ndim != 1:
@@ -91,30 +97,44 @@ def write_table(
             f"vectors must be ({keys.shape[0]}, dim) float32, got {vectors.dtype} {tuple(vectors.shape)}"
         )
     _check_unique_keys(folder, keys)
-    if folder.exists() and not overwrite:
+    if entry_exists(folder) and not overwrite:
         raise ValueError(f"sparse folder {folder} exists; pass overwrite=True to replace it")
-    tmp = folder.with_name(folder.name + ".tmp-write")
-    shutil.rmtree(tmp, ignore_errors=True)
-    tmp.mkdir(parents=True)
-    if fmt is SparseFormat.HUGECTR:
-        keys.astype("<i8", copy=False).tofile(tmp / KEY_FILE)
-        vectors.astype("<f4", copy=False).tofile(tmp / VECTOR_FILE)
-    else:
-        from safetensors.numpy import save_file
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = hidden_sibling(folder, "tmp")
+    tmp.mkdir()
+    try:
+        if fmt is SparseFormat.HUGECTR:
+            keys.astype("<i8", copy=False).tofile(tmp / KEY_FILE)
+            vectors.astype("<f4", copy=False).tofile(tmp / VECTOR_FILE)
+        else:
+            from safetensors.numpy import save_file
 
-        save_file(
-            {"key": np.ascontiguousarray(keys), "emb_vector": np.ascontiguousarray(vectors)},
-            str(tmp / SAFETENSORS_FILE),
-        )
-    if folder.exists():
-        old = folder.with_name(folder.name + ".tmp-old")
-        shutil.rmtree(old, ignore_errors=True)
-        folder.rename(old)
-        tmp.rename(folder)
-        shutil.rmtree(old)
-    else:
-        tmp.rename(folder)
+            save_file(
+                {"key": np.ascontiguousarray(keys), "emb_vector": np.ascontiguousarray(vectors)},
+                str(tmp / SAFETENSORS_FILE),
+            )
+        _swap_in(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
     return folder
+
+
+def _swap_in(new: Path, dest: Path) -> None:
+    """Rename the folder ``new`` to ``dest`` (a sibling). Whatever is at ``dest`` (a folder, a
+    file, a symlink: never followed) is first renamed aside and removed once ``new`` is in
+    place; it is put back when the rename fails."""
+    if not entry_exists(dest):
+        os.rename(new, dest)
+        return
+    old = hidden_sibling(dest, "old")
+    os.rename(dest, old)
+    try:
+        os.rename(new, dest)
+    except BaseException:
+        os.rename(old, dest)
+        raise
+    remove_entry(old)
 
 
 def read_table(
@@ -269,7 +289,8 @@ def convert_checkpoint(
 
     Args:
         ckpt_dir: holds ``model.safetensors`` and ``state.json`` (the trainer's checkpoint layout).
-        out_dir: receives one folder per table.
+        out_dir: receives one folder per table, ``out_dir/<table>``; table names must follow
+            the name rule (:mod:`hps.names`), so nothing is written outside ``out_dir``.
         fmt: sparse layout to write.
         tables: subset of table names (default: every table of the workload).
         overwrite: replace existing table folders.
@@ -278,8 +299,9 @@ def convert_checkpoint(
         ``{table name: folder}``.
 
     Raises:
-        ValueError: when a file is missing, a table is unknown, or a weight's shape disagrees
-            with the workload's ``num_rows``/``dim``.
+        ValueError: when a file is missing, a table is unknown or its name is not a valid
+            name (``../victim``, ``/abs/path``: checked before anything is written), or a
+            weight's shape disagrees with the workload's ``num_rows``/``dim``.
     """
     from safetensors import safe_open
 
@@ -295,12 +317,15 @@ def convert_checkpoint(
         raise ValueError(
             f"{state_path}: expected state['workload']['tables'] (a list of tables)"
         ) from None
+    for n in specs:  # before anything is written: a name is joined to out_dir below
+        check_name(n, f"{state_path}: table name")
     names = list(specs) if tables is None else list(tables)
     unknown = [n for n in names if n not in specs]
     if unknown:
         raise ValueError(
             f"checkpoint {ckpt_dir}: unknown table(s) {unknown}; it has {sorted(specs)}"
         )
+    folders = {n: entry(out_dir, n, "table name") for n in names}
     out: dict[str, Path] = {}
     with safe_open(str(model_path), framework="numpy") as f:
         present = set(f.keys())
@@ -316,7 +341,7 @@ def convert_checkpoint(
                 )
             w = np.ascontiguousarray(w, dtype=np.float32)
             keys = np.arange(w.shape[0], dtype=np.int64)
-            out[name] = write_table(out_dir / name, keys, w, fmt=fmt, overwrite=overwrite)
+            out[name] = write_table(folders[name], keys, w, fmt=fmt, overwrite=overwrite)
             log.info(
                 "converted table %s: %d rows of dim %d -> %s",
                 name,

@@ -274,11 +274,15 @@ _GOOD_PLAN = {
         ({"tables": None}, "tables must be a list of table entries, got None"),
         (
             {"tables": [{**_GOOD_PLAN["tables"][0], "name": 5}]},
-            "a table's name must be a non-empty string, got 5",
+            "a table's name 5 is not a valid name; expected 1 to 128 ASCII letters",
         ),
         (
             {"tables": [{**_GOOD_PLAN["tables"][0], "name": ""}]},
-            "a table's name must be a non-empty string, got ''",
+            "a table's name '' is not a valid name",
+        ),
+        (
+            {"tables": [{**_GOOD_PLAN["tables"][0], "name": "../t0"}]},
+            r"a table's name '\.\./t0' is not a valid name",
         ),
         ({"topology": [1]}, r"topology must be a string, got \[1\]"),
         ({"topolgy": "dgx"}, r"unknown field\(s\) \['topolgy'\]"),
@@ -288,3 +292,13 @@ def test_malformed_plan_documents_name_the_bad_value(change, match) -> None:
     assert ShardingPlan.from_dict(_GOOD_PLAN).tables[0].name == "t0"
     with pytest.raises(PlanError, match=match):
         ShardingPlan.from_json(json.dumps(_GOOD_PLAN | change))
+
+
+@pytest.mark.parametrize("bad", ["", "../t", "/abs/t", "a/b", "x.y", "-t0", 5, None])
+def test_table_names_follow_the_name_rule(bad) -> None:
+    """A table name becomes a parameter path, a checkpoint tensor and an exported folder."""
+    assert TableConfig("user_id", 3, 2).name == "user_id"
+    with pytest.raises(ValueError, match=r"TableConfig.name .* is not a valid name; expected 1 to"):
+        TableConfig(bad, 3, 2)
+    with pytest.raises(ValueError, match=r"TableConfig.name .* is not a valid name"):
+        TableConfig.from_dict({"name": bad, "num_rows": 3, "dim": 2})

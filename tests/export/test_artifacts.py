@@ -367,3 +367,26 @@ def _serving_metadata(path: Path) -> str:
     import onnx
 
     return {m.key: m.value for m in onnx.load(str(path)).metadata_props}[SERVING_METADATA_KEY]
+
+
+@pytest.mark.parametrize("name", ["a/b", "../x", "", "dlrm.v2"])
+def test_a_model_name_that_is_not_a_name_is_refused_before_writing(tmp_path, name) -> None:
+    """A ``/`` would be accepted and then answer 404: the URL holds one segment per name."""
+    model = build_model(get_workload("tiny"), seed=0).eval()
+    with pytest.raises(ValueError, match=r"model_name .* is not a valid name; expected 1 to 128"):
+        write_serving_artifacts(model, tmp_path / "art", model_name=name)
+    assert not (tmp_path / "art").exists()
+    cfg = write_serving_artifacts(model, tmp_path / "art", model_name="dlrm-v2")
+    assert cfg.models[0].model == "dlrm-v2"
+
+
+def test_a_dangling_link_where_a_table_goes_is_taken(tmp_path) -> None:
+    model = build_model(get_workload("tiny"), seed=0).eval()
+    (tmp_path / "art" / "sparse").mkdir(parents=True)
+    (tmp_path / "art" / "sparse" / "t0").symlink_to(tmp_path / "nowhere")
+    with pytest.raises(ValueError, match=r"sparse folders exist: \[.*sparse/t0'\]"):
+        write_serving_artifacts(model, tmp_path / "art")
+    assert not (tmp_path / "nowhere").exists()
+    write_serving_artifacts(model, tmp_path / "art", overwrite=True)
+    assert not (tmp_path / "art" / "sparse" / "t0").is_symlink()
+    assert not (tmp_path / "nowhere").exists()

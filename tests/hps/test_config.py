@@ -255,3 +255,65 @@ def test_the_artifact_version_is_read_and_another_is_refused(tmp_path: Path) -> 
         assert str(p) in msg and has in msg
         assert f"reads format version {ARTIFACT_VERSION} only" in msg
         assert (ei.value.found, ei.value.expected) == (found, ARTIFACT_VERSION)
+
+
+@pytest.mark.parametrize("bad", ["", "a/b", "../t", "/abs/t", "x.y", "-t", "t 0"])
+def test_model_and_table_names_follow_the_name_rule(bad: str) -> None:
+    """A model name is a URL path segment, a table name a folder and a database key."""
+    with pytest.raises(ValueError, match=r"models\[0\]\.model: .* impossible; expected 1 to 128"):
+        parse_config(_doc(model=bad))
+    with pytest.raises(
+        ValueError, match=r"models\[0\]\.embedding_table_names\[1\]: .* expected 1 to 128 ASCII"
+    ):
+        parse_config(_doc(embedding_table_names=["t0", bad]))
+    assert parse_config(_doc(model="dlrm-v2", embedding_table_names=["t0", "3d_1"]))
+
+
+@pytest.mark.parametrize(
+    "section, key",
+    [
+        ("models", "sparse_files"),
+        ("models", "network_file"),
+        ("persistent_db", "path"),
+        ("update_source", "path"),
+    ],
+)
+def test_a_path_with_a_nul_names_its_field(section: str, key: str) -> None:
+    d = _doc()
+    d["update_source"] = {"type": "file_log", "path": "u.log"}
+    if section == "models":
+        d["models"][0][key] = ["s/t0", "s/\0"] if key == "sparse_files" else "a\0b"
+        where = (
+            r"models\[0\]\.sparse_files\[1\]" if key == "sparse_files" else rf"models\[0\]\.{key}"
+        )
+    else:
+        d[section][key] = "a\0b"
+        where = rf"{section}\.{key}"
+    with pytest.raises(ValueError, match=rf"{where}: .* expected a path \(it holds a NUL\)"):
+        parse_config(d)
+
+
+@pytest.mark.parametrize(
+    "data, match",
+    [
+        (b'\xff{"models": []}', r"not UTF-8 text \(byte 0xff at offset 0\)"),
+        (b"[" * 100_000, "JSON nested too deeply"),
+        (b'{"models": ' + b"7" * 5000 + b"}", "not a JSON document this parser reads: Exceeds"),
+    ],
+)
+def test_a_file_json_cannot_read_is_a_value_error_naming_it(
+    tmp_path: Path, data: bytes, match: str
+) -> None:
+    p = tmp_path / "ps.json"
+    p.write_bytes(data)
+    with pytest.raises(ValueError, match=rf"^{tmp_path}/ps.json: {match}"):
+        load_config(p)
+
+
+def test_a_number_too_large_for_a_float_is_impossible() -> None:
+    with pytest.raises(ValueError, match=r"models\[0\]\.gpucacheper: 1000000.* is impossible"):
+        parse_config(_doc(gpucacheper=10**400))
+    with pytest.raises(
+        ValueError, match=r"default_value_for_each_table\[0\]: 1000.* expected a finite number"
+    ):
+        parse_config(_doc(default_value_for_each_table=[10**400, 0.0]))

@@ -4,6 +4,8 @@ after it (a new ``from_config`` on the same folder, as ``python -m hps.server`` 
 from __future__ import annotations
 
 import json
+import logging
+import shutil
 from pathlib import Path
 
 import numpy as np
@@ -190,3 +192,139 @@ def test_a_non_finite_update_is_refused_at_publish_and_never_blocks_a_start(
         assert _served(ps, [1, 3, 5]) == [2.0, 0.0, 7.0]
     finally:
         ps.close()
+
+
+# ------------------------------------------------- a RocksDB and the sparse files it came from
+def _rocksdb_with_an_update(tmp_path: Path) -> Path:
+    """``ps.json`` over zero rows with a writable RocksDB, started once and updated (keys 0..4
+    hold 9.0 in RocksDB and at the stored offset)."""
+    cfg = _folder(tmp_path, {"type": "rocks_db", "path": "pdb"})
+    FileLogPublisher(tmp_path / "u.log").publish(
+        {"t": (np.arange(5, dtype=np.int64), np.full((5, DIM), 9.0, np.float32))}
+    )
+    ps = HierarchicalParameterServer.from_config(cfg)
+    assert ps.update_applier().poll() == 1
+    ps.close()
+    return cfg
+
+
+def test_a_restart_on_a_copy_of_the_same_files_keeps_the_updated_rows(tmp_path: Path) -> None:
+    cfg = _rocksdb_with_an_update(tmp_path)
+    shutil.copytree(tmp_path / "sparse", tmp_path / "copy")  # new inodes and times, same bytes
+    shutil.rmtree(tmp_path / "sparse")
+    (tmp_path / "copy").rename(tmp_path / "sparse")
+    ps = HierarchicalParameterServer.from_config(cfg)
+    try:
+        assert _served(ps, [0, 4, 5]) == [9.0, 9.0, 0.0]
+        assert ps.update_applier().poll() == 0  # the offset was kept with the rows
+    finally:
+        ps.close()
+
+
+def test_a_restart_on_other_files_loads_them_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cfg = _rocksdb_with_an_update(tmp_path)
+    write_table(
+        tmp_path / "sparse" / "t",
+        np.arange(50, dtype=np.int64),
+        np.full((50, DIM), 5.0, np.float32),
+        overwrite=True,
+    )  # another export: 50 rows of 5.0
+    with caplog.at_level(logging.WARNING, logger="hps.parameter_server"):
+        ps = HierarchicalParameterServer.from_config(cfg)
+    try:
+        assert _served(ps, [0, 4, 49, 50]) == [5.0, 5.0, 5.0, 0.0]  # none of the old rows
+        assert ps.persistent.loaded_rows("t") == 50
+        assert "was loaded from other sparse files" in caplog.text
+        assert ps.update_applier().poll() == 0  # the offset stays: the log is not replayed
+    finally:
+        ps.close()
+
+
+def test_other_files_that_cannot_be_loaded_leave_the_database_as_it_was(tmp_path: Path) -> None:
+    cfg = _rocksdb_with_an_update(tmp_path)
+    emb = tmp_path / "sparse" / "t" / "emb_vector"
+    good = emb.read_bytes()
+    emb.write_bytes(good[:-3])  # truncated
+    with pytest.raises(ValueError, match="not a whole number of rows"):
+        HierarchicalParameterServer.from_config(cfg)
+    emb.write_bytes(good)  # the old export back (same bytes, new times): its rows are served
+    ps = HierarchicalParameterServer.from_config(cfg)
+    try:
+        assert _served(ps, [0, 4, 5]) == [9.0, 9.0, 0.0]
+    finally:
+        ps.close()
+
+
+def test_a_table_of_another_dim_is_loaded_again(tmp_path: Path) -> None:
+    cfg = _rocksdb_with_an_update(tmp_path)
+    doc = json.loads(cfg.read_text())
+    doc["models"][0]["embedding_vecsize_per_table"] = [DIM + 2]
+    doc["update_source"] = {"type": "none"}  # the log's rows are of the old dim
+    cfg.write_text(json.dumps(doc))
+    rows = np.full((10, DIM + 2), 1.0, np.float32)
+    write_table(tmp_path / "sparse" / "t", np.arange(10, dtype=np.int64), rows, overwrite=True)
+    ps = HierarchicalParameterServer.from_config(cfg)
+    try:
+        got = ps.session("m").lookup("t", torch.tensor([0, 9]))
+        assert got.shape == (2, DIM + 2) and got.eq(1.0).all()
+    finally:
+        ps.close()
+
+
+def test_a_replica_that_does_not_load_refuses_a_database_of_other_files(tmp_path: Path) -> None:
+    cfg = _rocksdb_with_an_update(tmp_path)
+    HierarchicalParameterServer.from_config(cfg, load=False).close()  # the same files: fine
+    write_table(
+        tmp_path / "sparse" / "t",
+        np.arange(100, dtype=np.int64),
+        np.ones((100, DIM), np.float32),
+        overwrite=True,
+    )
+    with pytest.raises(ValueError, match=r"load=False.*start the loading server first.*delete"):
+        HierarchicalParameterServer.from_config(cfg, load=False)
+    shutil.rmtree(tmp_path / "sparse")  # a replica without the sparse files trusts the DB
+    ps = HierarchicalParameterServer.from_config(cfg, load=False)
+    try:
+        assert _served(ps, [0, 5]) == [9.0, 0.0]
+    finally:
+        ps.close()
+
+
+@pytest.mark.redis
+def test_a_reload_clears_the_redis_copy_of_the_changed_table(redis_cluster, tmp_path: Path) -> None:
+    """Redis outlives a restart like RocksDB: key 70 of the old export (the new one has keys
+    0..49) must not be served from it."""
+    table = f"reload_{tmp_path.name[-12:]}".replace("-", "_")
+    write_table(
+        tmp_path / "sparse" / table, np.arange(100, dtype=np.int64), np.ones((100, DIM), np.float32)
+    )
+    doc = {
+        "volatile_db": {"type": "redis_cluster", "address": redis_cluster.address},
+        "persistent_db": {"type": "rocks_db", "path": "pdb"},
+        "models": [
+            {
+                "model": "m",
+                "max_batch_size": 16,
+                "sparse_files": [f"sparse/{table}"],
+                "embedding_table_names": [table],
+                "embedding_vecsize_per_table": [DIM],
+                "maxnum_catfeature_query_per_table_per_sample": [1],
+                "gpucache": False,
+            }
+        ],
+    }
+    (tmp_path / "ps.json").write_text(json.dumps(doc))
+
+    def served(keys: list[int]) -> list[float]:
+        ps = HierarchicalParameterServer.from_config(tmp_path / "ps.json")
+        try:
+            return ps.session("m").lookup(table, torch.tensor(keys))[:, 0].tolist()
+        finally:
+            ps.close()
+
+    assert served([0, 70]) == [1.0, 1.0]
+    rows = np.full((50, DIM), 2.0, np.float32)
+    write_table(tmp_path / "sparse" / table, np.arange(50, dtype=np.int64), rows, overwrite=True)
+    assert served([0, 49, 70]) == [2.0, 2.0, 0.0]

@@ -100,3 +100,36 @@ def test_a_damaged_row_is_named_even_when_the_total_length_fits(tmp_path: Path) 
             db.lookup("t0", np.array([1, 3, 1], np.int64))  # chunked multi-get (max_batch_size 2)
     finally:
         db.close()
+
+
+def test_drop_table_forgets_rows_dim_and_load_record_but_keeps_the_offset(tmp_path: Path) -> None:
+    db = RocksDBBackend(tmp_path / "db")
+    db.create_table("t", 2)
+    db.create_table("u", 2)
+    keys, rows = make_table(20, 2, seed=1)
+    db.bulk_load("t", keys, rows, source={"files": ["x"]})
+    db.bulk_load("u", keys, rows)
+    db.write_batch([], meta={"update_offset:log": b"42"})
+    assert db.loaded_source("t") == {"files": ["x"]} and db.loaded_source("u") is None
+    db.drop_table("t")
+    assert not db.has_table("t") and db.loaded_rows("t") is None
+    db.close()
+    db = RocksDBBackend(tmp_path / "db")  # and after a reopen
+    assert not db.has_table("t") and db.loaded_rows("t") is None
+    db.create_table("t", 3)  # another dim is fine now
+    assert not db.lookup("t", keys)[1].any()
+    assert db.lookup("u", keys)[1].all() and db.loaded_rows("u") == 20  # the other table stays
+    assert db.get_meta("update_offset:log") == b"42"
+    db.close()
+    ro = RocksDBBackend(tmp_path / "db", read_only=True)
+    with pytest.raises(ValueError, match="read-only; cannot drop"):
+        ro.drop_table("u")
+    ro.close()
+
+
+@pytest.mark.parametrize("name", ["default", "__hps_meta__"])
+def test_column_family_names_of_rocksdb_and_ours_are_not_tables(tmp_path: Path, name: str) -> None:
+    db = RocksDBBackend(tmp_path / "db")
+    with pytest.raises(ValueError, match=rf"table name '{name}' is reserved"):
+        db.create_table(name, 2)
+    db.close()

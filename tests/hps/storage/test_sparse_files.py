@@ -176,6 +176,15 @@ def test_convert_checkpoint_errors(tmp_path: Path) -> None:
         convert_checkpoint(tmp_path / "nothing", tmp_path / "o")
 
 
+@pytest.mark.parametrize("name", ["../victim", "/abs/victim", "a/b", ".."])
+def test_convert_checkpoint_refuses_a_table_name_that_is_not_a_name(tmp_path: Path, name) -> None:
+    """Table names come from the checkpoint's state.json and are joined to the output folder."""
+    _write_checkpoint(tmp_path / "ckpt", {"t0": torch.randn(5, 2), name: torch.randn(5, 2)})
+    with pytest.raises(ValueError, match=r"state.json: table name .* is not a valid name"):
+        convert_checkpoint(tmp_path / "ckpt", tmp_path / "o", overwrite=True)
+    assert not (tmp_path / "o").exists()
+
+
 def test_convert_real_trainer_checkpoint(tmp_path: Path) -> None:
     from embark import TrainConfig, Trainer, build_model, get_workload
 

@@ -426,10 +426,18 @@ def load_config(path: str | Path) -> PSConfig:
 
     Raises:
         FormatVersionError: serving artifacts of another version (see :func:`parse_config`).
-        ValueError: for a JSON syntax error (with line and column) or an invalid field.
+        ValueError: for a file that is not UTF-8 text (a binary file), a JSON syntax error
+            (with line and column) or an invalid field.
     """
     path = Path(path)
-    text = path.read_text()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{path}: not a ps.json (JSON text in UTF-8): byte {e.start} is "
+            f"{raw[e.start : e.start + 1]!r}, not UTF-8"
+        ) from None
     try:
         doc = json.loads(text)
     except json.JSONDecodeError as e:

@@ -16,9 +16,11 @@ Neither is uvicorn's ``timeout_keep_alive``: that covers only the idle time betw
 and every byte received resets it; and an ASGI middleware runs only once the headers are
 parsed. So the deadline lives in the protocol: armed when a connection opens and after each
 response, moved to the body deadline once the headers are complete, disarmed once the body is.
-A connection past its deadline is aborted (a request the application already holds sees a
-client disconnect). A connection past ``max_connections`` is answered 503 (``{"error"}``) and
-closed at once; a client that had already sent its request may see a reset instead.
+The server always runs this h11 protocol (httptools, if installed, is not used), so these
+limits hold on every installation. A connection past its deadline is aborted (a request the
+application already holds sees a client disconnect). A connection past ``max_connections``
+is answered 503 (``{"error"}``) and closed at once; a client that had already sent its request
+may see a reset instead.
 
 >>> cls = protocol_class(ConnectionLimits(header_timeout_s=10, body_timeout_s=60,
 ...                                       max_connections=512))

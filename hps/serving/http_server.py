@@ -64,8 +64,8 @@ MODEL_VERSION = "1"
 
 
 # The largest value of each integer knob: past these a server only exhausts threads, memory
-# or file descriptors. Threads past the core count add contention, not throughput (256: the
-# cores of a two-socket 128-core machine).
+# or file descriptors. Threads past the core count add contention, not throughput; 256 is one
+# per core of the largest common servers (two sockets of 128 cores).
 MAX_WORKERS = 256
 MAX_ORT_THREADS = 256
 MAX_QUEUED = 65536  # each queued request holds its body (up to max_request_mb)

@@ -1,7 +1,7 @@
 """Random v2 ``/infer`` request bodies against the real server (``python -m hps.server`` in a
 subprocess): raw random bytes, byte-level mutations of valid JSON and binary-tensor requests,
-and random JSON documents shaped like requests, each with or without the binary extension's
-``Inference-Header-Content-Length`` and a ``Content-Encoding``. Every answer is a 200 (a
+and valid requests with fields set to random JSON or removed, each with or without the binary
+extension's ``Inference-Header-Content-Length`` and a ``Content-Encoding``. Every answer is a 200 (a
 mutation can still be a valid request) or a 4xx ``{"error": "..."}``: never a 5xx, never a
 dropped connection; afterwards the server is live and scores a valid request correctly."""
 
@@ -99,24 +99,26 @@ _json = st.recursive(
     ),
     max_leaves=10,
 )
-_params = st.one_of(
-    st.fixed_dictionaries({}, optional={"binary_data_size": st.integers(-2, 300) | _json}),
-    _json,
-)
-_input = st.fixed_dictionaries(
-    {},
-    optional={
-        "name": st.sampled_from(NAMES) | _json,
-        "shape": st.lists(st.integers(-2, 2**66), max_size=4) | _json,
-        "datatype": st.sampled_from(DATATYPES) | _json,
-        "data": st.lists(st.lists(st.integers(-(2**65), 2**65) | st.floats(), max_size=14)) | _json,
-        "parameters": _params,
-    },
-)
-_documents = st.fixed_dictionaries(
-    {"inputs": st.lists(_input, min_size=1, max_size=9) | _json},
-    optional={"outputs": st.lists(st.fixed_dictionaries({"name": _json})) | _json, "id": _json},
-)
+# What a mutation may set a field of a request to: a value of its own kind (often out of
+# range), or any JSON.
+_FIELD_VALUES: dict[str, st.SearchStrategy[Any]] = {
+    "name": st.sampled_from(NAMES),
+    "shape": st.lists(st.integers(-2, 2**66), max_size=4),
+    "datatype": st.sampled_from(DATATYPES),
+    "data": st.lists(st.lists(st.integers(-(2**65), 2**65) | st.floats(), max_size=14), max_size=4),
+    "parameters": st.fixed_dictionaries(
+        {}, optional={"binary_data_size": st.integers(-2, 300), "binary_data": _json}
+    ),
+    "outputs": st.lists(
+        st.fixed_dictionaries(
+            {"name": st.sampled_from(["logits", "probability", "x"])},
+            optional={"parameters": st.fixed_dictionaries({"binary_data": _json})},
+        ),
+        max_size=3,
+    ),
+}
+_INPUT_FIELDS = ["name", "shape", "datatype", "data", "parameters"]
+_TOP_FIELDS = ["inputs", "outputs", "id", "parameters"]
 
 
 @dataclass(frozen=True)
@@ -169,18 +171,44 @@ def _headers(draw: st.DrawFn, body_len: int) -> dict[str, str]:
 
 
 @st.composite
+def _document(draw: st.DrawFn, valid: _Valid) -> tuple[bytes, dict[str, str]]:
+    """A valid request's JSON (either encoding) with one to three fields set to random values
+    or removed: an input's name, shape, datatype, data or parameters, or a top-level field."""
+    binary = draw(st.booleans())
+    doc = json.loads(valid.binary[: valid.head] if binary else valid.json)
+    for _ in range(draw(st.integers(1, 3))):
+        target, field = doc, draw(st.sampled_from(["input", "input", "input", *_TOP_FIELDS]))
+        if field == "input":
+            inputs = doc.get("inputs")
+            if not isinstance(inputs, list) or not inputs:
+                continue
+            target = inputs[draw(st.integers(0, len(inputs) - 1))]
+            if not isinstance(target, dict):
+                continue
+            field = draw(st.sampled_from(_INPUT_FIELDS))
+        if draw(st.integers(0, 4)) == 0:
+            target.pop(field, None)
+        else:
+            target[field] = draw(_FIELD_VALUES.get(field, _json) | _json)
+    head = json.dumps(doc).encode()
+    if binary:
+        return head + valid.binary[valid.head :], {HEADER_LENGTH: str(len(head))}
+    return head, {}
+
+
+@st.composite
 def _requests(draw: st.DrawFn, valid: _Valid) -> tuple[str, bytes, dict[str, str]]:
     """``(kind, body, headers)``: kind ``random`` must get a 4xx; the others 200 or 4xx."""
-    kind = draw(st.sampled_from(["random", "mutated", "document"]))
+    kind = draw(st.sampled_from(["random", "mutated", "document", "document"]))
     if kind == "mutated":
         if draw(st.booleans()):
             return kind, _mutate(valid.binary, draw(_edits)), {HEADER_LENGTH: str(valid.head)}
         return kind, _mutate(valid.json, draw(_edits)), {}
-    if kind == "random":
-        body = draw(st.binary(max_size=2048))
+    if kind == "document":
+        body, headers = draw(_document(valid))
     else:
-        body = json.dumps(draw(_documents)).encode() + draw(st.binary(max_size=64))
-    return kind, body, draw(_headers(len(body)))
+        body, headers = draw(st.binary(max_size=2048)), {}
+    return kind, body, {**headers, **draw(_headers(len(body)))}
 
 
 def _error_of(r: httpx.Response) -> Any:

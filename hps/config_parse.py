@@ -426,8 +426,9 @@ def load_config(path: str | Path) -> PSConfig:
 
     Raises:
         FormatVersionError: serving artifacts of another version (see :func:`parse_config`).
-        ValueError: for a file that is not UTF-8 text (a binary file), a JSON syntax error
-            (with line and column) or an invalid field.
+        ValueError: for a file that is not UTF-8 JSON text (a syntax error with line and
+            column, a number past Python's limits, nesting past the parser's depth) or an
+            invalid field.
     """
     path = Path(path)
     raw = path.read_bytes()
@@ -435,8 +436,8 @@ def load_config(path: str | Path) -> PSConfig:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
         raise ValueError(
-            f"{path}: not a ps.json (JSON text in UTF-8): byte {e.start} is "
-            f"{raw[e.start : e.start + 1]!r}, not UTF-8"
+            f"{path}: not UTF-8 text (byte 0x{raw[e.start]:02x} at offset {e.start}); "
+            "ps.json is a JSON text file"
         ) from None
     try:
         doc = json.loads(text)
@@ -444,4 +445,8 @@ def load_config(path: str | Path) -> PSConfig:
         raise ValueError(
             f"{path}: JSON syntax error at line {e.lineno} column {e.colno}: {e.msg}"
         ) from None
+    except RecursionError:
+        raise ValueError(f"{path}: JSON nested too deeply for the parser") from None
+    except ValueError as e:  # e.g. an integer of more digits than int() converts
+        raise ValueError(f"{path}: not a JSON document this parser reads: {e}") from None
     return parse_config(doc, base_dir=path.parent, name=str(path))

@@ -64,7 +64,7 @@ def test_a_binary_config_file_is_named(tmp_path, cli) -> None:
     binary = tmp_path / "model.bin"
     binary.write_bytes(bytes(range(256)) * 4)
     err = cli(["--config", str(binary)])
-    assert f"{binary}: not a ps.json (JSON text in UTF-8): byte 128 is b'\\x80'" in err
+    assert f"{binary}: not UTF-8 text (byte 0x80 at offset 128)" in err
 
 
 @pytest.mark.parametrize(

@@ -1,8 +1,8 @@
 """``python -m hps.server --config out/ps.json``: the KServe v2 inference server on the models
 of a ``ps.json`` (:mod:`hps.serving.http_server`), until SIGINT or SIGTERM.
 
-A bad ``ps.json``, a bad flag or a model that cannot be served ends it with exit status 2 and
-the error on stderr.
+A bad ``ps.json`` (unreadable, not UTF-8 JSON, or invalid), a bad flag, an address that is
+taken or a model that cannot be served ends it with exit status 2 and the error on stderr.
 """
 
 from __future__ import annotations
@@ -12,7 +12,15 @@ import logging
 from collections.abc import Sequence
 
 from hps.parameter_server import HierarchicalParameterServer
-from hps.serving.http_server import ServerConfig, open_server
+from hps.serving.http_server import (
+    MAX_CONNECTIONS,
+    MAX_QUEUED,
+    MAX_WORKERS,
+    ServerConfig,
+    open_server,
+)
+
+LOG_LEVELS = ("debug", "info", "warning", "error", "critical")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,12 +34,35 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
     p.add_argument("--models", nargs="*", default=None, help="models to serve (default: all)")
-    p.add_argument("--workers", type=int, default=d.workers, help="request threads")
+    p.add_argument(
+        "--workers", type=int, default=d.workers, help=f"request threads (1 to {MAX_WORKERS})"
+    )
     p.add_argument(
         "--max-queued",
         type=int,
         default=d.max_queued,
-        help="requests that may wait for a worker before new ones get 503",
+        help=f"requests that may wait for a worker before new ones get 503 (at most {MAX_QUEUED})",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=d.max_connections,
+        help=f"open connections; past it a new one gets 503 and is closed (at most "
+        f"{MAX_CONNECTIONS}, and below the process's file-descriptor limit)",
+    )
+    p.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=d.header_timeout_s,
+        help="seconds from connecting (or the last response) to a request's complete headers; "
+        "a connection past it is closed",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=d.body_timeout_s,
+        help="seconds from a request's headers to its complete body; a connection past it is "
+        "closed",
     )
     p.add_argument(
         "--ort-threads",
@@ -40,7 +71,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="onnxruntime intra-op threads per request (0: its default)",
     )
     p.add_argument("--max-request-mb", type=float, default=d.max_request_mb)
-    p.add_argument("--log-level", default="info")
+    p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     return p
 
 
@@ -49,7 +80,17 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = p.parse_args(argv)
     logging.basicConfig(level=a.log_level.upper(), format="%(asctime)s %(name)s %(message)s")
     try:
-        cfg = ServerConfig(a.host, a.port, a.workers, a.max_queued, a.ort_threads, a.max_request_mb)
+        cfg = ServerConfig(
+            host=a.host,
+            port=a.port,
+            workers=a.workers,
+            max_queued=a.max_queued,
+            ort_threads=a.ort_threads,
+            max_request_mb=a.max_request_mb,
+            max_connections=a.max_connections,
+            header_timeout_s=a.header_timeout_s,
+            body_timeout_s=a.body_timeout_s,
+        )
         ps = HierarchicalParameterServer.from_config(a.config)
     except (ValueError, OSError) as e:
         p.error(str(e))

@@ -6,6 +6,8 @@ protocol (``tritonclient.http`` works unchanged).
 - :mod:`hps.serving.v2_protocol`: request parsing and response encoding (binary tensors too).
 - :mod:`hps.serving.http_server`: the HTTP application and the server
   (``python -m hps.server``, whose argument parsing lives in :mod:`hps.server`).
+- :mod:`hps.serving.connections`: below the application, per connection: the deadlines for
+  receiving a request and the bound on open connections.
 
     >>> with InferenceServer(ps, ServerConfig(port=0)) as srv:      # doctest: +SKIP
     ...     client = tritonclient.http.InferenceServerClient(srv.address)

@@ -18,16 +18,19 @@ and the tier: :class:`~hps.types.TierUnavailableError`), 500 otherwise)::
     POST /v2/models/{m}[/versions/1]/infer     JSON or binary tensors (Inference-Header-Content-Length)
 
 Requests run on ``workers`` threads (parsing and inference both: they are CPU work);
-``max_queued`` more may wait, beyond that a connection gets 503 at once (uvicorn's
-``limit_concurrency``; that one reply is plain text, sent before the application sees the
-request), so memory stays bounded under any number of clients. The background
-work ``ps.json`` asks for (online updates, cache refresh) runs while the server does.
+``max_queued`` more may wait, beyond that a request whose body has arrived gets 503 at once,
+so memory stays bounded under any number of clients. Connections are bounded apart from that
+(``max_connections``), and each request must arrive within ``header_timeout_s`` (its headers)
+and ``body_timeout_s`` (the rest of its body) or its connection is closed
+(:mod:`hps.serving.connections`): sockets that stall cannot take the place of requests. The
+background work ``ps.json`` asks for (online updates, cache refresh) runs while the server does.
 """
 
 from __future__ import annotations
 
 import logging
 import math
+import resource
 import signal
 import socket
 import threading
@@ -45,6 +48,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hps.parameter_server import HierarchicalParameterServer
+from hps.serving.connections import ConnectionLimits, protocol_class
 from hps.serving.servable import DLRMServable, InputError
 from hps.serving.v2_protocol import (
     HEADER_LENGTH,
@@ -61,29 +65,52 @@ __all__ = ["InferenceServer", "ServerConfig", "build_servables", "create_app", "
 MODEL_VERSION = "1"
 
 
+# The largest value of each integer knob: past these a server only exhausts threads, memory
+# or file descriptors. Threads past the core count add contention, not throughput; 256 is one
+# per core of the largest common servers (two sockets of 128 cores).
+MAX_WORKERS = 256
+MAX_ORT_THREADS = 256
+MAX_QUEUED = 65536  # each queued request holds its body (up to max_request_mb)
+MAX_CONNECTIONS = 65536  # one file descriptor each; also bounded by RLIMIT_NOFILE at start
+_FD_RESERVE = 64  # file descriptors the process needs beside its connections (files, db, ort)
+
+
 @dataclass(frozen=True)
 class ServerConfig:
     """Server knobs (each is a ``--flag`` of ``python -m hps.server``).
 
     Raises:
-        ValueError: naming the knob, for a count below its minimum, a port past 65535, or a
-            request limit that is not a finite number of MiB of at least one byte.
+        ValueError: naming the knob, for a count outside its range (``workers`` 1 to
+            ``MAX_WORKERS``, ``max_queued`` 0 to ``MAX_QUEUED``, ``ort_threads`` 0 to
+            ``MAX_ORT_THREADS``, ``max_connections`` 1 to ``MAX_CONNECTIONS``, ``port`` 0 to
+            65535), a timeout that is not a finite number of seconds > 0, or a request limit
+            that is not a finite number of MiB of at least one byte.
     """
 
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free port (read it from InferenceServer.port)
     workers: int = 4  # threads that parse and run requests
-    max_queued: int = 64  # requests waiting for a worker before new connections get 503
+    max_queued: int = 64  # requests waiting for a worker before new ones get 503
     ort_threads: int = 1  # onnxruntime intra-op threads per request
     max_request_mb: float = 256.0  # larger bodies are refused with 400
+    max_connections: int = 512  # open connections; past it a new one gets 503 and is closed
+    header_timeout_s: float = 10.0  # connect (or last response) → request headers complete
+    body_timeout_s: float = 60.0  # request headers complete → body complete
 
     def __post_init__(self) -> None:
-        for f, lo in (("workers", 1), ("max_queued", 0), ("ort_threads", 0), ("port", 0)):
+        bounds = (
+            ("workers", 1, MAX_WORKERS),
+            ("max_queued", 0, MAX_QUEUED),
+            ("ort_threads", 0, MAX_ORT_THREADS),
+            ("max_connections", 1, MAX_CONNECTIONS),
+            ("port", 0, 65535),
+        )
+        for f, lo, hi in bounds:
             v = getattr(self, f)
-            if not isinstance(v, int) or isinstance(v, bool) or v < lo:
-                raise ValueError(f"ServerConfig.{f} must be an integer >= {lo}, got {v!r}")
-        if self.port > 65535:
-            raise ValueError(f"ServerConfig.port must be <= 65535, got {self.port}")
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ValueError(
+                    f"ServerConfig.{f} must be an integer from {lo} to {hi}, got {v!r}"
+                )
         mb = self.max_request_mb
         ok = isinstance(mb, (int, float)) and not isinstance(mb, bool) and math.isfinite(mb)
         if not ok or mb * 2**20 < 1:
@@ -91,6 +118,14 @@ class ServerConfig:
                 f"ServerConfig.max_request_mb must be a finite number of MiB > 0 "
                 f"(at least one byte), got {mb!r}"
             )
+        try:
+            self.limits()
+        except ValueError as e:
+            raise ValueError(f"ServerConfig.{e}") from None
+
+    def limits(self) -> ConnectionLimits:
+        """The connection deadlines and bound (:mod:`hps.serving.connections`)."""
+        return ConnectionLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
 
 
 @dataclass
@@ -178,6 +213,7 @@ class _V2Endpoints:
     def __init__(self, servables: dict[str, DLRMServable], cfg: ServerConfig) -> None:
         self.servables = servables
         self.limiter = anyio.CapacityLimiter(cfg.workers)
+        self.workers, self.max_queued = cfg.workers, cfg.max_queued
         self.counts = {name: _ModelCounts() for name in servables}
         self.max_bytes = int(cfg.max_request_mb * 2**20)
 
@@ -272,6 +308,20 @@ class _V2Endpoints:
             chunks.append(chunk)
         return b"".join(chunks)
 
+    def busy(self) -> str | None:
+        """Why a request whose body has arrived cannot be taken now (``None``: it can): every
+        worker busy and ``max_queued`` requests waiting. Only requests being processed count;
+        connections that have not sent a whole request do not (see
+        :mod:`hps.serving.connections`)."""
+        st = self.limiter.statistics()
+        slots = self.workers + self.max_queued
+        if st.borrowed_tokens + st.tasks_waiting < slots:
+            return None
+        return (
+            f"server busy: all {slots} request slots are taken (--workers {self.workers} "
+            f"+ --max-queued {self.max_queued}); retry later"
+        )
+
     def run(
         self,
         s: DLRMServable,
@@ -297,6 +347,8 @@ class _V2Endpoints:
         try:
             s = self.model_of(request)
             body = await self.read_body(request)
+            if (busy := self.busy()) is not None:
+                return self._failed(name, start, _error(busy, 503))
             answer = await anyio.to_thread.run_sync(
                 self.run,
                 s,
@@ -359,6 +411,18 @@ def build_servables(
     return {n: DLRMServable(ps.cfg.model(n), ps.session(n), ort_threads=ort_threads) for n in names}
 
 
+def _check_fd_limit(max_connections: int) -> None:
+    """Refuse a connection bound the process cannot reach: past its file-descriptor limit
+    ``accept`` fails instead of the server answering 503."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and max_connections + _FD_RESERVE > soft:
+        raise ValueError(
+            f"max_connections {max_connections} needs about {max_connections + _FD_RESERVE} "
+            f"file descriptors but this process may open {soft} (ulimit -n); raise that "
+            f"limit or lower --max-connections to at most {max(1, soft - _FD_RESERVE)}"
+        )
+
+
 class InferenceServer:
     """The v2 server in a background thread (for tests, recipes and notebooks).
 
@@ -380,6 +444,7 @@ class InferenceServer:
         import uvicorn
 
         self.cfg = cfg or ServerConfig()
+        _check_fd_limit(self.cfg.max_connections)
         self.servables = build_servables(ps, models, self.cfg.ort_threads)
         self.app = create_app(self.servables, self.cfg)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
@@ -389,16 +454,18 @@ class InferenceServer:
             # meet the client's delayed ACK: +44 ms on every request here (5 ms with it).
             self._sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             self._sock.bind((self.cfg.host, self.cfg.port))
-        except OSError:
+        except OSError as e:
             self._sock.close()
-            raise
+            raise OSError(
+                e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror}"
+            ) from e
         self.port: int = self._sock.getsockname()[1]
         self._uv = uvicorn.Server(
             uvicorn.Config(
                 self.app,
                 log_level="warning",
                 access_log=False,
-                limit_concurrency=self.cfg.workers + self.cfg.max_queued,
+                http=protocol_class(self.cfg.limits()),
             )
         )
         self._thread: threading.Thread | None = None

@@ -288,7 +288,7 @@ def _parse_input(
     if name in seen:
         raise ProtocolError(f"{where} is given twice")
     dt_name = spec.get("datatype")
-    if dt_name not in DTYPES:
+    if not isinstance(dt_name, str) or dt_name not in DTYPES:  # a JSON list or object: unhashable
         raise ProtocolError(f"{where}: datatype {dt_name!r} is not one of {sorted(DTYPES)}")
     dtype = DTYPES[dt_name]
     shape = _shape(spec.get("shape"), where)

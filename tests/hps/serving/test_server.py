@@ -4,7 +4,6 @@ the problem while the server keeps serving; online updates visible through it; t
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import logging
 import math
@@ -26,71 +25,19 @@ import torch
 import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
 
-from embark.data.jagged import JaggedBatch
-from embark.models.dlrm import DLRM, build_model
-from embark.models.workloads import get_workload
-from embark.types import Combiner
-from export.artifacts import write_serving_artifacts
+from embark.models.dlrm import DLRM
 from export.onnx import export_onnx, run_onnx
 from hps.parameter_server import HierarchicalParameterServer
 from hps.server import main
 from hps.serving.http_server import InferenceServer, ServerConfig
 from hps.updates import FileLogPublisher
+from tests.hps.serving.tiny_dlrm import ROOT, write_artifacts
+from tests.hps.serving.tiny_dlrm import eager_logits as _eager
+from tests.hps.serving.tiny_dlrm import free_port as _free_port
+from tests.hps.serving.tiny_dlrm import make_request as _request
+from tests.hps.serving.tiny_dlrm import tiny_model as _model
+from tests.hps.serving.tiny_dlrm import triton_inputs as _inputs
 from tests.tolerances import tol
-
-ROOT = Path(__file__).resolve().parents[3]
-
-
-def _model() -> DLRM:
-    w = get_workload("tiny")
-    tables = tuple(
-        dataclasses.replace(t, combiner=Combiner.MEAN) if i % 2 else t
-        for i, t in enumerate(w.tables)
-    )
-    return build_model(dataclasses.replace(w, tables=tables), seed=5).eval()
-
-
-def _request(model: DLRM, batch: int, seed: int, narrow: bool = False) -> dict[str, np.ndarray]:
-    """``dense (B, D) float32`` and ``ids_<t> (B, H_t) int64``, ~1/4 of multi-hot slots -1; with
-    ``narrow`` one table sends fewer ids per sample than its hotness."""
-    g = np.random.default_rng(seed)
-    out = {"dense": g.random((batch, model.workload.dense_features), dtype=np.float32)}
-    for i, t in enumerate(model.workload.tables):
-        width = max(1, t.hotness - 1) if narrow and i == 3 else t.hotness
-        ids = g.integers(0, t.num_rows, (batch, width))
-        if width > 1:
-            ids[g.random(ids.shape) < 0.25] = -1
-        out[f"ids_{t.name}"] = ids
-    return out
-
-
-@torch.no_grad()
-def _eager(model: DLRM, req: dict[str, np.ndarray]) -> np.ndarray:
-    """The reference: the eager model on the same bags (padding dropped) → ``(B,)`` logits."""
-    values, lengths = [], []
-    for t in model.workload.tables:
-        ids = torch.from_numpy(req[f"ids_{t.name}"])
-        values.append(ids[ids >= 0])
-        lengths.append((ids >= 0).sum(dim=1))
-    sparse = JaggedBatch(model.table_names, torch.cat(values), torch.cat(lengths).to(torch.int32))
-    return model(torch.from_numpy(req["dense"]), sparse).numpy()
-
-
-def _inputs(
-    req: dict[str, np.ndarray], binary: bool = True, int32: bool = False
-) -> list[th.InferInput]:
-    out = []
-    for name, arr in req.items():
-        if arr.dtype == np.int64 and int32:
-            arr = arr.astype(np.int32)
-        x = th.InferInput(
-            name,
-            list(arr.shape),
-            {np.float32: "FP32", np.int64: "INT64", np.int32: "INT32"}[arr.dtype.type],
-        )
-        x.set_data_from_numpy(arr, binary_data=binary)
-        out.append(x)
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -100,9 +47,7 @@ def model() -> DLRM:
 
 @pytest.fixture(scope="module")
 def artifacts(model: DLRM, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("serving")
-    write_serving_artifacts(model, out, model_name="tiny", max_batch_size=64, cache_fraction=0.3)
-    return out
+    return write_artifacts(model, tmp_path_factory.mktemp("serving"))
 
 
 @pytest.fixture(scope="module")
@@ -383,14 +328,8 @@ def test_models_that_cannot_be_served_are_named(artifacts, tmp_path) -> None:
             InferenceServer(ps, ServerConfig(port=0))
     finally:
         ps.close()
-    with pytest.raises(ValueError, match="workers must be an integer >= 1"):
+    with pytest.raises(ValueError, match="workers must be an integer from 1 to 256"):
         ServerConfig(workers=0)
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def test_cli_serves_until_sigterm(artifacts, model) -> None:

@@ -42,13 +42,13 @@ def test_knobs_from_the_command_line():
 @pytest.mark.parametrize(
     ("argv", "message"),
     [
-        (["--lr", "0"], "lr must be a finite number > 0, got 0.0"),
-        (["--lr", "nan"], "lr must be a finite number > 0, got nan"),
-        (["--embedding-lr", "-1"], "embedding_lr must be a finite number > 0, got -1.0"),
-        (["--eval-every", "-1"], "eval_every must be an integer >= 0, got -1"),
-        (["--label-sharpness", "0"], "label_sharpness must be a finite number > 0, got 0.0"),
-        (["--seed", "-3"], "seed must be an integer >= 0, got -3"),
-        (["--scale", "nan"], "scale must be a finite number >= 1, got nan"),
+        (["--lr", "0"], "--lr must be a finite number > 0, got 0.0"),
+        (["--lr", "nan"], "--lr must be a finite number > 0, got nan"),
+        (["--embedding-lr", "-1"], "--embedding-lr must be a finite number > 0, got -1.0"),
+        (["--eval-every", "-1"], "--eval-every must be an integer >= 0, got -1"),
+        (["--label-sharpness", "0"], "--label-sharpness must be a finite number > 0, got 0.0"),
+        (["--seed", "-3"], "--seed must be an integer in [0, 4294967295], got -3"),
+        (["--scale", "nan"], "--scale must be a finite number >= 1, got nan"),
         (
             ["--optimizer", "adam"],
             "argument --optimizer: invalid choice: 'adam' (choose from adagrad, sgd, none)",

@@ -20,6 +20,8 @@ import argparse
 import math
 from collections.abc import Callable
 
+from embark.outputs import check_output_file
+
 MAX_SEED = 2**32 - 1
 MAX_BATCH_SIZE = 2**20  # samples per step
 MAX_THREADS = 512
@@ -80,3 +82,14 @@ def int_in(low: int, high: int | None = None) -> Callable[[str], int]:
 def int_at_least(low: int) -> Callable[[str], int]:
     """An argparse ``type`` for an integer >= ``low``; anything else is a usage error (exit 2)."""
     return int_in(low)
+
+
+def output_file(text: str) -> str:
+    """An argparse ``type`` for a file a run will write: a folder, a path under a file or one
+    whose folder cannot be written is a usage error (exit 2) before the run starts
+    (:func:`embark.outputs.check_output_file`)."""
+    try:
+        check_output_file(text, "path")
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return text

@@ -38,7 +38,7 @@ from embark.sharding.checkpoint import from_single_process, save_sharded_checkpo
 from embark.sharding.model import ShardedDLRM
 from embark.topology import get_topology
 from embark.training.callbacks import Callback
-from embark.training.checkpoint import is_replaceable
+from embark.training.checkpoint import check_save_target
 from embark.training.config import OptimizerKind, TrainConfig
 from embark.training.trainer import Trainer
 from embark.types import ShardingPlan
@@ -154,14 +154,13 @@ def check_checkpoint_dir(cfg: ShardedRunConfig) -> None:
 
     Raises:
         ValueError: ``checkpoint_every`` without a folder, or a path that exists and is not
-            a checkpoint folder (a save refuses to replace it).
+            a checkpoint folder (a save refuses to replace it), is under a file or cannot be
+            written (:func:`~embark.training.checkpoint.check_save_target`).
     """
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir")
-    if cfg.checkpoint_dir is not None and not is_replaceable(Path(cfg.checkpoint_dir)):
-        raise ValueError(
-            f"--checkpoint-dir {cfg.checkpoint_dir!r} exists and is not a checkpoint folder"
-        )
+    if cfg.checkpoint_dir is not None:
+        check_save_target(cfg.checkpoint_dir, "--checkpoint-dir")
 
 
 def _stream_flags(

@@ -25,6 +25,7 @@ import json
 import logging
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -304,6 +305,13 @@ def main(cfg: TrainDLRMKnobs) -> dict[str, Any]:
     return results
 
 
+def parse_args(argv: Sequence[str] | None = None) -> TrainDLRMKnobs:
+    """The knobs from the command line; a bad value, an ``--out`` the run cannot use or a
+    checkpoint ``--resume`` cannot continue is a usage error (exit 2) naming it, before
+    anything is created."""
+    return parse_knobs(TrainDLRMKnobs, argv, check=_check_run)
+
+
 if __name__ == "__main__":
     logging.basicConfig(level=logging.INFO, format="%(levelname)s %(name)s: %(message)s")
-    sys.exit(run_recipe(main, parse_knobs(TrainDLRMKnobs, check=_check_run)))
+    sys.exit(run_recipe(main, parse_args()))

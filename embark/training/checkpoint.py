@@ -260,6 +260,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    remove_stale_siblings(path)  # an .old- one kept while path was missing goes now
     log.info("saved checkpoint at step %d to %s", state.step, path)
     return path
 

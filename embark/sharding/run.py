@@ -132,19 +132,25 @@ def resolve_plan(
         topology = replace(get_topology("cpu-local"), gpus_per_node=world_size)
         return plan_sharding(workload, topology, batch_size, cfg.strategy)
     try:
-        doc = json.loads(Path(cfg.plan).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        doc = json.loads(Path(cfg.plan).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, not JSON
         raise ValueError(f"--plan {cfg.plan!r} cannot be read as JSON: {e}") from None
     if isinstance(doc, dict) and isinstance(doc.get("plan"), dict):
         doc = doc["plan"]  # the document `python -m embark.plan --out` writes
-    plan = ShardingPlan.from_dict(doc)
+    try:
+        plan = ShardingPlan.from_dict(doc)
+    except ValueError as e:  # PlanError, and the table types' own checks
+        raise ValueError(f"--plan {cfg.plan!r}: {e}") from None
     if plan.world_size != world_size:
         raise ValueError(
             f"--plan {cfg.plan!r} is for world size {plan.world_size} but this run has "
             f"{world_size} rank(s): start it with `torchrun --nproc-per-node {plan.world_size}` "
             f"or plan for {world_size} rank(s)"
         )
-    plan.check_tables(workload.tables)
+    try:
+        plan.check_tables(workload.tables)
+    except ValueError as e:
+        raise ValueError(f"--plan {cfg.plan!r}: {e}") from None
     return plan
 
 

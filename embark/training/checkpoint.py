@@ -36,6 +36,7 @@ import glob
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
 import socket
@@ -419,6 +420,13 @@ def _check_optimizer(
                 f"checkpoint file {str(sp)!r}: param_groups[{i}] has unknown option(s) "
                 f"{extra}; {type(optimizer).__name__} has {sorted(set(g) - {'params'})}"
             )
+        for key, value in saved.items():
+            expected = _option_kind(g[key], value) if key != "params" else None
+            if expected is not None:
+                raise ValueError(
+                    f"checkpoint file {str(sp)!r}: param_groups[{i}].{key} must be "
+                    f"{expected}, got {value!r:.80}"
+                )
     keys = [*ckpt.optimizer_tensors, *ckpt.state["optimizer_scalars"]]
     stray = sorted({k.split("::")[0] for k in keys} - set(names))
     if stray:
@@ -432,6 +440,22 @@ def _check_optimizer(
                 f"checkpoint file {str(path / OPTIMIZER_FILE)!r}: optimizer state {key!r} is "
                 f"{tuple(v.shape)} {v.dtype}, its parameter is {tuple(p.shape)} {p.dtype}"
             )
+
+
+def _option_kind(current: Any, saved: Any) -> str | None:
+    """What a saved optimizer option must be, given the optimizer's own value of it, when
+    ``saved`` is not that (``None``: it fits). An option of the wrong kind would load and
+    then fail inside the optimizer's step (``lr: [..]``)."""
+    if isinstance(current, bool):
+        return None if isinstance(saved, bool) else "true or false"
+    if current is None:
+        return None if saved is None or isinstance(saved, bool) else "null, true or false"
+    if isinstance(current, int | float):
+        ok = isinstance(saved, int | float) and not isinstance(saved, bool)
+        return None if ok and math.isfinite(saved) else "a finite number"
+    if isinstance(current, str):
+        return None if isinstance(saved, str) else "a string"
+    return None
 
 
 def check_fits(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -79,27 +79,20 @@ class Bounds:
 
     def text(self) -> str:
         """``">= 1"``, ``"> 0"``, ``"in [0, 1)"``, ``"in [1, 1048576]"`` (``""``: unbounded)."""
-        lo = (
-            f"[{_num(self.ge)}"
-            if self.ge is not None
-            else f"({_num(self.gt)}"
-            if self.gt is not None
-            else ""
-        )
-        hi = (
-            f"{_num(self.le)}]"
-            if self.le is not None
-            else f"{_num(self.lt)})"
-            if self.lt is not None
-            else ""
-        )
+        lo: tuple[str, str, float] | None = None  # (bracket, comparison, bound)
+        hi: tuple[str, str, float] | None = None
+        if self.ge is not None:
+            lo = ("[", ">=", self.ge)
+        elif self.gt is not None:
+            lo = ("(", ">", self.gt)
+        if self.le is not None:
+            hi = ("]", "<=", self.le)
+        elif self.lt is not None:
+            hi = (")", "<", self.lt)
         if lo and hi:
-            return f"in {lo}, {hi}"
-        if lo:
-            return (">= " if lo[0] == "[" else "> ") + lo[1:]
-        if hi:
-            return ("<= " if hi[-1] == "]" else "< ") + hi[:-1]
-        return ""
+            return f"in {lo[0]}{_num(lo[2])}, {_num(hi[2])}{hi[0]}"
+        one = lo or hi
+        return f"{one[1]} {_num(one[2])}" if one else ""
 
 
 def _num(x: float) -> str:

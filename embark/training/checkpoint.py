@@ -396,7 +396,8 @@ def _check_model(ckpt: Checkpoint, model: nn.Module) -> None:
     for k, v in own.items():
         if v.shape != tensors[k].shape or v.dtype != tensors[k].dtype:
             raise ValueError(
-                f"checkpoint tensor {k!r} is {tuple(tensors[k].shape)} {tensors[k].dtype}, "
+                f"checkpoint file {str(ckpt.path / MODEL_FILE)!r}: tensor {k!r} is "
+                f"{tuple(tensors[k].shape)} {tensors[k].dtype}, "
                 f"the model has {tuple(v.shape)} {v.dtype}"
             )
 

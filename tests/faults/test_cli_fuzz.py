@@ -3,8 +3,10 @@ the fault suite's property test, its CLI part).
 
 Every outcome is a ``ValueError`` (the documented error type of each reader) whose message
 names the file — never another exception, never a hang (each call runs under an alarm).
-A random document may also happen to be valid: then it loads. The readers are called in
-process for speed; two subprocess checks show the command lines exit 2 with one line.
+A random document may also happen to be valid: then it loads (and a checkpoint that loads
+also trains a step). The readers are called in process for speed; two subprocess checks show
+the command lines exit 2 with one line. ``TILEREC_FUZZ_EXAMPLES`` raises the number of examples
+per property (150) for a longer campaign.
 """
 
 from __future__ import annotations
@@ -38,7 +40,7 @@ from tilesparse import TileSparseConfig
 
 T = TypeVar("T")
 ROOT = Path(__file__).resolve().parents[2]
-EXAMPLES = 150
+EXAMPLES = int(os.environ.get("TILEREC_FUZZ_EXAMPLES", "150"))
 HANG_S = 30  # no reader needs a second on these inputs; this only detects a hang
 FUZZ = settings(
     max_examples=EXAMPLES,
@@ -312,6 +314,43 @@ def test_tensor_files_with_a_mutated_header(
         (ckpt / name).write_bytes(len(header).to_bytes(8, "little") + header + raw[8 + n :])
         _record(ckpt, name)
         _load(ckpt, ckpt)
+
+
+@pytest.mark.parametrize(
+    ("edit", "msg"),
+    [
+        (
+            lambda s: s["workload"]["tables"][0].pop("dim"),
+            r"state.json': workload: table 't0': missing field\(s\) \['dim'\]",
+        ),
+        (
+            lambda s: s["param_groups"][0].update(lr=[0.1]),
+            r"state.json': param_groups\[0\].lr must be a finite number, got \[0.1\]",
+        ),
+        (
+            lambda s: s["param_groups"][1].update(eps=None),
+            r"state.json': param_groups\[1\].eps must be a finite number, got None",
+        ),
+        (
+            lambda s: s["workload"].update(dense_features=1),
+            r"model.safetensors': tensor 'bottom_mlp.0.weight' is \(64, 13\) torch.float32, "
+            r"the model has \(64, 1\)",
+        ),
+    ],
+    ids=["table-without-dim", "lr-a-list", "eps-null", "other-dense-width"],
+)
+def test_what_the_fuzz_found_is_a_clear_error(
+    checkpoint: Path, tmp_path: Path, edit: Callable[[dict[str, Any]], object], msg: str
+) -> None:
+    """Found by :func:`test_state_json_mutated`: a TypeError at load (a table without
+    ``dim``), options that loaded and then failed inside the optimizer's step, a shape
+    mismatch that did not name the checkpoint."""
+    ckpt = _copy(checkpoint, tmp_path / "ckpt")
+    state = json.loads((ckpt / "state.json").read_text())
+    edit(state)
+    (ckpt / "state.json").write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=msg):
+        Trainer.load_checkpoint(ckpt)
 
 
 def test_a_valid_tensor_file_of_other_shapes_is_named(checkpoint: Path, tmp_path: Path) -> None:

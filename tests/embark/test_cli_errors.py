@@ -96,8 +96,8 @@ def test_sharded_train_out_that_cannot_be_written_is_a_usage_error(
 def test_sharded_train_checks_the_checkpoint_dir_before_training(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
-    """An unwritable --checkpoint-dir was found by the save after training; it is refused
-    before the first step now (no ``step`` line printed)."""
+    """A --checkpoint-dir the save could not write is refused before the first step (no
+    ``step`` line printed), not found by the save after training."""
     a_file = tmp_path / "a_file"
     a_file.write_text("x")
     locked = unwritable_folder(tmp_path) / "ckpt"

@@ -15,10 +15,10 @@ import argparse
 import json
 import logging
 import sys
-from pathlib import Path
 
-from embark.cli import int_at_least
+from embark.cli import int_at_least, output_file
 from embark.models.workloads import PRESETS as WORKLOADS
+from embark.outputs import write_text_atomic
 from embark.planner.planner import STRATEGIES
 from embark.planner.report import PlanRequest, plan_and_rate
 from embark.topology import PRESETS as TOPOLOGIES
@@ -44,7 +44,12 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--constraints", default=None, help="per-table constraints file (JSON/YAML)")
     p.add_argument("--comm-dtype", default="fp32", choices=[d.value for d in CommDtype])
     p.add_argument("--rounds", type=int_at_least(0), default=20, help="greedy split rounds (>= 0)")
-    p.add_argument("--out", default=None, help="write the JSON result here")
+    p.add_argument(
+        "--out",
+        type=output_file,
+        default=None,
+        help="write the JSON result to this file (replaced atomically)",
+    )
     p.add_argument("--quiet", action="store_true", help="do not print the stats table")
     return p
 
@@ -63,14 +68,6 @@ def _request(args: argparse.Namespace) -> PlanRequest:
     )
 
 
-def _write(out: Path, doc: dict[str, object]) -> None:
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_suffix(out.suffix + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=1))
-    tmp.replace(out)
-    log.info("wrote %s", out)
-
-
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     args = _parser().parse_args(argv)
@@ -84,7 +81,12 @@ def main(argv: list[str] | None = None) -> int:
     if not args.quiet:
         sys.stdout.write(report.stats_table() + "\n")
     if args.out:
-        _write(Path(args.out), report.to_dict())
+        try:
+            write_text_atomic(args.out, json.dumps(report.to_dict(), indent=1))
+        except OSError as e:  # checked before planning; the folder changed since
+            log.error("error: --out %r cannot be written: %s", args.out, e.strerror or e)
+            return 2
+        log.info("wrote %s", args.out)
     return 0
 
 

@@ -23,13 +23,13 @@ import json
 import logging
 import os
 import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
-from embark.cli import float_at_least, int_at_least
+from embark.cli import MAX_BATCH_SIZE, MAX_SEED, float_at_least, int_at_least, int_in, output_file
 from embark.models.workloads import PRESETS as WORKLOADS
+from embark.outputs import write_text_atomic
 from embark.planner.planner import STRATEGIES
 from embark.sharding.run import (
     DEFAULT_BATCH_SIZE,
@@ -41,6 +41,7 @@ from embark.sharding.run import (
 )
 from embark.training.callbacks import Callback, TrainerView
 from embark.training.config import OptimizerKind
+from embark.training.trainer import TrainingDiverged
 
 log = logging.getLogger(__name__)
 
@@ -68,7 +69,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     add("--steps", type=int_at_least(0), default=50)
     add(
         "--batch-size",
-        type=int_at_least(1),
+        type=int_in(1, MAX_BATCH_SIZE),
         default=None,
         help=f"GLOBAL batch, all ranks (default {DEFAULT_BATCH_SIZE}; --resume: the checkpoint's)",
     )
@@ -98,7 +99,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
     )
     add(
         "--seed",
-        type=int_at_least(0),
+        type=int_in(0, MAX_SEED),
         default=None,
         help="model, data and teacher seed (default 0; --resume: the checkpoint's)",
     )
@@ -121,11 +122,12 @@ def _add_run_args(p: argparse.ArgumentParser) -> None:
     add = p.add_argument
     add("--eval-batches", type=int_at_least(1), default=8, help="held-out global batches")
     add("--log-every", type=int_at_least(1), default=10, help="print the loss every N steps")
-    add("--out", default=None, help="rank 0 writes the results JSON here")
+    add("--out", type=output_file, default=None, help="rank 0 writes the results JSON here")
     add(
         "--checkpoint-dir",
         default=None,
-        help="rank 0 writes the final checkpoint here (replaced atomically)",
+        help="rank 0 writes the final checkpoint here (replaced atomically; checked before "
+        "training)",
     )
     add(
         "--checkpoint-every",
@@ -208,14 +210,17 @@ def main(argv: list[str] | None = None) -> int:
         if rank == 0:
             log.error("error: %s", e)
         return 2
+    except TrainingDiverged as e:  # raised on every rank at the same step (the global loss)
+        if rank == 0:
+            log.error("error: %s", e)
+        return 1
     finally:
         if distributed:
             dist.destroy_process_group()
     if rank == 0:
         print(_summary(results, args), flush=True)
         if args.out:
-            Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-            Path(args.out).write_text(json.dumps(results.to_dict(), indent=1) + "\n")
+            write_text_atomic(args.out, json.dumps(results.to_dict(), indent=1) + "\n")
     return 0
 
 

@@ -73,6 +73,9 @@ class TableConfig:
             raise ValueError(
                 f"TableConfig: unknown field(s) {sorted(unknown)}; allowed {sorted(allowed)}"
             )
+        missing = sorted({"name", "num_rows", "dim"} - set(d))
+        if missing:
+            raise ValueError(f"table {d.get('name', '?')!r}: missing field(s) {missing}")
         return cls(**d)
 
 

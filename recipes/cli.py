@@ -20,6 +20,18 @@ A recipe declares its knobs once, as a dataclass whose fields carry defaults and
 Supported field types: ``int``, ``float``, ``str``, ``bool`` (``--x`` / ``--no-x``), a
 ``StrEnum`` or ``Literal[...]`` (choices), ``tuple[T, ...]`` (space-separated values) and
 ``T | None`` (the word ``none`` gives ``None``).
+
+Bounds are declared with the knob and shown in ``--help``; :func:`check_knobs` (called by the
+dataclass's ``__post_init__``) enforces them and the field's type, so a value out of range is
+a ``ValueError`` naming the flag, and on the command line a usage error (exit 2)::
+
+    batch_size: int = knob(512, "samples per step", ge=1, le=MAX_BATCH_SIZE)
+    lr: float = knob(0.02, "learning rate", gt=0)
+
+A recipe's output folder is an :class:`OutFolder`: ``--out`` must be a folder that can be
+written, and one that holds an earlier run is refused unless ``--overwrite`` (clear it) or
+``--resume`` (continue it, for recipes that can) is given; the default is a fresh
+``runs/<recipe>-<UTC timestamp>``.
 """
 
 from __future__ import annotations
@@ -27,19 +39,124 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import itertools
+import json
+import math
+import shutil
+import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from pathlib import Path
 from typing import Any, TypeVar
+
+from embark.cli import shown
+from embark.outputs import check_output_dir
+from embark.training.trainer import TrainingDiverged
 
 T = TypeVar("T")
 
 
-def knob(default: Any, help: str) -> Any:  # noqa: A002 - argparse's own name for it
-    """A dataclass field with a default and its ``--help`` text (tuples/lists are copied)."""
+@dataclass(frozen=True)
+class Bounds:
+    """The range of a numeric knob: ``ge`` / ``gt`` below, ``le`` / ``lt`` above (``None``:
+    open on that side)."""
+
+    ge: float | None = None
+    gt: float | None = None
+    le: float | None = None
+    lt: float | None = None
+
+    def __contains__(self, v: float) -> bool:
+        return (
+            (self.ge is None or v >= self.ge)
+            and (self.gt is None or v > self.gt)
+            and (self.le is None or v <= self.le)
+            and (self.lt is None or v < self.lt)
+        )
+
+    def text(self) -> str:
+        """``">= 1"``, ``"> 0"``, ``"in [0, 1)"``, ``"in [1, 1048576]"`` (``""``: unbounded)."""
+        lo: tuple[str, str, float] | None = None  # (bracket, comparison, bound)
+        hi: tuple[str, str, float] | None = None
+        if self.ge is not None:
+            lo = ("[", ">=", self.ge)
+        elif self.gt is not None:
+            lo = ("(", ">", self.gt)
+        if self.le is not None:
+            hi = ("]", "<=", self.le)
+        elif self.lt is not None:
+            hi = (")", "<", self.lt)
+        if lo and hi:
+            return f"in {lo[0]}{_num(lo[2])}, {_num(hi[2])}{hi[0]}"
+        one = lo or hi
+        return f"{one[1]} {_num(one[2])}" if one else ""
+
+
+def _num(x: float) -> str:
+    return str(x) if isinstance(x, int) else f"{x:g}"
+
+
+def knob(
+    default: Any,
+    help: str,  # noqa: A002 - argparse's own name for it
+    *,
+    ge: float | None = None,
+    gt: float | None = None,
+    le: float | None = None,
+    lt: float | None = None,
+) -> Any:
+    """A dataclass field with a default, its ``--help`` text and, for a number, its bounds
+    (checked by :func:`check_knobs`, shown in ``--help``)."""
     if isinstance(default, list | dict | set):
         raise ValueError("knob defaults must be immutable; use a tuple instead of a list")
-    return dataclasses.field(default=default, metadata={"help": help})
+    meta: dict[str, Any] = {"help": help}
+    if (ge, gt, le, lt) != (None, None, None, None):
+        meta["bounds"] = Bounds(ge, gt, le, lt)
+    return dataclasses.field(default=default, metadata=meta)
+
+
+def flag(name: str) -> str:
+    """The command-line flag of the knob ``name``: ``batch_size`` → ``--batch-size``."""
+    return "--" + name.replace("_", "-")
+
+
+def _scalar(tp: Any) -> tuple[Any, bool]:
+    """``(T, optional)`` of a field type ``T`` or ``T | None``."""
+    if typing.get_origin(tp) in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        if len(args) == 1:
+            return args[0], True
+    return tp, False
+
+
+def check_knobs(cfg: object) -> None:
+    """Check every numeric knob of the dataclass instance ``cfg`` against its type (``int``:
+    an integer, not a bool; ``float``: a finite number) and its declared bounds.
+
+    Raises:
+        ValueError: naming the flag, the expected range and the value:
+            ``--batch-size must be an integer in [1, 1048576], got 1000000000``.
+    """
+    hints = typing.get_type_hints(type(cfg))
+    for f in dataclasses.fields(cfg):  # type: ignore[arg-type]  # cfg is a dataclass instance
+        tp, optional = _scalar(hints[f.name])
+        if tp not in (int, float):
+            continue
+        v = getattr(cfg, f.name)
+        if v is None and optional:
+            continue
+        bounds: Bounds = f.metadata.get("bounds", Bounds())
+        if tp is int:
+            kind, ok = "an integer", isinstance(v, int) and not isinstance(v, bool)
+        else:
+            kind = "a finite number"
+            ok = isinstance(v, int | float) and not isinstance(v, bool) and math.isfinite(v)
+        if not (ok and v in bounds):
+            want = " ".join(filter(None, (kind, bounds.text())))
+            raise ValueError(f"{flag(f.name)} must be {want}, got {v!r}")
 
 
 def _none_or(convert: Callable[[str], Any]) -> Callable[[str], Any]:
@@ -47,6 +164,22 @@ def _none_or(convert: Callable[[str], Any]) -> Callable[[str], Any]:
         return None if text.lower() == "none" else convert(text)
 
     parse.__name__ = getattr(convert, "__name__", "value")
+    return parse
+
+
+def _number(tp: type) -> Callable[[str], Any]:
+    """``int`` or ``float`` as an argparse type whose error echoes a long value shortened
+    (argparse's own repeats all 5,000 digits of one)."""
+
+    def parse(text: str) -> Any:
+        try:
+            return tp(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"invalid {tp.__name__} value: {shown(text)}"
+            ) from None
+
+    parse.__name__ = tp.__name__
     return parse
 
 
@@ -86,7 +219,8 @@ def _converter(
     elif isinstance(tp, type) and issubclass(tp, enum.Enum):
         choices = list(tp)
     elif tp in (int, float, str):
-        return (_none_or(tp) if optional else tp), None
+        convert = _number(tp) if tp in (int, float) else tp
+        return (_none_or(convert) if optional else convert), None
     else:
         raise TypeError(f"knob {name!r}: unsupported type {tp!r}")
     texts = [str(getattr(c, "value", c)) for c in choices]
@@ -118,17 +252,19 @@ def add_knobs(parser: argparse.ArgumentParser, cls: type) -> None:
             default = f.default_factory()
         else:
             raise TypeError(f"knob {f.name!r} needs a default")
-        flag = "--" + f.name.replace("_", "-")
+        option = flag(f.name)
         help_text = f.metadata.get("help", "")
-        shown = default.value if isinstance(default, enum.Enum) else default
-        if isinstance(shown, tuple):
-            shown = " ".join(map(str, shown))
+        value = default.value if isinstance(default, enum.Enum) else default
+        if isinstance(value, tuple):
+            value = " ".join(map(str, value))
+        bounds = f.metadata.get("bounds")
+        limits = f"; {bounds.text()}" if bounds is not None else ""
         kw: dict[str, Any] = {"dest": f.name, "default": default}
         if tp is bool:
             parser.add_argument(
-                flag,
+                option,
                 action=argparse.BooleanOptionalAction,
-                help=f"{help_text} (default: {shown})",
+                help=f"{help_text} (default: {value})",
                 **kw,
             )
             continue
@@ -142,7 +278,7 @@ def add_knobs(parser: argparse.ArgumentParser, cls: type) -> None:
             kw["type"] = convert
         if choices is not None:
             kw["metavar"] = "{" + ",".join(choices) + "}"
-        parser.add_argument(flag, help=f"{help_text} (default: {shown})", **kw)
+        parser.add_argument(option, help=f"{help_text} (default: {value}{limits})", **kw)
 
 
 def from_namespace(cls: type[T], ns: argparse.Namespace) -> T:
@@ -181,3 +317,147 @@ def parse_knobs(
     except (ValueError, OSError) as err:
         parser.error(str(err))
         raise  # parser.error exits; this line is for type checkers
+
+
+def run_recipe(main: Callable[[T], object], cfg: T) -> int:
+    """Run a recipe's ``main`` on its parsed knobs, for its command line: exit status 0 when
+    it finishes; 1, with one line saying where and what was saved (the exception's notes),
+    when training diverged (:class:`~embark.training.trainer.TrainingDiverged`)."""
+    try:
+        main(cfg)
+    except TrainingDiverged as err:
+        notes = "; ".join(getattr(err, "__notes__", []))
+        prog = Path(sys.argv[0]).name
+        print(f"{prog}: error: {err}" + (f"; {notes}" if notes else ""), file=sys.stderr)
+        return 1
+    return 0
+
+
+# -- the output folder --------------------------------------------------------------------
+#: Written into every run's folder when it is created: ``{"recipe", "created"}``. Only a
+#: folder holding it is cleared by ``--overwrite`` or continued by ``--resume``, so neither can
+#: empty a folder no recipe made (``--out . --overwrite`` in a repository is refused).
+RUN_MARKER = ".recipe-run.json"
+_LISTED = 4  # entries named in the message about a non-empty --out
+
+
+def _listing(names: list[str]) -> str:
+    more = len(names) - _LISTED
+    return ", ".join(names[:_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
+@dataclass(frozen=True)
+class OutFolder:
+    """A recipe run's output folder (``--out``) and what the run may do to an earlier one.
+
+    Args:
+        recipe: the recipe's name (``"train_dlrm"``): the default folder's prefix and the
+            marker's ``recipe``.
+        out: the folder; ``None``: a fresh ``runs/<recipe>-<UTC timestamp>`` (``-2``, ``-3``
+            ... when a run of the same second took it).
+        overwrite: clear a folder that holds an earlier run (only what is inside it: links
+            are removed, never followed).
+        resume: continue the run in ``out`` (keep its files); ``None``: the recipe cannot
+            resume, and its messages do not offer ``--resume``.
+    """
+
+    recipe: str
+    out: str | None
+    overwrite: bool = False
+    resume: bool | None = None
+
+    def check(self) -> None:
+        """Check, before anything runs, that the run can write its folder.
+
+        Raises:
+            ValueError: naming ``--out``: a file, a path under a file, a folder that cannot
+                be created or written; a non-empty folder without ``--overwrite`` or
+                ``--resume``; ``--overwrite`` on a folder no recipe run made; ``--resume``
+                without an earlier run of this recipe there; both flags together.
+        """
+        if self.overwrite and self.resume:
+            raise ValueError("--overwrite and --resume exclude each other: pick one")
+        if self.out is None:
+            if self.resume:
+                raise ValueError("--resume needs --out: the folder of the run to continue")
+            check_output_dir("runs", "the default --out folder")
+            return
+        path = Path(self.out)
+        check_output_dir(path, "--out")
+        names = self._entries(path)
+        if self.resume:
+            self._check_resumable(path, names)
+        elif names and not self.overwrite:
+            resume = ", --resume to continue it" if self.resume is not None else ""
+            raise ValueError(
+                f"--out {self.out!r} is not empty (it holds {_listing(names)}): pass "
+                f"--overwrite to replace the run there{resume}, or choose another folder"
+            )
+        elif names and RUN_MARKER not in names:
+            raise ValueError(
+                f"--out {self.out!r} holds files no recipe run wrote ({_listing(names)}): "
+                "--overwrite only clears a recipe's own output folder; empty it yourself or "
+                "choose another folder"
+            )
+
+    def open(self) -> Path:
+        """:meth:`check`, then the folder ready for the run: created (with its marker),
+        cleared first with ``overwrite``, kept as it is with ``resume``."""
+        self.check()
+        if self.out is None:
+            return self._fresh()
+        path = Path(self.out)
+        if self.resume:
+            return path
+        if self.overwrite and path.is_dir():
+            for entry in path.iterdir():
+                if entry.is_dir() and not entry.is_symlink():
+                    shutil.rmtree(entry)
+                else:
+                    entry.unlink()
+        path.mkdir(parents=True, exist_ok=True)
+        self._mark(path)
+        return path
+
+    # -------------------------------------------------------------------------- pieces
+    @staticmethod
+    def _entries(path: Path) -> list[str]:
+        """The names in ``path`` (folders with a trailing ``/``); ``[]`` when it is absent."""
+        if not path.is_dir():
+            return []
+        try:
+            return sorted(e.name + ("/" if e.is_dir() else "") for e in path.iterdir())
+        except OSError as err:
+            raise ValueError(f"--out {str(path)!r} cannot be listed: {err.strerror}") from None
+
+    def _check_resumable(self, path: Path, names: list[str]) -> None:
+        marker = path / RUN_MARKER
+        if RUN_MARKER not in names:
+            raise ValueError(
+                f"--resume: --out {str(path)!r} holds no {self.recipe} run to continue"
+                + ("" if path.is_dir() else " (it does not exist)")
+            )
+        try:
+            recipe = json.loads(marker.read_text()).get("recipe")
+        except (OSError, ValueError, AttributeError) as err:
+            raise ValueError(f"--resume: {str(marker)!r} cannot be read: {err}") from None
+        if recipe != self.recipe:
+            raise ValueError(
+                f"--resume: --out {str(path)!r} holds a {recipe} run, not a {self.recipe} run"
+            )
+
+    def _mark(self, path: Path) -> None:
+        created = datetime.now(UTC).isoformat(timespec="seconds")
+        (path / RUN_MARKER).write_text(json.dumps({"recipe": self.recipe, "created": created}))
+
+    def _fresh(self) -> Path:
+        stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")
+        for n in itertools.count(1):
+            path = Path("runs") / (f"{self.recipe}-{stamp}" + (f"-{n}" if n > 1 else ""))
+            try:
+                path.mkdir(parents=True)
+            except FileExistsError:
+                continue
+            self._mark(path)
+            return path
+        raise AssertionError("unreachable")  # itertools.count never ends

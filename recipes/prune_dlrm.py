@@ -22,9 +22,10 @@ Serving (``--serve-batches``, 0 skips): the main run's condensed model is export
 (``hps.serving.http_server``) on a free local port, and that many eval batches are scored through it with
 ``tritonclient`` and compared with the eager model (``recipes.prune_serve``).
 
-Output folder (``--out``, default ``runs/prune_dlrm-<timestamp>``): ``report.json``,
+Output folder (``--out``, default a fresh ``runs/prune_dlrm-<timestamp>``): ``report.json``,
 ``report.md``, ``auc_vs_sparsity.png``, ``mask_<layer>.png``, ``layer_sparsity.png``,
-``serving/``.
+``serving/``. A non-empty ``--out`` (an earlier run) is refused unless ``--overwrite`` is
+given, which clears it first (:class:`recipes.cli.OutFolder`).
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ import copy
 import json
 import logging
 import math
+import sys
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, replace
@@ -44,11 +46,12 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
+from embark.cli import MAX_BATCH_SIZE, MAX_SEED, MAX_THREADS
 from embark.data import Batch, SyntheticCTR
 from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import PRESETS, get_workload
 from embark.training.trainer import Callback, TrainConfig, Trainer
-from recipes.cli import knob, parse_knobs
+from recipes.cli import OutFolder, check_knobs, knob, parse_knobs, run_recipe
 from recipes.prune_report import terminal_summary, write_markdown, write_plots
 from recipes.prune_serve import serve_check
 from recipes.prune_speed import measure_speed
@@ -86,79 +89,59 @@ class PruneDLRMConfig:
 
     workload: str = knob("tiny", f"embark preset, one of {', '.join(PRESETS)}")
     scale: float = knob(
-        1.0, "divide every table's rows by this (>= 1) to fit a big preset on a laptop"
+        1.0, "divide every table's rows by this to fit a big preset on a laptop", ge=1
     )
-    batch_size: int = knob(256, "samples per step (and per served request)")
+    batch_size: int = knob(
+        256, "samples per step (and per served request)", ge=1, le=MAX_BATCH_SIZE
+    )
     # tiny: AUC still rising slowly after 3000 steps
-    dense_steps: int = knob(3000, "dense training steps before pruning")
-    steps: int = knob(600, "fine-tuning budget of EVERY run, the dense baseline included")
-    eval_batches: int = knob(64, "held-out eval batches; every run is scored on the same ones")
-    lr: float = knob(0.05, "Adagrad learning rate")  # 0.2 diverges on tiny, 0.1 learns slower
+    dense_steps: int = knob(3000, "dense training steps before pruning", ge=0)
+    steps: int = knob(600, "fine-tuning budget of EVERY run, the dense baseline included", ge=1)
+    eval_batches: int = knob(
+        64, "held-out eval batches; every run is scored on the same ones", ge=1
+    )
+    # 0.2 diverges on tiny, 0.1 learns slower
+    lr: float = knob(0.05, "Adagrad learning rate", gt=0)
     pattern: Literal["tw", "tw_rows", "tew", "ew", "nm", "bw"] = knob("tw", "sparsity pattern")
-    sparsity: float = knob(0.75, "target sparsity in [0, 1) (nm: always 2:4 = 0.5)")
+    sparsity: float = knob(0.75, "target sparsity (nm: always 2:4 = 0.5)", ge=0, lt=1)
     # tiny's layers are 13-144 wide (top MLP 144x128, cross layers 144x32): G=128 would put a
     # whole layer in one tile and leave nothing for the per-tile row step to choose; G=16 gives
     # each big layer 4-8 tiles at 75%. (G=128, the library default, matches tensor-core tiles
     # of the full-size dlrm_dcnv2 layers, 512-1024 wide.)
-    tile: int = knob(16, "TW tile width G (output columns per tile)")
-    block: int = knob(16, "BW block side (bk = bn), the same scale as the tile on tiny")
+    tile: int = knob(16, "TW tile width G (output columns per tile)", ge=1)
+    block: int = knob(16, "BW block side (bk = bn), the same scale as the tile on tiny", ge=1)
     importance: Literal["magnitude", "taylor", "movement"] = knob("magnitude", "importance score")
     schedule: Literal["multistage", "cubic", "oneshot"] = knob(
         "multistage", "pruning schedule (multistage: the paper's stages with fine-tuning between)"
     )
     recipe: str | None = knob(None, "a TileSparseConfig YAML/JSON file: replaces pattern..schedule")
     sweep: bool = knob(False, "run dense vs TW/EW/BW at 50/75/90%% and 2:4 instead of one run")
-    seed: int = knob(0, "seed of the model, the data and the teacher")
+    seed: int = knob(0, "seed of the model, the data and the teacher", ge=0, le=MAX_SEED)
     out: str | None = knob(None, "output folder; none = runs/prune_dlrm-<UTC timestamp>")
+    overwrite: bool = knob(False, "clear a non-empty --out that holds an earlier run")
     progress: bool = knob(True, "tqdm progress bars")
     # 1: these layers are too small to split, and on a shared 2-core machine 2 threads measured
     # ~30x slower per step (thread contention), 1 thread ~4 ms/step.
-    threads: int = knob(1, "torch intra-op threads for training")
+    threads: int = knob(1, "torch intra-op threads for training", ge=1, le=MAX_THREADS)
     speed_batch: int = knob(
         4096,
         "speed half: batch of the full-width DLRM-DCNv2 dense part, "
         "dense vs condensed (0 skips it)",
+        ge=0,
+        le=MAX_BATCH_SIZE,
     )
-    speed_threads: int = knob(2, "speed half: torch threads while timing")
+    speed_threads: int = knob(2, "speed half: torch threads while timing", ge=1, le=MAX_THREADS)
     serve_batches: int = knob(
         8,
         "serving half: eval batches scored through the v2 server after "
         "exporting the condensed model (0 skips it)",
+        ge=0,
     )
 
     def __post_init__(self) -> None:
+        check_knobs(self)  # types and bounds of the numeric knobs, naming the flag
         if self.workload not in PRESETS:
             raise ValueError(f"--workload must be one of {list(PRESETS)}, got {self.workload!r}")
-        for name in (
-            "batch_size",
-            "dense_steps",
-            "steps",
-            "eval_batches",
-            "tile",
-            "block",
-            "threads",
-        ):
-            v = getattr(self, name)
-            lo = 0 if name == "dense_steps" else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}"
-                )
-        for name in ("speed_batch", "speed_threads", "serve_batches"):
-            v = getattr(self, name)
-            lo = 0 if name in ("speed_batch", "serve_batches") else 1
-            if isinstance(v, bool) or not isinstance(v, int) or v < lo:
-                raise ValueError(
-                    f"--{name.replace('_', '-')} must be an integer >= {lo}, got {v!r}"
-                )
-        if not 0.0 <= self.sparsity < 1.0:
-            raise ValueError(f"--sparsity must be in [0, 1), got {self.sparsity}")
-        if (
-            isinstance(self.seed, bool)
-            or not isinstance(self.seed, int)
-            or not 0 <= self.seed < 2**32
-        ):
-            raise ValueError(f"--seed must be an integer in [0, 2**32), got {self.seed!r}")
         # tew prunes sparsity + tew_delta, then restores tew_delta of single weights
         if (
             self.pattern == "tew"
@@ -179,19 +162,11 @@ class PruneDLRMConfig:
             raise ValueError(
                 f"--schedule must be multistage, cubic or oneshot, got {self.schedule!r}"
             )
-        # NaN passes every comparison: check finiteness first, naming the flag
-        for name, ok, want in (
-            ("scale", lambda v: v >= 1, "a finite number >= 1"),
-            ("lr", lambda v: v > 0, "a finite number > 0"),
-        ):
-            v = getattr(self, name)
-            if (
-                isinstance(v, bool)
-                or not isinstance(v, int | float)
-                or not math.isfinite(v)
-                or not ok(v)
-            ):
-                raise ValueError(f"--{name} must be {want}, got {v!r}")
+
+    @property
+    def folder(self) -> OutFolder:
+        """The run's ``--out`` with its ``--overwrite``."""
+        return OutFolder("prune_dlrm", self.out, self.overwrite)
 
 
 # -- building the pruning configs ---------------------------------------------------------
@@ -376,11 +351,9 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
     """Run the recipe; returns the report (also written to ``cfg.out``)."""
     torch.set_num_threads(cfg.threads)
     t_start = time.perf_counter()
-    out = (
-        Path(cfg.out) if cfg.out else Path("runs") / f"prune_dlrm-{datetime.now(UTC):%Y%m%d-%H%M%S}"
-    )
+    cfg.folder.check()
     configs = run_configs(cfg)  # bad recipe files fail here, before any training
-    out.mkdir(parents=True, exist_ok=True)
+    out = cfg.folder.open()
     workload = get_workload(cfg.workload)
     if cfg.scale > 1:
         workload = workload.scaled(cfg.scale)
@@ -523,8 +496,9 @@ def parse_args(argv: Sequence[str] | None = None) -> PruneDLRMConfig:
 
 
 def _check_runnable(cfg: PruneDLRMConfig) -> None:
-    """:func:`run_configs` (loads ``--recipe``), an unreadable recipe file a ``ValueError``
-    naming the flag."""
+    """``--out`` (:class:`~recipes.cli.OutFolder`) and :func:`run_configs` (loads
+    ``--recipe``), an unreadable recipe file a ``ValueError`` naming the flag."""
+    cfg.folder.check()
     try:
         run_configs(cfg)
     except OSError as e:
@@ -533,4 +507,4 @@ def _check_runnable(cfg: PruneDLRMConfig) -> None:
 
 if __name__ == "__main__":
     logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    main(parse_args())
+    sys.exit(run_recipe(main, parse_args()))

@@ -37,8 +37,12 @@ def _read(path_or_doc: str | Path | dict[str, Any]) -> dict[str, Any]:
     if not path.is_file():
         raise FileNotFoundError(f"plan/constraints file {str(path)!r} does not exist")
     try:
-        doc = yaml.safe_load(path.read_text())  # YAML is a superset of JSON
-    except yaml.YAMLError as e:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        raise PlanError(f"{str(path)!r} is not UTF-8 text ({e.reason} at byte {e.start})") from None
+    try:
+        doc = yaml.safe_load(text)  # YAML is a superset of JSON
+    except (yaml.YAMLError, RecursionError) as e:  # RecursionError: nesting past the stack
         raise PlanError(f"{str(path)!r} is neither valid JSON nor YAML: {e}") from None
     if not isinstance(doc, dict):
         raise PlanError(f"{str(path)!r} must hold a mapping at the top, got {type(doc).__name__}")
@@ -117,7 +121,17 @@ def load_plan(
             gap in rows, column splits that do not add up, rank out of range, unknown
             cluster, ...).
     """
-    doc = dict(_read(path_or_doc))
+    doc = _read(path_or_doc)
+    if isinstance(path_or_doc, dict):
+        return _plan_of(dict(doc), workload, topology)
+    try:
+        return _plan_of(dict(doc), workload, topology)
+    except ValueError as e:  # PlanError, and the table types' own checks
+        raise PlanError(f"plan file {str(path_or_doc)!r}: {e}") from None
+
+
+def _plan_of(doc: dict[str, Any], workload: Workload, topology: Topology) -> ShardingPlan:
+    """:func:`load_plan` of a parsed document (a copy: defaults are filled in)."""
     world = doc.setdefault("world_size", topology.world_size)
     gpn = doc.setdefault("gpus_per_node", topology.gpus_per_node)
     for field, value in (("world_size", world), ("gpus_per_node", gpn)):
@@ -163,6 +177,15 @@ def load_constraints(
         ValueError: unknown table or field, bad values.
     """
     doc = _read(path_or_doc)
+    if isinstance(path_or_doc, dict):
+        return _constraints_of(doc, workload)
+    try:
+        return _constraints_of(doc, workload)
+    except ValueError as e:
+        raise ValueError(f"constraints file {str(path_or_doc)!r}: {e}") from None
+
+
+def _constraints_of(doc: dict[str, Any], workload: Workload) -> dict[str, TableConstraints]:
     doc = doc.get("constraints", doc)
     names = {t.name for t in workload.tables}
     out = {}

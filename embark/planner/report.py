@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from embark.models.workloads import Workload, get_workload
@@ -104,8 +105,15 @@ def plan_and_rate(req: PlanRequest) -> PlanReport:
         PlanError: the workload does not fit, or a plan or constraints file breaks a rule.
         ValueError: the topology, cost model or constraints reject the combination (e.g.
             ``cpu-local`` with 2 nodes, a batch smaller than the world, an unknown table).
-        FileNotFoundError: a plan or constraints file does not exist.
+        FileNotFoundError: a constraints file does not exist.
+        ValueError: ``req.strategy`` is neither a strategy nor an existing file (listing the
+            strategies).
     """
+    if req.strategy not in STRATEGIES and not Path(req.strategy).is_file():
+        raise ValueError(
+            f"strategy {req.strategy!r} is not one of {', '.join(STRATEGIES)}, and no plan "
+            "file of that name exists"
+        )
     workload = get_workload(req.workload)
     topology = get_topology(req.topology, req.nodes)
     model = CostModel(workload, topology, req.batch_size)

@@ -38,7 +38,7 @@ from embark.sharding.checkpoint import from_single_process, save_sharded_checkpo
 from embark.sharding.model import ShardedDLRM
 from embark.topology import get_topology
 from embark.training.callbacks import Callback
-from embark.training.checkpoint import is_replaceable
+from embark.training.checkpoint import check_save_target
 from embark.training.config import OptimizerKind, TrainConfig
 from embark.training.trainer import Trainer
 from embark.types import ShardingPlan
@@ -132,19 +132,25 @@ def resolve_plan(
         topology = replace(get_topology("cpu-local"), gpus_per_node=world_size)
         return plan_sharding(workload, topology, batch_size, cfg.strategy)
     try:
-        doc = json.loads(Path(cfg.plan).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        doc = json.loads(Path(cfg.plan).read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as e:  # ValueError: not UTF-8, not JSON
         raise ValueError(f"--plan {cfg.plan!r} cannot be read as JSON: {e}") from None
     if isinstance(doc, dict) and isinstance(doc.get("plan"), dict):
         doc = doc["plan"]  # the document `python -m embark.plan --out` writes
-    plan = ShardingPlan.from_dict(doc)
+    try:
+        plan = ShardingPlan.from_dict(doc)
+    except ValueError as e:  # PlanError, and the table types' own checks
+        raise ValueError(f"--plan {cfg.plan!r}: {e}") from None
     if plan.world_size != world_size:
         raise ValueError(
             f"--plan {cfg.plan!r} is for world size {plan.world_size} but this run has "
             f"{world_size} rank(s): start it with `torchrun --nproc-per-node {plan.world_size}` "
             f"or plan for {world_size} rank(s)"
         )
-    plan.check_tables(workload.tables)
+    try:
+        plan.check_tables(workload.tables)
+    except ValueError as e:
+        raise ValueError(f"--plan {cfg.plan!r}: {e}") from None
     return plan
 
 
@@ -154,14 +160,13 @@ def check_checkpoint_dir(cfg: ShardedRunConfig) -> None:
 
     Raises:
         ValueError: ``checkpoint_every`` without a folder, or a path that exists and is not
-            a checkpoint folder (a save refuses to replace it).
+            a checkpoint folder (a save refuses to replace it), is under a file or cannot be
+            written (:func:`~embark.training.checkpoint.check_save_target`).
     """
     if cfg.checkpoint_every and not cfg.checkpoint_dir:
         raise ValueError("--checkpoint-every needs --checkpoint-dir")
-    if cfg.checkpoint_dir is not None and not is_replaceable(Path(cfg.checkpoint_dir)):
-        raise ValueError(
-            f"--checkpoint-dir {cfg.checkpoint_dir!r} exists and is not a checkpoint folder"
-        )
+    if cfg.checkpoint_dir is not None:
+        check_save_target(cfg.checkpoint_dir, "--checkpoint-dir")
 
 
 def _stream_flags(

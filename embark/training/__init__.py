@@ -9,7 +9,7 @@ from embark.training.config import OptimizerKind, TrainConfig
 from embark.training.metrics import auc, log_loss
 from embark.training.state import TrainState
 from embark.training.sync import GradientSync, LocalSync
-from embark.training.trainer import EvalData, Trainer
+from embark.training.trainer import EvalData, Trainer, TrainingDiverged
 
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
@@ -22,6 +22,7 @@ __all__ = [
     "TrainState",
     "Trainer",
     "TrainerView",
+    "TrainingDiverged",
     "auc",
     "log_loss",
     "read_state",

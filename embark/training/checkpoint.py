@@ -18,6 +18,12 @@ same stream. ``files`` records each tensor file's size and sha256, so a truncate
 file is a clear error on load. A save writes into a temporary sibling folder and renames it
 into place: an interrupted save never leaves a half-written checkpoint at ``<dir>``.
 
+Temporary siblings are named ``.<dir name>.tmp-<host>-<pid>-<random>`` (and, for the
+checkpoint a save replaces, ``.old-``): each save and load removes those of this host whose
+process is gone (a killed save), and never one whose owner runs (a save in progress). An
+``.old-`` folder is kept while ``<dir>`` itself is missing: a save killed between its two
+renames leaves the previous checkpoint there, and a warning names it.
+
 Loading is three steps, so that nothing is touched until everything is checked:
 :func:`read_checkpoint` (files, schema, tensor names), :func:`check_fits` (the model's
 state-dict names, shapes and dtypes; the optimizer's groups and state shapes), then
@@ -26,12 +32,14 @@ state-dict names, shapes and dtypes; the optimizer's groups and state shapes), t
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import json
 import logging
+import math
 import os
 import shutil
-import tempfile
+import socket
 import uuid
 from dataclasses import dataclass
 from pathlib import Path
@@ -43,6 +51,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from embark.models.workloads import Workload
+from embark.outputs import check_parent_writable
 from embark.training.checkpoint_schema import TENSOR_FILES, check_state
 from embark.training.config import TrainConfig
 from embark.training.state import TrainState
@@ -76,6 +85,79 @@ def is_replaceable(path: Path) -> bool:
     return not path.exists() or (
         path.is_dir() and (not any(path.iterdir()) or (path / STATE_FILE).is_file())
     )
+
+
+def check_save_target(path: str | os.PathLike[str], what: str = "checkpoint folder") -> None:
+    """Check, before training, that a checkpoint can be saved at ``path``.
+
+    Args:
+        what: how the caller names ``path`` in the message (``"--checkpoint-dir"``).
+
+    Raises:
+        ValueError: naming ``what`` and the path: it exists and is not a checkpoint folder
+            (a save refuses to replace it), it is under a file, or its folder cannot be
+            created or written.
+    """
+    p = Path(path)
+    if p.exists() and not is_replaceable(p):
+        raise ValueError(f"{what} {str(p)!r} exists and is not a checkpoint folder")
+    # a save writes a sibling folder and renames it into place: the parent must be writable
+    check_parent_writable(p, what)
+
+
+# ------------------------------------------------------------------ temporary siblings
+def _sibling(path: Path, kind: str) -> Path:
+    """A fresh temporary sibling of ``path``: ``.<name>.<kind>-<host>-<pid>-<random>``."""
+    owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    return path.with_name(f".{path.name}.{kind}-{owner}")
+
+
+def _owner_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process: alive
+        return True
+    return True
+
+
+def remove_stale_siblings(path: str | os.PathLike[str]) -> list[Path]:
+    """Remove the temporary siblings of the checkpoint folder ``path`` left by saves of this
+    host whose process is gone; returns what was removed.
+
+    A sibling of a live process (a save in progress), of another host, or not named by a
+    save is kept; so is an ``.old-`` one while ``path`` is not a checkpoint (it may hold the
+    only copy; a warning names it).
+    """
+    path = Path(path)
+    host = socket.gethostname()
+    removed: list[Path] = []
+    if not path.parent.is_dir():
+        return removed
+    for kind in ("tmp", "old"):
+        prefix = f".{path.name}.{kind}-"
+        for sib in path.parent.glob(glob.escape(prefix) + "*"):
+            parts = sib.name[len(prefix) :].rsplit("-", 2)
+            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
+                continue
+            if _owner_alive(int(parts[1])):
+                continue
+            if kind == "old" and not (path / STATE_FILE).is_file():
+                log.warning(
+                    "checkpoint %s is missing; an interrupted save left the previous one at %s",
+                    path,
+                    sib,
+                )
+                continue
+            try:
+                shutil.rmtree(sib)
+            except OSError as err:  # a read-only copy still loads; say what was left
+                log.warning("could not remove %s, left by an interrupted save: %s", sib, err)
+                continue
+            log.info("removed %s, left by an interrupted save", sib)
+            removed.append(sib)
+    return removed
 
 
 # ------------------------------------------------------------------------------- save
@@ -153,7 +235,9 @@ def save_checkpoint(
             f"refusing to overwrite {str(path)!r}: it exists and is not a checkpoint folder"
         )
     path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{path.name}.tmp-", dir=path.parent))
+    remove_stale_siblings(path)
+    tmp = _sibling(path, "tmp")
+    tmp.mkdir()
     try:
         model_sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
         save_file(model_sd, tmp / MODEL_FILE, metadata={"format": "pt"})
@@ -167,7 +251,7 @@ def save_checkpoint(
             os.fsync(fh.fileno())
         _fsync_dir(tmp)
         if path.exists():
-            old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
+            old = _sibling(path, "old")
             path.rename(old)
             tmp.rename(path)
             shutil.rmtree(old)
@@ -177,6 +261,7 @@ def save_checkpoint(
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
+    remove_stale_siblings(path)  # an .old- one kept while path was missing goes now
     log.info("saved checkpoint at step %d to %s", state.step, path)
     return path
 
@@ -280,6 +365,7 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """
     path = Path(path)
     state = read_state(path)
+    remove_stale_siblings(path)
     tensors = _load_tensors(path / MODEL_FILE)
     opt_tensors = _load_tensors(path / OPTIMIZER_FILE)
     for key in opt_tensors:
@@ -310,7 +396,8 @@ def _check_model(ckpt: Checkpoint, model: nn.Module) -> None:
     for k, v in own.items():
         if v.shape != tensors[k].shape or v.dtype != tensors[k].dtype:
             raise ValueError(
-                f"checkpoint tensor {k!r} is {tuple(tensors[k].shape)} {tensors[k].dtype}, "
+                f"checkpoint file {str(ckpt.path / MODEL_FILE)!r}: tensor {k!r} is "
+                f"{tuple(tensors[k].shape)} {tensors[k].dtype}, "
                 f"the model has {tuple(v.shape)} {v.dtype}"
             )
 
@@ -334,6 +421,13 @@ def _check_optimizer(
                 f"checkpoint file {str(sp)!r}: param_groups[{i}] has unknown option(s) "
                 f"{extra}; {type(optimizer).__name__} has {sorted(set(g) - {'params'})}"
             )
+        for key, value in saved.items():
+            expected = _option_kind(g[key], value) if key != "params" else None
+            if expected is not None:
+                raise ValueError(
+                    f"checkpoint file {str(sp)!r}: param_groups[{i}].{key} must be "
+                    f"{expected}, got {value!r:.80}"
+                )
     keys = [*ckpt.optimizer_tensors, *ckpt.state["optimizer_scalars"]]
     stray = sorted({k.split("::")[0] for k in keys} - set(names))
     if stray:
@@ -347,6 +441,22 @@ def _check_optimizer(
                 f"checkpoint file {str(path / OPTIMIZER_FILE)!r}: optimizer state {key!r} is "
                 f"{tuple(v.shape)} {v.dtype}, its parameter is {tuple(p.shape)} {p.dtype}"
             )
+
+
+def _option_kind(current: Any, saved: Any) -> str | None:
+    """What a saved optimizer option must be, given the optimizer's own value of it, when
+    ``saved`` is not that (``None``: it fits). An option of the wrong kind would load and
+    then fail inside the optimizer's step (``lr: [..]``)."""
+    if isinstance(current, bool):
+        return None if isinstance(saved, bool) else "true or false"
+    if current is None:
+        return None if saved is None or isinstance(saved, bool) else "null, true or false"
+    if isinstance(current, int | float):
+        ok = isinstance(saved, int | float) and not isinstance(saved, bool)
+        return None if ok and math.isfinite(saved) else "a finite number"
+    if isinstance(current, str):
+        return None if isinstance(saved, str) else "a string"
+    return None
 
 
 def check_fits(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:

@@ -25,6 +25,7 @@ is :mod:`embark.training.checkpoint`'s; a sharded trainer is saved and loaded th
 
 from __future__ import annotations
 
+import math
 import os
 import time
 from collections.abc import Callable, Iterable
@@ -45,6 +46,25 @@ from embark.training.state import TrainState
 from embark.training.sync import GradientSync, SupportsGradientSync, sync_for
 
 EvalData = Iterable[Batch] | Callable[[], Iterable[Batch]]
+
+
+class TrainingDiverged(RuntimeError):
+    """A training step's loss is not finite: the run diverged (a learning rate far too high,
+    exploding inputs). Raised by :meth:`Trainer.train_step` before the optimizer applies the
+    step, on every process of a sharded run alike (the loss is the global one), so the trainer
+    still holds the weights and optimizer state after step ``step - 1``.
+
+    Attributes:
+        step: the 1-based step whose loss is not finite.
+        loss: that loss (``nan`` or ``±inf``).
+    """
+
+    def __init__(self, step: int, loss: float) -> None:
+        super().__init__(
+            f"training diverged at step {step}: its loss is {loss} (the weights are those "
+            f"after step {step - 1}; a lower learning rate may train)"
+        )
+        self.step, self.loss = step, loss
 
 
 class Trainer:
@@ -153,6 +173,8 @@ class Trainer:
         Raises:
             ValueError: for a batch larger than :attr:`batch_size` (later batches of a stream
                 may be shorter, never longer), before the weights or the step change.
+            TrainingDiverged: when the step's loss is not finite, before the weights, the
+                optimizer state or the step change.
         """
         self.model.train()
         batch = batch.to(self.device)
@@ -162,6 +184,9 @@ class Trainer:
         loss.backward()
         value = self.sync.reduce(loss)
         step = self.state.step + 1
+        if not math.isfinite(value):
+            self.optimizer.zero_grad(set_to_none=True)
+            raise TrainingDiverged(step, value)
         for cb in self.callbacks:
             cb.on_after_backward(self, step)
         self.optimizer.step()
@@ -192,10 +217,16 @@ class Trainer:
             the mean over its steps.
 
         Raises:
-            ValueError: when ``steps < 0`` or ``batches`` runs out first.
+            ValueError: when ``steps < 0`` or ``batches`` runs out first; before the first
+                step, when ``cfg.checkpoint_every`` is set and ``cfg.checkpoint_dir`` cannot
+                be written (:func:`embark.training.checkpoint.check_save_target`).
+            TrainingDiverged: at the first step whose loss is not finite (that step not
+                applied).
         """
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
+        if self.cfg.checkpoint_every and self.cfg.checkpoint_dir is not None:
+            checkpoint.check_save_target(self.cfg.checkpoint_dir, "checkpoint_dir")
         it = iter(batches)
         samples, loss_sum, seconds = 0, 0.0, 0.0
         with tqdm(total=steps, disable=not progress, desc="train", unit="step") as bar:
@@ -325,4 +356,12 @@ class Trainer:
         return trainer
 
 
-__all__ = ["Callback", "EvalData", "OptimizerKind", "TrainConfig", "TrainState", "Trainer"]
+__all__ = [
+    "Callback",
+    "EvalData",
+    "OptimizerKind",
+    "TrainConfig",
+    "TrainState",
+    "Trainer",
+    "TrainingDiverged",
+]

@@ -139,3 +139,81 @@ def test_constructor_errors(tmp_path):
     f = _write(tmp_path / "x", [_line()])
     with pytest.raises(ValueError, match="batch_size"):
         CriteoTSV(f, W, batch_size=0)
+
+
+# -- issue #22, item 7: one bad line never aborts the reader -----------------------------------
+_HUGE_LINES = {
+    "overflow": (_line(dense=["1" + "0" * 400, *["0"] * 12]), "dense",
+                 "I1 must be a 64-bit integer, got '100000000000000000000000'... (401 characters)"),
+    "int64": (_line(dense=["0", str(2**63), *["0"] * 11]), "dense",
+              f"I2 must be a 64-bit integer, got {str(2**63)!r}"),
+    "digits": (_line(dense=["7" * 5000, *["0"] * 12]), "dense",
+               "I1 must be a 64-bit integer, got '777777777777777777777777'... (5000 characters)"),
+    "hex": (_line(cats=["a" * 5000, *["0"] * 25]), "categorical",
+            "C1 must be at most 16 hex digits (64 bits), got 'aaaaaaaaaaaaaaaaaaaaaaaa'... (5000 characters)"),
+    "label": (_line(label="1" * 5000), "label",
+              "label must be 0 or 1, got '111111111111111111111111'... (5000 characters)"),
+}  # fmt: skip
+
+
+def _write_bytes(path, lines: list[bytes]):
+    path.write_bytes(b"".join(lines))
+    return path
+
+
+@pytest.mark.parametrize("case", list(_HUGE_LINES))
+def test_huge_values_are_format_errors_or_skipped(tmp_path, case):
+    bad, kind, msg = _HUGE_LINES[case]
+    f = _write(tmp_path / "day_5", [_line(), bad, _line("0")])
+    with pytest.raises(CriteoFormatError) as info:
+        list(CriteoTSV(f, W, batch_size=4))
+    assert str(info.value) == f"{f}:2: " + (
+        "dense feature " if kind == "dense" else "categorical feature " if kind == "categorical" else ""
+    ) + msg  # fmt: skip
+    assert info.value.kind == kind and info.value.line == 2
+    reader = CriteoTSV(f, W, batch_size=4, skip_bad_lines=True)
+    assert [b.batch_size for b in reader] == [2]
+    assert reader.stats.reasons == {kind: 1} and reader.stats.bad_lines == 1
+
+
+@pytest.mark.parametrize("raw", [b"1\t\xff\xfe", b"\x80", b"0\t5\t\xc3\x28"])
+def test_bytes_that_are_not_utf8_are_a_format_error_or_skipped(tmp_path, raw):
+    good = _line().encode()
+    bad = raw + good[len(raw.split(b"\t")[0]) :] if b"\t" in raw else raw + b"\n"
+    f = _write_bytes(tmp_path / "day_6", [good, good, bad, good])
+    with pytest.raises(
+        CriteoFormatError, match=r"not UTF-8 text: byte 0x[0-9a-f]{2} at column"
+    ) as info:
+        list(CriteoTSV(f, W, batch_size=8))
+    assert str(info.value).startswith(f"{f}:3: ") and info.value.kind == "encoding"
+    reader = CriteoTSV(f, W, batch_size=8, skip_bad_lines=True)
+    assert [b.batch_size for b in reader] == [3]
+    assert reader.stats.reasons == {"encoding": 1}
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_truncated_gzip_names_the_file_and_the_lines_read(tmp_path, skip):
+    whole = gzip.compress("".join(_line(str(i % 2)) for i in range(2000)).encode())
+    f = tmp_path / "day_7.gz"
+    f.write_bytes(whole[: len(whole) // 2])
+    reader = CriteoTSV(f, W, batch_size=64, skip_bad_lines=skip)
+    seen = 0
+    with pytest.raises(CriteoFormatError) as info:
+        for b in reader:
+            seen += b.batch_size
+    err = info.value
+    read = err.line - 1
+    assert err.kind == "truncated" and 0 < read < 2000 and seen <= read
+    assert str(err).startswith(
+        f"{f}:{read + 1}: the file cannot be read past line {read} ({read} lines were read): "
+        "Compressed file ended before the end-of-stream marker was reached"
+    )
+
+
+def test_a_gz_that_is_not_gzip_is_named(tmp_path):
+    f = _write(tmp_path / "day_8.gz", [_line()])
+    with pytest.raises(
+        CriteoFormatError,
+        match=r"day_8.gz:1: the file cannot be read past line 0 \(0 lines were read\): Not a gzipped file",
+    ):
+        list(CriteoTSV(f, W, batch_size=4, skip_bad_lines=True))

@@ -65,15 +65,30 @@ def test_a_dead_builds_lock_is_removed_after_the_processes_it_left(
     (tmp_path / torch_ext.TORCH_LOCK_NAME).touch()
     # a compiler the dead build started, still running (it carries the build's marker)
     env = {**os.environ, torch_ext.BUILD_ENV: os.path.realpath(tmp_path)}
-    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1.5)"], env=env)
+    orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    said_waiting = threading.Event()
+
+    class EndOrphanOnceWaitedFor(logging.Handler):
+        """Ends the orphan once the lock has said it waits for it, so that the wait is seen
+        whatever the machine's load (a fixed sleep could end before the scan)."""
+
+        def emit(self, record: logging.LogRecord) -> None:
+            if "left running" in record.getMessage() and not said_waiting.is_set():
+                said_waiting.set()
+                orphan.kill()
+
+    handler = EndOrphanOnceWaitedFor()
+    torch_ext.log.addHandler(handler)
     try:
         with caplog.at_level(logging.WARNING, logger=torch_ext.__name__):
             with torch_ext.build_lock(tmp_path):
+                assert said_waiting.is_set()
                 assert orphan.poll() is not None  # waited for it to end
                 assert not (tmp_path / torch_ext.TORCH_LOCK_NAME).exists()
                 record = (tmp_path / torch_ext.LOCK_NAME).read_text()
                 assert record.startswith(f"pid {os.getpid()} on host ")
     finally:
+        torch_ext.log.removeHandler(handler)
         orphan.kill()
         orphan.wait()
     messages = " | ".join(r.getMessage() for r in caplog.records)

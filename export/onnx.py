@@ -43,6 +43,9 @@ from tilesparse.linear import TileSparseLinear
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=nn.Module)
 
+DEFAULT_OPSET = 20  # torch 2.13's ONNX_DEFAULT_OPSET (torch/onnx/_constants.py)
+MIN_OPSET = 18  # torch's op library (torchlib) is written at 18; lower needs down-conversion
+
 __all__ = ["CondensedLinear", "check_exportable", "export_onnx", "run_onnx", "onnx_inputs"]
 
 
@@ -201,7 +204,7 @@ def export_onnx(
     path: str | Path,
     include_embeddings: bool = True,
     batch_size: int = 64,
-    opset: int = 18,
+    opset: int = DEFAULT_OPSET,
 ) -> Path:
     """Export ``model`` (dense or pruned with TileSparseLinear layers) to ONNX.
 
@@ -211,7 +214,9 @@ def export_onnx(
         include_embeddings: include the tables (see the module docstring) or export the dense
             part alone.
         batch_size: batch of the example inputs; the exported batch dimension is dynamic.
-        opset: ONNX opset.
+        opset: ONNX opset of the default domain, 18 or newer (20, torch 2.13's default;
+            the graph's ops exist unchanged from 18 on, and the exporter's own op library is
+            written at 18 and converted up).
 
     Returns:
         ``path``.
@@ -220,9 +225,12 @@ def export_onnx(
         ValueError: for a model with a floating-point parameter or buffer that is not float32
             (a bf16 / fp16 model would export to a graph onnxruntime refuses to load, its
             inputs being float32), or, with ``include_embeddings=False``, tables of different
-            dims (see :func:`check_exportable`); nothing is written then. A failure while
+            dims (see :func:`check_exportable`), or an ``opset`` below 18; nothing is written
+            then. A failure while
             exporting leaves neither ``path`` (an existing one is kept) nor a temporary file.
     """
+    if isinstance(opset, bool) or not isinstance(opset, int) or opset < MIN_OPSET:
+        raise ValueError(f"export_onnx: opset must be an integer >= {MIN_OPSET}, got {opset!r}")
     check_exportable(model, include_embeddings)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

@@ -130,7 +130,9 @@ def _table_from_torchrec(
     shards = tuple(_merge_same_rank(raw))
     wanted = _FROM_TORCHREC[kind]
     try:
-        return TableSharding(t.name, t.num_rows, t.dim, wanted, Cluster.REDUCTION, shards, dtype)
+        ts = TableSharding(t.name, t.num_rows, t.dim, wanted, Cluster.REDUCTION, shards, dtype)
+        ShardingPlan(world_size, gpus_per_node, (ts,))  # the plan-level rules of that type
+        return ts
     except PlanError:
         pass  # e.g. row_wise with empty shards: not every rank holds rows
     grid = TableSharding(

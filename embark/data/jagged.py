@@ -281,9 +281,9 @@ class JaggedBatch:
             out_lengths = key_lengths[idx]
             out_starts = torch.cumsum(out_lengths, 0) - out_lengths
             # id j of the output comes from bag idx[b] (b its sample) at the same position in it
-            within = torch.arange(int(out_lengths.sum()), device=values.device) - torch.repeat_interleave(
-                out_starts, out_lengths
-            )
+            within = torch.arange(
+                int(out_lengths.sum()), device=values.device
+            ) - torch.repeat_interleave(out_starts, out_lengths)
             gather = torch.repeat_interleave(starts[idx], out_lengths) + within
             per_key[key] = (key_values[gather], out_lengths.to(torch.int32))
         return cls.from_per_key(per_key)

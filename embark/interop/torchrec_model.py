@@ -31,7 +31,7 @@ class EBCModel(nn.Module):
     """A TorchRec ``EmbeddingBagCollection`` (the tables) and a dense module (the rest).
 
     Args:
-        ebc: the ``EmbeddingBagCollection``; held, not copied (its weights are this model's).
+        ebc: the ``torchrec.EmbeddingBagCollection``; held, not copied (its weights are this model's).
         dense_module: ``dense_module(dense (B, D) float32, pooled: list of T (B, dim_t)
             float32 in table order) -> (B,) or (B, 1) float32`` logits.
         dense_features: ``D``, the width of the dense input.
@@ -49,7 +49,7 @@ class EBCModel(nn.Module):
 
     def __init__(
         self,
-        ebc: nn.Module,
+        ebc: Any,
         dense_module: nn.Module,
         dense_features: int,
         hotness: int | Mapping[str, int] = 1,
@@ -60,7 +60,7 @@ class EBCModel(nn.Module):
         if dense_features <= 0:
             raise ValueError(f"dense_features must be a positive int, got {dense_features!r}")
         configs = ebc.embedding_bag_configs()
-        self.ebc = ebc
+        self.ebc: Any = ebc  # a torchrec EmbeddingBagCollection (torchrec is optional)
         self.dense_module = dense_module
         self.dense_features = dense_features
         self.tables: tuple[TableConfig, ...] = tables_from_ebc_configs(configs, hotness)
@@ -121,7 +121,7 @@ class TorchRecDLRMDense(nn.Module):
     its ``sparse_arch`` (which stacks the pooled features into ``(B, F, dim)``).
     """
 
-    def __init__(self, dlrm: nn.Module) -> None:
+    def __init__(self, dlrm: Any) -> None:
         super().__init__()
         self.dense_arch = dlrm.dense_arch
         self.inter_arch = dlrm.inter_arch
@@ -135,7 +135,7 @@ class TorchRecDLRMDense(nn.Module):
         return out
 
 
-def from_torchrec_dlrm(dlrm: nn.Module, hotness: int | Mapping[str, int] = 1) -> EBCModel:
+def from_torchrec_dlrm(dlrm: Any, hotness: int | Mapping[str, int] = 1) -> EBCModel:
     """An :class:`EBCModel` sharing the modules of TorchRec's ``DLRM`` / ``DLRM_DCN`` (its
     ``sparse_arch.embedding_bag_collection`` and :class:`TorchRecDLRMDense`): the same
     weights, the same logits (squeezed to ``(B,)``).

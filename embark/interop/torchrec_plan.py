@@ -184,9 +184,11 @@ def _row_group(ts: TableSharding, world_size: int, gpus_per_node: int) -> tuple[
     for name, group in order:
         sizes = _ceil_split(ts.num_rows, len(group))
         n = len(shards)
-        if [s.rank for s in shards] == group[:n] and [s.num_rows for s in shards] == sizes[
-            :n
-        ] and not any(sizes[n:]):
+        if (
+            [s.rank for s in shards] == group[:n]
+            and [s.num_rows for s in shards] == sizes[:n]
+            and not any(sizes[n:])
+        ):
             return name, group
     return "", []
 

@@ -199,3 +199,11 @@ def test_failed_export_leaves_no_temporary_file(tmp_path, pruned, monkeypatch) -
         export_onnx(pruned, path, include_embeddings=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.onnx"]
     assert path.read_bytes() == b"old graph"
+
+
+@pytest.mark.parametrize("opset", [17, 20.0, True])
+def test_an_opset_below_18_or_not_an_int_is_refused_before_writing(tmp_path, pruned, opset) -> None:
+    out = tmp_path / "sub" / "m.onnx"
+    with pytest.raises(ValueError, match=rf"opset must be an integer >= 18, got {opset!r}"):
+        export_onnx(pruned, out, opset=opset)
+    assert not out.parent.exists()

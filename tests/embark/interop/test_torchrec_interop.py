@@ -25,6 +25,7 @@ from embark.interop import (
 from embark.models.dlrm import build_model
 from embark.types import Combiner, ShardingType, TableConfig
 
+
 @pytest.fixture(scope="module")
 def torchrec_modules():
     try:
@@ -94,7 +95,9 @@ def test_tables_and_workload_from_configs(trm) -> None:
 def test_configs_tilerec_cannot_hold_are_refused_by_name(trm) -> None:
     cfg, pooling, _, _ = trm
     with pytest.raises(ValueError, match=r"table 's' serves features \['a', 'b'\]"):
-        tables_from_ebc_configs([cfg(name="s", num_embeddings=4, embedding_dim=2, feature_names=["a", "b"])])
+        tables_from_ebc_configs(
+            [cfg(name="s", num_embeddings=4, embedding_dim=2, feature_names=["a", "b"])]
+        )
     with pytest.raises(ValueError, match="table 'n': pooling NONE"):
         tables_from_ebc_configs(
             [cfg(name="n", num_embeddings=4, embedding_dim=2, pooling=pooling.NONE)]
@@ -255,3 +258,39 @@ def test_handmade_plans_round_trip_and_bad_input_is_named(trm) -> None:
     extra = (*tables, TableConfig("t9", 4, 4))
     with pytest.raises(ValueError, match=r"tables \['t9'\] are not in the TorchRec plan"):
         plan_from_torchrec(tr_plan, extra, 4, 2)
+
+
+def test_a_weighted_kjt_keeps_its_weights_through_an_ebc_model(trm) -> None:
+    """The path that can use weights: EBCModel runs TorchRec's weighted EBC on the KJT as it
+    is; each pooled vector is the weighted sum of its rows, exactly (TorchRec's unsharded EBC
+    weights sum pooling only: nn.EmbeddingBag refuses weights with mean)."""
+    from embark.interop import EBCModel
+
+    cfg, _, ebc_cls, _ = trm
+    sizes = {"t0": 20, "t1": 7, "t2": 30}
+    cfgs = [
+        cfg(name=n, num_embeddings=r, embedding_dim=4, feature_names=[f"f{n[1]}"])
+        for n, r in sizes.items()
+    ]
+    ebc = ebc_cls(tables=cfgs, is_weighted=True)
+    with torch.no_grad():
+        for bag in ebc.embedding_bags.values():
+            bag.weight.copy_(torch.randint(-8, 9, bag.weight.shape).float())
+
+    class Head(torch.nn.Module):
+        def forward(self, dense: torch.Tensor, pooled: list[torch.Tensor]) -> torch.Tensor:
+            return dense.sum(1) + torch.stack(pooled, 1).sum((1, 2))
+
+    model = EBCModel(ebc, Head(), dense_features=2)
+    kjt = _kjt(trm, weighted=True)
+    pooled = model.pool(kjt)
+    w, v, lengths = kjt.weights(), kjt.values(), kjt.lengths().tolist()
+    pos = 0
+    for f, name in enumerate(["t0", "t1", "t2"]):
+        rows = ebc.embedding_bags[name].weight.detach()
+        for b in range(3):
+            n = lengths[f * 3 + b]
+            want = (w[pos : pos + n, None] * rows[v[pos : pos + n]]).sum(0)
+            assert torch.equal(pooled[f][b], want)
+            pos += n
+    assert model(torch.ones(3, 2), kjt).shape == (3,)

@@ -91,7 +91,9 @@ def write_serving_artifacts(
             the config does not validate, the model is not float32 (convert it with
             ``model.float()``), or its tables differ in dim (the served dense graph takes one
             ``pooled (B, T, dim)``). Nothing is written then, and a failure while writing
-            leaves ``out_dir`` as it was (replaced files are restored).
+            leaves ``out_dir`` as it was (replaced files are restored); also a weighted
+            TorchRec EBC (the server takes ids, not per-id weights).
+        TypeError: for a model :func:`export.onnx.as_exportable` does not take.
     """
     out = Path(out_dir)
     check_name(model_name, "model_name")

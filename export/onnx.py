@@ -194,6 +194,7 @@ def onnx_inputs(
 ) -> dict[str, torch.Tensor]:
     """Example inputs for :func:`export_onnx`'s graph, keyed by ONNX input name.
 
+    ``model`` as :func:`export_onnx` takes it (:func:`as_exportable`).
     ``dense (B, D) float32``; with embeddings ``ids_<table> (B, hotness_t) int64`` (random valid
     ids, the last sample's bags padded by one ``-1`` where hotness > 1); else ``pooled (B, T, dim)``.
     """

@@ -143,9 +143,9 @@ def test_kjt_round_trip_and_weighted_refused(trm) -> None:
         JaggedBatch.from_kjt(_kjt(trm, weighted=True))
 
 
-def _vbe_kjt(trm, with_inverse: bool):
-    """f0 has 2 distinct bags, f1 3, f2 1 (strides per key per rank [[2], [3], [1]]) for B = 4
-    samples, which reuse them through the inverse indices."""
+def _vbe_kjt(trm, with_inverse: bool, strides=((2,), (3,), (1,))):
+    """f0 has 2 distinct bags, f1 3, f2 1 (``strides``: per key, per rank) for B = 4 samples,
+    which reuse them through the inverse indices."""
     kjt_cls = trm[3]
     lengths = torch.tensor([2, 1, 1, 0, 3, 2])
     values = torch.tensor([3, 19, 0, 5, 1, 2, 6, 7, 8])
@@ -154,13 +154,15 @@ def _vbe_kjt(trm, with_inverse: bool):
         keys=["f0", "f1", "f2"],
         values=values,
         lengths=lengths,
-        stride_per_key_per_rank=[[2], [3], [1]],
+        stride_per_key_per_rank=[list(s) for s in strides],
         inverse_indices=(["f0", "f1", "f2"], inverse) if with_inverse else None,
     )
 
 
-def test_variable_batch_kjt_expands_exactly_or_is_refused(trm) -> None:
-    kjt = _vbe_kjt(trm, with_inverse=True)
+@pytest.mark.parametrize("strides", [((2,), (3,), (1,)), ((1, 1), (2, 1), (1, 0))])
+def test_variable_batch_kjt_expands_exactly_or_is_refused(trm, strides) -> None:
+    """One rank, or two (each key's bags rank after rank): the same bags, the same batch."""
+    kjt = _vbe_kjt(trm, with_inverse=True, strides=strides)
     jb = JaggedBatch.from_kjt(kjt)
     assert jb.batch_size == 4
     # f0 bags [3, 19], [0]; f1 bags [5], [], [1, 2, 6]; f2 bag [7, 8]
@@ -173,8 +175,27 @@ def test_variable_batch_kjt_expands_exactly_or_is_refused(trm) -> None:
     theirs = ebc(kjt).to_dict()
     for got, feature in zip(model.pool(batch_from_kjt(kjt, _configs(trm))), ["f0", "f1", "f2"]):
         assert torch.equal(got, theirs[feature])
-    with pytest.raises(ValueError, match=r"variable batch.*\[\[2\], \[3\], \[1\]\].*inverse_ind"):
-        JaggedBatch.from_kjt(_vbe_kjt(trm, with_inverse=False))
+    with pytest.raises(ValueError, match=r"variable batch.*stride_per_key_per_rank.*inverse_ind"):
+        JaggedBatch.from_kjt(_vbe_kjt(trm, with_inverse=False, strides=strides))
+
+
+def test_torchrec_stays_optional() -> None:
+    """Importing embark (interop included) and export loads no torchrec."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[3]
+    code = "import sys, embark, embark.interop, export; print('torchrec' in sys.modules)"
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+    )
+    assert out.stdout.strip() == "False"
 
 
 # -------------------------------------------------------------------------------------- plans

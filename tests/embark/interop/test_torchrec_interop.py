@@ -315,3 +315,28 @@ def test_a_weighted_kjt_keeps_its_weights_through_an_ebc_model(trm) -> None:
             assert torch.equal(pooled[f][b], want)
             pos += n
     assert model(torch.ones(3, 2), kjt).shape == (3,)
+
+
+@pytest.mark.parametrize("kind", ["DLRM", "DLRM_DCN"])
+def test_from_torchrec_dlrm_scores_like_the_model(trm, kind) -> None:
+    """The EBCModel shares TorchRec's modules: the same logits, bit for bit, squeezed to (B,)."""
+    import torchrec.models.dlrm as tr_dlrm
+
+    from embark.interop import from_torchrec_dlrm
+
+    torch.manual_seed(3)
+    extra = {"dcn_num_layers": 2, "dcn_low_rank_dim": 4} if kind == "DLRM_DCN" else {}
+    model = getattr(tr_dlrm, kind)(
+        embedding_bag_collection=_ebc(trm),
+        dense_in_features=5,
+        dense_arch_layer_sizes=[8, 4],
+        over_arch_layer_sizes=[8, 1],
+        **extra,
+    ).eval()
+    ours = from_torchrec_dlrm(model, hotness=2)
+    assert ours.dense_features == 5 and [t.hotness for t in ours.tables] == [2, 2, 2]
+    dense, kjt = torch.rand(3, 5), _kjt(trm)
+    with torch.no_grad():
+        assert torch.equal(ours(dense, kjt), model(dense, kjt).squeeze(-1))
+    with pytest.raises(TypeError, match=r"a Linear has no \['sparse_arch'"):
+        from_torchrec_dlrm(torch.nn.Linear(2, 2))

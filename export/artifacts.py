@@ -38,9 +38,8 @@ from typing import Any
 import numpy as np
 import torch
 
-from embark.models.dlrm import DLRM
 from embark.types import TableConfig
-from export.onnx import check_exportable, export_onnx
+from export.onnx import ExportableModel, as_exportable, check_exportable, export_onnx, model_tables
 from hps.artifact_format import ARTIFACT_VERSION, ARTIFACT_VERSION_FIELD
 from hps.config import PSConfig
 from hps.config_parse import parse_config
@@ -52,7 +51,7 @@ __all__ = ["write_serving_artifacts"]
 
 
 def write_serving_artifacts(
-    model: DLRM,
+    model: torch.nn.Module,
     out_dir: str | Path,
     model_name: str = "dlrm",
     max_batch_size: int = 1024,
@@ -65,7 +64,9 @@ def write_serving_artifacts(
     """Write the sparse files, the dense ONNX graph and ``ps.json`` for ``model``.
 
     Args:
-        model: the DLRM (TileSparseLinear layers are exported as condensed standard ops).
+        model: embark's DLRM (TileSparseLinear layers are exported as condensed standard ops),
+            an :class:`embark.interop.EBCModel` (a TorchRec ``EmbeddingBagCollection`` and a
+            dense module) or TorchRec's own ``DLRM`` (:func:`export.onnx.as_exportable`).
         out_dir: the artifact folder (created).
         model_name: ``models[0].model`` in ``ps.json``, the model's name in the server's URLs
             (``/v2/models/<model_name>/infer``): letters, digits, ``_``, ``-`` (:mod:`hps.names`).
@@ -90,15 +91,18 @@ def write_serving_artifacts(
             the config does not validate, the model is not float32 (convert it with
             ``model.float()``), or its tables differ in dim (the served dense graph takes one
             ``pooled (B, T, dim)``). Nothing is written then, and a failure while writing
-            leaves ``out_dir`` as it was (replaced files are restored).
+            leaves ``out_dir`` as it was (replaced files are restored); also a weighted
+            TorchRec EBC (the server takes ids, not per-id weights).
+        TypeError: for a model :func:`export.onnx.as_exportable` does not take.
     """
     out = Path(out_dir)
     check_name(model_name, "model_name")
     ps_path = out / "ps.json"
     if ps_path.exists() and not overwrite:
         raise ValueError(f"{ps_path} exists; pass overwrite=True to replace the artifacts")
+    model = as_exportable(model, "write_serving_artifacts")
     check_exportable(model, include_embeddings=False, caller="write_serving_artifacts")
-    tables = model.workload.tables
+    tables = model_tables(model)
     doc = _ps_json(
         model,
         model_name,
@@ -134,7 +138,7 @@ def write_serving_artifacts(
 
 
 def _ps_json(
-    model: DLRM,
+    model: ExportableModel,
     model_name: str,
     max_batch_size: int,
     cache_fraction: float,
@@ -144,7 +148,7 @@ def _ps_json(
 ) -> dict[str, Any]:
     """The ``ps.json`` document of the artifacts (HugeCTR's per-table lists, paths relative to
     the artifact folder, the artifact format version at the top)."""
-    tables = model.workload.tables
+    tables = model_tables(model)
     return {
         ARTIFACT_VERSION_FIELD: ARTIFACT_VERSION,
         "supportlonglong": True,
@@ -171,11 +175,11 @@ def _ps_json(
     }
 
 
-def _write_into(folder: Path, model: DLRM, doc: dict[str, Any]) -> None:
+def _write_into(folder: Path, model: ExportableModel, doc: dict[str, Any]) -> None:
     """Write every artifact into ``folder``: the dense graph (stamped with its serving
     metadata), one sparse folder per table (keys ``0..rows-1``) and ``ps.json``."""
     export_onnx(model, folder / "dense.onnx", include_embeddings=False)
-    for t in model.workload.tables:
+    for t in model_tables(model):
         weight = model.embeddings[t.name].weight
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"table {t.name!r}: its weight is a {type(weight).__name__}")

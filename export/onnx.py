@@ -35,15 +35,61 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from embark.interop.torchrec_model import EBCModel, from_torchrec_dlrm
 from embark.models.dlrm import DLRM
-from embark.types import Combiner
+from embark.types import Combiner, TableConfig
 from hps.artifact_format import SERVING_METADATA_KEY, ServingMetadata, TableMetadata
 from tilesparse.linear import TileSparseLinear
 
 log = logging.getLogger(__name__)
 M = TypeVar("M", bound=nn.Module)
 
-__all__ = ["CondensedLinear", "check_exportable", "export_onnx", "run_onnx", "onnx_inputs"]
+DEFAULT_OPSET = 20  # torch 2.13's ONNX_DEFAULT_OPSET (torch/onnx/_constants.py)
+MIN_OPSET = 18  # torch's op library (torchlib) is written at 18; lower needs down-conversion
+
+__all__ = [
+    "CondensedLinear",
+    "ExportableModel",
+    "as_exportable",
+    "check_exportable",
+    "export_onnx",
+    "model_tables",
+    "onnx_inputs",
+    "run_onnx",
+]
+
+ExportableModel = DLRM | EBCModel
+"""What export takes: embark's :class:`DLRM`, or an :class:`~embark.interop.EBCModel` (a
+TorchRec ``EmbeddingBagCollection`` and a dense module)."""
+
+
+def as_exportable(model: nn.Module, caller: str = "export_onnx") -> ExportableModel:
+    """``model`` as export takes it: a :class:`DLRM` or an :class:`EBCModel` as it is, TorchRec's
+    own ``DLRM`` / ``DLRM_DCN`` (``torchrec.models.dlrm``) through
+    :func:`embark.interop.from_torchrec_dlrm` (its modules shared, hotness 1; call that
+    yourself for another hotness).
+
+    Raises:
+        TypeError: naming the type, for any other module.
+    """
+    if isinstance(model, DLRM | EBCModel):
+        return model
+    if type(model).__module__.startswith("torchrec.") and hasattr(model, "sparse_arch"):
+        return from_torchrec_dlrm(model)
+    raise TypeError(
+        f"{caller} takes embark's DLRM, an embark.interop.EBCModel (a TorchRec "
+        f"EmbeddingBagCollection and a dense module) or TorchRec's DLRM, got a "
+        f"{type(model).__module__}.{type(model).__name__}"
+    )
+
+
+def model_tables(model: ExportableModel) -> tuple[TableConfig, ...]:
+    """The tables of ``model``, in the order of its pooled input."""
+    return model.tables if isinstance(model, EBCModel) else model.workload.tables
+
+
+def _dense_features(model: ExportableModel) -> int:
+    return model.dense_features if isinstance(model, EBCModel) else model.workload.dense_features
 
 
 class CondensedLinear(nn.Module):
@@ -122,11 +168,11 @@ class _PaddedBags(nn.Module):
 
 
 class _FullGraph(nn.Module):
-    def __init__(self, model: DLRM) -> None:
+    def __init__(self, model: ExportableModel) -> None:
         super().__init__()
         self.model = model
         self.bags = nn.ModuleList(
-            _PaddedBags(model.embeddings[t.name], t.combiner) for t in model.workload.tables
+            _PaddedBags(model.embeddings[t.name], t.combiner) for t in model_tables(model)
         )
 
     def forward(self, dense: torch.Tensor, *ids: torch.Tensor) -> torch.Tensor:
@@ -135,7 +181,7 @@ class _FullGraph(nn.Module):
 
 
 class _DenseGraph(nn.Module):
-    def __init__(self, model: DLRM) -> None:
+    def __init__(self, model: ExportableModel) -> None:
         super().__init__()
         self.model = model
 
@@ -144,43 +190,56 @@ class _DenseGraph(nn.Module):
 
 
 def onnx_inputs(
-    model: DLRM, batch_size: int, include_embeddings: bool = True, seed: int = 0
+    model: nn.Module, batch_size: int, include_embeddings: bool = True, seed: int = 0
 ) -> dict[str, torch.Tensor]:
     """Example inputs for :func:`export_onnx`'s graph, keyed by ONNX input name.
 
+    ``model`` as :func:`export_onnx` takes it (:func:`as_exportable`).
     ``dense (B, D) float32``; with embeddings ``ids_<table> (B, hotness_t) int64`` (random valid
     ids, the last sample's bags padded by one ``-1`` where hotness > 1); else ``pooled (B, T, dim)``.
     """
     gen = torch.Generator().manual_seed(seed)
-    w = model.workload
-    out = {"dense": torch.rand(batch_size, w.dense_features, generator=gen)}
+    model = as_exportable(model, "onnx_inputs")
+    tables = model_tables(model)
+    out = {"dense": torch.rand(batch_size, _dense_features(model), generator=gen)}
     if include_embeddings:
-        for t in w.tables:
+        for t in tables:
             ids = torch.randint(0, t.num_rows, (batch_size, t.hotness), generator=gen)
             if t.hotness > 1:
                 ids[-1, -1] = -1
             out[f"ids_{t.name}"] = ids
     else:
         dim = _pooled_dim(model, "onnx_inputs")
-        out["pooled"] = torch.randn(batch_size, len(w.tables), dim, generator=gen)
+        out["pooled"] = torch.randn(batch_size, len(tables), dim, generator=gen)
     return out
 
 
 def check_exportable(
-    model: DLRM, include_embeddings: bool = True, caller: str = "export_onnx"
+    model: nn.Module, include_embeddings: bool = True, caller: str = "export_onnx"
 ) -> None:
     """Raise ``ValueError`` unless :func:`export_onnx` can export ``model``: every floating-point
-    parameter and buffer float32, and (for the dense graph alone, ``include_embeddings=False``)
-    one dim for every table. Writes nothing; ``caller`` names the function in the message.
+    parameter and buffer float32, an unweighted EBC (the graph takes ids, not per-id weights),
+    and (for the dense graph alone, ``include_embeddings=False``) one dim for every table.
+    Writes nothing; ``caller`` names the function in the message.
+
+    Raises:
+        TypeError: for a model :func:`as_exportable` does not take.
     """
+    model = as_exportable(model, caller)
     _check_float32(model, caller)
+    if isinstance(model, EBCModel) and model.is_weighted:
+        raise ValueError(
+            f"{caller}: the EmbeddingBagCollection is weighted (is_weighted=True), but the "
+            f"exported graph and the parameter server take ids only and pool unweighted; "
+            f"export an unweighted EBC"
+        )
     if not include_embeddings:
         _pooled_dim(model, caller)
 
 
-def _pooled_dim(model: DLRM, caller: str) -> int:
+def _pooled_dim(model: ExportableModel, caller: str) -> int:
     """The one table dim of the dense graph's ``pooled (B, T, dim)`` input, or ``ValueError``."""
-    tables = model.workload.tables
+    tables = model_tables(model)
     dims = {t.dim for t in tables}
     if len(dims) != 1:
         by_dim = "; ".join(
@@ -197,21 +256,24 @@ def _pooled_dim(model: DLRM, caller: str) -> int:
 
 
 def export_onnx(
-    model: DLRM,
+    model: nn.Module,
     path: str | Path,
     include_embeddings: bool = True,
     batch_size: int = 64,
-    opset: int = 18,
+    opset: int = DEFAULT_OPSET,
 ) -> Path:
     """Export ``model`` (dense or pruned with TileSparseLinear layers) to ONNX.
 
     Args:
-        model: the DLRM; it is copied, not changed.
+        model: embark's :class:`DLRM`, an :class:`~embark.interop.EBCModel` or TorchRec's
+            ``DLRM`` (see :func:`as_exportable`); it is copied, not changed.
         path: the ``.onnx`` file to write (folders created; written atomically).
         include_embeddings: include the tables (see the module docstring) or export the dense
             part alone.
         batch_size: batch of the example inputs; the exported batch dimension is dynamic.
-        opset: ONNX opset.
+        opset: ONNX opset of the default domain, 18 or newer (20, torch 2.13's default;
+            the graph's ops exist unchanged from 18 on, and the exporter's own op library is
+            written at 18 and converted up).
 
     Returns:
         ``path``.
@@ -220,9 +282,13 @@ def export_onnx(
         ValueError: for a model with a floating-point parameter or buffer that is not float32
             (a bf16 / fp16 model would export to a graph onnxruntime refuses to load, its
             inputs being float32), or, with ``include_embeddings=False``, tables of different
-            dims (see :func:`check_exportable`); nothing is written then. A failure while
+            dims (see :func:`check_exportable`), or an ``opset`` below 18; nothing is written
+            then. A failure while
             exporting leaves neither ``path`` (an existing one is kept) nor a temporary file.
     """
+    if isinstance(opset, bool) or not isinstance(opset, int) or opset < MIN_OPSET:
+        raise ValueError(f"export_onnx: opset must be an integer >= {MIN_OPSET}, got {opset!r}")
+    model = as_exportable(model)
     check_exportable(model, include_embeddings)
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -233,7 +299,7 @@ def export_onnx(
     dynamic_shapes: Sequence[object]
     if include_embeddings:
         # forward(dense, *ids): torch.export sees (dense, ids_tuple)
-        dynamic_shapes = ({0: batch}, tuple({0: batch} for _ in model.workload.tables))
+        dynamic_shapes = ({0: batch}, tuple({0: batch} for _ in model_tables(model)))
     else:
         dynamic_shapes = ({0: batch}, {0: batch})
     tmp = path.with_suffix(path.suffix + ".tmp")
@@ -275,7 +341,7 @@ def _check_float32(model: nn.Module, caller: str = "export_onnx") -> None:
         )
 
 
-def _stamp_metadata(path: Path, model: DLRM) -> None:
+def _stamp_metadata(path: Path, model: ExportableModel) -> None:
     """Record in the graph's ``metadata_props`` what the ops do not say
     (:class:`hps.artifact_format.ServingMetadata`: the format version, each table's rows,
     combiner and hotness, and the dense width), read by :func:`run_onnx` to check ids and by
@@ -286,9 +352,9 @@ def _stamp_metadata(path: Path, model: DLRM) -> None:
     meta = ServingMetadata(
         tables=tuple(
             TableMetadata(t.name, t.num_rows, t.combiner.value, t.hotness)
-            for t in model.workload.tables
+            for t in model_tables(model)
         ),
-        dense_features=model.workload.dense_features,
+        dense_features=_dense_features(model),
     )
     kept = [(m.key, m.value) for m in proto.metadata_props if m.key != SERVING_METADATA_KEY]
     del proto.metadata_props[:]

@@ -21,23 +21,14 @@ import warnings
 from typing import Any
 
 from benchmarks.meta import RESULTS_DIR, write_json
+from embark.interop import plan_from_torchrec
 from embark.models.workloads import Workload, get_workload
 from embark.planner.baselines import BASELINES
 from embark.planner.cost import CostModel
-from embark.planner.layout import classify, grid_of
 from embark.planner.planner import plan_sharding
 from embark.planner.simulator import simulate
 from embark.topology import get_topology
-from embark.types import (
-    Cluster,
-    CommDtype,
-    PlanError,
-    Shard,
-    ShardingPlan,
-    ShardingType,
-    TableSharding,
-    Topology,
-)
+from embark.types import CommDtype, PlanError, ShardingPlan, Topology
 
 log = logging.getLogger("bench_planner")
 
@@ -46,7 +37,7 @@ def torchrec_plan(
     workload: Workload, topo: Topology, model: CostModel, dtype: CommDtype, timeout_s: int
 ) -> ShardingPlan:
     """Plan with TorchRec's EmbeddingShardingPlanner (its best plan within ``timeout_s``)
-    and convert it to our ShardingPlan."""
+    and convert it to our ShardingPlan (:func:`embark.interop.plan_from_torchrec`)."""
     import torch
     from torchrec.distributed.embedding_types import EmbeddingComputeKernel  # noqa: F401
     from torchrec.distributed.embeddingbag import EmbeddingBagCollectionSharder
@@ -90,48 +81,9 @@ def torchrec_plan(
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         tr_plan = planner.plan(ebc, [EmbeddingBagCollectionSharder()])
-    params = next(iter(tr_plan.plan.values()))
-    out = []
-    for t in workload.tables:
-        ps = params[t.name]
-        if ps.sharding_type == "data_parallel":
-            shards = tuple(Shard(r, 0, t.num_rows, 0, t.dim) for r in range(topo.world_size))
-            out.append(
-                TableSharding(t.name, t.num_rows, t.dim, ShardingType.DP, Cluster.DP, shards, dtype)
-            )
-            continue
-        raw = []
-        for md in ps.sharding_spec.shards:
-            r0, c0 = md.shard_offsets
-            nr, nc = md.shard_sizes
-            r1 = min(r0 + nr, t.num_rows)
-            if r1 > r0 and nc > 0:
-                raw.append(Shard(md.placement.rank(), r0, r1, c0, c0 + nc))
-        merged = tuple(_merge_same_rank(raw))
-        ts = TableSharding(
-            t.name, t.num_rows, t.dim, ShardingType.THREE_D, Cluster.REDUCTION, merged, dtype
-        )
-        st = classify(grid_of(ts), topo.world_size, topo.gpus_per_node, Cluster.REDUCTION)
-        out.append(TableSharding(t.name, t.num_rows, t.dim, st, Cluster.REDUCTION, merged, dtype))
-    return ShardingPlan(topo.world_size, topo.gpus_per_node, tuple(out), topo.name)
-
-
-def _merge_same_rank(shards: list[Shard]) -> list[Shard]:
-    """TorchRec may put adjacent column shards of one table on one rank; ours holds one."""
-    shards = sorted(shards, key=lambda s: (s.rank, s.row_start, s.col_start))
-    out: list[Shard] = []
-    for s in shards:
-        p = out[-1] if out else None
-        if (
-            p
-            and p.rank == s.rank
-            and (p.row_start, p.row_end) == (s.row_start, s.row_end)
-            and p.col_end == s.col_start
-        ):
-            out[-1] = Shard(p.rank, p.row_start, p.row_end, p.col_start, s.col_end)
-        else:
-            out.append(s)
-    return out
+    return plan_from_torchrec(
+        tr_plan, workload.tables, topo.world_size, topo.gpus_per_node, dtype, topology=topo.name
+    )
 
 
 def bench_one(

@@ -185,20 +185,105 @@ class JaggedBatch:
 
     # ---------------------------------------------------------------- torchrec
     def to_kjt(self) -> Any:
-        """Convert to ``torchrec.KeyedJaggedTensor`` (needs torchrec; not a dependency).
+        """The same batch as an unweighted ``torchrec.KeyedJaggedTensor`` (keys, values, lengths
+        and stride ``B`` unchanged; needs torchrec, which is optional).
 
         Raises:
             ImportError: when torchrec is not importable.
         """
         from torchrec.sparse.jagged_tensor import KeyedJaggedTensor
 
-        return KeyedJaggedTensor(keys=list(self.keys), values=self.values, lengths=self.lengths)
+        return KeyedJaggedTensor(
+            keys=list(self.keys),
+            values=self.values,
+            lengths=self.lengths,
+            stride=self.batch_size,
+        )
 
     @classmethod
     def from_kjt(cls, kjt: Any) -> JaggedBatch:
-        """Build from a ``torchrec.KeyedJaggedTensor`` (copies dtypes to int64 / int32)."""
-        return cls(
-            list(kjt.keys()),
-            kjt.values().to(torch.int64),
-            kjt.lengths().to(torch.int32),
-        )
+        """Build from a ``torchrec.KeyedJaggedTensor``, exactly or not at all.
+
+        Values become ``int64`` and lengths ``int32``; keys stay the KJT's (TorchRec names them
+        by *feature*; :func:`embark.interop.batch_from_kjt` renames them to tables).
+
+        A *variable-batch* KJT (``stride_per_key_per_rank``: each key has its own number of
+        bags, TorchRec's VBE) is converted exactly when it carries ``inverse_indices``
+        ``(keys, (F, B) int)``: sample ``b`` of key ``f`` gets bag ``inverse_indices[f, b]`` of
+        that key, the expansion TorchRec's ``EmbeddingBagCollection`` applies to its pooled
+        output. Worked example, key ``"t0"`` with 2 bags for ``B = 3`` samples::
+
+            bags of t0: [V0, V1] [V2]      inverse_indices[t0] = [1, 0, 1]
+            expanded:   [V2] [V0, V1] [V2]  lengths [1, 2, 1], values [V2, V0, V1, V2]
+
+        Raises:
+            ValueError: for a *weighted* KJT (``weights()`` set): a JaggedBatch holds no
+                per-id weights and :class:`~embark.models.dlrm.DLRM` pools unweighted, so
+                the weights could only be dropped; a weighted feature is pooled by TorchRec's
+                weighted ``EmbeddingBagCollection`` (:class:`embark.interop.EBCModel` takes the
+                KJT as it is). Also for a variable-batch KJT without ``inverse_indices`` (which
+                sample a bag belongs to is then unknown), or whose inverse indices miss a key
+                or point past that key's bags.
+        """
+        keys = list(kjt.keys())
+        if kjt.weights_or_none() is not None:
+            raise ValueError(
+                f"JaggedBatch.from_kjt: the KeyedJaggedTensor with keys {keys} is weighted, but "
+                f"a JaggedBatch has no per-id weights (DLRM pools unweighted), so converting "
+                f"would drop them; pool weighted features with TorchRec's weighted "
+                f"EmbeddingBagCollection (embark.interop.EBCModel takes the KJT as it is)"
+            )
+        values = kjt.values().to(torch.int64)
+        lengths = kjt.lengths().to(torch.int32)
+        if not kjt.variable_stride_per_key():
+            return cls(keys, values, lengths)
+        inverse = kjt.inverse_indices_or_none()
+        if inverse is None:
+            raise ValueError(
+                f"JaggedBatch.from_kjt: the KeyedJaggedTensor with keys {keys} has a variable "
+                f"batch per key (stride_per_key_per_rank {kjt.stride_per_key_per_rank()}) and "
+                f"no inverse_indices, so which sample each bag belongs to is unknown; pass "
+                f"inverse_indices=(keys, (F, B) indices) when building it"
+            )
+        return cls._from_variable_batch(keys, values, lengths, kjt.stride_per_key(), inverse)
+
+    @classmethod
+    def _from_variable_batch(
+        cls,
+        keys: list[str],
+        values: torch.Tensor,
+        lengths: torch.Tensor,
+        strides: Sequence[int],
+        inverse: tuple[Sequence[str], torch.Tensor],
+    ) -> JaggedBatch:
+        """Expand each key's ``strides[f]`` bags to ``B`` samples by its inverse indices."""
+        inv_keys, inv = list(inverse[0]), inverse[1]
+        missing = [k for k in keys if k not in inv_keys]
+        if missing:
+            raise ValueError(
+                f"JaggedBatch.from_kjt: inverse_indices name keys {inv_keys} but not {missing}"
+            )
+        per_key: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}
+        bag0 = id0 = 0
+        for key, stride in zip(keys, strides, strict=True):
+            key_lengths = lengths[bag0 : bag0 + stride].to(torch.int64)
+            n = int(key_lengths.sum())
+            key_values = values[id0 : id0 + n]
+            bag0, id0 = bag0 + stride, id0 + n
+            idx = inv[inv_keys.index(key)].to(device=values.device, dtype=torch.int64)
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= stride):
+                bad = int(idx.max()) if int(idx.max()) >= stride else int(idx.min())
+                raise ValueError(
+                    f"JaggedBatch.from_kjt: inverse index {bad} of key {key!r} is outside its "
+                    f"{stride} bags (expected 0..{stride - 1})"
+                )
+            starts = torch.cumsum(key_lengths, 0) - key_lengths  # each bag's first id
+            out_lengths = key_lengths[idx]
+            out_starts = torch.cumsum(out_lengths, 0) - out_lengths
+            # id j of the output comes from bag idx[b] (b its sample) at the same position in it
+            within = torch.arange(
+                int(out_lengths.sum()), device=values.device
+            ) - torch.repeat_interleave(out_starts, out_lengths)
+            gather = torch.repeat_interleave(starts[idx], out_lengths) + within
+            per_key[key] = (key_values[gather], out_lengths.to(torch.int32))
+        return cls.from_per_key(per_key)

@@ -51,6 +51,15 @@ def _pruned_tiny(seed: int = 0):
     return model
 
 
+def _check_opset_and_model(graph: onnx.ModelProto) -> None:
+    """The default ONNX domain is imported at opset 20 exactly (torch 2.13's default) and the
+    checker's full check (with shape inference) passes."""
+    assert [(o.domain, o.version) for o in graph.opset_import if o.domain in ("", "ai.onnx")] == [
+        ("", 20)
+    ]
+    onnx.checker.check_model(graph, full_check=True)
+
+
 @pytest.fixture(scope="module")
 def pruned():
     return _pruned_tiny()
@@ -72,6 +81,7 @@ def test_condensed_linear_equals_layer_exactly_on_integers() -> None:
 def test_full_graph_matches_eager_model(tmp_path, pruned) -> None:
     path = export_onnx(pruned, tmp_path / "m.onnx", batch_size=8)
     graph = onnx.load(str(path))
+    _check_opset_and_model(graph)
     ops = {n.op_type for n in graph.graph.node}
     assert "Loop" not in ops and ops <= {
         "Add",
@@ -107,6 +117,7 @@ def test_full_graph_matches_eager_model(tmp_path, pruned) -> None:
 
 def test_dense_graph_matches_dense_forward(tmp_path, pruned) -> None:
     path = export_onnx(pruned, tmp_path / "d.onnx", include_embeddings=False)
+    _check_opset_and_model(onnx.load(str(path)))
     inputs = onnx_inputs(pruned, 9, include_embeddings=False)
     want = pruned.dense_forward(inputs["dense"], inputs["pooled"]).detach()
     torch.testing.assert_close(run_onnx(path, inputs), want, **TOL)
@@ -188,3 +199,11 @@ def test_failed_export_leaves_no_temporary_file(tmp_path, pruned, monkeypatch) -
         export_onnx(pruned, path, include_embeddings=False)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["d.onnx"]
     assert path.read_bytes() == b"old graph"
+
+
+@pytest.mark.parametrize("opset", [17, 20.0, True])
+def test_an_opset_below_18_or_not_an_int_is_refused_before_writing(tmp_path, pruned, opset) -> None:
+    out = tmp_path / "sub" / "m.onnx"
+    with pytest.raises(ValueError, match=rf"opset must be an integer >= 18, got {opset!r}"):
+        export_onnx(pruned, out, opset=opset)
+    assert not out.parent.exists()

@@ -131,7 +131,6 @@ class ModelConfig:
     num_of_worker_buffer_in_pool: int = 4
     deployed_device_list: tuple[int, ...] = (0,)
     device: str = "auto"
-    dense_file: str = ""
     network_file: str = ""
 
     def table(self, name: str) -> TableSpec:
@@ -166,13 +165,19 @@ class VolatileDBConfig:
         return parse_addresses(self.address)
 
 
+#: Redis's own port, taken for a host written without one (HugeCTR's Redis client does so)
+REDIS_DEFAULT_PORT = 6379
+#: ``volatile_db.address`` of a ``redis_cluster`` that names none (HugeCTR's default)
+REDIS_DEFAULT_ADDRESS = "127.0.0.1:7000"
+
+
 def parse_addresses(address: str) -> list[tuple[str, int]]:
-    """``"host:port[,host:port...]"`` → ``[(host, port), ...]`` (``ValueError`` for a port
-    that is not an integer)."""
+    """``"host[:port][,host[:port]...]"`` → ``[(host, port), ...]``; a host without a port
+    gets :data:`REDIS_DEFAULT_PORT` (``ValueError`` for a port that is not an integer)."""
     out = []
     for part in filter(None, (p.strip() for p in address.split(","))):
-        host, _, port = part.rpartition(":")
-        out.append((host, int(port)))
+        host, colon, port = part.rpartition(":")
+        out.append((host, int(port)) if colon else (part, REDIS_DEFAULT_PORT))
     return out
 
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from types import MappingProxyType
 
-from hps.types import OverflowPolicy, PersistentDBType, UpdateSourceType, VolatileDBType
+from hps.types import OverflowPolicy, UpdateSourceType
 
 __all__ = [
     "DATABASE_ALIASES",
@@ -27,6 +27,7 @@ __all__ = [
     "MULTI_PROCESS_HASH_MAP",
     "OVERFLOW_ALIASES",
     "UPDATE_SOURCE_ALIASES",
+    "VOLATILE_ALIASES",
 ]
 
 #: ``volatile_db.type`` / ``persistent_db.type`` spellings (``get_hps_database_type``) and the
@@ -50,8 +51,11 @@ DATABASE_ALIASES = MappingProxyType(
 #: HugeCTR's hash map in shared memory (``/dev/shm``), shared by the processes of one machine,
 #: and its aliases. tilerec serves it as a process-local ``parallel_hash_map`` (each server
 #: process loads its own copy), and says so in the unused-fields warning.
-MULTI_PROCESS_HASH_MAP = frozenset(
-    {"multi_process_hash_map", "multi_process_hashmap", "multi_process_hash", "multi_process_map"}
+MULTI_PROCESS_HASH_MAP = (
+    "multi_process_hash_map",
+    "multi_process_hashmap",
+    "multi_process_hash",
+    "multi_process_map",
 )
 
 #: ``volatile_db.overflow_policy`` spellings (``get_hps_overflow_policy``).
@@ -143,6 +147,7 @@ HUGECTR_ONLY = MappingProxyType(
     }
 )
 
-#: the database types each section may hold (a ``rocks_db`` is no volatile database)
-VOLATILE_TYPES = frozenset(t.value for t in VolatileDBType)
-PERSISTENT_TYPES = frozenset(t.value for t in PersistentDBType)
+#: every ``volatile_db.type`` spelling: HugeCTR's database aliases and its multi-process map
+VOLATILE_ALIASES = MappingProxyType(
+    {**DATABASE_ALIASES, **dict.fromkeys(MULTI_PROCESS_HASH_MAP, "parallel_hash_map")}
+)

@@ -27,6 +27,7 @@ from hps.config_hugectr import (
     MULTI_PROCESS_HASH_MAP,
     OVERFLOW_ALIASES,
     UPDATE_SOURCE_ALIASES,
+    VOLATILE_ALIASES,
 )
 from hps.types import OverflowPolicy, PersistentDBType, UpdateSourceType, VolatileDBType
 
@@ -90,7 +91,7 @@ def _vdb_type(d: dict[str, Any], p: Problems, unused: list[str]) -> VolatileDBTy
         w,
         VolatileDBType,
         VolatileDBType.NONE,
-        DATABASE_ALIASES,
+        VOLATILE_ALIASES,
         fallback=VolatileDBType.NONE,
     )
 
@@ -254,7 +255,7 @@ def _update_type(d: dict[str, Any], p: Problems, unused: list[str]) -> UpdateSou
     the unused fields (tilerec consumes no Kafka topic)."""
     raw = d.get("type")
     if isinstance(raw, str) and raw in KAFKA_UPDATE_SOURCE:
-        unused.append(f"update_source.type ({raw!r}: no Kafka consumer, updates are not applied)")
+        unused.append(f"update_source.type ({raw!r}: no Kafka consumer; updates are not applied)")
         return UpdateSourceType.NONE
     return p.read(
         enum_field,

@@ -140,7 +140,10 @@ def test_valid_config_round_trips(tmp_path: Path) -> None:
             ),
             r"update_source\.type: 'file_log' is impossible.*rocks_db that is not read_only",
         ),
-        (lambda d: d.update(supportlonglong="yes"), r"ps.json\.supportlonglong: expected a boolean"),
+        (
+            lambda d: d.update(supportlonglong="yes"),
+            r"ps.json\.supportlonglong: expected a boolean",
+        ),
         (
             lambda d: (
                 d["volatile_db"].update(type="none"),

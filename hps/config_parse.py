@@ -208,6 +208,8 @@ def _parse_model(
         list_field, d, "deployed_device_list", where, int, None, [0], lambda x: x >= 0, ">= 0",
         fallback=[0],
     )  # fmt: skip
+    if "deployed_device_list" in d and isinstance(d["deployed_device_list"], list):
+        p.check(bool(devs), where, "deployed_device_list", devs, "at least one device id")
     network = p.read(field, d, "network_file", where, str, "", fallback="")
     return ModelConfig(
         model=name,

@@ -261,6 +261,19 @@ def test_a_semicolon_in_a_redis_address_is_refused() -> None:
         parse_config(doc)
 
 
+def test_an_empty_device_list_is_refused() -> None:
+    """HugeCTR takes the list's last entry, which an empty list does not have."""
+    with pytest.raises(ValueError, match=r"models\[0\]\.deployed_device_list: \[\] is impossible"):
+        parse_config(_doc({"deployed_device_list": []}))
+
+
+def test_the_warning_points_at_the_caller(tmp_path: Path) -> None:
+    (tmp_path / "ps.json").write_text(json.dumps(_doc({"refresh_delay": 0})))
+    with pytest.warns(HugeCTRFieldWarning) as record:
+        load_config(tmp_path / "ps.json")
+    assert record[0].filename == __file__
+
+
 def test_tls_is_refused_not_ignored() -> None:
     doc = _doc({"cache_exact": True}, volatile_db={"type": "redis", "enable_tls": True})
     with pytest.raises(ValueError, match=r"volatile_db\.enable_tls: True is impossible"):

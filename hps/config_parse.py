@@ -117,6 +117,10 @@ def _positive(x: int) -> bool:
     return x > 0
 
 
+def _non_negative(x: int) -> bool:
+    return x >= 0
+
+
 def _table_names(d: dict[str, Any], where: str, n: int, p: Problems) -> list[str]:
     """``embedding_table_names``, or HugeCTR's ``sparse_embedding<i>`` for each sparse file."""
     default = [f"sparse_embedding{i}" for i in range(n)]
@@ -187,7 +191,13 @@ def _parse_model(
     per = _fraction(d, "gpucacheper", where, 0.2, p)
     p.check(0.0 < per <= 1.0, where, "gpucacheper", per, "a fraction in (0, 1]")
     thr = _fraction(d, "hit_rate_threshold", where, 0.9, p)
-    p.check(thr >= 0.0, where, "hit_rate_threshold", thr, "a fraction >= 0 (1.0 and above: never)")
+    p.check(
+        thr >= 0.0,
+        where,
+        "hit_rate_threshold",
+        thr,
+        "a number >= 0 (1.0 or more: a miss is always read from the databases)",
+    )
     decay = _fraction(d, "cache_lfu_decay_keys_per_slot", where, DEFAULT_LFU_DECAY_KEYS_PER_SLOT, p)
     p.check(
         math.isfinite(decay) and decay >= 0,
@@ -205,7 +215,7 @@ def _parse_model(
     device = p.read(field, d, "device", where, str, "auto", fallback="auto")
     _check_device(device, where, p)
     devs = p.read(
-        list_field, d, "deployed_device_list", where, int, None, [0], lambda x: x >= 0, ">= 0",
+        list_field, d, "deployed_device_list", where, int, None, [0], _non_negative, ">= 0",
         fallback=[0],
     )  # fmt: skip
     if "deployed_device_list" in d and isinstance(d["deployed_device_list"], list):
@@ -226,7 +236,7 @@ def _parse_model(
             CachePolicy,
             CachePolicy.LRU,
             fallback=CachePolicy.LRU,
-        ),  # fmt: skip
+        ),
         cache_exact=p.read(field, d, "cache_exact", where, bool, False, fallback=False),
         cache_lfu_decay_keys_per_slot=decay,
         cache_refresh_percentage_per_iteration=refresh,

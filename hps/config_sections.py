@@ -76,6 +76,17 @@ def check_address(address: str, where: str, what: str, p: Problems) -> None:
     )
 
 
+def _get(p: Problems, d: dict[str, Any], where: str, key: str, typ: type, default: Any) -> Any:
+    """``d[key]`` of type ``typ`` (``default`` when absent or, recorded in ``p``, invalid)."""
+    return p.read(field, d, key, where, typ, default, fallback=default)
+
+
+def _path(p: Problems, d: dict[str, Any], where: str, key: str, base: Path | None) -> str:
+    """``d[key]``, a path resolved against ``base`` (``""`` when absent or invalid)."""
+    raw = _get(p, d, where, key, str, "")
+    return p.read(resolve_path, raw, base, f"{where}.{key}", fallback="")
+
+
 def _vdb_type(d: dict[str, Any], p: Problems, unused: list[str]) -> VolatileDBType:
     """``volatile_db.type``: a section without one is disabled, as in HugeCTR (its parser
     passes ``DatabaseType_t::Disabled`` as the default when the section is present)."""
@@ -105,17 +116,13 @@ def parse_vdb(d: dict[str, Any] | None, p: Problems, unused: list[str]) -> Volat
     dflt = VolatileDBConfig()
     typ = _vdb_type(d, p, unused)
 
-    def num(key: str, typ_: type, default: Any) -> Any:
-        return p.read(field, d, key, w, typ_, default, fallback=default)
-
-    address = num(
-        "address", str, REDIS_DEFAULT_ADDRESS if typ is VolatileDBType.REDIS_CLUSTER else ""
-    )
+    redis = typ is VolatileDBType.REDIS_CLUSTER
+    address = _get(p, d, w, "address", str, REDIS_DEFAULT_ADDRESS if redis else "")
     cfg = VolatileDBConfig(
         type=typ,
         address=address,
-        num_partitions=num("num_partitions", int, dflt.num_partitions),
-        overflow_margin=num("overflow_margin", int, dflt.overflow_margin),
+        num_partitions=_get(p, d, w, "num_partitions", int, dflt.num_partitions),
+        overflow_margin=_get(p, d, w, "overflow_margin", int, dflt.overflow_margin),
         overflow_policy=p.read(
             enum_field,
             d,
@@ -126,15 +133,15 @@ def parse_vdb(d: dict[str, Any] | None, p: Problems, unused: list[str]) -> Volat
             OVERFLOW_ALIASES,
             fallback=dflt.overflow_policy,
         ),
-        overflow_resolution_target=num("overflow_resolution_target", float, 0.8),
-        initial_cache_rate=num("initial_cache_rate", float, 1.0),
-        cache_missed_embeddings=num("cache_missed_embeddings", bool, False),
-        max_batch_size=num("max_batch_size", int, dflt.max_batch_size),
-        retry_interval_s=num("retry_interval_s", float, dflt.retry_interval_s),
-        socket_timeout_s=num("socket_timeout_s", float, dflt.socket_timeout_s),
+        overflow_resolution_target=_get(p, d, w, "overflow_resolution_target", float, 0.8),
+        initial_cache_rate=_get(p, d, w, "initial_cache_rate", float, 1.0),
+        cache_missed_embeddings=_get(p, d, w, "cache_missed_embeddings", bool, False),
+        max_batch_size=_get(p, d, w, "max_batch_size", int, dflt.max_batch_size),
+        retry_interval_s=_get(p, d, w, "retry_interval_s", float, dflt.retry_interval_s),
+        socket_timeout_s=_get(p, d, w, "socket_timeout_s", float, dflt.socket_timeout_s),
     )
     _check_vdb(cfg, p)
-    if num("enable_tls", bool, False):
+    if _get(p, d, w, "enable_tls", bool, False):
         p.check(
             False,
             w,
@@ -235,7 +242,7 @@ def parse_pdb(
     )
     if typ is PersistentDBType.ROCKS_DB and path:
         _check_folder_path(cfg.path, w, "path", "a folder for the rocks_db", p)
-    elif typ is PersistentDBType.ROCKS_DB:
+    elif typ is PersistentDBType.ROCKS_DB and isinstance(d.get("path"), str):  # "" written
         p.check(False, w, "path", cfg.path, "a folder for the rocks_db")
     return cfg
 
@@ -284,17 +291,13 @@ def parse_updates(
     known_fields(d, set(UpdateSourceConfig.__dataclass_fields__), w, w, p, unused)
     typ = _update_type(d, p, unused)
 
-    def path(key: str) -> str:
-        raw = p.read(field, d, key, w, str, "", fallback="")
-        return p.read(resolve_path, raw, base, f"{w}.{key}", fallback="")
-
     cfg = UpdateSourceConfig(
         type=typ,
-        path=path("path"),
+        path=_path(p, d, w, "path", base),
         address=p.read(field, d, "address", w, str, "", fallback=""),
         stream=p.read(field, d, "stream", w, str, "hps_updates", fallback="hps_updates"),
         poll_interval_s=p.read(field, d, "poll_interval_s", w, float, 0.5, fallback=0.5),
-        state_path=path("state_path"),
+        state_path=_path(p, d, w, "state_path", base),
     )
     p.check(
         0 <= cfg.poll_interval_s <= _MAX_WAIT_S,

@@ -14,10 +14,14 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
+import torch
 
 from hps.config_fields import ConfigError
 from hps.config_parse import HugeCTRFieldWarning, load_config, parse_config
+from hps.parameter_server import HierarchicalParameterServer
+from hps.storage.sparse_files import write_table
 from hps.types import OverflowPolicy, PersistentDBType, UpdateSourceType, VolatileDBType
 
 DATA = Path(__file__).parent / "data" / "hugectr_configs"
@@ -100,6 +104,34 @@ def test_every_real_hugectr_config_loads_and_names_its_unused_fields(path: Path)
 def test_models_naming_one_table_with_other_rows_are_refused_clearly(name: str) -> None:
     with pytest.raises(ValueError, match=r"table 'sparse_embedding0' of model 'bar' .* rename one"):
         load_config(DATA / name)
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["hps_trt_integration_test_for_pytorch.ps.json", "hierarchical_parameter_server_demo.ps.json"],
+)
+def test_a_real_hugectr_config_serves_its_sparse_files(tmp_path: Path, name: str) -> None:
+    """HugeCTR's ``ps.json`` (``supportlonglong: false`` in the first) beside sparse files in
+    HugeCTR's layout: rows come back exactly, a key no file holds gets the table's default."""
+    (tmp_path / "ps.json").write_text((DATA / name).read_text())
+    raw = json.loads((DATA / name).read_text())["models"][0]
+    dim = raw["embedding_vecsize_per_table"][0]
+    keys = np.arange(0, 40, 4, dtype=np.int64)  # 0, 4, ..., 36
+    rows = (keys[:, None] * 1000 + np.arange(dim)).astype(np.float32)  # integer-valued: exact
+    write_table(tmp_path / raw["sparse_files"][0], keys, rows)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", HugeCTRFieldWarning)
+        ps = HierarchicalParameterServer.from_config(tmp_path / "ps.json")
+    try:
+        table = raw.get("embedding_table_names", ["sparse_embedding0"])[0]
+        got = ps.session(raw["model"]).lookup(table, torch.tensor([[8, 3], [36, 0]]))
+    finally:
+        ps.close()
+    default = torch.full((dim,), float(raw["default_value_for_each_table"][0]))
+    want = torch.stack(
+        [torch.from_numpy(rows[2]), default, torch.from_numpy(rows[9]), torch.from_numpy(rows[0])]
+    )
+    assert torch.equal(got.reshape(4, dim), want)
 
 
 def test_strings_for_numbers_and_booleans_mean_the_numbers() -> None:

@@ -307,12 +307,15 @@ def _artifact_version(doc: dict[str, Any], name: str) -> int | None:
     return ARTIFACT_VERSION
 
 
-def _check_tiers(vdb: VolatileDBConfig, pdb: PersistentDBConfig, p: Problems) -> None:
+def _check_tiers(
+    vdb: VolatileDBConfig, pdb: PersistentDBConfig, typeless_vdb: bool, p: Problems
+) -> None:
     """Some tier must hold the tables, and without a persistent DB the volatile one all rows."""
     if vdb.type is VolatileDBType.NONE and pdb.type is PersistentDBType.NONE:
+        why = " (a volatile_db section without a type is disabled, as in HugeCTR)"
         p.add(
             "ps.json: volatile_db.type and persistent_db.type are both 'none'; at least one "
-            "database tier must hold the tables"
+            f"database tier must hold the tables{why if typeless_vdb else ''}"
         )
     if pdb.type is PersistentDBType.NONE:
         p.check(
@@ -388,7 +391,8 @@ def _parse(doc: Any, base: Path | None, name: str) -> PSConfig:
     pdb = parse_pdb(_section(doc, "persistent_db", p), base, p, unused)
     upd = parse_updates(_section(doc, "update_source", p), base, vdb, pdb, p, unused)
     if not p.errors:  # the checks across sections, on sections that read cleanly
-        _check_tiers(vdb, pdb, p)
+        typeless_vdb = isinstance(doc.get("volatile_db"), dict) and "type" not in doc["volatile_db"]
+        _check_tiers(vdb, pdb, typeless_vdb, p)
         _check_failed_keys_not_guessed(models, vdb, pdb, p)
         _check_shared_tables(models, p)
     p.raise_any(name)

@@ -231,6 +231,8 @@ def test_hugectr_defaults_are_taken() -> None:
     cfg = parse_config(_doc(volatile_db={}, persistent_db={"type": "rocks_db"}))
     assert cfg.volatile_db.type is VolatileDBType.NONE
     assert cfg.persistent_db.path == str(Path(tempfile.gettempdir()) / "rocksdb")
+    with pytest.raises(ValueError, match=r"without a type is disabled, as in HugeCTR"):
+        parse_config(_doc(volatile_db={"num_partitions": 4}))
     cfg = parse_config(_doc({"cache_exact": True}, volatile_db={"type": "redis"}))
     assert cfg.volatile_db.addresses() == [("127.0.0.1", 7000)]
     cfg = parse_config(_doc({"cache_exact": True}, volatile_db={"type": "redis", "address": "h"}))

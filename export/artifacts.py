@@ -147,7 +147,15 @@ def _ps_json(
     cache_lfu_decay_keys_per_slot: float,
 ) -> dict[str, Any]:
     """The ``ps.json`` document of the artifacts (HugeCTR's per-table lists, paths relative to
-    the artifact folder, the artifact format version at the top)."""
+    the artifact folder, the artifact format version at the top).
+
+    HugeCTR's parser reads it too: every field it requires is written (``supportlonglong``,
+    ``sparse_files``, ``deployed_device_list``, ``maxnum_catfeature_query_per_table_per_sample``,
+    ``embedding_vecsize_per_table``, ``default_value_for_each_table``) with the JSON type it
+    takes, and our own fields are ones it does not look up (``tests/export/test_psjson_for_hugectr.py``
+    checks this against its source). HugeCTR resolves the relative paths against its working
+    directory: run it from the artifact folder.
+    """
     tables = model_tables(model)
     return {
         ARTIFACT_VERSION_FIELD: ARTIFACT_VERSION,
@@ -169,6 +177,7 @@ def _ps_json(
                 "cache_exact": cache_exact,
                 "cache_policy": cache_policy,
                 "cache_lfu_decay_keys_per_slot": cache_lfu_decay_keys_per_slot,
+                "deployed_device_list": [0],  # HugeCTR requires it (its GPU; ours is "device")
                 "network_file": "dense.onnx",
             }
         ],

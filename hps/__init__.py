@@ -34,7 +34,7 @@ from hps.config import (
     UpdateSourceConfig,
     VolatileDBConfig,
 )
-from hps.config_parse import load_config, parse_config
+from hps.config_parse import ConfigError, HugeCTRFieldWarning, load_config, parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
 from hps.types import (
@@ -57,10 +57,12 @@ from hps.updates.record import CorruptRecordError, InvalidUpdateError
 __all__ = [
     "ARTIFACT_VERSION",
     "CachePolicy",
+    "ConfigError",
     "CorruptRecordError",
     "CorruptRowError",
     "FormatVersionError",
     "HierarchicalParameterServer",
+    "HugeCTRFieldWarning",
     "InvalidUpdateError",
     "KeyStatistics",
     "LookupSession",

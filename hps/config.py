@@ -48,9 +48,14 @@ of ours. It sits at the top level because HugeCTR's own parser
 by name and never walks an object's keys, so a key it does not know is ignored and our
 ``ps.json`` stays one that HugeCTR reads.
 
-Relative paths are resolved against the folder holding ``ps.json``. Unknown fields, missing
-required fields, wrong types and impossible values raise ``ValueError`` naming the field
-(``models[0].gpucacheper``); JSON syntax errors name the line and column. Among the impossible
+A ``ps.json`` written for HugeCTR is read as HugeCTR's parser reads it (aliases, numbers as
+strings, its defaults, ``supportlonglong: false``; :mod:`hps.config_parse`,
+:mod:`hps.config_hugectr`), and its fields tilerec does not use load with one warning naming
+them. Relative paths are resolved against the folder holding ``ps.json``. Unknown fields,
+missing required fields, wrong types and impossible values are errors naming the field
+(``models[0].gpucacheper``), all of a file's errors raised at once as one
+:class:`~hps.config_fields.ConfigError` (a ``ValueError``); JSON syntax errors name the line
+and column. Among the impossible
 values: ``volatile_db.num_partitions`` above :data:`MAX_PARTITIONS`; any ``max_batch_size``
 (a model's samples per request, a database's keys per command) above :data:`MAX_BATCH_SIZE`;
 a ``device`` other than ``auto``, ``cpu`` or ``cuda[:i]``, or a ``cuda`` device this machine
@@ -131,7 +136,6 @@ class ModelConfig:
     num_of_worker_buffer_in_pool: int = 4
     deployed_device_list: tuple[int, ...] = (0,)
     device: str = "auto"
-    dense_file: str = ""
     network_file: str = ""
 
     def table(self, name: str) -> TableSpec:
@@ -166,13 +170,19 @@ class VolatileDBConfig:
         return parse_addresses(self.address)
 
 
+#: Redis's own port, taken for a host written without one (HugeCTR's Redis client does so)
+REDIS_DEFAULT_PORT = 6379
+#: ``volatile_db.address`` of a ``redis_cluster`` that names none (HugeCTR's default)
+REDIS_DEFAULT_ADDRESS = "127.0.0.1:7000"
+
+
 def parse_addresses(address: str) -> list[tuple[str, int]]:
-    """``"host:port[,host:port...]"`` → ``[(host, port), ...]`` (``ValueError`` for a port
-    that is not an integer)."""
+    """``"host[:port][,host[:port]...]"`` → ``[(host, port), ...]``; a host without a port
+    gets :data:`REDIS_DEFAULT_PORT` (``ValueError`` for a port that is not an integer)."""
     out = []
     for part in filter(None, (p.strip() for p in address.split(","))):
-        host, _, port = part.rpartition(":")
-        out.append((host, int(port)))
+        host, colon, port = part.rpartition(":")
+        out.append((host, int(port)) if colon else (part, REDIS_DEFAULT_PORT))
     return out
 
 

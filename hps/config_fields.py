@@ -2,19 +2,28 @@
 field as ``<where>.<key>[<i>]`` (``models[0].embedding_vecsize_per_table[1]``).
 
 A JSON integer is accepted where a number is expected (and becomes a ``float``); a boolean is
-never an integer; ``NaN`` and ``Infinity`` (which ``json.loads`` takes) are refused.
+never an integer; ``NaN`` and ``Infinity`` (which ``json.loads`` takes) are refused. As in
+HugeCTR's configs (its CI template wrote ``"max_batch_size": "1"``, ``"gpucache": "true"``,
+``"deployed_device_list": ["0"]``), a number or a boolean may be written as a JSON string:
+``"64"`` is read as the integer 64, ``"0.5"`` as a number, ``"true"`` / ``"false"`` as booleans.
+
+Errors are collected in a :class:`Problems` so that a document reports all of them at once
+(:class:`ConfigError`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+import re
+from collections.abc import Callable, Mapping
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
 
 __all__ = [
     "MISSING",
+    "ConfigError",
+    "Problems",
     "check",
     "enum_field",
     "field",
@@ -26,6 +35,26 @@ __all__ = [
 
 MISSING: Any = object()  # the default of a required field
 E = TypeVar("E", bound=StrEnum)
+T = TypeVar("T")
+
+_INT_TEXT = re.compile(r"[+-]?[0-9]{1,30}")
+_FLOAT_TEXT = re.compile(r"[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]{1,4})?")
+_BOOL_TEXT = {"true": True, "false": False}
+
+
+def _from_text(v: Any, typ: type) -> Any:
+    """A number or boolean written as a JSON string (``"64"``, ``"0.5"``, ``"true"``) as that
+    value when ``typ`` asks for one; anything else unchanged."""
+    if not isinstance(v, str):
+        return v
+    if typ is bool:
+        return _BOOL_TEXT.get(v, v)
+    if typ is int and _INT_TEXT.fullmatch(v):
+        return int(v)
+    if typ is float and _FLOAT_TEXT.fullmatch(v):
+        return float(v)
+    return v
+
 
 _TYPE_NAMES = {
     bool: "a boolean",
@@ -66,7 +95,7 @@ def field(d: dict[str, Any], key: str, where: str, typ: type, default: Any = MIS
         if default is MISSING:
             raise ValueError(f"{where}.{key}: required field is missing")
         return default
-    v = d[key]
+    v = _from_text(d[key], typ)
     if not _is(v, typ):
         raise ValueError(
             f"{where}.{key}: expected {_TYPE_NAMES[typ]}, got {v!r} ({type(v).__name__})"
@@ -80,6 +109,52 @@ def field(d: dict[str, Any], key: str, where: str, typ: type, default: Any = MIS
     return v
 
 
+class ConfigError(ValueError):
+    """Every error found in one ``ps.json``, each naming its field, the value and what was
+    expected (``errors``); the message lists them all, one a line."""
+
+    def __init__(self, name: str, errors: list[str]) -> None:
+        self.name, self.errors = name, tuple(errors)
+        if len(errors) == 1:
+            super().__init__(errors[0])
+        else:
+            lines = "\n".join(f"  {e}" for e in errors)
+            super().__init__(f"{name}: {len(errors)} errors:\n{lines}")
+
+
+class Problems:
+    """The errors of one document, collected so that all are reported at once.
+
+    Each read goes through :meth:`read`: a ``ValueError`` it raises is recorded and the
+    ``fallback`` returned, so parsing goes on to the next field.
+    """
+
+    def __init__(self) -> None:
+        self.errors: list[str] = []
+
+    def read(self, fn: Callable[..., T], *args: Any, fallback: T, **kwargs: Any) -> T:
+        """``fn(*args, **kwargs)``, or ``fallback`` once its ``ValueError`` is recorded."""
+        try:
+            return fn(*args, **kwargs)
+        except ValueError as e:
+            self.errors.append(str(e))
+            return fallback
+
+    def check(self, ok: bool, where: str, key: str, value: Any, expected: str) -> bool:
+        """Record the error :func:`check` would raise; returns ``ok``."""
+        if not ok:
+            self.errors.append(f"{where}.{key}: {value!r} is impossible; expected {expected}")
+        return ok
+
+    def add(self, message: str) -> None:
+        self.errors.append(message)
+
+    def raise_any(self, name: str) -> None:
+        """Raise :class:`ConfigError` (all errors of ``name``) if any was recorded."""
+        if self.errors:
+            raise ConfigError(name, self.errors)
+
+
 def check(ok: bool, where: str, key: str, value: Any, expected: str) -> None:
     """Raise ``ValueError`` naming ``<where>.<key>``, ``value`` and what was ``expected``
     unless ``ok``."""
@@ -87,17 +162,27 @@ def check(ok: bool, where: str, key: str, value: Any, expected: str) -> None:
         raise ValueError(f"{where}.{key}: {value!r} is impossible; expected {expected}")
 
 
-def enum_field(d: dict[str, Any], key: str, where: str, enum: type[E], default: E) -> E:
-    """``d[key]`` as a member of ``enum`` (``default`` when absent).
+def enum_field(
+    d: dict[str, Any],
+    key: str,
+    where: str,
+    enum: type[E],
+    default: E,
+    aliases: Mapping[str, str] | None = None,
+) -> E:
+    """``d[key]`` as a member of ``enum`` (``default`` when absent); a key of ``aliases`` (the
+    other spellings HugeCTR takes, :mod:`hps.config_hugectr`) means the member its value names.
 
     Raises:
-        ValueError: a value that is not one of the enum's, naming them.
+        ValueError: a value that is neither one of the enum's nor an alias, naming them.
     """
     v = field(d, key, where, str, default.value)
+    aliases = aliases or {}
     try:
-        return enum(v)
+        return enum(aliases.get(v, v))
     except ValueError:
-        raise ValueError(f"{where}.{key}: {v!r} is not one of {[e.value for e in enum]}") from None
+        names = [e.value for e in enum] + [a for a in aliases if aliases[a] in set(enum)]
+        raise ValueError(f"{where}.{key}: {v!r} is not one of {names}") from None
 
 
 def no_unknown(d: dict[str, Any], allowed: set[str], where: str) -> None:
@@ -136,6 +221,7 @@ def list_field(
         raise ValueError(f"{where}.{key}: expected {n} entries (one per table), got {len(v)}")
     out = []
     for i, x in enumerate(v):
+        x = _from_text(x, item)
         if not _is(x, item):
             raise ValueError(f"{where}.{key}[{i}]: expected {_TYPE_NAMES[item]}, got {x!r}")
         if item is float:

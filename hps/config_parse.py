@@ -1,5 +1,13 @@
 """Reading ``ps.json`` (:mod:`hps.config` describes the format): every section checked,
-relative paths resolved against the file's folder, errors naming the field.
+relative paths resolved against the file's folder, every error of a file reported at once
+(:class:`~hps.config_fields.ConfigError`, each error naming its field, the value and what was
+expected).
+
+HugeCTR's ``ps.json`` is read as HugeCTR's parser reads it (:mod:`hps.config_hugectr`): its
+aliases (``disabled``, ``redis``, ``rocksdb``, ``oldest``, ...), numbers and booleans written as
+strings, its defaults (``max_batch_size`` 64, ``embedding_table_names`` ``sparse_embedding<i>``,
+a short ``default_value_for_each_table`` padded with 0.0), ``supportlonglong: false``. Its fields
+tilerec does not use are accepted, and one :class:`HugeCTRFieldWarning` per read names them all.
 """
 
 from __future__ import annotations
@@ -7,42 +15,43 @@ from __future__ import annotations
 import json
 import math
 import re
+import warnings
 from pathlib import Path
 from typing import Any
 
 from hps.artifact_format import ARTIFACT_VERSION, ARTIFACT_VERSION_FIELD
 from hps.config import (
     MAX_BATCH_SIZE,
-    MAX_PARTITIONS,
     ModelConfig,
     PersistentDBConfig,
     PSConfig,
     TableSpec,
-    UpdateSourceConfig,
     VolatileDBConfig,
-    parse_addresses,
 )
 from hps.config_fields import (
-    check,
+    ConfigError,
+    Problems,
     enum_field,
     field,
     list_field,
-    no_unknown,
-    object_field,
     resolve_path,
 )
+from hps.config_sections import BATCH_RANGE, known_fields, parse_pdb, parse_updates, parse_vdb
 from hps.names import NAME_RULE, is_name
 from hps.types import (
     DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
     CachePolicy,
     FormatVersionError,
-    OverflowPolicy,
     PersistentDBType,
-    UpdateSourceType,
     VolatileDBType,
 )
 
-__all__ = ["load_config", "parse_config"]
+__all__ = ["ConfigError", "HugeCTRFieldWarning", "load_config", "parse_config"]
+
+
+class HugeCTRFieldWarning(UserWarning):
+    """A ``ps.json`` holds HugeCTR fields tilerec accepts and does not use (one warning per
+    read, naming every such field)."""
 
 
 _TOP_FIELDS = {
@@ -54,40 +63,23 @@ _TOP_FIELDS = {
     "update_source",
 }
 
-
-def _check_address(address: str, where: str, what: str) -> None:
-    """``address`` must be ``host:port[,host:port...]`` with ports in 1..65535."""
-    try:
-        addrs = parse_addresses(address)
-    except ValueError:
-        addrs = []
-    check(
-        bool(addrs) and all(h and 0 < p < 65536 for h, p in addrs),
-        where,
-        "address",
-        address,
-        f"'host:port[,host:port...]' with ports in 1..65535 for {what}",
-    )
+#: HugeCTR's ``max_batch_size`` of a model that names none (``parameter_server_config::init``)
+HUGECTR_DEFAULT_MAX_BATCH_SIZE = 64
 
 
-_MAX_WAIT_S = 86400.0  # a day: the longest poll / retry interval or timeout ps.json may ask for
-
-
-_BATCH_RANGE = f"an integer in [1, {MAX_BATCH_SIZE}] (hps.config.MAX_BATCH_SIZE)"
-
-
-def _check_device(device: str, where: str) -> None:
+def _check_device(device: str, where: str, p: Problems) -> None:
     """``device`` must be ``auto``, ``cpu`` or ``cuda[:i]`` with ``i`` a CUDA device of this
     machine (a config naming a GPU the machine lacks fails here, not at the first lookup)."""
     m = re.fullmatch(r"auto|cpu|cuda(?::(\d+))?", device)
-    check(m is not None, where, "device", device, "'auto', 'cpu' or 'cuda[:i]'")
+    if not p.check(m is not None, where, "device", device, "'auto', 'cpu' or 'cuda[:i]'"):
+        return
     if not device.startswith("cuda"):
         return
     import torch
 
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
     index = int(m.group(1)) if m is not None and m.group(1) else 0
-    check(
+    p.check(
         index < n,
         where,
         "device",
@@ -117,278 +109,146 @@ _MODEL_FIELDS = {
     "num_of_worker_buffer_in_pool",
     "deployed_device_list",
     "device",
-    "dense_file",
     "network_file",
-    "maxnum_des_feature_per_sample",
 }
 
 
-def _parse_tables(d: dict[str, Any], where: str, base: Path | None) -> tuple[TableSpec, ...]:
-    """A model's tables from HugeCTR's per-table lists (one entry per table in each)."""
-    names = list_field(d, "embedding_table_names", where, str, None, ok=is_name, expected=NAME_RULE)
-    if not names:
-        raise ValueError(f"{where}.embedding_table_names: a model needs at least one table")
-    dup = sorted({n for n in names if names.count(n) > 1})
+def _positive(x: int) -> bool:
+    return x > 0
+
+
+def _non_negative(x: int) -> bool:
+    return x >= 0
+
+
+def _table_names(d: dict[str, Any], where: str, n: int, p: Problems) -> list[str]:
+    """``embedding_table_names``, or HugeCTR's ``sparse_embedding<i>`` for each sparse file."""
+    default = [f"sparse_embedding{i}" for i in range(n)]
+    names = p.read(
+        list_field, d, "embedding_table_names", where, str, n, default, is_name, NAME_RULE,
+        fallback=default,
+    )  # fmt: skip
+    dup = sorted({x for x in names if names.count(x) > 1})
     if dup:
-        raise ValueError(f"{where}.embedding_table_names: duplicate table names {dup}")
-    n = len(names)
-    files = list_field(d, "sparse_files", where, str, n)
-    dims = list_field(
-        d, "embedding_vecsize_per_table", where, int, n, ok=lambda x: x > 0, expected="> 0"
-    )
-    hot = list_field(
-        d,
-        "maxnum_catfeature_query_per_table_per_sample",
-        where,
-        int,
-        n,
-        ok=lambda x: x > 0,
-        expected="> 0",
-    )
-    defaults = list_field(d, "default_value_for_each_table", where, float, n, default=[0.0] * n)
-    return tuple(
-        TableSpec(
-            names[i],
-            resolve_path(files[i], base, f"{where}.sparse_files[{i}]"),
-            dims[i],
-            hot[i],
-            defaults[i],
-        )
+        p.add(f"{where}.embedding_table_names: duplicate table names {dup}")
+    return names
+
+
+def _defaults(d: dict[str, Any], where: str, n: int, p: Problems, unused: list[str]) -> list[float]:
+    """``default_value_for_each_table``: a short list is padded with 0.0 and a long one cut to
+    the tables, as HugeCTR does (the values cut are reported with the unused fields)."""
+    key = "default_value_for_each_table"
+    values = p.read(list_field, d, key, where, float, None, [0.0] * n, fallback=[0.0] * n)
+    if len(values) > n:
+        unused.append(f"{where}.{key}[{n}:] ({len(values) - n} value(s) past the {n} tables)")
+    return (values + [0.0] * n)[:n]
+
+
+def _parse_tables(
+    d: dict[str, Any], where: str, base: Path | None, p: Problems, unused: list[str]
+) -> tuple[TableSpec, ...]:
+    """A model's tables from HugeCTR's per-table lists, one table per ``sparse_files`` entry."""
+    files: list[str] = p.read(list_field, d, "sparse_files", where, str, None, fallback=[])
+    n = len(files)
+    if "sparse_files" in d and not n and isinstance(d["sparse_files"], list):
+        p.add(f"{where}.sparse_files: a model needs at least one table")
+    names = _table_names(d, where, n, p)
+    dims = p.read(
+        list_field, d, "embedding_vecsize_per_table", where, int, n, ok=_positive, expected="> 0",
+        fallback=[1] * n,
+    )  # fmt: skip
+    hot = p.read(
+        list_field, d, "maxnum_catfeature_query_per_table_per_sample", where, int, n,
+        ok=_positive, expected="> 0", fallback=[1] * n,
+    )  # fmt: skip
+    defaults = _defaults(d, where, n, p, unused)
+    paths = [
+        p.read(resolve_path, files[i], base, f"{where}.sparse_files[{i}]", fallback="")
         for i in range(n)
-    )
+    ]
+    if not (len(names) == len(dims) == len(hot) == n):
+        return ()
+    return tuple(TableSpec(names[i], paths[i], dims[i], hot[i], defaults[i]) for i in range(n))
 
 
-def _parse_model(d: Any, where: str, base: Path | None) -> ModelConfig:
+def _fraction(d: dict[str, Any], key: str, where: str, default: float, p: Problems) -> float:
+    return p.read(field, d, key, where, float, default, fallback=default)
+
+
+def _parse_model(
+    d: Any, where: str, base: Path | None, p: Problems, unused: list[str]
+) -> ModelConfig | None:
     if not isinstance(d, dict):
-        raise ValueError(f"{where}: expected an object, got {type(d).__name__}")
-    no_unknown(d, _MODEL_FIELDS, where)
-    name = field(d, "model", where, str)
-    check(is_name(name), where, "model", name, NAME_RULE)
-    tables = _parse_tables(d, where, base)
-    mbs = field(d, "max_batch_size", where, int)
-    check(0 < mbs <= MAX_BATCH_SIZE, where, "max_batch_size", mbs, _BATCH_RANGE)
-    per = field(d, "gpucacheper", where, float, 0.2)
-    check(0.0 < per <= 1.0, where, "gpucacheper", per, "a fraction in (0, 1]")
-    thr = field(d, "hit_rate_threshold", where, float, 0.9)
-    check(0.0 <= thr <= 1.0, where, "hit_rate_threshold", thr, "a fraction in [0, 1]")
-    decay = field(d, "cache_lfu_decay_keys_per_slot", where, float, DEFAULT_LFU_DECAY_KEYS_PER_SLOT)
-    check(
+        p.add(f"{where}: expected an object, got {type(d).__name__}")
+        return None
+    known_fields(d, _MODEL_FIELDS, "model", where, p, unused)
+    name = p.read(field, d, "model", where, str, fallback="")
+    if "model" in d and isinstance(d["model"], str):
+        p.check(is_name(name), where, "model", name, NAME_RULE)
+    tables = _parse_tables(d, where, base, p, unused)
+    mbs = p.read(field, d, "max_batch_size", where, int, HUGECTR_DEFAULT_MAX_BATCH_SIZE, fallback=1)
+    p.check(0 < mbs <= MAX_BATCH_SIZE, where, "max_batch_size", mbs, BATCH_RANGE)
+    per = _fraction(d, "gpucacheper", where, 0.2, p)
+    p.check(0.0 < per <= 1.0, where, "gpucacheper", per, "a fraction in (0, 1]")
+    thr = _fraction(d, "hit_rate_threshold", where, 0.9, p)
+    p.check(
+        thr >= 0.0,
+        where,
+        "hit_rate_threshold",
+        thr,
+        "a number >= 0 (1.0 or more: a miss is always read from the databases)",
+    )
+    decay = _fraction(d, "cache_lfu_decay_keys_per_slot", where, DEFAULT_LFU_DECAY_KEYS_PER_SLOT, p)
+    p.check(
         math.isfinite(decay) and decay >= 0,
         where,
         "cache_lfu_decay_keys_per_slot",
         decay,
         "looked-up keys per cache slot between LFU halvings, a finite number >= 0 (0: never)",
     )
-    refresh = field(d, "cache_refresh_percentage_per_iteration", where, float, 0.0)
-    check(
+    refresh = _fraction(d, "cache_refresh_percentage_per_iteration", where, 0.0, p)
+    p.check(
         0.0 <= refresh <= 1.0, where, "cache_refresh_percentage_per_iteration", refresh, "in [0, 1]"
     )
-    workers = field(d, "num_of_worker_buffer_in_pool", where, int, 4)
-    check(workers > 0, where, "num_of_worker_buffer_in_pool", workers, "> 0")
-    device = field(d, "device", where, str, "auto")
-    _check_device(device, where)
-    devs = list_field(
-        d,
-        "deployed_device_list",
-        where,
-        int,
-        None,
-        default=[0],
-        ok=lambda x: x >= 0,
-        expected=">= 0",
-    )
-    if "maxnum_des_feature_per_sample" in d:
-        field(d, "maxnum_des_feature_per_sample", where, int)
+    workers = p.read(field, d, "num_of_worker_buffer_in_pool", where, int, 4, fallback=4)
+    p.check(workers > 0, where, "num_of_worker_buffer_in_pool", workers, "> 0")
+    device = p.read(field, d, "device", where, str, "auto", fallback="auto")
+    _check_device(device, where, p)
+    devs = p.read(
+        list_field, d, "deployed_device_list", where, int, None, [0], _non_negative, ">= 0",
+        fallback=[0],
+    )  # fmt: skip
+    if "deployed_device_list" in d and isinstance(d["deployed_device_list"], list):
+        p.check(bool(devs), where, "deployed_device_list", devs, "at least one device id")
+    network = p.read(field, d, "network_file", where, str, "", fallback="")
     return ModelConfig(
         model=name,
         tables=tables,
         max_batch_size=mbs,
-        gpucache=field(d, "gpucache", where, bool, True),
+        gpucache=p.read(field, d, "gpucache", where, bool, True, fallback=True),
         gpucacheper=per,
         hit_rate_threshold=thr,
-        cache_policy=enum_field(d, "cache_policy", where, CachePolicy, CachePolicy.LRU),
-        cache_exact=field(d, "cache_exact", where, bool, False),
+        cache_policy=p.read(
+            enum_field,
+            d,
+            "cache_policy",
+            where,
+            CachePolicy,
+            CachePolicy.LRU,
+            fallback=CachePolicy.LRU,
+        ),
+        cache_exact=p.read(field, d, "cache_exact", where, bool, False, fallback=False),
         cache_lfu_decay_keys_per_slot=decay,
         cache_refresh_percentage_per_iteration=refresh,
         num_of_worker_buffer_in_pool=workers,
         deployed_device_list=tuple(devs),
         device=device,
-        dense_file=resolve_path(
-            field(d, "dense_file", where, str, ""), base, f"{where}.dense_file"
-        ),
-        network_file=resolve_path(
-            field(d, "network_file", where, str, ""), base, f"{where}.network_file"
-        ),
+        network_file=p.read(resolve_path, network, base, f"{where}.network_file", fallback=""),
     )
-
-
-def _parse_vdb(d: dict[str, Any]) -> VolatileDBConfig:
-    w = "volatile_db"
-    no_unknown(d, set(VolatileDBConfig.__dataclass_fields__), w)
-    dflt = VolatileDBConfig()
-    typ = enum_field(d, "type", w, VolatileDBType, dflt.type)
-    cfg = VolatileDBConfig(
-        type=typ,
-        address=field(d, "address", w, str, ""),
-        num_partitions=field(d, "num_partitions", w, int, dflt.num_partitions),
-        overflow_margin=field(d, "overflow_margin", w, int, dflt.overflow_margin),
-        overflow_policy=enum_field(d, "overflow_policy", w, OverflowPolicy, dflt.overflow_policy),
-        overflow_resolution_target=field(d, "overflow_resolution_target", w, float, 0.8),
-        initial_cache_rate=field(d, "initial_cache_rate", w, float, 1.0),
-        cache_missed_embeddings=field(d, "cache_missed_embeddings", w, bool, False),
-        max_batch_size=field(d, "max_batch_size", w, int, dflt.max_batch_size),
-        retry_interval_s=field(d, "retry_interval_s", w, float, dflt.retry_interval_s),
-        socket_timeout_s=field(d, "socket_timeout_s", w, float, dflt.socket_timeout_s),
-    )
-    check(
-        0 < cfg.num_partitions <= MAX_PARTITIONS,
-        w,
-        "num_partitions",
-        cfg.num_partitions,
-        f"an integer in [1, {MAX_PARTITIONS}] (hps.config.MAX_PARTITIONS)",
-    )
-    check(
-        cfg.overflow_margin > 0, w, "overflow_margin", cfg.overflow_margin, "> 0 rows per partition"
-    )
-    check(
-        0.0 < cfg.overflow_resolution_target <= 1.0,
-        w,
-        "overflow_resolution_target",
-        cfg.overflow_resolution_target,
-        "a fraction in (0, 1]",
-    )
-    check(
-        0.0 <= cfg.initial_cache_rate <= 1.0,
-        w,
-        "initial_cache_rate",
-        cfg.initial_cache_rate,
-        "a fraction in [0, 1]",
-    )
-    check(
-        0 < cfg.max_batch_size <= MAX_BATCH_SIZE,
-        w,
-        "max_batch_size",
-        cfg.max_batch_size,
-        _BATCH_RANGE,
-    )
-    check(
-        0 <= cfg.retry_interval_s <= _MAX_WAIT_S,
-        w,
-        "retry_interval_s",
-        cfg.retry_interval_s,
-        f"seconds in [0, {_MAX_WAIT_S:.0f}]",
-    )
-    check(
-        0 < cfg.socket_timeout_s <= _MAX_WAIT_S,
-        w,
-        "socket_timeout_s",
-        cfg.socket_timeout_s,
-        f"seconds in (0, {_MAX_WAIT_S:.0f}]",
-    )
-    if typ is VolatileDBType.REDIS_CLUSTER:
-        _check_address(cfg.address, w, "a redis_cluster")
-    return cfg
-
-
-def _parse_pdb(d: dict[str, Any], base: Path | None) -> PersistentDBConfig:
-    w = "persistent_db"
-    no_unknown(d, set(PersistentDBConfig.__dataclass_fields__), w)
-    typ = enum_field(d, "type", w, PersistentDBType, PersistentDBType.NONE)
-    cfg = PersistentDBConfig(
-        type=typ,
-        path=resolve_path(field(d, "path", w, str, ""), base, f"{w}.path"),
-        read_only=field(d, "read_only", w, bool, False),
-        max_batch_size=field(d, "max_batch_size", w, int, 65536),
-    )
-    check(
-        0 < cfg.max_batch_size <= MAX_BATCH_SIZE,
-        w,
-        "max_batch_size",
-        cfg.max_batch_size,
-        _BATCH_RANGE,
-    )
-    if typ is PersistentDBType.ROCKS_DB:
-        check(bool(cfg.path), w, "path", cfg.path, "a folder for the rocks_db")
-        _check_folder_path(cfg.path, w, "path", "a folder for the rocks_db")
-    return cfg
-
-
-def _check_folder_path(path: str, where: str, key: str, expected: str) -> None:
-    """``path`` must be a folder or not exist yet, and no existing part of it a file."""
-    p = Path(path)
-    for q in (p, *p.parents):
-        if q.exists():
-            what = "is a file" if q == p else f"lies under the file {str(q)!r}"
-            check(q.is_dir(), where, key, path, f"{expected} (it {what})")
-            return
-
-
-def _parse_updates(
-    d: dict[str, Any], base: Path | None, vdb: VolatileDBConfig, pdb: PersistentDBConfig
-) -> UpdateSourceConfig:
-    w = "update_source"
-    no_unknown(d, set(UpdateSourceConfig.__dataclass_fields__), w)
-    typ = enum_field(d, "type", w, UpdateSourceType, UpdateSourceType.NONE)
-    cfg = UpdateSourceConfig(
-        type=typ,
-        path=resolve_path(field(d, "path", w, str, ""), base, f"{w}.path"),
-        address=field(d, "address", w, str, ""),
-        stream=field(d, "stream", w, str, "hps_updates"),
-        poll_interval_s=field(d, "poll_interval_s", w, float, 0.5),
-        state_path=resolve_path(field(d, "state_path", w, str, ""), base, f"{w}.state_path"),
-    )
-    check(
-        0 <= cfg.poll_interval_s <= _MAX_WAIT_S,
-        w,
-        "poll_interval_s",
-        cfg.poll_interval_s,
-        f"seconds in [0, {_MAX_WAIT_S:.0f}]",
-    )
-    if typ is UpdateSourceType.FILE_LOG:
-        check(bool(cfg.path), w, "path", cfg.path, "the update log file for a file_log source")
-    if typ is UpdateSourceType.REDIS_STREAM:
-        if cfg.address:
-            _check_address(cfg.address, w, "a redis_stream source")
-        elif vdb.address:  # the volatile db's redis is the stream's
-            _check_address(
-                vdb.address,
-                "volatile_db",
-                "the redis_stream source (update_source.address is empty)",
-            )
-        else:
-            check(
-                False,
-                w,
-                "address",
-                cfg.address,
-                "a redis address (or a redis_cluster volatile_db.address)",
-            )
-        check(bool(cfg.stream), w, "stream", cfg.stream, "a non-empty stream name")
-        writable_pdb = pdb.type is PersistentDBType.ROCKS_DB and not pdb.read_only
-        check(
-            bool(cfg.state_path) or writable_pdb,
-            w,
-            "state_path",
-            cfg.state_path,
-            "a file for the last applied stream entry id: a redis_stream source needs one "
-            "unless persistent_db is a writable rocks_db (which then stores it)",
-        )
-    if typ is not UpdateSourceType.NONE and vdb.type is VolatileDBType.NONE:
-        writable_pdb = pdb.type is PersistentDBType.ROCKS_DB and not pdb.read_only
-        check(
-            writable_pdb,
-            w,
-            "type",
-            typ.value,
-            "a source whose updates some tier keeps: with volatile_db 'none' the persistent_db "
-            "must be a rocks_db that is not read_only (else updates reach only cached copies "
-            "and are lost on eviction and restart)",
-        )
-    return cfg
 
 
 def _check_failed_keys_not_guessed(
-    models: tuple[ModelConfig, ...], vdb: VolatileDBConfig, pdb: PersistentDBConfig
+    models: tuple[ModelConfig, ...], vdb: VolatileDBConfig, pdb: PersistentDBConfig, p: Problems
 ) -> None:
     """With a Redis cluster as the only database, a model must never answer a cache miss
     without reading the tiers (asynchronous insertion): while a node is down its keys would
@@ -396,7 +256,7 @@ def _check_failed_keys_not_guessed(
     if vdb.type is not VolatileDBType.REDIS_CLUSTER or pdb.type is not PersistentDBType.NONE:
         return
     for i, m in enumerate(models):
-        check(
+        p.check(
             not m.gpucache or m.cache_exact or m.hit_rate_threshold >= 1.0,
             f"models[{i}]",
             "cache_exact",
@@ -409,7 +269,7 @@ def _check_failed_keys_not_guessed(
         )
 
 
-def _check_shared_tables(models: tuple[ModelConfig, ...]) -> None:
+def _check_shared_tables(models: tuple[ModelConfig, ...], p: Problems) -> None:
     """Tables are keyed by name in the databases: models may share a table only when they
     name the same rows (same sparse file and dim)."""
     seen: dict[str, tuple[str, TableSpec]] = {}
@@ -422,7 +282,7 @@ def _check_shared_tables(models: tuple[ModelConfig, ...]) -> None:
             if (Path(u.sparse_file).resolve() if u.sparse_file else "") != (
                 Path(t.sparse_file).resolve() if t.sparse_file else ""
             ) or u.dim != t.dim:
-                raise ValueError(
+                p.add(
                     f"ps.json.models: table {t.name!r} of model {m.model!r} (sparse file "
                     f"{t.sparse_file!r}, dim {t.dim}) and of model {other!r} (sparse file "
                     f"{u.sparse_file!r}, dim {u.dim}) differ; the databases key tables by name, so "
@@ -447,45 +307,18 @@ def _artifact_version(doc: dict[str, Any], name: str) -> int | None:
     return ARTIFACT_VERSION
 
 
-def parse_config(doc: Any, base_dir: str | Path | None = None, name: str = "ps.json") -> PSConfig:
-    """Validate a decoded ``ps.json`` document.
-
-    Args:
-        doc: the decoded JSON.
-        base_dir: the folder relative paths resolve against (``None``: kept as written).
-        name: the document in a version error (its path).
-
-    Raises:
-        FormatVersionError: ``tilerec_artifact_version`` is present and not
-            :data:`ARTIFACT_VERSION`.
-        ValueError: naming the field (``models[1].embedding_vecsize_per_table[0]``).
-    """
-    base = Path(base_dir) if base_dir is not None else None
-    if not isinstance(doc, dict):
-        raise ValueError(
-            f"ps.json: expected a JSON object at the top level, got {type(doc).__name__}"
-        )
-    no_unknown(doc, _TOP_FIELDS, "ps.json")
-    version = _artifact_version(doc, name)
-    longlong = field(doc, "supportlonglong", "ps.json", bool, True)
-    check(longlong, "ps.json", "supportlonglong", longlong, "true (keys are int64)")
-    models_raw = field(doc, "models", "ps.json", list)
-    if not models_raw:
-        raise ValueError("ps.json.models: at least one model is required")
-    models = tuple(_parse_model(m, f"models[{i}]", base) for i, m in enumerate(models_raw))
-    names = [m.model for m in models]
-    if len(set(names)) != len(names):
-        raise ValueError(f"ps.json.models: duplicate model names {names}")
-    vdb = _parse_vdb(object_field(doc, "volatile_db", "ps.json"))
-    pdb = _parse_pdb(object_field(doc, "persistent_db", "ps.json"), base)
-    upd = _parse_updates(object_field(doc, "update_source", "ps.json"), base, vdb, pdb)
+def _check_tiers(
+    vdb: VolatileDBConfig, pdb: PersistentDBConfig, typeless_vdb: bool, p: Problems
+) -> None:
+    """Some tier must hold the tables, and without a persistent DB the volatile one all rows."""
     if vdb.type is VolatileDBType.NONE and pdb.type is PersistentDBType.NONE:
-        raise ValueError(
+        why = " (a volatile_db section without a type is disabled, as in HugeCTR)"
+        p.add(
             "ps.json: volatile_db.type and persistent_db.type are both 'none'; at least one "
-            "database tier must hold the tables"
+            f"database tier must hold the tables{why if typeless_vdb else ''}"
         )
     if pdb.type is PersistentDBType.NONE:
-        check(
+        p.check(
             vdb.initial_cache_rate == 1.0,
             "volatile_db",
             "initial_cache_rate",
@@ -493,8 +326,77 @@ def parse_config(doc: Any, base_dir: str | Path | None = None, name: str = "ps.j
             "1.0 without a persistent_db (the rows not loaded would be served as default "
             "vectors: no tier would hold them)",
         )
-    _check_failed_keys_not_guessed(models, vdb, pdb)
-    _check_shared_tables(models)
+
+
+def _section(doc: dict[str, Any], key: str, p: Problems) -> dict[str, Any] | None:
+    """``doc[key]`` when it is an object, ``None`` when absent (an error when not an object)."""
+    v = doc.get(key)
+    if v is None and key not in doc:
+        return None
+    if not isinstance(v, dict):
+        p.add(f"ps.json.{key}: expected an object, got {type(v).__name__}")
+        return {}
+    return v
+
+
+def _parse_models(
+    doc: dict[str, Any], base: Path | None, p: Problems, unused: list[str]
+) -> tuple[ModelConfig, ...]:
+    raw = p.read(field, doc, "models", "ps.json", list, fallback=None)
+    if raw is not None and not raw:
+        p.add("ps.json.models: at least one model is required")
+    parsed = [_parse_model(m, f"models[{i}]", base, p, unused) for i, m in enumerate(raw or [])]
+    models = tuple(m for m in parsed if m is not None)
+    names = [m.model for m in models]
+    if len(set(names)) != len(names):
+        p.add(f"ps.json.models: duplicate model names {names}")
+    return models
+
+
+def parse_config(doc: Any, base_dir: str | Path | None = None, name: str = "ps.json") -> PSConfig:
+    """Validate a decoded ``ps.json`` document (ours or HugeCTR's, see the module docstring).
+
+    Args:
+        doc: the decoded JSON.
+        base_dir: the folder relative paths resolve against (``None``: kept as written).
+        name: the document in messages (its path).
+
+    Returns:
+        the config; a :class:`HugeCTRFieldWarning` names the HugeCTR fields it does not use.
+
+    Raises:
+        FormatVersionError: ``tilerec_artifact_version`` is present and not
+            :data:`ARTIFACT_VERSION`.
+        ConfigError: (a ``ValueError``) every error of the document, each naming the field
+            (``models[1].embedding_vecsize_per_table[0]``), the value and what was expected.
+    """
+    return _parse(doc, Path(base_dir) if base_dir is not None else None, name)
+
+
+def _parse(doc: Any, base: Path | None, name: str) -> PSConfig:
+    """:func:`parse_config` (called by it and by :func:`load_config`, so that the warning
+    points at their caller)."""
+    if not isinstance(doc, dict):
+        raise ValueError(
+            f"ps.json: expected a JSON object at the top level, got {type(doc).__name__}"
+        )
+    version = _artifact_version(doc, name)
+    p, unused = Problems(), list[str]()
+    known_fields(doc, _TOP_FIELDS, "ps.json", "ps.json", p, unused)
+    # supportlonglong false: HugeCTR's keys are 32-bit in memory but int64 in its sparse files,
+    # which are read as they are; requests' int32 keys are widened
+    longlong = p.read(field, doc, "supportlonglong", "ps.json", bool, True, fallback=True)
+    models = _parse_models(doc, base, p, unused)
+    vdb = parse_vdb(_section(doc, "volatile_db", p), p, unused)
+    pdb = parse_pdb(_section(doc, "persistent_db", p), base, p, unused)
+    upd = parse_updates(_section(doc, "update_source", p), base, vdb, pdb, p, unused)
+    if not p.errors:  # the checks across sections, on sections that read cleanly
+        typeless_vdb = isinstance(doc.get("volatile_db"), dict) and "type" not in doc["volatile_db"]
+        _check_tiers(vdb, pdb, typeless_vdb, p)
+        _check_failed_keys_not_guessed(models, vdb, pdb, p)
+        _check_shared_tables(models, p)
+    p.raise_any(name)
+    _warn_unused(name, unused)
     return PSConfig(
         models=models,
         volatile_db=vdb,
@@ -505,14 +407,26 @@ def parse_config(doc: Any, base_dir: str | Path | None = None, name: str = "ps.j
     )
 
 
+def _warn_unused(name: str, unused: list[str]) -> None:
+    """One :class:`HugeCTRFieldWarning` naming every unused HugeCTR field of ``name``, shown
+    where ``load_config`` or ``parse_config`` was called."""
+    if unused:
+        warnings.warn(
+            HugeCTRFieldWarning(
+                f"{name}: HugeCTR field(s) tilerec accepts and does not use: {', '.join(unused)}"
+            ),
+            stacklevel=4,
+        )
+
+
 def load_config(path: str | Path) -> PSConfig:
     """Read and validate ``ps.json`` at ``path`` (relative paths resolve against its folder).
 
     Raises:
         FormatVersionError: serving artifacts of another version (see :func:`parse_config`).
         ValueError: for a file that is not UTF-8 JSON text (a syntax error with line and
-            column, a number past Python's limits, nesting past the parser's depth) or an
-            invalid field.
+            column, a number past Python's limits, nesting past the parser's depth), or a
+            :class:`ConfigError` listing every invalid field.
     """
     path = Path(path)
     raw = path.read_bytes()
@@ -533,4 +447,4 @@ def load_config(path: str | Path) -> PSConfig:
         raise ValueError(f"{path}: JSON nested too deeply for the parser") from None
     except ValueError as e:  # e.g. an integer of more digits than int() converts
         raise ValueError(f"{path}: not a JSON document this parser reads: {e}") from None
-    return parse_config(doc, base_dir=path.parent, name=str(path))
+    return _parse(doc, path.parent, str(path))

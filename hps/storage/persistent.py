@@ -1,7 +1,10 @@
 """The persistent database: RocksDB (``rocksdict``) holding every row of every table.
 
-One column family per table; key = the int64 key's 8 little-endian bytes, value = the row's
-``dim`` little-endian float32s. A ``__hps_meta__`` column family holds each table's dim and the
+One column family per table, named by the table; key = the int64 key's 8 little-endian bytes,
+value = the row's ``dim`` little-endian float32s. HugeCTR names its column families
+``hps_et.<model>.<table>`` and keeps no dims or offsets beside them, so a RocksDB HugeCTR filled
+is not read: the tables are loaded again from their sparse files
+(``docs/migrating-from-hugectr.md``). A ``__hps_meta__`` column family holds each table's dim and the
 online-update offset, written in the same atomic ``WriteBatch`` as the rows of an update.
 Reads are chunked multi-gets of ``max_batch_size`` keys.
 """

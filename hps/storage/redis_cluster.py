@@ -1,11 +1,16 @@
 """The Redis-cluster volatile database: rows spread over many ``redis-server`` processes.
 
-Layout (HugeCTR's): each table is split into ``num_partitions`` partitions by
+Layout (tilerec's own): each table is split into ``num_partitions`` partitions by
 ``mix64(key) % num_partitions``; partition ``p`` of table ``t`` is one Redis hash named
 ``hps_et.t.p<p>`` whose fields are the 8-byte little-endian keys and whose values are the
 rows' float32 bytes. The cluster places each hash on a node by CRC16 of its name, so one
 table's partitions spread over all nodes. A lookup is one pipelined ``HMGET`` per touched
 partition (chunks of ``max_batch_size`` fields), sent node by node by the cluster pipeline.
+
+HugeCTR's layout differs (one hash ``hps_et{hps_et.<model>.<table>/p<part>}v`` per partition,
+keys spread by its ``rrxmrrxmsx_0`` hash, no load mark), so a cluster HugeCTR filled is not
+read: the tables are loaded again from their sparse files, the same files HugeCTR loaded
+(``docs/migrating-from-hugectr.md``).
 
 Each partition also holds the field ``hps:loaded`` (not 8 bytes long, so no key's field),
 written by :meth:`RedisClusterBackend.mark_loaded` once every row meant for the partition is

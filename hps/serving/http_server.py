@@ -15,6 +15,8 @@ and the tier: :class:`~hps.types.TierUnavailableError`), 500 otherwise)::
     GET  /v2/models/{m}[/versions/1]/ready
     GET  /v2/models/{m}[/versions/1]/stats     Triton-style counts + per-table HPS statistics
     GET  /v2/models/stats                      the same for every model
+    GET  /v2/models/{m}[/versions/1]/config    Triton's model configuration (JSON)
+    POST /v2/repository/index                  every served model, READY
     POST /v2/models/{m}[/versions/1]/infer     JSON or binary tensors (Inference-Header-Content-Length)
 
 Requests run on ``workers`` threads (parsing and inference both: they are CPU work);
@@ -24,6 +26,8 @@ so memory stays bounded under any number of clients. Connections are bounded apa
 and ``body_timeout_s`` (the rest of its body) or its connection is closed
 (:mod:`hps.serving.connections`): sockets that stall cannot take the place of requests. The
 background work ``ps.json`` asks for (online updates, cache refresh) runs while the server does.
+With ``grpc_port`` set, the same servables are served over gRPC too
+(:mod:`hps.serving.grpc_server`).
 """
 
 from __future__ import annotations
@@ -37,9 +41,8 @@ import threading
 import time
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
-from importlib.metadata import PackageNotFoundError, version
 from types import FrameType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import anyio
 from starlette.applications import Starlette
@@ -52,17 +55,24 @@ from hps.serving.connections import ConnectionLimits, protocol_class
 from hps.serving.servable import DLRMServable, InputError
 from hps.serving.v2_protocol import (
     HEADER_LENGTH,
+    MODEL_VERSION,
+    SERVER_NAME,
     ProtocolError,
     encode_infer_response,
+    find_model,
     parse_infer_request,
+    repository_index,
+    repository_index_request,
+    server_version,
 )
 from hps.types import TierUnavailableError
+
+if TYPE_CHECKING:
+    from hps.serving.grpc_server import GrpcServer
 
 log = logging.getLogger(__name__)
 
 __all__ = ["InferenceServer", "ServerConfig", "build_servables", "create_app", "open_server"]
-
-MODEL_VERSION = "1"
 
 
 # The largest value of each integer knob: past these a server only exhausts threads, memory
@@ -82,8 +92,8 @@ class ServerConfig:
     Raises:
         ValueError: naming the knob, for a count outside its range (``workers`` 1 to
             ``MAX_WORKERS``, ``max_queued`` 0 to ``MAX_QUEUED``, ``ort_threads`` 0 to
-            ``MAX_ORT_THREADS``, ``max_connections`` 1 to ``MAX_CONNECTIONS``, ``port`` 0 to
-            65535), a timeout that is not a finite number of seconds > 0, or a request limit
+            ``MAX_ORT_THREADS``, ``max_connections`` 1 to ``MAX_CONNECTIONS``, ``port`` and
+            ``grpc_port`` 0 to 65535, ``grpc_port`` equal to a fixed ``port``), a timeout that is not a finite number of seconds > 0, or a request limit
             that is not a finite number of MiB of at least one byte.
     """
 
@@ -96,21 +106,29 @@ class ServerConfig:
     max_connections: int = 512  # open connections; past it a new one gets 503 and is closed
     header_timeout_s: float = 10.0  # connect (or last response) → request headers complete
     body_timeout_s: float = 60.0  # request headers complete → body complete
+    grpc_port: int | None = None  # also serve the v2 gRPC protocol there (on host); 0: free
 
     def __post_init__(self) -> None:
-        bounds = (
+        bounds = [
             ("workers", 1, MAX_WORKERS),
             ("max_queued", 0, MAX_QUEUED),
             ("ort_threads", 0, MAX_ORT_THREADS),
             ("max_connections", 1, MAX_CONNECTIONS),
             ("port", 0, 65535),
-        )
+        ]
+        if self.grpc_port is not None:
+            bounds.append(("grpc_port", 0, 65535))
         for f, lo, hi in bounds:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ValueError(
                     f"ServerConfig.{f} must be an integer from {lo} to {hi}, got {v!r}"
                 )
+        if self.grpc_port == self.port != 0:
+            raise ValueError(
+                f"ServerConfig.grpc_port {self.grpc_port} is also the HTTP port; give each "
+                "protocol its own"
+            )
         mb = self.max_request_mb
         ok = isinstance(mb, (int, float)) and not isinstance(mb, bool) and math.isfinite(mb)
         if not ok or mb * 2**20 < 1:
@@ -199,13 +217,6 @@ def _error(msg: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": msg}, status_code=status)
 
 
-def _package_version() -> str:
-    try:
-        return version("tilerec")
-    except PackageNotFoundError:
-        return "0"
-
-
 class _V2Endpoints:
     """The endpoints of the v2 protocol over ``servables`` (model name → servable): request
     handlers, the worker limiter and the statistics of one application."""
@@ -231,31 +242,25 @@ class _V2Endpoints:
             Route(v + "/ready", self.model_ready),
             Route(m + "/stats", self.model_stats),
             Route(v + "/stats", self.model_stats),
+            Route(m + "/config", self.model_config),
+            Route(v + "/config", self.model_config),
+            Route("/v2/repository/index", self.repository_index, methods=["POST"]),
             Route(m + "/infer", self.infer, methods=["POST"]),
             Route(v + "/infer", self.infer, methods=["POST"]),
         ]
 
     def model_of(self, request: Request) -> DLRMServable:
         """The servable a path names (``ProtocolError`` for an unknown model or version)."""
-        name = request.path_params["model"]
-        if name not in self.servables:
-            raise ProtocolError(
-                f"unknown model {name!r}; this server serves {sorted(self.servables)}"
-            )
-        ver = request.path_params.get("version", MODEL_VERSION)
-        if ver != MODEL_VERSION:
-            raise ProtocolError(
-                f"model {name!r} has no version {ver!r}; versions: ['{MODEL_VERSION}']"
-            )
-        return self.servables[name]
+        p = request.path_params
+        return find_model(self.servables, p["model"], p.get("version", MODEL_VERSION))
 
     # ------------------------------------------------------------------ metadata and health
     async def server_metadata(self, request: Request) -> Response:
         return JSONResponse(
             {
-                "name": "tilerec-hps",
-                "version": _package_version(),
-                "extensions": ["binary_tensor_data", "statistics"],
+                "name": SERVER_NAME,
+                "version": server_version(),
+                "extensions": ["binary_tensor_data", "statistics", "model_configuration"],
             }
         )
 
@@ -267,6 +272,22 @@ class _V2Endpoints:
             return JSONResponse(self.model_of(request).metadata())
         except ProtocolError as e:
             return _error(str(e))
+
+    async def model_config(self, request: Request) -> Response:
+        try:
+            return JSONResponse(self.model_of(request).config())
+        except ProtocolError as e:
+            return _error(str(e))
+
+    async def repository_index(self, request: Request) -> Response:
+        """Triton's index: every served model, ``READY``; the body may be empty or
+        ``{"ready": bool}`` (all models are ready, so both answers are the same)."""
+        body = await request.body()
+        try:
+            repository_index_request(body)
+        except ProtocolError as e:
+            return _error(str(e))
+        return JSONResponse(repository_index(self.servables))
 
     async def model_ready(self, request: Request) -> Response:
         try:
@@ -460,6 +481,13 @@ class InferenceServer:
                 e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror}"
             ) from e
         self.port: int = self._sock.getsockname()[1]
+        self.grpc: GrpcServer | None = None
+        if self.cfg.grpc_port is not None:
+            try:
+                self.grpc = self._grpc_server(self.cfg.grpc_port)
+            except BaseException:
+                self._sock.close()
+                raise
         self._uv = uvicorn.Server(
             uvicorn.Config(
                 self.app,
@@ -470,12 +498,26 @@ class InferenceServer:
         )
         self._thread: threading.Thread | None = None
 
+    def _grpc_server(self, port: int) -> GrpcServer:
+        from hps.serving.grpc_server import GrpcServer  # grpcio only when gRPC is asked for
+
+        c = self.cfg
+        max_bytes = int(c.max_request_mb * 2**20)
+        return GrpcServer(self.servables, c.host, port, c.workers, c.max_queued, max_bytes)
+
+    @property
+    def grpc_address(self) -> str | None:
+        """``host:port`` of the gRPC server (``tritonclient.grpc``), or ``None`` without one."""
+        return None if self.grpc is None else self.grpc.address
+
     @property
     def address(self) -> str:
         """``host:port`` (what ``tritonclient.http.InferenceServerClient`` takes)."""
         return f"{self.cfg.host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> InferenceServer:
+        if self.grpc is not None:
+            self.grpc.start()
         self._thread = threading.Thread(
             target=self._uv.run, kwargs={"sockets": [self._sock]}, name="hps-v2-server", daemon=True
         )
@@ -512,7 +554,9 @@ class InferenceServer:
         self.request_stop()
 
     def stop(self) -> None:
-        """Stop serving (finishing in-flight requests, at most 10 s) and close the socket."""
+        """Stop serving (finishing in-flight requests, at most 10 s) and close the sockets."""
+        if self.grpc is not None:
+            self.grpc.stop(grace_s=10.0)
         self._uv.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -551,4 +595,6 @@ def open_server(
         ps.close()
         raise
     log.info("serving %s on http://%s (v2 protocol)", sorted(srv.servables), srv.address)
+    if srv.grpc_address is not None:
+        log.info("serving %s on grpc://%s (v2 protocol)", sorted(srv.servables), srv.grpc_address)
     return srv

@@ -31,9 +31,7 @@ from tests.hps.serving.tiny_dlrm import (
     eager_logits,
     free_port,
     make_request,
-    tiny_model,
     triton_inputs,
-    write_artifacts,
 )
 from tests.tolerances import tol
 
@@ -41,25 +39,18 @@ Tensors = dict[str, np.ndarray]
 
 
 @pytest.fixture(scope="module")
-def model() -> DLRM:
-    return tiny_model()
+def model(tiny: DLRM) -> DLRM:
+    return tiny
 
 
 @pytest.fixture(scope="module")
-def artifacts(model: DLRM, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return write_artifacts(model, tmp_path_factory.mktemp("serving"))
+def artifacts(tiny_artifacts: Path) -> Path:
+    return tiny_artifacts
 
 
 @pytest.fixture(scope="module")
-def served(artifacts: Path) -> Iterator[InferenceServer]:
-    ps = HierarchicalParameterServer.from_config(artifacts / "ps.json")
-    cfg = ServerConfig(port=0, grpc_port=0, workers=4, max_request_mb=1.0)
-    srv = InferenceServer(ps, cfg).start()
-    try:
-        yield srv
-    finally:
-        srv.stop()
-        ps.close()
+def served(both_served: InferenceServer) -> InferenceServer:
+    return both_served
 
 
 @pytest.fixture(scope="module")

@@ -52,7 +52,9 @@ def test_every_field_has_tritons_number_and_type(module) -> None:
             theirs = _triton(m.full_name)
             for f in m.fields:
                 t = theirs.fields_by_name[f.name]
-                assert (f.number, f.type, f.is_repeated) == (t.number, t.type, t.is_repeated), f.full_name
+                assert (f.number, f.type, f.is_repeated) == (t.number, t.type, t.is_repeated), (
+                    f.full_name
+                )
                 checked += 1
     assert checked > 20
     assert [v.name for v in ext.DataType.DESCRIPTOR.values] == [

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import logging
 import socket
+import time
 from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, NoReturn
@@ -42,6 +43,7 @@ import hps.serving.protos.grpc_predict_v2_pb2 as pb
 import hps.serving.protos.triton_extensions_pb2 as ext
 from hps.serving.grpc_protocol import encode_grpc_response, parse_grpc_request
 from hps.serving.servable import DLRMServable, InputError
+from hps.serving.statistics import ModelCounts, PhaseNs
 from hps.serving.v2_protocol import (
     MODEL_VERSION,
     SERVER_NAME,
@@ -54,7 +56,14 @@ from hps.types import TierUnavailableError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["EXTENSIONS", "SERVICE", "GrpcInferenceServicer", "GrpcServer", "method_handlers"]
+__all__ = [
+    "EXTENSIONS",
+    "SERVICE",
+    "GrpcInferenceServicer",
+    "GrpcServer",
+    "method_handlers",
+    "status_of",
+]
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ("model_configuration",)
@@ -67,10 +76,18 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> No
 
 class GrpcInferenceServicer:
     """The RPCs of the service over ``servables`` (model name → servable); each method takes a
-    request message and the call's context and returns the response message."""
+    request message and the call's context and returns the response message. ``ModelInfer``
+    calls are counted into ``counts`` (model name → statistics; shared with the HTTP server so
+    ``GET /v2/models/{m}/stats`` counts both protocols); their queue time is not visible inside
+    grpcio and counts as 0."""
 
-    def __init__(self, servables: Mapping[str, DLRMServable]) -> None:
+    def __init__(
+        self,
+        servables: Mapping[str, DLRMServable],
+        counts: Mapping[str, ModelCounts] | None = None,
+    ) -> None:
         self.servables = servables
+        self.counts = counts if counts is not None else {n: ModelCounts() for n in servables}
 
     def _model(self, context: grpc.ServicerContext, name: str, ver: str) -> DLRMServable:
         try:
@@ -129,19 +146,36 @@ class GrpcInferenceServicer:
         self, request: pb.ModelInferRequest, context: grpc.ServicerContext
     ) -> pb.ModelInferResponse:
         """Parse, infer, encode; errors end the call with the status the HTTP code maps to."""
+        t0 = time.perf_counter_ns()
         s = self._model(context, request.model_name, request.model_version)
         try:
             req = parse_grpc_request(request)
-            return encode_grpc_response(s.name, MODEL_VERSION, s.infer(req.inputs), req)
-        except (ProtocolError, InputError, ValueError) as e:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
-        except TimeoutError as e:
-            _abort(context, grpc.StatusCode.UNAVAILABLE, f"parameter server busy: {e}")
-        except TierUnavailableError as e:  # a key that may exist could not be read: retry later
-            _abort(context, grpc.StatusCode.UNAVAILABLE, str(e))
-        except Exception as e:  # a bug or a backend that went away: say so, keep serving
-            log.exception("model %r: inference failed", s.name)
-            _abort(context, grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
+            t1 = time.perf_counter_ns()
+            results = s.infer(req.inputs)
+            t2 = time.perf_counter_ns()
+            resp = encode_grpc_response(s.name, MODEL_VERSION, results, req)
+        except Exception as e:  # every failure of a request ends its call, never the server
+            self.counts[s.name].failed(time.perf_counter_ns() - t0)
+            code, msg = status_of(e)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("model %r: inference failed", s.name)
+            _abort(context, code, msg)
+        t3 = time.perf_counter_ns()
+        samples = int(req.inputs["dense"].shape[0])  # infer checked it is there
+        self.counts[s.name].succeeded(t3 - t0, samples, PhaseNs(0, t1 - t0, t2 - t1, t3 - t2))
+        return resp
+
+
+def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message a request's failure ends its call with: the gRPC code of the
+    HTTP status the HTTP server answers it with (400, 503, 500)."""
+    if isinstance(e, (ProtocolError, InputError, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, TimeoutError):
+        return grpc.StatusCode.UNAVAILABLE, f"parameter server busy: {e}"
+    if isinstance(e, TierUnavailableError):  # a key that may exist could not be read: retry
+        return grpc.StatusCode.UNAVAILABLE, str(e)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
 
 
 # RPC name → (servicer method, request message class, response message class).
@@ -222,6 +256,7 @@ class GrpcServer:
         max_queued: requests that may wait for a worker; past ``workers + max_queued``
             requests in flight, new ones get ``RESOURCE_EXHAUSTED``.
         max_request_bytes: the largest request message, after decompression.
+        counts: model name → statistics to count ``ModelInfer`` calls into (default: its own).
 
     Raises:
         OSError: the address cannot be bound (naming it and why).
@@ -235,6 +270,7 @@ class GrpcServer:
         workers: int,
         max_queued: int,
         max_request_bytes: int,
+        counts: Mapping[str, ModelCounts] | None = None,
     ) -> None:
         _check_bindable(host, port)
         self.host = host
@@ -246,7 +282,7 @@ class GrpcServer:
         self._server = grpc.server(
             self._executor, options=options, maximum_concurrent_rpcs=workers + max_queued
         )
-        handlers = method_handlers(GrpcInferenceServicer(servables))
+        handlers = method_handlers(GrpcInferenceServicer(servables, counts))
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)
         )

@@ -40,9 +40,9 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass
 from types import FrameType
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import anyio
 from starlette.applications import Starlette
@@ -52,7 +52,9 @@ from starlette.routing import Route
 
 from hps.parameter_server import HierarchicalParameterServer
 from hps.serving.connections import ConnectionLimits, protocol_class
+from hps.serving.grpc_server import GrpcServer
 from hps.serving.servable import DLRMServable, InputError
+from hps.serving.statistics import ModelCounts, PhaseNs
 from hps.serving.v2_protocol import (
     HEADER_LENGTH,
     MODEL_VERSION,
@@ -66,9 +68,6 @@ from hps.serving.v2_protocol import (
     server_version,
 )
 from hps.types import TierUnavailableError
-
-if TYPE_CHECKING:
-    from hps.serving.grpc_server import GrpcServer
 
 log = logging.getLogger(__name__)
 
@@ -146,63 +145,6 @@ class ServerConfig:
         return ConnectionLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
 
 
-@dataclass
-class _PhaseNs:
-    """Nanoseconds spent in each phase of requests (Triton's statistics names)."""
-
-    queue: int = 0
-    compute_input: int = 0
-    compute_infer: int = 0
-    compute_output: int = 0
-
-    def add(self, other: _PhaseNs) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-
-@dataclass
-class _ModelCounts:
-    """Triton-style statistics of one model (counts and summed nanoseconds)."""
-
-    success: int = 0
-    success_ns: int = 0
-    fail: int = 0
-    fail_ns: int = 0
-    samples: int = 0  # Triton's inference_count: samples, not requests
-    phase_ns: _PhaseNs = field(default_factory=_PhaseNs)
-    last_ms: int = 0  # wall-clock ms of the last successful inference
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def succeeded(self, ns: int, samples: int, phases: _PhaseNs) -> None:
-        with self.lock:
-            self.success, self.success_ns = self.success + 1, self.success_ns + ns
-            self.samples += samples
-            self.phase_ns.add(phases)
-            self.last_ms = int(time.time() * 1e3)
-
-    def failed(self, ns: int) -> None:
-        with self.lock:
-            self.fail, self.fail_ns = self.fail + 1, self.fail_ns + ns
-
-    def to_dict(self, name: str) -> dict[str, Any]:
-        """The model's entry of Triton's statistics document."""
-        with self.lock:
-            n = self.success
-            stats = {
-                "success": {"count": n, "ns": self.success_ns},
-                "fail": {"count": self.fail, "ns": self.fail_ns},
-                **{k: {"count": n, "ns": v} for k, v in asdict(self.phase_ns).items()},
-            }
-            return {
-                "name": name,
-                "version": MODEL_VERSION,
-                "last_inference": self.last_ms,
-                "inference_count": self.samples,
-                "execution_count": n,
-                "inference_stats": stats,
-            }
-
-
 @dataclass(frozen=True)
 class _Answer:
     """One inference's response body and headers, with what the statistics count."""
@@ -210,7 +152,7 @@ class _Answer:
     body: bytes
     headers: dict[str, str]
     samples: int
-    phases: _PhaseNs
+    phases: PhaseNs
 
 
 def _error(msg: str, status: int = 400) -> JSONResponse:
@@ -221,11 +163,16 @@ class _V2Endpoints:
     """The endpoints of the v2 protocol over ``servables`` (model name → servable): request
     handlers, the worker limiter and the statistics of one application."""
 
-    def __init__(self, servables: dict[str, DLRMServable], cfg: ServerConfig) -> None:
+    def __init__(
+        self,
+        servables: dict[str, DLRMServable],
+        cfg: ServerConfig,
+        counts: dict[str, ModelCounts] | None = None,
+    ) -> None:
         self.servables = servables
         self.limiter = anyio.CapacityLimiter(cfg.workers)
         self.workers, self.max_queued = cfg.workers, cfg.max_queued
-        self.counts = {name: _ModelCounts() for name in servables}
+        self.counts = counts if counts is not None else {n: ModelCounts() for n in servables}
         self.max_bytes = int(cfg.max_request_mb * 2**20)
 
     def routes(self) -> list[Route]:
@@ -360,7 +307,7 @@ class _V2Endpoints:
         out, headers = encode_infer_response(s.name, MODEL_VERSION, results, req)
         t3 = time.perf_counter_ns()
         samples = int(req.inputs["dense"].shape[0]) if "dense" in req.inputs else 0
-        return _Answer(out, headers, samples, _PhaseNs(t0 - queued_at, t1 - t0, t2 - t1, t3 - t2))
+        return _Answer(out, headers, samples, PhaseNs(t0 - queued_at, t1 - t0, t2 - t1, t3 - t2))
 
     async def infer(self, request: Request) -> Response:
         start = time.perf_counter_ns()
@@ -411,9 +358,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return _error(f"{request.method} {request.url.path}: {detail}", code)
 
 
-def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = None) -> Starlette:
-    """The v2 HTTP application over ``servables`` (model name → servable)."""
-    endpoints = _V2Endpoints(servables, cfg or ServerConfig())
+def create_app(
+    servables: dict[str, DLRMServable],
+    cfg: ServerConfig | None = None,
+    counts: dict[str, ModelCounts] | None = None,
+) -> Starlette:
+    """The v2 HTTP application over ``servables`` (model name → servable); its statistics go
+    to ``counts`` (model name → counts; default: its own), which a gRPC server may share."""
+    endpoints = _V2Endpoints(servables, cfg or ServerConfig(), counts)
     return Starlette(
         routes=endpoints.routes(), exception_handlers={404: _http_error, 405: _http_error}
     )
@@ -467,7 +419,10 @@ class InferenceServer:
         self.cfg = cfg or ServerConfig()
         _check_fd_limit(self.cfg.max_connections)
         self.servables = build_servables(ps, models, self.cfg.ort_threads)
-        self.app = create_app(self.servables, self.cfg)
+        self.counts = {
+            name: ModelCounts() for name in self.servables
+        }  # both protocols count into these
+        self.app = create_app(self.servables, self.cfg, self.counts)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -499,11 +454,11 @@ class InferenceServer:
         self._thread: threading.Thread | None = None
 
     def _grpc_server(self, port: int) -> GrpcServer:
-        from hps.serving.grpc_server import GrpcServer  # grpcio only when gRPC is asked for
-
         c = self.cfg
         max_bytes = int(c.max_request_mb * 2**20)
-        return GrpcServer(self.servables, c.host, port, c.workers, c.max_queued, max_bytes)
+        return GrpcServer(
+            self.servables, c.host, port, c.workers, c.max_queued, max_bytes, self.counts
+        )
 
     @property
     def grpc_address(self) -> str | None:

@@ -440,3 +440,18 @@ def test_cli_grpc_port_serves_and_shuts_down_cleanly(artifacts, model) -> None:
     assert srv.returncode == 0, srv.output
     assert f"grpc://127.0.0.1:{gport}" in srv.output and "Traceback" not in srv.output
     assert _bindable(gport) and _bindable(srv.port)
+
+
+def test_grpc_calls_count_in_the_models_statistics(clients, model) -> None:
+    http, g = clients
+
+    def counts() -> tuple[int, int, int]:
+        st = http.get_inference_statistics("tiny")["model_stats"][0]
+        s = st["inference_stats"]
+        return s["success"]["count"], s["fail"]["count"], st["inference_count"]
+
+    before = counts()
+    g.infer("tiny", grpc_inputs(make_request(model, 5, seed=14)))
+    with pytest.raises(InferenceServerException):
+        g.infer("tiny", grpc_inputs({"dense": np.zeros((1, 13), np.float32)}))
+    assert counts() == (before[0] + 1, before[1] + 1, before[2] + 5)

@@ -455,3 +455,47 @@ def test_grpc_calls_count_in_the_models_statistics(clients, model) -> None:
     with pytest.raises(InferenceServerException):
         g.infer("tiny", grpc_inputs({"dense": np.zeros((1, 13), np.float32)}))
     assert counts() == (before[0] + 1, before[1] + 1, before[2] + 5)
+
+
+def test_past_workers_plus_queued_a_call_is_refused_at_once(tiny_artifacts, model) -> None:
+    """One worker, no queue: while a call runs, the next gets RESOURCE_EXHAUSTED (HTTP: 503)."""
+    ps = HierarchicalParameterServer.from_config(tiny_artifacts / "ps.json")
+    cfg = ServerConfig(port=0, grpc_port=0, workers=1, max_queued=0)
+    release, entered = threading.Event(), threading.Event()
+    try:
+        with InferenceServer(ps, cfg) as srv:
+            s = srv.servables["tiny"]
+            real = s.infer
+
+            def held(inputs: Tensors) -> Tensors:
+                entered.set()
+                release.wait(30)
+                return real(inputs)
+
+            s.infer = held  # type: ignore[method-assign]
+            req = make_request(model, 2, seed=15)
+            first = tg.InferenceServerClient(str(srv.grpc_address))
+            second = tg.InferenceServerClient(str(srv.grpc_address))
+            results: list[np.ndarray] = []
+            t = threading.Thread(
+                target=lambda: results.append(
+                    first.infer("tiny", grpc_inputs(req)).as_numpy("logits")
+                )
+            )
+            t.start()
+            assert entered.wait(30)
+            with pytest.raises(InferenceServerException) as e:
+                second.infer("tiny", grpc_inputs(req), client_timeout=30)
+            release.set()
+            t.join(30)
+            assert e.value.status() == "StatusCode.RESOURCE_EXHAUSTED", e.value
+            assert len(results) == 1  # the running call finished normally
+            s.infer = real  # type: ignore[method-assign]
+            np.testing.assert_array_equal(
+                second.infer("tiny", grpc_inputs(req)).as_numpy("logits"), results[0]
+            )
+            first.close()
+            second.close()
+    finally:
+        release.set()
+        ps.close()

@@ -92,8 +92,9 @@ class ServerConfig:
         ValueError: naming the knob, for a count outside its range (``workers`` 1 to
             ``MAX_WORKERS``, ``max_queued`` 0 to ``MAX_QUEUED``, ``ort_threads`` 0 to
             ``MAX_ORT_THREADS``, ``max_connections`` 1 to ``MAX_CONNECTIONS``, ``port`` and
-            ``grpc_port`` 0 to 65535, ``grpc_port`` equal to a fixed ``port``), a timeout that is not a finite number of seconds > 0, or a request limit
-            that is not a finite number of MiB of at least one byte.
+            ``grpc_port`` 0 to 65535, ``grpc_port`` equal to a fixed ``port``), a timeout that
+            is not a finite number of seconds > 0, or a request limit that is not a finite
+            number of MiB of at least one byte.
     """
 
     host: str = "127.0.0.1"
@@ -229,9 +230,10 @@ class _V2Endpoints:
     async def repository_index(self, request: Request) -> Response:
         """Triton's index: every served model, ``READY``; the body may be empty or
         ``{"ready": bool}`` (all models are ready, so both answers are the same)."""
-        body = await request.body()
         try:
-            repository_index_request(body)
+            repository_index_request(await self.read_body(request))  # bounded, as /infer's
+        except ClientDisconnect:
+            return Response(status_code=400)
         except ProtocolError as e:
             return _error(str(e))
         return JSONResponse(repository_index(self.servables))

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
+import httpx
 import numpy as np
 import pytest
 import tritonclient.grpc as tg
@@ -499,3 +500,20 @@ def test_past_workers_plus_queued_a_call_is_refused_at_once(tiny_artifacts, mode
     finally:
         release.set()
         ps.close()
+
+
+def test_http_repository_index_bodies(served) -> None:
+    url = f"http://{served.address}/v2/repository/index"
+    index = [{"name": "tiny", "version": "1", "state": "READY"}]
+    for body in (b"", b'{"ready": true}', b'{"ready": false}'):
+        r = httpx.post(url, content=body, timeout=30)
+        assert (r.status_code, r.json()) == (200, index), body
+    for body, words in [
+        (b'{"ready": "yes"}', "'ready' must be true or false, got 'yes'"),
+        (b"[1]", "must be a JSON object, got list"),
+        (b"{oops", "malformed"),
+        (b" " * (2**20 + 1), "exceeds the server's limit of 1048576 bytes"),
+    ]:
+        r = httpx.post(url, content=body, timeout=30)
+        assert r.status_code == 400 and words in r.json()["error"], (body[:20], r.text)
+    assert httpx.get(url, timeout=30).status_code == 405

@@ -95,20 +95,26 @@ class GrpcInferenceServicer:
         except ProtocolError as e:
             _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
 
-    def server_live(self, request: pb.ServerLiveRequest, context: Any) -> pb.ServerLiveResponse:
+    def server_live(
+        self, request: pb.ServerLiveRequest, context: grpc.ServicerContext
+    ) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    def server_ready(self, request: pb.ServerReadyRequest, context: Any) -> pb.ServerReadyResponse:
+    def server_ready(
+        self, request: pb.ServerReadyRequest, context: grpc.ServicerContext
+    ) -> pb.ServerReadyResponse:
         return pb.ServerReadyResponse(ready=True)  # the server exists once every model loaded
 
     def server_metadata(
-        self, request: pb.ServerMetadataRequest, context: Any
+        self, request: pb.ServerMetadataRequest, context: grpc.ServicerContext
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(
             name=SERVER_NAME, version=server_version(), extensions=EXTENSIONS
         )
 
-    def model_ready(self, request: pb.ModelReadyRequest, context: Any) -> pb.ModelReadyResponse:
+    def model_ready(
+        self, request: pb.ModelReadyRequest, context: grpc.ServicerContext
+    ) -> pb.ModelReadyResponse:
         try:
             find_model(self.servables, request.name, request.version)
         except ProtocolError:

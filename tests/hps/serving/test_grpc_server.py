@@ -517,3 +517,16 @@ def test_http_repository_index_bodies(served) -> None:
         r = httpx.post(url, content=body, timeout=30)
         assert r.status_code == 400 and words in r.json()["error"], (body[:20], r.text)
     assert httpx.get(url, timeout=30).status_code == 405
+
+
+def test_gzip_calls_score_alike_and_their_decompressed_size_is_capped(clients, model) -> None:
+    http, g = clients
+    req = make_request(model, 16, seed=16)
+    got = g.infer("tiny", grpc_inputs(req), compression_algorithm="gzip").as_numpy("logits")
+    np.testing.assert_array_equal(got, http.infer("tiny", triton_inputs(req)).as_numpy("logits"))
+    bomb = tg.InferInput("dense", [1, 300_000], "FP32")  # 1.2 MB of zeros, ~1 KB gzipped
+    bomb.set_data_from_numpy(np.zeros((1, 300_000), np.float32))
+    with pytest.raises(InferenceServerException) as e:
+        g.infer("tiny", [bomb], compression_algorithm="gzip")
+    assert e.value.status() == "StatusCode.RESOURCE_EXHAUSTED"
+    assert "Decompressed message larger than max" in e.value.message()

@@ -1,5 +1,6 @@
 """``python -m hps.server --config out/ps.json``: the KServe v2 inference server on the models
-of a ``ps.json`` (:mod:`hps.serving.http_server`), until SIGINT or SIGTERM.
+of a ``ps.json`` (:mod:`hps.serving.http_server`; with ``--grpc-port`` gRPC too,
+:mod:`hps.serving.grpc_server`), until SIGINT or SIGTERM.
 
 A bad ``ps.json`` (unreadable, not UTF-8 JSON, or invalid), a bad flag, an address that is
 taken or a model that cannot be served ends it with exit status 2 and the error on stderr.
@@ -33,6 +34,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="ps.json (e.g. written by export.artifacts)")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port)
+    p.add_argument(
+        "--grpc-port",
+        type=int,
+        default=None,
+        help="also serve the KServe v2 gRPC protocol (tritonclient.grpc) on this port, on "
+        "--host; 0 picks a free port (default: HTTP only)",
+    )
     p.add_argument("--models", nargs="*", default=None, help="models to serve (default: all)")
     p.add_argument(
         "--workers", type=int, default=d.workers, help=f"request threads (1 to {MAX_WORKERS})"
@@ -83,6 +91,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         cfg = ServerConfig(
             host=a.host,
             port=a.port,
+            grpc_port=a.grpc_port,
             workers=a.workers,
             max_queued=a.max_queued,
             ort_threads=a.ort_threads,

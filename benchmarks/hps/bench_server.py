@@ -8,6 +8,9 @@ Sections (``--only``):
   request three ways: in-process (``DLRMServable.infer``: lookups + onnxruntime, no HTTP),
   through the server with tritonclient's binary tensors, and with JSON tensors. Ratio =
   served / in-process.
+- ``grpc``: the same batch-``--grpc-batch`` request through ``tritonclient.grpc`` (raw tensors)
+  and ``tritonclient.http`` (binary tensors), ``--grpc-requests`` of each, interleaved: p50 /
+  p99 per protocol and the p50 ratio gRPC / HTTP; the scores must be identical.
 - ``throughput``: ``--clients`` tritonclient threads sending batch-256 requests for
   ``--seconds``: requests/s, samples/s, p50/p99, errors.
 - ``pruned``: the DLRM-DCNv2 dense part at full MLPerf widths (tables shrunk), dense vs TW 75 %
@@ -34,6 +37,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import tritonclient.grpc as tg
 import tritonclient.http as th
 
 from benchmarks.meta import RESULTS_DIR, write_json
@@ -45,7 +49,7 @@ from hps.serving import InferenceServer, ServerConfig
 from tilesparse import TileSparseConfig, prune_
 
 log = logging.getLogger("bench_server")
-SECTIONS = ("overhead", "throughput", "pruned")
+SECTIONS = ("overhead", "grpc", "throughput", "pruned")
 
 
 def request(model: DLRM, batch: int, seed: int) -> dict[str, np.ndarray]:
@@ -87,7 +91,7 @@ class Served:
         )
         self.ps = HierarchicalParameterServer.from_config(folder / "ps.json")
         self.srv = InferenceServer(
-            self.ps, ServerConfig(port=0, workers=workers, ort_threads=threads)
+            self.ps, ServerConfig(port=0, grpc_port=0, workers=workers, ort_threads=threads)
         ).start()
         self.servable = self.srv.servables["dlrm"]
         self.folder = folder
@@ -131,6 +135,60 @@ def bench_overhead(served: Served, model: DLRM, batches: list[int], n: int) -> l
             t_json / t_in,
         )
     return rows
+
+
+def grpc_inputs(req: dict[str, np.ndarray]) -> list[tg.InferInput]:
+    out = []
+    for name, arr in req.items():
+        x = tg.InferInput(name, list(arr.shape), "FP32" if arr.dtype == np.float32 else "INT64")
+        x.set_data_from_numpy(arr)
+        out.append(x)
+    return out
+
+
+def _percentile(ms: list[float], q: float) -> float:
+    s = sorted(ms)
+    return s[min(len(s) - 1, int(q * len(s)))]
+
+
+def bench_grpc(served: Served, model: DLRM, batch: int, n: int) -> dict[str, Any]:
+    """p50 / p99 of one request through each protocol, timed alternately (each pair in a
+    different order every time, so load drifts hit both alike)."""
+    req = request(model, batch, seed=batch)
+    http = th.InferenceServerClient(served.srv.address)
+    grpc = tg.InferenceServerClient(str(served.srv.grpc_address))
+    h_in, g_in = infer_inputs(req, True), grpc_inputs(req)
+    same = bool(
+        np.array_equal(
+            http.infer("dlrm", h_in).as_numpy("logits"), grpc.infer("dlrm", g_in).as_numpy("logits")
+        )
+    )
+    calls = {
+        "http": lambda: http.infer("dlrm", h_in),
+        "grpc": lambda: grpc.infer("dlrm", g_in),
+    }
+    lat: dict[str, list[float]] = {"http": [], "grpc": []}
+    for i in range(n):
+        for name in ("http", "grpc") if i % 2 else ("grpc", "http"):
+            t0 = time.perf_counter()
+            calls[name]()
+            lat[name].append(1e3 * (time.perf_counter() - t0))
+    grpc.close()
+    row: dict[str, Any] = {"bench": "grpc", "batch": batch, "requests": n, "identical": same}
+    for name, ms in lat.items():
+        row[f"{name}_p50_ms"] = statistics.median(ms)
+        row[f"{name}_p99_ms"] = _percentile(ms, 0.99)
+    row["grpc_over_http_p50"] = row["grpc_p50_ms"] / row["http_p50_ms"]
+    log.info(
+        "grpc B=%d, %d each: gRPC p50 %.2f ms, HTTP p50 %.2f ms (gRPC/HTTP %.2f), identical %s",
+        batch,
+        n,
+        row["grpc_p50_ms"],
+        row["http_p50_ms"],
+        row["grpc_over_http_p50"],
+        same,
+    )
+    return row
 
 
 def bench_throughput(served: Served, model: DLRM, clients: int, seconds: float) -> dict[str, Any]:
@@ -267,6 +325,8 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument("--batches", default="1,64,256,1024")
     p.add_argument("--requests", type=int, default=30, help="timed requests per figure (median)")
+    p.add_argument("--grpc-batch", type=int, default=256)
+    p.add_argument("--grpc-requests", type=int, default=300, help="requests per protocol")
     p.add_argument("--clients", type=int, default=8)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--pruned-batch", type=int, default=1024)
@@ -278,19 +338,22 @@ def main(argv: list[str] | None = None) -> None:
     bad = sorted(set(only) - set(SECTIONS))
     if bad:
         p.error(f"--only: unknown sections {bad}; expected a subset of {list(SECTIONS)}")
-    for name in ("requests", "clients", "pruned_batch", "threads"):
+    for name in ("requests", "clients", "pruned_batch", "threads", "grpc_batch", "grpc_requests"):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="bench_server_") as tmp:
-        if "overhead" in only or "throughput" in only:
+        if {"overhead", "grpc", "throughput"} & set(only):
             model = build_model(get_workload("tiny"), seed=0).eval()
-            served = Served(model, Path(tmp) / "tiny", threads=1, max_batch=max(batches + [256]))
+            biggest = max([*batches, 256, args.grpc_batch])
+            served = Served(model, Path(tmp) / "tiny", threads=1, max_batch=biggest)
             try:
                 if "overhead" in only:
                     rows += bench_overhead(served, model, batches, args.requests)
+                if "grpc" in only:
+                    rows.append(bench_grpc(served, model, args.grpc_batch, args.grpc_requests))
                 if "throughput" in only:
                     rows.append(bench_throughput(served, model, args.clients, args.seconds))
             finally:

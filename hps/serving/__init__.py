@@ -1,6 +1,6 @@
 """The inference application: a whole DLRM served from its artifacts, embedding bags pooled
-from the parameter server and the dense graph run by onnxruntime, behind the KServe v2 HTTP
-protocol (``tritonclient.http`` works unchanged).
+from the parameter server and the dense graph run by onnxruntime, behind the KServe v2 protocol
+over HTTP and gRPC (``tritonclient.http`` and ``tritonclient.grpc`` work unchanged).
 
 - :mod:`hps.serving.servable`: one model: HPS lookups + the dense ONNX graph.
 - :mod:`hps.serving.v2_protocol`: request parsing and response encoding (binary tensors too).
@@ -8,11 +8,17 @@ protocol (``tritonclient.http`` works unchanged).
   (``python -m hps.server``, whose argument parsing lives in :mod:`hps.server`).
 - :mod:`hps.serving.connections`: below the application, per connection: the deadlines for
   receiving a request and the bound on open connections.
+- :mod:`hps.serving.grpc_server`: the gRPC server (``--grpc-port``), with
+  :mod:`hps.serving.grpc_protocol` (its messages ↔ tensors) and :mod:`hps.serving.protos` (the
+  compiled ``.proto`` files).
+- :mod:`hps.serving.statistics`: the per-model counts both servers keep.
 
-    >>> with InferenceServer(ps, ServerConfig(port=0)) as srv:      # doctest: +SKIP
-    ...     client = tritonclient.http.InferenceServerClient(srv.address)
+    >>> with InferenceServer(ps, ServerConfig(port=0, grpc_port=0)) as srv:  # doctest: +SKIP
+    ...     client = tritonclient.grpc.InferenceServerClient(srv.grpc_address)
 """
 
+from hps.serving.grpc_protocol import encode_grpc_response, parse_grpc_request
+from hps.serving.grpc_server import GrpcServer
 from hps.serving.http_server import (
     InferenceServer,
     ServerConfig,
@@ -30,6 +36,7 @@ from hps.serving.v2_protocol import (
 
 __all__ = [
     "DLRMServable",
+    "GrpcServer",
     "InferRequest",
     "InferenceServer",
     "InputError",
@@ -37,7 +44,9 @@ __all__ = [
     "ServerConfig",
     "build_servables",
     "create_app",
+    "encode_grpc_response",
     "encode_infer_response",
     "open_server",
+    "parse_grpc_request",
     "parse_infer_request",
 ]

@@ -15,6 +15,8 @@ and the tier: :class:`~hps.types.TierUnavailableError`), 500 otherwise)::
     GET  /v2/models/{m}[/versions/1]/ready
     GET  /v2/models/{m}[/versions/1]/stats     Triton-style counts + per-table HPS statistics
     GET  /v2/models/stats                      the same for every model
+    GET  /v2/models/{m}[/versions/1]/config    Triton's model configuration (JSON)
+    POST /v2/repository/index                  every served model, READY
     POST /v2/models/{m}[/versions/1]/infer     JSON or binary tensors (Inference-Header-Content-Length)
 
 Requests run on ``workers`` threads (parsing and inference both: they are CPU work);
@@ -24,6 +26,8 @@ so memory stays bounded under any number of clients. Connections are bounded apa
 and ``body_timeout_s`` (the rest of its body) or its connection is closed
 (:mod:`hps.serving.connections`): sockets that stall cannot take the place of requests. The
 background work ``ps.json`` asks for (online updates, cache refresh) runs while the server does.
+With ``grpc_port`` set, the same servables are served over gRPC too
+(:mod:`hps.serving.grpc_server`).
 """
 
 from __future__ import annotations
@@ -36,8 +40,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
-from importlib.metadata import PackageNotFoundError, version
+from dataclasses import dataclass
 from types import FrameType
 from typing import Any
 
@@ -49,20 +52,26 @@ from starlette.routing import Route
 
 from hps.parameter_server import HierarchicalParameterServer
 from hps.serving.connections import ConnectionLimits, protocol_class
+from hps.serving.grpc_server import GrpcServer
 from hps.serving.servable import DLRMServable, InputError
+from hps.serving.statistics import ModelCounts, PhaseNs
 from hps.serving.v2_protocol import (
     HEADER_LENGTH,
+    MODEL_VERSION,
+    SERVER_NAME,
     ProtocolError,
     encode_infer_response,
+    find_model,
     parse_infer_request,
+    repository_index,
+    repository_index_request,
+    server_version,
 )
 from hps.types import TierUnavailableError
 
 log = logging.getLogger(__name__)
 
 __all__ = ["InferenceServer", "ServerConfig", "build_servables", "create_app", "open_server"]
-
-MODEL_VERSION = "1"
 
 
 # The largest value of each integer knob: past these a server only exhausts threads, memory
@@ -82,9 +91,10 @@ class ServerConfig:
     Raises:
         ValueError: naming the knob, for a count outside its range (``workers`` 1 to
             ``MAX_WORKERS``, ``max_queued`` 0 to ``MAX_QUEUED``, ``ort_threads`` 0 to
-            ``MAX_ORT_THREADS``, ``max_connections`` 1 to ``MAX_CONNECTIONS``, ``port`` 0 to
-            65535), a timeout that is not a finite number of seconds > 0, or a request limit
-            that is not a finite number of MiB of at least one byte.
+            ``MAX_ORT_THREADS``, ``max_connections`` 1 to ``MAX_CONNECTIONS``, ``port`` and
+            ``grpc_port`` 0 to 65535, ``grpc_port`` equal to a fixed ``port``), a timeout that
+            is not a finite number of seconds > 0, or a request limit that is not a finite
+            number of MiB of at least one byte.
     """
 
     host: str = "127.0.0.1"
@@ -96,21 +106,29 @@ class ServerConfig:
     max_connections: int = 512  # open connections; past it a new one gets 503 and is closed
     header_timeout_s: float = 10.0  # connect (or last response) → request headers complete
     body_timeout_s: float = 60.0  # request headers complete → body complete
+    grpc_port: int | None = None  # also serve the v2 gRPC protocol there (on host); 0: free
 
     def __post_init__(self) -> None:
-        bounds = (
+        bounds = [
             ("workers", 1, MAX_WORKERS),
             ("max_queued", 0, MAX_QUEUED),
             ("ort_threads", 0, MAX_ORT_THREADS),
             ("max_connections", 1, MAX_CONNECTIONS),
             ("port", 0, 65535),
-        )
+        ]
+        if self.grpc_port is not None:
+            bounds.append(("grpc_port", 0, 65535))
         for f, lo, hi in bounds:
             v = getattr(self, f)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ValueError(
                     f"ServerConfig.{f} must be an integer from {lo} to {hi}, got {v!r}"
                 )
+        if self.grpc_port == self.port != 0:
+            raise ValueError(
+                f"ServerConfig.grpc_port {self.grpc_port} is also the HTTP port; give each "
+                "protocol its own"
+            )
         mb = self.max_request_mb
         ok = isinstance(mb, (int, float)) and not isinstance(mb, bool) and math.isfinite(mb)
         if not ok or mb * 2**20 < 1:
@@ -128,63 +146,6 @@ class ServerConfig:
         return ConnectionLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
 
 
-@dataclass
-class _PhaseNs:
-    """Nanoseconds spent in each phase of requests (Triton's statistics names)."""
-
-    queue: int = 0
-    compute_input: int = 0
-    compute_infer: int = 0
-    compute_output: int = 0
-
-    def add(self, other: _PhaseNs) -> None:
-        for f in fields(self):
-            setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
-
-
-@dataclass
-class _ModelCounts:
-    """Triton-style statistics of one model (counts and summed nanoseconds)."""
-
-    success: int = 0
-    success_ns: int = 0
-    fail: int = 0
-    fail_ns: int = 0
-    samples: int = 0  # Triton's inference_count: samples, not requests
-    phase_ns: _PhaseNs = field(default_factory=_PhaseNs)
-    last_ms: int = 0  # wall-clock ms of the last successful inference
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def succeeded(self, ns: int, samples: int, phases: _PhaseNs) -> None:
-        with self.lock:
-            self.success, self.success_ns = self.success + 1, self.success_ns + ns
-            self.samples += samples
-            self.phase_ns.add(phases)
-            self.last_ms = int(time.time() * 1e3)
-
-    def failed(self, ns: int) -> None:
-        with self.lock:
-            self.fail, self.fail_ns = self.fail + 1, self.fail_ns + ns
-
-    def to_dict(self, name: str) -> dict[str, Any]:
-        """The model's entry of Triton's statistics document."""
-        with self.lock:
-            n = self.success
-            stats = {
-                "success": {"count": n, "ns": self.success_ns},
-                "fail": {"count": self.fail, "ns": self.fail_ns},
-                **{k: {"count": n, "ns": v} for k, v in asdict(self.phase_ns).items()},
-            }
-            return {
-                "name": name,
-                "version": MODEL_VERSION,
-                "last_inference": self.last_ms,
-                "inference_count": self.samples,
-                "execution_count": n,
-                "inference_stats": stats,
-            }
-
-
 @dataclass(frozen=True)
 class _Answer:
     """One inference's response body and headers, with what the statistics count."""
@@ -192,29 +153,27 @@ class _Answer:
     body: bytes
     headers: dict[str, str]
     samples: int
-    phases: _PhaseNs
+    phases: PhaseNs
 
 
 def _error(msg: str, status: int = 400) -> JSONResponse:
     return JSONResponse({"error": msg}, status_code=status)
 
 
-def _package_version() -> str:
-    try:
-        return version("tilerec")
-    except PackageNotFoundError:
-        return "0"
-
-
 class _V2Endpoints:
     """The endpoints of the v2 protocol over ``servables`` (model name → servable): request
     handlers, the worker limiter and the statistics of one application."""
 
-    def __init__(self, servables: dict[str, DLRMServable], cfg: ServerConfig) -> None:
+    def __init__(
+        self,
+        servables: dict[str, DLRMServable],
+        cfg: ServerConfig,
+        counts: dict[str, ModelCounts] | None = None,
+    ) -> None:
         self.servables = servables
         self.limiter = anyio.CapacityLimiter(cfg.workers)
         self.workers, self.max_queued = cfg.workers, cfg.max_queued
-        self.counts = {name: _ModelCounts() for name in servables}
+        self.counts = counts if counts is not None else {n: ModelCounts() for n in servables}
         self.max_bytes = int(cfg.max_request_mb * 2**20)
 
     def routes(self) -> list[Route]:
@@ -231,31 +190,25 @@ class _V2Endpoints:
             Route(v + "/ready", self.model_ready),
             Route(m + "/stats", self.model_stats),
             Route(v + "/stats", self.model_stats),
+            Route(m + "/config", self.model_config),
+            Route(v + "/config", self.model_config),
+            Route("/v2/repository/index", self.repository_index, methods=["POST"]),
             Route(m + "/infer", self.infer, methods=["POST"]),
             Route(v + "/infer", self.infer, methods=["POST"]),
         ]
 
     def model_of(self, request: Request) -> DLRMServable:
         """The servable a path names (``ProtocolError`` for an unknown model or version)."""
-        name = request.path_params["model"]
-        if name not in self.servables:
-            raise ProtocolError(
-                f"unknown model {name!r}; this server serves {sorted(self.servables)}"
-            )
-        ver = request.path_params.get("version", MODEL_VERSION)
-        if ver != MODEL_VERSION:
-            raise ProtocolError(
-                f"model {name!r} has no version {ver!r}; versions: ['{MODEL_VERSION}']"
-            )
-        return self.servables[name]
+        p = request.path_params
+        return find_model(self.servables, p["model"], p.get("version", MODEL_VERSION))
 
     # ------------------------------------------------------------------ metadata and health
     async def server_metadata(self, request: Request) -> Response:
         return JSONResponse(
             {
-                "name": "tilerec-hps",
-                "version": _package_version(),
-                "extensions": ["binary_tensor_data", "statistics"],
+                "name": SERVER_NAME,
+                "version": server_version(),
+                "extensions": ["binary_tensor_data", "statistics", "model_configuration"],
             }
         )
 
@@ -267,6 +220,23 @@ class _V2Endpoints:
             return JSONResponse(self.model_of(request).metadata())
         except ProtocolError as e:
             return _error(str(e))
+
+    async def model_config(self, request: Request) -> Response:
+        try:
+            return JSONResponse(self.model_of(request).config())
+        except ProtocolError as e:
+            return _error(str(e))
+
+    async def repository_index(self, request: Request) -> Response:
+        """Triton's index: every served model, ``READY``; the body may be empty or
+        ``{"ready": bool}`` (all models are ready, so both answers are the same)."""
+        try:
+            repository_index_request(await self.read_body(request))  # bounded, as /infer's
+        except ClientDisconnect:
+            return Response(status_code=400)
+        except ProtocolError as e:
+            return _error(str(e))
+        return JSONResponse(repository_index(self.servables))
 
     async def model_ready(self, request: Request) -> Response:
         try:
@@ -339,7 +309,7 @@ class _V2Endpoints:
         out, headers = encode_infer_response(s.name, MODEL_VERSION, results, req)
         t3 = time.perf_counter_ns()
         samples = int(req.inputs["dense"].shape[0]) if "dense" in req.inputs else 0
-        return _Answer(out, headers, samples, _PhaseNs(t0 - queued_at, t1 - t0, t2 - t1, t3 - t2))
+        return _Answer(out, headers, samples, PhaseNs(t0 - queued_at, t1 - t0, t2 - t1, t3 - t2))
 
     async def infer(self, request: Request) -> Response:
         start = time.perf_counter_ns()
@@ -390,9 +360,14 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     return _error(f"{request.method} {request.url.path}: {detail}", code)
 
 
-def create_app(servables: dict[str, DLRMServable], cfg: ServerConfig | None = None) -> Starlette:
-    """The v2 HTTP application over ``servables`` (model name → servable)."""
-    endpoints = _V2Endpoints(servables, cfg or ServerConfig())
+def create_app(
+    servables: dict[str, DLRMServable],
+    cfg: ServerConfig | None = None,
+    counts: dict[str, ModelCounts] | None = None,
+) -> Starlette:
+    """The v2 HTTP application over ``servables`` (model name → servable); its statistics go
+    to ``counts`` (model name → counts; default: its own), which a gRPC server may share."""
+    endpoints = _V2Endpoints(servables, cfg or ServerConfig(), counts)
     return Starlette(
         routes=endpoints.routes(), exception_handlers={404: _http_error, 405: _http_error}
     )
@@ -446,7 +421,10 @@ class InferenceServer:
         self.cfg = cfg or ServerConfig()
         _check_fd_limit(self.cfg.max_connections)
         self.servables = build_servables(ps, models, self.cfg.ort_threads)
-        self.app = create_app(self.servables, self.cfg)
+        self.counts = {
+            name: ModelCounts() for name in self.servables
+        }  # both protocols count into these
+        self.app = create_app(self.servables, self.cfg, self.counts)
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -460,6 +438,13 @@ class InferenceServer:
                 e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror}"
             ) from e
         self.port: int = self._sock.getsockname()[1]
+        self.grpc: GrpcServer | None = None
+        if self.cfg.grpc_port is not None:
+            try:
+                self.grpc = self._grpc_server(self.cfg.grpc_port)
+            except BaseException:
+                self._sock.close()
+                raise
         self._uv = uvicorn.Server(
             uvicorn.Config(
                 self.app,
@@ -470,12 +455,26 @@ class InferenceServer:
         )
         self._thread: threading.Thread | None = None
 
+    def _grpc_server(self, port: int) -> GrpcServer:
+        c = self.cfg
+        max_bytes = int(c.max_request_mb * 2**20)
+        return GrpcServer(
+            self.servables, c.host, port, c.workers, c.max_queued, max_bytes, self.counts
+        )
+
+    @property
+    def grpc_address(self) -> str | None:
+        """``host:port`` of the gRPC server (``tritonclient.grpc``), or ``None`` without one."""
+        return None if self.grpc is None else self.grpc.address
+
     @property
     def address(self) -> str:
         """``host:port`` (what ``tritonclient.http.InferenceServerClient`` takes)."""
         return f"{self.cfg.host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> InferenceServer:
+        if self.grpc is not None:
+            self.grpc.start()
         self._thread = threading.Thread(
             target=self._uv.run, kwargs={"sockets": [self._sock]}, name="hps-v2-server", daemon=True
         )
@@ -512,7 +511,9 @@ class InferenceServer:
         self.request_stop()
 
     def stop(self) -> None:
-        """Stop serving (finishing in-flight requests, at most 10 s) and close the socket."""
+        """Stop serving (finishing in-flight requests, at most 10 s) and close the sockets."""
+        if self.grpc is not None:
+            self.grpc.stop(grace_s=10.0)
         self._uv.should_exit = True
         if self._thread is not None:
             self._thread.join(timeout=10)
@@ -551,4 +552,6 @@ def open_server(
         ps.close()
         raise
     log.info("serving %s on http://%s (v2 protocol)", sorted(srv.servables), srv.address)
+    if srv.grpc_address is not None:
+        log.info("serving %s on grpc://%s (v2 protocol)", sorted(srv.servables), srv.grpc_address)
     return srv

@@ -155,6 +155,26 @@ class DLRMServable:
             ],
         }
 
+    def config(self) -> dict[str, Any]:
+        """The model's configuration in Triton's JSON form (``GET /v2/models/{name}/config``;
+        gRPC ``ModelConfig``). With ``max_batch_size`` > 0, ``dims`` leave out the batch
+        dimension, so a ``(B,)`` output is ``dims [1]`` reshaped to ``[]``, as Triton writes it.
+        """
+        inputs = [{"name": "dense", "data_type": "TYPE_FP32", "dims": [self.dense_features]}]
+        inputs += [
+            {"name": f"ids_{t.name}", "data_type": "TYPE_INT64", "dims": [t.max_hotness]}
+            for t in self.tables
+        ]
+        scalar = {"data_type": "TYPE_FP32", "dims": [1], "reshape": {"shape": []}}
+        return {
+            "name": self.name,
+            "platform": "tilerec_dlrm",
+            "backend": "",
+            "max_batch_size": self.max_batch_size,
+            "input": inputs,
+            "output": [{"name": "logits", **scalar}, {"name": "probability", **scalar}],
+        }
+
     # ------------------------------------------------------------------ inference
     def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         """Score one batch.

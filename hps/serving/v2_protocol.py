@@ -24,22 +24,36 @@ from __future__ import annotations
 import json
 import math
 import zlib
+from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any, TypeVar
 
 import numpy as np
 
 __all__ = [
     "DTYPES",
     "HEADER_LENGTH",
+    "MODEL_VERSION",
+    "SERVER_NAME",
     "InferRequest",
     "ProtocolError",
     "RequestedOutput",
+    "check_datatype",
+    "check_shape",
     "encode_infer_response",
+    "find_model",
     "parse_infer_request",
+    "repository_index",
+    "repository_index_request",
+    "select_outputs",
+    "server_version",
 ]
 
 HEADER_LENGTH = "Inference-Header-Content-Length"
+SERVER_NAME = "tilerec-hps"
+MODEL_VERSION = "1"  # each model has one version; a request naming none gets it
+_Model = TypeVar("_Model")
 
 # v2 datatype name → numpy dtype (little-endian, as the binary extension specifies).
 DTYPES: dict[str, np.dtype] = {
@@ -117,7 +131,68 @@ def _bool(v: Any, where: str) -> bool:
     return v
 
 
-def _shape(v: Any, where: str) -> tuple[int, ...]:
+def server_version() -> str:
+    """The version the server reports in its metadata (the installed tilerec's)."""
+    try:
+        return version("tilerec")
+    except PackageNotFoundError:
+        return "0"
+
+
+def find_model(models: Mapping[str, _Model], name: str, model_version: str | None) -> _Model:
+    """The model a request names, HTTP (path) and gRPC (fields) alike.
+
+    Args:
+        models: model name → model.
+        name: the requested model.
+        model_version: the requested version; ``None`` or ``""``: :data:`MODEL_VERSION`.
+
+    Raises:
+        ProtocolError: an unknown model, or a version other than :data:`MODEL_VERSION`.
+    """
+    if name not in models:
+        raise ProtocolError(f"unknown model {name!r}; this server serves {sorted(models)}")
+    if model_version not in (None, "", MODEL_VERSION):
+        raise ProtocolError(
+            f"model {name!r} has no version {model_version!r}; versions: ['{MODEL_VERSION}']"
+        )
+    return models[name]
+
+
+def repository_index(models: Mapping[str, object]) -> list[dict[str, str]]:
+    """Triton's repository index of ``models``: each ``{"name", "version", "state": "READY"}``
+    (a server serves only models that have loaded)."""
+    return [{"name": n, "version": MODEL_VERSION, "state": "READY"} for n in models]
+
+
+def repository_index_request(body: bytes) -> bool:
+    """The ``ready`` flag of a ``POST /v2/repository/index`` body (empty: false).
+
+    Raises:
+        ProtocolError: a body that is not a JSON object, or a ``ready`` that is not a boolean.
+    """
+    if not body.strip():
+        return False
+    try:
+        doc = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ProtocolError(f"repository index request JSON is malformed: {e}") from None
+    if not isinstance(doc, dict):
+        raise ProtocolError(
+            f"repository index request must be a JSON object, got {type(doc).__name__}"
+        )
+    return _bool(doc.get("ready", False), "repository index request 'ready'")
+
+
+def check_datatype(v: Any, where: str) -> np.dtype:
+    """The numpy dtype of v2 datatype name ``v`` (``ProtocolError`` naming ``where`` if none)."""
+    if not isinstance(v, str) or v not in DTYPES:  # a JSON list or object: unhashable
+        raise ProtocolError(f"{where}: datatype {v!r} is not one of {sorted(DTYPES)}")
+    return DTYPES[v]
+
+
+def check_shape(v: Any, where: str) -> tuple[int, ...]:
+    """``v`` as a shape: a list of non-negative integers (``ProtocolError`` naming ``where``)."""
     if not isinstance(v, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) for d in v
     ):
@@ -287,11 +362,9 @@ def _parse_input(
     where = f"input {name!r}"
     if name in seen:
         raise ProtocolError(f"{where} is given twice")
-    dt_name = spec.get("datatype")
-    if not isinstance(dt_name, str) or dt_name not in DTYPES:  # a JSON list or object: unhashable
-        raise ProtocolError(f"{where}: datatype {dt_name!r} is not one of {sorted(DTYPES)}")
-    dtype = DTYPES[dt_name]
-    shape = _shape(spec.get("shape"), where)
+    dtype = check_datatype(spec.get("datatype"), where)
+    dt_name = _NAMES[dtype]
+    shape = check_shape(spec.get("shape"), where)
     p = spec.get("parameters") or {}
     if not isinstance(p, dict):
         raise ProtocolError(f"{where}.parameters must be an object")
@@ -342,6 +415,22 @@ def _parse_outputs(doc: dict[str, Any], binary_output: bool) -> list[RequestedOu
     return outputs
 
 
+def select_outputs(
+    results: Mapping[str, np.ndarray], request: InferRequest
+) -> list[RequestedOutput]:
+    """The outputs to return, in order: those the request names, or all of ``results``.
+
+    Raises:
+        ProtocolError: the request names an output the model does not have.
+    """
+    if request.outputs is None:
+        return [RequestedOutput(n, request.binary_output) for n in results]
+    for o in request.outputs:
+        if o.name not in results:
+            raise ProtocolError(f"unknown output {o.name!r}; the model has {sorted(results)}")
+    return request.outputs
+
+
 def encode_infer_response(
     model_name: str, model_version: str, results: dict[str, np.ndarray], request: InferRequest
 ) -> tuple[bytes, dict[str, str]]:
@@ -358,13 +447,7 @@ def encode_infer_response(
     Raises:
         ProtocolError: the request asks for an output the model does not have.
     """
-    if request.outputs is None:
-        wanted = [RequestedOutput(n, request.binary_output) for n in results]
-    else:
-        wanted = request.outputs
-        for o in wanted:
-            if o.name not in results:
-                raise ProtocolError(f"unknown output {o.name!r}; the model has {sorted(results)}")
+    wanted = select_outputs(results, request)
     outs: list[dict[str, Any]] = []
     blobs: list[bytes] = []
     for o in wanted:

@@ -91,3 +91,22 @@ def test_a_bad_log_level_ends_the_process_without_a_traceback(config) -> None:
     )
     assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
     assert r.stderr.splitlines()[-1].startswith("python -m hps.server: error: "), r.stderr
+
+
+def test_a_grpc_port_out_of_range_is_named(config, cli) -> None:
+    err = cli(["--config", str(config), "--port", "0", "--grpc-port", "70000"])
+    assert "ServerConfig.grpc_port must be an integer from 0 to 65535, got 70000" in err
+
+
+def test_the_grpc_port_must_differ_from_the_http_port(config, cli) -> None:
+    err = cli(["--config", str(config), "--port", "8123", "--grpc-port", "8123"])
+    assert "grpc_port 8123 is also the HTTP port" in err
+
+
+def test_a_grpc_address_in_use_is_named(config, cli) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        err = cli(["--config", str(config), "--port", "0", "--grpc-port", str(port)])
+    assert f"cannot listen on 127.0.0.1:{port} (gRPC): Address already in use" in err

@@ -80,7 +80,9 @@ def triton_inputs(
         x = th.InferInput(
             name,
             list(arr.shape),
-            {np.float32: "FP32", np.int64: "INT64", np.int32: "INT32"}[arr.dtype.type],
+            {np.float32: "FP32", np.float64: "FP64", np.int64: "INT64", np.int32: "INT32"}[
+                arr.dtype.type
+            ],
         )
         x.set_data_from_numpy(arr, binary_data=binary)
         out.append(x)

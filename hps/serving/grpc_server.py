@@ -1,0 +1,316 @@
+"""The KServe v2 protocol over gRPC (grpcio), beside the HTTP server and over the same
+servables, so ``tritonclient.grpc`` works unchanged (Triton's port is 8001)::
+
+    python -m hps.server --config out/ps.json --port 8000 --grpc-port 8001
+
+The service ``inference.GRPCInferenceService`` of KServe's ``grpc_predict_v2.proto``, plus two
+RPCs of Triton's that ``tritonclient.grpc`` calls (messages in :mod:`hps.serving.protos`)::
+
+    ServerLive / ServerReady            live: true / ready: true
+    ServerMetadata                      name, version, extensions
+    ModelReady                          ready: true for a served model and version "" or "1",
+                                        false otherwise (never an error)
+    ModelMetadata                       inputs and outputs, as GET /v2/models/{m}
+    ModelInfer                          raw or typed tensors in, raw tensors out
+    ModelConfig                         Triton's model configuration, as GET /v2/models/{m}/config
+    RepositoryIndex                     every served model, READY
+
+Other RPCs of Triton's service (statistics, streaming, shared memory, ...) answer
+``UNIMPLEMENTED``. The checks and their messages are the HTTP protocol's; the status codes map
+as ``INVALID_ARGUMENT`` where HTTP answers 400 (a malformed request, an unknown model or version,
+tensors that do not fit the model), ``UNAVAILABLE`` where it answers 503 for a tier that failed
+or a parameter server with no free lookup worker, ``INTERNAL`` for 500. Limits: ``workers``
+threads run requests, ``max_queued`` more may wait, past that grpcio answers
+``RESOURCE_EXHAUSTED`` at once; a message larger than ``max_request_bytes`` (after
+decompression) is refused by grpcio with ``RESOURCE_EXHAUSTED`` before it is read.
+Connections are HTTP/2's: grpcio bounds streams per connection and closes broken ones.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import time
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn
+
+import grpc
+from google.protobuf import json_format
+from google.protobuf.message import DecodeError
+
+import hps.serving.protos.grpc_predict_v2_pb2 as pb
+import hps.serving.protos.triton_extensions_pb2 as ext
+from hps.serving.grpc_protocol import encode_grpc_response, parse_grpc_request
+from hps.serving.servable import DLRMServable, InputError
+from hps.serving.statistics import ModelCounts, PhaseNs
+from hps.serving.v2_protocol import (
+    MODEL_VERSION,
+    SERVER_NAME,
+    ProtocolError,
+    find_model,
+    repository_index,
+    server_version,
+)
+from hps.types import TierUnavailableError
+
+log = logging.getLogger(__name__)
+
+__all__ = [
+    "EXTENSIONS",
+    "SERVICE",
+    "GrpcInferenceServicer",
+    "GrpcServer",
+    "method_handlers",
+    "status_of",
+]
+
+SERVICE = "inference.GRPCInferenceService"
+EXTENSIONS = ("model_configuration",)
+
+
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
+    context.abort(code, msg)
+    raise AssertionError("grpc's context.abort returned")  # it raises; this line is unreachable
+
+
+class GrpcInferenceServicer:
+    """The RPCs of the service over ``servables`` (model name → servable); each method takes a
+    request message and the call's context and returns the response message. ``ModelInfer``
+    calls are counted into ``counts`` (model name → statistics; shared with the HTTP server so
+    ``GET /v2/models/{m}/stats`` counts both protocols); their queue time is not visible inside
+    grpcio and counts as 0."""
+
+    def __init__(
+        self,
+        servables: Mapping[str, DLRMServable],
+        counts: Mapping[str, ModelCounts] | None = None,
+    ) -> None:
+        self.servables = servables
+        self.counts = counts if counts is not None else {n: ModelCounts() for n in servables}
+
+    def _model(self, context: grpc.ServicerContext, name: str, ver: str) -> DLRMServable:
+        try:
+            return find_model(self.servables, name, ver)
+        except ProtocolError as e:
+            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+
+    def server_live(
+        self, request: pb.ServerLiveRequest, context: grpc.ServicerContext
+    ) -> pb.ServerLiveResponse:
+        return pb.ServerLiveResponse(live=True)
+
+    def server_ready(
+        self, request: pb.ServerReadyRequest, context: grpc.ServicerContext
+    ) -> pb.ServerReadyResponse:
+        return pb.ServerReadyResponse(ready=True)  # the server exists once every model loaded
+
+    def server_metadata(
+        self, request: pb.ServerMetadataRequest, context: grpc.ServicerContext
+    ) -> pb.ServerMetadataResponse:
+        return pb.ServerMetadataResponse(
+            name=SERVER_NAME, version=server_version(), extensions=EXTENSIONS
+        )
+
+    def model_ready(
+        self, request: pb.ModelReadyRequest, context: grpc.ServicerContext
+    ) -> pb.ModelReadyResponse:
+        try:
+            find_model(self.servables, request.name, request.version)
+        except ProtocolError:
+            return pb.ModelReadyResponse(ready=False)
+        return pb.ModelReadyResponse(ready=True)
+
+    def model_metadata(
+        self, request: pb.ModelMetadataRequest, context: grpc.ServicerContext
+    ) -> pb.ModelMetadataResponse:
+        doc = self._model(context, request.name, request.version).metadata()
+        return json_format.ParseDict(doc, pb.ModelMetadataResponse())
+
+    def model_config(
+        self, request: ext.ModelConfigRequest, context: grpc.ServicerContext
+    ) -> ext.ModelConfigResponse:
+        doc = self._model(context, request.name, request.version).config()
+        return ext.ModelConfigResponse(config=json_format.ParseDict(doc, ext.ModelConfig()))
+
+    def repository_index(
+        self, request: ext.RepositoryIndexRequest, context: grpc.ServicerContext
+    ) -> ext.RepositoryIndexResponse:
+        if request.repository_name:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"unknown repository {request.repository_name!r}; this server has one, "
+                "named by an empty repository_name",
+            )
+        models = [
+            ext.RepositoryIndexResponse.ModelIndex(**m) for m in repository_index(self.servables)
+        ]
+        return ext.RepositoryIndexResponse(models=models)
+
+    def model_infer(
+        self, request: pb.ModelInferRequest, context: grpc.ServicerContext
+    ) -> pb.ModelInferResponse:
+        """Parse, infer, encode; errors end the call with the status the HTTP code maps to."""
+        t0 = time.perf_counter_ns()
+        s = self._model(context, request.model_name, request.model_version)
+        try:
+            req = parse_grpc_request(request)
+            t1 = time.perf_counter_ns()
+            results = s.infer(req.inputs)
+            t2 = time.perf_counter_ns()
+            resp = encode_grpc_response(s.name, MODEL_VERSION, results, req)
+        except Exception as e:  # every failure of a request ends its call, never the server
+            self.counts[s.name].failed(time.perf_counter_ns() - t0)
+            code, msg = status_of(e)
+            if code is grpc.StatusCode.INTERNAL:
+                log.exception("model %r: inference failed", s.name)
+            _abort(context, code, msg)
+        t3 = time.perf_counter_ns()
+        samples = int(req.inputs["dense"].shape[0])  # infer checked it is there
+        self.counts[s.name].succeeded(t3 - t0, samples, PhaseNs(0, t1 - t0, t2 - t1, t3 - t2))
+        return resp
+
+
+def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
+    """The status and message a request's failure ends its call with: the gRPC code of the
+    HTTP status the HTTP server answers it with (400, 503, 500)."""
+    if isinstance(e, (ProtocolError, InputError, ValueError)):
+        return grpc.StatusCode.INVALID_ARGUMENT, str(e)
+    if isinstance(e, TimeoutError):
+        return grpc.StatusCode.UNAVAILABLE, f"parameter server busy: {e}"
+    if isinstance(e, TierUnavailableError):  # a key that may exist could not be read: retry
+        return grpc.StatusCode.UNAVAILABLE, str(e)
+    return grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}"
+
+
+# RPC name → (servicer method, request message class, response message class).
+_RPCS: dict[str, tuple[str, Any, Any]] = {
+    "ServerLive": ("server_live", pb.ServerLiveRequest, pb.ServerLiveResponse),
+    "ServerReady": ("server_ready", pb.ServerReadyRequest, pb.ServerReadyResponse),
+    "ServerMetadata": ("server_metadata", pb.ServerMetadataRequest, pb.ServerMetadataResponse),
+    "ModelReady": ("model_ready", pb.ModelReadyRequest, pb.ModelReadyResponse),
+    "ModelMetadata": ("model_metadata", pb.ModelMetadataRequest, pb.ModelMetadataResponse),
+    "ModelInfer": ("model_infer", pb.ModelInferRequest, pb.ModelInferResponse),
+    "ModelConfig": ("model_config", ext.ModelConfigRequest, ext.ModelConfigResponse),
+    "RepositoryIndex": (
+        "repository_index",
+        ext.RepositoryIndexRequest,
+        ext.RepositoryIndexResponse,
+    ),
+}
+
+
+class _Decoded:
+    """An RPC method that receives the request's bytes and decodes them itself, so bytes that
+    are not a message of its type end the call with ``INVALID_ARGUMENT`` naming the type
+    (grpcio's own deserializer answers ``INTERNAL``)."""
+
+    def __init__(self, fn: Callable[[Any, grpc.ServicerContext], Any], request_cls: Any) -> None:
+        self.fn, self.request_cls = fn, request_cls
+
+    def __call__(self, data: bytes, context: grpc.ServicerContext) -> Any:
+        try:
+            request = self.request_cls.FromString(data)
+        except DecodeError as e:
+            _abort(
+                context,
+                grpc.StatusCode.INVALID_ARGUMENT,
+                f"request is not a valid {self.request_cls.DESCRIPTOR.full_name} message: {e}",
+            )
+        return self.fn(request, context)
+
+
+def method_handlers(servicer: GrpcInferenceServicer) -> dict[str, grpc.RpcMethodHandler]:
+    """RPC name → grpcio handler of ``servicer``'s method (all unary-unary)."""
+    out = {}
+    for rpc, (method, req_cls, resp_cls) in _RPCS.items():
+        out[rpc] = grpc.unary_unary_rpc_method_handler(
+            _Decoded(getattr(servicer, method), req_cls),
+            response_serializer=resp_cls.SerializeToString,
+        )
+    return out
+
+
+def _target(host: str, port: int) -> str:
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+def _check_bindable(host: str, port: int) -> None:
+    """Raise ``OSError`` naming the address and the OS's reason if ``host:port`` cannot be
+    bound (grpcio's own error does not say why)."""
+    if port == 0:
+        return
+    try:
+        family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+        with socket.socket(family, socket.SOCK_STREAM) as s:
+            s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as grpcio binds
+            s.bind((host, port))
+    except OSError as e:
+        reason = e.strerror or str(e)
+        raise OSError(e.errno, f"cannot listen on {host}:{port} (gRPC): {reason}") from e
+
+
+class GrpcServer:
+    """The v2 gRPC server, bound on construction, serving on :meth:`start` until :meth:`stop`.
+
+    Args:
+        servables: model name → servable (shared with the HTTP server).
+        host: the address to listen on (``127.0.0.1``: this machine only).
+        port: the port; 0 picks a free one (read :attr:`port`).
+        workers: threads that parse and run requests.
+        max_queued: requests that may wait for a worker; past ``workers + max_queued``
+            requests in flight, new ones get ``RESOURCE_EXHAUSTED``.
+        max_request_bytes: the largest request message, after decompression.
+        counts: model name → statistics to count ``ModelInfer`` calls into (default: its own).
+
+    Raises:
+        OSError: the address cannot be bound (naming it and why).
+    """
+
+    def __init__(
+        self,
+        servables: Mapping[str, DLRMServable],
+        host: str,
+        port: int,
+        workers: int,
+        max_queued: int,
+        max_request_bytes: int,
+        counts: Mapping[str, ModelCounts] | None = None,
+    ) -> None:
+        _check_bindable(host, port)
+        self.host = host
+        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hps-v2-grpc")
+        options = [
+            ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
+            ("grpc.max_receive_message_length", max_request_bytes),
+        ]
+        self._server = grpc.server(
+            self._executor, options=options, maximum_concurrent_rpcs=workers + max_queued
+        )
+        handlers = method_handlers(GrpcInferenceServicer(servables, counts))
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
+        )
+        try:
+            self.port: int = self._server.add_insecure_port(_target(host, port))
+        except RuntimeError as e:
+            self._executor.shutdown(wait=False)
+            raise OSError(f"cannot listen on {host}:{port} (gRPC): {e}") from e
+
+    @property
+    def address(self) -> str:
+        """``host:port`` (what ``tritonclient.grpc.InferenceServerClient`` takes)."""
+        return _target(self.host, self.port)
+
+    def start(self) -> GrpcServer:
+        self._server.start()
+        return self
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        """Stop accepting calls, let in-flight ones finish (at most ``grace_s``), then release
+        the port and the worker threads."""
+        done = self._server.stop(grace_s)
+        if not done.wait(grace_s + 5):
+            log.warning("the gRPC server on %s did not stop within %g s", self.address, grace_s)
+        self._executor.shutdown(wait=True)

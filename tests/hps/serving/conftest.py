@@ -1,0 +1,37 @@
+"""Fixtures shared by the gRPC tests: the tiny DLRM, its artifacts, and one server speaking
+HTTP and gRPC over them (session-scoped: exporting the model is the slow part)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from embark.models.dlrm import DLRM
+from hps.parameter_server import HierarchicalParameterServer
+from hps.serving.http_server import InferenceServer, ServerConfig
+from tests.hps.serving.tiny_dlrm import tiny_model, write_artifacts
+
+
+@pytest.fixture(scope="session")
+def tiny() -> DLRM:
+    return tiny_model()
+
+
+@pytest.fixture(scope="session")
+def tiny_artifacts(tiny: DLRM, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return write_artifacts(tiny, tmp_path_factory.mktemp("serving"))
+
+
+@pytest.fixture(scope="session")
+def both_served(tiny_artifacts: Path) -> Iterator[InferenceServer]:
+    """HTTP and gRPC on free ports, 4 workers, requests up to 1 MiB."""
+    ps = HierarchicalParameterServer.from_config(tiny_artifacts / "ps.json")
+    cfg = ServerConfig(port=0, grpc_port=0, workers=4, max_request_mb=1.0)
+    srv = InferenceServer(ps, cfg).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        ps.close()

@@ -11,7 +11,7 @@ from __future__ import annotations
 import json
 import warnings
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import pytest
@@ -27,6 +27,7 @@ from hps.storage.sparse_files import write_table
 from hps.updates.file_log import FileLogPublisher
 from hps.updates.record import InvalidUpdateError, UpdateBatch
 from hps.updates.trainer_callback import PublishUpdatesCallback
+from hps.updates.transport import UpdatePublisher
 
 DATA = Path(__file__).parent / "data" / "hugectr_configs"
 TWO_FOOS = ["hps_tf_unit_test_hps.ps.json", "hps_trt_unit_test_hps.ps.json"]
@@ -70,6 +71,11 @@ def _expected(rows: np.ndarray, default: float = 1.0) -> torch.Tensor:
     return torch.stack([r[1], r[3], r[19], torch.full((rows.shape[1],), default)]).reshape(2, 2, -1)
 
 
+def _hits(ps: HierarchicalParameterServer, model: str, table: str) -> dict[str, int]:
+    """Distinct keys of ``model``'s lookups of ``table`` served by each tier so far."""
+    return cast(dict[str, int], ps.session(model).stats(table)["hits_unique"])
+
+
 def _check_each_model_reads_its_own(
     ps: HierarchicalParameterServer, want: dict[tuple[str, str], np.ndarray]
 ) -> None:
@@ -79,7 +85,7 @@ def _check_each_model_reads_its_own(
             got = ps.session(model).lookup(table, QUERY)
             assert torch.equal(got, _expected(rows)), (model, table)
     for model, table in want:
-        hits = ps.session(model).stats(table)["hits_unique"]
+        hits = _hits(ps, model, table)
         assert hits["cache"] == 3, (model, table, hits)  # the second pass: 3, 9, 57 cached
 
 
@@ -133,7 +139,7 @@ def test_each_model_reads_its_own_rows_from_rocksdb(tmp_path: Path) -> None:
     try:
         _check_each_model_reads_its_own(ps, want)
         for model, table in want:
-            hits = ps.session(model).stats(table)["hits_unique"]
+            hits = _hits(ps, model, table)
             # the first 10 rows (keys 0 .. 27) were loaded: 3 and 9 from there, 57 from RocksDB
             assert (hits["volatile"], hits["persistent"]) == (2, 1), (model, table, hits)
     finally:
@@ -149,7 +155,7 @@ def test_each_model_reads_its_own_rows_from_rocksdb(tmp_path: Path) -> None:
 
 
 @pytest.mark.redis
-def test_each_model_reads_its_own_rows_from_redis(redis_cluster, tmp_path: Path) -> None:
+def test_each_model_reads_its_own_rows_from_redis(redis_cluster: Any, tmp_path: Path) -> None:
     """The Redis hashes of the two tables are ``hps_et.foo.sparse_embedding0.p<p>`` and
     ``hps_et.bar.sparse_embedding0.p<p>``; no hash is named by the bare table name."""
     parts = 4
@@ -167,7 +173,7 @@ def test_each_model_reads_its_own_rows_from_redis(redis_cluster, tmp_path: Path)
     try:
         _check_each_model_reads_its_own(ps, want)
         for model in ("foo", "bar"):
-            assert ps.session(model).stats(T0)["hits_unique"]["persistent"] == 0
+            assert _hits(ps, model, T0)["persistent"] == 0
     finally:
         ps.close()
     nodes = [redis.Redis(port=p) for p in redis_cluster.ports]
@@ -209,7 +215,7 @@ def test_an_online_update_reaches_its_own_models_table_only(tmp_path: Path) -> N
         foo[[1, 3]] = new
         assert torch.equal(ps.session("foo").lookup(T0, QUERY), _expected(foo))
         assert torch.equal(ps.session("bar").lookup(T0, QUERY), _expected(want[("bar", T0)]))
-        assert ps.session("foo").stats(T0)["hits_unique"]["cache"] == 6  # the update, cached
+        assert _hits(ps, "foo", T0)["cache"] == 6  # the update, cached
         vdb, pdb = ps.volatile, ps.persistent
         assert vdb is not None and pdb is not None
         for db in (vdb, pdb):
@@ -228,7 +234,7 @@ def test_an_online_update_reaches_its_own_models_table_only(tmp_path: Path) -> N
         ps.close()
 
 
-class _Recorder:
+class _Recorder(UpdatePublisher):
     """A publisher that keeps what it is given."""
 
     def __init__(self) -> None:
@@ -242,9 +248,8 @@ class _Recorder:
 class _Model(torch.nn.Module):
     def __init__(self) -> None:
         super().__init__()
-        self.embeddings = torch.nn.ModuleDict(
-            {T0: torch.nn.Embedding(4, 2), T1: torch.nn.Embedding(4, 2)}
-        )
+        self.t0, self.t1 = torch.nn.Embedding(4, 2), torch.nn.Embedding(4, 2)
+        self.embeddings = torch.nn.ModuleDict({T0: self.t0, T1: self.t1})
 
 
 def test_a_trainer_publishes_under_the_scoped_names_it_is_given() -> None:
@@ -252,15 +257,13 @@ def test_a_trainer_publishes_under_the_scoped_names_it_is_given() -> None:
     cb = PublishUpdatesCallback(pub, record_names={T0: "bar.sparse_embedding0"})
     cb.on_train_begin(model)
     with torch.no_grad():
-        model.embeddings[T0].weight[2] += 1.0
-        model.embeddings[T1].weight[1] += 1.0
+        model.t0.weight[2] += 1.0
+        model.t1.weight[1] += 1.0
     assert cb.publish_changes(model) == 2
     (batch,) = pub.batches
     assert sorted(batch) == ["bar.sparse_embedding0", T1]
     assert batch["bar.sparse_embedding0"][0].tolist() == [2]
-    assert torch.equal(
-        torch.from_numpy(batch["bar.sparse_embedding0"][1]), model.embeddings[T0].weight[2:3]
-    )
+    assert torch.equal(torch.from_numpy(batch["bar.sparse_embedding0"][1]), model.t0.weight[2:3])
 
 
 def _model(name: str, sparse_file: str, dim: int) -> dict[str, Any]:
@@ -292,7 +295,9 @@ def test_database_names(
     assert [cfg.db_table(m.model, "t0") for m in cfg.models] == names
 
 
-def test_device_auto_is_the_last_deployed_device_as_in_hugectr(monkeypatch) -> None:
+def test_device_auto_is_the_last_deployed_device_as_in_hugectr(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """HugeCTR: ``params.device_id = params.deployed_devices.back()`` (inference_utils.cpp)."""
     model = ModelConfig(
         "m", (TableSpec("t0", "", 4, 1),), 4, deployed_device_list=(0, 3), device="auto"

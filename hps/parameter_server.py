@@ -41,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hps.config import ModelConfig, PSConfig, TableSpec
+from hps.config import ModelConfig, PSConfig, TableSpec, db_table_names
 from hps.config_parse import load_config
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
@@ -142,6 +142,7 @@ class HierarchicalParameterServer:
         self.volatile = build_volatile(cfg)
         self.persistent = build_persistent(cfg)
         self.num_rows: dict[str, int] = {}  # database name → rows
+        self._db_names = db_table_names(cfg.models)  # (model, table) → database name
         self._sessions: dict[str, LookupSession] = {}
         self._stops: list[threading.Event] = []
         self.repair: VolatileRepair | None = None  # set by start_background for a Redis tier
@@ -164,8 +165,7 @@ class HierarchicalParameterServer:
         (:meth:`hps.config.PSConfig.db_table`: ``t0``, or ``<model>.t0`` where models name
         ``t0`` with other rows)."""
         return [
-            dataclasses.replace(t, name=self.cfg.db_table(model.model, t.name))
-            for t in model.tables
+            dataclasses.replace(t, name=self._db_names[(model.model, t.name)]) for t in model.tables
         ]
 
     @classmethod

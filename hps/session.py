@@ -158,6 +158,7 @@ class LookupSession:
         if volatile is None and persistent is None:
             raise ValueError("a LookupSession needs a volatile or a persistent database")
         self.tables = {t.name: t for t in tables}
+        self._by_db_name = {t.db_name: t for t in tables}
         self.volatile, self.persistent = volatile, persistent
         self.hit_rate_threshold = hit_rate_threshold
         self.exact = exact
@@ -307,10 +308,7 @@ class LookupSession:
     def db_table(self, db_name: str) -> SessionTable | None:
         """The table the databases key by ``db_name`` (:attr:`SessionTable.db_name`), or ``None``
         when this session serves no such table."""
-        for t in self.tables.values():
-            if t.db_name == db_name:
-                return t
-        return None
+        return self._by_db_name.get(db_name)
 
     def _table(self, table: str) -> SessionTable:
         try:

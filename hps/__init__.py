@@ -33,6 +33,7 @@ from hps.config import (
     TableSpec,
     UpdateSourceConfig,
     VolatileDBConfig,
+    db_table_names,
 )
 from hps.config_parse import ConfigError, HugeCTRFieldWarning, load_config, parse_config
 from hps.parameter_server import HierarchicalParameterServer
@@ -86,6 +87,7 @@ __all__ = [
     "VolatileDBConfig",
     "VolatileDBType",
     "VolatileUnavailableError",
+    "db_table_names",
     "load_config",
     "parse_config",
     "recommend",

@@ -72,6 +72,18 @@ have ``cache_exact: true`` or ``hit_rate_threshold: 1.0``. Otherwise a lookup wh
 hit rate reaches the threshold answers its misses with the default vector *without reading
 any tier* (HugeCTR's asynchronous insertion), and while a node is down the background fill
 fails every time, so its keys would get the default vector for the whole outage.
+
+**Tables are scoped by model.** Two models may name a table alike: with the same rows (the same
+sparse folder and ``dim``) they share it (loaded once, one copy in each database, an online
+update reaches both); with other rows each model has its own. A table's *database name*
+(:meth:`PSConfig.db_table`), under which every tier keys it and an update record names it, is::
+
+    its name                 t0          no two models name a table t0 with other rows
+    <model>.<table>          foo.t0      models name a table t0 with other rows (every one of them)
+
+``.`` never occurs in a name (:mod:`hps.names`), so a scoped name never equals a plain one.
+HugeCTR keys every table by model and name (``hps_et.<model>.<table>``); a single-model
+deployment keeps the plain names here.
 """
 
 from __future__ import annotations
@@ -204,6 +216,34 @@ class UpdateSourceConfig:
     state_path: str = ""
 
 
+#: separates the model from the table in a scoped database name (``foo.t0``)
+SCOPE_SEP = "."
+
+
+def _same_rows(a: TableSpec, b: TableSpec) -> bool:
+    """Whether two tables name the same rows: the same sparse folder and row width."""
+    fa = Path(a.sparse_file).resolve() if a.sparse_file else ""
+    fb = Path(b.sparse_file).resolve() if b.sparse_file else ""
+    return fa == fb and a.dim == b.dim
+
+
+def db_table_names(models: tuple[ModelConfig, ...]) -> dict[tuple[str, str], str]:
+    """``(model, table) → database name`` of every table of ``models`` (see the module
+    docstring): the table's name, or ``<model>.<table>`` where models name it with other rows."""
+    first: dict[str, TableSpec] = {}
+    scoped: set[str] = set()
+    for m in models:
+        for t in m.tables:
+            u = first.setdefault(t.name, t)
+            if not _same_rows(u, t):
+                scoped.add(t.name)
+    return {
+        (m.model, t.name): f"{m.model}{SCOPE_SEP}{t.name}" if t.name in scoped else t.name
+        for m in models
+        for t in m.tables
+    }
+
+
 @dataclass(frozen=True)
 class PSConfig:
     """A parsed, validated ``ps.json``."""
@@ -222,6 +262,16 @@ class PSConfig:
             if m.model == name:
                 return m
         raise ValueError(f"ps.json has no model {name!r}; models: {[m.model for m in self.models]}")
+
+    def db_table(self, model: str, table: str) -> str:
+        """The database name of ``model``'s table ``table``: ``table``, or ``<model>.<table>``
+        where models name ``table`` with other rows (module docstring).
+
+        Raises:
+            ValueError: no such model, or the model has no such table (naming what it has).
+        """
+        self.model(model).table(table)
+        return db_table_names(self.models)[(model, table)]
 
     def to_dict(self) -> dict[str, Any]:
         """The ``ps.json`` document (HugeCTR's per-table lists) for this config."""

@@ -269,27 +269,6 @@ def _check_failed_keys_not_guessed(
         )
 
 
-def _check_shared_tables(models: tuple[ModelConfig, ...], p: Problems) -> None:
-    """Tables are keyed by name in the databases: models may share a table only when they
-    name the same rows (same sparse file and dim)."""
-    seen: dict[str, tuple[str, TableSpec]] = {}
-    for m in models:
-        for t in m.tables:
-            if t.name not in seen:
-                seen[t.name] = (m.model, t)
-                continue
-            other, u = seen[t.name]
-            if (Path(u.sparse_file).resolve() if u.sparse_file else "") != (
-                Path(t.sparse_file).resolve() if t.sparse_file else ""
-            ) or u.dim != t.dim:
-                p.add(
-                    f"ps.json.models: table {t.name!r} of model {m.model!r} (sparse file "
-                    f"{t.sparse_file!r}, dim {t.dim}) and of model {other!r} (sparse file "
-                    f"{u.sparse_file!r}, dim {u.dim}) differ; the databases key tables by name, so "
-                    "models may share a table only with the same sparse file and dim: rename one"
-                )
-
-
 def _artifact_version(doc: dict[str, Any], name: str) -> int | None:
     """The ``tilerec_artifact_version`` of a ``ps.json`` (``None`` when absent: a ``ps.json``
     written by hand or for HugeCTR)."""
@@ -394,7 +373,6 @@ def _parse(doc: Any, base: Path | None, name: str) -> PSConfig:
         typeless_vdb = isinstance(doc.get("volatile_db"), dict) and "type" not in doc["volatile_db"]
         _check_tiers(vdb, pdb, typeless_vdb, p)
         _check_failed_keys_not_guessed(models, vdb, pdb, p)
-        _check_shared_tables(models, p)
     p.raise_any(name)
     _warn_unused(name, unused)
     return PSConfig(

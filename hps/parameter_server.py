@@ -32,6 +32,7 @@ Redis cluster keeps its offset (that Redis still holds the updates).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import math
 import threading
@@ -40,7 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hps.config import ModelConfig, PSConfig, TableSpec
+from hps.config import ModelConfig, PSConfig, TableSpec, db_table_names
 from hps.config_parse import load_config
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
@@ -103,10 +104,14 @@ def build_persistent(cfg: PSConfig) -> RocksDBBackend | None:
 
 def resolve_device(model: ModelConfig) -> torch.device:
     """Where a model's caches and returned rows live: ``device`` of ``ps.json``; ``auto`` is
-    the first deployed CUDA device when there is one, else the CPU."""
+    the *last* entry of ``deployed_device_list`` when CUDA is available, else the CPU.
+
+    The last, as HugeCTR takes it: its parser sets ``device_id = deployed_devices.back()``
+    (``parameter_server_config`` in ``HugeCTR/src/hps/inference_utils.cpp``), and the embedding
+    cache of a model lives on ``device_id``."""
     if model.device == "auto":
         return (
-            torch.device("cuda", model.deployed_device_list[0])
+            torch.device("cuda", model.deployed_device_list[-1])
             if torch.cuda.is_available()
             else torch.device("cpu")
         )
@@ -136,12 +141,13 @@ class HierarchicalParameterServer:
         self.cfg = cfg
         self.volatile = build_volatile(cfg)
         self.persistent = build_persistent(cfg)
-        self.num_rows: dict[str, int] = {}
+        self.num_rows: dict[str, int] = {}  # database name → rows
+        self._db_names = db_table_names(cfg.models)  # (model, table) → database name
         self._sessions: dict[str, LookupSession] = {}
         self._stops: list[threading.Event] = []
         self.repair: VolatileRepair | None = None  # set by start_background for a Redis tier
         for model in cfg.models:
-            for t in model.tables:
+            for t in self.db_specs(model):
                 self._check_persistent_source(t, load)
                 for db in (self.volatile, self.persistent):
                     if db is not None:
@@ -153,6 +159,14 @@ class HierarchicalParameterServer:
             self._sessions[model.model] = self._make_session(model)
         if self._volatile_rebuilt(load):
             self._reset_update_offset()
+
+    def db_specs(self, model: ModelConfig) -> list[TableSpec]:
+        """``model``'s tables as the databases hold them: each named by its database name
+        (:meth:`hps.config.PSConfig.db_table`: ``t0``, or ``<model>.t0`` where models name
+        ``t0`` with other rows)."""
+        return [
+            dataclasses.replace(t, name=self._db_names[(model.model, t.name)]) for t in model.tables
+        ]
 
     @classmethod
     def from_config(cls, path: str | Path, load: bool = True) -> HierarchicalParameterServer:
@@ -344,10 +358,10 @@ class HierarchicalParameterServer:
     def _make_session(self, model: ModelConfig) -> LookupSession:
         device = resolve_device(model)
         tables = []
-        for t in model.tables:
+        for t, db in zip(model.tables, self.db_specs(model), strict=True):
             cache = None
             if model.gpucache:
-                cap = max(1, math.ceil(model.gpucacheper * self.num_rows[t.name]))
+                cap = max(1, math.ceil(model.gpucacheper * self.num_rows[db.name]))
                 cache = EmbeddingCache(
                     cap,
                     t.dim,
@@ -357,7 +371,12 @@ class HierarchicalParameterServer:
                 )
             tables.append(
                 SessionTable(
-                    t.name, t.dim, t.default_value, model.max_keys_per_lookup(t.name), cache
+                    t.name,
+                    t.dim,
+                    t.default_value,
+                    model.max_keys_per_lookup(t.name),
+                    cache,
+                    db_name=db.name,
                 )
             )
         return LookupSession(
@@ -422,7 +441,7 @@ class HierarchicalParameterServer:
             self.repair = VolatileRepair(
                 self.volatile,
                 self.persistent,
-                list({t.name: t for m in self.cfg.models for t in m.tables}.values()),
+                list({t.name: t for m in self.cfg.models for t in self.db_specs(m)}.values()),
                 list(self._sessions.values()),
                 self.cfg.volatile_db.initial_cache_rate,
                 has_updates=self.cfg.update_source.type is not UpdateSourceType.NONE,

@@ -107,13 +107,23 @@ class _Fetched:
 
 @dataclass
 class SessionTable:
-    """One table as a session serves it."""
+    """One table as a session serves it.
+
+    ``name`` is the model's name for it (what :meth:`LookupSession.lookup` takes); ``db_name``
+    the name the databases key it by and update records name it by (``name`` unless two
+    models name a table alike with other rows: then ``<model>.<name>``, :meth:`hps.config.PSConfig.db_table`;
+    empty means ``name``).
+    """
 
     name: str
     dim: int
     default_value: float
     max_keys: int
     cache: EmbeddingCache | None = None
+    db_name: str = ""
+
+    def __post_init__(self) -> None:
+        self.db_name = self.db_name or self.name
 
 
 class LookupSession:
@@ -148,6 +158,7 @@ class LookupSession:
         if volatile is None and persistent is None:
             raise ValueError("a LookupSession needs a volatile or a persistent database")
         self.tables = {t.name: t for t in tables}
+        self._by_db_name = {t.db_name: t for t in tables}
         self.volatile, self.persistent = volatile, persistent
         self.hit_rate_threshold = hit_rate_threshold
         self.exact = exact
@@ -294,6 +305,11 @@ class LookupSession:
         return stop
 
     # ------------------------------------------------------------------ internals
+    def db_table(self, db_name: str) -> SessionTable | None:
+        """The table the databases key by ``db_name`` (:attr:`SessionTable.db_name`), or ``None``
+        when this session serves no such table."""
+        return self._by_db_name.get(db_name)
+
     def _table(self, table: str) -> SessionTable:
         try:
             return self.tables[table]
@@ -345,7 +361,7 @@ class LookupSession:
         reason = ""
         rest = np.arange(n)
         if self.volatile is not None and n:
-            r = self.volatile.read(t.name, keys)  # zeros where not found
+            r = self.volatile.read(t.db_name, keys)  # zeros where not found
             vals, found, failed, reason = r.values, r.found, r.failed, r.reason
             rest = np.flatnonzero(~found)
             if failed.any():
@@ -353,7 +369,7 @@ class LookupSession:
                     self._stats[t.name].tier_failed_keys += int(failed.sum())
         if self.persistent is not None and rest.size:
             sub = keys if rest.size == n else keys[rest]
-            v, f = self.persistent.lookup(t.name, sub)
+            v, f = self.persistent.lookup(t.db_name, sub)
             if vals is None or rest.size == n:
                 vals, found, from_pdb = v, f, f.copy()
             else:
@@ -361,11 +377,11 @@ class LookupSession:
                 vals[hit] = v[f]
                 found[hit] = True
                 from_pdb[hit] = True
-            if failed.any() and self.persistent.holds_every_row(t.name):
+            if failed.any() and self.persistent.holds_every_row(t.db_name):
                 failed[:] = False  # its "not found" is an answer for every key
             if self.volatile is not None and self.cache_missed_embeddings and f.any():
                 try:
-                    self.volatile.insert(t.name, sub[f], v[f])
+                    self.volatile.insert(t.db_name, sub[f], v[f])
                 except VolatileUnavailableError:  # an optional copy of the persistent db's rows
                     pass
         if vals is None:

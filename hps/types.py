@@ -99,6 +99,9 @@ class TierRead:
 class StorageBackend(ABC):
     """The interface of the volatile and persistent tiers (one instance holds many tables).
 
+    ``table`` is always a table's database name (:meth:`hps.config.PSConfig.db_table`): its
+    name, or ``<model>.<table>`` where models name a table alike with other rows.
+
     Every method is batched: ``keys`` is ``(n,) int64`` (C-contiguous), ``values`` is
     ``(n, dim) float32``. Implementations are thread-safe.
 

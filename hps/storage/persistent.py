@@ -1,6 +1,8 @@
 """The persistent database: RocksDB (``rocksdict``) holding every row of every table.
 
-One column family per table, named by the table; key = the int64 key's 8 little-endian bytes,
+One column family per table, named by the table's database name
+(:meth:`hps.config.PSConfig.db_table`: ``t0``, or ``foo.t0`` and ``bar.t0`` where models ``foo``
+and ``bar`` name a table ``t0`` with other rows); key = the int64 key's 8 little-endian bytes,
 value = the row's ``dim`` little-endian float32s. HugeCTR names its column families
 ``hps_et.<model>.<table>`` and keeps no dims or offsets beside them, so a RocksDB HugeCTR filled
 is not read: the tables are loaded again from their sparse files

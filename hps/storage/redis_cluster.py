@@ -3,7 +3,9 @@
 Layout (tilerec's own): each table is split into ``num_partitions`` partitions by
 ``mix64(key) % num_partitions``; partition ``p`` of table ``t`` is one Redis hash named
 ``hps_et.t.p<p>`` whose fields are the 8-byte little-endian keys and whose values are the
-rows' float32 bytes. The cluster places each hash on a node by CRC16 of its name, so one
+rows' float32 bytes. ``t`` is the table's database name (:meth:`hps.config.PSConfig.db_table`):
+its name (``hps_et.t0.p3``), or, where two models name a table alike with other rows, the
+model and the name (``hps_et.foo.t0.p3`` and ``hps_et.bar.t0.p3``). The cluster places each hash on a node by CRC16 of its name, so one
 table's partitions spread over all nodes. A lookup is one pipelined ``HMGET`` per touched
 partition (chunks of ``max_batch_size`` fields), sent node by node by the cluster pipeline.
 
@@ -65,7 +67,7 @@ LOADED_FIELD = b"hps:loaded"
 
 
 def partition_name(table: str, p: int) -> str:
-    """Redis key of partition ``p`` of ``table``."""
+    """Redis key of partition ``p`` of ``table`` (a database name: ``t0`` or ``foo.t0``)."""
     return f"hps_et.{table}.p{p}"
 
 

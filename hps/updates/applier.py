@@ -10,6 +10,10 @@ file when there is no writable persistent DB). A restarted server resumes after 
 applied offset; re-applying a batch is harmless (rows are absolute values, not deltas), which
 is why a server that rebuilt its volatile DB from the sparse files clears the offset file and
 replays the source from its start (:mod:`hps.parameter_server`).
+
+A record names each table by its database name (:mod:`hps.updates.record`): a batch for a table
+that two models share reaches both models' caches; a batch for ``foo.t0`` (models name ``t0``
+with other rows) reaches only model ``foo``'s.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from hps.config import SCOPE_SEP
 from hps.session import LookupSession
 from hps.storage.persistent import RocksDBBackend
 from hps.types import (
@@ -238,10 +243,26 @@ class UpdateApplier:
 
     # ------------------------------------------------------------------ applying
     def _dims(self) -> dict[str, int]:
+        """Database name → row width of every table served."""
         dims: dict[str, int] = {}
         for s in self.sessions:
-            dims.update({n: t.dim for n, t in s.tables.items()})
+            dims.update({t.db_name: t.dim for t in s.tables.values()})
         return dims
+
+    @staticmethod
+    def _unknown(name: str, dims: dict[str, int]) -> InvalidUpdateError:
+        """The error for a record naming no served table; where models name a table ``name``
+        with other rows, it says which scoped names the record must use instead."""
+        scoped = sorted(d for d in dims if d.endswith(f"{SCOPE_SEP}{name}"))
+        hint = (
+            f"; models name {name!r} with other rows, so a record names one of them by model: "
+            f"{scoped}"
+            if scoped
+            else ""
+        )
+        return InvalidUpdateError(
+            f"update for unknown table {name!r}; served tables: {sorted(dims)}{hint}"
+        )
 
     def validate(self, batch: UpdateBatch) -> UpdateBatch:
         """Check every table of ``batch`` before anything is written; returns it with each
@@ -257,9 +278,7 @@ class UpdateApplier:
         out: UpdateBatch = {}
         for name, (keys, rows) in batch.items():
             if name not in dims:
-                raise InvalidUpdateError(
-                    f"update for unknown table {name!r}; served tables: {sorted(dims)}"
-                )
+                raise self._unknown(name, dims)
             what = f"update for {name!r}:"
             keys = check_keys(keys, f"{what} keys")
             if not isinstance(rows, np.ndarray) or rows.shape != (keys.shape[0], dims[name]):
@@ -297,7 +316,7 @@ class UpdateApplier:
                 if self.volatile is not None:
                     self.volatile.insert(name, keys, rows)
                 for s in self.sessions:
-                    t = s.tables.get(name)
+                    t = s.db_table(name)
                     if t is not None and t.cache is not None:
                         device = t.cache.device
                         t.cache.update_if_present(

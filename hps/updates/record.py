@@ -10,6 +10,11 @@ Layout (all little-endian)::
     e.g. {"t0": ([7, 3], [[.1, .2], [.3, .4]])}  →  payload of 4 + (2 + 2 + 12 + 16 + 16) = 52
     bytes, the record 17 + 52 = 69 bytes.
 
+``name`` is the table's database name (:meth:`hps.config.PSConfig.db_table`): the table's name,
+or ``<model>.<table>`` where models name a table alike with other rows, so a record names one
+table of one model by construction; a plain name where models hold other rows under it is
+refused by the applier (:class:`InvalidUpdateError`, listing the scoped names).
+
 A record of another ``version`` is refused (:class:`RecordVersionError`, naming the version
 found and the one read); a record whose header, length, checksum or payload does not check out
 is never applied (:class:`CorruptRecordError`).

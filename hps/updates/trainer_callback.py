@@ -31,16 +31,30 @@ class PublishUpdatesCallback:
         publisher: transport.
         every_n_steps: publish cadence.
         tables: table names (default: every table of ``model.embeddings``).
+        record_names: table → the name its rows are published under, for tables whose database
+            name is not the table's own: where a server's models name a table alike with
+            other rows, it keys each by model, ``<model>.<table>``
+            (``PSConfig.db_table(model, table)``). Tables not in it keep their own name.
+
+    Example: a trainer of model ``bar`` publishing to servers where models ``foo`` and ``bar``
+    both name a table ``t0`` with other rows::
+
+        PublishUpdatesCallback(publisher, record_names={"t0": "bar.t0"})
     """
 
     def __init__(
-        self, publisher: UpdatePublisher, every_n_steps: int = 1, tables: list[str] | None = None
+        self,
+        publisher: UpdatePublisher,
+        every_n_steps: int = 1,
+        tables: list[str] | None = None,
+        record_names: dict[str, str] | None = None,
     ) -> None:
         if every_n_steps <= 0:
             raise ValueError(f"every_n_steps must be > 0, got {every_n_steps}")
         self.publisher = publisher
         self.every_n_steps = every_n_steps
         self.tables = tables
+        self.record_names = dict(record_names or {})
         self._snap: dict[str, torch.Tensor] = {}
         self.published = 0  # batches
         self.last_offset: str | None = None
@@ -94,7 +108,10 @@ class PublishUpdatesCallback:
             rows = torch.nonzero((w != snap).any(1)).squeeze(1)
             if rows.numel():
                 vals = w[rows]  # a copy: the trainer may change w before the snapshot is updated
-                batch[name] = (rows.numpy().astype(np.int64), vals.numpy().astype(np.float32))
+                batch[self.record_names.get(name, name)] = (
+                    rows.numpy().astype(np.int64),
+                    vals.numpy().astype(np.float32),
+                )
                 taken.append((snap, rows, vals))
         if not batch:
             return 0

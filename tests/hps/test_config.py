@@ -189,20 +189,6 @@ def test_valid_config_round_trips(tmp_path: Path) -> None:
             ),
             r"volatile_db\.initial_cache_rate: 0\.5 is impossible; expected 1\.0 without a persistent_db",
         ),
-        # tables are keyed by name in the databases: a shared name must mean the same rows
-        (
-            lambda d: d["models"].append(
-                {**d["models"][0], "model": "other", "sparse_files": ["s/x0", "s/t1"]}
-            ),
-            r"table 't0' of model 'other' \(sparse file 's/x0', dim 8\) and of model 'dlrm' \(sparse file "
-            r"'s/t0', dim 8\) differ",
-        ),
-        (
-            lambda d: d["models"].append(
-                {**d["models"][0], "model": "other", "embedding_vecsize_per_table": [8, 2]}
-            ),
-            r"table 't1' of model 'other' .* dim 2\) and of model 'dlrm' .* dim 4\) differ",
-        ),
     ],
 )
 def test_bad_config_names_the_field(mutate, match: str) -> None:
@@ -221,6 +207,7 @@ def test_models_may_share_a_table_with_the_same_rows(tmp_path: Path) -> None:
     cfg = parse_config(d, tmp_path)
     assert [m.model for m in cfg.models] == ["dlrm", "other"]
     assert cfg.model("other").tables[0].sparse_file == cfg.model("dlrm").tables[0].sparse_file
+    assert cfg.db_table("other", "t0") == cfg.db_table("dlrm", "t0") == "t0"  # one table
 
 
 def test_redis_stream_sources_that_can_resume_are_accepted() -> None:

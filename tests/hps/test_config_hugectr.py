@@ -26,8 +26,6 @@ from hps.types import OverflowPolicy, PersistentDBType, UpdateSourceType, Volati
 
 DATA = Path(__file__).parent / "data" / "hugectr_configs"
 CONFIGS = sorted(DATA.glob("*.ps.json"))
-#: two models of HugeCTR's unit tests name a table ``sparse_embedding0`` with other rows
-REFUSED = {"hps_tf_unit_test_hps.ps.json", "hps_trt_unit_test_hps.ps.json"}
 
 #: the fields tilerec uses, per section (written out here, apart from the parser's own sets)
 OURS = {
@@ -72,14 +70,12 @@ def _unused_in(doc: dict[str, Any]) -> set[str]:
 
 
 def test_at_least_fifteen_real_configs_are_kept() -> None:
-    assert len(CONFIGS) - len(REFUSED) >= 15
+    assert len(CONFIGS) >= 15
     readme = (DATA / "README.md").read_text()
     assert all(f"`{p.name}`" in readme for p in CONFIGS), "each file's source is in the README"
 
 
-@pytest.mark.parametrize(
-    "path", [p for p in CONFIGS if p.name not in REFUSED], ids=lambda p: p.name
-)
+@pytest.mark.parametrize("path", CONFIGS, ids=lambda p: p.name)
 def test_every_real_hugectr_config_loads_and_names_its_unused_fields(path: Path) -> None:
     doc = json.loads(path.read_text())
     cfg, messages = _load(path)
@@ -98,12 +94,6 @@ def test_every_real_hugectr_config_loads_and_names_its_unused_fields(path: Path)
     assert len(messages) == 1, "one warning per file"
     named = messages[0].split("does not use: ", 1)[1]
     assert {n.split(" (")[0] for n in named.split(", ")} == unused
-
-
-@pytest.mark.parametrize("name", sorted(REFUSED))
-def test_models_naming_one_table_with_other_rows_are_refused_clearly(name: str) -> None:
-    with pytest.raises(ValueError, match=r"table 'sparse_embedding0' of model 'bar' .* rename one"):
-        load_config(DATA / name)
 
 
 @pytest.mark.parametrize(

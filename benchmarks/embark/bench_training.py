@@ -68,7 +68,14 @@ log = logging.getLogger("bench_training")
 MEMORY_FRACTION = 0.9  # of MemAvailable a side (or both sides together) may be estimated at
 PROCESS_BASE_BYTES = 0.7e9  # torch + torchrec + fbgemm imported, gloo up (measured: 0.6-0.9 GB)
 ACTIVATION_BYTES_PER_SAMPLE = 250e3  # DLRM-DCNv2 forward + backward (batch 4096 ≈ 1 GB)
-QUICK = {"scales": "1000", "batches": "512", "worlds": "1,2", "reps": 3, "steps_per_rep": 2}
+QUICK = {
+    "scales": "1000",
+    "batches": "512",
+    "worlds": "1,2",
+    "reps": 3,
+    "steps_per_rep": 1,
+    "warmup": 1,
+}
 
 
 @dataclass(frozen=True)

@@ -67,31 +67,31 @@ def case_workload(cfg: dict[str, Any]) -> Workload:
 
 # ------------------------------------------------------------------------------ batches
 def make_batches(workload: Workload, batch_size: int, n: int, seed: int) -> list[Batch]:
-    """``n`` global batches: per table, bags of exactly ``hotness`` ids drawn from
-    Zipf(``workload.zipf_alpha``) over the rows and put through a fixed permutation of the
-    rows (hashed ids: the hot rows are spread over a table's row shards); dense features
-    ``log1p`` of log-normal counts ``(B, D) float32``; labels Bernoulli(0.3) ``(B,) float32``.
-    Equal on every rank and both sides for equal arguments."""
-    rng = np.random.default_rng(seed)
-    perm_rng = np.random.default_rng(seed + 12345)
-    ids: list[list[torch.Tensor]] = [[] for _ in range(n)]
+    """Global batches ``0 .. n-1`` (batch ``i`` depends on ``(seed, i)`` alone): per table,
+    bags of exactly ``hotness`` ids drawn from Zipf(``workload.zipf_alpha``) over the rows and
+    put through a fixed permutation of the rows (hashed ids: the hot rows are spread over a
+    table's row shards); dense features ``log1p`` of log-normal counts ``(B, D) float32``;
+    labels Bernoulli(0.3) ``(B,) float32``. Equal on every rank and both sides."""
+    perm_rng = np.random.default_rng([seed, 12345])
+    samplers = []
     for t in workload.tables:
         p = np.arange(1, t.num_rows + 1, dtype=np.float64) ** -workload.zipf_alpha
         cdf = np.cumsum(p)
         cdf /= cdf[-1]
-        perm = perm_rng.permutation(t.num_rows)
-        for i in range(n):
-            draw = np.searchsorted(cdf, rng.random(batch_size * t.hotness), side="right")
-            bag = perm[np.minimum(draw, t.num_rows - 1)]
-            ids[i].append(torch.from_numpy(bag).view(batch_size, t.hotness))
-        del cdf, perm, p  # the cdfs of large tables are not kept beside the model
+        samplers.append((t, cdf, perm_rng.permutation(t.num_rows)))
     names = [t.name for t in workload.tables]
     out = []
     for i in range(n):
+        rng = np.random.default_rng([seed, i])
+        ids = []
+        for t, cdf, perm in samplers:
+            draw = np.searchsorted(cdf, rng.random(batch_size * t.hotness), side="right")
+            bag = perm[np.minimum(draw, t.num_rows - 1)]
+            ids.append(torch.from_numpy(bag).view(batch_size, t.hotness))
         counts = rng.lognormal(1.0, 1.0, size=(batch_size, workload.dense_features))
         dense = torch.from_numpy(np.log1p(counts)).float()
         labels = torch.from_numpy(rng.random(batch_size) < 0.3).float()
-        out.append(Batch(dense, JaggedBatch.from_dense_bags(names, ids[i]), labels))
+        out.append(Batch(dense, JaggedBatch.from_dense_bags(names, ids), labels))
     return out
 
 

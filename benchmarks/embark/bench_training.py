@@ -300,7 +300,7 @@ def side_row(
     row = _base_row(case, cfg, side) | extra
     if rec is None:
         return row | {"step_ms": None, "samples_per_s": None, "peak_rss_mb": None}
-    timed = rec.step_s[cfg_warmup(cfg) :]
+    timed = rec.step_s[int(cfg["warmup"]) :]
     med = statistics.median(timed)
     row |= {
         "embedding_kernel": rec.ready[0]["embedding_kernel"],
@@ -319,10 +319,6 @@ def side_row(
         "step_ms_all": [1e3 * s for s in rec.step_s],
     }
     return row
-
-
-def cfg_warmup(cfg: dict[str, Any]) -> int:
-    return int(cfg["warmup"])
 
 
 def run_case(case: Case, args: argparse.Namespace) -> list[dict[str, Any]]:

@@ -437,7 +437,7 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         choices=["auto", "fbgemm", "reference"],
         help="ours' embedding path (where TrainConfig has embedding_kernel)",
     )
-    p.add_argument("--lr", type=float, default=0.01, help="every learning rate, both sides")
+    p.add_argument("--lr", type=float, default=1e-3, help="every learning rate, both sides")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per side")
     p.add_argument("--steps-per-rep", type=int, default=2)

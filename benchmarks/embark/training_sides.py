@@ -168,14 +168,27 @@ class OursSide:
             self.trainer = Trainer(sharded, TrainConfig(**kwargs))
         else:
             self.trainer = Trainer(model, TrainConfig(**kwargs))
-        resolved = getattr(self.trainer, "embedding_kernel", None)
-        if isinstance(resolved, str):  # the fused path may say which kernel "auto" chose
-            self.embedding_kernel = resolved
+        if self.embedding_kernel != DENSE_GRAD:
+            self.embedding_kernel = _resolved_kernel(self.trainer.cfg)
         self.rank, self.world = rank, world
 
     def step(self, batch: Batch) -> float:
         """One training step on this rank's slice of the global ``batch``; the global loss."""
         return self.trainer.train_step(local_batch(batch, self.rank, self.world))
+
+
+def _resolved_kernel(cfg: Any) -> str:
+    """The kernel the fused path runs for ``cfg.embedding_kernel`` (``auto`` resolved by
+    ``embark.training.fused.resolve_kernel`` where that exists), as a string."""
+    import importlib
+
+    kernel: Any = cfg.embedding_kernel
+    try:
+        fused: Any = importlib.import_module("embark.training.fused")
+        kernel = fused.resolve_kernel(kernel)
+    except (ImportError, AttributeError):
+        pass
+    return str(getattr(kernel, "value", kernel))
 
 
 # ------------------------------------------------------------------------------- torchrec

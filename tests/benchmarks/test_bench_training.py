@@ -228,8 +228,10 @@ def test_tiny_run_end_to_end_writes_rows_whose_losses_agree(tmp_path, require):
     ours, theirs = rows
     assert theirs["embedding_kernel"] == "fbgemm-fused"
     assert theirs["layouts"] == {"table_wise/fused": len(get_workload("tiny").tables)}
-    expected = "dense-grad" if not training_sides.fused_fields_present() else "auto"
-    assert ours["embedding_kernel"] == expected
+    if training_sides.fused_fields_present():  # "auto" resolved to the kernel that ran
+        assert ours["embedding_kernel"] in ("fbgemm", "reference")
+    else:
+        assert ours["embedding_kernel"] == "dense-grad"
     # same weights, same batch, same optimizer: the losses agree at step 0 and after steps
     assert ours["losses"][0] == pytest.approx(theirs["losses"][0], rel=1e-6)
     assert ours["losses"] == pytest.approx(theirs["losses"], rel=1e-4)

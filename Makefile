@@ -51,6 +51,10 @@ bench-tilesparse: install
 	$(PY) -m benchmarks.tilesparse.bench_gemm
 	$(PY) -m benchmarks.tilesparse.bench_models
 
+.PHONY: bench-training
+bench-training: install
+	$(PY) -m benchmarks.embark.bench_training
+
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -169,20 +169,33 @@ def forced_route() -> Route | None:
         ) from None
 
 
+@functools.lru_cache(maxsize=1)
+def _machine_hash() -> str:
+    """What makes one machine's measurements another's: the CPU's flags, torch, the kernel's
+    build (its sources and flags; a constant of the process, hence cached)."""
+    h = hashlib.sha256()
+    for part in (cpu_identity(), torch.__version__, build_dir().name):
+        h.update(part.encode())
+    return h.hexdigest()[:16]
+
+
 def _machine_file() -> Path | None:
-    """The table file of this machine, or ``None`` when ``TILESPARSE_AUTO_CACHE=0``."""
-    setting = os.environ.get(AUTO_CACHE_ENV, "").strip()
+    """The table file of this machine, or ``None`` when ``TILESPARSE_AUTO_CACHE=0`` (read on
+    every lookup, so a changed setting takes effect at once)."""
+    return _table_path(
+        os.environ.get(AUTO_CACHE_ENV, "").strip(), os.environ.get("XDG_CACHE_HOME", "")
+    )
+
+
+@functools.lru_cache(maxsize=8)
+def _table_path(setting: str, xdg_cache_home: str) -> Path | None:
     if setting == "0":
         return None
     if setting:
         base = Path(setting)
     else:
-        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-        base = base / "tilerec" / "tilesparse_auto"
-    h = hashlib.sha256()
-    for part in (cpu_identity(), torch.__version__, build_dir().name):
-        h.update(part.encode())
-    return base / f"{h.hexdigest()[:16]}.json"
+        base = Path(xdg_cache_home or Path.home() / ".cache") / "tilerec" / "tilesparse_auto"
+    return base / f"{_machine_hash()}.json"
 
 
 class CrossoverTable:

@@ -36,6 +36,7 @@ low-rank cross layers (3456→512, 512→3456; not in the default set).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import time
@@ -175,7 +176,7 @@ def pick_csr(x: torch.Tensor, w_masked: torch.Tensor, max_seconds: float) -> CSR
     est: dict[str, float] = {}
     for name, (_, f) in variants.items():
         f(sub)  # warm
-        est[name] = time_once(lambda f=f: f(sub)) * M / sub.shape[0]
+        est[name] = time_once(functools.partial(f, sub)) * M / sub.shape[0]
     best = min(est, key=lambda k: est[k])
     if est[best] > max_seconds:
         return f"one call estimated at {est[best]:.1f} s (> --csr-max-seconds {max_seconds:g})"

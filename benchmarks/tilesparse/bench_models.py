@@ -48,7 +48,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -203,6 +203,15 @@ def _dlrm_row(
     }
 
 
+def _dense_forward(d_in: torch.Tensor, p_in: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    return cast(DLRM, model).dense_forward(d_in, p_in)
+
+
+def _forward(x: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    out: torch.Tensor = model(x)
+    return out
+
+
 def bench_dlrm(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str, Any]]:
     """DLRM-DCNv2 dense part: dense vs TW at each sparsity and dtype."""
     w = get_workload("dlrm_dcnv2").scaled(1e6)  # tables are not timed: keep them tiny
@@ -220,6 +229,8 @@ def bench_dlrm(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str
         cfg = tilesparse.TileSparseConfig(sparsity=s, tile=G, global_threshold=False)
         pruner = tilesparse.prune_(tw32, cfg)
         reference = masked_reference(build, pruner)
+        if not isinstance(reference, DLRM):
+            raise TypeError(f"masked_reference built a {type(reference).__name__}, not a DLRM")
         pruner.compress(backend="cpu")
         prune_s = time.perf_counter() - t0
         with torch.no_grad():
@@ -230,7 +241,7 @@ def bench_dlrm(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str
             tw_m = tw32 if dtype == torch.float32 else copy.deepcopy(tw32).to(dtype)
             d_in, p_in = dense_in.to(dtype), pooled_in.to(dtype)
             ref_err = masked_dense_err(
-                reference, dtype, lambda m, a=d_in, b=p_in: m.dense_forward(a, b), want
+                reference, dtype, functools.partial(_dense_forward, d_in, p_in), want
             )
             row = _dlrm_row(dense_m, tw_m, d_in, p_in, want, ref_err, args)
             ideal = 1.0 / (1.0 - s)
@@ -391,7 +402,7 @@ def bench_encoder(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[
             dense_m = dense32 if dtype == torch.float32 else copy.deepcopy(dense32).to(dtype)
             tw_m = tw32 if dtype == torch.float32 else copy.deepcopy(tw32).to(dtype)
             x = x32.to(dtype)
-            ref_err = masked_dense_err(reference, dtype, lambda m, a=x: m(a), want)
+            ref_err = masked_dense_err(reference, dtype, functools.partial(_forward, x), want)
             row = _encoder_row(dense_m, tw_m, x, want, ref_err, args)
             row.update(
                 d_model=knobs["d_model"],

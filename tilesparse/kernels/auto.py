@@ -72,13 +72,13 @@ log = logging.getLogger(__name__)
 
 AUTO_CACHE_ENV = "TILESPARSE_AUTO_CACHE"
 AUTO_ROUTE_ENV = "TILESPARSE_AUTO_ROUTE"
-# TW must be this much faster than dense to be chosen: two interleaved minima on a loaded
-# 2-core machine differed by up to ~5 % between identical calls, so a 10 % margin keeps a
-# noisy tie on the dense side (AUTO then runs at ~1.0× of dense, never below 0.95×).
+# TW must measure this much faster than dense to be chosen, so that a tie blurred by timing
+# noise falls on the dense side (AUTO then runs at ~1.0x of dense); the price is at most 10 % of
+# the gain where TW wins narrowly.
 MARGIN = 1.10
 # The calibration call runs at most this many (TW, dense) rounds, and stops after 2 once it has
 # spent CALIBRATION_BUDGET_S: a 4096-row 4096×4096 fp32 layer (~1 s dense on 2 cores) pays two
-# rounds once, a 512×256 layer (~3 ms) five.
+# rounds once, a 4096-row 512×256 layer (a few ms) up to five.
 MAX_ROUNDS = 5
 CALIBRATION_BUDGET_S = 0.05
 _TABLE_VERSION = 1

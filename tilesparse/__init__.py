@@ -15,7 +15,8 @@ Where things are: ``config`` (frozen configs, JSON/YAML), ``patterns`` (masks fr
 ``importance``, ``schedule``, ``pruner`` (:func:`prune_`, :class:`TileSparsePruner`),
 ``callback`` (the pruner as a trainer callback), ``format`` (the condensed layout,
 :class:`TWLayout`), ``linear`` (:class:`TileSparseLinear`), ``memory`` (bytes as stored),
-``ops`` (the ``tilesparse::tw_linear`` op, :func:`tw_linear`, and its :class:`Backend`), and
+``ops`` (the ``tilesparse::tw_linear`` op, :func:`tw_linear`, its :class:`Backend`, and
+``auto``'s measured choice: :func:`auto_decision`, :func:`calibrate_auto`), and
 ``kernels`` (the op's CPU kernel and its CUDA glue to ``cutlass_kernels``, imported only when a
 CUDA tensor arrives). Importing the package needs no GPU, no nvcc and no nvidia-cutlass.
 """
@@ -35,7 +36,7 @@ from tilesparse.config import (
 from tilesparse.format import TWLayout, condense, reference_matmul
 from tilesparse.linear import TileSparseLinear
 from tilesparse.memory import LayerMemory, ModelMemory, layer_memory, model_memory
-from tilesparse.ops import tw_linear
+from tilesparse.ops import auto_decision, calibrate_auto, tw_linear
 from tilesparse.patterns import (
     bw_mask,
     bw_masks,
@@ -68,8 +69,10 @@ __all__ = [
     "TileSparseConfig",
     "TileSparseLinear",
     "TileSparsePruner",
+    "auto_decision",
     "bw_mask",
     "bw_masks",
+    "calibrate_auto",
     "condense",
     "ew_mask",
     "ew_masks",

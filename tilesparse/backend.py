@@ -4,11 +4,13 @@ One ``str``-valued enum, so a backend can be named in configs (``"auto"``) and c
 the enum member alike (``Backend("cpu") is Backend.CPU``).
 
 =========  ===========================================================================
-AUTO       the fastest available for the tensor's device and dtype: ``CPU`` on a CPU
-           tensor when the compiled kernel loaded (else ``REFERENCE``, after one logged
-           warning); on a CUDA tensor the dense GEMM on the layer's reconstructed dense
-           weight (cached), because the CUTLASS op path measured slower than dense on an
-           H200 (``tilesparse.kernels.cuda``).
+AUTO       never slower than dense: on a CPU tensor, the ``CPU`` kernel or a dense GEMM on
+           the layer's dense weight (built once, cached), whichever this machine measured
+           faster for the layer's shape and density, the dtype, the thread count and the
+           batch's power-of-two range (``tilesparse.kernels.auto``: measured on the first
+           call, kept in a per-machine table); the dense GEMM when the kernel cannot be
+           built. On a CUDA tensor the dense GEMM on the cached dense weight, because the
+           CUTLASS op path measured slower than dense on an H200 (``tilesparse.kernels.cuda``).
 REFERENCE  :func:`tilesparse.format.reference_matmul`: pure torch, tile by tile, any device;
            what every fast path is tested against.
 CPU        the fused gather-GEMM C++ kernel (``tilesparse/csrc``, loaded by

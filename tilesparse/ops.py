@@ -13,9 +13,13 @@ implementation :mod:`tilesparse.kernels.cuda` registers for the same op::
 (meta) kernel, so ``torch.export`` and ``torch.compile`` trace through it, and an autograd
 formula for ``x`` and ``bias`` (the condensed ``values`` are buffers, not trained).
 
-Backends (:class:`~tilesparse.backend.Backend`) on a CPU tensor: ``auto`` and ``cpu`` run the
-compiled kernel (:mod:`tilesparse.kernels.cpu`; the reference, after one logged warning, when
-it cannot be built), ``reference`` :func:`~tilesparse.format.reference_matmul`, ``emulated``
+Backends (:class:`~tilesparse.backend.Backend`) on a CPU tensor: ``cpu`` runs the compiled
+kernel (:mod:`tilesparse.kernels.cpu`; the reference, after one logged warning, when it cannot
+be built); ``auto`` runs the compiled kernel or a dense GEMM on the layer's cached dense weight,
+whichever the machine's measured crossover says is faster for the layer, dtype and batch range
+(:mod:`tilesparse.kernels.auto`; :func:`auto_decision` reports the choice,
+:func:`calibrate_auto` measures ahead of the first call), and the dense GEMM when the kernel
+cannot be built; ``reference`` :func:`~tilesparse.format.reference_matmul`, ``emulated``
 the CPU emulation of the CUTLASS kernel (``cutlass_kernels.reference``); ``cutlass`` is refused
 off CUDA. On a CUDA tensor see :mod:`tilesparse.kernels.cuda`.
 
@@ -38,6 +42,7 @@ import torch
 
 from tilesparse.backend import Backend, parse_backend
 from tilesparse.format import TWLayout, reference_matmul
+from tilesparse.kernels.auto import AutoDecision, auto_key, auto_linear_cpu, crossover_table
 from tilesparse.kernels.cpu import tw_linear_cpu
 from tilesparse.kernels.schema import (
     OP_NAME,
@@ -47,7 +52,7 @@ from tilesparse.kernels.schema import (
     op_layout,
 )
 
-__all__ = ["OP_NAME", "SUPPORTED_DTYPES", "tw_linear"]
+__all__ = ["OP_NAME", "SUPPORTED_DTYPES", "auto_decision", "calibrate_auto", "tw_linear"]
 
 log = logging.getLogger(__name__)
 
@@ -80,7 +85,9 @@ def _tw_linear_op(
             "backend 'cutlass' needs the CUDA kernel from cutlass_kernels, and none is "
             "registered (see tilesparse.kernels.cuda.register_cuda_kernel)"
         )
-    if x.device.type == "cpu" and be in (Backend.AUTO, Backend.CPU):
+    if x.device.type == "cpu" and be is Backend.AUTO:
+        return auto_linear_cpu(x, tensors, bias, out_features)
+    if x.device.type == "cpu" and be is Backend.CPU:
         y = tw_linear_cpu(x, *tensors, bias, out_features)  # None: the reference runs
         if y is not None:
             return y
@@ -259,3 +266,82 @@ def tw_linear(
         be.value,
     )
     return y.reshape(*lead, layout.out_features)
+
+
+def _layout_tensors(layout: TWLayout) -> tuple[torch.Tensor, ...]:
+    return (
+        layout.col_idx,
+        layout.tile_ptr,
+        layout.row_idx,
+        layout.row_ptr,
+        layout.values,
+        layout.val_ptr,
+    )
+
+
+def auto_decision(layout: TWLayout, batch: int, threads: int | None = None) -> AutoDecision | None:
+    """What ``backend="auto"`` runs for a CPU call of ``batch`` rows on ``layout`` (in its
+    ``values``' dtype), as measured on this machine, or ``None`` when that layer signature and
+    batch range is not measured yet (its first call, or :func:`calibrate_auto`, measures it).
+
+    Args:
+        layout: the condensed weight (e.g. ``TileSparseLinear.layout``).
+        batch: rows of the call ``M`` (the decision covers the power-of-two range holding it).
+        threads: torch threads of the call (default: the current ``torch.get_num_threads()``).
+
+    Returns:
+        the :class:`~tilesparse.kernels.auto.AutoDecision` (its ``route``, ``"tw"`` or
+        ``"dense"``, and the two measured times), or ``None``.
+    """
+    key = auto_key(
+        _layout_tensors(layout),
+        layout.in_features,
+        layout.out_features,
+        layout.values.dtype,
+        batch,
+        threads,
+    )
+    return crossover_table().get(key)
+
+
+def calibrate_auto(
+    layout: TWLayout, batches: tuple[int, ...] | list[int], seed: int = 0
+) -> list[AutoDecision]:
+    """Measure AUTO's crossover for ``layout`` at each batch size ahead of the real calls (on
+    random CPU inputs in ``values``' dtype), so no later call pays for the calibration.
+    Batch ranges already measured are not measured again.
+
+    Args:
+        layout: a CPU condensed weight.
+        batches: batch sizes ``M`` (each >= 1).
+        seed: of the random inputs.
+
+    Returns:
+        the decision of each batch size, in order.
+
+    Raises:
+        ValueError: for a batch size below 1 or a layout off the CPU.
+    """
+    bad = [b for b in batches if isinstance(b, bool) or not isinstance(b, int) or b < 1]
+    if bad:
+        raise ValueError(f"calibrate_auto: batch sizes must be integers >= 1, got {bad}")
+    if layout.values.device.type != "cpu":
+        raise ValueError(
+            f"calibrate_auto: AUTO measures CPU layers; this layout is on {layout.values.device}"
+        )
+    gen = torch.Generator().manual_seed(seed)
+    out: list[AutoDecision] = []
+    for b in batches:
+        decision = auto_decision(layout, b)
+        if decision is None:
+            with torch.no_grad():
+                x = torch.randn(b, layout.in_features, generator=gen).to(layout.values.dtype)
+                tw_linear(x, layout, None, Backend.AUTO)
+            decision = auto_decision(layout, b)
+        if decision is None:  # a forced route or no kernel: nothing is measured
+            raise ValueError(
+                "calibrate_auto: nothing was measured (TILESPARSE_AUTO_ROUTE is set, the "
+                "compiled CPU kernel is missing, or the layout was made under inference_mode)"
+            )
+        out.append(decision)
+    return out

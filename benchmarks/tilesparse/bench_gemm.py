@@ -10,6 +10,11 @@ Every row is one ``Y (M, N) = X (M, K) · W (K, N)``, no bias in any contender:
 - ``dense``: ``torch.matmul(x, w)``, ``w`` dense contiguous ``(K, N)``, same dtype and threads;
 - ``tw``: ``tilesparse.ops.tw_linear(x, layout, None, "cpu")``, ``layout`` condensed from ``w``
   under ``tw_mask(scores, s, G)`` (the compiled CPU kernel; the run stops if it is missing);
+- ``auto``: ``tilesparse.ops.tw_linear(x, layout, None, "auto")``, the same layout: the TW
+  kernel or a dense GEMM on the layer's cached dense weight, whichever the machine's measured
+  crossover chooses (``tilesparse.kernels.auto``; its first call, a warm-up, measures when the
+  machine's table does not hold the signature yet). ``auto_vs_dense = dense_ms / auto_ms``
+  (never below 0.95 is the target), ``auto_route`` what it ran;
 - ``csr``: ``torch.sparse.mm(w_csrᵀ, xᵀ)`` or ``x @ w_csr``, whichever a probe on ``M/8`` rows
   finds faster, on ``w`` under the unstructured ``ew_mask(scores, s)``: the same sparsity with
   no structure. It is ``null`` with a reason where torch cannot run it (bf16 on CPU today) or
@@ -31,6 +36,7 @@ low-rank cross layers (3456→512, 512→3456; not in the default set).
 from __future__ import annotations
 
 import argparse
+import functools
 import logging
 import math
 import time
@@ -56,7 +62,7 @@ from embark.models.workloads import get_workload
 from tilesparse.format import TWLayout, condense, reference_matmul
 from tilesparse.kernels import cpu_kernel_available
 from tilesparse.memory import layer_memory
-from tilesparse.ops import tw_linear
+from tilesparse.ops import auto_decision, tw_linear
 from tilesparse.patterns import ew_mask, tw_mask
 
 log = logging.getLogger("bench_gemm")
@@ -170,7 +176,7 @@ def pick_csr(x: torch.Tensor, w_masked: torch.Tensor, max_seconds: float) -> CSR
     est: dict[str, float] = {}
     for name, (_, f) in variants.items():
         f(sub)  # warm
-        est[name] = time_once(lambda f=f: f(sub)) * M / sub.shape[0]
+        est[name] = time_once(functools.partial(f, sub)) * M / sub.shape[0]
     best = min(est, key=lambda k: est[k])
     if est[best] > max_seconds:
         return f"one call estimated at {est[best]:.1f} s (> --csr-max-seconds {max_seconds:g})"
@@ -183,27 +189,49 @@ def pick_csr(x: torch.Tensor, w_masked: torch.Tensor, max_seconds: float) -> CSR
     )
 
 
+def compare(y: torch.Tensor, ref: torch.Tensor, K: int) -> tuple[float, float, bool]:
+    """``(max |y − ref|, atol, within)`` under the ``tw_gemm`` bounds (module docstring), atol
+    scaled for ``K``."""
+    tol = TOL[ref.dtype]
+    atol = tol["atol"] * max(1.0, math.sqrt(K / TOL_K))
+    diff = (y.float() - ref.float()).abs()
+    ok = (
+        y.shape == ref.shape
+        and y.dtype == ref.dtype
+        and bool((diff <= atol + tol["rtol"] * ref.float().abs()).all())
+    )
+    return (float(diff.max()) if diff.numel() else 0.0), atol, ok
+
+
 def check_tw(x: torch.Tensor, layout: TWLayout) -> dict[str, Any]:
     """Run the CPU kernel once and compare it with ``reference_matmul`` (see module docstring).
 
     Returns:
         ``tw_max_abs_err``, ``tw_rtol``, ``tw_atol``, ``correct``.
     """
-    y = tw_linear(x, layout, None, "cpu")
-    ref = reference_matmul(x, layout)
-    tol = TOL[x.dtype]
-    atol = tol["atol"] * max(1.0, math.sqrt(x.shape[1] / TOL_K))
-    diff = (y.float() - ref.float()).abs()
-    ok = (
-        y.shape == ref.shape
-        and y.dtype == x.dtype
-        and bool((diff <= atol + tol["rtol"] * ref.float().abs()).all())
+    err, atol, ok = compare(
+        tw_linear(x, layout, None, "cpu"), reference_matmul(x, layout), x.shape[1]
     )
+    return {"tw_max_abs_err": err, "tw_rtol": TOL[x.dtype]["rtol"], "tw_atol": atol, "correct": ok}
+
+
+def auto_fields(x: torch.Tensor, layout: TWLayout) -> dict[str, Any]:
+    """AUTO's route for this call and the crossover it measured (``tilesparse.ops.auto_decision``),
+    and its result checked like :func:`check_tw`'s.
+
+    Returns:
+        ``auto_route``, ``auto_calibration_tw_ms``, ``auto_calibration_dense_ms``,
+        ``auto_max_abs_err``, ``auto_correct``.
+    """
+    d = auto_decision(layout, x.shape[0])
+    y = tw_linear(x, layout, None, "auto")
+    err, _, ok = compare(y, reference_matmul(x, layout), x.shape[1])
     return {
-        "tw_max_abs_err": float(diff.max()) if diff.numel() else 0.0,
-        "tw_rtol": tol["rtol"],
-        "tw_atol": atol,
-        "correct": ok,
+        "auto_route": None if d is None else d.route.value,
+        "auto_calibration_tw_ms": None if d is None else 1e3 * d.tw_s,
+        "auto_calibration_dense_ms": None if d is None else 1e3 * d.dense_s,
+        "auto_max_abs_err": err,
+        "auto_correct": ok,
     }
 
 
@@ -268,10 +296,12 @@ def bench_row(
     fns: dict[str, Callable[[], Any]] = {
         "dense": lambda: torch.matmul(x, w),
         "tw": lambda: tw_linear(x, layout, None, "cpu"),
+        "auto": lambda: tw_linear(x, layout, None, "auto"),
     }
     check = check_tw(x, layout)
     for fn in fns.values():
-        fn()  # warm
+        fn()  # warm (the first AUTO call measures its crossover unless the table holds it)
+    auto = auto_fields(x, layout)
     round_s = sum(time_once(fn) for fn in fns.values())
     repeats = args.repeats if args.repeats is not None else auto_repeats(round_s, args.row_seconds)
     csr, csr_skipped = _csr_contender(x, w, scores, s, masks, csr_why_not, args)
@@ -279,7 +309,7 @@ def bench_row(
         fns["csr"] = csr.fn
     caps = {"csr": min(args.csr_repeats, repeats)} if csr else {}
     t = interleaved(fns, repeats, warmup=0, caps=caps)
-    dense_ms, tw_ms = t["dense"].median_ms, t["tw"].median_ms
+    dense_ms, tw_ms, auto_ms = t["dense"].median_ms, t["tw"].median_ms, t["auto"].median_ms
     csr_ms = t["csr"].median_ms if csr else None
     ideal = 1.0 / (1.0 - s)
     speedup = dense_ms / tw_ms
@@ -302,6 +332,11 @@ def bench_row(
         "speedup": speedup,
         "csr_speedup": dense_ms / csr_ms if csr_ms else None,
         "tw_vs_csr": csr_ms / tw_ms if csr_ms else None,
+        "auto_ms": auto_ms,
+        "auto_vs_dense": dense_ms / auto_ms,
+        "auto_min_ms": 1e3 * t["auto"].min_s,
+        "auto_iqr_ms": 1e3 * t["auto"].iqr_s,
+        **auto,
         "ideal": ideal,
         "fraction_of_ideal": speedup / ideal,
         "dense_min_ms": 1e3 * t["dense"].min_s,
@@ -331,16 +366,18 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     """The summary table the README carries (one line per row)."""
     head = (
         "| shape | M×K×N | dtype | G | s | dense ms | TW ms | speedup | ideal | of ideal "
-        "| CSR ms | CSR speedup | TW mem | ok |"
+        "| AUTO ms | AUTO/dense | AUTO route | CSR ms | CSR speedup | TW mem | ok |"
     )
     lines = [head, "|" + "---|" * (head.count("|") - 1)]
     for r in rows:
         lines.append(
             f"| {r['shape']} | {r['M']}×{r['K']}×{r['N']} | {r['dtype']} | {r['G']} | {r['sparsity']:.2f} "
             f"| {r['dense_ms']:.2f} | {r['tw_ms']:.2f} | {r['speedup']:.2f}× | {r['ideal']:.0f}× "
-            f"| {100 * r['fraction_of_ideal']:.0f}% | {_fmt(r['csr_ms'], '.2f')} "
+            f"| {100 * r['fraction_of_ideal']:.0f}% | {r['auto_ms']:.2f} | {r['auto_vs_dense']:.2f}× "
+            f"| {r['auto_route'] or '—'} | {_fmt(r['csr_ms'], '.2f')} "
             f"| {_fmt(r['csr_speedup'], '.2f')}{'×' if r['csr_speedup'] else ''} "
-            f"| {100 * r['memory_fraction']:.1f}% | {'yes' if r['correct'] else 'NO'} |"
+            f"| {100 * r['memory_fraction']:.1f}% "
+            f"| {'yes' if r['correct'] and r['auto_correct'] else 'NO'} |"
         )
     return "\n".join(lines)
 
@@ -446,7 +483,7 @@ def _bench_shape(
                 free_memory()
                 log.info(
                     "[%d/%d] %s %s G=%d s=%.2f: dense %.2f ms, TW %.2f ms (%.2f×, %.0f%% of %.0f×), "
-                    "CSR %s ms, correct=%s (%.1f s)",
+                    "AUTO %.2f ms (%.2f×, %s), CSR %s ms, correct=%s (%.1f s)",
                     len(rows),
                     total,
                     shape.name,
@@ -458,8 +495,11 @@ def _bench_shape(
                     r["speedup"],
                     100 * r["fraction_of_ideal"],
                     r["ideal"],
+                    r["auto_ms"],
+                    r["auto_vs_dense"],
+                    r["auto_route"],
                     _fmt(r["csr_ms"], ".2f"),
-                    r["correct"],
+                    r["correct"] and r["auto_correct"],
                     time.perf_counter() - t0,
                 )
 

@@ -25,6 +25,12 @@ Sections (``--only``):
   ``speedup_vs_fused`` against the fused one. Which path each ran is read from the profiler
   (``*_fused_path``), not assumed.
 
+Each TW model is also timed with backend ``auto`` (``auto_ms``, ``auto_vs_dense`` = the dense
+time of the row's baseline over it; ``auto_routes`` how many layers ran the TW kernel and how
+many the dense GEMM on their cached dense weight, as ``tilesparse.ops.auto_decision`` reports),
+in the same interleaved rounds; the first AUTO call, a warm-up, measures each layer's crossover
+unless the machine's table already holds it.
+
 Every timing is ``torch.no_grad()``, the same ``--threads``, interleaved medians
 (:mod:`benchmarks.tilesparse.timing`). Memory per model is ``tilesparse.model_memory``: the
 bytes of every linear layer's weight as stored over the same weights dense (for the encoder
@@ -36,12 +42,13 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import logging
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -68,6 +75,7 @@ from benchmarks.tilesparse.timing import (
 from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import Workload, get_workload
 from tilesparse.kernels import cpu_kernel_available
+from tilesparse.ops import auto_decision
 
 log = logging.getLogger("bench_models")
 
@@ -107,6 +115,34 @@ QUICK = {
 QUICK_REPEATS = 3
 
 
+# ------------------------------------------------------------------------------ backends
+
+
+def set_backend(model: nn.Module, backend: str) -> None:
+    """Set every ``TileSparseLinear`` of ``model`` to ``backend``."""
+    for m in model.modules():
+        if isinstance(m, tilesparse.TileSparseLinear):
+            m.backend = backend
+
+
+def run_as(model: nn.Module, backend: str, fn: Callable[[], Any]) -> Any:
+    """``fn()`` with ``model``'s TW layers on ``backend`` (a contender of the timed rounds)."""
+    set_backend(model, backend)
+    return fn()
+
+
+def auto_fields(model: nn.Module, batch: int) -> dict[str, Any]:
+    """``auto_routes``: layers by the route AUTO took for ``batch`` rows (``"tw"``, ``"dense"``,
+    ``"unmeasured"``)."""
+    routes: dict[str, int] = {}
+    for m in model.modules():
+        if isinstance(m, tilesparse.TileSparseLinear):
+            d = auto_decision(m.layout, batch)
+            name = "unmeasured" if d is None else d.route.value
+            routes[name] = routes.get(name, 0) + 1
+    return {"auto_routes": routes}
+
+
 # ------------------------------------------------------------------------------ DLRM-DCNv2
 
 
@@ -132,13 +168,17 @@ def _dlrm_row(
     dtype = d_in.dtype
     err, ok = max_err(tw_m.dense_forward(d_in, p_in), want, dtype)
     calls = op_counts(lambda: tw_m.dense_forward(d_in, p_in), (TW_OP,))[TW_OP]
+    forward = functools.partial(tw_m.dense_forward, d_in, p_in)
     t, repeats = time_rows(
         {
             "dense": lambda: dense_m.dense_forward(d_in, p_in),
-            "tw": lambda: tw_m.dense_forward(d_in, p_in),
+            "tw": functools.partial(run_as, tw_m, "cpu", forward),
+            "auto": functools.partial(run_as, tw_m, "auto", forward),
         },
         args,
     )
+    auto_err, auto_ok = max_err(run_as(tw_m, "auto", forward), want, dtype)
+    set_backend(tw_m, "cpu")
     return {
         "bench": "dlrm_dcnv2_dense_forward",
         "model": "dlrm_dcnv2",
@@ -149,12 +189,27 @@ def _dlrm_row(
         "dense_iqr_ms": t["dense_iqr"],
         "tw_iqr_ms": t["tw_iqr"],
         "speedup": t["dense"] / t["tw"],
+        "auto_ms": t["auto"],
+        "auto_iqr_ms": t["auto_iqr"],
+        "auto_vs_dense": t["dense"] / t["auto"],
+        "auto_max_abs_err": auto_err,
+        "auto_correct": verdict(auto_err, auto_ok, reference_err)["correct"],
+        **auto_fields(tw_m, d_in.shape[0]),
         **verdict(err, ok, reference_err),
         "rtol": MODEL_TOL[dtype]["rtol"],
         "atol": MODEL_TOL[dtype]["atol"],
         "tw_linear_calls": calls,
         **memory_fields(tw_m),
     }
+
+
+def _dense_forward(d_in: torch.Tensor, p_in: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    return cast(DLRM, model).dense_forward(d_in, p_in)
+
+
+def _forward(x: torch.Tensor, model: nn.Module) -> torch.Tensor:
+    out: torch.Tensor = model(x)
+    return out
 
 
 def bench_dlrm(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str, Any]]:
@@ -174,6 +229,8 @@ def bench_dlrm(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str
         cfg = tilesparse.TileSparseConfig(sparsity=s, tile=G, global_threshold=False)
         pruner = tilesparse.prune_(tw32, cfg)
         reference = masked_reference(build, pruner)
+        if not isinstance(reference, DLRM):
+            raise TypeError(f"masked_reference built a {type(reference).__name__}, not a DLRM")
         pruner.compress(backend="cpu")
         prune_s = time.perf_counter() - t0
         with torch.no_grad():
@@ -184,7 +241,7 @@ def bench_dlrm(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[str
             tw_m = tw32 if dtype == torch.float32 else copy.deepcopy(tw32).to(dtype)
             d_in, p_in = dense_in.to(dtype), pooled_in.to(dtype)
             ref_err = masked_dense_err(
-                reference, dtype, lambda m, a=d_in, b=p_in: m.dense_forward(a, b), want
+                reference, dtype, functools.partial(_dense_forward, d_in, p_in), want
             )
             row = _dlrm_row(dense_m, tw_m, d_in, p_in, want, ref_err, args)
             ideal = 1.0 / (1.0 - s)
@@ -277,10 +334,18 @@ def _encoder_row(
     ops_tw = op_counts(lambda: tw_m(x), (TW_OP, FUSED_OP))
     ops_fused = op_counts(lambda: dense_m(x), (FUSED_OP,))
     ops_unfused = op_counts(dense_unfused, (FUSED_OP,))
+    forward = functools.partial(tw_m, x)
     t, repeats = time_rows(
-        {"dense_fused": lambda: dense_m(x), "dense_unfused": dense_unfused, "tw": lambda: tw_m(x)},
+        {
+            "dense_fused": lambda: dense_m(x),
+            "dense_unfused": dense_unfused,
+            "tw": functools.partial(run_as, tw_m, "cpu", forward),
+            "auto": functools.partial(run_as, tw_m, "auto", forward),
+        },
         args,
     )
+    auto_err, auto_ok = max_err(run_as(tw_m, "auto", forward), want, dtype)
+    set_backend(tw_m, "cpu")
     return {
         "bench": "transformer_encoder",
         "model": "transformer_encoder",
@@ -294,6 +359,13 @@ def _encoder_row(
         "tw_iqr_ms": t["tw_iqr"],
         "speedup": t["dense_unfused"] / t["tw"],
         "speedup_vs_fused": t["dense_fused"] / t["tw"],
+        "auto_ms": t["auto"],
+        "auto_iqr_ms": t["auto_iqr"],
+        "auto_vs_dense": t["dense_unfused"] / t["auto"],
+        "auto_vs_fused": t["dense_fused"] / t["auto"],
+        "auto_max_abs_err": auto_err,
+        "auto_correct": verdict(auto_err, auto_ok, reference_err)["correct"],
+        **auto_fields(tw_m, x.shape[0] * x.shape[1]),
         "baseline": "speedup: dense with the fused fast path disabled (the TW model's code path)",
         "dense_fused_path": ops_fused[FUSED_OP] > 0,
         "dense_unfused_path_fused": ops_unfused[FUSED_OP] > 0,
@@ -330,7 +402,7 @@ def bench_encoder(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[
             dense_m = dense32 if dtype == torch.float32 else copy.deepcopy(dense32).to(dtype)
             tw_m = tw32 if dtype == torch.float32 else copy.deepcopy(tw32).to(dtype)
             x = x32.to(dtype)
-            ref_err = masked_dense_err(reference, dtype, lambda m, a=x: m(a), want)
+            ref_err = masked_dense_err(reference, dtype, functools.partial(_forward, x), want)
             row = _encoder_row(dense_m, tw_m, x, want, ref_err, args)
             row.update(
                 d_model=knobs["d_model"],
@@ -372,6 +444,10 @@ def bench_encoder(args: argparse.Namespace, knobs: dict[str, Any]) -> list[dict[
 # ------------------------------------------------------------------------------ CLI
 
 
+def _routes(row: dict[str, Any]) -> str:
+    return ", ".join(f"{k} {v}" for k, v in sorted(row["auto_routes"].items())) or "—"
+
+
 def markdown(rows: list[dict[str, Any]]) -> str:
     """The summary tables the README carries."""
     out = []
@@ -379,8 +455,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     if dlrm:
         out += [
             "| DLRM-DCNv2 dense part | dtype | s | dense ms | TW ms | speedup | ideal | target | "
-            "linear weights TW/dense | ok |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "AUTO ms | AUTO/dense | AUTO routes | linear weights TW/dense | ok |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in dlrm:
             tgt = (
@@ -391,7 +467,9 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             out.append(
                 f"| batch {r['batch']}, G={r['G']} | {r['dtype']} | {r['sparsity']:.2f} | {r['dense_ms']:.1f} "
                 f"| {r['tw_ms']:.1f} | {r['speedup']:.2f}× | {r['ideal']:.0f}× | {tgt} "
-                f"| {100 * r['memory_fraction']:.1f}% | {'yes' if r['correct'] else 'NO'} |"
+                f"| {r['auto_ms']:.1f} | {r['auto_vs_dense']:.2f}× | {_routes(r)} "
+                f"| {100 * r['memory_fraction']:.1f}% "
+                f"| {'yes' if r['correct'] and r['auto_correct'] else 'NO'} |"
             )
     enc = [r for r in rows if r["bench"] == "transformer_encoder"]
     if enc:
@@ -399,15 +477,18 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             out.append("")
         out += [
             "| TransformerEncoder (FFN TW) | dtype | s | dense fused ms | dense unfused ms | TW ms "
-            "| speedup (unfused) | speedup (fused) | linear weights TW/dense | ok |",
-            "|---|---|---|---|---|---|---|---|---|---|",
+            "| speedup (unfused) | speedup (fused) | AUTO ms | AUTO/dense (unfused) | AUTO routes "
+            "| linear weights TW/dense | ok |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
         ]
         for r in enc:
             out.append(
                 f"| {r['layers']}×(d {r['d_model']}, FFN {r['ffn']}), {r['tokens']} tokens, G={r['G']} "
                 f"| {r['dtype']} | {r['sparsity']:.2f} | {r['dense_fused_ms']:.1f} | {r['dense_unfused_ms']:.1f} "
                 f"| {r['tw_ms']:.1f} | {r['speedup']:.2f}× | {r['speedup_vs_fused']:.2f}× "
-                f"| {100 * r['memory_fraction']:.1f}% | {'yes' if r['correct'] else 'NO'} |"
+                f"| {r['auto_ms']:.1f} | {r['auto_vs_dense']:.2f}× | {_routes(r)} "
+                f"| {100 * r['memory_fraction']:.1f}% "
+                f"| {'yes' if r['correct'] and r['auto_correct'] else 'NO'} |"
             )
     return "\n".join(out)
 

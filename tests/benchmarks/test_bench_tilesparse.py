@@ -16,7 +16,7 @@ import torch
 
 from benchmarks.tilesparse import bench_gemm, bench_models
 from benchmarks.tilesparse.timing import Timing, interleaved, interleaved_medians, set_threads
-from tilesparse.kernels import cpu_kernel_available
+from tilesparse.kernels import auto, cpu_kernel_available
 
 GEMM_FIELDS = (
     "bench",
@@ -237,6 +237,12 @@ def test_bench_gemm_quick(kernel, one_thread, tmp_path, capsys):
         s = r["sparsity"]
         assert s == 0.75
         assert r["speedup"] == pytest.approx(r["dense_ms"] / r["tw_ms"], rel=1e-12)
+        # AUTO: timed beside them, correct, and its route the one the table measured
+        _positive_finite(r, ("auto_ms", "auto_vs_dense", "auto_min_ms"))
+        assert r["auto_vs_dense"] == pytest.approx(r["dense_ms"] / r["auto_ms"], rel=1e-12)
+        assert r["auto_correct"] is True and r["auto_route"] in ("tw", "dense")
+        tw_s, dense_s = r["auto_calibration_tw_ms"], r["auto_calibration_dense_ms"]
+        assert (r["auto_route"] == "tw") is (tw_s * auto.MARGIN <= dense_s)
         assert r["ideal"] == pytest.approx(1.0 / (1.0 - s), rel=1e-12)
         assert r["fraction_of_ideal"] == pytest.approx(r["speedup"] / r["ideal"], rel=1e-12)
         # the layout: as sparse as asked (within one tile-row of G), memory = values + indices
@@ -277,6 +283,9 @@ def test_bench_models_quick(kernel, one_thread, tmp_path, capsys):
         assert r["correct"] is True, r
         assert r["threads"] == 1 and r["G"] == 128 and r["sparsity"] == 0.75
         assert r["speedup"] == pytest.approx(r["dense_ms"] / r["tw_ms"], rel=1e-12)
+        assert r["auto_vs_dense"] == pytest.approx(r["dense_ms"] / r["auto_ms"], rel=1e-12)
+        assert r["auto_correct"] is True and sum(r["auto_routes"].values()) == DLRM_LINEARS
+        assert set(r["auto_routes"]) <= {"tw", "dense"}
         assert r["ideal"] == pytest.approx(4.0) and r["fraction_of_ideal"] == pytest.approx(
             r["speedup"] / 4.0
         )
@@ -299,6 +308,8 @@ def test_bench_models_quick(kernel, one_thread, tmp_path, capsys):
         assert r["correct"] is True, r
         assert r["speedup"] == pytest.approx(r["dense_unfused_ms"] / r["tw_ms"], rel=1e-12)
         assert r["speedup_vs_fused"] == pytest.approx(r["dense_fused_ms"] / r["tw_ms"], rel=1e-12)
+        assert r["auto_vs_dense"] == pytest.approx(r["dense_unfused_ms"] / r["auto_ms"], rel=1e-12)
+        assert r["auto_correct"] is True and sum(r["auto_routes"].values()) == 2 * r["layers"]
         # the TW model runs its FFNs through the kernel, never torch's fused layer kernel; the
         # unfused baseline really is unfused
         assert r["tw_linear_calls"] == 2 * r["layers"] and r["tw_fused_path"] is False

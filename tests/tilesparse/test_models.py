@@ -55,7 +55,10 @@ class KernelCalls:
 @pytest.fixture
 def kernel_calls(ext, monkeypatch) -> KernelCalls:
     """Count calls into ``ext.tw_linear_cpu`` (the fused gather-GEMM) and into the reference
-    ``reference_matmul`` that ``tilesparse.ops`` falls back to."""
+    ``reference_matmul`` that ``tilesparse.ops`` falls back to. Backend ``auto`` is held on the
+    kernel route (``TILESPARSE_AUTO_ROUTE=tw``): its choice between the kernel and a dense GEMM
+    is tested in kernels/test_ops_auto.py."""
+    monkeypatch.setenv("TILESPARSE_AUTO_ROUTE", "tw")
     calls = KernelCalls()
     real_cpu, real_ref = ext.tw_linear_cpu, ops.reference_matmul
 

@@ -6,6 +6,9 @@
   (the index check, packed weights), kept while those tensors live unchanged.
 * :mod:`tilesparse.kernels.cpu` — the compiled CPU kernel (``tilesparse/csrc``): built into a
   cache folder, loaded, called.
+* :mod:`tilesparse.kernels.auto` — ``Backend.AUTO`` on the CPU: the TW kernel or a dense GEMM
+  on the cached dense weight, from a crossover measured per layer signature and batch range
+  and kept in a per-machine table.
 * :mod:`tilesparse.kernels.cuda` — the CUDA implementation on the CUTLASS kernels of
   ``cutlass_kernels`` (packed-weight cache, registration). Imported only when a CUDA tensor
   reaches the op or :func:`register_cuda_kernel` is called, so importing this package needs no
@@ -14,6 +17,7 @@
 
 from __future__ import annotations
 
+from tilesparse.kernels.auto import AutoDecision, AutoKey, Route, crossover_table
 from tilesparse.kernels.cache import LayoutCache
 from tilesparse.kernels.cpu import cpu_kernel_available, load_extension
 from tilesparse.kernels.schema import OP_NAME, SUPPORTED_DTYPES, check_op_inputs
@@ -21,9 +25,13 @@ from tilesparse.kernels.schema import OP_NAME, SUPPORTED_DTYPES, check_op_inputs
 __all__ = [
     "OP_NAME",
     "SUPPORTED_DTYPES",
+    "AutoDecision",
+    "AutoKey",
     "LayoutCache",
+    "Route",
     "check_op_inputs",
     "cpu_kernel_available",
+    "crossover_table",
     "load_extension",
     "register_cuda_kernel",
 ]

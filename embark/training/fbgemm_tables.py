@@ -91,6 +91,12 @@ class FbgemmTable:
         )
         self._unbind()
 
+    @staticmethod
+    def supports(dim: int) -> bool:
+        """Whether the kernel takes rows of ``dim`` floats (FBGEMM's rows are a multiple of 4
+        wide; a column shard may not be)."""
+        return dim % 4 == 0
+
     def _unbind(self) -> None:
         params = self.tbe._parameters
         for name in ("weights_host", "momentum1_host"):

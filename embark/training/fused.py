@@ -95,7 +95,8 @@ class SparseTableUpdate(nn.Module):
         table: the table's name (for messages).
         num_rows, dim: the weight's shape.
         optimizer: the row update.
-        kernel: ``FBGEMM`` or ``REFERENCE`` (:func:`resolve_kernel`).
+        kernel: ``FBGEMM`` or ``REFERENCE`` (:func:`resolve_kernel`); a shard whose width
+            FBGEMM does not take (:meth:`FbgemmTable.supports`) runs on the reference path.
 
     Buffers (non-persistent): the optimizer state, ``sum (num_rows, dim)`` or
     ``row_sum (num_rows,)`` float32, none for SGD.
@@ -139,7 +140,11 @@ class SparseTableUpdate(nn.Module):
         if not torch.is_grad_enabled():
             return F.embedding_bag(ids, weight, offsets, mode=mode)
         mean = mode == "mean"
-        if self.kernel is EmbeddingKernel.FBGEMM and weight.device.type == "cpu":
+        if (
+            self.kernel is EmbeddingKernel.FBGEMM
+            and weight.device.type == "cpu"
+            and FbgemmTable.supports(self.dim)
+        ):
             if mean not in self._kernels:
                 self._kernels[mean] = FbgemmTable(self.num_rows, self.dim, self.optimizer, mean)
             return self._kernels[mean](weight, self.state(), ids, offsets)

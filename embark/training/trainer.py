@@ -199,13 +199,13 @@ class Trainer:
         loss, n = self.sync.loss(batch)
         self.state.admit(n, self.sync.batch_scope)
         step = self.state.step + 1
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.embedding_updates is not None:
+            self.embedding_updates.zero_grad()
         # checked before backward: the fused tables update their rows inside backward
         value = self.sync.global_loss(loss)
         if not math.isfinite(value):
             raise TrainingDiverged(step, value)
-        self.optimizer.zero_grad(set_to_none=True)
-        if self.embedding_updates is not None:
-            self.embedding_updates.zero_grad()
         loss.backward()
         self.sync.reduce(loss)
         for cb in self.callbacks:

@@ -161,7 +161,10 @@ class DLRM(nn.Module):
         """
         values = [sparse.values_for(name) for name in self.table_names]
         self._check_ids(values)
-        return [self._bag(name, v, sparse.bag_offsets(name)) for name, v in zip(self.table_names, values)]
+        return [
+            self._bag(name, v, sparse.bag_offsets(name))
+            for name, v in zip(self.table_names, values)
+        ]
 
     def _bag(self, name: str, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         bag = self.embeddings[name]

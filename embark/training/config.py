@@ -88,7 +88,9 @@ class TrainConfig:
     def __post_init__(self) -> None:
         self._enum_field("optimizer", OptimizerKind, self.optimizer)
         if self.embedding_optimizer is not None:
-            self._enum_field("embedding_optimizer", EmbeddingOptimizerKind, self.embedding_optimizer)
+            self._enum_field(
+                "embedding_optimizer", EmbeddingOptimizerKind, self.embedding_optimizer
+            )
         self._enum_field("embedding_kernel", EmbeddingKernel, self.embedding_kernel)
         for name in ("lr", "adagrad_eps"):
             v = getattr(self, name)
@@ -113,7 +115,7 @@ class TrainConfig:
 
     def _enum_field(self, name: str, kind: type[StrEnum], value: object) -> None:
         try:
-            object.__setattr__(self, name, kind(value))
+            object.__setattr__(self, name, kind(value))  # type: ignore[arg-type]
         except ValueError:
             raise ValueError(
                 f"TrainConfig.{name} must be one of {[o.value for o in kind]}, got {value!r}"

@@ -67,7 +67,7 @@ class _ReferenceBag(torch.autograd.Function):
     """``F.embedding_bag`` forward; backward applies the row update and returns no gradient."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         anchor: torch.Tensor,
         weight: torch.Tensor,
@@ -81,7 +81,7 @@ class _ReferenceBag(torch.autograd.Function):
         return F.embedding_bag(ids, weight, offsets, mode="mean" if mean else "sum")
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
         ids, offsets = ctx.saved_tensors
         rows, row_grads = row_gradients(grad, ids, offsets, ctx.mean)
         ctx.update.optimizer.apply_(ctx.weight, ctx.update.state(), rows, row_grads)
@@ -136,7 +136,9 @@ class SparseTableUpdate(nn.Module):
         any lookup): the fast kernel does not check them.
         """
         if mode not in ("sum", "mean"):
-            raise ValueError(f"table {self.table!r}: pooling mode must be sum or mean, got {mode!r}")
+            raise ValueError(
+                f"table {self.table!r}: pooling mode must be sum or mean, got {mode!r}"
+            )
         if not torch.is_grad_enabled():
             return F.embedding_bag(ids, weight, offsets, mode=mode)
         mean = mode == "mean"
@@ -190,7 +192,7 @@ class EmbeddingUpdates:
             cfg.initial_accumulator_value,
         )
         tables: dict[str, nn.Parameter] = model.embedding_tables()  # type: ignore[operator]
-        replicated = getattr(model, "replicated_tables", frozenset)()
+        replicated: frozenset[str] = getattr(model, "replicated_tables", frozenset)()
         holder: nn.ModuleDict = model.sparse_updates  # type: ignore[assignment]
         names = {id(p): n for n, p in model.named_parameters()}
         self.weights: dict[str, nn.Parameter] = dict(tables)

@@ -176,7 +176,9 @@ def test_default_trainer_equals_dense_adagrad(data, kernel):
 
 @pytest.mark.parametrize("bad", [-1, 1000])
 def test_bad_id_is_refused_before_any_row_changes(data, bad):
-    t = Trainer(build_model(data.workload, seed=2), TrainConfig(embedding_optimizer="rowwise_adagrad"))
+    t = Trainer(
+        build_model(data.workload, seed=2), TrainConfig(embedding_optimizer="rowwise_adagrad")
+    )
     t.train_step(next(iter(data.batches(1))))
     before = {k: v.clone() for k, v in t.model.state_dict().items()}
     assert t.embedding_updates is not None

@@ -115,7 +115,8 @@ def test_misshaped_optimizer_state_is_refused_before_anything_loads(data, tmp_pa
     state["files"][f.name] = {"bytes": f.stat().st_size, "sha256": ckpt_mod._sha256(f)}
     (ck / "state.json").write_text(json.dumps(state))
     with pytest.raises(
-        ValueError, match=rf"optimizer state '{key}' is \(3, 3\) torch.float32, expected \(1000, 16\)"
+        ValueError,
+        match=rf"optimizer state '{key}' is \(3, 3\) torch.float32, expected \(1000, 16\)",
     ):
         Trainer.load_checkpoint(ck)
 

@@ -29,7 +29,12 @@ from embark.sharding.model import ShardedDLRM
 from embark.sharding.run import ShardedRunConfig, run_sharded
 from embark.topology import get_topology
 from embark.training.callbacks import Callback
-from embark.training.config import OptimizerKind, TrainConfig
+from embark.training.config import (
+    EmbeddingKernel,
+    EmbeddingOptimizerKind,
+    OptimizerKind,
+    TrainConfig,
+)
 from embark.training.metrics import auc, log_loss
 from embark.training.state import TrainState
 from embark.training.trainer import Trainer
@@ -52,6 +57,8 @@ __all__ = [
     "Combiner",
     "CommDtype",
     "CriteoTSV",
+    "EmbeddingKernel",
+    "EmbeddingOptimizerKind",
     "JaggedBatch",
     "OptimizerKind",
     "PlanError",

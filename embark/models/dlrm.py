@@ -116,7 +116,9 @@ class DLRM(nn.Module):
     Submodules: ``embeddings`` (``ModuleDict`` table name → ``nn.EmbeddingBag``, weights
     ``(num_rows, dim) float32``), ``projections`` (``ModuleDict`` table name → ``Linear(dim_t, d,
     bias=False)``, only for tables whose dim differs from the bottom output ``d``),
-    ``bottom_mlp``, ``interaction`` (:class:`DotInteraction` or :class:`CrossNetV2`), ``top_mlp``.
+    ``bottom_mlp``, ``interaction`` (:class:`DotInteraction` or :class:`CrossNetV2`), ``top_mlp``,
+    ``sparse_updates`` (``ModuleDict`` table name → fused lookup-and-update module, empty until
+    a trainer fills it: ``embark.training.fused``; a table found there is pooled through it).
     Use :func:`build_model` to construct and initialise one.
     """
 
@@ -134,6 +136,7 @@ class DLRM(nn.Module):
                 for t in workload.tables
             }
         )
+        self.sparse_updates = nn.ModuleDict()
         self.projections = nn.ModuleDict(
             {t.name: nn.Linear(t.dim, d, bias=False) for t in workload.tables if t.dim != d}
         )
@@ -159,9 +162,19 @@ class DLRM(nn.Module):
         values = [sparse.values_for(name) for name in self.table_names]
         self._check_ids(values)
         return [
-            self.embeddings[name](v, sparse.bag_offsets(name))
+            self._bag(name, v, sparse.bag_offsets(name))
             for name, v in zip(self.table_names, values)
         ]
+
+    def _bag(self, name: str, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
+        bag = self.embeddings[name]
+        if name in self.sparse_updates:
+            return self.sparse_updates[name](bag.weight, ids, offsets, bag.mode)
+        return bag(ids, offsets)
+
+    def embedding_tables(self) -> dict[str, nn.Parameter]:
+        """``{table: (num_rows, dim) float32 weight}`` in workload order."""
+        return {n: self.embeddings[n].get_parameter("weight") for n in self.table_names}
 
     def _check_ids(self, values: Sequence[torch.Tensor]) -> None:
         """Range check of every table's ``(nnz_t,) int64`` ids: one min/max per table and one

@@ -13,9 +13,9 @@ its state as they are (identical on every rank), the same param-group options an
     <dir> ──Trainer.load_checkpoint──▶ world 1          (the single-process trainer)
     <dir> ──load_sharded_checkpoint(plan for world 4)──▶ world 4   (each rank slices its shards)
 
-A table's state of the table's shape is sliced like the table; scalar state (Adagrad's
-``step``) is the same for every parameter, because the sharded step gives every parameter a
-gradient on every step (:class:`~embark.sharding.model.ShardedSync`).
+A table's rows state (:mod:`embark.training.fused`: ``sum`` shaped like the table, or
+``row_sum`` one value per row) is sliced like the table; its keys
+(``embeddings.<table>.weight::<key>``) do not depend on the sharding.
 
 Limits: every rank of the loading world builds the full model (the whole tables) before
 slicing, and the gather is one all-reduce per table and state key: fine for the tiny and
@@ -37,6 +37,8 @@ from embark.sharding.comm import distributed_world
 from embark.sharding.model import ShardedDLRM
 from embark.training.callbacks import Callback
 from embark.training.config import copy_group_options
+from embark.training.fused import EmbeddingUpdates
+from embark.training.sparse_rows import STATE_KEYS
 from embark.training.trainer import Trainer
 from embark.types import CommDtype, ShardingPlan
 
@@ -53,38 +55,41 @@ def _copy_state(state: dict[str, Any]) -> dict[str, Any]:
     return {k: v.detach().clone() if isinstance(v, torch.Tensor) else v for k, v in state.items()}
 
 
+def _table_updates(trainer: Trainer) -> EmbeddingUpdates:
+    if trainer.embedding_updates is None:
+        raise ValueError("expected a trainer whose tables train through fused updates")
+    return trainer.embedding_updates
+
+
 @torch.no_grad()
-def _gather_table_states(trainer: Trainer, dst: int | None) -> dict[str, dict[str, Any]]:
-    """``{table: {state key: full tensor or scalar}}`` on ``dst`` (a collective)."""
+def _gather_table_states(trainer: Trainer, dst: int | None) -> dict[str, dict[str, torch.Tensor]]:
+    """``{table: {state key: full state tensor}}`` on ``dst`` (a collective).
+
+    A per-weight state (``sum``) is assembled like the table; a per-row one (``row_sum``) by
+    rows (every column block of a row holds its own; the first block's is kept).
+    """
     model = _sharded_model(trainer)
-    coll, opt = model.embeddings, trainer.optimizer
-    dense0 = next(model.dense.parameters())
-    keys = sorted(opt.state.get(dense0, {}))
+    coll = model.embeddings
+    updates = _table_updates(trainer).updates
     group = model.process_group
-    out: dict[str, dict[str, Any]] = {}
+    out: dict[str, dict[str, torch.Tensor]] = {}
     for t in coll.layout.tables:
         shard = coll.local_shards.get(t.name)
-        state = opt.state.get(coll.weights[t.name], {}) if shard is not None else {}
-        if shard is not None and sorted(state) != keys:
-            raise ValueError(
-                f"table {t.name!r}: optimizer state keys {sorted(state)} differ from the dense "
-                f"part's {keys} (parameters out of lockstep)"
-            )
-        entry: dict[str, Any] = {}
-        for k in keys:
-            ref = opt.state[dense0][k]
-            if isinstance(ref, torch.Tensor) and ref.shape == dense0.shape:
-                if coll.layout.is_dp(t.name):
-                    entry[k] = state[k].detach().clone()
-                    continue
-                buf = torch.zeros(t.num_rows, t.dim, dtype=ref.dtype)
-                if shard is not None:
-                    buf[shard.row_start : shard.row_end, shard.col_start : shard.col_end] = state[k]
-                if distributed_world(group) is not None:
-                    dist.all_reduce(buf, group=group)
-                entry[k] = buf
-            else:  # scalar state: equal for every parameter (lockstep)
-                entry[k] = ref.clone() if isinstance(ref, torch.Tensor) else ref
+        entry: dict[str, torch.Tensor] = {}
+        for k, per_weight in STATE_KEYS[trainer.cfg.embedding_update].items():
+            if coll.layout.is_dp(t.name):
+                entry[k] = updates[t.name].state()[k].detach().clone()
+                continue
+            buf = torch.zeros((t.num_rows, t.dim) if per_weight else (t.num_rows,))
+            if shard is not None:
+                mine = updates[t.name].state()[k]
+                if per_weight:
+                    buf[shard.row_start : shard.row_end, shard.col_start : shard.col_end] = mine
+                elif shard.col_start == 0:
+                    buf[shard.row_start : shard.row_end] = mine
+            if distributed_world(group) is not None:
+                dist.all_reduce(buf, group=group)
+            entry[k] = buf
         out[t.name] = entry
     return out if dst is None or dst == model.rank else {}
 
@@ -111,8 +116,10 @@ def to_single_process(trainer: Trainer, dst: int | None = 0) -> Trainer | None:
     single.load_state_dict(full, strict=True)
     out = Trainer(single, trainer.cfg, state=trainer.state.copy())
     params = dict(single.named_parameters())
+    updates = _table_updates(out).updates
     for name, st in tables.items():
-        out.optimizer.state[params[f"embeddings.{name}.weight"]] = st
+        for k, v in st.items():
+            updates[name].state()[k].copy_(v)
     for name, p in model.dense.named_parameters():
         out.optimizer.state[params[name]] = _copy_state(trainer.optimizer.state.get(p, {}))
     copy_group_options(out.optimizer, trainer.optimizer)
@@ -174,14 +181,14 @@ def from_single_process(
     names: dict[torch.Tensor, str] = {p: n for n, p in single.model.named_parameters()}
     state = {names[p]: st for p, st in single.optimizer.state.items()}
     coll = model.embeddings
-    for name, s in coll.local_shards.items():
-        full_shape = (coll.layout.plan[name].num_rows, coll.layout.plan[name].dim)
-        st: dict[str, Any] = {}
-        for k, v in state.get(f"embeddings.{name}.weight", {}).items():
-            if isinstance(v, torch.Tensor) and tuple(v.shape) == full_shape:
-                v = v[s.row_start : s.row_end, s.col_start : s.col_end]
-            st[k] = v.detach().clone() if isinstance(v, torch.Tensor) else v
-        out.optimizer.state[coll.weights[name]] = st
+    theirs, mine = _table_updates(single).updates, _table_updates(out).updates
+    with torch.no_grad():
+        for name, s in coll.local_shards.items():
+            for k, v in theirs[name].state().items():
+                piece = v[s.row_start : s.row_end]
+                if v.dim() == 2:
+                    piece = piece[:, s.col_start : s.col_end]
+                mine[name].state()[k].copy_(piece)
     for name, p in model.dense.named_parameters():
         out.optimizer.state[p] = _copy_state(state.get(name, {}))
     copy_group_options(out.optimizer, single.optimizer)

@@ -171,6 +171,9 @@ class ShardedEmbeddingCollection(nn.Module):
             w = torch.empty(s.num_rows, s.num_cols).uniform_(-bound, bound, generator=gen)
             self.local_shards[t.name] = s
             self.weights[t.name] = nn.Parameter(w)
+        # table -> fused lookup-and-update of its shard (filled by a trainer:
+        # embark.training.fused); tables found here are looked up through it
+        self.sparse_updates = nn.ModuleDict()
         # positions: table -> [(owner rank, index in owned[owner])], in shards_of order
         self._positions: dict[str, list[tuple[int, int]]] = {}
         for o, refs in enumerate(self.layout.owned):
@@ -391,14 +394,36 @@ class ShardedEmbeddingCollection(nn.Module):
                 if lens.numel():
                     offsets = torch.zeros_like(lens)
                     torch.cumsum(lens[:-1], 0, out=offsets[1:])
-                    pooled = F.embedding_bag(rows, w, offsets, mode="sum")
+                    pooled = self._bag(ref.table, rows, offsets, "sum")
                 else:
                     pooled = w[:0]
                 out.append(list(pooled.split(inp.batch_sizes)))
             else:
                 counts = [inp.received[r][k][1].numel() for r in range(self.world_size)]
-                out.append(list(F.embedding(rows, w).split(counts)))
+                if ref.table in self.sparse_updates and rows.numel():
+                    # one row per distinct id: bags of one
+                    looked_up = self._bag(ref.table, rows, torch.arange(rows.numel()), "sum")
+                else:
+                    looked_up = F.embedding(rows, w)
+                out.append(list(looked_up.split(counts)))
         return out
+
+    def _bag(self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str) -> torch.Tensor:
+        """Pool ``ids`` (re-based to this rank's shard) from the shard of ``table``: through
+        its fused update when the trainer installed one, else ``F.embedding_bag``."""
+        w = self.weights[table]
+        if table in self.sparse_updates:
+            return self.sparse_updates[table](w, ids, offsets, mode)
+        return F.embedding_bag(ids, w, offsets, mode=mode)
+
+    def embedding_tables(self) -> dict[str, nn.Parameter]:
+        """``{table: this rank's shard or replica (rows, cols) float32}`` for the tables this
+        rank holds a piece of."""
+        return {n: self.weights[n] for n in self.local_shards}
+
+    def replicated_tables(self) -> frozenset[str]:
+        """The data-parallel tables (replicas whose gradients are summed over the ranks)."""
+        return frozenset(self.layout.dp_tables)
 
     def compute(self, inp: DistributedInput) -> dict[str, torch.Tensor]:
         """Step 3 and pooling: look up, send vectors back, assemble this rank's outputs.

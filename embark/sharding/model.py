@@ -122,14 +122,27 @@ class ShardedDLRM(nn.Module):
         self.embeddings.load_full_weights(
             {n: model.embeddings[n].get_parameter("weight") for n in model.table_names}
         )
-        tables = model.embeddings
-        model.embeddings = nn.ModuleDict()  # deep-copy the dense part only
+        tables, updates = model.embeddings, model.sparse_updates
+        model.embeddings = model.sparse_updates = nn.ModuleDict()  # deep-copy the dense part only
         try:
             self.dense = copy.deepcopy(model)
         finally:
-            model.embeddings = tables
+            model.embeddings, model.sparse_updates = tables, updates
         self.rank, self.world_size = rank, plan.world_size
         self._broadcast_replicas()
+
+    def embedding_tables(self) -> dict[str, nn.Parameter]:
+        """This rank's table pieces (:meth:`ShardedEmbeddingCollection.embedding_tables`)."""
+        return self.embeddings.embedding_tables()
+
+    def replicated_tables(self) -> frozenset[str]:
+        """The data-parallel tables."""
+        return self.embeddings.replicated_tables()
+
+    @property
+    def sparse_updates(self) -> nn.ModuleDict:
+        """The collection's fused updates (``embark.training.fused``)."""
+        return self.embeddings.sparse_updates
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """Parameters every rank holds whole: the dense part's, then the DP replicas."""
@@ -225,11 +238,18 @@ class ShardedSync:
         loss = F.binary_cross_entropy_with_logits(logits, batch.labels, reduction="sum") / total
         return loss, total
 
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """The global mean loss (one float summed over the ranks; before ``backward``)."""
+        total = loss.detach().reshape(1).float().clone()
+        if is_distributed(self.model.process_group):
+            dist.all_reduce(total, group=self.model.process_group)
+        return float(total)
+
     def reduce(self, loss: torch.Tensor) -> float:
         """Give every table parameter a gradient, sum the DP replicas' and the dense part's
         over the ranks (the latter with the loss, in one all-reduce); the global mean loss."""
         for p in self.model.embeddings.parameters():
-            if p.grad is None:
+            if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.model.embeddings.reduce_dp_gradients()
         global_loss = self.model.reduce_dense_gradients(extra=loss.detach().reshape(1))

@@ -1,12 +1,21 @@
 """embark.training: one :class:`Trainer` for single-process and sharded training (the
 gradient synchronisation injected, :class:`GradientSync`), its run state
 (:class:`TrainState`), callbacks (:class:`Callback`, a protocol), versioned checkpoints
-(:mod:`embark.training.checkpoint`) and evaluation metrics (:func:`auc`, :func:`log_loss`)."""
+(:mod:`embark.training.checkpoint`), evaluation metrics (:func:`auc`, :func:`log_loss`) and
+the fused sparse update of embedding tables (:class:`EmbeddingUpdates`,
+:class:`SparseTableUpdate`, :class:`RowOptimizer`)."""
 
 from embark.training.callbacks import Callback, TrainerView
 from embark.training.checkpoint import CHECKPOINT_FORMAT_VERSION, read_state
-from embark.training.config import OptimizerKind, TrainConfig
+from embark.training.config import (
+    EmbeddingKernel,
+    EmbeddingOptimizerKind,
+    OptimizerKind,
+    TrainConfig,
+)
+from embark.training.fused import EmbeddingUpdates, SparseTableUpdate
 from embark.training.metrics import auc, log_loss
+from embark.training.sparse_rows import RowOptimizer
 from embark.training.state import TrainState
 from embark.training.sync import GradientSync, LocalSync
 from embark.training.trainer import EvalData, Trainer, TrainingDiverged
@@ -14,10 +23,15 @@ from embark.training.trainer import EvalData, Trainer, TrainingDiverged
 __all__ = [
     "CHECKPOINT_FORMAT_VERSION",
     "Callback",
+    "EmbeddingKernel",
+    "EmbeddingOptimizerKind",
+    "EmbeddingUpdates",
     "EvalData",
     "GradientSync",
     "LocalSync",
     "OptimizerKind",
+    "RowOptimizer",
+    "SparseTableUpdate",
     "TrainConfig",
     "TrainState",
     "Trainer",

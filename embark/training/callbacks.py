@@ -1,7 +1,7 @@
 """Hooks into :meth:`embark.training.trainer.Trainer.fit`: the :class:`Callback` protocol and
 the view of the trainer its hooks get.
 
-A callback is any object with the three hooks (``tilesparse``'s pruning callback and ``hps``'s
+A callback is any object with the three hooks (and optionally ``on_train_begin``) (``tilesparse``'s pruning callback and ``hps``'s
 update publisher are, without importing ``embark``); subclassing :class:`Callback` inherits
 no-op defaults, so a subclass overrides only what it needs.
 """
@@ -38,8 +38,15 @@ class Callback(Protocol):
     In a sharded run every rank calls every hook, with gradients already reduced.
     """
 
+    def on_train_begin(self, trainer: TrainerView) -> None:
+        """Before the first step of this trainer changes anything (optional: a callback without
+        it is not called; e.g. a snapshot of the tables, whose touched rows change inside
+        ``backward``, before ``on_after_backward``)."""
+        return None
+
     def on_after_backward(self, trainer: TrainerView, step: int) -> None:
-        """Gradients are present, ``optimizer.step()`` has not run yet (e.g. Taylor scores)."""
+        """Dense gradients are present, ``optimizer.step()`` has not run yet (e.g. Taylor
+        scores); the embedding tables' touched rows are already updated (fused in backward)."""
         return None
 
     def on_step_end(self, trainer: TrainerView, step: int, loss: float) -> None:

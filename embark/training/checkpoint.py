@@ -4,7 +4,10 @@ atomically and checked whole before anything is loaded.
 Folder layout (no pickle anywhere)::
 
     <dir>/model.safetensors      model.state_dict(), names as in the model
-    <dir>/optimizer.safetensors  "<param name>::<state key>" -> tensor (e.g. "...weight::sum")
+    <dir>/optimizer.safetensors  "<param name>::<state key>" -> tensor: the dense optimizer's
+                                 (e.g. "top_mlp.0.weight::sum") and the fused tables' rows
+                                 state ("embeddings.t0.weight::sum" or "::row_sum",
+                                 :mod:`embark.training.fused`)
     <dir>/state.json             {"format_version", "step", "data_position", "batch_size",
                                   "data_stream", "workload", "train_config", "rng",
                                   "param_groups", "history", "files"}
@@ -54,11 +57,12 @@ from embark.models.workloads import Workload
 from embark.outputs import check_parent_writable
 from embark.training.checkpoint_schema import TENSOR_FILES, check_state
 from embark.training.config import TrainConfig
+from embark.training.fused import EmbeddingUpdates
 from embark.training.state import TrainState
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT_VERSION = 1
+CHECKPOINT_FORMAT_VERSION = 2
 MODEL_FILE, OPTIMIZER_FILE = TENSOR_FILES
 STATE_FILE = "state.json"
 
@@ -218,13 +222,15 @@ def save_checkpoint(
     optimizer: torch.optim.Optimizer,
     cfg: TrainConfig,
     state: TrainState,
+    tables: EmbeddingUpdates | None = None,
 ) -> Path:
     """Write a checkpoint folder at ``path`` (replacing a checkpoint there, atomically).
 
     Args:
         model: a single-process model (its ``workload`` attribute, when a
             :class:`Workload`, is recorded so a load can rebuild it).
-        optimizer: over ``model``'s parameters.
+        optimizer: over ``model``'s dense parameters.
+        tables: the fused tables whose rows state is saved beside the optimizer's.
 
     Raises:
         ValueError: when ``path`` exists and is not a checkpoint folder (nothing is touched).
@@ -243,6 +249,8 @@ def save_checkpoint(
         save_file(model_sd, tmp / MODEL_FILE, metadata={"format": "pt"})
         names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
         tensors, scalars, groups = _optimizer_files(optimizer, names)
+        if tables is not None:
+            tensors |= {k: v.detach().cpu().contiguous() for k, v in tables.state_tensors().items()}
         save_file(tensors, tmp / OPTIMIZER_FILE, metadata={"format": "pt"})
         doc = _state_document(model, optimizer, cfg, state, scalars, groups, tmp)
         with open(tmp / STATE_FILE, "w") as fh:
@@ -402,8 +410,34 @@ def _check_model(ckpt: Checkpoint, model: nn.Module) -> None:
             )
 
 
+def _check_tables(ckpt: Checkpoint, tables: EmbeddingUpdates | None) -> set[str]:
+    """Check the fused tables' state against ``tables``; returns its keys."""
+    fp = ckpt.path / OPTIMIZER_FILE
+    expected = tables.state_shapes() if tables is not None else {}
+    table_params = set(tables.param_names.values()) if tables is not None else set()
+    saved = {k for k in ckpt.optimizer_tensors if k.split("::")[0] in table_params}
+    if saved != set(expected):
+        missing, extra = sorted(set(expected) - saved), sorted(saved - set(expected))
+        raise ValueError(
+            f"checkpoint file {str(fp)!r}: embedding optimizer state does not fit this "
+            f"trainer's ({ckpt.cfg.embedding_update.value}): missing {missing[:5]}, "
+            f"unexpected {extra[:5]}"
+        )
+    for key, shape in expected.items():
+        v = ckpt.optimizer_tensors[key]
+        if tuple(v.shape) != shape or v.dtype != torch.float32:
+            raise ValueError(
+                f"checkpoint file {str(fp)!r}: embedding optimizer state {key!r} is "
+                f"{tuple(v.shape)} {v.dtype}, expected {shape} torch.float32"
+            )
+    return saved
+
+
 def _check_optimizer(
-    ckpt: Checkpoint, optimizer: torch.optim.Optimizer, names: dict[str, nn.Parameter]
+    ckpt: Checkpoint,
+    optimizer: torch.optim.Optimizer,
+    names: dict[str, nn.Parameter],
+    skip: set[str],
 ) -> None:
     path, sp = ckpt.path, ckpt.state_file
     by_param = {p: n for n, p in names.items()}
@@ -428,13 +462,17 @@ def _check_optimizer(
                     f"checkpoint file {str(sp)!r}: param_groups[{i}].{key} must be "
                     f"{expected}, got {value!r:.80}"
                 )
-    keys = [*ckpt.optimizer_tensors, *ckpt.state["optimizer_scalars"]]
+    owned = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    names = {n: p for n, p in names.items() if id(p) in owned}
+    keys = [*(k for k in ckpt.optimizer_tensors if k not in skip), *ckpt.state["optimizer_scalars"]]
     stray = sorted({k.split("::")[0] for k in keys} - set(names))
     if stray:
         raise ValueError(
             f"checkpoint {str(path)!r}: optimizer state for unknown parameters {stray[:5]}"
         )
     for key, v in ckpt.optimizer_tensors.items():  # a scalar or the parameter's shape
+        if key in skip:
+            continue
         p = names[key.split("::")[0]]
         if v.dim() and (v.shape != p.shape or v.dtype != p.dtype):
             raise ValueError(
@@ -459,26 +497,43 @@ def _option_kind(current: Any, saved: Any) -> str | None:
     return None
 
 
-def check_fits(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Check that ``ckpt`` loads into ``model`` and ``optimizer`` (built over ``model``'s
-    parameters, with the checkpoint's configuration) without touching either.
+def check_fits(
+    ckpt: Checkpoint,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tables: EmbeddingUpdates | None = None,
+) -> None:
+    """Check that ``ckpt`` loads into ``model``, ``optimizer`` (built over ``model``'s dense
+    parameters, with the checkpoint's configuration) and ``tables`` (its fused tables) without
+    touching any.
 
     Raises:
         ValueError: for state-dict names, shapes or dtypes that differ from the checkpoint's,
             other optimizer parameter groups or options, or optimizer state of the wrong shape.
     """
     _check_model(ckpt, model)
-    _check_optimizer(ckpt, optimizer, dict(model.named_parameters()))
+    skip = _check_tables(ckpt, tables)
+    _check_optimizer(ckpt, optimizer, dict(model.named_parameters()), skip)
 
 
-def restore(ckpt: Checkpoint, model: nn.Module, optimizer: torch.optim.Optimizer) -> None:
-    """Load ``ckpt``'s weights into ``model`` and its options and state into ``optimizer``
-    (after :func:`check_fits`)."""
+def restore(
+    ckpt: Checkpoint,
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer,
+    tables: EmbeddingUpdates | None = None,
+) -> None:
+    """Load ``ckpt``'s weights into ``model``, its options and state into ``optimizer`` and
+    the tables' rows state into ``tables`` (after :func:`check_fits`)."""
     names = dict(model.named_parameters())
     model.load_state_dict(ckpt.model_tensors, strict=True)
+    table_keys = set(tables.state_shapes()) if tables is not None else set()
+    if tables is not None:
+        tables.load_state({k: ckpt.optimizer_tensors[k] for k in table_keys})
     for g, saved in zip(optimizer.param_groups, ckpt.state["param_groups"]):
         g.update({k: v for k, v in saved.items() if k != "params"})
     for key, v in ckpt.optimizer_tensors.items():
+        if key in table_keys:
+            continue
         pname, skey = key.split("::")
         optimizer.state[names[pname]][skey] = v.to(names[pname].device)
     for key, sv in ckpt.state["optimizer_scalars"].items():

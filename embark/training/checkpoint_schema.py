@@ -5,7 +5,7 @@ JSON, so a hand-edited or foreign ``state.json`` fails with an error naming the 
 field, before any weight, optimizer slot or generator is touched. The fields (as written by
 :meth:`~embark.training.trainer.Trainer.save_checkpoint`)::
 
-    {"format_version": 1,
+    {"format_version": 2,
      "step": 9, "data_position": 9,                       # integers >= 0
      "batch_size": 64 | null,                             # optional: integer >= 1 or null
      "data_stream": {...} | null,                         # optional: mapping or null

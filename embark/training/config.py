@@ -19,6 +19,33 @@ class OptimizerKind(StrEnum):
     SGD = "sgd"
 
 
+class EmbeddingOptimizerKind(StrEnum):
+    """The update the fused sparse path applies to the looked-up rows of a table.
+
+    ``adagrad``: exact Adagrad (one squared-gradient sum per weight, as ``torch.optim.Adagrad``
+    and MLPerf DLRM); ``rowwise_adagrad``: one sum per row (the mean of the row's squared
+    gradient; TorchRec's default, ``1/dim`` of the state memory); ``sgd``: plain SGD (no
+    momentum: momentum would move rows the batch did not touch).
+    """
+
+    ADAGRAD = "adagrad"
+    ROWWISE_ADAGRAD = "rowwise_adagrad"
+    SGD = "sgd"
+
+
+class EmbeddingKernel(StrEnum):
+    """Which kernel runs the fused embedding lookup and update.
+
+    ``auto``: FBGEMM's table-batched kernel when ``fbgemm_gpu`` imports, else the reference
+    path (with one logged warning); ``fbgemm``: FBGEMM or an error; ``reference``: pure torch
+    (sparse row gradients and an index-based update).
+    """
+
+    AUTO = "auto"
+    FBGEMM = "fbgemm"
+    REFERENCE = "reference"
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Training hyper-parameters.
@@ -27,7 +54,8 @@ class TrainConfig:
         lr: learning rate of the dense part (and of the embeddings unless ``embedding_lr``).
         embedding_lr: learning rate of the embedding tables; ``None`` = ``lr``.
         optimizer: ``adagrad`` or ``sgd``.
-        momentum: SGD momentum (ignored by Adagrad).
+        momentum: SGD momentum of the dense part (ignored by Adagrad; embedding rows step
+            without momentum, :class:`EmbeddingOptimizerKind`).
         adagrad_eps: Adagrad's denominator epsilon.
         initial_accumulator_value: Adagrad's starting squared-gradient sum.
         eval_every: evaluate every this many steps during :meth:`Trainer.fit` when eval
@@ -35,6 +63,10 @@ class TrainConfig:
         checkpoint_every: save a checkpoint to ``checkpoint_dir`` every this many steps; 0 = never.
         checkpoint_dir: folder for periodic checkpoints (replaced atomically each time).
         seed: seed of the trainer's generator (for callbacks needing randomness).
+        embedding_optimizer: the update of the embedding tables
+            (:class:`EmbeddingOptimizerKind`); ``None`` = ``optimizer`` (``adagrad`` is exact
+            Adagrad).
+        embedding_kernel: :class:`EmbeddingKernel` of the fused lookup and update.
 
     Raises:
         ValueError: naming the field, for out-of-range values.
@@ -50,15 +82,16 @@ class TrainConfig:
     checkpoint_every: int = 0
     checkpoint_dir: str | None = None
     seed: int = 0
+    embedding_optimizer: EmbeddingOptimizerKind | None = None
+    embedding_kernel: EmbeddingKernel = EmbeddingKernel.AUTO
 
     def __post_init__(self) -> None:
-        try:
-            object.__setattr__(self, "optimizer", OptimizerKind(self.optimizer))
-        except ValueError:
-            raise ValueError(
-                f"TrainConfig.optimizer must be one of {[o.value for o in OptimizerKind]}, "
-                f"got {self.optimizer!r}"
-            ) from None
+        self._enum_field("optimizer", OptimizerKind, self.optimizer)
+        if self.embedding_optimizer is not None:
+            self._enum_field(
+                "embedding_optimizer", EmbeddingOptimizerKind, self.embedding_optimizer
+            )
+        self._enum_field("embedding_kernel", EmbeddingKernel, self.embedding_kernel)
         for name in ("lr", "adagrad_eps"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
@@ -80,9 +113,27 @@ class TrainConfig:
         if self.checkpoint_every and not self.checkpoint_dir:
             raise ValueError("TrainConfig.checkpoint_every > 0 needs checkpoint_dir")
 
+    def _enum_field(self, name: str, kind: type[StrEnum], value: object) -> None:
+        try:
+            object.__setattr__(self, name, kind(value))  # type: ignore[arg-type]
+        except ValueError:
+            raise ValueError(
+                f"TrainConfig.{name} must be one of {[o.value for o in kind]}, got {value!r}"
+            ) from None
+
+    @property
+    def embedding_update(self) -> EmbeddingOptimizerKind:
+        """The embedding tables' update: ``embedding_optimizer``, or the one named like
+        ``optimizer``."""
+        if self.embedding_optimizer is not None:
+            return self.embedding_optimizer
+        return EmbeddingOptimizerKind(self.optimizer.value)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
         d["optimizer"] = self.optimizer.value
+        d["embedding_optimizer"] = self.embedding_optimizer and self.embedding_optimizer.value
+        d["embedding_kernel"] = self.embedding_kernel.value
         return d
 
     @classmethod

@@ -38,6 +38,10 @@ class GradientSync(Protocol):
         """
         ...
 
+    def global_loss(self, loss: torch.Tensor) -> float:
+        """Before ``backward``: the global mean loss (the same on every process)."""
+        ...
+
     def reduce(self, loss: torch.Tensor) -> float:
         """After ``backward``: make every gradient the global loss's; return the global
         mean loss."""
@@ -70,6 +74,9 @@ class LocalSync:
     def loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
         logits = self.model(batch.dense, batch.sparse)
         return F.binary_cross_entropy_with_logits(logits, batch.labels), batch.batch_size
+
+    def global_loss(self, loss: torch.Tensor) -> float:
+        return float(loss.detach())
 
     def reduce(self, loss: torch.Tensor) -> float:
         return float(loss.detach())

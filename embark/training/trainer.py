@@ -10,8 +10,11 @@ one training step reads the same in both::
 
     loss, n = sync.loss(batch)     forward; n = samples of the step (all processes)
     state.admit(n)                 a batch larger than the stream's is refused
-    loss.backward(); sync.reduce   gradients of the global mean loss everywhere
-    on_after_backward → optimizer.step() → on_step_end
+    sync.global_loss(loss)         a loss that is not finite stops here, nothing changed
+    loss.backward()                embedding tables: touched rows updated inside backward
+    sync.reduce                    gradients of the global mean loss everywhere
+    on_after_backward → optimizer.step() (dense part) and embedding_updates.step()
+                                   (replicated tables) → on_step_end
 
 Resuming. The data stream position equals ``trainer.step`` (one batch per step), so
 
@@ -41,6 +44,7 @@ from embark.data.batch import Batch
 from embark.models.dlrm import build_model
 from embark.training.callbacks import Callback
 from embark.training.config import OptimizerKind, TrainConfig, build_optimizer
+from embark.training.fused import EmbeddingUpdates
 from embark.training.metrics import auc, log_loss
 from embark.training.state import TrainState
 from embark.training.sync import GradientSync, SupportsGradientSync, sync_for
@@ -82,8 +86,17 @@ class Trainer:
             (:class:`~embark.training.sync.SupportsGradientSync`), else one process's.
         state: the run's state; ``None``: a fresh one seeded by ``cfg.seed``.
 
+    Embedding tables (a model with ``embedding_tables()`` and ``sparse_updates``: ``DLRM``,
+    ``ShardedDLRM``) train through the fused sparse update of :mod:`embark.training.fused`
+    (``embedding_updates``); ``optimizer`` is the dense part's.
+
+    Raises:
+        ValueError: for ``cfg.embedding_kernel='fbgemm'`` without FBGEMM.
+
     Attributes:
-        model, cfg, callbacks, sync, state, optimizer: as given or built. ``step``,
+        model, cfg, callbacks, sync, state, optimizer: as given or built.
+        embedding_updates: the fused tables' handle (``None`` for a model without tables).
+        ``step``,
         ``batch_size``, ``data_stream``, ``generator`` and ``history`` read and write
         :attr:`state`'s fields (see :class:`~embark.training.state.TrainState`).
     """
@@ -101,7 +114,11 @@ class Trainer:
         self.callbacks: list[Callback] = list(callbacks)
         self.sync = sync_for(model) if sync is None else sync
         self.state = TrainState.seeded(cfg.seed) if state is None else state
+        self.embedding_updates: EmbeddingUpdates | None = None
+        if hasattr(model, "embedding_tables") and hasattr(model, "sparse_updates"):
+            self.embedding_updates = EmbeddingUpdates(model, cfg)
         self.optimizer = self._make_optimizer()
+        self._begun = False
 
     # ------------------------------------------------------------------ state
     @property
@@ -145,8 +162,10 @@ class Trainer:
     def _make_optimizer(self) -> torch.optim.Optimizer:
         emb: list[nn.Parameter] = []
         dense: list[nn.Parameter] = []
+        fused = self.embedding_updates.weights.values() if self.embedding_updates else ()
+        skip = {id(p) for p in fused}
         for name, p in self.model.named_parameters():
-            if p.requires_grad:
+            if p.requires_grad and id(p) not in skip:
                 (emb if name.startswith("embeddings.") else dense).append(p)
         return build_optimizer(self.cfg, emb, dense)
 
@@ -180,16 +199,27 @@ class Trainer:
         batch = batch.to(self.device)
         loss, n = self.sync.loss(batch)
         self.state.admit(n, self.sync.batch_scope)
-        self.optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        value = self.sync.reduce(loss)
         step = self.state.step + 1
+        if not self._begun:
+            self._begun = True
+            for cb in self.callbacks:
+                begin = getattr(cb, "on_train_begin", None)
+                if begin is not None:
+                    begin(self)
+        self.optimizer.zero_grad(set_to_none=True)
+        if self.embedding_updates is not None:
+            self.embedding_updates.zero_grad()
+        # checked before backward: the fused tables update their rows inside backward
+        value = self.sync.global_loss(loss)
         if not math.isfinite(value):
-            self.optimizer.zero_grad(set_to_none=True)
             raise TrainingDiverged(step, value)
+        loss.backward()
+        self.sync.reduce(loss)
         for cb in self.callbacks:
             cb.on_after_backward(self, step)
         self.optimizer.step()
+        if self.embedding_updates is not None:
+            self.embedding_updates.step()
         self.state.advance(n)
         for cb in self.callbacks:
             cb.on_step_end(self, step, value)
@@ -318,7 +348,9 @@ class Trainer:
                 f"save_checkpoint: this trainer's model ({type(self.model).__name__}) is "
                 "distributed; save it with embark.sharding.save_sharded_checkpoint"
             )
-        return checkpoint.save_checkpoint(path, self.model, self.optimizer, self.cfg, self.state)
+        return checkpoint.save_checkpoint(
+            path, self.model, self.optimizer, self.cfg, self.state, self.embedding_updates
+        )
 
     @staticmethod
     def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
@@ -351,8 +383,8 @@ class Trainer:
         if model is None:
             model = build_model(ckpt.workload())
         trainer = cls(model, ckpt.cfg, callbacks, state=ckpt.train_state())
-        checkpoint.check_fits(ckpt, model, trainer.optimizer)
-        checkpoint.restore(ckpt, model, trainer.optimizer)
+        checkpoint.check_fits(ckpt, model, trainer.optimizer, trainer.embedding_updates)
+        checkpoint.restore(ckpt, model, trainer.optimizer, trainer.embedding_updates)
         return trainer
 
 

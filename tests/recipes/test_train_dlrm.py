@@ -135,9 +135,9 @@ def test_checkpoint_every_saves_during_the_run(tmp_path, monkeypatch):
     saved_at = []
     save = ckpt.save_checkpoint
 
-    def recording(path, model, optimizer, cfg, state):
+    def recording(path, model, optimizer, cfg, state, *tables):
         saved_at.append((state.step, path))
-        return save(path, model, optimizer, cfg, state)
+        return save(path, model, optimizer, cfg, state, *tables)
 
     monkeypatch.setattr(ckpt, "save_checkpoint", recording)
     out = tmp_path / "run"

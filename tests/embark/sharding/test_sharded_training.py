@@ -213,7 +213,10 @@ def _groups_on_a_rank_without_tables(
     dist.barrier()
 
     def lrs(t: Any) -> dict[str, float]:
-        return {g["name"]: g["lr"] for g in t.optimizer.param_groups}
+        out = {g["name"]: g["lr"] for g in t.optimizer.param_groups}
+        if t.embedding_updates.weights:  # the fused tables' update, when the rank holds one
+            out["embeddings"] = t.embedding_updates.optimizer.lr
+        return out
 
     return {
         "live": lrs(trainer),
@@ -325,14 +328,15 @@ def test_replicas_stay_bit_identical(runs: Any, case: str) -> None:
 
 
 def test_optimizer_groups_match_by_name_on_a_rank_without_tables(runs: Any) -> None:
-    """A rank that holds no table has only the dense group: checkpointing and resuming (also
-    from a single-process checkpoint) keep every group's own learning rate."""
+    """A rank that holds no table has no fused tables: checkpointing and resuming (also from
+    a single-process checkpoint) keep the dense group's and the tables' learning rates."""
     world, d = runs
     for r in range(world):
         got = json.loads((d / f"rank{r}.json").read_text())["groups"]
         want = {"embeddings": 0.1, "dense": 0.02} if r == world - 1 else {"dense": 0.02}
         assert got["live"] == got["resumed"] == got["from_single"] == want, (r, got)
-        assert got["saved"] == {"embeddings": 0.1, "dense": 0.02}, (r, got)
+        # the dense optimizer's group; the tables' lr is the saved config's embedding_lr
+        assert got["saved"] == {"dense": 0.02}, (r, got)
 
 
 def test_checkpoint_from_world_2_resumes_resharded(runs: Any, reference: Any) -> None:
@@ -374,6 +378,8 @@ def test_checkpoint_from_world_2_resumes_in_one_process(runs: Any, reference: An
         torch.testing.assert_close(got[k], want[k], **ATOL, msg=k)
     mine = dict(t.model.named_parameters())
     for n, p in ref.model.named_parameters():
+        if n.startswith("embeddings."):
+            continue
         torch.testing.assert_close(
             t.optimizer.state[mine[n]]["sum"],
             ref.optimizer.state[p]["sum"],
@@ -381,6 +387,10 @@ def test_checkpoint_from_world_2_resumes_in_one_process(runs: Any, reference: An
             msg=n,
         )
         assert float(t.optimizer.state[mine[n]]["step"]) == STEPS
+    got_rows, want_rows = t.embedding_updates.state_tensors(), ref.embedding_updates.state_tensors()
+    assert got_rows.keys() == want_rows.keys() and len(got_rows) == len(get_workload("tiny").tables)
+    for k in want_rows:
+        torch.testing.assert_close(got_rows[k], want_rows[k], **ATOL, msg=k)
 
 
 if __name__ == "__main__":

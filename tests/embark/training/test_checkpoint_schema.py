@@ -48,8 +48,8 @@ def _files(mutate: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]
 
 CASES = [
     (lambda s: [s], "must hold a JSON object, got list"),
-    (_with(format_version="1"), "has format_version '1', expected 1"),
-    (_with(format_version=2), "has format_version 2, expected 1"),
+    (_with(format_version="2"), "has format_version '2', expected 2"),
+    (_with(format_version=1), "has format_version 1, expected 2"),  # the dense-table layout
     (_without("format_version"), "missing field 'format_version'"),
     (_without("files"), "missing field 'files'"),
     (_without("rng"), "missing field 'rng'"),

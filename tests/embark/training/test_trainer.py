@@ -38,6 +38,11 @@ def _assert_same_state(a: Trainer, b: Trainer) -> None:
         assert st_a.keys() == st_b.keys()
         for k in st_a:
             assert torch.equal(torch.as_tensor(st_a[k]), torch.as_tensor(st_b[k])), (n, k)
+    assert a.embedding_updates is not None and b.embedding_updates is not None
+    ea, eb = a.embedding_updates.state_tensors(), b.embedding_updates.state_tensors()
+    assert ea.keys() == eb.keys()
+    for k in ea:
+        assert torch.equal(ea[k], eb[k]), k
 
 
 @pytest.mark.parametrize("optimizer", ["adagrad", "sgd"])
@@ -110,7 +115,8 @@ def test_misshaped_optimizer_state_is_refused_before_anything_loads(data, tmp_pa
     state["files"][f.name] = {"bytes": f.stat().st_size, "sha256": ckpt_mod._sha256(f)}
     (ck / "state.json").write_text(json.dumps(state))
     with pytest.raises(
-        ValueError, match=rf"optimizer state '{key}' is \(3, 3\) torch.float32, its parameter is"
+        ValueError,
+        match=rf"optimizer state '{key}' is \(3, 3\) torch.float32, expected \(1000, 16\)",
     ):
         Trainer.load_checkpoint(ck)
 

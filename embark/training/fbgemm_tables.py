@@ -1,0 +1,128 @@
+"""FBGEMM's table-batched embedding kernel (``fbgemm_gpu``'s
+``SplitTableBatchedEmbeddingBagsCodegen`` on CPU) as the fast path of one fused table.
+
+The kernel's backward reduces the bag gradients to the distinct touched rows and applies the
+optimizer to those rows (``EXACT_ADAGRAD``, ``EXACT_ROWWISE_ADAGRAD``, ``EXACT_SGD``), the same
+update as :class:`embark.training.sparse_rows.RowOptimizer`. The weights and the optimizer
+state stay ours (the model's parameter, the update module's buffers): for each call they are
+bound as the kernel's host storage (``weights_host``, ``momentum1_host``, flat views, no copy)
+and unbound after the forward (the autograd node keeps what backward needs), so a deep copy
+or a ``state_dict`` of the model never sees a second copy of a table.
+
+``fbgemm_gpu`` is imported only here and only when a table is first trained with this kernel
+(:func:`fbgemm_available` checks it without failing).
+"""
+
+from __future__ import annotations
+
+import functools
+import importlib
+import logging
+from types import ModuleType
+
+import torch
+
+from embark.training.config import EmbeddingOptimizerKind
+from embark.training.sparse_rows import RowOptimizer
+
+log = logging.getLogger(__name__)
+
+_TBE_MODULE = "fbgemm_gpu.split_table_batched_embeddings_ops_training"
+
+
+@functools.cache
+def _fbgemm() -> tuple[ModuleType, ModuleType, ModuleType] | None:
+    """``(training ops, common ops, configs)`` modules of ``fbgemm_gpu``, or ``None`` (with one
+    logged warning naming the import error) when it does not import."""
+    try:
+        return (
+            importlib.import_module(_TBE_MODULE),
+            importlib.import_module("fbgemm_gpu.split_table_batched_embeddings_ops_common"),
+            importlib.import_module("fbgemm_gpu.split_embedding_configs"),
+        )
+    except (ImportError, OSError, RuntimeError) as err:
+        log.warning(
+            "fbgemm_gpu does not import (%s): embedding tables train on the reference path "
+            "(pure torch, slower); install fbgemm-gpu-cpu (CPU) or fbgemm-gpu (CUDA)",
+            err,
+        )
+        return None
+
+
+def fbgemm_available() -> bool:
+    """Whether FBGEMM's table-batched kernels import (a failure is logged once)."""
+    return _fbgemm() is not None
+
+
+class FbgemmTable:
+    """One table's lookup through FBGEMM, optimizer applied in its backward.
+
+    Args:
+        num_rows, dim: the table's (or shard's) shape.
+        optimizer: the row update (its kind, lr, eps).
+        mean: bags are averaged (``PoolingMode.MEAN``), else summed.
+
+    Raises:
+        RuntimeError: when ``fbgemm_gpu`` does not import.
+    """
+
+    def __init__(self, num_rows: int, dim: int, optimizer: RowOptimizer, mean: bool) -> None:
+        mods = _fbgemm()
+        if mods is None:
+            raise RuntimeError(
+                "embedding_kernel='fbgemm' but fbgemm_gpu does not import; install "
+                "fbgemm-gpu-cpu or use embedding_kernel='reference'"
+            )
+        ops, common, configs = mods
+        optim = {
+            EmbeddingOptimizerKind.ADAGRAD: configs.EmbOptimType.EXACT_ADAGRAD,
+            EmbeddingOptimizerKind.ROWWISE_ADAGRAD: configs.EmbOptimType.EXACT_ROWWISE_ADAGRAD,
+            EmbeddingOptimizerKind.SGD: configs.EmbOptimType.EXACT_SGD,
+        }[optimizer.kind]
+        self.kind = optimizer.kind
+        self.tbe = ops.SplitTableBatchedEmbeddingBagsCodegen(
+            [(num_rows, dim, common.EmbeddingLocation.HOST, ops.ComputeDevice.CPU)],
+            optimizer=optim,
+            learning_rate=optimizer.lr,
+            eps=optimizer.eps,
+            pooling_mode=common.PoolingMode.MEAN if mean else common.PoolingMode.SUM,
+            # ids are range-checked (naming the table) before any lookup
+            bounds_check_mode=common.BoundsCheckMode.NONE,
+        )
+        self._unbind()
+
+    @staticmethod
+    def supports(dim: int) -> bool:
+        """Whether the kernel takes rows of ``dim`` floats (FBGEMM's rows are a multiple of 4
+        wide; a column shard may not be)."""
+        return dim % 4 == 0
+
+    def _unbind(self) -> None:
+        params = self.tbe._parameters
+        for name in ("weights_host", "momentum1_host"):
+            if name in params:
+                params[name] = torch.empty(0)
+
+    def __call__(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+    ) -> torch.Tensor:
+        """``(B, dim)`` pooled bags; backward updates ``weight`` and ``state`` in place.
+
+        Args:
+            weight: ``(num_rows, dim) float32`` contiguous.
+            state: the update's state (``sum`` or ``row_sum``, contiguous; none for SGD).
+            ids: ``(nnz,) int64``; offsets: ``(B,) int64`` bag starts.
+        """
+        params = self.tbe._parameters
+        params["weights_host"] = weight.detach().view(-1)
+        for tensor in state.values():
+            params["momentum1_host"] = tensor.view(-1)
+        ends = torch.cat([offsets, offsets.new_tensor([ids.numel()])])
+        try:
+            return self.tbe(ids, ends)
+        finally:
+            self._unbind()

@@ -1,0 +1,258 @@
+"""Fused sparse embedding training: a table's lookup whose backward updates only the rows the
+batch touched, inside backward (no dense gradient of a table, no full-table optimizer step).
+
+A model opts in by exposing its tables (duck-typed, so ``embark.models`` and
+``embark.sharding`` need not import this module)::
+
+    model.embedding_tables() -> {table: weight parameter}   (a whole table or this rank's shard)
+    model.replicated_tables() -> frozenset of tables         (optional; data-parallel replicas)
+    model.sparse_updates: nn.ModuleDict                      (empty; filled here)
+
+and by pooling a table through ``model.sparse_updates[table](weight, ids, offsets, mode)``
+when it is present. :class:`EmbeddingUpdates` (built by the trainer) fills
+``sparse_updates`` with one :class:`SparseTableUpdate` per table and turns the tables'
+``requires_grad`` off, so the dense optimizer never sees them::
+
+    forward   pooled = update(weight, ids, offsets, mode)        (B, dim)
+    backward  rows, grads = distinct touched rows and their summed gradients
+              optimizer applied to weight[rows] and its state[rows]   (FBGEMM or reference)
+
+A replicated (DP) table keeps a dense gradient (its replicas are summed over the ranks after
+backward); :meth:`EmbeddingUpdates.step` then applies the same row update to the rows whose
+summed gradient is non-zero (a zero gradient moves neither a row nor its state under any of
+the three updates, so this equals updating the touched rows).
+
+The optimizer state lives in the update modules as non-persistent buffers: it follows the
+model through ``.to()`` and ``copy.deepcopy`` and stays out of ``model.state_dict()`` (the
+weights alone, as exported). Checkpoints name it ``"<weight name>::<state key>"``
+(:data:`embark.training.sparse_rows.STATE_KEYS`), whatever the sharding.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from embark.training.config import EmbeddingKernel, TrainConfig
+from embark.training.fbgemm_tables import FbgemmTable, fbgemm_available
+from embark.training.sparse_rows import STATE_KEYS, RowOptimizer, row_gradients
+
+log = logging.getLogger(__name__)
+
+
+def resolve_kernel(kernel: EmbeddingKernel) -> EmbeddingKernel:
+    """``FBGEMM`` or ``REFERENCE`` for ``kernel`` (``AUTO``: FBGEMM when it imports).
+
+    Raises:
+        ValueError: for ``FBGEMM`` when ``fbgemm_gpu`` does not import.
+    """
+    if kernel is EmbeddingKernel.REFERENCE:
+        return kernel
+    if fbgemm_available():
+        return EmbeddingKernel.FBGEMM
+    if kernel is EmbeddingKernel.FBGEMM:
+        raise ValueError(
+            "TrainConfig.embedding_kernel='fbgemm' but fbgemm_gpu does not import; install "
+            "fbgemm-gpu-cpu (CPU) or fbgemm-gpu (CUDA), or use 'auto' or 'reference'"
+        )
+    return EmbeddingKernel.REFERENCE
+
+
+class _ReferenceBag(torch.autograd.Function):
+    """``F.embedding_bag`` forward; backward applies the row update and returns no gradient."""
+
+    @staticmethod
+    def forward(
+        ctx: Any,
+        anchor: torch.Tensor,
+        weight: torch.Tensor,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        mean: bool,
+        update: SparseTableUpdate,
+    ) -> torch.Tensor:
+        ctx.save_for_backward(ids, offsets)
+        ctx.weight, ctx.mean, ctx.update = weight, mean, update
+        return F.embedding_bag(ids, weight, offsets, mode="mean" if mean else "sum")
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
+        ids, offsets = ctx.saved_tensors
+        rows, row_grads = row_gradients(grad, ids, offsets, ctx.mean)
+        ctx.update.optimizer.apply_(ctx.weight, ctx.update.state(), rows, row_grads)
+        return (None,) * 6
+
+
+class SparseTableUpdate(nn.Module):
+    """The fused lookup and row update of one table (or shard) of ``num_rows × dim``.
+
+    Args:
+        table: the table's name (for messages).
+        num_rows, dim: the weight's shape.
+        optimizer: the row update.
+        kernel: ``FBGEMM`` or ``REFERENCE`` (:func:`resolve_kernel`); a shard whose width
+            FBGEMM does not take (:meth:`FbgemmTable.supports`) runs on the reference path.
+
+    Buffers (non-persistent): the optimizer state, ``sum (num_rows, dim)`` or
+    ``row_sum (num_rows,)`` float32, none for SGD.
+    """
+
+    def __init__(
+        self,
+        table: str,
+        num_rows: int,
+        dim: int,
+        optimizer: RowOptimizer,
+        kernel: EmbeddingKernel,
+    ) -> None:
+        super().__init__()
+        self.table, self.num_rows, self.dim = table, num_rows, dim
+        self.optimizer, self.kernel = optimizer, kernel
+        for key, value in optimizer.new_state(num_rows, dim).items():
+            self.register_buffer(key, value, persistent=False)
+        self._kernels: dict[bool, FbgemmTable] = {}
+
+    def state(self) -> dict[str, torch.Tensor]:
+        """``{state key: tensor}`` (the buffers themselves, updated in place)."""
+        return {k: getattr(self, k) for k in STATE_KEYS[self.optimizer.kind]}
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{state key: shape}`` this update holds."""
+        return {k: tuple(v.shape) for k, v in self.state().items()}
+
+    def forward(
+        self, weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, mode: str
+    ) -> torch.Tensor:
+        """Pool ``ids`` (``(nnz,) int64``, bags starting at ``offsets`` ``(B,) int64``) from
+        ``weight`` ``(num_rows, dim)`` by ``mode`` (``"sum"``/``"mean"``) → ``(B, dim)``; with
+        autograd on, its backward updates the touched rows of ``weight`` and the state.
+
+        Ids must already be range-checked (the models check them, naming the table, before
+        any lookup): the fast kernel does not check them.
+        """
+        if mode not in ("sum", "mean"):
+            raise ValueError(
+                f"table {self.table!r}: pooling mode must be sum or mean, got {mode!r}"
+            )
+        if not torch.is_grad_enabled():
+            return F.embedding_bag(ids, weight, offsets, mode=mode)
+        mean = mode == "mean"
+        if (
+            self.kernel is EmbeddingKernel.FBGEMM
+            and weight.device.type == "cpu"
+            and FbgemmTable.supports(self.dim)
+        ):
+            if mean not in self._kernels:
+                self._kernels[mean] = FbgemmTable(self.num_rows, self.dim, self.optimizer, mean)
+            return self._kernels[mean](weight, self.state(), ids, offsets)
+        anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
+        out: torch.Tensor = _ReferenceBag.apply(anchor, weight, ids, offsets, mean, self)
+        return out
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> SparseTableUpdate:
+        """A copy with copied state; the kernel objects are rebuilt on first use."""
+        new = SparseTableUpdate(self.table, 0, 0, self.optimizer, self.kernel)
+        new.num_rows, new.dim = self.num_rows, self.dim
+        for key, value in self.state().items():
+            new.register_buffer(key, value.clone(), persistent=False)
+        new.train(self.training)
+        memo[id(self)] = new
+        return new
+
+
+class EmbeddingUpdates:
+    """The trainer's handle on the fused tables of ``model`` (see the module docstring).
+
+    Args:
+        model: exposes ``embedding_tables()``, ``sparse_updates`` (and optionally
+            ``replicated_tables()``).
+        cfg: ``embedding_update``, ``embedding_lr or lr``, ``adagrad_eps``,
+            ``initial_accumulator_value`` and ``embedding_kernel`` fix the update.
+
+    Raises:
+        ValueError: for ``embedding_kernel='fbgemm'`` without FBGEMM.
+
+    Updates already in ``model.sparse_updates`` for the same table shape and update kind keep
+    their state (a trainer over a deep copy of a trained model continues it); others start
+    fresh.
+    """
+
+    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
+        self.model = model
+        kernel = resolve_kernel(cfg.embedding_kernel)
+        self.optimizer = RowOptimizer(
+            cfg.embedding_update,
+            cfg.embedding_lr or cfg.lr,
+            cfg.adagrad_eps,
+            cfg.initial_accumulator_value,
+        )
+        tables: dict[str, nn.Parameter] = model.embedding_tables()  # type: ignore[operator]
+        replicated: frozenset[str] = getattr(model, "replicated_tables", frozenset)()
+        holder: nn.ModuleDict = model.sparse_updates  # type: ignore[assignment]
+        names = {id(p): n for n, p in model.named_parameters()}
+        self.weights: dict[str, nn.Parameter] = dict(tables)
+        self.param_names = {t: names[id(w)] for t, w in tables.items()}
+        self.replicated = frozenset(replicated)
+        for t, w in tables.items():
+            upd = SparseTableUpdate(t, w.shape[0], w.shape[1], self.optimizer, kernel)
+            old = holder[t] if t in holder else None
+            if (
+                isinstance(old, SparseTableUpdate)
+                and old.optimizer.kind is self.optimizer.kind
+                and old.state_shapes() == upd.state_shapes()
+            ):
+                for key, value in old.state().items():
+                    getattr(upd, key).copy_(value)
+            holder[t] = upd.to(w.device)
+            w.requires_grad_(t in self.replicated)
+        log.debug("fused embedding updates: %d table(s), %s kernel", len(tables), kernel.value)
+
+    @property
+    def updates(self) -> Mapping[str, SparseTableUpdate]:
+        """``{table: its update}``."""
+        holder: nn.ModuleDict = self.model.sparse_updates  # type: ignore[assignment]
+        return {t: holder[t] for t in self.weights}  # type: ignore[misc]
+
+    @torch.no_grad()
+    def step(self) -> None:
+        """Apply the row update to the replicated tables from their (summed) dense gradients,
+        at the rows whose gradient is non-zero; clear those gradients."""
+        for t in sorted(self.replicated):
+            w = self.weights.get(t)
+            if w is None or w.grad is None:
+                continue
+            grad = w.grad
+            rows = grad.ne(0).any(dim=1).nonzero().squeeze(1)
+            self.updates[t].optimizer.apply_(w, self.updates[t].state(), rows, grad[rows])
+            w.grad = None
+
+    def zero_grad(self) -> None:
+        """Drop the replicated tables' gradients."""
+        for t in self.replicated:
+            if t in self.weights:
+                self.weights[t].grad = None
+
+    def state_tensors(self) -> dict[str, torch.Tensor]:
+        """``{"<weight name>::<state key>": tensor}`` of every table (the live buffers)."""
+        return {
+            f"{self.param_names[t]}::{k}": v
+            for t, upd in self.updates.items()
+            for k, v in upd.state().items()
+        }
+
+    def state_shapes(self) -> dict[str, tuple[int, ...]]:
+        """``{"<weight name>::<state key>": shape}`` this trainer's state has."""
+        return {k: tuple(v.shape) for k, v in self.state_tensors().items()}
+
+    @torch.no_grad()
+    def load_state(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Copy ``tensors`` (keys and shapes as :meth:`state_shapes`, checked by the caller)
+        into the state."""
+        own = self.state_tensors()
+        for key, value in tensors.items():
+            own[key].copy_(value)

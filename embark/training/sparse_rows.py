@@ -1,0 +1,126 @@
+"""Row-sparse embedding updates in pure torch: the gradient of a bag lookup reduced to the
+distinct rows it touched, and the optimizers applied to those rows only.
+
+This is the reference every fast kernel (FBGEMM's, :mod:`embark.training.fbgemm_tables`) is
+tested against. For a batch of ``B`` bags over a ``(num_rows, dim)`` table::
+
+    ids     (nnz,)   int64   the looked-up rows, bag after bag
+    offsets (B,)     int64   start of each bag in ids (bag b = ids[offsets[b]:offsets[b+1]])
+    grad    (B, dim) float32 dLoss/d(pooled bag)
+
+    ids = [1, 1, 3 | | 5 1]      offsets = [0, 3, 3]      (bag 1 empty)
+    rows      = [1, 3, 5]                                 distinct ids, sorted
+    row_grads = [2 g0 + g2, g0, g2]                       (sum pooling; mean divides g_b by
+                                                           bag b's length first)
+
+Update of a touched row ``r`` with gradient ``g`` (``(dim,)``); rows not in ``rows`` are not
+read or written, so the cost is ``O(nnz · dim)`` whatever ``num_rows`` is:
+
+- ``adagrad``:         ``s[r] += g²``,          ``w[r] -= lr · g / (sqrt(s[r]) + eps)``
+  (``s`` is ``(num_rows, dim)``; exactly ``torch.optim.Adagrad`` on the dense gradient, whose
+  other rows are zero and would not move)
+- ``rowwise_adagrad``: ``s[r] += mean(g²)``,    ``w[r] -= lr · g / (sqrt(s[r]) + eps)``
+  (``s`` is ``(num_rows,)``; FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``)
+- ``sgd``:             ``w[r] -= lr · g``
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from embark.training.config import EmbeddingOptimizerKind
+
+#: optimizer state of a table per update kind: state key -> whether it is per weight
+#: (``(num_rows, dim)``) or per row (``(num_rows,)``). The keys name the state the same way
+#: for a whole table and for any shard of it.
+STATE_KEYS: dict[EmbeddingOptimizerKind, dict[str, bool]] = {
+    EmbeddingOptimizerKind.ADAGRAD: {"sum": True},
+    EmbeddingOptimizerKind.ROWWISE_ADAGRAD: {"row_sum": False},
+    EmbeddingOptimizerKind.SGD: {},
+}
+
+
+@dataclass(frozen=True)
+class RowOptimizer:
+    """One table's row update (see the module docstring).
+
+    Args:
+        kind: the update.
+        lr: learning rate.
+        eps: Adagrad's denominator epsilon.
+        initial_accumulator_value: Adagrad's starting sum.
+    """
+
+    kind: EmbeddingOptimizerKind
+    lr: float
+    eps: float = 1e-8
+    initial_accumulator_value: float = 0.0
+
+    def new_state(self, num_rows: int, dim: int) -> dict[str, torch.Tensor]:
+        """Fresh state: ``{key: (num_rows, dim) or (num_rows,) float32}`` (:data:`STATE_KEYS`)."""
+        out: dict[str, torch.Tensor] = {}
+        for key, per_weight in STATE_KEYS[self.kind].items():
+            shape = (num_rows, dim) if per_weight else (num_rows,)
+            out[key] = torch.full(shape, float(self.initial_accumulator_value))
+        return out
+
+    @torch.no_grad()
+    def apply_(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+    ) -> None:
+        """Update ``weight`` (``(num_rows, dim)``) and ``state`` in place at ``rows``.
+
+        Args:
+            rows: ``(U,) int64`` distinct row indices.
+            grads: ``(U, dim)`` their gradients.
+        """
+        if rows.numel() == 0:
+            return
+        grads = grads.to(weight.dtype)
+        if self.kind is EmbeddingOptimizerKind.SGD:
+            weight.index_add_(0, rows, grads, alpha=-self.lr)
+            return
+        if self.kind is EmbeddingOptimizerKind.ADAGRAD:
+            s = state["sum"]
+            acc = s[rows].addcmul_(grads, grads)
+            s[rows] = acc
+            std = acc.sqrt_().add_(self.eps)
+        else:
+            s = state["row_sum"]
+            acc = s[rows] + grads.square().mean(dim=1)
+            s[rows] = acc
+            std = acc.sqrt_().add_(self.eps).unsqueeze(1)
+        weight[rows] = weight[rows].addcdiv_(grads, std, value=-self.lr)
+
+
+def row_gradients(
+    grad: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, mean: bool
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gradient of a bag lookup, reduced to the distinct rows it touched.
+
+    Args:
+        grad: ``(B, dim)`` gradient of the pooled bags.
+        ids: ``(nnz,) int64`` looked-up rows.
+        offsets: ``(B,) int64`` start of each bag in ``ids``.
+        mean: bags were averaged (each id's gradient is its bag's divided by the bag length).
+
+    Returns:
+        ``(rows (U,) int64 sorted, row_grads (U, dim))``; ``U = 0`` for no ids.
+    """
+    batch, nnz = grad.shape[0], ids.numel()
+    if nnz == 0:
+        return ids.new_zeros(0), grad.new_zeros(0, grad.shape[1])
+    ends = torch.cat([offsets[1:], offsets.new_tensor([nnz])])
+    lengths = ends - offsets
+    sample = torch.repeat_interleave(torch.arange(batch, device=ids.device), lengths)
+    if mean:
+        grad = grad / lengths.clamp(min=1).unsqueeze(1).to(grad.dtype)
+    rows, inverse = torch.unique(ids, return_inverse=True)
+    row_grads = grad.new_zeros(rows.numel(), grad.shape[1]).index_add_(0, inverse, grad[sample])
+    return rows, row_grads

@@ -4,7 +4,7 @@ A file is read in chunks of about ``chunk_bytes`` ending at a newline. Each chun
 by pyarrow's CSV reader (every field as bytes) and checked vectorised; a chunk that holds
 anything the fast path cannot vouch for — a row count other than its newline count, a label
 other than ``0``/``1``, an id that is not 1-16 hex digits, a dense field with a byte outside
-``[0-9-]`` or longer than 19 bytes, one pyarrow cannot cast to int64 — is parsed again line
+``[0-9-]`` or more than 19 digits, one pyarrow cannot cast to int64 — is parsed again line
 by line by :func:`embark.data.criteo_lines.parse_fields`, which names the file and line of
 each bad line. Both paths therefore accept exactly the lines :class:`~embark.data.CriteoTSV`
 accepts, and give the same values. Memory is bounded by a few chunks whatever the file size.
@@ -39,7 +39,7 @@ from embark.data.criteo_lines import (
 )
 
 DEFAULT_CHUNK_BYTES = 16 << 20  # ~120 k Criteo lines: large enough to amortise pyarrow's calls
-_MAX_FAST_FIELD = 19  # bytes; a longer field (e.g. "000…01") goes the exact way
+_MAX_DIGITS = 19  # of a dense value (int64); a longer field goes the exact way
 
 _BLOCK_BYTES = 1 << 20  # pyarrow's parse unit: blocks parse in parallel
 _DECIMAL = np.zeros(256, dtype=bool)  # bytes a dense field may hold on the fast path
@@ -59,6 +59,7 @@ class Chunk:
     labels: np.ndarray
     dense: np.ndarray
     ids: np.ndarray
+    exact: bool = False  # parsed line by line (the fast path could not vouch for it)
 
     @property
     def rows(self) -> int:
@@ -149,8 +150,16 @@ def _hex_column(col: pa.ChunkedArray) -> np.ndarray:
 def _dense_column(col: pa.ChunkedArray) -> np.ndarray:
     """``(n,) int64`` of a column of decimal strings (empty → 0)."""
     offsets, data = _column_bytes(col)
-    if data.size and (np.diff(offsets).max() > _MAX_FAST_FIELD or not _DECIMAL[data].all()):
-        raise _NotFast  # pyarrow would take " 5", "0x5" or 20 leading zeros; the exact path not
+    if data.size == 0:
+        return np.zeros(len(offsets) - 1, dtype=np.int64)
+    if not _DECIMAL[data].all():
+        raise _NotFast  # pyarrow would take " 5" or "0x5"; the exact path does not
+    lengths = np.diff(offsets)
+    long = np.flatnonzero(lengths > _MAX_DIGITS)
+    if long.size and not (
+        np.all(lengths[long] == _MAX_DIGITS + 1) and np.all(data[offsets[long]] == 45)
+    ):
+        raise _NotFast  # more than 19 digits ("000…01"): pyarrow takes it, the exact path not
     try:
         return pc.cast(col, pa.int64()).fill_null(0).to_numpy()
     except pa.ArrowInvalid:  # "-", "5-", or out of int64
@@ -223,6 +232,7 @@ def _exact_chunk(
         np.asarray(labels, dtype=np.int32),
         np.asarray(dense, dtype=np.int64).reshape(len(labels), num_dense),
         np.asarray(ids, dtype=np.uint64).reshape(len(labels), num_sparse),
+        exact=True,
     )
 
 

@@ -70,11 +70,11 @@ def expand_multi_hot(
 
     Returns:
         ``(n, hotness) int64``: column 0 is ``rows``; column ``k`` is
-        ``mix64(mix64(seed, table) ^ (rows * hotness + k)) % num_rows`` — a function of the row
+        ``mix64(mix64(seed·φ + table) ^ (rows·hotness + k)) % num_rows`` — a function of the row
         alone, so equal rows get equal bags.
     """
     with np.errstate(over="ignore"):
-        key = _mix64(np.array([seed * 0x9E3779B97F4A7C15 + table], dtype=np.uint64))[0]
+        key = _mix64(np.array([(seed * 0x9E3779B97F4A7C15 + table) % 2**64], dtype=np.uint64))[0]
         k = np.arange(hotness, dtype=np.uint64)[None, :]
         h = _mix64(key ^ (rows.astype(np.uint64)[:, None] * np.uint64(hotness) + k))
     out = (h % np.uint64(num_rows)).astype(np.int64)

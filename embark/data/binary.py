@@ -189,7 +189,9 @@ class CriteoBinary:
         self._parts = [_Part(b, workload.dense_features, len(workload.tables)) for b in bases]
         self._starts = np.cumsum([0] + [p.rows for p in self._parts])
         self._rows = np.array([t.num_rows for t in workload.tables], dtype=np.uint64)
-        self._window: tuple[int, np.ndarray] | None = None  # (window, its permutation)
+        self._window: tuple[tuple[int, int], np.ndarray] | None = (
+            None  # ((epoch, window), permutation)
+        )
 
     @property
     def num_samples(self) -> int:
@@ -223,8 +225,8 @@ class CriteoBinary:
             np.empty(n, dtype=np.float32),
         )
 
-    def _copy(self, part: _Part, lo: int, hi: int, out: tuple[np.ndarray, ...], at: object) -> None:
-        """Rows ``lo:hi`` of ``part`` into ``out[k][at]`` (``at``: a slice or index array)."""
+    def _copy(self, part: _Part, lo: int, hi: int, out: tuple[np.ndarray, ...], at: slice) -> None:
+        """Rows ``lo:hi`` of ``part`` into ``out[k][at]``."""
         dense, ids, labels = out
         dense[at] = part.dense.rows(lo, hi)
         ids[at] = part.sparse.rows(lo, hi)

@@ -82,7 +82,7 @@ class ConvertResult:
 class _Progress:
     """Moves a bar to ``base`` + the bytes of the current file read so far."""
 
-    def __init__(self, bar: tqdm, base: int) -> None:  # type: ignore[type-arg]
+    def __init__(self, bar: tqdm, base: int) -> None:
         self.bar, self.base = bar, base
 
     def __call__(self, read: int) -> None:

@@ -16,38 +16,81 @@ state dicts, batches, plans and EBC models; torchrec optional). Command lines:
 2
 """
 
-from embark.data.batch import Batch, local_batch
-from embark.data.criteo import CriteoTSV
-from embark.data.jagged import JaggedBatch
-from embark.data.synthetic import SyntheticCTR
-from embark.models.dlrm import DLRM, build_model
-from embark.models.workloads import Workload, get_workload
-from embark.planner.planner import plan_sharding
-from embark.planner.simulator import simulate
-from embark.sharding.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
-from embark.sharding.model import ShardedDLRM
-from embark.sharding.run import ShardedRunConfig, run_sharded
-from embark.topology import get_topology
-from embark.training.callbacks import Callback
-from embark.training.config import (
-    EmbeddingKernel,
-    EmbeddingOptimizerKind,
-    OptimizerKind,
-    TrainConfig,
-)
-from embark.training.metrics import auc, log_loss
-from embark.training.state import TrainState
-from embark.training.trainer import Trainer
-from embark.types import (
-    Cluster,
-    Combiner,
-    CommDtype,
-    PlanError,
-    ShardingPlan,
-    ShardingType,
-    TableConfig,
-    Topology,
-)
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from embark.data.batch import Batch, local_batch
+    from embark.data.criteo import CriteoTSV
+    from embark.data.jagged import JaggedBatch
+    from embark.data.synthetic import SyntheticCTR
+    from embark.models.dlrm import DLRM, build_model
+    from embark.models.workloads import Workload, get_workload
+    from embark.planner.planner import plan_sharding
+    from embark.planner.simulator import simulate
+    from embark.sharding.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
+    from embark.sharding.model import ShardedDLRM
+    from embark.sharding.run import ShardedRunConfig, run_sharded
+    from embark.topology import get_topology
+    from embark.training.callbacks import Callback
+    from embark.training.config import (
+        EmbeddingKernel,
+        EmbeddingOptimizerKind,
+        OptimizerKind,
+        TrainConfig,
+    )
+    from embark.training.metrics import auc, log_loss
+    from embark.training.state import TrainState
+    from embark.training.trainer import Trainer
+    from embark.types import (
+        Cluster,
+        Combiner,
+        CommDtype,
+        PlanError,
+        ShardingPlan,
+        ShardingType,
+        TableConfig,
+        Topology,
+    )
+
+# Names are imported on first use, so that a command which needs no torch (the data
+# converter) starts without importing it.
+_EXPORTS = {
+    "Batch": "embark.data.batch",
+    "local_batch": "embark.data.batch",
+    "CriteoTSV": "embark.data.criteo",
+    "JaggedBatch": "embark.data.jagged",
+    "SyntheticCTR": "embark.data.synthetic",
+    "DLRM": "embark.models.dlrm",
+    "build_model": "embark.models.dlrm",
+    "Workload": "embark.models.workloads",
+    "get_workload": "embark.models.workloads",
+    "plan_sharding": "embark.planner.planner",
+    "simulate": "embark.planner.simulator",
+    "load_sharded_checkpoint": "embark.sharding.checkpoint",
+    "save_sharded_checkpoint": "embark.sharding.checkpoint",
+    "ShardedDLRM": "embark.sharding.model",
+    "ShardedRunConfig": "embark.sharding.run",
+    "run_sharded": "embark.sharding.run",
+    "get_topology": "embark.topology",
+    "Callback": "embark.training.callbacks",
+    "EmbeddingKernel": "embark.training.config",
+    "EmbeddingOptimizerKind": "embark.training.config",
+    "OptimizerKind": "embark.training.config",
+    "TrainConfig": "embark.training.config",
+    "auc": "embark.training.metrics",
+    "log_loss": "embark.training.metrics",
+    "TrainState": "embark.training.state",
+    "Trainer": "embark.training.trainer",
+    "Cluster": "embark.types",
+    "Combiner": "embark.types",
+    "CommDtype": "embark.types",
+    "PlanError": "embark.types",
+    "ShardingPlan": "embark.types",
+    "ShardingType": "embark.types",
+    "TableConfig": "embark.types",
+    "Topology": "embark.types",
+}
 
 __all__ = [
     "DLRM",
@@ -85,3 +128,16 @@ __all__ = [
     "save_sharded_checkpoint",
     "simulate",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -17,8 +17,9 @@ Line format (Kaggle ``train.txt``, Terabyte ``day_0`` .. ``day_23``), ``1 + D + 
   empty field becomes row 0 (documented collision: it shares row 0 with the ids that hash
   there).
 
-A malformed line — bytes that are not UTF-8, a wrong field count, a label other than 0/1, a
-dense value that is not a 64-bit integer or an id that is not 1-16 hex digits — raises
+A malformed line — bytes that are not UTF-8, a wrong field count (a line of blanks or tabs
+included; only an empty line is not a sample), a label other than 0/1, a dense value that is
+not a 64-bit integer or an id that is not 1-16 hex digits — raises
 :class:`CriteoFormatError` naming the file and 1-based line number, unless
 ``skip_bad_lines=True``: then the line is dropped, counted in :attr:`CriteoTSV.stats`, and a
 summary is logged at the end of each pass. A file that cannot be read to its end (a
@@ -29,125 +30,29 @@ quoted shortened (a 5,000-digit field is not repeated whole).
 
 from __future__ import annotations
 
-import gzip
-import io
 import logging
 import os
-import re
-import zlib
-from collections import Counter
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
 import torch
 
 from embark.data.batch import Batch
+from embark.data.criteo_lines import (
+    EMPTY_LINES,
+    CriteoFormatError,
+    ReadStats,
+    decode,
+    numbered_lines,
+    parse_fields,
+)
 from embark.data.jagged import JaggedBatch
 from embark.models.workloads import Workload
 
+__all__ = ["CriteoFormatError", "CriteoTSV", "ReadStats"]
+
 log = logging.getLogger(__name__)
-
-_MAX_EXAMPLES = 10  # bad lines kept verbatim in the stats, for the report
-# Strict field syntax: int() alone would also take " 5", "+7", "1_000" and non-ASCII digits
-# ("٣"), and int(.., 16) " 68fd" or "0x1f"; none of these occur in Criteo's logs.
-_DENSE = re.compile(r"-?[0-9]{1,19}")  # 19 digits hold every int64; the range is checked
-_HEX = re.compile(r"[0-9a-fA-F]{1,16}")  # 64-bit ids
-_HEX_DIGITS = re.compile(r"[0-9a-fA-F]+")  # (to say why an id is refused)
-_INT64 = 2**63
-_QUOTED = 24  # characters of a bad field quoted in a message
-
-
-class CriteoFormatError(ValueError):
-    """A malformed line, or a file that ends early. Attributes: ``path``, ``line`` (1-based),
-    ``kind`` (one of ``encoding``, ``field_count``, ``label``, ``dense``, ``categorical``;
-    ``truncated`` for a file, never skipped) and ``reason`` (the message)."""
-
-    def __init__(self, path: str, line: int, kind: str, reason: str) -> None:
-        super().__init__(f"{path}:{line}: {reason}")
-        self.path, self.line, self.kind, self.reason = path, line, kind, reason
-
-
-@dataclass
-class ReadStats:
-    """What one pass over the files saw."""
-
-    lines: int = 0
-    good_lines: int = 0
-    bad_lines: int = 0
-    reasons: Counter[str] = field(default_factory=Counter)
-    examples: list[str] = field(default_factory=list)  # "path:line: reason"
-
-    def to_dict(self) -> dict[str, object]:
-        return {
-            "lines": self.lines,
-            "good_lines": self.good_lines,
-            "bad_lines": self.bad_lines,
-            "reasons": dict(self.reasons),
-            "examples": list(self.examples),
-        }
-
-
-def _quoted(text: str) -> str:
-    """``repr(text)``, shortened with its length named when it is long."""
-    if len(text) <= _QUOTED:
-        return repr(text)
-    return f"{text[:_QUOTED]!r}... ({len(text)} characters)"
-
-
-def _open(path: Path) -> gzip.GzipFile | io.BufferedReader:
-    if path.suffix == ".gz":
-        return gzip.GzipFile(path, "rb")
-    return open(path, "rb")
-
-
-def _numbered_lines(path: Path) -> Iterator[tuple[int, bytes]]:
-    """``(1-based line number, raw line)`` of ``path``, split at ``\\n`` only.
-
-    Raises:
-        CriteoFormatError: kind ``truncated``, when the file cannot be read to its end (a
-            truncated or corrupt ``.gz``, a read error), naming how many lines were read.
-    """
-    lineno = 0
-    with _open(path) as fh:
-        try:
-            for lineno, raw in enumerate(fh, start=1):  # noqa: B007 - read after the loop
-                yield lineno, raw
-        except (EOFError, OSError, zlib.error) as err:  # gzip: EOFError, BadGzipFile, zlib
-            raise CriteoFormatError(
-                str(path),
-                lineno + 1,
-                "truncated",
-                f"the file cannot be read past line {lineno} ({lineno} lines were read): "
-                f"{err} (a truncated or corrupt file?)",
-            ) from None
-
-
-def _decode(raw: bytes, path: str, lineno: int) -> str:
-    try:
-        return raw.decode("utf-8")
-    except UnicodeDecodeError as err:
-        raise CriteoFormatError(
-            path,
-            lineno,
-            "encoding",
-            f"not UTF-8 text: byte 0x{raw[err.start]:02x} at column {err.start + 1}",
-        ) from None
-
-
-def _dense(f: str, j: int, path: str, lineno: int) -> int:
-    """The dense feature ``I<j+1>`` of a line (empty → 0)."""
-    if f == "":
-        return 0
-    value = int(f, 10) if _DENSE.fullmatch(f) else None
-    if value is None or not -_INT64 <= value < _INT64:
-        digits = f.removeprefix("-")
-        want = "a 64-bit integer" if digits.isascii() and digits.isdigit() else "an integer"
-        raise CriteoFormatError(
-            path, lineno, "dense", f"dense feature I{j + 1} must be {want}, got {_quoted(f)}"
-        )
-    return value
 
 
 class CriteoTSV:
@@ -206,52 +111,22 @@ class CriteoTSV:
         Raises:
             CriteoFormatError: naming ``path:lineno`` and what is wrong.
         """
-        fields = line.rstrip("\r\n").split("\t")
-        if len(fields) != self.num_fields:
-            raise CriteoFormatError(
-                path,
-                lineno,
-                "field_count",
-                f"expected {self.num_fields} tab-separated fields, got {len(fields)}",
-            )
-        if fields[0] not in ("0", "1"):
-            raise CriteoFormatError(
-                path, lineno, "label", f"label must be 0 or 1, got {_quoted(fields[0])}"
-            )
-        dense = [_dense(f, j, path, lineno) for j, f in enumerate(fields[1 : 1 + self.num_dense])]
-        ids = []
-        for j, f in enumerate(fields[1 + self.num_dense :]):
-            if f == "":
-                ids.append(0)
-                continue
-            if not _HEX.fullmatch(f):
-                hex_digits = _HEX_DIGITS.fullmatch(f) is not None
-                want = "at most 16 hex digits (64 bits)" if hex_digits else "hexadecimal"
-                raise CriteoFormatError(
-                    path,
-                    lineno,
-                    "categorical",
-                    f"categorical feature C{j + 1} must be {want}, got {_quoted(f)}",
-                )
-            ids.append(int(f, 16) % int(self._rows[j]))
-        return int(fields[0]), dense, ids
+        label, dense, ids = parse_fields(line, self.num_dense, self.num_sparse, path, lineno)
+        return label, dense, [c % int(r) for c, r in zip(ids, self._rows)]
 
     def _lines(self) -> Iterator[tuple[int, list[int], list[int]]]:
         for path in self.paths:
-            for lineno, raw in _numbered_lines(path):
-                if raw.strip() == b"":
+            for lineno, raw in numbered_lines(path):
+                if raw in EMPTY_LINES:
                     continue  # a trailing newline is not a sample
                 self.stats.lines += 1
                 try:
-                    line = _decode(raw, str(path), lineno)
+                    line = decode(raw, str(path), lineno)
                     parsed = self.parse_line(line, str(path), lineno)
                 except CriteoFormatError as err:
                     if not self.skip_bad_lines:
                         raise
-                    self.stats.bad_lines += 1
-                    self.stats.reasons[err.kind] += 1
-                    if len(self.stats.examples) < _MAX_EXAMPLES:
-                        self.stats.examples.append(str(err))
+                    self.stats.count_bad(err)
                     continue
                 self.stats.good_lines += 1
                 yield parsed

@@ -29,7 +29,20 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
+
+
+def _min_and_sum(lengths: torch.Tensor) -> tuple[int, int]:
+    """``(min, sum)`` of ``(n,) int32`` bag sizes (``(0, 0)`` when empty). A CPU tensor is
+    reduced by numpy: torch's int32 sum widens through a slow path, and its threaded
+    reductions stall when the cores are busy (tens of ms for one batch's lengths)."""
+    if lengths.numel() == 0:
+        return 0, 0
+    if lengths.device.type == "cpu" and not lengths.requires_grad:
+        a = lengths.numpy()
+        return int(a.min()), int(a.sum(dtype=np.int64))
+    return int(lengths.min()), int(lengths.sum(dtype=torch.int64))
 
 
 @dataclass
@@ -72,9 +85,9 @@ class JaggedBatch:
             raise ValueError(
                 f"JaggedBatch: lengths has {n} entries, not a multiple of {len(self.keys)} keys"
             )
-        if n and int(self.lengths.min()) < 0:
-            raise ValueError(f"JaggedBatch: negative bag length {int(self.lengths.min())}")
-        total = int(self.lengths.sum())
+        lowest, total = _min_and_sum(self.lengths)
+        if n and lowest < 0:
+            raise ValueError(f"JaggedBatch: negative bag length {lowest}")
         if total != self.values.numel():
             raise ValueError(
                 f"JaggedBatch: lengths sum to {total} but values has {self.values.numel()} ids"

@@ -16,12 +16,27 @@ The teacher is a DLRM over the same tables (by default the narrower
 init, so that every table carries signal. Its probabilities are the Bayes-optimal scores for the
 labels, so :meth:`SyntheticCTR.teacher_auc` is the ceiling a student can reach.
 
-Batches are generated independently from ``(seed, split, index)``: the stream needs no memory,
-any batch can be regenerated, and a resumed run continues with ``batches(n, start=step)``.
+Every random number is a pure function of ``(seed, split, sample, draw)`` — SplitMix64 over
+a counter (:func:`uniforms`), sample ``g = index * batch_size + s`` for sample ``s`` of batch
+``index`` — and the label of a sample comes from the teacher evaluated in float64 on that
+sample's features alone. So rank ``r`` generates its slice of global batch ``i``
+(:func:`~embark.data.batch.local_range`) without the rest, and the slices of all ranks,
+concatenated, are bit-identical to the single-process batch (a float64 forward over a slice
+can differ from one over the whole batch in its last bit; a label flips only if its uniform
+draw falls within that bit of the probability, about 1e-16 per sample). The stream needs no
+memory, any batch can be regenerated, and a resumed run continues with
+``batches(n, start=step)``.
+
+Draws of one sample, in order (``K`` per sample; ``h_t`` the hotness of table ``t``)::
+
+    dense    2·D uniforms → D normals by Box-Muller → raw = exp(mu + sigma·z)
+    table t  h_t uniforms → Zipf ids (ragged: 1 for the bag size, then 2·h_t slots)
+    label    1 uniform    → y = [u < sigmoid(s·z + b)]
 """
 
 from __future__ import annotations
 
+import copy
 import math
 from collections.abc import Iterator
 from dataclasses import replace
@@ -31,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from embark.data.batch import Batch
+from embark.data.batch import Batch, local_range
 from embark.data.jagged import JaggedBatch
 from embark.models.dlrm import build_model
 from embark.models.workloads import Workload
@@ -48,6 +63,32 @@ class Split(StrEnum):
 
 _SPLIT_ID = {Split.TRAIN: 0, Split.EVAL: 1, Split.CALIBRATION: 2}
 _CALIBRATION_SAMPLES = 8192  # enough for the teacher logit's mean and std to ~1%
+STREAM_VERSION = 2  # counter-based draws per sample, per-sample float64 teacher labels
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment (2^64 / φ)
+
+
+def _mix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's output function over ``uint64`` (a bijection with full avalanche)."""
+    x = (x ^ (x >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+    x = (x ^ (x >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+    return x ^ (x >> np.uint64(31))
+
+
+def uniforms(key: int, samples: np.ndarray, stride: int, first: int, count: int) -> np.ndarray:
+    """``(n, count) float64`` in ``[0, 1)``: draws ``first .. first+count-1`` of each sample,
+    SplitMix64 at counter ``sample * stride + draw`` under ``key`` (53 random bits each).
+
+    Args:
+        key: the stream's 64-bit key.
+        samples: ``(n,) int64`` global sample numbers.
+        stride: draws per sample (``K``); ``first + count <= stride``.
+    """
+    with np.errstate(over="ignore"):
+        counter = samples.astype(np.uint64)[:, None] * np.uint64(stride) + np.arange(
+            first, first + count, dtype=np.uint64
+        )
+        bits = _mix64(np.uint64(key) + counter * _GOLDEN)
+    return (bits >> np.uint64(11)).astype(np.float64) * (1.0 / (1 << 53))
 
 
 def default_teacher_workload(workload: Workload) -> Workload:
@@ -148,17 +189,18 @@ class SyntheticCTR:
                 table.normal_(0.0, teacher_embedding_std, generator=gen)
         for p_ in self.teacher.parameters():
             p_.requires_grad_(False)
+        self._teacher64 = copy.deepcopy(self.teacher).double()
+        self._stride = 2 * workload.dense_features + 1
+        for t in workload.tables:
+            self._stride += 1 + 2 * t.hotness if ragged else t.hotness
         self._z_mean, self._z_std = 0.0, 1.0
-        raw = torch.cat(
-            [
-                self._teacher_raw(*self._features(Split.CALIBRATION, i))
-                for i in range(max(1, -(-_CALIBRATION_SAMPLES // batch_size)))
-            ]
-        )
+        calib = np.arange(_CALIBRATION_SAMPLES, dtype=np.int64)
+        raw = self._teacher_raw(*self._features(Split.CALIBRATION, calib))
         self._z_mean, self._z_std = float(raw.mean()), float(raw.std().clamp_min(1e-12))
 
     #: :meth:`stream_config` keys, the keyword arguments that regenerate the stream.
     STREAM_KEYS = (
+        "version",
         "ragged",
         "label_sharpness",
         "label_bias",
@@ -174,6 +216,7 @@ class SyntheticCTR:
         :meth:`from_stream_config` turns back into this stream. Checkpoints record it as
         ``data_stream``, so a resume can check it is fed the same data."""
         return {
+            "version": STREAM_VERSION,
             "ragged": self.ragged,
             "label_sharpness": self.label_sharpness,
             "label_bias": self.label_bias,
@@ -200,69 +243,117 @@ class SyntheticCTR:
                 f"data stream config must have exactly the keys {sorted(cls.STREAM_KEYS)}, got {got}"
             )
         kwargs = dict(config)
+        version = kwargs.pop("version")
+        if version != STREAM_VERSION:
+            raise ValueError(
+                f"data stream version {version!r} cannot be regenerated: this generator "
+                f"writes version {STREAM_VERSION}"
+            )
         kwargs["teacher_workload"] = Workload.from_dict(config["teacher_workload"])
         return cls(workload, batch_size, seed, **kwargs)
 
     # ------------------------------------------------------------------ pieces
-    def _rng(self, split: Split, index: int) -> np.random.Generator:
-        return np.random.default_rng(np.random.SeedSequence([self.seed, _SPLIT_ID[split], index]))
+    def _key(self, split: Split) -> int:
+        seed = np.array([(self.seed * 3 + _SPLIT_ID[split]) % 2**64], dtype=np.uint64)
+        with np.errstate(over="ignore"):
+            return int(_mix64(_mix64(seed) + _GOLDEN)[0])
 
     def _features(
-        self, split: Split, index: int
-    ) -> tuple[torch.Tensor, JaggedBatch, np.random.Generator]:
-        rng = self._rng(split, index)
-        b = self.batch_size
-        raw = rng.lognormal(self.dense_mu, self.dense_sigma, size=(b, self.workload.dense_features))
+        self, split: Split, samples: np.ndarray
+    ) -> tuple[torch.Tensor, JaggedBatch, np.ndarray]:
+        """Features of the given global samples, and each one's label draw ``(n,)``."""
+        key, k, n = self._key(split), self._stride, samples.size
+        d = self.workload.dense_features
+        u = uniforms(key, samples, k, 0, 2 * d)
+        z = np.sqrt(-2.0 * np.log1p(-u[:, :d])) * np.cos(2.0 * np.pi * u[:, d:])
+        raw = np.exp(self.dense_mu + self.dense_sigma * z)
         dense = torch.from_numpy(np.log1p(raw).astype(np.float32))
         values, lengths = [], []
+        at = 2 * d
         for t, cdf in zip(self.workload.tables, self._cdfs):
             if self.ragged:
-                n = rng.integers(0, 2 * t.hotness + 1, size=b)
+                bag = np.floor(uniforms(key, samples, k, at, 1)[:, 0] * (2 * t.hotness + 1))
+                n_t = np.minimum(bag.astype(np.int64), 2 * t.hotness)
+                slots = uniforms(key, samples, k, at + 1, 2 * t.hotness)
+                draws = slots[np.arange(2 * t.hotness)[None, :] < n_t[:, None]]
+                at += 1 + 2 * t.hotness
             else:
-                n = np.full(b, t.hotness)
-            ids = np.searchsorted(cdf, rng.random(int(n.sum())), side="right")
+                n_t = np.full(n, t.hotness)
+                draws = uniforms(key, samples, k, at, t.hotness).reshape(-1)
+                at += t.hotness
+            ids = np.searchsorted(cdf, draws, side="right")
             values.append(np.minimum(ids, t.num_rows - 1))
-            lengths.append(n)
+            lengths.append(n_t)
         sparse = JaggedBatch(
             [t.name for t in self.workload.tables],
             torch.from_numpy(np.concatenate(values).astype(np.int64)),
             torch.from_numpy(np.concatenate(lengths).astype(np.int32)),
         )
-        return dense, sparse, rng
+        return dense, sparse, uniforms(key, samples, k, at, 1)[:, 0]
 
     def _teacher_raw(self, dense: torch.Tensor, sparse: JaggedBatch, *_: object) -> torch.Tensor:
+        """``(B,) float64`` the teacher's raw logits, in float64: a sample's logit does not
+        depend on the other samples of the batch beyond its last bit."""
         with torch.no_grad():
-            return self.teacher(dense, sparse)
+            return self._teacher64(dense.double(), sparse)
 
-    def teacher_logits(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
-        """``(B,) float32`` the teacher's calibrated logits ``s * z + b`` for given features."""
+    def _logits64(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
         z = (self._teacher_raw(dense, sparse) - self._z_mean) / self._z_std
         return self.label_sharpness * z + self.label_bias
 
-    def _make(self, split: Split, index: int) -> tuple[Batch, torch.Tensor]:
-        dense, sparse, rng = self._features(split, index)
-        logits = self.teacher_logits(dense, sparse)
-        probs = torch.sigmoid(logits.double()).numpy()
-        labels = torch.from_numpy((rng.random(self.batch_size) < probs).astype(np.float32))
-        return Batch(dense, sparse, labels), logits
+    def teacher_logits(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
+        """``(B,) float32`` the teacher's calibrated logits ``s * z + b`` for given features
+        (computed in float64)."""
+        return self._logits64(dense, sparse).float()
+
+    def _samples(self, index: int, rank: int, world_size: int) -> np.ndarray:
+        if not 0 <= rank < world_size:
+            raise ValueError(f"rank must be in [0, {world_size}), got {rank}")
+        lo, hi = local_range(self.batch_size, rank, world_size)
+        return np.arange(index * self.batch_size + lo, index * self.batch_size + hi, dtype=np.int64)
+
+    def _make(
+        self, split: Split, index: int, rank: int = 0, world_size: int = 1
+    ) -> tuple[Batch, torch.Tensor]:
+        dense, sparse, u = self._features(split, self._samples(index, rank, world_size))
+        logits = self._logits64(dense, sparse)
+        probs = torch.sigmoid(logits).numpy()
+        labels = torch.from_numpy((u < probs).astype(np.float32))
+        return Batch(dense, sparse, labels), logits.float()
 
     # ------------------------------------------------------------------ public
-    def batch(self, index: int, split: Split | str = Split.TRAIN) -> Batch:
-        """Batch number ``index`` of ``split`` (regenerated on each call, identical each time)."""
+    def batch(
+        self, index: int, split: Split | str = Split.TRAIN, *, rank: int = 0, world_size: int = 1
+    ) -> Batch:
+        """Rank ``rank``'s slice (:func:`~embark.data.batch.local_range`) of batch number
+        ``index`` of ``split`` — the whole batch for ``world_size=1`` — generated without the
+        rest of the batch, identical on each call.
+
+        Raises:
+            ValueError: for a negative index or a rank outside ``[0, world_size)``.
+        """
         if index < 0:
             raise ValueError(f"batch index must be >= 0, got {index}")
-        return self._make(Split(split), index)[0]
+        return self._make(Split(split), index, rank, world_size)[0]
 
     def batches(
-        self, n: int | None = None, start: int = 0, split: Split | str = Split.TRAIN
+        self,
+        n: int | None = None,
+        start: int = 0,
+        split: Split | str = Split.TRAIN,
+        *,
+        rank: int = 0,
+        world_size: int = 1,
     ) -> Iterator[Batch]:
-        """Stream batches ``start, start+1, ...`` of ``split``; ``n=None`` streams forever."""
+        """Stream rank ``rank``'s slices of batches ``start, start+1, ...`` of ``split``;
+        ``n=None`` streams forever."""
         split = Split(split)
         if start < 0 or (n is not None and n < 0):
             raise ValueError(f"need n >= 0 and start >= 0, got n={n}, start={start}")
+        self._samples(0, rank, world_size)  # checks the rank now, not at the first batch
         i = start
         while n is None or i < start + n:
-            yield self._make(split, i)[0]
+            yield self._make(split, i, rank, world_size)[0]
             i += 1
 
     def teacher_auc(self, num_batches: int = 16, split: Split | str = Split.EVAL) -> float:

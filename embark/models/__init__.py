@@ -2,8 +2,26 @@
 :func:`build_model`) and the workloads they are built for (:class:`Workload`: tables, MLP
 widths, interaction; presets by :func:`get_workload`)."""
 
-from embark.models.dlrm import DLRM, CrossNetV2, DotInteraction, build_model, init_weights_
-from embark.models.workloads import PRESETS, Interaction, Workload, get_workload
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from embark.models.dlrm import DLRM, CrossNetV2, DotInteraction, build_model, init_weights_
+    from embark.models.workloads import PRESETS, Interaction, Workload, get_workload
+
+# Names are imported on first use, so that a command which needs no torch (the data
+# converter) starts without importing it.
+_EXPORTS = {
+    "DLRM": "embark.models.dlrm",
+    "CrossNetV2": "embark.models.dlrm",
+    "DotInteraction": "embark.models.dlrm",
+    "build_model": "embark.models.dlrm",
+    "init_weights_": "embark.models.dlrm",
+    "PRESETS": "embark.models.workloads",
+    "Interaction": "embark.models.workloads",
+    "Workload": "embark.models.workloads",
+    "get_workload": "embark.models.workloads",
+}
 
 __all__ = [
     "DLRM",
@@ -16,3 +34,16 @@ __all__ = [
     "get_workload",
     "init_weights_",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

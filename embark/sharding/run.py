@@ -1,11 +1,12 @@
 """A sharded training run on synthetic teacher data, as ``torchrun -m embark.sharded_train``
 runs it: :func:`run_sharded` over a :class:`ShardedRunConfig`, every rank in step.
 
-Every rank generates the same global batches (:class:`~embark.data.synthetic.SyntheticCTR`)
-and trains on its :func:`~embark.data.batch.local_batch`. (Generating only the slice would
-not be the same data: a label is drawn against the teacher's logit from a forward over the
-whole batch, and a forward over a slice can differ in the last bit.) The plan is a file
-(checked against the world and the workload) or the planner's for one ``cpu-local`` node.
+Every rank generates only its slice of each global batch
+(:meth:`SyntheticCTR.batch <embark.data.synthetic.SyntheticCTR.batch>` with its rank), the
+same samples :func:`~embark.data.batch.local_batch` would cut from the whole batch: features
+are per-sample draws and labels a per-sample float64 teacher evaluation, so a rank does
+1/world of the data work. The plan is a file (checked against the world and the workload)
+or the planner's for one ``cpu-local`` node.
 
 Resuming. ``steps`` is the TOTAL number of steps (as ``Trainer``'s ``total - t.step``
 example): a checkpoint at step ``k`` trains ``steps - k`` more steps on global batches
@@ -29,7 +30,6 @@ from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Any
 
-from embark.data.batch import local_batch
 from embark.data.synthetic import SyntheticCTR
 from embark.models.dlrm import build_model
 from embark.models.workloads import Workload, get_workload
@@ -302,8 +302,9 @@ def _train(
     t0 = time.perf_counter()
     losses = []
     start = trainer.step
-    for batch in data.batches(cfg.steps - start, start=start):  # batch i → step i + 1
-        losses.append(trainer.train_step(local_batch(batch, rank, world_size)))
+    mine = data.batches(cfg.steps - start, start=start, rank=rank, world_size=world_size)
+    for batch in mine:  # batch i → step i + 1
+        losses.append(trainer.train_step(batch))
         if cfg.checkpoint_every and trainer.step % cfg.checkpoint_every == 0:
             save()
     if cfg.checkpoint_dir is not None and saved_at != trainer.step:
@@ -343,7 +344,7 @@ def run_sharded(
     trainer.data_stream = data.stream_config()
     start = trainer.step
     losses, seconds = _train(cfg, trainer, data, rank, world_size)
-    evals = [local_batch(b, rank, world_size) for b in data.batches(cfg.eval_batches, split="eval")]
+    evals = list(data.batches(cfg.eval_batches, split="eval", rank=rank, world_size=world_size))
     metrics = trainer.evaluate(evals)
     samples = len(losses) * batch_size
     return ShardedRunResult(

@@ -203,3 +203,50 @@ def test_a_bad_stream_config_names_the_keys():
         SyntheticCTR.from_stream_config(w, 8, 0, {"ragged": True})
     with pytest.raises(ValueError, match="label_sharpness must be > 0, got -1"):
         SyntheticCTR.from_stream_config(w, 8, 0, config | {"label_sharpness": -1})
+
+
+# -- per-rank slices (issue 19, item 3) ----------------------------------------------------
+@pytest.mark.parametrize("ragged", [False, True])
+def test_rank_slices_concatenate_to_the_single_process_batch_bit_for_bit(ragged):
+    from embark.data import local_batch
+
+    data = SyntheticCTR(_workload(), batch_size=301, seed=9, ragged=ragged)
+    for i, split in ((0, "train"), (5, "train"), (2, "eval")):
+        whole = data.batch(i, split)
+        for world in (2, 3, 4):
+            for r in range(world):
+                assert _same(
+                    data.batch(i, split, rank=r, world_size=world), local_batch(whole, r, world)
+                )
+        got = list(data.batches(2, start=i, split=split, rank=1, world_size=3))
+        assert _same(got[0], local_batch(whole, 1, 3))
+
+
+def test_a_sample_depends_only_on_its_number_not_its_batch():
+    """Sample g is the same sample (features and label) in any batch size that holds it."""
+    w = _workload()
+    small, large = SyntheticCTR(w, 8, seed=4), SyntheticCTR(w, 24, seed=4)
+    from embark.data import slice_batch
+
+    big = large.batch(1)  # samples 24..47 = batches 3, 4, 5 of size 8
+    for k in range(3):
+        assert _same(small.batch(3 + k), slice_batch(big, 8 * k, 8 * (k + 1)))
+
+
+def test_a_bad_rank_is_refused():
+    data = SyntheticCTR(_workload(), 8)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 2\), got 2"):
+        data.batch(0, rank=2, world_size=2)
+    with pytest.raises(ValueError, match=r"rank must be in \[0, 3\), got -1"):
+        next(data.batches(1, rank=-1, world_size=3))
+
+
+def test_a_stream_config_of_another_version_is_refused():
+    w = get_workload("tiny")
+    config = SyntheticCTR(w, 8).stream_config()
+    assert config["version"] == 2
+    with pytest.raises(ValueError, match="data stream version 1 cannot be regenerated"):
+        SyntheticCTR.from_stream_config(w, 8, 0, config | {"version": 1})
+    old = {k: v for k, v in config.items() if k != "version"}  # a stream recorded before versions
+    with pytest.raises(ValueError, match="exactly the keys"):
+        SyntheticCTR.from_stream_config(w, 8, 0, old)

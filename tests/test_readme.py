@@ -3,7 +3,7 @@
 The Python blocks of quick starts (a), (c) and (d) are taken from README.md and run in a fresh
 folder, in the README's order of dependence: (d) writes ``out/``, (c) looks rows up from
 ``out/ps.json``, the server of (d) serves ``out/`` and (d)'s client scores a request. Only the
-server's port is changed (a free one instead of 8000). The shell commands of (b) are covered
+server's ports are changed (free ones instead of 8000 and 8001). The shell commands of (b) are covered
 by the CLI tests of ``embark.plan`` and ``embark.sharded_train``.
 """
 
@@ -81,11 +81,14 @@ def test_quick_starts_d_and_c_export_look_up_and_serve(tmp_path: Path) -> None:
         assert set(hit_rate[over]) == {"cache", "volatile", "persistent", "default"}
         assert sum(hit_rate[over].values()) == pytest.approx(1.0)
 
-    port = free_port()
-    argv = server_cmd.split()
-    assert argv[:3] == ["python", "-m", "hps.server"] and "8000" in argv
+    port, grpc_port = free_port(), free_port()
+    while grpc_port == port:
+        grpc_port = free_port()
+    argv = server_cmd.split("#")[0].split()  # the command, without its comment
+    assert argv[:3] == ["python", "-m", "hps.server"] and "8000" in argv and "8001" in argv
     argv = [sys.executable, *argv[1:]]
     argv[argv.index("8000")] = str(port)
+    argv[argv.index("8001")] = str(grpc_port)
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(argv, cwd=tmp_path, env=env, stdout=subprocess.PIPE, text=True)
     try:

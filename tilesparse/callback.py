@@ -55,8 +55,8 @@ class PruningCallback:
         step_offset: the trainer step at which the schedule starts, or ``None`` (above).
 
     Raises:
-        ValueError: for a negative ``step_offset``; from ``on_after_backward`` (before the
-            optimizer step, so nothing has changed), for a trainer step at or before
+        ValueError: for a negative ``step_offset``; from ``on_train_begin`` (before the first
+            step this callback sees changes any weight or row), for a trainer step at or before
             ``step_offset``, or the ambiguous case above.
     """
 
@@ -86,6 +86,10 @@ class PruningCallback:
                 "schedule would start in the future"
             )
         return self.step_offset
+
+    def on_train_begin(self, trainer: Any) -> None:
+        # checked before the first step's backward, which already moves the embedding rows
+        self._offset_for(trainer.step + 1)
 
     def on_after_backward(self, trainer: Any, step: int) -> None:
         self._offset_for(step)

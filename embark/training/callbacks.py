@@ -39,9 +39,10 @@ class Callback(Protocol):
     """
 
     def on_train_begin(self, trainer: TrainerView) -> None:
-        """Before the first step of this trainer changes anything (optional: a callback without
-        it is not called; e.g. a snapshot of the tables, whose touched rows change inside
-        ``backward``, before ``on_after_backward``)."""
+        """Before the first step this callback sees changes anything (optional: a callback
+        without it is not called; e.g. a snapshot of the tables, whose touched rows change
+        inside ``backward``, before ``on_after_backward``, or a check that must refuse the step
+        before any row moves)."""
         return None
 
     def on_after_backward(self, trainer: TrainerView, step: int) -> None:

@@ -118,7 +118,7 @@ class Trainer:
         if hasattr(model, "embedding_tables") and hasattr(model, "sparse_updates"):
             self.embedding_updates = EmbeddingUpdates(model, cfg)
         self.optimizer = self._make_optimizer()
-        self._begun = False
+        self._begun: set[int] = set()  # id() of the callbacks whose on_train_begin ran
 
     # ------------------------------------------------------------------ state
     @property
@@ -200,12 +200,12 @@ class Trainer:
         loss, n = self.sync.loss(batch)
         self.state.admit(n, self.sync.batch_scope)
         step = self.state.step + 1
-        if not self._begun:
-            self._begun = True
-            for cb in self.callbacks:
+        for cb in self.callbacks:
+            if id(cb) not in self._begun:
                 begin = getattr(cb, "on_train_begin", None)
                 if begin is not None:
                     begin(self)
+                self._begun.add(id(cb))
         self.optimizer.zero_grad(set_to_none=True)
         if self.embedding_updates is not None:
             self.embedding_updates.zero_grad()

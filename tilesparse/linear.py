@@ -15,11 +15,13 @@ computes ``y = x · W + b`` through :func:`tilesparse.ops.tw_linear`, whose back
 
 >>> import torch
 >>> dense = torch.nn.Linear(4, 6)
->>> mask_kn = torch.zeros(4, 6, dtype=torch.bool); mask_kn[:2, :4] = True
->>> sparse = TileSparseLinear.from_dense(dense, mask_kn, tile=2)
+>>> mask = torch.zeros(6, 4, dtype=torch.bool); mask[:4, :2] = True   # like dense.weight
+>>> sparse = TileSparseLinear.from_dense(dense, mask, tile=2)
 >>> sparse
 TileSparseLinear(in_features=4, out_features=6, tile=2, tiles=2, kept_columns=4/6, nnz=8/24 (sparsity 66.7%), bias=True, backend=auto)
->>> torch.equal(sparse.to_dense().weight, dense.weight * mask_kn.T)
+>>> torch.equal(sparse.to_dense().weight, dense.weight * mask)
+True
+>>> torch.equal(TileSparseLinear.from_dense(dense, mask_kn=mask.T, tile=2).values, sparse.values)
 True
 """
 
@@ -58,6 +60,34 @@ def _decline_fused_paths(module: nn.Module, args: tuple[Any, ...]) -> None:
     ``.weight`` of ``linear1``/``linear2`` instead of calling ``tw_linear``: the layer then runs
     its Python path, through this module's ``forward``."""
     return None
+
+
+def _check_mask(
+    name: str,
+    mask: Any,
+    want: tuple[int, int],
+    layout: str,
+    other_kw: str,
+    other_layout: str,
+) -> None:
+    """Raise ``ValueError`` unless ``mask`` is a bool tensor of shape ``want``, naming both
+    layouts' shapes when it has the other one's."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        desc = (
+            f"{mask.dtype} {tuple(mask.shape)}"
+            if isinstance(mask, torch.Tensor)
+            else type(mask).__name__
+        )
+        raise ValueError(f"{name} must be a 2-D bool tensor {layout} = {want}, got {desc}")
+    got = tuple(mask.shape)
+    if got == want:
+        return
+    other = (want[1], want[0])
+    hint = f"; a {other_layout} mask is passed as {other_kw}" if got == other else ""
+    raise ValueError(
+        f"{name} must be {layout} = {want} for this layer ({other_layout} would be {other}), "
+        f"got {got}{hint}"
+    )
 
 
 class TileSparseLinear(nn.Module):
@@ -149,37 +179,56 @@ class TileSparseLinear(nn.Module):
     def from_dense(
         cls,
         linear: nn.Linear,
-        mask_kn: torch.Tensor,
+        mask: torch.Tensor | None = None,
         tile: int = 128,
         backend: Backend | str = "auto",
+        *,
+        mask_kn: torch.Tensor | None = None,
     ) -> TileSparseLinear:
-        """Condense ``linear`` under ``mask_kn``.
+        """Condense ``linear`` under a mask of its kept weights.
+
+        The mask follows torch's convention (``torch.nn.utils.prune``): shaped like
+        ``linear.weight``, ``(out, in) = (N, K)``. The transposed form ``(in, out) = (K, N)``
+        (the orientation of :mod:`tilesparse.patterns` and :class:`TWLayout`) is taken only
+        under the keyword ``mask_kn=``. A square layer cannot tell the two layouts apart by
+        shape, so the layout is never guessed: a positional mask is always ``(out, in)``.
 
         Args:
             linear: the dense layer; its ``weight`` is ``(N, K)``.
-            mask_kn: ``(K, N) bool``, the kept entries of ``W = linear.weight.T``. Any mask is
-                accepted (a TW-structured one gives the fewest, widest tiles).
+            mask: ``(N, K) bool``, shaped like ``linear.weight``: the kept entries.
             tile: ``G``.
             backend: see the class.
+            mask_kn: ``(K, N) bool``, the kept entries of ``W = linear.weight.T`` (instead of
+                ``mask``). Any mask is accepted (a TW-structured one gives the fewest, widest
+                tiles).
 
         Returns:
             a module on ``linear.weight``'s device and dtype whose ``to_dense()`` has weight
-            ``linear.weight * mask_kn.T`` exactly.
+            ``linear.weight * mask`` (``* mask_kn.T``) exactly.
 
         Raises:
-            ValueError: when the mask is not ``(K, N) bool``, or for an unknown backend.
+            ValueError: when neither or both of ``mask`` and ``mask_kn`` are given, when the
+                mask is not bool or its shape is not the layout it was passed as (naming both
+                shapes), or for an unknown backend.
         """
         weight = linear.weight.detach()
         n, k = weight.shape
-        if mask_kn.dtype != torch.bool or tuple(mask_kn.shape) != (k, n):
+        if (mask is None) == (mask_kn is None):
             raise ValueError(
-                f"mask_kn must be a ({k}, {n}) bool tensor (in x out) for this layer, got "
-                f"{mask_kn.dtype} {tuple(mask_kn.shape)}"
+                "from_dense takes exactly one mask: mask (out, in), shaped like linear.weight, "
+                "or mask_kn= (in, out)"
             )
+        if mask is not None:
+            _check_mask("mask", mask, (n, k), "(out, in)", "mask_kn=", "(in, out)")
+            kn = mask.T
+        else:
+            assert mask_kn is not None
+            _check_mask("mask_kn", mask_kn, (k, n), "(in, out)", "mask=", "(out, in)")
+            kn = mask_kn
         module = cls(
             k, n, tile=tile, bias=linear.bias is not None, backend=backend, dtype=weight.dtype
         )
-        layout = condense(weight.T.cpu(), mask_kn.cpu(), tile)
+        layout = condense(weight.T.cpu(), kn.cpu(), tile)
         module.set_layout(layout)
         if linear.bias is not None and module.bias is not None:
             with torch.no_grad():
@@ -405,8 +454,12 @@ class TileSparseLinear(nn.Module):
         checks of ``nn.TransformerEncoderLayer``). ``forward`` never uses it."""
         return self._cpu_layout().to_dense().T.to(self.values.device)
 
+    def mask(self) -> torch.Tensor:
+        """``(N, K) bool``, shaped like :attr:`weight`: the stored entries."""
+        return self._cpu_layout().mask().T.contiguous()
+
     def mask_kn(self) -> torch.Tensor:
-        """``(K, N) bool``: the stored entries."""
+        """``(K, N) bool``: the stored entries, in the layout's orientation."""
         return self._cpu_layout().mask()
 
     def _cpu_layout(self) -> TWLayout:

@@ -14,7 +14,7 @@ kernels.
 Where things are: ``config`` (frozen configs, JSON/YAML), ``patterns`` (masks from scores),
 ``importance``, ``schedule``, ``pruner`` (:func:`prune_`, :class:`TileSparsePruner`),
 ``callback`` (the pruner as a trainer callback), ``format`` (the condensed layout,
-:class:`TWLayout`), ``linear`` (:class:`TileSparseLinear`), ``memory`` (bytes as stored),
+:class:`TWLayout`), ``linear`` (:class:`TileSparseLinear`), ``hf`` (:func:`load_compressed`: compressed layers back from a ``save_pretrained`` folder), ``memory`` (bytes as stored),
 ``ops`` (the ``tilesparse::tw_linear`` op, :func:`tw_linear`, and its :class:`Backend`), and
 ``kernels`` (the op's CPU kernel and its CUDA glue to ``cutlass_kernels``, imported only when a
 CUDA tensor arrives). Importing the package needs no GPU, no nvcc and no nvidia-cutlass.
@@ -33,6 +33,7 @@ from tilesparse.config import (
     TileSparseConfig,
 )
 from tilesparse.format import TWLayout, condense, reference_matmul
+from tilesparse.hf import load_compressed
 from tilesparse.linear import TileSparseLinear
 from tilesparse.memory import LayerMemory, ModelMemory, layer_memory, model_memory
 from tilesparse.ops import tw_linear
@@ -75,6 +76,7 @@ __all__ = [
     "ew_masks",
     "is_tile_wise",
     "layer_memory",
+    "load_compressed",
     "model_memory",
     "nm_mask",
     "prune_",

@@ -27,7 +27,6 @@ True
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -44,14 +43,6 @@ _INDEX_BUFFERS = ("col_idx", "tile_ptr", "row_idx", "row_ptr", "val_ptr")
 _LAYOUT_BUFFERS = (*_INDEX_BUFFERS, "values")
 # dtypes a saved index buffer may have: both convert to int64 exactly
 _INDEX_DTYPES = (torch.int64, torch.int32)
-
-
-def _saved_int(v: Any) -> int:
-    """``v`` as an ``int`` when it is an integer (a Python or NumPy int, an integer 0-d
-    tensor); raises ``TypeError`` for anything else, a bool or a float included."""
-    if isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
-        raise TypeError(f"expected an integer, got {v!r}")
-    return operator.index(v)
 
 
 def _decline_fused_paths(module: nn.Module, args: tuple[Any, ...]) -> None:
@@ -282,14 +273,12 @@ class TileSparseLinear(nn.Module):
         return out
 
     # -- state dict: buffer sizes depend on the mask, so adopt the saved sizes ------------
-    def get_extra_state(self) -> dict[str, int]:
-        return {
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "tile": self.tile,
-        }
+    def get_extra_state(self) -> torch.Tensor:
+        """``(3,) int64`` ``[in_features, out_features, tile]``: a tensor, so the state dict
+        holds tensors only (``safetensors``, ``save_pretrained``)."""
+        return torch.tensor([self.in_features, self.out_features, self.tile], dtype=torch.int64)
 
-    def set_extra_state(self, state: dict[str, int]) -> None:
+    def set_extra_state(self, state: torch.Tensor) -> None:
         self.tile = self._saved_tile(state, "extra state")
         self._layout = None
 
@@ -297,21 +286,29 @@ class TileSparseLinear(nn.Module):
         """The tile of a saved extra state, after checking that it is this module's shape.
 
         Raises:
-            ValueError: when a field is missing or not an integer (``2.7`` is not truncated,
-                ``True`` is not 1), the tile is under 1, or the shape is not this module's.
+            ValueError: when the state is not a ``(3,)`` int64/int32 tensor ``[K, N, tile]``
+                (a float ``2.7`` is not truncated, a bool is not 1), the tile is under 1, or
+                the shape is not this module's.
         """
-        try:
-            shape = (_saved_int(state["in_features"]), _saved_int(state["out_features"]))
-            tile = _saved_int(state["tile"])
-        except (KeyError, TypeError, ValueError) as e:
+        if (
+            not isinstance(state, torch.Tensor)
+            or state.dtype not in _INDEX_DTYPES
+            or tuple(state.shape) != (3,)
+        ):
+            desc = (
+                f"{state.dtype} {tuple(state.shape)}"
+                if isinstance(state, torch.Tensor)
+                else type(state).__name__
+            )
             raise ValueError(
-                f"{where}: expected {{'in_features', 'out_features', 'tile'}} integers, got {state!r}"
-            ) from e
+                f"{where}: expected a (3,) int64 tensor [in_features, out_features, tile], got {desc}"
+            )
+        k, n, tile = (int(v) for v in state.tolist())
         if tile < 1:
             raise ValueError(f"{where}: the saved tile must be an integer >= 1, got {tile}")
-        if shape != (self.in_features, self.out_features):
+        if (k, n) != (self.in_features, self.out_features):
             raise ValueError(
-                f"state dict holds a {shape[0]}x{shape[1]} (KxN) TileSparseLinear, this module is "
+                f"state dict holds a {k}x{n} (KxN) TileSparseLinear, this module is "
                 f"{self.in_features}x{self.out_features}"
             )
         return tile
@@ -324,10 +321,6 @@ class TileSparseLinear(nn.Module):
             ValueError: naming the module's key prefix and the broken invariant.
         """
         where = f"state dict for TileSparseLinear {prefix.removesuffix('.') or '(root)'!r}"
-        tile = self.tile
-        extra_key = prefix + _EXTRA_STATE_KEY_SUFFIX
-        if extra_key in state_dict:
-            tile = self._saved_tile(state_dict[extra_key], f"{where}, key {extra_key!r}")
         tensors: dict[str, torch.Tensor] = {}
         for name in _LAYOUT_BUFFERS:
             saved = state_dict.get(prefix + name, getattr(self, name))
@@ -344,6 +337,10 @@ class TileSparseLinear(nn.Module):
             tensors[name] = (
                 saved.detach() if name == "values" else saved.detach().to("cpu", own.dtype)
             )
+        tile = self.tile
+        extra_key = prefix + _EXTRA_STATE_KEY_SUFFIX
+        if extra_key in state_dict:
+            tile = self._saved_tile(state_dict[extra_key], f"{where}, key {extra_key!r}")
         layout = TWLayout(
             self.in_features,
             self.out_features,

@@ -483,7 +483,9 @@ class TileSparsePruner:
         backend = parse_backend(backend)
         for fqn, m in list(self.layers.items()):
             mask_kn = self.mask(fqn)
-            new = TileSparseLinear.from_dense(m, mask_kn=mask_kn, tile=self.config.tile, backend=backend)
+            new = TileSparseLinear.from_dense(
+                m, mask_kn=mask_kn, tile=self.config.tile, backend=backend
+            )
             self._replace(fqn, new)
             # the pruned layers, compressed: TileSparseLinear stands in for the nn.Linear
             self.layers[fqn] = new  # type: ignore[assignment]  # same fqn, condensed layer

@@ -301,14 +301,24 @@ def test_int32_index_tensors_load_exactly() -> None:
     assert torch.equal(dst(x), good(x))
 
 
-@pytest.mark.parametrize("tile", [0, -3, 2.7, True, "2", None])
-def test_corrupt_saved_tile_is_refused(tile) -> None:
-    """A saved tile of 0, -3 or 2.7 (which an int() would truncate to 2) is refused."""
+@pytest.mark.parametrize(
+    "state",
+    [
+        torch.tensor([4, 4, 0]),
+        torch.tensor([4, 4, -3]),
+        torch.tensor([4.0, 4.0, 2.7]),  # an int() would truncate it to 2
+        torch.tensor([True, True, True]),
+        torch.tensor([4, 4]),
+        {"in_features": 4, "out_features": 4, "tile": 2},  # state dicts hold tensors only
+        None,
+    ],
+)
+def test_corrupt_saved_tile_is_refused(state) -> None:
     from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
     good = _two_tile_module()
     sd = dict(good.state_dict())
-    sd[_EXTRA_STATE_KEY_SUFFIX] = {"in_features": 4, "out_features": 4, "tile": tile}
+    sd[_EXTRA_STATE_KEY_SUFFIX] = state
     target = TileSparseLinear.from_dense(
         int_linear(4, 4, 6), mask_kn=torch.rand(4, 4) < 0.5, tile=2
     )
@@ -319,6 +329,12 @@ def test_corrupt_saved_tile_is_refused(tile) -> None:
     ):
         target.load_state_dict(sd)
     _assert_unchanged(target, before, x, y)
+
+
+def test_state_dict_holds_tensors_only() -> None:
+    sd = _two_tile_module().state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in sd.values())
+    assert torch.equal(sd["_extra_state"], torch.tensor([4, 4, 2]))
 
 
 @pytest.mark.parametrize("tile", [0, -1, 2.0, True])

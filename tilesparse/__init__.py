@@ -12,7 +12,8 @@ kernels.
 'TileSparseLinear'
 
 Where things are: ``config`` (frozen configs, JSON/YAML), ``patterns`` (masks from scores),
-``importance``, ``schedule``, ``pruner`` (:func:`prune_`, :class:`TileSparsePruner`),
+``importance``, ``calibrate`` (input statistics through hooks and the layer-by-layer
+least-squares reconstruction behind ``prune_(..., calibration=...)``), ``schedule``, ``pruner`` (:func:`prune_`, :class:`TileSparsePruner`),
 ``callback`` (the pruner as a trainer callback), ``format`` (the condensed layout,
 :class:`TWLayout`), ``linear`` (:class:`TileSparseLinear`), ``hf`` (:func:`load_compressed`: compressed layers back from a ``save_pretrained`` folder), ``memory`` (bytes as stored),
 ``ops`` (the ``tilesparse::tw_linear`` op, :func:`tw_linear`, and its :class:`Backend`), and
@@ -23,6 +24,7 @@ CUDA tensor arrives). Importing the package needs no GPU, no nvcc and no nvidia-
 from __future__ import annotations
 
 from tilesparse.backend import Backend
+from tilesparse.calibrate import CalibrationError, LayerReconstruction
 from tilesparse.callback import PruningCallback
 from tilesparse.config import (
     CubicSchedule,
@@ -57,9 +59,11 @@ from tilesparse.pruner import TileSparsePruner, prune_
 
 __all__ = [
     "Backend",
+    "CalibrationError",
     "CubicSchedule",
     "Importance",
     "LayerMemory",
+    "LayerReconstruction",
     "ModelMemory",
     "MultiStageSchedule",
     "OneShotSchedule",

@@ -54,10 +54,20 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from tilesparse.backend import Backend, parse_backend
+from tilesparse.calibrate import (
+    Calibration,
+    InputStats,
+    LayerReconstruction,
+    ReconstructionTarget,
+    as_runner,
+    collect_inputs,
+    input_norms,
+    reconstruct_layers,
+)
 from tilesparse.callback import PruningCallback
 from tilesparse.config import Pattern, TileSparseConfig
 from tilesparse.format import tile_groups
-from tilesparse.importance import ScoreTracker, make_tracker
+from tilesparse.importance import ActivationScore, ScoreTracker, make_tracker
 from tilesparse.linear import TileSparseLinear
 from tilesparse.patterns import masks_for_config
 from tilesparse.schedule import sparsity_at
@@ -148,24 +158,16 @@ class TileSparsePruner:
         self.current_sparsity = 0.0
         self.updates = 0
         self.compressed = False
+        self.reconstructions: list[LayerReconstruction] = []
 
     # -- setup -----------------------------------------------------------------------------
-    def prepare(self, model: nn.Module) -> nn.Module:
-        """Attach an all-ones mask to each selected layer, then apply the schedule's step 0.
-
-        With an importance that needs gradients (Taylor, movement) a step-0 update is
-        deferred to the first :meth:`step` (after one observed backward pass).
-
-        Returns:
-            ``model``, modified in place.
+    def select(self, model: nn.Module) -> dict[str, nn.Linear]:
+        """The layers of ``model`` this pruner would prune, by name, in module order.
 
         Raises:
-            ValueError: when the pruner is already prepared, no layer is selected, a selected
-                layer has no weights (``in_features`` or ``out_features`` 0), or an override
-                names a layer that is not selected.
+            ValueError: as :meth:`prepare` (no layer selected, an empty or already
+                parametrized layer, an override naming an unselected layer).
         """
-        if self.model is not None:
-            raise ValueError("this pruner is already prepared on a model; make a new one")
         layers = {
             fqn: m
             for fqn, m in model.named_modules()
@@ -186,6 +188,27 @@ class TileSparsePruner:
             raise ValueError(
                 f"overrides name layer(s) {unknown} that are not selected; selected: {sorted(layers)}"
             )
+        return layers
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Attach an all-ones mask to each selected layer, then apply the schedule's step 0.
+
+        With an importance that needs gradients (Taylor, movement) a step-0 update is
+        deferred to the first :meth:`step` (after one observed backward pass); with
+        ``activation`` importance, until input norms are set (:func:`prune_` with
+        ``calibration`` sets them first).
+
+        Returns:
+            ``model``, modified in place.
+
+        Raises:
+            ValueError: when the pruner is already prepared, no layer is selected, a selected
+                layer has no weights (``in_features`` or ``out_features`` 0), or an override
+                names a layer that is not selected.
+        """
+        if self.model is not None:
+            raise ValueError("this pruner is already prepared on a model; make a new one")
+        layers = self.select(model)
         for m in layers.values():
             n, k = m.weight.shape
             parametrize.register_parametrization(
@@ -194,7 +217,11 @@ class TileSparsePruner:
         self.model, self.layers = model, layers
         log.info("tilesparse: prepared %d layers (%d weights)", len(layers), self.total_params)
         s0 = sparsity_at(self.config.schedule, 0, self.config.target_sparsity)
-        if s0 > 0 and not self.tracker.needs_gradients:
+        waits = self.tracker.needs_gradients or (
+            isinstance(self.tracker, ActivationScore)
+            and set(layers) - set(self.tracker.input_norms)
+        )
+        if s0 > 0 and not waits:
             self.update_masks(s0)
         return model
 
@@ -446,6 +473,43 @@ class TileSparsePruner:
             )
         return out
 
+    # -- calibration -----------------------------------------------------------------------
+    def reconstruct(
+        self,
+        order: list[str],
+        dense: dict[str, torch.Tensor],
+        first: InputStats,
+        run: Callable[[nn.Module], None],
+        progress: bool = False,
+    ) -> list[LayerReconstruction]:
+        """Refit each layer's kept weights to its dense outputs, layer by layer in ``order``
+        (see :func:`prune_` and :func:`tilesparse.calibrate.reconstruct_layers`); the masks
+        do not change.
+
+        Args:
+            order: every pruned layer, in calibration call order.
+            dense: per layer the dense ``(N, K)`` weight to reproduce.
+            first: the first layer's input statistics (no pruned layer precedes it).
+            run: the calibration runner (:func:`tilesparse.calibrate.as_runner`).
+            progress: a tqdm bar over the layers.
+
+        Returns:
+            per layer the relative output error before and after (also kept in
+            ``self.reconstructions``).
+        """
+        self._check_prepared()
+        assert self.model is not None
+        targets = []
+        for fqn in order:
+            original, wm = _masked_weight(self.layers[fqn])
+            targets.append(
+                ReconstructionTarget(fqn, self.layers[fqn], original, wm.mask, dense[fqn])
+            )
+        self.reconstructions = reconstruct_layers(
+            self.model, targets, first, run, self.config.damping, progress
+        )
+        return self.reconstructions
+
     # -- finishing -------------------------------------------------------------------------
     def _replace(self, fqn: str, new: nn.Module) -> None:
         assert self.model is not None
@@ -508,22 +572,43 @@ class TileSparsePruner:
 
 
 def prune_(
-    model: nn.Module, config: TileSparseConfig, filter_fn: FilterFn | None = None
+    model: nn.Module,
+    config: TileSparseConfig,
+    filter_fn: FilterFn | None = None,
+    calibration: Calibration | None = None,
+    *,
+    progress: bool = False,
 ) -> TileSparsePruner:
     """Prune ``model`` in place to ``config``'s target sparsity now (the schedule is not
     followed; use :class:`TileSparsePruner` to fine-tune along one).
 
+    With ``calibration`` (see :mod:`tilesparse.calibrate`): the selected layers' input Gram
+    matrices are gathered with hooks on the dense model; ``importance="activation"`` scores
+    ``|w|·‖x‖`` from them (``magnitude`` keeps its mask); then, layer by layer in the order the
+    calibration calls them, each layer's inputs are gathered again — through the earlier
+    layers, already pruned and reconstructed — and its kept weights are refitted by damped
+    least squares to the dense layer's outputs (per tile on its own rows; per column for EW and
+    N:M). The masks are those chosen before reconstruction. ``pruner.reconstructions`` holds
+    each layer's relative output error before and after.
+
     Args:
         model: any module holding ``nn.Linear`` layers.
         config: the pruning config; its importance must be computable without training
-            (``magnitude``).
+            (``magnitude``, or ``activation`` with a calibration).
         filter_fn: ``(module, fqn) -> bool``; default: every ``nn.Linear``.
+        calibration: ``fn(model)`` running representative inputs, or an iterable of argument
+            tuples for ``model(*args)``; run in eval mode without gradients, several times
+            (once, plus once per layer after the first).
+        progress: a tqdm bar over the reconstructed layers (on stderr).
 
     Returns:
         the pruner (masks attached; call ``.compress()`` for ``TileSparseLinear`` layers).
 
     Raises:
-        ValueError: as :meth:`TileSparsePruner.prepare`, or for an importance needing gradients.
+        ValueError: as :meth:`TileSparsePruner.prepare`, for an importance needing gradients,
+            or ``activation`` without a calibration.
+        tilesparse.calibrate.CalibrationError: (a ``ValueError``) when the calibration raises, runs no pruned layer
+            or feeds one a non-finite input, naming the layer; the model is unchanged then.
     """
     pruner = TileSparsePruner(config, filter_fn)
     if pruner.tracker.needs_gradients:
@@ -531,7 +616,38 @@ def prune_(
             f"prune_ prunes now, without training, but importance={config.importance.value!r} "
             "needs gradients; use TileSparsePruner with a schedule, or importance='magnitude'"
         )
-    pruner.prepare(model)
-    if pruner.current_sparsity != config.target_sparsity:
-        pruner.update_masks(config.target_sparsity)
+    if calibration is None:
+        if pruner.tracker.needs_calibration:
+            raise ValueError(
+                "importance='activation' scores weights by their inputs: pass calibration= "
+                "(a callable fn(model) or an iterable of argument tuples)"
+            )
+        pruner.prepare(model)
+        if pruner.current_sparsity != config.target_sparsity:
+            pruner.update_masks(config.target_sparsity)
+        return pruner
+    layers = pruner.select(model)
+    run = as_runner(calibration)
+    stats, order = collect_inputs(model, layers, run)
+    dense = {f: m.weight.detach().clone() for f, m in layers.items()}
+    try:
+        if isinstance(pruner.tracker, ActivationScore):
+            pruner.tracker.set_input_norms({f: input_norms(st) for f, st in stats.items()})
+        pruner.prepare(model)
+        if pruner.current_sparsity != config.target_sparsity:
+            pruner.update_masks(config.target_sparsity)
+        pruner.reconstruct(order, dense, stats[order[0]], run, progress=progress)
+    except BaseException:
+        _restore_dense(layers, dense)
+        pruner.model, pruner.layers = None, {}
+        raise
     return pruner
+
+
+@torch.no_grad()
+def _restore_dense(layers: dict[str, nn.Linear], dense: dict[str, torch.Tensor]) -> None:
+    """Undo a failed calibrated prune: parametrizations off, the dense weights back."""
+    for f, m in layers.items():
+        if parametrize.is_parametrized(m, "weight"):
+            parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
+        m.weight.copy_(dense[f])

@@ -14,7 +14,8 @@ kernels.
 Where things are: ``config`` (frozen configs, JSON/YAML), ``patterns`` (masks from scores),
 ``importance``, ``calibrate`` (input statistics through hooks and the layer-by-layer
 least-squares reconstruction behind ``prune_(..., calibration=...)``), ``schedule``, ``pruner`` (:func:`prune_`, :class:`TileSparsePruner`),
-``callback`` (the pruner as a trainer callback), ``format`` (the condensed layout,
+``callback`` (the pruner as a trainer callback), ``distill`` (:func:`distill_`: fine-tuning
+toward the dense model without labels), ``format`` (the condensed layout,
 :class:`TWLayout`), ``linear`` (:class:`TileSparseLinear`), ``hf`` (:func:`load_compressed`: compressed layers back from a ``save_pretrained`` folder), ``memory`` (bytes as stored),
 ``ops`` (the ``tilesparse::tw_linear`` op, :func:`tw_linear`, and its :class:`Backend`), and
 ``kernels`` (the op's CPU kernel and its CUDA glue to ``cutlass_kernels``, imported only when a
@@ -34,6 +35,7 @@ from tilesparse.config import (
     Pattern,
     TileSparseConfig,
 )
+from tilesparse.distill import DistillLoss, DistillReport, distill_
 from tilesparse.format import TWLayout, condense, reference_matmul
 from tilesparse.hf import load_compressed
 from tilesparse.linear import TileSparseLinear
@@ -61,6 +63,8 @@ __all__ = [
     "Backend",
     "CalibrationError",
     "CubicSchedule",
+    "DistillLoss",
+    "DistillReport",
     "Importance",
     "LayerMemory",
     "LayerReconstruction",
@@ -76,6 +80,7 @@ __all__ = [
     "bw_mask",
     "bw_masks",
     "condense",
+    "distill_",
     "ew_mask",
     "ew_masks",
     "is_tile_wise",

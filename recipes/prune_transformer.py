@@ -171,7 +171,9 @@ def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
     )
     seconds: dict[str, float] = {"calibrate": time.perf_counter() - t0}
     results = {"oneshot": cosine(_encode(student, held[: cfg.held_out]), dense_emb)}
-    log.info("one-shot with calibration: cosine %.4f", results["oneshot"]["mean"])
+    print(
+        f"one-shot with calibration: cosine to dense {results['oneshot']['mean']:.4f}", flush=True
+    )
     distill_report = None
     if cfg.distill_seconds > 0:
         batches = [
@@ -190,6 +192,10 @@ def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
             "last_loss": d.losses[-1],
         }
         results["distilled"] = cosine(_encode(student, held[: cfg.held_out]), dense_emb)
+        print(
+            f"distilled ({d.steps} steps, {d.seconds:.0f} s): cosine {results['distilled']['mean']:.4f}",
+            flush=True,
+        )
     layers = _layer_rows(pruner)
     sparsity = pruner.overall_sparsity()
     pruner.compress()

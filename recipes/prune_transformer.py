@@ -73,10 +73,10 @@ class PruneTransformerConfig:
 
     def prune_config(self) -> tilesparse.TileSparseConfig:
         return tilesparse.TileSparseConfig(
-            pattern=self.pattern,
+            pattern=tilesparse.Pattern(self.pattern),
             sparsity=None if self.pattern == "nm" else self.sparsity,
             tile=self.tile,
-            importance=self.importance,
+            importance=tilesparse.Importance(self.importance),
             column_share=self.column_share,
             global_threshold=self.global_threshold,
         )
@@ -177,7 +177,7 @@ def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
     distill_report = None
     if cfg.distill_seconds > 0:
         batches = [
-            student.tokenize(distil[i : i + cfg.distill_batch])  # type: ignore[operator]
+            student.preprocess(distil[i : i + cfg.distill_batch])
             for i in range(0, len(distil), cfg.distill_batch)
         ]
         d = tilesparse.distill_(

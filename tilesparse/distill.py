@@ -153,7 +153,9 @@ def distill_(
                 want = outputs(teacher, batch)
             value = distill_loss(outputs(student, batch), want, kind, temperature)
             if not bool(torch.isfinite(value.detach())):
-                raise ValueError(f"distillation loss is {float(value.detach())} at step {report.steps}")
+                raise ValueError(
+                    f"distillation loss is {float(value.detach())} at step {report.steps}"
+                )
             opt.zero_grad(set_to_none=True)
             value.backward()
             pruner.observe()

@@ -47,7 +47,11 @@ def _pruned_tiny(seed: int = 0):
                 continue
             rows = torch.randperm(k)[: max(1, k // 2)]
             mask[rows.unsqueeze(1), torch.arange(c0, min(n, c0 + 8)).unsqueeze(0)] = True
-        setattr(parent, attr, TileSparseLinear.from_dense(lin, mask_kn=mask, tile=8, backend="reference"))
+        setattr(
+            parent,
+            attr,
+            TileSparseLinear.from_dense(lin, mask_kn=mask, tile=8, backend="reference"),
+        )
     return model
 
 

@@ -36,7 +36,7 @@ def compressed(minilm):
     dense = model.encode(held, convert_to_tensor=True)
     calib = make_sentences(16, seed=3)
     cfg = tilesparse.TileSparseConfig(
-        sparsity=0.5, tile=128, importance="activation", column_share=0.0
+        sparsity=0.5, tile=128, importance="activation", column_share=0.0, global_threshold=False
     )
     pruner = tilesparse.prune_(
         model, cfg, _first_block_ffn, calibration=lambda m: m.encode(calib, batch_size=16)

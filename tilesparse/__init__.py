@@ -13,7 +13,7 @@ kernels.
 
 Where things are: ``config`` (frozen configs, JSON/YAML), ``patterns`` (masks from scores),
 ``importance``, ``calibrate`` (input statistics through hooks and the layer-by-layer
-least-squares reconstruction behind ``prune_(..., calibration=...)``), ``schedule``, ``pruner`` (:func:`prune_`, :class:`TileSparsePruner`),
+least-squares reconstruction behind ``prune_(..., calibration=...)``), ``schedule``, ``pruner`` (:class:`TileSparsePruner`), ``oneshot`` (:func:`prune_`),
 ``callback`` (the pruner as a trainer callback), ``distill`` (:func:`distill_`: fine-tuning
 toward the dense model without labels), ``format`` (the condensed layout,
 :class:`TWLayout`), ``linear`` (:class:`TileSparseLinear`), ``hf`` (:func:`load_compressed`: compressed layers back from a ``save_pretrained`` folder), ``memory`` (bytes as stored),
@@ -40,6 +40,7 @@ from tilesparse.format import TWLayout, condense, reference_matmul
 from tilesparse.hf import load_compressed
 from tilesparse.linear import TileSparseLinear
 from tilesparse.memory import LayerMemory, ModelMemory, layer_memory, model_memory
+from tilesparse.oneshot import prune_
 from tilesparse.ops import tw_linear
 from tilesparse.patterns import (
     bw_mask,
@@ -57,7 +58,7 @@ from tilesparse.patterns import (
     tw_rows_mask,
     tw_rows_masks,
 )
-from tilesparse.pruner import TileSparsePruner, prune_
+from tilesparse.pruner import TileSparsePruner
 
 __all__ = [
     "Backend",

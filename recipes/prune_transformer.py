@@ -54,10 +54,12 @@ class PruneTransformerConfig:
     distill_seconds: float = knob(0.0, "distillation budget in seconds (0: none)", ge=0)
     distill_sentences: int = knob(2048, "unlabelled sentences to distil on", ge=1)
     distill_batch: int = knob(32, "sentences per distillation step", ge=1)
-    distill_lr: float = knob(5e-5, "AdamW learning rate of the distillation", gt=0)
+    distill_lr: float = knob(1e-4, "AdamW learning rate of the distillation", gt=0)
     speed_sentences: int = knob(256, "sentences per timed encode, dense vs condensed", ge=1)
     speed_repeats: int = knob(3, "timed encodes of each model (interleaved; median)", ge=1)
-    threads: int = knob(2, "torch threads", ge=1, le=256)
+    # 1: on the shared 2-core machine 2 threads ran the distillation at 5 steps in 300 s,
+    # 1 thread at 87 (thread contention), as prune_dlrm's training measured
+    threads: int = knob(1, "torch threads", ge=1, le=256)
     seed: int = knob(0, "seed of the generated sentences and the distillation", ge=0)
     save_model: bool = knob(True, "save the compressed model and check it reloads equal")
     out: str | None = knob(None, "output folder; none = runs/prune_transformer-<UTC timestamp>")

@@ -5,6 +5,7 @@ report what it cost in AUC and what it gained in speed.
     python -m recipes.prune_dlrm --sweep               # dense vs TW/EW/BW at 50/75/90% and 2:4
     python -m recipes.prune_dlrm --pattern tew --sparsity 0.9 --importance taylor
     python -m recipes.prune_dlrm --recipe my_recipe.yaml   # a TileSparseConfig file
+    python -m recipes.prune_dlrm --calibration-batches 8   # + one-shot with calibration
 
 The story: a dense model is trained once (``dense_steps``); every run — the dense baseline
 included — starts from a deep copy of it and gets the same fine-tuning budget (``steps``
@@ -16,6 +17,11 @@ under-trained one. Each pruned model is then compressed into ``TileSparseLinear`
 evaluated again (``compressed_auc``: the condensed format computes the same model).
 Speed (``--speed-batch``, 0 skips): the same pattern and sparsity on the DLRM-DCNv2 dense part at
 full MLPerf widths, condensed with G=128, timed against dense (``recipes.prune_speed``).
+
+One-shot (``--calibration-batches N``, 0 skips): every config is also pruned once, with no
+schedule — by magnitude alone, with calibration on N training batches (activation importance
+and least-squares reconstruction), and with calibration then the same fine-tuning budget
+(``recipes.prune_oneshot``); ``report.json`` ``oneshot`` and a section of ``report.md``.
 
 Serving (``--serve-batches``, 0 skips): the main run's condensed model is exported to
 ``<out>/serving`` (sparse files, ``dense.onnx``, ``ps.json``), served by the v2 inference server
@@ -52,6 +58,7 @@ from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import PRESETS, get_workload
 from embark.training.trainer import Callback, TrainConfig, Trainer
 from recipes.cli import OutFolder, check_knobs, knob, parse_knobs, run_recipe
+from recipes.prune_oneshot import oneshot_rows, oneshot_section
 from recipes.prune_report import terminal_summary, write_markdown, write_plots
 from recipes.prune_serve import serve_check
 from recipes.prune_speed import measure_speed
@@ -131,6 +138,12 @@ class PruneDLRMConfig:
         le=MAX_BATCH_SIZE,
     )
     speed_threads: int = knob(2, "speed half: torch threads while timing", ge=1, le=MAX_THREADS)
+    calibration_batches: int = knob(
+        0,
+        "also prune each config one-shot: magnitude, with calibration on this many training "
+        "batches (activation importance + reconstruction), and that fine-tuned (0 skips)",
+        ge=0,
+    )
     serve_batches: int = knob(
         8,
         "serving half: eval batches scored through the v2 server after "
@@ -403,13 +416,23 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
         "runs": rows,
         "seconds": {"dense_train": dense_train_s},
     }
+    if cfg.calibration_batches:
+        t0 = time.perf_counter()
+        report["oneshot"] = oneshot_rows(
+            dense, configs, train_cfg, opt_state, ft_batches, eval_batches,
+            cfg.calibration_batches, dense_auc, cfg.progress,
+        )  # fmt: skip
+        report["seconds"]["oneshot"] = time.perf_counter() - t0
     main_i = _main_run_index(rows, cfg)
     _measure_speed(report, cfg, rows[main_i])
     _check_serving(report, cfg, runs[main_i].model, out / "serving", eval_batches)
     report["plots"] = write_plots(out, report, runs[main_i].masks, rows[main_i])
     report["seconds"]["total"] = time.perf_counter() - t_start
     (out / "report.json").write_text(json.dumps(report, indent=2) + "\n")
-    (out / "report.md").write_text(write_markdown(report, main_i))
+    md = write_markdown(report, main_i)
+    if "oneshot" in report:
+        md += "\n" + oneshot_section(report["oneshot"])
+    (out / "report.md").write_text(md)
     print(terminal_summary(report, main_i, out))
     return report
 

@@ -12,11 +12,15 @@ kernels.
 'TileSparseLinear'
 
 Where things are: ``config`` (frozen configs, JSON/YAML), ``patterns`` (masks from scores),
-``importance``, ``schedule``, ``pruner`` (:func:`prune_`, :class:`TileSparsePruner`),
-``callback`` (the pruner as a trainer callback), ``format`` (the condensed layout,
-:class:`TWLayout`), ``linear`` (:class:`TileSparseLinear`), ``memory`` (bytes as stored),
-``ops`` (the ``tilesparse::tw_linear`` op, :func:`tw_linear`, its :class:`Backend`, and
-``auto``'s measured choice: :func:`auto_decision`, :func:`calibrate_auto`), and
+``importance``, ``calibrate`` (input statistics through hooks and the layer-by-layer
+least-squares reconstruction behind ``prune_(..., calibration=...)``), ``schedule``,
+``pruner`` (:class:`TileSparsePruner`), ``oneshot`` (:func:`prune_`), ``callback`` (the pruner
+as a trainer callback), ``distill`` (:func:`distill_`: fine-tuning toward the dense model
+without labels), ``format`` (the condensed layout, :class:`TWLayout`), ``linear``
+(:class:`TileSparseLinear`), ``hf`` (:func:`load_compressed`: compressed layers back from a
+``save_pretrained`` folder), ``memory`` (bytes as stored), ``ops`` (the ``tilesparse::tw_linear``
+op, :func:`tw_linear`, its :class:`Backend`, and ``auto``'s measured choice:
+:func:`auto_decision`, :func:`calibrate_auto`), and
 ``kernels`` (the op's CPU kernel and its CUDA glue to ``cutlass_kernels``, imported only when a
 CUDA tensor arrives). Importing the package needs no GPU, no nvcc and no nvidia-cutlass.
 """
@@ -24,6 +28,7 @@ CUDA tensor arrives). Importing the package needs no GPU, no nvcc and no nvidia-
 from __future__ import annotations
 
 from tilesparse.backend import Backend
+from tilesparse.calibrate import CalibrationError, LayerReconstruction
 from tilesparse.callback import PruningCallback
 from tilesparse.config import (
     CubicSchedule,
@@ -33,9 +38,12 @@ from tilesparse.config import (
     Pattern,
     TileSparseConfig,
 )
+from tilesparse.distill import DistillLoss, DistillReport, distill_
 from tilesparse.format import TWLayout, condense, reference_matmul
+from tilesparse.hf import load_compressed
 from tilesparse.linear import TileSparseLinear
 from tilesparse.memory import LayerMemory, ModelMemory, layer_memory, model_memory
+from tilesparse.oneshot import prune_
 from tilesparse.ops import auto_decision, calibrate_auto, tw_linear
 from tilesparse.patterns import (
     bw_mask,
@@ -53,13 +61,17 @@ from tilesparse.patterns import (
     tw_rows_mask,
     tw_rows_masks,
 )
-from tilesparse.pruner import TileSparsePruner, prune_
+from tilesparse.pruner import TileSparsePruner
 
 __all__ = [
     "Backend",
+    "CalibrationError",
     "CubicSchedule",
+    "DistillLoss",
+    "DistillReport",
     "Importance",
     "LayerMemory",
+    "LayerReconstruction",
     "ModelMemory",
     "MultiStageSchedule",
     "OneShotSchedule",
@@ -74,10 +86,12 @@ __all__ = [
     "bw_masks",
     "calibrate_auto",
     "condense",
+    "distill_",
     "ew_mask",
     "ew_masks",
     "is_tile_wise",
     "layer_memory",
+    "load_compressed",
     "model_memory",
     "nm_mask",
     "prune_",

@@ -63,6 +63,7 @@ class Importance(StrEnum):
     MAGNITUDE = "magnitude"  # |w|
     TAYLOR = "taylor"  # first-order Taylor (g·w)², accumulated over steps
     MOVEMENT = "movement"  # -Σ g·w (Sanh et al., 2020)
+    ACTIVATION = "activation"  # |w|·‖x‖ on calibration inputs (Wanda, Sun et al., 2023)
 
 
 class ScheduleKind(StrEnum):
@@ -305,6 +306,8 @@ class TileSparseConfig:
             global threshold). Not allowed with ``nm``.
         taylor_steps: most backward passes accumulated into the Taylor score between two
             mask updates (>= 1; the paper sums ~100).
+        damping: the ridge of the calibration's least-squares reconstruction, as a fraction
+            of the mean diagonal of the layer's input Gram matrix (>= 0; 0.01 as SparseGPT).
         schedule: a :class:`OneShotSchedule`, :class:`MultiStageSchedule` or
             :class:`CubicSchedule`.
 
@@ -325,6 +328,7 @@ class TileSparseConfig:
     min_layer_density: float = 0.02
     overrides: tuple[tuple[str, float], ...] = ()
     taylor_steps: int = 100
+    damping: float = 0.01
     schedule: ScheduleConfig = field(default_factory=OneShotSchedule)
 
     def __post_init__(self) -> None:
@@ -355,6 +359,9 @@ class TileSparseConfig:
             raise ValueError(f"{owner}.min_layer_density must be in (0, 1], got {d!r}")
         set_(self, "overrides", self._checked_overrides(owner))
         _check_int(owner, "taylor_steps", self.taylor_steps, 1)
+        dmp = self.damping
+        if isinstance(dmp, bool) or not isinstance(dmp, int | float) or not 0 <= dmp < math.inf:
+            raise ValueError(f"{owner}.damping must be a finite number >= 0, got {dmp!r}")
         set_(self, "schedule", _schedule_field(owner, self.schedule))
 
     def _checked_sparsity(self, owner: str) -> float:
@@ -418,6 +425,7 @@ class TileSparseConfig:
             "min_layer_density": self.min_layer_density,
             "overrides": dict(self.overrides),
             "taylor_steps": self.taylor_steps,
+            "damping": self.damping,
             "schedule": _schedule_to_dict(self.schedule),
         }
 

@@ -8,6 +8,10 @@ orientation, the input of :mod:`tilesparse.patterns`:
 - :class:`TaylorScore`: first-order Taylor ``Σ_t (g_t · w_t)²`` over the backward passes since
   the last mask update (at most ``max_steps`` of them; the paper sums ~100): the squared
   first-order change of the loss when ``w`` is zeroed;
+- :class:`ActivationScore`: ``|w[k, n]| · ‖x_k‖₂ / rms(‖x‖)`` (Wanda, Sun et al. 2023) from
+  the input norms a calibration measured (:mod:`tilesparse.calibrate`); the norms are taken
+  relative to their RMS within the layer so that layers under one global threshold compete on
+  their weights as with ``|w|``, the activations only re-ranking inside a layer;
 - :class:`MovementScore`: ``-Σ_t g_t · w_t`` over the whole run, across mask updates (Sanh
   et al., 2020: weights moving away from zero score high), shifted by the minimum over all
   tracked layers so every score is >= 0 (the order of weights, within and across layers, is
@@ -42,6 +46,7 @@ __all__ = [
     "MagnitudeScore",
     "TaylorScore",
     "MovementScore",
+    "ActivationScore",
     "make_tracker",
     "segment_scores",
 ]
@@ -56,6 +61,8 @@ class ScoreTracker(ABC):
     """
 
     needs_gradients = False
+    # Whether the scores need a calibration's input statistics (tilesparse.calibrate)
+    needs_calibration = False
     # Whether the pruner calls reset() after each mask update (scores since the last update);
     # False: the score accumulates over the whole run.
     reset_on_mask_update = True
@@ -200,6 +207,42 @@ class MovementScore(_SummedScore):
         return {k: v - low for k, v in raw.items()}
 
 
+class ActivationScore(ScoreTracker):
+    """``|w[k, n]| · ‖x_k‖ / rms_k(‖x_k‖)``, from the per-layer input norms of a calibration.
+
+    Raises (from :meth:`scores`):
+        RuntimeError: for a layer whose input norms were never set (no calibration ran).
+    """
+
+    needs_calibration = True
+
+    def __init__(self) -> None:
+        self.input_norms: dict[str, torch.Tensor] = {}
+
+    def set_input_norms(self, norms: Mapping[str, torch.Tensor]) -> None:
+        """Per layer ``(K,)`` non-negative input norms ``‖x_k‖₂`` (replacing earlier ones)."""
+        self.input_norms = {k: v.detach().float().cpu() for k, v in norms.items()}
+
+    def scores(self, weights: Tensors) -> dict[str, torch.Tensor]:
+        missing = sorted(set(weights) - set(self.input_norms))
+        if missing:
+            raise RuntimeError(
+                f"activation importance has no calibration inputs for layer(s) {missing}: pass "
+                f"calibration= to tilesparse.prune_ (or use importance='magnitude')"
+            )
+        out = {}
+        for k, w in weights.items():
+            norm = self.input_norms[k]
+            if norm.numel() != w.shape[0]:
+                raise RuntimeError(
+                    f"activation importance: layer {k!r} has {w.shape[0]} inputs, its norms {norm.numel()}"
+                )
+            rms = float(norm.pow(2).mean().sqrt())
+            rel = norm / rms if rms > 0 else torch.ones_like(norm)
+            out[k] = w.detach().abs().float().cpu() * rel.unsqueeze(1)
+        return out
+
+
 def make_tracker(kind: Importance | str, taylor_steps: int = 100) -> ScoreTracker:
     """The tracker for an :class:`~tilesparse.config.Importance`."""
     kind = Importance(kind)
@@ -207,4 +250,6 @@ def make_tracker(kind: Importance | str, taylor_steps: int = 100) -> ScoreTracke
         return MagnitudeScore()
     if kind is Importance.TAYLOR:
         return TaylorScore(taylor_steps)
+    if kind is Importance.ACTIVATION:
+        return ActivationScore()
     return MovementScore()

@@ -15,17 +15,18 @@ computes ``y = x · W + b`` through :func:`tilesparse.ops.tw_linear`, whose back
 
 >>> import torch
 >>> dense = torch.nn.Linear(4, 6)
->>> mask_kn = torch.zeros(4, 6, dtype=torch.bool); mask_kn[:2, :4] = True
->>> sparse = TileSparseLinear.from_dense(dense, mask_kn, tile=2)
+>>> mask = torch.zeros(6, 4, dtype=torch.bool); mask[:4, :2] = True   # like dense.weight
+>>> sparse = TileSparseLinear.from_dense(dense, mask, tile=2)
 >>> sparse
 TileSparseLinear(in_features=4, out_features=6, tile=2, tiles=2, kept_columns=4/6, nnz=8/24 (sparsity 66.7%), bias=True, backend=auto)
->>> torch.equal(sparse.to_dense().weight, dense.weight * mask_kn.T)
+>>> torch.equal(sparse.to_dense().weight, dense.weight * mask)
+True
+>>> torch.equal(TileSparseLinear.from_dense(dense, mask_kn=mask.T, tile=2).values, sparse.values)
 True
 """
 
 from __future__ import annotations
 
-import operator
 from typing import Any
 
 import torch
@@ -44,20 +45,40 @@ _LAYOUT_BUFFERS = (*_INDEX_BUFFERS, "values")
 _INDEX_DTYPES = (torch.int64, torch.int32)
 
 
-def _saved_int(v: Any) -> int:
-    """``v`` as an ``int`` when it is an integer (a Python or NumPy int, an integer 0-d
-    tensor); raises ``TypeError`` for anything else, a bool or a float included."""
-    if isinstance(v, bool) or (isinstance(v, torch.Tensor) and v.dtype == torch.bool):
-        raise TypeError(f"expected an integer, got {v!r}")
-    return operator.index(v)
-
-
 def _decline_fused_paths(module: nn.Module, args: tuple[Any, ...]) -> None:
     """A forward pre-hook that changes nothing. Its presence makes ``nn.TransformerEncoderLayer``
     (and ``nn.TransformerEncoder``) decline the native fused kernel, which would read the dense
     ``.weight`` of ``linear1``/``linear2`` instead of calling ``tw_linear``: the layer then runs
     its Python path, through this module's ``forward``."""
     return None
+
+
+def _check_mask(
+    name: str,
+    mask: Any,
+    want: tuple[int, int],
+    layout: str,
+    other_kw: str,
+    other_layout: str,
+) -> None:
+    """Raise ``ValueError`` unless ``mask`` is a bool tensor of shape ``want``, naming both
+    layouts' shapes when it has the other one's."""
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 2:
+        desc = (
+            f"{mask.dtype} {tuple(mask.shape)}"
+            if isinstance(mask, torch.Tensor)
+            else type(mask).__name__
+        )
+        raise ValueError(f"{name} must be a 2-D bool tensor {layout} = {want}, got {desc}")
+    got = tuple(mask.shape)
+    if got == want:
+        return
+    other = (want[1], want[0])
+    hint = f"; a {other_layout} mask is passed as {other_kw}" if got == other else ""
+    raise ValueError(
+        f"{name} must be {layout} = {want} for this layer ({other_layout} would be {other}), "
+        f"got {got}{hint}"
+    )
 
 
 class TileSparseLinear(nn.Module):
@@ -149,37 +170,56 @@ class TileSparseLinear(nn.Module):
     def from_dense(
         cls,
         linear: nn.Linear,
-        mask_kn: torch.Tensor,
+        mask: torch.Tensor | None = None,
         tile: int = 128,
         backend: Backend | str = "auto",
+        *,
+        mask_kn: torch.Tensor | None = None,
     ) -> TileSparseLinear:
-        """Condense ``linear`` under ``mask_kn``.
+        """Condense ``linear`` under a mask of its kept weights.
+
+        The mask follows torch's convention (``torch.nn.utils.prune``): shaped like
+        ``linear.weight``, ``(out, in) = (N, K)``. The transposed form ``(in, out) = (K, N)``
+        (the orientation of :mod:`tilesparse.patterns` and :class:`TWLayout`) is taken only
+        under the keyword ``mask_kn=``. A square layer cannot tell the two layouts apart by
+        shape, so the layout is never guessed: a positional mask is always ``(out, in)``.
 
         Args:
             linear: the dense layer; its ``weight`` is ``(N, K)``.
-            mask_kn: ``(K, N) bool``, the kept entries of ``W = linear.weight.T``. Any mask is
-                accepted (a TW-structured one gives the fewest, widest tiles).
+            mask: ``(N, K) bool``, shaped like ``linear.weight``: the kept entries.
             tile: ``G``.
             backend: see the class.
+            mask_kn: ``(K, N) bool``, the kept entries of ``W = linear.weight.T`` (instead of
+                ``mask``). Any mask is accepted (a TW-structured one gives the fewest, widest
+                tiles).
 
         Returns:
             a module on ``linear.weight``'s device and dtype whose ``to_dense()`` has weight
-            ``linear.weight * mask_kn.T`` exactly.
+            ``linear.weight * mask`` (``* mask_kn.T``) exactly.
 
         Raises:
-            ValueError: when the mask is not ``(K, N) bool``, or for an unknown backend.
+            ValueError: when neither or both of ``mask`` and ``mask_kn`` are given, when the
+                mask is not bool or its shape is not the layout it was passed as (naming both
+                shapes), or for an unknown backend.
         """
         weight = linear.weight.detach()
         n, k = weight.shape
-        if mask_kn.dtype != torch.bool or tuple(mask_kn.shape) != (k, n):
+        if (mask is None) == (mask_kn is None):
             raise ValueError(
-                f"mask_kn must be a ({k}, {n}) bool tensor (in x out) for this layer, got "
-                f"{mask_kn.dtype} {tuple(mask_kn.shape)}"
+                "from_dense takes exactly one mask: mask (out, in), shaped like linear.weight, "
+                "or mask_kn= (in, out)"
             )
+        if mask is not None:
+            _check_mask("mask", mask, (n, k), "(out, in)", "mask_kn=", "(in, out)")
+            kn = mask.T
+        else:
+            assert mask_kn is not None
+            _check_mask("mask_kn", mask_kn, (k, n), "(in, out)", "mask=", "(out, in)")
+            kn = mask_kn
         module = cls(
             k, n, tile=tile, bias=linear.bias is not None, backend=backend, dtype=weight.dtype
         )
-        layout = condense(weight.T.cpu(), mask_kn.cpu(), tile)
+        layout = condense(weight.T.cpu(), kn.cpu(), tile)
         module.set_layout(layout)
         if linear.bias is not None and module.bias is not None:
             with torch.no_grad():
@@ -233,14 +273,12 @@ class TileSparseLinear(nn.Module):
         return out
 
     # -- state dict: buffer sizes depend on the mask, so adopt the saved sizes ------------
-    def get_extra_state(self) -> dict[str, int]:
-        return {
-            "in_features": self.in_features,
-            "out_features": self.out_features,
-            "tile": self.tile,
-        }
+    def get_extra_state(self) -> torch.Tensor:
+        """``(3,) int64`` ``[in_features, out_features, tile]``: a tensor, so the state dict
+        holds tensors only (``safetensors``, ``save_pretrained``)."""
+        return torch.tensor([self.in_features, self.out_features, self.tile], dtype=torch.int64)
 
-    def set_extra_state(self, state: dict[str, int]) -> None:
+    def set_extra_state(self, state: torch.Tensor) -> None:
         self.tile = self._saved_tile(state, "extra state")
         self._layout = None
 
@@ -248,21 +286,29 @@ class TileSparseLinear(nn.Module):
         """The tile of a saved extra state, after checking that it is this module's shape.
 
         Raises:
-            ValueError: when a field is missing or not an integer (``2.7`` is not truncated,
-                ``True`` is not 1), the tile is under 1, or the shape is not this module's.
+            ValueError: when the state is not a ``(3,)`` int64/int32 tensor ``[K, N, tile]``
+                (a float ``2.7`` is not truncated, a bool is not 1), the tile is under 1, or
+                the shape is not this module's.
         """
-        try:
-            shape = (_saved_int(state["in_features"]), _saved_int(state["out_features"]))
-            tile = _saved_int(state["tile"])
-        except (KeyError, TypeError, ValueError) as e:
+        if (
+            not isinstance(state, torch.Tensor)
+            or state.dtype not in _INDEX_DTYPES
+            or tuple(state.shape) != (3,)
+        ):
+            desc = (
+                f"{state.dtype} {tuple(state.shape)}"
+                if isinstance(state, torch.Tensor)
+                else type(state).__name__
+            )
             raise ValueError(
-                f"{where}: expected {{'in_features', 'out_features', 'tile'}} integers, got {state!r}"
-            ) from e
+                f"{where}: expected a (3,) int64 tensor [in_features, out_features, tile], got {desc}"
+            )
+        k, n, tile = (int(v) for v in state.tolist())
         if tile < 1:
             raise ValueError(f"{where}: the saved tile must be an integer >= 1, got {tile}")
-        if shape != (self.in_features, self.out_features):
+        if (k, n) != (self.in_features, self.out_features):
             raise ValueError(
-                f"state dict holds a {shape[0]}x{shape[1]} (KxN) TileSparseLinear, this module is "
+                f"state dict holds a {k}x{n} (KxN) TileSparseLinear, this module is "
                 f"{self.in_features}x{self.out_features}"
             )
         return tile
@@ -275,10 +321,6 @@ class TileSparseLinear(nn.Module):
             ValueError: naming the module's key prefix and the broken invariant.
         """
         where = f"state dict for TileSparseLinear {prefix.removesuffix('.') or '(root)'!r}"
-        tile = self.tile
-        extra_key = prefix + _EXTRA_STATE_KEY_SUFFIX
-        if extra_key in state_dict:
-            tile = self._saved_tile(state_dict[extra_key], f"{where}, key {extra_key!r}")
         tensors: dict[str, torch.Tensor] = {}
         for name in _LAYOUT_BUFFERS:
             saved = state_dict.get(prefix + name, getattr(self, name))
@@ -295,6 +337,10 @@ class TileSparseLinear(nn.Module):
             tensors[name] = (
                 saved.detach() if name == "values" else saved.detach().to("cpu", own.dtype)
             )
+        tile = self.tile
+        extra_key = prefix + _EXTRA_STATE_KEY_SUFFIX
+        if extra_key in state_dict:
+            tile = self._saved_tile(state_dict[extra_key], f"{where}, key {extra_key!r}")
         layout = TWLayout(
             self.in_features,
             self.out_features,
@@ -405,8 +451,12 @@ class TileSparseLinear(nn.Module):
         checks of ``nn.TransformerEncoderLayer``). ``forward`` never uses it."""
         return self._cpu_layout().to_dense().T.to(self.values.device)
 
+    def mask(self) -> torch.Tensor:
+        """``(N, K) bool``, shaped like :attr:`weight`: the stored entries."""
+        return self._cpu_layout().mask().T.contiguous()
+
     def mask_kn(self) -> torch.Tensor:
-        """``(K, N) bool``: the stored entries."""
+        """``(K, N) bool``: the stored entries, in the layout's orientation."""
         return self._cpu_layout().mask()
 
     def _cpu_layout(self) -> TWLayout:

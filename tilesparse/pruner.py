@@ -54,10 +54,16 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from tilesparse.backend import Backend, parse_backend
+from tilesparse.calibrate import (
+    InputStats,
+    LayerReconstruction,
+    ReconstructionTarget,
+    reconstruct_layers,
+)
 from tilesparse.callback import PruningCallback
 from tilesparse.config import Pattern, TileSparseConfig
 from tilesparse.format import tile_groups
-from tilesparse.importance import ScoreTracker, make_tracker
+from tilesparse.importance import ActivationScore, ScoreTracker, make_tracker
 from tilesparse.linear import TileSparseLinear
 from tilesparse.patterns import masks_for_config
 from tilesparse.schedule import sparsity_at
@@ -67,7 +73,6 @@ __all__ = [
     "WeightMask",
     "LayerStats",
     "TileSparsePruner",
-    "prune_",
     "default_filter",
 ]
 
@@ -148,24 +153,16 @@ class TileSparsePruner:
         self.current_sparsity = 0.0
         self.updates = 0
         self.compressed = False
+        self.reconstructions: list[LayerReconstruction] = []
 
     # -- setup -----------------------------------------------------------------------------
-    def prepare(self, model: nn.Module) -> nn.Module:
-        """Attach an all-ones mask to each selected layer, then apply the schedule's step 0.
-
-        With an importance that needs gradients (Taylor, movement) a step-0 update is
-        deferred to the first :meth:`step` (after one observed backward pass).
-
-        Returns:
-            ``model``, modified in place.
+    def select(self, model: nn.Module) -> dict[str, nn.Linear]:
+        """The layers of ``model`` this pruner would prune, by name, in module order.
 
         Raises:
-            ValueError: when the pruner is already prepared, no layer is selected, a selected
-                layer has no weights (``in_features`` or ``out_features`` 0), or an override
-                names a layer that is not selected.
+            ValueError: as :meth:`prepare` (no layer selected, an empty or already
+                parametrized layer, an override naming an unselected layer).
         """
-        if self.model is not None:
-            raise ValueError("this pruner is already prepared on a model; make a new one")
         layers = {
             fqn: m
             for fqn, m in model.named_modules()
@@ -186,6 +183,27 @@ class TileSparsePruner:
             raise ValueError(
                 f"overrides name layer(s) {unknown} that are not selected; selected: {sorted(layers)}"
             )
+        return layers
+
+    def prepare(self, model: nn.Module) -> nn.Module:
+        """Attach an all-ones mask to each selected layer, then apply the schedule's step 0.
+
+        With an importance that needs gradients (Taylor, movement) a step-0 update is
+        deferred to the first :meth:`step` (after one observed backward pass); with
+        ``activation`` importance, until input norms are set (:func:`prune_` with
+        ``calibration`` sets them first).
+
+        Returns:
+            ``model``, modified in place.
+
+        Raises:
+            ValueError: when the pruner is already prepared, no layer is selected, a selected
+                layer has no weights (``in_features`` or ``out_features`` 0), or an override
+                names a layer that is not selected.
+        """
+        if self.model is not None:
+            raise ValueError("this pruner is already prepared on a model; make a new one")
+        layers = self.select(model)
         for m in layers.values():
             n, k = m.weight.shape
             parametrize.register_parametrization(
@@ -194,7 +212,11 @@ class TileSparsePruner:
         self.model, self.layers = model, layers
         log.info("tilesparse: prepared %d layers (%d weights)", len(layers), self.total_params)
         s0 = sparsity_at(self.config.schedule, 0, self.config.target_sparsity)
-        if s0 > 0 and not self.tracker.needs_gradients:
+        waits = self.tracker.needs_gradients or (
+            isinstance(self.tracker, ActivationScore)
+            and set(layers) - set(self.tracker.input_norms)
+        )
+        if s0 > 0 and not waits:
             self.update_masks(s0)
         return model
 
@@ -446,6 +468,43 @@ class TileSparsePruner:
             )
         return out
 
+    # -- calibration -----------------------------------------------------------------------
+    def reconstruct(
+        self,
+        order: list[str],
+        dense: dict[str, torch.Tensor],
+        first: InputStats,
+        run: Callable[[nn.Module], None],
+        progress: bool = False,
+    ) -> list[LayerReconstruction]:
+        """Refit each layer's kept weights to its dense outputs, layer by layer in ``order``
+        (see :func:`prune_` and :func:`tilesparse.calibrate.reconstruct_layers`); the masks
+        do not change.
+
+        Args:
+            order: every pruned layer, in calibration call order.
+            dense: per layer the dense ``(N, K)`` weight to reproduce.
+            first: the first layer's input statistics (no pruned layer precedes it).
+            run: the calibration runner (:func:`tilesparse.calibrate.as_runner`).
+            progress: a tqdm bar over the layers.
+
+        Returns:
+            per layer the relative output error before and after (also kept in
+            ``self.reconstructions``).
+        """
+        self._check_prepared()
+        assert self.model is not None
+        targets = []
+        for fqn in order:
+            original, wm = _masked_weight(self.layers[fqn])
+            targets.append(
+                ReconstructionTarget(fqn, self.layers[fqn], original, wm.mask, dense[fqn])
+            )
+        self.reconstructions = reconstruct_layers(
+            self.model, targets, first, run, self.config.damping, progress
+        )
+        return self.reconstructions
+
     # -- finishing -------------------------------------------------------------------------
     def _replace(self, fqn: str, new: nn.Module) -> None:
         assert self.model is not None
@@ -483,7 +542,9 @@ class TileSparsePruner:
         backend = parse_backend(backend)
         for fqn, m in list(self.layers.items()):
             mask_kn = self.mask(fqn)
-            new = TileSparseLinear.from_dense(m, mask_kn, tile=self.config.tile, backend=backend)
+            new = TileSparseLinear.from_dense(
+                m, mask_kn=mask_kn, tile=self.config.tile, backend=backend
+            )
             self._replace(fqn, new)
             # the pruned layers, compressed: TileSparseLinear stands in for the nn.Linear
             self.layers[fqn] = new  # type: ignore[assignment]  # same fqn, condensed layer
@@ -503,33 +564,3 @@ class TileSparsePruner:
         self.compressed = True
         assert self.model is not None
         return self.model
-
-
-def prune_(
-    model: nn.Module, config: TileSparseConfig, filter_fn: FilterFn | None = None
-) -> TileSparsePruner:
-    """Prune ``model`` in place to ``config``'s target sparsity now (the schedule is not
-    followed; use :class:`TileSparsePruner` to fine-tune along one).
-
-    Args:
-        model: any module holding ``nn.Linear`` layers.
-        config: the pruning config; its importance must be computable without training
-            (``magnitude``).
-        filter_fn: ``(module, fqn) -> bool``; default: every ``nn.Linear``.
-
-    Returns:
-        the pruner (masks attached; call ``.compress()`` for ``TileSparseLinear`` layers).
-
-    Raises:
-        ValueError: as :meth:`TileSparsePruner.prepare`, or for an importance needing gradients.
-    """
-    pruner = TileSparsePruner(config, filter_fn)
-    if pruner.tracker.needs_gradients:
-        raise ValueError(
-            f"prune_ prunes now, without training, but importance={config.importance.value!r} "
-            "needs gradients; use TileSparsePruner with a schedule, or importance='magnitude'"
-        )
-    pruner.prepare(model)
-    if pruner.current_sparsity != config.target_sparsity:
-        pruner.update_masks(config.target_sparsity)
-    return pruner

@@ -34,7 +34,7 @@ def _layer(K: int, N: int, dtype: torch.dtype) -> tuple[nn.Linear, TileSparseLin
     for t0 in range(0, cols.numel(), 128):
         rows = torch.randperm(K, generator=gen)[: K // 2]
         mask[rows.unsqueeze(1), cols[t0 : t0 + 128].unsqueeze(0)] = True
-    tw = TileSparseLinear.from_dense(dense, mask, tile=128)
+    tw = TileSparseLinear.from_dense(dense, mask_kn=mask, tile=128)
     return dense.to("cuda", dtype), tw.to("cuda", dtype)
 
 

@@ -127,7 +127,7 @@ def test_matches_tile_sparse_linear_module() -> None:
         dense.weight.copy_(torch.randint(-3, 4, dense.weight.shape).float())
         dense.bias.copy_(torch.randint(-3, 4, dense.bias.shape).float())
     mask_kn = torch.rand(45, 30) < 0.4
-    module = TileSparseLinear.from_dense(dense, mask_kn, tile=8)
+    module = TileSparseLinear.from_dense(dense, mask_kn=mask_kn, tile=8)
     x = torch.randint(-3, 4, (2, 1, 45)).float()  # leading dims, M=2
     got = tw_linear_emulated(x, module.layout, module.bias)
     assert got.shape == (2, 1, 30)
@@ -266,7 +266,7 @@ def test_tile_256_layer_on_128_wide_kernels_equals_tile_sparse_linear(dtype) -> 
     mask_kn = torch.zeros(K, N, dtype=torch.bool)
     mask_kn[torch.randperm(K)[:25]] = True
     mask_kn[:, torch.randperm(N)[:12]] = False  # a few pruned columns: a 289-wide rest, tail 33
-    module = TileSparseLinear.from_dense(dense, mask_kn, tile=256)
+    module = TileSparseLinear.from_dense(dense, mask_kn=mask_kn, tile=256)
     empty_first = random_layout(K, N, 256, 0.9, 0.6, True, 5)
     empty_first.values.clamp_(-1, 1)
     x = torch.randint(-1, 2, (9, K)).float()

@@ -47,7 +47,11 @@ def _pruned_tiny(seed: int = 0):
                 continue
             rows = torch.randperm(k)[: max(1, k // 2)]
             mask[rows.unsqueeze(1), torch.arange(c0, min(n, c0 + 8)).unsqueeze(0)] = True
-        setattr(parent, attr, TileSparseLinear.from_dense(lin, mask, tile=8, backend="reference"))
+        setattr(
+            parent,
+            attr,
+            TileSparseLinear.from_dense(lin, mask_kn=mask, tile=8, backend="reference"),
+        )
     return model
 
 
@@ -72,7 +76,7 @@ def test_condensed_linear_equals_layer_exactly_on_integers() -> None:
         lin.bias.copy_(torch.randint(-3, 4, lin.bias.shape).float())
     mask = torch.rand(37, 21) > 0.6
     mask[:, 5] = False  # a pruned column
-    layer = TileSparseLinear.from_dense(lin, mask, tile=4, backend="reference")
+    layer = TileSparseLinear.from_dense(lin, mask_kn=mask, tile=4, backend="reference")
     x = torch.randint(-3, 4, (3, 37)).float()
     assert torch.equal(CondensedLinear(layer)(x), layer(x))
     assert torch.equal(CondensedLinear(layer)(x), lin(x) - x @ (lin.weight.T * ~mask))

@@ -305,3 +305,19 @@ def test_measure_speed_rejects_bad_settings() -> None:
             measure_speed(**kw)
     with pytest.raises(ValueError, match="--speed-batch"):
         PruneDLRMConfig(speed_batch=-1)
+
+
+def test_calibration_batches_add_the_oneshot_rows(tmp_path) -> None:
+    report = main(_shrunk(tmp_path, calibration_batches=2))
+    (row,) = report["oneshot"]
+    assert (row["pattern"], row["sparsity"], row["calibration_batches"]) == ("tw", 0.75, 2)
+    assert row["auc"].keys() == {"magnitude", "calibrated", "calibrated_finetuned"}
+    for k, auc in row["auc"].items():
+        assert 0.0 <= auc <= 1.0
+        assert row["auc_drop"][k] == pytest.approx(report["dense_auc"] - auc)
+    assert abs(row["achieved_sparsity"] - 0.75) < 0.02
+    # the damped solve may sit a hair above the masked error on a layer already near optimal
+    assert sum(r["reconstructed"] for r in row["reconstruction"]) < sum(
+        r["masked"] for r in row["reconstruction"]
+    )
+    assert "## One-shot with calibration" in (tmp_path / "run" / "report.md").read_text()

@@ -38,8 +38,9 @@ def int_linear(
 def test_round_trip_and_forward_exact(k, n, tile, sparsity, bias, seed) -> None:
     lin = int_linear(k, n, seed, bias)
     mask = tw_mask(lin.weight.detach().T.abs() + 1e-3 * torch.rand(k, n), sparsity, tile)
-    sparse = TileSparseLinear.from_dense(lin, mask, tile=tile, backend="reference")
+    sparse = TileSparseLinear.from_dense(lin, mask.T, tile=tile, backend="reference")
     sparse.layout.validate()
+    assert torch.equal(sparse.mask(), mask.T)
     dense = sparse.to_dense()
     assert torch.equal(dense.weight, lin.weight * mask.T)
     assert torch.equal(sparse.mask_kn(), mask)
@@ -55,7 +56,7 @@ def test_forward_random_values_and_batch_dims(dtype) -> None:
     torch.manual_seed(0)
     lin = torch.nn.Linear(37, 53, dtype=dtype)
     mask = tw_mask(lin.weight.detach().T.abs().float(), 0.75, 16)
-    sparse = TileSparseLinear.from_dense(lin, mask, tile=16, backend="reference")
+    sparse = TileSparseLinear.from_dense(lin, mask_kn=mask, tile=16, backend="reference")
     x = torch.randn(2, 3, 37, dtype=dtype)
     ref = torch.nn.functional.linear(x, lin.weight * mask.T, lin.bias)
     torch.testing.assert_close(sparse(x), ref, **tol("tw_layer", dtype))
@@ -64,7 +65,7 @@ def test_forward_random_values_and_batch_dims(dtype) -> None:
 def test_state_dict_round_trip_into_an_empty_module() -> None:
     lin = int_linear(30, 20, 1)
     mask = tw_mask(lin.weight.detach().T.abs() + 0.5, 0.6, 8)
-    sparse = TileSparseLinear.from_dense(lin, mask, tile=8)
+    sparse = TileSparseLinear.from_dense(lin, mask_kn=mask, tile=8)
     buf = io.BytesIO()
     torch.save(sparse.state_dict(), buf)
     buf.seek(0)
@@ -83,7 +84,7 @@ def test_state_dict_round_trip_into_an_empty_module() -> None:
 
 def test_layout_is_the_buffers_and_follows_to() -> None:
     sparse = TileSparseLinear.from_dense(
-        int_linear(8, 6, 2), torch.ones(8, 6, dtype=torch.bool), tile=4
+        int_linear(8, 6, 2), mask_kn=torch.ones(8, 6, dtype=torch.bool), tile=4
     )
     lay = sparse.layout
     assert lay is sparse.layout and lay.values is sparse.values and lay.col_idx is sparse.col_idx
@@ -96,7 +97,7 @@ def test_layout_is_the_buffers_and_follows_to() -> None:
 def test_extra_repr_and_sparsity() -> None:
     mask = torch.zeros(4, 6, dtype=torch.bool)
     mask[:2, :4] = True
-    sparse = TileSparseLinear.from_dense(int_linear(4, 6, 3, bias=False), mask, tile=2)
+    sparse = TileSparseLinear.from_dense(int_linear(4, 6, 3, bias=False), mask_kn=mask, tile=2)
     assert sparse.sparsity == pytest.approx(1 - 8 / 24)
     assert repr(sparse) == (
         "TileSparseLinear(in_features=4, out_features=6, tile=2, tiles=2, kept_columns=4/6, "
@@ -107,15 +108,54 @@ def test_extra_repr_and_sparsity() -> None:
 def test_bad_input() -> None:
     with pytest.raises(ValueError, match="tile must be a positive integer, got 0"):
         TileSparseLinear(4, 4, tile=0)
-    with pytest.raises(ValueError, match=r"mask_kn must be a \(3, 2\) bool tensor"):
-        TileSparseLinear.from_dense(torch.nn.Linear(3, 2), torch.ones(2, 3, dtype=torch.bool))
+    lin = torch.nn.Linear(3, 2)  # weight (2, 3)
+    with pytest.raises(
+        ValueError,
+        match=r"mask_kn must be \(in, out\) = \(3, 2\).*got \(2, 3\); a \(out, in\) mask is passed as mask=",
+    ):
+        TileSparseLinear.from_dense(lin, mask_kn=torch.ones(2, 3, dtype=torch.bool))
+    with pytest.raises(
+        ValueError,
+        match=r"mask must be \(out, in\) = \(2, 3\).*\(in, out\) would be \(3, 2\).*got \(3, 2\); a \(in, out\) mask is passed as mask_kn=",
+    ):
+        TileSparseLinear.from_dense(lin, torch.ones(3, 2, dtype=torch.bool))
+    with pytest.raises(
+        ValueError,
+        match=r"mask must be \(out, in\) = \(2, 3\) for this layer \(\(in, out\) would be \(3, 2\)\), got \(4, 4\)$",
+    ):
+        TileSparseLinear.from_dense(lin, torch.ones(4, 4, dtype=torch.bool))
+    with pytest.raises(ValueError, match="must be a 2-D bool tensor .* got torch.float32"):
+        TileSparseLinear.from_dense(lin, torch.ones(2, 3))
+    with pytest.raises(ValueError, match="exactly one mask"):
+        TileSparseLinear.from_dense(lin)
+    ones = torch.ones(2, 3, dtype=torch.bool)
+    with pytest.raises(ValueError, match="exactly one mask"):
+        TileSparseLinear.from_dense(lin, ones, mask_kn=ones.T)
+
+
+def test_mask_layouts_on_a_square_layer() -> None:
+    """A square layer: the positional mask is (out, in), like ``weight``; (in, out) only by
+    keyword. Both give the same module, and the masked dense layer is reproduced exactly."""
+    lin = int_linear(4, 4, 11)
+    mask = torch.tensor(
+        [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 1]], dtype=torch.bool
+    )  # (out, in): not symmetric, so the two readings differ
+    a = TileSparseLinear.from_dense(lin, mask, tile=2)
+    b = TileSparseLinear.from_dense(lin, mask_kn=mask.T.contiguous(), tile=2)
+    assert torch.equal(a.to_dense().weight, lin.weight * mask)
+    assert torch.equal(a.mask(), mask) and torch.equal(a.mask_kn(), mask.T)
+    x = torch.randint(-3, 4, (3, 4)).float()
+    assert torch.equal(a(x), b(x))
+    assert torch.equal(a(x), torch.nn.functional.linear(x, lin.weight * mask, lin.bias))
+    transposed = TileSparseLinear.from_dense(lin, mask_kn=mask, tile=2)  # the other reading
+    assert not torch.equal(transposed(x), a(x))
 
 
 def _two_tile_module() -> TileSparseLinear:
     """4x4, tile 2: tiles {0,1} with rows {0,1,2,3} and {2,3} with rows {0,1} (the reviewer's)."""
     mask = torch.ones(4, 4, dtype=torch.bool)
     mask[2:, 2:] = False
-    return TileSparseLinear.from_dense(int_linear(4, 4, 5), mask, tile=2)
+    return TileSparseLinear.from_dense(int_linear(4, 4, 5), mask_kn=mask, tile=2)
 
 
 def _snapshot(m: TileSparseLinear) -> dict[str, object]:
@@ -159,7 +199,7 @@ def test_corrupt_state_dict_is_refused_and_changes_nothing(case) -> None:
     for key, value in edits.items():
         sd[key] = sd[key][:-1] if value is None else torch.tensor(value)
     target = TileSparseLinear.from_dense(
-        int_linear(4, 4, 6), torch.rand(4, 4) < 0.5, tile=2, backend="cpu"
+        int_linear(4, 4, 6), mask_kn=torch.rand(4, 4) < 0.5, tile=2, backend="cpu"
     )
     x = torch.randint(-3, 4, (3, 4)).float()
     before, y = _snapshot(target), target(x)
@@ -177,7 +217,9 @@ def test_failed_load_leaves_the_module_as_it_was() -> None:
     """A load that the base class rejects (a bias of the wrong shape; another layer's shape)
     must not leave the saved layout half-adopted."""
     good = _two_tile_module()
-    target = TileSparseLinear.from_dense(int_linear(4, 4, 6), torch.rand(4, 4) < 0.5, tile=2)
+    target = TileSparseLinear.from_dense(
+        int_linear(4, 4, 6), mask_kn=torch.rand(4, 4) < 0.5, tile=2
+    )
     x = torch.randint(-3, 4, (3, 4)).float()
     before, y = _snapshot(target), target(x)
     sd = dict(good.state_dict())
@@ -186,7 +228,7 @@ def test_failed_load_leaves_the_module_as_it_was() -> None:
         target.load_state_dict(sd)
     _assert_unchanged(target, before, x, y)
     wrong = TileSparseLinear.from_dense(
-        int_linear(5, 4, 7), torch.ones(5, 4, dtype=torch.bool), tile=4
+        int_linear(5, 4, 7), mask_kn=torch.ones(5, 4, dtype=torch.bool), tile=4
     )
     with pytest.raises(ValueError, match="state dict holds a 5x4"):
         target.load_state_dict(wrong.state_dict())
@@ -202,7 +244,7 @@ def test_backend_is_validated_when_set() -> None:
         TileSparseLinear(4, 4, backend="fast")
     with pytest.raises(ValueError, match="unknown tw_linear backend 'gpu'"):
         TileSparseLinear.from_dense(
-            torch.nn.Linear(4, 4), torch.ones(4, 4, dtype=torch.bool), backend="gpu"
+            torch.nn.Linear(4, 4), mask_kn=torch.ones(4, 4, dtype=torch.bool), backend="gpu"
         )
     m = TileSparseLinear(4, 4, backend="CPU")
     assert m.backend == "cpu"
@@ -229,7 +271,7 @@ def test_index_tensors_of_a_cast_state_dict_are_refused(dtype) -> None:
     k, n = 8, 4096
     mask = torch.zeros(k, n, dtype=torch.bool)
     mask[:, [2049, 3001]] = True
-    src = TileSparseLinear.from_dense(torch.nn.Linear(k, n), mask, tile=1)
+    src = TileSparseLinear.from_dense(torch.nn.Linear(k, n), mask_kn=mask, tile=1)
     sd = {key: v.to(dtype) if key == "col_idx" else v for key, v in src.state_dict().items()}
     dst = TileSparseLinear(k, n, tile=1)
     with pytest.raises(
@@ -259,15 +301,27 @@ def test_int32_index_tensors_load_exactly() -> None:
     assert torch.equal(dst(x), good(x))
 
 
-@pytest.mark.parametrize("tile", [0, -3, 2.7, True, "2", None])
-def test_corrupt_saved_tile_is_refused(tile) -> None:
-    """A saved tile of 0, -3 or 2.7 (which an int() would truncate to 2) is refused."""
+@pytest.mark.parametrize(
+    "state",
+    [
+        torch.tensor([4, 4, 0]),
+        torch.tensor([4, 4, -3]),
+        torch.tensor([4.0, 4.0, 2.7]),  # an int() would truncate it to 2
+        torch.tensor([True, True, True]),
+        torch.tensor([4, 4]),
+        {"in_features": 4, "out_features": 4, "tile": 2},  # state dicts hold tensors only
+        None,
+    ],
+)
+def test_corrupt_saved_tile_is_refused(state) -> None:
     from torch.nn.modules.module import _EXTRA_STATE_KEY_SUFFIX
 
     good = _two_tile_module()
     sd = dict(good.state_dict())
-    sd[_EXTRA_STATE_KEY_SUFFIX] = {"in_features": 4, "out_features": 4, "tile": tile}
-    target = TileSparseLinear.from_dense(int_linear(4, 4, 6), torch.rand(4, 4) < 0.5, tile=2)
+    sd[_EXTRA_STATE_KEY_SUFFIX] = state
+    target = TileSparseLinear.from_dense(
+        int_linear(4, 4, 6), mask_kn=torch.rand(4, 4) < 0.5, tile=2
+    )
     x = torch.randint(-3, 4, (3, 4)).float()
     before, y = _snapshot(target), target(x)
     with pytest.raises(
@@ -275,6 +329,12 @@ def test_corrupt_saved_tile_is_refused(tile) -> None:
     ):
         target.load_state_dict(sd)
     _assert_unchanged(target, before, x, y)
+
+
+def test_state_dict_holds_tensors_only() -> None:
+    sd = _two_tile_module().state_dict()
+    assert all(isinstance(v, torch.Tensor) for v in sd.values())
+    assert torch.equal(sd["_extra_state"], torch.tensor([4, 4, 2]))
 
 
 @pytest.mark.parametrize("tile", [0, -1, 2.0, True])

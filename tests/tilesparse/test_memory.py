@@ -102,7 +102,7 @@ def test_tile_sparse_linear_counts_bias_and_follows_dtype():
     dense = nn.Linear(6, 4)
     mask = torch.zeros(6, 4, dtype=torch.bool)
     mask[[0, 2, 5], :2] = True  # one tile of 2 columns, 3 rows
-    layer = TileSparseLinear.from_dense(dense, mask, tile=2)
+    layer = TileSparseLinear.from_dense(dense, mask_kn=mask, tile=2)
     mem = layer_memory(layer)
     # col_idx 2 + row_idx 3 + three pointers of 2 = 11 int64
     assert (mem.nnz, mem.values_bytes, mem.index_bytes, mem.bias_bytes, mem.dense_bytes) == (

@@ -203,7 +203,7 @@ def _int_layer(K: int, N: int, tile: int, dtype: torch.dtype, seed: int = 0) -> 
     mask = torch.zeros(K, N, dtype=torch.bool)
     mask[torch.rand(K, generator=gen) < 0.6] = True
     mask[:, torch.rand(N, generator=gen) < 0.05] = False
-    return TileSparseLinear.from_dense(dense, mask, tile=tile).to(dtype)
+    return TileSparseLinear.from_dense(dense, mask_kn=mask, tile=tile).to(dtype)
 
 
 @pytest.mark.parametrize("arch", [Arch.SM90A, Arch.SM80])

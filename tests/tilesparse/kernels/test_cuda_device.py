@@ -59,7 +59,7 @@ def test_tile_sparse_linear_runs_the_cutlass_kernel(ext) -> None:
     torch.manual_seed(0)
     dense = torch.nn.Linear(300, 260)
     mask_kn = torch.rand(300, 260) < 0.5
-    module = TileSparseLinear.from_dense(dense, mask_kn, tile=128).to(
+    module = TileSparseLinear.from_dense(dense, mask_kn=mask_kn, tile=128).to(
         device="cuda", dtype=torch.float16
     )
     module.backend = "cutlass"
@@ -143,7 +143,7 @@ def test_auto_on_cuda_is_the_dense_gemm_of_the_pruned_weight(ext) -> None:
     torch.manual_seed(0)
     dense = torch.nn.Linear(300, 260)
     mask_kn = torch.rand(300, 260) < 0.5
-    module = TileSparseLinear.from_dense(dense, mask_kn, tile=128).to(
+    module = TileSparseLinear.from_dense(dense, mask_kn=mask_kn, tile=128).to(
         device="cuda", dtype=torch.float16
     )
     assert module.backend == "auto"

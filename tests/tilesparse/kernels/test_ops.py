@@ -240,7 +240,9 @@ def test_torch_export_and_compile_of_module(ext):
     gen = torch.Generator().manual_seed(7)
     dense = torch.nn.Linear(64, 48)
     mask = tw_random_mask(64, 48, 16, 0.5, gen, 0.2)
-    model = torch.nn.Sequential(TileSparseLinear.from_dense(dense, mask, tile=16), torch.nn.ReLU())
+    model = torch.nn.Sequential(
+        TileSparseLinear.from_dense(dense, mask_kn=mask, tile=16), torch.nn.ReLU()
+    )
     x = torch.randn(10, 64, generator=gen)
     ep = torch.export.export(model, (x,))
     assert "tilesparse.tw_linear" in str(ep.graph)

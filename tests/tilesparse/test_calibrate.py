@@ -1,0 +1,184 @@
+"""Calibration: activation-aware importance, least-squares reconstruction layer by layer,
+and what a bad calibration does (a clear error naming the layer, the model unchanged)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.utils import parametrize
+
+import tilesparse
+from tests.tolerances import tol
+from tilesparse.calibrate import CalibrationError, reconstruct
+
+
+def _dependent_inputs(rows: int, seed: int) -> torch.Tensor:
+    """``(rows, 6)``: inputs 3..5 are combinations of inputs 0..2, so a layer keeping rows
+    0..2 can reproduce any dense layer's outputs on them exactly."""
+    g = torch.Generator().manual_seed(seed)
+    x0, x1, x2 = torch.randn(rows, 3, generator=g).unbind(1)
+    return torch.stack([x0, x1, x2, x0 + x1, 2 * x2, x0 - x2], dim=1)
+
+
+def _exact_model() -> nn.Sequential:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 8))
+    with torch.no_grad():  # inputs 0..2 get the large weights, so magnitude keeps those rows
+        model[0].weight[:, :3] += 5.0
+    return model
+
+
+def test_reconstruction_is_exact_in_a_constructed_case() -> None:
+    model = _exact_model()
+    x = _dependent_inputs(256, 1)
+    x_new = _dependent_inputs(64, 2)  # held out, from the same subspace
+    want = model(x_new).detach()
+    cfg = tilesparse.TileSparseConfig(
+        pattern="tw_rows", sparsity=0.5, tile=4, column_share=0.0, damping=0.0
+    )
+    masked_only = _exact_model()
+    tilesparse.prune_(masked_only, cfg)
+    pruner = tilesparse.prune_(model, cfg, calibration=[(x[:128],), (x[128:],)])
+    keep_rows_0_2 = torch.zeros(6, 8, dtype=torch.bool)
+    keep_rows_0_2[:3] = True
+    assert torch.equal(pruner.mask("0"), keep_rows_0_2)
+    torch.testing.assert_close(model(x_new), want, **tol("tw_layer", torch.float32))
+    assert (masked_only(x_new) - want).abs().max() > 1.0  # the mask alone is far off
+    (rec,) = pruner.reconstructions
+    assert rec.fqn == "0" and rec.rows == 256
+    assert rec.masked_error > 1e-3 and rec.reconstructed_error < 1e-10
+
+
+def test_reconstruct_solves_each_tile_on_its_own_rows() -> None:
+    """Against a direct least-squares solve per tile (float64, no damping)."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(200, 10, generator=g, dtype=torch.float64)
+    w = torch.randn(10, 6, generator=g, dtype=torch.float64)
+    mask = torch.zeros(10, 6, dtype=torch.bool)
+    mask[[0, 2, 5, 7], :3] = True  # tile {0,1,2}: rows 0 2 5 7
+    mask[[1, 2, 9], 3:5] = True  # tile {3,4}: rows 1 2 9; column 5 pruned whole
+    got = reconstruct(w, mask, x.T @ x, damping=0.0)
+    for cols, rows in (([0, 1, 2], [0, 2, 5, 7]), ([3, 4], [1, 2, 9])):
+        want = torch.linalg.lstsq(x[:, rows], x @ w[:, cols]).solution
+        torch.testing.assert_close(got[rows][:, cols], want, **tol("tw_layer", torch.float64))
+    assert torch.equal(got != 0, mask)
+
+
+def _mlp(seed: int = 0) -> nn.Sequential:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 16))
+
+
+def _batches(n: int = 4, seed: int = 1) -> list[tuple[torch.Tensor]]:
+    g = torch.Generator().manual_seed(seed)
+    return [(torch.randn(32, 24, generator=g),) for _ in range(n)]
+
+
+def test_calibration_keeps_the_magnitude_mask_and_tile_structure() -> None:
+    cfg = tilesparse.TileSparseConfig(sparsity=0.75, tile=8)
+    plain, calibrated = _mlp(), _mlp()
+    p0 = tilesparse.prune_(plain, cfg)
+    p1 = tilesparse.prune_(calibrated, cfg, calibration=_batches())
+    for fqn in ("0", "2"):
+        mask = p1.mask(fqn)
+        assert torch.equal(mask, p0.mask(fqn))
+        assert tilesparse.is_tile_wise(mask, 8)
+        weight_kn = calibrated.get_submodule(fqn).weight.detach().T
+        assert torch.equal(weight_kn != 0, mask)  # reconstructed values only where kept
+    assert not torch.equal(calibrated[0].weight, plain[0].weight)
+
+
+def test_layers_are_reconstructed_in_order_on_pruned_inputs() -> None:
+    """The second layer is fitted on the inputs that the pruned, reconstructed first layer
+    gives it (SparseGPT's order), against its dense weight."""
+    dense = _mlp()
+    model = _mlp()
+    batches = _batches()
+    pruner = tilesparse.prune_(
+        model, tilesparse.TileSparseConfig(sparsity=0.5, tile=8), calibration=batches
+    )
+    with torch.no_grad():
+        h = torch.cat([model[1](model[0](x)) for (x,) in batches]).double()
+    want = reconstruct(dense[2].weight.detach().T, pruner.mask("2"), h.T @ h, damping=0.01)
+    torch.testing.assert_close(model[2].weight.detach().T, want, **tol("tw_layer", torch.float32))
+    assert [r.fqn for r in pruner.reconstructions] == ["0", "2"]
+
+
+def test_activation_importance_follows_the_inputs() -> None:
+    """Equal weights: the inputs with the larger norms keep their rows, the structure stays TW."""
+    model = nn.Sequential(nn.Linear(8, 4, bias=False))
+    nn.init.constant_(model[0].weight, 1.0)
+    scale = torch.tensor([1.0, 9, 1, 9, 1, 9, 1, 9])
+    g = torch.Generator().manual_seed(0)
+    batches = [(torch.randn(64, 8, generator=g) * scale,)]
+    cfg = tilesparse.TileSparseConfig(
+        pattern="tw_rows", sparsity=0.5, tile=4, importance="activation"
+    )
+    pruner = tilesparse.prune_(model, cfg, calibration=batches)
+    mask = pruner.mask("0")
+    assert torch.equal(mask.any(dim=1), scale > 1)
+    assert tilesparse.is_tile_wise(mask, 4)
+    with pytest.raises(ValueError, match="importance='activation' .* pass calibration="):
+        tilesparse.prune_(nn.Sequential(nn.Linear(8, 4)), cfg)
+
+
+def _unchanged(model: nn.Module, before: dict[str, torch.Tensor]) -> None:
+    assert not any(parametrize.is_parametrized(m) for m in model.modules())
+    after = model.state_dict()
+    assert after.keys() == before.keys()
+    assert all(torch.equal(after[k], v) for k, v in before.items())
+
+
+def _nan_second_batch() -> list[tuple[torch.Tensor]]:
+    b = _batches(2)
+    b[1][0][3, 5] = float("nan")
+    return b
+
+
+def _raises(model: nn.Module) -> None:
+    model(torch.randn(2, 24))
+    raise RuntimeError("tokenizer failed")
+
+
+@pytest.mark.parametrize(
+    ("calibration", "match"),
+    [
+        (lambda m: None, r"never ran pruned layer\(s\) \['0', '2'\]"),
+        ([(torch.randn(2, 7),)], r"fed layer '0' inputs of 7 features, it takes 24"),
+        (_raises, r"raised RuntimeError: tokenizer failed \(last pruned layer entered: '2'\)"),
+        (_nan_second_batch(), r"layer '0' a non-finite input .*1 of 768 values"),
+        ([], "empty iterable"),
+        ([torch.randn(2, 24)], r"calibration\[0\] must be a tuple"),
+        (42, "must be a callable"),
+    ],
+)
+def test_bad_calibration_names_the_layer_and_changes_nothing(calibration, match) -> None:
+    model = _mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    for importance in ("magnitude", "activation"):
+        cfg = tilesparse.TileSparseConfig(sparsity=0.5, tile=8, importance=importance)
+        with pytest.raises(CalibrationError, match=match):
+            tilesparse.prune_(model, cfg, calibration=calibration)
+        _unchanged(model, before)
+
+
+def test_nan_in_a_later_pass_rolls_back() -> None:
+    """A calibration that turns bad after the first pass (the layer-by-layer passes) raises
+    naming the layer, and the layers already pruned and reconstructed are put back."""
+    model = _mlp()
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    calls = []
+
+    def flaky(m: nn.Module) -> None:
+        calls.append(1)
+        x = torch.randn(16, 24)
+        if len(calls) > 1:
+            x[0, 0] = float("nan")
+        m(x)
+
+    with pytest.raises(CalibrationError, match="layer '2' a non-finite input"):
+        tilesparse.prune_(
+            model, tilesparse.TileSparseConfig(sparsity=0.5, tile=8), calibration=flaky
+        )
+    _unchanged(model, before)

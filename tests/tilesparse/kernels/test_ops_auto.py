@@ -137,7 +137,7 @@ def test_dense_weight_follows_the_layout(table, monkeypatch):
     monkeypatch.setenv(auto.AUTO_ROUTE_ENV, "dense")
     dense = torch.nn.Linear(40, 24)
     mask_kn = tw_random_mask(40, 24, 8, 0.5, torch.Generator().manual_seed(7))
-    layer = TileSparseLinear.from_dense(dense, mask_kn, tile=8)
+    layer = TileSparseLinear.from_dense(dense, mask_kn=mask_kn, tile=8)
     x = torch.randn(6, 40)
     want = x @ (dense.weight.detach().T * mask_kn) + dense.bias.detach()
     with torch.no_grad():
@@ -234,7 +234,7 @@ def test_autograd_and_compile_through_auto(table, monkeypatch, route):
     gen = torch.Generator().manual_seed(15)
     dense = torch.nn.Linear(12, 10, dtype=torch.float64)
     mask = tw_random_mask(12, 10, 4, 0.5, gen, 0.2)
-    layer = TileSparseLinear.from_dense(dense, mask, tile=4)
+    layer = TileSparseLinear.from_dense(dense, mask_kn=mask, tile=4)
     x = torch.randn(3, 12, dtype=torch.float64, generator=gen, requires_grad=True)
     assert torch.autograd.gradcheck(layer, (x,))
     model = torch.nn.Sequential(layer.float(), torch.nn.ReLU())

@@ -117,12 +117,21 @@ def write_serving_artifacts(
         taken = [str(p) for p in _table_entries(out, tables) if entry_exists(p)]
         if taken:
             raise ValueError(f"sparse folders exist: {taken}; pass overwrite=True to replace them")
+    _write_atomically(out, model, doc, [t.name for t in tables])
+    return cfg
+
+
+def _write_atomically(
+    out: Path, model: ExportableModel, doc: dict[str, Any], table_names: list[str]
+) -> None:
+    """Write everything into a staging folder inside ``out``, then move it in place
+    (``ps.json`` last); on failure ``out`` is left as it was."""
     created = _make_dirs(out)
     staging: Path | None = None
     try:
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
         _write_into(staging, model, doc)
-        rels = [*(("sparse", t.name) for t in tables), ("dense.onnx",), ("ps.json",)]
+        rels = [*(("sparse", name) for name in table_names), ("dense.onnx",), ("ps.json",)]
         _commit(staging, out, rels)
     except BaseException:
         if staging is not None:
@@ -134,7 +143,6 @@ def write_serving_artifacts(
                 pass
         raise
     shutil.rmtree(staging, ignore_errors=True)  # holds the replaced files, if any
-    return cfg
 
 
 def _ps_json(

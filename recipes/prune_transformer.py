@@ -178,24 +178,12 @@ def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
     )
     distill_report = None
     if cfg.distill_seconds > 0:
-        batches = [
-            student.preprocess(distil[i : i + cfg.distill_batch])
-            for i in range(0, len(distil), cfg.distill_batch)
-        ]
-        d = tilesparse.distill_(
-            student, teacher, batches, pruner, seconds=cfg.distill_seconds,
-            lr=cfg.distill_lr, outputs=_embed, progress=cfg.progress,
-        )  # fmt: skip
-        seconds["distill"] = d.seconds
-        distill_report = {
-            "steps": d.steps,
-            "seconds": d.seconds,
-            "first_loss": d.losses[0],
-            "last_loss": d.losses[-1],
-        }
+        distill_report = _distill(cfg, student, teacher, pruner, distil)
+        seconds["distill"] = distill_report["seconds"]
         results["distilled"] = cosine(_encode(student, held[: cfg.held_out]), dense_emb)
         print(
-            f"distilled ({d.steps} steps, {d.seconds:.0f} s): cosine {results['distilled']['mean']:.4f}",
+            f"distilled ({distill_report['steps']} steps, {distill_report['seconds']:.0f} s): "
+            f"cosine {results['distilled']['mean']:.4f}",
             flush=True,
         )
     layers = _layer_rows(pruner)
@@ -234,6 +222,30 @@ def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
     print(markdown(report))
     print(f"written to {out}")
     return report
+
+
+def _distill(
+    cfg: PruneTransformerConfig,
+    student: Any,
+    teacher: Any,
+    pruner: tilesparse.TileSparsePruner,
+    sentences: list[str],
+) -> dict[str, Any]:
+    """Distil ``student`` toward ``teacher`` on ``sentences`` for ``cfg.distill_seconds``."""
+    batches = [
+        student.preprocess(sentences[i : i + cfg.distill_batch])
+        for i in range(0, len(sentences), cfg.distill_batch)
+    ]
+    d = tilesparse.distill_(
+        student, teacher, batches, pruner, seconds=cfg.distill_seconds,
+        lr=cfg.distill_lr, outputs=_embed, progress=cfg.progress,
+    )  # fmt: skip
+    return {
+        "steps": d.steps,
+        "seconds": d.seconds,
+        "first_loss": d.losses[0],
+        "last_loss": d.losses[-1],
+    }
 
 
 def _save_and_reload(model: nn.Module, path: Path, sents: list[str]) -> dict[str, Any]:

@@ -88,6 +88,41 @@ def distill_loss(
     return nn.functional.kl_div(log_p, log_q, log_target=True, reduction="batchmean") * t * t
 
 
+def _step(
+    student: nn.Module,
+    teacher: nn.Module,
+    batch: Any,
+    opt: torch.optim.Optimizer,
+    pruner: TileSparsePruner,
+    kind: DistillLoss,
+    temperature: float,
+    outputs: OutputsFn,
+) -> float:
+    """One distillation step; returns its loss. A non-finite loss changes nothing."""
+    with torch.no_grad():
+        want = outputs(teacher, batch)
+    value = distill_loss(outputs(student, batch), want, kind, temperature)
+    loss_value = float(value.detach())
+    if not math.isfinite(loss_value):
+        return loss_value
+    opt.zero_grad(set_to_none=True)
+    value.backward()
+    pruner.observe()
+    opt.step()
+    pruner.step()
+    return loss_value
+
+
+def _check_budget(seconds: float | None, steps: int | None) -> None:
+    """At least one budget, each in range (``ValueError`` naming it)."""
+    if seconds is None and steps is None:
+        raise ValueError("distill_ needs a budget: seconds= or steps=")
+    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
+        raise ValueError(f"seconds must be > 0, got {seconds!r}")
+    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
+        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+
+
 def distill_(
     student: nn.Module,
     teacher: nn.Module,
@@ -125,12 +160,7 @@ def distill_(
         ValueError: for no budget, a bad budget, an empty ``batches``, a compressed or
             unprepared pruner, or a non-finite loss (naming the step).
     """
-    if seconds is None and steps is None:
-        raise ValueError("distill_ needs a budget: seconds= or steps=")
-    if seconds is not None and not (math.isfinite(seconds) and seconds > 0):
-        raise ValueError(f"seconds must be > 0, got {seconds!r}")
-    if steps is not None and (isinstance(steps, bool) or not isinstance(steps, int) or steps < 1):
-        raise ValueError(f"steps must be an integer >= 1, got {steps!r}")
+    _check_budget(seconds, steps)
     if pruner.model is not student or pruner.compressed:
         raise ValueError("pruner must be prepared on student and not compressed")
     data = list(batches)
@@ -149,20 +179,11 @@ def distill_(
     bar = tqdm(total=steps, desc="distill", unit="step", disable=not progress)
     try:
         for batch in itertools.cycle(data):
-            with torch.no_grad():
-                want = outputs(teacher, batch)
-            value = distill_loss(outputs(student, batch), want, kind, temperature)
-            if not bool(torch.isfinite(value.detach())):
-                raise ValueError(
-                    f"distillation loss is {float(value.detach())} at step {report.steps}"
-                )
-            opt.zero_grad(set_to_none=True)
-            value.backward()
-            pruner.observe()
-            opt.step()
-            pruner.step()
+            loss_value = _step(student, teacher, batch, opt, pruner, kind, temperature, outputs)
+            if not math.isfinite(loss_value):
+                raise ValueError(f"distillation loss is {loss_value} at step {report.steps}")
             report.steps += 1
-            report.losses.append(float(value.detach()))
+            report.losses.append(loss_value)
             bar.update(1)
             elapsed = time.perf_counter() - t0
             if (steps is not None and report.steps >= steps) or (

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 import embark.training.checkpoint as ckpt
 from embark import ShardedDLRM, ShardingPlan, TrainConfig, Trainer
-from embark.data import SyntheticCTR
+from embark.data import Batch, SyntheticCTR
 from embark.models.dlrm import build_model
 from embark.models.workloads import get_workload
 from embark.sharding import load_sharded_checkpoint, save_sharded_checkpoint
@@ -64,21 +64,27 @@ def test_read_region_names_a_key_whose_chunks_leave_a_hole(tmp_path) -> None:
         read_region(tmp_path, holed, "w", [(0, 6), (0, 4)])
 
 
-def _one_rank(cfg: TrainConfig = CFG) -> tuple[Trainer, SyntheticCTR, ShardingPlan]:
-    w = get_workload("tiny")
+@pytest.fixture(scope="module")
+def batches() -> list[Batch]:
+    """Three batches of the tiny workload (the data set is built once: its teacher's
+    calibration costs seconds)."""
+    return list(SyntheticCTR(get_workload("tiny"), 32, seed=4).batches(3))
+
+
+def _one_rank(batches: list[Batch]) -> tuple[Trainer, ShardingPlan]:
+    """A one-rank sharded trainer after 2 steps, and its plan."""
     plan = ShardingPlan.from_dict(uniform_plan(1, "table_wise"))
-    data = SyntheticCTR(w, 32, seed=4)
-    t = Trainer(ShardedDLRM(build_model(w, seed=3), plan, 0), cfg)
-    for b in data.batches(2):
+    t = Trainer(ShardedDLRM(build_model(get_workload("tiny"), seed=3), plan, 0), CFG)
+    for b in batches[:2]:
         t.train_step(b)
-    return t, data, plan
+    return t, plan
 
 
-def test_rowwise_adagrad_state_round_trips_single_to_sharded_and_back(tmp_path) -> None:
+def test_rowwise_adagrad_state_round_trips_single_to_sharded_and_back(tmp_path, batches) -> None:
     cfg = TrainConfig(optimizer="adagrad", lr=0.05, embedding_optimizer="rowwise_adagrad")
-    data = SyntheticCTR(get_workload("tiny"), 32, seed=4)
-    single = Trainer(build_model(data.workload, seed=3), cfg)
-    single.fit(data.batches(2), 2, progress=False)
+    single = Trainer(build_model(get_workload("tiny"), seed=3), cfg)
+    for b in batches[:2]:
+        single.train_step(b)
     single.save_checkpoint(tmp_path / "single")
     plan = ShardingPlan.from_dict(uniform_plan(1, "table_wise"))
     sharded = load_sharded_checkpoint(tmp_path / "single", plan, 0)
@@ -98,12 +104,12 @@ def _snapshot(path: Path) -> dict[str, bytes]:
     return {f.name: f.read_bytes() for f in sorted(path.iterdir())}
 
 
-def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch) -> None:
-    trainer, data, _ = _one_rank()
+def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch, batches) -> None:
+    trainer, _ = _one_rank(batches)
     path = tmp_path / "ck"
     save_sharded_checkpoint(trainer, path)
     before = _snapshot(path)
-    trainer.train_step(next(iter(data.batches(1, start=2))))
+    trainer.train_step(batches[2])
     write = ckpt.write_tensors
 
     def disk_full(tensors: dict[str, torch.Tensor], fp: Path) -> None:
@@ -121,8 +127,8 @@ def test_a_failed_save_leaves_the_previous_checkpoint(tmp_path, monkeypatch) -> 
     assert json.loads((path / "state.json").read_text())["step"] == 3
 
 
-def test_a_save_refuses_a_folder_that_is_not_a_checkpoint(tmp_path) -> None:
-    trainer, _, _ = _one_rank()
+def test_a_save_refuses_a_folder_that_is_not_a_checkpoint(tmp_path, batches) -> None:
+    trainer, _ = _one_rank(batches)
     path = tmp_path / "notes"
     path.mkdir()
     (path / "todo.txt").write_text("keep me")
@@ -131,8 +137,8 @@ def test_a_save_refuses_a_folder_that_is_not_a_checkpoint(tmp_path) -> None:
     assert _snapshot(path) == {"todo.txt": b"keep me"}
 
 
-def test_a_sharded_load_refuses_another_format_version(tmp_path) -> None:
-    trainer, _, plan = _one_rank()
+def test_a_sharded_load_refuses_another_format_version(tmp_path, batches) -> None:
+    trainer, plan = _one_rank(batches)
     path = tmp_path / "ck"
     save_sharded_checkpoint(trainer, path)
     state = json.loads((path / "state.json").read_text())

@@ -373,9 +373,8 @@ class _RankState:
 
 def _read_rank(path: Path, plan: ShardingPlan, rank: int) -> _RankState:
     """Read and check (sizes and hashes of the files read) this rank's part of a checkpoint."""
-    state = ckpt.read_state(path, verify=())
-    cfg = TrainConfig.from_dict(state["train_config"])
-    checkpoint = ckpt.Checkpoint(path, state, cfg, {}, {})
+    checkpoint = ckpt.read_header(path)
+    state, cfg = checkpoint.state, checkpoint.cfg
     workload = checkpoint.workload()
     chunks = chunks_of(state)
     regions = _regions(workload, plan, rank, cfg)

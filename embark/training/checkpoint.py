@@ -427,6 +427,27 @@ class Checkpoint:
         )
 
 
+def read_header(path: str | os.PathLike[str]) -> Checkpoint:
+    """A checkpoint's ``state.json`` and configuration, checked against the schema, without
+    reading or verifying its tensor files (``model_tensors`` and ``optimizer_tensors`` are
+    empty): what a resume compares with its settings before a sharded load reads, and
+    checks, each rank's files.
+
+    Raises:
+        FormatVersionError: naming the file, for another ``format_version``.
+        ValueError: naming the file (and the field) of the first problem in ``state.json``.
+    """
+    path = Path(path)
+    state = read_state(path, verify=())
+    try:
+        cfg = TrainConfig.from_dict(state["train_config"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"checkpoint file {str(path / STATE_FILE)!r}: train_config: {err}"
+        ) from None
+    return Checkpoint(path, state, cfg, {}, {})
+
+
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint folder and check it on its own (:func:`read_state`, readable tensor
     files, optimizer tensor names, a valid ``train_config``).

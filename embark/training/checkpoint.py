@@ -33,7 +33,8 @@ Temporary siblings are named ``.<dir name>.tmp-<host>-<pid>-<random>`` (and, for
 checkpoint a save replaces, ``.old-``): each save and load removes those of this host whose
 process is gone (a killed save), and never one whose owner runs (a save in progress). An
 ``.old-`` folder is kept while ``<dir>`` itself is missing: a save killed between its two
-renames leaves the previous checkpoint there, and a warning names it.
+renames leaves the previous checkpoint there, and a warning names it
+(:mod:`embark.training.checkpoint_siblings`).
 
 Loading is three steps, so that nothing is touched until everything is checked:
 :func:`read_checkpoint` (files, schema, tensor names), :func:`check_fits` (the model's
@@ -43,15 +44,12 @@ state-dict names, shapes and dtypes; the optimizer's groups and state shapes), t
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
 import math
 import os
 import shutil
-import socket
-import uuid
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
@@ -64,8 +62,9 @@ from torch import nn
 
 from embark.models.workloads import Workload
 from embark.outputs import check_parent_writable
-from embark.training.checkpoint_schema import TENSOR_FILES, check_state
+from embark.training.checkpoint_schema import STATE_FILE, TENSOR_FILES, check_state
 from embark.training.checkpoint_shards import Chunk, chunks_of, read_region
+from embark.training.checkpoint_siblings import fresh_sibling, remove_stale_siblings
 from embark.training.config import TrainConfig
 from embark.training.fused import EmbeddingUpdates
 from embark.training.state import TrainState
@@ -74,7 +73,6 @@ log = logging.getLogger(__name__)
 
 CHECKPOINT_FORMAT_VERSION = 3
 MODEL_FILE, OPTIMIZER_FILE = TENSOR_FILES
-STATE_FILE = "state.json"
 
 
 def _sha256(path: Path) -> str:
@@ -117,61 +115,6 @@ def check_save_target(path: str | os.PathLike[str], what: str = "checkpoint fold
         raise ValueError(f"{what} {str(p)!r} exists and is not a checkpoint folder")
     # a save writes a sibling folder and renames it into place: the parent must be writable
     check_parent_writable(p, what)
-
-
-# ------------------------------------------------------------------ temporary siblings
-def _sibling(path: Path, kind: str) -> Path:
-    """A fresh temporary sibling of ``path``: ``.<name>.<kind>-<host>-<pid>-<random>``."""
-    owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return path.with_name(f".{path.name}.{kind}-{owner}")
-
-
-def _owner_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
-def remove_stale_siblings(path: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporary siblings of the checkpoint folder ``path`` left by saves of this
-    host whose process is gone; returns what was removed.
-
-    A sibling of a live process (a save in progress), of another host, or not named by a
-    save is kept; so is an ``.old-`` one while ``path`` is not a checkpoint (it may hold the
-    only copy; a warning names it).
-    """
-    path = Path(path)
-    host = socket.gethostname()
-    removed: list[Path] = []
-    if not path.parent.is_dir():
-        return removed
-    for kind in ("tmp", "old"):
-        prefix = f".{path.name}.{kind}-"
-        for sib in path.parent.glob(glob.escape(prefix) + "*"):
-            parts = sib.name[len(prefix) :].rsplit("-", 2)
-            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
-                continue
-            if _owner_alive(int(parts[1])):
-                continue
-            if kind == "old" and not (path / STATE_FILE).is_file():
-                log.warning(
-                    "checkpoint %s is missing; an interrupted save left the previous one at %s",
-                    path,
-                    sib,
-                )
-                continue
-            try:
-                shutil.rmtree(sib)
-            except OSError as err:  # a read-only copy still loads; say what was left
-                log.warning("could not remove %s, left by an interrupted save: %s", sib, err)
-                continue
-            log.info("removed %s, left by an interrupted save", sib)
-            removed.append(sib)
-    return removed
 
 
 # ------------------------------------------------------------------------------- save
@@ -242,7 +185,7 @@ def begin_save(path: Path) -> Path:
         )
     path.parent.mkdir(parents=True, exist_ok=True)
     remove_stale_siblings(path)
-    tmp = _sibling(path, "tmp")
+    tmp = fresh_sibling(path, "tmp")
     tmp.mkdir()
     return tmp
 
@@ -256,7 +199,7 @@ def finish_save(tmp: Path, path: Path, doc: dict[str, Any]) -> None:
         os.fsync(fh.fileno())
     _fsync_dir(tmp)
     if path.exists():
-        old = _sibling(path, "old")
+        old = fresh_sibling(path, "old")
         path.rename(old)
         tmp.rename(path)
         shutil.rmtree(old)

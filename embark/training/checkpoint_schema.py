@@ -39,6 +39,7 @@ from typing import Any
 import torch
 
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
+STATE_FILE = "state.json"
 _SHARD_FILE = re.compile(r"shards-(0|[1-9][0-9]*)\.safetensors")
 _HEX = re.compile(r"(?:[0-9a-f]{2})*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")

@@ -34,7 +34,9 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-MODEL_FILE, OPTIMIZER_FILE = "model.safetensors", "optimizer.safetensors"
+from embark.training.checkpoint_schema import TENSOR_FILES
+
+MODEL_FILE, OPTIMIZER_FILE = TENSOR_FILES
 
 
 def shard_file(rank: int) -> str:

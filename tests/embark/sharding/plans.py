@@ -90,9 +90,7 @@ def uniform_plan(world: int, sharding_type: str) -> dict[str, Any]:
                 "name": t.name,
                 "num_rows": t.num_rows,
                 "dim": t.dim,
-                "sharding_type": sharding_type
-                if world > 1 or sharding_type == "table_wise"
-                else "table_wise",
+                "sharding_type": sharding_type if world > 1 else "table_wise",  # 1 rank: whole
                 "cluster": "reduction",
                 "shards": shards,
             }

@@ -4,7 +4,8 @@
 local batch to their owners and returns pooled embeddings equal to ``nn.EmbeddingBag`` on the
 full tables; :class:`ShardedDLRM` is the DLRM over it (dense part replicated), trained by the
 one :class:`~embark.training.Trainer` with its :class:`ShardedSync`; its checkpoints are the
-single-process format (:func:`save_sharded_checkpoint`, :func:`load_sharded_checkpoint`), and
+single-process format, each rank writing its own shards (:func:`save_sharded_checkpoint`) and
+any world size or plan reading them back (:func:`load_sharded_checkpoint`), and
 :func:`run_sharded` is a whole run (``torchrun -m embark.sharded_train``).
 """
 

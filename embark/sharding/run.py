@@ -34,11 +34,11 @@ from embark.data.synthetic import SyntheticCTR
 from embark.models.dlrm import build_model
 from embark.models.workloads import Workload, get_workload
 from embark.planner.planner import plan_sharding
-from embark.sharding.checkpoint import from_single_process, save_sharded_checkpoint
+from embark.sharding.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
 from embark.sharding.model import ShardedDLRM
 from embark.topology import get_topology
 from embark.training.callbacks import Callback
-from embark.training.checkpoint import check_save_target
+from embark.training.checkpoint import Checkpoint, check_save_target, read_header
 from embark.training.config import OptimizerKind, TrainConfig
 from embark.training.trainer import Trainer
 from embark.types import ShardingPlan
@@ -190,8 +190,10 @@ def _stream_flags(
     ]
 
 
-def load_resume(cfg: ShardedRunConfig, workload: Workload) -> Trainer:
-    """The single-process trainer of ``cfg.resume``, checked against this run's settings.
+def load_resume(cfg: ShardedRunConfig, workload: Workload) -> Checkpoint:
+    """The ``state.json`` of ``cfg.resume`` (:func:`~embark.training.checkpoint.read_header`;
+    each rank's sharded load reads and checks its tensor files), checked against this run's
+    settings.
 
     Raises:
         ValueError: naming the path, for a missing, corrupt or unreadable checkpoint, one of
@@ -202,11 +204,11 @@ def load_resume(cfg: ShardedRunConfig, workload: Workload) -> Trainer:
     path = cfg.resume
     assert path is not None  # only called to resume
     try:
-        single = Trainer.load_checkpoint(path)
+        single = read_header(path)
+        stored = single.workload()
     except (ValueError, OSError) as e:
         raise ValueError(f"--resume {path!r}: {e}") from None
-    stored = single.model.workload
-    assert isinstance(stored, Workload)  # a checkpoint without one does not load (no model)
+    run = single.train_state()
     if stored != workload:
         rows = [t.num_rows for t in workload.tables]
         raise ValueError(
@@ -221,25 +223,25 @@ def load_resume(cfg: ShardedRunConfig, workload: Workload) -> Trainer:
         ("--optimizer", cfg.optimizer and cfg.optimizer.value, saved.optimizer.value),
         ("--lr", cfg.lr, saved.lr),
         ("--embedding-lr", cfg.embedding_lr, embedding_lr),
-        ("--batch-size", cfg.batch_size, single.batch_size),  # None: saved at step 0
-        *_stream_flags(cfg, single.data_stream, path),
+        ("--batch-size", cfg.batch_size, run.batch_size),  # None: saved at step 0
+        *_stream_flags(cfg, run.data_stream, path),
     ):
         if given is not None and was is not None and given != was:
             raise ValueError(
                 f"--resume {path!r} was trained with {flag} {was}, not {given}: leave {flag} "
                 "out (a resumed run keeps the checkpoint's)"
             )
-    if single.step > cfg.steps:
+    if run.step > cfg.steps:
         raise ValueError(
-            f"--resume {path!r} is at step {single.step}, past --steps {cfg.steps} "
+            f"--resume {path!r} is at step {run.step}, past --steps {cfg.steps} "
             "(the total number of steps)"
         )
     return single
 
 
-def _batch_size(cfg: ShardedRunConfig, single: Trainer | None, world_size: int) -> int:
+def _batch_size(cfg: ShardedRunConfig, single: Checkpoint | None, world_size: int) -> int:
     """The global batch size: given, else the checkpoint's, else the default."""
-    saved = single.batch_size if single is not None else None
+    saved = single.state["batch_size"] if single is not None else None
     batch_size = cfg.batch_size or saved or DEFAULT_BATCH_SIZE
     if batch_size < world_size:
         what = (
@@ -337,7 +339,10 @@ def run_sharded(
     plan = resolve_plan(cfg, workload, world_size, batch_size)
     check_checkpoint_dir(cfg)
     if single is not None:
-        trainer = from_single_process(single, plan, rank, callbacks=callbacks)
+        try:  # each rank reads the stored parts of its shards
+            trainer = load_sharded_checkpoint(single.path, plan, rank, callbacks=callbacks)
+        except ValueError as e:
+            raise ValueError(f"--resume {cfg.resume!r}: {e}") from None
     else:
         trainer = _fresh_trainer(cfg, workload, plan, rank, callbacks)
     data = _data(cfg, workload, batch_size, trainer)

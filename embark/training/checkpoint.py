@@ -8,12 +8,20 @@ Folder layout (no pickle anywhere)::
                                  (e.g. "top_mlp.0.weight::sum") and the fused tables' rows
                                  state ("embeddings.t0.weight::sum" or "::row_sum",
                                  :mod:`embark.training.fused`)
+    <dir>/shards-<rank>.safetensors   (a sharded save) rank's pieces of the sharded tables
+                                 and of their rows state, in chunks indexed by state.json
     <dir>/state.json             {"format_version", "step", "data_position", "batch_size",
                                   "data_stream", "workload", "train_config", "rng",
-                                  "param_groups", "history", "files"}
+                                  "param_groups", "history", "files", "shards"}
 
-``format_version`` is :data:`CHECKPOINT_FORMAT_VERSION`; a checkpoint of another version is
-refused (:mod:`embark.training.checkpoint_schema` lists every field). ``batch_size`` is the
+A single-process save stores every tensor whole (``"shards": {}``); a sharded save
+(``embark.sharding.save_sharded_checkpoint``) stores the sharded tables as the rectangles
+their ranks held (:mod:`embark.training.checkpoint_shards`), the rest as here. Names and
+optimizer-state keys are the single-process model's whatever the sharding, so either loads
+as the other: :func:`read_checkpoint` assembles chunked tables whole, a sharded load reads
+each rank's rectangles. ``format_version`` is :data:`CHECKPOINT_FORMAT_VERSION`; a
+checkpoint of another version is refused (:class:`~embark.training.checkpoint_schema.FormatVersionError`;
+:mod:`embark.training.checkpoint_schema` lists every field). ``batch_size`` is the
 samples per step of the data stream that ``data_position`` counts batches of, and
 ``data_stream`` what else fixes that stream's batches
 (:attr:`embark.training.state.TrainState.data_stream`), so a resume can check it is fed the
@@ -25,7 +33,8 @@ Temporary siblings are named ``.<dir name>.tmp-<host>-<pid>-<random>`` (and, for
 checkpoint a save replaces, ``.old-``): each save and load removes those of this host whose
 process is gone (a killed save), and never one whose owner runs (a save in progress). An
 ``.old-`` folder is kept while ``<dir>`` itself is missing: a save killed between its two
-renames leaves the previous checkpoint there, and a warning names it.
+renames leaves the previous checkpoint there, and a warning names it
+(:mod:`embark.training.checkpoint_siblings`).
 
 Loading is three steps, so that nothing is touched until everything is checked:
 :func:`read_checkpoint` (files, schema, tensor names), :func:`check_fits` (the model's
@@ -35,15 +44,13 @@ state-dict names, shapes and dtypes; the optimizer's groups and state shapes), t
 
 from __future__ import annotations
 
-import glob
 import hashlib
 import json
 import logging
 import math
 import os
 import shutil
-import socket
-import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -55,16 +62,17 @@ from torch import nn
 
 from embark.models.workloads import Workload
 from embark.outputs import check_parent_writable
-from embark.training.checkpoint_schema import TENSOR_FILES, check_state
+from embark.training.checkpoint_schema import STATE_FILE, TENSOR_FILES, check_state
+from embark.training.checkpoint_shards import Chunk, chunks_of, read_region
+from embark.training.checkpoint_siblings import fresh_sibling, remove_stale_siblings
 from embark.training.config import TrainConfig
 from embark.training.fused import EmbeddingUpdates
 from embark.training.state import TrainState
 
 log = logging.getLogger(__name__)
 
-CHECKPOINT_FORMAT_VERSION = 2
+CHECKPOINT_FORMAT_VERSION = 3
 MODEL_FILE, OPTIMIZER_FILE = TENSOR_FILES
-STATE_FILE = "state.json"
 
 
 def _sha256(path: Path) -> str:
@@ -109,63 +117,8 @@ def check_save_target(path: str | os.PathLike[str], what: str = "checkpoint fold
     check_parent_writable(p, what)
 
 
-# ------------------------------------------------------------------ temporary siblings
-def _sibling(path: Path, kind: str) -> Path:
-    """A fresh temporary sibling of ``path``: ``.<name>.<kind>-<host>-<pid>-<random>``."""
-    owner = f"{socket.gethostname()}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
-    return path.with_name(f".{path.name}.{kind}-{owner}")
-
-
-def _owner_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's process: alive
-        return True
-    return True
-
-
-def remove_stale_siblings(path: str | os.PathLike[str]) -> list[Path]:
-    """Remove the temporary siblings of the checkpoint folder ``path`` left by saves of this
-    host whose process is gone; returns what was removed.
-
-    A sibling of a live process (a save in progress), of another host, or not named by a
-    save is kept; so is an ``.old-`` one while ``path`` is not a checkpoint (it may hold the
-    only copy; a warning names it).
-    """
-    path = Path(path)
-    host = socket.gethostname()
-    removed: list[Path] = []
-    if not path.parent.is_dir():
-        return removed
-    for kind in ("tmp", "old"):
-        prefix = f".{path.name}.{kind}-"
-        for sib in path.parent.glob(glob.escape(prefix) + "*"):
-            parts = sib.name[len(prefix) :].rsplit("-", 2)
-            if len(parts) != 3 or parts[0] != host or not parts[1].isdigit():
-                continue
-            if _owner_alive(int(parts[1])):
-                continue
-            if kind == "old" and not (path / STATE_FILE).is_file():
-                log.warning(
-                    "checkpoint %s is missing; an interrupted save left the previous one at %s",
-                    path,
-                    sib,
-                )
-                continue
-            try:
-                shutil.rmtree(sib)
-            except OSError as err:  # a read-only copy still loads; say what was left
-                log.warning("could not remove %s, left by an interrupted save: %s", sib, err)
-                continue
-            log.info("removed %s, left by an interrupted save", sib)
-            removed.append(sib)
-    return removed
-
-
 # ------------------------------------------------------------------------------- save
-def _optimizer_files(
+def optimizer_files(
     optimizer: torch.optim.Optimizer, names: dict[torch.Tensor, str]
 ) -> tuple[dict[str, torch.Tensor], dict[str, Any], list[dict[str, Any]]]:
     """``(tensor state, scalar state, param groups)`` of ``optimizer``, keyed by parameter name."""
@@ -185,16 +138,22 @@ def _optimizer_files(
     return tensors, scalars, groups
 
 
-def _state_document(
-    model: nn.Module,
+def file_records(folder: Path, files: list[str]) -> dict[str, dict[str, Any]]:
+    """``{file: {"bytes", "sha256"}}`` of ``files`` in ``folder`` (``state.json``'s ``files``)."""
+    return {f: {"bytes": (folder / f).stat().st_size, "sha256": _sha256(folder / f)} for f in files}
+
+
+def state_document(
+    workload: Any,
     optimizer: torch.optim.Optimizer,
     cfg: TrainConfig,
     state: TrainState,
     scalars: dict[str, Any],
     groups: list[dict[str, Any]],
-    folder: Path,
+    files: dict[str, dict[str, Any]],
+    shards: dict[str, list[dict[str, Any]]],
 ) -> dict[str, Any]:
-    workload = getattr(model, "workload", None)
+    """The ``state.json`` of a checkpoint (:mod:`embark.training.checkpoint_schema`)."""
     return {
         "format_version": CHECKPOINT_FORMAT_VERSION,
         "step": state.step,
@@ -209,11 +168,56 @@ def _state_document(
         "param_groups": groups,
         "history": state.history,
         "torch_version": torch.__version__,
-        "files": {
-            f: {"bytes": (folder / f).stat().st_size, "sha256": _sha256(folder / f)}
-            for f in TENSOR_FILES
-        },
+        "files": files,
+        "shards": shards,
     }
+
+
+def begin_save(path: Path) -> Path:
+    """Check that ``path`` may be replaced and make the temporary sibling a save writes into.
+
+    Raises:
+        ValueError: when ``path`` exists and is not a checkpoint folder (nothing is touched).
+    """
+    if not is_replaceable(path):
+        raise ValueError(
+            f"refusing to overwrite {str(path)!r}: it exists and is not a checkpoint folder"
+        )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    remove_stale_siblings(path)
+    tmp = fresh_sibling(path, "tmp")
+    tmp.mkdir()
+    return tmp
+
+
+def finish_save(tmp: Path, path: Path, doc: dict[str, Any]) -> None:
+    """Write ``doc`` as ``tmp``'s ``state.json`` and rename ``tmp`` into place at ``path``
+    (the previous checkpoint there is kept until the new one is in place)."""
+    with open(tmp / STATE_FILE, "w") as fh:
+        json.dump(doc, fh, indent=1)
+        fh.flush()
+        os.fsync(fh.fileno())
+    _fsync_dir(tmp)
+    if path.exists():
+        old = fresh_sibling(path, "old")
+        path.rename(old)
+        tmp.rename(path)
+        shutil.rmtree(old)
+    else:
+        tmp.rename(path)
+    _fsync_dir(path.parent)
+    remove_stale_siblings(path)  # an .old- one kept while path was missing goes now
+
+
+def write_tensors(tensors: dict[str, torch.Tensor], fp: Path) -> None:
+    """Save ``tensors`` (detached, on the CPU, contiguous) as the safetensors file ``fp``."""
+    save_file(
+        {k: v.detach().cpu().contiguous() for k, v in tensors.items()},
+        fp,
+        metadata={"format": "pt"},
+    )
+    with open(fp, "rb+") as fh:
+        os.fsync(fh.fileno())
 
 
 def save_checkpoint(
@@ -236,53 +240,38 @@ def save_checkpoint(
         ValueError: when ``path`` exists and is not a checkpoint folder (nothing is touched).
     """
     path = Path(path)
-    if not is_replaceable(path):
-        raise ValueError(
-            f"refusing to overwrite {str(path)!r}: it exists and is not a checkpoint folder"
-        )
-    path.parent.mkdir(parents=True, exist_ok=True)
-    remove_stale_siblings(path)
-    tmp = _sibling(path, "tmp")
-    tmp.mkdir()
+    tmp = begin_save(path)
     try:
-        model_sd = {k: v.detach().cpu().contiguous() for k, v in model.state_dict().items()}
-        save_file(model_sd, tmp / MODEL_FILE, metadata={"format": "pt"})
+        write_tensors(model.state_dict(), tmp / MODEL_FILE)
         names: dict[torch.Tensor, str] = {p: n for n, p in model.named_parameters()}
-        tensors, scalars, groups = _optimizer_files(optimizer, names)
+        tensors, scalars, groups = optimizer_files(optimizer, names)
         if tables is not None:
-            tensors |= {k: v.detach().cpu().contiguous() for k, v in tables.state_tensors().items()}
-        save_file(tensors, tmp / OPTIMIZER_FILE, metadata={"format": "pt"})
-        doc = _state_document(model, optimizer, cfg, state, scalars, groups, tmp)
-        with open(tmp / STATE_FILE, "w") as fh:
-            json.dump(doc, fh, indent=1)
-            fh.flush()
-            os.fsync(fh.fileno())
-        _fsync_dir(tmp)
-        if path.exists():
-            old = _sibling(path, "old")
-            path.rename(old)
-            tmp.rename(path)
-            shutil.rmtree(old)
-        else:
-            tmp.rename(path)
-        _fsync_dir(path.parent)
+            tensors |= tables.state_tensors()
+        write_tensors(tensors, tmp / OPTIMIZER_FILE)
+        files = file_records(tmp, list(TENSOR_FILES))
+        workload = getattr(model, "workload", None)
+        doc = state_document(workload, optimizer, cfg, state, scalars, groups, files, {})
+        finish_save(tmp, path, doc)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
-    remove_stale_siblings(path)  # an .old- one kept while path was missing goes now
     log.info("saved checkpoint at step %d to %s", state.step, path)
     return path
 
 
 # ------------------------------------------------------------------------------- read
-def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
+def read_state(path: str | os.PathLike[str], verify: Iterable[str] | None = None) -> dict[str, Any]:
     """``state.json`` of a checkpoint, after checking its format version and schema (every
-    field's presence and type) and every tensor file's size and hash.
+    field's presence and type) and the size and hash of its tensor files.
+
+    Args:
+        verify: the tensor files to check (``None``: all of them); a rank of a sharded load
+            checks the files it reads.
 
     Raises:
+        FormatVersionError: naming the file, for another ``format_version``.
         ValueError: naming the file (and the field), for a missing, truncated or altered
-            checkpoint file, another ``format_version`` or a ``state.json`` that breaks the
-            schema.
+            checkpoint file or a ``state.json`` that breaks the schema.
     """
     path = Path(path)
     sp = path / STATE_FILE
@@ -293,19 +282,36 @@ def read_state(path: str | os.PathLike[str]) -> dict[str, Any]:
     except (json.JSONDecodeError, UnicodeDecodeError) as err:
         raise ValueError(f"checkpoint file {str(sp)!r} is corrupt or truncated: {err}") from err
     check_state(state, sp, CHECKPOINT_FORMAT_VERSION)
-    for name, info in state["files"].items():
-        fp = path / name
-        if not fp.is_file():
-            raise ValueError(f"checkpoint file {str(fp)!r} is missing")
-        size = fp.stat().st_size
-        if size != info["bytes"]:
-            raise ValueError(
-                f"checkpoint file {str(fp)!r} is {size} bytes but {info['bytes']} were written "
-                f"(truncated or replaced)"
-            )
-        if _sha256(fp) != info["sha256"]:
-            raise ValueError(f"checkpoint file {str(fp)!r} does not match its recorded sha256")
+    names = state["files"] if verify is None else sorted(set(verify))
+    for name in names:
+        verify_file(path, name, state["files"][name])
     return state
+
+
+def verify_file(path: Path, name: str, info: dict[str, Any]) -> None:
+    """Check the tensor file ``name`` of the checkpoint ``path`` against its record
+    ``{"bytes", "sha256"}``.
+
+    Raises:
+        ValueError: naming the file, when it is missing, of another size or hash.
+    """
+    fp = path / name
+    if not fp.is_file():
+        raise ValueError(f"checkpoint file {str(fp)!r} is missing")
+    size = fp.stat().st_size
+    if size != info["bytes"]:
+        raise ValueError(
+            f"checkpoint file {str(fp)!r} is {size} bytes but {info['bytes']} were written "
+            f"(truncated or replaced)"
+        )
+    if _sha256(fp) != info["sha256"]:
+        raise ValueError(f"checkpoint file {str(fp)!r} does not match its recorded sha256")
+
+
+def _whole(chunks: list[Chunk]) -> list[tuple[int, int]]:
+    """The region ``[(0, size)]`` per dimension of the whole tensor that ``chunks`` tile."""
+    dims = range(len(chunks[0].offset))
+    return [(0, max(c.offset[d] + c.shape[d] for c in chunks)) for d in dims]
 
 
 def _load_tensors(fp: Path) -> dict[str, torch.Tensor]:
@@ -364,6 +370,27 @@ class Checkpoint:
         )
 
 
+def read_header(path: str | os.PathLike[str]) -> Checkpoint:
+    """A checkpoint's ``state.json`` and configuration, checked against the schema, without
+    reading or verifying its tensor files (``model_tensors`` and ``optimizer_tensors`` are
+    empty): what a resume compares with its settings before a sharded load reads, and
+    checks, each rank's files.
+
+    Raises:
+        FormatVersionError: naming the file, for another ``format_version``.
+        ValueError: naming the file (and the field) of the first problem in ``state.json``.
+    """
+    path = Path(path)
+    state = read_state(path, verify=())
+    try:
+        cfg = TrainConfig.from_dict(state["train_config"])
+    except (TypeError, ValueError) as err:
+        raise ValueError(
+            f"checkpoint file {str(path / STATE_FILE)!r}: train_config: {err}"
+        ) from None
+    return Checkpoint(path, state, cfg, {}, {})
+
+
 def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     """Read a checkpoint folder and check it on its own (:func:`read_state`, readable tensor
     files, optimizer tensor names, a valid ``train_config``).
@@ -376,6 +403,9 @@ def read_checkpoint(path: str | os.PathLike[str]) -> Checkpoint:
     remove_stale_siblings(path)
     tensors = _load_tensors(path / MODEL_FILE)
     opt_tensors = _load_tensors(path / OPTIMIZER_FILE)
+    for key, chunks in chunks_of(state).items():  # a sharded save's tables: assembled whole
+        whole = read_region(path, {key: chunks}, key, _whole(chunks))
+        (opt_tensors if "::" in key else tensors)[key] = whole
     for key in opt_tensors:
         if key.count("::") != 1:
             raise ValueError(

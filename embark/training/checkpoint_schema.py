@@ -5,7 +5,7 @@ JSON, so a hand-edited or foreign ``state.json`` fails with an error naming the 
 field, before any weight, optimizer slot or generator is touched. The fields (as written by
 :meth:`~embark.training.trainer.Trainer.save_checkpoint`)::
 
-    {"format_version": 2,
+    {"format_version": 3,
      "step": 9, "data_position": 9,                       # integers >= 0
      "batch_size": 64 | null,                             # optional: integer >= 1 or null
      "data_stream": {...} | null,                         # optional: mapping or null
@@ -17,7 +17,13 @@ field, before any weight, optimizer slot or generator is touched. The fields (as
      "param_groups": [{"params": ["<param>", ...], "lr": 0.05, ...}, ...],
      "history": [{"step": 4, "auc": 0.7, ...}, ...],
      "files": {"model.safetensors": {"bytes": 515428, "sha256": "<64 hex>"},
-               "optimizer.safetensors": {...}}}
+               "optimizer.safetensors": {...},
+               "shards-0.safetensors": {...}, ...},          # a sharded save: one per rank
+     "shards": {"<key>": [{"file": "shards-0.safetensors", "name": "<key>@0,0",
+                           "offset": [0, 0], "shape": [250, 16]}, ...]}}   # {} in one process
+
+``shards`` indexes the tensors stored in chunks (:mod:`embark.training.checkpoint_shards`);
+every file it names is in ``files`` and every ``shards-<rank>`` file in ``files`` is named.
 
 Fields not listed are ignored (a writer of the same version may add information).
 ``batch_size`` is the samples per step of the data stream, ``data_stream`` what else fixes
@@ -33,8 +39,15 @@ from typing import Any
 import torch
 
 TENSOR_FILES = ("model.safetensors", "optimizer.safetensors")
+STATE_FILE = "state.json"
+_SHARD_FILE = re.compile(r"shards-(0|[1-9][0-9]*)\.safetensors")
 _HEX = re.compile(r"(?:[0-9a-f]{2})*")
 _SHA256 = re.compile(r"[0-9a-f]{64}")
+
+
+class FormatVersionError(ValueError):
+    """A checkpoint of another ``format_version`` than this reader's (the message names the
+    file, its version and the expected one)."""
 
 
 def _fail(sp: Path, field: str, expected: str, got: Any) -> ValueError:
@@ -78,7 +91,7 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
         )
     fv = _require(state, sp, "format_version")
     if not _is_int(fv) or fv != version:
-        raise ValueError(
+        raise FormatVersionError(
             f"checkpoint file {str(sp)!r} has format_version {fv!r}, expected {version}"
         )
     _check_run(state, sp)
@@ -88,6 +101,7 @@ def check_state(state: Any, sp: Path, version: int) -> dict[str, Any]:
     if not isinstance(history, list) or not all(isinstance(h, dict) for h in history):
         raise _fail(sp, "history", "a list of mappings", history)
     _check_files(_require(state, sp, "files"), sp)
+    _check_shards(_require(state, sp, "shards"), state["files"], sp)
     return state
 
 
@@ -149,9 +163,12 @@ def _check_optimizer(state: dict[str, Any], sp: Path) -> None:
 
 
 def _check_files(files: Any, sp: Path) -> None:
-    if not isinstance(files, dict) or sorted(files) != sorted(TENSOR_FILES):
+    ok = isinstance(files, dict) and set(TENSOR_FILES) <= set(files)
+    if not ok or not all(f in TENSOR_FILES or _SHARD_FILE.fullmatch(f) for f in files):
         got = sorted(files) if isinstance(files, dict) else files
-        raise _fail(sp, "files", f"a record of exactly {list(TENSOR_FILES)}", got)
+        raise _fail(
+            sp, "files", f"a record of {list(TENSOR_FILES)} and shards-<rank>.safetensors", got
+        )
     for name, info in files.items():
         if not isinstance(info, dict) or not _is_int(info.get("bytes")) or info["bytes"] < 0:
             raise _fail(sp, f"files[{name!r}]", "{'bytes': integer >= 0, 'sha256': hex}", info)
@@ -159,3 +176,32 @@ def _check_files(files: Any, sp: Path) -> None:
             raise _fail(
                 sp, f"files[{name!r}].sha256", "64 lowercase hex digits", info.get("sha256")
             )
+
+
+def _is_index_list(v: Any, least: int) -> bool:
+    return isinstance(v, list) and v != [] and all(_is_int(i) and i >= least for i in v)
+
+
+def _check_shards(shards: Any, files: dict[str, Any], sp: Path) -> None:
+    if not isinstance(shards, dict):
+        raise _fail(sp, "shards", "a mapping", shards)
+    named: set[str] = set()
+    for key, chunks in shards.items():
+        if not isinstance(chunks, list) or not chunks:
+            raise _fail(sp, f"shards[{key!r}]", "a non-empty list of chunks", chunks)
+        for i, c in enumerate(chunks):
+            field = f"shards[{key!r}][{i}]"
+            if not isinstance(c, dict) or not isinstance(c.get("name"), str):
+                raise _fail(sp, field, "{'file', 'name', 'offset', 'shape'}", c)
+            if c.get("file") not in files or not _SHARD_FILE.fullmatch(str(c["file"])):
+                raise _fail(
+                    sp, f"{field}.file", "a shards-<rank> file listed in files", c.get("file")
+                )
+            off: Any = c.get("offset")
+            shape: Any = c.get("shape")
+            if not _is_index_list(off, 0) or not _is_index_list(shape, 1) or len(off) != len(shape):
+                raise _fail(sp, field, "offset (>= 0) and shape (>= 1) of equal length", c)
+            named.add(c["file"])
+    unnamed = sorted(f for f in files if f not in TENSOR_FILES and f not in named)
+    if unnamed:
+        raise _fail(sp, "files", "only files that shards names", unnamed)

@@ -23,7 +23,7 @@ Resuming. The data stream position equals ``trainer.step`` (one batch per step),
 
 ends with exactly the weights of an uninterrupted ``total``-step run. The checkpoint format
 is :mod:`embark.training.checkpoint`'s; a sharded trainer is saved and loaded through
-``embark.sharding.checkpoint`` (gathered into this format, sliced on load).
+``embark.sharding.checkpoint`` (each rank writes its shards; a load reshards).
 """
 
 from __future__ import annotations
@@ -340,7 +340,7 @@ class Trainer:
 
         Raises:
             ValueError: when ``path`` exists and is not a checkpoint folder (nothing is
-                touched), or for a trainer of a sharded model (its checkpoint is gathered by
+                touched), or for a trainer of a sharded model (its ranks save together with
                 ``embark.sharding.save_sharded_checkpoint``).
         """
         if isinstance(self.model, SupportsGradientSync):

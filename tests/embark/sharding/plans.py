@@ -64,3 +64,35 @@ def tiny_plan(world: int) -> dict[str, Any]:
             }
         )
     return {"world_size": world, "gpus_per_node": GPN, "tables": entries}
+
+
+def uniform_plan(world: int, sharding_type: str) -> dict[str, Any]:
+    """The tiny workload's tables all ``"table_wise"`` (table i on rank i mod world) or all
+    ``"row_wise"`` (rows cut evenly over every rank): a plan change for resharding tests."""
+    entries = []
+    for i, t in enumerate(get_workload("tiny").tables):
+        if sharding_type == "table_wise":
+            shards = _rows(t.name, t.num_rows, t.dim, [i % world])
+        else:
+            b = [t.num_rows * r // world for r in range(world + 1)]
+            shards = [
+                {
+                    "rank": r,
+                    "row_start": b[r],
+                    "row_end": b[r + 1],
+                    "col_start": 0,
+                    "col_end": t.dim,
+                }
+                for r in range(world)
+            ]
+        entries.append(
+            {
+                "name": t.name,
+                "num_rows": t.num_rows,
+                "dim": t.dim,
+                "sharding_type": sharding_type if world > 1 else "table_wise",  # 1 rank: whole
+                "cluster": "reduction",
+                "shards": shards,
+            }
+        )
+    return {"world_size": world, "gpus_per_node": min(GPN, world), "tables": entries}

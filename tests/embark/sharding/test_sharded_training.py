@@ -26,7 +26,8 @@ from typing import Any
 import pytest
 
 from tests.embark.gloo_world import spawn_world, worker_main
-from tests.embark.sharding.plans import GPN, tiny_plan
+from tests.embark.sharding.collective_spy import CollectiveSpy
+from tests.embark.sharding.plans import GPN, tiny_plan, uniform_plan
 from tests.tolerances import tol
 
 WORLDS = (2, 4)
@@ -130,6 +131,7 @@ def _resume(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str
     )
     from embark.models.dlrm import build_model
     from embark.models.workloads import get_workload
+    from embark.sharding import to_single_process
 
     group = None if world == 2 else dist.new_group([0, 1])  # every rank creates the group
     ckpt = Path(out_dir, "ckpt")
@@ -143,8 +145,14 @@ def _resume(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str
         first = Trainer(model, TrainConfig(**CASES["adagrad"]))
         for b in batches[:RESUME_AT]:
             first.train_step(local_batch(b, rank, 2))
-        save_sharded_checkpoint(first, ckpt)
+        with CollectiveSpy() as spy:
+            save_sharded_checkpoint(first, ckpt)
+        saved = {"float_numel": spy.float_numel, "bytes": spy.bytes, "calls": spy.calls}
+        gathered = to_single_process(first, dst=0)  # the gather oracle, not the save path
+        if gathered is not None:
+            gathered.save_checkpoint(Path(out_dir, "ckpt_gathered"))
     dist.barrier()
+    reloaded = _reload(rank, world, out_dir, ckpt)
     trainer = load_sharded_checkpoint(ckpt, ShardingPlan.from_dict(tiny_plan(world)), rank)
     start = trainer.step
     losses = [trainer.train_step(local_batch(b, rank, world)) for b in batches[start:]]
@@ -152,7 +160,45 @@ def _resume(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str
         trainer.model.full_state_dict(dst=None),
         str(Path(out_dir, f"resume-rank{rank}.safetensors")),
     )
-    return {"start": start, "losses": losses, "step": trainer.step}
+    out = {"start": start, "losses": losses, "step": trainer.step, "reloaded": reloaded}
+    return out | ({"save": saved} if rank < 2 else {})
+
+
+def _reload(rank: int, world: int, out_dir: str, ckpt: Path) -> dict[str, Any]:
+    """Load the 2-rank checkpoint on this world's tiny plan and on all-table-wise and
+    all-row-wise plans, and write each as gathered (``reloaded-<plan>``) for the test to
+    compare exactly; load a copy with one altered shard file (the error every rank raised)."""
+    import shutil
+
+    import torch.distributed as dist
+
+    from embark import ShardingPlan, load_sharded_checkpoint
+    from embark.sharding import to_single_process
+
+    plans = {
+        "tiny": tiny_plan(world),
+        "table_wise": uniform_plan(world, "table_wise"),
+        "row_wise": uniform_plan(world, "row_wise"),
+    }
+    for name, plan in plans.items():
+        loaded = load_sharded_checkpoint(ckpt, ShardingPlan.from_dict(plan), rank)
+        single = to_single_process(loaded, dst=0)
+        if single is not None:
+            single.save_checkpoint(Path(out_dir, f"reloaded-{name}"))
+    bad = Path(out_dir, "ckpt_bad")
+    if rank == 0:
+        shutil.copytree(ckpt, bad)
+        shard = bad / "shards-1.safetensors"
+        data = bytearray(shard.read_bytes())
+        data[-1] ^= 0xFF
+        shard.write_bytes(bytes(data))
+    dist.barrier()
+    try:
+        load_sharded_checkpoint(bad, ShardingPlan.from_dict(tiny_plan(world)), rank)
+        error = ""
+    except ValueError as e:
+        error = str(e)
+    return {"bad_error": error}
 
 
 def _groups_on_a_rank_without_tables(
@@ -391,6 +437,105 @@ def test_checkpoint_from_world_2_resumes_in_one_process(runs: Any, reference: An
     assert got_rows.keys() == want_rows.keys() and len(got_rows) == len(get_workload("tiny").tables)
     for k in want_rows:
         torch.testing.assert_close(got_rows[k], want_rows[k], **ATOL, msg=k)
+
+
+# ------------------------------------------------------------------ sharded checkpoints
+def _files_equal(got: Path, want: Path) -> None:
+    """Two single-process checkpoints hold the same tensors (bit for bit), step, generator,
+    optimizer options and scalars."""
+    import torch
+    from safetensors.torch import load_file
+
+    for f in ("model.safetensors", "optimizer.safetensors"):
+        a, b = load_file(str(got / f)), load_file(str(want / f))
+        assert a.keys() == b.keys(), (got, f, sorted(a.keys() ^ b.keys()))
+        for k in b:
+            assert torch.equal(a[k], b[k]), (got, f, k)
+    sa, sb = (json.loads((p / "state.json").read_text()) for p in (got, want))
+    for field in ("step", "rng", "param_groups", "optimizer_scalars", "train_config", "workload"):
+        assert sa[field] == sb[field], (got, field)
+
+
+def test_each_rank_saves_only_its_shards(runs: Any) -> None:
+    """Ranks 0-1 of the world-2 plan each wrote exactly their shards (weights and Adagrad
+    sums, every sharding type); rank 0 the dense part and the DP tables; the collectives of
+    the save carried no floating-point tensor (no table rows) and a few KiB in all."""
+    from safetensors.torch import load_file
+
+    from embark.models.workloads import get_workload
+
+    world, d = runs
+    ckpt = d / "ckpt"
+    state = json.loads((ckpt / "state.json").read_text())
+    assert sorted(state["files"]) == [
+        "model.safetensors",
+        "optimizer.safetensors",
+        "shards-0.safetensors",
+        "shards-1.safetensors",
+    ]
+    plan = tiny_plan(2)
+    for r in range(2):
+        want: dict[str, list[int]] = {}
+        for t in plan["tables"]:
+            if t["sharding_type"] == "data_parallel":
+                continue
+            for sh in t["shards"]:
+                if sh["rank"] != r:
+                    continue
+                shape = [sh["row_end"] - sh["row_start"], sh["col_end"] - sh["col_start"]]
+                at = f"@{sh['row_start']},{sh['col_start']}"
+                want[f"embeddings.{t['name']}.weight{at}"] = shape
+                want[f"embeddings.{t['name']}.weight::sum{at}"] = shape
+        got = load_file(str(ckpt / f"shards-{r}.safetensors"))
+        assert {k: list(v.shape) for k, v in got.items()} == want, r
+    tables = {k for k in load_file(str(ckpt / "model.safetensors")) if k.startswith("emb")}
+    assert tables == {"embeddings.t3.weight", "embeddings.t5.weight"}  # the DP tables
+    dp = {t["name"] for t in plan["tables"] if t["sharding_type"] == "data_parallel"}
+    rows = sum(t.num_rows * t.dim * 4 for t in get_workload("tiny").tables if t.name not in dp)
+    for r in range(2):  # file records and chunk indexes only: a small fraction of the rows
+        save = json.loads((d / f"rank{r}.json").read_text())["resume"]["save"]
+        assert save["calls"] > 0 and save["float_numel"] == 0, save
+        assert save["bytes"] < rows / 20, (save, rows)
+
+
+@pytest.mark.parametrize("plan", ["tiny", "table_wise", "row_wise"])
+def test_checkpoint_reshards_exactly(runs: Any, plan: str) -> None:
+    """The 2-rank checkpoint loaded on this world's tiny plan (world 2: same plan; world 4:
+    resharded) and on all-table-wise and all-row-wise plans holds, gathered, exactly the
+    weights and optimizer state of the trainer that saved it."""
+    _, d = runs
+    _files_equal(d / f"reloaded-{plan}", d / "ckpt_gathered")
+
+
+def test_checkpoint_reshards_to_one_process_exactly(runs: Any, tmp_path: Path) -> None:
+    """The 2-rank checkpoint in the single-process Trainer and in a one-rank sharded trainer
+    holds exactly the saving trainer's weights and optimizer state."""
+    from embark import ShardingPlan, load_sharded_checkpoint
+    from embark.sharding import to_single_process
+    from embark.training.trainer import Trainer
+
+    _, d = runs
+    Trainer.load_checkpoint(d / "ckpt").save_checkpoint(tmp_path / "single")
+    _files_equal(tmp_path / "single", d / "ckpt_gathered")
+    plan = ShardingPlan.from_dict(uniform_plan(1, "table_wise"))
+    one = to_single_process(load_sharded_checkpoint(d / "ckpt", plan, 0))
+    assert one is not None
+    one.save_checkpoint(tmp_path / "one_rank")
+    _files_equal(tmp_path / "one_rank", d / "ckpt_gathered")
+
+
+def test_corrupt_shard_file_is_refused_on_every_rank(runs: Any) -> None:
+    """One altered shard file: every rank's load raises naming it (also ranks that do not
+    read it), and so does the single-process load."""
+    from embark.training.trainer import Trainer
+
+    world, d = runs
+    bad = d / "ckpt_bad" / "shards-1.safetensors"
+    for r in range(world):
+        err = json.loads((d / f"rank{r}.json").read_text())["resume"]["reloaded"]["bad_error"]
+        assert str(bad) in err and "sha256" in err, (r, err)
+    with pytest.raises(ValueError, match="shards-1.safetensors.*sha256"):
+        Trainer.load_checkpoint(d / "ckpt_bad")
 
 
 if __name__ == "__main__":

@@ -46,10 +46,22 @@ def _files(mutate: Callable[[dict[str, Any]], None]) -> Callable[[dict[str, Any]
     return f
 
 
+def _chunk(**chunk: Any) -> Callable[[dict[str, Any]], Any]:
+    """A state whose ``shards-0`` file (a copy of the model file's record) holds one chunk of
+    key ``k`` with ``chunk``'s fields."""
+
+    def f(s: dict[str, Any]) -> dict[str, Any]:
+        s["files"]["shards-0.safetensors"] = s["files"]["model.safetensors"]
+        s["shards"] = {"k": [{"file": "shards-0.safetensors", "name": "k@0"} | chunk]}
+        return s
+
+    return f
+
+
 CASES = [
     (lambda s: [s], "must hold a JSON object, got list"),
-    (_with(format_version="2"), "has format_version '2', expected 2"),
-    (_with(format_version=1), "has format_version 1, expected 2"),  # the dense-table layout
+    (_with(format_version="3"), "has format_version '3', expected 3"),
+    (_with(format_version=2), "has format_version 2, expected 3"),  # tables whole, no shards
     (_without("format_version"), "missing field 'format_version'"),
     (_without("files"), "missing field 'files'"),
     (_without("rng"), "missing field 'rng'"),
@@ -89,12 +101,52 @@ CASES = [
     (_with(history={}), "history must be a list of mappings, got {}"),
     (
         _with(files={}),
-        r"files must be a record of exactly \['model.safetensors', 'optimizer.safetensors'\], got \[\]",
+        r"files must be a record of \['model.safetensors', 'optimizer.safetensors'\] and "
+        r"shards-<rank>.safetensors, got \[\]",
     ),
     (
         _files(lambda f: f.pop("model.safetensors")),
-        r"files must be a record of exactly .*got \['optimizer.safetensors'\]",
+        r"files must be a record of .*got \['optimizer.safetensors'\]",
     ),
+    (
+        _files(lambda f: f.update({"shards-01.safetensors": f["model.safetensors"]})),
+        r"files must be a record of .*got \[.*'shards-01.safetensors'\]",
+    ),
+    (
+        _files(lambda f: f.update({"shards-1.safetensors": f["model.safetensors"]})),
+        r"files must be only files that shards names, got \['shards-1.safetensors'\]",
+    ),
+    (_without("shards"), "missing field 'shards'"),
+    (_with(shards=[]), r"shards must be a mapping, got \[\]"),
+    (
+        _with(shards={"embeddings.t0.weight": []}),
+        r"shards\['embeddings.t0.weight'\] must be a non-empty",
+    ),
+    (
+        _with(
+            shards={
+                "k": [{"file": "model.safetensors", "name": "k@0", "offset": [0], "shape": [1]}]
+            }
+        ),
+        r"shards\['k'\]\[0\].file must be a shards-<rank> file listed in files, got 'model.safetensors'",
+    ),
+    (
+        _with(
+            shards={
+                "k": [{"file": "shards-0.safetensors", "name": "k@0", "offset": [0], "shape": [1]}]
+            }
+        ),
+        r"shards\['k'\]\[0\].file must be a shards-<rank> file listed in files, got 'shards-0",
+    ),
+    (
+        _chunk(offset=[0, -1], shape=[2, 2]),
+        r"shards\['k'\]\[0\] must be offset \(>= 0\) and shape \(>= 1\) of equal length",
+    ),
+    (
+        _chunk(offset=[0], shape=[2, 2]),
+        r"shards\['k'\]\[0\] must be offset \(>= 0\) and shape \(>= 1\) of equal length",
+    ),
+    (_chunk(offset=[0], shape=[0]), r"shards\['k'\]\[0\] must be offset"),
     (
         _files(lambda f: f["model.safetensors"].update(bytes="12")),
         r"files\['model.safetensors'\] must be",
@@ -104,6 +156,20 @@ CASES = [
         r"files\['model.safetensors'\].sha256 must be 64",
     ),
 ]
+
+
+def test_another_format_version_is_refused_by_name(checkpoint, tmp_path) -> None:
+    """A version-2 checkpoint (tables whole, no chunk index) raises FormatVersionError."""
+    from embark.training import FormatVersionError
+
+    src, state, _ = checkpoint
+    ck = tmp_path / "ck"
+    ck.mkdir()
+    for f in src.iterdir():
+        (ck / f.name).write_bytes(f.read_bytes())
+    (ck / "state.json").write_text(json.dumps(state | {"format_version": 2}))
+    with pytest.raises(FormatVersionError, match="has format_version 2, expected 3"):
+        Trainer.load_checkpoint(ck)
 
 
 @pytest.mark.parametrize(("mutate", "match"), CASES)

@@ -109,6 +109,12 @@ class PruneDLRMConfig:
     )
     # 0.2 diverges on tiny, 0.1 learns slower
     lr: float = knob(0.05, "Adagrad learning rate", gt=0)
+    # Adagrad's first steps move every weight by ~lr whatever its gradient: at a full 0.05 they
+    # can push every unit of the bottom MLP's last ReLU negative for all inputs within 5 steps
+    # (seed 0: all 16 dead, the dense features lost for good). 100 of 3000 steps ramps past it.
+    warmup_steps: int = knob(
+        100, "linear lr warm-up of the dense training (the fine-tuning continues at lr)", ge=0
+    )
     pattern: Literal["tw", "tw_rows", "tew", "ew", "nm", "bw"] = knob("tw", "sparsity pattern")
     sparsity: float = knob(0.75, "target sparsity (nm: always 2:4 = 0.5)", ge=0, lt=1)
     # tiny's layers are 13-144 wide (top MLP 144x128, cross layers 144x32): G=128 would put a
@@ -372,10 +378,11 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
         workload = workload.scaled(cfg.scale)
     data = SyntheticCTR(workload, batch_size=cfg.batch_size, seed=cfg.seed)
     eval_batches = list(data.batches(cfg.eval_batches, split="eval"))
+    # the fine-tuning continues the dense trainer's Adagrad state: no second warm-up
     train_cfg = TrainConfig(lr=cfg.lr, seed=cfg.seed)
 
     dense = build_model(workload, seed=cfg.seed)
-    trainer = Trainer(dense, train_cfg)
+    trainer = Trainer(dense, replace(train_cfg, warmup_steps=cfg.warmup_steps))
     t0 = time.perf_counter()
     trainer.fit(data.batches(cfg.dense_steps), cfg.dense_steps, progress=cfg.progress)
     dense_train_s = time.perf_counter() - t0

@@ -147,7 +147,7 @@ def write_markdown(report: dict[str, Any], main_index: int) -> str:
 
 Workload `{report["workload"]["name"]}`, {k["dense_steps"]} dense training steps, then
 {k["steps"]} fine-tuning steps for every model (the dense baseline too), batch {k["batch_size"]},
-Adagrad lr {k["lr"]}, eval on {k["eval_batches"]} x {k["batch_size"]} samples.
+Adagrad lr {k["lr"]} (dense training warmed up over {k["warmup_steps"]} steps), eval on {k["eval_batches"]} x {k["batch_size"]} samples.
 Teacher AUC (ceiling) {report["teacher_auc"]:.4f}; dense before fine-tuning {report["dense_pretrain_auc"]:.4f}.
 
 {results_table(report)}

@@ -67,6 +67,12 @@ class TrainConfig:
             (:class:`EmbeddingOptimizerKind`); ``None`` = ``optimizer`` (``adagrad`` is exact
             Adagrad).
         embedding_kernel: :class:`EmbeddingKernel` of the fused lookup and update.
+        warmup_steps: linear learning-rate warm-up: step ``k`` (1-based, counted by the
+            trainer's ``step``) of the first ``warmup_steps`` runs at ``k / warmup_steps`` of
+            each learning rate, dense part and tables alike (MLPerf DLRM's reference
+            ``--lr-num-warmup-steps``); 0 = none. Adagrad's first steps move every weight by
+            about ``lr`` whatever its gradient (its squared-gradient sum is just that gradient
+            squared), which at a full ``lr`` can push all units of a ReLU layer negative at once.
 
     Raises:
         ValueError: naming the field, for out-of-range values.
@@ -84,6 +90,7 @@ class TrainConfig:
     seed: int = 0
     embedding_optimizer: EmbeddingOptimizerKind | None = None
     embedding_kernel: EmbeddingKernel = EmbeddingKernel.AUTO
+    warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         self._enum_field("optimizer", OptimizerKind, self.optimizer)
@@ -106,7 +113,7 @@ class TrainConfig:
             v = getattr(self, name)
             if not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"TrainConfig.{name} must be >= 0, got {v!r}")
-        for name in ("eval_every", "checkpoint_every", "seed"):
+        for name in ("eval_every", "checkpoint_every", "seed", "warmup_steps"):
             v = getattr(self, name)
             if isinstance(v, bool) or not isinstance(v, int) or v < 0:
                 raise ValueError(f"TrainConfig.{name} must be an integer >= 0, got {v!r}")
@@ -128,6 +135,13 @@ class TrainConfig:
         if self.embedding_optimizer is not None:
             return self.embedding_optimizer
         return EmbeddingOptimizerKind(self.optimizer.value)
+
+    def lr_scale(self, step: int) -> float:
+        """The warm-up factor of 1-based ``step``: ``min(1, step / warmup_steps)``, 1 without
+        warm-up."""
+        if self.warmup_steps == 0 or step >= self.warmup_steps:
+            return 1.0
+        return max(step, 1) / self.warmup_steps
 
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)

@@ -97,6 +97,10 @@ class FbgemmTable:
         wide; a column shard may not be)."""
         return dim % 4 == 0
 
+    def set_lr(self, lr: float) -> None:
+        """Set the learning rate the kernel's backward applies."""
+        self.tbe.set_learning_rate(lr)
+
     def _unbind(self) -> None:
         params = self.tbe._parameters
         for name in ("weights_host", "momentum1_host"):

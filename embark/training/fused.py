@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Mapping
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -154,6 +155,12 @@ class SparseTableUpdate(nn.Module):
         out: torch.Tensor = _ReferenceBag.apply(anchor, weight, ids, offsets, mean, self)
         return out
 
+    def set_lr(self, lr: float) -> None:
+        """Set the row update's learning rate (the FBGEMM kernels' too)."""
+        self.optimizer = replace(self.optimizer, lr=lr)
+        for kernel in self._kernels.values():
+            kernel.set_lr(lr)
+
     def __deepcopy__(self, memo: dict[int, Any]) -> SparseTableUpdate:
         """A copy with copied state; the kernel objects are rebuilt on first use."""
         new = SparseTableUpdate(self.table, 0, 0, self.optimizer, self.kernel)
@@ -217,6 +224,12 @@ class EmbeddingUpdates:
         """``{table: its update}``."""
         holder: nn.ModuleDict = self.model.sparse_updates  # type: ignore[assignment]
         return {t: holder[t] for t in self.weights}  # type: ignore[misc]
+
+    def set_lr(self, lr: float) -> None:
+        """Set every table's learning rate (the trainer's warm-up)."""
+        self.optimizer = replace(self.optimizer, lr=lr)
+        for upd in self.updates.values():
+            upd.set_lr(lr)
 
     @torch.no_grad()
     def step(self) -> None:

@@ -181,6 +181,19 @@ class Trainer:
                 if p in old.state:
                     self.optimizer.state[p] = old.state[p]
 
+    def _warm_up(self, step: int) -> None:
+        """Learning rates of 1-based ``step`` under ``cfg.warmup_steps``
+        (:meth:`TrainConfig.lr_scale`); after the warm-up they are left as they are."""
+        if step > self.cfg.warmup_steps:
+            return
+        scale = self.cfg.lr_scale(step)
+        table_lr = self.cfg.embedding_lr or self.cfg.lr
+        for group in self.optimizer.param_groups:
+            base = table_lr if group.get("name") == "embeddings" else self.cfg.lr
+            group["lr"] = base * scale
+        if self.embedding_updates is not None:
+            self.embedding_updates.set_lr(table_lr * scale)
+
     def add_callback(self, cb: Callback) -> None:
         self.callbacks.append(cb)
 
@@ -197,6 +210,9 @@ class Trainer:
         """
         self.model.train()
         batch = batch.to(self.device)
+        # before the forward: FBGEMM's kernel takes the tables' lr when the lookup runs; a
+        # function of the step alone, so a refused or diverged step leaves it as a retry sets it
+        self._warm_up(self.state.step + 1)
         loss, n = self.sync.loss(batch)
         self.state.admit(n, self.sync.batch_scope)
         step = self.state.step + 1

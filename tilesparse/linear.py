@@ -16,7 +16,7 @@ computes ``y = x · W + b`` through :func:`tilesparse.ops.tw_linear`, whose back
 >>> import torch
 >>> dense = torch.nn.Linear(4, 6)
 >>> mask = torch.zeros(6, 4, dtype=torch.bool); mask[:4, :2] = True   # like dense.weight
->>> sparse = TileSparseLinear.from_dense(dense, mask, tile=2)
+>>> sparse = TileSparseLinear.from_dense(dense, mask=mask, tile=2)
 >>> sparse
 TileSparseLinear(in_features=4, out_features=6, tile=2, tiles=2, kept_columns=4/6, nnz=8/24 (sparsity 66.7%), bias=True, backend=auto)
 >>> torch.equal(sparse.to_dense().weight, dense.weight * mask)
@@ -170,19 +170,20 @@ class TileSparseLinear(nn.Module):
     def from_dense(
         cls,
         linear: nn.Linear,
+        *positional: object,
         mask: torch.Tensor | None = None,
         tile: int = 128,
         backend: Backend | str = "auto",
-        *,
         mask_kn: torch.Tensor | None = None,
     ) -> TileSparseLinear:
         """Condense ``linear`` under a mask of its kept weights.
 
-        The mask follows torch's convention (``torch.nn.utils.prune``): shaped like
-        ``linear.weight``, ``(out, in) = (N, K)``. The transposed form ``(in, out) = (K, N)``
-        (the orientation of :mod:`tilesparse.patterns` and :class:`TWLayout`) is taken only
-        under the keyword ``mask_kn=``. A square layer cannot tell the two layouts apart by
-        shape, so the layout is never guessed: a positional mask is always ``(out, in)``.
+        The mask is passed by keyword, which names its layout: ``mask=`` follows torch's
+        convention (``torch.nn.utils.prune``), shaped like ``linear.weight``,
+        ``(out, in) = (N, K)``; ``mask_kn=`` is the transposed form ``(in, out) = (K, N)`` (the
+        orientation of :mod:`tilesparse.patterns` and :class:`TWLayout`). A square layer cannot
+        tell the two apart by shape, so the layout is never guessed and a positional mask is an
+        error.
 
         Args:
             linear: the dense layer; its ``weight`` is ``(N, K)``.
@@ -198,10 +199,17 @@ class TileSparseLinear(nn.Module):
             ``linear.weight * mask`` (``* mask_kn.T``) exactly.
 
         Raises:
-            ValueError: when neither or both of ``mask`` and ``mask_kn`` are given, when the
+            ValueError: for a positional mask (or any positional argument after ``linear``),
+                when neither or both of ``mask`` and ``mask_kn`` are given, when the
                 mask is not bool or its shape is not the layout it was passed as (naming both
                 shapes), or for an unknown backend.
         """
+        if positional:
+            raise ValueError(
+                "from_dense takes its mask by keyword, which names the layout: mask= (out, in), "
+                "shaped like linear.weight, or mask_kn= (in, out); a positional mask would be "
+                "ambiguous on a square layer (tile= and backend= are keywords too)"
+            )
         weight = linear.weight.detach()
         n, k = weight.shape
         if (mask is None) == (mask_kn is None):

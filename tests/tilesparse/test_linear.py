@@ -38,7 +38,7 @@ def int_linear(
 def test_round_trip_and_forward_exact(k, n, tile, sparsity, bias, seed) -> None:
     lin = int_linear(k, n, seed, bias)
     mask = tw_mask(lin.weight.detach().T.abs() + 1e-3 * torch.rand(k, n), sparsity, tile)
-    sparse = TileSparseLinear.from_dense(lin, mask.T, tile=tile, backend="reference")
+    sparse = TileSparseLinear.from_dense(lin, mask=mask.T, tile=tile, backend="reference")
     sparse.layout.validate()
     assert torch.equal(sparse.mask(), mask.T)
     dense = sparse.to_dense()
@@ -118,29 +118,32 @@ def test_bad_input() -> None:
         ValueError,
         match=r"mask must be \(out, in\) = \(2, 3\).*\(in, out\) would be \(3, 2\).*got \(3, 2\); a \(in, out\) mask is passed as mask_kn=",
     ):
-        TileSparseLinear.from_dense(lin, torch.ones(3, 2, dtype=torch.bool))
+        TileSparseLinear.from_dense(lin, mask=torch.ones(3, 2, dtype=torch.bool))
     with pytest.raises(
         ValueError,
         match=r"mask must be \(out, in\) = \(2, 3\) for this layer \(\(in, out\) would be \(3, 2\)\), got \(4, 4\)$",
     ):
-        TileSparseLinear.from_dense(lin, torch.ones(4, 4, dtype=torch.bool))
+        TileSparseLinear.from_dense(lin, mask=torch.ones(4, 4, dtype=torch.bool))
     with pytest.raises(ValueError, match="must be a 2-D bool tensor .* got torch.float32"):
-        TileSparseLinear.from_dense(lin, torch.ones(2, 3))
+        TileSparseLinear.from_dense(lin, mask=torch.ones(2, 3))
     with pytest.raises(ValueError, match="exactly one mask"):
         TileSparseLinear.from_dense(lin)
     ones = torch.ones(2, 3, dtype=torch.bool)
     with pytest.raises(ValueError, match="exactly one mask"):
-        TileSparseLinear.from_dense(lin, ones, mask_kn=ones.T)
+        TileSparseLinear.from_dense(lin, mask=ones, mask_kn=ones.T)
 
 
 def test_mask_layouts_on_a_square_layer() -> None:
-    """A square layer: the positional mask is (out, in), like ``weight``; (in, out) only by
-    keyword. Both give the same module, and the masked dense layer is reproduced exactly."""
+    """A square layer: ``mask=`` is (out, in), like ``weight``; ``mask_kn=`` is (in, out). Both
+    give the same module, the masked dense layer is reproduced exactly, and a positional mask
+    (whose layout a square shape cannot tell) is an error, not a guess."""
     lin = int_linear(4, 4, 11)
     mask = torch.tensor(
         [[1, 1, 0, 0], [1, 1, 0, 0], [0, 0, 0, 0], [1, 0, 0, 1]], dtype=torch.bool
     )  # (out, in): not symmetric, so the two readings differ
-    a = TileSparseLinear.from_dense(lin, mask, tile=2)
+    a = TileSparseLinear.from_dense(lin, mask=mask, tile=2)
+    with pytest.raises(ValueError, match="takes its mask by keyword"):
+        TileSparseLinear.from_dense(lin, mask.T.contiguous(), tile=2)
     b = TileSparseLinear.from_dense(lin, mask_kn=mask.T.contiguous(), tile=2)
     assert torch.equal(a.to_dense().weight, lin.weight * mask)
     assert torch.equal(a.mask(), mask) and torch.equal(a.mask_kn(), mask.T)

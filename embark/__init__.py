@@ -16,8 +16,9 @@ state dicts, batches, plans and EBC models; torchrec optional). Command lines:
 2
 """
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from embark.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from embark.data.batch import Batch, local_batch
@@ -130,14 +131,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())

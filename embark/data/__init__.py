@@ -5,8 +5,9 @@ reader (:class:`CriteoTSV`), the converter into TorchRec's binary npy layout
 (:func:`convert_criteo`, ``python -m embark.data.convert``) and its memory-mapped per-rank
 reader (:class:`CriteoBinary`)."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from embark.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from embark.data.batch import Batch, local_batch, local_range, slice_batch
@@ -54,14 +55,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())

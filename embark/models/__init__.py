@@ -2,8 +2,9 @@
 :func:`build_model`) and the workloads they are built for (:class:`Workload`: tables, MLP
 widths, interaction; presets by :func:`get_workload`)."""
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from embark.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from embark.models.dlrm import DLRM, CrossNetV2, DotInteraction, build_model, init_weights_
@@ -36,14 +37,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    module = _EXPORTS.get(name)
-    if module is None:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())

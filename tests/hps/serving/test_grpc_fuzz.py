@@ -14,6 +14,7 @@ from tritonclient.grpc import service_pb2 as triton_pb
 
 from embark.models.dlrm import DLRM
 from hps.serving.http_server import InferenceServer
+from tests.faults.test_v2_fuzz import _mutate
 from tests.hps.serving.tiny_dlrm import eager_logits, make_request
 from tests.tolerances import tol
 
@@ -44,19 +45,6 @@ def _valid(model: DLRM, raw: bool) -> triton_pb.ModelInferRequest:
         else:
             t.contents.int64_contents.extend(arr.reshape(-1).tolist())
     return msg
-
-
-def _mutate(body: bytes, edits: list[tuple[float, str, bytes]]) -> bytes:
-    out = bytearray(body)
-    for where, edit, chunk in edits:
-        at = int(where * len(out))
-        if edit == "replace":
-            out[at : at + len(chunk)] = chunk
-        elif edit == "insert":
-            out[at:at] = chunk
-        else:
-            del out[at : at + len(chunk)]
-    return bytes(out)
 
 
 _edits = st.lists(

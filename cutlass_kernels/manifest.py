@@ -79,9 +79,11 @@ MIN_CUDA = {Arch.SM80: (11, 0), Arch.SM90A: (12, 0)}
 
 _INSTRUCTION = (16, 8, 16)  # mma.sync.m16n8k16, fp16/bf16 inputs, fp32 accumulate
 
-# select() takes the widest batch tile whose modelled time is within this factor of the best
-# (a heuristic: wider tiles re-read the weights and the gather indices less often).
-_WIDER_TILE_SLACK = 1.1
+# The batch tile the wave model prefers, and how much slower (modelled) it may be than the
+# cheapest: on an H200 (benchmarks/results/cutlass_gpu_check_h200.json, 48 BERT/DCNv2 rows)
+# the 128-wide multistage tile was the fastest instance or within 2 % of it on average.
+_PREFERRED_BATCH_TILE = 128
+_PREFERRED_TILE_SLACK = 1.25
 
 
 @dataclass(frozen=True)
@@ -286,15 +288,19 @@ def _candidates(
     arch: Arch,
     mainloop: Mainloop | str | None,
 ) -> tuple[Mainloop, list[TWKernel]]:
-    """The main loop :func:`select` uses (``mainloop``, else gmma where the arch has it, else
-    multistage) and the instances of ``dtype``/``arch`` on it."""
+    """The main loop :func:`select` uses (``mainloop``, else multistage where the arch has it,
+    else the arch's only one) and the instances of ``dtype``/``arch`` on it.
+
+    Multistage is the default on sm_90a too: on an H200 its instances beat the gmma ones on 42
+    of 48 BERT/DCNv2 rows, and the gmma instance the wave model picks ran 1.33x the fastest
+    instance's time on average (benchmarks/results/cutlass_gpu_check_h200.json)."""
     kernels = [k for k in kernels if k.dtype is dtype and k.arch is arch]
     if mainloop is None:
         have = {k.mainloop for k in kernels}
         mainloop = (
-            Mainloop.SM90_CPASYNC_GMMA
-            if Mainloop.SM90_CPASYNC_GMMA in have
-            else Mainloop.SM80_MULTISTAGE
+            Mainloop.SM80_MULTISTAGE
+            if Mainloop.SM80_MULTISTAGE in have or not have
+            else next(iter(have))
         )
     mainloop = Mainloop(mainloop)
     return mainloop, [k for k in kernels if k.mainloop is mainloop]
@@ -327,11 +333,12 @@ def select(
     """Pick the instance for a call: the smallest ``G >= max_tile_width``, then (k tile 32) a
     batch tile. With the tile and SM counts known, a wave model of the grid
     (``num_tiles × ceil(batch / batch tile)`` CTAs; 2 resident per SM for 128-thread
-    instances, 1 for 256): the widest batch tile within ``_WIDER_TILE_SLACK`` of the best
-    modelled time. Without them a 256-wide batch tile for batches >= 16384, else 128.
+    instances, 1 for 256): the 128-wide batch tile when its modelled time is within
+    ``_PREFERRED_TILE_SLACK`` of the best, else the cheapest (the widest of equals). Without
+    them a 256-wide batch tile for batches >= 16384, else 128.
 
-    The main loop is ``mainloop`` when given, else the gmma one where the arch has it, else the
-    multistage one; its default k tile is 64 (gmma) or 32 (multistage).
+    The main loop is ``mainloop`` when given, else the multistage one (see :func:`_candidates`);
+    its default k tile is 64 (gmma) or 32 (multistage).
 
     Raises:
         ValueError: no instance of that dtype/arch/main loop serves tiles that wide.
@@ -361,6 +368,9 @@ def select(
             return waves * n * per_sm
 
         best = min(cost(k) for k in k32)
-        return next(k for k in k32 if cost(k) <= _WIDER_TILE_SLACK * best)
+        preferred = [k for k in k32 if k.threadblock[1] == _PREFERRED_BATCH_TILE]
+        if preferred and cost(preferred[0]) <= _PREFERRED_TILE_SLACK * best:
+            return preferred[0]
+        return next(k for k in k32 if cost(k) == best)
     want_n = 256 if batch >= 16384 else 128
     return next((k for k in k32 if k.threadblock[1] == want_n), k32[0])

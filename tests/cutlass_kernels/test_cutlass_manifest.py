@@ -69,26 +69,31 @@ def test_select_picks_narrowest_fitting_tile() -> None:
     assert select(ks, "f16", "sm_80", 64, 1000).tile_g == 64
     k = select(ks, "bf16", "sm_90a", 100, 65536, mainloop="sm80_multistage")
     assert (k.tile_g, k.threadblock[1], k.dtype, k.arch) == (128, 256, DType.BF16, Arch.SM90A)
-    # sm_90a defaults to the gmma main loop (k tile 64); 1 CTA of 384 threads per SM:
-    # 3 tiles x 12800: n=128 → 300 CTAs / 132 → 3 waves → 384; n=64 → 600 / 132 → 5 → 320.
-    k = select(ks, "f16", "sm_90a", 128, 12800, 3, 132)
-    assert (k.mainloop, k.threadblock) == (Mainloop.SM90_CPASYNC_GMMA, (128, 64, 64))
-    # 12 tiles: n=128 → 1200 / 132 → 10 → 1280; n=64 → 19 → 1216; 1280 <= 1.1 × 1216.
-    k = select(ks, "f16", "sm_90a", 128, 12800, 12, 132)
+    # sm_90a defaults to the multistage main loop (k tile 32), as sm_80 has only that one; the
+    # gmma instances are picked when asked for. Wave model, 132 SMs: cost = waves × batch tile
+    # × CTAs per SM (2 for 128 threads, 1 for the 256-thread n=256 instance, 1 for gmma's 384).
+    # gmma, 3 tiles x 12800: n=128 → 300 CTAs / 132 → 3 waves → 384; n=64 → 5 → 320:
+    # 384 <= 1.25 × 320, so the preferred n=128.
+    k = select(ks, "f16", "sm_90a", 128, 12800, 3, 132, "sm90_cpasync_gmma")
     assert (k.mainloop, k.threadblock) == (Mainloop.SM90_CPASYNC_GMMA, (128, 128, 64))
-    assert select(ks, "f16", "sm_90a", 64, 12800).threadblock == (64, 128, 64)
+    k = select(ks, "f16", "sm_90a", 128, 12800, 12, 132)
+    assert (k.mainloop, k.threadblock) == (Mainloop.SM80_MULTISTAGE, (128, 128, 32))
+    assert select(ks, "f16", "sm_90a", 64, 12800).threadblock == (64, 128, 32)
     assert select(ks, "f16", "sm_80", 128, 8).threadblock == (128, 128, 32)
-    # Wave model, 132 SMs: cost = waves × batch tile × CTAs per SM (2 for 128 threads, 1 for
-    # the 256-thread n=256 instance); the widest tile within 10% of the cheapest wins.
-    # 3 tiles x 12800: n=256 150 CTAs → 2 waves → 512; n=128 300/264 → 2 → 512; n=64 600/264 → 3
-    # → 384: only n=64 is within 10%.
+    # Multistage: the 128-wide batch tile unless its modelled cost exceeds 1.25 × the cheapest,
+    # then the cheapest (the widest of equals).
+    # 3 tiles x 12800: n=256 150 CTAs → 2 waves → 512; n=128 300/264 → 2 → 512; n=64 600/264 →
+    # 3 → 384: 512 > 1.25 × 384, so n=64.
     assert select(ks, "f16", "sm_90a", 128, 12800, 3, 132, "sm80_multistage").threadblock[1] == 64
-    # 24 tiles x 12800: 256 → 10 waves → 2560, 128 → 2560, 64 → 19 → 2432; 2560 <= 1.1 × 2432.
-    assert select(ks, "f16", "sm_90a", 128, 12800, 24, 132, "sm80_multistage").threadblock[1] == 256
-    # 2 tiles x 6400: 256 → 256, 128 → 256, 64 → 1 wave → 128.
+    # 24 tiles x 12800: 256 → 10 waves → 2560, 128 → 2560, 64 → 19 → 2432: n=128.
+    assert select(ks, "f16", "sm_90a", 128, 12800, 24, 132, "sm80_multistage").threadblock[1] == 128
+    # 2 tiles x 6400: 256 → 256, 128 → 256, 64 → 1 wave → 128: n=64.
     assert select(ks, "f16", "sm_90a", 128, 6400, 2, 132, "sm80_multistage").threadblock[1] == 64
-    # One CTA whatever the tile: 256 → 256, 128 → 256, 64 → 128.
+    # One CTA whatever the tile: 256 → 256, 128 → 256, 64 → 128: n=64.
     assert select(ks, "f16", "sm_90a", 128, 64, 1, 132, "sm80_multistage").threadblock[1] == 64
+    # 1 tile x 65536: 256 → 256 CTAs / 132 → 2 waves → 512; 128 → 512/264 → 2 → 512;
+    # 64 → 1024/264 → 4 → 512: all equal, so the preferred n=128.
+    assert select(ks, "f16", "sm_90a", 128, 65536, 1, 132, "sm80_multistage").threadblock[1] == 128
     with pytest.raises(ValueError, match="129 columns wide"):
         select(ks, "f16", "sm_80", 129, 8)
 

@@ -31,9 +31,10 @@ format, so a single-process checkpoint loads sharded and a sharded one in one pr
 :func:`to_single_process` / :func:`from_single_process` convert a trainer between the two
 forms in memory (a gather of whole tables: for tests and small models, not used by the save).
 
-Limits: a loading rank still builds the whole single-process model once
-(:class:`~embark.sharding.model.ShardedDLRM` is constructed from one) before its shards are
-overwritten from the checkpoint.
+Memory on load: a rank reads its pieces, builds its model with :meth:`ShardedDLRM.build`
+(``seed=None``: its shards, DP replicas and dense part only, nothing drawn) and copies the
+pieces in, freeing each once copied. It never holds a table, or a piece of one, that it does
+not own: at most twice its own shards and their optimizer state.
 """
 
 from __future__ import annotations
@@ -413,7 +414,8 @@ def _check_and_restore(trainer: Trainer, read: _RankState) -> None:
     model.dense.load_state_dict(read.dense, strict=True)
     updates = _table_updates(trainer).updates
     with torch.no_grad():
-        for key, v in read.tables.items():
+        while read.tables:  # each piece is freed once copied: the rank holds one extra at most
+            key, v = read.tables.popitem()
             table = key.split(".")[1]
             if "::" in key:
                 updates[table].state()[key.split("::")[1]].copy_(v)
@@ -468,7 +470,9 @@ def load_sharded_checkpoint(
         kind = FormatVersionError if bad[0] == FormatVersionError.__name__ else ValueError
         raise kind(bad[1])
     assert read is not None  # no error
-    model = ShardedDLRM(build_model(read.ckpt.workload()), plan, rank, process_group, comm_dtype)
+    model = ShardedDLRM.build(
+        read.ckpt.workload(), plan, rank, process_group, comm_dtype, seed=None
+    )
     trainer = Trainer(model, read.ckpt.cfg, callbacks, state=read.ckpt.train_state())
     _check_and_restore(trainer, read)
     return trainer

@@ -27,7 +27,9 @@ def _whole(shape: tuple[int, int], seed: int) -> tuple[torch.Tensor, torch.Tenso
     scratch=st.integers(1, 50),
     data=st.data(),
 )
-def test_a_block_is_the_same_slice_of_the_whole_draw(rows, dim, scratch, data) -> None:
+def test_a_block_is_the_same_slice_of_the_whole_draw(
+    rows: int, dim: int, scratch: int, data: st.DataObject
+) -> None:
     """Any block (empty, whole rows, a column block, the whole table), through any scratch
     size (one row at a time up to the whole table): the exact values, and the generator
     left where the whole draw leaves it."""
@@ -67,7 +69,9 @@ def test_a_non_contiguous_block_of_whole_rows_is_filled_exactly() -> None:
         (torch.zeros(2, 2, dtype=torch.float64), 0, 0, r"2-d float32 tensor, got torch.float64"),
     ],
 )
-def test_a_block_outside_the_table_is_refused(out, row_start, col_start, match) -> None:
+def test_a_block_outside_the_table_is_refused(
+    out: torch.Tensor, row_start: int, col_start: int, match: str
+) -> None:
     with pytest.raises(ValueError, match=match):
         uniform_block_((10, 4), 0.5, torch.Generator(), out, row_start, col_start)
 

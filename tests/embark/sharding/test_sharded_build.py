@@ -49,7 +49,13 @@ def _spy() -> Any:
             super().__init__()
             self.largest = 0
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        def __torch_dispatch__(
+            self,
+            func: Any,
+            types: Any,
+            args: tuple[Any, ...] = (),
+            kwargs: dict[str, Any] | None = None,
+        ) -> Any:
             out = func(*args, **(kwargs or {}))
             for t in out if isinstance(out, tuple | list) else (out,):
                 if isinstance(t, torch.Tensor) and t.device.type == "cpu":

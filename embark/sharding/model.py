@@ -79,6 +79,24 @@ def gather_1d(x: torch.Tensor, group: Any | None) -> torch.Tensor:
     return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])
 
 
+# The replicated parameters are broadcast in pieces of at most this many bytes (16 MiB): few
+# collectives for the many small dense weights, little memory beyond the model for large ones.
+BROADCAST_BUCKET_BYTES = 16 << 20
+
+
+def _buckets(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
+    """``params`` in order, cut into runs of at most ``limit`` bytes (a larger one alone)."""
+    out: list[list[nn.Parameter]] = []
+    size = limit
+    for p in params:
+        if size + p.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.nbytes
+    return out
+
+
 class ShardedDLRM(nn.Module):
     """A :class:`~embark.models.dlrm.DLRM` whose tables are sharded per ``plan`` and whose
     dense part (projections, bottom MLP, interaction, top MLP) is a replica on every rank.
@@ -204,13 +222,20 @@ class ShardedDLRM(nn.Module):
 
     @torch.no_grad()
     def _broadcast_replicas(self) -> None:
+        """Rank 0's dense part and DP replicas to every rank, in buckets of at most
+        BROADCAST_BUCKET_BYTES (a parameter larger than that alone, in place): one flat copy
+        of them all would double their memory while the model is built."""
         if not is_distributed(self.process_group):
             return
-        params = self.replicated_parameters()
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        dist.broadcast(flat, src=group_src(self.process_group), group=self.process_group)
-        for p, piece in zip(params, flat.split([p.numel() for p in params])):
-            p.copy_(piece.view_as(p))
+        src, group = group_src(self.process_group), self.process_group
+        for bucket in _buckets(self.replicated_parameters(), BROADCAST_BUCKET_BYTES):
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                dist.broadcast(bucket[0].detach(), src=src, group=group)
+                continue
+            flat = torch.cat([p.detach().reshape(-1) for p in bucket])
+            dist.broadcast(flat, src=src, group=group)
+            for p, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
+                p.copy_(piece.view_as(p))
 
     def forward_with_batch_sizes(
         self, dense: torch.Tensor, sparse: JaggedBatch

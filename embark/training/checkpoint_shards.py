@@ -37,6 +37,9 @@ from safetensors import SafetensorError, safe_open
 from embark.training.checkpoint_schema import TENSOR_FILES
 
 MODEL_FILE, OPTIMIZER_FILE = TENSOR_FILES
+# read_pieces reads a stored piece this many bytes of rows at a time (64 MiB): a shard loads
+# through that much memory beyond itself, not a second copy of itself.
+READ_BLOCK_BYTES = 64 << 20
 
 
 def shard_file(rank: int) -> str:
@@ -161,7 +164,8 @@ def plan_region(
                 f"checkpoint {str(folder)!r}: {key!r} is {list(shape)}, which does not hold "
                 f"region {list(region)}"
             )
-        return [Piece(whole_file(key), key, tuple(whole), tuple(slice(None) for _ in region))]
+        dest = tuple(slice(0, b - a) for a, b in region)
+        return [Piece(whole_file(key), key, tuple(whole), dest)]
     pieces, covered = [], 0
     for c in chunks[key]:
         ov = _overlap(c, region)
@@ -189,15 +193,25 @@ def _entry_shape(folder: Path, file: str, name: str) -> list[int]:
         raise ValueError(f"checkpoint file {str(fp)!r} cannot be read: {err}") from err
 
 
-def read_pieces(folder: Path, pieces: Sequence[Piece], out: torch.Tensor) -> torch.Tensor:
-    """Read :func:`plan_region`'s ``pieces`` into ``out`` (shaped like the region; each piece
-    passes through memory of its own size only) and return it.
+def read_pieces(
+    folder: Path, pieces: Sequence[Piece], out: torch.Tensor, block_bytes: int = READ_BLOCK_BYTES
+) -> torch.Tensor:
+    """Read :func:`plan_region`'s ``pieces`` into ``out`` (shaped like the region) and return
+    it. A piece is read in blocks of rows of at most ``block_bytes`` (one row if larger), so
+    reading costs that much memory beyond ``out``, however large the piece.
 
     Raises:
         ValueError: naming the file for an unreadable entry.
     """
+    row_bytes = max(1, out[:1].numel() * out.element_size())
+    step = max(1, block_bytes // row_bytes)
     for p in pieces:
-        out[p.dest] = _read(folder, p.file, p.name, p.source)
+        src, dst = p.source[0], p.dest[0]
+        for i in range(0, src.stop - src.start, step):
+            j = min(src.stop - src.start, i + step)
+            rows_src = (slice(src.start + i, src.start + j), *p.source[1:])
+            rows_dst = (slice(dst.start + i, dst.start + j), *p.dest[1:])
+            out[rows_dst] = _read(folder, p.file, p.name, rows_src)
     return out
 
 

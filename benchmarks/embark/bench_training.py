@@ -59,6 +59,7 @@ from benchmarks.embark.training_sides import (
     fused_fields_present,
 )
 from benchmarks.meta import REPO_ROOT, RESULTS_DIR, write_json
+from embark.models.dlrm import SCRATCH_ELEMENTS
 from embark.planner import plan_sharding
 from embark.topology import get_topology
 from embark.types import Topology
@@ -104,8 +105,9 @@ def estimate_rss_bytes(cfg: dict[str, Any], side: str, fused: bool) -> float:
     tables, plus a base and the activations per process.
 
     ours without the fused path: every table holds a dense gradient and (Adagrad) a state as
-    large as itself; with it, weights + state. World > 1: every rank of ours builds the whole
-    model before keeping its shards; every rank of TorchRec draws a whole table at a time."""
+    large as itself; with it, weights + state. World > 1: every rank of ours builds only its
+    shards (``ShardedDLRM.build``: plus its 4 MiB scratch); every rank of TorchRec draws a
+    whole table at a time."""
     w = case_workload(cfg)
     world = cfg["world"]
     weights = float(sum(t.num_rows * t.dim * 4 for t in w.tables))
@@ -115,7 +117,7 @@ def estimate_rss_bytes(cfg: dict[str, Any], side: str, fused: bool) -> float:
     per_process = PROCESS_BASE_BYTES + ACTIVATION_BYTES_PER_SAMPLE * cfg["batch_size"] / world
     if side == "ours":
         tables = weights + state + (0.0 if fused else weights)
-        build = weights * world if world > 1 else 0.0
+        build = 4.0 * SCRATCH_ELEMENTS * world if world > 1 else 0.0
     else:
         tables = weights + state
         build = max(t.num_rows * t.dim * 4 for t in w.tables) * world if world > 1 else 0.0

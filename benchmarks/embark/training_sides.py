@@ -157,17 +157,15 @@ class OursSide:
             )
         else:
             self.embedding_kernel = DENSE_GRAD
-        model = build_model(w, seed=cfg["seed"])
         if world > 1:
             from embark.sharding.model import ShardedDLRM
             from embark.types import ShardingPlan
 
             plan = ShardingPlan.from_dict(cfg["plans"]["ours"])
-            sharded = ShardedDLRM(model, plan, rank)
-            del model
+            sharded = ShardedDLRM.build(w, plan, rank, seed=cfg["seed"])  # only its shards
             self.trainer = Trainer(sharded, TrainConfig(**kwargs))
         else:
-            self.trainer = Trainer(model, TrainConfig(**kwargs))
+            self.trainer = Trainer(build_model(w, seed=cfg["seed"]), TrainConfig(**kwargs))
         if self.embedding_kernel != DENSE_GRAD:
             self.embedding_kernel = _resolved_kernel(self.trainer.cfg)
         self.rank, self.world = rank, world

@@ -7,7 +7,15 @@ from typing import TYPE_CHECKING
 from embark.lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from embark.models.dlrm import DLRM, CrossNetV2, DotInteraction, build_model, init_weights_
+    from embark.models.dlrm import (
+        DLRM,
+        CrossNetV2,
+        DotInteraction,
+        build_dense_part,
+        build_model,
+        init_weights_,
+        uniform_block_,
+    )
     from embark.models.workloads import PRESETS, Interaction, Workload, get_workload
 
 # Names are imported on first use, so that a command which needs no torch (the data
@@ -16,8 +24,10 @@ _EXPORTS = {
     "DLRM": "embark.models.dlrm",
     "CrossNetV2": "embark.models.dlrm",
     "DotInteraction": "embark.models.dlrm",
+    "build_dense_part": "embark.models.dlrm",
     "build_model": "embark.models.dlrm",
     "init_weights_": "embark.models.dlrm",
+    "uniform_block_": "embark.models.dlrm",
     "PRESETS": "embark.models.workloads",
     "Interaction": "embark.models.workloads",
     "Workload": "embark.models.workloads",
@@ -31,9 +41,11 @@ __all__ = [
     "DotInteraction",
     "Interaction",
     "Workload",
+    "build_dense_part",
     "build_model",
     "get_workload",
     "init_weights_",
+    "uniform_block_",
 ]
 
 

@@ -20,7 +20,7 @@ biases ``N(0, sqrt(1/fan_out))``, embedding rows ``U(-sqrt(1/num_rows), sqrt(1/n
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TypeVar
 
 import torch
@@ -255,14 +255,30 @@ class DLRM(nn.Module):
 
 ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
+TableFill = Callable[[str, float, torch.Generator], None]
+"""``fill(name, bound, generator)`` stands in for drawing one table's initial values: it must
+draw exactly ``num_rows × dim`` float32 values of ``U(-bound, bound)`` from ``generator``, in
+row-major order (:func:`uniform_block_` does, keeping any block of them)."""
+
+# float32 values drawn at a time into scratch memory by uniform_block_ (4 MiB): rows outside
+# the kept block cost this much memory however large the table is.
+SCRATCH_ELEMENTS = 1 << 20
+
 
 @torch.no_grad()
-def init_weights_(model: ModuleT, seed: int) -> ModuleT:
+def init_weights_(model: ModuleT, seed: int, fill_table: TableFill | None = None) -> ModuleT:
     """MLPerf-reference initialisation of every ``nn.Linear`` and ``nn.EmbeddingBag`` in
     ``model``, drawn from a private generator seeded by ``seed`` (the global RNG is untouched).
-    Modules are visited in ``named_modules`` order, so the result depends only on ``seed``."""
+    Modules are visited in ``named_modules`` order, so the result depends only on ``seed``.
+
+    Args:
+        fill_table: when given, an embedding module's weight is not written: its draw is
+            ``fill_table(module name, bound, generator)`` (e.g. a rank keeping its shard of
+            the table through :func:`uniform_block_`), so that the modules after it get the
+            values they would get with the whole table drawn.
+    """
     gen = torch.Generator().manual_seed(seed)
-    for _, m in model.named_modules():
+    for name, m in model.named_modules():
         if isinstance(m, nn.Linear):
             fan_out, fan_in = m.weight.shape
             m.weight.normal_(0.0, math.sqrt(2.0 / (fan_in + fan_out)), generator=gen)
@@ -270,8 +286,83 @@ def init_weights_(model: ModuleT, seed: int) -> ModuleT:
                 m.bias.normal_(0.0, math.sqrt(1.0 / fan_out), generator=gen)
         elif isinstance(m, nn.EmbeddingBag | nn.Embedding):
             bound = math.sqrt(1.0 / m.num_embeddings)
-            m.weight.uniform_(-bound, bound, generator=gen)
+            if fill_table is None:
+                m.weight.uniform_(-bound, bound, generator=gen)
+            else:
+                fill_table(name, bound, gen)
     return model
+
+
+@torch.no_grad()
+def uniform_block_(
+    shape: tuple[int, int],
+    bound: float,
+    generator: torch.Generator,
+    out: torch.Tensor | None = None,
+    row_start: int = 0,
+    col_start: int = 0,
+    scratch_elements: int = SCRATCH_ELEMENTS,
+) -> None:
+    """Draw ``torch.empty(shape).uniform_(-bound, bound, generator=generator)`` keeping only
+    the block ``[row_start : row_start + r, col_start : col_start + c]`` of it, in ``out``.
+
+    The CPU generator draws one 32-bit number per float32 element, in row-major order, so a
+    table drawn row block by row block is the table drawn whole: ``out`` gets exactly those
+    values and ``generator`` ends where the whole draw leaves it (``rows × dim`` draws). Rows
+    outside the block (and a column block's other columns) go through at most
+    ``scratch_elements`` floats of scratch memory; a block of whole rows is drawn in place.
+
+    Args:
+        shape: ``(rows, dim)`` of the whole table.
+        out: ``(r, c) float32``, the block; ``None``: keep nothing (only advance ``generator``).
+        row_start, col_start: the block's first row and column in the table.
+
+    Raises:
+        ValueError: naming the shapes, when the block leaves the table or ``out`` is not
+            float32 (another dtype draws other numbers).
+    """
+    num_rows, dim = shape
+    r0, c0 = (row_start, col_start) if out is not None else (0, 0)
+    r1, c1 = (r0 + out.shape[0], c0 + out.shape[1]) if out is not None else (0, 0)
+    if out is not None and (out.dim() != 2 or out.dtype != torch.float32):
+        raise ValueError(f"out must be a 2-d float32 tensor, got {out.dtype} {tuple(out.shape)}")
+    if not (0 <= r0 <= r1 <= num_rows and 0 <= c0 <= c1 <= dim):
+        raise ValueError(
+            f"block rows {r0}:{r1}, columns {c0}:{c1} is outside the {num_rows} × {dim} table"
+        )
+    step = max(1, scratch_elements // max(dim, 1))
+    scratch = torch.empty(min(step, num_rows) * dim)
+
+    def through_scratch(start: int, stop: int) -> None:
+        for a in range(start, stop, step):
+            b = min(stop, a + step)
+            rows = (
+                scratch[: (b - a) * dim]
+                .view(b - a, dim)
+                .uniform_(-bound, bound, generator=generator)
+            )
+            lo, hi = max(a, r0), min(b, r1)
+            if out is not None and lo < hi:
+                out[lo - r0 : hi - r0].copy_(rows[lo - a : hi - a, c0:c1])
+
+    through_scratch(0, r0)
+    if out is not None and (c0, c1) == (0, dim) and out.is_contiguous():
+        out.uniform_(-bound, bound, generator=generator)
+    else:
+        through_scratch(r0, r1)
+    through_scratch(r1, num_rows)
+
+
+def _materialise(model: DLRM, skip: tuple[str, ...] = ()) -> None:
+    """Allocate (uninitialised, on the CPU) every child of a meta-device ``model`` but those
+    named in ``skip``, and rebuild the interaction's index buffers (``to_empty`` leaves
+    non-persistent buffers uninitialised)."""
+    for name, child in model.named_children():
+        if name not in skip:
+            child.to_empty(device="cpu")
+    if isinstance(model.interaction, DotInteraction):
+        n = len(model.table_names) + 1
+        model.interaction.rows, model.interaction.cols = torch.triu_indices(n, n, 1)
 
 
 def build_model(workload: Workload, seed: int = 0) -> DLRM:
@@ -282,9 +373,38 @@ def build_model(workload: Workload, seed: int = 0) -> DLRM:
     """
     with torch.device("meta"):
         model = DLRM(workload)
-    model.to_empty(device="cpu")
-    # to_empty leaves non-persistent buffers uninitialised: rebuild the interaction indices.
-    if isinstance(model.interaction, DotInteraction):
-        rows, cols = torch.triu_indices(len(workload.tables) + 1, len(workload.tables) + 1, 1)
-        model.interaction.rows, model.interaction.cols = rows, cols
+    _materialise(model)
     return init_weights_(model, seed)
+
+
+def build_dense_part(
+    workload: Workload, seed: int = 0, fill_table: TableFill | None = None
+) -> DLRM:
+    """The :class:`DLRM` of ``workload`` without its tables (``embeddings`` is empty; only
+    :meth:`~DLRM.dense_forward` and :meth:`~DLRM.check_inputs` apply), no table ever allocated.
+
+    Args:
+        fill_table: called for each table in workload order as ``fill_table(table name,
+            bound, generator)`` in place of its draw (:data:`TableFill`); the dense part then
+            gets exactly ``build_model(workload, seed)``'s values. ``None``: no table is
+            drawn, and the dense part gets other values (placeholders, e.g. for a checkpoint
+            to overwrite).
+    """
+    with torch.device("meta"):
+        model = DLRM(workload)
+    _materialise(model, skip=("embeddings",))
+    init_weights_(model, seed, _TableNames(fill_table))
+    model.embeddings = nn.ModuleDict()
+    return model
+
+
+class _TableNames:
+    """A :data:`TableFill` over module names (``embeddings.<table>``) calling ``fill`` with the
+    table name (nothing is drawn without one)."""
+
+    def __init__(self, fill: TableFill | None) -> None:
+        self.fill = fill
+
+    def __call__(self, name: str, bound: float, generator: torch.Generator) -> None:
+        if self.fill is not None:
+            self.fill(name.removeprefix("embeddings."), bound, generator)

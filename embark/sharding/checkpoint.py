@@ -31,9 +31,11 @@ format, so a single-process checkpoint loads sharded and a sharded one in one pr
 :func:`to_single_process` / :func:`from_single_process` convert a trainer between the two
 forms in memory (a gather of whole tables: for tests and small models, not used by the save).
 
-Limits: a loading rank still builds the whole single-process model once
-(:class:`~embark.sharding.model.ShardedDLRM` is constructed from one) before its shards are
-overwritten from the checkpoint.
+Memory on load: a rank checks its files and the pieces that cover its shards, builds its
+model with :meth:`ShardedDLRM.build` (``seed=None``: its shards, DP replicas and dense part
+only, nothing drawn), then reads each stored piece straight into its shard or rows state. It
+never holds a table, or a piece of one, that it does not own, and beyond its model at most
+one stored piece at a time.
 """
 
 from __future__ import annotations
@@ -57,7 +59,15 @@ from embark.sharding.comm import distributed_world
 from embark.sharding.model import ShardedDLRM
 from embark.training.callbacks import Callback
 from embark.training.checkpoint_schema import TENSOR_FILES, FormatVersionError
-from embark.training.checkpoint_shards import Chunk, chunks_of, files_for, read_region, shard_file
+from embark.training.checkpoint_shards import (
+    Chunk,
+    Piece,
+    chunks_of,
+    files_for,
+    plan_region,
+    read_pieces,
+    shard_file,
+)
 from embark.training.config import TrainConfig, copy_group_options
 from embark.training.fused import EmbeddingUpdates
 from embark.training.sparse_rows import STATE_KEYS
@@ -368,11 +378,13 @@ class _RankState:
     ckpt: ckpt.Checkpoint
     dense: dict[str, torch.Tensor]
     dense_optimizer: dict[str, torch.Tensor]
-    tables: dict[str, torch.Tensor]
+    tables: dict[str, list[Piece]]  # key -> the stored pieces of this rank's region, unread
 
 
 def _read_rank(path: Path, plan: ShardingPlan, rank: int) -> _RankState:
-    """Read and check (sizes and hashes of the files read) this rank's part of a checkpoint."""
+    """Check this rank's part of a checkpoint (sizes and hashes of the files it reads, the
+    pieces that cover its regions) and read its dense part; table pieces are read later,
+    straight into the model (:func:`_check_and_restore`)."""
     checkpoint = ckpt.read_header(path)
     state, cfg = checkpoint.state, checkpoint.cfg
     workload = checkpoint.workload()
@@ -380,13 +392,7 @@ def _read_rank(path: Path, plan: ShardingPlan, rank: int) -> _RankState:
     regions = _regions(workload, plan, rank, cfg)
     for f in sorted(files_for(chunks, regions) | set(TENSOR_FILES)):
         ckpt.verify_file(path, f, state["files"][f])
-    tables = {k: read_region(path, chunks, k, r) for k, r in regions.items()}
-    for k, r in regions.items():
-        if list(tables[k].shape) != [b - a for a, b in r]:
-            raise ValueError(
-                f"checkpoint {str(path)!r}: {k!r} is not the shape of {workload.name!r}'s "
-                f"table: rows/columns {r} read as {tuple(tables[k].shape)}"
-            )
+    tables = {k: plan_region(path, chunks, k, r) for k, r in regions.items()}
     dense = _read_whole(path, ckpt.MODEL_FILE, _is_dense)
     dense_opt = _read_whole(path, ckpt.OPTIMIZER_FILE, _is_dense)
     return _RankState(checkpoint, dense, dense_opt, tables)
@@ -413,12 +419,12 @@ def _check_and_restore(trainer: Trainer, read: _RankState) -> None:
     model.dense.load_state_dict(read.dense, strict=True)
     updates = _table_updates(trainer).updates
     with torch.no_grad():
-        for key, v in read.tables.items():
+        for key, pieces in read.tables.items():  # into the model: no copy of a whole shard
             table = key.split(".")[1]
             if "::" in key:
-                updates[table].state()[key.split("::")[1]].copy_(v)
+                read_pieces(path, pieces, updates[table].state()[key.split("::")[1]])
             else:
-                model.embeddings.weights[table].copy_(v)
+                read_pieces(path, pieces, model.embeddings.weights[table])
     for key, v in read.dense_optimizer.items():
         name, k = key.split("::")
         trainer.optimizer.state[params[name]][k] = v
@@ -468,7 +474,9 @@ def load_sharded_checkpoint(
         kind = FormatVersionError if bad[0] == FormatVersionError.__name__ else ValueError
         raise kind(bad[1])
     assert read is not None  # no error
-    model = ShardedDLRM(build_model(read.ckpt.workload()), plan, rank, process_group, comm_dtype)
+    model = ShardedDLRM.build(
+        read.ckpt.workload(), plan, rank, process_group, comm_dtype, seed=None
+    )
     trainer = Trainer(model, read.ckpt.cfg, callbacks, state=read.ckpt.train_state())
     _check_and_restore(trainer, read)
     return trainer

@@ -108,7 +108,9 @@ class ShardedEmbeddingCollection(nn.Module):
             planner's cost model rates — off with any other group.
         seed: initialisation seed (uniform ``±sqrt(1/num_rows)``, as ``embark.models.dlrm``); a
             shard's values depend on the seed, the table and the shard's corner, so DP
-            replicas start equal. Use :meth:`load_full_weights` for given values.
+            replicas start equal. ``None``: zeros, for values loaded next
+            (:meth:`load_full_weights`, a checkpoint, ``ShardedDLRM.build``). Either way a rank
+            allocates only its own shards.
 
     Raises:
         ValueError: (on every rank, before any collective) when the plan's world size is not
@@ -126,7 +128,7 @@ class ShardedEmbeddingCollection(nn.Module):
         process_group: Any | None = None,
         comm_dtype: CommDtype | str | None = None,
         hierarchical: bool | None = None,
-        seed: int = 0,
+        seed: int | None = 0,
     ) -> None:
         super().__init__()
         tables = tuple(tables)
@@ -164,11 +166,13 @@ class ShardedEmbeddingCollection(nn.Module):
             s = self.layout.local_shard(t.name, rank)
             if s is None:
                 continue
-            gen = torch.Generator().manual_seed(
-                hash((seed, i, s.row_start, s.col_start)) & (2**62 - 1)
-            )
-            bound = (1.0 / t.num_rows) ** 0.5
-            w = torch.empty(s.num_rows, s.num_cols).uniform_(-bound, bound, generator=gen)
+            w = torch.zeros(s.num_rows, s.num_cols)
+            if seed is not None:
+                gen = torch.Generator().manual_seed(
+                    hash((seed, i, s.row_start, s.col_start)) & (2**62 - 1)
+                )
+                bound = (1.0 / t.num_rows) ** 0.5
+                w.uniform_(-bound, bound, generator=gen)
             self.local_shards[t.name] = s
             self.weights[t.name] = nn.Parameter(w)
         # table -> fused lookup-and-update of its shard (filled by a trainer:

@@ -46,7 +46,8 @@ from torch import nn
 
 from embark.data.batch import Batch
 from embark.data.jagged import JaggedBatch
-from embark.models.dlrm import DLRM
+from embark.models.dlrm import DLRM, build_dense_part, uniform_block_
+from embark.models.workloads import Workload
 from embark.sharding.collection import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world
 from embark.types import CommDtype, ShardingPlan
@@ -78,16 +79,43 @@ def gather_1d(x: torch.Tensor, group: Any | None) -> torch.Tensor:
     return torch.cat([p[: int(s)] for p, s in zip(parts, sizes)])
 
 
+# The replicated parameters are broadcast in pieces of at most this many bytes (16 MiB): few
+# collectives for the many small dense weights, little memory beyond the model for large ones.
+BROADCAST_BUCKET_BYTES = 16 << 20
+
+
+def _buckets(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]:
+    """``params`` in order, cut into runs of at most ``limit`` bytes (a larger one alone)."""
+    out: list[list[nn.Parameter]] = []
+    size = limit
+    for p in params:
+        if size + p.nbytes > limit:
+            out.append([])
+            size = 0
+        out[-1].append(p)
+        size += p.nbytes
+    return out
+
+
 class ShardedDLRM(nn.Module):
     """A :class:`~embark.models.dlrm.DLRM` whose tables are sharded per ``plan`` and whose
     dense part (projections, bottom MLP, interaction, top MLP) is a replica on every rank.
 
+    Two ways to make one:
+
+    * :meth:`build` (``ShardedDLRM.build(workload, plan, rank, seed=s)``): each rank allocates
+      only its shards, its DP replicas and the dense part, with exactly the values
+      ``build_model(workload, s)`` gives them; ``seed=None`` leaves them to a checkpoint.
+      Memory is flat in the size of the tables a rank does not hold.
+    * ``ShardedDLRM(model, plan, rank)``: from a whole single-process model (e.g. a trained
+      one); every rank holds ``model`` whole while it copies its shards out.
+
     Args:
-        model: the single-process model to start from (every rank passes an equal one, e.g.
-            ``build_model(workload, seed)``); it is not modified: its dense part is copied and
-            each rank copies its shards of the tables (``load_full_weights``). The dense part
-            and the DP replicas are then broadcast from rank 0, so they start bit-identical
-            even if the ranks' models were not.
+        model: the single-process model to start from (every rank passes an equal one); it is
+            not modified: its dense part is copied and each rank copies its shards of the
+            tables (``load_full_weights``). The dense part and the DP replicas are then
+            broadcast from rank 0, so they start bit-identical even if the ranks' models were
+            not.
         plan: the sharding plan of ``model.workload``'s tables for this group's world size.
         rank: this process's rank in ``process_group``.
         process_group: ``None``: the default group (a one-rank world without
@@ -97,7 +125,7 @@ class ShardedDLRM(nn.Module):
     Attributes:
         embeddings: the :class:`ShardedEmbeddingCollection` (parameters
             ``embeddings.weights.<table>``).
-        dense: the copied DLRM without its tables (``dense.embeddings`` is empty); only its
+        dense: the DLRM without its tables (``dense.embeddings`` is empty); only its
             :meth:`~embark.models.dlrm.DLRM.dense_forward` is used.
 
     Raises:
@@ -113,22 +141,65 @@ class ShardedDLRM(nn.Module):
         comm_dtype: CommDtype | str | None = None,
     ) -> None:
         super().__init__()
-        self.workload = model.workload
-        self.table_names = list(model.table_names)
-        self.process_group = process_group
-        self.embeddings = ShardedEmbeddingCollection(
-            model.workload.tables, plan, rank, process_group, comm_dtype=comm_dtype
+        embeddings = ShardedEmbeddingCollection(
+            model.workload.tables, plan, rank, process_group, comm_dtype=comm_dtype, seed=None
         )
-        self.embeddings.load_full_weights(
+        embeddings.load_full_weights(
             {n: model.embeddings[n].get_parameter("weight") for n in model.table_names}
         )
         tables, updates = model.embeddings, model.sparse_updates
         model.embeddings = model.sparse_updates = nn.ModuleDict()  # deep-copy the dense part only
         try:
-            self.dense = copy.deepcopy(model)
+            dense = copy.deepcopy(model)
         finally:
             model.embeddings, model.sparse_updates = tables, updates
-        self.rank, self.world_size = rank, plan.world_size
+        self._attach(model.workload, embeddings, dense)
+
+    @classmethod
+    def build(
+        cls,
+        workload: Workload,
+        plan: ShardingPlan,
+        rank: int,
+        process_group: Any | None = None,
+        comm_dtype: CommDtype | str | None = None,
+        seed: int | None = 0,
+    ) -> ShardedDLRM:
+        """The sharded model of ``workload`` built on this rank alone, without any table
+        this rank does not hold (a collective: the replicas are broadcast from rank 0).
+
+        Args:
+            workload, plan, rank, process_group, comm_dtype: as for the constructor.
+            seed: the values are ``build_model(workload, seed)``'s, bit for bit: each table's
+                draw is replayed block by block (:func:`~embark.models.dlrm.uniform_block_`),
+                keeping this rank's shard, so a rank spends the time of drawing every table
+                but holds only its shards plus 4 MiB of scratch. ``None``: no draw; tables
+                are zeros and the dense part holds placeholder values, for a checkpoint to
+                overwrite (:func:`~embark.sharding.load_sharded_checkpoint`).
+
+        Raises:
+            ValueError: from :class:`ShardedEmbeddingCollection` (world size, rank, tables).
+        """
+        embeddings = ShardedEmbeddingCollection(
+            workload.tables, plan, rank, process_group, comm_dtype=comm_dtype, seed=None
+        )
+        fill = None if seed is None else _ShardFill(embeddings)
+        dense = build_dense_part(workload, 0 if seed is None else seed, fill)
+        model = cls.__new__(cls)
+        nn.Module.__init__(model)
+        model._attach(workload, embeddings, dense)
+        return model
+
+    def _attach(
+        self, workload: Workload, embeddings: ShardedEmbeddingCollection, dense: DLRM
+    ) -> None:
+        """Set the parts and start the replicas equal (broadcast from rank 0)."""
+        self.workload = workload
+        self.table_names = [t.name for t in workload.tables]
+        self.process_group = embeddings.process_group
+        self.embeddings = embeddings
+        self.dense = dense
+        self.rank, self.world_size = embeddings.rank, embeddings.world_size
         self._broadcast_replicas()
 
     def embedding_tables(self) -> dict[str, nn.Parameter]:
@@ -151,13 +222,20 @@ class ShardedDLRM(nn.Module):
 
     @torch.no_grad()
     def _broadcast_replicas(self) -> None:
+        """Rank 0's dense part and DP replicas to every rank, in buckets of at most
+        BROADCAST_BUCKET_BYTES (a parameter larger than that alone, in place): one flat copy
+        of them all would double their memory while the model is built."""
         if not is_distributed(self.process_group):
             return
-        params = self.replicated_parameters()
-        flat = torch.cat([p.detach().reshape(-1) for p in params])
-        dist.broadcast(flat, src=group_src(self.process_group), group=self.process_group)
-        for p, piece in zip(params, flat.split([p.numel() for p in params])):
-            p.copy_(piece.view_as(p))
+        src, group = group_src(self.process_group), self.process_group
+        for bucket in _buckets(self.replicated_parameters(), BROADCAST_BUCKET_BYTES):
+            if len(bucket) == 1 and bucket[0].is_contiguous():
+                dist.broadcast(bucket[0].detach(), src=src, group=group)
+                continue
+            flat = torch.cat([p.detach().reshape(-1) for p in bucket])
+            dist.broadcast(flat, src=src, group=group)
+            for p, piece in zip(bucket, flat.split([p.numel() for p in bucket])):
+                p.copy_(piece.view_as(p))
 
     def forward_with_batch_sizes(
         self, dense: torch.Tensor, sparse: JaggedBatch
@@ -213,6 +291,30 @@ class ShardedDLRM(nn.Module):
     def gradient_sync(self) -> ShardedSync:
         """The :class:`~embark.training.sync.GradientSync` a Trainer of this model uses."""
         return ShardedSync(self)
+
+
+class _ShardFill:
+    """A :data:`~embark.models.dlrm.TableFill` drawing each table whole, block by block, into
+    this rank's shard or replica of it (nothing kept of a table the rank does not hold)."""
+
+    def __init__(self, embeddings: ShardedEmbeddingCollection) -> None:
+        self.embeddings = embeddings
+        self.shapes = {t.name: (t.num_rows, t.dim) for t in embeddings.layout.tables}
+
+    @torch.no_grad()
+    def __call__(self, table: str, bound: float, generator: torch.Generator) -> None:
+        shard = self.embeddings.local_shards.get(table)
+        if shard is None:
+            uniform_block_(self.shapes[table], bound, generator)
+            return
+        uniform_block_(
+            self.shapes[table],
+            bound,
+            generator,
+            out=self.embeddings.weights[table],
+            row_start=shard.row_start,
+            col_start=shard.col_start,
+        )
 
 
 class ShardedSync:

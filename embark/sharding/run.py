@@ -31,7 +31,6 @@ from pathlib import Path
 from typing import Any
 
 from embark.data.synthetic import SyntheticCTR
-from embark.models.dlrm import build_model
 from embark.models.workloads import Workload, get_workload
 from embark.planner.planner import plan_sharding
 from embark.sharding.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
@@ -270,7 +269,7 @@ def _fresh_trainer(
         seed=seed,
         optimizer=cfg.optimizer or OptimizerKind(workload.optimizer),
     )
-    return Trainer(ShardedDLRM(build_model(workload, seed=seed), plan, rank), train_cfg, callbacks)
+    return Trainer(ShardedDLRM.build(workload, plan, rank, seed=seed), train_cfg, callbacks)
 
 
 def _data(

@@ -37,6 +37,9 @@ from safetensors import SafetensorError, safe_open
 from embark.training.checkpoint_schema import TENSOR_FILES
 
 MODEL_FILE, OPTIMIZER_FILE = TENSOR_FILES
+# read_pieces reads a stored piece this many bytes of rows at a time (64 MiB): a shard loads
+# through that much memory beyond itself, not a second copy of itself.
+READ_BLOCK_BYTES = 64 << 20
 
 
 def shard_file(rank: int) -> str:
@@ -123,14 +126,25 @@ def _read(folder: Path, file: str, name: str, index: Sequence[slice]) -> torch.T
     return part
 
 
-def read_region(
+@dataclass(frozen=True)
+class Piece:
+    """One stored rectangle's part of a region: ``file``'s entry ``name`` at ``source``
+    (indices in the entry) goes to ``dest`` (indices in the region)."""
+
+    file: str
+    name: str
+    source: tuple[slice, ...]
+    dest: tuple[slice, ...]
+
+
+def plan_region(
     folder: Path,
     chunks: Mapping[str, Sequence[Chunk]],
     key: str,
     region: Sequence[tuple[int, int]],
-) -> torch.Tensor:
-    """Rows (and columns) ``region`` of the stored tensor ``key``, read from only the chunks
-    (or the whole entry) that overlap it.
+) -> list[Piece]:
+    """The pieces that make up rows (and columns) ``region`` of the stored tensor ``key``,
+    from the index (and a whole entry's header) alone: no tensor data is read.
 
     Args:
         folder: the checkpoint folder (its files already checked).
@@ -138,30 +152,88 @@ def read_region(
         key: ``"embeddings.<t>.weight"`` or ``"embeddings.<t>.weight::<state key>"``.
         region: ``[(start, stop)]`` per dimension of the whole tensor.
 
-    Returns:
-        a tensor shaped ``[stop - start per dimension]``.
-
     Raises:
         ValueError: naming the file for an unreadable entry, or naming ``key`` when its chunks
-            do not cover ``region`` exactly once.
+            (or its whole entry) do not cover ``region`` exactly once.
     """
+    whole = [slice(a, b) for a, b in region]
     if key not in chunks:
-        return _read(folder, whole_file(key), key, [slice(a, b) for a, b in region])
-    parts = [(c, o) for c in chunks[key] if (o := _overlap(c, region)) is not None]
-    first = parts[0][0] if parts else None
-    dtype = torch.float32
-    if first is not None:
-        dtype = _read(folder, first.file, first.name, [slice(0, 0)] * len(region)).dtype
-    out = torch.zeros([b - a for a, b in region], dtype=dtype)
-    covered = 0
-    for c, ov in parts:
-        src = [slice(lo - off, hi - off) for (lo, hi), off in zip(ov, c.offset)]
+        shape = _entry_shape(folder, whole_file(key), key)
+        if len(shape) != len(region) or any(b > n for (_, b), n in zip(region, shape)):
+            raise ValueError(
+                f"checkpoint {str(folder)!r}: {key!r} is {list(shape)}, which does not hold "
+                f"region {list(region)}"
+            )
+        dest = tuple(slice(0, b - a) for a, b in region)
+        return [Piece(whole_file(key), key, tuple(whole), dest)]
+    pieces, covered = [], 0
+    for c in chunks[key]:
+        ov = _overlap(c, region)
+        if ov is None:
+            continue
+        src = tuple(slice(lo - off, hi - off) for (lo, hi), off in zip(ov, c.offset))
         dst = tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(ov, region))
-        out[dst] = _read(folder, c.file, c.name, src)
+        pieces.append(Piece(c.file, c.name, src, dst))
         covered += int(torch.Size([hi - lo for lo, hi in ov]).numel())
-    if covered != out.numel():
+    size = int(torch.Size([b - a for a, b in region]).numel())
+    if covered != size:
         raise ValueError(
             f"checkpoint {str(folder)!r}: the chunks of {key!r} cover {covered} of the "
-            f"{out.numel()} values of region {list(region)}"
+            f"{size} values of region {list(region)}"
         )
+    return pieces
+
+
+def _entry_shape(folder: Path, file: str, name: str) -> list[int]:
+    fp = folder / file
+    try:
+        with safe_open(str(fp), framework="pt") as fh:
+            return list(fh.get_slice(name).get_shape())
+    except (SafetensorError, OSError) as err:
+        raise ValueError(f"checkpoint file {str(fp)!r} cannot be read: {err}") from err
+
+
+def read_pieces(
+    folder: Path, pieces: Sequence[Piece], out: torch.Tensor, block_bytes: int = READ_BLOCK_BYTES
+) -> torch.Tensor:
+    """Read :func:`plan_region`'s ``pieces`` into ``out`` (shaped like the region) and return
+    it. A piece is read in blocks of rows of at most ``block_bytes`` (one row if larger), so
+    reading costs that much memory beyond ``out``, however large the piece.
+
+    Raises:
+        ValueError: naming the file for an unreadable entry.
+    """
+    row_bytes = max(1, out[:1].numel() * out.element_size())
+    step = max(1, block_bytes // row_bytes)
+    for p in pieces:
+        src, dst = p.source[0], p.dest[0]
+        for i in range(0, src.stop - src.start, step):
+            j = min(src.stop - src.start, i + step)
+            rows_src = (slice(src.start + i, src.start + j), *p.source[1:])
+            rows_dst = (slice(dst.start + i, dst.start + j), *p.dest[1:])
+            out[rows_dst] = _read(folder, p.file, p.name, rows_src)
     return out
+
+
+def read_region(
+    folder: Path,
+    chunks: Mapping[str, Sequence[Chunk]],
+    key: str,
+    region: Sequence[tuple[int, int]],
+) -> torch.Tensor:
+    """Rows (and columns) ``region`` of the stored tensor ``key``, read from only the chunks
+    (or the whole entry) that overlap it (:func:`plan_region`, then :func:`read_pieces`).
+
+    Returns:
+        a tensor shaped ``[stop - start per dimension]``, of the stored dtype.
+
+    Raises:
+        ValueError: as :func:`plan_region` and :func:`read_pieces`.
+    """
+    pieces = plan_region(folder, chunks, key, region)
+    dtype = torch.float32
+    if pieces:
+        first = pieces[0]
+        dtype = _read(folder, first.file, first.name, tuple(slice(0, 0) for _ in region)).dtype
+    out = torch.zeros([b - a for a, b in region], dtype=dtype)
+    return read_pieces(folder, pieces, out)

@@ -18,7 +18,7 @@ from embark.models.dlrm import build_model
 from embark.models.workloads import get_workload
 from embark.sharding import load_sharded_checkpoint, save_sharded_checkpoint
 from embark.training import FormatVersionError
-from embark.training.checkpoint_shards import Chunk, read_region
+from embark.training.checkpoint_shards import Chunk, plan_region, read_pieces, read_region
 from tests.embark.sharding.plans import uniform_plan
 
 CFG = TrainConfig(optimizer="adagrad", lr=0.05, embedding_lr=0.1)
@@ -62,6 +62,30 @@ def test_read_region_names_a_key_whose_chunks_leave_a_hole(tmp_path) -> None:
     holed = {"w": [c for c in chunks["w"] if c.offset != (2, 0)]}
     with pytest.raises(ValueError, match=r"chunks of 'w' cover 12 of the 24 values"):
         read_region(tmp_path, holed, "w", [(0, 6), (0, 4)])
+
+
+@pytest.mark.parametrize("block_bytes", [1, 20, 1 << 20])
+def test_pieces_read_into_a_given_tensor_by_blocks_of_rows(tmp_path, block_bytes) -> None:
+    """The region planned from the index alone, read block by block of rows (one row at a
+    time, a few, all) into the shard that holds it: the exact values."""
+    chunks, w, v = _chunked(tmp_path)
+    out, rows = torch.full((5, 3), float("nan")), torch.full((5,), float("nan"))
+    pieces = plan_region(tmp_path, chunks, "w", [(1, 6), (1, 4)])
+    read_pieces(tmp_path, pieces, out, block_bytes=block_bytes)
+    assert torch.equal(out, w[1:6, 1:4])
+    row_pieces = plan_region(tmp_path, chunks, "w::row_sum", [(1, 6)])
+    read_pieces(tmp_path, row_pieces, rows, block_bytes=block_bytes)
+    assert torch.equal(rows, v[1:6])
+
+
+def test_a_region_outside_a_whole_entry_is_refused_before_reading(tmp_path) -> None:
+    """A tensor stored whole (``model.safetensors``): its region is checked on the header."""
+    save_file({"embeddings.t.weight": torch.zeros(4, 2)}, str(tmp_path / ckpt.MODEL_FILE))
+    whole = plan_region(tmp_path, {}, "embeddings.t.weight", [(1, 4), (0, 2)])
+    out = torch.ones(3, 2)
+    assert torch.equal(read_pieces(tmp_path, whole, out), torch.zeros(3, 2))
+    with pytest.raises(ValueError, match=r"'embeddings.t.weight' is \[4, 2\], which does not"):
+        plan_region(tmp_path, {}, "embeddings.t.weight", [(0, 5), (0, 2)])
 
 
 @pytest.fixture(scope="module")

@@ -61,3 +61,20 @@ def test_one_rank_sharded_trainer_equals_the_single_process_one(tmp_path: Path) 
         torch.tensor(single.train_step(b3)),
         **tol("sharded_train"),
     )
+
+
+def test_build_equals_the_model_built_whole_bit_for_bit() -> None:
+    """``ShardedDLRM.build`` on one rank: every table and dense weight equal to
+    ``ShardedDLRM(build_model(...))``'s; ``seed=None`` has the same parameters, tables zero."""
+    w = get_workload("tiny")
+    plan = plan_sharding(w, replace(get_topology("cpu-local"), gpus_per_node=1), 32)
+    want = ShardedDLRM(build_model(w, seed=3), plan, 0).state_dict()
+    got = ShardedDLRM.build(w, plan, 0, seed=3).state_dict()
+    assert list(got) == list(want)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+    blank = ShardedDLRM.build(w, plan, 0, seed=None)
+    assert {k: v.shape for k, v in blank.state_dict().items()} == {
+        k: v.shape for k, v in want.items()
+    }
+    assert all(not p.any() for p in blank.embedding_tables().values())

@@ -82,7 +82,7 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
         batches = list(data.batches(STEPS))
         report: dict[str, Any] = {}
         for case, cfg in CASES.items():
-            model = ShardedDLRM(build_model(workload, seed=MODEL_SEED), plan, rank)
+            model = ShardedDLRM.build(workload, plan, rank, seed=MODEL_SEED)  # its shards only
             trainer = Trainer(model, TrainConfig(**cfg))
             losses = [trainer.train_step(local_batch(b, rank, world)) for b in batches]
             state = model.full_state_dict(dst=None)
@@ -248,7 +248,7 @@ def _groups_on_a_rank_without_tables(
         }
     )
     cfg = TrainConfig(optimizer="adagrad", lr=0.02, embedding_lr=0.1)
-    trainer = Trainer(ShardedDLRM(build_model(workload, seed=MODEL_SEED), plan, rank), cfg)
+    trainer = Trainer(ShardedDLRM.build(workload, plan, rank, seed=MODEL_SEED), cfg)
     for b in batches[:2]:
         trainer.train_step(local_batch(b, rank, world))
     ckpt = Path(out_dir, "ckpt_no_tables")

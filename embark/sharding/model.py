@@ -11,9 +11,11 @@ global batch (up to the order of float sums)::
        sparse ──ShardedEmbeddingCollection──▶ {table: (B_r, dim)}  (keys to owners, vectors back)
        dense  ──dense part (replica)─────────▶ logits (B_r,)
        loss_r = Σ_{local samples} BCE-with-logits / B             (B = GLOBAL batch size)
-       backward: shard gradients arrive through the (differentiable) exchanges
+       backward: shard gradients arrive through the (differentiable) exchanges; dense
+                 gradients' SUM all-reduce starts bucket by bucket as they complete
+                 (embark.sharding.grad_buckets)
        reduce_dp_gradients()          DP table replicas: SUM over ranks
-       dense gradients + loss_r       one SUM all-reduce
+       dense gradients                wait for the buckets' all-reduces
        optimizer step                 same optimizer, same options as one process
 
 Gradient convention. Each rank's loss is its *share of the global loss*: ``Σ_r loss_r`` is
@@ -49,6 +51,7 @@ from embark.data.jagged import JaggedBatch
 from embark.models.dlrm import DLRM
 from embark.sharding.collection import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world
+from embark.sharding.grad_buckets import GradBuckets
 from embark.types import CommDtype, ShardingPlan
 
 
@@ -129,6 +132,7 @@ class ShardedDLRM(nn.Module):
         finally:
             model.embeddings, model.sparse_updates = tables, updates
         self.rank, self.world_size = rank, plan.world_size
+        self._dense_group: Any | None = None
         self._broadcast_replicas()
 
     def embedding_tables(self) -> dict[str, nn.Parameter]:
@@ -199,6 +203,21 @@ class ShardedDLRM(nn.Module):
             p.grad = piece.view_as(p).clone()
         return parts[-1].view_as(extra) if extra is not None else None
 
+    def dense_gradient_buckets(self) -> GradBuckets:
+        """The dense part's gradients in :class:`~embark.sharding.grad_buckets.GradBuckets`.
+
+        With the default process group the buckets travel on a process group of their own
+        (created on the first call: a collective of every rank), which carries nothing else,
+        so their all-reduces may start from inside ``backward`` while the embedding exchanges'
+        backward runs on the default group. With another group they start after ``backward``
+        (``overlap=False``): a second group would need every rank of the world to create it.
+        """
+        overlap = self.process_group is None and is_distributed(None)
+        if overlap and self._dense_group is None:
+            self._dense_group = dist.new_group(list(range(self.world_size)))
+        group = self._dense_group if overlap else self.process_group
+        return GradBuckets(list(self.dense.parameters()), group, overlap=overlap)
+
     def full_state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor]:
         """The single-process :class:`~embark.models.dlrm.DLRM` ``state_dict`` (names as
         there: ``embeddings.<table>.weight`` gathered whole, then the dense part), on ``dst``
@@ -223,6 +242,8 @@ class ShardedSync:
 
     def __init__(self, model: ShardedDLRM) -> None:
         self.model = model
+        self._buckets: GradBuckets | None = None
+        self._global_loss: float | None = None
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
         """This rank's share of the global loss, and the global batch size (equal on every
@@ -243,18 +264,32 @@ class ShardedSync:
         total = loss.detach().reshape(1).float().clone()
         if is_distributed(self.model.process_group):
             dist.all_reduce(total, group=self.model.process_group)
-        return float(total)
+        self._global_loss = float(total)
+        return self._global_loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, the dense gradients' all-reduce starting bucket by bucket
+        inside it (:meth:`ShardedDLRM.dense_gradient_buckets`)."""
+        if self._buckets is None:
+            self._buckets = self.model.dense_gradient_buckets()
+        self._buckets.arm()
+        loss.backward()
 
     def reduce(self, loss: torch.Tensor) -> float:
         """Give every table parameter a gradient, sum the DP replicas' and the dense part's
-        over the ranks (the latter with the loss, in one all-reduce); the global mean loss."""
+        over the ranks; the global mean loss (:meth:`global_loss`'s, else summed here)."""
         for p in self.model.embeddings.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
         self.model.embeddings.reduce_dp_gradients()
-        global_loss = self.model.reduce_dense_gradients(extra=loss.detach().reshape(1))
-        assert global_loss is not None  # extra was given
-        return float(global_loss)
+        if self._buckets is None:
+            global_loss = self.model.reduce_dense_gradients(extra=loss.detach().reshape(1))
+            assert global_loss is not None  # extra was given
+            return float(global_loss)
+        self._buckets.finish()
+        value = self._global_loss
+        self._global_loss = None
+        return value if value is not None else self.global_loss(loss)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return gather_1d(x, self.model.process_group)

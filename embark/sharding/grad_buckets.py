@@ -5,8 +5,9 @@ gradients overlaps the backward of the first layers.
 Parameters are cut into buckets of about :data:`BUCKET_BYTES`, in reverse registration order
 (backward produces the last layers' gradients first). A hook on each parameter
 (``register_post_accumulate_grad_hook``) counts the gradients that arrived; when a bucket is
-complete its gradients are flattened into one buffer and its all-reduce starts
-asynchronously. Buckets start strictly in order (bucket ``i`` after ``0 .. i-1``), so every
+complete its gradients are copied into the bucket's buffer (allocated once and reused every
+step: a fresh 4 MiB tensor would be page-faulted in each time) and its all-reduce starts
+asynchronously; after it, each ``p.grad`` is a view of the buffer. Buckets start strictly in order (bucket ``i`` after ``0 .. i-1``), so every
 rank issues the same sequence of collectives whatever order autograd finishes them in::
 
     backward:   top MLP grads ─▶ bucket 0 ─all_reduce(async)─┐
@@ -82,6 +83,7 @@ class GradBuckets:
         self.group, self.overlap = group, overlap
         self.buckets = bucket_indices([p.numel() for p in self.params], bucket_bytes)
         self._bucket_of = {id(self.params[i]): b for b, idx in enumerate(self.buckets) for i in idx}
+        self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._missing: list[int] = []
         self._started: list[tuple[torch.Tensor, Any]] = []
         self._hooks: list[Any] = []
@@ -101,12 +103,23 @@ class GradBuckets:
         while len(self._started) < len(self.buckets) and self._missing[len(self._started)] == 0:
             self._start(len(self._started))
 
+    @torch.no_grad()
     def _start(self, b: int) -> None:
-        grads = []
-        for i in self.buckets[b]:
+        idx = self.buckets[b]
+        flat = self._buffers[b]
+        if flat is None:
+            first = self.params[idx[0]]
+            flat = first.new_empty(sum(self.params[i].numel() for i in idx))
+            self._buffers[b] = flat
+        pos = 0
+        for i in idx:
             p = self.params[i]
-            grads.append((p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1))
-        flat = torch.cat(grads)
+            piece = flat[pos : pos + p.numel()]
+            pos += p.numel()
+            if p.grad is None:
+                piece.zero_()
+            elif p.grad.data_ptr() != piece.data_ptr():  # else: last step's view, kept
+                piece.copy_(p.grad.reshape(-1))
         work = None
         if dist.is_available() and dist.is_initialized():
             work = dist.all_reduce(flat, group=self.group, async_op=True)

@@ -16,8 +16,10 @@ One forward is three exchanges (all-to-alls) plus local work::
        then at the source: sum partials over row shards, concatenate column blocks,
        divide by the full bag length for ``mean``.
     DP tables: local lookup in the replica; :meth:`reduce_dp_gradients` after backward.
-    ``hierarchical=True``: step 3 for REDUCTION goes owner -> node relay (sum) -> source,
-    see :mod:`embark.sharding.hierarchical`; :attr:`stats` counts bytes per phase and level.
+    ``hierarchical=True``: step 3 for a REDUCTION column block row-split over several ranks
+    of a node goes owner -> node relay (sum) -> source, see
+    :mod:`embark.sharding.hierarchical` (a block with one owner per node stays flat);
+    :attr:`stats` counts bytes per phase and level.
     Pipelining: :meth:`pipeline` / :meth:`forward_async` start batch i+1's keys exchange
     (async) before batch i's lookup; keys read no weights, so an optimizer step between the
     two changes nothing: results equal the plain :meth:`forward`, step by step.
@@ -183,9 +185,19 @@ class ShardedEmbeddingCollection(nn.Module):
             pos.sort(key=lambda oi: self._shard_key(self.layout.owned[oi[0]][oi[1]]))
         gpn = plan.gpus_per_node
         self._groups: NodeGroups | None = None
+        # (table, col_start, node) of the REDUCTION blocks reduced inside their node: those
+        # with row shards on two or more of its ranks. A block with one owner on a node sends
+        # the same bytes through the flat exchange (stage 1 would be empty, stage 2 the flat
+        # send), so the two extra collectives run only when some block needs them.
+        self._relayed: frozenset[tuple[str, int, int]] = frozenset()
         if hierarchical and world is not None and 1 < gpn < plan.world_size:
-            self._groups = NodeGroups.create(plan.world_size, gpn, rank)
-            self._blocks = node_blocks(self.layout, gpn)
+            blocks = [[b for b in bs if len(b.owners) > 1] for bs in node_blocks(self.layout, gpn)]
+            if any(blocks):
+                self._groups = NodeGroups.create(plan.world_size, gpn, rank)
+                self._blocks = blocks
+                self._relayed = frozenset(
+                    (b.table, b.col_start, n) for n, bs in enumerate(blocks) for b in bs
+                )
 
     @staticmethod
     def _shard_key(ref: ShardRef) -> tuple[int, int]:
@@ -471,14 +483,15 @@ class ShardedEmbeddingCollection(nn.Module):
     def _exchange_flat(
         self, inp: DistributedInput, answers: list[list[torch.Tensor]], wires: list[CommDtype]
     ) -> tuple[dict[tuple[int, int], torch.Tensor], list[torch.Tensor]]:
-        """The flat vectors exchange (every shard but hierarchical REDUCTION ones): one
+        """The flat vectors exchange (every shard but those of relayed REDUCTION blocks): one
         buffer per wire dtype in one all-to-all. Returns ``({(owner, k): (rows, cols)},
         received buffers)``."""
         owned, me, world = self.layout.owned, self.rank, self.world_size
-        hier = self._groups is not None
+        gpn = self.layout.plan.gpus_per_node
 
         def flat(ref: ShardRef, wire: CommDtype) -> bool:
-            return ref.wire is wire and not (hier and ref.cluster is Cluster.REDUCTION)
+            node = ref.shard.rank // gpn
+            return ref.wire is wire and (ref.table, ref.shard.col_start, node) not in self._relayed
 
         xs, send, recv = [], [], []
         for wire in wires:

@@ -584,12 +584,15 @@ class ShardedEmbeddingCollection(nn.Module):
 
     # ------------------------------------------------------------ DP gradients
     @torch.no_grad()
-    def reduce_dp_gradients(self) -> None:
+    def reduce_dp_gradients(self, skip: frozenset[str] = frozenset()) -> None:
         """Sum the gradients of the DP replicas over the ranks, in their wire dtype's gradient
         wire (``comm.grad_wire``: bf16 for fp16; a collective; call after ``backward`` and
-        before the optimizer step). A replica with no
-        gradient counts as zero and gets one."""
-        dp = self.layout.dp_tables
+        before the optimizer step). A replica with no gradient counts as zero and gets one.
+
+        Args:
+            skip: replicas summed elsewhere (e.g. in the dense gradients' buckets).
+        """
+        dp = [n for n in self.layout.dp_tables if n not in skip]
         for wire in CommDtype:
             names = [n for n in dp if self.layout.wire(n) is wire]
             if not names:

@@ -3,11 +3,12 @@
 gradients overlaps the backward of the first layers.
 
 Parameters are cut into buckets of about :data:`BUCKET_BYTES`, in reverse registration order
-(backward produces the last layers' gradients first). A hook on each parameter
+(backward produces the last layers' gradients first; :func:`bucket_indices`). A hook on each parameter
 (``register_post_accumulate_grad_hook``) counts the gradients that arrived; when a bucket is
 complete its gradients are copied into the bucket's buffer (allocated once and reused every
-step: a fresh 4 MiB tensor would be page-faulted in each time) and its all-reduce starts
-asynchronously; after it, each ``p.grad`` is a view of the buffer. Buckets start strictly in order (bucket ``i`` after ``0 .. i-1``), so every
+step: a fresh 4 MiB tensor would be page-faulted in each time; a parameter larger than a
+bucket is summed in its own gradient, no copy) and its all-reduce starts asynchronously;
+after it, each ``p.grad`` is a view of the buffer. Buckets start strictly in order (bucket ``i`` after ``0 .. i-1``), so every
 rank issues the same sequence of collectives whatever order autograd finishes them in::
 
     backward:   top MLP grads ─▶ bucket 0 ─all_reduce(async)─┐
@@ -37,22 +38,30 @@ BUCKET_BYTES = 4 * 2**20
 
 
 def bucket_indices(numels: Sequence[int], bucket_bytes: int, itemsize: int = 4) -> list[list[int]]:
-    """Indices of ``numels`` cut into consecutive buckets of at most ``bucket_bytes`` (a
-    parameter larger than that is a bucket alone), walking them in reverse order.
+    """Buckets of the parameters of sizes ``numels``, walking them in reverse order (the order
+    backward completes them): a parameter of at least half a bucket is a bucket alone (summed
+    in its own gradient); the smaller ones (biases, narrow layers) fill shared buckets of at
+    most ``bucket_bytes``, each placed where it fills up, the last one at the end (a bias
+    between two large layers would otherwise cost a collective of its own).
 
-    >>> bucket_indices([10, 10, 10, 10], 80)
-    [[3, 2], [1, 0]]
+    >>> bucket_indices([2, 2, 30, 2], 80)  # 8, 8, 120, 8 bytes
+    [[2], [3, 1, 0]]
     """
     out: list[list[int]] = []
+    small: list[int] = []
     size = 0
     for i in reversed(range(len(numels))):
         n = numels[i] * itemsize
-        if out and size + n <= bucket_bytes:
-            out[-1].append(i)
-            size += n
-        else:
+        if 2 * n >= bucket_bytes:
             out.append([i])
-            size = n
+            continue
+        if small and size + n > bucket_bytes:
+            out.append(small)
+            small, size = [], 0
+        small.append(i)
+        size += n
+    if small:
+        out.append(small)
     return out
 
 
@@ -106,6 +115,11 @@ class GradBuckets:
     @torch.no_grad()
     def _start(self, b: int) -> None:
         idx = self.buckets[b]
+        lone = self.params[idx[0]].grad if len(idx) == 1 else None
+        if lone is not None and lone.is_contiguous():
+            # a parameter that fills a bucket alone is summed in its own gradient: no copy
+            self._all_reduce(lone.view(-1))
+            return
         flat = self._buffers[b]
         if flat is None:
             first = self.params[idx[0]]
@@ -120,6 +134,9 @@ class GradBuckets:
                 piece.zero_()
             elif p.grad.data_ptr() != piece.data_ptr():  # else: last step's view, kept
                 piece.copy_(p.grad.reshape(-1))
+        self._all_reduce(flat)
+
+    def _all_reduce(self, flat: torch.Tensor) -> None:
         work = None
         if dist.is_available() and dist.is_initialized():
             work = dist.all_reduce(flat, group=self.group, async_op=True)

@@ -11,11 +11,11 @@ global batch (up to the order of float sums)::
        sparse ──ShardedEmbeddingCollection──▶ {table: (B_r, dim)}  (keys to owners, vectors back)
        dense  ──dense part (replica)─────────▶ logits (B_r,)
        loss_r = Σ_{local samples} BCE-with-logits / B             (B = GLOBAL batch size)
-       backward: shard gradients arrive through the (differentiable) exchanges; dense
-                 gradients' SUM all-reduce starts bucket by bucket as they complete
-                 (embark.sharding.grad_buckets)
-       reduce_dp_gradients()          DP table replicas: SUM over ranks
-       dense gradients                wait for the buckets' all-reduces
+       backward: shard gradients arrive through the (differentiable) exchanges; the SUM
+                 all-reduce of the dense part's and the fp32 DP replicas' gradients starts
+                 bucket by bucket as they complete (embark.sharding.grad_buckets)
+       reduce_dp_gradients()          16-bit-wire DP replicas: SUM over ranks
+       replicated gradients           wait for the buckets' all-reduces
        optimizer step                 same optimizer, same options as one process
 
 Gradient convention. Each rank's loss is its *share of the global loss*: ``Σ_r loss_r`` is
@@ -50,7 +50,7 @@ from embark.data.batch import Batch
 from embark.data.jagged import JaggedBatch
 from embark.models.dlrm import DLRM
 from embark.sharding.collection import ShardedEmbeddingCollection
-from embark.sharding.comm import distributed_world
+from embark.sharding.comm import distributed_world, grad_wire
 from embark.sharding.grad_buckets import GradBuckets
 from embark.types import CommDtype, ShardingPlan
 
@@ -203,8 +203,18 @@ class ShardedDLRM(nn.Module):
             p.grad = piece.view_as(p).clone()
         return parts[-1].view_as(extra) if extra is not None else None
 
-    def dense_gradient_buckets(self) -> GradBuckets:
-        """The dense part's gradients in :class:`~embark.sharding.grad_buckets.GradBuckets`.
+    def bucketed_dp_tables(self) -> frozenset[str]:
+        """The DP tables whose gradients travel in :meth:`gradient_buckets`: those summed in
+        fp32 (a 16-bit gradient wire keeps :meth:`ShardedEmbeddingCollection.reduce_dp_gradients`)."""
+        layout = self.embeddings.layout
+        return frozenset(
+            n for n in layout.dp_tables if grad_wire(layout.wire(n)) is CommDtype.FP32
+        )
+
+    def gradient_buckets(self) -> GradBuckets:
+        """The dense part's gradients and the :meth:`bucketed_dp_tables` replicas' in
+        :class:`~embark.sharding.grad_buckets.GradBuckets` (the replicas first, so their
+        gradients, complete early in backward, share the last bucket with the biases).
 
         With the default process group the buckets travel on a process group of their own
         (created on the first call: a collective of every rank), which carries nothing else,
@@ -216,7 +226,8 @@ class ShardedDLRM(nn.Module):
         if overlap and self._dense_group is None:
             self._dense_group = dist.new_group(list(range(self.world_size)))
         group = self._dense_group if overlap else self.process_group
-        return GradBuckets(list(self.dense.parameters()), group, overlap=overlap)
+        dp = [self.embeddings.weights[n] for n in sorted(self.bucketed_dp_tables())]
+        return GradBuckets([*dp, *self.dense.parameters()], group, overlap=overlap)
 
     def full_state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor]:
         """The single-process :class:`~embark.models.dlrm.DLRM` ``state_dict`` (names as
@@ -271,7 +282,7 @@ class ShardedSync:
         """``loss.backward()``, the dense gradients' all-reduce starting bucket by bucket
         inside it (:meth:`ShardedDLRM.dense_gradient_buckets`)."""
         if self._buckets is None:
-            self._buckets = self.model.dense_gradient_buckets()
+            self._buckets = self.model.gradient_buckets()
         self._buckets.arm()
         loss.backward()
 
@@ -281,12 +292,17 @@ class ShardedSync:
         for p in self.model.embeddings.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.model.embeddings.reduce_dp_gradients()
         if self._buckets is None:
+            self.model.embeddings.reduce_dp_gradients()
             global_loss = self.model.reduce_dense_gradients(extra=loss.detach().reshape(1))
             assert global_loss is not None  # extra was given
             return float(global_loss)
+        bucketed = self.model.bucketed_dp_tables()
+        self.model.embeddings.reduce_dp_gradients(skip=bucketed)
         self._buckets.finish()
+        emb = self.model.embeddings
+        if bucketed and is_distributed(self.model.process_group):
+            emb.stats.record_bytes("dp_grads", sum(emb.weights[n].numel() * 4 for n in bucketed))
         value = self._global_loss
         self._global_loss = None
         return value if value is not None else self.global_loss(loss)

@@ -69,7 +69,7 @@ from embark.sharding.comm import (
     int_bytes,
     tie,
 )
-from embark.sharding.hierarchical import NodeGroups, node_blocks, reduce_hierarchically
+from embark.sharding.hierarchical import NodeGroups, reduce_hierarchically, relayed_blocks
 from embark.sharding.input import (
     BAD_ID,
     HEADER,
@@ -185,19 +185,11 @@ class ShardedEmbeddingCollection(nn.Module):
             pos.sort(key=lambda oi: self._shard_key(self.layout.owned[oi[0]][oi[1]]))
         gpn = plan.gpus_per_node
         self._groups: NodeGroups | None = None
-        # (table, col_start, node) of the REDUCTION blocks reduced inside their node: those
-        # with row shards on two or more of its ranks. A block with one owner on a node sends
-        # the same bytes through the flat exchange (stage 1 would be empty, stage 2 the flat
-        # send), so the two extra collectives run only when some block needs them.
         self._relayed: frozenset[tuple[str, int, int]] = frozenset()
         if hierarchical and world is not None and 1 < gpn < plan.world_size:
-            blocks = [[b for b in bs if len(b.owners) > 1] for bs in node_blocks(self.layout, gpn)]
-            if any(blocks):
+            self._blocks, self._relayed = relayed_blocks(self.layout, gpn)
+            if self._relayed:  # else every block goes flat: no node groups, no extra stages
                 self._groups = NodeGroups.create(plan.world_size, gpn, rank)
-                self._blocks = blocks
-                self._relayed = frozenset(
-                    (b.table, b.col_start, n) for n, bs in enumerate(blocks) for b in bs
-                )
 
     @staticmethod
     def _shard_key(ref: ShardRef) -> tuple[int, int]:

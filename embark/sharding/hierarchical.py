@@ -140,6 +140,17 @@ def node_blocks(layout: Layout, gpus_per_node: int) -> list[list[BlockRef]]:
     return out
 
 
+def relayed_blocks(
+    layout: Layout, gpus_per_node: int
+) -> tuple[list[list[BlockRef]], frozenset[tuple[str, int, int]]]:
+    """The blocks these stages reduce: :func:`node_blocks` with row shards on two or more
+    ranks of their node (one owner would send the same bytes in the flat exchange), and
+    their ``(table, col_start, node)`` keys."""
+    blocks = [[b for b in bs if len(b.owners) > 1] for bs in node_blocks(layout, gpus_per_node)]
+    keys = frozenset((b.table, b.col_start, n) for n, bs in enumerate(blocks) for b in bs)
+    return blocks, keys
+
+
 def reduce_hierarchically(
     answers: Sequence[Sequence[torch.Tensor]],
     owned: Sequence[Sequence[ShardRef]],

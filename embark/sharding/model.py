@@ -207,9 +207,7 @@ class ShardedDLRM(nn.Module):
         """The DP tables whose gradients travel in :meth:`gradient_buckets`: those summed in
         fp32 (a 16-bit gradient wire keeps :meth:`ShardedEmbeddingCollection.reduce_dp_gradients`)."""
         layout = self.embeddings.layout
-        return frozenset(
-            n for n in layout.dp_tables if grad_wire(layout.wire(n)) is CommDtype.FP32
-        )
+        return frozenset(n for n in layout.dp_tables if grad_wire(layout.wire(n)) is CommDtype.FP32)
 
     def gradient_buckets(self) -> GradBuckets:
         """The dense part's gradients and the :meth:`bucketed_dp_tables` replicas' in

@@ -16,8 +16,10 @@ One forward is three exchanges (all-to-alls) plus local work::
        then at the source: sum partials over row shards, concatenate column blocks,
        divide by the full bag length for ``mean``.
     DP tables: local lookup in the replica; :meth:`reduce_dp_gradients` after backward.
-    ``hierarchical=True``: step 3 for REDUCTION goes owner -> node relay (sum) -> source,
-    see :mod:`embark.sharding.hierarchical`; :attr:`stats` counts bytes per phase and level.
+    ``hierarchical=True``: step 3 for a REDUCTION column block row-split over several ranks
+    of a node goes owner -> node relay (sum) -> source, see
+    :mod:`embark.sharding.hierarchical` (a block with one owner per node stays flat);
+    :attr:`stats` counts bytes per phase and level.
     Pipelining: :meth:`pipeline` / :meth:`forward_async` start batch i+1's keys exchange
     (async) before batch i's lookup; keys read no weights, so an optimizer step between the
     two changes nothing: results equal the plain :meth:`forward`, step by step.
@@ -67,7 +69,7 @@ from embark.sharding.comm import (
     int_bytes,
     tie,
 )
-from embark.sharding.hierarchical import NodeGroups, node_blocks, reduce_hierarchically
+from embark.sharding.hierarchical import NodeGroups, reduce_hierarchically, relayed_blocks
 from embark.sharding.input import (
     BAD_ID,
     HEADER,
@@ -187,9 +189,11 @@ class ShardedEmbeddingCollection(nn.Module):
             pos.sort(key=lambda oi: self._shard_key(self.layout.owned[oi[0]][oi[1]]))
         gpn = plan.gpus_per_node
         self._groups: NodeGroups | None = None
+        self._relayed: frozenset[tuple[str, int, int]] = frozenset()
         if hierarchical and world is not None and 1 < gpn < plan.world_size:
-            self._groups = NodeGroups.create(plan.world_size, gpn, rank)
-            self._blocks = node_blocks(self.layout, gpn)
+            self._blocks, self._relayed = relayed_blocks(self.layout, gpn)
+            if self._relayed:  # else every block goes flat: no node groups, no extra stages
+                self._groups = NodeGroups.create(plan.world_size, gpn, rank)
 
     @staticmethod
     def _shard_key(ref: ShardRef) -> tuple[int, int]:
@@ -475,14 +479,15 @@ class ShardedEmbeddingCollection(nn.Module):
     def _exchange_flat(
         self, inp: DistributedInput, answers: list[list[torch.Tensor]], wires: list[CommDtype]
     ) -> tuple[dict[tuple[int, int], torch.Tensor], list[torch.Tensor]]:
-        """The flat vectors exchange (every shard but hierarchical REDUCTION ones): one
+        """The flat vectors exchange (every shard but those of relayed REDUCTION blocks): one
         buffer per wire dtype in one all-to-all. Returns ``({(owner, k): (rows, cols)},
         received buffers)``."""
         owned, me, world = self.layout.owned, self.rank, self.world_size
-        hier = self._groups is not None
+        gpn = self.layout.plan.gpus_per_node
 
         def flat(ref: ShardRef, wire: CommDtype) -> bool:
-            return ref.wire is wire and not (hier and ref.cluster is Cluster.REDUCTION)
+            node = ref.shard.rank // gpn
+            return ref.wire is wire and (ref.table, ref.shard.col_start, node) not in self._relayed
 
         xs, send, recv = [], [], []
         for wire in wires:
@@ -575,12 +580,15 @@ class ShardedEmbeddingCollection(nn.Module):
 
     # ------------------------------------------------------------ DP gradients
     @torch.no_grad()
-    def reduce_dp_gradients(self) -> None:
+    def reduce_dp_gradients(self, skip: frozenset[str] = frozenset()) -> None:
         """Sum the gradients of the DP replicas over the ranks, in their wire dtype's gradient
         wire (``comm.grad_wire``: bf16 for fp16; a collective; call after ``backward`` and
-        before the optimizer step). A replica with no
-        gradient counts as zero and gets one."""
-        dp = self.layout.dp_tables
+        before the optimizer step). A replica with no gradient counts as zero and gets one.
+
+        Args:
+            skip: replicas summed elsewhere (e.g. in the dense gradients' buckets).
+        """
+        dp = [n for n in self.layout.dp_tables if n not in skip]
         for wire in CommDtype:
             names = [n for n in dp if self.layout.wire(n) is wire]
             if not names:

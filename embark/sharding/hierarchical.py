@@ -13,8 +13,9 @@ other sources in turn (in rank order: the ``j``-th non-owner source goes to owne
     stage 2 (default group): the relay sends the sum to r (kept when r is the relay)
 
 Stage 1 is a reduce-scatter of the node's partials over its owners; stage 2 sends each source
-one (B_r, cols) per (block, node). A block with one owner on a node is sent by that owner
-directly (nothing in stage 1), and with an owner on every rank of the node the relay of a
+one (B_r, cols) per (block, node). A block with one owner on a node would be sent by that
+owner directly (nothing in stage 1): the collection sends such blocks in its flat exchange
+and runs these stages only for blocks with ``k >= 2`` somewhere. With an owner on every rank of the node the relay of a
 source is the owner with its local index (``rank % gpn``), so stage 2 stays rail-aligned.
 These are the bytes the planner's cost model counts (:mod:`embark.planner.cost`): stage 1
 moves ``(k-1)/k · B · cols`` per owner, stage 2 one ``b × cols`` per remote source and per
@@ -137,6 +138,17 @@ def node_blocks(layout: Layout, gpus_per_node: int) -> list[list[BlockRef]]:
                 ranks = tuple(sorted(own))
                 out[n].append(BlockRef(name, c0, cols, wire, ranks, relays_for(ranks, world)))
     return out
+
+
+def relayed_blocks(
+    layout: Layout, gpus_per_node: int
+) -> tuple[list[list[BlockRef]], frozenset[tuple[str, int, int]]]:
+    """The blocks these stages reduce: :func:`node_blocks` with row shards on two or more
+    ranks of their node (one owner would send the same bytes in the flat exchange), and
+    their ``(table, col_start, node)`` keys."""
+    blocks = [[b for b in bs if len(b.owners) > 1] for bs in node_blocks(layout, gpus_per_node)]
+    keys = frozenset((b.table, b.col_start, n) for n, bs in enumerate(blocks) for b in bs)
+    return blocks, keys
 
 
 def reduce_hierarchically(

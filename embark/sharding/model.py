@@ -11,9 +11,11 @@ global batch (up to the order of float sums)::
        sparse ──ShardedEmbeddingCollection──▶ {table: (B_r, dim)}  (keys to owners, vectors back)
        dense  ──dense part (replica)─────────▶ logits (B_r,)
        loss_r = Σ_{local samples} BCE-with-logits / B             (B = GLOBAL batch size)
-       backward: shard gradients arrive through the (differentiable) exchanges
-       reduce_dp_gradients()          DP table replicas: SUM over ranks
-       dense gradients + loss_r       one SUM all-reduce
+       backward: shard gradients arrive through the (differentiable) exchanges; the SUM
+                 all-reduce of the dense part's and the fp32 DP replicas' gradients starts
+                 bucket by bucket as they complete (embark.sharding.grad_buckets)
+       reduce_dp_gradients()          16-bit-wire DP replicas: SUM over ranks
+       replicated gradients           wait for the buckets' all-reduces
        optimizer step                 same optimizer, same options as one process
 
 Gradient convention. Each rank's loss is its *share of the global loss*: ``Σ_r loss_r`` is
@@ -49,7 +51,8 @@ from embark.data.jagged import JaggedBatch
 from embark.models.dlrm import DLRM, build_dense_part, uniform_block_
 from embark.models.workloads import Workload
 from embark.sharding.collection import ShardedEmbeddingCollection
-from embark.sharding.comm import distributed_world
+from embark.sharding.comm import distributed_world, grad_wire
+from embark.sharding.grad_buckets import GradBuckets
 from embark.types import CommDtype, ShardingPlan
 
 
@@ -200,6 +203,7 @@ class ShardedDLRM(nn.Module):
         self.embeddings = embeddings
         self.dense = dense
         self.rank, self.world_size = embeddings.rank, embeddings.world_size
+        self._dense_group: Any | None = None
         self._broadcast_replicas()
 
     def embedding_tables(self) -> dict[str, nn.Parameter]:
@@ -277,6 +281,30 @@ class ShardedDLRM(nn.Module):
             p.grad = piece.view_as(p).clone()
         return parts[-1].view_as(extra) if extra is not None else None
 
+    def bucketed_dp_tables(self) -> frozenset[str]:
+        """The DP tables whose gradients travel in :meth:`gradient_buckets`: those summed in
+        fp32 (a 16-bit gradient wire keeps :meth:`ShardedEmbeddingCollection.reduce_dp_gradients`)."""
+        layout = self.embeddings.layout
+        return frozenset(n for n in layout.dp_tables if grad_wire(layout.wire(n)) is CommDtype.FP32)
+
+    def gradient_buckets(self) -> GradBuckets:
+        """The dense part's gradients and the :meth:`bucketed_dp_tables` replicas' in
+        :class:`~embark.sharding.grad_buckets.GradBuckets` (the replicas first, so their
+        gradients, complete early in backward, share the last bucket with the biases).
+
+        With the default process group the buckets travel on a process group of their own
+        (created on the first call: a collective of every rank), which carries nothing else,
+        so their all-reduces may start from inside ``backward`` while the embedding exchanges'
+        backward runs on the default group. With another group they start after ``backward``
+        (``overlap=False``): a second group would need every rank of the world to create it.
+        """
+        overlap = self.process_group is None and is_distributed(None)
+        if overlap and self._dense_group is None:
+            self._dense_group = dist.new_group(list(range(self.world_size)))
+        group = self._dense_group if overlap else self.process_group
+        dp = [self.embeddings.weights[n] for n in sorted(self.bucketed_dp_tables())]
+        return GradBuckets([*dp, *self.dense.parameters()], group, overlap=overlap)
+
     def full_state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor]:
         """The single-process :class:`~embark.models.dlrm.DLRM` ``state_dict`` (names as
         there: ``embeddings.<table>.weight`` gathered whole, then the dense part), on ``dst``
@@ -325,6 +353,8 @@ class ShardedSync:
 
     def __init__(self, model: ShardedDLRM) -> None:
         self.model = model
+        self._buckets: GradBuckets | None = None
+        self._global_loss: float | None = None
 
     def loss(self, batch: Batch) -> tuple[torch.Tensor, int]:
         """This rank's share of the global loss, and the global batch size (equal on every
@@ -345,18 +375,37 @@ class ShardedSync:
         total = loss.detach().reshape(1).float().clone()
         if is_distributed(self.model.process_group):
             dist.all_reduce(total, group=self.model.process_group)
-        return float(total)
+        self._global_loss = float(total)
+        return self._global_loss
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, the dense gradients' all-reduce starting bucket by bucket
+        inside it (:meth:`ShardedDLRM.dense_gradient_buckets`)."""
+        if self._buckets is None:
+            self._buckets = self.model.gradient_buckets()
+        self._buckets.arm()
+        loss.backward()
 
     def reduce(self, loss: torch.Tensor) -> float:
         """Give every table parameter a gradient, sum the DP replicas' and the dense part's
-        over the ranks (the latter with the loss, in one all-reduce); the global mean loss."""
+        over the ranks; the global mean loss (:meth:`global_loss`'s, else summed here)."""
         for p in self.model.embeddings.parameters():
             if p.requires_grad and p.grad is None:
                 p.grad = torch.zeros_like(p)
-        self.model.embeddings.reduce_dp_gradients()
-        global_loss = self.model.reduce_dense_gradients(extra=loss.detach().reshape(1))
-        assert global_loss is not None  # extra was given
-        return float(global_loss)
+        if self._buckets is None:
+            self.model.embeddings.reduce_dp_gradients()
+            global_loss = self.model.reduce_dense_gradients(extra=loss.detach().reshape(1))
+            assert global_loss is not None  # extra was given
+            return float(global_loss)
+        bucketed = self.model.bucketed_dp_tables()
+        self.model.embeddings.reduce_dp_gradients(skip=bucketed)
+        self._buckets.finish()
+        emb = self.model.embeddings
+        if bucketed and is_distributed(self.model.process_group):
+            emb.stats.record_bytes("dp_grads", sum(emb.weights[n].numel() * 4 for n in bucketed))
+        value = self._global_loss
+        self._global_loss = None
+        return value if value is not None else self.global_loss(loss)
 
     def gather(self, x: torch.Tensor) -> torch.Tensor:
         return gather_1d(x, self.model.process_group)

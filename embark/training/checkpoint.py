@@ -515,8 +515,8 @@ def _option_kind(current: Any, saved: Any) -> str | None:
     """What a saved optimizer option must be, given the optimizer's own value of it, when
     ``saved`` is not that (``None``: it fits). An option of the wrong kind would load and
     then fail inside the optimizer's step (``lr: [..]``)."""
-    if isinstance(current, bool):
-        return None if isinstance(saved, bool) else "true or false"
+    if isinstance(current, bool):  # None: torch's default for its flags (fused, foreach)
+        return None if saved is None or isinstance(saved, bool) else "null, true or false"
     if current is None:
         return None if saved is None or isinstance(saved, bool) else "null, true or false"
     if isinstance(current, int | float):

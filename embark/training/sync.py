@@ -42,8 +42,13 @@ class GradientSync(Protocol):
         """Before ``backward``: the global mean loss (the same on every process)."""
         ...
 
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``; a sync may start its reductions from inside it (e.g. the
+        gradients of the last layers while the first layers' are computed)."""
+        ...
+
     def reduce(self, loss: torch.Tensor) -> float:
-        """After ``backward``: make every gradient the global loss's; return the global
+        """After :meth:`backward`: make every gradient the global loss's; return the global
         mean loss."""
         ...
 
@@ -77,6 +82,9 @@ class LocalSync:
 
     def global_loss(self, loss: torch.Tensor) -> float:
         return float(loss.detach())
+
+    def backward(self, loss: torch.Tensor) -> None:
+        loss.backward()
 
     def reduce(self, loss: torch.Tensor) -> float:
         return float(loss.detach())

@@ -11,7 +11,8 @@ one training step reads the same in both::
     loss, n = sync.loss(batch)     forward; n = samples of the step (all processes)
     state.admit(n)                 a batch larger than the stream's is refused
     sync.global_loss(loss)         a loss that is not finite stops here, nothing changed
-    loss.backward()                embedding tables: touched rows updated inside backward
+    sync.backward(loss)            embedding tables: touched rows updated inside backward
+                                   (a sharded sync starts its all-reduces inside it too)
     sync.reduce                    gradients of the global mean loss everywhere
     on_after_backward → optimizer.step() (dense part) and embedding_updates.step()
                                    (replicated tables) → on_step_end
@@ -229,7 +230,7 @@ class Trainer:
         value = self.sync.global_loss(loss)
         if not math.isfinite(value):
             raise TrainingDiverged(step, value)
-        loss.backward()
+        self.sync.backward(loss)
         self.sync.reduce(loss)
         for cb in self.callbacks:
             cb.on_after_backward(self, step)

@@ -255,3 +255,25 @@ def test_fit_errors_when_batches_run_out(data):
     t = _trainer(data)
     with pytest.raises(ValueError, match="ran out after 2 of 5"):
         t.fit(data.batches(2), 5, progress=False)
+
+
+def test_checkpoint_with_torchs_default_optimizer_flags_loads(data, tmp_path):
+    """The dense Adagrad runs torch's fused kernel (``fused: true`` in the saved groups); a
+    checkpoint whose groups hold torch's default ``null`` for it loads and trains on, and a
+    flag of another kind is refused naming it."""
+    t = _trainer(data, optimizer="adagrad")
+    t.fit(data.batches(2), 2, progress=False)
+    ck = t.save_checkpoint(tmp_path / "ck")
+    path = ck / "state.json"
+    state = json.loads(path.read_text())
+    assert [g["fused"] for g in state["param_groups"]] == [True] * len(state["param_groups"])
+    for g in state["param_groups"]:
+        g["fused"] = None
+    path.write_text(json.dumps(state))
+    resumed = Trainer.load_checkpoint(ck)
+    resumed.fit(data.batches(1, start=2), 1, progress=False)
+    assert resumed.step == 3
+    state["param_groups"][0]["fused"] = "yes"
+    path.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\.fused must be null, true or false"):
+        Trainer.load_checkpoint(ck)

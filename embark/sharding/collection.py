@@ -48,11 +48,10 @@ smaller than sharded ones.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
@@ -69,6 +68,7 @@ from embark.sharding.comm import (
     int_bytes,
     tie,
 )
+from embark.sharding.full_tables import FullTables
 from embark.sharding.hierarchical import NodeGroups, reduce_hierarchically, relayed_blocks
 from embark.sharding.input import (
     BAD_ID,
@@ -93,7 +93,7 @@ from embark.sharding.routing import (
 from embark.types import Cluster, Combiner, CommDtype, Shard, ShardingPlan, TableConfig
 
 
-class ShardedEmbeddingCollection(nn.Module):
+class ShardedEmbeddingCollection(FullTables, nn.Module):
     """This rank's part of the embedding tables of ``plan`` (see the module docstring).
 
     Args:
@@ -199,68 +199,6 @@ class ShardedEmbeddingCollection(nn.Module):
     def _shard_key(ref: ShardRef) -> tuple[int, int]:
         return ref.shard.col_start, ref.shard.row_start
 
-    # ------------------------------------------------------------------ weights
-    @torch.no_grad()
-    def load_full_weights(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Copy this rank's slices of full tables into its shards.
-
-        Args:
-            weights: ``{table: (num_rows, dim) float tensor}`` for every table.
-
-        Raises:
-            ValueError: naming a missing or mis-shaped table.
-        """
-        for t in self.layout.tables:
-            if t.name not in weights:
-                raise ValueError(f"load_full_weights: table {t.name!r} is missing")
-            w = weights[t.name]
-            if tuple(w.shape) != (t.num_rows, t.dim):
-                raise ValueError(
-                    f"load_full_weights: table {t.name!r} is {t.num_rows} × {t.dim}, got shape "
-                    f"{tuple(w.shape)}"
-                )
-            s = self.local_shards.get(t.name)
-            if s is not None:
-                self.weights[t.name].copy_(w[s.row_start : s.row_end, s.col_start : s.col_end])
-
-    @torch.no_grad()
-    def full_weights(self, dst: int | None = 0) -> dict[str, torch.Tensor]:
-        """Assemble the full tables (a collective: every rank must call it; for checking).
-
-        Args:
-            dst: rank that gets the tables; ``None``: every rank.
-
-        Returns:
-            ``{table: (num_rows, dim) float32}`` on ``dst`` (or everywhere), ``{}`` elsewhere.
-            DP tables are this rank's replica.
-        """
-        sharded = self.layout.sharded_tables
-        sizes = [self.layout.plan[n].num_rows * self.layout.plan[n].dim for n in sharded]
-        buf = torch.zeros(sum(sizes))
-        pos = 0
-        for n, size in zip(sharded, sizes):
-            ts = self.layout.plan[n]
-            if n in self.local_shards:
-                s = self.local_shards[n]
-                buf[pos : pos + size].view(ts.num_rows, ts.dim)[
-                    s.row_start : s.row_end, s.col_start : s.col_end
-                ] = self.weights[n]
-            pos += size
-        if distributed_world(self.process_group) is not None:
-            dist.all_reduce(buf, group=self.process_group)
-        if dst is not None and dst != self.rank:
-            return {}
-        out: dict[str, torch.Tensor] = {}
-        pos = 0
-        for n, size in zip(sharded, sizes):
-            ts = self.layout.plan[n]
-            out[n] = buf[pos : pos + size].view(ts.num_rows, ts.dim).clone()
-            pos += size
-        for n in self.layout.dp_tables:
-            out[n] = self.weights[n].detach().clone()
-        return {t.name: out[t.name] for t in self.layout.tables}
-
-    # ---------------------------------------------------------- input distribution
     def _check_batch(self, sparse: JaggedBatch) -> tuple[int, int, int, list[torch.Tensor]]:
         tables = self.layout.tables
         for i, t in enumerate(tables):

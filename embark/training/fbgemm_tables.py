@@ -4,10 +4,12 @@
 The kernel's backward reduces the bag gradients to the distinct touched rows and applies the
 optimizer to those rows (``EXACT_ADAGRAD``, ``EXACT_ROWWISE_ADAGRAD``, ``EXACT_SGD``), the same
 update as :class:`embark.training.sparse_rows.RowOptimizer`. The weights and the optimizer
-state stay ours (the model's parameter, the update module's buffers): for each call they are
-bound as the kernel's host storage (``weights_host``, ``momentum1_host``, flat views, no copy)
-and unbound after the forward (the autograd node keeps what backward needs), so a deep copy
-or a ``state_dict`` of the model never sees a second copy of a table.
+state stay ours (the model's parameter, the update module's buffers): the kernel is built
+over them (``preallocated_host_buffers``, where FBGEMM takes it), so building it allocates
+and writes no table-sized buffer; for each call they are bound as the kernel's host storage
+(``weights_host``, ``momentum1_host``, flat views, no copy) and unbound after the forward
+(the autograd node keeps what backward needs), so a deep copy or a ``state_dict`` of the
+model never sees a second copy of a table.
 
 ``fbgemm_gpu`` is imported only here and only when a table is first trained with this kernel
 (:func:`fbgemm_available` checks it without failing).
@@ -17,6 +19,7 @@ from __future__ import annotations
 
 import functools
 import importlib
+import inspect
 import logging
 from types import ModuleType
 
@@ -58,15 +61,26 @@ class FbgemmTable:
     """One table's lookup through FBGEMM, optimizer applied in its backward.
 
     Args:
-        num_rows, dim: the table's (or shard's) shape.
+        weight: the table's (or shard's) ``(num_rows, dim) float32`` weight, contiguous.
+        state: the update's state (``sum`` ``(num_rows, dim)`` or ``row_sum`` ``(num_rows,)``
+            float32, contiguous; empty for SGD).
         optimizer: the row update (its kind, lr, eps).
         mean: bags are averaged (``PoolingMode.MEAN``), else summed.
+
+    The kernel is built over ``weight`` and ``state`` (no table-sized allocation where FBGEMM
+    takes ``preallocated_host_buffers``); each call binds the tensors it is given.
 
     Raises:
         RuntimeError: when ``fbgemm_gpu`` does not import.
     """
 
-    def __init__(self, num_rows: int, dim: int, optimizer: RowOptimizer, mean: bool) -> None:
+    def __init__(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        optimizer: RowOptimizer,
+        mean: bool,
+    ) -> None:
         mods = _fbgemm()
         if mods is None:
             raise RuntimeError(
@@ -80,7 +94,12 @@ class FbgemmTable:
             EmbeddingOptimizerKind.SGD: configs.EmbOptimType.EXACT_SGD,
         }[optimizer.kind]
         self.kind = optimizer.kind
-        self.tbe = ops.SplitTableBatchedEmbeddingBagsCodegen(
+        num_rows, dim = weight.shape
+        cls = ops.SplitTableBatchedEmbeddingBagsCodegen
+        extra: dict[str, dict[str, torch.Tensor]] = {}
+        if _takes_host_buffers(cls):
+            extra["preallocated_host_buffers"] = _host_views(weight, state)
+        self.tbe = cls(
             [(num_rows, dim, common.EmbeddingLocation.HOST, ops.ComputeDevice.CPU)],
             optimizer=optim,
             learning_rate=optimizer.lr,
@@ -88,6 +107,7 @@ class FbgemmTable:
             pooling_mode=common.PoolingMode.MEAN if mean else common.PoolingMode.SUM,
             # ids are range-checked (naming the table) before any lookup
             bounds_check_mode=common.BoundsCheckMode.NONE,
+            **extra,
         )
         self._unbind()
 
@@ -106,6 +126,8 @@ class FbgemmTable:
         for name in ("weights_host", "momentum1_host"):
             if name in params:
                 params[name] = torch.empty(0)
+        # the kernel keeps no reference to a table between calls
+        self.tbe._preallocated_host_buffers = None
 
     def __call__(
         self,
@@ -122,11 +144,27 @@ class FbgemmTable:
             ids: ``(nnz,) int64``; offsets: ``(B,) int64`` bag starts.
         """
         params = self.tbe._parameters
-        params["weights_host"] = weight.detach().view(-1)
-        for tensor in state.values():
-            params["momentum1_host"] = tensor.view(-1)
+        for key, view in _host_views(weight, state).items():
+            params[f"{key}_host"] = view
         ends = torch.cat([offsets, offsets.new_tensor([ids.numel()])])
         try:
             return self.tbe(ids, ends)
         finally:
             self._unbind()
+
+
+def _host_views(weight: torch.Tensor, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``{"weights": weight, "momentum1": state}`` as flat views (no copy): FBGEMM's names of
+    a table's host storage, less the ``_host`` suffix (an SGD update has no state)."""
+    views = {"weights": weight.detach().view(-1)}
+    for tensor in state.values():
+        views["momentum1"] = tensor.view(-1)
+    return views
+
+
+@functools.cache
+def _takes_host_buffers(cls: type) -> bool:
+    """Whether this FBGEMM's kernel class can be built over given host tensors
+    (``preallocated_host_buffers``); an older one allocates (and zeroes) its own, which the
+    first call replaces."""
+    return "preallocated_host_buffers" in inspect.signature(cls).parameters

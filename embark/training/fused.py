@@ -149,7 +149,7 @@ class SparseTableUpdate(nn.Module):
             and FbgemmTable.supports(self.dim)
         ):
             if mean not in self._kernels:
-                self._kernels[mean] = FbgemmTable(self.num_rows, self.dim, self.optimizer, mean)
+                self._kernels[mean] = FbgemmTable(weight, self.state(), self.optimizer, mean)
             return self._kernels[mean](weight, self.state(), ids, offsets)
         anchor = torch.empty(0, requires_grad=True)  # makes autograd call backward
         out: torch.Tensor = _ReferenceBag.apply(anchor, weight, ids, offsets, mean, self)

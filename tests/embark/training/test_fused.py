@@ -126,6 +126,36 @@ def test_fbgemm_equals_reference(kind, mode):
         torch.testing.assert_close(st_f[k], st_r[k], atol=atol, rtol=rtol)
 
 
+@pytest.mark.parametrize("kind", KINDS, ids=[k.value for k in KINDS])
+def test_fbgemm_kernel_is_built_over_the_table_without_a_copy(kind, monkeypatch):
+    """Building the kernel allocates no buffer of the table's size (FBGEMM would zero one of
+    weights and one of state) and leaves the table and its state as they were; the kernel
+    holds neither between calls."""
+    _need_fbgemm()
+    rows, dim = 4096, 8
+    opt = RowOptimizer(kind, lr=0.5, initial_accumulator_value=0.25)
+    weight = torch.randn(rows, dim)
+    state = opt.new_state(rows, dim)
+    before = weight.clone(), {k: v.clone() for k, v in state.items()}
+    sizes: list[int] = []
+    zeros = torch.zeros
+
+    def spy(*args, **kwargs):
+        out = zeros(*args, **kwargs)
+        sizes.append(out.numel())
+        return out
+
+    monkeypatch.setattr(torch, "zeros", spy)
+    table = fbgemm_tables.FbgemmTable(weight, state, opt, mean=False)
+    monkeypatch.undo()
+    assert sizes and max(sizes) < rows
+    torch.testing.assert_close(weight, before[0], atol=0.0, rtol=0.0)
+    for k, v in state.items():
+        torch.testing.assert_close(v, before[1][k], atol=0.0, rtol=0.0)
+    held = [t.numel() for t in table.tbe.parameters()] + [t.numel() for t in table.tbe.buffers()]
+    assert max(held) < rows
+
+
 def test_row_gradients_sum_duplicates_and_skip_empty_bags():
     grad = torch.arange(5 * DIM, dtype=torch.float32).view(5, DIM)
     rows, g = row_gradients(grad, IDS, OFFSETS, mean=False)

@@ -380,7 +380,7 @@ class ShardedSync:
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, the dense gradients' all-reduce starting bucket by bucket
-        inside it (:meth:`ShardedDLRM.dense_gradient_buckets`)."""
+        inside it (:meth:`ShardedDLRM.gradient_buckets`)."""
         if self._buckets is None:
             self._buckets = self.model.gradient_buckets()
         self._buckets.arm()

@@ -8,6 +8,7 @@ workers, without torchrun's agent, and returns every rank's exit status and outp
 
 from __future__ import annotations
 
+import json
 import os
 import socket
 import subprocess
@@ -16,6 +17,7 @@ import tempfile
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -59,6 +61,14 @@ def spawn_world(script: str | Path, world: int, out_dir: Path, timeout_s: float 
                 p.kill()
     for r, (p, log) in enumerate(zip(procs, logs)):
         assert p.returncode == 0, f"rank {r} of {world} failed:\n{log[-4000:]}"
+
+
+def spawn_reports(
+    script: str | Path, world: int, out_dir: Path, timeout_s: float = 240.0
+) -> list[dict[str, Any]]:
+    """:func:`spawn_world`, then every rank's ``rank<r>.json`` report, in rank order."""
+    spawn_world(script, world, out_dir, timeout_s=timeout_s)
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(world)]
 
 
 def free_port() -> int:

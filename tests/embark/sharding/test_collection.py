@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import torch
 
-from tests.embark.gloo_world import reference_step, spawn_world, worker_main
+from tests.embark.gloo_world import reference_step, spawn_reports, worker_main
 from tests.tolerances import tol
 
 WORLDS = (2, 4)
@@ -344,8 +344,7 @@ def reports(
 ) -> tuple[int, list[dict[str, Any]]]:
     world = request.param
     d = tmp_path_factory.mktemp(f"sharding{world}")
-    spawn_world(__file__, world, d, timeout_s=240)
-    return world, [json.loads((d / f"rank{r}.json").read_text()) for r in range(world)]
+    return world, spawn_reports(__file__, world, d)
 
 
 @pytest.mark.parametrize(

@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.embark.gloo_world import spawn_world, worker_main
+from tests.embark.gloo_world import spawn_reports, worker_main
 from tests.embark.sharding.plans import tiny_plan
 
 WORLDS = (2, 4)
@@ -107,8 +107,7 @@ def reports(
 ) -> tuple[int, list[dict[str, Any]]]:
     world = request.param
     d = tmp_path_factory.mktemp(f"build{world}")
-    spawn_world(__file__, world, d, timeout_s=240)
-    return world, [json.loads((d / f"rank{r}.json").read_text()) for r in range(world)]
+    return world, spawn_reports(__file__, world, d)
 
 
 def test_build_equals_the_copy_of_the_whole_model(reports: Any) -> None:

@@ -481,7 +481,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\ninterrupted: {args.out} was not changed; {kept}", file=sys.stderr)
         return 130
     except (CriteoFormatError, ValueError, OSError, FolderBusyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        # an OSError raised with a message of ours (naming the file) is shown without "[Errno N]"
+        named = isinstance(e, OSError) and e.filename is None and e.strerror
+        print(f"error: {e.strerror if named else e}", file=sys.stderr)
         return 1
     print(_summary(result), file=sys.stderr)
     return 0

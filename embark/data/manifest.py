@@ -228,7 +228,7 @@ def check_labels(labels: np.ndarray, path: Path, first_row: int = 0) -> None:
     if bad.size:
         k = int(bad[0])
         raise ValueError(
-            f"{path}: row {first_row + k} has label {labels.reshape(-1)[k]!r}; labels must be "
+            f"{path}: row {first_row + k} has label {labels.reshape(-1)[k].item()!r}; labels must be "
             "0 or 1 (a corrupted file?)"
         )
 

@@ -80,6 +80,8 @@ class NpyWriter:
                 f"{self.path.name}: rows of {self.dtype} {self.row_shape} expected, "
                 f"got {rows.dtype} {tuple(rows.shape[1:])}"
             )
+        if rows.shape[0] == 0:  # (a chunk of bad lines only) a view of no bytes cannot be cast
+            return
         data = np.ascontiguousarray(rows).data.cast("B")
         self._hash.update(data)
         self._write(data)

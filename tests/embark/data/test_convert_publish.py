@@ -298,3 +298,11 @@ def test_rows_sha256_is_of_the_rows(tmp_path):
         w.append(np.array([[0], [1], [1]], np.int32))
     raw = (tmp_path / "a.npy").read_bytes()
     assert w.sha256 == hashlib.sha256(raw[HEADER_BYTES:]).hexdigest()
+
+
+def test_a_file_of_bad_lines_only_converts_to_no_rows_when_skipped(tmp_path):
+    f = tmp_path / "bad.tsv"
+    f.write_text("2" + "\t" * 39 + "\n")
+    res = convert_criteo([f], tmp_path / "o", skip_bad_lines=True)
+    assert res.files == [("bad", 0)] and res.stats.bad_lines == 1
+    assert CriteoBinary(tmp_path / "o", W, 10).num_samples == 0

@@ -88,7 +88,8 @@ def test_a_killed_conversion_never_leaves_a_folder_that_opens(tmp_path):
         time.sleep(lo + (run + rng.random()) / runs * (whole - lo))
         proc.send_signal(sig)
         _, err = proc.communicate(timeout=60)
-        assert proc.returncode in (0, 130, -signal.SIGKILL), (proc.returncode, err)
+        # -SIGINT: the signal came as the interpreter exited, after the converter finished
+        assert proc.returncode in (0, 130, -signal.SIGKILL, -signal.SIGINT), (proc.returncode, err)
         assert b"Traceback" not in err, err
         if out.exists():
             is_new = _holds(out, ref)

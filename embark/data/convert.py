@@ -213,9 +213,13 @@ def _start_staging(staging: Path, job: _Job, resume: bool) -> list[tuple[FileRec
         return []
     old_job, done = _read_progress(staging)
     if not resume:
+        finished = (
+            f"{len(done)} of {len(old_job.sources)} input(s) finished"
+            if old_job
+            else "no input recorded as finished"
+        )
         raise ValueError(
-            f"an interrupted conversion left {str(staging)!r} ({len(done)} of "
-            f"{len(old_job.sources) if old_job else '?'} input(s) finished): pass --resume to "
+            f"an interrupted conversion left {str(staging)!r} ({finished}): pass --resume to "
             "continue it, or remove that folder to start over"
         )
     if old_job is None or not done:
@@ -359,9 +363,9 @@ def convert_criteo(
             DenseTransform.LOG1P_CLIP0, num_dense, num_sparse, records, workload,
             result.stats.to_dict(),
         )  # fmt: skip
+        _check_out(out_dir, overwrite)  # the user may have added files meanwhile
         write_text_atomic(staging / MANIFEST, manifest.to_json(), durable=True)
         (staging / PROGRESS).unlink()
-        _check_out(out_dir, overwrite)  # the user may have added files meanwhile
         publish(staging, out_dir)
     return result
 
@@ -447,6 +451,14 @@ def _summary(result: ConvertResult) -> str:
     return text
 
 
+def _message(err: Exception) -> str:
+    """``err`` for the user; an ``OSError`` raised with a message of ours (which names the
+    file) without its ``[Errno N]``."""
+    if isinstance(err, OSError) and err.filename is None and err.strerror:
+        return err.strerror
+    return str(err)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (module docstring); returns the exit status: 0, 1 for an error,
     130 when interrupted (SIGINT)."""
@@ -481,9 +493,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"\ninterrupted: {args.out} was not changed; {kept}", file=sys.stderr)
         return 130
     except (CriteoFormatError, ValueError, OSError, FolderBusyError) as e:
-        # an OSError raised with a message of ours (naming the file) is shown without "[Errno N]"
-        named = isinstance(e, OSError) and e.filename is None and e.strerror
-        print(f"error: {e.strerror if named else e}", file=sys.stderr)
+        print(f"error: {_message(e)}", file=sys.stderr)
         return 1
     print(_summary(result), file=sys.stderr)
     return 0

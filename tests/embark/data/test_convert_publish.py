@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -94,9 +95,6 @@ def test_resume_refuses_changed_inputs_and_a_bad_line_removes_the_partial(tmp_pa
         convert_criteo(srcs, out, resume=True)
     with open(srcs[1], "a") as fh:
         fh.write("2" + "\t" * 39 + "\n")
-    os.utime(srcs[0])
-    import shutil
-
     shutil.rmtree(staging_path(out))
     with pytest.raises(CriteoFormatError, match="b.tsv:301: label must be 0 or 1"):
         convert_criteo(srcs, out)
@@ -306,3 +304,30 @@ def test_a_file_of_bad_lines_only_converts_to_no_rows_when_skipped(tmp_path):
     res = convert_criteo([f], tmp_path / "o", skip_bad_lines=True)
     assert res.files == [("bad", 0)] and res.stats.bad_lines == 1
     assert CriteoBinary(tmp_path / "o", W, 10).num_samples == 0
+
+
+def test_sigint_ends_the_cli_with_130_and_how_to_continue(tmp_path, monkeypatch, capsys):
+    srcs = _inputs(tmp_path / "in", {"a": 100, "b": 100})
+    _interrupt_at(monkeypatch, 1, KeyboardInterrupt())
+    out = tmp_path / "o"
+    assert _run("--in", *map(str, srcs), "--out", str(out)) == 130
+    err = capsys.readouterr().err
+    assert f"interrupted: {out} was not changed; the inputs finished so far are kept in" in err
+    assert "run the same command with --resume to continue" in err and "Traceback" not in err
+    monkeypatch.undo()
+    assert _run("--in", *map(str, srcs), "--out", str(out), "--resume") == 0
+    assert "(1 file(s) kept from the interrupted conversion)" in capsys.readouterr().err
+
+
+def test_a_replacement_killed_between_its_renames_is_undone_or_finished(tmp_path):
+    srcs = _inputs(tmp_path / "in", {"a": 100})
+    out = tmp_path / "o"
+    convert_criteo(srcs, out)
+    before = _files(out)
+    os.rename(out, old_path(out))  # killed after the first rename of a replacement
+    with pytest.raises(ValueError, match="is not empty: pass --overwrite"):
+        convert_criteo(srcs, out)  # the next writer restored the previous folder first
+    assert _files(out) == before and not old_path(out).exists()
+    shutil.copytree(out, old_path(out))  # killed after the second rename, before the removal
+    convert_criteo(srcs, out, overwrite=True)
+    assert not old_path(out).exists() and _files(out) == before

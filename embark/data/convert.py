@@ -68,7 +68,7 @@ from embark.outputs import write_text_atomic
 log = logging.getLogger(__name__)
 
 PROGRESS = "progress.json"  # in the staging folder: the inputs finished so far
-MAX_CHUNK_BYTES = 1 << 30  # pyarrow's string columns hold int32 offsets; memory is ~5x a chunk
+MAX_CHUNK_BYTES = 1 << 30  # pyarrow string columns hold int32 offsets; peak memory ~6x a chunk
 _ROW_SHAPES = {ArrayKind.DENSE: np.float32, ArrayKind.SPARSE: np.int64, ArrayKind.LABELS: np.int32}
 
 
@@ -431,7 +431,7 @@ def _parser() -> argparse.ArgumentParser:
         "--chunk-mb",
         type=int,
         default=DEFAULT_CHUNK_BYTES >> 20,
-        help=f"MiB parsed at a time, 1 to {MAX_CHUNK_BYTES >> 20} (memory is ~5x this)",
+        help=f"MiB parsed at a time, 1 to {MAX_CHUNK_BYTES >> 20} (peak memory ~6x this)",
     )
     return p
 
@@ -471,7 +471,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not 1 <= args.chunk_mb <= MAX_CHUNK_BYTES >> 20:
             raise ValueError(
                 f"--chunk-mb must be between 1 and {MAX_CHUNK_BYTES >> 20} (MiB parsed at a "
-                f"time; memory is ~5x this), got {args.chunk_mb}"
+                f"time; peak memory ~6x this), got {args.chunk_mb}"
             )
         workload = get_workload(args.workload)
         if args.scale > 1:

@@ -331,3 +331,13 @@ def test_a_replacement_killed_between_its_renames_is_undone_or_finished(tmp_path
     shutil.copytree(out, old_path(out))  # killed after the second rename, before the removal
     convert_criteo(srcs, out, overwrite=True)
     assert not old_path(out).exists() and _files(out) == before
+
+
+def test_the_library_bounds_the_chunk_size(tmp_path):
+    src = _inputs(tmp_path / "in", {"a": 10})
+    for bad in (0, 1 << 40, 2.5, True):
+        with pytest.raises(
+            ValueError, match=r"chunk_bytes must be an integer in \[1, 1073741824\]"
+        ):
+            convert_criteo(src, tmp_path / "o", chunk_bytes=bad)  # type: ignore[arg-type]
+    assert not (tmp_path / "o").exists()

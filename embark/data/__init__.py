@@ -3,7 +3,8 @@
 a synthetic CTR generator with a planted teacher (:class:`SyntheticCTR`), a Criteo TSV
 reader (:class:`CriteoTSV`), the converter into TorchRec's binary npy layout
 (:func:`convert_criteo`, ``python -m embark.data.convert``) and its memory-mapped per-rank
-reader (:class:`CriteoBinary`)."""
+reader (:class:`CriteoBinary`), which requires the manifest the converter writes last
+(:class:`DenseTransform` names what a folder's dense arrays hold)."""
 
 from typing import TYPE_CHECKING
 
@@ -17,6 +18,7 @@ if TYPE_CHECKING:
     from embark.data.criteo_lines import CriteoFormatError, ReadStats
     from embark.data.criteo_sample import write_criteo_like
     from embark.data.jagged import JaggedBatch
+    from embark.data.manifest import DenseTransform
     from embark.data.synthetic import Split, SyntheticCTR
 
 # Names are imported on first use, so that the converter starts without importing torch.
@@ -33,6 +35,7 @@ _EXPORTS = {
     "ReadStats": "embark.data.criteo_lines",
     "write_criteo_like": "embark.data.criteo_sample",
     "JaggedBatch": "embark.data.jagged",
+    "DenseTransform": "embark.data.manifest",
     "Split": "embark.data.synthetic",
     "SyntheticCTR": "embark.data.synthetic",
 }
@@ -42,6 +45,7 @@ __all__ = [
     "CriteoBinary",
     "CriteoFormatError",
     "CriteoTSV",
+    "DenseTransform",
     "JaggedBatch",
     "ReadStats",
     "Split",

@@ -13,9 +13,12 @@ tilerec does not use are accepted, and one :class:`HugeCTRFieldWarning` per read
 from __future__ import annotations
 
 import json
+import json.decoder
+import json.scanner
 import math
 import re
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -397,14 +400,70 @@ def _warn_unused(name: str, unused: list[str]) -> None:
         )
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object gives a key twice (the message names it and the lines of both)."""
+
+
+def _line(text: str, pos: int) -> int:
+    return text.count("\n", 0, pos) + 1
+
+
+def _object_without_duplicates(
+    s_and_end: tuple[str, int],
+    strict: bool,
+    scan_once: Callable[[str, int], tuple[Any, int]],
+    object_hook: Any,
+    object_pairs_hook: Any,
+    memo: dict[str, str] | None = None,
+) -> tuple[dict[str, Any], int]:
+    """``json.decoder.JSONObject`` that refuses a key given twice in one object, naming it and
+    the lines of both (``json.loads`` keeps the last value silently). A key's line is its
+    ``:``'s (JSON strings hold no raw newline), found back from where its value starts."""
+    text = s_and_end[0]
+    starts: list[int] = []
+
+    def scan_value(s: str, idx: int) -> tuple[Any, int]:
+        starts.append(idx)
+        return scan_once(s, idx)
+
+    pairs, end = json.decoder.JSONObject(s_and_end, strict, scan_value, None, list, memo)
+    seen: dict[str, int] = {}
+    for (key, _), at in zip(pairs, starts, strict=True):
+        colon = text.rfind(":", 0, at)
+        if key in seen:
+            line, first = _line(text, colon), _line(text, seen[key])
+            raise DuplicateKeyError(
+                f"key {key!r} at line {line} is given twice in one object (first at line "
+                f"{first}); JSON keeps only the last value, so each key must be unique"
+            )
+        seen[key] = colon
+    return dict(pairs), end
+
+
+def loads_unique_keys(text: str) -> Any:
+    """``json.loads(text)``, except that an object holding a key twice is refused.
+
+    Raises:
+        json.JSONDecodeError: a syntax error (with its line and column).
+        DuplicateKeyError: a key given twice in one object (naming it and the lines of both).
+        ValueError: a number past Python's limits.
+        RecursionError: nesting past the parser's depth.
+    """
+    decoder = json.JSONDecoder()
+    decoder.parse_object = _object_without_duplicates  # type: ignore[assignment]
+    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # the C scanner ignores the hook
+    return decoder.decode(text)
+
+
 def load_config(path: str | Path) -> PSConfig:
     """Read and validate ``ps.json`` at ``path`` (relative paths resolve against its folder).
 
     Raises:
         FormatVersionError: serving artifacts of another version (see :func:`parse_config`).
         ValueError: for a file that is not UTF-8 JSON text (a syntax error with line and
-            column, a number past Python's limits, nesting past the parser's depth), or a
-            :class:`ConfigError` listing every invalid field.
+            column, a key given twice in one object with the lines of both, a number past
+            Python's limits, nesting past the parser's depth), or a :class:`ConfigError`
+            listing every invalid field.
     """
     path = Path(path)
     raw = path.read_bytes()
@@ -416,11 +475,13 @@ def load_config(path: str | Path) -> PSConfig:
             "ps.json is a JSON text file"
         ) from None
     try:
-        doc = json.loads(text)
+        doc = loads_unique_keys(text)
     except json.JSONDecodeError as e:
         raise ValueError(
             f"{path}: JSON syntax error at line {e.lineno} column {e.colno}: {e.msg}"
         ) from None
+    except DuplicateKeyError as e:
+        raise ValueError(f"{path}: {e}") from None
     except RecursionError:
         raise ValueError(f"{path}: JSON nested too deeply for the parser") from None
     except ValueError as e:  # e.g. an integer of more digits than int() converts

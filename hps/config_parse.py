@@ -13,12 +13,9 @@ tilerec does not use are accepted, and one :class:`HugeCTRFieldWarning` per read
 from __future__ import annotations
 
 import json
-import json.decoder
-import json.scanner
 import math
 import re
 import warnings
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -404,40 +401,45 @@ class DuplicateKeyError(ValueError):
     """A JSON object gives a key twice (the message names it and the lines of both)."""
 
 
-def _line(text: str, pos: int) -> int:
-    return text.count("\n", 0, pos) + 1
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKeyError(k)
+        out[k] = v
+    return out
 
 
-def _object_without_duplicates(
-    s_and_end: tuple[str, int],
-    strict: bool,
-    scan_once: Callable[[str, int], tuple[Any, int]],
-    object_hook: Any,
-    object_pairs_hook: Any,
-    memo: dict[str, str] | None = None,
-) -> tuple[dict[str, Any], int]:
-    """``json.decoder.JSONObject`` that refuses a key given twice in one object, naming it and
-    the lines of both (``json.loads`` keeps the last value silently). A key's line is its
-    ``:``'s (JSON strings hold no raw newline), found back from where its value starts."""
-    text = s_and_end[0]
-    starts: list[int] = []
-
-    def scan_value(s: str, idx: int) -> tuple[Any, int]:
-        starts.append(idx)
-        return scan_once(s, idx)
-
-    pairs, end = json.decoder.JSONObject(s_and_end, strict, scan_value, None, list, memo)
-    seen: dict[str, int] = {}
-    for (key, _), at in zip(pairs, starts, strict=True):
-        colon = text.rfind(":", 0, at)
-        if key in seen:
-            line, first = _line(text, colon), _line(text, seen[key])
-            raise DuplicateKeyError(
-                f"key {key!r} at line {line} is given twice in one object (first at line "
-                f"{first}); JSON keeps only the last value, so each key must be unique"
-            )
-        seen[key] = colon
-    return dict(pairs), end
+def _first_duplicate_key(text: str) -> tuple[str, int, int] | None:
+    """The first key that a JSON text gives twice in one object: ``(key, its line, the line of
+    its first occurrence)``, or ``None``. ``text`` is valid JSON (it parsed); one pass that
+    tracks, per open object, the keys it has seen."""
+    stack: list[dict[str, int] | None] = []  # per open container: its keys' lines (arrays: None)
+    line, i, n = 1, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\n":
+            line += 1
+        elif c in "{[":
+            stack.append({} if c == "{" else None)
+        elif c in "}]":
+            stack.pop()
+        elif c == '"':
+            j = i + 1
+            while text[j] != '"':  # a JSON string holds no raw newline or unescaped quote
+                j += 2 if text[j] == "\\" else 1
+            k = j + 1
+            while k < n and text[k] in " \t\r\n":
+                k += 1
+            seen = stack[-1] if stack else None
+            if k < n and text[k] == ":" and seen is not None:
+                key = json.loads(text[i : j + 1])
+                if key in seen:
+                    return key, line, seen[key]
+                seen[key] = line
+            i = j
+        i += 1
+    return None
 
 
 def loads_unique_keys(text: str) -> Any:
@@ -445,14 +447,21 @@ def loads_unique_keys(text: str) -> Any:
 
     Raises:
         json.JSONDecodeError: a syntax error (with its line and column).
-        DuplicateKeyError: a key given twice in one object (naming it and the lines of both).
+        DuplicateKeyError: a key given twice in one object (naming it and the lines of both;
+            ``json.loads`` keeps the last value silently).
         ValueError: a number past Python's limits.
         RecursionError: nesting past the parser's depth.
     """
-    decoder = json.JSONDecoder()
-    decoder.parse_object = _object_without_duplicates  # type: ignore[assignment]
-    decoder.scan_once = json.scanner.py_make_scanner(decoder)  # the C scanner ignores the hook
-    return decoder.decode(text)
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except DuplicateKeyError as e:
+        found = _first_duplicate_key(text)
+        key, line, first = found if found is not None else (str(e), None, None)
+        where = f" at line {line}" if line is not None else ""
+        raise DuplicateKeyError(
+            f"key {key!r}{where} is given twice in one object (first at line {first}); JSON "
+            "keeps only the last value, so each key must be unique"
+        ) from None
 
 
 def load_config(path: str | Path) -> PSConfig:

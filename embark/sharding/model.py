@@ -53,6 +53,7 @@ from embark.models.workloads import Workload
 from embark.sharding.collection import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world, grad_wire
 from embark.sharding.grad_buckets import GradBuckets
+from embark.sharding.pipeline import InputPrefetcher
 from embark.types import CommDtype, ShardingPlan
 
 
@@ -204,6 +205,8 @@ class ShardedDLRM(nn.Module):
         self.dense = dense
         self.rank, self.world_size = embeddings.rank, embeddings.world_size
         self._dense_group: Any | None = None
+        # set by embark.sharding.pipeline.SparseDistPipeline while it trains
+        self.prefetcher: InputPrefetcher | None = None
         self._broadcast_replicas()
 
     def embedding_tables(self) -> dict[str, nn.Parameter]:
@@ -247,8 +250,13 @@ class ShardedDLRM(nn.Module):
         """Like :meth:`forward`, also returning every rank's local batch size (learnt in the
         collection's header exchange: no extra collective)."""
         self.dense.check_inputs(dense, sparse)
-        inp = self.embeddings.distribute_input(sparse)
+        pf = self.prefetcher
+        inp = pf.take(sparse) if pf is not None else None
+        if inp is None:
+            inp = self.embeddings.distribute_input(sparse)
         pooled = self.embeddings.compute(inp)
+        if pf is not None:
+            pf.after_forward()  # the next batch's keys travel during this dense step
         logits = self.dense.dense_forward(dense, [pooled[n] for n in self.table_names])
         return logits, list(inp.batch_sizes)
 

@@ -61,29 +61,37 @@ class LinkShape:
         delay_s: one-way delay added on each of the two shaped hops, >= 0 (needs the kernel's
             ``sch_netem``; 0 adds none: the veth hops and gloo's TCP stack already cost
             tens of microseconds, more than InfiniBand's ~1-2 µs).
+        intra_rate_bits_per_s: the node's loopback (its ranks' traffic to each other) shaped
+            to this rate; ``None``: unshaped, as fast as the CPU copies.
     """
 
     rate_bits_per_s: float
     delay_s: float = 0.0
+    intra_rate_bits_per_s: float | None = None
 
     def __post_init__(self) -> None:
         if not self.rate_bits_per_s > 0:
             raise ValueError(f"LinkShape.rate_bits_per_s must be > 0, got {self.rate_bits_per_s}")
         if not self.delay_s >= 0:
             raise ValueError(f"LinkShape.delay_s must be >= 0, got {self.delay_s}")
+        if self.intra_rate_bits_per_s is not None and not self.intra_rate_bits_per_s > 0:
+            raise ValueError(
+                f"LinkShape.intra_rate_bits_per_s must be > 0 or None, got {self.intra_rate_bits_per_s}"
+            )
 
     @property
     def rate_bytes_per_s(self) -> float:
         return self.rate_bits_per_s / 8
 
-    def tbf_args(self) -> list[str]:
-        """``tbf`` arguments: the rate; a bucket of 2 ms of traffic (256 KiB .. 64 MiB: veth
+    def tbf_args(self, rate_bits_per_s: float | None = None) -> list[str]:
+        """``tbf`` arguments (of ``rate_bits_per_s``, default the node link's): the rate; a bucket of 2 ms of traffic (256 KiB .. 64 MiB: veth
         hands the qdisc 64 KiB GSO packets, which a smaller bucket could never pass); a queue
         of 0.5 s of traffic (4 MiB .. 256 MiB), so shaping delays packets rather than drop them."""
-        rate = self.rate_bytes_per_s
+        bits = self.rate_bits_per_s if rate_bits_per_s is None else rate_bits_per_s
+        rate = bits / 8
         burst = min(64 << 20, max(256 << 10, round(rate * 2e-3)))
         limit = min(256 << 20, max(4 << 20, round(rate * 0.5)))
-        rate_kbit = max(8, round(self.rate_bits_per_s / 1e3))
+        rate_kbit = max(8, round(bits / 1e3))
         return ["tbf", "rate", f"{rate_kbit}kbit", "burst", str(burst), "limit", str(limit)]
 
     def netem_args(self) -> list[str]:
@@ -260,6 +268,9 @@ class EmulatedCluster:
             _run(["ip", "-n", br, "link", "set", port, "up"])
             self._shape(ns, NODE_IFNAME)
             self._shape(br, port)
+            if self.shape.intra_rate_bits_per_s is not None:
+                tbf = self.shape.tbf_args(self.shape.intra_rate_bits_per_s)
+                _run(["tc", "-n", ns, "qdisc", "add", "dev", "lo", "root", "handle", "1:", *tbf])
 
     def _shape(self, ns: str, dev: str) -> None:
         """The token bucket at the root of ``dev``'s egress, the delay line under it."""

@@ -99,6 +99,7 @@ def probe(cfg: dict[str, Any], rank: int, world: int, gpn: int) -> dict[str, flo
     t0 = time.perf_counter()
     for _ in range(PROBE_REPS):
         dense.dense_forward(x, pooled).sum().backward()
+    out["dense_param_bytes"] = float(sum(p.numel() * 4 for p in dense.parameters()))
     per_sample = CostModel(w, _one_rank_topology(), 1).dense_flops_per_sample()
     out["dense_flops_per_s"] = 3 * per_sample * b * PROBE_REPS / (time.perf_counter() - t0)
     return out

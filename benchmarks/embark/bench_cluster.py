@@ -140,6 +140,41 @@ def calibrated_topology(probes: list[dict[str, float]]) -> Topology:
     )
 
 
+def predict(
+    w: Workload,
+    batch: int,
+    calib: Topology,
+    plan: ShardingPlan | None,
+    probe: dict[str, float],
+    side: str,
+) -> float | None:
+    """The calibrated cost model's step seconds for ``side`` (``None``: no plan to rate)."""
+    if plan is None:
+        return None
+    model = CostModel(w, calib, batch, CALIBRATED)
+    return runtime_step_seconds(plan, model, probe["dense_param_bytes"], side.endswith("+pipeline"))
+
+
+def repredict(doc: dict[str, Any]) -> None:
+    """Recompute every row's prediction from its stored plan and probe (in place)."""
+    for r in doc["rows"]:
+        w = workload_for(r["workload"], r["scale"], r["dense_scale"])
+        plan = ShardingPlan.from_dict(r["plan"]) if r["plan"] is not None else None
+        calib = Topology.from_dict(r["calibrated_topology"])
+        pred = predict(w, r["batch_size"], calib, plan, r["probe_per_rank"][0], r["side"])
+        r["predicted_step_s"] = pred
+        r["predicted_over_measured"] = None if pred is None else pred / r["step_s"]
+
+
+def _publish(doc: dict[str, Any], out: Path) -> None:
+    """The JSON and its plot, each written whole then renamed into place."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp_out = out.with_name(out.name + ".tmp")
+    tmp_out.write_text(json.dumps(doc, indent=1))
+    tmp_out.replace(out)
+    plot(doc["rows"], out.with_suffix(".png"))
+
+
 def run_case(
     c: EmulatedCluster, name: str, batch: int, args: argparse.Namespace, d: Path
 ) -> list[dict[str, Any]]:
@@ -197,11 +232,7 @@ def run_case(
         step = max(p["step_s"] for p in per_rank)
         plan_key = side.partition("+")[0]
         plan = plans.get(plan_key) if plan_key != "torchrec" else trp
-        pred = None
-        if plan is not None:
-            model = CostModel(w, calib, batch, CALIBRATED)
-            dense_bytes = ranks[0]["probe"]["dense_param_bytes"]
-            pred = runtime_step_seconds(plan, model, dense_bytes, side.endswith("+pipeline"))
+        pred = predict(w, batch, calib, plan, ranks[0]["probe"], side)
         rows.append(
             {
                 "workload": name,
@@ -302,7 +333,20 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--intra-ratio", type=float, default=EMULATED_INTRA_TO_INTER_RATIO)
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", default=str(RESULTS / "embark_cluster.json"))
+    p.add_argument(
+        "--repredict",
+        action="store_true",
+        help="only recompute the predictions of --out's rows (no run)",
+    )
     args = p.parse_args(argv)
+    out = Path(args.out)
+    if args.repredict:
+        doc = json.loads(out.read_text())
+        repredict(doc)
+        doc["predictions_git_sha"] = _git_sha()
+        _publish(doc, out)
+        print("\n".join(table_lines(doc["rows"])))
+        return 0
     why = missing_capability()
     if why is not None:
         print(f"bench_cluster: {why}", file=sys.stderr)
@@ -310,7 +354,6 @@ def main(argv: list[str] | None = None) -> int:
     node_rate = 8 * args.inter_bytes_per_s * RANKS_PER_NODE
     shape = LinkShape(rate_bits_per_s=node_rate, intra_rate_bits_per_s=node_rate * args.intra_ratio)
     rows: list[dict[str, Any]] = []
-    out = Path(args.out)
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(NODES, shape) as c:
         for name in args.workloads.split(","):
             for batch in (int(b) for b in args.batch_sizes.split(",")):
@@ -332,11 +375,7 @@ def main(argv: list[str] | None = None) -> int:
         "args": vars(args),
         "rows": rows,
     }
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp_out = out.with_name(out.name + ".tmp")
-    tmp_out.write_text(json.dumps(doc, indent=1))
-    tmp_out.replace(out)
-    plot(rows, out.with_suffix(".png"))
+    _publish(doc, out)
     print("\n".join(table_lines(rows)))
     return 0
 

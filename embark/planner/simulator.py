@@ -113,8 +113,8 @@ def runtime_step_seconds(
     dense all-reduce left out, as equal for every plan; DP gradients reduced hierarchically).
     Here the runtime's own collectives are counted instead: the dense part's and the DP
     replicas' gradients travel in one flat ring all-reduce (each rank sends ``2 (W-1)/W`` of
-    them; on two or more nodes the ring crosses the inter-node links), overlapped with the
-    dense backward (2/3 of the dense compute). ``pipelined``: the keys exchange is hidden
+    them; on two or more nodes one rank per node sends over the node's uplink), overlapped
+    with the dense backward (2/3 of the dense compute). ``pipelined``: the keys exchange is hidden
     behind the previous step (:class:`~embark.sharding.pipeline.SparseDistPipeline`).
 
     Args:
@@ -135,8 +135,10 @@ def runtime_step_seconds(
     )
     w = model.world
     ring = 2 * (w - 1) / w * (dense_param_bytes + dp_bytes)
+    # a ring in rank order crosses each node boundary once: one rank of a node sends over
+    # its uplink, which then carries the node's whole bandwidth (gpus_per_node × per rank)
     link = (
-        t.inter_node_bandwidth_bytes_per_s
+        t.inter_node_bandwidth_bytes_per_s * t.gpus_per_node
         if t.num_nodes > 1
         else t.intra_node_bandwidth_bytes_per_s
     )

@@ -59,6 +59,11 @@ bench-tilesparse: install
 bench-training: install
 	$(PY) -m benchmarks.embark.bench_training
 
+# EMBark end to end on an emulated 2-node cluster (network namespaces; needs root)
+.PHONY: bench-cluster
+bench-cluster: install iproute2
+	$(PY) -m benchmarks.embark.bench_cluster
+
 
 clean:
 	rm -rf $(VENV) runs .pytest_cache

@@ -59,14 +59,16 @@ CPU_LOCAL_FLOPS_PER_S = 300e9  # ≈ 600 GFLOP/s bf16 on 2 threads, per rank
 #     A node's loopback (its ranks' traffic to each other) is shaped to 9× its uplink.
 #  2. The absolute rate sets the communication share of a step. EMBark (ANCHORS.md) reports
 #     embedding communication at 25 % of a step on 8 GPUs and 51 % on 128, for table-row-wise
-#     sharding of its workloads. On this CPU the dense part of DLRM-DCNv2 at batch 512 over
-#     4 ranks takes ~0.3-0.5 s of a step (4 ranks on 2 shared cores), so the rate is the one
-#     at which table-row-wise DLRM-DCNv2 (rows / 1000, batch 512, 2 nodes × 2 ranks) spends
-#     about half of its step in embedding communication: 8 MB/s per rank inter-node
-#     (a 2-rank node's uplink 128 Mbit/s), 72 MB/s per rank inside a node (loopback
-#     1.15 Gbit/s), measured by benchmarks/embark/bench_cluster.py (docs/benchmarks.md).
-#     Loopback unshaped reaches ~0.5 GB/s per rank with 4 ranks on 2 cores, well above
-#     the 72 MB/s it is shaped to, so the 9 : 1 ratio holds on the wire.
+#     sharding of its workloads; the emulated cluster is meant for that multi-node regime,
+#     where communication is at least half of the step. On this CPU the dense part of a
+#     workload at batch 512 over 4 ranks takes 0.1-6 s of a step (4 ranks on 2 shared
+#     cores); 8 MB/s per rank between nodes (a 2-rank node's uplink 128 Mbit/s) and 72 MB/s
+#     inside a node (loopback 1.15 Gbit/s) put table-row-wise's communication phases (input
+#     distribution, vectors all-to-all, backward exchanges and updates, exposed all-reduce)
+#     at 59-82 % of its step on the four workloads (benchmarks/embark/bench_cluster.py,
+#     docs/benchmarks.md): above EMBark's 51 %, i.e. a network somewhat slower, relative to
+#     compute, than 128 H100s on InfiniBand. Loopback unshaped reaches ~0.5 GB/s per rank with
+#     4 ranks on 2 cores, well above the 72 MB/s it is shaped to, so the 9 : 1 ratio holds.
 #  3. Lookups and dense FLOP/s are this machine's, per rank with 2 ranks per core (fp32:
 #     ~166 GFLOP/s on 2 threads, shared/DEPENDENCIES.md); a probe calibrates them per run.
 EMULATED_RANKS_PER_NODE = 2

@@ -19,6 +19,7 @@ by phase per plan) and prints the markdown table of docs/benchmarks.md. Needs ro
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import platform
@@ -155,11 +156,45 @@ def predict(
     return runtime_step_seconds(plan, model, probe["dense_param_bytes"], side.endswith("+pipeline"))
 
 
+def plan_record(plan: ShardingPlan | None) -> dict[str, Any] | None:
+    """What a row keeps of its plan: tables per (sharding type, cluster) and the sha256 of the
+    plan's JSON (the plans themselves are recomputed: the planners are deterministic)."""
+    if plan is None:
+        return None
+    kinds: dict[str, int] = {}
+    for ts in plan.tables:
+        k = f"{ts.sharding_type.value}/{ts.cluster.value}"
+        kinds[k] = kinds.get(k, 0) + 1
+    text = json.dumps(plan.to_dict(), sort_keys=True)
+    return {"tables_by_kind": kinds, "sha256": hashlib.sha256(text.encode()).hexdigest()}
+
+
+def case_plans(w: Workload, batch: int) -> dict[str, ShardingPlan | None]:
+    """Every side's plan: ours and the baselines from our planner, TorchRec's from its own."""
+    topo = emulated_topology(NODES, RANKS_PER_NODE)
+    plans: dict[str, ShardingPlan | None] = {
+        k: plan_sharding(w, topo, batch, s, constants=PLANNING) for k, s in OUR_PLANS.items()
+    }
+    plans["torchrec"] = torchrec_plan(w, batch)
+    return plans
+
+
 def repredict(doc: dict[str, Any]) -> None:
-    """Recompute every row's prediction from its stored plan and probe (in place)."""
+    """Recompute every row's prediction from its plan (recomputed, checked against the
+    recorded sha256) and its probe (in place)."""
+    cache: dict[tuple[str, int], dict[str, ShardingPlan | None]] = {}
     for r in doc["rows"]:
         w = workload_for(r["workload"], r["scale"], r["dense_scale"])
-        plan = ShardingPlan.from_dict(r["plan"]) if r["plan"] is not None else None
+        key = (r["workload"], r["batch_size"])
+        if key not in cache:
+            cache[key] = case_plans(w, r["batch_size"])
+        plan = cache[key][r["side"].partition("+")[0]]
+        if "plan" in r:  # a row of the full format: its plan must be the recomputed one
+            full = r.pop("plan")
+            r["plan"] = plan_record(ShardingPlan.from_dict(full) if full is not None else None)
+        record = plan_record(plan)
+        if record != r["plan"]:
+            raise ValueError(f"{key} {r['side']}: the recomputed plan is not the one run")
         calib = Topology.from_dict(r["calibrated_topology"])
         pred = predict(w, r["batch_size"], calib, plan, r["probe_per_rank"][0], r["side"])
         r["predicted_step_s"] = pred
@@ -170,7 +205,7 @@ def _publish(doc: dict[str, Any], out: Path) -> None:
     """The JSON and its plot, each written whole then renamed into place."""
     out.parent.mkdir(parents=True, exist_ok=True)
     tmp_out = out.with_name(out.name + ".tmp")
-    tmp_out.write_text(json.dumps(doc, indent=1))
+    tmp_out.write_text(json.dumps(doc))
     tmp_out.replace(out)
     plot(doc["rows"], out.with_suffix(".png"))
 
@@ -179,9 +214,7 @@ def run_case(
     c: EmulatedCluster, name: str, batch: int, args: argparse.Namespace, d: Path
 ) -> list[dict[str, Any]]:
     w = workload_for(name, args.scale, args.dense_scale)
-    topo = emulated_topology(NODES, RANKS_PER_NODE)
-    plans = {k: plan_sharding(w, topo, batch, s, constants=PLANNING) for k, s in OUR_PLANS.items()}
-    trp = torchrec_plan(w, batch)
+    plans = case_plans(w, batch)
     cfg = {
         "workload": name,
         "workload_doc": w.to_dict(),
@@ -194,7 +227,7 @@ def run_case(
         "eps": 1e-8,
         "embedding_optimizer": "adagrad" if w.optimizer == "adagrad" else "sgd",
         "embedding_kernel": "auto",
-        "plans": {k: p.to_dict() for k, p in plans.items()},
+        "plans": {k: p.to_dict() for k, p in plans.items() if k in OUR_PLANS and p is not None},
         "torchrec_topology": {
             "world_size": NODES * RANKS_PER_NODE,
             "local_world_size": RANKS_PER_NODE,
@@ -230,8 +263,7 @@ def run_case(
     for side in cfg["sides"]:
         per_rank = [r["sides"][side] for r in ranks]
         step = max(p["step_s"] for p in per_rank)
-        plan_key = side.partition("+")[0]
-        plan = plans.get(plan_key) if plan_key != "torchrec" else trp
+        plan = plans[side.partition("+")[0]]
         pred = predict(w, batch, calib, plan, ranks[0]["probe"], side)
         rows.append(
             {
@@ -250,7 +282,7 @@ def run_case(
                 "step_s_per_rank": [p["step_s"] for p in per_rank],
                 "inter_node_bytes_rank0": per_rank[0].get("inter_node_bytes_total"),
                 "rss_mb_per_rank": [p["rss_mb"] for p in per_rank],
-                "plan": plan.to_dict() if plan is not None else None,
+                "plan": plan_record(plan),
                 "torchrec_layouts": per_rank[0].get("layouts"),
                 "probe_per_rank": [r["probe"] for r in ranks],
                 "calibrated_topology": calib.to_dict(),

@@ -95,6 +95,7 @@ _FLOATS = {
     RowDtype.FP16: torch.float16,
     RowDtype.BF16: torch.bfloat16,
 }
+_QUANTIZED = (RowDtype.INT8, RowDtype.INT4, RowDtype.INT2)
 _FP16_MAX = float(torch.finfo(torch.float16).max)
 
 
@@ -152,14 +153,18 @@ def _check_values(weight: torch.Tensor, dtype: RowDtype, what: str, first_row: i
             f"{_where(what)}row {first_row + r} holds {float(weight[r, c])} at column {c}; "
             f"{dtype.value} rows hold finite values only"
         )
-    if dtype in (RowDtype.FP16, *(d for d in RowDtype if d.quantized)):
-        peak = float(weight.abs().max()) if weight.numel() else 0.0
-        if peak > _FP16_MAX:
-            raise RowFormatError(
-                f"{_where(what)}a value of magnitude {peak:g} does not fit {dtype.value} "
-                f"(float16 {'values' if dtype is RowDtype.FP16 else 'scale and bias'} hold at "
-                f"most {_FP16_MAX:g}); keep this table in a wider dtype"
-            )
+    if weight.numel() == 0 or dtype not in (RowDtype.FP16, *_QUANTIZED):
+        return
+    # fp16 stores every value; an int row stores its min as a float16 bias (its span, as the
+    # scale, is checked where it is computed)
+    held = weight if dtype is RowDtype.FP16 else weight.amin(dim=1)
+    peak = float(held.abs().max())
+    if peak > _FP16_MAX:
+        raise RowFormatError(
+            f"{_where(what)}a {'value' if dtype is RowDtype.FP16 else 'row minimum'} of "
+            f"magnitude {peak:g} does not fit {dtype.value} (float16 holds at most "
+            f"{_FP16_MAX:g}); keep this table in a wider dtype"
+        )
 
 
 def _quantize_chunk(w: torch.Tensor, bits: int, what: str, first_row: int) -> torch.Tensor:

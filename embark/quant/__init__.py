@@ -36,6 +36,19 @@ _EXPORTS = {
     "RowFormatError": "hps.rowformat",
 }
 
-__all__ = sorted(_EXPORTS)
+__all__ = [
+    "CompressionPlan",
+    "EmbeddingQuantConfig",
+    "ModelSize",
+    "QuantizedEmbeddingBag",
+    "RowDtype",
+    "RowFormatError",
+    "TableChoice",
+    "model_size",
+    "plan_compression",
+    "quantize_embeddings_",
+    "table_bytes",
+    "table_dtypes",
+]
 
 __getattr__, __dir__ = lazy_attributes(__name__, _EXPORTS, globals())

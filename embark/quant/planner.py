@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from torch import nn
 
 from embark.data.batch import Batch
 from embark.models.dlrm import DLRM
@@ -151,6 +152,8 @@ def _quantized(
     model: DLRM, name: str, dtype: RowDtype, kernel: EmbeddingKernel
 ) -> QuantizedEmbeddingBag:
     bag = model.embeddings[name]
+    if not isinstance(bag, nn.EmbeddingBag):
+        raise ValueError(f"table {name!r} is a {type(bag).__name__}, not a float nn.EmbeddingBag")
     combiner = Combiner.MEAN if bag.mode == "mean" else Combiner.SUM
     return QuantizedEmbeddingBag.from_float(name, bag.weight, dtype, combiner, kernel)
 
@@ -244,8 +247,9 @@ def _plan(
     fp32 = table_bytes(model)
     sizes: dict[str, dict[RowDtype, int]] = {}
     change: dict[str, dict[RowDtype, float]] = {}
+    shapes = {n: tuple(w.shape) for n, w in model.embedding_tables().items()}
     for name in model.table_names:
-        rows, dim = model.embeddings[name].weight.shape
+        rows, dim = shapes[name]
         sizes[name] = {RowDtype.FP32: fp32[name]}
         change[name] = {RowDtype.FP32: 0.0}
         for dtype in candidates:
@@ -284,8 +288,8 @@ def _plan(
     choices = tuple(
         TableChoice(
             table=n,
-            rows=int(model.embeddings[n].weight.shape[0]),
-            dim=int(model.embeddings[n].weight.shape[1]),
+            rows=shapes[n][0],
+            dim=shapes[n][1],
             dtype=d,
             bytes=sizes[n][d],
             fp32_bytes=fp32[n],

@@ -32,7 +32,7 @@ def model_size(model: DLRM) -> ModelSize:
     part as the bytes of its children's state-dict tensors, shared storage counted once)."""
     seen: set[tuple[int, int]] = set()
     dense = 0
-    for name, child in model.named_children():
+    for child in model.children():
         if child is model.embeddings or child is model.sparse_updates:  # tables, their optimizer
             continue
         for tensor in child.state_dict().values():

@@ -15,7 +15,12 @@ from embark.lazy import lazy_attributes
 
 if TYPE_CHECKING:
     from embark.quant.config import EmbeddingQuantConfig
-    from embark.quant.planner import CompressionPlan, TableChoice, plan_compression
+    from embark.quant.planner import (
+        CompressionPlan,
+        TableChoice,
+        evaluate_auc,
+        plan_compression,
+    )
     from embark.quant.quantize import quantize_embeddings_, table_bytes, table_dtypes
     from embark.quant.sizes import ModelSize, model_size
     from embark.quant.tables import QuantizedEmbeddingBag
@@ -25,6 +30,7 @@ _EXPORTS = {
     "EmbeddingQuantConfig": "embark.quant.config",
     "CompressionPlan": "embark.quant.planner",
     "TableChoice": "embark.quant.planner",
+    "evaluate_auc": "embark.quant.planner",
     "plan_compression": "embark.quant.planner",
     "quantize_embeddings_": "embark.quant.quantize",
     "table_bytes": "embark.quant.quantize",
@@ -44,6 +50,7 @@ __all__ = [
     "RowDtype",
     "RowFormatError",
     "TableChoice",
+    "evaluate_auc",
     "model_size",
     "plan_compression",
     "quantize_embeddings_",

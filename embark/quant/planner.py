@@ -34,7 +34,13 @@ from embark.training.metrics import auc
 from embark.types import Combiner
 from hps.rowformat import RowDtype, row_bytes
 
-__all__ = ["DEFAULT_CANDIDATES", "CompressionPlan", "TableChoice", "plan_compression"]
+__all__ = [
+    "DEFAULT_CANDIDATES",
+    "CompressionPlan",
+    "TableChoice",
+    "evaluate_auc",
+    "plan_compression",
+]
 
 #: Dtypes the planner tries, cheapest first (int2 loses ~0.01 AUC per table on tiny: opt-in).
 DEFAULT_CANDIDATES: tuple[RowDtype, ...] = (RowDtype.INT4, RowDtype.INT8, RowDtype.FP16)
@@ -120,6 +126,25 @@ class CompressionPlan:
             f"{self.planned_auc - self.base_auc:+.5f} (together) |"
         )
         return "\n".join(lines) + "\n"
+
+
+@torch.no_grad()
+def evaluate_auc(model: DLRM, batches: Iterable[Batch]) -> float:
+    """AUC of ``model``'s logits on ``batches``, in eval mode (a quantized model has no float
+    tables for a :class:`~embark.training.Trainer` to attach its update to; this needs none).
+
+    Raises:
+        ValueError: when ``batches`` is empty.
+    """
+    was_training = model.training
+    model.eval()
+    try:
+        pairs = [(model(b.dense, b.sparse).float(), b.labels.float()) for b in batches]
+    finally:
+        model.train(was_training)
+    if not pairs:
+        raise ValueError("evaluate_auc: no batches")
+    return auc(torch.cat([p[0] for p in pairs]), torch.cat([p[1] for p in pairs]))
 
 
 class _Evaluator:

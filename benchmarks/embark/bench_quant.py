@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import json
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -31,7 +32,6 @@ from embark.data import Batch, SyntheticCTR
 from embark.models import DLRM, build_model, get_workload
 from embark.quant import (
     EmbeddingQuantConfig,
-    QuantizedEmbeddingBag,
     RowDtype,
     evaluate_auc,
     model_size,
@@ -158,8 +158,6 @@ def main(argv: Sequence[str] | None = None) -> Path:
     out = Path(args.out)
     rows = [row]
     if out.exists():  # keep the other workloads' rows
-        import json
-
         old = json.loads(out.read_text()).get("rows", [])
         rows = [r for r in old if (r["workload"], r["scale"]) != (row["workload"], row["scale"])]
         rows.append(row)

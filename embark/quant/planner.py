@@ -270,46 +270,20 @@ def _plan(
     evaluator = _Evaluator(model, batches)
     base = evaluator.auc({})
     fp32 = table_bytes(model)
-    sizes: dict[str, dict[RowDtype, int]] = {}
-    change: dict[str, dict[RowDtype, float]] = {}
-    shapes = {n: tuple(w.shape) for n, w in model.embedding_tables().items()}
-    for name in model.table_names:
-        rows, dim = shapes[name]
-        sizes[name] = {RowDtype.FP32: fp32[name]}
-        change[name] = {RowDtype.FP32: 0.0}
-        for dtype in candidates:
-            if _holds(dtype, dim) and dtype is not RowDtype.FP32:
-                sizes[name][dtype] = rows * row_bytes(dtype, dim)
-                change[name][dtype] = (
-                    evaluator.auc({name: _quantized(model, name, dtype, kernel)}) - base
-                )
+    shapes = {n: (int(w.shape[0]), int(w.shape[1])) for n, w in model.embedding_tables().items()}
+    sizes, change = _sensitivity(evaluator, model, shapes, fp32, candidates, kernel, base)
     loss = {n: {d: max(0.0, -c) for d, c in per.items()} for n, per in change.items()}
     current = dict.fromkeys(model.table_names, RowDtype.FP32)
+    built: dict[tuple[str, RowDtype], QuantizedEmbeddingBag] = {}
     if budget_bytes is not None:
-        smallest = sum(min(s.values()) for s in sizes.values())
-        if smallest > budget_bytes:
-            raise ValueError(
-                f"plan_compression: the tables need at least {smallest} bytes (each in its "
-                f"cheapest candidate), above the budget of {budget_bytes} bytes"
-            )
-        while sum(sizes[n][d] for n, d in current.items()) > budget_bytes:
-            move = _moves(current, sizes, loss, set())[0]
-            current[move.table] = move.dtype
+        _fit_budget(current, sizes, loss, budget_bytes)
     else:
         assert max_auc_loss is not None
-        applied: list[tuple[str, RowDtype]] = []
-        spent, excluded = 0.0, set[tuple[str, RowDtype]]()
-        while moves := [m for m in _moves(current, sizes, loss, excluded)]:
-            move = moves[0]
-            if spent + move.extra_loss <= max_auc_loss:
-                applied.append((move.table, current[move.table]))
-                current[move.table] = move.dtype
-                spent += move.extra_loss
-            excluded.add((move.table, move.dtype))
-        while applied and base - _measure(evaluator, model, current, kernel) > max_auc_loss:
-            table, previous = applied.pop()  # losses did not add up: undo the last move
+        applied = _within_loss(current, sizes, loss, max_auc_loss)
+        while applied and base - _measure(evaluator, model, current, kernel, built) > max_auc_loss:
+            table, previous = applied.pop()  # the losses did not add up: undo the last move
             current[table] = previous
-    planned = _measure(evaluator, model, current, kernel)
+    planned = _measure(evaluator, model, current, kernel, built)
     choices = tuple(
         TableChoice(
             table=n,
@@ -326,10 +300,81 @@ def _plan(
     return CompressionPlan(choices, base, planned, budget_bytes, max_auc_loss)
 
 
+def _sensitivity(
+    evaluator: _Evaluator,
+    model: DLRM,
+    shapes: dict[str, tuple[int, int]],
+    fp32: dict[str, int],
+    candidates: list[RowDtype],
+    kernel: EmbeddingKernel,
+    base: float,
+) -> tuple[dict[str, dict[RowDtype, int]], dict[str, dict[RowDtype, float]]]:
+    """``({table: {dtype: bytes}}, {table: {dtype: AUC change alone}})``, fp32 included."""
+    sizes: dict[str, dict[RowDtype, int]] = {}
+    change: dict[str, dict[RowDtype, float]] = {}
+    for name in model.table_names:
+        rows, dim = shapes[name]
+        sizes[name] = {RowDtype.FP32: fp32[name]}
+        change[name] = {RowDtype.FP32: 0.0}
+        for dtype in candidates:
+            if _holds(dtype, dim) and dtype is not RowDtype.FP32:
+                sizes[name][dtype] = rows * row_bytes(dtype, dim)
+                table = _quantized(model, name, dtype, kernel)
+                change[name][dtype] = evaluator.auc({name: table}) - base
+    return sizes, change
+
+
+def _fit_budget(
+    current: dict[str, RowDtype],
+    sizes: dict[str, dict[RowDtype, int]],
+    loss: dict[str, dict[RowDtype, float]],
+    budget_bytes: int,
+) -> None:
+    """Take the cheapest moves (AUC loss per byte saved) until the tables fit the budget."""
+    smallest = sum(min(s.values()) for s in sizes.values())
+    if smallest > budget_bytes:
+        raise ValueError(
+            f"plan_compression: the tables need at least {smallest} bytes (each in its "
+            f"cheapest candidate), above the budget of {budget_bytes} bytes"
+        )
+    while sum(sizes[n][d] for n, d in current.items()) > budget_bytes:
+        move = _moves(current, sizes, loss, set())[0]
+        current[move.table] = move.dtype
+
+
+def _within_loss(
+    current: dict[str, RowDtype],
+    sizes: dict[str, dict[RowDtype, int]],
+    loss: dict[str, dict[RowDtype, float]],
+    max_auc_loss: float,
+) -> list[tuple[str, RowDtype]]:
+    """Take the cheapest moves while their summed losses stay within ``max_auc_loss``;
+    returns ``[(table, dtype before the move)]`` in the order taken."""
+    applied: list[tuple[str, RowDtype]] = []
+    spent, excluded = 0.0, set[tuple[str, RowDtype]]()
+    while moves := _moves(current, sizes, loss, excluded):
+        move = moves[0]
+        if spent + move.extra_loss <= max_auc_loss:
+            applied.append((move.table, current[move.table]))
+            current[move.table] = move.dtype
+            spent += move.extra_loss
+        excluded.add((move.table, move.dtype))
+    return applied
+
+
 def _measure(
-    evaluator: _Evaluator, model: DLRM, current: dict[str, RowDtype], kernel: EmbeddingKernel
+    evaluator: _Evaluator,
+    model: DLRM,
+    current: dict[str, RowDtype],
+    kernel: EmbeddingKernel,
+    built: dict[tuple[str, RowDtype], QuantizedEmbeddingBag],
 ) -> float:
-    swaps = {
-        n: _quantized(model, n, d, kernel) for n, d in current.items() if d is not RowDtype.FP32
-    }
+    """Validation AUC with every table in its ``current`` dtype; quantized tables are kept in
+    ``built`` for the next measurement (the plans measured differ in a move or two)."""
+    swaps = {}
+    for name, dtype in current.items():
+        if dtype is not RowDtype.FP32:
+            if (name, dtype) not in built:
+                built[(name, dtype)] = _quantized(model, name, dtype, kernel)
+            swaps[name] = built[(name, dtype)]
     return evaluator.auc(swaps)

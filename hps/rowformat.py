@@ -37,8 +37,11 @@ extremes by more than ``scale / 2``; its rows dequantize here exactly as there.)
 
 from __future__ import annotations
 
+import os
 from enum import StrEnum
+from pathlib import Path
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -48,10 +51,12 @@ __all__ = [
     "check_rows",
     "dequantize_rows",
     "quantize_rows",
+    "read_row_file",
     "row_bytes",
     "scale_bias",
     "scale_bias_to_back",
     "scale_bias_to_front",
+    "write_row_file",
 ]
 
 #: Bytes of a quantized row's float16 scale and bias (FBGEMM's ``DEFAULT_SCALE_BIAS_SIZE_IN_BYTES``).
@@ -304,3 +309,40 @@ def scale_bias_to_front(rows: torch.Tensor) -> torch.Tensor:
 def scale_bias_to_back(rows: torch.Tensor) -> torch.Tensor:
     """Ours → FBGEMM's standalone quantizer layout (inverse of :func:`scale_bias_to_front`)."""
     return torch.cat([rows[:, SCALE_BIAS_BYTES:], rows[:, :SCALE_BIAS_BYTES]], dim=1)
+
+
+def write_row_file(path: str | os.PathLike[str], rows: torch.Tensor) -> Path:
+    """Write ``rows`` (``(N, W) uint8``) to ``path`` as raw bytes, row after row, published
+    whole: written to a hidden sibling, then renamed over ``path``."""
+    path = Path(path)
+    staged = path.with_name(f".{path.name}.tmp")
+    rows.contiguous().numpy().tofile(staged)
+    staged.replace(path)
+    return path
+
+
+def read_row_file(
+    path: str | os.PathLike[str], dtype: RowDtype, dim: int, table: str
+) -> torch.Tensor:
+    """Read a file of ``dim``-wide ``dtype`` rows written by :func:`write_row_file`.
+
+    Returns:
+        ``(N, row_bytes(dtype, dim)) uint8`` (a copy in memory), checked by
+        :func:`check_rows`.
+
+    Raises:
+        RowFormatError: naming ``table`` and ``path``, when the file's length is not a whole
+            number of rows, or a row's scale or bias is NaN or infinite.
+    """
+    path = Path(path)
+    what = f"table {table!r} ({path})"
+    width = row_bytes(dtype, dim, what)
+    size = path.stat().st_size
+    if size % width:
+        raise RowFormatError(
+            f"{what}: {size} bytes is not a whole number of {width}-byte {RowDtype(dtype).value} "
+            f"rows of width {dim} (the file is truncated, or of another dtype or width)"
+        )
+    rows = torch.from_numpy(np.fromfile(path, dtype=np.uint8).reshape(size // width, width))
+    check_rows(rows, dtype, dim, what)
+    return rows

@@ -193,3 +193,21 @@ def test_importing_the_leaf_imports_nothing_else_of_hps():
         [sys.executable, "-c", code], capture_output=True, text=True, check=True, env=os.environ
     ).stdout
     assert out.strip() == "['hps', 'hps.rowformat']"
+
+
+def test_row_files_round_trip_and_bad_files_name_table_and_file(tmp_path):
+    from hps.rowformat import read_row_file, write_row_file
+
+    rows = quantize_rows(torch.randn(6, 8), RowDtype.INT4)
+    path = write_row_file(tmp_path / "emb_vector", rows)
+    assert path.stat().st_size == 6 * 8 and not list(tmp_path.glob(".*"))
+    assert torch.equal(read_row_file(path, RowDtype.INT4, 8, "t1"), rows)
+    short = tmp_path / "short"
+    short.write_bytes(path.read_bytes()[:-3])
+    with pytest.raises(RowFormatError, match=r"table 't1' \(.*short\): 45 bytes is not a whole"):
+        read_row_file(short, RowDtype.INT4, 8, "t1")
+    corrupt = rows.clone()
+    corrupt[4, 0:2] = torch.tensor([float("nan")], dtype=torch.float16).view(torch.uint8)
+    write_row_file(tmp_path / "nan", corrupt)
+    with pytest.raises(RowFormatError, match=r"table 't1' \(.*nan\): row 4 has scale nan"):
+        read_row_file(tmp_path / "nan", RowDtype.INT4, 8, "t1")

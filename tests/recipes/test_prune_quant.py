@@ -42,10 +42,12 @@ def test_quant_report_sizes_and_changes():
     assert v["tw 75% + int4"]["size"]["tables"] == rows * 12
     assert v["tw 75% + plan"]["size"]["tables"] <= q["budget_bytes"] == rows * 64 // 4
     dense_bytes = model_size(dense).dense
-    for name, row in v.items():
+    for row in v.values():
         assert row["size"]["dense"] == dense_bytes
         assert row["size"]["total"] == row["size"]["tables"] + dense_bytes
-        assert row["compression"] == pytest.approx(v["dense"]["size"]["total"] / row["size"]["total"])
+        assert row["compression"] == pytest.approx(
+            v["dense"]["size"]["total"] / row["size"]["total"]
+        )
     assert v["dense"]["auc"] == evaluate_auc(dense, test)
     assert v["tw 75%"]["auc"] == evaluate_auc(pruned, test)
     assert v["tw 75% + int8"]["auc_change"] == pytest.approx(

@@ -156,3 +156,18 @@ def test_bad_input_names_the_table_and_leaves_the_model(tiny):
     q = quantize_embeddings_(copy.deepcopy(model), EmbeddingQuantConfig("int8"))
     with pytest.raises(ValueError, match="table 't0' is already int8"):
         quantize_embeddings_(q, EmbeddingQuantConfig("int4"))
+
+
+def test_public_names_resolve_and_doctests_run():
+    import doctest
+
+    import embark.quant
+    import embark.quant.config
+    import embark.quant.quantize
+    import hps
+
+    for pkg in (embark.quant, hps):
+        assert [n for n in pkg.__all__ if getattr(pkg, n, None) is None] == []
+    for module in (embark.quant.config, embark.quant.quantize):
+        result = doctest.testmod(module)
+        assert result.failed == 0 and result.attempted > 0

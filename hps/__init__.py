@@ -17,8 +17,10 @@ Rooms: this package (``config`` / ``config_parse`` read ``ps.json``, ``session``
 lookups (``session_stats`` its statistics, ``rwlock`` its update lock), ``parameter_server``
 builds the tiers (``volatile_repair`` writes back Redis partitions that lost their rows),
 ``advisor`` sizes caches, ``artifact_format`` is the serving-artifact format, ``names`` the name
-rule and the folder entries writers make of names, ``types`` the shared enums and errors, ``rowformat`` the byte layout of a table row in
-each dtype (fp32 … int2, FBGEMM's), a leaf that ``embark`` and ``export`` import);
+rule and the folder entries writers make of names, ``types`` the shared enums and errors,
+``rowformat`` the byte layout of a table row in each dtype (fp32 … int2, FBGEMM's), a leaf
+that ``embark`` and ``export`` import; names are imported on first use, so importing the leaf
+imports nothing else of hps);
 :mod:`hps.storage`
 the tiers and the sparse files; :mod:`hps.updates` online updates; :mod:`hps.serving` the
 inference application (HPS lookups + onnxruntime behind the KServe v2 protocol,

@@ -93,10 +93,38 @@ class _FbgemmLookup:
                 f"in {self.tbe.host_size} bytes; expected offset 0 and {rows.numel()} bytes"
             )
         self.tbe.weights_host = rows.view(-1)
+        # The kernel's op, called with the module's own arguments: this table has no cache, no
+        # index remapping and no bounds check, so the module's forward would only add Python
+        # (about half of a small table's lookup time on this CPU).
+        tbe = self.tbe
+        self._op_args = {
+            "dev_weights": tbe.weights_host,
+            "uvm_weights": tbe.weights_uvm,
+            "weights_placements": tbe.weights_placements,
+            "weights_offsets": tbe.weights_offsets,
+            "weights_tys": tbe.weights_tys,
+            "D_offsets": tbe.D_offsets,
+            "total_D": tbe.total_D,
+            "max_int2_D": tbe.max_int2_D,
+            "max_int4_D": tbe.max_int4_D,
+            "max_int8_D": tbe.max_int8_D,
+            "max_float16_D": tbe.max_float16_D,
+            "max_float32_D": tbe.max_float32_D,
+            "pooling_mode": int(tbe.pooling_mode),
+            "indice_weights": None,
+            "output_dtype": tbe.output_dtype,
+            "lxu_cache_weights": tbe.lxu_cache_weights,
+            "lxu_cache_locations": torch.empty(0, dtype=torch.int32),
+            "row_alignment": tbe.row_alignment,
+            "max_float8_D": tbe.max_float8_D,
+            "fp8_exponent_bits": tbe.fp8_exponent_bits,
+            "fp8_exponent_bias": tbe.fp8_exponent_bias,
+        }
 
     def __call__(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         ends = torch.cat([offsets, offsets.new_tensor([ids.numel()])])
-        return self.tbe(ids, ends)
+        op = torch.ops.fbgemm.int_nbit_split_embedding_codegen_lookup_function
+        return op(indices=ids, offsets=ends, **self._op_args)
 
 
 class QuantizedEmbeddingBag(nn.Module):

@@ -117,7 +117,7 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
 def gather_reference(args: GatherArgs) -> GatherResult:
     """:func:`gather` in torch ops, one table after another: the specification the compiled
     kernel is tested against (same outputs, counters, marks)."""
-    for i, (c, k, h) in enumerate(zip(args.caches, args.keys, args.hotness, strict=True)):
+    for i, (k, h) in enumerate(zip(args.keys, args.hotness, strict=True)):
         lo = -1 if h > 0 else EMPTY_KEY + 1
         if k.numel() and bool((k < lo).any()):
             bad = int(k[k < lo][0])
@@ -129,7 +129,7 @@ def gather_reference(args: GatherArgs) -> GatherResult:
         rows.append(stats)
         misses.append(miss)
     per = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 5)
-    return GatherResult(torch.cat(misses) if misses else torch.zeros(0, torch.int64), per)
+    return GatherResult(torch.cat(misses) if misses else torch.zeros(0, dtype=torch.int64), per)
 
 
 def _gather_one(args: GatherArgs, i: int, c: EmbeddingCache) -> tuple[list[int], torch.Tensor]:

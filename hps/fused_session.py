@@ -68,7 +68,9 @@ def _check(
     return ts, flat
 
 
-def _out_buffer(out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
+def _out_buffer(
+    out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
     if out is None:
         return torch.empty(shape, dtype=torch.float32, device=device)
     need = 1
@@ -224,7 +226,9 @@ def _serve_all_misses(
         nm, hits, uniq_hits = row[0], row[1], row[2]
         epoch = s._age_key_stats(t, c)
         if not nm:
-            s._record_counts(t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], 1.0 >= s.hit_rate_threshold)
+            s._record_counts(
+                t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], 1.0 >= s.hit_rate_threshold
+            )
             continue
         pos = misses[start : start + nm]
         start += nm

@@ -91,7 +91,9 @@ def load_extension() -> ModuleType | None:
     """The compiled module, or ``None`` (with one logged warning) when it cannot be built or
     loaded, or when ``HPS_DISABLE_EXT`` is set. Cached: built at most once per process."""
     if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        log.warning("hps: compiled lookup kernel disabled by %s; using the reference path", DISABLE_ENV)
+        log.warning(
+            "hps: compiled lookup kernel disabled by %s; using the reference path", DISABLE_ENV
+        )
         return None
     try:
         return build_extension()

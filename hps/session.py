@@ -280,7 +280,9 @@ class LookupSession:
             TimeoutError / TierUnavailableError: as :meth:`lookup`.
         """
         t = len(tables)
-        modes = [Pooling(pooling)] * t if isinstance(pooling, str) else [Pooling(p) for p in pooling]
+        modes = (
+            [Pooling(pooling)] * t if isinstance(pooling, str) else [Pooling(p) for p in pooling]
+        )
         if len(modes) != t:
             raise ValueError(f"lookup_pooled: {len(modes)} pooling modes for {t} tables")
         return fused_lookup(self, tables, keys, modes, out)[0]
@@ -482,7 +484,9 @@ class LookupSession:
             tier[hit_cpu] = 0
             miss = torch.nonzero(~hit_cpu).squeeze(1)
             if miss.numel():
-                mrows, mtier, is_async = self.serve_misses(t, cache, uniq[miss], counts[miss], n, epoch)
+                mrows, mtier, is_async = self.serve_misses(
+                    t, cache, uniq[miss], counts[miss], n, epoch
+                )
                 tier[miss] = mtier
                 # scatter the miss rows to every request position of a missed key
                 rank = torch.full((n,), -1, dtype=torch.int64)

@@ -53,7 +53,12 @@ def _tbe(rows: list[int], dtype: str, weights: list[torch.Tensor], pooled: bool)
         IntNBitTableBatchedEmbeddingBagsCodegen,
     )
 
-    st = {"fp32": SparseType.FP32, "fp16": SparseType.FP16, "int8": SparseType.INT8, "int4": SparseType.INT4}[dtype]
+    st = {
+        "fp32": SparseType.FP32,
+        "fp16": SparseType.FP16,
+        "int8": SparseType.INT8,
+        "int4": SparseType.INT4,
+    }[dtype]
     tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
         [(f"t{i}", n, DIM, st, EmbeddingLocation.HOST) for i, n in enumerate(rows)],
         device="cpu",
@@ -63,13 +68,19 @@ def _tbe(rows: list[int], dtype: str, weights: list[torch.Tensor], pooled: bool)
     tbe.initialize_weights()
     if dtype in ("fp32", "fp16"):
         for (w, _), src in zip(tbe.split_embedding_weights(), weights, strict=True):
-            w.copy_(src.to(torch.float16 if dtype == "fp16" else torch.float32).view(torch.uint8).view(w.shape))
+            w.copy_(
+                src.to(torch.float16 if dtype == "fp16" else torch.float32)
+                .view(torch.uint8)
+                .view(w.shape)
+            )
     else:
         tbe.fill_random_weights()  # the speed of a quantized gather does not depend on values
     return tbe
 
 
-def _resident_session(weights: list[torch.Tensor], names: list[str], max_keys: int) -> LookupSession:
+def _resident_session(
+    weights: list[torch.Tensor], names: list[str], max_keys: int
+) -> LookupSession:
     """A session whose caches hold every row of ``weights`` (capacity 1.25 × rows, so that no
     set overflows), in front of an empty volatile DB."""
     tables = []
@@ -141,7 +152,9 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
     # one fused embedding_bag: bags sample-major (b, t), the bag of table t of sample b
     bag_keys = torch.cat([keys[i] + base[i] for i in range(len(keys))], dim=1)  # (B, Σ h)
     bag_ids = torch.cat([k.reshape(-1) + base[i] for i, k in enumerate(keys)])
-    bag_offsets = torch.tensor([0, *np.cumsum([h for h in hot for _ in range(batch)])[:-1].tolist()])
+    bag_offsets = torch.tensor(
+        [0, *np.cumsum([h for h in hot for _ in range(batch)])[:-1].tolist()]
+    )
     n_keys = int(flat.numel())
     rbuf = torch.empty(n_keys * DIM)
     ibuf = torch.empty(n_keys, DIM)
@@ -150,7 +163,9 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
     ref_rows = stacked.index_select(0, flat)
     got = torch.cat([r.reshape(-1, DIM) for r in s.lookup_many(names, keys, out=rbuf)])
     assert torch.equal(got, ref_rows), "hps rows differ from index_select"
-    ref_bags = F.embedding_bag(bag_ids, stacked, bag_offsets, mode="sum").view(len(names), batch, DIM)
+    ref_bags = F.embedding_bag(bag_ids, stacked, bag_offsets, mode="sum").view(
+        len(names), batch, DIM
+    )
     got_bags = s.lookup_pooled(names, keys, pooling, out=pbuf).view(batch, len(names), DIM)
     torch.testing.assert_close(got_bags.transpose(0, 1), ref_bags, rtol=1e-5, atol=1e-4)
     del bag_keys
@@ -162,7 +177,9 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
         "hps_per_table_rows": lambda: [s.lookup(n, k) for n, k in zip(names, keys, strict=True)],
     }
     tbe_idx = torch.cat([k.reshape(-1) for k in keys]).to(torch.int32)
-    tbe_off = torch.tensor([0, *np.cumsum([h for h in hot for _ in range(batch)]).tolist()], dtype=torch.int32)
+    tbe_off = torch.tensor(
+        [0, *np.cumsum([h for h in hot for _ in range(batch)]).tolist()], dtype=torch.int32
+    )
     row_off = torch.arange(n_keys + 1, dtype=torch.int32)
     for dt in DTYPES:
         tbe = _tbe(rows, dt, ws, pooled=True)
@@ -193,7 +210,7 @@ def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     v.create_table("t", DIM)
     for s in range(0, n_rows, 1 << 16):
         v.insert("t", keys[s : s + (1 << 16)], w[s : s + (1 << 16)].numpy())
-    c = EmbeddingCache(n_rows, DIM, policy="lfu", backing=v.row_store("t"))
+    c = EmbeddingCache(n_rows, DIM, policy="lfu")
     s = LookupSession([SessionTable("t", DIM, 0.0, 1 << 20, c)], v, None, hit_rate_threshold=1.0)
     s.warm_up("t", keys)
     held = len(c)

@@ -410,6 +410,13 @@ class EmbeddingCache:
             k = self.keys.view(-1)[idx]
             return k[k != EMPTY_KEY].clone()
 
+    def nbytes(self) -> int:
+        """Host or device bytes this cache holds: rows, keys, counters, tags and marks."""
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.storage, self.keys, self.counters, self.tags, self.marks)
+        )
+
     def __len__(self) -> int:
         with self._lock:
             return int((self.keys != EMPTY_KEY).sum())

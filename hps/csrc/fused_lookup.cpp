@@ -104,86 +104,122 @@ inline void add_row(const TableView& t, int64_t slot, float* dst) {
   for (int64_t d = 0; d < t.dim; ++d) dst[d] += src[d];
 }
 
-// One table: the gather (parallel, reading only the cache), then the uses (counters, marks,
-// misses) in a second pass whose threads each own the slots ``slot % threads``, so no two
-// threads write one counter (no atomics, the counts independent of the thread count).
-// Returns {hits_all, hits_unique, looked_up}; misses (positions into keys) ascending.
-std::vector<int64_t> gather_table(const TableView& t, std::vector<int64_t>& miss_out) {
-  const bool bags = t.hotness > 0;
-  std::vector<int64_t> slots(t.n);
-  int64_t* sl = slots.data();
-  const int64_t units = bags ? t.n / t.hotness : t.n;
-  const int64_t grain = bags ? std::max<int64_t>(1, 2048 / t.hotness) : 2048;
-  at::parallel_for(0, units, grain, [&](int64_t b0, int64_t b1) {
-    if (!bags) {
-      for (int64_t i = b0; i < b1; ++i) {
-        const int64_t slot = probe(t, t.keys[i]);
-        sl[i] = slot;
-        if (slot >= 0) copy_row(t, slot, t.out + i * t.dim);
-      }
-      return;
+// A run of keys (rows) or bags of one table: the unit of parallel work.
+struct Piece {
+  int64_t table, begin, end;
+};
+
+// The gather of one piece (reads only the cache): rows copied or bags summed (MEAN bags
+// without a miss divided), each key's slot in sl (-1 miss, -2 padding).
+void gather_piece(const TableView& t, int64_t b0, int64_t b1, int64_t* sl) {
+  if (t.hotness == 0) {
+    for (int64_t i = b0; i < b1; ++i) {
+      const int64_t slot = probe(t, t.keys[i]);
+      sl[i] = slot;
+      if (slot >= 0) copy_row(t, slot, t.out + i * t.dim);
     }
-    for (int64_t b = b0; b < b1; ++b) {
-      float* dst = t.out + b * t.out_stride;
-      std::fill(dst, dst + t.dim, 0.0f);
-      int64_t n = 0;
-      bool missed = false;
-      for (int64_t j = 0; j < t.hotness; ++j) {
-        const int64_t i = b * t.hotness + j;
-        const int64_t key = t.keys[i];
-        if (key < 0) {  // -1 pads a short bag
-          sl[i] = -2;
-          continue;
-        }
-        ++n;
-        const int64_t slot = probe(t, key);
-        sl[i] = slot;
-        if (slot < 0) {
-          missed = true;
-          continue;
-        }
-        add_row(t, slot, dst);
+    return;
+  }
+  for (int64_t b = b0; b < b1; ++b) {
+    float* dst = t.out + b * t.out_stride;
+    std::fill(dst, dst + t.dim, 0.0f);
+    int64_t n = 0;
+    bool missed = false;
+    for (int64_t j = 0; j < t.hotness; ++j) {
+      const int64_t i = b * t.hotness + j;
+      const int64_t key = t.keys[i];
+      if (key < 0) {  // -1 pads a short bag
+        sl[i] = -2;
+        continue;
       }
-      if (t.mean && !missed && n > 0) {
-        const float cnt = static_cast<float>(n);
-        for (int64_t d = 0; d < t.dim; ++d) dst[d] /= cnt;
+      ++n;
+      const int64_t slot = probe(t, key);
+      sl[i] = slot;
+      if (slot < 0) {
+        missed = true;
+        continue;
       }
+      add_row(t, slot, dst);
+    }
+    if (t.mean && !missed && n > 0) {
+      const float cnt = static_cast<float>(n);
+      for (int64_t d = 0; d < t.dim; ++d) dst[d] /= cnt;
+    }
+  }
+}
+
+// Every table in two parallel regions (each region costs a thread wake-up and a barrier, so
+// not two per table): the gathers of all pieces, then the uses (counters, marks), whose
+// threads each own the slots ``slot % owners`` of every table, so no two threads write one
+// counter (no atomics; counts independent of the thread count). Per table: {hits_all,
+// hits_unique, looked_up}; misses (positions into keys) ascending, table after table.
+std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts,
+                                                std::vector<int64_t>& misses,
+                                                std::vector<int64_t>& miss_counts) {
+  const int64_t T = static_cast<int64_t>(ts.size());
+  std::vector<std::vector<int64_t>> slots(T);
+  std::vector<Piece> pieces;
+  int64_t total = 0;
+  for (int64_t i = 0; i < T; ++i) {
+    const TableView& t = ts[i];
+    slots[i].resize(t.n);
+    total += t.n;
+    const int64_t units = t.hotness > 0 ? t.n / t.hotness : t.n;
+    const int64_t grain = t.hotness > 0 ? std::max<int64_t>(1, 1024 / t.hotness) : 1024;
+    for (int64_t u = 0; u < units; u += grain) pieces.push_back({i, u, std::min(units, u + grain)});
+  }
+  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p) {
+      const Piece& pc = pieces[p];
+      gather_piece(ts[pc.table], pc.begin, pc.end, slots[pc.table].data());
     }
   });
-  const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), t.n / 4096));
-  std::vector<int64_t> hits(owners, 0), uniq(owners, 0);
-  const uint8_t mk = static_cast<uint8_t>(t.mark);
+  const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / 4096));
+  std::vector<int64_t> hits(owners * T, 0), uniq(owners * T, 0);
   at::parallel_for(0, owners, 1, [&](int64_t o0, int64_t o1) {
     for (int64_t o = o0; o < o1; ++o) {
-      int64_t h = 0, u = 0;
-      for (int64_t i = 0; i < t.n; ++i) {
-        const int64_t s = sl[i];
-        if (s < 0 || s % owners != o) continue;
-        ++h;
-        if (t.stamp < 0)
-          ++t.counters[s];
-        else
-          t.counters[s] = t.stamp;
-        if (t.marks[s] != mk) {
-          t.marks[s] = mk;
-          ++u;
+      for (int64_t i = 0; i < T; ++i) {
+        const TableView& t = ts[i];
+        const int64_t* sl = slots[i].data();
+        const uint8_t mk = static_cast<uint8_t>(t.mark);
+        int64_t h = 0, u = 0;
+        for (int64_t j = 0; j < t.n; ++j) {
+          const int64_t s = sl[j];
+          if (s < 0 || s % owners != o) continue;
+          ++h;
+          if (t.stamp < 0)
+            ++t.counters[s];
+          else
+            t.counters[s] = t.stamp;
+          if (t.marks[s] != mk) {
+            t.marks[s] = mk;
+            ++u;
+          }
         }
+        hits[o * T + i] = h;
+        uniq[o * T + i] = u;
       }
-      hits[o] = h;
-      uniq[o] = u;
     }
   });
-  int64_t valid = 0;
-  for (int64_t i = 0; i < t.n; ++i) {
-    if (sl[i] == -1) miss_out.push_back(i);
-    valid += sl[i] != -2;
+  std::vector<std::vector<int64_t>> out(T, std::vector<int64_t>(3, 0));
+  miss_counts.assign(T, 0);
+  for (int64_t i = 0; i < T; ++i) {
+    const int64_t* sl = slots[i].data();
+    int64_t valid = 0;
+    for (int64_t j = 0; j < ts[i].n; ++j) {
+      if (sl[j] == -1) {
+        misses.push_back(j);
+        ++miss_counts[i];
+      }
+      valid += sl[j] != -2;
+    }
+    for (int64_t o = 0; o < owners; ++o) {
+      out[i][0] += hits[o * T + i];
+      out[i][1] += uniq[o * T + i];
+    }
+    out[i][2] = valid;
   }
-  int64_t h = 0, u = 0;
-  for (int64_t o = 0; o < owners; ++o) {
-    h += hits[o];
-    u += uniq[o];
-  }
-  return {h, u, valid};
+  return out;
 }
 
 void check(bool ok, const std::string& what) {
@@ -233,6 +269,7 @@ std::vector<at::Tensor> cache_gather(
   auto per_table = at::zeros({static_cast<int64_t>(T), 5}, at::kLong);
   auto* pt = per_table.data_ptr<int64_t>();
   float* out_base = out.data_ptr<float>();
+  std::vector<TableView> views;
   for (size_t i = 0; i < T; ++i) {
     const auto& k = keys[i];
     check(formats[i] == kFormatFp32, "row format " + std::to_string(formats[i]) +
@@ -249,9 +286,7 @@ std::vector<at::Tensor> cache_gather(
     if (crossed > 0) {  // -1, an empty slot, stays -1
       int64_t* c = counters[i].data_ptr<int64_t>();
       const int s = static_cast<int>(std::min<int64_t>(crossed, 63));
-      at::parallel_for(0, capacity, 1 << 16, [&](int64_t a, int64_t b) {
-        for (int64_t j = a; j < b; ++j) c[j] >>= s;
-      });
+      for (int64_t j = 0; j < capacity; ++j) c[j] >>= s;  // once per aging period
     }
     TableView t{k.data_ptr<int64_t>(),
                 k.numel(),
@@ -272,14 +307,17 @@ std::vector<at::Tensor> cache_gather(
                 out_base + out_offsets[i],
                 out_stride};
     if (t.hotness > 0) check(t.n % t.hotness == 0, "bag keys must be (B, hotness)");
-    const size_t before = misses.size();
-    auto r = gather_table(t, misses);
+    views.push_back(t);
+    pt[i * 5 + 4] = crossed;
+  }
+  std::vector<int64_t> miss_counts;
+  const auto r = gather_tables(views, misses, miss_counts);
+  for (size_t i = 0; i < T; ++i) {
     int64_t* row = pt + i * 5;
-    row[0] = static_cast<int64_t>(misses.size() - before);
-    row[1] = r[0];
-    row[2] = r[1];
-    row[3] = r[2];
-    row[4] = crossed;
+    row[0] = miss_counts[i];
+    row[1] = r[i][0];
+    row[2] = r[i][1];
+    row[3] = r[i][2];
   }
   misses_all = at::empty({static_cast<int64_t>(misses.size())}, at::kLong);
   if (!misses.empty())

@@ -30,7 +30,7 @@ import torch
 import torch.nn.functional as F
 
 from benchmarks.hps.zipf_keys import Zipf, side_by_side
-from benchmarks.meta import RESULTS_DIR, machine, write_json
+from benchmarks.meta import RESULTS_DIR, write_json
 from hps.kernels import load_extension
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
@@ -245,7 +245,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += sections[name](args)
         log.info("%s", rows[-1])
     out = RESULTS_DIR / ("hps_lookup_quick.json" if args.quick else "hps_lookup.json")
-    write_json(out, rows, threads=torch.get_num_threads(), machine_load=machine().get("load"))
+    write_json(out, rows, threads=torch.get_num_threads())
     log.info("wrote %s", out)
 
 

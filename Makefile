@@ -19,6 +19,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 pyre-extensions torch==2.13.0
 	$(PY) -m pip install --no-deps torchrec==1.8.0
 	$(PY) -m tilesparse.build_ext || echo "tilesparse: fast CPU kernel not built; the reference path will be used"
+	$(PY) -m hps.build_ext || echo "hps: compiled lookup kernel not built; the reference path will be used"
 	touch $@
 
 install: $(VENV)/.installed

@@ -45,6 +45,7 @@ if TYPE_CHECKING:
         db_table_names,
     )
     from hps.config_parse import ConfigError, HugeCTRFieldWarning, load_config, parse_config
+    from hps.key_counts import KeyCounts
     from hps.parameter_server import HierarchicalParameterServer
     from hps.rowformat import RowDtype, RowFormatError
     from hps.session import LookupSession, SessionTable
@@ -54,6 +55,7 @@ if TYPE_CHECKING:
         FormatVersionError,
         OverflowPolicy,
         PersistentDBType,
+        Pooling,
         StorageBackend,
         Tier,
         TierRead,
@@ -85,6 +87,7 @@ _EXPORTS = {
     "HugeCTRFieldWarning": "hps.config_parse",
     "load_config": "hps.config_parse",
     "parse_config": "hps.config_parse",
+    "KeyCounts": "hps.key_counts",
     "HierarchicalParameterServer": "hps.parameter_server",
     "RowDtype": "hps.rowformat",
     "RowFormatError": "hps.rowformat",
@@ -95,6 +98,7 @@ _EXPORTS = {
     "FormatVersionError": "hps.types",
     "OverflowPolicy": "hps.types",
     "PersistentDBType": "hps.types",
+    "Pooling": "hps.types",
     "StorageBackend": "hps.types",
     "Tier": "hps.types",
     "TierRead": "hps.types",
@@ -117,6 +121,7 @@ __all__ = [
     "HierarchicalParameterServer",
     "HugeCTRFieldWarning",
     "InvalidUpdateError",
+    "KeyCounts",
     "KeyStatistics",
     "LookupSession",
     "ModelConfig",
@@ -124,6 +129,7 @@ __all__ = [
     "PSConfig",
     "PersistentDBConfig",
     "PersistentDBType",
+    "Pooling",
     "Recommendation",
     "RowDtype",
     "RowFormatError",

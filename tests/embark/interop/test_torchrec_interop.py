@@ -102,7 +102,7 @@ def test_configs_tilerec_cannot_hold_are_refused_by_name(trm) -> None:
         tables_from_ebc_configs(
             [cfg(name="n", num_embeddings=4, embedding_dim=2, pooling=pooling.NONE)]
         )
-    with pytest.raises(ValueError, match=r"hotness: no entry for table 't1'"):
+    with pytest.raises(ValueError, match=r"hotness: no entry for table\(s\) \['t1', 't2'\]"):
         tables_from_ebc_configs(_configs(trm), hotness={"t0": 1})
 
 

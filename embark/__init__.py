@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from embark.data.criteo import CriteoTSV
     from embark.data.hotness import HotnessError
     from embark.data.jagged import JaggedBatch
-    from embark.data.synthetic import SyntheticCTR
+    from embark.data.synthetic import Split, SyntheticCTR
     from embark.data.tabular import Preprocessor, TabularSource
     from embark.data.tabular_spec import Categorical, Dense, DenseTransform, Splits, TabularSpec
     from embark.data.vocabulary import OOVPolicy, Vocabulary
@@ -67,6 +67,7 @@ _EXPORTS = {
     "local_batch": "embark.data.batch",
     "CriteoTSV": "embark.data.criteo",
     "JaggedBatch": "embark.data.jagged",
+    "Split": "embark.data.synthetic",
     "SyntheticCTR": "embark.data.synthetic",
     "HotnessError": "embark.data.hotness",
     "Preprocessor": "embark.data.tabular",
@@ -136,6 +137,7 @@ __all__ = [
     "ShardedRunConfig",
     "ShardingPlan",
     "ShardingType",
+    "Split",
     "Splits",
     "SyntheticCTR",
     "TableConfig",

@@ -363,6 +363,18 @@ def _ids(values: Any) -> np.ndarray:
     raise ValueError(f"categorical ids must be integers or strings, got {values.type}")
 
 
+def _record_batch(rows: Any) -> Any:
+    """A ``pyarrow.RecordBatch`` of ``rows`` (a record batch, an Arrow table or a DataFrame)."""
+    import pyarrow as pa
+
+    if isinstance(rows, pa.RecordBatch):
+        return rows
+    if not isinstance(rows, pa.Table):
+        rows = pa.Table.from_pandas(rows, preserve_index=False)
+    batches = rows.combine_chunks().to_batches()
+    return batches[0] if batches else pa.RecordBatch.from_pylist([], schema=rows.schema)
+
+
 def _dense_raw(chunk: Any, spec: TabularSpec) -> np.ndarray:
     """``(n, D) float64`` dense columns after ``log1p`` where asked (before standardising)."""
     cols = []
@@ -451,6 +463,44 @@ class Preprocessor:
             source="embark.data.tabular",
         )
 
+    def serving_inputs(self, rows: Any) -> dict[str, np.ndarray]:
+        """A v2 inference request for ``rows``: what a client of the server sends.
+
+        Dense columns are transformed as in training; ids stay raw (the server maps them with
+        ``vocabulary.json``, and applies each table's hotness policy itself).
+
+        Returns:
+            ``{"dense": (B, D) float32, "ids_<table>": (B, w) int64}`` with ``w`` the largest
+            bag of ``rows`` (at least 1) and ``-1`` padding a shorter bag.
+
+        Raises:
+            ValueError: a table whose ids are strings (the v2 server takes integer ids).
+        """
+        rows = _record_batch(rows)
+        out = {"dense": self._dense(rows)}
+        for c in self.spec.categorical:
+            raw, lengths = _raw_bags(rows, c)
+            if raw.dtype == object:
+                raise ValueError(
+                    f"table {c.table_name!r}: string ids cannot be sent to the v2 server (it "
+                    "takes INT64 ids); map them to integer keys before fitting"
+                )
+            width = max(1, int(lengths.max()) if lengths.size else 1)
+            ids = np.full((lengths.size, width), -1, dtype=np.int64)
+            starts = np.cumsum(lengths) - lengths
+            pos = np.arange(raw.size) - np.repeat(starts, lengths)
+            ids[np.repeat(np.arange(lengths.size), lengths), pos] = raw
+            out[f"ids_{c.table_name}"] = ids
+        return out
+
+    def _dense(self, rows: Any) -> np.ndarray:
+        """``(n, D) float32`` transformed dense columns of a record batch."""
+        x = _dense_raw(rows, self.spec)
+        for j, d in enumerate(self.spec.dense):
+            if d.transform in (DenseTransform.STANDARDIZE, DenseTransform.LOG1P_STANDARDIZE):
+                x[:, j] = (x[:, j] - self.dense_mean[j]) / self.dense_std[j]
+        return x.astype(np.float32)
+
     def encode(self, rows: Any) -> Batch:
         """Rows (a ``pyarrow`` table or record batch, or a pandas DataFrame) → a :class:`Batch`:
         ids through the vocabularies (unknown ids by the OOV policy), every bag under its
@@ -460,17 +510,7 @@ class Preprocessor:
             HotnessError: a bag over its hotness under ``REFUSE``.
             KeyError: a missing column.
         """
-        import pyarrow as pa
-
-        if not isinstance(rows, (pa.Table, pa.RecordBatch)):
-            rows = pa.Table.from_pandas(rows, preserve_index=False)
-        if isinstance(rows, pa.Table):
-            rows = rows.combine_chunks()
-            rows = (
-                rows.to_batches()[0]
-                if rows.num_rows
-                else pa.RecordBatch.from_pylist([], schema=rows.schema)
-            )
+        rows = _record_batch(rows)
         per_key = {}
         for c in self.spec.categorical:
             raw, lengths = _raw_bags(rows, c)
@@ -478,15 +518,12 @@ class Preprocessor:
             raw, lens = check_or_truncate(table, raw, lengths)
             ids = self.vocabularies[c.table_name].lookup(raw)
             per_key[c.table_name] = (torch.from_numpy(ids), torch.from_numpy(lens.astype(np.int32)))
-        x = _dense_raw(rows, self.spec)
-        for j, d in enumerate(self.spec.dense):
-            if d.transform in (DenseTransform.STANDARDIZE, DenseTransform.LOG1P_STANDARDIZE):
-                x[:, j] = (x[:, j] - self.dense_mean[j]) / self.dense_std[j]
+        x = self._dense(rows)
         y = _column_numbers(rows, self.spec.label)
         if self.spec.label_threshold is not None:
             y = (y >= self.spec.label_threshold).astype(np.float64)
         return Batch(
-            torch.from_numpy(x.astype(np.float32)),
+            torch.from_numpy(x),
             JaggedBatch.from_per_key(per_key),
             torch.from_numpy(y.astype(np.float32)),
         )

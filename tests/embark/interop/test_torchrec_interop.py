@@ -339,4 +339,4 @@ def test_from_torchrec_dlrm_scores_like_the_model(trm, kind) -> None:
     with torch.no_grad():
         assert torch.equal(ours(dense, kjt), model(dense, kjt).squeeze(-1))
     with pytest.raises(TypeError, match=r"a Linear has no \['sparse_arch'"):
-        from_torchrec_dlrm(torch.nn.Linear(2, 2))
+        from_torchrec_dlrm(torch.nn.Linear(2, 2), hotness=1)

@@ -7,7 +7,9 @@ example does.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -17,7 +19,15 @@ from embark.data.batch import Batch
 from embark.models.workloads import Workload
 from embark.training.metrics import auc
 
-__all__ = ["logistic_regression_auc", "torchrec_dlrm_auc"]
+__all__ = ["example_blocks", "logistic_regression_auc", "torchrec_dlrm_auc"]
+
+PAGE = Path(__file__).resolve().parents[2] / "docs" / "own-data.md"
+
+
+def example_blocks() -> list[str]:
+    """The python blocks of the page's worked example, in order."""
+    section = PAGE.read_text().split("## The worked example", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
 def _kjt_auc(model: torch.nn.Module, batches: Sequence[Batch]) -> float:

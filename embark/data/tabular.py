@@ -138,20 +138,24 @@ class TabularSource:
         if self.kind is SourceKind.PARQUET:
             import pyarrow.parquet as pq
 
-            pf = pq.ParquetFile(self._source)
+            # pre_buffer would cache every column chunk read (the whole file, by the end)
+            pf = pq.ParquetFile(self._source, pre_buffer=False)
             self._check_columns(pf.schema_arrow.names)
             yield from pf.iter_batches(batch_size=self.chunk_rows, columns=cols, use_threads=False)
         elif self.kind is SourceKind.CSV:
             import pyarrow.csv as pacsv
 
             path, delimiter = self._source
+            parse = pacsv.ParseOptions(delimiter=delimiter)
+            header = pacsv.open_csv(path, parse_options=parse)  # reads the first block only
+            self._check_columns(header.schema.names)
+            header.close()
             reader = pacsv.open_csv(
                 path,
                 read_options=pacsv.ReadOptions(use_threads=False, block_size=1 << 22),
-                parse_options=pacsv.ParseOptions(delimiter=delimiter),
+                parse_options=parse,
                 convert_options=pacsv.ConvertOptions(include_columns=cols),
             )
-            self._check_columns(reader.schema.names)
             for rb in reader:
                 for start in range(0, rb.num_rows, self.chunk_rows):
                     yield rb.slice(start, self.chunk_rows)

@@ -18,6 +18,8 @@ from pathlib import Path
 
 import pytest
 
+from benchmarks.embark.own_data_baselines import example_blocks
+
 ROOT = Path(__file__).resolve().parents[3]
 
 # Appended to the page's code: the two references on the same split and batches.
@@ -33,13 +35,6 @@ _lr = logistic_regression_auc(workload, _epochs[0], _valid, _test)
 _diff = float(np.abs(served - local).max())
 print("RESULT " + _json.dumps({"ours": _ours, "torchrec": _tr, "logreg": _lr, "served_diff": _diff}))
 """
-
-
-def example_blocks() -> list[str]:
-    """The python blocks of the worked example, in order."""
-    text = (ROOT / "docs" / "own-data.md").read_text()
-    section = text.split("## The worked example", 1)[1].split("\n## ", 1)[0]
-    return re.findall(r"```python\n(.*?)```", section, flags=re.S)
 
 
 def test_the_page_has_the_five_steps() -> None:

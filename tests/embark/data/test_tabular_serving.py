@@ -58,10 +58,21 @@ def _long_bag_batch() -> Batch:
     return Batch(torch.rand(3, 2), sparse, torch.tensor([0.0, 1.0, 1.0]))
 
 
-def _served(model, tmp_path, vocabularies=None) -> DLRMServable:
-    write_serving_artifacts(model, tmp_path / "art", model_name="m", vocabularies=vocabularies)
-    ps = HierarchicalParameterServer.from_config(tmp_path / "art" / "ps.json")
-    return DLRMServable(ps.cfg.model("m"), ps.session("m"))
+@pytest.fixture
+def serve(tmp_path):
+    """``serve(model, vocabularies=None)``: export ``model`` and return the servable the v2
+    server runs for it (parameter servers closed at the end)."""
+    opened = []
+
+    def make(model, vocabularies=None) -> DLRMServable:
+        out = tmp_path / f"art{len(opened)}"
+        write_serving_artifacts(model, out, model_name="m", vocabularies=vocabularies)
+        opened.append(HierarchicalParameterServer.from_config(out / "ps.json"))
+        return DLRMServable(opened[-1].cfg.model("m"), opened[-1].session("m"))
+
+    yield make
+    for ps in opened:
+        ps.close()
 
 
 def _request(batch: Batch, width: int = 3) -> dict[str, np.ndarray]:
@@ -77,18 +88,18 @@ def _request(batch: Batch, width: int = 3) -> dict[str, np.ndarray]:
     return out
 
 
-def test_a_bag_over_hotness_is_refused_by_training_and_by_the_server(tmp_path) -> None:
+def test_a_bag_over_hotness_is_refused_by_training_and_by_the_server(serve) -> None:
     model = build_model(_workload(HotnessPolicy.REFUSE), seed=0)
     batch = _long_bag_batch()
     trainer = Trainer(model, TrainConfig(lr=0.1))
     with pytest.raises(HotnessError, match=r"table 't0': sample 1 .* bag of 3 ids but hotness"):
         trainer.fit([batch], steps=1, progress=False)  # training accepted it silently before
-    servable = _served(model.eval(), tmp_path)
+    servable = serve(model.eval())
     with pytest.raises(InputError, match=r"'ids_t0': sample 1 has a bag of 3 ids .* at most 2"):
         servable.infer(_request(batch))
 
 
-def test_truncate_policy_scores_the_same_in_process_and_served(tmp_path) -> None:
+def test_truncate_policy_scores_the_same_in_process_and_served(serve) -> None:
     model = build_model(_workload(HotnessPolicy.TRUNCATE), seed=0).eval()
     batch = _long_bag_batch()
     with torch.no_grad():
@@ -100,7 +111,7 @@ def test_truncate_policy_scores_the_same_in_process_and_served(tmp_path) -> None
             }
         )
         assert np.array_equal(local, model(batch.dense, cut).numpy())  # the first 2 ids kept
-    served = _served(model, tmp_path).infer(_request(batch))["logits"]
+    served = serve(model).infer(_request(batch))["logits"]
     np.testing.assert_allclose(served, local, rtol=0, atol=1e-5)
     trainer = Trainer(model.train(), TrainConfig(lr=0.1))
     assert trainer.fit([batch], steps=1, progress=False)["steps"] == 1
@@ -119,7 +130,7 @@ def _frame(n: int, seed: int) -> pd.DataFrame:
 
 
 @pytest.mark.parametrize("oov", [OOVPolicy.RESERVED, OOVPolicy.HASH])
-def test_an_unseen_id_gets_the_same_score_in_process_and_served(tmp_path, oov) -> None:
+def test_an_unseen_id_gets_the_same_score_in_process_and_served(serve, oov) -> None:
     spec = TabularSpec(
         categorical=(
             Categorical("user", oov=oov, oov_buckets=1 if oov is OOVPolicy.RESERVED else 5),
@@ -138,11 +149,11 @@ def test_an_unseen_id_gets_the_same_score_in_process_and_served(tmp_path, oov) -
         local = model(batch.dense, batch.sparse).numpy()
     unseen_rows = batch.sparse.values_for("user")[:2].tolist()
     assert all(r >= len(prep.vocabularies["user"].keys) for r in unseen_rows)
-    served = _served(model, tmp_path, prep.vocabularies).infer(prep.serving_inputs(rows))
+    served = serve(model, prep.vocabularies).infer(prep.serving_inputs(rows))
     np.testing.assert_allclose(served["logits"], local, rtol=0, atol=1e-5)
 
 
-def test_an_artifact_without_vocabularies_still_takes_row_ids(tmp_path) -> None:
+def test_an_artifact_without_vocabularies_still_takes_row_ids(serve) -> None:
     model = build_model(_workload(HotnessPolicy.REFUSE), seed=0).eval()
     batch = Batch(
         torch.rand(2, 2),
@@ -156,5 +167,5 @@ def test_an_artifact_without_vocabularies_still_takes_row_ids(tmp_path) -> None:
     )
     with torch.no_grad():
         local = model(batch.dense, batch.sparse).numpy()
-    served = _served(model, tmp_path).infer(_request(batch, width=2))["logits"]
+    served = serve(model).infer(_request(batch, width=2))["logits"]
     np.testing.assert_allclose(served, local, rtol=0, atol=1e-5)

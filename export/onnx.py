@@ -30,7 +30,7 @@ import copy
 import logging
 from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -83,7 +83,8 @@ def as_exportable(
         return model
     if type(model).__module__.startswith("torchrec.") and hasattr(model, "sparse_arch"):
         if hotness is None:
-            names = list(model.sparse_arch.embedding_bag_collection.embedding_bags)
+            sparse_arch: Any = model.sparse_arch
+            names = list(sparse_arch.embedding_bag_collection.embedding_bags)
             raise ValueError(
                 f"{caller}: TorchRec's DLRM does not record its tables' maximum bag sizes; "
                 f"pass hotness={{table: n}} for tables {names} (or one int for all; infer "

@@ -182,7 +182,11 @@ class ServingVocabulary:
         is_text = ids.dtype == object or ids.dtype.kind in "US"
         if not is_text and ids.dtype.kind not in "iu":
             raise ValueError(f"input {key!r} must hold integer keys, got {ids.dtype}")
-        pad = np.isin(ids, ["", None]) if is_text else ids == -1
+        if is_text:
+            pad = np.array([k is None or k == "" for k in ids.ravel().tolist()], dtype=bool)
+            pad = pad.reshape(ids.shape)
+        else:
+            pad = ids == -1
         counts = (~pad).sum(axis=1)
         if counts.size and int(counts.max()) > t.hotness and t.hotness_policy == "refuse":
             b = int(np.argmax(counts > t.hotness))

@@ -218,10 +218,10 @@ class TabularSpec:
             label=d["label"],
             label_threshold=d["label_threshold"],
             splits=Splits(
-                fractions=tuple(s["fractions"]),  # type: ignore[arg-type]
+                fractions=tuple(s["fractions"]),
                 seed=s["seed"],
                 time_column=s["time_column"],
-                time_cuts=tuple(s["time_cuts"]) if s["time_cuts"] else None,  # type: ignore[arg-type]
+                time_cuts=tuple(s["time_cuts"]) if s["time_cuts"] else None,
             ),
         )
 

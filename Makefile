@@ -8,7 +8,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 SUDO := $(shell [ "$$(id -u)" = 0 ] || echo sudo)
 
-.PHONY: install demo train test bench-planner bench-hps bench-server bench-tilesparse redis clean
+.PHONY: install demo train test bench-planner bench-hps bench-server bench-tilesparse redis iproute2 clean
 
 $(VENV)/.installed: pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -29,13 +29,17 @@ install: $(VENV)/.installed
 redis:
 	@command -v redis-server >/dev/null || ($(SUDO) apt-get update && $(SUDO) apt-get install -y redis-server)
 
+# ip / tc for the emulated cluster (network namespaces joined by shaped links; needs root)
+iproute2:
+	@(command -v ip >/dev/null && command -v tc >/dev/null) || ($(SUDO) apt-get update && $(SUDO) apt-get install -y iproute2)
+
 demo: install
 	$(PY) -m recipes.prune_dlrm
 
 train: install
 	$(PY) -m recipes.train_dlrm
 
-test: install redis
+test: install redis iproute2
 	$(PY) -m ruff check .
 	$(PY) -m ruff format --check .
 	$(PY) -m mypy
@@ -57,6 +61,11 @@ bench-tilesparse: install
 .PHONY: bench-training
 bench-training: install
 	$(PY) -m benchmarks.embark.bench_training
+
+# EMBark end to end on an emulated 2-node cluster (network namespaces; needs root)
+.PHONY: bench-cluster
+bench-cluster: install iproute2
+	$(PY) -m benchmarks.embark.bench_cluster
 
 
 clean:

@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from embark.data.jagged import JaggedBatch
     from embark.data.synthetic import Split, SyntheticCTR
     from embark.data.tabular import Preprocessor, TabularSource
-    from embark.data.tabular_spec import Categorical, Dense, DenseTransform, Splits, TabularSpec
+    from embark.data.tabular_spec import Categorical, ColumnTransform, Dense, Splits, TabularSpec
     from embark.data.vocabulary import OOVPolicy, Vocabulary
     from embark.models.dlrm import DLRM, build_model
     from embark.models.workloads import Interaction, Workload, get_workload
@@ -73,8 +73,8 @@ _EXPORTS = {
     "Preprocessor": "embark.data.tabular",
     "TabularSource": "embark.data.tabular",
     "Categorical": "embark.data.tabular_spec",
+    "ColumnTransform": "embark.data.tabular_spec",
     "Dense": "embark.data.tabular_spec",
-    "DenseTransform": "embark.data.tabular_spec",
     "Splits": "embark.data.tabular_spec",
     "TabularSpec": "embark.data.tabular_spec",
     "OOVPolicy": "embark.data.vocabulary",
@@ -118,11 +118,11 @@ __all__ = [
     "Callback",
     "Categorical",
     "Cluster",
+    "ColumnTransform",
     "Combiner",
     "CommDtype",
     "CriteoTSV",
     "Dense",
-    "DenseTransform",
     "EmbeddingKernel",
     "EmbeddingOptimizerKind",
     "HotnessError",

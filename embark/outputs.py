@@ -89,22 +89,44 @@ def check_output_file(path: str | os.PathLike[str], what: str) -> None:
         check_parent_writable(p, what)
 
 
-def write_text_atomic(path: str | os.PathLike[str], text: str) -> Path:
+def fsync_dir(path: str | os.PathLike[str]) -> None:
+    """Flush the folder ``path``'s entries (files created or renamed in it) to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def write_text_atomic(path: str | os.PathLike[str], text: str, *, durable: bool = False) -> Path:
     """Write ``text`` to ``path`` through a temporary sibling renamed into place (creating the
     folder): a reader sees the old file or the new one, never half of one, and a failed write
     leaves no temporary file behind.
 
+    Args:
+        durable: also flush the file before the rename and the folder after it, so that the
+            new file survives a crash of the machine (not only of the process).
+
     Raises:
-        OSError: when the folder cannot be created or the file written (nothing is left).
+        OSError: when the folder cannot be created or the file written (nothing is left);
+            the message names the file (``No space left on device`` when the disk is full).
     """
     p = Path(path)
     p.parent.mkdir(parents=True, exist_ok=True)
     # not mkstemp: its files are 0600 whatever the umask, and the rename would keep that
     tmp = p.with_name(f".{p.name}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
-        with open(tmp, "x") as fh:
-            fh.write(text)
+        try:
+            with open(tmp, "x") as fh:
+                fh.write(text)
+                fh.flush()
+                if durable:
+                    os.fsync(fh.fileno())
+        except OSError as err:
+            raise OSError(err.errno, f"cannot write {p}: {err.strerror or err}") from None
         os.replace(tmp, p)
+        if durable:
+            fsync_dir(p.parent)
     except BaseException:
         tmp.unlink(missing_ok=True)
         raise

@@ -1,5 +1,6 @@
-"""Topology presets: DGX H100 / DGX A100 × any number of nodes, GB200 NVL72 racks, and this
-CPU machine (``cpu-local``, gloo ranks on one host).
+"""Topology presets: DGX H100 / DGX A100 × any number of nodes, GB200 NVL72 racks, this
+CPU machine (``cpu-local``, gloo ranks on one host) and the emulated cluster on it
+(``emulated``: network namespaces joined by shaped links, 2 ranks per node, :mod:`embark.cluster`).
 
 >>> t = get_topology("dgx-h100", nodes=8)
 >>> t.world_size, t.gpus_per_node
@@ -51,7 +52,63 @@ CPU_LOCAL_DRAM_BYTES_PER_S = 10 * GB  # assumed ~10 GB/s per core of random-gath
 CPU_LOCAL_SHM_BYTES_PER_S = 5 * GB  # assumed gloo shared-memory transfer rate
 CPU_LOCAL_FLOPS_PER_S = 300e9  # ≈ 600 GFLOP/s bf16 on 2 threads, per rank
 
-PRESETS = ("dgx-h100", "dgx-a100", "gb200-nvl72", "cpu-local")
+# --- The emulated cluster (embark.cluster): nodes as network namespaces on this machine, gloo
+# ranks inside them, node links shaped with tc. How it maps onto DGX H100 + InfiniBand:
+#  1. The inter- to intra-node bandwidth ratio is the DGX H100's: per GPU and direction,
+#     NVLink 450 GB/s against one 400 Gb/s (50 GB/s) ConnectX-7, 9 : 1 (H100 constants above).
+#     A node's loopback (its ranks' traffic to each other) is shaped to 9× its uplink.
+#  2. The absolute rate sets the communication share of a step. EMBark (ANCHORS.md) reports
+#     embedding communication at 25 % of a step on 8 GPUs and 51 % on 128, for table-row-wise
+#     sharding of its workloads; the emulated cluster is meant for that multi-node regime,
+#     where communication is at least half of the step. On this CPU the dense part of a
+#     workload at batch 512 over 4 ranks takes 0.1-6 s of a step (4 ranks on 2 shared
+#     cores); 8 MB/s per rank between nodes (a 2-rank node's uplink 128 Mbit/s) and 72 MB/s
+#     inside a node (loopback 1.15 Gbit/s) put table-row-wise's communication phases (input
+#     distribution, vectors all-to-all, backward exchanges and updates, exposed all-reduce)
+#     at 59-82 % of its step on the four workloads (benchmarks/embark/bench_cluster.py,
+#     docs/benchmarks.md): above EMBark's 51 %, i.e. a network somewhat slower, relative to
+#     compute, than 128 H100s on InfiniBand. Loopback unshaped reaches ~0.5 GB/s per rank with
+#     4 ranks on 2 cores, well above the 72 MB/s it is shaped to, so the 9 : 1 ratio holds.
+#  3. Lookups and dense FLOP/s are this machine's, per rank with 2 ranks per core (fp32:
+#     ~166 GFLOP/s on 2 threads, shared/DEPENDENCIES.md); a probe calibrates them per run.
+EMULATED_RANKS_PER_NODE = 2
+EMULATED_INTRA_TO_INTER_RATIO = H100_NVLINK_BYTES_PER_S / H100_IB_BYTES_PER_S  # 9
+EMULATED_INTER_NODE_BYTES_PER_S = 8e6  # per rank: a 2-rank node's uplink is 128 Mbit/s
+EMULATED_INTRA_NODE_BYTES_PER_S = EMULATED_INTER_NODE_BYTES_PER_S * EMULATED_INTRA_TO_INTER_RATIO
+EMULATED_DRAM_BYTES_PER_S = 2.5 * GB  # assumed gather rate per rank, 2 ranks per core
+EMULATED_FLOPS_PER_S = 40e9  # ≈ 166 GFLOP/s fp32 on 2 threads / 4 ranks
+EMULATED_MEMORY_BYTES = 24 * 2**30 / 8  # a quarter of half the RAM, per rank (4 ranks)
+
+PRESETS = ("dgx-h100", "dgx-a100", "gb200-nvl72", "cpu-local", "emulated")
+
+
+def emulated_topology(
+    nodes: int = 2,
+    ranks_per_node: int = EMULATED_RANKS_PER_NODE,
+    inter_node_bytes_per_s: float = EMULATED_INTER_NODE_BYTES_PER_S,
+    intra_node_bytes_per_s: float = EMULATED_INTRA_NODE_BYTES_PER_S,
+    lookup_bytes_per_s: float = EMULATED_DRAM_BYTES_PER_S,
+    flops_per_s: float = EMULATED_FLOPS_PER_S,
+    latency_s: float = 200e-6,
+) -> Topology:
+    """The emulated cluster's topology (the mapping above), figures per rank and direction;
+    a calibration passes what a probe measured on the emulated links instead.
+
+    Raises:
+        ValueError: from :class:`~embark.types.Topology` for a non-positive figure.
+    """
+    return Topology(
+        name="emulated",
+        num_nodes=nodes,
+        gpus_per_node=ranks_per_node,
+        hbm_capacity_bytes=EMULATED_MEMORY_BYTES,
+        hbm_bandwidth_bytes_per_s=lookup_bytes_per_s,
+        intra_node_bandwidth_bytes_per_s=intra_node_bytes_per_s,
+        inter_node_bandwidth_bytes_per_s=inter_node_bytes_per_s,
+        dense_peak_flops_per_s=flops_per_s,
+        intra_node_latency_s=latency_s,
+        inter_node_latency_s=latency_s,
+    )
 
 
 def get_topology(name: str, nodes: int = 1) -> Topology:
@@ -112,4 +169,6 @@ def get_topology(name: str, nodes: int = 1) -> Topology:
             intra_node_latency_s=50e-6,
             inter_node_latency_s=50e-6,
         )
+    if key == "emulated":
+        return emulated_topology(nodes)
     raise ValueError(f"unknown topology {name!r}; expected one of {list(PRESETS)}")

@@ -15,7 +15,9 @@ Example (every field shown; the ones marked *ours* are not in HugeCTR)::
                         "max_batch_size": 65536},
       "update_source": {"type": "file_log", "path": "updates.log",            (ours)
                         "stream": "hps_updates", "poll_interval_s": 0.5,
-                        "address": "", "state_path": ""},
+                        "address": "", "state_path": "",
+                        "max_retry_interval_s": 60, "unready_after_failures": 5,
+                        "unready_after_s": 60},
       "models": [{
         "model": "dlrm", "max_batch_size": 1024,
         "sparse_files": ["sparse/t0", "sparse/t1"],
@@ -206,6 +208,11 @@ class PersistentDBConfig:
     max_batch_size: int = 65536
 
 
+#: retries of a failing update source are at least this far apart (seconds), also with a poll
+#: interval of 0: a stuck record must not spin a core
+MIN_RETRY_INTERVAL_S = 0.05
+
+
 @dataclass(frozen=True)
 class UpdateSourceConfig:
     type: UpdateSourceType = UpdateSourceType.NONE
@@ -214,6 +221,12 @@ class UpdateSourceConfig:
     stream: str = "hps_updates"
     poll_interval_s: float = 0.5
     state_path: str = ""
+    #: retries of a failing update source back off up to this many seconds apart, and the
+    #: server is not ready after ``unready_after_failures`` failures in a row or
+    #: ``unready_after_s`` seconds of them (:mod:`hps.updates.health`)
+    max_retry_interval_s: float = 60.0
+    unready_after_failures: int = 5
+    unready_after_s: float = 60.0
 
 
 #: separates the model from the table in a scoped database name (``foo.t0``)

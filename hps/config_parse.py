@@ -397,14 +397,82 @@ def _warn_unused(name: str, unused: list[str]) -> None:
         )
 
 
+class DuplicateKeyError(ValueError):
+    """A JSON object gives a key twice (the message names it and the lines of both)."""
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKeyError(k)
+        out[k] = v
+    return out
+
+
+def _first_duplicate_key(text: str) -> tuple[str, int, int] | None:
+    """The first key that a JSON text gives twice in one object: ``(key, its line, the line of
+    its first occurrence)``, or ``None``. ``text`` is valid JSON (it parsed); one pass that
+    tracks, per open object, the keys it has seen."""
+    stack: list[dict[str, int] | None] = []  # per open container: its keys' lines (arrays: None)
+    line, i, n = 1, 0, len(text)
+    while i < n:
+        c = text[i]
+        if c == "\n":
+            line += 1
+        elif c in "{[":
+            stack.append({} if c == "{" else None)
+        elif c in "}]":
+            stack.pop()
+        elif c == '"':
+            j = i + 1
+            while text[j] != '"':  # a JSON string holds no raw newline or unescaped quote
+                j += 2 if text[j] == "\\" else 1
+            k = j + 1
+            while k < n and text[k] in " \t\r\n":
+                k += 1
+            seen = stack[-1] if stack else None
+            if k < n and text[k] == ":" and seen is not None:
+                key = json.loads(text[i : j + 1])
+                if key in seen:
+                    return key, line, seen[key]
+                seen[key] = line
+            i = j
+        i += 1
+    return None
+
+
+def loads_unique_keys(text: str) -> Any:
+    """``json.loads(text)``, except that an object holding a key twice is refused.
+
+    Raises:
+        json.JSONDecodeError: a syntax error (with its line and column).
+        DuplicateKeyError: a key given twice in one object (naming it and the lines of both;
+            ``json.loads`` keeps the last value silently).
+        ValueError: a number past Python's limits.
+        RecursionError: nesting past the parser's depth.
+    """
+    try:
+        return json.loads(text, object_pairs_hook=_unique_pairs)
+    except DuplicateKeyError as e:
+        found = _first_duplicate_key(text)
+        key, line, first = found if found is not None else (str(e), None, None)
+        where = f" at line {line}" if line is not None else ""
+        raise DuplicateKeyError(
+            f"key {key!r}{where} is given twice in one object (first at line {first}); JSON "
+            "keeps only the last value, so each key must be unique"
+        ) from None
+
+
 def load_config(path: str | Path) -> PSConfig:
     """Read and validate ``ps.json`` at ``path`` (relative paths resolve against its folder).
 
     Raises:
         FormatVersionError: serving artifacts of another version (see :func:`parse_config`).
         ValueError: for a file that is not UTF-8 JSON text (a syntax error with line and
-            column, a number past Python's limits, nesting past the parser's depth), or a
-            :class:`ConfigError` listing every invalid field.
+            column, a key given twice in one object with the lines of both, a number past
+            Python's limits, nesting past the parser's depth), or a :class:`ConfigError`
+            listing every invalid field.
     """
     path = Path(path)
     raw = path.read_bytes()
@@ -416,11 +484,13 @@ def load_config(path: str | Path) -> PSConfig:
             "ps.json is a JSON text file"
         ) from None
     try:
-        doc = json.loads(text)
+        doc = loads_unique_keys(text)
     except json.JSONDecodeError as e:
         raise ValueError(
             f"{path}: JSON syntax error at line {e.lineno} column {e.colno}: {e.msg}"
         ) from None
+    except DuplicateKeyError as e:
+        raise ValueError(f"{path}: {e}") from None
     except RecursionError:
         raise ValueError(f"{path}: JSON nested too deeply for the parser") from None
     except ValueError as e:  # e.g. an integer of more digits than int() converts

@@ -13,6 +13,7 @@ from typing import Any
 from hps.config import (
     MAX_BATCH_SIZE,
     MAX_PARTITIONS,
+    MIN_RETRY_INTERVAL_S,
     REDIS_DEFAULT_ADDRESS,
     PersistentDBConfig,
     UpdateSourceConfig,
@@ -298,6 +299,11 @@ def parse_updates(
         stream=p.read(field, d, "stream", w, str, "hps_updates", fallback="hps_updates"),
         poll_interval_s=p.read(field, d, "poll_interval_s", w, float, 0.5, fallback=0.5),
         state_path=_path(p, d, w, "state_path", base),
+        max_retry_interval_s=p.read(
+            field, d, "max_retry_interval_s", w, float, 60.0, fallback=60.0
+        ),
+        unready_after_failures=p.read(field, d, "unready_after_failures", w, int, 5, fallback=5),
+        unready_after_s=p.read(field, d, "unready_after_s", w, float, 60.0, fallback=60.0),
     )
     p.check(
         0 <= cfg.poll_interval_s <= _MAX_WAIT_S,
@@ -305,6 +311,28 @@ def parse_updates(
         "poll_interval_s",
         cfg.poll_interval_s,
         f"seconds in [0, {_MAX_WAIT_S:.0f}]",
+    )
+    least = max(cfg.poll_interval_s, MIN_RETRY_INTERVAL_S)
+    p.check(
+        least <= cfg.max_retry_interval_s <= _MAX_WAIT_S,
+        w,
+        "max_retry_interval_s",
+        cfg.max_retry_interval_s,
+        f"seconds in [{least:g} (>= poll_interval_s and {MIN_RETRY_INTERVAL_S}), {_MAX_WAIT_S:.0f}]",
+    )
+    p.check(
+        cfg.unready_after_failures >= 1,
+        w,
+        "unready_after_failures",
+        cfg.unready_after_failures,
+        "an integer >= 1",
+    )
+    p.check(
+        0 < cfg.unready_after_s <= _MAX_WAIT_S,
+        w,
+        "unready_after_s",
+        cfg.unready_after_s,
+        f"seconds in (0, {_MAX_WAIT_S:.0f}]",
     )
     if typ is UpdateSourceType.FILE_LOG:
         p.check(bool(cfg.path), w, "path", cfg.path, "the update log file for a file_log source")

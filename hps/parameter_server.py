@@ -59,7 +59,7 @@ from hps.types import (
 )
 from hps.updates.applier import OffsetFile, UpdateApplier
 from hps.updates.file_log import FileLogSource
-from hps.updates.record import CorruptRecordError, InvalidUpdateError
+from hps.updates.health import RetryPolicy, UpdateHealth, UpdateStatus, skip_request_path
 from hps.updates.redis_stream import RedisStreamSource, redis_client
 from hps.updates.transport import UpdateSource
 from hps.volatile_repair import VolatileRepair
@@ -146,6 +146,9 @@ class HierarchicalParameterServer:
         self._sessions: dict[str, LookupSession] = {}
         self._stops: list[threading.Event] = []
         self.repair: VolatileRepair | None = None  # set by start_background for a Redis tier
+        self.applier: UpdateApplier | None = None  # set by start_background with updates
+        # shared by every applier built here and read by the sessions (readiness, statistics)
+        self.update_health = UpdateHealth(RetryPolicy.of(cfg.update_source))
         for model in cfg.models:
             for t in self.db_specs(model):
                 self._check_persistent_source(t, load)
@@ -381,6 +384,7 @@ class HierarchicalParameterServer:
             )
         return LookupSession(
             tables,
+            update_health=self.update_health,
             volatile=self.volatile,
             persistent=self.persistent,
             hit_rate_threshold=model.hit_rate_threshold,
@@ -413,7 +417,26 @@ class HierarchicalParameterServer:
             self.persistent,
             offset_file=self._offset_path(),
             name=f"{u.type.value}:{u.stream if u.path == '' else u.path}",
+            health=self.update_health,
+            skip_request=skip_request_path(self.cfg),
         )
+
+    def update_status(self) -> UpdateStatus:
+        """The online updates' health with the readiness policy applied
+        (:mod:`hps.updates.health`; always ready without an update source). The servers'
+        readiness and statistics read it (through each model's session)."""
+        return self.update_health.status()
+
+    def skip_update(self, offset: str, log_id: str | None = None) -> None:
+        """Skip the update record refused now (:meth:`UpdateApplier.skip`) in the running
+        poller started by :meth:`start_background`.
+
+        Raises:
+            ValueError: no poller runs, no record is refused, or another record is.
+        """
+        if self.applier is None:
+            raise ValueError("no online-update poller runs (start_background was not called)")
+        self.applier.skip(offset, log_id)
 
     def start_background(self, refresh_interval_s: float = 10.0) -> list[threading.Event]:
         """Start the periodic work a config asks for: each model's cache refresh (every
@@ -450,12 +473,10 @@ class HierarchicalParameterServer:
             stops.append(self.repair.start(interval))
         applier = self.update_applier()
         if applier is not None:
-            try:
-                n = applier.drain()
-                if n:
-                    log.info("online updates: applied %d pending record(s) before serving", n)
-            except (CorruptRecordError, InvalidUpdateError, VolatileUnavailableError) as e:
-                log.error("applying online updates failed; the poller will retry: %s", e)
+            n = applier.attempt(first=True)
+            if n:
+                log.info("online updates: applied %d pending record(s) before serving", n)
+            self.applier = applier
             stops.append(applier.start(self.cfg.update_source.poll_interval_s))
         self._stops.extend(stops)
         return stops

@@ -52,6 +52,7 @@ import time
 import weakref
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -66,6 +67,9 @@ from hps.types import (
     TierUnavailableError,
     VolatileUnavailableError,
 )
+
+if TYPE_CHECKING:  # hps.updates imports this module: its types only, at run time lazily
+    from hps.updates.health import UpdateHealth, UpdateStatus
 
 log = logging.getLogger(__name__)
 
@@ -140,6 +144,8 @@ class LookupSession:
         record_key_stats: keep per-table :class:`~hps.advisor.KeyStatistics` (warm-up, advisor).
         device: where returned rows live (the caches' device).
         acquire_timeout_s: how long a caller waits for a free worker before ``TimeoutError``.
+        update_health: the health of the online updates that reach this session's tables
+            (:mod:`hps.updates.health`; ``None``: none do).
     """
 
     def __init__(
@@ -154,6 +160,7 @@ class LookupSession:
         record_key_stats: bool = True,
         device: torch.device | str = "cpu",
         acquire_timeout_s: float = 60.0,
+        update_health: UpdateHealth | None = None,
     ) -> None:
         if volatile is None and persistent is None:
             raise ValueError("a LookupSession needs a volatile or a persistent database")
@@ -168,6 +175,7 @@ class LookupSession:
         self.max_concurrent = max_concurrent
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self.update_lock = ReadWriteLock()
+        self.update_health = update_health
         self._stats = {t.name: TableStats() for t in tables}
         self._stats_lock = threading.Lock()
         self._lat_pos = {t.name: 0 for t in tables}
@@ -228,6 +236,13 @@ class LookupSession:
             if table is not None:
                 return self._stats[self._table(table).name].to_dict()
             return {n: s.to_dict() for n, s in self._stats.items()}
+
+    def update_status(self) -> UpdateStatus:
+        """The online updates' health with the readiness policy applied (the servers' readiness
+        and ``"online_updates"`` statistics); ready when no updates reach this session."""
+        from hps.updates.health import UpdateStatus
+
+        return UpdateStatus() if self.update_health is None else self.update_health.status()
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until queued background cache jobs have run."""

@@ -29,7 +29,9 @@ a ``ValueError`` naming the flag, and on the command line a usage error (exit 2)
     lr: float = knob(0.02, "learning rate", gt=0)
 
 A recipe's output folder is an :class:`OutFolder`: ``--out`` must be a folder that can be
-written, and one that holds an earlier run is refused unless ``--overwrite`` (clear it) or
+written, and one that holds an earlier run is refused unless ``--overwrite`` (remove what that
+run wrote: the entries its recipe's ``outputs`` match; refused, listing them, while the folder
+also holds entries the run did not write, such as the user's notes) or
 ``--resume`` (continue it, for recipes that can) is given; the default is a fresh
 ``runs/<recipe>-<UTC timestamp>``.
 """
@@ -39,6 +41,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import enum
+import fnmatch
 import itertools
 import json
 import math
@@ -334,16 +337,30 @@ def run_recipe(main: Callable[[T], object], cfg: T) -> int:
 
 
 # -- the output folder --------------------------------------------------------------------
-#: Written into every run's folder when it is created: ``{"recipe", "created"}``. Only a
-#: folder holding it is cleared by ``--overwrite`` or continued by ``--resume``, so neither can
-#: empty a folder no recipe made (``--out . --overwrite`` in a repository is refused).
+#: Written into every run's folder when it is created: ``{"recipe", "created", "outputs"}``
+#: (``outputs``: the patterns of the entries that recipe writes). Only a folder holding it is
+#: cleared by ``--overwrite`` or continued by ``--resume``, so neither can empty a folder no
+#: recipe made (``--out . --overwrite`` in a repository is refused), and ``--overwrite``
+#: removes only the entries its ``outputs`` match.
 RUN_MARKER = ".recipe-run.json"
 _LISTED = 4  # entries named in the message about a non-empty --out
+_LISTED_FOREIGN = 20  # entries named when --overwrite refuses files a run did not write
 
 
 def _listing(names: list[str]) -> str:
     more = len(names) - _LISTED
     return ", ".join(names[:_LISTED]) + (f" and {more} more" if more > 0 else "")
+
+
+def foreign_entries(names: Sequence[str], outputs: Sequence[str]) -> list[str]:
+    """The entries of ``names`` (folders with a trailing ``/``) that no pattern of ``outputs``
+    matches (and that are not the run marker): what a run with those outputs did not write."""
+    return [
+        n
+        for n in names
+        if n.rstrip("/") != RUN_MARKER
+        and not any(fnmatch.fnmatchcase(n.rstrip("/"), o) for o in outputs)
+    ]
 
 
 @dataclass(frozen=True)
@@ -359,12 +376,17 @@ class OutFolder:
             are removed, never followed).
         resume: continue the run in ``out`` (keep its files); ``None``: the recipe cannot
             resume, and its messages do not offer ``--resume``.
+        outputs: ``fnmatch`` patterns of the entries (files and folders directly in ``out``)
+            this recipe's runs write, its temporaries included (``".checkpoint.*"``); recorded
+            in the marker, so a later ``--overwrite`` removes exactly what the earlier run
+            wrote, whichever recipe that was.
     """
 
     recipe: str
     out: str | None
     overwrite: bool = False
     resume: bool | None = None
+    outputs: tuple[str, ...] = ()
 
     def check(self) -> None:
         """Check, before anything runs, that the run can write its folder.
@@ -399,6 +421,8 @@ class OutFolder:
                 "--overwrite only clears a recipe's own output folder; empty it yourself or "
                 "choose another folder"
             )
+        elif names:
+            self._check_only_run_outputs(path, names)
 
     def open(self) -> Path:
         """:meth:`check`, then the folder ready for the run: created (with its marker),
@@ -410,7 +434,7 @@ class OutFolder:
         if self.resume:
             return path
         if self.overwrite and path.is_dir():
-            for entry in path.iterdir():
+            for entry in path.iterdir():  # the check above: only the earlier run's outputs
                 if entry.is_dir() and not entry.is_symlink():
                     shutil.rmtree(entry)
                 else:
@@ -446,9 +470,37 @@ class OutFolder:
                 f"--resume: --out {str(path)!r} holds a {recipe} run, not a {self.recipe} run"
             )
 
+    def _check_only_run_outputs(self, path: Path, names: list[str]) -> None:
+        """Refuse ``--overwrite`` when ``path`` holds entries the earlier run did not write
+        (by the ``outputs`` its marker records), listing them."""
+        marker = path / RUN_MARKER
+        try:
+            doc = json.loads(marker.read_text())
+            outputs = doc["outputs"]
+            earlier = doc["recipe"]
+            if not (isinstance(outputs, list) and all(isinstance(o, str) for o in outputs)):
+                raise TypeError(f"'outputs' is {outputs!r}, not a list of patterns")
+        except (OSError, ValueError, KeyError, TypeError) as err:
+            raise ValueError(
+                f"--overwrite: {str(marker)!r} does not say which files the earlier run wrote "
+                f"({type(err).__name__}: {err}), so nothing in --out {self.out!r} is removed: "
+                "empty it yourself or choose another folder"
+            ) from None
+        foreign = foreign_entries(names, outputs)
+        if foreign:
+            shown = ", ".join(foreign[:_LISTED_FOREIGN])
+            more = len(foreign) - _LISTED_FOREIGN
+            raise ValueError(
+                f"--overwrite: --out {self.out!r} holds {len(foreign)} entr"
+                f"{'y' if len(foreign) == 1 else 'ies'} the earlier {earlier} run did not write: "
+                f"{shown}{f' and {more} more' if more > 0 else ''}; --overwrite removes only a "
+                "run's own files, so move these elsewhere (or choose another folder)"
+            )
+
     def _mark(self, path: Path) -> None:
         created = datetime.now(UTC).isoformat(timespec="seconds")
-        (path / RUN_MARKER).write_text(json.dumps({"recipe": self.recipe, "created": created}))
+        doc = {"recipe": self.recipe, "created": created, "outputs": [*self.outputs]}
+        (path / RUN_MARKER).write_text(json.dumps(doc))
 
     def _fresh(self) -> Path:
         stamp = datetime.now(UTC).strftime("%Y%m%d-%H%M%S")

@@ -85,6 +85,17 @@ SWEEP: tuple[tuple[str, float], ...] = (
 
 # Patterns whose condensed layers have few, wide tiles: the ones the speed half times.
 SPEED_PATTERNS = ("tw", "tw_rows")
+#: what a run writes into --out (the serving artifacts' temporary siblings included): all that
+#: --overwrite of such a run's folder removes
+OUTPUTS = (
+    "report.json",
+    "report.md",
+    "auc_vs_sparsity.png",
+    "layer_sparsity.png",
+    "mask_*.png",
+    "serving",
+    ".serving.*",
+)
 
 # The tew_delta of the knob-built configs (TileSparseConfig's default).
 _TEW_DELTA: float = TileSparseConfig().tew_delta
@@ -185,7 +196,7 @@ class PruneDLRMConfig:
     @property
     def folder(self) -> OutFolder:
         """The run's ``--out`` with its ``--overwrite``."""
-        return OutFolder("prune_dlrm", self.out, self.overwrite)
+        return OutFolder("prune_dlrm", self.out, self.overwrite, outputs=OUTPUTS)
 
 
 # -- building the pruning configs ---------------------------------------------------------

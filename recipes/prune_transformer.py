@@ -31,6 +31,9 @@ from recipes.cli import OutFolder, check_knobs, knob, parse_knobs, run_recipe
 from recipes.minilm import load_minilm
 from recipes.sentences import splits
 
+#: what a run writes into --out: all that --overwrite of such a run's folder removes
+OUTPUTS = ("report.json", "report.md", "model", "plots")
+
 log = logging.getLogger("recipes.prune_transformer")
 
 
@@ -71,7 +74,7 @@ class PruneTransformerConfig:
 
     @property
     def folder(self) -> OutFolder:
-        return OutFolder("prune_transformer", self.out, self.overwrite)
+        return OutFolder("prune_transformer", self.out, self.overwrite, outputs=OUTPUTS)
 
     def prune_config(self) -> tilesparse.TileSparseConfig:
         return tilesparse.TileSparseConfig(

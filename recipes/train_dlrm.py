@@ -43,6 +43,9 @@ from recipes.cli import OutFolder, check_knobs, knob, parse_knobs, run_recipe
 log = logging.getLogger("recipes.train_dlrm")
 
 CHECKPOINT = "checkpoint"  # the checkpoint's folder inside --out
+#: what a run writes into --out (its checkpoint's temporary siblings included): all that
+#: --overwrite of such a run's folder removes
+OUTPUTS = ("config.json", "results.json", CHECKPOINT, f".{CHECKPOINT}.*")
 
 
 @dataclass(frozen=True)
@@ -98,7 +101,7 @@ class TrainDLRMKnobs:
     @property
     def folder(self) -> OutFolder:
         """The run's ``--out`` with its ``--overwrite`` / ``--resume``."""
-        return OutFolder("train_dlrm", self.out, self.overwrite, self.resume)
+        return OutFolder("train_dlrm", self.out, self.overwrite, self.resume, OUTPUTS)
 
 
 def _workload(cfg: TrainDLRMKnobs) -> Workload:

@@ -454,7 +454,8 @@ class TileSparseConfig:
 
         Raises:
             ValueError: one line naming the file, for another suffix, text that does not parse
-                (with its line and column), a file that is not a mapping, or a bad key/value
+                (with its line and column), a key given twice in one mapping (naming it and the
+                lines of both), a file that is not a mapping, or a bad key/value
                 (naming the field, e.g. ``TileSparseConfig.schedule: MultiStageSchedule.stages``).
             OSError: when the file cannot be read.
         """
@@ -487,19 +488,81 @@ class TileSparseConfig:
             p.write_text(self.to_json() + "\n")
 
 
+class _DuplicateKey(ValueError):
+    """A mapping gives a key twice (``key``)."""
+
+    def __init__(self, key: str) -> None:
+        super().__init__(key)
+        self.key = key
+
+
+def _unique_pairs(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise _DuplicateKey(k)
+        out[k] = v
+    return out
+
+
+def _duplicate_message(p: Path, key: str, line: int | None, first: int | None) -> str:
+    where = f" at line {line} (first at line {first})" if line is not None else ""
+    return (
+        f"recipe file {p}: key {key!r}{where} is given twice in one mapping; only one value "
+        "can hold, so each key must be unique"
+    )
+
+
+def _first_duplicate(node: Any) -> tuple[str, int, int] | None:
+    """The first key a YAML node tree gives twice in one mapping: ``(key, its line, the line
+    of its first occurrence)`` (1-based), or ``None``. Merge keys (``<<``) are not counted."""
+    import yaml
+
+    todo, visited = [node], set()
+    while todo:
+        n = todo.pop()
+        if id(n) in visited:  # an alias: the same node again
+            continue
+        visited.add(id(n))
+        if isinstance(n, yaml.MappingNode):
+            seen: dict[tuple[str, str], int] = {}
+            for k, v in n.value:
+                if isinstance(k, yaml.ScalarNode) and k.tag != "tag:yaml.org,2002:merge":
+                    line = k.start_mark.line + 1
+                    if (k.tag, k.value) in seen:
+                        return k.value, line, seen[(k.tag, k.value)]
+                    seen[(k.tag, k.value)] = line
+                todo.append(v)
+        elif isinstance(n, yaml.SequenceNode):
+            todo.extend(n.value)
+    return None
+
+
 def _parse_json(p: Path, text: str) -> Any:
     try:
-        return json.loads(text)
+        return json.loads(text, object_pairs_hook=_unique_pairs)
     except json.JSONDecodeError as e:
         raise ValueError(
             f"recipe file {p}: not valid JSON: {e.msg} at line {e.lineno}, column {e.colno}"
         ) from None
+    except _DuplicateKey as e:  # the lines: from the text read as YAML (JSON's superset here)
+        import yaml
+
+        try:
+            found = _first_duplicate(yaml.compose(text, Loader=yaml.SafeLoader))
+        except yaml.YAMLError:
+            found = None
+        line, first = (found[1], found[2]) if found and found[0] == e.key else (None, None)
+        raise ValueError(_duplicate_message(p, e.key, line, first)) from None
 
 
 def _parse_yaml(p: Path, text: str) -> Any:
     import yaml
 
     try:
+        found = _first_duplicate(yaml.compose(text, Loader=yaml.SafeLoader))
+        if found is not None:
+            raise ValueError(_duplicate_message(p, *found))
         return yaml.safe_load(text)
     except yaml.YAMLError as e:
         mark = getattr(e, "problem_mark", None)

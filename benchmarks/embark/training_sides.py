@@ -60,8 +60,10 @@ POLL_S = 0.005  # command-file poll interval of an idle side
 
 
 def case_workload(cfg: dict[str, Any]) -> Workload:
-    """The case's workload: ``cfg["workload"]`` rows divided by ``cfg["scale"]``."""
-    w = get_workload(cfg["workload"])
+    """The case's workload: ``cfg["workload_doc"]`` (a ``Workload.to_dict``) when given, else
+    ``cfg["workload"]``; rows divided by ``cfg["scale"]``."""
+    doc = cfg.get("workload_doc")
+    w = Workload.from_dict(doc) if doc is not None else get_workload(cfg["workload"])
     return w.scaled(cfg["scale"]) if cfg["scale"] > 1 else w
 
 

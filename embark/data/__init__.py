@@ -3,11 +3,12 @@
 a synthetic CTR generator with a planted teacher (:class:`SyntheticCTR`), a Criteo TSV
 reader (:class:`CriteoTSV`), the converter into TorchRec's binary npy layout
 (:func:`convert_criteo`, ``python -m embark.data.convert``) and its memory-mapped per-rank
-reader (:class:`CriteoBinary`); tabular sources of your own data (:class:`TabularSource`:
-a DataFrame, an Arrow table, Parquet or CSV, with a :class:`TabularSpec`), the fitted
-:class:`Preprocessor` and its feature vocabularies (:class:`Vocabulary`, saved as
-``vocabulary.json`` for export and the server), and the one meaning of ``hotness`` (the
-maximum bag size, :func:`enforce_hotness`)."""
+reader (:class:`CriteoBinary`), which requires the manifest the converter writes last
+(:class:`DenseTransform` names what a folder's dense arrays hold); tabular sources of your
+own data (:class:`TabularSource`: a DataFrame, an Arrow table, Parquet or CSV, with a
+:class:`TabularSpec`), the fitted :class:`Preprocessor` and its feature vocabularies
+(:class:`Vocabulary`, saved as ``vocabulary.json`` for export and the server), and the one
+meaning of ``hotness`` (the maximum bag size, :func:`enforce_hotness`)."""
 
 from typing import TYPE_CHECKING
 
@@ -22,9 +23,10 @@ if TYPE_CHECKING:
     from embark.data.criteo_sample import write_criteo_like
     from embark.data.hotness import HotnessError, enforce_hotness, max_bag_sizes
     from embark.data.jagged import JaggedBatch
+    from embark.data.manifest import DenseTransform
     from embark.data.synthetic import Split, SyntheticCTR
     from embark.data.tabular import Preprocessor, TabularSource
-    from embark.data.tabular_spec import Categorical, Dense, DenseTransform, Splits, TabularSpec
+    from embark.data.tabular_spec import Categorical, ColumnTransform, Dense, Splits, TabularSpec
     from embark.data.vocabulary import (
         OOVPolicy,
         Vocabulary,
@@ -46,6 +48,7 @@ _EXPORTS = {
     "ReadStats": "embark.data.criteo_lines",
     "write_criteo_like": "embark.data.criteo_sample",
     "JaggedBatch": "embark.data.jagged",
+    "DenseTransform": "embark.data.manifest",
     "Split": "embark.data.synthetic",
     "SyntheticCTR": "embark.data.synthetic",
     "HotnessError": "embark.data.hotness",
@@ -54,8 +57,8 @@ _EXPORTS = {
     "Preprocessor": "embark.data.tabular",
     "TabularSource": "embark.data.tabular",
     "Categorical": "embark.data.tabular_spec",
+    "ColumnTransform": "embark.data.tabular_spec",
     "Dense": "embark.data.tabular_spec",
-    "DenseTransform": "embark.data.tabular_spec",
     "Splits": "embark.data.tabular_spec",
     "TabularSpec": "embark.data.tabular_spec",
     "OOVPolicy": "embark.data.vocabulary",
@@ -70,6 +73,7 @@ __all__ = [
     "CriteoBinary",
     "CriteoFormatError",
     "CriteoTSV",
+    "ColumnTransform",
     "Dense",
     "DenseTransform",
     "HotnessError",

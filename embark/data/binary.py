@@ -20,8 +20,14 @@ Preprocessing equals :class:`~embark.data.criteo.CriteoTSV`'s: ids become rows
 ``id % num_rows`` (ids read as unsigned 64-bit), labels ``float32``. Dense features are used
 as stored: our converter stores ``log(1 + max(x, 0))`` (MLPerf's, what ``CriteoTSV`` computes);
 TorchRec's ``tsv_to_npys`` stores ``log(x - min + 2)`` with ``min`` its file's smallest
-value — :attr:`CriteoBinary.dense_transform` says which (``"torchrec"`` for a folder with no
-manifest).
+value — :attr:`CriteoBinary.dense_transform` says which.
+
+A folder is read only through its manifest (:mod:`embark.data.manifest`), which the converter
+writes last: a folder without one is refused, naming it, and every file is checked against it
+on open (rows, size and, unless ``verify=False``, the sha256 of its rows), so files of an
+interrupted or another conversion are never read. Labels are checked to be 0 or 1 as they
+are read. Files TorchRec's ``tsv_to_npys`` wrote (no manifest) are read by passing their
+``<folder>/<stem>`` prefixes with ``dense_transform=DenseTransform.TORCHREC``.
 
 Multi-hot (``multi_hot=True``): a one-hot id is expanded to its table's ``hotness`` ids as
 MLPerf DLRM-DCNv2's materialised multi-hot dataset does — each row ``r`` of table ``t`` has a
@@ -32,9 +38,7 @@ rank and every pass see the same bag for the same row.
 
 from __future__ import annotations
 
-import json
 import os
-import re
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 
@@ -42,8 +46,14 @@ import numpy as np
 import torch
 
 from embark.data.batch import Batch, local_range
-from embark.data.convert import DENSE_TRANSFORM, FORMAT, FORMAT_VERSION, MANIFEST
 from embark.data.jagged import JaggedBatch
+from embark.data.manifest import (
+    ArrayKind,
+    DenseTransform,
+    check_labels,
+    read_manifest,
+    verify_folder,
+)
 from embark.data.npy import NpyArray
 from embark.models.workloads import Workload
 
@@ -82,36 +92,13 @@ def expand_multi_hot(
     return out
 
 
-def _natural_key(name: str) -> list[object]:
-    return [int(p) if p.isdigit() else p for p in re.split(r"(\d+)", name)]
-
-
-def _stems(folder: Path) -> tuple[list[str], str]:
-    """``(stems in order, dense transform)`` of a folder (manifest, else TorchRec's files)."""
-    manifest = folder / MANIFEST
-    if manifest.is_file():
-        doc = json.loads(manifest.read_text(encoding="utf-8"))
-        if doc.get("format") != FORMAT or doc.get("version") != FORMAT_VERSION:
-            raise ValueError(
-                f"{manifest}: format {doc.get('format')!r} version {doc.get('version')!r}, "
-                f"expected {FORMAT!r} version {FORMAT_VERSION}"
-            )
-        return [f["stem"] for f in doc["files"]], str(doc["dense_transform"])
-    stems = sorted(
-        (p.name[: -len("_dense.npy")] for p in folder.glob("*_dense.npy")), key=_natural_key
-    )
-    if not stems:
-        raise FileNotFoundError(f"{folder} holds no {MANIFEST} and no <stem>_dense.npy files")
-    return stems, "torchrec"
-
-
 class _Part:
     """One input's three arrays, checked against each other and the workload."""
 
-    def __init__(self, base: Path, num_dense: int, num_sparse: int) -> None:
-        self.dense = NpyArray.open(f"{base}_dense.npy")
-        self.sparse = NpyArray.open(f"{base}_sparse.npy")
-        self.labels = NpyArray.open(f"{base}_labels.npy")
+    def __init__(
+        self, dense: NpyArray, sparse: NpyArray, labels: NpyArray, num_dense: int, num_sparse: int
+    ) -> None:
+        self.dense, self.sparse, self.labels = dense, sparse, labels
         n = self.dense.num_rows
         checks = [
             (self.dense, (n, num_dense), ("float32",)),
@@ -127,13 +114,48 @@ class _Part:
                 )
         self.rows = n
 
+    @classmethod
+    def at(cls, base: Path, num_dense: int, num_sparse: int) -> _Part:
+        """The arrays ``<base>_<kind>.npy``."""
+        dense, sparse, labels = (NpyArray.open(f"{base}_{k.value}.npy") for k in ArrayKind)
+        return cls(dense, sparse, labels, num_dense, num_sparse)
+
+    def labels_of(self, lo: int, hi: int) -> np.ndarray:
+        """``(hi - lo,)`` labels of rows ``lo:hi``, checked to be 0 or 1."""
+        labels = self.labels.rows(lo, hi).reshape(hi - lo)
+        check_labels(labels, self.labels.path, lo)
+        return labels
+
+
+def _folder_parts(
+    folder: Path, workload: Workload, verify: bool
+) -> tuple[list[_Part], DenseTransform]:
+    """The parts of a converted folder, checked against its manifest."""
+    if not folder.is_dir():
+        raise FileNotFoundError(f"Criteo binary folder {str(folder)!r} does not exist")
+    manifest = read_manifest(folder)
+    arrays = verify_folder(folder, manifest, checksums=verify)
+    d, t = workload.dense_features, len(workload.tables)
+    parts = [
+        _Part(
+            arrays[(f.stem, ArrayKind.DENSE)],
+            arrays[(f.stem, ArrayKind.SPARSE)],
+            arrays[(f.stem, ArrayKind.LABELS)],
+            d,
+            t,
+        )  # fmt: skip
+        for f in manifest.files
+    ]
+    return parts, manifest.dense_transform
+
 
 class CriteoBinary:
     """Batches of a converted Criteo folder for one rank (module docstring).
 
     Args:
-        path: a folder written by :func:`~embark.data.convert.convert_criteo` or TorchRec's
-            ``tsv_to_npys``, or a sequence of ``<folder>/<stem>`` prefixes, read in order.
+        path: a folder written by :func:`~embark.data.convert.convert_criteo` (its manifest
+            is required), or a sequence of ``<folder>/<stem>`` prefixes, read in order (files
+            TorchRec's ``tsv_to_npys`` wrote, for one; nothing records their row counts).
         workload: ``D = workload.dense_features`` and one table per sparse column, in order;
             their ``num_rows`` hash the ids, their ``hotness`` is the bag size with
             ``multi_hot``.
@@ -144,11 +166,15 @@ class CriteoBinary:
         drop_last: drop a final partial global batch.
         multi_hot: expand each id to its table's ``hotness`` ids (:func:`expand_multi_hot`).
         shuffle_window: samples per shuffle window, > 0.
+        dense_transform: what the dense arrays of prefixes hold (a folder's manifest says).
+        verify: check the sha256 of every file of a folder on open (one read of the folder;
+            rows, sizes and labels are checked always).
 
     Raises:
-        FileNotFoundError: naming a missing folder or file.
-        ValueError: for bad sizes or ranks, or files whose shapes or dtypes do not fit the
-            workload (naming the file).
+        FileNotFoundError: naming a missing folder or file, or a folder without a manifest.
+        ValueError: for bad sizes or ranks, a manifest that cannot be read (naming it),
+            files that differ from their manifest, or whose shapes or dtypes do not fit the
+            workload (naming the file); when reading, a label other than 0 or 1.
     """
 
     def __init__(
@@ -164,6 +190,8 @@ class CriteoBinary:
         drop_last: bool = False,
         multi_hot: bool = False,
         shuffle_window: int = DEFAULT_SHUFFLE_WINDOW,
+        dense_transform: DenseTransform = DenseTransform.LOG1P_CLIP0,
+        verify: bool = True,
     ) -> None:
         for name, value in (
             ("batch_size", batch_size),
@@ -174,19 +202,17 @@ class CriteoBinary:
                 raise ValueError(f"{name} must be a positive integer, got {value!r}")
         if isinstance(rank, bool) or not isinstance(rank, int) or not 0 <= rank < world_size:
             raise ValueError(f"rank must be in [0, {world_size}), got {rank!r}")
+        d, t = workload.dense_features, len(workload.tables)
+        self.dense_transform: DenseTransform
         if isinstance(path, str | os.PathLike):
-            folder = Path(path)
-            if not folder.is_dir():
-                raise FileNotFoundError(f"Criteo binary folder {str(folder)!r} does not exist")
-            stems, self.dense_transform = _stems(folder)
-            bases = [folder / s for s in stems]
+            self._parts, self.dense_transform = _folder_parts(Path(path), workload, verify)
         else:
-            bases, self.dense_transform = [Path(p) for p in path], DENSE_TRANSFORM
+            self._parts = [_Part.at(Path(p), d, t) for p in path]
+            self.dense_transform = DenseTransform(dense_transform)
         self.workload, self.batch_size = workload, batch_size
         self.rank, self.world_size = rank, world_size
         self.shuffle, self.seed, self.drop_last = shuffle, seed, drop_last
         self.multi_hot, self.shuffle_window = multi_hot, shuffle_window
-        self._parts = [_Part(b, workload.dense_features, len(workload.tables)) for b in bases]
         self._starts = np.cumsum([0] + [p.rows for p in self._parts])
         self._rows = np.array([t.num_rows for t in workload.tables], dtype=np.uint64)
         self._window: tuple[tuple[int, int], np.ndarray] | None = (
@@ -230,7 +256,7 @@ class CriteoBinary:
         dense, ids, labels = out
         dense[at] = part.dense.rows(lo, hi)
         ids[at] = part.sparse.rows(lo, hi)
-        labels[at] = part.labels.rows(lo, hi).reshape(hi - lo)
+        labels[at] = part.labels_of(lo, hi)
 
     def _read_range(self, lo: int, hi: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """``(dense (n, D), ids (n, T), labels (n,))`` of stream positions ``lo:hi``."""
@@ -258,7 +284,7 @@ class CriteoBinary:
             dense, ids, labels = out
             dense[sel] = part.dense.rows(lo, hi)[local - lo]
             ids[sel] = part.sparse.rows(lo, hi)[local - lo]
-            labels[sel] = part.labels.rows(lo, hi).reshape(hi - lo)[local - lo]
+            labels[sel] = part.labels_of(lo, hi)[local - lo]
         return out
 
     def _batch(self, dense: np.ndarray, ids: np.ndarray, labels: np.ndarray) -> Batch:

@@ -22,6 +22,7 @@ from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 MAX_EXAMPLES = 10  # bad lines kept verbatim in the stats, for the report
 # Strict field syntax: int() alone would also take " 5", "+7", "1_000" and non-ASCII digits
@@ -68,6 +69,15 @@ class ReadStats:
         self.bad_lines += other.bad_lines
         self.reasons.update(other.reasons)
         self.examples.extend(other.examples[: MAX_EXAMPLES - len(self.examples)])
+
+    @classmethod
+    def from_dict(cls, doc: dict[str, Any]) -> ReadStats:
+        """The stats :meth:`to_dict` wrote."""
+        return cls(
+            int(doc["lines"]), int(doc["good_lines"]), int(doc["bad_lines"]),
+            Counter({str(k): int(v) for k, v in doc["reasons"].items()}),
+            [str(e) for e in doc["examples"]],
+        )  # fmt: skip
 
     def to_dict(self) -> dict[str, object]:
         return {

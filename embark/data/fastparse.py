@@ -176,13 +176,29 @@ def _label_column(col: pa.ChunkedArray) -> np.ndarray:
     return (data - 48).astype(np.int32)
 
 
+def _arrow_owned(data: bytes) -> pa.Buffer:
+    """A copy of ``data`` in memory Arrow allocated (one memcpy of the chunk).
+
+    pyarrow's threaded CSV reader drops its reference to the input on a pool worker, possibly
+    after ``read_csv`` has returned or raised. The last reference to a ``pa.py_buffer`` of a
+    Python ``bytes`` takes the GIL to release it; if that happens while the interpreter
+    finalises, the worker is ended inside a C++ destructor and the process aborts
+    (``terminate called without an active exception``, exit status 134). Arrow-owned memory
+    is released without the GIL.
+    """
+    buf = pa.allocate_buffer(len(data))
+    if data:
+        memoryview(buf).cast("B")[:] = data
+    return buf
+
+
 def _fast_chunk(data: bytes, num_dense: int, num_sparse: int) -> Chunk:
     """Parse a chunk vectorised, or raise :class:`_NotFast`."""
     names = ["label", *(f"I{j}" for j in range(num_dense)), *(f"C{j}" for j in range(num_sparse))]
     types = {n: pa.string() if n.startswith("I") else pa.binary() for n in names}
     try:
         table = pacsv.read_csv(
-            pa.py_buffer(data),
+            _arrow_owned(data),
             read_options=pacsv.ReadOptions(column_names=names, block_size=_BLOCK_BYTES),
             parse_options=pacsv.ParseOptions(delimiter="\t", quote_char=False),
             convert_options=pacsv.ConvertOptions(

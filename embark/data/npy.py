@@ -12,6 +12,7 @@ order. For ``n = 3`` rows of 13 ``float32``::
 
 from __future__ import annotations
 
+import hashlib
 import os
 import struct
 from dataclasses import dataclass
@@ -33,13 +34,18 @@ def _header(dtype: np.dtype, shape: tuple[int, ...]) -> bytes:
 class NpyWriter:
     """Append rows to a ``.npy`` file whose final row count is not known in advance.
 
-    The file is written as ``<path>.tmp`` and renamed to ``path`` by :meth:`close`, so a
-    reader never sees a half-written file under the final name.
+    The file is written as ``<path>.tmp``, flushed to disk and renamed to ``path`` by
+    :meth:`close`, so a reader never sees a half-written file under the final name.
+    :attr:`sha256` is the digest of the rows written (the bytes after the header).
 
     Args:
         path: the ``.npy`` file to write.
         dtype: the rows' dtype.
         row_shape: shape of one row (``()`` for a 1-D array, ``(13,)`` for ``(n, 13)``).
+
+    Raises:
+        OSError: naming the file when it cannot be created or written (``No space left on
+            device`` when the disk is full).
     """
 
     def __init__(
@@ -49,34 +55,60 @@ class NpyWriter:
         self.dtype = np.dtype(dtype)
         self.row_shape = tuple(row_shape)
         self.rows = 0
+        self._hash = hashlib.sha256()
         self._tmp = self.path.with_name(self.path.name + ".tmp")
-        self._fh = open(self._tmp, "wb")
-        self._fh.write(_header(self.dtype, (0, *self.row_shape)))
+        with self._os_errors():
+            self._fh = open(self._tmp, "wb")
+        self._write(_header(self.dtype, (0, *self.row_shape)))
+
+    def _os_errors(self) -> _NamedOSErrors:
+        return _NamedOSErrors(self._tmp)
+
+    def _write(self, data: bytes | memoryview) -> None:
+        with self._os_errors():
+            self._fh.write(data)
 
     def append(self, rows: np.ndarray) -> None:
         """Append ``rows``: shape ``(n, *row_shape)``, of this writer's dtype.
 
         Raises:
             ValueError: for another dtype or row shape.
+            OSError: naming the file, when it cannot be written.
         """
         if rows.dtype != self.dtype or tuple(rows.shape[1:]) != self.row_shape:
             raise ValueError(
                 f"{self.path.name}: rows of {self.dtype} {self.row_shape} expected, "
                 f"got {rows.dtype} {tuple(rows.shape[1:])}"
             )
-        np.ascontiguousarray(rows).tofile(self._fh)
+        if rows.shape[0] == 0:  # (a chunk of bad lines only) a view of no bytes cannot be cast
+            return
+        data = np.ascontiguousarray(rows).data.cast("B")
+        self._hash.update(data)
+        self._write(data)
         self.rows += rows.shape[0]
 
+    @property
+    def sha256(self) -> str:
+        """Hex sha256 of the rows appended so far."""
+        return self._hash.hexdigest()
+
     def close(self) -> None:
-        """Write the row count into the header and move the file to its name."""
-        self._fh.seek(0)
-        self._fh.write(_header(self.dtype, (self.rows, *self.row_shape)))
-        self._fh.close()
+        """Write the row count into the header, flush the file to disk and move it to its
+        name."""
+        with self._os_errors():
+            self._fh.seek(0)
+            self._fh.write(_header(self.dtype, (self.rows, *self.row_shape)))
+            self._fh.flush()
+            os.fsync(self._fh.fileno())
+            self._fh.close()
         os.replace(self._tmp, self.path)
 
     def discard(self) -> None:
         """Close and remove the unfinished file."""
-        self._fh.close()
+        try:
+            self._fh.close()
+        except OSError:  # the disk is full: the buffered tail cannot be written, nor is it wanted
+            pass
         self._tmp.unlink(missing_ok=True)
 
     def __enter__(self) -> NpyWriter:
@@ -89,6 +121,23 @@ class NpyWriter:
             self.close()
         else:
             self.discard()
+
+
+class _NamedOSErrors:
+    """Re-raise an ``OSError`` with the file's name and the system's reason
+    (numpy's and the buffered writer's own messages name neither)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(
+        self, kind: type[BaseException] | None, err: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        if isinstance(err, OSError) and err.filename is None:
+            raise OSError(err.errno, f"cannot write {self.path}: {err.strerror or err}") from None
 
 
 @dataclass(frozen=True)

@@ -66,7 +66,9 @@ class Split(StrEnum):
 
 _SPLIT_ID = {Split.TRAIN: 0, Split.EVAL: 1, Split.CALIBRATION: 2, Split.TEST: 3}
 _CALIBRATION_SAMPLES = 8192  # enough for the teacher logit's mean and std to ~1%
-STREAM_VERSION = 3  # counter-based draws per sample, float64 teacher labels, ragged bags of 0..hotness
+STREAM_VERSION = (
+    3  # counter-based draws per sample, float64 teacher labels, ragged bags of 0..hotness
+)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment (2^64 / φ)
 
 

@@ -36,7 +36,7 @@ from embark.data.batch import Batch, local_range
 from embark.data.hotness import check_or_truncate
 from embark.data.jagged import JaggedBatch
 from embark.data.synthetic import Split
-from embark.data.tabular_spec import Categorical, DenseTransform, TabularSpec
+from embark.data.tabular_spec import Categorical, ColumnTransform, TabularSpec
 from embark.data.vocabulary import (
     FILE_NAME,
     Vocabulary,
@@ -384,7 +384,7 @@ def _dense_raw(chunk: Any, spec: TabularSpec) -> np.ndarray:
     cols = []
     for d in spec.dense:
         x = _column_numbers(chunk, d.column)
-        if d.transform in (DenseTransform.LOG1P, DenseTransform.LOG1P_STANDARDIZE):
+        if d.transform in (ColumnTransform.LOG1P, ColumnTransform.LOG1P_STANDARDIZE):
             x = np.log1p(np.maximum(x, 0.0))
         cols.append(x)
     return np.stack(cols, axis=1) if cols else np.zeros((chunk.num_rows, 0))
@@ -501,7 +501,7 @@ class Preprocessor:
         """``(n, D) float32`` transformed dense columns of a record batch."""
         x = _dense_raw(rows, self.spec)
         for j, d in enumerate(self.spec.dense):
-            if d.transform in (DenseTransform.STANDARDIZE, DenseTransform.LOG1P_STANDARDIZE):
+            if d.transform in (ColumnTransform.STANDARDIZE, ColumnTransform.LOG1P_STANDARDIZE):
                 x[:, j] = (x[:, j] - self.dense_mean[j]) / self.dense_std[j]
         return x.astype(np.float32)
 

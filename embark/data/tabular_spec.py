@@ -3,7 +3,7 @@ each), dense columns with a transform, a label, and a deterministic split.
 
 >>> spec = TabularSpec(
 ...     categorical=(Categorical("user_id"), Categorical("genres", multi_hot=True)),
-...     dense=(Dense("age", DenseTransform.STANDARDIZE),),
+...     dense=(Dense("age", ColumnTransform.STANDARDIZE),),
 ...     label="rating", label_threshold=4.0,
 ...     splits=Splits(fractions=(0.8, 0.1, 0.1), seed=0))
 >>> [c.table_name for c in spec.categorical]
@@ -21,15 +21,17 @@ from embark.data.vocabulary import OOVPolicy
 from embark.names import check_name
 from embark.types import Combiner, HotnessPolicy
 
-__all__ = ["Categorical", "Dense", "DenseTransform", "Splits", "TabularSpec"]
+__all__ = ["Categorical", "Dense", "ColumnTransform", "Splits", "TabularSpec"]
 
 
-class DenseTransform(StrEnum):
+class ColumnTransform(StrEnum):
     """How a dense column becomes a model input (a null is 0 before the transform).
 
-    ``STANDARDIZE`` subtracts the training rows' mean and divides by their standard deviation
-    (statistics fitted on the training split only); ``LOG1P_STANDARDIZE`` does that after
-    ``log(1 + max(x, 0))``.
+    ``LOG1P`` is ``log(1 + max(x, 0))`` (what a converted Criteo folder's
+    ``DenseTransform.LOG1P_CLIP0`` names: that enum says what stored arrays hold, this one what
+    a tabular column gets). ``STANDARDIZE`` subtracts the training rows' mean and divides by
+    their standard deviation (statistics fitted on the training split only);
+    ``LOG1P_STANDARDIZE`` does that after ``LOG1P``.
     """
 
     NONE = "none"
@@ -104,10 +106,10 @@ class Dense:
     """A dense (continuous) column and its transform."""
 
     column: str
-    transform: DenseTransform = DenseTransform.NONE
+    transform: ColumnTransform = ColumnTransform.NONE
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "transform", DenseTransform(self.transform))
+        object.__setattr__(self, "transform", ColumnTransform(self.transform))
 
 
 @dataclass(frozen=True)

@@ -167,7 +167,9 @@ class CostModel:
         ring_intra, ring_inter = 2 * (g - 1) / g * ring, 2 * (n - 1) / n * ring / g
         sparse = st.local_unique * (d * e + self.c.key_bytes)
         ag_intra, ag_inter = (g - 1) * n * sparse, (n - 1) * sparse
-        if self._link_time(ag_intra, ag_inter) < self._link_time(ring_intra, ring_inter):
+        if self.c.dp_sparse_allgather and self._link_time(ag_intra, ag_inter) < self._link_time(
+            ring_intra, ring_inter
+        ):
             ring_intra, ring_inter = ag_intra, ag_inter
         acc[:, AR_INTRA] += ring_intra
         acc[:, AR_INTER] += ring_inter

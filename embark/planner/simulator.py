@@ -101,3 +101,52 @@ def simulate(plan: ShardingPlan, model: CostModel) -> SimResult:
         table_ms=table_ms,
         fits_memory=bool((mem <= cap).all()),
     )
+
+
+def runtime_step_seconds(
+    plan: ShardingPlan, model: CostModel, dense_param_bytes: float, pipelined: bool = False
+) -> float:
+    """The step time of ``plan`` on ``embark.sharding``'s gloo runtime, for a ``model`` whose
+    topology holds rates measured on the target (a calibration: efficiencies 1).
+
+    :func:`simulate` rates the embedding part of a step on a NVLink/InfiniBand cluster (the
+    dense all-reduce left out, as equal for every plan; DP gradients reduced hierarchically).
+    Here the runtime's own collectives are counted instead: the dense part's and the DP
+    replicas' gradients travel in one flat ring all-reduce (each rank sends ``2 (W-1)/W`` of
+    them; on two or more nodes one rank per node sends over the node's uplink), overlapped
+    with the dense backward (2/3 of the dense compute). ``pipelined``: the keys exchange is hidden
+    behind the previous step (:class:`~embark.sharding.pipeline.SparseDistPipeline`).
+
+    Args:
+        plan: the plan run.
+        model: the cost model over the calibrated topology (``dp_sparse_allgather=False``).
+        dense_param_bytes: bytes of the dense part's gradients (fp32).
+        pipelined: whether the input distribution runs ahead.
+
+    Returns:
+        seconds per step.
+    """
+    sim = simulate(plan, model)
+    t = model.topology
+    dp_bytes = sum(
+        ts.num_rows * ts.dim * model.c.weight_bytes
+        for ts in plan.tables
+        if ts.cluster is Cluster.DP
+    )
+    w = model.world
+    ring = 2 * (w - 1) / w * (dense_param_bytes + dp_bytes)
+    # a ring in rank order crosses each node boundary once: one rank of a node sends over
+    # its uplink, which then carries the node's whole bandwidth (gpus_per_node × per rank)
+    link = (
+        t.inter_node_bandwidth_bytes_per_s * t.gpus_per_node
+        if t.num_nodes > 1
+        else t.intra_node_bandwidth_bytes_per_s
+    )
+    allreduce = ring / link + 2 * (w - 1) * t.inter_node_latency_s
+    dense = model.dense_seconds()
+    exposed = max(0.0, allreduce - 2 / 3 * dense)
+    phases = {k: v / 1e3 for k, v in sim.phases_ms.items()}
+    emb = sum(v for k, v in phases.items() if k != "dp_allreduce")
+    if pipelined:
+        emb -= phases["input_a2a"]
+    return emb + dense + exposed

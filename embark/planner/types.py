@@ -112,6 +112,10 @@ class CostConstants:
         key_bytes: bytes per key on the wire (int64, the JaggedBatch dtype).
         length_bytes: bytes per bag length on the wire (int32).
         min_column_block: smallest column block the planner creates (elements).
+        dp_sparse_allgather: a data-parallel table's gradients may travel as an all-gather of
+            the touched rows when that is cheaper than the ring all-reduce of the whole
+            replica. ``embark.sharding`` all-reduces whole replicas: rating a plan for it
+            (e.g. on the emulated cluster) needs ``False``.
     """
 
     lookup_hbm_efficiency: float = 0.6
@@ -123,6 +127,7 @@ class CostConstants:
     key_bytes: int = 8
     length_bytes: int = 4
     min_column_block: int = 32
+    dp_sparse_allgather: bool = True
 
     def __post_init__(self) -> None:
         for f in (

@@ -7,7 +7,8 @@ one :class:`~embark.training.Trainer` with its :class:`ShardedSync` (replicated 
 summed in :class:`GradBuckets` while backward runs); its checkpoints are the
 single-process format, each rank writing its own shards (:func:`save_sharded_checkpoint`) and
 any world size or plan reading them back (:func:`load_sharded_checkpoint`), and
-:func:`run_sharded` is a whole run (``torchrun -m embark.sharded_train``).
+:func:`run_sharded` is a whole run (``torchrun -m embark.sharded_train``);
+:class:`SparseDistPipeline` overlaps each batch's input distribution with the previous step.
 """
 
 from embark.sharding.checkpoint import (
@@ -22,6 +23,7 @@ from embark.sharding.grad_buckets import GradBuckets
 from embark.sharding.hierarchical import NodeGroups
 from embark.sharding.input import DistributedInput, PendingInput
 from embark.sharding.model import ShardedDLRM, ShardedSync
+from embark.sharding.pipeline import InputPrefetcher, SparseDistPipeline
 from embark.sharding.routing import Layout, ShardRef
 from embark.sharding.run import ShardedRunConfig, ShardedRunResult, run_sharded
 
@@ -29,6 +31,7 @@ __all__ = [
     "CommStats",
     "DistributedInput",
     "GradBuckets",
+    "InputPrefetcher",
     "Layout",
     "NodeGroups",
     "PendingInput",
@@ -38,6 +41,7 @@ __all__ = [
     "ShardedRunConfig",
     "ShardedRunResult",
     "ShardedSync",
+    "SparseDistPipeline",
     "from_single_process",
     "load_sharded_checkpoint",
     "run_sharded",

@@ -82,6 +82,7 @@ from embark.sharding.input import (
     decode_keys,
     segment_bytes,
 )
+from embark.sharding.phases import Phase, PhaseClock
 from embark.sharding.routing import (
     Layout,
     ShardRef,
@@ -180,6 +181,7 @@ class ShardedEmbeddingCollection(FullTables, nn.Module):
         # table -> fused lookup-and-update of its shard (filled by a trainer:
         # embark.training.fused); tables found here are looked up through it
         self.sparse_updates = nn.ModuleDict()
+        self.phase_clock: PhaseClock | None = None  # embark.sharding.phases (benchmarks)
         # positions: table -> [(owner rank, index in owned[owner])], in shards_of order
         self._positions: dict[str, list[tuple[int, int]]] = {}
         for o, refs in enumerate(self.layout.owned):
@@ -380,6 +382,8 @@ class ShardedEmbeddingCollection(FullTables, nn.Module):
         layout, me = self.layout, self.rank
         wires = list(layout.wires_in_use)
         answers = self._lookup(inp)
+        if self.phase_clock is not None:
+            self.phase_clock.mark(Phase.LOOKUP)
         vectors, got = self._exchange_flat(inp, answers, wires)
         block_parts: dict[tuple[str, int], list[torch.Tensor]] = {}
         anchors = list(got)
@@ -412,6 +416,8 @@ class ShardedEmbeddingCollection(FullTables, nn.Module):
                 outs[t.name] = (
                     F.embedding_bag(values, w, offsets, mode=mode) if inp.batch_size else w[:0]
                 )
+        if self.phase_clock is not None:
+            self.phase_clock.mark(Phase.OUTPUT_A2A)
         return {t.name: outs[t.name] for t in layout.tables}
 
     def _exchange_flat(

@@ -54,6 +54,8 @@ from embark.models.workloads import Workload
 from embark.sharding.collection import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world, grad_wire
 from embark.sharding.grad_buckets import GradBuckets
+from embark.sharding.phases import Phase, PhaseClock
+from embark.sharding.pipeline import InputPrefetcher
 from embark.types import CommDtype, ShardingPlan
 
 
@@ -205,7 +207,15 @@ class ShardedDLRM(nn.Module):
         self.dense = dense
         self.rank, self.world_size = embeddings.rank, embeddings.world_size
         self._dense_group: Any | None = None
+        # set by embark.sharding.pipeline.SparseDistPipeline while it trains
+        self.prefetcher: InputPrefetcher | None = None
+        self.phase_clock: PhaseClock | None = None  # set_phase_clock (benchmarks)
         self._broadcast_replicas()
+
+    def set_phase_clock(self, clock: PhaseClock | None) -> None:
+        """Time each step's phases on ``clock`` (``None``: stop) (:mod:`embark.sharding.phases`)."""
+        self.phase_clock = clock
+        self.embeddings.phase_clock = clock
 
     def embedding_tables(self) -> dict[str, nn.Parameter]:
         """This rank's table pieces (:meth:`ShardedEmbeddingCollection.embedding_tables`)."""
@@ -249,9 +259,26 @@ class ShardedDLRM(nn.Module):
         collection's header exchange: no extra collective)."""
         sparse = enforce_hotness(sparse, self.workload.tables)
         self.dense.check_inputs(dense, sparse)
-        inp = self.embeddings.distribute_input(sparse)
+        clock = self.phase_clock
+        if clock is not None:
+            clock.mark(Phase.OTHER)
+        pf = self.prefetcher
+        inp = pf.take(sparse) if pf is not None else None
+        if inp is None:
+            inp = self.embeddings.distribute_input(sparse)
+        if clock is not None:
+            clock.mark(Phase.INPUT_DIST)
         pooled = self.embeddings.compute(inp)
+        if pf is not None:
+            pf.after_forward()  # the next batch's keys travel during this dense step
+        if clock is not None:
+            clock.mark(Phase.INPUT_DIST)
+            for v in pooled.values():
+                if v.requires_grad:
+                    v.register_hook(_MarkOnGrad(clock, Phase.DENSE_BWD))
         logits = self.dense.dense_forward(dense, [pooled[n] for n in self.table_names])
+        if clock is not None:
+            clock.mark(Phase.DENSE_FWD)
         return logits, list(inp.batch_sizes)
 
     def forward(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
@@ -347,6 +374,16 @@ class _ShardFill:
         )
 
 
+class _MarkOnGrad:
+    """A gradient hook that marks ``phase`` on ``clock`` (the gradient passes unchanged)."""
+
+    def __init__(self, clock: PhaseClock, phase: Phase) -> None:
+        self.clock, self.phase = clock, phase
+
+    def __call__(self, grad: torch.Tensor) -> None:
+        self.clock.mark(self.phase)
+
+
 class ShardedSync:
     """The collective parts of a training step of a :class:`ShardedDLRM` (see the module
     docstring for the gradient convention); a :class:`~embark.training.sync.GradientSync`."""
@@ -386,7 +423,12 @@ class ShardedSync:
         if self._buckets is None:
             self._buckets = self.model.gradient_buckets()
         self._buckets.arm()
+        clock = self.model.phase_clock
+        if clock is not None:
+            clock.mark(Phase.OTHER)
         loss.backward()
+        if clock is not None:
+            clock.mark(Phase.EMB_BWD)
 
     def reduce(self, loss: torch.Tensor) -> float:
         """Give every table parameter a gradient, sum the DP replicas' and the dense part's
@@ -402,6 +444,8 @@ class ShardedSync:
         bucketed = self.model.bucketed_dp_tables()
         self.model.embeddings.reduce_dp_gradients(skip=bucketed)
         self._buckets.finish()
+        if self.model.phase_clock is not None:
+            self.model.phase_clock.mark(Phase.ALLREDUCE)
         emb = self.model.embeddings
         if bucketed and is_distributed(self.model.process_group):
             emb.stats.record_bytes("dp_grads", sum(emb.weights[n].numel() * 4 for n in bucketed))

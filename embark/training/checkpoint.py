@@ -31,10 +31,11 @@ into place: an interrupted save never leaves a half-written checkpoint at ``<dir
 
 Temporary siblings are named ``.<dir name>.tmp-<host>-<pid>-<random>`` (and, for the
 checkpoint a save replaces, ``.old-``): each save and load removes those of this host whose
-process is gone (a killed save), and never one whose owner runs (a save in progress). An
-``.old-`` folder is kept while ``<dir>`` itself is missing: a save killed between its two
-renames leaves the previous checkpoint there, and a warning names it
-(:mod:`embark.training.checkpoint_siblings`).
+process is gone (a killed save), and never one whose owner runs (a save in progress). A
+save killed between its two renames leaves ``<dir>`` missing and the previous checkpoint in
+an ``.old-`` folder: the next save or load moves it back to ``<dir>``, with a warning naming it
+(:mod:`embark.training.checkpoint_siblings`); where it cannot (another host's or a running
+process's save), the load refuses naming the ``.old-`` folder.
 
 Loading is three steps, so that nothing is touched until everything is checked:
 :func:`read_checkpoint` (files, schema, tensor names), :func:`check_fits` (the model's
@@ -64,7 +65,12 @@ from embark.models.workloads import Workload
 from embark.outputs import check_parent_writable
 from embark.training.checkpoint_schema import STATE_FILE, TENSOR_FILES, check_state
 from embark.training.checkpoint_shards import Chunk, chunks_of, read_region
-from embark.training.checkpoint_siblings import fresh_sibling, remove_stale_siblings
+from embark.training.checkpoint_siblings import (
+    fresh_sibling,
+    previous_checkpoints,
+    recover_previous,
+    remove_stale_siblings,
+)
 from embark.training.config import TrainConfig
 from embark.training.fused import EmbeddingUpdates
 from embark.training.state import TrainState
@@ -271,12 +277,24 @@ def read_state(path: str | os.PathLike[str], verify: Iterable[str] | None = None
     Raises:
         FormatVersionError: naming the file, for another ``format_version``.
         ValueError: naming the file (and the field), for a missing, truncated or altered
-            checkpoint file or a ``state.json`` that breaks the schema.
+            checkpoint file or a ``state.json`` that breaks the schema; for a missing
+            ``state.json`` naming the ``.old-`` folder(s) holding a previous checkpoint that
+            an interrupted save left and this process could not move back
+            (:func:`~embark.training.checkpoint_siblings.recover_previous`).
     """
     path = Path(path)
     sp = path / STATE_FILE
+    recover_previous(path)
     if not sp.is_file():
-        raise ValueError(f"{str(path)!r} is not a checkpoint folder: {STATE_FILE} is missing")
+        left = previous_checkpoints(path)
+        hint = (
+            f"; an interrupted save left the previous checkpoint at {[str(p) for p in left]} "
+            f"(its process may still run, or on another host): move it to {str(path)!r} to "
+            "resume from it"
+            if left
+            else ""
+        )
+        raise ValueError(f"{str(path)!r} is not a checkpoint folder: {STATE_FILE} is missing{hint}")
     try:
         state = json.loads(sp.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as err:

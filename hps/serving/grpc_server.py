@@ -6,7 +6,7 @@ servables, so ``tritonclient.grpc`` works unchanged (Triton's port is 8001)::
 The service ``inference.GRPCInferenceService`` of KServe's ``grpc_predict_v2.proto``, plus two
 RPCs of Triton's that ``tritonclient.grpc`` calls (messages in :mod:`hps.serving.protos`)::
 
-    ServerLive / ServerReady            live: true / ready: true
+    ServerLive / ServerReady            live: true / ready: true (false while online updates fail)
     ServerMetadata                      name, version, extensions
     ModelReady                          ready: true for a served model and version "" or "1",
                                         false otherwise (never an error)
@@ -103,7 +103,9 @@ class GrpcInferenceServicer:
     def server_ready(
         self, request: pb.ServerReadyRequest, context: grpc.ServicerContext
     ) -> pb.ServerReadyResponse:
-        return pb.ServerReadyResponse(ready=True)  # the server exists once every model loaded
+        # the server exists once every model loaded; online updates' policy: hps.updates.health
+        ready = all(s.session.update_status().ready for s in self.servables.values())
+        return pb.ServerReadyResponse(ready=ready)
 
     def server_metadata(
         self, request: pb.ServerMetadataRequest, context: grpc.ServicerContext

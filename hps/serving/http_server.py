@@ -10,10 +10,11 @@ lookup worker in time or a tier holding a looked-up key failed (the message name
 and the tier: :class:`~hps.types.TierUnavailableError`), 500 otherwise)::
 
     GET  /v2                                   server metadata
-    GET  /v2/health/live | /v2/health/ready
+    GET  /v2/health/live | /v2/health/ready    ready: 503 while online updates fail (hps.updates.health)
     GET  /v2/models/{m}[/versions/1]           model metadata (inputs, outputs)
     GET  /v2/models/{m}[/versions/1]/ready
     GET  /v2/models/{m}[/versions/1]/stats     Triton-style counts + per-table HPS statistics
+                                               + "online_updates" (hps.updates.health)
     GET  /v2/models/stats                      the same for every model
     GET  /v2/models/{m}[/versions/1]/config    Triton's model configuration (JSON)
     POST /v2/repository/index                  every served model, READY
@@ -182,7 +183,7 @@ class _V2Endpoints:
         return [
             Route("/v2", self.server_metadata),
             Route("/v2/health/live", self.live),
-            Route("/v2/health/ready", self.live),  # the app exists once every model has loaded
+            Route("/v2/health/ready", self.ready),
             Route("/v2/models/stats", self.all_stats),  # before {model}: all-model stats
             Route(m, self.model_metadata),
             Route(v, self.model_metadata),
@@ -213,6 +214,15 @@ class _V2Endpoints:
         )
 
     async def live(self, request: Request) -> Response:
+        return Response(status_code=200)
+
+    async def ready(self, request: Request) -> Response:
+        """200 once every model has loaded (the app exists then) while the online updates'
+        readiness policy holds; else 503 naming why (:mod:`hps.updates.health`)."""
+        for s in self.servables.values():
+            status = s.session.update_status()
+            if not status.ready:
+                return _error(status.reason, 503)
         return Response(status_code=200)
 
     async def model_metadata(self, request: Request) -> Response:
@@ -246,7 +256,12 @@ class _V2Endpoints:
         return Response(status_code=200)
 
     def stats_of(self, name: str) -> dict[str, Any]:
-        return {**self.counts[name].to_dict(name), "hps": self.servables[name].session.stats()}
+        session = self.servables[name].session
+        return {
+            **self.counts[name].to_dict(name),
+            "hps": session.stats(),
+            "online_updates": session.update_status().to_dict(),
+        }
 
     async def model_stats(self, request: Request) -> Response:
         try:

@@ -12,9 +12,10 @@ HugeCTR layout, one folder per table::
 The safetensors variant is one file ``t0/embedding.safetensors`` holding the tensors ``key``
 ``(n,) int64`` and ``emb_vector`` ``(n, dim) float32`` (self-describing: dim is in the header).
 
-:func:`convert_checkpoint` turns a trainer checkpoint folder
-(``model.safetensors`` with ``embeddings.<table>.weight`` ``(num_rows, dim) float32`` and
-``state.json["workload"]["tables"]``) into one sparse folder per table, keys ``0..num_rows-1``.
+:func:`convert_checkpoint` turns a trainer checkpoint folder (``embeddings.<table>.weight``
+``(num_rows, dim) float32`` whole in ``model.safetensors`` or, saved sharded by any number of
+ranks, in chunks of ``shards-<rank>.safetensors``; ``state.json["workload"]["tables"]``) into
+one sparse folder per table, keys ``0..num_rows-1``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from pathlib import Path
 import numpy as np
 
 from hps.names import check_name, entry, entry_exists, hidden_sibling, remove_entry
+from hps.storage.checkpoint_tables import STATE_FILE, read_table_weight
 
 log = logging.getLogger(__name__)
 
@@ -288,7 +290,10 @@ def convert_checkpoint(
     """Convert a trainer checkpoint folder to sparse folders ``out_dir/<table>``.
 
     Args:
-        ckpt_dir: holds ``model.safetensors`` and ``state.json`` (the trainer's checkpoint layout).
+        ckpt_dir: a trainer checkpoint folder: ``state.json`` and ``model.safetensors``, plus
+            ``shards-<rank>.safetensors`` per rank when a sharded run (any world size) saved
+            it; each table is read whole or assembled from its chunks
+            (:mod:`hps.storage.checkpoint_tables`).
         out_dir: receives one folder per table, ``out_dir/<table>``; table names must follow
             the name rule (:mod:`hps.names`), so nothing is written outside ``out_dir``.
         fmt: sparse layout to write.
@@ -299,17 +304,15 @@ def convert_checkpoint(
         ``{table name: folder}``.
 
     Raises:
-        ValueError: when a file is missing, a table is unknown or its name is not a valid
-            name (``../victim``, ``/abs/path``: checked before anything is written), or a
-            weight's shape disagrees with the workload's ``num_rows``/``dim``.
+        ValueError: when a file is missing or differs from its recorded size and sha256, a
+            table is unknown or its name is not a valid name (``../victim``, ``/abs/path``:
+            checked before anything is written), a weight's shape disagrees with the
+            workload's ``num_rows``/``dim``, or a sharded table's chunks do not tile it.
     """
-    from safetensors import safe_open
-
     ckpt_dir, out_dir = Path(ckpt_dir), Path(out_dir)
-    state_path, model_path = ckpt_dir / "state.json", ckpt_dir / "model.safetensors"
-    for p in (state_path, model_path):
-        if not p.exists():
-            raise ValueError(f"checkpoint {ckpt_dir}: missing {p.name}")
+    state_path = ckpt_dir / STATE_FILE
+    if not state_path.exists():
+        raise ValueError(f"checkpoint {ckpt_dir}: missing {state_path.name}")
     state = json.loads(state_path.read_text())
     try:
         specs = {t["name"]: t for t in state["workload"]["tables"]}
@@ -327,26 +330,10 @@ def convert_checkpoint(
         )
     folders = {n: entry(out_dir, n, "table name") for n in names}
     out: dict[str, Path] = {}
-    with safe_open(str(model_path), framework="numpy") as f:
-        present = set(f.keys())
-        for name in names:
-            key = f"embeddings.{name}.weight"
-            if key not in present:
-                raise ValueError(f"{model_path}: no tensor {key!r} for table {name!r}")
-            w = f.get_tensor(key)
-            want = (int(specs[name]["num_rows"]), int(specs[name]["dim"]))
-            if tuple(w.shape) != want:
-                raise ValueError(
-                    f"{model_path}: {key} has shape {tuple(w.shape)}, workload says {want}"
-                )
-            w = np.ascontiguousarray(w, dtype=np.float32)
-            keys = np.arange(w.shape[0], dtype=np.int64)
-            out[name] = write_table(folders[name], keys, w, fmt=fmt, overwrite=overwrite)
-            log.info(
-                "converted table %s: %d rows of dim %d -> %s",
-                name,
-                w.shape[0],
-                w.shape[1],
-                out[name],
-            )
+    for name in names:
+        shape = (int(specs[name]["num_rows"]), int(specs[name]["dim"]))
+        w = read_table_weight(ckpt_dir, state, name, shape)
+        keys = np.arange(w.shape[0], dtype=np.int64)
+        out[name] = write_table(folders[name], keys, w, fmt=fmt, overwrite=overwrite)
+        log.info("converted table %s: %d rows of dim %d -> %s", name, *w.shape, out[name])
     return out

@@ -8,6 +8,8 @@ offset.
   log's id, then records), the embedded transport.
 - :mod:`hps.updates.redis_stream`: the Redis Stream transport.
 - :mod:`hps.updates.applier`: applying batches atomically and storing the offset.
+- :mod:`hps.updates.health`: retrying failures with bounded backoff, the readiness policy, the
+  status the servers show, skipping a refused record (``python -m hps.updates skip``).
 - :mod:`hps.updates.trainer_callback`: the training callback that publishes changed rows.
 """
 
@@ -19,6 +21,7 @@ from hps.updates.file_log import (
     OffsetPastEndError,
     StaleOffsetError,
 )
+from hps.updates.health import RetryPolicy, UpdateHealth, UpdateStatus
 from hps.updates.record import (
     CorruptRecordError,
     InvalidUpdateError,
@@ -43,11 +46,14 @@ __all__ = [
     "RecordVersionError",
     "RedisStreamPublisher",
     "RedisStreamSource",
+    "RetryPolicy",
     "StaleOffsetError",
     "UpdateApplier",
     "UpdateBatch",
+    "UpdateHealth",
     "UpdatePublisher",
     "UpdateSource",
+    "UpdateStatus",
     "decode_batch",
     "encode_batch",
     "redis_client",

@@ -38,6 +38,7 @@ from hps.types import (
     check_values,
 )
 from hps.updates.file_log import StaleOffsetError
+from hps.updates.health import UpdateHealth
 from hps.updates.record import CorruptRecordError, InvalidUpdateError, UpdateBatch
 from hps.updates.transport import UpdateSource
 
@@ -107,6 +108,10 @@ class UpdateApplier:
         volatile, persistent: the databases (a read-only persistent DB is skipped).
         offset_file: where the offset lives when there is no writable persistent DB.
         name: the source's name in the persistent DB's metadata.
+        health: the failure count, backoff and readiness of the poller
+            (:mod:`hps.updates.health`; default: its own, with the default policy).
+        skip_request: the file where ``python -m hps.updates skip`` asks the poller to skip the
+            refused record (``None``: no such requests).
     """
 
     def __init__(
@@ -117,8 +122,12 @@ class UpdateApplier:
         persistent: RocksDBBackend | None = None,
         offset_file: str | Path | None = None,
         name: str = "updates",
+        health: UpdateHealth | None = None,
+        skip_request: str | Path | None = None,
     ) -> None:
         self.source = source
+        self.health = health if health is not None else UpdateHealth()
+        self.skip_request = OffsetFile(skip_request) if skip_request is not None else None
         self.sessions = list(sessions)
         self.volatile = volatile
         self.persistent = (
@@ -352,16 +361,49 @@ class UpdateApplier:
                 try:
                     self.apply(batch, off, log_id)
                 except InvalidUpdateError as e:
+                    self.health.refused(off, log_id)
                     raise InvalidUpdateError(
                         f"{e} (the record ending at offset {off}: it stays unapplied, with the "
-                        "records after it, and is retried. To skip it where the offset is kept "
-                        "across restarts (a writable persistent db, or a Redis volatile db that is "
-                        f"not reloaded): UpdateApplier.reset_offset({off!r}, {log_id!r}) with the "
-                        "server stopped. A server that rebuilds its volatile db at start replays "
-                        "the source from its beginning: there the record must be removed from "
-                        "the source, or the source replaced)"
+                        "records after it, and is retried with backoff. To skip it: "
+                        f"UpdateApplier.skip({off!r}, {log_id!r}) in the server's process, or "
+                        f"python -m hps.updates skip --config <ps.json> --offset {off}"
+                        + ("" if log_id is None else f" --log-id {log_id}")
+                        + ". Where the offset is not kept across restarts (a server that "
+                        "rebuilds its volatile db at start replays the source from its "
+                        "beginning), a restart meets the record again: remove it from the "
+                        "source, or replace the source)"
                     ) from None
             return len(recs)
+
+    def skip(self, offset: str, log_id: str | None = None) -> None:
+        """Skip the record refused now, named by the offset that ends it (and its log's id):
+        it is recorded as applied without its rows, and the records after it apply at the
+        next poll. An operator's explicit decision, logged as a warning.
+
+        Raises:
+            ValueError: no record is refused now, or ``offset``/``log_id`` name another one
+                (the message names the refused record, if any).
+        """
+        with self._lock:
+            refused = self.health.refused_record()
+            if refused != (offset, log_id):
+                now = (
+                    "no record is refused now"
+                    if refused is None
+                    else f"the refused record ends at offset {refused[0]!r} (log id {refused[1]!r})"
+                )
+                raise ValueError(
+                    f"cannot skip the update record ending at offset {offset!r} (log id "
+                    f"{log_id!r}): {now}; only the refused record can be skipped"
+                )
+            self._store(offset, log_id)
+            self.health.skipped()
+        log.warning(
+            "online updates: skipped the refused record ending at offset %s (log id %s) at an "
+            "operator's request; its rows are not applied",
+            offset,
+            log_id,
+        )
 
     def drain(self, max_records: int = 64) -> int:
         """:meth:`poll` until the source is empty (a backlog, e.g. a replay, at once); returns how many."""
@@ -371,8 +413,79 @@ class UpdateApplier:
             total += n
         return total
 
+    def attempt(self, first: bool = False) -> int:
+        """One :meth:`drain`, its outcome recorded in :attr:`health`: a failure is logged once
+        (with the attempt's number and the wait before the next) and not raised, so serving
+        goes on; returns the records applied.
+
+        Args:
+            first: the attempt before serving starts: only a record that is refused or
+                corrupt and a volatile DB that is down are logged and left to the poller;
+                anything else (an update log of another format version, a stored offset that
+                does not fit, a source that cannot be reached) is raised, so the start fails
+                naming it.
+        """
+        retried: tuple[type[Exception], ...] = (
+            CorruptRecordError,
+            InvalidUpdateError,
+            VolatileUnavailableError,
+        )
+        before = self.applied
+        try:
+            n = self.drain()
+        except retried as e:  # no traceback needed
+            self._failed(e, self.applied - before, traceback=False)
+            return self.applied - before
+        except FormatVersionError as e:
+            if first:
+                raise
+            self._failed(e, self.applied - before, traceback=False)
+            return self.applied - before
+        except Exception as e:  # keep serving; the batch stays unapplied and is retried
+            if first:
+                raise
+            self._failed(e, self.applied - before, traceback=True)
+            return self.applied - before
+        if self.health.succeeded(n):
+            log.info("online updates: applying again (%d record(s) now)", n)
+        return n
+
+    def _failed(self, e: Exception, applied: int, traceback: bool) -> None:
+        delay = self.health.failed(e, applied)
+        p = self.health.policy
+        log.error(
+            "applying online updates failed (attempt %d in a row; next in %.3g s; the server "
+            "is not ready after %d failures or %g s): %s",
+            self.health.failures,
+            delay,
+            p.unready_after_failures,
+            p.unready_after_s,
+            e,
+            exc_info=traceback,
+        )
+
+    def take_skip_request(self) -> bool:
+        """Act on a skip request file (:attr:`skip_request`, left by ``python -m hps.updates
+        skip``), then remove it: skip the refused record it names (:meth:`skip`), or log why
+        not. Returns whether a record was skipped."""
+        req = self.skip_request
+        if req is None or not req.path.exists():
+            return False
+        try:
+            offset, log_id = req.load_position()
+            if offset is None:
+                raise ValueError(f"the skip request {req.path} is empty")
+            self.skip(offset, log_id)
+            return True
+        except ValueError as e:
+            log.error("online updates: skip request %s not followed: %s", req.path, e)
+            return False
+        finally:
+            req.clear()
+
     def start(self, interval_s: float) -> threading.Event:
-        """Every ``interval_s``, :meth:`drain` in a daemon thread; set the returned event to stop."""
+        """Poll every ``interval_s`` in a daemon thread (:meth:`attempt`; after failures, as
+        :attr:`health`'s backoff says); set the returned event to stop."""
         stop = threading.Event()
         threading.Thread(
             target=self._drain_until, args=(stop, interval_s), name="hps-updates", daemon=True
@@ -380,17 +493,9 @@ class UpdateApplier:
         return stop
 
     def _drain_until(self, stop: threading.Event, interval_s: float) -> None:
-        """:meth:`drain` every ``interval_s`` until ``stop`` is set; a failure is logged and
-        retried (the batch stays unapplied), so serving goes on."""
+        """Until ``stop`` is set, every ``interval_s``: follow a skip request, then
+        :meth:`attempt` if the backoff after the last failure has passed."""
         while not stop.wait(interval_s):
-            try:
-                self.drain()
-            except (
-                CorruptRecordError,
-                InvalidUpdateError,
-                VolatileUnavailableError,
-                FormatVersionError,
-            ) as e:  # no traceback needed
-                log.error("applying online updates failed; will retry: %s", e)
-            except Exception:  # keep serving; the batch stays unapplied and is retried
-                log.exception("applying online updates failed; will retry")
+            self.take_skip_request()
+            if self.health.due():
+                self.attempt()

@@ -306,3 +306,29 @@ def test_a_number_too_large_for_a_float_is_impossible() -> None:
         ValueError, match=r"default_value_for_each_table\[0\]: 1000.* expected a finite number"
     ):
         parse_config(_doc(default_value_for_each_table=[10**400, 0.0]))
+
+
+def test_a_key_given_twice_is_refused_naming_it_and_both_lines(tmp_path) -> None:
+    """``json.loads`` keeps the last of two equal keys silently: a ps.json that gives one twice
+    (in a section, in a model, at the top) is refused naming the key and both lines."""
+    model = (
+        '{"model": "m", "sparse_files": ["t0"], "embedding_table_names": ["t0"],\n'
+        ' "embedding_vecsize_per_table": [4], "maxnum_catfeature_query_per_table_per_sample": [1]'
+    )
+    p = tmp_path / "ps.json"
+    p.write_text('{"models": [' + model + '}],\n "volatile_db": {"type": "hash_map"}}')
+    load_config(p)  # valid as written
+    cases = [
+        ('{"models": [' + model + '}],\n "volatile_db": {"type": "hash_map",\n'
+         ' "type": "redis_cluster"}}', "type", 4, 3),
+        ('{"models": [' + model + ',\n "model": "n"}]}', "model", 3, 1),
+        ('{"models": [],\n\n "models": [' + model + "}]}", "models", 3, 1),
+    ]  # fmt: skip
+    for text, key, line, first in cases:
+        p.write_text(text)
+        with pytest.raises(ValueError) as e:
+            load_config(p)
+        assert str(e.value) == (
+            f"{p}: key {key!r} at line {line} is given twice in one object (first at line "
+            f"{first}); JSON keeps only the last value, so each key must be unique"
+        )

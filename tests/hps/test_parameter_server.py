@@ -152,7 +152,7 @@ def test_a_non_finite_update_is_refused_at_publish_and_never_blocks_a_start(
     """A NaN row is refused when published (nothing reaches the log). One in a log written by
     a foreign publisher does not stop the server from starting: it is logged, left unapplied
     (with the records after it) and retried, until the operator skips it by the offset the
-    message names."""
+    message names (:meth:`HierarchicalParameterServer.skip_update`)."""
     import re
     import struct
     import zlib
@@ -179,16 +179,15 @@ def test_a_non_finite_update_is_refused_at_publish_and_never_blocks_a_start(
 
     ps = HierarchicalParameterServer.from_config(cfg)
     try:
-        with caplog.at_level("ERROR", logger="hps.parameter_server"):
+        with caplog.at_level("ERROR", logger="hps.updates"):
             stops = ps.start_background(refresh_interval_s=0)
         for ev in stops:
             ev.set()
         assert _served(ps, [1, 3, 5]) == [2.0, 0.0, 0.0]  # stalled at the bad record
         msg = next(r.getMessage() for r in caplog.records if "non-finite" in r.getMessage())
-        off, log_id = re.search(r"reset_offset\('(\d+)', '([^']+)'\)", msg).groups()
-        ap = ps.update_applier()
-        ap.reset_offset(off, log_id)  # the operator skips it
-        assert ap.drain() == 1
+        off, log_id = re.search(r"UpdateApplier.skip\('(\d+)', '([^']+)'\)", msg).groups()
+        ps.skip_update(off, log_id)  # the operator skips it
+        assert ps.applier is not None and ps.applier.drain() == 1
         assert _served(ps, [1, 3, 5]) == [2.0, 0.0, 7.0]
     finally:
         ps.close()

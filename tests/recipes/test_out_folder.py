@@ -14,6 +14,7 @@ import pytest
 
 from recipes.prune_dlrm import PruneDLRMConfig, parse_args
 from recipes.prune_dlrm import main as prune_main
+from recipes.train_dlrm import OUTPUTS as TRAIN_OUTPUTS
 from recipes.train_dlrm import TrainDLRMKnobs
 from recipes.train_dlrm import main as train_main
 from recipes.train_dlrm import parse_args as train_parse_args
@@ -98,7 +99,7 @@ def test_overwrite_clears_what_the_earlier_run_left(tmp_path: Path) -> None:
     out = tmp_path / "run"
     train_main(_train(out))
     assert (out / "checkpoint" / "state.json").is_file() and (out / MARKER).is_file()
-    (out / "serving").mkdir()  # as a prune_dlrm run would leave
+    (out / ".checkpoint.tmp-host-1-0000aaaa").mkdir()  # as a killed save would leave
     report = prune_main(_prune(out, overwrite=True))
     assert sorted(p.name for p in out.iterdir()) == sorted(
         [MARKER, "report.json", "report.md", *report["plots"]]
@@ -113,14 +114,45 @@ def test_overwrite_removes_links_and_never_follows_them(tmp_path: Path) -> None:
     (outside / "keep.txt").write_text("mine")
     out = tmp_path / "run"
     out.mkdir()
-    (out / MARKER).write_text(json.dumps({"recipe": "train_dlrm"}))
-    (out / "link").symlink_to(outside, target_is_directory=True)
-    (out / "stale").mkdir()
-    (out / "stale" / "x").write_text("old")
+    (out / MARKER).write_text(json.dumps({"recipe": "train_dlrm", "outputs": [*TRAIN_OUTPUTS]}))
+    (out / "checkpoint").symlink_to(outside, target_is_directory=True)
+    (out / "config.json").mkdir()
+    (out / "config.json" / "x").write_text("old")
     train_main(_train(out, overwrite=True, checkpoint=False))
-    assert not (out / "link").exists() and not (out / "stale").exists()
+    assert not (out / "checkpoint").exists() and (out / "config.json").is_file()
     assert (outside / "keep.txt").read_text() == "mine"
     assert (out / "results.json").is_file()
+
+
+def test_overwrite_refuses_files_the_earlier_run_did_not_write_and_lists_them(
+    tmp_path: Path, capsys
+) -> None:
+    """A user's notes (a file, a folder, a link) beside an earlier run's results: ``--overwrite``
+    refuses naming each of them, before anything is removed; once they are moved away it
+    replaces the run. A marker that does not say what its run wrote removes nothing."""
+    out = tmp_path / "run"
+    train_main(_train(out, checkpoint=False))
+    (out / "notes.txt").write_text("mine")
+    (out / "data").mkdir()
+    (out / "data" / "x.csv").write_text("1,2")
+    (out / "ref").symlink_to(tmp_path)
+    before = sorted(p.name for p in out.iterdir())
+    err = _usage_error(["--out", str(out), "--overwrite"], parse_args, capsys)
+    assert (
+        f"--overwrite: --out {str(out)!r} holds 3 entries the earlier train_dlrm run did not "
+        "write: data/, notes.txt, ref/; --overwrite removes only a run's own files" in err
+    )
+    assert sorted(p.name for p in out.iterdir()) == before
+    assert (out / "notes.txt").read_text() == "mine"
+    for name in ("notes.txt", "data", "ref"):
+        (out / name).rename(tmp_path / name)
+    prune_main(_prune(out, overwrite=True))
+    assert not (out / "results.json").exists() and (out / "report.json").is_file()
+    marker = json.loads((out / MARKER).read_text())
+    (out / MARKER).write_text(json.dumps({"recipe": marker["recipe"]}))  # no "outputs"
+    err = _usage_error(["--out", str(out), "--overwrite"], _parse_train, capsys)
+    assert "does not say which files the earlier run wrote" in err
+    assert (out / "report.json").is_file()
 
 
 def test_overwrite_refuses_a_folder_no_recipe_made(tmp_path: Path, capsys) -> None:

@@ -11,7 +11,16 @@ from embark.data import SyntheticCTR
 from embark.models.dlrm import build_model
 from embark.models.workloads import get_workload
 from embark.training.trainer import TrainConfig, Trainer
-from recipes.prune_dlrm import SWEEP, PruneDLRMConfig, _fine_tune, main, parse_args, prune_config
+from recipes.cli import foreign_entries
+from recipes.prune_dlrm import (
+    OUTPUTS,
+    SWEEP,
+    PruneDLRMConfig,
+    _fine_tune,
+    main,
+    parse_args,
+    prune_config,
+)
 from tilesparse import OneShotSchedule
 from tilesparse.schedule import end_step
 
@@ -87,6 +96,8 @@ def test_main_writes_report_and_plots(tmp_path) -> None:
     art = out / "serving"
     assert {"ps.json", "dense.onnx", "sparse"} <= {p.name for p in art.iterdir()}
     assert "## Serving" in md
+    # every entry is one a later --overwrite may remove
+    assert foreign_entries([p.name for p in out.iterdir()], OUTPUTS) == []
 
 
 def test_sweep_covers_the_table(tmp_path) -> None:

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 import tilesparse
+from recipes.cli import foreign_entries
 from recipes.minilm import MINILM_PACKAGE, load_minilm
-from recipes.prune_transformer import PruneTransformerConfig, main
+from recipes.prune_transformer import OUTPUTS, PruneTransformerConfig, main
 from recipes.sentences import make_sentences, splits
 
 
@@ -98,3 +99,4 @@ def test_recipe_report(tmp_path) -> None:
     assert saved["speed"]["sentences"] == 8 and report["distillation"]["steps"] >= 1
     assert (out / "plots" / "layers.png").read_bytes()[:4] == b"\x89PNG"
     assert "| oneshot |" in (out / "report.md").read_text()
+    assert foreign_entries([p.name for p in out.iterdir()], OUTPUTS) == []  # all --overwrite-able

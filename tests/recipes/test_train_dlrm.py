@@ -7,8 +7,8 @@ import pytest
 import recipes.train_dlrm as train_dlrm
 from embark.models.workloads import get_workload
 from embark.training.trainer import OptimizerKind, Trainer
-from recipes.cli import parse_knobs
-from recipes.train_dlrm import TrainDLRMKnobs, build, main
+from recipes.cli import foreign_entries, parse_knobs
+from recipes.train_dlrm import OUTPUTS, TrainDLRMKnobs, build, main
 
 
 def test_main_on_a_shrunk_config_writes_results(tmp_path, capsys):
@@ -29,6 +29,8 @@ def test_main_on_a_shrunk_config_writes_results(tmp_path, capsys):
     restored = Trainer.load_checkpoint(on_disk["checkpoint"])
     assert restored.step == 150
     assert "eval AUC" in capsys.readouterr().out
+    # every entry is one a later --overwrite may remove
+    assert foreign_entries([p.name for p in (tmp_path / "run").iterdir()], OUTPUTS) == []
 
 
 def test_knobs_from_the_command_line():

@@ -205,6 +205,21 @@ BAD_RECIPES = [  # (file name, text, expected message after "recipe file <path>:
         "TileSparseConfig.block[0] must be an integer >= 1, got 0",
     ),
     ("int_keys.yaml", "1: 2\nfoo: 3\n", "TileSparseConfig: unknown key(s) [1, 'foo']"),
+    (  # a key given twice: YAML (and JSON) keep the last value silently
+        "dup_top.yaml",
+        "pattern: tw\nsparsity: 0.5\ntile: 64\nsparsity: 0.9\n",
+        "key 'sparsity' at line 4 (first at line 2) is given twice in one mapping",
+    ),
+    (
+        "dup_nested.yaml",
+        "pattern: tw\nschedule:\n  kind: multistage\n  stages: [0.5]\n  kind: oneshot\n",
+        "key 'kind' at line 5 (first at line 3) is given twice in one mapping",
+    ),
+    (
+        "dup.json",
+        '{"pattern": "tw",\n "schedule": {"kind": "oneshot"},\n "pattern": "ew"}',
+        "key 'pattern' at line 3 (first at line 1) is given twice in one mapping",
+    ),
     (
         "latin1.yaml",
         b"pattern: tw\n# caf\xe9\n",

@@ -17,6 +17,7 @@ from embark.data.binary import CriteoBinary, expand_multi_hot
 from embark.data.convert import convert_criteo
 from embark.data.criteo import CriteoTSV
 from embark.data.criteo_sample import write_criteo_like
+from embark.data.manifest import DenseTransform
 from embark.models.workloads import get_workload
 
 W = get_workload("dlrm_dcnv2").scaled(100_000)
@@ -162,7 +163,9 @@ def test_torchrec_reads_ours_and_we_read_torchrecs(data, tmp_path, monkeypatch):
         assert np.array_equal(
             np.load(tmp_path / f"day_0_{kind}.npy"), np.load(folder / f"day_0_{kind}.npy")
         )
-    theirs = CriteoBinary(tmp_path, W, 700)
+    with pytest.raises(FileNotFoundError, match=f"{tmp_path}' holds no criteo_binary.json"):
+        CriteoBinary(tmp_path, W, 700)  # no manifest: passed as prefixes, with their transform
+    theirs = CriteoBinary([tmp_path / "day_0"], W, 700, dense_transform=DenseTransform.TORCHREC)
     assert theirs.dense_transform == "torchrec"
     ours = next(iter(CriteoBinary(folder, W, 700)))
     got = next(iter(theirs))
@@ -186,7 +189,7 @@ import resource, sys, numpy as np
 from embark.data.binary import CriteoBinary
 from embark.models.workloads import get_workload
 w = get_workload("dlrm_dcnv2").scaled(100_000)
-reader = CriteoBinary(sys.argv[1], w, 65536)
+reader = CriteoBinary([sys.argv[1] + "/big"], w, 65536)
 def vm() -> int:
     for line in open("/proc/self/status"):
         if line.startswith("VmSize:"):

@@ -1,6 +1,7 @@
 from __future__ import annotations
 
 import gzip
+import hashlib
 import json
 import os
 import subprocess
@@ -67,8 +68,14 @@ def test_converted_files_equal_the_line_parser(tmp_path):
     assert ids[-2, 0] == -1 and ids.view(np.uint64)[-2, 1] == 2**63
     assert res.files == [("day_0", 3003)] and res.stats.lines == 3003
     manifest = json.loads((tmp_path / "out" / "criteo_binary.json").read_text())
-    assert manifest["files"] == [{"stem": "day_0", "rows": 3003}]
-    assert manifest["dense_transform"] == "log1p_clip0" and manifest["version"] == 1
+    (rec,) = manifest["files"]
+    assert rec["stem"] == "day_0" and rec["rows"] == 3003
+    for kind in ("dense", "sparse", "labels"):
+        raw = (tmp_path / "out" / f"day_0_{kind}.npy").read_bytes()
+        want = {"bytes": len(raw), "sha256": hashlib.sha256(raw[HEADER_BYTES:]).hexdigest()}
+        assert rec["arrays"][kind] == want
+    assert manifest["dense_transform"] == "log1p_clip0" and manifest["version"] == 2
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["day_0.tsv", "out"]  # no lock, no partial
 
 
 def test_the_fast_path_takes_the_edge_lines():

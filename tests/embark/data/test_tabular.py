@@ -20,8 +20,8 @@ import torch
 
 from embark.data import (
     Categorical,
+    ColumnTransform,
     Dense,
-    DenseTransform,
     OOVPolicy,
     Preprocessor,
     Split,
@@ -55,7 +55,7 @@ SPEC = TabularSpec(
         Categorical("city"),
         Categorical("tags", multi_hot=True, separator="|"),
     ),
-    dense=(Dense("count", DenseTransform.LOG1P_STANDARDIZE), Dense("t", DenseTransform.NONE)),
+    dense=(Dense("count", ColumnTransform.LOG1P_STANDARDIZE), Dense("t", ColumnTransform.NONE)),
     label="y",
     splits=Splits(fractions=(0.6, 0.2, 0.2), seed=3),
 )

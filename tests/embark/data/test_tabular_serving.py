@@ -12,8 +12,8 @@ import torch
 
 from embark.data import (
     Categorical,
+    ColumnTransform,
     Dense,
-    DenseTransform,
     HotnessError,
     JaggedBatch,
     OOVPolicy,
@@ -136,7 +136,7 @@ def test_an_unseen_id_gets_the_same_score_in_process_and_served(serve, oov) -> N
             Categorical("user", oov=oov, oov_buckets=1 if oov is OOVPolicy.RESERVED else 5),
             Categorical("tags", multi_hot=True, hotness_policy=HotnessPolicy.TRUNCATE),
         ),
-        dense=(Dense("x", DenseTransform.LOG1P_STANDARDIZE),),
+        dense=(Dense("x", ColumnTransform.LOG1P_STANDARDIZE),),
         label="y",
     )
     prep = TabularSource.from_pandas(_frame(400, 0), spec).fit()

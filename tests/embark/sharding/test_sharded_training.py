@@ -160,6 +160,7 @@ def _resume(rank: int, world: int, out_dir: str, batches: list[Any]) -> dict[str
         trainer.model.full_state_dict(dst=None),
         str(Path(out_dir, f"resume-rank{rank}.safetensors")),
     )
+    save_sharded_checkpoint(trainer, Path(out_dir, "ckpt_end"))  # this world's plan, every rank
     out = {"start": start, "losses": losses, "step": trainer.step, "reloaded": reloaded}
     return out | ({"save": saved} if rank < 2 else {})
 
@@ -522,6 +523,37 @@ def test_checkpoint_reshards_to_one_process_exactly(runs: Any, tmp_path: Path) -
     assert one is not None
     one.save_checkpoint(tmp_path / "one_rank")
     _files_equal(tmp_path / "one_rank", d / "ckpt_gathered")
+
+
+def test_sharded_checkpoints_convert_to_sparse_files(runs: Any, tmp_path: Path) -> None:
+    """``convert_checkpoint`` reads a sharded checkpoint directly: the 2-rank save converts
+    to exactly the files of its gathered single-process save, and the save by every rank of
+    this world (2 or 4; row-, column-, table-row-wise and DP tables) to exactly the weights
+    the trainer held."""
+    import numpy as np
+    from safetensors.torch import load_file
+
+    from embark.models.workloads import get_workload
+    from hps.storage import convert_checkpoint, read_table
+
+    world, d = runs
+    tables = get_workload("tiny").tables
+    sharded = convert_checkpoint(d / "ckpt", tmp_path / "sharded")
+    gathered = convert_checkpoint(d / "ckpt_gathered", tmp_path / "gathered")
+    assert sorted(sharded) == sorted(t.name for t in tables)
+    for t in tables:
+        for f in ("key", "emb_vector"):
+            assert (sharded[t.name] / f).read_bytes() == (gathered[t.name] / f).read_bytes()
+    state = json.loads((d / "ckpt_end" / "state.json").read_text())
+    assert sorted(f for f in state["files"] if f.startswith("shards-")) == [
+        f"shards-{r}.safetensors" for r in range(world)
+    ]
+    held = load_file(str(d / "resume-rank0.safetensors"))
+    end = convert_checkpoint(d / "ckpt_end", tmp_path / "end")
+    for t in tables:
+        keys, rows = read_table(end[t.name], t.dim)
+        assert np.array_equal(keys, np.arange(t.num_rows))
+        assert np.array_equal(rows, held[f"embeddings.{t.name}.weight"].numpy()), t.name
 
 
 def test_corrupt_shard_file_is_refused_on_every_rank(runs: Any) -> None:

@@ -159,3 +159,96 @@ def test_a_non_finite_loss_stops_before_the_step_changes_anything() -> None:
     assert all(p.grad is None for p in trainer.model.parameters())
     assert trainer.train_step(next(iter(data.batches(1, start=3)))) > 0  # and it goes on
     assert trainer.step == 3
+
+
+# a save killed (SIGKILL, by itself) between its two renames: the previous checkpoint is in an
+# .old- sibling, the new one complete in a .tmp- sibling, and nothing at the checkpoint path
+_KILLED_BETWEEN_RENAMES = """
+import os, signal, sys
+from pathlib import Path
+from embark import TrainConfig, Trainer, build_model, get_workload
+target = Path(sys.argv[1])
+rename = Path.rename
+def rename_or_die(self, dest):
+    if Path(dest) == target:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return rename(self, dest)
+Path.rename = rename_or_die
+Trainer(build_model(get_workload("tiny"), seed=1), TrainConfig()).save_checkpoint(target)
+"""
+
+
+def _kill_between_renames(ckpt: Path) -> None:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILLED_BETWEEN_RENAMES, str(ckpt)], env=env, timeout=240
+    )
+    assert proc.returncode == -signal.SIGKILL
+    assert not ckpt.exists()
+    assert sorted(n.split("-")[0] for n in _siblings(ckpt)) == [".ckpt.old", ".ckpt.tmp"]
+
+
+@pytest.mark.slow
+def test_a_save_killed_between_its_renames_is_recovered_by_the_next_load(
+    tmp_path: Path, caplog
+) -> None:
+    """The previous checkpoint (step 2) is moved back with a warning naming it: the resume
+    continues from it, and the killed save's leftovers are gone. A fresh save then replaces
+    it as it replaces any checkpoint, never deleting it as a leftover first."""
+    ckpt = tmp_path / "ckpt"
+    data = SyntheticCTR(W, batch_size=64, seed=0)
+    trainer = _trainer()
+    trainer.fit(data.batches(2), 2, progress=False)
+    trainer.save_checkpoint(ckpt)
+    want = {k: v.clone() for k, v in trainer.model.state_dict().items()}
+    _kill_between_renames(ckpt)
+    (old,) = [n for n in _siblings(ckpt) if n.startswith(".ckpt.old-")]
+    with caplog.at_level("WARNING", logger="embark.training.checkpoint_siblings"):
+        resumed = Trainer.load_checkpoint(ckpt)
+    assert resumed.step == 2
+    assert all(torch.equal(v, want[k]) for k, v in resumed.model.state_dict().items())
+    assert any(old in r.getMessage() and "moved it back" in r.getMessage() for r in caplog.records)
+    assert _siblings(ckpt) == []
+
+
+def test_a_fresh_save_after_a_killed_one_keeps_the_previous_checkpoint_until_replaced(
+    tmp_path: Path,
+) -> None:
+    """A fresh run's save after the kill: the previous checkpoint is moved back first, so a
+    failure of that save leaves it in place at the checkpoint path."""
+    import embark.training.checkpoint as ck
+
+    ckpt = tmp_path / "ckpt"
+    _trainer().save_checkpoint(ckpt)
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"],
+                          capture_output=True, text=True, check=True)  # fmt: skip
+    old = tmp_path / f".ckpt.old-{socket.gethostname()}-{int(dead.stdout)}-0000eeee"
+    ckpt.rename(old)  # what the killed save left (test above), without its .tmp- folder
+
+    def disk_full(tensors, fp):
+        raise OSError(28, "No space left on device")
+
+    original = ck.write_tensors
+    ck.write_tensors = disk_full
+    try:
+        with pytest.raises(OSError, match="No space left"):
+            _trainer().save_checkpoint(ckpt)
+    finally:
+        ck.write_tensors = original
+    assert Trainer.load_checkpoint(ckpt).step == 0 and _siblings(ckpt) == []
+
+
+def test_a_previous_checkpoint_that_cannot_be_moved_back_is_named(tmp_path: Path) -> None:
+    """An .old- folder of a save that still runs (here: this process) is not moved back; the
+    load refuses naming it."""
+    from embark.training.checkpoint_siblings import fresh_sibling
+
+    ckpt = tmp_path / "ckpt"
+    _trainer().save_checkpoint(ckpt)
+    old = fresh_sibling(ckpt, "old")  # owned by this live process
+    ckpt.rename(old)
+    with pytest.raises(
+        ValueError, match=rf"state.json is missing; .*previous checkpoint at \['{old}'\]"
+    ):
+        Trainer.load_checkpoint(ckpt)
+    assert (old / "state.json").is_file()

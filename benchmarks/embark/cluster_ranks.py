@@ -1,0 +1,238 @@
+"""A rank of :mod:`benchmarks.embark.bench_cluster`, started by torchrun inside a node's network
+namespace of the emulated cluster: ``python -m benchmarks.embark.cluster_ranks CASE_DIR``.
+
+Reads ``CASE_DIR/config.json`` (the case: workload, scale, batch, steps, our plans, TorchRec's
+topology), then on every rank, in step:
+
+1. a probe of the emulated links and of this rank's compute (inter- and intra-node
+   all-to-all bandwidth, a small all-to-all's latency, embedding-bag gather rate, dense
+   forward + backward FLOP/s), each measured with every rank busy at once;
+2. each side in turn (our runtime under each plan, plain and pipelined, and TorchRec DMP
+   with its planner's plan): build, ``warmup`` steps, then ``steps`` timed steps on the same
+   global batches (each rank its slice), per-phase wall time per rank;
+
+and writes ``CASE_DIR/rank{r}.json``.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from benchmarks.embark.training_sides import (
+    OursSide,
+    TorchRecSide,
+    case_workload,
+    make_batches,
+    peak_rss_mb,
+)
+from embark.data.batch import Batch, local_batch
+from embark.planner.cost import CostModel
+from embark.sharding.model import ShardedDLRM
+from embark.sharding.phases import Phase, PhaseClock
+from embark.sharding.pipeline import SparseDistPipeline
+from embark.training.callbacks import Callback
+
+PROBE_BYTES = 4 << 20  # per rank, per all-to-all of the bandwidth probes
+PROBE_REPS = 3
+
+
+# ---------------------------------------------------------------------------------- probe
+def _a2a_seconds(send_to: list[int], nbytes: int, reps: int) -> float:
+    """Mean seconds of an all-to-all sending ``nbytes`` to each rank flagged in ``send_to``."""
+    world = dist.get_world_size()
+    per = nbytes // 4
+    splits = [per if send_to[r] else 0 for r in range(world)]
+    x = torch.ones(sum(splits))
+    # every rank sends to the same pattern of peers, so what it receives mirrors what it sends
+    y = torch.empty(sum(splits))
+    dist.all_to_all_single(y, x, splits, splits)  # warm the connections
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        dist.all_to_all_single(y, x, splits, splits)
+    return (time.perf_counter() - t0) / reps
+
+
+def probe(cfg: dict[str, Any], rank: int, world: int, gpn: int) -> dict[str, float]:
+    """Per-rank rates measured with every rank busy (module docstring)."""
+    node = rank // gpn
+    inter = [int(r // gpn != node) for r in range(world)]
+    intra = [int(r // gpn == node and r != rank) for r in range(world)]
+    out: dict[str, float] = {}
+    t = _a2a_seconds(inter, PROBE_BYTES, PROBE_REPS)
+    out["inter_node_bytes_per_s"] = PROBE_BYTES * sum(inter) / t
+    if sum(intra):
+        t = _a2a_seconds(intra, PROBE_BYTES, PROBE_REPS)
+        out["intra_node_bytes_per_s"] = PROBE_BYTES * sum(intra) / t
+    out["latency_s"] = _a2a_seconds([1] * world, 64, 10)
+    # lookups: embedding_bag gathers of 128-float rows from a 64 MiB table
+    table = torch.randn(131072, 128)
+    ids = torch.randint(0, table.shape[0], (262144,))
+    offsets = torch.arange(0, ids.numel(), 32)
+    F.embedding_bag(ids, table, offsets, mode="sum")
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(PROBE_REPS):
+        F.embedding_bag(ids, table, offsets, mode="sum")
+    out["lookup_bytes_per_s"] = ids.numel() * 128 * 4 * PROBE_REPS / (time.perf_counter() - t0)
+    # dense: forward + backward of the workload's dense part on a local batch
+    from benchmarks.embark.training_sides import _skip_fill, dense_part_like_build_model
+
+    w = case_workload(cfg)
+    dense = dense_part_like_build_model(w, 0, _skip_fill)
+    b = cfg["batch_size"] // world
+    x = torch.randn(b, w.dense_features)
+    pooled = [torch.randn(b, t.dim, requires_grad=True) for t in w.tables]
+    dense.dense_forward(x, pooled).sum().backward()
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(PROBE_REPS):
+        dense.dense_forward(x, pooled).sum().backward()
+    out["dense_param_bytes"] = float(sum(p.numel() * 4 for p in dense.parameters()))
+    per_sample = CostModel(w, _one_rank_topology(), 1).dense_flops_per_sample()
+    out["dense_flops_per_s"] = 3 * per_sample * b * PROBE_REPS / (time.perf_counter() - t0)
+    return out
+
+
+def _one_rank_topology() -> Any:
+    from embark.topology import emulated_topology
+
+    return emulated_topology(nodes=1, ranks_per_node=1)
+
+
+# ---------------------------------------------------------------------------------- sides
+class _StepEnd(Callback):
+    """Marks the optimizer phase when a training step ends."""
+
+    def __init__(self, clock: PhaseClock) -> None:
+        self.clock = clock
+
+    def on_step_end(self, trainer: Any, step: int, loss: float) -> None:
+        self.clock.mark(Phase.OPTIMIZER)
+
+
+def _run_ours(
+    cfg: dict[str, Any], plan_name: str, pipelined: bool, batches: list[Batch], rank: int
+) -> dict[str, Any]:
+    world = dist.get_world_size()
+    side_cfg = {**cfg, "plans": {"ours": cfg["plans"][plan_name]}}
+    t0 = time.perf_counter()
+    side = OursSide(side_cfg, rank, world)
+    setup = time.perf_counter() - t0
+    trainer = side.trainer
+    model = trainer.model
+    assert isinstance(model, ShardedDLRM)
+    clock = PhaseClock()
+    model.set_phase_clock(clock)
+    trainer.add_callback(_StepEnd(clock))
+    mine = [local_batch(b, rank, world) for b in batches]
+    warm, steps = cfg["warmup"], cfg["steps"]
+    losses: list[float] = []
+
+    def train(part: list[Batch]) -> list[float]:
+        if pipelined:
+            return list(SparseDistPipeline(trainer).train(part))
+        return [trainer.train_step(b) for b in part]
+
+    losses += train(mine[:warm])
+    dist.barrier()
+    clock.reset()
+    t0 = time.perf_counter()
+    losses += train(mine[warm : warm + steps])
+    seconds = time.perf_counter() - t0
+    stats = model.embeddings.stats.bytes
+    inter = sum(v for (phase, level), v in stats.items() if level == "inter")
+    out = {
+        "setup_s": setup,
+        "step_s": seconds / steps,
+        "phases_s": {p.value: v / steps for p, v in clock.seconds.items()},
+        "losses": losses,
+        "inter_node_bytes_total": inter,
+    }
+    model.set_phase_clock(None)
+    return out
+
+
+def _run_torchrec(cfg: dict[str, Any], batches: list[Batch], rank: int) -> dict[str, Any]:
+    world = dist.get_world_size()
+    t0 = time.perf_counter()
+    side = TorchRecSide(cfg, rank, world)
+    setup = time.perf_counter() - t0
+    clock = PhaseClock()
+    warm, steps = cfg["warmup"], cfg["steps"]
+    losses: list[float] = []
+
+    def step(batch: Batch) -> float:
+        b = local_batch(batch, rank, world)
+        side.dmp.train()
+        clock.mark(Phase.OTHER)
+        logits = side.dmp(b.dense, b.sparse.to_kjt())
+        loss = F.binary_cross_entropy_with_logits(logits, b.labels)
+        clock.mark(Phase.DENSE_FWD)  # TorchRec's whole forward: input dist, lookups, a2a, dense
+        side.dense_opt.zero_grad()
+        loss.backward()
+        clock.mark(Phase.EMB_BWD)  # its whole backward, fused table updates and DDP included
+        side.dense_opt.step()
+        clock.mark(Phase.OPTIMIZER)
+        value = loss.detach().clone()
+        dist.all_reduce(value)
+        clock.mark(Phase.OTHER)
+        return float(value) / world
+
+    losses += [step(b) for b in batches[:warm]]
+    dist.barrier()
+    clock.reset()
+    t0 = time.perf_counter()
+    losses += [step(b) for b in batches[warm : warm + steps]]
+    seconds = time.perf_counter() - t0
+    return {
+        "setup_s": setup,
+        "step_s": seconds / steps,
+        "phases_s": {p.value: v / steps for p, v in clock.seconds.items()},
+        "losses": losses,
+        "layouts": side.layouts,
+    }
+
+
+def worker(case_dir: Path) -> None:
+    cfg = json.loads((case_dir / "config.json").read_text())
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+    gpn = int(os.environ["LOCAL_WORLD_SIZE"])
+    report: dict[str, Any] = {"rank": rank, "node": rank // gpn, "sides": {}}
+    try:
+        n = cfg["warmup"] + cfg["steps"]
+        batches = make_batches(case_workload(cfg), cfg["batch_size"], n, cfg["seed"])
+        report["probe"] = probe(cfg, rank, world, gpn)
+        for side in cfg["sides"]:
+            dist.barrier()
+            if side == "torchrec":
+                res = _run_torchrec(cfg, batches, rank)
+            else:
+                plan, _, mode = side.partition("+")
+                res = _run_ours(cfg, plan, mode == "pipeline", batches, rank)
+            res["rss_mb"] = peak_rss_mb()
+            report["sides"][side] = res
+            gc.collect()
+    except BaseException:
+        report["error"] = traceback.format_exc()
+        raise
+    finally:
+        (case_dir / f"rank{rank}.json").write_text(json.dumps(report))
+        dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))

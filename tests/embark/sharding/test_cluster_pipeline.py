@@ -1,0 +1,126 @@
+"""Pieces of the emulated-cluster work that need no root: the pipeline in a one-rank world,
+the emulated topology's mapping, the link shape, the runtime-faithful cost figures."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from embark import ShardedDLRM, TrainConfig, Trainer
+from embark.cluster import LinkShape
+from embark.data import SyntheticCTR
+from embark.models.workloads import get_workload
+from embark.planner.cost import AR_INTER, AR_INTRA, CostModel
+from embark.planner.planner import plan_sharding
+from embark.planner.simulator import runtime_step_seconds, simulate
+from embark.planner.types import CostConstants
+from embark.sharding import InputPrefetcher, SparseDistPipeline
+from embark.sharding.phases import Phase, PhaseClock
+from embark.topology import (
+    H100_IB_BYTES_PER_S,
+    H100_NVLINK_BYTES_PER_S,
+    emulated_topology,
+    get_topology,
+)
+from embark.types import Cluster
+
+
+def _trainer(world_plan_seed: int = 3) -> Trainer:
+    w = get_workload("tiny")
+    plan = plan_sharding(w, emulated_topology(nodes=1, ranks_per_node=1), 32, "trw")
+    model = ShardedDLRM.build(w, plan, 0, seed=world_plan_seed)
+    return Trainer(model, TrainConfig(optimizer="adagrad", lr=0.05, embedding_lr=0.1))
+
+
+def test_pipelined_equals_plain_in_one_process() -> None:
+    torch.set_num_threads(1)
+    batches = list(SyntheticCTR(get_workload("tiny"), 32, seed=5).batches(4))
+    plain = _trainer()
+    want = [plain.train_step(b) for b in batches]
+    piped = _trainer()
+    pipe = SparseDistPipeline(piped)
+    got = list(pipe.train(batches))
+    assert got == want
+    assert pipe.prefetched == len(batches)
+    assert piped.model.prefetcher is None  # removed when the iteration ends
+    a, b = plain.model.state_dict(), piped.model.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_prefetcher_refuses_a_batch_out_of_order() -> None:
+    t = _trainer()
+    model = t.model
+    assert isinstance(model, ShardedDLRM)
+    first, second = SyntheticCTR(get_workload("tiny"), 8, seed=1).batches(2)
+    pf = InputPrefetcher(model.embeddings)
+    pf.start(first.sparse)
+    with pytest.raises(ValueError, match="other than the one"):
+        pf.take(second.sparse)
+    assert pf.take(first.sparse) is not None and pf.pending == 0
+    pf.schedule(second.sparse)
+    with pytest.raises(ValueError, match="already scheduled"):
+        pf.schedule(first.sparse)
+
+
+def test_phase_clock_charges_every_phase_of_a_step() -> None:
+    t = _trainer()
+    model = t.model
+    assert isinstance(model, ShardedDLRM)
+    clock = PhaseClock()
+    model.set_phase_clock(clock)
+    t.train_step(next(iter(SyntheticCTR(get_workload("tiny"), 16, seed=2).batches(1))))
+    for phase in (Phase.LOOKUP, Phase.DENSE_FWD, Phase.DENSE_BWD, Phase.EMB_BWD):
+        assert clock.seconds[phase] > 0, phase
+
+
+def test_emulated_topology_keeps_the_dgx_h100_ratio() -> None:
+    t = get_topology("emulated", nodes=2)
+    assert (t.num_nodes, t.gpus_per_node) == (2, 2)
+    ratio = t.intra_node_bandwidth_bytes_per_s / t.inter_node_bandwidth_bytes_per_s
+    assert ratio == pytest.approx(H100_NVLINK_BYTES_PER_S / H100_IB_BYTES_PER_S) == 9
+
+
+def test_link_shape_checks_and_tbf_arguments() -> None:
+    s = LinkShape(rate_bits_per_s=128e6, intra_rate_bits_per_s=1.152e9)
+    assert s.tbf_args() == ["tbf", "rate", "128000kbit", "burst", "262144", "limit", "8000000"]
+    assert s.tbf_args(1.152e9)[2] == "1152000kbit"
+    with pytest.raises(ValueError, match="rate_bits_per_s must be > 0"):
+        LinkShape(rate_bits_per_s=0)
+    with pytest.raises(ValueError, match="delay_s must be >= 0"):
+        LinkShape(rate_bits_per_s=1e6, delay_s=-1)
+
+
+def test_dp_gradients_rated_as_the_runtime_moves_them() -> None:
+    """Without the sparse all-gather a DP table costs its whole replica's ring all-reduce."""
+    w = get_workload("tiny")
+    topo = emulated_topology()
+    dp = plan_sharding(w, topo, 64, "dp")
+    ring = CostModel(w, topo, 64, CostConstants(dp_sparse_allgather=False))
+    either = CostModel(w, topo, 64)
+    for ts in dp.tables:
+        assert ts.cluster is Cluster.DP
+        full = ring.traffic(ts)
+        g, n = topo.gpus_per_node, topo.num_nodes
+        replica = ts.num_rows * ts.dim * 4
+        assert full[0, AR_INTRA] == pytest.approx(2 * (g - 1) / g * replica)
+        assert full[0, AR_INTER] == pytest.approx(2 * (n - 1) / n * replica / g)
+        assert either.traffic(ts)[0, AR_INTER] <= full[0, AR_INTER]
+
+
+def test_runtime_step_counts_the_dense_all_reduce_and_the_pipeline() -> None:
+    w = get_workload("tiny")
+    topo = emulated_topology()
+    model = CostModel(w, topo, 64, CostConstants(dp_sparse_allgather=False))
+    plan = plan_sharding(w, topo, 64, "trw")
+    sim = simulate(plan, model)
+    plain = runtime_step_seconds(plan, model, 0.0)
+    heavy = runtime_step_seconds(plan, model, 64e6)
+    piped = runtime_step_seconds(plan, model, 0.0, pipelined=True)
+    # a 64 MB ring over 4 ranks: 96 MB sent per rank, one rank per node over the node's
+    # uplink (2 ranks' bandwidth); the tiny dense backward hides less than the ring's latency
+    # alone, so all of it is exposed
+    latency = 6 * topo.inter_node_latency_s
+    assert 2 / 3 * model.dense_seconds() < latency
+    ring = 1.5 * 64e6 / (2 * topo.inter_node_bandwidth_bytes_per_s)
+    assert heavy - plain == pytest.approx(ring, rel=1e-9)
+    assert plain - piped == pytest.approx(sim.phases_ms["input_a2a"] / 1e3)

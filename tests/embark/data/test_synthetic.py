@@ -244,9 +244,9 @@ def test_a_bad_rank_is_refused():
 def test_a_stream_config_of_another_version_is_refused():
     w = get_workload("tiny")
     config = SyntheticCTR(w, 8).stream_config()
-    assert config["version"] == 2
-    with pytest.raises(ValueError, match="data stream version 1 cannot be regenerated"):
-        SyntheticCTR.from_stream_config(w, 8, 0, config | {"version": 1})
+    assert config["version"] == 3
+    with pytest.raises(ValueError, match="data stream version 2 cannot be regenerated"):
+        SyntheticCTR.from_stream_config(w, 8, 0, config | {"version": 2})
     old = {k: v for k, v in config.items() if k != "version"}  # a stream recorded before versions
     with pytest.raises(ValueError, match="exactly the keys"):
         SyntheticCTR.from_stream_config(w, 8, 0, old)

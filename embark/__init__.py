@@ -5,8 +5,9 @@ shardings, plans, machines), ``embark.data`` (batches; synthetic, Criteo and tab
 Arrow, Parquet, CSV, with feature vocabularies),
 ``embark.models`` (DLRM, DLRM-DCNv2, workloads), ``embark.training`` (one :class:`Trainer`,
 checkpoints, metrics), ``embark.planner`` (where each table goes), ``embark.sharding`` (the
-runtime on ``torch.distributed`` and the sharded model), ``embark.interop`` (TorchRec tables,
-state dicts, batches, plans and EBC models; torchrec optional). Command lines:
+runtime on ``torch.distributed`` and the sharded model), ``embark.quant`` (tables stored as
+fp16 … int2 rows, the compression planner), ``embark.interop`` (TorchRec tables, state dicts,
+batches, plans and EBC models; torchrec optional). Command lines:
 ``python -m embark.plan`` and ``torchrun -m embark.sharded_train``.
 
 >>> from embark import SyntheticCTR, TrainConfig, Trainer, build_model, get_workload

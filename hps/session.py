@@ -50,20 +50,21 @@ import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from hps.advisor import KeyStatistics
+from hps.fused_session import fused_lookup
+from hps.key_counts import KeyCounts
 from hps.rwlock import ReadWriteLock
 from hps.session_stats import LATENCY_WINDOW, TableStats
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache
 from hps.types import (
+    Pooling,
     StorageBackend,
-    Tier,
     TierUnavailableError,
     VolatileUnavailableError,
 )
@@ -141,11 +142,13 @@ class LookupSession:
         exact: never return a default vector for a key that exists.
         max_concurrent: lookups running at once (``num_of_worker_buffer_in_pool``).
         cache_missed_embeddings: insert rows found only in the persistent DB into the volatile DB.
-        record_key_stats: keep per-table :class:`~hps.advisor.KeyStatistics` (warm-up, advisor).
+        record_key_stats: keep per-table :class:`~hps.key_counts.KeyCounts` (warm-up, advisor).
         device: where returned rows live (the caches' device).
         acquire_timeout_s: how long a caller waits for a free worker before ``TimeoutError``.
         update_health: the health of the online updates that reach this session's tables
             (:mod:`hps.updates.health`; ``None``: none do).
+        compiled: let the fused lookups use the compiled kernel when it is built (``False``:
+            the pure-torch reference pass, :func:`hps.fused.gather_reference`).
     """
 
     def __init__(
@@ -161,6 +164,7 @@ class LookupSession:
         device: torch.device | str = "cpu",
         acquire_timeout_s: float = 60.0,
         update_health: UpdateHealth | None = None,
+        compiled: bool = True,
     ) -> None:
         if volatile is None and persistent is None:
             raise ValueError("a LookupSession needs a volatile or a persistent database")
@@ -172,6 +176,7 @@ class LookupSession:
         self.cache_missed_embeddings = cache_missed_embeddings
         self.device = torch.device(device)
         self.acquire_timeout_s = acquire_timeout_s
+        self.compiled = compiled
         self.max_concurrent = max_concurrent
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self.update_lock = ReadWriteLock()
@@ -179,7 +184,7 @@ class LookupSession:
         self._stats = {t.name: TableStats() for t in tables}
         self._stats_lock = threading.Lock()
         self._lat_pos = {t.name: 0 for t in tables}
-        self.key_stats = {t.name: KeyStatistics() for t in tables} if record_key_stats else None
+        self.key_stats = {t.name: KeyCounts() for t in tables} if record_key_stats else None
         # per table: the cache whose decay_epoch key_stats were last aged to, and that epoch
         self._stats_epoch: dict[str, tuple[weakref.ref[EmbeddingCache], int]] = {}
         self._aging_lock = threading.Lock()
@@ -221,14 +226,74 @@ class LookupSession:
             finally:
                 self.update_lock.release_read()
         except Exception as e:
-            with self._stats_lock:
-                self._stats[table].errors += 1
-                self._stats[table].unavailable += isinstance(e, TierUnavailableError)
+            self._count_error(table, isinstance(e, TierUnavailableError))
             raise
         finally:
             self._slots.release()
         self._record_latency(table, time.perf_counter() - start)
         return rows.reshape(*shape, t.dim)
+
+    def lookup_many(
+        self,
+        tables: Sequence[str],
+        keys: Sequence[torch.Tensor],
+        out: torch.Tensor | None = None,
+    ) -> list[torch.Tensor]:
+        """Rows of several tables in one fused call (:mod:`hps.fused`): every table's cache
+        hits probed and gathered in one pass, then each table's misses served as
+        :meth:`lookup` serves them (same tiers, statistics, fill policy).
+
+        Args:
+            tables: ``T`` table names (distinct).
+            keys: ``T`` int64 tensors, ``keys[i]`` of any shape ``S_i`` (e.g. ``(batch, hotness)``).
+            out: optional reused output buffer, ``(Σ_i numel(keys[i]) · dim_i,)`` float32
+                contiguous on the session's device (at least that many elements); reusing one
+                avoids page-faulting a fresh result on every call.
+
+        Returns:
+            ``T`` tensors, ``S_i + (dim_i,)`` float32, views into ``out`` (or one new buffer):
+            table ``i``'s block starts after the blocks of tables ``0..i-1``.
+
+        Raises:
+            ValueError: as :meth:`lookup` (naming the table), a table named twice, or an
+                ``out`` too small or not float32 contiguous.
+            TimeoutError / TierUnavailableError: as :meth:`lookup`.
+        """
+        return fused_lookup(self, tables, keys, None, out)
+
+    def lookup_pooled(
+        self,
+        tables: Sequence[str],
+        keys: Sequence[torch.Tensor],
+        pooling: Pooling | Sequence[Pooling] = Pooling.SUM,
+        out: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Pooled bags of several tables in one fused call (gather and pooling fused):
+        ``out[b, cols_i] = pool(rows of keys[i][b, :] ≥ 0)``.
+
+        Args:
+            tables: ``T`` table names (distinct).
+            keys: ``T`` int64 tensors ``(B, w_i)`` (one bag of at most ``w_i`` keys per sample;
+                ``-1`` pads a short bag; an empty bag pools to zeros).
+            pooling: one :class:`~hps.types.Pooling` for every table, or one per table.
+            out: optional reused output buffer ``(B, Σ_i dim_i)`` float32 contiguous.
+
+        Returns:
+            ``(B, Σ_i dim_i)`` float32, table ``i`` in columns ``Σ_{j<i} dim_j ..`` (with equal
+            dims, ``out.view(B, T, dim)``). Bag sums run key by key in bag order, cache hits
+            first, then the missed rows.
+
+        Raises:
+            ValueError: as :meth:`lookup_many`, a key below -1, or bags of unequal batch.
+            TimeoutError / TierUnavailableError: as :meth:`lookup`.
+        """
+        t = len(tables)
+        modes = (
+            [Pooling(pooling)] * t if isinstance(pooling, str) else [Pooling(p) for p in pooling]
+        )
+        if len(modes) != t:
+            raise ValueError(f"lookup_pooled: {len(modes)} pooling modes for {t} tables")
+        return fused_lookup(self, tables, keys, modes, out)[0]
 
     def stats(self, table: str | None = None) -> dict[str, object]:
         """Statistics of one table, or ``{table: stats}`` for all."""
@@ -433,45 +498,19 @@ class LookupSession:
             hit_cpu = hit.cpu()
             tier[hit_cpu] = 0
             miss = torch.nonzero(~hit_cpu).squeeze(1)
-            is_async = 1.0 - miss.numel() / max(n, 1) >= self.hit_rate_threshold
             if miss.numel():
-                mkeys = uniq[miss]
-                prio = counts[miss]
-                if self.key_stats is not None:  # history so far (this request is added below)
-                    prio = prio + torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
-                if is_async and not self.exact:
-                    mrows = torch.full((miss.numel(), t.dim), t.default_value, device=dev)
-                    mk, mp = mkeys.numpy(), prio.to(dev)
-                    self._submit(t, functools.partial(self._fill_from_db, t, cache, mk, mp, epoch))
-                else:
-                    fetched = self._fetch_tiers(t, mkeys.numpy())
-                    self._refuse(t, fetched)
-                    vals, found, from_pdb = fetched.values, fetched.found, fetched.from_pdb
-                    mrows = torch.from_numpy(vals).to(dev)
-                    fm = torch.from_numpy(found)
-                    if not found.all():
-                        mrows[~fm.to(dev)] = t.default_value
-                    tier[miss] = torch.from_numpy(
-                        np.where(found, np.where(from_pdb, 2, 1), 3).astype(np.int8)
-                    )
-                    fm_dev = fm.to(dev)
-                    fk, fv, fp = mkeys[fm].to(dev), mrows[fm_dev], prio[fm].to(dev)
-                    if is_async:
-                        # bound to this cache: a job running after the table's cache was
-                        # replaced must not write these (by then maybe stale) rows into the new one
-                        gen = self.update_lock.generation
-                        job = functools.partial(
-                            self._insert_if_current, t, cache, fk, fv, fp, gen, epoch
-                        )
-                        self._submit(t, job)
-                    else:
-                        cache.insert(fk, fv, priority=fp, epoch=epoch)
+                mrows, mtier, is_async = self.serve_misses(
+                    t, cache, uniq[miss], counts[miss], n, epoch
+                )
+                tier[miss] = mtier
                 # scatter the miss rows to every request position of a missed key
                 rank = torch.full((n,), -1, dtype=torch.int64)
                 rank[miss] = torch.arange(miss.numel())
                 pos_rank = rank.index_select(0, inverse)
                 pos = torch.nonzero(pos_rank >= 0).squeeze(1)
                 out[pos.to(dev)] = mrows.index_select(0, pos_rank[pos].to(dev))
+            else:
+                is_async = 1.0 >= self.hit_rate_threshold
         else:
             all_unique = n == flat.numel()
             # the databases do not care about order: an all-unique request skips the final gather
@@ -487,6 +526,62 @@ class LookupSession:
         if self.key_stats is not None:
             self.key_stats[t.name].update(uniq.numpy(), counts.numpy())
         return out
+
+    def serve_misses(
+        self,
+        t: SessionTable,
+        cache: EmbeddingCache,
+        mkeys: torch.Tensor,
+        mcounts: torch.Tensor,
+        n_unique: int,
+        epoch: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Rows for the cache misses of one lookup of ``t`` (the fill policy of the module
+        docstring), used by :meth:`lookup` and the fused lookups (:mod:`hps.fused_session`).
+
+        Args:
+            mkeys: ``(k,) int64`` the missed keys, unique, on the CPU.
+            mcounts: ``(k,) int64`` their occurrences in the request.
+            n_unique: distinct keys of the request (hits and misses): the hit rate's denominator.
+            epoch: the cache's ``decay_epoch`` the key statistics were aged to.
+
+        Returns:
+            ``(rows (k, dim) float32 on the session's device, tier (k,) int8: 1 volatile,
+            2 persistent, 3 default; is_async)``.
+
+        Raises:
+            TierUnavailableError: a missed key could be read from no tier.
+        """
+        dev = self.device
+        k = mkeys.numel()
+        is_async = 1.0 - k / max(n_unique, 1) >= self.hit_rate_threshold
+        prio = mcounts
+        if self.key_stats is not None:  # history so far (this request is added after)
+            prio = prio + torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
+        if is_async and not self.exact:
+            mrows = torch.full((k, t.dim), t.default_value, device=dev)
+            mk, mp = mkeys.numpy(), prio.to(dev)
+            self._submit(t, functools.partial(self._fill_from_db, t, cache, mk, mp, epoch))
+            return mrows, torch.full((k,), 3, dtype=torch.int8), is_async
+        fetched = self._fetch_tiers(t, mkeys.numpy())
+        self._refuse(t, fetched)
+        vals, found, from_pdb = fetched.values, fetched.found, fetched.from_pdb
+        mrows = torch.from_numpy(vals).to(dev)
+        fm = torch.from_numpy(found)
+        if not found.all():
+            mrows[~fm.to(dev)] = t.default_value
+        tier = torch.from_numpy(np.where(found, np.where(from_pdb, 2, 1), 3).astype(np.int8))
+        fm_dev = fm.to(dev)
+        fk, fv, fp = mkeys[fm].to(dev), mrows[fm_dev], prio[fm].to(dev)
+        if is_async:
+            # bound to this cache: a job running after the table's cache was
+            # replaced must not write these (by then maybe stale) rows into the new one
+            gen = self.update_lock.generation
+            job = functools.partial(self._insert_if_current, t, cache, fk, fv, fp, gen, epoch)
+            self._submit(t, job)
+        else:
+            cache.insert(fk, fv, priority=fp, epoch=epoch)
+        return mrows, tier, is_async
 
     def _age_key_stats(self, t: SessionTable, cache: EmbeddingCache) -> int:
         """Halve ``t``'s key statistics once per aging of ``cache`` since the last call;
@@ -577,16 +672,22 @@ class LookupSession:
         t_np = tier.numpy().astype(np.int64)
         uniq_counts = np.bincount(t_np, minlength=4)
         all_counts = np.bincount(t_np, weights=counts.numpy(), minlength=4)
-        names = [Tier.CACHE.value, Tier.VOLATILE.value, Tier.PERSISTENT.value, Tier.DEFAULT.value]
+        self._record_counts(
+            table, [int(x) for x in uniq_counts], [int(x) for x in all_counts], is_async
+        )
+
+    def _record_counts(
+        self, table: str, uniq_counts: list[int], all_counts: list[int], is_async: bool
+    ) -> None:
+        """One lookup of ``table``: keys per tier (cache, volatile, persistent, default),
+        distinct and all occurrences."""
         with self._stats_lock:
-            s = self._stats[table]
-            s.lookups += 1
-            s.keys_unique += int(t_np.size)
-            s.keys_all += int(counts.sum())
-            s.async_batches += int(is_async)
-            for i, name in enumerate(names):
-                s.hits_unique[name] += int(uniq_counts[i])
-                s.hits_all[name] += int(all_counts[i])
+            self._stats[table].add_lookup(uniq_counts, all_counts, is_async)
+
+    def _count_error(self, table: str, unavailable: bool) -> None:
+        with self._stats_lock:
+            self._stats[table].errors += 1
+            self._stats[table].unavailable += unavailable
 
     def _record_latency(self, table: str, seconds: float) -> None:
         with self._stats_lock:

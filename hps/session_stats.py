@@ -33,6 +33,17 @@ class TableStats:
     unavailable: int = 0
     latencies_s: np.ndarray = field(default_factory=lambda: np.full(LATENCY_WINDOW, np.nan))
 
+    def add_lookup(self, uniq_counts: list[int], all_counts: list[int], is_async: bool) -> None:
+        """Count one lookup: its keys per tier in :class:`Tier` order (cache, volatile,
+        persistent, default), distinct (``uniq_counts``) and every occurrence (``all_counts``)."""
+        self.lookups += 1
+        self.keys_unique += sum(uniq_counts)
+        self.keys_all += sum(all_counts)
+        self.async_batches += int(is_async)
+        for tier, u, a in zip(Tier, uniq_counts, all_counts, strict=True):
+            self.hits_unique[tier.value] += u
+            self.hits_all[tier.value] += a
+
     def to_dict(self) -> dict[str, object]:
         lat = self.latencies_s[~np.isnan(self.latencies_s)]
         p50, p99 = np.percentile(lat, [50, 99]) if lat.size else (float("nan"),) * 2

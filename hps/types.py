@@ -60,6 +60,13 @@ class CachePolicy(StrEnum):
 DEFAULT_LFU_DECAY_KEYS_PER_SLOT = 20.0
 
 
+class Pooling(StrEnum):
+    """How a bag of rows becomes one vector (a table's ``combiner`` in the serving metadata)."""
+
+    SUM = "sum"
+    MEAN = "mean"
+
+
 class UpdateSourceType(StrEnum):
     """``update_source.type``: where online updates from the trainer arrive."""
 

@@ -23,6 +23,12 @@ schedule — by magnitude alone, with calibration on N training batches (activat
 and least-squares reconstruction), and with calibration then the same fine-tuning budget
 (``recipes.prune_oneshot``); ``report.json`` ``oneshot`` and a section of ``report.md``.
 
+Compressed tables (``--quant-budget F``, 0 skips): the dense baseline and the main run with
+their embedding tables stored as int8, int4 and as the compression planner chooses for F of the
+fp32 tables' bytes (choices on validation batches), each model's whole size (tables + dense
+part) and test AUC (``recipes.prune_quant``); ``report.json`` ``quantized`` and a section of
+``report.md``.
+
 Serving (``--serve-batches``, 0 skips): the main run's condensed model is exported to
 ``<out>/serving`` (sparse files, ``dense.onnx``, ``ps.json``), served by the v2 inference server
 (``hps.serving.http_server``) on a free local port, and that many eval batches are scored through it with
@@ -59,6 +65,7 @@ from embark.models.workloads import PRESETS, get_workload
 from embark.training.trainer import Callback, TrainConfig, Trainer
 from recipes.cli import OutFolder, check_knobs, knob, parse_knobs, run_recipe
 from recipes.prune_oneshot import oneshot_rows, oneshot_section
+from recipes.prune_quant import quant_report, quant_section, quant_summary
 from recipes.prune_report import terminal_summary, write_markdown, write_plots
 from recipes.prune_serve import serve_check
 from recipes.prune_speed import measure_speed
@@ -160,6 +167,13 @@ class PruneDLRMConfig:
         "also prune each config one-shot: magnitude, with calibration on this many training "
         "batches (activation importance + reconstruction), and that fine-tuned (0 skips)",
         ge=0,
+    )
+    quant_budget: float = knob(
+        0.25,
+        "compressed tables: int8, int4 and the planner's choice for this fraction of the fp32 "
+        "tables' bytes (0 skips)",
+        ge=0,
+        le=1,
     )
     serve_batches: int = knob(
         8,
@@ -442,6 +456,15 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
         )  # fmt: skip
         report["seconds"]["oneshot"] = time.perf_counter() - t0
     main_i = _main_run_index(rows, cfg)
+    if cfg.quant_budget:
+        label = f"{rows[main_i]['pattern']} {rows[main_i]['sparsity']:.0%}"
+        # the planner's choices: on other eval batches than the reported figures' (a quarter
+        # as many: each table × dtype is scored alone on them)
+        n_val = max(1, cfg.eval_batches // 4)
+        validation = list(data.batches(n_val, split="eval", start=cfg.eval_batches))
+        report["quantized"] = quant_report(
+            baseline, runs[main_i].model, label, eval_batches, validation, cfg.quant_budget
+        )
     _measure_speed(report, cfg, rows[main_i])
     _check_serving(report, cfg, runs[main_i].model, out / "serving", eval_batches)
     report["plots"] = write_plots(out, report, runs[main_i].masks, rows[main_i])
@@ -450,8 +473,12 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
     md = write_markdown(report, main_i)
     if "oneshot" in report:
         md += "\n" + oneshot_section(report["oneshot"])
+    if "quantized" in report:
+        md += "\n" + quant_section(report["quantized"])
     (out / "report.md").write_text(md)
     print(terminal_summary(report, main_i, out))
+    if "quantized" in report:
+        print(quant_summary(report["quantized"]))
     return report
 
 

@@ -3,15 +3,21 @@ device (CPU here, CUDA when present), LRU or LFU within each set.
 
 Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 ways)::
 
-    set(key) = splitmix64(key) % num_sets         num_sets = ceil(capacity / ways) = 2
+    set(key) = hi32(splitmix64(key)) × num_sets >> 32       num_sets = ceil(capacity / ways) = 2
 
     keys     (num_sets, ways) int64    [[ 7, 12, E,  3],      E = EMPTY_KEY (-2**63)
                                         [ 5,  E, E,  E]]
     counters (num_sets, ways) int64    [[40, 38, -1, 12],     LRU: clock of last use
                                         [41, -1, -1, -1]]     LFU: number of uses (aged)
-    values   (num_sets * ways, dim)    row of slot s*ways + w
+    tags     (num_sets, ways) uint8    [[ 9, 201, 0, 77],     tag_of(key); 0 = empty
+                                        [14,  0, 0,  0]]
+    storage  (num_sets * ways, row_bytes) uint8   row of slot s*ways + w (opaque bytes)
+    values   (num_sets * ways, dim) float32       the FP32 view of ``storage``
 
-A query compares each key with the ``ways`` keys of its set in one vectorised ``==``; an
+A probe of the compiled path (:mod:`hps.fused`) reads the set's tag line (64 ways = one
+64-byte cache line), then only the key of a way whose tag matches (1 in 255 false matches per
+way), then the row: O(1) cache lines per key. The reference query below compares each key with
+the ``ways`` keys of its set in one vectorised ``==``; an
 insertion sorts the new keys by set and, inside a set, by their frequency in the request,
 and gives the r-th new key of a set that set's r-th victim (empty slots first, then the
 lowest counter) if that victim is colder (see :meth:`EmbeddingCache.insert`). No per-key
@@ -52,6 +58,7 @@ from dataclasses import dataclass
 
 import torch
 
+from hps.storage.host_memory import huge_zeros
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 
 log = logging.getLogger(__name__)
@@ -75,14 +82,26 @@ def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
     return (x >> s) & ((1 << (64 - s)) - 1)
 
 
-def set_of(keys: torch.Tensor, num_sets: int) -> torch.Tensor:
-    """``(n,) int64`` keys → ``(n,) int64`` set indices: the splitmix64 finaliser (the same
-    as :func:`hps.types.mix64`; int64 multiplication wraps modulo 2**64), then ``% num_sets``."""
+def _mix(keys: torch.Tensor) -> torch.Tensor:
+    """The splitmix64 finaliser over ``(n,) int64`` (the same as :func:`hps.types.mix64`;
+    int64 multiplication wraps modulo 2**64)."""
     z = keys + _GOLDEN
     z = (z ^ _srl(z, 30)) * _M1
     z = (z ^ _srl(z, 27)) * _M2
-    z = z ^ _srl(z, 31)
-    return _srl(z, 1) % num_sets
+    return z ^ _srl(z, 31)
+
+
+def set_of(keys: torch.Tensor, num_sets: int) -> torch.Tensor:
+    """``(n,) int64`` keys → ``(n,) int64`` set indices: the high 32 bits of ``mix64(key)``
+    scaled to ``[0, num_sets)``, ``(hi32 × num_sets) >> 32`` (a multiply where ``%`` would
+    divide; exact in int64 for ``num_sets < 2**31``)."""
+    return (_srl(_mix(keys), 32) * num_sets) >> 32
+
+
+def tag_of(keys: torch.Tensor) -> torch.Tensor:
+    """``(n,) int64`` keys → ``(n,) uint8`` tags in ``[1, 255]`` (0 marks an empty slot):
+    ``1 + (low 16 bits of mix64(key)) % 255``, bits the set index does not use."""
+    return (1 + (_mix(keys) & 0xFFFF) % 255).to(torch.uint8)
 
 
 @dataclass
@@ -153,14 +172,25 @@ class EmbeddingCache:
         self.device = torch.device(device)
         self.ways = min(ways, capacity)
         self.num_sets = -(-capacity // self.ways)
+        if self.num_sets >= 2**31:
+            raise ValueError(
+                f"cache of {capacity} rows in sets of {self.ways} ways has {self.num_sets} sets, "
+                f"at most {2**31 - 1} (raise ways)"
+            )
         self.capacity = self.num_sets * self.ways
-        self.keys = torch.full(
-            (self.num_sets, self.ways), EMPTY_KEY, dtype=torch.int64, device=self.device
-        )
-        self.counters = torch.full(
-            (self.num_sets, self.ways), -1, dtype=torch.int64, device=self.device
-        )
-        self.values = torch.zeros((self.capacity, dim), dtype=torch.float32, device=self.device)
+        sets = (self.num_sets, self.ways)
+        # huge pages: the probe reads these at random (a TLB miss per read with 4 KiB pages)
+        self.keys = huge_zeros(sets, torch.int64, self.device).fill_(EMPTY_KEY)
+        self.counters = huge_zeros(sets, torch.int64, self.device).fill_(-1)
+        self.tags = huge_zeros(sets, torch.uint8, self.device)
+        #: bytes of one stored row (FP32: 4 × dim); rows are opaque bytes to the probe
+        self.row_bytes = 4 * dim
+        self.storage = huge_zeros((self.capacity, self.row_bytes), torch.uint8, self.device)
+        self.values = self.storage.view(torch.float32)  # (capacity, dim), shares storage
+        #: per slot: the last compiled-path query that hit it (its unique-hit count); see
+        #: :meth:`next_mark`
+        self.marks = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
+        self._mark = 0
         self._clock = 1  # LRU: bumped by every query; entries inserted since then carry it
         self.lfu_decay_keys_per_slot = float(per_slot)
         #: looked-up keys between two LFU halvings (0: never; always 0 for LRU)
@@ -181,6 +211,28 @@ class EmbeddingCache:
         self._refresh_cursor = 0
         self.stats = CacheStats()
 
+    def next_mark(self) -> int:
+        """The mark (1..255) a compiled-path query writes into the slots it hits, so that a
+        slot's first hit in the query counts it as a unique hit; every 255 queries the marks
+        are cleared (O(capacity) once per 255 queries). Call with the cache's lock held."""
+        self._mark = self._mark % 255 + 1
+        if self._mark == 1:
+            self.marks.zero_()
+        return self._mark
+
+    def _advance_age(self, looked_up: int) -> int:
+        """The halvings ``looked_up`` more keys cross (LFU aging clock), with the clock, the
+        epoch and the statistics moved; the counters are NOT shifted (the caller does)."""
+        w = self.lfu_decay_interval
+        if not w:
+            return 0
+        before = self._looked_up // w
+        self._looked_up += looked_up
+        crossed = self._looked_up // w - before
+        self.decay_epoch += crossed
+        self.stats.decays += crossed
+        return crossed
+
     # ------------------------------------------------------------------ queries
     def _slots(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hit (n,) bool, slot (n,) int64)``; ``slot`` is meaningful where ``hit``."""
@@ -199,14 +251,9 @@ class EmbeddingCache:
     def _age(self, looked_up: int) -> None:
         """Advance the aging clock by ``looked_up`` keys; halve every counter once per multiple
         of ``lfu_decay_interval`` crossed."""
-        w = self.lfu_decay_interval
-        before = self._looked_up // w
-        self._looked_up += looked_up
-        crossed = self._looked_up // w - before
+        crossed = self._advance_age(looked_up)
         if crossed:
             self.counters.bitwise_right_shift_(min(crossed, _MAX_SHIFT))  # -1 (empty) stays -1
-            self.decay_epoch += crossed
-            self.stats.decays += crossed
 
     def query(
         self,
@@ -318,6 +365,7 @@ class EmbeddingCache:
             flat_keys = self.keys.view(-1)
             self.stats.evicted += int((flat_keys[tgt] != EMPTY_KEY).sum())
             flat_keys[tgt] = keys[src]
+            self.tags.view(-1)[tgt] = tag_of(keys[src])
             self.values[tgt] = values[src]
             self.counters.view(-1)[tgt] = incoming[ok]
             n = int(tgt.numel())
@@ -341,6 +389,7 @@ class EmbeddingCache:
         with self._lock:
             hit, slot = self._slots(keys)
             self.keys.view(-1)[slot[hit]] = EMPTY_KEY
+            self.tags.view(-1)[slot[hit]] = 0
             self.counters.view(-1)[slot[hit]] = -1
             return int(hit.sum())
 
@@ -360,6 +409,13 @@ class EmbeddingCache:
             self._refresh_cursor = (start + n) % self.capacity
             k = self.keys.view(-1)[idx]
             return k[k != EMPTY_KEY].clone()
+
+    def nbytes(self) -> int:
+        """Host or device bytes this cache holds: rows, keys, counters, tags and marks."""
+        return sum(
+            t.numel() * t.element_size()
+            for t in (self.storage, self.keys, self.counters, self.tags, self.marks)
+        )
 
     def __len__(self) -> int:
         with self._lock:

@@ -247,6 +247,17 @@ class HashMapBackend(StorageBackend):
                 pos = pos[part.keys[pos] == keys[idx]]
                 part.remove_positions(np.unique(pos))
 
+    def nbytes(self, table: str) -> int:
+        """Bytes ``table`` holds in this map: row slots (held or free), their use counts and
+        stamps, the free list, and the sorted key index."""
+        _, parts = self._table(table)
+        total = 0
+        for p in parts:
+            with p.lock:
+                arrays = (p.values, p.uses, p.stamp, p.free, p.keys, p.slots)
+                total += sum(a.nbytes for a in arrays)
+        return total
+
     def size(self, table: str) -> int:
         _, parts = self._table(table)
         return int(sum(p.keys.size for p in parts))

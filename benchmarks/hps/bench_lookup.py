@@ -1,0 +1,253 @@
+"""HPS lookups at the memory limit, side by side in one process (issue 27).
+
+    PYTHONPATH=. python -m benchmarks.hps.bench_lookup [--quick] [--only single,tables,memory]
+
+Contenders, the same keys and the same FP32 rows (all resident: cache-hit path):
+
+- ``hps``: :meth:`LookupSession.lookup_many` (rows) / :meth:`LookupSession.lookup_pooled`
+  (bags) into a reused output buffer; ``hps_per_table``: :meth:`LookupSession.lookup`, one
+  call per table (the per-table path);
+- ``index_select``: ``torch.index_select(W, 0, keys, out=buf)`` into a reused buffer (26 tables:
+  ONE call over the tables' rows stacked, keys offset per table);
+- ``embedding_bag``: one ``F.embedding_bag`` (sum) over the stacked rows, offsets per bag;
+- ``fbgemm_<dtype>``: FBGEMM's CPU inference TBE (``IntNBitTableBatchedEmbeddingBagsCodegen``)
+  with FP32 / FP16 / INT8 / INT4 weights; rows as bags of one key.
+
+Sections: ``single`` one table of 1M × 128 with 65,536 Zipf(1.05) keys (rows); ``tables`` the 26
+tables of ``dlrm_dcnv2`` ÷ 300, one batch of ~65 k keys (rows and pooled); ``memory`` the bytes
+held per resident row in each tier when every row is in host RAM (cache + in-process hash map).
+Writes ``benchmarks/results/hps_lookup.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from benchmarks.hps.zipf_keys import Zipf, side_by_side
+from benchmarks.meta import RESULTS_DIR, write_json
+from hps.kernels import load_extension
+from hps.session import LookupSession, SessionTable
+from hps.storage.cache import EmbeddingCache
+from hps.storage.volatile import HashMapBackend
+from hps.types import Pooling
+
+log = logging.getLogger(__name__)
+
+DIM = 128
+ALPHA = 1.05
+DTYPES = ("fp32", "fp16", "int8", "int4")
+
+
+def _tbe(rows: list[int], dtype: str, weights: list[torch.Tensor], pooled: bool) -> Any:
+    """FBGEMM's CPU inference TBE over ``rows`` tables of DIM, its weights from ``weights``
+    (quantized row-wise for INT8/INT4, as FBGEMM stores them)."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
+        IntNBitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    st = {
+        "fp32": SparseType.FP32,
+        "fp16": SparseType.FP16,
+        "int8": SparseType.INT8,
+        "int4": SparseType.INT4,
+    }[dtype]
+    tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
+        [(f"t{i}", n, DIM, st, EmbeddingLocation.HOST) for i, n in enumerate(rows)],
+        device="cpu",
+        pooling_mode=PoolingMode.SUM,
+        output_dtype=SparseType.FP32,
+    )
+    tbe.initialize_weights()
+    if dtype in ("fp32", "fp16"):
+        for (w, _), src in zip(tbe.split_embedding_weights(), weights, strict=True):
+            w.copy_(
+                src.to(torch.float16 if dtype == "fp16" else torch.float32)
+                .view(torch.uint8)
+                .view(w.shape)
+            )
+    else:
+        tbe.fill_random_weights()  # the speed of a quantized gather does not depend on values
+    return tbe
+
+
+def _resident_session(
+    weights: list[torch.Tensor], names: list[str], max_keys: int, slack: float
+) -> LookupSession:
+    """A session whose caches hold the rows of ``weights`` (capacity ``slack`` × rows: at 2 no
+    64-way set overflows, at 1.25 a few percent of the rows stay out), in front of an empty
+    volatile DB."""
+    tables = []
+    v = HashMapBackend(num_partitions=1)
+    for name, w in zip(names, weights, strict=True):
+        v.create_table(name, DIM)
+        c = EmbeddingCache(max(64, int(w.shape[0] * slack)), DIM, policy="lfu")
+        keys = torch.arange(w.shape[0])
+        for s in range(0, keys.numel(), 1 << 18):
+            c.insert(keys[s : s + (1 << 18)], w[s : s + (1 << 18)])
+        tables.append(SessionTable(name, DIM, 0.0, max_keys, c))
+    return LookupSession(tables, v, None, hit_rate_threshold=0.0)
+
+
+def bench_single(args: argparse.Namespace) -> list[dict[str, Any]]:
+    n_rows = 100_000 if args.quick else 1_000_000
+    n_keys = 65_536
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n_rows, DIM, generator=g)
+    s = _resident_session([w], ["t"], 1 << 20, slack=1.25)
+    cache = s.tables["t"].cache
+    assert cache is not None
+    z = Zipf(n_rows, ALPHA, seed=1)
+    q = torch.from_numpy(z.sample(2 * n_keys))
+    q = q[cache.contains(q)][:n_keys].contiguous()
+    assert q.numel() == n_keys, "too few resident keys"
+    buf = torch.empty(n_keys * DIM)
+    ibuf = torch.empty(n_keys, DIM)
+    ref = w.index_select(0, q)
+    got = s.lookup_many(["t"], [q], out=buf)[0]
+    assert torch.equal(got, ref), "hps rows differ from index_select"
+    fns: dict[str, Any] = {
+        "hps": lambda: s.lookup_many(["t"], [q], out=buf),
+        "hps_per_table": lambda: s.lookup("t", q),
+        "index_select": lambda: torch.index_select(w, 0, q, out=ibuf),
+    }
+    q32 = q.to(torch.int32)
+    offs = torch.arange(n_keys + 1, dtype=torch.int32)
+    for dt in DTYPES:
+        tbe = _tbe([n_rows], dt, [w], pooled=False)
+        fns[f"fbgemm_{dt}"] = lambda tbe=tbe: tbe(q32, offs)
+    t = side_by_side(fns, args.repeats)
+    row = {"section": "single", "rows": n_rows, "keys": n_keys, "unique": int(q.unique().numel())}
+    row.update({f"{k}_ms": v * 1e3 for k, v in t.items()})
+    row["hps_vs_index_select"] = t["index_select"] / t["hps"]
+    row["hps_vs_fbgemm_fp32"] = t["fbgemm_fp32"] / t["hps"]
+    return [row]
+
+
+def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
+    from embark.models.workloads import get_workload
+
+    wl = get_workload("dlrm_dcnv2").scaled(3000 if args.quick else 300)
+    rows = [t.num_rows for t in wl.tables]
+    hot = [t.hotness for t in wl.tables]
+    batch = 65_536 // sum(hot)
+    g = torch.Generator().manual_seed(0)
+    ws = [torch.randn(n, DIM, generator=g) for n in rows]
+    names = [t.name for t in wl.tables]
+    s = _resident_session(ws, names, 1 << 20, slack=2.0)
+    keys = [
+        torch.from_numpy(Zipf(n, ALPHA, seed=10 + i).sample(batch * h)).view(batch, h)
+        for i, (n, h) in enumerate(zip(rows, hot, strict=True))
+    ]
+    stacked = torch.cat(ws)
+    base = torch.tensor([0, *np.cumsum(rows)[:-1].tolist()])
+    # one fused index_select: every table's keys offset into the stacked rows, table after table
+    flat = torch.cat([k.reshape(-1) + base[i] for i, k in enumerate(keys)])
+    # one fused embedding_bag: bags sample-major (b, t), the bag of table t of sample b
+    bag_keys = torch.cat([keys[i] + base[i] for i in range(len(keys))], dim=1)  # (B, Σ h)
+    bag_ids = torch.cat([k.reshape(-1) + base[i] for i, k in enumerate(keys)])
+    bag_offsets = torch.tensor(
+        [0, *np.cumsum([h for h in hot for _ in range(batch)])[:-1].tolist()]
+    )
+    n_keys = int(flat.numel())
+    rbuf = torch.empty(n_keys * DIM)
+    ibuf = torch.empty(n_keys, DIM)
+    pbuf = torch.empty(batch, DIM * len(names))
+    pooling = [Pooling.SUM] * len(names)
+    ref_rows = stacked.index_select(0, flat)
+    got = torch.cat([r.reshape(-1, DIM) for r in s.lookup_many(names, keys, out=rbuf)])
+    assert torch.equal(got, ref_rows), "hps rows differ from index_select"
+    ref_bags = F.embedding_bag(bag_ids, stacked, bag_offsets, mode="sum").view(
+        len(names), batch, DIM
+    )
+    got_bags = s.lookup_pooled(names, keys, pooling, out=pbuf).view(batch, len(names), DIM)
+    torch.testing.assert_close(got_bags.transpose(0, 1), ref_bags, rtol=1e-5, atol=1e-4)
+    del bag_keys
+    fns: dict[str, Any] = {
+        "hps_rows": lambda: s.lookup_many(names, keys, out=rbuf),
+        "index_select_rows": lambda: torch.index_select(stacked, 0, flat, out=ibuf),
+        "hps_pooled": lambda: s.lookup_pooled(names, keys, pooling, out=pbuf),
+        "embedding_bag_pooled": lambda: F.embedding_bag(bag_ids, stacked, bag_offsets, mode="sum"),
+        "hps_per_table_rows": lambda: [s.lookup(n, k) for n, k in zip(names, keys, strict=True)],
+    }
+    tbe_idx = torch.cat([k.reshape(-1) for k in keys]).to(torch.int32)
+    tbe_off = torch.tensor(
+        [0, *np.cumsum([h for h in hot for _ in range(batch)]).tolist()], dtype=torch.int32
+    )
+    row_off = torch.arange(n_keys + 1, dtype=torch.int32)
+    for dt in DTYPES:
+        tbe = _tbe(rows, dt, ws, pooled=True)
+        fns[f"fbgemm_{dt}_pooled"] = lambda tbe=tbe: tbe(tbe_idx, tbe_off)
+    t = side_by_side(fns, args.repeats)
+    # rows through the TBE (bags of one key): its offsets are per (table, bag) so T·n bags
+    row = {
+        "section": "tables",
+        "tables": len(names),
+        "batch": batch,
+        "keys": n_keys,
+        "rows_total": int(sum(rows)),
+    }
+    row.update({f"{k}_ms": v * 1e3 for k, v in t.items()})
+    row["hps_rows_vs_index_select"] = t["index_select_rows"] / t["hps_rows"]
+    row["hps_pooled_vs_embedding_bag"] = t["embedding_bag_pooled"] / t["hps_pooled"]
+    row["hps_pooled_vs_fbgemm_fp32"] = t["fbgemm_fp32_pooled"] / t["hps_pooled"]
+    del row_off
+    return [row]
+
+
+def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
+    n_rows = 50_000 if args.quick else 200_000
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n_rows, DIM, generator=g)
+    keys = np.arange(n_rows, dtype=np.int64)
+    v = HashMapBackend(num_partitions=8)
+    v.create_table("t", DIM)
+    for s in range(0, n_rows, 1 << 16):
+        v.insert("t", keys[s : s + (1 << 16)], w[s : s + (1 << 16)].numpy())
+    c = EmbeddingCache(n_rows, DIM, policy="lfu")
+    s = LookupSession([SessionTable("t", DIM, 0.0, 1 << 20, c)], v, None, hit_rate_threshold=1.0)
+    s.warm_up("t", keys)
+    held = len(c)
+    vb, cb = v.nbytes("t"), c.nbytes()
+    return [
+        {
+            "section": "memory",
+            "rows": n_rows,
+            "row_bytes": 4 * DIM,
+            "cache_rows": held,
+            "volatile_bytes_per_row": vb / n_rows,
+            "cache_bytes_per_row": cb / n_rows,
+            "total_bytes_per_row": (vb + cb) / n_rows,
+            "target_bytes_per_row": 1.15 * 4 * DIM,
+        }
+    ]
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="small tables (a smoke run)")
+    ap.add_argument("--repeats", type=int, default=30)
+    ap.add_argument("--only", default="single,tables,memory")
+    args = ap.parse_args(argv)
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    if load_extension() is None:
+        log.warning("the compiled kernel is not built: hps runs its reference path")
+    sections = {"single": bench_single, "tables": bench_tables, "memory": bench_memory}
+    rows: list[dict[str, Any]] = []
+    for name in args.only.split(","):
+        rows += sections[name](args)
+        log.info("%s", rows[-1])
+    out = RESULTS_DIR / ("hps_lookup_quick.json" if args.quick else "hps_lookup.json")
+    write_json(out, rows, threads=torch.get_num_threads())
+    log.info("wrote %s", out)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,317 @@
+"""A session's fused multi-table lookup (:meth:`hps.session.LookupSession.lookup_many` and
+:meth:`~hps.session.LookupSession.lookup_pooled`).
+
+One call, whatever the number of tables:
+
+1. checks (dtype, size per table; bad key values are refused by the fused pass before any
+   counter moves);
+2. under the session's worker slot and the reader side of its update lock, with every
+   table's cache locked (in one fixed order), ONE fused cache-hit pass (:func:`hps.fused.gather`:
+   probe, count, gather or pool, per-table statistics);
+3. the misses of each table that had any (the miss path: dedupe of the missed keys, the
+   databases, the fill policy, :meth:`~hps.session.LookupSession.serve_misses`), written into
+   their positions (rows) or added to their bags (bags; MEAN bags with a miss divided here);
+4. key statistics of every table counted in one call (:class:`hps.key_counts.KeyCounts`).
+
+Tables without a cache, or caches off the CPU, go through :meth:`LookupSession.lookup` one by
+one (the same results).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+import torch
+
+from hps.fused import GatherArgs, gather
+from hps.kernels import load_extension
+from hps.storage.cache import EmbeddingCache
+from hps.types import CachePolicy, Pooling, TierUnavailableError
+
+if TYPE_CHECKING:
+    from hps.session import LookupSession, SessionTable
+
+__all__ = ["fused_lookup"]
+
+
+def _check(
+    s: LookupSession, tables: Sequence[str], keys: Sequence[torch.Tensor], bags: bool
+) -> tuple[list[SessionTable], list[torch.Tensor]]:
+    if len(tables) != len(keys):
+        raise ValueError(f"{len(tables)} tables but {len(keys)} key tensors")
+    if len(set(tables)) != len(tables):
+        raise ValueError(f"a table is named twice in one fused lookup: {list(tables)}")
+    ts = [s._table(n) for n in tables]
+    flat = []
+    batch = None
+    for t, k in zip(ts, keys, strict=True):
+        if not isinstance(k, torch.Tensor) or k.dtype != torch.int64:
+            got = k.dtype if isinstance(k, torch.Tensor) else type(k).__name__
+            raise ValueError(f"table {t.name!r}: keys must be an int64 torch.Tensor, got {got}")
+        if k.numel() > t.max_keys:
+            raise ValueError(
+                f"table {t.name!r}: {k.numel()} keys in one lookup, at most {t.max_keys} "
+                f"(max_batch_size × maxnum_catfeature_query_per_table_per_sample)"
+            )
+        if bags:
+            if k.dim() != 2:
+                raise ValueError(f"table {t.name!r}: bags must be (B, w), got {tuple(k.shape)}")
+            if batch is None:
+                batch = k.shape[0]
+            elif k.shape[0] != batch:
+                raise ValueError(
+                    f"table {t.name!r}: {k.shape[0]} bags, but the first table has {batch}"
+                )
+        flat.append(k.reshape(-1).contiguous())
+    return ts, flat
+
+
+def _out_buffer(
+    out: torch.Tensor | None, shape: tuple[int, ...], device: torch.device
+) -> torch.Tensor:
+    if out is None:
+        return torch.empty(shape, dtype=torch.float32, device=device)
+    need = 1
+    for d in shape:
+        need *= d
+    if out.dtype != torch.float32 or not out.is_contiguous() or out.device != device:
+        raise ValueError(
+            f"out must be a contiguous float32 tensor on {device}, got {out.dtype} on "
+            f"{out.device} (contiguous: {out.is_contiguous()})"
+        )
+    if len(shape) == 1:
+        if out.numel() < need:
+            raise ValueError(f"out holds {out.numel()} floats, the rows need {need}")
+        return out.view(-1)[:need]
+    if tuple(out.shape) != shape:
+        raise ValueError(f"out must have shape {shape}, got {tuple(out.shape)}")
+    return out
+
+
+def fused_lookup(
+    s: LookupSession,
+    tables: Sequence[str],
+    keys: Sequence[torch.Tensor],
+    pooling: list[Pooling] | None,
+    out: torch.Tensor | None,
+) -> list[torch.Tensor]:
+    """Rows (``pooling is None``: one view per table) or bags (one ``(B, Σ dim)`` tensor)."""
+    bags = pooling is not None
+    ts, flat = _check(s, tables, keys, bags)
+    dims = [t.dim for t in ts]
+    if bags:
+        b = keys[0].shape[0] if keys else 0
+        hot = [int(k.shape[1]) for k in keys]
+        offsets = [sum(dims[:i]) for i in range(len(dims))]
+        buf = _out_buffer(out, (b, sum(dims)), s.device)
+    else:
+        hot = [0] * len(ts)
+        sizes = [f.numel() * d for f, d in zip(flat, dims, strict=True)]
+        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        buf = _out_buffer(out, (sum(sizes),), s.device)
+    caches = [t.cache for t in ts]
+    if not ts or not _fusable(s, caches):
+        return _per_table(s, ts, keys, flat, pooling, buf, offsets)
+    if not s._slots.acquire(timeout=s.acquire_timeout_s):
+        raise TimeoutError(
+            f"no lookup worker free within {s.acquire_timeout_s} s ({s.max_concurrent} busy)"
+        )
+    start = time.perf_counter()
+    try:
+        s.update_lock.acquire_read()
+        try:
+            _run(s, ts, flat, [c for c in caches if c is not None], buf, offsets, hot, pooling)
+        finally:
+            s.update_lock.release_read()
+    except Exception as e:
+        for t in ts:
+            s._count_error(t.name, isinstance(e, TierUnavailableError))
+        raise
+    finally:
+        s._slots.release()
+    elapsed = time.perf_counter() - start
+    for t in ts:
+        s._record_latency(t.name, elapsed)
+    if bags:
+        return [buf]
+    return [
+        buf[o : o + f.numel() * d].view(*k.shape, d)
+        for o, f, d, k in zip(offsets, flat, dims, keys, strict=True)
+    ]
+
+
+def _fusable(s: LookupSession, caches: list[EmbeddingCache | None]) -> bool:
+    return s.device.type == "cpu" and all(c is not None and c.device.type == "cpu" for c in caches)
+
+
+def _run(
+    s: LookupSession,
+    ts: list[SessionTable],
+    flat: list[torch.Tensor],
+    caches: list[EmbeddingCache],
+    buf: torch.Tensor,
+    offsets: list[int],
+    hot: list[int],
+    pooling: list[Pooling] | None,
+) -> None:
+    bags = pooling is not None
+    locks = {id(c): c for c in caches}
+    order = [locks[k] for k in sorted(locks)]  # one fixed order: two fused calls never deadlock
+    for c in order:
+        c._lock.acquire()
+    try:
+        stamps = []
+        for c in order:
+            c._clock += 1
+        for c in caches:
+            stamps.append(c._clock if c.policy is CachePolicy.LRU else -1)
+        marks = [c.next_mark() for c in order]
+        mark_of = {id(c): m for c, m in zip(order, marks, strict=True)}
+        args = GatherArgs(
+            caches=caches,
+            keys=flat,
+            out=buf,
+            out_offsets=offsets,
+            out_stride=buf.shape[1] if bags else 0,
+            hotness=hot,
+            mean=[p is Pooling.MEAN for p in pooling] if pooling is not None else [False] * len(ts),
+            stamps=stamps,
+            marks=[mark_of[id(c)] for c in caches],
+            looked_up=[c._looked_up for c in caches],
+            intervals=[c.lfu_decay_interval for c in caches],
+        )
+        try:
+            res = gather(args, compiled=s.compiled and load_extension() is not None)
+        except ValueError as e:
+            raise ValueError(_name_table(str(e), ts)) from None
+        per = res.per_table.tolist()
+        for c, row in zip(caches, per, strict=True):
+            c._advance_age(row[3])
+            c.stats.hits += row[2]
+            c.stats.queries += row[2]
+    finally:
+        for c in reversed(order):
+            c._lock.release()
+    _serve_all_misses(s, ts, flat, caches, res.misses, per, buf, offsets, hot, pooling)
+    _count_keys(s, ts, flat, per)
+
+
+def _name_table(msg: str, ts: list[SessionTable]) -> str:
+    """The fused pass names a table by its index; name it by its name."""
+    head, _, rest = msg.partition(":")
+    words = head.split()
+    if len(words) == 2 and words[0] == "table" and words[1].isdigit() and int(words[1]) < len(ts):
+        return f"table {ts[int(words[1])].name!r}:{rest}"
+    return msg
+
+
+def _serve_all_misses(
+    s: LookupSession,
+    ts: list[SessionTable],
+    flat: list[torch.Tensor],
+    caches: list[EmbeddingCache],
+    misses: torch.Tensor,
+    per: list[list[int]],
+    buf: torch.Tensor,
+    offsets: list[int],
+    hot: list[int],
+    pooling: list[Pooling] | None,
+) -> None:
+    from hps.session import unique_with_inverse
+
+    start = 0
+    for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
+        nm, hits, uniq_hits = row[0], row[1], row[2]
+        epoch = s._age_key_stats(t, c)
+        if not nm:
+            s._record_counts(
+                t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], 1.0 >= s.hit_rate_threshold
+            )
+            continue
+        pos = misses[start : start + nm]
+        start += nm
+        uniq, inv, counts = unique_with_inverse(flat[i].index_select(0, pos))
+        n_unique = uniq_hits + uniq.numel()
+        with c._lock:
+            c.stats.queries += uniq.numel()
+        rows, tier, is_async = s.serve_misses(t, c, uniq, counts, n_unique, epoch)
+        expanded = rows.index_select(0, inv)
+        d, off = t.dim, offsets[i]
+        if pooling is None:
+            buf[off : off + flat[i].numel() * d].view(-1, d)[pos] = expanded
+        else:
+            bag = pos // hot[i]
+            view = buf[:, off : off + d]
+            view.index_add_(0, bag, expanded)
+            if pooling[i] is Pooling.MEAN:
+                missed_bags = torch.unique(bag)
+                k2 = flat[i].view(-1, hot[i]).index_select(0, missed_bags)
+                n = (k2 >= 0).sum(1).to(torch.float32)
+                view[missed_bags] = view[missed_bags] / n[:, None]
+        t64 = tier.to(torch.int64)
+        uniq_tiers = torch.bincount(t64, minlength=4).tolist()
+        all_tiers = torch.bincount(t64, weights=counts.to(torch.float64), minlength=4).tolist()
+        s._record_counts(
+            t.name,
+            [uniq_hits + int(uniq_tiers[0]), *(int(x) for x in uniq_tiers[1:])],
+            [hits + int(all_tiers[0]), *(int(x) for x in all_tiers[1:])],
+            is_async,
+        )
+
+
+def _count_keys(
+    s: LookupSession, ts: list[SessionTable], flat: list[torch.Tensor], per: list[list[int]]
+) -> None:
+    if s.key_stats is None:
+        return
+    stats = [s.key_stats[t.name] for t in ts]
+    ext = load_extension()
+    counters = [k.counter for k in stats]
+    if ext is not None and all(c is not None for c in counters):
+        ext.count_keys(counters, flat)
+        for k, row in zip(stats, per, strict=True):
+            k.observed(row[3])
+        return
+    for k, f in zip(stats, flat, strict=True):
+        valid = f[f >= 0] if f.numel() else f
+        k.update(valid.numpy())
+
+
+def _per_table(
+    s: LookupSession,
+    ts: list[SessionTable],
+    keys: Sequence[torch.Tensor],
+    flat: list[torch.Tensor],
+    pooling: list[Pooling] | None,
+    buf: torch.Tensor,
+    offsets: list[int],
+) -> list[torch.Tensor]:
+    """Tables without a CPU cache: :meth:`LookupSession.lookup` each, written into ``buf``."""
+    outs = []
+    for i, (t, k, f) in enumerate(zip(ts, keys, flat, strict=True)):
+        off, d = offsets[i], t.dim
+        if pooling is None:
+            block = buf[off : off + f.numel() * d].view(*k.shape, d)
+            block.copy_(s.lookup(t.name, k))
+            outs.append(block)
+            continue
+        k2 = f.view(k.shape[0], -1)
+        if k2.numel() and bool((k2 < -1).any()):
+            raise ValueError(
+                f"table {t.name!r}: key {int(k2[k2 < -1][0])} (keys are >= 0; -1 pads a short bag)"
+            )
+        valid = k2 >= 0
+        rows = torch.zeros(*k2.shape, d, device=buf.device)
+        if bool(valid.any()):
+            rows[valid] = s.lookup(t.name, k2[valid])
+        acc = torch.zeros(k2.shape[0], d, device=buf.device)
+        for j in range(k2.shape[1]):
+            acc += rows[:, j]
+        if pooling[i] is Pooling.MEAN:
+            n = valid.sum(1)
+            ok = n > 0
+            acc[ok] = acc[ok] / n[ok].to(torch.float32)[:, None]
+        buf[:, off : off + d] = acc
+    return outs if pooling is None else [buf]

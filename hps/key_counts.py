@@ -1,0 +1,105 @@
+"""A session's key statistics in O(keys of the update): :class:`KeyCounts`.
+
+:class:`hps.advisor.KeyStatistics` (the reference) merges every update into one sorted array
+of every key it tracks (``np.unique`` over the tracked keys plus the new ones: O(tracked keys)
+per update). :class:`KeyCounts` keeps the same counts in an open-addressing hash map of the
+compiled extension (:mod:`hps.kernels`): an update or a ``count_of`` costs O(its keys); a
+halving, a trim past ``2 × max_keys`` and :meth:`KeyCounts.hottest` cost O(tracked keys) but
+run once per LFU aging period, once per ``max_keys`` new keys, and on warm-up. Its answers
+equal the reference's (tests/hps/test_key_counts.py); without the extension it is the reference.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from hps.advisor import KeyStatistics
+from hps.kernels import load_extension
+
+__all__ = ["KeyCounts"]
+
+
+class KeyCounts(KeyStatistics):
+    """Bounded, thread-safe running counts of looked-up keys for one table (the interface and
+    answers of :class:`~hps.advisor.KeyStatistics`, O(keys) per update).
+
+    Args:
+        max_keys: distinct keys kept after a trim (at most ``2 × max_keys`` are kept; past
+            that the coldest are dropped).
+    """
+
+    def __init__(self, max_keys: int = 1_000_000) -> None:
+        super().__init__(max_keys)
+        ext = load_extension()
+        self._counter = ext.KeyCounter() if ext is not None else None
+
+    @property
+    def counter(self) -> object | None:
+        """The compiled counter (``None`` on the reference path); :mod:`hps.fused` counts a
+        whole batch of tables into their counters in one call."""
+        return self._counter
+
+    def update(self, keys: np.ndarray, counts: np.ndarray | None = None) -> None:
+        """Add observations: ``keys (n,) int64`` (with ``counts (n,) int64`` occurrences each)."""
+        if self._counter is None:
+            super().update(keys, counts)
+            return
+        k = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.int64))
+        c = (
+            torch.empty(0, dtype=torch.int64)
+            if counts is None
+            else torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64))
+        )
+        self._counter.update(k, c, False)
+        self.observed(int(k.numel()) if counts is None else int(c.sum()))
+
+    def observed(self, occurrences: int) -> None:
+        """Account for ``occurrences`` keys counted straight into :attr:`counter`, and trim
+        when more than ``2 × max_keys`` distinct keys are held."""
+        with self._lock:
+            self.total += occurrences
+            self.aged_mass += float(occurrences)
+        assert self._counter is not None
+        if self._counter.size() > 2 * self.max_keys:
+            keys, counts = self._counter.items()
+            top = np.argpartition(-counts.numpy(), self.max_keys)[: self.max_keys]
+            order = np.sort(top)
+            self._counter.assign(keys[torch.from_numpy(order)], counts[torch.from_numpy(order)])
+
+    def halve(self, times: int = 1) -> None:
+        """Age the counts: ``c >> times`` each (keys reaching 0 dropped), ``aged_mass / 2**times``.
+
+        Raises:
+            ValueError: for ``times < 0``.
+        """
+        if self._counter is None or times <= 0:
+            super().halve(times)
+            return
+        super().halve(times)  # ages aged_mass (its own arrays are empty)
+        self._counter.halve(times)
+
+    def count_of(self, keys: np.ndarray) -> np.ndarray:
+        """Observed occurrences of each of ``keys (n,) int64`` so far (0 for an unseen key)."""
+        if self._counter is None:
+            return super().count_of(keys)
+        k = torch.from_numpy(np.ascontiguousarray(keys, dtype=np.int64).reshape(-1))
+        return self._counter.count_of(k).numpy().reshape(np.shape(keys))
+
+    def _items(self) -> tuple[np.ndarray, np.ndarray]:
+        assert self._counter is not None
+        keys, counts = self._counter.items()  # keys ascending, as the reference's arrays
+        return keys.numpy(), counts.numpy()
+
+    def hottest(self, n: int | None = None) -> np.ndarray:
+        """Keys hottest first (ties: smaller key first), ``(min(n, distinct),) int64``."""
+        if self._counter is None:
+            return super().hottest(n)
+        keys, counts = self._items()
+        return keys[np.argsort(-counts, kind="stable")[:n]].copy()
+
+    def counts(self) -> np.ndarray:
+        """Counts hottest first, ``(distinct,) int64``."""
+        if self._counter is None:
+            return super().counts()
+        return np.sort(self._items()[1])[::-1].copy()

@@ -1,0 +1,191 @@
+"""The fused multi-table lookup: the compiled pass equals the torch reference bit for bit
+(outputs, counters, marks, statistics), and both equal per-table :meth:`LookupSession.lookup`
+on integer-valued rows (exact by construction)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hps.kernels import load_extension
+from hps.session import LookupSession, SessionTable
+from hps.storage.cache import EMPTY_KEY, EmbeddingCache, set_of, tag_of
+from hps.storage.volatile import HashMapBackend
+from hps.types import CachePolicy, Pooling, TierRead, TierUnavailableError
+
+SPECS = [(300, 4), (50, 8), (1000, 3)]  # (rows, dim) per table
+NAMES = ["t0", "t1", "t2"]
+DEFAULT = -1.0
+
+
+def _needs_ext() -> None:
+    if load_extension() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the hps compiled kernel could not be built (python -m hps.build_ext -v)")
+        pytest.skip("the hps compiled kernel is not built")
+
+
+def _rows(n: int, d: int) -> np.ndarray:
+    return (np.arange(n * d, dtype=np.float32).reshape(n, d) % 97) - 40.0  # integer-valued
+
+
+def _session(
+    compiled: bool, policy: str, threshold: float = 1.0, exact: bool = True
+) -> LookupSession:
+    v = HashMapBackend(num_partitions=2)
+    tables = []
+    for name, (n, d) in zip(NAMES, SPECS, strict=True):
+        v.create_table(name, d)
+        v.insert(name, np.arange(n, dtype=np.int64), _rows(n, d))
+        cache = EmbeddingCache(n // 3, d, policy=policy, ways=8, lfu_decay_keys_per_slot=0.5)
+        tables.append(SessionTable(name, d, DEFAULT, 10**6, cache))
+    return LookupSession(
+        tables, v, None, hit_rate_threshold=threshold, exact=exact, compiled=compiled
+    )
+
+
+def _bags(g: torch.Generator, batch: int = 16) -> list[torch.Tensor]:
+    return [torch.randint(-1, n + 20, (batch, 3), generator=g) for n, _ in SPECS]
+
+
+def _assert_same_state(a: LookupSession, b: LookupSession) -> None:
+    for n in NAMES:
+        ca, cb = a.tables[n].cache, b.tables[n].cache
+        assert ca is not None and cb is not None
+        assert torch.equal(ca.keys, cb.keys) and torch.equal(ca.counters, cb.counters)
+        assert torch.equal(ca.tags, cb.tags) and torch.equal(ca.marks, cb.marks)
+        assert ca.decay_epoch == cb.decay_epoch and ca.stats == cb.stats
+    sa, sb = a.stats(), b.stats()
+    for n in NAMES:
+        for k in ("lookups", "keys_all", "keys_unique", "hits_unique", "hits_all", "async_batches"):
+            assert sa[n][k] == sb[n][k], (n, k)
+
+
+@pytest.mark.parametrize("policy", [CachePolicy.LRU, CachePolicy.LFU])
+def test_compiled_pass_equals_reference_bit_for_bit(policy: CachePolicy) -> None:
+    _needs_ext()
+    a, b = _session(True, policy), _session(False, policy)
+    g = torch.Generator().manual_seed(0)
+    modes = [Pooling.SUM, Pooling.MEAN, Pooling.SUM]
+    for _ in range(4):  # later rounds hit, age (LFU) and evict
+        keys = _bags(g)
+        assert torch.equal(a.lookup_pooled(NAMES, keys, modes), b.lookup_pooled(NAMES, keys, modes))
+        rows = [k.clamp(min=0) for k in keys]
+        for x, y in zip(a.lookup_many(NAMES, rows), b.lookup_many(NAMES, rows), strict=True):
+            assert torch.equal(x, y)
+        _assert_same_state(a, b)
+    assert a.tables["t2"].cache.stats.hits > 0  # type: ignore[union-attr]
+    for n in NAMES:
+        assert np.array_equal(a.key_stats[n].hottest(), b.key_stats[n].hottest())  # type: ignore[index]
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_fused_rows_equal_per_table_lookups(compiled: bool) -> None:
+    if compiled:
+        _needs_ext()
+    fused, single = _session(compiled, "lfu"), _session(compiled, "lfu")
+    g = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        keys = [torch.randint(0, n + 20, (8, 5), generator=g) for n, _ in SPECS]
+        buf = torch.full((sum(k.numel() * d for k, (_, d) in zip(keys, SPECS, strict=True)),), 7.0)
+        got = fused.lookup_many(NAMES, keys, out=buf)
+        for name, k, x in zip(NAMES, keys, got, strict=True):
+            assert x.shape == (*k.shape, fused.tables[name].dim)
+            assert x.data_ptr() >= buf.data_ptr()  # a view of the reused buffer
+            assert torch.equal(x, single.lookup(name, k))
+    s1, s2 = fused.stats(), single.stats()
+    for n in NAMES:
+        assert (
+            s1[n]["hits_all"] == s2[n]["hits_all"] and s1[n]["hits_unique"] == s2[n]["hits_unique"]
+        )
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+def test_pooled_bags_equal_pooled_rows(compiled: bool) -> None:
+    if compiled:
+        _needs_ext()
+    s, ref = _session(compiled, "lru"), _session(compiled, "lru")
+    g = torch.Generator().manual_seed(2)
+    modes = [Pooling.MEAN, Pooling.SUM, Pooling.MEAN]
+    for _ in range(3):
+        keys = _bags(g)
+        keys[0][0] = -1  # an empty bag pools to zeros
+        out = s.lookup_pooled(NAMES, keys, modes)
+        col = 0
+        for name, k, mode in zip(NAMES, keys, modes, strict=True):
+            d = s.tables[name].dim
+            valid = k >= 0
+            rows = ref.lookup(name, k.clamp(min=0)) * valid[..., None]
+            want = rows.sum(1)  # integer-valued rows: any summation order is exact
+            if mode is Pooling.MEAN:
+                n = valid.sum(1, keepdim=True)
+                want = torch.where(n > 0, want / n.clamp(min=1), want)
+            assert torch.equal(out[:, col : col + d], want), name
+            col += d
+
+
+def test_tags_follow_inserts_and_invalidations() -> None:
+    c = EmbeddingCache(64, 2, ways=8)
+    k = torch.arange(40, dtype=torch.int64)
+    c.insert(k, torch.zeros(40, 2))
+    c.invalidate(k[:10])
+    held = c.keys.view(-1) != EMPTY_KEY
+    assert torch.equal(c.tags.view(-1)[held], tag_of(c.keys.view(-1)[held]))
+    assert int(c.tags.view(-1)[~held].max()) == 0
+    assert int(tag_of(torch.arange(10_000)).min()) >= 1
+    s = set_of(torch.arange(10_000), 7)
+    assert int(s.min()) == 0 and int(s.max()) == 6
+
+
+def test_bad_keys_are_refused_before_anything_counts() -> None:
+    for compiled in [True, False] if load_extension() is not None else [False]:
+        s = _session(compiled, "lfu")
+        with pytest.raises(ValueError, match="'t1'.*-5"):
+            s.lookup_pooled(
+                NAMES,
+                [
+                    torch.zeros(2, 1, dtype=torch.int64),
+                    torch.tensor([[3], [-5]]),
+                    torch.zeros(2, 1, dtype=torch.int64),
+                ],
+            )
+        with pytest.raises(ValueError, match="'t0'"):
+            s.lookup_many(NAMES[:1], [torch.tensor([EMPTY_KEY])])
+        assert all(st["lookups"] == 0 for st in s.stats().values())  # type: ignore[union-attr]
+        assert int((s.tables["t0"].cache.counters > 0).sum()) == 0  # type: ignore[union-attr]
+    s = _session(False, "lfu")
+    with pytest.raises(ValueError, match="named twice"):
+        s.lookup_many(["t0", "t0"], [torch.zeros(1, dtype=torch.int64)] * 2)
+    with pytest.raises(ValueError, match="int64"):
+        s.lookup_many(["t0"], [torch.zeros(1, dtype=torch.int32)])
+    with pytest.raises(ValueError, match="out holds"):
+        s.lookup_many(["t0"], [torch.zeros(4, dtype=torch.int64)], out=torch.empty(3))
+    with pytest.raises(ValueError, match="bags"):
+        s.lookup_pooled(
+            ["t0", "t1"],
+            [torch.zeros(2, 1, dtype=torch.int64), torch.zeros(3, 1, dtype=torch.int64)],
+        )
+
+
+class _Failing(HashMapBackend):
+    """A volatile DB that cannot answer for keys ≥ 100 (a node down)."""
+
+    def read(self, table: str, keys: np.ndarray) -> TierRead:
+        r = super().read(table, keys)
+        failed = keys >= 100
+        return TierRead(r.values, r.found & ~failed, failed, "node down")
+
+
+def test_a_failed_tier_is_refused_never_defaulted() -> None:
+    v = _Failing(num_partitions=1)
+    v.create_table("t", 2)
+    v.insert("t", np.arange(200, dtype=np.int64), np.ones((200, 2), np.float32))
+    c = EmbeddingCache(32, 2, ways=8)
+    s = LookupSession([SessionTable("t", 2, DEFAULT, 1000, c)], v, None, hit_rate_threshold=1.0)
+    assert torch.equal(s.lookup_many(["t"], [torch.tensor([1, 2])])[0], torch.ones(2, 2))
+    with pytest.raises(TierUnavailableError):
+        s.lookup_pooled(["t"], [torch.tensor([[1, 150]])])
+    assert s.stats("t")["unavailable"] == 1

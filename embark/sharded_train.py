@@ -107,7 +107,7 @@ def _add_training_args(p: argparse.ArgumentParser) -> None:
         "--ragged",
         action="store_true",
         default=None,
-        help="variable bag sizes 0..2*hotness (default: fixed hotness; --resume: the checkpoint's)",
+        help="variable bag sizes 0..hotness (default: fixed hotness; --resume: the checkpoint's)",
     )
     add(
         "--label-sharpness",

@@ -12,6 +12,9 @@ and the graph's metadata as ``version``; hps refuses artifacts of another versio
                             table's combiner
       sparse/<table>/key         int64 little-endian, one per row
       sparse/<table>/emb_vector  float32 rows (num_rows × dim)
+      vocabulary.json       per table: its maximum bag size (hotness), what a longer bag gets
+                            (hotness_policy) and its vocabulary, raw id → row, if it has one
+                            (embark.data.vocabulary's format; hps.vocabulary applies it)
 
 The model is checked first (float32, one dim for every table) and everything is written into a
 staging folder inside ``out/`` and then moved in place, ``ps.json`` last: a failure leaves ``out/``
@@ -31,13 +34,15 @@ import os
 import shutil
 import tempfile
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
 
+from embark.data.vocabulary import FILE_NAME as VOCABULARY_FILE
+from embark.data.vocabulary import Vocabulary, vocabulary_document
 from embark.types import TableConfig
 from export.onnx import ExportableModel, as_exportable, check_exportable, export_onnx, model_tables
 from hps.artifact_format import ARTIFACT_VERSION, ARTIFACT_VERSION_FIELD
@@ -60,6 +65,8 @@ def write_serving_artifacts(
     cache_exact: bool = True,
     cache_policy: CachePolicy | str = CachePolicy.LRU,
     cache_lfu_decay_keys_per_slot: float = DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
+    vocabularies: Mapping[str, Vocabulary] | None = None,
+    hotness: int | Mapping[str, int] | None = None,
 ) -> PSConfig:
     """Write the sparse files, the dense ONNX graph and ``ps.json`` for ``model``.
 
@@ -81,6 +88,13 @@ def write_serving_artifacts(
         cache_lfu_decay_keys_per_slot: ``cache_lfu_decay_keys_per_slot`` in ``ps.json``: the
             LFU aging period in looked-up keys per cache slot (0: never age; ignored by LRU).
             Both cache fields are written out even at their defaults, so the knobs are in the file.
+        vocabularies: ``{table: Vocabulary}`` (``Preprocessor.vocabularies`` of
+            :mod:`embark.data.tabular`): the server then takes raw ids for those tables and maps
+            them as training did, an unknown id to its out-of-vocabulary row. Written with every
+            table's hotness and hotness policy into ``vocabulary.json``.
+        hotness: each table's maximum bag size for a TorchRec DLRM, which does not record it
+            (``{table: n}`` or one int; :func:`embark.data.max_bag_sizes` infers it from data);
+            embark's models carry theirs.
 
     Returns:
         the validated :class:`hps.config.PSConfig` read back from the written ``ps.json``.
@@ -100,9 +114,10 @@ def write_serving_artifacts(
     ps_path = out / "ps.json"
     if ps_path.exists() and not overwrite:
         raise ValueError(f"{ps_path} exists; pass overwrite=True to replace the artifacts")
-    model = as_exportable(model, "write_serving_artifacts")
+    model = as_exportable(model, "write_serving_artifacts", hotness)
     check_exportable(model, include_embeddings=False, caller="write_serving_artifacts")
     tables = model_tables(model)
+    vocab_doc = vocabulary_document(tables, vocabularies or {})
     doc = _ps_json(
         model,
         model_name,
@@ -117,12 +132,16 @@ def write_serving_artifacts(
         taken = [str(p) for p in _table_entries(out, tables) if entry_exists(p)]
         if taken:
             raise ValueError(f"sparse folders exist: {taken}; pass overwrite=True to replace them")
-    _write_atomically(out, model, doc, [t.name for t in tables])
+    _write_atomically(out, model, doc, vocab_doc, [t.name for t in tables])
     return cfg
 
 
 def _write_atomically(
-    out: Path, model: ExportableModel, doc: dict[str, Any], table_names: list[str]
+    out: Path,
+    model: ExportableModel,
+    doc: dict[str, Any],
+    vocab_doc: dict[str, Any],
+    table_names: list[str],
 ) -> None:
     """Write everything into a staging folder inside ``out``, then move it in place
     (``ps.json`` last); on failure ``out`` is left as it was."""
@@ -131,7 +150,13 @@ def _write_atomically(
     try:
         staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=out))
         _write_into(staging, model, doc)
-        rels = [*(("sparse", name) for name in table_names), ("dense.onnx",), ("ps.json",)]
+        (staging / VOCABULARY_FILE).write_text(json.dumps(vocab_doc))
+        rels = [
+            *(("sparse", name) for name in table_names),
+            ("dense.onnx",),
+            (VOCABULARY_FILE,),
+            ("ps.json",),
+        ]
         _commit(staging, out, rels)
     except BaseException:
         if staging is not None:

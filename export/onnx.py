@@ -28,9 +28,9 @@ from __future__ import annotations
 
 import copy
 import logging
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import torch
 from torch import nn
@@ -63,19 +63,34 @@ ExportableModel = DLRM | EBCModel
 TorchRec ``EmbeddingBagCollection`` and a dense module)."""
 
 
-def as_exportable(model: nn.Module, caller: str = "export_onnx") -> ExportableModel:
+def as_exportable(
+    model: nn.Module,
+    caller: str = "export_onnx",
+    hotness: int | Mapping[str, int] | None = None,
+) -> ExportableModel:
     """``model`` as export takes it: a :class:`DLRM` or an :class:`EBCModel` as it is, TorchRec's
     own ``DLRM`` / ``DLRM_DCN`` (``torchrec.models.dlrm``) through
-    :func:`embark.interop.from_torchrec_dlrm` (its modules shared, hotness 1; call that
-    yourself for another hotness).
+    :func:`embark.interop.from_torchrec_dlrm` (its modules shared) with ``hotness``, each
+    table's maximum bag size, which TorchRec does not record (``{table: n}``, or inferred
+    from data by :func:`embark.data.max_bag_sizes`).
 
     Raises:
         TypeError: naming the type, for any other module.
+        ValueError: a TorchRec DLRM without ``hotness``, naming its tables; a mapping
+            missing tables, naming them.
     """
     if isinstance(model, DLRM | EBCModel):
         return model
     if type(model).__module__.startswith("torchrec.") and hasattr(model, "sparse_arch"):
-        return from_torchrec_dlrm(model)
+        if hotness is None:
+            sparse_arch: Any = model.sparse_arch
+            names = list(sparse_arch.embedding_bag_collection.embedding_bags)
+            raise ValueError(
+                f"{caller}: TorchRec's DLRM does not record its tables' maximum bag sizes; "
+                f"pass hotness={{table: n}} for tables {names} (or one int for all; infer "
+                "them from data with embark.data.max_bag_sizes(batches))"
+            )
+        return from_torchrec_dlrm(model, hotness)
     raise TypeError(
         f"{caller} takes embark's DLRM, an embark.interop.EBCModel (a TorchRec "
         f"EmbeddingBagCollection and a dense module) or TorchRec's DLRM, got a "

@@ -64,7 +64,7 @@ class TrainDLRMKnobs:
     eval_every: int = knob(0, "also evaluate every this many steps (0 = only at the end)", ge=0)
     train_eval_batches: int = knob(8, "last training batches re-scored for train_auc", ge=1)
     label_sharpness: float = knob(2.0, "teacher logit scale; higher = easier labels", gt=0)
-    ragged: bool = knob(False, "variable bag sizes (0..2*hotness) instead of fixed hotness")
+    ragged: bool = knob(False, "variable bag sizes (0..hotness) instead of fixed hotness")
     threads: int = knob(
         1, "torch intra-op threads (1 is fastest for the tiny model)", ge=1, le=MAX_THREADS
     )

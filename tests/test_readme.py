@@ -71,6 +71,7 @@ def test_quick_starts_d_and_c_export_look_up_and_serve(tmp_path: Path) -> None:
         "dense.onnx",
         "ps.json",
         "sparse",
+        "vocabulary.json",
     ]
 
     (lookup_code,) = [c for _, c in quick_starts()["c"]]

@@ -6,7 +6,8 @@ Each sample has
   ``log(1 + c)`` (the same transform :mod:`embark.data.criteo` applies to Criteo's integers);
 * one bag per table of ``hotness`` ids drawn i.i.d. from a bounded Zipf(α) over the table's
   rows, ``P(id = k) ∝ (k + 1)^-α`` (id 0 is the hottest), α = ``workload.zipf_alpha``;
-  with ``ragged=True`` bag sizes are uniform on ``0 .. 2*hotness`` (mean ``hotness``) instead;
+  with ``ragged=True`` bag sizes are uniform on ``0 .. hotness`` (``hotness`` is the maximum
+  bag size, :mod:`embark.data.hotness`) instead;
 * a label ``y ~ Bernoulli(sigmoid(s * z + b))`` where ``z`` is the teacher's logit standardised
   on a calibration sample, ``s = label_sharpness`` and ``b = label_bias``.
 
@@ -30,7 +31,7 @@ memory, any batch can be regenerated, and a resumed run continues with
 Draws of one sample, in order (``K`` per sample; ``h_t`` the hotness of table ``t``)::
 
     dense    2·D uniforms → D normals by Box-Muller → raw = exp(mu + sigma·z)
-    table t  h_t uniforms → Zipf ids (ragged: 1 for the bag size, then 2·h_t slots)
+    table t  h_t uniforms → Zipf ids (ragged: 1 for the bag size, then h_t slots)
     label    1 uniform    → y = [u < sigmoid(s·z + b)]
 """
 
@@ -54,16 +55,20 @@ from embark.training.metrics import auc
 
 
 class Split(StrEnum):
-    """Independent sample streams of one generator."""
+    """Independent sample streams of one generator, and the parts of a tabular source
+    (:mod:`embark.data.tabular`: ``TRAIN``, ``EVAL`` the validation rows, ``TEST``)."""
 
     TRAIN = "train"
     EVAL = "eval"
     CALIBRATION = "calibration"
+    TEST = "test"
 
 
-_SPLIT_ID = {Split.TRAIN: 0, Split.EVAL: 1, Split.CALIBRATION: 2}
+_SPLIT_ID = {Split.TRAIN: 0, Split.EVAL: 1, Split.CALIBRATION: 2, Split.TEST: 3}
 _CALIBRATION_SAMPLES = 8192  # enough for the teacher logit's mean and std to ~1%
-STREAM_VERSION = 2  # counter-based draws per sample, per-sample float64 teacher labels
+STREAM_VERSION = (
+    3  # counter-based draws per sample, float64 teacher labels, ragged bags of 0..hotness
+)
 _GOLDEN = np.uint64(0x9E3779B97F4A7C15)  # SplitMix64's increment (2^64 / φ)
 
 
@@ -113,7 +118,8 @@ class SyntheticCTR:
             for small runs.
         batch_size: samples per batch, > 0.
         seed: generator seed; the teacher's weights derive from it too.
-        ragged: variable bag sizes (uniform 0..2*hotness) instead of fixed ``hotness``.
+        ragged: variable bag sizes (uniform on 0..hotness, the maximum bag
+            size) instead of fixed ``hotness``.
         label_sharpness: ``s``; larger → labels closer to deterministic, higher teacher AUC.
         label_bias: ``b``; sets the click rate (-1.0 → about 30% positives).
         dense_mu, dense_sigma: log-normal parameters of the raw dense counts.
@@ -192,7 +198,7 @@ class SyntheticCTR:
         self._teacher64 = copy.deepcopy(self.teacher).double()
         self._stride = 2 * workload.dense_features + 1
         for t in workload.tables:
-            self._stride += 1 + 2 * t.hotness if ragged else t.hotness
+            self._stride += 1 + t.hotness if ragged else t.hotness
         self._z_mean, self._z_std = 0.0, 1.0
         calib = np.arange(_CALIBRATION_SAMPLES, dtype=np.int64)
         raw = self._teacher_raw(*self._features(Split.CALIBRATION, calib))
@@ -272,11 +278,11 @@ class SyntheticCTR:
         at = 2 * d
         for t, cdf in zip(self.workload.tables, self._cdfs):
             if self.ragged:
-                bag = np.floor(uniforms(key, samples, k, at, 1)[:, 0] * (2 * t.hotness + 1))
-                n_t = np.minimum(bag.astype(np.int64), 2 * t.hotness)
-                slots = uniforms(key, samples, k, at + 1, 2 * t.hotness)
-                draws = slots[np.arange(2 * t.hotness)[None, :] < n_t[:, None]]
-                at += 1 + 2 * t.hotness
+                bag = np.floor(uniforms(key, samples, k, at, 1)[:, 0] * (t.hotness + 1))
+                n_t = np.minimum(bag.astype(np.int64), t.hotness)
+                slots = uniforms(key, samples, k, at + 1, t.hotness)
+                draws = slots[np.arange(t.hotness)[None, :] < n_t[:, None]]
+                at += 1 + t.hotness
             else:
                 n_t = np.full(n, t.hotness)
                 draws = uniforms(key, samples, k, at, t.hotness).reshape(-1)

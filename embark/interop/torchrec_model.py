@@ -135,10 +135,14 @@ class TorchRecDLRMDense(nn.Module):
         return out
 
 
-def from_torchrec_dlrm(dlrm: Any, hotness: int | Mapping[str, int] = 1) -> EBCModel:
+def from_torchrec_dlrm(dlrm: Any, hotness: int | Mapping[str, int]) -> EBCModel:
     """An :class:`EBCModel` sharing the modules of TorchRec's ``DLRM`` / ``DLRM_DCN`` (its
     ``sparse_arch.embedding_bag_collection`` and :class:`TorchRecDLRMDense`): the same
     weights, the same logits (squeezed to ``(B,)``).
+
+    ``hotness`` is each table's maximum bag size, which TorchRec does not record: one for
+    every table, ``{table: n}`` (an error names every table missing), or inferred from data
+    with :func:`embark.data.max_bag_sizes` over batches keyed by table.
 
     Raises:
         TypeError: for a module without TorchRec DLRM's ``sparse_arch``, ``dense_arch``,

@@ -70,11 +70,7 @@ def feature_of_table(config: Any) -> str:
 
 
 def _hotness_of(hotness: int | Mapping[str, int], name: str) -> int:
-    if isinstance(hotness, Mapping):
-        if name not in hotness:
-            raise ValueError(f"hotness: no entry for table {name!r} (given for {list(hotness)})")
-        return hotness[name]
-    return hotness
+    return hotness[name] if isinstance(hotness, Mapping) else hotness
 
 
 def tables_from_ebc_configs(
@@ -101,6 +97,14 @@ def tables_from_ebc_configs(
         raise ValueError("tables_from_ebc_configs: no EmbeddingBagConfig given")
     tables = []
     features: dict[str, str] = {}
+    if isinstance(hotness, Mapping):
+        missing = [c.name for c in configs if c.name not in hotness]
+        if missing:
+            raise ValueError(
+                f"hotness: no entry for table(s) {missing} (given for {list(hotness)}); "
+                "TorchRec does not record a table's maximum bag size: give every table's, or "
+                "infer them from data with embark.data.max_bag_sizes(batches)"
+            )
     for cfg in configs:
         pooling = _enum_name(cfg.pooling)
         if pooling not in _POOLING_TO_COMBINER:

@@ -26,6 +26,7 @@ from typing import TypeVar
 import torch
 from torch import nn
 
+from embark.data.hotness import enforce_hotness
 from embark.data.jagged import JaggedBatch
 from embark.models.workloads import Workload
 from embark.types import Combiner
@@ -233,7 +234,12 @@ class DLRM(nn.Module):
 
     def forward(self, dense: torch.Tensor, sparse: JaggedBatch) -> torch.Tensor:
         """``dense: (B, D) float32``, ``sparse``: a :class:`JaggedBatch` keyed by table name →
-        ``(B,) float32`` logits."""
+        ``(B,) float32`` logits.
+
+        A bag longer than its table's ``hotness`` is refused or truncated by the table's
+        ``hotness_policy`` (:func:`embark.data.hotness.enforce_hotness`), as the server does.
+        """
+        sparse = enforce_hotness(sparse, self.workload.tables)
         self.check_inputs(dense, sparse)
         return self.dense_forward(dense, self.pool(sparse))
 

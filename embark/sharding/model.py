@@ -47,6 +47,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embark.data.batch import Batch
+from embark.data.hotness import enforce_hotness
 from embark.data.jagged import JaggedBatch
 from embark.models.dlrm import DLRM, build_dense_part, uniform_block_
 from embark.models.workloads import Workload
@@ -256,6 +257,7 @@ class ShardedDLRM(nn.Module):
     ) -> tuple[torch.Tensor, list[int]]:
         """Like :meth:`forward`, also returning every rank's local batch size (learnt in the
         collection's header exchange: no extra collective)."""
+        sparse = enforce_hotness(sparse, self.workload.tables)
         self.dense.check_inputs(dense, sparse)
         clock = self.phase_clock
         if clock is not None:

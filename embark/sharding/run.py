@@ -65,7 +65,7 @@ class ShardedRunConfig:
         optimizer: ``None``: the workload's choice.
         lr, embedding_lr: learning rates of the dense part and the tables.
         seed: model, data and teacher seed.
-        ragged: variable bag sizes ``0..2*hotness`` (default: fixed hotness).
+        ragged: variable bag sizes ``0..hotness`` (default: fixed hotness).
         label_sharpness: teacher logit scale, > 0.
         eval_batches: held-out global batches for the final evaluation.
         checkpoint_dir: rank 0 writes the final checkpoint here (replaced atomically).

@@ -35,6 +35,7 @@ from hps.artifact_format import ARTIFACT_VERSION, SERVING_METADATA_KEY, ServingM
 from hps.config import ModelConfig
 from hps.session import LookupSession
 from hps.types import FormatVersionError
+from hps.vocabulary import ServingVocabulary
 
 __all__ = ["DLRMServable", "InputError"]
 
@@ -108,6 +109,8 @@ class DLRMServable:
         self.tables = [
             _Table(t.name, t.dim, t.max_query_per_sample, combiners[t.name]) for t in model.tables
         ]
+        # raw ids → rows and the hotness policy training used (hps.vocabulary), when exported
+        self.vocabulary = ServingVocabulary.beside(path)
         dims = {t.dim for t in self.tables}
         if len(dims) != 1:
             raise ValueError(
@@ -198,6 +201,11 @@ class DLRMServable:
                 f"model {self.name!r}: missing inputs {missing}, unknown inputs "
                 f"{extra}; expected {sorted(want)}"
             )
+        if self.vocabulary is not None:
+            try:
+                inputs = self.vocabulary.apply(inputs)
+            except ValueError as e:
+                raise InputError(str(e)) from None
         dense = inputs["dense"]
         if dense.dtype != np.float32:
             raise InputError(f"input 'dense' must be FP32, got {dense.dtype}")

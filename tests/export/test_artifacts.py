@@ -132,7 +132,12 @@ def _mixed_dim_tiny():
 
 
 def _assert_written(out: Path, model) -> None:
-    assert sorted(p.name for p in out.iterdir()) == ["dense.onnx", "ps.json", "sparse"]
+    assert sorted(p.name for p in out.iterdir()) == [
+        "dense.onnx",
+        "ps.json",
+        "sparse",
+        "vocabulary.json",
+    ]
     for t in model.workload.tables:
         keys, rows = read_table(out / "sparse" / t.name, dim=t.dim)
         assert torch.equal(torch.from_numpy(rows.copy()), model.embeddings[t.name].weight.detach())

@@ -108,9 +108,13 @@ def test_full_graph_is_opset_20_and_scores_like_torchrec(model, torchrec_api, tm
 
 
 def test_served_torchrec_dlrm_scores_like_torchrec(model, torchrec_api, tmp_path) -> None:
-    """TorchRec's DLRM handed to write_serving_artifacts as it is (hotness 1 in ps.json; the
-    server takes up to that many ids per sample), served over HTTP, requested by tritonclient."""
-    write_serving_artifacts(model, tmp_path / "art", model_name="trdlrm", max_batch_size=16)
+    """TorchRec's DLRM handed to write_serving_artifacts as it is with one maximum bag size
+    for every table (TorchRec records none), served over HTTP, requested by tritonclient."""
+    with pytest.raises(ValueError, match=r"pass hotness=\{table: n\} for tables \['t0', 't1'"):
+        write_serving_artifacts(model, tmp_path / "art", model_name="trdlrm", max_batch_size=16)
+    write_serving_artifacts(
+        model, tmp_path / "art", model_name="trdlrm", max_batch_size=16, hotness=1
+    )
     ebc = model.sparse_arch.embedding_bag_collection
     for name, bag in ebc.embedding_bags.items():
         keys, rows = read_table(tmp_path / "art" / "sparse" / name, dim=8)

@@ -120,7 +120,7 @@ def _dlrm_inputs(
     pooled = torch.randn(batch, len(w.tables), w.tables[0].dim, generator=gen)
     per_key = {}
     for t in w.tables:
-        lengths = torch.randint(0, 2 * t.hotness + 1, (batch,), generator=gen, dtype=torch.int32)
+        lengths = torch.randint(0, t.hotness + 1, (batch,), generator=gen, dtype=torch.int32)
         per_key[t.name] = (
             torch.randint(0, t.num_rows, (int(lengths.sum()),), generator=gen),
             lengths,

@@ -102,7 +102,7 @@ def test_configs_tilerec_cannot_hold_are_refused_by_name(trm) -> None:
         tables_from_ebc_configs(
             [cfg(name="n", num_embeddings=4, embedding_dim=2, pooling=pooling.NONE)]
         )
-    with pytest.raises(ValueError, match=r"hotness: no entry for table 't1'"):
+    with pytest.raises(ValueError, match=r"hotness: no entry for table\(s\) \['t1', 't2'\]"):
         tables_from_ebc_configs(_configs(trm), hotness={"t0": 1})
 
 
@@ -339,4 +339,4 @@ def test_from_torchrec_dlrm_scores_like_the_model(trm, kind) -> None:
     with torch.no_grad():
         assert torch.equal(ours(dense, kjt), model(dense, kjt).squeeze(-1))
     with pytest.raises(TypeError, match=r"a Linear has no \['sparse_arch'"):
-        from_torchrec_dlrm(torch.nn.Linear(2, 2))
+        from_torchrec_dlrm(torch.nn.Linear(2, 2), hotness=1)

@@ -14,7 +14,7 @@ from embark.types import Combiner, TableConfig
 
 def _small(interaction: str = "dot", dims=(4, 4, 4), combiner=Combiner.SUM) -> Workload:
     tables = tuple(
-        TableConfig(f"t{i}", num_rows=10 + i, dim=d, hotness=2, combiner=combiner)
+        TableConfig(f"t{i}", num_rows=10 + i, dim=d, hotness=3, combiner=combiner)
         for i, d in enumerate(dims)
     )
     return Workload(

@@ -145,7 +145,9 @@ def test_a_failed_merged_execution_fails_only_its_culprit(servable, tiny, monkey
 def test_batching_config_is_refused_out_of_range(servable) -> None:
     with pytest.raises(ValueError, match="max_queue_delay_us must be an integer from 0 to"):
         BatchingConfig(8, -1)
-    with pytest.raises(ValueError, match="batching max_batch_size 65 exceeds the model's max_batch_size 64"):
+    with pytest.raises(
+        ValueError, match="batching max_batch_size 65 exceeds the model's max_batch_size 64"
+    ):
         ServerConfig(max_batch_size=65).batching(servable)
     with pytest.raises(ValueError, match="NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US"):
         ModelBatching.parse("tiny:8")

@@ -104,6 +104,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.ort_threads,
         help="onnxruntime intra-op threads per execution (0: one per core this process may use)",
     )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=d.torch_threads,
+        help="torch intra-op threads of each model's inference thread (the lookups)",
+    )
     p.add_argument("--max-request-mb", type=float, default=d.max_request_mb)
     p.add_argument(
         "--max-json-mb",
@@ -127,6 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers=a.workers,
             max_queued=a.max_queued,
             ort_threads=a.ort_threads,
+            torch_threads=a.torch_threads,
             max_request_mb=a.max_request_mb,
             max_json_mb=a.max_json_mb,
             max_batch_size=a.max_batch_size,

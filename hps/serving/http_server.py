@@ -159,6 +159,7 @@ class ServerConfig:
     workers: int = 4  # threads that parse large requests; with max_queued, requests in flight
     max_queued: int = 64  # requests in flight beyond workers before new ones get 503
     ort_threads: int = 0  # onnxruntime intra-op threads per execution (0: available_cores())
+    torch_threads: int = 1  # torch intra-op threads of each model's inference thread (lookups)
     max_request_mb: float = 256.0  # larger bodies (also once decompressed) are refused with 400
     max_json_mb: float = 16.0  # larger JSON parts are refused with 400 (binary tensors are not)
     max_batch_size: int = 0  # samples per merged execution (0: each model's, from ps.json)
@@ -174,6 +175,7 @@ class ServerConfig:
             ("workers", 1, MAX_WORKERS),
             ("max_queued", 0, MAX_QUEUED),
             ("ort_threads", 0, MAX_ORT_THREADS),
+            ("torch_threads", 1, MAX_ORT_THREADS),
             ("max_connections", 1, MAX_CONNECTIONS),
             ("max_batch_size", 0, 2**31 - 1),
             ("max_queue_delay_us", 0, MAX_QUEUE_DELAY_US),
@@ -491,9 +493,8 @@ def create_app(
     counts = counts if counts is not None else {n: ModelCounts() for n in servables}
     own = batchers is None
     if batchers is None:
-        batchers = start_batchers(
-            servables, {n: cfg.batching(s) for n, s in servables.items()}, counts
-        )
+        batching = {n: cfg.batching(s) for n, s in servables.items()}
+        batchers = start_batchers(servables, batching, counts, cfg.torch_threads)
     endpoints = _V2Endpoints(servables, cfg, counts, batchers)
 
     @contextlib.asynccontextmanager
@@ -565,7 +566,9 @@ class InferenceServer:
         self.servables = build_servables(ps, models, self.cfg.ort_threads)
         self.counts = {name: ModelCounts() for name in self.servables}  # both protocols' counts
         batching = {n: self.cfg.batching(s) for n, s in self.servables.items()}
-        self.batchers = start_batchers(self.servables, batching, self.counts)  # shared too
+        self.batchers = start_batchers(  # shared by both protocols too
+            self.servables, batching, self.counts, self.cfg.torch_threads
+        )
         try:
             self._bind()
         except BaseException:

@@ -110,6 +110,12 @@ def build_parser() -> argparse.ArgumentParser:
         default=d.torch_threads,
         help="torch intra-op threads of each model's inference thread (the lookups)",
     )
+    p.add_argument(
+        "--switch-interval-us",
+        type=int,
+        default=d.switch_interval_us,
+        help="the interpreter's thread switch interval while serving (Python's default: 5000)",
+    )
     p.add_argument("--max-request-mb", type=float, default=d.max_request_mb)
     p.add_argument(
         "--max-json-mb",
@@ -134,6 +140,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             max_queued=a.max_queued,
             ort_threads=a.ort_threads,
             torch_threads=a.torch_threads,
+            switch_interval_us=a.switch_interval_us,
             max_request_mb=a.max_request_mb,
             max_json_mb=a.max_json_mb,
             max_batch_size=a.max_batch_size,

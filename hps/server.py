@@ -17,6 +17,7 @@ from hps.serving.http_server import (
     MAX_CONNECTIONS,
     MAX_QUEUED,
     MAX_WORKERS,
+    ModelBatching,
     ServerConfig,
     open_server,
 )
@@ -43,13 +44,38 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--models", nargs="*", default=None, help="models to serve (default: all)")
     p.add_argument(
-        "--workers", type=int, default=d.workers, help=f"request threads (1 to {MAX_WORKERS})"
+        "--workers",
+        type=int,
+        default=d.workers,
+        help=f"threads that parse large or compressed requests (1 to {MAX_WORKERS}); with "
+        "--max-queued, the requests in flight",
     )
     p.add_argument(
         "--max-queued",
         type=int,
         default=d.max_queued,
-        help=f"requests that may wait for a worker before new ones get 503 (at most {MAX_QUEUED})",
+        help=f"requests in flight beyond --workers before new ones get 503 (at most {MAX_QUEUED})",
+    )
+    p.add_argument(
+        "--max-batch-size",
+        type=int,
+        default=d.max_batch_size,
+        help="dynamic batching: most samples per merged execution of a model (0: the model's "
+        "max_batch_size in ps.json)",
+    )
+    p.add_argument(
+        "--max-queue-delay-us",
+        type=int,
+        default=d.max_queue_delay_us,
+        help="dynamic batching: microseconds a request may wait for others to join its batch "
+        "(0: merge only requests already waiting)",
+    )
+    p.add_argument(
+        "--model-batching",
+        action="append",
+        default=[],
+        metavar="MODEL:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US",
+        help="dynamic batching of one model, overriding the two flags above (repeatable)",
     )
     p.add_argument(
         "--max-connections",
@@ -76,9 +102,27 @@ def build_parser() -> argparse.ArgumentParser:
         "--ort-threads",
         type=int,
         default=d.ort_threads,
-        help="onnxruntime intra-op threads per request (0: its default)",
+        help="onnxruntime intra-op threads per execution (0: one per core this process may use)",
+    )
+    p.add_argument(
+        "--torch-threads",
+        type=int,
+        default=d.torch_threads,
+        help="torch intra-op threads of each model's inference thread (the lookups)",
+    )
+    p.add_argument(
+        "--switch-interval-us",
+        type=int,
+        default=d.switch_interval_us,
+        help="the interpreter's thread switch interval while serving (Python's default: 5000)",
     )
     p.add_argument("--max-request-mb", type=float, default=d.max_request_mb)
+    p.add_argument(
+        "--max-json-mb",
+        type=float,
+        default=d.max_json_mb,
+        help="largest JSON part of a request (binary tensors do not count)",
+    )
     p.add_argument("--log-level", default="info", type=str.lower, choices=LOG_LEVELS)
     return p
 
@@ -95,7 +139,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             workers=a.workers,
             max_queued=a.max_queued,
             ort_threads=a.ort_threads,
+            torch_threads=a.torch_threads,
+            switch_interval_us=a.switch_interval_us,
             max_request_mb=a.max_request_mb,
+            max_json_mb=a.max_json_mb,
+            max_batch_size=a.max_batch_size,
+            max_queue_delay_us=a.max_queue_delay_us,
+            model_batching=tuple(ModelBatching.parse(m) for m in a.model_batching),
             max_connections=a.max_connections,
             header_timeout_s=a.header_timeout_s,
             body_timeout_s=a.body_timeout_s,

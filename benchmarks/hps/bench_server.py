@@ -16,9 +16,14 @@ Sections (``--only``):
 - ``pruned``: the DLRM-DCNv2 dense part at full MLPerf widths (tables shrunk), dense vs TW 75 %
   condensed (G=128): the exported dense graph alone in onnxruntime, the whole model through the
   server, and torch's eager forward (the TW kernel) for reference; batch ``--pruned-batch``.
+- ``concurrency``: ``--conc-clients`` × ``--conc-batches`` × HTTP/gRPC against the dynamically
+  batched server (``--queue-delay-us``), for the tiny model and ``dlrm_dcnv2`` ÷ 1000, beside
+  the in-process limit (one fused ``index_select`` + onnxruntime): samples/s, p50/p99, the
+  mean merged batch, every answer checked bit-equal (:mod:`benchmarks.hps.server_concurrency`;
+  clients in their own processes).
 
-All in one process, ``--threads`` threads for onnxruntime and torch; the server runs in a
-background thread of the same process (the clients too), so on 2 cores the figures include
+``--threads`` threads for onnxruntime and torch; the server runs in a background thread of this
+process (the clients of all sections but ``concurrency`` too), so on 2 cores the figures include
 their contention.
 """
 
@@ -27,6 +32,7 @@ from __future__ import annotations
 import argparse
 import copy
 import logging
+import os
 import statistics
 import tempfile
 import threading
@@ -40,6 +46,7 @@ import torch
 import tritonclient.grpc as tg
 import tritonclient.http as th
 
+from benchmarks.hps.server_concurrency import BATCHES, CLIENTS, bench_concurrency
 from benchmarks.meta import RESULTS_DIR, write_json
 from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import get_workload
@@ -49,7 +56,7 @@ from hps.serving import InferenceServer, ServerConfig
 from tilesparse import TileSparseConfig, prune_
 
 log = logging.getLogger("bench_server")
-SECTIONS = ("overhead", "grpc", "throughput", "pruned")
+SECTIONS = ("overhead", "grpc", "throughput", "pruned", "concurrency")
 
 
 def request(model: DLRM, batch: int, seed: int) -> dict[str, np.ndarray]:
@@ -84,17 +91,34 @@ class Served:
     """A model's artifacts, its parameter server and a running v2 server."""
 
     def __init__(
-        self, model: DLRM, folder: Path, threads: int, max_batch: int, workers: int = 2
+        self,
+        model: DLRM,
+        folder: Path,
+        threads: int,
+        max_batch: int,
+        workers: int = 2,
+        merged_batch: int = 0,
+        queue_delay_us: int = 100,
     ) -> None:
         write_serving_artifacts(
             model, folder, max_batch_size=max_batch, cache_fraction=1.0, overwrite=True
         )
         self.ps = HierarchicalParameterServer.from_config(folder / "ps.json")
-        self.srv = InferenceServer(
-            self.ps, ServerConfig(port=0, grpc_port=0, workers=workers, ort_threads=threads)
-        ).start()
+        cfg = ServerConfig(
+            port=0,
+            grpc_port=0,
+            workers=workers,
+            ort_threads=threads,
+            max_batch_size=merged_batch,
+            max_queue_delay_us=queue_delay_us,
+        )
+        self.srv = InferenceServer(self.ps, cfg).start()
         self.servable = self.srv.servables["dlrm"]
         self.folder = folder
+
+    def stats(self) -> dict[str, Any]:
+        """The model's Triton statistics document (as ``GET /v2/models/dlrm/stats``)."""
+        return self.srv.counts["dlrm"].to_dict("dlrm")
 
     def close(self) -> None:
         self.srv.stop()
@@ -316,6 +340,35 @@ def bench_pruned(tmp: Path, batch: int, threads: int, n: int) -> list[dict[str, 
     return rows
 
 
+def run_concurrency(name: str, folder: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
+    """The ``concurrency`` section for workload ``name`` (``dlrm_dcnv2`` scaled ÷ 1000)."""
+    w = get_workload(name)
+    model = build_model(w.scaled(1000) if name == "dlrm_dcnv2" else w, seed=0).eval()
+    served = Served(
+        model,
+        folder,
+        threads=0,
+        max_batch=max(args.merged_batch, 256),
+        merged_batch=args.merged_batch,
+        queue_delay_us=args.queue_delay_us,
+    )
+    try:
+        return bench_concurrency(
+            name if name != "dlrm_dcnv2" else "dlrm_dcnv2/1000",
+            model,
+            served,
+            str(folder / "dense.onnx"),
+            request,
+            tuple(int(c) for c in args.conc_clients.split(",")),
+            tuple(int(b) for b in args.conc_batches.split(",")),
+            args.conc_seconds,
+            threads=len(os.sched_getaffinity(0)),
+            limit_runs=10 if name == "tiny" else 3,
+        )
+    finally:
+        served.close()
+
+
 def main(argv: list[str] | None = None) -> None:
     p = argparse.ArgumentParser(
         prog="python -m benchmarks.hps.bench_server", description=__doc__.split("\n\n")[0]
@@ -331,6 +384,14 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--pruned-batch", type=int, default=1024)
     p.add_argument("--threads", type=int, default=2)
+    p.add_argument("--conc-clients", default=",".join(map(str, CLIENTS)))
+    p.add_argument("--conc-batches", default=",".join(map(str, BATCHES)))
+    p.add_argument("--conc-seconds", type=float, default=3.0, help="timed seconds per cell")
+    p.add_argument("--conc-models", default="tiny,dlrm_dcnv2")
+    p.add_argument("--queue-delay-us", type=int, default=200, help="the server's batching delay")
+    p.add_argument(
+        "--merged-batch", type=int, default=2048, help="the server's max_batch_size per execution"
+    )
     p.add_argument("--out", default=str(RESULTS_DIR / "hps_server.json"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -362,6 +423,9 @@ def main(argv: list[str] | None = None) -> None:
             rows += bench_pruned(
                 Path(tmp), args.pruned_batch, args.threads, max(5, args.requests // 3)
             )
+        if "concurrency" in only:
+            for name in args.conc_models.split(","):
+                rows += run_concurrency(name, Path(tmp) / f"conc_{name}", args)
     path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()})
     log.info("wrote %s", path)
 

@@ -25,6 +25,7 @@ from collections.abc import Mapping
 import numpy as np
 
 import hps.serving.protos.grpc_predict_v2_pb2 as pb
+from hps.serving.clipping import clip
 from hps.serving.v2_protocol import (
     DTYPES,
     InferRequest,
@@ -88,7 +89,7 @@ def parse_grpc_request(msg: pb.ModelInferRequest) -> InferRequest:
     for i, t in enumerate(msg.inputs):
         if not t.name:
             raise ProtocolError(f"inputs[{i}].name must be a non-empty string")
-        where = f"input {t.name!r}"
+        where = f"input {clip(t.name)!r}"
         if t.name in inputs:
             raise ProtocolError(f"{where} is given twice")
         dtype = check_datatype(t.datatype, where)

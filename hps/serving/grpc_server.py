@@ -18,11 +18,15 @@ RPCs of Triton's that ``tritonclient.grpc`` calls (messages in :mod:`hps.serving
 Other RPCs of Triton's service (statistics, streaming, shared memory, ...) answer
 ``UNIMPLEMENTED``. The checks and their messages are the HTTP protocol's; the status codes map
 as ``INVALID_ARGUMENT`` where HTTP answers 400 (a malformed request, an unknown model or version,
-tensors that do not fit the model), ``UNAVAILABLE`` where it answers 503 for a tier that failed
-or a parameter server with no free lookup worker, ``INTERNAL`` for 500. Limits: ``workers``
-threads run requests, ``max_queued`` more may wait, past that grpcio answers
-``RESOURCE_EXHAUSTED`` at once; a message larger than ``max_request_bytes`` (after
-decompression) is refused by grpcio with ``RESOURCE_EXHAUSTED`` before it is read.
+tensors that do not fit the model) or 422 (scores that came out NaN or infinite),
+``UNAVAILABLE`` where it answers 503 for a tier that failed or a parameter server with no free
+lookup worker, ``INTERNAL`` for 500. A request is parsed and checked on a grpcio thread, then
+merged with the model's other waiting requests, HTTP's too, by the model's dynamic batcher
+(:mod:`hps.serving.batcher`). Limits: ``workers + max_queued`` calls in flight, past that
+grpcio answers ``RESOURCE_EXHAUSTED`` at once; a message larger than ``max_request_bytes``
+(after decompression) is refused by grpcio with ``RESOURCE_EXHAUSTED`` before it is read.
+Names a client gives are clipped in error messages (:mod:`hps.serving.clipping`), so a
+100,000-character model name gets ``NOT_FOUND`` with a short message.
 Connections are HTTP/2's: grpcio bounds streams per connection and closes broken ones.
 """
 
@@ -41,8 +45,10 @@ from google.protobuf.message import DecodeError
 
 import hps.serving.protos.grpc_predict_v2_pb2 as pb
 import hps.serving.protos.triton_extensions_pb2 as ext
+from hps.serving.batcher import DynamicBatcher
+from hps.serving.clipping import clip
 from hps.serving.grpc_protocol import encode_grpc_response, parse_grpc_request
-from hps.serving.servable import DLRMServable, InputError
+from hps.serving.servable import DLRMServable, InputError, NonFiniteOutputError
 from hps.serving.statistics import ModelCounts, PhaseNs
 from hps.serving.v2_protocol import (
     MODEL_VERSION,
@@ -67,6 +73,9 @@ __all__ = [
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ("model_configuration",)
+# grpcio threads: each call in flight holds one while it waits for its batch, so up to
+# workers + max_queued of them, but no more than this many threads.
+MAX_GRPC_THREADS = 256
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
@@ -77,23 +86,28 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> No
 class GrpcInferenceServicer:
     """The RPCs of the service over ``servables`` (model name → servable); each method takes a
     request message and the call's context and returns the response message. ``ModelInfer``
-    calls are counted into ``counts`` (model name → statistics; shared with the HTTP server so
-    ``GET /v2/models/{m}/stats`` counts both protocols); their queue time is not visible inside
-    grpcio and counts as 0."""
+    calls go to ``batchers`` (model name → the model's dynamic batcher) and are counted into
+    ``counts`` (model name → statistics; both shared with the HTTP server, so
+    ``GET /v2/models/{m}/stats`` counts both protocols); their queue time is their wait in the
+    batcher (grpcio's own queue is not visible)."""
 
     def __init__(
         self,
         servables: Mapping[str, DLRMServable],
-        counts: Mapping[str, ModelCounts] | None = None,
+        counts: Mapping[str, ModelCounts],
+        batchers: Mapping[str, DynamicBatcher],
     ) -> None:
-        self.servables = servables
-        self.counts = counts if counts is not None else {n: ModelCounts() for n in servables}
+        self.servables, self.counts, self.batchers = servables, counts, batchers
 
     def _model(self, context: grpc.ServicerContext, name: str, ver: str) -> DLRMServable:
+        """The servable named; an unknown model is ``NOT_FOUND``, an unknown version of a
+        served model ``INVALID_ARGUMENT`` (both messages clip the name)."""
         try:
             return find_model(self.servables, name, ver)
         except ProtocolError as e:
-            _abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(e))
+            served = name in self.servables
+            code = grpc.StatusCode.INVALID_ARGUMENT if served else grpc.StatusCode.NOT_FOUND
+            _abort(context, code, str(e))
 
     def server_live(
         self, request: pb.ServerLiveRequest, context: grpc.ServicerContext
@@ -132,7 +146,10 @@ class GrpcInferenceServicer:
     def model_config(
         self, request: ext.ModelConfigRequest, context: grpc.ServicerContext
     ) -> ext.ModelConfigResponse:
-        doc = self._model(context, request.name, request.version).config()
+        from hps.serving.http_server import model_config  # the HTTP module imports this one
+
+        s = self._model(context, request.name, request.version)
+        doc = model_config(s, self.batchers[s.name].cfg)
         return ext.ModelConfigResponse(config=json_format.ParseDict(doc, ext.ModelConfig()))
 
     def repository_index(
@@ -142,7 +159,7 @@ class GrpcInferenceServicer:
             _abort(
                 context,
                 grpc.StatusCode.INVALID_ARGUMENT,
-                f"unknown repository {request.repository_name!r}; this server has one, "
+                f"unknown repository {clip(request.repository_name)!r}; this server has one, "
                 "named by an empty repository_name",
             )
         models = [
@@ -158,26 +175,29 @@ class GrpcInferenceServicer:
         s = self._model(context, request.model_name, request.model_version)
         try:
             req = parse_grpc_request(request)
+            inputs = s.check(req.inputs)
             t1 = time.perf_counter_ns()
-            results = s.infer(req.inputs)
+            done = self.batchers[s.name].submit(inputs).result()
             t2 = time.perf_counter_ns()
-            resp = encode_grpc_response(s.name, MODEL_VERSION, results, req)
+            resp = encode_grpc_response(s.name, MODEL_VERSION, done.outputs, req)
         except Exception as e:  # every failure of a request ends its call, never the server
-            self.counts[s.name].failed(time.perf_counter_ns() - t0)
+            self.counts[s.name].failed(
+                time.perf_counter_ns() - t0, isinstance(e, NonFiniteOutputError)
+            )
             code, msg = status_of(e)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("model %r: inference failed", s.name)
             _abort(context, code, msg)
         t3 = time.perf_counter_ns()
-        samples = int(req.inputs["dense"].shape[0])  # infer checked it is there
-        self.counts[s.name].succeeded(t3 - t0, samples, PhaseNs(0, t1 - t0, t2 - t1, t3 - t2))
+        phases = PhaseNs(done.queue_ns, t1 - t0, done.infer_ns, t3 - t2)
+        self.counts[s.name].succeeded(t3 - t0, int(inputs["dense"].shape[0]), phases)
         return resp
 
 
 def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
     """The status and message a request's failure ends its call with: the gRPC code of the
     HTTP status the HTTP server answers it with (400, 503, 500)."""
-    if isinstance(e, (ProtocolError, InputError, ValueError)):
+    if isinstance(e, (ProtocolError, InputError, ValueError, NonFiniteOutputError)):
         return grpc.StatusCode.INVALID_ARGUMENT, str(e)
     if isinstance(e, TimeoutError):
         return grpc.StatusCode.UNAVAILABLE, f"parameter server busy: {e}"
@@ -264,7 +284,8 @@ class GrpcServer:
         max_queued: requests that may wait for a worker; past ``workers + max_queued``
             requests in flight, new ones get ``RESOURCE_EXHAUSTED``.
         max_request_bytes: the largest request message, after decompression.
-        counts: model name → statistics to count ``ModelInfer`` calls into (default: its own).
+        counts: model name → statistics to count ``ModelInfer`` calls into.
+        batchers: model name → the model's dynamic batcher (shared with the HTTP server).
 
     Raises:
         OSError: the address cannot be bound (naming it and why).
@@ -278,11 +299,13 @@ class GrpcServer:
         workers: int,
         max_queued: int,
         max_request_bytes: int,
-        counts: Mapping[str, ModelCounts] | None = None,
+        counts: Mapping[str, ModelCounts],
+        batchers: Mapping[str, DynamicBatcher],
     ) -> None:
         _check_bindable(host, port)
         self.host = host
-        self._executor = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="hps-v2-grpc")
+        threads = min(workers + max_queued, MAX_GRPC_THREADS)
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hps-v2-grpc")
         options = [
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
             ("grpc.max_receive_message_length", max_request_bytes),
@@ -290,7 +313,7 @@ class GrpcServer:
         self._server = grpc.server(
             self._executor, options=options, maximum_concurrent_rpcs=workers + max_queued
         )
-        handlers = method_handlers(GrpcInferenceServicer(servables, counts))
+        handlers = method_handlers(GrpcInferenceServicer(servables, counts, batchers))
         self._server.add_generic_rpc_handlers(
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)
         )

@@ -7,7 +7,8 @@
 Endpoints (errors are ``{"error": "..."}``: 400 for a bad request or an unknown model or
 version, 404 / 405 for an unknown path or method, 503 when the parameter server had no free
 lookup worker in time or a tier holding a looked-up key failed (the message names the table
-and the tier: :class:`~hps.types.TierUnavailableError`), 500 otherwise)::
+and the tier: :class:`~hps.types.TierUnavailableError`), 422 for non-finite scores, 500
+otherwise)::
 
     GET  /v2                                   server metadata
     GET  /v2/health/live | /v2/health/ready    ready: 503 while online updates fail (hps.updates.health)
@@ -20,9 +21,14 @@ and the tier: :class:`~hps.types.TierUnavailableError`), 500 otherwise)::
     POST /v2/repository/index                  every served model, READY
     POST /v2/models/{m}[/versions/1]/infer     JSON or binary tensors (Inference-Header-Content-Length)
 
-Requests run on ``workers`` threads (parsing and inference both: they are CPU work);
-``max_queued`` more may wait, beyond that a request whose body has arrived gets 503 at once,
-so memory stays bounded under any number of clients. Connections are bounded apart from that
+A request is parsed on the event loop (a large or compressed body on one of ``workers``
+threads), checked, and handed to its model's dynamic batcher (:mod:`hps.serving.batcher`):
+one inference thread per model merges the requests waiting at once into one execution of up
+to ``max_batch_size`` samples, waiting at most ``max_queue_delay_us`` for more; the answer is
+encoded on the event loop. At most ``workers + max_queued`` requests are in flight; beyond
+that a request whose body has arrived gets 503 at once, so memory stays bounded under any
+number of clients. A request whose scores come out NaN or infinite gets 422 naming the model
+(counted in ``/stats`` as ``non_finite_output``). Connections are bounded apart from that
 (``max_connections``), and each request must arrive within ``header_timeout_s`` (its headers)
 and ``body_timeout_s`` (the rest of its body) or its connection is closed
 (:mod:`hps.serving.connections`): sockets that stall cannot take the place of requests. The
@@ -33,14 +39,18 @@ With ``grpc_port`` set, the same servables are served over gRPC too
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import math
+import os
 import resource
 import signal
 import socket
+import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass
 from types import FrameType
 from typing import Any
@@ -52,14 +62,22 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hps.parameter_server import HierarchicalParameterServer
+from hps.serving.batcher import (
+    MAX_QUEUE_DELAY_US,
+    BatchedResult,
+    BatchingConfig,
+    DynamicBatcher,
+    start_batchers,
+)
 from hps.serving.connections import ConnectionLimits, protocol_class
 from hps.serving.grpc_server import GrpcServer
-from hps.serving.servable import DLRMServable, InputError
+from hps.serving.servable import DLRMServable, InputError, NonFiniteOutputError
 from hps.serving.statistics import ModelCounts, PhaseNs
 from hps.serving.v2_protocol import (
     HEADER_LENGTH,
     MODEL_VERSION,
     SERVER_NAME,
+    InferRequest,
     ProtocolError,
     encode_infer_response,
     find_model,
@@ -72,7 +90,15 @@ from hps.types import TierUnavailableError
 
 log = logging.getLogger(__name__)
 
-__all__ = ["InferenceServer", "ServerConfig", "build_servables", "create_app", "open_server"]
+__all__ = [
+    "InferenceServer",
+    "ModelBatching",
+    "ServerConfig",
+    "available_cores",
+    "build_servables",
+    "create_app",
+    "open_server",
+]
 
 
 # The largest value of each integer knob: past these a server only exhausts threads, memory
@@ -83,6 +109,38 @@ MAX_ORT_THREADS = 256
 MAX_QUEUED = 65536  # each queued request holds its body (up to max_request_mb)
 MAX_CONNECTIONS = 65536  # one file descriptor each; also bounded by RLIMIT_NOFILE at start
 _FD_RESERVE = 64  # file descriptors the process needs beside its connections (files, db, ort)
+# Bodies up to this size (uncompressed) are parsed on the event loop: a binary request of a
+# few hundred samples parses in ~50 µs, less than a thread hand-off costs; larger ones (JSON
+# tensors parse at ~50 MB/s) go to a worker thread so they do not stall other requests.
+_INLINE_PARSE_BYTES = 64 << 10
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask)."""
+    return len(os.sched_getaffinity(0))
+
+
+@dataclass(frozen=True)
+class ModelBatching:
+    """Dynamic batching knobs of one model, overriding the server's (``--model-batching
+    NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US``); see :class:`~hps.serving.batcher.BatchingConfig`."""
+
+    model: str
+    max_batch_size: int
+    max_queue_delay_us: int
+
+    @classmethod
+    def parse(cls, text: str) -> ModelBatching:
+        """``"NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US"`` (``ValueError`` naming the text)."""
+        name, _, rest = text.rpartition(":")
+        name, _, size = name.rpartition(":")
+        try:
+            return cls(name, int(size), int(rest))
+        except ValueError:
+            raise ValueError(
+                f"model batching {text!r} is not NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US "
+                "(two integers)"
+            ) from None
 
 
 @dataclass(frozen=True)
@@ -100,10 +158,20 @@ class ServerConfig:
 
     host: str = "127.0.0.1"
     port: int = 8000  # 0: a free port (read it from InferenceServer.port)
-    workers: int = 4  # threads that parse and run requests
-    max_queued: int = 64  # requests waiting for a worker before new ones get 503
-    ort_threads: int = 1  # onnxruntime intra-op threads per request
-    max_request_mb: float = 256.0  # larger bodies are refused with 400
+    workers: int = 4  # threads that parse large requests; with max_queued, requests in flight
+    max_queued: int = 64  # requests in flight beyond workers before new ones get 503
+    ort_threads: int = 0  # onnxruntime intra-op threads per execution (0: available_cores())
+    torch_threads: int = 1  # torch intra-op threads of each model's inference thread (lookups)
+    # The interpreter's thread switch interval while serving (process-wide, restored on stop).
+    # Python's 5 ms default makes the event loop wait up to 5 ms for the lock at every step
+    # while an inference thread runs Python: tiny model, 16 HTTP clients × batch 16 on 2
+    # shared cores, 1,531 samples/s at 5 ms, 4,720 at 0.2 ms (benchmarks/hps/bench_server).
+    switch_interval_us: int = 200
+    max_request_mb: float = 256.0  # larger bodies (also once decompressed) are refused with 400
+    max_json_mb: float = 16.0  # larger JSON parts are refused with 400 (binary tensors are not)
+    max_batch_size: int = 0  # samples per merged execution (0: each model's, from ps.json)
+    max_queue_delay_us: int = 100  # how long a request may wait for others to join its batch
+    model_batching: tuple[ModelBatching, ...] = ()  # per-model overrides of the two above
     max_connections: int = 512  # open connections; past it a new one gets 503 and is closed
     header_timeout_s: float = 10.0  # connect (or last response) → request headers complete
     body_timeout_s: float = 60.0  # request headers complete → body complete
@@ -114,7 +182,11 @@ class ServerConfig:
             ("workers", 1, MAX_WORKERS),
             ("max_queued", 0, MAX_QUEUED),
             ("ort_threads", 0, MAX_ORT_THREADS),
+            ("torch_threads", 1, MAX_ORT_THREADS),
+            ("switch_interval_us", 1, 5000),
             ("max_connections", 1, MAX_CONNECTIONS),
+            ("max_batch_size", 0, 2**31 - 1),
+            ("max_queue_delay_us", 0, MAX_QUEUE_DELAY_US),
             ("port", 0, 65535),
         ]
         if self.grpc_port is not None:
@@ -130,13 +202,17 @@ class ServerConfig:
                 f"ServerConfig.grpc_port {self.grpc_port} is also the HTTP port; give each "
                 "protocol its own"
             )
-        mb = self.max_request_mb
-        ok = isinstance(mb, (int, float)) and not isinstance(mb, bool) and math.isfinite(mb)
-        if not ok or mb * 2**20 < 1:
-            raise ValueError(
-                f"ServerConfig.max_request_mb must be a finite number of MiB > 0 "
-                f"(at least one byte), got {mb!r}"
-            )
+        for f in ("max_request_mb", "max_json_mb"):
+            mb = getattr(self, f)
+            ok = isinstance(mb, (int, float)) and not isinstance(mb, bool) and math.isfinite(mb)
+            if not ok or mb * 2**20 < 1:
+                raise ValueError(
+                    f"ServerConfig.{f} must be a finite number of MiB > 0 "
+                    f"(at least one byte), got {mb!r}"
+                )
+        names = [m.model for m in self.model_batching]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ServerConfig.model_batching names a model twice: {names}")
         try:
             self.limits()
         except ValueError as e:
@@ -146,15 +222,27 @@ class ServerConfig:
         """The connection deadlines and bound (:mod:`hps.serving.connections`)."""
         return ConnectionLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
 
+    def batching(self, servable: DLRMServable) -> BatchingConfig:
+        """How ``servable``'s requests are merged: its ``model_batching`` entry, else the
+        server's knobs (``max_batch_size`` 0: the model's own).
 
-@dataclass(frozen=True)
-class _Answer:
-    """One inference's response body and headers, with what the statistics count."""
-
-    body: bytes
-    headers: dict[str, str]
-    samples: int
-    phases: PhaseNs
+        Raises:
+            ValueError: a batch size above the model's ``max_batch_size`` (naming both).
+        """
+        size, delay = self.max_batch_size, self.max_queue_delay_us
+        for m in self.model_batching:
+            if m.model == servable.name:
+                size, delay = m.max_batch_size, m.max_queue_delay_us
+        size = size or servable.max_batch_size
+        if size > servable.max_batch_size:
+            raise ValueError(
+                f"model {servable.name!r}: batching max_batch_size {size} exceeds the model's "
+                f"max_batch_size {servable.max_batch_size} (ps.json), which bounds one lookup"
+            )
+        try:
+            return BatchingConfig(size, delay)
+        except ValueError as e:
+            raise ValueError(f"model {servable.name!r}: batching {e}") from None
 
 
 def _error(msg: str, status: int = 400) -> JSONResponse:
@@ -169,13 +257,15 @@ class _V2Endpoints:
         self,
         servables: dict[str, DLRMServable],
         cfg: ServerConfig,
-        counts: dict[str, ModelCounts] | None = None,
+        counts: dict[str, ModelCounts],
+        batchers: dict[str, DynamicBatcher],
     ) -> None:
-        self.servables = servables
+        self.servables, self.counts, self.batchers = servables, counts, batchers
         self.limiter = anyio.CapacityLimiter(cfg.workers)
         self.workers, self.max_queued = cfg.workers, cfg.max_queued
-        self.counts = counts if counts is not None else {n: ModelCounts() for n in servables}
+        self.in_flight = 0  # requests between their body's arrival and their answer
         self.max_bytes = int(cfg.max_request_mb * 2**20)
+        self.max_json_bytes = int(cfg.max_json_mb * 2**20)
 
     def routes(self) -> list[Route]:
         m = "/v2/models/{model}"
@@ -233,9 +323,10 @@ class _V2Endpoints:
 
     async def model_config(self, request: Request) -> Response:
         try:
-            return JSONResponse(self.model_of(request).config())
+            s = self.model_of(request)
         except ProtocolError as e:
             return _error(str(e))
+        return JSONResponse(model_config(s, self.batchers[s.name].cfg))
 
     async def repository_index(self, request: Request) -> Response:
         """Triton's index: every served model, ``READY``; the body may be empty or
@@ -274,15 +365,28 @@ class _V2Endpoints:
         return JSONResponse({"model_stats": [self.stats_of(n) for n in self.servables]})
 
     # ------------------------------------------------------------------ inference
-    async def read_body(self, request: Request) -> bytes:
-        """The request body, refused (``ProtocolError``) past ``max_request_mb``."""
+    async def read_body(self, request: Request) -> bytes | bytearray:
+        """The request body, refused (``ProtocolError``) past ``max_request_mb``; with a
+        ``Content-Length``, read into one buffer of that size (no list of chunks to join)."""
         limit = self.max_bytes
         declared = request.headers.get("content-length")
-        if declared is not None and declared.isdigit() and int(declared) > limit:
-            raise ProtocolError(
-                f"request body of {declared} bytes exceeds the server's limit of "
-                f"{limit} bytes (--max-request-mb)"
-            )
+        if declared is not None and declared.isdigit():
+            if int(declared) > limit:
+                raise ProtocolError(
+                    f"request body of {declared} bytes exceeds the server's limit of "
+                    f"{limit} bytes (--max-request-mb)"
+                )
+            buf, size = bytearray(int(declared)), 0
+            async for chunk in request.stream():
+                if size + len(chunk) > len(buf):
+                    raise ProtocolError(
+                        f"request body is longer than its Content-Length {declared}"
+                    )
+                buf[size : size + len(chunk)] = chunk
+                size += len(chunk)
+            if size != len(buf):
+                raise ClientDisconnect()  # uvicorn ends a short body only when the peer left
+            return buf
         chunks, size = [], 0
         async for chunk in request.stream():
             size += len(chunk)
@@ -294,37 +398,40 @@ class _V2Endpoints:
         return b"".join(chunks)
 
     def busy(self) -> str | None:
-        """Why a request whose body has arrived cannot be taken now (``None``: it can): every
-        worker busy and ``max_queued`` requests waiting. Only requests being processed count;
+        """Why a request whose body has arrived cannot be taken now (``None``: it can):
+        ``workers + max_queued`` requests in flight. Only requests being processed count;
         connections that have not sent a whole request do not (see
         :mod:`hps.serving.connections`)."""
-        st = self.limiter.statistics()
         slots = self.workers + self.max_queued
-        if st.borrowed_tokens + st.tasks_waiting < slots:
+        if self.in_flight < slots:
             return None
         return (
             f"server busy: all {slots} request slots are taken (--workers {self.workers} "
             f"+ --max-queued {self.max_queued}); retry later"
         )
 
-    def run(
+    async def parse(self, s: DLRMServable, body: bytes | bytearray, request: Request) -> Any:
+        """The request parsed and checked: ``(InferRequest, checked inputs)``; on the event
+        loop when small, else on a worker thread."""
+        header_length = request.headers.get(HEADER_LENGTH)
+        encoding = request.headers.get("content-encoding")
+        if encoding is None and len(body) <= _INLINE_PARSE_BYTES:
+            return self.parse_checked(s, body, header_length, encoding)
+        return await anyio.to_thread.run_sync(
+            self.parse_checked, s, body, header_length, encoding, limiter=self.limiter
+        )
+
+    def parse_checked(
         self,
         s: DLRMServable,
-        body: bytes,
+        body: bytes | bytearray,
         header_length: str | None,
         encoding: str | None,
-        queued_at: int,
-    ) -> _Answer:
-        """Parse, infer and encode one request (on a worker thread)."""
-        t0 = time.perf_counter_ns()
-        req = parse_infer_request(body, header_length, encoding, max_bytes=self.max_bytes)
-        t1 = time.perf_counter_ns()
-        results = s.infer(req.inputs)
-        t2 = time.perf_counter_ns()
-        out, headers = encode_infer_response(s.name, MODEL_VERSION, results, req)
-        t3 = time.perf_counter_ns()
-        samples = int(req.inputs["dense"].shape[0]) if "dense" in req.inputs else 0
-        return _Answer(out, headers, samples, PhaseNs(t0 - queued_at, t1 - t0, t2 - t1, t3 - t2))
+    ) -> tuple[InferRequest, dict[str, Any]]:
+        req = parse_infer_request(
+            body, header_length, encoding, self.max_bytes, max_json_bytes=self.max_json_bytes
+        )
+        return req, s.check(req.inputs)
 
     async def infer(self, request: Request) -> Response:
         start = time.perf_counter_ns()
@@ -334,20 +441,26 @@ class _V2Endpoints:
             body = await self.read_body(request)
             if (busy := self.busy()) is not None:
                 return self._failed(name, start, _error(busy, 503))
-            answer = await anyio.to_thread.run_sync(
-                self.run,
-                s,
-                body,
-                request.headers.get(HEADER_LENGTH),
-                request.headers.get("content-encoding"),
-                time.perf_counter_ns(),
-                limiter=self.limiter,
-            )
+            self.in_flight += 1
+            try:
+                t0 = time.perf_counter_ns()
+                req, inputs = await self.parse(s, body, request)
+                del body
+                t1 = time.perf_counter_ns()
+                done: BatchedResult = await asyncio.wrap_future(
+                    self.batchers[s.name].submit(inputs)
+                )
+                t2 = time.perf_counter_ns()
+                out, headers = encode_infer_response(s.name, MODEL_VERSION, done.outputs, req)
+            finally:
+                self.in_flight -= 1
         except ClientDisconnect:  # the client went away mid-body: no one to answer, nothing failed
             log.debug("model %r: the client disconnected before sending the whole request", name)
             return Response(status_code=400)
         except (ProtocolError, InputError, ValueError) as e:
             return self._failed(name, start, _error(str(e)))
+        except NonFiniteOutputError as e:
+            return self._failed(name, start, _error(str(e), 422), non_finite=True)
         except TimeoutError as e:
             return self._failed(name, start, _error(f"parameter server busy: {e}", 503))
         except TierUnavailableError as e:  # a key that may exist could not be read: retry later
@@ -357,15 +470,28 @@ class _V2Endpoints:
             return self._failed(
                 name, start, _error(f"internal error: {type(e).__name__}: {e}", 500)
             )
-        self.counts[s.name].succeeded(time.perf_counter_ns() - start, answer.samples, answer.phases)
-        headers = dict(answer.headers)
+        t3 = time.perf_counter_ns()
+        phases = PhaseNs(done.queue_ns, t1 - t0, done.infer_ns, t3 - t2)
+        self.counts[s.name].succeeded(t3 - start, int(inputs["dense"].shape[0]), phases)
         media = headers.pop("Content-Type")
-        return Response(answer.body, media_type=media, headers=headers)
+        return Response(out, media_type=media, headers=headers)
 
-    def _failed(self, name: str, start: int, resp: Response) -> Response:
+    def _failed(self, name: str, start: int, resp: Response, non_finite: bool = False) -> Response:
         if name in self.counts:
-            self.counts[name].failed(time.perf_counter_ns() - start)
+            self.counts[name].failed(time.perf_counter_ns() - start, non_finite)
         return resp
+
+
+def model_config(s: DLRMServable, batching: BatchingConfig) -> dict[str, Any]:
+    """Triton's configuration of ``s`` served with ``batching``: the servable's
+    (:meth:`DLRMServable.config`) with Triton's ``dynamic_batching`` section."""
+    return {
+        **s.config(),
+        "dynamic_batching": {
+            "preferred_batch_size": [batching.max_batch_size],
+            "max_queue_delay_microseconds": batching.max_queue_delay_us,
+        },
+    }
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -379,26 +505,50 @@ def create_app(
     servables: dict[str, DLRMServable],
     cfg: ServerConfig | None = None,
     counts: dict[str, ModelCounts] | None = None,
+    batchers: dict[str, DynamicBatcher] | None = None,
 ) -> Starlette:
     """The v2 HTTP application over ``servables`` (model name → servable); its statistics go
-    to ``counts`` (model name → counts; default: its own), which a gRPC server may share."""
-    endpoints = _V2Endpoints(servables, cfg or ServerConfig(), counts)
+    to ``counts`` (model name → counts; default: its own), which a gRPC server may share, and
+    its requests to ``batchers`` (model name → batcher, shared likewise; default: its own,
+    started with the application and closed when it shuts down)."""
+    cfg = cfg or ServerConfig()
+    counts = counts if counts is not None else {n: ModelCounts() for n in servables}
+    own = batchers is None
+    if batchers is None:
+        batching = {n: cfg.batching(s) for n, s in servables.items()}
+        batchers = start_batchers(servables, batching, counts, cfg.torch_threads)
+    endpoints = _V2Endpoints(servables, cfg, counts, batchers)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(app: Starlette) -> AsyncIterator[None]:
+        try:
+            yield
+        finally:
+            if own:
+                for b in endpoints.batchers.values():
+                    b.close()
+
     return Starlette(
-        routes=endpoints.routes(), exception_handlers={404: _http_error, 405: _http_error}
+        routes=endpoints.routes(),
+        exception_handlers={404: _http_error, 405: _http_error},
+        lifespan=lifespan,
     )
 
 
 def build_servables(
-    ps: HierarchicalParameterServer, models: Sequence[str] | None = None, ort_threads: int = 1
+    ps: HierarchicalParameterServer, models: Sequence[str] | None = None, ort_threads: int = 0
 ) -> dict[str, DLRMServable]:
-    """One :class:`DLRMServable` per model of ``ps`` (or of ``models``).
+    """One :class:`DLRMServable` per model of ``ps`` (or of ``models``), each running
+    onnxruntime on ``ort_threads`` intra-op threads (0: :func:`available_cores`; one
+    execution runs at a time per model, so it may use them all).
 
     Raises:
         ValueError: an unknown model name, or a model that cannot be served (see
             :class:`DLRMServable`).
     """
     names = list(models) if models else [m.model for m in ps.cfg.models]
-    return {n: DLRMServable(ps.cfg.model(n), ps.session(n), ort_threads=ort_threads) for n in names}
+    threads = ort_threads or available_cores()
+    return {n: DLRMServable(ps.cfg.model(n), ps.session(n), ort_threads=threads) for n in names}
 
 
 def _check_fd_limit(max_connections: int) -> None:
@@ -436,10 +586,33 @@ class InferenceServer:
         self.cfg = cfg or ServerConfig()
         _check_fd_limit(self.cfg.max_connections)
         self.servables = build_servables(ps, models, self.cfg.ort_threads)
-        self.counts = {
-            name: ModelCounts() for name in self.servables
-        }  # both protocols count into these
-        self.app = create_app(self.servables, self.cfg, self.counts)
+        self.counts = {name: ModelCounts() for name in self.servables}  # both protocols' counts
+        batching = {n: self.cfg.batching(s) for n, s in self.servables.items()}
+        self.batchers = start_batchers(  # shared by both protocols too
+            self.servables, batching, self.counts, self.cfg.torch_threads
+        )
+        try:
+            self._bind()
+        except BaseException:
+            self._close_batchers()
+            raise
+        self._uv = uvicorn.Server(
+            uvicorn.Config(
+                create_app(self.servables, self.cfg, self.counts, self.batchers),
+                log_level="warning",
+                access_log=False,
+                http=protocol_class(self.cfg.limits()),
+            )
+        )
+        self._thread: threading.Thread | None = None
+        self._saved_switch: float | None = None  # the switch interval before start()
+
+    def _close_batchers(self) -> None:
+        for b in self.batchers.values():
+            b.close()
+
+    def _bind(self) -> None:
+        """Bind the HTTP socket and, with ``grpc_port``, the gRPC server."""
         self._sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
         try:
             self._sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -460,21 +633,19 @@ class InferenceServer:
             except BaseException:
                 self._sock.close()
                 raise
-        self._uv = uvicorn.Server(
-            uvicorn.Config(
-                self.app,
-                log_level="warning",
-                access_log=False,
-                http=protocol_class(self.cfg.limits()),
-            )
-        )
-        self._thread: threading.Thread | None = None
 
     def _grpc_server(self, port: int) -> GrpcServer:
         c = self.cfg
         max_bytes = int(c.max_request_mb * 2**20)
         return GrpcServer(
-            self.servables, c.host, port, c.workers, c.max_queued, max_bytes, self.counts
+            self.servables,
+            c.host,
+            port,
+            c.workers,
+            c.max_queued,
+            max_bytes,
+            self.counts,
+            self.batchers,
         )
 
     @property
@@ -488,6 +659,9 @@ class InferenceServer:
         return f"{self.cfg.host}:{self.port}"
 
     def start(self, timeout_s: float = 30.0) -> InferenceServer:
+        if self._saved_switch is None:
+            self._saved_switch = sys.getswitchinterval()
+            sys.setswitchinterval(self.cfg.switch_interval_us / 1e6)
         if self.grpc is not None:
             self.grpc.start()
         self._thread = threading.Thread(
@@ -538,6 +712,10 @@ class InferenceServer:
                     self.address,
                 )
         self._sock.close()
+        self._close_batchers()
+        if self._saved_switch is not None:
+            sys.setswitchinterval(self._saved_switch)
+            self._saved_switch = None
 
     def __enter__(self) -> InferenceServer:
         return self.start()

@@ -33,15 +33,31 @@ import torch
 
 from hps.artifact_format import ARTIFACT_VERSION, SERVING_METADATA_KEY, ServingMetadata
 from hps.config import ModelConfig
+from hps.serving.clipping import clip
 from hps.session import LookupSession
 from hps.types import FormatVersionError
 from hps.vocabulary import ServingVocabulary
 
-__all__ = ["DLRMServable", "InputError"]
+__all__ = [
+    "DLRMServable",
+    "InputError",
+    "NonFiniteOutputError",
+    "Tensors",
+    "check_outputs_finite",
+]
+
+
+#: A request's or an execution's tensors by name.
+Tensors = dict[str, np.ndarray]
 
 
 class InputError(ValueError):
     """A request whose tensors do not fit the model; the message names the input."""
+
+
+class NonFiniteOutputError(ArithmeticError):
+    """A request whose scores came out NaN or infinite (HTTP 422, gRPC ``INVALID_ARGUMENT``):
+    its inputs, or the rows it looked up, overflow the model's float32 arithmetic."""
 
 
 @dataclass(frozen=True)
@@ -179,27 +195,30 @@ class DLRMServable:
         }
 
     # ------------------------------------------------------------------ inference
-    def infer(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        """Score one batch.
+    @property
+    def id_inputs(self) -> list[str]:
+        """The id inputs' names, ``ids_<t>`` in table order."""
+        return [f"ids_{t.name}" for t in self.tables]
+
+    def check(self, inputs: Tensors) -> Tensors:
+        """One request's inputs checked and normalised, ready to run or to merge with others.
 
         Args:
             inputs: ``dense (B, D) float32`` and ``ids_<t> (B, w_t) int64|int32`` per table.
 
         Returns:
-            ``{"logits": (B,) float32, "probability": (B,) float32}``.
+            ``dense (B, D) float32`` (C-contiguous) and ``ids_<t> (B, w_t) int64``.
 
         Raises:
             InputError: a missing, unknown, mistyped or misshaped input, a batch over
-                ``max_batch_size``, a key below -1.
-            TimeoutError: the parameter server had no free lookup worker in time.
-            TierUnavailableError: a key that may exist could be read from no tier.
+                ``max_batch_size``, a dense value that is NaN or infinite, a key below -1.
         """
-        want = {"dense", *(f"ids_{t.name}" for t in self.tables)}
-        missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)
-        if missing or extra:
+        want = {"dense", *self.id_inputs}
+        if inputs.keys() != want:
+            missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)
             raise InputError(
                 f"model {self.name!r}: missing inputs {missing}, unknown inputs "
-                f"{extra}; expected {sorted(want)}"
+                f"{[clip(e) for e in extra]}; expected {sorted(want)}"
             )
         if self.vocabulary is not None:
             try:
@@ -220,21 +239,13 @@ class DLRMServable:
             )
         if not np.isfinite(dense).all():
             raise InputError("input 'dense' holds NaN or infinite values")
-        pooled = np.empty((b, len(self.tables), self.tables[0].dim), dtype=np.float32)
-        for j, t in enumerate(self.tables):
-            pooled[:, j] = self._pool(t, inputs[f"ids_{t.name}"], b)
-        if b == 0:
-            logits = np.zeros((0,), dtype=np.float32)
-        else:
-            logits = self._ort.run(
-                [self._output], {"dense": np.ascontiguousarray(dense), "pooled": pooled}
-            )[0].astype(np.float32)
-            logits = logits.reshape(b)
-        prob = (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
-        return {"logits": logits, "probability": prob}
+        out = {"dense": np.ascontiguousarray(dense)}
+        for t in self.tables:
+            out[f"ids_{t.name}"] = self._check_ids(t, inputs[f"ids_{t.name}"], b)
+        return out
 
-    def _pool(self, t: _Table, ids: np.ndarray, b: int) -> np.ndarray:
-        """``ids (B, w) int64|int32`` (-1 = padding) → ``(B, dim) float32`` pooled rows."""
+    def _check_ids(self, t: _Table, ids: np.ndarray, b: int) -> np.ndarray:
+        """``ids (B, w) int64|int32`` as int64 (``InputError`` naming the input)."""
         name = f"ids_{t.name}"
         if ids.dtype not in (np.int64, np.int32):
             raise InputError(f"input {name!r} must be INT64 or INT32, got {ids.dtype}")
@@ -249,11 +260,41 @@ class DLRMServable:
                 f"allows at most {t.max_hotness} "
                 "(maxnum_catfeature_query_per_table_per_sample)"
             )
-        ids64 = torch.from_numpy(ids.astype(np.int64))  # a copy: request buffers are read-only
-        if ids64.numel() and int(ids64.min()) < -1:
-            raise InputError(
-                f"input {name!r} holds key {int(ids64.min())}; keys are ≥ 0 (-1 pads a short bag)"
-            )
+        if ids.size and (low := int(ids.min())) < -1:
+            raise InputError(f"input {name!r} holds key {low}; keys are ≥ 0 (-1 pads a short bag)")
+        return ids.astype(np.int64)  # a copy: request buffers are read-only
+
+    def infer(self, inputs: Tensors) -> Tensors:
+        """Score one batch (its outputs are not checked: see :func:`check_outputs_finite`).
+
+        Args:
+            inputs: ``dense (B, D) float32`` and ``ids_<t> (B, w_t) int64|int32`` per table.
+
+        Returns:
+            ``{"logits": (B,) float32, "probability": (B,) float32}``.
+
+        Raises:
+            InputError: see :meth:`check`.
+            TimeoutError: the parameter server had no free lookup worker in time.
+            TierUnavailableError: a key that may exist could be read from no tier.
+        """
+        inputs = self.check(inputs)
+        dense = inputs["dense"]
+        b = dense.shape[0]
+        pooled = np.empty((b, len(self.tables), self.tables[0].dim), dtype=np.float32)
+        for j, t in enumerate(self.tables):
+            pooled[:, j] = self._pool(t, inputs[f"ids_{t.name}"], b)
+        if b == 0:
+            logits = np.zeros((0,), dtype=np.float32)
+        else:
+            logits = self._ort.run([self._output], {"dense": dense, "pooled": pooled})[0]
+            logits = logits.astype(np.float32, copy=False).reshape(b)
+        prob = (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
+        return {"logits": logits, "probability": prob}
+
+    def _pool(self, t: _Table, ids: np.ndarray, b: int) -> np.ndarray:
+        """``ids (B, w) int64`` (-1 = padding) → ``(B, dim) float32`` pooled rows."""
+        ids64 = torch.from_numpy(ids)
         keep = ids64 >= 0
         sample = torch.arange(b).unsqueeze(1).expand_as(ids64)[keep]
         rows = self.session.lookup(t.name, ids64[keep]).to("cpu", torch.float32)
@@ -261,3 +302,24 @@ class DLRMServable:
         if t.combiner == "mean":
             out /= keep.sum(dim=1, keepdim=True).clamp(min=1).to(torch.float32)
         return out.numpy()
+
+
+def check_outputs_finite(model: str, outputs: Tensors) -> None:
+    """Refuse outputs holding a NaN or an infinity (a score no client should act on).
+
+    Args:
+        model: the model's name (for the message).
+        outputs: output name → ``(B,)`` array of one request.
+
+    Raises:
+        NonFiniteOutputError: naming the model, the output and the first bad sample.
+    """
+    for name, arr in outputs.items():
+        finite = np.isfinite(arr)
+        if not finite.all():
+            bad = np.flatnonzero(~finite.reshape(-1))
+            raise NonFiniteOutputError(
+                f"model {clip(model)!r} computed a non-finite {name} ({arr.reshape(-1)[bad[0]]}) "
+                f"for sample {int(bad[0])} ({bad.size} of {arr.size} values): the inputs or the "
+                "embedding rows they look up overflow the model's float32 arithmetic"
+            )

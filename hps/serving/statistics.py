@@ -1,6 +1,15 @@
 """Triton-style inference statistics of a served model, counted by both protocols' servers
-(``GET /v2/models/{m}/stats``): requests that succeeded and failed, samples, and the
-nanoseconds spent in each phase of the successful ones."""
+(``GET /v2/models/{m}/stats``): requests that succeeded and failed, samples, the nanoseconds
+spent in each phase of the successful ones, and the executions the dynamic batcher ran
+(:mod:`hps.serving.batcher`), as Triton reports them::
+
+    inference_count    samples of successful requests
+    execution_count    executions (merged batches): fewer than requests when batching merges
+    inference_stats    per phase {count: requests, ns: their summed time}; queue is the time
+                       from a request's arrival at the batcher to the start of its execution
+    batch_stats        per execution size {batch_size, compute_infer: {count, ns}}
+    non_finite_output  requests refused because their scores came out NaN or infinite
+"""
 
 from __future__ import annotations
 
@@ -39,6 +48,9 @@ class ModelCounts:
     samples: int = 0  # Triton's inference_count: samples, not requests
     phase_ns: PhaseNs = field(default_factory=PhaseNs)
     last_ms: int = 0  # wall-clock ms of the last successful inference
+    executions: int = 0
+    batch_ns: dict[int, list[int]] = field(default_factory=dict)  # size → [count, infer ns]
+    non_finite: int = 0
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def succeeded(self, ns: int, samples: int, phases: PhaseNs) -> None:
@@ -48,9 +60,19 @@ class ModelCounts:
             self.phase_ns.add(phases)
             self.last_ms = int(time.time() * 1e3)
 
-    def failed(self, ns: int) -> None:
+    def failed(self, ns: int, non_finite: bool = False) -> None:
+        """Count a failed request (``non_finite``: its scores were NaN or infinite)."""
         with self.lock:
             self.fail, self.fail_ns = self.fail + 1, self.fail_ns + ns
+            self.non_finite += non_finite
+
+    def executed(self, batch_size: int, ns: int) -> None:
+        """Count one execution of ``batch_size`` samples that took ``ns``."""
+        with self.lock:
+            self.executions += 1
+            entry = self.batch_ns.setdefault(batch_size, [0, 0])
+            entry[0] += 1
+            entry[1] += ns
 
     def to_dict(self, name: str) -> dict[str, Any]:
         """The model's entry of Triton's statistics document."""
@@ -66,6 +88,11 @@ class ModelCounts:
                 "version": MODEL_VERSION,
                 "last_inference": self.last_ms,
                 "inference_count": self.samples,
-                "execution_count": n,
+                "execution_count": self.executions,
                 "inference_stats": stats,
+                "batch_stats": [
+                    {"batch_size": size, "compute_infer": {"count": c, "ns": ns}}
+                    for size, (c, ns) in sorted(self.batch_ns.items())
+                ],
+                "non_finite_output": self.non_finite,
             }

@@ -31,6 +31,8 @@ from typing import Any, TypeVar
 
 import numpy as np
 
+from hps.serving.clipping import clip
+
 __all__ = [
     "DTYPES",
     "HEADER_LENGTH",
@@ -100,34 +102,50 @@ class InferRequest:
     parameters: dict[str, Any] = field(default_factory=dict)
 
 
-def _decompress(body: bytes, content_encoding: str | None, max_bytes: int | None) -> bytes:
+#: Bytes inflated per step while a compressed body is measured (:func:`_decompress`).
+_INFLATE_CHUNK = 1 << 20
+
+
+def _decompress(
+    body: bytes | bytearray, content_encoding: str | None, max_bytes: int | None
+) -> bytes | bytearray:
     """The body decoded; at most ``max_bytes`` once decompressed (a small gzip body can expand
-    to gigabytes)."""
+    to gigabytes). The decoded size is measured first by inflating in 1 MiB steps that are
+    dropped at once, so a body past the limit is refused having held 1 MiB of its output, never
+    the limit's worth; a body within it is then decoded into one buffer of its exact size."""
     enc = (content_encoding or "identity").strip().lower()
     if enc == "identity":
         return body
     if enc not in ("gzip", "deflate"):
         raise ProtocolError(
-            f"unsupported Content-Encoding {content_encoding!r}; expected gzip, deflate or none"
+            f"unsupported Content-Encoding {clip(str(content_encoding))!r}; expected gzip, "
+            "deflate or none"
         )
-    d = zlib.decompressobj(wbits=31 if enc == "gzip" else 15)
-    limit = max_bytes if max_bytes is not None else 0  # 0: no limit
+    wbits = 31 if enc == "gzip" else 15
+    d = zlib.decompressobj(wbits=wbits)
+    size, data = 0, body
     try:
-        out = d.decompress(body, limit + 1 if limit else 0)
+        while True:
+            chunk = d.decompress(data, _INFLATE_CHUNK)
+            size += len(chunk)
+            if max_bytes is not None and size > max_bytes:
+                raise ProtocolError(
+                    f"request body decompresses to more than the server's limit of "
+                    f"{max_bytes} bytes"
+                )
+            data = d.unconsumed_tail
+            if d.eof or not (data or chunk):
+                break
+        if not d.eof:
+            raise ProtocolError(f"request body is not valid {enc} data: truncated stream")
+        return zlib.decompress(body, wbits, max(size, 1))
     except zlib.error as e:
         raise ProtocolError(f"request body is not valid {enc} data: {e}") from None
-    if limit and len(out) > limit:
-        raise ProtocolError(
-            f"request body decompresses to more than the server's limit of {limit} bytes"
-        )
-    if not d.eof:
-        raise ProtocolError(f"request body is not valid {enc} data: truncated stream")
-    return out
 
 
 def _bool(v: Any, where: str) -> bool:
     if not isinstance(v, bool):
-        raise ProtocolError(f"{where} must be true or false, got {v!r}")
+        raise ProtocolError(f"{where} must be true or false, got {clip(repr(v))}")
     return v
 
 
@@ -151,10 +169,11 @@ def find_model(models: Mapping[str, _Model], name: str, model_version: str | Non
         ProtocolError: an unknown model, or a version other than :data:`MODEL_VERSION`.
     """
     if name not in models:
-        raise ProtocolError(f"unknown model {name!r}; this server serves {sorted(models)}")
+        raise ProtocolError(f"unknown model {clip(name)!r}; this server serves {sorted(models)}")
     if model_version not in (None, "", MODEL_VERSION):
         raise ProtocolError(
-            f"model {name!r} has no version {model_version!r}; versions: ['{MODEL_VERSION}']"
+            f"model {clip(name)!r} has no version {clip(str(model_version))!r}; "
+            f"versions: ['{MODEL_VERSION}']"
         )
     return models[name]
 
@@ -165,7 +184,7 @@ def repository_index(models: Mapping[str, object]) -> list[dict[str, str]]:
     return [{"name": n, "version": MODEL_VERSION, "state": "READY"} for n in models]
 
 
-def repository_index_request(body: bytes) -> bool:
+def repository_index_request(body: bytes | bytearray) -> bool:
     """The ``ready`` flag of a ``POST /v2/repository/index`` body (empty: false).
 
     Raises:
@@ -187,7 +206,7 @@ def repository_index_request(body: bytes) -> bool:
 def check_datatype(v: Any, where: str) -> np.dtype:
     """The numpy dtype of v2 datatype name ``v`` (``ProtocolError`` naming ``where`` if none)."""
     if not isinstance(v, str) or v not in DTYPES:  # a JSON list or object: unhashable
-        raise ProtocolError(f"{where}: datatype {v!r} is not one of {sorted(DTYPES)}")
+        raise ProtocolError(f"{where}: datatype {clip(repr(v))} is not one of {sorted(DTYPES)}")
     return DTYPES[v]
 
 
@@ -196,7 +215,7 @@ def check_shape(v: Any, where: str) -> tuple[int, ...]:
     if not isinstance(v, list) or not all(
         isinstance(d, int) and not isinstance(d, bool) for d in v
     ):
-        raise ProtocolError(f"{where}.shape must be a list of integers, got {v!r}")
+        raise ProtocolError(f"{where}.shape must be a list of integers, got {clip(repr(v))}")
     if any(d < 0 for d in v):
         raise ProtocolError(f"{where}.shape must not be negative, got {v}")
     return tuple(v)
@@ -218,7 +237,7 @@ def _check_integers(data: Any, dtype: np.dtype, where: str) -> None:
     for x in _as_array(data, where, dtype=object).reshape(-1):
         if isinstance(x, bool) or not isinstance(x, int):
             raise ProtocolError(
-                f"{where}.data holds non-integer values for an integer datatype (e.g. {x!r})"
+                f"{where}.data holds non-integer values for an integer datatype (e.g. {clip(repr(x))})"
             )
         if not info.min <= x <= info.max:
             raise ProtocolError(
@@ -270,10 +289,11 @@ def _json_data(data: Any, dtype: np.dtype, shape: tuple[int, ...], where: str) -
 
 
 def parse_infer_request(
-    body: bytes,
+    body: bytes | bytearray,
     header_length: str | int | None = None,
     content_encoding: str | None = None,
     max_bytes: int | None = None,
+    max_json_bytes: int | None = None,
 ) -> InferRequest:
     """Parse an ``/infer`` body.
 
@@ -283,6 +303,9 @@ def parse_infer_request(
             body is JSON only.
         content_encoding: the ``Content-Encoding`` header (``gzip``, ``deflate`` or none).
         max_bytes: the largest decompressed body accepted (``None``: no limit).
+        max_json_bytes: the largest JSON part accepted (``None``: no limit), checked before
+            it is parsed: parsed JSON numbers take ~10× their text's memory, so large tensors
+            belong in the binary extension.
 
     Returns:
         the request; binary inputs are read-only views of ``body``'s bytes.
@@ -294,7 +317,7 @@ def parse_infer_request(
             sizes that do not add up.
     """
     body = _decompress(body, content_encoding, max_bytes)
-    doc, binary = _split_body(body, header_length)
+    doc, binary = _split_body(body, header_length, max_json_bytes)
     raw_inputs = doc.get("inputs")
     if not isinstance(raw_inputs, list) or not raw_inputs:
         raise ProtocolError("request needs a non-empty 'inputs' list")
@@ -322,7 +345,9 @@ def parse_infer_request(
     )
 
 
-def _split_body(body: bytes, header_length: str | int | None) -> tuple[dict[str, Any], memoryview]:
+def _split_body(
+    body: bytes | bytearray, header_length: str | int | None, max_json_bytes: int | None = None
+) -> tuple[dict[str, Any], memoryview]:
     """``(the JSON header as an object, the binary bytes after it)``."""
     if header_length is None:
         n_json = len(body)
@@ -331,14 +356,20 @@ def _split_body(body: bytes, header_length: str | int | None) -> tuple[dict[str,
             n_json = int(header_length)
         except (TypeError, ValueError):
             raise ProtocolError(
-                f"{HEADER_LENGTH} must be an integer, got {header_length!r}"
+                f"{HEADER_LENGTH} must be an integer, got {clip(str(header_length))!r}"
             ) from None
         if not 0 < n_json <= len(body):
             raise ProtocolError(
                 f"{HEADER_LENGTH} {n_json} is outside the body of {len(body)} bytes"
             )
+    if max_json_bytes is not None and n_json > max_json_bytes:
+        raise ProtocolError(
+            f"request JSON of {n_json} bytes exceeds the server's limit of {max_json_bytes} "
+            f"bytes (--max-json-mb); send large tensors as binary data "
+            f"({HEADER_LENGTH}, binary_data_size)"
+        )
     try:
-        doc = json.loads(body[:n_json])
+        doc = json.loads(body[:n_json] if n_json < len(body) else body)
     except (UnicodeDecodeError, json.JSONDecodeError) as e:
         raise ProtocolError(f"request JSON is malformed: {e}") from None
     except RecursionError:
@@ -359,7 +390,7 @@ def _parse_input(
     name = spec.get("name")
     if not isinstance(name, str) or not name:
         raise ProtocolError(f"{where}.name must be a non-empty string")
-    where = f"input {name!r}"
+    where = f"input {clip(name)!r}"
     if name in seen:
         raise ProtocolError(f"{where} is given twice")
     dtype = check_datatype(spec.get("datatype"), where)
@@ -377,7 +408,7 @@ def _parse_input(
         raise ProtocolError(f"{where} has both 'data' and binary_data_size")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise ProtocolError(
-            f"{where}.binary_data_size must be a non-negative integer, got {size!r}"
+            f"{where}.binary_data_size must be a non-negative integer, got {clip(repr(size))}"
         )
     need = math.prod(shape) * dtype.itemsize
     if size != need:
@@ -427,7 +458,7 @@ def select_outputs(
         return [RequestedOutput(n, request.binary_output) for n in results]
     for o in request.outputs:
         if o.name not in results:
-            raise ProtocolError(f"unknown output {o.name!r}; the model has {sorted(results)}")
+            raise ProtocolError(f"unknown output {clip(o.name)!r}; the model has {sorted(results)}")
     return request.outputs
 
 

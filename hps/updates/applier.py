@@ -37,6 +37,7 @@ from hps.types import (
     check_keys,
     check_values,
 )
+from hps.updates.bounds import check_row_bound
 from hps.updates.file_log import StaleOffsetError
 from hps.updates.health import UpdateHealth
 from hps.updates.record import CorruptRecordError, InvalidUpdateError, UpdateBatch
@@ -302,6 +303,7 @@ class UpdateApplier:
                     f"{what} the row of key {int(keys[bad[0]])} holds a non-finite value "
                     f"({rows[bad[0]][~np.isfinite(rows[bad[0]])][0]}); {bad.size} such row(s)"
                 )
+            check_row_bound(keys, rows, what)
             # np.sort, not np.unique: numpy 2.4's hash path is ~50x slower on large batches
             s = np.sort(keys)
             rep = np.flatnonzero(s[1:] == s[:-1])

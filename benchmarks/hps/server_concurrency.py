@@ -1,0 +1,268 @@
+"""The ``concurrency`` section of ``bench_server``: concurrent small-batch clients against the
+dynamically batched server, beside the in-process limit, HTTP and gRPC.
+
+The **in-process limit** of a batch size is what the same process computes with nothing in the
+way: one ``torch.index_select`` over all tables' rows fused into one resident tensor (into a
+reused buffer), a sum per bag, and the exported dense graph in onnxruntime (all cores) —
+samples/s at that batch, the better of torch on one thread or on all. It is measured right
+before each cell, since a shared host's load drifts.
+
+Clients run in separate processes (``clients_per_process`` threads each, tritonclient), so
+their Python work does not share the server's interpreter lock; each cell runs for
+``seconds`` after a warm-up, and every answer is checked against the servable's own scores
+for that request (bit-equal, batched or not).
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+import numpy as np
+import torch
+
+from embark.models.dlrm import DLRM
+
+log = logging.getLogger("bench_server")
+
+CLIENTS = (1, 4, 16, 64)
+BATCHES = (1, 16, 256)
+PROTOCOLS = ("http", "grpc")
+_MAX_PROCESSES = 4  # client processes per cell (threads share them)
+
+
+def fused_limit(model: DLRM, onnx_path: str, batch: int, threads: int, n: int) -> float:
+    """Samples/s of the in-process limit at ``batch`` (median of ``n`` timed runs)."""
+    import onnxruntime as ort
+
+    tables = model.workload.tables
+    weights = [model.embeddings[t.name].weight.detach() for t in tables]
+    fused = torch.cat(weights)  # every row resident, one tensor
+    base = np.cumsum([0] + [w.shape[0] for w in weights[:-1]])
+    hot = max(t.hotness for t in tables)
+    g = np.random.default_rng(batch)
+    ids = np.stack(
+        [base[j] + g.integers(0, t.num_rows, (batch, hot)) for j, t in enumerate(tables)], axis=1
+    )  # (B, T, H): every table padded to the widest bag, as in the server's merged pooled block
+    flat = torch.from_numpy(ids.reshape(-1))
+    dense = g.random((batch, model.workload.dense_features), dtype=np.float32)
+    opts = ort.SessionOptions()
+    opts.intra_op_num_threads = threads
+    opts.inter_op_num_threads = 1
+    sess = ort.InferenceSession(onnx_path, opts, providers=["CPUExecutionProvider"])
+    out = torch.empty(flat.numel(), fused.shape[1])
+    dim = fused.shape[1]
+
+    def run() -> None:
+        rows = torch.index_select(fused, 0, flat, out=out)
+        pooled = rows.view(batch, len(tables), hot, dim).sum(2)
+        sess.run(None, {"dense": dense, "pooled": pooled.numpy()})
+
+    best = 0.0
+    saved = torch.get_num_threads()
+    try:
+        for torch_threads in sorted({1, threads}):  # the better of the two is the limit
+            torch.set_num_threads(torch_threads)
+            run()
+            ts = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                run()
+                ts.append(time.perf_counter() - t0)
+            best = max(best, batch / statistics.median(ts))
+    finally:
+        torch.set_num_threads(saved)
+    return best
+
+
+def _client_process(
+    address: str,
+    protocol: str,
+    reqs: list[dict[str, np.ndarray]],
+    wants: list[np.ndarray],
+    threads: int,
+    seconds: float,
+    start: Any,
+    out: Any,
+) -> None:
+    """One client process: ``threads`` clients, warmed up, wait on the ``start`` barrier (every
+    process and the parent), then send ``reqs`` in turn for ``seconds``; puts ``(latencies s,
+    requests completed within the window, errors, wrong answers)`` on ``out``."""
+    import tritonclient.grpc as tg
+    import tritonclient.http as th
+
+    lat: list[float] = []
+    in_window = [0]
+    errors: list[str] = []
+    wrong = [0]
+    lock = threading.Lock()
+    ready = threading.Barrier(threads + 1)
+    go = threading.Event()
+    window: list[float] = []
+
+    def inputs(req: dict[str, np.ndarray]) -> list[Any]:
+        res = []
+        for name, arr in req.items():
+            dt = "FP32" if arr.dtype == np.float32 else "INT64"
+            if protocol == "http":
+                x = th.InferInput(name, list(arr.shape), dt)
+                x.set_data_from_numpy(arr, binary_data=True)
+            else:
+                x = tg.InferInput(name, list(arr.shape), dt)
+                x.set_data_from_numpy(arr)
+            res.append(x)
+        return res
+
+    def worker(k: int) -> None:
+        c: Any = (
+            th.InferenceServerClient(address)
+            if protocol == "http"
+            else tg.InferenceServerClient(address)
+        )
+        prepared = [inputs(r) for r in reqs]
+        for i in range(2):  # warm-up, not timed
+            c.infer("dlrm", prepared[(k + i) % len(reqs)])
+        ready.wait()
+        go.wait()
+        stop = window[1]
+        i = k
+        while time.perf_counter() < stop:
+            j = i % len(reqs)
+            t0 = time.perf_counter()
+            try:
+                got = c.infer("dlrm", prepared[j]).as_numpy("logits")
+            except Exception as e:  # counted: the figure is "no errors"
+                with lock:
+                    errors.append(str(e)[:200])
+            else:
+                t1 = time.perf_counter()
+                with lock:
+                    lat.append(t1 - t0)
+                    in_window[0] += t1 <= stop
+                    wrong[0] += not np.array_equal(got, wants[j])
+            i += 1
+
+    ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+    for t in ts:
+        t.start()
+    ready.wait()
+    start.wait()
+    now = time.perf_counter()
+    window.extend([now, now + seconds])
+    go.set()
+    for t in ts:
+        t.join()
+    out.put((lat, in_window[0], errors, wrong[0]))
+
+
+def run_cell(
+    address: str,
+    protocol: str,
+    clients: int,
+    reqs: list[dict[str, np.ndarray]],
+    wants: list[np.ndarray],
+    seconds: float,
+) -> dict[str, Any]:
+    """``clients`` clients for ``seconds``: samples/s (requests completed within the window),
+    p50/p99 ms, errors, wrong answers."""
+    ctx = mp.get_context("spawn")
+    procs_n = min(clients, _MAX_PROCESSES)
+    per = [clients // procs_n + (k < clients % procs_n) for k in range(procs_n)]
+    q = ctx.Queue()
+    start = ctx.Barrier(procs_n + 1)
+    procs = [
+        ctx.Process(
+            target=_client_process, args=(address, protocol, reqs, wants, n, seconds, start, q)
+        )
+        for n in per
+    ]
+    for p in procs:
+        p.start()
+    start.wait(timeout=600)
+    results = [q.get(timeout=seconds + 600) for _ in procs]
+    for p in procs:
+        p.join(60)
+    lat = sorted(x for r in results for x in r[0])
+    errors = [e for r in results for e in r[2]]
+    batch = reqs[0]["dense"].shape[0]
+    ms = [1e3 * x for x in lat]
+    return {
+        "requests": len(lat),
+        "samples_per_s": batch * sum(r[1] for r in results) / seconds,
+        "p50_ms": statistics.median(ms) if ms else None,
+        "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None,
+        "errors": len(errors),
+        "first_error": errors[0] if errors else None,
+        "wrong_answers": sum(r[3] for r in results),
+    }
+
+
+def bench_concurrency(
+    name: str,
+    model: DLRM,
+    served: Any,
+    onnx_path: str,
+    request_fn: Any,
+    clients: tuple[int, ...],
+    batches: tuple[int, ...],
+    seconds: float,
+    threads: int,
+    limit_runs: int = 10,
+) -> list[dict[str, Any]]:
+    """Every ``clients × batches × protocol`` cell of model ``name`` (``served`` a running
+    ``bench_server.Served``), with the in-process limit at each batch and at 256."""
+    reps = limit_runs
+    rows = []
+    addr = {"http": served.srv.address, "grpc": str(served.srv.grpc_address)}
+    for b in batches:
+        reqs = [request_fn(model, b, seed=10_000 + b * 10 + i) for i in range(8)]
+        wants = [served.servable.infer(r)["logits"] for r in reqs]
+        for c in clients:
+            for proto in PROTOCOLS:
+                # the limit measured right before each cell: the host's load drifts
+                limits = {x: fused_limit(model, onnx_path, x, threads, reps) for x in {b, 256}}
+                before = served.stats()
+                cell = run_cell(addr[proto], proto, c, reqs, wants, seconds)
+                after = served.stats()
+                execs = after["execution_count"] - before["execution_count"]
+                done = after["inference_count"] - before["inference_count"]
+                row = {
+                    "bench": "concurrency",
+                    "model": name,
+                    "protocol": proto,
+                    "clients": c,
+                    "batch": b,
+                    **cell,
+                    "limit_same_batch_samples_per_s": limits[b],
+                    "limit_b256_samples_per_s": limits[256],
+                    "ratio_vs_limit_b256": cell["samples_per_s"] / limits[256],
+                    "ratio_vs_limit_same_batch": cell["samples_per_s"] / limits[b],
+                    "mean_execution_batch": done / execs if execs else None,
+                    "load_avg_1m": os.getloadavg()[0],
+                    "max_queue_delay_us": served.srv.batchers["dlrm"].cfg.max_queue_delay_us,
+                    "merged_max_batch": served.srv.batchers["dlrm"].cfg.max_batch_size,
+                }
+                rows.append(row)
+                log.info(
+                    "%s %s %2d clients × B=%-3d: %8.0f samples/s (limit@256 %.0f: %.3fx), p50 %.1f "
+                    "ms, p99 %.1f ms, mean batch %.1f, %d errors, %d wrong, load %.1f",
+                    name,
+                    proto,
+                    c,
+                    b,
+                    cell["samples_per_s"],
+                    limits[256],
+                    row["ratio_vs_limit_b256"],
+                    cell["p50_ms"] or 0,
+                    cell["p99_ms"] or 0,
+                    row["mean_execution_batch"] or 0,
+                    cell["errors"],
+                    cell["wrong_answers"],
+                    row["load_avg_1m"],
+                )
+    return rows

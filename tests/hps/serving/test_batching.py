@@ -1,0 +1,225 @@
+"""Dynamic batching: concurrent requests merged into one execution, each client getting exactly
+the rows it would get alone (bit-equal), over the batcher itself and through HTTP and gRPC at
+once; the batch bound, the queue delay, the statistics Triton reports, the model configuration;
+a failed merged execution fails only the request that caused it."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tg
+import tritonclient.http as th
+from tritonclient.utils import InferenceServerException
+
+from embark.models.dlrm import DLRM
+from hps.parameter_server import HierarchicalParameterServer
+from hps.serving.batcher import BatchingConfig, DynamicBatcher, merge_requests
+from hps.serving.http_server import InferenceServer, ModelBatching, ServerConfig, build_servables
+from hps.serving.servable import DLRMServable, Tensors
+from hps.serving.statistics import ModelCounts
+from tests.hps.serving.tiny_dlrm import make_request, triton_inputs
+
+# (batch, narrow id lists, seed) of the concurrent requests: sizes 1 to 17, some narrow
+REQUESTS = [
+    (1, False, 0),
+    (5, True, 1),
+    (16, False, 2),
+    (3, True, 3),
+    (17, False, 4),
+    (2, False, 5),
+]
+
+
+@pytest.fixture(scope="module")
+def ps(tiny_artifacts: Path) -> Iterator[HierarchicalParameterServer]:
+    p = HierarchicalParameterServer.from_config(tiny_artifacts / "ps.json")
+    try:
+        yield p
+    finally:
+        p.close()
+
+
+@pytest.fixture(scope="module")
+def servable(ps: HierarchicalParameterServer) -> DLRMServable:
+    return build_servables(ps)["tiny"]
+
+
+def grpc_inputs(req: Tensors) -> list[tg.InferInput]:
+    """``req`` as tritonclient.grpc inputs (raw contents)."""
+    out = []
+    for name, arr in req.items():
+        x = tg.InferInput(name, list(arr.shape), "FP32" if arr.dtype == np.float32 else "INT64")
+        x.set_data_from_numpy(arr)
+        out.append(x)
+    return out
+
+
+def _requests(model: DLRM) -> list[Tensors]:
+    return [make_request(model, b, seed=100 + s, narrow=n) for b, n, s in REQUESTS]
+
+
+def test_merged_execution_is_bit_equal_to_each_request_alone(servable, tiny) -> None:
+    """All requests queued before the inference thread may close the batch (a 1 s delay, the
+    bound their sum): one execution of every sample, and each request's rows are bit-equal to
+    running it alone."""
+    reqs = _requests(tiny)
+    alone = [servable.infer(r) for r in reqs]
+    counts = ModelCounts()
+    total = sum(b for b, _, _ in REQUESTS)
+    batcher = DynamicBatcher(servable, BatchingConfig(total, max_queue_delay_us=10**6), counts)
+    try:
+        futures = [batcher.submit(servable.check(r)) for r in reqs]
+        done = [f.result(timeout=60) for f in futures]
+    finally:
+        batcher.close()
+    assert counts.executions == 1 and counts.batch_ns.keys() == {total}
+    for got, want, (b, _, _) in zip(done, alone, REQUESTS, strict=True):
+        assert got.batch_size == total
+        for name in ("logits", "probability"):
+            assert got.outputs[name].shape == (b,)
+            assert np.array_equal(got.outputs[name], want[name]), name
+
+
+def test_merge_pads_narrow_id_lists_with_minus_one(servable, tiny) -> None:
+    a = servable.check(make_request(tiny, 2, seed=1, narrow=True))
+    b = servable.check(make_request(tiny, 1, seed=2))
+    narrow = next(n for n in servable.id_inputs if a[n].shape[1] < b[n].shape[1])
+    m = merge_requests(servable, [a, b])
+    w = a[narrow].shape[1]
+    assert m[narrow].shape == (3, b[narrow].shape[1])
+    assert np.array_equal(m[narrow][:2, :w], a[narrow]) and (m[narrow][:2, w:] == -1).all()
+    assert np.array_equal(m[narrow][2:], b[narrow])
+    assert np.array_equal(m["dense"], np.concatenate([a["dense"], b["dense"]]))
+
+
+def test_an_execution_never_exceeds_max_batch_size(servable, tiny) -> None:
+    """Requests of 16 samples under a bound of 40: executions of at most 32; a request larger
+    than the bound (but within the model's 64) runs alone."""
+    counts = ModelCounts()
+    batcher = DynamicBatcher(servable, BatchingConfig(40, max_queue_delay_us=200_000), counts)
+    try:
+        reqs = [servable.check(make_request(tiny, b, seed=i)) for i, b in enumerate([16] * 5)]
+        reqs.append(servable.check(make_request(tiny, 50, seed=9)))
+        for f in [batcher.submit(r) for r in reqs]:
+            f.result(timeout=60)
+    finally:
+        batcher.close()
+    assert max(counts.batch_ns) == 50 and counts.batch_ns[50][0] == 1
+    assert set(counts.batch_ns) - {50} <= {16, 32}
+    assert sum(size * c for size, (c, _) in counts.batch_ns.items()) == 5 * 16 + 50
+
+
+def test_a_failed_merged_execution_fails_only_its_culprit(servable, tiny, monkeypatch) -> None:
+    """An execution holding the marked sample raises; merged, everything fails, so each
+    request runs again alone: only the marked one fails."""
+    real = servable.infer
+
+    def picky(inputs: Tensors) -> Tensors:
+        if (inputs["dense"][:, 0] == 7.0).any():
+            raise RuntimeError("sample marked 7")
+        return real(inputs)
+
+    monkeypatch.setattr(servable, "infer", picky)
+    reqs = _requests(tiny)
+    reqs[2]["dense"][3, 0] = 7.0
+    total = sum(b for b, _, _ in REQUESTS)
+    batcher = DynamicBatcher(servable, BatchingConfig(total, 500_000), ModelCounts())
+    try:
+        futures = [batcher.submit(servable.check(r)) for r in reqs]
+        with pytest.raises(RuntimeError, match="sample marked 7"):
+            futures[2].result(timeout=60)
+        ok = [f.result(timeout=60) for i, f in enumerate(futures) if i != 2]
+    finally:
+        batcher.close()
+    monkeypatch.undo()
+    want = [real(r) for i, r in enumerate(reqs) if i != 2]
+    for got, w in zip(ok, want, strict=True):
+        assert np.array_equal(got.outputs["logits"], w["logits"])
+
+
+def test_batching_config_is_refused_out_of_range(servable) -> None:
+    with pytest.raises(ValueError, match="max_queue_delay_us must be an integer from 0 to"):
+        BatchingConfig(8, -1)
+    with pytest.raises(
+        ValueError, match="batching max_batch_size 65 exceeds the model's max_batch_size 64"
+    ):
+        ServerConfig(max_batch_size=65).batching(servable)
+    with pytest.raises(ValueError, match="NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US"):
+        ModelBatching.parse("tiny:8")
+    with pytest.raises(ValueError, match="names a model twice"):
+        ServerConfig(model_batching=(ModelBatching("a", 1, 0), ModelBatching("a", 2, 0)))
+
+
+def test_concurrent_http_and_grpc_clients_get_their_own_rows(ps, servable, tiny) -> None:
+    """12 clients (HTTP and gRPC alternating) at once through one server with a 50 ms queue
+    delay: every answer bit-equal to its request alone, fewer executions than requests, the
+    statistics and both protocols' model configuration say so."""
+    cfg = ServerConfig(
+        port=0, grpc_port=0, model_batching=(ModelBatching("tiny", 64, 50_000),), workers=2
+    )
+    reqs = [make_request(tiny, 1 + i % 4, seed=200 + i, narrow=i % 3 == 0) for i in range(12)]
+    alone = [servable.infer(r)["logits"] for r in reqs]
+    with InferenceServer(ps, cfg) as srv:
+        start = threading.Barrier(len(reqs))
+
+        def call(i: int) -> np.ndarray:
+            start.wait(30)
+            if i % 2:
+                c = tg.InferenceServerClient(str(srv.grpc_address))
+                return c.infer("tiny", grpc_inputs(reqs[i])).as_numpy("logits")
+            h = th.InferenceServerClient(srv.address)
+            return h.infer("tiny", triton_inputs(reqs[i])).as_numpy("logits")
+
+        with ThreadPoolExecutor(len(reqs)) as ex:
+            got = list(ex.map(call, range(len(reqs))))
+        http = th.InferenceServerClient(srv.address)
+        st = http.get_inference_statistics("tiny")["model_stats"][0]
+        hcfg = http.get_model_config("tiny")
+        gcfg = tg.InferenceServerClient(str(srv.grpc_address)).get_model_config(
+            "tiny", as_json=True
+        )["config"]
+    for g, want in zip(got, alone, strict=True):
+        assert np.array_equal(g, want)
+    assert st["inference_stats"]["success"]["count"] == len(reqs)
+    assert st["inference_count"] == sum(r["dense"].shape[0] for r in reqs)
+    assert st["execution_count"] < len(reqs)
+    assert sum(b["compute_infer"]["count"] for b in st["batch_stats"]) == st["execution_count"]
+    assert st["inference_stats"]["queue"]["ns"] > 0
+    want_batching = {"preferred_batch_size": [64], "max_queue_delay_microseconds": 50_000}
+    assert hcfg["dynamic_batching"] == want_batching
+    assert gcfg["dynamic_batching"] == {
+        "preferred_batch_size": [64],
+        "max_queue_delay_microseconds": "50000",  # protobuf's JSON writes uint64 as text
+    }
+
+
+def test_non_finite_scores_are_refused_and_counted(ps, servable, tiny) -> None:
+    """A finite dense input of 3e38 overflows the model: HTTP 422 and gRPC INVALID_ARGUMENT
+    naming the model and the sample, counted in the stats; its batch mates are answered."""
+    bad = make_request(tiny, 3, seed=300)
+    bad["dense"][1, :] = 3e38
+    good = make_request(tiny, 2, seed=301)
+    cfg = ServerConfig(port=0, grpc_port=0, model_batching=(ModelBatching("tiny", 64, 20_000),))
+    with InferenceServer(ps, cfg) as srv:
+        http = th.InferenceServerClient(srv.address, concurrency=2)
+        g = tg.InferenceServerClient(str(srv.grpc_address))
+        pending = http.async_infer("tiny", triton_inputs(good))
+        with pytest.raises(InferenceServerException) as h:
+            http.infer("tiny", triton_inputs(bad))
+        assert np.array_equal(
+            pending.get_result().as_numpy("logits"), servable.infer(good)["logits"]
+        )
+        with pytest.raises(InferenceServerException) as r:
+            g.infer("tiny", grpc_inputs(bad))
+        st = http.get_inference_statistics("tiny")["model_stats"][0]
+    assert h.value.status() == "422", h.value
+    assert "model 'tiny' computed a non-finite logits" in h.value.message()
+    assert "for sample 1" in h.value.message()
+    assert r.value.status() == "StatusCode.INVALID_ARGUMENT"
+    assert r.value.message() == h.value.message()
+    assert st["non_finite_output"] == 2 and st["inference_stats"]["fail"]["count"] == 2

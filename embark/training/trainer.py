@@ -355,15 +355,34 @@ class Trainer:
         """Write a checkpoint folder at ``path`` (replacing a checkpoint there, atomically;
         :func:`embark.training.checkpoint.save_checkpoint`).
 
+        A model whose modules were replaced (a pruner's ``compress()``) is saved after
+        :meth:`rebuild_optimizer`, and loaded with :meth:`load_checkpoint` into a model of the
+        same structure (``model=``; a module that loads its own state, such as a condensed
+        sparse layer, takes the saved sizes).
+
         Raises:
             ValueError: when ``path`` exists and is not a checkpoint folder (nothing is
-                touched), or for a trainer of a sharded model (its ranks save together with
-                ``embark.sharding.save_sharded_checkpoint``).
+                touched), for a trainer of a sharded model (its ranks save together with
+                ``embark.sharding.save_sharded_checkpoint``), or when the optimizer holds
+                parameters the model no longer has (call :meth:`rebuild_optimizer` first).
         """
         if isinstance(self.model, SupportsGradientSync):
             raise ValueError(
                 f"save_checkpoint: this trainer's model ({type(self.model).__name__}) is "
                 "distributed; save it with embark.sharding.save_sharded_checkpoint"
+            )
+        own = {id(p) for p in self.model.parameters()}
+        stale = [
+            tuple(p.shape)
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if id(p) not in own
+        ]
+        if stale:
+            raise ValueError(
+                f"save_checkpoint: the optimizer holds {len(stale)} parameter(s) the model no "
+                f"longer has (shapes {stale[:3]}): modules were replaced (e.g. a pruner's "
+                "compress()); call trainer.rebuild_optimizer() before saving"
             )
         return checkpoint.save_checkpoint(
             path, self.model, self.optimizer, self.cfg, self.state, self.embedding_updates

@@ -221,14 +221,19 @@ class EmbeddingUpdates:
         self.weights: dict[str, nn.Parameter] = dict(tables)
         self.param_names = {t: names[id(w)] for t, w in tables.items()}
         self.replicated = frozenset(replicated)
+        #: each table's learning rate before the warm-up (a ParamGroup's, else the tables')
+        self.base_lr: dict[str, float] = {}
         for t, w in tables.items():
-            upd = SparseTableUpdate(t, w.shape[0], w.shape[1], self.optimizer, kernel)
+            group = cfg.group_of(self.param_names[t])
+            self.base_lr[t] = self.optimizer.lr if group is None else group.lr
+            row_opt = replace(self.optimizer, lr=self.base_lr[t])
+            upd = SparseTableUpdate(t, w.shape[0], w.shape[1], row_opt, kernel)
             old = holder[t] if t in holder else None
             # a table taken over before had its requires_grad turned off here: its update says
             upd.frozen = old.frozen if isinstance(old, SparseTableUpdate) else not w.requires_grad
             if (
                 isinstance(old, SparseTableUpdate)
-                and old.optimizer.kind is self.optimizer.kind
+                and old.optimizer.kind is row_opt.kind
                 and old.state_shapes() == upd.state_shapes()
             ):
                 for key, value in old.state().items():
@@ -259,8 +264,14 @@ class EmbeddingUpdates:
         self.updates[table].frozen = frozen
         self.weights[table].requires_grad_(table in self.replicated and not frozen)
 
+    def scale_lr(self, scale: float) -> None:
+        """Set each table's learning rate to ``scale`` times its :attr:`base_lr` (the
+        trainer's warm-up)."""
+        for t, upd in self.updates.items():
+            upd.set_lr(self.base_lr[t] * scale)
+
     def set_lr(self, lr: float) -> None:
-        """Set every table's learning rate (the trainer's warm-up)."""
+        """Set every table's learning rate to ``lr``."""
         self.optimizer = replace(self.optimizer, lr=lr)
         for upd in self.updates.values():
             upd.set_lr(lr)

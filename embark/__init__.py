@@ -38,6 +38,7 @@ if TYPE_CHECKING:
         EmbeddingKernel,
         EmbeddingOptimizerKind,
         OptimizerKind,
+        ParamGroup,
         TrainConfig,
     )
     from embark.training.epochs import reshuffled
@@ -86,6 +87,7 @@ _EXPORTS = {
     "EmbeddingKernel": "embark.training.config",
     "EmbeddingOptimizerKind": "embark.training.config",
     "OptimizerKind": "embark.training.config",
+    "ParamGroup": "embark.training.config",
     "TrainConfig": "embark.training.config",
     "auc": "embark.training.metrics",
     "log_loss": "embark.training.metrics",
@@ -118,6 +120,7 @@ __all__ = [
     "MetricMode",
     "Monitor",
     "OptimizerKind",
+    "ParamGroup",
     "PlanError",
     "ShardedDLRM",
     "ShardedRunConfig",

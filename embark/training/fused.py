@@ -221,7 +221,8 @@ class EmbeddingUpdates:
         self.weights: dict[str, nn.Parameter] = dict(tables)
         self.param_names = {t: names[id(w)] for t, w in tables.items()}
         self.replicated = frozenset(replicated)
-        #: each table's learning rate before the warm-up (a ParamGroup's, else the tables')
+        #: the tables' learning rate before the warm-up, and each table's (a ParamGroup's)
+        self.default_lr = self.optimizer.lr
         self.base_lr: dict[str, float] = {}
         for t, w in tables.items():
             group = cfg.group_of(self.param_names[t])
@@ -266,7 +267,8 @@ class EmbeddingUpdates:
 
     def scale_lr(self, scale: float) -> None:
         """Set each table's learning rate to ``scale`` times its :attr:`base_lr` (the
-        trainer's warm-up)."""
+        trainer's warm-up); :attr:`optimizer` (the tables' default update) is scaled too."""
+        self.optimizer = replace(self.optimizer, lr=self.default_lr * scale)
         for t, upd in self.updates.items():
             upd.set_lr(self.base_lr[t] * scale)
 

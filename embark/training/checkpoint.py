@@ -44,7 +44,6 @@ state-dict names, shapes and dtypes; the optimizer's groups and state shapes), t
 
 from __future__ import annotations
 
-import copy
 import hashlib
 import json
 import logging
@@ -63,6 +62,7 @@ from torch import nn
 
 from embark.models.workloads import Workload
 from embark.outputs import check_parent_writable
+from embark.training.checkpoint_modules import dry_run_loads, self_loading_modules
 from embark.training.checkpoint_schema import STATE_FILE, TENSOR_FILES, check_state
 from embark.training.checkpoint_shards import Chunk, chunks_of, read_region
 from embark.training.checkpoint_siblings import fresh_sibling, remove_stale_siblings
@@ -432,8 +432,8 @@ def _check_model(ckpt: Checkpoint, model: nn.Module) -> None:
             f"checkpoint {str(ckpt.path)!r} does not fit the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
-    own_sizes = _self_loading_modules(model)
-    _dry_run_loads(ckpt, own_sizes)
+    own_sizes = self_loading_modules(model)  # checked by a load into a copy instead
+    dry_run_loads(ckpt.model_tensors, own_sizes, ckpt.path / MODEL_FILE)
     for k, v in own.items():
         if k.rpartition(".")[0] in own_sizes:
             continue
@@ -443,40 +443,6 @@ def _check_model(ckpt: Checkpoint, model: nn.Module) -> None:
                 f"{tuple(tensors[k].shape)} {tensors[k].dtype}, "
                 f"the model has {tuple(v.shape)} {v.dtype}"
             )
-
-
-def _self_loading_modules(model: nn.Module) -> dict[str, nn.Module]:
-    """``{prefix: module}`` of the modules of ``model`` that load their own state
-    (``_load_from_state_dict`` overridden, e.g. a condensed sparse layer whose buffers take
-    the saved sizes): their tensors are not compared by shape here, they are checked by a load
-    into a copy of the module (:func:`_dry_run_loads`)."""
-    base = nn.Module._load_from_state_dict
-    return {
-        fqn: m
-        for fqn, m in model.named_modules()
-        if fqn and type(m)._load_from_state_dict is not base
-    }
-
-
-def _dry_run_loads(ckpt: Checkpoint, modules: dict[str, nn.Module]) -> None:
-    """Load ``ckpt``'s tensors of each of ``modules`` into a copy of it (one layer, small), so
-    that a tensor it refuses is an error before the model is written.
-
-    Raises:
-        ValueError: naming the checkpoint and the module, with the module's own message.
-    """
-    for fqn, m in modules.items():
-        prefix = fqn + "."
-        own = {k for k in m.state_dict()}
-        sub = {k[len(prefix) :]: v for k, v in ckpt.model_tensors.items() if k.startswith(prefix)}
-        sub = {k: v for k, v in sub.items() if k in own}  # nested modules' keys included
-        try:
-            copy.deepcopy(m).load_state_dict(sub, strict=True)
-        except (RuntimeError, ValueError) as err:
-            raise ValueError(
-                f"checkpoint file {str(ckpt.path / MODEL_FILE)!r}: module {fqn!r} "
-                f"({type(m).__name__}) refuses its tensors: {err}"
-            ) from None
 
 
 def _check_tables(ckpt: Checkpoint, tables: EmbeddingUpdates | None) -> set[str]:

@@ -311,7 +311,7 @@ class Trainer:
 
         Returns:
             the :class:`~embark.training.report.FitReport` of every step of the call
-            (``epochs``: the passes finished).
+            (``epochs``: the passes whose every batch was trained).
 
         Raises:
             ValueError: for ``epochs < 0``, as :meth:`fit` for the checkpoint folder.
@@ -322,8 +322,13 @@ class Trainer:
         report = self._begin_fit()
         with tqdm(disable=not progress, desc="train", unit="step") as bar:
             for epoch in range(epochs):
-                for batch in epoch_batches(epoch):
-                    if not self._fit_step(batch, report, bar, eval_batches):
+                it = iter(epoch_batches(epoch))
+                batch = next(it, None)
+                while batch is not None:
+                    go_on = self._fit_step(batch, report, bar, eval_batches)
+                    batch = next(it, None)  # a stop at an epoch's last batch ends that epoch
+                    if not go_on:
+                        report.epochs += batch is None
                         return report
                 report.epochs += 1
         return report

@@ -173,15 +173,20 @@ def test_reshuffled_epochs(data):
 def test_fit_epochs_counts_epochs_and_stops(data):
     batches = list(data.batches(2))
     t = _trainer(data)
-    report = t.fit_epochs(lambda e: reshuffled(batches, e), epochs=3, progress=False)
-    assert (report.epochs, report.steps, t.step) == (3, 6, 6)
-    t2 = _trainer(data, eval_every=2)
+    report = t.fit_epochs(lambda e: reshuffled(batches, e), epochs=2, progress=False)
+    assert (report.epochs, report.steps, t.step) == (2, 4, 4)
+    t2 = _trainer(data, eval_every=1)
     t2.add_callback(EarlyStopping(NEVER_AGAIN, patience=1))
     evals = list(data.batches(1, split="eval"))
     r2 = t2.fit_epochs(
         lambda e: reshuffled(batches, e), epochs=5, progress=False, eval_batches=evals
     )
-    assert (r2.epochs, r2.steps) == (1, 4) and r2.stopped_early
+    assert (r2.epochs, r2.steps) == (1, 2) and r2.stopped_early  # evaluations at 1, 2
+    t3 = _trainer(data, eval_every=1)
+    t3.add_callback(EarlyStopping(NEVER_AGAIN, patience=1))
+    three = list(data.batches(3))
+    r3 = t3.fit_epochs(lambda e: three, epochs=5, progress=False, eval_batches=evals)
+    assert (r3.epochs, r3.steps) == (0, 2) and r3.stopped_early  # stopped inside epoch 0
 
 
 def test_param_groups_have_their_own_learning_rates(data, tmp_path):

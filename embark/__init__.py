@@ -14,7 +14,7 @@ batches, plans and EBC models; torchrec optional). Command lines:
 >>> w = get_workload("tiny")
 >>> data = SyntheticCTR(w, batch_size=64)
 >>> trainer = Trainer(build_model(w), TrainConfig(lr=0.05))
->>> trainer.fit(data.batches(2), steps=2, progress=False)["steps"]
+>>> trainer.fit(data.batches(2), steps=2, progress=False).steps
 2
 """
 
@@ -39,14 +39,17 @@ if TYPE_CHECKING:
     from embark.sharding.model import ShardedDLRM
     from embark.sharding.run import ShardedRunConfig, run_sharded
     from embark.topology import get_topology
-    from embark.training.callbacks import Callback
+    from embark.training.callbacks import Callback, EarlyStopping, KeepBest
     from embark.training.config import (
         EmbeddingKernel,
         EmbeddingOptimizerKind,
         OptimizerKind,
+        ParamGroup,
         TrainConfig,
     )
-    from embark.training.metrics import auc, log_loss
+    from embark.training.epochs import reshuffled
+    from embark.training.metrics import MetricMode, Monitor, auc, log_loss
+    from embark.training.report import FitReport
     from embark.training.state import TrainState
     from embark.training.trainer import Trainer
     from embark.types import (
@@ -94,9 +97,16 @@ _EXPORTS = {
     "run_sharded": "embark.sharding.run",
     "get_topology": "embark.topology",
     "Callback": "embark.training.callbacks",
+    "EarlyStopping": "embark.training.callbacks",
+    "KeepBest": "embark.training.callbacks",
+    "reshuffled": "embark.training.epochs",
+    "MetricMode": "embark.training.metrics",
+    "Monitor": "embark.training.metrics",
+    "FitReport": "embark.training.report",
     "EmbeddingKernel": "embark.training.config",
     "EmbeddingOptimizerKind": "embark.training.config",
     "OptimizerKind": "embark.training.config",
+    "ParamGroup": "embark.training.config",
     "TrainConfig": "embark.training.config",
     "auc": "embark.training.metrics",
     "log_loss": "embark.training.metrics",
@@ -124,14 +134,20 @@ __all__ = [
     "CommDtype",
     "CriteoTSV",
     "Dense",
+    "EarlyStopping",
     "EmbeddingKernel",
     "EmbeddingOptimizerKind",
+    "FitReport",
     "HotnessError",
     "HotnessPolicy",
     "Interaction",
     "JaggedBatch",
+    "KeepBest",
+    "MetricMode",
+    "Monitor",
     "OOVPolicy",
     "OptimizerKind",
+    "ParamGroup",
     "PlanError",
     "Preprocessor",
     "ShardedDLRM",
@@ -158,6 +174,7 @@ __all__ = [
     "local_batch",
     "log_loss",
     "plan_sharding",
+    "reshuffled",
     "run_sharded",
     "save_sharded_checkpoint",
     "simulate",

@@ -280,11 +280,11 @@ def main(cfg: TrainDLRMKnobs) -> dict[str, Any]:
         "auc_gap": teacher_auc - final["auc"],
         "train_auc": train["auc"],
         "train_logloss": train["logloss"],
-        "samples_per_s": fit["samples_per_s"],
+        "samples_per_s": fit.samples_per_s,
         "steps": trainer.step,
         "resumed_at": start if cfg.resume else None,
-        "samples": fit["samples"],
-        "train_seconds": fit["seconds"],
+        "samples": fit.samples,
+        "train_seconds": fit.seconds,
         "wall_seconds": time.perf_counter() - t_start,
         "eval_samples": final["num_samples"],
         "positive_rate": final["positive_rate"],
@@ -301,7 +301,7 @@ def main(cfg: TrainDLRMKnobs) -> dict[str, Any]:
         f"{teacher_auc - final['auc']:+.4f})\n"
         f"  eval logloss {final['logloss']:.4f}\n"
         f"  train AUC    {train['auc']:.4f}\n"
-        f"  throughput   {fit['samples_per_s']:,.0f} samples/s ({fit['seconds']:.1f} s training, "
+        f"  throughput   {fit.samples_per_s:,.0f} samples/s ({fit.seconds:.1f} s training, "
         f"{results['wall_seconds']:.1f} s total)\n"
         f"  results      {out / 'results.json'}"
     )

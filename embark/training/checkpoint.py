@@ -63,6 +63,7 @@ from torch import nn
 
 from embark.models.workloads import Workload
 from embark.outputs import check_parent_writable
+from embark.training.checkpoint_modules import dry_run_loads, self_loading_modules
 from embark.training.checkpoint_schema import STATE_FILE, TENSOR_FILES, check_state
 from embark.training.checkpoint_shards import Chunk, chunks_of, read_region
 from embark.training.checkpoint_siblings import (
@@ -449,7 +450,11 @@ def _check_model(ckpt: Checkpoint, model: nn.Module) -> None:
             f"checkpoint {str(ckpt.path)!r} does not fit the model: missing {missing[:5]}, "
             f"unexpected {unexpected[:5]}"
         )
+    own_sizes = self_loading_modules(model)  # checked by a load into a copy instead
+    dry_run_loads(ckpt.model_tensors, own_sizes, ckpt.path / MODEL_FILE)
     for k, v in own.items():
+        if k.rpartition(".")[0] in own_sizes:
+            continue
         if v.shape != tensors[k].shape or v.dtype != tensors[k].dtype:
             raise ValueError(
                 f"checkpoint file {str(ckpt.path / MODEL_FILE)!r}: tensor {k!r} is "

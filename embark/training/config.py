@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import fnmatch
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from enum import StrEnum
 from typing import Any
@@ -46,6 +47,53 @@ class EmbeddingKernel(StrEnum):
     REFERENCE = "reference"
 
 
+#: the optimizer groups the trainer names itself (:func:`build_optimizer`)
+RESERVED_GROUPS = ("embeddings", "dense")
+
+
+@dataclass(frozen=True)
+class ParamGroup:
+    """Parameters with a learning rate of their own (fine-tuning: a small one for pretrained
+    layers, a large one for a new head).
+
+    Args:
+        name: the optimizer group's name (not ``"embeddings"`` or ``"dense"``).
+        patterns: ``fnmatch`` patterns over ``model.named_parameters()`` names, e.g.
+            ``("top_mlp.*",)``; a fused embedding table matches by its weight's name
+            (``"embeddings.t0.weight"``) and steps its rows with this ``lr``.
+        lr: the group's learning rate (> 0; the warm-up scales it like the others).
+
+    Raises:
+        ValueError: naming the field, for a reserved or empty name, no pattern, or an
+            ``lr`` that is not a finite number > 0.
+    """
+
+    name: str
+    patterns: tuple[str, ...]
+    lr: float
+
+    def __post_init__(self) -> None:
+        if not self.name or self.name in RESERVED_GROUPS:
+            raise ValueError(
+                f"ParamGroup.name must be non-empty and not one of {RESERVED_GROUPS}, "
+                f"got {self.name!r}"
+            )
+        object.__setattr__(self, "patterns", tuple(self.patterns))
+        if not self.patterns or not all(isinstance(p, str) and p for p in self.patterns):
+            raise ValueError(
+                f"ParamGroup {self.name!r}: patterns must be non-empty strings, got "
+                f"{self.patterns!r}"
+            )
+        if not (isinstance(self.lr, int | float) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(
+                f"ParamGroup {self.name!r}: lr must be a finite number > 0, got {self.lr!r}"
+            )
+
+    def matches(self, param_name: str) -> bool:
+        """Whether ``param_name`` matches one of :attr:`patterns`."""
+        return any(fnmatch.fnmatchcase(param_name, p) for p in self.patterns)
+
+
 @dataclass(frozen=True)
 class TrainConfig:
     """Training hyper-parameters.
@@ -73,6 +121,9 @@ class TrainConfig:
             ``--lr-num-warmup-steps``); 0 = none. Adagrad's first steps move every weight by
             about ``lr`` whatever its gradient (its squared-gradient sum is just that gradient
             squared), which at a full ``lr`` can push all units of a ReLU layer negative at once.
+        param_groups: parameters with learning rates of their own (:class:`ParamGroup`); a
+            parameter goes to the first group that matches it, the others to ``"embeddings"``
+            / ``"dense"``.
 
     Raises:
         ValueError: naming the field, for out-of-range values.
@@ -91,8 +142,17 @@ class TrainConfig:
     embedding_optimizer: EmbeddingOptimizerKind | None = None
     embedding_kernel: EmbeddingKernel = EmbeddingKernel.AUTO
     warmup_steps: int = 0
+    param_groups: tuple[ParamGroup, ...] = ()
 
     def __post_init__(self) -> None:
+        groups = tuple(
+            g if isinstance(g, ParamGroup) else ParamGroup(**g)  # from_dict gives mappings
+            for g in self.param_groups
+        )
+        object.__setattr__(self, "param_groups", groups)
+        names = [g.name for g in groups]
+        if len(set(names)) != len(names):
+            raise ValueError(f"TrainConfig.param_groups: names must be distinct, got {names}")
         self._enum_field("optimizer", OptimizerKind, self.optimizer)
         if self.embedding_optimizer is not None:
             self._enum_field(
@@ -143,8 +203,15 @@ class TrainConfig:
             return 1.0
         return max(step, 1) / self.warmup_steps
 
+    def group_of(self, param_name: str) -> ParamGroup | None:
+        """The first of :attr:`param_groups` matching ``param_name``, else ``None``."""
+        return next((g for g in self.param_groups if g.matches(param_name)), None)
+
     def to_dict(self) -> dict[str, Any]:
         d = asdict(self)
+        d["param_groups"] = [
+            {"name": g.name, "patterns": list(g.patterns), "lr": g.lr} for g in self.param_groups
+        ]
         d["optimizer"] = self.optimizer.value
         d["embedding_optimizer"] = self.embedding_optimizer and self.embedding_optimizer.value
         d["embedding_kernel"] = self.embedding_kernel.value
@@ -162,11 +229,15 @@ class TrainConfig:
 
 
 def build_optimizer(
-    cfg: TrainConfig, embedding_params: Sequence[nn.Parameter], dense_params: Sequence[nn.Parameter]
+    cfg: TrainConfig,
+    embedding_params: Sequence[nn.Parameter],
+    dense_params: Sequence[nn.Parameter],
+    grouped: Mapping[str, Sequence[nn.Parameter]] | None = None,
 ) -> torch.optim.Optimizer:
     """The trainer's optimizer for ``cfg``: param groups ``"embeddings"`` (``embedding_lr or
-    lr``) and ``"dense"`` (``lr``), empty ones left out (a rank of a sharded run may hold no
-    table).
+    lr``), ``"dense"`` (``lr``) and one per :attr:`TrainConfig.param_groups` entry (its
+    ``lr``; ``grouped``: ``{group name: its parameters}``), empty ones left out (a rank of a
+    sharded run may hold no table).
 
     Raises:
         ValueError: when both groups are empty.
@@ -182,6 +253,10 @@ def build_optimizer(
         )
     if dense_params:
         groups.append({"params": list(dense_params), "name": "dense", "lr": cfg.lr})
+    grouped = grouped or {}
+    for g in cfg.param_groups:
+        if grouped.get(g.name):
+            groups.append({"params": list(grouped[g.name]), "name": g.name, "lr": g.lr})
     if not groups:
         raise ValueError("Trainer: the model has no trainable parameters")
     if cfg.optimizer == OptimizerKind.ADAGRAD:

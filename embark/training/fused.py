@@ -11,7 +11,10 @@ A model opts in by exposing its tables (duck-typed, so ``embark.models`` and
 and by pooling a table through ``model.sparse_updates[table](weight, ids, offsets, mode)``
 when it is present. :class:`EmbeddingUpdates` (built by the trainer) fills
 ``sparse_updates`` with one :class:`SparseTableUpdate` per table and turns the tables'
-``requires_grad`` off, so the dense optimizer never sees them::
+``requires_grad`` off, so the dense optimizer never sees them. A table whose weight has
+``requires_grad`` off when the trainer takes it over is frozen (:attr:`SparseTableUpdate.frozen`:
+looked up, never updated, its optimizer state untouched); :meth:`EmbeddingUpdates.set_frozen`
+freezes or thaws a table later::
 
     forward   pooled = update(weight, ids, offsets, mode)        (B, dim)
     backward  rows, grads = distinct touched rows and their summed gradients
@@ -101,6 +104,9 @@ class SparseTableUpdate(nn.Module):
 
     Buffers (non-persistent): the optimizer state, ``sum (num_rows, dim)`` or
     ``row_sum (num_rows,)`` float32, none for SGD.
+
+    Attributes:
+        frozen: the table is looked up but never updated (a plain ``embedding_bag``).
     """
 
     def __init__(
@@ -117,6 +123,7 @@ class SparseTableUpdate(nn.Module):
         for key, value in optimizer.new_state(num_rows, dim).items():
             self.register_buffer(key, value, persistent=False)
         self._kernels: dict[bool, FbgemmTable] = {}
+        self.frozen = False
 
     def state(self) -> dict[str, torch.Tensor]:
         """``{state key: tensor}`` (the buffers themselves, updated in place)."""
@@ -140,7 +147,7 @@ class SparseTableUpdate(nn.Module):
             raise ValueError(
                 f"table {self.table!r}: pooling mode must be sum or mean, got {mode!r}"
             )
-        if not torch.is_grad_enabled():
+        if self.frozen or not torch.is_grad_enabled():
             return F.embedding_bag(ids, weight, offsets, mode=mode)
         mean = mode == "mean"
         if (
@@ -161,10 +168,17 @@ class SparseTableUpdate(nn.Module):
         for kernel in self._kernels.values():
             kernel.set_lr(lr)
 
+    def __getstate__(self) -> dict[str, Any]:
+        """The module's state without the kernel objects (FBGEMM's hold local functions that
+        cannot be pickled): ``torch.save(model)`` works after training; a loaded copy rebuilds
+        its kernels on first use."""
+        state: dict[str, Any] = super().__getstate__()
+        return state | {"_kernels": {}}
+
     def __deepcopy__(self, memo: dict[int, Any]) -> SparseTableUpdate:
         """A copy with copied state; the kernel objects are rebuilt on first use."""
         new = SparseTableUpdate(self.table, 0, 0, self.optimizer, self.kernel)
-        new.num_rows, new.dim = self.num_rows, self.dim
+        new.num_rows, new.dim, new.frozen = self.num_rows, self.dim, self.frozen
         for key, value in self.state().items():
             new.register_buffer(key, value.clone(), persistent=False)
         new.train(self.training)
@@ -186,7 +200,9 @@ class EmbeddingUpdates:
 
     Updates already in ``model.sparse_updates`` for the same table shape and update kind keep
     their state (a trainer over a deep copy of a trained model continues it); others start
-    fresh.
+    fresh. A table is frozen (:attr:`SparseTableUpdate.frozen`) when its weight has
+    ``requires_grad`` off and no trainer took it over yet, or when the update already there
+    is frozen.
     """
 
     def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
@@ -205,18 +221,26 @@ class EmbeddingUpdates:
         self.weights: dict[str, nn.Parameter] = dict(tables)
         self.param_names = {t: names[id(w)] for t, w in tables.items()}
         self.replicated = frozenset(replicated)
+        #: the tables' learning rate before the warm-up, and each table's (a ParamGroup's)
+        self.default_lr = self.optimizer.lr
+        self.base_lr: dict[str, float] = {}
         for t, w in tables.items():
-            upd = SparseTableUpdate(t, w.shape[0], w.shape[1], self.optimizer, kernel)
+            group = cfg.group_of(self.param_names[t])
+            self.base_lr[t] = self.optimizer.lr if group is None else group.lr
+            row_opt = replace(self.optimizer, lr=self.base_lr[t])
+            upd = SparseTableUpdate(t, w.shape[0], w.shape[1], row_opt, kernel)
             old = holder[t] if t in holder else None
+            # a table taken over before had its requires_grad turned off here: its update says
+            upd.frozen = old.frozen if isinstance(old, SparseTableUpdate) else not w.requires_grad
             if (
                 isinstance(old, SparseTableUpdate)
-                and old.optimizer.kind is self.optimizer.kind
+                and old.optimizer.kind is row_opt.kind
                 and old.state_shapes() == upd.state_shapes()
             ):
                 for key, value in old.state().items():
                     getattr(upd, key).copy_(value)
             holder[t] = upd.to(w.device)
-            w.requires_grad_(t in self.replicated)
+            w.requires_grad_(t in self.replicated and not upd.frozen)
         log.debug("fused embedding updates: %d table(s), %s kernel", len(tables), kernel.value)
 
     @property
@@ -225,8 +249,31 @@ class EmbeddingUpdates:
         holder: nn.ModuleDict = self.model.sparse_updates  # type: ignore[assignment]
         return {t: holder[t] for t in self.weights}  # type: ignore[misc]
 
+    @property
+    def frozen(self) -> frozenset[str]:
+        """The frozen tables."""
+        return frozenset(t for t, upd in self.updates.items() if upd.frozen)
+
+    def set_frozen(self, table: str, frozen: bool = True) -> None:
+        """Freeze ``table`` (looked up, never updated) or let it train again.
+
+        Raises:
+            KeyError: naming the tables, for a table this trainer does not hold.
+        """
+        if table not in self.weights:
+            raise KeyError(f"no fused table {table!r}; this trainer holds {sorted(self.weights)}")
+        self.updates[table].frozen = frozen
+        self.weights[table].requires_grad_(table in self.replicated and not frozen)
+
+    def scale_lr(self, scale: float) -> None:
+        """Set each table's learning rate to ``scale`` times its :attr:`base_lr` (the
+        trainer's warm-up); :attr:`optimizer` (the tables' default update) is scaled too."""
+        self.optimizer = replace(self.optimizer, lr=self.default_lr * scale)
+        for t, upd in self.updates.items():
+            upd.set_lr(self.base_lr[t] * scale)
+
     def set_lr(self, lr: float) -> None:
-        """Set every table's learning rate (the trainer's warm-up)."""
+        """Set every table's learning rate to ``lr``."""
         self.optimizer = replace(self.optimizer, lr=lr)
         for upd in self.updates.values():
             upd.set_lr(lr)

@@ -1,9 +1,13 @@
 """Evaluation metrics: ROC AUC (ties counted as half, like the Mann-Whitney U statistic) and
-binary log loss."""
+binary log loss; :class:`Monitor`, a metric watched for early stopping and keep-best
+checkpoints."""
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
 
 import numpy as np
 import torch
@@ -98,3 +102,64 @@ def log_loss(
         p = np.clip(x, _PROB_EPS, 1.0 - _PROB_EPS)
         loss = -(y * np.log(p) + (1.0 - y) * np.log1p(-p))
     return float(loss.mean())
+
+
+class MetricMode(StrEnum):
+    """Which way a monitored metric improves: ``max`` (AUC) or ``min`` (log loss)."""
+
+    MAX = "max"
+    MIN = "min"
+
+
+@dataclass(frozen=True)
+class Monitor:
+    """A validation metric to watch (early stopping, keep-best checkpoints).
+
+    Args:
+        metric: the key of :meth:`~embark.training.trainer.Trainer.evaluate`'s record
+            (``"auc"``, ``"logloss"``).
+        mode: which way it improves.
+        min_delta: an improvement smaller than this (>= 0) does not count.
+
+    Raises:
+        ValueError: for a negative or non-finite ``min_delta``, or an unknown mode.
+    """
+
+    metric: str = "auc"
+    mode: MetricMode = MetricMode.MAX
+    min_delta: float = 0.0
+
+    def __post_init__(self) -> None:
+        try:
+            object.__setattr__(self, "mode", MetricMode(self.mode))
+        except ValueError:
+            raise ValueError(
+                f"Monitor.mode must be one of {[m.value for m in MetricMode]}, got {self.mode!r}"
+            ) from None
+        if not (math.isfinite(self.min_delta) and self.min_delta >= 0):
+            raise ValueError(
+                f"Monitor.min_delta must be a finite number >= 0, got {self.min_delta!r}"
+            )
+
+    def value(self, metrics: Mapping[str, float]) -> float:
+        """The watched metric of an evaluation record.
+
+        Raises:
+            KeyError: naming the metric and the record's keys, when it is missing.
+        """
+        if self.metric not in metrics:
+            raise KeyError(
+                f"monitored metric {self.metric!r} is not in the evaluation; it has {sorted(metrics)}"
+            )
+        return float(metrics[self.metric])
+
+    def improves(self, value: float, best: float | None) -> bool:
+        """Whether ``value`` beats ``best`` by more than ``min_delta`` (any finite value beats
+        ``None``; a NaN never improves)."""
+        if math.isnan(value):
+            return False
+        if best is None:
+            return True
+        if self.mode is MetricMode.MAX:
+            return value > best + self.min_delta
+        return value < best - self.min_delta

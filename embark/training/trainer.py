@@ -47,6 +47,7 @@ from embark.training.callbacks import Callback
 from embark.training.config import OptimizerKind, TrainConfig, build_optimizer
 from embark.training.fused import EmbeddingUpdates
 from embark.training.metrics import auc, log_loss
+from embark.training.report import FitReport
 from embark.training.state import TrainState
 from embark.training.sync import GradientSync, SupportsGradientSync, sync_for
 
@@ -120,6 +121,7 @@ class Trainer:
             self.embedding_updates = EmbeddingUpdates(model, cfg)
         self.optimizer = self._make_optimizer()
         self._begun: set[int] = set()  # id() of the callbacks whose on_train_begin ran
+        self._stop_reason: str | None = None  # request_stop's, for the running fit
 
     # ------------------------------------------------------------------ state
     @property
@@ -163,12 +165,18 @@ class Trainer:
     def _make_optimizer(self) -> torch.optim.Optimizer:
         emb: list[nn.Parameter] = []
         dense: list[nn.Parameter] = []
+        grouped: dict[str, list[nn.Parameter]] = {g.name: [] for g in self.cfg.param_groups}
         fused = self.embedding_updates.weights.values() if self.embedding_updates else ()
         skip = {id(p) for p in fused}
         for name, p in self.model.named_parameters():
-            if p.requires_grad and id(p) not in skip:
+            if not p.requires_grad or id(p) in skip:
+                continue
+            group = self.cfg.group_of(name)
+            if group is not None:
+                grouped[group.name].append(p)
+            else:
                 (emb if name.startswith("embeddings.") else dense).append(p)
-        return build_optimizer(self.cfg, emb, dense)
+        return build_optimizer(self.cfg, emb, dense, grouped)
 
     def rebuild_optimizer(self) -> None:
         """Build a new optimizer over the model's current parameters (call after modules were
@@ -188,12 +196,12 @@ class Trainer:
         if step > self.cfg.warmup_steps:
             return
         scale = self.cfg.lr_scale(step)
-        table_lr = self.cfg.embedding_lr or self.cfg.lr
+        base = {"embeddings": self.cfg.embedding_lr or self.cfg.lr, "dense": self.cfg.lr}
+        base |= {g.name: g.lr for g in self.cfg.param_groups}
         for group in self.optimizer.param_groups:
-            base = table_lr if group.get("name") == "embeddings" else self.cfg.lr
-            group["lr"] = base * scale
+            group["lr"] = base[group.get("name", "dense")] * scale
         if self.embedding_updates is not None:
-            self.embedding_updates.set_lr(table_lr * scale)
+            self.embedding_updates.scale_lr(scale)
 
     def add_callback(self, cb: Callback) -> None:
         self.callbacks.append(cb)
@@ -248,7 +256,7 @@ class Trainer:
         steps: int,
         progress: bool = True,
         eval_batches: EvalData | None = None,
-    ) -> dict[str, float]:
+    ) -> FitReport:
         """Run ``steps`` optimizer steps, one batch each, taken from ``batches``.
 
         Args:
@@ -260,8 +268,9 @@ class Trainer:
                 (e.g. a list) or a zero-argument callable returning an iterable.
 
         Returns:
-            ``{"steps", "samples", "seconds", "samples_per_s", "loss"}`` for this call, ``loss``
-            the mean over its steps.
+            this call's :class:`~embark.training.report.FitReport`; it ends early when a
+            callback calls :meth:`request_stop` (e.g.
+            :class:`~embark.training.callbacks.EarlyStopping`).
 
         Raises:
             ValueError: when ``steps < 0`` or ``batches`` runs out first; before the first
@@ -272,35 +281,92 @@ class Trainer:
         """
         if steps < 0:
             raise ValueError(f"steps must be >= 0, got {steps}")
-        if self.cfg.checkpoint_every and self.cfg.checkpoint_dir is not None:
-            checkpoint.check_save_target(self.cfg.checkpoint_dir, "checkpoint_dir")
+        report = self._begin_fit()
         it = iter(batches)
-        samples, loss_sum, seconds = 0, 0.0, 0.0
         with tqdm(total=steps, disable=not progress, desc="train", unit="step") as bar:
             for i in range(steps):
                 try:
                     batch = next(it)
                 except StopIteration:
                     raise ValueError(f"batches ran out after {i} of {steps} steps") from None
-                t0 = time.perf_counter()
-                loss = self.train_step(batch)
-                seconds += time.perf_counter() - t0
-                samples += batch.batch_size
-                loss_sum += loss
-                bar.update(1)
-                if i % 20 == 0:
-                    bar.set_postfix(loss=f"{loss:.4f}")
-                self._after_fit_step(eval_batches)
-        return {
-            "steps": steps,
-            "samples": samples,
-            "seconds": seconds,
-            "samples_per_s": samples / seconds if seconds > 0 else 0.0,
-            "loss": loss_sum / steps if steps else float("nan"),
-        }
+                if not self._fit_step(batch, report, bar, eval_batches):
+                    break
+        return report
 
-    def _after_fit_step(self, eval_batches: EvalData | None) -> None:
-        """The periodic evaluation and checkpoint of :meth:`fit`."""
+    def fit_epochs(
+        self,
+        epoch_batches: Callable[[int], Iterable[Batch]],
+        epochs: int,
+        progress: bool = True,
+        eval_batches: EvalData | None = None,
+    ) -> FitReport:
+        """Train ``epochs`` passes over the data, one step per batch.
+
+        Args:
+            epoch_batches: ``epoch -> that epoch's batches`` (0-based); reshuffling is the data's
+                (e.g. :func:`~embark.training.epochs.reshuffled` with the epoch as its seed).
+            epochs: number of passes (>= 0).
+            progress, eval_batches: as :meth:`fit` (evaluation every ``cfg.eval_every`` steps,
+                counted across epochs).
+
+        Returns:
+            the :class:`~embark.training.report.FitReport` of every step of the call
+            (``epochs``: the passes whose every batch was trained).
+
+        Raises:
+            ValueError: for ``epochs < 0``, as :meth:`fit` for the checkpoint folder.
+            TrainingDiverged: as :meth:`fit`.
+        """
+        if epochs < 0:
+            raise ValueError(f"epochs must be >= 0, got {epochs}")
+        report = self._begin_fit()
+        with tqdm(disable=not progress, desc="train", unit="step") as bar:
+            for epoch in range(epochs):
+                it = iter(epoch_batches(epoch))
+                batch = next(it, None)
+                while batch is not None:
+                    go_on = self._fit_step(batch, report, bar, eval_batches)
+                    batch = next(it, None)  # a stop at an epoch's last batch ends that epoch
+                    if not go_on:
+                        report.epochs += batch is None
+                        return report
+                report.epochs += 1
+        return report
+
+    def request_stop(self, reason: str) -> None:
+        """Stop the running :meth:`fit` after the current step (its evaluation and checkpoint
+        done); ``reason`` goes into the report. In a sharded run every rank must ask at the same
+        step (a decision on evaluation metrics, which are the same on every rank, is)."""
+        self._stop_reason = reason
+
+    def _begin_fit(self) -> FitReport:
+        if self.cfg.checkpoint_every and self.cfg.checkpoint_dir is not None:
+            checkpoint.check_save_target(self.cfg.checkpoint_dir, "checkpoint_dir")
+        self._stop_reason = None
+        return FitReport()
+
+    def _fit_step(
+        self, batch: Batch, report: FitReport, bar: Any, eval_batches: EvalData | None
+    ) -> bool:
+        """One step of :meth:`fit`, counted in ``report``; whether to go on."""
+        t0 = time.perf_counter()
+        loss = self.train_step(batch)
+        report.seconds += time.perf_counter() - t0
+        report.samples += batch.batch_size
+        report.loss_sum += loss
+        report.steps += 1
+        bar.update(1)
+        if report.steps % 20 == 1:
+            bar.set_postfix(loss=f"{loss:.4f}")
+        metrics = self._after_fit_step(eval_batches)
+        if metrics is not None:
+            report.evaluations.append(metrics)
+        report.stop_reason = self._stop_reason
+        return self._stop_reason is None
+
+    def _after_fit_step(self, eval_batches: EvalData | None) -> dict[str, float] | None:
+        """The periodic evaluation and checkpoint of :meth:`fit`; the evaluation's metrics."""
+        metrics = None
         if (
             self.cfg.eval_every
             and eval_batches is not None
@@ -313,6 +379,7 @@ class Trainer:
         if self.cfg.checkpoint_every and self.step % self.cfg.checkpoint_every == 0:
             assert self.cfg.checkpoint_dir is not None  # checked in TrainConfig
             self.save_checkpoint(self.cfg.checkpoint_dir)
+        return metrics
 
     @torch.no_grad()
     def predict(self, batches: EvalData) -> tuple[torch.Tensor, torch.Tensor]:
@@ -355,15 +422,34 @@ class Trainer:
         """Write a checkpoint folder at ``path`` (replacing a checkpoint there, atomically;
         :func:`embark.training.checkpoint.save_checkpoint`).
 
+        A model whose modules were replaced (a pruner's ``compress()``) is saved after
+        :meth:`rebuild_optimizer`, and loaded with :meth:`load_checkpoint` into a model of the
+        same structure (``model=``; a module that loads its own state, such as a condensed
+        sparse layer, takes the saved sizes).
+
         Raises:
             ValueError: when ``path`` exists and is not a checkpoint folder (nothing is
-                touched), or for a trainer of a sharded model (its ranks save together with
-                ``embark.sharding.save_sharded_checkpoint``).
+                touched), for a trainer of a sharded model (its ranks save together with
+                ``embark.sharding.save_sharded_checkpoint``), or when the optimizer holds
+                parameters the model no longer has (call :meth:`rebuild_optimizer` first).
         """
         if isinstance(self.model, SupportsGradientSync):
             raise ValueError(
                 f"save_checkpoint: this trainer's model ({type(self.model).__name__}) is "
                 "distributed; save it with embark.sharding.save_sharded_checkpoint"
+            )
+        own = {id(p) for p in self.model.parameters()}
+        stale = [
+            tuple(p.shape)
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if id(p) not in own
+        ]
+        if stale:
+            raise ValueError(
+                f"save_checkpoint: the optimizer holds {len(stale)} parameter(s) the model no "
+                f"longer has (shapes {stale[:3]}): modules were replaced (e.g. a pruner's "
+                "compress()); call trainer.rebuild_optimizer() before saving"
             )
         return checkpoint.save_checkpoint(
             path, self.model, self.optimizer, self.cfg, self.state, self.embedding_updates
@@ -408,6 +494,7 @@ class Trainer:
 __all__ = [
     "Callback",
     "EvalData",
+    "FitReport",
     "OptimizerKind",
     "TrainConfig",
     "TrainState",

@@ -52,7 +52,7 @@ def test_same_seed_gives_bit_identical_metrics(data, optimizer):
     for _ in range(2):
         t = _trainer(data, optimizer=optimizer, momentum=0.9 if optimizer == "sgd" else 0.0)
         stats = t.fit(data.batches(12), 12, progress=False)
-        runs.append((t, stats["loss"], t.evaluate(evals)))
+        runs.append((t, stats.loss, t.evaluate(evals)))
     (a, loss_a, m_a), (b, loss_b, m_b) = runs
     assert loss_a == loss_b
     assert m_a == m_b  # floats compared exactly

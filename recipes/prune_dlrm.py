@@ -456,15 +456,7 @@ def main(cfg: PruneDLRMConfig) -> dict[str, Any]:
         )  # fmt: skip
         report["seconds"]["oneshot"] = time.perf_counter() - t0
     main_i = _main_run_index(rows, cfg)
-    if cfg.quant_budget:
-        label = f"{rows[main_i]['pattern']} {rows[main_i]['sparsity']:.0%}"
-        # the planner's choices: on other eval batches than the reported figures' (a quarter
-        # as many: each table × dtype is scored alone on them)
-        n_val = max(1, cfg.eval_batches // 4)
-        validation = list(data.batches(n_val, split="eval", start=cfg.eval_batches))
-        report["quantized"] = quant_report(
-            baseline, runs[main_i].model, label, eval_batches, validation, cfg.quant_budget
-        )
+    _compress_tables(report, cfg, data, baseline, runs[main_i], eval_batches)
     _measure_speed(report, cfg, rows[main_i])
     _check_serving(report, cfg, runs[main_i].model, out / "serving", eval_batches)
     report["plots"] = write_plots(out, report, runs[main_i].masks, rows[main_i])
@@ -494,6 +486,28 @@ def _results_table(rows: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, 
             "achieved_sparsity": r["achieved_sparsity"],
         }
     return table
+
+
+def _compress_tables(
+    report: dict[str, Any],
+    cfg: PruneDLRMConfig,
+    data: SyntheticCTR,
+    baseline: DLRM,
+    main_run: PruneRun,
+    eval_batches: list[Batch],
+) -> None:
+    """``report["quantized"]``: the dense baseline's and the main run's tables compressed
+    (``recipes.prune_quant``; ``--quant-budget`` 0 skips)."""
+    if not cfg.quant_budget:
+        return
+    label = f"{main_run.row['pattern']} {main_run.row['sparsity']:.0%}"
+    # the planner's choices: on other eval batches than the reported figures' (a quarter
+    # as many: each table × dtype is scored alone on them)
+    n_val = max(1, cfg.eval_batches // 4)
+    validation = list(data.batches(n_val, split="eval", start=cfg.eval_batches))
+    report["quantized"] = quant_report(
+        baseline, main_run.model, label, eval_batches, validation, cfg.quant_budget
+    )
 
 
 def _measure_speed(report: dict[str, Any], cfg: PruneDLRMConfig, main_row: dict[str, Any]) -> None:

@@ -23,7 +23,6 @@ import hashlib
 import json
 import os
 import platform
-import subprocess
 import sys
 import tempfile
 import time
@@ -31,6 +30,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
+from benchmarks.meta import REPO_ROOT, RESULTS_DIR, git_sha, scrub_paths
 from embark.cluster import EmulatedCluster, LinkShape, missing_capability, run_torchrun
 from embark.models.workloads import Workload, get_workload
 from embark.planner.cost import CostModel
@@ -44,8 +44,6 @@ from embark.topology import (
 )
 from embark.types import ShardingPlan, Topology
 
-ROOT = Path(__file__).resolve().parents[2]
-RESULTS = ROOT / "benchmarks" / "results"
 NODES, RANKS_PER_NODE = 2, 2
 OUR_PLANS = {"ours": "auto", "trw": "trw", "rw": "rw", "tw": "tw"}
 SIDES = ("ours", "trw", "rw", "tw", "ours+pipeline", "torchrec")
@@ -59,11 +57,6 @@ CALIBRATED = CostConstants(
 )
 # the planner rates DP tables as the runtime moves their gradients (whole replicas)
 PLANNING = CostConstants(dp_sparse_allgather=False)
-
-
-def _git_sha() -> str:
-    res = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=ROOT)
-    return res.stdout.strip()
 
 
 def _load() -> list[float]:
@@ -243,9 +236,9 @@ def run_case(
         c,
         RANKS_PER_NODE,
         ["-m", "benchmarks.embark.cluster_ranks", str(case_dir)],
-        env={**os.environ, "PYTHONPATH": str(ROOT)},
+        env={**os.environ, "PYTHONPATH": str(REPO_ROOT)},
         timeout_s=args.timeout,
-        cwd=str(ROOT),
+        cwd=str(REPO_ROOT),
     )
     wall = time.perf_counter() - t0
     ranks = []
@@ -364,7 +357,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     p.add_argument("--intra-ratio", type=float, default=EMULATED_INTRA_TO_INTER_RATIO)
     p.add_argument("--timeout", type=float, default=900.0)
-    p.add_argument("--out", default=str(RESULTS / "embark_cluster.json"))
+    p.add_argument("--out", default=str(RESULTS_DIR / "embark_cluster.json"))
     p.add_argument(
         "--repredict",
         action="store_true",
@@ -375,7 +368,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.repredict:
         doc = json.loads(out.read_text())
         repredict(doc)
-        doc["predictions_git_sha"] = _git_sha()
+        doc["predictions_git_sha"] = git_sha()
         _publish(doc, out)
         print("\n".join(table_lines(doc["rows"])))
         return 0
@@ -395,7 +388,7 @@ def main(argv: list[str] | None = None) -> int:
                     print(line, file=sys.stderr, flush=True)
     doc = {
         "benchmark": "embark_cluster",
-        "git_sha": _git_sha(),
+        "git_sha": git_sha(),
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
         "shaping": {
             "nodes": NODES,
@@ -404,7 +397,7 @@ def main(argv: list[str] | None = None) -> int:
             "node_loopback_bits_per_s": node_rate * args.intra_ratio,
             "tc": shape.tbf_args(),
         },
-        "args": vars(args),
+        "args": scrub_paths(vars(args)),
         "rows": rows,
     }
     _publish(doc, out)

@@ -6,8 +6,8 @@
     >>> type(model.embeddings["t0"]).__name__, model.embeddings["t0"].dtype.value
     ('QuantizedEmbeddingBag', 'int8')
 
-The quantized model evaluates as before (``model(dense, sparse)``); its quantized tables are no
-longer trainable (they hold no float parameter).
+The quantized model is called as a float one is (``model(dense, sparse)``); its quantized
+tables are not trainable (they hold no float parameter).
 """
 
 from __future__ import annotations

@@ -62,7 +62,7 @@ from safetensors.torch import load_file, save_file
 from torch import nn
 
 from embark.models.workloads import Workload
-from embark.outputs import check_parent_writable
+from embark.outputs import check_parent_writable, fsync_dir
 from embark.training.checkpoint_modules import dry_run_loads, self_loading_modules
 from embark.training.checkpoint_schema import STATE_FILE, TENSOR_FILES, check_state
 from embark.training.checkpoint_shards import Chunk, chunks_of, read_region
@@ -88,14 +88,6 @@ def _sha256(path: Path) -> str:
         for chunk in iter(lambda: fh.read(1 << 20), b""):
             h.update(chunk)
     return h.hexdigest()
-
-
-def _fsync_dir(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def is_replaceable(path: Path) -> bool:
@@ -204,7 +196,7 @@ def finish_save(tmp: Path, path: Path, doc: dict[str, Any]) -> None:
         json.dump(doc, fh, indent=1)
         fh.flush()
         os.fsync(fh.fileno())
-    _fsync_dir(tmp)
+    fsync_dir(tmp)
     if path.exists():
         old = fresh_sibling(path, "old")
         path.rename(old)
@@ -212,7 +204,7 @@ def finish_save(tmp: Path, path: Path, doc: dict[str, Any]) -> None:
         shutil.rmtree(old)
     else:
         tmp.rename(path)
-    _fsync_dir(path.parent)
+    fsync_dir(path.parent)
     remove_stale_siblings(path)  # an .old- one kept while path was missing goes now
 
 

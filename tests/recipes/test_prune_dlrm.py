@@ -96,6 +96,18 @@ def test_main_writes_report_and_plots(tmp_path) -> None:
     art = out / "serving"
     assert {"ps.json", "dense.onnx", "sparse"} <= {p.name for p in art.iterdir()}
     assert "## Serving" in md
+    # the compressed-tables half (--quant-budget 0.25 by default) on the main run "tw 75%"
+    q = on_disk["quantized"]
+    assert (q["pruned"], q["budget_fraction"]) == ("tw 75%", 0.25)
+    assert set(q["variants"]) == {
+        "dense",
+        "dense + int8",
+        "tw 75%",
+        "tw 75% + int8",
+        "tw 75% + int4",
+        "tw 75% + plan",
+    }
+    assert "## Compressed tables" in md
     # every entry is one a later --overwrite may remove
     assert foreign_entries([p.name for p in out.iterdir()], OUTPUTS) == []
 

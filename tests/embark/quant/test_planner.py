@@ -17,15 +17,6 @@ from embark.training.metrics import auc
 from embark.training.trainer import Trainer
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: a second thread only contends."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def trained():
     w = get_workload("tiny")

@@ -35,15 +35,6 @@ def _need_fbgemm() -> None:
         pytest.skip("fbgemm_gpu not installed")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def one_thread():
-    """Tiny models on a shared 2-core machine: a second thread only contends."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 @pytest.fixture(scope="module")
 def tiny():
     w = get_workload("tiny")

@@ -2,11 +2,14 @@
 unlabelled text, and report how close it stays to the dense model and how fast it runs.
 
 ``python -m recipes.prune_transformer`` (default: the packaged all-MiniLM-L6-v2, its 12 FFN
-linears, TW 50 % with activation importance and reconstruction on 128 sentences) writes
-``report.json``, ``report.md``, ``plots/layers.png`` and the compressed model (``model/``,
-reloadable with ``SentenceTransformer(path)`` + ``tilesparse.load_compressed``) into
-``--out``. The text is generated (:mod:`recipes.sentences`): calibration, distillation and
-held-out sentences are disjoint. Cosine is measured on the held-out sentences.
+linears, TW 50 % with the default config plus a calibration) writes ``report.json``,
+``report.md``, ``plots/layers.png`` and the compressed model (``model/``, reloadable with
+``SentenceTransformer(path)`` + ``tilesparse.load_compressed``) into ``--out``. The text is
+real and from different sources (:mod:`recipes.corpora`): calibration and distillation on
+prose of the Python Language Reference (standard library ``pydoc_data/topics.py``),
+evaluation on scikit-learn's dataset descriptions (``sklearn/datasets/descr/*.rst``) and,
+given ``--lee-wheel``, on gensim's Lee background news corpus: cosine to dense and
+next-sentence retrieval accuracy, dense beside pruned.
 """
 
 from __future__ import annotations
@@ -28,8 +31,20 @@ from torch import nn
 
 import tilesparse
 from recipes.cli import OutFolder, check_knobs, knob, parse_knobs, run_recipe
+from recipes.corpora import (
+    lee_news_pairs,
+    python_reference_sentences,
+    retrieval_accuracy,
+    sklearn_description_pairs,
+)
 from recipes.minilm import load_minilm
-from recipes.sentences import splits
+
+Pairs = list[tuple[str, str]]
+
+SOURCES = {
+    "sklearn_descr": "scikit-learn's dataset descriptions (sklearn/datasets/descr/*.rst)",
+    "lee_news": "gensim's Lee background news corpus (gensim/test/test_data/lee_background.cor)",
+}
 
 #: what a run writes into --out: all that --overwrite of such a run's folder removes
 OUTPUTS = ("report.json", "report.md", "model", "plots")
@@ -45,17 +60,23 @@ class PruneTransformerConfig:
     layers: Literal["ffn", "all"] = knob("ffn", "which linears: the FFN pair of each block, or all")
     pattern: Literal["tw", "tw_rows", "ew", "nm"] = knob("tw", "sparsity pattern")
     sparsity: float = knob(0.5, "target sparsity (nm: always 2:4 = 0.5)", ge=0, lt=1)
-    tile: int = knob(128, "TW tile width G", ge=1)
-    importance: Literal["activation", "magnitude"] = knob("activation", "importance score")
-    # 0: per-tile rows only. Pruning whole output columns of the FFN's second linear zeroes
-    # hidden dimensions of the residual stream, which no reconstruction can bring back.
-    column_share: float = knob(0.0, "share of the TW budget taken by whole columns", ge=0, le=1)
-    # per-layer sparsity, as SparseGPT and Wanda prune
-    global_threshold: bool = knob(False, "one threshold across layers instead of per layer")
-    calibration_sentences: int = knob(128, "sentences the calibration runs", ge=1)
-    held_out: int = knob(256, "held-out sentences for the cosine to dense", ge=1)
+    # none: what fits the layers (tilesparse.fitting_tile: 128 for MiniLM's FFN)
+    tile: int | None = knob(None, "TW tile width G (none: what fits the layers)", ge=1)
+    # none: per layer, activation or magnitude, whichever the held-out calibration prefers
+    importance: Literal["activation", "magnitude"] | None = knob(None, "importance score")
+    # none: per layer, 0.5 or 0 (rows only) by the held-out calibration error; pruning whole
+    # output columns of the FFN's second linear zeroes dimensions of the residual stream
+    column_share: float | None = knob(
+        None, "share of the TW budget taken by whole columns", ge=0, le=1
+    )
+    # the default: one threshold allocates the layers' sparsities, each layer's mask is then
+    # chosen at its own (--no-global-threshold: every layer at the target, as SparseGPT)
+    global_threshold: bool = knob(True, "one threshold across layers instead of per layer")
+    calibration_sentences: int = knob(256, "Python reference sentences calibrating", ge=1)
+    held_out: int = knob(300, "most evaluation pairs per source", ge=1)
+    lee_wheel: str | None = knob(None, "gensim wheel holding the Lee news corpus (evaluation)")
     distill_seconds: float = knob(0.0, "distillation budget in seconds (0: none)", ge=0)
-    distill_sentences: int = knob(2048, "unlabelled sentences to distil on", ge=1)
+    distill_sentences: int = knob(1000, "Python reference sentences to distil on", ge=1)
     distill_batch: int = knob(32, "sentences per distillation step", ge=1)
     distill_lr: float = knob(1e-4, "AdamW learning rate of the distillation", gt=0)
     speed_sentences: int = knob(256, "sentences per timed encode, dense vs condensed", ge=1)
@@ -63,7 +84,7 @@ class PruneTransformerConfig:
     # 1: on the shared 2-core machine 2 threads ran the distillation at 5 steps in 300 s,
     # 1 thread at 87 (thread contention), as prune_dlrm's training measured
     threads: int = knob(1, "torch threads", ge=1, le=256)
-    seed: int = knob(0, "seed of the generated sentences and the distillation", ge=0)
+    seed: int = knob(0, "seed of the distillation", ge=0)
     save_model: bool = knob(True, "save the compressed model and check it reloads equal")
     out: str | None = knob(None, "output folder; none = runs/prune_transformer-<UTC timestamp>")
     overwrite: bool = knob(False, "clear a non-empty --out that holds an earlier run")
@@ -81,7 +102,7 @@ class PruneTransformerConfig:
             pattern=tilesparse.Pattern(self.pattern),
             sparsity=None if self.pattern == "nm" else self.sparsity,
             tile=self.tile,
-            importance=tilesparse.Importance(self.importance),
+            importance=None if self.importance is None else tilesparse.Importance(self.importance),
             column_share=self.column_share,
             global_threshold=self.global_threshold,
         )
@@ -140,16 +161,57 @@ def _speed(
     return {"sentences": len(sents), "dense_s": d, "condensed_s": s, "speedup": d / s, "all": times}
 
 
+def _line(res: dict[str, dict[str, float]]) -> str:
+    return ", ".join(
+        f"{k}: cosine {v['mean']:.4f}, retrieval {v['retrieval']:.3f}" for k, v in res.items()
+    )
+
+
 def _layer_rows(pruner: tilesparse.TileSparsePruner) -> list[dict[str, Any]]:
     rec = {r.fqn: r for r in pruner.reconstructions}
     rows = []
     for st in pruner.stats():
         row = st.to_dict()
-        if st.fqn in rec:
-            row["masked_error"] = rec[st.fqn].masked_error
-            row["reconstructed_error"] = rec[st.fqn].reconstructed_error
+        r = rec.get(st.fqn)
+        if r is not None:
+            row |= {
+                "importance": None if r.importance is None else r.importance.value,
+                "column_share": r.column_share,
+                "refit_accepted": r.accepted,
+                "damping": r.damping,
+                "held_out_error": r.held_out_error,
+                "held_out_magnitude_error": r.held_out_magnitude_error,
+            }
         rows.append(row)
     return rows
+
+
+def _sources(cfg: PruneTransformerConfig) -> tuple[list[str], list[str], dict[str, Pairs]]:
+    """Calibration and distillation sentences (disjoint, Python reference prose) and the
+    evaluation pairs per source."""
+    ref = python_reference_sentences(cfg.calibration_sentences + cfg.distill_sentences)
+    calib, distil = ref[: cfg.calibration_sentences], ref[cfg.calibration_sentences :]
+    evals: dict[str, Pairs] = {"sklearn_descr": sklearn_description_pairs()[: cfg.held_out]}
+    if cfg.lee_wheel is not None:
+        evals["lee_news"] = lee_news_pairs(cfg.lee_wheel)[: cfg.held_out]
+    return calib, distil, evals
+
+
+def _flat(pairs: Pairs) -> list[str]:
+    return [a for a, _ in pairs] + [b for _, b in pairs]
+
+
+def evaluate(
+    model: nn.Module, evals: dict[str, Pairs], dense: dict[str, torch.Tensor]
+) -> dict[str, dict[str, float]]:
+    """Per source: cosine of ``model``'s embeddings to ``dense`` (mean, p05, min) and
+    next-sentence retrieval accuracy (:func:`recipes.corpora.retrieval_accuracy`)."""
+    out = {}
+    for name, pairs in evals.items():
+        emb = _encode(model, _flat(pairs))
+        n = len(pairs)
+        out[name] = cosine(emb, dense[name]) | {"retrieval": retrieval_accuracy(emb[:n], emb[n:])}
+    return out
 
 
 def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
@@ -160,55 +222,53 @@ def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
     cfg.folder.check()
     pcfg = cfg.prune_config()
     out = cfg.folder.open()
-    calib, distil, held = splits(
-        cfg.calibration_sentences,
-        cfg.distill_sentences,
-        max(cfg.held_out, cfg.speed_sentences),
-        cfg.seed,
-    )
+    calib, distil, evals = _sources(cfg)
     teacher = load_minilm(cfg.model)
     student = copy.deepcopy(teacher)
-    dense_emb = _encode(teacher, held[: cfg.held_out])
+    dense_emb = {k: _encode(teacher, _flat(p)) for k, p in evals.items()}
+    results: dict[str, Any] = {"dense": evaluate(teacher, evals, dense_emb)}
     filter_fn = is_ffn if cfg.layers == "ffn" else is_encoder_linear
     t0 = time.perf_counter()
     pruner = tilesparse.prune_(
         student, pcfg, filter_fn, calibration=_Encoder(calib), progress=cfg.progress
     )
     seconds: dict[str, float] = {"calibrate": time.perf_counter() - t0}
-    results = {"oneshot": cosine(_encode(student, held[: cfg.held_out]), dense_emb)}
-    print(
-        f"one-shot with calibration: cosine to dense {results['oneshot']['mean']:.4f}", flush=True
-    )
+    results["oneshot"] = evaluate(student, evals, dense_emb)
+    print(f"one-shot with calibration: {_line(results['oneshot'])}", flush=True)
     distill_report = None
     if cfg.distill_seconds > 0:
         distill_report = _distill(cfg, student, teacher, pruner, distil)
         seconds["distill"] = distill_report["seconds"]
-        results["distilled"] = cosine(_encode(student, held[: cfg.held_out]), dense_emb)
+        results["distilled"] = evaluate(student, evals, dense_emb)
         print(
             f"distilled ({distill_report['steps']} steps, {distill_report['seconds']:.0f} s): "
-            f"cosine {results['distilled']['mean']:.4f}",
+            f"{_line(results['distilled'])}",
             flush=True,
         )
     layers = _layer_rows(pruner)
     sparsity = pruner.overall_sparsity()
     pruner.compress()
-    compressed_emb = _encode(student, held[: cfg.held_out])
-    results["compressed"] = cosine(compressed_emb, dense_emb)
-    speed = _speed(teacher, student, cfg, held[: cfg.speed_sentences])
+    results["compressed"] = evaluate(student, evals, dense_emb)
+    speed_sents = [s for p in evals.values() for s in _flat(p)][: cfg.speed_sentences]
+    speed = _speed(teacher, student, cfg, speed_sents)
     memory = {
         "dense": tilesparse.model_memory(teacher).to_dict(),
         "compressed": tilesparse.model_memory(student).to_dict(),
     }
-    saved = _save_and_reload(student, out / "model", held[:16]) if cfg.save_model else None
+    saved = _save_and_reload(student, out / "model", speed_sents[:16]) if cfg.save_model else None
     report: dict[str, Any] = {
         "recipe": "prune_transformer",
         "created": datetime.now(UTC).isoformat(timespec="seconds"),
         "knobs": asdict(cfg),
         "config": pcfg.to_dict(),
-        "text": "generated sentences (recipes.sentences): templates x vocabularies, seeded; "
-        "calibration, distillation and held-out sets disjoint",
+        "text": {
+            "calibration": f"{len(calib)} sentences of the Python Language Reference "
+            "(pydoc_data/topics.py)",
+            "distillation": f"{len(distil)} further sentences of the same",
+            "evaluation": {k: f"{len(p)} sentence pairs: {SOURCES[k]}" for k, p in evals.items()},
+        },
         "achieved_sparsity": sparsity,
-        "cosine_to_dense": results,
+        "evaluation": results,
         "distillation": distill_report,
         "layers": layers,
         "speed": speed,
@@ -276,11 +336,16 @@ def _plot(out: Path, report: dict[str, Any]) -> str:
         range(len(rows)), [r["fqn"].split("encoder.")[-1] for r in rows], rotation=70, fontsize=7
     )
     ax.set_ylabel("sparsity")
-    cos = report["cosine_to_dense"]
+    ev = report["evaluation"]
     ax.set_title(
         "per-layer sparsity; cosine to dense "
-        + ", ".join(f"{k} {v['mean']:.3f}" for k, v in cos.items()),
-        fontsize=9,
+        + ", ".join(
+            f"{stage} {src} {v['mean']:.3f}"
+            for stage, per in ev.items()
+            if stage != "dense"
+            for src, v in per.items()
+        ),
+        fontsize=8,
     )
     fig.tight_layout()
     (out / "plots").mkdir(exist_ok=True)
@@ -292,17 +357,25 @@ def _plot(out: Path, report: dict[str, Any]) -> str:
 def markdown(report: dict[str, Any]) -> str:
     """The report as a Markdown page (also the terminal summary)."""
     c = report["config"]
+    t = report["text"]
     lines = [
-        f"# prune_transformer: {c['pattern']} {c['sparsity']:.0%}, importance {c['importance']}",
+        f"# prune_transformer: {c['pattern']} {c['sparsity']:.0%}, importance "
+        f"{c['importance'] or 'per layer'}",
         "",
         f"Achieved sparsity {report['achieved_sparsity']:.4f} over {len(report['layers'])} layers. "
-        f"Text: {report['text']}.",
+        f"Calibration: {t['calibration']}. Evaluation: "
+        + "; ".join(f"{k}: {v}" for k, v in t["evaluation"].items())
+        + ".",
         "",
-        "| stage | cosine mean | p05 | min |",
-        "|---|---|---|---|",
+        "| stage | source | cosine mean | p05 | min | retrieval |",
+        "|---|---|---|---|---|---|",
     ]
-    for k, v in report["cosine_to_dense"].items():
-        lines.append(f"| {k} | {v['mean']:.4f} | {v['p05']:.4f} | {v['min']:.4f} |")
+    for stage, per in report["evaluation"].items():
+        for src, v in per.items():
+            lines.append(
+                f"| {stage} | {src} | {v['mean']:.4f} | {v['p05']:.4f} | {v['min']:.4f} | "
+                f"{v['retrieval']:.3f} |"
+            )
     s = report["speed"]
     lines += [
         "",
@@ -325,17 +398,20 @@ def markdown(report: dict[str, Any]) -> str:
         )
     lines += [
         "",
-        "| layer | K×N | sparsity | kept columns | tiles | output error masked → reconstructed |",
-        "|---|---|---|---|---|---|",
+        "| layer | K×N | sparsity | kept columns | tiles | mask | refit (damping) | held-out "
+        "error (magnitude) |",
+        "|---|---|---|---|---|---|---|---|",
     ]
     for r in report["layers"]:
-        err = (
-            f"{r['masked_error']:.4f} → {r['reconstructed_error']:.4f}"
-            if "masked_error" in r
-            else ""
-        )
+        mask = refit = err = ""
+        if "held_out_error" in r:
+            share = "" if r["column_share"] is None else f", column share {r['column_share']:g}"
+            mask = f"{r['importance']}{share}"
+            refit = f"{'kept' if r['refit_accepted'] else 'rejected'} ({r['damping']:g})"
+            err = f"{r['held_out_error']:.4f} ({r['held_out_magnitude_error']:.4f})"
         lines.append(
-            f"| {r['fqn']} | {r['in_features']}×{r['out_features']} | {r['sparsity']:.3f} | {r['kept_columns']} | {r['tiles']} | {err} |"
+            f"| {r['fqn']} | {r['in_features']}×{r['out_features']} | {r['sparsity']:.3f} | "
+            f"{r['kept_columns']} | {r['tiles']} | {mask} | {refit} | {err} |"
         )
     lines += ["", f"![layers]({report['plot']})", ""]
     return "\n".join(lines)

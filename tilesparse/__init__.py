@@ -12,8 +12,9 @@ kernels.
 'TileSparseLinear'
 
 Where things are: ``config`` (frozen configs, JSON/YAML), ``patterns`` (masks from scores),
-``importance``, ``calibrate`` (input statistics through hooks and the layer-by-layer
-least-squares reconstruction behind ``prune_(..., calibration=...)``), ``schedule``,
+``importance``, ``calibrate`` (input statistics through hooks, split into fit and held-out
+samples, and the least-squares reconstruction), ``refit`` (the per-layer choice of mask,
+refit and damping on held-out samples behind ``prune_(..., calibration=...)``), ``schedule``,
 ``pruner`` (:class:`TileSparsePruner`), ``oneshot`` (:func:`prune_`), ``callback`` (the pruner
 as a trainer callback), ``distill`` (:func:`distill_`: fine-tuning toward the dense model
 without labels), ``format`` (the condensed layout, :class:`TWLayout`), ``linear``
@@ -37,6 +38,7 @@ from tilesparse.config import (
     OneShotSchedule,
     Pattern,
     TileSparseConfig,
+    fitting_tile,
 )
 from tilesparse.distill import DistillLoss, DistillReport, distill_
 from tilesparse.format import TWLayout, condense, reference_matmul
@@ -79,6 +81,7 @@ __all__ = [
     "PruningCallback",
     "TWLayout",
     "TileSparseConfig",
+    "fitting_tile",
     "TileSparseLinear",
     "TileSparsePruner",
     "auto_decision",

@@ -26,13 +26,14 @@ from __future__ import annotations
 
 import logging
 import math
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
 import torch
 from torch import nn
 
+from tilesparse.config import Importance
 from tilesparse.format import tile_groups
 
 log = logging.getLogger(__name__)
@@ -40,14 +41,13 @@ log = logging.getLogger(__name__)
 __all__ = [
     "Calibration",
     "CalibrationError",
+    "HOLD_OUT",
     "InputStats",
     "LayerReconstruction",
-    "ReconstructionTarget",
     "as_runner",
     "collect_inputs",
     "input_norms",
     "reconstruct",
-    "reconstruct_layers",
     "reconstruction_error",
 ]
 
@@ -59,35 +59,107 @@ class CalibrationError(ValueError):
     non-finite inputs. The message names the layer."""
 
 
+# Every HOLD_OUT-th calibration sample is held out of the fit: the reconstruction and the
+# per-layer choices are judged on those samples only (1 in 4: enough held-out rows to rank a
+# few candidates, three quarters left to fit).
+HOLD_OUT = 4
+
+
 @dataclass
 class InputStats:
-    """One layer's inputs seen during calibration.
+    """One layer's inputs seen during calibration, split into fit and held-out samples.
+
+    A *sample* is one entry along the input's first dimension when the input has three or
+    more dimensions (a sentence of ``(batch, tokens, K)``), else one row of ``(rows, K)``;
+    samples are numbered across the calibration's calls and every :data:`HOLD_OUT`-th one
+    goes to ``held``.
 
     Attributes:
-        gram: ``(K, K) float64``, ``Σ Xᵀ·X`` over every call's ``(rows, K)`` inputs.
-        rows: input rows seen (tokens × sentences, batch rows).
+        gram: ``(K, K) float64``, ``Σ Xᵀ·X`` over the fit samples' ``(rows, K)`` inputs.
+        rows: input rows (token vectors, batch rows) in ``gram``.
+        held: ``(K, K) float64``, the same over the held-out samples.
+        held_rows: input rows in ``held``.
     """
 
     gram: torch.Tensor
     rows: int = 0
+    held: torch.Tensor | None = None
+    held_rows: int = 0
+    samples: int = 0
+
+    @property
+    def held_gram(self) -> torch.Tensor:
+        """``held`` (the fit ``gram`` when no sample was held out)."""
+        return self.held if self.held is not None and self.held_rows > 0 else self.gram
+
+    @property
+    def total(self) -> torch.Tensor:
+        """``(K, K)`` the Gram of every sample, fit and held out."""
+        return self.gram if self.held is None else self.gram + self.held
+
+    def add(self, x: torch.Tensor) -> None:
+        """Accumulate one call's inputs ``x: (..., K)`` (any float dtype, any device)."""
+        k = self.gram.shape[0]
+        per = x.reshape(x.shape[0], -1, k) if x.dim() >= 3 else x.reshape(-1, 1, k)
+        idx = torch.arange(self.samples, self.samples + per.shape[0])
+        self.samples += per.shape[0]
+        held = (idx % HOLD_OUT) == HOLD_OUT - 1
+        for part, sel in ((False, ~held), (True, held)):
+            rows = per[sel.to(per.device)].reshape(-1, k).to(device="cpu", dtype=torch.float64)
+            if rows.shape[0] == 0:
+                continue
+            if part:
+                if self.held is None:
+                    self.held = torch.zeros_like(self.gram)
+                self.held.addmm_(rows.T, rows)
+                self.held_rows += rows.shape[0]
+            else:
+                self.gram.addmm_(rows.T, rows)
+                self.rows += rows.shape[0]
 
 
 @dataclass(frozen=True)
 class LayerReconstruction:
-    """How well one layer's kept weights reproduce its dense outputs on the calibration
-    inputs, as relative squared errors ``‖X·(W - Ŵ)‖² / ‖X·W‖²``.
+    """What a calibrated prune did to one layer, and how well its weights reproduce the dense
+    layer's outputs, as relative squared errors ``‖X·(W - Ŵ)‖² / ‖X·W‖²`` on the fit
+    samples' inputs ``X`` and on the held-out samples' (see :mod:`tilesparse.refit`).
 
     Attributes:
         fqn: the layer.
-        masked_error: with the kept weights as they were (``W * mask``).
-        reconstructed_error: after the least-squares reconstruction.
-        rows: calibration input rows the layer saw.
+        masked_error: fit samples, the chosen mask's kept weights as they were (``W * mask``).
+        reconstructed_error: fit samples, after the least-squares reconstruction.
+        rows: fit input rows the layer saw.
+        held_out_rows: held-out input rows.
+        held_out_masked_error: held-out samples, ``W * mask``.
+        held_out_reconstructed_error: held-out samples, reconstructed.
+        held_out_magnitude_error: held-out samples, the uncalibrated (magnitude) mask at the
+            same sparsity, not reconstructed: what the layer would have been without
+            calibration.
+        accepted: whether the reconstruction was kept (it lowered the held-out error).
+        damping: the reconstruction's ridge, ``λ / mean(diag H)``.
+        importance: the score the chosen mask came from.
+        column_share: the chosen mask's TW column share (``None`` for other patterns).
     """
 
     fqn: str
     masked_error: float
     reconstructed_error: float
     rows: int
+    held_out_rows: int = 0
+    held_out_masked_error: float = float("nan")
+    held_out_reconstructed_error: float = float("nan")
+    held_out_magnitude_error: float = float("nan")
+    accepted: bool = True
+    damping: float = 0.0
+    importance: Importance | None = None
+    column_share: float | None = None
+
+    @property
+    def held_out_error(self) -> float:
+        """The held-out error of the weights the layer was left with."""
+        if self.accepted:
+            return self.held_out_reconstructed_error
+        return self.held_out_masked_error
 
 
 def as_runner(calibration: Calibration) -> Callable[[nn.Module], None]:
@@ -182,14 +254,12 @@ def collect_inputs(
                     f"calibration fed layer {fqn!r} inputs of {x.shape[-1]} features, it takes "
                     f"{st.gram.shape[0]}"
                 )
-            x2 = x.reshape(-1, x.shape[-1]).to(device="cpu", dtype=torch.float64)
-            if not bool(torch.isfinite(x2).all()):
+            if not bool(torch.isfinite(x).all()):
                 raise CalibrationError(
                     f"calibration fed layer {fqn!r} a non-finite input (NaN or inf): "
-                    f"{int((~torch.isfinite(x2)).sum())} of {x2.numel()} values"
+                    f"{int((~torch.isfinite(x)).sum())} of {x.numel()} values"
                 )
-            st.gram.addmm_(x2.T, x2)
-            st.rows += x2.shape[0]
+            st.add(x)
 
         return hook
 
@@ -206,21 +276,21 @@ def collect_inputs(
     finally:
         for h in handles:
             h.remove()
-    missing = [f for f in layers if stats[f].rows == 0]
+    missing = [f for f in layers if stats[f].rows + stats[f].held_rows == 0]
     if missing:
         raise CalibrationError(
             f"the calibration never ran pruned layer(s) {missing}: it must run the model "
             f"through every layer it prunes (or leave those out with filter_fn)"
         )
     for f, st in stats.items():
-        if not bool(torch.isfinite(st.gram).all()):
+        if not bool(torch.isfinite(st.total).all()):
             raise CalibrationError(f"layer {f!r}: its inputs' Gram matrix overflowed (inf)")
     return stats, order
 
 
 def input_norms(stats: InputStats) -> torch.Tensor:
-    """``(K,) float32``: each input's norm ``‖x_k‖₂`` over the calibration rows."""
-    return stats.gram.diagonal().clamp_min(0).sqrt().float()
+    """``(K,) float32``: each input's norm ``‖x_k‖₂`` over every calibration row."""
+    return stats.total.diagonal().clamp_min(0).sqrt().float()
 
 
 def _damped(gram: torch.Tensor, damping: float) -> tuple[torch.Tensor, float]:
@@ -292,66 +362,3 @@ def reconstruction_error(
     d = w - approx_kn.double()
     den = float((w * (h @ w)).sum())
     return float((d * (h @ d)).sum()) / den if den > 0 else 0.0
-
-
-@dataclass(frozen=True)
-class ReconstructionTarget:
-    """One pruned layer to reconstruct.
-
-    Attributes:
-        fqn: its name in the model.
-        module: the layer (the calibration's hook goes on it).
-        original: ``(N, K)`` the stored weight the forward pass reads (times ``mask_nk``),
-            overwritten in place.
-        mask_nk: ``(N, K) bool``, the kept entries.
-        dense_nk: ``(N, K)`` the dense weight whose outputs are reproduced.
-    """
-
-    fqn: str
-    module: nn.Module
-    original: torch.Tensor
-    mask_nk: torch.Tensor
-    dense_nk: torch.Tensor
-
-
-@torch.no_grad()
-def reconstruct_layers(
-    model: nn.Module,
-    targets: Sequence[ReconstructionTarget],
-    first: InputStats,
-    run: Callable[[nn.Module], None],
-    damping: float,
-    progress: bool = False,
-) -> list[LayerReconstruction]:
-    """Reconstruct ``targets`` one after the other: each layer's inputs are gathered with the
-    layers before it already reconstructed (the first one's are ``first``), then its kept
-    weights are refitted (:func:`reconstruct`) and written into ``original``.
-
-    Raises:
-        CalibrationError: as :func:`collect_inputs`, or when a solve is not finite.
-    """
-    from tqdm.auto import tqdm
-
-    out = []
-    for i, t in enumerate(tqdm(targets, desc="reconstruct", unit="layer", disable=not progress)):
-        st = first if i == 0 else collect_inputs(model, {t.fqn: t.module}, run)[0][t.fqn]
-        mask_kn = t.mask_nk.T.cpu()
-        w_kn = t.dense_nk.T.cpu()
-        new_kn = reconstruct(w_kn, mask_kn, st.gram, damping)
-        if not bool(torch.isfinite(new_kn).all()):
-            raise CalibrationError(f"layer {t.fqn!r}: the reconstruction is not finite")
-        rec = LayerReconstruction(
-            t.fqn,
-            reconstruction_error(w_kn, w_kn * mask_kn, st.gram),
-            reconstruction_error(w_kn, new_kn, st.gram),
-            st.rows,
-        )
-        t.original.copy_(new_kn.T.to(t.original.device, t.original.dtype) * t.mask_nk)
-        out.append(rec)
-        log.info(
-            "tilesparse: reconstructed %s: relative output error %.4g -> %.4g",
-            t.fqn,
-            rec.masked_error,
-            rec.reconstructed_error,
-        )
-    return out

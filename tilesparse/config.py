@@ -24,7 +24,7 @@ import json
 import math
 import numbers
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field, fields
+from dataclasses import dataclass, field, fields, replace
 from enum import StrEnum
 from pathlib import Path
 from typing import Any, TypeVar
@@ -39,8 +39,33 @@ __all__ = [
     "ScheduleConfig",
     "TileSparseConfig",
     "PAPER_STAGES",
+    "fitting_tile",
     "schedule_from_dict",
 ]
+
+# The paper's tile width: a tensor-core threadblock's N-tile (Guo et al., SC20).
+MAX_TILE = 128
+# The narrowest automatic tile: below it a tile's GEMM is too small to beat a dense one.
+MIN_TILE = 8
+# A layer narrower than this many outputs (a logit head) does not limit the automatic tile.
+NARROW_LAYER = 32
+
+
+def fitting_tile(out_features: Iterable[int]) -> int:
+    """The automatic TW tile width for layers of these output widths: the largest power of
+    two ``<= width / 2`` of the narrowest layer (so it has at least two tiles), between
+    :data:`MIN_TILE` and :data:`MAX_TILE`; layers under :data:`NARROW_LAYER` outputs are not
+    counted.
+
+    >>> fitting_tile([1536, 384]), fitting_tile([512, 256, 64, 1]), fitting_tile([1])
+    (128, 32, 8)
+    """
+    widths = [w for w in out_features if w >= NARROW_LAYER]
+    if not widths:
+        return MIN_TILE
+    half = min(widths) // 2
+    return max(MIN_TILE, min(MAX_TILE, 1 << (half.bit_length() - 1)))
+
 
 # The paper's stages of rising sparsity with fine-tuning between them (Guo et al., SC20, §5).
 PAPER_STAGES = (0.25, 0.40, 0.50, 0.60, 0.65, 0.70, 0.75, 0.80, 0.85, 0.90)
@@ -285,18 +310,28 @@ class TileSparseConfig:
         sparsity: target fraction of pruned weights in [0, 1). ``None`` means 0.75, or
             ``1 - n/m`` for ``nm`` (the only sparsity an N:M pattern has).
         tile: ``G``, columns per tile for the TW family (> 0). 128 matches a tensor-core
-            threadblock N-tile (the paper's choice).
-        importance: one of :class:`Importance`.
+            threadblock N-tile (the paper's choice). ``None`` (default): what fits the
+            selected layers (:func:`fitting_tile`: 128 when every layer has 256 or more
+            outputs, down to 8 for narrow ones, so a small layer is never one tile by accident).
+        importance: one of :class:`Importance`. ``None`` (default): ``magnitude`` without a
+            calibration; with one (:func:`tilesparse.prune_` ``calibration=``) each layer takes
+            ``activation`` or ``magnitude``, whichever its held-out calibration data prefers.
         column_share: how the TW budget is split between column pruning and per-tile row
             pruning, as the exponent of the kept fraction: columns keep ``(1-s)**column_share``,
             rows ``(1-s)**(1-column_share)``. 0.5 is the paper's even split
             ``s' = 100 - sqrt(10000 - 100·s)`` (75% → 50% columns, 50% rows); 0 prunes rows only.
+            ``None`` (default): 0.5 without a calibration; with one, 0.5 or 0 per layer, chosen
+            by the held-out calibration error (rows only where removing output columns cannot
+            be reconstructed, such as a layer writing a residual stream).
         n, m: the N:M pattern (keep ``n`` of every ``m`` consecutive K entries), ``1 <= n <= m``.
         block: ``(bk, bn)`` block shape for ``bw``; one integer ``b`` means ``(b, b)``.
         tew_delta: fraction of all weights restored as single elements by ``tew``;
             ``sparsity + tew_delta`` (and each override's sparsity ``+ tew_delta``) must stay < 1.
         global_threshold: one threshold over all pruned layers (layers end up with different
-            sparsities) rather than the target in each layer.
+            sparsities) rather than the target in each layer. With a calibration and automatic
+            ``importance`` or ``column_share``, the threshold only allocates the layers'
+            sparsities: each layer's mask is then chosen at its sparsity
+            (:mod:`tilesparse.refit`).
         min_layer_density: floor on the fraction of weights each layer keeps when two or more
             layers share a global threshold, so no layer is pruned away (their overall sparsity
             then stays <= ``1 - min_layer_density``); in (0, 1]. A layer pruned alone (every
@@ -307,7 +342,9 @@ class TileSparseConfig:
         taylor_steps: most backward passes accumulated into the Taylor score between two
             mask updates (>= 1; the paper sums ~100).
         damping: the ridge of the calibration's least-squares reconstruction, as a fraction
-            of the mean diagonal of the layer's input Gram matrix (>= 0; 0.01 as SparseGPT).
+            of the mean diagonal of the layer's input Gram matrix (>= 0; SparseGPT's is 0.01).
+            ``None`` (default): chosen per layer by the held-out calibration error
+            (:data:`tilesparse.refit.DAMPINGS`).
         schedule: a :class:`OneShotSchedule`, :class:`MultiStageSchedule` or
             :class:`CubicSchedule`.
 
@@ -317,9 +354,9 @@ class TileSparseConfig:
 
     pattern: Pattern = Pattern.TW
     sparsity: float | None = None
-    tile: int = 128
-    importance: Importance = Importance.MAGNITUDE
-    column_share: float = 0.5
+    tile: int | None = None
+    importance: Importance | None = None
+    column_share: float | None = None
     n: int = 2
     m: int = 4
     block: tuple[int, int] = (32, 32)
@@ -328,22 +365,25 @@ class TileSparseConfig:
     min_layer_density: float = 0.02
     overrides: tuple[tuple[str, float], ...] = ()
     taylor_steps: int = 100
-    damping: float = 0.01
+    damping: float | None = None
     schedule: ScheduleConfig = field(default_factory=OneShotSchedule)
 
     def __post_init__(self) -> None:
         owner = "TileSparseConfig"
         set_ = object.__setattr__
         set_(self, "pattern", _enum_field(owner, "pattern", Pattern, self.pattern))
-        set_(self, "importance", _enum_field(owner, "importance", Importance, self.importance))
+        if self.importance is not None:
+            set_(self, "importance", _enum_field(owner, "importance", Importance, self.importance))
         _check_int(owner, "n", self.n, 1)
         _check_int(owner, "m", self.m, 1)
         if self.n > self.m:
             raise ValueError(f"{owner}.n must be <= m={self.m}, got {self.n}")
         sparsity = self._checked_sparsity(owner)
         set_(self, "sparsity", sparsity)
-        _check_int(owner, "tile", self.tile, 1)
-        _check_unit(owner, "column_share", self.column_share, closed_right=True)
+        if self.tile is not None:
+            _check_int(owner, "tile", self.tile, 1)
+        if self.column_share is not None:
+            _check_unit(owner, "column_share", self.column_share, closed_right=True)
         set_(self, "block", _block_field(owner, self.block))
         _check_unit(owner, "tew_delta", self.tew_delta, closed_right=False)
         if self.pattern is Pattern.TEW and sparsity + self.tew_delta >= 1.0:
@@ -360,8 +400,10 @@ class TileSparseConfig:
         set_(self, "overrides", self._checked_overrides(owner))
         _check_int(owner, "taylor_steps", self.taylor_steps, 1)
         dmp = self.damping
-        if isinstance(dmp, bool) or not isinstance(dmp, int | float) or not 0 <= dmp < math.inf:
-            raise ValueError(f"{owner}.damping must be a finite number >= 0, got {dmp!r}")
+        if dmp is not None and (
+            isinstance(dmp, bool) or not isinstance(dmp, int | float) or not 0 <= dmp < math.inf
+        ):
+            raise ValueError(f"{owner}.damping must be a finite number >= 0 or None, got {dmp!r}")
         set_(self, "schedule", _schedule_field(owner, self.schedule))
 
     def _checked_sparsity(self, owner: str) -> float:
@@ -398,6 +440,39 @@ class TileSparseConfig:
                     )
         return tuple(sorted((k, float(v)) for k, v in ov.items()))
 
+    def resolved(self, calibrated: bool) -> TileSparseConfig:
+        """This config with the automatic knobs (``None``) set as the pruner uses them:
+        ``importance`` magnitude (activation when ``calibrated``), ``column_share`` 0.5.
+        ``tile`` is left to the layers (:func:`fitting_tile`); explicit values are kept."""
+        return replace(
+            self,
+            importance=self.importance
+            if self.importance is not None
+            else (Importance.ACTIVATION if calibrated else Importance.MAGNITUDE),
+            column_share=self.column_share if self.column_share is not None else 0.5,
+        )
+
+    @property
+    def tile_width(self) -> int:
+        """``tile``, once set (:meth:`TileSparsePruner.select` sets it from the layers).
+
+        Raises:
+            ValueError: while it is still ``None`` (automatic).
+        """
+        if self.tile is None:
+            raise ValueError("TileSparseConfig.tile is automatic (None): select layers first")
+        return self.tile
+
+    @property
+    def share(self) -> float:
+        """``column_share`` (0.5 while automatic)."""
+        return 0.5 if self.column_share is None else self.column_share
+
+    @property
+    def importance_kind(self) -> Importance:
+        """``importance`` (magnitude while automatic)."""
+        return Importance.MAGNITUDE if self.importance is None else self.importance
+
     @property
     def target_sparsity(self) -> float:
         """The final sparsity (never ``None`` after construction)."""
@@ -415,7 +490,7 @@ class TileSparseConfig:
             "pattern": self.pattern.value,
             "sparsity": self.sparsity,
             "tile": self.tile,
-            "importance": self.importance.value,
+            "importance": None if self.importance is None else self.importance.value,
             "column_share": self.column_share,
             "n": self.n,
             "m": self.m,

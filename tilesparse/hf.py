@@ -89,6 +89,13 @@ def _build(
             f"load_compressed: the saved {fqn!r} is a {k}x{n} (in x out) compressed linear, the "
             f"model's is {type(old).__name__} {shape}"
         )
+    for key, t in sorted(sub.items()):
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            bad = int((~torch.isfinite(t)).sum())
+            raise ValueError(
+                f"load_compressed: {fqn!r}: saved {key!r} holds {bad} non-finite value(s) "
+                f"(NaN or inf) of {t.numel()}; expected finite weights"
+            )
     ref = next(iter(old.parameters()), sub["values"])
     new = TileSparseLinear(
         k, n, tile=max(1, tile), bias="bias" in sub, backend=backend, dtype=sub["values"].dtype
@@ -120,7 +127,8 @@ def load_compressed(
 
     Raises:
         ValueError: when the path holds no compressed layer, a saved layer matches no module
-            or several, or its shape or state is not the model's layer's.
+            or several, its shape or state is not the model's layer's, or a saved tensor holds
+            a NaN or inf (naming the layer and tensor).
         FileNotFoundError: see :func:`read_state`.
     """
     state = read_state(path)

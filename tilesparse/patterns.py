@@ -532,12 +532,12 @@ def masks_for_config(
     if sparsity == 0.0:
         return [torch.ones(s.shape, dtype=torch.bool) for s in scores]
     if p is Pattern.TW:
-        return tw_masks(scores, sparsity, config.tile, config.column_share, floor)
+        return tw_masks(scores, sparsity, config.tile_width, config.share, floor)
     if p is Pattern.TW_ROWS:
-        return tw_rows_masks(scores, sparsity, config.tile, floor)
+        return tw_rows_masks(scores, sparsity, config.tile_width, floor)
     if p is Pattern.TEW:
         delta = min(config.tew_delta, sparsity)  # early stages: never restore more than pruned
-        return tew_masks(scores, sparsity, config.tile, delta, config.column_share, floor)
+        return tew_masks(scores, sparsity, config.tile_width, delta, config.share, floor)
     if p is Pattern.EW:
         return ew_masks(scores, sparsity, floor)
     if p is Pattern.NM:

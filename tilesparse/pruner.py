@@ -44,9 +44,10 @@ every layer under ``global_threshold=False``: a layer pruned alone is not floore
 
 from __future__ import annotations
 
+import functools
 import logging
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any, cast
 
 import torch
@@ -54,18 +55,14 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from tilesparse.backend import Backend, parse_backend
-from tilesparse.calibrate import (
-    InputStats,
-    LayerReconstruction,
-    ReconstructionTarget,
-    reconstruct_layers,
-)
+from tilesparse.calibrate import InputStats, LayerReconstruction
 from tilesparse.callback import PruningCallback
-from tilesparse.config import Pattern, TileSparseConfig
+from tilesparse.config import Pattern, TileSparseConfig, fitting_tile
 from tilesparse.format import tile_groups
 from tilesparse.importance import ActivationScore, ScoreTracker, make_tracker
 from tilesparse.linear import TileSparseLinear
 from tilesparse.patterns import masks_for_config
+from tilesparse.refit import LayerSearch, RefitTarget, refit_layers
 from tilesparse.schedule import sparsity_at
 
 __all__ = [
@@ -133,6 +130,23 @@ class LayerStats:
         return asdict(self) | {"sparsity": self.sparsity}
 
 
+def _untied(found: dict[str, nn.Linear]) -> tuple[dict[str, nn.Linear], dict[str, str]]:
+    """``(layers, tied)``: the selected layers with one layer per weight tensor (the first in
+    module order), and every other layer sharing a tensor → the layer that owns it."""
+    owner: dict[tuple[int, int, tuple[int, ...]], str] = {}
+    layers: dict[str, nn.Linear] = {}
+    tied: dict[str, str] = {}
+    for fqn, m in found.items():
+        w = m.weight
+        key = (w.untyped_storage().data_ptr(), int(w.storage_offset()), tuple(w.shape))
+        if w.numel() and key in owner:
+            tied[fqn] = owner[key]
+        else:
+            owner[key] = fqn
+            layers[fqn] = m
+    return layers, tied
+
+
 class TileSparsePruner:
     """Prunes the ``nn.Linear`` layers of a model that ``filter_fn`` selects.
 
@@ -144,9 +158,13 @@ class TileSparsePruner:
     def __init__(self, config: TileSparseConfig, filter_fn: FilterFn | None = None) -> None:
         if not isinstance(config, TileSparseConfig):
             raise ValueError(f"config must be a TileSparseConfig, got {type(config).__name__}")
-        self.config = config
+        self.config = config.resolved(calibrated=False)
         self.filter_fn = filter_fn or default_filter
-        self.tracker: ScoreTracker = make_tracker(config.importance, config.taylor_steps)
+        self.tracker: ScoreTracker = make_tracker(
+            self.config.importance_kind, self.config.taylor_steps
+        )
+        # a selected layer whose weight is another selected layer's tensor → that layer
+        self.tied: dict[str, str] = {}
         self.model: nn.Module | None = None
         self.layers: dict[str, nn.Linear] = {}
         self.step_count = 0
@@ -163,14 +181,15 @@ class TileSparsePruner:
             ValueError: as :meth:`prepare` (no layer selected, an empty or already
                 parametrized layer, an override naming an unselected layer).
         """
-        layers = {
+        found = {
             fqn: m
             for fqn, m in model.named_modules()
             if isinstance(m, nn.Linear) and self.filter_fn(m, fqn)
         }
-        if not layers:
+        if not found:
             raise ValueError("no nn.Linear layer selected by filter_fn: nothing to prune")
-        for fqn, m in layers.items():
+        layers, tied = _untied(found)
+        for fqn, m in found.items():
             if parametrize.is_parametrized(m, "weight"):
                 raise ValueError(f"layer {fqn!r} already has a weight parametrization")
             if m.weight.numel() == 0:
@@ -181,7 +200,21 @@ class TileSparsePruner:
         unknown = sorted(set(dict(self.config.overrides)) - set(layers))
         if unknown:
             raise ValueError(
-                f"overrides name layer(s) {unknown} that are not selected; selected: {sorted(layers)}"
+                f"overrides name layer(s) {unknown} that are not selected (or share another "
+                f"selected layer's weight); selected: {sorted(layers)}"
+            )
+        for fqn, owner in tied.items():
+            log.warning(
+                "tilesparse: layer %r shares its weight tensor with %r: the tensor is pruned "
+                "once, with %r's mask",
+                fqn,
+                owner,
+                owner,
+            )
+        self.tied = tied
+        if self.config.tile is None:
+            self.config = replace(
+                self.config, tile=fitting_tile(m.out_features for m in layers.values())
             )
         return layers
 
@@ -204,21 +237,34 @@ class TileSparsePruner:
         if self.model is not None:
             raise ValueError("this pruner is already prepared on a model; make a new one")
         layers = self.select(model)
-        for m in layers.values():
-            n, k = m.weight.shape
-            parametrize.register_parametrization(
-                m, "weight", WeightMask(n, k, device=m.weight.device)
+        try:
+            for m in layers.values():
+                n, k = m.weight.shape
+                parametrize.register_parametrization(
+                    m, "weight", WeightMask(n, k, device=m.weight.device)
+                )
+            self.model, self.layers = model, layers
+            log.info("tilesparse: prepared %d layers (%d weights)", len(layers), self.total_params)
+            s0 = sparsity_at(self.config.schedule, 0, self.config.target_sparsity)
+            waits = self.tracker.needs_gradients or (
+                isinstance(self.tracker, ActivationScore)
+                and set(layers) - set(self.tracker.input_norms)
             )
-        self.model, self.layers = model, layers
-        log.info("tilesparse: prepared %d layers (%d weights)", len(layers), self.total_params)
-        s0 = sparsity_at(self.config.schedule, 0, self.config.target_sparsity)
-        waits = self.tracker.needs_gradients or (
-            isinstance(self.tracker, ActivationScore)
-            and set(layers) - set(self.tracker.input_norms)
-        )
-        if s0 > 0 and not waits:
-            self.update_masks(s0)
+            if s0 > 0 and not waits:
+                self.update_masks(s0)  # changes no weight unless every mask was computed
+        except BaseException:
+            self.unprepare(layers)
+            raise
         return model
+
+    def unprepare(self, layers: dict[str, nn.Linear] | None = None) -> None:
+        """Take the masks off again (each weight back to its ``original`` tensor, as it is)
+        and forget the model: undoes :meth:`prepare` when nothing was pruned yet."""
+        for m in (self.layers if layers is None else layers).values():
+            if parametrize.is_parametrized(m, "weight"):
+                parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
+        self.model, self.layers = None, {}
+        self.current_sparsity, self.updates = 0.0, 0
 
     def _check_prepared(self) -> None:
         if self.model is None:
@@ -343,7 +389,7 @@ class TileSparsePruner:
             self.tracker.load_state(state["tracker_steps"], sums)
         except ValueError:
             raise ValueError(
-                f"pruner state has importance sums, but importance={self.config.importance.value!r} keeps none"
+                f"pruner state has importance sums, but importance={self.config.importance_kind.value!r} keeps none"
             ) from None
         self.step_count = state["step_count"]
         self.current_sparsity = float(s)
@@ -381,15 +427,20 @@ class TileSparsePruner:
         groups.extend(
             ([f], self._layer_sparsity(f, sparsity)) for f in self.layers if f not in shared
         )
-        for names, s in groups:
+        for f, sc in scores.items():
+            if sc.numel() and not bool(torch.isfinite(sc).all()):
+                raise ValueError(
+                    f"layer {f!r}: {int((~torch.isfinite(sc)).sum())} of its {sc.numel()} "
+                    f"importance scores are NaN or inf (a non-finite weight, gradient or "
+                    f"calibration input); expected finite scores"
+                )
+        new: dict[str, torch.Tensor] = {}
+        for names, s in groups:  # every mask first: a failure changes no weight
             # min_density=None: the config's floor for a shared group, none for a lone layer
             masks = masks_for_config(cfg, [scores[f] for f in names], s, min_density=None)
-            for f, mask_kn in zip(names, masks):
-                m = self.layers[f]
-                original, wm = _masked_weight(m)
-                mask_nk = mask_kn.T.to(wm.mask.device)
-                wm.mask.copy_(mask_nk)
-                original.mul_(mask_nk)
+            new.update(zip(names, masks))
+        for f, mask_kn in new.items():
+            self.set_mask(f, mask_kn)
         if self.tracker.reset_on_mask_update:  # Taylor: scores since the last update
             self.tracker.reset()
         self.current_sparsity = sparsity
@@ -401,6 +452,14 @@ class TileSparsePruner:
             self.overall_sparsity(),
             len(self.layers),
         )
+
+    @torch.no_grad()
+    def set_mask(self, fqn: str, mask_kn: torch.Tensor) -> None:
+        """Set layer ``fqn``'s ``(K, N) bool`` mask and zero its pruned weights."""
+        original, wm = _masked_weight(self.layers[fqn])
+        mask_nk = mask_kn.T.to(wm.mask.device)
+        wm.mask.copy_(mask_nk)
+        original.mul_(mask_nk)
 
     def mask(self, fqn: str) -> torch.Tensor:
         """``(K, N) bool`` mask of layer ``fqn`` (a copy, on the CPU)."""
@@ -463,47 +522,58 @@ class TileSparsePruner:
                     params=m.in_features * m.out_features,
                     kept=int(mask.sum()),
                     kept_columns=int(mask.any(dim=0).sum()),
-                    tiles=len(tile_groups(mask, self.config.tile)),
+                    tiles=len(tile_groups(mask, self.config.tile_width)),
                 )
             )
         return out
 
     # -- calibration -----------------------------------------------------------------------
-    def reconstruct(
+    def refit(
         self,
         order: list[str],
         dense: dict[str, torch.Tensor],
         first: InputStats,
         run: Callable[[nn.Module], None],
+        search: LayerSearch,
         progress: bool = False,
     ) -> list[LayerReconstruction]:
-        """Refit each layer's kept weights to its dense outputs, layer by layer in ``order``
-        (see :func:`prune_` and :func:`tilesparse.calibrate.reconstruct_layers`); the masks
-        do not change.
+        """Choose each layer's mask and kept weights on the calibration, layer by layer in
+        ``order`` (see :func:`prune_` and :mod:`tilesparse.refit`).
 
         Args:
-            order: every pruned layer, in calibration call order.
+            order: the pruned layers to refit, in calibration call order.
             dense: per layer the dense ``(N, K)`` weight to reproduce.
             first: the first layer's input statistics (no pruned layer precedes it).
             run: the calibration runner (:func:`tilesparse.calibrate.as_runner`).
+            search: what may be chosen per layer.
             progress: a tqdm bar over the layers.
 
         Returns:
-            per layer the relative output error before and after (also kept in
-            ``self.reconstructions``).
+            per layer what was chosen and its errors (also kept in ``self.reconstructions``).
         """
         self._check_prepared()
         assert self.model is not None
-        targets = []
-        for fqn in order:
-            original, wm = _masked_weight(self.layers[fqn])
-            targets.append(
-                ReconstructionTarget(fqn, self.layers[fqn], original, wm.mask, dense[fqn])
+        targets = [
+            RefitTarget(
+                fqn,
+                self.layers[fqn],
+                dense[fqn],
+                functools.partial(self._store, fqn),
+                functools.partial(self.mask, fqn),
+                refit=fqn not in self.tied.values(),
             )
-        self.reconstructions = reconstruct_layers(
-            self.model, targets, first, run, self.config.damping, progress
-        )
+            for fqn in order
+        ]
+        self.reconstructions = refit_layers(self.model, targets, first, run, search, progress)
         return self.reconstructions
+
+    @torch.no_grad()
+    def _store(self, fqn: str, mask_kn: torch.Tensor, weight_kn: torch.Tensor) -> None:
+        """Set layer ``fqn``'s mask and its kept weights ``(K, N)``."""
+        original, wm = _masked_weight(self.layers[fqn])
+        mask_nk = mask_kn.T.to(wm.mask.device)
+        wm.mask.copy_(mask_nk)
+        original.copy_(weight_kn.T.to(original.device, original.dtype) * mask_nk)
 
     # -- finishing -------------------------------------------------------------------------
     def _replace(self, fqn: str, new: nn.Module) -> None:
@@ -543,7 +613,7 @@ class TileSparsePruner:
         for fqn, m in list(self.layers.items()):
             mask_kn = self.mask(fqn)
             new = TileSparseLinear.from_dense(
-                m, mask_kn=mask_kn, tile=self.config.tile, backend=backend
+                m, mask_kn=mask_kn, tile=self.config.tile_width, backend=backend
             )
             self._replace(fqn, new)
             # the pruned layers, compressed: TileSparseLinear stands in for the nn.Linear

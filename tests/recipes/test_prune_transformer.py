@@ -4,6 +4,7 @@ Kept small (a few sentences, two layers) for the 2-core test budget."""
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import json
 
@@ -12,8 +13,9 @@ import torch
 
 import tilesparse
 from recipes.cli import foreign_entries
+from recipes.corpora import python_reference_sentences, sklearn_description_pairs
 from recipes.minilm import MINILM_PACKAGE, load_minilm
-from recipes.prune_transformer import OUTPUTS, PruneTransformerConfig, main
+from recipes.prune_transformer import OUTPUTS, PruneTransformerConfig, is_ffn, main
 from recipes.sentences import make_sentences, splits
 
 
@@ -93,10 +95,39 @@ def test_recipe_report(tmp_path) -> None:
     )  # fmt: skip
     report = main(cfg)
     saved = json.loads((out / "report.json").read_text())
-    assert saved["cosine_to_dense"].keys() == {"oneshot", "distilled", "compressed"}
+    assert saved["evaluation"].keys() == {"dense", "oneshot", "distilled", "compressed"}
+    assert saved["evaluation"]["oneshot"].keys() == {"sklearn_descr"}  # no gensim wheel given
+    assert saved["evaluation"]["dense"]["sklearn_descr"]["mean"] == pytest.approx(1.0)
     assert len(saved["layers"]) == 12 and saved["saved_model"]["reload_equal"] is True
     assert abs(saved["achieved_sparsity"] - 0.5) < 0.01
     assert saved["speed"]["sentences"] == 8 and report["distillation"]["steps"] >= 1
     assert (out / "plots" / "layers.png").read_bytes()[:4] == b"\x89PNG"
-    assert "| oneshot |" in (out / "report.md").read_text()
+    assert "| oneshot | sklearn_descr |" in (out / "report.md").read_text()
+    assert all("held_out_error" in r for r in saved["layers"])
     assert foreign_entries([p.name for p in out.iterdir()], OUTPUTS) == []  # all --overwrite-able
+
+
+def _first_two_blocks_ffn(module: torch.nn.Module, fqn: str) -> bool:
+    return is_ffn(module, fqn) and (".layer.0." in fqn or ".layer.1." in fqn)
+
+
+@pytest.mark.slow
+def test_calibration_on_one_real_source_never_loses_on_another(minilm) -> None:
+    """Default config plus calibration on Python reference prose, evaluated on scikit-learn's
+    dataset descriptions (text the calibration never saw): TW 50 % on two blocks' FFN is at
+    least as close to dense as the uncalibrated prune. (With 16 template sentences as the
+    calibration it came out 0.9382 against 0.9389: that case is not held, docs/benchmarks.md.)"""
+    pairs = sklearn_description_pairs()[:12]
+    evals = [a for a, _ in pairs] + [b for _, b in pairs]
+    dense = minilm.encode(evals, convert_to_tensor=True)
+    real = python_reference_sentences(32)
+
+    def cosine_after(calib: list[str] | None) -> float:
+        model = copy.deepcopy(minilm)
+        cfg = tilesparse.TileSparseConfig(pattern=tilesparse.Pattern.TW, sparsity=0.5)
+        run = None if calib is None else (lambda m: m.encode(calib, batch_size=32))
+        tilesparse.prune_(model, cfg, _first_two_blocks_ffn, calibration=run)
+        got = model.encode(evals, convert_to_tensor=True)
+        return float(torch.nn.functional.cosine_similarity(got, dense).mean())
+
+    assert cosine_after(real) >= cosine_after(None)

@@ -10,7 +10,7 @@ from torch.nn.utils import parametrize
 
 import tilesparse
 from tests.tolerances import tol
-from tilesparse.calibrate import CalibrationError, reconstruct
+from tilesparse.calibrate import HOLD_OUT, CalibrationError, reconstruct
 
 
 def _dependent_inputs(rows: int, seed: int) -> torch.Tensor:
@@ -46,8 +46,9 @@ def test_reconstruction_is_exact_in_a_constructed_case() -> None:
     torch.testing.assert_close(model(x_new), want, **tol("tw_layer", torch.float32))
     assert (masked_only(x_new) - want).abs().max() > 1.0  # the mask alone is far off
     (rec,) = pruner.reconstructions
-    assert rec.fqn == "0" and rec.rows == 256
+    assert rec.fqn == "0" and (rec.rows, rec.held_out_rows) == (192, 64)  # every 4th row held
     assert rec.masked_error > 1e-3 and rec.reconstructed_error < 1e-10
+    assert rec.accepted and rec.held_out_reconstructed_error < 1e-10 < rec.held_out_masked_error
 
 
 def test_reconstruct_solves_each_tile_on_its_own_rows() -> None:
@@ -76,7 +77,11 @@ def _batches(n: int = 4, seed: int = 1) -> list[tuple[torch.Tensor]]:
 
 
 def test_calibration_keeps_the_magnitude_mask_and_tile_structure() -> None:
-    cfg = tilesparse.TileSparseConfig(sparsity=0.75, tile=8)
+    """Explicit knobs win: magnitude scores under one global threshold keep their masks, and
+    only the kept weights are refitted."""
+    cfg = tilesparse.TileSparseConfig(
+        sparsity=0.75, tile=8, importance="magnitude", global_threshold=True, column_share=0.5
+    )
     plain, calibrated = _mlp(), _mlp()
     p0 = tilesparse.prune_(plain, cfg)
     p1 = tilesparse.prune_(calibrated, cfg, calibration=_batches())
@@ -86,7 +91,13 @@ def test_calibration_keeps_the_magnitude_mask_and_tile_structure() -> None:
         assert tilesparse.is_tile_wise(mask, 8)
         weight_kn = calibrated.get_submodule(fqn).weight.detach().T
         assert torch.equal(weight_kn != 0, mask)  # reconstructed values only where kept
-    assert not torch.equal(calibrated[0].weight, plain[0].weight)
+    for r in p1.reconstructions:  # refitted where the held-out samples agree, else as plain
+        same = torch.equal(
+            calibrated.get_submodule(r.fqn).weight, plain.get_submodule(r.fqn).weight
+        )
+        assert same is not r.accepted, r
+    # layer 0's inputs are independent (H ∝ I): a refit cannot help; layer 2's are not
+    assert [r.accepted for r in p1.reconstructions] == [False, True]
 
 
 def test_layers_are_reconstructed_in_order_on_pruned_inputs() -> None:
@@ -95,14 +106,68 @@ def test_layers_are_reconstructed_in_order_on_pruned_inputs() -> None:
     dense = _mlp()
     model = _mlp()
     batches = _batches()
-    pruner = tilesparse.prune_(
-        model, tilesparse.TileSparseConfig(sparsity=0.5, tile=8), calibration=batches
-    )
+    cfg = tilesparse.TileSparseConfig(sparsity=0.5, tile=8, damping=0.01)
+    pruner = tilesparse.prune_(model, cfg, calibration=batches)
     with torch.no_grad():
         h = torch.cat([model[1](model[0](x)) for (x,) in batches]).double()
-    want = reconstruct(dense[2].weight.detach().T, pruner.mask("2"), h.T @ h, damping=0.01)
+    fit = h[torch.arange(h.shape[0]) % HOLD_OUT != HOLD_OUT - 1]  # rows numbered across calls
+    want = reconstruct(dense[2].weight.detach().T, pruner.mask("2"), fit.T @ fit, damping=0.01)
+    assert pruner.reconstructions[1].accepted
     torch.testing.assert_close(model[2].weight.detach().T, want, **tol("tw_layer", torch.float32))
     assert [r.fqn for r in pruner.reconstructions] == ["0", "2"]
+
+
+class _Rank2(nn.Module):
+    """A linear whose calibration inputs span 2 of its 16 dimensions, and whose held-out
+    (and later) inputs do not: a refit on them generalises badly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.fc = nn.Linear(16, 16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc(x)
+
+
+def test_a_refit_that_does_not_lower_the_held_out_error_is_rejected() -> None:
+    """Fit samples on a 2-dimensional subspace, held-out samples in general position: the
+    undamped refit fits the fit samples and is worse than the mask alone on the held-out
+    ones, so the plain masked weights are kept (and reported)."""
+    g = torch.Generator().manual_seed(2)
+    basis = torch.randn(2, 16, generator=g)
+    batches = []
+    for i in range(8):  # one sample (a 2-D batch row block) per call; every 4th held out
+        x = (
+            torch.randn(32, 16, generator=g)
+            if i % 4 == 3
+            else torch.randn(32, 2, generator=g) @ basis
+        )
+        batches.append((x.unsqueeze(0),))  # (1, 32, 16): one sample per call
+    model, plain = _Rank2(), _Rank2()
+    cfg = tilesparse.TileSparseConfig(
+        pattern="ew", sparsity=0.5, importance="magnitude", damping=0.0
+    )
+    tilesparse.prune_(plain, cfg)
+    pruner = tilesparse.prune_(model, cfg, calibration=batches)
+    (rec,) = pruner.reconstructions
+    assert rec.reconstructed_error < rec.masked_error  # it does fit the fit samples
+    assert not rec.accepted and rec.held_out_error == rec.held_out_masked_error
+    assert torch.equal(model.fc.weight, plain.fc.weight)  # the magnitude-pruned weights
+
+
+def test_a_calibrated_layer_is_never_worse_than_magnitude_on_held_out_samples() -> None:
+    """Defaults plus calibration: per layer, the held-out error of what was kept is at most
+    the uncalibrated (magnitude) mask's, for each pattern."""
+    for pattern in ("tw", "tw_rows", "ew", "nm"):
+        model = _mlp()
+        cfg = tilesparse.TileSparseConfig(
+            pattern=pattern, sparsity=None if pattern == "nm" else 0.5
+        )
+        pruner = tilesparse.prune_(model, cfg, calibration=_batches(8))
+        for r in pruner.reconstructions:
+            assert r.held_out_error <= r.held_out_magnitude_error + 1e-12, (pattern, r)
+        assert abs(pruner.overall_sparsity() - 0.5) < 0.02, pattern
 
 
 def test_activation_importance_follows_the_inputs() -> None:

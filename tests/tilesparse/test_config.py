@@ -12,15 +12,32 @@ from tilesparse.config import (
     OneShotSchedule,
     Pattern,
     TileSparseConfig,
+    fitting_tile,
     schedule_from_dict,
 )
+
+
+def test_fitting_tile_never_makes_a_small_layer_one_tile() -> None:
+    assert fitting_tile([1536, 384]) == 128  # MiniLM's FFN: the paper's G
+    assert fitting_tile([512, 256, 128, 1]) == 64  # the logit head does not count
+    assert fitting_tile([3]) == 8
+    for widths in ([1024, 512, 256], [512, 256, 64], [48, 40]):
+        g = fitting_tile(widths)
+        assert all(-(-w // g) >= 2 for w in widths), (widths, g)
 
 
 def test_defaults() -> None:
     cfg = TileSparseConfig()
     assert cfg.pattern is Pattern.TW
-    assert cfg.sparsity == 0.75 and cfg.tile == 128
-    assert cfg.importance is Importance.MAGNITUDE
+    assert cfg.sparsity == 0.75 and cfg.tile is None  # automatic: fitting_tile
+    assert cfg.importance is None and cfg.column_share is None and cfg.damping is None
+    plain = cfg.resolved(calibrated=False)
+    assert plain.importance is Importance.MAGNITUDE and plain.global_threshold is True
+    assert plain.column_share == 0.5
+    cal = cfg.resolved(calibrated=True)
+    assert cal.importance is Importance.ACTIVATION and cal.global_threshold is True
+    explicit = TileSparseConfig(importance="magnitude", global_threshold=True, column_share=0.2)
+    assert explicit.resolved(calibrated=True) == explicit  # explicit knobs win
     assert TileSparseConfig(pattern="nm", n=1, m=4).sparsity == 0.75
     assert TileSparseConfig(pattern="nm").sparsity == 0.5
 

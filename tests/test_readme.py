@@ -1,8 +1,9 @@
 """The README's quick starts run as written.
 
-The Python blocks of quick starts (a), (c) and (d) are taken from README.md and run in a fresh
-folder, in the README's order of dependence: (d) writes ``out/``, (c) looks rows up from
-``out/ps.json``, the server of (d) serves ``out/`` and (d)'s client scores a request. Only the
+The Python blocks of quick starts (a), (c), (d) and (e) are taken from README.md and run in a
+fresh folder, in the README's order of dependence: (d) writes ``out/``, (c) looks rows up from
+``out/ps.json``, the server of (d) serves ``out/`` and (d)'s client scores a request; (e) runs
+over a small ``ratings.parquet`` with the columns it names, written by the test. Only the
 server's ports are changed (free ones instead of 8000 and 8001). The shell commands of (b) are covered
 by the CLI tests of ``embark.plan`` and ``embark.sharded_train``.
 """
@@ -47,9 +48,10 @@ def run_python(code: str, cwd: Path) -> str:
     return r.stdout
 
 
-def test_the_readme_has_the_four_quick_starts() -> None:
+def test_the_readme_has_the_five_quick_starts() -> None:
     blocks = quick_starts()
-    assert sorted(blocks) == ["a", "b", "c", "d"]
+    assert sorted(blocks) == ["a", "b", "c", "d", "e"]
+    assert [lang for lang, _ in blocks["e"]] == ["python"]
     assert [lang for lang, _ in blocks["d"]] == ["python", "bash", "python"]
     assert [lang for lang, _ in blocks["a"]] == ["python"]
     assert [lang for lang, _ in blocks["c"]] == ["python"]
@@ -61,6 +63,25 @@ def test_quick_start_a_prunes_and_compresses(tmp_path: Path) -> None:
     sparsity, last = out.strip().splitlines()[-2:]
     assert sparsity == "0.75"
     assert last == "TileSparseLinear (256, 1024)"
+
+
+def test_quick_start_e_trains_on_a_parquet_file_and_exports(tmp_path: Path) -> None:
+    (code,) = [c for _, c in quick_starts()["e"]]
+    ratings = (
+        "import numpy as np, pyarrow as pa, pyarrow.parquet as pq\n"
+        "rng = np.random.default_rng(0)\n"
+        "n = 2048\n"
+        "genres = [list(rng.choice(18, size=int(k), replace=False)) for k in rng.integers(0, 4, n)]\n"
+        "pq.write_table(pa.table({'user_id': rng.integers(0, 300, n), 'genres': genres,\n"
+        "    'age': rng.integers(18, 70, n).astype('float64'),\n"
+        "    'rating': rng.integers(1, 6, n).astype('float64')}), 'ratings.parquet')\n"
+    )
+    run_python(ratings, tmp_path)
+    run_python(code, tmp_path)
+    out = tmp_path / "out"
+    assert {"dense.onnx", "ps.json", "sparse", "vocabulary.json"} <= {p.name for p in out.iterdir()}
+    vocab = (out / "vocabulary.json").read_text()
+    assert "user_id" in vocab and "genres" in vocab
 
 
 @pytest.mark.slow

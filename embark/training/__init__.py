@@ -7,7 +7,7 @@ the fused sparse update of embedding tables (:class:`EmbeddingUpdates`,
 
 from embark.training.callbacks import Callback, TrainerView
 from embark.training.checkpoint import CHECKPOINT_FORMAT_VERSION, read_state
-from embark.training.checkpoint_schema import FormatVersionError
+from embark.training.checkpoint.schema import FormatVersionError
 from embark.training.config import (
     EmbeddingKernel,
     EmbeddingOptimizerKind,

@@ -27,6 +27,8 @@ inference application (HPS lookups + onnxruntime behind the KServe v2 protocol,
 from hps.advisor import KeyStatistics, Recommendation, TableKeyStats, recommend
 from hps.artifact_format import ARTIFACT_VERSION, ServingMetadata
 from hps.config import (
+    ConfigError,
+    HugeCTRFieldWarning,
     ModelConfig,
     PersistentDBConfig,
     PSConfig,
@@ -34,8 +36,9 @@ from hps.config import (
     UpdateSourceConfig,
     VolatileDBConfig,
     db_table_names,
+    load_config,
+    parse_config,
 )
-from hps.config_parse import ConfigError, HugeCTRFieldWarning, load_config, parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
 from hps.types import (

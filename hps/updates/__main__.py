@@ -13,7 +13,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from hps.config_parse import load_config
+from hps.config import load_config
 from hps.updates.applier import OffsetFile
 from hps.updates.health import skip_request_path
 

@@ -55,9 +55,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, TypeVar
 
-from embark.cli import shown
-from embark.outputs import check_output_dir
-from embark.training.trainer import TrainingDiverged
+from embark import TrainingDiverged, check_output_dir, shown
 
 T = TypeVar("T")
 

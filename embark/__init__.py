@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 from embark.lazy import lazy_attributes
 
 if TYPE_CHECKING:
-    from embark.cli import MAX_BATCH_SIZE, MAX_SEED, MAX_THREADS, shown
+    from embark.cli import MAX_BATCH_SIZE, MAX_SEED, MAX_THREADS
     from embark.data.batch import Batch, local_batch
     from embark.data.criteo import CriteoTSV
     from embark.data.jagged import JaggedBatch
@@ -72,7 +72,6 @@ _EXPORTS = {
     "MAX_BATCH_SIZE": "embark.cli",
     "MAX_SEED": "embark.cli",
     "MAX_THREADS": "embark.cli",
-    "shown": "embark.cli",
     "check_output_dir": "embark.outputs",
     "read_state": "embark.training.checkpoint",
     "TrainingDiverged": "embark.training.trainer",
@@ -145,7 +144,6 @@ __all__ = [
     "read_state",
     "run_sharded",
     "save_sharded_checkpoint",
-    "shown",
     "simulate",
 ]
 

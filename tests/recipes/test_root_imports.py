@@ -1,5 +1,5 @@
 """Recipes compose the packages through their roots: no recipe imports a deep module of
-``embark``, ``tilesparse``, ``hps``, ``export`` or ``cutlass_kernels`` (DESIGN: each package
+``embark``, ``tilesparse``, ``hps``, ``export``, ``cutlass_kernels`` or ``knobs`` (DESIGN: each package
 root exports its public names)."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 RECIPES = Path(__file__).resolve().parents[2] / "recipes"
-PACKAGES = frozenset({"embark", "tilesparse", "hps", "export", "cutlass_kernels"})
+PACKAGES = frozenset({"embark", "tilesparse", "hps", "export", "cutlass_kernels", "knobs"})
 # hps/serving is its own room (the v2 server, with starlette and grpc): importing the
 # parameter server's root does not pay for it, so it keeps its own root.
 SUBPACKAGE_ROOTS = frozenset({"hps.serving"})

@@ -116,6 +116,7 @@ def knob(
     parse: Callable[[str], Any] | None = None,
     choices: Sequence[str] | None = None,
     required: bool = False,
+    option: str | None = None,
 ) -> Any:
     """A dataclass field with a default, its ``--help`` text and, for a number, its bounds
     (checked by :func:`check_knobs`, shown in ``--help``).
@@ -124,7 +125,9 @@ def knob(
     of one's own (its ``ArgumentTypeError`` is the usage error, naming the flag);
     ``choices`` lists the accepted words (names known only at run time, e.g. presets);
     ``required`` makes the flag mandatory on the command line (the default then serves
-    only callers that build the dataclass in code).
+    only callers that build the dataclass in code; a required tuple takes one value or
+    more); ``option`` names the flag where :func:`flag` of the field's name cannot (``--in``:
+    ``in`` is a keyword).
     """
     if isinstance(default, list | dict | set):
         raise ValueError("knob defaults must be immutable; use a tuple instead of a list")
@@ -137,6 +140,8 @@ def knob(
         meta["choices"] = tuple(choices)
     if required:
         meta["required"] = True
+    if option is not None:
+        meta["option"] = option
     return dataclasses.field(default=default, metadata=meta)
 
 
@@ -274,7 +279,7 @@ def add_knobs(parser: argparse.ArgumentParser, cls: type) -> None:
             default = f.default_factory()
         else:
             raise TypeError(f"knob {f.name!r} needs a default")
-        option = flag(f.name)
+        option = f.metadata.get("option", flag(f.name))
         help_text = f.metadata.get("help", "")
         value = default.value if isinstance(default, enum.Enum) else default
         if isinstance(value, tuple):
@@ -305,6 +310,8 @@ def add_knobs(parser: argparse.ArgumentParser, cls: type) -> None:
         if f.metadata.get("required", False):
             kw["required"] = True
             del kw["default"]
+            if origin is tuple:
+                kw["nargs"] = "+"
         if choices is not None:
             kw["metavar"] = "{" + ",".join(choices) + "}"
         shown_default = "required" if kw.get("required") else f"default: {value}"

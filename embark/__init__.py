@@ -23,6 +23,7 @@ from typing import TYPE_CHECKING
 from embark.lazy import lazy_attributes
 
 if TYPE_CHECKING:
+    from embark.cli import MAX_BATCH_SIZE, MAX_SEED, MAX_THREADS
     from embark.data.batch import Batch, local_batch
     from embark.data.criteo import CriteoTSV
     from embark.data.hotness import HotnessError
@@ -32,7 +33,8 @@ if TYPE_CHECKING:
     from embark.data.tabular_spec import Categorical, ColumnTransform, Dense, Splits, TabularSpec
     from embark.data.vocabulary import OOVPolicy, Vocabulary
     from embark.models.dlrm import DLRM, build_model
-    from embark.models.workloads import Interaction, Workload, get_workload
+    from embark.models.workloads import PRESETS, Interaction, Workload, get_workload
+    from embark.outputs import check_output_dir
     from embark.planner.planner import plan_sharding
     from embark.planner.simulator import simulate
     from embark.sharding.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
@@ -40,6 +42,7 @@ if TYPE_CHECKING:
     from embark.sharding.run import ShardedRunConfig, run_sharded
     from embark.topology import get_topology
     from embark.training.callbacks import Callback, EarlyStopping, KeepBest
+    from embark.training.checkpoint import read_state
     from embark.training.config import (
         EmbeddingKernel,
         EmbeddingOptimizerKind,
@@ -51,7 +54,7 @@ if TYPE_CHECKING:
     from embark.training.metrics import MetricMode, Monitor, auc, log_loss
     from embark.training.report import FitReport
     from embark.training.state import TrainState
-    from embark.training.trainer import Trainer
+    from embark.training.trainer import Trainer, TrainingDiverged
     from embark.types import (
         Cluster,
         Combiner,
@@ -87,6 +90,13 @@ _EXPORTS = {
     "DLRM": "embark.models.dlrm",
     "build_model": "embark.models.dlrm",
     "Workload": "embark.models.workloads",
+    "PRESETS": "embark.models.workloads",
+    "MAX_BATCH_SIZE": "embark.cli",
+    "MAX_SEED": "embark.cli",
+    "MAX_THREADS": "embark.cli",
+    "check_output_dir": "embark.outputs",
+    "read_state": "embark.training.checkpoint",
+    "TrainingDiverged": "embark.training.trainer",
     "get_workload": "embark.models.workloads",
     "plan_sharding": "embark.planner.planner",
     "simulate": "embark.planner.simulator",
@@ -125,6 +135,10 @@ _EXPORTS = {
 
 __all__ = [
     "DLRM",
+    "MAX_BATCH_SIZE",
+    "MAX_SEED",
+    "MAX_THREADS",
+    "PRESETS",
     "Batch",
     "Callback",
     "Categorical",
@@ -164,16 +178,19 @@ __all__ = [
     "TrainConfig",
     "TrainState",
     "Trainer",
+    "TrainingDiverged",
     "Vocabulary",
     "Workload",
     "auc",
     "build_model",
+    "check_output_dir",
     "get_topology",
     "get_workload",
     "load_sharded_checkpoint",
     "local_batch",
     "log_loss",
     "plan_sharding",
+    "read_state",
     "reshuffled",
     "run_sharded",
     "save_sharded_checkpoint",

@@ -21,19 +21,13 @@ import math
 from collections.abc import Callable
 
 from embark.outputs import check_output_file
+from knobs import shown
 
 MAX_SEED = 2**32 - 1
 MAX_BATCH_SIZE = 2**20  # samples per step
 MAX_THREADS = 512
 
-_SHOWN = 40  # characters of a bad value echoed back (a 5,000-digit number is not)
-
-
-def shown(text: str) -> str:
-    """``repr(text)``, shortened to about :data:`_SHOWN` characters with its length named."""
-    if len(text) <= _SHOWN:
-        return repr(text)
-    return f"{text[:_SHOWN]!r}... ({len(text)} characters)"
+_SHOWN = 40  # characters of a number echoed back as typed (longer ones are shortened)
 
 
 def _echo(text: str) -> str:

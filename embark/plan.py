@@ -15,6 +15,7 @@ import argparse
 import json
 import logging
 import sys
+from dataclasses import dataclass
 
 from embark.cli import int_at_least, output_file
 from embark.models.workloads import PRESETS as WORKLOADS
@@ -23,54 +24,52 @@ from embark.planner.planner import STRATEGIES
 from embark.planner.report import PlanRequest, plan_and_rate
 from embark.topology import PRESETS as TOPOLOGIES
 from embark.types import CommDtype
+from knobs import add_knobs, from_namespace, knob
 
 log = logging.getLogger("embark.plan")
 
 
+@dataclass(frozen=True)
+class PlanKnobs:
+    """The knobs of ``python -m embark.plan`` (shown in ``--help``)."""
+
+    workload: str = knob("tiny", "workload preset", choices=tuple(WORKLOADS), required=True)
+    topology: str = knob("dgx-h100", "topology preset", choices=tuple(TOPOLOGIES))
+    nodes: int = knob(1, "nodes (>= 1)", parse=int_at_least(1))
+    batch_size: int = knob(65536, "global batch (all ranks, >= world size)", parse=int_at_least(1))
+    strategy: str = knob("auto", f"{'|'.join(STRATEGIES)} or a plan file (JSON/YAML)")
+    constraints: str | None = knob(None, "per-table constraints file (JSON/YAML)")
+    comm_dtype: CommDtype = knob(CommDtype.FP32, "dtype of the vectors on the wire")
+    rounds: int = knob(20, "greedy split rounds (>= 0)", parse=int_at_least(0))
+    out: str | None = knob(
+        None, "write the JSON result to this file (replaced atomically)", parse=output_file
+    )
+    quiet: bool = knob(False, "do not print the stats table")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m embark.plan", description=__doc__.split("\n")[0])
-    p.add_argument("--workload", required=True, choices=WORKLOADS)
-    p.add_argument("--topology", default="dgx-h100", choices=TOPOLOGIES)
-    p.add_argument("--nodes", type=int_at_least(1), default=1)
-    p.add_argument(
-        "--batch-size",
-        type=int_at_least(1),
-        default=65536,
-        help="global batch (all ranks, >= world size)",
-    )
-    p.add_argument(
-        "--strategy", default="auto", help=f"{'|'.join(STRATEGIES)} or a plan file (JSON/YAML)"
-    )
-    p.add_argument("--constraints", default=None, help="per-table constraints file (JSON/YAML)")
-    p.add_argument("--comm-dtype", default="fp32", choices=[d.value for d in CommDtype])
-    p.add_argument("--rounds", type=int_at_least(0), default=20, help="greedy split rounds (>= 0)")
-    p.add_argument(
-        "--out",
-        type=output_file,
-        default=None,
-        help="write the JSON result to this file (replaced atomically)",
-    )
-    p.add_argument("--quiet", action="store_true", help="do not print the stats table")
+    add_knobs(p, PlanKnobs)
     return p
 
 
-def _request(args: argparse.Namespace) -> PlanRequest:
+def _request(cfg: PlanKnobs) -> PlanRequest:
     """The planning part of the command line (``--out`` and ``--quiet`` stay here)."""
     return PlanRequest(
-        workload=args.workload,
-        topology=args.topology,
-        nodes=args.nodes,
-        batch_size=args.batch_size,
-        strategy=args.strategy,
-        constraints=args.constraints,
-        comm_dtype=CommDtype(args.comm_dtype),
-        rounds=args.rounds,
+        workload=cfg.workload,
+        topology=cfg.topology,
+        nodes=cfg.nodes,
+        batch_size=cfg.batch_size,
+        strategy=cfg.strategy,
+        constraints=cfg.constraints,
+        comm_dtype=cfg.comm_dtype,
+        rounds=cfg.rounds,
     )
 
 
 def main(argv: list[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    args = _parser().parse_args(argv)
+    args = from_namespace(PlanKnobs, _parser().parse_args(argv))
     try:
         report = plan_and_rate(_request(args))
     except (FileNotFoundError, ValueError) as e:  # PlanError is a ValueError

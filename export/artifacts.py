@@ -46,8 +46,7 @@ from embark.data.vocabulary import Vocabulary, vocabulary_document
 from embark.types import TableConfig
 from export.onnx import ExportableModel, as_exportable, check_exportable, export_onnx, model_tables
 from hps.artifact_format import ARTIFACT_VERSION, ARTIFACT_VERSION_FIELD
-from hps.config import PSConfig
-from hps.config_parse import parse_config
+from hps.config import PSConfig, parse_config
 from hps.names import check_name, entry, entry_exists, hidden_sibling, remove_entry
 from hps.storage.sparse_files import write_table
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy

@@ -13,7 +13,7 @@ trainer reach every tier.
     >>> ps = HierarchicalParameterServer.from_config("out/ps.json")       # doctest: +SKIP
     >>> rows = ps.session("dlrm").lookup("t0", torch.tensor([[3, 9]]))   # doctest: +SKIP
 
-Rooms: this package (``config`` / ``config_parse`` read ``ps.json``, ``session`` serves
+Rooms: this package (the ``config`` package reads ``ps.json``, ``session`` serves
 lookups (``session_stats`` its statistics, ``rwlock`` its update lock), ``parameter_server``
 builds the tiers (``volatile_repair`` writes back Redis partitions that lost their rows),
 ``advisor`` sizes caches, ``artifact_format`` is the serving-artifact format, ``names`` the name
@@ -36,6 +36,8 @@ if TYPE_CHECKING:
     from hps.advisor import KeyStatistics, Recommendation, TableKeyStats, recommend
     from hps.artifact_format import ARTIFACT_VERSION, ServingMetadata
     from hps.config import (
+        ConfigError,
+        HugeCTRFieldWarning,
         ModelConfig,
         PersistentDBConfig,
         PSConfig,
@@ -43,8 +45,9 @@ if TYPE_CHECKING:
         UpdateSourceConfig,
         VolatileDBConfig,
         db_table_names,
+        load_config,
+        parse_config,
     )
-    from hps.config_parse import ConfigError, HugeCTRFieldWarning, load_config, parse_config
     from hps.key_counts import KeyCounts
     from hps.parameter_server import HierarchicalParameterServer
     from hps.rowformat import RowDtype, RowFormatError
@@ -83,10 +86,10 @@ _EXPORTS = {
     "UpdateSourceConfig": "hps.config",
     "VolatileDBConfig": "hps.config",
     "db_table_names": "hps.config",
-    "ConfigError": "hps.config_parse",
-    "HugeCTRFieldWarning": "hps.config_parse",
-    "load_config": "hps.config_parse",
-    "parse_config": "hps.config_parse",
+    "ConfigError": "hps.config",
+    "HugeCTRFieldWarning": "hps.config",
+    "load_config": "hps.config",
+    "parse_config": "hps.config",
     "KeyCounts": "hps.key_counts",
     "HierarchicalParameterServer": "hps.parameter_server",
     "RowDtype": "hps.rowformat",

@@ -41,8 +41,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from hps.config import ModelConfig, PSConfig, TableSpec, db_table_names
-from hps.config_parse import load_config
+from hps.config import ModelConfig, PSConfig, TableSpec, db_table_names, load_config
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.persistent import RocksDBBackend

@@ -58,11 +58,20 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-from embark.cli import MAX_BATCH_SIZE, MAX_SEED, MAX_THREADS
-from embark.data import Batch, SyntheticCTR
-from embark.models.dlrm import DLRM, build_model
-from embark.models.workloads import PRESETS, get_workload
-from embark.training.trainer import Callback, TrainConfig, Trainer
+from embark import (
+    DLRM,
+    MAX_BATCH_SIZE,
+    MAX_SEED,
+    MAX_THREADS,
+    PRESETS,
+    Batch,
+    Callback,
+    SyntheticCTR,
+    TrainConfig,
+    Trainer,
+    build_model,
+    get_workload,
+)
 from recipes.cli import OutFolder, check_knobs, knob, parse_knobs, run_recipe
 from recipes.prune_oneshot import oneshot_rows, oneshot_section
 from recipes.prune_quant import quant_report, quant_section, quant_summary
@@ -71,15 +80,17 @@ from recipes.prune_serve import serve_check
 from recipes.prune_speed import measure_speed
 from tilesparse import (
     CubicSchedule,
+    Importance,
     MultiStageSchedule,
     OneShotSchedule,
     Pattern,
+    PruningCallback,
+    ScheduleConfig,
     TileSparseConfig,
     TileSparsePruner,
+    end_step,
+    stages_for,
 )
-from tilesparse.callback import PruningCallback
-from tilesparse.config import Importance, ScheduleConfig
-from tilesparse.schedule import end_step, stages_for
 
 log = logging.getLogger("recipes.prune_dlrm")
 

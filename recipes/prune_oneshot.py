@@ -22,10 +22,8 @@ from torch import nn
 from tqdm.auto import tqdm
 
 import tilesparse
-from embark.data import Batch
-from embark.training.trainer import Callback, TrainConfig, Trainer
-from tilesparse.callback import PruningCallback
-from tilesparse.config import Importance, OneShotSchedule, TileSparseConfig
+from embark import Batch, Callback, TrainConfig, Trainer
+from tilesparse import Importance, OneShotSchedule, PruningCallback, TileSparseConfig
 
 __all__ = ["oneshot_rows", "oneshot_section"]
 

@@ -19,12 +19,9 @@ from typing import Any
 import numpy as np
 import torch
 
-from embark.data import Batch
-from embark.data.jagged import JaggedBatch
-from embark.models.dlrm import DLRM
-from embark.training.metrics import auc
-from export.artifacts import write_serving_artifacts
-from hps.parameter_server import HierarchicalParameterServer
+from embark import DLRM, Batch, JaggedBatch, auc
+from export import write_serving_artifacts
+from hps import HierarchicalParameterServer
 from hps.serving import InferenceServer, ServerConfig
 
 __all__ = ["padded_ids", "serve_check"]

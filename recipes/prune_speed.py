@@ -19,8 +19,7 @@ from typing import Any
 
 import torch
 
-from embark.models.dlrm import build_model
-from embark.models.workloads import get_workload
+from embark import build_model, get_workload
 from tilesparse import Pattern, TileSparseConfig, model_memory, prune_
 
 __all__ = ["measure_speed"]

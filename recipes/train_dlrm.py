@@ -32,12 +32,21 @@ from typing import Any
 
 import torch
 
-from embark.cli import MAX_BATCH_SIZE, MAX_SEED, MAX_THREADS
-from embark.data import SyntheticCTR
-from embark.models.dlrm import build_model
-from embark.models.workloads import PRESETS, Workload, get_workload
-from embark.training.checkpoint import read_state
-from embark.training.trainer import OptimizerKind, TrainConfig, Trainer, TrainingDiverged
+from embark import (
+    MAX_BATCH_SIZE,
+    MAX_SEED,
+    MAX_THREADS,
+    PRESETS,
+    OptimizerKind,
+    SyntheticCTR,
+    TrainConfig,
+    Trainer,
+    TrainingDiverged,
+    Workload,
+    build_model,
+    get_workload,
+    read_state,
+)
 from recipes.cli import OutFolder, check_knobs, knob, parse_knobs, run_recipe
 
 log = logging.getLogger("recipes.train_dlrm")

@@ -37,6 +37,7 @@ from tilesparse.config import (
     MultiStageSchedule,
     OneShotSchedule,
     Pattern,
+    ScheduleConfig,
     TileSparseConfig,
     fitting_tile,
 )
@@ -64,8 +65,12 @@ from tilesparse.patterns import (
     tw_rows_masks,
 )
 from tilesparse.pruner import TileSparsePruner
+from tilesparse.schedule import end_step, stages_for
 
 __all__ = [
+    "ScheduleConfig",
+    "end_step",
+    "stages_for",
     "Backend",
     "CalibrationError",
     "CubicSchedule",

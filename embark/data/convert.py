@@ -64,6 +64,7 @@ from embark.data.manifest import (
 from embark.data.npy import NpyWriter
 from embark.data.staging import FolderBusyError, FolderLock, publish, recover, staging_path
 from embark.outputs import write_text_atomic
+from knobs import add_knobs, from_namespace, knob
 
 log = logging.getLogger(__name__)
 
@@ -412,27 +413,30 @@ def _run(
     return result
 
 
+@dataclass(frozen=True)
+class ConvertKnobs:
+    """The knobs of ``python -m embark.data.convert`` (shown in ``--help``)."""
+
+    workload: str = knob("", "preset name: its dense width and tables", required=True)
+    scale: float = knob(1.0, "divide table rows by this (>= 1)")
+    inputs: tuple[str, ...] = knob((), "Criteo TSV files", required=True, option="--in")
+    out: str = knob("", "output folder (published whole)", required=True)
+    skip_bad_lines: bool = knob(False, "count and drop bad lines")
+    overwrite: bool = knob(False, "replace the conversion in --out")
+    resume: bool = knob(False, "continue an interrupted conversion into --out")
+    progress: bool = knob(True, "show a progress bar")
+    chunk_mb: int = knob(
+        DEFAULT_CHUNK_BYTES >> 20,
+        f"MiB parsed at a time, 1 to {MAX_CHUNK_BYTES >> 20} (peak memory ~6x this)",
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m embark.data.convert",
         description="Convert Criteo TSV (plain or .gz) into TorchRec's npy layout.",
     )
-    p.add_argument("--workload", required=True, help="preset name: its dense width and tables")
-    p.add_argument("--scale", type=float, default=1.0, help="divide table rows by this (>= 1)")
-    p.add_argument("--in", dest="inputs", nargs="+", required=True, metavar="FILE")
-    p.add_argument("--out", required=True, help="output folder (published whole)")
-    p.add_argument("--skip-bad-lines", action="store_true", help="count and drop bad lines")
-    p.add_argument("--overwrite", action="store_true", help="replace the conversion in --out")
-    p.add_argument(
-        "--resume", action="store_true", help="continue an interrupted conversion into --out"
-    )
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument(
-        "--chunk-mb",
-        type=int,
-        default=DEFAULT_CHUNK_BYTES >> 20,
-        help=f"MiB parsed at a time, 1 to {MAX_CHUNK_BYTES >> 20} (peak memory ~6x this)",
-    )
+    add_knobs(p, ConvertKnobs)
     return p
 
 
@@ -462,7 +466,7 @@ def _message(err: Exception) -> str:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (module docstring); returns the exit status: 0, 1 for an error,
     130 when interrupted (SIGINT)."""
-    args = _parser().parse_args(argv)
+    args = from_namespace(ConvertKnobs, _parser().parse_args(argv))
     from embark.models.workloads import get_workload  # the preset names are checked here
 
     try:
@@ -478,7 +482,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             workload = workload.scaled(args.scale)
         result = convert_criteo(
             args.inputs, args.out, workload.dense_features, len(workload.tables),
-            skip_bad_lines=args.skip_bad_lines, progress=not args.no_progress,
+            skip_bad_lines=args.skip_bad_lines, progress=args.progress,
             chunk_bytes=args.chunk_mb << 20, workload=workload.name,
             overwrite=args.overwrite, resume=args.resume,
         )  # fmt: skip

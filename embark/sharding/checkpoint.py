@@ -2,7 +2,7 @@
 (or one process) loads them.
 
 Format: :mod:`embark.training.checkpoint` (version 3) with the sharded tables in chunks
-(:mod:`embark.training.checkpoint_shards`)::
+(:mod:`embark.training.checkpoint.shards`)::
 
     world 2 ──save_sharded_checkpoint──▶ <dir>/shards-0.safetensors   rank 0's table pieces
                                          <dir>/shards-1.safetensors   rank 1's
@@ -52,14 +52,14 @@ import torch
 import torch.distributed as dist
 from safetensors import SafetensorError, safe_open
 
-import embark.training.checkpoint as ckpt
+import embark.training.checkpoint.store as ckpt
 from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import Workload
 from embark.sharding.comm import distributed_world
 from embark.sharding.model import ShardedDLRM
 from embark.training.callbacks import Callback
-from embark.training.checkpoint_schema import TENSOR_FILES, FormatVersionError
-from embark.training.checkpoint_shards import (
+from embark.training.checkpoint.schema import TENSOR_FILES, FormatVersionError
+from embark.training.checkpoint.shards import (
     Chunk,
     Piece,
     chunks_of,

@@ -8,7 +8,7 @@ the loop's parts (:class:`FitReport`, :class:`EarlyStopping`, :class:`KeepBest` 
 
 from embark.training.callbacks import Callback, EarlyStopping, KeepBest, TrainerView
 from embark.training.checkpoint import CHECKPOINT_FORMAT_VERSION, read_state
-from embark.training.checkpoint_schema import FormatVersionError
+from embark.training.checkpoint.schema import FormatVersionError
 from embark.training.config import (
     EmbeddingKernel,
     EmbeddingOptimizerKind,

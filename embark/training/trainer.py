@@ -40,7 +40,7 @@ import torch
 from torch import nn
 from tqdm.auto import tqdm
 
-import embark.training.checkpoint as checkpoint
+import embark.training.checkpoint.store as checkpoint
 from embark.data.batch import Batch
 from embark.models.dlrm import build_model
 from embark.training.callbacks import Callback

@@ -12,10 +12,21 @@ from __future__ import annotations
 
 import argparse
 from collections.abc import Sequence
+from dataclasses import dataclass
 
-from hps.config_parse import load_config
+from hps.config import load_config
 from hps.updates.applier import OffsetFile
 from hps.updates.health import skip_request_path
+from knobs import add_knobs, from_namespace, knob
+
+
+@dataclass(frozen=True)
+class SkipKnobs:
+    """The knobs of ``python -m hps.updates skip`` (shown in ``--help``)."""
+
+    config: str = knob("ps.json", "the server's ps.json", required=True)
+    offset: str = knob("", "the offset that ends the refused record (its log line)", required=True)
+    log_id: str | None = knob(None, "the update log's id (a file log)", parse=str)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -26,17 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     sub = p.add_subparsers(dest="command", required=True)
     skip = sub.add_parser("skip", help="skip the update record the server refuses now")
-    skip.add_argument("--config", required=True, help="the server's ps.json")
-    skip.add_argument(
-        "--offset", required=True, help="the offset that ends the refused record (its log line)"
-    )
-    skip.add_argument("--log-id", default=None, help="the update log's id (a file log)")
+    add_knobs(skip, SkipKnobs)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = build_parser()
-    a = p.parse_args(argv)
+    a = from_namespace(SkipKnobs, p.parse_args(argv))
     try:
         cfg = load_config(a.config)
     except (ValueError, OSError) as e:

@@ -33,13 +33,8 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from hps.config import (
-    MIN_RETRY_INTERVAL_S,
-    PersistentDBType,
-    PSConfig,
-    UpdateSourceConfig,
-    UpdateSourceType,
-)
+from hps.config import MIN_RETRY_INTERVAL_S, PSConfig, UpdateSourceConfig
+from hps.types import PersistentDBType, UpdateSourceType
 
 __all__ = [
     "RetryPolicy",

@@ -20,7 +20,7 @@ from embark.models.workloads import get_workload
 from export.artifacts import write_serving_artifacts
 from export.onnx import onnx_inputs, run_onnx
 from hps.artifact_format import ARTIFACT_VERSION, SERVING_METADATA_KEY
-from hps.config_parse import load_config
+from hps.config import load_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.serving.http_server import build_servables
 from hps.storage.sparse_files import read_table, write_table

@@ -27,7 +27,7 @@ from embark.models.dlrm import build_model
 from embark.models.workloads import Workload, get_workload
 from embark.types import TableConfig
 from export.artifacts import write_serving_artifacts
-from hps.config_parse import parse_config
+from hps.config import parse_config
 from hps.storage.sparse_files import convert_checkpoint, read_table, write_table
 
 Snapshot = dict[str, tuple[str, str | bytes]]

@@ -21,8 +21,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from hps.config import PSConfig
-from hps.config_parse import load_config
+from hps.config import PSConfig, load_config
 
 _HANG_S = 10  # one read of a small file takes milliseconds; this only tells a hang
 

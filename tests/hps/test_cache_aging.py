@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from hps.advisor import KeyStatistics, zipf_hit_curve
-from hps.config_parse import parse_config
+from hps.config import parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache

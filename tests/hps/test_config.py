@@ -6,7 +6,7 @@ from pathlib import Path
 import pytest
 
 from hps.artifact_format import ARTIFACT_VERSION
-from hps.config_parse import load_config, parse_config
+from hps.config import load_config, parse_config
 from hps.types import CachePolicy, FormatVersionError, OverflowPolicy, VolatileDBType
 
 

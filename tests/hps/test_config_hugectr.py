@@ -18,8 +18,7 @@ import numpy as np
 import pytest
 import torch
 
-from hps.config_fields import ConfigError
-from hps.config_parse import HugeCTRFieldWarning, load_config, parse_config
+from hps.config import ConfigError, HugeCTRFieldWarning, load_config, parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.storage.sparse_files import write_table
 from hps.types import OverflowPolicy, PersistentDBType, UpdateSourceType, VolatileDBType

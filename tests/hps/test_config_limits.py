@@ -12,8 +12,7 @@ from typing import Any
 import pytest
 import torch
 
-from hps.config import MAX_BATCH_SIZE, MAX_PARTITIONS
-from hps.config_parse import load_config, parse_config
+from hps.config import MAX_BATCH_SIZE, MAX_PARTITIONS, load_config, parse_config
 from hps.server import main
 
 

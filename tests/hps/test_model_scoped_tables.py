@@ -18,8 +18,14 @@ import pytest
 import redis
 import torch
 
-from hps.config import ModelConfig, TableSpec, db_table_names
-from hps.config_parse import HugeCTRFieldWarning, load_config, parse_config
+from hps.config import (
+    HugeCTRFieldWarning,
+    ModelConfig,
+    TableSpec,
+    db_table_names,
+    load_config,
+    parse_config,
+)
 from hps.parameter_server import HierarchicalParameterServer, resolve_device
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import partition_name

@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hps.config_parse import parse_config
+from hps.config import parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.storage.sparse_files import write_table
 from hps.updates import RedisStreamPublisher, redis_client

@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 import torch
 
-from hps.config_parse import parse_config
+from hps.config import parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache

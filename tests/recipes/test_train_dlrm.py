@@ -132,7 +132,7 @@ def test_a_diverging_run_exits_1_with_one_line(tmp_path):
 
 
 def test_checkpoint_every_saves_during_the_run(tmp_path, monkeypatch):
-    import embark.training.checkpoint as ckpt
+    import embark.training.checkpoint.store as ckpt
 
     saved_at = []
     save = ckpt.save_checkpoint

@@ -11,14 +11,14 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-import embark.training.checkpoint as ckpt
+import embark.training.checkpoint.store as ckpt
 from embark import ShardedDLRM, ShardingPlan, TrainConfig, Trainer
 from embark.data import Batch, SyntheticCTR
 from embark.models.dlrm import build_model
 from embark.models.workloads import get_workload
 from embark.sharding import load_sharded_checkpoint, save_sharded_checkpoint
 from embark.training import FormatVersionError
-from embark.training.checkpoint_shards import Chunk, plan_region, read_pieces, read_region
+from embark.training.checkpoint.shards import Chunk, plan_region, read_pieces, read_region
 from tests.embark.sharding.plans import uniform_plan
 
 CFG = TrainConfig(optimizer="adagrad", lr=0.05, embedding_lr=0.1)

@@ -28,7 +28,7 @@ W = get_workload("tiny")
 # saves a checkpoint whose model file is written, then blocks: a save to be killed
 _STALLED_SAVE = """
 import sys, time
-import embark.training.checkpoint as ck
+import embark.training.checkpoint.store as ck
 from embark import TrainConfig, Trainer, build_model, get_workload
 write = ck.save_file
 def stalled(tensors, filename, metadata=None):
@@ -203,7 +203,7 @@ def test_a_save_killed_between_its_renames_is_recovered_by_the_next_load(
     want = {k: v.clone() for k, v in trainer.model.state_dict().items()}
     _kill_between_renames(ckpt)
     (old,) = [n for n in _siblings(ckpt) if n.startswith(".ckpt.old-")]
-    with caplog.at_level("WARNING", logger="embark.training.checkpoint_siblings"):
+    with caplog.at_level("WARNING", logger="embark.training.checkpoint.siblings"):
         resumed = Trainer.load_checkpoint(ckpt)
     assert resumed.step == 2
     assert all(torch.equal(v, want[k]) for k, v in resumed.model.state_dict().items())
@@ -216,7 +216,7 @@ def test_a_fresh_save_after_a_killed_one_keeps_the_previous_checkpoint_until_rep
 ) -> None:
     """A fresh run's save after the kill: the previous checkpoint is moved back first, so a
     failure of that save leaves it in place at the checkpoint path."""
-    import embark.training.checkpoint as ck
+    import embark.training.checkpoint.store as ck
 
     ckpt = tmp_path / "ckpt"
     _trainer().save_checkpoint(ckpt)
@@ -241,7 +241,7 @@ def test_a_fresh_save_after_a_killed_one_keeps_the_previous_checkpoint_until_rep
 def test_a_previous_checkpoint_that_cannot_be_moved_back_is_named(tmp_path: Path) -> None:
     """An .old- folder of a save that still runs (here: this process) is not moved back; the
     load refuses naming it."""
-    from embark.training.checkpoint_siblings import fresh_sibling
+    from embark.training.checkpoint.siblings import fresh_sibling
 
     ckpt = tmp_path / "ckpt"
     _trainer().save_checkpoint(ckpt)

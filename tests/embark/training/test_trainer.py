@@ -8,7 +8,7 @@ import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-import embark.training.checkpoint as ckpt_mod
+import embark.training.checkpoint.store as ckpt_mod
 from embark.data import SyntheticCTR
 from embark.models.dlrm import build_model
 from embark.models.workloads import Workload, get_workload

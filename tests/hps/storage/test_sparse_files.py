@@ -109,7 +109,7 @@ def test_duplicate_keys_are_refused_safetensors(tmp_path: Path) -> None:
 
 
 def test_duplicate_sparse_keys_never_reach_the_tiers(tmp_path: Path) -> None:
-    from hps.config_parse import parse_config
+    from hps.config import parse_config
     from hps.parameter_server import HierarchicalParameterServer
 
     (tmp_path / "sparse/t0").mkdir(parents=True)

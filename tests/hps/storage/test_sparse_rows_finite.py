@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import hps.storage.sparse_files as sparse_files
-from hps.config_parse import parse_config
+from hps.config import parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.storage.sparse_files import read_table, write_table
 

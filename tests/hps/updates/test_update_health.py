@@ -13,7 +13,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from hps.config_parse import load_config
+from hps.config import load_config
 from hps.session import LookupSession, SessionTable
 from hps.storage.volatile import HashMapBackend
 from hps.updates import FileLogPublisher, FileLogSource, UpdateApplier, encode_batch

@@ -16,12 +16,12 @@ Folder layout (no pickle anywhere)::
 
 A single-process save stores every tensor whole (``"shards": {}``); a sharded save
 (``embark.sharding.save_sharded_checkpoint``) stores the sharded tables as the rectangles
-their ranks held (:mod:`embark.training.checkpoint_shards`), the rest as here. Names and
+their ranks held (:mod:`embark.training.checkpoint.shards`), the rest as here. Names and
 optimizer-state keys are the single-process model's whatever the sharding, so either loads
 as the other: :func:`read_checkpoint` assembles chunked tables whole, a sharded load reads
 each rank's rectangles. ``format_version`` is :data:`CHECKPOINT_FORMAT_VERSION`; a
-checkpoint of another version is refused (:class:`~embark.training.checkpoint_schema.FormatVersionError`;
-:mod:`embark.training.checkpoint_schema` lists every field). ``batch_size`` is the
+checkpoint of another version is refused (:class:`~embark.training.checkpoint.schema.FormatVersionError`;
+:mod:`embark.training.checkpoint.schema` lists every field). ``batch_size`` is the
 samples per step of the data stream that ``data_position`` counts batches of, and
 ``data_stream`` what else fixes that stream's batches
 (:attr:`embark.training.state.TrainState.data_stream`), so a resume can check it is fed the
@@ -34,7 +34,7 @@ checkpoint a save replaces, ``.old-``): each save and load removes those of this
 process is gone (a killed save), and never one whose owner runs (a save in progress). A
 save killed between its two renames leaves ``<dir>`` missing and the previous checkpoint in
 an ``.old-`` folder: the next save or load moves it back to ``<dir>``, with a warning naming it
-(:mod:`embark.training.checkpoint_siblings`); where it cannot (another host's or a running
+(:mod:`embark.training.checkpoint.siblings`); where it cannot (another host's or a running
 process's save), the load refuses naming the ``.old-`` folder.
 
 Loading is three steps, so that nothing is touched until everything is checked:
@@ -63,10 +63,10 @@ from torch import nn
 
 from embark.models.workloads import Workload
 from embark.outputs import check_parent_writable, fsync_dir
-from embark.training.checkpoint_modules import dry_run_loads, self_loading_modules
-from embark.training.checkpoint_schema import STATE_FILE, TENSOR_FILES, check_state
-from embark.training.checkpoint_shards import Chunk, chunks_of, read_region
-from embark.training.checkpoint_siblings import (
+from embark.training.checkpoint.modules import dry_run_loads, self_loading_modules
+from embark.training.checkpoint.schema import STATE_FILE, TENSOR_FILES, check_state
+from embark.training.checkpoint.shards import Chunk, chunks_of, read_region
+from embark.training.checkpoint.siblings import (
     fresh_sibling,
     previous_checkpoints,
     recover_previous,
@@ -152,7 +152,7 @@ def state_document(
     files: dict[str, dict[str, Any]],
     shards: dict[str, list[dict[str, Any]]],
 ) -> dict[str, Any]:
-    """The ``state.json`` of a checkpoint (:mod:`embark.training.checkpoint_schema`)."""
+    """The ``state.json`` of a checkpoint (:mod:`embark.training.checkpoint.schema`)."""
     return {
         "format_version": CHECKPOINT_FORMAT_VERSION,
         "step": state.step,
@@ -273,7 +273,7 @@ def read_state(path: str | os.PathLike[str], verify: Iterable[str] | None = None
             checkpoint file or a ``state.json`` that breaks the schema; for a missing
             ``state.json`` naming the ``.old-`` folder(s) holding a previous checkpoint that
             an interrupted save left and this process could not move back
-            (:func:`~embark.training.checkpoint_siblings.recover_previous`).
+            (:func:`~embark.training.checkpoint.siblings.recover_previous`).
     """
     path = Path(path)
     sp = path / STATE_FILE

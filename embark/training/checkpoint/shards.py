@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from safetensors import SafetensorError, safe_open
 
-from embark.training.checkpoint_schema import TENSOR_FILES
+from embark.training.checkpoint.schema import TENSOR_FILES
 
 MODEL_FILE, OPTIMIZER_FILE = TENSOR_FILES
 # read_pieces reads a stored piece this many bytes of rows at a time (64 MiB): a shard loads

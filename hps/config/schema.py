@@ -1,5 +1,5 @@
 """``ps.json``: the parameter-server configuration, with HugeCTR's field names where they overlap;
-its dataclasses here, reading and checking it in :mod:`hps.config_parse` (``hps.load_config``).
+its dataclasses here, reading and checking it in :mod:`hps.config.parse` (``hps.load_config``).
 
 Example (every field shown; the ones marked *ours* are not in HugeCTR)::
 
@@ -51,12 +51,12 @@ by name and never walks an object's keys, so a key it does not know is ignored a
 ``ps.json`` stays one that HugeCTR reads.
 
 A ``ps.json`` written for HugeCTR is read as HugeCTR's parser reads it (aliases, numbers as
-strings, its defaults, ``supportlonglong: false``; :mod:`hps.config_parse`,
-:mod:`hps.config_hugectr`), and its fields tilerec does not use load with one warning naming
+strings, its defaults, ``supportlonglong: false``; :mod:`hps.config.parse`,
+:mod:`hps.config.hugectr`), and its fields tilerec does not use load with one warning naming
 them. Relative paths are resolved against the folder holding ``ps.json``. Unknown fields,
 missing required fields, wrong types and impossible values are errors naming the field
 (``models[0].gpucacheper``), all of a file's errors raised at once as one
-:class:`~hps.config_fields.ConfigError` (a ``ValueError``); JSON syntax errors name the line
+:class:`~hps.config.fields.ConfigError` (a ``ValueError``); JSON syntax errors name the line
 and column. Among the impossible
 values: ``volatile_db.num_partitions`` above :data:`MAX_PARTITIONS`; any ``max_batch_size``
 (a model's samples per request, a database's keys per command) above :data:`MAX_BATCH_SIZE`;

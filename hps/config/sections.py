@@ -1,7 +1,7 @@
 """Reading the database and update-source sections of ``ps.json`` (``volatile_db``,
 ``persistent_db``, ``update_source``; :mod:`hps.config` describes them), HugeCTR's spellings
-and defaults included (:mod:`hps.config_hugectr`). Every error goes to a
-:class:`~hps.config_fields.Problems`, so a file reports all of its errors at once.
+and defaults included (:mod:`hps.config.hugectr`). Every error goes to a
+:class:`~hps.config.fields.Problems`, so a file reports all of its errors at once.
 """
 
 from __future__ import annotations
@@ -10,7 +10,17 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from hps.config import (
+from hps.config.fields import Problems, enum_field, field, resolve_path
+from hps.config.hugectr import (
+    DATABASE_ALIASES,
+    HUGECTR_ONLY,
+    KAFKA_UPDATE_SOURCE,
+    MULTI_PROCESS_HASH_MAP,
+    OVERFLOW_ALIASES,
+    UPDATE_SOURCE_ALIASES,
+    VOLATILE_ALIASES,
+)
+from hps.config.schema import (
     MAX_BATCH_SIZE,
     MAX_PARTITIONS,
     MIN_RETRY_INTERVAL_S,
@@ -19,16 +29,6 @@ from hps.config import (
     UpdateSourceConfig,
     VolatileDBConfig,
     parse_addresses,
-)
-from hps.config_fields import Problems, enum_field, field, resolve_path
-from hps.config_hugectr import (
-    DATABASE_ALIASES,
-    HUGECTR_ONLY,
-    KAFKA_UPDATE_SOURCE,
-    MULTI_PROCESS_HASH_MAP,
-    OVERFLOW_ALIASES,
-    UPDATE_SOURCE_ALIASES,
-    VOLATILE_ALIASES,
 )
 from hps.types import OverflowPolicy, PersistentDBType, UpdateSourceType, VolatileDBType
 
@@ -42,7 +42,7 @@ def known_fields(
     d: dict[str, Any], ours: set[str], section: str, where: str, p: Problems, unused: list[str]
 ) -> None:
     """Record an error for each field of ``d`` neither we nor HugeCTR know, and add the
-    HugeCTR-only fields of ``d`` (:data:`hps.config_hugectr.HUGECTR_ONLY`) to ``unused``."""
+    HugeCTR-only fields of ``d`` (:data:`hps.config.hugectr.HUGECTR_ONLY`) to ``unused``."""
     hugectr = HUGECTR_ONLY[section]
     unknown = sorted(set(d) - ours - hugectr)
     if unknown:

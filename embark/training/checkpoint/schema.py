@@ -22,7 +22,7 @@ field, before any weight, optimizer slot or generator is touched. The fields (as
      "shards": {"<key>": [{"file": "shards-0.safetensors", "name": "<key>@0,0",
                            "offset": [0, 0], "shape": [250, 16]}, ...]}}   # {} in one process
 
-``shards`` indexes the tensors stored in chunks (:mod:`embark.training.checkpoint_shards`);
+``shards`` indexes the tensors stored in chunks (:mod:`embark.training.checkpoint.shards`);
 every file it names is in ``files`` and every ``shards-<rank>`` file in ``files`` is named.
 
 Fields not listed are ignored (a writer of the same version may add information).

@@ -171,7 +171,7 @@ def enum_field(
     aliases: Mapping[str, str] | None = None,
 ) -> E:
     """``d[key]`` as a member of ``enum`` (``default`` when absent); a key of ``aliases`` (the
-    other spellings HugeCTR takes, :mod:`hps.config_hugectr`) means the member its value names.
+    other spellings HugeCTR takes, :mod:`hps.config.hugectr`) means the member its value names.
 
     Raises:
         ValueError: a value that is neither one of the enum's nor an alias, naming them.

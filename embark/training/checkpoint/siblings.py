@@ -20,7 +20,7 @@ import socket
 import uuid
 from pathlib import Path
 
-from embark.training.checkpoint_schema import STATE_FILE
+from embark.training.checkpoint.schema import STATE_FILE
 
 log = logging.getLogger(__name__)
 

@@ -1,9 +1,9 @@
 """Reading ``ps.json`` (:mod:`hps.config` describes the format): every section checked,
 relative paths resolved against the file's folder, every error of a file reported at once
-(:class:`~hps.config_fields.ConfigError`, each error naming its field, the value and what was
+(:class:`~hps.config.fields.ConfigError`, each error naming its field, the value and what was
 expected).
 
-HugeCTR's ``ps.json`` is read as HugeCTR's parser reads it (:mod:`hps.config_hugectr`): its
+HugeCTR's ``ps.json`` is read as HugeCTR's parser reads it (:mod:`hps.config.hugectr`): its
 aliases (``disabled``, ``redis``, ``rocksdb``, ``oldest``, ...), numbers and booleans written as
 strings, its defaults (``max_batch_size`` 64, ``embedding_table_names`` ``sparse_embedding<i>``,
 a short ``default_value_for_each_table`` padded with 0.0), ``supportlonglong: false``. Its fields
@@ -20,15 +20,7 @@ from pathlib import Path
 from typing import Any
 
 from hps.artifact_format import ARTIFACT_VERSION, ARTIFACT_VERSION_FIELD
-from hps.config import (
-    MAX_BATCH_SIZE,
-    ModelConfig,
-    PersistentDBConfig,
-    PSConfig,
-    TableSpec,
-    VolatileDBConfig,
-)
-from hps.config_fields import (
+from hps.config.fields import (
     ConfigError,
     Problems,
     enum_field,
@@ -36,7 +28,15 @@ from hps.config_fields import (
     list_field,
     resolve_path,
 )
-from hps.config_sections import BATCH_RANGE, known_fields, parse_pdb, parse_updates, parse_vdb
+from hps.config.schema import (
+    MAX_BATCH_SIZE,
+    ModelConfig,
+    PersistentDBConfig,
+    PSConfig,
+    TableSpec,
+    VolatileDBConfig,
+)
+from hps.config.sections import BATCH_RANGE, known_fields, parse_pdb, parse_updates, parse_vdb
 from hps.names import NAME_RULE, is_name
 from hps.types import (
     DEFAULT_LFU_DECAY_KEYS_PER_SLOT,

@@ -28,6 +28,7 @@ CUDA tensor arrives). Importing the package needs no GPU, no nvcc and no nvidia-
 from __future__ import annotations
 
 from tilesparse.backend import Backend
+from tilesparse.chain import TWChain, chain_, to_chain
 from tilesparse.calibrate import CalibrationError, LayerReconstruction
 from tilesparse.callback import PruningCallback
 from tilesparse.config import (
@@ -77,6 +78,7 @@ __all__ = [
     "OneShotSchedule",
     "Pattern",
     "PruningCallback",
+    "TWChain",
     "TWLayout",
     "TileSparseConfig",
     "TileSparseLinear",
@@ -85,6 +87,7 @@ __all__ = [
     "bw_mask",
     "bw_masks",
     "calibrate_auto",
+    "chain_",
     "condense",
     "distill_",
     "ew_mask",
@@ -100,6 +103,7 @@ __all__ = [
     "split_budget",
     "tew_mask",
     "tew_masks",
+    "to_chain",
     "tw_linear",
     "tw_mask",
     "tw_masks",

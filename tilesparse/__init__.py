@@ -28,9 +28,9 @@ CUDA tensor arrives). Importing the package needs no GPU, no nvcc and no nvidia-
 from __future__ import annotations
 
 from tilesparse.backend import Backend
-from tilesparse.chain import TWChain, chain_, to_chain
 from tilesparse.calibrate import CalibrationError, LayerReconstruction
 from tilesparse.callback import PruningCallback
+from tilesparse.chain import TWChain, chain_, to_chain
 from tilesparse.config import (
     CubicSchedule,
     Importance,

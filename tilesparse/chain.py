@@ -295,7 +295,6 @@ class TWChain(nn.Sequential):
         for lay in layers:
             if self._backend is Backend.CUTLASS:
                 from cutlass_kernels.launch import tile_limit
-
                 from tilesparse.kernels.cuda import packed_weight
 
                 weights.append(packed_weight(lay.layout, dtype, device, tile_limit(dtype, device)))

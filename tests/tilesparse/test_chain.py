@@ -232,3 +232,25 @@ def test_chain_in_place_keeps_state_dict_and_output() -> None:
     with torch.no_grad():
         torch.testing.assert_close(net(x), before, atol=0.02, rtol=0.01)
     assert "chain_" in tilesparse.__all__ and "to_chain" in tilesparse.__all__
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_chain_on_cutlass_equals_emulation(dtype: torch.dtype) -> None:
+    """On a CUDA device: bias + ReLU chains bit-equal to the emulation, GELU within one
+    rounding (the built epilogue has no activation yet)."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    gen = torch.Generator().manual_seed(8)
+    for act in (nn.ReLU(), nn.GELU()):
+        seq = nn.Sequential(
+            tw_layer(200, 300, 64, gen, dtype, nonneg=True), act, tw_layer(300, 130, 32, gen, dtype)
+        ).eval()
+        x = torch.randint(0, 2, (77, 200), generator=gen).to(dtype)
+        with torch.no_grad():
+            want = to_chain(seq, backend="emulated")(x)
+            got = to_chain(seq.cuda(), backend="cutlass")(x.cuda()).cpu()
+        if type(act) is nn.ReLU:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, atol=0.05, rtol=0.01)

@@ -22,6 +22,7 @@ import torch
 import cutlass_kernels.build as build
 import cutlass_kernels.reference as reference
 import cutlass_kernels.toolchain as toolchain
+from cutlass_kernels.epilogue import Activation
 from cutlass_kernels.manifest import Arch, DType, Mainloop, TWKernel, manifest, select, widest_tile
 
 __all__ = [
@@ -124,6 +125,11 @@ def tw_gemm_kmajor(
     pw = launch.weight
     if pw.dtype not in DTYPES:
         raise ValueError(f"the TW kernels take float16 or bfloat16, got {pw.dtype}")
+    if launch.bias is not None or launch.activation is not Activation.NONE:
+        raise ValueError(
+            "the built TW kernels' epilogue is alpha·acc + beta·C: a launch with an epilogue "
+            f"bias or activation ({launch.activation}) runs only in the emulation"
+        )
     arch = toolchain.device_arch(launch.xt.device)
     ext = ext or build.default_extension(arch)
     if kernel is None:

@@ -43,6 +43,7 @@ from typing import Protocol
 
 import torch
 
+from cutlass_kernels.epilogue import Activation, apply_epilogue
 from cutlass_kernels.manifest import ALIGNMENT
 
 __all__ = [
@@ -128,6 +129,10 @@ class TWLaunch:
         batch: padded batch the kernel covers (multiple of ``ALIGNMENT``).
         rows: real batch rows ``M`` (<= batch).
         alpha, beta: epilogue ``D = alpha·acc + beta·C``.
+        bias: optional ``(N,)`` added to every written row in the epilogue (fp32, before the
+            activation): ``D = act(alpha·acc + beta·C + bias[n])``
+            (:mod:`cutlass_kernels.epilogue`); rows of pruned columns are never written.
+        activation: applied in the epilogue before the one rounding.
     """
 
     weight: TWPackedWeight
@@ -137,6 +142,8 @@ class TWLaunch:
     rows: int
     alpha: float
     beta: float
+    bias: torch.Tensor | None = None
+    activation: Activation = Activation.NONE
 
     @property
     def ldx(self) -> int:
@@ -499,6 +506,10 @@ def check_launch(
         or _operand_problem(launch.xt, "xt", dt, 2, dev)
         or _operand_problem(launch.yt, "yt", dt, 2, dev)
     )
+    if problem is None and launch.bias is not None:
+        problem = _operand_problem(launch.bias, "bias", dt, 1, dev)
+        if problem is None and launch.bias.numel() != pw.out_features:
+            problem = f"bias must be ({pw.out_features},), got {tuple(launch.bias.shape)}"
     if problem:
         raise ValueError(problem)
     if pw.tile_meta.size(1) != 4 or not pw.tile_meta.is_contiguous():
@@ -567,7 +578,8 @@ def emulate(
         d = launch.alpha * acc
         if launch.beta != 0.0:  # the epilogue reads C only when beta != 0
             d = d + launch.beta * yt[scatter].to(acc_t)
-        yt[scatter] = d.to(yt.dtype)
+        bias = launch.bias[scatter] if launch.bias is not None else None
+        yt[scatter] = apply_epilogue(d, bias, launch.activation).to(yt.dtype)
     return launch.yt
 
 

@@ -31,6 +31,7 @@ from __future__ import annotations
 from tilesparse.backend import Backend
 from tilesparse.calibrate import CalibrationError, LayerReconstruction
 from tilesparse.callback import PruningCallback
+from tilesparse.chain import TWChain, chain_, to_chain
 from tilesparse.config import (
     CubicSchedule,
     Importance,
@@ -84,6 +85,7 @@ __all__ = [
     "OneShotSchedule",
     "Pattern",
     "PruningCallback",
+    "TWChain",
     "TWLayout",
     "TileSparseConfig",
     "fitting_tile",
@@ -93,6 +95,7 @@ __all__ = [
     "bw_mask",
     "bw_masks",
     "calibrate_auto",
+    "chain_",
     "condense",
     "distill_",
     "ew_mask",
@@ -108,6 +111,7 @@ __all__ = [
     "split_budget",
     "tew_mask",
     "tew_masks",
+    "to_chain",
     "tw_linear",
     "tw_mask",
     "tw_masks",

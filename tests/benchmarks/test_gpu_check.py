@@ -563,3 +563,43 @@ def test_main_exits_nonzero_when_every_shape_is_skipped(fake_gpu_run, tmp_path) 
     )
     doc = json.loads(out.read_text())
     assert doc["rows"] == [] and doc["skipped_shapes"] == ["tiny_a/float16", "tiny_b/float16"]
+
+
+@pytest.mark.slow
+def test_gpu_check_dry_run_runs_the_chains_end_to_end(tmp_path) -> None:
+    """``gpu_check.sh --dry-run`` on the CPU: every chain block, sparsity and dtype built and
+    verified exactly on the emulated backend, the JSON written."""
+    import os
+    import subprocess
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[2]
+    out = tmp_path / "chains.json"
+    env = {**os.environ, "PYTHON": sys.executable}
+    proc = subprocess.run(
+        [
+            "bash",
+            str(root / "benchmarks/cutlass_kernels/gpu_check.sh"),
+            "--dry-run",
+            "--out",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    rows = json.loads(out.read_text())["rows"]
+    from benchmarks.cutlass_kernels.gpu_chains import BLOCKS, SPARSITIES
+
+    assert len(rows) == len(BLOCKS) * len(SPARSITIES) * 2
+    assert {r["verify"] for r in rows} == {"equal"}
+    assert {r["dtype"] for r in rows} == {"f16", "bf16"}
+
+
+def test_gpu_chains_without_a_device_exits_3(monkeypatch, tmp_path) -> None:
+    from benchmarks.cutlass_kernels import gpu_chains
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert gpu_chains.main(["--out", str(tmp_path / "x.json")]) == 3

@@ -9,7 +9,7 @@ One call, whatever the number of tables:
    table's cache locked (in one fixed order), ONE fused cache-hit pass (:func:`hps.fused.gather`:
    probe, count, gather or pool, per-table statistics);
 3. the misses of each table that had any (the miss path: dedupe of the missed keys, the
-   databases, the fill policy, :meth:`~hps.session.LookupSession.serve_misses`), written into
+   databases, the fill policy, :meth:`~hps.session.fill.CacheFill.serve_misses`), written into
    their positions (rows) or added to their bags (bags; MEAN bags with a miss divided here);
 4. key statistics of every table counted in one call (:class:`hps.key_counts.KeyCounts`).
 
@@ -127,13 +127,13 @@ def fused_lookup(
             s.update_lock.release_read()
     except Exception as e:
         for t in ts:
-            s._count_error(t.name, isinstance(e, TierUnavailableError))
+            s.statistics.count_error(t.name, isinstance(e, TierUnavailableError))
         raise
     finally:
         s._slots.release()
     elapsed = time.perf_counter() - start
     for t in ts:
-        s._record_latency(t.name, elapsed)
+        s.statistics.record_latency(t.name, elapsed)
     if bags:
         return [buf]
     return [
@@ -226,7 +226,7 @@ def _serve_all_misses(
         nm, hits, uniq_hits = row[0], row[1], row[2]
         epoch = s._age_key_stats(t, c)
         if not nm:
-            s._record_counts(
+            s.statistics.record_counts(
                 t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], 1.0 >= s.hit_rate_threshold
             )
             continue
@@ -236,7 +236,7 @@ def _serve_all_misses(
         n_unique = uniq_hits + uniq.numel()
         with c._lock:
             c.stats.queries += uniq.numel()
-        rows, tier, is_async = s.serve_misses(t, c, uniq, counts, n_unique, epoch)
+        rows, tier, is_async = s.fill.serve_misses(t, c, uniq, counts, n_unique, epoch)
         expanded = rows.index_select(0, inv)
         d, off = t.dim, offsets[i]
         if pooling is None:
@@ -253,7 +253,7 @@ def _serve_all_misses(
         t64 = tier.to(torch.int64)
         uniq_tiers = torch.bincount(t64, minlength=4).tolist()
         all_tiers = torch.bincount(t64, weights=counts.to(torch.float64), minlength=4).tolist()
-        s._record_counts(
+        s.statistics.record_counts(
             t.name,
             [uniq_hits + int(uniq_tiers[0]), *(int(x) for x in uniq_tiers[1:])],
             [hits + int(all_tiers[0]), *(int(x) for x in all_tiers[1:])],

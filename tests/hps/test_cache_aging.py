@@ -413,7 +413,7 @@ def test_a_background_fill_goes_into_the_cache_its_lookup_queried() -> None:
     swapped_in.query(torch.arange(100, 130))  # epoch 30
     s = _session(queried, threshold=0.0)
     gate = threading.Event()
-    s._submit(s.tables["t"], gate.wait)  # hold the worker
+    s.fill.submit(s.tables["t"], gate.wait)  # hold the worker
     s.lookup("t", torch.full((1000,), 7, dtype=torch.int64))
     s.tables["t"].cache = swapped_in
     gate.set()

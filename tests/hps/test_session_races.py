@@ -46,7 +46,7 @@ def test_queued_insertion_of_rows_read_before_an_update_is_dropped(tmp_path) -> 
     vdb = _vdb(10, 0.0)
     s, ap = _session(tmp_path, vdb, EmbeddingCache(64, 2, ways=8), exact=True, threshold=0.0)
     gate = threading.Event()
-    s._submit(s.tables["t"], gate.wait)  # the worker is busy (as under load)
+    s.fill.submit(s.tables["t"], gate.wait)  # the worker is busy (as under load)
     assert s.lookup("t", torch.tensor([3])).tolist() == [[0.0, 0.0]]  # the old row; insert queued
     _update(ap, 3, 9.0, "1")
     gate.set()

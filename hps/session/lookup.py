@@ -44,13 +44,10 @@ along); concurrent lookups of one table may halve a priority once more or once l
 
 from __future__ import annotations
 
-import functools
-import logging
-import queue
 import threading
 import time
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -60,21 +57,14 @@ import torch
 from hps.fused_session import fused_lookup
 from hps.key_counts import KeyCounts
 from hps.rwlock import ReadWriteLock
-from hps.session_stats import LATENCY_WINDOW, TableStats
+from hps.session.fill import CacheFill
+from hps.session.tiers import TierReader
+from hps.session_stats import SessionStats
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache
-from hps.types import (
-    Pooling,
-    StorageBackend,
-    TierUnavailableError,
-    VolatileUnavailableError,
-)
+from hps.types import Pooling, StorageBackend, TierUnavailableError
 
 if TYPE_CHECKING:  # hps.updates imports this module: its types only, at run time lazily
     from hps.updates.health import UpdateHealth, UpdateStatus
-
-log = logging.getLogger(__name__)
-
-_ASYNC_QUEUE = 8  # background cache jobs waiting at most
 
 
 def unique_with_inverse(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -97,17 +87,6 @@ def unique_with_inverse(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
     starts = torch.nonzero(new).squeeze(1)
     counts = torch.diff(starts, append=torch.tensor([m], device=flat.device))
     return uniq, inverse, counts
-
-
-@dataclass(frozen=True)
-class _Fetched:
-    """What the databases gave for ``n`` keys (:meth:`LookupSession._fetch_tiers`)."""
-
-    values: np.ndarray  # (n, dim) float32; zeros where not found
-    found: np.ndarray  # (n,) bool
-    from_pdb: np.ndarray  # (n,) bool: found in the persistent DB
-    unreadable: np.ndarray  # (n,) bool: may exist, but no tier could read it
-    reason: str  # what the failed tier reported
 
 
 @dataclass
@@ -170,10 +149,6 @@ class LookupSession:
             raise ValueError("a LookupSession needs a volatile or a persistent database")
         self.tables = {t.name: t for t in tables}
         self._by_db_name = {t.db_name: t for t in tables}
-        self.volatile, self.persistent = volatile, persistent
-        self.hit_rate_threshold = hit_rate_threshold
-        self.exact = exact
-        self.cache_missed_embeddings = cache_missed_embeddings
         self.device = torch.device(device)
         self.acquire_timeout_s = acquire_timeout_s
         self.compiled = compiled
@@ -181,16 +156,54 @@ class LookupSession:
         self._slots = threading.BoundedSemaphore(max_concurrent)
         self.update_lock = ReadWriteLock()
         self.update_health = update_health
-        self._stats = {t.name: TableStats() for t in tables}
-        self._stats_lock = threading.Lock()
-        self._lat_pos = {t.name: 0 for t in tables}
+        self.statistics = SessionStats([t.name for t in tables])
         self.key_stats = {t.name: KeyCounts() for t in tables} if record_key_stats else None
         # per table: the cache whose decay_epoch key_stats were last aged to, and that epoch
         self._stats_epoch: dict[str, tuple[weakref.ref[EmbeddingCache], int]] = {}
         self._aging_lock = threading.Lock()
-        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=_ASYNC_QUEUE)
-        self._worker = threading.Thread(target=self._work, name="hps-cache-insert", daemon=True)
-        self._worker.start()
+        self.tiers = TierReader(volatile, persistent, cache_missed_embeddings, self.statistics)
+        self.fill = CacheFill(
+            self.tiers,
+            self.statistics,
+            self.update_lock,
+            self.key_stats,
+            hit_rate_threshold,
+            exact,
+            self.device,
+        )
+
+    @property
+    def volatile(self) -> StorageBackend | None:
+        """The volatile DB or ``None``."""
+        return self.tiers.volatile
+
+    @property
+    def persistent(self) -> StorageBackend | None:
+        """The persistent DB or ``None``."""
+        return self.tiers.persistent
+
+    @property
+    def cache_missed_embeddings(self) -> bool:
+        """Whether rows found only in the persistent DB are inserted into the volatile DB."""
+        return self.tiers.cache_missed_embeddings
+
+    @property
+    def hit_rate_threshold(self) -> float:
+        """The cache hit rate from which misses are filled in the background (module docstring)."""
+        return self.fill.hit_rate_threshold
+
+    @hit_rate_threshold.setter
+    def hit_rate_threshold(self, value: float) -> None:
+        self.fill.hit_rate_threshold = value
+
+    @property
+    def exact(self) -> bool:
+        """Never return a default vector for a key that exists."""
+        return self.fill.exact
+
+    @exact.setter
+    def exact(self, value: bool) -> None:
+        self.fill.exact = value
 
     # ------------------------------------------------------------------ public API
     def lookup(self, table: str, keys: torch.Tensor | np.ndarray) -> torch.Tensor:
@@ -226,11 +239,11 @@ class LookupSession:
             finally:
                 self.update_lock.release_read()
         except Exception as e:
-            self._count_error(table, isinstance(e, TierUnavailableError))
+            self.statistics.count_error(table, isinstance(e, TierUnavailableError))
             raise
         finally:
             self._slots.release()
-        self._record_latency(table, time.perf_counter() - start)
+        self.statistics.record_latency(table, time.perf_counter() - start)
         return rows.reshape(*shape, t.dim)
 
     def lookup_many(
@@ -297,10 +310,7 @@ class LookupSession:
 
     def stats(self, table: str | None = None) -> dict[str, object]:
         """Statistics of one table, or ``{table: stats}`` for all."""
-        with self._stats_lock:
-            if table is not None:
-                return self._stats[self._table(table).name].to_dict()
-            return {n: s.to_dict() for n, s in self._stats.items()}
+        return self.statistics.to_dict(None if table is None else self._table(table).name)
 
     def update_status(self) -> UpdateStatus:
         """The online updates' health with the readiness policy applied (the servers' readiness
@@ -311,14 +321,11 @@ class LookupSession:
 
     def drain(self, timeout_s: float = 30.0) -> None:
         """Wait until queued background cache jobs have run."""
-        deadline = time.monotonic() + timeout_s
-        while self._jobs.unfinished_tasks and time.monotonic() < deadline:
-            time.sleep(0.001)
+        self.fill.drain(timeout_s)
 
     def close(self) -> None:
-        self.drain()
-        self._jobs.put(None)
-        self._worker.join(timeout=5)
+        """Run the queued background cache jobs, then end their worker thread."""
+        self.fill.close()
 
     # ------------------------------------------------------------------ cache maintenance
     def warm_up(self, table: str, hot_keys: np.ndarray | torch.Tensor | None = None) -> int:
@@ -347,7 +354,7 @@ class LookupSession:
         for chunk in k.split(65536):  # insert() keeps input order among equals inside a set
             self.update_lock.acquire_read()  # no update between the read and the insert
             try:
-                vals, found = self._fetch(t, chunk.numpy())
+                vals, found = self.tiers.fetch(t, chunk.numpy())
                 c = chunk[torch.from_numpy(found)].to(self.device)
                 placed += t.cache.insert(c, torch.from_numpy(vals[found]).to(self.device))
             finally:
@@ -365,7 +372,7 @@ class LookupSession:
             return 0
         self.update_lock.acquire_read()  # no update between the read and the write-back
         try:
-            vals, found = self._fetch(t, keys)
+            vals, found = self.tiers.fetch(t, keys)
             k = torch.from_numpy(keys[found]).to(self.device)
             return t.cache.update_if_present(k, torch.from_numpy(vals[found]).to(self.device))
         finally:
@@ -423,65 +430,6 @@ class LookupSession:
             )
         return flat, tuple(keys.shape)
 
-    def _fetch(self, t: SessionTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Volatile then persistent DB; ``(values (n, dim), found (n,) bool)``. Keys no tier
-        could read are not found (for cache fills, which then skip them)."""
-        f = self._fetch_tiers(t, keys)
-        return f.values, f.found
-
-    def _fetch_tiers(self, t: SessionTable, keys: np.ndarray) -> _Fetched:
-        """Volatile then persistent DB: the rows, where each was found, and the keys no tier
-        could read (failed in the volatile DB and absent from a persistent DB that does not
-        hold every row)."""
-        n = keys.size
-        vals: np.ndarray | None = None
-        found = np.zeros(n, bool)
-        failed = np.zeros(n, bool)
-        from_pdb = np.zeros(n, bool)
-        reason = ""
-        rest = np.arange(n)
-        if self.volatile is not None and n:
-            r = self.volatile.read(t.db_name, keys)  # zeros where not found
-            vals, found, failed, reason = r.values, r.found, r.failed, r.reason
-            rest = np.flatnonzero(~found)
-            if failed.any():
-                with self._stats_lock:
-                    self._stats[t.name].tier_failed_keys += int(failed.sum())
-        if self.persistent is not None and rest.size:
-            sub = keys if rest.size == n else keys[rest]
-            v, f = self.persistent.lookup(t.db_name, sub)
-            if vals is None or rest.size == n:
-                vals, found, from_pdb = v, f, f.copy()
-            else:
-                hit = rest[f]
-                vals[hit] = v[f]
-                found[hit] = True
-                from_pdb[hit] = True
-            if failed.any() and self.persistent.holds_every_row(t.db_name):
-                failed[:] = False  # its "not found" is an answer for every key
-            if self.volatile is not None and self.cache_missed_embeddings and f.any():
-                try:
-                    self.volatile.insert(t.db_name, sub[f], v[f])
-                except VolatileUnavailableError:  # an optional copy of the persistent db's rows
-                    pass
-        if vals is None:
-            vals = np.zeros((n, t.dim), np.float32)
-        return _Fetched(vals, found, from_pdb, failed & ~found, reason)
-
-    def _refuse(self, t: SessionTable, fetched: _Fetched) -> None:
-        """Raise :class:`TierUnavailableError` when a key of ``fetched`` could be read from no tier."""
-        k = int(fetched.unreadable.sum())
-        if not k:
-            return
-        tier = f"volatile db ({self.volatile.name if self.volatile is not None else 'none'})"
-        below = (
-            "there is no persistent db to fall through to"
-            if self.persistent is None
-            else f"the persistent db ({self.persistent.name}) lacks them and does not hold "
-            "every row of the table"
-        )
-        raise TierUnavailableError(t.name, tier, k, fetched.reason, f"; {below}")
-
     def _lookup_flat(self, t: SessionTable, flat: torch.Tensor) -> torch.Tensor:
         uniq, inverse, counts = unique_with_inverse(flat)
         n = uniq.numel()
@@ -499,7 +447,7 @@ class LookupSession:
             tier[hit_cpu] = 0
             miss = torch.nonzero(~hit_cpu).squeeze(1)
             if miss.numel():
-                mrows, mtier, is_async = self.serve_misses(
+                mrows, mtier, is_async = self.fill.serve_misses(
                     t, cache, uniq[miss], counts[miss], n, epoch
                 )
                 tier[miss] = mtier
@@ -514,74 +462,18 @@ class LookupSession:
         else:
             all_unique = n == flat.numel()
             # the databases do not care about order: an all-unique request skips the final gather
-            fetched = self._fetch_tiers(t, (flat if all_unique else uniq).numpy())
-            self._refuse(t, fetched)
+            fetched = self.tiers.read(t, (flat if all_unique else uniq).numpy())
+            self.tiers.refuse(t, fetched)
             vals, found, from_pdb = fetched.values, fetched.found, fetched.from_pdb
             rows = torch.from_numpy(vals).to(self.device)
             if not found.all():
                 rows[~torch.from_numpy(found).to(self.device)] = t.default_value
             tier = torch.from_numpy(np.where(found, np.where(from_pdb, 2, 1), 3).astype(np.int8))
             out = rows if all_unique else rows.index_select(0, inverse.to(self.device))
-        self._record(t.name, tier, counts, is_async)
+        self.statistics.record(t.name, tier, counts, is_async)
         if self.key_stats is not None:
             self.key_stats[t.name].update(uniq.numpy(), counts.numpy())
         return out
-
-    def serve_misses(
-        self,
-        t: SessionTable,
-        cache: EmbeddingCache,
-        mkeys: torch.Tensor,
-        mcounts: torch.Tensor,
-        n_unique: int,
-        epoch: int,
-    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
-        """Rows for the cache misses of one lookup of ``t`` (the fill policy of the module
-        docstring), used by :meth:`lookup` and the fused lookups (:mod:`hps.fused_session`).
-
-        Args:
-            mkeys: ``(k,) int64`` the missed keys, unique, on the CPU.
-            mcounts: ``(k,) int64`` their occurrences in the request.
-            n_unique: distinct keys of the request (hits and misses): the hit rate's denominator.
-            epoch: the cache's ``decay_epoch`` the key statistics were aged to.
-
-        Returns:
-            ``(rows (k, dim) float32 on the session's device, tier (k,) int8: 1 volatile,
-            2 persistent, 3 default; is_async)``.
-
-        Raises:
-            TierUnavailableError: a missed key could be read from no tier.
-        """
-        dev = self.device
-        k = mkeys.numel()
-        is_async = 1.0 - k / max(n_unique, 1) >= self.hit_rate_threshold
-        prio = mcounts
-        if self.key_stats is not None:  # history so far (this request is added after)
-            prio = prio + torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
-        if is_async and not self.exact:
-            mrows = torch.full((k, t.dim), t.default_value, device=dev)
-            mk, mp = mkeys.numpy(), prio.to(dev)
-            self._submit(t, functools.partial(self._fill_from_db, t, cache, mk, mp, epoch))
-            return mrows, torch.full((k,), 3, dtype=torch.int8), is_async
-        fetched = self._fetch_tiers(t, mkeys.numpy())
-        self._refuse(t, fetched)
-        vals, found, from_pdb = fetched.values, fetched.found, fetched.from_pdb
-        mrows = torch.from_numpy(vals).to(dev)
-        fm = torch.from_numpy(found)
-        if not found.all():
-            mrows[~fm.to(dev)] = t.default_value
-        tier = torch.from_numpy(np.where(found, np.where(from_pdb, 2, 1), 3).astype(np.int8))
-        fm_dev = fm.to(dev)
-        fk, fv, fp = mkeys[fm].to(dev), mrows[fm_dev], prio[fm].to(dev)
-        if is_async:
-            # bound to this cache: a job running after the table's cache was
-            # replaced must not write these (by then maybe stale) rows into the new one
-            gen = self.update_lock.generation
-            job = functools.partial(self._insert_if_current, t, cache, fk, fv, fp, gen, epoch)
-            self._submit(t, job)
-        else:
-            cache.insert(fk, fv, priority=fp, epoch=epoch)
-        return mrows, tier, is_async
 
     def _age_key_stats(self, t: SessionTable, cache: EmbeddingCache) -> int:
         """Halve ``t``'s key statistics once per aging of ``cache`` since the last call;
@@ -601,96 +493,3 @@ class LookupSession:
                 epoch = max(epoch, seen)
             self._stats_epoch[t.name] = (weakref.ref(cache), epoch)
         return epoch
-
-    def _fill_from_db(
-        self,
-        t: SessionTable,
-        cache: EmbeddingCache,
-        keys: np.ndarray,
-        priority: torch.Tensor | None = None,
-        epoch: int | None = None,
-    ) -> None:
-        """Background job: read ``keys`` from the databases and put them in ``cache`` (the one
-        the lookup queried, even if the table's was swapped since), under the reader side of
-        the update lock (an update cannot land between the read and the insert). ``priority``
-        was counted at ``cache``'s ``epoch`` (halved for agings since)."""
-        self.update_lock.acquire_read()
-        try:
-            vals, found = self._fetch(t, keys)
-            fm = torch.from_numpy(found)
-            cache.insert(
-                torch.from_numpy(keys[found]).to(self.device),
-                torch.from_numpy(vals[found]).to(self.device),
-                priority=None if priority is None else priority[fm.to(priority.device)],
-                epoch=epoch,
-            )
-        finally:
-            self.update_lock.release_read()
-
-    def _insert_if_current(
-        self,
-        t: SessionTable,
-        cache: EmbeddingCache,
-        keys: torch.Tensor,
-        values: torch.Tensor,
-        priority: torch.Tensor,
-        generation: int,
-        epoch: int | None = None,
-    ) -> None:
-        """Background job: cache rows a lookup read, unless an update was applied since
-        (``priority`` counted at ``cache``'s ``epoch``)."""
-        self.update_lock.acquire_read()
-        try:
-            if self.update_lock.generation != generation:
-                with self._stats_lock:
-                    self._stats[t.name].stale_dropped += 1
-                return
-            cache.insert(keys, values, priority=priority, epoch=epoch)
-        finally:
-            self.update_lock.release_read()
-
-    def _submit(self, t: SessionTable, job: Callable[[], None]) -> None:
-        try:
-            self._jobs.put_nowait(job)
-        except queue.Full:
-            with self._stats_lock:
-                self._stats[t.name].dropped_async += 1
-
-    def _work(self) -> None:
-        while True:
-            job = self._jobs.get()
-            try:
-                if job is None:
-                    return
-                job()
-            except Exception:  # a failed background insertion must not kill the worker
-                log.exception("background cache insertion failed")
-            finally:
-                self._jobs.task_done()
-
-    def _record(self, table: str, tier: torch.Tensor, counts: torch.Tensor, is_async: bool) -> None:
-        t_np = tier.numpy().astype(np.int64)
-        uniq_counts = np.bincount(t_np, minlength=4)
-        all_counts = np.bincount(t_np, weights=counts.numpy(), minlength=4)
-        self._record_counts(
-            table, [int(x) for x in uniq_counts], [int(x) for x in all_counts], is_async
-        )
-
-    def _record_counts(
-        self, table: str, uniq_counts: list[int], all_counts: list[int], is_async: bool
-    ) -> None:
-        """One lookup of ``table``: keys per tier (cache, volatile, persistent, default),
-        distinct and all occurrences."""
-        with self._stats_lock:
-            self._stats[table].add_lookup(uniq_counts, all_counts, is_async)
-
-    def _count_error(self, table: str, unavailable: bool) -> None:
-        with self._stats_lock:
-            self._stats[table].errors += 1
-            self._stats[table].unavailable += unavailable
-
-    def _record_latency(self, table: str, seconds: float) -> None:
-        with self._stats_lock:
-            pos = self._lat_pos[table]
-            self._stats[table].latencies_s[pos % LATENCY_WINDOW] = seconds
-            self._lat_pos[table] = pos + 1

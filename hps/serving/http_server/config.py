@@ -1,0 +1,160 @@
+"""The server's knobs: :class:`ServerConfig` (each a ``--flag`` of ``python -m hps.server``),
+the per-model batching overrides (:class:`ModelBatching`) and the bounds of each knob."""
+
+from __future__ import annotations
+
+import math
+import os
+from dataclasses import dataclass
+
+from hps.serving.batcher import MAX_QUEUE_DELAY_US, BatchingConfig
+from hps.serving.connections import ConnectionLimits
+from hps.serving.servable import DLRMServable
+
+__all__ = [
+    "MAX_CONNECTIONS",
+    "MAX_ORT_THREADS",
+    "MAX_QUEUED",
+    "MAX_WORKERS",
+    "ModelBatching",
+    "ServerConfig",
+    "available_cores",
+]
+
+# The largest value of each integer knob: past these a server only exhausts threads, memory
+# or file descriptors. Threads past the core count add contention, not throughput; 256 is one
+# per core of the largest common servers (two sockets of 128 cores).
+MAX_WORKERS = 256
+MAX_ORT_THREADS = 256
+MAX_QUEUED = 65536  # each queued request holds its body (up to max_request_mb)
+MAX_CONNECTIONS = 65536  # one file descriptor each; also bounded by RLIMIT_NOFILE at start
+
+
+def available_cores() -> int:
+    """The CPU cores this process may run on (its affinity mask)."""
+    return len(os.sched_getaffinity(0))
+
+
+@dataclass(frozen=True)
+class ModelBatching:
+    """Dynamic batching knobs of one model, overriding the server's (``--model-batching
+    NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US``); see :class:`~hps.serving.batcher.BatchingConfig`."""
+
+    model: str
+    max_batch_size: int
+    max_queue_delay_us: int
+
+    @classmethod
+    def parse(cls, text: str) -> ModelBatching:
+        """``"NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US"`` (``ValueError`` naming the text)."""
+        name, _, rest = text.rpartition(":")
+        name, _, size = name.rpartition(":")
+        try:
+            return cls(name, int(size), int(rest))
+        except ValueError:
+            raise ValueError(
+                f"model batching {text!r} is not NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US "
+                "(two integers)"
+            ) from None
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Server knobs (each is a ``--flag`` of ``python -m hps.server``).
+
+    Raises:
+        ValueError: naming the knob, for a count outside its range (``workers`` 1 to
+            ``MAX_WORKERS``, ``max_queued`` 0 to ``MAX_QUEUED``, ``ort_threads`` 0 to
+            ``MAX_ORT_THREADS``, ``max_connections`` 1 to ``MAX_CONNECTIONS``, ``port`` and
+            ``grpc_port`` 0 to 65535, ``grpc_port`` equal to a fixed ``port``), a timeout that
+            is not a finite number of seconds > 0, or a request limit that is not a finite
+            number of MiB of at least one byte.
+    """
+
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: a free port (read it from InferenceServer.port)
+    workers: int = 4  # threads that parse large requests; with max_queued, requests in flight
+    max_queued: int = 64  # requests in flight beyond workers before new ones get 503
+    ort_threads: int = 0  # onnxruntime intra-op threads per execution (0: available_cores())
+    torch_threads: int = 1  # torch intra-op threads of each model's inference thread (lookups)
+    # The interpreter's thread switch interval while serving (process-wide, restored on stop).
+    # Python's 5 ms default makes the event loop wait up to 5 ms for the lock at every step
+    # while an inference thread runs Python: tiny model, 16 HTTP clients × batch 16 on 2
+    # shared cores, 1,531 samples/s at 5 ms, 4,720 at 0.2 ms (benchmarks/hps/bench_server).
+    switch_interval_us: int = 200
+    max_request_mb: float = 256.0  # larger bodies (also once decompressed) are refused with 400
+    max_json_mb: float = 16.0  # larger JSON parts are refused with 400 (binary tensors are not)
+    max_batch_size: int = 0  # samples per merged execution (0: each model's, from ps.json)
+    max_queue_delay_us: int = 100  # how long a request may wait for others to join its batch
+    model_batching: tuple[ModelBatching, ...] = ()  # per-model overrides of the two above
+    max_connections: int = 512  # open connections; past it a new one gets 503 and is closed
+    header_timeout_s: float = 10.0  # connect (or last response) → request headers complete
+    body_timeout_s: float = 60.0  # request headers complete → body complete
+    grpc_port: int | None = None  # also serve the v2 gRPC protocol there (on host); 0: free
+
+    def __post_init__(self) -> None:
+        bounds = [
+            ("workers", 1, MAX_WORKERS),
+            ("max_queued", 0, MAX_QUEUED),
+            ("ort_threads", 0, MAX_ORT_THREADS),
+            ("torch_threads", 1, MAX_ORT_THREADS),
+            ("switch_interval_us", 1, 5000),
+            ("max_connections", 1, MAX_CONNECTIONS),
+            ("max_batch_size", 0, 2**31 - 1),
+            ("max_queue_delay_us", 0, MAX_QUEUE_DELAY_US),
+            ("port", 0, 65535),
+        ]
+        if self.grpc_port is not None:
+            bounds.append(("grpc_port", 0, 65535))
+        for f, lo, hi in bounds:
+            v = getattr(self, f)
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise ValueError(
+                    f"ServerConfig.{f} must be an integer from {lo} to {hi}, got {v!r}"
+                )
+        if self.grpc_port == self.port != 0:
+            raise ValueError(
+                f"ServerConfig.grpc_port {self.grpc_port} is also the HTTP port; give each "
+                "protocol its own"
+            )
+        for f in ("max_request_mb", "max_json_mb"):
+            mb = getattr(self, f)
+            ok = isinstance(mb, (int, float)) and not isinstance(mb, bool) and math.isfinite(mb)
+            if not ok or mb * 2**20 < 1:
+                raise ValueError(
+                    f"ServerConfig.{f} must be a finite number of MiB > 0 "
+                    f"(at least one byte), got {mb!r}"
+                )
+        names = [m.model for m in self.model_batching]
+        if len(set(names)) != len(names):
+            raise ValueError(f"ServerConfig.model_batching names a model twice: {names}")
+        try:
+            self.limits()
+        except ValueError as e:
+            raise ValueError(f"ServerConfig.{e}") from None
+
+    def limits(self) -> ConnectionLimits:
+        """The connection deadlines and bound (:mod:`hps.serving.connections`)."""
+        return ConnectionLimits(self.header_timeout_s, self.body_timeout_s, self.max_connections)
+
+    def batching(self, servable: DLRMServable) -> BatchingConfig:
+        """How ``servable``'s requests are merged: its ``model_batching`` entry, else the
+        server's knobs (``max_batch_size`` 0: the model's own).
+
+        Raises:
+            ValueError: a batch size above the model's ``max_batch_size`` (naming both).
+        """
+        size, delay = self.max_batch_size, self.max_queue_delay_us
+        for m in self.model_batching:
+            if m.model == servable.name:
+                size, delay = m.max_batch_size, m.max_queue_delay_us
+        size = size or servable.max_batch_size
+        if size > servable.max_batch_size:
+            raise ValueError(
+                f"model {servable.name!r}: batching max_batch_size {size} exceeds the model's "
+                f"max_batch_size {servable.max_batch_size} (ps.json), which bounds one lookup"
+            )
+        try:
+            return BatchingConfig(size, delay)
+        except ValueError as e:
+            raise ValueError(f"model {servable.name!r}: batching {e}") from None

@@ -1,0 +1,205 @@
+"""What a session's cache misses get, and the background cache jobs: the fill policy of
+:mod:`hps.session.lookup` (synchronous fill below the hit-rate threshold, asynchronous
+insertion above it, ``exact`` mode) and the worker thread that runs the deferred insertions.
+
+Background jobs wait in a bounded queue (a full queue drops the *insertion*, never a reply)
+and never undo an update: a job that fills the cache reads the databases under the reader
+side of the update lock, and a job inserting rows a lookup read earlier drops them if an
+update was applied since (the lock's ``generation`` moved).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from hps.key_counts import KeyCounts
+from hps.rwlock import ReadWriteLock
+from hps.session.tiers import TierReader
+from hps.session_stats import SessionStats
+from hps.storage.cache import EmbeddingCache
+
+if TYPE_CHECKING:
+    from hps.session.lookup import SessionTable
+
+__all__ = ["CacheFill"]
+
+log = logging.getLogger(__name__)
+
+_ASYNC_QUEUE = 8  # background cache jobs waiting at most
+
+
+class CacheFill:
+    """Serves one session's cache misses and runs its background cache jobs (one daemon
+    worker thread, started here; :meth:`close` ends it).
+
+    Args:
+        tiers: the session's databases.
+        statistics: where dropped background jobs are counted.
+        update_lock: the session's update lock (jobs read under its reader side).
+        key_stats: the session's per-table key statistics (admission priority), or ``None``.
+        hit_rate_threshold: below it misses are filled synchronously, at or above it in the
+            background (see :mod:`hps.session.lookup`).
+        exact: never return a default vector for a key that exists.
+        device: where returned rows live (the caches' device).
+    """
+
+    def __init__(
+        self,
+        tiers: TierReader,
+        statistics: SessionStats,
+        update_lock: ReadWriteLock,
+        key_stats: dict[str, KeyCounts] | None,
+        hit_rate_threshold: float,
+        exact: bool,
+        device: torch.device,
+    ) -> None:
+        self.tiers, self.statistics = tiers, statistics
+        self.update_lock, self.key_stats = update_lock, key_stats
+        self.hit_rate_threshold, self.exact = hit_rate_threshold, exact
+        self.device = device
+        self._jobs: queue.Queue[Callable[[], None] | None] = queue.Queue(maxsize=_ASYNC_QUEUE)
+        self._worker = threading.Thread(target=self._work, name="hps-cache-insert", daemon=True)
+        self._worker.start()
+
+    def serve_misses(
+        self,
+        t: SessionTable,
+        cache: EmbeddingCache,
+        mkeys: torch.Tensor,
+        mcounts: torch.Tensor,
+        n_unique: int,
+        epoch: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Rows for the cache misses of one lookup of ``t`` (the fill policy of
+        :mod:`hps.session.lookup`), used by :meth:`~hps.session.LookupSession.lookup` and the
+        fused lookups (:mod:`hps.fused_session`).
+
+        Args:
+            mkeys: ``(k,) int64`` the missed keys, unique, on the CPU.
+            mcounts: ``(k,) int64`` their occurrences in the request.
+            n_unique: distinct keys of the request (hits and misses): the hit rate's denominator.
+            epoch: the cache's ``decay_epoch`` the key statistics were aged to.
+
+        Returns:
+            ``(rows (k, dim) float32 on the session's device, tier (k,) int8: 1 volatile,
+            2 persistent, 3 default; is_async)``.
+
+        Raises:
+            TierUnavailableError: a missed key could be read from no tier.
+        """
+        dev = self.device
+        k = mkeys.numel()
+        is_async = 1.0 - k / max(n_unique, 1) >= self.hit_rate_threshold
+        prio = mcounts
+        if self.key_stats is not None:  # history so far (this request is added after)
+            prio = prio + torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
+        if is_async and not self.exact:
+            mrows = torch.full((k, t.dim), t.default_value, device=dev)
+            mk, mp = mkeys.numpy(), prio.to(dev)
+            self.submit(t, functools.partial(self._fill_from_db, t, cache, mk, mp, epoch))
+            return mrows, torch.full((k,), 3, dtype=torch.int8), is_async
+        fetched = self.tiers.read(t, mkeys.numpy())
+        self.tiers.refuse(t, fetched)
+        vals, found, from_pdb = fetched.values, fetched.found, fetched.from_pdb
+        mrows = torch.from_numpy(vals).to(dev)
+        fm = torch.from_numpy(found)
+        if not found.all():
+            mrows[~fm.to(dev)] = t.default_value
+        tier = torch.from_numpy(np.where(found, np.where(from_pdb, 2, 1), 3).astype(np.int8))
+        fm_dev = fm.to(dev)
+        fk, fv, fp = mkeys[fm].to(dev), mrows[fm_dev], prio[fm].to(dev)
+        if is_async:
+            # bound to this cache: a job running after the table's cache was
+            # replaced must not write these (by then maybe stale) rows into the new one
+            gen = self.update_lock.generation
+            job = functools.partial(self._insert_if_current, t, cache, fk, fv, fp, gen, epoch)
+            self.submit(t, job)
+        else:
+            cache.insert(fk, fv, priority=fp, epoch=epoch)
+        return mrows, tier, is_async
+
+    def submit(self, t: SessionTable, job: Callable[[], None]) -> None:
+        """Queue a background job of table ``t``; dropped (and counted) when the queue is full."""
+        try:
+            self._jobs.put_nowait(job)
+        except queue.Full:
+            self.statistics.dropped_async(t.name)
+
+    def drain(self, timeout_s: float = 30.0) -> None:
+        """Wait until queued background cache jobs have run."""
+        deadline = time.monotonic() + timeout_s
+        while self._jobs.unfinished_tasks and time.monotonic() < deadline:
+            time.sleep(0.001)
+
+    def close(self) -> None:
+        """Run the queued jobs, then end the worker thread."""
+        self.drain()
+        self._jobs.put(None)
+        self._worker.join(timeout=5)
+
+    def _fill_from_db(
+        self,
+        t: SessionTable,
+        cache: EmbeddingCache,
+        keys: np.ndarray,
+        priority: torch.Tensor | None = None,
+        epoch: int | None = None,
+    ) -> None:
+        """Background job: read ``keys`` from the databases and put them in ``cache`` (the one
+        the lookup queried, even if the table's was swapped since), under the reader side of
+        the update lock (an update cannot land between the read and the insert). ``priority``
+        was counted at ``cache``'s ``epoch`` (halved for agings since)."""
+        self.update_lock.acquire_read()
+        try:
+            vals, found = self.tiers.fetch(t, keys)
+            fm = torch.from_numpy(found)
+            cache.insert(
+                torch.from_numpy(keys[found]).to(self.device),
+                torch.from_numpy(vals[found]).to(self.device),
+                priority=None if priority is None else priority[fm.to(priority.device)],
+                epoch=epoch,
+            )
+        finally:
+            self.update_lock.release_read()
+
+    def _insert_if_current(
+        self,
+        t: SessionTable,
+        cache: EmbeddingCache,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        priority: torch.Tensor,
+        generation: int,
+        epoch: int | None = None,
+    ) -> None:
+        """Background job: cache rows a lookup read, unless an update was applied since
+        (``priority`` counted at ``cache``'s ``epoch``)."""
+        self.update_lock.acquire_read()
+        try:
+            if self.update_lock.generation != generation:
+                self.statistics.stale_dropped(t.name)
+                return
+            cache.insert(keys, values, priority=priority, epoch=epoch)
+        finally:
+            self.update_lock.release_read()
+
+    def _work(self) -> None:
+        while True:
+            job = self._jobs.get()
+            try:
+                if job is None:
+                    return
+                job()
+            except Exception:  # a failed background insertion must not kill the worker
+                log.exception("background cache insertion failed")
+            finally:
+                self._jobs.task_done()

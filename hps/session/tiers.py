@@ -1,0 +1,109 @@
+"""Reading one table's rows through the database tiers below the cache: the volatile DB, then
+the persistent DB for what it lacks, and the refusal when a key that may exist could be read
+from no tier (:class:`~hps.types.TierUnavailableError`; see :mod:`hps.session.lookup`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from hps.session_stats import SessionStats
+from hps.types import StorageBackend, TierUnavailableError, VolatileUnavailableError
+
+if TYPE_CHECKING:
+    from hps.session.lookup import SessionTable
+
+__all__ = ["Fetched", "TierReader"]
+
+
+@dataclass(frozen=True)
+class Fetched:
+    """What the databases gave for ``n`` keys (:meth:`TierReader.read`)."""
+
+    values: np.ndarray  # (n, dim) float32; zeros where not found
+    found: np.ndarray  # (n,) bool
+    from_pdb: np.ndarray  # (n,) bool: found in the persistent DB
+    unreadable: np.ndarray  # (n,) bool: may exist, but no tier could read it
+    reason: str  # what the failed tier reported
+
+
+class TierReader:
+    """The databases of one session, read volatile first, then persistent.
+
+    Args:
+        volatile: the volatile DB or ``None``.
+        persistent: the persistent DB or ``None``.
+        cache_missed_embeddings: insert rows found only in the persistent DB into the volatile DB.
+        statistics: where keys a tier failed to read are counted (``tier_failed_keys``).
+    """
+
+    def __init__(
+        self,
+        volatile: StorageBackend | None,
+        persistent: StorageBackend | None,
+        cache_missed_embeddings: bool,
+        statistics: SessionStats,
+    ) -> None:
+        self.volatile, self.persistent = volatile, persistent
+        self.cache_missed_embeddings = cache_missed_embeddings
+        self.statistics = statistics
+
+    def fetch(self, t: SessionTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """Volatile then persistent DB; ``(values (n, dim), found (n,) bool)``. Keys no tier
+        could read are not found (for cache fills, which then skip them)."""
+        f = self.read(t, keys)
+        return f.values, f.found
+
+    def read(self, t: SessionTable, keys: np.ndarray) -> Fetched:
+        """Volatile then persistent DB: the rows, where each was found, and the keys no tier
+        could read (failed in the volatile DB and absent from a persistent DB that does not
+        hold every row)."""
+        n = keys.size
+        vals: np.ndarray | None = None
+        found = np.zeros(n, bool)
+        failed = np.zeros(n, bool)
+        from_pdb = np.zeros(n, bool)
+        reason = ""
+        rest = np.arange(n)
+        if self.volatile is not None and n:
+            r = self.volatile.read(t.db_name, keys)  # zeros where not found
+            vals, found, failed, reason = r.values, r.found, r.failed, r.reason
+            rest = np.flatnonzero(~found)
+            if failed.any():
+                self.statistics.tier_failed(t.name, int(failed.sum()))
+        if self.persistent is not None and rest.size:
+            sub = keys if rest.size == n else keys[rest]
+            v, f = self.persistent.lookup(t.db_name, sub)
+            if vals is None or rest.size == n:
+                vals, found, from_pdb = v, f, f.copy()
+            else:
+                hit = rest[f]
+                vals[hit] = v[f]
+                found[hit] = True
+                from_pdb[hit] = True
+            if failed.any() and self.persistent.holds_every_row(t.db_name):
+                failed[:] = False  # its "not found" is an answer for every key
+            if self.volatile is not None and self.cache_missed_embeddings and f.any():
+                try:
+                    self.volatile.insert(t.db_name, sub[f], v[f])
+                except VolatileUnavailableError:  # an optional copy of the persistent db's rows
+                    pass
+        if vals is None:
+            vals = np.zeros((n, t.dim), np.float32)
+        return Fetched(vals, found, from_pdb, failed & ~found, reason)
+
+    def refuse(self, t: SessionTable, fetched: Fetched) -> None:
+        """Raise :class:`TierUnavailableError` when a key of ``fetched`` could be read from no tier."""
+        k = int(fetched.unreadable.sum())
+        if not k:
+            return
+        tier = f"volatile db ({self.volatile.name if self.volatile is not None else 'none'})"
+        below = (
+            "there is no persistent db to fall through to"
+            if self.persistent is None
+            else f"the persistent db ({self.persistent.name}) lacks them and does not hold "
+            "every row of the table"
+        )
+        raise TierUnavailableError(t.name, tier, k, fetched.reason, f"; {below}")

@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import sys
+from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
@@ -42,8 +43,68 @@ from embark.sharding.run import (
 from embark.training.callbacks import Callback, TrainerView
 from embark.training.config import OptimizerKind
 from embark.training.trainer import TrainingDiverged
+from knobs import add_knobs, from_namespace, knob
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ShardedTrainKnobs:
+    """The knobs of ``torchrun -m embark.sharded_train`` (shown in ``--help``). ``None``: a
+    fresh run's default, or the checkpoint's with ``--resume``."""
+
+    # what is trained: workload, plan, optimizer, data stream
+    workload: str = knob("tiny", "workload preset", choices=tuple(WORKLOADS))
+    scale: float = knob(1.0, "divide every table's rows by this (>= 1)", parse=float_at_least(1.0))
+    steps: int = knob(50, "TOTAL optimizer steps (>= 0)", parse=int_at_least(0))
+    batch_size: int | None = knob(
+        None,
+        f"GLOBAL batch, all ranks; unset: {DEFAULT_BATCH_SIZE} (--resume: the checkpoint's)",
+        parse=int_in(1, MAX_BATCH_SIZE),
+    )
+    plan: str | None = knob(
+        None, "plan JSON (a plan, or `python -m embark.plan --out` output); none = plan here"
+    )
+    strategy: str = knob("auto", "planner strategy without --plan", choices=tuple(STRATEGIES))
+    optimizer: OptimizerKind | None = knob(None, "none = the workload's choice")
+    lr: float | None = knob(
+        None,
+        f"learning rate of the dense part; unset: {DEFAULT_LR} (--resume: the checkpoint's)",
+    )
+    embedding_lr: float | None = knob(
+        None,
+        f"learning rate of the tables; unset: {DEFAULT_EMBEDDING_LR} (--resume: the checkpoint's)",
+    )
+    seed: int | None = knob(
+        None,
+        "model, data and teacher seed; unset: 0 (--resume: the checkpoint's)",
+        parse=int_in(0, MAX_SEED),
+    )
+    ragged: bool | None = knob(
+        None,
+        "variable bag sizes 0..hotness; unset: fixed hotness (--resume: the checkpoint's)",
+    )
+    label_sharpness: float | None = knob(
+        None, "teacher logit scale, > 0; unset: 2.0 (--resume: the checkpoint's)"
+    )
+    # how the run is evaluated, logged, checkpointed and resumed
+    eval_batches: int = knob(8, "held-out global batches (>= 1)", parse=int_at_least(1))
+    log_every: int = knob(10, "print the loss every N steps (>= 1)", parse=int_at_least(1))
+    out: str | None = knob(None, "rank 0 writes the results JSON here", parse=output_file)
+    checkpoint_dir: str | None = knob(
+        None,
+        "rank 0 writes the final checkpoint here (replaced atomically; checked before training)",
+    )
+    checkpoint_every: int = knob(
+        0,
+        "also checkpoint every N steps (0 = only at the end); needs --checkpoint-dir",
+        parse=int_at_least(0),
+    )
+    resume: str | None = knob(
+        None,
+        "continue this checkpoint (any world size, or the single-process Trainer's) to "
+        "--steps TOTAL steps",
+    )
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -51,117 +112,29 @@ def _parser() -> argparse.ArgumentParser:
         prog="torchrun --nproc-per-node N -m embark.sharded_train",
         description="Sharded data-parallel DLRM training on synthetic teacher data (gloo, CPU).",
     )
-    _add_training_args(p)
-    _add_run_args(p)
+    add_knobs(p, ShardedTrainKnobs)
     return p
 
 
-def _add_training_args(p: argparse.ArgumentParser) -> None:
-    """What is trained: workload, plan, optimizer, data stream."""
-    add = p.add_argument
-    add("--workload", default="tiny", choices=WORKLOADS)
-    add(
-        "--scale",
-        type=float_at_least(1.0),
-        default=1.0,
-        help="divide every table's rows by this (>= 1)",
-    )
-    add("--steps", type=int_at_least(0), default=50)
-    add(
-        "--batch-size",
-        type=int_in(1, MAX_BATCH_SIZE),
-        default=None,
-        help=f"GLOBAL batch, all ranks (default {DEFAULT_BATCH_SIZE}; --resume: the checkpoint's)",
-    )
-    add(
-        "--plan",
-        default=None,
-        help="plan JSON (a plan, or `python -m embark.plan --out` output); none = plan here",
-    )
-    add("--strategy", default="auto", choices=STRATEGIES, help="planner strategy without --plan")
-    add(
-        "--optimizer",
-        default=None,
-        choices=[o.value for o in OptimizerKind],
-        help="none = the workload's choice",
-    )
-    add(
-        "--lr",
-        type=float,
-        default=None,
-        help=f"learning rate of the dense part (default {DEFAULT_LR}; --resume: the checkpoint's)",
-    )
-    add(
-        "--embedding-lr",
-        type=float,
-        default=None,
-        help=f"learning rate of the tables (default {DEFAULT_EMBEDDING_LR}; --resume: the checkpoint's)",
-    )
-    add(
-        "--seed",
-        type=int_in(0, MAX_SEED),
-        default=None,
-        help="model, data and teacher seed (default 0; --resume: the checkpoint's)",
-    )
-    add(
-        "--ragged",
-        action="store_true",
-        default=None,
-        help="variable bag sizes 0..hotness (default: fixed hotness; --resume: the checkpoint's)",
-    )
-    add(
-        "--label-sharpness",
-        type=float,
-        default=None,
-        help="teacher logit scale, > 0 (default 2.0; --resume: the checkpoint's)",
-    )
-
-
-def _add_run_args(p: argparse.ArgumentParser) -> None:
-    """How the run is evaluated, logged, checkpointed and resumed."""
-    add = p.add_argument
-    add("--eval-batches", type=int_at_least(1), default=8, help="held-out global batches")
-    add("--log-every", type=int_at_least(1), default=10, help="print the loss every N steps")
-    add("--out", type=output_file, default=None, help="rank 0 writes the results JSON here")
-    add(
-        "--checkpoint-dir",
-        default=None,
-        help="rank 0 writes the final checkpoint here (replaced atomically; checked before "
-        "training)",
-    )
-    add(
-        "--checkpoint-every",
-        type=int_at_least(0),
-        default=0,
-        help="also checkpoint every N steps (0 = only at the end); needs --checkpoint-dir",
-    )
-    add(
-        "--resume",
-        default=None,
-        help="continue this checkpoint (any world size, or the single-process Trainer's) "
-        "to --steps TOTAL steps",
-    )
-
-
-def to_config(args: argparse.Namespace) -> ShardedRunConfig:
-    """The run's settings from the parsed command line."""
+def to_config(cfg: ShardedTrainKnobs) -> ShardedRunConfig:
+    """The run's settings from the command line's knobs."""
     return ShardedRunConfig(
-        workload=args.workload,
-        scale=args.scale,
-        steps=args.steps,
-        batch_size=args.batch_size,
-        plan=args.plan,
-        strategy=args.strategy,
-        optimizer=None if args.optimizer is None else OptimizerKind(args.optimizer),
-        lr=args.lr,
-        embedding_lr=args.embedding_lr,
-        seed=args.seed,
-        ragged=args.ragged,
-        label_sharpness=args.label_sharpness,
-        eval_batches=args.eval_batches,
-        checkpoint_dir=args.checkpoint_dir,
-        checkpoint_every=args.checkpoint_every,
-        resume=args.resume,
+        workload=cfg.workload,
+        scale=cfg.scale,
+        steps=cfg.steps,
+        batch_size=cfg.batch_size,
+        plan=cfg.plan,
+        strategy=cfg.strategy,
+        optimizer=cfg.optimizer,
+        lr=cfg.lr,
+        embedding_lr=cfg.embedding_lr,
+        seed=cfg.seed,
+        ragged=cfg.ragged,
+        label_sharpness=cfg.label_sharpness,
+        eval_batches=cfg.eval_batches,
+        checkpoint_dir=cfg.checkpoint_dir,
+        checkpoint_every=cfg.checkpoint_every,
+        resume=cfg.resume,
     )
 
 
@@ -176,7 +149,7 @@ class PrintLoss(Callback):
             print(f"step {step:>6}  loss {loss:.4f}", flush=True)
 
 
-def _summary(res: ShardedRunResult, args: argparse.Namespace) -> str:
+def _summary(res: ShardedRunResult, args: ShardedTrainKnobs) -> str:
     loss = res.final_loss if res.final_loss is not None else float("nan")
     return (
         f"sharded_train [{res.workload}, world {res.world_size}, {res.steps} steps × "
@@ -197,7 +170,7 @@ def main(argv: list[str] | None = None) -> int:
         level=logging.WARNING if quiet else logging.INFO,
         format="%(levelname)s %(name)s: %(message)s",
     )
-    args = _parser().parse_args(argv)
+    args = from_namespace(ShardedTrainKnobs, _parser().parse_args(argv))
     torch.set_num_threads(1)
     distributed = "WORLD_SIZE" in os.environ and not dist.is_initialized()
     if distributed:

@@ -4,17 +4,20 @@ one-rank planner path in process, and a plan for the wrong world size on 2 launc
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from embark.sharded_train import main
+from embark.sharded_train import ShardedTrainKnobs, main
 from embark.types import ShardingPlan
+from knobs import flag
 from tests.embark.gloo_world import ROOT, free_port, launch_ranks
 from tests.embark.sharding.plans import tiny_plan
 
@@ -95,3 +98,20 @@ def test_plan_for_another_world_size_exits_2_on_every_rank(tmp_path: Path) -> No
     assert f"--plan {str(plan)!r} is for world size 4 but this run has 2 rank(s)" in msg, msg
     assert "torchrun --nproc-per-node 4" in msg
     assert "Traceback" not in ranks[1].stderr, ranks[1].stderr
+
+
+def test_help_lists_every_knob_with_its_default(capsys: pytest.CaptureFixture[str]) -> None:
+    """``--help`` (no torchrun) shows one option per field of :class:`ShardedTrainKnobs`, in
+    order, each with the field's default."""
+    with pytest.raises(SystemExit) as e:
+        main(["--help"])
+    assert e.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps at the terminal width
+    fields = dataclasses.fields(ShardedTrainKnobs)
+    starts = [text.index("options:")]
+    for f in fields:  # each option's entry, in field order
+        m = re.compile(rf"(?<= ){re.escape(flag(f.name))}(?=[ ,])").search(text, starts[-1])
+        assert m is not None, f"{flag(f.name)} missing from --help"
+        starts.append(m.start())
+    for f, a, b in zip(fields, starts[1:], [*starts[2:], len(text)], strict=True):
+        assert f"(default: {f.default})" in text[a:b], text[a:b]

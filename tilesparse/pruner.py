@@ -48,7 +48,7 @@ import functools
 import logging
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, replace
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -64,6 +64,8 @@ from tilesparse.linear import TileSparseLinear
 from tilesparse.patterns import masks_for_config
 from tilesparse.refit import LayerSearch, RefitTarget, refit_layers
 from tilesparse.schedule import sparsity_at
+from tilesparse.selection import FilterFn, default_filter, select_layers
+from tilesparse.weight_mask import WeightMask, masked_weight
 
 __all__ = [
     "FilterFn",
@@ -74,40 +76,6 @@ __all__ = [
 ]
 
 log = logging.getLogger(__name__)
-
-FilterFn = Callable[[nn.Module, str], bool]
-
-
-def default_filter(module: nn.Module, fqn: str) -> bool:
-    """Every ``nn.Linear`` (subclasses included)."""
-    return isinstance(module, nn.Linear)
-
-
-class WeightMask(nn.Module):
-    """Parametrization ``weight = original * mask``; ``mask: (N, K) bool`` buffer, in
-    ``nn.Linear.weight``'s orientation (the transpose of the ``(K, N)`` masks elsewhere)."""
-
-    def __init__(
-        self, out_features: int, in_features: int, device: torch.device | None = None
-    ) -> None:
-        super().__init__()
-        self.register_buffer(
-            "mask", torch.ones(out_features, in_features, dtype=torch.bool, device=device)
-        )
-
-    mask: torch.Tensor
-
-    def forward(self, weight: torch.Tensor) -> torch.Tensor:
-        return weight * self.mask
-
-
-def _masked_weight(m: nn.Module) -> tuple[torch.Tensor, WeightMask]:
-    """``(original, mask module)`` of a layer whose ``weight`` :meth:`TileSparsePruner.prepare`
-    parametrized (``m.parametrizations.weight``: ``original`` and one :class:`WeightMask`)."""
-    holder = cast(
-        parametrize.ParametrizationList, cast(nn.ModuleDict, m.parametrizations)["weight"]
-    )
-    return holder.original, cast(WeightMask, holder[0])
 
 
 @dataclass(frozen=True)
@@ -128,23 +96,6 @@ class LayerStats:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self) | {"sparsity": self.sparsity}
-
-
-def _untied(found: dict[str, nn.Linear]) -> tuple[dict[str, nn.Linear], dict[str, str]]:
-    """``(layers, tied)``: the selected layers with one layer per weight tensor (the first in
-    module order), and every other layer sharing a tensor → the layer that owns it."""
-    owner: dict[tuple[int, int, tuple[int, ...]], str] = {}
-    layers: dict[str, nn.Linear] = {}
-    tied: dict[str, str] = {}
-    for fqn, m in found.items():
-        w = m.weight
-        key = (w.untyped_storage().data_ptr(), int(w.storage_offset()), tuple(w.shape))
-        if w.numel() and key in owner:
-            tied[fqn] = owner[key]
-        else:
-            owner[key] = fqn
-            layers[fqn] = m
-    return layers, tied
 
 
 class TileSparsePruner:
@@ -181,28 +132,7 @@ class TileSparsePruner:
             ValueError: as :meth:`prepare` (no layer selected, an empty or already
                 parametrized layer, an override naming an unselected layer).
         """
-        found = {
-            fqn: m
-            for fqn, m in model.named_modules()
-            if isinstance(m, nn.Linear) and self.filter_fn(m, fqn)
-        }
-        if not found:
-            raise ValueError("no nn.Linear layer selected by filter_fn: nothing to prune")
-        layers, tied = _untied(found)
-        for fqn, m in found.items():
-            if parametrize.is_parametrized(m, "weight"):
-                raise ValueError(f"layer {fqn!r} already has a weight parametrization")
-            if m.weight.numel() == 0:
-                raise ValueError(
-                    f"layer {fqn!r} has an empty weight of shape {tuple(m.weight.shape)} (out x in "
-                    f"features): nothing to prune; leave it out with filter_fn"
-                )
-        unknown = sorted(set(dict(self.config.overrides)) - set(layers))
-        if unknown:
-            raise ValueError(
-                f"overrides name layer(s) {unknown} that are not selected (or share another "
-                f"selected layer's weight); selected: {sorted(layers)}"
-            )
+        layers, tied = select_layers(model, self.filter_fn, self.config.overrides)
         for fqn, owner in tied.items():
             log.warning(
                 "tilesparse: layer %r shares its weight tensor with %r: the tensor is pruned "
@@ -280,7 +210,7 @@ class TileSparsePruner:
             return
         weights, grads = {}, {}
         for fqn, m in self.layers.items():
-            g = _masked_weight(m)[0].grad
+            g = masked_weight(m)[0].grad
             if g is not None:
                 grads[fqn] = g.detach().T  # grad of the masked weight, restricted to kept ones
                 weights[fqn] = m.weight.detach().T
@@ -308,7 +238,7 @@ class TileSparsePruner:
     @torch.no_grad()
     def _zero_pruned(self) -> None:
         for m in self.layers.values():
-            original, wm = _masked_weight(m)
+            original, wm = masked_weight(m)
             original.mul_(wm.mask)
 
     def callback(self, step_offset: int | None = None) -> PruningCallback:
@@ -456,7 +386,7 @@ class TileSparsePruner:
     @torch.no_grad()
     def set_mask(self, fqn: str, mask_kn: torch.Tensor) -> None:
         """Set layer ``fqn``'s ``(K, N) bool`` mask and zero its pruned weights."""
-        original, wm = _masked_weight(self.layers[fqn])
+        original, wm = masked_weight(self.layers[fqn])
         mask_nk = mask_kn.T.to(wm.mask.device)
         wm.mask.copy_(mask_nk)
         original.mul_(mask_nk)
@@ -470,7 +400,7 @@ class TileSparsePruner:
         m = self.layers[fqn]
         if isinstance(m, TileSparseLinear):
             return m.mask_kn()
-        return _masked_weight(m)[1].mask.T.cpu().clone()
+        return masked_weight(m)[1].mask.T.cpu().clone()
 
     def masks(self) -> dict[str, torch.Tensor]:
         """Every layer's ``(K, N) bool`` mask."""
@@ -570,7 +500,7 @@ class TileSparsePruner:
     @torch.no_grad()
     def _store(self, fqn: str, mask_kn: torch.Tensor, weight_kn: torch.Tensor) -> None:
         """Set layer ``fqn``'s mask and its kept weights ``(K, N)``."""
-        original, wm = _masked_weight(self.layers[fqn])
+        original, wm = masked_weight(self.layers[fqn])
         mask_nk = mask_kn.T.to(wm.mask.device)
         wm.mask.copy_(mask_nk)
         original.copy_(weight_kn.T.to(original.device, original.dtype) * mask_nk)

@@ -26,7 +26,12 @@ from hps.rowformat import RowDtype, check_rows, dequantize_rows, quantize_rows, 
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ROW_FORMAT_BYTES", "QuantizedEmbeddingBag", "fbgemm_inference_available", "row_format_tag"]
+__all__ = [
+    "ROW_FORMAT_BYTES",
+    "QuantizedEmbeddingBag",
+    "fbgemm_inference_available",
+    "row_format_tag",
+]
 
 #: Length of a table's ``row_format`` buffer: its dtype's name in ASCII, zero-padded.
 ROW_FORMAT_BYTES = 8
@@ -172,6 +177,7 @@ class QuantizedEmbeddingBag(nn.Module):
     """
 
     rows: torch.Tensor
+    row_format: torch.Tensor
 
     def __init__(
         self,

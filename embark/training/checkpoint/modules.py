@@ -23,7 +23,6 @@ from pathlib import Path
 import torch
 from torch import nn
 
-
 ROW_FORMAT = "row_format"
 
 

@@ -124,8 +124,11 @@ def test_load_refuses_tables_of_another_storage(data, tmp_path):
     path = t.save_checkpoint(tmp_path / "q")
     float_model = build_model(data.workload, seed=7)
     before = {k: v.clone() for k, v in float_model.state_dict().items()}
-    with pytest.raises(ValueError, match=r"'embeddings.t0': the checkpoint holds int8 rows, the "
-                       r"model has float32 weight"):
+    with pytest.raises(
+        ValueError,
+        match=r"'embeddings.t0': the checkpoint holds int8 rows, the "
+        r"model has float32 weight",
+    ):
         Trainer.load_checkpoint(path, model=float_model)
     for k, v in float_model.state_dict().items():
         assert torch.equal(v, before[k]), k

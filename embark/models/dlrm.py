@@ -174,8 +174,13 @@ class DLRM(nn.Module):
         return bag(ids, offsets)
 
     def embedding_tables(self) -> dict[str, nn.Parameter]:
-        """``{table: (num_rows, dim) float32 weight}`` in workload order."""
-        return {n: self.embeddings[n].get_parameter("weight") for n in self.table_names}
+        """``{table: (num_rows, dim) float32 weight}`` of the float tables, in workload order
+        (a table stored in a row format, ``embark.quant``, holds no weight and is left out)."""
+        return {
+            n: self.embeddings[n].get_parameter("weight")
+            for n in self.table_names
+            if isinstance(self.embeddings[n], nn.EmbeddingBag)
+        }
 
     def _check_ids(self, values: Sequence[torch.Tensor]) -> None:
         """Range check of every table's ``(nnz_t,) int64`` ids: one min/max per table and one

@@ -26,7 +26,15 @@ from hps.rowformat import RowDtype, check_rows, dequantize_rows, quantize_rows, 
 
 log = logging.getLogger(__name__)
 
-__all__ = ["QuantizedEmbeddingBag", "fbgemm_inference_available"]
+__all__ = [
+    "ROW_FORMAT_BYTES",
+    "QuantizedEmbeddingBag",
+    "fbgemm_inference_available",
+    "row_format_tag",
+]
+
+#: Length of a table's ``row_format`` buffer: its dtype's name in ASCII, zero-padded.
+ROW_FORMAT_BYTES = 8
 
 # Row dtypes FBGEMM's inference kernel reads (its SparseType names).
 _FBGEMM_TYPES = {
@@ -59,6 +67,24 @@ def _fbgemm() -> tuple[ModuleType, ModuleType, ModuleType] | None:
 def fbgemm_inference_available() -> bool:
     """Whether FBGEMM's inference kernel imports (a failure is logged once)."""
     return _fbgemm() is not None
+
+
+def row_format_tag(dtype: RowDtype) -> torch.Tensor:
+    """``(ROW_FORMAT_BYTES,) uint8``: ``dtype``'s name in ASCII, zero-padded (a table's
+    ``row_format`` buffer, saved beside its rows so a load can tell the formats apart)."""
+    raw = RowDtype(dtype).value.encode("ascii").ljust(ROW_FORMAT_BYTES, b"\0")
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).clone()
+
+
+def _tag_name(tag: torch.Tensor) -> str:
+    """The dtype name a ``row_format`` tensor holds (its raw bytes where they are no name)."""
+    if tag.dtype != torch.uint8 or tag.dim() != 1:
+        return f"<row_format {tuple(tag.shape)} {tag.dtype}>"
+    raw = bytes(tag.tolist()).rstrip(b"\0")
+    try:
+        return raw.decode("ascii")
+    except UnicodeDecodeError:
+        return repr(raw)
 
 
 class _FbgemmLookup:
@@ -140,13 +166,18 @@ class QuantizedEmbeddingBag(nn.Module):
         kernel: ``fbgemm`` (FBGEMM's fused CPU lookup, or an error), ``reference`` (pure
             torch), ``auto`` (FBGEMM where it imports and reads ``dtype``, else the reference).
 
-    Buffers: ``rows`` (the table, persistent: it is the table's state-dict entry).
+    Buffers (both persistent, the table's state-dict entries): ``rows`` (the table) and
+    ``row_format`` (:func:`row_format_tag` of ``dtype``). A state dict loads only into a table
+    of the same dtype: rows of another format (which may have the same width, e.g. ``int8``
+    and ``fp16`` rows of ``dim=8``) are refused naming the table and both dtypes, never
+    reinterpreted.
 
     Raises:
         hps.rowformat.RowFormatError: naming the table, for rows that are not ``dtype`` rows.
     """
 
     rows: torch.Tensor
+    row_format: torch.Tensor
 
     def __init__(
         self,
@@ -165,6 +196,7 @@ class QuantizedEmbeddingBag(nn.Module):
         self.kernel = EmbeddingKernel(kernel)
         check_rows(rows, self.dtype, dim, f"table {name!r}")
         self.register_buffer("rows", rows.contiguous())
+        self.register_buffer("row_format", row_format_tag(self.dtype))
         self._lookup: _FbgemmLookup | None = None
 
     @classmethod
@@ -243,6 +275,27 @@ class QuantizedEmbeddingBag(nn.Module):
         if lookup is None or lookup.tbe.weights_host.data_ptr() != self.rows.data_ptr():
             lookup = self._lookup = _FbgemmLookup(self.rows, self.dtype, self.dim, self.combiner)
         return lookup
+
+    def _load_from_state_dict(
+        self,
+        state_dict: dict[str, Any],
+        prefix: str,
+        local_metadata: dict[str, Any],
+        strict: bool,
+        missing_keys: list[str],
+        unexpected_keys: list[str],
+        error_msgs: list[str],
+    ) -> None:
+        tag = state_dict.get(prefix + "row_format")
+        if tag is not None and not torch.equal(tag.cpu(), self.row_format.cpu()):
+            raise ValueError(
+                f"table {self.name!r}: the state dict holds {_tag_name(tag)} rows, this table "
+                f"is {self.dtype.value}; quantize the model with the same "
+                "EmbeddingQuantConfig before loading"
+            )
+        super()._load_from_state_dict(
+            state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys, error_msgs
+        )
 
     def __getstate__(self) -> dict[str, Any]:
         # the kernel is rebuilt over the copy's rows on its first lookup

@@ -182,13 +182,25 @@ class Trainer:
         """Build a new optimizer over the model's current parameters (call after modules were
         replaced or parametrized). State (e.g. Adagrad sums) is kept for every parameter
         tensor still in the model — ``torch.nn.utils.parametrize`` keeps the original tensor
-        as ``...parametrizations.weight.original``; new parameters start fresh."""
+        as ``...parametrizations.weight.original``; new parameters start fresh. When the
+        model's float tables changed (``embark.quant.quantize_embeddings_`` replaced some),
+        the fused tables' update is rebuilt over the tables left (their rows state kept)."""
+        if self.embedding_updates is not None and self._stale_tables():
+            self.embedding_updates = EmbeddingUpdates(self.model, self.cfg)
         old = self.optimizer
         self.optimizer = self._make_optimizer()
         for group in self.optimizer.param_groups:
             for p in group["params"]:
                 if p in old.state:
                     self.optimizer.state[p] = old.state[p]
+
+    def _stale_tables(self) -> list[str]:
+        """The fused tables whose weight is no longer the model's table (replaced, e.g.
+        quantized)."""
+        if self.embedding_updates is None:
+            return []
+        now = self.model.embedding_tables()  # type: ignore[operator]
+        return [t for t, w in self.embedding_updates.weights.items() if now.get(t) is not w]
 
     def _warm_up(self, step: int) -> None:
         """Learning rates of 1-based ``step`` under ``cfg.warmup_steps``
@@ -422,8 +434,8 @@ class Trainer:
         """Write a checkpoint folder at ``path`` (replacing a checkpoint there, atomically;
         :func:`embark.training.checkpoint.save_checkpoint`).
 
-        A model whose modules were replaced (a pruner's ``compress()``) is saved after
-        :meth:`rebuild_optimizer`, and loaded with :meth:`load_checkpoint` into a model of the
+        A model whose modules were replaced (a pruner's ``compress()``,
+        ``embark.quant.quantize_embeddings_``) is saved after :meth:`rebuild_optimizer`, and loaded with :meth:`load_checkpoint` into a model of the
         same structure (``model=``; a module that loads its own state, such as a condensed
         sparse layer, takes the saved sizes).
 
@@ -431,7 +443,8 @@ class Trainer:
             ValueError: when ``path`` exists and is not a checkpoint folder (nothing is
                 touched), for a trainer of a sharded model (its ranks save together with
                 ``embark.sharding.save_sharded_checkpoint``), or when the optimizer holds
-                parameters the model no longer has (call :meth:`rebuild_optimizer` first).
+                parameters the model no longer has, or fused tables the model replaced
+                (e.g. quantized: call :meth:`rebuild_optimizer` first).
         """
         if isinstance(self.model, SupportsGradientSync):
             raise ValueError(
@@ -445,6 +458,13 @@ class Trainer:
             for p in g["params"]
             if id(p) not in own
         ]
+        replaced = self._stale_tables()
+        if replaced:
+            raise ValueError(
+                f"save_checkpoint: tables {replaced} were replaced since this trainer took them "
+                "over (e.g. embark.quant.quantize_embeddings_); call trainer.rebuild_optimizer() "
+                "before saving"
+            )
         if stale:
             raise ValueError(
                 f"save_checkpoint: the optimizer holds {len(stale)} parameter(s) the model no "

@@ -63,7 +63,11 @@ from torch import nn
 
 from embark.models.workloads import Workload
 from embark.outputs import check_parent_writable, fsync_dir
-from embark.training.checkpoint.modules import dry_run_loads, self_loading_modules
+from embark.training.checkpoint.modules import (
+    dry_run_loads,
+    self_loading_modules,
+    storage_mismatches,
+)
 from embark.training.checkpoint.schema import STATE_FILE, TENSOR_FILES, check_state
 from embark.training.checkpoint.shards import Chunk, chunks_of, read_region
 from embark.training.checkpoint.siblings import (
@@ -437,6 +441,14 @@ def _check_model(ckpt: Checkpoint, model: nn.Module) -> None:
     tensors = ckpt.model_tensors
     own = model.state_dict()
     missing, unexpected = sorted(set(own) - set(tensors)), sorted(set(tensors) - set(own))
+    stored_otherwise = storage_mismatches(tensors, own)
+    if stored_otherwise:
+        raise ValueError(
+            f"checkpoint {str(ckpt.path)!r} does not fit the model: tables stored in other "
+            f"formats: {'; '.join(stored_otherwise)}. Load a quantized checkpoint into a model "
+            "quantized with the same EmbeddingQuantConfig (embark.quant.quantize_embeddings_), "
+            "a float one into a float model"
+        )
     if missing or unexpected:
         raise ValueError(
             f"checkpoint {str(ckpt.path)!r} does not fit the model: missing {missing[:5]}, "

@@ -24,6 +24,7 @@ metadata of another version, is refused.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from hps.artifact_format import ARTIFACT_VERSION, SERVING_METADATA_KEY, ServingM
 from hps.config import ModelConfig
 from hps.serving.clipping import clip
 from hps.session import LookupSession
-from hps.types import FormatVersionError
+from hps.types import FormatVersionError, Pooling
 from hps.vocabulary import ServingVocabulary
 
 __all__ = [
@@ -133,6 +134,12 @@ class DLRMServable:
                 f"model {model.model!r}: the dense graph takes one pooled block, so "
                 f"every table needs the same vector size; got {sorted(dims)}"
             )
+        self._table_names = [t.name for t in self.tables]
+        self._pooling = [Pooling(t.combiner) for t in self.tables]
+        # per calling thread (the model's inference thread, or any thread calling ``infer``):
+        # a grow-only float32 buffer the pooled block of each execution is written into, so
+        # no two executions ever share one and no execution page-faults a fresh one
+        self._buffers = threading.local()
 
     @staticmethod
     def _combiners(model: ModelConfig, meta: str | None, path: Path) -> dict[str, str]:
@@ -281,27 +288,32 @@ class DLRMServable:
         inputs = self.check(inputs)
         dense = inputs["dense"]
         b = dense.shape[0]
-        pooled = np.empty((b, len(self.tables), self.tables[0].dim), dtype=np.float32)
-        for j, t in enumerate(self.tables):
-            pooled[:, j] = self._pool(t, inputs[f"ids_{t.name}"], b)
         if b == 0:
             logits = np.zeros((0,), dtype=np.float32)
         else:
+            pooled = self._pool(inputs, b)
             logits = self._ort.run([self._output], {"dense": dense, "pooled": pooled})[0]
             logits = logits.astype(np.float32, copy=False).reshape(b)
         prob = (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
         return {"logits": logits, "probability": prob}
 
-    def _pool(self, t: _Table, ids: np.ndarray, b: int) -> np.ndarray:
-        """``ids (B, w) int64`` (-1 = padding) → ``(B, dim) float32`` pooled rows."""
-        ids64 = torch.from_numpy(ids)
-        keep = ids64 >= 0
-        sample = torch.arange(b).unsqueeze(1).expand_as(ids64)[keep]
-        rows = self.session.lookup(t.name, ids64[keep]).to("cpu", torch.float32)
-        out = torch.zeros(b, t.dim, dtype=torch.float32).index_add_(0, sample, rows)
-        if t.combiner == "mean":
-            out /= keep.sum(dim=1, keepdim=True).clamp(min=1).to(torch.float32)
-        return out.numpy()
+    def _pool(self, inputs: Tensors, b: int) -> np.ndarray:
+        """Every table's bags of ``inputs`` (``ids_<t> (B, w_t) int64``, -1 = padding) pooled
+        in one fused lookup into this thread's buffer: ``(B, T, dim) float32``, valid until
+        this thread's next call."""
+        t, dim = len(self.tables), self.tables[0].dim
+        need = b * t * dim
+        buf: torch.Tensor | None = getattr(self._buffers, "pooled", None)
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=torch.float32)
+            self._buffers.pooled = buf
+        out = buf[:need].view(b, t * dim)
+        keys = [torch.from_numpy(inputs[f"ids_{n}"]) for n in self._table_names]
+        try:
+            self.session.lookup_pooled(self._table_names, keys, self._pooling, out=out)
+        except ValueError as e:  # a key below -1, named by its table
+            raise InputError(f"model {self.name!r}: {e}") from None
+        return out.numpy().reshape(b, t, dim)
 
 
 def check_outputs_finite(model: str, outputs: Tensors) -> None:

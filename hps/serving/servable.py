@@ -135,10 +135,10 @@ class DLRMServable:
                 f"every table needs the same vector size; got {sorted(dims)}"
             )
         self._table_names = [t.name for t in self.tables]
-        self._pooling = [Pooling(t.combiner) for t in self.tables]
+        self._mean = [j for j, t in enumerate(self.tables) if Pooling(t.combiner) is Pooling.MEAN]
         # per calling thread (the model's inference thread, or any thread calling ``infer``):
-        # a grow-only float32 buffer the pooled block of each execution is written into, so
-        # no two executions ever share one and no execution page-faults a fresh one
+        # grow-only float32 buffers (looked-up rows, pooled block) each execution writes into,
+        # so no two executions ever share one and no execution page-faults a fresh one
         self._buffers = threading.local()
 
     @staticmethod
@@ -298,22 +298,42 @@ class DLRMServable:
         return {"logits": logits, "probability": prob}
 
     def _pool(self, inputs: Tensors, b: int) -> np.ndarray:
-        """Every table's bags of ``inputs`` (``ids_<t> (B, w_t) int64``, -1 = padding) pooled
-        in one fused lookup into this thread's buffer: ``(B, T, dim) float32``, valid until
-        this thread's next call."""
+        """Every table's bags of ``inputs`` (``ids_<t> (B, w_t) int64``, -1 = padding) as
+        ``(B, T, dim) float32``, valid until this thread's next call: the ids ≥ 0 of every
+        table looked up in one fused call (:meth:`LookupSession.lookup_many`), then pooled in
+        one ``index_add_`` that sums each bag's rows in the order its request gave them, from
+        0 (so a sample's vector does not depend on its batch mates, nor on which of its rows
+        were cache hits: merged executions stay bit-equal to each request alone)."""
         t, dim = len(self.tables), self.tables[0].dim
-        need = b * t * dim
-        buf: torch.Tensor | None = getattr(self._buffers, "pooled", None)
+        keys, bags, counts = [], [], []
+        sample = torch.arange(b).unsqueeze(1)
+        for j, name in enumerate(self._table_names):
+            ids = torch.from_numpy(inputs[f"ids_{name}"])
+            keep = ids >= 0
+            keys.append(ids[keep])
+            bags.append(sample.expand_as(ids)[keep] * t + j)
+            counts.append(keep.sum(dim=1))
+        n_rows = sum(k.numel() for k in keys)
+        rows = self._buffer("rows", n_rows * dim)
+        pooled = self._buffer("pooled", b * t * dim).view(b * t, dim)
+        try:
+            self.session.lookup_many(self._table_names, keys, out=rows)
+        except ValueError as e:  # a key the parameter server refuses, named by its table
+            raise InputError(f"model {self.name!r}: {e}") from None
+        pooled.zero_().index_add_(0, torch.cat(bags), rows[: n_rows * dim].view(n_rows, dim))
+        out = pooled.view(b, t, dim)
+        if self._mean:
+            n = torch.stack(counts, dim=1)[:, self._mean].clamp(min=1).to(torch.float32)
+            out[:, self._mean] = out[:, self._mean] / n.unsqueeze(2)
+        return out.numpy()
+
+    def _buffer(self, name: str, need: int) -> torch.Tensor:
+        """This thread's grow-only float32 buffer ``name``, its first ``need`` elements."""
+        buf: torch.Tensor | None = getattr(self._buffers, name, None)
         if buf is None or buf.numel() < need:
             buf = torch.empty(need, dtype=torch.float32)
-            self._buffers.pooled = buf
-        out = buf[:need].view(b, t * dim)
-        keys = [torch.from_numpy(inputs[f"ids_{n}"]) for n in self._table_names]
-        try:
-            self.session.lookup_pooled(self._table_names, keys, self._pooling, out=out)
-        except ValueError as e:  # a key below -1, named by its table
-            raise InputError(f"model {self.name!r}: {e}") from None
-        return out.numpy().reshape(b, t, dim)
+            setattr(self._buffers, name, buf)
+        return buf[:need]
 
 
 def check_outputs_finite(model: str, outputs: Tensors) -> None:

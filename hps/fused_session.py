@@ -119,15 +119,17 @@ def fused_lookup(
             f"no lookup worker free within {s.acquire_timeout_s} s ({s.max_concurrent} busy)"
         )
     start = time.perf_counter()
+    failed: list[str] = []  # the table whose miss path failed (as per-table lookup counts it)
     try:
         s.update_lock.acquire_read()
         try:
-            _run(s, ts, flat, [c for c in caches if c is not None], buf, offsets, hot, pooling)
+            cs = [c for c in caches if c is not None]
+            _run(s, ts, flat, cs, buf, offsets, hot, pooling, failed)
         finally:
             s.update_lock.release_read()
     except Exception as e:
-        for t in ts:
-            s.statistics.count_error(t.name, isinstance(e, TierUnavailableError))
+        for name in failed or [t.name for t in ts]:
+            s.statistics.count_error(name, isinstance(e, TierUnavailableError))
         raise
     finally:
         s._slots.release()
@@ -155,6 +157,7 @@ def _run(
     offsets: list[int],
     hot: list[int],
     pooling: list[Pooling] | None,
+    failed: list[str],
 ) -> None:
     bags = pooling is not None
     locks = {id(c): c for c in caches}
@@ -194,7 +197,7 @@ def _run(
     finally:
         for c in reversed(order):
             c._lock.release()
-    _serve_all_misses(s, ts, flat, caches, res.misses, per, buf, offsets, hot, pooling)
+    _serve_all_misses(s, ts, flat, caches, res.misses, per, buf, offsets, hot, pooling, failed)
     _count_keys(s, ts, flat, per)
 
 
@@ -218,7 +221,10 @@ def _serve_all_misses(
     offsets: list[int],
     hot: list[int],
     pooling: list[Pooling] | None,
+    failed: list[str],
 ) -> None:
+    """The miss path of each table that had misses; a table whose miss path fails is
+    appended to ``failed`` before the error propagates (the later tables are not served)."""
     from hps.session import unique_with_inverse
 
     start = 0
@@ -236,7 +242,11 @@ def _serve_all_misses(
         n_unique = uniq_hits + uniq.numel()
         with c._lock:
             c.stats.queries += uniq.numel()
-        rows, tier, is_async = s.fill.serve_misses(t, c, uniq, counts, n_unique, epoch)
+        try:
+            rows, tier, is_async = s.fill.serve_misses(t, c, uniq, counts, n_unique, epoch)
+        except Exception:
+            failed.append(t.name)
+            raise
         expanded = rows.index_select(0, inv)
         d, off = t.dim, offsets[i]
         if pooling is None:

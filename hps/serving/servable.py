@@ -24,6 +24,7 @@ metadata of another version, is refused.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -35,7 +36,7 @@ from hps.artifact_format import ARTIFACT_VERSION, SERVING_METADATA_KEY, ServingM
 from hps.config import ModelConfig
 from hps.serving.clipping import clip
 from hps.session import LookupSession
-from hps.types import FormatVersionError
+from hps.types import FormatVersionError, Pooling
 from hps.vocabulary import ServingVocabulary
 
 __all__ = [
@@ -133,6 +134,12 @@ class DLRMServable:
                 f"model {model.model!r}: the dense graph takes one pooled block, so "
                 f"every table needs the same vector size; got {sorted(dims)}"
             )
+        self._table_names = [t.name for t in self.tables]
+        self._mean = [j for j, t in enumerate(self.tables) if Pooling(t.combiner) is Pooling.MEAN]
+        # per calling thread (the model's inference thread, or any thread calling ``infer``):
+        # grow-only float32 buffers (looked-up rows, pooled block) each execution writes into,
+        # so no two executions ever share one and no execution page-faults a fresh one
+        self._buffers = threading.local()
 
     @staticmethod
     def _combiners(model: ModelConfig, meta: str | None, path: Path) -> dict[str, str]:
@@ -281,27 +288,52 @@ class DLRMServable:
         inputs = self.check(inputs)
         dense = inputs["dense"]
         b = dense.shape[0]
-        pooled = np.empty((b, len(self.tables), self.tables[0].dim), dtype=np.float32)
-        for j, t in enumerate(self.tables):
-            pooled[:, j] = self._pool(t, inputs[f"ids_{t.name}"], b)
         if b == 0:
             logits = np.zeros((0,), dtype=np.float32)
         else:
+            pooled = self._pool(inputs, b)
             logits = self._ort.run([self._output], {"dense": dense, "pooled": pooled})[0]
             logits = logits.astype(np.float32, copy=False).reshape(b)
         prob = (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
         return {"logits": logits, "probability": prob}
 
-    def _pool(self, t: _Table, ids: np.ndarray, b: int) -> np.ndarray:
-        """``ids (B, w) int64`` (-1 = padding) → ``(B, dim) float32`` pooled rows."""
-        ids64 = torch.from_numpy(ids)
-        keep = ids64 >= 0
-        sample = torch.arange(b).unsqueeze(1).expand_as(ids64)[keep]
-        rows = self.session.lookup(t.name, ids64[keep]).to("cpu", torch.float32)
-        out = torch.zeros(b, t.dim, dtype=torch.float32).index_add_(0, sample, rows)
-        if t.combiner == "mean":
-            out /= keep.sum(dim=1, keepdim=True).clamp(min=1).to(torch.float32)
+    def _pool(self, inputs: Tensors, b: int) -> np.ndarray:
+        """Every table's bags of ``inputs`` (``ids_<t> (B, w_t) int64``, -1 = padding) as
+        ``(B, T, dim) float32``, valid until this thread's next call: the ids ≥ 0 of every
+        table looked up in one fused call (:meth:`LookupSession.lookup_many`), then pooled in
+        one ``index_add_`` that sums each bag's rows in the order its request gave them, from
+        0 (so a sample's vector does not depend on its batch mates, nor on which of its rows
+        were cache hits: merged executions stay bit-equal to each request alone)."""
+        t, dim = len(self.tables), self.tables[0].dim
+        keys, bags, counts = [], [], []
+        sample = torch.arange(b).unsqueeze(1)
+        for j, name in enumerate(self._table_names):
+            ids = torch.from_numpy(inputs[f"ids_{name}"])
+            keep = ids >= 0
+            keys.append(ids[keep])
+            bags.append(sample.expand_as(ids)[keep] * t + j)
+            counts.append(keep.sum(dim=1))
+        n_rows = sum(k.numel() for k in keys)
+        rows = self._buffer("rows", n_rows * dim)
+        pooled = self._buffer("pooled", b * t * dim).view(b * t, dim)
+        try:
+            self.session.lookup_many(self._table_names, keys, out=rows)
+        except ValueError as e:  # a key the parameter server refuses, named by its table
+            raise InputError(f"model {self.name!r}: {e}") from None
+        pooled.zero_().index_add_(0, torch.cat(bags), rows[: n_rows * dim].view(n_rows, dim))
+        out = pooled.view(b, t, dim)
+        if self._mean:
+            n = torch.stack(counts, dim=1)[:, self._mean].clamp(min=1).to(torch.float32)
+            out[:, self._mean] = out[:, self._mean] / n.unsqueeze(2)
         return out.numpy()
+
+    def _buffer(self, name: str, need: int) -> torch.Tensor:
+        """This thread's grow-only float32 buffer ``name``, its first ``need`` elements."""
+        buf: torch.Tensor | None = getattr(self._buffers, name, None)
+        if buf is None or buf.numel() < need:
+            buf = torch.empty(need, dtype=torch.float32)
+            setattr(self._buffers, name, buf)
+        return buf[:need]
 
 
 def check_outputs_finite(model: str, outputs: Tensors) -> None:

@@ -37,6 +37,14 @@ if TYPE_CHECKING:
     from embark.outputs import check_output_dir
     from embark.planner.planner import plan_sharding
     from embark.planner.simulator import simulate
+    from embark.quant import (
+        EmbeddingQuantConfig,
+        RowDtype,
+        evaluate_auc,
+        model_size,
+        plan_compression,
+        quantize_embeddings_,
+    )
     from embark.sharding.checkpoint import load_sharded_checkpoint, save_sharded_checkpoint
     from embark.sharding.model import ShardedDLRM
     from embark.sharding.run import ShardedRunConfig, run_sharded
@@ -88,6 +96,12 @@ _EXPORTS = {
     "Vocabulary": "embark.data.vocabulary",
     "Interaction": "embark.models.workloads",
     "DLRM": "embark.models.dlrm",
+    "EmbeddingQuantConfig": "embark.quant",
+    "RowDtype": "embark.quant",
+    "evaluate_auc": "embark.quant",
+    "model_size": "embark.quant",
+    "plan_compression": "embark.quant",
+    "quantize_embeddings_": "embark.quant",
     "build_model": "embark.models.dlrm",
     "Workload": "embark.models.workloads",
     "PRESETS": "embark.models.workloads",
@@ -151,6 +165,7 @@ __all__ = [
     "EarlyStopping",
     "EmbeddingKernel",
     "EmbeddingOptimizerKind",
+    "EmbeddingQuantConfig",
     "FitReport",
     "HotnessError",
     "HotnessPolicy",
@@ -164,6 +179,7 @@ __all__ = [
     "ParamGroup",
     "PlanError",
     "Preprocessor",
+    "RowDtype",
     "ShardedDLRM",
     "ShardedRunConfig",
     "ShardingPlan",
@@ -184,12 +200,16 @@ __all__ = [
     "auc",
     "build_model",
     "check_output_dir",
+    "evaluate_auc",
     "get_topology",
     "get_workload",
     "load_sharded_checkpoint",
     "local_batch",
     "log_loss",
+    "model_size",
+    "plan_compression",
     "plan_sharding",
+    "quantize_embeddings_",
     "read_state",
     "reshuffled",
     "run_sharded",

@@ -14,9 +14,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from embark.data import Batch
-from embark.models import DLRM
-from embark.quant import (
+from embark import (
+    DLRM,
+    Batch,
     EmbeddingQuantConfig,
     RowDtype,
     evaluate_auc,

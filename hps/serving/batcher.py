@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from hps.serving.servable import DLRMServable, Tensors, check_outputs_finite
+from hps.serving.servable import CheckedInputs, DLRMServable, Tensors, check_outputs_finite
 from hps.serving.statistics import ModelCounts
 
 log = logging.getLogger(__name__)
@@ -98,13 +98,13 @@ class BatchedResult:
 
 @dataclass
 class _Pending:
-    inputs: Tensors
+    inputs: CheckedInputs
     samples: int
     submitted_ns: int
     future: Future[BatchedResult]
 
 
-def merge_requests(servable: DLRMServable, requests: Sequence[Tensors]) -> Tensors:
+def merge_requests(servable: DLRMServable, requests: Sequence[CheckedInputs]) -> CheckedInputs:
     """The inputs of one execution: each input of ``requests`` (checked by
     :meth:`DLRMServable.check`) concatenated along the batch, id lists padded with -1 to the
     widest request's.
@@ -114,7 +114,7 @@ def merge_requests(servable: DLRMServable, requests: Sequence[Tensors]) -> Tenso
     """
     if len(requests) == 1:
         return requests[0]
-    merged = {"dense": np.concatenate([r["dense"] for r in requests])}
+    merged = CheckedInputs(dense=np.concatenate([r["dense"] for r in requests]))
     for name in servable.id_inputs:
         parts = [r[name] for r in requests]
         width = max(p.shape[1] for p in parts)
@@ -170,7 +170,7 @@ class DynamicBatcher:
         )
         self._thread.start()
 
-    def submit(self, inputs: Tensors) -> Future[BatchedResult]:
+    def submit(self, inputs: CheckedInputs) -> Future[BatchedResult]:
         """Queue one request (inputs checked by :meth:`DLRMServable.check`); its future
         resolves to its :class:`BatchedResult`, or to the exception that failed it.
 

@@ -52,6 +52,12 @@ __all__ = [
 Tensors = dict[str, np.ndarray]
 
 
+class CheckedInputs(dict[str, np.ndarray]):
+    """A request's inputs after :meth:`DLRMServable.check`: ids already mapped through the
+    model's vocabulary (row ids, not raw ids) and validated, so they are never checked or
+    mapped a second time (a raw id mapped twice would read another row)."""
+
+
 class InputError(ValueError):
     """A request whose tensors do not fit the model; the message names the input."""
 
@@ -207,7 +213,7 @@ class DLRMServable:
         """The id inputs' names, ``ids_<t>`` in table order."""
         return [f"ids_{t.name}" for t in self.tables]
 
-    def check(self, inputs: Tensors) -> Tensors:
+    def check(self, inputs: Tensors) -> CheckedInputs:
         """One request's inputs checked and normalised, ready to run or to merge with others.
 
         Args:
@@ -246,7 +252,7 @@ class DLRMServable:
             )
         if not np.isfinite(dense).all():
             raise InputError("input 'dense' holds NaN or infinite values")
-        out = {"dense": np.ascontiguousarray(dense)}
+        out = CheckedInputs(dense=np.ascontiguousarray(dense))
         for t in self.tables:
             out[f"ids_{t.name}"] = self._check_ids(t, inputs[f"ids_{t.name}"], b)
         return out
@@ -275,7 +281,8 @@ class DLRMServable:
         """Score one batch (its outputs are not checked: see :func:`check_outputs_finite`).
 
         Args:
-            inputs: ``dense (B, D) float32`` and ``ids_<t> (B, w_t) int64|int32`` per table.
+            inputs: ``dense (B, D) float32`` and ``ids_<t> (B, w_t) int64|int32`` per table,
+                raw as a client sent them, or :class:`CheckedInputs` (run as they are).
 
         Returns:
             ``{"logits": (B,) float32, "probability": (B,) float32}``.
@@ -285,7 +292,8 @@ class DLRMServable:
             TimeoutError: the parameter server had no free lookup worker in time.
             TierUnavailableError: a key that may exist could be read from no tier.
         """
-        inputs = self.check(inputs)
+        if not isinstance(inputs, CheckedInputs):
+            inputs = self.check(inputs)
         dense = inputs["dense"]
         b = dense.shape[0]
         if b == 0:

@@ -27,7 +27,9 @@ from embark.training import TrainConfig, Trainer
 from embark.types import HotnessPolicy, TableConfig
 from export.artifacts import write_serving_artifacts
 from hps.parameter_server import HierarchicalParameterServer
+from hps.serving.batcher import BatchingConfig, DynamicBatcher
 from hps.serving.servable import DLRMServable, InputError
+from hps.serving.statistics import ModelCounts
 
 pytest.importorskip("onnxruntime")
 
@@ -114,7 +116,7 @@ def test_truncate_policy_scores_the_same_in_process_and_served(serve) -> None:
     served = serve(model).infer(_request(batch))["logits"]
     np.testing.assert_allclose(served, local, rtol=0, atol=1e-5)
     trainer = Trainer(model.train(), TrainConfig(lr=0.1))
-    assert trainer.fit([batch], steps=1, progress=False)["steps"] == 1
+    assert trainer.fit([batch], steps=1, progress=False).steps == 1
 
 
 def _frame(n: int, seed: int) -> pd.DataFrame:
@@ -149,8 +151,17 @@ def test_an_unseen_id_gets_the_same_score_in_process_and_served(serve, oov) -> N
         local = model(batch.dense, batch.sparse).numpy()
     unseen_rows = batch.sparse.values_for("user")[:2].tolist()
     assert all(r >= len(prep.vocabularies["user"].keys) for r in unseen_rows)
-    served = serve(model, prep.vocabularies).infer(prep.serving_inputs(rows))
+    servable = serve(model, prep.vocabularies)
+    served = servable.infer(prep.serving_inputs(rows))
     np.testing.assert_allclose(served["logits"], local, rtol=0, atol=1e-5)
+    # the server's route: checked (raw ids mapped) once on arrival, then run by the batcher,
+    # which must not map the already-mapped row ids a second time
+    batcher = DynamicBatcher(servable, BatchingConfig(64, max_queue_delay_us=0), ModelCounts())
+    try:
+        got = batcher.submit(servable.check(prep.serving_inputs(rows))).result(timeout=60)
+    finally:
+        batcher.close()
+    np.testing.assert_array_equal(got.outputs["logits"], served["logits"])
 
 
 def test_an_artifact_without_vocabularies_still_takes_row_ids(serve) -> None:

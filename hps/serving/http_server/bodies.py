@@ -4,12 +4,10 @@ streamed), then parsed and decompressed within the same limit (JSON parts within
 
 from __future__ import annotations
 
-from typing import Any
-
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
-from hps.serving.servable import DLRMServable
+from hps.serving.servable import CheckedInputs, DLRMServable
 from hps.serving.v2_protocol import HEADER_LENGTH, InferRequest, ProtocolError, parse_infer_request
 
 __all__ = ["RequestBodies"]
@@ -66,7 +64,7 @@ class RequestBodies:
 
     async def parse(
         self, s: DLRMServable, body: bytes | bytearray, request: Request
-    ) -> tuple[InferRequest, dict[str, Any]]:
+    ) -> tuple[InferRequest, CheckedInputs]:
         """The request parsed and checked: ``(InferRequest, checked inputs)``; on the event
         loop when small, else on a worker thread."""
         header_length = request.headers.get(HEADER_LENGTH)
@@ -83,7 +81,7 @@ class RequestBodies:
         body: bytes | bytearray,
         header_length: str | None,
         encoding: str | None,
-    ) -> tuple[InferRequest, dict[str, Any]]:
+    ) -> tuple[InferRequest, CheckedInputs]:
         """Parse ``body`` (decompressing ``encoding``, within the limits) and check its
         inputs against ``s``: ``(InferRequest, checked inputs)``."""
         req = parse_infer_request(

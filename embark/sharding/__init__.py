@@ -23,7 +23,8 @@ from embark.sharding.grad_buckets import GradBuckets
 from embark.sharding.hierarchical import NodeGroups
 from embark.sharding.input import DistributedInput, PendingInput
 from embark.sharding.model import ShardedDLRM, ShardedSync
-from embark.sharding.pipeline import InputPrefetcher, SparseDistPipeline
+from embark.sharding.pipeline import SparseDistPipeline
+from embark.sharding.prefetch import InputPrefetcher
 from embark.sharding.routing import Layout, ShardRef
 from embark.sharding.run import ShardedRunConfig, ShardedRunResult, run_sharded
 

@@ -55,7 +55,7 @@ from embark.sharding.collection import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world, grad_wire
 from embark.sharding.grad_buckets import GradBuckets
 from embark.sharding.phases import Phase, PhaseClock
-from embark.sharding.pipeline import InputPrefetcher
+from embark.sharding.prefetch import InputPrefetcher
 from embark.types import CommDtype, ShardingPlan
 
 

@@ -31,6 +31,7 @@ from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -283,3 +284,15 @@ def start_batchers(
             b.close()
         raise
     return out
+
+
+def model_config(s: DLRMServable, batching: BatchingConfig) -> dict[str, Any]:
+    """Triton's configuration of ``s`` served with ``batching``: the servable's
+    (:meth:`DLRMServable.config`) with Triton's ``dynamic_batching`` section."""
+    return {
+        **s.config(),
+        "dynamic_batching": {
+            "preferred_batch_size": [batching.max_batch_size],
+            "max_queue_delay_microseconds": batching.max_queue_delay_us,
+        },
+    }

@@ -45,7 +45,7 @@ from google.protobuf.message import DecodeError
 
 import hps.serving.protos.grpc_predict_v2_pb2 as pb
 import hps.serving.protos.triton_extensions_pb2 as ext
-from hps.serving.batcher import DynamicBatcher
+from hps.serving.batcher import DynamicBatcher, model_config
 from hps.serving.clipping import clip
 from hps.serving.grpc_protocol import encode_grpc_response, parse_grpc_request
 from hps.serving.servable import DLRMServable, InputError, NonFiniteOutputError
@@ -146,7 +146,6 @@ class GrpcInferenceServicer:
     def model_config(
         self, request: ext.ModelConfigRequest, context: grpc.ServicerContext
     ) -> ext.ModelConfigResponse:
-        from hps.serving.http_server import model_config  # the HTTP module imports this one
 
         s = self._model(context, request.name, request.version)
         doc = model_config(s, self.batchers[s.name].cfg)

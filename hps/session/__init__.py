@@ -7,7 +7,7 @@ the table's default vector.
   tier could read.
 - :mod:`hps.session.fill`: what cache misses get (the fill policy) and the background cache jobs.
 
-Its statistics are :mod:`hps.session_stats`; its fused multi-table lookup :mod:`hps.fused_session`.
+Its statistics are :mod:`hps.session_stats`; its fused multi-table lookup :mod:`hps.session.fused`.
 """
 
 from hps.session.lookup import LookupSession, SessionTable, unique_with_inverse

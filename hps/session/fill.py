@@ -28,7 +28,7 @@ from hps.session_stats import SessionStats
 from hps.storage.cache import EmbeddingCache
 
 if TYPE_CHECKING:
-    from hps.session.lookup import SessionTable
+    from hps.session.table import SessionTable
 
 __all__ = ["CacheFill"]
 
@@ -81,7 +81,7 @@ class CacheFill:
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Rows for the cache misses of one lookup of ``t`` (the fill policy of
         :mod:`hps.session.lookup`), used by :meth:`~hps.session.LookupSession.lookup` and the
-        fused lookups (:mod:`hps.fused_session`).
+        fused lookups (:mod:`hps.session.fused`).
 
         Args:
             mkeys: ``(k,) int64`` the missed keys, unique, on the CPU.

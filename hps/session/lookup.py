@@ -48,16 +48,16 @@ import threading
 import time
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
-from hps.fused_session import fused_lookup
 from hps.key_counts import KeyCounts
 from hps.rwlock import ReadWriteLock
 from hps.session.fill import CacheFill
+from hps.session.fused import fused_lookup
+from hps.session.table import SessionTable, unique_with_inverse
 from hps.session.tiers import TierReader
 from hps.session_stats import SessionStats
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache
@@ -65,49 +65,6 @@ from hps.types import Pooling, StorageBackend, TierUnavailableError
 
 if TYPE_CHECKING:  # hps.updates imports this module: its types only, at run time lazily
     from hps.updates.health import UpdateHealth, UpdateStatus
-
-
-def unique_with_inverse(flat: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``flat (m,) int64`` → ``(unique (n,) sorted, inverse (m,), counts (n,))`` from one sort
-    (``torch.unique(return_inverse=True)`` is ~10× slower on CPU).
-
-    ``flat = [5, 9, 5, 2]`` → ``unique = [2, 5, 9]``, ``inverse = [1, 2, 1, 0]``, ``counts = [1, 2, 1]``.
-    """
-    m = flat.numel()
-    if m == 0:
-        e = torch.zeros(0, dtype=torch.int64, device=flat.device)
-        return e, e.clone(), e.clone()
-    sorted_keys, order = torch.sort(flat)
-    new = torch.ones(m, dtype=torch.bool, device=flat.device)
-    new[1:] = sorted_keys[1:] != sorted_keys[:-1]
-    group = torch.cumsum(new, 0) - 1
-    inverse = torch.empty_like(group)
-    inverse[order] = group
-    uniq = sorted_keys[new]
-    starts = torch.nonzero(new).squeeze(1)
-    counts = torch.diff(starts, append=torch.tensor([m], device=flat.device))
-    return uniq, inverse, counts
-
-
-@dataclass
-class SessionTable:
-    """One table as a session serves it.
-
-    ``name`` is the model's name for it (what :meth:`LookupSession.lookup` takes); ``db_name``
-    the name the databases key it by and update records name it by (``name`` unless two
-    models name a table alike with other rows: then ``<model>.<name>``, :meth:`hps.config.PSConfig.db_table`;
-    empty means ``name``).
-    """
-
-    name: str
-    dim: int
-    default_value: float
-    max_keys: int
-    cache: EmbeddingCache | None = None
-    db_name: str = ""
-
-    def __post_init__(self) -> None:
-        self.db_name = self.db_name or self.name
 
 
 class LookupSession:

@@ -13,7 +13,7 @@ from hps.session_stats import SessionStats
 from hps.types import StorageBackend, TierUnavailableError, VolatileUnavailableError
 
 if TYPE_CHECKING:
-    from hps.session.lookup import SessionTable
+    from hps.session.table import SessionTable
 
 __all__ = ["Fetched", "TierReader"]
 

@@ -44,6 +44,7 @@ With ``grpc_port`` set, the same servables are served over gRPC too
   :func:`open_server`.
 """
 
+from hps.serving.batcher import model_config
 from hps.serving.http_server.config import (
     MAX_CONNECTIONS,
     MAX_ORT_THREADS,
@@ -53,7 +54,7 @@ from hps.serving.http_server.config import (
     ServerConfig,
     available_cores,
 )
-from hps.serving.http_server.endpoints import create_app, model_config
+from hps.serving.http_server.endpoints import create_app
 from hps.serving.http_server.server import InferenceServer, build_servables, open_server
 
 __all__ = [

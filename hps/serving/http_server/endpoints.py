@@ -17,7 +17,12 @@ from starlette.requests import ClientDisconnect, Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from hps.serving.batcher import BatchedResult, BatchingConfig, DynamicBatcher, start_batchers
+from hps.serving.batcher import (
+    BatchedResult,
+    DynamicBatcher,
+    model_config,
+    start_batchers,
+)
 from hps.serving.http_server.bodies import RequestBodies
 from hps.serving.http_server.config import ServerConfig
 from hps.serving.servable import DLRMServable, InputError, NonFiniteOutputError
@@ -34,7 +39,7 @@ from hps.serving.v2_protocol import (
 )
 from hps.types import TierUnavailableError
 
-__all__ = ["create_app", "model_config"]
+__all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -221,18 +226,6 @@ class _V2Endpoints:
         if name in self.counts:
             self.counts[name].failed(time.perf_counter_ns() - start, non_finite)
         return resp
-
-
-def model_config(s: DLRMServable, batching: BatchingConfig) -> dict[str, Any]:
-    """Triton's configuration of ``s`` served with ``batching``: the servable's
-    (:meth:`DLRMServable.config`) with Triton's ``dynamic_batching`` section."""
-    return {
-        **s.config(),
-        "dynamic_batching": {
-            "preferred_batch_size": [batching.max_batch_size],
-            "max_queue_delay_microseconds": batching.max_queue_delay_us,
-        },
-    }
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:

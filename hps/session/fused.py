@@ -19,25 +19,53 @@ one (the same results).
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from hps.fused import GatherArgs, gather
 from hps.kernels import load_extension
+from hps.key_counts import KeyCounts
+from hps.rwlock import ReadWriteLock
+from hps.session.fill import CacheFill
+from hps.session.table import SessionTable, unique_with_inverse
+from hps.session_stats import SessionStats
 from hps.storage.cache import EmbeddingCache
 from hps.types import CachePolicy, Pooling, TierUnavailableError
-
-if TYPE_CHECKING:
-    from hps.session import LookupSession, SessionTable
 
 __all__ = ["fused_lookup"]
 
 
+class SessionView(Protocol):
+    """What the fused pass uses of :class:`hps.session.LookupSession` (which calls it): its
+    tables, workers, lock, statistics and miss path."""
+
+    device: torch.device
+    compiled: bool
+    max_concurrent: int
+    acquire_timeout_s: float
+    update_lock: ReadWriteLock
+    statistics: SessionStats
+    fill: CacheFill
+    key_stats: dict[str, KeyCounts] | None
+    _slots: threading.BoundedSemaphore
+
+    @property
+    def hit_rate_threshold(self) -> float: ...
+
+    def _table(self, table: str) -> SessionTable: ...
+
+    def _age_key_stats(self, t: SessionTable, cache: EmbeddingCache) -> int: ...
+
+    def lookup(self, table: str, keys: torch.Tensor | np.ndarray) -> torch.Tensor: ...
+
+
 def _check(
-    s: LookupSession, tables: Sequence[str], keys: Sequence[torch.Tensor], bags: bool
+    s: SessionView, tables: Sequence[str], keys: Sequence[torch.Tensor], bags: bool
 ) -> tuple[list[SessionTable], list[torch.Tensor]]:
     if len(tables) != len(keys):
         raise ValueError(f"{len(tables)} tables but {len(keys)} key tensors")
@@ -91,7 +119,7 @@ def _out_buffer(
 
 
 def fused_lookup(
-    s: LookupSession,
+    s: SessionView,
     tables: Sequence[str],
     keys: Sequence[torch.Tensor],
     pooling: list[Pooling] | None,
@@ -144,12 +172,12 @@ def fused_lookup(
     ]
 
 
-def _fusable(s: LookupSession, caches: list[EmbeddingCache | None]) -> bool:
+def _fusable(s: SessionView, caches: list[EmbeddingCache | None]) -> bool:
     return s.device.type == "cpu" and all(c is not None and c.device.type == "cpu" for c in caches)
 
 
 def _run(
-    s: LookupSession,
+    s: SessionView,
     ts: list[SessionTable],
     flat: list[torch.Tensor],
     caches: list[EmbeddingCache],
@@ -211,7 +239,7 @@ def _name_table(msg: str, ts: list[SessionTable]) -> str:
 
 
 def _serve_all_misses(
-    s: LookupSession,
+    s: SessionView,
     ts: list[SessionTable],
     flat: list[torch.Tensor],
     caches: list[EmbeddingCache],
@@ -225,7 +253,6 @@ def _serve_all_misses(
 ) -> None:
     """The miss path of each table that had misses; a table whose miss path fails is
     appended to ``failed`` before the error propagates (the later tables are not served)."""
-    from hps.session import unique_with_inverse
 
     start = 0
     for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
@@ -272,7 +299,7 @@ def _serve_all_misses(
 
 
 def _count_keys(
-    s: LookupSession, ts: list[SessionTable], flat: list[torch.Tensor], per: list[list[int]]
+    s: SessionView, ts: list[SessionTable], flat: list[torch.Tensor], per: list[list[int]]
 ) -> None:
     if s.key_stats is None:
         return
@@ -290,7 +317,7 @@ def _count_keys(
 
 
 def _per_table(
-    s: LookupSession,
+    s: SessionView,
     ts: list[SessionTable],
     keys: Sequence[torch.Tensor],
     flat: list[torch.Tensor],

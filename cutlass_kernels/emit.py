@@ -73,7 +73,13 @@ GENERATOR_VERSION = "tilerec-tw-emit 1"
 # -fPIC: the objects are linked into the torch extension's shared library).
 NVCC_FLAGS = ("-std=c++17", "-O3", "--expt-relaxed-constexpr", "-Xcompiler=-fPIC")
 
-_TEMPLATE_SOURCES = ("tw_args.h", "tw_gemm.h", "tw_gemm_sm90.h")
+_TEMPLATE_SOURCES = (
+    "tw_args.h",
+    "tw_activation.h",
+    "tw_epilogue.h",
+    "tw_gemm.h",
+    "tw_gemm_sm90.h",
+)
 
 
 @dataclass(frozen=True)

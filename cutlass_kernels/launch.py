@@ -2,7 +2,11 @@
 
 * :func:`select_for` / :func:`tile_limit` — which instance a launch takes, and the widest tile
   any candidate covers (the packing splits wider tiles into sub-tiles).
-* :func:`tw_gemm_kmajor` — one launch on K-major activations (``xt (K, ldx) → yt (N, ldy)``).
+* :func:`tw_gemm_kmajor` — one launch on K-major activations (``xt (K, ldx) → yt (N, ldy)``),
+  bias and activation fused in the epilogue.
+* :func:`bind` — a launch with its instance and extension resolved once
+  (:class:`BoundLaunch`): what a fixed-shape caller (``tilesparse.TWChain``) runs per call, with
+  no instance selection, device query or host sync on the hot path.
 * :func:`tw_linear_packed` — ``(..., K) → (..., N)`` row-major on a packed weight (the two
   transposes included).
 
@@ -15,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+from dataclasses import dataclass
 from types import ModuleType
 
 import torch
@@ -22,12 +27,14 @@ import torch
 import cutlass_kernels.build as build
 import cutlass_kernels.reference as reference
 import cutlass_kernels.toolchain as toolchain
-from cutlass_kernels.epilogue import Activation
+from cutlass_kernels.epilogue import ACTIVATION_CODE
 from cutlass_kernels.manifest import Arch, DType, Mainloop, TWKernel, manifest, select, widest_tile
 
 __all__ = [
     "DTYPES",
     "MAINLOOP_ENV",
+    "BoundLaunch",
+    "bind",
     "select_for",
     "tile_limit",
     "tw_gemm_kmajor",
@@ -107,41 +114,32 @@ def tile_limit(
     return widest_tile(kernels, DTYPES[dtype], arch, mainloop)
 
 
-def tw_gemm_kmajor(
-    launch: reference.TWLaunch, *, kernel: TWKernel | None = None, ext: ModuleType | None = None
-) -> torch.Tensor:
-    """Run the kernel on packed arguments: ``launch.yt`` updated in place and returned.
+@dataclass(frozen=True)
+class BoundLaunch:
+    """One launch with everything but the stream resolved: the instance, the extension, and
+    the binding's arguments. :meth:`run` only calls the binding (which checks its operands in
+    C++), so a caller that reuses its buffers (a K-major chain) pays no selection, device query
+    or Python-side check per call, and the launch can be captured into a CUDA graph.
 
-    Args:
-        launch: from :func:`reference.pack_launch` (CUDA tensors, fp16 or bf16), or built
-            directly for K-major activations (``xt (K, ldx)``, ``yt (N, ldy)``).
-        kernel: the instance (default: :func:`manifest.select` for the call).
-        ext: the extension (default: :func:`~cutlass_kernels.build.default_extension` for the
-            device).
-
-    Raises:
-        ValueError: unsupported dtype, or no instance wide enough for the tiles.
+    Attributes:
+        launch: the packed arguments (their tensors are read at every run: refill ``xt`` in
+            place between runs).
+        kernel: the instance that runs it.
+        ext: the extension holding ``kernel``.
     """
-    pw = launch.weight
-    if pw.dtype not in DTYPES:
-        raise ValueError(f"the TW kernels take float16 or bfloat16, got {pw.dtype}")
-    if launch.bias is not None or launch.activation is not Activation.NONE:
-        raise ValueError(
-            "the built TW kernels' epilogue is alpha·acc + beta·C: a launch with an epilogue "
-            f"bias or activation ({launch.activation}) runs only in the emulation"
-        )
-    arch = toolchain.device_arch(launch.xt.device)
-    ext = ext or build.default_extension(arch)
-    if kernel is None:
-        kernel = select_for(launch, ext)
-    elif kernel.tile_g < pw.max_tile_width:
-        raise ValueError(
-            f"{kernel.name} covers tiles of {kernel.tile_g} columns, the layer has {pw.max_tile_width}"
-        )
-    if pw.num_tiles and launch.batch:
-        stream = torch.cuda.current_stream(launch.xt.device).cuda_stream
-        ext.tw_gemm(
-            kernel.name,
+
+    launch: reference.TWLaunch
+    kernel: TWKernel
+    ext: ModuleType
+
+    def run(self, stream: int) -> None:
+        """Launch on ``stream`` (a ``cudaStream_t`` as an int:
+        ``torch.cuda.current_stream().cuda_stream``); ``launch.yt`` is written in place."""
+        launch, pw = self.launch, self.launch.weight
+        if not (pw.num_tiles and launch.batch):
+            return  # the launcher would return without launching
+        self.ext.tw_gemm(
+            self.kernel.name,
             pw.tile_meta,
             pw.col_idx,
             pw.row_idx,
@@ -152,8 +150,68 @@ def tw_gemm_kmajor(
             launch.batch,
             launch.alpha,
             launch.beta,
+            launch.bias,
+            ACTIVATION_CODE[launch.activation],
             stream,
         )
+
+
+def bind(
+    launch: reference.TWLaunch, *, kernel: TWKernel | None = None, ext: ModuleType | None = None
+) -> BoundLaunch:
+    """Resolve a launch's instance and extension once (see :class:`BoundLaunch`).
+
+    Args:
+        launch: from :func:`reference.pack_launch` (CUDA tensors, fp16 or bf16), or built
+            directly for K-major activations (``xt (K, ldx)``, ``yt (N, ldy)``), with an
+            optional epilogue bias (``alpha = 1``, ``beta = 0``) and activation.
+        kernel: the instance (default: :func:`select_for` the launch).
+        ext: the extension (default: :func:`~cutlass_kernels.build.default_extension` for the
+            device).
+
+    Raises:
+        ValueError: unsupported dtype, no instance wide enough for the tiles, or an epilogue
+            the kernel refuses (a bias with ``alpha != 1`` or ``beta != 0``).
+    """
+    pw = launch.weight
+    if pw.dtype not in DTYPES:
+        raise ValueError(f"the TW kernels take float16 or bfloat16, got {pw.dtype}")
+    if launch.bias is not None and (launch.alpha != 1.0 or launch.beta != 0.0):
+        raise ValueError(
+            "a launch with an epilogue bias needs alpha = 1 and beta = 0, got "
+            f"alpha={launch.alpha} beta={launch.beta}"
+        )
+    arch = toolchain.device_arch(launch.xt.device)
+    ext = ext or build.default_extension(arch)
+    if kernel is None:
+        kernel = select_for(launch, ext)
+    elif kernel.tile_g < pw.max_tile_width:
+        raise ValueError(
+            f"{kernel.name} covers tiles of {kernel.tile_g} columns, the layer has {pw.max_tile_width}"
+        )
+    return BoundLaunch(launch, kernel, ext)
+
+
+def tw_gemm_kmajor(
+    launch: reference.TWLaunch, *, kernel: TWKernel | None = None, ext: ModuleType | None = None
+) -> torch.Tensor:
+    """Run the kernel on packed arguments: ``launch.yt`` updated in place and returned.
+
+    ``yt[col_idx[...], :batch] = act(alpha·acc + beta·yt[...])``, or ``act(acc + bias[...])``
+    with a bias (:mod:`cutlass_kernels.epilogue`), on the current stream. One-off: a caller that
+    launches the same buffers again binds them once (:func:`bind`).
+
+    Args:
+        launch: the packed arguments (as :func:`bind`).
+        kernel: the instance (default: :func:`manifest.select` for the call).
+        ext: the extension (default: :func:`~cutlass_kernels.build.default_extension` for the
+            device).
+
+    Raises:
+        ValueError: as :func:`bind`.
+    """
+    bound = bind(launch, kernel=kernel, ext=ext)
+    bound.run(torch.cuda.current_stream(launch.xt.device).cuda_stream)
     return launch.yt
 
 

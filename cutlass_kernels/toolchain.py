@@ -24,6 +24,7 @@ import torch
 from cutlass_kernels.manifest import Arch
 
 __all__ = [
+    "CACHE_ENV",
     "cache_dir",
     "cuda_toolkit_root",
     "cudart_library",
@@ -35,8 +36,15 @@ __all__ = [
 ]
 
 
+CACHE_ENV = "TILEREC_CUTLASS_CACHE"  # a cache folder of its own (e.g. objects built elsewhere)
+
+
 def cache_dir() -> Path:
-    """``$XDG_CACHE_HOME/tilerec/cutlass`` (``~/.cache/tilerec/cutlass`` by default)."""
+    """``$TILEREC_CUTLASS_CACHE`` when set (objects compiled on another machine and carried
+    over), else ``$XDG_CACHE_HOME/tilerec/cutlass`` (``~/.cache/tilerec/cutlass`` by default)."""
+    own = os.environ.get(CACHE_ENV)
+    if own:
+        return Path(own)
     base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
     return Path(base) / "tilerec" / "cutlass"
 

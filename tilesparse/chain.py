@@ -11,23 +11,24 @@ does one layout change where the chain starts and one where it ends::
 ``B = round_up(M, 8)``: the batch padded to the kernel's alignment (no padding when ``M`` is a
 multiple of 8). Padding columns are zeroed once, when the buffers are made; batch columns are
 independent, so whatever the padding columns of a layer's output hold never reaches a real
-column. Bias and activation (ReLU, GELU) are fused in the epilogue
+column. Bias and activation (ReLU, GELU) are fused in the kernel's epilogue
 (``D = act(acc + bias[n])`` in fp32, rounded once; :mod:`cutlass_kernels.epilogue`) with
-``beta = 0``: the output buffers are never zero-filled per call. Rows of pruned output columns
-are never written by the kernel: they are set once to ``act(bias[n])`` when the buffer is made.
-Layers are packed (and their layouts validated) once per dtype/device, again only after a
-layer's tensors are replaced or edited in place. A call makes no ``.item()`` or host sync of
-its own.
+``beta = 0``: one kernel per layer, and the output buffers are never zero-filled per call. Rows
+of pruned output columns are never written by the kernel: they are set once to ``act(bias[n])``
+(the epilogue's arithmetic) when the buffer is made. Layers are packed (and their layouts
+validated) once per dtype/device, again only after a layer's tensors are replaced or edited in
+place; the kernel instances are chosen once per call shape
+(:func:`cutlass_kernels.launch.bind`). A call makes no ``.item()``, host sync or instance
+selection of its own: one copy in, one binding call per layer, one allocation and copy out.
+With ``cuda_graph=True`` the layers' launches of a call shape are captured into one CUDA graph
+after a warm-up call and replayed from then on (:mod:`tilesparse.kernels.graphs`).
 
 Backends (:class:`~tilesparse.backend.Backend`, the chain's ``backend``):
 
 * ``emulated`` — the K-major path through :func:`cutlass_kernels.reference.emulate` (any
   device, any float dtype): exactly what the kernel computes from the same packed buffers.
-* ``cutlass`` — the K-major path on the CUDA kernel (fp16/bf16 CUDA tensors). The built
-  kernels' epilogue is ``alpha·acc + beta·C`` only, so on the GPU the bias is written into the
-  output buffer before the launch (``beta = 1``) and the activation runs in place on it
-  afterwards (still K-major: no layout change); equal to the fused emulation for bias and
-  ReLU, within one rounding for GELU.
+* ``cutlass`` — the K-major path on the CUDA kernel (fp16/bf16 CUDA tensors), bit-equal to
+  ``emulated`` (the emulation computes the kernel's epilogue op for op, GELU included).
 * anything else (``auto``, ``cpu``, ``reference``) — the layers one by one, as the
   ``nn.Sequential`` would run them (each layer with its own backend).
 
@@ -62,7 +63,9 @@ from tilesparse.linear import TileSparseLinear
 
 if TYPE_CHECKING:
     from cutlass_kernels.epilogue import Activation
+    from cutlass_kernels.launch import BoundLaunch
     from cutlass_kernels.reference import TWLaunch, TWPackedWeight
+    from tilesparse.kernels.graphs import GraphRunner
 
 __all__ = ["TWChain", "chain_", "to_chain"]
 
@@ -154,13 +157,21 @@ class _Packed:
     biases: tuple[torch.Tensor | None, ...]
 
 
+def _on_kernel_device(x: torch.Tensor) -> bool:
+    """Whether ``x`` can feed the CUDA kernels (fp16/bf16 on a CUDA device)."""
+    return x.device.type == "cuda" and x.dtype in (torch.float16, torch.bfloat16)
+
+
 @dataclass
 class _Buffers:
-    """The K-major buffers and launches of one call shape (``rows`` real batch rows)."""
+    """The K-major buffers and launches of one call shape (``rows`` real batch rows); on the
+    ``cutlass`` backend, the launches bound to their instances and the graph runner."""
 
     rows: int
     xt: torch.Tensor
     launches: tuple[TWLaunch, ...]
+    bound: tuple[BoundLaunch, ...] = ()
+    runner: GraphRunner | None = None
 
 
 class TWChain(nn.Sequential):
@@ -173,6 +184,9 @@ class TWChain(nn.Sequential):
         *modules: the modules, in order.
         backend: ``emulated``/``cutlass`` for the K-major path, anything else runs the layers
             one by one.
+        cuda_graph: on ``cutlass``, capture each call shape's launches into a CUDA graph after
+            one eager call and replay it (``x`` is copied into the graph's input buffer; the
+            output is a fresh tensor, as without graphs). Ignored on other backends.
 
     Raises:
         ValueError: a module that cannot be chained, layer sizes that do not follow, or an
@@ -181,10 +195,16 @@ class TWChain(nn.Sequential):
     Forward: ``x (..., K0)`` → ``(..., N_last)`` in ``x.dtype``.
     """
 
-    def __init__(self, *modules: nn.Module, backend: Backend | str = Backend.EMULATED) -> None:
+    def __init__(
+        self,
+        *modules: nn.Module,
+        backend: Backend | str = Backend.EMULATED,
+        cuda_graph: bool = False,
+    ) -> None:
         super().__init__(*modules)
         self._steps = _parse(list(modules))
         self.backend = backend
+        self.cuda_graph = cuda_graph
         self._packed: _Packed | None = None
         self._bufs: _Buffers | None = None
 
@@ -240,9 +260,7 @@ class TWChain(nn.Sequential):
             raise ValueError(
                 f"TWChain: x has {x.shape[-1]} features (shape {tuple(x.shape)}), expected {k0}"
             )
-        if self._backend is Backend.CUTLASS and (
-            x.device.type != "cuda" or x.dtype not in (torch.float16, torch.bfloat16)
-        ):
+        if self._backend is Backend.CUTLASS and not _on_kernel_device(x):
             raise ValueError(
                 f"TWChain backend 'cutlass' takes float16/bfloat16 CUDA tensors, got {x.dtype} on {x.device}"
             )
@@ -250,34 +268,16 @@ class TWChain(nn.Sequential):
         m = math.prod(lead)
         bufs = self._call_buffers(layers, m, x.dtype, x.device)
         bufs.xt[:, :m].copy_(x.reshape(m, k0).t())  # the one layout change in
-        for launch, step in zip(bufs.launches, self._steps, strict=True):
-            self._launch(launch, step.activation)
+        if bufs.runner is not None:
+            bufs.runner()
+        else:
+            import cutlass_kernels.reference as reference
+
+            for launch in bufs.launches:
+                reference.emulate(launch)
         y = x.new_empty((m, n_last))
         y.copy_(bufs.launches[-1].yt[:, :m].t())  # the one layout change out
         return y.reshape(*lead, n_last)
-
-    def _launch(self, launch: TWLaunch, activation: Activation) -> None:
-        """One layer on its K-major buffers (``launch.yt`` written in place)."""
-        import cutlass_kernels.reference as reference
-
-        if self._backend is Backend.EMULATED:
-            reference.emulate(launch)
-            return
-        from cutlass_kernels.epilogue import Activation
-        from cutlass_kernels.launch import tw_gemm_kmajor
-
-        # The built epilogue has no bias vector or activation: bias as C with beta = 1,
-        # the activation in place after the launch.
-        plain = _plain(launch)
-        if launch.bias is not None:
-            plain.yt.copy_(launch.bias.unsqueeze(1).expand_as(plain.yt))
-        tw_gemm_kmajor(plain)
-        if activation is Activation.RELU:
-            plain.yt.relu_()
-        elif activation is not Activation.NONE:
-            from cutlass_kernels.epilogue import apply_activation
-
-            plain.yt.copy_(apply_activation(plain.yt, activation))
 
     def _pack(
         self, layers: tuple[TileSparseLinear, ...], dtype: torch.dtype, device: torch.device
@@ -343,21 +343,35 @@ class TWChain(nn.Sequential):
             )
             src = yt
         self._bufs = _Buffers(rows, xt, tuple(launches))
+        if self._backend is Backend.CUTLASS:
+            self._bind(self._bufs)
         return self._bufs
 
+    def _bind(self, bufs: _Buffers) -> None:
+        """Choose each launch's instance once and make the runner that launches them."""
+        from cutlass_kernels.launch import bind
+        from tilesparse.kernels.graphs import GraphRunner, TorchCudaGraph
 
-def _plain(launch: TWLaunch) -> TWLaunch:
-    """``launch`` for the built kernels: no epilogue bias or activation, ``beta = 1`` when it
-    had a bias (written into ``yt`` before the launch)."""
-    import cutlass_kernels.reference as reference
+        bufs.bound = tuple(bind(launch) for launch in bufs.launches)
+        device = bufs.xt.device
+        bound = bufs.bound
 
-    beta = 0.0 if launch.bias is None else 1.0
-    return reference.TWLaunch(
-        launch.weight, launch.xt, launch.yt, launch.batch, launch.rows, launch.alpha, beta
-    )
+        def launches() -> None:
+            stream = torch.cuda.current_stream(device).cuda_stream
+            for b in bound:
+                b.run(stream)
+
+        def make_graph() -> TorchCudaGraph:
+            return TorchCudaGraph(device)
+
+        bufs.runner = GraphRunner(
+            launches, make_graph, enabled=self.cuda_graph, on_cuda=_on_kernel_device(bufs.xt)
+        )
 
 
-def to_chain(module: nn.Sequential, backend: Backend | str | None = None) -> TWChain:
+def to_chain(
+    module: nn.Sequential, backend: Backend | str | None = None, *, cuda_graph: bool = False
+) -> TWChain:
     """A :class:`TWChain` over ``module``'s children (the same module objects: nothing is
     copied), e.g. a compressed MLP or FFN block ``Sequential(fc1, GELU(), Dropout(), fc2)``.
 
@@ -365,6 +379,7 @@ def to_chain(module: nn.Sequential, backend: Backend | str | None = None) -> TWC
         module: an ``nn.Sequential`` of chainable modules (see :class:`TWChain`).
         backend: the chain's backend (default: ``cutlass`` when the first layer's tensors are
             on a CUDA device, else ``emulated``).
+        cuda_graph: as :class:`TWChain`.
 
     Raises:
         ValueError: as :class:`TWChain`.
@@ -376,7 +391,7 @@ def to_chain(module: nn.Sequential, backend: Backend | str | None = None) -> TWC
         first = next((m for m in mods if isinstance(m, TileSparseLinear)), None)
         on_cuda = first is not None and first.values.device.type == "cuda"
         backend = Backend.CUTLASS if on_cuda else Backend.EMULATED
-    chain = TWChain(*mods, backend=backend)
+    chain = TWChain(*mods, backend=backend, cuda_graph=cuda_graph)
     chain.train(module.training)
     return chain
 
@@ -389,7 +404,9 @@ def _chainable(module: nn.Sequential) -> bool:
     return True
 
 
-def chain_(model: nn.Module, backend: Backend | str | None = None) -> list[str]:
+def chain_(
+    model: nn.Module, backend: Backend | str | None = None, *, cuda_graph: bool = False
+) -> list[str]:
     """Replace, in place, every ``nn.Sequential`` inside ``model`` that is a chain (see
     :class:`TWChain`) with a :class:`TWChain` over the same modules; ``state_dict`` keys do not
     change. Other modules are left as they are.
@@ -397,6 +414,7 @@ def chain_(model: nn.Module, backend: Backend | str | None = None) -> list[str]:
     Args:
         model: e.g. a compressed model (``TileSparsePruner.compress()``'s result).
         backend: as :func:`to_chain`.
+        cuda_graph: as :class:`TWChain`.
 
     Returns:
         the qualified names of the replaced modules (``""`` for ``model`` itself, which is
@@ -408,6 +426,6 @@ def chain_(model: nn.Module, backend: Backend | str | None = None) -> list[str]:
             continue
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name)
-        setattr(parent, attr, to_chain(mod, backend))
+        setattr(parent, attr, to_chain(mod, backend, cuda_graph=cuda_graph))
         replaced.append(name)
     return replaced

@@ -2,11 +2,15 @@
 # Build the CUTLASS TW kernels, check them against the reference (nonzero exit on any numeric
 # mismatch), and benchmark TW vs dense cuBLAS and 2:4 on BERT and DLRM-DCNv2 shapes.
 # Then verifies and times K-major TW chains (gpu_chains.py: single layers, BERT FFN blocks,
-# the DLRM-DCNv2 MLPs at 50/75/90%) into benchmarks/results/cutlass_chains.json.
+# the DLRM-DCNv2 MLPs at 50/75/90%, bias + activation fused in the kernel's epilogue, eager and
+# through CUDA graphs) into benchmarks/results/cutlass_chains.json.
 # Usage: benchmarks/cutlass_kernels/gpu_check.sh [--quick] [--out FILE] [--dtype f16|bf16|both]
 #        benchmarks/cutlass_kernels/gpu_check.sh --dry-run   (CPU: the chain path, emulated)
-# Budget: < 8 min on one H100/H200, counted from this script's start: no new verification child
-# or shape starts after 440 s (--budget-s gets what is left of it), a hard timeout at 470 s.
+# Budget: < 8 min on one H100/H200, counted from this script's start: the kernel check starts
+# no verification child or shape after 280 s (--budget-s gets what is left of it; hard timeout
+# at 310 s), the chains get the rest: no chain row starts after 440 s, a hard timeout at 470 s.
+# Objects compiled beforehand on a CPU machine (python -m benchmarks.cutlass_kernels.prebuild,
+# docs/cutlass.md) are used from .cutlass-cache/ when it was carried along.
 #
 # Needs a python whose torch sees the GPU, nvcc, and nvidia-cutlass (module cutlass_library, for
 # the headers and tag tables). A GPU machine without a package index gets nvidia-cutlass as a
@@ -58,18 +62,24 @@ if ! command -v nvcc >/dev/null; then
   done
 fi
 export MAX_JOBS="${MAX_JOBS:-$(nproc)}"   # parallel nvcc in the torch extension build
+if [ -z "${TILEREC_CUTLASS_CACHE:-}" ] && [ -d .cutlass-cache ]; then
+  export TILEREC_CUTLASS_CACHE="$PWD/.cutlass-cache"   # objects prebuilt elsewhere
+  echo "gpu_check: using the carried objects in $TILEREC_CUTLASS_CACHE"
+fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-budget=$((440 - SECONDS)); [ "$budget" -gt 0 ] || budget=0
-hard=$((470 - SECONDS)); [ "$hard" -gt 30 ] || hard=30
+budget=$((280 - SECONDS)); [ "$budget" -gt 0 ] || budget=0
+hard=$((310 - SECONDS)); [ "$hard" -gt 30 ] || hard=30
 echo "gpu_check: $PY (torch $torch_version, cuda $torch_cuda), nvcc: $(command -v nvcc || echo none); budget ${budget} s, hard limit ${hard} s"
 # --budget-s first: a --budget-s among the arguments overrides it. -k: SIGKILL 10 s after SIGTERM.
 rc=0
 timeout -k 10 "$hard" "$PY" -m benchmarks.cutlass_kernels.gpu_check --budget-s "$budget" "$@" || rc=$?
 # The chains get what is left of the 8 minutes (their kernels are built by now, cached).
-left=$((475 - SECONDS))
+left=$((470 - SECONDS))
+cbudget=$((440 - SECONDS))
 if [ "$left" -gt 30 ]; then
   crc=0
-  timeout -k 10 "$left" "$PY" -m benchmarks.cutlass_kernels.gpu_chains --reps 10 || crc=$?
+  timeout -k 10 "$left" "$PY" -m benchmarks.cutlass_kernels.gpu_chains --reps 10 \
+    --budget-s "$cbudget" || crc=$?
   [ "$rc" -ne 0 ] || rc=$crc
 else
   echo "gpu_check: no time left for the chains (${SECONDS} s used)" >&2

@@ -19,8 +19,19 @@ struct TwGemmArgs {
   const void *w;           // (R, lda) packed blocks, element type of the instance
   const void *xt;          // (K, ldx) activations, K-major
   void *yt;                // (N, ldy) output, K-major; rows of pruned columns are not touched
-  float alpha;             // D = alpha * acc + beta * C, with C = D (in place, same scatter)
+  float alpha;             // D = act(alpha * acc + beta * C), with C = D (in place, same scatter)
   float beta;
+  const void *bias;        // (N,) or null: D = act(acc + bias[n]) (then alpha = 1, beta = 0)
+  int activation;          // TwActivation, applied in fp32 before the one rounding
+  int pad2_;
+};
+
+// The epilogue's activation (cutlass_kernels/epilogue.py ACTIVATION_CODE; tw_epilogue.h).
+enum TwActivation : int {
+  kTwActNone = 0,
+  kTwActRelu = 1,
+  kTwActGelu = 2,       // x * Phi(x), erf form (nn.GELU())
+  kTwActGeluTanh = 3,   // tanh form (nn.GELU(approximate="tanh"))
 };
 
 // Launcher status (0 = launched; > 0 is a cudaError_t).
@@ -28,6 +39,13 @@ enum TwStatus : int {
   kTwOk = 0,
   kTwBadShape = -1,       // batch/ldx/ldy/lda not multiples of the alignment, or ld < batch
   kTwTooManyBlocks = -2,  // grid.y over 65535 (batch too large for this batch tile)
+  kTwBadEpilogue = -3,    // an unknown activation, or a bias with alpha != 1 or beta != 0
 };
+
+// The epilogue arguments the kernels compute exactly what cutlass_kernels/epilogue.py states for.
+inline bool tw_epilogue_args_ok(TwGemmArgs const &args) {
+  if (args.activation < kTwActNone || args.activation > kTwActGeluTanh) return false;
+  return args.bias == nullptr || (args.alpha == 1.f && args.beta == 0.f);
+}
 
 }  // namespace tilerec

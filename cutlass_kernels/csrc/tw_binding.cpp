@@ -37,11 +37,13 @@ int find_instance(const std::string &name) {
   return -1;
 }
 
-// yt[col_idx[...], :batch] = alpha * (W_t^T . xt[row_idx[...], :batch]) + beta * yt[...],
-// launched on `stream` (a cudaStream_t as an integer: torch.cuda.current_stream().cuda_stream).
+// yt[col_idx[...], :batch] = act(alpha * (W_t^T . xt[row_idx[...], :batch]) + beta * yt[...])
+// or, with a bias, act(W_t^T . xt[...] + bias[col_idx[...]]) (alpha = 1, beta = 0), launched on
+// `stream` (a cudaStream_t as an integer: torch.cuda.current_stream().cuda_stream).
 void tw_gemm(const std::string &instance, const at::Tensor &tile_meta, const at::Tensor &col_idx,
              const at::Tensor &row_idx, const at::Tensor &w, int64_t lda, const at::Tensor &xt,
-             at::Tensor yt, int64_t batch, double alpha, double beta, int64_t stream) {
+             at::Tensor yt, int64_t batch, double alpha, double beta,
+             const c10::optional<at::Tensor> &bias, int64_t activation, int64_t stream) {
   int idx = find_instance(instance);
   TORCH_CHECK(idx >= 0, "TW GEMM instance '", instance, "' is not in this build");
   const auto &inst = tilerec::kTwInstances[idx];
@@ -54,6 +56,15 @@ void tw_gemm(const std::string &instance, const at::Tensor &tile_meta, const at:
   check_operand(w, "w", dtype, 2, device);
   check_operand(xt, "xt", dtype, 2, device);
   check_operand(yt, "yt", dtype, 2, device);
+  if (bias.has_value()) {
+    check_operand(*bias, "bias", dtype, 1, device);
+    TORCH_CHECK(bias->size(0) == yt.size(0), "bias must be (", yt.size(0), ",), got (",
+                bias->size(0), ",)");
+    TORCH_CHECK(alpha == 1.0 && beta == 0.0, "a launch with a bias needs alpha = 1 and beta = 0, got alpha=",
+                alpha, " beta=", beta);
+  }
+  TORCH_CHECK(activation >= tilerec::kTwActNone && activation <= tilerec::kTwActGeluTanh,
+              "activation must be a TwActivation code in [0, 3], got ", activation);
   TORCH_CHECK(tile_meta.size(1) == 4 && tile_meta.is_contiguous(),
               "tile_meta must be a contiguous (T, 4) int32 tensor");
   TORCH_CHECK(w.size(0) == 0 || w.stride(0) == lda, "w must have row pitch lda=", lda);
@@ -75,11 +86,15 @@ void tw_gemm(const std::string &instance, const at::Tensor &tile_meta, const at:
   args.yt = yt.data_ptr();
   args.alpha = float(alpha);
   args.beta = float(beta);
+  args.bias = bias.has_value() ? bias->data_ptr() : nullptr;
+  args.activation = int(activation);
   int status = inst.launch(&args, reinterpret_cast<cudaStream_t>(static_cast<intptr_t>(stream)));
   TORCH_CHECK(status != tilerec::kTwBadShape, "TW GEMM ", instance,
               ": batch, lda, ldx, ldy must be multiples of ", inst.alignment,
               " and ldx, ldy >= batch (got batch=", batch, " lda=", lda, " ldx=", args.ldx,
               " ldy=", args.ldy, ")");
+  TORCH_CHECK(status != tilerec::kTwBadEpilogue, "TW GEMM ", instance,
+              ": the epilogue takes a bias only with alpha = 1, beta = 0");
   TORCH_CHECK(status != tilerec::kTwTooManyBlocks, "TW GEMM ", instance, ": batch ", batch,
               " needs more than 65535 batch blocks");
   TORCH_CHECK(status == 0, "TW GEMM ", instance, " launch failed: ",
@@ -95,6 +110,12 @@ std::vector<std::string> instances() {
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("tw_gemm", &tw_gemm, "TW sparse GEMM on K-major activations (one launch, all tiles)");
+  m.def("tw_gemm", &tw_gemm,
+        "TW sparse GEMM on K-major activations (one launch, all tiles), bias and activation "
+        "fused in the epilogue",
+        py::arg("instance"), py::arg("tile_meta"), py::arg("col_idx"), py::arg("row_idx"),
+        py::arg("w"), py::arg("lda"), py::arg("xt"), py::arg("yt"), py::arg("batch"),
+        py::arg("alpha"), py::arg("beta"), py::arg("bias"), py::arg("activation"),
+        py::arg("stream"));
   m.def("instances", &instances, "names of the compiled TW GEMM instances");
 }

@@ -9,7 +9,9 @@
 //   A' = B_t^T : ColumnMajor, lda = G (packed blocks, see cutlass_kernels/reference.py)
 //   B' = X^T   : RowMajor (K x ldx), rows GATHERED by row_idx inside the main-loop load
 //                (a kept row of X^T is a contiguous M-vector, so loads stay 128-bit wide)
-//   D' = Y^T   : RowMajor (N x ldy), rows SCATTERED by col_idx in the epilogue
+//   D' = Y^T   : RowMajor (N x ldy), rows SCATTERED by col_idx in the epilogue, which applies
+//                the bias and the activation (tw_epilogue.h): D' = act(alpha*acc + beta*C) or
+//                act(acc + bias[col_idx[m]]), in fp32, rounded once
 // Grid: blockIdx.x = tile t (consecutive CTAs share one batch block of X^T in L2),
 //       blockIdx.y = batch block of Shape::kN columns. One CTA covers a whole tile (G_t <= kM).
 //
@@ -23,11 +25,12 @@
 #include <cuda_runtime.h>
 
 #include "tw_args.h"
+#include "tw_epilogue.h"
 
 #include "cutlass/cutlass.h"
 #include "cutlass/gemm/gemm.h"
 #include "cutlass/gemm/kernel/default_gemm.h"
-#include "cutlass/epilogue/thread/linear_combination.h"
+#include "cutlass/epilogue/threadblock/epilogue.h"
 #include "cutlass/gemm/threadblock/threadblock_swizzle.h"
 
 namespace tilerec {
@@ -49,8 +52,7 @@ struct TwGemmTraits {
   using ThreadblockShape = ThreadblockShape_;
   static int const kAlignment = Alignment_;
 
-  using OutputOp = cutlass::epilogue::thread::LinearCombination<
-      Element, Alignment_, ElementAccumulator, ElementAccumulator>;
+  using OutputOp = TwOutputOp<Element, Alignment_, ElementAccumulator, ElementAccumulator>;
 
   // DefaultGemm only assembles the main loop and epilogue; the kernel below is ours.
   using Default = cutlass::gemm::kernel::DefaultGemm<
@@ -65,7 +67,16 @@ struct TwGemmTraits {
       /*GatherA=*/false, /*GatherB=*/true, /*ScatterD=*/true>;
 
   using Mma = typename Default::Mma;
-  using Epilogue = typename Default::Epilogue;
+  // DefaultGemm's epilogue with the output tile iterator swapped for one whose source load can
+  // broadcast the bias (tw_epilogue.h); every other part is CUTLASS's.
+  using DefaultEpilogue = typename Default::Epilogue;
+  using Epilogue = cutlass::epilogue::threadblock::Epilogue<
+      typename DefaultEpilogue::Shape, typename DefaultEpilogue::WarpMmaOperator,
+      DefaultEpilogue::kPartitionsK,
+      TwOutputTileIterator<typename DefaultEpilogue::OutputTileIterator>,
+      typename DefaultEpilogue::AccumulatorFragmentIterator,
+      typename DefaultEpilogue::WarpTileIterator, typename DefaultEpilogue::SharedLoadIterator,
+      OutputOp, typename DefaultEpilogue::Padding, DefaultEpilogue::Base::kFragmentsPerIteration>;
 };
 
 template <typename Traits>
@@ -119,13 +130,18 @@ struct TwGemmKernel {
     int const k_iterations = (nrows + kTileK - 1) / kTileK;
     mma(k_iterations, accumulators, iterator_a, iterator_b, accumulators);
 
-    typename OutputOp::Params op_params(args.alpha, args.beta);
+    Element const *bias = static_cast<Element const *>(args.bias);
+    typename OutputOp::Params op_params;
+    op_params.alpha = bias ? 1.f : args.alpha;
+    op_params.beta = bias ? 1.f : args.beta;  // the bias is the source, added once
+    op_params.source = bias != nullptr || args.beta != 0.f;
+    op_params.activation = args.activation;
     OutputOp output_op(op_params);
     typename Epilogue::OutputTileIterator::Params params_y(cutlass::layout::RowMajor(args.ldy));
     cutlass::MatrixCoord const extent_y{ncols, args.batch};
     cutlass::MatrixCoord const offset_y{0, n_offset};
     typename Epilogue::OutputTileIterator iterator_c(params_y, ptr_y, extent_y, thread_idx,
-                                                     offset_y, args.col_idx + col_off);
+                                                     offset_y, args.col_idx + col_off, bias);
     typename Epilogue::OutputTileIterator iterator_d(params_y, ptr_y, extent_y, thread_idx,
                                                      offset_y, args.col_idx + col_off);
     Epilogue epilogue(shared_storage.epilogue, thread_idx, warp_idx, lane_idx);
@@ -151,6 +167,9 @@ int tw_gemm_launch(TwGemmArgs const &args, cudaStream_t stream) {
   if (args.batch % align || args.ldx % align || args.ldy % align || args.lda % align ||
       args.ldx < args.batch || args.ldy < args.batch || args.lda < 1) {
     return kTwBadShape;
+  }
+  if (!tw_epilogue_args_ok(args)) {
+    return kTwBadEpilogue;
   }
   long long const blocks_n = (args.batch + Kernel::kTileN - 1) / Kernel::kTileN;
   if (blocks_n > 65535) {

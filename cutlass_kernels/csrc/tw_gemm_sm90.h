@@ -5,14 +5,16 @@
 // producer warp groups issue 16-byte cp.async loads, one consumer warp group runs wgmma from
 // shared memory). TMA cannot gather arbitrary rows, so the gathered operand B' = X^T is a CuTe
 // tensor whose K-mode stride looks the row up in row_idx (a "gather stride"): every cp.async of
-// a kept row stays a contiguous 16-byte batch vector. The epilogue is ours: accumulators are
-// scaled, rows scattered through col_idx and written straight from registers.
+// a kept row stays a contiguous 16-byte batch vector. The epilogue is ours: accumulators get the
+// bias and the activation of tw_epilogue.h (tw_epilogue_value, the same arithmetic as the
+// multistage kernel's), rows are scattered through col_idx and written straight from registers.
 #pragma once
 
 #include <cstdint>
 #include <cuda_runtime.h>
 
 #include "tw_args.h"
+#include "tw_epilogue.h"
 
 #include "cutlass/cutlass.h"
 #include "cutlass/numeric_types.h"
@@ -217,39 +219,48 @@ struct TwGemmSm90Kernel {
       clear(accum);
     }
 
-    // Epilogue: D = alpha * acc + beta * C, rows scattered through col_idx.
+    // Epilogue: D = act(alpha * acc + beta * C) or act(acc + bias[row]), rows scattered through
+    // col_idx.
     auto thr_mma = tiled_mma.get_thread_slice(mma_thread);
     Tensor coords = thr_mma.partition_C(make_identity_tensor(take<0, 2>(TileShape{})));
     Element *ptr_y = static_cast<Element *>(args.yt);
     int const *scatter = args.col_idx + col_off;
     cutlass::NumericConverter<Element, ElementAccumulator> to_out;
     cutlass::NumericConverter<ElementAccumulator, Element> to_acc;
+    Element const *bias = static_cast<Element const *>(args.bias);
+    float const alpha = bias ? 1.f : args.alpha;
+    float const beta = bias ? 1.f : args.beta;  // the bias is the source, added once
+    bool const read_c = bias == nullptr && args.beta != 0.f;
+    int const act = args.activation;
+    // The value of accumulator i: c is its row's bias, or the old D, or unused.
+    auto value = [&](int i, ElementAccumulator c) {
+      return tw_epilogue_value(float(accum(i)), float(c), alpha, beta, bias != nullptr || read_c,
+                               act);
+    };
     auto store_one = [&](int i) {
       int const m = get<0>(coords(i));
       int const n = n_offset + get<1>(coords(i));
       if (m < ncols && n < args.batch) {
         Element *dst = ptr_y + int64_t(scatter[m]) * args.ldy + n;
-        ElementAccumulator v = args.alpha * accum(i);
-        if (args.beta != 0.f) {
-          v += args.beta * to_acc(*dst);
-        }
-        *dst = to_out(v);
+        ElementAccumulator c = bias ? to_acc(bias[scatter[m]]) : (read_c ? to_acc(*dst) : 0.f);
+        *dst = to_out(value(i, c));
       }
     };
     // Pairs (m, n), (m, n + 1) go out as one 32-bit store: half the store instructions and twice
     // the bytes per touched sector. ldy is a multiple of the alignment (checked at launch) and
     // n is even, so the pair is 4-byte aligned when Y^T's base is.
     using Pair = cutlass::AlignedArray<Element, 2>;
-    bool const paired = args.beta == 0.f && (reinterpret_cast<uintptr_t>(ptr_y) % sizeof(Pair)) == 0;
+    bool const paired = !read_c && (reinterpret_cast<uintptr_t>(ptr_y) % sizeof(Pair)) == 0;
     CUTLASS_PRAGMA_UNROLL
     for (int i = 0; i < size(accum); i += 2) {
       int const m = get<0>(coords(i));
       int const n = n_offset + get<1>(coords(i));
       if (paired && accum_pair(coords, i) && n + 1 < args.batch) {
         if (m < ncols) {
+          ElementAccumulator const c = bias ? to_acc(bias[scatter[m]]) : 0.f;
           Pair v;
-          v[0] = to_out(args.alpha * accum(i));
-          v[1] = to_out(args.alpha * accum(i + 1));
+          v[0] = to_out(value(i, c));
+          v[1] = to_out(value(i + 1, c));
           *reinterpret_cast<Pair *>(ptr_y + int64_t(scatter[m]) * args.ldy + n) = v;
         }
       } else {
@@ -280,6 +291,9 @@ int tw_gemm_sm90_launch(TwGemmArgs const &args, cudaStream_t stream) {
   if (args.batch % align || args.ldx % align || args.ldy % align || args.lda % align ||
       args.ldx < args.batch || args.ldy < args.batch || args.lda < 1) {
     return kTwBadShape;
+  }
+  if (!tw_epilogue_args_ok(args)) {
+    return kTwBadEpilogue;
   }
   long long const blocks_n = (args.batch + Kernel::kTileN - 1) / Kernel::kTileN;
   if (blocks_n > 65535) {

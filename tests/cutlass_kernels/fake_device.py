@@ -9,14 +9,15 @@ import types
 import torch
 
 from cutlass_kernels import build, reference, toolchain
+from cutlass_kernels.epilogue import ACTIVATION_CODE
 from cutlass_kernels.manifest import Arch, manifest
 
 
 class EmulatingExt:
     """A stand-in for the compiled extension of ``arch``: ``instances()`` names the manifest's
     instances (or ``names``), ``tw_gemm`` emulates, with the instance's ``G`` and batch tile,
-    exactly the arguments the binding receives (the binding's and the launcher's checks
-    included, see ``reference.check_launch``)."""
+    exactly the arguments the binding receives, epilogue bias and activation included (the
+    binding's and the launcher's checks included, see ``reference.check_launch``)."""
 
     def __init__(self, arch: Arch, names: list[str] | None = None) -> None:
         self.arch = arch
@@ -27,7 +28,21 @@ class EmulatingExt:
         return list(self.names)
 
     def tw_gemm(
-        self, name, tile_meta, col_idx, row_idx, w, lda, xt, yt, batch, alpha, beta, stream
+        self,
+        name,
+        tile_meta,
+        col_idx,
+        row_idx,
+        w,
+        lda,
+        xt,
+        yt,
+        batch,
+        alpha,
+        beta,
+        bias,
+        activation,
+        stream,
     ):
         assert name in self.names
         kernel = next(k for k in manifest(self.arch) if k.name == name)
@@ -35,7 +50,8 @@ class EmulatingExt:
         pw = reference.TWPackedWeight(
             xt.shape[0], yt.shape[0], lda, widest, tile_meta, col_idx, row_idx, w
         )
-        launch = reference.TWLaunch(pw, xt, yt, batch, batch, alpha, beta)
+        act = next(a for a, code in ACTIVATION_CODE.items() if code == activation)
+        launch = reference.TWLaunch(pw, xt, yt, batch, batch, alpha, beta, bias, act)
         reference.emulate(launch, tile_m=kernel.tile_g, batch_tile=kernel.threadblock[1])
         self.calls.append(name)
 

@@ -96,7 +96,9 @@ def test_extension_builds_links_and_imports_without_a_gpu(require) -> None:
         launch.batch,
         1.0,
         0.0,
-        0,
+        None,  # bias
+        0,  # activation: none
+        0,  # stream
     )
     with pytest.raises(RuntimeError, match="not in this build"):
         ext.tw_gemm("tw_gemm_no_such_instance", *args)

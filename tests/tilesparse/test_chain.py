@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 import tilesparse
+from cutlass_kernels.epilogue import Activation, apply_activation
 from tests.tilesparse.tw_cases import layout_with_empty_tile, tw_random_mask
 from tilesparse import TileSparseLinear, TWChain, chain_, to_chain
 
@@ -50,7 +50,9 @@ def empty_tile_layer(dtype: torch.dtype) -> TileSparseLinear:
 
 def fused_reference(x: torch.Tensor, seq: nn.Sequential) -> torch.Tensor:
     """What the fused epilogue computes, from the dense weights: per layer the exact product
-    (float64, checked exact in fp32 too), ``act(acc + bias)`` in fp32, one rounding."""
+    (float64, checked exact in fp32 too), ``act(acc + bias)`` in fp32, one rounding; ``act`` the
+    epilogue's formula (``cutlass_kernels.epilogue.apply_activation``: ReLU exact, GELU its
+    fp32 rational form, compared with torch's GELU in tests/cutlass_kernels/test_epilogue.py)."""
     dtype = x.dtype
     h = x
     mods = list(seq)
@@ -70,9 +72,10 @@ def fused_reference(x: torch.Tensor, seq: nn.Sequential) -> torch.Tensor:
             (a for a in mods[i + 1 :] if isinstance(a, TileSparseLinear | nn.ReLU | nn.GELU)), None
         )
         if type(nxt) is nn.ReLU:
-            d = torch.relu(d)
+            d = apply_activation(d, Activation.RELU)
         elif type(nxt) is nn.GELU:
-            d = F.gelu(d, approximate=nxt.approximate)
+            gelu = Activation.GELU_TANH if nxt.approximate == "tanh" else Activation.GELU
+            d = apply_activation(d, gelu)
         h = d.to(dtype)
     return h
 
@@ -237,8 +240,8 @@ def test_chain_in_place_keeps_state_dict_and_output() -> None:
 @pytest.mark.gpu
 @pytest.mark.parametrize("dtype", DTYPES)
 def test_chain_on_cutlass_equals_emulation(dtype: torch.dtype) -> None:
-    """On a CUDA device: bias + ReLU chains bit-equal to the emulation, GELU within one
-    rounding (the built epilogue has no activation yet)."""
+    """On a CUDA device: bias + ReLU/GELU chains (fused in the kernel's epilogue) bit-equal to
+    the emulation, with and without CUDA graphs."""
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     gen = torch.Generator().manual_seed(8)
@@ -249,8 +252,8 @@ def test_chain_on_cutlass_equals_emulation(dtype: torch.dtype) -> None:
         x = torch.randint(0, 2, (77, 200), generator=gen).to(dtype)
         with torch.no_grad():
             want = to_chain(seq, backend="emulated")(x)
-            got = to_chain(seq.cuda(), backend="cutlass")(x.cuda()).cpu()
-        if type(act) is nn.ReLU:
-            assert torch.equal(got, want)
-        else:
-            torch.testing.assert_close(got, want, atol=0.05, rtol=0.01)
+            gpu = seq.cuda()
+            for graph in (False, True):
+                chain = to_chain(gpu, backend="cutlass", cuda_graph=graph)
+                for _ in range(3):  # eager, capture + replay, replay
+                    assert torch.equal(chain(x.cuda()).cpu(), want)

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+import cutlass_kernels.packing as packing
 import cutlass_kernels.reference as reference
 from tests.tilesparse.test_chain import tw_layer
 from tilesparse import TileSparseLinear, to_chain
@@ -106,13 +107,13 @@ def test_counter_sees_the_per_layer_layout_copies(monkeypatch) -> None:
 def test_layouts_validated_and_packed_once(monkeypatch) -> None:
     """``check_weight`` runs once per layer, not per call; again after an in-place edit."""
     calls: list[int] = []
-    check = reference.check_weight
+    check = packing.check_weight
 
     def counted(weight: Any) -> None:
         calls.append(weight.in_features)
         check(weight)
 
-    monkeypatch.setattr(reference, "check_weight", counted)
+    monkeypatch.setattr(packing, "check_weight", counted)
     chain = to_chain(mlp(torch.bfloat16))
     x = torch.randint(-1, 2, (9, 24)).bfloat16()
     with torch.no_grad():

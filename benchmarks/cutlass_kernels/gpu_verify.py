@@ -1,7 +1,8 @@
 """Verification of the CUTLASS TW kernels for ``gpu_check``, in child processes.
 
 Each instance is checked exactly against the CPU emulation of the same packed arguments
-(integer-valued inputs) and against the fp32 reference on a random layer. A child process
+(integer-valued inputs; plain, and with the fused epilogue: bias + ReLU / GELU / tanh-GELU) and
+against the fp32 reference on a random layer. A child process
 (``gpu_check --verify-kernels a,b --verify-out FILE --built x,y``) loads the parent's very
 extension (``--built``: the same instances in the same order, so the same cache key: nothing is
 recompiled), verifies its instances one by one and appends JSON lines as it goes
@@ -20,6 +21,7 @@ import math
 import sys
 import zlib
 from collections.abc import Callable
+from dataclasses import replace
 from pathlib import Path
 from types import ModuleType
 from typing import TYPE_CHECKING, Any
@@ -114,6 +116,7 @@ def verify_instance(ext: ModuleType, kernel: TWKernel) -> tuple[list[dict[str, A
     """One instance vs the emulation (exact) and vs the fp32 reference (tolerance): its check
     rows and failure messages. Raises whatever the launch raises (the caller records it)."""
     from cutlass_kernels import launch
+    from cutlass_kernels.epilogue import Activation
     from cutlass_kernels.manifest import DType
     from cutlass_kernels.reference import emulate, pack_launch, pack_weight
     from tilesparse.format import reference_matmul
@@ -142,6 +145,29 @@ def verify_instance(ext: ModuleType, kernel: TWKernel) -> tuple[list[dict[str, A
             {"check": "exact_vs_emulation", "kernel": kernel.name, "M": M, "K": K, "N": N, "ok": ok}
         )
         print(f"  {kernel.name} exact M={M} K={K} N={N}: {'ok' if ok else 'MISMATCH'}", flush=True)
+        # The fused epilogue: bias + each activation, bit-equal to the emulation (GELU included).
+        for act in (Activation.RELU, Activation.GELU, Activation.GELU_TANH):
+            cpu = pack_launch(x, pack_weight(layout, dtype=dt))
+            want = emulate(replace(cpu, bias=bias, activation=act))
+            dev = pack_launch(x.cuda(), pack_weight(layout, dtype=dt, device="cuda"))
+            fused = replace(dev, bias=bias.cuda(), activation=act)
+            got = launch.tw_gemm_kmajor(fused, kernel=kernel, ext=ext).cpu()
+            ok = torch.equal(got[:, :M], want[:, :M])
+            if not ok:
+                bad = int((got[:, :M] != want[:, :M]).sum())
+                failures.append(
+                    f"{kernel.name} epilogue bias+{act} M={M} K={K} N={N}: {bad} elements "
+                    "differ from the emulation"
+                )
+            rows.append(
+                {
+                    "check": "epilogue_vs_emulation",
+                    "kernel": kernel.name,
+                    "activation": act.value,
+                    "M": M,
+                    "ok": ok,
+                }
+            )
     # Tolerance: random normal data vs the fp32 reference.
     layout = tw_layout(1000, 4 * G + 7, G, 50, gen, torch.float32)
     x = torch.randn(777, 1000, generator=gen)

@@ -173,3 +173,29 @@ def test_launch_with_bias_needs_alpha_one_beta_zero() -> None:
     short = TWLaunch(pw, base.xt, base.yt, base.batch, 8, 1.0, 0.0, bias[:16])
     with pytest.raises(ValueError, match=r"bias must be \(24,\), got \(16,\)"):
         emulate(short)
+
+
+def test_bias_iterator_visits_the_rows_cutlass_loads(require) -> None:
+    """``TwOutputTileIterator::load`` (the bias broadcast) walks the fragment with the row
+    offsets and fragment indices of ``PredicatedTileIterator::load_with_byte_offset`` in the
+    installed CUTLASS: both expressions appear, token for token, in both headers."""
+    try:
+        from cutlass_kernels.emit import cutlass_include_dirs
+
+        inc = cutlass_include_dirs()[0]
+    except (ImportError, FileNotFoundError):
+        require(False, "nvidia-cutlass")
+        return
+    theirs = (inc / "cutlass/epilogue/threadblock/predicated_tile_iterator.h").read_text()
+    ours = (csrc_dir() / "tw_epilogue.h").read_text()
+
+    def tokens(text: str) -> str:
+        return re.sub(r"\s+", "", text)
+
+    for expr in (
+        "row*ThreadMap::Delta::kRow+group*ThreadMap::Delta::kGroup+cluster*ThreadMap::Delta::kCluster;",
+        "(row+ThreadMap::Iterations::kRow*(group+ThreadMap::Iterations::kGroup*cluster));",
+        "frag_row_idx*ThreadMap::Iterations::kColumn+column",
+    ):
+        assert expr in tokens(theirs), expr
+        assert expr.strip("();") in tokens(ours), expr

@@ -21,7 +21,8 @@ from cutlass_kernels.epilogue import ACTIVATION_CODE, Activation, apply_activati
 from cutlass_kernels.reference import TWLaunch, emulate, pack_launch, pack_weight
 from tests.cutlass_kernels.layouts import random_layout
 
-# Largest |formula - exact| over every fp32 x (measured on [-12, 12] in steps of 6e-5; both
+# Largest |formula - exact| over every fp32 x (measured on [-12, 12] in steps of 6e-5, tested in
+# steps of 1.2e-4; both
 # clamp outside, where the tails are below these bounds): erf_r 4.2e-7, GELU (erf form) 1.4e-6,
 # tanh_r 4.0e-7, GELU (tanh form) 2.0e-6. Absolute, not relative: in the far negative tail GELU
 # is below 1e-6 and the formula's is off by up to the bound (torch's own CPU GELU is no closer
@@ -116,7 +117,7 @@ def test_header_arithmetic_compiled_for_the_host_is_bit_equal(require, tmp_path:
 
 
 def test_formulas_against_torch_within_the_stated_tolerance() -> None:
-    x = torch.linspace(-12, 12, 400_001, dtype=torch.float32)
+    x = torch.linspace(-12, 12, 200_001, dtype=torch.float32)
     xd = x.double()
     err = {
         "erf": (epilogue.erf_fp32(x).double() - torch.erf(xd)).abs().max(),

@@ -7,7 +7,11 @@ activation rows gathered in the main loop and the output columns scattered in th
 
 * :mod:`cutlass_kernels.manifest` — the kernel instances as data (dtype, arch, tiles, stages).
 * :mod:`cutlass_kernels.emit` — CUDA C++ generated through ``cutlass_library``, stamped.
-* :mod:`cutlass_kernels.reference` — the kernel's argument packing and a CPU emulation of it.
+* :mod:`cutlass_kernels.packing` — a condensed weight checked and packed into the kernel's
+  weight arguments (once per layer).
+* :mod:`cutlass_kernels.reference` — one call's arguments and a CPU emulation of the kernel.
+* :mod:`cutlass_kernels.epilogue` — the fused epilogue (bias, ReLU, GELU) as fp32 arithmetic
+  the kernel and the emulation share bit for bit.
 * :mod:`cutlass_kernels.toolchain` — nvcc, the CUDA toolkit, the device's architecture.
 * :mod:`cutlass_kernels.build` — nvcc / torch-extension builds cached under
   ``$XDG_CACHE_HOME/tilerec/cutlass``.

@@ -1,12 +1,17 @@
-// The fused cache-hit lookup of hps (hps/fused.py is the caller, hps/fused_reference.py the
-// pure-torch path it is tested against) and the key counter of a session's key statistics.
+// The fused cache-hit lookup of hps (hps/fused.py is the caller and holds the pure-torch
+// reference it is tested against), a dequantizing row gather, and the key counter of a
+// session's key statistics.
 //
 // cache_gather: every table of one call in one pass. Per key: the splitmix64 hash gives the
 // set and an 8-bit tag; the set's tag line (ways bytes, one 64-byte cache line for 64 ways)
 // is compared with the tag, and only a matching way's key is read (so a probe reads the tag
-// line, about one key line and the row). A hit copies (rows) or accumulates (bags) its row
-// into the output, counts a use (LFU: +1 per occurrence; LRU: the query's clock) and marks
-// the slot for this query's unique-hit count; a miss records its position for the caller.
+// line, about one key line and the row). The probe is pipelined over the keys (the tag line,
+// key line and row of the keys a few places ahead are prefetched while a row is copied), so
+// several keys' memory reads are in flight at once. A hit copies (rows) or accumulates (bags,
+// key by key in request order) its row into the output, counts a use (LFU: +1 per occurrence;
+// LRU: the query's clock) and marks the slot for this query's unique-hit count; a miss records
+// its position for the caller, and a bag with a miss hands its rows back (pending_rows) so that
+// the caller sums it in request order once the missed rows are known.
 // Rows are opaque bytes (row_bytes per table); the row format decides how a row is read.
 #include <torch/extension.h>
 
@@ -75,33 +80,28 @@ inline uint64_t match_tags(const uint8_t* tg, int64_t n, uint8_t tag) {
 #endif
 }
 
-inline int64_t probe(const TableView& t, int64_t key) {
-  const uint64_t h = mix64(key);
-  const int64_t base = set_of(h, t.num_sets) * t.ways;
-  const uint8_t tag = tag_of(h);
-  for (int64_t w0 = 0; w0 < t.ways; w0 += 64) {
-    uint64_t m = match_tags(t.tags + base + w0, std::min<int64_t>(64, t.ways - w0), tag);
-    while (m) {
-      const int64_t w = w0 + __builtin_ctzll(m);
-      if (t.ckeys[base + w] == key) return base + w;
-      m &= m - 1;
-    }
-  }
-  return -1;
+inline const float* row_of(const TableView& t, int64_t slot) {
+  return reinterpret_cast<const float*>(t.storage + slot * t.row_bytes);
 }
 
 inline void copy_row(const TableView& t, int64_t slot, float* dst) {
   // a vector loop: glibc's memcpy of a few hundred bytes is a call and, on some CPUs, a
   // slow ``rep movsb``
-  const float* src = reinterpret_cast<const float*>(t.storage + slot * t.row_bytes);
+  const float* src = row_of(t, slot);
 #pragma omp simd
   for (int64_t d = 0; d < t.dim; ++d) dst[d] = src[d];
 }
 
 inline void add_row(const TableView& t, int64_t slot, float* dst) {
-  const float* src = reinterpret_cast<const float*>(t.storage + slot * t.row_bytes);
+  const float* src = row_of(t, slot);
 #pragma omp simd
   for (int64_t d = 0; d < t.dim; ++d) dst[d] += src[d];
+}
+
+inline void prefetch_bytes(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(c + b, 0, 3);
+  __builtin_prefetch(c + n - 1, 0, 3);
 }
 
 // A run of keys (rows) or bags of one table: the unit of parallel work.
@@ -109,55 +109,169 @@ struct Piece {
   int64_t table, begin, end;
 };
 
-// The gather of one piece (reads only the cache): rows copied or bags summed (MEAN bags
-// without a miss divided), each key's slot in sl (-1 miss, -2 padding).
-void gather_piece(const TableView& t, int64_t b0, int64_t b1, int64_t* sl) {
-  if (t.hotness == 0) {
-    for (int64_t i = b0; i < b1; ++i) {
-      const int64_t slot = probe(t, t.keys[i]);
-      sl[i] = slot;
-      if (slot >= 0) copy_row(t, slot, t.out + i * t.dim);
-    }
-    return;
+// Per-key state of the probe pipeline.
+struct ProbeState {
+  int64_t base;    // first slot of the key's set; -1: padding
+  uint64_t match;  // ways of the first tag line whose tag matches
+  uint8_t tag;
+};
+
+// Keys between two stages of the probe pipeline: a key's tag line is prefetched 3 steps
+// before its row is read, its key line 2 steps before, its row (and counter) 1 step before.
+constexpr int64_t kAhead = 4;
+
+// One key's use of its slot: LFU +1 or LRU stamp; the mark makes a slot's first hit in this
+// query a unique hit.
+inline void use_slot(const TableView& t, int64_t s, int64_t& hits, int64_t& uniq) {
+  ++hits;
+  if (t.stamp < 0)
+    ++t.counters[s];
+  else
+    t.counters[s] = t.stamp;
+  const uint8_t mk = static_cast<uint8_t>(t.mark);
+  if (t.marks[s] != mk) {
+    t.marks[s] = mk;
+    ++uniq;
   }
-  for (int64_t b = b0; b < b1; ++b) {
-    float* dst = t.out + b * t.out_stride;
-    std::fill(dst, dst + t.dim, 0.0f);
-    int64_t n = 0;
-    bool missed = false;
-    for (int64_t j = 0; j < t.hotness; ++j) {
-      const int64_t i = b * t.hotness + j;
-      const int64_t key = t.keys[i];
-      if (key < 0) {  // -1 pads a short bag
-        sl[i] = -2;
-        continue;
+}
+
+// The gather of one piece (keys [i0, i1) of one table; bags: whole bags), pipelined so that
+// the tag line, key line and row of later keys are in flight while a key's row is copied:
+// rows copied or bags summed key by key in request order (MEAN bags without a miss divided),
+// each key's slot in sl (-1 miss, -2 padding). With ``uses`` (one thread does every key of
+// the call) the counters and marks are written here too, and hits/uniq counted.
+template <bool kUses>
+void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
+                  std::vector<ProbeState>& st, int64_t& hits, int64_t& uniq) {
+  st.resize(static_cast<size_t>(i1 - i0));
+  ProbeState* ps = st.data() - i0;
+  const int64_t first_ways = std::min<int64_t>(64, t.ways);
+  const bool bags = t.hotness > 0;
+  float* dst = nullptr;
+  int64_t n_valid = 0;
+  bool missed = false;
+  for (int64_t i = i0 - 3 * kAhead; i < i1; ++i) {
+    const int64_t a = i + 3 * kAhead;  // stage 1: hash, prefetch the tag line
+    if (a >= i0 && a < i1) {
+      const int64_t key = t.keys[a];
+      if (bags && key < 0) {
+        ps[a].base = -1;
+      } else {
+        const uint64_t h = mix64(key);
+        ps[a].base = set_of(h, t.num_sets) * t.ways;
+        ps[a].tag = tag_of(h);
+        __builtin_prefetch(t.tags + ps[a].base, 0, 3);
       }
-      ++n;
-      const int64_t slot = probe(t, key);
-      sl[i] = slot;
-      if (slot < 0) {
-        missed = true;
-        continue;
-      }
-      add_row(t, slot, dst);
     }
-    if (t.mean && !missed && n > 0) {
-      const float cnt = static_cast<float>(n);
+    const int64_t b = i + 2 * kAhead;  // stage 2: match the tags, prefetch the key line
+    if (b >= i0 && b < i1 && ps[b].base >= 0) {
+      const uint64_t m = match_tags(t.tags + ps[b].base, first_ways, ps[b].tag);
+      ps[b].match = m;
+      if (m) __builtin_prefetch(t.ckeys + ps[b].base + __builtin_ctzll(m), 0, 3);
+    }
+    const int64_t c = i + kAhead;  // stage 3: the slot; prefetch its row, counter, mark
+    if (c >= i0 && c < i1) {
+      int64_t slot = -2;
+      if (ps[c].base >= 0) {
+        const int64_t key = t.keys[c];
+        const int64_t base = ps[c].base;
+        slot = -1;
+        for (uint64_t m = ps[c].match; m; m &= m - 1) {
+          const int64_t w = __builtin_ctzll(m);
+          if (t.ckeys[base + w] == key) {
+            slot = base + w;
+            break;
+          }
+        }
+        if (slot < 0 && t.ways > 64) {  // sets wider than one tag line: the rest of the set
+          for (int64_t w0 = 64; w0 < t.ways && slot < 0; w0 += 64) {
+            uint64_t m = match_tags(t.tags + base + w0, std::min<int64_t>(64, t.ways - w0), ps[c].tag);
+            for (; m; m &= m - 1) {
+              const int64_t w = w0 + __builtin_ctzll(m);
+              if (t.ckeys[base + w] == key) {
+                slot = base + w;
+                break;
+              }
+            }
+          }
+        }
+        if (slot >= 0) {
+          prefetch_bytes(row_of(t, slot), t.row_bytes);
+          if (kUses) {
+            __builtin_prefetch(t.counters + slot, 1, 3);
+            __builtin_prefetch(t.marks + slot, 1, 3);
+          }
+        }
+      }
+      sl[c] = slot;
+    }
+    if (i < i0) continue;
+    const int64_t slot = sl[i];  // stage 4: copy or add the row, use the slot
+    if (!bags) {
+      if (slot >= 0) {
+        copy_row(t, slot, t.out + i * t.dim);
+        if (kUses) use_slot(t, slot, hits, uniq);
+      }
+      continue;
+    }
+    const int64_t j = i % t.hotness;
+    if (j == 0) {
+      dst = t.out + (i / t.hotness) * t.out_stride;
+      std::fill(dst, dst + t.dim, 0.0f);
+      n_valid = 0;
+      missed = false;
+    }
+    if (slot != -2) ++n_valid;
+    if (slot == -1) missed = true;
+    if (slot >= 0) {
+      add_row(t, slot, dst);
+      if (kUses) use_slot(t, slot, hits, uniq);
+    }
+    if (j == t.hotness - 1 && t.mean && !missed && n_valid > 0) {
+      const float cnt = static_cast<float>(n_valid);
       for (int64_t d = 0; d < t.dim; ++d) dst[d] /= cnt;
     }
   }
 }
 
-// Every table in two parallel regions (each region costs a thread wake-up and a barrier, so
-// not two per table): the gathers of all pieces, then the uses (counters, marks), whose
-// threads each own the slots ``slot % owners`` of every table, so no two threads write one
-// counter (no atomics; counts independent of the thread count). Per table: {hits_all,
-// hits_unique, looked_up}; misses (positions into keys) ascending, table after table.
+// The uses (counters, marks) of every table's hits after a parallel gather: each thread owns
+// the slots ``slot % owners`` of every table, so no two threads write one counter (no atomics;
+// counts independent of the thread count).
+void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<int64_t>>& slots,
+               int64_t owners, std::vector<int64_t>& hits, std::vector<int64_t>& uniq) {
+  const int64_t T = static_cast<int64_t>(ts.size());
+  at::parallel_for(0, owners, 1, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) {
+      for (int64_t i = 0; i < T; ++i) {
+        const TableView& t = ts[i];
+        const int64_t* sl = slots[i].data();
+        int64_t h = 0, u = 0;
+        for (int64_t j = 0; j < t.n; ++j) {
+          if (j + 16 < t.n && sl[j + 16] >= 0) {
+            __builtin_prefetch(t.counters + sl[j + 16], 1, 3);
+            __builtin_prefetch(t.marks + sl[j + 16], 1, 3);
+          }
+          const int64_t s = sl[j];
+          if (s < 0 || s % owners != o) continue;
+          use_slot(t, s, h, u);
+        }
+        hits[o * T + i] = h;
+        uniq[o * T + i] = u;
+      }
+    }
+  });
+}
+
+// Every table: the gathers of all pieces in one parallel region, then (when more than one
+// thread gathered) the uses in a second (each region costs a thread wake-up and a barrier,
+// so not two per table). Per table: {hits_all, hits_unique, looked_up}; misses (positions into
+// keys) ascending, table after table; pending: per table, the bags with a miss (ascending).
 std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts,
                                                 std::vector<int64_t>& misses,
-                                                std::vector<int64_t>& miss_counts) {
+                                                std::vector<int64_t>& miss_counts,
+                                                std::vector<std::vector<int64_t>>& slots) {
   const int64_t T = static_cast<int64_t>(ts.size());
-  std::vector<std::vector<int64_t>> slots(T);
+  slots.assign(T, {});
   std::vector<Piece> pieces;
   int64_t total = 0;
   for (int64_t i = 0; i < T; ++i) {
@@ -165,42 +279,42 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
     slots[i].resize(t.n);
     total += t.n;
     const int64_t units = t.hotness > 0 ? t.n / t.hotness : t.n;
-    const int64_t grain = t.hotness > 0 ? std::max<int64_t>(1, 1024 / t.hotness) : 1024;
+    const int64_t grain = t.hotness > 0 ? std::max<int64_t>(1, 2048 / t.hotness) : 2048;
     for (int64_t u = 0; u < units; u += grain) pieces.push_back({i, u, std::min(units, u + grain)});
   }
-  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const Piece& pc = pieces[p];
-      gather_piece(ts[pc.table], pc.begin, pc.end, slots[pc.table].data());
+  const int64_t P = static_cast<int64_t>(pieces.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), P);
+  // small calls run on the calling thread: a thread wake-up costs more than their gather
+  const bool alone = threads <= 1 || total < 8192 || at::in_parallel_region();
+  std::vector<int64_t> hits(T, 0), uniq(T, 0);
+  auto run = [&](const Piece& pc, std::vector<ProbeState>& st, bool uses) {
+    const TableView& t = ts[pc.table];
+    const int64_t h = std::max<int64_t>(1, t.hotness);
+    int64_t* sl = slots[pc.table].data();
+    if (uses)
+      gather_piece<true>(t, pc.begin * h, pc.end * h, sl, st, hits[pc.table], uniq[pc.table]);
+    else {
+      int64_t unused_h = 0, unused_u = 0;
+      gather_piece<false>(t, pc.begin * h, pc.end * h, sl, st, unused_h, unused_u);
     }
-  });
-  const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / 4096));
-  std::vector<int64_t> hits(owners * T, 0), uniq(owners * T, 0);
-  at::parallel_for(0, owners, 1, [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o) {
+  };
+  if (alone) {
+    std::vector<ProbeState> st;
+    for (const Piece& pc : pieces) run(pc, st, true);
+  } else {
+    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+      std::vector<ProbeState> st;
+      for (int64_t p = p0; p < p1; ++p) run(pieces[p], st, false);
+    });
+    const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(threads, total / 4096));
+    std::vector<int64_t> oh(owners * T, 0), ou(owners * T, 0);
+    use_slots(ts, slots, owners, oh, ou);
+    for (int64_t o = 0; o < owners; ++o)
       for (int64_t i = 0; i < T; ++i) {
-        const TableView& t = ts[i];
-        const int64_t* sl = slots[i].data();
-        const uint8_t mk = static_cast<uint8_t>(t.mark);
-        int64_t h = 0, u = 0;
-        for (int64_t j = 0; j < t.n; ++j) {
-          const int64_t s = sl[j];
-          if (s < 0 || s % owners != o) continue;
-          ++h;
-          if (t.stamp < 0)
-            ++t.counters[s];
-          else
-            t.counters[s] = t.stamp;
-          if (t.marks[s] != mk) {
-            t.marks[s] = mk;
-            ++u;
-          }
-        }
-        hits[o * T + i] = h;
-        uniq[o * T + i] = u;
+        hits[i] += oh[o * T + i];
+        uniq[i] += ou[o * T + i];
       }
-    }
-  });
+  }
   std::vector<std::vector<int64_t>> out(T, std::vector<int64_t>(3, 0));
   miss_counts.assign(T, 0);
   for (int64_t i = 0; i < T; ++i) {
@@ -213,13 +327,29 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
       }
       valid += sl[j] != -2;
     }
-    for (int64_t o = 0; o < owners; ++o) {
-      out[i][0] += hits[o * T + i];
-      out[i][1] += uniq[o * T + i];
-    }
-    out[i][2] = valid;
+    out[i] = {hits[i], uniq[i], valid};
   }
   return out;
+}
+
+// The rows of the bags of table t that had a miss: ``(bags × hotness, dim)`` float32, hits
+// copied, misses and padding zero, so that the caller can sum each such bag in request order
+// once its missed rows are known.
+at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
+                        const int64_t* misses, int64_t n_misses) {
+  std::vector<int64_t> bags;
+  for (int64_t k = 0; k < n_misses; ++k) {
+    const int64_t b = misses[k] / t.hotness;
+    if (bags.empty() || bags.back() != b) bags.push_back(b);
+  }
+  auto rows = at::zeros({static_cast<int64_t>(bags.size()) * t.hotness, t.dim}, at::kFloat);
+  float* r = rows.data_ptr<float>();
+  for (size_t q = 0; q < bags.size(); ++q)
+    for (int64_t j = 0; j < t.hotness; ++j) {
+      const int64_t s = sl[bags[q] * t.hotness + j];
+      if (s >= 0) copy_row(t, s, r + (static_cast<int64_t>(q) * t.hotness + j) * t.dim);
+    }
+  return rows;
 }
 
 void check(bool ok, const std::string& what) {
@@ -228,7 +358,8 @@ void check(bool ok, const std::string& what) {
 
 // Rows (hotness all 0) or bags (hotness > 0) of every table, see the file comment.
 // Returns {misses (k,) int64: positions into each table's keys, table after table;
-//          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings}.
+//          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings;
+//          then per table its pending rows (bags with a miss, see pending_rows; else empty)}.
 std::vector<at::Tensor> cache_gather(
     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& cache_keys,
     const std::vector<at::Tensor>& tags, const std::vector<at::Tensor>& counters,
@@ -311,18 +442,161 @@ std::vector<at::Tensor> cache_gather(
     pt[i * 5 + 4] = crossed;
   }
   std::vector<int64_t> miss_counts;
-  const auto r = gather_tables(views, misses, miss_counts);
+  std::vector<std::vector<int64_t>> slots;
+  const auto r = gather_tables(views, misses, miss_counts, slots);
+  std::vector<at::Tensor> result;
+  result.reserve(2 + T);
+  int64_t first = 0;
   for (size_t i = 0; i < T; ++i) {
     int64_t* row = pt + i * 5;
     row[0] = miss_counts[i];
     row[1] = r[i][0];
     row[2] = r[i][1];
     row[3] = r[i][2];
+    result.push_back(views[i].hotness > 0 && miss_counts[i] > 0
+                         ? pending_rows(views[i], slots[i], misses.data() + first, miss_counts[i])
+                         : at::empty({0, views[i].dim}, at::kFloat));
+    first += miss_counts[i];
   }
   misses_all = at::empty({static_cast<int64_t>(misses.size())}, at::kLong);
   if (!misses.empty())
     std::memcpy(misses_all.data_ptr<int64_t>(), misses.data(), misses.size() * sizeof(int64_t));
-  return {misses_all, per_table};
+  result.insert(result.begin(), {misses_all, per_table});
+  return result;
+}
+
+// ---------------------------------------------------------------------------------------
+// gather_rows: rows of any hps.rowformat.RowDtype read from a cache's storage bytes by slot,
+// dequantized to float32 (rows) or summed per bag in order. Codes (hps.fused.FORMAT_CODES):
+// 0 fp32, 1 fp16, 2 bf16, 3 int8, 4 int4, 5 int2. A quantized row is [scale f16, bias f16,
+// q...], value j = scale * q_j + bias with q_j at bits (j % k) * bits of byte 4 + j / k. The
+// product of a float16 scale and an integer of <= 8 bits is exact in float32, so this equals
+// hps.rowformat.dequantize_rows bit for bit whether or not the compiler fuses the multiply-add.
+
+constexpr int64_t kFp32 = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5;
+
+inline int64_t format_row_bytes(int64_t format, int64_t dim) {
+  switch (format) {
+    case kFp32: return 4 * dim;
+    case kFp16: case kBf16: return 2 * dim;
+    case kInt8: return dim + 4;
+    case kInt4: return dim / 2 + 4;
+    case kInt2: return dim / 4 + 4;
+    default: return -1;
+  }
+}
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// dst[d] = row[d] (kAdd false) or dst[d] += row[d] (kAdd true), for one stored row.
+template <int64_t kFormat, bool kAdd>
+inline void dequant_row(const uint8_t* src, int64_t dim, float* dst) {
+  if constexpr (kFormat == kFp32) {
+    const float* f = reinterpret_cast<const float*>(src);
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) dst[d] = kAdd ? dst[d] + f[d] : f[d];
+  } else if constexpr (kFormat == kFp16 || kFormat == kBf16) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+    for (int64_t d = 0; d < dim; ++d) {
+      const float v = kFormat == kFp16 ? half_to_float(h[d]) : bf16_to_float(h[d]);
+      dst[d] = kAdd ? dst[d] + v : v;
+    }
+  } else {
+    constexpr int64_t bits = kFormat == kInt8 ? 8 : kFormat == kInt4 ? 4 : 2;
+    constexpr int64_t per = 8 / bits;
+    constexpr uint32_t mask = (1u << bits) - 1;
+    uint16_t sb[2];
+    std::memcpy(sb, src, 4);
+    const float scale = half_to_float(sb[0]), bias = half_to_float(sb[1]);
+    const uint8_t* q = src + 4;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) {
+      const uint32_t v = (static_cast<uint32_t>(q[d / per]) >> ((d % per) * bits)) & mask;
+      const float x = scale * static_cast<float>(v) + bias;
+      dst[d] = kAdd ? dst[d] + x : x;
+    }
+  }
+}
+
+template <int64_t kFormat>
+void gather_rows_of(const uint8_t* storage, int64_t row_bytes, const int64_t* slots, int64_t n,
+                    int64_t dim, int64_t hotness, float* out, int64_t out_stride) {
+  if (hotness == 0) {
+    at::parallel_for(0, n, 2048, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
+        if (i + kAhead < b && slots[i + kAhead] >= 0)
+          prefetch_bytes(storage + slots[i + kAhead] * row_bytes, row_bytes);
+        float* dst = out + i * out_stride;
+        if (slots[i] < 0)
+          std::fill(dst, dst + dim, 0.0f);
+        else
+          dequant_row<kFormat, false>(storage + slots[i] * row_bytes, dim, dst);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, n / hotness, std::max<int64_t>(1, 2048 / hotness), [&](int64_t a, int64_t b) {
+    for (int64_t bag = a; bag < b; ++bag) {
+      float* dst = out + bag * out_stride;
+      std::fill(dst, dst + dim, 0.0f);
+      for (int64_t j = 0; j < hotness; ++j) {
+        const int64_t i = bag * hotness + j;
+        if (i + kAhead < b * hotness && slots[i + kAhead] >= 0)
+          prefetch_bytes(storage + slots[i + kAhead] * row_bytes, row_bytes);
+        if (slots[i] >= 0) dequant_row<kFormat, true>(storage + slots[i] * row_bytes, dim, dst);
+      }
+    }
+  });
+}
+
+// Rows (hotness 0: out row i = row of slots[i], zeros where slots[i] < 0) or bags (hotness h:
+// out row b = the rows of slots[b*h .. b*h+h) summed in order, slots < 0 skipped) of storage
+// (capacity, row_bytes) uint8 in row format ``format``; out (n or n/h, >= dim) float32 with a
+// unit last stride (its rows may be a column block of a wider buffer).
+void gather_rows(const at::Tensor& storage, const at::Tensor& slots, int64_t format, int64_t dim,
+                 at::Tensor out, int64_t hotness) {
+  check(storage.scalar_type() == at::kByte && storage.dim() == 2 && storage.is_contiguous(),
+        "storage must be (capacity, row_bytes) contiguous uint8");
+  const int64_t rb = format_row_bytes(format, dim);
+  check(rb > 0, "row format code " + std::to_string(format) + " is not one of 0..5");
+  check(storage.size(1) >= rb, "rows of format " + std::to_string(format) + " and dim " +
+                                   std::to_string(dim) + " need " + std::to_string(rb) +
+                                   " bytes, storage rows hold " + std::to_string(storage.size(1)));
+  check(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+        "slots must be (n,) contiguous int64");
+  const int64_t n = slots.numel();
+  check(hotness >= 0 && (hotness == 0 || n % hotness == 0), "slots must be (bags × hotness)");
+  const int64_t rows = hotness > 0 ? n / hotness : n;
+  check(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == rows &&
+            out.size(1) >= dim && out.stride(1) == 1 && out.device().is_cpu(),
+        "out must be a CPU float32 (" + std::to_string(rows) + ", >= " + std::to_string(dim) +
+            ") tensor with unit last stride");
+  const int64_t cap = storage.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    if (sp[i] >= cap || sp[i] < -1)
+      throw std::invalid_argument("hps gather_rows: slot " + std::to_string(sp[i]) +
+                                  " at position " + std::to_string(i) + " is outside [-1, " +
+                                  std::to_string(cap) + ")");
+  const uint8_t* st = storage.data_ptr<uint8_t>();
+  const int64_t row_bytes = storage.size(1);
+  float* o = out.data_ptr<float>();
+  const int64_t os = out.stride(0);
+  switch (format) {
+    case kFp32: gather_rows_of<kFp32>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+    case kFp16: gather_rows_of<kFp16>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+    case kBf16: gather_rows_of<kBf16>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+    case kInt8: gather_rows_of<kInt8>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+    case kInt4: gather_rows_of<kInt4>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+    default: gather_rows_of<kInt2>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+  }
 }
 
 // Exact running counts of keys: an open-addressing hash map (linear probing, load ≤ 1/2), so
@@ -478,6 +752,9 @@ void count_keys(const std::vector<KeyCounter*>& counters, const std::vector<at::
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("cache_gather", &cache_gather, "fused cache-hit lookup of every table (rows or bags)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gather_rows", &gather_rows,
+        "rows or in-order bag sums of stored rows of any row format, dequantized to float32",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("count_keys", &count_keys, "count every table's keys into its KeyCounter",
         pybind11::call_guard<pybind11::gil_scoped_release>());

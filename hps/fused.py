@@ -18,9 +18,10 @@ hit at least once), looked-up keys (padding excluded) and the LFU halvings appli
 
 A bag is summed key by key in request order (``((0 + r0) + r1) + …``, padding skipped), so its
 floats never depend on which of its keys the cache held. A bag with no miss is pooled (and a
-MEAN bag divided) here; for the bags with a miss, ``pending[t]`` hands back their rows
-(``(bags × hotness, dim)``, hits copied, misses and padding zero, bags ascending) and the
-session writes the missed rows in and pools those bags in the same order (``pool_in_order``).
+MEAN bag divided) here; a bag with a miss is left holding its hits' sum, and ``pending[t]``
+hands back its rows (``(bags × hotness, dim)``, hits copied, misses and padding zero, bags
+ascending): the session writes the missed rows in and pools those bags in the same order
+(:func:`pool_in_order`).
 
 :func:`gather_rows` reads rows of any :class:`hps.rowformat.RowDtype` from a cache's
 ``storage`` bytes by slot, dequantized to float32 (rows, or bags summed in order).
@@ -44,7 +45,6 @@ from hps.types import CachePolicy
 
 __all__ = [
     "FORMAT_CODES",
-    "FP32_CODE",
     "GatherArgs",
     "GatherResult",
     "gather",
@@ -52,9 +52,10 @@ __all__ = [
     "gather_rows",
     "gather_rows_reference",
     "pool_in_order",
+    "row_format_of",
 ]
 
-#: the kernel's code of each row format (``gather_rows``); ``cache_gather`` reads FP32 only
+#: the kernel's code of each row format (``cache_gather`` and ``gather_rows``)
 FORMAT_CODES = {
     RowDtype.FP32: 0,
     RowDtype.FP16: 1,
@@ -63,8 +64,6 @@ FORMAT_CODES = {
     RowDtype.INT4: 4,
     RowDtype.INT2: 5,
 }
-#: the kernel's code of FP32 rows (4 × dim bytes each)
-FP32_CODE = FORMAT_CODES[RowDtype.FP32]
 
 
 @dataclass(frozen=True)
@@ -72,7 +71,7 @@ class GatherArgs:
     """One fused call's tables.
 
     Attributes:
-        caches: one per table (CPU, FP32 rows).
+        caches: one per table (CPU; rows in :func:`row_format_of` the cache).
         keys: ``(m_t,) int64`` contiguous per table (bags: ``B × hotness`` flattened, -1 pads).
         out: float32 contiguous output (rows: ``Σ m_t·dim_t``; bags: ``(B, out_stride)``).
         out_offsets: where each table starts in ``out`` (rows: element offset; bags: column).
@@ -111,6 +110,22 @@ class GatherResult:
     pending: list[torch.Tensor]
 
 
+def row_format_of(cache: EmbeddingCache) -> RowDtype:
+    """The layout of ``cache.storage``'s rows: its ``row_format`` where the cache declares one,
+    else FP32 (``4 × dim`` bytes, the cache's ``values`` view)."""
+    return RowDtype(getattr(cache, "row_format", RowDtype.FP32))
+
+
+def cached_rows(cache: EmbeddingCache, slots: torch.Tensor) -> torch.Tensor:
+    """``(n, dim) float32`` rows of ``slots (n,) int64`` read from ``cache.storage`` in its
+    row format (:func:`hps.rowformat.dequantize_rows`): what the kernel reads."""
+    fmt = row_format_of(cache)
+    if fmt is RowDtype.FP32:
+        return cache.values.index_select(0, slots)
+    rb = row_bytes(fmt, cache.dim)
+    return dequantize_rows(cache.storage[:, :rb].index_select(0, slots), fmt, cache.dim)
+
+
 def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
     """The fused cache-hit pass (compiled when built and ``compiled``, else the reference).
 
@@ -124,14 +139,14 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
     cs = args.caches
     misses, per_table, *pending = ext.cache_gather(
         list(args.keys),
-        [c.keys.view(-1) for c in cs],
-        [c.tags.view(-1) for c in cs],
-        [c.counters.view(-1) for c in cs],
+        [c.keys for c in cs],
+        [c.tags for c in cs],
+        [c.counters for c in cs],
         [c.marks for c in cs],
         [c.storage for c in cs],
         [c.ways for c in cs],
         [c.dim for c in cs],
-        [FP32_CODE] * len(cs),
+        [FORMAT_CODES[row_format_of(c)] for c in cs],
         list(args.stamps),
         list(args.marks),
         list(args.looked_up),
@@ -210,19 +225,22 @@ def _gather_one(
     pending = torch.zeros(0, dim)
     if h == 0:
         block = args.out[off : off + n * dim].view(n, dim)
-        block[hpos] = c.values[hslot]
+        block[hpos] = cached_rows(c, hslot)
     else:
         b = n // h
         r = torch.zeros(n, dim)
-        r[hpos] = c.values[hslot]
+        r[hpos] = cached_rows(c, hslot)
         r = r.view(b, h, dim)
         missed = torch.zeros(n, dtype=torch.bool)
         missed[miss] = True
         bag_missed = missed.view(b, h).any(1)
-        acc = pool_in_order(r, k.view(b, h) >= 0, args.mean[i])
-        done = ~bag_missed
-        view = args.out.view(b, args.out_stride)[:, off : off + dim]
-        view[done] = acc[done]
+        valid_keys = k.view(b, h) >= 0
+        acc = pool_in_order(r, valid_keys, False)  # a miss's zero row adds nothing
+        if args.mean[i]:
+            nv = valid_keys.sum(1)
+            ok = ~bag_missed & (nv > 0)
+            acc[ok] = acc[ok] / nv[ok].to(torch.float32)[:, None]
+        args.out.view(b, args.out_stride)[:, off : off + dim] = acc
         pending = r[bag_missed].reshape(-1, dim)
     stats = [int(miss.numel()), int(hpos.numel()), unique_hits, int(valid.numel()), crossed]
     return stats, miss, pending

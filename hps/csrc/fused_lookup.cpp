@@ -34,13 +34,93 @@ namespace {
 constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;  // splitmix64 (Steele et al., 2014)
 constexpr uint64_t kM1 = 0xBF58476D1CE4E5B9ULL;
 constexpr uint64_t kM2 = 0x94D049BB133111EBULL;
-constexpr int64_t kFormatFp32 = 0;  // hps.fused.RowCodec.FP32
 
 inline uint64_t mix64(int64_t key) {
   uint64_t z = static_cast<uint64_t>(key) + kGolden;
   z = (z ^ (z >> 30)) * kM1;
   z = (z ^ (z >> 27)) * kM2;
   return z ^ (z >> 31);
+}
+
+// Row formats (hps.rowformat.RowDtype), read from a cache's storage bytes and dequantized to
+// float32. Codes (hps.fused.FORMAT_CODES):
+// 0 fp32, 1 fp16, 2 bf16, 3 int8, 4 int4, 5 int2. A quantized row is [scale f16, bias f16,
+// q...], value j = scale * q_j + bias with q_j at bits (j % k) * bits of byte 4 + j / k. The
+// product of a float16 scale and an integer of <= 8 bits is exact in float32, so this equals
+// hps.rowformat.dequantize_rows bit for bit whether or not the compiler fuses the multiply-add.
+
+constexpr int64_t kFp32 = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5;
+
+inline int64_t format_row_bytes(int64_t format, int64_t dim) {
+  switch (format) {
+    case kFp32: return 4 * dim;
+    case kFp16: case kBf16: return 2 * dim;
+    case kInt8: return dim + 4;
+    case kInt4: return dim % 2 ? -1 : dim / 2 + 4;
+    case kInt2: return dim % 4 ? -1 : dim / 4 + 4;
+    default: return -1;
+  }
+}
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// dst[d] = row[d] (kAdd false) or dst[d] += row[d] (kAdd true), for one stored row.
+template <int64_t kFormat, bool kAdd>
+inline void dequant_row(const uint8_t* src, int64_t dim, float* dst) {
+  if constexpr (kFormat == kFp32) {
+    const float* f = reinterpret_cast<const float*>(src);
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) dst[d] = kAdd ? dst[d] + f[d] : f[d];
+  } else if constexpr (kFormat == kFp16 || kFormat == kBf16) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+    int64_t d = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    if constexpr (kFormat == kFp16) {  // 8 at a time (the conversion is exact either way)
+      for (; d + 8 <= dim; d += 8) {
+        __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + d)));
+        if (kAdd) v = _mm256_add_ps(_mm256_loadu_ps(dst + d), v);
+        _mm256_storeu_ps(dst + d, v);
+      }
+    }
+#endif
+    for (; d < dim; ++d) {
+      const float v = kFormat == kFp16 ? half_to_float(h[d]) : bf16_to_float(h[d]);
+      dst[d] = kAdd ? dst[d] + v : v;
+    }
+  } else {
+    constexpr int64_t bits = kFormat == kInt8 ? 8 : kFormat == kInt4 ? 4 : 2;
+    constexpr int64_t per = 8 / bits;
+    constexpr uint32_t mask = (1u << bits) - 1;
+    uint16_t sb[2];
+    std::memcpy(sb, src, 4);
+    const float scale = half_to_float(sb[0]), bias = half_to_float(sb[1]);
+    const uint8_t* q = src + 4;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) {
+      const uint32_t v = (static_cast<uint32_t>(q[d / per]) >> ((d % per) * bits)) & mask;
+      const float x = scale * static_cast<float>(v) + bias;
+      dst[d] = kAdd ? dst[d] + x : x;
+    }
+  }
+}
+
+// Runtime dispatch of dequant_row (for paths off the per-key loop).
+inline void dequant_any(int64_t format, const uint8_t* src, int64_t dim, float* dst) {
+  switch (format) {
+    case kFp32: dequant_row<kFp32, false>(src, dim, dst); break;
+    case kFp16: dequant_row<kFp16, false>(src, dim, dst); break;
+    case kBf16: dequant_row<kBf16, false>(src, dim, dst); break;
+    case kInt8: dequant_row<kInt8, false>(src, dim, dst); break;
+    case kInt4: dequant_row<kInt4, false>(src, dim, dst); break;
+    default: dequant_row<kInt2, false>(src, dim, dst); break;
+  }
 }
 
 // One table of a cache_gather call.
@@ -74,28 +154,24 @@ inline uint64_t match_tags(const uint8_t* tg, int64_t n, uint8_t tag) {
   const __m512i v = _mm512_maskz_loadu_epi8(lanes, tg);
   return _mm512_mask_cmpeq_epi8_mask(lanes, v, _mm512_set1_epi8(static_cast<char>(tag)));
 #else
+#if defined(__AVX2__)
+  if (n == 64) {  // a whole tag line: two 32-byte compares
+    const __m256i t = _mm256_set1_epi8(static_cast<char>(tag));
+    const uint32_t lo = static_cast<uint32_t>(_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg)), t)));
+    const uint32_t hi = static_cast<uint32_t>(_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 32)), t)));
+    return static_cast<uint64_t>(hi) << 32 | lo;
+  }
+#endif
   uint64_t m = 0;
   for (int64_t w = 0; w < n; ++w) m |= static_cast<uint64_t>(tg[w] == tag) << w;
   return m;
 #endif
 }
 
-inline const float* row_of(const TableView& t, int64_t slot) {
-  return reinterpret_cast<const float*>(t.storage + slot * t.row_bytes);
-}
-
-inline void copy_row(const TableView& t, int64_t slot, float* dst) {
-  // a vector loop: glibc's memcpy of a few hundred bytes is a call and, on some CPUs, a
-  // slow ``rep movsb``
-  const float* src = row_of(t, slot);
-#pragma omp simd
-  for (int64_t d = 0; d < t.dim; ++d) dst[d] = src[d];
-}
-
-inline void add_row(const TableView& t, int64_t slot, float* dst) {
-  const float* src = row_of(t, slot);
-#pragma omp simd
-  for (int64_t d = 0; d < t.dim; ++d) dst[d] += src[d];
+inline const uint8_t* row_of(const TableView& t, int64_t slot) {
+  return t.storage + slot * t.row_bytes;
 }
 
 inline void prefetch_bytes(const void* p, int64_t n) {
@@ -140,7 +216,7 @@ inline void use_slot(const TableView& t, int64_t s, int64_t& hits, int64_t& uniq
 // rows copied or bags summed key by key in request order (MEAN bags without a miss divided),
 // each key's slot in sl (-1 miss, -2 padding). With ``uses`` (one thread does every key of
 // the call) the counters and marks are written here too, and hits/uniq counted.
-template <bool kUses>
+template <bool kUses, int64_t kFormat>
 void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
                   std::vector<ProbeState>& st, int64_t& hits, int64_t& uniq) {
   st.resize(static_cast<size_t>(i1 - i0));
@@ -209,7 +285,7 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     const int64_t slot = sl[i];  // stage 4: copy or add the row, use the slot
     if (!bags) {
       if (slot >= 0) {
-        copy_row(t, slot, t.out + i * t.dim);
+        dequant_row<kFormat, false>(row_of(t, slot), t.dim, t.out + i * t.dim);
         if (kUses) use_slot(t, slot, hits, uniq);
       }
       continue;
@@ -224,7 +300,7 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     if (slot != -2) ++n_valid;
     if (slot == -1) missed = true;
     if (slot >= 0) {
-      add_row(t, slot, dst);
+      dequant_row<kFormat, true>(row_of(t, slot), t.dim, dst);
       if (kUses) use_slot(t, slot, hits, uniq);
     }
     if (j == t.hotness - 1 && t.mean && !missed && n_valid > 0) {
@@ -291,12 +367,25 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
     const TableView& t = ts[pc.table];
     const int64_t h = std::max<int64_t>(1, t.hotness);
     int64_t* sl = slots[pc.table].data();
-    if (uses)
-      gather_piece<true>(t, pc.begin * h, pc.end * h, sl, st, hits[pc.table], uniq[pc.table]);
-    else {
-      int64_t unused_h = 0, unused_u = 0;
-      gather_piece<false>(t, pc.begin * h, pc.end * h, sl, st, unused_h, unused_u);
+    const int64_t i0 = pc.begin * h, i1 = pc.end * h;
+    int64_t unused_h = 0, unused_u = 0;
+    int64_t& ht = uses ? hits[pc.table] : unused_h;
+    int64_t& ut = uses ? uniq[pc.table] : unused_u;
+#define HPS_GATHER(F)                                       \
+  if (uses)                                                 \
+    gather_piece<true, F>(t, i0, i1, sl, st, ht, ut);       \
+  else                                                      \
+    gather_piece<false, F>(t, i0, i1, sl, st, ht, ut);      \
+  break;
+    switch (t.format) {
+      case kFp32: HPS_GATHER(kFp32)
+      case kFp16: HPS_GATHER(kFp16)
+      case kBf16: HPS_GATHER(kBf16)
+      case kInt8: HPS_GATHER(kInt8)
+      case kInt4: HPS_GATHER(kInt4)
+      default: HPS_GATHER(kInt2)
     }
+#undef HPS_GATHER
   };
   if (alone) {
     std::vector<ProbeState> st;
@@ -347,7 +436,8 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
   for (size_t q = 0; q < bags.size(); ++q)
     for (int64_t j = 0; j < t.hotness; ++j) {
       const int64_t s = sl[bags[q] * t.hotness + j];
-      if (s >= 0) copy_row(t, s, r + (static_cast<int64_t>(q) * t.hotness + j) * t.dim);
+      if (s >= 0)
+        dequant_any(t.format, row_of(t, s), t.dim, r + (static_cast<int64_t>(q) * t.hotness + j) * t.dim);
     }
   return rows;
 }
@@ -403,14 +493,17 @@ std::vector<at::Tensor> cache_gather(
   std::vector<TableView> views;
   for (size_t i = 0; i < T; ++i) {
     const auto& k = keys[i];
-    check(formats[i] == kFormatFp32, "row format " + std::to_string(formats[i]) +
-                                         " has no fused kernel (FP32 = 0 only)");
+    const int64_t need = format_row_bytes(formats[i], dims[i]);
+    check(need > 0, "row format code " + std::to_string(formats[i]) + " with dim " +
+                        std::to_string(dims[i]) + " is not a row format (codes 0..5)");
     const int64_t capacity = cache_keys[i].numel();
     check(storage[i].scalar_type() == at::kByte && storage[i].dim() == 2 &&
               storage[i].size(0) == capacity && storage[i].is_contiguous(),
           "storage must be (capacity, row_bytes) contiguous uint8");
     const int64_t row_bytes = storage[i].size(1);
-    check(row_bytes >= dims[i] * 4, "FP32 rows need 4 * dim bytes");
+    check(row_bytes >= need, "rows of format " + std::to_string(formats[i]) + " and dim " +
+                                 std::to_string(dims[i]) + " need " + std::to_string(need) +
+                                 " bytes, storage rows hold " + std::to_string(row_bytes));
     // LFU aging before this query's uses: one halving per multiple of the interval crossed
     const int64_t w = intervals[i];
     const int64_t crossed = w > 0 ? (looked_up[i] + valid[i]) / w - looked_up[i] / w : 0;
@@ -465,66 +558,8 @@ std::vector<at::Tensor> cache_gather(
   return result;
 }
 
-// ---------------------------------------------------------------------------------------
-// gather_rows: rows of any hps.rowformat.RowDtype read from a cache's storage bytes by slot,
-// dequantized to float32 (rows) or summed per bag in order. Codes (hps.fused.FORMAT_CODES):
-// 0 fp32, 1 fp16, 2 bf16, 3 int8, 4 int4, 5 int2. A quantized row is [scale f16, bias f16,
-// q...], value j = scale * q_j + bias with q_j at bits (j % k) * bits of byte 4 + j / k. The
-// product of a float16 scale and an integer of <= 8 bits is exact in float32, so this equals
-// hps.rowformat.dequantize_rows bit for bit whether or not the compiler fuses the multiply-add.
-
-constexpr int64_t kFp32 = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5;
-
-inline int64_t format_row_bytes(int64_t format, int64_t dim) {
-  switch (format) {
-    case kFp32: return 4 * dim;
-    case kFp16: case kBf16: return 2 * dim;
-    case kInt8: return dim + 4;
-    case kInt4: return dim / 2 + 4;
-    case kInt2: return dim / 4 + 4;
-    default: return -1;
-  }
-}
-
-inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// dst[d] = row[d] (kAdd false) or dst[d] += row[d] (kAdd true), for one stored row.
-template <int64_t kFormat, bool kAdd>
-inline void dequant_row(const uint8_t* src, int64_t dim, float* dst) {
-  if constexpr (kFormat == kFp32) {
-    const float* f = reinterpret_cast<const float*>(src);
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) dst[d] = kAdd ? dst[d] + f[d] : f[d];
-  } else if constexpr (kFormat == kFp16 || kFormat == kBf16) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
-    for (int64_t d = 0; d < dim; ++d) {
-      const float v = kFormat == kFp16 ? half_to_float(h[d]) : bf16_to_float(h[d]);
-      dst[d] = kAdd ? dst[d] + v : v;
-    }
-  } else {
-    constexpr int64_t bits = kFormat == kInt8 ? 8 : kFormat == kInt4 ? 4 : 2;
-    constexpr int64_t per = 8 / bits;
-    constexpr uint32_t mask = (1u << bits) - 1;
-    uint16_t sb[2];
-    std::memcpy(sb, src, 4);
-    const float scale = half_to_float(sb[0]), bias = half_to_float(sb[1]);
-    const uint8_t* q = src + 4;
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) {
-      const uint32_t v = (static_cast<uint32_t>(q[d / per]) >> ((d % per) * bits)) & mask;
-      const float x = scale * static_cast<float>(v) + bias;
-      dst[d] = kAdd ? dst[d] + x : x;
-    }
-  }
-}
-
+// gather_rows: rows of any hps.rowformat.RowDtype read from a cache's storage by slot (see
+// dequant_row), rows or bags summed in order.
 template <int64_t kFormat>
 void gather_rows_of(const uint8_t* storage, int64_t row_bytes, const int64_t* slots, int64_t n,
                     int64_t dim, int64_t hotness, float* out, int64_t out_stride) {
@@ -565,7 +600,8 @@ void gather_rows(const at::Tensor& storage, const at::Tensor& slots, int64_t for
   check(storage.scalar_type() == at::kByte && storage.dim() == 2 && storage.is_contiguous(),
         "storage must be (capacity, row_bytes) contiguous uint8");
   const int64_t rb = format_row_bytes(format, dim);
-  check(rb > 0, "row format code " + std::to_string(format) + " is not one of 0..5");
+  check(rb > 0, "row format code " + std::to_string(format) + " with dim " + std::to_string(dim) +
+                    " is not a row format (codes 0..5; int4 needs an even dim, int2 a multiple of 4)");
   check(storage.size(1) >= rb, "rows of format " + std::to_string(format) + " and dim " +
                                    std::to_string(dim) + " need " + std::to_string(rb) +
                                    " bytes, storage rows hold " + std::to_string(storage.size(1)));
@@ -599,8 +635,10 @@ void gather_rows(const at::Tensor& storage, const at::Tensor& slots, int64_t for
   }
 }
 
-// Exact running counts of keys: an open-addressing hash map (linear probing, load ≤ 1/2), so
-// an update is O(its keys) whatever the number of keys counted so far.
+// Exact running counts of keys: an open-addressing hash map (linear probing, load ≤ 1/2) of
+// 16-byte entries (key, count; count -1 marks a free entry), so an update is O(its keys)
+// whatever the number of keys counted so far, a key's probe reads about one cache line, and
+// the lines of the keys a few places ahead are prefetched.
 class KeyCounter {
  public:
   KeyCounter() { rehash(1 << 10); }
@@ -619,7 +657,9 @@ class KeyCounter {
       cp = c.data_ptr<int64_t>();
     }
     reserve(size_ + n);
+    constexpr int64_t ahead = 8;
     for (int64_t i = 0; i < n; ++i) {
+      if (i + ahead < n) __builtin_prefetch(&slots_[slot_of(kp[i + ahead])], 1, 3);
       if (skip_negative && kp[i] < 0) continue;
       add(kp[i], cp ? cp[i] : 1);
     }
@@ -633,7 +673,7 @@ class KeyCounter {
     int64_t* op = out.data_ptr<int64_t>();
     for (int64_t i = 0; i < k.numel(); ++i) {
       const int64_t s = find(kp[i]);
-      op[i] = s < 0 ? 0 : counts_[s];
+      op[i] = s < 0 ? 0 : slots_[s].count;
     }
     return out;
   }
@@ -644,18 +684,15 @@ class KeyCounter {
     const int s = static_cast<int>(std::min<int64_t>(times, 63));
     std::vector<std::pair<int64_t, int64_t>> kept;
     kept.reserve(size_);
-    for (size_t i = 0; i < used_.size(); ++i)
-      if (used_[i] && (counts_[i] >> s) > 0) kept.emplace_back(keys_[i], counts_[i] >> s);
+    for (const Entry& e : slots_)
+      if (e.count >= 0 && (e.count >> s) > 0) kept.emplace_back(e.key, e.count >> s);
     reset(kept);
   }
 
   // {keys (k,) ascending, counts (k,)}.
   std::vector<at::Tensor> items() {
     std::lock_guard<std::mutex> g(mu_);
-    std::vector<std::pair<int64_t, int64_t>> all;
-    all.reserve(size_);
-    for (size_t i = 0; i < used_.size(); ++i)
-      if (used_[i]) all.emplace_back(keys_[i], counts_[i]);
+    std::vector<std::pair<int64_t, int64_t>> all = entries();
     std::sort(all.begin(), all.end());
     auto k = at::empty({static_cast<int64_t>(all.size())}, at::kLong);
     auto c = at::empty({static_cast<int64_t>(all.size())}, at::kLong);
@@ -681,39 +718,49 @@ class KeyCounter {
   }
 
  private:
+  struct Entry {
+    int64_t key;
+    int64_t count;  // -1: free
+  };
+
   size_t slot_of(int64_t key) const { return mix64(key) & mask_; }
 
   int64_t find(int64_t key) const {
     for (size_t s = slot_of(key);; s = (s + 1) & mask_) {
-      if (!used_[s]) return -1;
-      if (keys_[s] == key) return static_cast<int64_t>(s);
+      if (slots_[s].count < 0) return -1;
+      if (slots_[s].key == key) return static_cast<int64_t>(s);
     }
   }
 
   void add(int64_t key, int64_t c) {
     for (size_t s = slot_of(key);; s = (s + 1) & mask_) {
-      if (!used_[s]) {
-        used_[s] = 1;
-        keys_[s] = key;
-        counts_[s] = c;
+      Entry& e = slots_[s];
+      if (e.count < 0) {
+        e.key = key;
+        e.count = c;
         ++size_;
         return;
       }
-      if (keys_[s] == key) {
-        counts_[s] += c;
+      if (e.key == key) {
+        e.count += c;
         return;
       }
     }
   }
 
-  void reserve(int64_t want) {
-    if (static_cast<size_t>(want) * 2 <= used_.size()) return;
-    size_t cap = used_.size();
-    while (static_cast<size_t>(want) * 2 > cap) cap *= 2;
+  std::vector<std::pair<int64_t, int64_t>> entries() const {
     std::vector<std::pair<int64_t, int64_t>> all;
     all.reserve(size_);
-    for (size_t i = 0; i < used_.size(); ++i)
-      if (used_[i]) all.emplace_back(keys_[i], counts_[i]);
+    for (const Entry& e : slots_)
+      if (e.count >= 0) all.emplace_back(e.key, e.count);
+    return all;
+  }
+
+  void reserve(int64_t want) {
+    if (static_cast<size_t>(want) * 2 <= slots_.size()) return;
+    size_t cap = slots_.size();
+    while (static_cast<size_t>(want) * 2 > cap) cap *= 2;
+    const auto all = entries();
     rehash(cap);
     for (const auto& kv : all) add(kv.first, kv.second);
   }
@@ -726,16 +773,13 @@ class KeyCounter {
   }
 
   void rehash(size_t cap) {
-    keys_.assign(cap, 0);
-    counts_.assign(cap, 0);
-    used_.assign(cap, 0);
+    slots_.assign(cap, Entry{0, -1});
     mask_ = cap - 1;
     size_ = 0;
   }
 
   std::mutex mu_;
-  std::vector<int64_t> keys_, counts_;
-  std::vector<uint8_t> used_;
+  std::vector<Entry> slots_;
   size_t mask_ = 0;
   int64_t size_ = 0;
 };

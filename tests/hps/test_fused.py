@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from hps.fused import gather_rows
+from hps.fused import GatherArgs, gather, gather_rows
 from hps.kernels import load_extension
 from hps.rowformat import RowDtype, dequantize_rows, quantize_rows
 from hps.session import LookupSession, SessionTable
@@ -224,7 +224,10 @@ def test_pooled_bags_sum_in_request_order_whatever_the_cache_holds(
     cache = EmbeddingCache(n // 4, d, policy=policy, ways=8)
     cache.insert(torch.arange(0, n, 7), w[0:n:7])  # some keys of most bags resident
     s = LookupSession(
-        [SessionTable("t", d, DEFAULT, 10**6, cache)], v, None, hit_rate_threshold=1.0,
+        [SessionTable("t", d, DEFAULT, 10**6, cache)],
+        v,
+        None,
+        hit_rate_threshold=1.0,
         compiled=compiled,
     )
     for mode in (Pooling.SUM, Pooling.MEAN, Pooling.SUM):
@@ -262,3 +265,62 @@ def test_gather_rows_dequantizes_as_the_row_format_does(fmt: RowDtype) -> None:
     for compiled in (True, False):
         with pytest.raises(ValueError, match=f"slot {cap}"):
             gather_rows(storage, torch.tensor([0, cap]), fmt, d, compiled=compiled)
+
+
+def _quantized_cache(fmt: RowDtype, policy: CachePolicy) -> tuple[EmbeddingCache, torch.Tensor]:
+    """A cache whose ``storage`` holds ``fmt`` rows (hps.rowformat's layout) and declares it
+    in ``row_format``; returns it and the dequantized rows of keys 0..199."""
+    g = torch.Generator().manual_seed(11)
+    n, d = 200, 16
+    w = torch.randn(n, d, generator=g)
+    c = EmbeddingCache(n // 2, d, policy=policy, ways=8)
+    c.insert(torch.arange(n), w)
+    stored = quantize_rows(c.values, fmt)
+    c.storage = stored  # the layout a cache holding fmt rows has: (capacity, row_bytes) uint8
+    c.row_bytes = stored.shape[1]
+    c.row_format = fmt
+    return c, dequantize_rows(quantize_rows(w, fmt), fmt, d)
+
+
+@pytest.mark.parametrize("fmt", [RowDtype.FP16, RowDtype.INT8, RowDtype.INT4])
+def test_fused_pass_reads_quantized_cache_rows(fmt: RowDtype) -> None:
+    """The fused pass over a cache holding fp16 / int8 / int4 rows: compiled equals the
+    reference bit for bit (rows, in-order bags, counters, marks) and rows equal the format's
+    dequantization."""
+    _needs_ext()
+    g = torch.Generator().manual_seed(12)
+    for bags in (False, True):
+        (c1, want), (c2, _) = (
+            _quantized_cache(fmt, CachePolicy.LFU),
+            _quantized_cache(fmt, CachePolicy.LFU),
+        )
+        keys = torch.randint(-1 if bags else 0, 200, (32 * 4,), generator=g)
+        outs = []
+        results = []
+        for c, compiled in ((c1, True), (c2, False)):
+            out = torch.full((32, 16) if bags else (keys.numel() * 16,), 5.0)
+            args = GatherArgs(
+                caches=[c],
+                keys=[keys],
+                out=out,
+                out_offsets=[0],
+                out_stride=16 if bags else 0,
+                hotness=[4 if bags else 0],
+                mean=[False],
+                stamps=[-1],
+                marks=[c.next_mark()],
+                looked_up=[0],
+                intervals=[0],
+            )
+            results.append(gather(args, compiled=compiled))
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(results[0].per_table, results[1].per_table)
+        assert torch.equal(results[0].misses, results[1].misses)
+        assert torch.equal(results[0].pending[0], results[1].pending[0])
+        assert torch.equal(c1.counters, c2.counters) and torch.equal(c1.marks, c2.marks)
+        if not bags:
+            hit = torch.ones(keys.numel(), dtype=torch.bool)
+            hit[results[0].misses] = False
+            rows = outs[0].view(-1, 16)
+            assert torch.equal(rows[hit], want[keys[hit]])

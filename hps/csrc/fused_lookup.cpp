@@ -223,6 +223,10 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
   ProbeState* ps = st.data() - i0;
   const int64_t first_ways = std::min<int64_t>(64, t.ways);
   const bool bags = t.hotness > 0;
+  // bags: the bag before the first (the loop steps to it), the key's place in its bag (no
+  // division per key), its output row
+  int64_t bag = bags ? i0 / t.hotness - 1 : 0;
+  int64_t j = bags ? t.hotness - 1 : 0;
   float* dst = nullptr;
   int64_t n_valid = 0;
   bool missed = false;
@@ -290,9 +294,9 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
       }
       continue;
     }
-    const int64_t j = i % t.hotness;
-    if (j == 0) {
-      dst = t.out + (i / t.hotness) * t.out_stride;
+    if (++j == t.hotness) {
+      j = 0;
+      dst = t.out + (++bag) * t.out_stride;
       std::fill(dst, dst + t.dim, 0.0f);
       n_valid = 0;
       missed = false;
@@ -310,9 +314,16 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
   }
 }
 
+// The owner of a slot: a multiplicative hash of the slot scaled to [0, owners) (a multiply,
+// no division per key).
+inline int64_t owner_of(int64_t slot, int64_t owners) {
+  const uint64_t h = (static_cast<uint64_t>(slot) * kGolden) >> 32;
+  return static_cast<int64_t>(((h & 0xFFFFFFFFULL) * static_cast<uint64_t>(owners)) >> 32);
+}
+
 // The uses (counters, marks) of every table's hits after a parallel gather: each thread owns
-// the slots ``slot % owners`` of every table, so no two threads write one counter (no atomics;
-// counts independent of the thread count).
+// the slots ``owner_of(slot) == thread`` of every table, so no two threads write one counter
+// (no atomics; counts independent of the thread count).
 void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<int64_t>>& slots,
                int64_t owners, std::vector<int64_t>& hits, std::vector<int64_t>& uniq) {
   const int64_t T = static_cast<int64_t>(ts.size());
@@ -328,7 +339,7 @@ void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<i
             __builtin_prefetch(t.marks + sl[j + 16], 1, 3);
           }
           const int64_t s = sl[j];
-          if (s < 0 || s % owners != o) continue;
+          if (s < 0 || owner_of(s, owners) != o) continue;
           use_slot(t, s, h, u);
         }
         hits[o * T + i] = h;
@@ -391,9 +402,20 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
     std::vector<ProbeState> st;
     for (const Piece& pc : pieces) run(pc, st, true);
   } else {
-    at::parallel_for(0, P, 1, [&](int64_t p0, int64_t p1) {
+    // one run of pieces per thread, cut where the keys so far cross k × total / threads
+    // (pieces differ in size: a table of a few keys is one small piece)
+    std::vector<int64_t> cut(threads + 1, P);
+    cut[0] = 0;
+    int64_t keys_before = 0, k = 1;
+    for (int64_t p = 0; p < P && k < threads; ++p) {
+      const TableView& t = ts[pieces[p].table];
+      keys_before += (pieces[p].end - pieces[p].begin) * std::max<int64_t>(1, t.hotness);
+      while (k < threads && keys_before * threads >= k * total) cut[k++] = p + 1;
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t r0, int64_t r1) {
       std::vector<ProbeState> st;
-      for (int64_t p = p0; p < p1; ++p) run(pieces[p], st, false);
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t p = cut[r]; p < cut[r + 1]; ++p) run(pieces[p], st, false);
     });
     const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(threads, total / 4096));
     std::vector<int64_t> oh(owners * T, 0), ou(owners * T, 0);

@@ -136,17 +136,26 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
     ext = load_extension() if compiled else None
     if ext is None:
         return gather_reference(args)
-    cs = args.caches
+    n = len(args.caches)
+    ckeys, tags, counters, marks, storage = [], [], [], [], []
+    ways, dims, formats = [0] * n, [0] * n, [0] * n
+    for i, c in enumerate(args.caches):  # whole (num_sets, ways) arrays: the kernel reads data
+        ckeys.append(c.keys)
+        tags.append(c.tags)
+        counters.append(c.counters)
+        marks.append(c.marks)
+        storage.append(c.storage)
+        ways[i], dims[i], formats[i] = c.ways, c.dim, FORMAT_CODES[row_format_of(c)]
     misses, per_table, *pending = ext.cache_gather(
         list(args.keys),
-        [c.keys for c in cs],
-        [c.tags for c in cs],
-        [c.counters for c in cs],
-        [c.marks for c in cs],
-        [c.storage for c in cs],
-        [c.ways for c in cs],
-        [c.dim for c in cs],
-        [FORMAT_CODES[row_format_of(c)] for c in cs],
+        ckeys,
+        tags,
+        counters,
+        marks,
+        storage,
+        ways,
+        dims,
+        formats,
         list(args.stamps),
         list(args.marks),
         list(args.looked_up),

@@ -21,6 +21,7 @@ one (the same results).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -76,8 +77,9 @@ def _check(
     ts = [s._table(n) for n in tables]
     flat = []
     batch = None
+    int64 = torch.int64
     for t, k in zip(ts, keys, strict=True):
-        if not isinstance(k, torch.Tensor) or k.dtype != torch.int64:
+        if not isinstance(k, torch.Tensor) or k.dtype != int64:
             got = k.dtype if isinstance(k, torch.Tensor) else type(k).__name__
             raise ValueError(f"table {t.name!r}: keys must be an int64 torch.Tensor, got {got}")
         if k.numel() > t.max_keys:
@@ -134,12 +136,12 @@ def fused_lookup(
     if bags:
         b = keys[0].shape[0] if keys else 0
         hot = [int(k.shape[1]) for k in keys]
-        offsets = [sum(dims[:i]) for i in range(len(dims))]
+        offsets = [0, *itertools.accumulate(dims)][:-1]
         buf = _out_buffer(out, (b, sum(dims)), s.device)
     else:
         hot = [0] * len(ts)
         sizes = [f.numel() * d for f, d in zip(flat, dims, strict=True)]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
         buf = _out_buffer(out, (sum(sizes),), s.device)
     caches = [t.cache for t in ts]
     if not ts or not _fusable(s, caches):
@@ -257,13 +259,13 @@ def _serve_all_misses(
     appended to ``failed`` before the error propagates (the later tables are not served)."""
 
     start = 0
+    all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
+    record = s.statistics.record_counts
     for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
         nm, hits, uniq_hits = row[0], row[1], row[2]
         epoch = s._age_key_stats(t, c)
         if not nm:
-            s.statistics.record_counts(
-                t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], 1.0 >= s.hit_rate_threshold
-            )
+            record(t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], all_hit_async)
             continue
         pos = res.misses[start : start + nm]
         start += nm

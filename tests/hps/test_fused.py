@@ -324,3 +324,50 @@ def test_fused_pass_reads_quantized_cache_rows(fmt: RowDtype) -> None:
             hit[results[0].misses] = False
             rows = outs[0].view(-1, 16)
             assert torch.equal(rows[hit], want[keys[hit]])
+
+
+@pytest.mark.parametrize("policy", [CachePolicy.LRU, CachePolicy.LFU])
+def test_threaded_pass_equals_reference(policy: CachePolicy) -> None:
+    """A call large enough to be split between threads (≥ 8,192 keys, two threads: the
+    threads gather, then each writes the counters and marks of the slots it owns) gives the
+    reference's rows, bags, counters, marks and statistics bit for bit."""
+    _needs_ext()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(13)
+        n, d = 3000, 4
+        w = torch.randn(n, d, generator=g)
+        caches = []
+        for _ in range(2):
+            c = EmbeddingCache(n, d, policy=policy, ways=64, lfu_decay_keys_per_slot=0.5)
+            c.insert(torch.arange(0, n, 2), w[0:n:2])
+            caches.append(c)
+        for hot in (0, 4):
+            keys = torch.randint(-1 if hot else 0, n, (12_000,), generator=g)
+            outs, results = [], []
+            for c, compiled in zip(caches, (True, False), strict=True):
+                out = torch.zeros((12_000 // hot, d) if hot else (12_000 * d,))
+                args = GatherArgs(
+                    caches=[c],
+                    keys=[keys],
+                    out=out,
+                    out_offsets=[0],
+                    out_stride=d if hot else 0,
+                    hotness=[hot],
+                    mean=[hot > 0],
+                    stamps=[c._clock if policy is CachePolicy.LRU else -1],
+                    marks=[c.next_mark()],
+                    looked_up=[c._looked_up],
+                    intervals=[c.lfu_decay_interval],
+                )
+                results.append(gather(args, compiled=compiled))
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1])
+            assert torch.equal(results[0].per_table, results[1].per_table)
+            assert torch.equal(results[0].misses, results[1].misses)
+            assert torch.equal(results[0].pending[0], results[1].pending[0])
+            assert torch.equal(caches[0].counters, caches[1].counters)
+            assert torch.equal(caches[0].marks, caches[1].marks)
+    finally:
+        torch.set_num_threads(threads)

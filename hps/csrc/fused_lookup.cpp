@@ -1,6 +1,7 @@
-// The fused cache-hit lookup of hps (hps/fused.py is the caller and holds the pure-torch
-// reference it is tested against), a dequantizing row gather, and the key counter of a
-// session's key statistics.
+// The compiled CPU kernels of hps (hps/kernels.py builds them): the fused cache-hit lookup
+// (here; hps/fused.py is the caller and holds the pure-torch reference it is tested against),
+// the row formats and dequantizing gather (row_formats.h) and the key counter of a session's
+// key statistics (key_counter.h).
 //
 // cache_gather: every table of one call in one pass. Per key: the splitmix64 hash gives the
 // set and an 8-bit tag; the set's tag line (ways bytes, one 64-byte cache line for 64 ways)
@@ -22,106 +23,16 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
-#include <mutex>  // KeyCounter
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
-namespace {
+#include "common.h"
+#include "key_counter.h"
+#include "row_formats.h"
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;  // splitmix64 (Steele et al., 2014)
-constexpr uint64_t kM1 = 0xBF58476D1CE4E5B9ULL;
-constexpr uint64_t kM2 = 0x94D049BB133111EBULL;
-
-inline uint64_t mix64(int64_t key) {
-  uint64_t z = static_cast<uint64_t>(key) + kGolden;
-  z = (z ^ (z >> 30)) * kM1;
-  z = (z ^ (z >> 27)) * kM2;
-  return z ^ (z >> 31);
-}
-
-// Row formats (hps.rowformat.RowDtype), read from a cache's storage bytes and dequantized to
-// float32. Codes (hps.fused.FORMAT_CODES):
-// 0 fp32, 1 fp16, 2 bf16, 3 int8, 4 int4, 5 int2. A quantized row is [scale f16, bias f16,
-// q...], value j = scale * q_j + bias with q_j at bits (j % k) * bits of byte 4 + j / k. The
-// product of a float16 scale and an integer of <= 8 bits is exact in float32, so this equals
-// hps.rowformat.dequantize_rows bit for bit whether or not the compiler fuses the multiply-add.
-
-constexpr int64_t kFp32 = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5;
-
-inline int64_t format_row_bytes(int64_t format, int64_t dim) {
-  switch (format) {
-    case kFp32: return 4 * dim;
-    case kFp16: case kBf16: return 2 * dim;
-    case kInt8: return dim + 4;
-    case kInt4: return dim % 2 ? -1 : dim / 2 + 4;
-    case kInt2: return dim % 4 ? -1 : dim / 4 + 4;
-    default: return -1;
-  }
-}
-
-inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
-
-inline float bf16_to_float(uint16_t h) {
-  const uint32_t u = static_cast<uint32_t>(h) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-// dst[d] = row[d] (kAdd false) or dst[d] += row[d] (kAdd true), for one stored row.
-template <int64_t kFormat, bool kAdd>
-inline void dequant_row(const uint8_t* src, int64_t dim, float* dst) {
-  if constexpr (kFormat == kFp32) {
-    const float* f = reinterpret_cast<const float*>(src);
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) dst[d] = kAdd ? dst[d] + f[d] : f[d];
-  } else if constexpr (kFormat == kFp16 || kFormat == kBf16) {
-    const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
-    int64_t d = 0;
-#if defined(__F16C__) && defined(__AVX__)
-    if constexpr (kFormat == kFp16) {  // 8 at a time (the conversion is exact either way)
-      for (; d + 8 <= dim; d += 8) {
-        __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + d)));
-        if (kAdd) v = _mm256_add_ps(_mm256_loadu_ps(dst + d), v);
-        _mm256_storeu_ps(dst + d, v);
-      }
-    }
-#endif
-    for (; d < dim; ++d) {
-      const float v = kFormat == kFp16 ? half_to_float(h[d]) : bf16_to_float(h[d]);
-      dst[d] = kAdd ? dst[d] + v : v;
-    }
-  } else {
-    constexpr int64_t bits = kFormat == kInt8 ? 8 : kFormat == kInt4 ? 4 : 2;
-    constexpr int64_t per = 8 / bits;
-    constexpr uint32_t mask = (1u << bits) - 1;
-    uint16_t sb[2];
-    std::memcpy(sb, src, 4);
-    const float scale = half_to_float(sb[0]), bias = half_to_float(sb[1]);
-    const uint8_t* q = src + 4;
-#pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) {
-      const uint32_t v = (static_cast<uint32_t>(q[d / per]) >> ((d % per) * bits)) & mask;
-      const float x = scale * static_cast<float>(v) + bias;
-      dst[d] = kAdd ? dst[d] + x : x;
-    }
-  }
-}
-
-// Runtime dispatch of dequant_row (for paths off the per-key loop).
-inline void dequant_any(int64_t format, const uint8_t* src, int64_t dim, float* dst) {
-  switch (format) {
-    case kFp32: dequant_row<kFp32, false>(src, dim, dst); break;
-    case kFp16: dequant_row<kFp16, false>(src, dim, dst); break;
-    case kBf16: dequant_row<kBf16, false>(src, dim, dst); break;
-    case kInt8: dequant_row<kInt8, false>(src, dim, dst); break;
-    case kInt4: dequant_row<kInt4, false>(src, dim, dst); break;
-    default: dequant_row<kInt2, false>(src, dim, dst); break;
-  }
-}
+namespace hps_cpu {
 
 // One table of a cache_gather call.
 struct TableView {
@@ -172,12 +83,6 @@ inline uint64_t match_tags(const uint8_t* tg, int64_t n, uint8_t tag) {
 
 inline const uint8_t* row_of(const TableView& t, int64_t slot) {
   return t.storage + slot * t.row_bytes;
-}
-
-inline void prefetch_bytes(const void* p, int64_t n) {
-  const char* c = static_cast<const char*>(p);
-  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(c + b, 0, 3);
-  __builtin_prefetch(c + n - 1, 0, 3);
 }
 
 // A run of keys (rows) or bags of one table: the unit of parallel work.
@@ -464,10 +369,6 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
   return rows;
 }
 
-void check(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("hps cache_gather: " + what);
-}
-
 // Rows (hotness all 0) or bags (hotness > 0) of every table, see the file comment.
 // Returns {misses (k,) int64: positions into each table's keys, table after table;
 //          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings;
@@ -580,243 +481,10 @@ std::vector<at::Tensor> cache_gather(
   return result;
 }
 
-// gather_rows: rows of any hps.rowformat.RowDtype read from a cache's storage by slot (see
-// dequant_row), rows or bags summed in order.
-template <int64_t kFormat>
-void gather_rows_of(const uint8_t* storage, int64_t row_bytes, const int64_t* slots, int64_t n,
-                    int64_t dim, int64_t hotness, float* out, int64_t out_stride) {
-  if (hotness == 0) {
-    at::parallel_for(0, n, 2048, [&](int64_t a, int64_t b) {
-      for (int64_t i = a; i < b; ++i) {
-        if (i + kAhead < b && slots[i + kAhead] >= 0)
-          prefetch_bytes(storage + slots[i + kAhead] * row_bytes, row_bytes);
-        float* dst = out + i * out_stride;
-        if (slots[i] < 0)
-          std::fill(dst, dst + dim, 0.0f);
-        else
-          dequant_row<kFormat, false>(storage + slots[i] * row_bytes, dim, dst);
-      }
-    });
-    return;
-  }
-  at::parallel_for(0, n / hotness, std::max<int64_t>(1, 2048 / hotness), [&](int64_t a, int64_t b) {
-    for (int64_t bag = a; bag < b; ++bag) {
-      float* dst = out + bag * out_stride;
-      std::fill(dst, dst + dim, 0.0f);
-      for (int64_t j = 0; j < hotness; ++j) {
-        const int64_t i = bag * hotness + j;
-        if (i + kAhead < b * hotness && slots[i + kAhead] >= 0)
-          prefetch_bytes(storage + slots[i + kAhead] * row_bytes, row_bytes);
-        if (slots[i] >= 0) dequant_row<kFormat, true>(storage + slots[i] * row_bytes, dim, dst);
-      }
-    }
-  });
-}
-
-// Rows (hotness 0: out row i = row of slots[i], zeros where slots[i] < 0) or bags (hotness h:
-// out row b = the rows of slots[b*h .. b*h+h) summed in order, slots < 0 skipped) of storage
-// (capacity, row_bytes) uint8 in row format ``format``; out (n or n/h, >= dim) float32 with a
-// unit last stride (its rows may be a column block of a wider buffer).
-void gather_rows(const at::Tensor& storage, const at::Tensor& slots, int64_t format, int64_t dim,
-                 at::Tensor out, int64_t hotness) {
-  check(storage.scalar_type() == at::kByte && storage.dim() == 2 && storage.is_contiguous(),
-        "storage must be (capacity, row_bytes) contiguous uint8");
-  const int64_t rb = format_row_bytes(format, dim);
-  check(rb > 0, "row format code " + std::to_string(format) + " with dim " + std::to_string(dim) +
-                    " is not a row format (codes 0..5; int4 needs an even dim, int2 a multiple of 4)");
-  check(storage.size(1) >= rb, "rows of format " + std::to_string(format) + " and dim " +
-                                   std::to_string(dim) + " need " + std::to_string(rb) +
-                                   " bytes, storage rows hold " + std::to_string(storage.size(1)));
-  check(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
-        "slots must be (n,) contiguous int64");
-  const int64_t n = slots.numel();
-  check(hotness >= 0 && (hotness == 0 || n % hotness == 0), "slots must be (bags × hotness)");
-  const int64_t rows = hotness > 0 ? n / hotness : n;
-  check(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == rows &&
-            out.size(1) >= dim && out.stride(1) == 1 && out.device().is_cpu(),
-        "out must be a CPU float32 (" + std::to_string(rows) + ", >= " + std::to_string(dim) +
-            ") tensor with unit last stride");
-  const int64_t cap = storage.size(0);
-  const int64_t* sp = slots.data_ptr<int64_t>();
-  for (int64_t i = 0; i < n; ++i)
-    if (sp[i] >= cap || sp[i] < -1)
-      throw std::invalid_argument("hps gather_rows: slot " + std::to_string(sp[i]) +
-                                  " at position " + std::to_string(i) + " is outside [-1, " +
-                                  std::to_string(cap) + ")");
-  const uint8_t* st = storage.data_ptr<uint8_t>();
-  const int64_t row_bytes = storage.size(1);
-  float* o = out.data_ptr<float>();
-  const int64_t os = out.stride(0);
-  switch (format) {
-    case kFp32: gather_rows_of<kFp32>(st, row_bytes, sp, n, dim, hotness, o, os); break;
-    case kFp16: gather_rows_of<kFp16>(st, row_bytes, sp, n, dim, hotness, o, os); break;
-    case kBf16: gather_rows_of<kBf16>(st, row_bytes, sp, n, dim, hotness, o, os); break;
-    case kInt8: gather_rows_of<kInt8>(st, row_bytes, sp, n, dim, hotness, o, os); break;
-    case kInt4: gather_rows_of<kInt4>(st, row_bytes, sp, n, dim, hotness, o, os); break;
-    default: gather_rows_of<kInt2>(st, row_bytes, sp, n, dim, hotness, o, os); break;
-  }
-}
-
-// Exact running counts of keys: an open-addressing hash map (linear probing, load ≤ 1/2) of
-// 16-byte entries (key, count; count -1 marks a free entry), so an update is O(its keys)
-// whatever the number of keys counted so far, a key's probe reads about one cache line, and
-// the lines of the keys a few places ahead are prefetched.
-class KeyCounter {
- public:
-  KeyCounter() { rehash(1 << 10); }
-
-  // Adds counts[i] (1 when counts is empty) for keys[i]; keys < 0 are padding, skipped
-  // when skip_negative.
-  void update(const at::Tensor& keys, const at::Tensor& counts, bool skip_negative) {
-    std::lock_guard<std::mutex> g(mu_);
-    const auto k = keys.contiguous();
-    const int64_t* kp = k.data_ptr<int64_t>();
-    const int64_t n = k.numel();
-    at::Tensor c;
-    const int64_t* cp = nullptr;
-    if (counts.defined() && counts.numel()) {
-      c = counts.contiguous();
-      cp = c.data_ptr<int64_t>();
-    }
-    reserve(size_ + n);
-    constexpr int64_t ahead = 8;
-    for (int64_t i = 0; i < n; ++i) {
-      if (i + ahead < n) __builtin_prefetch(&slots_[slot_of(kp[i + ahead])], 1, 3);
-      if (skip_negative && kp[i] < 0) continue;
-      add(kp[i], cp ? cp[i] : 1);
-    }
-  }
-
-  at::Tensor count_of(const at::Tensor& keys) {
-    std::lock_guard<std::mutex> g(mu_);
-    const auto k = keys.contiguous();
-    auto out = at::empty({k.numel()}, at::kLong);
-    const int64_t* kp = k.data_ptr<int64_t>();
-    int64_t* op = out.data_ptr<int64_t>();
-    for (int64_t i = 0; i < k.numel(); ++i) {
-      const int64_t s = find(kp[i]);
-      op[i] = s < 0 ? 0 : slots_[s].count;
-    }
-    return out;
-  }
-
-  // c >> times for every key; keys whose count reaches 0 are dropped.
-  void halve(int64_t times) {
-    std::lock_guard<std::mutex> g(mu_);
-    const int s = static_cast<int>(std::min<int64_t>(times, 63));
-    std::vector<std::pair<int64_t, int64_t>> kept;
-    kept.reserve(size_);
-    for (const Entry& e : slots_)
-      if (e.count >= 0 && (e.count >> s) > 0) kept.emplace_back(e.key, e.count >> s);
-    reset(kept);
-  }
-
-  // {keys (k,) ascending, counts (k,)}.
-  std::vector<at::Tensor> items() {
-    std::lock_guard<std::mutex> g(mu_);
-    std::vector<std::pair<int64_t, int64_t>> all = entries();
-    std::sort(all.begin(), all.end());
-    auto k = at::empty({static_cast<int64_t>(all.size())}, at::kLong);
-    auto c = at::empty({static_cast<int64_t>(all.size())}, at::kLong);
-    for (size_t i = 0; i < all.size(); ++i) {
-      k.data_ptr<int64_t>()[i] = all[i].first;
-      c.data_ptr<int64_t>()[i] = all[i].second;
-    }
-    return {k, c};
-  }
-
-  // Replace the contents by keys/counts (the caller's trim).
-  void assign(const at::Tensor& keys, const at::Tensor& counts) {
-    std::lock_guard<std::mutex> g(mu_);
-    std::vector<std::pair<int64_t, int64_t>> kv(keys.numel());
-    for (int64_t i = 0; i < keys.numel(); ++i)
-      kv[i] = {keys.data_ptr<int64_t>()[i], counts.data_ptr<int64_t>()[i]};
-    reset(kv);
-  }
-
-  int64_t size() {
-    std::lock_guard<std::mutex> g(mu_);
-    return size_;
-  }
-
- private:
-  struct Entry {
-    int64_t key;
-    int64_t count;  // -1: free
-  };
-
-  size_t slot_of(int64_t key) const { return mix64(key) & mask_; }
-
-  int64_t find(int64_t key) const {
-    for (size_t s = slot_of(key);; s = (s + 1) & mask_) {
-      if (slots_[s].count < 0) return -1;
-      if (slots_[s].key == key) return static_cast<int64_t>(s);
-    }
-  }
-
-  void add(int64_t key, int64_t c) {
-    for (size_t s = slot_of(key);; s = (s + 1) & mask_) {
-      Entry& e = slots_[s];
-      if (e.count < 0) {
-        e.key = key;
-        e.count = c;
-        ++size_;
-        return;
-      }
-      if (e.key == key) {
-        e.count += c;
-        return;
-      }
-    }
-  }
-
-  std::vector<std::pair<int64_t, int64_t>> entries() const {
-    std::vector<std::pair<int64_t, int64_t>> all;
-    all.reserve(size_);
-    for (const Entry& e : slots_)
-      if (e.count >= 0) all.emplace_back(e.key, e.count);
-    return all;
-  }
-
-  void reserve(int64_t want) {
-    if (static_cast<size_t>(want) * 2 <= slots_.size()) return;
-    size_t cap = slots_.size();
-    while (static_cast<size_t>(want) * 2 > cap) cap *= 2;
-    const auto all = entries();
-    rehash(cap);
-    for (const auto& kv : all) add(kv.first, kv.second);
-  }
-
-  void reset(const std::vector<std::pair<int64_t, int64_t>>& kv) {
-    size_t cap = 1 << 10;
-    while (kv.size() * 2 > cap) cap *= 2;
-    rehash(cap);
-    for (const auto& p : kv) add(p.first, p.second);
-  }
-
-  void rehash(size_t cap) {
-    slots_.assign(cap, Entry{0, -1});
-    mask_ = cap - 1;
-    size_ = 0;
-  }
-
-  std::mutex mu_;
-  std::vector<Entry> slots_;
-  size_t mask_ = 0;
-  int64_t size_ = 0;
-};
-
-// Counts every table's keys into its counter (keys < 0 skipped), tables in parallel.
-void count_keys(const std::vector<KeyCounter*>& counters, const std::vector<at::Tensor>& keys) {
-  check(counters.size() == keys.size(), "one counter per table expected");
-  at::parallel_for(0, static_cast<int64_t>(keys.size()), 1, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) counters[i]->update(keys[i], at::Tensor(), true);
-  });
-}
-
-}  // namespace
+}  // namespace hps_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace hps_cpu;
   m.def("cache_gather", &cache_gather, "fused cache-hit lookup of every table (rows or bags)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gather_rows", &gather_rows,

@@ -14,8 +14,17 @@ Bags, batch 2, t0 hotness 2 (-1 pads a short bag), t1 hotness 1::
     out    (2, 5) = [[r7 + r9 | r4], [r7 | ** ]]     columns 0..1 t0, 2..4 t1
 
 ``per_table (T, 5) int64`` holds, per table: misses, hits (every occurrence), unique hits (slots
-hit at least once), looked-up keys (padding excluded) and the LFU halvings applied first. MEAN bags are divided here when none of
-their keys missed; the session adds the missed rows of the others and divides them.
+hit at least once), looked-up keys (padding excluded) and the LFU halvings applied first.
+
+A bag is summed key by key in request order (``((0 + r0) + r1) + …``, padding skipped), so its
+floats never depend on which of its keys the cache held. A bag with no miss is pooled (and a
+MEAN bag divided) here; a bag with a miss is left holding its hits' sum, and ``pending[t]``
+hands back its rows (``(bags × hotness, dim)``, hits copied, misses and padding zero, bags
+ascending): the session writes the missed rows in and pools those bags in the same order
+(:func:`pool_in_order`).
+
+:func:`gather_rows` reads rows of any :class:`hps.rowformat.RowDtype` from a cache's
+``storage`` bytes by slot, dequantized to float32 (rows, or bags summed in order).
 
 Two implementations: :func:`gather_compiled` (``hps/csrc/fused_lookup.cpp``, probing the tag
 line of a set) and :func:`gather_reference` (torch ops, comparing the set's keys): the same
@@ -30,13 +39,31 @@ from dataclasses import dataclass
 import torch
 
 from hps.kernels import load_extension
+from hps.rowformat import RowDtype, dequantize_rows, row_bytes
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache
 from hps.types import CachePolicy
 
-__all__ = ["FP32_CODE", "GatherArgs", "GatherResult", "gather", "gather_reference"]
+__all__ = [
+    "FORMAT_CODES",
+    "GatherArgs",
+    "GatherResult",
+    "gather",
+    "gather_reference",
+    "gather_rows",
+    "gather_rows_reference",
+    "pool_in_order",
+    "row_format_of",
+]
 
-#: the kernel's code of FP32 rows (4 × dim bytes each); other row formats have no kernel yet
-FP32_CODE = 0
+#: the kernel's code of each row format (``cache_gather`` and ``gather_rows``)
+FORMAT_CODES = {
+    RowDtype.FP32: 0,
+    RowDtype.FP16: 1,
+    RowDtype.BF16: 2,
+    RowDtype.INT8: 3,
+    RowDtype.INT4: 4,
+    RowDtype.INT2: 5,
+}
 
 
 @dataclass(frozen=True)
@@ -44,7 +71,7 @@ class GatherArgs:
     """One fused call's tables.
 
     Attributes:
-        caches: one per table (CPU, FP32 rows).
+        caches: one per table (CPU; rows in :func:`row_format_of` the cache).
         keys: ``(m_t,) int64`` contiguous per table (bags: ``B × hotness`` flattened, -1 pads).
         out: float32 contiguous output (rows: ``Σ m_t·dim_t``; bags: ``(B, out_stride)``).
         out_offsets: where each table starts in ``out`` (rows: element offset; bags: column).
@@ -74,10 +101,29 @@ class GatherArgs:
 @dataclass(frozen=True)
 class GatherResult:
     """``misses (k,) int64`` positions into each table's keys, table after table, ascending;
-    ``per_table (T, 5) int64``: misses, hits, unique hits, looked-up keys, LFU halvings."""
+    ``per_table (T, 5) int64``: misses, hits, unique hits, looked-up keys, LFU halvings;
+    ``pending`` per table (bags): ``(p × hotness, dim) float32`` rows of its ``p`` bags with a
+    miss, ascending (hits copied, misses and padding zero); ``(0, dim)`` for rows or no miss."""
 
     misses: torch.Tensor
     per_table: torch.Tensor
+    pending: list[torch.Tensor]
+
+
+def row_format_of(cache: EmbeddingCache) -> RowDtype:
+    """The layout of ``cache.storage``'s rows: its ``row_format`` where the cache declares one,
+    else FP32 (``4 × dim`` bytes, the cache's ``values`` view)."""
+    return RowDtype(getattr(cache, "row_format", RowDtype.FP32))
+
+
+def cached_rows(cache: EmbeddingCache, slots: torch.Tensor) -> torch.Tensor:
+    """``(n, dim) float32`` rows of ``slots (n,) int64`` read from ``cache.storage`` in its
+    row format (:func:`hps.rowformat.dequantize_rows`): what the kernel reads."""
+    fmt = row_format_of(cache)
+    if fmt is RowDtype.FP32:
+        return cache.values.index_select(0, slots)
+    rb = row_bytes(fmt, cache.dim)
+    return dequantize_rows(cache.storage[:, :rb].index_select(0, slots), fmt, cache.dim)
 
 
 def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
@@ -90,17 +136,26 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
     ext = load_extension() if compiled else None
     if ext is None:
         return gather_reference(args)
-    cs = args.caches
-    misses, per_table = ext.cache_gather(
+    n = len(args.caches)
+    ckeys, tags, counters, marks, storage = [], [], [], [], []
+    ways, dims, formats = [0] * n, [0] * n, [0] * n
+    for i, c in enumerate(args.caches):  # whole (num_sets, ways) arrays: the kernel reads data
+        ckeys.append(c.keys)
+        tags.append(c.tags)
+        counters.append(c.counters)
+        marks.append(c.marks)
+        storage.append(c.storage)
+        ways[i], dims[i], formats[i] = c.ways, c.dim, FORMAT_CODES[row_format_of(c)]
+    misses, per_table, *pending = ext.cache_gather(
         list(args.keys),
-        [c.keys.view(-1) for c in cs],
-        [c.tags.view(-1) for c in cs],
-        [c.counters.view(-1) for c in cs],
-        [c.marks for c in cs],
-        [c.storage for c in cs],
-        [c.ways for c in cs],
-        [c.dim for c in cs],
-        [FP32_CODE] * len(cs),
+        ckeys,
+        tags,
+        counters,
+        marks,
+        storage,
+        ways,
+        dims,
+        formats,
         list(args.stamps),
         list(args.marks),
         list(args.looked_up),
@@ -111,7 +166,7 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
         list(args.hotness),
         [int(m) for m in args.mean],
     )
-    return GatherResult(misses, per_table)
+    return GatherResult(misses, per_table, pending)
 
 
 def gather_reference(args: GatherArgs) -> GatherResult:
@@ -124,15 +179,41 @@ def gather_reference(args: GatherArgs) -> GatherResult:
             raise ValueError(f"table {i}: key {bad} is not a key this lookup takes")
     rows = []
     misses = []
+    pending = []
     for i, c in enumerate(args.caches):
-        stats, miss = _gather_one(args, i, c)
+        stats, miss, pend = _gather_one(args, i, c)
         rows.append(stats)
         misses.append(miss)
+        pending.append(pend)
     per = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 5)
-    return GatherResult(torch.cat(misses) if misses else torch.zeros(0, dtype=torch.int64), per)
+    all_misses = torch.cat(misses) if misses else torch.zeros(0, dtype=torch.int64)
+    return GatherResult(all_misses, per, pending)
 
 
-def _gather_one(args: GatherArgs, i: int, c: EmbeddingCache) -> tuple[list[int], torch.Tensor]:
+def pool_in_order(rows: torch.Tensor, valid: torch.Tensor, mean: bool) -> torch.Tensor:
+    """Bags pooled key by key in request order, the order of every fast path.
+
+    Args:
+        rows: ``(B, h, d) float32``.
+        valid: ``(B, h) bool``, False where a key pads its bag (its row is skipped).
+        mean: divide each non-empty bag by its valid keys.
+
+    Returns:
+        ``(B, d) float32``: ``((0 + r0) + r1) + …`` over the valid rows (an empty bag: zeros).
+    """
+    acc = torch.zeros(rows.shape[0], rows.shape[2], dtype=torch.float32, device=rows.device)
+    for j in range(rows.shape[1]):  # key 0 first
+        acc = torch.where(valid[:, j, None], acc + rows[:, j], acc)
+    if mean:
+        n = valid.sum(1)
+        ok = n > 0
+        acc[ok] = acc[ok] / n[ok].to(torch.float32)[:, None]
+    return acc
+
+
+def _gather_one(
+    args: GatherArgs, i: int, c: EmbeddingCache
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
     k, h, dim = args.keys[i], args.hotness[i], c.dim
     n = k.numel()
     valid = torch.arange(n) if h == 0 else torch.nonzero(k >= 0).squeeze(1)
@@ -150,23 +231,105 @@ def _gather_one(args: GatherArgs, i: int, c: EmbeddingCache) -> tuple[list[int],
     unique_hits = int(torch.unique(hslot).numel())
     c.marks[hslot] = args.marks[i]
     off = args.out_offsets[i]
+    pending = torch.zeros(0, dim)
     if h == 0:
         block = args.out[off : off + n * dim].view(n, dim)
-        block[hpos] = c.values[hslot]
+        block[hpos] = cached_rows(c, hslot)
     else:
         b = n // h
         r = torch.zeros(n, dim)
-        r[hpos] = c.values[hslot]
+        r[hpos] = cached_rows(c, hslot)
         r = r.view(b, h, dim)
-        acc = torch.zeros(b, dim)
-        for j in range(h):  # the kernel's order: key 0 first
-            acc += r[:, j]
+        missed = torch.zeros(n, dtype=torch.bool)
+        missed[miss] = True
+        bag_missed = missed.view(b, h).any(1)
+        valid_keys = k.view(b, h) >= 0
+        acc = pool_in_order(r, valid_keys, False)  # a miss's zero row adds nothing
         if args.mean[i]:
-            nv = (k.view(b, h) >= 0).sum(1)
-            missed = torch.zeros(n, dtype=torch.bool)
-            missed[miss] = True
-            ok = (~missed.view(b, h).any(1)) & (nv > 0)
+            nv = valid_keys.sum(1)
+            ok = ~bag_missed & (nv > 0)
             acc[ok] = acc[ok] / nv[ok].to(torch.float32)[:, None]
         args.out.view(b, args.out_stride)[:, off : off + dim] = acc
+        pending = r[bag_missed].reshape(-1, dim)
     stats = [int(miss.numel()), int(hpos.numel()), unique_hits, int(valid.numel()), crossed]
-    return stats, miss
+    return stats, miss, pending
+
+
+def gather_rows(
+    storage: torch.Tensor,
+    slots: torch.Tensor,
+    row_format: RowDtype,
+    dim: int,
+    hotness: int = 0,
+    out: torch.Tensor | None = None,
+    compiled: bool = True,
+) -> torch.Tensor:
+    """Rows of ``row_format`` read from a cache's ``storage`` by slot, dequantized to float32
+    (:func:`hps.rowformat.dequantize_rows`, bit for bit), or bags of them summed in order.
+
+    Args:
+        storage: ``(capacity, ≥ row_bytes(row_format, dim)) uint8`` contiguous (a cache's
+            ``storage``: each row in hps.rowformat's layout, FBGEMM's).
+        slots: ``(n,) int64`` slots into ``storage``; -1: a zero row (rows) or a skipped key
+            (bags).
+        row_format: the layout of the stored rows.
+        dim: values per row.
+        hotness: 0: one output row per slot; ``h > 0``: ``n / h`` bags of ``h`` slots each,
+            ``out[b] = ((0 + row(s_b0)) + row(s_b1)) + …``.
+        out: optional ``(n or n / h, ≥ dim) float32`` with a unit last stride (e.g. a column
+            block of a wider buffer); written in its first ``dim`` columns.
+        compiled: use the compiled kernel when it is built (else :func:`gather_rows_reference`).
+
+    Returns:
+        ``out`` (or a new ``(n or n / h, dim)`` tensor).
+
+    Raises:
+        ValueError: a slot outside ``[-1, capacity)``, ``n`` not a multiple of ``hotness``,
+            storage rows narrower than the format's, or a mis-shaped ``out``.
+    """
+    row_format = RowDtype(row_format)
+    n = slots.numel()
+    if hotness < 0 or (hotness and n % hotness):
+        raise ValueError(f"gather_rows: {n} slots are not bags of hotness {hotness}")
+    rows = n // hotness if hotness else n
+    if out is None:
+        out = torch.empty(rows, dim, dtype=torch.float32)
+    ext = load_extension() if compiled else None
+    if ext is None:
+        return gather_rows_reference(storage, slots, row_format, dim, hotness, out)
+    ext.gather_rows(storage, slots, FORMAT_CODES[row_format], dim, out, hotness)
+    return out
+
+
+def gather_rows_reference(
+    storage: torch.Tensor,
+    slots: torch.Tensor,
+    row_format: RowDtype,
+    dim: int,
+    hotness: int,
+    out: torch.Tensor,
+) -> torch.Tensor:
+    """:func:`gather_rows` in torch ops (:func:`hps.rowformat.dequantize_rows`, then
+    :func:`pool_in_order`): the specification the kernel is tested against."""
+    rb = row_bytes(row_format, dim)
+    cap = storage.shape[0]
+    if storage.dim() != 2 or storage.dtype != torch.uint8 or storage.shape[1] < rb:
+        raise ValueError(
+            f"gather_rows: storage must be (capacity, >= {rb}) uint8 for {row_format.value} rows "
+            f"of dim {dim}, got {storage.dtype} {tuple(storage.shape)}"
+        )
+    bad = (slots < -1) | (slots >= cap)
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise ValueError(
+            f"gather_rows: slot {int(slots[i])} at position {i} is outside [-1, {cap})"
+        )
+    valid = slots >= 0
+    rows = dequantize_rows(storage[:, :rb].index_select(0, slots.clamp(min=0)), row_format, dim)
+    rows[~valid] = 0.0
+    if hotness == 0:
+        out[:, :dim] = rows
+    else:
+        b = slots.numel() // hotness
+        out[:, :dim] = pool_in_order(rows.view(b, hotness, dim), valid.view(b, hotness), False)
+    return out

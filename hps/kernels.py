@@ -1,7 +1,9 @@
 """The compiled CPU kernels of the parameter server: built, loaded, or ``None``.
 
-Source: ``hps/csrc/fused_lookup.cpp`` — ``cache_gather`` (every table's cache-hit rows or
-bags in one call, :mod:`hps.fused`) and ``KeyCounter`` (exact key counts in O(keys) per update,
+Source: ``hps/csrc/fused_lookup.cpp`` and the headers beside it — ``cache_gather`` (every table's cache-hit rows or
+bags in one call, rows of any :class:`hps.rowformat.RowDtype` dequantized, :mod:`hps.fused`),
+``gather_rows`` (stored rows by slot, dequantized, or bags of them summed in order:
+:func:`hps.fused.gather_rows`) and ``KeyCounter`` (exact key counts in O(keys) per update,
 :mod:`hps.key_counts`).
 
 Built with the machine's C++ compiler through :func:`cutlass_kernels.torch_ext.load` (one
@@ -12,7 +14,8 @@ builder per folder at a time, one ninja) with ``-O3 -march=native`` into a cache
 ``make install`` builds it once (``python -m hps.build_ext``); at runtime :func:`load_extension`
 loads the cached build (building it first when missing) and returns ``None`` after ONE logged
 warning when it cannot: every caller then takes the pure-torch reference path
-(:mod:`hps.fused_reference`), which gives bit-identical results.
+(:func:`hps.fused.gather_reference`, :func:`hps.fused.gather_rows_reference`), which gives
+bit-identical results.
 
 Set ``HPS_DISABLE_EXT=1`` to force the reference path.
 """
@@ -36,6 +39,7 @@ log = logging.getLogger(__name__)
 EXT_NAME = "hps_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "fused_lookup.cpp",)
+HEADERS = (CSRC / "common.h", CSRC / "key_counter.h", CSRC / "row_formats.h")
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 DISABLE_ENV = "HPS_DISABLE_EXT"
 
@@ -59,7 +63,7 @@ def build_dir() -> Path:
 
     base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
     h = hashlib.sha256()
-    for f in SOURCES:
+    for f in (*SOURCES, *HEADERS):
         h.update(f.read_bytes())
     h.update(str(CSRC).encode())  # ninja's build file names the source paths
     h.update(" ".join(CFLAGS).encode())

@@ -13,6 +13,7 @@ import torch
 from hps.types import Tier
 
 LATENCY_WINDOW = 4096  # most recent lookups kept for p50/p99
+_TIER_NAMES = tuple(t.value for t in Tier)  # in Tier order (an enum's members are slow to walk)
 
 
 @dataclass
@@ -43,9 +44,9 @@ class TableStats:
         self.keys_unique += sum(uniq_counts)
         self.keys_all += sum(all_counts)
         self.async_batches += int(is_async)
-        for tier, u, a in zip(Tier, uniq_counts, all_counts, strict=True):
-            self.hits_unique[tier.value] += u
-            self.hits_all[tier.value] += a
+        for tier, u, a in zip(_TIER_NAMES, uniq_counts, all_counts, strict=True):
+            self.hits_unique[tier] += u
+            self.hits_all[tier] += a
 
     def to_dict(self) -> dict[str, object]:
         lat = self.latencies_s[~np.isnan(self.latencies_s)]

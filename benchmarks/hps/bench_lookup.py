@@ -11,7 +11,14 @@ Contenders, the same keys and the same FP32 rows (all resident: cache-hit path):
   ONE call over the tables' rows stacked, keys offset per table);
 - ``embedding_bag``: one ``F.embedding_bag`` (sum) over the stacked rows, offsets per bag;
 - ``fbgemm_<dtype>``: FBGEMM's CPU inference TBE (``IntNBitTableBatchedEmbeddingBagsCodegen``)
-  with FP32 / FP16 / INT8 / INT4 weights; rows as bags of one key.
+  with FP32 / FP16 / INT8 / INT4 weights; rows as bags of one key;
+- ``hps_<dtype>`` (single table): :meth:`LookupSession.lookup_many` over a cache whose storage
+  holds the same rows in that :class:`hps.rowformat.RowDtype` (FBGEMM's layout, dequantized
+  by the fused pass), against ``fbgemm_<dtype>``: the same dtype on both sides.
+
+Every section is timed twice: wall-clock with the machine's threads (the contenders
+interleaved, ``side_by_side``), and CPU time of the calling thread with one thread
+(``cpu1_*``, interleaved too), which a loaded shared machine disturbs far less.
 
 Sections: ``single`` one table of 1M × 128 with 65,536 Zipf(1.05) keys (rows); ``tables`` the 26
 tables of ``dlrm_dcnv2`` ÷ 300, one batch of ~65 k keys (rows and pooled); ``memory`` the bytes
@@ -23,6 +30,8 @@ from __future__ import annotations
 
 import argparse
 import logging
+import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -32,6 +41,7 @@ import torch.nn.functional as F
 from benchmarks.hps.zipf_keys import Zipf, side_by_side
 from benchmarks.meta import RESULTS_DIR, write_json
 from hps.kernels import load_extension
+from hps.rowformat import RowDtype, quantize_rows
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.volatile import HashMapBackend
@@ -78,6 +88,54 @@ def _tbe(rows: list[int], dtype: str, weights: list[torch.Tensor], pooled: bool)
     return tbe
 
 
+def cpu_side_by_side(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+    """Median CPU seconds of the calling thread per call, one torch thread, calls interleaved."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        for fn in fns.values():
+            fn()
+        ts: dict[str, list[float]] = {k: [] for k in fns}
+        for _ in range(repeats):
+            for k, fn in fns.items():
+                t0 = time.thread_time()
+                fn()
+                ts[k].append(time.thread_time() - t0)
+    finally:
+        torch.set_num_threads(threads)
+    return {k: float(np.median(v)) for k, v in ts.items()}
+
+
+def _timed(row: dict[str, Any], fns: dict[str, Callable[[], object]], repeats: int) -> None:
+    """Both timings of ``fns`` into ``row``: ``<name>_ms`` (wall, all threads) and
+    ``cpu1_<name>_ms`` (CPU time, one thread; not for the slow per-table path)."""
+    wall = side_by_side(fns, repeats)
+    cpu = cpu_side_by_side({k: f for k, f in fns.items() if "per_table" not in k}, repeats)
+    row.update({f"{k}_ms": v * 1e3 for k, v in wall.items()})
+    row.update({f"cpu1_{k}_ms": v * 1e3 for k, v in cpu.items()})
+
+
+def _ratios(row: dict[str, Any], name: str, ours: str, theirs: str) -> None:
+    """``theirs / ours`` (> 1: ours faster) for both timings."""
+    row[name] = row[f"{theirs}_ms"] / row[f"{ours}_ms"]
+    row[f"cpu1_{name}"] = row[f"cpu1_{theirs}_ms"] / row[f"cpu1_{ours}_ms"]
+
+
+def _store_as(cache: EmbeddingCache, dtype: RowDtype) -> torch.Tensor:
+    """Re-store ``cache``'s rows as ``dtype`` (hps.rowformat's layout, ``row_format`` set),
+    as a cache holding such rows keeps them; returns the FP32 storage to put back."""
+    fp32 = cache.storage
+    q = quantize_rows(cache.values, dtype)
+    cache.storage, cache.row_bytes = q, q.shape[1]
+    cache.row_format = dtype
+    return fp32
+
+
+def _restore(cache: EmbeddingCache, fp32: torch.Tensor) -> None:
+    cache.storage, cache.row_bytes = fp32, fp32.shape[1]
+    cache.row_format = RowDtype.FP32
+
+
 def _resident_session(
     weights: list[torch.Tensor], names: list[str], max_keys: int, slack: float
 ) -> LookupSession:
@@ -120,14 +178,29 @@ def bench_single(args: argparse.Namespace) -> list[dict[str, Any]]:
     }
     q32 = q.to(torch.int32)
     offs = torch.arange(n_keys + 1, dtype=torch.int32)
-    for dt in DTYPES:
-        tbe = _tbe([n_rows], dt, [w], pooled=False)
-        fns[f"fbgemm_{dt}"] = lambda tbe=tbe: tbe(q32, offs)
-    t = side_by_side(fns, args.repeats)
-    row = {"section": "single", "rows": n_rows, "keys": n_keys, "unique": int(q.unique().numel())}
-    row.update({f"{k}_ms": v * 1e3 for k, v in t.items()})
-    row["hps_vs_index_select"] = t["index_select"] / t["hps"]
-    row["hps_vs_fbgemm_fp32"] = t["fbgemm_fp32"] / t["hps"]
+    tbes = {dt: _tbe([n_rows], dt, [w], pooled=False) for dt in DTYPES}
+    fns["fbgemm_fp32"] = lambda: tbes["fp32"](q32, offs)
+    row: dict[str, Any] = {
+        "section": "single",
+        "rows": n_rows,
+        "keys": n_keys,
+        "unique": int(q.unique().numel()),
+    }
+    _timed(row, fns, args.repeats)
+    _ratios(row, "hps_vs_index_select", "hps", "index_select")
+    _ratios(row, "hps_vs_fbgemm_fp32", "hps", "fbgemm_fp32")
+    for dt in DTYPES[1:]:  # the same dtype on both sides
+        fp32 = _store_as(cache, RowDtype(dt))
+        try:
+            s.lookup_many(["t"], [q], out=buf)
+            pair = {
+                f"hps_{dt}": lambda: s.lookup_many(["t"], [q], out=buf),
+                f"fbgemm_{dt}": lambda tbe=tbes[dt]: tbe(q32, offs),
+            }
+            _timed(row, pair, args.repeats)
+        finally:
+            _restore(cache, fp32)
+        _ratios(row, f"hps_vs_fbgemm_{dt}", f"hps_{dt}", f"fbgemm_{dt}")
     return [row]
 
 
@@ -181,24 +254,20 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
     tbe_off = torch.tensor(
         [0, *np.cumsum([h for h in hot for _ in range(batch)]).tolist()], dtype=torch.int32
     )
-    row_off = torch.arange(n_keys + 1, dtype=torch.int32)
     for dt in DTYPES:
         tbe = _tbe(rows, dt, ws, pooled=True)
         fns[f"fbgemm_{dt}_pooled"] = lambda tbe=tbe: tbe(tbe_idx, tbe_off)
-    t = side_by_side(fns, args.repeats)
-    # rows through the TBE (bags of one key): its offsets are per (table, bag) so T·n bags
-    row = {
+    row: dict[str, Any] = {
         "section": "tables",
         "tables": len(names),
         "batch": batch,
         "keys": n_keys,
         "rows_total": int(sum(rows)),
     }
-    row.update({f"{k}_ms": v * 1e3 for k, v in t.items()})
-    row["hps_rows_vs_index_select"] = t["index_select_rows"] / t["hps_rows"]
-    row["hps_pooled_vs_embedding_bag"] = t["embedding_bag_pooled"] / t["hps_pooled"]
-    row["hps_pooled_vs_fbgemm_fp32"] = t["fbgemm_fp32_pooled"] / t["hps_pooled"]
-    del row_off
+    _timed(row, fns, args.repeats)
+    _ratios(row, "hps_rows_vs_index_select", "hps_rows", "index_select_rows")
+    _ratios(row, "hps_pooled_vs_embedding_bag", "hps_pooled", "embedding_bag_pooled")
+    _ratios(row, "hps_pooled_vs_fbgemm_fp32", "hps_pooled", "fbgemm_fp32_pooled")
     return [row]
 
 

@@ -1,12 +1,18 @@
-// The fused cache-hit lookup of hps (hps/fused.py is the caller, hps/fused_reference.py the
-// pure-torch path it is tested against) and the key counter of a session's key statistics.
+// The compiled CPU kernels of hps (hps/kernels.py builds them): the fused cache-hit lookup
+// (here; hps/fused.py is the caller and holds the pure-torch reference it is tested against),
+// the row formats and dequantizing gather (row_formats.h) and the key counter of a session's
+// key statistics (key_counter.h).
 //
 // cache_gather: every table of one call in one pass. Per key: the splitmix64 hash gives the
 // set and an 8-bit tag; the set's tag line (ways bytes, one 64-byte cache line for 64 ways)
 // is compared with the tag, and only a matching way's key is read (so a probe reads the tag
-// line, about one key line and the row). A hit copies (rows) or accumulates (bags) its row
-// into the output, counts a use (LFU: +1 per occurrence; LRU: the query's clock) and marks
-// the slot for this query's unique-hit count; a miss records its position for the caller.
+// line, about one key line and the row). The probe is pipelined over the keys (the tag line,
+// key line and row of the keys a few places ahead are prefetched while a row is copied), so
+// several keys' memory reads are in flight at once. A hit copies (rows) or accumulates (bags,
+// key by key in request order) its row into the output, counts a use (LFU: +1 per occurrence;
+// LRU: the query's clock) and marks the slot for this query's unique-hit count; a miss records
+// its position for the caller, and a bag with a miss hands its rows back (pending_rows) so that
+// the caller sums it in request order once the missed rows are known.
 // Rows are opaque bytes (row_bytes per table); the row format decides how a row is read.
 #include <torch/extension.h>
 
@@ -17,26 +23,16 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
-#include <mutex>  // KeyCounter
 #include <stdexcept>
 #include <string>
-#include <unordered_map>
 #include <utility>
 #include <vector>
 
-namespace {
+#include "common.h"
+#include "key_counter.h"
+#include "row_formats.h"
 
-constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;  // splitmix64 (Steele et al., 2014)
-constexpr uint64_t kM1 = 0xBF58476D1CE4E5B9ULL;
-constexpr uint64_t kM2 = 0x94D049BB133111EBULL;
-constexpr int64_t kFormatFp32 = 0;  // hps.fused.RowCodec.FP32
-
-inline uint64_t mix64(int64_t key) {
-  uint64_t z = static_cast<uint64_t>(key) + kGolden;
-  z = (z ^ (z >> 30)) * kM1;
-  z = (z ^ (z >> 27)) * kM2;
-  return z ^ (z >> 31);
-}
+namespace hps_cpu {
 
 // One table of a cache_gather call.
 struct TableView {
@@ -69,39 +65,24 @@ inline uint64_t match_tags(const uint8_t* tg, int64_t n, uint8_t tag) {
   const __m512i v = _mm512_maskz_loadu_epi8(lanes, tg);
   return _mm512_mask_cmpeq_epi8_mask(lanes, v, _mm512_set1_epi8(static_cast<char>(tag)));
 #else
+#if defined(__AVX2__)
+  if (n == 64) {  // a whole tag line: two 32-byte compares
+    const __m256i t = _mm256_set1_epi8(static_cast<char>(tag));
+    const uint32_t lo = static_cast<uint32_t>(_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg)), t)));
+    const uint32_t hi = static_cast<uint32_t>(_mm256_movemask_epi8(
+        _mm256_cmpeq_epi8(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(tg + 32)), t)));
+    return static_cast<uint64_t>(hi) << 32 | lo;
+  }
+#endif
   uint64_t m = 0;
   for (int64_t w = 0; w < n; ++w) m |= static_cast<uint64_t>(tg[w] == tag) << w;
   return m;
 #endif
 }
 
-inline int64_t probe(const TableView& t, int64_t key) {
-  const uint64_t h = mix64(key);
-  const int64_t base = set_of(h, t.num_sets) * t.ways;
-  const uint8_t tag = tag_of(h);
-  for (int64_t w0 = 0; w0 < t.ways; w0 += 64) {
-    uint64_t m = match_tags(t.tags + base + w0, std::min<int64_t>(64, t.ways - w0), tag);
-    while (m) {
-      const int64_t w = w0 + __builtin_ctzll(m);
-      if (t.ckeys[base + w] == key) return base + w;
-      m &= m - 1;
-    }
-  }
-  return -1;
-}
-
-inline void copy_row(const TableView& t, int64_t slot, float* dst) {
-  // a vector loop: glibc's memcpy of a few hundred bytes is a call and, on some CPUs, a
-  // slow ``rep movsb``
-  const float* src = reinterpret_cast<const float*>(t.storage + slot * t.row_bytes);
-#pragma omp simd
-  for (int64_t d = 0; d < t.dim; ++d) dst[d] = src[d];
-}
-
-inline void add_row(const TableView& t, int64_t slot, float* dst) {
-  const float* src = reinterpret_cast<const float*>(t.storage + slot * t.row_bytes);
-#pragma omp simd
-  for (int64_t d = 0; d < t.dim; ++d) dst[d] += src[d];
+inline const uint8_t* row_of(const TableView& t, int64_t slot) {
+  return t.storage + slot * t.row_bytes;
 }
 
 // A run of keys (rows) or bags of one table: the unit of parallel work.
@@ -109,55 +90,180 @@ struct Piece {
   int64_t table, begin, end;
 };
 
-// The gather of one piece (reads only the cache): rows copied or bags summed (MEAN bags
-// without a miss divided), each key's slot in sl (-1 miss, -2 padding).
-void gather_piece(const TableView& t, int64_t b0, int64_t b1, int64_t* sl) {
-  if (t.hotness == 0) {
-    for (int64_t i = b0; i < b1; ++i) {
-      const int64_t slot = probe(t, t.keys[i]);
-      sl[i] = slot;
-      if (slot >= 0) copy_row(t, slot, t.out + i * t.dim);
-    }
-    return;
+// Per-key state of the probe pipeline.
+struct ProbeState {
+  int64_t base;    // first slot of the key's set; -1: padding
+  uint64_t match;  // ways of the first tag line whose tag matches
+  uint8_t tag;
+};
+
+// Keys between two stages of the probe pipeline: a key's tag line is prefetched 3 steps
+// before its row is read, its key line 2 steps before, its row (and counter) 1 step before.
+constexpr int64_t kAhead = 4;
+
+// One key's use of its slot: LFU +1 or LRU stamp; the mark makes a slot's first hit in this
+// query a unique hit.
+inline void use_slot(const TableView& t, int64_t s, int64_t& hits, int64_t& uniq) {
+  ++hits;
+  if (t.stamp < 0)
+    ++t.counters[s];
+  else
+    t.counters[s] = t.stamp;
+  const uint8_t mk = static_cast<uint8_t>(t.mark);
+  if (t.marks[s] != mk) {
+    t.marks[s] = mk;
+    ++uniq;
   }
-  for (int64_t b = b0; b < b1; ++b) {
-    float* dst = t.out + b * t.out_stride;
-    std::fill(dst, dst + t.dim, 0.0f);
-    int64_t n = 0;
-    bool missed = false;
-    for (int64_t j = 0; j < t.hotness; ++j) {
-      const int64_t i = b * t.hotness + j;
-      const int64_t key = t.keys[i];
-      if (key < 0) {  // -1 pads a short bag
-        sl[i] = -2;
-        continue;
+}
+
+// The gather of one piece (keys [i0, i1) of one table; bags: whole bags), pipelined so that
+// the tag line, key line and row of later keys are in flight while a key's row is copied:
+// rows copied or bags summed key by key in request order (MEAN bags without a miss divided),
+// each key's slot in sl (-1 miss, -2 padding). With ``uses`` (one thread does every key of
+// the call) the counters and marks are written here too, and hits/uniq counted.
+template <bool kUses, int64_t kFormat>
+void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
+                  std::vector<ProbeState>& st, int64_t& hits, int64_t& uniq) {
+  st.resize(static_cast<size_t>(i1 - i0));
+  ProbeState* ps = st.data() - i0;
+  const int64_t first_ways = std::min<int64_t>(64, t.ways);
+  const bool bags = t.hotness > 0;
+  // bags: the bag before the first (the loop steps to it), the key's place in its bag (no
+  // division per key), its output row
+  int64_t bag = bags ? i0 / t.hotness - 1 : 0;
+  int64_t j = bags ? t.hotness - 1 : 0;
+  float* dst = nullptr;
+  int64_t n_valid = 0;
+  bool missed = false;
+  for (int64_t i = i0 - 3 * kAhead; i < i1; ++i) {
+    const int64_t a = i + 3 * kAhead;  // stage 1: hash, prefetch the tag line
+    if (a >= i0 && a < i1) {
+      const int64_t key = t.keys[a];
+      if (bags && key < 0) {
+        ps[a].base = -1;
+      } else {
+        const uint64_t h = mix64(key);
+        ps[a].base = set_of(h, t.num_sets) * t.ways;
+        ps[a].tag = tag_of(h);
+        __builtin_prefetch(t.tags + ps[a].base, 0, 3);
       }
-      ++n;
-      const int64_t slot = probe(t, key);
-      sl[i] = slot;
-      if (slot < 0) {
-        missed = true;
-        continue;
-      }
-      add_row(t, slot, dst);
     }
-    if (t.mean && !missed && n > 0) {
-      const float cnt = static_cast<float>(n);
+    const int64_t b = i + 2 * kAhead;  // stage 2: match the tags, prefetch the key line
+    if (b >= i0 && b < i1 && ps[b].base >= 0) {
+      const uint64_t m = match_tags(t.tags + ps[b].base, first_ways, ps[b].tag);
+      ps[b].match = m;
+      if (m) __builtin_prefetch(t.ckeys + ps[b].base + __builtin_ctzll(m), 0, 3);
+    }
+    const int64_t c = i + kAhead;  // stage 3: the slot; prefetch its row, counter, mark
+    if (c >= i0 && c < i1) {
+      int64_t slot = -2;
+      if (ps[c].base >= 0) {
+        const int64_t key = t.keys[c];
+        const int64_t base = ps[c].base;
+        slot = -1;
+        for (uint64_t m = ps[c].match; m; m &= m - 1) {
+          const int64_t w = __builtin_ctzll(m);
+          if (t.ckeys[base + w] == key) {
+            slot = base + w;
+            break;
+          }
+        }
+        if (slot < 0 && t.ways > 64) {  // sets wider than one tag line: the rest of the set
+          for (int64_t w0 = 64; w0 < t.ways && slot < 0; w0 += 64) {
+            uint64_t m = match_tags(t.tags + base + w0, std::min<int64_t>(64, t.ways - w0), ps[c].tag);
+            for (; m; m &= m - 1) {
+              const int64_t w = w0 + __builtin_ctzll(m);
+              if (t.ckeys[base + w] == key) {
+                slot = base + w;
+                break;
+              }
+            }
+          }
+        }
+        if (slot >= 0) {
+          prefetch_bytes(row_of(t, slot), t.row_bytes);
+          if (kUses) {
+            __builtin_prefetch(t.counters + slot, 1, 3);
+            __builtin_prefetch(t.marks + slot, 1, 3);
+          }
+        }
+      }
+      sl[c] = slot;
+    }
+    if (i < i0) continue;
+    const int64_t slot = sl[i];  // stage 4: copy or add the row, use the slot
+    if (!bags) {
+      if (slot >= 0) {
+        dequant_row<kFormat, false>(row_of(t, slot), t.dim, t.out + i * t.dim);
+        if (kUses) use_slot(t, slot, hits, uniq);
+      }
+      continue;
+    }
+    if (++j == t.hotness) {
+      j = 0;
+      dst = t.out + (++bag) * t.out_stride;
+      std::fill(dst, dst + t.dim, 0.0f);
+      n_valid = 0;
+      missed = false;
+    }
+    if (slot != -2) ++n_valid;
+    if (slot == -1) missed = true;
+    if (slot >= 0) {
+      dequant_row<kFormat, true>(row_of(t, slot), t.dim, dst);
+      if (kUses) use_slot(t, slot, hits, uniq);
+    }
+    if (j == t.hotness - 1 && t.mean && !missed && n_valid > 0) {
+      const float cnt = static_cast<float>(n_valid);
       for (int64_t d = 0; d < t.dim; ++d) dst[d] /= cnt;
     }
   }
 }
 
-// Every table in two parallel regions (each region costs a thread wake-up and a barrier, so
-// not two per table): the gathers of all pieces, then the uses (counters, marks), whose
-// threads each own the slots ``slot % owners`` of every table, so no two threads write one
-// counter (no atomics; counts independent of the thread count). Per table: {hits_all,
-// hits_unique, looked_up}; misses (positions into keys) ascending, table after table.
+// The owner of a slot: a multiplicative hash of the slot scaled to [0, owners) (a multiply,
+// no division per key).
+inline int64_t owner_of(int64_t slot, int64_t owners) {
+  const uint64_t h = (static_cast<uint64_t>(slot) * kGolden) >> 32;
+  return static_cast<int64_t>(((h & 0xFFFFFFFFULL) * static_cast<uint64_t>(owners)) >> 32);
+}
+
+// The uses (counters, marks) of every table's hits after a parallel gather: each thread owns
+// the slots ``owner_of(slot) == thread`` of every table, so no two threads write one counter
+// (no atomics; counts independent of the thread count).
+void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<int64_t>>& slots,
+               int64_t owners, std::vector<int64_t>& hits, std::vector<int64_t>& uniq) {
+  const int64_t T = static_cast<int64_t>(ts.size());
+  at::parallel_for(0, owners, 1, [&](int64_t o0, int64_t o1) {
+    for (int64_t o = o0; o < o1; ++o) {
+      for (int64_t i = 0; i < T; ++i) {
+        const TableView& t = ts[i];
+        const int64_t* sl = slots[i].data();
+        int64_t h = 0, u = 0;
+        for (int64_t j = 0; j < t.n; ++j) {
+          if (j + 16 < t.n && sl[j + 16] >= 0) {
+            __builtin_prefetch(t.counters + sl[j + 16], 1, 3);
+            __builtin_prefetch(t.marks + sl[j + 16], 1, 3);
+          }
+          const int64_t s = sl[j];
+          if (s < 0 || owner_of(s, owners) != o) continue;
+          use_slot(t, s, h, u);
+        }
+        hits[o * T + i] = h;
+        uniq[o * T + i] = u;
+      }
+    }
+  });
+}
+
+// Every table: the gathers of all pieces in one parallel region, then (when more than one
+// thread gathered) the uses in a second (each region costs a thread wake-up and a barrier,
+// so not two per table). Per table: {hits_all, hits_unique, looked_up}; misses (positions into
+// keys) ascending, table after table; pending: per table, the bags with a miss (ascending).
 std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts,
                                                 std::vector<int64_t>& misses,
-                                                std::vector<int64_t>& miss_counts) {
+                                                std::vector<int64_t>& miss_counts,
+                                                std::vector<std::vector<int64_t>>& slots) {
   const int64_t T = static_cast<int64_t>(ts.size());
-  std::vector<std::vector<int64_t>> slots(T);
+  slots.assign(T, {});
   std::vector<Piece> pieces;
   int64_t total = 0;
   for (int64_t i = 0; i < T; ++i) {
@@ -165,42 +271,66 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
     slots[i].resize(t.n);
     total += t.n;
     const int64_t units = t.hotness > 0 ? t.n / t.hotness : t.n;
-    const int64_t grain = t.hotness > 0 ? std::max<int64_t>(1, 1024 / t.hotness) : 1024;
+    const int64_t grain = t.hotness > 0 ? std::max<int64_t>(1, 2048 / t.hotness) : 2048;
     for (int64_t u = 0; u < units; u += grain) pieces.push_back({i, u, std::min(units, u + grain)});
   }
-  at::parallel_for(0, static_cast<int64_t>(pieces.size()), 1, [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p) {
-      const Piece& pc = pieces[p];
-      gather_piece(ts[pc.table], pc.begin, pc.end, slots[pc.table].data());
+  const int64_t P = static_cast<int64_t>(pieces.size());
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), P);
+  // small calls run on the calling thread: a thread wake-up costs more than their gather
+  const bool alone = threads <= 1 || total < 8192 || at::in_parallel_region();
+  std::vector<int64_t> hits(T, 0), uniq(T, 0);
+  auto run = [&](const Piece& pc, std::vector<ProbeState>& st, bool uses) {
+    const TableView& t = ts[pc.table];
+    const int64_t h = std::max<int64_t>(1, t.hotness);
+    int64_t* sl = slots[pc.table].data();
+    const int64_t i0 = pc.begin * h, i1 = pc.end * h;
+    int64_t unused_h = 0, unused_u = 0;
+    int64_t& ht = uses ? hits[pc.table] : unused_h;
+    int64_t& ut = uses ? uniq[pc.table] : unused_u;
+#define HPS_GATHER(F)                                       \
+  if (uses)                                                 \
+    gather_piece<true, F>(t, i0, i1, sl, st, ht, ut);       \
+  else                                                      \
+    gather_piece<false, F>(t, i0, i1, sl, st, ht, ut);      \
+  break;
+    switch (t.format) {
+      case kFp32: HPS_GATHER(kFp32)
+      case kFp16: HPS_GATHER(kFp16)
+      case kBf16: HPS_GATHER(kBf16)
+      case kInt8: HPS_GATHER(kInt8)
+      case kInt4: HPS_GATHER(kInt4)
+      default: HPS_GATHER(kInt2)
     }
-  });
-  const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), total / 4096));
-  std::vector<int64_t> hits(owners * T, 0), uniq(owners * T, 0);
-  at::parallel_for(0, owners, 1, [&](int64_t o0, int64_t o1) {
-    for (int64_t o = o0; o < o1; ++o) {
+#undef HPS_GATHER
+  };
+  if (alone) {
+    std::vector<ProbeState> st;
+    for (const Piece& pc : pieces) run(pc, st, true);
+  } else {
+    // one run of pieces per thread, cut where the keys so far cross k × total / threads
+    // (pieces differ in size: a table of a few keys is one small piece)
+    std::vector<int64_t> cut(threads + 1, P);
+    cut[0] = 0;
+    int64_t keys_before = 0, k = 1;
+    for (int64_t p = 0; p < P && k < threads; ++p) {
+      const TableView& t = ts[pieces[p].table];
+      keys_before += (pieces[p].end - pieces[p].begin) * std::max<int64_t>(1, t.hotness);
+      while (k < threads && keys_before * threads >= k * total) cut[k++] = p + 1;
+    }
+    at::parallel_for(0, threads, 1, [&](int64_t r0, int64_t r1) {
+      std::vector<ProbeState> st;
+      for (int64_t r = r0; r < r1; ++r)
+        for (int64_t p = cut[r]; p < cut[r + 1]; ++p) run(pieces[p], st, false);
+    });
+    const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(threads, total / 4096));
+    std::vector<int64_t> oh(owners * T, 0), ou(owners * T, 0);
+    use_slots(ts, slots, owners, oh, ou);
+    for (int64_t o = 0; o < owners; ++o)
       for (int64_t i = 0; i < T; ++i) {
-        const TableView& t = ts[i];
-        const int64_t* sl = slots[i].data();
-        const uint8_t mk = static_cast<uint8_t>(t.mark);
-        int64_t h = 0, u = 0;
-        for (int64_t j = 0; j < t.n; ++j) {
-          const int64_t s = sl[j];
-          if (s < 0 || s % owners != o) continue;
-          ++h;
-          if (t.stamp < 0)
-            ++t.counters[s];
-          else
-            t.counters[s] = t.stamp;
-          if (t.marks[s] != mk) {
-            t.marks[s] = mk;
-            ++u;
-          }
-        }
-        hits[o * T + i] = h;
-        uniq[o * T + i] = u;
+        hits[i] += oh[o * T + i];
+        uniq[i] += ou[o * T + i];
       }
-    }
-  });
+  }
   std::vector<std::vector<int64_t>> out(T, std::vector<int64_t>(3, 0));
   miss_counts.assign(T, 0);
   for (int64_t i = 0; i < T; ++i) {
@@ -213,22 +343,36 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
       }
       valid += sl[j] != -2;
     }
-    for (int64_t o = 0; o < owners; ++o) {
-      out[i][0] += hits[o * T + i];
-      out[i][1] += uniq[o * T + i];
-    }
-    out[i][2] = valid;
+    out[i] = {hits[i], uniq[i], valid};
   }
   return out;
 }
 
-void check(bool ok, const std::string& what) {
-  if (!ok) throw std::invalid_argument("hps cache_gather: " + what);
+// The rows of the bags of table t that had a miss: ``(bags × hotness, dim)`` float32, hits
+// copied, misses and padding zero, so that the caller can sum each such bag in request order
+// once its missed rows are known.
+at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
+                        const int64_t* misses, int64_t n_misses) {
+  std::vector<int64_t> bags;
+  for (int64_t k = 0; k < n_misses; ++k) {
+    const int64_t b = misses[k] / t.hotness;
+    if (bags.empty() || bags.back() != b) bags.push_back(b);
+  }
+  auto rows = at::zeros({static_cast<int64_t>(bags.size()) * t.hotness, t.dim}, at::kFloat);
+  float* r = rows.data_ptr<float>();
+  for (size_t q = 0; q < bags.size(); ++q)
+    for (int64_t j = 0; j < t.hotness; ++j) {
+      const int64_t s = sl[bags[q] * t.hotness + j];
+      if (s >= 0)
+        dequant_any(t.format, row_of(t, s), t.dim, r + (static_cast<int64_t>(q) * t.hotness + j) * t.dim);
+    }
+  return rows;
 }
 
 // Rows (hotness all 0) or bags (hotness > 0) of every table, see the file comment.
 // Returns {misses (k,) int64: positions into each table's keys, table after table;
-//          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings}.
+//          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings;
+//          then per table its pending rows (bags with a miss, see pending_rows; else empty)}.
 std::vector<at::Tensor> cache_gather(
     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& cache_keys,
     const std::vector<at::Tensor>& tags, const std::vector<at::Tensor>& counters,
@@ -272,14 +416,17 @@ std::vector<at::Tensor> cache_gather(
   std::vector<TableView> views;
   for (size_t i = 0; i < T; ++i) {
     const auto& k = keys[i];
-    check(formats[i] == kFormatFp32, "row format " + std::to_string(formats[i]) +
-                                         " has no fused kernel (FP32 = 0 only)");
+    const int64_t need = format_row_bytes(formats[i], dims[i]);
+    check(need > 0, "row format code " + std::to_string(formats[i]) + " with dim " +
+                        std::to_string(dims[i]) + " is not a row format (codes 0..5)");
     const int64_t capacity = cache_keys[i].numel();
     check(storage[i].scalar_type() == at::kByte && storage[i].dim() == 2 &&
               storage[i].size(0) == capacity && storage[i].is_contiguous(),
           "storage must be (capacity, row_bytes) contiguous uint8");
     const int64_t row_bytes = storage[i].size(1);
-    check(row_bytes >= dims[i] * 4, "FP32 rows need 4 * dim bytes");
+    check(row_bytes >= need, "rows of format " + std::to_string(formats[i]) + " and dim " +
+                                 std::to_string(dims[i]) + " need " + std::to_string(need) +
+                                 " bytes, storage rows hold " + std::to_string(row_bytes));
     // LFU aging before this query's uses: one halving per multiple of the interval crossed
     const int64_t w = intervals[i];
     const int64_t crossed = w > 0 ? (looked_up[i] + valid[i]) / w - looked_up[i] / w : 0;
@@ -311,173 +458,37 @@ std::vector<at::Tensor> cache_gather(
     pt[i * 5 + 4] = crossed;
   }
   std::vector<int64_t> miss_counts;
-  const auto r = gather_tables(views, misses, miss_counts);
+  std::vector<std::vector<int64_t>> slots;
+  const auto r = gather_tables(views, misses, miss_counts, slots);
+  std::vector<at::Tensor> result;
+  result.reserve(2 + T);
+  int64_t first = 0;
   for (size_t i = 0; i < T; ++i) {
     int64_t* row = pt + i * 5;
     row[0] = miss_counts[i];
     row[1] = r[i][0];
     row[2] = r[i][1];
     row[3] = r[i][2];
+    result.push_back(views[i].hotness > 0 && miss_counts[i] > 0
+                         ? pending_rows(views[i], slots[i], misses.data() + first, miss_counts[i])
+                         : at::empty({0, views[i].dim}, at::kFloat));
+    first += miss_counts[i];
   }
   misses_all = at::empty({static_cast<int64_t>(misses.size())}, at::kLong);
   if (!misses.empty())
     std::memcpy(misses_all.data_ptr<int64_t>(), misses.data(), misses.size() * sizeof(int64_t));
-  return {misses_all, per_table};
+  result.insert(result.begin(), {misses_all, per_table});
+  return result;
 }
 
-// Exact running counts of keys: an open-addressing hash map (linear probing, load ≤ 1/2), so
-// an update is O(its keys) whatever the number of keys counted so far.
-class KeyCounter {
- public:
-  KeyCounter() { rehash(1 << 10); }
-
-  // Adds counts[i] (1 when counts is empty) for keys[i]; keys < 0 are padding, skipped
-  // when skip_negative.
-  void update(const at::Tensor& keys, const at::Tensor& counts, bool skip_negative) {
-    std::lock_guard<std::mutex> g(mu_);
-    const auto k = keys.contiguous();
-    const int64_t* kp = k.data_ptr<int64_t>();
-    const int64_t n = k.numel();
-    at::Tensor c;
-    const int64_t* cp = nullptr;
-    if (counts.defined() && counts.numel()) {
-      c = counts.contiguous();
-      cp = c.data_ptr<int64_t>();
-    }
-    reserve(size_ + n);
-    for (int64_t i = 0; i < n; ++i) {
-      if (skip_negative && kp[i] < 0) continue;
-      add(kp[i], cp ? cp[i] : 1);
-    }
-  }
-
-  at::Tensor count_of(const at::Tensor& keys) {
-    std::lock_guard<std::mutex> g(mu_);
-    const auto k = keys.contiguous();
-    auto out = at::empty({k.numel()}, at::kLong);
-    const int64_t* kp = k.data_ptr<int64_t>();
-    int64_t* op = out.data_ptr<int64_t>();
-    for (int64_t i = 0; i < k.numel(); ++i) {
-      const int64_t s = find(kp[i]);
-      op[i] = s < 0 ? 0 : counts_[s];
-    }
-    return out;
-  }
-
-  // c >> times for every key; keys whose count reaches 0 are dropped.
-  void halve(int64_t times) {
-    std::lock_guard<std::mutex> g(mu_);
-    const int s = static_cast<int>(std::min<int64_t>(times, 63));
-    std::vector<std::pair<int64_t, int64_t>> kept;
-    kept.reserve(size_);
-    for (size_t i = 0; i < used_.size(); ++i)
-      if (used_[i] && (counts_[i] >> s) > 0) kept.emplace_back(keys_[i], counts_[i] >> s);
-    reset(kept);
-  }
-
-  // {keys (k,) ascending, counts (k,)}.
-  std::vector<at::Tensor> items() {
-    std::lock_guard<std::mutex> g(mu_);
-    std::vector<std::pair<int64_t, int64_t>> all;
-    all.reserve(size_);
-    for (size_t i = 0; i < used_.size(); ++i)
-      if (used_[i]) all.emplace_back(keys_[i], counts_[i]);
-    std::sort(all.begin(), all.end());
-    auto k = at::empty({static_cast<int64_t>(all.size())}, at::kLong);
-    auto c = at::empty({static_cast<int64_t>(all.size())}, at::kLong);
-    for (size_t i = 0; i < all.size(); ++i) {
-      k.data_ptr<int64_t>()[i] = all[i].first;
-      c.data_ptr<int64_t>()[i] = all[i].second;
-    }
-    return {k, c};
-  }
-
-  // Replace the contents by keys/counts (the caller's trim).
-  void assign(const at::Tensor& keys, const at::Tensor& counts) {
-    std::lock_guard<std::mutex> g(mu_);
-    std::vector<std::pair<int64_t, int64_t>> kv(keys.numel());
-    for (int64_t i = 0; i < keys.numel(); ++i)
-      kv[i] = {keys.data_ptr<int64_t>()[i], counts.data_ptr<int64_t>()[i]};
-    reset(kv);
-  }
-
-  int64_t size() {
-    std::lock_guard<std::mutex> g(mu_);
-    return size_;
-  }
-
- private:
-  size_t slot_of(int64_t key) const { return mix64(key) & mask_; }
-
-  int64_t find(int64_t key) const {
-    for (size_t s = slot_of(key);; s = (s + 1) & mask_) {
-      if (!used_[s]) return -1;
-      if (keys_[s] == key) return static_cast<int64_t>(s);
-    }
-  }
-
-  void add(int64_t key, int64_t c) {
-    for (size_t s = slot_of(key);; s = (s + 1) & mask_) {
-      if (!used_[s]) {
-        used_[s] = 1;
-        keys_[s] = key;
-        counts_[s] = c;
-        ++size_;
-        return;
-      }
-      if (keys_[s] == key) {
-        counts_[s] += c;
-        return;
-      }
-    }
-  }
-
-  void reserve(int64_t want) {
-    if (static_cast<size_t>(want) * 2 <= used_.size()) return;
-    size_t cap = used_.size();
-    while (static_cast<size_t>(want) * 2 > cap) cap *= 2;
-    std::vector<std::pair<int64_t, int64_t>> all;
-    all.reserve(size_);
-    for (size_t i = 0; i < used_.size(); ++i)
-      if (used_[i]) all.emplace_back(keys_[i], counts_[i]);
-    rehash(cap);
-    for (const auto& kv : all) add(kv.first, kv.second);
-  }
-
-  void reset(const std::vector<std::pair<int64_t, int64_t>>& kv) {
-    size_t cap = 1 << 10;
-    while (kv.size() * 2 > cap) cap *= 2;
-    rehash(cap);
-    for (const auto& p : kv) add(p.first, p.second);
-  }
-
-  void rehash(size_t cap) {
-    keys_.assign(cap, 0);
-    counts_.assign(cap, 0);
-    used_.assign(cap, 0);
-    mask_ = cap - 1;
-    size_ = 0;
-  }
-
-  std::mutex mu_;
-  std::vector<int64_t> keys_, counts_;
-  std::vector<uint8_t> used_;
-  size_t mask_ = 0;
-  int64_t size_ = 0;
-};
-
-// Counts every table's keys into its counter (keys < 0 skipped), tables in parallel.
-void count_keys(const std::vector<KeyCounter*>& counters, const std::vector<at::Tensor>& keys) {
-  check(counters.size() == keys.size(), "one counter per table expected");
-  at::parallel_for(0, static_cast<int64_t>(keys.size()), 1, [&](int64_t a, int64_t b) {
-    for (int64_t i = a; i < b; ++i) counters[i]->update(keys[i], at::Tensor(), true);
-  });
-}
-
-}  // namespace
+}  // namespace hps_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  using namespace hps_cpu;
   m.def("cache_gather", &cache_gather, "fused cache-hit lookup of every table (rows or bags)",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("gather_rows", &gather_rows,
+        "rows or in-order bag sums of stored rows of any row format, dequantized to float32",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("count_keys", &count_keys, "count every table's keys into its KeyCounter",
         pybind11::call_guard<pybind11::gil_scoped_release>());

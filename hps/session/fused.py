@@ -10,7 +10,9 @@ One call, whatever the number of tables:
    probe, count, gather or pool, per-table statistics);
 3. the misses of each table that had any (the miss path: dedupe of the missed keys, the
    databases, the fill policy, :meth:`~hps.session.fill.CacheFill.serve_misses`), written into
-   their positions (rows) or added to their bags (bags; MEAN bags with a miss divided here);
+   their positions (rows), or into the rows the fused pass handed back for each bag with a
+   miss, which is then summed key by key in request order (:func:`hps.fused.pool_in_order`),
+   so a bag's floats never depend on which of its keys the cache held;
 4. key statistics of every table counted in one call (:class:`hps.key_counts.KeyCounts`).
 
 Tables without a cache, or caches off the CPU, go through :meth:`LookupSession.lookup` one by
@@ -19,6 +21,7 @@ one (the same results).
 
 from __future__ import annotations
 
+import itertools
 import threading
 import time
 from collections.abc import Sequence
@@ -27,7 +30,7 @@ from typing import Protocol
 import numpy as np
 import torch
 
-from hps.fused import GatherArgs, gather
+from hps.fused import GatherArgs, GatherResult, gather, pool_in_order
 from hps.kernels import load_extension
 from hps.key_counts import KeyCounts
 from hps.rwlock import ReadWriteLock
@@ -74,8 +77,9 @@ def _check(
     ts = [s._table(n) for n in tables]
     flat = []
     batch = None
+    int64 = torch.int64
     for t, k in zip(ts, keys, strict=True):
-        if not isinstance(k, torch.Tensor) or k.dtype != torch.int64:
+        if not isinstance(k, torch.Tensor) or k.dtype != int64:
             got = k.dtype if isinstance(k, torch.Tensor) else type(k).__name__
             raise ValueError(f"table {t.name!r}: keys must be an int64 torch.Tensor, got {got}")
         if k.numel() > t.max_keys:
@@ -132,12 +136,12 @@ def fused_lookup(
     if bags:
         b = keys[0].shape[0] if keys else 0
         hot = [int(k.shape[1]) for k in keys]
-        offsets = [sum(dims[:i]) for i in range(len(dims))]
+        offsets = [0, *itertools.accumulate(dims)][:-1]
         buf = _out_buffer(out, (b, sum(dims)), s.device)
     else:
         hot = [0] * len(ts)
         sizes = [f.numel() * d for f, d in zip(flat, dims, strict=True)]
-        offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+        offsets = [0, *itertools.accumulate(sizes)][:-1]
         buf = _out_buffer(out, (sum(sizes),), s.device)
     caches = [t.cache for t in ts]
     if not ts or not _fusable(s, caches):
@@ -225,7 +229,7 @@ def _run(
     finally:
         for c in reversed(order):
             c._lock.release()
-    _serve_all_misses(s, ts, flat, caches, res.misses, per, buf, offsets, hot, pooling, failed)
+    _serve_all_misses(s, ts, flat, caches, res, per, buf, offsets, hot, pooling, failed)
     _count_keys(s, ts, flat, per)
 
 
@@ -243,7 +247,7 @@ def _serve_all_misses(
     ts: list[SessionTable],
     flat: list[torch.Tensor],
     caches: list[EmbeddingCache],
-    misses: torch.Tensor,
+    res: GatherResult,
     per: list[list[int]],
     buf: torch.Tensor,
     offsets: list[int],
@@ -255,15 +259,15 @@ def _serve_all_misses(
     appended to ``failed`` before the error propagates (the later tables are not served)."""
 
     start = 0
+    all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
+    record = s.statistics.record_counts
     for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
         nm, hits, uniq_hits = row[0], row[1], row[2]
         epoch = s._age_key_stats(t, c)
         if not nm:
-            s.statistics.record_counts(
-                t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], 1.0 >= s.hit_rate_threshold
-            )
+            record(t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], all_hit_async)
             continue
-        pos = misses[start : start + nm]
+        pos = res.misses[start : start + nm]
         start += nm
         uniq, inv, counts = unique_with_inverse(flat[i].index_select(0, pos))
         n_unique = uniq_hits + uniq.numel()
@@ -278,15 +282,13 @@ def _serve_all_misses(
         d, off = t.dim, offsets[i]
         if pooling is None:
             buf[off : off + flat[i].numel() * d].view(-1, d)[pos] = expanded
-        else:
-            bag = pos // hot[i]
-            view = buf[:, off : off + d]
-            view.index_add_(0, bag, expanded)
-            if pooling[i] is Pooling.MEAN:
-                missed_bags = torch.unique(bag)
-                k2 = flat[i].view(-1, hot[i]).index_select(0, missed_bags)
-                n = (k2 >= 0).sum(1).to(torch.float32)
-                view[missed_bags] = view[missed_bags] / n[:, None]
+        else:  # the bags with a miss: their rows completed, then summed in request order
+            h = hot[i]
+            bags, rank = torch.unique_consecutive(pos // h, return_inverse=True)
+            rows_p = res.pending[i].view(bags.numel(), h, d)
+            rows_p[rank, pos % h] = expanded
+            valid = flat[i].view(-1, h).index_select(0, bags) >= 0
+            buf[bags, off : off + d] = pool_in_order(rows_p, valid, pooling[i] is Pooling.MEAN)
         t64 = tier.to(torch.int64)
         uniq_tiers = torch.bincount(t64, minlength=4).tolist()
         all_tiers = torch.bincount(t64, weights=counts.to(torch.float64), minlength=4).tolist()

@@ -250,8 +250,9 @@ class LookupSession:
 
         Returns:
             ``(B, Σ_i dim_i)`` float32, table ``i`` in columns ``Σ_{j<i} dim_j ..`` (with equal
-            dims, ``out.view(B, T, dim)``). Bag sums run key by key in bag order, cache hits
-            first, then the missed rows.
+            dims, ``out.view(B, T, dim)``). Bag sums run key by key in bag order
+            (``((0 + r0) + r1) + …``, padding skipped), whichever keys the cache held: bit-equal
+            to pooling the rows :meth:`lookup_many` returns in that order.
 
         Raises:
             ValueError: as :meth:`lookup_many`, a key below -1, or bags of unequal batch.

@@ -10,7 +10,9 @@ import numpy as np
 import pytest
 import torch
 
+from hps.fused import GatherArgs, gather, gather_rows
 from hps.kernels import load_extension
+from hps.rowformat import RowDtype, dequantize_rows, quantize_rows
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache, set_of, tag_of
 from hps.storage.volatile import HashMapBackend
@@ -189,3 +191,183 @@ def test_a_failed_tier_is_refused_never_defaulted() -> None:
     with pytest.raises(TierUnavailableError):
         s.lookup_pooled(["t"], [torch.tensor([[1, 150]])])
     assert s.stats("t")["unavailable"] == 1
+
+
+def _pool_in_order(rows: torch.Tensor, valid: torch.Tensor, mean: bool) -> torch.Tensor:
+    """``(B, w, d)`` rows pooled key by key in bag order (padding skipped), as specified."""
+    acc = torch.zeros(rows.shape[0], rows.shape[2])
+    for j in range(rows.shape[1]):
+        acc = torch.where(valid[:, j, None], acc + rows[:, j], acc)
+    if mean:
+        n = valid.sum(1)
+        ok = n > 0
+        acc[ok] = acc[ok] / n[ok].to(torch.float32)[:, None]
+    return acc
+
+
+@pytest.mark.parametrize("compiled", [True, False])
+@pytest.mark.parametrize("policy", [CachePolicy.LRU, CachePolicy.LFU])
+def test_pooled_bags_sum_in_request_order_whatever_the_cache_holds(
+    compiled: bool, policy: CachePolicy
+) -> None:
+    """Non-integer rows (float sums depend on their order), a cache holding some of a bag's
+    keys: each bag is summed key by key in request order, bit-equal to pooling the rows of
+    :meth:`lookup_many` in bag order, on a cold and on a warm cache."""
+    if compiled:
+        _needs_ext()
+    g = torch.Generator().manual_seed(5)
+    n, d = 400, 16
+    w = torch.randn(n, d, generator=g) * torch.logspace(-3, 3, d)
+    v = HashMapBackend(num_partitions=1)
+    v.create_table("t", d)
+    v.insert("t", np.arange(n, dtype=np.int64), w.numpy())
+    cache = EmbeddingCache(n // 4, d, policy=policy, ways=8)
+    cache.insert(torch.arange(0, n, 7), w[0:n:7])  # some keys of most bags resident
+    s = LookupSession(
+        [SessionTable("t", d, DEFAULT, 10**6, cache)],
+        v,
+        None,
+        hit_rate_threshold=1.0,
+        compiled=compiled,
+    )
+    for mode in (Pooling.SUM, Pooling.MEAN, Pooling.SUM):
+        keys = torch.randint(-1, n, (64, 6), generator=g)
+        got = s.lookup_pooled(["t"], [keys], mode)
+        rows = s.lookup_many(["t"], [keys.clamp(min=0)])[0]
+        assert torch.equal(rows, w[keys.clamp(min=0)])
+        want = _pool_in_order(rows, keys >= 0, mode is Pooling.MEAN)
+        assert torch.equal(got, want), (mode, (got - want).abs().max())
+
+
+@pytest.mark.parametrize("fmt", list(RowDtype))
+def test_gather_rows_dequantizes_as_the_row_format_does(fmt: RowDtype) -> None:
+    """The compiled dequantizing gather (rows, and bags summed in order into a column block
+    of a wider buffer) equals hps.rowformat.dequantize_rows bit for bit, for every format."""
+    _needs_ext()
+    g = torch.Generator().manual_seed(7)
+    cap, d, h = 300, 24, 5
+    w = torch.randn(cap, d, generator=g) * 3
+    storage = quantize_rows(w, fmt).contiguous()
+    slots = torch.randint(-1, cap, (40 * h,), generator=g)
+    ref_rows = dequantize_rows(storage[slots.clamp(min=0)], fmt, d) * (slots >= 0)[:, None]
+    got = gather_rows(storage, slots, fmt, d)
+    assert torch.equal(got, ref_rows)
+    assert torch.equal(got, gather_rows(storage, slots, fmt, d, compiled=False))
+    wide = torch.full((40, 3 * d), 9.0)
+    block = wide[:, d : 2 * d]
+    gather_rows(storage, slots, fmt, d, hotness=h, out=block)
+    want = _pool_in_order(ref_rows.view(40, h, d), (slots >= 0).view(40, h), False)
+    assert torch.equal(block, want)
+    assert bool((wide[:, :d] == 9.0).all() and (wide[:, 2 * d :] == 9.0).all())
+    ref_out = torch.empty(40, d)
+    gather_rows(storage, slots, fmt, d, hotness=h, out=ref_out, compiled=False)
+    assert torch.equal(ref_out, want)
+    for compiled in (True, False):
+        with pytest.raises(ValueError, match=f"slot {cap}"):
+            gather_rows(storage, torch.tensor([0, cap]), fmt, d, compiled=compiled)
+
+
+def _quantized_cache(fmt: RowDtype, policy: CachePolicy) -> tuple[EmbeddingCache, torch.Tensor]:
+    """A cache whose ``storage`` holds ``fmt`` rows (hps.rowformat's layout) and declares it
+    in ``row_format``; returns it and the dequantized rows of keys 0..199."""
+    g = torch.Generator().manual_seed(11)
+    n, d = 200, 16
+    w = torch.randn(n, d, generator=g)
+    c = EmbeddingCache(n // 2, d, policy=policy, ways=8)
+    c.insert(torch.arange(n), w)
+    stored = quantize_rows(c.values, fmt)
+    c.storage = stored  # the layout a cache holding fmt rows has: (capacity, row_bytes) uint8
+    c.row_bytes = stored.shape[1]
+    c.row_format = fmt
+    return c, dequantize_rows(quantize_rows(w, fmt), fmt, d)
+
+
+@pytest.mark.parametrize("fmt", [RowDtype.FP16, RowDtype.INT8, RowDtype.INT4])
+def test_fused_pass_reads_quantized_cache_rows(fmt: RowDtype) -> None:
+    """The fused pass over a cache holding fp16 / int8 / int4 rows: compiled equals the
+    reference bit for bit (rows, in-order bags, counters, marks) and rows equal the format's
+    dequantization."""
+    _needs_ext()
+    g = torch.Generator().manual_seed(12)
+    for bags in (False, True):
+        (c1, want), (c2, _) = (
+            _quantized_cache(fmt, CachePolicy.LFU),
+            _quantized_cache(fmt, CachePolicy.LFU),
+        )
+        keys = torch.randint(-1 if bags else 0, 200, (32 * 4,), generator=g)
+        outs = []
+        results = []
+        for c, compiled in ((c1, True), (c2, False)):
+            out = torch.full((32, 16) if bags else (keys.numel() * 16,), 5.0)
+            args = GatherArgs(
+                caches=[c],
+                keys=[keys],
+                out=out,
+                out_offsets=[0],
+                out_stride=16 if bags else 0,
+                hotness=[4 if bags else 0],
+                mean=[False],
+                stamps=[-1],
+                marks=[c.next_mark()],
+                looked_up=[0],
+                intervals=[0],
+            )
+            results.append(gather(args, compiled=compiled))
+            outs.append(out)
+        assert torch.equal(outs[0], outs[1])
+        assert torch.equal(results[0].per_table, results[1].per_table)
+        assert torch.equal(results[0].misses, results[1].misses)
+        assert torch.equal(results[0].pending[0], results[1].pending[0])
+        assert torch.equal(c1.counters, c2.counters) and torch.equal(c1.marks, c2.marks)
+        if not bags:
+            hit = torch.ones(keys.numel(), dtype=torch.bool)
+            hit[results[0].misses] = False
+            rows = outs[0].view(-1, 16)
+            assert torch.equal(rows[hit], want[keys[hit]])
+
+
+@pytest.mark.parametrize("policy", [CachePolicy.LRU, CachePolicy.LFU])
+def test_threaded_pass_equals_reference(policy: CachePolicy) -> None:
+    """A call large enough to be split between threads (≥ 8,192 keys, two threads: the
+    threads gather, then each writes the counters and marks of the slots it owns) gives the
+    reference's rows, bags, counters, marks and statistics bit for bit."""
+    _needs_ext()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        g = torch.Generator().manual_seed(13)
+        n, d = 3000, 4
+        w = torch.randn(n, d, generator=g)
+        caches = []
+        for _ in range(2):
+            c = EmbeddingCache(n, d, policy=policy, ways=64, lfu_decay_keys_per_slot=0.5)
+            c.insert(torch.arange(0, n, 2), w[0:n:2])
+            caches.append(c)
+        for hot in (0, 4):
+            keys = torch.randint(-1 if hot else 0, n, (12_000,), generator=g)
+            outs, results = [], []
+            for c, compiled in zip(caches, (True, False), strict=True):
+                out = torch.zeros((12_000 // hot, d) if hot else (12_000 * d,))
+                args = GatherArgs(
+                    caches=[c],
+                    keys=[keys],
+                    out=out,
+                    out_offsets=[0],
+                    out_stride=d if hot else 0,
+                    hotness=[hot],
+                    mean=[hot > 0],
+                    stamps=[c._clock if policy is CachePolicy.LRU else -1],
+                    marks=[c.next_mark()],
+                    looked_up=[c._looked_up],
+                    intervals=[c.lfu_decay_interval],
+                )
+                results.append(gather(args, compiled=compiled))
+                outs.append(out)
+            assert torch.equal(outs[0], outs[1])
+            assert torch.equal(results[0].per_table, results[1].per_table)
+            assert torch.equal(results[0].misses, results[1].misses)
+            assert torch.equal(results[0].pending[0], results[1].pending[0])
+            assert torch.equal(caches[0].counters, caches[1].counters)
+            assert torch.equal(caches[0].marks, caches[1].marks)
+    finally:
+        torch.set_num_threads(threads)

@@ -1,0 +1,33 @@
+// Helpers shared by the compiled kernels of hps (hps/csrc/fused_lookup.cpp includes them).
+#pragma once
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+namespace hps_cpu {
+
+constexpr uint64_t kGolden = 0x9E3779B97F4A7C15ULL;  // splitmix64 (Steele et al., 2014)
+constexpr uint64_t kM1 = 0xBF58476D1CE4E5B9ULL;
+constexpr uint64_t kM2 = 0x94D049BB133111EBULL;
+
+inline uint64_t mix64(int64_t key) {
+  uint64_t z = static_cast<uint64_t>(key) + kGolden;
+  z = (z ^ (z >> 30)) * kM1;
+  z = (z ^ (z >> 27)) * kM2;
+  return z ^ (z >> 31);
+}
+
+// Prefetch the n bytes at p (every 64-byte line they touch).
+inline void prefetch_bytes(const void* p, int64_t n) {
+  const char* c = static_cast<const char*>(p);
+  for (int64_t b = 0; b < n; b += 64) __builtin_prefetch(c + b, 0, 3);
+  __builtin_prefetch(c + n - 1, 0, 3);
+}
+
+// Refuse bad arguments (pybind11 raises std::invalid_argument as ValueError).
+inline void check(bool ok, const std::string& what) {
+  if (!ok) throw std::invalid_argument("hps: " + what);
+}
+
+}  // namespace hps_cpu

@@ -1,0 +1,176 @@
+// The key counter of a session's key statistics (hps.key_counts.KeyCounts). Included by
+// hps/csrc/fused_lookup.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <mutex>
+#include <utility>
+#include <vector>
+
+#include "common.h"
+
+namespace hps_cpu {
+
+// Exact running counts of keys: an open-addressing hash map (linear probing, load ≤ 1/2) of
+// 16-byte entries (key, count; count -1 marks a free entry), so an update is O(its keys)
+// whatever the number of keys counted so far, a key's probe reads about one cache line, and
+// the lines of the keys a few places ahead are prefetched.
+class KeyCounter {
+ public:
+  KeyCounter() { rehash(1 << 10); }
+
+  // Adds counts[i] (1 when counts is empty) for keys[i]; keys < 0 are padding, skipped
+  // when skip_negative.
+  void update(const at::Tensor& keys, const at::Tensor& counts, bool skip_negative) {
+    std::lock_guard<std::mutex> g(mu_);
+    const auto k = keys.contiguous();
+    const int64_t* kp = k.data_ptr<int64_t>();
+    const int64_t n = k.numel();
+    at::Tensor c;
+    const int64_t* cp = nullptr;
+    if (counts.defined() && counts.numel()) {
+      c = counts.contiguous();
+      cp = c.data_ptr<int64_t>();
+    }
+    reserve(size_ + n);
+    constexpr int64_t ahead = 8;
+    for (int64_t i = 0; i < n; ++i) {
+      if (i + ahead < n) __builtin_prefetch(&slots_[slot_of(kp[i + ahead])], 1, 3);
+      if (skip_negative && kp[i] < 0) continue;
+      add(kp[i], cp ? cp[i] : 1);
+    }
+  }
+
+  at::Tensor count_of(const at::Tensor& keys) {
+    std::lock_guard<std::mutex> g(mu_);
+    const auto k = keys.contiguous();
+    auto out = at::empty({k.numel()}, at::kLong);
+    const int64_t* kp = k.data_ptr<int64_t>();
+    int64_t* op = out.data_ptr<int64_t>();
+    for (int64_t i = 0; i < k.numel(); ++i) {
+      const int64_t s = find(kp[i]);
+      op[i] = s < 0 ? 0 : slots_[s].count;
+    }
+    return out;
+  }
+
+  // c >> times for every key; keys whose count reaches 0 are dropped.
+  void halve(int64_t times) {
+    std::lock_guard<std::mutex> g(mu_);
+    const int s = static_cast<int>(std::min<int64_t>(times, 63));
+    std::vector<std::pair<int64_t, int64_t>> kept;
+    kept.reserve(size_);
+    for (const Entry& e : slots_)
+      if (e.count >= 0 && (e.count >> s) > 0) kept.emplace_back(e.key, e.count >> s);
+    reset(kept);
+  }
+
+  // {keys (k,) ascending, counts (k,)}.
+  std::vector<at::Tensor> items() {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<std::pair<int64_t, int64_t>> all = entries();
+    std::sort(all.begin(), all.end());
+    auto k = at::empty({static_cast<int64_t>(all.size())}, at::kLong);
+    auto c = at::empty({static_cast<int64_t>(all.size())}, at::kLong);
+    for (size_t i = 0; i < all.size(); ++i) {
+      k.data_ptr<int64_t>()[i] = all[i].first;
+      c.data_ptr<int64_t>()[i] = all[i].second;
+    }
+    return {k, c};
+  }
+
+  // Replace the contents by keys/counts (the caller's trim).
+  void assign(const at::Tensor& keys, const at::Tensor& counts) {
+    std::lock_guard<std::mutex> g(mu_);
+    std::vector<std::pair<int64_t, int64_t>> kv(keys.numel());
+    for (int64_t i = 0; i < keys.numel(); ++i)
+      kv[i] = {keys.data_ptr<int64_t>()[i], counts.data_ptr<int64_t>()[i]};
+    reset(kv);
+  }
+
+  int64_t size() {
+    std::lock_guard<std::mutex> g(mu_);
+    return size_;
+  }
+
+ private:
+  struct Entry {
+    int64_t key;
+    int64_t count;  // -1: free
+  };
+
+  size_t slot_of(int64_t key) const { return mix64(key) & mask_; }
+
+  int64_t find(int64_t key) const {
+    for (size_t s = slot_of(key);; s = (s + 1) & mask_) {
+      if (slots_[s].count < 0) return -1;
+      if (slots_[s].key == key) return static_cast<int64_t>(s);
+    }
+  }
+
+  void add(int64_t key, int64_t c) {
+    for (size_t s = slot_of(key);; s = (s + 1) & mask_) {
+      Entry& e = slots_[s];
+      if (e.count < 0) {
+        e.key = key;
+        e.count = c;
+        ++size_;
+        return;
+      }
+      if (e.key == key) {
+        e.count += c;
+        return;
+      }
+    }
+  }
+
+  std::vector<std::pair<int64_t, int64_t>> entries() const {
+    std::vector<std::pair<int64_t, int64_t>> all;
+    all.reserve(size_);
+    for (const Entry& e : slots_)
+      if (e.count >= 0) all.emplace_back(e.key, e.count);
+    return all;
+  }
+
+  void reserve(int64_t want) {
+    if (static_cast<size_t>(want) * 2 <= slots_.size()) return;
+    size_t cap = slots_.size();
+    while (static_cast<size_t>(want) * 2 > cap) cap *= 2;
+    const auto all = entries();
+    rehash(cap);
+    for (const auto& kv : all) add(kv.first, kv.second);
+  }
+
+  void reset(const std::vector<std::pair<int64_t, int64_t>>& kv) {
+    size_t cap = 1 << 10;
+    while (kv.size() * 2 > cap) cap *= 2;
+    rehash(cap);
+    for (const auto& p : kv) add(p.first, p.second);
+  }
+
+  void rehash(size_t cap) {
+    slots_.assign(cap, Entry{0, -1});
+    mask_ = cap - 1;
+    size_ = 0;
+  }
+
+  std::mutex mu_;
+  std::vector<Entry> slots_;
+  size_t mask_ = 0;
+  int64_t size_ = 0;
+};
+
+// Counts every table's keys into its counter (keys < 0 skipped), tables in parallel.
+inline void count_keys(const std::vector<KeyCounter*>& counters, const std::vector<at::Tensor>& keys) {
+  check(counters.size() == keys.size(), "one counter per table expected");
+  at::parallel_for(0, static_cast<int64_t>(keys.size()), 1, [&](int64_t a, int64_t b) {
+    for (int64_t i = a; i < b; ++i) counters[i]->update(keys[i], at::Tensor(), true);
+  });
+}
+
+}  // namespace hps_cpu

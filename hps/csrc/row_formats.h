@@ -1,0 +1,181 @@
+// Row formats of hps (hps.rowformat.RowDtype) read from a cache's storage bytes, dequantized
+// to float32: per row (dequant_row, used by the fused pass) and as a gather by slot
+// (gather_rows). Included by hps/csrc/fused_lookup.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+
+#include "common.h"
+
+namespace hps_cpu {
+
+// Row formats (hps.rowformat.RowDtype), read from a cache's storage bytes and dequantized to
+// float32. Codes (hps.fused.FORMAT_CODES):
+// 0 fp32, 1 fp16, 2 bf16, 3 int8, 4 int4, 5 int2. A quantized row is [scale f16, bias f16,
+// q...], value j = scale * q_j + bias with q_j at bits (j % k) * bits of byte 4 + j / k. The
+// product of a float16 scale and an integer of <= 8 bits is exact in float32, so this equals
+// hps.rowformat.dequantize_rows bit for bit whether or not the compiler fuses the multiply-add.
+
+constexpr int64_t kFp32 = 0, kFp16 = 1, kBf16 = 2, kInt8 = 3, kInt4 = 4, kInt2 = 5;
+
+inline int64_t format_row_bytes(int64_t format, int64_t dim) {
+  switch (format) {
+    case kFp32: return 4 * dim;
+    case kFp16: case kBf16: return 2 * dim;
+    case kInt8: return dim + 4;
+    case kInt4: return dim % 2 ? -1 : dim / 2 + 4;
+    case kInt2: return dim % 4 ? -1 : dim / 4 + 4;
+    default: return -1;
+  }
+}
+
+inline float half_to_float(uint16_t h) { return c10::detail::fp16_ieee_to_fp32_value(h); }
+
+inline float bf16_to_float(uint16_t h) {
+  const uint32_t u = static_cast<uint32_t>(h) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+// dst[d] = row[d] (kAdd false) or dst[d] += row[d] (kAdd true), for one stored row.
+template <int64_t kFormat, bool kAdd>
+inline void dequant_row(const uint8_t* src, int64_t dim, float* dst) {
+  if constexpr (kFormat == kFp32) {
+    const float* f = reinterpret_cast<const float*>(src);
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) dst[d] = kAdd ? dst[d] + f[d] : f[d];
+  } else if constexpr (kFormat == kFp16 || kFormat == kBf16) {
+    const uint16_t* h = reinterpret_cast<const uint16_t*>(src);
+    int64_t d = 0;
+#if defined(__F16C__) && defined(__AVX__)
+    if constexpr (kFormat == kFp16) {  // 8 at a time (the conversion is exact either way)
+      for (; d + 8 <= dim; d += 8) {
+        __m256 v = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h + d)));
+        if (kAdd) v = _mm256_add_ps(_mm256_loadu_ps(dst + d), v);
+        _mm256_storeu_ps(dst + d, v);
+      }
+    }
+#endif
+    for (; d < dim; ++d) {
+      const float v = kFormat == kFp16 ? half_to_float(h[d]) : bf16_to_float(h[d]);
+      dst[d] = kAdd ? dst[d] + v : v;
+    }
+  } else {
+    constexpr int64_t bits = kFormat == kInt8 ? 8 : kFormat == kInt4 ? 4 : 2;
+    constexpr int64_t per = 8 / bits;
+    constexpr uint32_t mask = (1u << bits) - 1;
+    uint16_t sb[2];
+    std::memcpy(sb, src, 4);
+    const float scale = half_to_float(sb[0]), bias = half_to_float(sb[1]);
+    const uint8_t* q = src + 4;
+#pragma omp simd
+    for (int64_t d = 0; d < dim; ++d) {
+      const uint32_t v = (static_cast<uint32_t>(q[d / per]) >> ((d % per) * bits)) & mask;
+      const float x = scale * static_cast<float>(v) + bias;
+      dst[d] = kAdd ? dst[d] + x : x;
+    }
+  }
+}
+
+// Runtime dispatch of dequant_row (for paths off the per-key loop).
+inline void dequant_any(int64_t format, const uint8_t* src, int64_t dim, float* dst) {
+  switch (format) {
+    case kFp32: dequant_row<kFp32, false>(src, dim, dst); break;
+    case kFp16: dequant_row<kFp16, false>(src, dim, dst); break;
+    case kBf16: dequant_row<kBf16, false>(src, dim, dst); break;
+    case kInt8: dequant_row<kInt8, false>(src, dim, dst); break;
+    case kInt4: dequant_row<kInt4, false>(src, dim, dst); break;
+    default: dequant_row<kInt2, false>(src, dim, dst); break;
+  }
+}
+
+// Rows a gather_rows thread prefetches ahead of the one it reads.
+constexpr int64_t kRowsAhead = 4;
+
+// gather_rows: rows of any hps.rowformat.RowDtype read from a cache's storage by slot (see
+// dequant_row), rows or bags summed in order.
+template <int64_t kFormat>
+void gather_rows_of(const uint8_t* storage, int64_t row_bytes, const int64_t* slots, int64_t n,
+                    int64_t dim, int64_t hotness, float* out, int64_t out_stride) {
+  if (hotness == 0) {
+    at::parallel_for(0, n, 2048, [&](int64_t a, int64_t b) {
+      for (int64_t i = a; i < b; ++i) {
+        if (i + kRowsAhead < b && slots[i + kRowsAhead] >= 0)
+          prefetch_bytes(storage + slots[i + kRowsAhead] * row_bytes, row_bytes);
+        float* dst = out + i * out_stride;
+        if (slots[i] < 0)
+          std::fill(dst, dst + dim, 0.0f);
+        else
+          dequant_row<kFormat, false>(storage + slots[i] * row_bytes, dim, dst);
+      }
+    });
+    return;
+  }
+  at::parallel_for(0, n / hotness, std::max<int64_t>(1, 2048 / hotness), [&](int64_t a, int64_t b) {
+    for (int64_t bag = a; bag < b; ++bag) {
+      float* dst = out + bag * out_stride;
+      std::fill(dst, dst + dim, 0.0f);
+      for (int64_t j = 0; j < hotness; ++j) {
+        const int64_t i = bag * hotness + j;
+        if (i + kRowsAhead < b * hotness && slots[i + kRowsAhead] >= 0)
+          prefetch_bytes(storage + slots[i + kRowsAhead] * row_bytes, row_bytes);
+        if (slots[i] >= 0) dequant_row<kFormat, true>(storage + slots[i] * row_bytes, dim, dst);
+      }
+    }
+  });
+}
+
+// Rows (hotness 0: out row i = row of slots[i], zeros where slots[i] < 0) or bags (hotness h:
+// out row b = the rows of slots[b*h .. b*h+h) summed in order, slots < 0 skipped) of storage
+// (capacity, row_bytes) uint8 in row format ``format``; out (n or n/h, >= dim) float32 with a
+// unit last stride (its rows may be a column block of a wider buffer).
+inline void gather_rows(const at::Tensor& storage, const at::Tensor& slots, int64_t format, int64_t dim,
+                 at::Tensor out, int64_t hotness) {
+  check(storage.scalar_type() == at::kByte && storage.dim() == 2 && storage.is_contiguous(),
+        "storage must be (capacity, row_bytes) contiguous uint8");
+  const int64_t rb = format_row_bytes(format, dim);
+  check(rb > 0, "row format code " + std::to_string(format) + " with dim " + std::to_string(dim) +
+                    " is not a row format (codes 0..5; int4 needs an even dim, int2 a multiple of 4)");
+  check(storage.size(1) >= rb, "rows of format " + std::to_string(format) + " and dim " +
+                                   std::to_string(dim) + " need " + std::to_string(rb) +
+                                   " bytes, storage rows hold " + std::to_string(storage.size(1)));
+  check(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
+        "slots must be (n,) contiguous int64");
+  const int64_t n = slots.numel();
+  check(hotness >= 0 && (hotness == 0 || n % hotness == 0), "slots must be (bags × hotness)");
+  const int64_t rows = hotness > 0 ? n / hotness : n;
+  check(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == rows &&
+            out.size(1) >= dim && out.stride(1) == 1 && out.device().is_cpu(),
+        "out must be a CPU float32 (" + std::to_string(rows) + ", >= " + std::to_string(dim) +
+            ") tensor with unit last stride");
+  const int64_t cap = storage.size(0);
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t i = 0; i < n; ++i)
+    if (sp[i] >= cap || sp[i] < -1)
+      throw std::invalid_argument("hps gather_rows: slot " + std::to_string(sp[i]) +
+                                  " at position " + std::to_string(i) + " is outside [-1, " +
+                                  std::to_string(cap) + ")");
+  const uint8_t* st = storage.data_ptr<uint8_t>();
+  const int64_t row_bytes = storage.size(1);
+  float* o = out.data_ptr<float>();
+  const int64_t os = out.stride(0);
+  switch (format) {
+    case kFp32: gather_rows_of<kFp32>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+    case kFp16: gather_rows_of<kFp16>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+    case kBf16: gather_rows_of<kBf16>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+    case kInt8: gather_rows_of<kInt8>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+    case kInt4: gather_rows_of<kInt4>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+    default: gather_rows_of<kInt2>(st, row_bytes, sp, n, dim, hotness, o, os); break;
+  }
+}
+
+}  // namespace hps_cpu

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import multiprocessing as mp
 import os
+import resource
 import statistics
 import threading
 import time
@@ -152,12 +153,48 @@ def _client_process(
         t.start()
     ready.wait()
     start.wait()
+    cpu_start = resource.getrusage(resource.RUSAGE_SELF)
+    cpu0 = cpu_start.ru_utime + cpu_start.ru_stime
     now = time.perf_counter()
     window.extend([now, now + seconds])
     go.set()
     for t in ts:
         t.join()
-    out.put((lat, in_window[0], errors, wrong[0]))
+    cpu = resource.getrusage(resource.RUSAGE_SELF)
+    out.put((lat, in_window[0], errors, wrong[0], cpu.ru_utime + cpu.ru_stime - cpu0))
+
+
+def thread_cpu_s() -> dict[str, float]:
+    """CPU seconds (user + system) of this process's threads so far, by role: the model's
+    inference thread (``batcher``), the HTTP event loop (``http``), grpcio's threads
+    (``grpc``), everything else (``other``: the cache worker, onnxruntime's pool, the main
+    thread); read from ``/proc`` (``{}`` where there is none)."""
+    roles = {t.native_id: t.name for t in threading.enumerate()}
+    tick = os.sysconf("SC_CLK_TCK")
+    out = {"batcher": 0.0, "http": 0.0, "grpc": 0.0, "other": 0.0}
+    try:
+        tids = os.listdir("/proc/self/task")
+    except OSError:
+        return {}
+    for tid in tids:
+        try:
+            with open(f"/proc/self/task/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+        except OSError:  # the thread ended meanwhile
+            continue
+        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
+        name = roles.get(int(tid), "")
+        role = (
+            "batcher"
+            if name.startswith("hps-batcher")
+            else "http"
+            if name == "hps-v2-server"
+            else "grpc"
+            if name.startswith("hps-v2-grpc")
+            else "other"
+        )
+        out[role] += cpu
+    return out
 
 
 def run_cell(
@@ -187,6 +224,7 @@ def run_cell(
     results = [q.get(timeout=seconds + 600) for _ in procs]
     for p in procs:
         p.join(60)
+    client_cpu = sum(r[4] for r in results)
     lat = sorted(x for r in results for x in r[0])
     errors = [e for r in results for e in r[2]]
     batch = reqs[0]["dense"].shape[0]
@@ -199,7 +237,16 @@ def run_cell(
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
         "wrong_answers": sum(r[3] for r in results),
+        "client_cpu_s": client_cpu,
     }
+
+
+def _cache_hits(served: Any) -> tuple[int, int]:
+    """Every table's looked-up keys (with repeats) so far: (answered by the cache, all)."""
+    st = served.servable.session.stats()
+    cache = sum(v["hits_all"]["cache"] for v in st.values())
+    total = sum(sum(v["hits_all"].values()) for v in st.values())
+    return cache, total
 
 
 def bench_concurrency(
@@ -227,10 +274,27 @@ def bench_concurrency(
                 # the limit measured right before each cell: the host's load drifts
                 limits = {x: fused_limit(model, onnx_path, x, threads, reps) for x in {b, 256}}
                 before = served.stats()
+                hits0 = _cache_hits(served)
+                cpu0 = thread_cpu_s()
                 cell = run_cell(addr[proto], proto, c, reqs, wants, seconds)
+                cpu1 = thread_cpu_s()
                 after = served.stats()
                 execs = after["execution_count"] - before["execution_count"]
                 done = after["inference_count"] - before["inference_count"]
+                n_req = (
+                    after["inference_stats"]["success"]["count"]
+                    - before["inference_stats"]["success"]["count"]
+                )
+                infer_ns = sum(x["compute_infer"]["ns"] for x in after["batch_stats"]) - sum(
+                    x["compute_infer"]["ns"] for x in before["batch_stats"]
+                )
+                cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
+                delay_ms = served.srv.batchers["dlrm"].cfg.max_queue_delay_us / 1e3
+                exec_ms = infer_ns / execs / 1e6 if execs else 0.0
+                # the issue's bound: p99 ≤ 2 × max_queue_delay + one merged batch's compute
+                bound_ms = 2 * delay_ms + exec_ms
+                hits1 = _cache_hits(served)
+                looked_up = hits1[1] - hits0[1]
                 row = {
                     "bench": "concurrency",
                     "model": name,
@@ -243,6 +307,25 @@ def bench_concurrency(
                     "ratio_vs_limit_b256": cell["samples_per_s"] / limits[256],
                     "ratio_vs_limit_same_batch": cell["samples_per_s"] / limits[b],
                     "mean_execution_batch": done / execs if execs else None,
+                    "mean_execution_ms": infer_ns / execs / 1e6 if execs else None,
+                    "p99_bound_ms": bound_ms,
+                    "p99_within_bound": bool(
+                        cell["p99_ms"] is not None and cell["p99_ms"] <= bound_ms
+                    ),
+                    "p99_over_bound": cell["p99_ms"] / bound_ms
+                    if cell["p99_ms"] and bound_ms
+                    else None,
+                    # share of the cell's looked-up keys the cache answered (the rest: the
+                    # volatile db; a 64-way set of a full-size cache can overflow)
+                    "cache_hit_rate": (hits1[0] - hits0[0]) / looked_up if looked_up else None,
+                    # server CPU per request, by thread role, and the clients' (µs)
+                    **{
+                        f"server_cpu_us_per_request_{k}": 1e6 * v / n_req if n_req else None
+                        for k, v in cpu.items()
+                    },
+                    "client_cpu_us_per_request": (
+                        1e6 * cell["client_cpu_s"] / cell["requests"] if cell["requests"] else None
+                    ),
                     "load_avg_1m": os.getloadavg()[0],
                     "max_queue_delay_us": served.srv.batchers["dlrm"].cfg.max_queue_delay_us,
                     "merged_max_batch": served.srv.batchers["dlrm"].cfg.max_batch_size,
@@ -250,7 +333,8 @@ def bench_concurrency(
                 rows.append(row)
                 log.info(
                     "%s %s %2d clients × B=%-3d: %8.0f samples/s (limit@256 %.0f: %.3fx), p50 %.1f "
-                    "ms, p99 %.1f ms, mean batch %.1f, %d errors, %d wrong, load %.1f",
+                    "ms, p99 %.1f ms (bound %.1f), mean batch %.1f (%.2f ms), server CPU/request %s µs, "
+                    "client %.0f µs, %d errors, %d wrong, load %.1f",
                     name,
                     proto,
                     c,
@@ -260,7 +344,11 @@ def bench_concurrency(
                     row["ratio_vs_limit_b256"],
                     cell["p50_ms"] or 0,
                     cell["p99_ms"] or 0,
+                    bound_ms,
                     row["mean_execution_batch"] or 0,
+                    row["mean_execution_ms"] or 0,
+                    {k: round(1e6 * v / max(n_req, 1)) for k, v in cpu.items()},
+                    row["client_cpu_us_per_request"] or 0,
                     cell["errors"],
                     cell["wrong_answers"],
                     row["load_avg_1m"],

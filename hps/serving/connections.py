@@ -76,9 +76,51 @@ class _Phase(StrEnum):
     HANDLING = "handling"  # the application's answer: no deadline (the workers bound it)
 
 
+class _CorkedTransport:
+    """A connection's transport that holds back what is written while corked and sends it
+    in one write when uncorked (or before the connection is closed): uvicorn writes a
+    response's head and body separately, two ``send`` calls and two TCP segments per
+    response; corked from the end of the request's body to the end of its response, they
+    leave as one. Everything else is the transport's own."""
+
+    def __init__(self, transport: asyncio.Transport) -> None:
+        self._transport = transport
+        self._held: list[bytes] = []
+        self.corked = False
+
+    def write(self, data: bytes) -> None:
+        if self.corked:
+            if data:
+                self._held.append(bytes(data))
+            return
+        self._transport.write(data)
+
+    def uncork(self) -> None:
+        """Send what was held back (one write) and pass later writes straight through."""
+        self.corked = False
+        if self._held:
+            data = b"".join(self._held)
+            self._held.clear()
+            if not self._transport.is_closing():
+                self._transport.write(data)
+
+    def close(self) -> None:
+        self.uncork()
+        self._transport.close()
+
+    def abort(self) -> None:
+        self._held.clear()
+        self.corked = False
+        self._transport.abort()
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._transport, name)
+
+
 class DeadlineH11Protocol(H11Protocol):
     """uvicorn's h11 protocol with the receipt deadlines and the connection bound of
-    ``limits`` (a subclass per server sets it: :func:`protocol_class`)."""
+    ``limits`` (a subclass per server sets it: :func:`protocol_class`), sending each
+    response in one write (:class:`_CorkedTransport`)."""
 
     limits: ClassVar[ConnectionLimits]
 
@@ -86,10 +128,13 @@ class DeadlineH11Protocol(H11Protocol):
         super().__init__(*args, **kwargs)
         self._deadline: asyncio.TimerHandle | None = None
         self._phase = _Phase.HEADERS
+        self._cork: _CorkedTransport | None = None
 
     # uvicorn's own signature: a stream server hands every protocol an asyncio.Transport
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
+        self._cork = _CorkedTransport(transport)
+        self.transport = self._cork  # type: ignore[assignment]  # the same interface
         if len(self.connections) > self.limits.max_connections:
             self._refuse()
         else:
@@ -100,6 +145,8 @@ class DeadlineH11Protocol(H11Protocol):
         self._follow_request()
 
     def on_response_complete(self) -> None:
+        if self._cork is not None:
+            self._cork.uncork()
         if not self.transport.is_closing():
             self._arm(_Phase.HEADERS)
         super().on_response_complete()  # may start a pipelined request already received
@@ -121,6 +168,8 @@ class DeadlineH11Protocol(H11Protocol):
         elif self._phase is not _Phase.HANDLING:
             self._disarm()
             self._phase = _Phase.HANDLING
+            if self._cork is not None:  # the body is in: what is written now is the response
+                self._cork.corked = True
 
     def _arm(self, phase: _Phase) -> None:
         self._disarm()

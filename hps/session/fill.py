@@ -23,7 +23,7 @@ import torch
 
 from hps.key_counts import KeyCounts
 from hps.rwlock import ReadWriteLock
-from hps.session.tiers import TierReader
+from hps.session.tiers import AbsentKeys, TierReader
 from hps.session_stats import SessionStats
 from hps.storage.cache import EmbeddingCache
 
@@ -50,6 +50,8 @@ class CacheFill:
             background (see :mod:`hps.session.lookup`).
         exact: never return a default vector for a key that exists.
         device: where returned rows live (the caches' device).
+        absent: the session's negative cache (keys no tier holds; :class:`AbsentKeys`):
+            misses it knows get the default vector without a database read.
     """
 
     def __init__(
@@ -61,7 +63,9 @@ class CacheFill:
         hit_rate_threshold: float,
         exact: bool,
         device: torch.device,
+        absent: AbsentKeys | None = None,
     ) -> None:
+        self.absent = absent if absent is not None else AbsentKeys(0)
         self.tiers, self.statistics = tiers, statistics
         self.update_lock, self.key_stats = update_lock, key_stats
         self.hit_rate_threshold, self.exact = hit_rate_threshold, exact
@@ -99,14 +103,53 @@ class CacheFill:
         dev = self.device
         k = mkeys.numel()
         is_async = 1.0 - k / max(n_unique, 1) >= self.hit_rate_threshold
-        prio = mcounts
-        if self.key_stats is not None:  # history so far (this request is added after)
-            prio = prio + torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
         if is_async and not self.exact:
+            prio = self._priority(t, mkeys, mcounts)
             mrows = torch.full((k, t.dim), t.default_value, device=dev)
             mk, mp = mkeys.numpy(), prio.to(dev)
             self.submit(t, functools.partial(self._fill_from_db, t, cache, mk, mp, epoch))
             return mrows, torch.full((k,), 3, dtype=torch.int8), is_async
+        generation = self.update_lock.generation  # stable: lookups hold the reader side
+        known = self.absent.known(t.name, mkeys.numpy(), generation)
+        if known is None:
+            mrows, tier = self._read(t, cache, mkeys, mcounts, is_async, epoch, generation)
+            return mrows, tier, is_async
+        # keys no tier holds get the default without a read; the others are read
+        mrows = torch.full((k, t.dim), t.default_value, device=dev)
+        tier = torch.full((k,), 3, dtype=torch.int8)
+        rest = torch.from_numpy(np.flatnonzero(~known))
+        if rest.numel():
+            r_rows, r_tier = self._read(
+                t, cache, mkeys[rest], mcounts[rest], is_async, epoch, generation
+            )
+            mrows[rest.to(dev)] = r_rows
+            tier[rest] = r_tier
+        return mrows, tier, is_async
+
+    def _priority(
+        self, t: SessionTable, mkeys: torch.Tensor, mcounts: torch.Tensor
+    ) -> torch.Tensor:
+        """Admission priority of missed keys: their uses in this request plus the history so
+        far (this request is added to the key statistics after)."""
+        if self.key_stats is None:
+            return mcounts
+        return mcounts + torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
+
+    def _read(
+        self,
+        t: SessionTable,
+        cache: EmbeddingCache,
+        mkeys: torch.Tensor,
+        mcounts: torch.Tensor,
+        is_async: bool,
+        epoch: int,
+        generation: int,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Missed keys read from the databases and cached (now, or in the background when
+        ``is_async``); those no tier holds are recorded in the negative cache.
+        ``(rows (k, dim), tier (k,) int8)``."""
+        dev = self.device
+        prio = self._priority(t, mkeys, mcounts)
         fetched = self.tiers.read(t, mkeys.numpy())
         self.tiers.refuse(t, fetched)
         vals, found, from_pdb = fetched.values, fetched.found, fetched.from_pdb
@@ -114,18 +157,21 @@ class CacheFill:
         fm = torch.from_numpy(found)
         if not found.all():
             mrows[~fm.to(dev)] = t.default_value
+            # every tier answered (refuse passed) and none holds these keys
+            self.absent.add(t.name, mkeys.numpy()[~found], generation)
         tier = torch.from_numpy(np.where(found, np.where(from_pdb, 2, 1), 3).astype(np.int8))
         fm_dev = fm.to(dev)
         fk, fv, fp = mkeys[fm].to(dev), mrows[fm_dev], prio[fm].to(dev)
         if is_async:
             # bound to this cache: a job running after the table's cache was
             # replaced must not write these (by then maybe stale) rows into the new one
-            gen = self.update_lock.generation
-            job = functools.partial(self._insert_if_current, t, cache, fk, fv, fp, gen, epoch)
+            job = functools.partial(
+                self._insert_if_current, t, cache, fk, fv, fp, generation, epoch
+            )
             self.submit(t, job)
         else:
             cache.insert(fk, fv, priority=fp, epoch=epoch)
-        return mrows, tier, is_async
+        return mrows, tier
 
     def submit(self, t: SessionTable, job: Callable[[], None]) -> None:
         """Queue a background job of table ``t``; dropped (and counted) when the queue is full."""

@@ -58,7 +58,7 @@ from hps.rwlock import ReadWriteLock
 from hps.session.fill import CacheFill
 from hps.session.fused import fused_lookup
 from hps.session.table import SessionTable, unique_with_inverse
-from hps.session.tiers import TierReader
+from hps.session.tiers import DEFAULT_MAX_ABSENT_KEYS, AbsentKeys, TierReader
 from hps.session_stats import SessionStats
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache
 from hps.types import Pooling, StorageBackend, TierUnavailableError
@@ -85,6 +85,9 @@ class LookupSession:
             (:mod:`hps.updates.health`; ``None``: none do).
         compiled: let the fused lookups use the compiled kernel when it is built (``False``:
             the pure-torch reference pass, :func:`hps.fused.gather_reference`).
+        max_absent_keys: keys per table the negative cache holds (keys no tier holds, answered
+            with the default vector without a database read until an update may have added
+            them; :class:`~hps.session.tiers.AbsentKeys`); 0 turns it off.
     """
 
     def __init__(
@@ -101,6 +104,7 @@ class LookupSession:
         acquire_timeout_s: float = 60.0,
         update_health: UpdateHealth | None = None,
         compiled: bool = True,
+        max_absent_keys: int = DEFAULT_MAX_ABSENT_KEYS,
     ) -> None:
         if volatile is None and persistent is None:
             raise ValueError("a LookupSession needs a volatile or a persistent database")
@@ -119,6 +123,7 @@ class LookupSession:
         self._stats_epoch: dict[str, tuple[weakref.ref[EmbeddingCache], int]] = {}
         self._aging_lock = threading.Lock()
         self.tiers = TierReader(volatile, persistent, cache_missed_embeddings, self.statistics)
+        self.absent = AbsentKeys(max_absent_keys)
         self.fill = CacheFill(
             self.tiers,
             self.statistics,
@@ -127,6 +132,7 @@ class LookupSession:
             hit_rate_threshold,
             exact,
             self.device,
+            self.absent,
         )
 
     @property
@@ -267,8 +273,23 @@ class LookupSession:
         return fused_lookup(self, tables, keys, modes, out)[0]
 
     def stats(self, table: str | None = None) -> dict[str, object]:
-        """Statistics of one table, or ``{table: stats}`` for all."""
-        return self.statistics.to_dict(None if table is None else self._table(table).name)
+        """Statistics of one table, or ``{table: stats}`` for all; each with
+        ``known_absent`` (the negative cache: keys held, keys answered from it, restarts)."""
+        gen = self.update_lock.generation
+        if table is not None:
+            name = self._table(table).name
+            return {**self.statistics.to_dict(name), "known_absent": self.absent.stats(name, gen)}
+        every = self.statistics.to_dict(None)
+        return {
+            n: {**v, "known_absent": self.absent.stats(n, gen)}  # type: ignore[dict-item]
+            for n, v in every.items()
+        }
+
+    def forget_absent_keys(self, table: str | None = None) -> None:
+        """Empty the negative cache of ``table`` (``None``: every table). Writers that add
+        rows to a tier outside the update lock's writer side call it; online updates need not
+        (their write section makes every absent key stale)."""
+        self.absent.clear(None if table is None else self._table(table).name)
 
     def update_status(self) -> UpdateStatus:
         """The online updates' health with the readiness policy applied (the servers' readiness

@@ -4,6 +4,7 @@ from no tier (:class:`~hps.types.TierUnavailableError`; see :mod:`hps.session.lo
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -15,7 +16,10 @@ from hps.types import StorageBackend, TierUnavailableError, VolatileUnavailableE
 if TYPE_CHECKING:
     from hps.session.table import SessionTable
 
-__all__ = ["Fetched", "TierReader"]
+__all__ = ["DEFAULT_MAX_ABSENT_KEYS", "AbsentKeys", "Fetched", "TierReader"]
+
+#: Keys per table the negative cache holds at most (8 bytes each: 512 KiB per table).
+DEFAULT_MAX_ABSENT_KEYS = 65536
 
 
 @dataclass(frozen=True)
@@ -107,3 +111,84 @@ class TierReader:
             "every row of the table"
         )
         raise TierUnavailableError(t.name, tier, k, fetched.reason, f"; {below}")
+
+
+class AbsentKeys:
+    """The negative cache of one session: per table, keys that no tier holds, so a request
+    that names one again gets the table's default vector without reading the databases.
+
+    A key enters only after a read in which every tier answered and none held it (a key a
+    tier failed to read is never taken as absent). The keys of a table are one sorted array
+    labelled with the update lock's ``generation`` at which they were found absent: any
+    write section since (an online update, which may add rows) makes them stale, so a key
+    added to a tier is never answered with the default once it exists; writers outside the
+    update lock call :meth:`clear`. Bounded: a table past ``max_keys`` starts over from the
+    keys of its latest read. Thread-safe (reads take a reference to an immutable array).
+
+    Args:
+        max_keys: keys per table at most (0: the negative cache is off).
+
+    Raises:
+        ValueError: a negative ``max_keys``.
+    """
+
+    def __init__(self, max_keys: int = DEFAULT_MAX_ABSENT_KEYS) -> None:
+        if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 0:
+            raise ValueError(f"max_absent_keys must be an integer >= 0, got {max_keys!r}")
+        self.max_keys = max_keys
+        self._keys: dict[str, tuple[int, np.ndarray]] = {}  # table → (generation, sorted keys)
+        self._answered: dict[str, int] = {}
+        self._restarts: dict[str, int] = {}
+        self._lock = threading.Lock()
+
+    def known(self, table: str, keys: np.ndarray, generation: int) -> np.ndarray | None:
+        """``(n,) bool``: which of ``keys`` (int64) are known absent at ``generation``
+        (counted as answered), or ``None`` when none is."""
+        entry = self._keys.get(table)
+        if entry is None or entry[0] != generation or not keys.size:
+            return None
+        held = entry[1]
+        pos = np.minimum(np.searchsorted(held, keys), held.size - 1)
+        hit = held[pos] == keys
+        n = int(hit.sum())
+        if not n:
+            return None
+        with self._lock:
+            self._answered[table] = self._answered.get(table, 0) + n
+        return hit
+
+    def add(self, table: str, keys: np.ndarray, generation: int) -> None:
+        """Record ``keys`` (int64) as held by no tier at ``generation``."""
+        if not keys.size or not self.max_keys:
+            return
+        with self._lock:
+            entry = self._keys.get(table)
+            fresh = np.unique(keys)
+            if entry is not None and entry[0] == generation:
+                merged = np.union1d(entry[1], fresh)
+            else:
+                merged = fresh
+            if merged.size > self.max_keys:  # bounded: start over from this read's keys
+                merged = fresh[: self.max_keys]
+                self._restarts[table] = self._restarts.get(table, 0) + 1
+            self._keys[table] = (generation, merged)
+
+    def clear(self, table: str | None = None) -> None:
+        """Forget the absent keys of ``table`` (``None``: of every table)."""
+        with self._lock:
+            if table is None:
+                self._keys.clear()
+            else:
+                self._keys.pop(table, None)
+
+    def stats(self, table: str, generation: int) -> dict[str, int]:
+        """``held``: keys known absent now; ``answered``: keys answered from here so far;
+        ``restarts``: times the table's keys outgrew ``max_keys``."""
+        entry = self._keys.get(table)
+        held = entry[1].size if entry is not None and entry[0] == generation else 0
+        with self._lock:
+            return {
+                "held": int(held),
+                "answered": self._answered.get(table, 0),
+                "restarts": self._restarts.get(table, 0),
+            }

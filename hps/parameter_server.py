@@ -6,9 +6,11 @@ sparse files into them and hands out one :class:`~hps.session.LookupSession` per
 
 Loading: the persistent DB (when writable) gets every row of every table once (a table
 already loaded is not reloaded); the volatile DB gets the first ``initial_cache_rate`` of
-each table's rows; each table's cache gets ``ceil(gpucacheper × rows)`` slots (LFU counters halved every
-``cache_lfu_decay_keys_per_slot`` × slots looked-up keys), warmed up
-from the hottest keys when the caller has statistics (:meth:`LookupSession.warm_up`).
+each table's rows; each table's cache gets ``ceil(gpucacheper × rows)`` slots (LFU counters
+halved every ``cache_lfu_decay_keys_per_slot`` × slots looked-up keys), warmed up from the
+hottest keys when the caller has statistics (:meth:`LookupSession.warm_up`). A CPU cache
+above the in-process hash map is exclusive with it: each row is held by one of the two
+(:mod:`hps.storage.volatile`).
 
 A table's rows in the volatile DB are marked loaded once all are in
 (:meth:`~hps.types.StorageBackend.mark_loaded`): a Redis partition that later loses them (its
@@ -371,6 +373,7 @@ class HierarchicalParameterServer:
                     device=device,
                     lfu_decay_keys_per_slot=model.cache_lfu_decay_keys_per_slot,
                 )
+                self._attach(db.name, cache)
             tables.append(
                 SessionTable(
                     t.name,
@@ -392,6 +395,16 @@ class HierarchicalParameterServer:
             cache_missed_embeddings=self.cfg.volatile_db.cache_missed_embeddings,
             device=device,
         )
+
+    def _attach(self, name: str, cache: EmbeddingCache) -> None:
+        """Make ``cache`` exclusive with the in-process hash map's table ``name`` when both
+        live in host memory, so no row is held twice there (:mod:`hps.storage.volatile`); a
+        table that two models cache is exclusive with the first model's cache (the second
+        holds copies)."""
+        vdb = self.volatile
+        if isinstance(vdb, HashMapBackend) and cache.device.type == "cpu":
+            if vdb.front(name) is None:
+                vdb.attach_cache(name, cache)
 
     def update_applier(self) -> UpdateApplier | None:
         """The applier of ``update_source`` (``None`` for ``type: none``); call ``.poll()`` or

@@ -13,6 +13,8 @@ Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 wa
                                         [14,  0, 0,  0]]
     storage  (num_sets * ways, row_bytes) uint8   row of slot s*ways + w (opaque bytes)
     values   (num_sets * ways, dim) float32       the FP32 view of ``storage``
+    homed    (num_sets * ways,) bool              the slot holds the in-process volatile
+                                                  tier's only copy of its row (see below)
 
 A probe of the compiled path (:mod:`hps.fused`) reads the set's tag line (64 ways = one
 64-byte cache line), then only the key of a way whose tag matches (1 in 255 false matches per
@@ -43,6 +45,19 @@ priority counted at the query's epoch is counted the same way. A counter that re
 stays cached until a new key (priority ≥ 1) wants its slot. Insertions and warm-up never move
 the clock; LRU ignores it.
 
+Exclusive tiers (no row held twice in host RAM). A CPU cache can be attached to the in-process
+hash map below it (:meth:`hps.storage.volatile.HashMapBackend.attach_cache`, a
+:class:`RowHome`): an insertion then *moves* rows up (the hash map drops the rows the cache
+placed; ``homed`` marks the slots whose row the hash map held) and an eviction moves a homed
+row back down, both under the home's lock, which every read of the hash map also holds (so a
+key is always in one of the two for any reader). A row the hash map never held (read from the
+persistent DB) is cached unhomed and dropped on eviction, as without exclusivity::
+
+    hash map {3, 7, 9}   cache {}           insert 7, 9 (read from the hash map)
+    hash map {3}         cache {7*, 9*}     * homed: the hash map's only copy
+    insert 12 (from the persistent DB) into 9's slot: 9 goes back down
+    hash map {3, 9}      cache {7*, 12}
+
 The cache itself is exact (it returns only rows it holds). What a *request* gets for a miss is
 decided by :class:`hps.session.LookupSession` (synchronous fill below the hit-rate threshold,
 default vector + background insertion above it, or the exact mode).
@@ -55,7 +70,9 @@ import math
 import numbers
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
 from hps.storage.host_memory import huge_zeros
@@ -102,6 +119,39 @@ def tag_of(keys: torch.Tensor) -> torch.Tensor:
     """``(n,) int64`` keys → ``(n,) uint8`` tags in ``[1, 255]`` (0 marks an empty slot):
     ``1 + (low 16 bits of mix64(key)) % 255``, bits the set index does not use."""
     return (1 + (_mix(keys) & 0xFFFF) % 255).to(torch.uint8)
+
+
+class RowHome(Protocol):
+    """The in-process volatile tier that an attached cache moves rows out of and back into
+    (:meth:`EmbeddingCache.attach`; implemented by the hash map's table, see the module
+    docstring). Its ``lock`` is held around every move and every read of the tier."""
+
+    lock: threading.Lock
+
+    def take(self, keys: np.ndarray) -> np.ndarray:
+        """Drop the rows of ``keys (n,) int64`` the tier stores; ``(n,) bool``: which it did."""
+        ...
+
+    def put_back(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Store ``rows (n, row_bytes) uint8`` (the cache's bytes) under ``keys (n,) int64``."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """What one insertion did inside the cache: ``placed`` new rows (``keys`` into ``slots``)
+    and the homed rows it evicted (``evicted_keys (e,)``, ``evicted_rows (e, row_bytes)``)."""
+
+    placed: int
+    keys: torch.Tensor
+    slots: torch.Tensor
+    evicted_keys: torch.Tensor
+    evicted_rows: torch.Tensor
+
+    @staticmethod
+    def none(cache: EmbeddingCache) -> _Placed:
+        e = torch.zeros(0, dtype=torch.int64, device=cache.device)
+        return _Placed(0, e, e, e, cache.storage[:0])
 
 
 @dataclass
@@ -190,6 +240,10 @@ class EmbeddingCache:
         #: per slot: the last compiled-path query that hit it (its unique-hit count); see
         #: :meth:`next_mark`
         self.marks = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
+        #: per slot: its row is the attached :class:`RowHome`'s only copy (module docstring)
+        self.homed = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        #: the in-process tier this cache is exclusive with (:meth:`attach`), or ``None``
+        self.home: RowHome | None = None
         self._mark = 0
         self._clock = 1  # LRU: bumped by every query; entries inserted since then carry it
         self.lfu_decay_keys_per_slot = float(per_slot)
@@ -325,6 +379,26 @@ class EmbeddingCache:
         """
         if keys.numel() == 0:
             return 0
+        home = self.home
+        if home is None:
+            return self._insert(keys, values, priority, epoch).placed
+        with home.lock:  # a move: no reader of the home sees a row in neither tier
+            moved = self._insert(keys, values, priority, epoch)
+            held = torch.from_numpy(home.take(moved.keys.cpu().numpy()))
+            with self._lock:
+                self.homed[moved.slots[held.to(self.device)]] = True
+            if moved.evicted_keys.numel():
+                home.put_back(moved.evicted_keys.cpu().numpy(), moved.evicted_rows.cpu().numpy())
+            return moved.placed
+
+    def _insert(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        priority: torch.Tensor | None,
+        epoch: int | None,
+    ) -> _Placed:
+        """:meth:`insert` within this cache: the rows placed, and the homed rows evicted."""
         values = values.to(device=self.device, dtype=torch.float32)
         if priority is None:
             priority = torch.ones(keys.numel(), dtype=torch.int64, device=self.device)
@@ -336,7 +410,7 @@ class EmbeddingCache:
                 self.values[slot[hit]] = values[hit]
             new = ~hit
             if not new.any():
-                return 0
+                return _Placed.none(self)
             keys, values, priority = keys[new], values[new], priority[new].clamp(1, 2**31 - 1)
             s = set_of(keys, self.num_sets)
             # sort by set, then by priority (descending) inside a set
@@ -363,14 +437,18 @@ class EmbeddingCache:
             tgt = (sets[inv_f] * self.ways + way)[ok]
             src = src[ok]
             flat_keys = self.keys.view(-1)
-            self.stats.evicted += int((flat_keys[tgt] != EMPTY_KEY).sum())
+            old = flat_keys[tgt]
+            self.stats.evicted += int((old != EMPTY_KEY).sum())
+            back = self.homed[tgt]  # homed rows evicted: they go back to the home
+            evicted_keys, evicted_rows = old[back], self.storage[tgt[back]]  # copies
             flat_keys[tgt] = keys[src]
             self.tags.view(-1)[tgt] = tag_of(keys[src])
             self.values[tgt] = values[src]
             self.counters.view(-1)[tgt] = incoming[ok]
+            self.homed[tgt] = False
             n = int(tgt.numel())
             self.stats.inserted += n
-            return n
+            return _Placed(n, keys[src], tgt, evicted_keys, evicted_rows)
 
     def update_if_present(self, keys: torch.Tensor, values: torch.Tensor) -> int:
         """Overwrite the cached copies of ``keys`` that are cached; returns how many were."""
@@ -386,12 +464,85 @@ class EmbeddingCache:
         """Drop ``keys`` from the cache; returns how many were cached."""
         if keys.numel() == 0:
             return 0
+        home = self.home
+        if home is None:
+            return self._invalidate(keys)[0]
+        with home.lock:
+            n, back_keys, back_rows = self._invalidate(keys)
+            if back_keys.numel():
+                home.put_back(back_keys.cpu().numpy(), back_rows.cpu().numpy())
+            return n
+
+    def _invalidate(self, keys: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Drop ``keys``; ``(how many were cached, homed keys dropped, their rows)``."""
         with self._lock:
             hit, slot = self._slots(keys)
-            self.keys.view(-1)[slot[hit]] = EMPTY_KEY
-            self.tags.view(-1)[slot[hit]] = 0
-            self.counters.view(-1)[slot[hit]] = -1
-            return int(hit.sum())
+            hs = slot[hit]
+            back = self.homed[hs]
+            back_keys, back_rows = keys[hit][back], self.storage[hs[back]]
+            self.keys.view(-1)[hs] = EMPTY_KEY
+            self.tags.view(-1)[hs] = 0
+            self.counters.view(-1)[hs] = -1
+            self.homed[hs] = False
+            return int(hs.numel()), back_keys, back_rows
+
+    # ------------------------------------------------------------------ exclusive tiers
+    def attach(self, home: RowHome) -> None:
+        """Make this cache exclusive with the in-process tier ``home`` (module docstring):
+        from now on an insertion moves rows out of it and an eviction moves them back.
+
+        Raises:
+            ValueError: the cache is not on the CPU (``home`` is host memory: a device cache
+                does not share its memory), already attached, or not empty (its rows may
+                also be held by ``home``).
+        """
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"only a CPU cache can be exclusive with the in-process hash map, "
+                f"this one is on {self.device}"
+            )
+        with self._lock:
+            if self.home is not None:
+                raise ValueError("this cache is already attached to an in-process tier")
+            held = int((self.keys != EMPTY_KEY).sum())
+            if held:
+                raise ValueError(
+                    f"a cache must be empty to be attached to an in-process tier (holds {held} rows)"
+                )
+            self.home = home
+
+    def peek_homed(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``keys (n,) int64`` this cache holds for its home: ``(rows (n,
+        row_bytes) uint8, hit (n,) bool)`` (rows of the others are garbage). No counter,
+        clock or statistic moves: the home answers for these rows (call with its lock held)."""
+        with self._lock:
+            hit, slot = self._slots(keys)
+            hit &= self.homed[slot]
+            return self.storage.index_select(0, slot), hit
+
+    def update_homed(self, keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Write rows that the home is given (``values (n, dim) float32``) into the slots
+        caching ``keys (n,) int64`` and mark them homed; ``(n,) bool``: which were cached (the
+        home stores the others itself). Call with the home's lock held."""
+        values = values.to(device=self.device, dtype=torch.float32)
+        with self._lock:
+            hit, slot = self._slots(keys)
+            hs = slot[hit]
+            self.values[hs] = values[hit]
+            self.homed[hs] = True
+            return hit
+
+    def unhome(self, keys: torch.Tensor) -> None:
+        """The home dropped ``keys (n,) int64``: their cached rows (if any) stay cached, as
+        copies the home no longer holds. Call with the home's lock held."""
+        with self._lock:
+            hit, slot = self._slots(keys)
+            self.homed[slot[hit]] = False
+
+    def homed_rows(self) -> int:
+        """Rows this cache holds for its home."""
+        with self._lock:
+            return int(self.homed.sum())
 
     # ------------------------------------------------------------------ refresh / inspection
     def cached_keys(self) -> torch.Tensor:
@@ -411,10 +562,11 @@ class EmbeddingCache:
             return k[k != EMPTY_KEY].clone()
 
     def nbytes(self) -> int:
-        """Host or device bytes this cache holds: rows, keys, counters, tags and marks."""
+        """Host or device bytes this cache holds: rows, keys, counters, tags, marks and homed
+        flags."""
         return sum(
             t.numel() * t.element_size()
-            for t in (self.storage, self.keys, self.counters, self.tags, self.marks)
+            for t in (self.storage, self.keys, self.counters, self.tags, self.marks, self.homed)
         )
 
     def __len__(self) -> int:

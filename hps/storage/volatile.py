@@ -1,8 +1,10 @@
 """The in-process volatile database: a partitioned, vectorised hash map of embedding rows.
 
 Each table is split into ``num_partitions`` partitions by ``mix64(key) % num_partitions``.
-A partition keeps a sorted key index and a pool of row slots (rows are bytes, ``row_bytes``
-each: ``4 × dim`` for FP32)::
+A partition keeps a sorted key index and a pool of row slots (rows are bytes in the table's
+row format, :class:`~hps.storage.row_codec.RowCodec`: ``row_bytes`` each, 512 for FP32 and
+132 for INT8 at dim 128; ``lookup`` dequantizes, ``insert`` quantizes, ``lookup_rows`` /
+``insert_rows`` move the bytes as they are)::
 
     keys   = [ 3,  7, 42]      sorted, (m,) int64          lookup = np.searchsorted(keys, q)
     slots  = [ 1,  0,  2]      row slot of each key         insert = np.insert at those positions
@@ -38,7 +40,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from hps.rowformat import RowDtype
 from hps.storage.cache import EmbeddingCache
+from hps.storage.row_codec import RowCodec
 from hps.types import OverflowPolicy, StorageBackend, check_keys, check_values, mix64
 
 log = logging.getLogger(__name__)
@@ -140,7 +144,7 @@ class _Partition:
 class _Table:
     """One table of the map: its partitions and, when exclusive, the cache above it."""
 
-    dim: int
+    codec: RowCodec
     parts: list[_Partition]
     lock: threading.Lock = field(default_factory=threading.Lock)  # moves and reads (cache)
     front: EmbeddingCache | None = None
@@ -199,18 +203,31 @@ class HashMapBackend(StorageBackend):
         self._lock = threading.Lock()
         self.evicted = 0  # rows evicted by overflow handling, all tables
 
-    def create_table(self, table: str, dim: int) -> None:
+    def create_table(self, table: str, dim: int, row_format: RowDtype = RowDtype.FP32) -> None:
+        """Declare ``table`` with rows of ``dim`` values stored as ``row_format``.
+
+        Raises:
+            ValueError: the table exists with another dim or row format, or ``dim`` does not
+                pack into ``row_format`` (naming the table).
+        """
+        codec = RowCodec(dim, RowDtype(row_format), f"volatile db table {table!r}")
         with self._lock:
             if table in self._tables:
-                if self._tables[table].dim != dim:
+                had = self._tables[table].codec
+                if (had.dim, had.dtype) != (dim, codec.dtype):
                     raise ValueError(
-                        f"table {table!r} exists with dim {self._tables[table].dim}, not {dim}"
+                        f"table {table!r} exists with dim {had.dim}, not {dim} "
+                        f"({had.dtype.value} rows, not {codec.dtype.value})"
                     )
                 return
             uses = self.overflow_policy is OverflowPolicy.EVICT_LEAST_USED
             stamps = self.overflow_policy is OverflowPolicy.EVICT_OLDEST
-            parts = [_Partition(4 * dim, uses, stamps) for _ in range(self.num_partitions)]
-            self._tables[table] = _Table(dim, parts)
+            parts = [_Partition(codec.row_bytes, uses, stamps) for _ in range(self.num_partitions)]
+            self._tables[table] = _Table(codec, parts)
+
+    def row_format(self, table: str) -> RowDtype:
+        """How ``table``'s rows are stored."""
+        return self._table(table).codec.dtype
 
     def _table(self, table: str) -> _Table:
         try:
@@ -229,8 +246,11 @@ class HashMapBackend(StorageBackend):
                 one, or a cache :meth:`EmbeddingCache.attach` refuses.
         """
         t = self._table(table)
-        if cache.dim != t.dim:
-            raise ValueError(f"table {table!r} has dim {t.dim}, the cache {cache.dim}")
+        if (cache.dim, cache.row_format) != (t.codec.dim, t.codec.dtype):
+            raise ValueError(
+                f"table {table!r} has dim {t.codec.dim} ({t.codec.dtype.value} rows), the cache "
+                f"{cache.dim} ({cache.row_format.value} rows)"
+            )
         with t.lock:
             if t.front is not None:
                 raise ValueError(f"table {table!r} of the volatile db already has a cache attached")
@@ -242,6 +262,14 @@ class HashMapBackend(StorageBackend):
         return self._table(table).front
 
     def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(values (n, dim) float32, found (n,) bool)``, dequantized; zeros where not found."""
+        t = self._table(table)
+        rows, found = self.lookup_rows(table, keys)
+        return t.codec.decode(rows), found
+
+    def lookup_rows(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``(rows (n, row_bytes) uint8, found (n,) bool)``: the stored bytes; zeros where not
+        found (an attached cache's rows included)."""
         keys = check_keys(keys)
         t = self._table(table)
         if t.front is None:
@@ -252,38 +280,52 @@ class HashMapBackend(StorageBackend):
             if rest.size:
                 rows, hit = t.front.peek_homed(torch.from_numpy(keys[rest]))
                 h = hit.numpy()
-                out.view(np.uint8)[rest[h]] = rows.numpy()[h]
+                out[rest[h]] = rows.numpy()[h]
                 found[rest[h]] = True
         return out, found
 
     def _lookup(self, t: _Table, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        out = np.zeros((keys.size, t.dim), np.float32)
-        raw = out.view(np.uint8)
+        out = np.zeros((keys.size, t.codec.row_bytes), np.uint8)
         found = np.zeros(keys.size, bool)
         now = next(self._clock)
         for p, idx in split_by_partition(keys, self.num_partitions):
             part = t.parts[p]
             with part.lock:
                 hit, slots = part.find(keys[idx])
-                raw[idx[hit]] = part.rows[slots]
+                out[idx[hit]] = part.rows[slots]
                 part.touch(slots, now, read=True)
             found[idx] = hit
         return out, found
 
     def insert(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
-        """Insert or overwrite rows (into the attached cache's slot where it caches the key).
+        """Insert or overwrite rows (quantized to the table's row format; written into the
+        attached cache's slot where it caches the key).
 
         Args:
             keys: ``(n,) int64``, unique within the call.
             values: ``(n, dim) float32``.
 
         Raises:
-            ValueError: for an unknown table, bad shapes, or a key given twice (it would get
-                two rows, and a delete would leave one); nothing is inserted then.
+            ValueError: for an unknown table, bad shapes, a key given twice (it would get
+                two rows, and a delete would leave one), or a row the format cannot hold
+                (:class:`~hps.rowformat.RowFormatError`); nothing is inserted then.
         """
         keys = check_keys(keys)
         t = self._table(table)
-        values = check_values(values, keys.size, t.dim)
+        values = check_values(values, keys.size, t.codec.dim)
+        self.insert_rows(table, keys, t.codec.encode(values))
+
+    def insert_rows(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
+        """:meth:`insert` of stored bytes, ``rows (n, row_bytes) uint8``, kept as they are."""
+        keys = check_keys(keys)
+        t = self._table(table)
+        if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8:
+            raise ValueError(f"volatile db insert into {table!r}: rows must be a uint8 array")
+        if rows.shape != (keys.size, t.codec.row_bytes):
+            raise ValueError(
+                f"volatile db insert into {table!r}: {t.codec.dtype.value} rows of dim "
+                f"{t.codec.dim} are ({keys.size}, {t.codec.row_bytes}) bytes, got {rows.shape}"
+            )
         if keys.size > 1:
             s = np.sort(
                 keys
@@ -295,12 +337,11 @@ class HashMapBackend(StorageBackend):
                     f"{int(s[rep[0]])} occurs more than once ({np.unique(s[rep]).size} repeated key(s) "
                     f"among {keys.size})"
                 )
-        rows = values.view(np.uint8)
         if t.front is None:
             self._store(table, t, keys, rows)
             return
         with t.lock:
-            cached = t.front.update_homed(torch.from_numpy(keys), torch.from_numpy(values))
+            cached = t.front.update_homed(torch.from_numpy(keys), torch.from_numpy(rows))
             rest = ~cached.numpy()
             self._store(table, t, keys[rest], rows[rest])
 

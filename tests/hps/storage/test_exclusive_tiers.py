@@ -165,7 +165,7 @@ def test_attaching_refuses_a_cache_that_could_hold_copies() -> None:
     full.insert(torch.tensor([1]), torch.ones(1, 2))
     with pytest.raises(ValueError, match="must be empty"):
         v.attach_cache("t", full)
-    with pytest.raises(ValueError, match="has dim 2, the cache 3"):
+    with pytest.raises(ValueError, match=r"has dim 2 \(fp32 rows\), the cache 3 \(fp32 rows\)"):
         v.attach_cache("t", EmbeddingCache(8, 3))
     v.attach_cache("t", EmbeddingCache(8, 2))
     with pytest.raises(ValueError, match="already has a cache attached"):

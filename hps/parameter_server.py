@@ -44,10 +44,12 @@ import numpy as np
 import torch
 
 from hps.config import ModelConfig, PSConfig, TableSpec, db_table_names, load_config
+from hps.rowformat import RowFormatError
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import RedisClusterBackend
+from hps.storage.row_codec import RowCodec
 from hps.storage.sparse_files import read_table
 from hps.storage.sparse_source import SparseSource
 from hps.storage.volatile import HashMapBackend
@@ -155,7 +157,7 @@ class HierarchicalParameterServer:
                 self._check_persistent_source(t, load)
                 for db in (self.volatile, self.persistent):
                     if db is not None:
-                        db.create_table(t.name, t.dim)
+                        db.create_table(t.name, t.dim, t.row_format)
                 if load:
                     self._load_table(t.name, t.sparse_file, t.dim)
                 elif t.name not in self.num_rows:
@@ -258,6 +260,12 @@ class HierarchicalParameterServer:
         pdb.drop_table(t.name)
 
     def _load_table(self, name: str, folder: str, dim: int) -> None:
+        try:
+            self._load_rows(name, folder, dim)
+        except RowFormatError as e:  # a row the table's format cannot hold: name the files
+            raise RowFormatError(f"table {name!r}, sparse folder {folder!r}: {e}") from None
+
+    def _load_rows(self, name: str, folder: str, dim: int) -> None:
         if name in self.num_rows:
             return  # shared by two models: loaded once
         keys, vecs = _read_sparse(name, folder, dim)
@@ -289,15 +297,16 @@ class HierarchicalParameterServer:
         n = int(keys.shape[0])
         m = int(round(self.cfg.volatile_db.initial_cache_rate * n))
         complete = True
+        codec = RowCodec(int(vecs.shape[1]), vdb.row_format(name), f"volatile db table {name!r}")
         for s in range(0, m, _LOAD_CHUNK):
             e = min(s + _LOAD_CHUNK, m)
             k = np.ascontiguousarray(keys[s:e], dtype=np.int64)
-            v = np.ascontiguousarray(vecs[s:e], dtype=np.float32)
-            if from_pdb is not None:
-                rows, found = from_pdb.lookup(name, k)
+            v = codec.encode(np.ascontiguousarray(vecs[s:e], dtype=np.float32))
+            if from_pdb is not None:  # its bytes as they are (a quantized row keeps them)
+                rows, found = from_pdb.lookup_rows(name, k)
                 v = np.where(found[:, None], rows, v)
             try:
-                vdb.insert(name, k, v)
+                vdb.insert_rows(name, k, v)
             except VolatileUnavailableError as err:
                 log.error("volatile db: loading %s stopped at row %d of %d: %s", name, s, m, err)
                 complete = False
@@ -372,6 +381,7 @@ class HierarchicalParameterServer:
                     policy=model.cache_policy,
                     device=device,
                     lfu_decay_keys_per_slot=model.cache_lfu_decay_keys_per_slot,
+                    row_format=t.row_format,
                 )
                 self._attach(db.name, cache)
             tables.append(

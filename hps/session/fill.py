@@ -22,6 +22,7 @@ import numpy as np
 import torch
 
 from hps.key_counts import KeyCounts
+from hps.rowformat import RowDtype
 from hps.rwlock import ReadWriteLock
 from hps.session.tiers import TierReader
 from hps.session_stats import SessionStats
@@ -107,10 +108,12 @@ class CacheFill:
             mk, mp = mkeys.numpy(), prio.to(dev)
             self.submit(t, functools.partial(self._fill_from_db, t, cache, mk, mp, epoch))
             return mrows, torch.full((k,), 3, dtype=torch.int8), is_async
-        fetched = self.tiers.read(t, mkeys.numpy())
+        raw = cache.row_format is not RowDtype.FP32  # quantized rows move as their bytes
+        fetched = self.tiers.read(t, mkeys.numpy(), raw)
         self.tiers.refuse(t, fetched)
         vals, found, from_pdb = fetched.values, fetched.found, fetched.from_pdb
-        mrows = torch.from_numpy(vals).to(dev)
+        stored = torch.from_numpy(vals[found]).to(dev) if raw else None
+        mrows = torch.from_numpy(cache.codec.decode(vals) if raw else vals).to(dev)
         fm = torch.from_numpy(found)
         if not found.all():
             mrows[~fm.to(dev)] = t.default_value
@@ -121,10 +124,12 @@ class CacheFill:
             # bound to this cache: a job running after the table's cache was
             # replaced must not write these (by then maybe stale) rows into the new one
             gen = self.update_lock.generation
-            job = functools.partial(self._insert_if_current, t, cache, fk, fv, fp, gen, epoch)
+            job = functools.partial(
+                self._insert_if_current, t, cache, fk, fv, fp, gen, epoch, stored
+            )
             self.submit(t, job)
         else:
-            cache.insert(fk, fv, priority=fp, epoch=epoch)
+            cache.insert(fk, fv, priority=fp, epoch=epoch, rows=stored)
         return mrows, tier, is_async
 
     def submit(self, t: SessionTable, job: Callable[[], None]) -> None:
@@ -160,13 +165,16 @@ class CacheFill:
         was counted at ``cache``'s ``epoch`` (halved for agings since)."""
         self.update_lock.acquire_read()
         try:
-            vals, found = self.tiers.fetch(t, keys)
+            raw = cache.row_format is not RowDtype.FP32  # quantized rows move as their bytes
+            vals, found = self.tiers.fetch(t, keys, raw)
             fm = torch.from_numpy(found)
+            got = torch.from_numpy(vals[found]).to(self.device)
             cache.insert(
                 torch.from_numpy(keys[found]).to(self.device),
-                torch.from_numpy(vals[found]).to(self.device),
+                got,
                 priority=None if priority is None else priority[fm.to(priority.device)],
                 epoch=epoch,
+                rows=got if raw else None,
             )
         finally:
             self.update_lock.release_read()
@@ -180,15 +188,16 @@ class CacheFill:
         priority: torch.Tensor,
         generation: int,
         epoch: int | None = None,
+        rows: torch.Tensor | None = None,
     ) -> None:
-        """Background job: cache rows a lookup read, unless an update was applied since
-        (``priority`` counted at ``cache``'s ``epoch``)."""
+        """Background job: cache rows a lookup read (``rows``: their stored bytes), unless an
+        update was applied since (``priority`` counted at ``cache``'s ``epoch``)."""
         self.update_lock.acquire_read()
         try:
             if self.update_lock.generation != generation:
                 self.statistics.stale_dropped(t.name)
                 return
-            cache.insert(keys, values, priority=priority, epoch=epoch)
+            cache.insert(keys, values, priority=priority, epoch=epoch, rows=rows)
         finally:
             self.update_lock.release_read()
 

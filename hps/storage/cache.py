@@ -506,11 +506,14 @@ class EmbeddingCache:
             self.stats.inserted += n
             return _Placed(n, keys[src], tgt, evicted_keys, evicted_rows)
 
-    def update_if_present(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Overwrite the cached copies of ``keys`` that are cached; returns how many were."""
+    def update_if_present(
+        self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> int:
+        """Overwrite the cached copies of ``keys`` that are cached (``values (n, dim)``
+        float32, or ``rows (n, row_bytes) uint8`` stored as they are); returns how many were."""
         if keys.numel() == 0:
             return 0
-        rows = self.encode(values)
+        rows = self.encode(values) if rows is None else rows.to(self.device)
         with self._lock:
             hit, slot = self._slots(keys)
             self.storage[slot[hit]] = rows[hit]

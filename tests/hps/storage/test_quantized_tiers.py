@@ -44,7 +44,9 @@ def _check_same_rows(backend, name: str, cache: EmbeddingCache, keys, q, dtype) 
 
 def _cache_of(keys: np.ndarray, q: np.ndarray, dtype: RowDtype) -> EmbeddingCache:
     cache = EmbeddingCache(keys.size, DIM, ways=keys.size, row_format=dtype)  # one set
-    assert cache.insert(torch.from_numpy(keys), torch.empty(0), rows=torch.from_numpy(q)) == keys.size
+    assert (
+        cache.insert(torch.from_numpy(keys), torch.empty(0), rows=torch.from_numpy(q)) == keys.size
+    )
     assert torch.equal(cache.storage[cache._slots(torch.from_numpy(keys))[1]], torch.from_numpy(q))
     return cache
 

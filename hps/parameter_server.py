@@ -44,13 +44,13 @@ import numpy as np
 import torch
 
 from hps.config import ModelConfig, PSConfig, TableSpec, db_table_names, load_config
-from hps.rowformat import RowFormatError
+from hps.rowformat import RowDtype, RowFormatError
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import RedisClusterBackend
 from hps.storage.row_codec import RowCodec
-from hps.storage.sparse_files import read_table
+from hps.storage.sparse_files import has_table_rows, read_table, read_table_rows
 from hps.storage.sparse_source import SparseSource
 from hps.storage.volatile import HashMapBackend
 from hps.types import (
@@ -159,7 +159,7 @@ class HierarchicalParameterServer:
                     if db is not None:
                         db.create_table(t.name, t.dim, t.row_format)
                 if load:
-                    self._load_table(t.name, t.sparse_file, t.dim)
+                    self._load_table(t.name, t.sparse_file, t.dim, t.row_format)
                 elif t.name not in self.num_rows:
                     self.num_rows[t.name] = self._known_rows(t.name, t.sparse_file, t.dim)
             self._sessions[model.model] = self._make_session(model)
@@ -196,6 +196,8 @@ class HierarchicalParameterServer:
         if loaded is not None:
             return loaded
         if sparse_file and Path(sparse_file).exists():
+            if has_table_rows(sparse_file):
+                return int((Path(sparse_file) / "key").stat().st_size // 8)
             return int(_read_sparse(table, sparse_file, dim, check_finite=False)[0].shape[0])
         raise ValueError(
             f"table {table!r}: cannot size its cache without its sparse file "
@@ -239,7 +241,10 @@ class HierarchicalParameterServer:
                 f"with the new model. {how}, or stop every server using it and delete "
                 f"{pdb.path!r} (it is loaded from the sparse files on the next start)"
             )
-        read_table(t.sparse_file, t.dim)  # the new files load: only then drop the old rows
+        if has_table_rows(t.sparse_file):  # the new files load: only then drop the old rows
+            read_table_rows(t.sparse_file, t.row_format, t.dim, t.name)
+        else:
+            read_table(t.sparse_file, t.dim)
         if isinstance(self.volatile, RedisClusterBackend):  # it outlives a restart too
             try:
                 self.volatile.clear(t.name)  # first: a failed clear leaves the record in place
@@ -259,16 +264,20 @@ class HierarchicalParameterServer:
         )
         pdb.drop_table(t.name)
 
-    def _load_table(self, name: str, folder: str, dim: int) -> None:
+    def _load_table(self, name: str, folder: str, dim: int, row_format: RowDtype) -> None:
         try:
-            self._load_rows(name, folder, dim)
+            self._load_rows(name, folder, dim, row_format)
         except RowFormatError as e:  # a row the table's format cannot hold: name the files
             raise RowFormatError(f"table {name!r}, sparse folder {folder!r}: {e}") from None
 
-    def _load_rows(self, name: str, folder: str, dim: int) -> None:
+    def _load_rows(self, name: str, folder: str, dim: int, row_format: RowDtype) -> None:
         if name in self.num_rows:
             return  # shared by two models: loaded once
-        keys, vecs = _read_sparse(name, folder, dim)
+        if row_format is not RowDtype.FP32 and has_table_rows(folder):
+            keys, vecs = read_table_rows(folder, row_format, dim, name)  # stored bytes
+        else:  # float32 rows (quantized on their way into the tiers)
+            keys, vecs = _read_sparse(name, folder, dim)
+            vecs = RowCodec(dim, row_format, f"table {name!r}").encode(vecs)
         n = int(keys.shape[0])
         self.num_rows[name] = n
         pdb = self.persistent
@@ -291,17 +300,17 @@ class HierarchicalParameterServer:
         vecs: np.ndarray,
         from_pdb: RocksDBBackend | None,
     ) -> None:
-        """The first ``initial_cache_rate`` of a table's rows into the volatile DB (values from
+        """The first ``initial_cache_rate`` of a table's rows (``vecs (n, row_bytes) uint8``,
+        stored bytes) into the volatile DB (values from
         ``from_pdb`` where it holds them), then its mark (:meth:`StorageBackend.mark_loaded`:
         a load that stopped leaves the table unmarked, so its reads fail, none is guessed)."""
         n = int(keys.shape[0])
         m = int(round(self.cfg.volatile_db.initial_cache_rate * n))
         complete = True
-        codec = RowCodec(int(vecs.shape[1]), vdb.row_format(name), f"volatile db table {name!r}")
         for s in range(0, m, _LOAD_CHUNK):
             e = min(s + _LOAD_CHUNK, m)
             k = np.ascontiguousarray(keys[s:e], dtype=np.int64)
-            v = codec.encode(np.ascontiguousarray(vecs[s:e], dtype=np.float32))
+            v = np.ascontiguousarray(vecs[s:e])  # stored bytes
             if from_pdb is not None:  # its bytes as they are (a quantized row keeps them)
                 rows, found = from_pdb.lookup_rows(name, k)
                 v = np.where(found[:, None], rows, v)

@@ -121,8 +121,10 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--alpha", type=float, default=1.05)
     ap.add_argument("--cache-fraction", type=float, default=0.10, help="of the FP32 table's bytes")
     ap.add_argument("--batch", type=int, default=65_536)
-    ap.add_argument("--warm", type=int, default=20)
-    ap.add_argument("--batches", type=int, default=20)
+    ap.add_argument(
+        "--warm", type=int, default=50, help="batches before counting (fills the cache)"
+    )
+    ap.add_argument("--batches", type=int, default=10, help="batches counted")
     args = ap.parse_args(argv)
     if args.quick:
         args.rows, args.warm, args.batches = 100_000, 5, 5

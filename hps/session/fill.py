@@ -22,7 +22,6 @@ import numpy as np
 import torch
 
 from hps.key_counts import KeyCounts
-from hps.rowformat import RowDtype
 from hps.rwlock import ReadWriteLock
 from hps.session.tiers import TierReader
 from hps.session_stats import SessionStats
@@ -108,7 +107,7 @@ class CacheFill:
             mk, mp = mkeys.numpy(), prio.to(dev)
             self.submit(t, functools.partial(self._fill_from_db, t, cache, mk, mp, epoch))
             return mrows, torch.full((k,), 3, dtype=torch.int8), is_async
-        raw = cache.row_format is not RowDtype.FP32  # quantized rows move as their bytes
+        raw = self.tiers.moves_bytes(t, cache)  # quantized rows move as their bytes
         fetched = self.tiers.read(t, mkeys.numpy(), raw)
         self.tiers.refuse(t, fetched)
         vals, found, from_pdb = fetched.values, fetched.found, fetched.from_pdb
@@ -165,7 +164,7 @@ class CacheFill:
         was counted at ``cache``'s ``epoch`` (halved for agings since)."""
         self.update_lock.acquire_read()
         try:
-            raw = cache.row_format is not RowDtype.FP32  # quantized rows move as their bytes
+            raw = self.tiers.moves_bytes(t, cache)  # quantized rows move as their bytes
             vals, found = self.tiers.fetch(t, keys, raw)
             fm = torch.from_numpy(found)
             got = torch.from_numpy(vals[found]).to(self.device)

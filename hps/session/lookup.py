@@ -54,7 +54,6 @@ import numpy as np
 import torch
 
 from hps.key_counts import KeyCounts
-from hps.rowformat import RowDtype
 from hps.rwlock import ReadWriteLock
 from hps.session.fill import CacheFill
 from hps.session.fused import fused_lookup
@@ -312,7 +311,7 @@ class LookupSession:
         for chunk in k.split(65536):  # insert() keeps input order among equals inside a set
             self.update_lock.acquire_read()  # no update between the read and the insert
             try:
-                raw = t.cache.row_format is not RowDtype.FP32  # quantized: moved as bytes
+                raw = self.tiers.moves_bytes(t, t.cache)  # quantized: moved as bytes
                 vals, found = self.tiers.fetch(t, chunk.numpy(), raw)
                 c = chunk[torch.from_numpy(found)].to(self.device)
                 got = torch.from_numpy(vals[found]).to(self.device)
@@ -332,7 +331,7 @@ class LookupSession:
             return 0
         self.update_lock.acquire_read()  # no update between the read and the write-back
         try:
-            raw = t.cache.row_format is not RowDtype.FP32  # quantized: moved as bytes
+            raw = self.tiers.moves_bytes(t, t.cache)  # quantized: moved as bytes
             vals, found = self.tiers.fetch(t, keys, raw)
             k = torch.from_numpy(keys[found]).to(self.device)
             got = torch.from_numpy(vals[found]).to(self.device)

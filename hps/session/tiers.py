@@ -9,7 +9,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hps.rowformat import RowDtype
 from hps.session_stats import SessionStats
+from hps.storage.cache import EmbeddingCache
 from hps.types import StorageBackend, TierUnavailableError, VolatileUnavailableError
 
 if TYPE_CHECKING:
@@ -49,6 +51,16 @@ class TierReader:
         self.volatile, self.persistent = volatile, persistent
         self.cache_missed_embeddings = cache_missed_embeddings
         self.statistics = statistics
+
+    def moves_bytes(self, t: SessionTable, cache: EmbeddingCache) -> bool:
+        """Whether rows go into ``cache`` as the tiers' stored bytes (``raw`` reads): its rows
+        are quantized and every tier stores ``t`` in the same format (else float32 rows are
+        quantized by the cache)."""
+        fmt = cache.row_format
+        if fmt is RowDtype.FP32:
+            return False
+        dbs = [db for db in (self.volatile, self.persistent) if db is not None]
+        return all(db.row_format(t.db_name) is fmt for db in dbs)
 
     def fetch(
         self, t: SessionTable, keys: np.ndarray, raw: bool = False

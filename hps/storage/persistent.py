@@ -285,17 +285,18 @@ class RocksDBBackend(StorageBackend):
     ) -> None:
         """Load a whole table in chunks of ``chunk`` rows (each chunk one atomic batch), then
         record it as loaded, with ``source`` (JSON: which files the rows came from, see
-        :mod:`hps.storage.sparse_source`; :meth:`loaded_source` returns it)."""
+        :mod:`hps.storage.sparse_source`; :meth:`loaded_source` returns it). ``values`` are
+        ``(n, dim) float32`` (quantized to the table's format) or, ``uint8``, the stored bytes
+        ``(n, row_bytes)`` written as they are."""
         for s in range(0, keys.shape[0], chunk):
-            self.write_batch(
-                [
-                    (
-                        table,
-                        np.ascontiguousarray(keys[s : s + chunk], dtype=np.int64),
-                        np.ascontiguousarray(values[s : s + chunk], dtype=np.float32),
-                    )
-                ]
-            )
+            k = np.ascontiguousarray(keys[s : s + chunk], dtype=np.int64)
+            if values.dtype == np.uint8:
+                self.write_batch(
+                    [], rows_bytes=[(table, k, np.ascontiguousarray(values[s : s + chunk]))]
+                )
+            else:
+                v = np.ascontiguousarray(values[s : s + chunk], dtype=np.float32)
+                self.write_batch([(table, k, v)])
         record = {"rows": int(keys.shape[0]), "source": source}
         self._db.put(f"loaded:{table}".encode(), json.dumps(record).encode())
 

@@ -7,7 +7,7 @@ row format, :class:`~hps.storage.row_codec.RowCodec`: ``row_bytes`` each, 512 fo
 ``insert_rows`` move the bytes as they are)::
 
     keys   = [ 3,  7, 42]      sorted, (m,) int64          lookup = np.searchsorted(keys, q)
-    slots  = [ 1,  0,  2]      row slot of each key         insert = np.insert at those positions
+    slots  = [ 1,  0,  2]      row slot of each key, int32  insert = np.insert at those positions
     rows   = [[row of 7], [row of 3], [row of 42], <free>]  (capacity, row_bytes) uint8
     uses   = [ 5, 1, 2, -]     reads per slot               (evict_least_used only)
     stamp  = [90, 12, 40, -]   clock of the last read/write (evict_oldest only)
@@ -71,11 +71,11 @@ class _Partition:
     def __init__(self, row_bytes: int, uses: bool, stamps: bool) -> None:
         self.lock = threading.Lock()
         self.keys = np.zeros(0, np.int64)
-        self.slots = np.zeros(0, np.int64)
+        self.slots = np.zeros(0, np.int32)  # a partition holds < 2**31 rows
         self.rows = np.zeros((0, row_bytes), np.uint8)
         self.uses = np.zeros(0, np.int64) if uses else None
         self.stamp = np.zeros(0, np.int64) if stamps else None
-        self.free = np.zeros(0, np.int64)  # a stack
+        self.free = np.zeros(0, np.int32)  # a stack
 
     def find(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``(found (k,) bool, slot of each found key (f,) int64)``."""
@@ -97,6 +97,11 @@ class _Partition:
         if self.free.size < n:
             cap = self.rows.shape[0]
             new_cap = max(cap + n - self.free.size, cap + max(cap // 4, _MIN_GROWTH))
+            if new_cap >= 2**31:
+                raise ValueError(
+                    f"a volatile db partition would hold {new_cap} rows, at most {2**31 - 1}: "
+                    "raise num_partitions"
+                )
             grow = new_cap - cap
             self.rows = np.concatenate([self.rows, np.zeros((grow, self.rows.shape[1]), np.uint8)])
             if self.uses is not None:
@@ -104,7 +109,7 @@ class _Partition:
             if self.stamp is not None:
                 self.stamp = np.concatenate([self.stamp, np.zeros(grow, np.int64)])
             self.free = np.concatenate(
-                [np.arange(new_cap - 1, cap - 1, -1, dtype=np.int64), self.free]
+                [np.arange(new_cap - 1, cap - 1, -1, dtype=np.int32), self.free]
             )
         out = self.free[self.free.size - n :]
         self.free = self.free[: self.free.size - n]
@@ -131,8 +136,8 @@ class _Partition:
                 new = np.zeros(capacity, np.int64)
                 new[:live] = old[self.slots]
                 setattr(self, name, new)
-        self.slots = np.arange(live, dtype=np.int64)
-        self.free = np.arange(capacity - 1, live - 1, -1, dtype=np.int64)
+        self.slots = np.arange(live, dtype=np.int32)
+        self.free = np.arange(capacity - 1, live - 1, -1, dtype=np.int32)
 
     def nbytes(self) -> int:
         arrays: list[np.ndarray] = [self.rows, self.free, self.keys, self.slots]

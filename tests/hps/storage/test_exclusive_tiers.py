@@ -61,9 +61,10 @@ def test_every_row_resident_holds_each_row_once_in_at_most_589_bytes() -> None:
     # per slot: the row, key and counter (int64), tag, mark and homed flag (one byte each)
     assert c.nbytes() == c.capacity * (row + 8 + 8 + 1 + 1 + 1)
     parts = v._table("t").parts
-    # per partition: slots (rows + a free-list entry when free), and per row key + slot index
+    # per partition: slots (rows + an int32 free-list entry when free), and per row its int64
+    # key and int32 slot index
     expect = sum(
-        p.rows.shape[0] * row + (p.rows.shape[0] - p.keys.size) * 8 + p.keys.size * 16
+        p.rows.shape[0] * row + (p.rows.shape[0] - p.keys.size) * 4 + p.keys.size * 12
         for p in parts
     )
     assert v.nbytes("t") == expect

@@ -46,9 +46,16 @@ from embark.data.vocabulary import Vocabulary, vocabulary_document
 from embark.types import TableConfig
 from export.onnx import ExportableModel, as_exportable, check_exportable, export_onnx, model_tables
 from hps.artifact_format import ARTIFACT_VERSION, ARTIFACT_VERSION_FIELD
-from hps.config import PSConfig, parse_config
+from hps.config import (
+    ROW_FORMAT_FIELD,
+    ROW_FORMAT_VERSION,
+    ROW_FORMAT_VERSION_FIELD,
+    PSConfig,
+    parse_config,
+)
 from hps.names import check_name, entry, entry_exists, hidden_sibling, remove_entry
-from hps.storage.sparse_files import write_table
+from hps.rowformat import RowDtype, quantize_rows
+from hps.storage.sparse_files import write_table, write_table_rows
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 
 __all__ = ["write_serving_artifacts"]
@@ -66,6 +73,7 @@ def write_serving_artifacts(
     cache_lfu_decay_keys_per_slot: float = DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
     vocabularies: Mapping[str, Vocabulary] | None = None,
     hotness: int | Mapping[str, int] | None = None,
+    row_formats: Mapping[str, RowDtype] | None = None,
 ) -> PSConfig:
     """Write the sparse files, the dense ONNX graph and ``ps.json`` for ``model``.
 
@@ -94,6 +102,11 @@ def write_serving_artifacts(
         hotness: each table's maximum bag size for a TorchRec DLRM, which does not record it
             (``{table: n}`` or one int; :func:`embark.data.max_bag_sizes` infers it from data);
             embark's models carry theirs.
+        row_formats: ``{table: RowDtype}``, how the server stores a table's rows in every
+            tier (FP32 for a table not named). A table in another format is written as its
+            quantized rows (``key`` + ``emb_rows``, :func:`hps.storage.sparse_files.write_table_rows`:
+            FBGEMM's layout, :mod:`hps.rowformat`) and ``ps.json`` records the formats
+            (``tilerec_row_format_per_table`` with ``tilerec_row_format_version``).
 
     Returns:
         the validated :class:`hps.config.PSConfig` read back from the written ``ps.json``.
@@ -126,6 +139,7 @@ def write_serving_artifacts(
         str(cache_policy),  # checked by parse_config, which names the field
         cache_lfu_decay_keys_per_slot,
     )
+    _add_row_formats(doc, [t.name for t in tables], row_formats or {})
     cfg = parse_config(doc, base_dir=out)  # validate before anything is written
     if not overwrite:
         taken = [str(p) for p in _table_entries(out, tables) if entry_exists(p)]
@@ -216,16 +230,45 @@ def _ps_json(
     }
 
 
+def _add_row_formats(
+    doc: dict[str, Any], names: list[str], formats: Mapping[str, RowDtype]
+) -> None:
+    """Record ``formats`` in the model's entry of ``doc`` (nothing when every table is FP32).
+
+    Raises:
+        ValueError: a table name the model does not have, or a value that is no ``RowDtype``.
+    """
+    unknown = sorted(set(formats) - set(names))
+    if unknown:
+        raise ValueError(f"row_formats names tables {unknown} the model lacks; tables: {names}")
+    dtypes = [RowDtype(formats.get(n, RowDtype.FP32)) for n in names]
+    if all(d is RowDtype.FP32 for d in dtypes):
+        return
+    m = doc["models"][0]
+    m[ROW_FORMAT_VERSION_FIELD] = ROW_FORMAT_VERSION
+    m[ROW_FORMAT_FIELD] = [d.value for d in dtypes]
+
+
 def _write_into(folder: Path, model: ExportableModel, doc: dict[str, Any]) -> None:
     """Write every artifact into ``folder``: the dense graph (stamped with its serving
     metadata), one sparse folder per table (keys ``0..rows-1``) and ``ps.json``."""
     export_onnx(model, folder / "dense.onnx", include_embeddings=False)
+    m = doc["models"][0]
+    formats = dict(
+        zip(m["embedding_table_names"], map(RowDtype, m.get(ROW_FORMAT_FIELD, [])), strict=False)
+    )
     for t in model_tables(model):
         weight = model.embeddings[t.name].weight
         if not isinstance(weight, torch.Tensor):
             raise TypeError(f"table {t.name!r}: its weight is a {type(weight).__name__}")
         w = weight.detach().cpu().numpy().astype(np.float32, copy=False)
-        write_table(_inside(folder, ("sparse", t.name)), np.arange(w.shape[0], dtype=np.int64), w)
+        keys = np.arange(w.shape[0], dtype=np.int64)
+        fmt = formats.get(t.name, RowDtype.FP32)
+        if fmt is RowDtype.FP32:
+            write_table(_inside(folder, ("sparse", t.name)), keys, w)
+        else:  # the rows every tier will store, quantized once here
+            q = quantize_rows(torch.from_numpy(w), fmt, f"table {t.name!r}").numpy()
+            write_table_rows(_inside(folder, ("sparse", t.name)), keys, q)
     (folder / "ps.json").write_text(json.dumps(doc, indent=2))
 
 

@@ -111,9 +111,9 @@ class GatherResult:
 
 
 def row_format_of(cache: EmbeddingCache) -> RowDtype:
-    """The layout of ``cache.storage``'s rows: its ``row_format`` where the cache declares one,
-    else FP32 (``4 × dim`` bytes, the cache's ``values`` view)."""
-    return RowDtype(getattr(cache, "row_format", RowDtype.FP32))
+    """The layout of ``cache.storage``'s rows (``cache.row_format``; FP32 rows are the cache's
+    ``values`` view)."""
+    return cache.row_format
 
 
 def cached_rows(cache: EmbeddingCache, slots: torch.Tensor) -> torch.Tensor:

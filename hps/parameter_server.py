@@ -6,9 +6,11 @@ sparse files into them and hands out one :class:`~hps.session.LookupSession` per
 
 Loading: the persistent DB (when writable) gets every row of every table once (a table
 already loaded is not reloaded); the volatile DB gets the first ``initial_cache_rate`` of
-each table's rows; each table's cache gets ``ceil(gpucacheper × rows)`` slots (LFU counters halved every
-``cache_lfu_decay_keys_per_slot`` × slots looked-up keys), warmed up
-from the hottest keys when the caller has statistics (:meth:`LookupSession.warm_up`).
+each table's rows; each table's cache gets ``ceil(gpucacheper × rows)`` slots (LFU counters
+halved every ``cache_lfu_decay_keys_per_slot`` × slots looked-up keys), warmed up from the
+hottest keys when the caller has statistics (:meth:`LookupSession.warm_up`). A CPU cache
+above the in-process hash map is exclusive with it: each row is held by one of the two
+(:mod:`hps.storage.volatile`).
 
 A table's rows in the volatile DB are marked loaded once all are in
 (:meth:`~hps.types.StorageBackend.mark_loaded`): a Redis partition that later loses them (its
@@ -42,11 +44,13 @@ import numpy as np
 import torch
 
 from hps.config import ModelConfig, PSConfig, TableSpec, db_table_names, load_config
+from hps.rowformat import RowDtype, RowFormatError
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import RedisClusterBackend
-from hps.storage.sparse_files import read_table
+from hps.storage.row_codec import RowCodec
+from hps.storage.sparse_files import has_table_rows, read_table, read_table_rows
 from hps.storage.sparse_source import SparseSource
 from hps.storage.volatile import HashMapBackend
 from hps.types import (
@@ -153,9 +157,9 @@ class HierarchicalParameterServer:
                 self._check_persistent_source(t, load)
                 for db in (self.volatile, self.persistent):
                     if db is not None:
-                        db.create_table(t.name, t.dim)
+                        db.create_table(t.name, t.dim, t.row_format)
                 if load:
-                    self._load_table(t.name, t.sparse_file, t.dim)
+                    self._load_table(t.name, t.sparse_file, t.dim, t.row_format)
                 elif t.name not in self.num_rows:
                     self.num_rows[t.name] = self._known_rows(t.name, t.sparse_file, t.dim)
             self._sessions[model.model] = self._make_session(model)
@@ -192,6 +196,8 @@ class HierarchicalParameterServer:
         if loaded is not None:
             return loaded
         if sparse_file and Path(sparse_file).exists():
+            if has_table_rows(sparse_file):
+                return int((Path(sparse_file) / "key").stat().st_size // 8)
             return int(_read_sparse(table, sparse_file, dim, check_finite=False)[0].shape[0])
         raise ValueError(
             f"table {table!r}: cannot size its cache without its sparse file "
@@ -235,7 +241,10 @@ class HierarchicalParameterServer:
                 f"with the new model. {how}, or stop every server using it and delete "
                 f"{pdb.path!r} (it is loaded from the sparse files on the next start)"
             )
-        read_table(t.sparse_file, t.dim)  # the new files load: only then drop the old rows
+        if has_table_rows(t.sparse_file):  # the new files load: only then drop the old rows
+            read_table_rows(t.sparse_file, t.row_format, t.dim, t.name)
+        else:
+            read_table(t.sparse_file, t.dim)
         if isinstance(self.volatile, RedisClusterBackend):  # it outlives a restart too
             try:
                 self.volatile.clear(t.name)  # first: a failed clear leaves the record in place
@@ -255,10 +264,20 @@ class HierarchicalParameterServer:
         )
         pdb.drop_table(t.name)
 
-    def _load_table(self, name: str, folder: str, dim: int) -> None:
+    def _load_table(self, name: str, folder: str, dim: int, row_format: RowDtype) -> None:
+        try:
+            self._load_rows(name, folder, dim, row_format)
+        except RowFormatError as e:  # a row the table's format cannot hold: name the files
+            raise RowFormatError(f"table {name!r}, sparse folder {folder!r}: {e}") from None
+
+    def _load_rows(self, name: str, folder: str, dim: int, row_format: RowDtype) -> None:
         if name in self.num_rows:
             return  # shared by two models: loaded once
-        keys, vecs = _read_sparse(name, folder, dim)
+        if row_format is not RowDtype.FP32 and has_table_rows(folder):
+            keys, vecs = read_table_rows(folder, row_format, dim, name)  # stored bytes
+        else:  # float32 rows (quantized on their way into the tiers)
+            keys, vecs = _read_sparse(name, folder, dim)
+            vecs = RowCodec(dim, row_format, f"table {name!r}").encode(vecs)
         n = int(keys.shape[0])
         self.num_rows[name] = n
         pdb = self.persistent
@@ -281,7 +300,8 @@ class HierarchicalParameterServer:
         vecs: np.ndarray,
         from_pdb: RocksDBBackend | None,
     ) -> None:
-        """The first ``initial_cache_rate`` of a table's rows into the volatile DB (values from
+        """The first ``initial_cache_rate`` of a table's rows (``vecs (n, row_bytes) uint8``,
+        stored bytes) into the volatile DB (values from
         ``from_pdb`` where it holds them), then its mark (:meth:`StorageBackend.mark_loaded`:
         a load that stopped leaves the table unmarked, so its reads fail, none is guessed)."""
         n = int(keys.shape[0])
@@ -290,12 +310,12 @@ class HierarchicalParameterServer:
         for s in range(0, m, _LOAD_CHUNK):
             e = min(s + _LOAD_CHUNK, m)
             k = np.ascontiguousarray(keys[s:e], dtype=np.int64)
-            v = np.ascontiguousarray(vecs[s:e], dtype=np.float32)
-            if from_pdb is not None:
-                rows, found = from_pdb.lookup(name, k)
+            v = np.ascontiguousarray(vecs[s:e])  # stored bytes
+            if from_pdb is not None:  # its bytes as they are (a quantized row keeps them)
+                rows, found = from_pdb.lookup_rows(name, k)
                 v = np.where(found[:, None], rows, v)
             try:
-                vdb.insert(name, k, v)
+                vdb.insert_rows(name, k, v)
             except VolatileUnavailableError as err:
                 log.error("volatile db: loading %s stopped at row %d of %d: %s", name, s, m, err)
                 complete = False
@@ -370,7 +390,9 @@ class HierarchicalParameterServer:
                     policy=model.cache_policy,
                     device=device,
                     lfu_decay_keys_per_slot=model.cache_lfu_decay_keys_per_slot,
+                    row_format=t.row_format,
                 )
+                self._attach(db.name, cache)
             tables.append(
                 SessionTable(
                     t.name,
@@ -392,6 +414,16 @@ class HierarchicalParameterServer:
             cache_missed_embeddings=self.cfg.volatile_db.cache_missed_embeddings,
             device=device,
         )
+
+    def _attach(self, name: str, cache: EmbeddingCache) -> None:
+        """Make ``cache`` exclusive with the in-process hash map's table ``name`` when both
+        live in host memory, so no row is held twice there (:mod:`hps.storage.volatile`); a
+        table that two models cache is exclusive with the first model's cache (the second
+        holds copies)."""
+        vdb = self.volatile
+        if isinstance(vdb, HashMapBackend) and cache.device.type == "cpu":
+            if vdb.front(name) is None:
+                vdb.attach_cache(name, cache)
 
     def update_applier(self) -> UpdateApplier | None:
         """The applier of ``update_source`` (``None`` for ``type: none``); call ``.poll()`` or

@@ -3,7 +3,9 @@
 Only enums, the backend protocol, small records and the error types shared across the package
 live here; the tiers live in :mod:`hps.storage`.
 
-Keys are ``int64`` (HugeCTR's ``supportlonglong: true``); rows are ``float32``. Backends work on
+Keys are ``int64`` (HugeCTR's ``supportlonglong: true``); rows are ``float32`` at the interface
+(``lookup`` / ``read`` / ``insert``) and stored in the table's row format (``lookup_rows`` /
+``read_rows`` / ``insert_rows`` move those bytes as they are). Backends work on
 numpy arrays (zero-copy to and from CPU torch tensors) because the lower tiers talk to bytes
 (Redis, RocksDB) or to numpy hash maps.
 """
@@ -15,6 +17,8 @@ from dataclasses import dataclass
 from enum import StrEnum
 
 import numpy as np
+
+from hps.rowformat import RowDtype
 
 
 class VolatileDBType(StrEnum):
@@ -121,8 +125,9 @@ class StorageBackend(ABC):
     name: str = "backend"
 
     @abstractmethod
-    def create_table(self, table: str, dim: int) -> None:
-        """Declare ``table`` with rows of ``dim`` floats (idempotent for the same dim)."""
+    def create_table(self, table: str, dim: int, row_format: RowDtype = RowDtype.FP32) -> None:
+        """Declare ``table`` with rows of ``dim`` values stored as ``row_format`` (idempotent
+        for the same dim and format; another format than the stored one is a ``ValueError``)."""
 
     @abstractmethod
     def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -140,6 +145,28 @@ class StorageBackend(ABC):
         """
         values, found = self.lookup(table, keys)
         return TierRead(values, found, np.zeros(found.shape, bool))
+
+    def row_format(self, table: str) -> RowDtype:
+        """How ``table``'s rows are stored (:mod:`hps.rowformat`); FP32 unless the backend
+        stores another format."""
+        return RowDtype.FP32
+
+    def lookup_rows(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`lookup` of the stored bytes: ``(rows (n, row_bytes) uint8, found (n,) bool)``
+        (a backend storing FP32 rows: their float32 bytes). Rows move between tiers as these
+        bytes, so a quantized row is the same bytes in every tier."""
+        values, found = self.lookup(table, keys)
+        return np.ascontiguousarray(values, np.float32).view(np.uint8), found
+
+    def read_rows(self, table: str, keys: np.ndarray) -> TierRead:
+        """:meth:`read` of the stored bytes (``values (n, row_bytes) uint8``); a backend that
+        can fail overrides it as it does :meth:`read`."""
+        rows, found = self.lookup_rows(table, keys)
+        return TierRead(rows, found, np.zeros(found.shape, bool))
+
+    def insert_rows(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
+        """:meth:`insert` of stored bytes, ``rows (n, row_bytes) uint8``, kept as they are."""
+        self.insert(table, keys, np.ascontiguousarray(rows).view(np.float32))
 
     def mark_loaded(self, table: str, partitions: list[int] | None = None) -> None:  # noqa: B027
         """Record that every row meant for ``table`` (or for its ``partitions``) was written.

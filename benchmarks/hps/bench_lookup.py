@@ -281,6 +281,7 @@ def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     for s in range(0, n_rows, 1 << 16):
         v.insert("t", keys[s : s + (1 << 16)], w[s : s + (1 << 16)].numpy())
     c = EmbeddingCache(n_rows, DIM, policy="lfu")
+    v.attach_cache("t", c)  # exclusive tiers, as the parameter server wires them
     s = LookupSession([SessionTable("t", DIM, 0.0, 1 << 20, c)], v, None, hit_rate_threshold=1.0)
     s.warm_up("t", keys)
     held = len(c)
@@ -291,6 +292,7 @@ def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
             "rows": n_rows,
             "row_bytes": 4 * DIM,
             "cache_rows": held,
+            "volatile_rows": v.stored_rows("t"),
             "volatile_bytes_per_row": vb / n_rows,
             "cache_bytes_per_row": cb / n_rows,
             "total_bytes_per_row": (vb + cb) / n_rows,

@@ -30,6 +30,9 @@ from hps.config.fields import (
 )
 from hps.config.schema import (
     MAX_BATCH_SIZE,
+    ROW_FORMAT_FIELD,
+    ROW_FORMAT_VERSION,
+    ROW_FORMAT_VERSION_FIELD,
     ModelConfig,
     PersistentDBConfig,
     PSConfig,
@@ -38,6 +41,7 @@ from hps.config.schema import (
 )
 from hps.config.sections import BATCH_RANGE, known_fields, parse_pdb, parse_updates, parse_vdb
 from hps.names import NAME_RULE, is_name
+from hps.rowformat import RowDtype
 from hps.types import (
     DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
     CachePolicy,
@@ -110,6 +114,8 @@ _MODEL_FIELDS = {
     "deployed_device_list",
     "device",
     "network_file",
+    ROW_FORMAT_FIELD,
+    ROW_FORMAT_VERSION_FIELD,
 }
 
 
@@ -166,9 +172,35 @@ def _parse_tables(
         p.read(resolve_path, files[i], base, f"{where}.sparse_files[{i}]", fallback="")
         for i in range(n)
     ]
-    if not (len(names) == len(dims) == len(hot) == n):
+    formats = _row_formats(d, where, n, p)
+    if not (len(names) == len(dims) == len(hot) == len(formats) == n):
         return ()
-    return tuple(TableSpec(names[i], paths[i], dims[i], hot[i], defaults[i]) for i in range(n))
+    return tuple(
+        TableSpec(names[i], paths[i], dims[i], hot[i], defaults[i], formats[i]) for i in range(n)
+    )
+
+
+def _is_row_dtype(x: str) -> bool:
+    return x in RowDtype._value2member_map_
+
+
+def _row_formats(d: dict[str, Any], where: str, n: int, p: Problems) -> list[RowDtype]:
+    """``tilerec_row_format_per_table`` (FP32 for every table when absent), which needs
+    ``tilerec_row_format_version`` :data:`ROW_FORMAT_VERSION` (the layout it was written in)."""
+    if ROW_FORMAT_FIELD not in d:
+        return [RowDtype.FP32] * n
+    names: list[str] = p.read(
+        list_field, d, ROW_FORMAT_FIELD, where, str, n, ok=_is_row_dtype,
+        expected=f"one of {[x.value for x in RowDtype]}", fallback=[],
+    )  # fmt: skip
+    version = p.read(field, d, ROW_FORMAT_VERSION_FIELD, where, int, None, fallback=None)
+    if version != ROW_FORMAT_VERSION:
+        has = "is missing" if version is None else f"is {version}"
+        p.add(
+            f"{where}.{ROW_FORMAT_VERSION_FIELD} {has}; {ROW_FORMAT_FIELD} is read in row "
+            f"layout version {ROW_FORMAT_VERSION} only (hps.rowformat)"
+        )
+    return [RowDtype(x) for x in names] if len(names) == n else []
 
 
 def _fraction(d: dict[str, Any], key: str, where: str, default: float, p: Problems) -> float:

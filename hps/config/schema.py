@@ -97,6 +97,7 @@ from pathlib import Path
 from typing import Any
 
 from hps.artifact_format import ARTIFACT_VERSION_FIELD
+from hps.rowformat import RowDtype
 from hps.types import (
     DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
     CachePolicy,
@@ -106,13 +107,19 @@ from hps.types import (
     VolatileDBType,
 )
 
+#: A model's per-table row formats (ours; HugeCTR's parser ignores fields it does not know):
+#: ``"tilerec_row_format_per_table": ["int8", "fp32"]`` (:class:`hps.rowformat.RowDtype`
+#: values), with ``"tilerec_row_format_version": 1``, the layout version: version 1 is
+#: :mod:`hps.rowformat`'s (FBGEMM's: float16 scale and bias first, then the packed values).
+ROW_FORMAT_FIELD = "tilerec_row_format_per_table"
+ROW_FORMAT_VERSION_FIELD = "tilerec_row_format_version"
+ROW_FORMAT_VERSION = 1
+
 #: HugeCTR's default for ``overflow_margin`` is "unbounded"; ours is a large finite row count.
 DEFAULT_OVERFLOW_MARGIN = 2**40  # rows
 
-#: Most ``volatile_db.num_partitions``. Each hash-map partition starts with room for 1,024 rows
-#: (``hps.storage.volatile``): 1,024 partitions of a dim-128 table start at 0.55 GB, and
-#: partitions only spread locks and Redis hash slots, which a few dozen already do (HugeCTR's
-#: default is 16).
+#: Most ``volatile_db.num_partitions``: partitions only spread locks and Redis hash slots,
+#: which a few dozen already do (HugeCTR's default is 16).
 MAX_PARTITIONS = 1024
 
 #: Most ``max_batch_size`` of a model (samples per request) and of a database (keys per Redis
@@ -131,6 +138,9 @@ class TableSpec:
     dim: int
     max_query_per_sample: int
     default_value: float = 0.0
+    #: how every tier stores the rows (``tilerec_row_format_per_table``; the sparse files
+    #: hold float32 rows, quantized on load)
+    row_format: RowDtype = RowDtype.FP32
 
 
 @dataclass(frozen=True)
@@ -237,7 +247,7 @@ def _same_rows(a: TableSpec, b: TableSpec) -> bool:
     """Whether two tables name the same rows: the same sparse folder and row width."""
     fa = Path(a.sparse_file).resolve() if a.sparse_file else ""
     fb = Path(b.sparse_file).resolve() if b.sparse_file else ""
-    return fa == fb and a.dim == b.dim
+    return fa == fb and a.dim == b.dim and a.row_format is b.row_format
 
 
 def db_table_names(models: tuple[ModelConfig, ...]) -> dict[tuple[str, str], str]:
@@ -300,6 +310,9 @@ class PSConfig:
                 t.max_query_per_sample for t in m.tables
             ]
             d["default_value_for_each_table"] = [t.default_value for t in m.tables]
+            if any(t.row_format is not RowDtype.FP32 for t in m.tables):
+                d[ROW_FORMAT_VERSION_FIELD] = ROW_FORMAT_VERSION
+                d[ROW_FORMAT_FIELD] = [t.row_format.value for t in m.tables]
             models.append(d)
 
         def enums(d: dict[str, Any]) -> dict[str, Any]:

@@ -150,10 +150,12 @@ class CacheFill:
         ``(rows (k, dim), tier (k,) int8)``."""
         dev = self.device
         prio = self._priority(t, mkeys, mcounts)
-        fetched = self.tiers.read(t, mkeys.numpy())
+        raw = self.tiers.moves_bytes(t, cache)  # quantized rows move as their bytes
+        fetched = self.tiers.read(t, mkeys.numpy(), raw)
         self.tiers.refuse(t, fetched)
         vals, found, from_pdb = fetched.values, fetched.found, fetched.from_pdb
-        mrows = torch.from_numpy(vals).to(dev)
+        stored = torch.from_numpy(vals[found]).to(dev) if raw else None
+        mrows = torch.from_numpy(cache.codec.decode(vals) if raw else vals).to(dev)
         fm = torch.from_numpy(found)
         if not found.all():
             mrows[~fm.to(dev)] = t.default_value
@@ -166,11 +168,11 @@ class CacheFill:
             # bound to this cache: a job running after the table's cache was
             # replaced must not write these (by then maybe stale) rows into the new one
             job = functools.partial(
-                self._insert_if_current, t, cache, fk, fv, fp, generation, epoch
+                self._insert_if_current, t, cache, fk, fv, fp, generation, epoch, stored
             )
             self.submit(t, job)
         else:
-            cache.insert(fk, fv, priority=fp, epoch=epoch)
+            cache.insert(fk, fv, priority=fp, epoch=epoch, rows=stored)
         return mrows, tier
 
     def submit(self, t: SessionTable, job: Callable[[], None]) -> None:
@@ -206,13 +208,16 @@ class CacheFill:
         was counted at ``cache``'s ``epoch`` (halved for agings since)."""
         self.update_lock.acquire_read()
         try:
-            vals, found = self.tiers.fetch(t, keys)
+            raw = self.tiers.moves_bytes(t, cache)  # quantized rows move as their bytes
+            vals, found = self.tiers.fetch(t, keys, raw)
             fm = torch.from_numpy(found)
+            got = torch.from_numpy(vals[found]).to(self.device)
             cache.insert(
                 torch.from_numpy(keys[found]).to(self.device),
-                torch.from_numpy(vals[found]).to(self.device),
+                got,
                 priority=None if priority is None else priority[fm.to(priority.device)],
                 epoch=epoch,
+                rows=got if raw else None,
             )
         finally:
             self.update_lock.release_read()
@@ -226,15 +231,16 @@ class CacheFill:
         priority: torch.Tensor,
         generation: int,
         epoch: int | None = None,
+        rows: torch.Tensor | None = None,
     ) -> None:
-        """Background job: cache rows a lookup read, unless an update was applied since
-        (``priority`` counted at ``cache``'s ``epoch``)."""
+        """Background job: cache rows a lookup read (``rows``: their stored bytes), unless an
+        update was applied since (``priority`` counted at ``cache``'s ``epoch``)."""
         self.update_lock.acquire_read()
         try:
             if self.update_lock.generation != generation:
                 self.statistics.stale_dropped(t.name)
                 return
-            cache.insert(keys, values, priority=priority, epoch=epoch)
+            cache.insert(keys, values, priority=priority, epoch=epoch, rows=rows)
         finally:
             self.update_lock.release_read()
 

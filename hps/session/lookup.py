@@ -333,9 +333,11 @@ class LookupSession:
         for chunk in k.split(65536):  # insert() keeps input order among equals inside a set
             self.update_lock.acquire_read()  # no update between the read and the insert
             try:
-                vals, found = self.tiers.fetch(t, chunk.numpy())
+                raw = self.tiers.moves_bytes(t, t.cache)  # quantized: moved as bytes
+                vals, found = self.tiers.fetch(t, chunk.numpy(), raw)
                 c = chunk[torch.from_numpy(found)].to(self.device)
-                placed += t.cache.insert(c, torch.from_numpy(vals[found]).to(self.device))
+                got = torch.from_numpy(vals[found]).to(self.device)
+                placed += t.cache.insert(c, got, rows=got if raw else None)
             finally:
                 self.update_lock.release_read()
         return placed
@@ -351,9 +353,11 @@ class LookupSession:
             return 0
         self.update_lock.acquire_read()  # no update between the read and the write-back
         try:
-            vals, found = self.tiers.fetch(t, keys)
+            raw = self.tiers.moves_bytes(t, t.cache)  # quantized: moved as bytes
+            vals, found = self.tiers.fetch(t, keys, raw)
             k = torch.from_numpy(keys[found]).to(self.device)
-            return t.cache.update_if_present(k, torch.from_numpy(vals[found]).to(self.device))
+            got = torch.from_numpy(vals[found]).to(self.device)
+            return t.cache.update_if_present(k, got, rows=got if raw else None)
         finally:
             self.update_lock.release_read()
 

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 
+from hps.rowformat import RowDtype
 from hps.session_stats import SessionStats
+from hps.storage.cache import EmbeddingCache
 from hps.types import StorageBackend, TierUnavailableError, VolatileUnavailableError
 
 if TYPE_CHECKING:
@@ -26,7 +28,7 @@ DEFAULT_MAX_ABSENT_KEYS = 65536
 class Fetched:
     """What the databases gave for ``n`` keys (:meth:`TierReader.read`)."""
 
-    values: np.ndarray  # (n, dim) float32; zeros where not found
+    values: np.ndarray  # (n, dim) float32, or (n, row_bytes) uint8 stored bytes (raw reads)
     found: np.ndarray  # (n,) bool
     from_pdb: np.ndarray  # (n,) bool: found in the persistent DB
     unreadable: np.ndarray  # (n,) bool: may exist, but no tier could read it
@@ -54,16 +56,30 @@ class TierReader:
         self.cache_missed_embeddings = cache_missed_embeddings
         self.statistics = statistics
 
-    def fetch(self, t: SessionTable, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """Volatile then persistent DB; ``(values (n, dim), found (n,) bool)``. Keys no tier
-        could read are not found (for cache fills, which then skip them)."""
-        f = self.read(t, keys)
+    def moves_bytes(self, t: SessionTable, cache: EmbeddingCache) -> bool:
+        """Whether rows go into ``cache`` as the tiers' stored bytes (``raw`` reads): its rows
+        are quantized and every tier stores ``t`` in the same format (else float32 rows are
+        quantized by the cache)."""
+        fmt = cache.row_format
+        if fmt is RowDtype.FP32:
+            return False
+        dbs = [db for db in (self.volatile, self.persistent) if db is not None]
+        return all(db.row_format(t.db_name) is fmt for db in dbs)
+
+    def fetch(
+        self, t: SessionTable, keys: np.ndarray, raw: bool = False
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """Volatile then persistent DB; ``(values (n, dim), found (n,) bool)`` (``raw``: the
+        stored bytes, ``(n, row_bytes) uint8``). Keys no tier could read are not found (for
+        cache fills, which then skip them)."""
+        f = self.read(t, keys, raw)
         return f.values, f.found
 
-    def read(self, t: SessionTable, keys: np.ndarray) -> Fetched:
+    def read(self, t: SessionTable, keys: np.ndarray, raw: bool = False) -> Fetched:
         """Volatile then persistent DB: the rows, where each was found, and the keys no tier
         could read (failed in the volatile DB and absent from a persistent DB that does not
-        hold every row)."""
+        hold every row). ``raw``: the rows as the tiers store them (``(n, row_bytes) uint8``,
+        for a cache of quantized rows: a row keeps its bytes from tier to tier)."""
         n = keys.size
         vals: np.ndarray | None = None
         found = np.zeros(n, bool)
@@ -72,14 +88,14 @@ class TierReader:
         reason = ""
         rest = np.arange(n)
         if self.volatile is not None and n:
-            r = self.volatile.read(t.db_name, keys)  # zeros where not found
+            r = (self.volatile.read_rows if raw else self.volatile.read)(t.db_name, keys)
             vals, found, failed, reason = r.values, r.found, r.failed, r.reason
             rest = np.flatnonzero(~found)
             if failed.any():
                 self.statistics.tier_failed(t.name, int(failed.sum()))
         if self.persistent is not None and rest.size:
             sub = keys if rest.size == n else keys[rest]
-            v, f = self.persistent.lookup(t.db_name, sub)
+            v, f = (self.persistent.lookup_rows if raw else self.persistent.lookup)(t.db_name, sub)
             if vals is None or rest.size == n:
                 vals, found, from_pdb = v, f, f.copy()
             else:
@@ -91,7 +107,9 @@ class TierReader:
                 failed[:] = False  # its "not found" is an answer for every key
             if self.volatile is not None and self.cache_missed_embeddings and f.any():
                 try:
-                    self.volatile.insert(t.db_name, sub[f], v[f])
+                    (self.volatile.insert_rows if raw else self.volatile.insert)(
+                        t.db_name, sub[f], v[f]
+                    )
                 except VolatileUnavailableError:  # an optional copy of the persistent db's rows
                     pass
         if vals is None:

@@ -11,8 +11,10 @@ Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 wa
                                         [41, -1, -1, -1]]     LFU: number of uses (aged)
     tags     (num_sets, ways) uint8    [[ 9, 201, 0, 77],     tag_of(key); 0 = empty
                                         [14,  0, 0,  0]]
-    storage  (num_sets * ways, row_bytes) uint8   row of slot s*ways + w (opaque bytes)
-    values   (num_sets * ways, dim) float32       the FP32 view of ``storage``
+    storage  (num_sets * ways, row_bytes) uint8   row of slot s*ways + w, in ``row_format``
+    values   (num_sets * ways, dim) float32       the FP32 view of ``storage`` (FP32 rows only)
+    homed    (num_sets * ways,) bool              the slot holds the in-process volatile
+                                                  tier's only copy of its row (see below)
 
 A probe of the compiled path (:mod:`hps.fused`) reads the set's tag line (64 ways = one
 64-byte cache line), then only the key of a way whose tag matches (1 in 255 false matches per
@@ -43,6 +45,26 @@ priority counted at the query's epoch is counted the same way. A counter that re
 stays cached until a new key (priority ≥ 1) wants its slot. Insertions and warm-up never move
 the clock; LRU ignores it.
 
+Exclusive tiers (no row held twice in host RAM). A CPU cache can be attached to the in-process
+hash map below it (:meth:`hps.storage.volatile.HashMapBackend.attach_cache`, a
+:class:`RowHome`): an insertion then *moves* rows up (the hash map drops the rows the cache
+placed; ``homed`` marks the slots whose row the hash map held) and an eviction moves a homed
+row back down, both under the home's lock, which every read of the hash map also holds (so a
+key is always in one of the two for any reader). A row the hash map never held (read from the
+persistent DB) is cached unhomed and dropped on eviction, as without exclusivity::
+
+    hash map {3, 7, 9}   cache {}           insert 7, 9 (read from the hash map)
+    hash map {3}         cache {7*, 9*}     * homed: the hash map's only copy
+    insert 12 (from the persistent DB) into 9's slot: 9 goes back down
+    hash map {3, 9}      cache {7*, 12}
+
+Row formats: ``storage`` holds each row in the table's :class:`~hps.rowformat.RowDtype`
+(``row_bytes`` from :func:`hps.rowformat.row_bytes`: 512 / 256 / 132 / 68 bytes at dim 128 for
+FP32 / FP16 / INT8 / INT4), so a cache of INT8 rows holds ~3.5× the rows of an FP32 cache of
+the same bytes. :meth:`EmbeddingCache.query` dequantizes the rows it returns
+(:func:`hps.rowformat.dequantize_rows`); :meth:`EmbeddingCache.insert` quantizes float32 rows,
+or stores a tier's bytes as they are (``rows=``), so a row keeps its bytes from tier to tier.
+
 The cache itself is exact (it returns only rows it holds). What a *request* gets for a miss is
 decided by :class:`hps.session.LookupSession` (synchronous fill below the hit-rate threshold,
 default vector + background insertion above it, or the exact mode).
@@ -55,10 +77,14 @@ import math
 import numbers
 import threading
 from dataclasses import dataclass
+from typing import Protocol
 
+import numpy as np
 import torch
 
+from hps.rowformat import RowDtype
 from hps.storage.host_memory import huge_zeros
+from hps.storage.row_codec import RowCodec
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 
 log = logging.getLogger(__name__)
@@ -104,6 +130,39 @@ def tag_of(keys: torch.Tensor) -> torch.Tensor:
     return (1 + (_mix(keys) & 0xFFFF) % 255).to(torch.uint8)
 
 
+class RowHome(Protocol):
+    """The in-process volatile tier that an attached cache moves rows out of and back into
+    (:meth:`EmbeddingCache.attach`; implemented by the hash map's table, see the module
+    docstring). Its ``lock`` is held around every move and every read of the tier."""
+
+    lock: threading.Lock
+
+    def take(self, keys: np.ndarray) -> np.ndarray:
+        """Drop the rows of ``keys (n,) int64`` the tier stores; ``(n,) bool``: which it did."""
+        ...
+
+    def put_back(self, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Store ``rows (n, row_bytes) uint8`` (the cache's bytes) under ``keys (n,) int64``."""
+        ...
+
+
+@dataclass(frozen=True)
+class _Placed:
+    """What one insertion did inside the cache: ``placed`` new rows (``keys`` into ``slots``)
+    and the homed rows it evicted (``evicted_keys (e,)``, ``evicted_rows (e, row_bytes)``)."""
+
+    placed: int
+    keys: torch.Tensor
+    slots: torch.Tensor
+    evicted_keys: torch.Tensor
+    evicted_rows: torch.Tensor
+
+    @staticmethod
+    def none(cache: EmbeddingCache) -> _Placed:
+        e = torch.zeros(0, dtype=torch.int64, device=cache.device)
+        return _Placed(0, e, e, e, cache.storage[:0])
+
+
 @dataclass
 class CacheStats:
     """Counters of one cache (unique keys as queried)."""
@@ -132,6 +191,7 @@ class EmbeddingCache:
         lfu_decay_keys_per_slot: LFU aging period, in looked-up keys per slot: every counter
             is halved after each ``lfu_decay_interval = max(1, round(lfu_decay_keys_per_slot ×
             capacity))`` looked-up keys (see the module docstring); 0 never ages. Ignored by LRU.
+        row_format: how ``storage`` holds a row (the table's dtype).
 
     Raises:
         ValueError: naming a non-positive capacity, dim or ways, or a negative, non-finite or
@@ -149,6 +209,7 @@ class EmbeddingCache:
         ways: int = DEFAULT_WAYS,
         device: torch.device | str = "cpu",
         lfu_decay_keys_per_slot: float = DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
+        row_format: RowDtype | str = RowDtype.FP32,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"cache capacity must be > 0 rows, got {capacity}")
@@ -183,13 +244,20 @@ class EmbeddingCache:
         self.keys = huge_zeros(sets, torch.int64, self.device).fill_(EMPTY_KEY)
         self.counters = huge_zeros(sets, torch.int64, self.device).fill_(-1)
         self.tags = huge_zeros(sets, torch.uint8, self.device)
+        #: how a row is stored (:mod:`hps.rowformat`)
+        self.codec = RowCodec(dim, RowDtype(row_format), "cache")
+        self.row_format = self.codec.dtype
         #: bytes of one stored row (FP32: 4 × dim); rows are opaque bytes to the probe
-        self.row_bytes = 4 * dim
+        self.row_bytes = self.codec.row_bytes
         self.storage = huge_zeros((self.capacity, self.row_bytes), torch.uint8, self.device)
-        self.values = self.storage.view(torch.float32)  # (capacity, dim), shares storage
+        self._fp32 = self.storage.view(torch.float32) if self.row_format is RowDtype.FP32 else None
         #: per slot: the last compiled-path query that hit it (its unique-hit count); see
         #: :meth:`next_mark`
         self.marks = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
+        #: per slot: its row is the attached :class:`RowHome`'s only copy (module docstring)
+        self.homed = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        #: the in-process tier this cache is exclusive with (:meth:`attach`), or ``None``
+        self.home: RowHome | None = None
         self._mark = 0
         self._clock = 1  # LRU: bumped by every query; entries inserted since then carry it
         self.lfu_decay_keys_per_slot = float(per_slot)
@@ -210,6 +278,35 @@ class EmbeddingCache:
         self._lock = threading.Lock()
         self._refresh_cursor = 0
         self.stats = CacheStats()
+
+    @property
+    def values(self) -> torch.Tensor:
+        """``(capacity, dim) float32``, the view of ``storage`` of an FP32 cache.
+
+        Raises:
+            ValueError: the rows are stored in another format (read them with
+                :meth:`query`, which dequantizes).
+        """
+        if self._fp32 is None:
+            raise ValueError(
+                f"a cache of {self.row_format.value} rows has no float32 view of its storage; "
+                "its rows are dequantized on lookup (EmbeddingCache.query)"
+            )
+        return self._fp32
+
+    def encode(self, values: torch.Tensor) -> torch.Tensor:
+        """``values (n, dim)`` float → ``(n, row_bytes) uint8`` on ``device`` (quantized)."""
+        if self._fp32 is not None:
+            v = values.to(device=self.device, dtype=torch.float32).contiguous()
+            return v.view(torch.uint8).view(-1, self.row_bytes)
+        rows = self.codec.encode(values.detach().to("cpu", torch.float32).numpy())
+        return torch.from_numpy(rows).to(self.device)
+
+    def decode(self, rows: torch.Tensor) -> torch.Tensor:
+        """``rows (n, row_bytes) uint8`` → ``(n, dim) float32`` on ``device``."""
+        if self._fp32 is not None:
+            return rows.contiguous().view(torch.float32)
+        return torch.from_numpy(self.codec.decode(rows.cpu().numpy())).to(self.device)
 
     def next_mark(self) -> int:
         """The mark (1..255) a compiled-path query writes into the slots it hits, so that a
@@ -271,7 +368,8 @@ class EmbeddingCache:
                 expanded to the request, ``values[inverse]``, in one gather.
 
         Returns:
-            ``(values (n or m, dim) float32, hit (n,) bool)``; rows of misses are zeros.
+            ``(values (n or m, dim) float32, hit (n,) bool)``, dequantized from
+            ``row_format``; rows of misses are zeros.
         """
         with self._lock:
             hit, slot = self._slots(keys)
@@ -285,11 +383,12 @@ class EmbeddingCache:
             self.stats.queries += int(keys.numel())
             self.stats.hits += int(hs.numel())
             if inverse is None:
-                out = self.values.index_select(0, slot)
+                picked = self.storage.index_select(0, slot)
                 miss_rows = torch.nonzero(~hit).squeeze(1)
             else:
-                out = self.values.index_select(0, slot.index_select(0, inverse))
+                picked = self.storage.index_select(0, slot.index_select(0, inverse))
                 miss_rows = torch.nonzero(~hit.index_select(0, inverse)).squeeze(1)
+        out = self.decode(picked)
         if miss_rows.numel():
             out.index_fill_(0, miss_rows, 0.0)
         return out, hit
@@ -306,6 +405,7 @@ class EmbeddingCache:
         values: torch.Tensor,
         priority: torch.Tensor | None = None,
         epoch: int | None = None,
+        rows: torch.Tensor | None = None,
     ) -> int:
         """Insert rows; cached copies of the same keys are overwritten. Returns rows newly placed.
 
@@ -322,10 +422,40 @@ class EmbeddingCache:
                 aging since, so a priority counted before a halving (an asynchronous insertion,
                 or a concurrent query that aged the cache) weighs what a resident count would.
                 Default: counted now.
+            rows: ``(n, row_bytes) uint8``, the same rows as a tier stores them: stored as they
+                are (``values`` is then not read), so a quantized row keeps its bytes.
         """
         if keys.numel() == 0:
             return 0
-        values = values.to(device=self.device, dtype=torch.float32)
+        if rows is None:
+            rows = self.encode(values)
+        elif rows.dtype != torch.uint8 or tuple(rows.shape) != (keys.numel(), self.row_bytes):
+            raise ValueError(
+                f"cache of {self.row_format.value} rows: rows must be ({keys.numel()}, "
+                f"{self.row_bytes}) uint8, got {rows.dtype} {tuple(rows.shape)}"
+            )
+        rows = rows.to(self.device)
+        home = self.home
+        if home is None:
+            return self._insert(keys, rows, priority, epoch).placed
+        with home.lock:  # a move: no reader of the home sees a row in neither tier
+            moved = self._insert(keys, rows, priority, epoch)
+            held = torch.from_numpy(home.take(moved.keys.cpu().numpy()))
+            with self._lock:
+                self.homed[moved.slots[held.to(self.device)]] = True
+            if moved.evicted_keys.numel():
+                home.put_back(moved.evicted_keys.cpu().numpy(), moved.evicted_rows.cpu().numpy())
+            return moved.placed
+
+    def _insert(
+        self,
+        keys: torch.Tensor,
+        values: torch.Tensor,
+        priority: torch.Tensor | None,
+        epoch: int | None,
+    ) -> _Placed:
+        """:meth:`insert` of encoded ``values (n, row_bytes) uint8`` within this cache: the
+        rows placed, and the homed rows evicted."""
         if priority is None:
             priority = torch.ones(keys.numel(), dtype=torch.int64, device=self.device)
         with self._lock:
@@ -333,10 +463,10 @@ class EmbeddingCache:
                 priority = priority >> min(self.decay_epoch - epoch, _MAX_SHIFT)
             hit, slot = self._slots(keys)
             if hit.any():
-                self.values[slot[hit]] = values[hit]
+                self.storage[slot[hit]] = values[hit]
             new = ~hit
             if not new.any():
-                return 0
+                return _Placed.none(self)
             keys, values, priority = keys[new], values[new], priority[new].clamp(1, 2**31 - 1)
             s = set_of(keys, self.num_sets)
             # sort by set, then by priority (descending) inside a set
@@ -363,35 +493,115 @@ class EmbeddingCache:
             tgt = (sets[inv_f] * self.ways + way)[ok]
             src = src[ok]
             flat_keys = self.keys.view(-1)
-            self.stats.evicted += int((flat_keys[tgt] != EMPTY_KEY).sum())
+            old = flat_keys[tgt]
+            self.stats.evicted += int((old != EMPTY_KEY).sum())
+            back = self.homed[tgt]  # homed rows evicted: they go back to the home
+            evicted_keys, evicted_rows = old[back], self.storage[tgt[back]]  # copies
             flat_keys[tgt] = keys[src]
             self.tags.view(-1)[tgt] = tag_of(keys[src])
-            self.values[tgt] = values[src]
+            self.storage[tgt] = values[src]
             self.counters.view(-1)[tgt] = incoming[ok]
+            self.homed[tgt] = False
             n = int(tgt.numel())
             self.stats.inserted += n
-            return n
+            return _Placed(n, keys[src], tgt, evicted_keys, evicted_rows)
 
-    def update_if_present(self, keys: torch.Tensor, values: torch.Tensor) -> int:
-        """Overwrite the cached copies of ``keys`` that are cached; returns how many were."""
+    def update_if_present(
+        self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor | None = None
+    ) -> int:
+        """Overwrite the cached copies of ``keys`` that are cached (``values (n, dim)``
+        float32, or ``rows (n, row_bytes) uint8`` stored as they are); returns how many were."""
         if keys.numel() == 0:
             return 0
-        values = values.to(device=self.device, dtype=torch.float32)
+        rows = self.encode(values) if rows is None else rows.to(self.device)
         with self._lock:
             hit, slot = self._slots(keys)
-            self.values[slot[hit]] = values[hit]
+            self.storage[slot[hit]] = rows[hit]
             return int(hit.sum())
 
     def invalidate(self, keys: torch.Tensor) -> int:
         """Drop ``keys`` from the cache; returns how many were cached."""
         if keys.numel() == 0:
             return 0
+        home = self.home
+        if home is None:
+            return self._invalidate(keys)[0]
+        with home.lock:
+            n, back_keys, back_rows = self._invalidate(keys)
+            if back_keys.numel():
+                home.put_back(back_keys.cpu().numpy(), back_rows.cpu().numpy())
+            return n
+
+    def _invalidate(self, keys: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """Drop ``keys``; ``(how many were cached, homed keys dropped, their rows)``."""
         with self._lock:
             hit, slot = self._slots(keys)
-            self.keys.view(-1)[slot[hit]] = EMPTY_KEY
-            self.tags.view(-1)[slot[hit]] = 0
-            self.counters.view(-1)[slot[hit]] = -1
-            return int(hit.sum())
+            hs = slot[hit]
+            back = self.homed[hs]
+            back_keys, back_rows = keys[hit][back], self.storage[hs[back]]
+            self.keys.view(-1)[hs] = EMPTY_KEY
+            self.tags.view(-1)[hs] = 0
+            self.counters.view(-1)[hs] = -1
+            self.homed[hs] = False
+            return int(hs.numel()), back_keys, back_rows
+
+    # ------------------------------------------------------------------ exclusive tiers
+    def attach(self, home: RowHome) -> None:
+        """Make this cache exclusive with the in-process tier ``home`` (module docstring):
+        from now on an insertion moves rows out of it and an eviction moves them back.
+
+        Raises:
+            ValueError: the cache is not on the CPU (``home`` is host memory: a device cache
+                does not share its memory), already attached, or not empty (its rows may
+                also be held by ``home``).
+        """
+        if self.device.type != "cpu":
+            raise ValueError(
+                f"only a CPU cache can be exclusive with the in-process hash map, "
+                f"this one is on {self.device}"
+            )
+        with self._lock:
+            if self.home is not None:
+                raise ValueError("this cache is already attached to an in-process tier")
+            held = int((self.keys != EMPTY_KEY).sum())
+            if held:
+                raise ValueError(
+                    f"a cache must be empty to be attached to an in-process tier (holds {held} rows)"
+                )
+            self.home = home
+
+    def peek_homed(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """The rows of ``keys (n,) int64`` this cache holds for its home: ``(rows (n,
+        row_bytes) uint8, hit (n,) bool)`` (rows of the others are garbage). No counter,
+        clock or statistic moves: the home answers for these rows (call with its lock held)."""
+        with self._lock:
+            hit, slot = self._slots(keys)
+            hit &= self.homed[slot]
+            return self.storage.index_select(0, slot), hit
+
+    def update_homed(self, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """Write rows that the home is given (``rows (n, row_bytes) uint8``, stored bytes) into
+        the slots caching ``keys (n,) int64`` and mark them homed; ``(n,) bool``: which were
+        cached (the home stores the others itself). Call with the home's lock held."""
+        rows = rows.to(self.device)
+        with self._lock:
+            hit, slot = self._slots(keys)
+            hs = slot[hit]
+            self.storage[hs] = rows[hit]
+            self.homed[hs] = True
+            return hit
+
+    def unhome(self, keys: torch.Tensor) -> None:
+        """The home dropped ``keys (n,) int64``: their cached rows (if any) stay cached, as
+        copies the home no longer holds. Call with the home's lock held."""
+        with self._lock:
+            hit, slot = self._slots(keys)
+            self.homed[slot[hit]] = False
+
+    def homed_rows(self) -> int:
+        """Rows this cache holds for its home."""
+        with self._lock:
+            return int(self.homed.sum())
 
     # ------------------------------------------------------------------ refresh / inspection
     def cached_keys(self) -> torch.Tensor:
@@ -411,10 +621,11 @@ class EmbeddingCache:
             return k[k != EMPTY_KEY].clone()
 
     def nbytes(self) -> int:
-        """Host or device bytes this cache holds: rows, keys, counters, tags and marks."""
+        """Host or device bytes this cache holds: rows, keys, counters, tags, marks and homed
+        flags."""
         return sum(
             t.numel() * t.element_size()
-            for t in (self.storage, self.keys, self.counters, self.tags, self.marks)
+            for t in (self.storage, self.keys, self.counters, self.tags, self.marks, self.homed)
         )
 
     def __len__(self) -> int:

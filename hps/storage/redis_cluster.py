@@ -3,7 +3,7 @@
 Layout (tilerec's own): each table is split into ``num_partitions`` partitions by
 ``mix64(key) % num_partitions``; partition ``p`` of table ``t`` is one Redis hash named
 ``hps_et.t.p<p>`` whose fields are the 8-byte little-endian keys and whose values are the
-rows' float32 bytes. ``t`` is the table's database name (:meth:`hps.config.PSConfig.db_table`):
+rows' bytes in the table's row format (:mod:`hps.storage.row_codec`; float32 for FP32). ``t`` is the table's database name (:meth:`hps.config.PSConfig.db_table`):
 its name (``hps_et.t0.p3``), or, where two models name a table alike with other rows, the
 model and the name (``hps_et.foo.t0.p3`` and ``hps_et.bar.t0.p3``). The cluster places each hash on a node by CRC16 of its name, so one
 table's partitions spread over all nodes. A lookup is one pipelined ``HMGET`` per touched
@@ -45,7 +45,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from hps.storage.persistent import decode_rows, encode_keys
+from hps.rowformat import RowDtype
+from hps.storage.persistent import decode_rows, encode_keys, encode_rows
+from hps.storage.row_codec import RowCodec
 from hps.storage.volatile import split_by_partition
 from hps.types import (
     StorageBackend,
@@ -124,7 +126,7 @@ class RedisClusterBackend(StorageBackend):
         self.retry_interval_s = retry_interval_s
         self.socket_timeout_s = socket_timeout_s
         self.max_pending_rows = max_pending_rows
-        self._dims: dict[str, int] = {}
+        self._codecs: dict[str, RowCodec] = {}
         self._lock = threading.Lock()
         self._client: Any = None  # a redis.cluster.RedisCluster once a node answered
         self._down_until = 0.0
@@ -252,20 +254,32 @@ class RedisClusterBackend(StorageBackend):
         return True
 
     # ------------------------------------------------------------------ interface
-    def create_table(self, table: str, dim: int) -> None:
-        if self._dims.get(table, dim) != dim:
+    def create_table(self, table: str, dim: int, row_format: RowDtype = RowDtype.FP32) -> None:
+        """Declare ``table`` with rows of ``dim`` values stored as ``row_format`` (the values
+        of its hashes are those bytes)."""
+        codec = RowCodec(dim, RowDtype(row_format), f"redis table {table!r}")
+        had = self._codecs.get(table, codec)
+        if (had.dim, had.dtype) != (codec.dim, codec.dtype):
             raise ValueError(
-                f"redis table {table!r} exists with dim {self._dims[table]}, not {dim}"
+                f"redis table {table!r} exists with dim {had.dim}, not {dim} "
+                f"({had.dtype.value} rows, not {codec.dtype.value})"
             )
-        self._dims[table] = dim
+        self._codecs[table] = codec
 
-    def _dim(self, table: str) -> int:
+    def _codec(self, table: str) -> RowCodec:
         try:
-            return self._dims[table]
+            return self._codecs[table]
         except KeyError:
             raise ValueError(
-                f"redis volatile db has no table {table!r}; tables: {sorted(self._dims)}"
+                f"redis volatile db has no table {table!r}; tables: {sorted(self._codecs)}"
             ) from None
+
+    def _dim(self, table: str) -> int:
+        return self._codec(table).dim
+
+    def row_format(self, table: str) -> RowDtype:
+        """How ``table``'s rows are stored."""
+        return self._codec(table).dtype
 
     def lookup(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """Rows of ``keys`` (see :meth:`read`).
@@ -274,7 +288,12 @@ class RedisClusterBackend(StorageBackend):
             TierUnavailableError: some keys could not be read (the cluster or a node is down,
                 or a partition lost its rows): "not found" would be a guess.
         """
-        r = self.read(table, keys)
+        rows, found = self.lookup_rows(table, keys)
+        return self._codec(table).decode(rows), found
+
+    def lookup_rows(self, table: str, keys: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`lookup` of the stored bytes, ``(rows (n, row_bytes) uint8, found)``."""
+        r = self.read_rows(table, keys)
         if r.failed.any():
             raise TierUnavailableError(
                 table, f"volatile db ({self.name})", int(r.failed.sum()), r.reason
@@ -282,14 +301,20 @@ class RedisClusterBackend(StorageBackend):
         return r.values, r.found
 
     def read(self, table: str, keys: np.ndarray) -> TierRead:
-        """One pipelined ``HMGET`` per touched partition (its mark first, then the keys).
+        """:meth:`read_rows`, dequantized (``values (n, dim) float32``)."""
+        r = self.read_rows(table, keys)
+        return TierRead(self._codec(table).decode(r.values), r.found, r.failed, r.reason)
+
+    def read_rows(self, table: str, keys: np.ndarray) -> TierRead:
+        """One pipelined ``HMGET`` per touched partition (its mark first, then the keys);
+        ``values`` are the stored bytes, ``(n, row_bytes) uint8``.
 
         A key fails (``failed``) when the backend is down, when its command failed, or when its
         partition has no mark (:data:`LOADED_FIELD`): lost rows are not "not found".
         """
         keys = check_keys(keys)
-        dim = self._dim(table)
-        out = np.zeros((keys.size, dim), np.float32)
+        codec = self._codec(table)
+        out = np.zeros((keys.size, codec.row_bytes), np.uint8)
         found = np.zeros(keys.size, bool)
         if keys.size == 0:
             return TierRead(out, found, np.zeros(0, bool))
@@ -310,12 +335,12 @@ class RedisClusterBackend(StorageBackend):
         except Exception as e:  # noqa: BLE001 - redis raises many types; all mean "tier failed"
             self._fail("lookup", e)
             return TierRead(out, found, np.ones(keys.size, bool), f"{type(e).__name__}: {e}")
-        return self._decode(table, dim, keys, plan, results, out, found)
+        return self._decode(table, codec, keys, plan, results, out, found)
 
     def _decode(
         self,
         table: str,
-        dim: int,
+        codec: RowCodec,
         keys: np.ndarray,
         plan: list[tuple[int, np.ndarray]],
         results: list[Any],
@@ -335,7 +360,7 @@ class RedisClusterBackend(StorageBackend):
                 unmarked.append(p)
                 failed[chunk] = True
             else:
-                v, f = decode_rows(res[1:], dim, f"redis table {table!r}", keys[chunk])
+                v, f = decode_rows(res[1:], codec, f"redis table {table!r}", keys[chunk])
                 out[chunk], found[chunk] = v, f
         reasons = []
         if error is not None:
@@ -356,16 +381,14 @@ class RedisClusterBackend(StorageBackend):
             )
         return TierRead(out, found, failed, "; ".join(reasons))
 
-    def _write(self, table: str, keys: np.ndarray, values: np.ndarray) -> None:
-        dim = values.shape[1]
+    def _write(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
+        """Write stored bytes ``rows (n, row_bytes) uint8`` (raises what Redis raised)."""
         pipe = self._client.pipeline()
         for p, idx in split_by_partition(keys, self.num_partitions):
             name = partition_name(table, p)
             for s in range(0, idx.size, self.max_batch_size):
                 chunk = idx[s : s + self.max_batch_size]
-                vb = (
-                    values[chunk].astype("<f4", copy=False).view(f"V{dim * 4}").reshape(-1).tolist()
-                )
+                vb = encode_rows(rows[chunk])
                 pipe.hset(name, mapping=dict(zip(encode_keys(keys[chunk]), vb)))
         results = pipe.execute(raise_on_error=False)
         errs = [r for r in results if isinstance(r, Exception)]
@@ -427,16 +450,32 @@ class RedisClusterBackend(StorageBackend):
                 counts the rows refused).
         """
         keys = check_keys(keys)
-        values = check_values(values, keys.size, self._dim(table))
+        codec = self._codec(table)
+        values = check_values(values, keys.size, codec.dim)
+        self.insert_rows(table, keys, codec.encode(values))
+
+    def insert_rows(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
+        """:meth:`insert` of stored bytes, ``rows (n, row_bytes) uint8``, written as they are."""
+        keys = check_keys(keys)
+        rb = self._codec(table).row_bytes
+        if (
+            not isinstance(rows, np.ndarray)
+            or rows.dtype != np.uint8
+            or rows.shape != (keys.size, rb)
+        ):
+            got = rows.shape if isinstance(rows, np.ndarray) else type(rows).__name__
+            raise ValueError(
+                f"redis table {table!r}: rows must be ({keys.size}, {rb}) uint8, got {got}"
+            )
         if keys.size == 0:
             return
         if self._ensure_up():
             try:
-                self._write(table, keys, values)
+                self._write(table, keys, rows)
                 return
             except Exception as e:  # noqa: BLE001 - queue below, counted in _fail
                 self._fail("insert", e)
-        self._enqueue(_Queued(table, keys.copy(), values.copy()))
+        self._enqueue(_Queued(table, keys.copy(), rows.copy()))
 
     def _enqueue(self, item: _Queued) -> None:
         """Keep ``item`` for the replay, or raise :class:`VolatileUnavailableError` when its

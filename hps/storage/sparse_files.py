@@ -9,6 +9,13 @@ HugeCTR layout, one folder per table::
     keys   = [  7,   3,  42]                     (n = 3, dim = 2)
     vectors= [[.1, .2], [.3, .4], [.5, .6]]      key 7 -> [.1, .2], key 3 -> [.3, .4], ...
 
+A table stored in a quantized row format (``tilerec_row_format_per_table`` in ``ps.json``:
+FP16, INT8, INT4, ...) has ``emb_rows`` in place of ``emb_vector``: ``n`` rows of
+``hps.rowformat.row_bytes(dtype, dim)`` bytes in :mod:`hps.rowformat`'s layout (row ``i``
+belongs to ``key[i]``), read and written by :func:`read_table_rows` / :func:`write_table_rows`.
+Its dtype is recorded in ``ps.json`` only (the file has no header): HugeCTR reads only the
+float32 layout.
+
 The safetensors variant is one file ``t0/embedding.safetensors`` holding the tensors ``key``
 ``(n,) int64`` and ``emb_vector`` ``(n, dim) float32`` (self-describing: dim is in the header).
 
@@ -30,12 +37,14 @@ from pathlib import Path
 import numpy as np
 
 from hps.names import check_name, entry, entry_exists, hidden_sibling, remove_entry
+from hps.rowformat import RowDtype, RowFormatError, read_row_file, row_bytes
 from hps.storage.checkpoint_tables import STATE_FILE, read_table_weight
 
 log = logging.getLogger(__name__)
 
 KEY_FILE = "key"
 VECTOR_FILE = "emb_vector"
+ROWS_FILE = "emb_rows"
 SAFETENSORS_FILE = "embedding.safetensors"
 _KEY_BYTES = 8  # int64
 _FLOAT_BYTES = 4  # float32
@@ -122,6 +131,86 @@ def write_table(
     return folder
 
 
+def write_table_rows(
+    folder: str | Path, keys: np.ndarray, rows: np.ndarray, overwrite: bool = False
+) -> Path:
+    """Write one table whose rows are stored in a row format: ``key`` and ``emb_rows``
+    (the module docstring), published whole as :func:`write_table` publishes.
+
+    Args:
+        keys: ``(n,) int64``, unique.
+        rows: ``(n, row_bytes) uint8`` in :mod:`hps.rowformat`'s layout (its dtype goes into
+            ``ps.json``).
+
+    Raises:
+        ValueError: as :func:`write_table`, or ``rows`` that are not ``(n, W) uint8``.
+    """
+    folder = entry(Path(folder).parent, Path(folder).name, "sparse folder")
+    keys, rows = np.asarray(keys), np.asarray(rows)
+    if keys.dtype != np.int64 or keys.ndim != 1:
+        raise ValueError(f"keys must be (n,) int64, got {keys.dtype} {tuple(keys.shape)}")
+    if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
+        raise ValueError(
+            f"rows must be ({keys.shape[0]}, row_bytes) uint8, got {rows.dtype} {tuple(rows.shape)}"
+        )
+    _check_unique_keys(folder, keys)
+    if entry_exists(folder) and not overwrite:
+        raise ValueError(f"sparse folder {folder} exists; pass overwrite=True to replace it")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = hidden_sibling(folder, "tmp")
+    tmp.mkdir()
+    try:
+        keys.astype("<i8", copy=False).tofile(tmp / KEY_FILE)
+        np.ascontiguousarray(rows).tofile(tmp / ROWS_FILE)
+        _swap_in(tmp, folder)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return folder
+
+
+def has_table_rows(folder: str | Path) -> bool:
+    """Whether ``folder`` holds rows in a row format (``emb_rows``) rather than float32."""
+    return (Path(folder) / ROWS_FILE).is_file()
+
+
+def read_table_rows(
+    folder: str | Path, dtype: RowDtype, dim: int, table: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """Read a table written by :func:`write_table_rows`.
+
+    Returns:
+        ``(keys (n,) int64, rows (n, row_bytes(dtype, dim)) uint8)``.
+
+    Raises:
+        RowFormatError: naming ``table`` and the file: ``emb_rows`` is not a whole number of
+            rows of ``dtype`` and ``dim`` (truncated, or of another dtype or width), holds
+            another number of rows than ``key`` holds keys, or a row's scale or bias is NaN
+            or infinite; a missing file, or a key held twice.
+    """
+    folder = Path(folder)
+    kpath, rpath = folder / KEY_FILE, folder / ROWS_FILE
+    for f in (kpath, rpath):
+        if not f.is_file():
+            raise RowFormatError(
+                f"table {table!r}: sparse folder {folder}: missing file '{f.name}'"
+            )
+    kbytes = kpath.stat().st_size
+    if kbytes % _KEY_BYTES:
+        raise RowFormatError(
+            f"table {table!r} ({kpath}): {kbytes} bytes is not a whole number of int64 keys"
+        )
+    rows = read_row_file(rpath, dtype, dim, table).numpy()  # length and scales checked
+    keys = np.fromfile(kpath, dtype="<i8").astype(np.int64, copy=False)
+    if keys.size != rows.shape[0]:
+        raise RowFormatError(
+            f"table {table!r} ({rpath}): {rows.shape[0]} rows of {row_bytes(dtype, dim)} bytes "
+            f"but {keys.size} keys in '{KEY_FILE}'"
+        )
+    _check_unique_keys(folder, keys)
+    return keys, rows
+
+
 def _swap_in(new: Path, dest: Path) -> None:
     """Rename the folder ``new`` to ``dest`` (a sibling). Whatever is at ``dest`` (a folder, a
     file, a symlink: never followed) is first renamed aside and removed once ``new`` is in
@@ -162,6 +251,12 @@ def read_table(
             its key (served, it would turn every score it touches into NaN).
     """
     folder = Path(folder)
+    if has_table_rows(folder):
+        raise ValueError(
+            f"sparse folder {folder} holds rows in a row format ('{ROWS_FILE}'), not float32 "
+            "rows: its dtype is in ps.json (tilerec_row_format_per_table); read it with "
+            "read_table_rows"
+        )
     if detect_format(folder) is SparseFormat.SAFETENSORS:
         keys, vec = _read_safetensors(folder, dim)
     else:

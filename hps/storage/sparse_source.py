@@ -24,10 +24,12 @@ from typing import Any
 
 from hps.storage.sparse_files import (
     KEY_FILE,
+    ROWS_FILE,
     SAFETENSORS_FILE,
     VECTOR_FILE,
     SparseFormat,
     detect_format,
+    has_table_rows,
 )
 
 __all__ = ["SparseFileStamp", "SparseSource"]
@@ -36,6 +38,14 @@ _FILES = {
     SparseFormat.HUGECTR: (KEY_FILE, VECTOR_FILE),
     SparseFormat.SAFETENSORS: (SAFETENSORS_FILE,),
 }
+
+
+def _names(folder: Path) -> tuple[str, ...]:
+    """The data files of ``folder``: its layout's, or ``key`` + ``emb_rows`` for rows stored
+    in a row format (:func:`hps.storage.sparse_files.write_table_rows`)."""
+    if has_table_rows(folder):
+        return (KEY_FILE, ROWS_FILE)
+    return _FILES[detect_format(folder)]
 
 
 def _stat_key(st: os.stat_result) -> tuple[int, int, int, int]:
@@ -90,7 +100,7 @@ class SparseSource:
             ValueError: a folder holding neither layout, or a missing data file.
         """
         folder = Path(folder)
-        names = _FILES[detect_format(folder)]
+        names = _names(folder)
         missing = [n for n in names if not (folder / n).is_file()]
         if missing:
             raise ValueError(f"sparse folder {folder}: missing file(s) {missing}")
@@ -100,7 +110,7 @@ class SparseSource:
         """Whether ``folder`` holds exactly these data files, byte for byte."""
         folder = Path(folder)
         try:
-            names = _FILES[detect_format(folder)]
+            names = _names(folder)
         except ValueError:  # neither layout: not these files
             return False
         if tuple(f.name for f in self.files) != names:

@@ -268,17 +268,14 @@ def test_gather_rows_dequantizes_as_the_row_format_does(fmt: RowDtype) -> None:
 
 
 def _quantized_cache(fmt: RowDtype, policy: CachePolicy) -> tuple[EmbeddingCache, torch.Tensor]:
-    """A cache whose ``storage`` holds ``fmt`` rows (hps.rowformat's layout) and declares it
-    in ``row_format``; returns it and the dequantized rows of keys 0..199."""
+    """A cache holding ``fmt`` rows (hps.rowformat's layout in ``storage``); returns it and
+    the dequantized rows of keys 0..199."""
     g = torch.Generator().manual_seed(11)
     n, d = 200, 16
     w = torch.randn(n, d, generator=g)
-    c = EmbeddingCache(n // 2, d, policy=policy, ways=8)
+    c = EmbeddingCache(n // 2, d, policy=policy, ways=8, row_format=fmt)
     c.insert(torch.arange(n), w)
-    stored = quantize_rows(c.values, fmt)
-    c.storage = stored  # the layout a cache holding fmt rows has: (capacity, row_bytes) uint8
-    c.row_bytes = stored.shape[1]
-    c.row_format = fmt
+    assert c.storage.shape == (c.capacity, quantize_rows(w[:1], fmt).shape[1])
     return c, dequantize_rows(quantize_rows(w, fmt), fmt, d)
 
 

@@ -1,0 +1,139 @@
+"""Quantized rows in the HPS tiers: hit rate of caches of equal bytes holding FP32, FP16, INT8
+and INT4 rows (Zipf keys, the cache at a fraction of the FP32 table's bytes), and the bytes
+each tier holds per row.
+
+    python -m benchmarks.hps.bench_quantized            # 1 M rows × 128, cache 10 %
+    python -m benchmarks.hps.bench_quantized --quick    # 100 k rows (a smoke run)
+
+Every cache gets the same byte budget (``cache_fraction`` × the FP32 table's rows × 512 B) and
+as many slots as fit: a slot costs its row (``hps.rowformat.row_bytes``) plus 19 B of key,
+counter, tag, mark and homed flag (``EmbeddingCache.nbytes``). The same key stream
+(Zipf ``alpha``, a fixed seed) is looked up through a :class:`~hps.session.LookupSession`
+(misses filled synchronously, LFU) against a stand-in database of zero rows (a hit rate needs
+no values); the first ``warm`` batches warm the cache and are not counted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import logging
+from typing import Any
+
+import numpy as np
+import torch
+
+from benchmarks.hps.drift_section import ZeroRows
+from benchmarks.hps.zipf_keys import Zipf
+from benchmarks.meta import RESULTS_DIR, write_json
+from hps.rowformat import RowDtype, row_bytes
+from hps.session import LookupSession, SessionTable
+from hps.storage.cache import EmbeddingCache
+from hps.storage.volatile import HashMapBackend
+from hps.types import CachePolicy
+
+log = logging.getLogger("bench_quantized")
+
+DTYPES = (RowDtype.FP32, RowDtype.FP16, RowDtype.INT8, RowDtype.INT4)
+
+
+def _slot_bytes(dtype: RowDtype, dim: int) -> int:
+    c = EmbeddingCache(64, dim, ways=64, row_format=dtype)
+    return c.nbytes() // c.capacity
+
+
+def bench_hit_rates(args: argparse.Namespace) -> list[dict[str, Any]]:
+    n, dim = args.rows, args.dim
+    budget = int(args.cache_fraction * n * row_bytes(RowDtype.FP32, dim))
+    out = []
+    for dt in DTYPES:
+        slot = _slot_bytes(dt, dim)
+        cap = budget // slot
+        cache = EmbeddingCache(cap, dim, policy=CachePolicy.LFU, row_format=dt)
+        s = LookupSession(
+            [SessionTable("t", dim, 0.0, 1 << 22, cache)],
+            ZeroRows(n, dim),
+            None,
+            hit_rate_threshold=1.0,  # every miss filled now: the hit rate is the cache's alone
+            record_key_stats=False,
+        )
+        z = Zipf(n, args.alpha, seed=0)
+        for _ in range(args.warm):
+            s.lookup("t", torch.from_numpy(z.sample(args.batch)))
+        q0, h0 = cache.stats.queries, cache.stats.hits
+        for _ in range(args.batches):
+            s.lookup("t", torch.from_numpy(z.sample(args.batch)))
+        q, h = cache.stats.queries - q0, cache.stats.hits - h0
+        s.close()
+        out.append(
+            {
+                "section": "hit_rate",
+                "dtype": dt.value,
+                "rows": n,
+                "dim": dim,
+                "alpha": args.alpha,
+                "budget_bytes": budget,
+                "slot_bytes": slot,
+                "cache_bytes": cache.nbytes(),
+                "cache_slots": cache.capacity,
+                "cached_rows": len(cache),
+                "unique_hit_rate": h / q,
+            }
+        )
+        log.info("%s", out[-1])
+    fp32 = out[0]
+    for r in out:
+        r["slots_vs_fp32"] = r["cache_slots"] / fp32["cache_slots"]
+    return out
+
+
+def bench_bytes(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Bytes per row held by the hash map alone (every row stored, no cache) and by a cache
+    (per slot), for each dtype, against FBGEMM's row (``row_bytes``)."""
+    n, dim = min(args.rows, 100_000), args.dim
+    out = []
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(n, dim, generator=g).numpy()
+    keys = np.arange(n, dtype=np.int64)
+    for dt in DTYPES:
+        v = HashMapBackend(num_partitions=8)
+        v.create_table("t", dim, row_format=dt)
+        v.insert("t", keys, w)
+        rb = row_bytes(dt, dim)
+        out.append(
+            {
+                "section": "bytes",
+                "dtype": dt.value,
+                "rows": n,
+                "fbgemm_row_bytes": rb,
+                "hash_map_bytes_per_row": v.nbytes("t") / n,
+                "cache_bytes_per_slot": _slot_bytes(dt, dim),
+            }
+        )
+        log.info("%s", out[-1])
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--quick", action="store_true", help="100 k rows, fewer batches")
+    ap.add_argument("--rows", type=int, default=1_000_000)
+    ap.add_argument("--dim", type=int, default=128)
+    ap.add_argument("--alpha", type=float, default=1.05)
+    ap.add_argument("--cache-fraction", type=float, default=0.10, help="of the FP32 table's bytes")
+    ap.add_argument("--batch", type=int, default=65_536)
+    ap.add_argument(
+        "--warm", type=int, default=50, help="batches before counting (fills the cache)"
+    )
+    ap.add_argument("--batches", type=int, default=10, help="batches counted")
+    args = ap.parse_args(argv)
+    if args.quick:
+        args.rows, args.warm, args.batches = 100_000, 5, 5
+    logging.basicConfig(level=logging.INFO, format="%(message)s")
+    rows = bench_hit_rates(args) + bench_bytes(args)
+    out = RESULTS_DIR / ("hps_quantized_quick.json" if args.quick else "hps_quantized.json")
+    write_json(out, rows, threads=torch.get_num_threads())
+    log.info("wrote %s", out)
+
+
+if __name__ == "__main__":
+    main()

@@ -190,9 +190,6 @@ def repredict(doc: dict[str, Any]) -> None:
         if key not in cache:
             cache[key] = case_plans(w, r["batch_size"])
         plan = cache[key][r["side"].partition("+")[0]]
-        if "plan" in r:  # a row of the full format: its plan must be the recomputed one
-            full = r.pop("plan")
-            r["plan"] = plan_record(ShardingPlan.from_dict(full) if full is not None else None)
         record = plan_record(plan)
         if record != r["plan"]:
             raise ValueError(f"{key} {r['side']}: the recomputed plan is not the one run")
@@ -300,7 +297,8 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r["workload"], r["batch_size"], r["side"]): r for r in rows}
-    for r in rows:
+    order = {s: i for i, s in enumerate(SIDES)}
+    for r in sorted(rows, key=lambda r: (r["batch_size"], r["workload"], order.get(r["side"], 99))):
         trw = by.get((r["workload"], r["batch_size"], "trw"))
         tr = by.get((r["workload"], r["batch_size"], "torchrec"))
         vs = f"{r['samples_per_s'] / trw['samples_per_s']:.2f}x" if trw else "-"
@@ -318,32 +316,52 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Stacked bars: mean-over-ranks step time by phase, per side, one panel per case."""
+    """Stacked bars: mean-over-ranks step time by phase, per side, one panel per case
+    (workloads across, batch sizes down); a black mark at each run's predicted step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = sorted({(r["workload"], r["batch_size"]) for r in rows}, key=str)
+    names = sorted({r["workload"] for r in rows})
+    batches = sorted({r["batch_size"] for r in rows})
     phases = list(rows[0]["phases_s_per_rank"][0])
-    fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 4.2), squeeze=False)
-    for ax, (wl, b) in zip(axes[0], cases):
-        mine = [r for r in rows if (r["workload"], r["batch_size"]) == (wl, b)]
-        bottom = [0.0] * len(mine)
-        for ph in phases:
-            vals = [
-                1e3 * sum(p[ph] for p in r["phases_s_per_rank"]) / len(r["phases_s_per_rank"])
-                for r in mine
-            ]
-            ax.bar([r["side"] for r in mine], vals, bottom=bottom, label=ph)
-            bottom = [a + v for a, v in zip(bottom, vals)]
-        ax.set_title(f"{wl}, batch {b}")
-        ax.set_ylabel("ms per step (mean over ranks)")
-        ax.tick_params(axis="x", rotation=60)
+    fig, axes = plt.subplots(
+        len(batches), len(names), figsize=(4.2 * len(names), 4.2 * len(batches)), squeeze=False
+    )
+    for i, b in enumerate(batches):
+        for j, wl in enumerate(names):
+            ax = axes[i][j]
+            mine = [r for r in rows if (r["workload"], r["batch_size"]) == (wl, b)]
+            if not mine:
+                ax.set_axis_off()
+                continue
+            mine.sort(key=lambda r: SIDES.index(r["side"]) if r["side"] in SIDES else 99)
+            sides = [r["side"] for r in mine]
+            bottom = [0.0] * len(mine)
+            for ph in phases:
+                vals = [
+                    sum(p[ph] for p in r["phases_s_per_rank"]) / len(r["phases_s_per_rank"])
+                    for r in mine
+                ]
+                ax.bar(sides, vals, bottom=bottom, label=ph)
+                bottom = [a + v for a, v in zip(bottom, vals)]
+            pred = [r.get("predicted_step_s") for r in mine]
+            ax.plot(
+                [s for s, p in zip(sides, pred) if p is not None],
+                [p for p in pred if p is not None],
+                "k_",
+                markersize=18,
+                markeredgewidth=2,
+                label="predicted",
+            )
+            ax.set_title(f"{wl}, batch {b}")
+            ax.set_ylabel("s per step (mean over ranks)")
+            ax.tick_params(axis="x", rotation=60)
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=90)
+    fig.savefig(tmp, dpi=80)
     tmp.replace(path)
 
 

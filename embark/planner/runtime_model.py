@@ -29,9 +29,10 @@ from embark.planner.cost import NUM_CHANNELS, CostModel
 from embark.planner.simulator import check_plan
 from embark.types import Cluster, ShardingPlan, TableSharding
 
-# Fitted once (non-negative least squares per phase) on the batch-512 runs of the emulated
-# cluster (benchmarks/embark/bench_cluster.py; docs/benchmarks.md), then held fixed and checked
-# on the batch-4096 runs. Bookkeeping, in small ops (:attr:`HostRates.small_op_s`):
+# Fitted once (non-negative least squares per phase) on the batch-512 runs of DLRM-DCNv2, t200
+# and t180 on the emulated cluster (benchmarks/embark/bench_cluster.py; docs/benchmarks.md),
+# then held fixed and checked on t510 and batch 4096; OPS_PER_LOOKUP and ALLREDUCE_OVERLAP are
+# set by hand. Bookkeeping, in small ops (:attr:`HostRates.small_op_s`):
 OPS_PER_INPUT_SPLIT = 16.0  # per (sharded table, shard): length counts, masks, the splits' sizes
 OPS_PER_ID = 0.003  # per key routed (copies into the send buffer)
 OPS_PER_ROW_SPLIT_ID = 0.005  # more per key of a row-split table (bucketized by row range)

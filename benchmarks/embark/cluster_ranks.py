@@ -2,14 +2,13 @@
 namespace of the emulated cluster: ``python -m benchmarks.embark.cluster_ranks CASE_DIR``.
 
 Reads ``CASE_DIR/config.json`` (the case: workload, scale, batch, steps, our plans, TorchRec's
-topology), then on every rank, in step:
+topology), then on every rank, in step, for each side in turn (our runtime under each plan,
+plain and pipelined, and TorchRec DMP with its planner's plan):
 
-1. a probe of the emulated links and of this rank's compute (inter- and intra-node
-   all-to-all bandwidth, a small all-to-all's latency, embedding-bag gather rate, dense
-   forward + backward FLOP/s), each measured with every rank busy at once;
-2. each side in turn (our runtime under each plan, plain and pipelined, and TorchRec DMP
-   with its planner's plan): build, ``warmup`` steps, then ``steps`` timed steps on the same
-   global batches (each rank its slice), per-phase wall time per rank;
+1. a short probe of the emulated links and of this rank's compute under the load of the
+   moment (:func:`probe`), measured with every rank busy at once;
+2. the side: build, ``warmup`` steps, then ``steps`` timed steps on the same global batches
+   (each rank its slice), per-phase wall time per rank;
 
 and writes ``CASE_DIR/rank{r}.json``.
 """

@@ -65,12 +65,14 @@ CPU_LOCAL_FLOPS_PER_S = 300e9  # ≈ 600 GFLOP/s bf16 on 2 threads, per rank
 #     cores); 8 MB/s per rank between nodes (a 2-rank node's uplink 128 Mbit/s) and 72 MB/s
 #     inside a node (loopback 1.15 Gbit/s) put table-row-wise's communication phases (input
 #     distribution, vectors all-to-all, backward exchanges and updates, exposed all-reduce)
-#     at 59-82 % of its step on the four workloads (benchmarks/embark/bench_cluster.py,
-#     docs/benchmarks.md): above EMBark's 51 %, i.e. a network somewhat slower, relative to
-#     compute, than 128 H100s on InfiniBand. Loopback unshaped reaches ~0.5 GB/s per rank with
+#     at 66-82 % of its step on the four workloads at batch 512 and 74 % on DLRM-DCNv2 at
+#     4096 (benchmarks/embark/bench_cluster.py, docs/benchmarks.md): above EMBark's 51 %,
+#     i.e. a network somewhat slower, relative to compute, than 128 H100s on InfiniBand (part
+#     of those phases is the CPU's per-table bookkeeping, which a GPU would hide). Loopback unshaped reaches ~0.5 GB/s per rank with
 #     4 ranks on 2 cores, well above the 72 MB/s it is shaped to, so the 9 : 1 ratio holds.
 #  3. Lookups and dense FLOP/s are this machine's, per rank with 2 ranks per core (fp32:
-#     ~166 GFLOP/s on 2 threads, shared/DEPENDENCIES.md); a probe calibrates them per run.
+#     ~166 GFLOP/s on 2 threads, shared/DEPENDENCIES.md); a probe right before each run
+#     calibrates them, and the links, under the load that run meets.
 EMULATED_RANKS_PER_NODE = 2
 EMULATED_INTRA_TO_INTER_RATIO = H100_NVLINK_BYTES_PER_S / H100_IB_BYTES_PER_S  # 9
 EMULATED_INTER_NODE_BYTES_PER_S = 8e6  # per rank: a 2-rank node's uplink is 128 Mbit/s

@@ -23,6 +23,7 @@ import hashlib
 import json
 import os
 import platform
+import statistics
 import sys
 import tempfile
 import time
@@ -35,7 +36,7 @@ from embark.cluster import EmulatedCluster, LinkShape, missing_capability, run_t
 from embark.models.workloads import Workload, get_workload
 from embark.planner.cost import CostModel
 from embark.planner.planner import plan_sharding
-from embark.planner.simulator import runtime_step_seconds
+from embark.planner.runtime_model import HostRates, runtime_phases
 from embark.planner.types import CostConstants
 from embark.topology import (
     EMULATED_INTER_NODE_BYTES_PER_S,
@@ -134,19 +135,26 @@ def calibrated_topology(probes: list[dict[str, float]]) -> Topology:
     )
 
 
-def predict(
-    w: Workload,
-    batch: int,
-    calib: Topology,
-    plan: ShardingPlan | None,
-    probe: dict[str, float],
-    side: str,
-) -> float | None:
-    """The calibrated cost model's step seconds for ``side`` (``None``: no plan to rate)."""
+def add_prediction(row: dict[str, Any], w: Workload, plan: ShardingPlan | None) -> None:
+    """Set ``row``'s predicted step (and phases) from its plan and its side's probe: the
+    calibrated cost model of the runtime (``None`` where there is no plan to rate)."""
     if plan is None:
-        return None
-    model = CostModel(w, calib, batch, CALIBRATED)
-    return runtime_step_seconds(plan, model, probe["dense_param_bytes"], side.endswith("+pipeline"))
+        row["predicted_step_s"] = row["predicted_over_measured"] = None
+        row["predicted_phases_s"] = None
+        return
+    calib = Topology.from_dict(row["calibrated_topology"])
+    probes = row["probe_per_rank"]
+    rates = HostRates(
+        dense_param_bytes=probes[0]["dense_param_bytes"],
+        optimizer_bytes_per_s=sum(p["optimizer_bytes_per_s"] for p in probes) / len(probes),
+        small_op_s=statistics.median(p["small_op_s"] for p in probes),
+    )
+    model = CostModel(w, calib, row["batch_size"], CALIBRATED)
+    side = row["side"]
+    phases = runtime_phases(plan, model, rates, side.endswith("+pipeline"), side == "torchrec")
+    row["predicted_phases_s"] = phases
+    row["predicted_step_s"] = sum(phases.values())
+    row["predicted_over_measured"] = row["predicted_step_s"] / row["step_s"]
 
 
 def plan_record(plan: ShardingPlan | None) -> dict[str, Any] | None:
@@ -182,16 +190,10 @@ def repredict(doc: dict[str, Any]) -> None:
         if key not in cache:
             cache[key] = case_plans(w, r["batch_size"])
         plan = cache[key][r["side"].partition("+")[0]]
-        if "plan" in r:  # a row of the full format: its plan must be the recomputed one
-            full = r.pop("plan")
-            r["plan"] = plan_record(ShardingPlan.from_dict(full) if full is not None else None)
         record = plan_record(plan)
         if record != r["plan"]:
             raise ValueError(f"{key} {r['side']}: the recomputed plan is not the one run")
-        calib = Topology.from_dict(r["calibrated_topology"])
-        pred = predict(w, r["batch_size"], calib, plan, r["probe_per_rank"][0], r["side"])
-        r["predicted_step_s"] = pred
-        r["predicted_over_measured"] = None if pred is None else pred / r["step_s"]
+        add_prediction(r, w, plan)
 
 
 def _publish(doc: dict[str, Any], out: Path) -> None:
@@ -204,11 +206,15 @@ def _publish(doc: dict[str, Any], out: Path) -> None:
 
 
 def run_case(
-    c: EmulatedCluster, name: str, batch: int, args: argparse.Namespace, d: Path
+    c: EmulatedCluster, name: str, batch: int, args: argparse.Namespace, d: Path, turn: int
 ) -> list[dict[str, Any]]:
+    """One workload at one batch: every side in one torchrun world, the sides' order rotated
+    by ``turn`` so that no side always meets the load of the same point of a case."""
     w = workload_for(name, args.scale, args.dense_scale)
+    sides = [s for s in args.sides.split(",") if s]
+    order = sides[turn % len(sides) :] + sides[: turn % len(sides)]
     plans = case_plans(w, batch)
-    cfg = {
+    cfg: dict[str, Any] = {
         "workload": name,
         "workload_doc": w.to_dict(),
         "scale": 1.0,  # already in workload_doc
@@ -225,12 +231,11 @@ def run_case(
             "world_size": NODES * RANKS_PER_NODE,
             "local_world_size": RANKS_PER_NODE,
         },
-        "sides": [s for s in args.sides.split(",") if s],
+        "sides": order,
     }
     case_dir = d / f"{name}-{batch}"
     case_dir.mkdir()
     (case_dir / "config.json").write_text(json.dumps(cfg))
-    load_before = _load()
     t0 = time.perf_counter()
     res = run_torchrun(
         c,
@@ -241,7 +246,7 @@ def run_case(
         cwd=str(REPO_ROOT),
     )
     wall = time.perf_counter() - t0
-    ranks = []
+    ranks: list[dict[str, Any]] = []
     for r in range(NODES * RANKS_PER_NODE):
         f = case_dir / f"rank{r}.json"
         ranks.append(json.loads(f.read_text()) if f.exists() else {"error": "no report"})
@@ -250,14 +255,14 @@ def run_case(
         tails = "\n".join(n.output[-2500:] for n in bad)
         errs = "\n".join(str(r.get("error", ""))[-2500:] for r in ranks)
         raise RuntimeError(f"{name} batch {batch} failed:\n{tails}\n{errs}")
-    calib = calibrated_topology([r["probe"] for r in ranks])
     rows = []
     loss0 = {s: ranks[0]["sides"][s]["losses"][0] for s in cfg["sides"]}
     for side in cfg["sides"]:
         per_rank = [r["sides"][side] for r in ranks]
+        probes = [p["probe"] for p in per_rank]
+        calib = calibrated_topology(probes)
         step = max(p["step_s"] for p in per_rank)
         plan = plans[side.partition("+")[0]]
-        pred = predict(w, batch, calib, plan, ranks[0]["probe"], side)
         rows.append(
             {
                 "workload": name,
@@ -265,25 +270,24 @@ def run_case(
                 "dense_scale": args.dense_scale,
                 "batch_size": batch,
                 "side": side,
+                "steps": args.steps,
                 "samples_per_s": batch / step,
                 "step_s": step,
-                "predicted_step_s": pred,
-                "predicted_over_measured": None if pred is None else pred / step,
                 "loss_step0": loss0[side],
-                "loss_step0_diff_vs_ours": loss0[side] - loss0[cfg["sides"][0]],
+                "loss_step0_diff_vs_ours": loss0[side] - loss0.get("ours", loss0[side]),
                 "phases_s_per_rank": [p["phases_s"] for p in per_rank],
                 "step_s_per_rank": [p["step_s"] for p in per_rank],
                 "inter_node_bytes_rank0": per_rank[0].get("inter_node_bytes_total"),
                 "rss_mb_per_rank": [p["rss_mb"] for p in per_rank],
                 "plan": plan_record(plan),
                 "torchrec_layouts": per_rank[0].get("layouts"),
-                "probe_per_rank": [r["probe"] for r in ranks],
+                "probe_per_rank": probes,
                 "calibrated_topology": calib.to_dict(),
                 "case_wall_s": wall,
-                "load_before": load_before,
-                "load_after": _load(),
+                "load_1min": [probes[0]["load_1min"], per_rank[0]["load_1min_after"]],
             }
         )
+        add_prediction(rows[-1], w, plan)
     return rows
 
 
@@ -293,7 +297,8 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r["workload"], r["batch_size"], r["side"]): r for r in rows}
-    for r in rows:
+    order = {s: i for i, s in enumerate(SIDES)}
+    for r in sorted(rows, key=lambda r: (r["batch_size"], r["workload"], order.get(r["side"], 99))):
         trw = by.get((r["workload"], r["batch_size"], "trw"))
         tr = by.get((r["workload"], r["batch_size"], "torchrec"))
         vs = f"{r['samples_per_s'] / trw['samples_per_s']:.2f}x" if trw else "-"
@@ -311,32 +316,52 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def plot(rows: list[dict[str, Any]], path: Path) -> None:
-    """Stacked bars: mean-over-ranks step time by phase, per side, one panel per case."""
+    """Stacked bars: mean-over-ranks step time by phase, per side, one panel per case
+    (workloads across, batch sizes down); a black mark at each run's predicted step."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = sorted({(r["workload"], r["batch_size"]) for r in rows}, key=str)
+    names = sorted({r["workload"] for r in rows})
+    batches = sorted({r["batch_size"] for r in rows})
     phases = list(rows[0]["phases_s_per_rank"][0])
-    fig, axes = plt.subplots(1, len(cases), figsize=(4.2 * len(cases), 4.2), squeeze=False)
-    for ax, (wl, b) in zip(axes[0], cases):
-        mine = [r for r in rows if (r["workload"], r["batch_size"]) == (wl, b)]
-        bottom = [0.0] * len(mine)
-        for ph in phases:
-            vals = [
-                1e3 * sum(p[ph] for p in r["phases_s_per_rank"]) / len(r["phases_s_per_rank"])
-                for r in mine
-            ]
-            ax.bar([r["side"] for r in mine], vals, bottom=bottom, label=ph)
-            bottom = [a + v for a, v in zip(bottom, vals)]
-        ax.set_title(f"{wl}, batch {b}")
-        ax.set_ylabel("ms per step (mean over ranks)")
-        ax.tick_params(axis="x", rotation=60)
+    fig, axes = plt.subplots(
+        len(batches), len(names), figsize=(4.2 * len(names), 4.2 * len(batches)), squeeze=False
+    )
+    for i, b in enumerate(batches):
+        for j, wl in enumerate(names):
+            ax = axes[i][j]
+            mine = [r for r in rows if (r["workload"], r["batch_size"]) == (wl, b)]
+            if not mine:
+                ax.set_axis_off()
+                continue
+            mine.sort(key=lambda r: SIDES.index(r["side"]) if r["side"] in SIDES else 99)
+            sides = [r["side"] for r in mine]
+            bottom = [0.0] * len(mine)
+            for ph in phases:
+                vals = [
+                    sum(p[ph] for p in r["phases_s_per_rank"]) / len(r["phases_s_per_rank"])
+                    for r in mine
+                ]
+                ax.bar(sides, vals, bottom=bottom, label=ph)
+                bottom = [a + v for a, v in zip(bottom, vals)]
+            pred = [r.get("predicted_step_s") for r in mine]
+            ax.plot(
+                [s for s, p in zip(sides, pred) if p is not None],
+                [p for p in pred if p is not None],
+                "k_",
+                markersize=18,
+                markeredgewidth=2,
+                label="predicted",
+            )
+            ax.set_title(f"{wl}, batch {b}")
+            ax.set_ylabel("s per step (mean over ranks)")
+            ax.tick_params(axis="x", rotation=60)
     axes[0][-1].legend(fontsize=7)
     fig.tight_layout()
     tmp = path.with_name(path.name + ".tmp.png")
-    fig.savefig(tmp, dpi=90)
+    fig.savefig(tmp, dpi=80)
     tmp.replace(path)
 
 
@@ -359,6 +384,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", default=str(RESULTS_DIR / "embark_cluster.json"))
     p.add_argument(
+        "--append",
+        action="store_true",
+        help="keep --out's rows of other cases (a case run again replaces its rows)",
+    )
+    p.add_argument(
         "--repredict",
         action="store_true",
         help="only recompute the predictions of --out's rows (no run)",
@@ -366,11 +396,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     out = Path(args.out)
     if args.repredict:
-        doc = json.loads(out.read_text())
-        repredict(doc)
-        doc["predictions_git_sha"] = git_sha()
-        _publish(doc, out)
-        print("\n".join(table_lines(doc["rows"])))
+        stored = json.loads(out.read_text())
+        repredict(stored)
+        stored["predictions_git_sha"] = git_sha()
+        _publish(stored, out)
+        print("\n".join(table_lines(stored["rows"])))
         return 0
     why = missing_capability()
     if why is not None:
@@ -378,29 +408,38 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     node_rate = 8 * args.inter_bytes_per_s * RANKS_PER_NODE
     shape = LinkShape(rate_bits_per_s=node_rate, intra_rate_bits_per_s=node_rate * args.intra_ratio)
-    rows: list[dict[str, Any]] = []
+    shaping = {
+        "nodes": NODES,
+        "ranks_per_node": RANKS_PER_NODE,
+        "node_link_bits_per_s": node_rate,
+        "node_loopback_bits_per_s": node_rate * args.intra_ratio,
+        "tc": shape.tbf_args(),
+    }
+    doc: dict[str, Any] = {"rows": []}
+    if args.append and out.exists():
+        doc = json.loads(out.read_text())
+        if doc.get("shaping") != shaping:
+            raise ValueError(f"--append: {out} was measured with other links: {doc.get('shaping')}")
+    doc.update(
+        benchmark="embark_cluster",
+        git_sha=git_sha(),
+        machine={"platform": platform.platform(), "cpus": os.cpu_count()},
+        shaping=shaping,
+    )
+    doc.setdefault("args", []).append(scrub_paths(vars(args)))
+    rows: list[dict[str, Any]] = doc["rows"]
+    turn = len({(r["workload"], r["batch_size"]) for r in rows})
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(NODES, shape) as c:
         for name in args.workloads.split(","):
             for batch in (int(b) for b in args.batch_sizes.split(",")):
                 print(f"{name} batch {batch} (load {_load()}) ...", file=sys.stderr, flush=True)
-                rows += run_case(c, name, batch, args, Path(tmp))
-                for line in table_lines([r for r in rows if r["workload"] == name]):
+                new = run_case(c, name, batch, args, Path(tmp), turn)
+                turn += 1
+                rows[:] = [r for r in rows if (r["workload"], r["batch_size"]) != (name, batch)]
+                rows += new
+                _publish(doc, out)  # after every case: a cut-short run keeps what it measured
+                for line in table_lines(new):
                     print(line, file=sys.stderr, flush=True)
-    doc = {
-        "benchmark": "embark_cluster",
-        "git_sha": git_sha(),
-        "machine": {"platform": platform.platform(), "cpus": os.cpu_count()},
-        "shaping": {
-            "nodes": NODES,
-            "ranks_per_node": RANKS_PER_NODE,
-            "node_link_bits_per_s": node_rate,
-            "node_loopback_bits_per_s": node_rate * args.intra_ratio,
-            "tc": shape.tbf_args(),
-        },
-        "args": scrub_paths(vars(args)),
-        "rows": rows,
-    }
-    _publish(doc, out)
     print("\n".join(table_lines(rows)))
     return 0
 

@@ -2,14 +2,13 @@
 namespace of the emulated cluster: ``python -m benchmarks.embark.cluster_ranks CASE_DIR``.
 
 Reads ``CASE_DIR/config.json`` (the case: workload, scale, batch, steps, our plans, TorchRec's
-topology), then on every rank, in step:
+topology), then on every rank, in step, for each side in turn (our runtime under each plan,
+plain and pipelined, and TorchRec DMP with its planner's plan):
 
-1. a probe of the emulated links and of this rank's compute (inter- and intra-node
-   all-to-all bandwidth, a small all-to-all's latency, embedding-bag gather rate, dense
-   forward + backward FLOP/s), each measured with every rank busy at once;
-2. each side in turn (our runtime under each plan, plain and pipelined, and TorchRec DMP
-   with its planner's plan): build, ``warmup`` steps, then ``steps`` timed steps on the same
-   global batches (each rank its slice), per-phase wall time per rank;
+1. a short probe of the emulated links and of this rank's compute under the load of the
+   moment (:func:`probe`), measured with every rank busy at once;
+2. the side: build, ``warmup`` steps, then ``steps`` timed steps on the same global batches
+   (each rank its slice), per-phase wall time per rank;
 
 and writes ``CASE_DIR/rank{r}.json``.
 """
@@ -43,11 +42,11 @@ from embark.sharding.phases import Phase, PhaseClock
 from embark.sharding.pipeline import SparseDistPipeline
 from embark.training.callbacks import Callback
 
-PROBE_BYTES = 4 << 20  # per rank, per all-to-all of the bandwidth probes
-PROBE_REPS = 3
+PROBE_BYTES = 1 << 20  # per rank and peer, per all-to-all of the bandwidth probes
+PROBE_REPS = 2
+SMALL_OP_REPS = 600
 
 
-# ---------------------------------------------------------------------------------- probe
 def _a2a_seconds(send_to: list[int], nbytes: int, reps: int) -> float:
     """Mean seconds of an all-to-all sending ``nbytes`` to each rank flagged in ``send_to``."""
     world = dist.get_world_size()
@@ -64,28 +63,53 @@ def _a2a_seconds(send_to: list[int], nbytes: int, reps: int) -> float:
     return (time.perf_counter() - t0) / reps
 
 
+def _small_op_seconds() -> float:
+    """Seconds of one small tensor op (a 64-float gather, add and split), the unit of the
+    runtime's per-table bookkeeping under the machine's load right now."""
+    table = torch.randn(256, 16)
+    ids = torch.randint(0, 256, (64,))
+    offsets = torch.arange(0, 64, 8)
+    t0 = time.perf_counter()
+    for _ in range(SMALL_OP_REPS):
+        y = F.embedding_bag(ids, table, offsets, mode="sum")
+        (y + 1.0).split(4)
+    return (time.perf_counter() - t0) / (3 * SMALL_OP_REPS)
+
+
 def probe(cfg: dict[str, Any], rank: int, world: int, gpn: int) -> dict[str, float]:
-    """Per-rank rates measured with every rank busy (module docstring)."""
+    """Per-rank rates measured with every rank busy at once, right before a side runs (so
+    under the load that side then meets): inter- and intra-node all-to-all bandwidth, a small
+    all-to-all's latency, gather rate, dense forward + backward FLOP/s on a local batch,
+    optimizer-step bytes/s and one small op's seconds. Runs none of the plan."""
     node = rank // gpn
     inter = [int(r // gpn != node) for r in range(world)]
     intra = [int(r // gpn == node and r != rank) for r in range(world)]
-    out: dict[str, float] = {}
+    out: dict[str, float] = {"load_1min": os.getloadavg()[0]}
     t = _a2a_seconds(inter, PROBE_BYTES, PROBE_REPS)
     out["inter_node_bytes_per_s"] = PROBE_BYTES * sum(inter) / t
     if sum(intra):
         t = _a2a_seconds(intra, PROBE_BYTES, PROBE_REPS)
         out["intra_node_bytes_per_s"] = PROBE_BYTES * sum(intra) / t
-    out["latency_s"] = _a2a_seconds([1] * world, 64, 10)
+    out["latency_s"] = _a2a_seconds([1] * world, 64, 5)
     # lookups: embedding_bag gathers of 128-float rows from a 64 MiB table
     table = torch.randn(131072, 128)
-    ids = torch.randint(0, table.shape[0], (262144,))
+    ids = torch.randint(0, table.shape[0], (65536,))
     offsets = torch.arange(0, ids.numel(), 32)
     F.embedding_bag(ids, table, offsets, mode="sum")
-    dist.barrier()
     t0 = time.perf_counter()
     for _ in range(PROBE_REPS):
         F.embedding_bag(ids, table, offsets, mode="sum")
     out["lookup_bytes_per_s"] = ids.numel() * 128 * 4 * PROBE_REPS / (time.perf_counter() - t0)
+    # optimizer: Adagrad steps over 4 MiB of fp32 weights
+    wgt = torch.nn.Parameter(torch.zeros(1 << 20))
+    wgt.grad = torch.ones_like(wgt)
+    opt = torch.optim.Adagrad([wgt], lr=0.01)
+    opt.step()
+    t0 = time.perf_counter()
+    for _ in range(PROBE_REPS):
+        opt.step()
+    out["optimizer_bytes_per_s"] = wgt.numel() * 4 * PROBE_REPS / (time.perf_counter() - t0)
+    out["small_op_s"] = _small_op_seconds()
     # dense: forward + backward of the workload's dense part on a local batch
     from benchmarks.embark.training_sides import _skip_fill, dense_part_like_build_model
 
@@ -95,13 +119,13 @@ def probe(cfg: dict[str, Any], rank: int, world: int, gpn: int) -> dict[str, flo
     x = torch.randn(b, w.dense_features)
     pooled = [torch.randn(b, t.dim, requires_grad=True) for t in w.tables]
     dense.dense_forward(x, pooled).sum().backward()
-    dist.barrier()
     t0 = time.perf_counter()
     for _ in range(PROBE_REPS):
         dense.dense_forward(x, pooled).sum().backward()
     out["dense_param_bytes"] = float(sum(p.numel() * 4 for p in dense.parameters()))
     per_sample = CostModel(w, _one_rank_topology(), 1).dense_flops_per_sample()
     out["dense_flops_per_s"] = 3 * per_sample * b * PROBE_REPS / (time.perf_counter() - t0)
+    dist.barrier()
     return out
 
 
@@ -215,15 +239,17 @@ def worker(case_dir: Path) -> None:
     try:
         n = cfg["warmup"] + cfg["steps"]
         batches = make_batches(case_workload(cfg), cfg["batch_size"], n, cfg["seed"])
-        report["probe"] = probe(cfg, rank, world, gpn)
         for side in cfg["sides"]:
             dist.barrier()
+            probed = probe(cfg, rank, world, gpn)
             if side == "torchrec":
                 res = _run_torchrec(cfg, batches, rank)
             else:
                 plan, _, mode = side.partition("+")
                 res = _run_ours(cfg, plan, mode == "pipeline", batches, rank)
             res["rss_mb"] = peak_rss_mb()
+            res["probe"] = probed
+            res["load_1min_after"] = os.getloadavg()[0]
             report["sides"][side] = res
             gc.collect()
     except BaseException:

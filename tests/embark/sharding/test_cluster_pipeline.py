@@ -3,6 +3,7 @@ the emulated topology's mapping, the link shape, the runtime-faithful cost figur
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
@@ -12,7 +13,17 @@ from embark.data import SyntheticCTR
 from embark.models.workloads import get_workload
 from embark.planner.cost import AR_INTER, AR_INTRA, CostModel
 from embark.planner.planner import plan_sharding
-from embark.planner.simulator import runtime_step_seconds, simulate
+from embark.planner.runtime_model import (
+    ALLREDUCE_OVERLAP,
+    OPS_PER_ID,
+    OPS_PER_INPUT_SPLIT,
+    OPS_PER_LOOKUP,
+    RELAYED_EXCHANGE_FACTOR,
+    HostRates,
+    relayed,
+    runtime_phases,
+)
+from embark.planner.simulator import simulate
 from embark.planner.types import CostConstants
 from embark.sharding import InputPrefetcher, SparseDistPipeline
 from embark.sharding.phases import Phase, PhaseClock
@@ -107,20 +118,54 @@ def test_dp_gradients_rated_as_the_runtime_moves_them() -> None:
         assert either.traffic(ts)[0, AR_INTER] <= full[0, AR_INTER]
 
 
-def test_runtime_step_counts_the_dense_all_reduce_and_the_pipeline() -> None:
+def test_runtime_phases_count_all_reduce_optimizer_bookkeeping_and_pipeline() -> None:
     w = get_workload("tiny")
     topo = emulated_topology()
     model = CostModel(w, topo, 64, CostConstants(dp_sparse_allgather=False))
-    plan = plan_sharding(w, topo, 64, "trw")
+    plan = plan_sharding(w, topo, 64, "tw")
     sim = simulate(plan, model)
-    plain = runtime_step_seconds(plan, model, 0.0)
-    heavy = runtime_step_seconds(plan, model, 64e6)
-    piped = runtime_step_seconds(plan, model, 0.0, pipelined=True)
+    bare = HostRates(dense_param_bytes=0.0, optimizer_bytes_per_s=1e9, small_op_s=0.0)
+    plain = runtime_phases(plan, model, bare)
+    heavy = runtime_phases(plan, model, HostRates(64e6, 1e9, 0.0))
+    busy = runtime_phases(plan, model, HostRates(0.0, 1e9, 1e-4))
+    piped = runtime_phases(plan, model, bare, pipelined=True)
+    assert set(plain) == {p.value for p in Phase}
     # a 64 MB ring over 4 ranks: 96 MB sent per rank, one rank per node over the node's
     # uplink (2 ranks' bandwidth); the tiny dense backward hides less than the ring's latency
-    # alone, so all of it is exposed
-    latency = 6 * topo.inter_node_latency_s
-    assert 2 / 3 * model.dense_seconds() < latency
+    # alone, so all of it is exposed; the optimizer steps the 64 MB once
+    assert ALLREDUCE_OVERLAP * 2 / 3 * model.dense_seconds() < 6 * topo.inter_node_latency_s
+    assert plain["allreduce"] > 0
     ring = 1.5 * 64e6 / (2 * topo.inter_node_bandwidth_bytes_per_s)
-    assert heavy - plain == pytest.approx(ring, rel=1e-9)
-    assert plain - piped == pytest.approx(sim.phases_ms["input_a2a"] / 1e3)
+    assert heavy["allreduce"] - plain["allreduce"] == pytest.approx(ring, rel=1e-9)
+    assert heavy["optimizer"] == pytest.approx(64e6 / 1e9)
+    keys = sim.phases_ms["input_a2a"] / 1e3
+    assert plain["input_dist"] == pytest.approx(keys)
+    assert piped["input_dist"] == 0.0
+    # bookkeeping: every (table, shard) split for the keys, every key routed; the busiest
+    # rank's shards looked up
+    splits = sum(len(ts.shards) for ts in plan.tables)
+    ids = sum(16 * t.hotness for t in w.tables)
+    owned = max(sum(s.rank == r for ts in plan.tables for s in ts.shards) for r in range(4))
+    assert busy["input_dist"] - plain["input_dist"] == pytest.approx(
+        (OPS_PER_INPUT_SPLIT * splits + OPS_PER_ID * ids) * 1e-4
+    )
+    assert busy["lookup"] - plain["lookup"] == pytest.approx(OPS_PER_LOOKUP * owned * 1e-4)
+
+
+def test_relayed_exchange_factor_applies_to_row_split_blocks_of_our_runtime_only() -> None:
+    w = get_workload("tiny")
+    topo = emulated_topology()
+    model = CostModel(w, topo, 64, CostConstants(dp_sparse_allgather=False))
+    bare = HostRates(dense_param_bytes=0.0, optimizer_bytes_per_s=1e9, small_op_s=0.0)
+    rw = plan_sharding(w, topo, 64, "rw")
+    tw = plan_sharding(w, topo, 64, "tw")
+    assert all(relayed(ts, 2) for ts in rw.tables)
+    assert not any(relayed(ts, 2) for ts in tw.tables)
+    acc = np.sum([model.traffic(ts) for ts in rw.tables], axis=0)
+    wire = float(model.phase_times(acc, latency=False)["output_a2a"].max())
+    ours = runtime_phases(rw, model, bare)
+    grouped = runtime_phases(rw, model, bare, grouped=True)
+    assert ours["output_a2a"] - grouped["output_a2a"] == pytest.approx(
+        (RELAYED_EXCHANGE_FACTOR - 1) * wire
+    )
+    assert runtime_phases(tw, model, bare) == runtime_phases(tw, model, bare, grouped=True)

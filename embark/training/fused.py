@@ -190,9 +190,15 @@ class SparseTableUpdate(FusedLookup):
     def __getstate__(self) -> dict[str, Any]:
         """The module's state without the kernel objects (FBGEMM's hold local functions that
         cannot be pickled): ``torch.save(model)`` works after training; a loaded copy rebuilds
-        its kernels on first use."""
+        its kernels on first use. The rounding generator is kept as its state tensor."""
         state: dict[str, Any] = super().__getstate__()
-        return state | {"_kernels": {}}
+        return state | {"_kernels": {}, "generator": self.generator.get_state()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Undo :meth:`__getstate__` (the rounding generator rebuilt from its state)."""
+        generator = torch.Generator()
+        generator.set_state(state.pop("generator"))
+        super().__setstate__(state | {"generator": generator})
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SparseTableUpdate:
         """A copy with copied state; the kernel objects are rebuilt on first use."""

@@ -56,6 +56,7 @@ if TYPE_CHECKING:
         EmbeddingOptimizerKind,
         OptimizerKind,
         ParamGroup,
+        TableRounding,
         TrainConfig,
     )
     from embark.training.epochs import reshuffled
@@ -131,6 +132,7 @@ _EXPORTS = {
     "EmbeddingOptimizerKind": "embark.training.config",
     "OptimizerKind": "embark.training.config",
     "ParamGroup": "embark.training.config",
+    "TableRounding": "embark.training.config",
     "TrainConfig": "embark.training.config",
     "auc": "embark.training.metrics",
     "log_loss": "embark.training.metrics",
@@ -191,6 +193,7 @@ __all__ = [
     "TabularSource",
     "TabularSpec",
     "Topology",
+    "TableRounding",
     "TrainConfig",
     "TrainState",
     "Trainer",

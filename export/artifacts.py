@@ -43,6 +43,7 @@ import torch
 
 from embark.data.vocabulary import FILE_NAME as VOCABULARY_FILE
 from embark.data.vocabulary import Vocabulary, vocabulary_document
+from embark.models.dlrm import DLRM
 from embark.types import TableConfig
 from export.onnx import ExportableModel, as_exportable, check_exportable, export_onnx, model_tables
 from hps.artifact_format import ARTIFACT_VERSION, ARTIFACT_VERSION_FIELD
@@ -258,10 +259,7 @@ def _write_into(folder: Path, model: ExportableModel, doc: dict[str, Any]) -> No
         zip(m["embedding_table_names"], map(RowDtype, m.get(ROW_FORMAT_FIELD, [])), strict=False)
     )
     for t in model_tables(model):
-        weight = model.embeddings[t.name].weight
-        if not isinstance(weight, torch.Tensor):
-            raise TypeError(f"table {t.name!r}: its weight is a {type(weight).__name__}")
-        w = weight.detach().cpu().numpy().astype(np.float32, copy=False)
+        w = _table_values(model, t.name).cpu().numpy().astype(np.float32, copy=False)
         keys = np.arange(w.shape[0], dtype=np.int64)
         fmt = formats.get(t.name, RowDtype.FP32)
         if fmt is RowDtype.FP32:
@@ -270,6 +268,17 @@ def _write_into(folder: Path, model: ExportableModel, doc: dict[str, Any]) -> No
             q = quantize_rows(torch.from_numpy(w), fmt, f"table {t.name!r}").numpy()
             write_table_rows(_inside(folder, ("sparse", t.name)), keys, q)
     (folder / "ps.json").write_text(json.dumps(doc, indent=2))
+
+
+def _table_values(model: ExportableModel, table: str) -> torch.Tensor:
+    """``(num_rows, dim) float32`` values of ``table``: a DLRM's through its typed tables
+    (:meth:`embark.models.tables.EmbeddingTables.float_weight`), a TorchRec EBC's bag weight."""
+    if isinstance(model, DLRM):
+        return model.embeddings.float_weight(table)
+    weight = model.embeddings[table].weight
+    if not isinstance(weight, torch.Tensor):
+        raise TypeError(f"table {table!r}: its weight is a {type(weight).__name__}")
+    return weight.detach()
 
 
 def _make_dirs(path: Path) -> list[Path]:

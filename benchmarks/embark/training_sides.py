@@ -50,6 +50,7 @@ from torch import nn
 from embark.data.batch import Batch, local_batch
 from embark.data.jagged import JaggedBatch
 from embark.models.dlrm import DLRM, DotInteraction
+from embark.models.tables import EmbeddingTables
 from embark.models.workloads import Workload, get_workload
 from embark.training.config import TrainConfig
 
@@ -125,7 +126,7 @@ def dense_part_like_build_model(workload: Workload, seed: int, fill: TableFill) 
                 m.bias.normal_(0.0, math.sqrt(1.0 / fan_out), generator=gen)
         elif isinstance(m, nn.EmbeddingBag):
             fill(table_of[id(m)], math.sqrt(1.0 / m.num_embeddings), gen)
-    model.embeddings = nn.ModuleDict()
+    model.embeddings = EmbeddingTables(())
     return model
 
 

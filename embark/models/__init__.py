@@ -16,6 +16,7 @@ if TYPE_CHECKING:
         init_weights_,
         uniform_block_,
     )
+    from embark.models.tables import EmbeddingTables, TableModel, TableStore
     from embark.models.workloads import PRESETS, Interaction, Workload, get_workload
 
 # Names are imported on first use, so that a command which needs no torch (the data
@@ -28,6 +29,9 @@ _EXPORTS = {
     "build_model": "embark.models.dlrm",
     "init_weights_": "embark.models.dlrm",
     "uniform_block_": "embark.models.dlrm",
+    "EmbeddingTables": "embark.models.tables",
+    "TableModel": "embark.models.tables",
+    "TableStore": "embark.models.tables",
     "PRESETS": "embark.models.workloads",
     "Interaction": "embark.models.workloads",
     "Workload": "embark.models.workloads",
@@ -39,7 +43,10 @@ __all__ = [
     "PRESETS",
     "CrossNetV2",
     "DotInteraction",
+    "EmbeddingTables",
     "Interaction",
+    "TableModel",
+    "TableStore",
     "Workload",
     "build_dense_part",
     "build_model",

@@ -28,8 +28,9 @@ from torch import nn
 
 from embark.data.hotness import enforce_hotness
 from embark.data.jagged import JaggedBatch
+from embark.models.tables import EmbeddingTables, TableModel, torch_dtype
 from embark.models.workloads import Workload
-from embark.types import Combiner
+from hps.rowformat import RowDtype
 
 
 def _mlp(widths: Sequence[int], in_features: int, last_relu: bool) -> nn.Sequential:
@@ -111,15 +112,14 @@ class CrossNetV2(nn.Module):
         return not (u._forward_hooks or hooks._global_forward_hooks)
 
 
-class DLRM(nn.Module):
+class DLRM(TableModel):
     """DLRM (``interaction.type == "dot"``) or DLRM-DCNv2 (``"dcnv2"``) for a :class:`Workload`.
 
-    Submodules: ``embeddings`` (``ModuleDict`` table name → ``nn.EmbeddingBag``, weights
-    ``(num_rows, dim) float32``), ``projections`` (``ModuleDict`` table name → ``Linear(dim_t, d,
+    Submodules: ``embeddings`` (:class:`~embark.models.tables.EmbeddingTables`: table name →
+    ``nn.EmbeddingBag``, weights ``(num_rows, dim)`` float32 unless trained in FP16/BF16, or a
+    table in a row format; it holds the trainer's fused updates too), ``projections`` (``ModuleDict`` table name → ``Linear(dim_t, d,
     bias=False)``, only for tables whose dim differs from the bottom output ``d``),
-    ``bottom_mlp``, ``interaction`` (:class:`DotInteraction` or :class:`CrossNetV2`), ``top_mlp``,
-    ``sparse_updates`` (``ModuleDict`` table name → fused lookup-and-update module, empty until
-    a trainer fills it: ``embark.training.fused``; a table found there is pooled through it).
+    ``bottom_mlp``, ``interaction`` (:class:`DotInteraction` or :class:`CrossNetV2`), ``top_mlp``.
     Use :func:`build_model` to construct and initialise one.
     """
 
@@ -129,15 +129,7 @@ class DLRM(nn.Module):
         self.table_names = [t.name for t in workload.tables]
         self._num_rows = {t.name: t.num_rows for t in workload.tables}
         d = workload.bottom_mlp[-1]
-        self.embeddings = nn.ModuleDict(
-            {
-                t.name: nn.EmbeddingBag(
-                    t.num_rows, t.dim, mode="mean" if t.combiner == Combiner.MEAN else "sum"
-                )
-                for t in workload.tables
-            }
-        )
-        self.sparse_updates = nn.ModuleDict()
+        self.embeddings = EmbeddingTables(workload.tables)
         self.projections = nn.ModuleDict(
             {t.name: nn.Linear(t.dim, d, bias=False) for t in workload.tables if t.dim != d}
         )
@@ -163,24 +155,18 @@ class DLRM(nn.Module):
         values = [sparse.values_for(name) for name in self.table_names]
         self._check_ids(values)
         return [
-            self._bag(name, v, sparse.bag_offsets(name))
+            self.embeddings.bag(name, v, sparse.bag_offsets(name))
             for name, v in zip(self.table_names, values)
         ]
 
-    def _bag(self, name: str, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
-        bag = self.embeddings[name]
-        if name in self.sparse_updates:
-            return self.sparse_updates[name](bag.weight, ids, offsets, bag.mode)
-        return bag(ids, offsets)
+    def embedding_store(self) -> EmbeddingTables:
+        """The model's tables (:class:`~embark.models.tables.EmbeddingTables`)."""
+        return self.embeddings
 
     def embedding_tables(self) -> dict[str, nn.Parameter]:
-        """``{table: (num_rows, dim) float32 weight}`` of the float tables, in workload order
-        (a table stored in a row format, ``embark.quant``, holds no weight and is left out)."""
-        return {
-            n: self.embeddings[n].get_parameter("weight")
-            for n in self.table_names
-            if isinstance(self.embeddings[n], nn.EmbeddingBag)
-        }
+        """``{table: (num_rows, dim) weight}`` of the float tables, in workload order (a table
+        stored in a row format, ``embark.quant``, holds no weight and is left out)."""
+        return self.embeddings.trainable_weights()
 
     def _check_ids(self, values: Sequence[torch.Tensor]) -> None:
         """Range check of every table's ``(nnz_t,) int64`` ids: one min/max per table and one
@@ -376,16 +362,51 @@ def _materialise(model: DLRM, skip: tuple[str, ...] = ()) -> None:
         model.interaction.rows, model.interaction.cols = torch.triu_indices(n, n, 1)
 
 
-def build_model(workload: Workload, seed: int = 0) -> DLRM:
+def build_model(workload: Workload, seed: int = 0, table_dtype: RowDtype = RowDtype.FP32) -> DLRM:
     """Build and initialise a :class:`DLRM` for ``workload``, deterministically from ``seed``.
 
     The modules are created on the meta device and materialised once, so building a large
     table costs one initialisation, not two.
+
+    Args:
+        table_dtype: the tables' storage dtype (``fp32``, ``fp16`` or ``bf16``): a half-size
+            table is allocated as such and filled block by block (4 MiB of float32 scratch),
+            never held in float32 whole; its values are the float32 model's rounded to
+            nearest.
+
+    Raises:
+        ValueError: for a ``table_dtype`` a trainable table cannot have (int8 ...).
     """
+    dtype = torch_dtype(table_dtype)
     with torch.device("meta"):
         model = DLRM(workload)
-    _materialise(model)
-    return init_weights_(model, seed)
+    if dtype == torch.float32:
+        _materialise(model)
+        return init_weights_(model, seed)
+    _materialise(model, skip=("embeddings",))
+    for t in workload.tables:
+        bag = model.embeddings[t.name]
+        assert isinstance(bag, nn.EmbeddingBag)
+        bag.weight = nn.Parameter(torch.empty(t.num_rows, t.dim, dtype=dtype))
+    return init_weights_(model, seed, _RoundedFill(model.embeddings))
+
+
+class _RoundedFill:
+    """A :data:`TableFill` (over module names ``embeddings.<table>``) drawing a table's float32
+    values block of rows by block into its low-precision weight (rounded to nearest)."""
+
+    def __init__(self, tables: EmbeddingTables) -> None:
+        self.tables = tables
+
+    def __call__(self, name: str, bound: float, generator: torch.Generator) -> None:
+        weight = self.tables.trainable_weights()[name.removeprefix("embeddings.")]
+        rows, dim = weight.shape
+        step = max(1, SCRATCH_ELEMENTS // max(dim, 1))
+        scratch = torch.empty(min(step, rows), dim)
+        for start in range(0, rows, step):
+            block = scratch[: min(step, rows - start)]
+            block.uniform_(-bound, bound, generator=generator)
+            weight.data[start : start + block.shape[0]].copy_(block)
 
 
 def build_dense_part(
@@ -405,7 +426,7 @@ def build_dense_part(
         model = DLRM(workload)
     _materialise(model, skip=("embeddings",))
     init_weights_(model, seed, _TableNames(fill_table))
-    model.embeddings = nn.ModuleDict()
+    model.embeddings = EmbeddingTables(())
     return model
 
 

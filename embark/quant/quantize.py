@@ -31,8 +31,8 @@ def quantize_embeddings_(model: DLRM, config: EmbeddingQuantConfig) -> DLRM:
     ``model``.
 
     Every table is checked and quantized before any is replaced, so a failure leaves the
-    model untouched. A quantized table leaves ``model.sparse_updates`` (a trainer's fused
-    update has nothing to update).
+    model untouched. A quantized table loses its fused update, if a trainer installed one
+    (:meth:`~embark.models.tables.EmbeddingTables.replace_table`: nothing to update).
 
     Raises:
         ValueError: naming the table(s), when ``config.per_table`` names a table the model
@@ -61,21 +61,17 @@ def quantize_embeddings_(model: DLRM, config: EmbeddingQuantConfig) -> DLRM:
             continue
         combiner = Combiner.MEAN if module.mode == "mean" else Combiner.SUM
         replaced[name] = QuantizedEmbeddingBag.from_float(
-            name, module.weight, dtype, combiner, config.kernel
+            name, model.embeddings.float_weight(name), dtype, combiner, config.kernel
         )
     for name, table in replaced.items():
-        model.embeddings[name] = table
-        if name in model.sparse_updates:
-            del model.sparse_updates[name]
+        model.embeddings.replace_table(name, table)
     return model
 
 
 def table_dtypes(model: DLRM) -> dict[str, RowDtype]:
-    """``{table: its row format}`` in workload order (a float table is fp32)."""
-    return {
-        name: m.dtype if isinstance(m, QuantizedEmbeddingBag) else RowDtype.FP32
-        for name, m in ((n, model.embeddings[n]) for n in model.table_names)
-    }
+    """``{table: its row format}`` in workload order (a float table: its weight's dtype,
+    FP32 unless trained in FP16/BF16)."""
+    return model.embeddings.storage_dtypes()
 
 
 def table_bytes(model: DLRM) -> dict[str, int]:
@@ -88,5 +84,5 @@ def table_bytes(model: DLRM) -> dict[str, int]:
             out[name] = m.nbytes
         else:
             rows, dim = m.get_parameter("weight").shape
-            out[name] = rows * row_bytes(RowDtype.FP32, dim)
+            out[name] = rows * row_bytes(model.embeddings.storage_dtype(name), dim)
     return out

@@ -33,7 +33,7 @@ def model_size(model: DLRM) -> ModelSize:
     seen: set[tuple[int, int]] = set()
     dense = 0
     for child in model.children():
-        if child is model.embeddings or child is model.sparse_updates:  # tables, their optimizer
+        if child is model.embeddings:  # the tables (with their fused updates' state)
             continue
         for tensor in child.state_dict().values():
             key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())

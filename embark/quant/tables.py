@@ -18,8 +18,8 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from torch import nn
 
+from embark.models.tables import RowFormatTable
 from embark.training.config import EmbeddingKernel
 from embark.types import Combiner
 from hps.rowformat import RowDtype, check_rows, dequantize_rows, quantize_rows, row_bytes
@@ -153,7 +153,7 @@ class _FbgemmLookup:
         return op(indices=ids, offsets=ends, **self._op_args)
 
 
-class QuantizedEmbeddingBag(nn.Module):
+class QuantizedEmbeddingBag(RowFormatTable):
     """One table's rows in a :class:`~hps.rowformat.RowDtype`, pooled into bags on lookup.
 
     Args:

@@ -54,6 +54,7 @@ from safetensors import SafetensorError, safe_open
 
 import embark.training.checkpoint.store as ckpt
 from embark.models.dlrm import DLRM, build_model
+from embark.models.tables import table_weight_key
 from embark.models.workloads import Workload
 from embark.sharding.comm import distributed_world
 from embark.sharding.model import ShardedDLRM
@@ -210,7 +211,7 @@ def _single_names(model: ShardedDLRM) -> dict[torch.Tensor, str]:
     """Each parameter of ``model`` -> its name in the single-process DLRM."""
     names: dict[torch.Tensor, str] = {p: n for n, p in model.dense.named_parameters()}
     for t, w in model.embeddings.weights.items():
-        names[w] = f"embeddings.{t}.weight"
+        names[w] = table_weight_key(t)
     return names
 
 
@@ -228,7 +229,7 @@ def _local_pieces(
     for t, s in coll.local_shards.items():
         if coll.layout.is_dp(t):
             continue
-        key = f"embeddings.{t}.weight"
+        key = table_weight_key(t)
         pieces: list[tuple[str, torch.Tensor, tuple[int, ...]]] = [
             (key, coll.weights[t].detach(), (s.row_start, s.col_start))
         ]
@@ -267,8 +268,8 @@ def _write_replicated(trainer: Trainer, tmp: Path, written: list[_Written]) -> d
     weights = dict(model.dense.state_dict())
     rows: dict[str, torch.Tensor] = {}
     for t in coll.layout.dp_tables:
-        weights[f"embeddings.{t}.weight"] = coll.weights[t]
-        rows |= {f"embeddings.{t}.weight::{k}": v for k, v in updates[t].state().items()}
+        weights[table_weight_key(t)] = coll.weights[t]
+        rows |= {f"{table_weight_key(t)}::{k}": v for k, v in updates[t].state().items()}
     ckpt.write_tensors(weights, tmp / ckpt.MODEL_FILE)
     tensors, scalars, groups = ckpt.optimizer_files(trainer.optimizer, _single_names(model))
     ckpt.write_tensors(tensors | rows, tmp / ckpt.OPTIMIZER_FILE)
@@ -350,7 +351,7 @@ def _regions(
         if not mine:
             continue
         rows, cols = (mine[0].row_start, mine[0].row_end), (mine[0].col_start, mine[0].col_end)
-        key = f"embeddings.{t.name}.weight"
+        key = table_weight_key(t.name)
         out[key] = [rows, cols]
         for k, per_weight in STATE_KEYS[cfg.embedding_update].items():
             out[f"{key}::{k}"] = [rows, cols] if per_weight else [rows]
@@ -367,8 +368,15 @@ def _read_whole(folder: Path, file: str, keep: Any) -> dict[str, torch.Tensor]:
         raise ValueError(f"checkpoint file {str(fp)!r} cannot be read: {err}") from err
 
 
-def _is_dense(key: str) -> bool:
-    return not key.startswith("embeddings.")
+def _dense_filter(tables: list[str]) -> Any:
+    """``key -> bool``: whether a checkpoint entry is the dense part's (not a table's weight
+    or its optimizer state, :func:`~embark.models.tables.table_weight_key`)."""
+    table_keys = {table_weight_key(t) for t in tables}
+
+    def is_dense(key: str) -> bool:
+        return key.split("::", 1)[0] not in table_keys
+
+    return is_dense
 
 
 @dataclass
@@ -393,8 +401,9 @@ def _read_rank(path: Path, plan: ShardingPlan, rank: int) -> _RankState:
     for f in sorted(files_for(chunks, regions) | set(TENSOR_FILES)):
         ckpt.verify_file(path, f, state["files"][f])
     tables = {k: plan_region(path, chunks, k, r) for k, r in regions.items()}
-    dense = _read_whole(path, ckpt.MODEL_FILE, _is_dense)
-    dense_opt = _read_whole(path, ckpt.OPTIMIZER_FILE, _is_dense)
+    is_dense = _dense_filter([t.name for t in workload.tables])
+    dense = _read_whole(path, ckpt.MODEL_FILE, is_dense)
+    dense_opt = _read_whole(path, ckpt.OPTIMIZER_FILE, is_dense)
     return _RankState(checkpoint, dense, dense_opt, tables)
 
 

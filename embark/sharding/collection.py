@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from embark.data.jagged import JaggedBatch
+from embark.models.tables import TableStore
 from embark.sharding.comm import (
     LENGTH_DTYPE,
     CommStats,
@@ -94,7 +95,7 @@ from embark.sharding.routing import (
 from embark.types import Cluster, Combiner, CommDtype, Shard, ShardingPlan, TableConfig
 
 
-class ShardedEmbeddingCollection(FullTables, nn.Module):
+class ShardedEmbeddingCollection(FullTables, TableStore):
     """This rank's part of the embedding tables of ``plan`` (see the module docstring).
 
     Args:
@@ -178,9 +179,6 @@ class ShardedEmbeddingCollection(FullTables, nn.Module):
                 w.uniform_(-bound, bound, generator=gen)
             self.local_shards[t.name] = s
             self.weights[t.name] = nn.Parameter(w)
-        # table -> fused lookup-and-update of its shard (filled by a trainer:
-        # embark.training.fused); tables found here are looked up through it
-        self.sparse_updates = nn.ModuleDict()
         self.phase_clock: PhaseClock | None = None  # embark.sharding.phases (benchmarks)
         # positions: table -> [(owner rank, index in owned[owner])], in shards_of order
         self._positions: dict[str, list[tuple[int, int]]] = {}
@@ -348,30 +346,31 @@ class ShardedEmbeddingCollection(FullTables, nn.Module):
                 out.append(list(pooled.split(inp.batch_sizes)))
             else:
                 counts = [inp.received[r][k][1].numel() for r in range(self.world_size)]
-                if ref.table in self.sparse_updates and rows.numel():
+                if self.update_of(ref.table) is not None and rows.numel():
                     # one row per distinct id: bags of one
                     looked_up = self._bag(ref.table, rows, torch.arange(rows.numel()), "sum")
                 else:
-                    looked_up = F.embedding(rows, w)
+                    looked_up = F.embedding(rows, w).float()
                 out.append(list(looked_up.split(counts)))
         return out
 
     def _bag(self, table: str, ids: torch.Tensor, offsets: torch.Tensor, mode: str) -> torch.Tensor:
         """Pool ``ids`` (re-based to this rank's shard) from the shard of ``table``: through
-        its fused update when the trainer installed one, else ``F.embedding_bag``."""
-        w = self.weights[table]
-        if table in self.sparse_updates:
-            return self.sparse_updates[table](w, ids, offsets, mode)
-        return F.embedding_bag(ids, w, offsets, mode=mode)
+        its fused update when the trainer installed one, else ``F.embedding_bag``
+        (:meth:`~embark.models.tables.TableStore.lookup`; float32 whatever the storage)."""
+        return self.lookup(table, ids, offsets, mode)
 
-    def embedding_tables(self) -> dict[str, nn.Parameter]:
-        """``{table: this rank's shard or replica (rows, cols) float32}`` for the tables this
-        rank holds a piece of."""
+    def trainable_weights(self) -> dict[str, nn.Parameter]:
+        """``{table: this rank's shard or replica (rows, cols)}`` for the tables this rank
+        holds a piece of (float32, or the dtype the trainer stores them in)."""
         return {n: self.weights[n] for n in self.local_shards}
 
-    def replicated_tables(self) -> frozenset[str]:
+    def replicated(self) -> frozenset[str]:
         """The data-parallel tables (replicas whose gradients are summed over the ranks)."""
         return frozenset(self.layout.dp_tables)
+
+    def _set_weight(self, table: str, weight: nn.Parameter) -> None:
+        self.weights[table] = weight
 
     def compute(self, inp: DistributedInput) -> dict[str, torch.Tensor]:
         """Step 3 and pooling: look up, send vectors back, assemble this rank's outputs.
@@ -413,9 +412,10 @@ class ShardedEmbeddingCollection(FullTables, nn.Module):
                 values, offsets = inp.dp_input[t.name]
                 mode = "mean" if t.combiner is Combiner.MEAN else "sum"
                 w = self.weights[t.name]
+                # float32 bags whatever the replica's storage (its gradient is in that dtype)
                 outs[t.name] = (
                     F.embedding_bag(values, w, offsets, mode=mode) if inp.batch_size else w[:0]
-                )
+                ).float()
         if self.phase_clock is not None:
             self.phase_clock.mark(Phase.OUTPUT_A2A)
         return {t.name: outs[t.name] for t in layout.tables}

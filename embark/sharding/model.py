@@ -50,6 +50,7 @@ from embark.data.batch import Batch
 from embark.data.hotness import enforce_hotness
 from embark.data.jagged import JaggedBatch
 from embark.models.dlrm import DLRM, build_dense_part, uniform_block_
+from embark.models.tables import EmbeddingTables, TableModel
 from embark.models.workloads import Workload
 from embark.sharding.collection import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world, grad_wire
@@ -103,7 +104,7 @@ def _buckets(params: list[nn.Parameter], limit: int) -> list[list[nn.Parameter]]
     return out
 
 
-class ShardedDLRM(nn.Module):
+class ShardedDLRM(TableModel):
     """A :class:`~embark.models.dlrm.DLRM` whose tables are sharded per ``plan`` and whose
     dense part (projections, bottom MLP, interaction, top MLP) is a replica on every rank.
 
@@ -153,12 +154,12 @@ class ShardedDLRM(nn.Module):
         embeddings.load_full_weights(
             {n: model.embeddings[n].get_parameter("weight") for n in model.table_names}
         )
-        tables, updates = model.embeddings, model.sparse_updates
-        model.embeddings = model.sparse_updates = nn.ModuleDict()  # deep-copy the dense part only
+        tables = model.embeddings
+        model.embeddings = EmbeddingTables(())  # deep-copy the dense part only
         try:
             dense = copy.deepcopy(model)
         finally:
-            model.embeddings, model.sparse_updates = tables, updates
+            model.embeddings = tables
         self._attach(model.workload, embeddings, dense)
 
     @classmethod
@@ -217,18 +218,17 @@ class ShardedDLRM(nn.Module):
         self.phase_clock = clock
         self.embeddings.phase_clock = clock
 
+    def embedding_store(self) -> ShardedEmbeddingCollection:
+        """This rank's tables (:class:`ShardedEmbeddingCollection`)."""
+        return self.embeddings
+
     def embedding_tables(self) -> dict[str, nn.Parameter]:
-        """This rank's table pieces (:meth:`ShardedEmbeddingCollection.embedding_tables`)."""
-        return self.embeddings.embedding_tables()
+        """This rank's table pieces (:meth:`ShardedEmbeddingCollection.trainable_weights`)."""
+        return self.embeddings.trainable_weights()
 
     def replicated_tables(self) -> frozenset[str]:
         """The data-parallel tables."""
-        return self.embeddings.replicated_tables()
-
-    @property
-    def sparse_updates(self) -> nn.ModuleDict:
-        """The collection's fused updates (``embark.training.fused``)."""
-        return self.embeddings.sparse_updates
+        return self.embeddings.replicated()
 
     def replicated_parameters(self) -> list[nn.Parameter]:
         """Parameters every rank holds whole: the dense part's, then the DP replicas."""

@@ -14,6 +14,7 @@ from embark.training.config import (
     EmbeddingOptimizerKind,
     OptimizerKind,
     ParamGroup,
+    TableRounding,
     TrainConfig,
 )
 from embark.training.epochs import reshuffled
@@ -44,6 +45,7 @@ __all__ = [
     "ParamGroup",
     "RowOptimizer",
     "SparseTableUpdate",
+    "TableRounding",
     "TrainConfig",
     "TrainState",
     "Trainer",

@@ -12,6 +12,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from hps.rowformat import RowDtype
+
 
 class OptimizerKind(StrEnum):
     """Optimizers the trainer builds (one for embeddings and dense part, two param groups)."""
@@ -46,6 +48,25 @@ class EmbeddingKernel(StrEnum):
     FBGEMM = "fbgemm"
     REFERENCE = "reference"
 
+
+class TableRounding(StrEnum):
+    """How an FP16/BF16 table's updated rows are rounded back to their storage dtype (the row
+    update itself is computed in float32).
+
+    ``stochastic``: up or down to one of the two nearest representable values, with the
+    probability that makes the expected value the float32 result (unbiased: small updates
+    are not lost on average; FBGEMM's default, which its CUDA kernels apply — its CPU kernel
+    rounds to nearest whatever its ``stochastic_rounding`` flag says, so these tables train
+    on the reference path); ``nearest``: round to nearest even (what FBGEMM's CPU kernel
+    does, and what it runs).
+    """
+
+    STOCHASTIC = "stochastic"
+    NEAREST = "nearest"
+
+
+#: the storage dtypes a trained table can have (TrainConfig.table_dtype)
+TRAINABLE_TABLE_DTYPES = (RowDtype.FP32, RowDtype.FP16, RowDtype.BF16)
 
 #: the optimizer groups the trainer names itself (:func:`build_optimizer`)
 RESERVED_GROUPS = ("embeddings", "dense")
@@ -124,6 +145,12 @@ class TrainConfig:
         param_groups: parameters with learning rates of their own (:class:`ParamGroup`); a
             parameter goes to the first group that matches it, the others to ``"embeddings"``
             / ``"dense"``.
+        table_dtype: the storage dtype of the trained tables' weights
+            (:class:`~hps.rowformat.RowDtype` ``fp32``, ``fp16`` or ``bf16``): half-size
+            tables hold half the bytes per row; lookups return float32 and the row update is
+            computed in float32, then rounded by ``table_rounding`` (the optimizer state stays
+            float32). A trainer stores its model's tables in this dtype.
+        table_rounding: :class:`TableRounding` of FP16/BF16 rows after each update.
 
     Raises:
         ValueError: naming the field, for out-of-range values.
@@ -143,6 +170,8 @@ class TrainConfig:
     embedding_kernel: EmbeddingKernel = EmbeddingKernel.AUTO
     warmup_steps: int = 0
     param_groups: tuple[ParamGroup, ...] = ()
+    table_dtype: RowDtype = RowDtype.FP32
+    table_rounding: TableRounding = TableRounding.STOCHASTIC
 
     def __post_init__(self) -> None:
         groups = tuple(
@@ -159,6 +188,14 @@ class TrainConfig:
                 "embedding_optimizer", EmbeddingOptimizerKind, self.embedding_optimizer
             )
         self._enum_field("embedding_kernel", EmbeddingKernel, self.embedding_kernel)
+        self._enum_field("table_dtype", RowDtype, self.table_dtype)
+        self._enum_field("table_rounding", TableRounding, self.table_rounding)
+        if self.table_dtype not in TRAINABLE_TABLE_DTYPES:
+            raise ValueError(
+                f"TrainConfig.table_dtype must be one of "
+                f"{[d.value for d in TRAINABLE_TABLE_DTYPES]} (a trained table's weight), got "
+                f"{self.table_dtype.value!r}; quantize a trained model to store int8/int4 rows"
+            )
         for name in ("lr", "adagrad_eps"):
             v = getattr(self, name)
             if not (isinstance(v, int | float) and math.isfinite(v) and v > 0):
@@ -215,10 +252,14 @@ class TrainConfig:
         d["optimizer"] = self.optimizer.value
         d["embedding_optimizer"] = self.embedding_optimizer and self.embedding_optimizer.value
         d["embedding_kernel"] = self.embedding_kernel.value
+        d["table_dtype"] = self.table_dtype.value
+        d["table_rounding"] = self.table_rounding.value
         return d
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> TrainConfig:
+        """The config of :meth:`to_dict`'s mapping (a field it lacks, e.g. ``table_dtype`` in
+        a checkpoint written before it existed, takes its default)."""
         allowed = {f.name for f in fields(cls)}
         unknown = set(d) - allowed
         if unknown:

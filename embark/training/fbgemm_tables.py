@@ -25,7 +25,7 @@ from types import ModuleType
 
 import torch
 
-from embark.training.config import EmbeddingOptimizerKind
+from embark.training.config import EmbeddingOptimizerKind, TableRounding
 from embark.training.sparse_rows import RowOptimizer
 
 log = logging.getLogger(__name__)
@@ -61,7 +61,8 @@ class FbgemmTable:
     """One table's lookup through FBGEMM, optimizer applied in its backward.
 
     Args:
-        weight: the table's (or shard's) ``(num_rows, dim) float32`` weight, contiguous.
+        weight: the table's (or shard's) ``(num_rows, dim)`` weight, float32 or float16
+            (:meth:`supports`), contiguous.
         state: the update's state (``sum`` ``(num_rows, dim)`` or ``row_sum`` ``(num_rows,)``
             float32, contiguous; empty for SGD).
         optimizer: the row update (its kind, lr, eps).
@@ -99,9 +100,15 @@ class FbgemmTable:
         extra: dict[str, dict[str, torch.Tensor]] = {}
         if _takes_host_buffers(cls):
             extra["preallocated_host_buffers"] = _host_views(weight, state)
+        precision = {torch.float32: "FP32", torch.float16: "FP16"}[weight.dtype]
         self.tbe = cls(
             [(num_rows, dim, common.EmbeddingLocation.HOST, ops.ComputeDevice.CPU)],
             optimizer=optim,
+            weights_precision=getattr(configs.SparseType, precision),
+            # its CPU kernel rounds updated FP16 rows to nearest whatever this flag says
+            # (measured, fbgemm-gpu-cpu 1.8): ask for what it does
+            stochastic_rounding=False,
+            output_dtype=configs.SparseType.FP32,
             learning_rate=optimizer.lr,
             eps=optimizer.eps,
             pooling_mode=common.PoolingMode.MEAN if mean else common.PoolingMode.SUM,
@@ -112,10 +119,20 @@ class FbgemmTable:
         self._unbind()
 
     @staticmethod
-    def supports(dim: int) -> bool:
-        """Whether the kernel takes rows of ``dim`` floats (FBGEMM's rows are a multiple of 4
-        wide; a column shard may not be)."""
-        return dim % 4 == 0
+    def supports(
+        dim: int,
+        dtype: torch.dtype = torch.float32,
+        rounding: TableRounding = TableRounding.NEAREST,
+    ) -> bool:
+        """Whether the CPU kernel trains rows of ``dim`` values stored as ``dtype`` rounded by
+        ``rounding``: rows a multiple of 4 wide (a column shard may not be), float32 weights,
+        or float16 ones rounded to nearest (its CPU kernel has no stochastic rounding and no
+        bfloat16 weights)."""
+        if dim % 4:
+            return False
+        if dtype == torch.float32:
+            return True
+        return dtype == torch.float16 and rounding is TableRounding.NEAREST
 
     def set_lr(self, lr: float) -> None:
         """Set the learning rate the kernel's backward applies."""

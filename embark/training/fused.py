@@ -1,20 +1,15 @@
 """Fused sparse embedding training: a table's lookup whose backward updates only the rows the
 batch touched, inside backward (no dense gradient of a table, no full-table optimizer step).
 
-A model opts in by exposing its tables (duck-typed, so ``embark.models`` and
-``embark.sharding`` need not import this module)::
-
-    model.embedding_tables() -> {table: weight parameter}   (a whole table or this rank's shard)
-    model.replicated_tables() -> frozenset of tables         (optional; data-parallel replicas)
-    model.sparse_updates: nn.ModuleDict                      (empty; filled here)
-
-and by pooling a table through ``model.sparse_updates[table](weight, ids, offsets, mode)``
-when it is present. :class:`EmbeddingUpdates` (built by the trainer) fills
-``sparse_updates`` with one :class:`SparseTableUpdate` per table and turns the tables'
-``requires_grad`` off, so the dense optimizer never sees them. A table whose weight has
-``requires_grad`` off when the trainer takes it over is frozen (:attr:`SparseTableUpdate.frozen`:
-looked up, never updated, its optimizer state untouched); :meth:`EmbeddingUpdates.set_frozen`
-freezes or thaws a table later::
+A model opts in by being a :class:`~embark.models.tables.TableModel`: its
+:meth:`~embark.models.tables.TableModel.embedding_store` is a
+:class:`~embark.models.tables.TableStore` (a single-process model's whole tables, or a rank's
+shards and replicas) that pools a table through the fused update installed for it.
+:class:`EmbeddingUpdates` (built by the trainer) installs one :class:`SparseTableUpdate` per
+table and turns the tables' ``requires_grad`` off, so the dense optimizer never sees them. A
+table whose weight has ``requires_grad`` off when the trainer takes it over is frozen
+(:attr:`SparseTableUpdate.frozen`: looked up, never updated, its optimizer state untouched);
+:meth:`EmbeddingUpdates.set_frozen` freezes or thaws a table later::
 
     forward   pooled = update(weight, ids, offsets, mode)        (B, dim)
     backward  rows, grads = distinct touched rows and their summed gradients
@@ -34,6 +29,7 @@ weights alone, as exported). Checkpoints name it ``"<weight name>::<state key>"`
 from __future__ import annotations
 
 import logging
+import zlib
 from collections.abc import Mapping
 from dataclasses import replace
 from typing import Any
@@ -42,11 +38,15 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from embark.training.config import EmbeddingKernel, TrainConfig
+from embark.models.tables import FusedLookup, TableModel
+from embark.training.config import EmbeddingKernel, TableRounding, TrainConfig
 from embark.training.fbgemm_tables import FbgemmTable, fbgemm_available
 from embark.training.sparse_rows import STATE_KEYS, RowOptimizer, row_gradients
 
 log = logging.getLogger(__name__)
+
+#: the state key of a stochastically rounded table's generator state in checkpoints
+ROUNDING_GENERATOR = "rounding_generator"
 
 
 def resolve_kernel(kernel: EmbeddingKernel) -> EmbeddingKernel:
@@ -82,17 +82,17 @@ class _ReferenceBag(torch.autograd.Function):
     ) -> torch.Tensor:
         ctx.save_for_backward(ids, offsets)
         ctx.weight, ctx.mean, ctx.update = weight, mean, update
-        return F.embedding_bag(ids, weight, offsets, mode="mean" if mean else "sum")
+        return F.embedding_bag(ids, weight, offsets, mode="mean" if mean else "sum").float()
 
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
         ids, offsets = ctx.saved_tensors
         rows, row_grads = row_gradients(grad, ids, offsets, ctx.mean)
-        ctx.update.optimizer.apply_(ctx.weight, ctx.update.state(), rows, row_grads)
+        ctx.update.apply_rows(ctx.weight, rows, row_grads)
         return (None,) * 6
 
 
-class SparseTableUpdate(nn.Module):
+class SparseTableUpdate(FusedLookup):
     """The fused lookup and row update of one table (or shard) of ``num_rows × dim``.
 
     Args:
@@ -100,7 +100,10 @@ class SparseTableUpdate(nn.Module):
         num_rows, dim: the weight's shape.
         optimizer: the row update.
         kernel: ``FBGEMM`` or ``REFERENCE`` (:func:`resolve_kernel`); a shard whose width
-            FBGEMM does not take (:meth:`FbgemmTable.supports`) runs on the reference path.
+            or storage FBGEMM does not take (:meth:`FbgemmTable.supports`: BF16 weights, FP16
+            weights with stochastic rounding on CPU) runs on the reference path.
+        rounding: how FP16/BF16 rows are rounded after an update (:class:`TableRounding`).
+        seed: seeds the random bits of stochastic rounding (with the table's name).
 
     Buffers (non-persistent): the optimizer state, ``sum (num_rows, dim)`` or
     ``row_sum (num_rows,)`` float32, none for SGD.
@@ -116,10 +119,17 @@ class SparseTableUpdate(nn.Module):
         dim: int,
         optimizer: RowOptimizer,
         kernel: EmbeddingKernel,
+        rounding: TableRounding = TableRounding.STOCHASTIC,
+        seed: int = 0,
     ) -> None:
         super().__init__()
         self.table, self.num_rows, self.dim = table, num_rows, dim
         self.optimizer, self.kernel = optimizer, kernel
+        self.rounding, self.seed = rounding, seed
+        # stochastic rounding's bits: a function of the seed and the table alone
+        self.generator = torch.Generator().manual_seed(
+            (seed * 1_000_003 + zlib.crc32(table.encode())) & (2**63 - 1)
+        )
         for key, value in optimizer.new_state(num_rows, dim).items():
             self.register_buffer(key, value, persistent=False)
         self._kernels: dict[bool, FbgemmTable] = {}
@@ -132,6 +142,19 @@ class SparseTableUpdate(nn.Module):
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """``{state key: shape}`` this update holds."""
         return {k: tuple(v.shape) for k, v in self.state().items()}
+
+    def apply_rows(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> None:
+        """The row update (:meth:`RowOptimizer.apply_`) of ``weight`` at the distinct ``rows``
+        ``(U,) int64`` with gradients ``grads`` ``(U, dim)``, this table's rounding."""
+        self.optimizer.apply_(weight, self.state(), rows, grads, self.rounding, self.generator)
+
+    def uses_fbgemm(self, weight: torch.Tensor) -> bool:
+        """Whether a training lookup of ``weight`` runs FBGEMM's kernel."""
+        return (
+            self.kernel is EmbeddingKernel.FBGEMM
+            and weight.device.type == "cpu"
+            and FbgemmTable.supports(self.dim, weight.dtype, self.rounding)
+        )
 
     def forward(
         self, weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, mode: str
@@ -150,11 +173,7 @@ class SparseTableUpdate(nn.Module):
         if self.frozen or not torch.is_grad_enabled():
             return F.embedding_bag(ids, weight, offsets, mode=mode)
         mean = mode == "mean"
-        if (
-            self.kernel is EmbeddingKernel.FBGEMM
-            and weight.device.type == "cpu"
-            and FbgemmTable.supports(self.dim)
-        ):
+        if self.uses_fbgemm(weight):
             if mean not in self._kernels:
                 self._kernels[mean] = FbgemmTable(weight, self.state(), self.optimizer, mean)
             return self._kernels[mean](weight, self.state(), ids, offsets)
@@ -171,14 +190,23 @@ class SparseTableUpdate(nn.Module):
     def __getstate__(self) -> dict[str, Any]:
         """The module's state without the kernel objects (FBGEMM's hold local functions that
         cannot be pickled): ``torch.save(model)`` works after training; a loaded copy rebuilds
-        its kernels on first use."""
+        its kernels on first use. The rounding generator is kept as its state tensor."""
         state: dict[str, Any] = super().__getstate__()
-        return state | {"_kernels": {}}
+        return state | {"_kernels": {}, "generator": self.generator.get_state()}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        """Undo :meth:`__getstate__` (the rounding generator rebuilt from its state)."""
+        generator = torch.Generator()
+        generator.set_state(state.pop("generator"))
+        super().__setstate__(state | {"generator": generator})
 
     def __deepcopy__(self, memo: dict[int, Any]) -> SparseTableUpdate:
         """A copy with copied state; the kernel objects are rebuilt on first use."""
-        new = SparseTableUpdate(self.table, 0, 0, self.optimizer, self.kernel)
+        new = SparseTableUpdate(
+            self.table, 0, 0, self.optimizer, self.kernel, self.rounding, self.seed
+        )
         new.num_rows, new.dim, new.frozen = self.num_rows, self.dim, self.frozen
+        new.generator.set_state(self.generator.get_state())
         for key, value in self.state().items():
             new.register_buffer(key, value.clone(), persistent=False)
         new.train(self.training)
@@ -190,33 +218,35 @@ class EmbeddingUpdates:
     """The trainer's handle on the fused tables of ``model`` (see the module docstring).
 
     Args:
-        model: exposes ``embedding_tables()``, ``sparse_updates`` (and optionally
-            ``replicated_tables()``).
+        model: the model whose store's tables (:meth:`TableModel.embedding_store`) are
+            taken over.
         cfg: ``embedding_update``, ``embedding_lr or lr``, ``adagrad_eps``,
             ``initial_accumulator_value`` and ``embedding_kernel`` fix the update.
 
     Raises:
         ValueError: for ``embedding_kernel='fbgemm'`` without FBGEMM.
 
-    Updates already in ``model.sparse_updates`` for the same table shape and update kind keep
+    Updates already installed in the store for the same table shape and update kind keep
     their state (a trainer over a deep copy of a trained model continues it); others start
     fresh. A table is frozen (:attr:`SparseTableUpdate.frozen`) when its weight has
     ``requires_grad`` off and no trainer took it over yet, or when the update already there
     is frozen.
     """
 
-    def __init__(self, model: nn.Module, cfg: TrainConfig) -> None:
+    def __init__(self, model: TableModel, cfg: TrainConfig) -> None:
         self.model = model
+        self.store = store = model.embedding_store()
         kernel = resolve_kernel(cfg.embedding_kernel)
+        # before any update is built over a weight (a new dtype is a new parameter)
+        store.set_storage_dtype_(cfg.table_dtype)
         self.optimizer = RowOptimizer(
             cfg.embedding_update,
             cfg.embedding_lr or cfg.lr,
             cfg.adagrad_eps,
             cfg.initial_accumulator_value,
         )
-        tables: dict[str, nn.Parameter] = model.embedding_tables()  # type: ignore[operator]
-        replicated: frozenset[str] = getattr(model, "replicated_tables", frozenset)()
-        holder: nn.ModuleDict = model.sparse_updates  # type: ignore[assignment]
+        tables = store.trainable_weights()
+        replicated = store.replicated()
         names = {id(p): n for n, p in model.named_parameters()}
         self.weights: dict[str, nn.Parameter] = dict(tables)
         self.param_names = {t: names[id(w)] for t, w in tables.items()}
@@ -228,8 +258,10 @@ class EmbeddingUpdates:
             group = cfg.group_of(self.param_names[t])
             self.base_lr[t] = self.optimizer.lr if group is None else group.lr
             row_opt = replace(self.optimizer, lr=self.base_lr[t])
-            upd = SparseTableUpdate(t, w.shape[0], w.shape[1], row_opt, kernel)
-            old = holder[t] if t in holder else None
+            upd = SparseTableUpdate(
+                t, w.shape[0], w.shape[1], row_opt, kernel, cfg.table_rounding, cfg.seed
+            )
+            old = store.update_of(t)
             # a table taken over before had its requires_grad turned off here: its update says
             upd.frozen = old.frozen if isinstance(old, SparseTableUpdate) else not w.requires_grad
             if (
@@ -239,15 +271,20 @@ class EmbeddingUpdates:
             ):
                 for key, value in old.state().items():
                     getattr(upd, key).copy_(value)
-            holder[t] = upd.to(w.device)
+                upd.generator.set_state(old.generator.get_state())
+            store.install_update(t, upd.to(w.device))
             w.requires_grad_(t in self.replicated and not upd.frozen)
         log.debug("fused embedding updates: %d table(s), %s kernel", len(tables), kernel.value)
 
     @property
     def updates(self) -> Mapping[str, SparseTableUpdate]:
         """``{table: its update}``."""
-        holder: nn.ModuleDict = self.model.sparse_updates  # type: ignore[assignment]
-        return {t: holder[t] for t in self.weights}  # type: ignore[misc]
+        out: dict[str, SparseTableUpdate] = {}
+        for t in self.weights:
+            upd = self.store.update_of(t)
+            assert isinstance(upd, SparseTableUpdate), f"table {t!r} lost its fused update"
+            out[t] = upd
+        return out
 
     @property
     def frozen(self) -> frozenset[str]:
@@ -288,7 +325,7 @@ class EmbeddingUpdates:
                 continue
             grad = w.grad
             rows = grad.ne(0).any(dim=1).nonzero().squeeze(1)
-            self.updates[t].optimizer.apply_(w, self.updates[t].state(), rows, grad[rows])
+            self.updates[t].apply_rows(w, rows, grad[rows])
             w.grad = None
 
     def zero_grad(self) -> None:
@@ -298,12 +335,24 @@ class EmbeddingUpdates:
                 self.weights[t].grad = None
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
-        """``{"<weight name>::<state key>": tensor}`` of every table (the live buffers)."""
-        return {
+        """``{"<weight name>::<state key>": tensor}`` of every table (the live buffers), and
+        for an FP16/BF16 table rounded stochastically ``"<weight name>::rounding_generator"``
+        (its generator's state, ``uint8``: a resumed run draws the same rounding bits)."""
+        out = {
             f"{self.param_names[t]}::{k}": v
             for t, upd in self.updates.items()
             for k, v in upd.state().items()
         }
+        for t, upd in self.updates.items():
+            if self._draws_rounding(t):
+                out[f"{self.param_names[t]}::{ROUNDING_GENERATOR}"] = upd.generator.get_state()
+        return out
+
+    def _draws_rounding(self, table: str) -> bool:
+        upd = self.updates[table]
+        return (
+            self.weights[table].dtype != torch.float32 and upd.rounding is TableRounding.STOCHASTIC
+        )
 
     def state_shapes(self) -> dict[str, tuple[int, ...]]:
         """``{"<weight name>::<state key>": shape}`` this trainer's state has."""
@@ -314,5 +363,10 @@ class EmbeddingUpdates:
         """Copy ``tensors`` (keys and shapes as :meth:`state_shapes`, checked by the caller)
         into the state."""
         own = self.state_tensors()
+        tables = {name: t for t, name in self.param_names.items()}
         for key, value in tensors.items():
-            own[key].copy_(value)
+            name, _, what = key.partition("::")
+            if what == ROUNDING_GENERATOR:
+                self.updates[tables[name]].generator.set_state(value.clone())
+            else:
+                own[key].copy_(value)

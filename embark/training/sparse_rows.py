@@ -22,6 +22,11 @@ read or written, so the cost is ``O(nnz · dim)`` whatever ``num_rows`` is:
 - ``rowwise_adagrad``: ``s[r] += mean(g²)``,    ``w[r] -= lr · g / (sqrt(s[r]) + eps)``
   (``s`` is ``(num_rows,)``; FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``)
 - ``sgd``:             ``w[r] -= lr · g``
+
+An FP16 or BF16 table (``TrainConfig.table_dtype``) is updated in float32 (the touched rows
+read as float32, the state float32) and the new rows rounded back to the storage dtype by
+:func:`round_rows`: to nearest (what FBGEMM's CPU kernel does) or stochastically (unbiased:
+``E[round(x)] = x``, what FBGEMM's CUDA kernels do by default).
 """
 
 from __future__ import annotations
@@ -30,7 +35,7 @@ from dataclasses import dataclass
 
 import torch
 
-from embark.training.config import EmbeddingOptimizerKind
+from embark.training.config import EmbeddingOptimizerKind, TableRounding
 
 #: optimizer state of a table per update kind: state key -> whether it is per weight
 #: (``(num_rows, dim)``) or per row (``(num_rows,)``). The keys name the state the same way
@@ -73,14 +78,22 @@ class RowOptimizer:
         state: dict[str, torch.Tensor],
         rows: torch.Tensor,
         grads: torch.Tensor,
+        rounding: TableRounding = TableRounding.NEAREST,
+        generator: torch.Generator | None = None,
     ) -> None:
         """Update ``weight`` (``(num_rows, dim)``) and ``state`` in place at ``rows``.
 
         Args:
             rows: ``(U,) int64`` distinct row indices.
             grads: ``(U, dim)`` their gradients.
+            rounding: how an FP16/BF16 ``weight``'s new rows are rounded (:func:`round_rows`;
+                a float32 weight is written as computed).
+            generator: the random bits of stochastic rounding (``None``: the global RNG).
         """
         if rows.numel() == 0:
+            return
+        if weight.dtype != torch.float32:
+            self._apply_low_precision(weight, state, rows, grads, rounding, generator)
             return
         grads = grads.to(weight.dtype)
         if self.kind is EmbeddingOptimizerKind.SGD:
@@ -97,6 +110,71 @@ class RowOptimizer:
             s[rows] = acc
             std = acc.sqrt_().add_(self.eps).unsqueeze(1)
         weight[rows] = weight[rows].addcdiv_(grads, std, value=-self.lr)
+
+    def _apply_low_precision(
+        self,
+        weight: torch.Tensor,
+        state: dict[str, torch.Tensor],
+        rows: torch.Tensor,
+        grads: torch.Tensor,
+        rounding: TableRounding,
+        generator: torch.Generator | None,
+    ) -> None:
+        """:meth:`apply_` of an FP16/BF16 weight: the rows updated in float32, then rounded."""
+        grads = grads.float()
+        if self.kind is EmbeddingOptimizerKind.SGD:
+            delta = grads.mul(-self.lr)
+        else:
+            if self.kind is EmbeddingOptimizerKind.ADAGRAD:
+                s = state["sum"]
+                acc = s[rows].addcmul_(grads, grads)
+                s[rows] = acc
+                std = acc.sqrt_().add_(self.eps)
+            else:
+                s = state["row_sum"]
+                acc = s[rows] + grads.square().mean(dim=1)
+                s[rows] = acc
+                std = acc.sqrt_().add_(self.eps).unsqueeze(1)
+            delta = grads.div(std).mul_(-self.lr)
+        if (
+            rounding is TableRounding.NEAREST
+            and weight.dtype == torch.float16
+            and self.kind is not EmbeddingOptimizerKind.ROWWISE_ADAGRAD
+        ):
+            # FBGEMM's CPU kernel (fbgemm-gpu-cpu 1.8, measured) rounds an SGD or exact
+            # Adagrad step to float16 before adding it to the row
+            delta = delta.half().float()
+        w = weight[rows].float().add_(delta)
+        weight[rows] = round_rows(w, weight.dtype, rounding, generator)
+
+
+def round_rows(
+    values: torch.Tensor,
+    dtype: torch.dtype,
+    rounding: TableRounding,
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """``values`` (float32) rounded to ``dtype`` (``float16`` or ``bfloat16``).
+
+    ``nearest``: round to nearest, ties to even (``values.to(dtype)``). ``stochastic``: with
+    ``lo <= x <= hi`` the two representable neighbours of ``x`` (``lo == hi`` when ``x`` is
+    representable), ``hi`` with probability ``(x - lo) / (hi - lo)``, else ``lo``: the
+    expected result is ``x`` (up to float32 rounding of that probability). Values beyond the
+    dtype's range become ``±inf`` as in ``to(dtype)``; NaN stays NaN.
+
+    Args:
+        generator: one uniform float32 draw per value (``None``: the global RNG).
+    """
+    near = values.to(dtype)
+    if rounding is TableRounding.NEAREST or values.numel() == 0:
+        return near
+    near_f = near.float()
+    # the other neighbour: one step from the nearest value towards x
+    toward = torch.where(near_f > values, -torch.inf, torch.inf).to(dtype)
+    other = torch.nextafter(near, toward)
+    p = (values - near_f).abs_().div_((other.float() - near_f).abs_())
+    draw = torch.rand(values.shape, generator=generator, device=values.device)
+    return torch.where(draw < p, other, near)
 
 
 def row_gradients(

@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 import embark.training.checkpoint.store as checkpoint
 from embark.data.batch import Batch
 from embark.models.dlrm import build_model
+from embark.models.tables import TableModel
 from embark.training.callbacks import Callback
 from embark.training.config import OptimizerKind, TrainConfig, build_optimizer
 from embark.training.fused import EmbeddingUpdates
@@ -88,8 +89,8 @@ class Trainer:
             (:class:`~embark.training.sync.SupportsGradientSync`), else one process's.
         state: the run's state; ``None``: a fresh one seeded by ``cfg.seed``.
 
-    Embedding tables (a model with ``embedding_tables()`` and ``sparse_updates``: ``DLRM``,
-    ``ShardedDLRM``) train through the fused sparse update of :mod:`embark.training.fused`
+    Embedding tables (a :class:`~embark.models.tables.TableModel`: ``DLRM``, ``ShardedDLRM``)
+    train through the fused sparse update of :mod:`embark.training.fused`
     (``embedding_updates``); ``optimizer`` is the dense part's.
 
     Raises:
@@ -114,11 +115,12 @@ class Trainer:
         self.model = model
         self.cfg = cfg
         self.callbacks: list[Callback] = list(callbacks)
+        # the tables first: taking them over may store them in cfg.table_dtype (new parameters)
+        self.embedding_updates: EmbeddingUpdates | None = None
+        if isinstance(model, TableModel):
+            self.embedding_updates = EmbeddingUpdates(model, cfg)
         self.sync = sync_for(model) if sync is None else sync
         self.state = TrainState.seeded(cfg.seed) if state is None else state
-        self.embedding_updates: EmbeddingUpdates | None = None
-        if hasattr(model, "embedding_tables") and hasattr(model, "sparse_updates"):
-            self.embedding_updates = EmbeddingUpdates(model, cfg)
         self.optimizer = self._make_optimizer()
         self._begun: set[int] = set()  # id() of the callbacks whose on_train_begin ran
         self._stop_reason: str | None = None  # request_stop's, for the running fit
@@ -168,6 +170,10 @@ class Trainer:
         grouped: dict[str, list[nn.Parameter]] = {g.name: [] for g in self.cfg.param_groups}
         fused = self.embedding_updates.weights.values() if self.embedding_updates else ()
         skip = {id(p) for p in fused}
+        # the tables' parameters that no fused update holds (none for a DLRM whose float
+        # tables are all fused) step in the "embeddings" group
+        tables = self.model.embedding_store() if isinstance(self.model, TableModel) else None
+        in_tables = set() if tables is None else {id(p) for p in tables.parameters()}
         for name, p in self.model.named_parameters():
             if not p.requires_grad or id(p) in skip:
                 continue
@@ -175,7 +181,7 @@ class Trainer:
             if group is not None:
                 grouped[group.name].append(p)
             else:
-                (emb if name.startswith("embeddings.") else dense).append(p)
+                (emb if id(p) in in_tables else dense).append(p)
         return build_optimizer(self.cfg, emb, dense, grouped)
 
     def rebuild_optimizer(self) -> None:
@@ -186,7 +192,7 @@ class Trainer:
         model's float tables changed (``embark.quant.quantize_embeddings_`` replaced some),
         the fused tables' update is rebuilt over the tables left (their rows state kept)."""
         if self.embedding_updates is not None and self._stale_tables():
-            self.embedding_updates = EmbeddingUpdates(self.model, self.cfg)
+            self.embedding_updates = EmbeddingUpdates(self.embedding_updates.model, self.cfg)
         old = self.optimizer
         self.optimizer = self._make_optimizer()
         for group in self.optimizer.param_groups:
@@ -199,7 +205,7 @@ class Trainer:
         quantized)."""
         if self.embedding_updates is None:
             return []
-        now = self.model.embedding_tables()  # type: ignore[operator]
+        now = self.embedding_updates.store.trainable_weights()
         return [t for t, w in self.embedding_updates.weights.items() if now.get(t) is not w]
 
     def _warm_up(self, step: int) -> None:
@@ -504,7 +510,7 @@ class Trainer:
         """
         ckpt = checkpoint.read_checkpoint(path)
         if model is None:
-            model = build_model(ckpt.workload())
+            model = build_model(ckpt.workload(), table_dtype=ckpt.cfg.table_dtype)
         trainer = cls(model, ckpt.cfg, callbacks, state=ckpt.train_state())
         checkpoint.check_fits(ckpt, model, trainer.optimizer, trainer.embedding_updates)
         checkpoint.restore(ckpt, model, trainer.optimizer, trainer.embedding_updates)

@@ -480,12 +480,13 @@ def _check_tables(ckpt: Checkpoint, tables: EmbeddingUpdates | None) -> set[str]
             f"trainer's ({ckpt.cfg.embedding_update.value}): missing {missing[:5]}, "
             f"unexpected {extra[:5]}"
         )
+    own = tables.state_tensors() if tables is not None else {}
     for key, shape in expected.items():
         v = ckpt.optimizer_tensors[key]
-        if tuple(v.shape) != shape or v.dtype != torch.float32:
+        if tuple(v.shape) != shape or v.dtype != own[key].dtype:
             raise ValueError(
                 f"checkpoint file {str(fp)!r}: embedding optimizer state {key!r} is "
-                f"{tuple(v.shape)} {v.dtype}, expected {shape} torch.float32"
+                f"{tuple(v.shape)} {v.dtype}, expected {shape} {own[key].dtype}"
             )
     return saved
 

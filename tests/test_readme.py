@@ -65,18 +65,29 @@ def test_quick_start_a_prunes_and_compresses(tmp_path: Path) -> None:
     assert last == "TileSparseLinear (256, 1024)"
 
 
+def _write_ratings(path: Path) -> None:
+    """A small ``ratings.parquet`` with the columns quick start (e) names."""
+    import numpy as np
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    rng = np.random.default_rng(0)
+    n = 2048
+    genres = [list(rng.choice(18, size=int(k), replace=False)) for k in rng.integers(0, 4, n)]
+    table = pa.table(
+        {
+            "user_id": rng.integers(0, 300, n),
+            "genres": genres,
+            "age": rng.integers(18, 70, n).astype("float64"),
+            "rating": rng.integers(1, 6, n).astype("float64"),
+        }
+    )
+    pq.write_table(table, path)
+
+
 def test_quick_start_e_trains_on_a_parquet_file_and_exports(tmp_path: Path) -> None:
     (code,) = [c for _, c in quick_starts()["e"]]
-    ratings = (
-        "import numpy as np, pyarrow as pa, pyarrow.parquet as pq\n"
-        "rng = np.random.default_rng(0)\n"
-        "n = 2048\n"
-        "genres = [list(rng.choice(18, size=int(k), replace=False)) for k in rng.integers(0, 4, n)]\n"
-        "pq.write_table(pa.table({'user_id': rng.integers(0, 300, n), 'genres': genres,\n"
-        "    'age': rng.integers(18, 70, n).astype('float64'),\n"
-        "    'rating': rng.integers(1, 6, n).astype('float64')}), 'ratings.parquet')\n"
-    )
-    run_python(ratings, tmp_path)
+    _write_ratings(tmp_path / "ratings.parquet")  # the test's input, in process
     run_python(code, tmp_path)
     out = tmp_path / "out"
     assert {"dense.onnx", "ps.json", "sparse", "vocabulary.json"} <= {p.name for p in out.iterdir()}

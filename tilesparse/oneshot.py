@@ -48,8 +48,8 @@ def prune_(
     gathered with hooks, every :data:`~tilesparse.calibrate.HOLD_OUT`-th sample held out.
     Automatic knobs (``None``) then mean:
 
-    - sparsity per layer: under the global threshold, each layer's share of the uncalibrated
-      (magnitude) threshold; else the target;
+    - sparsity: every layer at the target (a global threshold over scores of layers whose
+      inputs differ in scale can empty one layer and spare another);
     - TW: two consecutive layers joined by an elementwise activation (an FFN, an MLP's hidden
       layer) are pruned as *neurons* — the first layer's output columns and the second's input
       rows together, the second's kept weights and bias refitted by least squares
@@ -126,13 +126,7 @@ def prune_(
             {f: w.T.abs().float().cpu() for f, w in dense.items()}, resolved.target_sparsity
         )
         search = search_for(config, pruner.config)
-        if config.importance is None and search.sparsity is None:
-            # the layers' shares of the global threshold: the uncalibrated prune's (activation
-            # scores of different layers are not comparable: their inputs' scales differ)
-            for f, mask in uncalibrated.items():
-                pruner.set_mask(f, mask)
-            pruner.current_sparsity = resolved.target_sparsity
-        elif pruner.current_sparsity != resolved.target_sparsity:
+        if pruner.current_sparsity != resolved.target_sparsity:
             pruner.update_masks(resolved.target_sparsity)
         pruner.refit(order, dense, stats[order[0]], run, search, progress=progress)
         pruner.output_check = _check_outputs(

@@ -108,7 +108,9 @@ def search_for(user: TileSparseConfig, resolved: TileSparseConfig) -> LayerSearc
     shares = COLUMN_SHARES if (user.column_share is None and tw) else (resolved.share,)
     shared = resolved.global_threshold and resolved.pattern is not Pattern.NM
     fixed = shared and len(imps) == 1 and len(shares) == 1
-    sparsity = None if shared else resolved.target_sparsity
+    # automatic importance: every layer at the target (activation scores of different
+    # layers are not comparable, a global threshold over them can empty a layer)
+    sparsity = None if shared and user.importance is not None else resolved.target_sparsity
     dampings = DAMPINGS if user.damping is None else (float(user.damping),)
     neurons = user.column_share is None and resolved.pattern is Pattern.TW
     return LayerSearch(resolved, sparsity, imps, shares, fixed, dampings, neurons=neurons)

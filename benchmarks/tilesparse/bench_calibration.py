@@ -109,8 +109,8 @@ def main() -> None:
     }
     print("dense", dense_scores, flush=True)
     rows = []
-    for pattern in args.patterns.split(","):
-        for mode in args.modes.split(","):
+    for mode in args.modes.split(","):  # every pattern's uncalibrated row first
+        for pattern in args.patterns.split(","):
             model = copy.deepcopy(base)
             cfg = tilesparse.TileSparseConfig(
                 pattern=pattern,

@@ -106,7 +106,8 @@ def test_layers_are_reconstructed_in_order_on_pruned_inputs() -> None:
     dense = _mlp()
     model = _mlp()
     batches = _batches()
-    cfg = tilesparse.TileSparseConfig(sparsity=0.5, tile=8, damping=0.01)
+    # an explicit column share: layer by layer, not as a neuron pair (test_oneshot_neurons)
+    cfg = tilesparse.TileSparseConfig(sparsity=0.5, tile=8, damping=0.01, column_share=0.5)
     pruner = tilesparse.prune_(model, cfg, calibration=batches)
     with torch.no_grad():
         h = torch.cat([model[1](model[0](x)) for (x,) in batches]).double()

@@ -91,7 +91,7 @@ def test_a_calibrated_prune_worse_on_held_out_samples_is_replaced_by_the_uncalib
     monkeypatch.setattr(tilesparse.refit, "fit_layer", bad_fit)
     dense = _ffn(nn.GELU())
     model, plain = copy.deepcopy(dense), copy.deepcopy(dense)
-    cfg = tilesparse.TileSparseConfig(pattern="ew", sparsity=0.5)
+    cfg = tilesparse.TileSparseConfig(pattern=tilesparse.Pattern.EW, sparsity=0.5)
     tilesparse.prune_(plain, cfg)
     pruner = tilesparse.prune_(model, cfg, calibration=_batches())
     check = pruner.output_check

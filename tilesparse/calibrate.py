@@ -44,8 +44,11 @@ __all__ = [
     "HOLD_OUT",
     "InputStats",
     "LayerReconstruction",
+    "OutputCheck",
     "as_runner",
     "collect_inputs",
+    "held_out_outputs",
+    "output_error",
     "input_norms",
     "reconstruct",
     "reconstruction_error",
@@ -79,6 +82,8 @@ class InputStats:
         rows: input rows (token vectors, batch rows) in ``gram``.
         held: ``(K, K) float64``, the same over the held-out samples.
         held_rows: input rows in ``held``.
+        sums: ``(K,) float64``, ``Σ X`` over the fit rows (the bias refit's constant input).
+        held_sums: the same over the held-out rows.
     """
 
     gram: torch.Tensor
@@ -86,6 +91,32 @@ class InputStats:
     held: torch.Tensor | None = None
     held_rows: int = 0
     samples: int = 0
+    sums: torch.Tensor | None = None
+    held_sums: torch.Tensor | None = None
+
+    @property
+    def sum_vector(self) -> torch.Tensor:
+        """``(K,)`` ``Σ X`` over the fit rows."""
+        return self.sums if self.sums is not None else torch.zeros(self.gram.shape[0]).double()
+
+    @property
+    def held_sum_vector(self) -> torch.Tensor:
+        """``(K,)`` ``Σ X`` over the held-out rows (the fit rows' when none was held out)."""
+        if self.held_sums is not None and self.held_rows > 0:
+            return self.held_sums
+        return self.sum_vector
+
+    @property
+    def held_count(self) -> int:
+        """Rows behind :attr:`held_gram`."""
+        return self.held_rows if self.held_rows > 0 else self.rows
+
+    @property
+    def total_sum(self) -> torch.Tensor:
+        """``(K,)`` ``Σ X`` over every row."""
+        if self.held_sums is None:
+            return self.sum_vector
+        return self.sum_vector + self.held_sums
 
     @property
     def held_gram(self) -> torch.Tensor:
@@ -113,9 +144,11 @@ class InputStats:
                     self.held = torch.zeros_like(self.gram)
                 self.held.addmm_(rows.T, rows)
                 self.held_rows += rows.shape[0]
+                self.held_sums = rows.sum(0) + (0 if self.held_sums is None else self.held_sums)
             else:
                 self.gram.addmm_(rows.T, rows)
                 self.rows += rows.shape[0]
+                self.sums = rows.sum(0) + (0 if self.sums is None else self.sums)
 
 
 @dataclass(frozen=True)
@@ -139,6 +172,8 @@ class LayerReconstruction:
         damping: the reconstruction's ridge, ``λ / mean(diag H)``.
         importance: the score the chosen mask came from.
         column_share: the chosen mask's TW column share (``None`` for other patterns).
+        neurons_with: the other layer of a neuron pair (:mod:`tilesparse.neurons`): the
+            layer's errors are then its own outputs', the pair is judged at the second's.
     """
 
     fqn: str
@@ -153,6 +188,7 @@ class LayerReconstruction:
     damping: float = 0.0
     importance: Importance | None = None
     column_share: float | None = None
+    neurons_with: str | None = None
 
     @property
     def held_out_error(self) -> float:
@@ -160,6 +196,26 @@ class LayerReconstruction:
         if self.accepted:
             return self.held_out_reconstructed_error
         return self.held_out_masked_error
+
+
+@dataclass(frozen=True)
+class OutputCheck:
+    """A calibrated prune's last check: the relative squared error ``‖Y - Y_dense‖² /
+    ‖Y_dense‖²`` of the last pruned layer's outputs on the held-out samples (everything
+    before it pruned), calibrated and uncalibrated; the calibrated weights are kept only when
+    they are not worse.
+
+    Attributes:
+        layer: the layer whose outputs are compared.
+        calibrated_error: with the calibrated masks and weights.
+        uncalibrated_error: with the uncalibrated prune's (magnitude masks, dense weights).
+        calibrated_kept: whether the model keeps the calibrated prune.
+    """
+
+    layer: str
+    calibrated_error: float
+    uncalibrated_error: float
+    calibrated_kept: bool
 
 
 def as_runner(calibration: Calibration) -> Callable[[nn.Module], None]:
@@ -362,3 +418,48 @@ def reconstruction_error(
     d = w - approx_kn.double()
     den = float((w * (h @ w)).sum())
     return float((d * (h @ d)).sum()) / den if den > 0 else 0.0
+
+
+def held_out_outputs(
+    model: nn.Module, fqn: str, module: nn.Module, run: Callable[[nn.Module], None]
+) -> torch.Tensor:
+    """``(rows, N) float64``: layer ``fqn`` (``module``)'s outputs on the held-out samples (numbered as
+    :class:`InputStats` numbers them) of one calibration run."""
+    parts: list[torch.Tensor] = []
+    count = [0]
+
+    def hook(mod: nn.Module, args: tuple[Any, ...], out: torch.Tensor) -> None:
+        y = out.detach()
+        if not bool(torch.isfinite(y).all()):
+            raise CalibrationError(
+                f"layer {fqn!r} gave non-finite outputs (NaN or inf) during the calibration"
+            )
+        per = (
+            y.reshape(y.shape[0], -1, y.shape[-1])
+            if y.dim() >= 3
+            else y.reshape(-1, 1, y.shape[-1])
+        )
+        idx = torch.arange(count[0], count[0] + per.shape[0])
+        count[0] += per.shape[0]
+        held = ((idx % HOLD_OUT) == HOLD_OUT - 1).to(per.device)
+        if count[0] < HOLD_OUT:  # too few samples to hold any out: all of them
+            held = torch.ones_like(held)
+        parts.append(per[held].reshape(-1, y.shape[-1]).to("cpu", torch.float64))
+
+    handle = module.register_forward_hook(hook)
+    try:
+        _run_quietly(model, run)
+    finally:
+        handle.remove()
+    return torch.cat(parts) if parts else torch.zeros(0, 0, dtype=torch.float64)
+
+
+def output_error(outputs: torch.Tensor, reference: torch.Tensor) -> float:
+    """``‖outputs - reference‖² / ‖reference‖²`` (0 for an empty or zero reference)."""
+    den = float(reference.pow(2).sum())
+    if outputs.shape != reference.shape:
+        raise CalibrationError(
+            f"the calibration ran differently twice: outputs {tuple(outputs.shape)} against "
+            f"{tuple(reference.shape)}; it must run the same inputs every time"
+        )
+    return float((outputs - reference).pow(2).sum()) / den if den > 0 else 0.0

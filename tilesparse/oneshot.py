@@ -4,15 +4,28 @@ calibration (:mod:`tilesparse.calibrate`), and hands back the
 
 from __future__ import annotations
 
+import logging
+from collections.abc import Callable
+
 import torch
 from torch import nn
 from torch.nn.utils import parametrize
 
-from tilesparse.calibrate import Calibration, as_runner, collect_inputs, input_norms
+from tilesparse.calibrate import (
+    Calibration,
+    OutputCheck,
+    as_runner,
+    collect_inputs,
+    held_out_outputs,
+    input_norms,
+    output_error,
+)
 from tilesparse.config import TileSparseConfig
 from tilesparse.importance import ActivationScore
 from tilesparse.pruner import FilterFn, TileSparsePruner
 from tilesparse.refit import search_for
+
+log = logging.getLogger(__name__)
 
 __all__ = ["prune_"]
 
@@ -33,16 +46,28 @@ def prune_(
 
     With ``calibration`` (see :mod:`tilesparse.calibrate`): the selected layers' inputs are
     gathered with hooks, every :data:`~tilesparse.calibrate.HOLD_OUT`-th sample held out.
-    Automatic knobs (``None``) then mean: each layer pruned to the target sparsity, its mask
-    scored by ``activation`` (``|w|·‖x‖``) or ``magnitude``, and for TW its column share 0.5
-    or 0, whichever the held-out samples prefer. Layer by layer in the order the calibration
-    calls them — each layer's inputs gathered again through the earlier layers, already
-    pruned — the kept weights are refitted by damped least squares to the dense layer's
-    outputs on the fit samples (per tile on its own rows; per column for EW and N:M), the
-    damping chosen on held-out samples, and the refit is kept only where it lowers the
-    held-out output error (:mod:`tilesparse.refit`). Explicit knobs are kept as given (a
-    global threshold fixes the masks; only the refit is then chosen).
-    ``pruner.reconstructions`` reports every layer's choice and errors.
+    Automatic knobs (``None``) then mean:
+
+    - sparsity: every layer at the target (a global threshold over scores of layers whose
+      inputs differ in scale can empty one layer and spare another);
+    - TW: two consecutive layers joined by an elementwise activation (an FFN, an MLP's hidden
+      layer) are pruned as *neurons* — the first layer's output columns and the second's input
+      rows together, the second's kept weights and bias refitted by least squares
+      (:mod:`tilesparse.neurons`); other layers as below;
+    - every other layer: its mask scored by ``activation`` (``|w|·‖x‖``) or ``magnitude``, for
+      TW with the column share 0.5 or 0, whichever the held-out samples prefer.
+
+    Layer by layer in the order the calibration calls them — each layer's inputs gathered
+    again through the earlier layers, already pruned — the kept weights are refitted by damped
+    least squares to the dense layer's outputs on the fit samples (per tile on its own rows;
+    per column for EW and N:M), the damping chosen on held-out samples, and a refit is kept
+    only where it lowers the held-out output error (:mod:`tilesparse.refit`). Explicit knobs
+    are kept as given (a global threshold fixes the masks; only the refit is then chosen).
+    Last, the last pruned layer's outputs on the held-out samples are compared with the
+    uncalibrated prune's: the calibrated prune is kept only when it is not worse there
+    (``pruner.output_check``), so calibrating never does worse than not calibrating on data
+    the fit did not see. ``pruner.reconstructions`` reports every layer's choice and errors
+    (empty when the uncalibrated prune was kept).
 
     A layer whose weight tensor is another selected layer's (tied weights) is pruned once,
     through the first of them (``pruner.tied``), and not refitted.
@@ -54,7 +79,7 @@ def prune_(
         filter_fn: ``(module, fqn) -> bool``; default: every ``nn.Linear``.
         calibration: ``fn(model)`` running representative inputs, or an iterable of argument
             tuples for ``model(*args)``; run in eval mode without gradients, several times
-            (once, plus once per layer after the first).
+            (about once per pruned layer, plus three checks), the same inputs each time.
         progress: a tqdm bar over the calibrated layers (on stderr).
 
     Returns:
@@ -90,19 +115,83 @@ def prune_(
     run = as_runner(calibration)
     stats, order = collect_inputs(model, layers, run)
     dense = {f: m.weight.detach().clone() for f, m in layers.items()}
+    biases = {f: m.bias.detach().clone() for f, m in layers.items() if m.bias is not None}
+    last = order[-1]
     try:
+        reference = held_out_outputs(model, last, layers[last], run)
         if isinstance(pruner.tracker, ActivationScore):
             pruner.tracker.set_input_norms({f: input_norms(st) for f, st in stats.items()})
         pruner.prepare(model)
+        uncalibrated = pruner.masks_from(
+            {f: w.T.abs().float().cpu() for f, w in dense.items()}, resolved.target_sparsity
+        )
+        search = search_for(config, pruner.config)
         if pruner.current_sparsity != resolved.target_sparsity:
             pruner.update_masks(resolved.target_sparsity)
-        search = search_for(config, pruner.config)
         pruner.refit(order, dense, stats[order[0]], run, search, progress=progress)
+        pruner.output_check = _check_outputs(
+            pruner, last, reference, run, dense, biases, uncalibrated
+        )
     except BaseException:
-        _restore_dense(layers, dense)
+        _restore_dense(layers, dense, biases)
         pruner.model, pruner.layers = None, {}
         raise
     return pruner
+
+
+@torch.no_grad()
+def _check_outputs(
+    pruner: TileSparsePruner,
+    last: str,
+    reference: torch.Tensor,
+    run: Callable[[nn.Module], None],
+    dense: dict[str, torch.Tensor],
+    biases: dict[str, torch.Tensor],
+    uncalibrated: dict[str, torch.Tensor],
+) -> OutputCheck:
+    """Compare the calibrated prune with the uncalibrated one on the held-out samples at the
+    last pruned layer's outputs; keep whichever is closer to the dense model's."""
+    assert pruner.model is not None
+    model, layers = pruner.model, pruner.layers
+    module = layers[last]
+    calibrated_error = output_error(held_out_outputs(model, last, module, run), reference)
+    kept = {
+        f: (
+            pruner.mask(f),
+            m.weight.detach().clone(),
+            None if m.bias is None else m.bias.detach().clone(),
+        )
+        for f, m in layers.items()
+    }
+    _set_state(
+        pruner, {f: (mask, dense[f].T * mask, biases.get(f)) for f, mask in uncalibrated.items()}
+    )
+    uncalibrated_error = output_error(held_out_outputs(model, last, module, run), reference)
+    keep = calibrated_error <= uncalibrated_error
+    if keep:
+        _set_state(pruner, {f: (mask, w.T, b) for f, (mask, w, b) in kept.items()})
+    else:
+        pruner.reconstructions = []
+        log.warning(
+            "tilesparse: the calibrated prune's held-out error at %r (%.4g) is above the "
+            "uncalibrated prune's (%.4g): the uncalibrated prune is kept",
+            last,
+            calibrated_error,
+            uncalibrated_error,
+        )
+    return OutputCheck(last, calibrated_error, uncalibrated_error, keep)
+
+
+def _set_state(
+    pruner: TileSparsePruner,
+    state: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]],
+) -> None:
+    """Per layer ``(mask_kn, weight_kn, bias)``: set its mask, kept weights and bias."""
+    for f, (mask, w_kn, b) in state.items():
+        pruner.store(f, mask, w_kn)
+        bias = pruner.layers[f].bias
+        if bias is not None and b is not None:
+            bias.copy_(b)
 
 
 def _or_unprepare(pruner: TileSparsePruner, sparsity: float) -> None:
@@ -116,9 +205,14 @@ def _or_unprepare(pruner: TileSparsePruner, sparsity: float) -> None:
 
 
 @torch.no_grad()
-def _restore_dense(layers: dict[str, nn.Linear], dense: dict[str, torch.Tensor]) -> None:
-    """Undo a failed calibrated prune: parametrizations off, the dense weights back."""
+def _restore_dense(
+    layers: dict[str, nn.Linear], dense: dict[str, torch.Tensor], biases: dict[str, torch.Tensor]
+) -> None:
+    """Undo a failed calibrated prune: parametrizations off, the dense weights and biases
+    back."""
     for f, m in layers.items():
         if parametrize.is_parametrized(m, "weight"):
             parametrize.remove_parametrizations(m, "weight", leave_parametrized=False)
         m.weight.copy_(dense[f])
+        if m.bias is not None and f in biases:
+            m.bias.copy_(biases[f])

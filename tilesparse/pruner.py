@@ -55,7 +55,7 @@ from torch import nn
 from torch.nn.utils import parametrize
 
 from tilesparse.backend import Backend, parse_backend
-from tilesparse.calibrate import InputStats, LayerReconstruction
+from tilesparse.calibrate import InputStats, LayerReconstruction, OutputCheck
 from tilesparse.callback import PruningCallback
 from tilesparse.config import Pattern, TileSparseConfig, fitting_tile
 from tilesparse.format import tile_groups
@@ -123,6 +123,8 @@ class TileSparsePruner:
         self.updates = 0
         self.compressed = False
         self.reconstructions: list[LayerReconstruction] = []
+        # a calibrated prune's last check on held-out samples (tilesparse.oneshot)
+        self.output_check: OutputCheck | None = None
 
     # -- setup -----------------------------------------------------------------------------
     def select(self, model: nn.Module) -> dict[str, nn.Linear]:
@@ -344,9 +346,32 @@ class TileSparsePruner:
         self._check_prepared()
         if not 0.0 <= sparsity < 1.0:
             raise ValueError(f"sparsity must be in [0, 1), got {sparsity}")
-        cfg = self.config
         weights = {fqn: m.weight.detach().T for fqn, m in self.layers.items()}
-        scores = self.tracker.scores(weights)
+        new = self.masks_from(self.tracker.scores(weights), sparsity)
+        for f, mask_kn in new.items():
+            self.set_mask(f, mask_kn)
+        if self.tracker.reset_on_mask_update:  # Taylor: scores since the last update
+            self.tracker.reset()
+        self.current_sparsity = sparsity
+        self.updates += 1
+        log.info(
+            "tilesparse: step %d, masks at sparsity %.3f (achieved %.4f over %d layers)",
+            self.step_count,
+            sparsity,
+            self.overall_sparsity(),
+            len(self.layers),
+        )
+
+    def masks_from(
+        self, scores: dict[str, torch.Tensor], sparsity: float
+    ) -> dict[str, torch.Tensor]:
+        """Every layer's ``(K, N) bool`` mask for an overall ``sparsity`` from ``scores``
+        (``(K, N)`` per layer), as :meth:`update_masks` sets them; nothing is changed.
+
+        Raises:
+            ValueError: naming the layer, for non-finite scores.
+        """
+        cfg = self.config
         groups: list[tuple[list[str], float]] = []
         shared = [f for f in self.layers if cfg.override_for(f) is None]
         if cfg.global_threshold and cfg.pattern is not Pattern.NM:
@@ -369,19 +394,7 @@ class TileSparsePruner:
             # min_density=None: the config's floor for a shared group, none for a lone layer
             masks = masks_for_config(cfg, [scores[f] for f in names], s, min_density=None)
             new.update(zip(names, masks))
-        for f, mask_kn in new.items():
-            self.set_mask(f, mask_kn)
-        if self.tracker.reset_on_mask_update:  # Taylor: scores since the last update
-            self.tracker.reset()
-        self.current_sparsity = sparsity
-        self.updates += 1
-        log.info(
-            "tilesparse: step %d, masks at sparsity %.3f (achieved %.4f over %d layers)",
-            self.step_count,
-            sparsity,
-            self.overall_sparsity(),
-            len(self.layers),
-        )
+        return new
 
     @torch.no_grad()
     def set_mask(self, fqn: str, mask_kn: torch.Tensor) -> None:
@@ -488,9 +501,10 @@ class TileSparsePruner:
                 fqn,
                 self.layers[fqn],
                 dense[fqn],
-                functools.partial(self._store, fqn),
+                functools.partial(self.store, fqn),
                 functools.partial(self.mask, fqn),
                 refit=fqn not in self.tied.values(),
+                bias=self.layers[fqn].bias,
             )
             for fqn in order
         ]
@@ -498,7 +512,7 @@ class TileSparsePruner:
         return self.reconstructions
 
     @torch.no_grad()
-    def _store(self, fqn: str, mask_kn: torch.Tensor, weight_kn: torch.Tensor) -> None:
+    def store(self, fqn: str, mask_kn: torch.Tensor, weight_kn: torch.Tensor) -> None:
         """Set layer ``fqn``'s mask and its kept weights ``(K, N)``."""
         original, wm = masked_weight(self.layers[fqn])
         mask_nk = mask_kn.T.to(wm.mask.device)

@@ -38,11 +38,20 @@ from tilesparse.calibrate import (
     reconstruction_error,
 )
 from tilesparse.config import Importance, Pattern, TileSparseConfig
+from tilesparse.neurons import bias_refit, bias_refit_error, neuron_masks, neurons_are_elementwise
 from tilesparse.patterns import masks_for_config
 
 log = logging.getLogger(__name__)
 
-__all__ = ["DAMPINGS", "SEARCH_COLUMNS", "LayerSearch", "RefitTarget", "fit_layer", "refit_layers"]
+__all__ = [
+    "DAMPINGS",
+    "SEARCH_COLUMNS",
+    "LayerSearch",
+    "RefitTarget",
+    "fit_layer",
+    "fit_neuron_pair",
+    "refit_layers",
+]
 
 # Ridge λ / mean(diag H) tried per layer. SparseGPT fixes 0.01; the Gram of a few hundred
 # similar sentences is nearly rank-deficient for K = 384 or 1536, where a larger ridge
@@ -72,6 +81,9 @@ class LayerSearch:
         dampings: ridges tried (``λ / mean(diag H)``).
         refit: whether the kept weights may be refitted at all (not for a weight tensor
             that another, unfitted layer shares).
+        neurons: whether two consecutive TW layers joined by an elementwise activation are
+            pruned as neurons (:mod:`tilesparse.neurons`; when ``column_share`` is
+            automatic).
     """
 
     config: TileSparseConfig
@@ -81,6 +93,7 @@ class LayerSearch:
     fixed_mask: bool = False
     dampings: tuple[float, ...] = DAMPINGS
     refit: bool = True
+    neurons: bool = False
 
 
 def search_for(user: TileSparseConfig, resolved: TileSparseConfig) -> LayerSearch:
@@ -95,9 +108,12 @@ def search_for(user: TileSparseConfig, resolved: TileSparseConfig) -> LayerSearc
     shares = COLUMN_SHARES if (user.column_share is None and tw) else (resolved.share,)
     shared = resolved.global_threshold and resolved.pattern is not Pattern.NM
     fixed = shared and len(imps) == 1 and len(shares) == 1
-    sparsity = None if shared else resolved.target_sparsity
+    # automatic importance: every layer at the target (activation scores of different
+    # layers are not comparable, a global threshold over them can empty a layer)
+    sparsity = None if shared and user.importance is not None else resolved.target_sparsity
     dampings = DAMPINGS if user.damping is None else (float(user.damping),)
-    return LayerSearch(resolved, sparsity, imps, shares, fixed, dampings)
+    neurons = user.column_share is None and resolved.pattern is Pattern.TW
+    return LayerSearch(resolved, sparsity, imps, shares, fixed, dampings, neurons=neurons)
 
 
 def _layer_sparsity(current: torch.Tensor, search: LayerSearch) -> float:
@@ -241,6 +257,7 @@ class RefitTarget:
         current_mask: ``() -> (K, N) bool``, the layer's mask now.
         refit: whether its kept weights may be refitted (not when another layer shares the
             tensor: its outputs were not part of the fit).
+        bias: the layer's bias (refitted with the weights of a neuron pair's second layer).
     """
 
     fqn: str
@@ -249,6 +266,7 @@ class RefitTarget:
     set_weights: Callable[[torch.Tensor, torch.Tensor], None]
     current_mask: Callable[[], torch.Tensor]
     refit: bool = True
+    bias: torch.Tensor | None = None
 
 
 @torch.no_grad()
@@ -268,24 +286,149 @@ def refit_layers(
     """
     from tqdm.auto import tqdm
 
-    out = []
-    for i, t in enumerate(tqdm(targets, desc="calibrate", unit="layer", disable=not progress)):
-        st = first if i == 0 else collect_inputs(model, {t.fqn: t.module}, run)[0][t.fqn]
-        w_kn = t.dense_nk.T.cpu()
-        s = search if t.refit else replace(search, refit=False)
-        mask, weight, rec = fit_layer(t.fqn, w_kn, t.current_mask(), st, s)
-        t.set_weights(mask, weight)
-        out.append(rec)
-        log.info(
-            "tilesparse: %s: %s mask%s, held-out output error %.4g (masked %.4g, magnitude "
-            "%.4g), reconstruction %s (damping %g)",
-            t.fqn,
-            rec.importance.value if rec.importance else "?",
-            "" if rec.column_share is None else f" column share {rec.column_share:g}",
-            rec.held_out_error,
-            rec.held_out_masked_error,
-            rec.held_out_magnitude_error,
-            "kept" if rec.accepted else "rejected",
-            rec.damping,
-        )
+    out: list[LayerReconstruction] = []
+    bar = tqdm(total=len(targets), desc="calibrate", unit="layer", disable=not progress)
+    i = 0
+    while i < len(targets):
+        t = targets[i]
+        if i + 1 < len(targets) and _pair_eligible(t, targets[i + 1], search):
+            u = targets[i + 1]
+            mask_a0 = t.current_mask()
+            t.set_weights(torch.ones_like(mask_a0), t.dense_nk.T.cpu())  # b's dense inputs
+            both = collect_inputs(model, {t.fqn: t.module, u.fqn: u.module}, run)[0]
+            recs = fit_neuron_pair(model, t, u, mask_a0, both[t.fqn], both[u.fqn], run, search)
+            if recs is not None:
+                out.extend(recs)
+                bar.update(2)
+                i += 2
+                continue
+            st = both[t.fqn]
+        else:
+            st = first if i == 0 else collect_inputs(model, {t.fqn: t.module}, run)[0][t.fqn]
+        out.append(_fit_one(t, st, search))
+        bar.update(1)
+        i += 1
+    bar.close()
     return out
+
+
+def _fit_one(t: RefitTarget, st: InputStats, search: LayerSearch) -> LayerReconstruction:
+    w_kn = t.dense_nk.T.cpu()
+    s = search if t.refit else replace(search, refit=False)
+    mask, weight, rec = fit_layer(t.fqn, w_kn, t.current_mask(), st, s)
+    t.set_weights(mask, weight)
+    log.info(
+        "tilesparse: %s: %s mask%s, held-out output error %.4g (masked %.4g, magnitude "
+        "%.4g), reconstruction %s (damping %g)",
+        t.fqn,
+        rec.importance.value if rec.importance else "?",
+        "" if rec.column_share is None else f" column share {rec.column_share:g}",
+        rec.held_out_error,
+        rec.held_out_masked_error,
+        rec.held_out_magnitude_error,
+        "kept" if rec.accepted else "rejected",
+        rec.damping,
+    )
+    return rec
+
+
+def _pair_eligible(a: RefitTarget, b: RefitTarget, search: LayerSearch) -> bool:
+    """Two consecutive layers that may be pruned as neurons: TW with the split automatic,
+    both refittable, ``a``'s outputs as wide as ``b``'s inputs."""
+    return (
+        search.neurons
+        and not search.fixed_mask
+        and a.refit
+        and b.refit
+        and a.dense_nk.shape[0] == b.dense_nk.shape[1]
+    )
+
+
+@torch.no_grad()
+def fit_neuron_pair(
+    model: nn.Module,
+    a: RefitTarget,
+    b: RefitTarget,
+    mask_a0: torch.Tensor,
+    st_a: InputStats,
+    st_b: InputStats,
+    run: Callable[[nn.Module], None],
+    search: LayerSearch,
+) -> list[LayerReconstruction] | None:
+    """Prune ``a``'s output columns and ``b``'s input rows as one set of neurons and refit
+    ``b`` with its bias (:mod:`tilesparse.neurons`); ``None`` (nothing changed) when ``b``'s
+    inputs turn out not to be an elementwise function of ``a``'s outputs (``a`` is then
+    left with its mask ``mask_a0``; it is dense while ``st_a``, ``st_b`` are gathered).
+
+    Both layers get the size-weighted mean of their sparsities (the total is kept).
+    """
+    w_a, w_b = a.dense_nk.T.cpu().double(), b.dense_nk.T.cpu().double()
+    mask_b0 = b.current_mask()
+    s_a, s_b = _layer_sparsity(mask_a0, search), _layer_sparsity(mask_b0, search)
+    sparsity = (s_a * w_a.numel() + s_b * w_b.numel()) / (w_a.numel() + w_b.numel())
+    kept, mask_a, mask_b = neuron_masks(w_b, st_b, w_a.shape[0], sparsity)
+    bias0 = None if b.bias is None else b.bias.detach().clone()
+    fits = []
+    for d in search.dampings:
+        wf, bf = bias_refit(w_b, bias0, kept, st_b, d)
+        if not bool(torch.isfinite(wf).all()) or (bf is not None and not torch.isfinite(bf).all()):
+            raise CalibrationError(f"layer {b.fqn!r}: the reconstruction is not finite")
+        fits.append((bias_refit_error(w_b, bias0, wf, bf, st_b, held=True), d, wf, bf))
+    held_fit, damping, w_fit, b_fit = min(fits, key=lambda f: f[0])
+    b_masked = None if bias0 is None else bias0.double()
+    held_masked = bias_refit_error(w_b, bias0, w_b * mask_b, b_masked, st_b, held=True)
+    if not held_fit < held_masked:  # the refit does not help: plain masked weights
+        w_fit, b_fit, accepted = w_b * mask_b, b_masked, False
+    else:
+        accepted = True
+    a.set_weights(mask_a, (w_a * mask_a).to(a.dense_nk.dtype))
+    b.set_weights(mask_b, w_fit.to(b.dense_nk.dtype))
+    if b.bias is not None and b_fit is not None:
+        b.bias.copy_(b_fit.to(b.bias.dtype))
+    after = collect_inputs(model, {b.fqn: b.module}, run)[0][b.fqn]
+    if not neurons_are_elementwise(st_b, after, kept):
+        log.info(
+            "tilesparse: %s -> %s: not an elementwise activation; layer by layer", a.fqn, b.fqn
+        )
+        a.set_weights(mask_a0, a.dense_nk.T.cpu() * mask_a0)
+        b.set_weights(mask_b0, b.dense_nk.T.cpu() * mask_b0)
+        if b.bias is not None and bias0 is not None:
+            b.bias.copy_(bias0)
+        return None
+    recs = []
+    for t, w, mask, st, fitted, acc in (
+        (a, w_a, mask_a, st_a, w_a * mask_a, False),
+        (b, w_b, mask_b, st_b, w_fit, accepted),
+    ):
+        cur = t.current_mask()
+        magnitude = reconstruction_error(w, w * _magnitude_mask(w, cur, search), st.held_gram)
+        recs.append(
+            LayerReconstruction(
+                fqn=t.fqn,
+                masked_error=reconstruction_error(w, w * mask, st.gram),
+                reconstructed_error=reconstruction_error(w, fitted, st.gram),
+                rows=st.rows,
+                held_out_rows=st.held_rows,
+                held_out_masked_error=reconstruction_error(w, w * mask, st.held_gram),
+                held_out_reconstructed_error=reconstruction_error(w, fitted, st.held_gram),
+                held_out_magnitude_error=magnitude,
+                accepted=acc,
+                damping=damping if t is b else 0.0,
+                importance=Importance.ACTIVATION,
+                column_share=1.0 if t is a else 0.0,
+                neurons_with=b.fqn if t is a else a.fqn,
+            )
+        )
+    log.info(
+        "tilesparse: %s -> %s pruned as neurons (%d of %d kept), held-out output error of %s "
+        "%.4g (masked %.4g, damping %g)",
+        a.fqn,
+        b.fqn,
+        int(kept.sum()),
+        kept.numel(),
+        b.fqn,
+        held_fit if accepted else held_masked,
+        held_masked,
+        damping,
+    )
+    return recs

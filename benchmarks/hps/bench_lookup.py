@@ -29,9 +29,11 @@ Writes ``benchmarks/results/hps_lookup.json``.
 from __future__ import annotations
 
 import argparse
+import json
 import logging
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -301,6 +303,17 @@ def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     ]
 
 
+def _kept_sections(out: Path, rerun: set[str]) -> list[dict[str, Any]]:
+    """Rows of ``out`` from sections not run this time (``--only``), each marked with the
+    ``git_sha`` of the run that measured it, so a partial run never drops the others."""
+    if not out.exists():
+        return []
+    doc = json.loads(out.read_text())
+    sha = doc.get("meta", {}).get("git_sha")
+    kept = [r for r in doc.get("rows", []) if r.get("section") not in rerun]
+    return [{**r, "measured_at": r.get("measured_at", sha)} for r in kept]
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--quick", action="store_true", help="small tables (a smoke run)")
@@ -316,6 +329,7 @@ def main(argv: list[str] | None = None) -> None:
         rows += sections[name](args)
         log.info("%s", rows[-1])
     out = RESULTS_DIR / ("hps_lookup_quick.json" if args.quick else "hps_lookup.json")
+    rows = _kept_sections(out, {r["section"] for r in rows}) + rows
     write_json(out, rows, threads=torch.get_num_threads())
     log.info("wrote %s", out)
 

@@ -135,7 +135,7 @@ def bias_refit_error(
     """``‖[h,1]·([W;b] - [Ŵ;b̂])‖² / ‖[h,1]·[W;b]‖²`` on the held-out (or fit) samples."""
     w, a = w_kn.double().cpu(), approx_kn.double().cpu()
     if bias is None or approx_bias is None:
-        g = stats.held_gram if held else stats.gram
+        g = stats.held_gram if held and stats.held_rows > 0 else stats.gram
     else:
         g = _augmented(stats, held=held and stats.held_rows > 0)
         w = torch.cat([w, bias.detach().double().cpu().unsqueeze(0)])

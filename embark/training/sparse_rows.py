@@ -173,7 +173,9 @@ def round_rows(
     toward = torch.where(near_f > values, -torch.inf, torch.inf).to(dtype)
     other = torch.nextafter(near, toward)
     p = (values - near_f).abs_().div_((other.float() - near_f).abs_())
-    draw = torch.rand(values.shape, generator=generator, device=values.device)
+    # drawn on the generator's device (a CPU generator also serves CUDA weights), then moved
+    gen_device = generator.device if generator is not None else values.device
+    draw = torch.rand(values.shape, generator=generator, device=gen_device).to(values.device)
     return torch.where(draw < p, other, near)
 
 

@@ -139,7 +139,7 @@ class TableSpec:
     max_query_per_sample: int
     default_value: float = 0.0
     #: how every tier stores the rows (``tilerec_row_format_per_table``; the sparse files
-    #: hold float32 rows, quantized on load)
+    #: hold them as ``emb_rows`` in this format, or float32 ``emb_vector`` quantized on load)
     row_format: RowDtype = RowDtype.FP32
 
 

@@ -89,7 +89,7 @@ def _counts(plan: ShardingPlan, model: CostModel) -> dict[str, float]:
         splits += len(ts.shards)
         n = model.tables[ts.name].local_ids
         ids += n
-        if len(ts.shards) > 1:
+        if len({(s.row_start, s.row_end) for s in ts.shards}) > 1:  # split by row range
             row_split_ids += n
         for s in ts.shards:
             owned[s.rank] += 1

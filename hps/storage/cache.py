@@ -83,51 +83,17 @@ import numpy as np
 import torch
 
 from hps.rowformat import RowDtype
+from hps.storage.cache_index import EMPTY_KEY as EMPTY_KEY
+from hps.storage.cache_index import set_of as set_of
+from hps.storage.cache_index import tag_of as tag_of
 from hps.storage.host_memory import huge_zeros
 from hps.storage.row_codec import RowCodec
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 
 log = logging.getLogger(__name__)
 
-EMPTY_KEY = -(2**63)  # sentinel of an empty slot; this one int64 key value cannot be cached
 DEFAULT_WAYS = 64  # HugeCTR: slabs of 32 keys, 2 slabs per set
 _MAX_SHIFT = 63  # an int64 counter is 0 (or -1) after 63 halvings
-
-
-def _signed(u: int) -> int:
-    return u - (1 << 64) if u >= 1 << 63 else u
-
-
-_GOLDEN = _signed(0x9E3779B97F4A7C15)  # splitmix64 constants (Steele et al., 2014)
-_M1 = _signed(0xBF58476D1CE4E5B9)
-_M2 = _signed(0x94D049BB133111EB)
-
-
-def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
-    """Logical right shift of int64 (torch's ``>>`` is arithmetic)."""
-    return (x >> s) & ((1 << (64 - s)) - 1)
-
-
-def _mix(keys: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finaliser over ``(n,) int64`` (the same as :func:`hps.types.mix64`;
-    int64 multiplication wraps modulo 2**64)."""
-    z = keys + _GOLDEN
-    z = (z ^ _srl(z, 30)) * _M1
-    z = (z ^ _srl(z, 27)) * _M2
-    return z ^ _srl(z, 31)
-
-
-def set_of(keys: torch.Tensor, num_sets: int) -> torch.Tensor:
-    """``(n,) int64`` keys → ``(n,) int64`` set indices: the high 32 bits of ``mix64(key)``
-    scaled to ``[0, num_sets)``, ``(hi32 × num_sets) >> 32`` (a multiply where ``%`` would
-    divide; exact in int64 for ``num_sets < 2**31``)."""
-    return (_srl(_mix(keys), 32) * num_sets) >> 32
-
-
-def tag_of(keys: torch.Tensor) -> torch.Tensor:
-    """``(n,) int64`` keys → ``(n,) uint8`` tags in ``[1, 255]`` (0 marks an empty slot):
-    ``1 + (low 16 bits of mix64(key)) % 255``, bits the set index does not use."""
-    return (1 + (_mix(keys) & 0xFFFF) % 255).to(torch.uint8)
 
 
 class RowHome(Protocol):

@@ -34,6 +34,7 @@ __all__ = [
     "FLOAT_DTYPES",
     "FusedLookup",
     "RowFormatTable",
+    "bag_fp32",
     "TableModel",
     "TableStore",
     "EmbeddingTables",
@@ -83,6 +84,19 @@ def row_dtype_of(dtype: torch.dtype) -> RowDtype:
         if t == dtype:
             return row
     raise ValueError(f"a table's weight must be one of {list(FLOAT_DTYPES.values())}, got {dtype}")
+
+
+def bag_fp32(
+    ids: torch.Tensor, weight: torch.Tensor, offsets: torch.Tensor, mode: str
+) -> torch.Tensor:
+    """``(B, dim) float32`` bags of ``ids`` over ``weight`` of any float dtype, summed in
+    float32 (an FP16/BF16 table's rows are widened before the sum, as the parameter server
+    sums dequantized rows, so a bag neither rounds to 16 bits nor overflows to inf)."""
+    if weight.dtype == torch.float32:
+        return F.embedding_bag(ids, weight, offsets, mode=mode)
+    rows = weight.index_select(0, ids).float()
+    positions = torch.arange(ids.numel(), device=ids.device)
+    return F.embedding_bag(positions, rows, offsets, mode=mode)
 
 
 class FusedLookup(nn.Module):
@@ -202,7 +216,7 @@ class TableStore(nn.Module):
         if update is not None:
             out: torch.Tensor = update(weight, ids, offsets, mode)
         else:
-            out = F.embedding_bag(ids, weight, offsets, mode=mode)
+            out = bag_fp32(ids, weight, offsets, mode)
         return out.float()
 
     # ---------------------------------------------------------- storage dtype
@@ -320,7 +334,9 @@ class EmbeddingTables(TableStore):
         assert isinstance(module, nn.EmbeddingBag)
         if self.update_of(table) is not None:
             return self.lookup(table, ids, offsets, module.mode)
-        return module(ids, offsets).float()
+        if module.weight.dtype == torch.float32:
+            return module(ids, offsets)
+        return bag_fp32(ids, module.weight, offsets, module.mode)
 
     def float_weight(self, table: str) -> torch.Tensor:
         """``(num_rows, dim) float32`` values of a float table (its weight itself when FP32,

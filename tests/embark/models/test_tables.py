@@ -77,3 +77,23 @@ def test_no_duck_typing_a_look_alike_is_not_taken_over():
     assert trainer.embedding_updates is None and len(m.sparse_updates) == 0
     params = [p for g in trainer.optimizer.param_groups for p in g["params"]]
     assert any(p is m.embeddings["t"].weight for p in params)
+
+
+def test_half_tables_sum_bags_in_float32():
+    """An FP16 table's bag is summed in float32: two rows of 40,000 give 80,000 (an FP16 sum
+    overflows to inf), and every bag equals the float32 bag of the same rows."""
+    store = EmbeddingTables([TableConfig("t", 6, 4)])
+    with torch.no_grad():
+        store["t"].weight.copy_(torch.arange(24, dtype=torch.float32).view(6, 4) * 0.37 + 40_000)
+    want = torch.nn.functional.embedding_bag(
+        torch.tensor([0, 1, 2, 5, 3]),
+        store["t"].weight.half().float(),
+        torch.tensor([0, 2]),
+        mode="sum",
+    )
+    store.set_storage_dtype_(RowDtype.FP16)
+    ids, offsets = torch.tensor([0, 1, 2, 5, 3]), torch.tensor([0, 2])
+    for got in (store.bag("t", ids, offsets), store.lookup("t", ids, offsets, "sum")):
+        assert got.dtype == torch.float32 and torch.isfinite(got).all()
+        assert torch.equal(got, want)
+    assert bool((want[0] >= 80_000).all())  # beyond FP16 (65,504)

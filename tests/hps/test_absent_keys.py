@@ -253,3 +253,38 @@ def test_the_negative_cache_is_bounded() -> None:
     assert off.known("t", np.arange(3, dtype=np.int64), 0) is None
     with pytest.raises(ValueError, match="max_absent_keys must be an integer >= 0, got -1"):
         AbsentKeys(-1)
+
+
+class _LostPartitions(_CountingHashMap):
+    """A hash map standing in for a Redis cluster whose partitions lost their rows."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.errors, self.unmarked_reads = 1, 0
+
+    def unmarked_partitions(self, table: str) -> list[int]:
+        return [0, 1]
+
+    def mark_loaded(self, table: str, partitions: list[int] | None = None) -> None:
+        super().mark_loaded(table)
+
+
+def test_the_volatile_repair_forgets_absent_keys(tmp_path: Path) -> None:
+    from hps.config import TableSpec
+    from hps.storage.sparse_files import write_table
+    from hps.volatile_repair import VolatileRepair
+
+    keys, rows = make_table(N, DIM, seed=3)
+    vdb = _LostPartitions()
+    vdb.create_table("t", DIM)  # every row lost
+    c = EmbeddingCache(N * 2, DIM, ways=8)
+    s = LookupSession([SessionTable("t", DIM, DEFAULT, 10_000, c)], vdb, None, exact=True)
+    q = torch.from_numpy(keys[:2].copy())
+    assert bool((s.lookup("t", q) == DEFAULT).all())  # "not found": taken as absent
+    assert s.stats("t")["known_absent"]["held"] == 2  # type: ignore[index]
+    write_table(tmp_path / "t", keys, rows)
+    spec = TableSpec("t", str(tmp_path / "t"), DIM, 1, DEFAULT)
+    # written under the reader side of the update lock: no generation moves
+    assert VolatileRepair(vdb, None, [spec], [s]).repair_once() == 2  # type: ignore[arg-type]
+    torch.testing.assert_close(s.lookup("t", q), torch.from_numpy(rows[:2]), rtol=0, atol=0)
+    s.close()

@@ -118,6 +118,8 @@ class VolatileRepair:
             k = np.ascontiguousarray(keys[idx], dtype=np.int64)
             self._write_chunk(t, k, np.ascontiguousarray(vecs[idx], dtype=np.float32), from_pdb)
         self.volatile.mark_loaded(t.name, lost)
+        for sess in self.sessions:  # written under the reader side: no generation moved
+            sess.forget_absent_keys()
         self._refused.difference_update((t.name, p) for p in lost)
         self.restored += len(lost)
         log.info(

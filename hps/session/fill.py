@@ -103,13 +103,20 @@ class CacheFill:
         dev = self.device
         k = mkeys.numel()
         is_async = 1.0 - k / max(n_unique, 1) >= self.hit_rate_threshold
-        if is_async and not self.exact:
-            prio = self._priority(t, mkeys, mcounts)
-            mrows = torch.full((k, t.dim), t.default_value, device=dev)
-            mk, mp = mkeys.numpy(), prio.to(dev)
-            self.submit(t, functools.partial(self._fill_from_db, t, cache, mk, mp, epoch))
-            return mrows, torch.full((k,), 3, dtype=torch.int8), is_async
         generation = self.update_lock.generation  # stable: lookups hold the reader side
+        if is_async and not self.exact:
+            mrows = torch.full((k, t.dim), t.default_value, device=dev)
+            # keys no tier holds are not read again in the background
+            known = self.absent.known(t.name, mkeys.numpy(), generation)
+            if known is not None:
+                rest = torch.from_numpy(~known)
+                mkeys, mcounts = mkeys[rest], mcounts[rest]
+            if mkeys.numel():
+                prio = self._priority(t, mkeys, mcounts)
+                mk, mp = mkeys.numpy(), prio.to(dev)
+                job = functools.partial(self._fill_from_db, t, cache, mk, mp, epoch, generation)
+                self.submit(t, job)
+            return mrows, torch.full((k,), 3, dtype=torch.int8), is_async
         known = self.absent.known(t.name, mkeys.numpy(), generation)
         if known is None:
             mrows, tier = self._read(t, cache, mkeys, mcounts, is_async, epoch, generation)
@@ -201,15 +208,22 @@ class CacheFill:
         keys: np.ndarray,
         priority: torch.Tensor | None = None,
         epoch: int | None = None,
+        generation: int | None = None,
     ) -> None:
         """Background job: read ``keys`` from the databases and put them in ``cache`` (the one
         the lookup queried, even if the table's was swapped since), under the reader side of
         the update lock (an update cannot land between the read and the insert). ``priority``
-        was counted at ``cache``'s ``epoch`` (halved for agings since)."""
+        was counted at ``cache``'s ``epoch`` (halved for agings since). Keys every tier
+        answered and none holds enter the negative cache at ``generation`` (the lock's when
+        the job was queued; skipped when an update was applied since, or ``None``); a key a
+        tier failed to read never does."""
         self.update_lock.acquire_read()
         try:
             raw = self.tiers.moves_bytes(t, cache)  # quantized rows move as their bytes
-            vals, found = self.tiers.fetch(t, keys, raw)
+            fetched = self.tiers.read(t, keys, raw)
+            vals, found = fetched.values, fetched.found
+            if generation is not None and generation == self.update_lock.generation:
+                self.absent.add(t.name, keys[~found & ~fetched.unreadable], generation)
             fm = torch.from_numpy(found)
             got = torch.from_numpy(vals[found]).to(self.device)
             cache.insert(

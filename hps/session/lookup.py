@@ -58,7 +58,12 @@ from hps.rwlock import ReadWriteLock
 from hps.session.fill import CacheFill
 from hps.session.fused import fused_lookup
 from hps.session.table import SessionTable, unique_with_inverse
-from hps.session.tiers import DEFAULT_MAX_ABSENT_KEYS, AbsentKeys, TierReader
+from hps.session.tiers import (
+    DEFAULT_MAX_ABSENT_AGE_S,
+    DEFAULT_MAX_ABSENT_KEYS,
+    AbsentKeys,
+    TierReader,
+)
 from hps.session_stats import SessionStats
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache
 from hps.types import Pooling, StorageBackend, TierUnavailableError
@@ -88,6 +93,10 @@ class LookupSession:
         max_absent_keys: keys per table the negative cache holds (keys no tier holds, answered
             with the default vector without a database read until an update may have added
             them; :class:`~hps.session.tiers.AbsentKeys`); 0 turns it off.
+        max_absent_age_s: seconds the negative cache trusts a table's absent keys at most
+            (``> 0``), so a key another process adds to a shared tier (replicas sharing one
+            Redis cluster or RocksDB, which bump no update generation here) is served within
+            it; older entries are read again.
     """
 
     def __init__(
@@ -105,6 +114,7 @@ class LookupSession:
         update_health: UpdateHealth | None = None,
         compiled: bool = True,
         max_absent_keys: int = DEFAULT_MAX_ABSENT_KEYS,
+        max_absent_age_s: float = DEFAULT_MAX_ABSENT_AGE_S,
     ) -> None:
         if volatile is None and persistent is None:
             raise ValueError("a LookupSession needs a volatile or a persistent database")
@@ -123,7 +133,7 @@ class LookupSession:
         self._stats_epoch: dict[str, tuple[weakref.ref[EmbeddingCache], int]] = {}
         self._aging_lock = threading.Lock()
         self.tiers = TierReader(volatile, persistent, cache_missed_embeddings, self.statistics)
-        self.absent = AbsentKeys(max_absent_keys)
+        self.absent = AbsentKeys(max_absent_keys, max_absent_age_s)
         self.fill = CacheFill(
             self.tiers,
             self.statistics,

@@ -4,7 +4,10 @@ from no tier (:class:`~hps.types.TierUnavailableError`; see :mod:`hps.session.lo
 
 from __future__ import annotations
 
+import math
 import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -18,10 +21,19 @@ from hps.types import StorageBackend, TierUnavailableError, VolatileUnavailableE
 if TYPE_CHECKING:
     from hps.session.table import SessionTable
 
-__all__ = ["DEFAULT_MAX_ABSENT_KEYS", "AbsentKeys", "Fetched", "TierReader"]
+__all__ = [
+    "DEFAULT_MAX_ABSENT_AGE_S",
+    "DEFAULT_MAX_ABSENT_KEYS",
+    "AbsentKeys",
+    "Fetched",
+    "TierReader",
+]
 
 #: Keys per table the negative cache holds at most (8 bytes each: 512 KiB per table).
 DEFAULT_MAX_ABSENT_KEYS = 65536
+#: Seconds a table's absent keys are trusted at most: a key another process (a replica sharing
+#: the Redis cluster or RocksDB, an offline writer) adds to a tier is served within this age.
+DEFAULT_MAX_ABSENT_AGE_S = 2.0
 
 
 @dataclass(frozen=True)
@@ -137,35 +149,64 @@ class AbsentKeys:
 
     A key enters only after a read in which every tier answered and none held it (a key a
     tier failed to read is never taken as absent). The keys of a table are one sorted array
-    labelled with the update lock's ``generation`` at which they were found absent: any
-    write section since (an online update, which may add rows) makes them stale, so a key
-    added to a tier is never answered with the default once it exists; writers outside the
-    update lock call :meth:`clear`. Bounded: a table past ``max_keys`` starts over from the
-    keys of its latest read. Thread-safe (reads take a reference to an immutable array).
+    labelled with the update lock's ``generation`` at which they were found absent and the
+    time its first key entered: any write section since (an online update, which may add
+    rows) makes them stale, and so does an age of ``max_age_s`` (another process writing the
+    shared databases bumps no generation here), after which the keys are read again; writers
+    of this process outside the update lock call :meth:`clear`. Bounded: a table past
+    ``max_keys`` starts over from the keys of its latest read. Thread-safe (reads take a
+    reference to an immutable entry).
 
     Args:
         max_keys: keys per table at most (0: the negative cache is off).
+        max_age_s: seconds a table's keys are trusted at most (``> 0``; ``math.inf``: until
+            a write section or :meth:`clear`).
+        clock: seconds, monotonic (injectable for tests).
 
     Raises:
-        ValueError: a negative ``max_keys``.
+        ValueError: a negative ``max_keys`` or a ``max_age_s`` that is not ``> 0``.
     """
 
-    def __init__(self, max_keys: int = DEFAULT_MAX_ABSENT_KEYS) -> None:
+    def __init__(
+        self,
+        max_keys: int = DEFAULT_MAX_ABSENT_KEYS,
+        max_age_s: float = DEFAULT_MAX_ABSENT_AGE_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         if isinstance(max_keys, bool) or not isinstance(max_keys, int) or max_keys < 0:
             raise ValueError(f"max_absent_keys must be an integer >= 0, got {max_keys!r}")
+        if (
+            isinstance(max_age_s, bool)
+            or not isinstance(max_age_s, int | float)
+            or math.isnan(max_age_s)
+            or max_age_s <= 0
+        ):
+            raise ValueError(f"max_absent_age_s must be a number > 0, got {max_age_s!r}")
         self.max_keys = max_keys
-        self._keys: dict[str, tuple[int, np.ndarray]] = {}  # table → (generation, sorted keys)
+        self.max_age_s = float(max_age_s)
+        self._clock = clock
+        # table → (generation, time its first key entered, sorted keys)
+        self._keys: dict[str, tuple[int, float, np.ndarray]] = {}
         self._answered: dict[str, int] = {}
         self._restarts: dict[str, int] = {}
         self._lock = threading.Lock()
 
+    def _current(self, table: str, generation: int) -> np.ndarray | None:
+        """The sorted keys of ``table`` still valid at ``generation`` and now, or ``None``."""
+        entry = self._keys.get(table)
+        if entry is None or entry[0] != generation:
+            return None
+        if self._clock() - entry[1] >= self.max_age_s:
+            return None
+        return entry[2]
+
     def known(self, table: str, keys: np.ndarray, generation: int) -> np.ndarray | None:
         """``(n,) bool``: which of ``keys`` (int64) are known absent at ``generation``
-        (counted as answered), or ``None`` when none is."""
-        entry = self._keys.get(table)
-        if entry is None or entry[0] != generation or not keys.size:
+        (counted as answered), or ``None`` when none is (also once the entry is older than
+        ``max_age_s``)."""
+        held = self._current(table, generation)
+        if held is None or not keys.size:
             return None
-        held = entry[1]
         pos = np.minimum(np.searchsorted(held, keys), held.size - 1)
         hit = held[pos] == keys
         n = int(hit.sum())
@@ -180,16 +221,17 @@ class AbsentKeys:
         if not keys.size or not self.max_keys:
             return
         with self._lock:
-            entry = self._keys.get(table)
+            held = self._current(table, generation)
             fresh = np.unique(keys)
-            if entry is not None and entry[0] == generation:
-                merged = np.union1d(entry[1], fresh)
+            entry = self._keys.get(table)
+            if held is not None and entry is not None:
+                merged, stamp = np.union1d(held, fresh), entry[1]  # the oldest key's time
             else:
-                merged = fresh
+                merged, stamp = fresh, self._clock()
             if merged.size > self.max_keys:  # bounded: start over from this read's keys
-                merged = fresh[: self.max_keys]
+                merged, stamp = fresh[: self.max_keys], self._clock()
                 self._restarts[table] = self._restarts.get(table, 0) + 1
-            self._keys[table] = (generation, merged)
+            self._keys[table] = (generation, stamp, merged)
 
     def clear(self, table: str | None = None) -> None:
         """Forget the absent keys of ``table`` (``None``: of every table)."""
@@ -202,8 +244,8 @@ class AbsentKeys:
     def stats(self, table: str, generation: int) -> dict[str, int]:
         """``held``: keys known absent now; ``answered``: keys answered from here so far;
         ``restarts``: times the table's keys outgrew ``max_keys``."""
-        entry = self._keys.get(table)
-        held = entry[1].size if entry is not None and entry[0] == generation else 0
+        keys = self._current(table, generation)
+        held = 0 if keys is None else keys.size
         with self._lock:
             return {
                 "held": int(held),

@@ -401,14 +401,19 @@ class DLRMServable:
         0 (so a sample's vector does not depend on its batch mates, nor on which of its rows
         were cache hits: merged executions stay bit-equal to each request alone)."""
         t, dim = len(self.tables), self.tables[0].dim
-        keys, bags, counts = [], [], []
+        keys: list[torch.Tensor] = []
+        bags: list[torch.Tensor] = []  # bags[j]: table j's pooled row of each of its keys
+        hole = torch.empty(0, dtype=torch.int64)  # an unpadded table's, filled in below
+        counts = []
+        unpadded: dict[int, list[int]] = {}  # bag width → the unpadded tables of that width
         sample: torch.Tensor | None = None
         for j, name in enumerate(self._table_names):
             arr = inputs[f"ids_{name}"]
             w = arr.shape[1]
             if w and int(arr.min()) >= 0:  # no padding (the common case): every id is a key
                 keys.append(torch.from_numpy(arr).reshape(-1))
-                bags.append(self._bag_index(b, t, j, w))
+                bags.append(hole)
+                unpadded.setdefault(w, []).append(j)
                 if self._mean:
                     counts.append(torch.full((b,), w, dtype=torch.int64))
                 continue
@@ -420,6 +425,10 @@ class DLRMServable:
             bags.append(sample.expand_as(ids)[keep] * t + j)
             if self._mean:
                 counts.append(keep.sum(dim=1))
+        for w, js in unpadded.items():  # one add per width: base (B·w,) + j of each table
+            rows_of = self._bag_index(b, t, w).unsqueeze(0) + torch.tensor(js).unsqueeze(1)
+            for j, idx in zip(js, rows_of.unbind(0), strict=True):
+                bags[j] = idx
         n_rows = sum(k.numel() for k in keys)
         rows = self._buffer("rows", n_rows * dim)
         pooled = self._buffer("pooled", b * t * dim).view(b * t, dim)
@@ -434,16 +443,16 @@ class DLRMServable:
             out[:, self._mean] = out[:, self._mean] / n.unsqueeze(2)
         return out.numpy()
 
-    def _bag_index(self, b: int, t: int, j: int, w: int) -> torch.Tensor:
-        """``(B·w,) int64``: the pooled row (``sample · T + j``) of each id of table ``j``'s
-        unpadded ``(B, w)`` ids: a base ``sample · T`` cached per ``(B, w)`` in this thread
-        (shared by every table, ``B·w·8`` bytes), plus ``j`` per call."""
+    def _bag_index(self, b: int, t: int, w: int) -> torch.Tensor:
+        """``(B·w,) int64``: ``sample · T`` of each id of unpadded ``(B, w)`` ids (a table's
+        pooled row less its index ``j``), cached per ``(B, w)`` in this thread and shared by
+        every table of that width (``B·w·8`` bytes, within the thread's byte budget)."""
         cache = self._bag_index_cache()
         base = cache.get(b, w)
         if base is None:
             base = (torch.arange(b) * t).repeat_interleave(w)
             cache.put(b, w, base)
-        return base + j if j else base
+        return base
 
     def _bag_index_cache(self) -> _BagIndexCache:
         """This thread's cache of base bag indices."""

@@ -223,3 +223,33 @@ def test_non_finite_scores_are_refused_and_counted(ps, servable, tiny) -> None:
     assert r.value.status() == "StatusCode.INVALID_ARGUMENT"
     assert r.value.message() == h.value.message()
     assert st["non_finite_output"] == 2 and st["inference_stats"]["fail"]["count"] == 2
+
+
+def _unpadded(req: Tensors) -> Tensors:
+    """``req`` with its -1 padding slots replaced by id 0 (so every table takes the unpadded,
+    cached bag index path)."""
+    return {n: np.where(a < 0, 0, a) if n.startswith("ids_") else a for n, a in req.items()}
+
+
+def test_bag_index_cache_is_shared_by_tables_and_bounded_in_bytes(ps, tiny) -> None:
+    """The cached bag indices are one ``(B·w,) int64`` per batch size and bag width (not per
+    table), their bytes never exceed the budget over many batch sizes, and the scores are
+    bit-equal to a servable that caches nothing."""
+    cfg, session = ps.cfg.model("tiny"), ps.session("tiny")
+    uncached = DLRMServable(cfg, session, ort_threads=1, bag_index_budget_bytes=0)
+    first = _unpadded(make_request(tiny, 8, seed=7))
+    widths = {first[n].shape[1] for n in uncached.id_inputs}
+    assert len(widths) < len(uncached.id_inputs)  # tables share a width: the key drops the table
+    budget = 8 * 16 * sum(widths)  # the indices of ~16 samples: many batch sizes evict
+    cached = DLRMServable(cfg, session, ort_threads=1, bag_index_budget_bytes=budget)
+    assert np.array_equal(cached.infer(first)["logits"], uncached.infer(first)["logits"])
+    assert cached.bag_index_cache_bytes() == 8 * 8 * sum(widths)
+    for b in (*range(1, 13), 64, 3, 64):
+        req = _unpadded(make_request(tiny, b, seed=b))
+        got, want = cached.infer(req), uncached.infer(req)
+        for name in ("logits", "probability"):
+            assert np.array_equal(got[name], want[name]), (b, name)
+        assert 0 < cached.bag_index_cache_bytes() <= budget, b
+    assert uncached.bag_index_cache_bytes() == 0
+    with pytest.raises(ValueError, match="bag_index_budget_bytes must be >= 0.*got -1"):
+        DLRMServable(cfg, session, bag_index_budget_bytes=-1)

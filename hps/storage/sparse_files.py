@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import shutil
+from collections.abc import Callable
 from enum import StrEnum
 from pathlib import Path
 
@@ -99,21 +100,9 @@ def write_table(
     """
     fmt = SparseFormat(fmt)
     folder = entry(Path(folder).parent, Path(folder).name, "sparse folder")
-    keys = np.asarray(keys)
-    vectors = np.asarray(vectors)
-    if keys.dtype != np.int64 or keys.ndim != 1:
-        raise ValueError(f"keys must be (n,) int64, got {keys.dtype} {tuple(keys.shape)}")
-    if vectors.dtype != np.float32 or vectors.ndim != 2 or vectors.shape[0] != keys.shape[0]:
-        raise ValueError(
-            f"vectors must be ({keys.shape[0]}, dim) float32, got {vectors.dtype} {tuple(vectors.shape)}"
-        )
-    _check_unique_keys(folder, keys)
-    if entry_exists(folder) and not overwrite:
-        raise ValueError(f"sparse folder {folder} exists; pass overwrite=True to replace it")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = hidden_sibling(folder, "tmp")
-    tmp.mkdir()
-    try:
+    keys, vectors = _checked(keys, vectors, np.float32, "vectors", "dim")
+
+    def write(tmp: Path) -> None:
         if fmt is SparseFormat.HUGECTR:
             keys.astype("<i8", copy=False).tofile(tmp / KEY_FILE)
             vectors.astype("<f4", copy=False).tofile(tmp / VECTOR_FILE)
@@ -124,6 +113,40 @@ def write_table(
                 {"key": np.ascontiguousarray(keys), "emb_vector": np.ascontiguousarray(vectors)},
                 str(tmp / SAFETENSORS_FILE),
             )
+
+    return _publish(folder, keys, overwrite, write)
+
+
+def _checked(
+    keys: np.ndarray, values: np.ndarray, dtype: type, what: str, width: str
+) -> tuple[np.ndarray, np.ndarray]:
+    """``keys (n,) int64`` and ``values (n, W) dtype`` as arrays, or a ``ValueError`` naming
+    what is wrong."""
+    keys, values = np.asarray(keys), np.asarray(values)
+    if keys.dtype != np.int64 or keys.ndim != 1:
+        raise ValueError(f"keys must be (n,) int64, got {keys.dtype} {tuple(keys.shape)}")
+    if values.dtype != dtype or values.ndim != 2 or values.shape[0] != keys.shape[0]:
+        raise ValueError(
+            f"{what} must be ({keys.shape[0]}, {width}) {np.dtype(dtype).name}, "
+            f"got {values.dtype} {tuple(values.shape)}"
+        )
+    return keys, values
+
+
+def _publish(
+    folder: Path, keys: np.ndarray, overwrite: bool, write: Callable[[Path], None]
+) -> Path:
+    """Write a table's files with ``write(staging folder)``, then swap the staging folder in
+    whole (:func:`_swap_in`); on any failure the staging folder is removed and ``folder`` is
+    as it was."""
+    _check_unique_keys(folder, keys)
+    if entry_exists(folder) and not overwrite:
+        raise ValueError(f"sparse folder {folder} exists; pass overwrite=True to replace it")
+    folder.parent.mkdir(parents=True, exist_ok=True)
+    tmp = hidden_sibling(folder, "tmp")
+    tmp.mkdir()
+    try:
+        write(tmp)
         _swap_in(tmp, folder)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
@@ -146,27 +169,13 @@ def write_table_rows(
         ValueError: as :func:`write_table`, or ``rows`` that are not ``(n, W) uint8``.
     """
     folder = entry(Path(folder).parent, Path(folder).name, "sparse folder")
-    keys, rows = np.asarray(keys), np.asarray(rows)
-    if keys.dtype != np.int64 or keys.ndim != 1:
-        raise ValueError(f"keys must be (n,) int64, got {keys.dtype} {tuple(keys.shape)}")
-    if rows.dtype != np.uint8 or rows.ndim != 2 or rows.shape[0] != keys.shape[0]:
-        raise ValueError(
-            f"rows must be ({keys.shape[0]}, row_bytes) uint8, got {rows.dtype} {tuple(rows.shape)}"
-        )
-    _check_unique_keys(folder, keys)
-    if entry_exists(folder) and not overwrite:
-        raise ValueError(f"sparse folder {folder} exists; pass overwrite=True to replace it")
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = hidden_sibling(folder, "tmp")
-    tmp.mkdir()
-    try:
+    keys, rows = _checked(keys, rows, np.uint8, "rows", "row_bytes")
+
+    def write(tmp: Path) -> None:
         keys.astype("<i8", copy=False).tofile(tmp / KEY_FILE)
         np.ascontiguousarray(rows).tofile(tmp / ROWS_FILE)
-        _swap_in(tmp, folder)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    return folder
+
+    return _publish(folder, keys, overwrite, write)
 
 
 def has_table_rows(folder: str | Path) -> bool:

@@ -21,6 +21,7 @@ that dtype; every lookup returns float32 bags whatever the storage.
 
 from __future__ import annotations
 
+from abc import ABC, abstractmethod
 from collections.abc import Iterator, Sequence
 
 import torch
@@ -99,7 +100,7 @@ def bag_fp32(
     return F.embedding_bag(positions, rows, offsets, mode=mode)
 
 
-class FusedLookup(nn.Module):
+class FusedLookup(nn.Module, ABC):
     """Base of a table's fused lookup-and-update that a trainer installs in a
     :class:`TableStore` (``embark.training.fused.SparseTableUpdate``).
 
@@ -109,16 +110,16 @@ class FusedLookup(nn.Module):
 
     frozen: bool = False
 
+    @abstractmethod
     def forward(
         self, weight: torch.Tensor, ids: torch.Tensor, offsets: torch.Tensor, mode: str
     ) -> torch.Tensor:
         """Pool ``ids`` (``(nnz,) int64``, bags starting at ``offsets`` ``(B,) int64``) from
         ``weight`` ``(num_rows, dim)`` by ``mode`` (``"sum"``/``"mean"``) → ``(B, dim)
         float32``; with autograd on, its backward updates the touched rows."""
-        raise NotImplementedError
 
 
-class RowFormatTable(nn.Module):
+class RowFormatTable(nn.Module, ABC):
     """Base of a table held in a row format (``embark.quant.QuantizedEmbeddingBag``):
     looked up, never trained (it holds no float weight).
 
@@ -130,16 +131,16 @@ class RowFormatTable(nn.Module):
     combiner: Combiner
 
     @property
+    @abstractmethod
     def nbytes(self) -> int:
         """Bytes of the stored rows."""
-        raise NotImplementedError
 
+    @abstractmethod
     def forward(self, ids: torch.Tensor, offsets: torch.Tensor) -> torch.Tensor:
         """``(B, dim) float32`` pooled bags of ``ids`` ``(nnz,) int64`` at ``offsets``."""
-        raise NotImplementedError
 
 
-class TableStore(nn.Module):
+class TableStore(nn.Module, ABC):
     """What every holder of tables offers the trainer, quantization, export and checkpoints
     (see the module docstring). Subclasses implement :meth:`trainable_weights` and
     :meth:`_set_weight`; a fused update installed for a table is used by :meth:`lookup`."""
@@ -154,10 +155,10 @@ class TableStore(nn.Module):
         assert isinstance(updates, nn.ModuleDict)
         return updates
 
+    @abstractmethod
     def trainable_weights(self) -> dict[str, nn.Parameter]:
         """``{table: (rows, dim) weight}`` of the float tables (whole, or this rank's shard or
         replica), in table order; a table in a row format is left out."""
-        raise NotImplementedError
 
     def replicated(self) -> frozenset[str]:
         """The tables whose replicas are summed over the ranks (data-parallel); none here."""
@@ -243,8 +244,9 @@ class TableStore(nn.Module):
             w = weights[t]
             self._set_weight(t, nn.Parameter(w.to(target), requires_grad=w.requires_grad))
 
+    @abstractmethod
     def _set_weight(self, table: str, weight: nn.Parameter) -> None:
-        raise NotImplementedError
+        """Replace ``table``'s weight (its storage dtype changed)."""
 
 
 class EmbeddingTables(TableStore):
@@ -371,10 +373,10 @@ class EmbeddingTables(TableStore):
         bag.weight = weight
 
 
-class TableModel(nn.Module):
+class TableModel(nn.Module, ABC):
     """Base of a model whose embedding tables are one :class:`TableStore` (``DLRM``,
     ``ShardedDLRM``): what the trainer takes over and quantization and export read."""
 
+    @abstractmethod
     def embedding_store(self) -> TableStore:
         """The model's tables."""
-        raise NotImplementedError

@@ -43,7 +43,7 @@ def test_a_trainer_installs_typed_updates_and_quantization_drops_them():
     with pytest.raises(TypeError, match="FusedLookup"):
         store.install_update("t0", nn.Identity())  # type: ignore[arg-type]
     with pytest.raises(KeyError, match="nope"):
-        store.install_update("nope", FusedLookup())
+        store.install_update("nope", _Sum())
     with pytest.raises(ValueError, match="before a trainer"):
         store.set_storage_dtype_(RowDtype.FP16)
     quantize_embeddings_(model, EmbeddingQuantConfig("int8", per_table={"t1": "fp32"}))
@@ -51,6 +51,22 @@ def test_a_trainer_installs_typed_updates_and_quantization_drops_them():
     assert store.storage_dtype("t0") is RowDtype.INT8 and "t0" not in store.trainable_weights()
     trainer.rebuild_optimizer()
     assert set(trainer.embedding_updates.weights) == {"t1"}  # type: ignore[union-attr]
+
+
+class _Sum(FusedLookup):
+    """The smallest concrete fused lookup: a plain sum, no update."""
+
+    def forward(self, weight, ids, offsets, mode):
+        return torch.nn.functional.embedding_bag(ids, weight, offsets, mode=mode)
+
+
+def test_the_table_bases_are_abstract():
+    """FusedLookup, RowFormatTable, TableStore and TableModel cannot be made without their methods."""
+    from embark.models.tables import RowFormatTable, TableStore
+
+    for base in (FusedLookup, RowFormatTable, TableStore, TableModel):
+        with pytest.raises(TypeError, match="abstract"):
+            base()
 
 
 class _LookAlike(nn.Module):

@@ -99,17 +99,23 @@ class RowOptimizer:
         if self.kind is EmbeddingOptimizerKind.SGD:
             weight.index_add_(0, rows, grads, alpha=-self.lr)
             return
+        std = self._adagrad_std(state, rows, grads)
+        weight[rows] = weight[rows].addcdiv_(grads, std, value=-self.lr)
+
+    def _adagrad_std(
+        self, state: dict[str, torch.Tensor], rows: torch.Tensor, grads: torch.Tensor
+    ) -> torch.Tensor:
+        """Add the rows' squared gradients to their (row-wise) Adagrad state and return the
+        step's divisor, ``sqrt(state) + eps`` (``(n, dim)``, or ``(n, 1)`` row-wise)."""
         if self.kind is EmbeddingOptimizerKind.ADAGRAD:
             s = state["sum"]
             acc = s[rows].addcmul_(grads, grads)
             s[rows] = acc
-            std = acc.sqrt_().add_(self.eps)
-        else:
-            s = state["row_sum"]
-            acc = s[rows] + grads.square().mean(dim=1)
-            s[rows] = acc
-            std = acc.sqrt_().add_(self.eps).unsqueeze(1)
-        weight[rows] = weight[rows].addcdiv_(grads, std, value=-self.lr)
+            return acc.sqrt_().add_(self.eps)
+        s = state["row_sum"]
+        acc = s[rows] + grads.square().mean(dim=1)
+        s[rows] = acc
+        return acc.sqrt_().add_(self.eps).unsqueeze(1)
 
     def _apply_low_precision(
         self,
@@ -125,17 +131,7 @@ class RowOptimizer:
         if self.kind is EmbeddingOptimizerKind.SGD:
             delta = grads.mul(-self.lr)
         else:
-            if self.kind is EmbeddingOptimizerKind.ADAGRAD:
-                s = state["sum"]
-                acc = s[rows].addcmul_(grads, grads)
-                s[rows] = acc
-                std = acc.sqrt_().add_(self.eps)
-            else:
-                s = state["row_sum"]
-                acc = s[rows] + grads.square().mean(dim=1)
-                s[rows] = acc
-                std = acc.sqrt_().add_(self.eps).unsqueeze(1)
-            delta = grads.div(std).mul_(-self.lr)
+            delta = grads.div(self._adagrad_std(state, rows, grads)).mul_(-self.lr)
         if (
             rounding is TableRounding.NEAREST
             and weight.dtype == torch.float16

@@ -252,16 +252,7 @@ class RocksDBBackend(StorageBackend):
             encoded.append((table, keys, codec.encode(check_values(values, keys.size, codec.dim))))
         for table, keys, raw in rows_bytes or []:
             keys = check_keys(keys)
-            rb = self._codec(table).row_bytes
-            if (
-                not isinstance(raw, np.ndarray)
-                or raw.dtype != np.uint8
-                or raw.shape != (keys.size, rb)
-            ):
-                got = raw.shape if isinstance(raw, np.ndarray) else type(raw).__name__
-                raise ValueError(
-                    f"persistent db table {table!r}: rows must be ({keys.size}, {rb}) uint8, got {got}"
-                )
+            raw = self._codec(table).check_stored(raw, keys.size, f"persistent db table {table!r}")
             encoded.append((table, keys, raw))
         wb = WriteBatch(raw_mode=True)
         for table, keys, raw in encoded:

@@ -457,16 +457,7 @@ class RedisClusterBackend(StorageBackend):
     def insert_rows(self, table: str, keys: np.ndarray, rows: np.ndarray) -> None:
         """:meth:`insert` of stored bytes, ``rows (n, row_bytes) uint8``, written as they are."""
         keys = check_keys(keys)
-        rb = self._codec(table).row_bytes
-        if (
-            not isinstance(rows, np.ndarray)
-            or rows.dtype != np.uint8
-            or rows.shape != (keys.size, rb)
-        ):
-            got = rows.shape if isinstance(rows, np.ndarray) else type(rows).__name__
-            raise ValueError(
-                f"redis table {table!r}: rows must be ({keys.size}, {rb}) uint8, got {got}"
-            )
+        rows = self._codec(table).check_stored(rows, keys.size, f"redis table {table!r}")
         if keys.size == 0:
             return
         if self._ensure_up():

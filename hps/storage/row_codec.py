@@ -45,6 +45,22 @@ class RowCodec:
         """Bytes of one stored row (512 / 256 / 132 / 68 at ``dim = 128``)."""
         return row_bytes(self.dtype, self.dim, self.what)
 
+    def check_stored(self, rows: object, n: int, where: str) -> np.ndarray:
+        """``rows`` as the ``(n, row_bytes) uint8`` array a tier stores as they are, or a
+        ``ValueError`` naming ``where`` (the tier and table), the layout and what came."""
+        rb = self.row_bytes
+        if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8 or rows.shape != (n, rb):
+            got = (
+                f"{rows.dtype} {rows.shape}"
+                if isinstance(rows, np.ndarray)
+                else type(rows).__name__
+            )
+            raise ValueError(
+                f"{where}: {self.dtype.value} rows of dim {self.dim} must be ({n}, {rb}) uint8, "
+                f"got {got}"
+            )
+        return rows
+
     def encode(self, values: np.ndarray) -> np.ndarray:
         """``values (n, dim) float32`` → ``(n, row_bytes) uint8`` (FP32: a view, no copy).
 

@@ -324,13 +324,7 @@ class HashMapBackend(StorageBackend):
         """:meth:`insert` of stored bytes, ``rows (n, row_bytes) uint8``, kept as they are."""
         keys = check_keys(keys)
         t = self._table(table)
-        if not isinstance(rows, np.ndarray) or rows.dtype != np.uint8:
-            raise ValueError(f"volatile db insert into {table!r}: rows must be a uint8 array")
-        if rows.shape != (keys.size, t.codec.row_bytes):
-            raise ValueError(
-                f"volatile db insert into {table!r}: {t.codec.dtype.value} rows of dim "
-                f"{t.codec.dim} are ({keys.size}, {t.codec.row_bytes}) bytes, got {rows.shape}"
-            )
+        rows = t.codec.check_stored(rows, keys.size, f"volatile db insert into {table!r}")
         if keys.size > 1:
             s = np.sort(
                 keys

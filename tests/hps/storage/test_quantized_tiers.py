@@ -51,6 +51,26 @@ def _cache_of(keys: np.ndarray, q: np.ndarray, dtype: RowDtype) -> EmbeddingCach
     return cache
 
 
+def _refuses_malformed_rows(
+    backend, where: str, keys, q, dtype: RowDtype, table: str = "t"
+) -> None:
+    """Stored bytes of the wrong width, dtype or count are refused naming the tier, the table
+    and the layout, and nothing is written (the rows read back unchanged)."""
+    rb = row_bytes(dtype, DIM)
+    bad = {
+        "narrow": q[:, :-1],
+        "float": q.astype(np.float32),
+        "short": q[:-1],
+        "list": q.tolist(),
+    }
+    for what, rows in bad.items():
+        with pytest.raises(
+            ValueError, match=rf"{where}.*{table}.*must be \({keys.size}, {rb}\) uint8"
+        ):
+            backend.insert_rows(table, keys, rows)
+        assert np.array_equal(backend.lookup_rows(table, keys)[0], q), what
+
+
 @pytest.mark.parametrize("dtype", QUANTIZED, ids=lambda d: d.value)
 def test_hash_map_and_rocksdb_hold_the_cache_tiers_bytes(tmp_path: Path, dtype: RowDtype) -> None:
     keys, q = _rows(300, dtype)
@@ -63,6 +83,8 @@ def test_hash_map_and_rocksdb_hold_the_cache_tiers_bytes(tmp_path: Path, dtype: 
     pdb.insert_rows("t", keys, q)
     for backend in (v, pdb):
         _check_same_rows(backend, "t", cache, keys, q, dtype)
+    _refuses_malformed_rows(v, "volatile db", keys, q, dtype)
+    _refuses_malformed_rows(pdb, "persistent db", keys, q, dtype)
     # bytes per stored row: the format's row + the key index (int64 key, int32 slot) + slack
     assert keys.size * (row_bytes(dtype, DIM) + 12) <= v.nbytes("t")
     pdb.close()
@@ -86,6 +108,7 @@ def test_redis_holds_the_cache_tiers_bytes(redis_cluster, dtype: RowDtype) -> No
     r.mark_loaded(name)
     try:
         _check_same_rows(r, name, cache, keys, q, dtype)
+        _refuses_malformed_rows(r, "redis table", keys, q, dtype, name)
         read = r.read(name, keys)  # the session's read: dequantized, nothing failed
         assert read.found.all() and not read.failed.any()
         assert np.array_equal(read.values, dequantize_rows(torch.from_numpy(q), dtype, DIM).numpy())
@@ -145,7 +168,7 @@ def test_formats_a_tier_cannot_hold_are_refused_naming_the_table(tmp_path: Path)
     with pytest.raises(RowFormatError, match=r"volatile db table .t.: row 1 holds nan at column 3"):
         v.insert("t", np.array([1, 2], np.int64), bad)
     assert v.size("t") == 0  # nothing of the call inserted
-    with pytest.raises(ValueError, match=r"int8 rows of dim 8 are \(2, 12\) bytes"):
+    with pytest.raises(ValueError, match=r"int8 rows of dim 8 must be \(2, 12\) uint8"):
         v.insert_rows("t", np.array([1, 2], np.int64), np.zeros((2, 11), np.uint8))
     pdb = RocksDBBackend(tmp_path / "pdb")
     pdb.create_table("t", DIM, row_format=RowDtype.INT4)

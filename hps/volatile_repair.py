@@ -19,6 +19,14 @@ Only the first ``initial_cache_rate`` of each table's rows are written, as at lo
 partition's mark goes last, so its keys are read from Redis again only once all its rows
 are back. Each chunk is read and written under the reader side of every session's update
 lock, so an online update lands before or after a chunk, never between its read and write.
+
+Rows move as their stored bytes (:meth:`~hps.types.StorageBackend.lookup_rows`,
+:meth:`~hps.types.StorageBackend.insert_rows`; a quantized table's sparse files are read with
+:func:`~hps.storage.sparse_files.read_table_rows`), never through float32: a repaired
+partition holds the bytes it held before, bit for bit, whatever the table's row format (a
+dequantize / quantize round trip could move an INT8 row's scale, bias or values)::
+
+    RocksDB  key 7 → 3c 1f 00 b8 0a … (int8 row)  ──lookup_rows / insert_rows──▶  Redis, same bytes
 """
 
 from __future__ import annotations
@@ -32,7 +40,9 @@ import numpy as np
 from hps.config import TableSpec
 from hps.session import LookupSession
 from hps.storage.redis_cluster import RedisClusterBackend
-from hps.storage.sparse_files import read_table
+from hps.rowformat import RowDtype
+from hps.storage.row_codec import RowCodec
+from hps.storage.sparse_files import has_table_rows, read_table, read_table_rows
 from hps.storage.volatile import partition_of
 from hps.types import StorageBackend, VolatileUnavailableError
 
@@ -108,7 +118,7 @@ class VolatileRepair:
                     [p for _, p in new],
                 )
             return 0
-        keys, vecs = read_table(t.sparse_file, t.dim)
+        keys, rows, codec = self._sparse_rows(t)
         m = int(round(self.initial_cache_rate * keys.shape[0]))
         sel = np.flatnonzero(
             np.isin(partition_of(np.asarray(keys[:m]), self.volatile.num_partitions), lost)
@@ -116,7 +126,7 @@ class VolatileRepair:
         for s in range(0, sel.size, _CHUNK):
             idx = sel[s : s + _CHUNK]
             k = np.ascontiguousarray(keys[idx], dtype=np.int64)
-            self._write_chunk(t, k, np.ascontiguousarray(vecs[idx], dtype=np.float32), from_pdb)
+            self._write_chunk(t, k, np.ascontiguousarray(rows[idx]), codec, from_pdb)
         self.volatile.mark_loaded(t.name, lost)
         for sess in self.sessions:  # written under the reader side: no generation moved
             sess.forget_absent_keys()
@@ -131,19 +141,42 @@ class VolatileRepair:
         )
         return len(lost)
 
+    @staticmethod
+    def _sparse_rows(t: TableSpec) -> tuple[np.ndarray, np.ndarray, RowCodec | None]:
+        """``t``'s sparse files: ``(keys (n,) int64, rows, codec)``. A row-format folder's
+        ``rows (n, row_bytes) uint8`` are the stored bytes (``codec`` ``None``); float32 rows
+        ``(n, dim)`` (memory-mapped) are encoded chunk by chunk with ``codec``, as the load
+        encodes them, so the bytes written are the ones written at load."""
+        if t.row_format is not RowDtype.FP32 and has_table_rows(t.sparse_file):
+            keys, rows = read_table_rows(t.sparse_file, t.row_format, t.dim, t.name)
+            return keys, rows, None
+        keys, vecs = read_table(t.sparse_file, t.dim)
+        return keys, vecs, RowCodec(t.dim, t.row_format, f"table {t.name!r}")
+
     def _write_chunk(
-        self, t: TableSpec, keys: np.ndarray, rows: np.ndarray, from_pdb: bool
+        self,
+        t: TableSpec,
+        keys: np.ndarray,
+        rows: np.ndarray,
+        codec: RowCodec | None,
+        from_pdb: bool,
     ) -> None:
-        """Write ``keys``' rows (the persistent DB's when ``from_pdb``, else ``rows``) under
-        the reader side of every session's update lock."""
+        """Write ``keys``' stored rows under the reader side of every session's update lock:
+        the persistent DB's bytes where ``from_pdb`` and it holds them, else ``rows`` from the
+        sparse files (stored bytes, or float32 encoded with ``codec``)."""
         locks = [s.update_lock for s in self.sessions]
         for lk in locks:
             lk.acquire_read()
         try:
             if from_pdb and self.persistent is not None:
-                v, found = self.persistent.lookup(t.name, keys)
-                rows = np.where(found[:, None], v, rows)
-            self.volatile.insert(t.name, keys, rows)
+                stored, found = self.persistent.lookup_rows(t.name, keys)
+                miss = np.flatnonzero(~found)
+                if miss.size:  # not expected of a DB holding every row; the files' row then
+                    stored = stored.copy()
+                    stored[miss] = rows[miss] if codec is None else codec.encode(rows[miss])
+            else:
+                stored = rows if codec is None else codec.encode(rows)
+            self.volatile.insert_rows(t.name, keys, stored)
         finally:
             for lk in reversed(locks):
                 lk.release_read()

@@ -5,10 +5,20 @@ it computes each table's ideal hit-rate curve ``h_t(c)`` (the share of lookups t
 the ``c`` hottest rows are cached) and spends the budget row by row where the marginal hit
 per byte is highest. Because every ``h_t`` is concave (rows sorted hottest first), that
 greedy allocation maximises the overall hit rate ``Σ_t w_t · h_t(c_t)`` with
-``w_t`` = table t's share of all looked-up keys, subject to ``Σ_t c_t · dim_t · 4 ≤ budget``.
+``w_t`` = table t's share of all looked-up keys, subject to ``Σ_t c_t · slot_t ≤ budget``.
+
+Budgets are bytes, not rows: a cached row costs a cache slot, ``slot_t`` = the row in the
+table's :class:`~hps.rowformat.RowDtype` (``row_bytes``: 512 / 256 / 132 / 68 at dim 128 for
+FP32 / FP16 / INT8 / INT4) plus the slot's key, counter, tag and flags, as
+:meth:`hps.storage.cache.EmbeddingCache.nbytes` reports them (:func:`cache_slot_bytes`). At
+dim 128 with 19 bytes of slot metadata an FP32 slot is 531 bytes and an INT8 slot 151, so
+the same budget caches 3.5× the rows of an INT8 table::
+
+    budget 64 MiB, dim 128     fp32: 126,382 rows     int8: 444,429 rows     int4: 771,366 rows
 
 >>> stats = {"t0": TableKeyStats.from_zipf(1_000_000, 128, alpha=1.05, lookups=3.0),
-...          "t1": TableKeyStats.from_zipf(100_000, 64, alpha=1.2, lookups=1.0)}
+...          "t1": TableKeyStats.from_zipf(100_000, 64, alpha=1.2, lookups=1.0,
+...                                        row_format=RowDtype.INT8)}
 >>> rec = recommend(stats, budget_bytes=64 * 2**20)            # doctest: +SKIP
 >>> print(format_table(rec))                                   # doctest: +SKIP
 """
@@ -22,7 +32,9 @@ from pathlib import Path
 
 import numpy as np
 
-_BYTES_PER_FLOAT = 4  # float32 rows
+from hps.rowformat import RowDtype, row_bytes
+from hps.storage.cache import DEFAULT_WAYS, EmbeddingCache
+
 _CURVE_POINTS = 2048  # breakpoints per table curve (piecewise linear between them)
 
 
@@ -158,13 +170,28 @@ def zipf_hit_curve(num_rows: int, alpha: float, cached: np.ndarray) -> np.ndarra
     return harmonic(np.floor(cached)) / harmonic(np.array(float(num_rows)))
 
 
+def cache_slot_bytes(dim: int, row_format: RowDtype = RowDtype.FP32) -> int:
+    """Bytes one slot of an :class:`~hps.storage.cache.EmbeddingCache` of ``dim``-wide
+    ``row_format`` rows costs: its stored row (:func:`hps.rowformat.row_bytes`) and the slot's
+    share of the metadata, as :meth:`~hps.storage.cache.EmbeddingCache.nbytes` reports them for
+    one full set of :data:`~hps.storage.cache.DEFAULT_WAYS` slots (rounded up to a byte).
+    531 / 275 / 151 / 87 at dim 128 for FP32 / FP16 / INT8 / INT4 with 19 bytes of metadata.
+
+    Raises:
+        hps.rowformat.RowFormatError: a dim ``row_format`` cannot pack.
+    """
+    row_bytes(row_format, dim)  # the format's error for a bad dim, before any allocation
+    one_set = EmbeddingCache(DEFAULT_WAYS, dim, ways=DEFAULT_WAYS, row_format=row_format)
+    return -(-one_set.nbytes() // one_set.capacity)
+
+
 @dataclass
 class TableKeyStats:
     """What the advisor knows about one table.
 
     Args:
         num_rows: rows in the table.
-        dim: row width (float32).
+        dim: row width (values per row).
         lookups: relative lookup volume (keys per request, or observed key total); weights
             the table's hit rate in the overall hit rate.
         counts: observed counts (any order) — used as the curve when given.
@@ -172,6 +199,8 @@ class TableKeyStats:
         mass: the occurrences ``counts`` are a part of (``None``: their sum): keys dropped
             from the counts (trimmed, or aged to 0) still count as misses, so the curve
             ``cumsum(sorted counts) / max(mass, sum(counts))`` does not overstate hit rates.
+        row_format: how the table's cache stores a row (``tilerec_row_format_per_table``);
+            sets the bytes a cached row costs (:func:`cache_slot_bytes`).
     """
 
     num_rows: int
@@ -180,22 +209,45 @@ class TableKeyStats:
     counts: np.ndarray | None = None
     alpha: float | None = None
     mass: float | None = None
+    row_format: RowDtype = RowDtype.FP32
+
+    def __post_init__(self) -> None:
+        self.row_format = RowDtype(self.row_format)
 
     @classmethod
     def from_zipf(
-        cls, num_rows: int, dim: int, alpha: float, lookups: float = 1.0
+        cls,
+        num_rows: int,
+        dim: int,
+        alpha: float,
+        lookups: float = 1.0,
+        row_format: RowDtype = RowDtype.FP32,
     ) -> TableKeyStats:
-        return cls(num_rows=num_rows, dim=dim, lookups=lookups, alpha=alpha)
+        return cls(num_rows=num_rows, dim=dim, lookups=lookups, alpha=alpha, row_format=row_format)
 
     @classmethod
     def from_statistics(
-        cls, stats: KeyStatistics, num_rows: int, dim: int, fit: bool = False
+        cls,
+        stats: KeyStatistics,
+        num_rows: int,
+        dim: int,
+        fit: bool = False,
+        row_format: RowDtype = RowDtype.FP32,
     ) -> TableKeyStats:
         """From a session's :class:`KeyStatistics`; ``fit`` replaces the counts by a fitted α."""
         counts = stats.counts()
         if fit:
-            return cls(num_rows, dim, float(stats.total), alpha=fit_zipf(counts))
-        return cls(num_rows, dim, float(stats.total), counts=counts, mass=stats.aged_mass)
+            return cls(
+                num_rows, dim, float(stats.total), alpha=fit_zipf(counts), row_format=row_format
+            )
+        return cls(
+            num_rows,
+            dim,
+            float(stats.total),
+            counts=counts,
+            mass=stats.aged_mass,
+            row_format=row_format,
+        )
 
     def curve(self, rows: np.ndarray) -> np.ndarray:
         """Ideal hit rate with ``rows`` hottest rows cached, ``(k,) float64``."""
@@ -216,13 +268,17 @@ class Recommendation:
     table: str
     fraction: float  # of the table's rows, for ps.json gpucacheper
     rows: int
-    bytes: int
+    bytes: int  # rows × slot_bytes: what the cache holds for them, metadata included
     hit_rate: float  # ideal, at this size
     weight: float  # share of all lookups
+    row_format: RowDtype = RowDtype.FP32
+    slot_bytes: int = 0  # one cached row: its stored bytes and its slot's metadata
 
 
 def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recommendation]:
-    """Split ``budget_bytes`` of cache between ``tables`` to maximise the overall hit rate.
+    """Split ``budget_bytes`` of cache between ``tables`` to maximise the overall hit rate,
+    each cached row costing its table's :func:`cache_slot_bytes` (its row format's bytes and
+    the slot's metadata).
 
     Returns:
         one :class:`Recommendation` per table, in the input order.
@@ -235,6 +291,7 @@ def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recom
     if not tables:
         raise ValueError("recommend needs at least one table")
     total = sum(t.lookups for t in tables.values())
+    slot = [cache_slot_bytes(t.dim, t.row_format) for t in tables.values()]
     names, gains, costs, sizes = [], [], [], []
     for i, t in enumerate(tables.values()):
         # Geometric breakpoints: the head, where the gain is, is resolved finely.
@@ -244,7 +301,7 @@ def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recom
         h = t.curve(pts)
         dh = np.diff(h) * (t.lookups / total)
         drows = np.diff(pts)
-        bytes_ = drows * t.dim * _BYTES_PER_FLOAT
+        bytes_ = drows * slot[i]
         names.append(np.full(dh.size, i))
         gains.append(dh / bytes_)
         costs.append(bytes_)
@@ -259,8 +316,7 @@ def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recom
     if nxt.size:
         i = int(names_a[nxt[0]])
         left = budget_bytes - (spent[spent <= budget_bytes][-1] if take.size else 0)
-        t = list(tables.values())[i]
-        granted[i] += int(left // (t.dim * _BYTES_PER_FLOAT))
+        granted[i] += int(left // slot[i])
     out = []
     for i, (name, t) in enumerate(tables.items()):
         r = int(min(granted[i], t.num_rows))
@@ -269,9 +325,11 @@ def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recom
                 name,
                 r / t.num_rows,
                 r,
-                r * t.dim * _BYTES_PER_FLOAT,
+                r * slot[i],
                 float(t.curve(np.array([r]))[0]),
                 t.lookups / total,
+                t.row_format,
+                slot[i],
             )
         )
     return out
@@ -283,14 +341,21 @@ def overall_hit_rate(recs: list[Recommendation]) -> float:
 
 def format_table(recs: list[Recommendation]) -> str:
     """A plain-text table of recommendations (for logs and CLIs)."""
-    head = f"{'table':<16}{'gpucacheper':>12}{'rows':>12}{'MiB':>10}{'hit rate':>10}{'weight':>8}"
+    head = (
+        f"{'table':<16}{'dtype':>6}{'B/row':>7}{'gpucacheper':>12}{'rows':>12}{'bytes':>14}"
+        f"{'MiB':>10}{'hit rate':>10}{'weight':>8}"
+    )
     lines = [head, "-" * len(head)]
     for r in recs:
         lines.append(
-            f"{r.table:<16}{r.fraction:>12.4f}{r.rows:>12d}{r.bytes / 2**20:>10.1f}"
-            f"{r.hit_rate:>10.4f}{r.weight:>8.3f}"
+            f"{r.table:<16}{r.row_format.value:>6}{r.slot_bytes:>7d}{r.fraction:>12.4f}"
+            f"{r.rows:>12d}{r.bytes:>14d}{r.bytes / 2**20:>10.1f}{r.hit_rate:>10.4f}"
+            f"{r.weight:>8.3f}"
         )
-    lines.append(f"overall ideal hit rate: {overall_hit_rate(recs):.4f}")
+    lines.append(
+        f"overall ideal hit rate: {overall_hit_rate(recs):.4f}; "
+        f"cache bytes: {sum(r.bytes for r in recs)}"
+    )
     return "\n".join(lines)
 
 

@@ -9,6 +9,7 @@ import pytest
 from hps.advisor import (
     KeyStatistics,
     TableKeyStats,
+    cache_slot_bytes,
     fit_zipf,
     format_table,
     overall_hit_rate,
@@ -16,6 +17,8 @@ from hps.advisor import (
     recommend,
     zipf_hit_curve,
 )
+from hps.rowformat import RowDtype, row_bytes
+from hps.storage.cache import EmbeddingCache
 
 
 def _zipf_counts(n: int, alpha: float, samples: int, seed: int) -> np.ndarray:
@@ -62,7 +65,7 @@ def test_recommend_beats_every_grid_split() -> None:
     recs = recommend(tables, budget)
     assert sum(r.bytes for r in recs) <= budget
     best = overall_hit_rate(recs)
-    bytes_per_row = {n: t.dim * 4 for n, t in tables.items()}
+    bytes_per_row = {r.table: r.slot_bytes for r in recs}
     grid = np.linspace(0, 1, 21)
     for fa, fb in itertools.product(grid, grid):  # brute force over budget shares
         if fa + fb > 1:
@@ -120,3 +123,57 @@ def test_bad_inputs() -> None:
         recommend({"a": TableKeyStats.from_zipf(10, 4, 1.0)}, 0)
     with pytest.raises(ValueError, match="at least 2 distinct"):
         fit_zipf(np.array([5]))
+
+
+@pytest.mark.parametrize("dtype", [RowDtype.FP32, RowDtype.FP16, RowDtype.INT8, RowDtype.INT4])
+def test_a_cache_slot_costs_its_row_format_and_its_metadata(dtype: RowDtype) -> None:
+    """One slot: the row in its format plus the per-slot metadata the cache itself reports,
+    so a cache of ``k`` slots holds ``k × cache_slot_bytes`` bytes."""
+    slot = cache_slot_bytes(128, dtype)
+    meta = cache_slot_bytes(128, RowDtype.FP32) - row_bytes(RowDtype.FP32, 128)
+    assert meta > 0 and slot == row_bytes(dtype, 128) + meta
+    assert {RowDtype.FP32: 512, RowDtype.FP16: 256, RowDtype.INT8: 132, RowDtype.INT4: 68}[
+        dtype
+    ] == slot - meta
+    c = EmbeddingCache(4 * 64, 128, ways=64, row_format=dtype)
+    assert c.nbytes() == c.capacity * slot
+
+
+def test_an_int8_table_gets_three_and_a_half_times_the_rows() -> None:
+    """The same budget and key statistics: the INT8 table caches (512 + m) / (132 + m) ≈ 3.5×
+    the FP32 table's rows, each recommendation's bytes exactly rows × slot bytes."""
+    budget = 3 * 2**20
+    recs = {
+        dt: recommend({"t": TableKeyStats.from_zipf(10**6, 128, 1.05, row_format=dt)}, budget)[0]
+        for dt in (RowDtype.FP32, RowDtype.INT8, RowDtype.INT4)
+    }
+    for dt, r in recs.items():
+        slot = cache_slot_bytes(128, dt)
+        assert (r.row_format, r.slot_bytes) == (dt, slot)
+        assert r.rows == budget // slot and r.bytes == r.rows * slot  # the whole budget spent
+        assert r.fraction == r.rows / 10**6
+    ratio = recs[RowDtype.INT8].rows / recs[RowDtype.FP32].rows
+    assert ratio == pytest.approx(cache_slot_bytes(128) / cache_slot_bytes(128, RowDtype.INT8), 1e-3)
+    assert 3.4 < ratio < 3.6
+    assert recs[RowDtype.INT8].hit_rate > recs[RowDtype.FP32].hit_rate
+
+
+def test_a_budget_split_between_mixed_formats_counts_bytes() -> None:
+    """An FP32 and an INT8 table with the same keys: the split spends the budget in bytes
+    (the INT8 table's cheaper rows reach further down its curve: equal marginal hit per byte
+    means more of its rows), and every byte is accounted for."""
+    budget = 2**20
+    tables = {
+        "f": TableKeyStats.from_zipf(200_000, 64, 1.05),
+        "q": TableKeyStats.from_zipf(200_000, 64, 1.05, row_format=RowDtype.INT8),
+    }
+    f, q = recommend(tables, budget)
+    sf, sq = cache_slot_bytes(64), cache_slot_bytes(64, RowDtype.INT8)
+    meta = sf - row_bytes(RowDtype.FP32, 64)  # the slot's metadata, the same in both caches
+    assert (f.slot_bytes, q.slot_bytes) == (sf, sq) and sq == row_bytes(RowDtype.INT8, 64) + meta
+    assert f.bytes == f.rows * sf and q.bytes == q.rows * sq
+    assert budget - max(sf, sq) < f.bytes + q.bytes <= budget
+    # with identical curves, equal marginal gain per byte puts sf/sq × more rows in the INT8 cache
+    assert q.rows / f.rows == pytest.approx((sf / sq) ** (1 / 1.05), rel=0.05)
+    text = format_table([f, q])
+    assert "int8" in text and f"{q.bytes:>14d}" in text and str(sq) in text

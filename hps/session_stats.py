@@ -1,8 +1,20 @@
 """Per-table lookup statistics of a :class:`~hps.session.LookupSession` (``session.stats()``,
-and the ``hps`` part of the server's ``/v2/models/stats``), and their recording."""
+and the ``hps`` part of the server's ``/v2/models/stats``), their recording, and the bytes each
+tier holds for a table (:func:`held_bytes`, ``stats[table]["bytes"]``).
+
+Bytes, not rows: a table's rows cost their row format's bytes in every tier
+(:func:`hps.rowformat.row_bytes`). Worked example, an INT8 table of dim 128 (132-byte rows)
+with a 64-slot cache holding 10 rows and a hash map holding 1,000::
+
+    tier        rows    row_bytes = rows × 132    bytes (what the tier reports holding)
+    cache         10        1,320                 64 × (132 + 19) = 9,664  (EmbeddingCache.nbytes)
+    volatile   1,000      132,000                 HashMapBackend.nbytes(table): slots, keys, index
+    persistent 1,000      132,000                 132,000  (RocksDB / Redis: the values only)
+"""
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -10,7 +22,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from hps.types import Tier
+from hps.rowformat import RowDtype, row_bytes
+from hps.storage.cache import EmbeddingCache
+from hps.storage.redis_cluster import RedisClusterBackend
+from hps.storage.volatile import HashMapBackend
+from hps.types import StorageBackend, Tier
+
+log = logging.getLogger(__name__)
 
 LATENCY_WINDOW = 4096  # most recent lookups kept for p50/p99
 _TIER_NAMES = tuple(t.value for t in Tier)  # in Tier order (an enum's members are slow to walk)
@@ -144,3 +162,117 @@ class SessionStats:
         """A background job of ``table`` dropped: the queue was full."""
         with self._lock:
             self._stats[table].dropped_async += 1
+
+
+@dataclass(frozen=True)
+class TierBytes:
+    """What one tier holds for one table.
+
+    ``rows``: rows held; ``row_bytes``: ``rows`` × the table's stored row (its row format);
+    ``bytes``: what the tier reports holding for the table — the cache its whole allocation
+    (every slot's row and metadata, :meth:`~hps.storage.cache.EmbeddingCache.nbytes`), the
+    in-process hash map its slots, counters and key index
+    (:meth:`~hps.storage.volatile.HashMapBackend.nbytes`), Redis and RocksDB the row values
+    (their own per-entry overhead is theirs to report); ``slots``: rows the cache can hold
+    (``None`` for the databases).
+    """
+
+    rows: int
+    row_bytes: int
+    bytes: int
+    slots: int | None = None
+
+    def to_dict(self) -> dict[str, int | None]:
+        return {
+            "rows": self.rows,
+            "row_bytes": self.row_bytes,
+            "bytes": self.bytes,
+            "slots": self.slots,
+        }
+
+
+def _cache_bytes(cache: EmbeddingCache) -> TierBytes:
+    rows = len(cache)
+    return TierBytes(rows, rows * cache.row_bytes, cache.nbytes(), cache.capacity)
+
+
+def _db_bytes(db: StorageBackend, table: str, dim: int) -> TierBytes | str:
+    """A database's :class:`TierBytes` for ``table``, or why it could not say (a Redis
+    cluster down or in its back-off window is not asked: a stats read never waits on it)."""
+    if isinstance(db, RedisClusterBackend) and not db.available:
+        return f"{db.name} is down (retrying)"
+    try:
+        rb = row_bytes(db.row_format(table), dim)
+        if isinstance(db, HashMapBackend):  # the rows an attached cache holds are the cache's
+            rows = db.stored_rows(table)
+            return TierBytes(rows, rows * rb, db.nbytes(table))
+        rows = db.size(table)
+    except Exception as e:  # noqa: BLE001 - a failed tier's statistics say why, not raise
+        log.warning("bytes held by %s for table %r: %s: %s", db.name, table, type(e).__name__, e)
+        return f"{db.name}: {type(e).__name__}: {e}"
+    return TierBytes(rows, rows * rb, rows * rb)
+
+
+@dataclass(frozen=True)
+class TableBytes:
+    """The bytes every tier of a session holds for one table (:func:`held_bytes`).
+
+    ``tiers`` has one entry per tier the session has, in :class:`Tier` order: its
+    :class:`TierBytes`, or why it could not say (a message).
+    """
+
+    row_format: RowDtype
+    row_bytes: int  # one stored row
+    tiers: dict[Tier, TierBytes | str]
+
+    @property
+    def total(self) -> int:
+        """Σ ``bytes`` over the tiers that answered."""
+        return sum(t.bytes for t in self.tiers.values() if isinstance(t, TierBytes))
+
+    def to_dict(self) -> dict[str, object]:
+        """``{"row_format": "int8", "row_bytes_per_row": 132, "tiers": {"cache": {...},
+        "volatile": {"error": "..."}}, "bytes": total}`` (JSON)."""
+        return {
+            "row_format": self.row_format.value,
+            "row_bytes_per_row": self.row_bytes,
+            "tiers": {
+                tier.value: t.to_dict() if isinstance(t, TierBytes) else {"error": t}
+                for tier, t in self.tiers.items()
+            },
+            "bytes": self.total,
+        }
+
+
+def held_bytes(
+    cache: EmbeddingCache | None,
+    volatile: StorageBackend | None,
+    persistent: StorageBackend | None,
+    table: str,
+    dim: int,
+) -> TableBytes:
+    """Bytes each tier holds for ``table`` (its database name) of row width ``dim``; the row
+    format is the cache's, else the first database's (every tier stores a table alike)."""
+    dbs = [db for db in (volatile, persistent) if db is not None]
+    if cache is not None:
+        fmt = cache.row_format
+    else:
+        fmt = dbs[0].row_format(table) if dbs else RowDtype.FP32
+    tiers: dict[Tier, TierBytes | str] = {}
+    if cache is not None:
+        tiers[Tier.CACHE] = _cache_bytes(cache)
+    if volatile is not None:
+        tiers[Tier.VOLATILE] = _db_bytes(volatile, table, dim)
+    if persistent is not None:
+        tiers[Tier.PERSISTENT] = _db_bytes(persistent, table, dim)
+    return TableBytes(fmt, row_bytes(fmt, dim), tiers)
+
+
+def bytes_per_tier(tables: Sequence[TableBytes]) -> dict[str, int]:
+    """Σ over ``tables`` of the bytes each tier holds (tiers that answered), by tier value."""
+    out: dict[str, int] = {}
+    for t in tables:
+        for tier, held in t.tiers.items():
+            if isinstance(held, TierBytes):
+                out[tier.value] = out.get(tier.value, 0) + held.bytes
+    return out

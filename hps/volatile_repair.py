@@ -38,9 +38,9 @@ from collections.abc import Sequence
 import numpy as np
 
 from hps.config import TableSpec
+from hps.rowformat import RowDtype
 from hps.session import LookupSession
 from hps.storage.redis_cluster import RedisClusterBackend
-from hps.rowformat import RowDtype
 from hps.storage.row_codec import RowCodec
 from hps.storage.sparse_files import has_table_rows, read_table, read_table_rows
 from hps.storage.volatile import partition_of

@@ -47,7 +47,7 @@ from __future__ import annotations
 import threading
 import time
 import weakref
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -64,7 +64,7 @@ from hps.session.tiers import (
     AbsentKeys,
     TierReader,
 )
-from hps.session_stats import SessionStats
+from hps.session_stats import SessionStats, TableBytes, held_bytes
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache
 from hps.types import Pooling, StorageBackend, TierUnavailableError
 
@@ -282,18 +282,37 @@ class LookupSession:
             raise ValueError(f"lookup_pooled: {len(modes)} pooling modes for {t} tables")
         return fused_lookup(self, tables, keys, modes, out)[0]
 
-    def stats(self, table: str | None = None) -> dict[str, object]:
+    def stats(
+        self, table: str | None = None, held: Mapping[str, TableBytes] | None = None
+    ) -> dict[str, object]:
         """Statistics of one table, or ``{table: stats}`` for all; each with
-        ``known_absent`` (the negative cache: keys held, keys answered from it, restarts)."""
+        ``known_absent`` (the negative cache: keys held, keys answered from it, restarts) and
+        ``bytes`` (what each tier holds for it, in its row format: :meth:`held_bytes`, or
+        ``held[table]`` when the caller has just read it)."""
         gen = self.update_lock.generation
+
+        def bytes_of(name: str) -> dict[str, object]:
+            got = held.get(name) if held is not None else None
+            return (got if got is not None else self.held_bytes(name)).to_dict()
+
         if table is not None:
             name = self._table(table).name
-            return {**self.statistics.to_dict(name), "known_absent": self.absent.stats(name, gen)}
+            return {
+                **self.statistics.to_dict(name),
+                "known_absent": self.absent.stats(name, gen),
+                "bytes": bytes_of(name),
+            }
         every = self.statistics.to_dict(None)
         return {
-            n: {**v, "known_absent": self.absent.stats(n, gen)}  # type: ignore[dict-item]
+            n: {**v, "known_absent": self.absent.stats(n, gen), "bytes": bytes_of(n)}  # type: ignore[dict-item]
             for n, v in every.items()
         }
+
+    def held_bytes(self, table: str) -> TableBytes:
+        """The bytes each tier holds for ``table`` (:func:`hps.session_stats.held_bytes`):
+        rows, their bytes in the table's row format, and what the tier reports holding."""
+        t = self._table(table)
+        return held_bytes(t.cache, self.volatile, self.persistent, t.db_name, t.dim)
 
     def forget_absent_keys(self, table: str | None = None) -> None:
         """Empty the negative cache of ``table`` (``None``: every table). Writers that add

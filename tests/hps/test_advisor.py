@@ -153,7 +153,9 @@ def test_an_int8_table_gets_three_and_a_half_times_the_rows() -> None:
         assert r.rows == budget // slot and r.bytes == r.rows * slot  # the whole budget spent
         assert r.fraction == r.rows / 10**6
     ratio = recs[RowDtype.INT8].rows / recs[RowDtype.FP32].rows
-    assert ratio == pytest.approx(cache_slot_bytes(128) / cache_slot_bytes(128, RowDtype.INT8), 1e-3)
+    assert ratio == pytest.approx(
+        cache_slot_bytes(128) / cache_slot_bytes(128, RowDtype.INT8), 1e-3
+    )
     assert 3.4 < ratio < 3.6
     assert recs[RowDtype.INT8].hit_rate > recs[RowDtype.FP32].hit_rate
 

@@ -37,6 +37,7 @@ from hps.serving.v2_protocol import (
     repository_index_request,
     server_version,
 )
+from hps.session_stats import bytes_per_tier
 from hps.types import TierUnavailableError
 
 __all__ = ["create_app"]
@@ -149,9 +150,12 @@ class _V2Endpoints:
 
     def stats_of(self, name: str) -> dict[str, Any]:
         session = self.servables[name].session
+        held = {t: session.held_bytes(t) for t in session.tables}
         return {
             **self.counts[name].to_dict(name),
-            "hps": session.stats(),
+            "hps": session.stats(held=held),
+            # Σ over the model's tables of the bytes each tier holds (per table: "hps"[t]["bytes"])
+            "hps_bytes": bytes_per_tier(list(held.values())),
             "online_updates": session.update_status().to_dict(),
         }
 

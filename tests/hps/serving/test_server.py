@@ -124,6 +124,12 @@ def test_metadata_health_and_stats(client, model) -> None:
         after["inference_stats"]["fail"]["count"] == before["inference_stats"]["fail"]["count"] + 1
     )
     assert after["hps"]["t3"]["lookups"] > before["hps"]["t3"]["lookups"]
+    held = [t["bytes"] for t in after["hps"].values()]  # per table, in its row format
+    assert all(b["row_format"] == "fp32" and b["row_bytes_per_row"] > 0 for b in held)
+    assert after["hps_bytes"] == {  # per tier: Σ over the model's tables
+        tier: sum(b["tiers"][tier]["bytes"] for b in held) for tier in held[0]["tiers"]
+    }
+    assert after["hps_bytes"]["cache"] > 0
 
 
 def test_statistics_before_and_after_the_first_request(artifacts, model) -> None:

@@ -1,9 +1,17 @@
 """Quantized rows in the HPS tiers: hit rate of caches of equal bytes holding FP32, FP16, INT8
-and INT4 rows (Zipf keys, the cache at a fraction of the FP32 table's bytes), and the bytes
-each tier holds per row.
+and INT4 rows (Zipf keys, the cache at a fraction of the FP32 table's bytes), the bytes
+each tier holds per row, and the cache-hit lookup throughput of INT8 rows against FP32 rows.
 
     python -m benchmarks.hps.bench_quantized            # 1 M rows × 128, cache 10 %
     python -m benchmarks.hps.bench_quantized --quick    # 100 k rows (a smoke run)
+    python -m benchmarks.hps.bench_quantized --only throughput --repeats 40
+
+``throughput``: two sessions in one process, one whose cache holds the table's rows as FP32
+and one as INT8 (every row resident: the cache-hit path), look up the same 65,536 Zipf(α) keys
+with :meth:`~hps.session.LookupSession.lookup_many` into a reused output buffer, calls
+interleaved (FP32, INT8, FP32, ...); rows/s from the median call, wall-clock with the
+machine's threads and CPU time of the calling thread with one thread (``cpu1_``), beside the
+load average.
 
 Every cache gets the same byte budget (``cache_fraction`` × the FP32 table's rows × 512 B) and
 as many slots as fit: a slot costs its row (``hps.rowformat.row_bytes``) plus 19 B of key,
@@ -22,7 +30,9 @@ from typing import Any
 import numpy as np
 import torch
 
+from benchmarks.hps.bench_lookup import _kept_sections
 from benchmarks.hps.drift_section import ZeroRows
+from benchmarks.hps.lookup_throughput import bench_throughput
 from benchmarks.hps.zipf_keys import Zipf
 from benchmarks.meta import RESULTS_DIR, write_json
 from hps.rowformat import RowDtype, row_bytes
@@ -125,12 +135,18 @@ def main(argv: list[str] | None = None) -> None:
         "--warm", type=int, default=50, help="batches before counting (fills the cache)"
     )
     ap.add_argument("--batches", type=int, default=10, help="batches counted")
+    ap.add_argument("--repeats", type=int, default=30, help="timed calls per contender")
+    ap.add_argument("--only", default="hit_rate,bytes,throughput")
     args = ap.parse_args(argv)
     if args.quick:
-        args.rows, args.warm, args.batches = 100_000, 5, 5
+        args.rows, args.warm, args.batches, args.repeats = 100_000, 5, 5, 5
     logging.basicConfig(level=logging.INFO, format="%(message)s")
-    rows = bench_hit_rates(args) + bench_bytes(args)
+    sections = {"hit_rate": bench_hit_rates, "bytes": bench_bytes, "throughput": bench_throughput}
+    rows: list[dict[str, Any]] = []
+    for name in args.only.split(","):
+        rows += sections[name](args)
     out = RESULTS_DIR / ("hps_quantized_quick.json" if args.quick else "hps_quantized.json")
+    rows = _kept_sections(out, {r["section"] for r in rows}) + rows
     write_json(out, rows, threads=torch.get_num_threads())
     log.info("wrote %s", out)
 

@@ -15,7 +15,9 @@ otherwise)::
     GET  /v2/models/{m}[/versions/1]           model metadata (inputs, outputs)
     GET  /v2/models/{m}[/versions/1]/ready
     GET  /v2/models/{m}[/versions/1]/stats     Triton-style counts + per-table HPS statistics
-                                               + "online_updates" (hps.updates.health)
+                                               (with the bytes each tier holds) + "hps_bytes"
+                                               (per tier, Σ tables) + "online_updates"
+                                               (hps.updates.health)
     GET  /v2/models/stats                      the same for every model
     GET  /v2/models/{m}[/versions/1]/config    Triton's model configuration (JSON)
     POST /v2/repository/index                  every served model, READY

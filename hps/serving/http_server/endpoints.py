@@ -149,6 +149,9 @@ class _V2Endpoints:
         return Response(status_code=200)
 
     def stats_of(self, name: str) -> dict[str, Any]:
+        """``name``'s statistics document. It asks the databases what they hold (a Redis
+        cluster answers over the network, within its socket timeout when a node is down): the
+        handlers call it on a worker thread, never on the event loop."""
         session = self.servables[name].session
         held = {t: session.held_bytes(t) for t in session.tables}
         return {
@@ -164,10 +167,12 @@ class _V2Endpoints:
             s = self.model_of(request)
         except ProtocolError as e:
             return _error(str(e))
-        return JSONResponse({"model_stats": [self.stats_of(s.name)]})
+        doc = await anyio.to_thread.run_sync(self.stats_of, s.name)
+        return JSONResponse({"model_stats": [doc]})
 
     async def all_stats(self, request: Request) -> Response:
-        return JSONResponse({"model_stats": [self.stats_of(n) for n in self.servables]})
+        docs = [await anyio.to_thread.run_sync(self.stats_of, n) for n in self.servables]
+        return JSONResponse({"model_stats": docs})
 
     # ------------------------------------------------------------------ inference
     def busy(self) -> str | None:

@@ -33,7 +33,13 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from hps.advisor import KeyStatistics, Recommendation, TableKeyStats, recommend
+    from hps.advisor import (
+        KeyStatistics,
+        Recommendation,
+        TableKeyStats,
+        cache_slot_bytes,
+        recommend,
+    )
     from hps.artifact_format import ARTIFACT_VERSION, ServingMetadata
     from hps.config import (
         ConfigError,
@@ -77,6 +83,7 @@ _EXPORTS = {
     "Recommendation": "hps.advisor",
     "TableKeyStats": "hps.advisor",
     "recommend": "hps.advisor",
+    "cache_slot_bytes": "hps.advisor",
     "ARTIFACT_VERSION": "hps.artifact_format",
     "ServingMetadata": "hps.artifact_format",
     "ModelConfig": "hps.config",
@@ -150,6 +157,7 @@ __all__ = [
     "VolatileDBConfig",
     "VolatileDBType",
     "VolatileUnavailableError",
+    "cache_slot_bytes",
     "db_table_names",
     "load_config",
     "parse_config",

@@ -290,23 +290,27 @@ class LookupSession:
         ``bytes`` (what each tier holds for it, in its row format: :meth:`held_bytes`, or
         ``held[table]`` when the caller has just read it)."""
         gen = self.update_lock.generation
-
-        def bytes_of(name: str) -> dict[str, object]:
-            got = held.get(name) if held is not None else None
-            return (got if got is not None else self.held_bytes(name)).to_dict()
-
         if table is not None:
             name = self._table(table).name
             return {
                 **self.statistics.to_dict(name),
                 "known_absent": self.absent.stats(name, gen),
-                "bytes": bytes_of(name),
+                "bytes": self._bytes_of(name, held),
             }
         every = self.statistics.to_dict(None)
         return {
-            n: {**v, "known_absent": self.absent.stats(n, gen), "bytes": bytes_of(n)}  # type: ignore[dict-item]
+            n: {
+                **v,  # type: ignore[dict-item]
+                "known_absent": self.absent.stats(n, gen),
+                "bytes": self._bytes_of(n, held),
+            }
             for n, v in every.items()
         }
+
+    def _bytes_of(self, table: str, held: Mapping[str, TableBytes] | None) -> dict[str, object]:
+        """``held[table]`` (read by the caller) or :meth:`held_bytes`, as JSON."""
+        got = held.get(table) if held is not None else None
+        return (got if got is not None else self.held_bytes(table)).to_dict()
 
     def held_bytes(self, table: str) -> TableBytes:
         """The bytes each tier holds for ``table`` (:func:`hps.session_stats.held_bytes`):

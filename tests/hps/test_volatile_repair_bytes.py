@@ -1,6 +1,8 @@
 """The Redis partition repair moves stored row bytes as they are: an INT8 / INT4 partition
 written back from the persistent DB or from row-format sparse files holds bit-identical bytes,
-never a dequantize / quantize round trip (a real 3-node Redis cluster)."""
+never a dequantize / quantize round trip (a real 3-node Redis cluster). The rows are made by
+hand so that such a round trip would change them, and the codec's quantizer is replaced by
+one that fails: the repair must not call it."""
 
 from __future__ import annotations
 
@@ -16,7 +18,7 @@ from hps.rowformat import RowDtype, dequantize_rows, quantize_rows, row_bytes
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import RedisClusterBackend, partition_name
 from hps.storage.row_codec import RowCodec
-from hps.storage.sparse_files import write_table_rows
+from hps.storage.sparse_files import write_table, write_table_rows
 from hps.storage.volatile import partition_of
 from hps.volatile_repair import VolatileRepair
 
@@ -67,11 +69,16 @@ def test_a_repaired_partition_holds_the_same_bytes(
         vdb.create_table(name, DIM, dtype)
         vdb.insert_rows(name, keys, rows)
         vdb.mark_loaded(name)
-        if source == "persistent_db":
+        if source == "persistent_db":  # its rows (online updates publish quantized rows)
             pdb = RocksDBBackend(tmp_path / "pdb")
             pdb.create_table(name, DIM, dtype)
             pdb.bulk_load(name, keys, rows)
-        write_table_rows(tmp_path / name, keys, rows)  # the sparse files of either source
+            # float32 sparse files (an export quantized on load): the repair reads RocksDB's
+            # bytes, never these values quantized again
+            values = dequantize_rows(torch.from_numpy(rows), dtype, DIM).numpy()
+            write_table(tmp_path / name, keys, values)
+        else:
+            write_table_rows(tmp_path / name, keys, rows)
         spec = TableSpec(name, str(tmp_path / name), DIM, 1, 0.0, dtype)
         lost = [0, 2]
         for p in lost:  # the partitions a node restarted empty would lose, their mark too

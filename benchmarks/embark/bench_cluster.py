@@ -6,7 +6,9 @@ ranks, node links shaped as :mod:`embark.topology` maps DGX H100 + InfiniBand on
 
 Per workload (rows divided by ``--scale``) and global batch: our planner's plan, table-row-wise,
 row-wise and table-wise on our runtime (plain steps), our plan pipelined
-(:class:`~embark.sharding.SparseDistPipeline`), and TorchRec DMP with its own planner's plan,
+(:class:`~embark.sharding.SparseDistPipeline`), and TorchRec DMP with its own planner's plan
+(``--sides ...,ours+flat`` adds our plan with the dense gradients in one flat all-reduce
+instead of node by node),
 one after the other in one torchrun world (so every side sees the same links and load), on the
 same global batches; step-0 losses compared. Each rank also probes the links and its compute
 first; the cost model, calibrated with those rates (efficiencies 1), predicts every run's step.
@@ -43,11 +45,13 @@ from embark.topology import (
     EMULATED_INTRA_TO_INTER_RATIO,
     emulated_topology,
 )
-from embark.types import ShardingPlan, Topology
+from embark.types import GradReduce, ShardingPlan, Topology
 
 NODES, RANKS_PER_NODE = 2, 2
 OUR_PLANS = {"ours": "auto", "trw": "trw", "rw": "rw", "tw": "tw"}
 SIDES = ("ours", "trw", "rw", "tw", "ours+pipeline", "torchrec")
+# sides run only when named in --sides: our plan with the dense gradients in one flat ring
+OPTIONAL_SIDES = ("ours+flat",)
 # every efficiency 1: the calibrated figures are rates reached, not peaks
 CALIBRATED = CostConstants(
     lookup_hbm_efficiency=1.0,
@@ -151,7 +155,14 @@ def add_prediction(row: dict[str, Any], w: Workload, plan: ShardingPlan | None) 
     )
     model = CostModel(w, calib, row["batch_size"], CALIBRATED)
     side = row["side"]
-    phases = runtime_phases(plan, model, rates, side.endswith("+pipeline"), side == "torchrec")
+    phases = runtime_phases(
+        plan,
+        model,
+        rates,
+        side.endswith("+pipeline"),
+        side == "torchrec",
+        GradReduce(row["grad_reduce"]),
+    )
     row["predicted_phases_s"] = phases
     row["predicted_step_s"] = sum(phases.values())
     row["predicted_over_measured"] = row["predicted_step_s"] / row["step_s"]
@@ -278,6 +289,7 @@ def run_case(
                 "phases_s_per_rank": [p["phases_s"] for p in per_rank],
                 "step_s_per_rank": [p["step_s"] for p in per_rank],
                 "inter_node_bytes_rank0": per_rank[0].get("inter_node_bytes_total"),
+                "grad_reduce": per_rank[0]["grad_reduce"],
                 "rss_mb_per_rank": [p["rss_mb"] for p in per_rank],
                 "plan": plan_record(plan),
                 "torchrec_layouts": per_rank[0].get("layouts"),
@@ -297,7 +309,7 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
         "|---|---|---|---|---|---|---|---|---|",
     ]
     by = {(r["workload"], r["batch_size"], r["side"]): r for r in rows}
-    order = {s: i for i, s in enumerate(SIDES)}
+    order = {s: i for i, s in enumerate(SIDES + OPTIONAL_SIDES)}
     for r in sorted(rows, key=lambda r: (r["batch_size"], r["workload"], order.get(r["side"], 99))):
         trw = by.get((r["workload"], r["batch_size"], "trw"))
         tr = by.get((r["workload"], r["batch_size"], "torchrec"))
@@ -336,7 +348,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             if not mine:
                 ax.set_axis_off()
                 continue
-            mine.sort(key=lambda r: SIDES.index(r["side"]) if r["side"] in SIDES else 99)
+            known = SIDES + OPTIONAL_SIDES
+            mine.sort(key=lambda r: known.index(r["side"]) if r["side"] in known else 99)
             sides = [r["side"] for r in mine]
             bottom = [0.0] * len(mine)
             for ph in phases:
@@ -373,7 +386,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense-scale", type=int, default=32, help="narrow the dense part by this")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--sides", default=",".join(SIDES))
+    p.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help=f"comma-separated, of {', '.join(SIDES + OPTIONAL_SIDES)}",
+    )
     p.add_argument(
         "--inter-bytes-per-s",
         type=float,
@@ -394,6 +411,9 @@ def main(argv: list[str] | None = None) -> int:
         help="only recompute the predictions of --out's rows (no run)",
     )
     args = p.parse_args(argv)
+    unknown = [s for s in args.sides.split(",") if s and s not in SIDES + OPTIONAL_SIDES]
+    if unknown:
+        p.error(f"--sides: unknown {unknown}; expected some of {list(SIDES + OPTIONAL_SIDES)}")
     out = Path(args.out)
     if args.repredict:
         stored = json.loads(out.read_text())

@@ -41,6 +41,7 @@ from embark.sharding.model import ShardedDLRM
 from embark.sharding.phases import Phase, PhaseClock
 from embark.sharding.pipeline import SparseDistPipeline
 from embark.training.callbacks import Callback
+from embark.types import GradReduce
 
 PROBE_BYTES = 1 << 20  # per rank and peer, per all-to-all of the bandwidth probes
 PROBE_REPS = 2
@@ -147,8 +148,16 @@ class _StepEnd(Callback):
 
 
 def _run_ours(
-    cfg: dict[str, Any], plan_name: str, pipelined: bool, batches: list[Batch], rank: int
+    cfg: dict[str, Any],
+    plan_name: str,
+    mode: str,
+    batches: list[Batch],
+    rank: int,
 ) -> dict[str, Any]:
+    """Our runtime under ``plan_name``; ``mode``: "" (plain steps), "pipeline" (the next
+    batch's input distribution ahead) or "flat" (the dense gradients in one flat all-reduce,
+    not node by node)."""
+    pipelined = mode == "pipeline"
     world = dist.get_world_size()
     side_cfg = {**cfg, "plans": {"ours": cfg["plans"][plan_name]}}
     t0 = time.perf_counter()
@@ -157,6 +166,8 @@ def _run_ours(
     trainer = side.trainer
     model = trainer.model
     assert isinstance(model, ShardedDLRM)
+    if mode == "flat":  # before the first backward, which makes the buckets
+        model.grad_reduce = GradReduce.FLAT
     clock = PhaseClock()
     model.set_phase_clock(clock)
     trainer.add_callback(_StepEnd(clock))
@@ -183,6 +194,9 @@ def _run_ours(
         "phases_s": {p.value: v / steps for p, v in clock.seconds.items()},
         "losses": losses,
         "inter_node_bytes_total": inter,
+        "grad_reduce": (
+            GradReduce.HIERARCHICAL if model.hierarchical_grad_reduce() else GradReduce.FLAT
+        ).value,
     }
     model.set_phase_clock(None)
     return out
@@ -226,6 +240,7 @@ def _run_torchrec(cfg: dict[str, Any], batches: list[Batch], rank: int) -> dict[
         "phases_s": {p.value: v / steps for p, v in clock.seconds.items()},
         "losses": losses,
         "layouts": side.layouts,
+        "grad_reduce": GradReduce.FLAT.value,  # DDP's one all-reduce over every rank
     }
 
 
@@ -246,7 +261,7 @@ def worker(case_dir: Path) -> None:
                 res = _run_torchrec(cfg, batches, rank)
             else:
                 plan, _, mode = side.partition("+")
-                res = _run_ours(cfg, plan, mode == "pipeline", batches, rank)
+                res = _run_ours(cfg, plan, mode, batches, rank)
             res["rss_mb"] = peak_rss_mb()
             res["probe"] = probed
             res["load_1min_after"] = os.getloadavg()[0]

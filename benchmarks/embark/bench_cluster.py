@@ -245,7 +245,7 @@ def run_case(
         "sides": order,
     }
     case_dir = d / f"{name}-{batch}"
-    case_dir.mkdir()
+    case_dir.mkdir(parents=True)
     (case_dir / "config.json").write_text(json.dumps(cfg))
     t0 = time.perf_counter()
     res = run_torchrun(
@@ -308,11 +308,16 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
         "| workload | batch | side | samples/s | step ms | vs trw | vs TorchRec | predicted ms (pred/meas) | loss step 0 |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    by = {(r["workload"], r["batch_size"], r["side"]): r for r in rows}
+    by = {(r["workload"], r["batch_size"], r["side"], r.get("repeat", 0)): r for r in rows}
     order = {s: i for i, s in enumerate(SIDES + OPTIONAL_SIDES)}
-    for r in sorted(rows, key=lambda r: (r["batch_size"], r["workload"], order.get(r["side"], 99))):
-        trw = by.get((r["workload"], r["batch_size"], "trw"))
-        tr = by.get((r["workload"], r["batch_size"], "torchrec"))
+
+    def key(r: dict[str, Any]) -> tuple[int, str, int, int]:
+        return (r["batch_size"], r["workload"], r.get("repeat", 0), order.get(r["side"], 99))
+
+    for r in sorted(rows, key=key):
+        case = (r["workload"], r["batch_size"])
+        trw = by.get((*case, "trw", r.get("repeat", 0)))
+        tr = by.get((*case, "torchrec", r.get("repeat", 0)))
         vs = f"{r['samples_per_s'] / trw['samples_per_s']:.2f}x" if trw else "-"
         vt = f"{r['samples_per_s'] / tr['samples_per_s']:.2f}x" if tr else "-"
         pred = (
@@ -398,6 +403,13 @@ def main(argv: list[str] | None = None) -> int:
         help="inter-node bandwidth per rank (the node link is ranks-per-node times this)",
     )
     p.add_argument("--intra-ratio", type=float, default=EMULATED_INTRA_TO_INTER_RATIO)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each case this many times (each its own torchrun world, sides rotated); "
+        "rows carry their repeat index and are compared within it",
+    )
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", default=str(RESULTS_DIR / "embark_cluster.json"))
     p.add_argument(
@@ -452,14 +464,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(NODES, shape) as c:
         for name in args.workloads.split(","):
             for batch in (int(b) for b in args.batch_sizes.split(",")):
-                print(f"{name} batch {batch} (load {_load()}) ...", file=sys.stderr, flush=True)
-                new = run_case(c, name, batch, args, Path(tmp), turn)
-                turn += 1
                 rows[:] = [r for r in rows if (r["workload"], r["batch_size"]) != (name, batch)]
-                rows += new
-                _publish(doc, out)  # after every case: a cut-short run keeps what it measured
-                for line in table_lines(new):
-                    print(line, file=sys.stderr, flush=True)
+                for rep in range(args.repeats):
+                    print(
+                        f"{name} batch {batch} repeat {rep} (load {_load()}) ...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    new = run_case(c, name, batch, args, Path(tmp) / str(rep), turn)
+                    turn += 1
+                    for r in new:
+                        r["repeat"] = rep
+                    rows += new
+                    _publish(doc, out)  # after every run: a cut-short run keeps what it measured
+                    for line in table_lines(new):
+                        print(line, file=sys.stderr, flush=True)
     print("\n".join(table_lines(rows)))
     return 0
 

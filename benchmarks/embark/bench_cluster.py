@@ -51,7 +51,8 @@ NODES, RANKS_PER_NODE = 2, 2
 OUR_PLANS = {"ours": "auto", "trw": "trw", "rw": "rw", "tw": "tw"}
 SIDES = ("ours", "trw", "rw", "tw", "ours+pipeline", "torchrec")
 # sides run only when named in --sides: our plan with the dense gradients in one flat ring
-OPTIONAL_SIDES = ("ours+flat",)
+# (in the runtime's 1 MiB buckets, or in 4 MiB ones: one bucket for DLRM-DCNv2's dense part)
+OPTIONAL_SIDES = ("ours+flat", "ours+flat+4mib")
 # every efficiency 1: the calibrated figures are rates reached, not peaks
 CALIBRATED = CostConstants(
     lookup_hbm_efficiency=1.0,
@@ -159,7 +160,7 @@ def add_prediction(row: dict[str, Any], w: Workload, plan: ShardingPlan | None) 
         plan,
         model,
         rates,
-        side.endswith("+pipeline"),
+        "pipeline" in side.split("+"),
         side == "torchrec",
         GradReduce(row["grad_reduce"]),
     )

@@ -54,7 +54,7 @@ from embark.models.tables import EmbeddingTables, TableModel
 from embark.models.workloads import Workload
 from embark.sharding.collection import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world, grad_wire
-from embark.sharding.grad_buckets import GradBuckets
+from embark.sharding.grad_buckets import BUCKET_BYTES, GradBuckets
 from embark.sharding.node_allreduce import HierarchicalAllReduce, NodeRailGroups
 from embark.sharding.phases import Phase, PhaseClock
 from embark.sharding.prefetch import InputPrefetcher
@@ -213,6 +213,7 @@ class ShardedDLRM(TableModel):
         # how the buckets are summed where the world spans several nodes of several ranks
         # (one node, or one rank per node: flat); read when the buckets are first made
         self.grad_reduce = GradReduce.HIERARCHICAL
+        self.grad_bucket_bytes = BUCKET_BYTES  # read when the buckets are first made
         # set by embark.sharding.pipeline.SparseDistPipeline while it trains
         self.prefetcher: InputPrefetcher | None = None
         self.phase_clock: PhaseClock | None = None  # set_phase_clock (benchmarks)
@@ -344,11 +345,11 @@ class ShardedDLRM(TableModel):
                 gpn = self.embeddings.layout.plan.gpus_per_node
                 self._rail_groups = NodeRailGroups.create(self.world_size, gpn, self.rank)
             reducer = HierarchicalAllReduce(self._rail_groups)
-            return GradBuckets(params, None, overlap=True, hierarchical=reducer)
+            return GradBuckets(params, None, True, self.grad_bucket_bytes, hierarchical=reducer)
         if overlap and self._dense_group is None:
             self._dense_group = dist.new_group(list(range(self.world_size)))
         group = self._dense_group if overlap else self.process_group
-        return GradBuckets(params, group, overlap=overlap)
+        return GradBuckets(params, group, overlap, self.grad_bucket_bytes)
 
     def hierarchical_grad_reduce(self) -> bool:
         """Whether :meth:`gradient_buckets` sums node by node: :attr:`grad_reduce` is

@@ -2,7 +2,8 @@
 ranks, node links shaped as :mod:`embark.topology` maps DGX H100 + InfiniBand onto this machine.
 
     python -m benchmarks.embark.bench_cluster [--workloads dlrm_dcnv2,t180,t200,t510]
-        [--batch-sizes 512] [--scale 1000] [--steps 3] [--warmup 1]
+        [--batch-sizes 512] [--scale 1000] [--steps 3] [--warmup 1] [--repeats 1]
+        [--sides ours,trw,rw,tw,ours+pipeline,torchrec[,ours+flat,ours+flat+4mib]]
 
 Per workload (rows divided by ``--scale``) and global batch: our planner's plan, table-row-wise,
 row-wise and table-wise on our runtime (plain steps), our plan pipelined

@@ -24,6 +24,7 @@ __all__ = [
     "ShardingType",
     "Cluster",
     "CommDtype",
+    "GradReduce",
     "PlanError",
     "Topology",
     "Shard",
@@ -75,6 +76,21 @@ class CommDtype(StrEnum):
     def nbytes(self) -> int:
         """Bytes per element."""
         return 4 if self is CommDtype.FP32 else 2
+
+
+class GradReduce(StrEnum):
+    """How the replicated parameters' gradients (the dense part, DP replicas) are summed over
+    the ranks.
+
+    ``FLAT``: one all-reduce over every rank (gloo's ring in rank order, whose node boundaries
+    each carry ``2 (W-1)/W`` of the bytes). ``HIERARCHICAL``: a reduce-scatter inside each node,
+    an all-reduce of each shard across the nodes (the ranks of one local index), an all-gather
+    inside each node: a node's uplink carries ``2 (N-1)/N`` of the bytes
+    (:mod:`embark.sharding.node_allreduce`).
+    """
+
+    FLAT = "flat"
+    HIERARCHICAL = "hierarchical"
 
 
 class PlanError(ValueError):

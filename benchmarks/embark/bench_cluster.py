@@ -2,11 +2,14 @@
 ranks, node links shaped as :mod:`embark.topology` maps DGX H100 + InfiniBand onto this machine.
 
     python -m benchmarks.embark.bench_cluster [--workloads dlrm_dcnv2,t180,t200,t510]
-        [--batch-sizes 512] [--scale 1000] [--steps 3] [--warmup 1]
+        [--batch-sizes 512] [--scale 1000] [--steps 3] [--warmup 1] [--repeats 1]
+        [--sides ours,trw,rw,tw,ours+pipeline,torchrec[,ours+flat,ours+flat+4mib]]
 
 Per workload (rows divided by ``--scale``) and global batch: our planner's plan, table-row-wise,
 row-wise and table-wise on our runtime (plain steps), our plan pipelined
-(:class:`~embark.sharding.SparseDistPipeline`), and TorchRec DMP with its own planner's plan,
+(:class:`~embark.sharding.SparseDistPipeline`), and TorchRec DMP with its own planner's plan
+(``--sides ...,ours+flat`` adds our plan with the dense gradients in one flat all-reduce
+instead of node by node),
 one after the other in one torchrun world (so every side sees the same links and load), on the
 same global batches; step-0 losses compared. Each rank also probes the links and its compute
 first; the cost model, calibrated with those rates (efficiencies 1), predicts every run's step.
@@ -43,11 +46,14 @@ from embark.topology import (
     EMULATED_INTRA_TO_INTER_RATIO,
     emulated_topology,
 )
-from embark.types import ShardingPlan, Topology
+from embark.types import GradReduce, ShardingPlan, Topology
 
 NODES, RANKS_PER_NODE = 2, 2
 OUR_PLANS = {"ours": "auto", "trw": "trw", "rw": "rw", "tw": "tw"}
 SIDES = ("ours", "trw", "rw", "tw", "ours+pipeline", "torchrec")
+# sides run only when named in --sides: our plan with the dense gradients in one flat ring
+# (in the runtime's 1 MiB buckets, or in 4 MiB ones: one bucket for DLRM-DCNv2's dense part)
+OPTIONAL_SIDES = ("ours+flat", "ours+flat+4mib")
 # every efficiency 1: the calibrated figures are rates reached, not peaks
 CALIBRATED = CostConstants(
     lookup_hbm_efficiency=1.0,
@@ -151,7 +157,14 @@ def add_prediction(row: dict[str, Any], w: Workload, plan: ShardingPlan | None) 
     )
     model = CostModel(w, calib, row["batch_size"], CALIBRATED)
     side = row["side"]
-    phases = runtime_phases(plan, model, rates, side.endswith("+pipeline"), side == "torchrec")
+    phases = runtime_phases(
+        plan,
+        model,
+        rates,
+        "pipeline" in side.split("+"),
+        side == "torchrec",
+        GradReduce(row["grad_reduce"]),
+    )
     row["predicted_phases_s"] = phases
     row["predicted_step_s"] = sum(phases.values())
     row["predicted_over_measured"] = row["predicted_step_s"] / row["step_s"]
@@ -234,7 +247,7 @@ def run_case(
         "sides": order,
     }
     case_dir = d / f"{name}-{batch}"
-    case_dir.mkdir()
+    case_dir.mkdir(parents=True)
     (case_dir / "config.json").write_text(json.dumps(cfg))
     t0 = time.perf_counter()
     res = run_torchrun(
@@ -278,6 +291,7 @@ def run_case(
                 "phases_s_per_rank": [p["phases_s"] for p in per_rank],
                 "step_s_per_rank": [p["step_s"] for p in per_rank],
                 "inter_node_bytes_rank0": per_rank[0].get("inter_node_bytes_total"),
+                "grad_reduce": per_rank[0]["grad_reduce"],
                 "rss_mb_per_rank": [p["rss_mb"] for p in per_rank],
                 "plan": plan_record(plan),
                 "torchrec_layouts": per_rank[0].get("layouts"),
@@ -296,11 +310,16 @@ def table_lines(rows: list[dict[str, Any]]) -> list[str]:
         "| workload | batch | side | samples/s | step ms | vs trw | vs TorchRec | predicted ms (pred/meas) | loss step 0 |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
-    by = {(r["workload"], r["batch_size"], r["side"]): r for r in rows}
-    order = {s: i for i, s in enumerate(SIDES)}
-    for r in sorted(rows, key=lambda r: (r["batch_size"], r["workload"], order.get(r["side"], 99))):
-        trw = by.get((r["workload"], r["batch_size"], "trw"))
-        tr = by.get((r["workload"], r["batch_size"], "torchrec"))
+    by = {(r["workload"], r["batch_size"], r["side"], r.get("repeat", 0)): r for r in rows}
+    order = {s: i for i, s in enumerate(SIDES + OPTIONAL_SIDES)}
+
+    def key(r: dict[str, Any]) -> tuple[int, str, int, int]:
+        return (r["batch_size"], r["workload"], r.get("repeat", 0), order.get(r["side"], 99))
+
+    for r in sorted(rows, key=key):
+        case = (r["workload"], r["batch_size"])
+        trw = by.get((*case, "trw", r.get("repeat", 0)))
+        tr = by.get((*case, "torchrec", r.get("repeat", 0)))
         vs = f"{r['samples_per_s'] / trw['samples_per_s']:.2f}x" if trw else "-"
         vt = f"{r['samples_per_s'] / tr['samples_per_s']:.2f}x" if tr else "-"
         pred = (
@@ -336,7 +355,8 @@ def plot(rows: list[dict[str, Any]], path: Path) -> None:
             if not mine:
                 ax.set_axis_off()
                 continue
-            mine.sort(key=lambda r: SIDES.index(r["side"]) if r["side"] in SIDES else 99)
+            known = SIDES + OPTIONAL_SIDES
+            mine.sort(key=lambda r: known.index(r["side"]) if r["side"] in known else 99)
             sides = [r["side"] for r in mine]
             bottom = [0.0] * len(mine)
             for ph in phases:
@@ -373,7 +393,11 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dense-scale", type=int, default=32, help="narrow the dense part by this")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--warmup", type=int, default=1)
-    p.add_argument("--sides", default=",".join(SIDES))
+    p.add_argument(
+        "--sides",
+        default=",".join(SIDES),
+        help=f"comma-separated, of {', '.join(SIDES + OPTIONAL_SIDES)}",
+    )
     p.add_argument(
         "--inter-bytes-per-s",
         type=float,
@@ -381,6 +405,13 @@ def main(argv: list[str] | None = None) -> int:
         help="inter-node bandwidth per rank (the node link is ranks-per-node times this)",
     )
     p.add_argument("--intra-ratio", type=float, default=EMULATED_INTRA_TO_INTER_RATIO)
+    p.add_argument(
+        "--repeats",
+        type=int,
+        default=1,
+        help="run each case this many times (each its own torchrun world, sides rotated); "
+        "rows carry their repeat index and are compared within it",
+    )
     p.add_argument("--timeout", type=float, default=900.0)
     p.add_argument("--out", default=str(RESULTS_DIR / "embark_cluster.json"))
     p.add_argument(
@@ -394,6 +425,9 @@ def main(argv: list[str] | None = None) -> int:
         help="only recompute the predictions of --out's rows (no run)",
     )
     args = p.parse_args(argv)
+    unknown = [s for s in args.sides.split(",") if s and s not in SIDES + OPTIONAL_SIDES]
+    if unknown:
+        p.error(f"--sides: unknown {unknown}; expected some of {list(SIDES + OPTIONAL_SIDES)}")
     out = Path(args.out)
     if args.repredict:
         stored = json.loads(out.read_text())
@@ -432,14 +466,21 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory() as tmp, EmulatedCluster(NODES, shape) as c:
         for name in args.workloads.split(","):
             for batch in (int(b) for b in args.batch_sizes.split(",")):
-                print(f"{name} batch {batch} (load {_load()}) ...", file=sys.stderr, flush=True)
-                new = run_case(c, name, batch, args, Path(tmp), turn)
-                turn += 1
                 rows[:] = [r for r in rows if (r["workload"], r["batch_size"]) != (name, batch)]
-                rows += new
-                _publish(doc, out)  # after every case: a cut-short run keeps what it measured
-                for line in table_lines(new):
-                    print(line, file=sys.stderr, flush=True)
+                for rep in range(args.repeats):
+                    print(
+                        f"{name} batch {batch} repeat {rep} (load {_load()}) ...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    new = run_case(c, name, batch, args, Path(tmp) / str(rep), turn)
+                    turn += 1
+                    for r in new:
+                        r["repeat"] = rep
+                    rows += new
+                    _publish(doc, out)  # after every run: a cut-short run keeps what it measured
+                    for line in table_lines(new):
+                        print(line, file=sys.stderr, flush=True)
     print("\n".join(table_lines(rows)))
     return 0
 

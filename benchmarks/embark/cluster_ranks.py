@@ -36,15 +36,19 @@ from benchmarks.embark.training_sides import (
     peak_rss_mb,
 )
 from embark.data.batch import Batch, local_batch
+from embark.models.workloads import Workload
 from embark.planner.cost import CostModel
 from embark.sharding.model import ShardedDLRM
 from embark.sharding.phases import Phase, PhaseClock
 from embark.sharding.pipeline import SparseDistPipeline
 from embark.training.callbacks import Callback
+from embark.types import GradReduce
 
 PROBE_BYTES = 1 << 20  # per rank and peer, per all-to-all of the bandwidth probes
 PROBE_REPS = 2
 SMALL_OP_REPS = 600
+PROBE_LOOKUP_TABLES = 8  # tables of the workload the gather rate is probed on
+PROBE_LOOKUP_S = 0.2  # seconds of gathers timed
 
 
 def _a2a_seconds(send_to: list[int], nbytes: int, reps: int) -> float:
@@ -76,10 +80,37 @@ def _small_op_seconds() -> float:
     return (time.perf_counter() - t0) / (3 * SMALL_OP_REPS)
 
 
-def probe(cfg: dict[str, Any], rank: int, world: int, gpn: int) -> dict[str, float]:
+def _lookup_rate(w: Workload, batch: Batch) -> float:
+    """Bytes of pooled rows per second of ``embedding_bag`` on tables of the workload's own
+    shapes with the global batch's ids: every ``k``-th table (at most
+    :data:`PROBE_LOOKUP_TABLES`, so the mix of sizes is the workload's), each allocated whole.
+    A fixed large table would rate a workload whose tables fit in cache at DRAM's random
+    gather rate (t180's scaled tables are a few MB: 4-6× too slow a rate)."""
+    step = -(-len(w.tables) // PROBE_LOOKUP_TABLES)
+    picked = w.tables[::step]
+    tables = {t.name: torch.randn(t.num_rows, t.dim) for t in picked}
+    args = [
+        (tables[t.name], batch.sparse.values_for(t.name), batch.sparse.bag_offsets(t.name))
+        for t in picked
+    ]
+    nbytes = sum(ids.numel() * tab.shape[1] * 4 for tab, ids, _ in args)
+    for tab, ids, off in args:  # first touch
+        F.embedding_bag(ids, tab, off, mode="sum")
+    # passes until PROBE_LOOKUP_S have gone by: one pass takes a few ms, less than the
+    # scheduler's slices under this machine's load
+    reps, t0 = 0, time.perf_counter()
+    while reps == 0 or time.perf_counter() - t0 < PROBE_LOOKUP_S:
+        for tab, ids, off in args:
+            F.embedding_bag(ids, tab, off, mode="sum")
+        reps += 1
+    return nbytes * reps / (time.perf_counter() - t0)
+
+
+def probe(cfg: dict[str, Any], rank: int, world: int, gpn: int, batch: Batch) -> dict[str, float]:
     """Per-rank rates measured with every rank busy at once, right before a side runs (so
     under the load that side then meets): inter- and intra-node all-to-all bandwidth, a small
-    all-to-all's latency, gather rate, dense forward + backward FLOP/s on a local batch,
+    all-to-all's latency, gather rate on the workload's table shapes with ``batch``'s ids
+    (:func:`_lookup_rate`), dense forward + backward FLOP/s on a local batch,
     optimizer-step bytes/s and one small op's seconds. Runs none of the plan."""
     node = rank // gpn
     inter = [int(r // gpn != node) for r in range(world)]
@@ -91,15 +122,7 @@ def probe(cfg: dict[str, Any], rank: int, world: int, gpn: int) -> dict[str, flo
         t = _a2a_seconds(intra, PROBE_BYTES, PROBE_REPS)
         out["intra_node_bytes_per_s"] = PROBE_BYTES * sum(intra) / t
     out["latency_s"] = _a2a_seconds([1] * world, 64, 5)
-    # lookups: embedding_bag gathers of 128-float rows from a 64 MiB table
-    table = torch.randn(131072, 128)
-    ids = torch.randint(0, table.shape[0], (65536,))
-    offsets = torch.arange(0, ids.numel(), 32)
-    F.embedding_bag(ids, table, offsets, mode="sum")
-    t0 = time.perf_counter()
-    for _ in range(PROBE_REPS):
-        F.embedding_bag(ids, table, offsets, mode="sum")
-    out["lookup_bytes_per_s"] = ids.numel() * 128 * 4 * PROBE_REPS / (time.perf_counter() - t0)
+    out["lookup_bytes_per_s"] = _lookup_rate(case_workload(cfg), batch)
     # optimizer: Adagrad steps over 4 MiB of fp32 weights
     wgt = torch.nn.Parameter(torch.zeros(1 << 20))
     wgt.grad = torch.ones_like(wgt)
@@ -147,8 +170,20 @@ class _StepEnd(Callback):
 
 
 def _run_ours(
-    cfg: dict[str, Any], plan_name: str, pipelined: bool, batches: list[Batch], rank: int
+    cfg: dict[str, Any],
+    plan_name: str,
+    mode: str,
+    batches: list[Batch],
+    rank: int,
 ) -> dict[str, Any]:
+    """Our runtime under ``plan_name``; ``mode``: "+"-joined options, none (plain steps),
+    "pipeline" (the next batch's input distribution ahead), "flat" (the dense gradients in one
+    flat all-reduce, not node by node), "4mib" (in 4 MiB gradient buckets)."""
+    modes = set(mode.split("+")) - {""}
+    unknown = modes - {"pipeline", "flat", "4mib"}
+    if unknown:
+        raise ValueError(f"side {plan_name}+{mode}: unknown options {sorted(unknown)}")
+    pipelined = "pipeline" in modes
     world = dist.get_world_size()
     side_cfg = {**cfg, "plans": {"ours": cfg["plans"][plan_name]}}
     t0 = time.perf_counter()
@@ -157,6 +192,10 @@ def _run_ours(
     trainer = side.trainer
     model = trainer.model
     assert isinstance(model, ShardedDLRM)
+    if "flat" in modes:  # before the first backward, which makes the buckets
+        model.grad_reduce = GradReduce.FLAT
+    if "4mib" in modes:
+        model.grad_bucket_bytes = 4 << 20
     clock = PhaseClock()
     model.set_phase_clock(clock)
     trainer.add_callback(_StepEnd(clock))
@@ -183,6 +222,9 @@ def _run_ours(
         "phases_s": {p.value: v / steps for p, v in clock.seconds.items()},
         "losses": losses,
         "inter_node_bytes_total": inter,
+        "grad_reduce": (
+            GradReduce.HIERARCHICAL if model.hierarchical_grad_reduce() else GradReduce.FLAT
+        ).value,
     }
     model.set_phase_clock(None)
     return out
@@ -226,6 +268,7 @@ def _run_torchrec(cfg: dict[str, Any], batches: list[Batch], rank: int) -> dict[
         "phases_s": {p.value: v / steps for p, v in clock.seconds.items()},
         "losses": losses,
         "layouts": side.layouts,
+        "grad_reduce": GradReduce.FLAT.value,  # DDP's one all-reduce over every rank
     }
 
 
@@ -241,12 +284,12 @@ def worker(case_dir: Path) -> None:
         batches = make_batches(case_workload(cfg), cfg["batch_size"], n, cfg["seed"])
         for side in cfg["sides"]:
             dist.barrier()
-            probed = probe(cfg, rank, world, gpn)
+            probed = probe(cfg, rank, world, gpn, batches[0])
             if side == "torchrec":
                 res = _run_torchrec(cfg, batches, rank)
             else:
                 plan, _, mode = side.partition("+")
-                res = _run_ours(cfg, plan, mode == "pipeline", batches, rank)
+                res = _run_ours(cfg, plan, mode, batches, rank)
             res["rss_mb"] = peak_rss_mb()
             res["probe"] = probed
             res["load_1min_after"] = os.getloadavg()[0]

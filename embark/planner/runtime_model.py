@@ -9,9 +9,13 @@ NVLink/InfiniBand cluster. A CPU rank of the gloo runtime also pays for what a G
   on a loaded 2-core host one such op takes tens of microseconds. :class:`HostRates` carries
   the probe's seconds per small op; ``OPS_PER_*`` say how many each phase spends per item
   (counted from the runtime's code path, see each constant).
-* **the dense all-reduce**: the dense part's and the DP replicas' gradients travel in one
-  flat ring all-reduce, started during the dense backward; gloo's transport needs CPU, which
-  the backward holds, so only :data:`ALLREDUCE_OVERLAP` of the backward hides it.
+* **the dense all-reduce**: the dense part's and the DP replicas' gradients are summed in
+  buckets started during the dense backward (:func:`allreduce_seconds`): node by node
+  (:class:`~embark.types.GradReduce` ``HIERARCHICAL``, the runtime's choice on 2+ nodes of 2+
+  ranks: the node uplink carries ``2 (N-1)/N`` of the bytes, as the planner's cost model rates
+  DP replicas) or in one flat ring (``FLAT``: TorchRec's DDP, or our runtime told so; a ring
+  in rank order carries ``2 (W-1)/W`` over each node boundary); gloo's transport needs CPU,
+  which the backward holds, so only :data:`ALLREDUCE_OVERLAP` of the backward hides it.
 * **the optimizer step** over the dense part and the DP replicas (bytes / the probe's
   optimizer rate); sharded tables update inside the backward (fused).
 
@@ -27,7 +31,7 @@ import numpy as np
 
 from embark.planner.cost import NUM_CHANNELS, CostModel
 from embark.planner.simulator import check_plan
-from embark.types import Cluster, ShardingPlan, TableSharding
+from embark.types import Cluster, GradReduce, ShardingPlan, TableSharding, Topology
 
 # Fitted once (non-negative least squares per phase) on the batch-512 runs of DLRM-DCNv2, t200
 # and t180 on the emulated cluster (benchmarks/embark/bench_cluster.py; docs/benchmarks.md),
@@ -76,6 +80,33 @@ def relayed(ts: TableSharding, gpus_per_node: int) -> bool:
     return False
 
 
+def allreduce_seconds(nbytes: float, topology: Topology, how: GradReduce) -> float:
+    """Seconds of a SUM all-reduce of ``nbytes`` over every rank of ``topology`` (bandwidths
+    per rank; a node's uplink carries ``gpus_per_node`` ranks' bandwidth).
+
+    ``FLAT``: gloo's ring in rank order, ``2 (W-1)/W · nbytes`` through each node boundary
+    (one rank of a node sends over the uplink, which then carries the node's bandwidth), and
+    ``2 (W-1)`` latencies. ``HIERARCHICAL`` (:mod:`embark.sharding.node_allreduce`): the
+    reduce-scatter and the all-gather inside the node, ``(g-1)/g · nbytes`` each per rank over
+    the intra-node link with ``g-1`` latencies each; then the shards' all-reduce across the
+    nodes, ``2 (N-1)/N · nbytes`` through the node's uplink with ``2 (N-1)`` latencies; the
+    stages one after the other. One node, or one rank per node: both are the one ring.
+    """
+    w, g, n = topology.world_size, topology.gpus_per_node, topology.num_nodes
+    if w == 1:
+        return 0.0
+    if n == 1:
+        ring = 2 * (w - 1) / w * nbytes / topology.intra_node_bandwidth_bytes_per_s
+        return ring + 2 * (w - 1) * topology.intra_node_latency_s
+    uplink = topology.inter_node_bandwidth_bytes_per_s * g
+    if how is GradReduce.FLAT or g == 1:
+        return 2 * (w - 1) / w * nbytes / uplink + 2 * (w - 1) * topology.inter_node_latency_s
+    inside = 2 * (g - 1) / g * nbytes / topology.intra_node_bandwidth_bytes_per_s
+    inside += 2 * (g - 1) * topology.intra_node_latency_s
+    across = 2 * (n - 1) / n * nbytes / uplink + 2 * (n - 1) * topology.inter_node_latency_s
+    return inside + across
+
+
 def _counts(plan: ShardingPlan, model: CostModel) -> dict[str, float]:
     """Item counts of the bookkeeping terms (per rank; the busiest rank's where they differ)."""
     owned = np.zeros(model.world)
@@ -109,6 +140,7 @@ def runtime_phases(
     rates: HostRates,
     pipelined: bool = False,
     grouped: bool = False,
+    grad_reduce: GradReduce = GradReduce.HIERARCHICAL,
 ) -> dict[str, float]:
     """Predicted seconds of each phase of one step of ``plan`` on the gloo runtime.
 
@@ -123,6 +155,8 @@ def runtime_phases(
         grouped: a runtime that runs all tables of a sharding type as one kernel and one
             exchange (TorchRec's fused TBE groups): no per-table bookkeeping; the relayed
             factor is ours alone, so row-split blocks count at their bytes.
+        grad_reduce: how the dense and DP gradients are summed (:func:`allreduce_seconds`;
+            TorchRec's DDP: ``FLAT``).
 
     Returns:
         ``{phase: seconds}`` with the keys of :class:`~embark.sharding.phases.Phase`.
@@ -153,16 +187,7 @@ def runtime_phases(
         for ts in plan.tables
         if ts.cluster is Cluster.DP
     )
-    w = model.world
-    ring = 2 * (w - 1) / w * (rates.dense_param_bytes + dp_bytes)
-    # a ring in rank order crosses each node boundary once: one rank of a node sends over
-    # its uplink, which then carries the node's whole bandwidth (gpus_per_node × per rank)
-    link = (
-        t.inter_node_bandwidth_bytes_per_s * gpn
-        if t.num_nodes > 1
-        else t.intra_node_bandwidth_bytes_per_s
-    )
-    allreduce = ring / link + 2 * (w - 1) * lat
+    allreduce = allreduce_seconds(rates.dense_param_bytes + dp_bytes, t, grad_reduce)
     dense = model.dense_seconds()
     dense_fwd, dense_bwd = dense / 3, 2 * dense / 3
     input_wire = 0.0 if pipelined else float(whole["input_a2a"].max())
@@ -193,7 +218,8 @@ def runtime_step_seconds(
     rates: HostRates,
     pipelined: bool = False,
     grouped: bool = False,
+    grad_reduce: GradReduce = GradReduce.HIERARCHICAL,
 ) -> float:
     """Predicted seconds of one step: the sum of :func:`runtime_phases` (phases of a step run
     one after the other on a rank)."""
-    return sum(runtime_phases(plan, model, rates, pipelined, grouped).values())
+    return sum(runtime_phases(plan, model, rates, pipelined, grouped, grad_reduce).values())

@@ -20,21 +20,32 @@ rank issues the same sequence of collectives whatever order autograd finishes th
 The sum of one element is the same whichever bucket carries it, and every rank gets the same
 sum (an all-reduce), so replicas stay bit-identical; against one flat all-reduce only the
 order of float additions inside the collective can differ.
+
+With a :class:`~embark.sharding.node_allreduce.HierarchicalAllReduce` each bucket is summed
+node by node (reduce-scatter inside the node, all-reduce across, all-gather inside): three
+dependent collectives, so they run one bucket after the other on a worker thread of this
+object (started by the first bucket of a step, joined by :meth:`finish`), in bucket order on
+every rank, while backward goes on in the main thread.
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
+from embark.sharding.node_allreduce import HierarchicalAllReduce
+
 # Bucket size: DDP's default is 25 MiB; smaller buckets start earlier in backward and leave
 # less to wait for after it (measured on 4 gloo ranks sharing 2 cores, DLRM-DCNv2's 64 MB
 # dense part: 3 ms left to wait after backward, against 170 ms for one flat 64 MB buffer).
-BUCKET_BYTES = 4 * 2**20
+# 1 MiB cuts the emulated cluster's narrowed DLRM-DCNv2 dense part (2.5 MB) into 3 buckets,
+# the first started after the top MLP's and cross layers' backward, where 4 MiB made one.
+BUCKET_BYTES = 1 * 2**20
 
 
 def bucket_indices(numels: Sequence[int], bucket_bytes: int, itemsize: int = 4) -> list[list[int]]:
@@ -79,6 +90,8 @@ class GradBuckets:
         overlap: start buckets from inside ``backward`` (else every bucket starts in
             :meth:`finish`).
         bucket_bytes: bucket size (:data:`BUCKET_BYTES`).
+        hierarchical: sum each bucket node by node with this (on a worker thread; its
+            groups then carry nothing else), else one all-reduce on ``group``.
     """
 
     def __init__(
@@ -87,20 +100,24 @@ class GradBuckets:
         group: Any | None,
         overlap: bool = True,
         bucket_bytes: int = BUCKET_BYTES,
+        hierarchical: HierarchicalAllReduce | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group, self.overlap = group, overlap
+        self.hierarchical = hierarchical
+        self._worker: ThreadPoolExecutor | None = None
         self.buckets = bucket_indices([p.numel() for p in self.params], bucket_bytes)
         self._bucket_of = {id(self.params[i]): b for b, idx in enumerate(self.buckets) for i in idx}
         self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._missing: list[int] = []
-        self._started: list[tuple[torch.Tensor, Any]] = []
+        self._started: list[tuple[torch.Tensor, Any | Future[None]]] = []
         self._hooks: list[Any] = []
 
     def arm(self) -> None:
         """Start counting gradients: the next ``backward`` starts each bucket's all-reduce
         once its gradients are complete (a previous unfinished step is dropped)."""
         self._drop_hooks()
+        self._stop_worker()
         self._missing = [len(idx) for idx in self.buckets]
         self._started = []
         if self.overlap:
@@ -137,8 +154,12 @@ class GradBuckets:
         self._all_reduce(flat)
 
     def _all_reduce(self, flat: torch.Tensor) -> None:
-        work = None
-        if dist.is_available() and dist.is_initialized():
+        work: Any | Future[None] = None
+        if self.hierarchical is not None:
+            if self._worker is None:
+                self._worker = ThreadPoolExecutor(1, thread_name_prefix="grad-buckets")
+            work = self._worker.submit(self.hierarchical, flat)
+        elif dist.is_available() and dist.is_initialized():
             work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._started.append((flat, work))
 
@@ -151,13 +172,24 @@ class GradBuckets:
             self._missing = [len(idx) for idx in self.buckets]
         while len(self._started) < len(self.buckets):
             self._start(len(self._started))
-        for (flat, work), idx in zip(self._started, self.buckets):
-            if work is not None:
-                work.wait()
+        try:
+            for _, work in self._started:
+                if isinstance(work, Future):
+                    work.result()  # re-raises what the worker thread raised
+                elif work is not None:
+                    work.wait()
+        finally:
+            self._stop_worker()
+        for (flat, _), idx in zip(self._started, self.buckets):
             pieces = flat.split([self.params[i].numel() for i in idx])
             for i, piece in zip(idx, pieces):
                 self.params[i].grad = piece.view_as(self.params[i])
         self._missing, self._started = [], []
+
+    def _stop_worker(self) -> None:
+        if self._worker is not None:
+            self._worker.shutdown(wait=True)
+            self._worker = None
 
     def _drop_hooks(self) -> None:
         for h in self._hooks:

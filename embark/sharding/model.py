@@ -54,10 +54,11 @@ from embark.models.tables import EmbeddingTables, TableModel
 from embark.models.workloads import Workload
 from embark.sharding.collection import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world, grad_wire
-from embark.sharding.grad_buckets import GradBuckets
+from embark.sharding.grad_buckets import BUCKET_BYTES, GradBuckets
+from embark.sharding.node_allreduce import HierarchicalAllReduce, NodeRailGroups
 from embark.sharding.phases import Phase, PhaseClock
 from embark.sharding.prefetch import InputPrefetcher
-from embark.types import CommDtype, ShardingPlan
+from embark.types import CommDtype, GradReduce, ShardingPlan
 
 
 def group_src(group: Any | None) -> int:
@@ -208,6 +209,11 @@ class ShardedDLRM(TableModel):
         self.dense = dense
         self.rank, self.world_size = embeddings.rank, embeddings.world_size
         self._dense_group: Any | None = None
+        self._rail_groups: NodeRailGroups | None = None
+        # how the buckets are summed where the world spans several nodes of several ranks
+        # (one node, or one rank per node: flat); read when the buckets are first made
+        self.grad_reduce = GradReduce.HIERARCHICAL
+        self.grad_bucket_bytes = BUCKET_BYTES  # read when the buckets are first made
         # set by embark.sharding.pipeline.SparseDistPipeline while it trains
         self.prefetcher: InputPrefetcher | None = None
         self.phase_clock: PhaseClock | None = None  # set_phase_clock (benchmarks)
@@ -321,18 +327,39 @@ class ShardedDLRM(TableModel):
         :class:`~embark.sharding.grad_buckets.GradBuckets` (the replicas first, so their
         gradients, complete early in backward, share the last bucket with the biases).
 
-        With the default process group the buckets travel on a process group of their own
-        (created on the first call: a collective of every rank), which carries nothing else,
+        With the default process group the buckets travel on process groups of their own
+        (created on the first call: a collective of every rank), which carry nothing else,
         so their all-reduces may start from inside ``backward`` while the embedding exchanges'
-        backward runs on the default group. With another group they start after ``backward``
-        (``overlap=False``): a second group would need every rank of the world to create it.
+        backward runs on the default group. There, when the plan spans several nodes of
+        several ranks and :attr:`grad_reduce` is ``HIERARCHICAL``, each bucket is summed node
+        by node (:mod:`embark.sharding.node_allreduce`: the node uplinks carry ``2 (N-1)/N``
+        of the bytes instead of the flat ring's ``2 (W-1)/W``). With another group they start
+        after ``backward`` (``overlap=False``), flat: a second group would need every rank of
+        the world to create it.
         """
         overlap = self.process_group is None and is_distributed(None)
+        dp = [self.embeddings.weights[n] for n in sorted(self.bucketed_dp_tables())]
+        params = [*dp, *self.dense.parameters()]
+        if overlap and self.hierarchical_grad_reduce():
+            if self._rail_groups is None:
+                gpn = self.embeddings.layout.plan.gpus_per_node
+                self._rail_groups = NodeRailGroups.create(self.world_size, gpn, self.rank)
+            reducer = HierarchicalAllReduce(self._rail_groups)
+            return GradBuckets(params, None, True, self.grad_bucket_bytes, hierarchical=reducer)
         if overlap and self._dense_group is None:
             self._dense_group = dist.new_group(list(range(self.world_size)))
         group = self._dense_group if overlap else self.process_group
-        dp = [self.embeddings.weights[n] for n in sorted(self.bucketed_dp_tables())]
-        return GradBuckets([*dp, *self.dense.parameters()], group, overlap=overlap)
+        return GradBuckets(params, group, overlap, self.grad_bucket_bytes)
+
+    def hierarchical_grad_reduce(self) -> bool:
+        """Whether :meth:`gradient_buckets` sums node by node: :attr:`grad_reduce` is
+        ``HIERARCHICAL``, the default process group, and a plan of 2+ nodes of 2+ ranks."""
+        gpn = self.embeddings.layout.plan.gpus_per_node
+        return (
+            self.grad_reduce is GradReduce.HIERARCHICAL
+            and self.process_group is None
+            and 1 < gpn < self.world_size
+        )
 
     def full_state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor]:
         """The single-process :class:`~embark.models.dlrm.DLRM` ``state_dict`` (names as

@@ -20,6 +20,7 @@ from embark.planner.runtime_model import (
     OPS_PER_LOOKUP,
     RELAYED_EXCHANGE_FACTOR,
     HostRates,
+    allreduce_seconds,
     relayed,
     runtime_phases,
 )
@@ -33,7 +34,7 @@ from embark.topology import (
     emulated_topology,
     get_topology,
 )
-from embark.types import Cluster
+from embark.types import Cluster, GradReduce
 
 
 def _trainer(world_plan_seed: int = 3) -> Trainer:
@@ -125,19 +126,28 @@ def test_runtime_phases_count_all_reduce_optimizer_bookkeeping_and_pipeline() ->
     plan = plan_sharding(w, topo, 64, "tw")
     sim = simulate(plan, model)
     bare = HostRates(dense_param_bytes=0.0, optimizer_bytes_per_s=1e9, small_op_s=0.0)
-    plain = runtime_phases(plan, model, bare)
-    heavy = runtime_phases(plan, model, HostRates(64e6, 1e9, 0.0))
+    flat = GradReduce.FLAT
+    plain = runtime_phases(plan, model, bare, grad_reduce=flat)
+    heavy = runtime_phases(plan, model, HostRates(64e6, 1e9, 0.0), grad_reduce=flat)
     busy = runtime_phases(plan, model, HostRates(0.0, 1e9, 1e-4))
     piped = runtime_phases(plan, model, bare, pipelined=True)
     assert set(plain) == {p.value for p in Phase}
     # a 64 MB ring over 4 ranks: 96 MB sent per rank, one rank per node over the node's
     # uplink (2 ranks' bandwidth); the tiny dense backward hides less than the ring's latency
     # alone, so all of it is exposed; the optimizer steps the 64 MB once
-    assert ALLREDUCE_OVERLAP * 2 / 3 * model.dense_seconds() < 6 * topo.inter_node_latency_s
+    assert ALLREDUCE_OVERLAP * 2 / 3 * model.dense_seconds() < 2 * topo.inter_node_latency_s
     assert plain["allreduce"] > 0
     ring = 1.5 * 64e6 / (2 * topo.inter_node_bandwidth_bytes_per_s)
     assert heavy["allreduce"] - plain["allreduce"] == pytest.approx(ring, rel=1e-9)
     assert heavy["optimizer"] == pytest.approx(64e6 / 1e9)
+    # node by node (the runtime's default on 2 x 2): 0.5 + 0.5 of the 64 MB inside the node,
+    # then 1 × 64 MB through the node's uplink
+    hier = runtime_phases(plan, model, HostRates(64e6, 1e9, 0.0))
+    hier0 = runtime_phases(plan, model, bare)
+    inside = 64e6 / topo.intra_node_bandwidth_bytes_per_s
+    across = 64e6 / (2 * topo.inter_node_bandwidth_bytes_per_s)
+    assert hier["allreduce"] - hier0["allreduce"] == pytest.approx(inside + across, rel=1e-9)
+    assert hier["allreduce"] < heavy["allreduce"]
     keys = sim.phases_ms["input_a2a"] / 1e3
     assert plain["input_dist"] == pytest.approx(keys)
     assert piped["input_dist"] == 0.0
@@ -150,6 +160,29 @@ def test_runtime_phases_count_all_reduce_optimizer_bookkeeping_and_pipeline() ->
         (OPS_PER_INPUT_SPLIT * splits + OPS_PER_ID * ids) * 1e-4
     )
     assert busy["lookup"] - plain["lookup"] == pytest.approx(OPS_PER_LOOKUP * owned * 1e-4)
+
+
+def test_allreduce_node_by_node_crosses_nodes_as_the_planner_rates_dp_replicas() -> None:
+    """The hierarchical all-reduce's uplink bytes are the planner's AR_INTER of a DP replica
+    (per rank, times the node's ranks); the flat ring's are 2 (W-1)/W of them; one node or
+    one rank per node: the same ring either way."""
+    w = get_workload("tiny")
+    topo = emulated_topology(nodes=4, ranks_per_node=2, latency_s=0.0)
+    model = CostModel(w, topo, 64, CostConstants(dp_sparse_allgather=False))
+    ts = plan_sharding(w, topo, 64, "dp").tables[0]
+    replica = ts.num_rows * ts.dim * 4
+    uplink = 2 * topo.inter_node_bandwidth_bytes_per_s
+    inside = replica / topo.intra_node_bandwidth_bytes_per_s  # 2 (g-1)/g = 1
+    hier = allreduce_seconds(replica, topo, GradReduce.HIERARCHICAL)
+    assert hier - inside == pytest.approx(2 * model.traffic(ts)[0, AR_INTER] / uplink)
+    assert hier - inside == pytest.approx(1.5 * replica / uplink)  # 2 (N-1)/N, N = 4
+    flat = allreduce_seconds(replica, topo, GradReduce.FLAT)
+    assert flat == pytest.approx(2 * 7 / 8 * replica / uplink)  # 2 (W-1)/W, W = 8
+    for nodes, gpn in ((1, 4), (4, 1)):
+        t = emulated_topology(nodes=nodes, ranks_per_node=gpn)
+        assert allreduce_seconds(1e6, t, GradReduce.HIERARCHICAL) == allreduce_seconds(
+            1e6, t, GradReduce.FLAT
+        )
 
 
 def test_relayed_exchange_factor_applies_to_row_split_blocks_of_our_runtime_only() -> None:

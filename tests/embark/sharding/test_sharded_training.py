@@ -87,7 +87,11 @@ def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
             losses = [trainer.train_step(local_batch(b, rank, world)) for b in batches]
             state = model.full_state_dict(dst=None)
             save_file(state, str(Path(out_dir, f"{case}-rank{rank}.safetensors")))
-            report[case] = {"losses": losses, "step": trainer.step}
+            report[case] = {
+                "losses": losses,
+                "step": trainer.step,
+                "hierarchical": model.hierarchical_grad_reduce(),
+            }
         for case, (cfg_name, wire) in WIRE_CASES.items():
             plan_d = tiny_plan(world)
             if wire == "mixed":  # several wire dtypes in one exchange
@@ -325,6 +329,8 @@ def test_equals_single_process_trainer(runs: Any, reference: Any, case: str) -> 
             torch.testing.assert_close(got[k], want[k], **ATOL, msg=f"rank {r} {k}")
         rep = json.loads((d / f"rank{r}.json").read_text())[case]
         assert rep["step"] == STEPS
+        # world 4 is 2 nodes x 2: the dense gradients are summed node by node
+        assert rep["hierarchical"] == (world == 4)
         torch.testing.assert_close(torch.tensor(rep["losses"]), torch.tensor(want_losses), **ATOL)
     # training moved the weights (the comparison is not trivially of initial weights)
     from embark.models.dlrm import build_model

@@ -126,7 +126,7 @@ class Partition:
         m = self.keys.size
         if m == 0:
             return np.zeros(q.size, bool), np.zeros(0, np.int64)
-        inside = None
+        inside: np.ndarray | None = None
         qq = q
         if self.keys.dtype == np.uint32:  # compare as uint32: never widen the whole index
             inside = (q >= 0) & (q < KEY_LIMIT)

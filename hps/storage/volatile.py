@@ -398,14 +398,13 @@ class HashMapBackend(StorageBackend):
                 self._to_sorted(t)
             return
         held = [p for p in t.parts if p.keys.size]
-        if not held:
-            return
-        lo = min(int(p.keys[0]) for p in held)
-        hi = max(int(p.keys[-1]) for p in held)
-        if lo >= 0 and hi < KEY_LIMIT and 2 * live >= hi + 1:
-            self._to_direct(t, hi + 1)
-            return
-        for p in held:
+        if held:
+            lo = min(int(p.keys[0]) for p in held)
+            hi = max(int(p.keys[-1]) for p in held)
+            if lo >= 0 and hi < KEY_LIMIT and 2 * live >= hi + 1:
+                self._to_direct(t, hi + 1)
+                return
+        for p in t.parts:
             if p.keys.dtype == np.int64:
                 with p.lock:
                     p.narrow()

@@ -126,15 +126,13 @@ class Partition:
         m = self.keys.size
         if m == 0:
             return np.zeros(q.size, bool), np.zeros(0, np.int64)
-        inside: np.ndarray | None = None
-        qq = q
         if self.keys.dtype == np.uint32:  # compare as uint32: never widen the whole index
-            inside = (q >= 0) & (q < KEY_LIMIT)
-            qq = q.astype(np.uint32)  # keys outside wrap; ``inside`` drops them
-        pos = np.minimum(np.searchsorted(self.keys, qq), m - 1)
-        found = self.keys[pos] == qq
-        if inside is not None:
-            found &= inside
+            qq = q.astype(np.uint32)  # keys outside [0, 2**32) wrap: dropped below
+            pos = np.minimum(np.searchsorted(self.keys, qq), m - 1)
+            found = (self.keys[pos] == qq) & (q >= 0) & (q < KEY_LIMIT)
+        else:
+            pos = np.minimum(np.searchsorted(self.keys, q), m - 1)
+            found = self.keys[pos] == q
         return found, self.slots[pos[found]].astype(np.int64)
 
     def live(self) -> tuple[np.ndarray, np.ndarray]:

@@ -8,8 +8,8 @@ speed of ``lookup_rows`` (rows/s, a batch of Zipf keys).
 Each table is loaded as the parameter server loads it (``insert_rows`` of 256 k rows at a time,
 8 partitions) with identity keys ``0..n-1`` (what exports write) — DIRECT for the compact map;
 ``--sparse`` adds a table whose keys are ``5·i`` (a fifth of the range: SORTED_U32). The
-reference is ``HashMapBackend(compact_keys=False)``: sorted int64 keys + int32 slots (
-12 B per row). FBGEMM's row (``hps.rowformat.row_bytes``) is the yardstick:
+reference is ``HashMapBackend(compact_keys=False)``: sorted int64 keys + int32 slots
+(12 B per row). FBGEMM's row (``hps.rowformat.row_bytes``) is the yardstick:
 512 / 256 / 132 / 68 B for FP32 / FP16 / INT8 / INT4 at dim 128. Lookups are timed
 interleaved (A B A B ...), median of ``repeats``.
 """

@@ -226,6 +226,11 @@ class Partition:
         self.free = np.concatenate([self.free, slots.astype(np.int32)])
         self._maybe_compact()
 
+    def trim(self) -> None:
+        """Compact to a pool of exactly the rows held (no free slot) if any slot is free."""
+        if self.free.size:
+            self._compact(self.size)
+
     def _maybe_compact(self) -> None:
         live = self.size
         if self.free.size > max(_MIN_GROWTH, live // 2):

@@ -24,7 +24,8 @@ too sparse). A lookup of any int64 key is answered in every layout (keys outside
 are not found); it costs O(batch) with a direct index and O(batch · log rows) with a sorted
 one. A switch rebuilds the index under every partition lock of the table (O(bound), about
 20 B per row transiently, less than a pool's growth); ``compact_keys=False`` keeps the sorted
-int64 layout always (the reference the others are tested against).
+int64 layout always (the reference the others are tested against). :meth:`HashMapBackend.mark_loaded` (the
+end of a load) compacts the table's pools to the rows they hold: loads in chunks leave no slack.
 
 Every operation is a handful of numpy calls per partition touched (a loop over partitions,
 never over keys). When a partition holds more than ``overflow_margin`` rows after an insert it
@@ -438,6 +439,17 @@ class HashMapBackend(StorageBackend):
     @staticmethod
     def _live(t: _Table) -> int:
         return sum(p.size for p in t.parts)
+
+    def mark_loaded(self, table: str, partitions: list[int] | None = None) -> None:
+        """The end of a load: give back the pools' slack of ``table`` (or of its
+        ``partitions``), which growth by a quarter leaves after inserts in chunks. One
+        partition's pool is copied at a time (``capacity = rows held``)."""
+        t = self._table(table)
+        with t.write_lock:
+            for p in range(self.num_partitions) if partitions is None else partitions:
+                part = t.parts[p]
+                with part.lock:
+                    part.trim()
 
     def delete(self, table: str, keys: np.ndarray) -> None:
         """Remove rows (missing keys are ignored; an attached cache keeps its copies)."""

@@ -224,3 +224,21 @@ def test_reads_stay_exact_while_writers_switch_layouts() -> None:
             th.join()
     assert not errors, errors[:3]
     assert layouts == {KeyLayout.DIRECT, KeyLayout.SORTED_U32}
+
+
+def test_the_end_of_a_load_gives_back_the_pools_slack() -> None:
+    """A second chunk grows the pool by a quarter (slack); ``mark_loaded`` compacts it to the
+    rows held, keeping every row and the direct index."""
+    v = _map(RowDtype.INT4, DIM, num_partitions=1)
+    rb = row_bytes(RowDtype.INT4, DIM)
+    keys = np.concatenate([np.arange(0, 2000, 2), np.arange(1, 61, 2)]).astype(np.int64)
+    rows = _rows(keys.size, rb, 5)
+    v.insert_rows("t", keys[:1000], rows[:1000])
+    v.insert_rows("t", keys[1000:], rows[1000:])
+    part = v._table("t").parts[0]
+    assert v.key_layout("t") is KeyLayout.DIRECT and part.rows.shape[0] == 1250
+    v.mark_loaded("t")
+    assert part.rows.shape[0] == keys.size and part.free.size == 0
+    assert v.nbytes("t") == keys.size * rb + 4 * 1999  # rows + the index over [0, 1999)
+    got, found = v.lookup_rows("t", keys)
+    assert found.all() and np.array_equal(got, rows)

@@ -416,9 +416,9 @@ class HashMapBackend(StorageBackend):
             for part in t.parts:
                 d[part.keys] = part.slots
                 part.n_direct = int(part.keys.size)
+                part.direct = d
                 part.keys = np.zeros(0, np.uint32)
                 part.slots = np.zeros(0, np.int32)
-                part.direct = d
             t.direct = d
         log.debug("volatile db: a table's key index is direct over [0, %d)", bound)
 
@@ -477,7 +477,9 @@ class HashMapBackend(StorageBackend):
 
     def stored_rows(self, table: str) -> int:
         """Rows of ``table`` stored in this map itself (without an attached cache's)."""
-        return self._live(self._table(table))
+        t = self._table(table)
+        with t.write_lock:  # never counted halfway through a layout switch
+            return self._live(t)
 
     def size(self, table: str) -> int:
         """Rows of ``table`` this map holds, an attached cache's included."""

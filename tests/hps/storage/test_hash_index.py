@@ -9,8 +9,11 @@ import threading
 
 import numpy as np
 import pytest
+import torch
 
 from hps.rowformat import RowDtype, row_bytes
+from hps.session import LookupSession, SessionTable
+from hps.storage.cache import EmbeddingCache
 from hps.storage.volatile import HashMapBackend, KeyLayout
 from hps.types import OverflowPolicy
 
@@ -242,3 +245,41 @@ def test_the_end_of_a_load_gives_back_the_pools_slack() -> None:
     assert v.nbytes("t") == keys.size * rb + 4 * 1999  # rows + the index over [0, 1999)
     got, found = v.lookup_rows("t", keys)
     assert found.all() and np.array_equal(got, rows)
+
+
+def test_rows_move_to_an_exclusive_cache_and_back_through_a_direct_index() -> None:
+    """An identity table (direct index) under an exclusive cache of most of its rows: lookups
+    stay exact while rows move up and are evicted back down (the map falls under a third of
+    its range: sorted), every row held in exactly one of the two; inserts of new keys make
+    the map dense again (direct) and lookups stay exact."""
+    n, dim = 2000, 4
+    v = HashMapBackend(num_partitions=4)
+    v.create_table("t", dim)
+    keys = np.arange(n, dtype=np.int64)
+    rows = np.random.default_rng(0).integers(-99, 99, size=(n, dim)).astype(np.float32)
+    v.insert("t", keys, rows)
+    assert v.key_layout("t") is KeyLayout.DIRECT
+    cache = EmbeddingCache(1536, dim, ways=8)
+    v.attach_cache("t", cache)
+    s = LookupSession([SessionTable("t", dim, 0.0, n, cache)], v, None, hit_rate_threshold=1.0)
+    g = torch.Generator().manual_seed(0)
+    seen = [v.key_layout("t")]
+    for i in range(30):
+        hot = i < 15  # a hot set the cache takes in, then the whole range (evictions back)
+        q = torch.randint(0, 1400 if hot else n, (512,), generator=g)
+        assert torch.equal(s.lookup("t", q), torch.from_numpy(rows)[q])
+        seen.append(v.key_layout("t"))
+        stored = np.concatenate([p.live()[0] for p in v._table("t").parts])
+        homed = cache.keys.view(-1)[cache.homed].numpy()
+        assert np.array_equal(np.sort(np.concatenate([stored, homed])), keys)
+    assert seen[0] is KeyLayout.DIRECT and seen[-1] is KeyLayout.SORTED_U32, seen
+    more = np.arange(n, 2 * n, dtype=np.int64)  # new keys: the map holds over half again
+    v.insert("t", more, rows[::-1].copy())
+    assert v.key_layout("t") is KeyLayout.DIRECT
+    both = np.concatenate([rows, rows[::-1]])
+    for _ in range(5):
+        q = torch.randint(0, 2 * n, (512,), generator=g)
+        assert torch.equal(s.lookup("t", q), torch.from_numpy(both)[q])
+    got, found = v.lookup("t", np.concatenate([keys, more]))
+    assert found.all() and np.array_equal(got, both)
+    assert v.size("t") == 2 * n == v.stored_rows("t") + cache.homed_rows()

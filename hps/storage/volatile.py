@@ -24,8 +24,9 @@ too sparse). A lookup of any int64 key is answered in every layout (keys outside
 are not found); it costs O(batch) with a direct index and O(batch · log rows) with a sorted
 one. A switch rebuilds the index under every partition lock of the table (O(bound), about
 20 B per row transiently, less than a pool's growth); ``compact_keys=False`` keeps the sorted
-int64 layout always (the reference the others are tested against). :meth:`HashMapBackend.mark_loaded` (the
-end of a load) compacts the table's pools to the rows they hold: loads in chunks leave no slack.
+int64 layout always (the reference the others are tested against).
+:meth:`HashMapBackend.mark_loaded` (the end of a load) compacts the table's pools to the rows
+they hold: loads in chunks leave no slack.
 
 Every operation is a handful of numpy calls per partition touched (a loop over partitions,
 never over keys). When a partition holds more than ``overflow_margin`` rows after an insert it

@@ -2,7 +2,9 @@
 
 - :mod:`hps.storage.cache`: the embedding cache (set-associative, LRU or LFU with aging),
   rows as torch tensors on the compute device.
-- :mod:`hps.storage.volatile`: the in-process volatile DB, a partitioned hash map.
+- :mod:`hps.storage.volatile`: the in-process volatile DB, a partitioned hash map; each
+  partition's pool and key index (direct, sorted uint32 or sorted int64 keys, by the density
+  of the keys: :class:`KeyLayout`) in :mod:`hps.storage.hash_partition`.
 - :mod:`hps.storage.redis_cluster`: the volatile DB on a Redis cluster (survives outages:
   reads it cannot answer fail, never "not found", and fall through or are refused; writes
   are queued and replayed; each partition carries a mark that a node restarted empty lacks).
@@ -14,6 +16,7 @@ The DBs implement :class:`hps.types.StorageBackend` (batched ``lookup`` / ``read
 """
 
 from hps.storage.cache import CacheStats, EmbeddingCache
+from hps.storage.hash_partition import KeyLayout
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import RedisClusterBackend
 from hps.storage.sparse_files import (
@@ -30,6 +33,7 @@ __all__ = [
     "CacheStats",
     "EmbeddingCache",
     "HashMapBackend",
+    "KeyLayout",
     "RedisClusterBackend",
     "RocksDBBackend",
     "SparseFormat",

@@ -1,26 +1,37 @@
 """The in-process volatile database: a partitioned, vectorised hash map of embedding rows.
 
 Each table is split into ``num_partitions`` partitions by ``mix64(key) % num_partitions``.
-A partition keeps a sorted key index and a pool of row slots (rows are bytes in the table's
-row format, :class:`~hps.storage.row_codec.RowCodec`: ``row_bytes`` each, 512 for FP32 and
-132 for INT8 at dim 128; ``lookup`` dequantizes, ``insert`` quantizes, ``lookup_rows`` /
-``insert_rows`` move the bytes as they are)::
+A partition keeps a pool of row slots and a key index over it
+(:mod:`hps.storage.hash_partition`, which draws both); rows are bytes in the table's row
+format, :class:`~hps.storage.row_codec.RowCodec`: ``row_bytes`` each, 512 for FP32 and 68 for
+INT4 at dim 128; ``lookup`` dequantizes, ``insert`` quantizes, ``lookup_rows`` /
+``insert_rows`` move the bytes as they are.
 
-    keys   = [ 3,  7, 42]      sorted, (m,) int64          lookup = np.searchsorted(keys, q)
-    slots  = [ 1,  0,  2]      row slot of each key, int32  insert = np.insert at those positions
-    rows   = [[row of 7], [row of 3], [row of 42], <free>]  (capacity, row_bytes) uint8
-    uses   = [ 5, 1, 2, -]     reads per slot               (evict_least_used only)
-    stamp  = [90, 12, 40, -]   clock of the last read/write (evict_oldest only)
+The key index of a table is laid out by the density of its keys (:class:`KeyLayout`), chosen
+after every write, so that the index costs at most what the sorted one would (12 B per row)
+and 4 B per row for an identity vocabulary (keys ``0..n-1``, as exports write them)::
 
-The pool grows by a quarter (at least 64 slots) when it is full and is compacted (live rows
-copied to the front, ``capacity = live × 9/8``) when more than half of the live rows' count is
-free: its slack stays under half the live rows, and a move of many rows up into an attached
-cache (below) gives their memory back.
+    keys in [0, 2**32), n held, max key b - 1:
+        2·n ≥ b      → DIRECT      (b,) uint32 slot per key, shared by the partitions: 4·b B
+        3·n < b      → SORTED_U32  sorted uint32 keys + int32 slots: 8 B per row
+        (in between, the layout it has stays: a table does not flap between the two)
+    a key < 0 or ≥ 2**32 → SORTED_I64 in the partitions holding one: 12 B per row
+
+A direct index takes an insert of keys past its bound by growing to the largest key + 1 (at
+least an eighth larger: appended keys cost O(1) amortised) while the table stays above the
+3·n ≥ b line, and switches to the sorted layout otherwise (negative keys, keys ≥ 2**32, or
+too sparse). A lookup of any int64 key is answered in every layout (keys outside the index
+are not found); it costs O(batch) with a direct index and O(batch · log rows) with a sorted
+one. A switch rebuilds the index under every partition lock of the table (O(bound), about
+20 B per row transiently, less than a pool's growth); ``compact_keys=False`` keeps the sorted
+int64 layout always (the reference the others are tested against).
+:meth:`HashMapBackend.mark_loaded` (the end of a load) compacts the table's pools to the rows
+they hold: loads in chunks leave no slack.
 
 Every operation is a handful of numpy calls per partition touched (a loop over partitions,
 never over keys). When a partition holds more than ``overflow_margin`` rows after an insert it
 evicts rows by ``overflow_policy`` until it holds ``overflow_resolution_target ×
-overflow_margin`` (HugeCTR's semantics).
+overflow_margin`` (HugeCTR's semantics); the rows it picks do not depend on the layout.
 
 Exclusive with a cache (:meth:`HashMapBackend.attach_cache`; :mod:`hps.storage.cache`
 draws it): the rows a CPU cache above holds for this map are stored there only. The map still
@@ -28,6 +39,10 @@ answers for them (``lookup``, ``size``; an ``insert`` writes into the cached slo
 ``delete`` drops the map's claim), so from outside it holds what it would hold without the
 cache; ``nbytes`` and the overflow margin count the rows it stores itself (the cache's rows
 are bounded by its capacity).
+
+Locks: a table's writes (inserts, deletes, moves to and from its cache) take its
+``write_lock``, then one partition lock at a time (all of them, in order, to switch
+layouts); reads take one partition lock at a time.
 """
 
 from __future__ import annotations
@@ -35,6 +50,7 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -42,107 +58,20 @@ import torch
 
 from hps.rowformat import RowDtype
 from hps.storage.cache import EmbeddingCache
+from hps.storage.hash_partition import (
+    ABSENT,
+    KEY_LIMIT,
+    KeyLayout,
+    Partition,
+    partition_of,
+    split_by_partition,
+)
 from hps.storage.row_codec import RowCodec
-from hps.types import OverflowPolicy, StorageBackend, check_keys, check_values, mix64
+from hps.types import OverflowPolicy, StorageBackend, check_keys, check_values
+
+__all__ = ["HashMapBackend", "KeyLayout", "partition_of", "split_by_partition"]
 
 log = logging.getLogger(__name__)
-
-_MIN_GROWTH = 64  # slots a pool grows by at least (and the slack a compaction leaves alone)
-
-
-def partition_of(keys: np.ndarray, num_partitions: int) -> np.ndarray:
-    """``(n,) int64`` keys → ``(n,) int64`` partition ids in ``[0, num_partitions)``."""
-    return (mix64(keys) % np.uint64(num_partitions)).astype(np.int64)
-
-
-def split_by_partition(keys: np.ndarray, num_partitions: int) -> list[tuple[int, np.ndarray]]:
-    """Group positions of ``keys`` by partition: ``[(partition, positions (k,) int64), ...]``."""
-    part = partition_of(keys, num_partitions)
-    order = np.argsort(part, kind="stable")
-    bounds = np.searchsorted(part[order], np.arange(num_partitions + 1))
-    return [
-        (p, order[bounds[p] : bounds[p + 1]])
-        for p in range(num_partitions)
-        if bounds[p + 1] > bounds[p]
-    ]
-
-
-class _Partition:
-    def __init__(self, row_bytes: int, uses: bool, stamps: bool) -> None:
-        self.lock = threading.Lock()
-        self.keys = np.zeros(0, np.int64)
-        self.slots = np.zeros(0, np.int32)  # a partition holds < 2**31 rows
-        self.rows = np.zeros((0, row_bytes), np.uint8)
-        self.uses = np.zeros(0, np.int64) if uses else None
-        self.stamp = np.zeros(0, np.int64) if stamps else None
-        self.free = np.zeros(0, np.int32)  # a stack
-
-    def find(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``(found (k,) bool, slot of each found key (f,) int64)``."""
-        if self.keys.size == 0:
-            return np.zeros(q.size, bool), np.zeros(0, np.int64)
-        pos = np.searchsorted(self.keys, q)
-        pos = np.minimum(pos, self.keys.size - 1)
-        found = self.keys[pos] == q
-        return found, self.slots[pos[found]]
-
-    def touch(self, slots: np.ndarray, now: int, read: bool) -> None:
-        """Count a read (``uses``) and stamp ``now`` (``stamp``) where the policy keeps them."""
-        if read and self.uses is not None:
-            self.uses[slots] += 1
-        if self.stamp is not None:
-            self.stamp[slots] = now
-
-    def allocate(self, n: int) -> np.ndarray:
-        if self.free.size < n:
-            cap = self.rows.shape[0]
-            new_cap = max(cap + n - self.free.size, cap + max(cap // 4, _MIN_GROWTH))
-            if new_cap >= 2**31:
-                raise ValueError(
-                    f"a volatile db partition would hold {new_cap} rows, at most {2**31 - 1}: "
-                    "raise num_partitions"
-                )
-            grow = new_cap - cap
-            self.rows = np.concatenate([self.rows, np.zeros((grow, self.rows.shape[1]), np.uint8)])
-            if self.uses is not None:
-                self.uses = np.concatenate([self.uses, np.zeros(grow, np.int64)])
-            if self.stamp is not None:
-                self.stamp = np.concatenate([self.stamp, np.zeros(grow, np.int64)])
-            self.free = np.concatenate(
-                [np.arange(new_cap - 1, cap - 1, -1, dtype=np.int32), self.free]
-            )
-        out = self.free[self.free.size - n :]
-        self.free = self.free[: self.free.size - n]
-        return out
-
-    def remove_positions(self, pos: np.ndarray) -> None:
-        self.free = np.concatenate([self.free, self.slots[pos]])
-        keep = np.ones(self.keys.size, bool)
-        keep[pos] = False
-        self.keys, self.slots = self.keys[keep], self.slots[keep]
-        live = self.keys.size
-        if self.free.size > max(_MIN_GROWTH, live // 2):
-            self._compact(live + live // 8)
-
-    def _compact(self, capacity: int) -> None:
-        """Copy the live rows to slots ``0..live-1`` of a pool of ``capacity`` slots."""
-        live = self.keys.size
-        rows = np.zeros((capacity, self.rows.shape[1]), np.uint8)
-        rows[:live] = self.rows[self.slots]
-        self.rows = rows
-        for name in ("uses", "stamp"):
-            old = getattr(self, name)
-            if old is not None:
-                new = np.zeros(capacity, np.int64)
-                new[:live] = old[self.slots]
-                setattr(self, name, new)
-        self.slots = np.arange(live, dtype=np.int32)
-        self.free = np.arange(capacity - 1, live - 1, -1, dtype=np.int32)
-
-    def nbytes(self) -> int:
-        arrays: list[np.ndarray] = [self.rows, self.free, self.keys, self.slots]
-        arrays += [a for a in (self.uses, self.stamp) if a is not None]
-        return sum(int(a.nbytes) for a in arrays)
 
 
 @dataclass
@@ -150,9 +79,18 @@ class _Table:
     """One table of the map: its partitions and, when exclusive, the cache above it."""
 
     codec: RowCodec
-    parts: list[_Partition]
+    parts: list[Partition]
     lock: threading.Lock = field(default_factory=threading.Lock)  # moves and reads (cache)
+    write_lock: threading.Lock = field(default_factory=threading.Lock)  # every write
     front: EmbeddingCache | None = None
+    direct: np.ndarray | None = None  # (bound,) uint32, the partitions' shared direct index
+
+    def all_partitions(self) -> ExitStack:
+        """Every partition's lock, taken in order (a layout switch; hold ``write_lock``)."""
+        stack = ExitStack()
+        for part in self.parts:
+            stack.enter_context(part.lock)
+        return stack
 
 
 class _TableHome:
@@ -178,6 +116,8 @@ class HashMapBackend(StorageBackend):
         overflow_policy: which rows go; see :class:`~hps.types.OverflowPolicy`.
         overflow_resolution_target: fraction of ``overflow_margin`` kept after an eviction.
         seed: seeds ``evict_random``.
+        compact_keys: lay each table's key index out by its keys' density (the module
+            docstring); ``False`` keeps sorted int64 keys + int32 slots (12 B per row) always.
     """
 
     name = "hash_map"
@@ -189,6 +129,7 @@ class HashMapBackend(StorageBackend):
         overflow_policy: OverflowPolicy | str = OverflowPolicy.EVICT_RANDOM,
         overflow_resolution_target: float = 0.8,
         seed: int = 0,
+        compact_keys: bool = True,
     ) -> None:
         if num_partitions <= 0:
             raise ValueError(f"num_partitions must be > 0, got {num_partitions}")
@@ -202,6 +143,7 @@ class HashMapBackend(StorageBackend):
         self.overflow_margin = overflow_margin
         self.overflow_policy = OverflowPolicy(overflow_policy)
         self.overflow_resolution_target = overflow_resolution_target
+        self.compact_keys = compact_keys
         self._rng = np.random.default_rng(seed)
         self._tables: dict[str, _Table] = {}
         self._clock = itertools.count(1)
@@ -227,12 +169,26 @@ class HashMapBackend(StorageBackend):
                 return
             uses = self.overflow_policy is OverflowPolicy.EVICT_LEAST_USED
             stamps = self.overflow_policy is OverflowPolicy.EVICT_OLDEST
-            parts = [_Partition(codec.row_bytes, uses, stamps) for _ in range(self.num_partitions)]
+            key_dtype = np.uint32 if self.compact_keys else np.int64
+            parts = [
+                Partition(codec.row_bytes, uses, stamps, p, self.num_partitions, key_dtype)
+                for p in range(self.num_partitions)
+            ]
             self._tables[table] = _Table(codec, parts)
 
     def row_format(self, table: str) -> RowDtype:
         """How ``table``'s rows are stored."""
         return self._table(table).codec.dtype
+
+    def key_layout(self, table: str) -> KeyLayout:
+        """How ``table``'s key index is laid out now (SORTED_I64 where any partition holds
+        int64 keys)."""
+        t = self._table(table)
+        with t.write_lock:
+            if t.direct is not None:
+                return KeyLayout.DIRECT
+            wide = any(p.keys.dtype == np.int64 for p in t.parts)
+            return KeyLayout.SORTED_I64 if wide else KeyLayout.SORTED_U32
 
     def _table(self, table: str) -> _Table:
         try:
@@ -346,45 +302,47 @@ class HashMapBackend(StorageBackend):
 
     def _store(self, table: str, t: _Table, keys: np.ndarray, rows: np.ndarray) -> None:
         """Store ``rows (n, row_bytes) uint8`` under unique ``keys`` in the partitions."""
-        now = next(self._clock)
-        for p, idx in split_by_partition(keys, self.num_partitions):
-            part = t.parts[p]
-            q = keys[idx]
-            with part.lock:
-                hit, slots = part.find(q)
-                part.rows[slots] = rows[idx[hit]]
-                part.touch(slots, now, read=False)
-                new = ~hit
-                if new.any():
-                    nk = q[new]
-                    order = np.argsort(nk, kind="stable")
-                    nk = nk[order]
-                    ns = part.allocate(nk.size)
-                    part.rows[ns] = rows[idx[new][order]]
-                    if part.uses is not None:
-                        part.uses[ns] = 0
-                    part.touch(ns, now, read=False)
-                    pos = np.searchsorted(part.keys, nk)
-                    part.keys = np.insert(part.keys, pos, nk)
-                    part.slots = np.insert(part.slots, pos, ns)
-                if part.keys.size > self.overflow_margin:
-                    self._resolve_overflow(table, p, part)
+        with t.write_lock:
+            self._fit_direct(t, keys)
+            now = next(self._clock)
+            for p, idx in split_by_partition(keys, self.num_partitions):
+                part = t.parts[p]
+                q = keys[idx]
+                with part.lock:
+                    hit, slots = part.find(q)
+                    part.rows[slots] = rows[idx[hit]]
+                    part.touch(slots, now, read=False)
+                    new = ~hit
+                    if new.any():
+                        nk = q[new]
+                        order = np.argsort(nk, kind="stable")
+                        nk = nk[order]
+                        ns = part.allocate(nk.size)
+                        part.rows[ns] = rows[idx[new][order]]
+                        if part.uses is not None:
+                            part.uses[ns] = 0
+                        part.touch(ns, now, read=False)
+                        part.add(nk, ns)
+                    if part.size > self.overflow_margin:
+                        self._resolve_overflow(table, p, part)
+            self._relayout(t)
 
-    def _resolve_overflow(self, table: str, p: int, part: _Partition) -> None:
+    def _resolve_overflow(self, table: str, p: int, part: Partition) -> None:
         target = int(self.overflow_margin * self.overflow_resolution_target)
-        n_evict = part.keys.size - target
+        n_evict = part.size - target
+        live = part.live()
         if self.overflow_policy is OverflowPolicy.EVICT_RANDOM:
-            pos = self._rng.choice(part.keys.size, size=n_evict, replace=False)
+            pos = self._rng.choice(part.size, size=n_evict, replace=False)
         else:
             score = (
                 part.uses if self.overflow_policy is OverflowPolicy.EVICT_LEAST_USED else part.stamp
             )
             assert score is not None  # kept for the policy that reads it (create_table)
-            s = score[part.slots]
+            s = score[live[1]]
             pos = (
                 np.argpartition(s, n_evict - 1)[:n_evict] if n_evict < s.size else np.arange(s.size)
             )
-        part.remove_positions(pos)
+        part.remove_positions(pos, live)
         self.evicted += int(n_evict)
         log.debug(
             "volatile db: table %s partition %d evicted %d rows (%s)",
@@ -397,17 +355,102 @@ class HashMapBackend(StorageBackend):
     def _take(self, t: _Table, keys: np.ndarray) -> np.ndarray:
         """Drop the stored rows of ``keys (n,) int64``; ``(n,) bool``: which were stored."""
         found = np.zeros(keys.size, bool)
-        for p, idx in split_by_partition(keys, self.num_partitions):
-            part = t.parts[p]
-            with part.lock:
-                if part.keys.size == 0:
-                    continue
-                pos = np.minimum(np.searchsorted(part.keys, keys[idx]), part.keys.size - 1)
-                hit = part.keys[pos] == keys[idx]
-                found[idx] = hit
-                if hit.any():
-                    part.remove_positions(np.unique(pos[hit]))
+        with t.write_lock:
+            for p, idx in split_by_partition(keys, self.num_partitions):
+                part = t.parts[p]
+                with part.lock:
+                    if part.size == 0:
+                        continue
+                    hit, _ = part.find(keys[idx])
+                    found[idx] = hit
+                    if hit.any():
+                        part.remove_keys(np.unique(keys[idx][hit]))
+            self._relayout(t)
         return found
+
+    def _fit_direct(self, t: _Table, keys: np.ndarray) -> None:
+        """Make a direct index take ``keys``: grow it, or switch to the sorted layout
+        (the module docstring). Hold ``t.write_lock``."""
+        d = t.direct
+        if d is None or keys.size == 0:
+            return
+        lo, hi = int(keys.min()), int(keys.max())
+        if lo >= 0 and hi < d.size:
+            return
+        if lo >= 0 and hi < KEY_LIMIT:
+            bound = min(max(hi + 1, d.size + d.size // 8), KEY_LIMIT)
+            if 3 * (self._live(t) + keys.size) >= bound:
+                grown = np.full(bound, ABSENT, np.uint32)
+                grown[: d.size] = d
+                with t.all_partitions():
+                    for part in t.parts:
+                        part.direct = grown
+                    t.direct = grown
+                return
+        self._to_sorted(t)
+
+    def _relayout(self, t: _Table) -> None:
+        """Switch ``t``'s key index by the density of the keys it holds now (the module
+        docstring); O(partitions) unless it switches. Hold ``t.write_lock``."""
+        if not self.compact_keys:
+            return
+        live = self._live(t)
+        if t.direct is not None:
+            if 3 * live < t.direct.size:
+                self._to_sorted(t)
+            return
+        held = [p for p in t.parts if p.keys.size]
+        if held:
+            lo = min(int(p.keys[0]) for p in held)
+            hi = max(int(p.keys[-1]) for p in held)
+            if lo >= 0 and hi < KEY_LIMIT and 2 * live >= hi + 1:
+                self._to_direct(t, hi + 1)
+                return
+        for p in t.parts:
+            if p.keys.dtype == np.int64:
+                with p.lock:
+                    p.narrow()
+
+    def _to_direct(self, t: _Table, bound: int) -> None:
+        d = np.full(bound, ABSENT, np.uint32)
+        with t.all_partitions():
+            for part in t.parts:
+                d[part.keys] = part.slots
+                part.n_direct = int(part.keys.size)
+                part.direct = d
+                part.keys = np.zeros(0, np.uint32)
+                part.slots = np.zeros(0, np.int32)
+            t.direct = d
+        log.debug("volatile db: a table's key index is direct over [0, %d)", bound)
+
+    def _to_sorted(self, t: _Table) -> None:
+        d = t.direct
+        assert d is not None  # the caller's layout
+        with t.all_partitions():
+            held = np.flatnonzero(d != ABSENT)
+            for p, idx in split_by_partition(held, self.num_partitions):
+                k = held[idx]  # ascending: the split keeps the order within a partition
+                t.parts[p].keys = k.astype(np.uint32)
+                t.parts[p].slots = d[k].astype(np.int32)
+            for part in t.parts:
+                part.direct, part.n_direct = None, 0
+            t.direct = None
+        log.debug("volatile db: a table's key index is sorted (%d keys)", held.size)
+
+    @staticmethod
+    def _live(t: _Table) -> int:
+        return sum(p.size for p in t.parts)
+
+    def mark_loaded(self, table: str, partitions: list[int] | None = None) -> None:
+        """The end of a load: give back the pools' slack of ``table`` (or of its
+        ``partitions``), which growth by a quarter leaves after inserts in chunks. One
+        partition's pool is copied at a time (``capacity = rows held``)."""
+        t = self._table(table)
+        with t.write_lock:
+            for p in range(self.num_partitions) if partitions is None else partitions:
+                part = t.parts[p]
+                with part.lock:
+                    part.trim()
 
     def delete(self, table: str, keys: np.ndarray) -> None:
         """Remove rows (missing keys are ignored; an attached cache keeps its copies)."""
@@ -422,17 +465,22 @@ class HashMapBackend(StorageBackend):
 
     def nbytes(self, table: str) -> int:
         """Bytes ``table`` holds in this map: row slots (held or free), their use counts or
-        stamps (the policy's), the free list, and the sorted key index. Rows an attached cache
-        holds for it are the cache's bytes (:meth:`EmbeddingCache.nbytes`)."""
-        total = 0
-        for p in self._table(table).parts:
-            with p.lock:
-                total += p.nbytes()
+        stamps (the policy's), the free list, and the key index (a direct index once, or each
+        partition's sorted keys and slots). Rows an attached cache holds for it are the
+        cache's bytes (:meth:`EmbeddingCache.nbytes`)."""
+        t = self._table(table)
+        with t.write_lock:
+            total = int(t.direct.nbytes) if t.direct is not None else 0
+            for p in t.parts:
+                with p.lock:
+                    total += p.nbytes()
         return total
 
     def stored_rows(self, table: str) -> int:
         """Rows of ``table`` stored in this map itself (without an attached cache's)."""
-        return int(sum(p.keys.size for p in self._table(table).parts))
+        t = self._table(table)
+        with t.write_lock:  # never counted halfway through a layout switch
+            return self._live(t)
 
     def size(self, table: str) -> int:
         """Rows of ``table`` this map holds, an attached cache's included."""

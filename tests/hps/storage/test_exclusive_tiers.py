@@ -17,7 +17,7 @@ from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.sparse_files import write_table
-from hps.storage.volatile import HashMapBackend
+from hps.storage.volatile import HashMapBackend, KeyLayout
 from hps.updates import FileLogPublisher
 from tests.hps.hps_helpers import make_table, reference_lookup
 
@@ -35,7 +35,7 @@ def _pair(
 
 
 def _stored_keys(v: HashMapBackend) -> np.ndarray:
-    return np.concatenate([p.keys for p in v._table("t").parts])
+    return np.concatenate([p.live()[0] for p in v._table("t").parts])
 
 
 def _check_held_once(v: HashMapBackend, c: EmbeddingCache, keys: np.ndarray) -> None:
@@ -61,10 +61,11 @@ def test_every_row_resident_holds_each_row_once_in_at_most_589_bytes() -> None:
     # per slot: the row, key and counter (int64), tag, mark and homed flag (one byte each)
     assert c.nbytes() == c.capacity * (row + 8 + 8 + 1 + 1 + 1)
     parts = v._table("t").parts
-    # per partition: slots (rows + an int32 free-list entry when free), and per row its int64
-    # key and int32 slot index
+    # per partition: slots (rows + an int32 free-list entry when free), and per row its key and
+    # int32 slot index: the few rows left under a tenth of the key range keep a sorted index
+    assert v.key_layout("t") is KeyLayout.SORTED_U32
     expect = sum(
-        p.rows.shape[0] * row + (p.rows.shape[0] - p.keys.size) * 4 + p.keys.size * 12
+        p.rows.shape[0] * row + (p.rows.shape[0] - p.keys.size) * 4 + p.keys.size * (4 + 4)
         for p in parts
     )
     assert v.nbytes("t") == expect

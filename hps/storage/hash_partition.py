@@ -1,0 +1,263 @@
+"""One partition of the in-process hash map: a pool of row slots and the key index over it.
+
+A partition holds rows of its table's format (``row_bytes`` each) in a pool of slots, and a
+key index saying which slot holds each key. The index has one of three layouts
+(:class:`KeyLayout`), chosen per table by :class:`~hps.storage.volatile.HashMapBackend`; the
+pool is the same in all three::
+
+    keys held: 3, 7, 42 (all in this partition), their rows in slots 1, 0, 2
+
+    DIRECT      index = [S, S, S, 1, S, S, S, 0, S, ..., S, 2]   (bound,) uint32, one entry
+                per key in [0, bound), S = 2**32 - 1 for "absent"; one array shared by the
+                table's partitions (each reads and writes only its own keys' entries)
+                lookup = index[q]                                4 B × bound for the table
+    SORTED_U32  keys  = [3, 7, 42]  sorted (m,) uint32              lookup = searchsorted
+                slots = [1, 0, 2]   (m,) int32                      8 B per row
+    SORTED_I64  keys  = [3, 7, 42]  sorted (m,) int64               any int64 key
+                slots = [1, 0, 2]   (m,) int32                      12 B per row
+
+    rows  = [[row of 7], [row of 3], [row of 42], <free>]  (capacity, row_bytes) uint8
+    free  = [3]                     free slots, a stack, (f,) int32
+    uses  = [ 5, 1, 2, -]           reads per slot               (evict_least_used only)
+    stamp = [90, 12, 40, -]         clock of the last read/write (evict_oldest only)
+
+A sorted partition keeps uint32 keys while every key it holds is in ``[0, 2**32)`` and widens
+them to int64 (itself alone) when a key outside arrives. Every layout enumerates its keys in
+ascending order (:meth:`Partition.live`), assigns new keys slots in ascending key order and
+frees slots in the order asked, so the slots, the pool and the rows each eviction picks are
+the same in every layout: only the index differs.
+
+The pool grows by a quarter (at least 64 slots) when it is full and is compacted (live rows
+copied to the front in key order, ``capacity = live × 9/8``) when more than half of the live
+rows' count is free: its slack stays under half the live rows.
+
+Callers hold :attr:`Partition.lock` around every method; replacing :attr:`Partition.direct`
+(the table switching layouts) needs every partition's lock of the table.
+"""
+
+from __future__ import annotations
+
+import threading
+from enum import StrEnum
+
+import numpy as np
+
+from hps.types import mix64
+
+ABSENT = np.uint32(2**32 - 1)  # a direct index's entry for a key the map does not hold
+KEY_LIMIT = 2**32  # uint32 keys (and a direct index's bound) are below this
+_MIN_GROWTH = 64  # slots a pool grows by at least (and the slack a compaction leaves alone)
+
+
+class KeyLayout(StrEnum):
+    """How a table's key index of the hash map is laid out (see the module docstring)."""
+
+    DIRECT = "direct"  # uint32 slot per key in [0, bound)
+    SORTED_U32 = "sorted_u32"  # sorted uint32 keys + int32 slots
+    SORTED_I64 = "sorted_i64"  # sorted int64 keys + int32 slots
+
+
+def partition_of(keys: np.ndarray, num_partitions: int) -> np.ndarray:
+    """``(n,) int64`` keys → ``(n,) int64`` partition ids in ``[0, num_partitions)``."""
+    return (mix64(keys) % np.uint64(num_partitions)).astype(np.int64)
+
+
+def split_by_partition(keys: np.ndarray, num_partitions: int) -> list[tuple[int, np.ndarray]]:
+    """Group positions of ``keys`` by partition: ``[(partition, positions (k,) int64), ...]``."""
+    part = partition_of(keys, num_partitions)
+    order = np.argsort(part, kind="stable")
+    bounds = np.searchsorted(part[order], np.arange(num_partitions + 1))
+    return [
+        (p, order[bounds[p] : bounds[p + 1]])
+        for p in range(num_partitions)
+        if bounds[p + 1] > bounds[p]
+    ]
+
+
+class Partition:
+    """Partition ``index`` of ``num_partitions`` of a table: its pool and key index.
+
+    Args:
+        row_bytes: bytes of one stored row.
+        uses: keep a read count per slot (``evict_least_used``).
+        stamps: keep a clock per slot (``evict_oldest``).
+        index: this partition's number, ``[0, num_partitions)``.
+        num_partitions: partitions of the table (a direct index is shared by all).
+        key_dtype: ``np.uint32`` or ``np.int64``, the sorted keys' dtype while empty.
+    """
+
+    def __init__(
+        self,
+        row_bytes: int,
+        uses: bool,
+        stamps: bool,
+        index: int,
+        num_partitions: int,
+        key_dtype: type[np.generic],
+    ) -> None:
+        self.lock = threading.Lock()
+        self.index, self.num_partitions = index, num_partitions
+        self.direct: np.ndarray | None = None  # the table's (bound,) uint32 index when DIRECT
+        self.n_direct = 0  # keys held through the direct index
+        self.keys = np.zeros(0, key_dtype)  # sorted; empty while DIRECT
+        self.slots = np.zeros(0, np.int32)  # a partition holds < 2**31 rows
+        self.rows = np.zeros((0, row_bytes), np.uint8)
+        self.uses = np.zeros(0, np.int64) if uses else None
+        self.stamp = np.zeros(0, np.int64) if stamps else None
+        self.free = np.zeros(0, np.int32)  # a stack
+
+    @property
+    def size(self) -> int:
+        """Keys this partition holds."""
+        return self.n_direct if self.direct is not None else int(self.keys.size)
+
+    def find(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``q (k,) int64`` → ``(found (k,) bool, slot of each found key (f,) int64)``."""
+        d = self.direct
+        if d is not None:
+            inside = (q >= 0) & (q < d.size)
+            if inside.all():
+                s = d[q]
+            else:
+                s = np.full(q.size, ABSENT, np.uint32)
+                s[inside] = d[q[inside]]
+            found = s != ABSENT
+            return found, s[found].astype(np.int64)
+        m = self.keys.size
+        if m == 0:
+            return np.zeros(q.size, bool), np.zeros(0, np.int64)
+        if self.keys.dtype == np.uint32:  # compare as uint32: never widen the whole index
+            qq = q.astype(np.uint32)  # keys outside [0, 2**32) wrap: dropped below
+            pos = np.minimum(np.searchsorted(self.keys, qq), m - 1)
+            found = (self.keys[pos] == qq) & (q >= 0) & (q < KEY_LIMIT)
+        else:
+            pos = np.minimum(np.searchsorted(self.keys, q), m - 1)
+            found = self.keys[pos] == q
+        return found, self.slots[pos[found]].astype(np.int64)
+
+    def live(self) -> tuple[np.ndarray, np.ndarray]:
+        """``(keys (m,) ascending, their slots (m,))`` of every key held: the sorted index's
+        own arrays, or for a direct index a scan of it (O(bound), for evictions and
+        compactions only)."""
+        d = self.direct
+        if d is None:
+            return self.keys, self.slots
+        k = np.flatnonzero(d != ABSENT)
+        if self.num_partitions > 1:
+            k = k[partition_of(k, self.num_partitions) == self.index]
+        return k, d[k].astype(np.int64)
+
+    def add(self, nk: np.ndarray, ns: np.ndarray) -> None:
+        """Index new keys ``nk (k,) int64`` (ascending, none held; inside the direct index's
+        bound when DIRECT) in slots ``ns (k,) int32``."""
+        if self.direct is not None:
+            self.direct[nk] = ns
+            self.n_direct += int(nk.size)
+            return
+        if self.keys.dtype == np.uint32 and nk.size and (nk[0] < 0 or nk[-1] >= KEY_LIMIT):
+            self.keys = self.keys.astype(np.int64)
+        kk = nk.astype(self.keys.dtype)
+        pos = np.searchsorted(self.keys, kk)
+        self.keys = np.insert(self.keys, pos, kk)
+        self.slots = np.insert(self.slots, pos, ns)
+
+    def narrow(self) -> None:
+        """Store sorted int64 keys as uint32 when every one is in ``[0, 2**32)``."""
+        k = self.keys
+        if k.dtype == np.int64 and (k.size == 0 or (k[0] >= 0 and k[-1] < KEY_LIMIT)):
+            self.keys = k.astype(np.uint32)
+
+    def touch(self, slots: np.ndarray, now: int, read: bool) -> None:
+        """Count a read (``uses``) and stamp ``now`` (``stamp``) where the policy keeps them."""
+        if read and self.uses is not None:
+            self.uses[slots] += 1
+        if self.stamp is not None:
+            self.stamp[slots] = now
+
+    def allocate(self, n: int) -> np.ndarray:
+        """Take ``n`` free slots, ``(n,) int32``, growing the pool when too few are free."""
+        if self.free.size < n:
+            cap = self.rows.shape[0]
+            new_cap = max(cap + n - self.free.size, cap + max(cap // 4, _MIN_GROWTH))
+            if new_cap >= 2**31:
+                raise ValueError(
+                    f"a volatile db partition would hold {new_cap} rows, at most {2**31 - 1}: "
+                    "raise num_partitions"
+                )
+            grow = new_cap - cap
+            self.rows = np.concatenate([self.rows, np.zeros((grow, self.rows.shape[1]), np.uint8)])
+            if self.uses is not None:
+                self.uses = np.concatenate([self.uses, np.zeros(grow, np.int64)])
+            if self.stamp is not None:
+                self.stamp = np.concatenate([self.stamp, np.zeros(grow, np.int64)])
+            self.free = np.concatenate(
+                [np.arange(new_cap - 1, cap - 1, -1, dtype=np.int32), self.free]
+            )
+        out = self.free[self.free.size - n :]
+        self.free = self.free[: self.free.size - n]
+        return out
+
+    def remove_positions(
+        self, pos: np.ndarray, live: tuple[np.ndarray, np.ndarray] | None = None
+    ) -> None:
+        """Drop the keys at positions ``pos (r,)`` (unique) of :meth:`live`'s order (``live``:
+        its answer, when the caller has it); their slots are freed in ``pos`` order."""
+        if self.direct is not None:
+            keys, slots = live if live is not None else self.live()
+            self._drop_direct(keys[pos], slots[pos])
+            return
+        self.free = np.concatenate([self.free, self.slots[pos]])
+        keep = np.ones(self.keys.size, bool)
+        keep[pos] = False
+        self.keys, self.slots = self.keys[keep], self.slots[keep]
+        self._maybe_compact()
+
+    def remove_keys(self, keys: np.ndarray) -> None:
+        """Drop held keys ``keys (r,) int64`` (ascending, unique); slots freed in that order."""
+        if self.direct is not None:
+            self._drop_direct(keys, self.direct[keys].astype(np.int64))
+            return
+        self.remove_positions(np.searchsorted(self.keys, keys.astype(self.keys.dtype)))
+
+    def _drop_direct(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        assert self.direct is not None  # the caller's layout
+        self.direct[keys] = ABSENT
+        self.n_direct -= int(keys.size)
+        self.free = np.concatenate([self.free, slots.astype(np.int32)])
+        self._maybe_compact()
+
+    def trim(self) -> None:
+        """Compact to a pool of exactly the rows held (no free slot) if any slot is free."""
+        if self.free.size:
+            self._compact(self.size)
+
+    def _maybe_compact(self) -> None:
+        live = self.size
+        if self.free.size > max(_MIN_GROWTH, live // 2):
+            self._compact(live + live // 8)
+
+    def _compact(self, capacity: int) -> None:
+        """Copy the live rows to slots ``0..live-1`` (key order) of a pool of ``capacity``."""
+        keys, slots = self.live()
+        live = int(keys.size)
+        rows = np.zeros((capacity, self.rows.shape[1]), np.uint8)
+        rows[:live] = self.rows[slots]
+        self.rows = rows
+        for name in ("uses", "stamp"):
+            old = getattr(self, name)
+            if old is not None:
+                new = np.zeros(capacity, np.int64)
+                new[:live] = old[slots]
+                setattr(self, name, new)
+        if self.direct is not None:
+            self.direct[keys] = np.arange(live, dtype=np.uint32)
+        else:
+            self.slots = np.arange(live, dtype=np.int32)
+        self.free = np.arange(capacity - 1, live - 1, -1, dtype=np.int32)
+
+    def nbytes(self) -> int:
+        """Bytes of the pool, its free list, use counts or stamps, and the sorted index (a
+        direct index is the table's: :meth:`HashMapBackend.nbytes` counts it once)."""
+        arrays: list[np.ndarray] = [self.rows, self.free, self.keys, self.slots]
+        arrays += [a for a in (self.uses, self.stamp) if a is not None]
+        return sum(int(a.nbytes) for a in arrays)

@@ -392,6 +392,7 @@ def run_concurrency(
             threads=len(os.sched_getaffinity(0)),
             limit_runs=10 if name == "tiny" else 3,
             on_row=on_row,
+            distinct=args.conc_requests,
         )
     finally:
         for s in servers.values():
@@ -422,6 +423,12 @@ def main(argv: list[str] | None = None) -> None:
         "--merged-batch", type=int, default=2048, help="the server's max_batch_size per execution"
     )
     p.add_argument(
+        "--conc-requests",
+        type=int,
+        default=8,
+        help="distinct requests each concurrency cell cycles through (1: every key stays cached)",
+    )
+    p.add_argument(
         "--servers",
         default="auto/auto",
         help="concurrency: the servers compared cell by cell, PARSER/LOOP each "
@@ -434,7 +441,15 @@ def main(argv: list[str] | None = None) -> None:
     bad = sorted(set(only) - set(SECTIONS))
     if bad:
         p.error(f"--only: unknown sections {bad}; expected a subset of {list(SECTIONS)}")
-    for name in ("requests", "clients", "pruned_batch", "threads", "grpc_batch", "grpc_requests"):
+    for name in (
+        "requests",
+        "clients",
+        "pruned_batch",
+        "threads",
+        "grpc_batch",
+        "grpc_requests",
+        "conc_requests",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     try:

@@ -262,16 +262,20 @@ def bench_concurrency(
     threads: int,
     limit_runs: int = 10,
     on_row: Callable[[dict[str, Any]], None] | None = None,
+    distinct: int = 8,
 ) -> list[dict[str, Any]]:
     """Every ``clients × batches × protocol`` cell of model ``name`` on each of ``servers``
     (variant name → a running ``bench_server.Served``; the variants of a cell run one after
     the other, in turn first), with the in-process limit at each batch and at 256 measured
-    right before the cell; ``on_row`` sees each row as it is measured."""
+    right before the cell; ``on_row`` sees each row as it is measured. The clients cycle
+    through ``distinct`` requests of random keys (1: the same keys every time, which the
+    cache holds after the first: the server without the cache's misses; each row's
+    ``cache_hit_rate`` says)."""
     reps = limit_runs
     rows = []
     names = list(servers)
     for b in batches:
-        reqs = [request_fn(model, b, seed=10_000 + b * 10 + i) for i in range(8)]
+        reqs = [request_fn(model, b, seed=10_000 + b * 10 + i) for i in range(distinct)]
         first = servers[names[0]].servable
         wants = [first.infer(r)["logits"] for r in reqs]
         for cell_no, (c, proto) in enumerate((c, p) for c in clients for p in PROTOCOLS):
@@ -338,6 +342,7 @@ def bench_concurrency(
                     "load_avg_1m": os.getloadavg()[0],
                     "max_queue_delay_us": served.srv.batchers["dlrm"].cfg.max_queue_delay_us,
                     "merged_max_batch": served.srv.batchers["dlrm"].cfg.max_batch_size,
+                    "distinct_requests": distinct,
                 }
                 rows.append(row)
                 if on_row is not None:

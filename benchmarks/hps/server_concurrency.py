@@ -276,8 +276,12 @@ def bench_concurrency(
     names = list(servers)
     for b in batches:
         reqs = [request_fn(model, b, seed=10_000 + b * 10 + i) for i in range(distinct)]
-        first = servers[names[0]].servable
-        wants = [first.infer(r)["logits"] for r in reqs]
+        wants = [servers[names[0]].servable.infer(r)["logits"] for r in reqs]
+        for variant in names[1:]:  # each server's cache sees the keys once, as the first's did
+            for r, want in zip(reqs, wants, strict=True):
+                got = servers[variant].servable.infer(r)["logits"]
+                if not np.array_equal(got, want):
+                    raise AssertionError(f"server {variant} scores a request differently")
         for cell_no, (c, proto) in enumerate((c, p) for c in clients for p in PROTOCOLS):
             # the limit measured right before each cell: the host's load drifts
             limits = {x: fused_limit(model, onnx_path, x, threads, reps) for x in {b, 256}}

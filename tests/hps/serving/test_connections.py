@@ -1,6 +1,7 @@
 """Connection handling (:mod:`hps.serving.connections`): stalled sockets are closed at their
 receipt deadline and do not count against the requests being processed; open connections are
-bounded on their own; the knobs are validated."""
+bounded on their own — with the httptools parser and with h11; the parser and event loop
+chosen (auto: httptools on uvloop) and their logged fallback; the knobs are validated."""
 
 from __future__ import annotations
 

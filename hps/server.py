@@ -14,6 +14,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from hps.parameter_server import HierarchicalParameterServer
+from hps.serving.connections import EventLoop, HttpParser
 from hps.serving.http_server import (
     MAX_CONNECTIONS,
     MAX_QUEUED,
@@ -112,6 +113,16 @@ class ServerKnobs:
         "largest JSON part of a request (binary tensors do not count)",
         parse=float,
     )
+    http: HttpParser = knob(
+        _DEFAULTS.http,
+        "HTTP/1.1 parser: httptools (C) or h11 (pure Python); auto: httptools when installed "
+        "(a missing one falls back to h11, logged)",
+    )
+    loop: EventLoop = knob(
+        _DEFAULTS.loop,
+        "event loop of the HTTP server: uvloop or asyncio; auto: uvloop when installed (a "
+        "missing one falls back to asyncio, logged)",
+    )
     log_level: str = knob("info", "logging level", parse=str.lower, choices=LOG_LEVELS)
 
     def server_config(self) -> ServerConfig:
@@ -133,6 +144,8 @@ class ServerKnobs:
             max_connections=self.max_connections,
             header_timeout_s=self.header_timeout_s,
             body_timeout_s=self.body_timeout_s,
+            http=self.http,
+            loop=self.loop,
         )
 
 

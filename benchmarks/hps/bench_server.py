@@ -52,7 +52,7 @@ from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import get_workload
 from export.artifacts import write_serving_artifacts
 from hps.parameter_server import HierarchicalParameterServer
-from hps.serving import InferenceServer, ServerConfig
+from hps.serving import EventLoop, HttpParser, InferenceServer, ServerConfig
 from tilesparse import TileSparseConfig, prune_
 
 log = logging.getLogger("bench_server")
@@ -99,6 +99,8 @@ class Served:
         workers: int = 2,
         merged_batch: int = 0,
         queue_delay_us: int = 100,
+        http: HttpParser = HttpParser.AUTO,
+        loop: EventLoop = EventLoop.AUTO,
     ) -> None:
         write_serving_artifacts(
             model, folder, max_batch_size=max_batch, cache_fraction=1.0, overwrite=True
@@ -111,6 +113,8 @@ class Served:
             ort_threads=threads,
             max_batch_size=merged_batch,
             max_queue_delay_us=queue_delay_us,
+            http=http,
+            loop=loop,
         )
         self.srv = InferenceServer(self.ps, cfg).start()
         self.servable = self.srv.servables["dlrm"]
@@ -340,33 +344,59 @@ def bench_pruned(tmp: Path, batch: int, threads: int, n: int) -> list[dict[str, 
     return rows
 
 
-def run_concurrency(name: str, folder: Path, args: argparse.Namespace) -> list[dict[str, Any]]:
-    """The ``concurrency`` section for workload ``name`` (``dlrm_dcnv2`` scaled ÷ 1000)."""
+def parse_servers(text: str) -> list[tuple[HttpParser, EventLoop]]:
+    """``--servers``: comma-separated ``PARSER/LOOP`` pairs (``h11/asyncio,auto/auto``)."""
+    out = []
+    for item in text.split(","):
+        parser, _, loop = item.strip().partition("/")
+        try:
+            out.append((HttpParser(parser), EventLoop(loop or "auto")))
+        except ValueError:
+            raise ValueError(
+                f"--servers: {item!r} is not PARSER/LOOP with PARSER one of "
+                f"{[p.value for p in HttpParser]} and LOOP one of {[v.value for v in EventLoop]}"
+            ) from None
+    return out
+
+
+def run_concurrency(
+    name: str, folder: Path, args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None]
+) -> list[dict[str, Any]]:
+    """The ``concurrency`` section for workload ``name`` (``dlrm_dcnv2`` scaled ÷ 1000): one
+    server per ``--servers`` variant, the variants of each cell run one after the other."""
     w = get_workload(name)
     model = build_model(w.scaled(1000) if name == "dlrm_dcnv2" else w, seed=0).eval()
-    served = Served(
-        model,
-        folder,
-        threads=0,
-        max_batch=max(args.merged_batch, 256),
-        merged_batch=args.merged_batch,
-        queue_delay_us=args.queue_delay_us,
-    )
+    servers: dict[str, Served] = {}
     try:
+        for k, (parser, loop) in enumerate(parse_servers(args.servers)):
+            s = Served(
+                model,
+                folder / f"server{k}",
+                threads=0,
+                max_batch=max(args.merged_batch, 256),
+                merged_batch=args.merged_batch,
+                queue_delay_us=args.queue_delay_us,
+                http=parser,
+                loop=loop,
+            )
+            servers[f"{s.srv.http_parser.value}/{s.srv.event_loop.value}"] = s
         return bench_concurrency(
             name if name != "dlrm_dcnv2" else "dlrm_dcnv2/1000",
             model,
-            served,
-            str(folder / "dense.onnx"),
+            servers,
+            str(folder / "server0" / "dense.onnx"),
             request,
             tuple(int(c) for c in args.conc_clients.split(",")),
             tuple(int(b) for b in args.conc_batches.split(",")),
             args.conc_seconds,
             threads=len(os.sched_getaffinity(0)),
             limit_runs=10 if name == "tiny" else 3,
+            on_row=on_row,
+            distinct=args.conc_requests,
         )
     finally:
-        served.close()
+        for s in servers.values():
+            s.close()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -392,6 +422,18 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--merged-batch", type=int, default=2048, help="the server's max_batch_size per execution"
     )
+    p.add_argument(
+        "--conc-requests",
+        type=int,
+        default=8,
+        help="distinct requests each concurrency cell cycles through (1: every key stays cached)",
+    )
+    p.add_argument(
+        "--servers",
+        default="auto/auto",
+        help="concurrency: the servers compared cell by cell, PARSER/LOOP each "
+        "(e.g. h11/asyncio,httptools/uvloop; auto: the fastest installed)",
+    )
     p.add_argument("--out", default=str(RESULTS_DIR / "hps_server.json"))
     args = p.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
@@ -399,9 +441,22 @@ def main(argv: list[str] | None = None) -> None:
     bad = sorted(set(only) - set(SECTIONS))
     if bad:
         p.error(f"--only: unknown sections {bad}; expected a subset of {list(SECTIONS)}")
-    for name in ("requests", "clients", "pruned_batch", "threads", "grpc_batch", "grpc_requests"):
+    for name in (
+        "requests",
+        "clients",
+        "pruned_batch",
+        "threads",
+        "grpc_batch",
+        "grpc_requests",
+        "conc_requests",
+    ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    try:
+        parse_servers(args.servers)
+    except ValueError as e:
+        p.error(str(e))
+    meta_args = {k: str(v) for k, v in vars(args).items()}
     batches = [int(b) for b in args.batches.split(",")]
     torch.set_num_threads(args.threads)
     rows: list[dict[str, Any]] = []
@@ -424,9 +479,15 @@ def main(argv: list[str] | None = None) -> None:
                 Path(tmp), args.pruned_batch, args.threads, max(5, args.requests // 3)
             )
         if "concurrency" in only:
+            done = list(rows)
+
+            def on_row(row: dict[str, Any]) -> None:  # a run stopped early keeps its cells
+                done.append(row)
+                write_json(args.out, done, args=meta_args, partial=True)
+
             for name in args.conc_models.split(","):
-                rows += run_concurrency(name, Path(tmp) / f"conc_{name}", args)
-    path = write_json(args.out, rows, args={k: str(v) for k, v in vars(args).items()})
+                rows += run_concurrency(name, Path(tmp) / f"conc_{name}", args, on_row)
+    path = write_json(args.out, rows, args=meta_args)
     log.info("wrote %s", path)
 
 

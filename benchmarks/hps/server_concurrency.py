@@ -22,6 +22,7 @@ import resource
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
@@ -252,7 +253,7 @@ def _cache_hits(served: Any) -> tuple[int, int]:
 def bench_concurrency(
     name: str,
     model: DLRM,
-    served: Any,
+    servers: dict[str, Any],
     onnx_path: str,
     request_fn: Any,
     clients: tuple[int, ...],
@@ -260,23 +261,38 @@ def bench_concurrency(
     seconds: float,
     threads: int,
     limit_runs: int = 10,
+    on_row: Callable[[dict[str, Any]], None] | None = None,
+    distinct: int = 8,
 ) -> list[dict[str, Any]]:
-    """Every ``clients × batches × protocol`` cell of model ``name`` (``served`` a running
-    ``bench_server.Served``), with the in-process limit at each batch and at 256."""
+    """Every ``clients × batches × protocol`` cell of model ``name`` on each of ``servers``
+    (variant name → a running ``bench_server.Served``; the variants of a cell run one after
+    the other, in turn first), with the in-process limit at each batch and at 256 measured
+    right before the cell; ``on_row`` sees each row as it is measured. The clients cycle
+    through ``distinct`` requests of random keys (1: the same keys every time, which the
+    cache holds after the first: the server without the cache's misses; each row's
+    ``cache_hit_rate`` says)."""
     reps = limit_runs
     rows = []
-    addr = {"http": served.srv.address, "grpc": str(served.srv.grpc_address)}
+    names = list(servers)
     for b in batches:
-        reqs = [request_fn(model, b, seed=10_000 + b * 10 + i) for i in range(8)]
-        wants = [served.servable.infer(r)["logits"] for r in reqs]
-        for c in clients:
-            for proto in PROTOCOLS:
-                # the limit measured right before each cell: the host's load drifts
-                limits = {x: fused_limit(model, onnx_path, x, threads, reps) for x in {b, 256}}
+        reqs = [request_fn(model, b, seed=10_000 + b * 10 + i) for i in range(distinct)]
+        wants = [servers[names[0]].servable.infer(r)["logits"] for r in reqs]
+        for variant in names[1:]:  # each server's cache sees the keys once, as the first's did
+            for r, want in zip(reqs, wants, strict=True):
+                got = servers[variant].servable.infer(r)["logits"]
+                if not np.array_equal(got, want):
+                    raise AssertionError(f"server {variant} scores a request differently")
+        for cell_no, (c, proto) in enumerate((c, p) for c in clients for p in PROTOCOLS):
+            # the limit measured right before each cell: the host's load drifts
+            limits = {x: fused_limit(model, onnx_path, x, threads, reps) for x in {b, 256}}
+            shift = cell_no % len(names)
+            for variant in names[shift:] + names[:shift]:
+                served = servers[variant]
+                addr = served.srv.address if proto == "http" else str(served.srv.grpc_address)
                 before = served.stats()
                 hits0 = _cache_hits(served)
                 cpu0 = thread_cpu_s()
-                cell = run_cell(addr[proto], proto, c, reqs, wants, seconds)
+                cell = run_cell(addr, proto, c, reqs, wants, seconds)
                 cpu1 = thread_cpu_s()
                 after = served.stats()
                 execs = after["execution_count"] - before["execution_count"]
@@ -299,6 +315,7 @@ def bench_concurrency(
                     "bench": "concurrency",
                     "model": name,
                     "protocol": proto,
+                    "server": variant,
                     "clients": c,
                     "batch": b,
                     **cell,
@@ -329,13 +346,17 @@ def bench_concurrency(
                     "load_avg_1m": os.getloadavg()[0],
                     "max_queue_delay_us": served.srv.batchers["dlrm"].cfg.max_queue_delay_us,
                     "merged_max_batch": served.srv.batchers["dlrm"].cfg.max_batch_size,
+                    "distinct_requests": distinct,
                 }
                 rows.append(row)
+                if on_row is not None:
+                    on_row(row)
                 log.info(
-                    "%s %s %2d clients × B=%-3d: %8.0f samples/s (limit@256 %.0f: %.3fx), p50 %.1f "
+                    "%s %s %s %2d clients × B=%-3d: %8.0f samples/s (limit@256 %.0f: %.3fx), p50 %.1f "
                     "ms, p99 %.1f ms (bound %.1f), mean batch %.1f (%.2f ms), server CPU/request %s µs, "
                     "client %.0f µs, %d errors, %d wrong, load %.1f",
                     name,
+                    variant,
                     proto,
                     c,
                     b,

@@ -7,7 +7,7 @@ over HTTP and gRPC (``tritonclient.http`` and ``tritonclient.grpc`` work unchang
 - :mod:`hps.serving.http_server`: the HTTP application and the server
   (``python -m hps.server``, whose argument parsing lives in :mod:`hps.server`).
 - :mod:`hps.serving.connections`: below the application, per connection: the deadlines for
-  receiving a request and the bound on open connections.
+  receiving a request and the bound on open connections; the HTTP parser and event loop.
 - :mod:`hps.serving.grpc_server`: the gRPC server (``--grpc-port``), with
   :mod:`hps.serving.grpc_protocol` (its messages ↔ tensors) and :mod:`hps.serving.protos` (the
   compiled ``.proto`` files).
@@ -17,6 +17,7 @@ over HTTP and gRPC (``tritonclient.http`` and ``tritonclient.grpc`` work unchang
     ...     client = tritonclient.grpc.InferenceServerClient(srv.grpc_address)
 """
 
+from hps.serving.connections import EventLoop, HttpParser
 from hps.serving.grpc_protocol import encode_grpc_response, parse_grpc_request
 from hps.serving.grpc_server import GrpcServer
 from hps.serving.http_server import (
@@ -36,7 +37,9 @@ from hps.serving.v2_protocol import (
 
 __all__ = [
     "DLRMServable",
+    "EventLoop",
     "GrpcServer",
+    "HttpParser",
     "InferRequest",
     "InferenceServer",
     "InputError",

@@ -2,15 +2,22 @@
 waiting at the same time are merged into one execution (one lookup per table, one dense
 onnxruntime run), and each request gets exactly its own rows back.
 
-One inference thread per model owns the executions; the protocol servers parse requests on
-their own threads (HTTP: the event loop), check them (:meth:`DLRMServable.check`), hand them
-to :meth:`DynamicBatcher.submit` and encode the answer when its future resolves. A batch is
-closed when the next waiting request would take it past ``max_batch_size`` samples, or when
-``max_queue_delay_us`` has passed since its oldest request arrived with nothing more waiting::
+One inference thread per model owns the executions; the protocol servers announce each
+request when they start reading it (:meth:`DynamicBatcher.arrival`), parse it on their own
+threads (HTTP: the event loop), check it (:meth:`DLRMServable.check`), hand it over
+(:meth:`Arrival.submit`) and encode the answer when its future resolves. A batch is closed
+when the next waiting request would take it past ``max_batch_size`` samples; or when nothing
+more is waiting and no announced request is still being read, since waiting could not grow
+it then (a lone request runs at once, as Triton's batcher dispatches when its queue cannot
+grow); or when ``max_queue_delay_us`` has passed since its oldest request arrived. Requests
+that queue while an execution runs form the next batch whatever the delay::
 
     arrivals     r1 (B=16)  r2 (B=16)      r3 (B=250)
     queue        [r1, r2] ─────────────── r3 waits: 16 + 16 + 250 > max_batch_size 256
     execution    rows 0..15 → r1, rows 16..31 → r2     then r3 alone (or with later ones)
+
+    lone request r4, nothing announced      → runs at once (no queue delay)
+    r5 submitted while r6 is being parsed   → waits for r6 (at most max_queue_delay_us)
 
 Merging is exact: the merged run's rows are bit-equal to running each request alone
 (onnxruntime's CPU kernels compute each output row with the same reduction order whatever
@@ -43,6 +50,7 @@ log = logging.getLogger(__name__)
 
 __all__ = [
     "MAX_QUEUE_DELAY_US",
+    "Arrival",
     "BatchedResult",
     "BatchingConfig",
     "DynamicBatcher",
@@ -61,8 +69,9 @@ class BatchingConfig:
         max_batch_size: most samples of one execution (≥ 1, at most the model's
             ``max_batch_size`` of ``ps.json``, which bounds a lookup's keys); a request of more
             samples than this (but within the model's limit) runs alone.
-        max_queue_delay_us: how long the oldest waiting request may wait for others to join
-            its batch (0: merge only what is waiting already, never wait).
+        max_queue_delay_us: how long the oldest waiting request may wait for requests still
+            being read (announced: :meth:`DynamicBatcher.arrival`) to join its batch (0: merge
+            only what is waiting already, never wait).
 
     Raises:
         ValueError: naming the knob, for a value outside its range.
@@ -103,6 +112,44 @@ class _Pending:
     samples: int
     submitted_ns: int
     future: Future[BatchedResult]
+
+
+class Arrival:
+    """A request announced to its model's batcher (:meth:`DynamicBatcher.arrival`) while the
+    server reads and parses it: the batch it may join waits for it (at most
+    ``max_queue_delay_us``). Use it as a context manager: leaving it unsubmitted (a request
+    that failed to parse) withdraws the announcement.
+
+    >>> with batcher.arrival() as a:                               # doctest: +SKIP
+    ...     fut = a.submit(servable.check(parse(body)))
+    """
+
+    def __init__(self, batcher: DynamicBatcher) -> None:
+        self._batcher = batcher
+        self._open = True
+
+    def submit(self, inputs: CheckedInputs) -> Future[BatchedResult]:
+        """Queue the request (see :meth:`DynamicBatcher.submit`); the announcement ends.
+
+        Raises:
+            RuntimeError: submitted twice, or the batcher is closed.
+        """
+        if not self._open:
+            raise RuntimeError("this arrival was already submitted or withdrawn")
+        self._open = False
+        return self._batcher._enqueue(inputs, arrived=True)
+
+    def withdraw(self) -> None:
+        """End the announcement without a request (nothing happens if it already ended)."""
+        if self._open:
+            self._open = False
+            self._batcher._withdraw()
+
+    def __enter__(self) -> Arrival:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.withdraw()
 
 
 def merge_requests(servable: DLRMServable, requests: Sequence[CheckedInputs]) -> CheckedInputs:
@@ -163,6 +210,7 @@ class DynamicBatcher:
             )
         self.servable, self.cfg, self.counts = servable, cfg, counts
         self._queue: deque[_Pending] = deque()
+        self._arriving = 0  # announced requests not yet submitted (Arrival)
         self._cond = threading.Condition()
         self._closed = False
         self._torch_threads = torch_threads
@@ -171,21 +219,47 @@ class DynamicBatcher:
         )
         self._thread.start()
 
-    def submit(self, inputs: CheckedInputs) -> Future[BatchedResult]:
-        """Queue one request (inputs checked by :meth:`DLRMServable.check`); its future
-        resolves to its :class:`BatchedResult`, or to the exception that failed it.
+    def arrival(self) -> Arrival:
+        """Announce a request the caller is reading: until it is submitted or withdrawn, a
+        batch it could join waits for it (at most ``max_queue_delay_us``).
 
         Raises:
             RuntimeError: the batcher is closed.
         """
+        with self._cond:
+            self._check_open()
+            self._arriving += 1
+        return Arrival(self)
+
+    def submit(self, inputs: CheckedInputs) -> Future[BatchedResult]:
+        """Queue one request (inputs checked by :meth:`DLRMServable.check`); its future
+        resolves to its :class:`BatchedResult`, or to the exception that failed it. With
+        nothing else queued or announced it runs at once.
+
+        Raises:
+            RuntimeError: the batcher is closed.
+        """
+        return self._enqueue(inputs, arrived=False)
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise RuntimeError(f"model {self.servable.name!r}: the server is shutting down")
+
+    def _enqueue(self, inputs: CheckedInputs, arrived: bool) -> Future[BatchedResult]:
         fut: Future[BatchedResult] = Future()
         item = _Pending(inputs, int(inputs["dense"].shape[0]), time.perf_counter_ns(), fut)
         with self._cond:
-            if self._closed:
-                raise RuntimeError(f"model {self.servable.name!r}: the server is shutting down")
+            if arrived:
+                self._arriving -= 1
+            self._check_open()
             self._queue.append(item)
             self._cond.notify()
         return fut
+
+    def _withdraw(self) -> None:
+        with self._cond:
+            self._arriving -= 1
+            self._cond.notify()  # the batch waiting for it may close now
 
     def close(self, timeout_s: float = 10.0) -> None:
         """Run what is queued, then stop the inference thread (at most ``timeout_s``)."""
@@ -222,8 +296,10 @@ class DynamicBatcher:
                     batch.append(self._queue.popleft())
                     samples += nxt.samples
                     continue
+                if not self._arriving or self._closed:
+                    break  # nothing is on its way: waiting cannot grow this batch
                 wait_ns = deadline - time.perf_counter_ns()
-                if wait_ns <= 0 or self._closed:
+                if wait_ns <= 0:
                     break
                 self._cond.wait(wait_ns / 1e9)
             return batch

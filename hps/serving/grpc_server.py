@@ -173,10 +173,12 @@ class GrpcInferenceServicer:
         t0 = time.perf_counter_ns()
         s = self._model(context, request.model_name, request.model_version)
         try:
-            req = parse_grpc_request(request)
-            inputs = s.check(req.inputs)
-            t1 = time.perf_counter_ns()
-            done = self.batchers[s.name].submit(inputs).result()
+            with self.batchers[s.name].arrival() as arrival:
+                req = parse_grpc_request(request)
+                inputs = s.check(req.inputs)
+                t1 = time.perf_counter_ns()
+                future = arrival.submit(inputs)
+            done = future.result()
             t2 = time.perf_counter_ns()
             resp = encode_grpc_response(s.name, MODEL_VERSION, done.outputs, req)
         except Exception as e:  # every failure of a request ends its call, never the server

@@ -8,7 +8,7 @@ import os
 from dataclasses import dataclass
 
 from hps.serving.batcher import MAX_QUEUE_DELAY_US, BatchingConfig
-from hps.serving.connections import ConnectionLimits
+from hps.serving.connections import ConnectionLimits, EventLoop, HttpParser
 from hps.serving.servable import DLRMServable
 
 __all__ = [
@@ -91,6 +91,11 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # connect (or last response) → request headers complete
     body_timeout_s: float = 60.0  # request headers complete → body complete
     grpc_port: int | None = None  # also serve the v2 gRPC protocol there (on host); 0: free
+    # The HTTP parser and event loop (auto: httptools and uvloop when installed, else h11 and
+    # asyncio's, logged). Tiny model, 16 HTTP clients × batch 16, 2 shared cores: the event
+    # loop's CPU per request 676 µs with h11 + asyncio, 438 µs with httptools + uvloop.
+    http: HttpParser = HttpParser.AUTO
+    loop: EventLoop = EventLoop.AUTO
 
     def __post_init__(self) -> None:
         bounds = [
@@ -111,6 +116,12 @@ class ServerConfig:
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ValueError(
                     f"ServerConfig.{f} must be an integer from {lo} to {hi}, got {v!r}"
+                )
+        for f, kind in (("http", HttpParser), ("loop", EventLoop)):
+            if not isinstance(getattr(self, f), kind):
+                raise ValueError(
+                    f"ServerConfig.{f} must be one of {[k.value for k in kind]} "
+                    f"({kind.__name__}), got {getattr(self, f)!r}"
                 )
         if self.grpc_port == self.port != 0:
             raise ValueError(

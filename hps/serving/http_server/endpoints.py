@@ -198,13 +198,13 @@ class _V2Endpoints:
                 return self._failed(name, start, _error(busy, 503))
             self.in_flight += 1
             try:
-                t0 = time.perf_counter_ns()
-                req, inputs = await self.bodies.parse(s, body, request)
-                del body
-                t1 = time.perf_counter_ns()
-                done: BatchedResult = await asyncio.wrap_future(
-                    self.batchers[s.name].submit(inputs)
-                )
+                with self.batchers[s.name].arrival() as arrival:
+                    t0 = time.perf_counter_ns()
+                    req, inputs = await self.bodies.parse(s, body, request)
+                    del body
+                    t1 = time.perf_counter_ns()
+                    future = arrival.submit(inputs)
+                done: BatchedResult = await asyncio.wrap_future(future)
                 t2 = time.perf_counter_ns()
                 out, headers = encode_infer_response(s.name, MODEL_VERSION, done.outputs, req)
             finally:

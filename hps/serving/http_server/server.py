@@ -3,6 +3,7 @@ server), serving in a background thread or until a signal, and stopping."""
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import resource
 import signal
@@ -16,7 +17,7 @@ from typing import Any
 
 from hps.parameter_server import HierarchicalParameterServer
 from hps.serving.batcher import start_batchers
-from hps.serving.connections import protocol_class
+from hps.serving.connections import EventLoop, HttpParser, pick_loop, pick_parser, protocol_class
 from hps.serving.grpc_server import GrpcServer
 from hps.serving.http_server.config import ServerConfig, available_cores
 from hps.serving.http_server.endpoints import create_app
@@ -91,12 +92,17 @@ class InferenceServer:
         except BaseException:
             self._close_batchers()
             raise
+        #: the HTTP parser and event loop in use (``cfg``'s, resolved: :func:`pick_parser`)
+        self.http_parser: HttpParser = pick_parser(self.cfg.http)
+        self.event_loop: EventLoop = pick_loop(self.cfg.loop)
+        self.http_protocol = protocol_class(self.cfg.limits(), self.http_parser)
         self._uv = uvicorn.Server(
             uvicorn.Config(
                 create_app(self.servables, self.cfg, self.counts, self.batchers),
                 log_level="warning",
                 access_log=False,
-                http=protocol_class(self.cfg.limits()),
+                http=self.http_protocol,
+                loop=self.event_loop.value,
             )
         )
         self._thread: threading.Thread | None = None
@@ -169,6 +175,11 @@ class InferenceServer:
                 raise RuntimeError(f"the v2 server on {self.address} did not start")
             time.sleep(0.01)
         return self
+
+    def running_loop(self) -> asyncio.AbstractEventLoop | None:
+        """The event loop serving HTTP (``None`` unless started)."""
+        servers = self._uv.servers if self._uv.started else []
+        return servers[0].get_loop() if servers else None
 
     def request_stop(self) -> None:
         """Ask the server to finish in-flight requests and exit (safe from a signal handler)."""

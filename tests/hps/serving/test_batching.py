@@ -64,16 +64,17 @@ def _requests(model: DLRM) -> list[Tensors]:
 
 
 def test_merged_execution_is_bit_equal_to_each_request_alone(servable, tiny) -> None:
-    """All requests queued before the inference thread may close the batch (a 1 s delay, the
-    bound their sum): one execution of every sample, and each request's rows are bit-equal to
-    running it alone."""
+    """All requests announced before the first is submitted (a 1 s delay, the bound their
+    sum): one execution of every sample, and each request's rows are bit-equal to running it
+    alone."""
     reqs = _requests(tiny)
     alone = [servable.infer(r) for r in reqs]
     counts = ModelCounts()
     total = sum(b for b, _, _ in REQUESTS)
     batcher = DynamicBatcher(servable, BatchingConfig(total, max_queue_delay_us=10**6), counts)
     try:
-        futures = [batcher.submit(servable.check(r)) for r in reqs]
+        arrivals = [batcher.arrival() for _ in reqs]
+        futures = [a.submit(servable.check(r)) for a, r in zip(arrivals, reqs, strict=True)]
         done = [f.result(timeout=60) for f in futures]
     finally:
         batcher.close()
@@ -105,7 +106,8 @@ def test_an_execution_never_exceeds_max_batch_size(servable, tiny) -> None:
     try:
         reqs = [servable.check(make_request(tiny, b, seed=i)) for i, b in enumerate([16] * 5)]
         reqs.append(servable.check(make_request(tiny, 50, seed=9)))
-        for f in [batcher.submit(r) for r in reqs]:
+        arrivals = [batcher.arrival() for _ in reqs]
+        for f in [a.submit(r) for a, r in zip(arrivals, reqs, strict=True)]:
             f.result(timeout=60)
     finally:
         batcher.close()
@@ -130,7 +132,8 @@ def test_a_failed_merged_execution_fails_only_its_culprit(servable, tiny, monkey
     total = sum(b for b, _, _ in REQUESTS)
     batcher = DynamicBatcher(servable, BatchingConfig(total, 500_000), ModelCounts())
     try:
-        futures = [batcher.submit(servable.check(r)) for r in reqs]
+        arrivals = [batcher.arrival() for _ in reqs]
+        futures = [a.submit(servable.check(r)) for a, r in zip(arrivals, reqs, strict=True)]
         with pytest.raises(RuntimeError, match="sample marked 7"):
             futures[2].result(timeout=60)
         ok = [f.result(timeout=60) for i, f in enumerate(futures) if i != 2]
@@ -140,6 +143,52 @@ def test_a_failed_merged_execution_fails_only_its_culprit(servable, tiny, monkey
     want = [real(r) for i, r in enumerate(reqs) if i != 2]
     for got, w in zip(ok, want, strict=True):
         assert np.array_equal(got.outputs["logits"], w["logits"])
+
+
+def test_a_lone_request_does_not_wait_for_the_queue_delay(servable, tiny) -> None:
+    """Nothing queued, nothing announced: waiting could not grow the batch, so the request
+    runs at once, not after the delay (1 s: a request that waited it shows queue_ns ≥ 1 s);
+    each of several lone requests is its own execution, bit-equal to running it alone."""
+    delay_us = 10**6
+    counts = ModelCounts()
+    batcher = DynamicBatcher(servable, BatchingConfig(64, max_queue_delay_us=delay_us), counts)
+    reqs = [make_request(tiny, b, seed=40 + b) for b in (1, 7, 16)]
+    try:
+        done = [batcher.submit(servable.check(r)).result(timeout=60) for r in reqs]
+    finally:
+        batcher.close()
+    assert counts.executions == 3
+    for got, r in zip(done, reqs, strict=True):
+        assert got.queue_ns < delay_us * 1000 and got.batch_size == r["dense"].shape[0]
+        assert np.array_equal(got.outputs["logits"], servable.infer(r)["logits"])
+
+
+def test_a_batch_waits_for_an_announced_request_until_it_comes_or_withdraws(servable, tiny) -> None:
+    """A request submitted while another is announced waits for it (the delay is 1 s) and
+    both run as one execution, bit-equal to each alone; an announcement withdrawn (a request
+    that failed to parse) releases the batch waiting for it."""
+    counts = ModelCounts()
+    batcher = DynamicBatcher(servable, BatchingConfig(64, max_queue_delay_us=10**6), counts)
+    a, b, c = (make_request(tiny, n, seed=50 + n) for n in (3, 5, 2))
+    try:
+        late = batcher.arrival()
+        first = batcher.submit(servable.check(a))
+        with late:
+            second = late.submit(servable.check(b))
+        merged = [first.result(timeout=60), second.result(timeout=60)]
+        failing = batcher.arrival()
+        third = batcher.submit(servable.check(c))
+        with failing:  # parsing failed: leaving the block withdraws it
+            pass
+        alone = third.result(timeout=60)
+        with pytest.raises(RuntimeError, match="already submitted or withdrawn"):
+            late.submit(servable.check(a))
+    finally:
+        batcher.close()
+    assert [r.batch_size for r in merged] == [8, 8] and alone.batch_size == 2
+    assert counts.executions == 2
+    for got, r in [*zip(merged, (a, b), strict=True), (alone, c)]:
+        assert np.array_equal(got.outputs["logits"], servable.infer(r)["logits"])
 
 
 def test_batching_config_is_refused_out_of_range(servable) -> None:

@@ -1,6 +1,7 @@
 """Connection handling (:mod:`hps.serving.connections`): stalled sockets are closed at their
 receipt deadline and do not count against the requests being processed; open connections are
-bounded on their own; the knobs are validated."""
+bounded on their own — with the httptools parser and with h11; the parser and event loop
+chosen (auto: httptools on uvloop) and their logged fallback; the knobs are validated."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ from tritonclient.utils import InferenceServerException
 
 from embark.models.dlrm import DLRM
 from hps.parameter_server import HierarchicalParameterServer
+from hps.serving.connections import EventLoop, HttpParser
 from hps.serving.http_server import InferenceServer, ServerConfig
 from tests.hps.serving.tiny_dlrm import (
     eager_logits,
@@ -33,6 +35,8 @@ from tests.hps.serving.tiny_dlrm import (
 from tests.tolerances import tol
 
 HANG_S = 30.0  # a socket still open this long after its deadline: the server never closed it
+# the limits hold whichever parser reads the requests (the serve extra installs httptools)
+PARSERS = pytest.mark.parametrize("parser", [HttpParser.HTTPTOOLS, HttpParser.H11])
 INFER_HEAD = b"POST /v2/models/tiny/infer HTTP/1.1\r\nHost: t\r\nContent-Length: 100000\r\n\r\n"
 
 
@@ -95,8 +99,9 @@ def _infer(srv: InferenceServer, model: DLRM, seed: int) -> None:
     np.testing.assert_allclose(got.as_numpy("logits"), eager_logits(model, req), **tol("served"))
 
 
-def test_idle_and_trickled_headers_are_closed_at_the_header_deadline(ps) -> None:
-    cfg = ServerConfig(port=0, header_timeout_s=0.5, body_timeout_s=HANG_S)
+@PARSERS
+def test_idle_and_trickled_headers_are_closed_at_the_header_deadline(ps, parser) -> None:
+    cfg = ServerConfig(port=0, header_timeout_s=0.5, body_timeout_s=HANG_S, http=parser)
     with InferenceServer(ps, cfg) as srv:
         t0 = time.monotonic()
         with _connect(srv) as idle, _connect(srv) as slow:
@@ -106,8 +111,11 @@ def test_idle_and_trickled_headers_are_closed_at_the_header_deadline(ps) -> None
             assert 0.5 <= _trickle_until_closed(idle, t0) < HANG_S
 
 
-def test_a_trickled_body_is_closed_at_the_body_deadline_and_fails_nothing(ps, model) -> None:
-    cfg = ServerConfig(port=0, header_timeout_s=HANG_S, body_timeout_s=0.6)
+@PARSERS
+def test_a_trickled_body_is_closed_at_the_body_deadline_and_fails_nothing(
+    ps, model, parser
+) -> None:
+    cfg = ServerConfig(port=0, header_timeout_s=HANG_S, body_timeout_s=0.6, http=parser)
     with InferenceServer(ps, cfg) as srv:
         with _connect(srv) as s:
             s.sendall(INFER_HEAD)
@@ -149,8 +157,9 @@ def test_a_request_running_past_the_deadlines_is_answered(ps, model, monkeypatch
         _infer(srv, model, seed=2)
 
 
-def test_connections_past_max_connections_get_503_and_are_closed(ps, model) -> None:
-    cfg = ServerConfig(port=0, max_connections=4)
+@PARSERS
+def test_connections_past_max_connections_get_503_and_are_closed(ps, model, parser) -> None:
+    cfg = ServerConfig(port=0, max_connections=4, http=parser)
     with InferenceServer(ps, cfg) as srv:
         held = [_connect(srv) for _ in range(4)]
         with _connect(srv) as extra:
@@ -172,10 +181,12 @@ def test_connections_past_max_connections_get_503_and_are_closed(ps, model) -> N
                 time.sleep(0.1)
 
 
-def test_stalled_sockets_do_not_count_as_requests(ps, model, monkeypatch) -> None:
+@PARSERS
+def test_stalled_sockets_do_not_count_as_requests(ps, model, monkeypatch, parser) -> None:
     """workers + max_queued = 1: twenty idle sockets leave room for a request; a request
     waiting for the busy worker is refused with a JSON 503 naming the limits."""
-    with InferenceServer(ps, ServerConfig(port=0, workers=1, max_queued=0)) as srv:
+    cfg = ServerConfig(port=0, workers=1, max_queued=0, http=parser)
+    with InferenceServer(ps, cfg) as srv:
         idle = [_connect(srv) for _ in range(20)]
         _infer(srv, model, seed=4)
         servable = srv.servables["tiny"]
@@ -218,6 +229,8 @@ def test_stalled_sockets_do_not_count_as_requests(ps, model, monkeypatch) -> Non
         ("header_timeout_s", math.inf, "header_timeout_s must be a finite number of seconds"),
         ("body_timeout_s", math.nan, "body_timeout_s must be a finite number of seconds > 0"),
         ("body_timeout_s", "60", "body_timeout_s must be a finite number of seconds > 0, got '60'"),
+        ("http", "h2", r"http must be one of \['auto', 'httptools', 'h11'\] \(HttpParser\)"),
+        ("loop", "trio", r"loop must be one of \['auto', 'uvloop', 'asyncio'\] \(EventLoop\)"),
     ],
 )
 def test_server_config_refuses_values_out_of_range(knob: str, value: object, match: str) -> None:
@@ -230,3 +243,40 @@ def test_a_connection_bound_past_the_fd_limit_is_refused(ps, monkeypatch) -> Non
     with pytest.raises(ValueError, match=r"max_connections 512 needs about 576 .* may open 256"):
         InferenceServer(ps, ServerConfig(port=0, max_connections=512))
     InferenceServer(ps, ServerConfig(port=0, max_connections=192)).stop()  # 192 + 64 fit
+
+
+@pytest.mark.parametrize(
+    "parser,loop", [(HttpParser.AUTO, EventLoop.AUTO), (HttpParser.H11, EventLoop.ASYNCIO)]
+)
+def test_the_chosen_parser_and_loop_serve(ps, model, parser, loop) -> None:
+    """``auto`` is httptools on uvloop where both are installed (the serve extra); the pure
+    Python pair stays selectable; each answers a request right."""
+    import uvloop
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+    from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol
+
+    fast = parser is HttpParser.AUTO
+    with InferenceServer(ps, ServerConfig(port=0, http=parser, loop=loop)) as srv:
+        assert srv.http_parser is (HttpParser.HTTPTOOLS if fast else HttpParser.H11)
+        assert srv.event_loop is (EventLoop.UVLOOP if fast else EventLoop.ASYNCIO)
+        base = HttpToolsProtocol if fast else H11Protocol
+        assert issubclass(srv.http_protocol, base)
+        running = srv.running_loop()
+        assert isinstance(running, uvloop.Loop) is fast
+        _infer(srv, model, seed=7)
+
+
+def test_a_missing_parser_or_loop_falls_back_with_a_note(ps, monkeypatch, caplog) -> None:
+    """Without httptools and uvloop installed, an explicit choice of either falls back to
+    h11 and asyncio's loop, saying so."""
+    import hps.serving.connections as conn
+
+    monkeypatch.setattr(conn, "_installed", lambda module: False)
+    cfg = ServerConfig(port=0, http=HttpParser.HTTPTOOLS, loop=EventLoop.UVLOOP)
+    with caplog.at_level("WARNING", logger="hps.serving.connections"):
+        srv = InferenceServer(ps, cfg)
+    srv.stop()
+    assert (srv.http_parser, srv.event_loop) == (HttpParser.H11, EventLoop.ASYNCIO)
+    text = caplog.text
+    assert "the httptools package is not installed" in text and "parsing with h11" in text
+    assert "the uvloop package is not installed" in text and "asyncio's loop" in text

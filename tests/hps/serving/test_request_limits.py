@@ -136,3 +136,53 @@ def test_a_huge_model_name_is_not_found_with_a_clipped_message(limited) -> None:
 def test_clip_keeps_short_text_and_counts_long_text() -> None:
     assert clip("tiny") == "tiny"
     assert clip("x" * 200, 3) == "xxx…(200 chars)"
+
+
+class _Checked:
+    """A stand-in servable whose check passes inputs through (the body's route is the test)."""
+
+    def check(self, inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        return inputs
+
+
+@pytest.mark.parametrize(
+    "binary_mib,json_kib,inline",
+    [(2, 0, True), (8, 0, False), (0, 100, False), (0, 1, True)],
+)
+def test_binary_tensors_parse_on_the_event_loop_whatever_their_size(
+    monkeypatch, binary_mib: int, json_kib: int, inline: bool
+) -> None:
+    """Binary tensors are views of the body, not parsed: a 2 MiB binary request is parsed on
+    the event loop (no worker hand-off), a JSON part over 64 KiB or binary data over 4 MiB on a
+    worker thread; the tensors come back as views of the body, bit-exact either way."""
+    import anyio
+    from starlette.requests import Request
+
+    from hps.serving.http_server.bodies import RequestBodies
+
+    n = binary_mib * MiB // 4
+    x = np.arange(n, dtype=np.float32)
+    spec = {
+        "name": "x",
+        "datatype": "FP32",
+        "shape": [n],
+        "parameters": {"binary_data_size": 4 * n},
+    }
+    scalar = {"name": "p", "datatype": "FP32", "shape": [1], "data": [0.5]}
+    doc = {"inputs": [spec if n else scalar], "id": "a" * (json_kib * 1024)}
+    head = json.dumps(doc).encode()
+    body = bytearray(head + x.tobytes())
+    headers = [(b"inference-header-content-length", str(len(head)).encode())] if n else []
+    request = Request({"type": "http", "headers": headers})
+    handed: list[object] = []
+
+    async def to_thread(fn, *args, limiter=None):  # type: ignore[no-untyped-def]
+        handed.append(fn)
+        return fn(*args)
+
+    monkeypatch.setattr(anyio.to_thread, "run_sync", to_thread)
+    bodies = RequestBodies(64 * MiB, 16 * MiB, anyio.CapacityLimiter(1))
+    _, inputs = anyio.run(bodies.parse, _Checked(), body, request)
+    assert (not handed) is inline
+    if n:
+        assert np.array_equal(inputs["x"], x) and not inputs["x"].flags.owndata

@@ -1,31 +1,5 @@
-"""Connection handling below the HTTP application: an absolute deadline for receiving each
-request, and a bound on open connections, in uvicorn's h11 protocol.
-
-A connection costs a socket, a file descriptor and a parser buffer whether or not it ever
-completes a request, so open connections are bounded on their own (``max_connections``), apart
-from the requests being processed (``workers`` + ``max_queued``, counted by the application
-once a request's body is complete). Each request must arrive within two deadlines::
-
-    connection opened, or the previous response sent
-      │◀──── header_timeout_s ────▶│ request line and headers complete
-                                   │◀──── body_timeout_s ────▶│ body complete: no deadline
-                                                              │   while the application runs
-    idle socket, trickled headers: closed at the first deadline; trickled body: at the second
-
-Neither is uvicorn's ``timeout_keep_alive``: that covers only the idle time between requests,
-and every byte received resets it; and an ASGI middleware runs only once the headers are
-parsed. So the deadline lives in the protocol: armed when a connection opens and after each
-response, moved to the body deadline once the headers are complete, disarmed once the body is.
-The server always runs this h11 protocol (httptools, if installed, is not used), so these
-limits hold on every installation. A connection past its deadline is aborted (a request the
-application already holds sees a client disconnect). A connection past ``max_connections``
-is answered 503 (``{"error"}``) and closed at once; a client that had already sent its request
-may see a reset instead.
-
->>> cls = protocol_class(ConnectionLimits(header_timeout_s=10, body_timeout_s=60,
-...                                       max_connections=512))
->>> uvicorn.Config(app, http=cls)                                  # doctest: +SKIP
-"""
+"""The per-connection state both HTTP protocols share: the receipt deadlines and the connection
+bound (:class:`ConnectionGuard`), and the corked transport that sends a response in one write."""
 
 from __future__ import annotations
 
@@ -35,13 +9,11 @@ import logging
 import math
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Any, ClassVar
-
-from uvicorn.protocols.http.h11_impl import H11Protocol
+from typing import Any
 
 log = logging.getLogger(__name__)
 
-__all__ = ["ConnectionLimits", "DeadlineH11Protocol", "protocol_class"]
+__all__ = ["ConnectionGuard", "ConnectionLimits"]
 
 
 @dataclass(frozen=True)
@@ -117,59 +89,65 @@ class _CorkedTransport:
         return getattr(self._transport, name)
 
 
-class DeadlineH11Protocol(H11Protocol):
-    """uvicorn's h11 protocol with the receipt deadlines and the connection bound of
-    ``limits`` (a subclass per server sets it: :func:`protocol_class`), sending each
-    response in one write (:class:`_CorkedTransport`)."""
+class ConnectionGuard:
+    """One connection's receipt deadline, its place under the connection bound and its corked
+    transport; the protocol (h11 or httptools) reports what its parser has seen.
 
-    limits: ClassVar[ConnectionLimits]
+    Args:
+        limits: the server's deadlines and bound.
+        loop: the event loop the connection runs on (its timers).
+        transport: the connection's transport; the protocol writes through :attr:`transport`.
+        client: the peer's address, for log lines.
+    """
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(
+        self,
+        limits: ConnectionLimits,
+        loop: asyncio.AbstractEventLoop,
+        transport: asyncio.Transport,
+        client: tuple[str, int] | None,
+    ) -> None:
+        self.limits, self.loop, self.client = limits, loop, client
+        self._cork = _CorkedTransport(transport)
         self._deadline: asyncio.TimerHandle | None = None
         self._phase = _Phase.HEADERS
-        self._cork: _CorkedTransport | None = None
 
-    # uvicorn's own signature: a stream server hands every protocol an asyncio.Transport
-    def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
-        super().connection_made(transport)
-        self._cork = _CorkedTransport(transport)
-        self.transport = self._cork  # type: ignore[assignment]  # the same interface
-        if len(self.connections) > self.limits.max_connections:
+    @property
+    def transport(self) -> asyncio.Transport:
+        """The transport the protocol writes through (corked while a response is written)."""
+        return self._cork  # type: ignore[return-value]  # the same interface, by delegation
+
+    def opened(self, open_connections: int) -> None:
+        """A connection was accepted, ``open_connections`` open counting it: past the bound
+        it is answered 503 and closed, else the header deadline starts."""
+        if open_connections > self.limits.max_connections:
             self._refuse()
         else:
             self._arm(_Phase.HEADERS)
 
-    def data_received(self, data: bytes) -> None:
-        super().data_received(data)
-        self._follow_request()
-
-    def on_response_complete(self) -> None:
-        if self._cork is not None:
-            self._cork.uncork()
-        if not self.transport.is_closing():
-            self._arm(_Phase.HEADERS)
-        super().on_response_complete()  # may start a pipelined request already received
-        self._follow_request()
-
-    def connection_lost(self, exc: Exception | None) -> None:
-        self._disarm()
-        super().connection_lost(exc)
-
-    def _follow_request(self) -> None:
-        """Move to the body deadline once a request's headers are parsed, and drop the
-        deadline once its body is complete."""
-        cycle = self.cycle
-        if cycle is None or cycle.response_complete or self.transport.is_closing():
+    def follow(self, in_request: bool, more_body: bool) -> None:
+        """After the parser has taken bytes: ``in_request`` (a request whose response is not
+        complete) and ``more_body`` (its body is not complete). The body deadline runs once a
+        request's headers are in, none once its body is; the response is corked from then."""
+        if not in_request or self._cork.is_closing():
             return  # no request under way: the header deadline runs
-        if cycle.more_body:
+        if more_body:
             if self._phase is _Phase.HEADERS:
                 self._arm(_Phase.BODY)
         elif self._phase is not _Phase.HANDLING:
             self._disarm()
             self._phase = _Phase.HANDLING
-            if self._cork is not None:  # the body is in: what is written now is the response
-                self._cork.corked = True
+            self._cork.corked = True  # the body is in: what is written now is the response
+
+    def response_complete(self) -> None:
+        """A response was written: send it, and start the next request's header deadline."""
+        self._cork.uncork()
+        if not self._cork.is_closing():
+            self._arm(_Phase.HEADERS)
+
+    def lost(self) -> None:
+        """The connection closed: no deadline runs."""
+        self._disarm()
 
     def _arm(self, phase: _Phase) -> None:
         self._disarm()
@@ -185,7 +163,7 @@ class DeadlineH11Protocol(H11Protocol):
 
     def _deadline_passed(self) -> None:
         self._deadline = None
-        if self.transport.is_closing():
+        if self._cork.is_closing():
             return
         limits = self.limits
         delay = limits.body_timeout_s if self._phase is _Phase.BODY else limits.header_timeout_s
@@ -195,7 +173,7 @@ class DeadlineH11Protocol(H11Protocol):
             self._phase.value,
             delay,
         )
-        self.transport.abort()  # close() would wait for a client that reads nothing
+        self._cork.abort()  # close() would wait for a client that reads nothing
 
     def _refuse(self) -> None:
         n = self.limits.max_connections
@@ -210,11 +188,5 @@ class DeadlineH11Protocol(H11Protocol):
             b"connection: close\r\ncontent-length: %d\r\n\r\n" % len(body)
         )
         log.debug("refusing the connection from %s: %d connections open", self.client, n)
-        self.transport.write(head + body)
-        self.transport.close()
-
-
-def protocol_class(limits: ConnectionLimits) -> type[DeadlineH11Protocol]:
-    """A :class:`DeadlineH11Protocol` subclass holding ``limits`` (uvicorn makes one protocol
-    object per connection from the class given as ``uvicorn.Config(http=...)``)."""
-    return type("DeadlineH11Protocol", (DeadlineH11Protocol,), {"limits": limits})
+        self._cork.write(head + body)
+        self._cork.close()

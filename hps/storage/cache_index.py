@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["EMPTY_KEY", "set_of", "tag_of"]
+__all__ = ["EMPTY_KEY", "mix64_int", "mix_keys", "set_of", "tag_of"]
 
 EMPTY_KEY = -(2**63)  # sentinel of an empty slot; this one int64 key value cannot be cached
 
@@ -33,6 +33,20 @@ def _mix(keys: torch.Tensor) -> torch.Tensor:
     z = (z ^ _srl(z, 30)) * _M1
     z = (z ^ _srl(z, 27)) * _M2
     return z ^ _srl(z, 31)
+
+
+def mix_keys(keys: torch.Tensor) -> torch.Tensor:
+    """``(n,) int64`` → ``(n,) int64``: splitmix64 of each value, bits as a signed int64."""
+    return _mix(keys)
+
+
+def mix64_int(x: int) -> int:
+    """splitmix64 of one 64-bit value (Python int, any sign), as a signed int64."""
+    m = (1 << 64) - 1
+    z = (x + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return _signed(z ^ (z >> 31))
 
 
 def set_of(keys: torch.Tensor, num_sets: int) -> torch.Tensor:

@@ -17,10 +17,9 @@ Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 wa
     values   (num_sets * ways, dim) float32       the FP32 view of ``storage`` (FP32 rows only)
 
 Bytes per slot: the row + 6.125 with int32 keys (key 4, counter 1, tag 1, homed 1/8), + 10.125
-with int64 keys. Keys are int32 when the table's keys are known to lie in ``[0, key_bound)``
-with ``key_bound ≤ 2**31`` (``EmbeddingCache(key_bound=...)``; the parameter server passes the
-largest loaded key + 1); a key outside that range is never cached (a miss, served by the
-tiers below), so an online update adding a key past it is served from the volatile tier.
+with int64 keys. A cache starts with int32 keys and widens them to int64 (one copy, under its
+lock) the first time it is given a key outside ``[0, 2**31 - 1]`` (``compact_keys=False``:
+int64 from the start); any key but ``EMPTY_KEY`` can be cached either way.
 
 A probe of the compiled path (:mod:`hps.fused`) reads the set's tag line (64 ways = one
 64-byte cache line), then only the key of a way whose tag matches (1 in 255 false matches per
@@ -115,7 +114,9 @@ from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 log = logging.getLogger(__name__)
 
 DEFAULT_WAYS = 64  # HugeCTR: slabs of 32 keys, 2 slabs per set
-_MAX_SHIFT = 63  # an int64 counter is 0 (or -1) after 63 halvings
+_MAX_SHIFT = 63  # a priority (int64) is 0 after 63 halvings
+_EMPTY = {torch.int32: -1, torch.int64: EMPTY_KEY}  # the key of an empty slot (its tag is 0)
+_INT32_MAX = 2**31 - 1
 
 
 class RowHome(Protocol):
@@ -160,7 +161,6 @@ class CacheStats:
     inserted: int = 0
     evicted: int = 0
     overflowed: int = 0  # new keys not admitted (no colder entry left in their set)
-    beyond_bound: int = 0  # new keys not admitted (outside [0, key_bound) of int32 slots)
     decays: int = 0  # LFU halvings of every counter
 
     @property
@@ -181,13 +181,12 @@ class EmbeddingCache:
             is halved after each ``lfu_decay_interval = max(1, round(lfu_decay_keys_per_slot ×
             capacity))`` looked-up keys (see the module docstring); 0 never ages. Ignored by LRU.
         row_format: how ``storage`` holds a row (the table's dtype).
-        key_bound: the table's keys lie in ``[0, key_bound)``: with ``key_bound ≤ 2**31`` the
-            slots hold int32 keys (4 bytes less per slot) and a key outside the range is never
-            cached; ``None`` (or a larger bound): int64 keys, any key but ``EMPTY_KEY``.
+        compact_keys: hold keys as int32 (4 bytes less per slot) until a key outside
+            ``[0, 2**31 - 1]`` is inserted, then as int64; ``False``: int64 from the start.
         seed: seeds the LFU counters' draws (:mod:`hps.storage.slot_counter`).
 
     Raises:
-        ValueError: naming a non-positive capacity, dim, ways or key_bound, or a negative,
+        ValueError: naming a non-positive capacity, dim or ways, or a negative,
             non-finite or non-numeric ``lfu_decay_keys_per_slot``.
 
     All methods take ``keys: (n,) int64`` without duplicates on ``device`` and are
@@ -203,7 +202,7 @@ class EmbeddingCache:
         device: torch.device | str = "cpu",
         lfu_decay_keys_per_slot: float = DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
         row_format: RowDtype | str = RowDtype.FP32,
-        key_bound: int | None = None,
+        compact_keys: bool = True,
         seed: int = 0,
     ) -> None:
         if capacity <= 0:
@@ -212,12 +211,6 @@ class EmbeddingCache:
             raise ValueError(f"cache dim must be > 0, got {dim}")
         if ways <= 0:
             raise ValueError(f"cache ways must be > 0, got {ways}")
-        bound: object = key_bound  # checked: a positive int (not a bool) or None
-        if bound is not None and (isinstance(bound, bool) or not isinstance(bound, int) or bound <= 0):
-            raise ValueError(
-                f"cache key_bound must be a positive int (keys lie in [0, key_bound)) or None, "
-                f"got {key_bound!r}"
-            )
         per_slot: object = lfu_decay_keys_per_slot  # checked: any real number, not a bool
         if (
             isinstance(per_slot, bool)
@@ -242,12 +235,9 @@ class EmbeddingCache:
         self.capacity = self.num_sets * self.ways
         sets = (self.num_sets, self.ways)
         # huge pages: the probe reads these at random (a TLB miss per read with 4 KiB pages)
-        #: keys lie in ``[0, key_bound)`` (int32 slots), or ``None``: int64 slots
-        self.key_bound = key_bound if key_bound is not None and key_bound <= 2**31 else None
-        self.key_dtype = torch.int32 if self.key_bound is not None else torch.int64
-        #: the key of an empty slot (-1 in int32 slots; its tag, 0, is what marks it empty)
-        self.empty_key = -1 if self.key_bound is not None else EMPTY_KEY
-        self.keys = huge_zeros(sets, self.key_dtype, self.device).fill_(self.empty_key)
+        #: int32 (keys in [0, 2**31 - 1] so far; -1 in an empty slot) or int64 (EMPTY_KEY)
+        key_dtype = torch.int32 if compact_keys else torch.int64
+        self.keys = huge_zeros(sets, key_dtype, self.device).fill_(_EMPTY[key_dtype])
         #: one byte per slot (:mod:`hps.storage.slot_counter`): LFU level / LRU stamp, mark bit
         self.counters = huge_zeros(sets, torch.uint8, self.device)
         self.tags = huge_zeros(sets, torch.uint8, self.device)
@@ -347,7 +337,7 @@ class EmbeddingCache:
         match = (self.keys.index_select(0, s) == keys[:, None]).view(torch.uint8)  # (n, ways)
         hit, way = match.max(1)  # one pass: any match, and where
         hit = hit.view(torch.bool)
-        if self.key_bound is not None:  # -1 is an empty int32 slot's key, never a cached one
+        if self.keys.dtype == torch.int32:  # -1 is an empty int32 slot's key, never a cached one
             hit = hit & (keys >= 0)
         return hit, s * self.ways + way
 
@@ -363,11 +353,24 @@ class EmbeddingCache:
         w = torch.ones_like(slots) if counts is None else counts
         flat[slots] = add_weighted(flat[slots], w, draws(self.lfu_stream(), positions))
 
-    def _in_bound(self, keys: torch.Tensor) -> torch.Tensor:
-        """``(n,) bool``: which keys int32 slots can hold (all, for int64 slots)."""
-        if self.key_bound is None:
-            return torch.ones_like(keys, dtype=torch.bool)
-        return (keys >= 0) & (keys < self.key_bound)
+    @property
+    def empty_key(self) -> int:
+        """The key of an empty slot: -1 with int32 keys, ``EMPTY_KEY`` with int64 keys."""
+        return _EMPTY[self.keys.dtype]
+
+    def _widen_for(self, keys: torch.Tensor) -> None:
+        """Hold keys as int64 from now on if int32 cannot hold one of ``keys (n,) int64``."""
+        if self.keys.dtype != torch.int32 or keys.numel() == 0:
+            return
+        if int(keys.min()) >= 0 and int(keys.max()) <= _INT32_MAX:
+            return
+        wide = huge_zeros(tuple(self.keys.shape), torch.int64, self.device)
+        wide.copy_(self.keys)
+        wide[self.tags == 0] = EMPTY_KEY
+        self.keys = wide
+        log.info(
+            "cache of %d slots: a key outside int32's range; keys widened to int64", self.capacity
+        )
 
     def _homed_at(self, slots: torch.Tensor) -> torch.Tensor:
         """``(n,) bool``: the homed bit of each of ``slots (n,) int64``."""
@@ -508,13 +511,10 @@ class EmbeddingCache:
             if hit.any():
                 self.storage[slot[hit]] = values[hit]
             new = ~hit
-            if self.key_bound is not None:
-                beyond = new & ~self._in_bound(keys)
-                self.stats.beyond_bound += int(beyond.sum())
-                new &= ~beyond
             if not new.any():
                 return _Placed.none(self)
             keys, values, priority = keys[new], values[new], priority[new].clamp(1, 2**31 - 1)
+            self._widen_for(keys)
             s = set_of(keys, self.num_sets)
             # sort by set, then by priority (descending) inside a set
             order = torch.argsort(s * 2**31 + (2**31 - 1 - priority), stable=True)
@@ -549,7 +549,7 @@ class EmbeddingCache:
             back = self._homed_at(tgt)  # homed rows evicted: they go back to the home
             evicted_keys = flat_keys[tgt][back].to(torch.int64)
             evicted_rows = self.storage[tgt[back]]  # copies
-            flat_keys[tgt] = keys[src].to(self.key_dtype)
+            flat_keys[tgt] = keys[src].to(self.keys.dtype)
             self.tags.view(-1)[tgt] = tag_of(keys[src])
             self.storage[tgt] = values[src]
             self.counters.view(-1)[tgt] = incoming[ok]

@@ -27,9 +27,9 @@ def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _mix(keys: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finaliser over ``(n,) int64`` (the same as :func:`hps.types.mix64`;
+    """The splitmix64 finaliser over ``(n,) int64`` or int32 (the same as :func:`hps.types.mix64`;
     int64 multiplication wraps modulo 2**64)."""
-    z = keys + _GOLDEN
+    z = keys.to(torch.int64) + _GOLDEN  # int32 keys (a compact cache's) widen first
     z = (z ^ _srl(z, 30)) * _M1
     z = (z ^ _srl(z, 27)) * _M2
     return z ^ _srl(z, 31)

@@ -6,8 +6,9 @@ each tier holds per row.
     python -m benchmarks.hps.bench_quantized --quick    # 100 k rows (a smoke run)
 
 Every cache gets the same byte budget (``cache_fraction`` × the FP32 table's rows × 512 B) and
-as many slots as fit: a slot costs its row (``hps.rowformat.row_bytes``) plus 19 B of key,
-counter, tag, mark and homed flag (``EmbeddingCache.nbytes``). The same key stream
+as many slots as fit: a slot costs its row (``hps.rowformat.row_bytes``) plus 6.125 B of int32
+key, counter byte, tag byte and homed bit (``EmbeddingCache.nbytes``; 10.125 B with int64
+keys). The same key stream
 (Zipf ``alpha``, a fixed seed) is looked up through a :class:`~hps.session.LookupSession`
 (misses filled synchronously, LFU) against a stand-in database of zero rows (a hit rate needs
 no values); the first ``warm`` batches warm the cache and are not counted.
@@ -36,9 +37,9 @@ log = logging.getLogger("bench_quantized")
 DTYPES = (RowDtype.FP32, RowDtype.FP16, RowDtype.INT8, RowDtype.INT4)
 
 
-def _slot_bytes(dtype: RowDtype, dim: int) -> int:
-    c = EmbeddingCache(64, dim, ways=64, row_format=dtype)
-    return c.nbytes() // c.capacity
+def _slot_bytes(dtype: RowDtype, dim: int, compact_keys: bool = True) -> float:
+    c = EmbeddingCache(64, dim, ways=64, row_format=dtype, compact_keys=compact_keys)
+    return c.nbytes() / c.capacity
 
 
 def bench_hit_rates(args: argparse.Namespace) -> list[dict[str, Any]]:
@@ -47,7 +48,7 @@ def bench_hit_rates(args: argparse.Namespace) -> list[dict[str, Any]]:
     out = []
     for dt in DTYPES:
         slot = _slot_bytes(dt, dim)
-        cap = budget // slot
+        cap = int(budget // slot)
         cache = EmbeddingCache(cap, dim, policy=CachePolicy.LFU, row_format=dt)
         s = LookupSession(
             [SessionTable("t", dim, 0.0, 1 << 22, cache)],
@@ -107,6 +108,7 @@ def bench_bytes(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "fbgemm_row_bytes": rb,
                 "hash_map_bytes_per_row": v.nbytes("t") / n,
                 "cache_bytes_per_slot": _slot_bytes(dt, dim),
+                "cache_bytes_per_slot_int64_keys": _slot_bytes(dt, dim, compact_keys=False),
             }
         )
         log.info("%s", out[-1])

@@ -35,25 +35,8 @@ level up with a probability drawn from a splitmix64 stream seeded per cache: rep
 see :mod:`hps.storage.slot_counter`). LRU stamps are the query clock modulo 128, ages capped at
 63 every 64 queries (exact recency for the last 63 queries, older entries tie).
 
-LFU aging (TinyLFU's "reset", Einziger et al., 2017): counts that only grow pin yesterday's
-hot keys forever once popularity drifts, since no new key can reach their totals. So every
-``lfu_decay_interval`` looked-up keys (occurrences, hits and misses: the same unit the counters
-grow by), every count is halved (``c >> 1`` for counts up to 18, the level of half the count above). Worked example,
-``lfu_decay_interval = 10``::
-
-    one set's counts (slot 3 empty)                 [5, 3, 1, -]   clock  0   decay_epoch 0
-    query 6 keys, no hit                             [5, 3, 1, -]   clock  6
-    query 5 keys, slot 0 hit once: [5, 3, 1, -] >> 1 = [2, 1, 0, -]
-                                 then the hit: [3, 1, 0, -]   clock 11   decay_epoch 1
-    query 25 keys, no hit (crosses 20 and 30):  >> 2 = [0, 0, 0, -]   clock 36   decay_epoch 3
-
-A query first advances the clock by its keys (halving what came before), then counts its own
-hits in full, as TinyLFU counts the uses after a reset: a query longer than the period (a
-65,536-key batch against a 128-slot cache's 2,560) would otherwise halve its own hits several
-times over and lose them to every cold miss (hit rate 0.52 vs LRU's 0.58 in such a run). A
-priority counted at the query's epoch is counted the same way. A counter that reaches 0
-stays cached until a new key (priority ≥ 1) wants its slot. Insertions and warm-up never move
-the clock; LRU ignores it.
+LFU aging (TinyLFU's "reset"): every ``lfu_decay_interval`` looked-up keys every count is
+halved, before the query's own uses count (worked example in :mod:`hps.storage.slot_counter`).
 
 Exclusive tiers (no row held twice in host RAM). A CPU cache can be attached to the in-process
 hash map below it (:meth:`hps.storage.volatile.HashMapBackend.attach_cache`, a
@@ -69,11 +52,8 @@ persistent DB) is cached unhomed and dropped on eviction, as without exclusivity
     hash map {3, 9}      cache {7*, 12}
 
 Row formats: ``storage`` holds each row in the table's :class:`~hps.rowformat.RowDtype`
-(``row_bytes`` from :func:`hps.rowformat.row_bytes`: 512 / 256 / 132 / 68 bytes at dim 128 for
-FP32 / FP16 / INT8 / INT4), so a cache of INT8 rows holds ~3.5× the rows of an FP32 cache of
-the same bytes. :meth:`EmbeddingCache.query` dequantizes the rows it returns
-(:func:`hps.rowformat.dequantize_rows`); :meth:`EmbeddingCache.insert` quantizes float32 rows,
-or stores a tier's bytes as they are (``rows=``), so a row keeps its bytes from tier to tier.
+(512 / 256 / 132 / 68 bytes at dim 128 for FP32 / FP16 / INT8 / INT4); :meth:`query`
+dequantizes, :meth:`insert` quantizes float32 rows or stores a tier's bytes as they are.
 
 The cache itself is exact (it returns only rows it holds). What a *request* gets for a miss is
 decided by :class:`hps.session.LookupSession` (synchronous fill below the hit-rate threshold,
@@ -86,16 +66,16 @@ import logging
 import math
 import numbers
 import threading
-from dataclasses import dataclass
-from typing import Protocol
 
-import numpy as np
 import torch
 
 from hps.rowformat import RowDtype
 from hps.storage.cache_index import EMPTY_KEY as EMPTY_KEY
+from hps.storage.cache_index import homed_at, set_homed
 from hps.storage.cache_index import set_of as set_of
 from hps.storage.cache_index import tag_of as tag_of
+from hps.storage.cache_types import CacheStats as CacheStats
+from hps.storage.cache_types import Placed, RowHome
 from hps.storage.host_memory import huge_zeros
 from hps.storage.row_codec import RowCodec
 from hps.storage.slot_counter import (
@@ -115,57 +95,7 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WAYS = 64  # HugeCTR: slabs of 32 keys, 2 slabs per set
 _MAX_SHIFT = 63  # a priority (int64) is 0 after 63 halvings
-_EMPTY = {torch.int32: -1, torch.int64: EMPTY_KEY}  # the key of an empty slot (its tag is 0)
 _INT32_MAX = 2**31 - 1
-
-
-class RowHome(Protocol):
-    """The in-process volatile tier that an attached cache moves rows out of and back into
-    (:meth:`EmbeddingCache.attach`; implemented by the hash map's table, see the module
-    docstring). Its ``lock`` is held around every move and every read of the tier."""
-
-    lock: threading.Lock
-
-    def take(self, keys: np.ndarray) -> np.ndarray:
-        """Drop the rows of ``keys (n,) int64`` the tier stores; ``(n,) bool``: which it did."""
-        ...
-
-    def put_back(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Store ``rows (n, row_bytes) uint8`` (the cache's bytes) under ``keys (n,) int64``."""
-        ...
-
-
-@dataclass(frozen=True)
-class _Placed:
-    """What one insertion did inside the cache: ``placed`` new rows (``keys`` into ``slots``)
-    and the homed rows it evicted (``evicted_keys (e,)``, ``evicted_rows (e, row_bytes)``)."""
-
-    placed: int
-    keys: torch.Tensor
-    slots: torch.Tensor
-    evicted_keys: torch.Tensor
-    evicted_rows: torch.Tensor
-
-    @staticmethod
-    def none(cache: EmbeddingCache) -> _Placed:
-        e = torch.zeros(0, dtype=torch.int64, device=cache.device)
-        return _Placed(0, e, e, e, cache.storage[:0])
-
-
-@dataclass
-class CacheStats:
-    """Counters of one cache (unique keys as queried)."""
-
-    queries: int = 0
-    hits: int = 0
-    inserted: int = 0
-    evicted: int = 0
-    overflowed: int = 0  # new keys not admitted (no colder entry left in their set)
-    decays: int = 0  # LFU halvings of every counter
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
 
 
 class EmbeddingCache:
@@ -237,7 +167,9 @@ class EmbeddingCache:
         # huge pages: the probe reads these at random (a TLB miss per read with 4 KiB pages)
         #: int32 (keys in [0, 2**31 - 1] so far; -1 in an empty slot) or int64 (EMPTY_KEY)
         key_dtype = torch.int32 if compact_keys else torch.int64
-        self.keys = huge_zeros(sets, key_dtype, self.device).fill_(_EMPTY[key_dtype])
+        self.keys = huge_zeros(sets, key_dtype, self.device).fill_(
+            -1 if compact_keys else EMPTY_KEY
+        )
         #: one byte per slot (:mod:`hps.storage.slot_counter`): LFU level / LRU stamp, mark bit
         self.counters = huge_zeros(sets, torch.uint8, self.device)
         self.tags = huge_zeros(sets, torch.uint8, self.device)
@@ -356,7 +288,7 @@ class EmbeddingCache:
     @property
     def empty_key(self) -> int:
         """The key of an empty slot: -1 with int32 keys, ``EMPTY_KEY`` with int64 keys."""
-        return _EMPTY[self.keys.dtype]
+        return -1 if self.keys.dtype == torch.int32 else EMPTY_KEY
 
     def _widen_for(self, keys: torch.Tensor) -> None:
         """Hold keys as int64 from now on if int32 cannot hold one of ``keys (n,) int64``."""
@@ -374,21 +306,11 @@ class EmbeddingCache:
 
     def _homed_at(self, slots: torch.Tensor) -> torch.Tensor:
         """``(n,) bool``: the homed bit of each of ``slots (n,) int64``."""
-        bit = (slots & 7).to(torch.uint8)
-        return ((self.homed_bits[slots >> 3] >> bit) & 1).to(torch.bool)
+        return homed_at(self.homed_bits, slots)
 
     def _set_homed(self, slots: torch.Tensor, value: bool) -> None:
         """Set (or clear) the homed bit of ``slots (n,) int64`` (unique)."""
-        if slots.numel() == 0:
-            return
-        byte, bit = torch.unique(slots >> 3, return_inverse=True)
-        # distinct bits of distinct slots: their sum in a byte is their OR
-        m = torch.zeros(byte.numel(), dtype=torch.int64, device=self.device)
-        m = m.index_add_(0, bit, torch.ones_like(slots) << (slots & 7)).to(torch.uint8)
-        if value:
-            self.homed_bits[byte] |= m
-        else:
-            self.homed_bits[byte] &= ~m
+        set_homed(self.homed_bits, slots, value)
 
     def _age(self, looked_up: int) -> None:
         """Advance the aging clock by ``looked_up`` keys; halve every counter once per multiple
@@ -499,7 +421,7 @@ class EmbeddingCache:
         values: torch.Tensor,
         priority: torch.Tensor | None,
         epoch: int | None,
-    ) -> _Placed:
+    ) -> Placed:
         """:meth:`insert` of encoded ``values (n, row_bytes) uint8`` within this cache: the
         rows placed, and the homed rows evicted."""
         if priority is None:
@@ -512,7 +434,7 @@ class EmbeddingCache:
                 self.storage[slot[hit]] = values[hit]
             new = ~hit
             if not new.any():
-                return _Placed.none(self)
+                return Placed.none(self.storage)
             keys, values, priority = keys[new], values[new], priority[new].clamp(1, 2**31 - 1)
             self._widen_for(keys)
             s = set_of(keys, self.num_sets)
@@ -556,7 +478,7 @@ class EmbeddingCache:
             self._set_homed(tgt, False)
             n = int(tgt.numel())
             self.stats.inserted += n
-            return _Placed(n, keys[src], tgt, evicted_keys, evicted_rows)
+            return Placed(n, keys[src], tgt, evicted_keys, evicted_rows)
 
     def update_if_present(
         self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor | None = None

@@ -1,13 +1,22 @@
 """Where a key lives in the embedding cache: its set (the high 32 bits of splitmix64 scaled to
 the number of sets) and its tag (8 bits the set index does not use, 0 marking an empty slot).
 The compiled fused pass (``hps/csrc``) computes the same two functions; the tests compare them.
+Also the slots' homed bits: one bit per slot, slot ``s`` at bit ``s % 8`` of byte ``s // 8``.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["EMPTY_KEY", "mix64_int", "mix_keys", "set_of", "tag_of"]
+__all__ = [
+    "EMPTY_KEY",
+    "homed_at",
+    "mix64_int",
+    "mix_keys",
+    "set_homed",
+    "set_of",
+    "tag_of",
+]
 
 EMPTY_KEY = -(2**63)  # sentinel of an empty slot; this one int64 key value cannot be cached
 
@@ -60,3 +69,23 @@ def tag_of(keys: torch.Tensor) -> torch.Tensor:
     """``(n,) int64`` keys → ``(n,) uint8`` tags in ``[1, 255]`` (0 marks an empty slot):
     ``1 + (low 16 bits of mix64(key)) % 255``, bits the set index does not use."""
     return (1 + (_mix(keys) & 0xFFFF) % 255).to(torch.uint8)
+
+
+def homed_at(bits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``bits (ceil(capacity / 8),) uint8``, ``slots (n,) int64`` → ``(n,) bool``: each slot's
+    bit."""
+    return ((bits[slots >> 3] >> (slots & 7).to(torch.uint8)) & 1).to(torch.bool)
+
+
+def set_homed(bits: torch.Tensor, slots: torch.Tensor, value: bool) -> None:
+    """Set (``value``) or clear the bits of ``slots (n,) int64`` (unique) in ``bits`` in place."""
+    if slots.numel() == 0:
+        return
+    byte, where = torch.unique(slots >> 3, return_inverse=True)
+    # distinct bits of distinct slots: their sum in a byte is their OR
+    m = torch.zeros(byte.numel(), dtype=torch.int64, device=bits.device)
+    m = m.index_add_(0, where, torch.ones_like(slots) << (slots & 7)).to(torch.uint8)
+    if value:
+        bits[byte] |= m
+    else:
+        bits[byte] &= ~m

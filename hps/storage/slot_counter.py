@@ -10,16 +10,36 @@ Byte layout (``EmbeddingCache.counters``, ``(num_sets, ways) uint8``)::
                     queries, see :func:`lru_renormalised`)
 
 LFU levels (``LEVEL_COUNTS``): exact counts 0..18, then each level ~3/16 above the one below
-(``c + c·3 // 16``), up to 1.87e9 at level 127. A use moves level ``v`` up by one with
+(``c + c·3 // 16``), up to 2.11e9 at level 127. A use moves level ``v`` up by one with
 probability ``1 / (LEVEL_COUNTS[v + 1] - LEVEL_COUNTS[v])`` (1 up to level 18, so small counts
 stay exact), so the expected count after ``n`` uses is ``LEVEL_COUNTS[v] + n`` (Morris, 1978;
 Redis's ``lfu-log-factor`` counter). A weight ``w`` (a key's occurrences in a request) moves it
 to ``LEVEL_COUNTS[v] + w`` rounded to a level up or down in proportion (same expectation).
 Aging halves a count: ``HALVE[v]`` is the highest level at or below ``LEVEL_COUNTS[v] // 2``
-(``v >> 1`` for the exact levels, as the wide counters' ``c >> 1``).
+(``v >> 1`` for the exact levels).
 
-The draws are deterministic: the ``j``-th use of a call draws the low 32 bits of
-``mix64(stream + j)`` (splitmix64), ``stream`` derived from the cache's seed and its query
+LFU aging in the cache (TinyLFU's "reset", Einziger et al., 2017): counts that only grow pin
+yesterday's hot keys forever once popularity drifts, since no new key can reach them. So every
+``lfu_decay_interval`` looked-up keys (occurrences, hits and misses: the same unit the counters
+grow by), every count is halved (``HALVE``: ``c >> 1`` for counts up to 18). Worked example,
+``lfu_decay_interval = 10``::
+
+    one set's counts (slot 3 empty)                 [5, 3, 1, -]   clock  0   decay_epoch 0
+    query 6 keys, no hit                             [5, 3, 1, -]   clock  6
+    query 5 keys, slot 0 hit once: [5, 3, 1, -] >> 1 = [2, 1, 0, -]
+                                 then the hit: [3, 1, 0, -]   clock 11   decay_epoch 1
+    query 25 keys, no hit (crosses 20 and 30):  >> 2 = [0, 0, 0, -]   clock 36   decay_epoch 3
+
+A query first advances the clock by its keys (halving what came before), then counts its own
+hits in full, as TinyLFU counts the uses after a reset: a query longer than the period (a
+65,536-key batch against a 128-slot cache's 2,560) would otherwise halve its own hits several
+times over and lose them to every cold miss (hit rate 0.52 vs LRU's 0.58 in such a run). A
+priority counted at the query's epoch is counted the same way. A counter that reaches 0
+stays cached until a new key (priority ≥ 1) wants its slot. Insertions and warm-up never move
+the clock; LRU ignores it.
+
+The draws are deterministic: the use by the key at position ``j`` of a call draws the low 32
+bits of ``mix64(stream + j)`` (splitmix64), ``stream`` derived from the cache's seed and its query
 clock (:func:`stream_of`), so a run repeats and the compiled pass (``hps/csrc``) and the
 torch reference count the same levels bit for bit.
 """
@@ -41,6 +61,7 @@ __all__ = [
     "aging_lut",
     "count_of",
     "draws",
+    "gaps",
     "level_of",
     "lru_renormalised",
     "stream_of",

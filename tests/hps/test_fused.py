@@ -35,14 +35,16 @@ def _rows(n: int, d: int) -> np.ndarray:
 
 
 def _session(
-    compiled: bool, policy: str, threshold: float = 1.0, exact: bool = True
+    compiled: bool, policy: str, threshold: float = 1.0, exact: bool = True, compact: bool = True
 ) -> LookupSession:
     v = HashMapBackend(num_partitions=2)
     tables = []
     for name, (n, d) in zip(NAMES, SPECS, strict=True):
         v.create_table(name, d)
         v.insert(name, np.arange(n, dtype=np.int64), _rows(n, d))
-        cache = EmbeddingCache(n // 3, d, policy=policy, ways=8, lfu_decay_keys_per_slot=0.5)
+        cache = EmbeddingCache(
+            n // 3, d, policy=policy, ways=8, lfu_decay_keys_per_slot=0.5, compact_keys=compact
+        )
         tables.append(SessionTable(name, d, DEFAULT, 10**6, cache))
     return LookupSession(
         tables, v, None, hit_rate_threshold=threshold, exact=exact, compiled=compiled
@@ -67,10 +69,14 @@ def _assert_same_state(a: LookupSession, b: LookupSession) -> None:
             assert sa[n][k] == sb[n][k], (n, k)
 
 
-@pytest.mark.parametrize("policy", [CachePolicy.LRU, CachePolicy.LFU])
-def test_compiled_pass_equals_reference_bit_for_bit(policy: CachePolicy) -> None:
+@pytest.mark.parametrize(
+    ("policy", "compact"),
+    [(CachePolicy.LRU, True), (CachePolicy.LFU, True), (CachePolicy.LFU, False)],
+)
+def test_compiled_pass_equals_reference_bit_for_bit(policy: CachePolicy, compact: bool) -> None:
+    """int32 keys (compact) and int64 keys: the same outputs, counters and statistics."""
     _needs_ext()
-    a, b = _session(True, policy), _session(False, policy)
+    a, b = _session(True, policy, compact=compact), _session(False, policy, compact=compact)
     g = torch.Generator().manual_seed(0)
     modes = [Pooling.SUM, Pooling.MEAN, Pooling.SUM]
     for _ in range(4):  # later rounds hit, age (LFU) and evict
@@ -81,6 +87,7 @@ def test_compiled_pass_equals_reference_bit_for_bit(policy: CachePolicy) -> None
             assert torch.equal(x, y)
         _assert_same_state(a, b)
     assert a.tables["t2"].cache.stats.hits > 0  # type: ignore[union-attr]
+    assert a.tables["t2"].cache.keys.dtype == (torch.int32 if compact else torch.int64)  # type: ignore[union-attr]
     for n in NAMES:
         assert np.array_equal(a.key_stats[n].hottest(), b.key_stats[n].hottest())  # type: ignore[index]
 

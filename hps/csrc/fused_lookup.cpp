@@ -130,10 +130,15 @@ inline void use_slot(const TableView& t, int64_t s, int64_t j, int64_t& hits,
   uint8_t lv = m & kMaxLevel;
   if (t.stamp < 0) {
     if (lv < kMaxLevel) {
-      const uint64_t u =
-          mix64(static_cast<int64_t>(static_cast<uint64_t>(t.stream) + static_cast<uint64_t>(j))) &
-          0xFFFFFFFFULL;
-      lv += u * static_cast<uint64_t>(t.gaps[lv]) < (1ULL << 32);
+      const uint64_t gap = static_cast<uint64_t>(t.gaps[lv]);
+      if (gap == 1) {  // an exact level: every use counts (the draw could not miss)
+        ++lv;
+      } else {
+        const uint64_t u = mix64(static_cast<int64_t>(static_cast<uint64_t>(t.stream) +
+                                                      static_cast<uint64_t>(j))) &
+                           0xFFFFFFFFULL;
+        lv += u * gap < (1ULL << 32);
+      }
     }
   } else {
     lv = static_cast<uint8_t>(t.stamp);

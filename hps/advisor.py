@@ -11,10 +11,10 @@ Budgets are bytes, not rows: a cached row costs a cache slot, ``slot_t`` = the r
 table's :class:`~hps.rowformat.RowDtype` (``row_bytes``: 512 / 256 / 132 / 68 at dim 128 for
 FP32 / FP16 / INT8 / INT4) plus the slot's key, counter, tag and flags, as
 :meth:`hps.storage.cache.EmbeddingCache.nbytes` reports them (:func:`cache_slot_bytes`). At
-dim 128 with 19 bytes of slot metadata an FP32 slot is 531 bytes and an INT8 slot 151, so
-the same budget caches 3.5× the rows of an INT8 table::
+dim 128 with 6.125 bytes of slot metadata (rounded up per slot) an FP32 slot is 519 bytes and
+an INT8 slot 139, so the same budget caches 3.7× the rows of an INT8 table::
 
-    budget 64 MiB, dim 128     fp32: 126,382 rows     int8: 444,429 rows     int4: 771,366 rows
+    budget 64 MiB, dim 128     fp32: 129,304 rows     int8: 482,797 rows     int4: 894,784 rows
 
 >>> stats = {"t0": TableKeyStats.from_zipf(1_000_000, 128, alpha=1.05, lookups=3.0),
 ...          "t1": TableKeyStats.from_zipf(100_000, 64, alpha=1.2, lookups=1.0,
@@ -175,7 +175,8 @@ def cache_slot_bytes(dim: int, row_format: RowDtype = RowDtype.FP32) -> int:
     ``row_format`` rows costs: its stored row (:func:`hps.rowformat.row_bytes`) and the slot's
     share of the metadata, as :meth:`~hps.storage.cache.EmbeddingCache.nbytes` reports them for
     one full set of :data:`~hps.storage.cache.DEFAULT_WAYS` slots (rounded up to a byte).
-    531 / 275 / 151 / 87 at dim 128 for FP32 / FP16 / INT8 / INT4 with 19 bytes of metadata.
+    519 / 263 / 139 / 75 at dim 128 for FP32 / FP16 / INT8 / INT4 (6.125 bytes of metadata per
+    slot with int32 keys).
 
     Raises:
         hps.rowformat.RowFormatError: a dim ``row_format`` cannot pack.

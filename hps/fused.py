@@ -28,7 +28,8 @@ ascending): the session writes the missed rows in and pools those bags in the sa
 
 Two implementations: :func:`gather_compiled` (``hps/csrc/fused_lookup.cpp``, probing the tag
 line of a set) and :func:`gather_reference` (torch ops, comparing the set's keys): the same
-outputs, counters and marks, bit for bit (tests/hps/test_fused.py).
+outputs, counters (LFU levels drawn from the same streams, mark bits clear after each call)
+and statistics, bit for bit (tests/hps/test_fused.py).
 """
 
 from __future__ import annotations
@@ -41,6 +42,7 @@ import torch
 from hps.kernels import load_extension
 from hps.rowformat import RowDtype, dequantize_rows, row_bytes
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache
+from hps.storage.slot_counter import HALVE, add_weighted, aging_lut, draws, gaps
 from hps.types import CachePolicy
 
 __all__ = [
@@ -78,8 +80,10 @@ class GatherArgs:
         out_stride: bags: floats per bag row of ``out``; rows: 0.
         hotness: bags: keys per bag of each table; rows: 0 for every table.
         mean: per table, whether its bags are averaged.
-        stamps: per table, the LRU clock a hit stamps; -1 for LFU (a hit adds 1).
-        marks: per table, :meth:`EmbeddingCache.next_mark`.
+        stamps: per table, the LRU stamp a hit writes (the clock modulo 128); -1 for LFU (a
+            hit takes a Morris step of the slot's level).
+        streams: per table, the LFU draw stream (:meth:`EmbeddingCache.lfu_stream`): the use
+            by the key at position ``j`` of the table's keys draws ``mix64(stream + j)``.
         looked_up: per table, the cache's LFU aging clock before this query.
         intervals: per table, the cache's ``lfu_decay_interval`` (0: no aging): the counters
             are halved once per multiple of it that this query's keys cross, before its uses.
@@ -93,7 +97,7 @@ class GatherArgs:
     hotness: Sequence[int]
     mean: Sequence[bool]
     stamps: Sequence[int]
-    marks: Sequence[int]
+    streams: Sequence[int]
     looked_up: Sequence[int]
     intervals: Sequence[int]
 
@@ -137,13 +141,12 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
     if ext is None:
         return gather_reference(args)
     n = len(args.caches)
-    ckeys, tags, counters, marks, storage = [], [], [], [], []
+    ckeys, tags, counters, storage = [], [], [], []
     ways, dims, formats = [0] * n, [0] * n, [0] * n
     for i, c in enumerate(args.caches):  # whole (num_sets, ways) arrays: the kernel reads data
         ckeys.append(c.keys)
         tags.append(c.tags)
         counters.append(c.counters)
-        marks.append(c.marks)
         storage.append(c.storage)
         ways[i], dims[i], formats[i] = c.ways, c.dim, FORMAT_CODES[row_format_of(c)]
     misses, per_table, *pending = ext.cache_gather(
@@ -151,13 +154,12 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
         ckeys,
         tags,
         counters,
-        marks,
         storage,
         ways,
         dims,
         formats,
         list(args.stamps),
-        list(args.marks),
+        list(args.streams),
         list(args.looked_up),
         list(args.intervals),
         args.out,
@@ -165,13 +167,15 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
         args.out_stride,
         list(args.hotness),
         [int(m) for m in args.mean],
+        gaps(),
+        torch.tensor(HALVE, dtype=torch.uint8),
     )
     return GatherResult(misses, per_table, pending)
 
 
 def gather_reference(args: GatherArgs) -> GatherResult:
     """:func:`gather` in torch ops, one table after another: the specification the compiled
-    kernel is tested against (same outputs, counters, marks)."""
+    kernel is tested against (same outputs, counters, statistics)."""
     for i, (k, h) in enumerate(zip(args.keys, args.hotness, strict=True)):
         lo = -1 if h > 0 else EMPTY_KEY + 1
         if k.numel() and bool((k < lo).any()):
@@ -220,16 +224,14 @@ def _gather_one(
     w, before = args.intervals[i], args.looked_up[i]
     crossed = (before + valid.numel()) // w - before // w if w > 0 else 0
     if crossed > 0:
-        c.counters.bitwise_right_shift_(min(crossed, 63))
+        c.counters.copy_(aging_lut(crossed)[c.counters.long()])
     hit, slot = c._slots(k[valid])
     hpos, hslot, miss = valid[hit], slot[hit], valid[~hit]
-    flat_counters = c.counters.view(-1)
     if c.policy is CachePolicy.LFU:
-        flat_counters.index_add_(0, hslot, torch.ones_like(hslot))
+        _morris_steps(c.counters.view(-1), hslot, hpos, args.streams[i])
     else:
-        flat_counters[hslot] = args.stamps[i]
+        c.counters.view(-1)[hslot] = args.stamps[i]
     unique_hits = int(torch.unique(hslot).numel())
-    c.marks[hslot] = args.marks[i]
     off = args.out_offsets[i]
     pending = torch.zeros(0, dim)
     if h == 0:
@@ -253,6 +255,25 @@ def _gather_one(
         pending = r[bag_missed].reshape(-1, dim)
     stats = [int(miss.numel()), int(hpos.numel()), unique_hits, int(valid.numel()), crossed]
     return stats, miss, pending
+
+
+def _morris_steps(
+    levels: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, stream: int
+) -> None:
+    """One Morris step of ``levels[slots[i]]`` per hit, each slot's hits in position order
+    (``positions`` ascending), the hit at position ``j`` drawing ``mix64(stream + j)``: the
+    kernel's sequential uses, one rank of every slot's hits per round."""
+    if slots.numel() == 0:
+        return
+    u = draws(stream, positions)
+    order = torch.argsort(slots, stable=True)
+    ss, uu = slots[order], u[order]
+    _, inv, counts = torch.unique_consecutive(ss, return_inverse=True, return_counts=True)
+    rank = torch.arange(ss.numel()) - (torch.cumsum(counts, 0) - counts)[inv]
+    for r in range(int(counts.max())):
+        sel = rank == r
+        s = ss[sel]
+        levels[s] = add_weighted(levels[s], torch.ones_like(s), uu[sel])
 
 
 def gather_rows(

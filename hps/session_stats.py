@@ -7,7 +7,7 @@ Bytes, not rows: a table's rows cost their row format's bytes in every tier
 with a 64-slot cache holding 10 rows and a hash map holding 1,000::
 
     tier        rows    row_bytes = rows × 132    bytes (what the tier reports holding)
-    cache         10        1,320                 64 × (132 + 19) = 9,664  (EmbeddingCache.nbytes)
+    cache         10        1,320                 64 × (132 + 6.125) = 8,840  (EmbeddingCache.nbytes)
     volatile   1,000      132,000                 HashMapBackend.nbytes(table): slots, keys, index
     persistent 1,000      132,000                 132,000  (RocksDB / Redis: the values only)
 """

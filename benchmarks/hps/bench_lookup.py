@@ -319,6 +319,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--quick", action="store_true", help="small tables (a smoke run)")
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--only", default="single,tables,memory")
+    ap.add_argument("--out", type=Path, default=None, help="JSON to write (default: results/)")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     if load_extension() is None:
@@ -328,7 +329,7 @@ def main(argv: list[str] | None = None) -> None:
     for name in args.only.split(","):
         rows += sections[name](args)
         log.info("%s", rows[-1])
-    out = RESULTS_DIR / ("hps_lookup_quick.json" if args.quick else "hps_lookup.json")
+    out = args.out or RESULTS_DIR / ("hps_lookup_quick.json" if args.quick else "hps_lookup.json")
     rows = _kept_sections(out, {r["section"] for r in rows}) + rows
     write_json(out, rows, threads=torch.get_num_threads())
     log.info("wrote %s", out)

@@ -14,9 +14,9 @@ machine's threads and CPU time of the calling thread with one thread (``cpu1_``)
 load average.
 
 Every cache gets the same byte budget (``cache_fraction`` × the FP32 table's rows × 512 B) and
-as many slots as fit: a slot costs its row (``hps.rowformat.row_bytes``) plus its metadata (key,
-counter, tag, mark and homed flag), :func:`hps.advisor.cache_slot_bytes` (what
-``EmbeddingCache.nbytes`` reports per slot). The same key stream
+as many slots as fit: a slot costs its row (``hps.rowformat.row_bytes``) plus 6.125 B of int32
+key, counter byte, tag byte and homed bit (``EmbeddingCache.nbytes``; 10.125 B with int64
+keys). The same key stream
 (Zipf ``alpha``, a fixed seed) is looked up through a :class:`~hps.session.LookupSession`
 (misses filled synchronously, LFU) against a stand-in database of zero rows (a hit rate needs
 no values); the first ``warm`` batches warm the cache and are not counted.
@@ -36,7 +36,6 @@ from benchmarks.hps.drift_section import ZeroRows
 from benchmarks.hps.lookup_throughput import bench_throughput
 from benchmarks.hps.zipf_keys import Zipf
 from benchmarks.meta import RESULTS_DIR, write_json
-from hps.advisor import cache_slot_bytes
 from hps.rowformat import RowDtype, row_bytes
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
@@ -48,13 +47,18 @@ log = logging.getLogger("bench_quantized")
 DTYPES = (RowDtype.FP32, RowDtype.FP16, RowDtype.INT8, RowDtype.INT4)
 
 
+def _slot_bytes(dtype: RowDtype, dim: int, compact_keys: bool = True) -> float:
+    c = EmbeddingCache(64, dim, ways=64, row_format=dtype, compact_keys=compact_keys)
+    return c.nbytes() / c.capacity
+
+
 def bench_hit_rates(args: argparse.Namespace) -> list[dict[str, Any]]:
     n, dim = args.rows, args.dim
     budget = int(args.cache_fraction * n * row_bytes(RowDtype.FP32, dim))
     out = []
     for dt in DTYPES:
-        slot = cache_slot_bytes(dim, dt)
-        cap = budget // slot
+        slot = _slot_bytes(dt, dim)
+        cap = int(budget // slot)
         cache = EmbeddingCache(cap, dim, policy=CachePolicy.LFU, row_format=dt)
         s = LookupSession(
             [SessionTable("t", dim, 0.0, 1 << 22, cache)],
@@ -113,7 +117,8 @@ def bench_bytes(args: argparse.Namespace) -> list[dict[str, Any]]:
                 "rows": n,
                 "fbgemm_row_bytes": rb,
                 "hash_map_bytes_per_row": v.nbytes("t") / n,
-                "cache_bytes_per_slot": cache_slot_bytes(dim, dt),
+                "cache_bytes_per_slot": _slot_bytes(dt, dim),
+                "cache_bytes_per_slot_int64_keys": _slot_bytes(dt, dim, compact_keys=False),
             }
         )
         log.info("%s", out[-1])

@@ -5,12 +5,15 @@
 //
 // cache_gather: every table of one call in one pass. Per key: the splitmix64 hash gives the
 // set and an 8-bit tag; the set's tag line (ways bytes, one 64-byte cache line for 64 ways)
-// is compared with the tag, and only a matching way's key is read (so a probe reads the tag
-// line, about one key line and the row). The probe is pipelined over the keys (the tag line,
-// key line and row of the keys a few places ahead are prefetched while a row is copied), so
-// several keys' memory reads are in flight at once. A hit copies (rows) or accumulates (bags,
-// key by key in request order) its row into the output, counts a use (LFU: +1 per occurrence;
-// LRU: the query's clock) and marks the slot for this query's unique-hit count; a miss records
+// is compared with the tag, and only a matching way's key is read (int32 or int64 keys; so a
+// probe reads the tag line, about one key line, the row and the slot's counter byte). The probe
+// is pipelined over the keys (the tag line, key line and row of the keys a few places ahead are
+// prefetched while a row is copied), so several keys' memory reads are in flight at once. A hit
+// copies (rows) or accumulates (bags, key by key in request order) its row into the output,
+// counts a use in the slot's counter byte (hps/storage/slot_counter.py: LFU a Morris step of
+// the 7-bit level with the draw of the key's position; LRU the query's 7-bit stamp) and sets
+// its mark bit (bit 7) on its first hit, for this query's unique-hit count; the mark bits are
+// cleared again before the call returns. A miss records
 // its position for the caller, and a bag with a miss hands its rows back (pending_rows) so that
 // the caller sums it in request order once the missed rows are known.
 // Rows are opaque bytes (row_bytes per table); the row format decides how a row is read.
@@ -38,12 +41,15 @@ namespace hps_cpu {
 struct TableView {
   const int64_t* keys;
   int64_t n;  // keys (rows: m; bags: B * hotness)
-  const int64_t* ckeys;
+  const void* ckeys;  // (capacity,) int32 (key32) or int64
+  bool key32;
   const uint8_t* tags;
-  int64_t* counters;
-  uint8_t* marks;
+  uint8_t* counters;  // bit 7 mark, bits 0..6 level (LFU) or stamp (LRU)
   const uint8_t* storage;
-  int64_t num_sets, ways, dim, row_bytes, format, stamp, mark;
+  int64_t num_sets, ways, dim, row_bytes, format;
+  int64_t stamp;   // LRU: the stamp (0..127) a hit writes; -1: LFU
+  int64_t stream;  // LFU: the draw of the use at position j is mix64(stream + j)
+  const int64_t* gaps;  // LFU: (128,) a use at level v moves up where draw * gaps[v] < 2**32
   int64_t hotness;  // 0: rows; > 0: bags of this many keys (-1 pads)
   bool mean;
   float* out;       // rows: this table's (n, dim) block; bags: column 0 of this table
@@ -81,6 +87,16 @@ inline uint64_t match_tags(const uint8_t* tg, int64_t n, uint8_t tag) {
 #endif
 }
 
+inline int64_t key_at(const TableView& t, int64_t s) {
+  return t.key32 ? static_cast<int64_t>(static_cast<const int32_t*>(t.ckeys)[s])
+                 : static_cast<const int64_t*>(t.ckeys)[s];
+}
+
+inline const void* key_addr(const TableView& t, int64_t s) {
+  return t.key32 ? static_cast<const void*>(static_cast<const int32_t*>(t.ckeys) + s)
+                 : static_cast<const void*>(static_cast<const int64_t*>(t.ckeys) + s);
+}
+
 inline const uint8_t* row_of(const TableView& t, int64_t slot) {
   return t.storage + slot * t.row_bytes;
 }
@@ -92,7 +108,7 @@ struct Piece {
 
 // Per-key state of the probe pipeline.
 struct ProbeState {
-  int64_t base;    // first slot of the key's set; -1: padding
+  int64_t base;    // first slot of the key's set; -1: padding; -2: a key int32 slots never hold
   uint64_t match;  // ways of the first tag line whose tag matches
   uint8_t tag;
 };
@@ -101,29 +117,52 @@ struct ProbeState {
 // before its row is read, its key line 2 steps before, its row (and counter) 1 step before.
 constexpr int64_t kAhead = 4;
 
-// One key's use of its slot: LFU +1 or LRU stamp; the mark makes a slot's first hit in this
-// query a unique hit.
-inline void use_slot(const TableView& t, int64_t s, int64_t& hits, int64_t& uniq) {
+constexpr uint8_t kMark = 0x80;
+constexpr uint8_t kMaxLevel = 127;
+
+// The use of slot s by the key at position j: LFU a Morris step of the level (up where the
+// draw × gap < 2**32), LRU the stamp; the mark bit makes a slot's first hit in this query a
+// unique hit (its slot recorded in firsts, whose marks are cleared after the call's uses).
+inline void use_slot(const TableView& t, int64_t s, int64_t j, int64_t& hits,
+                     std::vector<int64_t>& firsts) {
   ++hits;
-  if (t.stamp < 0)
-    ++t.counters[s];
-  else
-    t.counters[s] = t.stamp;
-  const uint8_t mk = static_cast<uint8_t>(t.mark);
-  if (t.marks[s] != mk) {
-    t.marks[s] = mk;
-    ++uniq;
+  const uint8_t m = t.counters[s];
+  uint8_t lv = m & kMaxLevel;
+  if (t.stamp < 0) {
+    if (lv < kMaxLevel) {
+      const uint64_t gap = static_cast<uint64_t>(t.gaps[lv]);
+      if (gap == 1) {  // an exact level: every use counts (the draw could not miss)
+        ++lv;
+      } else {
+        const uint64_t u = mix64(static_cast<int64_t>(static_cast<uint64_t>(t.stream) +
+                                                      static_cast<uint64_t>(j))) &
+                           0xFFFFFFFFULL;
+        lv += u * gap < (1ULL << 32);
+      }
+    }
+  } else {
+    lv = static_cast<uint8_t>(t.stamp);
   }
+  if (!(m & kMark)) firsts.push_back(s);
+  t.counters[s] = kMark | lv;
+}
+
+// Clear the mark bits of the slots first hit (end of a call's uses); returns how many.
+inline int64_t clear_marks(const TableView& t, std::vector<int64_t>& firsts) {
+  for (const int64_t s : firsts) t.counters[s] &= kMaxLevel;
+  const int64_t n = static_cast<int64_t>(firsts.size());
+  firsts.clear();
+  return n;
 }
 
 // The gather of one piece (keys [i0, i1) of one table; bags: whole bags), pipelined so that
 // the tag line, key line and row of later keys are in flight while a key's row is copied:
 // rows copied or bags summed key by key in request order (MEAN bags without a miss divided),
 // each key's slot in sl (-1 miss, -2 padding). With ``uses`` (one thread does every key of
-// the call) the counters and marks are written here too, and hits/uniq counted.
+// the call) the counters are written here too, hits counted and first hits recorded.
 template <bool kUses, int64_t kFormat>
 void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
-                  std::vector<ProbeState>& st, int64_t& hits, int64_t& uniq) {
+                  std::vector<ProbeState>& st, int64_t& hits, std::vector<int64_t>& firsts) {
   st.resize(static_cast<size_t>(i1 - i0));
   ProbeState* ps = st.data() - i0;
   const int64_t first_ways = std::min<int64_t>(64, t.ways);
@@ -141,6 +180,8 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
       const int64_t key = t.keys[a];
       if (bags && key < 0) {
         ps[a].base = -1;
+      } else if (t.key32 && (key < 0 || key > INT32_MAX)) {
+        ps[a].base = -2;  // a miss without a probe
       } else {
         const uint64_t h = mix64(key);
         ps[a].base = set_of(h, t.num_sets) * t.ways;
@@ -152,18 +193,18 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     if (b >= i0 && b < i1 && ps[b].base >= 0) {
       const uint64_t m = match_tags(t.tags + ps[b].base, first_ways, ps[b].tag);
       ps[b].match = m;
-      if (m) __builtin_prefetch(t.ckeys + ps[b].base + __builtin_ctzll(m), 0, 3);
+      if (m) __builtin_prefetch(key_addr(t, ps[b].base + __builtin_ctzll(m)), 0, 3);
     }
-    const int64_t c = i + kAhead;  // stage 3: the slot; prefetch its row, counter, mark
+    const int64_t c = i + kAhead;  // stage 3: the slot; prefetch its row and counter
     if (c >= i0 && c < i1) {
-      int64_t slot = -2;
+      int64_t slot = ps[c].base == -2 ? -1 : -2;
       if (ps[c].base >= 0) {
         const int64_t key = t.keys[c];
         const int64_t base = ps[c].base;
         slot = -1;
         for (uint64_t m = ps[c].match; m; m &= m - 1) {
           const int64_t w = __builtin_ctzll(m);
-          if (t.ckeys[base + w] == key) {
+          if (key_at(t, base + w) == key) {
             slot = base + w;
             break;
           }
@@ -173,7 +214,7 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
             uint64_t m = match_tags(t.tags + base + w0, std::min<int64_t>(64, t.ways - w0), ps[c].tag);
             for (; m; m &= m - 1) {
               const int64_t w = w0 + __builtin_ctzll(m);
-              if (t.ckeys[base + w] == key) {
+              if (key_at(t, base + w) == key) {
                 slot = base + w;
                 break;
               }
@@ -182,10 +223,7 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
         }
         if (slot >= 0) {
           prefetch_bytes(row_of(t, slot), t.row_bytes);
-          if (kUses) {
-            __builtin_prefetch(t.counters + slot, 1, 3);
-            __builtin_prefetch(t.marks + slot, 1, 3);
-          }
+          if (kUses) __builtin_prefetch(t.counters + slot, 1, 3);
         }
       }
       sl[c] = slot;
@@ -195,7 +233,7 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     if (!bags) {
       if (slot >= 0) {
         dequant_row<kFormat, false>(row_of(t, slot), t.dim, t.out + i * t.dim);
-        if (kUses) use_slot(t, slot, hits, uniq);
+        if (kUses) use_slot(t, slot, i, hits, firsts);
       }
       continue;
     }
@@ -210,7 +248,7 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     if (slot == -1) missed = true;
     if (slot >= 0) {
       dequant_row<kFormat, true>(row_of(t, slot), t.dim, dst);
-      if (kUses) use_slot(t, slot, hits, uniq);
+      if (kUses) use_slot(t, slot, i, hits, firsts);
     }
     if (j == t.hotness - 1 && t.mean && !missed && n_valid > 0) {
       const float cnt = static_cast<float>(n_valid);
@@ -226,29 +264,27 @@ inline int64_t owner_of(int64_t slot, int64_t owners) {
   return static_cast<int64_t>(((h & 0xFFFFFFFFULL) * static_cast<uint64_t>(owners)) >> 32);
 }
 
-// The uses (counters, marks) of every table's hits after a parallel gather: each thread owns
+// The uses (counters, mark bits) of every table's hits after a parallel gather: each thread owns
 // the slots ``owner_of(slot) == thread`` of every table, so no two threads write one counter
 // (no atomics; counts independent of the thread count).
 void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<int64_t>>& slots,
                int64_t owners, std::vector<int64_t>& hits, std::vector<int64_t>& uniq) {
   const int64_t T = static_cast<int64_t>(ts.size());
   at::parallel_for(0, owners, 1, [&](int64_t o0, int64_t o1) {
+    std::vector<int64_t> firsts;
     for (int64_t o = o0; o < o1; ++o) {
       for (int64_t i = 0; i < T; ++i) {
         const TableView& t = ts[i];
         const int64_t* sl = slots[i].data();
-        int64_t h = 0, u = 0;
+        int64_t h = 0;
         for (int64_t j = 0; j < t.n; ++j) {
-          if (j + 16 < t.n && sl[j + 16] >= 0) {
-            __builtin_prefetch(t.counters + sl[j + 16], 1, 3);
-            __builtin_prefetch(t.marks + sl[j + 16], 1, 3);
-          }
+          if (j + 16 < t.n && sl[j + 16] >= 0) __builtin_prefetch(t.counters + sl[j + 16], 1, 3);
           const int64_t s = sl[j];
           if (s < 0 || owner_of(s, owners) != o) continue;
-          use_slot(t, s, h, u);
+          use_slot(t, s, j, h, firsts);
         }
         hits[o * T + i] = h;
-        uniq[o * T + i] = u;
+        uniq[o * T + i] = clear_marks(t, firsts);  // this owner's slots: no other thread's
       }
     }
   });
@@ -279,19 +315,21 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
   // small calls run on the calling thread: a thread wake-up costs more than their gather
   const bool alone = threads <= 1 || total < 8192 || at::in_parallel_region();
   std::vector<int64_t> hits(T, 0), uniq(T, 0);
+  std::vector<std::vector<int64_t>> firsts(T);  // alone: each table's first hits
   auto run = [&](const Piece& pc, std::vector<ProbeState>& st, bool uses) {
     const TableView& t = ts[pc.table];
     const int64_t h = std::max<int64_t>(1, t.hotness);
     int64_t* sl = slots[pc.table].data();
     const int64_t i0 = pc.begin * h, i1 = pc.end * h;
-    int64_t unused_h = 0, unused_u = 0;
+    int64_t unused_h = 0;
+    std::vector<int64_t> unused_f;
     int64_t& ht = uses ? hits[pc.table] : unused_h;
-    int64_t& ut = uses ? uniq[pc.table] : unused_u;
+    std::vector<int64_t>& ft = uses ? firsts[pc.table] : unused_f;
 #define HPS_GATHER(F)                                       \
   if (uses)                                                 \
-    gather_piece<true, F>(t, i0, i1, sl, st, ht, ut);       \
+    gather_piece<true, F>(t, i0, i1, sl, st, ht, ft);       \
   else                                                      \
-    gather_piece<false, F>(t, i0, i1, sl, st, ht, ut);      \
+    gather_piece<false, F>(t, i0, i1, sl, st, ht, ft);      \
   break;
     switch (t.format) {
       case kFp32: HPS_GATHER(kFp32)
@@ -306,6 +344,7 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
   if (alone) {
     std::vector<ProbeState> st;
     for (const Piece& pc : pieces) run(pc, st, true);
+    for (int64_t i = 0; i < T; ++i) uniq[i] = clear_marks(ts[i], firsts[i]);
   } else {
     // one run of pieces per thread, cut where the keys so far cross k × total / threads
     // (pieces differ in size: a table of a few keys is one small piece)
@@ -376,19 +415,26 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
 std::vector<at::Tensor> cache_gather(
     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& cache_keys,
     const std::vector<at::Tensor>& tags, const std::vector<at::Tensor>& counters,
-    const std::vector<at::Tensor>& marks, const std::vector<at::Tensor>& storage,
+    const std::vector<at::Tensor>& storage,
     const std::vector<int64_t>& ways, const std::vector<int64_t>& dims,
     const std::vector<int64_t>& formats, const std::vector<int64_t>& stamps,
-    const std::vector<int64_t>& mark_values, const std::vector<int64_t>& looked_up,
+    const std::vector<int64_t>& streams, const std::vector<int64_t>& looked_up,
     const std::vector<int64_t>& intervals,
     at::Tensor out, const std::vector<int64_t>& out_offsets, int64_t out_stride,
-    const std::vector<int64_t>& hotness, const std::vector<int64_t>& mean) {
+    const std::vector<int64_t>& hotness, const std::vector<int64_t>& mean,
+    const at::Tensor& gaps, const at::Tensor& halve) {
   const size_t T = keys.size();
-  for (const auto* v : {&cache_keys, &tags, &counters, &marks, &storage})
+  for (const auto* v : {&cache_keys, &tags, &counters, &storage})
     check(v->size() == T, "one tensor per table expected");
-  for (const auto* v : {&ways, &dims, &formats, &stamps, &mark_values, &looked_up, &intervals,
+  for (const auto* v : {&ways, &dims, &formats, &stamps, &streams, &looked_up, &intervals,
                         &out_offsets, &hotness, &mean})
     check(v->size() == T, "one value per table expected");
+  check(gaps.scalar_type() == at::kLong && gaps.numel() == kMaxLevel + 1 && gaps.is_contiguous() &&
+            halve.scalar_type() == at::kByte && halve.numel() == kMaxLevel + 1 &&
+            halve.is_contiguous(),
+        "gaps must be (128,) int64 and halve (128,) uint8 (hps.storage.slot_counter)");
+  const int64_t* gp = gaps.data_ptr<int64_t>();
+  const uint8_t* hv = halve.data_ptr<uint8_t>();
   check(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
         "out must be a contiguous CPU float32 tensor");
   std::vector<int64_t> valid(T, 0);
@@ -420,6 +466,12 @@ std::vector<at::Tensor> cache_gather(
     check(need > 0, "row format code " + std::to_string(formats[i]) + " with dim " +
                         std::to_string(dims[i]) + " is not a row format (codes 0..5)");
     const int64_t capacity = cache_keys[i].numel();
+    const auto kt = cache_keys[i].scalar_type();
+    check((kt == at::kInt || kt == at::kLong) && cache_keys[i].is_contiguous() &&
+              counters[i].scalar_type() == at::kByte && counters[i].numel() == capacity &&
+              counters[i].is_contiguous() && tags[i].scalar_type() == at::kByte &&
+              tags[i].numel() == capacity,
+          "cache keys must be contiguous int32 or int64, counters and tags uint8, one per slot");
     check(storage[i].scalar_type() == at::kByte && storage[i].dim() == 2 &&
               storage[i].size(0) == capacity && storage[i].is_contiguous(),
           "storage must be (capacity, row_bytes) contiguous uint8");
@@ -430,17 +482,20 @@ std::vector<at::Tensor> cache_gather(
     // LFU aging before this query's uses: one halving per multiple of the interval crossed
     const int64_t w = intervals[i];
     const int64_t crossed = w > 0 ? (looked_up[i] + valid[i]) / w - looked_up[i] / w : 0;
-    if (crossed > 0) {  // -1, an empty slot, stays -1
-      int64_t* c = counters[i].data_ptr<int64_t>();
-      const int s = static_cast<int>(std::min<int64_t>(crossed, 63));
-      for (int64_t j = 0; j < capacity; ++j) c[j] >>= s;  // once per aging period
+    if (crossed > 0) {  // the level of half the count, crossed times; mark bits are 0 here
+      uint8_t lut[kMaxLevel + 1];
+      for (int v = 0; v <= kMaxLevel; ++v) lut[v] = static_cast<uint8_t>(v);
+      for (int64_t r = 0; r < std::min<int64_t>(crossed, kMaxLevel + 1); ++r)
+        for (int v = 0; v <= kMaxLevel; ++v) lut[v] = hv[lut[v]];
+      uint8_t* c = counters[i].data_ptr<uint8_t>();
+      for (int64_t j = 0; j < capacity; ++j) c[j] = lut[c[j] & kMaxLevel];  // once per period
     }
     TableView t{k.data_ptr<int64_t>(),
                 k.numel(),
-                cache_keys[i].data_ptr<int64_t>(),
+                cache_keys[i].data_ptr(),
+                kt == at::kInt,
                 tags[i].data_ptr<uint8_t>(),
-                counters[i].data_ptr<int64_t>(),
-                marks[i].data_ptr<uint8_t>(),
+                counters[i].data_ptr<uint8_t>(),
                 storage[i].data_ptr<uint8_t>(),
                 capacity / ways[i],
                 ways[i],
@@ -448,7 +503,8 @@ std::vector<at::Tensor> cache_gather(
                 row_bytes,
                 formats[i],
                 stamps[i],
-                mark_values[i],
+                streams[i],
+                gp,
                 hotness[i],
                 mean[i] != 0,
                 out_base + out_offsets[i],

@@ -38,6 +38,7 @@ from hps.session.fill import CacheFill
 from hps.session.table import SessionTable, unique_with_inverse
 from hps.session_stats import SessionStats
 from hps.storage.cache import EmbeddingCache
+from hps.storage.slot_counter import LRU_PERIOD
 from hps.types import CachePolicy, Pooling, TierUnavailableError
 
 __all__ = ["fused_lookup"]
@@ -197,13 +198,9 @@ def _run(
     for c in order:
         c._lock.acquire()
     try:
-        stamps = []
         for c in order:
-            c._clock += 1
-        for c in caches:
-            stamps.append(c._clock if c.policy is CachePolicy.LRU else -1)
-        marks = [c.next_mark() for c in order]
-        mark_of = {id(c): m for c, m in zip(order, marks, strict=True)}
+            c._tick()
+        stamps = [c._clock % LRU_PERIOD if c.policy is CachePolicy.LRU else -1 for c in caches]
         args = GatherArgs(
             caches=caches,
             keys=flat,
@@ -213,7 +210,7 @@ def _run(
             hotness=hot,
             mean=[p is Pooling.MEAN for p in pooling] if pooling is not None else [False] * len(ts),
             stamps=stamps,
-            marks=[mark_of[id(c)] for c in caches],
+            streams=[c.lfu_stream() for c in caches],
             looked_up=[c._looked_up for c in caches],
             intervals=[c.lfu_decay_interval for c in caches],
         )

@@ -5,45 +5,38 @@ Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 wa
 
     set(key) = hi32(splitmix64(key)) × num_sets >> 32       num_sets = ceil(capacity / ways) = 2
 
-    keys     (num_sets, ways) int64    [[ 7, 12, E,  3],      E = EMPTY_KEY (-2**63)
+    keys     (num_sets, ways) int32    [[ 7, 12, E,  3],      E = -1 (int64 keys: EMPTY_KEY)
                                         [ 5,  E, E,  E]]
-    counters (num_sets, ways) int64    [[40, 38, -1, 12],     LRU: clock of last use
-                                        [41, -1, -1, -1]]     LFU: number of uses (aged)
+    counters (num_sets, ways) uint8    [[40, 38, 0, 12],      one byte (hps.storage.slot_counter):
+                                        [41,  0, 0,  0]]      LFU log level / LRU stamp, mark bit
     tags     (num_sets, ways) uint8    [[ 9, 201, 0, 77],     tag_of(key); 0 = empty
                                         [14,  0, 0,  0]]
+    homed    (capacity / 8,) uint8     one bit per slot: the slot holds the in-process volatile
+                                       tier's only copy of its row (see below)
     storage  (num_sets * ways, row_bytes) uint8   row of slot s*ways + w, in ``row_format``
     values   (num_sets * ways, dim) float32       the FP32 view of ``storage`` (FP32 rows only)
-    homed    (num_sets * ways,) bool              the slot holds the in-process volatile
-                                                  tier's only copy of its row (see below)
+
+Bytes per slot: the row + 6.125 with int32 keys (key 4, counter 1, tag 1, homed 1/8), + 10.125
+with int64 keys. A cache starts with int32 keys and widens them to int64 (one copy, under its
+lock) the first time it is given a key outside ``[0, 2**31 - 1]`` (``compact_keys=False``:
+int64 from the start); any key but ``EMPTY_KEY`` can be cached either way.
 
 A probe of the compiled path (:mod:`hps.fused`) reads the set's tag line (64 ways = one
 64-byte cache line), then only the key of a way whose tag matches (1 in 255 false matches per
-way), then the row: O(1) cache lines per key. The reference query below compares each key with
-the ``ways`` keys of its set in one vectorised ``==``; an
+way), then the row and the slot's counter byte: O(1) cache lines per key. The reference
+query below compares each key with the ``ways`` keys of its set in one vectorised ``==``; an
 insertion sorts the new keys by set and, inside a set, by their frequency in the request,
 and gives the r-th new key of a set that set's r-th victim (empty slots first, then the
 lowest counter) if that victim is colder (see :meth:`EmbeddingCache.insert`). No per-key
 Python loop anywhere.
 
-LFU aging (TinyLFU's "reset", Einziger et al., 2017): counts that only grow pin yesterday's
-hot keys forever once popularity drifts, since no new key can reach their totals. So every
-``lfu_decay_interval`` looked-up keys (occurrences, hits and misses: the same unit the counters
-grow by), every counter is halved (``c >> 1``; -1, an empty slot, stays -1). Worked example,
-``lfu_decay_interval = 10``::
+LFU counts are logarithmic (one byte, exact up to 18 uses, then ~3/16 apart; a use moves a
+level up with a probability drawn from a splitmix64 stream seeded per cache: reproducible,
+see :mod:`hps.storage.slot_counter`). LRU stamps are the query clock modulo 128, ages capped at
+63 every 64 queries (exact recency for the last 63 queries, older entries tie).
 
-    one set's counters                               [5, 3, 1, -1]   clock  0   decay_epoch 0
-    query 6 keys, no hit                             [5, 3, 1, -1]   clock  6
-    query 5 keys, slot 0 hit once: [5, 3, 1, -1] >> 1 = [2, 1, 0, -1]
-                                 then the hit: [3, 1, 0, -1]   clock 11   decay_epoch 1
-    query 25 keys, no hit (crosses 20 and 30):  >> 2 = [0, 0, 0, -1]   clock 36   decay_epoch 3
-
-A query first advances the clock by its keys (halving what came before), then counts its own
-hits in full, as TinyLFU counts the uses after a reset: a query longer than the period (a
-65,536-key batch against a 128-slot cache's 2,560) would otherwise halve its own hits several
-times over and lose them to every cold miss (hit rate 0.52 vs LRU's 0.58 in such a run). A
-priority counted at the query's epoch is counted the same way. A counter that reaches 0
-stays cached until a new key (priority ≥ 1) wants its slot. Insertions and warm-up never move
-the clock; LRU ignores it.
+LFU aging (TinyLFU's "reset"): every ``lfu_decay_interval`` looked-up keys every count is
+halved, before the query's own uses count (worked example in :mod:`hps.storage.slot_counter`).
 
 Exclusive tiers (no row held twice in host RAM). A CPU cache can be attached to the in-process
 hash map below it (:meth:`hps.storage.volatile.HashMapBackend.attach_cache`, a
@@ -59,11 +52,8 @@ persistent DB) is cached unhomed and dropped on eviction, as without exclusivity
     hash map {3, 9}      cache {7*, 12}
 
 Row formats: ``storage`` holds each row in the table's :class:`~hps.rowformat.RowDtype`
-(``row_bytes`` from :func:`hps.rowformat.row_bytes`: 512 / 256 / 132 / 68 bytes at dim 128 for
-FP32 / FP16 / INT8 / INT4), so a cache of INT8 rows holds ~3.5× the rows of an FP32 cache of
-the same bytes. :meth:`EmbeddingCache.query` dequantizes the rows it returns
-(:func:`hps.rowformat.dequantize_rows`); :meth:`EmbeddingCache.insert` quantizes float32 rows,
-or stores a tier's bytes as they are (``rows=``), so a row keeps its bytes from tier to tier.
+(512 / 256 / 132 / 68 bytes at dim 128 for FP32 / FP16 / INT8 / INT4); :meth:`query`
+dequantizes, :meth:`insert` quantizes float32 rows or stores a tier's bytes as they are.
 
 The cache itself is exact (it returns only rows it holds). What a *request* gets for a miss is
 decided by :class:`hps.session.LookupSession` (synchronous fill below the hit-rate threshold,
@@ -76,73 +66,36 @@ import logging
 import math
 import numbers
 import threading
-from dataclasses import dataclass
-from typing import Protocol
 
-import numpy as np
 import torch
 
 from hps.rowformat import RowDtype
 from hps.storage.cache_index import EMPTY_KEY as EMPTY_KEY
+from hps.storage.cache_index import homed_at, set_homed
 from hps.storage.cache_index import set_of as set_of
 from hps.storage.cache_index import tag_of as tag_of
+from hps.storage.cache_types import CacheStats as CacheStats
+from hps.storage.cache_types import Placed, RowHome
 from hps.storage.host_memory import huge_zeros
 from hps.storage.row_codec import RowCodec
+from hps.storage.slot_counter import (
+    LRU_PERIOD,
+    LRU_RENORM,
+    add_weighted,
+    aging_lut,
+    count_of,
+    draws,
+    level_of,
+    lru_renormalised,
+    stream_of,
+)
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 
 log = logging.getLogger(__name__)
 
 DEFAULT_WAYS = 64  # HugeCTR: slabs of 32 keys, 2 slabs per set
-_MAX_SHIFT = 63  # an int64 counter is 0 (or -1) after 63 halvings
-
-
-class RowHome(Protocol):
-    """The in-process volatile tier that an attached cache moves rows out of and back into
-    (:meth:`EmbeddingCache.attach`; implemented by the hash map's table, see the module
-    docstring). Its ``lock`` is held around every move and every read of the tier."""
-
-    lock: threading.Lock
-
-    def take(self, keys: np.ndarray) -> np.ndarray:
-        """Drop the rows of ``keys (n,) int64`` the tier stores; ``(n,) bool``: which it did."""
-        ...
-
-    def put_back(self, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Store ``rows (n, row_bytes) uint8`` (the cache's bytes) under ``keys (n,) int64``."""
-        ...
-
-
-@dataclass(frozen=True)
-class _Placed:
-    """What one insertion did inside the cache: ``placed`` new rows (``keys`` into ``slots``)
-    and the homed rows it evicted (``evicted_keys (e,)``, ``evicted_rows (e, row_bytes)``)."""
-
-    placed: int
-    keys: torch.Tensor
-    slots: torch.Tensor
-    evicted_keys: torch.Tensor
-    evicted_rows: torch.Tensor
-
-    @staticmethod
-    def none(cache: EmbeddingCache) -> _Placed:
-        e = torch.zeros(0, dtype=torch.int64, device=cache.device)
-        return _Placed(0, e, e, e, cache.storage[:0])
-
-
-@dataclass
-class CacheStats:
-    """Counters of one cache (unique keys as queried)."""
-
-    queries: int = 0
-    hits: int = 0
-    inserted: int = 0
-    evicted: int = 0
-    overflowed: int = 0  # new keys not admitted (no colder entry left in their set)
-    decays: int = 0  # LFU halvings of every counter
-
-    @property
-    def hit_rate(self) -> float:
-        return self.hits / self.queries if self.queries else 0.0
+_MAX_SHIFT = 63  # a priority (int64) is 0 after 63 halvings
+_INT32_MAX = 2**31 - 1
 
 
 class EmbeddingCache:
@@ -158,10 +111,13 @@ class EmbeddingCache:
             is halved after each ``lfu_decay_interval = max(1, round(lfu_decay_keys_per_slot ×
             capacity))`` looked-up keys (see the module docstring); 0 never ages. Ignored by LRU.
         row_format: how ``storage`` holds a row (the table's dtype).
+        compact_keys: hold keys as int32 (4 bytes less per slot) until a key outside
+            ``[0, 2**31 - 1]`` is inserted, then as int64; ``False``: int64 from the start.
+        seed: seeds the LFU counters' draws (:mod:`hps.storage.slot_counter`).
 
     Raises:
-        ValueError: naming a non-positive capacity, dim or ways, or a negative, non-finite or
-            non-numeric ``lfu_decay_keys_per_slot``.
+        ValueError: naming a non-positive capacity, dim or ways, or a negative,
+            non-finite or non-numeric ``lfu_decay_keys_per_slot``.
 
     All methods take ``keys: (n,) int64`` without duplicates on ``device`` and are
     thread-safe (one lock; each call is a few vectorised tensor ops).
@@ -176,6 +132,8 @@ class EmbeddingCache:
         device: torch.device | str = "cpu",
         lfu_decay_keys_per_slot: float = DEFAULT_LFU_DECAY_KEYS_PER_SLOT,
         row_format: RowDtype | str = RowDtype.FP32,
+        compact_keys: bool = True,
+        seed: int = 0,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"cache capacity must be > 0 rows, got {capacity}")
@@ -207,9 +165,15 @@ class EmbeddingCache:
         self.capacity = self.num_sets * self.ways
         sets = (self.num_sets, self.ways)
         # huge pages: the probe reads these at random (a TLB miss per read with 4 KiB pages)
-        self.keys = huge_zeros(sets, torch.int64, self.device).fill_(EMPTY_KEY)
-        self.counters = huge_zeros(sets, torch.int64, self.device).fill_(-1)
+        #: int32 (keys in [0, 2**31 - 1] so far; -1 in an empty slot) or int64 (EMPTY_KEY)
+        key_dtype = torch.int32 if compact_keys else torch.int64
+        self.keys = huge_zeros(sets, key_dtype, self.device).fill_(
+            -1 if compact_keys else EMPTY_KEY
+        )
+        #: one byte per slot (:mod:`hps.storage.slot_counter`): LFU level / LRU stamp, mark bit
+        self.counters = huge_zeros(sets, torch.uint8, self.device)
         self.tags = huge_zeros(sets, torch.uint8, self.device)
+        self.seed = int(seed)
         #: how a row is stored (:mod:`hps.rowformat`)
         self.codec = RowCodec(dim, RowDtype(row_format), "cache")
         self.row_format = self.codec.dtype
@@ -217,14 +181,11 @@ class EmbeddingCache:
         self.row_bytes = self.codec.row_bytes
         self.storage = huge_zeros((self.capacity, self.row_bytes), torch.uint8, self.device)
         self._fp32 = self.storage.view(torch.float32) if self.row_format is RowDtype.FP32 else None
-        #: per slot: the last compiled-path query that hit it (its unique-hit count); see
-        #: :meth:`next_mark`
-        self.marks = torch.zeros(self.capacity, dtype=torch.uint8, device=self.device)
-        #: per slot: its row is the attached :class:`RowHome`'s only copy (module docstring)
-        self.homed = torch.zeros(self.capacity, dtype=torch.bool, device=self.device)
+        #: one bit per slot (slot s: bit s % 8 of byte s // 8): its row is the attached
+        #: :class:`RowHome`'s only copy (module docstring)
+        self.homed_bits = torch.zeros(-(-self.capacity // 8), dtype=torch.uint8, device=self.device)
         #: the in-process tier this cache is exclusive with (:meth:`attach`), or ``None``
         self.home: RowHome | None = None
-        self._mark = 0
         self._clock = 1  # LRU: bumped by every query; entries inserted since then carry it
         self.lfu_decay_keys_per_slot = float(per_slot)
         #: looked-up keys between two LFU halvings (0: never; always 0 for LRU)
@@ -274,14 +235,19 @@ class EmbeddingCache:
             return rows.contiguous().view(torch.float32)
         return torch.from_numpy(self.codec.decode(rows.cpu().numpy())).to(self.device)
 
-    def next_mark(self) -> int:
-        """The mark (1..255) a compiled-path query writes into the slots it hits, so that a
-        slot's first hit in the query counts it as a unique hit; every 255 queries the marks
-        are cleared (O(capacity) once per 255 queries). Call with the cache's lock held."""
-        self._mark = self._mark % 255 + 1
-        if self._mark == 1:
-            self.marks.zero_()
-        return self._mark
+    def _tick(self) -> int:
+        """Advance the query clock (one per query or fused call) and return it; LRU: every
+        ``LRU_RENORM`` ticks the stamps' ages are capped (:func:`lru_renormalised`), so 7-bit
+        stamps never wrap. Call with the cache's lock held."""
+        self._clock += 1
+        if self.policy is CachePolicy.LRU and self._clock % LRU_RENORM == 0:
+            self.counters.copy_(lru_renormalised(self.counters, self._clock))
+        return self._clock
+
+    def lfu_stream(self) -> int:
+        """The draw stream of the LFU uses of the current query (:func:`stream_of` of the seed
+        and the clock)."""
+        return stream_of(self.seed, self._clock)
 
     def _advance_age(self, looked_up: int) -> int:
         """The halvings ``looked_up`` more keys cross (LFU aging clock), with the clock, the
@@ -302,21 +268,57 @@ class EmbeddingCache:
         s = set_of(keys, self.num_sets)
         match = (self.keys.index_select(0, s) == keys[:, None]).view(torch.uint8)  # (n, ways)
         hit, way = match.max(1)  # one pass: any match, and where
-        return hit.view(torch.bool), s * self.ways + way
+        hit = hit.view(torch.bool)
+        if self.keys.dtype == torch.int32:  # -1 is an empty int32 slot's key, never a cached one
+            hit = hit & (keys >= 0)
+        return hit, s * self.ways + way
 
-    def _touch(self, slots: torch.Tensor, counts: torch.Tensor | None) -> None:
+    def _touch(
+        self, slots: torch.Tensor, counts: torch.Tensor | None, positions: torch.Tensor
+    ) -> None:
+        """Count a use of each of ``slots (n,) int64`` (unique): LRU stamps the clock; LFU adds
+        ``counts`` (default 1) to the levels with the draws of ``positions (n,) int64``."""
         flat = self.counters.view(-1)
         if self.policy is CachePolicy.LRU:
-            flat[slots] = self._clock
-        else:
-            flat[slots] += 1 if counts is None else counts
+            flat[slots] = self._clock % LRU_PERIOD
+            return
+        w = torch.ones_like(slots) if counts is None else counts
+        flat[slots] = add_weighted(flat[slots], w, draws(self.lfu_stream(), positions))
+
+    @property
+    def empty_key(self) -> int:
+        """The key of an empty slot: -1 with int32 keys, ``EMPTY_KEY`` with int64 keys."""
+        return -1 if self.keys.dtype == torch.int32 else EMPTY_KEY
+
+    def _widen_for(self, keys: torch.Tensor) -> None:
+        """Hold keys as int64 from now on if int32 cannot hold one of ``keys (n,) int64``."""
+        if self.keys.dtype != torch.int32 or keys.numel() == 0:
+            return
+        if int(keys.min()) >= 0 and int(keys.max()) <= _INT32_MAX:
+            return
+        wide = huge_zeros(tuple(self.keys.shape), torch.int64, self.device)
+        wide.copy_(self.keys)
+        wide[self.tags == 0] = EMPTY_KEY
+        self.keys = wide
+        log.info(
+            "cache of %d slots: a key outside int32's range; keys widened to int64", self.capacity
+        )
+
+    def _homed_at(self, slots: torch.Tensor) -> torch.Tensor:
+        """``(n,) bool``: the homed bit of each of ``slots (n,) int64``."""
+        return homed_at(self.homed_bits, slots)
+
+    def _set_homed(self, slots: torch.Tensor, value: bool) -> None:
+        """Set (or clear) the homed bit of ``slots (n,) int64`` (unique)."""
+        set_homed(self.homed_bits, slots, value)
 
     def _age(self, looked_up: int) -> None:
         """Advance the aging clock by ``looked_up`` keys; halve every counter once per multiple
         of ``lfu_decay_interval`` crossed."""
         crossed = self._advance_age(looked_up)
         if crossed:
-            self.counters.bitwise_right_shift_(min(crossed, _MAX_SHIFT))  # -1 (empty) stays -1
+            lut = aging_lut(crossed).to(self.device)
+            self.counters.copy_(lut[self.counters.long()])
 
     def query(
         self,
@@ -339,13 +341,13 @@ class EmbeddingCache:
         """
         with self._lock:
             hit, slot = self._slots(keys)
-            self._clock += 1
+            self._tick()
             hs = slot[hit]
             if self.lfu_decay_interval:  # age first: this query's own uses count in full (as
                 # TinyLFU, whose uses after a reset are not halved); a query longer than the
                 # period would otherwise shift its own hits away and lose to every cold miss
                 self._age(int(keys.numel()) if counts is None else int(counts.sum()))
-            self._touch(hs, None if counts is None else counts[hit])
+            self._touch(hs, None if counts is None else counts[hit], torch.nonzero(hit).squeeze(1))
             self.stats.queries += int(keys.numel())
             self.stats.hits += int(hs.numel())
             if inverse is None:
@@ -408,7 +410,7 @@ class EmbeddingCache:
             moved = self._insert(keys, rows, priority, epoch)
             held = torch.from_numpy(home.take(moved.keys.cpu().numpy()))
             with self._lock:
-                self.homed[moved.slots[held.to(self.device)]] = True
+                self._set_homed(moved.slots[held.to(self.device)], True)
             if moved.evicted_keys.numel():
                 home.put_back(moved.evicted_keys.cpu().numpy(), moved.evicted_rows.cpu().numpy())
             return moved.placed
@@ -419,7 +421,7 @@ class EmbeddingCache:
         values: torch.Tensor,
         priority: torch.Tensor | None,
         epoch: int | None,
-    ) -> _Placed:
+    ) -> Placed:
         """:meth:`insert` of encoded ``values (n, row_bytes) uint8`` within this cache: the
         rows placed, and the homed rows evicted."""
         if priority is None:
@@ -432,8 +434,9 @@ class EmbeddingCache:
                 self.storage[slot[hit]] = values[hit]
             new = ~hit
             if not new.any():
-                return _Placed.none(self)
+                return Placed.none(self.storage)
             keys, values, priority = keys[new], values[new], priority[new].clamp(1, 2**31 - 1)
+            self._widen_for(keys)
             s = set_of(keys, self.num_sets)
             # sort by set, then by priority (descending) inside a set
             order = torch.argsort(s * 2**31 + (2**31 - 1 - priority), stable=True)
@@ -444,33 +447,38 @@ class EmbeddingCache:
             starts = torch.cumsum(counts, 0) - counts
             rank = torch.arange(s_sorted.numel(), device=self.device) - starts[inv]
             fits = rank < self.ways
-            set_counters = self.counters.index_select(0, sets)  # (S, ways)
-            victim_order = torch.argsort(set_counters, dim=1, stable=True)
+            level = self.counters.index_select(0, sets).long()  # (S, ways)
+            empty = self.tags.index_select(0, sets) == 0
+            lru = self.policy is CachePolicy.LRU
+            # coldness, lowest first: empty slots, then LRU the oldest use, LFU the fewest uses
+            age = (self._clock - level) % LRU_PERIOD if lru else level
+            cold = torch.where(empty, -1, LRU_PERIOD - 1 - age if lru else level)
+            victim_order = torch.argsort(cold, dim=1, stable=True)
             inv_f, rank_f, src = inv[fits], rank[fits], order[fits]
             way = victim_order[inv_f, rank_f]
-            victim_c = set_counters[inv_f, way]
-            incoming = (
-                torch.full_like(victim_c, self._clock)
-                if self.policy is CachePolicy.LRU
-                else priority[src]
-            )
-            ok = victim_c < incoming
+            was_empty = empty[inv_f, way]
+            if lru:  # a colder entry: one not used since the last query
+                ok = was_empty | (age[inv_f, way] >= 1)
+                incoming = torch.full_like(src, self._clock % LRU_PERIOD).to(torch.uint8)
+            else:  # one used fewer times than the new key's priority
+                ok = was_empty | (count_of(level[inv_f, way].to(torch.uint8)) < priority[src])
+                incoming = level_of(priority[src])
             self.stats.overflowed += int(keys.numel() - int(ok.sum()))
             tgt = (sets[inv_f] * self.ways + way)[ok]
             src = src[ok]
             flat_keys = self.keys.view(-1)
-            old = flat_keys[tgt]
-            self.stats.evicted += int((old != EMPTY_KEY).sum())
-            back = self.homed[tgt]  # homed rows evicted: they go back to the home
-            evicted_keys, evicted_rows = old[back], self.storage[tgt[back]]  # copies
-            flat_keys[tgt] = keys[src]
+            self.stats.evicted += int((~was_empty[ok]).sum())
+            back = self._homed_at(tgt)  # homed rows evicted: they go back to the home
+            evicted_keys = flat_keys[tgt][back].to(torch.int64)
+            evicted_rows = self.storage[tgt[back]]  # copies
+            flat_keys[tgt] = keys[src].to(self.keys.dtype)
             self.tags.view(-1)[tgt] = tag_of(keys[src])
             self.storage[tgt] = values[src]
             self.counters.view(-1)[tgt] = incoming[ok]
-            self.homed[tgt] = False
+            self._set_homed(tgt, False)
             n = int(tgt.numel())
             self.stats.inserted += n
-            return _Placed(n, keys[src], tgt, evicted_keys, evicted_rows)
+            return Placed(n, keys[src], tgt, evicted_keys, evicted_rows)
 
     def update_if_present(
         self, keys: torch.Tensor, values: torch.Tensor, rows: torch.Tensor | None = None
@@ -503,12 +511,12 @@ class EmbeddingCache:
         with self._lock:
             hit, slot = self._slots(keys)
             hs = slot[hit]
-            back = self.homed[hs]
+            back = self._homed_at(hs)
             back_keys, back_rows = keys[hit][back], self.storage[hs[back]]
-            self.keys.view(-1)[hs] = EMPTY_KEY
+            self.keys.view(-1)[hs] = self.empty_key
             self.tags.view(-1)[hs] = 0
-            self.counters.view(-1)[hs] = -1
-            self.homed[hs] = False
+            self.counters.view(-1)[hs] = 0
+            self._set_homed(hs, False)
             return int(hs.numel()), back_keys, back_rows
 
     # ------------------------------------------------------------------ exclusive tiers
@@ -529,7 +537,7 @@ class EmbeddingCache:
         with self._lock:
             if self.home is not None:
                 raise ValueError("this cache is already attached to an in-process tier")
-            held = int((self.keys != EMPTY_KEY).sum())
+            held = int((self.tags != 0).sum())
             if held:
                 raise ValueError(
                     f"a cache must be empty to be attached to an in-process tier (holds {held} rows)"
@@ -542,7 +550,7 @@ class EmbeddingCache:
         clock or statistic moves: the home answers for these rows (call with its lock held)."""
         with self._lock:
             hit, slot = self._slots(keys)
-            hit &= self.homed[slot]
+            hit &= self._homed_at(slot)
             return self.storage.index_select(0, slot), hit
 
     def update_homed(self, keys: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -554,7 +562,7 @@ class EmbeddingCache:
             hit, slot = self._slots(keys)
             hs = slot[hit]
             self.storage[hs] = rows[hit]
-            self.homed[hs] = True
+            self._set_homed(hs, True)
             return hit
 
     def unhome(self, keys: torch.Tensor) -> None:
@@ -562,19 +570,24 @@ class EmbeddingCache:
         copies the home no longer holds. Call with the home's lock held."""
         with self._lock:
             hit, slot = self._slots(keys)
-            self.homed[slot[hit]] = False
+            self._set_homed(slot[hit], False)
 
     def homed_rows(self) -> int:
         """Rows this cache holds for its home."""
         with self._lock:
             return int(self.homed.sum())
 
+    @property
+    def homed(self) -> torch.Tensor:
+        """``(capacity,) bool``: which slots hold their home's only copy (a new tensor)."""
+        return self._homed_at(torch.arange(self.capacity, device=self.device))
+
     # ------------------------------------------------------------------ refresh / inspection
     def cached_keys(self) -> torch.Tensor:
         """Every cached key, ``(k,) int64``."""
         with self._lock:
             k = self.keys.view(-1)
-            return k[k != EMPTY_KEY].clone()
+            return k[self.tags.view(-1) != 0].to(torch.int64)
 
     def next_refresh_keys(self, fraction: float) -> torch.Tensor:
         """The cached keys of the next ``fraction`` of slots (round robin over calls)."""
@@ -584,16 +597,16 @@ class EmbeddingCache:
             idx = torch.arange(start, start + n, device=self.device) % self.capacity
             self._refresh_cursor = (start + n) % self.capacity
             k = self.keys.view(-1)[idx]
-            return k[k != EMPTY_KEY].clone()
+            return k[self.tags.view(-1)[idx] != 0].to(torch.int64)
 
     def nbytes(self) -> int:
-        """Host or device bytes this cache holds: rows, keys, counters, tags, marks and homed
-        flags."""
+        """Host or device bytes this cache holds: rows, keys, counters, tags and homed bits
+        (per slot: the row + 6.125 with int32 keys, + 10.125 with int64 keys)."""
         return sum(
             t.numel() * t.element_size()
-            for t in (self.storage, self.keys, self.counters, self.tags, self.marks, self.homed)
+            for t in (self.storage, self.keys, self.counters, self.tags, self.homed_bits)
         )
 
     def __len__(self) -> int:
         with self._lock:
-            return int((self.keys != EMPTY_KEY).sum())
+            return int((self.tags != 0).sum())

@@ -1,13 +1,22 @@
 """Where a key lives in the embedding cache: its set (the high 32 bits of splitmix64 scaled to
 the number of sets) and its tag (8 bits the set index does not use, 0 marking an empty slot).
 The compiled fused pass (``hps/csrc``) computes the same two functions; the tests compare them.
+Also the slots' homed bits: one bit per slot, slot ``s`` at bit ``s % 8`` of byte ``s // 8``.
 """
 
 from __future__ import annotations
 
 import torch
 
-__all__ = ["EMPTY_KEY", "set_of", "tag_of"]
+__all__ = [
+    "EMPTY_KEY",
+    "homed_at",
+    "mix64_int",
+    "mix_keys",
+    "set_homed",
+    "set_of",
+    "tag_of",
+]
 
 EMPTY_KEY = -(2**63)  # sentinel of an empty slot; this one int64 key value cannot be cached
 
@@ -27,12 +36,26 @@ def _srl(x: torch.Tensor, s: int) -> torch.Tensor:
 
 
 def _mix(keys: torch.Tensor) -> torch.Tensor:
-    """The splitmix64 finaliser over ``(n,) int64`` (the same as :func:`hps.types.mix64`;
+    """The splitmix64 finaliser over ``(n,) int64`` or int32 (the same as :func:`hps.types.mix64`;
     int64 multiplication wraps modulo 2**64)."""
-    z = keys + _GOLDEN
+    z = keys.to(torch.int64) + _GOLDEN  # int32 keys (a compact cache's) widen first
     z = (z ^ _srl(z, 30)) * _M1
     z = (z ^ _srl(z, 27)) * _M2
     return z ^ _srl(z, 31)
+
+
+def mix_keys(keys: torch.Tensor) -> torch.Tensor:
+    """``(n,) int64`` → ``(n,) int64``: splitmix64 of each value, bits as a signed int64."""
+    return _mix(keys)
+
+
+def mix64_int(x: int) -> int:
+    """splitmix64 of one 64-bit value (Python int, any sign), as a signed int64."""
+    m = (1 << 64) - 1
+    z = (x + 0x9E3779B97F4A7C15) & m
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & m
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & m
+    return _signed(z ^ (z >> 31))
 
 
 def set_of(keys: torch.Tensor, num_sets: int) -> torch.Tensor:
@@ -46,3 +69,23 @@ def tag_of(keys: torch.Tensor) -> torch.Tensor:
     """``(n,) int64`` keys → ``(n,) uint8`` tags in ``[1, 255]`` (0 marks an empty slot):
     ``1 + (low 16 bits of mix64(key)) % 255``, bits the set index does not use."""
     return (1 + (_mix(keys) & 0xFFFF) % 255).to(torch.uint8)
+
+
+def homed_at(bits: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``bits (ceil(capacity / 8),) uint8``, ``slots (n,) int64`` → ``(n,) bool``: each slot's
+    bit."""
+    return ((bits[slots >> 3] >> (slots & 7).to(torch.uint8)) & 1).to(torch.bool)
+
+
+def set_homed(bits: torch.Tensor, slots: torch.Tensor, value: bool) -> None:
+    """Set (``value``) or clear the bits of ``slots (n,) int64`` (unique) in ``bits`` in place."""
+    if slots.numel() == 0:
+        return
+    byte, where = torch.unique(slots >> 3, return_inverse=True)
+    # distinct bits of distinct slots: their sum in a byte is their OR
+    m = torch.zeros(byte.numel(), dtype=torch.int64, device=bits.device)
+    m = m.index_add_(0, where, torch.ones_like(slots) << (slots & 7)).to(torch.uint8)
+    if value:
+        bits[byte] |= m
+    else:
+        bits[byte] &= ~m

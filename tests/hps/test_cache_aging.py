@@ -18,6 +18,7 @@ from hps.config import parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache
+from hps.storage.slot_counter import count_of, level_of
 from hps.storage.sparse_files import write_table
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy, StorageBackend
 from tests.hps.hps_helpers import make_table
@@ -33,7 +34,7 @@ def _one_set(per_slot: float, capacity: int = 4) -> EmbeddingCache:
 def _counter(c: EmbeddingCache, key: int) -> int:
     hit, slot = c._slots(torch.tensor([key]))
     assert bool(hit[0]), f"key {key} is not cached"
-    return int(c.counters.view(-1)[slot[0]])
+    return int(count_of(c.counters.view(-1)[slot[:1]])[0])  # uses its level stands for
 
 
 def _keys(*k: int) -> torch.Tensor:
@@ -82,10 +83,10 @@ def test_counters_halve_exactly_when_the_clock_reaches_the_interval() -> None:
     c = _one_set(2.5)
     assert c.lfu_decay_interval == 10
     c.insert(_keys(1, 2, 3, 4), torch.zeros(4, 1), priority=_keys(5, 3, 1, 7))
-    c.invalidate(_keys(4))  # an empty slot: its -1 must survive halving
+    c.invalidate(_keys(4))  # an empty slot (tag 0) stays empty through halving
 
     def counters() -> list[int]:
-        assert int((c.counters == -1).sum()) == 1
+        assert int((c.tags == 0).sum()) == 1
         return [_counter(c, k) for k in (1, 2, 3)]
 
     c.query(_keys(100, 101, 102, 103, 104, 105))  # 6 keys, no hit
@@ -114,7 +115,7 @@ def test_a_huge_query_saturates_the_shift() -> None:
     c.insert(_keys(1), torch.zeros(1, 1), priority=_keys(2**31 - 1))
     c.query(_keys(1, 5), counts=_keys(1, 10_000))
     assert _counter(c, 1) == 1 and c.decay_epoch == 10_001  # shifted to 0, then its own hit
-    assert int((c.counters == -1).sum()) == 3
+    assert int((c.tags == 0).sum()) == 3
 
 
 def test_a_query_longer_than_the_period_keeps_its_own_hot_hits() -> None:
@@ -418,7 +419,9 @@ def test_a_background_fill_goes_into_the_cache_its_lookup_queried() -> None:
     s.tables["t"].cache = swapped_in
     gate.set()
     s.drain()
-    assert _counter(queried, 7) == 1000 and not bool(swapped_in.contains(_keys(7))[0])
+    # 1000 uses at the queried cache's epoch (rounded down to a one-byte level: 959)
+    assert _counter(queried, 7) == int(count_of(level_of(_keys(1000)))[0]) == 959
+    assert not bool(swapped_in.contains(_keys(7))[0])
     s.close()
 
 

@@ -58,8 +58,9 @@ def test_every_row_resident_holds_each_row_once_in_at_most_589_bytes() -> None:
     _check_held_once(v, c, keys)
     assert len(c) > 0.9 * n and v.stored_rows("t") == n - len(c)
     row = 4 * dim
-    # per slot: the row, key and counter (int64), tag, mark and homed flag (one byte each)
-    assert c.nbytes() == c.capacity * (row + 8 + 8 + 1 + 1 + 1)
+    # per slot: the row, its int32 key, counter and tag (one byte each), homed bit (1/8 byte)
+    assert c.keys.dtype == torch.int32
+    assert c.nbytes() == c.capacity * (row + 4 + 1 + 1) + c.capacity // 8
     parts = v._table("t").parts
     # per partition: slots (rows + an int32 free-list entry when free), and per row its key and
     # int32 slot index: the few rows left under a tenth of the key range keep a sorted index

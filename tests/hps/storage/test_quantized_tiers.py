@@ -124,7 +124,8 @@ def test_an_int8_cache_holds_d_plus_4_bytes_per_row_and_dequantizes() -> None:
     c8 = EmbeddingCache(cap, dim, ways=8, row_format=RowDtype.INT8)
     c32 = EmbeddingCache(cap, dim, ways=8)
     assert c8.storage.shape == (cap, dim + 4) and c8.row_bytes == row_bytes(RowDtype.INT8, dim)
-    assert c8.nbytes() == cap * (dim + 4 + 19) and c32.nbytes() == cap * (4 * dim + 19)
+    meta = cap * (4 + 1 + 1) + cap // 8  # int32 key, counter, tag; a homed bit
+    assert c8.nbytes() == cap * (dim + 4) + meta and c32.nbytes() == cap * 4 * dim + meta
     g = torch.Generator().manual_seed(0)
     w = torch.randn(32, dim, generator=g)
     keys = torch.arange(32)

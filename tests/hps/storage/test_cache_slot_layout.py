@@ -1,0 +1,120 @@
+"""The embedding cache's per-slot bytes (int32 keys widened on demand, one counter byte, one
+tag byte, one homed bit) and the one-byte counter (hps.storage.slot_counter)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hps.rowformat import RowDtype, row_bytes
+from hps.storage.cache import EMPTY_KEY, EmbeddingCache
+from hps.storage.slot_counter import (
+    HALVE,
+    LEVEL_COUNTS,
+    add_weighted,
+    count_of,
+    draws,
+    level_of,
+    stream_of,
+)
+from hps.types import CachePolicy
+
+DIM = 128
+FBGEMM_ROW = {RowDtype.FP32: 512, RowDtype.FP16: 256, RowDtype.INT8: 132, RowDtype.INT4: 68}
+
+
+@pytest.mark.parametrize("dtype", list(FBGEMM_ROW))
+@pytest.mark.parametrize("compact", [True, False])
+def test_bytes_per_slot_are_the_row_plus_the_pinned_metadata(
+    dtype: RowDtype, compact: bool
+) -> None:
+    """int32 keys: row + 4 (key) + 1 (counter) + 1 (tag) + 1/8 (homed bit); int64: + 8."""
+    cap = 256
+    c = EmbeddingCache(cap, DIM, ways=64, row_format=dtype, compact_keys=compact)
+    key = 4 if compact else 8
+    assert c.keys.dtype == (torch.int32 if compact else torch.int64)
+    assert (c.keys.shape, c.counters.shape, c.tags.shape) == ((4, 64),) * 3
+    assert c.counters.dtype == c.tags.dtype == c.homed_bits.dtype == torch.uint8
+    assert c.homed_bits.shape == (cap // 8,)
+    assert c.storage.shape == (cap, row_bytes(dtype, DIM)) == (cap, FBGEMM_ROW[dtype])
+    assert c.nbytes() == cap * (FBGEMM_ROW[dtype] + key + 2) + cap // 8
+    per_slot = c.nbytes() / cap
+    assert per_slot == FBGEMM_ROW[dtype] + key + 2.125
+    if compact:  # issue 28: each tier's bytes per row ≤ 1.1 × FBGEMM's row of the same dtype
+        assert per_slot <= 1.1 * FBGEMM_ROW[dtype]
+
+
+def test_keys_widen_to_int64_the_first_time_one_needs_it() -> None:
+    c = EmbeddingCache(64, 2, ways=8)
+    small = torch.arange(10)
+    c.insert(small, small[:, None].float().expand(10, 2))
+    assert c.keys.dtype == torch.int32 and int(c.keys.view(-1)[c.tags.view(-1) == 0][0]) == -1
+    assert not bool(c.contains(torch.tensor([-1]))[0])  # -1 is an empty slot's key, not cached
+    assert not bool(c.contains(torch.tensor([2**32 + 3]))[0])  # int32 cannot hold it
+    before = c.nbytes()
+    big = torch.tensor([-1, 2**31, -(2**62)])
+    assert c.insert(big, torch.ones(3, 2)) == 3
+    assert c.keys.dtype == torch.int64 and c.nbytes() == before + 4 * 64
+    assert int(c.keys.view(-1)[c.tags.view(-1) == 0][0]) == EMPTY_KEY
+    got, hit = c.query(torch.cat([small, big]))
+    assert hit.all() and torch.equal(got[:10, 0], small.float()) and bool((got[10:] == 1).all())
+    assert sorted(c.cached_keys().tolist()) == sorted([*small.tolist(), *big.tolist()])
+
+
+def test_homed_bits_are_one_bit_per_slot() -> None:
+    c = EmbeddingCache(64, 2, ways=8)
+    c._set_homed(torch.tensor([0, 1, 2, 9, 63]), True)
+    assert c.homed_bits[:2].tolist() == [0b111, 0b10] and int(c.homed_bits[7]) == 0x80
+    c._set_homed(torch.tensor([1, 63]), False)
+    c._set_homed(torch.tensor([2]), True)  # already set: stays set
+    assert c.homed_bits[:2].tolist() == [0b101, 0b10] and int(c.homed_bits[7]) == 0
+    assert c.homed.nonzero().view(-1).tolist() == [0, 2, 9]
+
+
+def test_lfu_levels_are_exact_up_to_18_then_logarithmic() -> None:
+    assert LEVEL_COUNTS[:19] == tuple(range(19)) and len(LEVEL_COUNTS) == 128
+    assert all(b > a for a, b in zip(LEVEL_COUNTS, LEVEL_COUNTS[1:], strict=False))
+    assert LEVEL_COUNTS[19:22] == (21, 24, 28) and LEVEL_COUNTS[-1] == 2_110_814_135
+    assert [HALVE[v] for v in range(19)] == [v >> 1 for v in range(19)]  # c >> 1, as before
+    assert all(LEVEL_COUNTS[HALVE[v]] <= LEVEL_COUNTS[v] // 2 for v in range(128))
+    counts = torch.tensor([0, 5, 18, 20, 1000, 2**31 - 1])
+    assert count_of(level_of(counts)).tolist() == [0, 5, 18, 18, 959, 2_110_814_135]
+
+
+def test_morris_steps_are_unbiased_and_reproducible() -> None:
+    """Weights added through levels keep the expected count (10,000 counters, seeded draws:
+    the same draws give the same levels, another seed other levels)."""
+    n = 10_000
+    for w in (1, 7, 100, 5000):
+        lv = torch.full((n,), 19, dtype=torch.uint8)  # 21 uses: past the exact levels
+        for step in range(5):
+            lv = add_weighted(lv, torch.full((n,), w), draws(stream_of(0, step), torch.arange(n)))
+        mean = float(count_of(lv).double().mean())
+        assert abs(mean - (21 + 5 * w)) <= 0.02 * (21 + 5 * w), (w, mean)
+    u = draws(stream_of(1, 5), torch.arange(n))
+    assert torch.equal(u, draws(stream_of(1, 5), torch.arange(n)))
+    assert not torch.equal(u, draws(stream_of(2, 5), torch.arange(n)))
+    assert int(u.min()) >= 0 and int(u.max()) < 2**32
+
+
+def test_an_lfu_query_counts_small_uses_exactly_and_large_ones_by_level() -> None:
+    c = EmbeddingCache(8, 1, policy=CachePolicy.LFU, ways=8, lfu_decay_keys_per_slot=0)
+    c.insert(torch.tensor([1, 2]), torch.zeros(2, 1))
+    c.query(torch.tensor([1, 2]), counts=torch.tensor([4, 3000]))
+    _, slot = c._slots(torch.tensor([1, 2]))
+    got = count_of(c.counters.view(-1)[slot]).tolist()
+    assert got[0] == 5  # 1 + 4: exact
+    lo = max(x for x in LEVEL_COUNTS if x <= 3001)
+    assert got[1] in (lo, min(x for x in LEVEL_COUNTS if x > 3001))  # 3001 rounded to a level
+
+
+def test_lru_stamps_never_wrap() -> None:
+    """7-bit LRU stamps: after 127 queries an entry's stamp would equal the clock again; the
+    renormalisation every 64 queries keeps it the oldest, so it is the one evicted."""
+    c = EmbeddingCache(2, 1, policy=CachePolicy.LRU, ways=2)
+    c.insert(torch.tensor([1, 2]), torch.zeros(2, 1))  # both stamped at clock 1
+    for q in range(127):  # 127 queries of absent keys
+        c.query(torch.tensor([100 + q]))
+    c.query(torch.tensor([2]))  # key 2 used now; key 1 last used 128 queries ago
+    assert c.insert(torch.tensor([3]), torch.zeros(1, 1)) == 1
+    assert c.contains(torch.tensor([1, 2, 3])).tolist() == [False, True, True]

@@ -39,7 +39,7 @@ from embark.cluster import EmulatedCluster, LinkShape, missing_capability, run_t
 from embark.models.workloads import Workload, get_workload
 from embark.planner.cost import CostModel
 from embark.planner.planner import plan_sharding
-from embark.planner.runtime_model import HostRates, runtime_phases
+from embark.planner.runtime_model import DDP_BUCKET_BYTES, HostRates, runtime_phases
 from embark.planner.types import CostConstants
 from embark.topology import (
     EMULATED_INTER_NODE_BYTES_PER_S,
@@ -157,13 +157,18 @@ def add_prediction(row: dict[str, Any], w: Workload, plan: ShardingPlan | None) 
     )
     model = CostModel(w, calib, row["batch_size"], CALIBRATED)
     side = row["side"]
+    modes = side.split("+")
+    bucket_bytes = (
+        DDP_BUCKET_BYTES if side == "torchrec" else (4 << 20 if "4mib" in modes else None)
+    )
     phases = runtime_phases(
         plan,
         model,
         rates,
-        "pipeline" in side.split("+"),
+        "pipeline" in modes,
         side == "torchrec",
         GradReduce(row["grad_reduce"]),
+        bucket_bytes,
     )
     row["predicted_phases_s"] = phases
     row["predicted_step_s"] = sum(phases.values())

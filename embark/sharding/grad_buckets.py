@@ -2,13 +2,14 @@
 ``backward`` still runs (as DDP's reducer does), so the exchange of the last layers'
 gradients overlaps the backward of the first layers.
 
-Parameters are cut into buckets of about :func:`~embark.types.grad_bucket_bytes` of their bytes, in reverse registration order
-(backward produces the last layers' gradients first; :func:`bucket_indices`). A hook on each parameter
-(``register_post_accumulate_grad_hook``) counts the gradients that arrived; when a bucket is
-complete its gradients are copied into the bucket's buffer (allocated once and reused every
-step: a fresh bucket-sized tensor would be page-faulted in each time; a parameter larger than a
-bucket is summed in its own gradient, no copy) and its all-reduce starts asynchronously;
-after it, each ``p.grad`` is a view of the buffer. Buckets start strictly in order (bucket ``i`` after ``0 .. i-1``), so every
+Parameters are cut into buckets of about :func:`~embark.types.grad_bucket_bytes` of their
+bytes, in reverse registration order (backward produces the last layers' gradients first;
+:func:`bucket_indices`). A hook on each parameter (``register_post_accumulate_grad_hook``)
+counts the gradients that arrived; when a bucket is complete its gradients are copied into
+the bucket's buffer (allocated once and reused every step: a fresh bucket-sized tensor would
+be page-faulted in each time; a parameter larger than a bucket is summed in its own gradient,
+no copy) and its all-reduce starts asynchronously; after it, each ``p.grad`` is a view of the
+buffer. Buckets start strictly in order (bucket ``i`` after ``0 .. i-1``), so every
 rank issues the same sequence of collectives whatever order autograd finishes them in::
 
     backward:   top MLP grads ─▶ bucket 0 ─all_reduce(async)─┐
@@ -35,6 +36,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import weakref
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from typing import Any
@@ -165,6 +167,8 @@ class GradBuckets:
         if self.hierarchical is not None:
             if self._worker is None:
                 self._worker = _Worker(self.hierarchical)
+                # an idle worker ends with its GradBuckets where close() was never called
+                weakref.finalize(self, self._worker.close, False)
             work = self._worker.submit(flat, self._abort)
         elif dist.is_available() and dist.is_initialized():
             work = dist.all_reduce(flat, group=self.group, async_op=True)

@@ -52,7 +52,7 @@ NODES, RANKS_PER_NODE = 2, 2
 OUR_PLANS = {"ours": "auto", "trw": "trw", "rw": "rw", "tw": "tw"}
 SIDES = ("ours", "trw", "rw", "tw", "ours+pipeline", "torchrec")
 # sides run only when named in --sides: our plan with the dense gradients in one flat ring
-# (in the runtime's 1 MiB buckets, or in 4 MiB ones: one bucket for DLRM-DCNv2's dense part)
+# (in the runtime's buckets, 1 MiB for DLRM-DCNv2's dense part, or in 4 MiB ones: one bucket there)
 OPTIONAL_SIDES = ("ours+flat", "ours+flat+4mib")
 # every efficiency 1: the calibrated figures are rates reached, not peaks
 CALIBRATED = CostConstants(

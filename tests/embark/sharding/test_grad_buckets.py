@@ -93,12 +93,16 @@ def test_a_failed_bucket_skips_the_queued_ones_and_leaves_no_thread() -> None:
     # timeout), and the worker thread ended
     assert reducer.calls == 1
     assert _bucket_threads() == []
-    # the next step runs on a new worker
+    # the next steps run on a new worker, one thread kept from step to step
     reducer.fail_at = None
-    buckets.arm()
-    model(torch.randn(8, 6)).square().sum().backward()
-    buckets.finish()
-    assert reducer.calls == 1 + len(buckets.buckets)
+    threads = []
+    for _ in range(2):
+        buckets.arm()
+        model(torch.randn(8, 6)).square().sum().backward()
+        buckets.finish()
+        threads.append([t for t in threading.enumerate() if t.name == "grad-buckets"])
+    assert reducer.calls == 1 + 2 * len(buckets.buckets)
+    assert len(threads[0]) == 1 and threads[1] == threads[0]
     buckets.close()
     assert _bucket_threads() == []
 

@@ -25,6 +25,7 @@ __all__ = [
     "Cluster",
     "CommDtype",
     "GradReduce",
+    "grad_bucket_bytes",
     "PlanError",
     "Topology",
     "Shard",
@@ -91,6 +92,30 @@ class GradReduce(StrEnum):
 
     FLAT = "flat"
     HIERARCHICAL = "hierarchical"
+
+
+# Bucket size of the replicated gradients' all-reduce (embark.sharding.grad_buckets), chosen by
+# the bytes bucketed. A third of them, so that a dense part of a few MB still makes three
+# buckets, the first of which can start once the last layers' backward is done (DLRM-DCNv2
+# narrowed to 2.5 MB on the emulated cluster: three 1 MiB buckets, where one 4 MiB bucket
+# started only after the whole backward). At most 4 MiB: every bucket pays a fixed latency per
+# collective (a node-by-node bucket is three dependent collectives, serialized on one worker
+# thread), so a 64 MB dense part makes 16 buckets rather than 64 of 1 MiB; 4 MiB is the size
+# the 64 MB measurement of that module's overlap was made with. At least 1 MiB, for the same
+# latency reason.
+MIN_GRAD_BUCKET_BYTES = 1 << 20
+MAX_GRAD_BUCKET_BYTES = 4 << 20
+
+
+def grad_bucket_bytes(nbytes: float) -> int:
+    """The gradient bucket size for ``nbytes`` of replicated gradients: ``nbytes / 3``
+    clamped to ``[MIN_GRAD_BUCKET_BYTES, MAX_GRAD_BUCKET_BYTES]`` (see the constants).
+
+    >>> grad_bucket_bytes(2.5e6), grad_bucket_bytes(9e6) // 1000, grad_bucket_bytes(64e6)
+    (1048576, 3000, 4194304)
+    """
+    third = -(-int(nbytes) // 3)
+    return min(MAX_GRAD_BUCKET_BYTES, max(MIN_GRAD_BUCKET_BYTES, third))
 
 
 class PlanError(ValueError):

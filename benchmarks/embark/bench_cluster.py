@@ -39,7 +39,7 @@ from embark.cluster import EmulatedCluster, LinkShape, missing_capability, run_t
 from embark.models.workloads import Workload, get_workload
 from embark.planner.cost import CostModel
 from embark.planner.planner import plan_sharding
-from embark.planner.runtime_model import HostRates, runtime_phases
+from embark.planner.runtime_model import DDP_BUCKET_BYTES, HostRates, runtime_phases
 from embark.planner.types import CostConstants
 from embark.topology import (
     EMULATED_INTER_NODE_BYTES_PER_S,
@@ -52,7 +52,7 @@ NODES, RANKS_PER_NODE = 2, 2
 OUR_PLANS = {"ours": "auto", "trw": "trw", "rw": "rw", "tw": "tw"}
 SIDES = ("ours", "trw", "rw", "tw", "ours+pipeline", "torchrec")
 # sides run only when named in --sides: our plan with the dense gradients in one flat ring
-# (in the runtime's 1 MiB buckets, or in 4 MiB ones: one bucket for DLRM-DCNv2's dense part)
+# (in the runtime's buckets, 1 MiB for DLRM-DCNv2's dense part, or in 4 MiB ones: one bucket there)
 OPTIONAL_SIDES = ("ours+flat", "ours+flat+4mib")
 # every efficiency 1: the calibrated figures are rates reached, not peaks
 CALIBRATED = CostConstants(
@@ -157,13 +157,18 @@ def add_prediction(row: dict[str, Any], w: Workload, plan: ShardingPlan | None) 
     )
     model = CostModel(w, calib, row["batch_size"], CALIBRATED)
     side = row["side"]
+    modes = side.split("+")
+    bucket_bytes = (
+        DDP_BUCKET_BYTES if side == "torchrec" else (4 << 20 if "4mib" in modes else None)
+    )
     phases = runtime_phases(
         plan,
         model,
         rates,
-        "pipeline" in side.split("+"),
+        "pipeline" in modes,
         side == "torchrec",
         GradReduce(row["grad_reduce"]),
+        bucket_bytes,
     )
     row["predicted_phases_s"] = phases
     row["predicted_step_s"] = sum(phases.values())

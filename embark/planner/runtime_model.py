@@ -10,7 +10,8 @@ NVLink/InfiniBand cluster. A CPU rank of the gloo runtime also pays for what a G
   the probe's seconds per small op; ``OPS_PER_*`` say how many each phase spends per item
   (counted from the runtime's code path, see each constant).
 * **the dense all-reduce**: the dense part's and the DP replicas' gradients are summed in
-  buckets started during the dense backward (:func:`allreduce_seconds`): node by node
+  buckets started during the dense backward (:func:`allreduce_seconds`; every bucket pays
+  its collectives' latencies, :func:`~embark.types.grad_bucket_bytes`): node by node
   (:class:`~embark.types.GradReduce` ``HIERARCHICAL``, the runtime's choice on 2+ nodes of 2+
   ranks: the node uplink carries ``2 (N-1)/N`` of the bytes, as the planner's cost model rates
   DP replicas) or in one flat ring (``FLAT``: TorchRec's DDP, or our runtime told so; a ring
@@ -25,13 +26,21 @@ The result has the keys of :class:`~embark.sharding.phases.Phase` so that it lin
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
 
 from embark.planner.cost import NUM_CHANNELS, CostModel
 from embark.planner.simulator import check_plan
-from embark.types import Cluster, GradReduce, ShardingPlan, TableSharding, Topology
+from embark.types import (
+    Cluster,
+    GradReduce,
+    ShardingPlan,
+    TableSharding,
+    Topology,
+    grad_bucket_bytes,
+)
 
 # Fitted once (non-negative least squares per phase) on the batch-512 runs of DLRM-DCNv2, t200
 # and t180 on the emulated cluster (benchmarks/embark/bench_cluster.py; docs/benchmarks.md),
@@ -51,6 +60,8 @@ OPS_PER_TABLE_OTHER = 32.0  # per table: zero_grad, hooks, Python between phases
 RELAYED_EXCHANGE_FACTOR = 1.8
 #: fraction of the dense backward that hides the dense gradients' all-reduce
 ALLREDUCE_OVERLAP = 0.5
+#: DDP's default bucket size (TorchRec's dense gradients: one flat all-reduce per bucket)
+DDP_BUCKET_BYTES = 25 * 2**20
 
 
 @dataclass(frozen=True)
@@ -80,30 +91,45 @@ def relayed(ts: TableSharding, gpus_per_node: int) -> bool:
     return False
 
 
-def allreduce_seconds(nbytes: float, topology: Topology, how: GradReduce) -> float:
+def allreduce_seconds(
+    nbytes: float, topology: Topology, how: GradReduce, bucket_bytes: float | None = None
+) -> float:
     """Seconds of a SUM all-reduce of ``nbytes`` over every rank of ``topology`` (bandwidths
-    per rank; a node's uplink carries ``gpus_per_node`` ranks' bandwidth).
+    per rank; a node's uplink carries ``gpus_per_node`` ranks' bandwidth), in
+    ``ceil(nbytes / bucket_bytes)`` buckets summed one after the other (at least one).
 
     ``FLAT``: gloo's ring in rank order, ``2 (W-1)/W · nbytes`` through each node boundary
     (one rank of a node sends over the uplink, which then carries the node's bandwidth), and
-    ``2 (W-1)`` latencies. ``HIERARCHICAL`` (:mod:`embark.sharding.node_allreduce`): the
-    reduce-scatter and the all-gather inside the node, ``(g-1)/g · nbytes`` each per rank over
-    the intra-node link with ``g-1`` latencies each; then the shards' all-reduce across the
-    nodes, ``2 (N-1)/N · nbytes`` through the node's uplink with ``2 (N-1)`` latencies; the
-    stages one after the other. One node, or one rank per node: both are the one ring.
+    ``2 (W-1)`` latencies per bucket. ``HIERARCHICAL`` (:mod:`embark.sharding.node_allreduce`):
+    the reduce-scatter and the all-gather inside the node, ``(g-1)/g · nbytes`` each per rank
+    over the intra-node link with ``g-1`` latencies each per bucket; then the shards'
+    all-reduce across the nodes, ``2 (N-1)/N · nbytes`` through the node's uplink with
+    ``2 (N-1)`` latencies per bucket; the stages one after the other. One node, or one rank
+    per node: both are the one ring.
+
+    Args:
+        nbytes: the bytes summed.
+        topology: the (calibrated) topology.
+        how: flat ring or node by node.
+        bucket_bytes: the bucket size (``None``: our runtime's,
+            :func:`~embark.types.grad_bucket_bytes` of ``nbytes``; DDP's is 25 MiB).
     """
     w, g, n = topology.world_size, topology.gpus_per_node, topology.num_nodes
     if w == 1:
         return 0.0
+    size = grad_bucket_bytes(nbytes) if bucket_bytes is None else bucket_bytes
+    buckets = max(1, math.ceil(nbytes / size))
     if n == 1:
         ring = 2 * (w - 1) / w * nbytes / topology.intra_node_bandwidth_bytes_per_s
-        return ring + 2 * (w - 1) * topology.intra_node_latency_s
+        return ring + buckets * 2 * (w - 1) * topology.intra_node_latency_s
     uplink = topology.inter_node_bandwidth_bytes_per_s * g
     if how is GradReduce.FLAT or g == 1:
-        return 2 * (w - 1) / w * nbytes / uplink + 2 * (w - 1) * topology.inter_node_latency_s
+        ring = 2 * (w - 1) / w * nbytes / uplink
+        return ring + buckets * 2 * (w - 1) * topology.inter_node_latency_s
     inside = 2 * (g - 1) / g * nbytes / topology.intra_node_bandwidth_bytes_per_s
-    inside += 2 * (g - 1) * topology.intra_node_latency_s
-    across = 2 * (n - 1) / n * nbytes / uplink + 2 * (n - 1) * topology.inter_node_latency_s
+    inside += buckets * 2 * (g - 1) * topology.intra_node_latency_s
+    across = 2 * (n - 1) / n * nbytes / uplink
+    across += buckets * 2 * (n - 1) * topology.inter_node_latency_s
     return inside + across
 
 
@@ -141,6 +167,7 @@ def runtime_phases(
     pipelined: bool = False,
     grouped: bool = False,
     grad_reduce: GradReduce = GradReduce.HIERARCHICAL,
+    bucket_bytes: float | None = None,
 ) -> dict[str, float]:
     """Predicted seconds of each phase of one step of ``plan`` on the gloo runtime.
 
@@ -157,6 +184,8 @@ def runtime_phases(
             factor is ours alone, so row-split blocks count at their bytes.
         grad_reduce: how the dense and DP gradients are summed (:func:`allreduce_seconds`;
             TorchRec's DDP: ``FLAT``).
+        bucket_bytes: their bucket size (:func:`allreduce_seconds`; ``None``: our
+            runtime's; TorchRec's DDP: :data:`DDP_BUCKET_BYTES`).
 
     Returns:
         ``{phase: seconds}`` with the keys of :class:`~embark.sharding.phases.Phase`.
@@ -187,7 +216,7 @@ def runtime_phases(
         for ts in plan.tables
         if ts.cluster is Cluster.DP
     )
-    allreduce = allreduce_seconds(rates.dense_param_bytes + dp_bytes, t, grad_reduce)
+    allreduce = allreduce_seconds(rates.dense_param_bytes + dp_bytes, t, grad_reduce, bucket_bytes)
     dense = model.dense_seconds()
     dense_fwd, dense_bwd = dense / 3, 2 * dense / 3
     input_wire = 0.0 if pipelined else float(whole["input_a2a"].max())
@@ -219,7 +248,9 @@ def runtime_step_seconds(
     pipelined: bool = False,
     grouped: bool = False,
     grad_reduce: GradReduce = GradReduce.HIERARCHICAL,
+    bucket_bytes: float | None = None,
 ) -> float:
     """Predicted seconds of one step: the sum of :func:`runtime_phases` (phases of a step run
     one after the other on a rank)."""
-    return sum(runtime_phases(plan, model, rates, pipelined, grouped, grad_reduce).values())
+    phases = runtime_phases(plan, model, rates, pipelined, grouped, grad_reduce, bucket_bytes)
+    return sum(phases.values())

@@ -2,13 +2,14 @@
 ``backward`` still runs (as DDP's reducer does), so the exchange of the last layers'
 gradients overlaps the backward of the first layers.
 
-Parameters are cut into buckets of about :data:`BUCKET_BYTES`, in reverse registration order
-(backward produces the last layers' gradients first; :func:`bucket_indices`). A hook on each parameter
-(``register_post_accumulate_grad_hook``) counts the gradients that arrived; when a bucket is
-complete its gradients are copied into the bucket's buffer (allocated once and reused every
-step: a fresh 4 MiB tensor would be page-faulted in each time; a parameter larger than a
-bucket is summed in its own gradient, no copy) and its all-reduce starts asynchronously;
-after it, each ``p.grad`` is a view of the buffer. Buckets start strictly in order (bucket ``i`` after ``0 .. i-1``), so every
+Parameters are cut into buckets of about :func:`~embark.types.grad_bucket_bytes` of their
+bytes, in reverse registration order (backward produces the last layers' gradients first;
+:func:`bucket_indices`). A hook on each parameter (``register_post_accumulate_grad_hook``)
+counts the gradients that arrived; when a bucket is complete its gradients are copied into
+the bucket's buffer (allocated once and reused every step: a fresh bucket-sized tensor would
+be page-faulted in each time; a parameter larger than a bucket is summed in its own gradient,
+no copy) and its all-reduce starts asynchronously; after it, each ``p.grad`` is a view of the
+buffer. Buckets start strictly in order (bucket ``i`` after ``0 .. i-1``), so every
 rank issues the same sequence of collectives whatever order autograd finishes them in::
 
     backward:   top MLP grads ─▶ bucket 0 ─all_reduce(async)─┐
@@ -24,28 +25,27 @@ order of float additions inside the collective can differ.
 With a :class:`~embark.sharding.node_allreduce.HierarchicalAllReduce` each bucket is summed
 node by node (reduce-scatter inside the node, all-reduce across, all-gather inside): three
 dependent collectives, so they run one bucket after the other on a worker thread of this
-object (started by the first bucket of a step, joined by :meth:`finish`), in bucket order on
-every rank, while backward goes on in the main thread.
+object (started by the first bucket, kept for later steps, ended by :meth:`close`), in bucket
+order on every rank, while backward goes on in the main thread. When one of them raises (a
+peer died) the buckets queued behind it issue no collective (each would wait for the process
+group's timeout) and :meth:`finish` re-raises at once; when ``backward`` itself raises, the
+caller drops the step with :meth:`cancel`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
+import queue
+import threading
+import weakref
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from embark.sharding.node_allreduce import HierarchicalAllReduce
-
-# Bucket size: DDP's default is 25 MiB; smaller buckets start earlier in backward and leave
-# less to wait for after it (measured on 4 gloo ranks sharing 2 cores, DLRM-DCNv2's 64 MB
-# dense part: 3 ms left to wait after backward, against 170 ms for one flat 64 MB buffer).
-# 1 MiB cuts the emulated cluster's narrowed DLRM-DCNv2 dense part (2.5 MB) into 3 buckets,
-# the first started after the top MLP's and cross layers' backward, where 4 MiB made one.
-BUCKET_BYTES = 1 * 2**20
+from embark.types import grad_bucket_bytes
 
 
 def bucket_indices(numels: Sequence[int], bucket_bytes: int, itemsize: int = 4) -> list[list[int]]:
@@ -89,9 +89,11 @@ class GradBuckets:
             runs the other ranks' collective nodes in.
         overlap: start buckets from inside ``backward`` (else every bucket starts in
             :meth:`finish`).
-        bucket_bytes: bucket size (:data:`BUCKET_BYTES`).
-        hierarchical: sum each bucket node by node with this (on a worker thread; its
-            groups then carry nothing else), else one all-reduce on ``group``.
+        bucket_bytes: bucket size (``None``: :func:`~embark.types.grad_bucket_bytes` of
+            the parameters' bytes).
+        hierarchical: sum each bucket in place with this blocking reduction, e.g. a
+            :class:`~embark.sharding.node_allreduce.HierarchicalAllReduce` (on the worker
+            thread; its groups then carry nothing else), else one all-reduce on ``group``.
     """
 
     def __init__(
@@ -99,14 +101,21 @@ class GradBuckets:
         params: Sequence[nn.Parameter],
         group: Any | None,
         overlap: bool = True,
-        bucket_bytes: int = BUCKET_BYTES,
-        hierarchical: HierarchicalAllReduce | None = None,
+        bucket_bytes: int | None = None,
+        hierarchical: Callable[[torch.Tensor], None] | None = None,
     ) -> None:
         self.params = [p for p in params if p.requires_grad]
         self.group, self.overlap = group, overlap
         self.hierarchical = hierarchical
-        self._worker: ThreadPoolExecutor | None = None
-        self.buckets = bucket_indices([p.numel() for p in self.params], bucket_bytes)
+        self._worker: _Worker | None = None
+        self._abort = threading.Event()
+        numels = [p.numel() for p in self.params]
+        if bucket_bytes is None:
+            bucket_bytes = grad_bucket_bytes(
+                sum(n * p.element_size() for n, p in zip(numels, self.params))
+            )
+        self.bucket_bytes = bucket_bytes
+        self.buckets = bucket_indices(numels, bucket_bytes)
         self._bucket_of = {id(self.params[i]): b for b, idx in enumerate(self.buckets) for i in idx}
         self._buffers: list[torch.Tensor | None] = [None] * len(self.buckets)
         self._missing: list[int] = []
@@ -115,9 +124,9 @@ class GradBuckets:
 
     def arm(self) -> None:
         """Start counting gradients: the next ``backward`` starts each bucket's all-reduce
-        once its gradients are complete (a previous unfinished step is dropped)."""
-        self._drop_hooks()
-        self._stop_worker()
+        once its gradients are complete (a previous unfinished step is dropped: :meth:`cancel`)."""
+        if self._started or self._hooks:
+            self.cancel()
         self._missing = [len(idx) for idx in self.buckets]
         self._started = []
         if self.overlap:
@@ -157,41 +166,115 @@ class GradBuckets:
         work: Any | Future[None] = None
         if self.hierarchical is not None:
             if self._worker is None:
-                self._worker = ThreadPoolExecutor(1, thread_name_prefix="grad-buckets")
-            work = self._worker.submit(self.hierarchical, flat)
+                self._worker = _Worker(self.hierarchical)
+                # an idle worker ends with its GradBuckets where close() was never called
+                weakref.finalize(self, self._worker.close, False)
+            work = self._worker.submit(flat, self._abort)
         elif dist.is_available() and dist.is_initialized():
             work = dist.all_reduce(flat, group=self.group, async_op=True)
         self._started.append((flat, work))
 
+    @property
+    def started(self) -> int:
+        """How many buckets of the current step have started their all-reduce."""
+        return len(self._started)
+
     @torch.no_grad()
     def finish(self) -> None:
         """Start the buckets not started yet (a parameter without a gradient counts as
-        zeros), wait for every all-reduce and set each ``p.grad`` to its summed gradient."""
+        zeros), wait for every all-reduce and set each ``p.grad`` to its summed gradient.
+
+        Raises:
+            Exception: what a bucket's all-reduce raised (e.g. a peer died), as soon as it
+                did: the buckets behind it are skipped and the step is dropped (:meth:`cancel`).
+        """
         self._drop_hooks()
         if not self._missing:
             self._missing = [len(idx) for idx in self.buckets]
-        while len(self._started) < len(self.buckets):
-            self._start(len(self._started))
         try:
+            while len(self._started) < len(self.buckets):
+                self._start(len(self._started))
             for _, work in self._started:
                 if isinstance(work, Future):
                     work.result()  # re-raises what the worker thread raised
                 elif work is not None:
                     work.wait()
-        finally:
-            self._stop_worker()
+        except BaseException:
+            self.cancel()
+            raise
         for (flat, _), idx in zip(self._started, self.buckets):
             pieces = flat.split([self.params[i].numel() for i in idx])
             for i, piece in zip(idx, pieces):
                 self.params[i].grad = piece.view_as(self.params[i])
         self._missing, self._started = [], []
 
-    def _stop_worker(self) -> None:
+    def cancel(self) -> None:
+        """Drop the current step (after ``backward`` or an all-reduce raised): remove the
+        hooks, skip every bucket not yet running and let the worker thread end once the one
+        it runs returns, without waiting for it (a collective whose peer died returns only
+        at the process group's timeout). The buffers are dropped too (that bucket may still
+        write into its own); the next :meth:`arm` starts afresh with a new worker."""
+        self._drop_hooks()
+        self._abort.set()  # the step's queued buckets fail at once
+        self._abort = threading.Event()
+        for _, work in self._started:
+            if isinstance(work, Future):
+                work.cancel()
+        self.close(wait=False)
+        self._buffers = [None] * len(self.buckets)
+        self._missing, self._started = [], []
+
+    def close(self, wait: bool = True) -> None:
+        """End the worker thread (hierarchical buckets) after the buckets queued before;
+        ``wait``: join it. A later step starts a new one."""
         if self._worker is not None:
-            self._worker.shutdown(wait=True)
+            self._worker.close(wait)
             self._worker = None
 
     def _drop_hooks(self) -> None:
         for h in self._hooks:
             h.remove()
         self._hooks = []
+
+
+class _Worker:
+    """One daemon thread (named ``grad-buckets``) that runs the buckets' reductions one after
+    the other, in submission order. A daemon: a reduction stuck on a dead peer never keeps the
+    process from exiting. Each bucket carries its step's abort event: once a reduction of the
+    step raised (or the step was cancelled) the step's later buckets fail at once without
+    issuing a collective."""
+
+    def __init__(self, reduce: Callable[[torch.Tensor], None]) -> None:
+        self._reduce = reduce
+        self._queue: queue.SimpleQueue[tuple[Future[None], torch.Tensor, threading.Event] | None]
+        self._queue = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._run, name="grad-buckets", daemon=True)
+        self._thread.start()
+
+    def submit(self, flat: torch.Tensor, abort: threading.Event) -> Future[None]:
+        """Queue the reduction of ``flat``; its future completes when it ran."""
+        fut: Future[None] = Future()
+        self._queue.put((fut, flat, abort))
+        return fut
+
+    def close(self, wait: bool) -> None:
+        """Let the thread end after what was queued before (``wait``: join it)."""
+        self._queue.put(None)
+        if wait:
+            self._thread.join()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            fut, flat, abort = item
+            if not fut.set_running_or_notify_cancel():
+                continue  # cancelled while queued
+            if abort.is_set():
+                fut.set_exception(RuntimeError("gradient bucket skipped: its step was dropped"))
+                continue
+            try:
+                self._reduce(flat)
+            except BaseException as exc:  # handed to the caller through the future
+                abort.set()
+                fut.set_exception(exc)
+            else:
+                fut.set_result(None)

@@ -54,7 +54,7 @@ from embark.models.tables import EmbeddingTables, TableModel
 from embark.models.workloads import Workload
 from embark.sharding.collection import ShardedEmbeddingCollection
 from embark.sharding.comm import distributed_world, grad_wire
-from embark.sharding.grad_buckets import BUCKET_BYTES, GradBuckets
+from embark.sharding.grad_buckets import GradBuckets
 from embark.sharding.node_allreduce import HierarchicalAllReduce, NodeRailGroups
 from embark.sharding.phases import Phase, PhaseClock
 from embark.sharding.prefetch import InputPrefetcher
@@ -210,14 +210,44 @@ class ShardedDLRM(TableModel):
         self.rank, self.world_size = embeddings.rank, embeddings.world_size
         self._dense_group: Any | None = None
         self._rail_groups: NodeRailGroups | None = None
-        # how the buckets are summed where the world spans several nodes of several ranks
-        # (one node, or one rank per node: flat); read when the buckets are first made
-        self.grad_reduce = GradReduce.HIERARCHICAL
-        self.grad_bucket_bytes = BUCKET_BYTES  # read when the buckets are first made
+        self._bucketed = False  # set by gradient_buckets: grad_reduce and its size are fixed
+        self._grad_reduce = GradReduce.HIERARCHICAL
+        self._grad_bucket_bytes: int | None = None
         # set by embark.sharding.pipeline.SparseDistPipeline while it trains
         self.prefetcher: InputPrefetcher | None = None
         self.phase_clock: PhaseClock | None = None  # set_phase_clock (benchmarks)
         self._broadcast_replicas()
+
+    @property
+    def grad_reduce(self) -> GradReduce:
+        """How the buckets are summed where the world spans several nodes of several ranks
+        (one node, or one rank per node: flat); set before the first step."""
+        return self._grad_reduce
+
+    @grad_reduce.setter
+    def grad_reduce(self, how: GradReduce) -> None:
+        self._check_unbucketed("grad_reduce", how)
+        self._grad_reduce = GradReduce(how)
+
+    @property
+    def grad_bucket_bytes(self) -> int | None:
+        """The gradient buckets' size (``None``: :func:`~embark.types.grad_bucket_bytes` of
+        the bucketed bytes); set before the first step."""
+        return self._grad_bucket_bytes
+
+    @grad_bucket_bytes.setter
+    def grad_bucket_bytes(self, nbytes: int | None) -> None:
+        self._check_unbucketed("grad_bucket_bytes", nbytes)
+        if nbytes is not None and nbytes < 1:
+            raise ValueError(f"ShardedDLRM: grad_bucket_bytes must be >= 1 or None, got {nbytes}")
+        self._grad_bucket_bytes = nbytes
+
+    def _check_unbucketed(self, name: str, value: object) -> None:
+        if self._bucketed:
+            raise RuntimeError(
+                f"ShardedDLRM: cannot set {name} to {value!r}: the gradient buckets were made "
+                f"by the first step with {getattr(self, name)!r}; set it before training"
+            )
 
     def set_phase_clock(self, clock: PhaseClock | None) -> None:
         """Time each step's phases on ``clock`` (``None``: stop) (:mod:`embark.sharding.phases`)."""
@@ -337,6 +367,7 @@ class ShardedDLRM(TableModel):
         after ``backward`` (``overlap=False``), flat: a second group would need every rank of
         the world to create it.
         """
+        self._bucketed = True
         overlap = self.process_group is None and is_distributed(None)
         dp = [self.embeddings.weights[n] for n in sorted(self.bucketed_dp_tables())]
         params = [*dp, *self.dense.parameters()]
@@ -353,12 +384,15 @@ class ShardedDLRM(TableModel):
 
     def hierarchical_grad_reduce(self) -> bool:
         """Whether :meth:`gradient_buckets` sums node by node: :attr:`grad_reduce` is
-        ``HIERARCHICAL``, the default process group, and a plan of 2+ nodes of 2+ ranks."""
+        ``HIERARCHICAL``, the default process group (gloo: see
+        :meth:`~embark.sharding.node_allreduce.NodeRailGroups.create`), and a plan of 2+
+        nodes of 2+ ranks."""
         gpn = self.embeddings.layout.plan.gpus_per_node
         return (
             self.grad_reduce is GradReduce.HIERARCHICAL
             and self.process_group is None
             and 1 < gpn < self.world_size
+            and dist.get_backend() == dist.Backend.GLOO
         )
 
     def full_state_dict(self, dst: int | None = 0) -> dict[str, torch.Tensor]:
@@ -453,7 +487,11 @@ class ShardedSync:
         clock = self.model.phase_clock
         if clock is not None:
             clock.mark(Phase.OTHER)
-        loss.backward()
+        try:
+            loss.backward()
+        except BaseException:
+            self._buckets.cancel()  # no hook left armed, no bucket left queued
+            raise
         if clock is not None:
             clock.mark(Phase.EMB_BWD)
 

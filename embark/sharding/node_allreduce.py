@@ -53,9 +53,15 @@ class NodeRailGroups:
         """Create every node group, then every rail group (a collective on the default group:
         every rank calls it with the same arguments, so the groups are made in one order).
 
+        Only gloo is supported: the buckets run these groups' collectives on a worker thread
+        while the main thread runs the default group's, in an order that differs between
+        ranks, which gloo's per-group transport tolerates; NCCL collectives issued from two
+        threads on different communicators in rank-dependent order can deadlock, and the
+        worker thread does not set the CUDA device.
+
         Raises:
             ValueError: when ``gpus_per_node`` does not divide ``world_size`` or ``rank`` is
-                outside ``0 .. world_size-1``.
+                outside ``0 .. world_size-1``, or the default group's backend is not gloo.
         """
         if gpus_per_node < 1 or world_size % gpus_per_node:
             raise ValueError(
@@ -64,6 +70,12 @@ class NodeRailGroups:
             )
         if not 0 <= rank < world_size:
             raise ValueError(f"NodeRailGroups: rank must be in 0..{world_size - 1}, got {rank}")
+        backend = str(dist.get_backend())
+        if backend != dist.Backend.GLOO:
+            raise ValueError(
+                f"NodeRailGroups: the hierarchical all-reduce runs on gloo only, the default "
+                f"process group's backend is {backend!r} (use GradReduce.FLAT there)"
+            )
         nodes = world_size // gpus_per_node
         node_group = rail_group = None
         for n in range(nodes):

@@ -15,6 +15,7 @@ from embark.planner.cost import AR_INTER, AR_INTRA, CostModel
 from embark.planner.planner import plan_sharding
 from embark.planner.runtime_model import (
     ALLREDUCE_OVERLAP,
+    DDP_BUCKET_BYTES,
     OPS_PER_ID,
     OPS_PER_INPUT_SPLIT,
     OPS_PER_LOOKUP,
@@ -34,7 +35,7 @@ from embark.topology import (
     emulated_topology,
     get_topology,
 )
-from embark.types import Cluster, GradReduce
+from embark.types import Cluster, GradReduce, grad_bucket_bytes
 
 
 def _trainer(world_plan_seed: int = 3) -> Trainer:
@@ -137,15 +138,19 @@ def test_runtime_phases_count_all_reduce_optimizer_bookkeeping_and_pipeline() ->
     # alone, so all of it is exposed; the optimizer steps the 64 MB once
     assert ALLREDUCE_OVERLAP * 2 / 3 * model.dense_seconds() < 2 * topo.inter_node_latency_s
     assert plain["allreduce"] > 0
+    # 64 MB in 16 buckets of 4 MiB (grad_bucket_bytes), 0 bytes in one: 15 more buckets,
+    # each with the ring's 2 (W-1) latencies
     ring = 1.5 * 64e6 / (2 * topo.inter_node_bandwidth_bytes_per_s)
+    ring += 15 * 6 * topo.inter_node_latency_s
     assert heavy["allreduce"] - plain["allreduce"] == pytest.approx(ring, rel=1e-9)
     assert heavy["optimizer"] == pytest.approx(64e6 / 1e9)
     # node by node (the runtime's default on 2 x 2): 0.5 + 0.5 of the 64 MB inside the node,
     # then 1 × 64 MB through the node's uplink
     hier = runtime_phases(plan, model, HostRates(64e6, 1e9, 0.0))
     hier0 = runtime_phases(plan, model, bare)
-    inside = 64e6 / topo.intra_node_bandwidth_bytes_per_s
+    inside = 64e6 / topo.intra_node_bandwidth_bytes_per_s + 15 * 2 * topo.intra_node_latency_s
     across = 64e6 / (2 * topo.inter_node_bandwidth_bytes_per_s)
+    across += 15 * 2 * topo.inter_node_latency_s
     assert hier["allreduce"] - hier0["allreduce"] == pytest.approx(inside + across, rel=1e-9)
     assert hier["allreduce"] < heavy["allreduce"]
     keys = sim.phases_ms["input_a2a"] / 1e3
@@ -183,6 +188,26 @@ def test_allreduce_node_by_node_crosses_nodes_as_the_planner_rates_dp_replicas()
         assert allreduce_seconds(1e6, t, GradReduce.HIERARCHICAL) == allreduce_seconds(
             1e6, t, GradReduce.FLAT
         )
+
+
+def test_allreduce_pays_every_bucket_s_latencies_per_stage() -> None:
+    """Each bucket pays its collectives' latencies: 2 (W-1) for the ring; 2 (g-1) inside the
+    node and 2 (N-1) across for the node-by-node sum; the bucket count is
+    ceil(bytes / bucket size), the size grad_bucket_bytes of the bytes unless given."""
+    topo = emulated_topology()  # 2 nodes x 2 ranks
+    lat = (topo.intra_node_latency_s, topo.inter_node_latency_s)
+    assert lat[1] > 0
+    nbytes = 64e6
+    assert grad_bucket_bytes(nbytes) == 4 << 20 and grad_bucket_bytes(2.5e6) == 1 << 20
+    buckets = 16  # ceil(64e6 / 4 MiB)
+    flat1 = allreduce_seconds(nbytes, topo, GradReduce.FLAT, bucket_bytes=nbytes)
+    flat = allreduce_seconds(nbytes, topo, GradReduce.FLAT)
+    assert flat - flat1 == pytest.approx((buckets - 1) * 6 * lat[1], rel=1e-9)
+    hier1 = allreduce_seconds(nbytes, topo, GradReduce.HIERARCHICAL, bucket_bytes=nbytes)
+    hier = allreduce_seconds(nbytes, topo, GradReduce.HIERARCHICAL)
+    assert hier - hier1 == pytest.approx((buckets - 1) * (2 * lat[0] + 2 * lat[1]), rel=1e-9)
+    ddp = allreduce_seconds(nbytes, topo, GradReduce.FLAT, bucket_bytes=DDP_BUCKET_BYTES)
+    assert ddp - flat1 == pytest.approx(2 * 6 * lat[1], rel=1e-9)  # 3 buckets of 25 MiB
 
 
 def test_relayed_exchange_factor_applies_to_row_split_blocks_of_our_runtime_only() -> None:

@@ -24,6 +24,7 @@ from embark import (
 )
 from embark.sharding.model import ShardedSync
 from embark.training.sync import LocalSync
+from embark.types import GradReduce
 from tests.tolerances import tol
 
 CFG = TrainConfig(lr=0.05, embedding_lr=0.1, initial_accumulator_value=0.01)
@@ -78,3 +79,18 @@ def test_build_equals_the_model_built_whole_bit_for_bit() -> None:
         k: v.shape for k, v in want.items()
     }
     assert all(not p.any() for p in blank.embedding_tables().values())
+
+
+def test_grad_reduce_and_bucket_size_are_fixed_once_the_buckets_exist() -> None:
+    w = get_workload("tiny")
+    plan = plan_sharding(w, replace(get_topology("cpu-local"), gpus_per_node=1), 32)
+    model = ShardedDLRM(build_model(w, seed=3), plan, 0)
+    model.grad_reduce = GradReduce.FLAT  # before the first step: taken
+    model.grad_bucket_bytes = 4 << 20
+    buckets = model.gradient_buckets()
+    assert buckets.bucket_bytes == 4 << 20
+    with pytest.raises(RuntimeError, match="grad_reduce to <GradReduce.HIERARCHICAL"):
+        model.grad_reduce = GradReduce.HIERARCHICAL
+    with pytest.raises(RuntimeError, match="grad_bucket_bytes to 1048576"):
+        model.grad_bucket_bytes = 1 << 20
+    assert model.grad_reduce is GradReduce.FLAT and model.grad_bucket_bytes == 4 << 20

@@ -64,14 +64,16 @@ def _bucket_grads(rank: int, groups: Any) -> dict[str, Any]:
         list(model.parameters()), None, True, bucket_bytes=600,
         hierarchical=HierarchicalAllReduce(groups),
     )  # fmt: skip
-    exact = []
-    for _ in range(2):  # the second step reuses the buffers and the scratch
+    exact, started = [], []
+    for _ in range(2):  # the second step reuses the buffers, the scratch and the worker
         model.zero_grad(set_to_none=True)
         buckets.arm()
         model(xs[rank]).square().sum().backward()
+        started.append(buckets.started)  # buckets started inside backward, before finish
         buckets.finish()
         exact.append(all(torch.equal(p.grad, w) for p, w in zip(model.parameters(), want)))
-    return {"buckets": len(buckets.buckets), "exact": exact}
+    buckets.close()
+    return {"buckets": len(buckets.buckets), "exact": exact, "started": started}
 
 
 def worker(rank: int, world: int, init_file: str, out_dir: str) -> None:
@@ -142,6 +144,18 @@ def test_buckets_summed_node_by_node_inside_backward(reports: list[dict[str, Any
     for r, rep in enumerate(reports):
         assert rep["buckets"]["buckets"] > 2  # several buckets, started from hooks
         assert rep["buckets"]["exact"] == [True, True], f"rank {r}"
+        # every bucket's gradients are complete when backward returns: all started inside it
+        assert rep["buckets"]["started"] == [rep["buckets"]["buckets"]] * 2, f"rank {r}"
+
+
+def test_node_rail_groups_refuse_a_backend_other_than_gloo(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+
+    from embark.sharding.node_allreduce import NodeRailGroups
+
+    monkeypatch.setattr(dist, "get_backend", lambda group=None: "nccl")
+    with pytest.raises(ValueError, match="gloo only.*'nccl'"):
+        NodeRailGroups.create(4, 2, 0)
 
 
 if __name__ == "__main__":

@@ -20,13 +20,12 @@ pool is the same in all three::
     free  = [3]                     free slots, a stack, (f,) int32
     uses  = [ 5, 1, 2, -]           reads per slot               (evict_least_used only)
     stamp = [90, 12, 40, -]         clock of the last read/write (evict_oldest only)
-    owner = [ 7, 3, 42, -1]         key of each slot (DIRECT, once the partition evicts)
+    owner = [ 7, 3, 42, -1]         key of each slot, -1 free (DIRECT, once it evicts)
 
 A direct index enumerates a partition's keys (:meth:`Partition.live`, for evictions and
 compactions) by scanning the whole index, O(bound). A partition that evicts (an overflow
 margin reached) pays that scan once: it then keeps ``owner`` (8 B per slot), the key each
-slot was last given, and enumerates its keys from its own slots, O(rows held) — an entry is
-live while the index still points the key back at that slot.
+slot holds, and enumerates its keys from its own slots, O(capacity).
 
 A sorted partition keeps uint32 keys while every key it holds is in ``[0, 2**32)`` and widens
 them to int64 (itself alone) when a key outside arrives. Every layout enumerates its keys in
@@ -112,7 +111,7 @@ class Partition:
         self.uses = np.zeros(0, np.int64) if uses else None
         self.stamp = np.zeros(0, np.int64) if stamps else None
         self.free = np.zeros(0, np.int32)  # a stack
-        self.owner: np.ndarray | None = None  # (capacity,) int64 key per slot, -1 none given
+        self.owner: np.ndarray | None = None  # (capacity,) int64 key per slot, -1 free
 
     @property
     def size(self) -> int:
@@ -152,11 +151,9 @@ class Partition:
             return self.keys, self.slots
         o = self.owner
         if o is not None:
-            slots = np.arange(o.size, dtype=np.int64)
-            mine = o >= 0
-            mine[mine] = d[o[mine]] == slots[mine]  # the index still points the key here
-            keys, slots = o[mine], slots[mine]
-            order = np.argsort(keys)
+            slots = np.flatnonzero(o >= 0)
+            keys = o[slots]
+            order = np.argsort(keys, kind="stable")  # nearly sorted: a compaction sorts them
             return keys[order], slots[order]
         k = np.flatnonzero(d != ABSENT)
         if self.num_partitions > 1:
@@ -250,6 +247,8 @@ class Partition:
         assert self.direct is not None  # the caller's layout
         self.direct[keys] = ABSENT
         self.n_direct -= int(keys.size)
+        if self.owner is not None:
+            self.owner[slots] = -1
         self.free = np.concatenate([self.free, slots.astype(np.int32)])
         self._maybe_compact()
 

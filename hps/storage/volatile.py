@@ -516,11 +516,23 @@ class HashMapBackend(StorageBackend):
         cache's bytes (:meth:`EmbeddingCache.nbytes`)."""
         t = self._table(table)
         with t.write_lock:
-            total = int(t.direct.nbytes) if t.direct is not None else 0
-            for p in t.parts:
-                with p.lock:
-                    total += p.nbytes()
+            return self._nbytes(t)
+
+    @staticmethod
+    def _nbytes(t: _Table) -> int:
+        """:meth:`nbytes` of ``t``; hold ``t.write_lock``."""
+        total = int(t.direct.nbytes) if t.direct is not None else 0
+        for p in t.parts:
+            with p.lock:
+                total += p.nbytes()
         return total
+
+    def held(self, table: str, dim: int) -> tuple[int, int]:
+        """``(rows stored in this map itself, nbytes)`` of ``table``, read under one lock (the
+        rows an attached cache holds are the cache's). ``dim`` is the table's own."""
+        t = self._table(table)
+        with t.write_lock:
+            return self._live(t), self._nbytes(t)
 
     def stored_rows(self, table: str) -> int:
         """Rows of ``table`` stored in this map itself (without an attached cache's)."""

@@ -20,11 +20,11 @@ pool is the same in all three::
     free  = [3]                     free slots, a stack, (f,) int32
     uses  = [ 5, 1, 2, -]           reads per slot               (evict_least_used only)
     stamp = [90, 12, 40, -]         clock of the last read/write (evict_oldest only)
-    owner = [ 7, 3, 42, -1]         key of each slot, -1 free (DIRECT, once it evicts)
+    owner = [ 7, 3, 42, S]          key of each slot, S free (DIRECT, once it evicts)
 
 A direct index enumerates a partition's keys (:meth:`Partition.live`, for evictions and
 compactions) by scanning the whole index, O(bound). A partition that evicts (an overflow
-margin reached) pays that scan once: it then keeps ``owner`` (8 B per slot), the key each
+margin reached) pays that scan once: it then keeps ``owner`` (uint32, 4 B per slot), the key each
 slot holds, and enumerates its keys from its own slots, O(capacity).
 
 A sorted partition keeps uint32 keys while every key it holds is in ``[0, 2**32)`` and widens
@@ -51,7 +51,8 @@ import numpy as np
 from hps.types import mix64
 
 ABSENT = np.uint32(2**32 - 1)  # a direct index's entry for a key the map does not hold
-KEY_LIMIT = 2**32  # uint32 keys (and a direct index's bound) are below this
+KEY_LIMIT = 2**32  # uint32 keys are below this
+DIRECT_LIMIT = KEY_LIMIT - 1  # a direct index's keys are below this (ABSENT is no key)
 _MIN_GROWTH = 64  # slots a pool grows by at least (and the slack a compaction leaves alone)
 
 
@@ -111,7 +112,7 @@ class Partition:
         self.uses = np.zeros(0, np.int64) if uses else None
         self.stamp = np.zeros(0, np.int64) if stamps else None
         self.free = np.zeros(0, np.int32)  # a stack
-        self.owner: np.ndarray | None = None  # (capacity,) int64 key per slot, -1 free
+        self.owner: np.ndarray | None = None  # (capacity,) uint32 key per slot, ABSENT free
 
     @property
     def size(self) -> int:
@@ -151,8 +152,8 @@ class Partition:
             return self.keys, self.slots
         o = self.owner
         if o is not None:
-            slots = np.flatnonzero(o >= 0)
-            keys = o[slots]
+            slots = np.flatnonzero(o != ABSENT)
+            keys = o[slots].astype(np.int64)
             order = np.argsort(keys, kind="stable")  # nearly sorted: a compaction sorts them
             return keys[order], slots[order]
         k = np.flatnonzero(d != ABSENT)
@@ -163,7 +164,7 @@ class Partition:
     def keep_owner(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Keep :attr:`owner` from now on (DIRECT), from :meth:`live`'s answer ``keys``,
         ``slots`` (one scan of the table's index for many partitions: the caller's)."""
-        owner = np.full(self.rows.shape[0], -1, np.int64)
+        owner = np.full(self.rows.shape[0], ABSENT, np.uint32)
         owner[slots] = keys
         self.owner = owner
 
@@ -213,7 +214,7 @@ class Partition:
             if self.stamp is not None:
                 self.stamp = np.concatenate([self.stamp, np.zeros(grow, np.int64)])
             if self.owner is not None:
-                self.owner = np.concatenate([self.owner, np.full(grow, -1, np.int64)])
+                self.owner = np.concatenate([self.owner, np.full(grow, ABSENT, np.uint32)])
             self.free = np.concatenate(
                 [np.arange(new_cap - 1, cap - 1, -1, dtype=np.int32), self.free]
             )
@@ -248,7 +249,7 @@ class Partition:
         self.direct[keys] = ABSENT
         self.n_direct -= int(keys.size)
         if self.owner is not None:
-            self.owner[slots] = -1
+            self.owner[slots] = ABSENT
         self.free = np.concatenate([self.free, slots.astype(np.int32)])
         self._maybe_compact()
 
@@ -279,7 +280,7 @@ class Partition:
         if self.direct is not None:
             self.direct[keys] = np.arange(live, dtype=np.uint32)
             if self.owner is not None:
-                self.owner = np.full(capacity, -1, np.int64)
+                self.owner = np.full(capacity, ABSENT, np.uint32)
                 self.owner[:live] = keys
         else:
             self.slots = np.arange(live, dtype=np.int32)

@@ -11,7 +11,7 @@ The key index of a table is laid out by the density of its keys (:class:`KeyLayo
 after every write, so that the index costs at most what the sorted one would (12 B per row)
 and 4 B per row for an identity vocabulary (keys ``0..n-1``, as exports write them)::
 
-    keys in [0, 2**32), n held, max key b - 1:
+    keys in [0, 2**32 - 1) (2**32 - 1 marks "absent"), n held, max key b - 1:
         2·n ≥ b      → DIRECT      (b,) uint32 slot per key, shared by the partitions: 4·b B
         3·n < b      → SORTED_U32  sorted uint32 keys + int32 slots: 8 B per row
         (in between, the layout it has stays: a table does not flap between the two)
@@ -34,7 +34,7 @@ never over keys). When a partition holds more than ``overflow_margin`` rows afte
 evicts rows by ``overflow_policy`` until it holds ``overflow_resolution_target ×
 overflow_margin`` (HugeCTR's semantics); the rows it picks do not depend on the layout. An
 eviction costs O(rows of the partition) in every layout: with a direct index the partition
-keeps its slots' keys from its first eviction on (8 B per slot,
+keeps its slots' keys from its first eviction on (4 B per slot,
 :attr:`~hps.storage.hash_partition.Partition.owner`; one scan of the index, O(bound), for
 the partitions evicting first in one insert).
 
@@ -65,7 +65,7 @@ from hps.rowformat import RowDtype
 from hps.storage.cache import EmbeddingCache
 from hps.storage.hash_partition import (
     ABSENT,
-    KEY_LIMIT,
+    DIRECT_LIMIT,
     KeyLayout,
     Partition,
     partition_of,
@@ -416,8 +416,8 @@ class HashMapBackend(StorageBackend):
         lo, hi = int(keys.min()), int(keys.max())
         if lo >= 0 and hi < d.size:
             return
-        if lo >= 0 and hi < KEY_LIMIT:
-            bound = min(max(hi + 1, d.size + d.size // 8), KEY_LIMIT)
+        if lo >= 0 and hi < DIRECT_LIMIT:
+            bound = min(max(hi + 1, d.size + d.size // 8), DIRECT_LIMIT)
             inside = keys[keys < d.size]
             new = keys.size - inside.size + int(np.count_nonzero(d[inside] == ABSENT))
             if 3 * (self._live(t) + new) >= bound:
@@ -444,7 +444,7 @@ class HashMapBackend(StorageBackend):
         if held:
             lo = min(int(p.keys[0]) for p in held)
             hi = max(int(p.keys[-1]) for p in held)
-            if lo >= 0 and hi < KEY_LIMIT and 2 * live >= hi + 1:
+            if lo >= 0 and hi < DIRECT_LIMIT and 2 * live >= hi + 1:
                 self._to_direct(t, hi + 1)
                 return
         for p in t.parts:

@@ -344,6 +344,11 @@ def test_an_eviction_through_a_direct_index_enumerates_its_partition_only(
     a, b = v.lookup_rows("t", q), ref.lookup_rows("t", q)
     assert np.array_equal(a[1], b[1]) and np.array_equal(a[0], b[0])
     assert v.evicted == ref.evicted
+    t = v._table("t")  # the owners cost 4 B per slot, counted in nbytes
+    assert all(p.owner is not None and p.owner.dtype == np.uint32 for p in t.parts)
+    cap = sum(p.rows.shape[0] for p in t.parts)
+    free = sum(p.free.size for p in t.parts)
+    assert v.nbytes("t") == 4 * t.direct.size + cap * (rb + 8 + 4) + 4 * free  # stamps, owners
 
 
 def test_a_direct_index_is_scanned_once_per_load_end_and_switched_outside_the_locks(

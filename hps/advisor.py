@@ -272,8 +272,8 @@ class Recommendation:
     bytes: int  # rows × slot_bytes: what the cache holds for them, metadata included
     hit_rate: float  # ideal, at this size
     weight: float  # share of all lookups
-    row_format: RowDtype = RowDtype.FP32
-    slot_bytes: int = 0  # one cached row: its stored bytes and its slot's metadata
+    row_format: RowDtype  # how the table's rows are stored (cache and databases alike)
+    slot_bytes: int  # one cached row: its stored bytes and its slot's metadata
 
 
 def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recommendation]:

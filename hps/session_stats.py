@@ -24,8 +24,6 @@ import torch
 
 from hps.rowformat import RowDtype, row_bytes
 from hps.storage.cache import EmbeddingCache
-from hps.storage.redis_cluster import RedisClusterBackend
-from hps.storage.volatile import HashMapBackend
 from hps.types import StorageBackend, Tier
 
 log = logging.getLogger(__name__)
@@ -196,21 +194,32 @@ def _cache_bytes(cache: EmbeddingCache) -> TierBytes:
     return TierBytes(rows, rows * cache.row_bytes, cache.nbytes(), cache.capacity)
 
 
-def _db_bytes(db: StorageBackend, table: str, dim: int) -> TierBytes | str:
-    """A database's :class:`TierBytes` for ``table``, or why it could not say (a Redis
-    cluster down or in its back-off window is not asked: a stats read never waits on it)."""
-    if isinstance(db, RedisClusterBackend) and not db.available:
+def _db_bytes(
+    db: StorageBackend, table: str, dim: int, warned: set[tuple[str, str]] | None
+) -> TierBytes | str:
+    """A database's :class:`TierBytes` for ``table`` (:meth:`StorageBackend.held`), or why
+    it could not say: a tier not :attr:`~StorageBackend.available` (a Redis cluster in its
+    back-off window) is not asked, a stats read never waits on it. A failure is logged as a
+    warning once per (database, table) in ``warned`` (then at debug level: stats are polled)."""
+    if not db.available:
         return f"{db.name} is down (retrying)"
     try:
         rb = row_bytes(db.row_format(table), dim)
-        if isinstance(db, HashMapBackend):  # the rows an attached cache holds are the cache's
-            rows = db.stored_rows(table)
-            return TierBytes(rows, rows * rb, db.nbytes(table))
-        rows = db.size(table)
+        rows, nbytes = db.held(table, dim)
     except Exception as e:  # noqa: BLE001 - a failed tier's statistics say why, not raise
-        log.warning("bytes held by %s for table %r: %s: %s", db.name, table, type(e).__name__, e)
+        first = warned is None or (db.name, table) not in warned
+        if warned is not None:
+            warned.add((db.name, table))
+        log.log(
+            logging.WARNING if first else logging.DEBUG,
+            "bytes held by %s for table %r: %s: %s",
+            db.name,
+            table,
+            type(e).__name__,
+            e,
+        )
         return f"{db.name}: {type(e).__name__}: {e}"
-    return TierBytes(rows, rows * rb, rows * rb)
+    return TierBytes(rows, rows * rb, nbytes)
 
 
 @dataclass(frozen=True)
@@ -250,21 +259,28 @@ def held_bytes(
     persistent: StorageBackend | None,
     table: str,
     dim: int,
+    warned: set[tuple[str, str]] | None = None,
 ) -> TableBytes:
     """Bytes each tier holds for ``table`` (its database name) of row width ``dim``; the row
-    format is the cache's, else the first database's (every tier stores a table alike)."""
-    dbs = [db for db in (volatile, persistent) if db is not None]
-    if cache is not None:
-        fmt = cache.row_format
-    else:
-        fmt = dbs[0].row_format(table) if dbs else RowDtype.FP32
+    format is the cache's, else that of the first database that knows the table (every tier
+    stores a table alike; FP32 when none does). A tier that cannot say is reported as such
+    (``{"error": ...}``), never raised; ``warned``: the caller's record of the (database,
+    table) failures already logged as warnings."""
     tiers: dict[Tier, TierBytes | str] = {}
     if cache is not None:
         tiers[Tier.CACHE] = _cache_bytes(cache)
     if volatile is not None:
-        tiers[Tier.VOLATILE] = _db_bytes(volatile, table, dim)
+        tiers[Tier.VOLATILE] = _db_bytes(volatile, table, dim, warned)
     if persistent is not None:
-        tiers[Tier.PERSISTENT] = _db_bytes(persistent, table, dim)
+        tiers[Tier.PERSISTENT] = _db_bytes(persistent, table, dim, warned)
+    fmt = cache.row_format if cache is not None else None
+    for db in (volatile, persistent):
+        if fmt is None and db is not None:
+            try:
+                fmt = db.row_format(table)
+            except Exception:  # noqa: BLE001 - its tier's entry already says why
+                continue
+    fmt = RowDtype.FP32 if fmt is None else fmt
     return TableBytes(fmt, row_bytes(fmt, dim), tiers)
 
 

@@ -18,7 +18,7 @@ from enum import StrEnum
 
 import numpy as np
 
-from hps.rowformat import RowDtype
+from hps.rowformat import RowDtype, row_bytes
 
 
 class VolatileDBType(StrEnum):
@@ -188,6 +188,20 @@ class StorageBackend(ABC):
     @abstractmethod
     def size(self, table: str) -> int:
         """Number of rows currently held for ``table``."""
+
+    @property
+    def available(self) -> bool:
+        """False while the tier is known to be down and not to be asked (a Redis cluster in
+        its back-off window); a tier that cannot fail is always available."""
+        return True
+
+    def held(self, table: str, dim: int) -> tuple[int, int]:
+        """``(rows, bytes)`` this tier holds for ``table`` (rows of ``dim`` values), read
+        together. By default :meth:`size` rows of the row format's bytes each: the values
+        only (a store's own per-entry overhead is its to report); the in-process hash map
+        counts its slots, counters and key index."""
+        rows = self.size(table)
+        return rows, rows * row_bytes(self.row_format(table), dim)
 
     def close(self) -> None:  # noqa: B027 - optional hook
         """Release resources (files, connections)."""

@@ -128,6 +128,8 @@ class LookupSession:
         self.update_lock = ReadWriteLock()
         self.update_health = update_health
         self.statistics = SessionStats([t.name for t in tables])
+        # (database, table) whose bytes could not be read, logged once as a warning
+        self._bytes_warned: set[tuple[str, str]] = set()
         self.key_stats = {t.name: KeyCounts() for t in tables} if record_key_stats else None
         # per table: the cache whose decay_epoch key_stats were last aged to, and that epoch
         self._stats_epoch: dict[str, tuple[weakref.ref[EmbeddingCache], int]] = {}
@@ -283,29 +285,31 @@ class LookupSession:
         return fused_lookup(self, tables, keys, modes, out)[0]
 
     def stats(
-        self, table: str | None = None, held: Mapping[str, TableBytes] | None = None
+        self,
+        table: str | None = None,
+        held: Mapping[str, TableBytes] | None = None,
+        with_bytes: bool = False,
     ) -> dict[str, object]:
         """Statistics of one table, or ``{table: stats}`` for all; each with
-        ``known_absent`` (the negative cache: keys held, keys answered from it, restarts) and
-        ``bytes`` (what each tier holds for it, in its row format: :meth:`held_bytes`, or
-        ``held[table]`` when the caller has just read it)."""
+        ``known_absent`` (the negative cache: keys held, keys answered from it, restarts),
+        and with ``with_bytes`` (or ``held``) ``bytes``: what each tier holds for it, in its
+        row format (:meth:`held_bytes`, or ``held[table]`` when the caller has just read it).
+        Bytes ask every tier (a cache scan, the hash map's write lock, a Redis round trip):
+        counters alone read no tier, for callers that poll per batch."""
         gen = self.update_lock.generation
+        with_bytes = with_bytes or held is not None
+
+        def one(name: str, counts: dict[str, object]) -> dict[str, object]:
+            out = {**counts, "known_absent": self.absent.stats(name, gen)}
+            if with_bytes:
+                out["bytes"] = self._bytes_of(name, held)
+            return out
+
         if table is not None:
             name = self._table(table).name
-            return {
-                **self.statistics.to_dict(name),
-                "known_absent": self.absent.stats(name, gen),
-                "bytes": self._bytes_of(name, held),
-            }
+            return one(name, self.statistics.to_dict(name))
         every = self.statistics.to_dict(None)
-        return {
-            n: {
-                **v,  # type: ignore[dict-item]
-                "known_absent": self.absent.stats(n, gen),
-                "bytes": self._bytes_of(n, held),
-            }
-            for n, v in every.items()
-        }
+        return {n: one(n, v) for n, v in every.items()}  # type: ignore[arg-type]
 
     def _bytes_of(self, table: str, held: Mapping[str, TableBytes] | None) -> dict[str, object]:
         """``held[table]`` (read by the caller) or :meth:`held_bytes`, as JSON."""
@@ -316,7 +320,9 @@ class LookupSession:
         """The bytes each tier holds for ``table`` (:func:`hps.session_stats.held_bytes`):
         rows, their bytes in the table's row format, and what the tier reports holding."""
         t = self._table(table)
-        return held_bytes(t.cache, self.volatile, self.persistent, t.db_name, t.dim)
+        return held_bytes(
+            t.cache, self.volatile, self.persistent, t.db_name, t.dim, self._bytes_warned
+        )
 
     def forget_absent_keys(self, table: str | None = None) -> None:
         """Empty the negative cache of ``table`` (``None``: every table). Writers that add

@@ -20,6 +20,12 @@ pool is the same in all three::
     free  = [3]                     free slots, a stack, (f,) int32
     uses  = [ 5, 1, 2, -]           reads per slot               (evict_least_used only)
     stamp = [90, 12, 40, -]         clock of the last read/write (evict_oldest only)
+    owner = [ 7, 3, 42, S]          key of each slot, S free (DIRECT, once it evicts)
+
+A direct index enumerates a partition's keys (:meth:`Partition.live`, for evictions and
+compactions) by scanning the whole index, O(bound). A partition that evicts (an overflow
+margin reached) pays that scan once: it then keeps ``owner`` (uint32, 4 B per slot), the key each
+slot holds, and enumerates its keys from its own slots, O(capacity).
 
 A sorted partition keeps uint32 keys while every key it holds is in ``[0, 2**32)`` and widens
 them to int64 (itself alone) when a key outside arrives. Every layout enumerates its keys in
@@ -45,7 +51,8 @@ import numpy as np
 from hps.types import mix64
 
 ABSENT = np.uint32(2**32 - 1)  # a direct index's entry for a key the map does not hold
-KEY_LIMIT = 2**32  # uint32 keys (and a direct index's bound) are below this
+KEY_LIMIT = 2**32  # uint32 keys are below this
+DIRECT_LIMIT = KEY_LIMIT - 1  # a direct index's keys are below this (ABSENT is no key)
 _MIN_GROWTH = 64  # slots a pool grows by at least (and the slack a compaction leaves alone)
 
 
@@ -105,6 +112,7 @@ class Partition:
         self.uses = np.zeros(0, np.int64) if uses else None
         self.stamp = np.zeros(0, np.int64) if stamps else None
         self.free = np.zeros(0, np.int32)  # a stack
+        self.owner: np.ndarray | None = None  # (capacity,) uint32 key per slot, ABSENT free
 
     @property
     def size(self) -> int:
@@ -137,15 +145,28 @@ class Partition:
 
     def live(self) -> tuple[np.ndarray, np.ndarray]:
         """``(keys (m,) ascending, their slots (m,))`` of every key held: the sorted index's
-        own arrays, or for a direct index a scan of it (O(bound), for evictions and
-        compactions only)."""
+        own arrays; for a direct index, from :attr:`owner` when kept (O(capacity)), else a
+        scan of the index (O(bound), for compactions only)."""
         d = self.direct
         if d is None:
             return self.keys, self.slots
+        o = self.owner
+        if o is not None:
+            slots = np.flatnonzero(o != ABSENT)
+            keys = o[slots].astype(np.int64)
+            order = np.argsort(keys, kind="stable")  # nearly sorted: a compaction sorts them
+            return keys[order], slots[order]
         k = np.flatnonzero(d != ABSENT)
         if self.num_partitions > 1:
             k = k[partition_of(k, self.num_partitions) == self.index]
         return k, d[k].astype(np.int64)
+
+    def keep_owner(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Keep :attr:`owner` from now on (DIRECT), from :meth:`live`'s answer ``keys``,
+        ``slots`` (one scan of the table's index for many partitions: the caller's)."""
+        owner = np.full(self.rows.shape[0], ABSENT, np.uint32)
+        owner[slots] = keys
+        self.owner = owner
 
     def add(self, nk: np.ndarray, ns: np.ndarray) -> None:
         """Index new keys ``nk (k,) int64`` (ascending, none held; inside the direct index's
@@ -153,6 +174,8 @@ class Partition:
         if self.direct is not None:
             self.direct[nk] = ns
             self.n_direct += int(nk.size)
+            if self.owner is not None:
+                self.owner[ns] = nk
             return
         if self.keys.dtype == np.uint32 and nk.size and (nk[0] < 0 or nk[-1] >= KEY_LIMIT):
             self.keys = self.keys.astype(np.int64)
@@ -190,6 +213,8 @@ class Partition:
                 self.uses = np.concatenate([self.uses, np.zeros(grow, np.int64)])
             if self.stamp is not None:
                 self.stamp = np.concatenate([self.stamp, np.zeros(grow, np.int64)])
+            if self.owner is not None:
+                self.owner = np.concatenate([self.owner, np.full(grow, ABSENT, np.uint32)])
             self.free = np.concatenate(
                 [np.arange(new_cap - 1, cap - 1, -1, dtype=np.int32), self.free]
             )
@@ -223,22 +248,25 @@ class Partition:
         assert self.direct is not None  # the caller's layout
         self.direct[keys] = ABSENT
         self.n_direct -= int(keys.size)
+        if self.owner is not None:
+            self.owner[slots] = ABSENT
         self.free = np.concatenate([self.free, slots.astype(np.int32)])
         self._maybe_compact()
 
-    def trim(self) -> None:
-        """Compact to a pool of exactly the rows held (no free slot) if any slot is free."""
+    def trim(self, live: tuple[np.ndarray, np.ndarray] | None = None) -> None:
+        """Compact to a pool of exactly the rows held (no free slot) if any slot is free
+        (``live``: :meth:`live`'s answer, when the caller has it)."""
         if self.free.size:
-            self._compact(self.size)
+            self._compact(self.size, live)
 
     def _maybe_compact(self) -> None:
         live = self.size
         if self.free.size > max(_MIN_GROWTH, live // 2):
             self._compact(live + live // 8)
 
-    def _compact(self, capacity: int) -> None:
+    def _compact(self, capacity: int, held: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Copy the live rows to slots ``0..live-1`` (key order) of a pool of ``capacity``."""
-        keys, slots = self.live()
+        keys, slots = held if held is not None else self.live()
         live = int(keys.size)
         rows = np.zeros((capacity, self.rows.shape[1]), np.uint8)
         rows[:live] = self.rows[slots]
@@ -251,13 +279,16 @@ class Partition:
                 setattr(self, name, new)
         if self.direct is not None:
             self.direct[keys] = np.arange(live, dtype=np.uint32)
+            if self.owner is not None:
+                self.owner = np.full(capacity, ABSENT, np.uint32)
+                self.owner[:live] = keys
         else:
             self.slots = np.arange(live, dtype=np.int32)
         self.free = np.arange(capacity - 1, live - 1, -1, dtype=np.int32)
 
     def nbytes(self) -> int:
-        """Bytes of the pool, its free list, use counts or stamps, and the sorted index (a
-        direct index is the table's: :meth:`HashMapBackend.nbytes` counts it once)."""
+        """Bytes of the pool, its free list, use counts or stamps, slot owners, and the sorted
+        index (a direct index is the table's: :meth:`HashMapBackend.nbytes` counts it once)."""
         arrays: list[np.ndarray] = [self.rows, self.free, self.keys, self.slots]
-        arrays += [a for a in (self.uses, self.stamp) if a is not None]
+        arrays += [a for a in (self.uses, self.stamp, self.owner) if a is not None]
         return sum(int(a.nbytes) for a in arrays)

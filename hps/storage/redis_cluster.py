@@ -496,6 +496,20 @@ class RedisClusterBackend(StorageBackend):
         res = pipe.execute()
         return int(sum(res[0::2])) - int(sum(res[1::2]))
 
+    def held(self, table: str, dim: int) -> tuple[int, int]:
+        """``(rows, bytes)`` of ``table`` in the cluster: :meth:`size` rows of its row
+        format's bytes (the values; Redis's own per-entry overhead is not counted).
+
+        Raises:
+            ValueError: ``dim`` is not the table's.
+            VolatileUnavailableError: no node has answered since the start.
+        """
+        codec = self._codec(table)
+        if dim != codec.dim:
+            raise ValueError(f"redis cluster table {table!r} has dim {codec.dim}, not {dim}")
+        rows = self.size(table)
+        return rows, rows * codec.row_bytes
+
     def clear(self, table: str) -> None:
         """Delete every partition of ``table``.
 

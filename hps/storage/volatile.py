@@ -11,7 +11,7 @@ The key index of a table is laid out by the density of its keys (:class:`KeyLayo
 after every write, so that the index costs at most what the sorted one would (12 B per row)
 and 4 B per row for an identity vocabulary (keys ``0..n-1``, as exports write them)::
 
-    keys in [0, 2**32), n held, max key b - 1:
+    keys in [0, 2**32 - 1) (2**32 - 1 marks "absent"), n held, max key b - 1:
         2·n ≥ b      → DIRECT      (b,) uint32 slot per key, shared by the partitions: 4·b B
         3·n < b      → SORTED_U32  sorted uint32 keys + int32 slots: 8 B per row
         (in between, the layout it has stays: a table does not flap between the two)
@@ -22,8 +22,9 @@ least an eighth larger: appended keys cost O(1) amortised) while the table stays
 3·n ≥ b line, and switches to the sorted layout otherwise (negative keys, keys ≥ 2**32, or
 too sparse). A lookup of any int64 key is answered in every layout (keys outside the index
 are not found); it costs O(batch) with a direct index and O(batch · log rows) with a sorted
-one. A switch rebuilds the index under every partition lock of the table (O(bound), about
-20 B per row transiently, less than a pool's growth); ``compact_keys=False`` keeps the sorted
+one. A switch builds the new index under the table's write lock (O(bound), about 20 B per
+row transiently, less than a pool's growth; lookups go on meanwhile) and swaps it in under
+every partition lock of the table; ``compact_keys=False`` keeps the sorted
 int64 layout always (the reference the others are tested against).
 :meth:`HashMapBackend.mark_loaded` (the end of a load) compacts the table's pools to the rows
 they hold: loads in chunks leave no slack.
@@ -31,7 +32,11 @@ they hold: loads in chunks leave no slack.
 Every operation is a handful of numpy calls per partition touched (a loop over partitions,
 never over keys). When a partition holds more than ``overflow_margin`` rows after an insert it
 evicts rows by ``overflow_policy`` until it holds ``overflow_resolution_target ×
-overflow_margin`` (HugeCTR's semantics); the rows it picks do not depend on the layout.
+overflow_margin`` (HugeCTR's semantics); the rows it picks do not depend on the layout. An
+eviction costs O(rows of the partition) in every layout: with a direct index the partition
+keeps its slots' keys from its first eviction on (4 B per slot,
+:attr:`~hps.storage.hash_partition.Partition.owner`; one scan of the index, O(bound), for
+the partitions evicting first in one insert).
 
 Exclusive with a cache (:meth:`HashMapBackend.attach_cache`; :mod:`hps.storage.cache`
 draws it): the rows a CPU cache above holds for this map are stored there only. The map still
@@ -60,7 +65,7 @@ from hps.rowformat import RowDtype
 from hps.storage.cache import EmbeddingCache
 from hps.storage.hash_partition import (
     ABSENT,
-    KEY_LIMIT,
+    DIRECT_LIMIT,
     KeyLayout,
     Partition,
     partition_of,
@@ -301,10 +306,12 @@ class HashMapBackend(StorageBackend):
             self._store(table, t, keys[rest], rows[rest])
 
     def _store(self, table: str, t: _Table, keys: np.ndarray, rows: np.ndarray) -> None:
-        """Store ``rows (n, row_bytes) uint8`` under unique ``keys`` in the partitions."""
+        """Store ``rows (n, row_bytes) uint8`` under unique ``keys`` in the partitions, then
+        resolve the overflows (in partition order, as each partition's rows alone decide)."""
         with t.write_lock:
             self._fit_direct(t, keys)
             now = next(self._clock)
+            over: list[int] = []
             for p, idx in split_by_partition(keys, self.num_partitions):
                 part = t.parts[p]
                 q = keys[idx]
@@ -324,8 +331,40 @@ class HashMapBackend(StorageBackend):
                         part.touch(ns, now, read=False)
                         part.add(nk, ns)
                     if part.size > self.overflow_margin:
-                        self._resolve_overflow(table, p, part)
+                        over.append(p)
+            if over:
+                self._keep_owners(t, over)
+                for p in over:
+                    with t.parts[p].lock:
+                        self._resolve_overflow(table, p, t.parts[p])
             self._relayout(t)
+
+    def _keep_owners(self, t: _Table, parts: list[int]) -> None:
+        """Make the partitions ``parts`` of a direct index keep their slots' keys
+        (:attr:`Partition.owner`), so that their evictions enumerate O(rows held), not
+        O(bound): one scan of the index for all of them. Hold ``t.write_lock``."""
+        if t.direct is None:
+            return
+        need = [p for p in parts if t.parts[p].owner is None]
+        if not need:
+            return
+        held = self._direct_live(t)
+        for p in need:
+            with t.parts[p].lock:
+                t.parts[p].keep_owner(*held[p])
+
+    def _direct_live(self, t: _Table) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+        """Each partition's :meth:`Partition.live` of a direct index, from one scan of it
+        (O(bound)). Hold ``t.write_lock`` (no index entry changes meanwhile)."""
+        d = t.direct
+        assert d is not None  # the caller's layout
+        held = np.flatnonzero(d != ABSENT)
+        empty = (np.zeros(0, np.int64), np.zeros(0, np.int64))
+        out = dict.fromkeys(range(self.num_partitions), empty)
+        for p, idx in split_by_partition(held, self.num_partitions):
+            k = held[idx]  # ascending: the split keeps the order within a partition
+            out[p] = (k, d[k].astype(np.int64))
+        return out
 
     def _resolve_overflow(self, table: str, p: int, part: Partition) -> None:
         target = int(self.overflow_margin * self.overflow_resolution_target)
@@ -377,9 +416,11 @@ class HashMapBackend(StorageBackend):
         lo, hi = int(keys.min()), int(keys.max())
         if lo >= 0 and hi < d.size:
             return
-        if lo >= 0 and hi < KEY_LIMIT:
-            bound = min(max(hi + 1, d.size + d.size // 8), KEY_LIMIT)
-            if 3 * (self._live(t) + keys.size) >= bound:
+        if lo >= 0 and hi < DIRECT_LIMIT:
+            bound = min(max(hi + 1, d.size + d.size // 8), DIRECT_LIMIT)
+            inside = keys[keys < d.size]
+            new = keys.size - inside.size + int(np.count_nonzero(d[inside] == ABSENT))
+            if 3 * (self._live(t) + new) >= bound:
                 grown = np.full(bound, ABSENT, np.uint32)
                 grown[: d.size] = d
                 with t.all_partitions():
@@ -403,7 +444,7 @@ class HashMapBackend(StorageBackend):
         if held:
             lo = min(int(p.keys[0]) for p in held)
             hi = max(int(p.keys[-1]) for p in held)
-            if lo >= 0 and hi < KEY_LIMIT and 2 * live >= hi + 1:
+            if lo >= 0 and hi < DIRECT_LIMIT and 2 * live >= hi + 1:
                 self._to_direct(t, hi + 1)
                 return
         for p in t.parts:
@@ -412,10 +453,13 @@ class HashMapBackend(StorageBackend):
                     p.narrow()
 
     def _to_direct(self, t: _Table, bound: int) -> None:
+        """Switch to a direct index over ``[0, bound)``: built outside the partition locks
+        (``t.write_lock``, held, keeps the sorted indices as they are), swapped under them."""
         d = np.full(bound, ABSENT, np.uint32)
+        for part in t.parts:
+            d[part.keys] = part.slots
         with t.all_partitions():
             for part in t.parts:
-                d[part.keys] = part.slots
                 part.n_direct = int(part.keys.size)
                 part.direct = d
                 part.keys = np.zeros(0, np.uint32)
@@ -424,18 +468,16 @@ class HashMapBackend(StorageBackend):
         log.debug("volatile db: a table's key index is direct over [0, %d)", bound)
 
     def _to_sorted(self, t: _Table) -> None:
-        d = t.direct
-        assert d is not None  # the caller's layout
+        """Switch to sorted indices: built outside the partition locks (``t.write_lock``,
+        held, keeps the direct index as it is), swapped under them."""
+        held = self._direct_live(t)
         with t.all_partitions():
-            held = np.flatnonzero(d != ABSENT)
-            for p, idx in split_by_partition(held, self.num_partitions):
-                k = held[idx]  # ascending: the split keeps the order within a partition
-                t.parts[p].keys = k.astype(np.uint32)
-                t.parts[p].slots = d[k].astype(np.int32)
-            for part in t.parts:
-                part.direct, part.n_direct = None, 0
+            for p, part in enumerate(t.parts):
+                k, slots = held[p]
+                part.keys, part.slots = k.astype(np.uint32), slots.astype(np.int32)
+                part.direct, part.n_direct, part.owner = None, 0, None
             t.direct = None
-        log.debug("volatile db: a table's key index is sorted (%d keys)", held.size)
+        log.debug("volatile db: a table's key index is sorted (%d keys)", self._live(t))
 
     @staticmethod
     def _live(t: _Table) -> int:
@@ -447,10 +489,14 @@ class HashMapBackend(StorageBackend):
         partition's pool is copied at a time (``capacity = rows held``)."""
         t = self._table(table)
         with t.write_lock:
-            for p in range(self.num_partitions) if partitions is None else partitions:
+            asked = range(self.num_partitions) if partitions is None else partitions
+            todo = [p for p in asked if t.parts[p].free.size]
+            # a direct index is scanned once for every partition (not once per partition)
+            held = self._direct_live(t) if todo and t.direct is not None else None
+            for p in todo:
                 part = t.parts[p]
                 with part.lock:
-                    part.trim()
+                    part.trim(None if held is None or part.owner is not None else held[p])
 
     def delete(self, table: str, keys: np.ndarray) -> None:
         """Remove rows (missing keys are ignored; an attached cache keeps its copies)."""
@@ -470,11 +516,23 @@ class HashMapBackend(StorageBackend):
         cache's bytes (:meth:`EmbeddingCache.nbytes`)."""
         t = self._table(table)
         with t.write_lock:
-            total = int(t.direct.nbytes) if t.direct is not None else 0
-            for p in t.parts:
-                with p.lock:
-                    total += p.nbytes()
+            return self._nbytes(t)
+
+    @staticmethod
+    def _nbytes(t: _Table) -> int:
+        """:meth:`nbytes` of ``t``; hold ``t.write_lock``."""
+        total = int(t.direct.nbytes) if t.direct is not None else 0
+        for p in t.parts:
+            with p.lock:
+                total += p.nbytes()
         return total
+
+    def held(self, table: str, dim: int) -> tuple[int, int]:
+        """``(rows stored in this map itself, nbytes)`` of ``table``, read under one lock (the
+        rows an attached cache holds are the cache's). ``dim`` is the table's own."""
+        t = self._table(table)
+        with t.write_lock:
+            return self._live(t), self._nbytes(t)
 
     def stored_rows(self, table: str) -> int:
         """Rows of ``table`` stored in this map itself (without an attached cache's)."""

@@ -127,21 +127,20 @@ def test_bad_inputs() -> None:
 
 @pytest.mark.parametrize("dtype", [RowDtype.FP32, RowDtype.FP16, RowDtype.INT8, RowDtype.INT4])
 def test_a_cache_slot_costs_its_row_format_and_its_metadata(dtype: RowDtype) -> None:
-    """One slot: the row in its format plus the per-slot metadata the cache itself reports,
-    so a cache of ``k`` slots holds ``k × cache_slot_bytes`` bytes."""
-    slot = cache_slot_bytes(128, dtype)
-    meta = cache_slot_bytes(128, RowDtype.FP32) - row_bytes(RowDtype.FP32, 128)
-    assert meta > 0 and slot == row_bytes(dtype, 128) + meta
-    assert {RowDtype.FP32: 512, RowDtype.FP16: 256, RowDtype.INT8: 132, RowDtype.INT4: 68}[
-        dtype
-    ] == slot - meta
+    """One slot: the row in its format plus 6.125 bytes of metadata (int32 keys), rounded up
+    to a byte per slot; a cache of ``k`` slots holds ``k`` rows + ``k × 6.125`` bytes."""
+    row = {RowDtype.FP32: 512, RowDtype.FP16: 256, RowDtype.INT8: 132, RowDtype.INT4: 68}[dtype]
+    assert row_bytes(dtype, 128) == row
+    slot = {RowDtype.FP32: 519, RowDtype.FP16: 263, RowDtype.INT8: 139, RowDtype.INT4: 75}[dtype]
+    assert cache_slot_bytes(128, dtype) == slot
     c = EmbeddingCache(4 * 64, 128, ways=64, row_format=dtype)
-    assert c.nbytes() == c.capacity * slot
+    assert c.nbytes() == c.capacity * row + c.capacity * 49 // 8
 
 
-def test_an_int8_table_gets_three_and_a_half_times_the_rows() -> None:
-    """The same budget and key statistics: the INT8 table caches (512 + m) / (132 + m) ≈ 3.5×
-    the FP32 table's rows, each recommendation's bytes exactly rows × slot bytes."""
+def test_an_int8_table_gets_three_point_seven_times_the_rows() -> None:
+    """The same budget and key statistics: the INT8 table caches 519 / 139 ≈ 3.7× the FP32
+    table's rows (512 and 132 B rows + 6.125 B of metadata, rounded up per slot), each
+    recommendation's bytes exactly rows × slot bytes."""
     budget = 3 * 2**20
     recs = {
         dt: recommend({"t": TableKeyStats.from_zipf(10**6, 128, 1.05, row_format=dt)}, budget)[0]
@@ -156,7 +155,8 @@ def test_an_int8_table_gets_three_and_a_half_times_the_rows() -> None:
     assert ratio == pytest.approx(
         cache_slot_bytes(128) / cache_slot_bytes(128, RowDtype.INT8), 1e-3
     )
-    assert 3.4 < ratio < 3.6
+    assert [recs[dt].slot_bytes for dt in recs] == [519, 139, 75]
+    assert 3.7 < ratio < 3.75
     assert recs[RowDtype.INT8].hit_rate > recs[RowDtype.FP32].hit_rate
 
 

@@ -156,7 +156,7 @@ class _V2Endpoints:
         held = {t: session.held_bytes(t) for t in session.tables}
         return {
             **self.counts[name].to_dict(name),
-            "hps": session.stats(held=held),
+            "hps": session.stats(held=held, with_bytes=True),
             # Σ over the model's tables of the bytes each tier holds (per table: "hps"[t]["bytes"])
             "hps_bytes": bytes_per_tier(list(held.values())),
             "online_updates": session.update_status().to_dict(),

@@ -13,6 +13,7 @@ import torch
 
 from hps.rowformat import RowDtype, row_bytes
 from hps.session import LookupSession, SessionTable
+from hps.storage import hash_partition
 from hps.storage.cache import EmbeddingCache
 from hps.storage.volatile import HashMapBackend, KeyLayout
 from hps.types import OverflowPolicy
@@ -283,3 +284,122 @@ def test_rows_move_to_an_exclusive_cache_and_back_through_a_direct_index() -> No
     got, found = v.lookup("t", np.concatenate([keys, more]))
     assert found.all() and np.array_equal(got, both)
     assert v.size("t") == 2 * n == v.stored_rows("t") + cache.homed_rows()
+
+
+class _Hashes:
+    """Every key array :func:`hps.storage.hash_partition.partition_of` hashes: its size and
+    whether a partition lock of table ``t`` was held meanwhile."""
+
+    def __init__(self, v: HashMapBackend, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.calls: list[tuple[int, bool]] = []
+        real = hash_partition.partition_of
+
+        def spy(keys: np.ndarray, num_partitions: int) -> np.ndarray:
+            locked = any(p.lock.locked() for p in v._table("t").parts)
+            self.calls.append((int(keys.size), locked))
+            return real(keys, num_partitions)
+
+        monkeypatch.setattr(hash_partition, "partition_of", spy)
+
+    def total(self) -> int:
+        return sum(n for n, _ in self.calls)
+
+
+def test_an_eviction_through_a_direct_index_enumerates_its_partition_only(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Every partition of an identity table at its overflow margin evicts on each insert: the
+    first such insert scans the direct index once for all partitions, the next hash only
+    their own keys (no scan of the table per eviction: O(partition), not O(table))."""
+    n, parts = 4096, 4
+    margin = int(0.6 * n / parts)
+    kw = {
+        "num_partitions": parts,
+        "overflow_margin": margin,
+        "overflow_policy": OverflowPolicy.EVICT_OLDEST,
+        "overflow_resolution_target": 1.0,
+    }
+    v, ref = _map(RowDtype.INT8, 4, **kw), _map(RowDtype.INT8, 4, compact_keys=False, **kw)
+    rb = row_bytes(RowDtype.INT8, 4)
+    rows = _rows(n, rb, 0)
+    for m in (v, ref):
+        m.insert_rows("t", np.arange(n, dtype=np.int64), rows)
+    assert v.key_layout("t") is KeyLayout.DIRECT and v.size("t") == parts * margin
+    hashes = _Hashes(v, monkeypatch)
+    for step in range(6):
+        q = np.arange(n, dtype=np.int64)
+        a, b = v.lookup_rows("t", q), ref.lookup_rows("t", q)  # stamps both alike
+        assert np.array_equal(a[1], b[1]) and np.array_equal(a[0], b[0]), step
+        absent = np.flatnonzero(~a[1])
+        k = absent[step * 7 : step * 7 + 64].astype(np.int64)
+        before, evicted = hashes.total(), v.evicted
+        v.insert_rows("t", k, rows[k])
+        hashed = hashes.total() - before
+        ref.insert_rows("t", k, rows[k])
+        assert v.evicted - evicted >= parts  # every partition evicted
+        assert v.key_layout("t") is KeyLayout.DIRECT
+        # the batch's split, plus one scan of the index (the held keys) on the first insert
+        assert hashed <= k.size + (v.size("t") + k.size if step == 0 else 0), (step, hashed)
+    q = np.arange(n, dtype=np.int64)
+    a, b = v.lookup_rows("t", q), ref.lookup_rows("t", q)
+    assert np.array_equal(a[1], b[1]) and np.array_equal(a[0], b[0])
+    assert v.evicted == ref.evicted
+    t = v._table("t")  # the owners cost 4 B per slot, counted in nbytes
+    assert all(p.owner is not None and p.owner.dtype == np.uint32 for p in t.parts)
+    cap = sum(p.rows.shape[0] for p in t.parts)
+    free = sum(p.free.size for p in t.parts)
+    assert v.nbytes("t") == 4 * t.direct.size + cap * (rb + 8 + 4) + 4 * free  # stamps, owners
+
+
+def test_a_direct_index_is_scanned_once_per_load_end_and_switched_outside_the_locks(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``mark_loaded`` trims every partition from one scan of a direct index (not one per
+    partition), and a switch to the sorted layout hashes the index with no partition lock
+    held (lookups go on meanwhile)."""
+    v = _map(RowDtype.INT8, 4, num_partitions=4)
+    rb = row_bytes(RowDtype.INT8, 4)
+    keys = np.arange(1100, dtype=np.int64)
+    rows = _rows(keys.size, rb, 1)
+    v.insert_rows("t", keys[:1000], rows[:1000])
+    v.insert_rows("t", keys[1000:], rows[1000:])  # grows the pools: slack to trim
+    assert v.key_layout("t") is KeyLayout.DIRECT
+    assert all(p.free.size for p in v._table("t").parts)
+    hashes = _Hashes(v, monkeypatch)
+    v.mark_loaded("t")
+    assert hashes.total() == keys.size
+    assert all(p.free.size == 0 for p in v._table("t").parts)
+    hashes.calls.clear()
+    v.delete("t", np.arange(1, 1100, 3, dtype=np.int64))  # 733 held: still direct
+    v.delete("t", np.arange(0, 1100, 3, dtype=np.int64))  # 366 of 1100: sorted
+    assert v.key_layout("t") is KeyLayout.SORTED_U32
+    # the switch's scan of the 366 held keys, the last (a delete's compaction scans before)
+    assert hashes.calls[-1] == (366, False), hashes.calls
+    left = np.arange(2, 1100, 3)
+    got, found = v.lookup_rows("t", left.astype(np.int64))
+    assert found.all() and np.array_equal(got, rows[left])
+
+
+def test_a_mostly_overwriting_insert_counts_only_its_new_keys_against_the_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Overwriting held keys plus one key far past a direct index's bound: the held keys do
+    not count as new rows, so the index switches to sorted without first growing."""
+    v = _map(RowDtype.INT8, 4, num_partitions=2)
+    rb = row_bytes(RowDtype.INT8, 4)
+    v.insert_rows("t", np.arange(1000, dtype=np.int64), _rows(1000, rb, 2))
+    t = v._table("t")
+    switched_from: list[int] = []
+    real = HashMapBackend._to_sorted
+
+    def spy(self: HashMapBackend, table: object) -> None:
+        switched_from.append(t.direct.size if t.direct is not None else -1)
+        real(self, table)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(HashMapBackend, "_to_sorted", spy)
+    # 1001 rows over a bound of 4001: too sparse; counting the 1001 keys of the call as new
+    # (3 · 2001 ≥ 4001) would grow the index to 4001 first
+    k = np.concatenate([np.arange(1000), [4000]]).astype(np.int64)
+    v.insert_rows("t", k, _rows(k.size, rb, 3))
+    assert v.key_layout("t") is KeyLayout.SORTED_U32
+    assert switched_from == [1000]

@@ -32,6 +32,9 @@ def test_cluster_has_three_masters_and_partitions_spread(redis_cluster) -> None:
     b.insert(name, keys, rows)
     b.mark_loaded(name)
     assert b.size(name) == 600  # the marks are not rows
+    assert b.available and b.held(name, 3) == (600, 600 * 3 * 4)  # the FP32 values
+    with pytest.raises(ValueError, match="has dim 3, not 4"):
+        b.held(name, 4)
     owners = {b._client.get_node_from_key(partition_name(name, p)).port for p in range(12)}
     assert len(owners) == 3  # one table's partitions land on every node
     v, f = b.lookup(name, np.concatenate([keys, [-1]]).astype(np.int64))

@@ -39,7 +39,7 @@ from tilesparse.calibrate import (
 )
 from tilesparse.config import Importance, Pattern, TileSparseConfig
 from tilesparse.neurons import bias_refit, bias_refit_error, neuron_masks, neurons_are_elementwise
-from tilesparse.patterns import masks_for_config
+from tilesparse.patterns import ew_per_output_mask, masks_for_config
 
 log = logging.getLogger(__name__)
 
@@ -84,6 +84,9 @@ class LayerSearch:
         neurons: whether two consecutive TW layers joined by an elementwise activation are
             pruned as neurons (:mod:`tilesparse.neurons`; when ``column_share`` is
             automatic).
+        per_output: EW masks from ``activation`` scores compare weights within each output
+            (Wanda's group, :func:`~tilesparse.patterns.ew_per_output_mask`) instead of over
+            the whole layer.
     """
 
     config: TileSparseConfig
@@ -94,6 +97,7 @@ class LayerSearch:
     dampings: tuple[float, ...] = DAMPINGS
     refit: bool = True
     neurons: bool = False
+    per_output: bool = False
 
 
 def search_for(user: TileSparseConfig, resolved: TileSparseConfig) -> LayerSearch:
@@ -113,7 +117,23 @@ def search_for(user: TileSparseConfig, resolved: TileSparseConfig) -> LayerSearc
     sparsity = None if shared and user.importance is not None else resolved.target_sparsity
     dampings = DAMPINGS if user.damping is None else (float(user.damping),)
     neurons = user.column_share is None and resolved.pattern is Pattern.TW
-    return LayerSearch(resolved, sparsity, imps, shares, fixed, dampings, neurons=neurons)
+    # EW, automatic importance: Wanda's masks and no least-squares refit unless a damping is
+    # given. A per-column refit fitted to one text domain lowered the held-out error on that
+    # domain and raised it on others (MiniLM, docs/benchmarks.md): the plain Wanda masks
+    # generalise better.
+    ew_auto = resolved.pattern is Pattern.EW and user.importance is None
+    refit = not (ew_auto and user.damping is None)
+    return LayerSearch(
+        resolved,
+        sparsity,
+        imps,
+        shares,
+        fixed,
+        dampings,
+        refit=refit,
+        neurons=neurons,
+        per_output=ew_auto,
+    )
 
 
 def _layer_sparsity(current: torch.Tensor, search: LayerSearch) -> float:
@@ -139,6 +159,11 @@ def _candidates(
     out: list[tuple[Importance, float | None, torch.Tensor]] = []
     for imp in search.importances:
         score = _score(w_kn, imp, stats)
+        if search.per_output and imp is Importance.ACTIVATION:
+            mask = ew_per_output_mask(score, _layer_sparsity(current, search))
+            if not any(torch.equal(mask, m) for _, _, m in out):
+                out.append((imp, None, mask))
+            continue
         for share in search.column_shares:
             c = replace(cfg, column_share=share)
             mask = masks_for_config(c, [score], _layer_sparsity(current, search), 0.0)[0]
@@ -196,7 +221,7 @@ def fit_layer(
     """
     k = w_kn.shape[0]
     w = w_kn.detach().double().cpu()
-    if stats.rows < k:
+    if search.refit and stats.rows < k:
         log.warning(
             "tilesparse: layer %r: the calibration gave %d fit input rows for its %d inputs; "
             "its Gram matrix is rank-deficient, the damping and the held-out check decide",
@@ -217,8 +242,11 @@ def fit_layer(
     for imp, share, mask in _candidates(w, current, stats, search):
         masked = w * mask
         held_masked = reconstruction_error(w, masked, hh)
-        damping, _ = _choose_damping(w, mask, stats, search.dampings)
-        fitted = reconstruct(w, mask, stats.gram, damping) if search.refit else masked
+        if search.refit:
+            damping, _ = _choose_damping(w, mask, stats, search.dampings)
+            fitted = reconstruct(w, mask, stats.gram, damping)
+        else:
+            damping, fitted = 0.0, masked
         if not bool(torch.isfinite(fitted).all()):
             raise CalibrationError(f"layer {fqn!r}: the reconstruction is not finite")
         held_fitted = reconstruction_error(w, fitted, hh)

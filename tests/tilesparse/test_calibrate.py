@@ -253,3 +253,43 @@ def test_nan_in_a_later_pass_rolls_back() -> None:
             model, tilesparse.TileSparseConfig(sparsity=0.5, tile=8), calibration=flaky
         )
     _unchanged(model, before)
+
+
+def test_ew_with_calibration_defaults_to_wanda_masks_without_refit() -> None:
+    """EW, default config plus calibration: every output keeps the best half of its inputs by
+    ``|w|·‖x‖`` (Wanda's per-output group), the kept weights stay the dense ones; an explicit
+    damping brings the least-squares refit back."""
+    torch.manual_seed(0)
+    scale = torch.tensor([1.0, 8, 1, 8, 2, 4, 1, 8])
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 8, generator=g) * scale,) for _ in range(4)]
+    x = torch.cat([b[0] for b in batches])
+    model = nn.Sequential(nn.Linear(8, 6))
+    dense = model[0].weight.detach().clone()
+    pruner = tilesparse.prune_(
+        model, tilesparse.TileSparseConfig(pattern="ew", sparsity=0.5), calibration=batches
+    )
+    score = dense.T.abs() * x.double().pow(2).sum(0).sqrt().float().unsqueeze(1)
+    assert torch.equal(pruner.mask("0"), tilesparse.ew_per_output_mask(score, 0.5))
+    assert torch.equal(pruner.mask("0").sum(0), torch.full((6,), 4))
+    assert torch.equal(model[0].weight.detach(), dense * pruner.mask("0").T)
+    (rec,) = pruner.reconstructions
+    assert not rec.accepted and rec.importance is tilesparse.Importance.ACTIVATION
+    assert rec.reconstructed_error == rec.masked_error
+
+    refit = nn.Sequential(nn.Linear(8, 6))
+    refit[0].load_state_dict({"weight": dense, "bias": torch.zeros(6)})
+    cfg = tilesparse.TileSparseConfig(pattern="ew", sparsity=0.5, damping=0.01)
+    pruned = tilesparse.prune_(refit, cfg, calibration=batches)
+    (rec,) = pruned.reconstructions
+    assert rec.damping == 0.01 and rec.reconstructed_error < rec.masked_error
+
+
+def test_ew_per_output_mask_keeps_the_same_count_in_every_output() -> None:
+    scores = torch.tensor([[5.0, 0, 1], [4, 1, 2], [0, 2, 3], [1, 3, 0], [2, 9, 9]])
+    mask = tilesparse.ew_per_output_mask(scores, 0.4)  # K = 5: keep 3 per column
+    expected = torch.tensor([[1, 0, 0], [1, 0, 1], [0, 1, 1], [0, 1, 0], [1, 1, 1]]).bool()
+    assert torch.equal(mask, expected)
+    assert not tilesparse.ew_per_output_mask(scores, 0.9).any()  # round(5 * 0.1) = 0
+    with pytest.raises(ValueError, match="sparsity must be in"):
+        tilesparse.ew_per_output_mask(scores, 1.0)

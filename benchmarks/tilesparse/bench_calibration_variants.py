@@ -92,7 +92,7 @@ class Calib:
     padded: bool = False
 
 
-def grams(model: Any, modules: list[nn.Module], calib: Calib, diagonal: bool = False) -> list[Gram]:
+def grams(model: Any, modules: list[nn.Linear], calib: Calib, diagonal: bool = False) -> list[Gram]:
     """Each module's augmented input Gram over the calibration sentences (``diagonal``: only
     its diagonal, the rest zero — all Wanda needs)."""
     out = [
@@ -359,7 +359,7 @@ def distill(student: Any, teacher: Any, masks: Masks, sentences: list[str], step
             for m, mask in masks.items():
                 m.weight.mul_(mask)
     student.eval()
-    return float(loss)
+    return float(loss.detach())
 
 
 def evaluate(model: Any, evals: dict[str, Pairs], dense: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -392,7 +392,7 @@ def library_row(
 ) -> tuple[Any, dict[str, Any]]:
     """``tilesparse.prune_`` with the default config (plus ``calibration=``)."""
     model = copy.deepcopy(base)
-    cfg = tilesparse.TileSparseConfig(pattern=pattern, sparsity=sparsity)
+    cfg = tilesparse.TileSparseConfig(pattern=tilesparse.Pattern(pattern), sparsity=sparsity)
     calib = None if sentences is None else _Encode(sentences, batch_size)
     pruner = tilesparse.prune_(model, cfg, is_ffn, calibration=calib)
     check = pruner.output_check
@@ -411,7 +411,7 @@ def variants(a: list[str], which: list[str] | None) -> list[Variant]:
         Variant("tw neurons, padded, token, d=0.01", "tw", "neurons", 0.01, pad),
     ]
     for cal, label in ((tok, "token"), (sen, "sentence"), (nrm, "norm")):
-        for d in (0.01, 0.1, 1.0):
+        for d in (0.001, 0.01, 0.1, 1.0):
             out.append(Variant(f"tw neurons, {label}, d={d:g}", "tw", "neurons", d, cal))
     out += [
         Variant("ew magnitude per layer", "ew", "magnitude", None, tok),
@@ -422,6 +422,26 @@ def variants(a: list[str], which: list[str] | None) -> list[Variant]:
     for cal, label in ((tok, "token"), (sen, "sentence"), (nrm, "norm")):
         for d in (0.01, 0.1, 1.0):
             out.append(Variant(f"ew sparsegpt, {label}, d={d:g}", "ew", "sparsegpt", d, cal))
+    out += [
+        Variant(
+            "tw neurons, token, d=0.01, effect allocation 0.1",
+            "tw",
+            "neurons",
+            0.01,
+            tok,
+            "effect",
+            0.1,
+        ),
+        Variant(
+            "ew sparsegpt, token, d=0.1, effect allocation 0.1",
+            "ew",
+            "sparsegpt",
+            0.1,
+            tok,
+            "effect",
+            0.1,
+        ),
+    ]
     if which is None:
         return out
     by_name = {v.name: v for v in out}

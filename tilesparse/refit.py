@@ -12,6 +12,10 @@ layers before it already pruned), :func:`fit_layer` tries:
   fitted on the *fit* samples, with its damping chosen from :data:`DAMPINGS` by the held-out
   error on a spread of :data:`SEARCH_COLUMNS` output columns;
 
+- for EW with ``importance`` automatic, no per-column refit of the masks above (Wanda's
+  ``activation`` mask compared within each output, and ``magnitude``), and SparseGPT's mask
+  and weights (:mod:`tilesparse.obs`) as one more candidate;
+
 and keeps whichever (mask, reconstructed or not) has the lowest relative output error on the
 *held-out* samples. A reconstruction that does not lower the held-out error is rejected, so a
 calibrated layer is never worse on held-out data than its best plain mask, and — with

@@ -47,6 +47,7 @@ from tilesparse.format import TWLayout, condense, reference_matmul
 from tilesparse.hf import load_compressed
 from tilesparse.linear import TileSparseLinear
 from tilesparse.memory import LayerMemory, ModelMemory, layer_memory, model_memory
+from tilesparse.obs import sparsegpt
 from tilesparse.oneshot import prune_
 from tilesparse.ops import auto_decision, calibrate_auto, tw_linear
 from tilesparse.patterns import (
@@ -54,6 +55,7 @@ from tilesparse.patterns import (
     bw_masks,
     ew_mask,
     ew_masks,
+    ew_per_output_mask,
     is_tile_wise,
     nm_mask,
     render_mask,
@@ -100,6 +102,8 @@ __all__ = [
     "distill_",
     "ew_mask",
     "ew_masks",
+    "ew_per_output_mask",
+    "sparsegpt",
     "is_tile_wise",
     "layer_memory",
     "load_compressed",

@@ -170,7 +170,8 @@ class LayerReconstruction:
             calibration.
         accepted: whether the reconstruction was kept (it lowered the held-out error).
         damping: the reconstruction's ridge, ``λ / mean(diag H)``.
-        importance: the score the chosen mask came from.
+        importance: the score the chosen mask came from; ``None`` for SparseGPT's
+            (:mod:`tilesparse.obs`: mask and weights chosen together, ``damping`` its ridge).
         column_share: the chosen mask's TW column share (``None`` for other patterns).
         neurons_with: the other layer of a neuron pair (:mod:`tilesparse.neurons`): the
             layer's errors are then its own outputs', the pair is judged at the second's.

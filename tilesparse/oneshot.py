@@ -55,7 +55,9 @@ def prune_(
       rows together, the second's kept weights and bias refitted by least squares
       (:mod:`tilesparse.neurons`); other layers as below;
     - every other layer: its mask scored by ``activation`` (``|w|·‖x‖``) or ``magnitude``, for
-      TW with the column share 0.5 or 0, whichever the held-out samples prefer.
+      TW with the column share 0.5 or 0, whichever the held-out samples prefer;
+    - EW: SparseGPT (:func:`tilesparse.sparsegpt`, damping 0.1), Wanda's per-output mask or
+      the magnitude mask, the latter two not refitted, whichever the held-out samples prefer.
 
     Layer by layer in the order the calibration calls them — each layer's inputs gathered
     again through the earlier layers, already pruned — the kept weights are refitted by damped

@@ -61,6 +61,7 @@ __all__ = [
     "tew_masks",
     "ew_mask",
     "ew_masks",
+    "ew_per_output_mask",
     "nm_mask",
     "bw_mask",
     "bw_masks",
@@ -422,6 +423,30 @@ def ew_mask(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
     . x
     """
     return ew_masks([scores], sparsity)[0]
+
+
+def ew_per_output_mask(scores: torch.Tensor, sparsity: float) -> torch.Tensor:
+    """Unstructured, compared within each output: every column ``n`` keeps its
+    ``round(K·(1 - sparsity))`` best rows (ties to the lower ``k``). Wanda's comparison group
+    (Sun et al. 2023): every output keeps the same share of its inputs, so no output loses
+    all of them.
+
+    >>> print(render_mask(ew_per_output_mask(torch.tensor([[4., 1], [2, 3]]), 0.5)))
+    x .
+    . x
+    >>> print(render_mask(ew_per_output_mask(torch.tensor([[4., 3], [2, 1]]), 0.5)))
+    x x
+    . .
+    """
+    _check_scores(scores)
+    _check_sparsity(sparsity)
+    k = scores.shape[0]
+    keep = round(k * (1.0 - sparsity))
+    mask = torch.zeros(scores.shape, dtype=torch.bool)
+    if keep == 0 or scores.numel() == 0:
+        return mask
+    best = scores.double().argsort(dim=0, descending=True, stable=True)[:keep]
+    return mask.scatter_(0, best, True)
 
 
 def nm_mask(scores: torch.Tensor, n: int = 2, m: int = 4) -> torch.Tensor:

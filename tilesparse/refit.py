@@ -12,6 +12,10 @@ layers before it already pruned), :func:`fit_layer` tries:
   fitted on the *fit* samples, with its damping chosen from :data:`DAMPINGS` by the held-out
   error on a spread of :data:`SEARCH_COLUMNS` output columns;
 
+- for EW with ``importance`` automatic, no per-column refit of the masks above (Wanda's
+  ``activation`` mask compared within each output, and ``magnitude``), and SparseGPT's mask
+  and weights (:mod:`tilesparse.obs`) as one more candidate;
+
 and keeps whichever (mask, reconstructed or not) has the lowest relative output error on the
 *held-out* samples. A reconstruction that does not lower the held-out error is rejected, so a
 calibrated layer is never worse on held-out data than its best plain mask, and — with
@@ -39,7 +43,8 @@ from tilesparse.calibrate import (
 )
 from tilesparse.config import Importance, Pattern, TileSparseConfig
 from tilesparse.neurons import bias_refit, bias_refit_error, neuron_masks, neurons_are_elementwise
-from tilesparse.patterns import masks_for_config
+from tilesparse.obs import sparsegpt
+from tilesparse.patterns import ew_per_output_mask, masks_for_config
 
 log = logging.getLogger(__name__)
 
@@ -64,6 +69,10 @@ SEARCH_COLUMNS = 48
 # and rows only (an output column removed from a layer writing a residual stream cannot be
 # reconstructed).
 COLUMN_SHARES = (0.5, 0.0)
+# SparseGPT's damping for EW with automatic knobs: of 0.01 (the paper's) and 0.1, 0.1 gave
+# MiniLM embeddings closer to the dense model's on text unlike the calibration's
+# (docs/benchmarks.md, "calibration variants").
+OBS_DAMPING = 0.1
 
 
 @dataclass(frozen=True)
@@ -84,6 +93,11 @@ class LayerSearch:
         neurons: whether two consecutive TW layers joined by an elementwise activation are
             pruned as neurons (:mod:`tilesparse.neurons`; when ``column_share`` is
             automatic).
+        per_output: EW masks from ``activation`` scores compare weights within each output
+            (Wanda's group, :func:`~tilesparse.patterns.ew_per_output_mask`) instead of over
+            the whole layer.
+        obs_damping: when set, SparseGPT's mask and weights (:func:`tilesparse.obs.sparsegpt`,
+            this damping) are one more candidate.
     """
 
     config: TileSparseConfig
@@ -94,6 +108,8 @@ class LayerSearch:
     dampings: tuple[float, ...] = DAMPINGS
     refit: bool = True
     neurons: bool = False
+    per_output: bool = False
+    obs_damping: float | None = None
 
 
 def search_for(user: TileSparseConfig, resolved: TileSparseConfig) -> LayerSearch:
@@ -113,7 +129,25 @@ def search_for(user: TileSparseConfig, resolved: TileSparseConfig) -> LayerSearc
     sparsity = None if shared and user.importance is not None else resolved.target_sparsity
     dampings = DAMPINGS if user.damping is None else (float(user.damping),)
     neurons = user.column_share is None and resolved.pattern is Pattern.TW
-    return LayerSearch(resolved, sparsity, imps, shares, fixed, dampings, neurons=neurons)
+    # EW, automatic importance: SparseGPT beside Wanda's and magnitude masks, no per-column
+    # refit. On MiniLM, a per-column refit of a fixed mask fitted to one text domain lowered
+    # the held-out error there and raised it on other text; SparseGPT's joint choice of mask
+    # and weights (damping 0.1, chosen on a second domain) did better on both (benchmarks.md).
+    ew_auto = resolved.pattern is Pattern.EW and user.importance is None
+    refit = not ew_auto
+    obs = (OBS_DAMPING if user.damping is None else float(user.damping)) if ew_auto else None
+    return LayerSearch(
+        resolved,
+        sparsity,
+        imps,
+        shares,
+        fixed,
+        dampings,
+        refit=refit,
+        neurons=neurons,
+        per_output=ew_auto,
+        obs_damping=obs,
+    )
 
 
 def _layer_sparsity(current: torch.Tensor, search: LayerSearch) -> float:
@@ -139,6 +173,11 @@ def _candidates(
     out: list[tuple[Importance, float | None, torch.Tensor]] = []
     for imp in search.importances:
         score = _score(w_kn, imp, stats)
+        if search.per_output and imp is Importance.ACTIVATION:
+            mask = ew_per_output_mask(score, _layer_sparsity(current, search))
+            if not any(torch.equal(mask, m) for _, _, m in out):
+                out.append((imp, None, mask))
+            continue
         for share in search.column_shares:
             c = replace(cfg, column_share=share)
             mask = masks_for_config(c, [score], _layer_sparsity(current, search), 0.0)[0]
@@ -196,7 +235,7 @@ def fit_layer(
     """
     k = w_kn.shape[0]
     w = w_kn.detach().double().cpu()
-    if stats.rows < k:
+    if search.refit and stats.rows < k:
         log.warning(
             "tilesparse: layer %r: the calibration gave %d fit input rows for its %d inputs; "
             "its Gram matrix is rank-deficient, the damping and the held-out check decide",
@@ -217,8 +256,11 @@ def fit_layer(
     for imp, share, mask in _candidates(w, current, stats, search):
         masked = w * mask
         held_masked = reconstruction_error(w, masked, hh)
-        damping, _ = _choose_damping(w, mask, stats, search.dampings)
-        fitted = reconstruct(w, mask, stats.gram, damping) if search.refit else masked
+        if search.refit:
+            damping, _ = _choose_damping(w, mask, stats, search.dampings)
+            fitted = reconstruct(w, mask, stats.gram, damping)
+        else:
+            damping, fitted = 0.0, masked
         if not bool(torch.isfinite(fitted).all()):
             raise CalibrationError(f"layer {fqn!r}: the reconstruction is not finite")
         held_fitted = reconstruction_error(w, fitted, hh)
@@ -240,6 +282,28 @@ def fit_layer(
         score = min(held_fitted, held_masked)
         if best is None or score < best[0]:
             best = (score, mask, fitted if accepted else masked, rec)
+    if search.obs_damping is not None:
+        mask, fitted = sparsegpt(
+            w, stats.gram, _layer_sparsity(current, search), search.obs_damping
+        )
+        if not bool(torch.isfinite(fitted).all()):
+            raise CalibrationError(f"layer {fqn!r}: the SparseGPT weights are not finite")
+        held_fitted = reconstruction_error(w, fitted, hh)
+        rec = LayerReconstruction(
+            fqn=fqn,
+            masked_error=reconstruction_error(w, w * mask, stats.gram),
+            reconstructed_error=reconstruction_error(w, fitted, stats.gram),
+            rows=stats.rows,
+            held_out_rows=stats.held_rows,
+            held_out_masked_error=reconstruction_error(w, w * mask, hh),
+            held_out_reconstructed_error=held_fitted,
+            held_out_magnitude_error=magnitude_error,
+            accepted=True,
+            damping=search.obs_damping,
+            importance=None,
+        )
+        if best is None or held_fitted < best[0]:
+            best = (held_fitted, mask, fitted, rec)
     assert best is not None
     _, mask, weight, rec = best
     return mask, weight.to(w_kn.dtype), rec
@@ -314,7 +378,7 @@ def refit_layers(
 
 def _fit_one(t: RefitTarget, st: InputStats, search: LayerSearch) -> LayerReconstruction:
     w_kn = t.dense_nk.T.cpu()
-    s = search if t.refit else replace(search, refit=False)
+    s = search if t.refit else replace(search, refit=False, obs_damping=None)
     mask, weight, rec = fit_layer(t.fqn, w_kn, t.current_mask(), st, s)
     t.set_weights(mask, weight)
     log.info(

@@ -253,3 +253,82 @@ def test_nan_in_a_later_pass_rolls_back() -> None:
             model, tilesparse.TileSparseConfig(sparsity=0.5, tile=8), calibration=flaky
         )
     _unchanged(model, before)
+
+
+def _fit_rows(x: torch.Tensor) -> torch.Tensor:
+    """The rows of a ``(rows, K)`` calibration that the fit sees (the others are held out)."""
+    return x[torch.arange(x.shape[0]) % HOLD_OUT != HOLD_OUT - 1]
+
+
+def test_ew_with_calibration_defaults_to_sparsegpt_or_wanda_without_refit() -> None:
+    """EW, default config plus calibration: each layer takes SparseGPT (damping 0.1 on the
+    fit samples) or Wanda's per-output mask with the dense weights, whichever has the lower
+    held-out error; no per-column refit."""
+    torch.manual_seed(0)
+    mix = torch.randn(3, 8) * torch.tensor([1.0, 8, 1, 8, 2, 4, 1, 8])
+    g = torch.Generator().manual_seed(1)
+    batches = [(torch.randn(32, 3, generator=g) @ mix,) for _ in range(4)]  # rank 3 of 8
+    x = torch.cat([b[0] for b in batches])
+    model = nn.Sequential(nn.Linear(8, 6))
+    dense = model[0].weight.detach().clone()
+    pruner = tilesparse.prune_(
+        model, tilesparse.TileSparseConfig(pattern="ew", sparsity=0.5), calibration=batches
+    )
+    (rec,) = pruner.reconstructions
+    fit = _fit_rows(x).double()
+    mask, weight = tilesparse.sparsegpt(dense.T, fit.T @ fit, 0.5, 0.1)
+    assert rec.importance is None and rec.accepted and rec.damping == 0.1  # SparseGPT won
+    assert torch.equal(pruner.mask("0"), mask)
+    torch.testing.assert_close(model[0].weight.detach(), weight.T, **tol("tw_layer", torch.float32))
+    assert rec.held_out_reconstructed_error < rec.held_out_masked_error
+
+    # independent inputs of very different scales: Wanda's mask, dense weights kept
+    scale = torch.tensor([1.0, 8, 1, 8, 2, 4, 1, 8])
+    indep = [(torch.randn(32, 8, generator=g) * scale,) for _ in range(4)]
+    xi = torch.cat([b[0] for b in indep])
+    model = nn.Sequential(nn.Linear(8, 6))
+    dense = model[0].weight.detach().clone()
+    cfg = tilesparse.TileSparseConfig(pattern="ew", sparsity=0.5)
+    pruner = tilesparse.prune_(model, cfg, calibration=indep)
+    (rec,) = pruner.reconstructions
+    if rec.importance is tilesparse.Importance.ACTIVATION:  # Wanda won: dense weights kept
+        score = dense.T.abs() * xi.double().pow(2).sum(0).sqrt().float().unsqueeze(1)
+        assert torch.equal(pruner.mask("0"), tilesparse.ew_per_output_mask(score, 0.5))
+        assert torch.equal(model[0].weight.detach(), dense * pruner.mask("0").T)
+        assert not rec.accepted and rec.reconstructed_error == rec.masked_error
+    else:
+        assert rec.importance is None and rec.accepted
+
+
+def test_sparsegpt_is_the_masked_magnitude_on_a_diagonal_gram() -> None:
+    """Uncorrelated inputs (diagonal ``H``): no update crosses inputs, the kept weights are
+    the dense ones, the mask the best ``w²·(H_kk + λ)`` of each block; sparsity 0 is the
+    identity; a correlated Gram lowers the error below the plain mask's."""
+    w = torch.tensor([[4.0, -1, 2], [0.5, 3, -2], [1.5, 1.2, 0.9], [-3, 0.25, 2.2]])  # (K=4, N=3)
+    h = torch.diag(torch.tensor([1.0, 4, 1, 0.25])).double()
+    mask, out = tilesparse.sparsegpt(w, h, 0.5, damping=1e-6, block=4)
+    saliency = w.double().pow(2) * h.diagonal().unsqueeze(1)
+    expected = torch.zeros(12, dtype=torch.bool)
+    expected[saliency.flatten().argsort(descending=True)[:6]] = True
+    assert torch.equal(mask, expected.view(4, 3))
+    torch.testing.assert_close(out, w * mask, **tol("tw_layer", torch.float32))
+    full_mask, same = tilesparse.sparsegpt(w, h, 0.0, damping=0.1)
+    assert bool(full_mask.all()) and torch.equal(same, w)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(64, 3, generator=g) @ torch.randn(3, 4, generator=g)
+    gram = (x.T @ x).double()
+    mask, out = tilesparse.sparsegpt(w, gram, 0.5, damping=0.01)
+    err = tilesparse.calibrate.reconstruction_error
+    assert err(w.double(), out.double(), gram) < err(w.double(), (w * mask).double(), gram)
+    with pytest.raises(ValueError, match="damping must be finite and > 0"):
+        tilesparse.sparsegpt(w, h, 0.5, damping=0.0)
+
+
+def test_ew_per_output_mask_keeps_the_same_count_in_every_output() -> None:
+    scores = torch.tensor([[5.0, 0, 1], [4, 1, 2], [0, 2, 3], [1, 3, 0], [2, 9, 9]])
+    mask = tilesparse.ew_per_output_mask(scores, 0.4)  # K = 5: keep 3 per column
+    expected = torch.tensor([[1, 0, 0], [1, 0, 1], [0, 1, 1], [0, 1, 0], [1, 1, 1]]).bool()
+    assert torch.equal(mask, expected)
+    assert not tilesparse.ew_per_output_mask(scores, 0.9).any()  # round(5 * 0.1) = 0
+    with pytest.raises(ValueError, match="sparsity must be in"):
+        tilesparse.ew_per_output_mask(scores, 1.0)

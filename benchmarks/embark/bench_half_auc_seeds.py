@@ -38,7 +38,13 @@ from benchmarks.meta import RESULTS_DIR, git_changed, git_sha, write_json
 from embark.data import SyntheticCTR
 from embark.models import build_model, get_workload
 from embark.quant import evaluate_auc
-from embark.training.config import EmbeddingKernel, TableRounding, TrainConfig
+from embark.training.config import (
+    EmbeddingKernel,
+    EmbeddingOptimizerKind,
+    OptimizerKind,
+    TableRounding,
+    TrainConfig,
+)
 from embark.training.trainer import Trainer
 from hps.rowformat import RowDtype
 
@@ -50,7 +56,7 @@ class Preset:
     scale: float
     steps: int
     batch_size: int
-    optimizer: str
+    optimizer: OptimizerKind
     lr: float
     embedding_lr: float | None
     test_batches: int
@@ -59,8 +65,8 @@ class Preset:
 
 #: fixed before any of these runs: the settings of the single-seed runs they re-examine
 PRESETS = {
-    "tiny": Preset(1.0, 800, 256, "adagrad", 0.05, None, 64),
-    "dlrm_dcnv2": Preset(1000.0, 100, 256, "sgd", 0.05, 0.05, 32),
+    "tiny": Preset(1.0, 800, 256, OptimizerKind.ADAGRAD, 0.05, None, 64),
+    "dlrm_dcnv2": Preset(1000.0, 100, 256, OptimizerKind.SGD, 0.05, 0.05, 32),
 }
 
 #: side -> (table dtype, rounding, kernel)
@@ -80,7 +86,7 @@ def _cfg(preset: Preset, side: str, seed: int) -> TrainConfig:
         optimizer=preset.optimizer,
         lr=preset.lr,
         embedding_lr=preset.embedding_lr,
-        embedding_optimizer="rowwise_adagrad",
+        embedding_optimizer=EmbeddingOptimizerKind.ROWWISE_ADAGRAD,
         warmup_steps=preset.warmup,
         seed=seed,
         table_dtype=dtype,

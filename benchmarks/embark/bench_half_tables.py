@@ -15,7 +15,8 @@ FBGEMM's fused update for FP32 tables; FP16 tables stochastically rounded on the
 path, and rounded to nearest on FBGEMM's FP16 kernel), scored on ``--test-batches`` held-out
 eval batches (another split of the synthetic stream: no training sample among them);
 the FP32-trained model's tables are then quantized to INT8 and INT4 and scored again.
-``speed``: FP32, FP16 (nearest: FBGEMM) and FP16 (stochastic: reference) trainers over
+``speed``: FP32, FP16 (nearest: FBGEMM) and FP16 (stochastic: the reference path's row
+update with :mod:`embark.training.rounding`'s chunked rounding) trainers over
 the same initial model step on the same batches, interleaved, median step time of each.
 ``memory``: a model built with FP16 tables (never held in FP32) trains ``--steps`` steps on
 random fixed-hotness batches; the process's peak RSS (``ru_maxrss``) is reported. Each mode writes its row to
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import resource
 import statistics
 import time
@@ -146,10 +148,11 @@ def speed_case(args: argparse.Namespace) -> dict[str, Any]:
         "fp16 nearest (fbgemm)": Trainer(
             copy.deepcopy(init), _cfg(args, RowDtype.FP16, TableRounding.NEAREST)
         ),
-        "fp16 stochastic (reference)": Trainer(
+        "fp16 stochastic (reference path)": Trainer(
             init, _cfg(args, RowDtype.FP16, TableRounding.STOCHASTIC)
         ),
     }
+    load_before = os.getloadavg()
     ms = _step_ms(trainers, batches, warm=2)
     sps = {k: args.batch_size / (v / 1e3) for k, v in ms.items()}
     return {
@@ -163,6 +166,9 @@ def speed_case(args: argparse.Namespace) -> dict[str, Any]:
         "samples_per_s": sps,
         "ratio_vs_fp32": {k: v / sps["fp32"] for k, v in sps.items()},
         "kernel_fp32": EmbeddingKernel.AUTO.value,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "threads": args.threads,
     }
 
 

@@ -45,7 +45,12 @@ from embark.data.jagged import JaggedBatch
 from embark.models import DLRM, build_model, get_workload
 from embark.models.workloads import Workload
 from embark.quant import EmbeddingQuantConfig, evaluate_auc, quantize_embeddings_
-from embark.training.config import EmbeddingKernel, TableRounding, TrainConfig
+from embark.training.config import (
+    EmbeddingKernel,
+    EmbeddingOptimizerKind,
+    TableRounding,
+    TrainConfig,
+)
 from embark.training.trainer import Trainer
 from hps.rowformat import RowDtype, row_bytes
 
@@ -62,7 +67,7 @@ def _cfg(
         optimizer=args.optimizer,
         lr=args.lr,
         embedding_lr=args.embedding_lr,
-        embedding_optimizer="rowwise_adagrad",
+        embedding_optimizer=EmbeddingOptimizerKind.ROWWISE_ADAGRAD,
         warmup_steps=args.warmup,
         seed=args.seed,
         table_dtype=dtype,
@@ -127,15 +132,24 @@ def auc_case(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _step_ms(trainers: dict[str, Trainer], batches: list[Batch], warm: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in trainers}
+def _step_ms(
+    trainers: dict[str, Trainer], batches: list[Batch], warm: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall-clock and process-CPU ms per step of each trainer (the CPU time is the
+    steadier figure on a loaded machine for a single-threaded run)."""
+    wall: dict[str, list[float]] = {k: [] for k in trainers}
+    cpu: dict[str, list[float]] = {k: [] for k in trainers}
     for i, b in enumerate(batches):
         for name, t in trainers.items():  # interleaved: every side steps on batch i in turn
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             t.train_step(b)
             if i >= warm:
-                times[name].append(1e3 * (time.perf_counter() - t0))
-    return {k: statistics.median(v) for k, v in times.items()}
+                wall[name].append(1e3 * (time.perf_counter() - t0))
+                cpu[name].append(1e3 * (time.process_time() - c0))
+    return (
+        {k: statistics.median(v) for k, v in wall.items()},
+        {k: statistics.median(v) for k, v in cpu.items()},
+    )
 
 
 def speed_case(args: argparse.Namespace) -> dict[str, Any]:
@@ -153,8 +167,9 @@ def speed_case(args: argparse.Namespace) -> dict[str, Any]:
         ),
     }
     load_before = os.getloadavg()
-    ms = _step_ms(trainers, batches, warm=2)
+    ms, cpu_ms = _step_ms(trainers, batches, warm=2)
     sps = {k: args.batch_size / (v / 1e3) for k, v in ms.items()}
+    cpu_sps = {k: args.batch_size / (v / 1e3) for k, v in cpu_ms.items()}
     return {
         "mode": "speed",
         "workload": args.workload,
@@ -165,6 +180,8 @@ def speed_case(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms_median": ms,
         "samples_per_s": sps,
         "ratio_vs_fp32": {k: v / sps["fp32"] for k, v in sps.items()},
+        "cpu_ms_median": cpu_ms,
+        "cpu_ratio_vs_fp32": {k: v / cpu_sps["fp32"] for k, v in cpu_sps.items()},
         "kernel_fp32": EmbeddingKernel.AUTO.value,
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),

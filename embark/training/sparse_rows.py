@@ -38,9 +38,9 @@ import torch
 from embark.training.config import EmbeddingOptimizerKind, TableRounding
 from embark.training.rounding import round_rows
 
-#: touched rows updated per chunk by an FP16/BF16 table's update (512 KiB of float32 at
+#: touched rows updated per chunk by an FP16/BF16 table's update (1 MiB of float32 at
 #: dim 128): the float32 copies stay cache-sized
-ROWS_PER_CHUNK = 1024
+ROWS_PER_CHUNK = 2048
 
 #: optimizer state of a table per update kind: state key -> whether it is per weight
 #: (``(num_rows, dim)``) or per row (``(num_rows,)``). The keys name the state the same way

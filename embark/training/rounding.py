@@ -111,22 +111,24 @@ def stochastic_round(values: torch.Tensor, dtype: torch.dtype, bits: torch.Tenso
         values: float32, contiguous, any shape.
         dtype: ``torch.float16`` or ``torch.bfloat16``.
         bits: integers of ``values.numel()`` elements (int16 or wider), ``r`` in their low
-            bits; overwritten.
+            bits; an int32 ``bits`` is overwritten.
 
     Returns:
         ``values``' shape, ``dtype``.
     """
     k, _, emin = _spec(dtype)
     flat = values.reshape(-1)
-    r = bits.reshape(-1).bitwise_and_(2**k - 1)
+    # int32 + int32: a mixed int32 + int16 add takes torch's slow promoting path (~10x)
+    r = bits.reshape(-1).to(torch.int32).bitwise_and_(2**k - 1)
     summed = torch.add(flat.view(torch.int32), r)
     out = summed.bitwise_and_(-(2**k)).view(torch.float32).to(dtype)
-    # the dtype's normal range is [2^emin, inf): the others (FP16 subnormals, inf, NaN) take
-    # the reference; for BF16 only non-finite values do (its subnormals are float32's)
-    mag_bits = flat.view(torch.int32).bitwise_and(0x7FFFFFFF)
-    special = mag_bits.ge(0x7F800000)  # inf, NaN
-    if emin > -126:
-        special.logical_or_(mag_bits.lt_((emin + 127) << 23))
+    # the dtype's normal range is |x| in [2^emin, inf): magnitude bits in [lo, 0x7F800000);
+    # the others (FP16 subnormals, inf, NaN) take the reference. One unsigned range test:
+    # (m - lo) as unsigned >= width, done signed by flipping the top bit of both sides
+    lo = (emin + 127) << 23 if emin > -126 else 0
+    width = 0x7F800000 - lo
+    shifted = flat.view(torch.int32).bitwise_and(0x7FFFFFFF).sub_(lo).bitwise_xor_(-(2**31))
+    special = shifted.ge(width - 2**31)
     idx = special.nonzero().squeeze(1)
     if idx.numel():
         out[idx] = stochastic_round_reference(flat[idx], dtype, r[idx])

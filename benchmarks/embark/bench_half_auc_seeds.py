@@ -45,7 +45,7 @@ from embark.training.config import (
     TableRounding,
     TrainConfig,
 )
-from embark.training.trainer import Trainer
+from embark.training.trainer import Trainer, TrainingDiverged
 from hps.rowformat import RowDtype
 
 
@@ -110,14 +110,19 @@ def run_seed(workload_name: str, seed: int, sides: Sequence[str]) -> list[dict[s
     for side in sides:
         model = copy.deepcopy(init)
         t0 = time.perf_counter()
-        Trainer(model, _cfg(preset, side, seed)).fit(train, preset.steps, progress=False)
+        diverged: int | None = None
+        try:
+            Trainer(model, _cfg(preset, side, seed)).fit(train, preset.steps, progress=False)
+        except TrainingDiverged as err:  # recorded, not scored: the other sides still run
+            diverged = err.step
         rows.append(
             {
                 "workload": workload_name,
                 "scale": preset.scale,
                 "side": side,
                 "seed": seed,
-                "auc": evaluate_auc(model, test),
+                "auc": None if diverged is not None else evaluate_auc(model, test),
+                "diverged_at_step": diverged,
                 "untrained_auc": untrained,
                 "train_seconds": time.perf_counter() - t0,
                 "preset": preset.__dict__,
@@ -137,14 +142,19 @@ def _mean_se(xs: list[float]) -> dict[str, float]:
 
 def summarize(rows: list[dict[str, Any]], workload_name: str) -> dict[str, Any]:
     """Per side: its per-seed AUCs and the paired difference to ``fp32`` over the seeds both
-    have (mean, sample sd, standard error = sd / sqrt(n))."""
-    by = {(r["side"], r["seed"]): r["auc"] for r in rows if r["workload"] == workload_name}
+    have (mean, sample sd, standard error = sd / sqrt(n)); a run that diverged (its loss not
+    finite, :class:`TrainingDiverged`) is listed, not scored."""
+    mine = [r for r in rows if r["workload"] == workload_name]
+    by = {(r["side"], r["seed"]): r["auc"] for r in mine if r["auc"] is not None}
     out: dict[str, Any] = {}
     for side in SIDES:
         seeds = sorted(s for (sd, s) in by if sd == side)
         if not seeds:
             continue
         entry: dict[str, Any] = {"auc_by_seed": {str(s): by[(side, s)] for s in seeds}}
+        entry["diverged_seeds"] = sorted(
+            r["seed"] for r in mine if r["side"] == side and r.get("auc") is None
+        )
         paired = [s for s in seeds if ("fp32", s) in by]
         if side != "fp32" and paired:
             diffs = [by[(side, s)] - by[("fp32", s)] for s in paired]

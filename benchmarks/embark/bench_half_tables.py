@@ -15,7 +15,8 @@ FBGEMM's fused update for FP32 tables; FP16 tables stochastically rounded on the
 path, and rounded to nearest on FBGEMM's FP16 kernel), scored on ``--test-batches`` held-out
 eval batches (another split of the synthetic stream: no training sample among them);
 the FP32-trained model's tables are then quantized to INT8 and INT4 and scored again.
-``speed``: FP32, FP16 (nearest: FBGEMM) and FP16 (stochastic: reference) trainers over
+``speed``: FP32, FP16 (nearest: FBGEMM) and FP16 (stochastic: the reference path's row
+update with :mod:`embark.training.rounding`'s chunked rounding) trainers over
 the same initial model step on the same batches, interleaved, median step time of each.
 ``memory``: a model built with FP16 tables (never held in FP32) trains ``--steps`` steps on
 random fixed-hotness batches; the process's peak RSS (``ru_maxrss``) is reported. Each mode writes its row to
@@ -27,6 +28,7 @@ from __future__ import annotations
 import argparse
 import copy
 import json
+import os
 import resource
 import statistics
 import time
@@ -43,7 +45,12 @@ from embark.data.jagged import JaggedBatch
 from embark.models import DLRM, build_model, get_workload
 from embark.models.workloads import Workload
 from embark.quant import EmbeddingQuantConfig, evaluate_auc, quantize_embeddings_
-from embark.training.config import EmbeddingKernel, TableRounding, TrainConfig
+from embark.training.config import (
+    EmbeddingKernel,
+    EmbeddingOptimizerKind,
+    TableRounding,
+    TrainConfig,
+)
 from embark.training.trainer import Trainer
 from hps.rowformat import RowDtype, row_bytes
 
@@ -60,7 +67,7 @@ def _cfg(
         optimizer=args.optimizer,
         lr=args.lr,
         embedding_lr=args.embedding_lr,
-        embedding_optimizer="rowwise_adagrad",
+        embedding_optimizer=EmbeddingOptimizerKind.ROWWISE_ADAGRAD,
         warmup_steps=args.warmup,
         seed=args.seed,
         table_dtype=dtype,
@@ -125,15 +132,24 @@ def auc_case(args: argparse.Namespace) -> dict[str, Any]:
     }
 
 
-def _step_ms(trainers: dict[str, Trainer], batches: list[Batch], warm: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {k: [] for k in trainers}
+def _step_ms(
+    trainers: dict[str, Trainer], batches: list[Batch], warm: int
+) -> tuple[dict[str, float], dict[str, float]]:
+    """Median wall-clock and process-CPU ms per step of each trainer (the CPU time is the
+    steadier figure on a loaded machine for a single-threaded run)."""
+    wall: dict[str, list[float]] = {k: [] for k in trainers}
+    cpu: dict[str, list[float]] = {k: [] for k in trainers}
     for i, b in enumerate(batches):
         for name, t in trainers.items():  # interleaved: every side steps on batch i in turn
-            t0 = time.perf_counter()
+            t0, c0 = time.perf_counter(), time.process_time()
             t.train_step(b)
             if i >= warm:
-                times[name].append(1e3 * (time.perf_counter() - t0))
-    return {k: statistics.median(v) for k, v in times.items()}
+                wall[name].append(1e3 * (time.perf_counter() - t0))
+                cpu[name].append(1e3 * (time.process_time() - c0))
+    return (
+        {k: statistics.median(v) for k, v in wall.items()},
+        {k: statistics.median(v) for k, v in cpu.items()},
+    )
 
 
 def speed_case(args: argparse.Namespace) -> dict[str, Any]:
@@ -146,12 +162,14 @@ def speed_case(args: argparse.Namespace) -> dict[str, Any]:
         "fp16 nearest (fbgemm)": Trainer(
             copy.deepcopy(init), _cfg(args, RowDtype.FP16, TableRounding.NEAREST)
         ),
-        "fp16 stochastic (reference)": Trainer(
+        "fp16 stochastic (reference path)": Trainer(
             init, _cfg(args, RowDtype.FP16, TableRounding.STOCHASTIC)
         ),
     }
-    ms = _step_ms(trainers, batches, warm=2)
+    load_before = os.getloadavg()
+    ms, cpu_ms = _step_ms(trainers, batches, warm=2)
     sps = {k: args.batch_size / (v / 1e3) for k, v in ms.items()}
+    cpu_sps = {k: args.batch_size / (v / 1e3) for k, v in cpu_ms.items()}
     return {
         "mode": "speed",
         "workload": args.workload,
@@ -162,7 +180,12 @@ def speed_case(args: argparse.Namespace) -> dict[str, Any]:
         "step_ms_median": ms,
         "samples_per_s": sps,
         "ratio_vs_fp32": {k: v / sps["fp32"] for k, v in sps.items()},
+        "cpu_ms_median": cpu_ms,
+        "cpu_ratio_vs_fp32": {k: v / cpu_sps["fp32"] for k, v in cpu_sps.items()},
         "kernel_fp32": EmbeddingKernel.AUTO.value,
+        "loadavg_before": load_before,
+        "loadavg_after": os.getloadavg(),
+        "threads": args.threads,
     }
 
 

@@ -25,8 +25,8 @@ read or written, so the cost is ``O(nnz · dim)`` whatever ``num_rows`` is:
 
 An FP16 or BF16 table (``TrainConfig.table_dtype``) is updated in float32 (the touched rows
 read as float32, the state float32) and the new rows rounded back to the storage dtype by
-:func:`round_rows`: to nearest (what FBGEMM's CPU kernel does) or stochastically (unbiased:
-``E[round(x)] = x``, what FBGEMM's CUDA kernels do by default).
+:func:`~embark.training.rounding.round_rows`: to nearest (what FBGEMM's CPU kernel does) or
+stochastically (unbiased: ``E[round(x)] = x``, what FBGEMM's CUDA kernels do by default).
 """
 
 from __future__ import annotations
@@ -36,6 +36,11 @@ from dataclasses import dataclass
 import torch
 
 from embark.training.config import EmbeddingOptimizerKind, TableRounding
+from embark.training.rounding import round_rows
+
+#: touched rows updated per chunk by an FP16/BF16 table's update (1 MiB of float32 at
+#: dim 128): the float32 copies stay cache-sized
+ROWS_PER_CHUNK = 2048
 
 #: optimizer state of a table per update kind: state key -> whether it is per weight
 #: (``(num_rows, dim)``) or per row (``(num_rows,)``). The keys name the state the same way
@@ -126,53 +131,31 @@ class RowOptimizer:
         rounding: TableRounding,
         generator: torch.Generator | None,
     ) -> None:
-        """:meth:`apply_` of an FP16/BF16 weight: the rows updated in float32, then rounded."""
+        """:meth:`apply_` of an FP16/BF16 weight: the rows updated in float32, then rounded
+        (:func:`~embark.training.rounding.round_rows`), :data:`ROWS_PER_CHUNK` rows at a time
+        so no float32 copy of all touched rows is held."""
         grads = grads.float()
-        if self.kind is EmbeddingOptimizerKind.SGD:
-            delta = grads.mul(-self.lr)
-        else:
-            delta = grads.div(self._adagrad_std(state, rows, grads)).mul_(-self.lr)
-        if (
+        std = (
+            None
+            if self.kind is EmbeddingOptimizerKind.SGD
+            else self._adagrad_std(state, rows, grads)
+        )
+        # FBGEMM's CPU kernel (fbgemm-gpu-cpu 1.8, measured) rounds an SGD or exact Adagrad
+        # step to float16 before adding it to the row
+        half_step = (
             rounding is TableRounding.NEAREST
             and weight.dtype == torch.float16
             and self.kind is not EmbeddingOptimizerKind.ROWWISE_ADAGRAD
-        ):
-            # FBGEMM's CPU kernel (fbgemm-gpu-cpu 1.8, measured) rounds an SGD or exact
-            # Adagrad step to float16 before adding it to the row
-            delta = delta.half().float()
-        w = weight[rows].float().add_(delta)
-        weight[rows] = round_rows(w, weight.dtype, rounding, generator)
-
-
-def round_rows(
-    values: torch.Tensor,
-    dtype: torch.dtype,
-    rounding: TableRounding,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """``values`` (float32) rounded to ``dtype`` (``float16`` or ``bfloat16``).
-
-    ``nearest``: round to nearest, ties to even (``values.to(dtype)``). ``stochastic``: with
-    ``lo <= x <= hi`` the two representable neighbours of ``x`` (``lo == hi`` when ``x`` is
-    representable), ``hi`` with probability ``(x - lo) / (hi - lo)``, else ``lo``: the
-    expected result is ``x`` (up to float32 rounding of that probability). Values beyond the
-    dtype's range become ``±inf`` as in ``to(dtype)``; NaN stays NaN.
-
-    Args:
-        generator: one uniform float32 draw per value (``None``: the global RNG).
-    """
-    near = values.to(dtype)
-    if rounding is TableRounding.NEAREST or values.numel() == 0:
-        return near
-    near_f = near.float()
-    # the other neighbour: one step from the nearest value towards x
-    toward = torch.where(near_f > values, -torch.inf, torch.inf).to(dtype)
-    other = torch.nextafter(near, toward)
-    p = (values - near_f).abs_().div_((other.float() - near_f).abs_())
-    # drawn on the generator's device (a CPU generator also serves CUDA weights), then moved
-    gen_device = generator.device if generator is not None else values.device
-    draw = torch.rand(values.shape, generator=generator, device=gen_device).to(values.device)
-    return torch.where(draw < p, other, near)
+        )
+        for start in range(0, rows.numel(), ROWS_PER_CHUNK):
+            part = slice(start, start + ROWS_PER_CHUNK)
+            at = rows[part]
+            g = grads[part]
+            delta = g.mul(-self.lr) if std is None else g.div(std[part]).mul_(-self.lr)
+            if half_step:
+                delta = delta.half().float()
+            w = weight.index_select(0, at).float().add_(delta)
+            weight.index_copy_(0, at, round_rows(w, weight.dtype, rounding, generator))
 
 
 def row_gradients(

@@ -22,7 +22,15 @@ from embark.training.config import (
     TrainConfig,
 )
 from embark.training.fused import SparseTableUpdate
-from embark.training.sparse_rows import RowOptimizer, round_rows
+from embark.training.rounding import (
+    CHUNK_VALUES,
+    draw_bits,
+    round_rows,
+    rounding_bits,
+    stochastic_round,
+    stochastic_round_reference,
+)
+from embark.training.sparse_rows import RowOptimizer
 from embark.training.trainer import Trainer
 from hps.rowformat import RowDtype
 
@@ -188,3 +196,55 @@ def test_sharded_runtime_trains_fp16_shards_and_resharding_keeps_the_dtype(data,
     assert back.cfg.table_dtype is RowDtype.FP16
     for name, w in back.model.embedding_tables().items():  # type: ignore[operator]
         assert w.dtype == torch.float16 and torch.equal(w, shards[name])
+
+
+def _awkward_values() -> torch.Tensor:
+    """float32 values over every case of the rounding: random magnitudes from 2^-30 to 2^20
+    (FP16 subnormals and overflow included), exact FP16/BF16 values, the edges of both dtypes'
+    ranges, zeros of both signs, float32 subnormals, ±inf and NaN."""
+    gen = torch.Generator().manual_seed(5)
+    mags = torch.exp2(torch.rand(20_000, generator=gen) * 50 - 30)
+    signs = torch.where(torch.rand(20_000, generator=gen) < 0.5, -1.0, 1.0)
+    edges = [0.0, -0.0, 2.0**-14, 2.0**-24, 1.5 * 2.0**-25, 65504.0, 65519.0, 65520.0, 65535.0]
+    edges += [1e-45, 1e-40, 2.0**-126, 3.4e38, float("inf"), -float("inf"), float("nan")]
+    exact = torch.randn(2000, generator=gen).half().float()
+    edge = torch.tensor(edges + [-v for v in edges[2:]])
+    return torch.cat([mags * signs, exact, edge])
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fast_stochastic_rounding_equals_the_reference_bit_for_bit(dtype):
+    # the same random bits in: the same bits out, over every kind of value, and for bits that
+    # are all zeros / all ones (always down / up unless exact); each random draw is used
+    x = _awkward_values()
+    gen = torch.Generator().manual_seed(6)
+    for bits in (
+        draw_bits(x.numel(), dtype, gen),
+        torch.zeros(x.numel(), dtype=torch.int32),
+        torch.full((x.numel(),), -1, dtype=torch.int32),
+    ):
+        ref = stochastic_round_reference(x, dtype, bits.clone())
+        fast = stochastic_round(x, dtype, bits.clone())
+        assert fast.dtype == dtype
+        assert torch.equal(fast.view(torch.int16), ref.view(torch.int16))
+    # the rule itself on a worked example: 1 + ulp/4 rounds up iff r >= 2^k - 2^k / 4
+    k = rounding_bits(dtype)
+    ulp = 2.0 ** -(23 - k)
+    r = torch.tensor([2**k - 2 ** (k - 2) - 1, 2**k - 2 ** (k - 2)], dtype=torch.int32)
+    got = stochastic_round(torch.full((2,), 1.0 + ulp / 4), dtype, r).float()
+    assert got.tolist() == [1.0, 1.0 + ulp]
+    # NaN stays NaN, inf stays inf, beyond FP16's range is inf
+    y = torch.tensor([float("nan"), float("inf"), 1e6])
+    out = stochastic_round(y, dtype, torch.zeros(3, dtype=torch.int32)).float()
+    assert out[0].isnan() and out[1] == float("inf") and (out[2].isinf() or dtype != torch.float16)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_round_rows_draws_one_chunk_at_a_time(dtype):
+    # round_rows over more than one chunk: the reference on the same bits, drawn chunk by chunk
+    x = torch.randn(2 * CHUNK_VALUES + 7) * 0.01
+    got = round_rows(x, dtype, TableRounding.STOCHASTIC, torch.Generator().manual_seed(2))
+    gen = torch.Generator().manual_seed(2)
+    parts = [x[i : i + CHUNK_VALUES] for i in range(0, x.numel(), CHUNK_VALUES)]
+    bits = torch.cat([draw_bits(p.numel(), dtype, gen).int() for p in parts])
+    assert torch.equal(got, stochastic_round_reference(x, dtype, bits))

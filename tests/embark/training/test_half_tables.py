@@ -57,7 +57,11 @@ def test_stochastic_rounding_is_unbiased_and_nearest_is_not(dtype, ulp):
     r = round_rows(y, dtype, TableRounding.STOCHASTIC, gen).float()
     assert r[0].item() in (-1.0, -1.0 - ulp) and r[1] == 3.0
     # a finite value beyond the dtype's range saturates (FBGEMM's round-toward-zero)
-    assert r[3].isnan() and r[2].isfinite() and abs(r[2] / min(1e30, torch.finfo(dtype).max) - 1) <= ulp
+    assert (
+        r[3].isnan()
+        and r[2].isfinite()
+        and abs(r[2] / min(1e30, torch.finfo(dtype).max) - 1) <= ulp
+    )
 
 
 def _need_fbgemm() -> None:

@@ -12,8 +12,13 @@ decides::
 
 For every ``x`` in the dtype's normal range ``f · 2^k`` is an integer (the ``k`` low mantissa
 bits of ``x`` that the dtype drops), so ``E[result] = x`` exactly; for an FP16 subnormal the
-probability is ``f`` rounded to ``k`` bits (ties to even). A result beyond the dtype's largest
-finite value is ``±inf`` (as ``x.to(dtype)`` gives); ``±inf`` and NaN stay as they are.
+probability is ``f`` rounded to ``k`` bits (ties to even). A finite ``x`` never rounds to
+``±inf``: a result beyond the dtype's largest finite value (FP16: 65504, so any ``|x| >
+65504``, whose round-up is 65536) saturates to ``±max``, as FBGEMM's CUDA stochastic rounding
+does (it converts ``x`` plus the random bits with ``__float2half_rz``, round toward zero, which
+never overflows). ``±inf`` and NaN stay as they are. Rounding to nearest is ``x.to(dtype)``
+(FBGEMM's CPU kernel's round-to-nearest-even), where ``|x| >= 65520`` is ``±inf`` as IEEE
+rounding defines it.
 
 Worked example (FP16, ``k = 13``): ``x = 1 + 0.25 · 2^-10`` has low bits ``0x0800`` (2048 of
 8192), so it rounds up to ``1 + 2^-10`` for the 2048 values of ``r >= 8192 - 2048`` and down
@@ -79,7 +84,8 @@ def draw_bits(
 def stochastic_round_reference(
     values: torch.Tensor, dtype: torch.dtype, bits: torch.Tensor
 ) -> torch.Tensor:
-    """The module docstring's rule, computed in float64 from its definition.
+    """The module docstring's rule, computed in float64 from its definition (a finite
+    value's result saturating at ``±torch.finfo(dtype).max``).
 
     Args:
         values: float32, any shape.
@@ -100,7 +106,8 @@ def stochastic_round_reference(
     frac = torch.round((q - lo) * 2.0**k)
     r = bits.reshape(values.shape).long().bitwise_and(2**k - 1)
     up = (frac + r) >= 2**k
-    out = torch.copysign((lo + up) * ulp, x).to(dtype)
+    fmax = torch.finfo(dtype).max
+    out = torch.copysign(((lo + up) * ulp).clamp_(max=fmax), x).to(dtype)
     return torch.where(x.isfinite(), out, values.to(dtype))
 
 
@@ -121,7 +128,11 @@ def stochastic_round(values: torch.Tensor, dtype: torch.dtype, bits: torch.Tenso
     # int32 + int32: a mixed int32 + int16 add takes torch's slow promoting path (~10x)
     r = bits.reshape(-1).to(torch.int32).bitwise_and_(2**k - 1)
     summed = torch.add(flat.view(torch.int32), r)
-    out = summed.bitwise_and_(-(2**k)).view(torch.float32).to(dtype)
+    # saturate before converting: a round-up past the dtype's max (or a carry into float32's
+    # inf pattern) is ±max, never ±inf (module docstring); inf/NaN inputs are redone below
+    fmax = torch.finfo(dtype).max
+    rounded = summed.bitwise_and_(-(2**k)).view(torch.float32).clamp_(-fmax, fmax)
+    out = rounded.to(dtype)
     # the dtype's normal range is |x| in [2^emin, inf): magnitude bits in [lo, 0x7F800000);
     # the others (FP16 subnormals, inf, NaN) take the reference. One unsigned range test:
     # (m - lo) as unsigned >= width, done signed by flipping the top bit of both sides

@@ -56,7 +56,12 @@ def test_stochastic_rounding_is_unbiased_and_nearest_is_not(dtype, ulp):
     y = torch.tensor([-1.0 - 0.25 * ulp, 3.0, 1e30, float("nan")])
     r = round_rows(y, dtype, TableRounding.STOCHASTIC, gen).float()
     assert r[0].item() in (-1.0, -1.0 - ulp) and r[1] == 3.0
-    assert r[3].isnan() and (r[2].isinf() or dtype == torch.bfloat16)
+    # a finite value beyond the dtype's range saturates (FBGEMM's round-toward-zero)
+    assert (
+        r[3].isnan()
+        and r[2].isfinite()
+        and abs(r[2] / min(1e30, torch.finfo(dtype).max) - 1) <= ulp
+    )
 
 
 def _need_fbgemm() -> None:
@@ -233,10 +238,35 @@ def test_fast_stochastic_rounding_equals_the_reference_bit_for_bit(dtype):
     r = torch.tensor([2**k - 2 ** (k - 2) - 1, 2**k - 2 ** (k - 2)], dtype=torch.int32)
     got = stochastic_round(torch.full((2,), 1.0 + ulp / 4), dtype, r).float()
     assert got.tolist() == [1.0, 1.0 + ulp]
-    # NaN stays NaN, inf stays inf, beyond FP16's range is inf
+    # NaN stays NaN, inf stays inf, beyond FP16's range saturates
     y = torch.tensor([float("nan"), float("inf"), 1e6])
     out = stochastic_round(y, dtype, torch.zeros(3, dtype=torch.int32)).float()
-    assert out[0].isnan() and out[1] == float("inf") and (out[2].isinf() or dtype != torch.float16)
+    assert out[0].isnan() and out[1] == float("inf")
+    assert out[2] == (65504.0 if dtype == torch.float16 else torch.tensor(1e6).to(dtype).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_stochastic_rounding_of_a_finite_value_is_never_inf(dtype):
+    # a finite value at or past the dtype's max, rounded up (all-ones bits) or by random bits,
+    # saturates at ±max on both paths, as FBGEMM's CUDA rounding (round toward zero) does:
+    # before, FP16 65505..65535 rounded up to 65536 = inf, and BF16 float32-max carried into
+    # float32's inf pattern; below max the rule is unchanged (65472 < x < 65504 -> either)
+    fmax = torch.finfo(dtype).max
+    f32max = torch.finfo(torch.float32).max
+    edge = [65472.0, 65488.0, 65503.0, 65504.0, 65505.0, 65519.0, 65520.0, 65535.0, 65536.0]
+    edge += [1e6, 1e30, 3.3e38, 3.39e38, f32max]
+    x = torch.tensor(edge + [-v for v in edge])
+    gen = torch.Generator().manual_seed(3)
+    for bits in (torch.full((x.numel(),), -1, dtype=torch.int32), draw_bits(x.numel(), dtype, gen)):
+        for fn in (stochastic_round, stochastic_round_reference):
+            got = fn(x, dtype, bits.clone()).float()
+            assert got.isfinite().all(), (fn.__name__, x[~got.isfinite()])
+            assert (got.abs() <= fmax).all() and torch.equal(got.sign(), x.sign())
+            big = x.abs() >= fmax
+            assert torch.equal(got[big].abs(), torch.full_like(got[big], fmax))
+    # rounding to nearest stays IEEE (FBGEMM's CPU kernel): 65520 is inf in FP16
+    near = round_rows(torch.tensor([65519.0, 65520.0]), torch.float16, TableRounding.NEAREST)
+    assert near.float().tolist() == [65504.0, float("inf")]
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

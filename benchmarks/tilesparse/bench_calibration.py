@@ -48,8 +48,8 @@ from recipes.sentences import make_sentences
 PATTERNS = ("tw", "ew", "nm")
 
 
-def _encode(model: Any, sentences: list[str]) -> torch.Tensor:
-    return model.encode(sentences, batch_size=64, convert_to_tensor=True).float().cpu()
+def _encode(model: Any, sentences: list[str], batch_size: int = 64) -> torch.Tensor:
+    return model.encode(sentences, batch_size=batch_size, convert_to_tensor=True).float().cpu()
 
 
 class _Calibration:
@@ -62,13 +62,18 @@ class _Calibration:
         _encode(model, self.sentences)
 
 
-def _evaluate(
-    model: Any, evals: dict[str, list[tuple[str, str]]], dense: dict[str, torch.Tensor]
+def evaluate(
+    model: Any,
+    evals: dict[str, list[tuple[str, str]]],
+    dense: dict[str, torch.Tensor],
+    batch_size: int = 64,
 ) -> dict[str, Any]:
+    """Per set of sentence pairs: cosine to the dense model's embeddings ``dense[name]`` (mean,
+    5th percentile) and next-sentence retrieval accuracy, encoding ``batch_size`` at a time."""
     out = {}
     for name, pairs in evals.items():
         n = len(pairs)
-        emb = _encode(model, [a for a, _ in pairs] + [b for _, b in pairs])
+        emb = _encode(model, [a for a, _ in pairs] + [b for _, b in pairs], batch_size)
         cos = nn.functional.cosine_similarity(emb, dense[name], dim=-1)
         out[name] = {
             "cosine": float(cos.mean()),
@@ -128,7 +133,7 @@ def main() -> None:
                 "calibration_sentences": 0 if calib is None else len(calib.sentences),
                 "achieved_sparsity": pruner.overall_sparsity(),
                 "prune_seconds": seconds,
-                "eval": _evaluate(model, evals, dense),
+                "eval": evaluate(model, evals, dense),
                 "output_check": None
                 if pruner.output_check is None
                 else {

@@ -12,6 +12,7 @@ import subprocess
 import sys
 import sysconfig
 import threading
+import time
 from collections.abc import Callable
 from pathlib import Path
 
@@ -66,6 +67,14 @@ def test_a_dead_builds_lock_is_removed_after_the_processes_it_left(
     # a compiler the dead build started, still running (it carries the build's marker)
     env = {**os.environ, torch_ext.BUILD_ENV: os.path.realpath(tmp_path)}
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
+    # Popen returns once the child's exec has begun, but Linux shows its environment in /proc
+    # only after the new image is set up: wait until the scan can see it (a busy machine widens
+    # that window past the lock's first scan).
+    deadline = time.monotonic() + 30
+    while orphan.pid not in torch_ext._build_processes(tmp_path):
+        assert orphan.poll() is None, f"the stand-in compiler ended early ({orphan.returncode})"
+        assert time.monotonic() < deadline, "the stand-in compiler never showed its marker"
+        time.sleep(0.01)
     said_waiting = threading.Event()
 
     class EndOrphanOnceWaitedFor(logging.Handler):

@@ -23,6 +23,7 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m pip install --no-deps recbole==1.2.1
 	$(PY) -m tilesparse.build_ext || echo "tilesparse: fast CPU kernel not built; the reference path will be used"
 	$(PY) -m hps.build_ext || echo "hps: compiled lookup kernel not built; the reference path will be used"
+	$(PY) -m embark.build_ext || echo "embark: compiled half-table update not built; the reference path will be used"
 	touch $@
 
 install: $(VENV)/.installed

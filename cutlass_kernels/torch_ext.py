@@ -36,6 +36,7 @@ import fcntl
 import functools
 import logging
 import os
+import platform
 import shutil
 import socket
 import subprocess
@@ -48,7 +49,15 @@ from types import ModuleType
 
 import torch
 
-__all__ = ["BUILD_ENV", "build_lock", "find_ninja", "load", "ninja_version", "toolchain_key"]
+__all__ = [
+    "BUILD_ENV",
+    "build_lock",
+    "cpu_identity",
+    "find_ninja",
+    "load",
+    "ninja_version",
+    "toolchain_key",
+]
 
 log = logging.getLogger(__name__)
 
@@ -98,6 +107,20 @@ def toolchain_key() -> str:
             f"torch {torch.__version__} {Path(torch.__file__).parent}",
         )
     )
+
+
+def cpu_identity() -> str:
+    """What ``-march=native`` compiles for: the CPU's feature flags (``/proc/cpuinfo``), else
+    the platform's processor name — for a build folder's cache key, so a cache shared between
+    machines never hands one CPU a build using instructions it lacks."""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+            for line in fh:
+                if line.startswith(("flags", "Features")):  # x86 / arm64
+                    return " ".join(sorted(line.split(":", 1)[1].split()))
+    except OSError:
+        pass
+    return platform.machine() + " " + platform.processor()
 
 
 def load(

@@ -13,7 +13,9 @@ table whose weight has ``requires_grad`` off when the trainer takes it over is f
 
     forward   pooled = update(weight, ids, offsets, mode)        (B, dim)
     backward  rows, grads = distinct touched rows and their summed gradients
-              optimizer applied to weight[rows] and its state[rows]   (FBGEMM or reference)
+              optimizer applied to weight[rows] and its state[rows]
+              (FBGEMM; for FP16/BF16 tables rounded stochastically our compiled fused
+              backward, :mod:`embark.training.half_kernel`; else the reference)
 
 A replicated (DP) table keeps a dense gradient (its replicas are summed over the ranks after
 backward); :meth:`EmbeddingUpdates.step` then applies the same row update to the rows whose
@@ -41,6 +43,8 @@ from torch import nn
 from embark.models.tables import FusedLookup, TableModel
 from embark.training.config import EmbeddingKernel, TableRounding, TrainConfig
 from embark.training.fbgemm_tables import FbgemmTable, fbgemm_available
+from embark.training.half_kernel import fused_half_backward, load_extension
+from embark.training.rounding import draw_key
 from embark.training.sparse_rows import STATE_KEYS, RowOptimizer, row_gradients
 
 log = logging.getLogger(__name__)
@@ -87,8 +91,7 @@ class _ReferenceBag(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, ...]:
         ids, offsets = ctx.saved_tensors
-        rows, row_grads = row_gradients(grad, ids, offsets, ctx.mean)
-        ctx.update.apply_rows(ctx.weight, rows, row_grads)
+        ctx.update.apply_bags(ctx.weight, grad, ids, offsets, ctx.mean)
         return (None,) * 6
 
 
@@ -101,7 +104,10 @@ class SparseTableUpdate(FusedLookup):
         optimizer: the row update.
         kernel: ``FBGEMM`` or ``REFERENCE`` (:func:`resolve_kernel`); a shard whose width
             or storage FBGEMM does not take (:meth:`FbgemmTable.supports`: BF16 weights, FP16
-            weights with stochastic rounding on CPU) runs on the reference path.
+            weights with stochastic rounding on CPU) runs on the reference path — or, for
+            FP16/BF16 rounded stochastically on CPU, on the compiled fused backward whenever
+            it is built (:mod:`embark.training.half_kernel`; ``EMBARK_DISABLE_EXT=1`` forces
+            the reference).
         rounding: how FP16/BF16 rows are rounded after an update (:class:`TableRounding`).
         seed: seeds the random bits of stochastic rounding (with the table's name).
 
@@ -146,7 +152,66 @@ class SparseTableUpdate(FusedLookup):
     def apply_rows(self, weight: torch.Tensor, rows: torch.Tensor, grads: torch.Tensor) -> None:
         """The row update (:meth:`RowOptimizer.apply_`) of ``weight`` at the distinct ``rows``
         ``(U,) int64`` with gradients ``grads`` ``(U, dim)``, this table's rounding."""
-        self.optimizer.apply_(weight, self.state(), rows, grads, self.rounding, self.generator)
+        if rows.numel() == 0:
+            return
+        offsets = torch.arange(rows.numel(), device=rows.device)  # each row a bag of its own
+        if not self._fused_half(weight, grads, rows, offsets, False):
+            key = draw_key(self.generator) if self._rounds_stochastically(weight) else 0
+            self.optimizer.apply_(weight, self.state(), rows, grads, self.rounding, key)
+
+    def apply_bags(
+        self,
+        weight: torch.Tensor,
+        grad: torch.Tensor,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        mean: bool,
+    ) -> None:
+        """The update of ``weight`` from the gradient ``grad`` ``(B, dim)`` of the bags
+        ``ids`` ``(nnz,) int64`` starting at ``offsets`` ``(B,) int64``: the compiled fused
+        backward for a stochastically rounded FP16/BF16 table on CPU
+        (:func:`~embark.training.half_kernel.fused_half_backward`), else
+        :func:`row_gradients` then :meth:`apply_rows`. Both draw one rounding key a call
+        from :attr:`generator`, so the two paths round with the same bits."""
+        if ids.numel() == 0:
+            return
+        if not self._fused_half(weight, grad, ids, offsets, mean):
+            rows, row_grads = row_gradients(grad, ids, offsets, mean)
+            self.apply_rows(weight, rows, row_grads)
+
+    def _rounds_stochastically(self, weight: torch.Tensor) -> bool:
+        return weight.dtype != torch.float32 and self.rounding is TableRounding.STOCHASTIC
+
+    def _fused_half(
+        self,
+        weight: torch.Tensor,
+        grad: torch.Tensor,
+        ids: torch.Tensor,
+        offsets: torch.Tensor,
+        mean: bool,
+    ) -> bool:
+        """Run the compiled fused backward when it applies and is built; whether it ran."""
+        if not (
+            self._rounds_stochastically(weight)
+            and weight.device.type == "cpu"
+            and weight.is_contiguous()
+            and load_extension() is not None
+        ):
+            return False
+        states = list(self.state().values())
+        key = draw_key(self.generator)
+        return fused_half_backward(
+            grad,
+            ids,
+            offsets,
+            mean,
+            weight.detach(),
+            states[0] if states else None,
+            self.optimizer.kind.value,
+            self.optimizer.lr,
+            self.optimizer.eps,
+            key,
+        )
 
     def uses_fbgemm(self, weight: torch.Tensor) -> bool:
         """Whether a training lookup of ``weight`` runs FBGEMM's kernel."""

@@ -28,20 +28,20 @@ The fast path (:func:`stochastic_round`) is that rule on the float32 bit pattern
 the magnitude bits and clear the ``k`` low bits (a carry is the round-up; a carry into the
 exponent is the next binade), then convert exactly. Values outside the dtype's normal range
 (FP16 subnormals, ``inf``, NaN) take the reference (:func:`stochastic_round_reference`) on that
-handful. Rows are rounded in chunks of :data:`CHUNK_VALUES`, so no temporary is table- or
-batch-sized.
+handful.
+
+The random bits of a table update are counter-based (:func:`counter_bits`): value ``(row,
+col)`` of an update with key ``K`` (one 63-bit draw per update from the table's seeded
+generator) takes bits of SplitMix64 words of ``(K, row, col // 4)``. So the bits are a function
+of the key and the value's place alone — the compiled fused backward
+(:mod:`embark.training.half_kernel`) and the pure-torch reference draw the same ones, whatever
+the thread count, chunking or the order rows are visited in.
 """
 
 from __future__ import annotations
 
+import numpy as np
 import torch
-
-from embark.training.config import TableRounding
-
-#: values rounded per chunk (1 MiB of float32): temporaries stay cache-sized while the per-op
-#: dispatch is spread over enough values (measured: 2^14 values a chunk costs 3.6x, 2^16 1.5x
-#: the CPU time of 2^18 on 3.8 M values)
-CHUNK_VALUES = 1 << 18
 
 #: dtype -> (random bits per value k, mantissa bits, smallest normal exponent)
 _SPEC: dict[torch.dtype, tuple[int, int, int]] = {
@@ -63,22 +63,43 @@ def rounding_bits(dtype: torch.dtype) -> int:
     return _spec(dtype)[0]
 
 
-def draw_bits(
-    numel: int, dtype: torch.dtype, generator: torch.Generator | None = None
-) -> torch.Tensor:
-    """``(numel,)`` random integers whose :func:`rounding_bits` low bits are uniform: int16
-    lanes of 64-bit draws for FP16 (4 values a draw, 15 random bits each), int32 lanes for
-    BF16 (2 a draw, at least 31 bits), so the generator runs 4× / 2× fewer times than one draw
-    per value.
+#: SplitMix64's increment (the golden ratio · 2^64) and its finalizer's multipliers
+_GOLDEN = np.uint64(0x9E3779B97F4A7C15)
+_MIX1 = np.uint64(0xBF58476D1CE4E5B9)
+_MIX2 = np.uint64(0x94D049BB133111EB)
+
+
+def _mix64(z: np.ndarray) -> np.ndarray:
+    """SplitMix64's finalizer, elementwise on uint64 (wrapping arithmetic)."""
+    z = (z ^ (z >> np.uint64(30))) * _MIX1
+    z = (z ^ (z >> np.uint64(27))) * _MIX2
+    return z ^ (z >> np.uint64(31))
+
+
+def counter_bits(key: int, rows: torch.Tensor, dim: int) -> torch.Tensor:
+    """The rounding bits of an update with ``key`` at ``rows``: ``(U, dim) int32`` in
+    ``[0, 2^16)``, whose :func:`rounding_bits` low bits are ``r``.
+
+    Value ``(row, col)`` is the 16-bit lane ``col % 4`` (lowest first) of
+    ``mix64(h + (col // 4 + 1) · G)`` with ``h = mix64(key ^ mix64(row + G))`` (``mix64``:
+    SplitMix64's finalizer, ``G = 0x9E3779B97F4A7C15``, arithmetic mod 2^64): each row a
+    SplitMix64 stream seeded by a hash of the key and the row. ``embark/csrc/half_rows.cpp``
+    computes the same bits.
 
     Args:
-        generator: a CPU generator (``None``: the global one).
+        key: ``[0, 2^63)``.
+        rows: ``(U,) int64`` row indices (any order, repeats allowed).
+        dim: values per row.
     """
-    lane = torch.int16 if rounding_bits(dtype) <= 15 else torch.int32
-    per_draw = 8 // lane.itemsize
-    draws = torch.empty(-(-numel // per_draw), dtype=torch.int64)
-    draws.random_(generator=generator)  # [0, 2^63): every lane but the top one full
-    return draws.view(lane)[:numel]
+    if not 0 <= key < 2**63:
+        raise ValueError(f"rounding key must be in [0, 2^63), got {key}")
+    r = rows.detach().cpu().numpy().astype(np.uint64)
+    with np.errstate(over="ignore"):
+        h = _mix64(np.uint64(key) ^ _mix64(r + _GOLDEN))
+        words = np.arange(1, (dim + 3) // 4 + 1, dtype=np.uint64) * _GOLDEN
+        w = _mix64(h[:, None] + words[None, :])  # (U, words)
+    lanes = w.astype("<u8").view("<u2").reshape(r.shape[0], -1)[:, :dim]
+    return torch.from_numpy(lanes.astype(np.int32))
 
 
 def stochastic_round_reference(
@@ -146,32 +167,7 @@ def stochastic_round(values: torch.Tensor, dtype: torch.dtype, bits: torch.Tenso
     return out.view(values.shape)
 
 
-def round_rows(
-    values: torch.Tensor,
-    dtype: torch.dtype,
-    rounding: TableRounding,
-    generator: torch.Generator | None = None,
-) -> torch.Tensor:
-    """``values`` (float32) rounded to ``dtype`` (``float16`` or ``bfloat16``).
-
-    ``nearest``: round to nearest, ties to even (``values.to(dtype)``). ``stochastic``: the
-    module docstring's rule (unbiased) with bits drawn from ``generator`` (:func:`draw_bits`,
-    one draw per :data:`CHUNK_VALUES` values at a time, so the temporaries stay chunk-sized).
-
-    Args:
-        values: float32, any shape.
-        generator: a CPU generator (``None``: the global RNG); a CUDA ``values`` gets its bits
-            drawn on the CPU and moved.
-
-    Returns:
-        ``values``' shape, ``dtype``.
-    """
-    if rounding is TableRounding.NEAREST or values.numel() == 0:
-        return values.to(dtype)
-    flat = values.contiguous().reshape(-1)
-    out = torch.empty(flat.shape, dtype=dtype, device=values.device)
-    for start in range(0, flat.numel(), CHUNK_VALUES):
-        part = flat[start : start + CHUNK_VALUES]
-        bits = draw_bits(part.numel(), dtype, generator).to(values.device)
-        out[start : start + part.numel()] = stochastic_round(part, dtype, bits)
-    return out.view(values.shape)
+def draw_key(generator: torch.Generator | None = None) -> int:
+    """One update's rounding key for :func:`counter_bits`: 63 random bits from ``generator``
+    (a CPU generator; ``None``: the global one)."""
+    return int(torch.empty((), dtype=torch.int64).random_(generator=generator))

@@ -24,9 +24,11 @@ read or written, so the cost is ``O(nnz · dim)`` whatever ``num_rows`` is:
 - ``sgd``:             ``w[r] -= lr · g``
 
 An FP16 or BF16 table (``TrainConfig.table_dtype``) is updated in float32 (the touched rows
-read as float32, the state float32) and the new rows rounded back to the storage dtype by
-:func:`~embark.training.rounding.round_rows`: to nearest (what FBGEMM's CPU kernel does) or
-stochastically (unbiased: ``E[round(x)] = x``, what FBGEMM's CUDA kernels do by default).
+read as float32, the state float32) and the new rows rounded back to the storage dtype: to
+nearest (what FBGEMM's CPU kernel does) or stochastically (unbiased: ``E[round(x)] = x``, what
+FBGEMM's CUDA kernels do by default; :mod:`embark.training.rounding`, with the update's
+counter-based bits). :mod:`embark.training.half_kernel` is the compiled fused form of the
+stochastic update, tested against this one.
 """
 
 from __future__ import annotations
@@ -36,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from embark.training.config import EmbeddingOptimizerKind, TableRounding
-from embark.training.rounding import round_rows
+from embark.training.rounding import counter_bits, stochastic_round
 
 #: touched rows updated per chunk by an FP16/BF16 table's update (1 MiB of float32 at
 #: dim 128): the float32 copies stay cache-sized
@@ -84,21 +86,22 @@ class RowOptimizer:
         rows: torch.Tensor,
         grads: torch.Tensor,
         rounding: TableRounding = TableRounding.NEAREST,
-        generator: torch.Generator | None = None,
+        key: int = 0,
     ) -> None:
         """Update ``weight`` (``(num_rows, dim)``) and ``state`` in place at ``rows``.
 
         Args:
             rows: ``(U,) int64`` distinct row indices.
             grads: ``(U, dim)`` their gradients.
-            rounding: how an FP16/BF16 ``weight``'s new rows are rounded (:func:`round_rows`;
-                a float32 weight is written as computed).
-            generator: the random bits of stochastic rounding (``None``: the global RNG).
+            rounding: how an FP16/BF16 ``weight``'s new rows are rounded (a float32 weight is
+                written as computed).
+            key: stochastic rounding's key, ``[0, 2^63)``: the bits of row ``r``, column
+                ``c`` are :func:`~embark.training.rounding.counter_bits` ``(key, r, c)``.
         """
         if rows.numel() == 0:
             return
         if weight.dtype != torch.float32:
-            self._apply_low_precision(weight, state, rows, grads, rounding, generator)
+            self._apply_low_precision(weight, state, rows, grads, rounding, key)
             return
         grads = grads.to(weight.dtype)
         if self.kind is EmbeddingOptimizerKind.SGD:
@@ -129,10 +132,11 @@ class RowOptimizer:
         rows: torch.Tensor,
         grads: torch.Tensor,
         rounding: TableRounding,
-        generator: torch.Generator | None,
+        key: int,
     ) -> None:
         """:meth:`apply_` of an FP16/BF16 weight: the rows updated in float32, then rounded
-        (:func:`~embark.training.rounding.round_rows`), :data:`ROWS_PER_CHUNK` rows at a time
+        (to nearest, or :func:`~embark.training.rounding.stochastic_round` with
+        :func:`~embark.training.rounding.counter_bits`), :data:`ROWS_PER_CHUNK` rows at a time
         so no float32 copy of all touched rows is held."""
         grads = grads.float()
         std = (
@@ -155,7 +159,11 @@ class RowOptimizer:
             if half_step:
                 delta = delta.half().float()
             w = weight.index_select(0, at).float().add_(delta)
-            weight.index_copy_(0, at, round_rows(w, weight.dtype, rounding, generator))
+            if rounding is TableRounding.STOCHASTIC:
+                new = stochastic_round(w, weight.dtype, counter_bits(key, at, w.shape[1]))
+            else:
+                new = w.to(weight.dtype)
+            weight.index_copy_(0, at, new)
 
 
 def row_gradients(

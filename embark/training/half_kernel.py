@@ -1,0 +1,145 @@
+"""The compiled fused backward of FP16/BF16 tables with stochastic rounding: built, loaded,
+called — or ``None``, and the pure-torch reference runs instead.
+
+Source: ``embark/csrc/half_rows.cpp``. One call per table and backward reduces the bag
+gradient to each touched row, updates the row's optimizer state (SGD, row-wise Adagrad, exact
+Adagrad: :class:`~embark.training.sparse_rows.RowOptimizer`'s update, operation for
+operation) and writes the row rounded stochastically (:mod:`embark.training.rounding`'s rule)
+with the counter-based bits of :func:`~embark.training.rounding.counter_bits` — one pass over
+each touched row, where the reference runs ``torch.unique``, ``index_add_``, gathers, the
+update and the rounding as separate passes. Given the same key both paths draw the same bits;
+the rows agree bit for bit wherever the float32 sums agree (the kernel sums a row's squared
+gradient in order, torch's ``mean`` vectorized: they can differ in the last bit of float32 —
+``tests/embark/training/test_half_kernel.py`` makes them exact with dyadic gradients).
+
+Built with the machine's C++ compiler through :func:`cutlass_kernels.torch_ext.load` (one
+builder per folder at a time) with ``-O3 -march=native -ffp-contract=off`` (no fused
+multiply-add: the reference's roundings, step by step) into a cache folder::
+
+    $XDG_CACHE_HOME/tilerec/embark_cpu/<torch version>-<source hash>/   (default ~/.cache)
+
+``make install`` builds it once (``python -m embark.build_ext``); at runtime
+:func:`load_extension` loads the cached build (building it first when missing) and returns
+``None`` after ONE logged warning when it cannot. Set ``EMBARK_DISABLE_EXT=1`` to force the
+reference path.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import logging
+import os
+from pathlib import Path
+from types import ModuleType
+
+import torch
+
+__all__ = [
+    "DISABLE_ENV",
+    "EXT_NAME",
+    "build_dir",
+    "build_extension",
+    "fused_half_backward",
+    "load_extension",
+]
+
+log = logging.getLogger(__name__)
+
+EXT_NAME = "embark_cpu"
+CSRC = Path(__file__).resolve().parent.parent / "csrc"
+SOURCES = (CSRC / "half_rows.cpp",)
+CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
+DISABLE_ENV = "EMBARK_DISABLE_EXT"
+
+
+def build_dir() -> Path:
+    """The cache folder of this source × checkout × flags × CPU × toolchain."""
+    from cutlass_kernels import torch_ext
+
+    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+    h = hashlib.sha256()
+    for f in SOURCES:
+        h.update(f.read_bytes())
+    h.update(str(CSRC).encode())  # ninja's build file names the source paths
+    h.update(" ".join(CFLAGS).encode())
+    h.update(torch_ext.cpu_identity().encode())
+    h.update(torch_ext.toolchain_key().encode())
+    return base / "tilerec" / EXT_NAME / f"{torch.__version__}-{h.hexdigest()[:12]}"
+
+
+def build_extension(verbose: bool = False) -> ModuleType:
+    """Compile (or reuse the cached build of) the extension and import it.
+
+    Raises:
+        RuntimeError / OSError / ImportError: from the compiler or the loader, unchanged.
+    """
+    from cutlass_kernels import torch_ext
+
+    return torch_ext.load(
+        EXT_NAME,
+        [str(f) for f in SOURCES],
+        build_dir(),
+        extra_cflags=CFLAGS,
+        extra_ldflags=["-fopenmp"],
+        verbose=verbose,
+    )
+
+
+@functools.lru_cache(maxsize=1)
+def load_extension() -> ModuleType | None:
+    """The compiled module, or ``None`` (with one logged warning) when it cannot be built or
+    loaded, or when ``EMBARK_DISABLE_EXT`` is set. Cached: built at most once per process."""
+    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
+        log.warning(
+            "embark: compiled half-table update disabled by %s; using the reference path",
+            DISABLE_ENV,
+        )
+        return None
+    try:
+        return build_extension()
+    except (RuntimeError, OSError, ImportError, SystemExit) as e:
+        log.warning(
+            "embark: compiled half-table update could not be built or loaded (%s: %s); using "
+            "the reference path. Rebuild with `python -m embark.build_ext -v`.",
+            type(e).__name__,
+            str(e).splitlines()[0] if str(e) else "",
+        )
+        return None
+
+
+def fused_half_backward(
+    grad: torch.Tensor,
+    ids: torch.Tensor,
+    offsets: torch.Tensor,
+    mean: bool,
+    weight: torch.Tensor,
+    state: torch.Tensor | None,
+    kind: str,
+    lr: float,
+    eps: float,
+    key: int,
+) -> bool:
+    """Update the rows of ``weight`` a bag lookup touched, and their state, in one pass;
+    ``False`` (nothing done) when the extension is not available.
+
+    Args:
+        grad: ``(B, dim)`` float32 gradient of the pooled bags.
+        ids: ``(nnz,) int64`` looked-up rows, in ``[0, num_rows)``.
+        offsets: ``(B,) int64`` start of each bag in ``ids`` (the first 0).
+        mean: bags were averaged.
+        weight: ``(num_rows, dim)`` float16 or bfloat16, contiguous, CPU; updated in place.
+        state: the optimizer state (``row_sum (num_rows,)`` / ``sum (num_rows, dim)``
+            float32, updated in place), ``None`` for SGD.
+        kind: the :class:`~embark.training.config.EmbeddingOptimizerKind`'s value.
+        lr, eps: the update's learning rate and Adagrad epsilon.
+        key: ``[0, 2^63)``, the call's rounding key (:func:`~embark.training.rounding.counter_bits`).
+    """
+    ext = load_extension()
+    if ext is None:
+        return False
+    g = grad if grad.dtype == torch.float32 and grad.is_contiguous() else grad.float().contiguous()
+    ext.fused_backward(
+        g, ids.contiguous(), offsets.contiguous(), mean, weight, state, kind, lr, eps, key
+    )
+    return True

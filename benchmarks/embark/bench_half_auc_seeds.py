@@ -16,7 +16,7 @@ run in separate invocations, and the summary is recomputed over all rows of the 
 
 Sides: ``fp32`` (FBGEMM's fused FP32 update), ``fp32-reference`` (the same update by the
 reference kernel: float32 operation order only), ``fp16-nearest`` (FBGEMM's FP16 kernel),
-``fp16-stochastic`` and ``bf16-stochastic`` (the reference path's stochastic rounding),
+``fp16-stochastic`` and ``bf16-stochastic`` (stochastic rounding: the compiled fused backward),
 ``bf16-nearest``.
 """
 

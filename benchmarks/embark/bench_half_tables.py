@@ -11,13 +11,14 @@ and the peak memory of a large FP16 run in one process.
         [--steps 5] [--batch-size 1024]
 
 ``auc``: one model initialised once, trained twice on the same batches (row-wise Adagrad,
-FBGEMM's fused update for FP32 tables; FP16 tables stochastically rounded on the reference
-path, and rounded to nearest on FBGEMM's FP16 kernel), scored on ``--test-batches`` held-out
+FBGEMM's fused update for FP32 tables; FP16 tables stochastically rounded on our compiled
+fused backward, and rounded to nearest on FBGEMM's FP16 kernel), scored on ``--test-batches`` held-out
 eval batches (another split of the synthetic stream: no training sample among them);
 the FP32-trained model's tables are then quantized to INT8 and INT4 and scored again.
-``speed``: FP32, FP16 (nearest: FBGEMM) and FP16 (stochastic: the reference path's row
-update with :mod:`embark.training.rounding`'s chunked rounding) trainers over
-the same initial model step on the same batches, interleaved, median step time of each.
+``speed``: FP32, FP16 (nearest: FBGEMM) and FP16 (stochastic: the compiled fused backward of
+:mod:`embark.training.half_kernel`, or the reference path when it is not built —
+``half_kernel`` in the row says which) trainers over the same initial model step on the same
+batches, interleaved, median step time of each.
 ``memory``: a model built with FP16 tables (never held in FP32) trains ``--steps`` steps on
 random fixed-hotness batches; the process's peak RSS (``ru_maxrss``) is reported. Each mode writes its row to
 ``benchmarks/results/embark_half_tables.json`` (rows of other cases kept).
@@ -51,6 +52,7 @@ from embark.training.config import (
     TableRounding,
     TrainConfig,
 )
+from embark.training.half_kernel import load_extension
 from embark.training.trainer import Trainer
 from hps.rowformat import RowDtype, row_bytes
 
@@ -162,7 +164,7 @@ def speed_case(args: argparse.Namespace) -> dict[str, Any]:
         "fp16 nearest (fbgemm)": Trainer(
             copy.deepcopy(init), _cfg(args, RowDtype.FP16, TableRounding.NEAREST)
         ),
-        "fp16 stochastic (reference path)": Trainer(
+        "fp16 stochastic (fused kernel)": Trainer(
             init, _cfg(args, RowDtype.FP16, TableRounding.STOCHASTIC)
         ),
     }
@@ -183,6 +185,7 @@ def speed_case(args: argparse.Namespace) -> dict[str, Any]:
         "cpu_ms_median": cpu_ms,
         "cpu_ratio_vs_fp32": {k: v / cpu_sps["fp32"] for k, v in cpu_sps.items()},
         "kernel_fp32": EmbeddingKernel.AUTO.value,
+        "half_kernel": "compiled" if load_extension() is not None else "reference",
         "loadavg_before": load_before,
         "loadavg_after": os.getloadavg(),
         "threads": args.threads,

@@ -57,7 +57,8 @@ class TableRounding(StrEnum):
     probability that makes the expected value the float32 result (unbiased: small updates
     are not lost on average; FBGEMM's default, which its CUDA kernels apply — its CPU kernel
     rounds to nearest whatever its ``stochastic_rounding`` flag says, so these tables train
-    on the reference path); ``nearest``: round to nearest even (what FBGEMM's CPU kernel
+    on our compiled fused backward, :mod:`embark.training.half_kernel`, or the reference
+    path); ``nearest``: round to nearest even (what FBGEMM's CPU kernel
     does, and what it runs).
     """
 

@@ -1,0 +1,268 @@
+"""The compiled fused backward of FP16/BF16 tables (:mod:`embark.training.half_kernel`): the
+same random bits as the reference (:func:`counter_bits`), the same rows bit for bit as the
+pure-torch path (:func:`row_gradients` + :meth:`RowOptimizer.apply_`) on dyadic gradients
+(every float32 sum exact, so no summation order can differ), unbiased, saturating, and
+independent of the thread count."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+
+import embark.training.fused as fused
+from embark.training.config import EmbeddingKernel, EmbeddingOptimizerKind, TableRounding
+from embark.training.half_kernel import fused_half_backward, load_extension
+from embark.training.rounding import counter_bits, rounding_bits, stochastic_round_reference
+from embark.training.sparse_rows import RowOptimizer, row_gradients
+from tests.tolerances import tol
+
+HALF = [torch.float16, torch.bfloat16]
+KINDS = list(EmbeddingOptimizerKind)
+
+
+@pytest.fixture(scope="module")
+def ext():
+    mod = load_extension()
+    if mod is None:
+        if os.environ.get("CI") == "true":
+            pytest.fail(
+                "the embark compiled kernel could not be built (python -m embark.build_ext -v)"
+            )
+        pytest.skip("the embark compiled kernel is not built")
+    return mod
+
+
+def _weights(rows: int, dim: int, dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
+    """Rows of every kind the rounding treats apart: ordinary values, values whose update lands
+    among FP16 subnormals, values at FP16's max, inf and NaN."""
+    w = torch.randn(rows, dim, generator=gen) * 0.1
+    w[1] = torch.randn(dim, generator=gen) * 3e-6  # FP16 subnormals after a 1e-6 step
+    w[2] = 65504.0
+    w[3, 0], w[3, 1], w[3, 2] = float("inf"), -float("inf"), float("nan")
+    return w.to(dtype)
+
+
+def _case(rows: int, dim: int, dtype: torch.dtype, mean: bool, seed: int):
+    """Weights, bags and a dyadic gradient: multiples of 2^-12 below 2^-6 in magnitude, bags of
+    1, 2 or 4 ids (a mean divides by a power of two): every gradient sum, square and row-wise
+    mean is exact in float32, so the two paths see the same float32 values."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths = torch.tensor([1, 2, 4])[torch.randint(0, 3, (48,), generator=gen)]
+    lengths[5] = 0 if not mean else 1  # an empty bag (sum pooling)
+    ids = torch.randint(0, rows, (int(lengths.sum()),), generator=gen)
+    ids[:4] = torch.tensor([1, 2, 3, 1])  # the awkward rows are touched
+    offsets = torch.cat([torch.zeros(1, dtype=torch.int64), lengths.cumsum(0)[:-1]])
+    grad = torch.randint(-63, 64, (48, dim), generator=gen).float() * 2.0**-12
+    return _weights(rows, dim, dtype, gen), ids, offsets, grad
+
+
+def _state_tensor(state: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    return next(iter(state.values()), None)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("mean", [False, True])
+def test_fused_backward_equals_the_reference_bit_for_bit(ext, dtype, kind, mean):
+    # three steps, dim 20 (two 8-wide groups and a scalar tail): weights and state equal
+    # exactly, the keys differing per step
+    rows, dim = 40, 20
+    w0, ids, offsets, grad = _case(rows, dim, dtype, mean, seed=11)
+    # FP16: steps below 2^-14, so row 1 lands among the subnormals under every update
+    opt = RowOptimizer(kind, lr=2e-5 if dtype == torch.float16 else 0.05, eps=1e-8)
+    fast_w, ref_w = w0.clone(), w0.clone()
+    fast_s, ref_s = opt.new_state(rows, dim), opt.new_state(rows, dim)
+    for key in (7, 2**62 + 5, 12345):
+        assert fused_half_backward(
+            grad,
+            ids,
+            offsets,
+            mean,
+            fast_w,
+            _state_tensor(fast_s),
+            kind.value,
+            opt.lr,
+            opt.eps,
+            key,
+        )
+        touched, row_grads = row_gradients(grad, ids, offsets, mean)
+        opt.apply_(ref_w, ref_s, touched, row_grads, TableRounding.STOCHASTIC, key)
+    assert torch.equal(fast_w.view(torch.int16), ref_w.view(torch.int16))
+    for k in ref_s:
+        assert torch.equal(fast_s[k], ref_s[k])
+    moved = (fast_w.float() != w0.float()) & w0.float().isfinite()
+    untouched = [r for r in range(rows) if r not in ids]
+    assert moved.any() and untouched and not moved[untouched].any()
+    assert fast_w[3, 0] == float("inf") and fast_w[3, 2].isnan()
+    if dtype == torch.float16:
+        assert (fast_w[1].float().abs() < 2.0**-14).any()  # subnormal results were made
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_a_step_past_the_largest_value_saturates(ext, dtype):
+    # ±max pushed 0.2% further out (still finite in float32) by SGD (lr 1), every column a different random draw: ±max
+    # always, never inf, and the reference's result
+    fmax = torch.finfo(dtype).max
+    w = torch.tensor([[fmax] * 64, [-fmax] * 64], dtype=dtype)
+    grad = torch.tensor([[-0.002 * fmax] * 64, [0.002 * fmax] * 64])
+    want = stochastic_round_reference(
+        w.float() - grad, dtype, counter_bits(21, torch.arange(2), 64)
+    )
+    fused_half_backward(grad, torch.arange(2), torch.arange(2), False, w, None, "sgd", 1.0, 0.0, 21)
+    assert torch.equal(w.float().abs(), torch.full((2, 64), fmax))
+    assert torch.equal(w.view(torch.int16), want.view(torch.int16))
+
+
+def test_fused_backward_random_gradients_match_within_float_order(ext):
+    # non-dyadic gradients: the kernel sums a row's squared gradient in 8 lanes, torch's mean
+    # in its own order, so the row-wise state differs in the last bits (rtol 1e-5: 128
+    # addends) and a weight whose float32 value then differs can round to the neighbour
+    gen = torch.Generator().manual_seed(3)
+    rows, dim = 300, 128
+    w0 = (torch.randn(rows, dim, generator=gen) * 0.05).half()
+    ids = torch.randint(0, rows, (256 * 3,), generator=gen)
+    offsets = torch.arange(0, 256 * 3, 3)
+    grad = torch.randn(256, dim, generator=gen) * 0.01
+    opt = RowOptimizer(EmbeddingOptimizerKind.ROWWISE_ADAGRAD, lr=0.05)
+    fast_w, ref_w = w0.clone(), w0.clone()
+    fast_s, ref_s = opt.new_state(rows, dim), opt.new_state(rows, dim)
+    fused_half_backward(
+        grad, ids, offsets, True, fast_w, fast_s["row_sum"], "rowwise_adagrad", 0.05, 1e-8, 9
+    )
+    touched, row_grads = row_gradients(grad, ids, offsets, True)
+    opt.apply_(ref_w, ref_s, touched, row_grads, TableRounding.STOCHASTIC, 9)
+    torch.testing.assert_close(fast_s["row_sum"], ref_s["row_sum"], **tol("row_sum_order"))
+    differ = fast_w.view(torch.int16) != ref_w.view(torch.int16)
+    assert differ.float().mean() < 1e-3
+    ulp = torch.finfo(torch.float16).eps * ref_w.float().abs().clamp(min=2.0**-14)
+    assert ((fast_w.float() - ref_w.float()).abs() <= ulp).all()
+
+
+@pytest.mark.parametrize("dim", [1, 6, 130])
+def test_counter_bits_are_the_kernels_and_a_function_of_key_row_and_column(ext, dim):
+    rows = torch.tensor([0, 1, 5, 2**40 + 3, 1])
+    for key in (0, 1, 2**63 - 1):
+        bits = counter_bits(key, rows, dim)
+        assert bits.shape == (5, dim) and bits.dtype == torch.int32
+        assert torch.equal(ext.counter_bits(key, rows, dim), bits)
+        assert torch.equal(bits[1], bits[4]) and not torch.equal(bits[0], bits[1])
+        assert ((bits >= 0) & (bits < 2**16)).all()
+    assert not torch.equal(counter_bits(1, rows, dim), counter_bits(2, rows, dim))
+    with pytest.raises(ValueError, match="2\\^63"):
+        counter_bits(-1, rows, dim)
+
+
+def test_counter_bits_are_uniform():
+    # 2^20 values' 13 low bits: each bit set half the time (5 standard errors of 2^20 draws)
+    bits = counter_bits(99, torch.arange(8192), 128).reshape(-1)
+    for b in range(16):
+        share = bits.bitwise_right_shift(b).bitwise_and(1).float().mean().item()
+        assert abs(share - 0.5) < 5 * 0.5 / 2**10, (b, share)
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_fused_stochastic_rounding_is_unbiased(ext, dtype):
+    # rows at 1 + f ulp after one SGD step from 1: each lands on 1 or 1 + ulp, and the mean
+    # over 4096 rows × 8 columns is 1 + f ulp within 5 standard errors
+    ulp = 2.0 ** (rounding_bits(dtype) - 23)
+    rows, dim = 4096, 8
+    for f in (0.1, 0.5, 0.95):
+        w = torch.ones(rows, dim, dtype=dtype)
+        grad = torch.full((rows, dim), -f * ulp)  # lr 1: w = 1 + f ulp before rounding
+        fused_half_backward(
+            grad, torch.arange(rows), torch.arange(rows), False, w, None, "sgd", 1.0, 0.0, 4
+        )
+        got = w.float()
+        assert set(got.unique().tolist()) <= {1.0, 1.0 + ulp}
+        bias = (got.mean().item() - 1.0) / ulp - f
+        assert abs(bias) <= 5 * (f * (1 - f) / (rows * dim)) ** 0.5, (f, bias)
+
+
+def test_fused_update_is_the_same_on_one_or_two_threads(ext):
+    gen = torch.Generator().manual_seed(8)
+    w0 = (torch.randn(5000, 64, generator=gen) * 0.1).bfloat16()
+    ids = torch.randint(0, 5000, (4096,), generator=gen)
+    grad = torch.randn(4096, 64, generator=gen)
+    out = []
+    threads = torch.get_num_threads()
+    try:
+        for n in (1, 2):
+            torch.set_num_threads(n)
+            w, s = w0.clone(), torch.zeros(5000, 64)
+            fused_half_backward(grad, ids, torch.arange(4096), False, w, s, "adagrad", 0.1, 1e-8, 3)
+            out.append((w, s))
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(out[0][0].view(torch.int16), out[1][0].view(torch.int16))
+    assert torch.equal(out[0][1], out[1][1])
+
+
+def test_fused_backward_refuses_bad_input(ext):
+    w = torch.zeros(4, 8, dtype=torch.float16)
+    grad = torch.zeros(2, 8)
+    with pytest.raises(RuntimeError, match="id 9"):
+        fused_half_backward(
+            grad, torch.tensor([0, 9]), torch.tensor([0, 1]), False, w, None, "sgd", 0.1, 0.0, 1
+        )
+    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
+        fused_half_backward(
+            grad,
+            torch.tensor([0, 1]),
+            torch.tensor([0, 1]),
+            False,
+            w.float(),
+            None,
+            "sgd",
+            0.1,
+            0.0,
+            1,
+        )
+    with pytest.raises(ValueError, match="momentum"):
+        fused_half_backward(
+            grad,
+            torch.tensor([0, 1]),
+            torch.tensor([0, 1]),
+            False,
+            w,
+            None,
+            "momentum",
+            0.1,
+            0.0,
+            1,
+        )
+
+
+@pytest.mark.parametrize("dtype", HALF)
+def test_table_update_trains_alike_with_and_without_the_kernel(ext, dtype, monkeypatch):
+    # the table's module: the compiled path and the reference path (kernel unavailable) draw
+    # the same key per backward from the table's generator, so 3 steps give the same rows
+    rows, dim = 40, 20
+    w0, ids, offsets, grad = _case(rows, dim, dtype, False, seed=4)
+    out = []
+    for built in (True, False):
+        if not built:
+            monkeypatch.setattr(fused, "load_extension", lambda: None)
+        opt = RowOptimizer(EmbeddingOptimizerKind.ROWWISE_ADAGRAD, lr=0.01)
+        upd = fused.SparseTableUpdate("t", rows, dim, opt, EmbeddingKernel.AUTO, seed=1)
+        w = w0.clone()
+        for _ in range(3):
+            upd(w, ids, offsets, "sum").backward(grad)
+        out.append((w, upd.row_sum.clone()))
+    assert torch.equal(out[0][0].view(torch.int16), out[1][0].view(torch.int16))
+    assert torch.equal(out[0][1], out[1][1])
+    assert not torch.equal(out[0][0].view(torch.int16), w0.view(torch.int16))
+
+
+def test_reference_update_rounds_chunk_by_chunk_with_the_rows_bits():
+    # more rows than one chunk of the reference's update: each row rounded with its own bits
+    rows = 2 * 2048 + 7
+    w = (torch.randn(rows, 4, generator=torch.Generator().manual_seed(1)) * 0.1).half()
+    grad = torch.full((rows, 4), 1e-3)
+    want = stochastic_round_reference(
+        w.float() - 1e-3, torch.float16, counter_bits(5, torch.arange(rows), 4)
+    )
+    opt = RowOptimizer(EmbeddingOptimizerKind.SGD, lr=1.0)
+    opt.apply_(w, {}, torch.arange(rows), grad, TableRounding.STOCHASTIC, 5)
+    assert torch.equal(w.view(torch.int16), want.view(torch.int16))

@@ -113,9 +113,12 @@ struct ProbeState {
   uint8_t tag;
 };
 
-// Keys between two stages of the probe pipeline: a key's tag line is prefetched 3 steps
-// before its row is read, its key line 2 steps before, its row (and counter) 1 step before.
-constexpr int64_t kAhead = 4;
+// Distances of the probe pipeline, in keys: a key's row (and counter) is prefetched kRowAhead
+// keys before it is read, its key line kProbeAhead keys before that, its tag line kProbeAhead
+// keys earlier still. The row, 8 lines of 64 bytes in FP32 at dim 128, is the longest wait;
+// 26 tables of dlrm_dcnv2 ÷ 300, pooled: row distance 8 ran 2 % faster than 4, 12 to 24 no
+// faster than 8, probe distance 2 slower than 4 (docs/benchmarks.md, "pooled bags").
+constexpr int64_t kRowAhead = 8, kProbeAhead = 4;
 
 constexpr uint8_t kMark = 0x80;
 constexpr uint8_t kMaxLevel = 127;
@@ -177,8 +180,8 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
   float* dst = nullptr;
   int64_t n_valid = 0, n_missed = 0;
   bool missed = false, written = false;
-  for (int64_t i = i0 - 3 * kAhead; i < i1; ++i) {
-    const int64_t a = i + 3 * kAhead;  // stage 1: hash, prefetch the tag line
+  for (int64_t i = i0 - kRowAhead - 2 * kProbeAhead; i < i1; ++i) {
+    const int64_t a = i + kRowAhead + 2 * kProbeAhead;  // stage 1: hash, prefetch the tag line
     if (a >= i0 && a < i1) {
       const int64_t key = t.keys[a];
       if (bags && key < 0) {
@@ -192,13 +195,13 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
         __builtin_prefetch(t.tags + ps[a].base, 0, 3);
       }
     }
-    const int64_t b = i + 2 * kAhead;  // stage 2: match the tags, prefetch the key line
+    const int64_t b = i + kRowAhead + kProbeAhead;  // stage 2: match the tags, prefetch the key line
     if (b >= i0 && b < i1 && ps[b].base >= 0) {
       const uint64_t m = match_tags(t.tags + ps[b].base, first_ways, ps[b].tag);
       ps[b].match = m;
       if (m) __builtin_prefetch(key_addr(t, ps[b].base + __builtin_ctzll(m)), 0, 3);
     }
-    const int64_t c = i + kAhead;  // stage 3: the slot; prefetch its row and counter
+    const int64_t c = i + kRowAhead;  // stage 3: the slot; prefetch its row and counter
     if (c >= i0 && c < i1) {
       int64_t slot = ps[c].base == -2 ? -1 : -2;
       if (ps[c].base >= 0) {

@@ -105,8 +105,9 @@ inline void dequant_any(int64_t format, const uint8_t* src, int64_t dim, float* 
   }
 }
 
-// Rows a gather_rows thread prefetches ahead of the one it reads.
-constexpr int64_t kRowsAhead = 4;
+// Rows a gather_rows thread prefetches ahead of the one it reads (26 pooled tables of
+// dlrm_dcnv2 ÷ 300 by slot: 16 ran 5 % faster than 4).
+constexpr int64_t kRowsAhead = 16;
 
 // gather_rows: rows of any hps.rowformat.RowDtype read from a cache's storage by slot (see
 // dequant_row), rows or bags summed in order.

@@ -34,6 +34,7 @@ and statistics, bit for bit (tests/hps/test_fused.py).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -167,10 +168,16 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
         args.out_stride,
         list(args.hotness),
         [int(m) for m in args.mean],
-        gaps(),
-        torch.tensor(HALVE, dtype=torch.uint8),
+        *_level_tables(),
     )
     return GatherResult(misses, per_table, pending)
+
+
+@functools.lru_cache(maxsize=1)
+def _level_tables() -> tuple[torch.Tensor, torch.Tensor]:
+    """The kernel's LFU tables, built once per process (it only reads them): ``gaps (128,)
+    int64`` and ``HALVE (128,) uint8`` (:mod:`hps.storage.slot_counter`)."""
+    return gaps(), torch.tensor(HALVE, dtype=torch.uint8)
 
 
 def gather_reference(args: GatherArgs) -> GatherResult:

@@ -133,6 +133,13 @@ class SessionStats:
         with self._lock:
             self._stats[table].add_lookup(uniq_counts, all_counts, is_async)
 
+    def record_counts_many(self, lookups: Sequence[tuple[str, list[int], list[int], bool]]) -> None:
+        """:meth:`record_counts` of several tables' lookups (``(table, uniq_counts, all_counts,
+        is_async)`` each) under one acquisition of the lock (a fused call's tables)."""
+        with self._lock:
+            for table, uniq_counts, all_counts, is_async in lookups:
+                self._stats[table].add_lookup(uniq_counts, all_counts, is_async)
+
     def count_error(self, table: str, unavailable: bool) -> None:
         """A lookup of ``table`` raised (``unavailable``: a :class:`~hps.types.TierUnavailableError`)."""
         with self._lock:
@@ -145,6 +152,14 @@ class SessionStats:
             pos = self._lat_pos[table]
             self._stats[table].latencies_s[pos % LATENCY_WINDOW] = seconds
             self._lat_pos[table] = pos + 1
+
+    def record_latencies(self, tables: Sequence[str], seconds: float) -> None:
+        """:meth:`record_latency` of one fused call for each of ``tables``, under one lock."""
+        with self._lock:
+            for table in tables:
+                pos = self._lat_pos[table]
+                self._stats[table].latencies_s[pos % LATENCY_WINDOW] = seconds
+                self._lat_pos[table] = pos + 1
 
     def tier_failed(self, table: str, keys: int) -> None:
         """``keys`` distinct keys of ``table`` a tier could not read."""

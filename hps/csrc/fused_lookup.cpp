@@ -113,9 +113,12 @@ struct ProbeState {
   uint8_t tag;
 };
 
-// Keys between two stages of the probe pipeline: a key's tag line is prefetched 3 steps
-// before its row is read, its key line 2 steps before, its row (and counter) 1 step before.
-constexpr int64_t kAhead = 4;
+// Distances of the probe pipeline, in keys: a key's row (and counter) is prefetched kRowAhead
+// keys before it is read, its key line kProbeAhead keys before that, its tag line kProbeAhead
+// keys earlier still. The row, 8 lines of 64 bytes in FP32 at dim 128, is the longest wait;
+// 26 tables of dlrm_dcnv2 ÷ 300, pooled: row distance 8 ran 2 % faster than 4, 12 to 24 no
+// faster than 8, probe distance 2 slower than 4 (docs/benchmarks.md, "pooled bags").
+constexpr int64_t kRowAhead = 8, kProbeAhead = 4;
 
 constexpr uint8_t kMark = 0x80;
 constexpr uint8_t kMaxLevel = 127;
@@ -123,7 +126,7 @@ constexpr uint8_t kMaxLevel = 127;
 // The use of slot s by the key at position j: LFU a Morris step of the level (up where the
 // draw × gap < 2**32), LRU the stamp; the mark bit makes a slot's first hit in this query a
 // unique hit (its slot recorded in firsts, whose marks are cleared after the call's uses).
-inline void use_slot(const TableView& t, int64_t s, int64_t j, int64_t& hits,
+__attribute__((always_inline)) inline void use_slot(const TableView& t, int64_t s, int64_t j, int64_t& hits,
                      std::vector<int64_t>& firsts) {
   ++hits;
   const uint8_t m = t.counters[s];
@@ -158,10 +161,13 @@ inline int64_t clear_marks(const TableView& t, std::vector<int64_t>& firsts) {
 // The gather of one piece (keys [i0, i1) of one table; bags: whole bags), pipelined so that
 // the tag line, key line and row of later keys are in flight while a key's row is copied:
 // rows copied or bags summed key by key in request order (MEAN bags without a miss divided),
-// each key's slot in sl (-1 miss, -2 padding). With ``uses`` (one thread does every key of
-// the call) the counters are written here too, hits counted and first hits recorded.
+// each key's slot in sl (-1 miss, -2 padding); returns the misses. A bag's first hit is
+// written as 0.0f + row (kZeroAdd), the later ones added, so its output row is written once
+// and never zero-filled first (a bag without a hit is zero-filled at its last key). With
+// ``uses`` (one thread does every key of the call) the counters are written here too, hits
+// counted and first hits recorded.
 template <bool kUses, int64_t kFormat>
-void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
+int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
                   std::vector<ProbeState>& st, int64_t& hits, std::vector<int64_t>& firsts) {
   st.resize(static_cast<size_t>(i1 - i0));
   ProbeState* ps = st.data() - i0;
@@ -172,10 +178,10 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
   int64_t bag = bags ? i0 / t.hotness - 1 : 0;
   int64_t j = bags ? t.hotness - 1 : 0;
   float* dst = nullptr;
-  int64_t n_valid = 0;
-  bool missed = false;
-  for (int64_t i = i0 - 3 * kAhead; i < i1; ++i) {
-    const int64_t a = i + 3 * kAhead;  // stage 1: hash, prefetch the tag line
+  int64_t n_valid = 0, n_missed = 0;
+  bool missed = false, written = false;
+  for (int64_t i = i0 - kRowAhead - 2 * kProbeAhead; i < i1; ++i) {
+    const int64_t a = i + kRowAhead + 2 * kProbeAhead;  // stage 1: hash, prefetch the tag line
     if (a >= i0 && a < i1) {
       const int64_t key = t.keys[a];
       if (bags && key < 0) {
@@ -189,13 +195,13 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
         __builtin_prefetch(t.tags + ps[a].base, 0, 3);
       }
     }
-    const int64_t b = i + 2 * kAhead;  // stage 2: match the tags, prefetch the key line
+    const int64_t b = i + kRowAhead + kProbeAhead;  // stage 2: match the tags, prefetch the key line
     if (b >= i0 && b < i1 && ps[b].base >= 0) {
       const uint64_t m = match_tags(t.tags + ps[b].base, first_ways, ps[b].tag);
       ps[b].match = m;
       if (m) __builtin_prefetch(key_addr(t, ps[b].base + __builtin_ctzll(m)), 0, 3);
     }
-    const int64_t c = i + kAhead;  // stage 3: the slot; prefetch its row and counter
+    const int64_t c = i + kRowAhead;  // stage 3: the slot; prefetch its row and counter
     if (c >= i0 && c < i1) {
       int64_t slot = ps[c].base == -2 ? -1 : -2;
       if (ps[c].base >= 0) {
@@ -227,12 +233,13 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
         }
       }
       sl[c] = slot;
+      n_missed += slot == -1;
     }
     if (i < i0) continue;
     const int64_t slot = sl[i];  // stage 4: copy or add the row, use the slot
     if (!bags) {
       if (slot >= 0) {
-        dequant_row<kFormat, false>(row_of(t, slot), t.dim, t.out + i * t.dim);
+        dequant_row<kFormat, kSet>(row_of(t, slot), t.dim, t.out + i * t.dim);
         if (kUses) use_slot(t, slot, i, hits, firsts);
       }
       continue;
@@ -240,21 +247,28 @@ void gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     if (++j == t.hotness) {
       j = 0;
       dst = t.out + (++bag) * t.out_stride;
-      std::fill(dst, dst + t.dim, 0.0f);
       n_valid = 0;
-      missed = false;
+      missed = written = false;
     }
     if (slot != -2) ++n_valid;
     if (slot == -1) missed = true;
     if (slot >= 0) {
-      dequant_row<kFormat, true>(row_of(t, slot), t.dim, dst);
+      if (written) {
+        dequant_row<kFormat, kAdd>(row_of(t, slot), t.dim, dst);
+      } else {
+        dequant_row<kFormat, kZeroAdd>(row_of(t, slot), t.dim, dst);
+        written = true;
+      }
       if (kUses) use_slot(t, slot, i, hits, firsts);
     }
-    if (j == t.hotness - 1 && t.mean && !missed && n_valid > 0) {
+    if (j != t.hotness - 1) continue;
+    if (!written) std::fill(dst, dst + t.dim, 0.0f);
+    if (t.mean && !missed && n_valid > 0) {
       const float cnt = static_cast<float>(n_valid);
       for (int64_t d = 0; d < t.dim; ++d) dst[d] /= cnt;
     }
   }
+  return n_missed;
 }
 
 // The owner of a slot: a multiplicative hash of the slot scaled to [0, owners) (a multiply,
@@ -295,6 +309,7 @@ void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<i
 // so not two per table). Per table: {hits_all, hits_unique, looked_up}; misses (positions into
 // keys) ascending, table after table; pending: per table, the bags with a miss (ascending).
 std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts,
+                                                const std::vector<int64_t>& valid,
                                                 std::vector<int64_t>& misses,
                                                 std::vector<int64_t>& miss_counts,
                                                 std::vector<std::vector<int64_t>>& slots) {
@@ -316,7 +331,9 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
   const bool alone = threads <= 1 || total < 8192 || at::in_parallel_region();
   std::vector<int64_t> hits(T, 0), uniq(T, 0);
   std::vector<std::vector<int64_t>> firsts(T);  // alone: each table's first hits
-  auto run = [&](const Piece& pc, std::vector<ProbeState>& st, bool uses) {
+  std::vector<int64_t> piece_misses(P, 0);
+  auto run = [&](int64_t p, std::vector<ProbeState>& st, bool uses) {
+    const Piece& pc = pieces[p];
     const TableView& t = ts[pc.table];
     const int64_t h = std::max<int64_t>(1, t.hotness);
     int64_t* sl = slots[pc.table].data();
@@ -325,11 +342,9 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
     std::vector<int64_t> unused_f;
     int64_t& ht = uses ? hits[pc.table] : unused_h;
     std::vector<int64_t>& ft = uses ? firsts[pc.table] : unused_f;
-#define HPS_GATHER(F)                                       \
-  if (uses)                                                 \
-    gather_piece<true, F>(t, i0, i1, sl, st, ht, ft);       \
-  else                                                      \
-    gather_piece<false, F>(t, i0, i1, sl, st, ht, ft);      \
+#define HPS_GATHER(F)                                                         \
+  piece_misses[p] = uses ? gather_piece<true, F>(t, i0, i1, sl, st, ht, ft)   \
+                         : gather_piece<false, F>(t, i0, i1, sl, st, ht, ft); \
   break;
     switch (t.format) {
       case kFp32: HPS_GATHER(kFp32)
@@ -343,7 +358,7 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
   };
   if (alone) {
     std::vector<ProbeState> st;
-    for (const Piece& pc : pieces) run(pc, st, true);
+    for (int64_t p = 0; p < P; ++p) run(p, st, true);
     for (int64_t i = 0; i < T; ++i) uniq[i] = clear_marks(ts[i], firsts[i]);
   } else {
     // one run of pieces per thread, cut where the keys so far cross k × total / threads
@@ -359,7 +374,7 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
     at::parallel_for(0, threads, 1, [&](int64_t r0, int64_t r1) {
       std::vector<ProbeState> st;
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t p = cut[r]; p < cut[r + 1]; ++p) run(pieces[p], st, false);
+        for (int64_t p = cut[r]; p < cut[r + 1]; ++p) run(p, st, false);
     });
     const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(threads, total / 4096));
     std::vector<int64_t> oh(owners * T, 0), ou(owners * T, 0);
@@ -372,17 +387,14 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
   }
   std::vector<std::vector<int64_t>> out(T, std::vector<int64_t>(3, 0));
   miss_counts.assign(T, 0);
+  for (int64_t p = 0; p < P; ++p) miss_counts[pieces[p].table] += piece_misses[p];
   for (int64_t i = 0; i < T; ++i) {
-    const int64_t* sl = slots[i].data();
-    int64_t valid = 0;
-    for (int64_t j = 0; j < ts[i].n; ++j) {
-      if (sl[j] == -1) {
-        misses.push_back(j);
-        ++miss_counts[i];
-      }
-      valid += sl[j] != -2;
+    if (miss_counts[i] > 0) {  // their positions (only tables with a miss are scanned)
+      const int64_t* sl = slots[i].data();
+      for (int64_t j = 0; j < ts[i].n; ++j)
+        if (sl[j] == -1) misses.push_back(j);
     }
-    out[i] = {hits[i], uniq[i], valid};
+    out[i] = {hits[i], uniq[i], valid[i]};
   }
   return out;
 }
@@ -515,7 +527,7 @@ std::vector<at::Tensor> cache_gather(
   }
   std::vector<int64_t> miss_counts;
   std::vector<std::vector<int64_t>> slots;
-  const auto r = gather_tables(views, misses, miss_counts, slots);
+  const auto r = gather_tables(views, valid, misses, miss_counts, slots);
   std::vector<at::Tensor> result;
   result.reserve(2 + T);
   int64_t first = 0;

@@ -38,11 +38,23 @@ class KeyCounter {
       cp = c.data_ptr<int64_t>();
     }
     reserve(size_ + n);
+    // each key hashed once: its hash waits in a ring of `ahead` between its entry's prefetch
+    // and its add
     constexpr int64_t ahead = 8;
+    uint64_t ring[ahead];
+    for (int64_t i = 0; i < std::min(ahead, n); ++i) {
+      ring[i] = mix64(kp[i]);
+      __builtin_prefetch(&slots_[ring[i] & mask_], 1, 3);
+    }
     for (int64_t i = 0; i < n; ++i) {
-      if (i + ahead < n) __builtin_prefetch(&slots_[slot_of(kp[i + ahead])], 1, 3);
+      const uint64_t h = ring[i % ahead];
+      if (i + ahead < n) {
+        const uint64_t ha = mix64(kp[i + ahead]);
+        ring[i % ahead] = ha;
+        __builtin_prefetch(&slots_[ha & mask_], 1, 3);
+      }
       if (skip_negative && kp[i] < 0) continue;
-      add(kp[i], cp ? cp[i] : 1);
+      add_hashed(kp[i], h, cp ? cp[i] : 1);
     }
   }
 
@@ -113,8 +125,11 @@ class KeyCounter {
     }
   }
 
-  void add(int64_t key, int64_t c) {
-    for (size_t s = slot_of(key);; s = (s + 1) & mask_) {
+  void add(int64_t key, int64_t c) { add_hashed(key, mix64(key), c); }
+
+  // add with the key's mix64 already computed
+  void add_hashed(int64_t key, uint64_t h, int64_t c) {
+    for (size_t s = h & mask_;; s = (s + 1) & mask_) {
       Entry& e = slots_[s];
       if (e.count < 0) {
         e.key = key;

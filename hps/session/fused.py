@@ -166,9 +166,7 @@ def fused_lookup(
         raise
     finally:
         s._slots.release()
-    elapsed = time.perf_counter() - start
-    for t in ts:
-        s.statistics.record_latency(t.name, elapsed)
+    s.statistics.record_latencies([t.name for t in ts], time.perf_counter() - start)
     if bags:
         return [buf]
     return [
@@ -257,44 +255,47 @@ def _serve_all_misses(
 
     start = 0
     all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
-    record = s.statistics.record_counts
-    for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
-        nm, hits, uniq_hits = row[0], row[1], row[2]
-        epoch = s._age_key_stats(t, c)
-        if not nm:
-            record(t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], all_hit_async)
-            continue
-        pos = res.misses[start : start + nm]
-        start += nm
-        uniq, inv, counts = unique_with_inverse(flat[i].index_select(0, pos))
-        n_unique = uniq_hits + uniq.numel()
-        with c._lock:
-            c.stats.queries += uniq.numel()
-        try:
-            rows, tier, is_async = s.fill.serve_misses(t, c, uniq, counts, n_unique, epoch)
-        except Exception:
-            failed.append(t.name)
-            raise
-        expanded = rows.index_select(0, inv)
-        d, off = t.dim, offsets[i]
-        if pooling is None:
-            buf[off : off + flat[i].numel() * d].view(-1, d)[pos] = expanded
-        else:  # the bags with a miss: their rows completed, then summed in request order
-            h = hot[i]
-            bags, rank = torch.unique_consecutive(pos // h, return_inverse=True)
-            rows_p = res.pending[i].view(bags.numel(), h, d)
-            rows_p[rank, pos % h] = expanded
-            valid = flat[i].view(-1, h).index_select(0, bags) >= 0
-            buf[bags, off : off + d] = pool_in_order(rows_p, valid, pooling[i] is Pooling.MEAN)
-        t64 = tier.to(torch.int64)
-        uniq_tiers = torch.bincount(t64, minlength=4).tolist()
-        all_tiers = torch.bincount(t64, weights=counts.to(torch.float64), minlength=4).tolist()
-        s.statistics.record_counts(
-            t.name,
-            [uniq_hits + int(uniq_tiers[0]), *(int(x) for x in uniq_tiers[1:])],
-            [hits + int(all_tiers[0]), *(int(x) for x in all_tiers[1:])],
-            is_async,
-        )
+    all_hit: list[tuple[str, list[int], list[int], bool]] = []  # recorded under one lock
+    try:
+        for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
+            nm, hits, uniq_hits = row[0], row[1], row[2]
+            epoch = s._age_key_stats(t, c)
+            if not nm:
+                all_hit.append((t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], all_hit_async))
+                continue
+            pos = res.misses[start : start + nm]
+            start += nm
+            uniq, inv, counts = unique_with_inverse(flat[i].index_select(0, pos))
+            n_unique = uniq_hits + uniq.numel()
+            with c._lock:
+                c.stats.queries += uniq.numel()
+            try:
+                rows, tier, is_async = s.fill.serve_misses(t, c, uniq, counts, n_unique, epoch)
+            except Exception:
+                failed.append(t.name)
+                raise
+            expanded = rows.index_select(0, inv)
+            d, off = t.dim, offsets[i]
+            if pooling is None:
+                buf[off : off + flat[i].numel() * d].view(-1, d)[pos] = expanded
+            else:  # the bags with a miss: their rows completed, then summed in request order
+                h = hot[i]
+                bags, rank = torch.unique_consecutive(pos // h, return_inverse=True)
+                rows_p = res.pending[i].view(bags.numel(), h, d)
+                rows_p[rank, pos % h] = expanded
+                valid = flat[i].view(-1, h).index_select(0, bags) >= 0
+                buf[bags, off : off + d] = pool_in_order(rows_p, valid, pooling[i] is Pooling.MEAN)
+            t64 = tier.to(torch.int64)
+            uniq_tiers = torch.bincount(t64, minlength=4).tolist()
+            all_tiers = torch.bincount(t64, weights=counts.to(torch.float64), minlength=4).tolist()
+            s.statistics.record_counts(
+                t.name,
+                [uniq_hits + int(uniq_tiers[0]), *(int(x) for x in uniq_tiers[1:])],
+                [hits + int(all_tiers[0]), *(int(x) for x in all_tiers[1:])],
+                is_async,
+            )
+    finally:  # also when a later table's miss path raised
+        s.statistics.record_counts_many(all_hit)
 
 
 def _count_keys(

@@ -192,7 +192,7 @@ class HashMapBackend(StorageBackend):
         with t.write_lock:
             if t.direct is not None:
                 return KeyLayout.DIRECT
-            wide = any(p.keys.dtype == np.int64 for p in t.parts)
+            wide = any(p.sorted_index.wide for p in t.parts)
             return KeyLayout.SORTED_I64 if wide else KeyLayout.SORTED_U32
 
     def _table(self, table: str) -> _Table:
@@ -440,30 +440,30 @@ class HashMapBackend(StorageBackend):
             if 3 * live < t.direct.size:
                 self._to_sorted(t)
             return
-        held = [p for p in t.parts if p.keys.size]
-        if held:
-            lo = min(int(p.keys[0]) for p in held)
-            hi = max(int(p.keys[-1]) for p in held)
+        spans = [e for e in (p.sorted_index.extent() for p in t.parts) if e is not None]
+        if spans:
+            lo = min(e[0] for e in spans)
+            hi = max(e[1] for e in spans)
             if lo >= 0 and hi < DIRECT_LIMIT and 2 * live >= hi + 1:
                 self._to_direct(t, hi + 1)
                 return
         for p in t.parts:
-            if p.keys.dtype == np.int64:
+            if p.sorted_index.keys.dtype == np.int64:
                 with p.lock:
-                    p.narrow()
+                    p.sorted_index.narrow()
 
     def _to_direct(self, t: _Table, bound: int) -> None:
         """Switch to a direct index over ``[0, bound)``: built outside the partition locks
         (``t.write_lock``, held, keeps the sorted indices as they are), swapped under them."""
         d = np.full(bound, ABSENT, np.uint32)
         for part in t.parts:
-            d[part.keys] = part.slots
+            k, slots = part.live()
+            d[k] = slots
         with t.all_partitions():
             for part in t.parts:
-                part.n_direct = int(part.keys.size)
+                part.n_direct = part.size
                 part.direct = d
-                part.keys = np.zeros(0, np.uint32)
-                part.slots = np.zeros(0, np.int32)
+                part.sorted_index.clear()
             t.direct = d
         log.debug("volatile db: a table's key index is direct over [0, %d)", bound)
 
@@ -473,9 +473,7 @@ class HashMapBackend(StorageBackend):
         held = self._direct_live(t)
         with t.all_partitions():
             for p, part in enumerate(t.parts):
-                k, slots = held[p]
-                part.keys, part.slots = k.astype(np.uint32), slots.astype(np.int32)
-                part.direct, part.n_direct, part.owner = None, 0, None
+                part.to_sorted(*held[p])
             t.direct = None
         log.debug("volatile db: a table's key index is sorted (%d keys)", self._live(t))
 

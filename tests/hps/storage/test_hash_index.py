@@ -58,16 +58,17 @@ def test_layout_follows_the_density_of_the_keys(keys: np.ndarray, layout: KeyLay
 @pytest.mark.parametrize("dtype", list(FBGEMM_ROW), ids=lambda d: d.value)
 def test_bytes_per_row_exactly_for_each_layout_and_format(dtype: RowDtype) -> None:
     """One load into 4 partitions of 1024+ rows each: pools exactly full, so the bytes are
-    the rows plus the index: 4 B per key of the range (direct), 8 B (uint32 keys + slots),
-    12 B (int64 keys + slots, and the reference layout); direct is within 1.1× FBGEMM's row."""
+    the rows plus the index: 4 B per key of the range (direct), 4 B (sorted uint32 keys, the
+    rows in key order), 8 B (int64 keys, and the reference layout); direct and sorted uint32
+    are within 1.1× FBGEMM's row."""
     rb = row_bytes(dtype, DIM)
     assert rb == FBGEMM_ROW[dtype]
     n = 4096
     cases = [
         (np.arange(n), {}, KeyLayout.DIRECT, 4),
-        (np.arange(n) * 5, {}, KeyLayout.SORTED_U32, 8),
-        (np.arange(n) * 2**33, {}, KeyLayout.SORTED_I64, 12),
-        (np.arange(n), {"compact_keys": False}, KeyLayout.SORTED_I64, 12),
+        (np.arange(n) * 5, {}, KeyLayout.SORTED_U32, 4),
+        (np.arange(n) * 2**33, {}, KeyLayout.SORTED_I64, 8),
+        (np.arange(n), {"compact_keys": False}, KeyLayout.SORTED_I64, 8),
     ]
     for keys, kw, layout, index_bytes in cases:
         v = _map(dtype, num_partitions=4, **kw)
@@ -75,19 +76,19 @@ def test_bytes_per_row_exactly_for_each_layout_and_format(dtype: RowDtype) -> No
         assert v.key_layout("t") is layout
         assert all(p.rows.shape[0] == p.size for p in v._table("t").parts)  # no slack
         assert v.nbytes("t") == n * (rb + index_bytes), (layout, kw)
-    direct = rb + 4
-    assert direct <= 1.1 * FBGEMM_ROW[dtype], direct
+    compact = rb + 4
+    assert compact <= 1.1 * FBGEMM_ROW[dtype], compact
 
 
 def _pools(v: HashMapBackend) -> list[tuple[bytes, ...]]:
-    """Each partition's pool as bytes: its rows, free list, counts and stamps, and the
-    (key, slot) pairs it holds in key order."""
+    """Each partition's content as bytes, key by key in key order: the keys it holds, their
+    rows, counts and stamps (where each row sits in the pool is the layout's own: a sorted
+    index keeps its rows in key order)."""
     out = []
     for p in v._table("t").parts:
         keys, slots = p.live()
-        parts = [p.rows.tobytes(), p.free.tobytes()]
-        parts += [a.tobytes() for a in (p.uses, p.stamp) if a is not None]
-        parts += [keys.astype(np.int64).tobytes(), slots.astype(np.int64).tobytes()]
+        parts = [keys.astype(np.int64).tobytes(), p.rows[slots].tobytes()]
+        parts += [a[slots].tobytes() for a in (p.uses, p.stamp) if a is not None]
         out.append(tuple(parts))
     return out
 

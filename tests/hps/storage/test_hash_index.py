@@ -404,3 +404,36 @@ def test_a_mostly_overwriting_insert_counts_only_its_new_keys_against_the_bound(
     v.insert_rows("t", k, _rows(k.size, rb, 3))
     assert v.key_layout("t") is KeyLayout.SORTED_U32
     assert switched_from == [1000]
+
+
+def test_sparse_inserts_in_random_order_merge_into_keys_alone() -> None:
+    """Sparse uint32 keys (and int64 keys) inserted in random order, in chunks: new keys go to
+    the side part, which merges into the main part (rows in key order) before it outgrows an
+    eighth of it, so the index stays near 4 B (8 B) per row while lookups stay exact; the end
+    of a load leaves the keys alone, exactly."""
+    rb = row_bytes(RowDtype.INT4, DIM)
+    rng = np.random.default_rng(5)
+    for keys, key_bytes in (
+        (np.unique(rng.integers(0, 2**32 - 1, size=6000)), 4),
+        (np.unique(rng.integers(-(2**62), 2**62, size=6000)), 8),
+    ):
+        keys = rng.permutation(keys).astype(np.int64)
+        rows = _rows(keys.size, rb, 3)
+        v = _map(num_partitions=2)
+        for chunk in np.array_split(np.arange(keys.size), 12):
+            v.insert_rows("t", keys[chunk], rows[chunk])
+            for p in v._table("t").parts:
+                ix = p.sorted_index
+                assert ix.side_keys.size <= max(64, ix.keys.size // 8)
+        got, found = v.lookup_rows("t", keys)
+        assert found.all() and np.array_equal(got, rows)
+        v.delete("t", keys[:500])  # deleted main keys are marked (1 B per main key)
+        assert not v.lookup_rows("t", keys[:500])[1].any()
+        v.insert_rows("t", keys[:250], rows[:250])  # back into the freed slots, side part
+        kept = np.r_[0:250, 500 : keys.size]
+        got, found = v.lookup_rows("t", keys[kept])
+        assert found.all() and np.array_equal(got, rows[kept])
+        assert not v.lookup_rows("t", keys[250:500])[1].any()
+        v.mark_loaded("t")
+        n = keys.size - 250
+        assert v.nbytes("t") == n * (rb + key_bytes), key_bytes

@@ -23,19 +23,29 @@ main part becomes every live key again. A merge costs O(rows) and happens once p
 ``MERGE_FRACTION × rows`` inserts: O(1) amortised per insert, and the side part (12 B per key)
 costs at most ``12 × MERGE_FRACTION`` ≈ 1.5 B per row.
 
-Main keys are uint32 while each is in ``[0, 2**32)`` (``compact``), int64 otherwise.
+Main keys are uint32 while each is in ``[0, 2**32)`` (``compact``). Beyond that range, sorted
+keys sharing their high 32 bits are one run, so a compact main part of at most ``MAX_RUNS``
+runs keeps each key's low 32 bits and, per run, its high word and first position::
+
+    keys  = [-3, -1, 2**40 + 5, 2**40 + 9]  →  keys (low words, uint32) = [2**32 - 3,
+                                                  2**32 - 1, 5, 9]
+                                               run_words = [-1, 256]  run_starts = [0, 2, 4]
+
+(4 B per key + 16 B per run); a lookup finds its key's run by its high word, then searches
+that run's low words. More runs (64-bit hashed keys) are held as int64 (8 B per key).
 """
 
 from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["DEAD_FRACTION", "KEY_LIMIT", "MERGE_FRACTION", "MIN_MERGE", "SortedIndex"]
+__all__ = ["DEAD_FRACTION", "KEY_LIMIT", "MAX_RUNS", "MERGE_FRACTION", "MIN_MERGE", "SortedIndex"]
 
 KEY_LIMIT = 2**32  # uint32 keys are below this
 MERGE_FRACTION = 8  # merge when the side part holds more than main / 8 keys ...
 DEAD_FRACTION = 4  # ... or main / 4 keys of the main part are deleted
 MIN_MERGE = 64  # ... and more than this many (small partitions do not merge at every insert)
+MAX_RUNS = 64  # high words a compact main part keeps as runs (a lookup visits those it needs)
 
 
 def _fits_u32(keys: np.ndarray) -> bool:
@@ -53,6 +63,9 @@ class SortedIndex:
     def __init__(self, compact: bool) -> None:
         self.compact = compact
         self.keys = np.zeros(0, np.uint32 if compact else np.int64)  # main: key i in slot i
+        #: runs of the main part's keys: ``(high words (h,) int64, starts (h + 1,) int64)``,
+        #: with ``keys`` their low words; ``None``: ``keys`` are the keys
+        self.runs: tuple[np.ndarray, np.ndarray] | None = None
         self.dead: np.ndarray | None = None  # (main,) bool, allocated at the first delete
         self.n_dead = 0
         self.side_keys = np.zeros(0, np.int64)
@@ -67,19 +80,28 @@ class SortedIndex:
     def wide(self) -> bool:
         """Whether the main keys are int64 (a key outside ``[0, 2**32)``, or not ``compact``)
         or a side key is outside ``[0, 2**32)``."""
-        return self.keys.dtype == np.int64 or not _fits_u32(self.side_keys)
+        return self.keys.dtype == np.int64 or self.runs is not None or not _fits_u32(self.side_keys)
+
+    def main_keys(self, pos: np.ndarray) -> np.ndarray:
+        """``(k,) int64``: the main part's keys at positions ``pos (k,) int64``."""
+        if self.runs is None:
+            return self.keys[pos].astype(np.int64)
+        words, starts = self.runs
+        r = np.searchsorted(starts, pos, side="right") - 1
+        return (words[r] << 32) | self.keys[pos].astype(np.int64)
 
     def extent(self) -> tuple[int, int] | None:
         """``(lowest, highest)`` key held, ``None`` when empty."""
         lo: list[int] = []
         hi: list[int] = []
         if self.keys.size > self.n_dead:
-            if self.dead is None:
-                lo.append(int(self.keys[0]))
-                hi.append(int(self.keys[-1]))
-            else:  # argmax stops at the first live key
-                lo.append(int(self.keys[int(np.argmax(~self.dead))]))
-                hi.append(int(self.keys[self.keys.size - 1 - int(np.argmax(~self.dead[::-1]))]))
+            first, last = 0, self.keys.size - 1
+            if self.dead is not None:  # argmax stops at the first live key
+                first = int(np.argmax(~self.dead))
+                last = self.keys.size - 1 - int(np.argmax(~self.dead[::-1]))
+            ends = self.main_keys(np.array([first, last], np.int64))
+            lo.append(int(ends[0]))
+            hi.append(int(ends[1]))
         if self.side_keys.size:
             lo.append(int(self.side_keys[0]))
             hi.append(int(self.side_keys[-1]))
@@ -90,7 +112,9 @@ class SortedIndex:
         m = self.keys.size
         if m == 0:
             return np.zeros(q.size, bool), np.zeros(q.size, np.int64)
-        if self.keys.dtype == np.uint32:  # compare as uint32: never widen the whole index
+        if self.runs is not None:
+            found, pos = self._run_pos(q)
+        elif self.keys.dtype == np.uint32:  # compare as uint32: never widen the whole index
             qq = q.astype(np.uint32)  # keys outside [0, 2**32) wrap: dropped below
             pos = np.minimum(np.searchsorted(self.keys, qq), m - 1)
             found = (self.keys[pos] == qq) & (q >= 0) & (q < KEY_LIMIT)
@@ -100,6 +124,25 @@ class SortedIndex:
         if self.dead is not None:
             found &= ~self.dead[pos]
         return found, pos.astype(np.int64)
+
+    def _run_pos(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """:meth:`_main_pos` of run-encoded keys: each key's run by its high word, then a
+        search of that run's low words (one search per run the keys touch)."""
+        assert self.runs is not None  # the caller's layout
+        words, starts = self.runs
+        found = np.zeros(q.size, bool)
+        pos = np.zeros(q.size, np.int64)
+        hi = q >> 32
+        r = np.minimum(np.searchsorted(words, hi), words.size - 1)
+        known = words[r] == hi
+        lo = (q & 0xFFFFFFFF).astype(np.uint32)
+        for run in np.unique(r[known]):
+            at = np.flatnonzero(known & (r == run))
+            a, b = int(starts[run]), int(starts[run + 1])
+            p = np.minimum(np.searchsorted(self.keys[a:b], lo[at]), b - a - 1)
+            found[at] = self.keys[a + p] == lo[at]
+            pos[at] = a + p
+        return found, pos
 
     def _side_pos(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``q (k,) int64`` → ``(found in the side part (k,) bool, position (k,) int64)``."""
@@ -123,10 +166,10 @@ class SortedIndex:
     def live(self) -> tuple[np.ndarray, np.ndarray]:
         """``(keys (m,) int64 ascending, their slots (m,) int64)`` of every key held."""
         if self.dead is None:
-            mk, ms = self.keys.astype(np.int64), np.arange(self.keys.size, dtype=np.int64)
+            ms = np.arange(self.keys.size, dtype=np.int64)
         else:
             ms = np.flatnonzero(~self.dead)
-            mk = self.keys[ms].astype(np.int64)
+        mk = self.main_keys(ms)
         if self.side_keys.size == 0:
             return mk, ms
         keys = np.concatenate([mk, self.side_keys])
@@ -140,15 +183,12 @@ class SortedIndex:
         if nk.size == 0:
             return
         m = self.keys.size
-        follows = m == 0 or int(nk[0]) > int(self.keys[-1])
+        follows = m == 0 or int(nk[0]) > int(self.main_keys(np.array([m - 1]))[0])
         if follows and int(ns[0]) == m and np.array_equal(ns, np.arange(m, m + nk.size)):
-            if self.keys.dtype == np.uint32 and not _fits_u32(nk):
-                self.keys = self.keys.astype(np.int64)
-            if m == 0 and self.compact and _fits_u32(nk):
-                self.keys = self.keys.astype(np.uint32)
-            self.keys = np.concatenate([self.keys, nk.astype(self.keys.dtype)])
-            if self.dead is not None:
-                self.dead = np.concatenate([self.dead, np.zeros(nk.size, bool)])
+            dead = self.dead
+            self.reset(np.concatenate([self.main_keys(np.arange(m)), nk]), keep=True)
+            if dead is not None:
+                self.dead = np.concatenate([dead, np.zeros(nk.size, bool)])
             return
         pos = np.searchsorted(self.side_keys, nk)
         self.side_keys = np.insert(self.side_keys, pos, nk)
@@ -159,7 +199,7 @@ class SortedIndex:
         m = self.keys.size
         inside = slots < m
         s = np.where(inside, slots, 0)
-        main = inside & (self.keys[s].astype(np.int64) == keys) if m else inside
+        main = inside & (self.main_keys(s) == keys) if m else inside
         if self.dead is not None:
             main &= ~self.dead[s]
         if main.any():
@@ -180,10 +220,25 @@ class SortedIndex:
             MIN_MERGE, m // DEAD_FRACTION
         )
 
-    def reset(self, keys: np.ndarray) -> None:
-        """Make ``keys (m,) int64`` (ascending) the main part, key ``i`` in slot ``i``."""
-        narrow = self.compact and _fits_u32(keys)
-        self.keys = keys.astype(np.uint32 if narrow else np.int64)
+    def reset(self, keys: np.ndarray, keep: bool = False) -> None:
+        """Make ``keys (m,) int64`` (ascending) the main part, key ``i`` in slot ``i``
+        (``keep``: the side part and deleted marks stay, the caller's)."""
+        self.runs = None
+        if not self.compact:
+            self.keys = keys.astype(np.int64)
+        elif _fits_u32(keys):
+            self.keys = keys.astype(np.uint32)
+        else:
+            hi = keys >> 32
+            cut = np.flatnonzero(hi[1:] != hi[:-1]) + 1
+            if cut.size < MAX_RUNS:
+                starts = np.concatenate([[0], cut, [keys.size]]).astype(np.int64)
+                self.runs = (hi[starts[:-1]], starts)
+                self.keys = (keys & 0xFFFFFFFF).astype(np.uint32)
+            else:
+                self.keys = keys.astype(np.int64)
+        if keep:
+            return
         self.dead, self.n_dead = None, 0
         self.side_keys = np.zeros(0, np.int64)
         self.side_slots = np.zeros(0, np.int32)
@@ -200,6 +255,8 @@ class SortedIndex:
     def nbytes(self) -> int:
         """Bytes of the main keys, the deleted marks and the side part."""
         arrays = [self.keys, self.side_keys, self.side_slots]
+        if self.runs is not None:
+            arrays += list(self.runs)
         if self.dead is not None:
             arrays.append(self.dead)
         return sum(int(a.nbytes) for a in arrays)

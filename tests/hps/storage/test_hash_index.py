@@ -59,8 +59,8 @@ def test_layout_follows_the_density_of_the_keys(keys: np.ndarray, layout: KeyLay
 def test_bytes_per_row_exactly_for_each_layout_and_format(dtype: RowDtype) -> None:
     """One load into 4 partitions of 1024+ rows each: pools exactly full, so the bytes are
     the rows plus the index: 4 B per key of the range (direct), 4 B (sorted uint32 keys, the
-    rows in key order), 8 B (int64 keys, and the reference layout); direct and sorted uint32
-    are within 1.1× FBGEMM's row."""
+    rows in key order; int64 keys of a few high words, as runs), 8 B (int64 keys of many high
+    words, and the reference layout); the 4 B layouts are within 1.1× FBGEMM's row."""
     rb = row_bytes(dtype, DIM)
     assert rb == FBGEMM_ROW[dtype]
     n = 4096
@@ -76,6 +76,16 @@ def test_bytes_per_row_exactly_for_each_layout_and_format(dtype: RowDtype) -> No
         assert v.key_layout("t") is layout
         assert all(p.rows.shape[0] == p.size for p in v._table("t").parts)  # no slack
         assert v.nbytes("t") == n * (rb + index_bytes), (layout, kw)
+    # int64 keys of a few high words: runs of low words, + 8 B per run's word and per start
+    # (one more start per partition): 2 runs (negative keys and 0..) and 1 run (past 2**32)
+    for keys, runs in ((np.arange(n) - n // 2, 2), (np.arange(n) * 5 + 2**40, 1)):
+        v = _map(dtype, num_partitions=4)
+        v.insert_rows("t", keys.astype(np.int64), _rows(n, rb, 1))
+        assert v.key_layout("t") is KeyLayout.SORTED_I64
+        assert v.nbytes("t") == n * (rb + 4) + 4 * (8 * runs + 8 * (runs + 1)), runs
+        got, found = v.lookup_rows("t", keys.astype(np.int64))
+        assert found.all() and np.array_equal(got, _rows(n, rb, 1))
+        assert not v.lookup_rows("t", keys.astype(np.int64) + 2**36)[1].any()
     compact = rb + 4
     assert compact <= 1.1 * FBGEMM_ROW[dtype], compact
 
@@ -416,6 +426,7 @@ def test_sparse_inserts_in_random_order_merge_into_keys_alone() -> None:
     for keys, key_bytes in (
         (np.unique(rng.integers(0, 2**32 - 1, size=6000)), 4),
         (np.unique(rng.integers(-(2**62), 2**62, size=6000)), 8),
+        (np.unique(rng.integers(-(2**33), 2**33, size=6000)), 4),  # 4 runs a partition
     ):
         keys = rng.permutation(keys).astype(np.int64)
         rows = _rows(keys.size, rb, 3)
@@ -436,4 +447,12 @@ def test_sparse_inserts_in_random_order_merge_into_keys_alone() -> None:
         assert not v.lookup_rows("t", keys[250:500])[1].any()
         v.mark_loaded("t")
         n = keys.size - 250
-        assert v.nbytes("t") == n * (rb + key_bytes), key_bytes
+        runs = sum(
+            0 if p.sorted_index.runs is None else p.sorted_index.runs[0].size
+            for p in v._table("t").parts
+        )
+        run_bytes = 16 * runs + 8 * sum(
+            p.sorted_index.runs is not None for p in v._table("t").parts
+        )
+        assert runs == (8 if key_bytes == 4 and keys.min() < 0 else 0)
+        assert v.nbytes("t") == n * (rb + key_bytes) + run_bytes, key_bytes

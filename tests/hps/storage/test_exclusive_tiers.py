@@ -58,9 +58,10 @@ def test_every_row_resident_holds_each_row_once_in_at_most_589_bytes() -> None:
     _check_held_once(v, c, keys)
     assert len(c) > 0.9 * n and v.stored_rows("t") == n - len(c)
     row = 4 * dim
-    # per slot: the row, its int32 key, counter and tag (one byte each), homed bit (1/8 byte)
-    assert c.keys.dtype == torch.int32
-    assert c.nbytes() == c.capacity * (row + 4 + 1 + 1) + c.capacity // 8
+    # per slot: the row, its int32 low word, counter and tag (one byte each), homed bit (1/8
+    # byte); the keys' one high word: 8 B
+    assert c.keys.dtype == torch.int32 and c.high_words.tolist() == [0]
+    assert c.nbytes() == c.capacity * (row + 4 + 1 + 1) + c.capacity // 8 + 8
     parts = v._table("t").parts
     # per partition: slots (rows + an int32 free-list entry when free), and the sorted index
     # of the few rows left under a tenth of the key range: 4 B per main key (its row in the

@@ -7,7 +7,7 @@ each tier holds per row, and the cache-hit lookup throughput of INT8 rows agains
     python -m benchmarks.hps.bench_quantized --only throughput --repeats 40
 
 ``bytes``: per dtype and key set (dense ``0..n-1``; sparse in ``[0, 2**32)``; int64 keys of
-9 high words, 8 tables' ids offset by ``table << 40``; 64-bit hashes), the hash map's bytes per
+16 high words, 8 tables' ids offset by ``table << 40``; 64-bit hashes), the hash map's bytes per
 row after one load (and its key layout) and a full cache's bytes per slot (and how it holds
 its keys).
 
@@ -108,7 +108,7 @@ KEY_SETS = ("dense", "sparse_u32", "int64_words", "int64_hashed")
 
 def _keys(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
     """``n`` distinct int64 keys: ``0..n-1``; spread over ``[0, 2**32)``; 8 tables' ids
-    offset by ``table << 40`` with negative ids too (9 high words); 64-bit hashes."""
+    offset by ``table << 40``, some negative (16 high words); 64-bit hashes."""
     if kind == "dense":
         return np.arange(n, dtype=np.int64)
     if kind == "sparse_u32":

@@ -11,12 +11,13 @@ pool is the same in all three::
                 per key in [0, bound), S = 2**32 - 1 for "absent"; one array shared by the
                 table's partitions (each reads and writes only its own keys' entries)
                 lookup = index[q]                                4 B × bound for the table
-    SORTED_U32  keys  = [3, 7, 42]  sorted (m,) uint32              lookup = searchsorted
-                slots = [1, 0, 2]   (m,) int32                      8 B per row
-    SORTED_I64  keys  = [3, 7, 42]  sorted (m,) int64               any int64 key
-                slots = [1, 0, 2]   (m,) int32                      12 B per row
+    SORTED_U32  keys  = [3, 7, 42]  sorted (m,) uint32, key i's row in slot i: 4 B per row
+                (the rows in key order: rows = [[3], [7], [42], <free>])  lookup = searchsorted
+    SORTED_I64  the same with int64 keys: 4 B per row while they have at most 64 high
+                words (runs of uint32 low words), else 8 B per row
+                (keys inserted since the last merge: a side part, :mod:`hps.storage.sorted_index`)
 
-    rows  = [[row of 7], [row of 3], [row of 42], <free>]  (capacity, row_bytes) uint8
+    rows  = [[row of 7], [row of 3], [row of 42], <free>]  (capacity, row_bytes) uint8 (DIRECT)
     free  = [3]                     free slots, a stack, (f,) int32
     uses  = [ 5, 1, 2, -]           reads per slot               (evict_least_used only)
     stamp = [90, 12, 40, -]         clock of the last read/write (evict_oldest only)
@@ -27,11 +28,11 @@ compactions) by scanning the whole index, O(bound). A partition that evicts (an 
 margin reached) pays that scan once: it then keeps ``owner`` (uint32, 4 B per slot), the key each
 slot holds, and enumerates its keys from its own slots, O(capacity).
 
-A sorted partition keeps uint32 keys while every key it holds is in ``[0, 2**32)`` and widens
-them to int64 (itself alone) when a key outside arrives. Every layout enumerates its keys in
+A sorted partition keeps uint32 keys while every key it holds is in ``[0, 2**32)``
+(:class:`~hps.storage.sorted_index.SortedIndex`). Every layout enumerates its keys in
 ascending order (:meth:`Partition.live`), assigns new keys slots in ascending key order and
-frees slots in the order asked, so the slots, the pool and the rows each eviction picks are
-the same in every layout: only the index differs.
+frees slots in the order asked, so the rows each eviction picks are the same in every layout;
+where a row sits differs (a sorted index merges its rows into key order).
 
 The pool grows by a quarter (at least 64 slots) when it is full and is compacted (live rows
 copied to the front in key order, ``capacity = live × 9/8``) when more than half of the live

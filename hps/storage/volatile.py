@@ -8,14 +8,16 @@ INT4 at dim 128; ``lookup`` dequantizes, ``insert`` quantizes, ``lookup_rows`` /
 ``insert_rows`` move the bytes as they are.
 
 The key index of a table is laid out by the density of its keys (:class:`KeyLayout`), chosen
-after every write, so that the index costs at most what the sorted one would (12 B per row)
+after every write, so that the index costs at most what the sorted one would (8 B per row)
 and 4 B per row for an identity vocabulary (keys ``0..n-1``, as exports write them)::
 
     keys in [0, 2**32 - 1) (2**32 - 1 marks "absent"), n held, max key b - 1:
         2·n ≥ b      → DIRECT      (b,) uint32 slot per key, shared by the partitions: 4·b B
-        3·n < b      → SORTED_U32  sorted uint32 keys + int32 slots: 8 B per row
+        3·n < b      → SORTED_U32  sorted uint32 keys, rows in key order: 4 B per row
         (in between, the layout it has stays: a table does not flap between the two)
-    a key < 0 or ≥ 2**32 → SORTED_I64 in the partitions holding one: 12 B per row
+    a key < 0 or ≥ 2**32 → SORTED_I64 in the partitions holding one: 4 B per row for keys of
+        at most 64 high 32-bit words a partition, else 8 B per row
+    (sorted layouts: + 12 B per key inserted since the last merge, :mod:`hps.storage.sorted_index`)
 
 A direct index takes an insert of keys past its bound by growing to the largest key + 1 (at
 least an eighth larger: appended keys cost O(1) amortised) while the table stays above the
@@ -24,8 +26,9 @@ too sparse). A lookup of any int64 key is answered in every layout (keys outside
 are not found); it costs O(batch) with a direct index and O(batch · log rows) with a sorted
 one. A switch builds the new index under the table's write lock (O(bound), about 20 B per
 row transiently, less than a pool's growth; lookups go on meanwhile) and swaps it in under
-every partition lock of the table; ``compact_keys=False`` keeps the sorted
-int64 layout always (the reference the others are tested against).
+every partition lock of the table (a switch to a sorted index also copies each partition's rows
+into key order); ``compact_keys=False`` keeps the sorted int64 layout always (the reference
+the others are tested against).
 :meth:`HashMapBackend.mark_loaded` (the end of a load) compacts the table's pools to the rows
 they hold: loads in chunks leave no slack.
 
@@ -122,7 +125,7 @@ class HashMapBackend(StorageBackend):
         overflow_resolution_target: fraction of ``overflow_margin`` kept after an eviction.
         seed: seeds ``evict_random``.
         compact_keys: lay each table's key index out by its keys' density (the module
-            docstring); ``False`` keeps sorted int64 keys + int32 slots (12 B per row) always.
+            docstring); ``False`` keeps sorted int64 keys (8 B per row) always.
     """
 
     name = "hash_map"

@@ -142,10 +142,13 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
     if ext is None:
         return gather_reference(args)
     n = len(args.caches)
-    ckeys, tags, counters, storage = [], [], [], []
+    ckeys, words, word_of, tags, counters, storage = [], [], [], [], [], []
     ways, dims, formats = [0] * n, [0] * n, [0] * n
+    no_nibbles = torch.zeros(0, dtype=torch.uint8)
     for i, c in enumerate(args.caches):  # whole (num_sets, ways) arrays: the kernel reads data
         ckeys.append(c.keys)
+        words.append(c.high_words)
+        word_of.append(no_nibbles if c.high_of is None else c.high_of)
         tags.append(c.tags)
         counters.append(c.counters)
         storage.append(c.storage)
@@ -153,6 +156,8 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
     misses, per_table, *pending = ext.cache_gather(
         list(args.keys),
         ckeys,
+        words,
+        word_of,
         tags,
         counters,
         storage,

@@ -1,5 +1,7 @@
 """Bytes per embedding-cache slot for each row dtype and key width, and the lookup speed of
-this tree against another checkout, runs interleaved (issue 28: ≤ 1.1 × FBGEMM's row).
+this tree against another checkout, runs interleaved (issue 28: ≤ 1.1 × FBGEMM's row). The
+bytes are a full cache's for three key sets: ids in ``[0, 2**32)``, int64 ids of 16 high
+words, 64-bit hashes.
 
     PYTHONPATH=. python -m benchmarks.hps.bench_cache_slot                     # bytes only
     PYTHONPATH=. python -m benchmarks.hps.bench_cache_slot --baseline DIR [--rounds 2] [--quick]
@@ -23,6 +25,8 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from benchmarks.meta import RESULTS_DIR, write_json
 from hps.rowformat import RowDtype, row_bytes
 from hps.storage.cache import EmbeddingCache
@@ -42,19 +46,40 @@ RATIOS = (
 )
 
 
+#: key sets a full cache is filled with: ids in [0, 2**32) (one high word); 8 tables' ids
+#: offset by ``table << 40``, some negative (16 high words: a nibble per slot); 64-bit hashes
+KEY_SETS = ("one_word", "16_words", "hashed")
+
+
+def _keys(kind: str, n: int) -> torch.Tensor:
+    i = torch.arange(n, dtype=torch.int64)
+    if kind == "one_word":
+        return i * 40_000
+    if kind == "16_words":
+        return ((i % 8) << 40) + i // 8 - n // 32
+    g = torch.Generator().manual_seed(0)
+    return torch.randint(-(2**62), 2**62, (n,), generator=g).unique()
+
+
 def bench_slot_bytes() -> list[dict[str, Any]]:
-    """Exact bytes per slot (``EmbeddingCache.nbytes`` / capacity) at dim 128."""
+    """Exact bytes per slot (``EmbeddingCache.nbytes`` / capacity, the high words included)
+    of a full cache at dim 128, for each key set."""
     out = []
     for dt in DTYPES:
-        for compact in (True, False):
-            c = EmbeddingCache(4096, DIM, ways=64, row_format=dt, compact_keys=compact)
+        for kind in KEY_SETS:
+            c = EmbeddingCache(4096, DIM, ways=64, row_format=dt)
+            k = _keys(kind, c.capacity)
+            c.insert(k, torch.zeros(0, DIM), rows=torch.zeros(k.numel(), c.row_bytes).byte())
             rb = row_bytes(dt, DIM)
             per_slot = c.nbytes() / c.capacity
+            held = "int64" if c.keys.dtype == torch.int64 else f"int32+{c.high_words.numel()}"
             out.append(
                 {
                     "section": "slot_bytes",
                     "dtype": dt.value,
-                    "keys": "int32" if compact else "int64",
+                    "keys": kind,
+                    "held_as": held,
+                    "cached": len(c),
                     "fbgemm_row_bytes": rb,
                     "slot_bytes": per_slot,
                     "metadata_bytes": per_slot - rb,
@@ -111,12 +136,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--quick", action="store_true", help="bench_lookup --quick")
+    ap.add_argument("--out", default="hps_cache_slot.json", help="file under benchmarks/results")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     rows = bench_slot_bytes()
     if args.baseline is not None:
         rows += bench_before_after(args.baseline, args.rounds, args.quick, args.repeats)
-    out = RESULTS_DIR / "hps_cache_slot.json"
+    out = RESULTS_DIR / args.out
     write_json(out, rows, load_1min_end=_load())
     log.info("wrote %s", out)
 

@@ -6,6 +6,11 @@ each tier holds per row, and the cache-hit lookup throughput of INT8 rows agains
     python -m benchmarks.hps.bench_quantized --quick    # 100 k rows (a smoke run)
     python -m benchmarks.hps.bench_quantized --only throughput --repeats 40
 
+``bytes``: per dtype and key set (dense ``0..n-1``; sparse in ``[0, 2**32)``; int64 keys of
+16 high words, 8 tables' ids offset by ``table << 40``; 64-bit hashes), the hash map's bytes per
+row after one load (and its key layout) and a full cache's bytes per slot (and how it holds
+its keys).
+
 ``throughput``: two sessions in one process, one whose cache holds the table's rows as FP32
 and one as INT8 (every row resident: the cache-hit path), look up the same 65,536 Zipf(α) keys
 with :meth:`~hps.session.LookupSession.lookup_many` into a reused output buffer, calls
@@ -15,8 +20,8 @@ load average.
 
 Every cache gets the same byte budget (``cache_fraction`` × the FP32 table's rows × 512 B) and
 as many slots as fit: a slot costs its row (``hps.rowformat.row_bytes``) plus 6.125 B of int32
-key, counter byte, tag byte and homed bit (``EmbeddingCache.nbytes``; 10.125 B with int64
-keys). The same key stream
+low word, counter byte, tag byte and homed bit (``EmbeddingCache.nbytes``; 6.625 B with up to
+16 high words, 10.125 B with int64 keys). The same key stream
 (Zipf ``alpha``, a fixed seed) is looked up through a :class:`~hps.session.LookupSession`
 (misses filled synchronously, LFU) against a stand-in database of zero rows (a hit rate needs
 no values); the first ``warm`` batches warm the cache and are not counted.
@@ -97,31 +102,68 @@ def bench_hit_rates(args: argparse.Namespace) -> list[dict[str, Any]]:
     return out
 
 
+#: key sets of the bytes section: what the tiers' key indices are laid out by
+KEY_SETS = ("dense", "sparse_u32", "int64_words", "int64_hashed")
+
+
+def _keys(kind: str, n: int, rng: np.random.Generator) -> np.ndarray:
+    """``n`` distinct int64 keys: ``0..n-1``; spread over ``[0, 2**32)``; 8 tables' ids
+    offset by ``table << 40``, some negative (16 high words); 64-bit hashes."""
+    if kind == "dense":
+        return np.arange(n, dtype=np.int64)
+    if kind == "sparse_u32":
+        k = np.unique(rng.integers(0, 2**32 - 1, size=2 * n))
+    elif kind == "int64_words":
+        ids = np.arange(n, dtype=np.int64)
+        k = ((ids % 8) << 40) + ids // 8 - n // 32
+    else:
+        k = np.unique(rng.integers(-(2**63) + 1, 2**63 - 1, size=2 * n))
+    return rng.permutation(k)[:n].astype(np.int64)
+
+
+def _cache_slot_bytes(dtype: RowDtype, dim: int, keys: np.ndarray) -> tuple[float, str]:
+    """Bytes per slot of a full cache of ``keys`` (its high words included), and how it holds
+    its keys."""
+    c = EmbeddingCache(keys.size, dim, ways=64, row_format=dtype)
+    k = torch.from_numpy(keys)
+    c.insert(k, torch.zeros(0, dim), rows=torch.zeros(keys.size, c.row_bytes, dtype=torch.uint8))
+    how = "int64" if c.keys.dtype == torch.int64 else f"int32+{c.high_words.numel()}_words"
+    return c.nbytes() / c.capacity, how
+
+
 def bench_bytes(args: argparse.Namespace) -> list[dict[str, Any]]:
-    """Bytes per row held by the hash map alone (every row stored, no cache) and by a cache
-    (per slot), for each dtype, against FBGEMM's row (``row_bytes``)."""
+    """Bytes per row held by the hash map alone (every row stored, no cache; one load) and by
+    a full cache (per slot), for each dtype and key set, against FBGEMM's row
+    (``row_bytes``)."""
     n, dim = min(args.rows, 100_000), args.dim
+    cache_slots = 16_384
     out = []
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(n, dim, generator=g).numpy()
-    keys = np.arange(n, dtype=np.int64)
-    for dt in DTYPES:
-        v = HashMapBackend(num_partitions=8)
-        v.create_table("t", dim, row_format=dt)
-        v.insert("t", keys, w)
-        rb = row_bytes(dt, dim)
-        out.append(
-            {
-                "section": "bytes",
-                "dtype": dt.value,
-                "rows": n,
-                "fbgemm_row_bytes": rb,
-                "hash_map_bytes_per_row": v.nbytes("t") / n,
-                "cache_bytes_per_slot": _slot_bytes(dt, dim),
-                "cache_bytes_per_slot_int64_keys": _slot_bytes(dt, dim, compact_keys=False),
-            }
-        )
-        log.info("%s", out[-1])
+    for kind in KEY_SETS:
+        keys = _keys(kind, n, np.random.default_rng(0))
+        for dt in DTYPES:
+            rb = row_bytes(dt, dim)
+            rows = np.random.default_rng(1).integers(0, 256, size=(n, rb), dtype=np.uint8)
+            v = HashMapBackend(num_partitions=8)
+            v.create_table("t", dim, row_format=dt)
+            v.insert_rows("t", keys, rows)
+            slot, how = _cache_slot_bytes(dt, dim, keys[:cache_slots])
+            out.append(
+                {
+                    "section": "bytes",
+                    "keys": kind,
+                    "dtype": dt.value,
+                    "rows": n,
+                    "fbgemm_row_bytes": rb,
+                    "hash_map_bytes_per_row": v.nbytes("t") / n,
+                    "hash_map_layout": v.key_layout("t").value,
+                    "hash_map_vs_fbgemm": v.nbytes("t") / n / rb,
+                    "cache_slots": cache_slots,
+                    "cache_bytes_per_slot": slot,
+                    "cache_keys": how,
+                    "cache_vs_fbgemm": slot / rb,
+                }
+            )
+            log.info("%s", out[-1])
     return out
 
 

@@ -5,8 +5,10 @@
 //
 // cache_gather: every table of one call in one pass. Per key: the splitmix64 hash gives the
 // set and an 8-bit tag; the set's tag line (ways bytes, one 64-byte cache line for 64 ways)
-// is compared with the tag, and only a matching way's key is read (int32 or int64 keys; so a
-// probe reads the tag line, about one key line, the row and the slot's counter byte). The probe
+// is compared with the tag, and only a matching way's key is read (a compact cache's int32 low
+// word, and the nibble naming its high word once the cache holds several: the key's high word
+// is looked up among the cache's <= 16 first; or int64 keys; so a probe reads the tag line,
+// about one key line, the row and the slot's counter byte). The probe
 // is pipelined over the keys (the tag line, key line and row of the keys a few places ahead are
 // prefetched while a row is copied), so several keys' memory reads are in flight at once. A hit
 // copies (rows) or accumulates (bags, key by key in request order) its row into the output,
@@ -41,8 +43,11 @@ namespace hps_cpu {
 struct TableView {
   const int64_t* keys;
   int64_t n;  // keys (rows: m; bags: B * hotness)
-  const void* ckeys;  // (capacity,) int32 (key32) or int64
+  const void* ckeys;  // (capacity,) int32 low words (key32) or int64 keys
   bool key32;
+  const int64_t* words;  // key32: the cached keys' distinct high words (n_words <= 16)
+  int64_t n_words;
+  const uint8_t* word_of;  // key32: a nibble per slot naming its high word; null: word 0
   const uint8_t* tags;
   uint8_t* counters;  // bit 7 mark, bits 0..6 level (LFU) or stamp (LRU)
   const uint8_t* storage;
@@ -87,9 +92,20 @@ inline uint64_t match_tags(const uint8_t* tg, int64_t n, uint8_t tag) {
 #endif
 }
 
-inline int64_t key_at(const TableView& t, int64_t s) {
-  return t.key32 ? static_cast<int64_t>(static_cast<const int32_t*>(t.ckeys)[s])
-                 : static_cast<const int64_t*>(t.ckeys)[s];
+// Whether slot s holds the key whose low word is lo and high word words[word] (key32), or
+// the key itself (int64 keys).
+inline bool holds(const TableView& t, int64_t s, int64_t key, int64_t word) {
+  if (!t.key32) return static_cast<const int64_t*>(t.ckeys)[s] == key;
+  return static_cast<const int32_t*>(t.ckeys)[s] == static_cast<int32_t>(key) &&
+         (t.word_of == nullptr || ((t.word_of[s >> 1] >> ((s & 1) * 4)) & 0xF) == word);
+}
+
+// The index of key's high word among the cache's (key32), -1 if it has none.
+inline int64_t word_index(const TableView& t, int64_t key) {
+  const int64_t hi = key >> 32;
+  for (int64_t w = 0; w < t.n_words; ++w)
+    if (t.words[w] == hi) return w;
+  return -1;
 }
 
 inline const void* key_addr(const TableView& t, int64_t s) {
@@ -108,9 +124,10 @@ struct Piece {
 
 // Per-key state of the probe pipeline.
 struct ProbeState {
-  int64_t base;    // first slot of the key's set; -1: padding; -2: a key int32 slots never hold
+  int64_t base;    // first slot of the key's set; -1: padding; -2: a high word the cache lacks
   uint64_t match;  // ways of the first tag line whose tag matches
   uint8_t tag;
+  uint8_t word;    // key32: the index of the key's high word
 };
 
 // Distances of the probe pipeline, in keys: a key's row (and counter) is prefetched kRowAhead
@@ -186,20 +203,28 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
       const int64_t key = t.keys[a];
       if (bags && key < 0) {
         ps[a].base = -1;
-      } else if (t.key32 && (key < 0 || key > INT32_MAX)) {
-        ps[a].base = -2;  // a miss without a probe
       } else {
-        const uint64_t h = mix64(key);
-        ps[a].base = set_of(h, t.num_sets) * t.ways;
-        ps[a].tag = tag_of(h);
-        __builtin_prefetch(t.tags + ps[a].base, 0, 3);
+        const int64_t word = t.key32 ? word_index(t, key) : 0;
+        if (word < 0) {
+          ps[a].base = -2;  // a high word the cache lacks: a miss without a probe
+        } else {
+          const uint64_t h = mix64(key);
+          ps[a].base = set_of(h, t.num_sets) * t.ways;
+          ps[a].tag = tag_of(h);
+          ps[a].word = static_cast<uint8_t>(word);
+          __builtin_prefetch(t.tags + ps[a].base, 0, 3);
+        }
       }
     }
     const int64_t b = i + kRowAhead + kProbeAhead;  // stage 2: match the tags, prefetch the key line
     if (b >= i0 && b < i1 && ps[b].base >= 0) {
       const uint64_t m = match_tags(t.tags + ps[b].base, first_ways, ps[b].tag);
       ps[b].match = m;
-      if (m) __builtin_prefetch(key_addr(t, ps[b].base + __builtin_ctzll(m)), 0, 3);
+      if (m) {
+        const int64_t s = ps[b].base + __builtin_ctzll(m);
+        __builtin_prefetch(key_addr(t, s), 0, 3);
+        if (t.word_of) __builtin_prefetch(t.word_of + (s >> 1), 0, 3);
+      }
     }
     const int64_t c = i + kRowAhead;  // stage 3: the slot; prefetch its row and counter
     if (c >= i0 && c < i1) {
@@ -210,7 +235,7 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
         slot = -1;
         for (uint64_t m = ps[c].match; m; m &= m - 1) {
           const int64_t w = __builtin_ctzll(m);
-          if (key_at(t, base + w) == key) {
+          if (holds(t, base + w, key, ps[c].word)) {
             slot = base + w;
             break;
           }
@@ -220,7 +245,7 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
             uint64_t m = match_tags(t.tags + base + w0, std::min<int64_t>(64, t.ways - w0), ps[c].tag);
             for (; m; m &= m - 1) {
               const int64_t w = w0 + __builtin_ctzll(m);
-              if (key_at(t, base + w) == key) {
+              if (holds(t, base + w, key, ps[c].word)) {
                 slot = base + w;
                 break;
               }
@@ -426,6 +451,7 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
 //          then per table its pending rows (bags with a miss, see pending_rows; else empty)}.
 std::vector<at::Tensor> cache_gather(
     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& cache_keys,
+    const std::vector<at::Tensor>& high_words, const std::vector<at::Tensor>& high_of,
     const std::vector<at::Tensor>& tags, const std::vector<at::Tensor>& counters,
     const std::vector<at::Tensor>& storage,
     const std::vector<int64_t>& ways, const std::vector<int64_t>& dims,
@@ -436,7 +462,7 @@ std::vector<at::Tensor> cache_gather(
     const std::vector<int64_t>& hotness, const std::vector<int64_t>& mean,
     const at::Tensor& gaps, const at::Tensor& halve) {
   const size_t T = keys.size();
-  for (const auto* v : {&cache_keys, &tags, &counters, &storage})
+  for (const auto* v : {&cache_keys, &high_words, &high_of, &tags, &counters, &storage})
     check(v->size() == T, "one tensor per table expected");
   for (const auto* v : {&ways, &dims, &formats, &stamps, &streams, &looked_up, &intervals,
                         &out_offsets, &hotness, &mean})
@@ -484,6 +510,12 @@ std::vector<at::Tensor> cache_gather(
               counters[i].is_contiguous() && tags[i].scalar_type() == at::kByte &&
               tags[i].numel() == capacity,
           "cache keys must be contiguous int32 or int64, counters and tags uint8, one per slot");
+    const auto& hw = high_words[i];
+    const auto& ho = high_of[i];
+    check(hw.scalar_type() == at::kLong && hw.is_contiguous() && hw.numel() <= 16 &&
+              ho.scalar_type() == at::kByte && ho.is_contiguous() &&
+              (ho.numel() == 0 || ho.numel() == (capacity + 1) / 2),
+          "high words must be (<= 16,) int64 and their nibbles (ceil(capacity / 2),) uint8");
     check(storage[i].scalar_type() == at::kByte && storage[i].dim() == 2 &&
               storage[i].size(0) == capacity && storage[i].is_contiguous(),
           "storage must be (capacity, row_bytes) contiguous uint8");
@@ -506,6 +538,9 @@ std::vector<at::Tensor> cache_gather(
                 k.numel(),
                 cache_keys[i].data_ptr(),
                 kt == at::kInt,
+                hw.data_ptr<int64_t>(),
+                hw.numel(),
+                ho.numel() ? ho.data_ptr<uint8_t>() : nullptr,
                 tags[i].data_ptr<uint8_t>(),
                 counters[i].data_ptr<uint8_t>(),
                 storage[i].data_ptr<uint8_t>(),

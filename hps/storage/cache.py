@@ -5,8 +5,11 @@ Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 wa
 
     set(key) = hi32(splitmix64(key)) × num_sets >> 32       num_sets = ceil(capacity / ways) = 2
 
-    keys     (num_sets, ways) int32    [[ 7, 12, E,  3],      E = -1 (int64 keys: EMPTY_KEY)
-                                        [ 5,  E, E,  E]]
+    keys     (num_sets, ways) int32    [[ 7, 12, E,  3],      low 32 bits of each key; E = -1
+                                        [ 5,  E, E,  E]]      (int64 keys: the key, EMPTY_KEY)
+    high_words (h,) int64              [0, 5]                 the keys' distinct high 32 bits
+    high_of  (capacity / 2,) uint8     4 bits per slot: its key's high word in ``high_words``
+                                       (none while h ≤ 1: every key has ``high_words[0]``)
     counters (num_sets, ways) uint8    [[40, 38, 0, 12],      one byte (hps.storage.slot_counter):
                                         [41,  0, 0,  0]]      LFU log level / LRU stamp, mark bit
     tags     (num_sets, ways) uint8    [[ 9, 201, 0, 77],     tag_of(key); 0 = empty
@@ -16,14 +19,20 @@ Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 wa
     storage  (num_sets * ways, row_bytes) uint8   row of slot s*ways + w, in ``row_format``
     values   (num_sets * ways, dim) float32       the FP32 view of ``storage`` (FP32 rows only)
 
-Bytes per slot: the row + 6.125 with int32 keys (key 4, counter 1, tag 1, homed 1/8), + 10.125
-with int64 keys. A cache starts with int32 keys and widens them to int64 (one copy, under its
-lock) the first time it is given a key outside ``[0, 2**31 - 1]`` (``compact_keys=False``:
-int64 from the start); any key but ``EMPTY_KEY`` can be cached either way.
+Bytes per slot: the row + 6.125 while the cached keys share one high word (low word 4, counter
+1, tag 1, homed 1/8: any keys in ``[0, 2**32)``, or in any one aligned 2**32 range), + 6.625
+with up to ``MAX_HIGH_WORDS`` = 16 high words (the nibble), + 10.125 with int64 keys; plus 8 B
+per high word for the cache. A compact cache adds a high word the first time a key has a new
+one; when a 17th is needed it reuses the words no cached key has any more (one scan of the
+nibbles), and only when all 16 are in use does it widen its keys to int64 (one copy, under
+its lock; ``compact_keys=False``: int64 from the start). Any key but ``EMPTY_KEY`` can be
+cached either way; keys spread over more than 16 high words (64-bit hashes) are held as int64.
 
-A probe of the compiled path (:mod:`hps.fused`) reads the set's tag line (64 ways = one
-64-byte cache line), then only the key of a way whose tag matches (1 in 255 false matches per
-way), then the row and the slot's counter byte: O(1) cache lines per key. The reference
+A probe of the compiled path (:mod:`hps.fused`) looks the key's high word up among the
+cache's (at most 16, in one cache line; a key with none is a miss without a probe), reads the
+set's tag line (64 ways = one 64-byte cache line), then only the low word (and nibble) of a way
+whose tag matches (1 in 255 false matches per way), then the row and the slot's counter byte:
+O(1) cache lines per key. The reference
 query below compares each key with the ``ways`` keys of its set in one vectorised ``==``; an
 insertion sorts the new keys by set and, inside a set, by their frequency in the request,
 and gives the r-th new key of a set that set's r-th victim (empty slots first, then the
@@ -71,7 +80,16 @@ import torch
 
 from hps.rowformat import RowDtype
 from hps.storage.cache_index import EMPTY_KEY as EMPTY_KEY
-from hps.storage.cache_index import homed_at, set_homed
+from hps.storage.cache_index import (
+    MAX_HIGH_WORDS,
+    high_word,
+    homed_at,
+    join_words,
+    low_word,
+    nibble_at,
+    set_homed,
+    set_nibbles,
+)
 from hps.storage.cache_index import set_of as set_of
 from hps.storage.cache_index import tag_of as tag_of
 from hps.storage.cache_types import CacheStats as CacheStats
@@ -95,7 +113,6 @@ log = logging.getLogger(__name__)
 
 DEFAULT_WAYS = 64  # HugeCTR: slabs of 32 keys, 2 slabs per set
 _MAX_SHIFT = 63  # a priority (int64) is 0 after 63 halvings
-_INT32_MAX = 2**31 - 1
 
 
 class EmbeddingCache:
@@ -111,8 +128,9 @@ class EmbeddingCache:
             is halved after each ``lfu_decay_interval = max(1, round(lfu_decay_keys_per_slot ×
             capacity))`` looked-up keys (see the module docstring); 0 never ages. Ignored by LRU.
         row_format: how ``storage`` holds a row (the table's dtype).
-        compact_keys: hold keys as int32 (4 bytes less per slot) until a key outside
-            ``[0, 2**31 - 1]`` is inserted, then as int64; ``False``: int64 from the start.
+        compact_keys: hold each key as its low 32 bits and a nibble naming its high 32 bits
+            (4 or 3.5 bytes less per slot, the module docstring) until more than 16 high words
+            are cached, then as int64; ``False``: int64 from the start.
         seed: seeds the LFU counters' draws (:mod:`hps.storage.slot_counter`).
 
     Raises:
@@ -165,11 +183,15 @@ class EmbeddingCache:
         self.capacity = self.num_sets * self.ways
         sets = (self.num_sets, self.ways)
         # huge pages: the probe reads these at random (a TLB miss per read with 4 KiB pages)
-        #: int32 (keys in [0, 2**31 - 1] so far; -1 in an empty slot) or int64 (EMPTY_KEY)
+        #: int32 low words (-1 in an empty slot) or int64 keys (EMPTY_KEY in an empty slot)
         key_dtype = torch.int32 if compact_keys else torch.int64
         self.keys = huge_zeros(sets, key_dtype, self.device).fill_(
             -1 if compact_keys else EMPTY_KEY
         )
+        #: the cached keys' distinct high words (compact keys; empty with int64 keys)
+        self.high_words = torch.zeros(0, dtype=torch.int64, device=self.device)
+        #: ``(ceil(capacity / 2),) uint8``, each slot's high word (a nibble), once there are two
+        self.high_of: torch.Tensor | None = None
         #: one byte per slot (:mod:`hps.storage.slot_counter`): LFU level / LRU stamp, mark bit
         self.counters = huge_zeros(sets, torch.uint8, self.device)
         self.tags = huge_zeros(sets, torch.uint8, self.device)
@@ -266,12 +288,39 @@ class EmbeddingCache:
     def _slots(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hit (n,) bool, slot (n,) int64)``; ``slot`` is meaningful where ``hit``."""
         s = set_of(keys, self.num_sets)
-        match = (self.keys.index_select(0, s) == keys[:, None]).view(torch.uint8)  # (n, ways)
-        hit, way = match.max(1)  # one pass: any match, and where
-        hit = hit.view(torch.bool)
-        if self.keys.dtype == torch.int32:  # -1 is an empty int32 slot's key, never a cached one
-            hit = hit & (keys >= 0)
-        return hit, s * self.ways + way
+        if self.keys.dtype == torch.int64:
+            match = self.keys.index_select(0, s) == keys[:, None]  # (n, ways)
+        else:  # the low word, the high word's nibble (where kept), and a held slot
+            known, word = self._word_index(keys)
+            match = self.keys.index_select(0, s) == low_word(keys)[:, None]
+            match &= self.tags.index_select(0, s) != 0
+            match &= known[:, None]
+            if self.high_of is not None:
+                ways = torch.arange(self.ways, device=self.device)
+                match &= nibble_at(self.high_of, s[:, None] * self.ways + ways) == word[:, None]
+        hit, way = match.view(torch.uint8).max(1)  # one pass: any match, and where
+        return hit.view(torch.bool), s * self.ways + way
+
+    def _word_index(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(known (n,) bool, index (n,) int64)``: where each key's high word is in
+        ``high_words`` (compact keys)."""
+        if self.high_words.numel() == 0:
+            z = torch.zeros(keys.numel(), dtype=torch.int64, device=self.device)
+            return z.to(torch.bool), z
+        eq = high_word(keys)[:, None] == self.high_words[None, :]
+        known, index = eq.view(torch.uint8).max(1)
+        return known.view(torch.bool), index.to(torch.int64)
+
+    def keys_of(self, slots: torch.Tensor) -> torch.Tensor:
+        """``(n,) int64``: the keys held in ``slots (n,) int64`` (held slots only)."""
+        k = self.keys.view(-1)[slots]
+        if self.keys.dtype == torch.int64:
+            return k
+        if self.high_of is None:
+            high = self.high_words[:1].expand(slots.numel())
+        else:
+            high = self.high_words[nibble_at(self.high_of, slots)]
+        return join_words(high, k)
 
     def _touch(
         self, slots: torch.Tensor, counts: torch.Tensor | None, positions: torch.Tensor
@@ -290,18 +339,65 @@ class EmbeddingCache:
         """The key of an empty slot: -1 with int32 keys, ``EMPTY_KEY`` with int64 keys."""
         return -1 if self.keys.dtype == torch.int32 else EMPTY_KEY
 
-    def _widen_for(self, keys: torch.Tensor) -> None:
-        """Hold keys as int64 from now on if int32 cannot hold one of ``keys (n,) int64``."""
-        if self.keys.dtype != torch.int32 or keys.numel() == 0:
+    def _write_keys(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
+        """Store ``keys (n,) int64`` in ``slots (n,) int64`` (unique): low word and nibble,
+        high words added (or widened to int64 keys) as needed. Call with the lock held."""
+        if self.keys.dtype == torch.int32 and keys.numel():
+            self._admit_words(torch.unique(high_word(keys)), slots)
+        flat = self.keys.view(-1)
+        if self.keys.dtype == torch.int64:
+            flat[slots] = keys
             return
-        if int(keys.min()) >= 0 and int(keys.max()) <= _INT32_MAX:
+        flat[slots] = low_word(keys)
+        if self.high_of is not None:
+            set_nibbles(self.high_of, slots, self._word_index(keys)[1])
+
+    def _admit_words(self, words: torch.Tensor, slots: torch.Tensor) -> None:
+        """Make ``high_words`` hold ``words (k,) int64`` (unique), which keys are about to be
+        written into ``slots``: add them, reusing words no other slot's key has, or widen the
+        keys to int64 when more than ``MAX_HIGH_WORDS`` would be in use."""
+        have = self.high_words
+        new = words[~(words[:, None] == have[None, :]).any(1)] if have.numel() else words
+        if new.numel() == 0:
             return
-        wide = huge_zeros(tuple(self.keys.shape), torch.int64, self.device)
-        wide.copy_(self.keys)
-        wide[self.tags == 0] = EMPTY_KEY
+        if have.numel() + new.numel() <= MAX_HIGH_WORDS:
+            if self.high_of is None and have.numel() + new.numel() > 1:
+                self.high_of = huge_zeros((-(-self.capacity // 2),), torch.uint8, self.device)
+            self.high_words = torch.cat([have, new])
+            return
+        held = self.tags.view(-1) != 0
+        held[slots] = False  # these slots are being overwritten
+        held_slots = torch.nonzero(held).squeeze(1)
+        used = torch.zeros(have.numel(), dtype=torch.bool, device=self.device)
+        if self.high_of is None:
+            used[:] = held_slots.numel() > 0
+        else:
+            used[nibble_at(self.high_of, held_slots)] = True
+        free = torch.nonzero(~used).squeeze(1)
+        if used.sum() + new.numel() <= MAX_HIGH_WORDS:
+            if self.high_of is None:  # one word in use (or none): slots name word 0
+                self.high_of = huge_zeros((-(-self.capacity // 2),), torch.uint8, self.device)
+            reuse = free[: new.numel()]
+            words_now = have.clone()
+            words_now[reuse] = new[: reuse.numel()]
+            self.high_words = torch.cat([words_now, new[reuse.numel() :]])
+            return
+        self._widen()
+
+    def _widen(self) -> None:
+        """Hold whole int64 keys from now on (more than ``MAX_HIGH_WORDS`` high words)."""
+        held = torch.nonzero(self.tags.view(-1) != 0).squeeze(1)
+        full = self.keys_of(held)
+        wide = huge_zeros(tuple(self.keys.shape), torch.int64, self.device).fill_(EMPTY_KEY)
+        wide.view(-1)[held] = full
         self.keys = wide
+        self.high_words = self.high_words[:0]
+        self.high_of = None
         log.info(
-            "cache of %d slots: a key outside int32's range; keys widened to int64", self.capacity
+            "cache of %d slots: keys with more than %d distinct high 32-bit words; keys "
+            "widened to int64",
+            self.capacity,
+            MAX_HIGH_WORDS,
         )
 
     def _homed_at(self, slots: torch.Tensor) -> torch.Tensor:
@@ -436,7 +532,6 @@ class EmbeddingCache:
             if not new.any():
                 return Placed.none(self.storage)
             keys, values, priority = keys[new], values[new], priority[new].clamp(1, 2**31 - 1)
-            self._widen_for(keys)
             s = set_of(keys, self.num_sets)
             # sort by set, then by priority (descending) inside a set
             order = torch.argsort(s * 2**31 + (2**31 - 1 - priority), stable=True)
@@ -466,12 +561,11 @@ class EmbeddingCache:
             self.stats.overflowed += int(keys.numel() - int(ok.sum()))
             tgt = (sets[inv_f] * self.ways + way)[ok]
             src = src[ok]
-            flat_keys = self.keys.view(-1)
             self.stats.evicted += int((~was_empty[ok]).sum())
             back = self._homed_at(tgt)  # homed rows evicted: they go back to the home
-            evicted_keys = flat_keys[tgt][back].to(torch.int64)
+            evicted_keys = self.keys_of(tgt[back])
             evicted_rows = self.storage[tgt[back]]  # copies
-            flat_keys[tgt] = keys[src].to(self.keys.dtype)
+            self._write_keys(tgt, keys[src])
             self.tags.view(-1)[tgt] = tag_of(keys[src])
             self.storage[tgt] = values[src]
             self.counters.view(-1)[tgt] = incoming[ok]
@@ -586,8 +680,7 @@ class EmbeddingCache:
     def cached_keys(self) -> torch.Tensor:
         """Every cached key, ``(k,) int64``."""
         with self._lock:
-            k = self.keys.view(-1)
-            return k[self.tags.view(-1) != 0].to(torch.int64)
+            return self.keys_of(torch.nonzero(self.tags.view(-1) != 0).squeeze(1))
 
     def next_refresh_keys(self, fraction: float) -> torch.Tensor:
         """The cached keys of the next ``fraction`` of slots (round robin over calls)."""
@@ -596,16 +689,15 @@ class EmbeddingCache:
             start = self._refresh_cursor
             idx = torch.arange(start, start + n, device=self.device) % self.capacity
             self._refresh_cursor = (start + n) % self.capacity
-            k = self.keys.view(-1)[idx]
-            return k[self.tags.view(-1)[idx] != 0].to(torch.int64)
+            return self.keys_of(idx[self.tags.view(-1)[idx] != 0])
 
     def nbytes(self) -> int:
-        """Host or device bytes this cache holds: rows, keys, counters, tags and homed bits
-        (per slot: the row + 6.125 with int32 keys, + 10.125 with int64 keys)."""
-        return sum(
-            t.numel() * t.element_size()
-            for t in (self.storage, self.keys, self.counters, self.tags, self.homed_bits)
-        )
+        """Host or device bytes this cache holds: rows, keys, counters, tags, homed bits and
+        high words (per slot: the row + 6.125 with one high word, + 6.625 with up to 16, +
+        10.125 with int64 keys; plus 8 B per high word)."""
+        arrays = [self.storage, self.keys, self.counters, self.tags, self.homed_bits]
+        arrays += [self.high_words] + ([self.high_of] if self.high_of is not None else [])
+        return sum(t.numel() * t.element_size() for t in arrays)
 
     def __len__(self) -> int:
         with self._lock:

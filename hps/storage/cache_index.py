@@ -1,7 +1,11 @@
 """Where a key lives in the embedding cache: its set (the high 32 bits of splitmix64 scaled to
 the number of sets) and its tag (8 bits the set index does not use, 0 marking an empty slot).
 The compiled fused pass (``hps/csrc``) computes the same two functions; the tests compare them.
-Also the slots' homed bits: one bit per slot, slot ``s`` at bit ``s % 8`` of byte ``s // 8``.
+Also the slots' homed bits: one bit per slot, slot ``s`` at bit ``s % 8`` of byte ``s // 8``,
+and a compact cache's key words: a key is its high 32 bits (one of at most
+``MAX_HIGH_WORDS`` the cache holds) and its low 32 bits; a slot keeps the low word and, once
+the cache holds two high words or more, a nibble naming its high word (slot ``s`` at bits
+``4·(s % 2)`` of byte ``s // 2``).
 """
 
 from __future__ import annotations
@@ -10,10 +14,16 @@ import torch
 
 __all__ = [
     "EMPTY_KEY",
+    "MAX_HIGH_WORDS",
+    "high_word",
     "homed_at",
+    "join_words",
+    "low_word",
     "mix64_int",
     "mix_keys",
+    "nibble_at",
     "set_homed",
+    "set_nibbles",
     "set_of",
     "tag_of",
 ]
@@ -89,3 +99,42 @@ def set_homed(bits: torch.Tensor, slots: torch.Tensor, value: bool) -> None:
         bits[byte] |= m
     else:
         bits[byte] &= ~m
+
+
+MAX_HIGH_WORDS = 16  # distinct high words a compact cache's keys may have: a nibble per slot
+
+
+def high_word(keys: torch.Tensor) -> torch.Tensor:
+    """``(n,) int64`` keys → ``(n,) int64`` high words, ``key >> 32`` (arithmetic: in
+    ``[-2**31, 2**31)``); ``key == (high << 32) | (low 32 bits)``."""
+    return keys >> 32
+
+
+def low_word(keys: torch.Tensor) -> torch.Tensor:
+    """``(n,) int64`` keys → ``(n,) int32``: their low 32 bits (as a signed int32)."""
+    return keys.to(torch.int32)
+
+
+def join_words(high: torch.Tensor, low: torch.Tensor) -> torch.Tensor:
+    """``high (n,) int64``, ``low (n,) int32`` → ``(n,) int64`` keys."""
+    return (high << 32) | (low.to(torch.int64) & 0xFFFFFFFF)
+
+
+def nibble_at(nibbles: torch.Tensor, slots: torch.Tensor) -> torch.Tensor:
+    """``nibbles (ceil(capacity / 2),) uint8``, ``slots`` int64 (any shape) → int64 of the same
+    shape: slot ``s``'s 4 bits, bits ``4·(s % 2)`` up of byte ``s // 2``."""
+    return ((nibbles[slots >> 1].to(torch.int64) >> ((slots & 1) * 4)) & 0xF).to(torch.int64)
+
+
+def set_nibbles(nibbles: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Write ``values (n,) int64`` in ``[0, 16)`` into the nibbles of ``slots (n,) int64``
+    (unique) in place."""
+    if slots.numel() == 0:
+        return
+    byte, where = torch.unique(slots >> 1, return_inverse=True)
+    shift = (slots & 1) * 4
+    # distinct nibbles of distinct slots: their sum in a byte is their OR
+    clear = torch.zeros(byte.numel(), dtype=torch.int64, device=nibbles.device)
+    clear.index_add_(0, where, torch.full_like(slots, 0xF) << shift)
+    put = torch.zeros_like(clear).index_add_(0, where, values << shift)
+    nibbles[byte] = ((nibbles[byte].to(torch.int64) & ~clear) | put).to(torch.uint8)

@@ -11,12 +11,13 @@ pool is the same in all three::
                 per key in [0, bound), S = 2**32 - 1 for "absent"; one array shared by the
                 table's partitions (each reads and writes only its own keys' entries)
                 lookup = index[q]                                4 B × bound for the table
-    SORTED_U32  keys  = [3, 7, 42]  sorted (m,) uint32              lookup = searchsorted
-                slots = [1, 0, 2]   (m,) int32                      8 B per row
-    SORTED_I64  keys  = [3, 7, 42]  sorted (m,) int64               any int64 key
-                slots = [1, 0, 2]   (m,) int32                      12 B per row
+    SORTED_U32  keys  = [3, 7, 42]  sorted (m,) uint32, key i's row in slot i: 4 B per row
+                (the rows in key order: rows = [[3], [7], [42], <free>])  lookup = searchsorted
+    SORTED_I64  the same with int64 keys: 4 B per row while they have at most 64 high
+                words (runs of uint32 low words), else 8 B per row
+                (keys inserted since the last merge: a side part, :mod:`hps.storage.sorted_index`)
 
-    rows  = [[row of 7], [row of 3], [row of 42], <free>]  (capacity, row_bytes) uint8
+    rows  = [[row of 7], [row of 3], [row of 42], <free>]  (capacity, row_bytes) uint8 (DIRECT)
     free  = [3]                     free slots, a stack, (f,) int32
     uses  = [ 5, 1, 2, -]           reads per slot               (evict_least_used only)
     stamp = [90, 12, 40, -]         clock of the last read/write (evict_oldest only)
@@ -27,11 +28,11 @@ compactions) by scanning the whole index, O(bound). A partition that evicts (an 
 margin reached) pays that scan once: it then keeps ``owner`` (uint32, 4 B per slot), the key each
 slot holds, and enumerates its keys from its own slots, O(capacity).
 
-A sorted partition keeps uint32 keys while every key it holds is in ``[0, 2**32)`` and widens
-them to int64 (itself alone) when a key outside arrives. Every layout enumerates its keys in
+A sorted partition keeps uint32 keys while every key it holds is in ``[0, 2**32)``
+(:class:`~hps.storage.sorted_index.SortedIndex`). Every layout enumerates its keys in
 ascending order (:meth:`Partition.live`), assigns new keys slots in ascending key order and
-frees slots in the order asked, so the slots, the pool and the rows each eviction picks are
-the same in every layout: only the index differs.
+frees slots in the order asked, so the rows each eviction picks are the same in every layout;
+where a row sits differs (a sorted index merges its rows into key order).
 
 The pool grows by a quarter (at least 64 slots) when it is full and is compacted (live rows
 copied to the front in key order, ``capacity = live × 9/8``) when more than half of the live
@@ -48,10 +49,10 @@ from enum import StrEnum
 
 import numpy as np
 
+from hps.storage.sorted_index import KEY_LIMIT, SortedIndex
 from hps.types import mix64
 
 ABSENT = np.uint32(2**32 - 1)  # a direct index's entry for a key the map does not hold
-KEY_LIMIT = 2**32  # uint32 keys are below this
 DIRECT_LIMIT = KEY_LIMIT - 1  # a direct index's keys are below this (ABSENT is no key)
 _MIN_GROWTH = 64  # slots a pool grows by at least (and the slack a compaction leaves alone)
 
@@ -106,8 +107,8 @@ class Partition:
         self.index, self.num_partitions = index, num_partitions
         self.direct: np.ndarray | None = None  # the table's (bound,) uint32 index when DIRECT
         self.n_direct = 0  # keys held through the direct index
-        self.keys = np.zeros(0, key_dtype)  # sorted; empty while DIRECT
-        self.slots = np.zeros(0, np.int32)  # a partition holds < 2**31 rows
+        #: the sorted index (empty while DIRECT), :mod:`hps.storage.sorted_index`
+        self.sorted_index = SortedIndex(compact=key_dtype == np.uint32)
         self.rows = np.zeros((0, row_bytes), np.uint8)
         self.uses = np.zeros(0, np.int64) if uses else None
         self.stamp = np.zeros(0, np.int64) if stamps else None
@@ -117,7 +118,7 @@ class Partition:
     @property
     def size(self) -> int:
         """Keys this partition holds."""
-        return self.n_direct if self.direct is not None else int(self.keys.size)
+        return self.n_direct if self.direct is not None else self.sorted_index.size
 
     def find(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``q (k,) int64`` → ``(found (k,) bool, slot of each found key (f,) int64)``."""
@@ -131,17 +132,7 @@ class Partition:
                 s[inside] = d[q[inside]]
             found = s != ABSENT
             return found, s[found].astype(np.int64)
-        m = self.keys.size
-        if m == 0:
-            return np.zeros(q.size, bool), np.zeros(0, np.int64)
-        if self.keys.dtype == np.uint32:  # compare as uint32: never widen the whole index
-            qq = q.astype(np.uint32)  # keys outside [0, 2**32) wrap: dropped below
-            pos = np.minimum(np.searchsorted(self.keys, qq), m - 1)
-            found = (self.keys[pos] == qq) & (q >= 0) & (q < KEY_LIMIT)
-        else:
-            pos = np.minimum(np.searchsorted(self.keys, q), m - 1)
-            found = self.keys[pos] == q
-        return found, self.slots[pos[found]].astype(np.int64)
+        return self.sorted_index.find(q)
 
     def live(self) -> tuple[np.ndarray, np.ndarray]:
         """``(keys (m,) ascending, their slots (m,))`` of every key held: the sorted index's
@@ -149,7 +140,7 @@ class Partition:
         scan of the index (O(bound), for compactions only)."""
         d = self.direct
         if d is None:
-            return self.keys, self.slots
+            return self.sorted_index.live()
         o = self.owner
         if o is not None:
             slots = np.flatnonzero(o != ABSENT)
@@ -160,6 +151,13 @@ class Partition:
         if self.num_partitions > 1:
             k = k[partition_of(k, self.num_partitions) == self.index]
         return k, d[k].astype(np.int64)
+
+    def to_sorted(self, keys: np.ndarray, slots: np.ndarray) -> None:
+        """Leave the direct index for a sorted one over ``keys (m,) int64`` ascending in
+        ``slots (m,) int64`` (:meth:`live`'s answer): the rows are copied into key order, so
+        that the index is the keys alone (:mod:`hps.storage.sorted_index`)."""
+        self.direct, self.n_direct, self.owner = None, 0, None
+        self._compact(self.rows.shape[0], (keys, slots))
 
     def keep_owner(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Keep :attr:`owner` from now on (DIRECT), from :meth:`live`'s answer ``keys``,
@@ -177,18 +175,9 @@ class Partition:
             if self.owner is not None:
                 self.owner[ns] = nk
             return
-        if self.keys.dtype == np.uint32 and nk.size and (nk[0] < 0 or nk[-1] >= KEY_LIMIT):
-            self.keys = self.keys.astype(np.int64)
-        kk = nk.astype(self.keys.dtype)
-        pos = np.searchsorted(self.keys, kk)
-        self.keys = np.insert(self.keys, pos, kk)
-        self.slots = np.insert(self.slots, pos, ns)
-
-    def narrow(self) -> None:
-        """Store sorted int64 keys as uint32 when every one is in ``[0, 2**32)``."""
-        k = self.keys
-        if k.dtype == np.int64 and (k.size == 0 or (k[0] >= 0 and k[-1] < KEY_LIMIT)):
-            self.keys = k.astype(np.uint32)
+        self.sorted_index.add(nk, ns)
+        if self.sorted_index.needs_merge():
+            self._compact(self.rows.shape[0])
 
     def touch(self, slots: np.ndarray, now: int, read: bool) -> None:
         """Count a read (``uses``) and stamp ``now`` (``stamp``) where the policy keeps them."""
@@ -218,7 +207,7 @@ class Partition:
             self.free = np.concatenate(
                 [np.arange(new_cap - 1, cap - 1, -1, dtype=np.int32), self.free]
             )
-        out = self.free[self.free.size - n :]
+        out = self.free[self.free.size - n :][::-1].copy()  # lowest first: an ascending run
         self.free = self.free[: self.free.size - n]
         return out
 
@@ -231,10 +220,9 @@ class Partition:
             keys, slots = live if live is not None else self.live()
             self._drop_direct(keys[pos], slots[pos])
             return
-        self.free = np.concatenate([self.free, self.slots[pos]])
-        keep = np.ones(self.keys.size, bool)
-        keep[pos] = False
-        self.keys, self.slots = self.keys[keep], self.slots[keep]
+        keys, slots = live if live is not None else self.live()
+        self.sorted_index.remove(keys[pos], slots[pos])
+        self.free = np.concatenate([self.free, slots[pos].astype(np.int32)])
         self._maybe_compact()
 
     def remove_keys(self, keys: np.ndarray) -> None:
@@ -242,7 +230,10 @@ class Partition:
         if self.direct is not None:
             self._drop_direct(keys, self.direct[keys].astype(np.int64))
             return
-        self.remove_positions(np.searchsorted(self.keys, keys.astype(self.keys.dtype)))
+        _, slots = self.sorted_index.find(keys)
+        self.sorted_index.remove(keys, slots)
+        self.free = np.concatenate([self.free, slots.astype(np.int32)])
+        self._maybe_compact()
 
     def _drop_direct(self, keys: np.ndarray, slots: np.ndarray) -> None:
         assert self.direct is not None  # the caller's layout
@@ -263,6 +254,8 @@ class Partition:
         live = self.size
         if self.free.size > max(_MIN_GROWTH, live // 2):
             self._compact(live + live // 8)
+        elif self.direct is None and self.sorted_index.needs_merge():
+            self._compact(self.rows.shape[0])
 
     def _compact(self, capacity: int, held: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Copy the live rows to slots ``0..live-1`` (key order) of a pool of ``capacity``."""
@@ -283,12 +276,12 @@ class Partition:
                 self.owner = np.full(capacity, ABSENT, np.uint32)
                 self.owner[:live] = keys
         else:
-            self.slots = np.arange(live, dtype=np.int32)
+            self.sorted_index.reset(keys)
         self.free = np.arange(capacity - 1, live - 1, -1, dtype=np.int32)
 
     def nbytes(self) -> int:
         """Bytes of the pool, its free list, use counts or stamps, slot owners, and the sorted
         index (a direct index is the table's: :meth:`HashMapBackend.nbytes` counts it once)."""
-        arrays: list[np.ndarray] = [self.rows, self.free, self.keys, self.slots]
+        arrays: list[np.ndarray] = [self.rows, self.free]
         arrays += [a for a in (self.uses, self.stamp, self.owner) if a is not None]
-        return sum(int(a.nbytes) for a in arrays)
+        return sum(int(a.nbytes) for a in arrays) + self.sorted_index.nbytes()

@@ -8,14 +8,16 @@ INT4 at dim 128; ``lookup`` dequantizes, ``insert`` quantizes, ``lookup_rows`` /
 ``insert_rows`` move the bytes as they are.
 
 The key index of a table is laid out by the density of its keys (:class:`KeyLayout`), chosen
-after every write, so that the index costs at most what the sorted one would (12 B per row)
+after every write, so that the index costs at most what the sorted one would (8 B per row)
 and 4 B per row for an identity vocabulary (keys ``0..n-1``, as exports write them)::
 
     keys in [0, 2**32 - 1) (2**32 - 1 marks "absent"), n held, max key b - 1:
         2·n ≥ b      → DIRECT      (b,) uint32 slot per key, shared by the partitions: 4·b B
-        3·n < b      → SORTED_U32  sorted uint32 keys + int32 slots: 8 B per row
+        3·n < b      → SORTED_U32  sorted uint32 keys, rows in key order: 4 B per row
         (in between, the layout it has stays: a table does not flap between the two)
-    a key < 0 or ≥ 2**32 → SORTED_I64 in the partitions holding one: 12 B per row
+    a key < 0 or ≥ 2**32 → SORTED_I64 in the partitions holding one: 4 B per row for keys of
+        at most 64 high 32-bit words a partition, else 8 B per row
+    (sorted layouts: + 12 B per key inserted since the last merge, :mod:`hps.storage.sorted_index`)
 
 A direct index takes an insert of keys past its bound by growing to the largest key + 1 (at
 least an eighth larger: appended keys cost O(1) amortised) while the table stays above the
@@ -24,8 +26,9 @@ too sparse). A lookup of any int64 key is answered in every layout (keys outside
 are not found); it costs O(batch) with a direct index and O(batch · log rows) with a sorted
 one. A switch builds the new index under the table's write lock (O(bound), about 20 B per
 row transiently, less than a pool's growth; lookups go on meanwhile) and swaps it in under
-every partition lock of the table; ``compact_keys=False`` keeps the sorted
-int64 layout always (the reference the others are tested against).
+every partition lock of the table (a switch to a sorted index also copies each partition's rows
+into key order); ``compact_keys=False`` keeps the sorted int64 layout always (the reference
+the others are tested against).
 :meth:`HashMapBackend.mark_loaded` (the end of a load) compacts the table's pools to the rows
 they hold: loads in chunks leave no slack.
 
@@ -122,7 +125,7 @@ class HashMapBackend(StorageBackend):
         overflow_resolution_target: fraction of ``overflow_margin`` kept after an eviction.
         seed: seeds ``evict_random``.
         compact_keys: lay each table's key index out by its keys' density (the module
-            docstring); ``False`` keeps sorted int64 keys + int32 slots (12 B per row) always.
+            docstring); ``False`` keeps sorted int64 keys (8 B per row) always.
     """
 
     name = "hash_map"
@@ -192,7 +195,7 @@ class HashMapBackend(StorageBackend):
         with t.write_lock:
             if t.direct is not None:
                 return KeyLayout.DIRECT
-            wide = any(p.keys.dtype == np.int64 for p in t.parts)
+            wide = any(p.sorted_index.wide for p in t.parts)
             return KeyLayout.SORTED_I64 if wide else KeyLayout.SORTED_U32
 
     def _table(self, table: str) -> _Table:
@@ -440,30 +443,30 @@ class HashMapBackend(StorageBackend):
             if 3 * live < t.direct.size:
                 self._to_sorted(t)
             return
-        held = [p for p in t.parts if p.keys.size]
-        if held:
-            lo = min(int(p.keys[0]) for p in held)
-            hi = max(int(p.keys[-1]) for p in held)
+        spans = [e for e in (p.sorted_index.extent() for p in t.parts) if e is not None]
+        if spans:
+            lo = min(e[0] for e in spans)
+            hi = max(e[1] for e in spans)
             if lo >= 0 and hi < DIRECT_LIMIT and 2 * live >= hi + 1:
                 self._to_direct(t, hi + 1)
                 return
         for p in t.parts:
-            if p.keys.dtype == np.int64:
+            if p.sorted_index.keys.dtype == np.int64:
                 with p.lock:
-                    p.narrow()
+                    p.sorted_index.narrow()
 
     def _to_direct(self, t: _Table, bound: int) -> None:
         """Switch to a direct index over ``[0, bound)``: built outside the partition locks
         (``t.write_lock``, held, keeps the sorted indices as they are), swapped under them."""
         d = np.full(bound, ABSENT, np.uint32)
         for part in t.parts:
-            d[part.keys] = part.slots
+            k, slots = part.live()
+            d[k] = slots
         with t.all_partitions():
             for part in t.parts:
-                part.n_direct = int(part.keys.size)
+                part.n_direct = part.size
                 part.direct = d
-                part.keys = np.zeros(0, np.uint32)
-                part.slots = np.zeros(0, np.int32)
+                part.sorted_index.clear()
             t.direct = d
         log.debug("volatile db: a table's key index is direct over [0, %d)", bound)
 
@@ -473,9 +476,7 @@ class HashMapBackend(StorageBackend):
         held = self._direct_live(t)
         with t.all_partitions():
             for p, part in enumerate(t.parts):
-                k, slots = held[p]
-                part.keys, part.slots = k.astype(np.uint32), slots.astype(np.int32)
-                part.direct, part.n_direct, part.owner = None, 0, None
+                part.to_sorted(*held[p])
             t.direct = None
         log.debug("volatile db: a table's key index is sorted (%d keys)", self._live(t))
 

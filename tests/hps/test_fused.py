@@ -379,3 +379,49 @@ def test_threaded_pass_equals_reference(policy: CachePolicy) -> None:
             assert int(caches[0].counters.max()) > 18
     finally:
         torch.set_num_threads(threads)
+
+
+def _keys_of(spread: str, n: int) -> np.ndarray:
+    """``n`` distinct keys: one high word far from 0, five high words (the cache keeps a
+    nibble per slot), or 64-bit hashes (more than 16 words: int64 keys)."""
+    i = np.arange(n, dtype=np.int64)
+    if spread == "one_word":
+        return i * 3 + 5 * 2**40
+    if spread == "words":
+        return ((i % 5 - 2) << 32) | (i * 7)
+    return np.unique(np.random.default_rng(0).integers(-(2**63) + 1, 2**63 - 1, size=n))[:n]
+
+
+@pytest.mark.parametrize("spread", ["one_word", "words", "wide"])
+def test_compiled_pass_reads_high_words_like_the_reference(spread: str) -> None:
+    """Keys outside int32's range: the compiled probe matches low word, nibble and high word
+    (or whole int64 keys) exactly as the reference; a key sharing a cached key's low word but
+    not its high word misses."""
+    _needs_ext()
+    n, d = 600, 4
+    keys = _keys_of(spread, n)
+    sessions = []
+    for compiled in (True, False):
+        v = HashMapBackend(num_partitions=2)
+        v.create_table("t", d)
+        v.insert("t", keys, _rows(n, d))
+        cache = EmbeddingCache(n // 3, d, policy="lfu", ways=8)
+        t = SessionTable("t", d, DEFAULT, 10**6, cache)
+        sessions.append(LookupSession([t], v, None, hit_rate_threshold=1.0, compiled=compiled))
+    a, b = sessions
+    g = torch.Generator().manual_seed(3)
+    for _ in range(4):
+        pick = torch.from_numpy(keys)[torch.randint(0, n, (64,), generator=g)]
+        q = torch.cat([pick, pick[:8] ^ (1 << 40), pick[8:16] + 2**32]).view(8, -1)
+        x, y = a.lookup_many(["t"], [q])[0], b.lookup_many(["t"], [q])[0]
+        assert torch.equal(x, y)
+        ca, cb = a.tables["t"].cache, b.tables["t"].cache
+        assert ca is not None and cb is not None
+        assert torch.equal(ca.keys, cb.keys) and torch.equal(ca.counters, cb.counters)
+        assert ca.stats == cb.stats
+    assert ca.stats.hits > 0
+    want = {"one_word": (torch.int32, False), "words": (torch.int32, True)}
+    dtype, nibbles = want.get(spread, (torch.int64, False))
+    assert ca.keys.dtype == dtype and (ca.high_of is not None) == nibbles
+    held = ca.cached_keys().numpy()
+    assert np.isin(held, keys).all() and held.size == len(ca)

@@ -1,5 +1,5 @@
-"""The embedding cache's per-slot bytes (int32 keys widened on demand, one counter byte, one
-tag byte, one homed bit) and the one-byte counter (hps.storage.slot_counter)."""
+"""The embedding cache's per-slot bytes (int32 low words with a nibble naming the high word,
+widened to int64 on demand, one counter byte, one tag byte, one homed bit) and the one-byte counter (hps.storage.slot_counter)."""
 
 from __future__ import annotations
 
@@ -44,21 +44,55 @@ def test_bytes_per_slot_are_the_row_plus_the_pinned_metadata(
         assert per_slot <= 1.1 * FBGEMM_ROW[dtype]
 
 
-def test_keys_widen_to_int64_the_first_time_one_needs_it() -> None:
-    c = EmbeddingCache(64, 2, ways=8)
+def test_keys_keep_a_nibble_per_slot_for_up_to_16_high_words_then_widen() -> None:
+    """One high word: int32 low words, + 8 B for the word; several: + a nibble per slot
+    (slot metadata 6.625 B: INT4 rows stay within 1.1× FBGEMM's 68 B); a key sharing a cached
+    key's low word but not its high word is not cached; a 17th word reuses a word no key has
+    any more, and only 17 words in use widen the keys to int64 (+ 8 B per slot)."""
+    cap = 64
+    c = EmbeddingCache(cap, 2, ways=8)
+    base = c.nbytes()
+    assert base == cap * (4 * 2 + 4 + 2) + cap // 8 and c.high_words.numel() == 0
     small = torch.arange(10)
     c.insert(small, small[:, None].float().expand(10, 2))
-    assert c.keys.dtype == torch.int32 and int(c.keys.view(-1)[c.tags.view(-1) == 0][0]) == -1
-    assert not bool(c.contains(torch.tensor([-1]))[0])  # -1 is an empty slot's key, not cached
-    assert not bool(c.contains(torch.tensor([2**32 + 3]))[0])  # int32 cannot hold it
-    before = c.nbytes()
-    big = torch.tensor([-1, 2**31, -(2**62)])
-    assert c.insert(big, torch.ones(3, 2)) == 3
-    assert c.keys.dtype == torch.int64 and c.nbytes() == before + 4 * 64
-    assert int(c.keys.view(-1)[c.tags.view(-1) == 0][0]) == EMPTY_KEY
+    assert c.keys.dtype == torch.int32 and c.high_of is None and c.nbytes() == base + 8
+    assert int(c.keys.view(-1)[c.tags.view(-1) == 0][0]) == -1
+    assert not bool(c.contains(torch.tensor([-1]))[0])  # -1 is an empty slot's word, no key
+    assert not c.contains(small + 2**32).any()  # the same low words, another high word
+    big = torch.tensor([-1, 2**31, -(2**62), 2**32 + 3])  # high words -1, 0, -2**30, 1
+    assert c.insert(big, torch.ones(4, 2)) == 4
+    assert c.keys.dtype == torch.int32 and c.high_words.tolist() == [0, -(2**30), -1, 1]
+    assert c.nbytes() == base + cap // 2 + 8 * 4
+    assert not c.contains(torch.tensor([2**32 - 1, 3 + 2**33, 2**32]))[:2].any()
     got, hit = c.query(torch.cat([small, big]))
     assert hit.all() and torch.equal(got[:10, 0], small.float()) and bool((got[10:] == 1).all())
     assert sorted(c.cached_keys().tolist()) == sorted([*small.tolist(), *big.tolist()])
+    c.invalidate(big[2:3])  # -2**62: its high word is in use by no key now
+    more = torch.arange(13) * 2**32 + 2**40  # 13 new words: 16 in use, one reused
+    assert c.insert(more, torch.full((13, 2), 2.0)) == 13
+    assert c.keys.dtype == torch.int32 and c.high_words.numel() == 16
+    assert -(2**30) not in c.high_words.tolist()
+    assert c.contains(torch.cat([small, big[[0, 1, 3]], more])).all()
+    assert c.insert(torch.tensor([7 * 2**50]), torch.zeros(1, 2)) == 1  # a 17th word in use
+    assert c.keys.dtype == torch.int64 and c.high_of is None
+    assert c.nbytes() == cap * (4 * 2 + 8 + 2) + cap // 8
+    assert int(c.keys.view(-1)[c.tags.view(-1) == 0][0]) == EMPTY_KEY
+    want = [*small.tolist(), *big[[0, 1, 3]].tolist(), *more.tolist(), 7 * 2**50]
+    assert sorted(c.cached_keys().tolist()) == sorted(want)
+    assert c.contains(torch.tensor(want)).all()
+
+
+@pytest.mark.parametrize("dtype", list(FBGEMM_ROW))
+def test_int64_keys_of_a_few_high_words_stay_within_1_1x_fbgemm(dtype: RowDtype) -> None:
+    """Keys past 2**32 and negative keys in 3 high words: 4 B low word + 1/2 B nibble +
+    counter + tag + homed bit, + 8 B per word for the cache."""
+    cap = 256
+    c = EmbeddingCache(cap, DIM, ways=64, row_format=dtype)
+    k = torch.cat([torch.arange(50) - 25, torch.arange(50) + 2**40])
+    c.insert(k, torch.zeros(k.numel(), DIM))
+    assert c.high_words.numel() == 3 and c.keys.dtype == torch.int32
+    assert c.nbytes() == cap * (FBGEMM_ROW[dtype] + 4 + 2) + cap // 8 + cap // 2 + 3 * 8
+    assert c.nbytes() / cap <= 1.1 * FBGEMM_ROW[dtype] + 24 / cap
 
 
 def test_homed_bits_are_one_bit_per_slot() -> None:

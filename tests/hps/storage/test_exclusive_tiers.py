@@ -58,20 +58,25 @@ def test_every_row_resident_holds_each_row_once_in_at_most_589_bytes() -> None:
     _check_held_once(v, c, keys)
     assert len(c) > 0.9 * n and v.stored_rows("t") == n - len(c)
     row = 4 * dim
-    # per slot: the row, its int32 key, counter and tag (one byte each), homed bit (1/8 byte)
-    assert c.keys.dtype == torch.int32
-    assert c.nbytes() == c.capacity * (row + 4 + 1 + 1) + c.capacity // 8
+    # per slot: the row, its int32 low word, counter and tag (one byte each), homed bit (1/8
+    # byte); the keys' one high word: 8 B
+    assert c.keys.dtype == torch.int32 and c.high_words.tolist() == [0]
+    assert c.nbytes() == c.capacity * (row + 4 + 1 + 1) + c.capacity // 8 + 8
     parts = v._table("t").parts
-    # per partition: slots (rows + an int32 free-list entry when free), and per row its key and
-    # int32 slot index: the few rows left under a tenth of the key range keep a sorted index
+    # per partition: slots (rows + an int32 free-list entry when free), and the sorted index
+    # of the few rows left under a tenth of the key range: 4 B per main key (its row in the
+    # slot of its rank), 1 B per main key once one was taken, 8 + 4 B per side key
     assert v.key_layout("t") is KeyLayout.SORTED_U32
-    expect = sum(
-        p.rows.shape[0] * row + (p.rows.shape[0] - p.keys.size) * 4 + p.keys.size * (4 + 4)
-        for p in parts
-    )
+    expect = 0
+    for p in parts:
+        ix = p.sorted_index
+        dead = 0 if ix.dead is None else ix.dead.size
+        expect += p.rows.shape[0] * row + p.free.size * 4 + ix.keys.size * 4 + dead
+        expect += ix.side_keys.size * 12
+        assert p.free.size == p.rows.shape[0] - p.size
     assert v.nbytes("t") == expect
     for p in parts:  # the slack a compaction leaves: under half the live rows (or 64 slots)
-        assert p.rows.shape[0] - p.keys.size <= max(64, p.keys.size // 2)
+        assert p.rows.shape[0] - p.size <= max(64, p.size // 2)
     per_row = (c.nbytes() + v.nbytes("t")) / n
     assert per_row <= 1.15 * row, per_row
     got = s.lookup("t", torch.from_numpy(keys))

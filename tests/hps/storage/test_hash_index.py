@@ -58,16 +58,17 @@ def test_layout_follows_the_density_of_the_keys(keys: np.ndarray, layout: KeyLay
 @pytest.mark.parametrize("dtype", list(FBGEMM_ROW), ids=lambda d: d.value)
 def test_bytes_per_row_exactly_for_each_layout_and_format(dtype: RowDtype) -> None:
     """One load into 4 partitions of 1024+ rows each: pools exactly full, so the bytes are
-    the rows plus the index: 4 B per key of the range (direct), 8 B (uint32 keys + slots),
-    12 B (int64 keys + slots, and the reference layout); direct is within 1.1× FBGEMM's row."""
+    the rows plus the index: 4 B per key of the range (direct), 4 B (sorted uint32 keys, the
+    rows in key order; int64 keys of a few high words, as runs), 8 B (int64 keys of many high
+    words, and the reference layout); the 4 B layouts are within 1.1× FBGEMM's row."""
     rb = row_bytes(dtype, DIM)
     assert rb == FBGEMM_ROW[dtype]
     n = 4096
     cases = [
         (np.arange(n), {}, KeyLayout.DIRECT, 4),
-        (np.arange(n) * 5, {}, KeyLayout.SORTED_U32, 8),
-        (np.arange(n) * 2**33, {}, KeyLayout.SORTED_I64, 12),
-        (np.arange(n), {"compact_keys": False}, KeyLayout.SORTED_I64, 12),
+        (np.arange(n) * 5, {}, KeyLayout.SORTED_U32, 4),
+        (np.arange(n) * 2**33, {}, KeyLayout.SORTED_I64, 8),
+        (np.arange(n), {"compact_keys": False}, KeyLayout.SORTED_I64, 8),
     ]
     for keys, kw, layout, index_bytes in cases:
         v = _map(dtype, num_partitions=4, **kw)
@@ -75,19 +76,29 @@ def test_bytes_per_row_exactly_for_each_layout_and_format(dtype: RowDtype) -> No
         assert v.key_layout("t") is layout
         assert all(p.rows.shape[0] == p.size for p in v._table("t").parts)  # no slack
         assert v.nbytes("t") == n * (rb + index_bytes), (layout, kw)
-    direct = rb + 4
-    assert direct <= 1.1 * FBGEMM_ROW[dtype], direct
+    # int64 keys of a few high words: runs of low words, + 8 B per run's word and per start
+    # (one more start per partition): 2 runs (negative keys and 0..) and 1 run (past 2**32)
+    for keys, runs in ((np.arange(n) - n // 2, 2), (np.arange(n) * 5 + 2**40, 1)):
+        v = _map(dtype, num_partitions=4)
+        v.insert_rows("t", keys.astype(np.int64), _rows(n, rb, 1))
+        assert v.key_layout("t") is KeyLayout.SORTED_I64
+        assert v.nbytes("t") == n * (rb + 4) + 4 * (8 * runs + 8 * (runs + 1)), runs
+        got, found = v.lookup_rows("t", keys.astype(np.int64))
+        assert found.all() and np.array_equal(got, _rows(n, rb, 1))
+        assert not v.lookup_rows("t", keys.astype(np.int64) + 2**36)[1].any()
+    compact = rb + 4
+    assert compact <= 1.1 * FBGEMM_ROW[dtype], compact
 
 
 def _pools(v: HashMapBackend) -> list[tuple[bytes, ...]]:
-    """Each partition's pool as bytes: its rows, free list, counts and stamps, and the
-    (key, slot) pairs it holds in key order."""
+    """Each partition's content as bytes, key by key in key order: the keys it holds, their
+    rows, counts and stamps (where each row sits in the pool is the layout's own: a sorted
+    index keeps its rows in key order)."""
     out = []
     for p in v._table("t").parts:
         keys, slots = p.live()
-        parts = [p.rows.tobytes(), p.free.tobytes()]
-        parts += [a.tobytes() for a in (p.uses, p.stamp) if a is not None]
-        parts += [keys.astype(np.int64).tobytes(), slots.astype(np.int64).tobytes()]
+        parts = [keys.astype(np.int64).tobytes(), p.rows[slots].tobytes()]
+        parts += [a[slots].tobytes() for a in (p.uses, p.stamp) if a is not None]
         out.append(tuple(parts))
     return out
 
@@ -403,3 +414,45 @@ def test_a_mostly_overwriting_insert_counts_only_its_new_keys_against_the_bound(
     v.insert_rows("t", k, _rows(k.size, rb, 3))
     assert v.key_layout("t") is KeyLayout.SORTED_U32
     assert switched_from == [1000]
+
+
+def test_sparse_inserts_in_random_order_merge_into_keys_alone() -> None:
+    """Sparse uint32 keys (and int64 keys) inserted in random order, in chunks: new keys go to
+    the side part, which merges into the main part (rows in key order) before it outgrows an
+    eighth of it, so the index stays near 4 B (8 B) per row while lookups stay exact; the end
+    of a load leaves the keys alone, exactly."""
+    rb = row_bytes(RowDtype.INT4, DIM)
+    rng = np.random.default_rng(5)
+    for keys, key_bytes in (
+        (np.unique(rng.integers(0, 2**32 - 1, size=6000)), 4),
+        (np.unique(rng.integers(-(2**62), 2**62, size=6000)), 8),
+        (np.unique(rng.integers(-(2**33), 2**33, size=6000)), 4),  # 4 runs a partition
+    ):
+        keys = rng.permutation(keys).astype(np.int64)
+        rows = _rows(keys.size, rb, 3)
+        v = _map(num_partitions=2)
+        for chunk in np.array_split(np.arange(keys.size), 12):
+            v.insert_rows("t", keys[chunk], rows[chunk])
+            for p in v._table("t").parts:
+                ix = p.sorted_index
+                assert ix.side_keys.size <= max(64, ix.keys.size // 8)
+        got, found = v.lookup_rows("t", keys)
+        assert found.all() and np.array_equal(got, rows)
+        v.delete("t", keys[:500])  # deleted main keys are marked (1 B per main key)
+        assert not v.lookup_rows("t", keys[:500])[1].any()
+        v.insert_rows("t", keys[:250], rows[:250])  # back into the freed slots, side part
+        kept = np.r_[0:250, 500 : keys.size]
+        got, found = v.lookup_rows("t", keys[kept])
+        assert found.all() and np.array_equal(got, rows[kept])
+        assert not v.lookup_rows("t", keys[250:500])[1].any()
+        v.mark_loaded("t")
+        n = keys.size - 250
+        runs = sum(
+            0 if p.sorted_index.runs is None else p.sorted_index.runs[0].size
+            for p in v._table("t").parts
+        )
+        run_bytes = 16 * runs + 8 * sum(
+            p.sorted_index.runs is not None for p in v._table("t").parts
+        )
+        assert runs == (8 if key_bytes == 4 and keys.min() < 0 else 0)
+        assert v.nbytes("t") == n * (rb + key_bytes) + run_bytes, key_bytes

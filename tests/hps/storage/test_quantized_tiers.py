@@ -85,10 +85,10 @@ def test_hash_map_and_rocksdb_hold_the_cache_tiers_bytes(tmp_path: Path, dtype: 
         _check_same_rows(backend, "t", cache, keys, q, dtype)
     _refuses_malformed_rows(v, "volatile db", keys, q, dtype)
     _refuses_malformed_rows(pdb, "persistent db", keys, q, dtype)
-    # bytes per stored row: the format's row + the key index (uint32 key, int32 slot: the keys
-    # are spread over 100 k) + slack
+    # bytes per stored row: the format's row + the key index (a uint32 key, its row in the slot
+    # of its rank: the keys are spread over 100 k); one load fills the pools exactly
     assert v.key_layout("t") is KeyLayout.SORTED_U32
-    assert keys.size * (row_bytes(dtype, DIM) + 8) <= v.nbytes("t")
+    assert keys.size * (row_bytes(dtype, DIM) + 4) == v.nbytes("t")
     pdb.close()
     reopened = RocksDBBackend(tmp_path / "pdb")  # the format is recorded with the table
     assert reopened.row_format("t") is dtype

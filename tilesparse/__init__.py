@@ -47,7 +47,7 @@ from tilesparse.format import TWLayout, condense, reference_matmul
 from tilesparse.hf import load_compressed
 from tilesparse.linear import TileSparseLinear
 from tilesparse.memory import LayerMemory, ModelMemory, layer_memory, model_memory
-from tilesparse.obs import sparsegpt
+from tilesparse.obs import sparsegpt, tile_obs
 from tilesparse.oneshot import prune_
 from tilesparse.ops import auto_decision, calibrate_auto, tw_linear
 from tilesparse.patterns import (
@@ -104,6 +104,7 @@ __all__ = [
     "ew_masks",
     "ew_per_output_mask",
     "sparsegpt",
+    "tile_obs",
     "is_tile_wise",
     "layer_memory",
     "load_compressed",

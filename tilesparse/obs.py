@@ -20,11 +20,15 @@ import math
 
 import torch
 
-__all__ = ["OBS_BLOCK", "sparsegpt"]
+__all__ = ["OBS_BLOCK", "OBC_STEPS", "sparsegpt", "tile_obs"]
 
 # Inputs per block whose masks are chosen together (SparseGPT's "lazy batch" and adaptive
 # mask selection block, 128 in the paper).
 OBS_BLOCK = 128
+# Removal steps of :func:`tile_obs` per tile: the rows are removed in this many groups (each
+# group the cheapest rows under the current inverse, one block update), not one at a time;
+# K rank-one updates of a (K, K) inverse per tile cost minutes at K = 1536.
+OBC_STEPS = 32
 
 
 @torch.no_grad()
@@ -34,6 +38,7 @@ def sparsegpt(
     sparsity: float,
     damping: float,
     block: int = OBS_BLOCK,
+    per_output: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An unstructured mask at ``sparsity`` and the kept weights (module docstring).
 
@@ -43,6 +48,9 @@ def sparsegpt(
         sparsity: the fraction of weights pruned, in [0, 1).
         damping: ``λ / mean(diag H)``, > 0.
         block: inputs per mask-selection block.
+        per_output: compare saliencies within each output's part of the block (every output
+            keeps the same share of each block, Wanda's comparison group) instead of over the
+            whole block.
 
     Returns:
         ``(mask_kn, weight_kn)``: ``(K, N) bool`` and the weights in ``weight_kn.dtype``, zero
@@ -71,11 +79,16 @@ def sparsegpt(
         w1 = w[:, i1:i2].clone()
         u1 = u[i1:i2, i1:i2]
         saliency = w1.pow(2) / u1.diagonal().pow(2).unsqueeze(0)
-        drop = round(saliency.numel() * sparsity)
         m1 = torch.ones(w1.shape, dtype=torch.bool)
-        if drop:
-            order = saliency.flatten().argsort(stable=True)[:drop]
-            m1.view(-1)[order] = False
+        if per_output:
+            drop = round(saliency.shape[1] * sparsity)
+            if drop:
+                m1.scatter_(1, saliency.argsort(dim=1, stable=True)[:, :drop], False)
+        else:
+            drop = round(saliency.numel() * sparsity)
+            if drop:
+                order = saliency.flatten().argsort(stable=True)[:drop]
+                m1.view(-1)[order] = False
         err = torch.zeros_like(w1)
         for i in range(i2 - i1):
             kept = w1[:, i] * m1[:, i]
@@ -86,3 +99,84 @@ def sparsegpt(
         mask[:, i1:i2] = m1
         w[:, i2:] -= err @ u[i1:i2, i2:]
     return mask.T.contiguous(), (w * mask).T.to(weight_kn.dtype).contiguous()
+
+
+@torch.no_grad()
+def tile_obs(
+    weight_kn: torch.Tensor,
+    gram: torch.Tensor,
+    sparsity: float,
+    damping: float,
+    tile: int,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """TW rows-only mask and kept weights by structured optimal brain surgeon (OBC's greedy
+    removal, Frantar & Alistarh 2022, applied to row segments): the output columns are cut
+    into tiles of ``tile`` consecutive columns, and inside each tile whole input rows are
+    removed one at a time, always the row whose removal raises the tile's output error least,
+    ``‖W[k, C]‖² / [H⁻¹]_kk``, the tile's remaining rows updated to absorb it::
+
+        W[:, C] -= H⁻¹[:, k] · W[k, C] / [H⁻¹]_kk      H⁻¹ -= H⁻¹[:, k] · H⁻¹[k, :] / [H⁻¹]_kk
+
+    so each tile ends with the damped least-squares weights of the rows it keeps. Every tile
+    keeps ``round(K · (1 - sparsity))`` rows.
+
+    Args:
+        weight_kn: ``(K, N)`` the dense weight.
+        gram: ``(K, K)``, ``Σ Xᵀ·X`` of the layer's calibration inputs.
+        sparsity: the fraction of each tile's rows removed, in [0, 1).
+        damping: ``λ / mean(diag H)``, > 0.
+        tile: ``G``, output columns per tile (> 0; the last tile may be narrower).
+
+    Returns:
+        ``(mask_kn, weight_kn)``: ``(K, N) bool`` (a TW mask with column share 0) and the
+        weights in ``weight_kn.dtype``, zero where the mask is False.
+
+    Raises:
+        ValueError: for mismatched shapes, a sparsity outside [0, 1), a damping <= 0 or a tile
+            <= 0.
+    """
+    k, n = weight_kn.shape
+    if tuple(gram.shape) != (k, k):
+        raise ValueError(f"tile_obs: gram {tuple(gram.shape)} must be (K, K) = ({k}, {k})")
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"tile_obs: sparsity must be in [0, 1), got {sparsity!r}")
+    if not (math.isfinite(damping) and damping > 0):
+        raise ValueError(f"tile_obs: damping must be finite and > 0, got {damping!r}")
+    if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
+        raise ValueError(f"tile_obs: tile must be a positive integer, got {tile!r}")
+    w = weight_kn.detach().double().cpu().clone()
+    h = gram.detach().double().cpu().clone()
+    dead = h.diagonal() <= 0
+    h[dead, dead] = 1.0
+    w[dead] = 0.0
+    h.diagonal().add_(damping * float(h.diagonal().mean()))
+    hinv0 = torch.cholesky_inverse(torch.linalg.cholesky(h))
+    drop = round(k * sparsity)
+    starts = list(range(0, n, tile))
+    hinv = hinv0.unsqueeze(0).repeat(len(starts), 1, 1)  # (T, K, K)
+    ws = [w[:, s : s + tile].clone() for s in starts]
+    alive = torch.ones(len(starts), k, dtype=torch.bool)
+    step = max(1, math.ceil(drop / OBC_STEPS))
+    done = 0
+    while done < drop:
+        c = min(step, drop - done)
+        diag = hinv.diagonal(dim1=1, dim2=2)  # (T, K)
+        energy = torch.stack([x.pow(2).sum(1) for x in ws])  # (T, K)
+        cost = torch.where(alive, energy / diag.clamp_min(1e-300), torch.inf)
+        r = cost.topk(c, dim=1, largest=False).indices  # (T, c)
+        for t, x in enumerate(ws):
+            rt = r[t]
+            cols = hinv[t][:, rt]  # (K, c): H⁻¹[:, R]
+            inv = torch.linalg.inv(cols[rt])  # ([H⁻¹]_RR)⁻¹
+            x -= cols @ (inv @ x[rt])
+            x[rt] = 0.0
+            hinv[t] -= cols @ inv @ cols.T
+            hinv[t][rt, :] = 0.0
+            hinv[t][:, rt] = 0.0
+            alive[t, rt] = False
+        done += c
+    mask = torch.zeros(k, n, dtype=torch.bool)
+    for t, s in enumerate(starts):
+        mask[:, s : s + tile] = alive[t].unsqueeze(1)
+        w[:, s : s + tile] = ws[t] * alive[t].unsqueeze(1)
+    return mask, w.to(weight_kn.dtype).contiguous()

@@ -31,7 +31,6 @@ import copy
 import logging
 import os
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -41,6 +40,21 @@ from torch import nn
 import tilesparse
 from benchmarks.meta import RESULTS_DIR, write_json
 from benchmarks.tilesparse.bench_calibration import evaluate as evaluate_pairs
+from benchmarks.tilesparse.calibration_methods import (
+    TILE,
+    Calib,
+    Masks,
+    dense_target_weight,
+    encode,
+    ffn_layers,
+    grams,
+    layer_inputs,
+    magnitude_prune,
+    neuron_prune,
+    neurons_then_tile_obs,
+    sparsegpt_prune,
+    wanda_prune,
+)
 from recipes.corpora import (
     lee_news_pairs,
     python_reference_sentences,
@@ -50,198 +64,6 @@ from recipes.minilm import load_minilm
 from recipes.prune_transformer import is_ffn
 
 Pairs = list[tuple[str, str]]
-
-
-def _encode(model: Any, sentences: list[str], batch_size: int = 16) -> torch.Tensor:
-    return model.encode(sentences, batch_size=batch_size, convert_to_tensor=True).float().cpu()
-
-
-def _ffn(model: Any) -> list[tuple[str, nn.Linear]]:
-    """The 12 FFN linears in call order (fc1, fc2 of block 0, then block 1, ...)."""
-    return [(f, m) for f, m in model.named_modules() if isinstance(m, nn.Linear) and is_ffn(m, f)]
-
-
-@dataclass
-class Gram:
-    """``Σ [x, 1]ᵀ·[x, 1]`` of one layer's (weighted) input rows: the last row and column hold
-    the sums and the (weighted) count."""
-
-    g: torch.Tensor
-    rows: int = 0
-
-    @property
-    def h(self) -> torch.Tensor:
-        """``(K, K)`` the Gram of the inputs alone."""
-        return self.g[:-1, :-1]
-
-
-@dataclass(frozen=True)
-class Calib:
-    """How the calibration statistics are gathered.
-
-    Attributes:
-        sentences: the calibration text (A).
-        weighting: ``token`` (rows as they are), ``sentence`` (each sentence's rows scaled by
-            ``1/sqrt(tokens)``) or ``norm`` (each row scaled by ``1/‖x_t‖``).
-        padded: encode 64 sentences a call and let padded positions into the Gram (what a
-            hook-only calibration such as ``prune_``'s sees); else only real tokens.
-    """
-
-    sentences: list[str]
-    weighting: str = "token"
-    padded: bool = False
-
-
-def grams(model: Any, modules: list[nn.Linear], calib: Calib, diagonal: bool = False) -> list[Gram]:
-    """Each module's augmented input Gram over the calibration sentences (``diagonal``: only
-    its diagonal, the rest zero — all Wanda needs)."""
-    out = [
-        Gram(torch.zeros(m.in_features + 1, m.in_features + 1, dtype=torch.float64))
-        for m in modules
-    ]
-    ctx: dict[str, torch.Tensor] = {}
-
-    def hook_for(i: int) -> Callable[..., None]:
-        def hook(_m: nn.Module, args: tuple[Any, ...]) -> None:
-            x = args[0].detach().double()
-            b, t, k = x.shape
-            keep = ctx["mask"].bool() if "mask" in ctx else torch.ones(b, t, dtype=torch.bool)
-            x = torch.cat([x, torch.ones(b, t, 1, dtype=x.dtype)], dim=-1)
-            if calib.weighting == "sentence":
-                x = x / keep.sum(1).clamp_min(1).double().sqrt().view(b, 1, 1)
-            elif calib.weighting == "norm":
-                x = x / x[..., :-1].norm(dim=-1, keepdim=True).clamp_min(1e-6)
-            rows = x[keep]
-            if diagonal:
-                out[i].g.diagonal().add_(rows.pow(2).sum(0))
-            else:
-                out[i].g.addmm_(rows.T, rows)
-            out[i].rows += rows.shape[0]
-
-        return hook
-
-    handles = [m.register_forward_pre_hook(hook_for(i)) for i, m in enumerate(modules)]
-    first = model[0]
-    orig = first.forward
-
-    def forward_noting_mask(features: dict[str, torch.Tensor], *a: Any, **kw: Any) -> Any:
-        if not calib.padded:
-            ctx["mask"] = features["attention_mask"]
-        return orig(features, *a, **kw)
-
-    first.forward = forward_noting_mask
-    try:
-        with torch.no_grad():
-            model.encode(calib.sentences, batch_size=64 if calib.padded else 16)
-    finally:
-        del first.forward
-        for hd in handles:
-            hd.remove()
-    return out
-
-
-def _ridge(h: torch.Tensor, damping: float) -> float:
-    d = h.diagonal()
-    return damping * float(d[d > 0].mean())
-
-
-Masks = dict[nn.Linear, torch.Tensor]
-
-
-# -- TW: neuron pairs -------------------------------------------------------------------------
-@torch.no_grad()
-def neuron_prune(
-    fc1: nn.Linear, fc2: nn.Linear, g2: Gram, sparsity: float, damping: float | None
-) -> Masks:
-    """Remove ``fc1``'s output rows and ``fc2``'s input columns of the lowest-energy neurons
-    (``‖h_j‖²·‖W2[:, j]‖²``); with a ``damping``, refit ``fc2``'s kept weights and bias by
-    damped least squares on ``g2`` (fc2's inputs, fc1 dense). In place; returns both masks
-    (torch layout)."""
-    w2 = fc2.weight.detach().double().T  # (N, M)
-    n = w2.shape[0]
-    energy = g2.h.diagonal().clamp_min(0) * w2.pow(2).sum(1)
-    kept = torch.zeros(n, dtype=torch.bool)
-    kept[energy.argsort(descending=True)[: round(n * (1 - sparsity))]] = True
-    fc1.weight[~kept] = 0
-    target = torch.cat([w2, fc2.bias.detach().double().unsqueeze(0)])
-    rows = torch.cat([kept.nonzero().squeeze(1), torch.tensor([n])])
-    if damping is None:
-        sol = target[rows]
-    else:
-        a = g2.g[rows][:, rows].clone()
-        a.diagonal()[:-1] += _ridge(g2.h, damping)
-        sol = torch.linalg.solve(a, g2.g[rows] @ target)
-    w = torch.zeros_like(w2)
-    w[kept] = sol[:-1]
-    fc2.weight.copy_(w.T.float())
-    fc2.bias.copy_(sol[-1].float())
-    return {
-        fc1: kept.unsqueeze(1).expand_as(fc1.weight).clone(),
-        fc2: kept.unsqueeze(0).expand_as(fc2.weight).clone(),
-    }
-
-
-# -- EW ---------------------------------------------------------------------------------------
-@torch.no_grad()
-def wanda_prune(layer: nn.Linear, g: Gram, sparsity: float) -> torch.Tensor:
-    """Wanda (Sun et al. 2023): ``|w|·‖x‖`` compared within each output; no refit."""
-    w = layer.weight.detach()
-    score = w.abs() * g.h.diagonal().clamp_min(0).sqrt().float().unsqueeze(0)
-    k = w.shape[1]
-    drop = score.argsort(dim=1)[:, : round(k * sparsity)]
-    mask = torch.ones_like(w, dtype=torch.bool).scatter_(1, drop, False)
-    layer.weight.mul_(mask)
-    return mask
-
-
-@torch.no_grad()
-def magnitude_prune(layer: nn.Linear, sparsity: float) -> torch.Tensor:
-    """``|w|`` over the whole layer, no refit."""
-    w = layer.weight.detach()
-    thr = w.abs().flatten().kthvalue(max(1, round(w.numel() * sparsity))).values
-    mask = w.abs() > thr
-    layer.weight.mul_(mask)
-    return mask
-
-
-@torch.no_grad()
-def sparsegpt_prune(
-    layer: nn.Linear, g: Gram, sparsity: float, damping: float, block: int = 128
-) -> torch.Tensor:
-    """SparseGPT (Frantar & Alistarh 2023): columns (inputs) in order, each pruned weight's
-    error spread over the later inputs through the inverse Hessian's Cholesky factor; masks
-    chosen per block of ``block`` inputs by ``w² / [H⁻¹]_kk²``."""
-    w = layer.weight.detach().double().clone()  # (N, K)
-    h = g.h.clone()
-    dead = h.diagonal() <= 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0
-    h.diagonal().add_(_ridge(h, damping))
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    k = w.shape[1]
-    mask = torch.ones_like(w, dtype=torch.bool)
-    for i1 in range(0, k, block):
-        i2 = min(i1 + block, k)
-        w1 = w[:, i1:i2].clone()
-        q1 = torch.zeros_like(w1)
-        err1 = torch.zeros_like(w1)
-        h1 = hinv[i1:i2, i1:i2]
-        tmp = w1.pow(2) / h1.diagonal().pow(2).unsqueeze(0)
-        thr = tmp.flatten().sort().values[int(tmp.numel() * sparsity)]
-        m1 = tmp > thr
-        for i in range(i2 - i1):
-            col = w1[:, i]
-            d = h1[i, i]
-            q = col * m1[:, i]
-            q1[:, i] = q
-            e = (col - q) / d
-            w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
-            err1[:, i] = e
-        w[:, i1:i2] = q1
-        mask[:, i1:i2] = m1
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    layer.weight.copy_(w.float())
-    return mask
 
 
 # -- the variants -----------------------------------------------------------------------------
@@ -268,14 +90,17 @@ class Variant:
     allocation: str = "uniform"
     spread: float = 0.0
     distill_steps: int = 0
+    neuron_share: float = 0.5
+    block: int = 128
+    per_output: bool = False
 
 
 def layer_effects(base: Any, calib: Calib, method: str, sparsity: float) -> list[float]:
     """Per FFN linear, ``1 - cos`` of A's embeddings to dense with that layer alone pruned
     (no refit: magnitude / Wanda on the dense model's inputs)."""
-    dense = _encode(base, calib.sentences)
+    dense = encode(base, calib.sentences)
     out = []
-    layers = _ffn(base)
+    layers = ffn_layers(base)
     gs = grams(base, [m for _, m in layers], calib, True) if method != "magnitude" else None
     for i, (_, m) in enumerate(layers):
         saved = m.weight.detach().clone()
@@ -283,7 +108,7 @@ def layer_effects(base: Any, calib: Calib, method: str, sparsity: float) -> list
             magnitude_prune(m, sparsity)
         else:
             wanda_prune(m, gs[i], sparsity)
-        emb = _encode(base, calib.sentences)
+        emb = encode(base, calib.sentences)
         out.append(1.0 - float(nn.functional.cosine_similarity(emb, dense, dim=-1).mean()))
         with torch.no_grad():
             m.weight.copy_(saved)
@@ -305,7 +130,7 @@ def prune_variant(base: Any, v: Variant, sparsity: float) -> tuple[Any, Masks, d
     """A pruned copy of ``base`` and its masks, layer by layer (each layer's statistics with
     the earlier ones pruned)."""
     model = copy.deepcopy(base)
-    layers = [m for _, m in _ffn(model)]
+    layers = [m for _, m in ffn_layers(model)]
     info: dict[str, Any] = {}
     if v.allocation == "effect":
         effects = layer_effects(
@@ -316,13 +141,41 @@ def prune_variant(base: Any, v: Variant, sparsity: float) -> tuple[Any, Masks, d
     else:
         targets = [sparsity] * len(layers)
     masks: Masks = {}
+    if v.method == "neurons_obs":
+        assert v.damping is not None
+        for b in range(0, len(layers), 2):
+            fc1, fc2 = layers[b], layers[b + 1]
+            masks.update(
+                neurons_then_tile_obs(model, fc1, fc2, v.calib, v.neuron_share, v.damping, sparsity)
+            )
+        return model, masks, info
     if v.method == "neurons":
         for b in range(0, len(layers), 2):
             fc1, fc2 = layers[b], layers[b + 1]
             g2 = grams(model, [fc2], v.calib)[0]
             masks.update(neuron_prune(fc1, fc2, g2, (targets[b] + targets[b + 1]) / 2, v.damping))
         return model, masks, info
+    dense_layers = [m for _, m in ffn_layers(base)]
     for i, m in enumerate(layers):
+        if v.method == "sparsegpt_dense_target":
+            assert v.damping is not None
+            xd = layer_inputs(base, dense_layers[i], v.calib)
+            xp = layer_inputs(model, m, v.calib)
+            w_t, h = dense_target_weight(m, xp, xd, v.damping)
+            with torch.no_grad():
+                m.weight.copy_(w_t.float())
+            masks[m] = sparsegpt_prune(m, None, targets[i], v.damping, h=h)
+            continue
+        if v.method == "tile_obs":
+            assert v.damping is not None
+            g = grams(model, [m], v.calib)[0]
+            mask_kn, w_kn = tilesparse.tile_obs(
+                m.weight.detach().T, g.h, targets[i], v.damping, TILE
+            )
+            with torch.no_grad():
+                m.weight.copy_(w_kn.T)
+            masks[m] = mask_kn.T.contiguous()
+            continue
         if v.method == "magnitude":
             masks[m] = magnitude_prune(m, targets[i])
             continue
@@ -331,7 +184,9 @@ def prune_variant(base: Any, v: Variant, sparsity: float) -> tuple[Any, Masks, d
             masks[m] = wanda_prune(m, g, targets[i])
         else:
             assert v.damping is not None
-            masks[m] = sparsegpt_prune(m, g, targets[i], v.damping)
+            masks[m] = sparsegpt_prune(
+                m, g, targets[i], v.damping, block=v.block, per_output=v.per_output
+            )
     return model, masks, info
 
 
@@ -375,7 +230,7 @@ class _Encode:
         self.sentences, self.batch_size = sentences, batch_size
 
     def __call__(self, model: nn.Module) -> None:
-        _encode(model, self.sentences, self.batch_size)
+        encode(model, self.sentences, self.batch_size)
 
 
 def library_row(
@@ -394,8 +249,10 @@ def library_row(
 
 
 def variants(a: list[str], which: list[str] | None) -> list[Variant]:
-    """The variants run (``which``: their names in the order to run, ``None`` all)."""
+    """The variants run (``which``: their names in the order to run, ``None`` all); the
+    ``N sentences`` variants calibrate on the first N sentences of A instead of ``a``."""
     tok, sen, nrm = Calib(a), Calib(a, "sentence"), Calib(a, "norm")
+    more = {n: Calib(python_reference_sentences(n)) for n in (512, 1024)}
     pad = Calib(a, padded=True)
     out = [
         Variant("tw neurons, no refit", "tw", "neurons", None, tok),
@@ -433,6 +290,41 @@ def variants(a: list[str], which: list[str] | None) -> list[Variant]:
             0.1,
         ),
     ]
+    for d in (0.01, 0.1):
+        out.append(Variant(f"tw rows tile-obs, token, d={d:g}", "tw", "tile_obs", d, tok))
+    for d in (0.1, 0.01):
+        out.append(
+            Variant(f"ew sparsegpt, dense targets, d={d:g}", "ew", "sparsegpt_dense_target", d, tok)
+        )
+    out += [
+        Variant("ew sparsegpt, per output, d=0.1", "ew", "sparsegpt", 0.1, tok, per_output=True),
+        Variant("ew sparsegpt, block 32, d=0.1", "ew", "sparsegpt", 0.1, tok, block=32),
+        Variant("ew sparsegpt, block 1536, d=0.1", "ew", "sparsegpt", 0.1, tok, block=1536),
+    ]
+    for share in (0.5, 0.4, 0.3):
+        out.append(
+            Variant(
+                f"tw neurons {share:g} + fc2 tile-obs, d=0.1",
+                "tw",
+                "neurons_obs",
+                0.1,
+                tok,
+                neuron_share=share,
+            )
+        )
+    for n, cal in more.items():
+        out.append(
+            Variant(f"ew sparsegpt, token, d=0.1, {n} sentences", "ew", "sparsegpt", 0.1, cal)
+        )
+        out.append(
+            Variant(f"ew sparsegpt, token, d=0.01, {n} sentences", "ew", "sparsegpt", 0.01, cal)
+        )
+        for d in (0.01, 0.1):
+            out.append(
+                Variant(
+                    f"tw rows tile-obs, token, d={d:g}, {n} sentences", "tw", "tile_obs", d, cal
+                )
+            )
     if which is None:
         return out
     by_name = {v.name: v for v in out}
@@ -459,7 +351,7 @@ def main() -> None:
         evals["lee_news"] = lee_news_pairs(args.lee_wheel)[: args.pairs]
     a = python_reference_sentences(args.calibration)
     base = load_minilm()
-    dense = {k: _encode(base, [x for x, _ in p] + [y for _, y in p]) for k, p in evals.items()}
+    dense = {k: encode(base, [x for x, _ in p] + [y for _, y in p]) for k, p in evals.items()}
     rows: list[dict[str, Any]] = []
 
     def record(name: str, model: Any, seconds: float, extra: dict[str, Any]) -> None:

@@ -262,7 +262,7 @@ def _fit_rows(x: torch.Tensor) -> torch.Tensor:
 
 def test_ew_with_calibration_defaults_to_sparsegpt_or_wanda_without_refit() -> None:
     """EW, default config plus calibration: each layer takes SparseGPT (damping 0.1 on the
-    fit samples) or Wanda's per-output mask with the dense weights, whichever has the lower
+    fit samples, saliencies compared within each output) or Wanda's per-output mask with the dense weights, whichever has the lower
     held-out error; no per-column refit."""
     torch.manual_seed(0)
     mix = torch.randn(3, 8) * torch.tensor([1.0, 8, 1, 8, 2, 4, 1, 8])
@@ -276,7 +276,7 @@ def test_ew_with_calibration_defaults_to_sparsegpt_or_wanda_without_refit() -> N
     )
     (rec,) = pruner.reconstructions
     fit = _fit_rows(x).double()
-    mask, weight = tilesparse.sparsegpt(dense.T, fit.T @ fit, 0.5, 0.1)
+    mask, weight = tilesparse.sparsegpt(dense.T, fit.T @ fit, 0.5, 0.1, per_output=True)
     assert rec.importance is None and rec.accepted and rec.damping == 0.1  # SparseGPT won
     assert torch.equal(pruner.mask("0"), mask)
     torch.testing.assert_close(model[0].weight.detach(), weight.T, **tol("tw_layer", torch.float32))
@@ -304,7 +304,7 @@ def test_sparsegpt_is_the_masked_magnitude_on_a_diagonal_gram() -> None:
     """Uncorrelated inputs (diagonal ``H``): no update crosses inputs, the kept weights are
     the dense ones, the mask the best ``w²·(H_kk + λ)`` of each block; sparsity 0 is the
     identity; a correlated Gram lowers the error below the plain mask's."""
-    w = torch.tensor([[4.0, -1, 2], [0.5, 3, -2], [1.5, 1.2, 0.9], [-3, 0.25, 2.2]])  # (K=4, N=3)
+    w = torch.tensor([[4.0, -1, 2], [0.5, 3, -2], [1.5, 1.2, 0.9], [-3.2, 0.25, 2.2]])  # (K=4, N=3)
     h = torch.diag(torch.tensor([1.0, 4, 1, 0.25])).double()
     mask, out = tilesparse.sparsegpt(w, h, 0.5, damping=1e-6, block=4)
     saliency = w.double().pow(2) * h.diagonal().unsqueeze(1)
@@ -312,6 +312,11 @@ def test_sparsegpt_is_the_masked_magnitude_on_a_diagonal_gram() -> None:
     expected[saliency.flatten().argsort(descending=True)[:6]] = True
     assert torch.equal(mask, expected.view(4, 3))
     torch.testing.assert_close(out, w * mask, **tol("tw_layer", torch.float32))
+    per_out, _ = tilesparse.sparsegpt(w, h, 0.5, damping=1e-6, block=4, per_output=True)
+    # per output (a column here): the 2 of 4 inputs with the largest w²·H_kk
+    expected_per = torch.zeros(4, 3, dtype=torch.bool)
+    expected_per.scatter_(0, saliency.argsort(dim=0, descending=True)[:2], True)
+    assert torch.equal(per_out, expected_per)
     full_mask, same = tilesparse.sparsegpt(w, h, 0.0, damping=0.1)
     assert bool(full_mask.all()) and torch.equal(same, w)
     g = torch.Generator().manual_seed(0)
@@ -332,3 +337,25 @@ def test_ew_per_output_mask_keeps_the_same_count_in_every_output() -> None:
     assert not tilesparse.ew_per_output_mask(scores, 0.9).any()  # round(5 * 0.1) = 0
     with pytest.raises(ValueError, match="sparsity must be in"):
         tilesparse.ew_per_output_mask(scores, 1.0)
+
+
+def test_tile_obs_keeps_whole_rows_per_tile_with_their_least_squares_weights() -> None:
+    """Tile-structured OBS: every tile of ``G`` output columns keeps the same number of whole
+    input rows; the kept weights are the damped least-squares fit of the dense tile's outputs
+    on those rows (checked against ``lstsq``); inputs 3..5 depend on inputs 0..2, so the
+    greedy removal drops dependent rows and every tile's output is reproduced exactly."""
+    x = _dependent_inputs(200, seed=0).double()
+    g = torch.Generator().manual_seed(1)
+    w = torch.randn(6, 5, generator=g).double()  # (K=6, N=5): tiles {0, 1}, {2, 3}, {4}
+    gram = x.T @ x
+    mask, out = tilesparse.tile_obs(w, gram, 0.5, damping=1e-9, tile=2)
+    assert torch.equal(mask.sum(0), torch.full((5,), 3))
+    for cols in ([0, 1], [2, 3], [4]):
+        rows = mask[:, cols[0]].nonzero().flatten()
+        assert torch.equal(mask[:, cols], mask[:, cols[:1]].expand(6, len(cols)))
+        ls = torch.linalg.lstsq(x[:, rows], x @ w[:, cols]).solution
+        torch.testing.assert_close(out[rows][:, cols], ls, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(x @ out[:, cols], x @ w[:, cols], atol=1e-5, rtol=1e-5)
+    assert not out[~mask].any()
+    with pytest.raises(ValueError, match="tile must be a positive integer"):
+        tilesparse.tile_obs(w, gram, 0.5, damping=0.1, tile=0)

@@ -20,22 +20,11 @@ Other RPCs of Triton's service (statistics, streaming, shared memory, ...) answe
 as ``INVALID_ARGUMENT`` where HTTP answers 400 (a malformed request, an unknown model or version,
 tensors that do not fit the model) or 422 (scores that came out NaN or infinite),
 ``UNAVAILABLE`` where it answers 503 for a tier that failed or a parameter server with no free
-lookup worker, ``INTERNAL`` for 500.
-
-Threads: grpcio's asyncio server (``grpc.aio``) runs on an event loop of its own thread
-(``hps-v2-grpc``). Each call is decoded, parsed (raw contents as ``np.frombuffer`` views),
-checked and queued on that loop, awaits its batch there, and is encoded there: no thread pool,
-no thread per call waiting on a lock. The model's dynamic batcher
-(:mod:`hps.serving.batcher`) merges it with the model's other waiting requests, HTTP's too,
-on the model's inference thread, which resolves the call's future (one wake-up of the loop)::
-
-    grpcio core ──▶ event loop (hps-v2-grpc): decode · parse · check · submit ─┐
-                                                                              ▼
-    grpcio core ◀── event loop: encode ◀── future resolved ◀── inference thread (batch)
-
-Limits: ``workers + max_queued`` calls in flight, past that grpcio answers
-``RESOURCE_EXHAUSTED`` at once; a message larger than ``max_request_bytes`` (after
-decompression) is refused by grpcio with ``RESOURCE_EXHAUSTED`` before it is read.
+lookup worker, ``INTERNAL`` for 500. A request is parsed and checked on a grpcio thread, then
+merged with the model's other waiting requests, HTTP's too, by the model's dynamic batcher
+(:mod:`hps.serving.batcher`). Limits: ``workers + max_queued`` calls in flight, past that
+grpcio answers ``RESOURCE_EXHAUSTED`` at once; a message larger than ``max_request_bytes``
+(after decompression) is refused by grpcio with ``RESOURCE_EXHAUSTED`` before it is read.
 Names a client gives are clipped in error messages (:mod:`hps.serving.clipping`), so a
 100,000-character model name gets ``NOT_FOUND`` with a short message.
 Connections are HTTP/2's: grpcio bounds streams per connection and closes broken ones.
@@ -43,13 +32,12 @@ Connections are HTTP/2's: grpcio bounds streams per connection and closes broken
 
 from __future__ import annotations
 
-import asyncio
 import logging
 import socket
-import threading
 import time
-from collections.abc import Awaitable, Callable, Mapping
-from typing import Any
+from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any, NoReturn
 
 import grpc
 from google.protobuf import json_format
@@ -85,23 +73,19 @@ __all__ = [
 
 SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ("model_configuration",)
-#: The event loop thread's name (the benchmark reads its CPU by it).
-THREAD_NAME = "hps-v2-grpc"
+# grpcio threads: each call in flight holds one while it waits for its batch, so up to
+# workers + max_queued of them, but no more than this many threads.
+MAX_GRPC_THREADS = 256
 
 
-class RpcAbort(Exception):
-    """Ends the call it is raised in with ``code`` and ``message`` (the handler's wrapper
-    turns it into grpcio's abort)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code, self.message = code, message
+def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
+    context.abort(code, msg)
+    raise AssertionError("grpc's context.abort returned")  # it raises; this line is unreachable
 
 
 class GrpcInferenceServicer:
     """The RPCs of the service over ``servables`` (model name → servable); each method takes a
-    request message and returns the response message (``model_infer`` is a coroutine, run on
-    the server's event loop), or raises :class:`RpcAbort`. ``ModelInfer``
+    request message and the call's context and returns the response message. ``ModelInfer``
     calls go to ``batchers`` (model name → the model's dynamic batcher) and are counted into
     ``counts`` (model name → statistics; both shared with the HTTP server, so
     ``GET /v2/models/{m}/stats`` counts both protocols); their queue time is their wait in the
@@ -115,7 +99,7 @@ class GrpcInferenceServicer:
     ) -> None:
         self.servables, self.counts, self.batchers = servables, counts, batchers
 
-    def _model(self, name: str, ver: str) -> DLRMServable:
+    def _model(self, context: grpc.ServicerContext, name: str, ver: str) -> DLRMServable:
         """The servable named; an unknown model is ``NOT_FOUND``, an unknown version of a
         served model ``INVALID_ARGUMENT`` (both messages clip the name)."""
         try:
@@ -123,29 +107,29 @@ class GrpcInferenceServicer:
         except ProtocolError as e:
             served = name in self.servables
             code = grpc.StatusCode.INVALID_ARGUMENT if served else grpc.StatusCode.NOT_FOUND
-            raise RpcAbort(code, str(e)) from None
+            _abort(context, code, str(e))
 
     def server_live(
-        self, request: pb.ServerLiveRequest
+        self, request: pb.ServerLiveRequest, context: grpc.ServicerContext
     ) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
     def server_ready(
-        self, request: pb.ServerReadyRequest
+        self, request: pb.ServerReadyRequest, context: grpc.ServicerContext
     ) -> pb.ServerReadyResponse:
         # the server exists once every model loaded; online updates' policy: hps.updates.health
         ready = all(s.session.update_status().ready for s in self.servables.values())
         return pb.ServerReadyResponse(ready=ready)
 
     def server_metadata(
-        self, request: pb.ServerMetadataRequest
+        self, request: pb.ServerMetadataRequest, context: grpc.ServicerContext
     ) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(
             name=SERVER_NAME, version=server_version(), extensions=EXTENSIONS
         )
 
     def model_ready(
-        self, request: pb.ModelReadyRequest
+        self, request: pb.ModelReadyRequest, context: grpc.ServicerContext
     ) -> pb.ModelReadyResponse:
         try:
             find_model(self.servables, request.name, request.version)
@@ -154,24 +138,25 @@ class GrpcInferenceServicer:
         return pb.ModelReadyResponse(ready=True)
 
     def model_metadata(
-        self, request: pb.ModelMetadataRequest
+        self, request: pb.ModelMetadataRequest, context: grpc.ServicerContext
     ) -> pb.ModelMetadataResponse:
-        doc = self._model(request.name, request.version).metadata()
+        doc = self._model(context, request.name, request.version).metadata()
         return json_format.ParseDict(doc, pb.ModelMetadataResponse())
 
     def model_config(
-        self, request: ext.ModelConfigRequest
+        self, request: ext.ModelConfigRequest, context: grpc.ServicerContext
     ) -> ext.ModelConfigResponse:
 
-        s = self._model(request.name, request.version)
+        s = self._model(context, request.name, request.version)
         doc = model_config(s, self.batchers[s.name].cfg)
         return ext.ModelConfigResponse(config=json_format.ParseDict(doc, ext.ModelConfig()))
 
     def repository_index(
-        self, request: ext.RepositoryIndexRequest
+        self, request: ext.RepositoryIndexRequest, context: grpc.ServicerContext
     ) -> ext.RepositoryIndexResponse:
         if request.repository_name:
-            raise RpcAbort(
+            _abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"unknown repository {clip(request.repository_name)!r}; this server has one, "
                 "named by an empty repository_name",
@@ -181,18 +166,19 @@ class GrpcInferenceServicer:
         ]
         return ext.RepositoryIndexResponse(models=models)
 
-    async def model_infer(self, request: pb.ModelInferRequest) -> pb.ModelInferResponse:
-        """Parse, queue, await the batch, encode (all on the event loop); errors end the call
-        with the status the HTTP code maps to."""
+    def model_infer(
+        self, request: pb.ModelInferRequest, context: grpc.ServicerContext
+    ) -> pb.ModelInferResponse:
+        """Parse, infer, encode; errors end the call with the status the HTTP code maps to."""
         t0 = time.perf_counter_ns()
-        s = self._model(request.model_name, request.model_version)
+        s = self._model(context, request.model_name, request.model_version)
         try:
             with self.batchers[s.name].arrival() as arrival:
                 req = parse_grpc_request(request)
                 inputs = s.check(req.inputs)
                 t1 = time.perf_counter_ns()
                 future = arrival.submit(inputs)
-            done = await asyncio.wrap_future(future)
+            done = future.result()
             t2 = time.perf_counter_ns()
             resp = encode_grpc_response(s.name, MODEL_VERSION, done.outputs, req)
         except Exception as e:  # every failure of a request ends its call, never the server
@@ -202,7 +188,7 @@ class GrpcInferenceServicer:
             code, msg = status_of(e)
             if code is grpc.StatusCode.INTERNAL:
                 log.exception("model %r: inference failed", s.name)
-            raise RpcAbort(code, msg) from None
+            _abort(context, code, msg)
         t3 = time.perf_counter_ns()
         phases = PhaseNs(done.queue_ns, t1 - t0, done.infer_ns, t3 - t2)
         self.counts[s.name].succeeded(t3 - t0, int(inputs["dense"].shape[0]), phases)
@@ -239,38 +225,31 @@ _RPCS: dict[str, tuple[str, Any, Any]] = {
 
 
 class _Decoded:
-    """An RPC method (a coroutine on the server's event loop) that receives the request's bytes
-    and decodes them itself, so bytes that are not a message of its type end the call with
-    ``INVALID_ARGUMENT`` naming the type (grpcio's own deserializer answers ``INTERNAL``);
-    :class:`RpcAbort` raised by the servicer ends the call with its status."""
+    """An RPC method that receives the request's bytes and decodes them itself, so bytes that
+    are not a message of its type end the call with ``INVALID_ARGUMENT`` naming the type
+    (grpcio's own deserializer answers ``INTERNAL``)."""
 
-    def __init__(self, fn: Callable[[Any], Any], request_cls: Any) -> None:
+    def __init__(self, fn: Callable[[Any, grpc.ServicerContext], Any], request_cls: Any) -> None:
         self.fn, self.request_cls = fn, request_cls
 
-    async def __call__(self, data: bytes, context: grpc.aio.ServicerContext) -> Any:
+    def __call__(self, data: bytes, context: grpc.ServicerContext) -> Any:
         try:
             request = self.request_cls.FromString(data)
         except DecodeError as e:
-            await context.abort(
+            _abort(
+                context,
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"request is not a valid {self.request_cls.DESCRIPTOR.full_name} message: {e}",
             )
-        try:
-            out = self.fn(request)
-            return await out if asyncio.iscoroutine(out) else out
-        except RpcAbort as e:
-            await context.abort(e.code, e.message)
+        return self.fn(request, context)
 
 
 def method_handlers(servicer: GrpcInferenceServicer) -> dict[str, grpc.RpcMethodHandler]:
-    """RPC name → grpcio handler of ``servicer``'s method (all unary-unary, coroutines for
-    ``grpc.aio``)."""
+    """RPC name → grpcio handler of ``servicer``'s method (all unary-unary)."""
     out = {}
     for rpc, (method, req_cls, resp_cls) in _RPCS.items():
-        # a bound coroutine method: grpc.aio awaits it on the loop (an object with an async
-        # __call__ is not recognised as one and would be sent to a thread pool)
         out[rpc] = grpc.unary_unary_rpc_method_handler(
-            _Decoded(getattr(servicer, method), req_cls).__call__,
+            _Decoded(getattr(servicer, method), req_cls),
             response_serializer=resp_cls.SerializeToString,
         )
     return out
@@ -296,16 +275,15 @@ def _check_bindable(host: str, port: int) -> None:
 
 
 class GrpcServer:
-    """The v2 gRPC server (``grpc.aio`` on an event loop of its own thread), bound on
-    construction, serving on :meth:`start` until :meth:`stop`.
+    """The v2 gRPC server, bound on construction, serving on :meth:`start` until :meth:`stop`.
 
     Args:
         servables: model name → servable (shared with the HTTP server).
         host: the address to listen on (``127.0.0.1``: this machine only).
         port: the port; 0 picks a free one (read :attr:`port`).
-        workers: with ``max_queued``, the calls in flight (HTTP's meaning of the two knobs).
-        max_queued: past ``workers + max_queued`` calls in flight, new ones get
-            ``RESOURCE_EXHAUSTED``.
+        workers: threads that parse and run requests.
+        max_queued: requests that may wait for a worker; past ``workers + max_queued``
+            requests in flight, new ones get ``RESOURCE_EXHAUSTED``.
         max_request_bytes: the largest request message, after decompression.
         counts: model name → statistics to count ``ModelInfer`` calls into.
         batchers: model name → the model's dynamic batcher (shared with the HTTP server).
@@ -327,35 +305,24 @@ class GrpcServer:
     ) -> None:
         _check_bindable(host, port)
         self.host = host
-        self._loop = asyncio.new_event_loop()
-        self._thread: threading.Thread | None = None
+        threads = min(workers + max_queued, MAX_GRPC_THREADS)
+        self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hps-v2-grpc")
         options = [
             ("grpc.so_reuseport", 0),  # a second server on a taken port must fail, not share it
             ("grpc.max_receive_message_length", max_request_bytes),
         ]
+        self._server = grpc.server(
+            self._executor, options=options, maximum_concurrent_rpcs=workers + max_queued
+        )
         handlers = method_handlers(GrpcInferenceServicer(servables, counts, batchers))
+        self._server.add_generic_rpc_handlers(
+            (grpc.method_handlers_generic_handler(SERVICE, handlers),)
+        )
         try:
-            self._server = self._run(self._create(options, workers + max_queued, handlers))
             self.port: int = self._server.add_insecure_port(_target(host, port))
         except RuntimeError as e:
-            self._loop.close()
+            self._executor.shutdown(wait=False)
             raise OSError(f"cannot listen on {host}:{port} (gRPC): {e}") from e
-
-    @staticmethod
-    async def _create(
-        options: list[tuple[str, Any]], max_rpcs: int, handlers: dict[str, grpc.RpcMethodHandler]
-    ) -> grpc.aio.Server:
-        # grpc.aio binds its server to the running loop: create it on the server's loop
-        server = grpc.aio.server(options=options, maximum_concurrent_rpcs=max_rpcs)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
-        return server
-
-    def _run(self, coro: Awaitable[Any]) -> Any:
-        """Run ``coro`` on the server's loop: in the caller's thread before :meth:`start`,
-        on the loop's thread after it."""
-        if self._thread is None:
-            return self._loop.run_until_complete(coro)
-        return asyncio.run_coroutine_threadsafe(coro, self._loop).result()  # type: ignore[arg-type]
 
     @property
     def address(self) -> str:
@@ -363,29 +330,13 @@ class GrpcServer:
         return _target(self.host, self.port)
 
     def start(self) -> GrpcServer:
-        self._run(self._server.start())
-        self._thread = threading.Thread(
-            target=self._loop.run_forever, name=THREAD_NAME, daemon=True
-        )
-        self._thread.start()
+        self._server.start()
         return self
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Stop accepting calls, let in-flight ones finish (at most ``grace_s``), then release
-        the port and the event loop's thread."""
-        if self._loop.is_closed():
-            return
-        try:
-            if self._thread is None:  # never started: only the port to release
-                self._loop.run_until_complete(self._server.stop(None))
-            else:
-                stopping = asyncio.run_coroutine_threadsafe(self._server.stop(grace_s), self._loop)
-                stopping.result(grace_s + 5)
-        except TimeoutError:
+        the port and the worker threads."""
+        done = self._server.stop(grace_s)
+        if not done.wait(grace_s + 5):
             log.warning("the gRPC server on %s did not stop within %g s", self.address, grace_s)
-        finally:
-            if self._thread is not None:
-                self._loop.call_soon_threadsafe(self._loop.stop)
-                self._thread.join(grace_s + 5)
-                self._thread = None
-            self._loop.close()
+        self._executor.shutdown(wait=True)

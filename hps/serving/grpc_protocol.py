@@ -95,9 +95,8 @@ def parse_grpc_request(msg: pb.ModelInferRequest) -> InferRequest:
             raise ProtocolError(f"inputs[{i}].name must be a non-empty string")
         if name in inputs:
             raise ProtocolError(f"{_where(name)} is given twice")
-        dtype = DTYPES.get(dt_name)
-        if dtype is None:
-            check_datatype(dt_name, _where(name))
+        found = DTYPES.get(dt_name)
+        dtype = check_datatype(dt_name, _where(name)) if found is None else found
         shape = tuple(t.shape[:])  # a slice: one call, not an iteration of the container
         if shape and min(shape) < 0:
             check_shape(list(shape), _where(name))

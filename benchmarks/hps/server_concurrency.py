@@ -305,6 +305,21 @@ def bench_concurrency(
                     x["compute_infer"]["ns"] for x in before["batch_stats"]
                 )
                 cpu = {k: cpu1[k] - cpu0[k] for k in cpu1}
+                # where a request's server time went (means over the cell, from /stats)
+                phase_ms = {
+                    k: (after["inference_stats"][k]["ns"] - before["inference_stats"][k]["ns"])
+                    / n_req
+                    / 1e6
+                    if n_req
+                    else None
+                    for k in (
+                        "queue",
+                        "compute_input",
+                        "compute_infer",
+                        "compute_output",
+                        "success",
+                    )
+                }
                 delay_ms = served.srv.batchers["dlrm"].cfg.max_queue_delay_us / 1e3
                 exec_ms = infer_ns / execs / 1e6 if execs else 0.0
                 # the bound: p99 ≤ 2 × max_queue_delay + one merged batch's compute
@@ -343,6 +358,7 @@ def bench_concurrency(
                     "client_cpu_us_per_request": (
                         1e6 * cell["client_cpu_s"] / cell["requests"] if cell["requests"] else None
                     ),
+                    **{f"server_mean_{k}_ms": v for k, v in phase_ms.items()},
                     "load_avg_1m": os.getloadavg()[0],
                     "max_queue_delay_us": served.srv.batchers["dlrm"].cfg.max_queue_delay_us,
                     "merged_max_batch": served.srv.batchers["dlrm"].cfg.max_batch_size,

@@ -192,6 +192,8 @@ class DLRMServable:
                 f"every table needs the same vector size; got {sorted(dims)}"
             )
         self._table_names = [t.name for t in self.tables]
+        self._id_names = tuple(f"ids_{t.name}" for t in self.tables)
+        self._input_names = frozenset({"dense", *self._id_names})
         self._mean = [j for j, t in enumerate(self.tables) if Pooling(t.combiner) is Pooling.MEAN]
         # per calling thread (the model's inference thread, or any thread calling ``infer``):
         # grow-only float32 buffers (looked-up rows, pooled block) each execution writes into,
@@ -262,7 +264,7 @@ class DLRMServable:
     @property
     def id_inputs(self) -> list[str]:
         """The id inputs' names, ``ids_<t>`` in table order."""
-        return [f"ids_{t.name}" for t in self.tables]
+        return list(self._id_names)
 
     def check(self, inputs: Tensors) -> CheckedInputs:
         """One request's inputs checked and normalised, ready to run or to merge with others.
@@ -277,14 +279,14 @@ class DLRMServable:
             InputError: a missing, unknown, mistyped or misshaped input, a batch over
                 ``max_batch_size``, a dense value that is NaN or infinite, a key below -1.
         """
-        want = {"dense", *self.id_inputs}
+        want = self._input_names
         if inputs.keys() != want:
             missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)
             raise InputError(
                 f"model {self.name!r}: missing inputs {missing}, unknown inputs "
                 f"{[clip(e) for e in extra]}; expected {sorted(want)}"
             )
-        mapped = self._map_ids(inputs)
+        mapped = self._map_ids(inputs, _keys_floor([inputs[n] for n in self._id_names]))
         dense = inputs["dense"]
         if dense.dtype != np.float32:
             raise InputError(f"input 'dense' must be FP32, got {dense.dtype}")
@@ -306,9 +308,13 @@ class DLRMServable:
             out[name] = self._check_ids(t, ids, b, low)
         return out
 
-    def _map_ids(self, inputs: Tensors) -> dict[str, tuple[np.ndarray, int | None]]:
+    def _map_ids(
+        self, inputs: Tensors, floor: int | None = None
+    ) -> dict[str, tuple[np.ndarray, int | None]]:
         """Each ``ids_<t>`` input through the model's vocabulary (raw ids → rows, the hotness
-        policy), with its smallest key when already known (``None``: not computed).
+        policy), with a lower bound of its keys when already known (``None``: not computed);
+        ``floor``: the smallest key of all id inputs, when known (one reduction for all
+        tables: a request's tables are many small arrays).
 
         A table whose vocabulary maps raw ids to themselves (no key list) and whose request
         bag is at most ``hotness`` wide with no ``-1`` in it comes out of the vocabulary
@@ -321,7 +327,7 @@ class DLRMServable:
             ids = inputs[name]
             entry = None if voc is None else voc.tables.get(t.name)
             if entry is None:
-                out[name] = (ids, None)
+                out[name] = (ids, floor)
                 continue
             if (
                 entry.keys is None
@@ -329,7 +335,10 @@ class DLRMServable:
                 and ids.ndim == 2
                 and ids.shape[1] <= entry.hotness
             ):
-                low = int(ids.min()) if ids.size else 0
+                if floor is not None and floor >= 0:
+                    low = floor
+                else:
+                    low = int(ids.min()) if ids.size else 0
                 if low >= 0:
                     out[name] = (ids, low)
                     continue
@@ -345,8 +354,9 @@ class DLRMServable:
         return out
 
     def _check_ids(self, t: _Table, ids: np.ndarray, b: int, low: int | None = None) -> np.ndarray:
-        """``ids (B, w) int64|int32`` as int64 (``InputError`` naming the input); ``low`` its
-        smallest key when the caller knows it."""
+        """``ids (B, w) int64|int32`` as int64 (``InputError`` naming the input); ``low`` a
+        lower bound of its keys when the caller knows one that is ≥ -1 (its smallest key
+        otherwise, which names the bad key)."""
         name = f"ids_{t.name}"
         if ids.dtype not in (np.int64, np.int32):
             raise InputError(f"input {name!r} must be INT64 or INT32, got {ids.dtype}")
@@ -361,6 +371,8 @@ class DLRMServable:
                 f"allows at most {t.max_hotness} "
                 "(maxnum_catfeature_query_per_table_per_sample)"
             )
+        if low is not None and low < -1:
+            low = None  # a bound over other inputs too: this input's own smallest key decides
         if ids.size and (low := int(ids.min()) if low is None else low) < -1:
             raise InputError(f"input {name!r} holds key {low}; keys are ≥ 0 (-1 pads a short bag)")
         return ids.astype(np.int64)  # a copy: request buffers are read-only
@@ -494,3 +506,12 @@ def check_outputs_finite(model: str, outputs: Tensors) -> None:
                 f"for sample {int(bad[0])} ({bad.size} of {arr.size} values): the inputs or the "
                 "embedding rows they look up overflow the model's float32 arithmetic"
             )
+
+
+def _keys_floor(ids: list[np.ndarray]) -> int | None:
+    """The smallest key of all ``ids`` arrays (int64 or int32) in one reduction, or ``None``
+    when one is of another type (the per-input checks name it) or there are no keys."""
+    if not ids or any(a.dtype not in (np.int64, np.int32) for a in ids):
+        return None
+    flat = np.concatenate([a.ravel() for a in ids])
+    return int(flat.min()) if flat.size else None

@@ -186,6 +186,13 @@ def _doc(req: dict[str, np.ndarray], **change) -> bytes:
     return json.dumps({"inputs": inputs}).encode()
 
 
+def _with_key(req: dict[str, np.ndarray], key: int) -> np.ndarray:
+    """``req``'s ``ids_t2`` with ``key`` as the second sample's first id."""
+    ids = req["ids_t2"].copy()
+    ids[1, 0] = key
+    return ids
+
+
 def test_bad_requests_are_400_naming_the_problem(served, model) -> None:
     req = _request(model, 3, seed=6)
     wide = np.zeros((3, 4), dtype=np.int64)
@@ -196,6 +203,10 @@ def test_bad_requests_are_400_naming_the_problem(served, model) -> None:
         (_doc({**req, "ids_t9": req["ids_t0"]}), "unknown inputs ['ids_t9']"),
         (_doc({**req, "ids_t3": wide}), "allows at most 3"),
         (_doc({**req, "ids_t0": np.array([[1], [-5], [2]])}), "holds key -5"),
+        (  # one reduction bounds every table's keys: a padded table beside a bad key
+            _doc({**req, "ids_t0": np.array([[1], [-1], [2]]), "ids_t2": _with_key(req, -3)}),
+            "input 'ids_t2' holds key -3",
+        ),
         (_doc({**req, "ids_t0": req["ids_t0"][:2]}), "must have shape [3, w]"),
         (_doc(_request(model, 65, seed=7)), "batch 65 exceeds model 'tiny''s max_batch_size 64"),
         (_doc(req, dense={"data": [float("nan")] * 39}), "NaN or infinite"),

@@ -7,7 +7,8 @@ One call, whatever the number of tables:
    counter moves);
 2. under the session's worker slot and the reader side of its update lock, with every
    table's cache locked (in one fixed order), ONE fused cache-hit pass (:func:`hps.fused.gather`:
-   probe, count, gather or pool, per-table statistics);
+   probe, count, gather or pool, per-table statistics; static caches through
+   :func:`hps.session.static_gather.gather_static`, the same outputs);
 3. the misses of each table that had any (the miss path: dedupe of the missed keys, the
    databases, the fill policy, :meth:`~hps.session.fill.CacheFill.serve_misses`), written into
    their positions (rows), or into the rows the fused pass handed back for each bag with a

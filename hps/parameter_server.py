@@ -52,10 +52,12 @@ from hps.storage.redis_cluster import RedisClusterBackend
 from hps.storage.row_codec import RowCodec
 from hps.storage.sparse_files import has_table_rows, read_table, read_table_rows
 from hps.storage.sparse_source import SparseSource
+from hps.storage.static_cache import StaticEmbeddingCache
 from hps.storage.volatile import HashMapBackend
 from hps.types import (
     PersistentDBType,
     StorageBackend,
+    TierUnavailableError,
     UpdateSourceType,
     VolatileDBType,
     VolatileUnavailableError,
@@ -145,6 +147,8 @@ class HierarchicalParameterServer:
         self.volatile = build_volatile(cfg)
         self.persistent = build_persistent(cfg)
         self.num_rows: dict[str, int] = {}  # database name → rows
+        # database name → the table's keys, while the sessions are built (static caches)
+        self._table_keys: dict[str, np.ndarray] = {}
         self._db_names = db_table_names(cfg.models)  # (model, table) → database name
         self._sessions: dict[str, LookupSession] = {}
         self._stops: list[threading.Event] = []
@@ -163,6 +167,7 @@ class HierarchicalParameterServer:
                 elif t.name not in self.num_rows:
                     self.num_rows[t.name] = self._known_rows(t.name, t.sparse_file, t.dim)
             self._sessions[model.model] = self._make_session(model)
+        self._table_keys.clear()
         if self._volatile_rebuilt(load):
             self._reset_update_offset()
 
@@ -280,6 +285,7 @@ class HierarchicalParameterServer:
             vecs = RowCodec(dim, row_format, f"table {name!r}").encode(vecs)
         n = int(keys.shape[0])
         self.num_rows[name] = n
+        self._table_keys[name] = keys
         pdb = self.persistent
         from_pdb = None  # the persistent db, when it holds newer rows than the sparse files
         if pdb is not None and not pdb.read_only:
@@ -381,18 +387,7 @@ class HierarchicalParameterServer:
         device = resolve_device(model)
         tables = []
         for t, db in zip(model.tables, self.db_specs(model), strict=True):
-            cache = None
-            if model.gpucache:
-                cap = max(1, math.ceil(model.gpucacheper * self.num_rows[db.name]))
-                cache = EmbeddingCache(
-                    cap,
-                    t.dim,
-                    policy=model.cache_policy,
-                    device=device,
-                    lfu_decay_keys_per_slot=model.cache_lfu_decay_keys_per_slot,
-                    row_format=t.row_format,
-                )
-                self._attach(db.name, cache)
+            cache = self._make_cache(model, t, db.name, device) if model.gpucache else None
             tables.append(
                 SessionTable(
                     t.name,
@@ -403,7 +398,7 @@ class HierarchicalParameterServer:
                     db_name=db.name,
                 )
             )
-        return LookupSession(
+        session = LookupSession(
             tables,
             update_health=self.update_health,
             volatile=self.volatile,
@@ -414,6 +409,39 @@ class HierarchicalParameterServer:
             cache_missed_embeddings=self.cfg.volatile_db.cache_missed_embeddings,
             device=device,
         )
+        for st in tables:  # a static cache holds its whole table from the start
+            if isinstance(st.cache, StaticEmbeddingCache):
+                try:
+                    session.warm_up(st.name, self._table_keys[st.db_name])
+                except TierUnavailableError as e:  # filled by the lookups' misses instead
+                    log.warning("static cache of %s not filled at start: %s", st.db_name, e)
+        return session
+
+    def _make_cache(
+        self, model: ModelConfig, t: TableSpec, db_name: str, device: torch.device
+    ) -> EmbeddingCache:
+        """``t``'s cache: ``ceil(gpucacheper × rows)`` slots, static (one fixed slot per key,
+        :mod:`hps.storage.static_cache`) when that covers every row of a table whose keys this
+        start loaded, on the CPU; set-associative otherwise. Exclusive with the in-process
+        hash map (:meth:`_attach`)."""
+        cap = max(1, math.ceil(model.gpucacheper * self.num_rows[db_name]))
+        keys = self._table_keys.get(db_name)
+        cache: EmbeddingCache
+        if keys is not None and cap >= keys.size and device.type == "cpu":
+            cache = StaticEmbeddingCache(
+                keys, t.dim, policy=model.cache_policy, device=device, row_format=t.row_format
+            )
+        else:
+            cache = EmbeddingCache(
+                cap,
+                t.dim,
+                policy=model.cache_policy,
+                device=device,
+                lfu_decay_keys_per_slot=model.cache_lfu_decay_keys_per_slot,
+                row_format=t.row_format,
+            )
+        self._attach(db_name, cache)
+        return cache
 
     def _attach(self, name: str, cache: EmbeddingCache) -> None:
         """Make ``cache`` exclusive with the in-process hash map's table ``name`` when both

@@ -7,7 +7,8 @@ One call, whatever the number of tables:
    counter moves);
 2. under the session's worker slot and the reader side of its update lock, with every
    table's cache locked (in one fixed order), ONE fused cache-hit pass (:func:`hps.fused.gather`:
-   probe, count, gather or pool, per-table statistics);
+   probe, count, gather or pool, per-table statistics; static caches through
+   :func:`hps.session.static_gather.gather_static`, the same outputs);
 3. the misses of each table that had any (the miss path: dedupe of the missed keys, the
    databases, the fill policy, :meth:`~hps.session.fill.CacheFill.serve_misses`), written into
    their positions (rows), or into the rows the fused pass handed back for each bag with a
@@ -25,16 +26,17 @@ import itertools
 import threading
 import time
 from collections.abc import Sequence
-from typing import Protocol
+from typing import Protocol, cast
 
 import numpy as np
 import torch
 
-from hps.fused import GatherArgs, GatherResult, gather, pool_in_order
+from hps.fused import GatherArgs, GatherResult, pool_in_order
 from hps.kernels import load_extension
 from hps.key_counts import KeyCounts
 from hps.rwlock import ReadWriteLock
 from hps.session.fill import CacheFill
+from hps.session.static_gather import gather_any
 from hps.session.table import SessionTable, unique_with_inverse
 from hps.session_stats import SessionStats
 from hps.storage.cache import EmbeddingCache
@@ -42,6 +44,8 @@ from hps.storage.slot_counter import LRU_PERIOD
 from hps.types import CachePolicy, Pooling, TierUnavailableError
 
 __all__ = ["fused_lookup"]
+
+_SERIAL_COUNT_KEYS = 65536  # keys of one call counted without a parallel region below this
 
 
 class SessionView(Protocol):
@@ -213,7 +217,7 @@ def _run(
             intervals=[c.lfu_decay_interval for c in caches],
         )
         try:
-            res = gather(args, compiled=s.compiled and load_extension() is not None)
+            res = gather_any(args, compiled=s.compiled and load_extension() is not None)
         except ValueError as e:
             raise ValueError(_name_table(str(e), ts)) from None
         per = res.per_table.tolist()
@@ -298,6 +302,13 @@ def _serve_all_misses(
         s.statistics.record_counts_many(all_hit)
 
 
+class _KeyCounter(Protocol):
+    """The compiled ``KeyCounter`` (:mod:`hps.key_counts`): counts ``keys`` (keys < 0 skipped
+    with ``skip_negative``; ``counts`` empty: one each)."""
+
+    def update(self, keys: torch.Tensor, counts: torch.Tensor, skip_negative: bool) -> None: ...
+
+
 def _count_keys(
     s: SessionView, ts: list[SessionTable], flat: list[torch.Tensor], per: list[list[int]]
 ) -> None:
@@ -307,7 +318,14 @@ def _count_keys(
     ext = load_extension()
     counters = [k.counter for k in stats]
     if ext is not None and all(c is not None for c in counters):
-        ext.count_keys(counters, flat)
+        if sum(f.numel() for f in flat) < _SERIAL_COUNT_KEYS:
+            # one table after another: a parallel region's wake-up costs more than these
+            # counts (1-15 ms on a 2-core host at load 10, against ~0.1 ms serially)
+            none = torch.empty(0, dtype=torch.int64)
+            for c, f in zip(counters, flat, strict=True):
+                cast(_KeyCounter, c).update(f, none, True)
+        else:
+            ext.count_keys(counters, flat)
         for k, row in zip(stats, per, strict=True):
             k.observed(row[3])
         return

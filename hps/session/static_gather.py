@@ -1,0 +1,208 @@
+"""The cache-hit pass of a fused lookup over static caches
+(:class:`hps.storage.static_cache.StaticEmbeddingCache`): each key's slot computed from the
+table's keys (no set probe), its row read (rows) or its bag summed in request order (bags),
+with the outputs, misses and per-table statistics of :func:`hps.fused.gather`, so the session
+serves the misses the same way whichever cache a table has (:mod:`hps.session.fused`).
+
+Per table: one slot computation, one read of the slots' tags, one row gather
+(:func:`hps.fused.gather_rows`: dequantized, bags summed ``((0 + r0) + r1) + …`` skipping
+misses and padding, as the compiled pass sums them). Unique hits (slots hit at least once)
+come from one count over the hit slots. A static cache keeps no use counts.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+from typing import TypeVar
+
+import numpy as np
+import torch
+
+from hps.fused import GatherArgs, GatherResult, gather, gather_rows, row_format_of
+from hps.storage.cache import EMPTY_KEY
+from hps.storage.static_cache import StaticEmbeddingCache, StaticLayout
+
+__all__ = ["gather_any", "gather_static"]
+
+_T = TypeVar("_T")
+_BINCOUNT_ROWS_PER_KEY = 8  # distinct slots counted by a bincount over the table up to this ratio
+
+
+def _distinct(slots: torch.Tensor, capacity: int) -> int:
+    """Distinct values of ``slots (k,) int64`` in ``[0, capacity)``: a bincount over the table
+    when it is small beside the keys (no sort), else a sort."""
+    if slots.numel() == 0:
+        return 0
+    if capacity <= _BINCOUNT_ROWS_PER_KEY * slots.numel():
+        return int(torch.count_nonzero(torch.bincount(slots, minlength=capacity)))
+    return int(torch.unique(slots).numel())
+
+
+def gather_static(args: GatherArgs, compiled: bool = True) -> GatherResult:
+    """:func:`hps.fused.gather` for tables whose caches are all static.
+
+    Args:
+        args: as for :func:`hps.fused.gather`; every ``args.caches[i]`` a
+            :class:`StaticEmbeddingCache` (``stamps``, ``streams``, ``looked_up`` and
+            ``intervals`` are not read: no use counts, no aging).
+        compiled: read rows with the compiled kernel when it is built.
+
+    Returns:
+        the :class:`GatherResult` of :func:`hps.fused.gather` (halvings always 0).
+
+    Raises:
+        ValueError: a key below -1 in a bag, or the reserved key ``-2**63`` in rows, naming
+            the table's index and the key; nothing was read then.
+    """
+    for i, (k, h) in enumerate(zip(args.keys, args.hotness, strict=True)):
+        lo = -1 if h > 0 else EMPTY_KEY + 1
+        if k.numel() and int(k.min()) < lo:
+            raise ValueError(f"table {i}: key {int(k[k < lo][0])} is not a key this lookup takes")
+    caches: list[StaticEmbeddingCache] = []
+    for i, c in enumerate(args.caches):
+        if not isinstance(c, StaticEmbeddingCache):
+            raise TypeError(f"table {i}: gather_static takes static caches, got {type(c).__name__}")
+        caches.append(c)
+    fast = _all_rows_hit(args, caches, compiled)
+    if fast is not None:
+        return fast
+    rows, misses, pending = [], [], []
+    for i, c in enumerate(caches):
+        stats, miss, pend = _gather_one(args, i, c, compiled)
+        rows.append(stats)
+        misses.append(miss)
+        pending.append(pend)
+    per = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 5)
+    all_misses = torch.cat(misses) if misses else torch.zeros(0, dtype=torch.int64)
+    return GatherResult(all_misses, per, pending)
+
+
+def _all_rows_hit(
+    args: GatherArgs, caches: list[StaticEmbeddingCache], compiled: bool
+) -> GatherResult | None:
+    """Rows of tables whose static caches are full and laid out IDENTITY, when every key is
+    one of its table's (so every key hits): one range check and one row gather per table and
+    one distinct count over all of them; ``None`` (nothing written) otherwise."""
+    if any(h for h in args.hotness) or not all(
+        c.full and c.layout is StaticLayout.IDENTITY for c in caches
+    ):
+        return None
+    sizes = [k.numel() for k in args.keys]
+    flat = torch.cat(list(args.keys)) if len(caches) > 1 else args.keys[0]
+    bases = list(itertools.accumulate((c.capacity for c in caches), initial=0))
+    if flat.numel():
+        # numpy's repeat: torch's repeat_interleave opens a parallel region (ms on a busy host)
+        bound = torch.from_numpy(np.repeat(np.asarray(bases[1:], np.int64), sizes))
+        start = torch.from_numpy(np.repeat(np.asarray(bases[:-1], np.int64), sizes))
+        glob = flat + start  # one id space: table i's slots at [bases[i], bases[i + 1])
+        if int(flat.min()) < 0 or bool((glob >= bound).any()):
+            return None
+        ends = torch.tensor(bases[1:])
+        if bases[-1] <= _BINCOUNT_ROWS_PER_KEY * flat.numel():  # distinct ids below each end
+            below = (torch.bincount(glob, minlength=bases[-1]) > 0).cumsum(0)[ends - 1]
+        else:
+            below = torch.searchsorted(torch.unique(glob), ends)
+        unique = torch.diff(below, prepend=torch.zeros(1, dtype=below.dtype)).tolist()
+    else:
+        unique = [0] * len(caches)
+    for i, c in enumerate(caches):
+        n, off = sizes[i], args.out_offsets[i]
+        block = args.out[off : off + n * c.dim].view(n, c.dim)
+        gather_rows(c.storage, args.keys[i], row_format_of(c), c.dim, 0, block, compiled)
+    per = torch.tensor(
+        [[0, n, u, n, 0] for n, u in zip(sizes, unique, strict=True)], dtype=torch.int64
+    ).reshape(len(caches), 5)
+    empty = torch.zeros(0)
+    return GatherResult(torch.zeros(0, dtype=torch.int64), per, [empty] * len(caches))
+
+
+def _gather_one(
+    args: GatherArgs, i: int, c: StaticEmbeddingCache, compiled: bool
+) -> tuple[list[int], torch.Tensor, torch.Tensor]:
+    k, h, dim = args.keys[i], args.hotness[i], c.dim
+    n = k.numel()
+    fmt = row_format_of(c)
+    off = args.out_offsets[i]
+    slot, inside = c.home_slots(k)
+    hit = inside & (c.tags.view(-1).index_select(0, slot) != 0)
+    if h > 0:
+        hit &= k >= 0
+    sl = torch.where(hit, slot, -1)
+    hslot = slot[hit]
+    n_hits = int(hslot.numel())
+    unique_hits = _distinct(hslot, c.capacity)
+    empty = torch.zeros(0, dim)
+    if h == 0:
+        block = args.out[off : off + n * dim].view(n, dim)
+        gather_rows(c.storage, sl, fmt, dim, 0, block, compiled)
+        miss = torch.nonzero(~hit).squeeze(1)
+        return [int(miss.numel()), n_hits, unique_hits, n, 0], miss, empty
+    b = n // h
+    valid = (k >= 0).view(b, h)
+    n_valid = int(valid.sum())
+    bags = args.out.view(b, args.out_stride)[:, off : off + dim]
+    gather_rows(c.storage, sl, fmt, dim, h, bags, compiled)  # misses and padding skipped
+    if n_hits == n_valid:  # no miss: every bag complete
+        if args.mean[i]:
+            nv = valid.sum(1)
+            ok = nv > 0
+            bags[ok] = bags[ok] / nv[ok].to(torch.float32)[:, None]
+        return [0, n_hits, unique_hits, n_valid, 0], torch.zeros(0, dtype=torch.int64), empty
+    missed = valid & ~hit.view(b, h)
+    bag_missed = missed.any(1)
+    if args.mean[i]:
+        nv = valid.sum(1)
+        ok = ~bag_missed & (nv > 0)
+        bags[ok] = bags[ok] / nv[ok].to(torch.float32)[:, None]
+    pend_slots = sl.view(b, h)[bag_missed].reshape(-1)
+    pend = gather_rows(c.storage, pend_slots, fmt, dim, 0, None, compiled)
+    miss = torch.nonzero(missed.view(-1)).squeeze(1)
+    return [int(miss.numel()), n_hits, unique_hits, n_valid, 0], miss, pend
+
+
+def _subset(args: GatherArgs, idx: list[int]) -> GatherArgs:
+    """``args`` for the tables ``idx`` only (same output buffer)."""
+
+    def pick(xs: Sequence[_T]) -> list[_T]:
+        return [xs[j] for j in idx]
+
+    return GatherArgs(
+        caches=pick(args.caches),
+        keys=pick(args.keys),
+        out=args.out,
+        out_offsets=pick(args.out_offsets),
+        out_stride=args.out_stride,
+        hotness=pick(args.hotness),
+        mean=pick(args.mean),
+        stamps=pick(args.stamps),
+        streams=pick(args.streams),
+        looked_up=pick(args.looked_up),
+        intervals=pick(args.intervals),
+    )
+
+
+def gather_any(args: GatherArgs, compiled: bool = True) -> GatherResult:
+    """:func:`hps.fused.gather` for any mix of caches: the static ones through
+    :func:`gather_static`, the set-associative ones through :func:`hps.fused.gather`, the
+    results in table order (misses table after table, as one pass gives them)."""
+    static = [j for j, c in enumerate(args.caches) if isinstance(c, StaticEmbeddingCache)]
+    if not static:
+        return gather(args, compiled=compiled)
+    if len(static) == len(args.caches):
+        return gather_static(args, compiled)
+    dynamic = [j for j in range(len(args.caches)) if j not in set(static)]
+    parts = [
+        (static, gather_static(_subset(args, static), compiled)),
+        (dynamic, gather(_subset(args, dynamic), compiled=compiled)),
+    ]
+    t = len(args.caches)
+    per = torch.zeros(t, 5, dtype=torch.int64)
+    misses: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64)] * t
+    pending: list[torch.Tensor] = [torch.zeros(0)] * t
+    for idx, res in parts:
+        per[idx] = res.per_table
+        chunks = res.misses.split(res.per_table[:, 0].tolist())
+        for j, m, p in zip(idx, chunks, res.pending, strict=True):
+            misses[j], pending[j] = m, p
+    return GatherResult(torch.cat(misses), per, pending)

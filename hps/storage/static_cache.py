@@ -166,8 +166,7 @@ class StaticEmbeddingCache(EmbeddingCache):
             if not new.any():
                 return Placed.none(self.storage)
             tgt, nk = slot[new], keys[new]
-            self._widen_for(nk)
-            self.keys.view(-1)[tgt] = nk.to(self.keys.dtype)
+            self._write_keys(tgt, nk)
             tags[tgt] = tag_of(nk)
             self.storage[tgt] = values[new]
             self._set_homed(tgt, False)

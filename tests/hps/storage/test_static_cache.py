@@ -150,7 +150,9 @@ def test_parameter_server_builds_full_static_caches_that_updates_reach(tmp_path:
         assert v.stored_rows("t") == 0 and c.homed_rows() == n  # each row held once
         tiers = s.held_bytes("t").tiers
         assert tiers[Tier.CACHE] == TierBytes(n, n * 4 * dim, c.nbytes(), n)
-        assert c.nbytes() == n * (4 * dim + 4 + 1 + 1) + -(-n // 8) + 8 * n  # SORTED index
+        # rows, int32 keys, tags, counters, homed bits, the SORTED index (8 B per row) and the
+        # one high 32-bit word every key shares (8 B for the whole cache)
+        assert c.nbytes() == n * (4 * dim + 4 + 1 + 1) + -(-n // 8) + 8 * n + 8
         q = torch.from_numpy(keys)
         assert torch.equal(s.lookup("t", q), torch.from_numpy(rows))
         upd = np.full((n, dim), 5.0, np.float32)

@@ -31,6 +31,13 @@ OBS_BLOCK = 128
 OBC_STEPS = 32
 
 
+def _pruned_before(i: int, sparsity: float) -> int:
+    """How many of an output's first ``i`` inputs the per-output mask prunes:
+    ``i - round(i·(1 - sparsity))``, the count of :func:`~tilesparse.patterns.ew_per_output_mask`
+    at ``K = i`` (non-decreasing in ``i``, by at most 1 per input)."""
+    return i - round(i * (1.0 - sparsity))
+
+
 @torch.no_grad()
 def sparsegpt(
     weight_kn: torch.Tensor,
@@ -81,7 +88,9 @@ def sparsegpt(
         saliency = w1.pow(2) / u1.diagonal().pow(2).unsqueeze(0)
         m1 = torch.ones(w1.shape, dtype=torch.bool)
         if per_output:
-            drop = round(saliency.shape[1] * sparsity)
+            # the block's share of each output's total, so every output drops exactly what
+            # ew_per_output_mask drops, K - round(K·(1 - sparsity)), whatever the block cuts
+            drop = _pruned_before(i2, sparsity) - _pruned_before(i1, sparsity)
             if drop:
                 m1.scatter_(1, saliency.argsort(dim=1, stable=True)[:, :drop], False)
         else:

@@ -359,3 +359,17 @@ def test_tile_obs_keeps_whole_rows_per_tile_with_their_least_squares_weights() -
     assert not out[~mask].any()
     with pytest.raises(ValueError, match="tile must be a positive integer"):
         tilesparse.tile_obs(w, gram, 0.5, damping=0.1, tile=0)
+
+
+@pytest.mark.parametrize("sparsity", [0.3, 0.7])
+def test_sparsegpt_per_output_prunes_the_exact_count_of_every_output(sparsity: float) -> None:
+    """``K = 384`` spans three blocks of 128: every output still drops exactly the count of
+    Wanda's per-output mask, ``K - round(K·(1 - s))`` (115 at 0.3, 269 at 0.7), not the
+    per-block rounded ``3 · round(128·s)``."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(384, 32, generator=g).double()
+    x = torch.randn(512, 384, generator=g).double()
+    mask, _ = tilesparse.sparsegpt(w, x.T @ x, sparsity, 0.1, per_output=True)
+    wanda = tilesparse.ew_per_output_mask(w.abs(), sparsity)
+    assert torch.equal(mask.sum(0), wanda.sum(0))
+    assert torch.equal(mask.sum(0), torch.full((32,), 384 - round(384 * sparsity)))

@@ -161,31 +161,27 @@ def tile_obs(
     h.diagonal().add_(damping * float(h.diagonal().mean()))
     hinv0 = torch.cholesky_inverse(torch.linalg.cholesky(h))
     drop = round(k * sparsity)
-    starts = list(range(0, n, tile))
-    hinv = hinv0.unsqueeze(0).repeat(len(starts), 1, 1)  # (T, K, K)
-    ws = [w[:, s : s + tile].clone() for s in starts]
-    alive = torch.ones(len(starts), k, dtype=torch.bool)
-    step = max(1, math.ceil(drop / OBC_STEPS))
-    done = 0
-    while done < drop:
-        c = min(step, drop - done)
-        diag = hinv.diagonal(dim1=1, dim2=2)  # (T, K)
-        energy = torch.stack([x.pow(2).sum(1) for x in ws])  # (T, K)
-        cost = torch.where(alive, energy / diag.clamp_min(1e-300), torch.inf)
-        r = cost.topk(c, dim=1, largest=False).indices  # (T, c)
-        for t, x in enumerate(ws):
-            rt = r[t]
-            cols = hinv[t][:, rt]  # (K, c): H⁻¹[:, R]
-            inv = torch.linalg.inv(cols[rt])  # ([H⁻¹]_RR)⁻¹
-            x -= cols @ (inv @ x[rt])
-            x[rt] = 0.0
-            hinv[t] -= cols @ inv @ cols.T
-            hinv[t][rt, :] = 0.0
-            hinv[t][:, rt] = 0.0
-            alive[t, rt] = False
-        done += c
     mask = torch.zeros(k, n, dtype=torch.bool)
-    for t, s in enumerate(starts):
-        mask[:, s : s + tile] = alive[t].unsqueeze(1)
-        w[:, s : s + tile] = ws[t] * alive[t].unsqueeze(1)
+    step = max(1, math.ceil(drop / OBC_STEPS))
+    for s in range(0, n, tile):
+        # one tile at a time, one (K, K) inverse alive: the tiles never interact
+        x = w[:, s : s + tile]  # a view: the tile's weights are updated in place
+        hinv = hinv0.clone()
+        alive = torch.ones(k, dtype=torch.bool)
+        done = 0
+        while done < drop:
+            c = min(step, drop - done)
+            cost = x.pow(2).sum(1) / hinv.diagonal().clamp_min(1e-300)
+            r = torch.where(alive, cost, torch.inf).topk(c, largest=False).indices
+            cols = hinv[:, r]  # (K, c): H⁻¹[:, R]
+            inv = torch.linalg.inv(cols[r])  # ([H⁻¹]_RR)⁻¹
+            x -= cols @ (inv @ x[r])
+            x[r] = 0.0
+            hinv -= cols @ inv @ cols.T
+            hinv[r, :] = 0.0
+            hinv[:, r] = 0.0
+            alive[r] = False
+            done += c
+        x.mul_(alive.unsqueeze(1))
+        mask[:, s : s + tile] = alive.unsqueeze(1)
     return mask, w.to(weight_kn.dtype).contiguous()

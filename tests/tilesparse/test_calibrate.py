@@ -262,8 +262,8 @@ def _fit_rows(x: torch.Tensor) -> torch.Tensor:
 
 def test_ew_with_calibration_defaults_to_sparsegpt_or_wanda_without_refit() -> None:
     """EW, default config plus calibration: each layer takes SparseGPT (damping 0.1 on the
-    fit samples, saliencies compared within each output) or Wanda's per-output mask with the dense weights, whichever has the lower
-    held-out error; no per-column refit."""
+    fit samples, saliencies compared within each output) or Wanda's per-output mask with the
+    dense weights, whichever has the lower held-out error; no per-column refit."""
     torch.manual_seed(0)
     mix = torch.randn(3, 8) * torch.tensor([1.0, 8, 1, 8, 2, 4, 1, 8])
     g = torch.Generator().manual_seed(1)

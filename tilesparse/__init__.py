@@ -14,7 +14,9 @@ kernels.
 Where things are: ``config`` (frozen configs, JSON/YAML), ``patterns`` (masks from scores),
 ``importance``, ``calibrate`` (input statistics through hooks, split into fit and held-out
 samples, and the least-squares reconstruction), ``refit`` (the per-layer choice of mask,
-refit and damping on held-out samples behind ``prune_(..., calibration=...)``), ``schedule``,
+refit and damping on held-out samples behind ``prune_(..., calibration=...)``), ``obs``
+(optimal brain surgeon from the inputs' Gram: :func:`sparsegpt`, EW, and :func:`tile_obs`, TW
+rows only), ``schedule``,
 ``pruner`` (:class:`TileSparsePruner`), ``oneshot`` (:func:`prune_`), ``callback`` (the pruner
 as a trainer callback), ``distill`` (:func:`distill_`: fine-tuning toward the dense model
 without labels), ``format`` (the condensed layout, :class:`TWLayout`), ``linear``

@@ -1,17 +1,35 @@
-"""SparseGPT (Frantar & Alistarh 2023, "SparseGPT: Massive Language Models Can Be Accurately
-Pruned in One-Shot"): an unstructured mask and the kept weights chosen together from the
-inverse of the inputs' Gram matrix, input by input (optimal brain surgeon updates).
+"""Optimal-brain-surgeon pruning of one layer from its inputs' Gram matrix: the mask and the
+kept weights chosen together, so the kept weights absorb what the pruned ones contributed on
+the calibration inputs.
 
-With ``W`` the dense ``(K, N)`` weight (K inputs, in order) and ``H = Σ Xᵀ·X + λ·I``, let
-``U`` be the upper Cholesky factor of ``H⁻¹``. Inputs are visited in blocks of ``B``; in each
-block every output column drops the weights with the lowest saliency ``w[k, n]² / U[k, k]²``
-over the block (the block's share of the target), then input by input the pruned weight's
-error ``e = (w - q) / U[k, k]`` is spread over the later inputs of the same output::
+:func:`sparsegpt` (Frantar & Alistarh 2023, "SparseGPT: Massive Language Models Can Be
+Accurately Pruned in One-Shot") gives an unstructured (EW) mask. With ``W`` the dense
+``(K, N)`` weight (K inputs, in order) and ``H = Σ Xᵀ·X + λ·I``, let ``U`` be the upper
+Cholesky factor of ``H⁻¹``. Inputs are visited in blocks of ``B``; in each block the weights
+with the lowest saliency ``w[k, n]² / U[k, k]²`` are dropped, then input by input the pruned
+weight's error ``e = (w - q) / U[k, k]`` is spread over the later inputs of the same output::
 
     W[k', n] -= e[n] · U[k, k']          for k' > k
 
-so the kept weights absorb what the pruned ones contributed, on the calibration inputs.
-Cost: one ``K × K`` Cholesky and ``O(K²·N)`` updates per layer.
+The comparison group is either the whole block (``round(B·N·s)`` weights of the block) or,
+with ``per_output=True``, each output's part of the block (Wanda's group): output ``n`` drops
+exactly ``K - round(K·(1 - s))`` weights in all, the count of
+:func:`~tilesparse.patterns.ew_per_output_mask`, its blocks' shares cut from the running total
+so no block's rounding adds up. Cost: one ``K × K`` Cholesky and ``O(K²·N)`` updates.
+
+:func:`tile_obs` gives a TW rows-only mask: the ``N`` outputs are cut into tiles of ``G``
+columns, and each tile removes the same number of whole input rows, greedily by the rise of
+the tile's output error, updating its other rows to absorb each removal (OBC, Frantar &
+Alistarh 2022, on row segments). For example ``K = 4``, ``N = 4``, ``G = 2``, ``s = 0.5``:
+each tile keeps 2 whole rows, chosen per tile::
+
+    x x . .       tile 0 (columns 0, 1) keeps rows 0 and 2
+    . . x x       tile 1 (columns 2, 3) keeps rows 1 and 3
+    x x . .
+    . . x x
+
+Both treat an input whose Gram diagonal is <= 0 (never non-zero in the calibration) as dead:
+its weights become zero.
 """
 
 from __future__ import annotations
@@ -25,10 +43,60 @@ __all__ = ["OBS_BLOCK", "OBC_STEPS", "sparsegpt", "tile_obs"]
 # Inputs per block whose masks are chosen together (SparseGPT's "lazy batch" and adaptive
 # mask selection block, 128 in the paper).
 OBS_BLOCK = 128
-# Removal steps of :func:`tile_obs` per tile: the rows are removed in this many groups (each
-# group the cheapest rows under the current inverse, one block update), not one at a time;
-# K rank-one updates of a (K, K) inverse per tile cost minutes at K = 1536.
+# :func:`tile_obs` removes each tile's rows in at most this many groups: each group is the
+# rows cheapest under the current inverse, removed with one block update. The arithmetic is
+# the same O(K²·removed) as removing them one at a time, done in 32 matrix-matrix steps
+# instead of one rank-one step per removed row.
 OBC_STEPS = 32
+
+
+def _pruned_before(i: int, sparsity: float) -> int:
+    """How many of an output's first ``i`` inputs the per-output mask prunes:
+    ``i - round(i·(1 - sparsity))``, the count of :func:`~tilesparse.patterns.ew_per_output_mask`
+    at ``K = i`` (non-decreasing in ``i``, by at most 1 per input)."""
+    return i - round(i * (1.0 - sparsity))
+
+
+def _damped_inverse(
+    fn: str,
+    weight_kn: torch.Tensor,
+    gram: torch.Tensor,
+    sparsity: float,
+    damping: float,
+    layer: str | None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Checks the arguments; returns ``(W, H⁻¹)``: the ``(K, N)`` float64 weight with dead
+    inputs zeroed and the inverse of the damped Gram (module docstring)."""
+    where = fn if layer is None else f"{fn}: layer {layer!r}"
+    if weight_kn.dim() != 2:
+        raise ValueError(f"{where}: weight must be (K, N), got {tuple(weight_kn.shape)}")
+    k = weight_kn.shape[0]
+    if tuple(gram.shape) != (k, k):
+        raise ValueError(f"{where}: gram {tuple(gram.shape)} must be (K, K) = ({k}, {k})")
+    if not 0.0 <= sparsity < 1.0:
+        raise ValueError(f"{where}: sparsity must be in [0, 1), got {sparsity!r}")
+    if not (math.isfinite(damping) and damping > 0):
+        raise ValueError(f"{where}: damping must be finite and > 0, got {damping!r}")
+    for what, t in (("weight", weight_kn), ("gram", gram)):
+        bad = int((~torch.isfinite(t)).sum())
+        if bad:
+            raise ValueError(
+                f"{where}: {what} has {bad} non-finite entries of {t.numel()}; expected all finite"
+            )
+    w = weight_kn.detach().double().cpu().clone()
+    h = gram.detach().double().cpu().clone()
+    dead = h.diagonal() <= 0
+    h[dead, dead] = 1.0
+    w[dead] = 0.0
+    h.diagonal().add_(damping * float(h.diagonal().mean()))
+    chol, info = torch.linalg.cholesky_ex(h)
+    if int(info):
+        raise ValueError(
+            f"{where}: the damped gram is not positive definite (its leading minor of order "
+            f"{int(info)} is not positive); a Gram Σ Xᵀ·X is positive semi-definite: check "
+            f"the gram, or raise the damping above {damping!r}"
+        )
+    return w, torch.cholesky_inverse(chol)
 
 
 @torch.no_grad()
@@ -39,6 +107,7 @@ def sparsegpt(
     damping: float,
     block: int = OBS_BLOCK,
     per_output: bool = False,
+    layer: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """An unstructured mask at ``sparsity`` and the kept weights (module docstring).
 
@@ -51,28 +120,28 @@ def sparsegpt(
         per_output: compare saliencies within each output's part of the block (every output
             keeps the same share of each block, Wanda's comparison group) instead of over the
             whole block.
+        layer: the layer's name, for messages.
 
     Returns:
         ``(mask_kn, weight_kn)``: ``(K, N) bool`` and the weights in ``weight_kn.dtype``, zero
         where the mask is False. Inputs that were always zero get zero weights.
 
     Raises:
-        ValueError: for mismatched shapes, a sparsity outside [0, 1) or a damping <= 0.
+        ValueError: naming the bad value, for mismatched shapes, a sparsity outside [0, 1), a
+            damping <= 0, non-finite entries in the weight or the Gram (with their count), or
+            a Gram that is not positive definite after damping.
     """
-    k, n = weight_kn.shape
-    if tuple(gram.shape) != (k, k):
-        raise ValueError(f"sparsegpt: gram {tuple(gram.shape)} must be (K, K) = ({k}, {k})")
-    if not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"sparsegpt: sparsity must be in [0, 1), got {sparsity!r}")
-    if not (math.isfinite(damping) and damping > 0):
-        raise ValueError(f"sparsegpt: damping must be finite and > 0, got {damping!r}")
-    w = weight_kn.detach().double().cpu().T.clone()  # (N, K): one row per output
-    h = gram.detach().double().cpu().clone()
-    dead = h.diagonal() <= 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0.0
-    h.diagonal().add_(damping * float(h.diagonal().mean()))
-    u = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
+    w_kn, hinv = _damped_inverse("sparsegpt", weight_kn, gram, sparsity, damping, layer)
+    k = w_kn.shape[0]
+    w = w_kn.T.contiguous()  # (N, K): one row per output
+    u, info = torch.linalg.cholesky_ex(hinv, upper=True)
+    if int(info):
+        where = "sparsegpt" if layer is None else f"sparsegpt: layer {layer!r}"
+        raise ValueError(
+            f"{where}: the inverse of the damped gram has no Cholesky factor (leading minor "
+            f"of order {int(info)}); the gram is too ill-conditioned: raise the damping above "
+            f"{damping!r}"
+        )
     mask = torch.ones(w.shape, dtype=torch.bool)
     for i1 in range(0, k, block):
         i2 = min(i1 + block, k)
@@ -81,7 +150,9 @@ def sparsegpt(
         saliency = w1.pow(2) / u1.diagonal().pow(2).unsqueeze(0)
         m1 = torch.ones(w1.shape, dtype=torch.bool)
         if per_output:
-            drop = round(saliency.shape[1] * sparsity)
+            # the block's share of each output's total, so every output drops exactly what
+            # ew_per_output_mask drops, K - round(K·(1 - sparsity)), whatever the block cuts
+            drop = _pruned_before(i2, sparsity) - _pruned_before(i1, sparsity)
             if drop:
                 m1.scatter_(1, saliency.argsort(dim=1, stable=True)[:, :drop], False)
         else:
@@ -108,17 +179,23 @@ def tile_obs(
     sparsity: float,
     damping: float,
     tile: int,
+    layer: str | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """TW rows-only mask and kept weights by structured optimal brain surgeon (OBC's greedy
     removal, Frantar & Alistarh 2022, applied to row segments): the output columns are cut
-    into tiles of ``tile`` consecutive columns, and inside each tile whole input rows are
-    removed one at a time, always the row whose removal raises the tile's output error least,
-    ``‖W[k, C]‖² / [H⁻¹]_kk``, the tile's remaining rows updated to absorb it::
+    into tiles ``C`` of ``tile`` consecutive columns, and each tile removes
+    ``round(K · sparsity)`` whole input rows (keeps ``K - round(K · sparsity)``). The removal
+    runs in at most :data:`OBC_STEPS` groups of ``c = ceil(removed / OBC_STEPS)`` rows (the
+    last may be smaller): each group is the ``c`` alive rows whose removal alone raises the
+    tile's output error least under the current inverse, ``‖W[k, C]‖² / [H⁻¹]_kk``, removed
+    together, the tile's other rows updated to absorb them (``R`` the group)::
 
-        W[:, C] -= H⁻¹[:, k] · W[k, C] / [H⁻¹]_kk      H⁻¹ -= H⁻¹[:, k] · H⁻¹[k, :] / [H⁻¹]_kk
+        W[:, C] -= H⁻¹[:, R] · ([H⁻¹]_RR)⁻¹ · W[R, C]
+        H⁻¹     -= H⁻¹[:, R] · ([H⁻¹]_RR)⁻¹ · H⁻¹[R, :]
 
-    so each tile ends with the damped least-squares weights of the rows it keeps. Every tile
-    keeps ``round(K · (1 - sparsity))`` rows.
+    so each tile ends with the damped least-squares weights of the rows it keeps (the group
+    is chosen by the one-row cost, so the rows kept may differ from strictly one-at-a-time
+    removal when ``c > 1``).
 
     Args:
         weight_kn: ``(K, N)`` the dense weight.
@@ -126,57 +203,44 @@ def tile_obs(
         sparsity: the fraction of each tile's rows removed, in [0, 1).
         damping: ``λ / mean(diag H)``, > 0.
         tile: ``G``, output columns per tile (> 0; the last tile may be narrower).
+        layer: the layer's name, for messages.
 
     Returns:
         ``(mask_kn, weight_kn)``: ``(K, N) bool`` (a TW mask with column share 0) and the
         weights in ``weight_kn.dtype``, zero where the mask is False.
 
     Raises:
-        ValueError: for mismatched shapes, a sparsity outside [0, 1), a damping <= 0 or a tile
-            <= 0.
+        ValueError: naming the bad value, for mismatched shapes, a sparsity outside [0, 1), a
+            damping <= 0, a tile <= 0, non-finite entries in the weight or the Gram (with their
+            count), or a Gram that is not positive definite after damping.
     """
-    k, n = weight_kn.shape
-    if tuple(gram.shape) != (k, k):
-        raise ValueError(f"tile_obs: gram {tuple(gram.shape)} must be (K, K) = ({k}, {k})")
-    if not 0.0 <= sparsity < 1.0:
-        raise ValueError(f"tile_obs: sparsity must be in [0, 1), got {sparsity!r}")
-    if not (math.isfinite(damping) and damping > 0):
-        raise ValueError(f"tile_obs: damping must be finite and > 0, got {damping!r}")
     if isinstance(tile, bool) or not isinstance(tile, int) or tile <= 0:
-        raise ValueError(f"tile_obs: tile must be a positive integer, got {tile!r}")
-    w = weight_kn.detach().double().cpu().clone()
-    h = gram.detach().double().cpu().clone()
-    dead = h.diagonal() <= 0
-    h[dead, dead] = 1.0
-    w[dead] = 0.0
-    h.diagonal().add_(damping * float(h.diagonal().mean()))
-    hinv0 = torch.cholesky_inverse(torch.linalg.cholesky(h))
+        where = "tile_obs" if layer is None else f"tile_obs: layer {layer!r}"
+        raise ValueError(f"{where}: tile must be a positive integer, got {tile!r}")
+    w, hinv0 = _damped_inverse("tile_obs", weight_kn, gram, sparsity, damping, layer)
+    k, n = w.shape
     drop = round(k * sparsity)
-    starts = list(range(0, n, tile))
-    hinv = hinv0.unsqueeze(0).repeat(len(starts), 1, 1)  # (T, K, K)
-    ws = [w[:, s : s + tile].clone() for s in starts]
-    alive = torch.ones(len(starts), k, dtype=torch.bool)
-    step = max(1, math.ceil(drop / OBC_STEPS))
-    done = 0
-    while done < drop:
-        c = min(step, drop - done)
-        diag = hinv.diagonal(dim1=1, dim2=2)  # (T, K)
-        energy = torch.stack([x.pow(2).sum(1) for x in ws])  # (T, K)
-        cost = torch.where(alive, energy / diag.clamp_min(1e-300), torch.inf)
-        r = cost.topk(c, dim=1, largest=False).indices  # (T, c)
-        for t, x in enumerate(ws):
-            rt = r[t]
-            cols = hinv[t][:, rt]  # (K, c): H⁻¹[:, R]
-            inv = torch.linalg.inv(cols[rt])  # ([H⁻¹]_RR)⁻¹
-            x -= cols @ (inv @ x[rt])
-            x[rt] = 0.0
-            hinv[t] -= cols @ inv @ cols.T
-            hinv[t][rt, :] = 0.0
-            hinv[t][:, rt] = 0.0
-            alive[t, rt] = False
-        done += c
     mask = torch.zeros(k, n, dtype=torch.bool)
-    for t, s in enumerate(starts):
-        mask[:, s : s + tile] = alive[t].unsqueeze(1)
-        w[:, s : s + tile] = ws[t] * alive[t].unsqueeze(1)
+    step = max(1, math.ceil(drop / OBC_STEPS))
+    for s in range(0, n, tile):
+        # one tile at a time, one (K, K) inverse alive: the tiles never interact
+        x = w[:, s : s + tile]  # a view: the tile's weights are updated in place
+        hinv = hinv0.clone()
+        alive = torch.ones(k, dtype=torch.bool)
+        done = 0
+        while done < drop:
+            c = min(step, drop - done)
+            cost = x.pow(2).sum(1) / hinv.diagonal().clamp_min(1e-300)
+            r = torch.where(alive, cost, torch.inf).topk(c, largest=False).indices
+            cols = hinv[:, r]  # (K, c): H⁻¹[:, R]
+            inv = torch.linalg.inv(cols[r])  # ([H⁻¹]_RR)⁻¹
+            x -= cols @ (inv @ x[r])
+            x[r] = 0.0
+            hinv -= cols @ inv @ cols.T
+            hinv[r, :] = 0.0
+            hinv[:, r] = 0.0
+            alive[r] = False
+            done += c
+        x.mul_(alive.unsqueeze(1))
+        mask[:, s : s + tile] = alive.unsqueeze(1)
     return mask, w.to(weight_kn.dtype).contiguous()

@@ -294,6 +294,7 @@ def fit_layer(
             _layer_sparsity(current, search),
             search.obs_damping,
             per_output=OBS_PER_OUTPUT,
+            layer=fqn,
         )
         if not bool(torch.isfinite(fitted).all()):
             raise CalibrationError(f"layer {fqn!r}: the SparseGPT weights are not finite")

@@ -251,46 +251,16 @@ def sparsegpt_prune(
     h: torch.Tensor | None = None,
     per_output: bool = False,
 ) -> torch.Tensor:
-    """SparseGPT (Frantar & Alistarh 2023): columns (inputs) in order, each pruned weight's
-    error spread over the later inputs through the inverse Hessian's Cholesky factor; masks
-    chosen per block of ``block`` inputs by ``w² / [H⁻¹]_kk²`` (``per_output``: within each
-    output's part of the block). ``h`` replaces ``g``'s input Gram when given."""
-    w = layer.weight.detach().double().clone()  # (N, K)
+    """SparseGPT through the library's :func:`tilesparse.sparsegpt` (masks chosen per block of
+    ``block`` inputs, ``per_output``: within each output's part of the block); the layer's
+    weight is replaced by the kept weights. ``h`` replaces ``g``'s input Gram when given.
+    Returns the ``(N, K)`` mask."""
     if h is None:
         if g is None:
             raise ValueError("sparsegpt_prune: pass a Gram g or an input Gram h")
         h = g.h
-    h = h.clone()
-    dead = h.diagonal() <= 0
-    h[dead, dead] = 1.0
-    w[:, dead] = 0
-    h.diagonal().add_(_ridge(h, damping))
-    hinv = torch.linalg.cholesky(torch.cholesky_inverse(torch.linalg.cholesky(h)), upper=True)
-    k = w.shape[1]
-    mask = torch.ones_like(w, dtype=torch.bool)
-    for i1 in range(0, k, block):
-        i2 = min(i1 + block, k)
-        w1 = w[:, i1:i2].clone()
-        q1 = torch.zeros_like(w1)
-        err1 = torch.zeros_like(w1)
-        h1 = hinv[i1:i2, i1:i2]
-        tmp = w1.pow(2) / h1.diagonal().pow(2).unsqueeze(0)
-        if per_output:  # every output keeps the same share of the block's inputs
-            drop = tmp.argsort(dim=1)[:, : round(tmp.shape[1] * sparsity)]
-            m1 = torch.ones_like(tmp, dtype=torch.bool).scatter_(1, drop, False)
-        else:
-            thr = tmp.flatten().sort().values[int(tmp.numel() * sparsity)]
-            m1 = tmp > thr
-        for i in range(i2 - i1):
-            col = w1[:, i]
-            d = h1[i, i]
-            q = col * m1[:, i]
-            q1[:, i] = q
-            e = (col - q) / d
-            w1[:, i:] -= e.unsqueeze(1) * h1[i, i:].unsqueeze(0)
-            err1[:, i] = e
-        w[:, i1:i2] = q1
-        mask[:, i1:i2] = m1
-        w[:, i2:] -= err1 @ hinv[i1:i2, i2:]
-    layer.weight.copy_(w.float())
-    return mask
+    mask_kn, w_kn = tilesparse.sparsegpt(
+        layer.weight.detach().T, h, sparsity, damping, block=block, per_output=per_output
+    )
+    layer.weight.copy_(w_kn.T)
+    return mask_kn.T.contiguous()

@@ -262,8 +262,8 @@ def _fit_rows(x: torch.Tensor) -> torch.Tensor:
 
 def test_ew_with_calibration_defaults_to_sparsegpt_or_wanda_without_refit() -> None:
     """EW, default config plus calibration: each layer takes SparseGPT (damping 0.1 on the
-    fit samples, saliencies compared within each output) or Wanda's per-output mask with the dense weights, whichever has the lower
-    held-out error; no per-column refit."""
+    fit samples, saliencies compared within each output) or Wanda's per-output mask with the
+    dense weights, whichever has the lower held-out error; no per-column refit."""
     torch.manual_seed(0)
     mix = torch.randn(3, 8) * torch.tensor([1.0, 8, 1, 8, 2, 4, 1, 8])
     g = torch.Generator().manual_seed(1)
@@ -359,3 +359,83 @@ def test_tile_obs_keeps_whole_rows_per_tile_with_their_least_squares_weights() -
     assert not out[~mask].any()
     with pytest.raises(ValueError, match="tile must be a positive integer"):
         tilesparse.tile_obs(w, gram, 0.5, damping=0.1, tile=0)
+
+
+@pytest.mark.parametrize("sparsity", [0.3, 0.7])
+def test_sparsegpt_per_output_prunes_the_exact_count_of_every_output(sparsity: float) -> None:
+    """``K = 384`` spans three blocks of 128: every output still drops exactly the count of
+    Wanda's per-output mask, ``K - round(K·(1 - s))`` (115 at 0.3, 269 at 0.7), not the
+    per-block rounded ``3 · round(128·s)``."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(384, 32, generator=g).double()
+    x = torch.randn(512, 384, generator=g).double()
+    mask, _ = tilesparse.sparsegpt(w, x.T @ x, sparsity, 0.1, per_output=True)
+    wanda = tilesparse.ew_per_output_mask(w.abs(), sparsity)
+    assert torch.equal(mask.sum(0), wanda.sum(0))
+    assert torch.equal(mask.sum(0), torch.full((32,), 384 - round(384 * sparsity)))
+
+
+def test_tile_obs_in_groups_ends_with_the_least_squares_weights_of_the_kept_rows() -> None:
+    """``K = 100`` at 0.5 removes 50 rows per tile, more than ``OBC_STEPS``: the rows go in
+    groups of 2, and every tile still ends with the least-squares fit (``lstsq``) of its dense
+    outputs on the 50 rows it keeps."""
+    g = torch.Generator().manual_seed(3)
+    x = torch.randn(400, 100, generator=g).double()
+    w = torch.randn(100, 6, generator=g).double()
+    mask, out = tilesparse.tile_obs(w, x.T @ x, 0.5, damping=1e-10, tile=3)
+    assert torch.equal(mask.sum(0), torch.full((6,), 50))
+    for cols in ([0, 1, 2], [3, 4, 5]):
+        rows = mask[:, cols[0]].nonzero().flatten()
+        assert torch.equal(mask[:, cols], mask[:, cols[:1]].expand(100, 3))
+        ls = torch.linalg.lstsq(x[:, rows], x @ w[:, cols]).solution
+        torch.testing.assert_close(out[rows][:, cols], ls, atol=1e-6, rtol=1e-6)
+    assert not out[~mask].any()
+
+
+def test_tile_obs_on_a_diagonal_gram_drops_the_rows_of_least_damped_energy() -> None:
+    """Uncorrelated inputs: no removal moves another row's weights, so each tile drops the
+    rows with the smallest ``‖W[k, C]‖²·(H_kk + λ)``, ``λ = damping · mean(diag H)``, and keeps
+    the dense weights; sparsity 0 is the identity."""
+    g = torch.Generator().manual_seed(4)
+    w = torch.randn(40, 5, generator=g)
+    hd = torch.rand(40, generator=g).double() * 4 + 0.1
+    damping = 0.5
+    mask, out = tilesparse.tile_obs(w, torch.diag(hd), 0.3, damping=damping, tile=2)
+    lam = damping * float(hd.mean())
+    expected = torch.zeros(40, 5, dtype=torch.bool)
+    for s in (0, 2, 4):
+        cost = w[:, s : s + 2].double().pow(2).sum(1) * (hd + lam)
+        keep = cost.argsort(descending=True)[: 40 - 12]  # round(40 · 0.3) = 12 dropped
+        expected[keep, s : s + 2] = True
+    assert torch.equal(mask, expected)
+    torch.testing.assert_close(out, w * mask, atol=1e-6, rtol=1e-6)
+    full, same = tilesparse.tile_obs(w, torch.diag(hd), 0.0, damping=damping, tile=2)
+    assert bool(full.all()) and torch.equal(same, w)
+
+
+@pytest.mark.parametrize("fn", ["sparsegpt", "tile_obs"])
+def test_obs_rejects_bad_arguments_naming_them(fn: str) -> None:
+    w = torch.randn(4, 3)
+    h = torch.eye(4, dtype=torch.float64)
+    extra = {"tile": 2} if fn == "tile_obs" else {}
+
+    def call(w: torch.Tensor, h: torch.Tensor, s: float = 0.5, d: float = 0.1) -> object:
+        return getattr(tilesparse, fn)(w, h, s, d, layer="enc.fc1", **extra)
+
+    with pytest.raises(ValueError, match=r"gram \(3, 3\) must be \(K, K\) = \(4, 4\)"):
+        call(w, torch.eye(3))
+    with pytest.raises(ValueError, match=r"sparsity must be in \[0, 1\), got 1.0"):
+        call(w, h, s=1.0)
+    with pytest.raises(ValueError, match="damping must be finite and > 0, got nan"):
+        call(w, h, d=float("nan"))
+    bad_w = w.clone()
+    bad_w[1, 2] = float("inf")
+    with pytest.raises(ValueError, match="layer 'enc.fc1': weight has 1 non-finite entries of 12"):
+        call(bad_w, h)
+    bad_h = h.clone()
+    bad_h[0, 1] = bad_h[1, 0] = float("nan")
+    with pytest.raises(ValueError, match="layer 'enc.fc1': gram has 2 non-finite entries of 16"):
+        call(w, bad_h)
+    indefinite = torch.tensor([[1.0, 2, 0, 0], [2, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]])
+    with pytest.raises(ValueError, match="damped gram is not positive definite"):
+        call(w, indefinite.double())

@@ -20,7 +20,8 @@ read or written, so the cost is ``O(nnz · dim)`` whatever ``num_rows`` is:
   (``s`` is ``(num_rows, dim)``; exactly ``torch.optim.Adagrad`` on the dense gradient, whose
   other rows are zero and would not move)
 - ``rowwise_adagrad``: ``s[r] += mean(g²)``,    ``w[r] -= lr · g / (sqrt(s[r]) + eps)``
-  (``s`` is ``(num_rows,)``; FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``)
+  (``s`` is ``(num_rows,)``; FBGEMM's and TorchRec's ``EXACT_ROWWISE_ADAGRAD``; ``mean(g²)``
+  summed in the compiled kernel's fixed order, :func:`row_mean_squares`)
 - ``sgd``:             ``w[r] -= lr · g``
 
 An FP16 or BF16 table (``TrainConfig.table_dtype``) is updated in float32 (the touched rows
@@ -119,11 +120,11 @@ class RowOptimizer:
             s = state["sum"]
             acc = s[rows].addcmul_(grads, grads)
             s[rows] = acc
-            return acc.sqrt_().add_(self.eps)
+            return _sqrt_f32(acc).add_(self.eps)
         s = state["row_sum"]
-        acc = s[rows] + grads.square().mean(dim=1)
+        acc = s[rows] + row_mean_squares(grads)
         s[rows] = acc
-        return acc.sqrt_().add_(self.eps).unsqueeze(1)
+        return _sqrt_f32(acc).add_(self.eps).unsqueeze(1)
 
     def _apply_low_precision(
         self,
@@ -160,10 +161,51 @@ class RowOptimizer:
                 delta = delta.half().float()
             w = weight.index_select(0, at).float().add_(delta)
             if rounding is TableRounding.STOCHASTIC:
-                new = stochastic_round(w, weight.dtype, counter_bits(key, at, w.shape[1]))
+                # the bits are computed on the CPU; the rows may be on CUDA
+                bits = counter_bits(key, at, w.shape[1]).to(w.device)
+                new = stochastic_round(w, weight.dtype, bits)
             else:
                 new = w.to(weight.dtype)
             weight.index_copy_(0, at, new)
+
+
+def _sqrt_f32(x: torch.Tensor) -> torch.Tensor:
+    """IEEE float32 square root of ``x`` (the compiled kernel's ``sqrt``): taken in float64 and
+    rounded, which is the correctly rounded float32 result. torch's float32 ``sqrt`` on CPU
+    is off by one unit in the last place for some inputs (measured, torch 2.13), so the two
+    paths would differ."""
+    return x.double().sqrt_().to(x.dtype)
+
+
+#: lanes of :func:`row_mean_squares`' partial sums (the compiled kernel's: one AVX2 register)
+SQUARE_LANES = 8
+
+
+def row_mean_squares(grads: torch.Tensor) -> torch.Tensor:
+    """``mean(g²)`` of each row of ``grads`` ``(n, dim)`` float32 → ``(n,)``, summed in the
+    order the compiled kernel (``embark/csrc/half_rows.cpp``, ``sum_squares``) sums it, so
+    both give the same float32 bits:
+
+    1. the squares ``q = g · g``;
+    2. 8 lanes, lane ``l`` the sum of ``q[8j + l]`` over the whole groups of 8, ``j`` rising;
+    3. the lanes added pairwise: ``((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7))``;
+    4. the tail ``q[8 · (dim // 8):]`` added value by value, in order;
+    5. divided by ``dim``.
+
+    Every step is one elementwise float32 operation (torch's ``mean`` reduces in an order of
+    its own, which differs in the last bits).
+    """
+    q = grads * grads
+    dim = q.shape[1]
+    whole = dim - dim % SQUARE_LANES
+    lanes = q.new_zeros(q.shape[0], SQUARE_LANES)
+    for j in range(0, whole, SQUARE_LANES):
+        lanes.add_(q[:, j : j + SQUARE_LANES])
+    p = lanes.unbind(1)
+    total = ((p[0] + p[1]) + (p[2] + p[3])) + ((p[4] + p[5]) + (p[6] + p[7]))
+    for d in range(whole, dim):
+        total.add_(q[:, d])
+    return total.div_(dim)
 
 
 def row_gradients(

@@ -14,8 +14,13 @@
 //        sgd:             w += g * (-lr)
 //        rowwise_adagrad: s[r] += sum(g^2) / dim;   w += (g / (sqrt(s[r]) + eps)) * (-lr)
 //        adagrad:         s[r] += g * g;            w += (g / (sqrt(s[r]) + eps)) * (-lr)
-//      in float32 (the reference's operations in its order; built with -ffp-contract=off so
-//      no multiply-add is fused), and the new row rounded to the storage dtype.
+//      in float32, each operation correctly rounded (built with -ffp-contract=off so no
+//      multiply-add is fused; sqrt is IEEE's), and the new row rounded to the storage dtype.
+//      sum(g^2) runs in sum_squares' fixed order: 8 lanes (lane l over g[8j + l]^2, j rising),
+//      the lanes added ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then the dim % 8
+//      tail in order. The reference (sparse_rows.py: row_gradients, row_mean_squares,
+//      RowOptimizer.apply_) runs the same operations in the same order, so the two paths give
+//      the same rows and state bit for bit and a run may switch between them.
 //   3. stochastic rounding (rounding.py's rule): add k random bits (13 FP16, 16 BF16) to the
 //      float32 magnitude bits, clear them, saturate at the dtype's max; FP16 subnormals by
 //      the rule's definition in double; inf stays inf, NaN becomes torch's NaN of the dtype.
@@ -156,7 +161,8 @@ struct RowUpdate {
 };
 
 // sum(g[d]^2) in a fixed order whatever the build: 8 partial sums (lane d % 8 over the whole
-// groups of 8), added pairwise, then the tail in order.
+// groups of 8), added pairwise, then the tail in order (sparse_rows.py's row_mean_squares
+// computes the same sums with torch ops).
 inline float sum_squares(const float* g, int64_t dim) {
   float p[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   const int64_t whole = dim - dim % 8;

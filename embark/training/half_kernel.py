@@ -7,10 +7,13 @@ Adagrad: :class:`~embark.training.sparse_rows.RowOptimizer`'s update, operation 
 operation) and writes the row rounded stochastically (:mod:`embark.training.rounding`'s rule)
 with the counter-based bits of :func:`~embark.training.rounding.counter_bits` — one pass over
 each touched row, where the reference runs ``torch.unique``, ``index_add_``, gathers, the
-update and the rounding as separate passes. Given the same key both paths draw the same bits;
-the rows agree bit for bit wherever the float32 sums agree (the kernel sums a row's squared
-gradient in order, torch's ``mean`` vectorized: they can differ in the last bit of float32 —
-``tests/embark/training/test_half_kernel.py`` makes them exact with dyadic gradients).
+update and the rounding as separate passes. Given the same key both paths draw the same bits
+and run the same float32 operations in the same order (a row's gradient summed in id-position
+order; row-wise Adagrad's ``mean(g²)`` in :func:`~embark.training.sparse_rows.row_mean_squares`'
+8-lane order; correctly rounded square roots), so they give the same rows and state bit for
+bit: a run may switch paths between steps (a checkpoint resumed with or without the build)
+and continue bit-identically (``tests/embark/training/test_half_kernel.py``, random
+gradients).
 
 Built with the machine's C++ compiler through :func:`cutlass_kernels.torch_ext.load` (one
 builder per folder at a time) with ``-O3 -march=native -ffp-contract=off`` (no fused

@@ -1,8 +1,8 @@
 """The compiled fused backward of FP16/BF16 tables (:mod:`embark.training.half_kernel`): the
-same random bits as the reference (:func:`counter_bits`), the same rows bit for bit as the
-pure-torch path (:func:`row_gradients` + :meth:`RowOptimizer.apply_`) on dyadic gradients
-(every float32 sum exact, so no summation order can differ), unbiased, saturating, and
-independent of the thread count."""
+same random bits as the reference (:func:`counter_bits`), the same rows and state bit for
+bit as the pure-torch path (:func:`row_gradients` + :meth:`RowOptimizer.apply_`) on dyadic
+and on random gradients (both sum in the same order), unbiased, saturating, and independent
+of the thread count; the reference on a CUDA table."""
 
 from __future__ import annotations
 

@@ -30,16 +30,16 @@ reference path.
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from cutlass_kernels.torch_ext import CpuExtension
+
 __all__ = [
     "DISABLE_ENV",
+    "EXT",
     "EXT_NAME",
     "build_dir",
     "build_extension",
@@ -47,28 +47,25 @@ __all__ = [
     "load_extension",
 ]
 
-log = logging.getLogger(__name__)
-
 EXT_NAME = "embark_cpu"
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (CSRC / "half_rows.cpp",)
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 DISABLE_ENV = "EMBARK_DISABLE_EXT"
+EXT = CpuExtension(
+    name=EXT_NAME,
+    label="embark: compiled half-table update",
+    sources=(CSRC / "half_rows.cpp",),
+    headers=(),
+    cflags=("-O3", "-march=native", "-ffp-contract=off", "-fopenmp"),
+    disable_env=DISABLE_ENV,
+    build_command="python -m embark.build_ext -v",
+    logger=__name__,
+)
 
 
 def build_dir() -> Path:
-    """The cache folder of this source × checkout × flags × CPU × toolchain."""
-    from cutlass_kernels import torch_ext
-
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    h = hashlib.sha256()
-    for f in SOURCES:
-        h.update(f.read_bytes())
-    h.update(str(CSRC).encode())  # ninja's build file names the source paths
-    h.update(" ".join(CFLAGS).encode())
-    h.update(torch_ext.cpu_identity().encode())
-    h.update(torch_ext.toolchain_key().encode())
-    return base / "tilerec" / EXT_NAME / f"{torch.__version__}-{h.hexdigest()[:12]}"
+    """The cache folder of this source × checkout × flags × CPU × toolchain
+    (:meth:`~cutlass_kernels.torch_ext.CpuExtension.build_dir`)."""
+    return EXT.build_dir()
 
 
 def build_extension(verbose: bool = False) -> ModuleType:
@@ -77,38 +74,14 @@ def build_extension(verbose: bool = False) -> ModuleType:
     Raises:
         RuntimeError / OSError / ImportError: from the compiler or the loader, unchanged.
     """
-    from cutlass_kernels import torch_ext
-
-    return torch_ext.load(
-        EXT_NAME,
-        [str(f) for f in SOURCES],
-        build_dir(),
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        verbose=verbose,
-    )
+    return EXT.build(verbose)
 
 
 @functools.lru_cache(maxsize=1)
 def load_extension() -> ModuleType | None:
     """The compiled module, or ``None`` (with one logged warning) when it cannot be built or
     loaded, or when ``EMBARK_DISABLE_EXT`` is set. Cached: built at most once per process."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        log.warning(
-            "embark: compiled half-table update disabled by %s; using the reference path",
-            DISABLE_ENV,
-        )
-        return None
-    try:
-        return build_extension()
-    except (RuntimeError, OSError, ImportError, SystemExit) as e:
-        log.warning(
-            "embark: compiled half-table update could not be built or loaded (%s: %s); using "
-            "the reference path. Rebuild with `python -m embark.build_ext -v`.",
-            type(e).__name__,
-            str(e).splitlines()[0] if str(e) else "",
-        )
-        return None
+    return EXT.load_or_none()
 
 
 def fused_half_backward(

@@ -43,6 +43,7 @@ __all__ = [
     "EXT_NAME",
     "build_dir",
     "build_extension",
+    "fits_sort_key",
     "fused_half_backward",
     "load_extension",
 ]
@@ -84,6 +85,13 @@ def load_extension() -> ModuleType | None:
     return EXT.load_or_none()
 
 
+def fits_sort_key(num_rows: int, nnz: int) -> bool:
+    """Whether the kernel's sort keys (``id << pos_bits | position``, ``pos_bits`` the bits of
+    a position in ``[0, nnz)``, at least 1) of ``nnz`` ids into ``num_rows`` rows fit 63 bits."""
+    pos_bits = max(1, (nnz - 1).bit_length())
+    return num_rows <= 1 << (63 - pos_bits)
+
+
 def fused_half_backward(
     grad: torch.Tensor,
     ids: torch.Tensor,
@@ -95,6 +103,7 @@ def fused_half_backward(
     lr: float,
     eps: float,
     key: int,
+    table: str = "<unnamed>",
 ) -> bool:
     """Update the rows of ``weight`` a bag lookup touched, and their state, in one pass;
     ``False`` (nothing done) when the extension is not available.
@@ -110,12 +119,20 @@ def fused_half_backward(
         kind: the :class:`~embark.training.config.EmbeddingOptimizerKind`'s value.
         lr, eps: the update's learning rate and Adagrad epsilon.
         key: ``[0, 2^63)``, the call's rounding key (:func:`~embark.training.rounding.counter_bits`).
+        table: the table's name, for the kernel's errors.
+
+    Raises:
+        RuntimeError: from the kernel, naming the table and the bad value: an id outside
+            ``[0, num_rows)``, offsets that do not rise from 0, a tensor of the wrong dtype,
+            shape or layout, ``num_rows`` and ``nnz`` past the 63-bit sort key
+            (:func:`fits_sort_key`).
+        ValueError: ``kind`` is not one of the three updates.
     """
     ext = load_extension()
     if ext is None:
         return False
     g = grad if grad.dtype == torch.float32 and grad.is_contiguous() else grad.float().contiguous()
     ext.fused_backward(
-        g, ids.contiguous(), offsets.contiguous(), mean, weight, state, kind, lr, eps, key
+        g, ids.contiguous(), offsets.contiguous(), mean, weight, state, kind, lr, eps, key, table
     )
     return True

@@ -160,13 +160,21 @@ class RowOptimizer:
             if half_step:
                 delta = delta.half().float()
             w = weight.index_select(0, at).float().add_(delta)
-            if rounding is TableRounding.STOCHASTIC:
-                # the bits are computed on the CPU; the rows may be on CUDA
-                bits = counter_bits(key, at, w.shape[1]).to(w.device)
-                new = stochastic_round(w, weight.dtype, bits)
-            else:
-                new = w.to(weight.dtype)
-            weight.index_copy_(0, at, new)
+            weight.index_copy_(0, at, round_rows(w, weight.dtype, rounding, key, at))
+
+
+def round_rows(
+    values: torch.Tensor, dtype: torch.dtype, rounding: TableRounding, key: int, rows: torch.Tensor
+) -> torch.Tensor:
+    """The new rows ``values`` (``(n, dim)`` float32) of a table's ``rows`` (``(n,) int64``)
+    rounded to the table's ``dtype`` (float16 / bfloat16): to nearest (``values.to(dtype)``),
+    or :func:`~embark.training.rounding.stochastic_round` with the update's
+    :func:`~embark.training.rounding.counter_bits` ``(key, rows, dim)``. On ``values``'
+    device (the bits are computed on the CPU and moved there)."""
+    if rounding is TableRounding.NEAREST:
+        return values.to(dtype)
+    bits = counter_bits(key, rows, values.shape[1]).to(values.device)
+    return stochastic_round(values, dtype, bits)
 
 
 def _sqrt_f32(x: torch.Tensor) -> torch.Tensor:
@@ -215,8 +223,8 @@ def row_gradients(
 
     Args:
         grad: ``(B, dim)`` gradient of the pooled bags.
-        ids: ``(nnz,) int64`` looked-up rows.
-        offsets: ``(B,) int64`` start of each bag in ``ids``.
+        ids: ``(nnz,)`` int64 (or int32) looked-up rows.
+        offsets: ``(B,)`` start of each bag in ``ids``, ids' dtype.
         mean: bags were averaged (each id's gradient is its bag's divided by the bag length).
 
     Returns:
@@ -224,12 +232,12 @@ def row_gradients(
     """
     batch, nnz = grad.shape[0], ids.numel()
     if nnz == 0:
-        return ids.new_zeros(0), grad.new_zeros(0, grad.shape[1])
+        return ids.new_zeros(0, dtype=torch.int64), grad.new_zeros(0, grad.shape[1])
     ends = torch.cat([offsets[1:], offsets.new_tensor([nnz])])
     lengths = ends - offsets
     sample = torch.repeat_interleave(torch.arange(batch, device=ids.device), lengths)
     if mean:
         grad = grad / lengths.clamp(min=1).unsqueeze(1).to(grad.dtype)
-    rows, inverse = torch.unique(ids, return_inverse=True)
+    rows, inverse = torch.unique(ids.long(), return_inverse=True)
     row_grads = grad.new_zeros(rows.numel(), grad.shape[1]).index_add_(0, inverse, grad[sample])
     return rows, row_grads

@@ -14,7 +14,7 @@ import torch
 import embark.training.fused as fused
 import embark.training.sparse_rows as sparse_rows
 from embark.training.config import EmbeddingKernel, EmbeddingOptimizerKind, TableRounding
-from embark.training.half_kernel import fused_half_backward, load_extension
+from embark.training.half_kernel import fits_sort_key, fused_half_backward, load_extension
 from embark.training.rounding import counter_bits, rounding_bits, stochastic_round_reference
 from embark.training.sparse_rows import RowOptimizer, row_gradients, row_mean_squares
 
@@ -220,39 +220,34 @@ def test_fused_update_is_the_same_on_one_or_two_threads(ext):
     assert torch.equal(out[0][1], out[1][1])
 
 
-def test_fused_backward_refuses_bad_input(ext):
-    w = torch.zeros(4, 8, dtype=torch.float16)
-    grad = torch.zeros(2, 8)
-    with pytest.raises(RuntimeError, match="id 9"):
+_W = torch.zeros(4, 8, dtype=torch.float16)
+_I, _O = torch.tensor([0, 1]), torch.tensor([0, 1])
+#: bad input -> (ids, offsets, weight, state, kind, the error it raises: names the table and
+#: the bad value)
+BAD_INPUT = {
+    "id": (torch.tensor([0, 9]), _O, _W, None, "sgd", "table 'clicks': id 9 at position 1 outside its 4 rows"),
+    "ids dtype": (_I.int(), _O, _W, None, "sgd", "ids must be .* int64, got \\[2\\] int"),
+    "offset": (_I, torch.tensor([0, 5]), _W, None, "sgd", "bag 0 starts at 0 and ends at 5"),
+    "first offset": (_I, torch.tensor([1, 1]), _W, None, "sgd", "offsets must start at 0, got 1"),
+    "weight dtype": (_I, _O, _W.float(), None, "sgd", "float16 or bfloat16 table, got \\[4, 8\\] float"),
+    "no state": (_I, _O, _W, None, "adagrad", "'clicks': adagrad needs its float32 state, got none"),
+    "state dtype": (_I, _O, _W, torch.zeros(4).double(), "rowwise_adagrad", "rowwise_adagrad needs its state contiguous float32, got double"),
+    "state size": (_I, _O, _W, torch.zeros(5), "rowwise_adagrad", "rowwise_adagrad state has 5 values, expected 4"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUT))
+def test_fused_backward_refuses_bad_input_naming_the_value(ext, case):
+    ids, offsets, weight, state, kind, message = BAD_INPUT[case]
+    with pytest.raises(RuntimeError, match=message):
         fused_half_backward(
-            grad, torch.tensor([0, 9]), torch.tensor([0, 1]), False, w, None, "sgd", 0.1, 0.0, 1
+            torch.zeros(2, 8), ids, offsets, False, weight, state, kind, 0.1, 0.0, 1, "clicks"
         )
-    with pytest.raises(RuntimeError, match="float16 or bfloat16"):
-        fused_half_backward(
-            grad,
-            torch.tensor([0, 1]),
-            torch.tensor([0, 1]),
-            False,
-            w.float(),
-            None,
-            "sgd",
-            0.1,
-            0.0,
-            1,
-        )
-    with pytest.raises(ValueError, match="momentum"):
-        fused_half_backward(
-            grad,
-            torch.tensor([0, 1]),
-            torch.tensor([0, 1]),
-            False,
-            w,
-            None,
-            "momentum",
-            0.1,
-            0.0,
-            1,
-        )
+
+
+def test_fused_backward_refuses_an_unknown_optimizer(ext):
+    with pytest.raises(ValueError, match="got 'momentum'"):
+        fused_half_backward(torch.zeros(2, 8), _I, _O, False, _W, None, "momentum", 0.1, 0.0, 1)
 
 
 @pytest.mark.parametrize("dtype", HALF)
@@ -341,3 +336,92 @@ def test_cuda_table_rounds_stochastically_on_the_reference_path(kind):
     ulp = torch.finfo(torch.float16).eps * out[0].abs().clamp(min=2.0**-14)
     assert ((out[0] - out[1]).abs() <= ulp).all()
     assert not torch.equal(out[0], w0.float())
+
+
+_M64 = 2**64 - 1
+_GOLDEN = 0x9E3779B97F4A7C15
+
+
+def _splitmix_finalizer(z: int) -> int:
+    """SplitMix64's finalizer on Python ints (the published constants), written apart from
+    both implementations under test."""
+    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & _M64
+    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & _M64
+    return z ^ (z >> 31)
+
+
+def _bit_of(key: int, row: int, col: int) -> int:
+    h = _splitmix_finalizer(key ^ _splitmix_finalizer((row + _GOLDEN) & _M64))
+    word = _splitmix_finalizer((h + (col // 4 + 1) * _GOLDEN) & _M64)
+    return (word >> (16 * (col % 4))) & 0xFFFF
+
+
+#: (key, row, col) -> the value counter_bits gives: pinned, so a change to both the kernel's
+#: and the reference's bits (which would leave them equal) still fails
+PINNED_BITS = {
+    (0, 0, 0): 1516,
+    (1, 7, 5): 17882,
+    (2**63 - 1, 2**40 + 3, 130): 32859,
+    (12345, 99, 3): 36399,
+}
+
+
+def test_counter_bits_are_pinned_to_fixed_values(ext):
+    for (key, row, col), want in PINNED_BITS.items():
+        assert _bit_of(key, row, col) == want
+        rows = torch.tensor([row])
+        assert counter_bits(key, rows, col + 1)[0, col].item() == want
+        assert ext.counter_bits(key, rows, col + 1)[0, col].item() == want
+
+
+def test_counter_bits_of_no_rows_are_empty(ext):
+    none = torch.zeros(0, dtype=torch.int64)
+    for dim in (0, 3, 8):
+        assert counter_bits(4, none, dim).shape == (0, dim)
+        assert ext.counter_bits(4, none, dim).shape == (0, dim)
+
+
+def test_fits_sort_key_is_the_kernels_range():
+    # pos_bits = max(1, ceil(log2 nnz)); rows up to 2^(63 - pos_bits)
+    assert fits_sort_key(2**62, 2) and not fits_sort_key(2**62 + 1, 2)
+    assert fits_sort_key(2**61, 4) and not fits_sort_key(2**61, 5)
+    assert fits_sort_key(2**60, 5) and fits_sort_key(10, 1)
+
+
+@pytest.mark.parametrize("case", ["int32 ids", "strided state", "sort key"])
+def test_table_falls_back_to_the_reference_where_the_kernel_would_refuse(ext, case, monkeypatch):
+    # ids not int64, a non-contiguous state, or rows × ids past the 63-bit sort key: the
+    # backward takes the reference path instead of raising (int32 ids: the kernel may run on
+    # the reference's int64 distinct rows), and updates the table as the reference does
+    rows, dim = 40, 20
+    real = fused.fused_half_backward
+    calls: list[tuple[torch.dtype, torch.dtype, bool]] = []
+
+    def checked(grad, ids, offsets, mean, weight, state, *rest):
+        calls.append((ids.dtype, offsets.dtype, state.is_contiguous()))
+        return real(grad, ids, offsets, mean, weight, state, *rest)
+
+    w0, ids, offsets, grad = _case(rows, dim, torch.float16, False, seed=2)
+    out = []
+    for fallback in (True, False):
+        opt = RowOptimizer(EmbeddingOptimizerKind.ROWWISE_ADAGRAD, lr=0.01)
+        upd = fused.SparseTableUpdate("t", rows, dim, opt, EmbeddingKernel.AUTO, seed=1)
+        i, o = ids, offsets
+        if fallback and case == "int32 ids":
+            i, o = ids.int(), offsets.int()
+        if fallback and case == "strided state":
+            upd.row_sum = torch.zeros(2 * rows)[::2]
+        with monkeypatch.context() as m:
+            if fallback and case == "sort key":
+                m.setattr(fused, "fits_sort_key", lambda num_rows, nnz: False)
+            if fallback:
+                m.setattr(fused, "fused_half_backward", checked)
+            else:
+                m.setattr(fused, "load_extension", lambda: None)
+            w = w0.clone()
+            upd(w, i, o, "sum").backward(grad)
+        out.append((w, upd.row_sum.clone()))
+    assert torch.equal(out[0][0].view(torch.int16), out[1][0].view(torch.int16))
+    assert torch.equal(out[0][1], out[1][1])
+    assert all(c == (torch.int64, torch.int64, True) for c in calls)
+    assert len(calls) == (1 if case == "int32 ids" else 0)

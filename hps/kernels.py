@@ -6,7 +6,7 @@ bags in one call, rows of any :class:`hps.rowformat.RowDtype` dequantized, :mod:
 :func:`hps.fused.gather_rows`) and ``KeyCounter`` (exact key counts in O(keys) per update,
 :mod:`hps.key_counts`).
 
-Built with the machine's C++ compiler through :func:`cutlass_kernels.torch_ext.load` (one
+Built with the machine's C++ compiler through :func:`extbuild.load` (one
 builder per folder at a time, one ninja) with ``-O3 -march=native`` into a cache folder::
 
     $XDG_CACHE_HOME/tilerec/hps_cpu/<torch version>-<source hash>/   (default ~/.cache)
@@ -26,7 +26,7 @@ import functools
 from pathlib import Path
 from types import ModuleType
 
-from cutlass_kernels.torch_ext import CpuExtension
+from extbuild import CpuExtension
 
 __all__ = ["DISABLE_ENV", "EXT", "EXT_NAME", "build_dir", "build_extension", "load_extension"]
 
@@ -47,7 +47,7 @@ EXT = CpuExtension(
 
 def build_dir() -> Path:
     """The cache folder of this source × checkout × flags × CPU × toolchain
-    (:meth:`~cutlass_kernels.torch_ext.CpuExtension.build_dir`)."""
+    (:meth:`~extbuild.CpuExtension.build_dir`)."""
     return EXT.build_dir()
 
 

@@ -15,7 +15,7 @@ bit: a run may switch paths between steps (a checkpoint resumed with or without 
 and continue bit-identically (``tests/embark/training/test_half_kernel.py``, random
 gradients).
 
-Built with the machine's C++ compiler through :func:`cutlass_kernels.torch_ext.load` (one
+Built with the machine's C++ compiler through :func:`extbuild.load` (one
 builder per folder at a time) with ``-O3 -march=native -ffp-contract=off`` (no fused
 multiply-add: the reference's roundings, step by step) into a cache folder::
 
@@ -35,7 +35,7 @@ from types import ModuleType
 
 import torch
 
-from cutlass_kernels.torch_ext import CpuExtension
+from extbuild import CpuExtension
 
 __all__ = [
     "DISABLE_ENV",
@@ -65,7 +65,7 @@ EXT = CpuExtension(
 
 def build_dir() -> Path:
     """The cache folder of this source × checkout × flags × CPU × toolchain
-    (:meth:`~cutlass_kernels.torch_ext.CpuExtension.build_dir`)."""
+    (:meth:`~extbuild.CpuExtension.build_dir`)."""
     return EXT.build_dir()
 
 

@@ -45,7 +45,7 @@ from pathlib import Path
 
 import torch
 
-from cutlass_kernels.torch_ext import cpu_identity
+from extbuild import cpu_identity
 from tilesparse.kernels.cache import LayoutCache
 from tilesparse.kernels.cpu import build_dir, cpu_kernel_available, tw_linear_cpu
 from tilesparse.kernels.schema import op_layout

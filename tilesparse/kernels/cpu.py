@@ -26,8 +26,8 @@ The extension is compiled with the machine's C++ compiler through ``torch.utils.
     $XDG_CACHE_HOME/tilerec/tilesparse_cpu/<torch version>-<source hash>/   (default ~/.cache)
 
 so a rebuild happens only when the source, the compiler flags, the CPU (its feature flags:
-:func:`cutlass_kernels.torch_ext.cpu_identity`) or the toolchain (the ninja version, the Python, the torch install)
-change. The build runs through :func:`cutlass_kernels.torch_ext.load` (a leaf module of torch
+:func:`extbuild.cpu_identity`) or the toolchain (the ninja version, the Python, the torch install)
+change. The build runs through :func:`extbuild.load` (a leaf module of torch
 and the standard library): one builder per folder at a time, a killed build's lock cleared
 rather than waited on forever, and the interpreter environment's ninja whatever ``PATH`` says. ``make install`` builds it once
 (``python -m tilesparse.build_ext``); at runtime :func:`load_extension` loads the cached build
@@ -45,7 +45,7 @@ from types import ModuleType
 
 import torch
 
-from cutlass_kernels.torch_ext import CpuExtension
+from extbuild import CpuExtension
 
 __all__ = [
     "DISABLE_ENV",
@@ -80,13 +80,13 @@ EXT = CpuExtension(
 
 def build_dir() -> Path:
     """The cache folder of this source × checkout × flags × CPU × toolchain
-    (:meth:`~cutlass_kernels.torch_ext.CpuExtension.build_dir`)."""
+    (:meth:`~extbuild.CpuExtension.build_dir`)."""
     return EXT.build_dir()
 
 
 def build_extension(verbose: bool = False) -> ModuleType:
     """Compile (or reuse the cached build of) the extension and import it, through
-    :func:`cutlass_kernels.torch_ext.load`: one builder at a time per folder (a live one is
+    :func:`extbuild.load`: one builder at a time per folder (a live one is
     waited for, a killed one's lock is cleared) and one ninja whatever ``PATH`` says.
 
     Raises:

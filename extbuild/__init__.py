@@ -1,6 +1,8 @@
 """Build a torch C++ extension into a cache folder: one builder at a time, a killed builder's
-lock cleared, one ninja. The CPU kernel of ``tilesparse`` and the TW binding of
-:mod:`cutlass_kernels.build` are both built through :func:`load`.
+lock cleared, one ninja. Every build of the project goes through :func:`load`: the TW binding
+of :mod:`cutlass_kernels.build` and the CPU kernels of ``tilesparse``, ``hps`` and ``embark``
+(through :class:`CpuExtension`). A leaf: it imports only the standard library and torch, so
+the CUTLASS leaf and the kernel rooms all may import it.
 
 ``torch.utils.cpp_extension.load`` guards a build folder with a ``lock`` file that it creates
 before compiling and deletes after; a builder killed in between (SIGKILL, OOM, a lost terminal)
@@ -30,7 +32,7 @@ other's.
 and :func:`toolchain_key`; its build; and loading it or ``None`` after one logged warning, for
 a caller that then runs its reference path.
 
-Importing this module imports neither ``torch.utils.cpp_extension`` nor anything of the
+Importing this package imports neither ``torch.utils.cpp_extension`` nor anything of the
 project; it uses Linux's ``/proc`` to find a dead build's compilers (elsewhere none are found).
 """
 

@@ -15,8 +15,6 @@ activation rows gathered in the main loop and the output columns scattered in th
 * :mod:`cutlass_kernels.toolchain` — nvcc, the CUDA toolkit, the device's architecture.
 * :mod:`cutlass_kernels.build` — nvcc / torch-extension builds cached under
   ``$XDG_CACHE_HOME/tilerec/cutlass``.
-* :mod:`cutlass_kernels.torch_ext` — torch-extension builds into cache folders: one builder
-  at a time, a killed build's lock cleared, one ninja (the CPU kernel of ``tilesparse`` too).
 * :mod:`cutlass_kernels.launch` — instance selection and launches on packed arguments.
 
 >>> import torch, cutlass_kernels
@@ -28,7 +26,8 @@ activation rows gathered in the main loop and the output columns scattered in th
 >>> cutlass_kernels.tw_linear_emulated(torch.tensor([[1.0, 2.0]]), Weight())
 tensor([[10.,  0., 14.]])
 
-This package imports nothing else of the project. Importing it needs neither a GPU nor nvcc
+This package imports nothing else of the project but the shared builder leaf :mod:`extbuild`
+(``build`` compiles through it). Importing it needs neither a GPU nor nvcc
 nor nvidia-cutlass (``build``, ``emit`` and ``launch`` compile, import CUTLASS and query the
 device only when called).
 """

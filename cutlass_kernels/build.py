@@ -5,7 +5,7 @@
 * :func:`compile_objects` — many of them, in parallel.
 * :func:`load_extension` — a torch extension: those objects linked with ``csrc/tw_binding.cpp``
   (``torch.utils.cpp_extension.load``, host compiler) and ``libcudart``, built under
-  ``$XDG_CACHE_HOME/tilerec/cutlass/ext/<hash>/`` by :func:`cutlass_kernels.torch_ext.load`
+  ``$XDG_CACHE_HOME/tilerec/cutlass/ext/<hash>/`` by :func:`extbuild.load`
   (one builder at a time, a killed build's lock cleared, one ninja). Needs nvcc; builds and
   imports with a CPU-only torch too (CI), runs kernels with a CUDA build of torch on a CUDA
   device.
@@ -32,7 +32,7 @@ import torch
 
 import cutlass_kernels.emit as emit
 import cutlass_kernels.toolchain as toolchain
-import cutlass_kernels.torch_ext as torch_ext
+import extbuild
 from cutlass_kernels.manifest import Arch, TWKernel, manifest
 
 __all__ = [
@@ -263,11 +263,11 @@ def _link_extension(
         str(cudart),
         f"torch {torch.__version__} cuda {torch.version.cuda}",
         sys.version,
-        torch_ext.toolchain_key(),
+        extbuild.toolchain_key(),
     )
     root = toolchain.cache_dir() / "ext" / key[:24]
     emit.write_sources([registry], root / "src")
-    return torch_ext.load(
+    return extbuild.load(
         f"tilerec_tw_{key[:16]}",
         [str(binding)],
         root / "build",

@@ -14,8 +14,13 @@
 //        sgd:             w += g * (-lr)
 //        rowwise_adagrad: s[r] += sum(g^2) / dim;   w += (g / (sqrt(s[r]) + eps)) * (-lr)
 //        adagrad:         s[r] += g * g;            w += (g / (sqrt(s[r]) + eps)) * (-lr)
-//      in float32 (the reference's operations in its order; built with -ffp-contract=off so
-//      no multiply-add is fused), and the new row rounded to the storage dtype.
+//      in float32, each operation correctly rounded (built with -ffp-contract=off so no
+//      multiply-add is fused; sqrt is IEEE's), and the new row rounded to the storage dtype.
+//      sum(g^2) runs in sum_squares' fixed order: 8 lanes (lane l over g[8j + l]^2, j rising),
+//      the lanes added ((l0 + l1) + (l2 + l3)) + ((l4 + l5) + (l6 + l7)), then the dim % 8
+//      tail in order. The reference (sparse_rows.py: row_gradients, row_mean_squares,
+//      RowOptimizer.apply_) runs the same operations in the same order, so the two paths give
+//      the same rows and state bit for bit and a run may switch between them.
 //   3. stochastic rounding (rounding.py's rule): add k random bits (13 FP16, 16 BF16) to the
 //      float32 magnitude bits, clear them, saturate at the dtype's max; FP16 subnormals by
 //      the rule's definition in double; inf stays inf, NaN becomes torch's NaN of the dtype.
@@ -126,7 +131,9 @@ inline void row_bits(uint64_t key, int64_t row, int64_t dim, uint16_t* out) {
 
 // The bits counter_bits gives for `rows` (U,) int64 and `dim`: (U, dim) int32 (tests).
 torch::Tensor counter_bits(int64_t key, const torch::Tensor& rows, int64_t dim) {
-  TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1, "rows must be (U,) int64");
+  TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1,
+              "counter_bits: rows must be (U,) int64, got ", rows.sizes(), " ", rows.dtype());
+  TORCH_CHECK(dim >= 0, "counter_bits: dim must be >= 0, got ", dim);
   auto r = rows.contiguous();
   auto out = torch::empty({r.size(0), dim}, torch::kInt32);
   std::vector<uint16_t> lane(static_cast<size_t>(dim));
@@ -156,7 +163,8 @@ struct RowUpdate {
 };
 
 // sum(g[d]^2) in a fixed order whatever the build: 8 partial sums (lane d % 8 over the whole
-// groups of 8), added pairwise, then the tail in order.
+// groups of 8), added pairwise, then the tail in order (sparse_rows.py's row_mean_squares
+// computes the same sums with torch ops).
 inline float sum_squares(const float* g, int64_t dim) {
   float p[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
   const int64_t whole = dim - dim % 8;
@@ -298,32 +306,43 @@ void update_rows(const RowUpdate& up, int64_t begin, int64_t end) {
 void fused_backward(const torch::Tensor& grad, const torch::Tensor& ids,
                     const torch::Tensor& offsets, bool mean, torch::Tensor weight,
                     c10::optional<torch::Tensor> state, const std::string& kind_name, double lr,
-                    double eps, int64_t key) {
+                    double eps, int64_t key, const std::string& table) {
   const Kind kind = parse_kind(kind_name);
   TORCH_CHECK(grad.dtype() == torch::kFloat32 && grad.dim() == 2 && grad.is_contiguous(),
-              "grad must be (B, dim) contiguous float32, got ", grad.sizes(), " ", grad.dtype());
-  TORCH_CHECK(ids.dtype() == torch::kInt64 && offsets.dtype() == torch::kInt64 &&
-                  ids.is_contiguous() && offsets.is_contiguous(),
-              "ids and offsets must be contiguous int64");
+              "table '", table, "': grad must be (B, dim) contiguous float32, got ", grad.sizes(),
+              " ", grad.dtype(), grad.is_contiguous() ? "" : " non-contiguous");
+  TORCH_CHECK(ids.dtype() == torch::kInt64 && ids.dim() == 1 && ids.is_contiguous(),
+              "table '", table, "': ids must be (nnz,) contiguous int64, got ", ids.sizes(), " ",
+              ids.dtype(), ids.is_contiguous() ? "" : " non-contiguous");
+  TORCH_CHECK(offsets.dtype() == torch::kInt64 && offsets.dim() == 1 && offsets.is_contiguous(),
+              "table '", table, "': offsets must be (B,) contiguous int64, got ", offsets.sizes(),
+              " ", offsets.dtype(), offsets.is_contiguous() ? "" : " non-contiguous");
   TORCH_CHECK(weight.dim() == 2 && weight.is_contiguous() &&
                   (weight.dtype() == torch::kFloat16 || weight.dtype() == torch::kBFloat16),
-              "weight must be a contiguous (num_rows, dim) float16 or bfloat16 table, got ",
-              weight.dtype());
+              "table '", table, "': weight must be a contiguous (num_rows, dim) float16 or bfloat16 "
+              "table, got ", weight.sizes(), " ", weight.dtype(),
+              weight.is_contiguous() ? "" : " non-contiguous");
   const bool fp16 = weight.dtype() == torch::kFloat16;
   const int64_t batch = grad.size(0), dim = grad.size(1), nnz = ids.size(0);
   const int64_t num_rows = weight.size(0);
-  TORCH_CHECK(weight.size(1) == dim, "weight has dim ", weight.size(1), ", grad ", dim);
-  TORCH_CHECK(offsets.size(0) == batch, "offsets has ", offsets.size(0), " bags, grad ", batch);
+  TORCH_CHECK(weight.size(1) == dim, "table '", table, "': weight has dim ", weight.size(1),
+              ", grad ", dim);
+  TORCH_CHECK(offsets.size(0) == batch, "table '", table, "': offsets has ", offsets.size(0),
+              " bags, grad ", batch);
   float* sp = nullptr;
   if (kind != Kind::SGD) {
-    TORCH_CHECK(state.has_value() && state->dtype() == torch::kFloat32 && state->is_contiguous(),
-                "adagrad needs its float32 contiguous state");
+    TORCH_CHECK(state.has_value(), "table '", table, "': ", kind_name,
+                " needs its float32 state, got none");
+    TORCH_CHECK(state->dtype() == torch::kFloat32 && state->is_contiguous(), "table '", table,
+                "': ", kind_name, " needs its state contiguous float32, got ", state->dtype(),
+                state->is_contiguous() ? "" : " non-contiguous");
     const int64_t want = kind == Kind::ADAGRAD ? num_rows * dim : num_rows;
-    TORCH_CHECK(state->numel() == want, "state has ", state->numel(), " values, expected ", want);
+    TORCH_CHECK(state->numel() == want, "table '", table, "': ", kind_name, " state has ",
+                state->numel(), " values, expected ", want);
     sp = state->data_ptr<float>();
   }
   if (nnz == 0) return;
-  TORCH_CHECK(batch > 0, "half_rows: ", nnz, " ids in no bag");
+  TORCH_CHECK(batch > 0, "table '", table, "': ", nnz, " ids in no bag");
   const int64_t* idp = ids.data_ptr<int64_t>();
   const int64_t* offp = offsets.data_ptr<int64_t>();
   const float* gp = grad.data_ptr<float>();
@@ -334,20 +353,22 @@ void fused_backward(const torch::Tensor& grad, const torch::Tensor& ids,
   std::vector<float> length(static_cast<size_t>(batch));
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t lo = offp[b], hi = b + 1 < batch ? offp[b + 1] : nnz;
-    TORCH_CHECK(0 <= lo && lo <= hi && hi <= nnz, "offsets must rise within [0, ", nnz, "]");
+    TORCH_CHECK(0 <= lo && lo <= hi && hi <= nnz, "table '", table, "': offsets must rise within [0, ",
+                nnz, "]: bag ", b, " starts at ", lo, " and ends at ", hi);
     for (int64_t p = lo; p < hi; ++p) bag_of[p] = static_cast<int32_t>(b);
     length[b] = static_cast<float>(std::max<int64_t>(hi - lo, 1));
   }
-  TORCH_CHECK(offp[0] == 0, "offsets must start at 0, got ", offp[0]);
+  TORCH_CHECK(offp[0] == 0, "table '", table, "': offsets must start at 0, got ", offp[0]);
 
   int pos_bits = 1;
   while ((int64_t{1} << pos_bits) < nnz) ++pos_bits;
   TORCH_CHECK(num_rows <= (int64_t{1} << (63 - pos_bits)),
-              "half_rows: ", num_rows, " rows and ", nnz, " ids do not fit one 63-bit sort key");
+              "table '", table, "': ", num_rows, " rows and ", nnz,
+              " ids do not fit one 63-bit sort key");
   std::vector<uint64_t> keys(static_cast<size_t>(nnz));
   for (int64_t p = 0; p < nnz; ++p) {
-    TORCH_CHECK(0 <= idp[p] && idp[p] < num_rows, "id ", idp[p], " at ", p, " outside [0, ",
-                num_rows, ")");
+    TORCH_CHECK(0 <= idp[p] && idp[p] < num_rows, "table '", table, "': id ", idp[p],
+                " at position ", p, " outside its ", num_rows, " rows [0, ", num_rows, ")");
     keys[p] = (static_cast<uint64_t>(idp[p]) << pos_bits) | static_cast<uint64_t>(p);
   }
   std::sort(keys.begin(), keys.end());
@@ -384,7 +405,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("fused_backward", &embark_cpu::fused_backward,
         "reduce a bag gradient to its rows, update them and their state, round stochastically",
         py::arg("grad"), py::arg("ids"), py::arg("offsets"), py::arg("mean"), py::arg("weight"),
-        py::arg("state"), py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("key"));
+        py::arg("state"), py::arg("kind"), py::arg("lr"), py::arg("eps"), py::arg("key"),
+        py::arg("table"));
   m.def("counter_bits", &embark_cpu::counter_bits, "the rounding bits of rows (U, dim) int32",
         py::arg("key"), py::arg("rows"), py::arg("dim"));
 }

@@ -43,7 +43,7 @@ from torch import nn
 from embark.models.tables import FusedLookup, TableModel
 from embark.training.config import EmbeddingKernel, TableRounding, TrainConfig
 from embark.training.fbgemm_tables import FbgemmTable, fbgemm_available
-from embark.training.half_kernel import fused_half_backward, load_extension
+from embark.training.half_kernel import fits_sort_key, fused_half_backward, load_extension
 from embark.training.rounding import draw_key
 from embark.training.sparse_rows import STATE_KEYS, RowOptimizer, row_gradients
 
@@ -190,15 +190,24 @@ class SparseTableUpdate(FusedLookup):
         offsets: torch.Tensor,
         mean: bool,
     ) -> bool:
-        """Run the compiled fused backward when it applies and is built; whether it ran."""
+        """Run the compiled fused backward when it applies and is built; whether it ran.
+
+        It does not apply (the reference runs, nothing raised from backward) unless the weight
+        is a contiguous CPU FP16/BF16 table rounded stochastically, the state contiguous
+        float32, the ids and offsets int64 and ``num_rows × nnz`` within the kernel's 63-bit
+        sort key (:func:`~embark.training.half_kernel.fits_sort_key`)."""
+        states = list(self.state().values())
         if not (
             self._rounds_stochastically(weight)
             and weight.device.type == "cpu"
             and weight.is_contiguous()
+            and all(s.dtype == torch.float32 and s.is_contiguous() for s in states)
+            and ids.dtype == torch.int64
+            and offsets.dtype == torch.int64
+            and fits_sort_key(weight.shape[0], ids.numel())
             and load_extension() is not None
         ):
             return False
-        states = list(self.state().values())
         key = draw_key(self.generator)
         return fused_half_backward(
             grad,
@@ -211,6 +220,7 @@ class SparseTableUpdate(FusedLookup):
             self.optimizer.lr,
             self.optimizer.eps,
             key,
+            self.table,
         )
 
     def uses_fbgemm(self, weight: torch.Tensor) -> bool:
@@ -229,7 +239,9 @@ class SparseTableUpdate(FusedLookup):
         autograd on, its backward updates the touched rows of ``weight`` and the state.
 
         Ids must already be range-checked (the models check them, naming the table, before
-        any lookup): the fast kernel does not check them.
+        any lookup): FBGEMM's kernel does not check them. The compiled FP16/BF16 backward
+        does (its error names the table, the id and the row count), and so does the reference
+        (torch's ``embedding_bag``).
         """
         if mode not in ("sum", "mean"):
             raise ValueError(

@@ -7,12 +7,15 @@ Adagrad: :class:`~embark.training.sparse_rows.RowOptimizer`'s update, operation 
 operation) and writes the row rounded stochastically (:mod:`embark.training.rounding`'s rule)
 with the counter-based bits of :func:`~embark.training.rounding.counter_bits` — one pass over
 each touched row, where the reference runs ``torch.unique``, ``index_add_``, gathers, the
-update and the rounding as separate passes. Given the same key both paths draw the same bits;
-the rows agree bit for bit wherever the float32 sums agree (the kernel sums a row's squared
-gradient in order, torch's ``mean`` vectorized: they can differ in the last bit of float32 —
-``tests/embark/training/test_half_kernel.py`` makes them exact with dyadic gradients).
+update and the rounding as separate passes. Given the same key both paths draw the same bits
+and run the same float32 operations in the same order (a row's gradient summed in id-position
+order; row-wise Adagrad's ``mean(g²)`` in :func:`~embark.training.sparse_rows.row_mean_squares`'
+8-lane order; correctly rounded square roots), so they give the same rows and state bit for
+bit: a run may switch paths between steps (a checkpoint resumed with or without the build)
+and continue bit-identically (``tests/embark/training/test_half_kernel.py``, random
+gradients).
 
-Built with the machine's C++ compiler through :func:`cutlass_kernels.torch_ext.load` (one
+Built with the machine's C++ compiler through :func:`extbuild.load` (one
 builder per folder at a time) with ``-O3 -march=native -ffp-contract=off`` (no fused
 multiply-add: the reference's roundings, step by step) into a cache folder::
 
@@ -27,45 +30,43 @@ reference path.
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from extbuild import CpuExtension
+
 __all__ = [
     "DISABLE_ENV",
+    "EXT",
     "EXT_NAME",
     "build_dir",
     "build_extension",
+    "fits_sort_key",
     "fused_half_backward",
     "load_extension",
 ]
 
-log = logging.getLogger(__name__)
-
 EXT_NAME = "embark_cpu"
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (CSRC / "half_rows.cpp",)
-CFLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fopenmp"]
 DISABLE_ENV = "EMBARK_DISABLE_EXT"
+EXT = CpuExtension(
+    name=EXT_NAME,
+    label="embark: compiled half-table update",
+    sources=(CSRC / "half_rows.cpp",),
+    headers=(),
+    cflags=("-O3", "-march=native", "-ffp-contract=off", "-fopenmp"),
+    disable_env=DISABLE_ENV,
+    build_command="python -m embark.build_ext -v",
+    logger=__name__,
+)
 
 
 def build_dir() -> Path:
-    """The cache folder of this source × checkout × flags × CPU × toolchain."""
-    from cutlass_kernels import torch_ext
-
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    h = hashlib.sha256()
-    for f in SOURCES:
-        h.update(f.read_bytes())
-    h.update(str(CSRC).encode())  # ninja's build file names the source paths
-    h.update(" ".join(CFLAGS).encode())
-    h.update(torch_ext.cpu_identity().encode())
-    h.update(torch_ext.toolchain_key().encode())
-    return base / "tilerec" / EXT_NAME / f"{torch.__version__}-{h.hexdigest()[:12]}"
+    """The cache folder of this source × checkout × flags × CPU × toolchain
+    (:meth:`~extbuild.CpuExtension.build_dir`)."""
+    return EXT.build_dir()
 
 
 def build_extension(verbose: bool = False) -> ModuleType:
@@ -74,38 +75,21 @@ def build_extension(verbose: bool = False) -> ModuleType:
     Raises:
         RuntimeError / OSError / ImportError: from the compiler or the loader, unchanged.
     """
-    from cutlass_kernels import torch_ext
-
-    return torch_ext.load(
-        EXT_NAME,
-        [str(f) for f in SOURCES],
-        build_dir(),
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        verbose=verbose,
-    )
+    return EXT.build(verbose)
 
 
 @functools.lru_cache(maxsize=1)
 def load_extension() -> ModuleType | None:
     """The compiled module, or ``None`` (with one logged warning) when it cannot be built or
     loaded, or when ``EMBARK_DISABLE_EXT`` is set. Cached: built at most once per process."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        log.warning(
-            "embark: compiled half-table update disabled by %s; using the reference path",
-            DISABLE_ENV,
-        )
-        return None
-    try:
-        return build_extension()
-    except (RuntimeError, OSError, ImportError, SystemExit) as e:
-        log.warning(
-            "embark: compiled half-table update could not be built or loaded (%s: %s); using "
-            "the reference path. Rebuild with `python -m embark.build_ext -v`.",
-            type(e).__name__,
-            str(e).splitlines()[0] if str(e) else "",
-        )
-        return None
+    return EXT.load_or_none()
+
+
+def fits_sort_key(num_rows: int, nnz: int) -> bool:
+    """Whether the kernel's sort keys (``id << pos_bits | position``, ``pos_bits`` the bits of
+    a position in ``[0, nnz)``, at least 1) of ``nnz`` ids into ``num_rows`` rows fit 63 bits."""
+    pos_bits = max(1, (nnz - 1).bit_length())
+    return num_rows <= 1 << (63 - pos_bits)
 
 
 def fused_half_backward(
@@ -119,6 +103,7 @@ def fused_half_backward(
     lr: float,
     eps: float,
     key: int,
+    table: str = "<unnamed>",
 ) -> bool:
     """Update the rows of ``weight`` a bag lookup touched, and their state, in one pass;
     ``False`` (nothing done) when the extension is not available.
@@ -134,12 +119,20 @@ def fused_half_backward(
         kind: the :class:`~embark.training.config.EmbeddingOptimizerKind`'s value.
         lr, eps: the update's learning rate and Adagrad epsilon.
         key: ``[0, 2^63)``, the call's rounding key (:func:`~embark.training.rounding.counter_bits`).
+        table: the table's name, for the kernel's errors.
+
+    Raises:
+        RuntimeError: from the kernel, naming the table and the bad value: an id outside
+            ``[0, num_rows)``, offsets that do not rise from 0, a tensor of the wrong dtype,
+            shape or layout, ``num_rows`` and ``nnz`` past the 63-bit sort key
+            (:func:`fits_sort_key`).
+        ValueError: ``kind`` is not one of the three updates.
     """
     ext = load_extension()
     if ext is None:
         return False
     g = grad if grad.dtype == torch.float32 and grad.is_contiguous() else grad.float().contiguous()
     ext.fused_backward(
-        g, ids.contiguous(), offsets.contiguous(), mean, weight, state, kind, lr, eps, key
+        g, ids.contiguous(), offsets.contiguous(), mean, weight, state, kind, lr, eps, key, table
     )
     return True

@@ -88,8 +88,11 @@ def counter_bits(key: int, rows: torch.Tensor, dim: int) -> torch.Tensor:
 
     Args:
         key: ``[0, 2^63)``.
-        rows: ``(U,) int64`` row indices (any order, repeats allowed).
+        rows: ``(U,) int64`` row indices (any order, repeats allowed; ``U`` may be 0).
         dim: values per row.
+
+    Returns:
+        ``(U, dim) int32`` on the CPU, whatever ``rows``' device.
     """
     if not 0 <= key < 2**63:
         raise ValueError(f"rounding key must be in [0, 2^63), got {key}")
@@ -98,7 +101,8 @@ def counter_bits(key: int, rows: torch.Tensor, dim: int) -> torch.Tensor:
         h = _mix64(np.uint64(key) ^ _mix64(r + _GOLDEN))
         words = np.arange(1, (dim + 3) // 4 + 1, dtype=np.uint64) * _GOLDEN
         w = _mix64(h[:, None] + words[None, :])  # (U, words)
-    lanes = w.astype("<u8").view("<u2").reshape(r.shape[0], -1)[:, :dim]
+    # (U, 4 · words) lanes, lowest first; reshaped by count, so U = 0 gives (0, dim)
+    lanes = w.astype("<u8").view("<u2").reshape(r.shape[0], 4 * w.shape[1])[:, :dim]
     return torch.from_numpy(lanes.astype(np.int32))
 
 

@@ -45,8 +45,9 @@ from pathlib import Path
 
 import torch
 
+from extbuild import cpu_identity
 from tilesparse.kernels.cache import LayoutCache
-from tilesparse.kernels.cpu import build_dir, cpu_identity, cpu_kernel_available, tw_linear_cpu
+from tilesparse.kernels.cpu import build_dir, cpu_kernel_available, tw_linear_cpu
 from tilesparse.kernels.schema import op_layout
 
 __all__ = [

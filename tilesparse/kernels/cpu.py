@@ -26,8 +26,8 @@ The extension is compiled with the machine's C++ compiler through ``torch.utils.
     $XDG_CACHE_HOME/tilerec/tilesparse_cpu/<torch version>-<source hash>/   (default ~/.cache)
 
 so a rebuild happens only when the source, the compiler flags, the CPU (its feature flags:
-:func:`cpu_identity`) or the toolchain (the ninja version, the Python, the torch install)
-change. The build runs through :func:`cutlass_kernels.torch_ext.load` (a leaf module of torch
+:func:`extbuild.cpu_identity`) or the toolchain (the ninja version, the Python, the torch install)
+change. The build runs through :func:`extbuild.load` (a leaf module of torch
 and the standard library): one builder per folder at a time, a killed build's lock cleared
 rather than waited on forever, and the interpreter environment's ninja whatever ``PATH`` says. ``make install`` builds it once
 (``python -m tilesparse.build_ext``); at runtime :func:`load_extension` loads the cached build
@@ -40,113 +40,66 @@ Set ``TILESPARSE_DISABLE_EXT=1`` to force the reference path (the fallback test 
 from __future__ import annotations
 
 import functools
-import hashlib
-import logging
-import os
-import platform
 from pathlib import Path
 from types import ModuleType
 
 import torch
 
+from extbuild import CpuExtension
+
 __all__ = [
     "DISABLE_ENV",
+    "EXT",
     "build_dir",
     "build_extension",
-    "cpu_identity",
     "cpu_kernel_available",
     "load_extension",
     "tw_linear_cpu",
 ]
 
-log = logging.getLogger(__name__)
-
 EXT_NAME = "tilesparse_cpu"
 CSRC = Path(__file__).resolve().parent.parent / "csrc"
-SOURCES = (
-    CSRC / "tw_linear_cpu.cpp",
-    CSRC / "tw_linear_lowp.cpp",
-    CSRC / "tw_linear_amx.cpp",
-    CSRC / "tw_linear_bf16.cpp",
-)
-HEADERS = (CSRC / "tw_common.h", CSRC / "tw_microkernel_avx2.h", CSRC / "tw_bf16_common.h")
-CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 DISABLE_ENV = "TILESPARSE_DISABLE_EXT"
-
-
-def cpu_identity() -> str:
-    """What ``-march=native`` compiles for: the CPU's feature flags (``/proc/cpuinfo``), else
-    the platform's processor name. Part of the build hash, so a cache folder shared between
-    machines (a home directory on NFS, a copied cache) never hands one CPU a build that uses
-    instructions it lacks (SIGILL) or that leaves out kernels it has."""
-    try:
-        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
-            for line in fh:
-                if line.startswith(("flags", "Features")):  # x86 / arm64
-                    return " ".join(sorted(line.split(":", 1)[1].split()))
-    except OSError:
-        pass
-    return platform.machine() + " " + platform.processor()
+EXT = CpuExtension(
+    name=EXT_NAME,
+    label="tilesparse: fast CPU kernel",
+    sources=(
+        CSRC / "tw_linear_cpu.cpp",
+        CSRC / "tw_linear_lowp.cpp",
+        CSRC / "tw_linear_amx.cpp",
+        CSRC / "tw_linear_bf16.cpp",
+    ),
+    headers=(CSRC / "tw_common.h", CSRC / "tw_microkernel_avx2.h", CSRC / "tw_bf16_common.h"),
+    cflags=("-O3", "-march=native", "-fopenmp"),
+    disable_env=DISABLE_ENV,
+    build_command="python -m tilesparse.build_ext -v",
+    logger=__name__,
+    fallback="the reference path (slow)",
+)
 
 
 def build_dir() -> Path:
-    """The cache folder of this source × checkout × flags × CPU × toolchain (ninja, Python,
-    torch: :func:`cutlass_kernels.torch_ext.toolchain_key`)."""
-    from cutlass_kernels import torch_ext
-
-    base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
-    h = hashlib.sha256()
-    for f in (*SOURCES, *HEADERS):
-        h.update(f.read_bytes())
-    # ninja's build file names the source paths: two checkouts sharing one folder would rebuild
-    # each other's build on every load
-    h.update(str(CSRC).encode())
-    h.update(" ".join(CFLAGS).encode())
-    h.update(cpu_identity().encode())
-    h.update(torch_ext.toolchain_key().encode())
-    return base / "tilerec" / EXT_NAME / f"{torch.__version__}-{h.hexdigest()[:12]}"
+    """The cache folder of this source × checkout × flags × CPU × toolchain
+    (:meth:`~extbuild.CpuExtension.build_dir`)."""
+    return EXT.build_dir()
 
 
 def build_extension(verbose: bool = False) -> ModuleType:
     """Compile (or reuse the cached build of) the extension and import it, through
-    :func:`cutlass_kernels.torch_ext.load`: one builder at a time per folder (a live one is
+    :func:`extbuild.load`: one builder at a time per folder (a live one is
     waited for, a killed one's lock is cleared) and one ninja whatever ``PATH`` says.
 
     Raises:
         RuntimeError / OSError / ImportError: from the compiler or the loader, unchanged.
     """
-    from cutlass_kernels import torch_ext
-
-    return torch_ext.load(
-        EXT_NAME,
-        [str(f) for f in SOURCES],
-        build_dir(),
-        extra_cflags=CFLAGS,
-        extra_ldflags=["-fopenmp"],
-        verbose=verbose,
-    )
+    return EXT.build(verbose)
 
 
 @functools.lru_cache(maxsize=1)
 def load_extension() -> ModuleType | None:
     """The compiled kernel module, or ``None`` (with one logged warning) if it cannot be
     built or loaded. Cached: the build is attempted at most once per process."""
-    if os.environ.get(DISABLE_ENV, "") not in ("", "0"):
-        log.warning(
-            "tilesparse: fast CPU kernel disabled by %s; using the reference path (slow)",
-            DISABLE_ENV,
-        )
-        return None
-    try:
-        return build_extension()
-    except (RuntimeError, OSError, ImportError, SystemExit) as e:
-        log.warning(
-            "tilesparse: fast CPU kernel could not be built or loaded (%s: %s); "
-            "using the reference path (slow). Rebuild with `python -m tilesparse.build_ext -v`.",
-            type(e).__name__,
-            str(e).splitlines()[0] if str(e) else "",
-        )
-        return None
+    return EXT.load_or_none()
 
 
 def cpu_kernel_available() -> bool:

@@ -28,7 +28,7 @@ from embark.training.rounding import (
     stochastic_round,
     stochastic_round_reference,
 )
-from embark.training.sparse_rows import RowOptimizer
+from embark.training.sparse_rows import RowOptimizer, round_rows
 from embark.training.trainer import Trainer
 from hps.rowformat import RowDtype
 
@@ -46,7 +46,7 @@ def test_stochastic_rounding_is_unbiased_and_nearest_is_not(dtype, ulp):
     bias = (got.mean(0) - x[0]) / ulp
     stderr = (fractions * (1 - fractions) / 20_000).sqrt()
     assert (bias.abs() <= 5 * stderr).all(), bias
-    near = x[:1].to(dtype)  # TableRounding.NEAREST
+    near = round_rows(x[:1], dtype, TableRounding.NEAREST, 0, torch.arange(1))
     assert ((near.float() - x[:1]).abs() / ulp).min() >= 0.05  # nearest keeps a bias
     # negative values, representable values, overflow and NaN
     y = torch.tensor([-1.0 - 0.25 * ulp, 3.0, 1e30, float("nan")])
@@ -264,5 +264,7 @@ def test_stochastic_rounding_of_a_finite_value_is_never_inf(dtype):
             big = x.abs() >= fmax
             assert torch.equal(got[big].abs(), torch.full_like(got[big], fmax))
     # rounding to nearest stays IEEE (FBGEMM's CPU kernel): 65520 is inf in FP16
-    near = torch.tensor([65519.0, 65520.0]).to(torch.float16)  # TableRounding.NEAREST
-    assert near.float().tolist() == [65504.0, float("inf")]
+    near = round_rows(
+        torch.tensor([[65519.0, 65520.0]]), torch.float16, TableRounding.NEAREST, 0, torch.arange(1)
+    )
+    assert near.float().tolist() == [[65504.0, float("inf")]]

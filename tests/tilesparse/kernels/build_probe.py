@@ -20,6 +20,7 @@ window a test kills a build in, or holds the lock through.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import os
 import shutil
@@ -121,10 +122,9 @@ def main(source: str) -> int:
     import tilesparse.kernels.cpu as cpu
 
     logging.basicConfig(level=logging.INFO, format="%(name)s: %(message)s")
-    cpu.SOURCES = (Path(source),)
-    cpu.HEADERS = ()
-    cpu.CFLAGS = ["-O0"]
-    cpu.EXT_NAME = NAME
+    cpu.EXT = dataclasses.replace(
+        cpu.EXT, name=NAME, sources=(Path(source),), headers=(), cflags=("-O0",)
+    )
     module = cpu.build_extension()
     print("PROBE", module.answer(), flush=True)
     return 0

@@ -20,8 +20,8 @@ from pathlib import Path
 
 import pytest
 
+import extbuild
 import tilesparse.kernels.cpu as cpu_kernels
-from cutlass_kernels import torch_ext
 from tests.tilesparse.kernels import build_probe as probe
 
 BUILD_S = 300  # one build of the probe takes seconds; only a hang reaches this
@@ -31,11 +31,11 @@ def _other_ninja(interpreters: Path) -> Path:
     """A ninja that is not the interpreter environment's: another version when the machine
     has one (a system ninja), else the same binary."""
     ours = interpreters.resolve()
-    version = torch_ext.ninja_version(interpreters)
+    version = extbuild.ninja_version(interpreters)
     for folder in os.environ.get("PATH", "").split(os.pathsep) + ["/usr/bin", "/usr/local/bin"]:
         candidate = Path(folder) / "ninja"
         if candidate.is_file() and candidate.resolve() != ours:
-            if torch_ext.ninja_version(candidate) != version:
+            if extbuild.ninja_version(candidate) != version:
                 return candidate
     return ours
 
@@ -97,12 +97,10 @@ def test_the_build_folder_follows_the_toolchain(monkeypatch: pytest.MonkeyPatch)
     """Two environments sharing a cache keep a build each: another ninja version, Python or
     torch install is another folder."""
     here = cpu_kernels.build_dir()
-    ninja = torch_ext.find_ninja()
+    ninja = extbuild.find_ninja()
     assert ninja is not None
-    key = torch_ext.toolchain_key()
-    assert (
-        f"ninja {torch_ext.ninja_version(ninja)} |" in key and sys.implementation.cache_tag in key
-    )
-    monkeypatch.setattr(torch_ext, "toolchain_key", lambda: key.replace("ninja", "ninja 0.0"))
+    key = extbuild.toolchain_key()
+    assert f"ninja {extbuild.ninja_version(ninja)} |" in key and sys.implementation.cache_tag in key
+    monkeypatch.setattr(extbuild, "toolchain_key", lambda: key.replace("ninja", "ninja 0.0"))
     other = cpu_kernels.build_dir()
     assert other != here and other.parent == here.parent

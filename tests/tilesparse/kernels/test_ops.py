@@ -12,6 +12,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+import extbuild
 from tests.tilesparse.tw_cases import (
     GEMM_DTYPES,
     int_tensor,
@@ -274,8 +275,8 @@ def test_fallback_without_extension_warns_once(monkeypatch, caplog):
 def test_the_build_cache_is_per_cpu(monkeypatch):
     """Two CPUs never share a -march=native build: the folder changes with the feature flags."""
     here = cpu_kernels.build_dir()
-    assert cpu_kernels.cpu_identity() and here == cpu_kernels.build_dir()
-    monkeypatch.setattr(cpu_kernels, "cpu_identity", lambda: "fpu sse2 avx2")
+    assert extbuild.cpu_identity() and here == cpu_kernels.build_dir()
+    monkeypatch.setattr(extbuild, "cpu_identity", lambda: "fpu sse2 avx2")
     other = cpu_kernels.build_dir()
     assert other != here and other.parent == here.parent
 

@@ -1,6 +1,8 @@
 """Build a torch C++ extension into a cache folder: one builder at a time, a killed builder's
-lock cleared, one ninja. The CPU kernel of ``tilesparse`` and the TW binding of
-:mod:`cutlass_kernels.build` are both built through :func:`load`.
+lock cleared, one ninja. Every build of the project goes through :func:`load`: the TW binding
+of :mod:`cutlass_kernels.build` and the CPU kernels of ``tilesparse``, ``hps`` and ``embark``
+(through :class:`CpuExtension`). A leaf: it imports only the standard library and torch, so
+the CUTLASS leaf and the kernel rooms all may import it.
 
 ``torch.utils.cpp_extension.load`` guards a build folder with a ``lock`` file that it creates
 before compiling and deletes after; a builder killed in between (SIGKILL, OOM, a lost terminal)
@@ -25,7 +27,12 @@ not alternate. :func:`toolchain_key` (ninja, Python, torch install) goes into th
 keys, so two environments that share a cache keep a build each instead of rebuilding each
 other's.
 
-Importing this module imports neither ``torch.utils.cpp_extension`` nor anything of the
+:class:`CpuExtension` is the rest every CPU kernel of the project shares (``tilesparse``'s,
+``hps``'s, ``embark``'s): its cache folder, keyed by the sources, flags, :func:`cpu_identity`
+and :func:`toolchain_key`; its build; and loading it or ``None`` after one logged warning, for
+a caller that then runs its reference path.
+
+Importing this package imports neither ``torch.utils.cpp_extension`` nor anything of the
 project; it uses Linux's ``/proc`` to find a dead build's compilers (elsewhere none are found).
 """
 
@@ -34,6 +41,7 @@ from __future__ import annotations
 import contextlib
 import fcntl
 import functools
+import hashlib
 import logging
 import os
 import platform
@@ -44,6 +52,7 @@ import sys
 import sysconfig
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
 
@@ -51,6 +60,7 @@ import torch
 
 __all__ = [
     "BUILD_ENV",
+    "CpuExtension",
     "build_lock",
     "cpu_identity",
     "find_ninja",
@@ -121,6 +131,89 @@ def cpu_identity() -> str:
     except OSError:
         pass
     return platform.machine() + " " + platform.processor()
+
+
+@dataclass(frozen=True)
+class CpuExtension:
+    """A CPU torch extension compiled for this machine (``-march=native`` in ``cflags``) into
+    ``$XDG_CACHE_HOME/tilerec/<name>/<torch version>-<hash>/`` (default ``~/.cache``).
+
+    Args:
+        name: the module's name and its cache folder's.
+        label: who and what, for the log: ``"hps: compiled lookup kernel"``.
+        sources: the ``.cpp`` files compiled.
+        headers: the headers they include (in the hash, not compiled).
+        cflags: compiler flags (``-fopenmp`` links OpenMP as well).
+        disable_env: the variable that, set to anything but ``""``/``"0"``, disables it.
+        build_command: the command that rebuilds it verbosely, for the warning.
+        logger: the logger that warns (the owning module's).
+        fallback: what runs instead, for the warning.
+    """
+
+    name: str
+    label: str
+    sources: tuple[Path, ...]
+    headers: tuple[Path, ...]
+    cflags: tuple[str, ...]
+    disable_env: str
+    build_command: str
+    logger: str
+    fallback: str = "the reference path"
+
+    def build_dir(self) -> Path:
+        """The cache folder of these sources × their folder × flags × CPU × toolchain: the
+        hash of the sources and headers, the folder of the first source (ninja's build file
+        names the source paths: two checkouts sharing a folder would rebuild each other's),
+        the flags, :func:`cpu_identity` (a cache shared between machines never hands one CPU
+        a build using instructions it lacks) and :func:`toolchain_key`."""
+        base = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache")
+        h = hashlib.sha256()
+        for f in (*self.sources, *self.headers):
+            h.update(f.read_bytes())
+        h.update(str(self.sources[0].parent).encode())
+        h.update(" ".join(self.cflags).encode())
+        h.update(cpu_identity().encode())
+        h.update(toolchain_key().encode())
+        return base / "tilerec" / self.name / f"{torch.__version__}-{h.hexdigest()[:12]}"
+
+    def build(self, verbose: bool = False) -> ModuleType:
+        """Compile (or reuse the cached build of) the extension through :func:`load` and
+        import it.
+
+        Raises:
+            RuntimeError / OSError / ImportError: from the compiler or the loader, unchanged.
+        """
+        openmp = ["-fopenmp"] if "-fopenmp" in self.cflags else []
+        return load(
+            self.name,
+            [str(f) for f in self.sources],
+            self.build_dir(),
+            extra_cflags=list(self.cflags),
+            extra_ldflags=openmp,
+            verbose=verbose,
+        )
+
+    def load_or_none(self) -> ModuleType | None:
+        """The built module, or ``None`` after one logged warning when it cannot be built or
+        loaded or :attr:`disable_env` is set (callers cache the answer per process)."""
+        owner = logging.getLogger(self.logger)
+        if os.environ.get(self.disable_env, "") not in ("", "0"):
+            owner.warning(
+                "%s disabled by %s; using %s", self.label, self.disable_env, self.fallback
+            )
+            return None
+        try:
+            return self.build()
+        except (RuntimeError, OSError, ImportError, SystemExit) as e:
+            owner.warning(
+                "%s could not be built or loaded (%s: %s); using %s. Rebuild with `%s`.",
+                self.label,
+                type(e).__name__,
+                str(e).splitlines()[0] if str(e) else "",
+                self.fallback,
+                self.build_command,
+            )
+            return None
 
 
 def load(

@@ -1,4 +1,4 @@
-"""The builder lock and the ninja of :mod:`cutlass_kernels.torch_ext`, without compiling: a live
+"""The builder lock and the ninja of :mod:`extbuild`, without compiling: a live
 holder is waited for (and named), a dead build's torch ``lock`` is removed once the processes
 it left have ended, and the interpreter environment's ninja wins over ``PATH``'s. The whole
 build (a real compile killed, a real second build) is in ``tests/faults/test_build_killed.py``.
@@ -6,6 +6,7 @@ build (a real compile killed, a real second build) is in ``tests/faults/test_bui
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 import subprocess
@@ -18,37 +19,37 @@ from pathlib import Path
 
 import pytest
 
-from cutlass_kernels import torch_ext
+import extbuild
 
 
 def test_a_live_holder_is_waited_for_and_named(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(torch_ext, "POLL_S", 0.01)
+    monkeypatch.setattr(extbuild, "POLL_S", 0.01)
     holding, release = threading.Event(), threading.Event()
     events: list[str] = []
 
     def holder() -> None:
-        with torch_ext.build_lock(tmp_path):
-            (tmp_path / torch_ext.TORCH_LOCK_NAME).touch()  # torch's, of the live build
+        with extbuild.build_lock(tmp_path):
+            (tmp_path / extbuild.TORCH_LOCK_NAME).touch()  # torch's, of the live build
             holding.set()
             release.wait(timeout=30)
             events.append("holder done")
-            (tmp_path / torch_ext.TORCH_LOCK_NAME).unlink()
+            (tmp_path / extbuild.TORCH_LOCK_NAME).unlink()
 
     def waiter() -> None:
-        with torch_ext.build_lock(tmp_path):
+        with extbuild.build_lock(tmp_path):
             events.append("waiter in")
 
     first = threading.Thread(target=holder)
     first.start()
     assert holding.wait(timeout=30)
-    with caplog.at_level(logging.INFO, logger=torch_ext.__name__):
+    with caplog.at_level(logging.INFO, logger=extbuild.__name__):
         second = threading.Thread(target=waiter)
         second.start()
         second.join(timeout=0.5)
         assert second.is_alive() and events == []  # waiting, and the holder's lock kept
-        assert (tmp_path / torch_ext.TORCH_LOCK_NAME).exists()
+        assert (tmp_path / extbuild.TORCH_LOCK_NAME).exists()
         release.set()
         first.join(timeout=30)
         second.join(timeout=30)
@@ -61,17 +62,17 @@ def test_a_live_holder_is_waited_for_and_named(
 def test_a_dead_builds_lock_is_removed_after_the_processes_it_left(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr(torch_ext, "POLL_S", 0.01)
-    (tmp_path / torch_ext.LOCK_NAME).write_text("pid 999999 on host elsewhere since then (x)\n")
-    (tmp_path / torch_ext.TORCH_LOCK_NAME).touch()
+    monkeypatch.setattr(extbuild, "POLL_S", 0.01)
+    (tmp_path / extbuild.LOCK_NAME).write_text("pid 999999 on host elsewhere since then (x)\n")
+    (tmp_path / extbuild.TORCH_LOCK_NAME).touch()
     # a compiler the dead build started, still running (it carries the build's marker)
-    env = {**os.environ, torch_ext.BUILD_ENV: os.path.realpath(tmp_path)}
+    env = {**os.environ, extbuild.BUILD_ENV: os.path.realpath(tmp_path)}
     orphan = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], env=env)
     # Popen returns once the child's exec has begun, but Linux shows its environment in /proc
     # only after the new image is set up: wait until the scan can see it (a busy machine widens
     # that window past the lock's first scan).
     deadline = time.monotonic() + 30
-    while orphan.pid not in torch_ext._build_processes(tmp_path):
+    while orphan.pid not in extbuild._build_processes(tmp_path):
         assert orphan.poll() is None, f"the stand-in compiler ended early ({orphan.returncode})"
         assert time.monotonic() < deadline, "the stand-in compiler never showed its marker"
         time.sleep(0.01)
@@ -87,17 +88,17 @@ def test_a_dead_builds_lock_is_removed_after_the_processes_it_left(
                 orphan.kill()
 
     handler = EndOrphanOnceWaitedFor()
-    torch_ext.log.addHandler(handler)
+    extbuild.log.addHandler(handler)
     try:
-        with caplog.at_level(logging.WARNING, logger=torch_ext.__name__):
-            with torch_ext.build_lock(tmp_path):
+        with caplog.at_level(logging.WARNING, logger=extbuild.__name__):
+            with extbuild.build_lock(tmp_path):
                 assert said_waiting.is_set()
                 assert orphan.poll() is not None  # waited for it to end
-                assert not (tmp_path / torch_ext.TORCH_LOCK_NAME).exists()
-                record = (tmp_path / torch_ext.LOCK_NAME).read_text()
+                assert not (tmp_path / extbuild.TORCH_LOCK_NAME).exists()
+                record = (tmp_path / extbuild.LOCK_NAME).read_text()
                 assert record.startswith(f"pid {os.getpid()} on host ")
     finally:
-        torch_ext.log.removeHandler(handler)
+        extbuild.log.removeHandler(handler)
         orphan.kill()
         orphan.wait()
     messages = " | ".join(r.getMessage() for r in caplog.records)
@@ -106,10 +107,10 @@ def test_a_dead_builds_lock_is_removed_after_the_processes_it_left(
 
 
 def test_no_torch_lock_nothing_removed(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
-    with caplog.at_level(logging.WARNING, logger=torch_ext.__name__):
-        with torch_ext.build_lock(tmp_path):
+    with caplog.at_level(logging.WARNING, logger=extbuild.__name__):
+        with extbuild.build_lock(tmp_path):
             pass
-        with torch_ext.build_lock(tmp_path):  # released on exit: taken again at once
+        with extbuild.build_lock(tmp_path):  # released on exit: taken again at once
             pass
     assert caplog.records == []
 
@@ -123,9 +124,43 @@ def test_the_environments_ninja_wins_over_path(
     decoy.write_text("#!/bin/sh\nexit 3\n")
     decoy.chmod(0o755)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    assert torch_ext.find_ninja() == scripts / "ninja"
-    with torch_ext._build_environment(tmp_path / "build"):
+    assert extbuild.find_ninja() == scripts / "ninja"
+    with extbuild._build_environment(tmp_path / "build"):
         ran = subprocess.run(["ninja", "--version"], capture_output=True, text=True)
-        assert os.environ[torch_ext.BUILD_ENV] == os.path.realpath(tmp_path / "build")
-    assert ran.returncode == 0 and ran.stdout.strip() == torch_ext.ninja_version(scripts / "ninja")
-    assert os.environ["PATH"].startswith(str(tmp_path)) and torch_ext.BUILD_ENV not in os.environ
+        assert os.environ[extbuild.BUILD_ENV] == os.path.realpath(tmp_path / "build")
+    assert ran.returncode == 0 and ran.stdout.strip() == extbuild.ninja_version(scripts / "ninja")
+    assert os.environ["PATH"].startswith(str(tmp_path)) and extbuild.BUILD_ENV not in os.environ
+
+
+def test_a_cpu_extensions_folder_follows_its_inputs_and_disabling_it_warns(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # the cache folder changes with the source, the flags and the CPU; disabled, loading
+    # gives None after one warning from the owner's logger naming the variable (no compile)
+    source = tmp_path / "probe.cpp"
+    source.write_text("int probe;\n")
+    ext = extbuild.CpuExtension(
+        name="probe_cpu",
+        label="probe: compiled kernel",
+        sources=(source,),
+        headers=(),
+        cflags=("-O1",),
+        disable_env="PROBE_DISABLE_EXT",
+        build_command="python -m probe.build_ext -v",
+        logger="probe.kernels",
+    )
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    here = ext.build_dir()
+    assert here.parent == tmp_path / "cache" / "tilerec" / "probe_cpu" and here == ext.build_dir()
+    assert dataclasses.replace(ext, cflags=("-O2",)).build_dir() != here
+    source.write_text("int probe2;\n")
+    assert ext.build_dir() != here
+    source.write_text("int probe;\n")
+    monkeypatch.setattr(extbuild, "cpu_identity", lambda: "fpu sse2")
+    assert ext.build_dir() != here
+    monkeypatch.setenv("PROBE_DISABLE_EXT", "1")
+    with caplog.at_level(logging.WARNING, logger="probe.kernels"):
+        assert ext.load_or_none() is None
+    [record] = caplog.records
+    assert record.name == "probe.kernels"
+    assert "probe: compiled kernel disabled by PROBE_DISABLE_EXT" in record.getMessage()

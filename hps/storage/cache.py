@@ -373,6 +373,7 @@ class EmbeddingCache:
             used[:] = held_slots.numel() > 0
         else:
             used[nibble_at(self.high_of, held_slots)] = True
+        used |= (have[:, None] == words[None, :]).any(1)  # the batch's own keys need these
         free = torch.nonzero(~used).squeeze(1)
         if used.sum() + new.numel() <= MAX_HIGH_WORDS:
             if self.high_of is None:  # one word in use (or none): slots name word 0

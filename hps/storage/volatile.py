@@ -340,6 +340,8 @@ class HashMapBackend(StorageBackend):
                 for p in over:
                     with t.parts[p].lock:
                         self._resolve_overflow(table, p, t.parts[p])
+            for part in t.parts:  # outside the partition locks: lookups go on meanwhile
+                part.maybe_compact()
             self._relayout(t)
 
     def _keep_owners(self, t: _Table, parts: list[int]) -> None:
@@ -407,6 +409,8 @@ class HashMapBackend(StorageBackend):
                     found[idx] = hit
                     if hit.any():
                         part.remove_keys(np.unique(keys[idx][hit]))
+            for part in t.parts:  # outside the partition locks: lookups go on meanwhile
+                part.maybe_compact()
             self._relayout(t)
         return found
 

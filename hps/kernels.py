@@ -39,7 +39,12 @@ log = logging.getLogger(__name__)
 EXT_NAME = "hps_cpu"
 CSRC = Path(__file__).resolve().parent / "csrc"
 SOURCES = (CSRC / "fused_lookup.cpp",)
-HEADERS = (CSRC / "common.h", CSRC / "key_counter.h", CSRC / "row_formats.h")
+HEADERS = (
+    CSRC / "common.h",
+    CSRC / "gather_checks.h",
+    CSRC / "key_counter.h",
+    CSRC / "row_formats.h",
+)
 CFLAGS = ["-O3", "-march=native", "-fopenmp"]
 DISABLE_ENV = "HPS_DISABLE_EXT"
 

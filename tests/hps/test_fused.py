@@ -425,3 +425,17 @@ def test_compiled_pass_reads_high_words_like_the_reference(spread: str) -> None:
     assert ca.keys.dtype == dtype and (ca.high_of is not None) == nibbles
     held = ca.cached_keys().numpy()
     assert np.isin(held, keys).all() and held.size == len(ca)
+
+
+def test_the_kernel_refuses_several_high_words_without_nibbles() -> None:
+    """More than one high word needs a nibble per slot: without them every slot would name
+    word 0 (a key stored as another), so the kernel refuses the call, naming the count."""
+    _needs_ext()
+    s = _session(True, "lru")
+    c = s.tables["t0"].cache
+    assert c is not None
+    c.insert(torch.tensor([5, 2**32 + 5]), torch.ones(2, 4))
+    assert c.high_words.numel() == 2 and c.high_of is not None
+    c.high_of = None
+    with pytest.raises(ValueError, match="2 high words but no nibbles"):
+        s.lookup_many(["t0"], [torch.tensor([5])])

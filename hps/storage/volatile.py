@@ -189,8 +189,10 @@ class HashMapBackend(StorageBackend):
         return self._table(table).codec.dtype
 
     def key_layout(self, table: str) -> KeyLayout:
-        """How ``table``'s key index is laid out now (SORTED_I64 where any partition holds
-        int64 keys)."""
+        """How ``table``'s key index is laid out now: SORTED_I64 where any partition holds a
+        key outside ``[0, 2**32)`` in its index, deleted ones included until that partition's
+        next merge (its main keys stay runs or int64 till then; :meth:`_relayout` narrows only
+        int64 main keys that all fit uint32)."""
         t = self._table(table)
         with t.write_lock:
             if t.direct is not None:

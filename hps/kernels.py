@@ -37,7 +37,12 @@ EXT = CpuExtension(
     name=EXT_NAME,
     label="hps: compiled lookup kernel",
     sources=(CSRC / "fused_lookup.cpp",),
-    headers=(CSRC / "common.h", CSRC / "key_counter.h", CSRC / "row_formats.h"),
+    headers=(
+        CSRC / "common.h",
+        CSRC / "gather_checks.h",
+        CSRC / "key_counter.h",
+        CSRC / "row_formats.h",
+    ),
     cflags=("-O3", "-march=native", "-fopenmp"),
     disable_env=DISABLE_ENV,
     build_command="python -m hps.build_ext -v",

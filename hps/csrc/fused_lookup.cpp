@@ -34,6 +34,7 @@
 #include <vector>
 
 #include "common.h"
+#include "gather_checks.h"
 #include "key_counter.h"
 #include "row_formats.h"
 
@@ -137,8 +138,7 @@ struct ProbeState {
 // faster than 8, probe distance 2 slower than 4 (docs/benchmarks.md, "pooled bags").
 constexpr int64_t kRowAhead = 8, kProbeAhead = 4;
 
-constexpr uint8_t kMark = 0x80;
-constexpr uint8_t kMaxLevel = 127;
+constexpr uint8_t kMark = 0x80;  // kMaxLevel (127): gather_checks.h
 
 // The use of slot s by the key at position j: LFU a Morris step of the level (up where the
 // draw × gap < 2**32), LRU the stamp; the mark bit makes a slot's first hit in this query a
@@ -462,36 +462,13 @@ std::vector<at::Tensor> cache_gather(
     const std::vector<int64_t>& hotness, const std::vector<int64_t>& mean,
     const at::Tensor& gaps, const at::Tensor& halve) {
   const size_t T = keys.size();
-  for (const auto* v : {&cache_keys, &high_words, &high_of, &tags, &counters, &storage})
-    check(v->size() == T, "one tensor per table expected");
-  for (const auto* v : {&ways, &dims, &formats, &stamps, &streams, &looked_up, &intervals,
-                        &out_offsets, &hotness, &mean})
-    check(v->size() == T, "one value per table expected");
-  check(gaps.scalar_type() == at::kLong && gaps.numel() == kMaxLevel + 1 && gaps.is_contiguous() &&
-            halve.scalar_type() == at::kByte && halve.numel() == kMaxLevel + 1 &&
-            halve.is_contiguous(),
-        "gaps must be (128,) int64 and halve (128,) uint8 (hps.storage.slot_counter)");
+  check_gather_args(T, {&cache_keys, &high_words, &high_of, &tags, &counters, &storage},
+                    {&ways, &dims, &formats, &stamps, &streams, &looked_up, &intervals,
+                     &out_offsets, &hotness, &mean},
+                    out, gaps, halve);
   const int64_t* gp = gaps.data_ptr<int64_t>();
   const uint8_t* hv = halve.data_ptr<uint8_t>();
-  check(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
-        "out must be a contiguous CPU float32 tensor");
-  std::vector<int64_t> valid(T, 0);
-  for (size_t i = 0; i < T; ++i) {  // refuse bad keys before any counter moves
-    const auto& k = keys[i];
-    check(k.scalar_type() == at::kLong && k.is_contiguous(), "keys must be contiguous int64");
-    const int64_t* kp = k.data_ptr<int64_t>();
-    const int64_t lo = hotness[i] > 0 ? -1 : INT64_MIN + 1;
-    int64_t v = 0;
-    for (int64_t j = 0; j < k.numel(); ++j) {
-      v += kp[j] >= 0 || hotness[i] == 0;
-      if (kp[j] < lo)
-        throw std::invalid_argument("table " + std::to_string(i) + ": key " +
-                                    std::to_string(kp[j]) + " at position " + std::to_string(j) +
-                                    (hotness[i] > 0 ? " (keys are >= 0; -1 pads a short bag)"
-                                                    : " is reserved (the empty-slot sentinel)"));
-    }
-    valid[i] = v;
-  }
+  const std::vector<int64_t> valid = valid_keys(keys, hotness);  // refuses bad keys first
   at::Tensor misses_all;
   std::vector<int64_t> misses;
   auto per_table = at::zeros({static_cast<int64_t>(T), 5}, at::kLong);
@@ -500,29 +477,12 @@ std::vector<at::Tensor> cache_gather(
   std::vector<TableView> views;
   for (size_t i = 0; i < T; ++i) {
     const auto& k = keys[i];
-    const int64_t need = format_row_bytes(formats[i], dims[i]);
-    check(need > 0, "row format code " + std::to_string(formats[i]) + " with dim " +
-                        std::to_string(dims[i]) + " is not a row format (codes 0..5)");
     const int64_t capacity = cache_keys[i].numel();
     const auto kt = cache_keys[i].scalar_type();
-    check((kt == at::kInt || kt == at::kLong) && cache_keys[i].is_contiguous() &&
-              counters[i].scalar_type() == at::kByte && counters[i].numel() == capacity &&
-              counters[i].is_contiguous() && tags[i].scalar_type() == at::kByte &&
-              tags[i].numel() == capacity,
-          "cache keys must be contiguous int32 or int64, counters and tags uint8, one per slot");
     const auto& hw = high_words[i];
     const auto& ho = high_of[i];
-    check(hw.scalar_type() == at::kLong && hw.is_contiguous() && hw.numel() <= 16 &&
-              ho.scalar_type() == at::kByte && ho.is_contiguous() &&
-              (ho.numel() == 0 || ho.numel() == (capacity + 1) / 2),
-          "high words must be (<= 16,) int64 and their nibbles (ceil(capacity / 2),) uint8");
-    check(storage[i].scalar_type() == at::kByte && storage[i].dim() == 2 &&
-              storage[i].size(0) == capacity && storage[i].is_contiguous(),
-          "storage must be (capacity, row_bytes) contiguous uint8");
-    const int64_t row_bytes = storage[i].size(1);
-    check(row_bytes >= need, "rows of format " + std::to_string(formats[i]) + " and dim " +
-                                 std::to_string(dims[i]) + " need " + std::to_string(need) +
-                                 " bytes, storage rows hold " + std::to_string(row_bytes));
+    const int64_t row_bytes = check_table(i, cache_keys[i], hw, ho, tags[i], counters[i],
+                                          storage[i], formats[i], dims[i]);
     // LFU aging before this query's uses: one halving per multiple of the interval crossed
     const int64_t w = intervals[i];
     const int64_t crossed = w > 0 ? (looked_up[i] + valid[i]) / w - looked_up[i] / w : 0;

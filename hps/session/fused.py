@@ -259,13 +259,14 @@ def _serve_all_misses(
 
     start = 0
     all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
-    all_hit: list[tuple[str, list[int], list[int], bool]] = []  # recorded under one lock
+    # every served table's counts, recorded at the end under one statistics lock acquisition
+    records: list[tuple[str, list[int], list[int], bool]] = []
     try:
         for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
             nm, hits, uniq_hits = row[0], row[1], row[2]
             epoch = s._age_key_stats(t, c)
             if not nm:
-                all_hit.append((t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], all_hit_async))
+                records.append((t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], all_hit_async))
                 continue
             pos = res.misses[start : start + nm]
             start += nm
@@ -292,14 +293,16 @@ def _serve_all_misses(
             t64 = tier.to(torch.int64)
             uniq_tiers = torch.bincount(t64, minlength=4).tolist()
             all_tiers = torch.bincount(t64, weights=counts.to(torch.float64), minlength=4).tolist()
-            s.statistics.record_counts(
-                t.name,
-                [uniq_hits + int(uniq_tiers[0]), *(int(x) for x in uniq_tiers[1:])],
-                [hits + int(all_tiers[0]), *(int(x) for x in all_tiers[1:])],
-                is_async,
+            records.append(
+                (
+                    t.name,
+                    [uniq_hits + int(uniq_tiers[0]), *(int(x) for x in uniq_tiers[1:])],
+                    [hits + int(all_tiers[0]), *(int(x) for x in all_tiers[1:])],
+                    is_async,
+                )
             )
-    finally:  # also when a later table's miss path raised
-        s.statistics.record_counts_many(all_hit)
+    finally:  # also when a later table's miss path raised: the tables served before it
+        s.statistics.record_counts_many(records)
 
 
 class _KeyCounter(Protocol):

@@ -81,17 +81,14 @@ import torch
 from hps.rowformat import RowDtype
 from hps.storage.cache_index import EMPTY_KEY as EMPTY_KEY
 from hps.storage.cache_index import (
-    MAX_HIGH_WORDS,
-    high_word,
     homed_at,
-    join_words,
     low_word,
     nibble_at,
     set_homed,
-    set_nibbles,
 )
 from hps.storage.cache_index import set_of as set_of
 from hps.storage.cache_index import tag_of as tag_of
+from hps.storage.cache_keys import CacheKeyWords
 from hps.storage.cache_types import CacheStats as CacheStats
 from hps.storage.cache_types import Placed, RowHome
 from hps.storage.host_memory import huge_zeros
@@ -115,7 +112,7 @@ DEFAULT_WAYS = 64  # HugeCTR: slabs of 32 keys, 2 slabs per set
 _MAX_SHIFT = 63  # a priority (int64) is 0 after 63 halvings
 
 
-class EmbeddingCache:
+class EmbeddingCache(CacheKeyWords):
     """Set-associative row cache.
 
     Args:
@@ -301,27 +298,6 @@ class EmbeddingCache:
         hit, way = match.view(torch.uint8).max(1)  # one pass: any match, and where
         return hit.view(torch.bool), s * self.ways + way
 
-    def _word_index(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(known (n,) bool, index (n,) int64)``: where each key's high word is in
-        ``high_words`` (compact keys)."""
-        if self.high_words.numel() == 0:
-            z = torch.zeros(keys.numel(), dtype=torch.int64, device=self.device)
-            return z.to(torch.bool), z
-        eq = high_word(keys)[:, None] == self.high_words[None, :]
-        known, index = eq.view(torch.uint8).max(1)
-        return known.view(torch.bool), index.to(torch.int64)
-
-    def keys_of(self, slots: torch.Tensor) -> torch.Tensor:
-        """``(n,) int64``: the keys held in ``slots (n,) int64`` (held slots only)."""
-        k = self.keys.view(-1)[slots]
-        if self.keys.dtype == torch.int64:
-            return k
-        if self.high_of is None:
-            high = self.high_words[:1].expand(slots.numel())
-        else:
-            high = self.high_words[nibble_at(self.high_of, slots)]
-        return join_words(high, k)
-
     def _touch(
         self, slots: torch.Tensor, counts: torch.Tensor | None, positions: torch.Tensor
     ) -> None:
@@ -333,72 +309,6 @@ class EmbeddingCache:
             return
         w = torch.ones_like(slots) if counts is None else counts
         flat[slots] = add_weighted(flat[slots], w, draws(self.lfu_stream(), positions))
-
-    @property
-    def empty_key(self) -> int:
-        """The key of an empty slot: -1 with int32 keys, ``EMPTY_KEY`` with int64 keys."""
-        return -1 if self.keys.dtype == torch.int32 else EMPTY_KEY
-
-    def _write_keys(self, slots: torch.Tensor, keys: torch.Tensor) -> None:
-        """Store ``keys (n,) int64`` in ``slots (n,) int64`` (unique): low word and nibble,
-        high words added (or widened to int64 keys) as needed. Call with the lock held."""
-        if self.keys.dtype == torch.int32 and keys.numel():
-            self._admit_words(torch.unique(high_word(keys)), slots)
-        flat = self.keys.view(-1)
-        if self.keys.dtype == torch.int64:
-            flat[slots] = keys
-            return
-        flat[slots] = low_word(keys)
-        if self.high_of is not None:
-            set_nibbles(self.high_of, slots, self._word_index(keys)[1])
-
-    def _admit_words(self, words: torch.Tensor, slots: torch.Tensor) -> None:
-        """Make ``high_words`` hold ``words (k,) int64`` (unique), which keys are about to be
-        written into ``slots``: add them, reusing words no other slot's key has, or widen the
-        keys to int64 when more than ``MAX_HIGH_WORDS`` would be in use."""
-        have = self.high_words
-        new = words[~(words[:, None] == have[None, :]).any(1)] if have.numel() else words
-        if new.numel() == 0:
-            return
-        if have.numel() + new.numel() <= MAX_HIGH_WORDS:
-            if self.high_of is None and have.numel() + new.numel() > 1:
-                self.high_of = huge_zeros((-(-self.capacity // 2),), torch.uint8, self.device)
-            self.high_words = torch.cat([have, new])
-            return
-        held = self.tags.view(-1) != 0
-        held[slots] = False  # these slots are being overwritten
-        held_slots = torch.nonzero(held).squeeze(1)
-        used = torch.zeros(have.numel(), dtype=torch.bool, device=self.device)
-        if self.high_of is None:
-            used[:] = held_slots.numel() > 0
-        else:
-            used[nibble_at(self.high_of, held_slots)] = True
-        free = torch.nonzero(~used).squeeze(1)
-        if used.sum() + new.numel() <= MAX_HIGH_WORDS:
-            if self.high_of is None:  # one word in use (or none): slots name word 0
-                self.high_of = huge_zeros((-(-self.capacity // 2),), torch.uint8, self.device)
-            reuse = free[: new.numel()]
-            words_now = have.clone()
-            words_now[reuse] = new[: reuse.numel()]
-            self.high_words = torch.cat([words_now, new[reuse.numel() :]])
-            return
-        self._widen()
-
-    def _widen(self) -> None:
-        """Hold whole int64 keys from now on (more than ``MAX_HIGH_WORDS`` high words)."""
-        held = torch.nonzero(self.tags.view(-1) != 0).squeeze(1)
-        full = self.keys_of(held)
-        wide = huge_zeros(tuple(self.keys.shape), torch.int64, self.device).fill_(EMPTY_KEY)
-        wide.view(-1)[held] = full
-        self.keys = wide
-        self.high_words = self.high_words[:0]
-        self.high_of = None
-        log.info(
-            "cache of %d slots: keys with more than %d distinct high 32-bit words; keys "
-            "widened to int64",
-            self.capacity,
-            MAX_HIGH_WORDS,
-        )
 
     def _homed_at(self, slots: torch.Tensor) -> torch.Tensor:
         """``(n,) bool``: the homed bit of each of ``slots (n,) int64``."""

@@ -38,12 +38,17 @@ The pool grows by a quarter (at least 64 slots) when it is full and is compacted
 copied to the front in key order, ``capacity = live × 9/8``) when more than half of the live
 rows' count is free: its slack stays under half the live rows.
 
-Callers hold :attr:`Partition.lock` around every method; replacing :attr:`Partition.direct`
-(the table switching layouts) needs every partition's lock of the table.
+Callers hold :attr:`Partition.lock` around every method but :meth:`Partition.maybe_compact`;
+replacing :attr:`Partition.direct` (the table switching layouts) needs every partition's lock
+of the table. A write leaves the compaction it makes due to :meth:`Partition.maybe_compact`,
+which the writer calls without the partition lock (the writer's own lock held): it builds the
+compacted pool and index outside the partition lock (lookups go on reading the old ones) and
+swaps them in under it (with the use counts and stamps, which lookups write).
 """
 
 from __future__ import annotations
 
+import contextlib
 import threading
 from enum import StrEnum
 
@@ -61,8 +66,8 @@ class KeyLayout(StrEnum):
     """How a table's key index of the hash map is laid out (see the module docstring)."""
 
     DIRECT = "direct"  # uint32 slot per key in [0, bound)
-    SORTED_U32 = "sorted_u32"  # sorted uint32 keys + int32 slots
-    SORTED_I64 = "sorted_i64"  # sorted int64 keys + int32 slots
+    SORTED_U32 = "sorted_u32"  # sorted uint32 keys, rows in key order (+ a small side part)
+    SORTED_I64 = "sorted_i64"  # sorted keys past uint32: runs of uint32 low words, or int64
 
 
 def partition_of(keys: np.ndarray, num_partitions: int) -> np.ndarray:
@@ -176,8 +181,6 @@ class Partition:
                 self.owner[ns] = nk
             return
         self.sorted_index.add(nk, ns)
-        if self.sorted_index.needs_merge():
-            self._compact(self.rows.shape[0])
 
     def touch(self, slots: np.ndarray, now: int, read: bool) -> None:
         """Count a read (``uses``) and stamp ``now`` (``stamp``) where the policy keeps them."""
@@ -223,7 +226,6 @@ class Partition:
         keys, slots = live if live is not None else self.live()
         self.sorted_index.remove(keys[pos], slots[pos])
         self.free = np.concatenate([self.free, slots[pos].astype(np.int32)])
-        self._maybe_compact()
 
     def remove_keys(self, keys: np.ndarray) -> None:
         """Drop held keys ``keys (r,) int64`` (ascending, unique); slots freed in that order."""
@@ -233,7 +235,6 @@ class Partition:
         _, slots = self.sorted_index.find(keys)
         self.sorted_index.remove(keys, slots)
         self.free = np.concatenate([self.free, slots.astype(np.int32)])
-        self._maybe_compact()
 
     def _drop_direct(self, keys: np.ndarray, slots: np.ndarray) -> None:
         assert self.direct is not None  # the caller's layout
@@ -242,7 +243,6 @@ class Partition:
         if self.owner is not None:
             self.owner[slots] = ABSENT
         self.free = np.concatenate([self.free, slots.astype(np.int32)])
-        self._maybe_compact()
 
     def trim(self, live: tuple[np.ndarray, np.ndarray] | None = None) -> None:
         """Compact to a pool of exactly the rows held (no free slot) if any slot is free
@@ -250,34 +250,56 @@ class Partition:
         if self.free.size:
             self._compact(self.size, live)
 
-    def _maybe_compact(self) -> None:
-        live = self.size
-        if self.free.size > max(_MIN_GROWTH, live // 2):
-            self._compact(live + live // 8)
-        elif self.direct is None and self.sorted_index.needs_merge():
-            self._compact(self.rows.shape[0])
+    def maybe_compact(self) -> bool:
+        """Compact if the free slots outgrew half the live rows (to ``capacity = live ×
+        9/8``) or the sorted index needs a merge; whether it did. Call WITHOUT :attr:`lock`,
+        holding the writer's lock (no other write meanwhile): the new pool and index are built
+        outside :attr:`lock`, lookups reading the old ones, and swapped in under it."""
+        with self.lock:
+            live = self.size
+            if self.free.size > max(_MIN_GROWTH, live // 2):
+                capacity = live + live // 8
+            elif self.direct is None and self.sorted_index.needs_merge():
+                capacity = self.rows.shape[0]
+            else:
+                return False
+        self._compact(capacity, swap_lock=self.lock)
+        return True
 
-    def _compact(self, capacity: int, held: tuple[np.ndarray, np.ndarray] | None = None) -> None:
-        """Copy the live rows to slots ``0..live-1`` (key order) of a pool of ``capacity``."""
+    def _compact(
+        self,
+        capacity: int,
+        held: tuple[np.ndarray, np.ndarray] | None = None,
+        swap_lock: threading.Lock | None = None,
+    ) -> None:
+        """Copy the live rows to slots ``0..live-1`` (key order) of a pool of ``capacity``;
+        the new pool and index are built first, then swapped in under ``swap_lock`` (``None``:
+        the caller holds :attr:`lock` throughout)."""
         keys, slots = held if held is not None else self.live()
         live = int(keys.size)
         rows = np.zeros((capacity, self.rows.shape[1]), np.uint8)
         rows[:live] = self.rows[slots]
-        self.rows = rows
-        for name in ("uses", "stamp"):
-            old = getattr(self, name)
-            if old is not None:
-                new = np.zeros(capacity, np.int64)
-                new[:live] = old[slots]
-                setattr(self, name, new)
-        if self.direct is not None:
-            self.direct[keys] = np.arange(live, dtype=np.uint32)
-            if self.owner is not None:
-                self.owner = np.full(capacity, ABSENT, np.uint32)
-                self.owner[:live] = keys
-        else:
-            self.sorted_index.reset(keys)
-        self.free = np.arange(capacity - 1, live - 1, -1, dtype=np.int32)
+        index = None
+        if self.direct is None:
+            index = SortedIndex(compact=self.sorted_index.compact)
+            index.reset(keys)
+        with swap_lock if swap_lock is not None else contextlib.nullcontext():
+            self.rows = rows
+            for name in ("uses", "stamp"):  # lookups write these: copied under the lock
+                old = getattr(self, name)
+                if old is not None:
+                    new = np.zeros(capacity, np.int64)
+                    new[:live] = old[slots]
+                    setattr(self, name, new)
+            if index is None:
+                assert self.direct is not None  # the layout, unchanged by the writer's lock
+                self.direct[keys] = np.arange(live, dtype=np.uint32)
+                if self.owner is not None:
+                    self.owner = np.full(capacity, ABSENT, np.uint32)
+                    self.owner[:live] = keys
+            else:
+                self.sorted_index = index
+            self.free = np.arange(capacity - 1, live - 1, -1, dtype=np.int32)
 
     def nbytes(self) -> int:
         """Bytes of the pool, its free list, use counts or stamps, slot owners, and the sorted

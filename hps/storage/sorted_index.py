@@ -15,13 +15,20 @@ slots for the keys inserted since the last merge. Worked example, a partition of
 
 A lookup binary-searches the main part, then (the keys it does not find there) the side part:
 O(log n) per key. A new key larger than every main key stored in the next slot of the main
-run is appended to the main part (an ascending load stays there, at 4 B per key); any other new key goes
-to the side part. When the side part outgrows ``MERGE_FRACTION`` of the main part (or the
-deleted keys ``DEAD_FRACTION``), the partition merges: it copies its live rows to the front of
-the pool in key order (:meth:`~hps.storage.hash_partition.Partition`'s compaction) and the
-main part becomes every live key again. A merge costs O(rows) and happens once per
+run is appended to the main part (an ascending load stays there, at 4 B per key): written in
+place in an over-allocated buffer that doubles when full (O(1) amortised per key; the buffer
+is at most twice the main keys until the next merge). Any other new key goes to the side
+part, two sorted levels: a small one of at most ``max(MIN_MERGE, √s)`` keys (``s`` the larger
+level's size) takes the inserts (O(√s) to insert into), and is merged into the larger one
+when full (O(s) once per √s inserts): O(√s) amortised per side insert, ``s ≤ rows / 8``. When
+the side part outgrows ``MERGE_FRACTION`` of the main part (or the deleted keys
+``DEAD_FRACTION``), the partition merges: it copies its live rows to the front of the pool in
+key order (:meth:`~hps.storage.hash_partition.Partition`'s compaction) and the main part
+becomes every live key again. A merge costs O(rows) and happens once per
 ``MERGE_FRACTION × rows`` inserts: O(1) amortised per insert, and the side part (12 B per key)
-costs at most ``12 × MERGE_FRACTION`` ≈ 1.5 B per row.
+costs at most ``12 / MERGE_FRACTION`` = 1.5 B per row. The live main keys' first and last
+positions are kept by deletes (O(deleted keys passed)), so that :meth:`SortedIndex.extent` is
+O(1).
 
 Main keys are uint32 while each is in ``[0, 2**32)`` (``compact``). Beyond that range, sorted
 keys sharing their high 32 bits are one run, so a compact main part of at most ``MAX_RUNS``
@@ -36,6 +43,8 @@ that run's low words. More runs (64-bit hashed keys) are held as int64 (8 B per 
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -62,25 +71,46 @@ class SortedIndex:
 
     def __init__(self, compact: bool) -> None:
         self.compact = compact
-        self.keys = np.zeros(0, np.uint32 if compact else np.int64)  # main: key i in slot i
+        #: the main keys' buffer, over-allocated so that appends write in place
+        self._buf = np.zeros(0, np.uint32 if compact else np.int64)
+        self.keys = self._buf  # main: key i in slot i (a view of ``_buf``'s first keys)
         #: runs of the main part's keys: ``(high words (h,) int64, starts (h + 1,) int64)``,
         #: with ``keys`` their low words; ``None``: ``keys`` are the keys
         self.runs: tuple[np.ndarray, np.ndarray] | None = None
-        self.dead: np.ndarray | None = None  # (main,) bool, allocated at the first delete
+        self._dead_buf: np.ndarray | None = None  # deleted marks' buffer, from the first delete
+        self.dead: np.ndarray | None = None  # (main,) bool, a view of ``_dead_buf``
         self.n_dead = 0
-        self.side_keys = np.zeros(0, np.int64)
+        self._lo = self._hi = 0  # positions of the first and last live main keys (if any)
+        self.side_keys = np.zeros(0, np.int64)  # side part: the larger sorted level
         self.side_slots = np.zeros(0, np.int32)
+        self.tail_keys = np.zeros(0, np.int64)  # side part: the smaller sorted level
+        self.tail_slots = np.zeros(0, np.int32)
 
     @property
     def size(self) -> int:
         """Keys held (main keys not deleted, and side keys)."""
-        return int(self.keys.size) - self.n_dead + int(self.side_keys.size)
+        return int(self.keys.size) - self.n_dead + self.side_size
+
+    @property
+    def side_size(self) -> int:
+        """Keys in the side part (both its levels)."""
+        return int(self.side_keys.size) + int(self.tail_keys.size)
+
+    @property
+    def capacity(self) -> int:
+        """Main keys the buffer holds before an append reallocates it."""
+        return int(self._buf.size)
 
     @property
     def wide(self) -> bool:
         """Whether the main keys are int64 (a key outside ``[0, 2**32)``, or not ``compact``)
         or a side key is outside ``[0, 2**32)``."""
-        return self.keys.dtype == np.int64 or self.runs is not None or not _fits_u32(self.side_keys)
+        return (
+            self.keys.dtype == np.int64
+            or self.runs is not None
+            or not _fits_u32(self.side_keys)
+            or not _fits_u32(self.tail_keys)
+        )
 
     def main_keys(self, pos: np.ndarray) -> np.ndarray:
         """``(k,) int64``: the main part's keys at positions ``pos (k,) int64``."""
@@ -91,20 +121,18 @@ class SortedIndex:
         return (words[r] << 32) | self.keys[pos].astype(np.int64)
 
     def extent(self) -> tuple[int, int] | None:
-        """``(lowest, highest)`` key held, ``None`` when empty."""
+        """``(lowest, highest)`` key held, ``None`` when empty: O(1) (the live main keys'
+        bounds are kept by :meth:`remove` and :meth:`add`)."""
         lo: list[int] = []
         hi: list[int] = []
         if self.keys.size > self.n_dead:
-            first, last = 0, self.keys.size - 1
-            if self.dead is not None:  # argmax stops at the first live key
-                first = int(np.argmax(~self.dead))
-                last = self.keys.size - 1 - int(np.argmax(~self.dead[::-1]))
-            ends = self.main_keys(np.array([first, last], np.int64))
+            ends = self.main_keys(np.array([self._lo, self._hi], np.int64))
             lo.append(int(ends[0]))
             hi.append(int(ends[1]))
-        if self.side_keys.size:
-            lo.append(int(self.side_keys[0]))
-            hi.append(int(self.side_keys[-1]))
+        for part in (self.side_keys, self.tail_keys):
+            if part.size:
+                lo.append(int(part[0]))
+                hi.append(int(part[-1]))
         return (min(lo), max(hi)) if lo else None
 
     def _main_pos(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
@@ -144,23 +172,25 @@ class SortedIndex:
             pos[at] = a + p
         return found, pos
 
-    def _side_pos(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """``q (k,) int64`` → ``(found in the side part (k,) bool, position (k,) int64)``."""
-        m = self.side_keys.size
+    @staticmethod
+    def _level_pos(keys: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+        """``q (k,) int64`` → ``(found in ``keys`` (k,) bool, position (k,) int64)``."""
+        m = keys.size
         if m == 0:
             return np.zeros(q.size, bool), np.zeros(q.size, np.int64)
-        pos = np.minimum(np.searchsorted(self.side_keys, q), m - 1)
-        return self.side_keys[pos] == q, pos
+        pos = np.minimum(np.searchsorted(keys, q), m - 1)
+        return keys[pos] == q, pos
 
     def find(self, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
         """``q (k,) int64`` → ``(found (k,) bool, slot of each found key (f,) int64)``."""
         found, slot = self._main_pos(q)
-        if self.side_keys.size:
-            rest = np.flatnonzero(~found)
-            f2, pos = self._side_pos(q[rest])
-            hit = rest[f2]
-            found[hit] = True
-            slot[hit] = self.side_slots[pos[f2]]
+        for keys, slots in ((self.side_keys, self.side_slots), (self.tail_keys, self.tail_slots)):
+            if keys.size:
+                rest = np.flatnonzero(~found)
+                f2, pos = self._level_pos(keys, q[rest])
+                hit = rest[f2]
+                found[hit] = True
+                slot[hit] = slots[pos[f2]]
         return found, slot[found]
 
     def live(self) -> tuple[np.ndarray, np.ndarray]:
@@ -170,29 +200,84 @@ class SortedIndex:
         else:
             ms = np.flatnonzero(~self.dead)
         mk = self.main_keys(ms)
-        if self.side_keys.size == 0:
+        if self.side_size == 0:
             return mk, ms
-        keys = np.concatenate([mk, self.side_keys])
-        slots = np.concatenate([ms, self.side_slots.astype(np.int64)])
-        order = np.argsort(keys, kind="stable")  # two sorted runs: a merge
+        keys = np.concatenate([mk, self.side_keys, self.tail_keys])
+        slots = np.concatenate([ms, self.side_slots, self.tail_slots]).astype(np.int64)
+        order = np.argsort(keys, kind="stable")  # sorted runs: a merge
         return keys[order], slots[order]
 
     def add(self, nk: np.ndarray, ns: np.ndarray) -> None:
         """Index new keys ``nk (k,) int64`` (ascending, none held) in slots ``ns (k,)``:
-        appended to the main part when they follow it in keys and slots, else to the side."""
+        appended to the main part when they follow it in keys and slots (O(k) amortised),
+        else to the side part (O(k + √side) amortised)."""
         if nk.size == 0:
             return
         m = self.keys.size
         follows = m == 0 or int(nk[0]) > int(self.main_keys(np.array([m - 1]))[0])
         if follows and int(ns[0]) == m and np.array_equal(ns, np.arange(m, m + nk.size)):
-            dead = self.dead
-            self.reset(np.concatenate([self.main_keys(np.arange(m)), nk]), keep=True)
-            if dead is not None:
-                self.dead = np.concatenate([dead, np.zeros(nk.size, bool)])
+            self._append(nk)
             return
-        pos = np.searchsorted(self.side_keys, nk)
-        self.side_keys = np.insert(self.side_keys, pos, nk)
-        self.side_slots = np.insert(self.side_slots, pos, ns.astype(np.int32))
+        pos = np.searchsorted(self.tail_keys, nk)
+        self.tail_keys = np.insert(self.tail_keys, pos, nk)
+        self.tail_slots = np.insert(self.tail_slots, pos, ns.astype(np.int32))
+        if self.tail_keys.size > max(MIN_MERGE, math.isqrt(self.side_keys.size)):
+            at = np.searchsorted(self.side_keys, self.tail_keys)
+            self.side_keys = np.insert(self.side_keys, at, self.tail_keys)
+            self.side_slots = np.insert(self.side_slots, at, self.tail_slots)
+            self.tail_keys = self.tail_keys[:0]
+            self.tail_slots = self.tail_slots[:0]
+
+    def _append(self, nk: np.ndarray) -> None:
+        """Append ``nk (k,) int64`` (ascending, above every main key) to the main part, in
+        place in its over-allocated buffer (the buffer doubles when full: O(k) amortised);
+        a new run only where the high word changes."""
+        m = self.keys.size
+        total = m + int(nk.size)
+        self._lo = m if self.n_dead == m else self._lo  # no live main key before these
+        self._hi = total - 1
+        if m == 0:
+            self.reset(nk, keep=True)
+            self.dead, self._dead_buf = None, None  # no main key: none deleted
+            return
+        if self.runs is None and (self.keys.dtype == np.int64 or _fits_u32(nk)):
+            low = nk.astype(self.keys.dtype)
+        else:  # compact keys with runs (or the first key beyond uint32: word 0 so far)
+            words, starts = self.runs or (np.zeros(1, np.int64), np.array([0, m], np.int64))
+            hi = nk >> 32
+            cut = np.flatnonzero(hi[1:] != hi[:-1]) + 1
+            new_words = hi[np.concatenate([[0], cut])]
+            inner = m + cut
+            if int(new_words[0]) == int(words[-1]):  # the first new keys extend the last run
+                new_words = new_words[1:]
+            else:
+                inner = np.concatenate([[m], inner])
+            if words.size + new_words.size > MAX_RUNS:  # too many runs: int64 keys
+                dead = self.dead
+                self.reset(np.concatenate([self.main_keys(np.arange(m)), nk]), keep=True)
+                if dead is not None:
+                    self._dead_buf = np.zeros(total, bool)
+                    self._dead_buf[:m] = dead
+                    self.dead = self._dead_buf
+                return
+            self.runs = (
+                np.concatenate([words, new_words]),
+                np.concatenate([starts[:-1], inner, [total]]).astype(np.int64),
+            )
+            low = (nk & 0xFFFFFFFF).astype(np.uint32)
+        if total > self._buf.size:
+            buf = np.empty(max(total, 2 * self._buf.size), self._buf.dtype)
+            buf[:m] = self.keys
+            self._buf = buf
+        self._buf[m:total] = low
+        self.keys = self._buf[:total]
+        if self._dead_buf is not None:
+            if total > self._dead_buf.size:
+                grown = np.zeros(self._buf.size, bool)
+                grown[:m] = self._dead_buf[:m]
+                self._dead_buf = grown
+            self._dead_buf[m:total] = False
+            self.dead = self._dead_buf[:total]
 
     def remove(self, keys: np.ndarray, slots: np.ndarray) -> None:
         """Drop held ``keys (r,) int64`` (unique) whose slots are ``slots (r,) int64``."""
@@ -203,20 +288,46 @@ class SortedIndex:
         if self.dead is not None:
             main &= ~self.dead[s]
         if main.any():
-            if self.dead is None:
-                self.dead = np.zeros(m, bool)
+            if self._dead_buf is None:
+                self._dead_buf = np.zeros(self._buf.size, bool)
+            self.dead = self._dead_buf[:m]
             self.dead[slots[main]] = True
             self.n_dead += int(main.sum())
-        side = keys[~main]
+            if self.n_dead < m:
+                self._lo = self._live_from(self._lo, 1)
+                self._hi = self._live_from(self._hi, -1)
+        side = np.sort(keys[~main])
         if side.size:
-            pos = np.searchsorted(self.side_keys, np.sort(side))
-            self.side_keys = np.delete(self.side_keys, pos)
-            self.side_slots = np.delete(self.side_slots, pos)
+            in_side, pos = self._level_pos(self.side_keys, side)
+            self.side_keys = np.delete(self.side_keys, pos[in_side])
+            self.side_slots = np.delete(self.side_slots, pos[in_side])
+            _, pos = self._level_pos(self.tail_keys, side[~in_side])
+            self.tail_keys = np.delete(self.tail_keys, pos)
+            self.tail_slots = np.delete(self.tail_slots, pos)
+
+    def _live_from(self, p: int, step: int) -> int:
+        """The first live main position from ``p`` on in direction ``step`` (±1), some live:
+        O(deleted keys passed), in doubling chunks."""
+        assert self.dead is not None  # the caller's: a key was deleted
+        chunk = 64
+        while True:
+            if step > 0:
+                live = np.flatnonzero(~self.dead[p : p + chunk])
+                if live.size:
+                    return p + int(live[0])
+                p += chunk
+            else:
+                a = max(0, p - chunk + 1)
+                live = np.flatnonzero(~self.dead[a : p + 1])
+                if live.size:
+                    return a + int(live[-1])
+                p = a - 1
+            chunk *= 2
 
     def needs_merge(self) -> bool:
         """Whether the side part or the deleted keys outgrew their share of the main part."""
         m = self.keys.size
-        return self.side_keys.size > max(MIN_MERGE, m // MERGE_FRACTION) or self.n_dead > max(
+        return self.side_size > max(MIN_MERGE, m // MERGE_FRACTION) or self.n_dead > max(
             MIN_MERGE, m // DEAD_FRACTION
         )
 
@@ -237,26 +348,32 @@ class SortedIndex:
                 self.keys = (keys & 0xFFFFFFFF).astype(np.uint32)
             else:
                 self.keys = keys.astype(np.int64)
+        self._buf = self.keys
         if keep:
             return
-        self.dead, self.n_dead = None, 0
+        self._lo, self._hi = 0, int(keys.size) - 1
+        self.dead, self._dead_buf, self.n_dead = None, None, 0
         self.side_keys = np.zeros(0, np.int64)
         self.side_slots = np.zeros(0, np.int32)
+        self.tail_keys = np.zeros(0, np.int64)
+        self.tail_slots = np.zeros(0, np.int32)
 
     def clear(self) -> None:
         """Hold no key (the table switched to a direct index)."""
         self.reset(np.zeros(0, np.int64))
 
     def narrow(self) -> None:
-        """Store int64 main keys as uint32 when every one is in ``[0, 2**32)``."""
+        """Store int64 main keys as uint32 when every one is in ``[0, 2**32)``. Run-encoded
+        keys stay runs until the next merge (a run may hold only deleted keys)."""
         if self.compact and self.keys.dtype == np.int64 and _fits_u32(self.keys):
             self.keys = self.keys.astype(np.uint32)
+            self._buf = self.keys
 
     def nbytes(self) -> int:
-        """Bytes of the main keys, the deleted marks and the side part."""
-        arrays = [self.keys, self.side_keys, self.side_slots]
+        """Bytes of the main keys' buffer, the deleted marks and the side part."""
+        arrays = [self._buf, self.side_keys, self.side_slots, self.tail_keys, self.tail_slots]
         if self.runs is not None:
             arrays += list(self.runs)
-        if self.dead is not None:
-            arrays.append(self.dead)
+        if self._dead_buf is not None:
+            arrays.append(self._dead_buf)
         return sum(int(a.nbytes) for a in arrays)

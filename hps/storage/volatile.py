@@ -189,8 +189,10 @@ class HashMapBackend(StorageBackend):
         return self._table(table).codec.dtype
 
     def key_layout(self, table: str) -> KeyLayout:
-        """How ``table``'s key index is laid out now (SORTED_I64 where any partition holds
-        int64 keys)."""
+        """How ``table``'s key index is laid out now: SORTED_I64 where any partition holds a
+        key outside ``[0, 2**32)`` in its index, deleted ones included until that partition's
+        next merge (its main keys stay runs or int64 till then; :meth:`_relayout` narrows only
+        int64 main keys that all fit uint32)."""
         t = self._table(table)
         with t.write_lock:
             if t.direct is not None:
@@ -340,6 +342,8 @@ class HashMapBackend(StorageBackend):
                 for p in over:
                     with t.parts[p].lock:
                         self._resolve_overflow(table, p, t.parts[p])
+            for part in t.parts:  # outside the partition locks: lookups go on meanwhile
+                part.maybe_compact()
             self._relayout(t)
 
     def _keep_owners(self, t: _Table, parts: list[int]) -> None:
@@ -407,6 +411,8 @@ class HashMapBackend(StorageBackend):
                     found[idx] = hit
                     if hit.any():
                         part.remove_keys(np.unique(keys[idx][hit]))
+            for part in t.parts:  # outside the partition locks: lookups go on meanwhile
+                part.maybe_compact()
             self._relayout(t)
         return found
 

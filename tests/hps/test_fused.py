@@ -425,3 +425,51 @@ def test_compiled_pass_reads_high_words_like_the_reference(spread: str) -> None:
     assert ca.keys.dtype == dtype and (ca.high_of is not None) == nibbles
     held = ca.cached_keys().numpy()
     assert np.isin(held, keys).all() and held.size == len(ca)
+
+
+def test_the_kernel_refuses_several_high_words_without_nibbles() -> None:
+    """More than one high word needs a nibble per slot: without them every slot would name
+    word 0 (a key stored as another), so the kernel refuses the call, naming the count."""
+    _needs_ext()
+    s = _session(True, "lru")
+    c = s.tables["t0"].cache
+    assert c is not None
+    c.insert(torch.tensor([5, 2**32 + 5]), torch.ones(2, 4))
+    assert c.high_words.numel() == 2 and c.high_of is not None
+    c.high_of = None
+    with pytest.raises(ValueError, match="2 high words but no nibbles"):
+        s.lookup_many(["t0"], [torch.tensor([5])])
+
+
+@pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+def test_pooled_bags_start_from_plus_zero_so_negative_zero_rows_pool_to_plus_zero(
+    mean: bool,
+) -> None:
+    """A bag sums ``((+0.0 + r0) + r1) + …``: bags of -0.0 rows give +0.0 (sign bit clear),
+    compiled and reference alike, bit for bit; -1.0 stays negative."""
+    passes = [True, False] if load_extension() is not None else [False]
+    if os.environ.get("CI"):
+        _needs_ext()
+    outs = []
+    for compiled in passes:
+        c = EmbeddingCache(64, 4, ways=8)
+        v = torch.full((3, 4), -0.0)
+        v[1] = 5.0
+        v[2, 2:] = -1.0  # key 3: [-0, -0, -1, -1]
+        c.insert(torch.tensor([1, 2, 3]), v)
+        keys = torch.tensor([[1, -1], [-1, 1], [3, 1], [1, 1], [1, 2]]).reshape(-1)
+        out = torch.full((5, 4), 7.0)
+        args = GatherArgs(
+            caches=[c], keys=[keys], out=out, out_offsets=[0], out_stride=4, hotness=[2],
+            mean=[mean], stamps=[1], streams=[0], looked_up=[0], intervals=[0],
+        )  # fmt: skip
+        gather(args, compiled=compiled)
+        outs.append(out)
+    sign = torch.zeros(5, 4, dtype=torch.bool)
+    sign[2, 2:] = True
+    want = torch.zeros(5, 4)
+    want[2, 2:] = -1.0 / (2 if mean else 1)
+    want[4] = 5.0 / (2 if mean else 1)
+    for out in outs:
+        assert torch.equal(torch.signbit(out), sign) and torch.equal(out, want)
+        assert torch.equal(out.view(torch.int32), outs[0].view(torch.int32))

@@ -152,3 +152,33 @@ def test_lru_stamps_never_wrap() -> None:
     c.query(torch.tensor([2]))  # key 2 used now; key 1 last used 128 queries ago
     assert c.insert(torch.tensor([3]), torch.zeros(1, 1)) == 1
     assert c.contains(torch.tensor([1, 2, 3])).tolist() == [False, True, True]
+
+
+def test_a_word_the_batch_needs_is_never_reused_for_another_word() -> None:
+    """A high word held by no slot but needed by keys of the same insert stays theirs: the
+    insert's keys keep their own high words (the reviewer's 16-word case)."""
+    c = EmbeddingCache(256, 4, ways=4)
+    ks = torch.tensor([(w << 32) | (100 + w) for w in range(16)])
+    c.insert(ks, torch.arange(16, dtype=torch.float32)[:, None].repeat(1, 4))
+    c.invalidate(ks[3:4])  # word 3 now held by no slot
+    a, b = (3 << 32) | 77, (16 << 32) | 88
+    assert c.insert(torch.tensor([a, b]), torch.tensor([[1.0] * 4, [2.0] * 4])) == 2
+    assert c.contains(torch.tensor([a, b])).all() and not bool(c.contains(torch.tensor([77]))[0])
+    want = sorted([*ks[[i for i in range(16) if i != 3]].tolist(), a, b])
+    assert sorted(c.cached_keys().tolist()) == want
+    got, hit = c.query(torch.tensor([a, b]))
+    assert hit.all() and got[:, 0].tolist() == [1.0, 2.0]
+
+
+def test_seventeen_words_in_one_insert_over_a_one_word_cache_widen() -> None:
+    """A cache of one high word (no nibbles) whose only key is overwritten by an insert of
+    17 words, that word among them: the keys widen to int64, none is renamed."""
+    c2 = EmbeddingCache(64, 1, ways=64)
+    c2.insert(torch.tensor([5]), torch.ones(1, 1))
+    assert c2.high_of is None and c2.high_words.tolist() == [0]
+    c2.invalidate(torch.tensor([5]))  # word 0 held by no slot
+    keys = torch.tensor([6] + [(w << 32) | w for w in range(1, 17)])
+    assert c2.insert(keys, keys[:, None].float()) == 17
+    assert sorted(c2.cached_keys().tolist()) == sorted(keys.tolist())
+    got, hit = c2.query(keys)
+    assert hit.all() and torch.equal(got[:, 0], keys.float())

@@ -456,3 +456,39 @@ def test_sparse_inserts_in_random_order_merge_into_keys_alone() -> None:
         )
         assert runs == (8 if key_bytes == 4 and keys.min() < 0 else 0)
         assert v.nbytes("t") == n * (rb + key_bytes) + run_bytes, key_bytes
+
+
+def test_a_merge_builds_outside_the_partition_lock_lookups_read_the_old_index(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """While a merge builds the new index (the writer's lock held), a lookup of the same
+    partition runs to the end and finds every key with its row (the old pool and index)."""
+    v = _map(RowDtype.INT4, 8, num_partitions=1)
+    rb = row_bytes(RowDtype.INT4, 8)
+    main = np.arange(0, 4000, 4, dtype=np.int64)
+    rows = _rows(main.size, rb, 1)
+    v.insert_rows("t", main, rows)
+    part = v._table("t").parts[0]
+    seen: list[bool] = []
+
+    class Probe(hash_partition.SortedIndex):
+        def reset(self, keys: np.ndarray, keep: bool = False) -> None:
+            out: list[tuple[np.ndarray, np.ndarray]] = []
+            reader = threading.Thread(target=lambda: out.append(v.lookup_rows("t", main)))
+            reader.start()
+            reader.join(timeout=10)
+            seen.append(part.lock.locked())
+            ok = bool(out) and out[0][1].all() and np.array_equal(out[0][0], rows)
+            assert ok, "a lookup during the merge's build did not finish or went wrong"
+            super().reset(keys, keep)
+
+    monkeypatch.setattr(hash_partition, "SortedIndex", Probe)
+    side = np.arange(1, 4000, 4, dtype=np.int64)[::-1][:200]  # > main / 8: a merge
+    side_rows = _rows(side.size, rb, 2)
+    for k, r in zip(side, side_rows, strict=True):  # one key at a time: side inserts
+        v.insert_rows("t", k[None], r[None])
+    assert seen and not any(seen)  # the build ran, never under the partition lock
+    assert isinstance(part.sorted_index, Probe) and part.sorted_index.side_size < 200
+    keys = np.concatenate([main, side])
+    got, found = v.lookup_rows("t", keys)
+    assert found.all() and np.array_equal(got, np.concatenate([rows, side_rows]))

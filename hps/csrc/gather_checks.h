@@ -1,0 +1,98 @@
+// The argument checks of cache_gather (fused_lookup.cpp): every tensor's dtype, shape and
+// layout, and every key, refused with a message naming the bad value before any counter moves.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <climits>
+#include <cstdint>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "row_formats.h"
+
+namespace hps_cpu {
+
+// A slot counter's level (bits 0..6; bit 7 is the mark), hps/storage/slot_counter.py.
+constexpr uint8_t kMaxLevel = 127;
+
+// One tensor and one value per table of T; gaps (128,) int64 and halve (128,) uint8; out a
+// contiguous CPU float32 tensor.
+inline void check_gather_args(size_t T,
+                              std::initializer_list<const std::vector<at::Tensor>*> tensors,
+                              std::initializer_list<const std::vector<int64_t>*> values,
+                              const at::Tensor& out, const at::Tensor& gaps,
+                              const at::Tensor& halve) {
+  for (const auto* v : tensors) check(v->size() == T, "one tensor per table expected");
+  for (const auto* v : values) check(v->size() == T, "one value per table expected");
+  check(gaps.scalar_type() == at::kLong && gaps.numel() == kMaxLevel + 1 && gaps.is_contiguous() &&
+            halve.scalar_type() == at::kByte && halve.numel() == kMaxLevel + 1 &&
+            halve.is_contiguous(),
+        "gaps must be (128,) int64 and halve (128,) uint8 (hps.storage.slot_counter)");
+  check(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
+        "out must be a contiguous CPU float32 tensor");
+}
+
+// Per table, the keys that count as looked up (bags: not the -1 pads); throws at the first
+// reserved key (rows: INT64_MIN, the empty-slot sentinel; bags: any key < -1).
+inline std::vector<int64_t> valid_keys(const std::vector<at::Tensor>& keys,
+                                       const std::vector<int64_t>& hotness) {
+  std::vector<int64_t> valid(keys.size(), 0);
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const auto& k = keys[i];
+    check(k.scalar_type() == at::kLong && k.is_contiguous(), "keys must be contiguous int64");
+    const int64_t* kp = k.data_ptr<int64_t>();
+    const int64_t lo = hotness[i] > 0 ? -1 : INT64_MIN + 1;
+    int64_t v = 0;
+    for (int64_t j = 0; j < k.numel(); ++j) {
+      v += kp[j] >= 0 || hotness[i] == 0;
+      if (kp[j] < lo)
+        throw std::invalid_argument("table " + std::to_string(i) + ": key " +
+                                    std::to_string(kp[j]) + " at position " + std::to_string(j) +
+                                    (hotness[i] > 0 ? " (keys are >= 0; -1 pads a short bag)"
+                                                    : " is reserved (the empty-slot sentinel)"));
+    }
+    valid[i] = v;
+  }
+  return valid;
+}
+
+// One table's cache tensors: int32 low words or int64 keys, counters and tags a byte per slot,
+// <= 16 high words with a nibble per slot (none only while at most one high word), storage
+// (capacity, row_bytes) of rows wide enough for the format. Returns row_bytes.
+inline int64_t check_table(size_t i, const at::Tensor& cache_keys, const at::Tensor& hw,
+                           const at::Tensor& ho, const at::Tensor& tags,
+                           const at::Tensor& counters, const at::Tensor& storage, int64_t format,
+                           int64_t dim) {
+  const int64_t need = format_row_bytes(format, dim);
+  check(need > 0, "row format code " + std::to_string(format) + " with dim " +
+                      std::to_string(dim) + " is not a row format (codes 0..5)");
+  const int64_t capacity = cache_keys.numel();
+  const auto kt = cache_keys.scalar_type();
+  check((kt == at::kInt || kt == at::kLong) && cache_keys.is_contiguous() &&
+            counters.scalar_type() == at::kByte && counters.numel() == capacity &&
+            counters.is_contiguous() && tags.scalar_type() == at::kByte &&
+            tags.numel() == capacity,
+        "cache keys must be contiguous int32 or int64, counters and tags uint8, one per slot");
+  check(hw.scalar_type() == at::kLong && hw.is_contiguous() && hw.numel() <= 16 &&
+            ho.scalar_type() == at::kByte && ho.is_contiguous() &&
+            (ho.numel() == 0 || ho.numel() == (capacity + 1) / 2),
+        "high words must be (<= 16,) int64 and their nibbles (ceil(capacity / 2),) uint8");
+  check(ho.numel() > 0 || hw.numel() <= 1,
+        "table " + std::to_string(i) + ": " + std::to_string(hw.numel()) +
+            " high words but no nibbles: a nibble per slot (ceil(capacity / 2),) uint8 is "
+            "needed with more than one high word");
+  check(storage.scalar_type() == at::kByte && storage.dim() == 2 &&
+            storage.size(0) == capacity && storage.is_contiguous(),
+        "storage must be (capacity, row_bytes) contiguous uint8");
+  const int64_t row_bytes = storage.size(1);
+  check(row_bytes >= need, "rows of format " + std::to_string(format) + " and dim " +
+                               std::to_string(dim) + " need " + std::to_string(need) +
+                               " bytes, storage rows hold " + std::to_string(row_bytes));
+  return row_bytes;
+}
+
+}  // namespace hps_cpu

@@ -48,8 +48,6 @@ from hps.types import CachePolicy
 
 __all__ = ["StaticEmbeddingCache", "StaticLayout"]
 
-_INT32_MAX = 2**31 - 1
-
 
 class StaticLayout(StrEnum):
     """Where a static cache finds a key's slot (module docstring)."""
@@ -102,7 +100,6 @@ class StaticEmbeddingCache(EmbeddingCache):
             device=device,
             lfu_decay_keys_per_slot=0,
             row_format=row_format,
-            compact_keys=lo >= 0 and hi <= _INT32_MAX,
         )
         #: how a key's slot is found
         self.layout = StaticLayout.IDENTITY if (lo, hi) == (0, n - 1) else StaticLayout.SORTED

@@ -168,3 +168,33 @@ def test_parameter_server_builds_full_static_caches_that_updates_reach(tmp_path:
         assert c.full and isinstance(hits, dict) and hits["volatile"] == 5
     finally:
         ps.close()
+
+
+def test_keys_past_int32_and_negative_keys_are_held_as_low_words() -> None:
+    """Keys >= 2**31 and negative keys share three high 32-bit words: the static cache holds
+    int32 low words and a nibble per slot naming the high word (no int64 keys), and inserts,
+    queries and invalidations behave as for small keys."""
+    dim = 2
+    keys = np.array([2**31, 2**31 + 7, 2**40 + 3, -5, -(2**33), 11, 0], dtype=np.int64)
+    n = keys.size  # high words: 0 (2**31.., 11, 0), 256 (2**40 + 3), -1 (-5), -2 (-(2**33))
+    rows = np.arange(n * dim, dtype=np.float32).reshape(n, dim)
+    c = StaticEmbeddingCache(keys, dim)
+    assert c.layout is StaticLayout.SORTED and c.keys.dtype == torch.int32
+    q = torch.from_numpy(keys)
+    assert c.insert(q, torch.from_numpy(rows)) == n and c.full
+    assert c.keys.dtype == torch.int32 and c.high_words.numel() == 4 and c.high_of is not None
+    got, hit = c.query(q)
+    assert bool(hit.all()) and torch.equal(got, torch.from_numpy(rows))
+    assert sorted(c.cached_keys().tolist()) == sorted(keys.tolist())
+    # rows, int32 keys, tags, counters, homed bits, a nibble per slot, 4 high words and the
+    # SORTED index (8 B per row)
+    want = n * (4 * dim + 4 + 1 + 1) + -(-n // 8) + -(-n // 2) + 4 * 8 + 8 * n
+    assert c.nbytes() == want
+    assert c.invalidate(torch.tensor([2**40 + 3, -5, 12345])) == 2 and not c.full
+    got, hit = c.query(q)
+    assert hit.tolist() == [k not in (2**40 + 3, -5) for k in keys.tolist()]
+    assert torch.equal(got[hit], torch.from_numpy(rows)[hit])
+    assert c.insert(torch.tensor([-5]), torch.full((1, dim), 9.0)) == 1
+    assert torch.equal(
+        c.query(torch.tensor([-5, 2**31]))[0], torch.tensor([[9.0, 9.0], rows[0].tolist()])
+    )

@@ -260,6 +260,14 @@ def test_table_update_trains_alike_with_and_without_the_kernel(ext, dtype, monke
     w0, ids, offsets, _ = _case(rows, dim, dtype, True, seed=4)
     gen = torch.Generator().manual_seed(5)
     grads = [torch.randn(offsets.numel(), dim, generator=gen) * 0.3 for _ in range(3)]
+    real = fused.fused_half_backward
+    calls: list[torch.dtype] = []
+
+    def counted(grad, ids, offsets, mean, weight, *rest):
+        calls.append(weight.dtype)
+        return real(grad, ids, offsets, mean, weight, *rest)
+
+    monkeypatch.setattr(fused, "fused_half_backward", counted)
     out = []
     for built in (True, False):
         if not built:
@@ -270,6 +278,8 @@ def test_table_update_trains_alike_with_and_without_the_kernel(ext, dtype, monke
         for g in grads:
             upd(w, ids, offsets, "mean").backward(g)
         out.append((w, upd.row_sum.clone()))
+        # the built pass ran the compiled kernel once per backward, the other pass never
+        assert calls == [dtype] * len(grads)
     assert torch.equal(out[0][0].view(torch.int16), out[1][0].view(torch.int16))
     assert torch.equal(out[0][1], out[1][1])
     assert not torch.equal(out[0][0].view(torch.int16), w0.view(torch.int16))

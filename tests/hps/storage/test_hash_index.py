@@ -462,8 +462,9 @@ def test_a_merge_builds_outside_the_partition_lock_lookups_read_the_old_index(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """While a merge builds the new index (the writer's lock held), a lookup of the same
-    partition runs to the end and finds every key with its row (the old pool and index)."""
-    v = _map(RowDtype.INT4, 8, num_partitions=1)
+    partition runs to the end and finds every key with its row (the old pool and index); the
+    use counts it writes meanwhile survive the swap."""
+    v = _map(RowDtype.INT4, 8, num_partitions=1, overflow_policy=OverflowPolicy.EVICT_LEAST_USED)
     rb = row_bytes(RowDtype.INT4, 8)
     main = np.arange(0, 4000, 4, dtype=np.int64)
     rows = _rows(main.size, rb, 1)
@@ -489,6 +490,13 @@ def test_a_merge_builds_outside_the_partition_lock_lookups_read_the_old_index(
         v.insert_rows("t", k[None], r[None])
     assert seen and not any(seen)  # the build ran, never under the partition lock
     assert isinstance(part.sorted_index, Probe) and part.sorted_index.side_size < 200
+    # each build's lookup read every main key once, on the old pool's slots: the counts
+    # moved to the new slots with their rows; the side keys were never read
+    assert part.uses is not None
+    live_keys, live_slots = part.live()
+    uses = dict(zip(live_keys.tolist(), part.uses[live_slots].tolist(), strict=True))
+    assert [uses[k] for k in main.tolist()] == [len(seen)] * main.size
+    assert [uses[k] for k in side.tolist()] == [0] * side.size
     keys = np.concatenate([main, side])
     got, found = v.lookup_rows("t", keys)
     assert found.all() and np.array_equal(got, np.concatenate([rows, side_rows]))

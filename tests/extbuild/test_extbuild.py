@@ -135,8 +135,9 @@ def test_the_environments_ninja_wins_over_path(
 def test_a_cpu_extensions_folder_follows_its_inputs_and_disabling_it_warns(
     tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # the cache folder changes with the source, the flags and the CPU; disabled, loading
-    # gives None after one warning from the owner's logger naming the variable (no compile)
+    # the cache folder changes with the source, its folder, the flags, the CPU and the
+    # toolchain; disabled, loading gives None after one warning from the owner's logger
+    # naming the variable (no compile)
     source = tmp_path / "probe.cpp"
     source.write_text("int probe;\n")
     ext = extbuild.CpuExtension(
@@ -156,6 +157,15 @@ def test_a_cpu_extensions_folder_follows_its_inputs_and_disabling_it_warns(
     source.write_text("int probe2;\n")
     assert ext.build_dir() != here
     source.write_text("int probe;\n")
+    assert ext.build_dir() == here
+    moved = tmp_path / "other" / "probe.cpp"  # the same source in another checkout
+    moved.parent.mkdir()
+    moved.write_text("int probe;\n")
+    assert dataclasses.replace(ext, sources=(moved,)).build_dir() != here
+    with monkeypatch.context() as m:
+        m.setattr(extbuild, "toolchain_key", lambda: "ninja 1.11.1 | python other | torch other")
+        assert ext.build_dir() != here
+    assert ext.build_dir() == here
     monkeypatch.setattr(extbuild, "cpu_identity", lambda: "fpu sse2")
     assert ext.build_dir() != here
     monkeypatch.setenv("PROBE_DISABLE_EXT", "1")

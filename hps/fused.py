@@ -42,8 +42,7 @@ import torch
 
 from hps.kernels import load_extension
 from hps.rowformat import RowDtype, dequantize_rows, row_bytes
-from hps.storage.cache import EMPTY_KEY, EmbeddingCache
-from hps.storage.slot_counter import HALVE, add_weighted, aging_lut, draws, gaps
+from hps.storage.cache import EMPTY_KEY, HALVE, EmbeddingCache, add_weighted, aging_lut, draws, gaps
 from hps.types import CachePolicy
 
 __all__ = [
@@ -146,9 +145,10 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
     ways, dims, formats = [0] * n, [0] * n, [0] * n
     no_nibbles = torch.zeros(0, dtype=torch.uint8)
     for i, c in enumerate(args.caches):  # whole (num_sets, ways) arrays: the kernel reads data
-        ckeys.append(c.keys)
-        words.append(c.high_words)
-        word_of.append(no_nibbles if c.high_of is None else c.high_of)
+        sk = c.slot_keys
+        ckeys.append(sk.keys)
+        words.append(sk.high_words)
+        word_of.append(no_nibbles if sk.high_of is None else sk.high_of)
         tags.append(c.tags)
         counters.append(c.counters)
         storage.append(c.storage)
@@ -181,7 +181,7 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
 @functools.lru_cache(maxsize=1)
 def _level_tables() -> tuple[torch.Tensor, torch.Tensor]:
     """The kernel's LFU tables, built once per process (it only reads them): ``gaps (128,)
-    int64`` and ``HALVE (128,) uint8`` (:mod:`hps.storage.slot_counter`)."""
+    int64`` and ``HALVE (128,) uint8`` (:mod:`hps.storage.cache.slot_counter`)."""
     return gaps(), torch.tensor(HALVE, dtype=torch.uint8)
 
 

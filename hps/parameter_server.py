@@ -46,13 +46,12 @@ import torch
 from hps.config import ModelConfig, PSConfig, TableSpec, db_table_names, load_config
 from hps.rowformat import RowDtype, RowFormatError
 from hps.session import LookupSession, SessionTable
-from hps.storage.cache import EmbeddingCache
+from hps.storage.cache import EmbeddingCache, StaticEmbeddingCache
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import RedisClusterBackend
 from hps.storage.row_codec import RowCodec
 from hps.storage.sparse_files import has_table_rows, read_table, read_table_rows
 from hps.storage.sparse_source import SparseSource
-from hps.storage.static_cache import StaticEmbeddingCache
 from hps.storage.volatile import HashMapBackend
 from hps.types import (
     PersistentDBType,
@@ -421,7 +420,7 @@ class HierarchicalParameterServer:
         self, model: ModelConfig, t: TableSpec, db_name: str, device: torch.device
     ) -> EmbeddingCache:
         """``t``'s cache: ``ceil(gpucacheper × rows)`` slots, static (one fixed slot per key,
-        :mod:`hps.storage.static_cache`) when that covers every row of a table whose keys this
+        :mod:`hps.storage.cache.static`) when that covers every row of a table whose keys this
         start loaded, on the CPU; set-associative otherwise. Exclusive with the in-process
         hash map (:meth:`_attach`)."""
         cap = max(1, math.ceil(model.gpucacheper * self.num_rows[db_name]))

@@ -72,7 +72,11 @@ def bench_slot_bytes() -> list[dict[str, Any]]:
             c.insert(k, torch.zeros(0, DIM), rows=torch.zeros(k.numel(), c.row_bytes).byte())
             rb = row_bytes(dt, DIM)
             per_slot = c.nbytes() / c.capacity
-            held = "int64" if c.keys.dtype == torch.int64 else f"int32+{c.high_words.numel()}"
+            held = (
+                "int64"
+                if c.slot_keys.keys.dtype == torch.int64
+                else f"int32+{c.slot_keys.high_words.numel()}"
+            )
             out.append(
                 {
                     "section": "slot_bytes",

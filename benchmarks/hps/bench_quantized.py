@@ -127,7 +127,11 @@ def _cache_slot_bytes(dtype: RowDtype, dim: int, keys: np.ndarray) -> tuple[floa
     c = EmbeddingCache(keys.size, dim, ways=64, row_format=dtype)
     k = torch.from_numpy(keys)
     c.insert(k, torch.zeros(0, dim), rows=torch.zeros(keys.size, c.row_bytes, dtype=torch.uint8))
-    how = "int64" if c.keys.dtype == torch.int64 else f"int32+{c.high_words.numel()}_words"
+    how = (
+        "int64"
+        if c.slot_keys.keys.dtype == torch.int64
+        else f"int32+{c.slot_keys.high_words.numel()}_words"
+    )
     return c.nbytes() / c.capacity, how
 
 

@@ -12,7 +12,7 @@
 // is pipelined over the keys (the tag line, key line and row of the keys a few places ahead are
 // prefetched while a row is copied), so several keys' memory reads are in flight at once. A hit
 // copies (rows) or accumulates (bags, key by key in request order) its row into the output,
-// counts a use in the slot's counter byte (hps/storage/slot_counter.py: LFU a Morris step of
+// counts a use in the slot's counter byte (hps/storage/cache/slot_counter.py: LFU a Morris step of
 // the 7-bit level with the draw of the key's position; LRU the query's 7-bit stamp) and sets
 // its mark bit (bit 7) on its first hit, for this query's unique-hit count; the mark bits are
 // cleared again before the call returns. A miss records

@@ -16,7 +16,7 @@
 
 namespace hps_cpu {
 
-// A slot counter's level (bits 0..6; bit 7 is the mark), hps/storage/slot_counter.py.
+// A slot counter's level (bits 0..6; bit 7 is the mark), hps/storage/cache/slot_counter.py.
 constexpr uint8_t kMaxLevel = 127;
 
 // One tensor and one value per table of T; gaps (128,) int64 and halve (128,) uint8; out a
@@ -31,7 +31,7 @@ inline void check_gather_args(size_t T,
   check(gaps.scalar_type() == at::kLong && gaps.numel() == kMaxLevel + 1 && gaps.is_contiguous() &&
             halve.scalar_type() == at::kByte && halve.numel() == kMaxLevel + 1 &&
             halve.is_contiguous(),
-        "gaps must be (128,) int64 and halve (128,) uint8 (hps.storage.slot_counter)");
+        "gaps must be (128,) int64 and halve (128,) uint8 (hps.storage.cache.slot_counter)");
   check(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
         "out must be a contiguous CPU float32 tensor");
 }

@@ -39,8 +39,7 @@ from hps.session.fill import CacheFill
 from hps.session.static_gather import gather_any
 from hps.session.table import SessionTable, unique_with_inverse
 from hps.session_stats import SessionStats
-from hps.storage.cache import EmbeddingCache
-from hps.storage.slot_counter import LRU_PERIOD
+from hps.storage.cache import LRU_PERIOD, EmbeddingCache
 from hps.types import CachePolicy, Pooling, TierUnavailableError
 
 __all__ = ["fused_lookup"]

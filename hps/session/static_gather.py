@@ -1,5 +1,5 @@
 """The cache-hit pass of a fused lookup over static caches
-(:class:`hps.storage.static_cache.StaticEmbeddingCache`): each key's slot computed from the
+(:class:`hps.storage.cache.StaticEmbeddingCache`): each key's slot computed from the
 table's keys (no set probe), its row read (rows) or its bag summed in request order (bags),
 with the outputs, misses and per-table statistics of :func:`hps.fused.gather`, so the session
 serves the misses the same way whichever cache a table has (:mod:`hps.session.fused`).
@@ -20,8 +20,7 @@ import numpy as np
 import torch
 
 from hps.fused import GatherArgs, GatherResult, gather, gather_rows, row_format_of
-from hps.storage.cache import EMPTY_KEY
-from hps.storage.static_cache import StaticEmbeddingCache, StaticLayout
+from hps.storage.cache import EMPTY_KEY, StaticEmbeddingCache, StaticLayout
 
 __all__ = ["gather_any", "gather_static"]
 

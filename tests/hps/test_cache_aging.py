@@ -17,8 +17,7 @@ from hps.advisor import KeyStatistics, zipf_hit_curve
 from hps.config import parse_config
 from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
-from hps.storage.cache import EMPTY_KEY, EmbeddingCache
-from hps.storage.slot_counter import count_of, level_of
+from hps.storage.cache import EMPTY_KEY, EmbeddingCache, count_of, level_of
 from hps.storage.sparse_files import write_table
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy, StorageBackend
 from tests.hps.hps_helpers import make_table

@@ -59,7 +59,9 @@ def _assert_same_state(a: LookupSession, b: LookupSession) -> None:
     for n in NAMES:
         ca, cb = a.tables[n].cache, b.tables[n].cache
         assert ca is not None and cb is not None
-        assert torch.equal(ca.keys, cb.keys) and torch.equal(ca.counters, cb.counters)
+        assert torch.equal(ca.slot_keys.keys, cb.slot_keys.keys) and torch.equal(
+            ca.counters, cb.counters
+        )
         assert torch.equal(ca.tags, cb.tags) and torch.equal(ca.homed_bits, cb.homed_bits)
         assert int(ca.counters.max()) < 128  # every mark bit cleared when the call returned
         assert ca.decay_epoch == cb.decay_epoch and ca.stats == cb.stats
@@ -87,7 +89,7 @@ def test_compiled_pass_equals_reference_bit_for_bit(policy: CachePolicy, compact
             assert torch.equal(x, y)
         _assert_same_state(a, b)
     assert a.tables["t2"].cache.stats.hits > 0  # type: ignore[union-attr]
-    assert a.tables["t2"].cache.keys.dtype == (torch.int32 if compact else torch.int64)  # type: ignore[union-attr]
+    assert a.tables["t2"].cache.slot_keys.keys.dtype == (torch.int32 if compact else torch.int64)  # type: ignore[union-attr]
     for n in NAMES:
         assert np.array_equal(a.key_stats[n].hottest(), b.key_stats[n].hottest())  # type: ignore[index]
 
@@ -142,8 +144,8 @@ def test_tags_follow_inserts_and_invalidations() -> None:
     k = torch.arange(40, dtype=torch.int64)
     c.insert(k, torch.zeros(40, 2))
     c.invalidate(k[:10])
-    held = c.keys.view(-1) != c.empty_key
-    assert torch.equal(c.tags.view(-1)[held], tag_of(c.keys.view(-1)[held]))
+    held = c.slot_keys.keys.view(-1) != c.slot_keys.empty_key
+    assert torch.equal(c.tags.view(-1)[held], tag_of(c.slot_keys.keys.view(-1)[held]))
     assert int(c.tags.view(-1)[~held].max()) == 0
     assert int(tag_of(torch.arange(10_000)).min()) >= 1
     s = set_of(torch.arange(10_000), 7)
@@ -417,12 +419,14 @@ def test_compiled_pass_reads_high_words_like_the_reference(spread: str) -> None:
         assert torch.equal(x, y)
         ca, cb = a.tables["t"].cache, b.tables["t"].cache
         assert ca is not None and cb is not None
-        assert torch.equal(ca.keys, cb.keys) and torch.equal(ca.counters, cb.counters)
+        assert torch.equal(ca.slot_keys.keys, cb.slot_keys.keys) and torch.equal(
+            ca.counters, cb.counters
+        )
         assert ca.stats == cb.stats
     assert ca.stats.hits > 0
     want = {"one_word": (torch.int32, False), "words": (torch.int32, True)}
     dtype, nibbles = want.get(spread, (torch.int64, False))
-    assert ca.keys.dtype == dtype and (ca.high_of is not None) == nibbles
+    assert ca.slot_keys.keys.dtype == dtype and (ca.slot_keys.high_of is not None) == nibbles
     held = ca.cached_keys().numpy()
     assert np.isin(held, keys).all() and held.size == len(ca)
 
@@ -435,8 +439,8 @@ def test_the_kernel_refuses_several_high_words_without_nibbles() -> None:
     c = s.tables["t0"].cache
     assert c is not None
     c.insert(torch.tensor([5, 2**32 + 5]), torch.ones(2, 4))
-    assert c.high_words.numel() == 2 and c.high_of is not None
-    c.high_of = None
+    assert c.slot_keys.high_words.numel() == 2 and c.slot_keys.high_of is not None
+    c.slot_keys.high_of = None
     with pytest.raises(ValueError, match="2 high words but no nibbles"):
         s.lookup_many(["t0"], [torch.tensor([5])])
 

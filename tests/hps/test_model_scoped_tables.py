@@ -27,10 +27,10 @@ from hps.config import (
     parse_config,
 )
 from hps.parameter_server import HierarchicalParameterServer, resolve_device
+from hps.storage.cache import StaticEmbeddingCache
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import partition_name
 from hps.storage.sparse_files import write_table
-from hps.storage.static_cache import StaticEmbeddingCache
 from hps.updates.file_log import FileLogPublisher
 from hps.updates.record import InvalidUpdateError, UpdateBatch
 from hps.updates.trainer_callback import PublishUpdatesCallback

@@ -75,7 +75,7 @@ def test_every_tier_serves_the_tables_quantized_rows(tmp_path: Path, dtype: RowD
         for _ in range(2):  # misses (hash map, RocksDB) then hits
             assert torch.equal(s.lookup("t", torch.from_numpy(keys)), expect)
         q = quantize_rows(torch.from_numpy(rows), dtype).numpy()
-        cached = c.keys.view(-1)[c.keys.view(-1) >= 0]
+        cached = c.slot_keys.keys.view(-1)[c.slot_keys.keys.view(-1) >= 0]
         assert cached.numel() > 0
         slots = c._slots(cached)[1]
         assert np.array_equal(c.storage[slots].numpy(), q[cached.numpy()])  # the same bytes

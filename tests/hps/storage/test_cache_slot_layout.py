@@ -1,5 +1,5 @@
 """The embedding cache's per-slot bytes (int32 low words with a nibble naming the high word,
-widened to int64 on demand, one counter byte, one tag byte, one homed bit) and the one-byte counter (hps.storage.slot_counter)."""
+widened to int64 on demand, one counter byte, one tag byte, one homed bit) and the one-byte counter (hps.storage.cache.slot_counter)."""
 
 from __future__ import annotations
 
@@ -7,10 +7,11 @@ import pytest
 import torch
 
 from hps.rowformat import RowDtype, row_bytes
-from hps.storage.cache import EMPTY_KEY, EmbeddingCache
-from hps.storage.slot_counter import (
+from hps.storage.cache import (
+    EMPTY_KEY,
     HALVE,
     LEVEL_COUNTS,
+    EmbeddingCache,
     add_weighted,
     count_of,
     draws,
@@ -32,8 +33,8 @@ def test_bytes_per_slot_are_the_row_plus_the_pinned_metadata(
     cap = 256
     c = EmbeddingCache(cap, DIM, ways=64, row_format=dtype, compact_keys=compact)
     key = 4 if compact else 8
-    assert c.keys.dtype == (torch.int32 if compact else torch.int64)
-    assert (c.keys.shape, c.counters.shape, c.tags.shape) == ((4, 64),) * 3
+    assert c.slot_keys.keys.dtype == (torch.int32 if compact else torch.int64)
+    assert (c.slot_keys.keys.shape, c.counters.shape, c.tags.shape) == ((4, 64),) * 3
     assert c.counters.dtype == c.tags.dtype == c.homed_bits.dtype == torch.uint8
     assert c.homed_bits.shape == (cap // 8,)
     assert c.storage.shape == (cap, row_bytes(dtype, DIM)) == (cap, FBGEMM_ROW[dtype])
@@ -52,16 +53,25 @@ def test_keys_keep_a_nibble_per_slot_for_up_to_16_high_words_then_widen() -> Non
     cap = 64
     c = EmbeddingCache(cap, 2, ways=8)
     base = c.nbytes()
-    assert base == cap * (4 * 2 + 4 + 2) + cap // 8 and c.high_words.numel() == 0
+    assert base == cap * (4 * 2 + 4 + 2) + cap // 8 and c.slot_keys.high_words.numel() == 0
     small = torch.arange(10)
     c.insert(small, small[:, None].float().expand(10, 2))
-    assert c.keys.dtype == torch.int32 and c.high_of is None and c.nbytes() == base + 8
-    assert int(c.keys.view(-1)[c.tags.view(-1) == 0][0]) == -1
+    assert (
+        c.slot_keys.keys.dtype == torch.int32
+        and c.slot_keys.high_of is None
+        and c.nbytes() == base + 8
+    )
+    assert int(c.slot_keys.keys.view(-1)[c.tags.view(-1) == 0][0]) == -1
     assert not bool(c.contains(torch.tensor([-1]))[0])  # -1 is an empty slot's word, no key
     assert not c.contains(small + 2**32).any()  # the same low words, another high word
     big = torch.tensor([-1, 2**31, -(2**62), 2**32 + 3])  # high words -1, 0, -2**30, 1
     assert c.insert(big, torch.ones(4, 2)) == 4
-    assert c.keys.dtype == torch.int32 and c.high_words.tolist() == [0, -(2**30), -1, 1]
+    assert c.slot_keys.keys.dtype == torch.int32 and c.slot_keys.high_words.tolist() == [
+        0,
+        -(2**30),
+        -1,
+        1,
+    ]
     assert c.nbytes() == base + cap // 2 + 8 * 4
     assert not c.contains(torch.tensor([2**32 - 1, 3 + 2**33, 2**32]))[:2].any()
     got, hit = c.query(torch.cat([small, big]))
@@ -70,13 +80,13 @@ def test_keys_keep_a_nibble_per_slot_for_up_to_16_high_words_then_widen() -> Non
     c.invalidate(big[2:3])  # -2**62: its high word is in use by no key now
     more = torch.arange(13) * 2**32 + 2**40  # 13 new words: 16 in use, one reused
     assert c.insert(more, torch.full((13, 2), 2.0)) == 13
-    assert c.keys.dtype == torch.int32 and c.high_words.numel() == 16
-    assert -(2**30) not in c.high_words.tolist()
+    assert c.slot_keys.keys.dtype == torch.int32 and c.slot_keys.high_words.numel() == 16
+    assert -(2**30) not in c.slot_keys.high_words.tolist()
     assert c.contains(torch.cat([small, big[[0, 1, 3]], more])).all()
     assert c.insert(torch.tensor([7 * 2**50]), torch.zeros(1, 2)) == 1  # a 17th word in use
-    assert c.keys.dtype == torch.int64 and c.high_of is None
+    assert c.slot_keys.keys.dtype == torch.int64 and c.slot_keys.high_of is None
     assert c.nbytes() == cap * (4 * 2 + 8 + 2) + cap // 8
-    assert int(c.keys.view(-1)[c.tags.view(-1) == 0][0]) == EMPTY_KEY
+    assert int(c.slot_keys.keys.view(-1)[c.tags.view(-1) == 0][0]) == EMPTY_KEY
     want = [*small.tolist(), *big[[0, 1, 3]].tolist(), *more.tolist(), 7 * 2**50]
     assert sorted(c.cached_keys().tolist()) == sorted(want)
     assert c.contains(torch.tensor(want)).all()
@@ -90,7 +100,7 @@ def test_int64_keys_of_a_few_high_words_stay_within_1_1x_fbgemm(dtype: RowDtype)
     c = EmbeddingCache(cap, DIM, ways=64, row_format=dtype)
     k = torch.cat([torch.arange(50) - 25, torch.arange(50) + 2**40])
     c.insert(k, torch.zeros(k.numel(), DIM))
-    assert c.high_words.numel() == 3 and c.keys.dtype == torch.int32
+    assert c.slot_keys.high_words.numel() == 3 and c.slot_keys.keys.dtype == torch.int32
     assert c.nbytes() == cap * (FBGEMM_ROW[dtype] + 4 + 2) + cap // 8 + cap // 2 + 3 * 8
     assert c.nbytes() / cap <= 1.1 * FBGEMM_ROW[dtype] + 24 / cap
 
@@ -175,7 +185,7 @@ def test_seventeen_words_in_one_insert_over_a_one_word_cache_widen() -> None:
     17 words, that word among them: the keys widen to int64, none is renamed."""
     c2 = EmbeddingCache(64, 1, ways=64)
     c2.insert(torch.tensor([5]), torch.ones(1, 1))
-    assert c2.high_of is None and c2.high_words.tolist() == [0]
+    assert c2.slot_keys.high_of is None and c2.slot_keys.high_words.tolist() == [0]
     c2.invalidate(torch.tensor([5]))  # word 0 held by no slot
     keys = torch.tensor([6] + [(w << 32) | w for w in range(1, 17)])
     assert c2.insert(keys, keys[:, None].float()) == 17

@@ -42,7 +42,7 @@ def _check_held_once(v: HashMapBackend, c: EmbeddingCache, keys: np.ndarray) -> 
     """Every key is in exactly one of the two, or cached unhomed (a copy of a row the hash
     map never held); the hash map answers for all."""
     stored = _stored_keys(v)
-    homed = c.keys.view(-1)[c.homed].numpy()
+    homed = c.slot_keys.keys.view(-1)[c.homed].numpy()
     assert np.intersect1d(stored, c.cached_keys().numpy()).size == 0  # never both
     assert np.array_equal(np.sort(np.concatenate([stored, homed])), np.sort(keys))
     assert v.size("t") == keys.size == v.stored_rows("t") + c.homed_rows()
@@ -60,7 +60,7 @@ def test_every_row_resident_holds_each_row_once_in_at_most_589_bytes() -> None:
     row = 4 * dim
     # per slot: the row, its int32 low word, counter and tag (one byte each), homed bit (1/8
     # byte); the keys' one high word: 8 B
-    assert c.keys.dtype == torch.int32 and c.high_words.tolist() == [0]
+    assert c.slot_keys.keys.dtype == torch.int32 and c.slot_keys.high_words.tolist() == [0]
     assert c.nbytes() == c.capacity * (row + 4 + 1 + 1) + c.capacity // 8 + 8
     assert v.key_layout("t") is KeyLayout.SORTED_U32
     for p in v._table("t").parts:  # the slack a compaction leaves: under half the live rows

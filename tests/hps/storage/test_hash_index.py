@@ -282,7 +282,7 @@ def test_rows_move_to_an_exclusive_cache_and_back_through_a_direct_index() -> No
         assert torch.equal(s.lookup("t", q), torch.from_numpy(rows)[q])
         seen.append(v.key_layout("t"))
         stored = np.concatenate([p.live()[0] for p in v._table("t").parts])
-        homed = cache.keys.view(-1)[cache.homed].numpy()
+        homed = cache.slot_keys.keys.view(-1)[cache.homed].numpy()
         assert np.array_equal(np.sort(np.concatenate([stored, homed])), keys)
     assert seen[0] is KeyLayout.DIRECT and seen[-1] is KeyLayout.SORTED_U32, seen
     more = np.arange(n, 2 * n, dtype=np.int64)  # new keys: the map holds over half again

@@ -17,9 +17,8 @@ from hps.kernels import load_extension
 from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
 from hps.session_stats import TierBytes
-from hps.storage.cache import EmbeddingCache
+from hps.storage.cache import EmbeddingCache, StaticEmbeddingCache, StaticLayout
 from hps.storage.sparse_files import write_table
-from hps.storage.static_cache import StaticEmbeddingCache, StaticLayout
 from hps.storage.volatile import HashMapBackend
 from hps.types import Pooling, Tier
 from hps.updates import FileLogPublisher
@@ -179,10 +178,14 @@ def test_keys_past_int32_and_negative_keys_are_held_as_low_words() -> None:
     n = keys.size  # high words: 0 (2**31.., 11, 0), 256 (2**40 + 3), -1 (-5), -2 (-(2**33))
     rows = np.arange(n * dim, dtype=np.float32).reshape(n, dim)
     c = StaticEmbeddingCache(keys, dim)
-    assert c.layout is StaticLayout.SORTED and c.keys.dtype == torch.int32
+    assert c.layout is StaticLayout.SORTED and c.slot_keys.keys.dtype == torch.int32
     q = torch.from_numpy(keys)
     assert c.insert(q, torch.from_numpy(rows)) == n and c.full
-    assert c.keys.dtype == torch.int32 and c.high_words.numel() == 4 and c.high_of is not None
+    assert (
+        c.slot_keys.keys.dtype == torch.int32
+        and c.slot_keys.high_words.numel() == 4
+        and c.slot_keys.high_of is not None
+    )
     got, hit = c.query(q)
     assert bool(hit.all()) and torch.equal(got, torch.from_numpy(rows))
     assert sorted(c.cached_keys().tolist()) == sorted(keys.tolist())

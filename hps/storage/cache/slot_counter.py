@@ -48,7 +48,7 @@ from __future__ import annotations
 
 import torch
 
-from hps.storage.cache_index import mix64_int, mix_keys
+from hps.storage.cache.index import mix64_int, mix_keys
 
 __all__ = [
     "EXACT_LEVELS",

@@ -41,9 +41,9 @@ import numpy as np
 import torch
 
 from hps.rowformat import RowDtype
-from hps.storage.cache import EMPTY_KEY, EmbeddingCache
-from hps.storage.cache_index import tag_of
-from hps.storage.cache_types import Placed
+from hps.storage.cache.index import EMPTY_KEY, tag_of
+from hps.storage.cache.records import Placed
+from hps.storage.cache.set_associative import EmbeddingCache
 from hps.types import CachePolicy
 
 __all__ = ["StaticEmbeddingCache", "StaticLayout"]
@@ -163,7 +163,7 @@ class StaticEmbeddingCache(EmbeddingCache):
             if not new.any():
                 return Placed.none(self.storage)
             tgt, nk = slot[new], keys[new]
-            self._write_keys(tgt, nk)
+            self.slot_keys.write(tgt, nk, tags)
             tags[tgt] = tag_of(nk)
             self.storage[tgt] = values[new]
             self._set_homed(tgt, False)

@@ -1,73 +1,5 @@
-"""The embedding cache: a set-associative cache of rows held as torch tensors on the compute
-device (CPU here, CUDA when present), LRU or LFU within each set.
-
-Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 ways)::
-
-    set(key) = hi32(splitmix64(key)) × num_sets >> 32       num_sets = ceil(capacity / ways) = 2
-
-    keys     (num_sets, ways) int32    [[ 7, 12, E,  3],      low 32 bits of each key; E = -1
-                                        [ 5,  E, E,  E]]      (int64 keys: the key, EMPTY_KEY)
-    high_words (h,) int64              [0, 5]                 the keys' distinct high 32 bits
-    high_of  (capacity / 2,) uint8     4 bits per slot: its key's high word in ``high_words``
-                                       (none while h ≤ 1: every key has ``high_words[0]``)
-    counters (num_sets, ways) uint8    [[40, 38, 0, 12],      one byte (hps.storage.slot_counter):
-                                        [41,  0, 0,  0]]      LFU log level / LRU stamp, mark bit
-    tags     (num_sets, ways) uint8    [[ 9, 201, 0, 77],     tag_of(key); 0 = empty
-                                        [14,  0, 0,  0]]
-    homed    (capacity / 8,) uint8     one bit per slot: the slot holds the in-process volatile
-                                       tier's only copy of its row (see below)
-    storage  (num_sets * ways, row_bytes) uint8   row of slot s*ways + w, in ``row_format``
-    values   (num_sets * ways, dim) float32       the FP32 view of ``storage`` (FP32 rows only)
-
-Bytes per slot: the row + 6.125 while the cached keys share one high word (low word 4, counter
-1, tag 1, homed 1/8: any keys in ``[0, 2**32)``, or in any one aligned 2**32 range), + 6.625
-with up to ``MAX_HIGH_WORDS`` = 16 high words (the nibble), + 10.125 with int64 keys; plus 8 B
-per high word for the cache. A compact cache adds a high word the first time a key has a new
-one; when a 17th is needed it reuses the words no cached key has any more (one scan of the
-nibbles), and only when all 16 are in use does it widen its keys to int64 (one copy, under
-its lock; ``compact_keys=False``: int64 from the start). Any key but ``EMPTY_KEY`` can be
-cached either way; keys spread over more than 16 high words (64-bit hashes) are held as int64.
-
-A probe of the compiled path (:mod:`hps.fused`) looks the key's high word up among the
-cache's (at most 16, in one cache line; a key with none is a miss without a probe), reads the
-set's tag line (64 ways = one 64-byte cache line), then only the low word (and nibble) of a way
-whose tag matches (1 in 255 false matches per way), then the row and the slot's counter byte:
-O(1) cache lines per key. The reference
-query below compares each key with the ``ways`` keys of its set in one vectorised ``==``; an
-insertion sorts the new keys by set and, inside a set, by their frequency in the request,
-and gives the r-th new key of a set that set's r-th victim (empty slots first, then the
-lowest counter) if that victim is colder (see :meth:`EmbeddingCache.insert`). No per-key
-Python loop anywhere.
-
-LFU counts are logarithmic (one byte, exact up to 18 uses, then ~3/16 apart; a use moves a
-level up with a probability drawn from a splitmix64 stream seeded per cache: reproducible,
-see :mod:`hps.storage.slot_counter`). LRU stamps are the query clock modulo 128, ages capped at
-63 every 64 queries (exact recency for the last 63 queries, older entries tie).
-
-LFU aging (TinyLFU's "reset"): every ``lfu_decay_interval`` looked-up keys every count is
-halved, before the query's own uses count (worked example in :mod:`hps.storage.slot_counter`).
-
-Exclusive tiers (no row held twice in host RAM). A CPU cache can be attached to the in-process
-hash map below it (:meth:`hps.storage.volatile.HashMapBackend.attach_cache`, a
-:class:`RowHome`): an insertion then *moves* rows up (the hash map drops the rows the cache
-placed; ``homed`` marks the slots whose row the hash map held) and an eviction moves a homed
-row back down, both under the home's lock, which every read of the hash map also holds (so a
-key is always in one of the two for any reader). A row the hash map never held (read from the
-persistent DB) is cached unhomed and dropped on eviction, as without exclusivity::
-
-    hash map {3, 7, 9}   cache {}           insert 7, 9 (read from the hash map)
-    hash map {3}         cache {7*, 9*}     * homed: the hash map's only copy
-    insert 12 (from the persistent DB) into 9's slot: 9 goes back down
-    hash map {3, 9}      cache {7*, 12}
-
-Row formats: ``storage`` holds each row in the table's :class:`~hps.rowformat.RowDtype`
-(512 / 256 / 132 / 68 bytes at dim 128 for FP32 / FP16 / INT8 / INT4); :meth:`query`
-dequantizes, :meth:`insert` quantizes float32 rows or stores a tier's bytes as they are.
-
-The cache itself is exact (it returns only rows it holds). What a *request* gets for a miss is
-decided by :class:`hps.session.LookupSession` (synchronous fill below the hit-rate threshold,
-default vector + background insertion above it, or the exact mode).
-"""
+"""The set-associative embedding cache (:class:`EmbeddingCache`); its layout, probe, counters
+and exclusive tiers are drawn in :mod:`hps.storage.cache`."""
 
 from __future__ import annotations
 
@@ -79,21 +11,16 @@ import threading
 import torch
 
 from hps.rowformat import RowDtype
-from hps.storage.cache_index import EMPTY_KEY as EMPTY_KEY
-from hps.storage.cache_index import (
+from hps.storage.cache.index import (
     homed_at,
     low_word,
     nibble_at,
     set_homed,
+    set_of,
+    tag_of,
 )
-from hps.storage.cache_index import set_of as set_of
-from hps.storage.cache_index import tag_of as tag_of
-from hps.storage.cache_keys import CacheKeyWords
-from hps.storage.cache_types import CacheStats as CacheStats
-from hps.storage.cache_types import Placed, RowHome
-from hps.storage.host_memory import huge_zeros
-from hps.storage.row_codec import RowCodec
-from hps.storage.slot_counter import (
+from hps.storage.cache.records import CacheStats, Placed, RowHome
+from hps.storage.cache.slot_counter import (
     LRU_PERIOD,
     LRU_RENORM,
     add_weighted,
@@ -104,6 +31,9 @@ from hps.storage.slot_counter import (
     lru_renormalised,
     stream_of,
 )
+from hps.storage.cache.slot_keys import SlotKeys
+from hps.storage.host_memory import huge_zeros
+from hps.storage.row_codec import RowCodec
 from hps.types import DEFAULT_LFU_DECAY_KEYS_PER_SLOT, CachePolicy
 
 log = logging.getLogger(__name__)
@@ -112,7 +42,7 @@ DEFAULT_WAYS = 64  # HugeCTR: slabs of 32 keys, 2 slabs per set
 _MAX_SHIFT = 63  # a priority (int64) is 0 after 63 halvings
 
 
-class EmbeddingCache(CacheKeyWords):
+class EmbeddingCache:
     """Set-associative row cache.
 
     Args:
@@ -123,12 +53,13 @@ class EmbeddingCache(CacheKeyWords):
         device: where keys, counters and rows live.
         lfu_decay_keys_per_slot: LFU aging period, in looked-up keys per slot: every counter
             is halved after each ``lfu_decay_interval = max(1, round(lfu_decay_keys_per_slot ×
-            capacity))`` looked-up keys (see the module docstring); 0 never ages. Ignored by LRU.
+            capacity))`` looked-up keys (see :mod:`hps.storage.cache`); 0 never ages. Ignored
+            by LRU.
         row_format: how ``storage`` holds a row (the table's dtype).
         compact_keys: hold each key as its low 32 bits and a nibble naming its high 32 bits
-            (4 or 3.5 bytes less per slot, the module docstring) until more than 16 high words
+            (4 or 3.5 bytes less per slot, :mod:`hps.storage.cache`) until more than 16 high words
             are cached, then as int64; ``False``: int64 from the start.
-        seed: seeds the LFU counters' draws (:mod:`hps.storage.slot_counter`).
+        seed: seeds the LFU counters' draws (:mod:`hps.storage.cache.slot_counter`).
 
     Raises:
         ValueError: naming a non-positive capacity, dim or ways, or a negative,
@@ -179,17 +110,11 @@ class EmbeddingCache(CacheKeyWords):
             )
         self.capacity = self.num_sets * self.ways
         sets = (self.num_sets, self.ways)
+        #: the key of each slot (int32 low words and high words, or int64 keys)
+        self.slot_keys = SlotKeys(sets, self.device, compact_keys)
         # huge pages: the probe reads these at random (a TLB miss per read with 4 KiB pages)
-        #: int32 low words (-1 in an empty slot) or int64 keys (EMPTY_KEY in an empty slot)
-        key_dtype = torch.int32 if compact_keys else torch.int64
-        self.keys = huge_zeros(sets, key_dtype, self.device).fill_(
-            -1 if compact_keys else EMPTY_KEY
-        )
-        #: the cached keys' distinct high words (compact keys; empty with int64 keys)
-        self.high_words = torch.zeros(0, dtype=torch.int64, device=self.device)
-        #: ``(ceil(capacity / 2),) uint8``, each slot's high word (a nibble), once there are two
-        self.high_of: torch.Tensor | None = None
-        #: one byte per slot (:mod:`hps.storage.slot_counter`): LFU level / LRU stamp, mark bit
+        #: one byte per slot (:mod:`hps.storage.cache.slot_counter`): LFU level / LRU stamp,
+        #: mark bit
         self.counters = huge_zeros(sets, torch.uint8, self.device)
         self.tags = huge_zeros(sets, torch.uint8, self.device)
         self.seed = int(seed)
@@ -201,7 +126,7 @@ class EmbeddingCache(CacheKeyWords):
         self.storage = huge_zeros((self.capacity, self.row_bytes), torch.uint8, self.device)
         self._fp32 = self.storage.view(torch.float32) if self.row_format is RowDtype.FP32 else None
         #: one bit per slot (slot s: bit s % 8 of byte s // 8): its row is the attached
-        #: :class:`RowHome`'s only copy (module docstring)
+        #: :class:`RowHome`'s only copy (:mod:`hps.storage.cache`)
         self.homed_bits = torch.zeros(-(-self.capacity // 8), dtype=torch.uint8, device=self.device)
         #: the in-process tier this cache is exclusive with (:meth:`attach`), or ``None``
         self.home: RowHome | None = None
@@ -285,16 +210,17 @@ class EmbeddingCache(CacheKeyWords):
     def _slots(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hit (n,) bool, slot (n,) int64)``; ``slot`` is meaningful where ``hit``."""
         s = set_of(keys, self.num_sets)
-        if self.keys.dtype == torch.int64:
-            match = self.keys.index_select(0, s) == keys[:, None]  # (n, ways)
+        sk = self.slot_keys
+        if sk.wide:
+            match = sk.keys.index_select(0, s) == keys[:, None]  # (n, ways)
         else:  # the low word, the high word's nibble (where kept), and a held slot
-            known, word = self._word_index(keys)
-            match = self.keys.index_select(0, s) == low_word(keys)[:, None]
+            known, word = sk.word_index(keys)
+            match = sk.keys.index_select(0, s) == low_word(keys)[:, None]
             match &= self.tags.index_select(0, s) != 0
             match &= known[:, None]
-            if self.high_of is not None:
+            if sk.high_of is not None:
                 ways = torch.arange(self.ways, device=self.device)
-                match &= nibble_at(self.high_of, s[:, None] * self.ways + ways) == word[:, None]
+                match &= nibble_at(sk.high_of, s[:, None] * self.ways + ways) == word[:, None]
         hit, way = match.view(torch.uint8).max(1)  # one pass: any match, and where
         return hit.view(torch.bool), s * self.ways + way
 
@@ -473,9 +399,9 @@ class EmbeddingCache(CacheKeyWords):
             src = src[ok]
             self.stats.evicted += int((~was_empty[ok]).sum())
             back = self._homed_at(tgt)  # homed rows evicted: they go back to the home
-            evicted_keys = self.keys_of(tgt[back])
+            evicted_keys = self.slot_keys.keys_of(tgt[back])
             evicted_rows = self.storage[tgt[back]]  # copies
-            self._write_keys(tgt, keys[src])
+            self.slot_keys.write(tgt, keys[src], self.tags.view(-1))
             self.tags.view(-1)[tgt] = tag_of(keys[src])
             self.storage[tgt] = values[src]
             self.counters.view(-1)[tgt] = incoming[ok]
@@ -517,7 +443,7 @@ class EmbeddingCache(CacheKeyWords):
             hs = slot[hit]
             back = self._homed_at(hs)
             back_keys, back_rows = keys[hit][back], self.storage[hs[back]]
-            self.keys.view(-1)[hs] = self.empty_key
+            self.slot_keys.clear(hs)
             self.tags.view(-1)[hs] = 0
             self.counters.view(-1)[hs] = 0
             self._set_homed(hs, False)
@@ -525,7 +451,7 @@ class EmbeddingCache(CacheKeyWords):
 
     # ------------------------------------------------------------------ exclusive tiers
     def attach(self, home: RowHome) -> None:
-        """Make this cache exclusive with the in-process tier ``home`` (module docstring):
+        """Make this cache exclusive with the in-process tier ``home`` (:mod:`hps.storage.cache`):
         from now on an insertion moves rows out of it and an eviction moves them back.
 
         Raises:
@@ -590,7 +516,7 @@ class EmbeddingCache(CacheKeyWords):
     def cached_keys(self) -> torch.Tensor:
         """Every cached key, ``(k,) int64``."""
         with self._lock:
-            return self.keys_of(torch.nonzero(self.tags.view(-1) != 0).squeeze(1))
+            return self.slot_keys.keys_of(torch.nonzero(self.tags.view(-1) != 0).squeeze(1))
 
     def next_refresh_keys(self, fraction: float) -> torch.Tensor:
         """The cached keys of the next ``fraction`` of slots (round robin over calls)."""
@@ -599,15 +525,14 @@ class EmbeddingCache(CacheKeyWords):
             start = self._refresh_cursor
             idx = torch.arange(start, start + n, device=self.device) % self.capacity
             self._refresh_cursor = (start + n) % self.capacity
-            return self.keys_of(idx[self.tags.view(-1)[idx] != 0])
+            return self.slot_keys.keys_of(idx[self.tags.view(-1)[idx] != 0])
 
     def nbytes(self) -> int:
         """Host or device bytes this cache holds: rows, keys, counters, tags, homed bits and
         high words (per slot: the row + 6.125 with one high word, + 6.625 with up to 16, +
         10.125 with int64 keys; plus 8 B per high word)."""
-        arrays = [self.storage, self.keys, self.counters, self.tags, self.homed_bits]
-        arrays += [self.high_words] + ([self.high_of] if self.high_of is not None else [])
-        return sum(t.numel() * t.element_size() for t in arrays)
+        arrays = [self.storage, self.counters, self.tags, self.homed_bits]
+        return sum(t.numel() * t.element_size() for t in arrays) + self.slot_keys.nbytes()
 
     def __len__(self) -> int:
         with self._lock:

@@ -12,6 +12,7 @@ from hps.storage.cache import (
     HALVE,
     LEVEL_COUNTS,
     EmbeddingCache,
+    SlotKeys,
     add_weighted,
     count_of,
     draws,
@@ -192,3 +193,21 @@ def test_seventeen_words_in_one_insert_over_a_one_word_cache_widen() -> None:
     assert sorted(c2.cached_keys().tolist()) == sorted(keys.tolist())
     got, hit = c2.query(keys)
     assert hit.all() and torch.equal(got[:, 0], keys.float())
+
+
+def test_slot_keys_stand_alone_write_read_clear_and_widen() -> None:
+    """SlotKeys needs no cache: the held slots come in as tags (0 = empty)."""
+    sk = SlotKeys((2, 4), torch.device("cpu"), compact=True)
+    tags = torch.zeros(8, dtype=torch.uint8)
+    slots = torch.tensor([0, 3, 5])
+    keys = torch.tensor([7, -3, 2**40 + 1])
+    sk.write(slots, keys, tags)
+    tags[slots] = 1
+    assert sk.keys.dtype == torch.int32 and sk.high_words.tolist() == [-1, 0, 256]
+    assert torch.equal(sk.keys_of(slots), keys) and sk.nbytes() == 8 * 4 + 3 * 8 + 4
+    sk.clear(slots[:1])
+    tags[0] = 0
+    assert int(sk.keys.view(-1)[0]) == sk.empty_key == -1
+    sk.widen(tags)
+    assert sk.wide and sk.high_of is None and sk.empty_key == EMPTY_KEY
+    assert torch.equal(sk.keys_of(slots[1:]), keys[1:]) and int(sk.keys.view(-1)[0]) == EMPTY_KEY

@@ -9,30 +9,16 @@ never imports it. Exit status 1 when the build failed.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 
-from embark.training.half_kernel import EXT_NAME, build_dir, build_extension
+from embark.training.half_kernel import EXT
 
 __all__ = ["main"]
-
-log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Build (or find built) the extension; 0 on success, 1 when the build failed."""
-    ap = argparse.ArgumentParser(description="Build the compiled half-table update of embark.")
-    ap.add_argument("-v", "--verbose", action="store_true", help="show compiler output")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        build_extension(verbose=args.verbose)
-    except (RuntimeError, OSError, ImportError) as e:
-        log.error("embark: build failed: %s", e)
-        return 1
-    log.info("embark: built %s in %s", EXT_NAME, build_dir())
-    return 0
+    return EXT.command_line(argv)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,7 @@ project; it uses Linux's ``/proc`` to find a dead build's compilers (elsewhere n
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import fcntl
 import functools
@@ -51,7 +52,7 @@ import subprocess
 import sys
 import sysconfig
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
@@ -214,6 +215,28 @@ class CpuExtension:
                 self.build_command,
             )
             return None
+
+    def command_line(
+        self, argv: list[str] | None = None, detail: Callable[[ModuleType], str] | None = None
+    ) -> int:
+        """``python -m <package>.build_ext [-v]``: build (or find built) the extension and log
+        where; ``detail(module)`` adds a line of what was built. 0 on success, 1 when the build
+        failed (the error logged)."""
+        package, _, what = self.label.partition(": ")
+        ap = argparse.ArgumentParser(
+            description=f"Build the {what or self.name} of {package} into its cache folder."
+        )
+        ap.add_argument("-v", "--verbose", action="store_true", help="show compiler output")
+        args = ap.parse_args(argv)
+        logging.basicConfig(level=logging.INFO, format="%(message)s")
+        try:
+            module = self.build(verbose=args.verbose)
+        except (RuntimeError, OSError, ImportError) as e:
+            log.error("%s: build failed: %s", package, e)
+            return 1
+        extra = f" ({detail(module)})" if detail is not None else ""
+        log.info("%s: built %s%s in %s", package, self.name, extra, self.build_dir())
+        return 0
 
 
 def load(

@@ -9,32 +9,16 @@ imports it. Exit status 1 when the build failed.
 
 from __future__ import annotations
 
-import argparse
-import logging
 import sys
 
-from tilesparse.kernels.cpu import EXT_NAME, build_dir, build_extension
+from tilesparse.kernels.cpu import EXT
 
 __all__ = ["main"]
-
-log = logging.getLogger(__name__)
 
 
 def main(argv: list[str] | None = None) -> int:
     """Build (or find built) the extension; 0 on success, 1 when the build failed."""
-    ap = argparse.ArgumentParser(description="Build the fast CPU kernel of tilesparse.")
-    ap.add_argument("-v", "--verbose", action="store_true", help="show compiler output")
-    args = ap.parse_args(argv)
-    logging.basicConfig(level=logging.INFO, format="%(message)s")
-    try:
-        mod = build_extension(verbose=args.verbose)
-    except (RuntimeError, OSError, ImportError) as e:
-        log.error("tilesparse: build failed: %s", e)
-        return 1
-    log.info(
-        "tilesparse: built %s (fp32 micro-kernel: %s) in %s", EXT_NAME, mod.simd(), build_dir()
-    )
-    return 0
+    return EXT.command_line(argv, detail=lambda m: f"fp32 micro-kernel: {m.simd()}")
 
 
 if __name__ == "__main__":

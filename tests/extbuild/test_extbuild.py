@@ -16,6 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 
 import pytest
 
@@ -174,3 +175,44 @@ def test_a_cpu_extensions_folder_follows_its_inputs_and_disabling_it_warns(
     [record] = caplog.records
     assert record.name == "probe.kernels"
     assert "probe: compiled kernel disabled by PROBE_DISABLE_EXT" in record.getMessage()
+
+
+def test_the_build_command_line_logs_where_and_fails_with_status_1(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ``python -m <package>.build_ext``: 0 and the folder on success (with the caller's
+    # detail), 1 and the error on a failed build; the compile itself is stood in for
+    ext = extbuild.CpuExtension(
+        name="probe_cpu",
+        label="probe: compiled kernel",
+        sources=(tmp_path / "probe.cpp",),
+        headers=(),
+        cflags=("-O1",),
+        disable_env="PROBE_DISABLE_EXT",
+        build_command="python -m probe.build_ext -v",
+        logger="probe.kernels",
+    )
+    (tmp_path / "probe.cpp").write_text("int probe;\n")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    built = ModuleType("probe_cpu")
+    calls: list[bool] = []
+
+    def fake_build(self: extbuild.CpuExtension, verbose: bool = False) -> ModuleType:
+        calls.append(verbose)
+        return built
+
+    monkeypatch.setattr(extbuild.CpuExtension, "build", fake_build)
+    with caplog.at_level(logging.INFO, logger=extbuild.__name__):
+        assert ext.command_line(["-v"], detail=lambda m: f"module {m.__name__}") == 0
+    assert calls == [True]
+    want = f"probe: built probe_cpu (module probe_cpu) in {ext.build_dir()}"
+    assert [r.getMessage() for r in caplog.records] == [want]
+
+    def failing_build(self: extbuild.CpuExtension, verbose: bool = False) -> ModuleType:
+        raise RuntimeError("no compiler on PATH")
+
+    monkeypatch.setattr(extbuild.CpuExtension, "build", failing_build)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger=extbuild.__name__):
+        assert ext.command_line([]) == 1
+    assert [r.getMessage() for r in caplog.records] == ["probe: build failed: no compiler on PATH"]

@@ -49,10 +49,12 @@ __all__ = [
     "FORMAT_CODES",
     "GatherArgs",
     "GatherResult",
+    "check_keys",
     "gather",
     "gather_reference",
     "gather_rows",
     "gather_rows_reference",
+    "join_tables",
     "pool_in_order",
     "row_format_of",
 ]
@@ -188,22 +190,32 @@ def _level_tables() -> tuple[torch.Tensor, torch.Tensor]:
 def gather_reference(args: GatherArgs) -> GatherResult:
     """:func:`gather` in torch ops, one table after another: the specification the compiled
     kernel is tested against (same outputs, counters, statistics)."""
+    check_keys(args)
+    return join_tables([_gather_one(args, i, c) for i, c in enumerate(args.caches)])
+
+
+def check_keys(args: GatherArgs) -> None:
+    """Refuse a key below -1 in a bag or the reserved key ``-2**63`` in rows, naming the
+    table's index and the key, before anything is read.
+
+    Raises:
+        ValueError: such a key.
+    """
     for i, (k, h) in enumerate(zip(args.keys, args.hotness, strict=True)):
         lo = -1 if h > 0 else EMPTY_KEY + 1
-        if k.numel() and bool((k < lo).any()):
-            bad = int(k[k < lo][0])
-            raise ValueError(f"table {i}: key {bad} is not a key this lookup takes")
-    rows = []
-    misses = []
-    pending = []
-    for i, c in enumerate(args.caches):
-        stats, miss, pend = _gather_one(args, i, c)
-        rows.append(stats)
-        misses.append(miss)
-        pending.append(pend)
-    per = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 5)
+        if k.numel() and int(k.min()) < lo:
+            raise ValueError(f"table {i}: key {int(k[k < lo][0])} is not a key this lookup takes")
+
+
+def join_tables(
+    tables: Sequence[tuple[list[int], torch.Tensor, torch.Tensor]],
+) -> GatherResult:
+    """The :class:`GatherResult` of per-table ``(statistics (5 ints), misses, pending)``
+    gathered one table after another."""
+    per = torch.tensor([t[0] for t in tables], dtype=torch.int64).reshape(len(tables), 5)
+    misses = [t[1] for t in tables]
     all_misses = torch.cat(misses) if misses else torch.zeros(0, dtype=torch.int64)
-    return GatherResult(all_misses, per, pending)
+    return GatherResult(all_misses, per, [t[2] for t in tables])
 
 
 def pool_in_order(rows: torch.Tensor, valid: torch.Tensor, mean: bool) -> torch.Tensor:

@@ -19,8 +19,16 @@ from typing import TypeVar
 import numpy as np
 import torch
 
-from hps.fused import GatherArgs, GatherResult, gather, gather_rows, row_format_of
-from hps.storage.cache import EMPTY_KEY, StaticEmbeddingCache, StaticLayout
+from hps.fused import (
+    GatherArgs,
+    GatherResult,
+    check_keys,
+    gather,
+    gather_rows,
+    join_tables,
+    row_format_of,
+)
+from hps.storage.cache import StaticEmbeddingCache, StaticLayout
 
 __all__ = ["gather_any", "gather_static"]
 
@@ -54,10 +62,7 @@ def gather_static(args: GatherArgs, compiled: bool = True) -> GatherResult:
         ValueError: a key below -1 in a bag, or the reserved key ``-2**63`` in rows, naming
             the table's index and the key; nothing was read then.
     """
-    for i, (k, h) in enumerate(zip(args.keys, args.hotness, strict=True)):
-        lo = -1 if h > 0 else EMPTY_KEY + 1
-        if k.numel() and int(k.min()) < lo:
-            raise ValueError(f"table {i}: key {int(k[k < lo][0])} is not a key this lookup takes")
+    check_keys(args)
     caches: list[StaticEmbeddingCache] = []
     for i, c in enumerate(args.caches):
         if not isinstance(c, StaticEmbeddingCache):
@@ -66,15 +71,7 @@ def gather_static(args: GatherArgs, compiled: bool = True) -> GatherResult:
     fast = _all_rows_hit(args, caches, compiled)
     if fast is not None:
         return fast
-    rows, misses, pending = [], [], []
-    for i, c in enumerate(caches):
-        stats, miss, pend = _gather_one(args, i, c, compiled)
-        rows.append(stats)
-        misses.append(miss)
-        pending.append(pend)
-    per = torch.tensor(rows, dtype=torch.int64).reshape(len(rows), 5)
-    all_misses = torch.cat(misses) if misses else torch.zeros(0, dtype=torch.int64)
-    return GatherResult(all_misses, per, pending)
+    return join_tables([_gather_one(args, i, c, compiled) for i, c in enumerate(caches)])
 
 
 def _all_rows_hit(

@@ -10,11 +10,12 @@ import numpy as np
 import pytest
 import torch
 
-from hps.fused import GatherArgs, gather, gather_rows
+from hps.fused import GatherArgs, gather, gather_reference, gather_rows
 from hps.kernels import load_extension
 from hps.rowformat import RowDtype, dequantize_rows, quantize_rows
 from hps.session import LookupSession, SessionTable
-from hps.storage.cache import EMPTY_KEY, EmbeddingCache, set_of, tag_of
+from hps.session.static_gather import gather_static
+from hps.storage.cache import EMPTY_KEY, EmbeddingCache, StaticEmbeddingCache, set_of, tag_of
 from hps.storage.volatile import HashMapBackend
 from hps.types import CachePolicy, Pooling, TierRead, TierUnavailableError
 
@@ -180,6 +181,36 @@ def test_bad_keys_are_refused_before_anything_counts() -> None:
             ["t0", "t1"],
             [torch.zeros(2, 1, dtype=torch.int64), torch.zeros(3, 1, dtype=torch.int64)],
         )
+
+
+@pytest.mark.parametrize(("hotness", "bad"), [(2, -2), (0, EMPTY_KEY)])
+def test_the_gathers_refuse_a_key_they_cannot_take_naming_table_and_key(
+    hotness: int, bad: int
+) -> None:
+    # a key below -1 in bags, the empty-slot key in rows: refused by the reference pass and
+    # the static pass alike, before any output is written
+    for cache in (EmbeddingCache(16, 4, ways=4), StaticEmbeddingCache(np.arange(8), 4)):
+        ok = torch.zeros(2, dtype=torch.int64)
+        keys = torch.tensor([1, bad], dtype=torch.int64)
+        out = torch.full((8,), 5.0)
+        args = GatherArgs(
+            caches=[cache, cache],
+            keys=[ok, keys],
+            out=out,
+            out_offsets=[0, 4 if hotness else 8],
+            out_stride=4 if hotness else 0,
+            hotness=[hotness, hotness],
+            mean=[False, False],
+            stamps=[-1, -1],
+            streams=[0, 0],
+            looked_up=[0, 0],
+            intervals=[0, 0],
+        )
+        gathers = [gather_reference, gather_static]
+        for fn in gathers if isinstance(cache, StaticEmbeddingCache) else gathers[:1]:
+            with pytest.raises(ValueError, match=f"table 1: key {bad} is not a key"):
+                fn(args)
+            assert bool((out == 5.0).all())
 
 
 class _Failing(HashMapBackend):

@@ -30,6 +30,7 @@
 #include <cstring>
 #include <stdexcept>
 #include <string>
+#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -60,6 +61,7 @@ struct TableView {
   bool mean;
   float* out;       // rows: this table's (n, dim) block; bags: column 0 of this table
   int64_t out_stride;  // bags: floats between two bags' rows
+  KeyCounter* counter = nullptr;  // set: the pass also counts the table's keys >= 0 into it
 };
 
 // The set of a hash: the high 32 bits scaled to [0, num_sets) (a multiply, no division);
@@ -126,6 +128,7 @@ struct Piece {
 // Per-key state of the probe pipeline.
 struct ProbeState {
   int64_t base;    // first slot of the key's set; -1: padding; -2: a high word the cache lacks
+  uint64_t hash;   // mix64(key) (keys >= 0, and every key of rows)
   uint64_t match;  // ways of the first tag line whose tag matches
   uint8_t tag;
   uint8_t word;    // key32: the index of the key's high word
@@ -182,7 +185,8 @@ inline int64_t clear_marks(const TableView& t, std::vector<int64_t>& firsts) {
 // written as 0.0f + row (kZeroAdd), the later ones added, so its output row is written once
 // and never zero-filled first (a bag without a hit is zero-filled at its last key). With
 // ``uses`` (one thread does every key of the call) the counters are written here too, hits
-// counted and first hits recorded.
+// counted and first hits recorded, and the keys >= 0 counted into t.counter when it is set
+// (the key's hash computed once for both; its counter entry prefetched with the tag line).
 template <bool kUses, int64_t kFormat>
 int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
                   std::vector<ProbeState>& st, int64_t& hits, std::vector<int64_t>& firsts) {
@@ -204,11 +208,13 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
       if (bags && key < 0) {
         ps[a].base = -1;
       } else {
+        const uint64_t h = mix64(key);
+        ps[a].hash = h;
+        if (kUses && t.counter != nullptr && key >= 0) t.counter->prefetch_entry(h);
         const int64_t word = t.key32 ? word_index(t, key) : 0;
         if (word < 0) {
           ps[a].base = -2;  // a high word the cache lacks: a miss without a probe
         } else {
-          const uint64_t h = mix64(key);
           ps[a].base = set_of(h, t.num_sets) * t.ways;
           ps[a].tag = tag_of(h);
           ps[a].word = static_cast<uint8_t>(word);
@@ -261,6 +267,7 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
       n_missed += slot == -1;
     }
     if (i < i0) continue;
+    if (kUses && t.counter != nullptr && t.keys[i] >= 0) t.counter->add_hashed(t.keys[i], ps[i].hash, 1);
     const int64_t slot = sl[i];  // stage 4: copy or add the row, use the slot
     if (!bags) {
       if (slot >= 0) {
@@ -333,7 +340,11 @@ void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<i
 // thread gathered) the uses in a second (each region costs a thread wake-up and a barrier,
 // so not two per table). Per table: {hits_all, hits_unique, looked_up}; misses (positions into
 // keys) ascending, table after table; pending: per table, the bags with a miss (ascending).
-std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts,
+// When one thread does every key, the keys of each table whose key_counters[i] is set are
+// counted into it in the same pass (counted[i] = 1); else nothing is counted.
+std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
+                                                const std::vector<KeyCounter*>& key_counters,
+                                                std::vector<uint8_t>& counted,
                                                 const std::vector<int64_t>& valid,
                                                 std::vector<int64_t>& misses,
                                                 std::vector<int64_t>& miss_counts,
@@ -381,7 +392,16 @@ std::vector<std::vector<int64_t>> gather_tables(const std::vector<TableView>& ts
     }
 #undef HPS_GATHER
   };
+  counted.assign(T, 0);
   if (alone) {
+    std::vector<std::unique_lock<std::mutex>> held;  // each counter held for the pass
+    for (int64_t i = 0; i < T; ++i) {
+      if (key_counters[i] == nullptr) continue;
+      held.push_back(key_counters[i]->hold());
+      key_counters[i]->make_room(ts[i].n);
+      ts[i].counter = key_counters[i];
+      counted[i] = 1;
+    }
     std::vector<ProbeState> st;
     for (int64_t p = 0; p < P; ++p) run(p, st, true);
     for (int64_t i = 0; i < T; ++i) uniq[i] = clear_marks(ts[i], firsts[i]);
@@ -446,8 +466,11 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
 }
 
 // Rows (hotness all 0) or bags (hotness > 0) of every table, see the file comment.
+// key_counters: empty, or per table a KeyCounter (or None) that the pass counts the table's
+// keys >= 0 into when one thread does every key and no LFU halving falls in this query.
 // Returns {misses (k,) int64: positions into each table's keys, table after table;
 //          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings;
+//          counted (T,) uint8: 1 where the table's keys were counted into its KeyCounter;
 //          then per table its pending rows (bags with a miss, see pending_rows; else empty)}.
 std::vector<at::Tensor> cache_gather(
     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& cache_keys,
@@ -460,8 +483,10 @@ std::vector<at::Tensor> cache_gather(
     const std::vector<int64_t>& intervals,
     at::Tensor out, const std::vector<int64_t>& out_offsets, int64_t out_stride,
     const std::vector<int64_t>& hotness, const std::vector<int64_t>& mean,
-    const at::Tensor& gaps, const at::Tensor& halve) {
+    const at::Tensor& gaps, const at::Tensor& halve, const std::vector<KeyCounter*>& key_counters) {
   const size_t T = keys.size();
+  check(key_counters.empty() || key_counters.size() == T,
+        "key_counters: none, or one KeyCounter (or None) per table");
   check_gather_args(T, {&cache_keys, &high_words, &high_of, &tags, &counters, &storage},
                     {&ways, &dims, &formats, &stamps, &streams, &looked_up, &intervals,
                      &out_offsets, &hotness, &mean},
@@ -475,6 +500,7 @@ std::vector<at::Tensor> cache_gather(
   auto* pt = per_table.data_ptr<int64_t>();
   float* out_base = out.data_ptr<float>();
   std::vector<TableView> views;
+  std::vector<KeyCounter*> kcs(T, nullptr);
   for (size_t i = 0; i < T; ++i) {
     const auto& k = keys[i];
     const int64_t capacity = cache_keys[i].numel();
@@ -519,10 +545,14 @@ std::vector<at::Tensor> cache_gather(
     if (t.hotness > 0) check(t.n % t.hotness == 0, "bag keys must be (B, hotness)");
     views.push_back(t);
     pt[i * 5 + 4] = crossed;
+    // counted in the pass only when no halving falls in this query: the caller halves its key
+    // statistics after the cache ages, before the keys of the query are added
+    kcs[i] = key_counters.empty() || crossed > 0 ? nullptr : key_counters[i];
   }
   std::vector<int64_t> miss_counts;
   std::vector<std::vector<int64_t>> slots;
-  const auto r = gather_tables(views, valid, misses, miss_counts, slots);
+  std::vector<uint8_t> counted;
+  const auto r = gather_tables(views, kcs, counted, valid, misses, miss_counts, slots);
   std::vector<at::Tensor> result;
   result.reserve(2 + T);
   int64_t first = 0;
@@ -540,7 +570,9 @@ std::vector<at::Tensor> cache_gather(
   misses_all = at::empty({static_cast<int64_t>(misses.size())}, at::kLong);
   if (!misses.empty())
     std::memcpy(misses_all.data_ptr<int64_t>(), misses.data(), misses.size() * sizeof(int64_t));
-  result.insert(result.begin(), {misses_all, per_table});
+  auto counted_t = at::empty({static_cast<int64_t>(T)}, at::kByte);
+  if (T) std::memcpy(counted_t.data_ptr<uint8_t>(), counted.data(), T);
+  result.insert(result.begin(), {misses_all, per_table, counted_t});
   return result;
 }
 

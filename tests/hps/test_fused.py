@@ -91,8 +91,10 @@ def test_compiled_pass_equals_reference_bit_for_bit(policy: CachePolicy, compact
         _assert_same_state(a, b)
     assert a.tables["t2"].cache.stats.hits > 0  # type: ignore[union-attr]
     assert a.tables["t2"].cache.slot_keys.keys.dtype == (torch.int32 if compact else torch.int64)  # type: ignore[union-attr]
-    for n in NAMES:
-        assert np.array_equal(a.key_stats[n].hottest(), b.key_stats[n].hottest())  # type: ignore[index]
+    for n in NAMES:  # counted by the fused pass (a) and after it (b): the same counts
+        ka, kb = a.key_stats[n], b.key_stats[n]  # type: ignore[index]
+        assert np.array_equal(ka.hottest(), kb.hottest())
+        assert np.array_equal(ka.counts(), kb.counts()) and ka.total == kb.total
 
 
 @pytest.mark.parametrize("compiled", [True, False])
@@ -508,3 +510,59 @@ def test_pooled_bags_start_from_plus_zero_so_negative_zero_rows_pool_to_plus_zer
     for out in outs:
         assert torch.equal(torch.signbit(out), sign) and torch.equal(out, want)
         assert torch.equal(out.view(torch.int32), outs[0].view(torch.int32))
+
+
+def test_the_pass_counts_keys_only_when_one_thread_does_every_key_and_nothing_ages() -> None:
+    """``key_counters``: the compiled pass counts each table's keys ``>= 0`` (padding skipped)
+    into its counter, exactly, when one thread does every key and no LFU halving falls in the
+    query; a table whose query crosses a halving, or a call split between threads, is left to
+    the caller (``counted`` False, counter untouched)."""
+    _needs_ext()
+    from hps.key_counts import KeyCounts
+
+    g = torch.Generator().manual_seed(21)
+    n, d = 400, 4
+    c = EmbeddingCache(n, d, policy="lfu", ways=8, lfu_decay_keys_per_slot=4.0)
+    never = EmbeddingCache(n, d, policy="lfu", ways=8, lfu_decay_keys_per_slot=0)
+    for x in (c, never):
+        x.insert(torch.arange(0, n, 2), torch.randn(n // 2, d, generator=g))
+
+    def run(keys: torch.Tensor, hot: int, c: EmbeddingCache = c) -> tuple[bool, KeyCounts]:
+        stats = KeyCounts()
+        out = torch.zeros((keys.numel() // hot, d) if hot else (keys.numel() * d,))
+        args = GatherArgs(
+            caches=[c],
+            keys=[keys],
+            out=out,
+            out_offsets=[0],
+            out_stride=d if hot else 0,
+            hotness=[hot],
+            mean=[False],
+            stamps=[-1],
+            streams=[c.lfu_stream()],
+            looked_up=[c._looked_up],
+            intervals=[c.lfu_decay_interval],
+            key_counters=[stats.counter],
+        )
+        res = gather(args)
+        c._advance_age(int(res.per_table[0, 3]))
+        return res.counted[0], stats
+
+    for hot in (0, 3):
+        keys = torch.randint(-1 if hot else 0, n + 50, (300,), generator=g)
+        counted, stats = run(keys, hot)
+        valid = keys[keys >= 0]
+        uniq, counts = valid.unique(return_counts=True)
+        assert counted and np.array_equal(stats.count_of(uniq.numpy()), counts.numpy())
+    counted, stats = run(torch.randint(0, n, (c.lfu_decay_interval,), generator=g), 0)
+    assert not counted and len(stats.hottest()) == 0  # this query halves the cache's counters
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        keys = torch.randint(0, n, (9000,), generator=g)
+        counted, stats = run(keys[:8000], 0, never)
+        assert counted  # below 8,192 keys one thread does them all
+        counted, stats = run(keys, 0, never)
+        assert not counted and len(stats.hottest()) == 0  # split between two threads
+    finally:
+        torch.set_num_threads(threads)

@@ -187,7 +187,8 @@ inline int64_t clear_marks(const TableView& t, std::vector<int64_t>& firsts) {
 // ``uses`` (one thread does every key of the call) the counters are written here too, hits
 // counted and first hits recorded, and the keys >= 0 counted into t.counter when it is set
 // (the key's hash computed once for both; its counter entry prefetched with the tag line).
-template <bool kUses, int64_t kFormat>
+// With kProbeOnly (bags pooled afterwards by pool_bags from sl) no row is read here.
+template <bool kUses, int64_t kFormat, bool kProbeOnly = false>
 int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
                   std::vector<ProbeState>& st, int64_t& hits, std::vector<int64_t>& firsts) {
   st.resize(static_cast<size_t>(i1 - i0));
@@ -259,7 +260,7 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
           }
         }
         if (slot >= 0) {
-          prefetch_bytes(row_of(t, slot), t.row_bytes);
+          if (!kProbeOnly) prefetch_bytes(row_of(t, slot), t.row_bytes);
           if (kUses) __builtin_prefetch(t.counters + slot, 1, 3);
         }
       }
@@ -274,6 +275,10 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
         dequant_row<kFormat, kSet>(row_of(t, slot), t.dim, t.out + i * t.dim);
         if (kUses) use_slot(t, slot, i, hits, firsts);
       }
+      continue;
+    }
+    if constexpr (kProbeOnly) {
+      if (kUses && slot >= 0) use_slot(t, slot, i, hits, firsts);
       continue;
     }
     if (++j == t.hotness) {
@@ -301,6 +306,46 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     }
   }
   return n_missed;
+}
+
+// The bags of keys [i0, i1) (whole bags) of an FP32 table of dim 8 × kVecs, pooled from their
+// slots sl (-1 miss, -2 padding) after gather_piece<.., kProbeOnly> found them: each bag summed
+// in kVecs AVX registers key by key in request order from +0.0 (so the sum equals
+// ((0.0f + r0) + r1) + ..., as gather_piece's), stored once, MEAN bags without a miss divided;
+// rows prefetched kRowsAhead keys ahead. The output row is never re-read per key (26 pooled
+// tables of dlrm_dcnv2 ÷ 300: the rows by known slot 2.9 → 2.3 ms, CPU time of one thread).
+template <int kVecs>
+void pool_bags(const TableView& t, int64_t i0, int64_t i1, const int64_t* sl) {
+  const int64_t h = t.hotness;
+  float* dst = t.out + (i0 / h) * t.out_stride;
+  for (int64_t b0 = i0; b0 < i1; b0 += h, dst += t.out_stride) {
+    __m256 acc[kVecs];
+    for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t n_valid = 0;
+    bool missed = false;
+    for (int64_t i = b0; i < b0 + h; ++i) {
+      if (i + kRowsAhead < i1 && sl[i + kRowsAhead] >= 0)
+        prefetch_bytes(row_of(t, sl[i + kRowsAhead]), t.row_bytes);
+      const int64_t s = sl[i];
+      n_valid += s != -2;
+      missed |= s == -1;
+      if (s < 0) continue;
+      const float* f = reinterpret_cast<const float*>(row_of(t, s));
+      for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(f + 8 * r));
+    }
+    if (t.mean && !missed && n_valid > 0) {
+      const __m256 cnt = _mm256_set1_ps(static_cast<float>(n_valid));
+      for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_div_ps(acc[r], cnt);
+    }
+    for (int r = 0; r < kVecs; ++r) _mm256_storeu_ps(dst + 8 * r, acc[r]);
+  }
+}
+
+// The AVX registers a bag of an FP32 table of dim `dim` is pooled in (pool_bags), 0: none
+// (dims other than 16, 32, 64, 128 take gather_piece's row-by-row path).
+inline int pooled_vecs(const TableView& t) {
+  if (t.hotness <= 0 || t.format != kFp32) return 0;
+  return t.dim == 128 || t.dim == 64 || t.dim == 32 || t.dim == 16 ? static_cast<int>(t.dim / 8) : 0;
 }
 
 // The owner of a slot: a multiplicative hash of the slot scaled to [0, owners) (a multiply,
@@ -378,6 +423,17 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     std::vector<int64_t> unused_f;
     int64_t& ht = uses ? hits[pc.table] : unused_h;
     std::vector<int64_t>& ft = uses ? firsts[pc.table] : unused_f;
+    if (const int vecs = pooled_vecs(t)) {
+      piece_misses[p] = uses ? gather_piece<true, kFp32, true>(t, i0, i1, sl, st, ht, ft)
+                             : gather_piece<false, kFp32, true>(t, i0, i1, sl, st, ht, ft);
+      switch (vecs) {
+        case 16: pool_bags<16>(t, i0, i1, sl); break;
+        case 8: pool_bags<8>(t, i0, i1, sl); break;
+        case 4: pool_bags<4>(t, i0, i1, sl); break;
+        default: pool_bags<2>(t, i0, i1, sl); break;
+      }
+      return;
+    }
 #define HPS_GATHER(F)                                                         \
   piece_misses[p] = uses ? gather_piece<true, F>(t, i0, i1, sl, st, ht, ft)   \
                          : gather_piece<false, F>(t, i0, i1, sl, st, ht, ft); \

@@ -479,37 +479,83 @@ def test_the_kernel_refuses_several_high_words_without_nibbles() -> None:
 
 
 @pytest.mark.parametrize("mean", [False, True], ids=["sum", "mean"])
+@pytest.mark.parametrize("dim", [4, 16])
 def test_pooled_bags_start_from_plus_zero_so_negative_zero_rows_pool_to_plus_zero(
-    mean: bool,
+    mean: bool, dim: int
 ) -> None:
     """A bag sums ``((+0.0 + r0) + r1) + …``: bags of -0.0 rows give +0.0 (sign bit clear),
-    compiled and reference alike, bit for bit; -1.0 stays negative."""
+    compiled and reference alike, bit for bit; -1.0 stays negative (dim 16: the compiled pass
+    pools such bags in registers)."""
     passes = [True, False] if load_extension() is not None else [False]
     if os.environ.get("CI"):
         _needs_ext()
     outs = []
+    half = dim // 2
     for compiled in passes:
-        c = EmbeddingCache(64, 4, ways=8)
-        v = torch.full((3, 4), -0.0)
+        c = EmbeddingCache(64, dim, ways=8)
+        v = torch.full((3, dim), -0.0)
         v[1] = 5.0
-        v[2, 2:] = -1.0  # key 3: [-0, -0, -1, -1]
+        v[2, half:] = -1.0  # key 3: [-0, .., -0, -1, .., -1]
         c.insert(torch.tensor([1, 2, 3]), v)
         keys = torch.tensor([[1, -1], [-1, 1], [3, 1], [1, 1], [1, 2]]).reshape(-1)
-        out = torch.full((5, 4), 7.0)
+        out = torch.full((5, dim), 7.0)
         args = GatherArgs(
-            caches=[c], keys=[keys], out=out, out_offsets=[0], out_stride=4, hotness=[2],
+            caches=[c], keys=[keys], out=out, out_offsets=[0], out_stride=dim, hotness=[2],
             mean=[mean], stamps=[1], streams=[0], looked_up=[0], intervals=[0],
         )  # fmt: skip
         gather(args, compiled=compiled)
         outs.append(out)
-    sign = torch.zeros(5, 4, dtype=torch.bool)
-    sign[2, 2:] = True
-    want = torch.zeros(5, 4)
-    want[2, 2:] = -1.0 / (2 if mean else 1)
+    sign = torch.zeros(5, dim, dtype=torch.bool)
+    sign[2, half:] = True
+    want = torch.zeros(5, dim)
+    want[2, half:] = -1.0 / (2 if mean else 1)
     want[4] = 5.0 / (2 if mean else 1)
     for out in outs:
         assert torch.equal(torch.signbit(out), sign) and torch.equal(out, want)
         assert torch.equal(out.view(torch.int32), outs[0].view(torch.int32))
+
+
+@pytest.mark.parametrize("policy", [CachePolicy.LRU, CachePolicy.LFU])
+def test_register_pooled_bags_equal_reference_bit_for_bit(policy: CachePolicy) -> None:
+    """FP32 bags of dim 16, 32, 64 and 128 (pooled in registers after the probe) and of dim
+    24 (row by row), with random (non-integer) rows so that the summation order shows: the
+    compiled pass gives the reference's bags, pending rows, counters and statistics bit for
+    bit, with padding, empty bags, misses (a half-full cache), SUM and MEAN."""
+    _needs_ext()
+    g = torch.Generator().manual_seed(17)
+    dims, hot, n, batch = [16, 32, 64, 128, 24], [3, 1, 5, 2, 4], 120, 40
+    results, outs, counters = [], [], []
+    keys = [torch.randint(-1, n, (batch * h,), generator=g) for h in hot]
+    rows = [torch.randn(n, d, generator=g) for d in dims]
+    for compiled in (True, False):
+        caches = []
+        for d, w in zip(dims, rows, strict=True):
+            c = EmbeddingCache(n, d, policy=policy, ways=8, lfu_decay_keys_per_slot=0)
+            c.insert(torch.arange(0, n, 2), w[0:n:2])
+            caches.append(c)
+        out = torch.full((batch, sum(dims)), 7.0)
+        args = GatherArgs(
+            caches=caches,
+            keys=keys,
+            out=out,
+            out_offsets=[0, *np.cumsum(dims)[:-1].tolist()],
+            out_stride=sum(dims),
+            hotness=hot,
+            mean=[True, False, True, False, True],
+            stamps=[3 if policy is CachePolicy.LRU else -1] * len(dims),
+            streams=[c.lfu_stream() for c in caches],
+            looked_up=[0] * len(dims),
+            intervals=[0] * len(dims),
+        )
+        results.append(gather(args, compiled=compiled))
+        outs.append(out)
+        counters.append([c.counters.clone() for c in caches])
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+    assert torch.equal(results[0].per_table, results[1].per_table)
+    assert torch.equal(results[0].misses, results[1].misses)
+    assert int(results[0].per_table[:, 0].min()) > 0  # every table missed somewhere
+    for a, b, x, y in zip(results[0].pending, results[1].pending, *counters, strict=True):
+        assert torch.equal(a, b) and torch.equal(x, y)
 
 
 def test_the_pass_counts_keys_only_when_one_thread_does_every_key_and_nothing_ages() -> None:

@@ -43,7 +43,7 @@ EXT = CpuExtension(
         CSRC / "key_counter.h",
         CSRC / "row_formats.h",
     ),
-    cflags=("-O3", "-march=native", "-fopenmp"),
+    cflags=("-O3", "-march=native", "-fopenmp", "-fvisibility-inlines-hidden"),
     disable_env=DISABLE_ENV,
     build_command="python -m hps.build_ext -v",
     logger=__name__,

@@ -38,6 +38,7 @@ EXT = CpuExtension(
     label="hps: compiled lookup kernel",
     sources=(CSRC / "fused_lookup.cpp",),
     headers=(
+        CSRC / "cache_probe.h",
         CSRC / "common.h",
         CSRC / "gather_checks.h",
         CSRC / "key_counter.h",

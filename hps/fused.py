@@ -89,6 +89,11 @@ class GatherArgs:
         looked_up: per table, the cache's LFU aging clock before this query.
         intervals: per table, the cache's ``lfu_decay_interval`` (0: no aging): the counters
             are halved once per multiple of it that this query's keys cross, before its uses.
+        key_counters: ``None``, or per table the compiled ``KeyCounter`` of its key statistics
+            (:attr:`hps.key_counts.KeyCounts.counter`): the compiled pass counts the table's
+            keys ``>= 0`` into it in the same pass (sharing the key's hash) when one thread
+            does every key and no LFU halving falls in this query; :attr:`GatherResult.counted`
+            says which tables it counted (the caller counts the others).
     """
 
     caches: Sequence[EmbeddingCache]
@@ -102,6 +107,7 @@ class GatherArgs:
     streams: Sequence[int]
     looked_up: Sequence[int]
     intervals: Sequence[int]
+    key_counters: Sequence[object] | None = None
 
 
 @dataclass(frozen=True)
@@ -109,11 +115,14 @@ class GatherResult:
     """``misses (k,) int64`` positions into each table's keys, table after table, ascending;
     ``per_table (T, 5) int64``: misses, hits, unique hits, looked-up keys, LFU halvings;
     ``pending`` per table (bags): ``(p × hotness, dim) float32`` rows of its ``p`` bags with a
-    miss, ascending (hits copied, misses and padding zero); ``(0, dim)`` for rows or no miss."""
+    miss, ascending (hits copied, misses and padding zero); ``(0, dim)`` for rows or no miss;
+    ``counted``: per table, whether the pass counted its keys into ``args.key_counters[i]``
+    (empty: none counted)."""
 
     misses: torch.Tensor
     per_table: torch.Tensor
     pending: list[torch.Tensor]
+    counted: tuple[bool, ...] = ()
 
 
 def row_format_of(cache: EmbeddingCache) -> RowDtype:
@@ -155,7 +164,7 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
         counters.append(c.counters)
         storage.append(c.storage)
         ways[i], dims[i], formats[i] = c.ways, c.dim, FORMAT_CODES[row_format_of(c)]
-    misses, per_table, *pending = ext.cache_gather(
+    misses, per_table, counted, *pending = ext.cache_gather(
         list(args.keys),
         ckeys,
         words,
@@ -176,8 +185,9 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
         list(args.hotness),
         [int(m) for m in args.mean],
         *_level_tables(),
+        list(args.key_counters) if args.key_counters is not None else [],
     )
-    return GatherResult(misses, per_table, pending)
+    return GatherResult(misses, per_table, pending, tuple(bool(x) for x in counted.tolist()))
 
 
 @functools.lru_cache(maxsize=1)

@@ -82,6 +82,7 @@ class CacheFill:
         mcounts: torch.Tensor,
         n_unique: int,
         epoch: int,
+        counted: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Rows for the cache misses of one lookup of ``t`` (the fill policy of
         :mod:`hps.session.lookup`), used by :meth:`~hps.session.LookupSession.lookup` and the
@@ -92,6 +93,8 @@ class CacheFill:
             mcounts: ``(k,) int64`` their occurrences in the request.
             n_unique: distinct keys of the request (hits and misses): the hit rate's denominator.
             epoch: the cache's ``decay_epoch`` the key statistics were aged to.
+            counted: the request's keys are already in the key statistics (the fused pass
+                counted them): the admission priority does not add ``mcounts`` twice.
 
         Returns:
             ``(rows (k, dim) float32 on the session's device, tier (k,) int8: 1 volatile,
@@ -112,14 +115,14 @@ class CacheFill:
                 rest = torch.from_numpy(~known)
                 mkeys, mcounts = mkeys[rest], mcounts[rest]
             if mkeys.numel():
-                prio = self._priority(t, mkeys, mcounts)
+                prio = self._priority(t, mkeys, mcounts, counted)
                 mk, mp = mkeys.numpy(), prio.to(dev)
                 job = functools.partial(self._fill_from_db, t, cache, mk, mp, epoch, generation)
                 self.submit(t, job)
             return mrows, torch.full((k,), 3, dtype=torch.int8), is_async
         known = self.absent.known(t.name, mkeys.numpy(), generation)
         if known is None:
-            mrows, tier = self._read(t, cache, mkeys, mcounts, is_async, epoch, generation)
+            mrows, tier = self._read(t, cache, mkeys, mcounts, is_async, epoch, generation, counted)
             return mrows, tier, is_async
         # keys no tier holds get the default without a read; the others are read
         mrows = torch.full((k, t.dim), t.default_value, device=dev)
@@ -127,20 +130,22 @@ class CacheFill:
         rest = torch.from_numpy(np.flatnonzero(~known))
         if rest.numel():
             r_rows, r_tier = self._read(
-                t, cache, mkeys[rest], mcounts[rest], is_async, epoch, generation
+                t, cache, mkeys[rest], mcounts[rest], is_async, epoch, generation, counted
             )
             mrows[rest.to(dev)] = r_rows
             tier[rest] = r_tier
         return mrows, tier, is_async
 
     def _priority(
-        self, t: SessionTable, mkeys: torch.Tensor, mcounts: torch.Tensor
+        self, t: SessionTable, mkeys: torch.Tensor, mcounts: torch.Tensor, counted: bool = False
     ) -> torch.Tensor:
-        """Admission priority of missed keys: their uses in this request plus the history so
-        far (this request is added to the key statistics after)."""
+        """Admission priority of missed keys: their uses in this request plus the history
+        before it (``counted``: the statistics already hold this request's keys ``>= 0``,
+        and every use of a missed key is a miss, so for those they are exactly that sum)."""
         if self.key_stats is None:
             return mcounts
-        return mcounts + torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
+        seen = torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
+        return seen + torch.where(mkeys < 0, mcounts, 0) if counted else mcounts + seen
 
     def _read(
         self,
@@ -151,12 +156,13 @@ class CacheFill:
         is_async: bool,
         epoch: int,
         generation: int,
+        counted: bool = False,
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Missed keys read from the databases and cached (now, or in the background when
         ``is_async``); those no tier holds are recorded in the negative cache.
         ``(rows (k, dim), tier (k,) int8)``."""
         dev = self.device
-        prio = self._priority(t, mkeys, mcounts)
+        prio = self._priority(t, mkeys, mcounts, counted)
         raw = self.tiers.moves_bytes(t, cache)  # quantized rows move as their bytes
         fetched = self.tiers.read(t, mkeys.numpy(), raw)
         self.tiers.refuse(t, fetched)

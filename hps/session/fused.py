@@ -14,7 +14,10 @@ One call, whatever the number of tables:
    their positions (rows), or into the rows the fused pass handed back for each bag with a
    miss, which is then summed key by key in request order (:func:`hps.fused.pool_in_order`),
    so a bag's floats never depend on which of its keys the cache held;
-4. key statistics of every table counted in one call (:class:`hps.key_counts.KeyCounts`).
+4. key statistics: counted by the fused pass itself (one hash per key for the probe and the
+   count) where it can, i.e. one thread and no LFU halving in this query; the other tables in
+   one call (:class:`hps.key_counts.KeyCounts`). Either way a table's statistics are halved
+   for every aging of its cache before the keys of the query that aged it are added.
 
 Tables without a cache, or caches off the CPU, go through :meth:`LookupSession.lookup` one by
 one (the same results).
@@ -202,6 +205,7 @@ def _run(
         for c in order:
             c._tick()
         stamps = [c._clock % LRU_PERIOD if c.policy is CachePolicy.LRU else -1 for c in caches]
+        counters = _pass_counters(s, ts, caches)
         args = GatherArgs(
             caches=caches,
             keys=flat,
@@ -214,6 +218,7 @@ def _run(
             streams=[c.lfu_stream() for c in caches],
             looked_up=[c._looked_up for c in caches],
             intervals=[c.lfu_decay_interval for c in caches],
+            key_counters=counters,
         )
         try:
             res = gather_any(args, compiled=s.compiled and load_extension() is not None)
@@ -227,8 +232,24 @@ def _run(
     finally:
         for c in reversed(order):
             c._lock.release()
-    _serve_all_misses(s, ts, flat, caches, res, per, buf, offsets, hot, pooling, failed)
-    _count_keys(s, ts, flat, per)
+    counted = res.counted or (False,) * len(ts)
+    _serve_all_misses(s, ts, flat, caches, res, per, buf, offsets, hot, pooling, failed, counted)
+    _count_keys(s, ts, flat, per, counted)
+
+
+def _pass_counters(
+    s: SessionView, ts: list[SessionTable], caches: list[EmbeddingCache]
+) -> list[object] | None:
+    """The compiled key counters the fused pass may count into (``None``: it counts none),
+    each table's statistics first halved for every aging of its cache so far."""
+    if s.key_stats is None or not s.compiled:
+        return None
+    counters = [s.key_stats[t.name].counter for t in ts]
+    if any(c is None for c in counters):
+        return None
+    for t, c in zip(ts, caches, strict=True):
+        s._age_key_stats(t, c)
+    return counters
 
 
 def _name_table(msg: str, ts: list[SessionTable]) -> str:
@@ -252,9 +273,11 @@ def _serve_all_misses(
     hot: list[int],
     pooling: list[Pooling] | None,
     failed: list[str],
+    counted: Sequence[bool],
 ) -> None:
     """The miss path of each table that had misses; a table whose miss path fails is
-    appended to ``failed`` before the error propagates (the later tables are not served)."""
+    appended to ``failed`` before the error propagates (the later tables are not served).
+    Key statistics not counted by the pass are aged here, before :func:`_count_keys`."""
 
     start = 0
     all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
@@ -263,10 +286,12 @@ def _serve_all_misses(
     try:
         for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
             nm, hits, uniq_hits = row[0], row[1], row[2]
-            epoch = s._age_key_stats(t, c)
             if not nm:
+                if not counted[i] and s.key_stats is not None:
+                    s._age_key_stats(t, c)
                 records.append((t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], all_hit_async))
                 continue
+            epoch = s._age_key_stats(t, c)
             pos = res.misses[start : start + nm]
             start += nm
             uniq, inv, counts = unique_with_inverse(flat[i].index_select(0, pos))
@@ -274,7 +299,9 @@ def _serve_all_misses(
             with c._lock:
                 c.stats.queries += uniq.numel()
             try:
-                rows, tier, is_async = s.fill.serve_misses(t, c, uniq, counts, n_unique, epoch)
+                rows, tier, is_async = s.fill.serve_misses(
+                    t, c, uniq, counts, n_unique, epoch, counted[i]
+                )
             except Exception:
                 failed.append(t.name)
                 raise
@@ -312,22 +339,29 @@ class _KeyCounter(Protocol):
 
 
 def _count_keys(
-    s: SessionView, ts: list[SessionTable], flat: list[torch.Tensor], per: list[list[int]]
+    s: SessionView,
+    ts: list[SessionTable],
+    flat: list[torch.Tensor],
+    per: list[list[int]],
+    counted: Sequence[bool],
 ) -> None:
+    """Key statistics of the tables the fused pass did not count (``counted[i]`` False), and
+    every table's observed total."""
     if s.key_stats is None:
         return
     stats = [s.key_stats[t.name] for t in ts]
     ext = load_extension()
     counters = [k.counter for k in stats]
     if ext is not None and all(c is not None for c in counters):
-        if sum(f.numel() for f in flat) < _SERIAL_COUNT_KEYS:
+        todo = [(c, f) for c, f, done in zip(counters, flat, counted, strict=True) if not done]
+        if sum(f.numel() for _, f in todo) < _SERIAL_COUNT_KEYS:
             # one table after another: a parallel region's wake-up costs more than these
             # counts (1-15 ms on a 2-core host at load 10, against ~0.1 ms serially)
             none = torch.empty(0, dtype=torch.int64)
-            for c, f in zip(counters, flat, strict=True):
+            for c, f in todo:
                 cast(_KeyCounter, c).update(f, none, True)
         else:
-            ext.count_keys(counters, flat)
+            ext.count_keys([c for c, _ in todo], [f for _, f in todo])
         for k, row in zip(stats, per, strict=True):
             k.observed(row[3])
         return

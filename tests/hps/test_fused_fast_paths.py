@@ -1,0 +1,120 @@
+"""The fused pass's fast paths against the reference: FP32 bags pooled in registers after
+the probe, and key statistics counted inside the pass (:mod:`hps.fused`)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hps.fused import GatherArgs, gather
+from hps.kernels import load_extension
+from hps.key_counts import KeyCounts
+from hps.storage.cache import EmbeddingCache
+from hps.types import CachePolicy
+
+
+def _needs_ext() -> None:
+    if load_extension() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the hps compiled kernel could not be built (python -m hps.build_ext -v)")
+        pytest.skip("the hps compiled kernel is not built")
+
+
+@pytest.mark.parametrize("policy", [CachePolicy.LRU, CachePolicy.LFU])
+def test_register_pooled_bags_equal_reference_bit_for_bit(policy: CachePolicy) -> None:
+    """FP32 bags of dim 16, 32, 64 and 128 (pooled in registers after the probe) and of dim
+    24 (row by row), with random (non-integer) rows so that the summation order shows: the
+    compiled pass gives the reference's bags, pending rows, counters and statistics bit for
+    bit, with padding, empty bags, misses (a half-full cache), SUM and MEAN."""
+    _needs_ext()
+    g = torch.Generator().manual_seed(17)
+    dims, hot, n, batch = [16, 32, 64, 128, 24], [3, 1, 5, 2, 4], 120, 40
+    results, outs, counters = [], [], []
+    keys = [torch.randint(-1, n, (batch * h,), generator=g) for h in hot]
+    rows = [torch.randn(n, d, generator=g) for d in dims]
+    for compiled in (True, False):
+        caches = []
+        for d, w in zip(dims, rows, strict=True):
+            c = EmbeddingCache(n, d, policy=policy, ways=8, lfu_decay_keys_per_slot=0)
+            c.insert(torch.arange(0, n, 2), w[0:n:2])
+            caches.append(c)
+        out = torch.full((batch, sum(dims)), 7.0)
+        args = GatherArgs(
+            caches=caches,
+            keys=keys,
+            out=out,
+            out_offsets=[0, *np.cumsum(dims)[:-1].tolist()],
+            out_stride=sum(dims),
+            hotness=hot,
+            mean=[True, False, True, False, True],
+            stamps=[3 if policy is CachePolicy.LRU else -1] * len(dims),
+            streams=[c.lfu_stream() for c in caches],
+            looked_up=[0] * len(dims),
+            intervals=[0] * len(dims),
+        )
+        results.append(gather(args, compiled=compiled))
+        outs.append(out)
+        counters.append([c.counters.clone() for c in caches])
+    assert torch.equal(outs[0].view(torch.int32), outs[1].view(torch.int32))
+    assert torch.equal(results[0].per_table, results[1].per_table)
+    assert torch.equal(results[0].misses, results[1].misses)
+    assert int(results[0].per_table[:, 0].min()) > 0  # every table missed somewhere
+    for a, b, x, y in zip(results[0].pending, results[1].pending, *counters, strict=True):
+        assert torch.equal(a, b) and torch.equal(x, y)
+
+
+def test_the_pass_counts_keys_only_when_one_thread_does_every_key_and_nothing_ages() -> None:
+    """``key_counters``: the compiled pass counts each table's keys ``>= 0`` (padding skipped)
+    into its counter, exactly, when one thread does every key and no LFU halving falls in the
+    query; a table whose query crosses a halving, or a call split between threads, is left to
+    the caller (``counted`` False, counter untouched)."""
+    _needs_ext()
+    g = torch.Generator().manual_seed(21)
+    n, d = 400, 4
+    c = EmbeddingCache(n, d, policy="lfu", ways=8, lfu_decay_keys_per_slot=4.0)
+    never = EmbeddingCache(n, d, policy="lfu", ways=8, lfu_decay_keys_per_slot=0)
+    for x in (c, never):
+        x.insert(torch.arange(0, n, 2), torch.randn(n // 2, d, generator=g))
+
+    def run(keys: torch.Tensor, hot: int, c: EmbeddingCache = c) -> tuple[bool, KeyCounts]:
+        stats = KeyCounts()
+        out = torch.zeros((keys.numel() // hot, d) if hot else (keys.numel() * d,))
+        args = GatherArgs(
+            caches=[c],
+            keys=[keys],
+            out=out,
+            out_offsets=[0],
+            out_stride=d if hot else 0,
+            hotness=[hot],
+            mean=[False],
+            stamps=[-1],
+            streams=[c.lfu_stream()],
+            looked_up=[c._looked_up],
+            intervals=[c.lfu_decay_interval],
+            key_counters=[stats.counter],
+        )
+        res = gather(args)
+        c._advance_age(int(res.per_table[0, 3]))
+        return res.counted[0], stats
+
+    for hot in (0, 3):
+        keys = torch.randint(-1 if hot else 0, n + 50, (300,), generator=g)
+        counted, stats = run(keys, hot)
+        valid = keys[keys >= 0]
+        uniq, counts = valid.unique(return_counts=True)
+        assert counted and np.array_equal(stats.count_of(uniq.numpy()), counts.numpy())
+    counted, stats = run(torch.randint(0, n, (c.lfu_decay_interval,), generator=g), 0)
+    assert not counted and len(stats.hottest()) == 0  # this query halves the cache's counters
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        keys = torch.randint(0, n, (9000,), generator=g)
+        counted, stats = run(keys[:8000], 0, never)
+        assert counted  # below 8,192 keys one thread does them all
+        counted, stats = run(keys, 0, never)
+        assert not counted and len(stats.hottest()) == 0  # split between two threads
+    finally:
+        torch.set_num_threads(threads)

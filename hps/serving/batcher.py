@@ -9,7 +9,9 @@ threads (HTTP: the event loop), check it (:meth:`DLRMServable.check`), hand it o
 when the next waiting request would take it past ``max_batch_size`` samples; or when nothing
 more is waiting and no announced request is still being read, since waiting could not grow
 it then (a lone request runs at once, as Triton's batcher dispatches when its queue cannot
-grow); or when ``max_queue_delay_us`` has passed since its oldest request arrived. Requests
+grow); or when ``max_queue_delay_us`` has passed since its oldest request arrived. With a
+``preferred_batch_size`` (Triton's knob) a smaller batch waits for more requests, announced
+or not, until it holds that many samples or the delay has passed. Requests
 that queue while an execution runs form the next batch whatever the delay::
 
     arrivals     r1 (B=16)  r2 (B=16)      r3 (B=250)
@@ -72,6 +74,12 @@ class BatchingConfig:
         max_queue_delay_us: how long the oldest waiting request may wait for requests still
             being read (announced: :meth:`DynamicBatcher.arrival`) to join its batch (0: merge
             only what is waiting already, never wait).
+        preferred_batch_size: 0 (the default): a batch closes as soon as nothing more is
+            waiting or announced. Otherwise, as Triton's ``preferred_batch_size``: a batch of
+            fewer samples waits for more (announced or not, at most ``max_queue_delay_us``
+            since its oldest request) and closes as soon as it holds this many; at most
+            ``max_batch_size``. Closed-loop clients that all come back within the delay then
+            share one execution.
 
     Raises:
         ValueError: naming the knob, for a value outside its range.
@@ -79,11 +87,13 @@ class BatchingConfig:
 
     max_batch_size: int
     max_queue_delay_us: int = 0
+    preferred_batch_size: int = 0
 
     def __post_init__(self) -> None:
         for name, lo, hi in (
             ("max_batch_size", 1, 2**31 - 1),
             ("max_queue_delay_us", 0, MAX_QUEUE_DELAY_US),
+            ("preferred_batch_size", 0, self.max_batch_size),
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -280,6 +290,7 @@ class DynamicBatcher:
     def _next_batch(self) -> list[_Pending] | None:
         """The requests of the next execution (``None``: closed and drained)."""
         limit, delay_ns = self.cfg.max_batch_size, self.cfg.max_queue_delay_us * 1000
+        preferred = self.cfg.preferred_batch_size
         with self._cond:
             while not self._queue:
                 if self._closed:
@@ -296,7 +307,10 @@ class DynamicBatcher:
                     batch.append(self._queue.popleft())
                     samples += nxt.samples
                     continue
-                if not self._arriving or self._closed:
+                if preferred:
+                    if samples >= preferred or self._closed:
+                        break  # preferred size reached: run now
+                elif not self._arriving or self._closed:
                     break  # nothing is on its way: waiting cannot grow this batch
                 wait_ns = deadline - time.perf_counter_ns()
                 if wait_ns <= 0:
@@ -368,7 +382,7 @@ def model_config(s: DLRMServable, batching: BatchingConfig) -> dict[str, Any]:
     return {
         **s.config(),
         "dynamic_batching": {
-            "preferred_batch_size": [batching.max_batch_size],
+            "preferred_batch_size": [batching.preferred_batch_size or batching.max_batch_size],
             "max_queue_delay_microseconds": batching.max_queue_delay_us,
         },
     }

@@ -11,7 +11,9 @@ more is waiting and no announced request is still being read, since waiting coul
 it then (a lone request runs at once, as Triton's batcher dispatches when its queue cannot
 grow); or when ``max_queue_delay_us`` has passed since its oldest request arrived. With a
 ``preferred_batch_size`` (Triton's knob) a smaller batch waits for more requests, announced
-or not, until it holds that many samples or the delay has passed. Requests
+or not, until it holds that many samples, or as many requests as its known clients (the
+connections that sent requests in the last second) can have in flight at once, or the delay
+has passed. Requests
 that queue while an execution runs form the next batch whatever the delay::
 
     arrivals     r1 (B=16)  r2 (B=16)      r3 (B=250)
@@ -145,9 +147,7 @@ class Arrival:
         self._client = client
         self._open = True
 
-    def submit(
-        self, inputs: CheckedInputs, client: Hashable | None = None
-    ) -> Future[BatchedResult]:
+    def submit(self, inputs: CheckedInputs) -> Future[BatchedResult]:
         """Queue the request (see :meth:`DynamicBatcher.submit`); the announcement ends.
 
         Raises:
@@ -259,7 +259,8 @@ class DynamicBatcher:
     ) -> Future[BatchedResult]:
         """Queue one request (inputs checked by :meth:`DLRMServable.check`); its future
         resolves to its :class:`BatchedResult`, or to the exception that failed it. With
-        nothing else queued or announced it runs at once.
+        nothing else queued or announced it runs at once. ``client``: as for
+        :meth:`arrival`.
 
         Raises:
             RuntimeError: the batcher is closed.

@@ -305,13 +305,13 @@ def test_bag_index_cache_is_shared_by_tables_and_bounded_in_bytes(ps, tiny) -> N
 
 
 def test_a_preferred_batch_size_holds_a_batch_until_it_is_reached(servable, tiny) -> None:
-    """With ``preferred_batch_size`` 8 and a 10 s delay, two requests submitted one after the
+    """With ``preferred_batch_size`` 8 and a 1 s delay, two requests submitted one after the
     other with nothing announced (closed-loop clients between two calls) run as one
     execution of 8 samples, not as two; a batch that cannot reach it runs once the delay has
     passed. Every answer is bit-equal to its request alone; the statistics keep each
     request's latencies in order."""
     counts = ModelCounts()
-    cfg = BatchingConfig(64, max_queue_delay_us=10**7, preferred_batch_size=8)
+    cfg = BatchingConfig(64, max_queue_delay_us=10**6, preferred_batch_size=8)
     batcher = DynamicBatcher(servable, cfg, counts)
     a, b = make_request(tiny, 3, seed=60), make_request(tiny, 5, seed=61)
     try:
@@ -356,3 +356,27 @@ def test_model_counts_keep_the_latest_requests_latencies_in_order() -> None:
     k = RECENT_REQUESTS + 2
     assert latest == [(10 * (k - 1), 3 * (k - 1)), (10 * k, 3 * k)]
     assert len(counts.recent_ns(10**9)) == RECENT_REQUESTS and counts.recent_ns(0) == []
+
+
+def test_a_preferred_batch_closes_once_every_known_client_has_a_request_in_it(
+    servable, tiny
+) -> None:
+    """Preferred size 64, a 1 s delay: client ``a``'s lone request runs at once (the only
+    known client cannot send more); once ``b`` is known too, ``b``'s request waits for
+    ``a``'s next one and both run as one execution well before the delay, bit-equal."""
+    counts = ModelCounts()
+    cfg = BatchingConfig(64, max_queue_delay_us=10**6, preferred_batch_size=64)
+    batcher = DynamicBatcher(servable, cfg, counts)
+    r1, r2, r3 = (make_request(tiny, n, seed=70 + n) for n in (2, 3, 4))
+    try:
+        lone = batcher.submit(servable.check(r1), client="a").result(timeout=60)
+        fb = batcher.submit(servable.check(r2), client="b")
+        fa = batcher.submit(servable.check(r3), client="a")
+        merged = [fb.result(timeout=60), fa.result(timeout=60)]
+    finally:
+        batcher.close()
+    assert lone.batch_size == 2 and lone.queue_ns < 10**9
+    assert [m.batch_size for m in merged] == [7, 7] and merged[0].queue_ns < 10**9
+    assert counts.executions == 2
+    for got, r in [(lone, r1), *zip(merged, (r2, r3), strict=True)]:
+        assert np.array_equal(got.outputs["logits"], servable.infer(r)["logits"])

@@ -20,7 +20,10 @@ Sections (``--only``):
   batched server (``--queue-delay-us``), for the tiny model and ``dlrm_dcnv2`` ÷ 1000, beside
   the in-process limit (one fused ``index_select`` + onnxruntime): samples/s, p50/p99, the
   mean merged batch, every answer checked bit-equal (:mod:`benchmarks.hps.server_concurrency`;
-  clients in their own processes).
+  clients in their own processes; ``--conc-protocols`` picks tritonclient over ``http`` or
+  ``grpc``, or ``grpc-raw``: pre-serialized requests through a bytes-only grpcio method, its
+  answers compared byte for byte with answers checked in full before the cell; ``--servers``
+  items may set each server's queue delay and preferred batch size, ``@DELAY_US:PREFERRED``).
 
 ``--threads`` threads for onnxruntime and torch; the server runs in a background thread of this
 process (the clients of all sections but ``concurrency`` too), so on 2 cores the figures include

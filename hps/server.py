@@ -68,6 +68,13 @@ class ServerKnobs:
         "(0: merge only requests already waiting)",
         parse=int,
     )
+    preferred_batch_size: int = knob(
+        _DEFAULTS.preferred_batch_size,
+        "dynamic batching: a smaller batch waits (at most --max-queue-delay-us) until it holds "
+        "this many samples, as Triton's preferred_batch_size (0: a batch runs as soon as "
+        "nothing more is waiting or being read; capped at each model's batch size)",
+        parse=int,
+    )
     model_batching: tuple[str, ...] = knob(
         (),
         "dynamic batching of single models, MODEL:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US each, "
@@ -140,6 +147,7 @@ class ServerKnobs:
             max_json_mb=self.max_json_mb,
             max_batch_size=self.max_batch_size,
             max_queue_delay_us=self.max_queue_delay_us,
+            preferred_batch_size=self.preferred_batch_size,
             model_batching=tuple(ModelBatching.parse(m) for m in self.model_batching),
             max_connections=self.max_connections,
             header_timeout_s=self.header_timeout_s,

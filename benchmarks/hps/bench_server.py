@@ -20,7 +20,10 @@ Sections (``--only``):
   batched server (``--queue-delay-us``), for the tiny model and ``dlrm_dcnv2`` ÷ 1000, beside
   the in-process limit (one fused ``index_select`` + onnxruntime): samples/s, p50/p99, the
   mean merged batch, every answer checked bit-equal (:mod:`benchmarks.hps.server_concurrency`;
-  clients in their own processes).
+  clients in their own processes; ``--conc-protocols`` picks tritonclient over ``http`` or
+  ``grpc``, or ``grpc-raw``: pre-serialized requests through a bytes-only grpcio method, its
+  answers compared byte for byte with answers checked in full before the cell; ``--servers``
+  items may set each server's queue delay and preferred batch size, ``@DELAY_US:PREFERRED``).
 
 ``--threads`` threads for onnxruntime and torch; the server runs in a background thread of this
 process (the clients of all sections but ``concurrency`` too), so on 2 cores the figures include
@@ -46,7 +49,13 @@ import torch
 import tritonclient.grpc as tg
 import tritonclient.http as th
 
-from benchmarks.hps.server_concurrency import BATCHES, CLIENTS, bench_concurrency
+from benchmarks.hps.server_concurrency import (
+    BATCHES,
+    CLIENT_KINDS,
+    CLIENTS,
+    PROTOCOLS,
+    bench_concurrency,
+)
 from benchmarks.meta import RESULTS_DIR, write_json
 from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import get_workload
@@ -99,6 +108,7 @@ class Served:
         workers: int = 2,
         merged_batch: int = 0,
         queue_delay_us: int = 100,
+        preferred_batch: int = 0,
         http: HttpParser = HttpParser.AUTO,
         loop: EventLoop = EventLoop.AUTO,
     ) -> None:
@@ -113,6 +123,7 @@ class Served:
             ort_threads=threads,
             max_batch_size=merged_batch,
             max_queue_delay_us=queue_delay_us,
+            preferred_batch_size=preferred_batch,
             http=http,
             loop=loop,
         )
@@ -344,17 +355,29 @@ def bench_pruned(tmp: Path, batch: int, threads: int, n: int) -> list[dict[str, 
     return rows
 
 
-def parse_servers(text: str) -> list[tuple[HttpParser, EventLoop]]:
-    """``--servers``: comma-separated ``PARSER/LOOP`` pairs (``h11/asyncio,auto/auto``)."""
-    out = []
+def parse_servers(text: str) -> list[tuple[HttpParser, EventLoop, int | None, int | None]]:
+    """``--servers``: comma-separated ``PARSER/LOOP[@DELAY_US[:PREFERRED]]`` items
+    (``h11/asyncio,auto/auto@5000:256``); a server's queue delay and preferred batch size are
+    ``--queue-delay-us`` and ``--preferred-batch`` unless its item gives them (``None``)."""
+    out: list[tuple[HttpParser, EventLoop, int | None, int | None]] = []
     for item in text.split(","):
-        parser, _, loop = item.strip().partition("/")
+        pair, _, batching = item.strip().partition("@")
+        parser, _, loop = pair.partition("/")
+        delay, _, preferred = batching.partition(":")
         try:
-            out.append((HttpParser(parser), EventLoop(loop or "auto")))
+            out.append(
+                (
+                    HttpParser(parser),
+                    EventLoop(loop or "auto"),
+                    int(delay) if delay else None,
+                    int(preferred) if preferred else None,
+                )
+            )
         except ValueError:
             raise ValueError(
-                f"--servers: {item!r} is not PARSER/LOOP with PARSER one of "
-                f"{[p.value for p in HttpParser]} and LOOP one of {[v.value for v in EventLoop]}"
+                f"--servers: {item!r} is not PARSER/LOOP[@DELAY_US[:PREFERRED]] with PARSER one "
+                f"of {[p.value for p in HttpParser]}, LOOP one of "
+                f"{[v.value for v in EventLoop]} and two integers"
             ) from None
     return out
 
@@ -368,18 +391,24 @@ def run_concurrency(
     model = build_model(w.scaled(1000) if name == "dlrm_dcnv2" else w, seed=0).eval()
     servers: dict[str, Served] = {}
     try:
-        for k, (parser, loop) in enumerate(parse_servers(args.servers)):
+        for k, (parser, loop, delay, preferred) in enumerate(parse_servers(args.servers)):
+            delay = args.queue_delay_us if delay is None else delay
+            preferred = args.preferred_batch if preferred is None else preferred
             s = Served(
                 model,
                 folder / f"server{k}",
                 threads=0,
                 max_batch=max(args.merged_batch, 256),
                 merged_batch=args.merged_batch,
-                queue_delay_us=args.queue_delay_us,
+                queue_delay_us=delay,
+                preferred_batch=preferred,
                 http=parser,
                 loop=loop,
             )
-            servers[f"{s.srv.http_parser.value}/{s.srv.event_loop.value}"] = s
+            key = f"{s.srv.http_parser.value}/{s.srv.event_loop.value}@{delay}:{preferred}"
+            if key in servers:
+                raise ValueError(f"--servers names {key} twice")
+            servers[key] = s
         return bench_concurrency(
             name if name != "dlrm_dcnv2" else "dlrm_dcnv2/1000",
             model,
@@ -393,6 +422,7 @@ def run_concurrency(
             limit_runs=10 if name == "tiny" else 3,
             on_row=on_row,
             distinct=args.conc_requests,
+            protocols=tuple(x.strip() for x in args.conc_protocols.split(",")),
         )
     finally:
         for s in servers.values():
@@ -418,7 +448,20 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--conc-batches", default=",".join(map(str, BATCHES)))
     p.add_argument("--conc-seconds", type=float, default=3.0, help="timed seconds per cell")
     p.add_argument("--conc-models", default="tiny,dlrm_dcnv2")
+    p.add_argument(
+        "--conc-protocols",
+        default=",".join(PROTOCOLS),
+        help=f"concurrency: the clients of each cell, in turn, some of {list(CLIENT_KINDS)} "
+        "(grpc-raw: pre-serialized requests, answers compared byte for byte with answers "
+        "checked in full before the cell)",
+    )
     p.add_argument("--queue-delay-us", type=int, default=200, help="the server's batching delay")
+    p.add_argument(
+        "--preferred-batch",
+        type=int,
+        default=0,
+        help="the server's preferred_batch_size (0: none; a batch runs when nothing waits)",
+    )
     p.add_argument(
         "--merged-batch", type=int, default=2048, help="the server's max_batch_size per execution"
     )
@@ -431,8 +474,9 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--servers",
         default="auto/auto",
-        help="concurrency: the servers compared cell by cell, PARSER/LOOP each "
-        "(e.g. h11/asyncio,httptools/uvloop; auto: the fastest installed)",
+        help="concurrency: the servers compared cell by cell, PARSER/LOOP[@DELAY_US[:PREFERRED]] "
+        "each (e.g. h11/asyncio,httptools/uvloop@5000:256; auto: the fastest installed; "
+        "DELAY_US, PREFERRED: that server's queue delay and preferred batch size)",
     )
     p.add_argument("--out", default=str(RESULTS_DIR / "hps_server.json"))
     args = p.parse_args(argv)
@@ -452,6 +496,9 @@ def main(argv: list[str] | None = None) -> None:
     ):
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    bad = sorted({x.strip() for x in args.conc_protocols.split(",")} - set(CLIENT_KINDS))
+    if bad:
+        p.error(f"--conc-protocols: unknown {bad}; expected some of {list(CLIENT_KINDS)}")
     try:
         parse_servers(args.servers)
     except ValueError as e:

@@ -35,6 +35,12 @@ log = logging.getLogger("bench_server")
 CLIENTS = (1, 4, 16, 64)
 BATCHES = (1, 16, 256)
 PROTOCOLS = ("http", "grpc")
+#: Every client a cell can run: tritonclient over HTTP or gRPC, or ``grpc-raw``: pre-serialized
+#: ``ModelInferRequest`` bytes through one generic grpcio method with no (de)serializers, each
+#: answer compared byte for byte with the answer checked in full before the cell (the cheapest
+#: client Python allows, as a C++ load generator like Triton's perf_analyzer is cheap).
+CLIENT_KINDS = ("http", "grpc", "grpc-raw")
+_MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 _MAX_PROCESSES = 4  # client processes per cell (threads share them)
 
 
@@ -95,6 +101,9 @@ def _client_process(
     """One client process: ``threads`` clients, warmed up, wait on the ``start`` barrier (every
     process and the parent), then send ``reqs`` in turn for ``seconds``; puts ``(latencies s,
     requests completed within the window, errors, wrong answers)`` on ``out``."""
+    if protocol == "grpc-raw":
+        _raw_client_process(address, reqs, wants, threads, seconds, start, out)
+        return
     import tritonclient.grpc as tg
     import tritonclient.http as th
 
@@ -162,6 +171,112 @@ def _client_process(
     for t in ts:
         t.join()
     cpu = resource.getrusage(resource.RUSAGE_SELF)
+    out.put((lat, in_window[0], errors, wrong[0], cpu.ru_utime + cpu.ru_stime - cpu0))
+
+
+def raw_request_bytes(req: dict[str, np.ndarray]) -> bytes:
+    """The serialized ``ModelInferRequest`` of ``req`` for model ``dlrm``, raw tensors, as
+    ``tritonclient.grpc`` sends it."""
+    import hps.serving.protos.grpc_predict_v2_pb2 as pb
+
+    msg = pb.ModelInferRequest(model_name="dlrm")
+    for name, arr in req.items():
+        dt = "FP32" if arr.dtype == np.float32 else "INT64"
+        msg.inputs.add(name=name, datatype=dt, shape=list(arr.shape))
+        msg.raw_input_contents.append(np.ascontiguousarray(arr).tobytes())
+    return msg.SerializeToString()
+
+
+def check_raw_answer(data: bytes, want: np.ndarray) -> None:
+    """Parse a ``ModelInferResponse`` in full and check it holds ``logits`` equal to ``want``
+    (FP32, its shape, its bytes) and ``probability`` of the same shape, FP32; raise
+    ``AssertionError`` saying what differs."""
+    import hps.serving.protos.grpc_predict_v2_pb2 as pb
+
+    resp = pb.ModelInferResponse.FromString(data)
+    got = [(o.name, o.datatype, list(o.shape)) for o in resp.outputs]
+    shape = list(want.shape)
+    if got != [("logits", "FP32", shape), ("probability", "FP32", shape)]:
+        raise AssertionError(f"answer describes outputs {got}, expected logits, probability")
+    raw = list(resp.raw_output_contents)
+    if resp.model_name != "dlrm" or len(raw) != 2 or len(raw[1]) != 4 * want.size:
+        raise AssertionError(f"answer of model {resp.model_name!r} has {len(raw)} raw outputs")
+    if raw[0] != want.astype("<f4").tobytes():
+        raise AssertionError("answer's logits differ from the servable's own scores")
+
+
+def _raw_client_process(
+    address: str,
+    reqs: list[dict[str, np.ndarray]],
+    wants: list[np.ndarray],
+    threads: int,
+    seconds: float,
+    start: Any,
+    out: Any,
+) -> None:
+    """``_client_process`` with the cheapest client: each request serialized once; before the
+    cell every distinct answer is parsed and checked in full (:func:`check_raw_answer`) and its
+    bytes kept, so the timed loop checks each answer by comparing its bytes with those."""
+    import grpc
+
+    bodies = [raw_request_bytes(r) for r in reqs]
+    lat: list[float] = []
+    in_window = [0]
+    errors: list[str] = []
+    wrong = [0]
+    lock = threading.Lock()
+    ready = threading.Barrier(threads + 1)
+    go = threading.Event()
+    window: list[float] = []
+    with grpc.insecure_channel(address) as ch:
+        call = ch.unary_unary(_MODEL_INFER)  # no (de)serializers: bytes in, bytes out
+        expected = []
+        try:
+            for body, want in zip(bodies, wants, strict=True):  # untimed, full check
+                data = call(body)
+                check_raw_answer(data, want)
+                expected.append(data)
+        except BaseException:
+            start.abort()  # the parent's wait fails at once instead of timing out
+            raise
+
+        def worker(k: int) -> None:
+            for i in range(2):  # warm-up, not timed
+                call(bodies[(k + i) % len(bodies)])
+            ready.wait()
+            go.wait()
+            stop = window[1]
+            i = k
+            n = len(bodies)
+            while time.perf_counter() < stop:
+                j = i % n
+                t0 = time.perf_counter()
+                try:
+                    data = call(bodies[j])
+                except Exception as e:  # counted: the figure is "no errors"
+                    with lock:
+                        errors.append(str(e)[:200])
+                else:
+                    t1 = time.perf_counter()
+                    with lock:
+                        lat.append(t1 - t0)
+                        in_window[0] += t1 <= stop
+                        wrong[0] += data != expected[j]
+                i += 1
+
+        ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
+        for t in ts:
+            t.start()
+        ready.wait()
+        start.wait()
+        cpu_start = resource.getrusage(resource.RUSAGE_SELF)
+        cpu0 = cpu_start.ru_utime + cpu_start.ru_stime
+        now = time.perf_counter()
+        window.extend([now, now + seconds])
+        go.set()
+        for t in ts:
+            t.join()
+        cpu = resource.getrusage(resource.RUSAGE_SELF)
     out.put((lat, in_window[0], errors, wrong[0], cpu.ru_utime + cpu.ru_stime - cpu0))
 
 
@@ -242,6 +357,11 @@ def run_cell(
     }
 
 
+def _pct(sorted_ms: list[float], q: float) -> float | None:
+    """The ``q`` quantile of ascending ``sorted_ms`` (nearest rank; ``None`` when empty)."""
+    return sorted_ms[min(len(sorted_ms) - 1, int(q * len(sorted_ms)))] if sorted_ms else None
+
+
 def _cache_hits(served: Any) -> tuple[int, int]:
     """Every table's looked-up keys (with repeats) so far: (answered by the cache, all)."""
     st = served.servable.session.stats()
@@ -263,6 +383,7 @@ def bench_concurrency(
     limit_runs: int = 10,
     on_row: Callable[[dict[str, Any]], None] | None = None,
     distinct: int = 8,
+    protocols: tuple[str, ...] = PROTOCOLS,
 ) -> list[dict[str, Any]]:
     """Every ``clients × batches × protocol`` cell of model ``name`` on each of ``servers``
     (variant name → a running ``bench_server.Served``; the variants of a cell run one after
@@ -270,7 +391,11 @@ def bench_concurrency(
     right before the cell; ``on_row`` sees each row as it is measured. The clients cycle
     through ``distinct`` requests of random keys (1: the same keys every time, which the
     cache holds after the first: the server without the cache's misses; each row's
-    ``cache_hit_rate`` says)."""
+    ``cache_hit_rate`` says). ``protocols``: the clients of each cell, of
+    :data:`CLIENT_KINDS` (row field ``client``; ``protocol`` is ``http`` or ``grpc``)."""
+    unknown = sorted(set(protocols) - set(CLIENT_KINDS))
+    if unknown:
+        raise ValueError(f"unknown clients {unknown}; expected some of {list(CLIENT_KINDS)}")
     reps = limit_runs
     rows = []
     names = list(servers)
@@ -282,17 +407,18 @@ def bench_concurrency(
                 got = servers[variant].servable.infer(r)["logits"]
                 if not np.array_equal(got, want):
                     raise AssertionError(f"server {variant} scores a request differently")
-        for cell_no, (c, proto) in enumerate((c, p) for c in clients for p in PROTOCOLS):
+        for cell_no, (c, kind) in enumerate((c, p) for c in clients for p in protocols):
             # the limit measured right before each cell: the host's load drifts
             limits = {x: fused_limit(model, onnx_path, x, threads, reps) for x in {b, 256}}
             shift = cell_no % len(names)
             for variant in names[shift:] + names[:shift]:
                 served = servers[variant]
+                proto = "http" if kind == "http" else "grpc"
                 addr = served.srv.address if proto == "http" else str(served.srv.grpc_address)
                 before = served.stats()
                 hits0 = _cache_hits(served)
                 cpu0 = thread_cpu_s()
-                cell = run_cell(addr, proto, c, reqs, wants, seconds)
+                cell = run_cell(addr, kind, c, reqs, wants, seconds)
                 cpu1 = thread_cpu_s()
                 after = served.stats()
                 execs = after["execution_count"] - before["execution_count"]
@@ -324,12 +450,18 @@ def bench_concurrency(
                 exec_ms = infer_ns / execs / 1e6 if execs else 0.0
                 # the issue's bound: p99 ≤ 2 × max_queue_delay + one merged batch's compute
                 bound_ms = 2 * delay_ms + exec_ms
+                # the server's side of each request of the cell: its whole handling and its
+                # part in the batcher (queue + execution), which the bound is about
+                recent = served.srv.counts["dlrm"].recent_ns(n_req)
+                whole_ms = sorted(r[0] / 1e6 for r in recent)
+                batched_ms = sorted(r[1] / 1e6 for r in recent)
                 hits1 = _cache_hits(served)
                 looked_up = hits1[1] - hits0[1]
                 row = {
                     "bench": "concurrency",
                     "model": name,
                     "protocol": proto,
+                    "client": "raw" if kind == "grpc-raw" else "tritonclient",
                     "server": variant,
                     "clients": c,
                     "batch": b,
@@ -347,6 +479,16 @@ def bench_concurrency(
                     "p99_over_bound": cell["p99_ms"] / bound_ms
                     if cell["p99_ms"] and bound_ms
                     else None,
+                    "server_p50_request_ms": _pct(whole_ms, 0.5),
+                    "server_p99_request_ms": _pct(whole_ms, 0.99),
+                    "server_p50_batched_ms": _pct(batched_ms, 0.5),
+                    "server_p99_batched_ms": _pct(batched_ms, 0.99),
+                    "server_p99_batched_within_bound": bool(
+                        batched_ms and _pct(batched_ms, 0.99) <= bound_ms
+                    ),
+                    "server_p99_request_within_bound": bool(
+                        whole_ms and _pct(whole_ms, 0.99) <= bound_ms
+                    ),
                     # share of the cell's looked-up keys the cache answered (the rest: the
                     # volatile db; a 64-way set of a full-size cache can overflow)
                     "cache_hit_rate": (hits1[0] - hits0[0]) / looked_up if looked_up else None,
@@ -362,6 +504,7 @@ def bench_concurrency(
                     "load_avg_1m": os.getloadavg()[0],
                     "max_queue_delay_us": served.srv.batchers["dlrm"].cfg.max_queue_delay_us,
                     "merged_max_batch": served.srv.batchers["dlrm"].cfg.max_batch_size,
+                    "preferred_batch_size": served.srv.batchers["dlrm"].cfg.preferred_batch_size,
                     "distinct_requests": distinct,
                 }
                 rows.append(row)
@@ -369,11 +512,11 @@ def bench_concurrency(
                     on_row(row)
                 log.info(
                     "%s %s %s %2d clients × B=%-3d: %8.0f samples/s (limit@256 %.0f: %.3fx), p50 %.1f "
-                    "ms, p99 %.1f ms (bound %.1f), mean batch %.1f (%.2f ms), server CPU/request %s µs, "
+                    "ms, p99 %.1f ms (bound %.1f; server p99 %.1f, batcher p99 %.1f), mean batch %.1f (%.2f ms), server CPU/request %s µs, "
                     "client %.0f µs, %d errors, %d wrong, load %.1f",
                     name,
                     variant,
-                    proto,
+                    kind,
                     c,
                     b,
                     cell["samples_per_s"],
@@ -382,6 +525,8 @@ def bench_concurrency(
                     cell["p50_ms"] or 0,
                     cell["p99_ms"] or 0,
                     bound_ms,
+                    row["server_p99_request_ms"] or 0,
+                    row["server_p99_batched_ms"] or 0,
                     row["mean_execution_batch"] or 0,
                     row["mean_execution_ms"] or 0,
                     {k: round(1e6 * v / max(n_req, 1)) for k, v in cpu.items()},

@@ -9,7 +9,11 @@ threads (HTTP: the event loop), check it (:meth:`DLRMServable.check`), hand it o
 when the next waiting request would take it past ``max_batch_size`` samples; or when nothing
 more is waiting and no announced request is still being read, since waiting could not grow
 it then (a lone request runs at once, as Triton's batcher dispatches when its queue cannot
-grow); or when ``max_queue_delay_us`` has passed since its oldest request arrived. Requests
+grow); or when ``max_queue_delay_us`` has passed since its oldest request arrived. With a
+``preferred_batch_size`` (Triton's knob) a smaller batch waits for more requests, announced
+or not, until it holds that many samples, or as many requests as its known clients (the
+connections that sent requests in the last second) can have in flight at once, or the delay
+has passed. Requests
 that queue while an execution runs form the next batch whatever the delay::
 
     arrivals     r1 (B=16)  r2 (B=16)      r3 (B=250)
@@ -35,7 +39,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -59,6 +63,8 @@ __all__ = [
 
 #: The longest queue delay a server accepts: 1 s (Triton's defaults are 0 to a few ms).
 MAX_QUEUE_DELAY_US = 1_000_000
+#: A client (connection) that sent no request for this long is no longer waited for.
+KNOWN_CLIENT_NS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,15 @@ class BatchingConfig:
         max_queue_delay_us: how long the oldest waiting request may wait for requests still
             being read (announced: :meth:`DynamicBatcher.arrival`) to join its batch (0: merge
             only what is waiting already, never wait).
+        preferred_batch_size: 0 (the default): a batch closes as soon as nothing more is
+            waiting or announced. Otherwise, as Triton's ``preferred_batch_size``: a batch of
+            fewer samples waits for more (announced or not, at most ``max_queue_delay_us``
+            since its oldest request) and closes as soon as it holds this many; at most
+            ``max_batch_size``; or as soon as it holds as many requests as the known clients
+            can send at once (per connection that sent a request in the last second,
+            :data:`KNOWN_CLIENT_NS`, the most requests it had in flight at once), since then
+            no more can come: a lone client never waits, and closed-loop clients that all
+            come back within the delay share one execution.
 
     Raises:
         ValueError: naming the knob, for a value outside its range.
@@ -79,11 +94,13 @@ class BatchingConfig:
 
     max_batch_size: int
     max_queue_delay_us: int = 0
+    preferred_batch_size: int = 0
 
     def __post_init__(self) -> None:
         for name, lo, hi in (
             ("max_batch_size", 1, 2**31 - 1),
             ("max_queue_delay_us", 0, MAX_QUEUE_DELAY_US),
+            ("preferred_batch_size", 0, self.max_batch_size),
         ):
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
@@ -112,6 +129,7 @@ class _Pending:
     samples: int
     submitted_ns: int
     future: Future[BatchedResult]
+    client: Hashable | None
 
 
 class Arrival:
@@ -124,8 +142,9 @@ class Arrival:
     ...     fut = a.submit(servable.check(parse(body)))
     """
 
-    def __init__(self, batcher: DynamicBatcher) -> None:
+    def __init__(self, batcher: DynamicBatcher, client: Hashable | None) -> None:
         self._batcher = batcher
+        self._client = client
         self._open = True
 
     def submit(self, inputs: CheckedInputs) -> Future[BatchedResult]:
@@ -137,7 +156,7 @@ class Arrival:
         if not self._open:
             raise RuntimeError("this arrival was already submitted or withdrawn")
         self._open = False
-        return self._batcher._enqueue(inputs, arrived=True)
+        return self._batcher._enqueue(inputs, arrived=True, client=self._client)
 
     def withdraw(self) -> None:
         """End the announcement without a request (nothing happens if it already ended)."""
@@ -211,6 +230,8 @@ class DynamicBatcher:
         self.servable, self.cfg, self.counts = servable, cfg, counts
         self._queue: deque[_Pending] = deque()
         self._arriving = 0  # announced requests not yet submitted (Arrival)
+        # client → [its requests in flight, the most it had at once, when it last sent (ns)]
+        self._clients: dict[Hashable, list[int]] = {}
         self._cond = threading.Condition()
         self._closed = False
         self._torch_threads = torch_threads
@@ -219,9 +240,11 @@ class DynamicBatcher:
         )
         self._thread.start()
 
-    def arrival(self) -> Arrival:
+    def arrival(self, client: Hashable | None = None) -> Arrival:
         """Announce a request the caller is reading: until it is submitted or withdrawn, a
-        batch it could join waits for it (at most ``max_queue_delay_us``).
+        batch it could join waits for it (at most ``max_queue_delay_us``). ``client``: who
+        sends it (a connection's peer address; ``None``: unknown), for
+        ``preferred_batch_size``'s known clients.
 
         Raises:
             RuntimeError: the batcher is closed.
@@ -229,29 +252,40 @@ class DynamicBatcher:
         with self._cond:
             self._check_open()
             self._arriving += 1
-        return Arrival(self)
+        return Arrival(self, client)
 
-    def submit(self, inputs: CheckedInputs) -> Future[BatchedResult]:
+    def submit(
+        self, inputs: CheckedInputs, client: Hashable | None = None
+    ) -> Future[BatchedResult]:
         """Queue one request (inputs checked by :meth:`DLRMServable.check`); its future
         resolves to its :class:`BatchedResult`, or to the exception that failed it. With
-        nothing else queued or announced it runs at once.
+        nothing else queued or announced it runs at once. ``client``: as for
+        :meth:`arrival`.
 
         Raises:
             RuntimeError: the batcher is closed.
         """
-        return self._enqueue(inputs, arrived=False)
+        return self._enqueue(inputs, arrived=False, client=client)
 
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError(f"model {self.servable.name!r}: the server is shutting down")
 
-    def _enqueue(self, inputs: CheckedInputs, arrived: bool) -> Future[BatchedResult]:
+    def _enqueue(
+        self, inputs: CheckedInputs, arrived: bool, client: Hashable | None
+    ) -> Future[BatchedResult]:
         fut: Future[BatchedResult] = Future()
-        item = _Pending(inputs, int(inputs["dense"].shape[0]), time.perf_counter_ns(), fut)
+        now = time.perf_counter_ns()
+        item = _Pending(inputs, int(inputs["dense"].shape[0]), now, fut, client)
         with self._cond:
             if arrived:
                 self._arriving -= 1
             self._check_open()
+            if client is not None and self.cfg.preferred_batch_size:
+                entry = self._clients.setdefault(client, [0, 0, now])
+                entry[0] += 1
+                entry[1] = max(entry[1], entry[0])
+                entry[2] = now
             self._queue.append(item)
             self._cond.notify()
         return fut
@@ -280,6 +314,7 @@ class DynamicBatcher:
     def _next_batch(self) -> list[_Pending] | None:
         """The requests of the next execution (``None``: closed and drained)."""
         limit, delay_ns = self.cfg.max_batch_size, self.cfg.max_queue_delay_us * 1000
+        preferred = self.cfg.preferred_batch_size
         with self._cond:
             while not self._queue:
                 if self._closed:
@@ -296,13 +331,40 @@ class DynamicBatcher:
                     batch.append(self._queue.popleft())
                     samples += nxt.samples
                     continue
-                if not self._arriving or self._closed:
+                if preferred:
+                    if samples >= preferred or self._closed or self._all_clients_in(batch):
+                        break  # preferred size reached, or no one else is known to send
+                elif not self._arriving or self._closed:
                     break  # nothing is on its way: waiting cannot grow this batch
                 wait_ns = deadline - time.perf_counter_ns()
                 if wait_ns <= 0:
                     break
                 self._cond.wait(wait_ns / 1e9)
             return batch
+
+    def _all_clients_in(self, batch: list[_Pending]) -> bool:
+        """Whether ``batch`` (every request's client known) holds as many requests as the
+        known clients can send at once: the sum, over each client that sent a request within
+        :data:`KNOWN_CLIENT_NS`, of the most requests it had in flight at once (one connection
+        may carry several callers); forgets the clients older than that. Called with the
+        lock held."""
+        if any(p.client is None for p in batch):
+            return False
+        oldest = time.perf_counter_ns() - KNOWN_CLIENT_NS
+        gone = [c for c, e in self._clients.items() if e[2] < oldest and not e[0]]
+        for c in gone:
+            del self._clients[c]
+        return len(batch) >= sum(e[1] for e in self._clients.values())
+
+    def _release(self, batch: list[_Pending]) -> None:
+        """The requests of ``batch`` are answered: their clients have fewer in flight."""
+        if not self.cfg.preferred_batch_size:
+            return
+        with self._cond:
+            for p in batch:
+                entry = self._clients.get(p.client) if p.client is not None else None
+                if entry is not None:
+                    entry[0] -= 1
 
     def _execute(self, batch: list[_Pending]) -> None:
         """Run ``batch`` as one execution and resolve each request's future; a failed merged
@@ -313,6 +375,7 @@ class DynamicBatcher:
             outputs = self.servable.infer(merged)
         except Exception as e:
             if len(batch) == 1:
+                self._release(batch)
                 self._resolve_error(batch[0], e)
                 return
             log.debug(
@@ -327,6 +390,7 @@ class DynamicBatcher:
         infer_ns = time.perf_counter_ns() - start
         size = sum(p.samples for p in batch)
         self.counts.executed(size, infer_ns)
+        self._release(batch)
         row = 0
         for p in batch:
             part = {k: v[row : row + p.samples] for k, v in outputs.items()}
@@ -368,7 +432,7 @@ def model_config(s: DLRMServable, batching: BatchingConfig) -> dict[str, Any]:
     return {
         **s.config(),
         "dynamic_batching": {
-            "preferred_batch_size": [batching.max_batch_size],
+            "preferred_batch_size": [batching.preferred_batch_size or batching.max_batch_size],
             "max_queue_delay_microseconds": batching.max_queue_delay_us,
         },
     }

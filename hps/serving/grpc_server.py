@@ -173,7 +173,7 @@ class GrpcInferenceServicer:
         t0 = time.perf_counter_ns()
         s = self._model(context, request.model_name, request.model_version)
         try:
-            with self.batchers[s.name].arrival() as arrival:
+            with self.batchers[s.name].arrival(context.peer()) as arrival:
                 req = parse_grpc_request(request)
                 inputs = s.check(req.inputs)
                 t1 = time.perf_counter_ns()

@@ -15,12 +15,16 @@ from __future__ import annotations
 
 import threading
 import time
+from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from hps.serving.v2_protocol import MODEL_VERSION
 
-__all__ = ["ModelCounts", "PhaseNs"]
+__all__ = ["RECENT_REQUESTS", "ModelCounts", "PhaseNs"]
+
+#: Successful requests whose latencies :class:`ModelCounts` keeps (the latest; for percentiles).
+RECENT_REQUESTS = 65536
 
 
 @dataclass
@@ -51,6 +55,8 @@ class ModelCounts:
     executions: int = 0
     batch_ns: dict[int, list[int]] = field(default_factory=dict)  # size → [count, infer ns]
     non_finite: int = 0
+    # the latest successful requests' (whole request ns, queue + compute_infer ns), in order
+    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def succeeded(self, ns: int, samples: int, phases: PhaseNs) -> None:
@@ -58,6 +64,7 @@ class ModelCounts:
             self.success, self.success_ns = self.success + 1, self.success_ns + ns
             self.samples += samples
             self.phase_ns.add(phases)
+            self.recent.append((ns, phases.queue + phases.compute_infer))
             self.last_ms = int(time.time() * 1e3)
 
     def failed(self, ns: int, non_finite: bool = False) -> None:
@@ -73,6 +80,14 @@ class ModelCounts:
             entry = self.batch_ns.setdefault(batch_size, [0, 0])
             entry[0] += 1
             entry[1] += ns
+
+    def recent_ns(self, n: int) -> list[tuple[int, int]]:
+        """The latest ``n`` successful requests (at most :data:`RECENT_REQUESTS`), oldest
+        first: (ns from the request's start to its answer encoded, ns in the batcher: queue +
+        its execution)."""
+        with self.lock:
+            k = min(n, len(self.recent))
+            return list(self.recent)[len(self.recent) - k :] if k else []
 
     def to_dict(self, name: str) -> dict[str, Any]:
         """The model's entry of Triton's statistics document."""

@@ -86,6 +86,9 @@ class ServerConfig:
     max_json_mb: float = 16.0  # larger JSON parts are refused with 400 (binary tensors are not)
     max_batch_size: int = 0  # samples per merged execution (0: each model's, from ps.json)
     max_queue_delay_us: int = 100  # how long a request may wait for others to join its batch
+    # 0: a batch closes when nothing more is waiting or announced; else it waits (at most the
+    # delay) until it holds this many samples (Triton's preferred_batch_size; every model)
+    preferred_batch_size: int = 0
     model_batching: tuple[ModelBatching, ...] = ()  # per-model overrides of the two above
     max_connections: int = 512  # open connections; past it a new one gets 503 and is closed
     header_timeout_s: float = 10.0  # connect (or last response) → request headers complete
@@ -107,6 +110,7 @@ class ServerConfig:
             ("max_connections", 1, MAX_CONNECTIONS),
             ("max_batch_size", 0, 2**31 - 1),
             ("max_queue_delay_us", 0, MAX_QUEUE_DELAY_US),
+            ("preferred_batch_size", 0, 2**31 - 1),
             ("port", 0, 65535),
         ]
         if self.grpc_port is not None:
@@ -160,12 +164,13 @@ class ServerConfig:
             if m.model == servable.name:
                 size, delay = m.max_batch_size, m.max_queue_delay_us
         size = size or servable.max_batch_size
+        preferred = min(self.preferred_batch_size, size)
         if size > servable.max_batch_size:
             raise ValueError(
                 f"model {servable.name!r}: batching max_batch_size {size} exceeds the model's "
                 f"max_batch_size {servable.max_batch_size} (ps.json), which bounds one lookup"
             )
         try:
-            return BatchingConfig(size, delay)
+            return BatchingConfig(size, delay, preferred)
         except ValueError as e:
             raise ValueError(f"model {servable.name!r}: batching {e}") from None

@@ -198,7 +198,8 @@ class _V2Endpoints:
                 return self._failed(name, start, _error(busy, 503))
             self.in_flight += 1
             try:
-                with self.batchers[s.name].arrival() as arrival:
+                peer = request.client  # (host, port) of the connection, or None
+                with self.batchers[s.name].arrival(peer and (peer.host, peer.port)) as arrival:
                     t0 = time.perf_counter_ns()
                     req, inputs = await self.bodies.parse(s, body, request)
                     del body

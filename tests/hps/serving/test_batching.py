@@ -18,10 +18,10 @@ from tritonclient.utils import InferenceServerException
 
 from embark.models.dlrm import DLRM
 from hps.parameter_server import HierarchicalParameterServer
-from hps.serving.batcher import BatchingConfig, DynamicBatcher, merge_requests
+from hps.serving.batcher import BatchingConfig, DynamicBatcher, merge_requests, model_config
 from hps.serving.http_server import InferenceServer, ModelBatching, ServerConfig, build_servables
 from hps.serving.servable import DLRMServable, Tensors
-from hps.serving.statistics import ModelCounts
+from hps.serving.statistics import RECENT_REQUESTS, ModelCounts, PhaseNs
 from tests.hps.serving.tiny_dlrm import make_request, triton_inputs
 
 # (batch, narrow id lists, seed) of the concurrent requests: sizes 1 to 17, some narrow
@@ -302,3 +302,81 @@ def test_bag_index_cache_is_shared_by_tables_and_bounded_in_bytes(ps, tiny) -> N
     assert uncached.bag_index_cache_bytes() == 0
     with pytest.raises(ValueError, match="bag_index_budget_bytes must be >= 0.*got -1"):
         DLRMServable(cfg, session, bag_index_budget_bytes=-1)
+
+
+def test_a_preferred_batch_size_holds_a_batch_until_it_is_reached(servable, tiny) -> None:
+    """With ``preferred_batch_size`` 8 and a 1 s delay, two requests submitted one after the
+    other with nothing announced (closed-loop clients between two calls) run as one
+    execution of 8 samples, not as two; a batch that cannot reach it runs once the delay has
+    passed. Every answer is bit-equal to its request alone; the statistics keep each
+    request's latencies in order."""
+    counts = ModelCounts()
+    cfg = BatchingConfig(64, max_queue_delay_us=10**6, preferred_batch_size=8)
+    batcher = DynamicBatcher(servable, cfg, counts)
+    a, b = make_request(tiny, 3, seed=60), make_request(tiny, 5, seed=61)
+    try:
+        first = batcher.submit(servable.check(a))
+        second = batcher.submit(servable.check(b))
+        merged = [first.result(timeout=60), second.result(timeout=60)]
+    finally:
+        batcher.close()
+    assert [r.batch_size for r in merged] == [8, 8] and counts.executions == 1
+    for got, r in zip(merged, (a, b), strict=True):
+        assert np.array_equal(got.outputs["logits"], servable.infer(r)["logits"])
+
+    delay_us = 50_000
+    counts = ModelCounts()
+    cfg = BatchingConfig(64, max_queue_delay_us=delay_us, preferred_batch_size=8)
+    batcher = DynamicBatcher(servable, cfg, counts)
+    c = make_request(tiny, 2, seed=62)
+    try:
+        alone = batcher.submit(servable.check(c)).result(timeout=60)
+    finally:
+        batcher.close()
+    assert alone.batch_size == 2 and alone.queue_ns >= delay_us * 1000
+    assert np.array_equal(alone.outputs["logits"], servable.infer(c)["logits"])
+
+
+def test_preferred_batch_size_is_checked_capped_and_reported(servable) -> None:
+    with pytest.raises(ValueError, match="preferred_batch_size must be an integer from 0 to 8"):
+        BatchingConfig(8, 0, preferred_batch_size=9)
+    with pytest.raises(ValueError, match=r"preferred_batch_size must be an integer from 0 to"):
+        ServerConfig(preferred_batch_size=-1)
+    cfg = ServerConfig(preferred_batch_size=1000).batching(servable)
+    assert (cfg.max_batch_size, cfg.preferred_batch_size) == (64, 64)  # the model's 64 caps it
+    doc = model_config(servable, BatchingConfig(64, 100, preferred_batch_size=16))
+    assert doc["dynamic_batching"]["preferred_batch_size"] == [16]
+
+
+def test_model_counts_keep_the_latest_requests_latencies_in_order() -> None:
+    counts = ModelCounts()
+    for k in range(RECENT_REQUESTS + 3):
+        counts.succeeded(10 * k, 1, PhaseNs(queue=k, compute_infer=2 * k))
+    latest = counts.recent_ns(2)
+    k = RECENT_REQUESTS + 2
+    assert latest == [(10 * (k - 1), 3 * (k - 1)), (10 * k, 3 * k)]
+    assert len(counts.recent_ns(10**9)) == RECENT_REQUESTS and counts.recent_ns(0) == []
+
+
+def test_a_preferred_batch_closes_once_every_known_client_has_a_request_in_it(
+    servable, tiny
+) -> None:
+    """Preferred size 64, a 1 s delay: client ``a``'s lone request runs at once (the only
+    known client cannot send more); once ``b`` is known too, ``b``'s request waits for
+    ``a``'s next one and both run as one execution well before the delay, bit-equal."""
+    counts = ModelCounts()
+    cfg = BatchingConfig(64, max_queue_delay_us=10**6, preferred_batch_size=64)
+    batcher = DynamicBatcher(servable, cfg, counts)
+    r1, r2, r3 = (make_request(tiny, n, seed=70 + n) for n in (2, 3, 4))
+    try:
+        lone = batcher.submit(servable.check(r1), client="a").result(timeout=60)
+        fb = batcher.submit(servable.check(r2), client="b")
+        fa = batcher.submit(servable.check(r3), client="a")
+        merged = [fb.result(timeout=60), fa.result(timeout=60)]
+    finally:
+        batcher.close()
+    assert lone.batch_size == 2 and lone.queue_ns < 10**9
+    assert [m.batch_size for m in merged] == [7, 7] and merged[0].queue_ns < 10**9
+    assert counts.executions == 2
+    for got, r in [(lone, r1), *zip(merged, (r2, r3), strict=True)]:
+        assert np.array_equal(got.outputs["logits"], servable.infer(r)["logits"])

@@ -5,7 +5,6 @@
 #include <immintrin.h>
 
 #include <cstdint>
-#include <vector>
 
 #include "key_counter.h"
 
@@ -97,56 +96,11 @@ struct Piece {
 
 // Per-key state of the probe pipeline.
 struct ProbeState {
-  int64_t base;    // first slot of the key's set; -1: padding; -2: a high word the cache lacks;
-                   // -3: found in the piece's KeyMemo (slot below)
-  int64_t slot;    // base -3: the key's slot (-1: a miss)
+  int64_t base;    // first slot of the key's set; -1: padding; -2: a high word the cache lacks
   uint64_t hash;   // mix64(key) (keys >= 0, and every key of rows)
   uint64_t match;  // ways of the first tag line whose tag matches
   uint8_t tag;
   uint8_t word;    // key32: the index of the key's high word
-};
-
-// The slots of the keys a thread has probed so far in one table of a call (direct-mapped by key, the newest key of an
-// entry kept), so that a key seen again takes its slot and hash from here and skips
-// the hash, the tag line and the key line. The cache's keys do not change during a call, so a
-// key's slot (or miss) is the same at each of its uses; an entry is valid while the memo serves
-// the table it was put for (serve() moves it to another table without clearing the entries).
-class KeyMemo {
- public:
-  static constexpr int kBits = 10;  // 1,024 entries (32 KiB) per thread
-
-  struct Entry {
-    int64_t key;
-    uint64_t hash;
-    int64_t slot;  // -1: a miss
-    uint64_t gen;
-  };
-
-  KeyMemo() : e_(size_t{1} << kBits) {}
-
-  void serve(int64_t table) {
-    if (table == table_) return;
-    table_ = table;
-    ++gen_;  // 64 bits: never wraps
-  }
-
-  // The entry of key if the piece has memoized it, else null.
-  const Entry* find(int64_t key) const {
-    const Entry& e = e_[index(key)];
-    return e.gen == gen_ && e.key == key ? &e : nullptr;
-  }
-
-  void put(int64_t key, uint64_t hash, int64_t slot) {
-    e_[index(key)] = {key, hash, slot, gen_};
-  }
-
- private:
-  static size_t index(int64_t key) {
-    return static_cast<size_t>((static_cast<uint64_t>(key) * kGolden) >> (64 - kBits));
-  }
-  std::vector<Entry> e_;
-  uint64_t gen_ = 1;  // entries start at generation 0: none valid
-  int64_t table_ = -1;
 };
 
 }  // namespace hps_cpu

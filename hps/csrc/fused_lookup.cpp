@@ -96,12 +96,9 @@ inline int64_t clear_marks(const TableView& t, std::vector<int64_t>& firsts) {
 // counted and first hits recorded, and the keys >= 0 counted into t.counter when it is set
 // (the key's hash computed once for both; its counter entry prefetched with the tag line).
 // With kProbeOnly (bags pooled afterwards by pool_bags from sl) no row is read here.
-// A key the memo (serving this table) has seen takes its slot and hash from it: no hash, tag
-// line or key line (65,484 keys of 26 pooled tables of dlrm_dcnv2 ÷ 300: 47,661 repeats).
 template <bool kUses, int64_t kFormat, bool kProbeOnly = false>
 int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
-                  std::vector<ProbeState>& st, KeyMemo& memo, int64_t& hits,
-                  std::vector<int64_t>& firsts) {
+                  std::vector<ProbeState>& st, int64_t& hits, std::vector<int64_t>& firsts) {
   st.resize(static_cast<size_t>(i1 - i0));
   ProbeState* ps = st.data() - i0;
   const int64_t first_ways = std::min<int64_t>(64, t.ways);
@@ -119,10 +116,6 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
       const int64_t key = t.keys[a];
       if (bags && key < 0) {
         ps[a].base = -1;
-      } else if (const KeyMemo::Entry* e = memo.find(key)) {
-        ps[a].base = -3;
-        ps[a].slot = e->slot;
-        ps[a].hash = e->hash;
       } else {
         const uint64_t h = mix64(key);
         ps[a].hash = h;
@@ -151,13 +144,7 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     const int64_t c = i + kRowAhead;  // stage 3: the slot; prefetch its row and counter
     if (c >= i0 && c < i1) {
       int64_t slot = ps[c].base == -2 ? -1 : -2;
-      if (ps[c].base == -3) {
-        slot = ps[c].slot;
-        if (slot >= 0) {
-          if (!kProbeOnly) prefetch_bytes(row_of(t, slot), t.row_bytes);
-          if (kUses) __builtin_prefetch(t.counters + slot, 1, 3);
-        }
-      } else if (ps[c].base >= 0) {
+      if (ps[c].base >= 0) {
         const int64_t key = t.keys[c];
         const int64_t base = ps[c].base;
         slot = -1;
@@ -184,9 +171,6 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
           if (!kProbeOnly) prefetch_bytes(row_of(t, slot), t.row_bytes);
           if (kUses) __builtin_prefetch(t.counters + slot, 1, 3);
         }
-        memo.put(t.keys[c], ps[c].hash, slot);
-      } else if (ps[c].base == -2) {
-        memo.put(t.keys[c], ps[c].hash, slot);
       }
       sl[c] = slot;
       n_missed += slot == -1;
@@ -337,10 +321,9 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
   std::vector<int64_t> hits(T, 0), uniq(T, 0);
   std::vector<std::vector<int64_t>> firsts(T);  // alone: each table's first hits
   std::vector<int64_t> piece_misses(P, 0);
-  auto run = [&](int64_t p, std::vector<ProbeState>& st, KeyMemo& memo, bool uses) {
+  auto run = [&](int64_t p, std::vector<ProbeState>& st, bool uses) {
     const Piece& pc = pieces[p];
     const TableView& t = ts[pc.table];
-    memo.serve(pc.table);
     const int64_t h = std::max<int64_t>(1, t.hotness);
     int64_t* sl = slots[pc.table].data();
     const int64_t i0 = pc.begin * h, i1 = pc.end * h;
@@ -349,8 +332,8 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     int64_t& ht = uses ? hits[pc.table] : unused_h;
     std::vector<int64_t>& ft = uses ? firsts[pc.table] : unused_f;
     if (const int vecs = pooled_vecs(t)) {
-      piece_misses[p] = uses ? gather_piece<true, kFp32, true>(t, i0, i1, sl, st, memo, ht, ft)
-                             : gather_piece<false, kFp32, true>(t, i0, i1, sl, st, memo, ht, ft);
+      piece_misses[p] = uses ? gather_piece<true, kFp32, true>(t, i0, i1, sl, st, ht, ft)
+                             : gather_piece<false, kFp32, true>(t, i0, i1, sl, st, ht, ft);
       switch (vecs) {
         case 16: pool_bags<16>(t, i0, i1, sl); break;
         case 8: pool_bags<8>(t, i0, i1, sl); break;
@@ -360,8 +343,8 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
       return;
     }
 #define HPS_GATHER(F)                                                         \
-  piece_misses[p] = uses ? gather_piece<true, F>(t, i0, i1, sl, st, memo, ht, ft) \
-                         : gather_piece<false, F>(t, i0, i1, sl, st, memo, ht, ft); \
+  piece_misses[p] = uses ? gather_piece<true, F>(t, i0, i1, sl, st, ht, ft)   \
+                         : gather_piece<false, F>(t, i0, i1, sl, st, ht, ft); \
   break;
     switch (t.format) {
       case kFp32: HPS_GATHER(kFp32)
@@ -384,8 +367,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
       counted[i] = 1;
     }
     std::vector<ProbeState> st;
-    KeyMemo memo;
-    for (int64_t p = 0; p < P; ++p) run(p, st, memo, true);
+    for (int64_t p = 0; p < P; ++p) run(p, st, true);
     for (int64_t i = 0; i < T; ++i) uniq[i] = clear_marks(ts[i], firsts[i]);
   } else {
     // one run of pieces per thread, cut where the keys so far cross k × total / threads
@@ -400,9 +382,8 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     }
     at::parallel_for(0, threads, 1, [&](int64_t r0, int64_t r1) {
       std::vector<ProbeState> st;
-      KeyMemo memo;
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t p = cut[r]; p < cut[r + 1]; ++p) run(p, st, memo, false);
+        for (int64_t p = cut[r]; p < cut[r + 1]; ++p) run(p, st, false);
     });
     const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(threads, total / 4096));
     std::vector<int64_t> oh(owners * T, 0), ou(owners * T, 0);

@@ -30,6 +30,7 @@ log = logging.getLogger(__name__)
 
 LATENCY_WINDOW = 4096  # most recent lookups kept for p50/p99
 _TIER_NAMES = tuple(t.value for t in Tier)  # in Tier order (an enum's members are slow to walk)
+_CACHE = Tier.CACHE.value
 
 
 @dataclass
@@ -63,6 +64,17 @@ class TableStats:
         for tier, u, a in zip(_TIER_NAMES, uniq_counts, all_counts, strict=True):
             self.hits_unique[tier] += u
             self.hits_all[tier] += a
+
+    def add_cache_hits(self, uniq: int, all_: int, is_async: bool) -> None:
+        """:meth:`add_lookup` of a lookup whose keys were all cache hits: ``uniq`` distinct,
+        ``all_`` every occurrence (a fused call's tables without a miss, without building the
+        per-tier lists)."""
+        self.lookups += 1
+        self.keys_unique += uniq
+        self.keys_all += all_
+        self.async_batches += int(is_async)
+        self.hits_unique[_CACHE] += uniq
+        self.hits_all[_CACHE] += all_
 
     def to_dict(self) -> dict[str, object]:
         lat = self.latencies_s[~np.isnan(self.latencies_s)]
@@ -133,12 +145,20 @@ class SessionStats:
         with self._lock:
             self._stats[table].add_lookup(uniq_counts, all_counts, is_async)
 
-    def record_counts_many(self, lookups: Sequence[tuple[str, list[int], list[int], bool]]) -> None:
+    def record_counts_many(
+        self,
+        lookups: Sequence[tuple[str, list[int], list[int], bool]],
+        cache_hits: Sequence[tuple[str, int, int, bool]] = (),
+    ) -> None:
         """:meth:`record_counts` of several tables' lookups (``(table, uniq_counts, all_counts,
-        is_async)`` each) under one acquisition of the lock (a fused call's tables)."""
+        is_async)`` each) and of those whose keys were all cache hits (``(table, uniq, all,
+        is_async)`` each: the counts of :attr:`Tier.CACHE`) under one acquisition of the lock
+        (a fused call's tables)."""
         with self._lock:
             for table, uniq_counts, all_counts, is_async in lookups:
                 self._stats[table].add_lookup(uniq_counts, all_counts, is_async)
+            for table, uniq, all_, is_async in cache_hits:
+                self._stats[table].add_cache_hits(uniq, all_, is_async)
 
     def count_error(self, table: str, unavailable: bool) -> None:
         """A lookup of ``table`` raised (``unavailable``: a :class:`~hps.types.TierUnavailableError`)."""

@@ -204,7 +204,13 @@ def _run(
     try:
         for c in order:
             c._tick()
-        stamps = [c._clock % LRU_PERIOD if c.policy is CachePolicy.LRU else -1 for c in caches]
+        stamps, streams, looked_up, intervals = [], [], [], []
+        lru = CachePolicy.LRU
+        for c in caches:  # one walk over the caches for the pass's per-table arguments
+            stamps.append(c._clock % LRU_PERIOD if c.policy is lru else -1)
+            streams.append(c.lfu_stream())
+            looked_up.append(c._looked_up)
+            intervals.append(c.lfu_decay_interval)
         counters = _pass_counters(s, ts, caches)
         args = GatherArgs(
             caches=caches,
@@ -215,9 +221,9 @@ def _run(
             hotness=hot,
             mean=[p is Pooling.MEAN for p in pooling] if pooling is not None else [False] * len(ts),
             stamps=stamps,
-            streams=[c.lfu_stream() for c in caches],
-            looked_up=[c._looked_up for c in caches],
-            intervals=[c.lfu_decay_interval for c in caches],
+            streams=streams,
+            looked_up=looked_up,
+            intervals=intervals,
             key_counters=counters,
         )
         try:
@@ -283,13 +289,14 @@ def _serve_all_misses(
     all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
     # every served table's counts, recorded at the end under one statistics lock acquisition
     records: list[tuple[str, list[int], list[int], bool]] = []
+    all_hit: list[tuple[str, int, int, bool]] = []  # tables without a miss
     try:
         for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
             nm, hits, uniq_hits = row[0], row[1], row[2]
             if not nm:
                 if not counted[i] and s.key_stats is not None:
                     s._age_key_stats(t, c)
-                records.append((t.name, [uniq_hits, 0, 0, 0], [hits, 0, 0, 0], all_hit_async))
+                all_hit.append((t.name, uniq_hits, hits, all_hit_async))
                 continue
             epoch = s._age_key_stats(t, c)
             pos = res.misses[start : start + nm]
@@ -328,7 +335,7 @@ def _serve_all_misses(
                 )
             )
     finally:  # also when a later table's miss path raised: the tables served before it
-        s.statistics.record_counts_many(records)
+        s.statistics.record_counts_many(records, all_hit)
 
 
 class _KeyCounter(Protocol):

@@ -12,6 +12,7 @@ import torch
 from hps.fused import GatherArgs, gather
 from hps.kernels import load_extension
 from hps.key_counts import KeyCounts
+from hps.session_stats import SessionStats
 from hps.storage.cache import EmbeddingCache
 from hps.types import CachePolicy
 
@@ -118,3 +119,24 @@ def test_the_pass_counts_keys_only_when_one_thread_does_every_key_and_nothing_ag
         assert not counted and len(stats.hottest()) == 0  # split between two threads
     finally:
         torch.set_num_threads(threads)
+
+
+def test_cache_hit_records_equal_per_tier_records() -> None:
+    """A fused call's tables without a miss are recorded as ``(table, uniq, all, is_async)``
+    (:meth:`SessionStats.record_counts_many`'s ``cache_hits``): the same statistics as the
+    per-tier lists ``[uniq, 0, 0, 0]``, ``[all, 0, 0, 0]`` of :meth:`SessionStats.record_counts`."""
+    names = ["a", "b"]
+    fast, ref = SessionStats(names), SessionStats(names)
+    fast.record_counts_many([("b", [1, 2, 0, 3], [4, 5, 0, 6], False)], [("a", 7, 11, True)])
+    fast.record_counts_many([], [("a", 2, 3, False), ("b", 0, 0, False)])
+    ref.record_counts("b", [1, 2, 0, 3], [4, 5, 0, 6], False)
+    ref.record_counts("a", [7, 0, 0, 0], [11, 0, 0, 0], True)
+    ref.record_counts("a", [2, 0, 0, 0], [3, 0, 0, 0], False)
+    ref.record_counts("b", [0, 0, 0, 0], [0, 0, 0, 0], False)
+    assert fast.to_dict() == ref.to_dict()
+    assert fast.to_dict("a")["hits_all"] == {
+        "cache": 14,
+        "volatile": 0,
+        "persistent": 0,
+        "default": 0,
+    }

@@ -28,9 +28,9 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <mutex>
 #include <stdexcept>
 #include <string>
-#include <mutex>
 #include <utility>
 #include <vector>
 
@@ -176,7 +176,8 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
       n_missed += slot == -1;
     }
     if (i < i0) continue;
-    if (kUses && t.counter != nullptr && t.keys[i] >= 0) t.counter->add_hashed(t.keys[i], ps[i].hash, 1);
+    if (kUses && t.counter != nullptr && t.keys[i] >= 0)
+      t.counter->add_hashed(t.keys[i], ps[i].hash, 1);
     const int64_t slot = sl[i];  // stage 4: copy or add the row, use the slot
     if (!bags) {
       if (slot >= 0) {
@@ -216,6 +217,7 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
   return n_missed;
 }
 
+#if defined(__AVX__)
 // The bags of keys [i0, i1) (whole bags) of an FP32 table of dim 8 × kVecs, pooled from their
 // slots sl (-1 miss, -2 padding) after gather_piece<.., kProbeOnly> found them: each bag summed
 // in kVecs AVX registers key by key in request order from +0.0 (so the sum equals
@@ -248,12 +250,19 @@ void pool_bags(const TableView& t, int64_t i0, int64_t i1, const int64_t* sl) {
     for (int r = 0; r < kVecs; ++r) _mm256_storeu_ps(dst + 8 * r, acc[r]);
   }
 }
+#endif
 
 // The AVX registers a bag of an FP32 table of dim `dim` is pooled in (pool_bags), 0: none
 // (dims other than 16, 32, 64, 128 take gather_piece's row-by-row path).
+// Without AVX every table takes the row-by-row path.
 inline int pooled_vecs(const TableView& t) {
+#if defined(__AVX__)
   if (t.hotness <= 0 || t.format != kFp32) return 0;
   return t.dim == 128 || t.dim == 64 || t.dim == 32 || t.dim == 16 ? static_cast<int>(t.dim / 8) : 0;
+#else
+  (void)t;
+  return 0;
+#endif
 }
 
 // The owner of a slot: a multiplicative hash of the slot scaled to [0, owners) (a multiply,
@@ -331,6 +340,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     std::vector<int64_t> unused_f;
     int64_t& ht = uses ? hits[pc.table] : unused_h;
     std::vector<int64_t>& ft = uses ? firsts[pc.table] : unused_f;
+#if defined(__AVX__)
     if (const int vecs = pooled_vecs(t)) {
       piece_misses[p] = uses ? gather_piece<true, kFp32, true>(t, i0, i1, sl, st, ht, ft)
                              : gather_piece<false, kFp32, true>(t, i0, i1, sl, st, ht, ft);
@@ -342,6 +352,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
       }
       return;
     }
+#endif
 #define HPS_GATHER(F)                                                         \
   piece_misses[p] = uses ? gather_piece<true, F>(t, i0, i1, sl, st, ht, ft)   \
                          : gather_piece<false, F>(t, i0, i1, sl, st, ht, ft); \
@@ -551,12 +562,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("count_keys", &count_keys, "count every table's keys into its KeyCounter",
         pybind11::call_guard<pybind11::gil_scoped_release>());
+  // every KeyCounter call takes the counter's mutex, which a fused pass holds for the pass:
+  // waiting for it must not hold the GIL
+  using Release = pybind11::call_guard<pybind11::gil_scoped_release>;
   pybind11::class_<KeyCounter>(m, "KeyCounter")
       .def(pybind11::init<>())
-      .def("update", &KeyCounter::update, pybind11::call_guard<pybind11::gil_scoped_release>())
-      .def("count_of", &KeyCounter::count_of)
-      .def("halve", &KeyCounter::halve)
-      .def("items", &KeyCounter::items)
-      .def("assign", &KeyCounter::assign)
-      .def("size", &KeyCounter::size);
+      .def("update", &KeyCounter::update, Release())
+      .def("count_of", &KeyCounter::count_of, Release())
+      .def("halve", &KeyCounter::halve, Release())
+      .def("items", &KeyCounter::items, Release())
+      .def("assign", &KeyCounter::assign, Release())
+      .def("size", &KeyCounter::size, Release());
 }

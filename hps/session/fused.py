@@ -239,7 +239,20 @@ def _run(
         for c in reversed(order):
             c._lock.release()
     counted = res.counted or (False,) * len(ts)
-    _serve_all_misses(s, ts, flat, caches, res, per, buf, offsets, hot, pooling, failed, counted)
+    try:
+        _serve_all_misses(
+            s, ts, flat, caches, res, per, buf, offsets, hot, pooling, failed, counted
+        )
+    except Exception:
+        # a call whose miss path raised counts its keys as one that succeeded, on both paths
+        # (the compiled pass may already hold them): the tables the miss path did not reach
+        # are aged first, as it would have
+        if s.key_stats is not None:
+            for i, (t, c) in enumerate(zip(ts, caches, strict=True)):
+                if not counted[i]:
+                    s._age_key_stats(t, c)
+        _count_keys(s, ts, flat, per, counted)
+        raise
     _count_keys(s, ts, flat, per, counted)
 
 

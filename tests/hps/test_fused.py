@@ -236,6 +236,27 @@ def test_a_failed_tier_is_refused_never_defaulted() -> None:
     assert s.stats("t")["unavailable"] == 1
 
 
+def test_a_failed_call_leaves_the_same_key_statistics_on_both_paths() -> None:
+    """The miss path of the first table raises: both paths count every table's keys (the
+    compiled pass counted them in the pass), totals included, as for a call that succeeded."""
+    _needs_ext()
+    stats = []
+    for compiled in (True, False):
+        v = _Failing(num_partitions=1)
+        for n in ("t", "u"):
+            v.create_table(n, 2)
+            v.insert(n, np.arange(200, dtype=np.int64), np.ones((200, 2), np.float32))
+        ts = [SessionTable(n, 2, DEFAULT, 1000, EmbeddingCache(32, 2, ways=8)) for n in "tu"]
+        s = LookupSession(ts, v, None, hit_rate_threshold=1.0, compiled=compiled)
+        with pytest.raises(TierUnavailableError):
+            s.lookup_pooled(["t", "u"], [torch.tensor([[1, 150]]), torch.tensor([[7, -1]])])
+        assert s.key_stats is not None
+        stats.append(
+            [(k.hottest().tolist(), k.counts().tolist(), k.total) for k in s.key_stats.values()]
+        )
+    assert stats[0] == stats[1] == [([1, 150], [1, 1], 2), ([7], [1], 1)]
+
+
 def _pool_in_order(rows: torch.Tensor, valid: torch.Tensor, mean: bool) -> torch.Tensor:
     """``(B, w, d)`` rows pooled key by key in bag order (padding skipped), as specified."""
     acc = torch.zeros(rows.shape[0], rows.shape[2])

@@ -298,6 +298,12 @@ class DynamicBatcher:
             self._arriving -= 1
             self._cond.notify()  # the batch waiting for it may close now
 
+    @property
+    def known_clients(self) -> int:
+        """How many clients (connections) are remembered for ``preferred_batch_size``."""
+        with self._cond:
+            return len(self._clients)
+
     def forget(self, client: Hashable) -> None:
         """``client``'s connection closed: it sends no more requests, so no batch waits for
         it (the HTTP server calls this when a connection is lost)."""

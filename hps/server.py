@@ -71,14 +71,16 @@ class ServerKnobs:
     preferred_batch_size: int = knob(
         _DEFAULTS.preferred_batch_size,
         "dynamic batching: a smaller batch waits (at most --max-queue-delay-us) until it holds "
-        "this many samples, as Triton's preferred_batch_size (0: a batch runs as soon as "
+        "this many samples, as Triton's preferred_batch_size, or as many requests as the "
+        "clients still sending can have in flight at once (0: a batch runs as soon as "
         "nothing more is waiting or being read; capped at each model's batch size)",
         parse=int,
     )
     model_batching: tuple[str, ...] = knob(
         (),
-        "dynamic batching of single models, MODEL:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US each, "
-        "overriding the two knobs above",
+        "dynamic batching of single models, "
+        "MODEL:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US[:PREFERRED_BATCH_SIZE] each, overriding "
+        "the server's knobs (without PREFERRED_BATCH_SIZE: the server's)",
     )
     max_connections: int = knob(
         _DEFAULTS.max_connections,

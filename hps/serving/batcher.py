@@ -11,10 +11,9 @@ more is waiting and no announced request is still being read, since waiting coul
 it then (a lone request runs at once, as Triton's batcher dispatches when its queue cannot
 grow); or when ``max_queue_delay_us`` has passed since its oldest request arrived. With a
 ``preferred_batch_size`` (Triton's knob) a smaller batch waits for more requests, announced
-or not, until it holds that many samples, or as many requests as its known clients (the
-connections that sent requests in the last second) can have in flight at once, or the delay
-has passed. Requests
-that queue while an execution runs form the next batch whatever the delay::
+or not, until it holds that many samples, or as many requests as its known clients
+(:mod:`hps.serving.known_clients`) can have in flight at once, or the delay has passed.
+Requests that queue while an execution runs form the next batch whatever the delay::
 
     arrivals     r1 (B=16)  r2 (B=16)      r3 (B=250)
     queue        [r1, r2] ─────────────── r3 waits: 16 + 16 + 250 > max_batch_size 256
@@ -39,7 +38,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Hashable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 from typing import Any
@@ -47,6 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from hps.serving.known_clients import KNOWN_CLIENT_NS, KnownClients
 from hps.serving.servable import CheckedInputs, DLRMServable, Tensors, check_outputs_finite
 from hps.serving.statistics import ModelCounts
 
@@ -58,13 +58,12 @@ __all__ = [
     "BatchedResult",
     "BatchingConfig",
     "DynamicBatcher",
+    "KNOWN_CLIENT_NS",
     "merge_requests",
 ]
 
 #: The longest queue delay a server accepts: 1 s (Triton's defaults are 0 to a few ms).
 MAX_QUEUE_DELAY_US = 1_000_000
-#: A client (connection) that sent no request for this long is no longer waited for.
-KNOWN_CLIENT_NS = 1_000_000_000
 
 
 @dataclass(frozen=True)
@@ -83,9 +82,12 @@ class BatchingConfig:
             fewer samples waits for more (announced or not, at most ``max_queue_delay_us``
             since its oldest request) and closes as soon as it holds this many; at most
             ``max_batch_size``; or as soon as it holds as many requests as the known clients
-            can send at once (per connection that sent a request in the last second,
-            :data:`KNOWN_CLIENT_NS`, the most requests it had in flight at once), since then
-            no more can come: a lone client never waits, and closed-loop clients that all
+            can send at once, since then no more can come. A client (connection) is known
+            while it has a request in flight or for :data:`KNOWN_CLIENT_NS` after its last
+            request or answer, unless its connection closed (HTTP); it counts as the most
+            requests it had in flight at once over the last one to two seconds
+            (:mod:`hps.serving.known_clients`). So a lone client does not wait (also one
+            that opens a connection per request over HTTP), and closed-loop clients that all
             come back within the delay share one execution.
 
     Raises:
@@ -209,6 +211,7 @@ class DynamicBatcher:
             ops; on a busy host each parallel one waits for descheduled helper threads (tiny
             model, batch 16, 2 cores under load: 1.3 s per execution with 2 threads, 60 ms
             with 1), so 1 is the default.
+        clock: the nanosecond clock of queue times and known clients (tests inject one).
 
     Raises:
         ValueError: ``cfg.max_batch_size`` above the model's ``max_batch_size``.
@@ -220,6 +223,7 @@ class DynamicBatcher:
         cfg: BatchingConfig,
         counts: ModelCounts,
         torch_threads: int = 1,
+        clock: Callable[[], int] = time.perf_counter_ns,
     ) -> None:
         if cfg.max_batch_size > servable.max_batch_size:
             raise ValueError(
@@ -230,8 +234,8 @@ class DynamicBatcher:
         self.servable, self.cfg, self.counts = servable, cfg, counts
         self._queue: deque[_Pending] = deque()
         self._arriving = 0  # announced requests not yet submitted (Arrival)
-        # client → [its requests in flight, the most it had at once, when it last sent (ns)]
-        self._clients: dict[Hashable, list[int]] = {}
+        self._clients = KnownClients()  # for preferred_batch_size
+        self._clock = clock
         self._cond = threading.Condition()
         self._closed = False
         self._torch_threads = torch_threads
@@ -275,17 +279,16 @@ class DynamicBatcher:
         self, inputs: CheckedInputs, arrived: bool, client: Hashable | None
     ) -> Future[BatchedResult]:
         fut: Future[BatchedResult] = Future()
-        now = time.perf_counter_ns()
-        item = _Pending(inputs, int(inputs["dense"].shape[0]), now, fut, client)
         with self._cond:
+            now = self._clock()
             if arrived:
                 self._arriving -= 1
             self._check_open()
-            if client is not None and self.cfg.preferred_batch_size:
-                entry = self._clients.setdefault(client, [0, 0, now])
-                entry[0] += 1
-                entry[1] = max(entry[1], entry[0])
-                entry[2] = now
+            if self.cfg.preferred_batch_size:
+                self._clients.sweep(now)  # also when no batch asks (full, or client unknown)
+                if client is not None:
+                    self._clients.sent(client, now)
+            item = _Pending(inputs, int(inputs["dense"].shape[0]), now, fut, client)
             self._queue.append(item)
             self._cond.notify()
         return fut
@@ -293,6 +296,19 @@ class DynamicBatcher:
     def _withdraw(self) -> None:
         with self._cond:
             self._arriving -= 1
+            self._cond.notify()  # the batch waiting for it may close now
+
+    @property
+    def known_clients(self) -> int:
+        """How many clients (connections) are remembered for ``preferred_batch_size``."""
+        with self._cond:
+            return len(self._clients)
+
+    def forget(self, client: Hashable) -> None:
+        """``client``'s connection closed: it sends no more requests, so no batch waits for
+        it (the HTTP server calls this when a connection is lost)."""
+        with self._cond:
+            self._clients.forget(client)
             self._cond.notify()  # the batch waiting for it may close now
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -309,7 +325,12 @@ class DynamicBatcher:
             batch = self._next_batch()
             if batch is None:
                 return
-            self._execute(batch)
+            # a request whose future was cancelled (its caller went away) is not run
+            live = [p for p in batch if p.future.set_running_or_notify_cancel()]
+            if len(live) < len(batch):
+                self._release([p for p in batch if p.future.cancelled()])
+            if live:
+                self._execute(live)
 
     def _next_batch(self) -> list[_Pending] | None:
         """The requests of the next execution (``None``: closed and drained)."""
@@ -336,7 +357,7 @@ class DynamicBatcher:
                         break  # preferred size reached, or no one else is known to send
                 elif not self._arriving or self._closed:
                     break  # nothing is on its way: waiting cannot grow this batch
-                wait_ns = deadline - time.perf_counter_ns()
+                wait_ns = deadline - self._clock()
                 if wait_ns <= 0:
                     break
                 self._cond.wait(wait_ns / 1e9)
@@ -344,32 +365,26 @@ class DynamicBatcher:
 
     def _all_clients_in(self, batch: list[_Pending]) -> bool:
         """Whether ``batch`` (every request's client known) holds as many requests as the
-        known clients can send at once: the sum, over each client that sent a request within
-        :data:`KNOWN_CLIENT_NS`, of the most requests it had in flight at once (one connection
-        may carry several callers); forgets the clients older than that. Called with the
-        lock held."""
+        known clients can send at once (:meth:`KnownClients.capacity`; one connection may
+        carry several callers). Called with the lock held."""
         if any(p.client is None for p in batch):
             return False
-        oldest = time.perf_counter_ns() - KNOWN_CLIENT_NS
-        gone = [c for c, e in self._clients.items() if e[2] < oldest and not e[0]]
-        for c in gone:
-            del self._clients[c]
-        return len(batch) >= sum(e[1] for e in self._clients.values())
+        return len(batch) >= self._clients.capacity(self._clock())
 
     def _release(self, batch: list[_Pending]) -> None:
         """The requests of ``batch`` are answered: their clients have fewer in flight."""
         if not self.cfg.preferred_batch_size:
             return
         with self._cond:
+            now = self._clock()
             for p in batch:
-                entry = self._clients.get(p.client) if p.client is not None else None
-                if entry is not None:
-                    entry[0] -= 1
+                if p.client is not None:
+                    self._clients.answered(p.client, now)
 
     def _execute(self, batch: list[_Pending]) -> None:
         """Run ``batch`` as one execution and resolve each request's future; a failed merged
         execution is retried request by request."""
-        start = time.perf_counter_ns()
+        start = self._clock()
         try:
             merged = merge_requests(self.servable, [p.inputs for p in batch])
             outputs = self.servable.infer(merged)
@@ -387,7 +402,7 @@ class DynamicBatcher:
             for p in batch:
                 self._execute([p])
             return
-        infer_ns = time.perf_counter_ns() - start
+        infer_ns = self._clock() - start
         size = sum(p.samples for p in batch)
         self.counts.executed(size, infer_ns)
         self._release(batch)

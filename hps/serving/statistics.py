@@ -15,15 +15,17 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
+
+import numpy as np
 
 from hps.serving.v2_protocol import MODEL_VERSION
 
 __all__ = ["RECENT_REQUESTS", "ModelCounts", "PhaseNs"]
 
-#: Successful requests whose latencies :class:`ModelCounts` keeps (the latest; for percentiles).
+#: Successful requests whose latencies :class:`ModelCounts` keeps (the latest; for percentiles),
+#: in a ring of two int64 per request: 1 MiB per model.
 RECENT_REQUESTS = 65536
 
 
@@ -55,8 +57,11 @@ class ModelCounts:
     executions: int = 0
     batch_ns: dict[int, list[int]] = field(default_factory=dict)  # size → [count, infer ns]
     non_finite: int = 0
-    # the latest successful requests' (whole request ns, queue + compute_infer ns), in order
-    recent: deque[tuple[int, int]] = field(default_factory=lambda: deque(maxlen=RECENT_REQUESTS))
+    # ring of the latest successful requests' (whole request ns, queue + compute_infer ns):
+    # request k (counting successes from 0) is row k % RECENT_REQUESTS
+    recent: np.ndarray = field(
+        default_factory=lambda: np.zeros((RECENT_REQUESTS, 2), np.int64), repr=False, compare=False
+    )
     lock: threading.Lock = field(default_factory=threading.Lock)
 
     def succeeded(self, ns: int, samples: int, phases: PhaseNs) -> None:
@@ -64,7 +69,10 @@ class ModelCounts:
             self.success, self.success_ns = self.success + 1, self.success_ns + ns
             self.samples += samples
             self.phase_ns.add(phases)
-            self.recent.append((ns, phases.queue + phases.compute_infer))
+            self.recent[(self.success - 1) % RECENT_REQUESTS] = (
+                ns,
+                phases.queue + phases.compute_infer,
+            )
             self.last_ms = int(time.time() * 1e3)
 
     def failed(self, ns: int, non_finite: bool = False) -> None:
@@ -85,9 +93,11 @@ class ModelCounts:
         """The latest ``n`` successful requests (at most :data:`RECENT_REQUESTS`), oldest
         first: (ns from the request's start to its answer encoded, ns in the batcher: queue +
         its execution)."""
-        with self.lock:
-            k = min(n, len(self.recent))
-            return list(self.recent)[len(self.recent) - k :] if k else []
+        with self.lock:  # copies only the n rows asked for
+            k = max(0, min(n, self.success, RECENT_REQUESTS))
+            rows = np.arange(self.success - k, self.success) % RECENT_REQUESTS
+            latest = self.recent[rows].tolist()
+        return [(a, b) for a, b in latest]
 
     def to_dict(self, name: str) -> dict[str, Any]:
         """The model's entry of Triton's statistics document."""

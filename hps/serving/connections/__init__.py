@@ -51,7 +51,9 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import logging
+from collections.abc import Callable
 from enum import StrEnum
+from typing import Any
 
 from hps.serving.connections.guard import ConnectionGuard, ConnectionLimits
 from hps.serving.connections.h11_protocol import DeadlineH11Protocol
@@ -120,15 +122,20 @@ def pick_loop(choice: EventLoop) -> EventLoop:
     return EventLoop.ASYNCIO
 
 
-def protocol_class(limits: ConnectionLimits, parser: HttpParser) -> type[asyncio.Protocol]:
+def protocol_class(
+    limits: ConnectionLimits,
+    parser: HttpParser,
+    on_lost: Callable[[Any], None] | None = None,
+) -> type[asyncio.Protocol]:
     """The protocol class of one server (uvicorn makes one object per connection from the
     class given as ``uvicorn.Config(http=...)``): a subclass of the deadline protocol of
     ``pick_parser(parser)`` (:class:`DeadlineH11Protocol` or ``DeadlineHttpToolsProtocol``)
-    holding ``limits``."""
+    holding ``limits``; ``on_lost``, if given, is called with the ``(host, port)`` of each
+    connection that closes (on the event loop: it must not block)."""
     if pick_parser(parser) is HttpParser.HTTPTOOLS:
         from hps.serving.connections.httptools_protocol import DeadlineHttpToolsProtocol
 
         base: type[asyncio.Protocol] = DeadlineHttpToolsProtocol
     else:
         base = DeadlineH11Protocol
-    return type(base.__name__, (base,), {"limits": limits})
+    return type(base.__name__, (base,), {"limits": limits, "on_lost": on_lost})

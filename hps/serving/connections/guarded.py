@@ -5,6 +5,7 @@ bases so its ``super()`` calls reach uvicorn's methods."""
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 from hps.serving.connections.guard import ConnectionGuard, ConnectionLimits
@@ -14,13 +15,15 @@ __all__ = ["GuardedProtocol"]
 
 class GuardedProtocol(asyncio.Protocol):
     """Receipt deadlines and the connection bound of ``limits`` (a subclass per server sets it:
-    :func:`~hps.serving.connections.protocol_class`), each response sent in one write.
+    :func:`~hps.serving.connections.protocol_class`), each response sent in one write;
+    ``on_lost`` (if set) is told the ``(host, port)`` of each connection that closes.
 
     Reads what uvicorn's protocols keep: ``loop``, ``client``, ``connections`` (the server's
     open connections), ``cycle`` (the request being answered, or None) and ``transport``.
     """
 
     limits: ClassVar[ConnectionLimits]
+    on_lost: ClassVar[Callable[[Any], None] | None] = None
     loop: asyncio.AbstractEventLoop
     client: Any
     connections: set[Any]
@@ -53,6 +56,9 @@ class GuardedProtocol(asyncio.Protocol):
         if self._guard is not None:
             self._guard.lost()
         super().connection_lost(exc)
+        on_lost = type(self).on_lost  # via the class: a plain function, not a bound method
+        if on_lost is not None and self.client is not None:
+            on_lost(self.client)
 
     def _follow_request(self) -> None:
         c = self.cycle

@@ -38,23 +38,29 @@ def available_cores() -> int:
 @dataclass(frozen=True)
 class ModelBatching:
     """Dynamic batching knobs of one model, overriding the server's (``--model-batching
-    NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US``); see :class:`~hps.serving.batcher.BatchingConfig`."""
+    NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US[:PREFERRED_BATCH_SIZE]``); see
+    :class:`~hps.serving.batcher.BatchingConfig`. ``preferred_batch_size`` ``None``: the
+    server's."""
 
     model: str
     max_batch_size: int
     max_queue_delay_us: int
+    preferred_batch_size: int | None = None
 
     @classmethod
     def parse(cls, text: str) -> ModelBatching:
-        """``"NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US"`` (``ValueError`` naming the text)."""
-        name, _, rest = text.rpartition(":")
-        name, _, size = name.rpartition(":")
+        """``"NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US[:PREFERRED_BATCH_SIZE]"`` (model names
+        hold no ``:``; ``ValueError`` naming the text)."""
+        name, *numbers = text.split(":")
         try:
-            return cls(name, int(size), int(rest))
+            if len(numbers) not in (2, 3):
+                raise ValueError
+            size, delay, *preferred = (int(n) for n in numbers)
+            return cls(name, size, delay, preferred[0] if preferred else None)
         except ValueError:
             raise ValueError(
-                f"model batching {text!r} is not NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US "
-                "(two integers)"
+                f"model batching {text!r} is not NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US"
+                "[:PREFERRED_BATCH_SIZE] (two or three integers)"
             ) from None
 
 
@@ -89,7 +95,7 @@ class ServerConfig:
     # 0: a batch closes when nothing more is waiting or announced; else it waits (at most the
     # delay) until it holds this many samples (Triton's preferred_batch_size; every model)
     preferred_batch_size: int = 0
-    model_batching: tuple[ModelBatching, ...] = ()  # per-model overrides of the two above
+    model_batching: tuple[ModelBatching, ...] = ()  # per-model overrides of the three above
     max_connections: int = 512  # open connections; past it a new one gets 503 and is closed
     header_timeout_s: float = 10.0  # connect (or last response) → request headers complete
     body_timeout_s: float = 60.0  # request headers complete → body complete
@@ -160,11 +166,14 @@ class ServerConfig:
             ValueError: a batch size above the model's ``max_batch_size`` (naming both).
         """
         size, delay = self.max_batch_size, self.max_queue_delay_us
+        preferred = self.preferred_batch_size
         for m in self.model_batching:
             if m.model == servable.name:
                 size, delay = m.max_batch_size, m.max_queue_delay_us
+                if m.preferred_batch_size is not None:
+                    preferred = m.preferred_batch_size
         size = size or servable.max_batch_size
-        preferred = min(self.preferred_batch_size, size)
+        preferred = min(preferred, size)
         if size > servable.max_batch_size:
             raise ValueError(
                 f"model {servable.name!r}: batching max_batch_size {size} exceeds the model's "

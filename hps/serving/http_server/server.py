@@ -95,7 +95,9 @@ class InferenceServer:
         #: the HTTP parser and event loop in use (``cfg``'s, resolved: :func:`pick_parser`)
         self.http_parser: HttpParser = pick_parser(self.cfg.http)
         self.event_loop: EventLoop = pick_loop(self.cfg.loop)
-        self.http_protocol = protocol_class(self.cfg.limits(), self.http_parser)
+        self.http_protocol = protocol_class(
+            self.cfg.limits(), self.http_parser, on_lost=self._connection_lost
+        )
         self._uv = uvicorn.Server(
             uvicorn.Config(
                 create_app(self.servables, self.cfg, self.counts, self.batchers),
@@ -107,6 +109,11 @@ class InferenceServer:
         )
         self._thread: threading.Thread | None = None
         self._saved_switch: float | None = None  # the switch interval before start()
+
+    def _connection_lost(self, peer: tuple[str, int]) -> None:
+        """An HTTP connection closed: no batch waits for its next request any more."""
+        for b in self.batchers.values():
+            b.forget(peer)
 
     def _close_batchers(self) -> None:
         for b in self.batchers.values():

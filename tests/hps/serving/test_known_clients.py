@@ -1,0 +1,225 @@
+"""The known clients of a preferred batch (:mod:`hps.serving.known_clients`): bounded,
+forgotten when silent or when their HTTP connection closes, peaks that decay; and a
+cancelled request that does not stop its batcher. Batcher-level tests run on a fake servable
+and an injected clock that only the test moves (a batch that would wait for the delay waits
+for ever, so a result that arrives proves no wait); one test serves the tiny model over
+loopback HTTP and gRPC."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tg
+import tritonclient.http as th
+
+from hps.parameter_server import HierarchicalParameterServer
+from hps.serving import known_clients
+from hps.serving.batcher import BatchingConfig, DynamicBatcher
+from hps.serving.http_server import InferenceServer, ServerConfig
+from hps.serving.known_clients import KNOWN_CLIENT_NS, KnownClients
+from hps.serving.statistics import ModelCounts
+from tests.hps.serving.test_batching import grpc_inputs
+from tests.hps.serving.tiny_dlrm import make_request, triton_inputs
+
+RESULT_S = 30  # a request that waits for a delay the fake clock never reaches times out
+
+
+class FakeServable:
+    """Echoes ``dense[:, 0]``; fails merged executions if ``fail_merged``; blocks while
+    ``gate`` is clear."""
+
+    name = "fake"
+    id_inputs: tuple[str, ...] = ()
+    max_batch_size = 1024
+
+    def __init__(self, fail_merged: bool = False) -> None:
+        self.fail_merged = fail_merged
+        self.gate = threading.Event()
+        self.gate.set()
+        self.sizes: list[int] = []
+
+    def infer(self, x):
+        self.gate.wait(RESULT_S)
+        n = x["dense"].shape[0]
+        self.sizes.append(n)
+        if self.fail_merged and n > 1:
+            raise RuntimeError("merged execution fails")
+        return {"logits": x["dense"][:, 0].copy()}
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.ns = 10**12
+
+    def __call__(self) -> int:
+        return self.ns
+
+
+def req(n: int = 1, value: float = 1.0):
+    return {"dense": np.full((n, 4), value, np.float32)}
+
+
+def batcher(cfg: BatchingConfig, servable: FakeServable | None = None, clock=None):
+    return DynamicBatcher(servable or FakeServable(), cfg, ModelCounts(), clock=clock or Clock())
+
+
+def test_known_clients_do_not_grow_with_the_connections_served(monkeypatch) -> None:
+    """One-shot connections whose batches fill up (never asking who is known) or hold a
+    request of no known client: the map stays bounded, and empties once they are silent."""
+    monkeypatch.setattr(known_clients, "MAX_KNOWN_CLIENTS", 16)
+    clock = Clock()
+    b = batcher(BatchingConfig(4, 1000, preferred_batch_size=4), clock=clock)
+    try:
+        for port in range(100):  # full batches: max_batch_size reached
+            b.submit(req(4), client=("10.0.0.1", port)).result(RESULT_S)
+            clock.ns += 1000
+        assert b.known_clients <= 16
+        clock.ns += KNOWN_CLIENT_NS + 1
+        b.submit(req(4), client=None).result(RESULT_S)
+        assert b.known_clients == 0
+    finally:
+        b.close()
+
+
+def test_known_clients_capacity_is_the_sum_of_decaying_peaks() -> None:
+    """A burst of 4 in flight on one connection, then one request at a time: it counts as 4
+    for the current window and the next, then as 1 (the peak decays while it stays active);
+    a closed connection counts no more once its requests are answered."""
+    k, t = KnownClients(), 0
+    for _ in range(4):
+        k.sent("ch", t)
+    assert k.capacity(t) == 4
+    for _ in range(4):
+        k.answered("ch", t)
+    caps = []
+    while t < 3 * KNOWN_CLIENT_NS:
+        t += KNOWN_CLIENT_NS // 10
+        k.sent("ch", t)
+        caps.append((t, k.capacity(t)))
+        k.answered("ch", t)
+    assert all(c == 4 for s, c in caps if s < KNOWN_CLIENT_NS)
+    assert all(c == 1 for s, c in caps if s >= 2.5 * KNOWN_CLIENT_NS)
+    k.sent("other", t)
+    k.forget("other")  # closed with a request in flight: still counted until answered
+    assert k.capacity(t) == 2
+    k.answered("other", t)
+    assert k.capacity(t) == 1 and len(k) == 1
+
+
+def test_a_sequential_client_with_a_new_connection_per_request_never_waits() -> None:
+    """The event sequence of curl in a loop: request, answer, connection closed, next request
+    on a new port. With a 1 s delay and a clock that never reaches it, each request runs at
+    once; one whose previous connection is still open waits until its close is seen."""
+    b = batcher(BatchingConfig(64, 10**6, preferred_batch_size=8))
+    try:
+        for port in range(4):
+            client = ("127.0.0.1", 40000 + port)
+            assert b.submit(req(), client=client).result(RESULT_S).batch_size == 1
+            b.forget(client)
+        assert b.known_clients == 0
+        old, new = ("127.0.0.1", 50000), ("127.0.0.1", 50001)
+        b.submit(req(), client=old).result(RESULT_S)
+        waiting = b.submit(req(), client=new)  # `old` is still known: the batch waits
+        assert not waiting.done()
+        b.forget(old)
+        assert waiting.result(RESULT_S).batch_size == 1
+    finally:
+        b.close()
+
+
+def test_a_failed_merged_execution_releases_each_clients_requests() -> None:
+    """A merged execution of clients a and b fails, each request runs again alone: both are
+    answered, and nothing stays in flight (closing their connections forgets them)."""
+    servable = FakeServable(fail_merged=True)
+    b = batcher(BatchingConfig(64, 10**6, preferred_batch_size=2), servable)
+    try:
+        fa = b.submit(req(value=1.0), client="a")
+        fb = b.submit(req(value=2.0), client="b")
+        got = [float(f.result(RESULT_S).outputs["logits"][0]) for f in (fa, fb)]
+        assert 2 in servable.sizes  # they were merged once
+        b.forget("a")
+        b.forget("b")
+        assert b.known_clients == 0
+    finally:
+        b.close()
+    assert got == [1.0, 2.0]
+
+
+def test_a_cancelled_request_is_skipped_and_the_batcher_keeps_serving() -> None:
+    servable = FakeServable()
+    servable.gate.clear()
+    b = batcher(BatchingConfig(64, 0, preferred_batch_size=8), servable)
+    try:
+        running = b.submit(req(value=1.0), client="a")
+        while not servable.sizes and not running.running():
+            threading.Event().wait(0.001)  # until the inference thread took it
+        queued = b.submit(req(value=2.0), client="b")
+        assert queued.cancel()
+        servable.gate.set()
+        assert float(running.result(RESULT_S).outputs["logits"][0]) == 1.0
+        later = b.submit(req(value=3.0), client="a")
+        assert float(later.result(RESULT_S).outputs["logits"][0]) == 3.0
+    finally:
+        b.close()
+    assert servable.sizes == [1, 1]  # the cancelled request never ran
+
+
+@pytest.fixture(scope="module")
+def served(tiny_artifacts: Path) -> Iterator[InferenceServer]:
+    """HTTP and gRPC, preferred batches of 8 that may wait 1 s."""
+    ps = HierarchicalParameterServer.from_config(tiny_artifacts / "ps.json")
+    cfg = ServerConfig(port=0, grpc_port=0, max_queue_delay_us=10**6, preferred_batch_size=8)
+    srv = InferenceServer(ps, cfg).start()
+    try:
+        yield srv
+    finally:
+        srv.stop()
+        ps.close()
+
+
+def test_servers_name_each_connection_and_forget_closed_http_ones(
+    served, tiny, monkeypatch
+) -> None:
+    """HTTP hands the batcher each connection's (host, port), gRPC ``context.peer()``. A
+    sequential HTTP client on a new connection per request never waits for the 1 s delay
+    (a request that waited it shows queue ≥ 1 s), and its closed connections are forgotten."""
+    b = served.batchers["tiny"]
+    seen: list[object] = []
+    real = b.arrival
+
+    def spy(client=None):
+        seen.append(client)
+        return real(client)
+
+    monkeypatch.setattr(b, "arrival", spy)
+    counts = served.counts["tiny"]
+    r = make_request(tiny, 2, seed=90)
+    queue_ns = []
+    for _ in range(3):
+        before = counts.phase_ns.queue
+        c = th.InferenceServerClient(served.address)
+        c.infer("tiny", triton_inputs(r))
+        c.close()
+        queue_ns.append(counts.phase_ns.queue - before)
+    assert all(q < 10**9 for q in queue_ns), queue_ns
+    assert all(
+        isinstance(p, tuple) and p[0] == "127.0.0.1" and isinstance(p[1], int) for p in seen
+    ), seen
+    assert len(set(seen)) == 3  # a new connection each
+    for _ in range(100):  # the last close reaches the server's event loop
+        if b.known_clients == 0:
+            break
+        threading.Event().wait(0.05)
+    assert b.known_clients == 0
+
+    seen.clear()
+    g = tg.InferenceServerClient(str(served.grpc_address))
+    for _ in range(2):
+        g.infer("tiny", grpc_inputs(r))
+    g.close()
+    assert len(seen) == 2 and seen[0] == seen[1], seen
+    assert isinstance(seen[0], str) and seen[0].startswith("ipv4:127.0.0.1:"), seen

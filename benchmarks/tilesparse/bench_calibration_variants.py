@@ -41,6 +41,7 @@ from torch import nn
 import tilesparse
 from benchmarks.meta import RESULTS_DIR, write_json
 from benchmarks.tilesparse.bench_calibration import evaluate as evaluate_pairs
+from benchmarks.tilesparse.bench_oneshot_distill import distill
 from benchmarks.tilesparse.calibration_methods import (
     TILE,
     Calib,
@@ -190,60 +191,6 @@ def prune_variant(base: Any, v: Variant, sparsity: float) -> tuple[Any, Masks, d
                 m, g, targets[i], v.damping, block=v.block, per_output=v.per_output
             )
     return model, masks, info
-
-
-def distill(
-    student: Any, teacher: Any, masks: Masks, sentences: list[str], steps: int, lr: float
-) -> list[float]:
-    """``steps`` Adam steps (batches of 16 of ``sentences``, ``lr`` after 20 warm-up steps,
-    falling linearly to 0) of the pruned FFN linears' kept weights and biases toward the
-    dense teacher: ``1 - cos`` of the sentence embeddings (mean-pooled, normalised) plus the
-    last hidden states' relative squared error over real tokens. Both models in eval mode
-    (no dropout: the teacher's targets are deterministic, the student's gradients are not
-    noised); pruned weights get zero gradients and stay exactly zero. Returns the losses."""
-    params = [p for m in masks for p in m.parameters()]
-    saved = [(p, p.requires_grad) for p in student.parameters()]
-    for p, _ in saved:
-        p.requires_grad_(False)
-    for p in params:
-        p.requires_grad_(True)
-    hooks = [m.weight.register_hook(lambda g, mk=mk: g * mk) for m, mk in masks.items()]
-    opt = torch.optim.Adam(params, lr=lr)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda i: min(1.0, (i + 1) / 20) * max(0.0, 1.0 - i / steps)
-    )
-    student.eval()
-    teacher.eval()
-    gen = torch.Generator().manual_seed(0)
-    losses = []
-    try:
-        for _ in range(steps):
-            idx = torch.randint(len(sentences), (16,), generator=gen).tolist()
-            feats = student.tokenize([sentences[i] for i in idx])
-            with torch.no_grad():
-                t = teacher(dict(feats))
-            s = student(dict(feats))
-            keep = feats["attention_mask"].bool()
-            cos = nn.functional.cosine_similarity(
-                s["sentence_embedding"], t["sentence_embedding"], dim=-1
-            )
-            tt, ss = t["token_embeddings"][keep], s["token_embeddings"][keep]
-            mse = (ss - tt).pow(2).sum(-1).mean() / tt.pow(2).sum(-1).mean()
-            loss = (1.0 - cos.mean()) + mse
-            opt.zero_grad()
-            loss.backward()
-            opt.step()
-            sched.step()
-            with torch.no_grad():
-                for m, mk in masks.items():
-                    m.weight.mul_(mk)
-            losses.append(float(loss.detach()))
-    finally:
-        for h in hooks:
-            h.remove()
-        for p, flag in saved:
-            p.requires_grad_(flag)
-    return losses
 
 
 def evaluate(model: Any, evals: dict[str, Pairs], dense: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -430,7 +377,7 @@ def main() -> None:
         for n, lr in runs.get(v.name, []):
             model.load_state_dict(pruned)
             t0 = time.perf_counter()
-            losses = distill(model, base, masks, distil_text, n, lr)
+            losses = distill(model, base, masks, distil_text, lr, n, train_mode=False)
             kept = sum(int((m.weight != 0).sum()) for m in masks) / sum(
                 mk.numel() for mk in masks.values()
             )

@@ -17,8 +17,9 @@ implemented here on the same layer statistics:
   by column, Frantar & Alistarh 2023), per-layer sparsity allocated by each layer's measured
   effect on the embeddings of A (OWL-style, same total);
 - TW: neuron pairs (``tilesparse.neurons``) with the weightings above;
-- a short distillation of the pruned FFN weights (masks held) toward the dense model's last
-  hidden states on A.
+- TW rows only by tile-structured OBS with tiles of ``G`` = 8, 16, 32 output columns;
+- a short distillation of the pruned FFN linears' kept weights (masks held) toward the dense
+  model's sentence embeddings and last hidden states on all of A (``--distill``).
 
 Every variant prunes layers in order, each layer's statistics gathered with the earlier ones
 already pruned. JSON to ``benchmarks/results/tilesparse_calibration_variants.json``.
@@ -40,6 +41,7 @@ from torch import nn
 import tilesparse
 from benchmarks.meta import RESULTS_DIR, write_json
 from benchmarks.tilesparse.bench_calibration import evaluate as evaluate_pairs
+from benchmarks.tilesparse.bench_oneshot_distill import distill
 from benchmarks.tilesparse.calibration_methods import (
     TILE,
     Calib,
@@ -93,6 +95,7 @@ class Variant:
     neuron_share: float = 0.5
     block: int = 128
     per_output: bool = False
+    tile: int = TILE
 
 
 def layer_effects(base: Any, calib: Calib, method: str, sparsity: float) -> list[float]:
@@ -170,7 +173,7 @@ def prune_variant(base: Any, v: Variant, sparsity: float) -> tuple[Any, Masks, d
             assert v.damping is not None
             g = grams(model, [m], v.calib)[0]
             mask_kn, w_kn = tilesparse.tile_obs(
-                m.weight.detach().T, g.h, targets[i], v.damping, TILE
+                m.weight.detach().T, g.h, targets[i], v.damping, v.tile
             )
             with torch.no_grad():
                 m.weight.copy_(w_kn.T)
@@ -188,33 +191,6 @@ def prune_variant(base: Any, v: Variant, sparsity: float) -> tuple[Any, Masks, d
                 m, g, targets[i], v.damping, block=v.block, per_output=v.per_output
             )
     return model, masks, info
-
-
-def distill(student: Any, teacher: Any, masks: Masks, sentences: list[str], steps: int) -> float:
-    """``steps`` Adam steps (lr 5e-5, batches of 8 of ``sentences``) of the FFN linears toward
-    the teacher's token embeddings (MSE over real tokens), masks re-applied after each step.
-    Returns the last loss."""
-    params = [p for m in masks for p in m.parameters()]
-    opt = torch.optim.Adam(params, lr=5e-5)
-    student.train()
-    loss = torch.tensor(0.0)
-    gen = torch.Generator().manual_seed(0)
-    for _ in range(steps):
-        idx = torch.randint(len(sentences), (8,), generator=gen).tolist()
-        feats = student.tokenize([sentences[i] for i in idx])
-        with torch.no_grad():
-            t = teacher(dict(feats))["token_embeddings"]
-        s = student(dict(feats))["token_embeddings"]
-        keep = feats["attention_mask"].bool()
-        loss = nn.functional.mse_loss(s[keep], t[keep])
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
-        with torch.no_grad():
-            for m, mask in masks.items():
-                m.weight.mul_(mask)
-    student.eval()
-    return float(loss.detach())
 
 
 def evaluate(model: Any, evals: dict[str, Pairs], dense: dict[str, torch.Tensor]) -> dict[str, Any]:
@@ -292,6 +268,10 @@ def variants(a: list[str], which: list[str] | None) -> list[Variant]:
     ]
     for d in (0.01, 0.1):
         out.append(Variant(f"tw rows tile-obs, token, d={d:g}", "tw", "tile_obs", d, tok))
+    for g in (8, 16, 32):
+        out.append(
+            Variant(f"tw rows tile-obs G={g}, token, d=0.01", "tw", "tile_obs", 0.01, tok, tile=g)
+        )
     for d in (0.1, 0.01):
         out.append(
             Variant(f"ew sparsegpt, dense targets, d={d:g}", "ew", "sparsegpt_dense_target", d, tok)
@@ -335,13 +315,20 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lee-wheel", default=None, help="the gensim wheel (evaluation set C)")
     ap.add_argument("--calibration", type=int, default=128, help="reference sentences (A)")
-    ap.add_argument("--distill-sentences", type=int, default=512, help="A sentences to distil on")
+    ap.add_argument(
+        "--distill-sentences", type=int, default=0, help="A sentences to distil on (0: all of A)"
+    )
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--pairs", type=int, default=100, help="most news pairs evaluated")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--only", default=None, help="variant names to run, separated by ';'")
     ap.add_argument("--library", action="store_true", help="also the library's prune_ rows")
-    ap.add_argument("--distill", default="", help="'name=steps;...': distil these variants")
+    ap.add_argument(
+        "--distill",
+        default="",
+        help="'name=steps@lr;...': distil these variants (a name may repeat: each run starts "
+        "from the pruned weights)",
+    )
     ap.add_argument("--out", default=str(RESULTS_DIR / "tilesparse_calibration_variants.json"))
     args = ap.parse_args()
     logging.basicConfig(level=logging.WARNING)
@@ -375,26 +362,35 @@ def main() -> None:
                 model, extra = library_row(base, pattern, sents, bs, args.sparsity)
                 record(f"library {pattern} {label}", model, time.perf_counter() - t0, extra)
     which = None if args.only is None else args.only.split(";")
-    steps = {k: int(n) for k, _, n in (x.rpartition("=") for x in args.distill.split(";") if x)}
+    runs: dict[str, list[tuple[int, float]]] = {}
+    for spec in (x for x in args.distill.split(";") if x):
+        name, _, budget = spec.rpartition("=")
+        n, _, lr = budget.partition("@")
+        runs.setdefault(name, []).append((int(n), float(lr or 1e-4)))
+    distil_text = python_reference_sentences(args.distill_sentences or None)
     for v in variants(a, which):
         t0 = time.perf_counter()
         model, masks, info = prune_variant(base, v, args.sparsity)
         kept = sum(int(m.sum()) for m in masks.values()) / sum(m.numel() for m in masks.values())
         record(v.name, model, time.perf_counter() - t0, {"achieved_sparsity": 1 - kept, **info})
-        if v.name in steps:
+        pruned = copy.deepcopy(model.state_dict())
+        for n, lr in runs.get(v.name, []):
+            model.load_state_dict(pruned)
             t0 = time.perf_counter()
-            loss = distill(
-                model,
-                base,
-                masks,
-                python_reference_sentences(args.distill_sentences),
-                steps[v.name],
+            losses = distill(model, base, masks, distil_text, lr, n, train_mode=False)
+            kept = sum(int((m.weight != 0).sum()) for m in masks) / sum(
+                mk.numel() for mk in masks.values()
             )
             record(
-                f"{v.name} + distil {steps[v.name]}",
+                f"{v.name} + distil {n} @ {lr:g}",
                 model,
                 time.perf_counter() - t0,
-                {"distill_loss": loss},
+                {
+                    "achieved_sparsity": 1 - kept,
+                    "distill_sentences": len(distil_text),
+                    "distill_loss_first": losses[:10],
+                    "distill_loss_last": losses[-10:],
+                },
             )
     write_json(args.out, rows, pairs={k: len(p) for k, p in evals.items()}, sparsity=args.sparsity)
 

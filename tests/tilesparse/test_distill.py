@@ -65,3 +65,23 @@ def test_bad_input() -> None:
     nan = [(torch.full((4, 16), float("nan")),)]
     with pytest.raises(ValueError, match="loss is nan at step 0"):
         tilesparse.distill_(student, teacher, nan, pruner, steps=1)
+
+
+def test_the_student_runs_without_dropout_unless_asked() -> None:
+    # with the student in eval mode, the first step's loss is the deterministic gap (dropout
+    # p=0.5 between the layers would change it); train_mode=True turns dropout on
+    torch.manual_seed(0)
+    teacher = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Dropout(0.5), nn.Linear(32, 8))
+    batches = [(torch.randn(32, 16, generator=torch.Generator().manual_seed(1)),)]
+    losses = {}
+    for train_mode in (False, True):
+        student = copy.deepcopy(teacher)
+        pruner = tilesparse.prune_(student, tilesparse.TileSparseConfig(sparsity=0.75, tile=8))
+        want = _gap(student.eval(), teacher.eval(), batches)
+        report = tilesparse.distill_(
+            student, teacher, batches, pruner, steps=1, lr=1e-9, train_mode=train_mode
+        )
+        losses[train_mode] = (report.losses[0], want)
+        assert not student.training
+    assert losses[False][0] == pytest.approx(losses[False][1], rel=1e-6)
+    assert losses[True][0] != pytest.approx(losses[True][1], rel=1e-3)

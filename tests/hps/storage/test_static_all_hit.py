@@ -73,17 +73,20 @@ def _no_table_by_table(*_: object) -> None:
     raise AssertionError("the all-hit pass fell back to the table-by-table path")
 
 
-@pytest.mark.parametrize("fmt", [RowDtype.FP32, RowDtype.INT8])
+@pytest.mark.parametrize(
+    ("fmt", "batch"), [(RowDtype.FP32, 24), (RowDtype.INT8, 24), (RowDtype.FP32, 2048)]
+)
 @pytest.mark.parametrize("bags", [True, False], ids=["bags", "rows"])
 def test_all_hit_pass_equals_the_table_by_table_path_and_the_reference(
-    fmt: RowDtype, bags: bool, monkeypatch: pytest.MonkeyPatch
+    fmt: RowDtype, batch: int, bags: bool, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    """Batch 2048 (over 8,192 keys) with two torch threads: the pass splits its pieces
+    between threads."""
     _needs_ext()
     caches = _caches(fmt)
     g = torch.Generator().manual_seed(9)
     hot = [1, 3, 2, 5, 4] if bags else [0] * 5
     mean = [True, False, True, True, False]
-    batch = 24
     keys = [
         torch.randint(-1 if bags else 0, n, (batch * max(h, 1),), generator=g)
         for n, h in zip(SIZES, hot, strict=True)
@@ -94,11 +97,16 @@ def test_all_hit_pass_equals_the_table_by_table_path_and_the_reference(
         keys[1].view(batch, 3)[5] = -1  # an empty bag (SUM)
         keys[3].view(batch, 5)[7] = -1  # an empty bag (MEAN): stays zero
     outs, results = [], []
+    threads = torch.get_num_threads()
     with monkeypatch.context() as m:  # the all-hit pass only
         m.setattr(static_gather, "_gather_one", _no_table_by_table)
         m.setattr(static_gather, "_all_rows_hit", _no_table_by_table)
         a = _args(caches, keys, hot, mean)
-        results.append(gather_static(a))
+        torch.set_num_threads(2)
+        try:
+            results.append(gather_static(a))
+        finally:
+            torch.set_num_threads(threads)
         outs.append(a.out)
     a = _args(caches, keys, hot, mean)  # table by table, compiled gathers
     results.append(

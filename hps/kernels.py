@@ -3,7 +3,8 @@
 Source: ``hps/csrc/fused_lookup.cpp`` and the headers beside it — ``cache_gather`` (every table's cache-hit rows or
 bags in one call, rows of any :class:`hps.rowformat.RowDtype` dequantized, :mod:`hps.fused`),
 ``gather_rows`` (stored rows by slot, dequantized, or bags of them summed in order:
-:func:`hps.fused.gather_rows`) and ``KeyCounter`` (exact key counts in O(keys) per update,
+:func:`hps.fused.gather_rows`), ``static_gather`` (the all-hit rows or bags of full static
+caches, :mod:`hps.session.static_gather`) and ``KeyCounter`` (exact key counts in O(keys) per update,
 :mod:`hps.key_counts`).
 
 Built with the machine's C++ compiler through :func:`extbuild.load` (one
@@ -43,6 +44,7 @@ EXT = CpuExtension(
         CSRC / "gather_checks.h",
         CSRC / "key_counter.h",
         CSRC / "row_formats.h",
+        CSRC / "static_gather.h",
     ),
     cflags=("-O3", "-march=native", "-fopenmp", "-fvisibility-inlines-hidden"),
     disable_env=DISABLE_ENV,

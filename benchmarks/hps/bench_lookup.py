@@ -6,7 +6,9 @@ Contenders, the same keys and the same FP32 rows (all resident: cache-hit path):
 
 - ``hps``: :meth:`LookupSession.lookup_many` (rows) / :meth:`LookupSession.lookup_pooled`
   (bags) into a reused output buffer; ``hps_per_table``: :meth:`LookupSession.lookup`, one
-  call per table (the per-table path);
+  call per table (the per-table path); ``hps_static`` (26 tables): the same calls over full
+  static caches (:class:`hps.storage.cache.StaticEmbeddingCache`, one slot per row, as the
+  parameter server builds a cache that covers its table);
 - ``index_select``: ``torch.index_select(W, 0, keys, out=buf)`` into a reused buffer (26 tables:
   ONE call over the tables' rows stacked, keys offset per table);
 - ``embedding_bag``: one ``F.embedding_bag`` (sum) over the stacked rows, offsets per bag;
@@ -45,7 +47,7 @@ from benchmarks.meta import RESULTS_DIR, write_json
 from hps.kernels import load_extension
 from hps.rowformat import RowDtype, quantize_rows
 from hps.session import LookupSession, SessionTable
-from hps.storage.cache import EmbeddingCache
+from hps.storage.cache import EmbeddingCache, StaticEmbeddingCache
 from hps.storage.volatile import HashMapBackend
 from hps.types import Pooling
 
@@ -156,6 +158,22 @@ def _resident_session(
     return LookupSession(tables, v, None, hit_rate_threshold=0.0)
 
 
+def _static_session(weights: list[torch.Tensor], names: list[str], max_keys: int) -> LookupSession:
+    """A session whose caches are static and full (one slot per row, keys 0..n-1: the
+    IDENTITY layout, as the parameter server builds for a cache that covers its table), in
+    front of an empty volatile DB."""
+    tables = []
+    v = HashMapBackend(num_partitions=1)
+    for name, w in zip(names, weights, strict=True):
+        v.create_table(name, DIM)
+        keys = torch.arange(w.shape[0])
+        c = StaticEmbeddingCache(keys, DIM, policy="lfu")
+        c.insert(keys, w)
+        assert c.full
+        tables.append(SessionTable(name, DIM, 0.0, max_keys, c))
+    return LookupSession(tables, v, None, hit_rate_threshold=0.0)
+
+
 def bench_single(args: argparse.Namespace) -> list[dict[str, Any]]:
     n_rows = 100_000 if args.quick else 1_000_000
     n_keys = 65_536
@@ -217,6 +235,7 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
     ws = [torch.randn(n, DIM, generator=g) for n in rows]
     names = [t.name for t in wl.tables]
     s = _resident_session(ws, names, 1 << 20, slack=2.0)
+    st = _static_session(ws, names, 1 << 20)
     keys = [
         torch.from_numpy(Zipf(n, ALPHA, seed=10 + i).sample(batch * h)).view(batch, h)
         for i, (n, h) in enumerate(zip(rows, hot, strict=True))
@@ -244,12 +263,21 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     got_bags = s.lookup_pooled(names, keys, pooling, out=pbuf).view(batch, len(names), DIM)
     torch.testing.assert_close(got_bags.transpose(0, 1), ref_bags, rtol=1e-5, atol=1e-4)
+    sbuf = torch.empty(batch, DIM * len(names))
+    srbuf = torch.empty(n_keys * DIM)
+    got = torch.cat([r.reshape(-1, DIM) for r in st.lookup_many(names, keys, out=srbuf)])
+    assert torch.equal(got, ref_rows), "hps rows over static caches differ from index_select"
+    got_static = st.lookup_pooled(names, keys, pooling, out=sbuf).view(batch, len(names), DIM)
+    assert torch.equal(got_static, got_bags), "static and set-associative bags differ"
+    torch.testing.assert_close(got_static.transpose(0, 1), ref_bags, rtol=1e-5, atol=1e-4)
     del bag_keys
     fns: dict[str, Any] = {
         "hps_rows": lambda: s.lookup_many(names, keys, out=rbuf),
         "index_select_rows": lambda: torch.index_select(stacked, 0, flat, out=ibuf),
         "hps_pooled": lambda: s.lookup_pooled(names, keys, pooling, out=pbuf),
         "embedding_bag_pooled": lambda: F.embedding_bag(bag_ids, stacked, bag_offsets, mode="sum"),
+        "hps_static_rows": lambda: st.lookup_many(names, keys, out=srbuf),
+        "hps_static_pooled": lambda: st.lookup_pooled(names, keys, pooling, out=sbuf),
         "hps_per_table_rows": lambda: [s.lookup(n, k) for n, k in zip(names, keys, strict=True)],
     }
     tbe_idx = torch.cat([k.reshape(-1) for k in keys]).to(torch.int32)
@@ -270,6 +298,9 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
     _ratios(row, "hps_rows_vs_index_select", "hps_rows", "index_select_rows")
     _ratios(row, "hps_pooled_vs_embedding_bag", "hps_pooled", "embedding_bag_pooled")
     _ratios(row, "hps_pooled_vs_fbgemm_fp32", "hps_pooled", "fbgemm_fp32_pooled")
+    _ratios(row, "hps_static_rows_vs_index_select", "hps_static_rows", "index_select_rows")
+    _ratios(row, "hps_static_pooled_vs_embedding_bag", "hps_static_pooled", "embedding_bag_pooled")
+    _ratios(row, "hps_static_pooled_vs_fbgemm_fp32", "hps_static_pooled", "fbgemm_fp32_pooled")
     return [row]
 
 

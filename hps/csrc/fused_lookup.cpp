@@ -1,7 +1,8 @@
 // The compiled CPU kernels of hps (hps/kernels.py builds them): the fused cache-hit lookup
 // (here; hps/fused.py is the caller and holds the pure-torch reference it is tested against),
 // the probe's building blocks (cache_probe.h), the row formats and dequantizing gather
-// (row_formats.h) and the key counter of a session's key statistics (key_counter.h).
+// (row_formats.h), the all-hit pass over full static caches (static_gather.h) and the key
+// counter of a session's key statistics (key_counter.h).
 //
 // cache_gather: every table of one call in one pass. Per key: the splitmix64 hash gives the
 // set and an 8-bit tag; the set's tag line (ways bytes, one 64-byte cache line for 64 ways)
@@ -39,6 +40,7 @@
 #include "gather_checks.h"
 #include "key_counter.h"
 #include "row_formats.h"
+#include "static_gather.h"
 
 namespace hps_cpu {
 
@@ -559,6 +561,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gather_rows", &gather_rows,
         "rows or in-order bag sums of stored rows of any row format, dequantized to float32",
+        pybind11::call_guard<pybind11::gil_scoped_release>());
+  m.def("static_gather", &static_gather,
+        "all-hit rows or bags of full IDENTITY static caches (per-table statistics, or none)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("count_keys", &count_keys, "count every table's keys into its KeyCounter",
         pybind11::call_guard<pybind11::gil_scoped_release>());

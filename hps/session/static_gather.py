@@ -8,6 +8,12 @@ Per table: one slot computation, one read of the slots' tags, one row gather
 (:func:`hps.fused.gather_rows`: dequantized, bags summed ``((0 + r0) + r1) + …`` skipping
 misses and padding, as the compiled pass sums them). Unique hits (slots hit at least once)
 come from one count over the hit slots. A static cache keeps no use counts.
+
+When every cache is full and laid out IDENTITY (key k in slot k) and every key is one of its
+table's, every key hits: the compiled ``static_gather`` checks and counts all tables' keys in
+one pass and then reads every table's rows or pools its bags (FP32 dims 16/32/64/128 in AVX
+registers), bit for bit the table-by-table path's output and statistics; without the compiled
+kernel, rows take one range check over all tables (:func:`_all_rows_hit`).
 """
 
 from __future__ import annotations
@@ -20,6 +26,7 @@ import numpy as np
 import torch
 
 from hps.fused import (
+    FORMAT_CODES,
     GatherArgs,
     GatherResult,
     check_keys,
@@ -28,6 +35,7 @@ from hps.fused import (
     join_tables,
     row_format_of,
 )
+from hps.kernels import load_extension
 from hps.storage.cache import StaticEmbeddingCache, StaticLayout
 
 __all__ = ["gather_any", "gather_static"]
@@ -68,10 +76,40 @@ def gather_static(args: GatherArgs, compiled: bool = True) -> GatherResult:
         if not isinstance(c, StaticEmbeddingCache):
             raise TypeError(f"table {i}: gather_static takes static caches, got {type(c).__name__}")
         caches.append(c)
-    fast = _all_rows_hit(args, caches, compiled)
+    identity = all(c.full and c.layout is StaticLayout.IDENTITY for c in caches)
+    fast = _all_hit_compiled(args, caches) if compiled and identity else None
+    if fast is None and identity:
+        fast = _all_rows_hit(args, caches, compiled)
     if fast is not None:
         return fast
     return join_tables([_gather_one(args, i, c, compiled) for i, c in enumerate(caches)])
+
+
+def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> GatherResult | None:
+    """Rows or bags of tables whose static caches are full and laid out IDENTITY, when every
+    key (bags: every key but -1 padding) is one of its table's: one compiled call checks and
+    counts every key, then writes every table's output; ``None`` (nothing written) when a key
+    is not its table's, a cache is off the CPU, or the kernel is not built."""
+    ext = load_extension()
+    if ext is None or args.out.device.type != "cpu":
+        return None
+    if any(c.storage.device.type != "cpu" for c in caches):
+        return None
+    per = ext.static_gather(
+        list(args.keys),
+        [c.storage for c in caches],
+        [FORMAT_CODES[row_format_of(c)] for c in caches],
+        [c.dim for c in caches],
+        list(args.hotness),
+        [int(m) for m in args.mean],
+        args.out,
+        list(args.out_offsets),
+        args.out_stride,
+    )
+    if per.shape[0] != len(caches):
+        return None
+    pending = [torch.zeros(0, c.dim) for c in caches]
+    return GatherResult(torch.zeros(0, dtype=torch.int64), per, pending)
 
 
 def _all_rows_hit(

@@ -1,0 +1,162 @@
+// The all-hit pass over full static caches laid out IDENTITY (hps/session/static_gather.py is
+// the caller): table i's key k lives in slot k, so a key is a hit exactly when
+// 0 <= k < capacity. First every key of every table is checked (a key out of range, or a -1
+// in rows, and the call returns without writing anything, for the caller's per-table path)
+// and counted: the table's keys >= 0 and its distinct ones (one bit per slot); then every
+// table's rows are copied (rows) or its bags summed in order from +0.0, -1 padding skipped
+// (pool_bag: FP32 dims 16/32/64/128 in AVX registers), MEAN bags with a key divided by it.
+// Included by hps/csrc/fused_lookup.cpp.
+#pragma once
+
+#include <torch/extension.h>
+
+#include <ATen/Parallel.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "common.h"
+#include "row_formats.h"
+
+namespace hps_cpu {
+
+struct StaticTable {
+  const int64_t* keys;
+  int64_t n;
+  const uint8_t* storage;
+  int64_t capacity, row_bytes, dim, format, hotness;
+  bool mean;
+  float* out;  // the table's first output value (rows: row i at + i * dim; bags: + b * stride)
+};
+
+// Keys [i0, i1) of table t (bags: whole bags) into its output.
+template <int64_t kFormat>
+void static_piece(const StaticTable& t, int64_t i0, int64_t i1, int64_t out_stride) {
+  const int64_t rb = t.row_bytes;
+  if (t.hotness == 0) {
+    for (int64_t i = i0; i < i1; ++i) {
+      if (i + kRowsAhead < i1) prefetch_bytes(t.storage + t.keys[i + kRowsAhead] * rb, rb);
+      dequant_row<kFormat, kSet>(t.storage + t.keys[i] * rb, t.dim, t.out + i * t.dim);
+    }
+    return;
+  }
+  const int64_t h = t.hotness;
+  const int vecs = bag_vecs<kFormat>(t.dim);
+  for (int64_t b0 = i0; b0 < i1; b0 += h) {
+    float* dst = t.out + (b0 / h) * out_stride;
+    const int64_t n_valid = pool_bag<kFormat>(t.storage, rb, t.keys, b0, h, i1, t.dim, vecs, dst);
+    if (t.mean && n_valid > 0) {
+      const float cnt = static_cast<float>(n_valid);
+      for (int64_t d = 0; d < t.dim; ++d) dst[d] /= cnt;
+    }
+  }
+}
+
+inline void static_piece_any(const StaticTable& t, int64_t i0, int64_t i1, int64_t out_stride) {
+  switch (t.format) {
+    case kFp32: static_piece<kFp32>(t, i0, i1, out_stride); break;
+    case kFp16: static_piece<kFp16>(t, i0, i1, out_stride); break;
+    case kBf16: static_piece<kBf16>(t, i0, i1, out_stride); break;
+    case kInt8: static_piece<kInt8>(t, i0, i1, out_stride); break;
+    case kInt4: static_piece<kInt4>(t, i0, i1, out_stride); break;
+    default: static_piece<kInt2>(t, i0, i1, out_stride); break;
+  }
+}
+
+// Every table's rows (hotness 0) or bags (hotness h > 0) read from full IDENTITY static caches.
+// keys: per table (n,) int64 (bags: n = B × h, -1 pads); storage: per table the cache's
+// (capacity, >= row bytes) uint8 rows; out: contiguous float32, table i's rows at
+// out_offsets[i] + r × dims[i], its bags at out_offsets[i] + b × out_stride.
+// Returns per_table (T, 5) int64 {0, hits, unique hits, looked-up keys, 0} (hits = looked-up
+// keys = keys >= 0), or a (0, 5) tensor, nothing written, when a key is not its table's.
+inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
+                                const std::vector<at::Tensor>& storage,
+                                const std::vector<int64_t>& formats,
+                                const std::vector<int64_t>& dims,
+                                const std::vector<int64_t>& hotness,
+                                const std::vector<int64_t>& mean, at::Tensor out,
+                                const std::vector<int64_t>& out_offsets, int64_t out_stride) {
+  const size_t T = keys.size();
+  check(storage.size() == T && formats.size() == T && dims.size() == T && hotness.size() == T &&
+            mean.size() == T && out_offsets.size() == T,
+        "static_gather: one storage, format, dim, hotness, mean and offset per table expected");
+  check(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
+        "static_gather: out must be a contiguous CPU float32 tensor");
+  const int64_t out_n = out.numel();
+  std::vector<at::Tensor> held(T);  // contiguous keys, alive for the call
+  std::vector<StaticTable> ts(T);
+  for (size_t i = 0; i < T; ++i) {
+    const std::string tab = "static_gather: table " + std::to_string(i) + ": ";
+    held[i] = keys[i].contiguous();
+    const at::Tensor& k = held[i];
+    const at::Tensor& s = storage[i];
+    check(k.scalar_type() == at::kLong && k.device().is_cpu(), tab + "keys must be CPU int64");
+    check(s.scalar_type() == at::kByte && s.dim() == 2 && s.is_contiguous() && s.device().is_cpu(),
+          tab + "storage must be (capacity, row_bytes) contiguous CPU uint8");
+    const int64_t rb = format_row_bytes(formats[i], dims[i]);
+    check(rb > 0 && s.size(1) >= rb, tab + "rows of format " + std::to_string(formats[i]) +
+                                         " and dim " + std::to_string(dims[i]) + " need " +
+                                         std::to_string(rb) + " bytes, storage rows hold " +
+                                         std::to_string(s.size(1)));
+    const int64_t n = k.numel(), h = hotness[i];
+    check(h >= 0 && (h == 0 || n % h == 0),
+          tab + std::to_string(n) + " keys are not bags of hotness " + std::to_string(h));
+    const int64_t last = h == 0 ? out_offsets[i] + n * dims[i]
+                                : (n ? (n / h - 1) * out_stride + out_offsets[i] + dims[i] : 0);
+    check(out_offsets[i] >= 0 && (h == 0 || dims[i] <= out_stride) && last <= out_n,
+          tab + "its output (offset " + std::to_string(out_offsets[i]) + ") overruns out of " +
+              std::to_string(out_n) + " values");
+    ts[i] = {k.data_ptr<int64_t>(), n, s.data_ptr<uint8_t>(), s.size(0), s.size(1), dims[i],
+             formats[i], h, mean[i] != 0, out.data_ptr<float>() + out_offsets[i]};
+  }
+  // every key checked and counted before anything is written
+  auto per_table = at::zeros({static_cast<int64_t>(T), 5}, at::kLong);
+  int64_t* pt = per_table.data_ptr<int64_t>();
+  std::vector<uint64_t> seen;
+  int64_t total = 0;
+  for (size_t i = 0; i < T; ++i) {
+    const StaticTable& t = ts[i];
+    const int64_t lo = t.hotness > 0 ? -1 : 0;
+    seen.assign(static_cast<size_t>((t.capacity + 63) / 64), 0);
+    int64_t valid = 0, unique = 0;
+    for (int64_t j = 0; j < t.n; ++j) {
+      const int64_t k = t.keys[j];
+      if (k < lo || k >= t.capacity) return at::zeros({0, 5}, at::kLong);
+      if (k < 0) continue;
+      ++valid;
+      uint64_t& w = seen[static_cast<size_t>(k >> 6)];
+      const uint64_t bit = uint64_t{1} << (k & 63);
+      unique += (w & bit) == 0;
+      w |= bit;
+    }
+    pt[i * 5 + 1] = valid;
+    pt[i * 5 + 2] = unique;
+    pt[i * 5 + 3] = valid;
+    total += t.n;
+  }
+  // pieces of about 2048 keys (whole bags); small calls on the calling thread
+  struct Span {
+    size_t table;
+    int64_t begin, end;
+  };
+  std::vector<Span> spans;
+  for (size_t i = 0; i < T; ++i) {
+    const int64_t h = std::max<int64_t>(1, ts[i].hotness);
+    const int64_t step = std::max<int64_t>(1, 2048 / h) * h;
+    for (int64_t a = 0; a < ts[i].n; a += step) spans.push_back({i, a, std::min(ts[i].n, a + step)});
+  }
+  const int64_t P = static_cast<int64_t>(spans.size());
+  auto run = [&](int64_t p0, int64_t p1) {
+    for (int64_t p = p0; p < p1; ++p)
+      static_piece_any(ts[spans[p].table], spans[p].begin, spans[p].end, out_stride);
+  };
+  if (total < 8192 || at::get_num_threads() <= 1 || at::in_parallel_region())
+    run(0, P);
+  else
+    at::parallel_for(0, P, 1, run);
+  return per_table;
+}
+
+}  // namespace hps_cpu

@@ -1,0 +1,152 @@
+"""The all-hit pass over full IDENTITY static caches (:func:`hps.session.static_gather.gather_static`
+through the compiled ``static_gather``): rows and bags (SUM and MEAN, -1 padding, empty bags,
+FP32 rows of dims pooled in registers and row by row, a quantized format) equal the table-by-
+table path and the torch reference bit for bit, statistics included; a key that is not its
+table's leaves the pass without a write, and the table-by-table path answers."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hps import fused
+from hps.fused import FORMAT_CODES, GatherArgs, GatherResult, gather_reference, join_tables
+from hps.kernels import load_extension
+from hps.rowformat import RowDtype
+from hps.session import static_gather
+from hps.session.static_gather import gather_static
+from hps.storage.cache import StaticEmbeddingCache, StaticLayout
+
+DIMS = [16, 128, 24, 64, 32]
+SIZES = [50, 70, 40, 90, 30]
+
+
+def _needs_ext() -> None:
+    if load_extension() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the hps compiled kernel could not be built (python -m hps.build_ext -v)")
+        pytest.skip("the hps compiled kernel is not built")
+
+
+def _caches(fmt: RowDtype) -> list[StaticEmbeddingCache]:
+    g = torch.Generator().manual_seed(3)
+    out = []
+    for n, d in zip(SIZES, DIMS, strict=True):
+        c = StaticEmbeddingCache(np.arange(n), d, row_format=fmt)
+        c.insert(torch.arange(n), torch.randn(n, d, generator=g) * 3)
+        assert c.full and c.layout is StaticLayout.IDENTITY
+        out.append(c)
+    return out
+
+
+def _args(
+    caches: list[StaticEmbeddingCache], keys: list[torch.Tensor], hot: list[int], mean: list[bool]
+) -> GatherArgs:
+    dims = [c.dim for c in caches]
+    if hot[0]:  # bags: one row of every table's bag per sample
+        batch = keys[0].numel() // hot[0]
+        out = torch.full((batch, sum(dims)), 7.0)
+        offsets, stride = [0, *np.cumsum(dims)[:-1].tolist()], sum(dims)
+    else:  # rows: each table's block after the last
+        sizes = [k.numel() * d for k, d in zip(keys, dims, strict=True)]
+        out = torch.full((sum(sizes),), 7.0)
+        offsets, stride = [0, *np.cumsum(sizes)[:-1].tolist()], 0
+    t = len(caches)
+    return GatherArgs(
+        caches=list(caches), keys=keys, out=out, out_offsets=offsets, out_stride=stride,
+        hotness=hot, mean=mean, stamps=[-1] * t, streams=[0] * t, looked_up=[0] * t,
+        intervals=[0] * t,
+    )  # fmt: skip
+
+
+def _same(a: GatherResult, b: GatherResult) -> None:
+    assert torch.equal(a.per_table, b.per_table)
+    assert torch.equal(a.misses, b.misses)
+    for x, y in zip(a.pending, b.pending, strict=True):
+        assert x.numel() == 0 and y.numel() == 0
+
+
+def _no_table_by_table(*_: object) -> None:
+    raise AssertionError("the all-hit pass fell back to the table-by-table path")
+
+
+@pytest.mark.parametrize(
+    ("fmt", "batch"), [(RowDtype.FP32, 24), (RowDtype.INT8, 24), (RowDtype.FP32, 2048)]
+)
+@pytest.mark.parametrize("bags", [True, False], ids=["bags", "rows"])
+def test_all_hit_pass_equals_the_table_by_table_path_and_the_reference(
+    fmt: RowDtype, batch: int, bags: bool, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Batch 2048 (over 8,192 keys) with two torch threads: the pass splits its pieces
+    between threads."""
+    _needs_ext()
+    caches = _caches(fmt)
+    g = torch.Generator().manual_seed(9)
+    hot = [1, 3, 2, 5, 4] if bags else [0] * 5
+    mean = [True, False, True, True, False]
+    keys = [
+        torch.randint(-1 if bags else 0, n, (batch * max(h, 1),), generator=g)
+        for n, h in zip(SIZES, hot, strict=True)
+    ]
+    if bags:
+        for k in keys:
+            k[::7] = -1  # padding in every table
+        keys[1].view(batch, 3)[5] = -1  # an empty bag (SUM)
+        keys[3].view(batch, 5)[7] = -1  # an empty bag (MEAN): stays zero
+    outs, results = [], []
+    threads = torch.get_num_threads()
+    with monkeypatch.context() as m:  # the all-hit pass only
+        m.setattr(static_gather, "_gather_one", _no_table_by_table)
+        m.setattr(static_gather, "_all_rows_hit", _no_table_by_table)
+        a = _args(caches, keys, hot, mean)
+        torch.set_num_threads(2)
+        try:
+            results.append(gather_static(a))
+        finally:
+            torch.set_num_threads(threads)
+        outs.append(a.out)
+    a = _args(caches, keys, hot, mean)  # table by table, compiled gathers
+    results.append(
+        join_tables([static_gather._gather_one(a, i, c, True) for i, c in enumerate(caches)])
+    )
+    outs.append(a.out)
+    a = _args(caches, keys, hot, mean)  # torch ops
+    results.append(gather_reference(a))
+    outs.append(a.out)
+    for out, res in zip(outs[1:], results[1:], strict=True):
+        assert torch.equal(outs[0].view(torch.int32), out.view(torch.int32))
+        _same(results[0], res)
+    valid = [int((k >= 0).sum()) for k in keys]
+    unique = [int(torch.unique(k[k >= 0]).numel()) for k in keys]
+    want = [[0, v, u, v, 0] for v, u in zip(valid, unique, strict=True)]
+    assert results[0].per_table.tolist() == want
+    if bags:
+        empty = outs[0][7, sum(DIMS[:3]) : sum(DIMS[:4])]
+        assert bool((empty == 0).all())
+
+
+def test_a_key_not_its_tables_leaves_the_all_hit_pass_without_a_write() -> None:
+    _needs_ext()
+    ext = load_extension()
+    assert ext is not None
+    caches = _caches(RowDtype.FP32)
+    g = torch.Generator().manual_seed(10)
+    hot, mean = [2] * 5, [False] * 5
+    keys = [torch.randint(-1, n, (16,), generator=g) for n in SIZES]
+    keys[4][11] = SIZES[4]  # one past the table's last key: a miss
+    a = _args(caches, keys, hot, mean)
+    per = ext.static_gather(
+        a.keys, [c.storage for c in caches], [FORMAT_CODES[fmt] for fmt in [RowDtype.FP32] * 5],
+        DIMS, hot, [0] * 5, a.out, a.out_offsets, a.out_stride,
+    )  # fmt: skip
+    assert per.shape == (0, 5) and bool((a.out == 7.0).all())
+    got = gather_static(a)
+    b = _args(caches, keys, hot, mean)
+    want = fused.gather_reference(b)
+    assert torch.equal(a.out, b.out) and torch.equal(got.per_table, want.per_table)
+    assert got.misses.tolist() == [11] and int(got.per_table[4, 0]) == 1
+    for x, y in zip(got.pending, want.pending, strict=True):
+        assert torch.equal(x, y)

@@ -26,8 +26,8 @@ one (the same results).
 from __future__ import annotations
 
 import itertools
-import threading
 import logging
+import threading
 import time
 from collections.abc import Sequence
 from typing import Protocol, cast

@@ -22,7 +22,7 @@ of 16 sentences drawn from all of A (1,272 sentences; never B or C), ``lr`` afte
 steps falling linearly to 0, loss ``1 - cos`` of the sentence embeddings (mean-pooled,
 normalised) plus the last hidden states' relative squared error over real tokens; both
 models in eval mode (no dropout) unless ``--train-mode`` (the student's dropout on, as
-``tilesparse.distill_`` and the earlier benchmark distillation ran). JSON rows: each set's
+``tilesparse.distill_(train_mode=True)`` runs it). JSON rows: each set's
 cosine to dense and next-sentence retrieval, seconds, load average.
 """
 

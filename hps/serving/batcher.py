@@ -46,7 +46,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from hps.serving.known_clients import KNOWN_CLIENT_NS, KnownClients
+from hps.serving.known_clients import SWEEP_NS, KnownClients
 from hps.serving.servable import CheckedInputs, DLRMServable, Tensors, check_outputs_finite
 from hps.serving.statistics import ModelCounts
 
@@ -58,7 +58,6 @@ __all__ = [
     "BatchedResult",
     "BatchingConfig",
     "DynamicBatcher",
-    "KNOWN_CLIENT_NS",
     "merge_requests",
 ]
 
@@ -83,7 +82,7 @@ class BatchingConfig:
             since its oldest request) and closes as soon as it holds this many; at most
             ``max_batch_size``; or as soon as it holds as many requests as the known clients
             can send at once, since then no more can come. A client (connection) is known
-            while it has a request in flight or for :data:`KNOWN_CLIENT_NS` after its last
+            while it has a request in flight or for :data:`~hps.serving.known_clients.KNOWN_CLIENT_NS` after its last
             request or answer, unless its connection closed (HTTP); it counts as the most
             requests it had in flight at once over the last one to two seconds
             (:mod:`hps.serving.known_clients`). So a lone client does not wait (also one
@@ -238,6 +237,7 @@ class DynamicBatcher:
         self._clock = clock
         self._cond = threading.Condition()
         self._closed = False
+        self._waiting = False  # a batch waits for more requests (the inference thread)
         self._torch_threads = torch_threads
         self._thread = threading.Thread(
             target=self._loop, name=f"hps-batcher-{servable.name[:32]}", daemon=True
@@ -304,11 +304,20 @@ class DynamicBatcher:
         with self._cond:
             return len(self._clients)
 
+    @property
+    def batch_waiting(self) -> bool:
+        """Whether the inference thread holds a batch that waits for more requests (announced
+        ones, or its preferred size)."""
+        with self._cond:
+            return self._waiting
+
     def forget(self, client: Hashable) -> None:
         """``client``'s connection closed: it sends no more requests, so no batch waits for
         it (the HTTP server calls this when a connection is lost)."""
+        if not self.cfg.preferred_batch_size:
+            return
         with self._cond:
-            self._clients.forget(client)
+            self._clients.forget(client, self._clock())
             self._cond.notify()  # the batch waiting for it may close now
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -360,7 +369,11 @@ class DynamicBatcher:
                 wait_ns = deadline - self._clock()
                 if wait_ns <= 0:
                     break
+                if preferred:  # wake for the next sweep: silent clients stop counting
+                    wait_ns = min(wait_ns, SWEEP_NS)
+                self._waiting = True
                 self._cond.wait(wait_ns / 1e9)
+                self._waiting = False
             return batch
 
     def _all_clients_in(self, batch: list[_Pending]) -> bool:

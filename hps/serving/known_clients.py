@@ -12,11 +12,13 @@ maximum, so a past burst stops counting once the client sends one request at a t
     client a: burst of 4, then 1 at a time      peak 4 … 4, then 1 after at most 2 s
     client b: answered, its connection closed   forgotten at once (nothing in flight)
     client c: answered, silent for > 1 s        forgotten at the next sweep
+    client d: closed while its request was read counted only while that request is in flight
 
 Costs: :meth:`KnownClients.capacity` is O(1) (the sum of peaks is kept up to date); every
 :data:`SWEEP_NS` one call sweeps the map (O(known clients)): peaks decay, silent clients are
 forgotten. Past :data:`MAX_KNOWN_CLIENTS` clients, a new one makes the least recently
-active one with nothing in flight forgotten, so memory does not grow with the connections
+active one with nothing in flight forgotten, and closed connections are remembered for
+:data:`KNOWN_CLIENT_NS` (at most as many), so memory does not grow with the connections
 served.
 Not thread-safe: the batcher calls it with its lock held; times are the caller's clock (ns).
 """
@@ -61,19 +63,24 @@ class KnownClients:
         self._clients: dict[Hashable, _Client] = {}
         self._total = 0  # Σ peak over the map
         self._swept_ns: int | None = None
+        # closed connections → when they closed (oldest first): a request announced before
+        # its connection closed and submitted after does not make it known again (kept for
+        # KNOWN_CLIENT_NS, at most MAX_KNOWN_CLIENTS)
+        self._closed: dict[Hashable, int] = {}
 
     def __len__(self) -> int:
         return len(self._clients)
 
     def sent(self, client: Hashable, now: int) -> None:
-        """``client`` sent a request at ``now`` (it is in flight until :meth:`answered`)."""
+        """``client`` sent a request at ``now`` (it is in flight until :meth:`answered`). A
+        client whose connection closed (:meth:`forget`) counts only while this request is
+        in flight."""
         self.sweep(now)
         c = self._clients.pop(client, None)
         if c is None:
-            c = _Client(window_ns=now)
+            c = _Client(window_ns=now, closed=client in self._closed)
             self._bound_idle()
         self._clients[client] = c
-        c.closed = False
         self._roll(c, now)
         c.in_flight += 1
         c.last_ns = now
@@ -81,17 +88,23 @@ class KnownClients:
 
     def answered(self, client: Hashable, now: int) -> None:
         """A request of ``client`` was answered (or failed) at ``now``."""
-        c = self._clients.get(client)
+        c = self._clients.pop(client, None)
         if c is None:
             return
+        self._clients[client] = c  # the most recently active
         c.in_flight -= 1
         c.last_ns = now
         if c.closed and not c.in_flight:
             self._drop(client)
 
-    def forget(self, client: Hashable) -> None:
-        """``client``'s connection closed: it sends no more (kept only while it has requests
-        in flight, which it can no longer add to)."""
+    def forget(self, client: Hashable, now: int) -> None:
+        """``client``'s connection closed at ``now``: it sends no more (kept only while it
+        has requests in flight, which it can no longer add to; a request it announced
+        before closing and that is submitted after counts only while in flight)."""
+        self._closed.pop(client, None)
+        if len(self._closed) >= MAX_KNOWN_CLIENTS:
+            del self._closed[next(iter(self._closed))]
+        self._closed[client] = now
         c = self._clients.get(client)
         if c is None:
             return
@@ -105,6 +118,23 @@ class KnownClients:
         peaks (exact as of the last sweep, at most :data:`SWEEP_NS` ago)."""
         self.sweep(now)
         return self._total
+
+    def sweep(self, now: int) -> None:
+        """Forget the clients silent for :data:`KNOWN_CLIENT_NS` (and the closed connections
+        closed as long ago) and decay the peaks, if the last sweep is :data:`SWEEP_NS` old
+        (else nothing: O(1))."""
+        if self._swept_ns is not None and now - self._swept_ns < SWEEP_NS:
+            return
+        self._swept_ns = now
+        oldest = now - KNOWN_CLIENT_NS
+        for k, c in list(self._clients.items()):
+            if not c.in_flight and c.last_ns < oldest:
+                del self._clients[k]
+            else:
+                self._roll(c, now)
+        self._total = sum(c.peak for c in self._clients.values())
+        while self._closed and next(iter(self._closed.values())) < oldest:
+            del self._closed[next(iter(self._closed))]  # the oldest close first: O(expired)
 
     # ------------------------------------------------------------------------------ internals
     def _set_cur(self, c: _Client, cur: int) -> None:
@@ -133,17 +163,3 @@ class KnownClients:
         idle = next((k for k, c in self._clients.items() if not c.in_flight), None)
         if idle is not None:  # the front of the map: O(1) unless many are in flight
             self._drop(idle)
-
-    def sweep(self, now: int) -> None:
-        """Forget the clients silent for :data:`KNOWN_CLIENT_NS` and decay the peaks, if the
-        last sweep is :data:`SWEEP_NS` old (else nothing: O(1))."""
-        if self._swept_ns is not None and now - self._swept_ns < SWEEP_NS:
-            return
-        self._swept_ns = now
-        oldest = now - KNOWN_CLIENT_NS
-        for k, c in list(self._clients.items()):
-            if not c.in_flight and c.last_ns < oldest:
-                del self._clients[k]
-            else:
-                self._roll(c, now)
-        self._total = sum(c.peak for c in self._clients.values())

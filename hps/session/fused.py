@@ -26,6 +26,7 @@ one (the same results).
 from __future__ import annotations
 
 import itertools
+import logging
 import threading
 import time
 from collections.abc import Sequence
@@ -46,6 +47,8 @@ from hps.storage.cache import LRU_PERIOD, EmbeddingCache
 from hps.types import CachePolicy, Pooling, TierUnavailableError
 
 __all__ = ["fused_lookup"]
+
+log = logging.getLogger(__name__)
 
 _SERIAL_COUNT_KEYS = 65536  # keys of one call counted without a parallel region below this
 
@@ -246,12 +249,16 @@ def _run(
     except Exception:
         # a call whose miss path raised counts its keys as one that succeeded, on both paths
         # (the compiled pass may already hold them): the tables the miss path did not reach
-        # are aged first, as it would have
-        if s.key_stats is not None:
-            for i, (t, c) in enumerate(zip(ts, caches, strict=True)):
-                if not counted[i]:
-                    s._age_key_stats(t, c)
-        _count_keys(s, ts, flat, per, counted)
+        # are aged first, as it would have. A failure to count is logged: the miss path's
+        # error is the call's
+        try:
+            if s.key_stats is not None:
+                for i, (t, c) in enumerate(zip(ts, caches, strict=True)):
+                    if not counted[i]:
+                        s._age_key_stats(t, c)
+            _count_keys(s, ts, flat, per, counted)
+        except Exception:
+            log.exception("counting the keys of a failed lookup of %s failed", [t.name for t in ts])
         raise
     _count_keys(s, ts, flat, per, counted)
 

@@ -14,6 +14,7 @@ from hps.fused import GatherArgs, gather, gather_reference, gather_rows
 from hps.kernels import load_extension
 from hps.rowformat import RowDtype, dequantize_rows, quantize_rows
 from hps.session import LookupSession, SessionTable
+from hps.session import fused as fused_module
 from hps.session.static_gather import gather_static
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache, StaticEmbeddingCache, set_of, tag_of
 from hps.storage.volatile import HashMapBackend
@@ -255,6 +256,25 @@ def test_a_failed_call_leaves_the_same_key_statistics_on_both_paths() -> None:
             [(k.hottest().tolist(), k.counts().tolist(), k.total) for k in s.key_stats.values()]
         )
     assert stats[0] == stats[1] == [([1, 150], [1, 1], 2), ([7], [1], 1)]
+
+
+def test_a_failure_to_count_keys_does_not_mask_the_miss_paths_error(monkeypatch, caplog) -> None:
+    """The miss path raises, then counting the call's keys raises too: the call fails with the
+    miss path's error (booked as unavailable), and the counting failure is logged."""
+
+    def broken(*args: object) -> None:
+        raise RuntimeError("counter broke")
+
+    monkeypatch.setattr(fused_module, "_count_keys", broken)
+    v = _Failing(num_partitions=1)
+    v.create_table("t", 2)
+    v.insert("t", np.arange(200, dtype=np.int64), np.ones((200, 2), np.float32))
+    c = EmbeddingCache(32, 2, ways=8)
+    s = LookupSession([SessionTable("t", 2, DEFAULT, 1000, c)], v, None, hit_rate_threshold=1.0)
+    with pytest.raises(TierUnavailableError):
+        s.lookup_pooled(["t"], [torch.tensor([[1, 150]])])
+    assert s.stats("t")["unavailable"] == 1
+    assert "counter broke" in caplog.text
 
 
 def _pool_in_order(rows: torch.Tensor, valid: torch.Tensor, mean: bool) -> torch.Tensor:

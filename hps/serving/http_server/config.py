@@ -39,29 +39,52 @@ def available_cores() -> int:
 class ModelBatching:
     """Dynamic batching knobs of one model, overriding the server's (``--model-batching
     NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US[:PREFERRED_BATCH_SIZE]``); see
-    :class:`~hps.serving.batcher.BatchingConfig`. ``preferred_batch_size`` ``None``: the
-    server's."""
+    :class:`~hps.serving.batcher.BatchingConfig`. ``max_batch_size`` 0: the model's own
+    (``ps.json``); ``preferred_batch_size`` ``None``: the server's (either capped at the
+    batch size).
+
+    Raises:
+        ValueError: naming the model and the knob, for a value outside its range
+            (``max_batch_size`` and ``preferred_batch_size`` 0 to 2**31 - 1,
+            ``max_queue_delay_us`` 0 to ``MAX_QUEUE_DELAY_US``).
+    """
 
     model: str
     max_batch_size: int
     max_queue_delay_us: int
     preferred_batch_size: int | None = None
 
+    def __post_init__(self) -> None:
+        for name, hi in (
+            ("max_batch_size", 2**31 - 1),
+            ("max_queue_delay_us", MAX_QUEUE_DELAY_US),
+            ("preferred_batch_size", 2**31 - 1),
+        ):
+            v = getattr(self, name)
+            if name == "preferred_batch_size" and v is None:
+                continue
+            if not isinstance(v, int) or isinstance(v, bool) or not 0 <= v <= hi:
+                raise ValueError(
+                    f"model batching of {self.model!r}: {name} must be an integer from 0 to "
+                    f"{hi}, got {v!r}"
+                )
+
     @classmethod
     def parse(cls, text: str) -> ModelBatching:
         """``"NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US[:PREFERRED_BATCH_SIZE]"`` (model names
-        hold no ``:``; ``ValueError`` naming the text)."""
+        hold no ``:``; ``ValueError`` naming the text, or the model and the knob out of its
+        range)."""
         name, *numbers = text.split(":")
         try:
             if len(numbers) not in (2, 3):
                 raise ValueError
             size, delay, *preferred = (int(n) for n in numbers)
-            return cls(name, size, delay, preferred[0] if preferred else None)
         except ValueError:
             raise ValueError(
                 f"model batching {text!r} is not NAME:MAX_BATCH_SIZE:MAX_QUEUE_DELAY_US"
                 "[:PREFERRED_BATCH_SIZE] (two or three integers)"
             ) from None
+        return cls(name, size, delay, preferred[0] if preferred else None)
 
 
 @dataclass(frozen=True)

@@ -352,6 +352,12 @@ def test_preferred_batch_size_is_checked_capped_and_reported(servable) -> None:
     assert three.batching(servable).preferred_batch_size == 8  # the server's
     with pytest.raises(ValueError, match=r"\[:PREFERRED_BATCH_SIZE\] \(two or three integers\)"):
         ModelBatching.parse("tiny:8:1:2:3")
+    with pytest.raises(ValueError, match="'tiny': preferred_batch_size must be .* got -5"):
+        ModelBatching.parse("tiny:32:100:-5")
+    with pytest.raises(ValueError, match="'tiny': max_queue_delay_us must be .* got 1000001"):
+        ModelBatching.parse("tiny:32:1000001")
+    with pytest.raises(ValueError, match="'tiny': max_batch_size must be .* got -1"):
+        ModelBatching.parse("tiny:-1:0")
     doc = model_config(servable, BatchingConfig(64, 100, preferred_batch_size=16))
     assert doc["dynamic_batching"]["preferred_batch_size"] == [16]
 

@@ -8,7 +8,7 @@ loopback HTTP and gRPC."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -59,6 +59,15 @@ class Clock:
         return self.ns
 
 
+def until(condition: Callable[[], bool]) -> None:
+    """Wait (at most ``RESULT_S``) until ``condition()`` holds."""
+    for _ in range(RESULT_S * 1000):
+        if condition():
+            return
+        threading.Event().wait(0.001)
+    raise AssertionError(f"{condition} never held")
+
+
 def req(n: int = 1, value: float = 1.0):
     return {"dense": np.full((n, 4), value, np.float32)}
 
@@ -104,10 +113,56 @@ def test_known_clients_capacity_is_the_sum_of_decaying_peaks() -> None:
     assert all(c == 4 for s, c in caps if s < KNOWN_CLIENT_NS)
     assert all(c == 1 for s, c in caps if s >= 2.5 * KNOWN_CLIENT_NS)
     k.sent("other", t)
-    k.forget("other")  # closed with a request in flight: still counted until answered
+    k.forget("other", t)  # closed with a request in flight: still counted until answered
     assert k.capacity(t) == 2
     k.answered("other", t)
     assert k.capacity(t) == 1 and len(k) == 1
+
+
+def test_a_connection_closed_before_its_request_is_submitted_counts_only_while_in_flight(
+    monkeypatch,
+) -> None:
+    """The HTTP server announces a request, the connection closes while its body is parsed
+    (forgotten before it was ever sent), then the request is submitted: it counts while in
+    flight, and is not waited for once answered (a lone live client still does not wait). A
+    closed connection is remembered for ``KNOWN_CLIENT_NS`` and at most
+    ``MAX_KNOWN_CLIENTS`` of them."""
+    k, t = KnownClients(), 10**12
+    k.sent("live", t)
+    k.answered("live", t)
+    k.forget("gone", t)
+    k.sent("gone", t)
+    assert k.capacity(t) == 2
+    k.answered("gone", t)
+    assert k.capacity(t + 1) == 1 and len(k) == 1
+    t += KNOWN_CLIENT_NS + 1  # past the memory of the close: the address is a new client
+    k.sent("gone", t)
+    k.answered("gone", t)
+    assert k.capacity(t) == 1 and len(k) == 1  # "live" is silent, "gone" known again
+
+    monkeypatch.setattr(known_clients, "MAX_KNOWN_CLIENTS", 4)
+    k = KnownClients()
+    for port in range(10):
+        k.forget(port, t)
+    for port in (0, 9):  # 0's close was forgotten to bound the memory, 9's is remembered
+        k.sent(port, t)
+        k.answered(port, t)
+    assert k.capacity(t) == 1
+
+
+def test_the_least_recently_active_idle_client_is_forgotten_first(monkeypatch) -> None:
+    """An answer makes its client the most recently active: past ``MAX_KNOWN_CLIENTS``, the
+    client idle since longest is forgotten, not the one whose long request just ended."""
+    monkeypatch.setattr(known_clients, "MAX_KNOWN_CLIENTS", 2)
+    k, t = KnownClients(), 0
+    k.sent("slow", t)
+    k.sent("slow", t)  # two long requests: peak 2
+    k.sent("quick", t + 1)
+    k.answered("quick", t + 2)
+    k.answered("slow", t + 3)
+    k.answered("slow", t + 3)
+    k.sent("new", t + 4)  # the map is full: "quick" is forgotten
+    assert len(k) == 2 and k.capacity(t + 4) == 2 + 1
 
 
 def test_a_sequential_client_with_a_new_connection_per_request_never_waits() -> None:
@@ -124,6 +179,7 @@ def test_a_sequential_client_with_a_new_connection_per_request_never_waits() -> 
         old, new = ("127.0.0.1", 50000), ("127.0.0.1", 50001)
         b.submit(req(), client=old).result(RESULT_S)
         waiting = b.submit(req(), client=new)  # `old` is still known: the batch waits
+        until(lambda: b.batch_waiting)
         assert not waiting.done()
         b.forget(old)
         assert waiting.result(RESULT_S).batch_size == 1
@@ -135,18 +191,24 @@ def test_a_failed_merged_execution_releases_each_clients_requests() -> None:
     """A merged execution of clients a and b fails, each request runs again alone: both are
     answered, and nothing stays in flight (closing their connections forgets them)."""
     servable = FakeServable(fail_merged=True)
+    servable.gate.clear()
     b = batcher(BatchingConfig(64, 10**6, preferred_batch_size=2), servable)
     try:
+        # c's request runs alone (c is the only known client) and holds the inference
+        # thread at the gate while a's and b's queue: they form the next batch together
+        fc = b.submit(req(value=0.0), client="c")
+        until(fc.running)
         fa = b.submit(req(value=1.0), client="a")
         fb = b.submit(req(value=2.0), client="b")
-        got = [float(f.result(RESULT_S).outputs["logits"][0]) for f in (fa, fb)]
-        assert 2 in servable.sizes  # they were merged once
-        b.forget("a")
-        b.forget("b")
+        servable.gate.set()
+        got = [float(f.result(RESULT_S).outputs["logits"][0]) for f in (fc, fa, fb)]
+        assert servable.sizes == [1, 2, 1, 1]  # c; a and b merged, failed, each alone
+        for client in "abc":
+            b.forget(client)
         assert b.known_clients == 0
     finally:
         b.close()
-    assert got == [1.0, 2.0]
+    assert got == [0.0, 1.0, 2.0]
 
 
 def test_a_cancelled_request_is_skipped_and_the_batcher_keeps_serving() -> None:

@@ -71,13 +71,13 @@ inline void static_piece_any(const StaticTable& t, int64_t i0, int64_t i1, int64
 // below can exceed out_n.
 inline bool out_placed(int64_t n, int64_t h, int64_t dim, int64_t off, int64_t stride,
                        int64_t out_n) {
-  if (dim <= 0 || off < 0 || off > out_n) return false;
+  if (dim <= 0 || off < 0) return false;
+  if (h > 0 && (stride < 0 || off > stride || dim > stride - off)) return false;
+  if (n == 0) return true;  // nothing written
+  if (off > out_n) return false;
   const int64_t room = out_n - off;
   if (h == 0) return n <= room / dim;
-  if (stride < 0 || off > stride || dim > stride - off) return false;
-  const int64_t bags = n / h;
-  if (bags == 0) return true;
-  return dim <= room && bags - 1 <= (room - dim) / stride;  // stride >= dim > 0
+  return dim <= room && n / h - 1 <= (room - dim) / stride;  // stride >= dim > 0
 }
 
 // Distinct values of keys (each in [0, capacity)): one bit per slot when the table is small

@@ -111,8 +111,10 @@ class StaticEmbeddingCache(EmbeddingCache):
 
     @property
     def full(self) -> bool:
-        """Whether every key of the table has its row here (no key of the table can miss)."""
-        return self._held == self.capacity
+        """Whether every key of the table has its row here (no key of the table can miss).
+        Read under the cache's lock, so never ``True`` while an invalidation is under way."""
+        with self._lock:
+            return self._held == self.capacity
 
     # ------------------------------------------------------------------ where keys live
     def home_slots(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -176,10 +178,10 @@ class StaticEmbeddingCache(EmbeddingCache):
     def _invalidate(self, keys: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Drop ``keys`` (their slots stay theirs); ``(how many were cached, homed keys
         dropped, their rows)``."""
-        dropped = super()._invalidate(keys)
-        with self._lock:
+        with self._lock:  # one critical section: never tags cleared while ``full`` holds
+            dropped = self._drop_locked(keys)
             self._held -= dropped[0]
-        return dropped
+            return dropped
 
     def nbytes(self) -> int:
         """Host or device bytes this cache holds: rows, keys, tags, counters, homed bits and

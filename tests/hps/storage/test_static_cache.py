@@ -7,6 +7,7 @@ updates, invalidation and bytes behave as for any cache."""
 from __future__ import annotations
 
 import json
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -201,3 +202,34 @@ def test_keys_past_int32_and_negative_keys_are_held_as_low_words() -> None:
     assert torch.equal(
         c.query(torch.tensor([-5, 2**31]))[0], torch.tensor([[9.0, 9.0], rows[0].tolist()])
     )
+
+
+def test_full_is_never_seen_while_an_invalidation_has_cleared_tags() -> None:
+    """A reader of ``full`` (what the all-hit fast paths trust) while an invalidation has
+    cleared a row's tag, before it has counted the row out, waits for the invalidation and
+    sees ``False``: tags and the held count change in one critical section."""
+    cache = StaticEmbeddingCache(np.arange(8), 4)
+    cache.insert(torch.arange(8), torch.ones(8, 4))
+    assert cache.full
+    seen: list[bool] = []
+    read = threading.Event()
+    clear_homed = cache._set_homed
+
+    def reader() -> None:
+        seen.append(cache.full)
+        read.set()
+
+    def tags_cleared(slots: torch.Tensor, homed: bool) -> None:
+        clear_homed(slots, homed)
+        assert int(cache.tags.view(-1)[3]) == 0  # the invalidated row's tag is gone
+        t = threading.Thread(target=reader)
+        t.start()
+        threads.append(t)
+        read.wait(0.2)  # a reader that does not wait for the lock reads now
+
+    threads: list[threading.Thread] = []
+    cache._set_homed = tags_cleared  # type: ignore[method-assign]
+    assert cache.invalidate(torch.tensor([3])) == 1
+    for t in threads:
+        t.join()
+    assert seen == [False] and not cache.full

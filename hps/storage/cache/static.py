@@ -112,9 +112,10 @@ class StaticEmbeddingCache(EmbeddingCache):
     @property
     def full(self) -> bool:
         """Whether every key of the table has its row here (no key of the table can miss).
-        Read under the cache's lock, so never ``True`` while an invalidation is under way."""
-        with self._lock:
-            return self._held == self.capacity
+        An invalidation clears tags and counts its rows out under one hold of the cache's
+        lock, so a reader holding the lock (the fused session) never sees ``True`` with a tag
+        cleared."""
+        return self._held == self.capacity
 
     # ------------------------------------------------------------------ where keys live
     def home_slots(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

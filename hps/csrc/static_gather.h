@@ -2,7 +2,7 @@
 // the caller): table i's key k lives in slot k, so a key is a hit exactly when
 // 0 <= k < capacity. First every key of every table is checked (a key out of range, or a -1
 // in rows, and the call returns without writing anything, for the caller's per-table path)
-// and counted: the table's keys >= 0 and its distinct ones (one bit per slot); then every
+// and counted: the table's keys >= 0 and its distinct ones (count_distinct); then every
 // table's rows are copied (rows) or its bags summed in order from +0.0, -1 padding skipped
 // (pool_bag: FP32 dims 16/32/64/128 in AVX registers), MEAN bags with a key divided by it.
 // Included by hps/csrc/fused_lookup.cpp.
@@ -65,6 +65,57 @@ inline void static_piece_any(const StaticTable& t, int64_t i0, int64_t i1, int64
   }
 }
 
+// Whether n keys of hotness h (bags: n / h bags), dim dim, fit out (out_n values) at offset
+// off: rows at off + r * dim, bags at off + b * stride with off + dim <= stride (a bag's
+// values never reach the next bag's, nor another table's). Overflow-safe: no sum or product
+// below can exceed out_n.
+inline bool out_placed(int64_t n, int64_t h, int64_t dim, int64_t off, int64_t stride,
+                       int64_t out_n) {
+  if (dim <= 0 || off < 0) return false;
+  if (h > 0 && (stride < 0 || off > stride || dim > stride - off)) return false;
+  if (n == 0) return true;  // nothing written
+  if (off > out_n) return false;
+  const int64_t room = out_n - off;
+  if (h == 0) return n <= room / dim;
+  return dim <= room && n / h - 1 <= (room - dim) / stride;  // stride >= dim > 0
+}
+
+// Distinct values of keys (each in [0, capacity)): one bit per slot when the table is small
+// beside the keys (capacity <= kBitmapRowsPerKey × keys, the torch path's bincount rule), else
+// an open-addressing set of >= 2 × keys slots, so a call costs O(keys), never O(table rows).
+// seen: scratch, reused across tables.
+constexpr int64_t kBitmapRowsPerKey = 8;
+
+inline int64_t count_distinct(const std::vector<int64_t>& keys, int64_t capacity,
+                              std::vector<uint64_t>& seen) {
+  const int64_t n = static_cast<int64_t>(keys.size());
+  if (n == 0) return 0;
+  int64_t unique = 0;
+  if (capacity > kBitmapRowsPerKey * n) {
+    int shift = 1;
+    while ((int64_t{1} << shift) < 2 * n) ++shift;
+    const uint64_t mask = (uint64_t{1} << shift) - 1;
+    constexpr uint64_t kEmpty = ~uint64_t{0};  // keys are >= 0
+    seen.assign(static_cast<size_t>(mask + 1), kEmpty);
+    for (const int64_t k : keys) {
+      const uint64_t u = static_cast<uint64_t>(k);
+      uint64_t at = (u * 0x9E3779B97F4A7C15ULL) >> (64 - shift);
+      while (seen[at] != kEmpty && seen[at] != u) at = (at + 1) & mask;
+      unique += seen[at] == kEmpty;
+      seen[at] = u;
+    }
+    return unique;
+  }
+  seen.assign(static_cast<size_t>((capacity + 63) / 64), 0);
+  for (const int64_t k : keys) {
+    uint64_t& w = seen[static_cast<size_t>(k >> 6)];
+    const uint64_t bit = uint64_t{1} << (k & 63);
+    unique += (w & bit) == 0;
+    w |= bit;
+  }
+  return unique;
+}
+
 // Every table's rows (hotness 0) or bags (hotness h > 0) read from full IDENTITY static caches.
 // keys: per table (n,) int64 (bags: n = B × h, -1 pads); storage: per table the cache's
 // (capacity, >= row bytes) uint8 rows; out: contiguous float32, table i's rows at
@@ -103,36 +154,35 @@ inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
     const int64_t n = k.numel(), h = hotness[i];
     check(h >= 0 && (h == 0 || n % h == 0),
           tab + std::to_string(n) + " keys are not bags of hotness " + std::to_string(h));
-    const int64_t last = h == 0 ? out_offsets[i] + n * dims[i]
-                                : (n ? (n / h - 1) * out_stride + out_offsets[i] + dims[i] : 0);
-    check(out_offsets[i] >= 0 && (h == 0 || dims[i] <= out_stride) && last <= out_n,
-          tab + "its output (offset " + std::to_string(out_offsets[i]) + ") overruns out of " +
-              std::to_string(out_n) + " values");
+    check(out_placed(n, h, dims[i], out_offsets[i], out_stride, out_n),
+          tab + "its output (offset " + std::to_string(out_offsets[i]) + ", " +
+              std::to_string(n) + " keys of dim " + std::to_string(dims[i]) +
+              (h == 0 ? std::string()
+                      : ", hotness " + std::to_string(h) + ", stride " +
+                            std::to_string(out_stride)) +
+              ") does not fit out of " + std::to_string(out_n) + " values" +
+              (h == 0 ? "" : " (each bag's offset + dim must be <= stride)"));
     ts[i] = {k.data_ptr<int64_t>(), n, s.data_ptr<uint8_t>(), s.size(0), s.size(1), dims[i],
              formats[i], h, mean[i] != 0, out.data_ptr<float>() + out_offsets[i]};
   }
   // every key checked and counted before anything is written
   auto per_table = at::zeros({static_cast<int64_t>(T), 5}, at::kLong);
   int64_t* pt = per_table.data_ptr<int64_t>();
+  std::vector<int64_t> valid_keys;
   std::vector<uint64_t> seen;
   int64_t total = 0;
   for (size_t i = 0; i < T; ++i) {
     const StaticTable& t = ts[i];
     const int64_t lo = t.hotness > 0 ? -1 : 0;
-    seen.assign(static_cast<size_t>((t.capacity + 63) / 64), 0);
-    int64_t valid = 0, unique = 0;
+    valid_keys.clear();
     for (int64_t j = 0; j < t.n; ++j) {
       const int64_t k = t.keys[j];
       if (k < lo || k >= t.capacity) return at::zeros({0, 5}, at::kLong);
-      if (k < 0) continue;
-      ++valid;
-      uint64_t& w = seen[static_cast<size_t>(k >> 6)];
-      const uint64_t bit = uint64_t{1} << (k & 63);
-      unique += (w & bit) == 0;
-      w |= bit;
+      if (k >= 0) valid_keys.push_back(k);
     }
+    const int64_t valid = static_cast<int64_t>(valid_keys.size());
     pt[i * 5 + 1] = valid;
-    pt[i * 5 + 2] = unique;
+    pt[i * 5 + 2] = count_distinct(valid_keys, t.capacity, seen);
     pt[i * 5 + 3] = valid;
     total += t.n;
   }

@@ -12,8 +12,9 @@ come from one count over the hit slots. A static cache keeps no use counts.
 When every cache is full and laid out IDENTITY (key k in slot k) and every key is one of its
 table's, every key hits: the compiled ``static_gather`` checks and counts all tables' keys in
 one pass and then reads every table's rows or pools its bags (FP32 dims 16/32/64/128 in AVX
-registers), bit for bit the table-by-table path's output and statistics; without the compiled
-kernel, rows take one range check over all tables (:func:`_all_rows_hit`).
+registers), bit for bit the table-by-table path's output and statistics (distinct keys counted
+in O(keys), never O(table rows)); where the compiled pass cannot run (kernel not built, int32
+keys, a tensor off the CPU), rows take one range check over all tables (:func:`_all_rows_hit`).
 """
 
 from __future__ import annotations
@@ -77,23 +78,35 @@ def gather_static(args: GatherArgs, compiled: bool = True) -> GatherResult:
             raise TypeError(f"table {i}: gather_static takes static caches, got {type(c).__name__}")
         caches.append(c)
     identity = all(c.full and c.layout is StaticLayout.IDENTITY for c in caches)
-    fast = _all_hit_compiled(args, caches) if compiled and identity else None
-    if fast is None and identity:
-        fast = _all_rows_hit(args, caches, compiled)
-    if fast is not None:
-        return fast
+    if identity:
+        # a key the compiled pass found not its table's fails the rows' range check too
+        fast = (
+            _all_hit_compiled(args, caches)
+            if compiled and _compiled_applies(args, caches)
+            else _all_rows_hit(args, caches, compiled)
+        )
+        if fast is not None:
+            return fast
     return join_tables([_gather_one(args, i, c, compiled) for i, c in enumerate(caches)])
+
+
+def _compiled_applies(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> bool:
+    """Whether the compiled all-hit pass can take these tables: the kernel built, the output,
+    every cache and every table's keys on the CPU, the keys int64."""
+    if load_extension() is None or args.out.device.type != "cpu":
+        return False
+    if any(c.storage.device.type != "cpu" for c in caches):
+        return False
+    return all(k.dtype == torch.int64 and k.device.type == "cpu" for k in args.keys)
 
 
 def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> GatherResult | None:
     """Rows or bags of tables whose static caches are full and laid out IDENTITY, when every
     key (bags: every key but -1 padding) is one of its table's: one compiled call checks and
     counts every key, then writes every table's output; ``None`` (nothing written) when a key
-    is not its table's, a cache is off the CPU, or the kernel is not built."""
+    is not its table's, or when the pass cannot take the tables (:func:`_compiled_applies`)."""
     ext = load_extension()
-    if ext is None or args.out.device.type != "cpu":
-        return None
-    if any(c.storage.device.type != "cpu" for c in caches):
+    if ext is None or not _compiled_applies(args, caches):
         return None
     per = ext.static_gather(
         list(args.keys),
@@ -115,12 +128,10 @@ def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> G
 def _all_rows_hit(
     args: GatherArgs, caches: list[StaticEmbeddingCache], compiled: bool
 ) -> GatherResult | None:
-    """Rows of tables whose static caches are full and laid out IDENTITY, when every key is
-    one of its table's (so every key hits): one range check and one row gather per table and
+    """Rows of tables whose static caches are full and laid out IDENTITY (the caller checked),
+    when every key is one of its table's (so every key hits): one range check and one row gather per table and
     one distinct count over all of them; ``None`` (nothing written) otherwise."""
-    if any(h for h in args.hotness) or not all(
-        c.full and c.layout is StaticLayout.IDENTITY for c in caches
-    ):
+    if any(h for h in args.hotness):
         return None
     sizes = [k.numel() for k in args.keys]
     flat = torch.cat(list(args.keys)) if len(caches) > 1 else args.keys[0]
@@ -143,7 +154,8 @@ def _all_rows_hit(
     for i, c in enumerate(caches):
         n, off = sizes[i], args.out_offsets[i]
         block = args.out[off : off + n * c.dim].view(n, c.dim)
-        gather_rows(c.storage, args.keys[i], row_format_of(c), c.dim, 0, block, compiled)
+        keys = args.keys[i].to(torch.int64)  # int32 keys too (no copy for int64)
+        gather_rows(c.storage, keys, row_format_of(c), c.dim, 0, block, compiled)
     per = torch.tensor(
         [[0, n, u, n, 0] for n, u in zip(sizes, unique, strict=True)], dtype=torch.int64
     ).reshape(len(caches), 5)

@@ -1,9 +1,23 @@
-"""Helpers shared by the HPS tests (tables with integer-valued rows, the reference lookup)."""
+"""Helpers shared by the HPS tests (tables with integer-valued rows, the reference lookup,
+the compiled kernel required)."""
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import pytest
 import torch
+
+from hps.kernels import load_extension
+
+
+def needs_ext() -> None:
+    """Skip the test when the hps compiled kernel is not built (fail it in CI)."""
+    if load_extension() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the hps compiled kernel could not be built (python -m hps.build_ext -v)")
+        pytest.skip("the hps compiled kernel is not built")
 
 
 def make_table(

@@ -19,17 +19,11 @@ from hps.session.static_gather import gather_static
 from hps.storage.cache import EMPTY_KEY, EmbeddingCache, StaticEmbeddingCache, set_of, tag_of
 from hps.storage.volatile import HashMapBackend
 from hps.types import CachePolicy, Pooling, TierRead, TierUnavailableError
+from tests.hps.hps_helpers import needs_ext
 
 SPECS = [(300, 4), (50, 8), (1000, 3)]  # (rows, dim) per table
 NAMES = ["t0", "t1", "t2"]
 DEFAULT = -1.0
-
-
-def _needs_ext() -> None:
-    if load_extension() is None:
-        if os.environ.get("CI"):
-            pytest.fail("the hps compiled kernel could not be built (python -m hps.build_ext -v)")
-        pytest.skip("the hps compiled kernel is not built")
 
 
 def _rows(n: int, d: int) -> np.ndarray:
@@ -79,7 +73,7 @@ def _assert_same_state(a: LookupSession, b: LookupSession) -> None:
 )
 def test_compiled_pass_equals_reference_bit_for_bit(policy: CachePolicy, compact: bool) -> None:
     """int32 keys (compact) and int64 keys: the same outputs, counters and statistics."""
-    _needs_ext()
+    needs_ext()
     a, b = _session(True, policy, compact=compact), _session(False, policy, compact=compact)
     g = torch.Generator().manual_seed(0)
     modes = [Pooling.SUM, Pooling.MEAN, Pooling.SUM]
@@ -101,7 +95,7 @@ def test_compiled_pass_equals_reference_bit_for_bit(policy: CachePolicy, compact
 @pytest.mark.parametrize("compiled", [True, False])
 def test_fused_rows_equal_per_table_lookups(compiled: bool) -> None:
     if compiled:
-        _needs_ext()
+        needs_ext()
     fused, single = _session(compiled, "lfu"), _session(compiled, "lfu")
     g = torch.Generator().manual_seed(1)
     for _ in range(4):
@@ -122,7 +116,7 @@ def test_fused_rows_equal_per_table_lookups(compiled: bool) -> None:
 @pytest.mark.parametrize("compiled", [True, False])
 def test_pooled_bags_equal_pooled_rows(compiled: bool) -> None:
     if compiled:
-        _needs_ext()
+        needs_ext()
     s, ref = _session(compiled, "lru"), _session(compiled, "lru")
     g = torch.Generator().manual_seed(2)
     modes = [Pooling.MEAN, Pooling.SUM, Pooling.MEAN]
@@ -240,7 +234,7 @@ def test_a_failed_tier_is_refused_never_defaulted() -> None:
 def test_a_failed_call_leaves_the_same_key_statistics_on_both_paths() -> None:
     """The miss path of the first table raises: both paths count every table's keys (the
     compiled pass counted them in the pass), totals included, as for a call that succeeded."""
-    _needs_ext()
+    needs_ext()
     stats = []
     for compiled in (True, False):
         v = _Failing(num_partitions=1)
@@ -298,7 +292,7 @@ def test_pooled_bags_sum_in_request_order_whatever_the_cache_holds(
     keys: each bag is summed key by key in request order, bit-equal to pooling the rows of
     :meth:`lookup_many` in bag order, on a cold and on a warm cache."""
     if compiled:
-        _needs_ext()
+        needs_ext()
     g = torch.Generator().manual_seed(5)
     n, d = 400, 16
     w = torch.randn(n, d, generator=g) * torch.logspace(-3, 3, d)
@@ -329,7 +323,7 @@ def test_gather_rows_dequantizes_as_the_row_format_does(fmt: RowDtype, d: int) -
     """The compiled dequantizing gather (rows, and bags summed in order into a column block
     of a wider buffer) equals hps.rowformat.dequantize_rows bit for bit, for every format
     (FP32 bags of dims 16 and 128 summed in registers, of dim 24 row by row)."""
-    _needs_ext()
+    needs_ext()
     g = torch.Generator().manual_seed(7)
     cap, h = 300, 5
     w = torch.randn(cap, d, generator=g) * 3
@@ -370,7 +364,7 @@ def test_fused_pass_reads_quantized_cache_rows(fmt: RowDtype) -> None:
     """The fused pass over a cache holding fp16 / int8 / int4 rows: compiled equals the
     reference bit for bit (rows, in-order bags, counters) and rows equal the format's
     dequantization."""
-    _needs_ext()
+    needs_ext()
     g = torch.Generator().manual_seed(12)
     for bags in (False, True):
         (c1, want), (c2, _) = (
@@ -415,7 +409,7 @@ def test_threaded_pass_equals_reference(policy: CachePolicy) -> None:
     threads gather, then each writes the counters and mark bits of the slots it owns) gives the
     reference's rows, bags, counters and statistics bit for bit; hot keys (~60 hits a slot)
     take LFU levels past the exact ones, where each hit's step is drawn."""
-    _needs_ext()
+    needs_ext()
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -475,7 +469,7 @@ def test_compiled_pass_reads_high_words_like_the_reference(spread: str) -> None:
     """Keys outside int32's range: the compiled probe matches low word, nibble and high word
     (or whole int64 keys) exactly as the reference; a key sharing a cached key's low word but
     not its high word misses."""
-    _needs_ext()
+    needs_ext()
     n, d = 600, 4
     keys = _keys_of(spread, n)
     sessions = []
@@ -510,7 +504,7 @@ def test_compiled_pass_reads_high_words_like_the_reference(spread: str) -> None:
 def test_the_kernel_refuses_several_high_words_without_nibbles() -> None:
     """More than one high word needs a nibble per slot: without them every slot would name
     word 0 (a key stored as another), so the kernel refuses the call, naming the count."""
-    _needs_ext()
+    needs_ext()
     s = _session(True, "lru")
     c = s.tables["t0"].cache
     assert c is not None
@@ -531,7 +525,7 @@ def test_pooled_bags_start_from_plus_zero_so_negative_zero_rows_pool_to_plus_zer
     pools such bags in registers)."""
     passes = [True, False] if load_extension() is not None else [False]
     if os.environ.get("CI"):
-        _needs_ext()
+        needs_ext()
     outs = []
     half = dim // 2
     for compiled in passes:

@@ -439,15 +439,19 @@ class EmbeddingCache:
     def _invalidate(self, keys: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Drop ``keys``; ``(how many were cached, homed keys dropped, their rows)``."""
         with self._lock:
-            hit, slot = self._slots(keys)
-            hs = slot[hit]
-            back = self._homed_at(hs)
-            back_keys, back_rows = keys[hit][back], self.storage[hs[back]]
-            self.slot_keys.clear(hs)
-            self.tags.view(-1)[hs] = 0
-            self.counters.view(-1)[hs] = 0
-            self._set_homed(hs, False)
-            return int(hs.numel()), back_keys, back_rows
+            return self._drop_locked(keys)
+
+    def _drop_locked(self, keys: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
+        """:meth:`_invalidate`'s work; the caller holds ``_lock``."""
+        hit, slot = self._slots(keys)
+        hs = slot[hit]
+        back = self._homed_at(hs)
+        back_keys, back_rows = keys[hit][back], self.storage[hs[back]]
+        self.slot_keys.clear(hs)
+        self.tags.view(-1)[hs] = 0
+        self.counters.view(-1)[hs] = 0
+        self._set_homed(hs, False)
+        return int(hs.numel()), back_keys, back_rows
 
     # ------------------------------------------------------------------ exclusive tiers
     def attach(self, home: RowHome) -> None:

@@ -111,7 +111,10 @@ class StaticEmbeddingCache(EmbeddingCache):
 
     @property
     def full(self) -> bool:
-        """Whether every key of the table has its row here (no key of the table can miss)."""
+        """Whether every key of the table has its row here (no key of the table can miss).
+        An invalidation clears tags and counts its rows out under one hold of the cache's
+        lock, so a reader holding the lock (the fused session) never sees ``True`` with a tag
+        cleared."""
         return self._held == self.capacity
 
     # ------------------------------------------------------------------ where keys live
@@ -176,10 +179,10 @@ class StaticEmbeddingCache(EmbeddingCache):
     def _invalidate(self, keys: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
         """Drop ``keys`` (their slots stay theirs); ``(how many were cached, homed keys
         dropped, their rows)``."""
-        dropped = super()._invalidate(keys)
-        with self._lock:
+        with self._lock:  # one critical section: never tags cleared while ``full`` holds
+            dropped = self._drop_locked(keys)
             self._held -= dropped[0]
-        return dropped
+            return dropped
 
     def nbytes(self) -> int:
         """Host or device bytes this cache holds: rows, keys, tags, counters, homed bits and

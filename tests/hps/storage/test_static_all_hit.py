@@ -6,8 +6,6 @@ table's leaves the pass without a write, and the table-by-table path answers."""
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import pytest
 import torch
@@ -19,16 +17,10 @@ from hps.rowformat import RowDtype
 from hps.session import static_gather
 from hps.session.static_gather import gather_static
 from hps.storage.cache import StaticEmbeddingCache, StaticLayout
+from tests.hps.hps_helpers import needs_ext
 
 DIMS = [16, 128, 24, 64, 32]
 SIZES = [50, 70, 40, 90, 30]
-
-
-def _needs_ext() -> None:
-    if load_extension() is None:
-        if os.environ.get("CI"):
-            pytest.fail("the hps compiled kernel could not be built (python -m hps.build_ext -v)")
-        pytest.skip("the hps compiled kernel is not built")
 
 
 def _caches(fmt: RowDtype) -> list[StaticEmbeddingCache]:
@@ -82,7 +74,7 @@ def test_all_hit_pass_equals_the_table_by_table_path_and_the_reference(
 ) -> None:
     """Batch 2048 (over 8,192 keys) with two torch threads: the pass splits its pieces
     between threads."""
-    _needs_ext()
+    needs_ext()
     caches = _caches(fmt)
     g = torch.Generator().manual_seed(9)
     hot = [1, 3, 2, 5, 4] if bags else [0] * 5
@@ -129,7 +121,7 @@ def test_all_hit_pass_equals_the_table_by_table_path_and_the_reference(
 
 
 def test_a_key_not_its_tables_leaves_the_all_hit_pass_without_a_write() -> None:
-    _needs_ext()
+    needs_ext()
     ext = load_extension()
     assert ext is not None
     caches = _caches(RowDtype.FP32)
@@ -150,3 +142,89 @@ def test_a_key_not_its_tables_leaves_the_all_hit_pass_without_a_write() -> None:
     assert got.misses.tolist() == [11] and int(got.per_table[4, 0]) == 1
     for x, y in zip(got.pending, want.pending, strict=True):
         assert torch.equal(x, y)
+
+
+@pytest.mark.parametrize("hot", [0, 2], ids=["rows", "bags"])
+def test_a_large_sparsely_hit_table_is_counted_by_its_keys(hot: int) -> None:
+    """4 M rows (FP32, dim 16; only the hit rows' pages touched), 40 keys with repeats: the
+    distinct keys are counted over the keys (a set sized to them), not a bit per table row;
+    statistics and output equal the reference."""
+    needs_ext()
+    ext = load_extension()
+    assert ext is not None
+    cap, dim, g = 4_000_000, 16, torch.Generator().manual_seed(11)
+    storage = torch.empty(cap, dim * 4, dtype=torch.uint8)  # untouched but the rows below
+    picks = torch.cat([torch.randint(0, cap, (24,), generator=g), torch.tensor([0, cap - 1])])
+    storage[picks] = torch.randn(picks.numel(), dim, generator=g).view(torch.uint8)
+    keys = picks[torch.randint(0, picks.numel(), (40,), generator=g)]
+    if hot:
+        keys[::5] = -1
+    valid = keys[keys >= 0]
+    out = torch.full((40 * dim,) if hot == 0 else (20, dim), 7.0)
+    per = ext.static_gather(
+        [keys], [storage], [FORMAT_CODES[RowDtype.FP32]], [dim], [hot], [0], out, [0], dim
+    )
+    n = int(valid.numel())
+    assert per.tolist() == [[0, n, int(torch.unique(valid).numel()), n, 0]]
+    want = fused.gather_rows(storage, keys, RowDtype.FP32, dim, hot, None, compiled=False)
+    assert torch.equal(out.view(torch.int32), want.reshape(out.shape).view(torch.int32))
+
+
+def test_an_output_that_does_not_fit_is_refused_before_a_write() -> None:
+    """An offset near 2**63 (``offset + n × dim`` wraps) and bags whose ``offset + dim``
+    passes the stride (one table's bag into the next bag) raise ValueError naming the table,
+    the offset and the sizes; nothing written."""
+    needs_ext()
+    ext = load_extension()
+    assert ext is not None
+    f, dim = FORMAT_CODES[RowDtype.FP32], 16
+    storage = torch.arange(4 * dim, dtype=torch.float32).view(4, dim).view(torch.uint8)
+    k = torch.arange(4)
+    out = torch.full((64,), 7.0)
+    with pytest.raises(ValueError, match=r"table 0: its output \(offset 9223372036854775776, 4 keys of dim 16\)"):  # fmt: skip
+        ext.static_gather([k], [storage], [f], [dim], [0], [0], out, [2**63 - 32], 0)
+    bags = torch.full((4, 24), 7.0)
+    with pytest.raises(ValueError, match=r"table 1: .*offset 16, 4 keys of dim 16, hotness 1, stride 24"):  # fmt: skip
+        ext.static_gather(
+            [k, k], [storage, storage], [f, f], [dim, dim], [1, 1], [0, 0], bags, [0, 16], 24
+        )
+    assert bool((out == 7.0).all()) and bool((bags == 7.0).all())
+
+
+def test_keys_the_compiled_pass_cannot_take_fall_back_to_the_torch_pass(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """int32 keys: the rows' torch all-hit pass answers (no raise), equal to the reference."""
+    needs_ext()
+    caches = _caches(RowDtype.FP32)
+    g = torch.Generator().manual_seed(12)
+    keys = [torch.randint(0, n, (12,), generator=g, dtype=torch.int32) for n in SIZES]
+    a = _args(caches, keys, [0] * 5, [False] * 5)
+    with monkeypatch.context() as m:
+        m.setattr(static_gather, "_gather_one", _no_table_by_table)
+        got = gather_static(a)
+    b = _args(caches, [k.long() for k in keys], [0] * 5, [False] * 5)
+    want = gather_reference(b)
+    assert torch.equal(a.out, b.out)
+    _same(got, want)
+
+
+def test_a_row_key_not_its_tables_is_range_checked_once(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The compiled pass found a key out of its table: the table-by-table path answers, the
+    torch all-hit pass (the same range check again) is not tried."""
+    needs_ext()
+    caches = _caches(RowDtype.FP32)
+    g = torch.Generator().manual_seed(13)
+    keys = [torch.randint(0, n, (10,), generator=g) for n in SIZES]
+    keys[2][4] = SIZES[2]
+    a = _args(caches, keys, [0] * 5, [False] * 5)
+    with monkeypatch.context() as m:
+        m.setattr(static_gather, "_all_rows_hit", _no_table_by_table)
+        got = gather_static(a)
+    b = _args(caches, keys, [0] * 5, [False] * 5)
+    want = gather_reference(b)
+    hit = torch.ones(a.out.numel(), dtype=torch.bool)
+    miss_at = sum(10 * d for d in DIMS[:2]) + 4 * DIMS[2]
+    hit[miss_at : miss_at + DIMS[2]] = False  # a miss's row is the session's to fill
+    assert torch.equal(a.out[hit], b.out[hit]) and torch.equal(got.per_table, want.per_table)
+    assert got.misses.tolist() == [4]

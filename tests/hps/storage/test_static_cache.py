@@ -7,6 +7,8 @@ updates, invalidation and bytes behave as for any cache."""
 from __future__ import annotations
 
 import json
+import threading
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -201,3 +203,60 @@ def test_keys_past_int32_and_negative_keys_are_held_as_low_words() -> None:
     assert torch.equal(
         c.query(torch.tensor([-5, 2**31]))[0], torch.tensor([[9.0, 9.0], rows[0].tolist()])
     )
+
+
+class _HandOffLock:
+    """A lock that, once armed, runs ``hand_off`` right after its next release (so a thread
+    waiting for it gets it before the releasing thread can take it again)."""
+
+    def __init__(self) -> None:
+        self._inner = threading.Lock()
+        self.hand_off: Callable[[], object] | None = None
+
+    def acquire(self, blocking: bool = True, timeout: float = -1) -> bool:
+        return self._inner.acquire(blocking, timeout)
+
+    def release(self) -> None:
+        self._inner.release()
+        hand_off, self.hand_off = self.hand_off, None
+        if hand_off is not None:
+            hand_off()
+
+    def __enter__(self) -> bool:
+        return self.acquire()
+
+    def __exit__(self, *_: object) -> None:
+        self.release()
+
+
+def test_full_is_never_seen_while_an_invalidation_has_cleared_tags() -> None:
+    """A reader that holds the cache's lock (as the fused session does around its all-hit
+    pass, which trusts ``full``) and takes it as soon as an invalidation that cleared a tag
+    first lets go, sees ``full`` False: tags and the held count change in one critical
+    section, with no window where the row's tag is gone and the cache still claims it all."""
+    cache = StaticEmbeddingCache(np.arange(8), 4)
+    cache.insert(torch.arange(8), torch.ones(8, 4))
+    assert cache.full
+    lock = _HandOffLock()
+    cache._lock = lock  # type: ignore[assignment]
+    seen: list[tuple[bool, int]] = []
+    read = threading.Event()
+    clear_homed = cache._set_homed
+
+    def reader() -> None:
+        with cache._lock:
+            seen.append((cache.full, int(cache.tags.view(-1)[3])))
+        read.set()
+
+    def tags_cleared(slots: torch.Tensor, homed: bool) -> None:
+        clear_homed(slots, homed)
+        threads.append(threading.Thread(target=reader))
+        threads[-1].start()  # waits for the lock the invalidation holds
+        lock.hand_off = lambda: read.wait(5.0)
+
+    threads: list[threading.Thread] = []
+    cache._set_homed = tags_cleared  # type: ignore[method-assign]
+    assert cache.invalidate(torch.tensor([3])) == 1
+    for t in threads:
+        t.join()
+    assert seen == [(False, 0)] and not cache.full

@@ -148,6 +148,9 @@ def fused_lookup(
         hot = [int(k.shape[1]) for k in keys]
         offsets = [0, *itertools.accumulate(dims)][:-1]
         buf = _out_buffer(out, (b, sum(dims)), s.device)
+        for o, d, h in zip(offsets, dims, hot, strict=True):
+            if h == 0:  # bags of no keys: no pass writes their columns, and they pool to zeros
+                buf[:, o : o + d].zero_()
     else:
         hot = [0] * len(ts)
         sizes = [f.numel() * d for f, d in zip(flat, dims, strict=True)]

@@ -137,6 +137,25 @@ def test_pooled_bags_equal_pooled_rows(compiled: bool) -> None:
             col += d
 
 
+@pytest.mark.parametrize("compiled", [True, False])
+def test_bags_of_no_keys_pool_to_zeros_in_a_reused_buffer(compiled: bool) -> None:
+    if compiled:
+        needs_ext()
+    s, ref = _session(compiled, "lru"), _session(compiled, "lru")
+    g = torch.Generator().manual_seed(5)
+    keys = _bags(g)
+    keys[1] = torch.zeros(16, 0, dtype=torch.int64)  # table t1: bags of width 0
+    modes = [Pooling.SUM, Pooling.MEAN, Pooling.SUM]
+    out = torch.full((16, sum(d for _, d in SPECS)), 55.0)
+    got = s.lookup_pooled(NAMES, keys, modes, out=out)
+    d0, d1 = SPECS[0][1], SPECS[1][1]
+    assert torch.equal(got[:, d0 : d0 + d1], torch.zeros(16, d1))
+    for cols, name, k in ((slice(0, d0), "t0", keys[0]), (slice(d0 + d1, None), "t2", keys[2])):
+        valid = k >= 0
+        want = (ref.lookup(name, k.clamp(min=0)) * valid[..., None]).sum(1)
+        assert torch.equal(got[:, cols], want), name
+
+
 def test_tags_follow_inserts_and_invalidations() -> None:
     c = EmbeddingCache(64, 2, ways=8)
     k = torch.arange(40, dtype=torch.int64)

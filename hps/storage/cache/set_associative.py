@@ -442,7 +442,9 @@ class EmbeddingCache:
             return self._drop_locked(keys)
 
     def _drop_locked(self, keys: torch.Tensor) -> tuple[int, torch.Tensor, torch.Tensor]:
-        """:meth:`_invalidate`'s work; the caller holds ``_lock``."""
+        """:meth:`_invalidate`'s work; the caller holds ``_lock``. A key given twice is
+        dropped (and counted) once."""
+        keys = torch.unique(keys)
         hit, slot = self._slots(keys)
         hs = slot[hit]
         back = self._homed_at(hs)

@@ -260,3 +260,17 @@ def test_full_is_never_seen_while_an_invalidation_has_cleared_tags() -> None:
     for t in threads:
         t.join()
     assert seen == [(False, 0)] and not cache.full
+
+
+def test_a_key_invalidated_twice_in_one_call_is_dropped_once() -> None:
+    """``invalidate`` with a key given twice drops and counts it once, so the cache is full
+    again once that row is inserted again (the all-hit pass needs ``full``)."""
+    c = StaticEmbeddingCache(np.arange(10), 2)
+    rows = torch.arange(20, dtype=torch.float32).view(10, 2)
+    c.insert(torch.arange(10), rows)
+    assert c.full
+    assert c.invalidate(torch.tensor([3, 3, 4])) == 2 and not c.full
+    c.insert(torch.tensor([3, 4]), rows[3:5])
+    assert c.full
+    got, hit = c.query(torch.arange(10))
+    assert bool(hit.all()) and torch.equal(got, rows)

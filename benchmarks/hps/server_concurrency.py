@@ -107,15 +107,6 @@ def _client_process(
     import tritonclient.grpc as tg
     import tritonclient.http as th
 
-    lat: list[float] = []
-    in_window = [0]
-    errors: list[str] = []
-    wrong = [0]
-    lock = threading.Lock()
-    ready = threading.Barrier(threads + 1)
-    go = threading.Event()
-    window: list[float] = []
-
     def inputs(req: dict[str, np.ndarray]) -> list[Any]:
         res = []
         for name, arr in req.items():
@@ -129,24 +120,58 @@ def _client_process(
             res.append(x)
         return res
 
-    def worker(k: int) -> None:
+    def sender(k: int) -> Callable[[int], Any]:
         c: Any = (
             th.InferenceServerClient(address)
             if protocol == "http"
             else tg.InferenceServerClient(address)
         )
         prepared = [inputs(r) for r in reqs]
+        return lambda j: c.infer("dlrm", prepared[j]).as_numpy("logits")
+
+    out.put(
+        _closed_loop(
+            threads, len(reqs), seconds, start, sender, lambda j, got: np.array_equal(got, wants[j])
+        )
+    )
+
+
+def _closed_loop(
+    threads: int,
+    n: int,
+    seconds: float,
+    start: Any,
+    sender: Callable[[int], Callable[[int], Any]],
+    right: Callable[[int, Any], bool],
+) -> tuple[list[float], int, list[str], int, float]:
+    """``threads`` closed-loop clients of one process: client ``k`` gets its ``send`` from
+    ``sender(k)`` in its own thread, sends two untimed requests, waits for every client and the
+    ``start`` barrier (every process and the parent), then sends requests ``k, k + 1, …``
+    (modulo ``n``) for ``seconds``, each answer judged by ``right(j, answer)`` after its time
+    is taken. Returns ``(latencies s, requests completed within the window, errors, wrong
+    answers, this process's CPU seconds over the window)``."""
+    lat: list[float] = []
+    in_window = [0]
+    errors: list[str] = []
+    wrong = [0]
+    lock = threading.Lock()
+    ready = threading.Barrier(threads + 1)
+    go = threading.Event()
+    window: list[float] = []
+
+    def worker(k: int) -> None:
+        send = sender(k)
         for i in range(2):  # warm-up, not timed
-            c.infer("dlrm", prepared[(k + i) % len(reqs)])
+            send((k + i) % n)
         ready.wait()
         go.wait()
         stop = window[1]
         i = k
         while time.perf_counter() < stop:
-            j = i % len(reqs)
+            j = i % n
             t0 = time.perf_counter()
             try:
-                got = c.infer("dlrm", prepared[j]).as_numpy("logits")
+                got = send(j)
             except Exception as e:  # counted: the figure is "no errors"
                 with lock:
                     errors.append(str(e)[:200])
@@ -155,7 +180,7 @@ def _client_process(
                 with lock:
                     lat.append(t1 - t0)
                     in_window[0] += t1 <= stop
-                    wrong[0] += not np.array_equal(got, wants[j])
+                    wrong[0] += not right(j, got)
             i += 1
 
     ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
@@ -171,7 +196,7 @@ def _client_process(
     for t in ts:
         t.join()
     cpu = resource.getrusage(resource.RUSAGE_SELF)
-    out.put((lat, in_window[0], errors, wrong[0], cpu.ru_utime + cpu.ru_stime - cpu0))
+    return lat, in_window[0], errors, wrong[0], cpu.ru_utime + cpu.ru_stime - cpu0
 
 
 def raw_request_bytes(req: dict[str, np.ndarray]) -> bytes:
@@ -220,14 +245,6 @@ def _raw_client_process(
     import grpc
 
     bodies = [raw_request_bytes(r) for r in reqs]
-    lat: list[float] = []
-    in_window = [0]
-    errors: list[str] = []
-    wrong = [0]
-    lock = threading.Lock()
-    ready = threading.Barrier(threads + 1)
-    go = threading.Event()
-    window: list[float] = []
     with grpc.insecure_channel(address) as ch:
         call = ch.unary_unary(_MODEL_INFER)  # no (de)serializers: bytes in, bytes out
         expected = []
@@ -239,45 +256,15 @@ def _raw_client_process(
         except BaseException:
             start.abort()  # the parent's wait fails at once instead of timing out
             raise
-
-        def worker(k: int) -> None:
-            for i in range(2):  # warm-up, not timed
-                call(bodies[(k + i) % len(bodies)])
-            ready.wait()
-            go.wait()
-            stop = window[1]
-            i = k
-            n = len(bodies)
-            while time.perf_counter() < stop:
-                j = i % n
-                t0 = time.perf_counter()
-                try:
-                    data = call(bodies[j])
-                except Exception as e:  # counted: the figure is "no errors"
-                    with lock:
-                        errors.append(str(e)[:200])
-                else:
-                    t1 = time.perf_counter()
-                    with lock:
-                        lat.append(t1 - t0)
-                        in_window[0] += t1 <= stop
-                        wrong[0] += data != expected[j]
-                i += 1
-
-        ts = [threading.Thread(target=worker, args=(k,)) for k in range(threads)]
-        for t in ts:
-            t.start()
-        ready.wait()
-        start.wait()
-        cpu_start = resource.getrusage(resource.RUSAGE_SELF)
-        cpu0 = cpu_start.ru_utime + cpu_start.ru_stime
-        now = time.perf_counter()
-        window.extend([now, now + seconds])
-        go.set()
-        for t in ts:
-            t.join()
-        cpu = resource.getrusage(resource.RUSAGE_SELF)
-    out.put((lat, in_window[0], errors, wrong[0], cpu.ru_utime + cpu.ru_stime - cpu0))
+        result = _closed_loop(
+            threads,
+            len(bodies),
+            seconds,
+            start,
+            lambda k: lambda j: call(bodies[j]),
+            lambda j, data: data == expected[j],
+        )
+    out.put(result)
 
 
 def thread_cpu_s() -> dict[str, float]:

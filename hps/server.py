@@ -64,16 +64,19 @@ class ServerKnobs:
     )
     max_queue_delay_us: int = knob(
         _DEFAULTS.max_queue_delay_us,
-        "dynamic batching: microseconds a request may wait for others to join its batch "
-        "(0: merge only requests already waiting)",
+        "dynamic batching: the most microseconds a request waits for others to join its "
+        "batch; a batch waits only while clients that came back (sent a second request on "
+        "their connection) may still send, so a lone client or one connecting per request "
+        "never waits (0: merge only requests already waiting)",
         parse=int,
     )
     preferred_batch_size: int = knob(
         _DEFAULTS.preferred_batch_size,
         "dynamic batching: a smaller batch waits (at most --max-queue-delay-us) until it holds "
-        "this many samples, as Triton's preferred_batch_size, or as many requests as the "
-        "clients still sending can have in flight at once (0: a batch runs as soon as "
-        "nothing more is waiting or being read; capped at each model's batch size)",
+        "this many samples, as Triton's preferred_batch_size, or until no more requests can "
+        "come: nothing else is being read and it holds as many requests as the clients that "
+        "came back can have in flight at once (0: each model's merged max, as Triton's batcher "
+        "without preferred sizes; capped at it)",
         parse=int,
     )
     model_batching: tuple[str, ...] = knob(

@@ -107,8 +107,8 @@ class Served:
         max_batch: int,
         workers: int = 2,
         merged_batch: int = 0,
-        queue_delay_us: int = 100,
-        preferred_batch: int = 0,
+        queue_delay_us: int = ServerConfig.max_queue_delay_us,
+        preferred_batch: int = ServerConfig.preferred_batch_size,
         http: HttpParser = HttpParser.AUTO,
         loop: EventLoop = EventLoop.AUTO,
     ) -> None:
@@ -455,12 +455,17 @@ def main(argv: list[str] | None = None) -> None:
         "(grpc-raw: pre-serialized requests, answers compared byte for byte with answers "
         "checked in full before the cell)",
     )
-    p.add_argument("--queue-delay-us", type=int, default=200, help="the server's batching delay")
+    p.add_argument(
+        "--queue-delay-us",
+        type=int,
+        default=ServerConfig.max_queue_delay_us,
+        help="the server's batching delay (default: the server's)",
+    )
     p.add_argument(
         "--preferred-batch",
         type=int,
-        default=0,
-        help="the server's preferred_batch_size (0: none; a batch runs when nothing waits)",
+        default=ServerConfig.preferred_batch_size,
+        help="the server's preferred_batch_size (0: the merged max; default: the server's)",
     )
     p.add_argument(
         "--merged-batch", type=int, default=2048, help="the server's max_batch_size per execution"

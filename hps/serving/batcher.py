@@ -6,14 +6,16 @@ One inference thread per model owns the executions; the protocol servers announc
 request when they start reading it (:meth:`DynamicBatcher.arrival`), parse it on their own
 threads (HTTP: the event loop), check it (:meth:`DLRMServable.check`), hand it over
 (:meth:`Arrival.submit`) and encode the answer when its future resolves. A batch is closed
-when the next waiting request would take it past ``max_batch_size`` samples; or when nothing
-more is waiting and no announced request is still being read, since waiting could not grow
-it then (a lone request runs at once, as Triton's batcher dispatches when its queue cannot
-grow); or when ``max_queue_delay_us`` has passed since its oldest request arrived. With a
-``preferred_batch_size`` (Triton's knob) a smaller batch waits for more requests, announced
-or not, until it holds that many samples, or as many requests as its known clients
-(:mod:`hps.serving.known_clients`) can have in flight at once, or the delay has passed.
-Requests that queue while an execution runs form the next batch whatever the delay::
+when the next waiting request would take it past ``max_batch_size`` samples; when it holds
+``preferred_batch_size`` samples (Triton's knob; 0, the default: ``max_batch_size``, as
+Triton's batcher without preferred sizes); when ``max_queue_delay_us`` has passed since its
+oldest request arrived; or when waiting could not grow it: nothing more is waiting, no
+announced request is still being read, and it holds as many requests as its known clients
+(:mod:`hps.serving.known_clients`: connections that came back, i.e. sent a second request)
+can have in flight at once. A lone client therefore never waits (its request is all it can
+send), nor does one that opens a connection per request (it never comes back), as Triton's
+batcher dispatches when its queue cannot grow; closed-loop clients share one execution per
+round. Requests that queue while an execution runs form the next batch whatever the delay::
 
     arrivals     r1 (B=16)  r2 (B=16)      r3 (B=250)
     queue        [r1, r2] ─────────────── r3 waits: 16 + 16 + 250 > max_batch_size 256
@@ -21,6 +23,7 @@ Requests that queue while an execution runs form the next batch whatever the del
 
     lone request r4, nothing announced      → runs at once (no queue delay)
     r5 submitted while r6 is being parsed   → waits for r6 (at most max_queue_delay_us)
+    known clients a, b; a's request queued  → waits for b's (at most max_queue_delay_us)
 
 Merging is exact: the merged run's rows are bit-equal to running each request alone
 (onnxruntime's CPU kernels compute each output row with the same reduction order whatever
@@ -73,21 +76,23 @@ class BatchingConfig:
         max_batch_size: most samples of one execution (≥ 1, at most the model's
             ``max_batch_size`` of ``ps.json``, which bounds a lookup's keys); a request of more
             samples than this (but within the model's limit) runs alone.
-        max_queue_delay_us: how long the oldest waiting request may wait for requests still
-            being read (announced: :meth:`DynamicBatcher.arrival`) to join its batch (0: merge
-            only what is waiting already, never wait).
-        preferred_batch_size: 0 (the default): a batch closes as soon as nothing more is
-            waiting or announced. Otherwise, as Triton's ``preferred_batch_size``: a batch of
-            fewer samples waits for more (announced or not, at most ``max_queue_delay_us``
-            since its oldest request) and closes as soon as it holds this many; at most
-            ``max_batch_size``; or as soon as it holds as many requests as the known clients
-            can send at once, since then no more can come. A client (connection) is known
-            while it has a request in flight or for :data:`~hps.serving.known_clients.KNOWN_CLIENT_NS` after its last
-            request or answer, unless its connection closed (HTTP); it counts as the most
-            requests it had in flight at once over the last one to two seconds
-            (:mod:`hps.serving.known_clients`). So a lone client does not wait (also one
-            that opens a connection per request over HTTP), and closed-loop clients that all
-            come back within the delay share one execution.
+        max_queue_delay_us: the longest the oldest waiting request waits for more requests
+            to join its batch (0: merge only what is waiting already, never wait).
+        preferred_batch_size: as Triton's: a batch of fewer samples waits for more (at most
+            ``max_queue_delay_us`` since its oldest request) and closes as soon as it holds
+            this many; 0 (the default): ``max_batch_size`` (Triton's batcher without
+            preferred sizes forms batches as large as it may). A batch also closes as soon as
+            no more requests can come: nothing else is waiting or being read
+            (:meth:`DynamicBatcher.arrival`) and it holds as many requests as the known
+            clients can send at once. A client (connection) is known once it has sent a
+            second request, while it has a request in flight and for
+            :data:`~hps.serving.known_clients.KNOWN_CLIENT_NS` after its last request or
+            answer, unless its connection closed (HTTP); it counts as the most requests it had
+            in flight at once over the last one to two seconds
+            (:mod:`hps.serving.known_clients`). So a lone client does not wait, nor does one
+            that opens a connection (HTTP) or channel (gRPC) per request, and closed-loop
+            clients that all come back within the delay share one execution. A request with
+            no client (``None``) counts as a client that never comes back.
 
     Raises:
         ValueError: naming the knob, for a value outside its range.
@@ -106,6 +111,12 @@ class BatchingConfig:
             v = getattr(self, name)
             if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
                 raise ValueError(f"{name} must be an integer from {lo} to {hi}, got {v!r}")
+
+    @property
+    def preferred(self) -> int:
+        """The effective preferred batch size: ``preferred_batch_size``, or
+        ``max_batch_size`` when it is 0."""
+        return self.preferred_batch_size or self.max_batch_size
 
 
 @dataclass(frozen=True)
@@ -233,7 +244,7 @@ class DynamicBatcher:
         self.servable, self.cfg, self.counts = servable, cfg, counts
         self._queue: deque[_Pending] = deque()
         self._arriving = 0  # announced requests not yet submitted (Arrival)
-        self._clients = KnownClients()  # for preferred_batch_size
+        self._clients = KnownClients()  # who can still send: a batch waits only for them
         self._clock = clock
         self._cond = threading.Condition()
         self._closed = False
@@ -247,8 +258,8 @@ class DynamicBatcher:
     def arrival(self, client: Hashable | None = None) -> Arrival:
         """Announce a request the caller is reading: until it is submitted or withdrawn, a
         batch it could join waits for it (at most ``max_queue_delay_us``). ``client``: who
-        sends it (a connection's peer address; ``None``: unknown), for
-        ``preferred_batch_size``'s known clients.
+        sends it (a connection's peer address; ``None``: a client that never comes back),
+        for the known clients (:mod:`hps.serving.known_clients`).
 
         Raises:
             RuntimeError: the batcher is closed.
@@ -284,10 +295,9 @@ class DynamicBatcher:
             if arrived:
                 self._arriving -= 1
             self._check_open()
-            if self.cfg.preferred_batch_size:
-                self._clients.sweep(now)  # also when no batch asks (full, or client unknown)
-                if client is not None:
-                    self._clients.sent(client, now)
+            self._clients.sweep(now)  # also when no batch asks (a full one)
+            if client is not None:
+                self._clients.sent(client, now)
             item = _Pending(inputs, int(inputs["dense"].shape[0]), now, fut, client)
             self._queue.append(item)
             self._cond.notify()
@@ -300,9 +310,16 @@ class DynamicBatcher:
 
     @property
     def known_clients(self) -> int:
-        """How many clients (connections) are remembered for ``preferred_batch_size``."""
+        """How many clients (connections) are known: came back, so a batch may wait for
+        them."""
         with self._cond:
             return len(self._clients)
+
+    @property
+    def remembered_clients(self) -> int:
+        """How many clients (connections) are remembered, known or seen once (bounded)."""
+        with self._cond:
+            return self._clients.remembered
 
     @property
     def batch_waiting(self) -> bool:
@@ -314,8 +331,6 @@ class DynamicBatcher:
     def forget(self, client: Hashable) -> None:
         """``client``'s connection closed: it sends no more requests, so no batch waits for
         it (the HTTP server calls this when a connection is lost)."""
-        if not self.cfg.preferred_batch_size:
-            return
         with self._cond:
             self._clients.forget(client, self._clock())
             self._cond.notify()  # the batch waiting for it may close now
@@ -344,7 +359,7 @@ class DynamicBatcher:
     def _next_batch(self) -> list[_Pending] | None:
         """The requests of the next execution (``None``: closed and drained)."""
         limit, delay_ns = self.cfg.max_batch_size, self.cfg.max_queue_delay_us * 1000
-        preferred = self.cfg.preferred_batch_size
+        preferred = self.cfg.preferred
         with self._cond:
             while not self._queue:
                 if self._closed:
@@ -361,33 +376,28 @@ class DynamicBatcher:
                     batch.append(self._queue.popleft())
                     samples += nxt.samples
                     continue
-                if preferred:
-                    if samples >= preferred or self._closed or self._all_clients_in(batch):
-                        break  # preferred size reached, or no one else is known to send
-                elif not self._arriving or self._closed:
-                    break  # nothing is on its way: waiting cannot grow this batch
+                if samples >= preferred or self._closed:
+                    break
+                if not self._arriving and self._all_clients_in(batch):
+                    break  # nothing is on its way and no one else is known to send
                 wait_ns = deadline - self._clock()
                 if wait_ns <= 0:
                     break
-                if preferred:  # wake for the next sweep: silent clients stop counting
-                    wait_ns = min(wait_ns, SWEEP_NS)
+                wait_ns = min(wait_ns, SWEEP_NS)  # wake for the next sweep: silent clients
                 self._waiting = True
                 self._cond.wait(wait_ns / 1e9)
                 self._waiting = False
             return batch
 
     def _all_clients_in(self, batch: list[_Pending]) -> bool:
-        """Whether ``batch`` (every request's client known) holds as many requests as the
-        known clients can send at once (:meth:`KnownClients.capacity`; one connection may
-        carry several callers). Called with the lock held."""
-        if any(p.client is None for p in batch):
-            return False
+        """Whether ``batch`` holds as many requests as the known clients can send at once
+        (:meth:`KnownClients.capacity`; one connection may carry several callers). Its
+        requests of clients that are not known count too: the batch closes no later for
+        them. Called with the lock held."""
         return len(batch) >= self._clients.capacity(self._clock())
 
     def _release(self, batch: list[_Pending]) -> None:
         """The requests of ``batch`` are answered: their clients have fewer in flight."""
-        if not self.cfg.preferred_batch_size:
-            return
         with self._cond:
             now = self._clock()
             for p in batch:
@@ -460,7 +470,7 @@ def model_config(s: DLRMServable, batching: BatchingConfig) -> dict[str, Any]:
     return {
         **s.config(),
         "dynamic_batching": {
-            "preferred_batch_size": [batching.preferred_batch_size or batching.max_batch_size],
+            "preferred_batch_size": [batching.preferred],
             "max_queue_delay_microseconds": batching.max_queue_delay_us,
         },
     }

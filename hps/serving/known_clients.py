@@ -1,25 +1,38 @@
 """The known clients of one model's batcher (:mod:`hps.serving.batcher`): how many requests
-the clients that are still sending can have in flight at once, so that a batch waiting for a
-``preferred_batch_size`` closes as soon as no more requests can come.
+the clients that are still sending can have in flight at once, so that a batch waiting to
+grow to its preferred size closes as soon as no more requests can come.
 
-A client (a connection: HTTP's ``(host, port)``, gRPC's ``context.peer()``) is known while it
-has a request in flight, and for :data:`KNOWN_CLIENT_NS` after it last sent a request or got
-an answer; a connection that closes (:meth:`KnownClients.forget`) is forgotten as soon as
-nothing of it is in flight. Each known client counts as its *peak*: the most requests it had
-in flight at once over the last one to two windows of :data:`KNOWN_CLIENT_NS` (a windowed
-maximum, so a past burst stops counting once the client sends one request at a time)::
+A client is a connection (HTTP's ``(host, port)``, gRPC's ``context.peer()``). It is *known*
+once it has **come back**: sent a second request on the same connection (a later one, or one
+while the first is in flight). A client that has sent one request is only remembered, never
+waited for, so a client that opens a connection per request (curl in a loop, a gRPC channel
+per call: grpcio tells the server nothing when a channel closes) never makes a batch wait,
+and a lone client never does either (its request is every request it can send). A known
+client stays known while it has a request in flight and for :data:`KNOWN_CLIENT_NS` after it
+last sent a request or got an answer; a connection that closes (:meth:`KnownClients.forget`)
+is forgotten as soon as nothing of it is in flight. Each known client counts as its *peak*:
+the most requests it had in flight at once over the last one to two windows of
+:data:`KNOWN_CLIENT_NS` (a windowed maximum, so a past burst stops counting once the client
+sends one request at a time). The sum of the peaks is capped by the most requests all
+clients had in flight at once over the same windows: one client that switches connections
+(grpcio's channels share connections in a process, so a channel per call reuses some and
+opens others) leaves several known connections of which only one ever sends::
 
-    client a: burst of 4, then 1 at a time      peak 4 … 4, then 1 after at most 2 s
-    client b: answered, its connection closed   forgotten at once (nothing in flight)
-    client c: answered, silent for > 1 s        forgotten at the next sweep
-    client d: closed while its request was read counted only while that request is in flight
+    client a: one request, then a new connection   remembered, never counted
+    client b: burst of 4, then 1 at a time         known from its 2nd request: peak 4 … 4,
+                                                   then 1 after at most 2 s
+    client c: came back, then its connection closed  forgotten at once (nothing in flight)
+    client d: came back, then silent for > 1 s      forgotten at the next sweep
+    client e: came back on connections 1 and 2,    capacity 1 (never 2 in flight at once):
+              one at a time, now on connection 3   its request on 3 closes its batch
 
-Costs: :meth:`KnownClients.capacity` is O(1) (the sum of peaks is kept up to date); every
-:data:`SWEEP_NS` one call sweeps the map (O(known clients)): peaks decay, silent clients are
-forgotten. Past :data:`MAX_KNOWN_CLIENTS` clients, a new one makes the least recently
-active one with nothing in flight forgotten, and closed connections are remembered for
-:data:`KNOWN_CLIENT_NS` (at most as many), so memory does not grow with the connections
-served.
+Costs: :meth:`KnownClients.capacity` is O(1) (the sum of the known clients' peaks is kept up
+to date); every :data:`SWEEP_NS` one call sweeps: the known clients' peaks decay and silent
+ones are forgotten (O(known clients)); the clients seen once are kept in recency order, so
+the silent ones are forgotten from the front (O(forgotten)). Each of the two maps holds at
+most :data:`MAX_KNOWN_CLIENTS` clients: past it a new one makes the least recently active one
+of its map with nothing in flight forgotten, so memory does not grow with the connections
+served, and a flood of one-request connections never pushes a known client out.
 Not thread-safe: the batcher calls it with its lock held; times are the caller's clock (ns).
 """
 
@@ -30,14 +43,14 @@ from dataclasses import dataclass
 
 __all__ = ["KNOWN_CLIENT_NS", "MAX_KNOWN_CLIENTS", "SWEEP_NS", "KnownClients"]
 
-#: A client that sent nothing and got no answer for this long is no longer waited for; also
-#: the window of each client's peak in-flight count.
+#: A client that sent nothing and got no answer for this long is no longer waited for (nor
+#: remembered); also the window of each client's peak in-flight count.
 KNOWN_CLIENT_NS = 1_000_000_000
-#: How often the map is swept for silent clients and decayed peaks.
+#: How often the maps are swept for silent clients and decayed peaks.
 SWEEP_NS = 100_000_000
-#: Most clients remembered: past it a new client makes the least recently active one with
-#: nothing in flight forgotten (those with requests in flight are bounded by the server's own
-#: request limits).
+#: Most clients of each map (known; seen once): past it a new client makes the least
+#: recently active one with nothing in flight forgotten (those with requests in flight are
+#: bounded by the server's own request limits).
 MAX_KNOWN_CLIENTS = 4096
 
 
@@ -59,91 +72,118 @@ class KnownClients:
     """The clients a batcher waits for, and how many requests they can send at once."""
 
     def __init__(self) -> None:
-        # insertion order is recency order: each touch moves a client to the end
-        self._clients: dict[Hashable, _Client] = {}
-        self._total = 0  # Σ peak over the map
+        # insertion order is recency order in both maps: each touch moves a client to the end
+        self._known: dict[Hashable, _Client] = {}  # came back: counted
+        self._once: dict[Hashable, _Client] = {}  # sent one request: remembered only
+        self._total = 0  # Σ peak over the known clients
+        self._all = _Client()  # every remembered client's requests together: their peak
         self._swept_ns: int | None = None
-        # closed connections → when they closed (oldest first): a request announced before
-        # its connection closed and submitted after does not make it known again (kept for
-        # KNOWN_CLIENT_NS, at most MAX_KNOWN_CLIENTS)
-        self._closed: dict[Hashable, int] = {}
 
     def __len__(self) -> int:
-        return len(self._clients)
+        """How many clients are known (came back)."""
+        return len(self._known)
+
+    @property
+    def remembered(self) -> int:
+        """How many clients are remembered, known or seen once (bounded by twice
+        :data:`MAX_KNOWN_CLIENTS`)."""
+        return len(self._known) + len(self._once)
 
     def sent(self, client: Hashable, now: int) -> None:
-        """``client`` sent a request at ``now`` (it is in flight until :meth:`answered`). A
-        client whose connection closed (:meth:`forget`) counts only while this request is
-        in flight."""
+        """``client`` sent a request at ``now`` (it is in flight until :meth:`answered`). Its
+        second request makes it known, unless its connection closed."""
         self.sweep(now)
-        c = self._clients.pop(client, None)
-        if c is None:
-            c = _Client(window_ns=now, closed=client in self._closed)
-            self._bound_idle()
-        self._clients[client] = c
-        self._roll(c, now)
+        c, clients = self._find(client)
+        if c is None:  # its first request: remember it
+            c, clients = _Client(window_ns=now), self._once
+            self._make_room(self._once)
+        elif clients is self._once and not c.closed:  # it came back: count it from now on
+            del self._once[client]
+            clients = self._known
+            self._make_room(self._known)
+            self._total += c.peak
+        else:
+            del clients[client]
+        clients[client] = c  # the most recently active
+        counted = clients is self._known
+        self._roll(c, now, counted)
+        before = c.peak
         c.in_flight += 1
         c.last_ns = now
-        self._set_cur(c, max(c.cur, c.in_flight))
+        c.cur = max(c.cur, c.in_flight)
+        if counted:
+            self._total += c.peak - before
+        self._roll(self._all, now, False)
+        self._all.in_flight += 1
+        self._all.cur = max(self._all.cur, self._all.in_flight)
 
     def answered(self, client: Hashable, now: int) -> None:
         """A request of ``client`` was answered (or failed) at ``now``."""
-        c = self._clients.pop(client, None)
+        c, clients = self._find(client)
         if c is None:
             return
-        self._clients[client] = c  # the most recently active
+        del clients[client]
+        clients[client] = c  # the most recently active
         c.in_flight -= 1
         c.last_ns = now
+        self._all.in_flight -= 1
         if c.closed and not c.in_flight:
-            self._drop(client)
+            self._drop(clients, client)
 
     def forget(self, client: Hashable, now: int) -> None:
-        """``client``'s connection closed at ``now``: it sends no more (kept only while it
-        has requests in flight, which it can no longer add to; a request it announced
-        before closing and that is submitted after counts only while in flight)."""
-        self._closed.pop(client, None)
-        if len(self._closed) >= MAX_KNOWN_CLIENTS:
-            del self._closed[next(iter(self._closed))]
-        self._closed[client] = now
-        c = self._clients.get(client)
+        """``client``'s connection closed at ``now``: it sends no more. It is kept only while
+        it has requests in flight (which it can no longer add to; one submitted after the
+        close, announced before it, counts only while in flight)."""
+        c, clients = self._find(client)
         if c is None:
             return
         if c.in_flight:
             c.closed = True
         else:
-            self._drop(client)
+            self._drop(clients, client)
 
     def capacity(self, now: int) -> int:
         """How many requests the known clients can have in flight at once: the sum of their
-        peaks (exact as of the last sweep, at most :data:`SWEEP_NS` ago)."""
+        peaks, but no more than the most requests every client had in flight at once over
+        the same windows (one client that switches connections, as grpcio's channels do,
+        leaves several known connections of which only one sends; exact as of the last
+        sweep, at most :data:`SWEEP_NS` ago)."""
         self.sweep(now)
-        return self._total
+        return min(self._total, self._all.peak)
 
     def sweep(self, now: int) -> None:
-        """Forget the clients silent for :data:`KNOWN_CLIENT_NS` (and the closed connections
-        closed as long ago) and decay the peaks, if the last sweep is :data:`SWEEP_NS` old
-        (else nothing: O(1))."""
+        """Forget the clients silent for :data:`KNOWN_CLIENT_NS` and decay the peaks, if the
+        last sweep is :data:`SWEEP_NS` old (else nothing: O(1))."""
         if self._swept_ns is not None and now - self._swept_ns < SWEEP_NS:
             return
         self._swept_ns = now
         oldest = now - KNOWN_CLIENT_NS
-        for k, c in list(self._clients.items()):
+        for k, c in list(self._known.items()):
             if not c.in_flight and c.last_ns < oldest:
-                del self._clients[k]
+                del self._known[k]
             else:
-                self._roll(c, now)
-        self._total = sum(c.peak for c in self._clients.values())
-        while self._closed and next(iter(self._closed.values())) < oldest:
-            del self._closed[next(iter(self._closed))]  # the oldest close first: O(expired)
+                self._roll(c, now, False)
+        self._total = sum(c.peak for c in self._known.values())
+        self._roll(self._all, now, False)
+        # recency order: the silent ones are at the front (one with a request in flight for
+        # longer than KNOWN_CLIENT_NS is passed over and stays)
+        for k, c in list(self._once.items()):
+            if c.last_ns >= oldest:
+                break
+            if not c.in_flight:
+                del self._once[k]
 
     # ------------------------------------------------------------------------------ internals
-    def _set_cur(self, c: _Client, cur: int) -> None:
-        before = c.peak
-        c.cur = cur
-        self._total += c.peak - before
+    def _find(self, client: Hashable) -> tuple[_Client | None, dict[Hashable, _Client]]:
+        """``client``'s record and the map that holds it (``None``: not remembered)."""
+        c = self._known.get(client)
+        if c is not None:
+            return c, self._known
+        return self._once.get(client), self._once
 
-    def _roll(self, c: _Client, now: int) -> None:
-        """Start a new peak window if the current one is over (the windowed maximum)."""
+    def _roll(self, c: _Client, now: int, counted: bool) -> None:
+        """Start a new peak window if the current one is over (the windowed maximum); keep
+        the running sum if ``c`` is counted in it."""
         age = now - c.window_ns
         if age < KNOWN_CLIENT_NS:
             return
@@ -151,15 +191,19 @@ class KnownClients:
         c.prev = c.cur if age < 2 * KNOWN_CLIENT_NS else c.in_flight
         c.cur = c.in_flight
         c.window_ns = now
-        self._total += c.peak - before
+        if counted:
+            self._total += c.peak - before
 
-    def _drop(self, client: Hashable) -> None:
-        self._total -= self._clients.pop(client).peak
+    def _drop(self, clients: dict[Hashable, _Client], client: Hashable) -> None:
+        c = clients.pop(client)  # idle: nothing of it is in flight
+        if clients is self._known:
+            self._total -= c.peak
 
-    def _bound_idle(self) -> None:
-        """Make room for one more client: forget the least recently active idle ones."""
-        if len(self._clients) < MAX_KNOWN_CLIENTS:
+    def _make_room(self, clients: dict[Hashable, _Client]) -> None:
+        """Make room for one more client in ``clients``: forget its least recently active
+        idle one."""
+        if len(clients) < MAX_KNOWN_CLIENTS:
             return
-        idle = next((k for k, c in self._clients.items() if not c.in_flight), None)
+        idle = next((k for k, c in clients.items() if not c.in_flight), None)
         if idle is not None:  # the front of the map: O(1) unless many are in flight
-            self._drop(idle)
+            self._drop(clients, idle)

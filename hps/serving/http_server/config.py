@@ -114,9 +114,14 @@ class ServerConfig:
     max_request_mb: float = 256.0  # larger bodies (also once decompressed) are refused with 400
     max_json_mb: float = 16.0  # larger JSON parts are refused with 400 (binary tensors are not)
     max_batch_size: int = 0  # samples per merged execution (0: each model's, from ps.json)
-    max_queue_delay_us: int = 100  # how long a request may wait for others to join its batch
-    # 0: a batch closes when nothing more is waiting or announced; else it waits (at most the
-    # delay) until it holds this many samples (Triton's preferred_batch_size; every model)
+    # The longest a request waits for others to join its batch. A batch waits only while
+    # known clients (connections that came back) may still send, so a lone client or one
+    # that connects per request never pays it; 16 closed-loop clients × batch 16 on the tiny
+    # model need a round of ~13 ms to fit p99 ≤ 2 × delay + one execution (5 ms never did:
+    # docs/benchmarks.md, "v2 server over gRPC: preferred batches and known clients").
+    max_queue_delay_us: int = 10_000
+    # A batch closes once it holds this many samples (Triton's preferred_batch_size; 0: the
+    # merged max_batch_size, as Triton's batcher without preferred sizes; every model)
     preferred_batch_size: int = 0
     model_batching: tuple[ModelBatching, ...] = ()  # per-model overrides of the three above
     max_connections: int = 512  # open connections; past it a new one gets 503 and is closed

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import threading
 from collections.abc import Iterator
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -18,7 +18,13 @@ from tritonclient.utils import InferenceServerException
 
 from embark.models.dlrm import DLRM
 from hps.parameter_server import HierarchicalParameterServer
-from hps.serving.batcher import BatchingConfig, DynamicBatcher, merge_requests, model_config
+from hps.serving.batcher import (
+    BatchedResult,
+    BatchingConfig,
+    DynamicBatcher,
+    merge_requests,
+    model_config,
+)
 from hps.serving.http_server import InferenceServer, ModelBatching, ServerConfig, build_servables
 from hps.serving.servable import DLRMServable, Tensors
 from hps.serving.statistics import RECENT_REQUESTS, ModelCounts, PhaseNs
@@ -304,37 +310,68 @@ def test_bag_index_cache_is_shared_by_tables_and_bounded_in_bytes(ps, tiny) -> N
         DLRMServable(cfg, session, bag_index_budget_bytes=-1)
 
 
-def test_a_preferred_batch_size_holds_a_batch_until_it_is_reached(servable, tiny) -> None:
-    """With ``preferred_batch_size`` 8 and a 1 s delay, two requests submitted one after the
-    other with nothing announced (closed-loop clients between two calls) run as one
-    execution of 8 samples, not as two; a batch that cannot reach it runs once the delay has
-    passed. Every answer is bit-equal to its request alone; the statistics keep each
-    request's latencies in order."""
+class StillClock:
+    """A nanosecond clock that moves only when the test moves it (no client is forgotten
+    however slow the host; a batch that waits for the delay runs only once it is moved)."""
+
+    def __init__(self) -> None:
+        self.ns = 10**12
+
+    def __call__(self) -> int:
+        return self.ns
+
+
+def _until_waiting(batcher: DynamicBatcher) -> None:
+    """Wait (at most 60 s) until ``batcher`` holds a batch that waits for more requests."""
+    for _ in range(60_000):
+        if batcher.batch_waiting:
+            return
+        threading.Event().wait(0.001)
+    raise AssertionError("no batch waited")
+
+
+def _at_once(
+    batcher: DynamicBatcher, servable: DLRMServable, tiny: DLRM, clients: str
+) -> list[Future[BatchedResult]]:
+    """One single-sample request of each of ``clients`` (a name may repeat), all in flight at
+    once: an announced request holds their batch until they are all queued."""
+    with batcher.arrival():
+        return [
+            batcher.submit(servable.check(make_request(tiny, 1, seed=i)), client=c)
+            for i, c in enumerate(clients)
+        ]
+
+
+def test_a_preferred_batch_size_closes_a_batch_before_every_known_client_is_in(
+    servable, tiny
+) -> None:
+    """Preferred size 8, a 1 s delay on a clock that stands still, known clients a, b, c (4
+    requests in flight at once, at most): a's 3 samples wait, b's 5 close the batch at 8
+    without c's; a batch that cannot reach it runs once the delay has passed. Every answer is
+    bit-equal to its request alone."""
+    clock = StillClock()
     counts = ModelCounts()
     cfg = BatchingConfig(64, max_queue_delay_us=10**6, preferred_batch_size=8)
-    batcher = DynamicBatcher(servable, cfg, counts)
-    a, b = make_request(tiny, 3, seed=60), make_request(tiny, 5, seed=61)
+    batcher = DynamicBatcher(servable, cfg, counts, clock=clock)
+    a, b, c = (make_request(tiny, n, seed=60 + n) for n in (3, 5, 2))
     try:
-        first = batcher.submit(servable.check(a))
-        second = batcher.submit(servable.check(b))
+        for f in _at_once(batcher, servable, tiny, "aabbcc"):  # each came back
+            f.result(timeout=60)
+        executions = counts.executions
+        first = batcher.submit(servable.check(a), client="a")
+        second = batcher.submit(servable.check(b), client="b")
         merged = [first.result(timeout=60), second.result(timeout=60)]
+        assert counts.executions == executions + 1
+        late = batcher.submit(servable.check(c), client="a")
+        _until_waiting(batcher)
+        clock.ns += 10**9  # the delay has passed
+        alone = late.result(timeout=60)
     finally:
         batcher.close()
-    assert [r.batch_size for r in merged] == [8, 8] and counts.executions == 1
-    for got, r in zip(merged, (a, b), strict=True):
+    assert [r.batch_size for r in merged] == [8, 8]
+    assert alone.batch_size == 2 and alone.queue_ns >= 10**9
+    for got, r in [*zip(merged, (a, b), strict=True), (alone, c)]:
         assert np.array_equal(got.outputs["logits"], servable.infer(r)["logits"])
-
-    delay_us = 50_000
-    counts = ModelCounts()
-    cfg = BatchingConfig(64, max_queue_delay_us=delay_us, preferred_batch_size=8)
-    batcher = DynamicBatcher(servable, cfg, counts)
-    c = make_request(tiny, 2, seed=62)
-    try:
-        alone = batcher.submit(servable.check(c)).result(timeout=60)
-    finally:
-        batcher.close()
-    assert alone.batch_size == 2 and alone.queue_ns >= delay_us * 1000
-    assert np.array_equal(alone.outputs["logits"], servable.infer(c)["logits"])
 
 
 def test_preferred_batch_size_is_checked_capped_and_reported(servable) -> None:
@@ -362,6 +399,20 @@ def test_preferred_batch_size_is_checked_capped_and_reported(servable) -> None:
     assert doc["dynamic_batching"]["preferred_batch_size"] == [16]
 
 
+def test_the_default_batching_waits_for_known_clients_and_is_reported(servable) -> None:
+    """The server's default knobs: each model's own batch size, a 10 ms delay, and a preferred
+    size of 0, which is the batch size (Triton's batcher without preferred sizes): the model
+    configuration shows the values in effect."""
+    cfg = ServerConfig().batching(servable)
+    assert (cfg.max_batch_size, cfg.max_queue_delay_us, cfg.preferred_batch_size) == (64, 10_000, 0)
+    assert cfg.preferred == 64
+    assert model_config(servable, cfg)["dynamic_batching"] == {
+        "preferred_batch_size": [64],
+        "max_queue_delay_microseconds": 10_000,
+    }
+    assert BatchingConfig(32, 0, preferred_batch_size=4).preferred == 4
+
+
 def test_model_counts_keep_the_latest_requests_latencies_in_order() -> None:
     counts = ModelCounts()
     for k in range(RECENT_REQUESTS + 3):
@@ -372,26 +423,29 @@ def test_model_counts_keep_the_latest_requests_latencies_in_order() -> None:
     assert len(counts.recent_ns(10**9)) == RECENT_REQUESTS and counts.recent_ns(0) == []
 
 
-def test_a_preferred_batch_closes_once_every_known_client_has_a_request_in_it(
-    servable, tiny
-) -> None:
-    """Preferred size 64, a 1 s delay on a clock that stands still (no client is forgotten
-    however slow the host, and a batch that waits for the delay never runs): client ``a``'s
-    lone request runs at once (the only known client cannot send more); once ``b`` is known
-    too, ``b``'s request waits for ``a``'s next one and both run as one execution, bit-equal."""
+def test_a_batch_closes_once_every_known_client_has_a_request_in_it(servable, tiny) -> None:
+    """The default preferred size (the batch size, 64), a 1 s delay on a clock that stands
+    still (a batch that waits for the delay never runs): a client's first requests never wait
+    (``a`` has not come back: not known), nor does a lone known client (``a``'s second
+    request, its own batch); once ``b`` has come back too, ``b``'s request waits for ``a``'s
+    next one and both run as one execution, bit-equal to each alone."""
     counts = ModelCounts()
-    cfg = BatchingConfig(64, max_queue_delay_us=10**6, preferred_batch_size=64)
-    batcher = DynamicBatcher(servable, cfg, counts, clock=lambda: 10**12)
-    r1, r2, r3 = (make_request(tiny, n, seed=70 + n) for n in (2, 3, 4))
+    cfg = BatchingConfig(64, max_queue_delay_us=10**6)
+    batcher = DynamicBatcher(servable, cfg, counts, clock=StillClock())
+    r = [make_request(tiny, n, seed=70 + n) for n in (2, 3, 4)]
     try:
-        lone = batcher.submit(servable.check(r1), client="a").result(timeout=60)
-        fb = batcher.submit(servable.check(r2), client="b")
-        fa = batcher.submit(servable.check(r3), client="a")
+        first = [f.result(timeout=60) for f in _at_once(batcher, servable, tiny, "ab")]
+        alone = batcher.submit(servable.check(r[0]), client="a").result(timeout=60)
+        fb = batcher.submit(servable.check(r[1]), client="b")
+        _until_waiting(batcher)
+        assert not fb.done()  # a, known, may still send
+        fa = batcher.submit(servable.check(r[2]), client="a")
         merged = [fb.result(timeout=60), fa.result(timeout=60)]
     finally:
         batcher.close()
-    assert lone.batch_size == 2
+    assert [x.batch_size for x in first] == [2, 2]  # no one known yet: nothing to wait for
+    assert alone.batch_size == 2  # a came back; b has not
     assert [m.batch_size for m in merged] == [7, 7]
-    assert counts.executions == 2
-    for got, r in [(lone, r1), *zip(merged, (r2, r3), strict=True)]:
-        assert np.array_equal(got.outputs["logits"], servable.infer(r)["logits"])
+    assert counts.executions == 3
+    for got, x in zip([alone, *merged], r, strict=True):
+        assert np.array_equal(got.outputs["logits"], servable.infer(x)["logits"])

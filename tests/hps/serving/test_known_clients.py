@@ -77,31 +77,36 @@ def batcher(cfg: BatchingConfig, servable: FakeServable | None = None, clock=Non
 
 
 def test_known_clients_do_not_grow_with_the_connections_served(monkeypatch) -> None:
-    """One-shot connections whose batches fill up (never asking who is known) or hold a
-    request of no known client: the map stays bounded, and empties once they are silent."""
+    """Connections that send one request each, and connections that come back once, whose
+    batches fill up (never asking who is known): both maps stay bounded, and empty once the
+    clients are silent."""
     monkeypatch.setattr(known_clients, "MAX_KNOWN_CLIENTS", 16)
     clock = Clock()
     b = batcher(BatchingConfig(4, 1000, preferred_batch_size=4), clock=clock)
     try:
-        for port in range(100):  # full batches: max_batch_size reached
-            b.submit(req(4), client=("10.0.0.1", port)).result(RESULT_S)
-            clock.ns += 1000
-        assert b.known_clients <= 16
+        for port in range(100):  # full batches: preferred size reached
+            for _ in range(1 + port % 2):  # odd ports come back: known
+                b.submit(req(4), client=("10.0.0.1", port)).result(RESULT_S)
+                clock.ns += 1000
+        assert b.known_clients == 16 and 16 < b.remembered_clients <= 32
         clock.ns += KNOWN_CLIENT_NS + 1
         b.submit(req(4), client=None).result(RESULT_S)
-        assert b.known_clients == 0
+        assert b.remembered_clients == 0
     finally:
         b.close()
 
 
-def test_known_clients_capacity_is_the_sum_of_decaying_peaks() -> None:
-    """A burst of 4 in flight on one connection, then one request at a time: it counts as 4
+def test_a_client_counts_from_its_second_request_as_its_decaying_peak() -> None:
+    """A connection's first request is not counted; a burst of 4 in flight on it counts as 4
     for the current window and the next, then as 1 (the peak decays while it stays active);
-    a closed connection counts no more once its requests are answered."""
+    a closed connection counts no more once its requests are answered, one that sent once
+    never."""
     k, t = KnownClients(), 0
-    for _ in range(4):
+    k.sent("ch", t)
+    assert k.capacity(t) == 0 and len(k) == 0  # seen once: remembered, not counted
+    for _ in range(3):
         k.sent("ch", t)
-    assert k.capacity(t) == 4
+    assert k.capacity(t) == 4 and len(k) == 1
     for _ in range(4):
         k.answered("ch", t)
     caps = []
@@ -112,76 +117,98 @@ def test_known_clients_capacity_is_the_sum_of_decaying_peaks() -> None:
         k.answered("ch", t)
     assert all(c == 4 for s, c in caps if s < KNOWN_CLIENT_NS)
     assert all(c == 1 for s, c in caps if s >= 2.5 * KNOWN_CLIENT_NS)
+    k.sent("once", t)
+    assert k.capacity(t) == 1
     k.sent("other", t)
+    k.answered("other", t)
+    k.sent("other", t)  # came back
     k.forget("other", t)  # closed with a request in flight: still counted until answered
     assert k.capacity(t) == 2
     k.answered("other", t)
     assert k.capacity(t) == 1 and len(k) == 1
 
 
-def test_a_connection_closed_before_its_request_is_submitted_counts_only_while_in_flight(
-    monkeypatch,
-) -> None:
+def test_a_request_submitted_after_its_connection_closed_is_a_new_client() -> None:
     """The HTTP server announces a request, the connection closes while its body is parsed
-    (forgotten before it was ever sent), then the request is submitted: it counts while in
-    flight, and is not waited for once answered (a lone live client still does not wait). A
-    closed connection is remembered for ``KNOWN_CLIENT_NS`` and at most
-    ``MAX_KNOWN_CLIENTS`` of them."""
+    (the client, known, is forgotten), then the request is submitted: it is the first request
+    of a new client, never counted, so a lone live client still does not wait."""
     k, t = KnownClients(), 10**12
-    k.sent("live", t)
-    k.answered("live", t)
+    for _ in range(2):  # both at once, twice
+        for name in ("live", "gone"):
+            k.sent(name, t)
+        for name in ("live", "gone"):
+            k.answered(name, t)
+    assert k.capacity(t) == 2
     k.forget("gone", t)
     k.sent("gone", t)
-    assert k.capacity(t) == 2
-    k.answered("gone", t)
-    assert k.capacity(t + 1) == 1 and len(k) == 1
-    t += KNOWN_CLIENT_NS + 1  # past the memory of the close: the address is a new client
-    k.sent("gone", t)
-    k.answered("gone", t)
-    assert k.capacity(t) == 1 and len(k) == 1  # "live" is silent, "gone" known again
-
-    monkeypatch.setattr(known_clients, "MAX_KNOWN_CLIENTS", 4)
-    k = KnownClients()
-    for port in range(10):
-        k.forget(port, t)
-    for port in (0, 9):  # 0's close was forgotten to bound the memory, 9's is remembered
-        k.sent(port, t)
-        k.answered(port, t)
     assert k.capacity(t) == 1
+    k.answered("gone", t)
+    assert k.capacity(t + 1) == 1 and len(k) == 1 and k.remembered == 2
 
 
 def test_the_least_recently_active_idle_client_is_forgotten_first(monkeypatch) -> None:
-    """An answer makes its client the most recently active: past ``MAX_KNOWN_CLIENTS``, the
-    client idle since longest is forgotten, not the one whose long request just ended."""
+    """An answer makes its client the most recently active: past ``MAX_KNOWN_CLIENTS`` known
+    clients, the one idle since longest is forgotten, not the one whose long request just
+    ended; a flood of clients that send once never pushes a known one out."""
     monkeypatch.setattr(known_clients, "MAX_KNOWN_CLIENTS", 2)
     k, t = KnownClients(), 0
     k.sent("slow", t)
-    k.sent("slow", t)  # two long requests: peak 2
-    k.sent("quick", t + 1)
-    k.answered("quick", t + 2)
+    k.sent("slow", t)  # two long requests: known, peak 2
+    for dt in (1, 2):
+        k.sent("quick", t + dt)
+        k.answered("quick", t + dt)
     k.answered("slow", t + 3)
     k.answered("slow", t + 3)
-    k.sent("new", t + 4)  # the map is full: "quick" is forgotten
-    assert len(k) == 2 and k.capacity(t + 4) == 2 + 1
+    for port in range(100):
+        k.sent(port, t + 4)
+        k.answered(port, t + 4)
+    assert k.capacity(t + 4) == 2 + 1 and k.remembered == 4
+    k.sent("new", t + 5)
+    k.sent("new", t + 5)  # came back: the known map is full, "quick" is forgotten
+    assert len(k) == 2 and k.capacity(t + 5) == 3  # 2 + 2, capped: never 4 in flight at once
+    k.sent("slow", t + 6)
+    k.sent("slow", t + 6)
+    assert k.capacity(t + 6) == 2 + 2
 
 
 def test_a_sequential_client_with_a_new_connection_per_request_never_waits() -> None:
-    """The event sequence of curl in a loop: request, answer, connection closed, next request
-    on a new port. With a 1 s delay and a clock that never reaches it, each request runs at
-    once; one whose previous connection is still open waits until its close is seen."""
-    b = batcher(BatchingConfig(64, 10**6, preferred_batch_size=8))
+    """The event sequences of curl in a loop (request, answer, connection closed, next request
+    on a new port) and of a gRPC client with a channel per call (the same, but the server is
+    never told of the close). With a 1 s delay and a clock that never reaches it, each request
+    runs at once, also when the client's earlier connections came back (grpcio reuses a
+    closed channel's connection) and are still known: they never had two requests in flight
+    at once. A request of a new connection while two clients that came back and sent at once
+    are still known waits until one of their closes is seen."""
+    b = batcher(BatchingConfig(64, 10**6))
     try:
         for port in range(4):
             client = ("127.0.0.1", 40000 + port)
             assert b.submit(req(), client=client).result(RESULT_S).batch_size == 1
             b.forget(client)
-        assert b.known_clients == 0
-        old, new = ("127.0.0.1", 50000), ("127.0.0.1", 50001)
-        b.submit(req(), client=old).result(RESULT_S)
-        waiting = b.submit(req(), client=new)  # `old` is still known: the batch waits
+        assert b.remembered_clients == 0
+        for port in range(4):  # never forgotten: a channel's close is not seen
+            peer = f"ipv4:127.0.0.1:{41000 + port}"
+            assert b.submit(req(), client=peer).result(RESULT_S).batch_size == 1
+        assert b.known_clients == 0 and b.remembered_clients == 4
+        for port in range(3):  # reused connections: known, one at a time
+            for _ in range(2):
+                peer = f"ipv4:127.0.0.1:{42000 + port}"
+                assert b.submit(req(), client=peer).result(RESULT_S).batch_size == 1
+        assert b.known_clients == 3
+        assert b.submit(req(), client="ipv4:127.0.0.1:43000").result(RESULT_S).batch_size == 1
+
+    finally:
+        b.close()
+    b = batcher(BatchingConfig(64, 10**6))
+    try:
+        old = [("127.0.0.1", 50000), ("127.0.0.1", 50001)]
+        for _ in range(2):  # both come back, with requests in flight at once
+            pair = [b.submit(req(), client=c) for c in old]
+            assert [f.result(RESULT_S).batch_size for f in pair] in ([1, 1], [2, 2])
+        waiting = b.submit(req(), client=("127.0.0.1", 50002))  # `old` may still send
         until(lambda: b.batch_waiting)
         assert not waiting.done()
-        b.forget(old)
+        b.forget(old[0])
         assert waiting.result(RESULT_S).batch_size == 1
     finally:
         b.close()
@@ -205,7 +232,7 @@ def test_a_failed_merged_execution_releases_each_clients_requests() -> None:
         assert servable.sizes == [1, 2, 1, 1]  # c; a and b merged, failed, each alone
         for client in "abc":
             b.forget(client)
-        assert b.known_clients == 0
+        assert b.remembered_clients == 0
     finally:
         b.close()
     assert got == [0.0, 1.0, 2.0]
@@ -276,7 +303,7 @@ def test_servers_name_each_connection_and_forget_closed_http_ones(
         if b.known_clients == 0:
             break
         threading.Event().wait(0.05)
-    assert b.known_clients == 0
+    assert b.remembered_clients == 0
 
     seen.clear()
     g = tg.InferenceServerClient(str(served.grpc_address))
@@ -285,3 +312,22 @@ def test_servers_name_each_connection_and_forget_closed_http_ones(
     g.close()
     assert len(seen) == 2 and seen[0] == seen[1], seen
     assert isinstance(seen[0], str) and seen[0].startswith("ipv4:127.0.0.1:"), seen
+
+
+def test_a_sequential_grpc_client_with_a_channel_per_request_never_waits(served, tiny) -> None:
+    """A gRPC client that opens a channel per call (the server is never told it closed;
+    grpcio may reuse a closed channel's connection, which then comes back): no request waits
+    for the 1 s delay (a request that waited it shows queue ≥ 1 s), each is its own
+    execution, since no two of its connections ever had requests in flight at once."""
+    b, counts = served.batchers["tiny"], served.counts["tiny"]
+    r = make_request(tiny, 2, seed=91)
+    queue_ns, executions = [], counts.executions
+    for _ in range(4):
+        before = counts.phase_ns.queue
+        g = tg.InferenceServerClient(str(served.grpc_address))
+        g.infer("tiny", grpc_inputs(r))
+        g.close()
+        queue_ns.append(counts.phase_ns.queue - before)
+    assert all(q < 10**9 for q in queue_ns), queue_ns
+    assert counts.executions - executions == 4
+    assert b.remembered_clients >= 1

@@ -117,8 +117,8 @@ class ServerConfig:
     # The longest a request waits for others to join its batch. A batch waits only while
     # known clients (connections that came back) may still send, so a lone client or one
     # that connects per request never pays it; 16 closed-loop clients × batch 16 on the tiny
-    # model need a round of ~13 ms to fit p99 ≤ 2 × delay + one execution (5 ms never did:
-    # docs/benchmarks.md, "v2 server over gRPC: preferred batches and known clients").
+    # model need a round of ~13 ms to fit p99 ≤ 2 × delay + one execution (5 ms never did;
+    # docs/benchmarks.md, "Default batching: a client counts once it comes back").
     max_queue_delay_us: int = 10_000
     # A batch closes once it holds this many samples (Triton's preferred_batch_size; 0: the
     # merged max_batch_size, as Triton's batcher without preferred sizes; every model)

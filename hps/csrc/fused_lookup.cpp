@@ -29,6 +29,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -53,11 +54,26 @@ constexpr int64_t kRowAhead = 8, kProbeAhead = 4;
 
 constexpr uint8_t kMark = 0x80;  // kMaxLevel (127): gather_checks.h
 
+// The slots first hit in a call, whose mark bits are cleared after its uses: room for every
+// key of the table is made before the pass, so recording one is a store (no growth check or
+// out-of-line push_back on the per-key path).
+struct FirstHits {
+  std::unique_ptr<int64_t[]> slots;
+  int64_t n = 0, room = 0;
+  void make_room(int64_t keys) {  // while empty
+    if (keys > room) {
+      slots.reset(new int64_t[keys]);
+      room = keys;
+    }
+  }
+  void add(int64_t s) { slots[n++] = s; }
+};
+
 // The use of slot s by the key at position j: LFU a Morris step of the level (up where the
 // draw × gap < 2**32), LRU the stamp; the mark bit makes a slot's first hit in this query a
 // unique hit (its slot recorded in firsts, whose marks are cleared after the call's uses).
 __attribute__((always_inline)) inline void use_slot(const TableView& t, int64_t s, int64_t j, int64_t& hits,
-                     std::vector<int64_t>& firsts) {
+                     FirstHits& firsts) {
   ++hits;
   const uint8_t m = t.counters[s];
   uint8_t lv = m & kMaxLevel;
@@ -76,15 +92,15 @@ __attribute__((always_inline)) inline void use_slot(const TableView& t, int64_t 
   } else {
     lv = static_cast<uint8_t>(t.stamp);
   }
-  if (!(m & kMark)) firsts.push_back(s);
+  if (!(m & kMark)) firsts.add(s);
   t.counters[s] = kMark | lv;
 }
 
 // Clear the mark bits of the slots first hit (end of a call's uses); returns how many.
-inline int64_t clear_marks(const TableView& t, std::vector<int64_t>& firsts) {
-  for (const int64_t s : firsts) t.counters[s] &= kMaxLevel;
-  const int64_t n = static_cast<int64_t>(firsts.size());
-  firsts.clear();
+inline int64_t clear_marks(const TableView& t, FirstHits& firsts) {
+  for (int64_t k = 0; k < firsts.n; ++k) t.counters[firsts.slots[k]] &= kMaxLevel;
+  const int64_t n = firsts.n;
+  firsts.n = 0;
   return n;
 }
 
@@ -100,7 +116,7 @@ inline int64_t clear_marks(const TableView& t, std::vector<int64_t>& firsts) {
 // With kProbeOnly (bags pooled afterwards by pool_bags from sl) no row is read here.
 template <bool kUses, int64_t kFormat, bool kProbeOnly = false>
 int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
-                  std::vector<ProbeState>& st, int64_t& hits, std::vector<int64_t>& firsts) {
+                  std::vector<ProbeState>& st, int64_t& hits, FirstHits& firsts) {
   st.resize(static_cast<size_t>(i1 - i0));
   ProbeState* ps = st.data() - i0;
   const int64_t first_ways = std::min<int64_t>(64, t.ways);
@@ -281,10 +297,11 @@ void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<i
                int64_t owners, std::vector<int64_t>& hits, std::vector<int64_t>& uniq) {
   const int64_t T = static_cast<int64_t>(ts.size());
   at::parallel_for(0, owners, 1, [&](int64_t o0, int64_t o1) {
-    std::vector<int64_t> firsts;
+    FirstHits firsts;
     for (int64_t o = o0; o < o1; ++o) {
       for (int64_t i = 0; i < T; ++i) {
         const TableView& t = ts[i];
+        firsts.make_room(t.n);
         const int64_t* sl = slots[i].data();
         int64_t h = 0;
         for (int64_t j = 0; j < t.n; ++j) {
@@ -330,7 +347,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
   // small calls run on the calling thread: a thread wake-up costs more than their gather
   const bool alone = threads <= 1 || total < 8192 || at::in_parallel_region();
   std::vector<int64_t> hits(T, 0), uniq(T, 0);
-  std::vector<std::vector<int64_t>> firsts(T);  // alone: each table's first hits
+  std::vector<FirstHits> firsts(T);  // alone: each table's first hits
   std::vector<int64_t> piece_misses(P, 0);
   auto run = [&](int64_t p, std::vector<ProbeState>& st, bool uses) {
     const Piece& pc = pieces[p];
@@ -339,9 +356,9 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     int64_t* sl = slots[pc.table].data();
     const int64_t i0 = pc.begin * h, i1 = pc.end * h;
     int64_t unused_h = 0;
-    std::vector<int64_t> unused_f;
+    FirstHits unused_f;
     int64_t& ht = uses ? hits[pc.table] : unused_h;
-    std::vector<int64_t>& ft = uses ? firsts[pc.table] : unused_f;
+    FirstHits& ft = uses ? firsts[pc.table] : unused_f;
 #if defined(__AVX__)
     if (const int vecs = pooled_vecs(t)) {
       piece_misses[p] = uses ? gather_piece<true, kFp32, true>(t, i0, i1, sl, st, ht, ft)
@@ -379,6 +396,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
       ts[i].counter = key_counters[i];
       counted[i] = 1;
     }
+    for (int64_t i = 0; i < T; ++i) firsts[i].make_room(ts[i].n);
     std::vector<ProbeState> st;
     for (int64_t p = 0; p < P; ++p) run(p, st, true);
     for (int64_t i = 0; i < T; ++i) uniq[i] = clear_marks(ts[i], firsts[i]);

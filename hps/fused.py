@@ -95,8 +95,10 @@ class GatherArgs:
         key_counters: ``None``, or per table the compiled ``KeyCounter`` of its key statistics
             (:attr:`hps.key_counts.KeyCounts.counter`): the compiled pass counts the table's
             keys ``>= 0`` into it in the same pass (sharing the key's hash) when one thread
-            does every key and no LFU halving falls in this query; :attr:`GatherResult.counted`
-            says which tables it counted (the caller counts the others).
+            does every key, first halving it once per LFU halving of the table's cache that
+            this query crosses (``per_table[:, 4]``: the caller ages the rest of the table's
+            statistics to match); :attr:`GatherResult.counted` says which tables it counted
+            (the caller ages and counts the others).
     """
 
     caches: Sequence[EmbeddingCache]

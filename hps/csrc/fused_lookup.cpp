@@ -322,9 +322,11 @@ void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<i
 // so not two per table). Per table: {hits_all, hits_unique, looked_up}; misses (positions into
 // keys) ascending, table after table; pending: per table, the bags with a miss (ascending).
 // When one thread does every key, the keys of each table whose key_counters[i] is set are
-// counted into it in the same pass (counted[i] = 1); else nothing is counted.
+// counted into it in the same pass (counted[i] = 1), the counter first halved halvings[i]
+// times (the LFU agings of the table's cache this query crosses); else nothing is counted.
 std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
                                                 const std::vector<KeyCounter*>& key_counters,
+                                                const std::vector<int64_t>& halvings,
                                                 std::vector<uint8_t>& counted,
                                                 const std::vector<int64_t>& valid,
                                                 std::vector<int64_t>& misses,
@@ -392,6 +394,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     for (int64_t i = 0; i < T; ++i) {
       if (key_counters[i] == nullptr) continue;
       held.push_back(key_counters[i]->hold());
+      if (halvings[i] > 0) key_counters[i]->halve_held(halvings[i]);
       key_counters[i]->make_room(ts[i].n);
       ts[i].counter = key_counters[i];
       counted[i] = 1;
@@ -462,7 +465,9 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
 
 // Rows (hotness all 0) or bags (hotness > 0) of every table, see the file comment.
 // key_counters: empty, or per table a KeyCounter (or None) that the pass counts the table's
-// keys >= 0 into when one thread does every key and no LFU halving falls in this query.
+// keys >= 0 into when one thread does every key, first halving it once per LFU halving of the
+// table's cache that falls in this query (the caller ages the rest of its statistics, e.g.
+// their mass, to match).
 // Returns {misses (k,) int64: positions into each table's keys, table after table;
 //          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings;
 //          counted (T,) uint8: 1 where the table's keys were counted into its KeyCounter;
@@ -496,6 +501,7 @@ std::vector<at::Tensor> cache_gather(
   float* out_base = out.data_ptr<float>();
   std::vector<TableView> views;
   std::vector<KeyCounter*> kcs(T, nullptr);
+  std::vector<int64_t> halvings(T, 0);
   for (size_t i = 0; i < T; ++i) {
     const auto& k = keys[i];
     const int64_t capacity = cache_keys[i].numel();
@@ -540,14 +546,13 @@ std::vector<at::Tensor> cache_gather(
     if (t.hotness > 0) check(t.n % t.hotness == 0, "bag keys must be (B, hotness)");
     views.push_back(t);
     pt[i * 5 + 4] = crossed;
-    // counted in the pass only when no halving falls in this query: the caller halves its key
-    // statistics after the cache ages, before the keys of the query are added
-    kcs[i] = key_counters.empty() || crossed > 0 ? nullptr : key_counters[i];
+    halvings[i] = crossed;  // a key counter is halved as its cache ages, before the query counts
+    kcs[i] = key_counters.empty() ? nullptr : key_counters[i];
   }
   std::vector<int64_t> miss_counts;
   std::vector<std::vector<int64_t>> slots;
   std::vector<uint8_t> counted;
-  const auto r = gather_tables(views, kcs, counted, valid, misses, miss_counts, slots);
+  const auto r = gather_tables(views, kcs, halvings, counted, valid, misses, miss_counts, slots);
   std::vector<at::Tensor> result;
   result.reserve(2 + T);
   int64_t first = 0;

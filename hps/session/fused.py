@@ -15,9 +15,10 @@ One call, whatever the number of tables:
    miss, which is then summed key by key in request order (:func:`hps.fused.pool_in_order`),
    so a bag's floats never depend on which of its keys the cache held;
 4. key statistics: counted by the fused pass itself (one hash per key for the probe and the
-   count) where it can, i.e. one thread and no LFU halving in this query; the other tables in
-   one call (:class:`hps.key_counts.KeyCounts`). Either way a table's statistics are halved
-   for every aging of its cache before the keys of the query that aged it are added.
+   count) where it can, i.e. when one thread does every key; the other tables in one call
+   (:class:`hps.key_counts.KeyCounts`). Either way a table's statistics are halved for every
+   aging of its cache before the keys of the query that aged it are added (by the pass itself
+   for the tables it counts, their mass and epoch then aged under the caches' locks).
 
 Tables without a cache, or caches off the CPU, go through :meth:`LookupSession.lookup` one by
 one (the same results).
@@ -77,6 +78,10 @@ class SessionView(Protocol):
     def _age_key_stats_many(
         self, tables: Sequence[tuple[SessionTable, EmbeddingCache]]
     ) -> list[int]: ...
+
+    def _key_stats_halved(
+        self, tables: Sequence[tuple[SessionTable, EmbeddingCache, int]]
+    ) -> None: ...
 
     def lookup(self, table: str, keys: torch.Tensor | np.ndarray) -> torch.Tensor: ...
 
@@ -247,10 +252,17 @@ def _run(
             c._advance_age(row[3])
             c.stats.hits += row[2]
             c.stats.queries += row[2]
+        counted = res.counted or (False,) * len(ts)
+        halved = [
+            (t, c, row[4])
+            for t, c, row, done in zip(ts, caches, per, counted, strict=True)
+            if done and row[4]
+        ]
+        if halved:  # before the caches' locks go: no other lookup ages these statistics twice
+            s._key_stats_halved(halved)
     finally:
         for c in reversed(order):
             c._lock.release()
-    counted = res.counted or (False,) * len(ts)
     try:
         _serve_all_misses(s, ts, ks, caches, res, per, buf, offsets, hot, pooling, failed, counted)
     except Exception:

@@ -519,6 +519,20 @@ class LookupSession:
         with self._aging_lock:
             return [self._age_locked(t.name, c) for t, c in tables]
 
+    def _key_stats_halved(
+        self, tables: Sequence[tuple[SessionTable, EmbeddingCache, int]]
+    ) -> None:
+        """The fused pass halved the key counters of these ``(table, cache, times)`` itself
+        before counting their keys (``times`` agings of the cache fell in its query, now in
+        ``cache.decay_epoch``): their mass is aged to match and they are labelled with the
+        cache's epoch, so :meth:`_age_key_stats` does not halve them again. Called with the
+        caches' locks held, right after the pass."""
+        assert self.key_stats is not None
+        with self._aging_lock:
+            for t, cache, times in tables:
+                self.key_stats[t.name].counter_halved(times)
+                self._stats_epoch[t.name] = (weakref.ref(cache), cache.decay_epoch)
+
     def _age_locked(self, name: str, cache: EmbeddingCache) -> int:
         """:meth:`_age_key_stats` of table ``name``, the aging lock held."""
         assert self.key_stats is not None

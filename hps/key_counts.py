@@ -66,13 +66,13 @@ class KeyCounts(KeyStatistics):
         when more than ``2 × max_keys`` distinct keys are held."""
         self._observe(occurrences, occurrences)
 
-    def _observe(self, occurrences: int, keys: int) -> None:
-        """:meth:`observed`, the counter having been given ``keys`` keys (an upper bound on
+    def _observe(self, occurrences: int, added: int) -> None:
+        """:meth:`observed`, the counter having been given ``added`` keys (an upper bound on
         the distinct keys it gained)."""
         with self._lock:
             self.total += occurrences
             self.aged_mass += float(occurrences)
-            self._size_bound += keys
+            self._size_bound += added
             bound = self._size_bound
             if bound <= 2 * self.max_keys:
                 return

@@ -331,9 +331,7 @@ def _serve_all_misses(
     records: list[tuple[str, list[int], list[int], bool]] = []
     all_hit: list[tuple[str, int, int, bool]] = []  # tables without a miss
     aged = [i for i, row in enumerate(per) if row[0] or not counted[i]]
-    epochs = dict(
-        zip(aged, s._age_key_stats_many([(ts[i], caches[i]) for i in aged]), strict=True)
-    )
+    epochs = dict(zip(aged, s._age_key_stats_many([(ts[i], caches[i]) for i in aged]), strict=True))
     try:
         for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
             nm, hits, uniq_hits = row[0], row[1], row[2]

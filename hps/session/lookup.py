@@ -519,9 +519,7 @@ class LookupSession:
         with self._aging_lock:
             return [self._age_locked(t.name, c) for t, c in tables]
 
-    def _key_stats_halved(
-        self, tables: Sequence[tuple[SessionTable, EmbeddingCache, int]]
-    ) -> None:
+    def _key_stats_halved(self, tables: Sequence[tuple[SessionTable, EmbeddingCache, int]]) -> None:
         """The fused pass halved the key counters of these ``(table, cache, times)`` itself
         before counting their keys (``times`` agings of the cache fell in its query, now in
         ``cache.decay_epoch``): their mass is aged to match and they are labelled with the

@@ -49,7 +49,8 @@ namespace hps_cpu {
 // keys before it is read, its key line kProbeAhead keys before that, its tag line kProbeAhead
 // keys earlier still. The row, 8 lines of 64 bytes in FP32 at dim 128, is the longest wait;
 // 26 tables of dlrm_dcnv2 ÷ 300, pooled: row distance 8 ran 2 % faster than 4, 12 to 24 no
-// faster than 8, probe distance 2 slower than 4 (docs/benchmarks.md, "pooled bags").
+// faster than 8, probe distance 2 slower than 4, 8 about 2 % faster than 4 (the key line's
+// compare waited on it: 11 % of the probe's samples at 4; docs/benchmarks.md, "pooled bags").
 constexpr int64_t kRowAhead = 8, kProbeAhead = 8;
 
 constexpr uint8_t kMark = 0x80;  // kMaxLevel (127): gather_checks.h

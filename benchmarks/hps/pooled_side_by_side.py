@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from benchmarks.hps.bench_lookup import ALPHA, DIM, _resident_session
 from benchmarks.hps.zipf_keys import Zipf
-from benchmarks.meta import RESULTS_DIR, write_json
+from benchmarks.meta import write_json
 from hps.types import Pooling
 
 log = logging.getLogger(__name__)
@@ -83,7 +83,10 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--label", default="this checkout")
-    ap.add_argument("--out", type=Path, default=RESULTS_DIR / "hps_pooled_side_by_side.json")
+    # beside this file, not the imported checkout's: run by path with another build on
+    # PYTHONPATH, the rows still land here
+    here = Path(__file__).resolve().parent.parent / "results"
+    ap.add_argument("--out", type=Path, default=here / "hps_pooled_side_by_side.json")
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     load = os.getloadavg()[0]

@@ -34,6 +34,7 @@ and statistics, bit for bit (tests/hps/test_fused.py).
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -50,6 +51,7 @@ __all__ = [
     "GatherArgs",
     "GatherResult",
     "check_keys",
+    "flat_keys",
     "gather",
     "gather_reference",
     "gather_rows",
@@ -76,7 +78,8 @@ class GatherArgs:
 
     Attributes:
         caches: one per table (CPU; rows in :func:`row_format_of` the cache).
-        keys: ``(m_t,) int64`` contiguous per table (bags: ``B × hotness`` flattened, -1 pads).
+        keys: ``int64`` contiguous per table, its ``m_t`` keys in row-major order: ``(m_t,)``
+            or any shape holding them (bags: ``(B, hotness)`` or flattened; -1 pads).
         out: float32 contiguous output (rows: ``Σ m_t·dim_t``; bags: ``(B, out_stride)``).
         out_offsets: where each table starts in ``out`` (rows: element offset; bags: column).
         out_stride: bags: floats per bag row of ``out``; rows: 0.
@@ -92,8 +95,10 @@ class GatherArgs:
         key_counters: ``None``, or per table the compiled ``KeyCounter`` of its key statistics
             (:attr:`hps.key_counts.KeyCounts.counter`): the compiled pass counts the table's
             keys ``>= 0`` into it in the same pass (sharing the key's hash) when one thread
-            does every key and no LFU halving falls in this query; :attr:`GatherResult.counted`
-            says which tables it counted (the caller counts the others).
+            does every key, first halving it once per LFU halving of the table's cache that
+            this query crosses (``per_table[:, 4]``: the caller ages the rest of the table's
+            statistics to match); :attr:`GatherResult.counted` says which tables it counted
+            (the caller ages and counts the others).
     """
 
     caches: Sequence[EmbeddingCache]
@@ -154,7 +159,7 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
     n = len(args.caches)
     ckeys, words, word_of, tags, counters, storage = [], [], [], [], [], []
     ways, dims, formats = [0] * n, [0] * n, [0] * n
-    no_nibbles = torch.zeros(0, dtype=torch.uint8)
+    gaps_t, halve_t, no_nibbles = _level_tables()
     for i, c in enumerate(args.caches):  # whole (num_sets, ways) arrays: the kernel reads data
         sk = c.slot_keys
         ckeys.append(sk.keys)
@@ -184,24 +189,34 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
         args.out_stride,
         list(args.hotness),
         [int(m) for m in args.mean],
-        *_level_tables(),
+        gaps_t,
+        halve_t,
         list(args.key_counters) if args.key_counters is not None else [],
     )
     return GatherResult(misses, per_table, pending, tuple(bool(x) for x in counted.tolist()))
 
 
 @functools.lru_cache(maxsize=1)
-def _level_tables() -> tuple[torch.Tensor, torch.Tensor]:
-    """The kernel's LFU tables, built once per process (it only reads them): ``gaps (128,)
-    int64`` and ``HALVE (128,) uint8`` (:mod:`hps.storage.cache.slot_counter`)."""
-    return gaps(), torch.tensor(HALVE, dtype=torch.uint8)
+def _level_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's read-only inputs, built once per process: the LFU tables ``gaps (128,)
+    int64`` and ``HALVE (128,) uint8`` (:mod:`hps.storage.cache.slot_counter`), and the
+    ``(0,) uint8`` nibbles of a cache with one high word."""
+    return gaps(), torch.tensor(HALVE, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8)
 
 
 def gather_reference(args: GatherArgs) -> GatherResult:
     """:func:`gather` in torch ops, one table after another: the specification the compiled
     kernel is tested against (same outputs, counters, statistics)."""
+    args = flat_keys(args)
     check_keys(args)
     return join_tables([_gather_one(args, i, c) for i, c in enumerate(args.caches)])
+
+
+def flat_keys(args: GatherArgs) -> GatherArgs:
+    """``args`` with every table's keys as ``(m_t,)`` (views of the same keys)."""
+    if all(k.dim() == 1 for k in args.keys):
+        return args
+    return dataclasses.replace(args, keys=[k.reshape(-1) for k in args.keys])
 
 
 def check_keys(args: GatherArgs) -> None:

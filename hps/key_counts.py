@@ -11,6 +11,8 @@ equal the reference's (tests/hps/test_key_counts.py); without the extension it i
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
@@ -33,6 +35,10 @@ class KeyCounts(KeyStatistics):
         super().__init__(max_keys)
         ext = load_extension()
         self._counter = ext.KeyCounter() if ext is not None else None
+        # an upper bound on the counter's distinct keys (it grows by at most the occurrences
+        # observed): its size is asked for, and a trim considered, only once this passes
+        # 2 × max_keys, not on every update
+        self._size_bound = 0
 
     @property
     def counter(self) -> object | None:
@@ -52,20 +58,34 @@ class KeyCounts(KeyStatistics):
             else torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64))
         )
         self._counter.update(k, c, False)
-        self.observed(int(k.numel()) if counts is None else int(c.sum()))
+        n = int(k.numel())
+        self._observe(n if counts is None else int(c.sum()), n)
 
     def observed(self, occurrences: int) -> None:
         """Account for ``occurrences`` keys counted straight into :attr:`counter`, and trim
         when more than ``2 × max_keys`` distinct keys are held."""
+        self._observe(occurrences, occurrences)
+
+    def _observe(self, occurrences: int, added: int) -> None:
+        """:meth:`observed`, the counter having been given ``added`` keys (an upper bound on
+        the distinct keys it gained)."""
         with self._lock:
             self.total += occurrences
             self.aged_mass += float(occurrences)
+            self._size_bound += added
+            bound = self._size_bound
+            if bound <= 2 * self.max_keys:
+                return
         assert self._counter is not None
-        if self._counter.size() > 2 * self.max_keys:
+        size = self._counter.size()
+        if size > 2 * self.max_keys:
             keys, counts = self._counter.items()
             top = np.argpartition(-counts.numpy(), self.max_keys)[: self.max_keys]
             order = np.sort(top)
             self._counter.assign(keys[torch.from_numpy(order)], counts[torch.from_numpy(order)])
+            size = self.max_keys
+        with self._lock:  # and what other threads observed meanwhile
+            self._size_bound = size + self._size_bound - bound
 
     def halve(self, times: int = 1) -> None:
         """Age the counts: ``c >> times`` each (keys reaching 0 dropped), ``aged_mass / 2**times``.
@@ -76,8 +96,16 @@ class KeyCounts(KeyStatistics):
         if self._counter is None or times <= 0:
             super().halve(times)
             return
-        super().halve(times)  # ages aged_mass (its own arrays are empty)
+        with self._lock:  # the reference's arrays are empty here: only the mass to age
+            self.aged_mass = math.ldexp(self.aged_mass, -min(times, 1100))
         self._counter.halve(times)
+
+    def counter_halved(self, times: int) -> None:
+        """Age the rest of the counts (the mass) after a fused pass halved :attr:`counter`
+        ``times`` itself (:func:`hps.fused.gather`: an aging of the table's cache fell in
+        the query it counted)."""
+        with self._lock:
+            self.aged_mass = math.ldexp(self.aged_mass, -min(times, 1100))
 
     def count_of(self, keys: np.ndarray) -> np.ndarray:
         """Observed occurrences of each of ``keys (n,) int64`` so far (0 for an unseen key)."""

@@ -29,6 +29,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <stdexcept>
 #include <string>
@@ -48,16 +49,32 @@ namespace hps_cpu {
 // keys before it is read, its key line kProbeAhead keys before that, its tag line kProbeAhead
 // keys earlier still. The row, 8 lines of 64 bytes in FP32 at dim 128, is the longest wait;
 // 26 tables of dlrm_dcnv2 ÷ 300, pooled: row distance 8 ran 2 % faster than 4, 12 to 24 no
-// faster than 8, probe distance 2 slower than 4 (docs/benchmarks.md, "pooled bags").
-constexpr int64_t kRowAhead = 8, kProbeAhead = 4;
+// faster than 8, probe distance 2 slower than 4, 8 about 2 % faster than 4 (the key line's
+// compare waited on it: 11 % of the probe's samples at 4; docs/benchmarks.md, "pooled bags").
+constexpr int64_t kRowAhead = 8, kProbeAhead = 8;
 
 constexpr uint8_t kMark = 0x80;  // kMaxLevel (127): gather_checks.h
+
+// The slots first hit in a call, whose mark bits are cleared after its uses: room for every
+// key of the table is made before the pass, so recording one is a store (no growth check or
+// out-of-line push_back on the per-key path).
+struct FirstHits {
+  std::unique_ptr<int64_t[]> slots;
+  int64_t n = 0, room = 0;
+  void make_room(int64_t keys) {  // while empty
+    if (keys > room) {
+      slots.reset(new int64_t[keys]);
+      room = keys;
+    }
+  }
+  void add(int64_t s) { slots[n++] = s; }
+};
 
 // The use of slot s by the key at position j: LFU a Morris step of the level (up where the
 // draw × gap < 2**32), LRU the stamp; the mark bit makes a slot's first hit in this query a
 // unique hit (its slot recorded in firsts, whose marks are cleared after the call's uses).
 __attribute__((always_inline)) inline void use_slot(const TableView& t, int64_t s, int64_t j, int64_t& hits,
-                     std::vector<int64_t>& firsts) {
+                     FirstHits& firsts) {
   ++hits;
   const uint8_t m = t.counters[s];
   uint8_t lv = m & kMaxLevel;
@@ -76,15 +93,15 @@ __attribute__((always_inline)) inline void use_slot(const TableView& t, int64_t 
   } else {
     lv = static_cast<uint8_t>(t.stamp);
   }
-  if (!(m & kMark)) firsts.push_back(s);
+  if (!(m & kMark)) firsts.add(s);
   t.counters[s] = kMark | lv;
 }
 
 // Clear the mark bits of the slots first hit (end of a call's uses); returns how many.
-inline int64_t clear_marks(const TableView& t, std::vector<int64_t>& firsts) {
-  for (const int64_t s : firsts) t.counters[s] &= kMaxLevel;
-  const int64_t n = static_cast<int64_t>(firsts.size());
-  firsts.clear();
+inline int64_t clear_marks(const TableView& t, FirstHits& firsts) {
+  for (int64_t k = 0; k < firsts.n; ++k) t.counters[firsts.slots[k]] &= kMaxLevel;
+  const int64_t n = firsts.n;
+  firsts.n = 0;
   return n;
 }
 
@@ -100,7 +117,7 @@ inline int64_t clear_marks(const TableView& t, std::vector<int64_t>& firsts) {
 // With kProbeOnly (bags pooled afterwards by pool_bags from sl) no row is read here.
 template <bool kUses, int64_t kFormat, bool kProbeOnly = false>
 int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
-                  std::vector<ProbeState>& st, int64_t& hits, std::vector<int64_t>& firsts) {
+                  std::vector<ProbeState>& st, int64_t& hits, FirstHits& firsts) {
   st.resize(static_cast<size_t>(i1 - i0));
   ProbeState* ps = st.data() - i0;
   const int64_t first_ways = std::min<int64_t>(64, t.ways);
@@ -281,10 +298,11 @@ void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<i
                int64_t owners, std::vector<int64_t>& hits, std::vector<int64_t>& uniq) {
   const int64_t T = static_cast<int64_t>(ts.size());
   at::parallel_for(0, owners, 1, [&](int64_t o0, int64_t o1) {
-    std::vector<int64_t> firsts;
+    FirstHits firsts;
     for (int64_t o = o0; o < o1; ++o) {
       for (int64_t i = 0; i < T; ++i) {
         const TableView& t = ts[i];
+        firsts.make_room(t.n);
         const int64_t* sl = slots[i].data();
         int64_t h = 0;
         for (int64_t j = 0; j < t.n; ++j) {
@@ -305,9 +323,11 @@ void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<i
 // so not two per table). Per table: {hits_all, hits_unique, looked_up}; misses (positions into
 // keys) ascending, table after table; pending: per table, the bags with a miss (ascending).
 // When one thread does every key, the keys of each table whose key_counters[i] is set are
-// counted into it in the same pass (counted[i] = 1); else nothing is counted.
+// counted into it in the same pass (counted[i] = 1), the counter first halved halvings[i]
+// times (the LFU agings of the table's cache this query crosses); else nothing is counted.
 std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
                                                 const std::vector<KeyCounter*>& key_counters,
+                                                const std::vector<int64_t>& halvings,
                                                 std::vector<uint8_t>& counted,
                                                 const std::vector<int64_t>& valid,
                                                 std::vector<int64_t>& misses,
@@ -330,7 +350,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
   // small calls run on the calling thread: a thread wake-up costs more than their gather
   const bool alone = threads <= 1 || total < 8192 || at::in_parallel_region();
   std::vector<int64_t> hits(T, 0), uniq(T, 0);
-  std::vector<std::vector<int64_t>> firsts(T);  // alone: each table's first hits
+  std::vector<FirstHits> firsts(T);  // alone: each table's first hits
   std::vector<int64_t> piece_misses(P, 0);
   auto run = [&](int64_t p, std::vector<ProbeState>& st, bool uses) {
     const Piece& pc = pieces[p];
@@ -339,9 +359,9 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     int64_t* sl = slots[pc.table].data();
     const int64_t i0 = pc.begin * h, i1 = pc.end * h;
     int64_t unused_h = 0;
-    std::vector<int64_t> unused_f;
+    FirstHits unused_f;
     int64_t& ht = uses ? hits[pc.table] : unused_h;
-    std::vector<int64_t>& ft = uses ? firsts[pc.table] : unused_f;
+    FirstHits& ft = uses ? firsts[pc.table] : unused_f;
 #if defined(__AVX__)
     if (const int vecs = pooled_vecs(t)) {
       piece_misses[p] = uses ? gather_piece<true, kFp32, true>(t, i0, i1, sl, st, ht, ft)
@@ -375,10 +395,12 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     for (int64_t i = 0; i < T; ++i) {
       if (key_counters[i] == nullptr) continue;
       held.push_back(key_counters[i]->hold());
+      if (halvings[i] > 0) key_counters[i]->halve_held(halvings[i]);
       key_counters[i]->make_room(ts[i].n);
       ts[i].counter = key_counters[i];
       counted[i] = 1;
     }
+    for (int64_t i = 0; i < T; ++i) firsts[i].make_room(ts[i].n);
     std::vector<ProbeState> st;
     for (int64_t p = 0; p < P; ++p) run(p, st, true);
     for (int64_t i = 0; i < T; ++i) uniq[i] = clear_marks(ts[i], firsts[i]);
@@ -444,7 +466,9 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
 
 // Rows (hotness all 0) or bags (hotness > 0) of every table, see the file comment.
 // key_counters: empty, or per table a KeyCounter (or None) that the pass counts the table's
-// keys >= 0 into when one thread does every key and no LFU halving falls in this query.
+// keys >= 0 into when one thread does every key, first halving it once per LFU halving of the
+// table's cache that falls in this query (the caller ages the rest of its statistics, e.g.
+// their mass, to match).
 // Returns {misses (k,) int64: positions into each table's keys, table after table;
 //          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings;
 //          counted (T,) uint8: 1 where the table's keys were counted into its KeyCounter;
@@ -478,6 +502,7 @@ std::vector<at::Tensor> cache_gather(
   float* out_base = out.data_ptr<float>();
   std::vector<TableView> views;
   std::vector<KeyCounter*> kcs(T, nullptr);
+  std::vector<int64_t> halvings(T, 0);
   for (size_t i = 0; i < T; ++i) {
     const auto& k = keys[i];
     const int64_t capacity = cache_keys[i].numel();
@@ -522,14 +547,13 @@ std::vector<at::Tensor> cache_gather(
     if (t.hotness > 0) check(t.n % t.hotness == 0, "bag keys must be (B, hotness)");
     views.push_back(t);
     pt[i * 5 + 4] = crossed;
-    // counted in the pass only when no halving falls in this query: the caller halves its key
-    // statistics after the cache ages, before the keys of the query are added
-    kcs[i] = key_counters.empty() || crossed > 0 ? nullptr : key_counters[i];
+    halvings[i] = crossed;  // a key counter is halved as its cache ages, before the query counts
+    kcs[i] = key_counters.empty() ? nullptr : key_counters[i];
   }
   std::vector<int64_t> miss_counts;
   std::vector<std::vector<int64_t>> slots;
   std::vector<uint8_t> counted;
-  const auto r = gather_tables(views, kcs, counted, valid, misses, miss_counts, slots);
+  const auto r = gather_tables(views, kcs, halvings, counted, valid, misses, miss_counts, slots);
   std::vector<at::Tensor> result;
   result.reserve(2 + T);
   int64_t first = 0;

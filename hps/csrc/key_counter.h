@@ -74,6 +74,11 @@ class KeyCounter {
   // c >> times for every key; keys whose count reaches 0 are dropped.
   void halve(int64_t times) {
     std::lock_guard<std::mutex> g(mu_);
+    halve_held(times);
+  }
+
+  // halve() by a caller that holds the counter (a fused pass halving before it counts).
+  void halve_held(int64_t times) {
     const int s = static_cast<int>(std::min<int64_t>(times, 63));
     std::vector<std::pair<int64_t, int64_t>> kept;
     kept.reserve(size_);
@@ -111,8 +116,9 @@ class KeyCounter {
   }
 
   // For a caller that counts keys inside its own pass (cache_gather): hold() the counter for
-  // the pass, make_room() for its keys first (no rehash while they are added), then per key
-  // prefetch_entry(mix64(key)) a few keys ahead of add_hashed(key, mix64(key), 1).
+  // the pass (halve_held() first where an aging falls in it), make_room() for its keys (no
+  // rehash while they are added), then per key prefetch_entry(mix64(key)) a few keys ahead of
+  // add_hashed(key, mix64(key), 1).
   std::unique_lock<std::mutex> hold() { return std::unique_lock<std::mutex>(mu_); }
   void make_room(int64_t keys) { reserve(size_ + keys); }
   void prefetch_entry(uint64_t h) const { __builtin_prefetch(&slots_[h & mask_], 1, 3); }

@@ -15,9 +15,10 @@ One call, whatever the number of tables:
    miss, which is then summed key by key in request order (:func:`hps.fused.pool_in_order`),
    so a bag's floats never depend on which of its keys the cache held;
 4. key statistics: counted by the fused pass itself (one hash per key for the probe and the
-   count) where it can, i.e. one thread and no LFU halving in this query; the other tables in
-   one call (:class:`hps.key_counts.KeyCounts`). Either way a table's statistics are halved
-   for every aging of its cache before the keys of the query that aged it are added.
+   count) where it can, i.e. when one thread does every key; the other tables in one call
+   (:class:`hps.key_counts.KeyCounts`). Either way a table's statistics are halved for every
+   aging of its cache before the keys of the query that aged it are added (by the pass itself
+   for the tables it counts, their mass and epoch then aged under the caches' locks).
 
 Tables without a cache, or caches off the CPU, go through :meth:`LookupSession.lookup` one by
 one (the same results).
@@ -74,18 +75,28 @@ class SessionView(Protocol):
 
     def _age_key_stats(self, t: SessionTable, cache: EmbeddingCache) -> int: ...
 
+    def _age_key_stats_many(
+        self, tables: Sequence[tuple[SessionTable, EmbeddingCache]]
+    ) -> list[int]: ...
+
+    def _key_stats_halved(
+        self, tables: Sequence[tuple[SessionTable, EmbeddingCache, int]]
+    ) -> None: ...
+
     def lookup(self, table: str, keys: torch.Tensor | np.ndarray) -> torch.Tensor: ...
 
 
 def _check(
     s: SessionView, tables: Sequence[str], keys: Sequence[torch.Tensor], bags: bool
 ) -> tuple[list[SessionTable], list[torch.Tensor]]:
+    """The tables, and each one's keys contiguous in the caller's shape (the fused pass reads
+    any contiguous shape as its keys in row-major order: no view per table on the hot path)."""
     if len(tables) != len(keys):
         raise ValueError(f"{len(tables)} tables but {len(keys)} key tensors")
     if len(set(tables)) != len(tables):
         raise ValueError(f"a table is named twice in one fused lookup: {list(tables)}")
     ts = [s._table(n) for n in tables]
-    flat = []
+    ks = []
     batch = None
     int64 = torch.int64
     for t, k in zip(ts, keys, strict=True):
@@ -106,8 +117,8 @@ def _check(
                 raise ValueError(
                     f"table {t.name!r}: {k.shape[0]} bags, but the first table has {batch}"
                 )
-        flat.append(k.reshape(-1).contiguous())
-    return ts, flat
+        ks.append(k if k.is_contiguous() else k.contiguous())
+    return ts, ks
 
 
 def _out_buffer(
@@ -141,7 +152,7 @@ def fused_lookup(
 ) -> list[torch.Tensor]:
     """Rows (``pooling is None``: one view per table) or bags (one ``(B, Σ dim)`` tensor)."""
     bags = pooling is not None
-    ts, flat = _check(s, tables, keys, bags)
+    ts, ks = _check(s, tables, keys, bags)
     dims = [t.dim for t in ts]
     if bags:
         b = keys[0].shape[0] if keys else 0
@@ -153,12 +164,12 @@ def fused_lookup(
                 buf[:, o : o + d].zero_()
     else:
         hot = [0] * len(ts)
-        sizes = [f.numel() * d for f, d in zip(flat, dims, strict=True)]
+        sizes = [k.numel() * d for k, d in zip(ks, dims, strict=True)]
         offsets = [0, *itertools.accumulate(sizes)][:-1]
         buf = _out_buffer(out, (sum(sizes),), s.device)
     caches = [t.cache for t in ts]
     if not ts or not _fusable(s, caches):
-        return _per_table(s, ts, keys, flat, pooling, buf, offsets)
+        return _per_table(s, ts, keys, ks, pooling, buf, offsets)
     if not s._slots.acquire(timeout=s.acquire_timeout_s):
         raise TimeoutError(
             f"no lookup worker free within {s.acquire_timeout_s} s ({s.max_concurrent} busy)"
@@ -169,7 +180,7 @@ def fused_lookup(
         s.update_lock.acquire_read()
         try:
             cs = [c for c in caches if c is not None]
-            _run(s, ts, flat, cs, buf, offsets, hot, pooling, failed)
+            _run(s, ts, ks, cs, buf, offsets, hot, pooling, failed)
         finally:
             s.update_lock.release_read()
     except Exception as e:
@@ -183,7 +194,7 @@ def fused_lookup(
         return [buf]
     return [
         buf[o : o + f.numel() * d].view(*k.shape, d)
-        for o, f, d, k in zip(offsets, flat, dims, keys, strict=True)
+        for o, f, d, k in zip(offsets, ks, dims, keys, strict=True)
     ]
 
 
@@ -194,7 +205,7 @@ def _fusable(s: SessionView, caches: list[EmbeddingCache | None]) -> bool:
 def _run(
     s: SessionView,
     ts: list[SessionTable],
-    flat: list[torch.Tensor],
+    ks: list[torch.Tensor],
     caches: list[EmbeddingCache],
     buf: torch.Tensor,
     offsets: list[int],
@@ -220,7 +231,7 @@ def _run(
         counters = _pass_counters(s, ts, caches)
         args = GatherArgs(
             caches=caches,
-            keys=flat,
+            keys=ks,
             out=buf,
             out_offsets=offsets,
             out_stride=buf.shape[1] if bags else 0,
@@ -241,29 +252,34 @@ def _run(
             c._advance_age(row[3])
             c.stats.hits += row[2]
             c.stats.queries += row[2]
+        counted = res.counted or (False,) * len(ts)
+        halved = [
+            (t, c, row[4])
+            for t, c, row, done in zip(ts, caches, per, counted, strict=True)
+            if done and row[4]
+        ]
+        if halved:  # before the caches' locks go: no other lookup ages these statistics twice
+            s._key_stats_halved(halved)
     finally:
         for c in reversed(order):
             c._lock.release()
-    counted = res.counted or (False,) * len(ts)
     try:
-        _serve_all_misses(
-            s, ts, flat, caches, res, per, buf, offsets, hot, pooling, failed, counted
-        )
+        _serve_all_misses(s, ts, ks, caches, res, per, buf, offsets, hot, pooling, failed, counted)
     except Exception:
         # a call whose miss path raised counts its keys as one that succeeded, on both paths
-        # (the compiled pass may already hold them): the tables the miss path did not reach
-        # are aged first, as it would have. A failure to count is logged: the miss path's
-        # error is the call's
+        # (the compiled pass may already hold them), the statistics the pass did not count
+        # aged first (the miss path aged them before serving any table). A failure to count
+        # is logged: the miss path's error is the call's
         try:
             if s.key_stats is not None:
-                for i, (t, c) in enumerate(zip(ts, caches, strict=True)):
-                    if not counted[i]:
-                        s._age_key_stats(t, c)
-            _count_keys(s, ts, flat, per, counted)
+                s._age_key_stats_many(
+                    [(t, c) for t, c, done in zip(ts, caches, counted, strict=True) if not done]
+                )
+            _count_keys(s, ts, ks, per, counted)
         except Exception:
             log.exception("counting the keys of a failed lookup of %s failed", [t.name for t in ts])
         raise
-    _count_keys(s, ts, flat, per, counted)
+    _count_keys(s, ts, ks, per, counted)
 
 
 def _pass_counters(
@@ -273,11 +289,11 @@ def _pass_counters(
     each table's statistics first halved for every aging of its cache so far."""
     if s.key_stats is None or not s.compiled:
         return None
-    counters = [s.key_stats[t.name].counter for t in ts]
-    if any(c is None for c in counters):
+    stats = s.key_stats
+    counters = [stats[t.name].counter for t in ts]
+    if None in counters:
         return None
-    for t, c in zip(ts, caches, strict=True):
-        s._age_key_stats(t, c)
+    s._age_key_stats_many(list(zip(ts, caches, strict=True)))
     return counters
 
 
@@ -293,7 +309,7 @@ def _name_table(msg: str, ts: list[SessionTable]) -> str:
 def _serve_all_misses(
     s: SessionView,
     ts: list[SessionTable],
-    flat: list[torch.Tensor],
+    ks: list[torch.Tensor],
     caches: list[EmbeddingCache],
     res: GatherResult,
     per: list[list[int]],
@@ -306,25 +322,27 @@ def _serve_all_misses(
 ) -> None:
     """The miss path of each table that had misses; a table whose miss path fails is
     appended to ``failed`` before the error propagates (the later tables are not served).
-    Key statistics not counted by the pass are aged here, before :func:`_count_keys`."""
+    Key statistics not counted by the pass, and those of every table with a miss, are aged
+    here (one acquisition of the aging lock), before :func:`_count_keys`."""
 
     start = 0
     all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
     # every served table's counts, recorded at the end under one statistics lock acquisition
     records: list[tuple[str, list[int], list[int], bool]] = []
     all_hit: list[tuple[str, int, int, bool]] = []  # tables without a miss
+    aged = [i for i, row in enumerate(per) if row[0] or not counted[i]]
+    epochs = dict(zip(aged, s._age_key_stats_many([(ts[i], caches[i]) for i in aged]), strict=True))
     try:
         for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
             nm, hits, uniq_hits = row[0], row[1], row[2]
             if not nm:
-                if not counted[i] and s.key_stats is not None:
-                    s._age_key_stats(t, c)
                 all_hit.append((t.name, uniq_hits, hits, all_hit_async))
                 continue
-            epoch = s._age_key_stats(t, c)
+            epoch = epochs[i]
             pos = res.misses[start : start + nm]
             start += nm
-            uniq, inv, counts = unique_with_inverse(flat[i].index_select(0, pos))
+            flat = ks[i].view(-1)
+            uniq, inv, counts = unique_with_inverse(flat.index_select(0, pos))
             n_unique = uniq_hits + uniq.numel()
             with c._lock:
                 c.stats.queries += uniq.numel()
@@ -338,13 +356,13 @@ def _serve_all_misses(
             expanded = rows.index_select(0, inv)
             d, off = t.dim, offsets[i]
             if pooling is None:
-                buf[off : off + flat[i].numel() * d].view(-1, d)[pos] = expanded
+                buf[off : off + flat.numel() * d].view(-1, d)[pos] = expanded
             else:  # the bags with a miss: their rows completed, then summed in request order
                 h = hot[i]
                 bags, rank = torch.unique_consecutive(pos // h, return_inverse=True)
                 rows_p = res.pending[i].view(bags.numel(), h, d)
                 rows_p[rank, pos % h] = expanded
-                valid = flat[i].view(-1, h).index_select(0, bags) >= 0
+                valid = flat.view(-1, h).index_select(0, bags) >= 0
                 buf[bags, off : off + d] = pool_in_order(rows_p, valid, pooling[i] is Pooling.MEAN)
             t64 = tier.to(torch.int64)
             uniq_tiers = torch.bincount(t64, minlength=4).tolist()
@@ -371,7 +389,7 @@ class _KeyCounter(Protocol):
 def _count_keys(
     s: SessionView,
     ts: list[SessionTable],
-    flat: list[torch.Tensor],
+    ks: list[torch.Tensor],
     per: list[list[int]],
     counted: Sequence[bool],
 ) -> None:
@@ -383,7 +401,7 @@ def _count_keys(
     ext = load_extension()
     counters = [k.counter for k in stats]
     if ext is not None and all(c is not None for c in counters):
-        todo = [(c, f) for c, f, done in zip(counters, flat, counted, strict=True) if not done]
+        todo = [(c, f) for c, f, done in zip(counters, ks, counted, strict=True) if not done]
         if sum(f.numel() for _, f in todo) < _SERIAL_COUNT_KEYS:
             # one table after another: a parallel region's wake-up costs more than these
             # counts (1-15 ms on a 2-core host at load 10, against ~0.1 ms serially)
@@ -395,8 +413,8 @@ def _count_keys(
         for k, row in zip(stats, per, strict=True):
             k.observed(row[3])
         return
-    for k, f in zip(stats, flat, strict=True):
-        valid = f[f >= 0] if f.numel() else f
+    for k, f in zip(stats, ks, strict=True):
+        valid = f[f >= 0] if f.numel() else f.view(-1)
         k.update(valid.numpy())
 
 

@@ -507,11 +507,40 @@ class LookupSession:
         if self.key_stats is None:
             return cache.decay_epoch
         with self._aging_lock:
-            epoch = cache.decay_epoch
-            ref, seen = self._stats_epoch.get(t.name, (None, epoch))
-            if ref is not None and ref() is cache:
-                if epoch > seen:
-                    self.key_stats[t.name].halve(epoch - seen)
-                epoch = max(epoch, seen)
-            self._stats_epoch[t.name] = (weakref.ref(cache), epoch)
+            return self._age_locked(t.name, cache)
+
+    def _age_key_stats_many(
+        self, tables: Sequence[tuple[SessionTable, EmbeddingCache]]
+    ) -> list[int]:
+        """:meth:`_age_key_stats` of each ``(table, cache)`` under one acquisition of the
+        aging lock (a fused call's tables); their epochs in order."""
+        if self.key_stats is None:
+            return [c.decay_epoch for _, c in tables]
+        with self._aging_lock:
+            return [self._age_locked(t.name, c) for t, c in tables]
+
+    def _key_stats_halved(self, tables: Sequence[tuple[SessionTable, EmbeddingCache, int]]) -> None:
+        """The fused pass halved the key counters of these ``(table, cache, times)`` itself
+        before counting their keys (``times`` agings of the cache fell in its query, now in
+        ``cache.decay_epoch``): their mass is aged to match and they are labelled with the
+        cache's epoch, so :meth:`_age_key_stats` does not halve them again. Called with the
+        caches' locks held, right after the pass."""
+        assert self.key_stats is not None
+        with self._aging_lock:
+            for t, cache, times in tables:
+                self.key_stats[t.name].counter_halved(times)
+                self._stats_epoch[t.name] = (weakref.ref(cache), cache.decay_epoch)
+
+    def _age_locked(self, name: str, cache: EmbeddingCache) -> int:
+        """:meth:`_age_key_stats` of table ``name``, the aging lock held."""
+        assert self.key_stats is not None
+        epoch = cache.decay_epoch
+        ref, seen = self._stats_epoch.get(name, (None, epoch))
+        if ref is not None and ref() is cache:
+            if epoch > seen:
+                self.key_stats[name].halve(epoch - seen)
+            epoch = max(epoch, seen)
+            if epoch == seen:  # already labelled: no new reference to make
+                return epoch
+        self._stats_epoch[name] = (weakref.ref(cache), epoch)
         return epoch

@@ -31,6 +31,7 @@ from hps.fused import (
     GatherArgs,
     GatherResult,
     check_keys,
+    flat_keys,
     gather,
     gather_rows,
     join_tables,
@@ -83,10 +84,11 @@ def gather_static(args: GatherArgs, compiled: bool = True) -> GatherResult:
         fast = (
             _all_hit_compiled(args, caches)
             if compiled and _compiled_applies(args, caches)
-            else _all_rows_hit(args, caches, compiled)
+            else _all_rows_hit(flat_keys(args), caches, compiled)
         )
         if fast is not None:
             return fast
+    args = flat_keys(args)
     return join_tables([_gather_one(args, i, c, compiled) for i, c in enumerate(caches)])
 
 

@@ -67,10 +67,11 @@ def test_register_pooled_bags_equal_reference_bit_for_bit(policy: CachePolicy) -
         assert torch.equal(a, b) and torch.equal(x, y)
 
 
-def test_the_pass_counts_keys_only_when_one_thread_does_every_key_and_nothing_ages() -> None:
+def test_the_pass_counts_keys_only_when_one_thread_does_every_key() -> None:
     """``key_counters``: the compiled pass counts each table's keys ``>= 0`` (padding skipped)
-    into its counter, exactly, when one thread does every key and no LFU halving falls in the
-    query; a table whose query crosses a halving, or a call split between threads, is left to
+    into its counter, exactly, when one thread does every key; where the query crosses LFU
+    halvings of the cache, the counter is halved that many times first (``c >> times``, keys
+    reaching 0 dropped, as :meth:`KeyCounts.halve`); a call split between threads is left to
     the caller (``counted`` False, counter untouched)."""
     _needs_ext()
     g = torch.Generator().manual_seed(21)
@@ -80,8 +81,10 @@ def test_the_pass_counts_keys_only_when_one_thread_does_every_key_and_nothing_ag
     for x in (c, never):
         x.insert(torch.arange(0, n, 2), torch.randn(n // 2, d, generator=g))
 
-    def run(keys: torch.Tensor, hot: int, c: EmbeddingCache = c) -> tuple[bool, KeyCounts]:
-        stats = KeyCounts()
+    def run(
+        keys: torch.Tensor, hot: int, c: EmbeddingCache = c, stats: KeyCounts | None = None
+    ) -> tuple[bool, KeyCounts]:
+        stats = KeyCounts() if stats is None else stats
         out = torch.zeros((keys.numel() // hot, d) if hot else (keys.numel() * d,))
         args = GatherArgs(
             caches=[c],
@@ -107,8 +110,20 @@ def test_the_pass_counts_keys_only_when_one_thread_does_every_key_and_nothing_ag
         valid = keys[keys >= 0]
         uniq, counts = valid.unique(return_counts=True)
         assert counted and np.array_equal(stats.count_of(uniq.numpy()), counts.numpy())
-    counted, stats = run(torch.randint(0, n, (c.lfu_decay_interval,), generator=g), 0)
-    assert not counted and len(stats.hottest()) == 0  # this query halves the cache's counters
+    before = KeyCounts()  # 0 seen 5 times, 1 once (halved to 0: dropped), 2 four times
+    before.update(np.array([0, 1, 2]), np.array([5, 1, 4]))
+    keys = torch.randint(0, n, (c.lfu_decay_interval,), generator=g)
+    epoch = c.decay_epoch
+    counted, stats = run(keys, 0, stats=before)
+    assert c.decay_epoch == epoch + 1  # the query crossed one halving
+    want = KeyCounts()
+    want.update(np.array([0, 1, 2]), np.array([5, 1, 4]))
+    want.halve(1)
+    want.update(keys.numpy())
+    assert counted
+    probe = np.arange(n)
+    assert np.array_equal(stats.count_of(probe), want.count_of(probe))
+    assert len(stats.hottest()) == len(want.hottest())
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:

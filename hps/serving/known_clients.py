@@ -85,8 +85,9 @@ class KnownClients:
 
     @property
     def remembered(self) -> int:
-        """How many clients are remembered, known or seen once (bounded by twice
-        :data:`MAX_KNOWN_CLIENTS`)."""
+        """How many clients are remembered, known or seen once: at most
+        :data:`MAX_KNOWN_CLIENTS` of each map, plus those with requests in flight that a full
+        map cannot forget (bounded by the server's limits on requests in flight)."""
         return len(self._known) + len(self._once)
 
     def sent(self, client: Hashable, now: int) -> None:
@@ -127,8 +128,11 @@ class KnownClients:
         c.in_flight -= 1
         c.last_ns = now
         self._all.in_flight -= 1
-        if c.closed and not c.in_flight:
-            self._drop(clients, client)
+        if c.closed:
+            if c.in_flight:
+                self._lower_to_in_flight(c, clients)
+            else:
+                self._drop(clients, client)
 
     def forget(self, client: Hashable, now: int) -> None:
         """``client``'s connection closed at ``now``: it sends no more. It is kept only while
@@ -139,6 +143,7 @@ class KnownClients:
             return
         if c.in_flight:
             c.closed = True
+            self._lower_to_in_flight(c, clients)
         else:
             self._drop(clients, client)
 
@@ -165,13 +170,17 @@ class KnownClients:
                 self._roll(c, now, False)
         self._total = sum(c.peak for c in self._known.values())
         self._roll(self._all, now, False)
-        # recency order: the silent ones are at the front (one with a request in flight for
-        # longer than KNOWN_CLIENT_NS is passed over and stays)
-        for k, c in list(self._once.items()):
+        # recency order: the silent ones are at the front, so the walk stops at the first
+        # active one (one with a request in flight for longer than KNOWN_CLIENT_NS is passed
+        # over and stays): O(forgotten + such long-running ones)
+        silent = []
+        for k, c in self._once.items():
             if c.last_ns >= oldest:
                 break
             if not c.in_flight:
-                del self._once[k]
+                silent.append(k)
+        for k in silent:
+            del self._once[k]
 
     # ------------------------------------------------------------------------------ internals
     def _find(self, client: Hashable) -> tuple[_Client | None, dict[Hashable, _Client]]:
@@ -192,6 +201,14 @@ class KnownClients:
         c.cur = c.in_flight
         c.window_ns = now
         if counted:
+            self._total += c.peak - before
+
+    def _lower_to_in_flight(self, c: _Client, clients: dict[Hashable, _Client]) -> None:
+        """A closed connection can send no more: it counts only the requests it still has in
+        flight, not its past peak."""
+        before = c.peak
+        c.cur = c.prev = c.in_flight
+        if clients is self._known:
             self._total += c.peak - before
 
     def _drop(self, clients: dict[Hashable, _Client], client: Hashable) -> None:

@@ -120,8 +120,10 @@ class ServerConfig:
     # model need a round of ~13 ms to fit p99 ≤ 2 × delay + one execution (5 ms never did;
     # docs/benchmarks.md, "Default batching: a client counts once it comes back").
     max_queue_delay_us: int = 10_000
-    # A batch closes once it holds this many samples (Triton's preferred_batch_size; 0: the
-    # merged max_batch_size, as Triton's batcher without preferred sizes; every model)
+    # Once nothing more is waiting, a batch of fewer samples waits (at most the delay) and
+    # one of this many runs at once; every waiting request joins a batch up to the merged
+    # max_batch_size regardless (Triton sends its largest preferred size instead). 0: the
+    # merged max_batch_size; every model.
     preferred_batch_size: int = 0
     model_batching: tuple[ModelBatching, ...] = ()  # per-model overrides of the three above
     max_connections: int = 512  # open connections; past it a new one gets 503 and is closed

@@ -10,10 +10,10 @@ per call: grpcio tells the server nothing when a channel closes) never makes a b
 and a lone client never does either (its request is every request it can send). A known
 client stays known while it has a request in flight and for :data:`KNOWN_CLIENT_NS` after it
 last sent a request or got an answer; a connection that closes (:meth:`KnownClients.forget`)
-is forgotten as soon as nothing of it is in flight. Each known client counts as its *peak*:
-the most requests it had in flight at once over the last one to two windows of
-:data:`KNOWN_CLIENT_NS` (a windowed maximum, so a past burst stops counting once the client
-sends one request at a time). The sum of the peaks is capped by the most requests all
+is forgotten as soon as nothing of it is in flight, and counts only its requests in flight
+until then. Each other known client counts as its *peak*: the most requests it had in flight
+at once over the last one to two windows of :data:`KNOWN_CLIENT_NS` (a windowed maximum, so a
+past burst stops counting once the client sends one request at a time). The sum of the peaks is capped by the most requests all
 clients had in flight at once over the same windows: one client that switches connections
 (grpcio's channels share connections in a process, so a channel per call reuses some and
 opens others) leaves several known connections of which only one ever sends::
@@ -21,7 +21,8 @@ opens others) leaves several known connections of which only one ever sends::
     client a: one request, then a new connection   remembered, never counted
     client b: burst of 4, then 1 at a time         known from its 2nd request: peak 4 … 4,
                                                    then 1 after at most 2 s
-    client c: came back, then its connection closed  forgotten at once (nothing in flight)
+    client c: came back, then its connection closed  forgotten at once (nothing in flight;
+                                                   else counts what is, until answered)
     client d: came back, then silent for > 1 s      forgotten at the next sweep
     client e: came back on connections 1 and 2,    capacity 1 (never 2 in flight at once):
               one at a time, now on connection 3   its request on 3 closes its batch

@@ -72,11 +72,12 @@ class ServerKnobs:
     )
     preferred_batch_size: int = knob(
         _DEFAULTS.preferred_batch_size,
-        "dynamic batching: a smaller batch waits (at most --max-queue-delay-us) until it holds "
-        "this many samples, as Triton's preferred_batch_size, or until no more requests can "
-        "come: nothing else is being read and it holds as many requests as the clients that "
-        "came back can have in flight at once (0: each model's merged max, as Triton's batcher "
-        "without preferred sizes; capped at it)",
+        "dynamic batching: every waiting request joins a batch up to the merged max batch "
+        "size; once nothing more is waiting, a batch of fewer than this many samples waits "
+        "(at most --max-queue-delay-us) for more, or until no more requests can come: nothing "
+        "else is being read and it holds as many requests as the clients that came back can "
+        "have in flight at once (unlike Triton, which sends its largest preferred size and "
+        "waits the full delay for it; 0: each model's merged max; capped at it)",
         parse=int,
     )
     model_batching: tuple[str, ...] = knob(

@@ -131,6 +131,17 @@ class Served:
         self.servable = self.srv.servables["dlrm"]
         self.folder = folder
 
+    def batching(self) -> dict[str, int]:
+        """The batching in effect on the server (recorded in each JSON row): its queue delay,
+        merged max batch, preferred batch size as set and as used (0 → the merged max)."""
+        cfg = self.srv.batchers["dlrm"].cfg
+        return {
+            "max_queue_delay_us": cfg.max_queue_delay_us,
+            "merged_max_batch": cfg.max_batch_size,
+            "preferred_batch_size": cfg.preferred_batch_size,
+            "preferred_batch_effective": cfg.preferred,
+        }
+
     def stats(self) -> dict[str, Any]:
         """The model's Triton statistics document (as ``GET /v2/models/dlrm/stats``)."""
         return self.srv.counts["dlrm"].to_dict("dlrm")
@@ -459,7 +470,7 @@ def main(argv: list[str] | None = None) -> None:
         "--queue-delay-us",
         type=int,
         default=ServerConfig.max_queue_delay_us,
-        help="the server's batching delay (default: the server's)",
+        help="the server's batching delay, every section (default: the server's)",
     )
     p.add_argument(
         "--preferred-batch",
@@ -516,14 +527,23 @@ def main(argv: list[str] | None = None) -> None:
         if {"overhead", "grpc", "throughput"} & set(only):
             model = build_model(get_workload("tiny"), seed=0).eval()
             biggest = max([*batches, 256, args.grpc_batch])
-            served = Served(model, Path(tmp) / "tiny", threads=1, max_batch=biggest)
+            served = Served(
+                model,
+                Path(tmp) / "tiny",
+                threads=1,
+                max_batch=biggest,
+                queue_delay_us=args.queue_delay_us,
+                preferred_batch=args.preferred_batch,
+            )
             try:
+                section: list[dict[str, Any]] = []
                 if "overhead" in only:
-                    rows += bench_overhead(served, model, batches, args.requests)
+                    section += bench_overhead(served, model, batches, args.requests)
                 if "grpc" in only:
-                    rows.append(bench_grpc(served, model, args.grpc_batch, args.grpc_requests))
+                    section.append(bench_grpc(served, model, args.grpc_batch, args.grpc_requests))
                 if "throughput" in only:
-                    rows.append(bench_throughput(served, model, args.clients, args.seconds))
+                    section.append(bench_throughput(served, model, args.clients, args.seconds))
+                rows += [{**r, **served.batching()} for r in section]
             finally:
                 served.close()
         if "pruned" in only:

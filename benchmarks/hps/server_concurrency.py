@@ -489,9 +489,7 @@ def bench_concurrency(
                     ),
                     **{f"server_mean_{k}_ms": v for k, v in phase_ms.items()},
                     "load_avg_1m": os.getloadavg()[0],
-                    "max_queue_delay_us": served.srv.batchers["dlrm"].cfg.max_queue_delay_us,
-                    "merged_max_batch": served.srv.batchers["dlrm"].cfg.max_batch_size,
-                    "preferred_batch_size": served.srv.batchers["dlrm"].cfg.preferred_batch_size,
+                    **served.batching(),
                     "distinct_requests": distinct,
                 }
                 rows.append(row)

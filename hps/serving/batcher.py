@@ -1,21 +1,27 @@
-"""Dynamic batching, as Triton's dynamic batcher does it: the requests of one model that are
-waiting at the same time are merged into one execution (one lookup per table, one dense
-onnxruntime run), and each request gets exactly its own rows back.
+"""Dynamic batching after Triton's dynamic batcher (differences below): the requests of one
+model that are waiting at the same time are merged into one execution (one lookup per table,
+one dense onnxruntime run), and each request gets exactly its own rows back.
 
 One inference thread per model owns the executions; the protocol servers announce each
 request when they start reading it (:meth:`DynamicBatcher.arrival`), parse it on their own
 threads (HTTP: the event loop), check it (:meth:`DLRMServable.check`), hand it over
-(:meth:`Arrival.submit`) and encode the answer when its future resolves. A batch is closed
-when the next waiting request would take it past ``max_batch_size`` samples; when it holds
-``preferred_batch_size`` samples (Triton's knob; 0, the default: ``max_batch_size``, as
-Triton's batcher without preferred sizes); when ``max_queue_delay_us`` has passed since its
-oldest request arrived; or when waiting could not grow it: nothing more is waiting, no
-announced request is still being read, and it holds as many requests as its known clients
+(:meth:`Arrival.submit`) and encode the answer when its future resolves. The inference thread
+takes the oldest waiting request and every waiting request after it, in order, while the
+batch stays within ``max_batch_size`` samples (the first that would take it past opens the
+next batch). Only once nothing more is waiting does ``preferred_batch_size`` count (0, the
+default: ``max_batch_size``): a batch of at least that many samples runs at once; a smaller
+one waits for more until ``max_queue_delay_us`` has passed since its oldest request arrived
+or, by this server's own rule, until waiting could not grow it: no announced request is
+still being read, and it holds as many requests as its known clients
 (:mod:`hps.serving.known_clients`: connections that came back, i.e. sent a second request)
 can have in flight at once. A lone client therefore never waits (its request is all it can
-send), nor does one that opens a connection per request (it never comes back), as Triton's
-batcher dispatches when its queue cannot grow; closed-loop clients share one execution per
-round. Requests that queue while an execution runs form the next batch whatever the delay::
+send), nor does one that opens a connection per request (it never comes back); closed-loop
+clients share one execution per round. Two differences from Triton's dynamic batcher: Triton
+sends the largest preferred size it can form and leaves the rest queued, where this batcher
+takes every waiting request up to ``max_batch_size`` (the preferred size only decides how
+long a smaller batch waits); and Triton waits the full delay unless its largest preferred
+size is reached, with no early close when its queue cannot grow.
+Requests that queue while an execution runs form the next batch whatever the delay::
 
     arrivals     r1 (B=16)  r2 (B=16)      r3 (B=250)
     queue        [r1, r2] ─────────────── r3 waits: 16 + 16 + 250 > max_batch_size 256
@@ -78,11 +84,13 @@ class BatchingConfig:
             samples than this (but within the model's limit) runs alone.
         max_queue_delay_us: the longest the oldest waiting request waits for more requests
             to join its batch (0: merge only what is waiting already, never wait).
-        preferred_batch_size: as Triton's: a batch of fewer samples waits for more (at most
-            ``max_queue_delay_us`` since its oldest request) and closes as soon as it holds
-            this many; 0 (the default): ``max_batch_size`` (Triton's batcher without
-            preferred sizes forms batches as large as it may). A batch also closes as soon as
-            no more requests can come: nothing else is waiting or being read
+        preferred_batch_size: once nothing more is waiting, a batch of fewer samples waits
+            for more (at most ``max_queue_delay_us`` since its oldest request); one of at
+            least this many runs at once. Every waiting request joins a batch up to
+            ``max_batch_size`` whatever this is (Triton's batcher sends its largest
+            preferred size instead). 0 (the default): ``max_batch_size``. A smaller batch
+            also closes as soon as no more requests can come (this server's rule; Triton
+            waits the delay): nothing else is waiting or being read
             (:meth:`DynamicBatcher.arrival`) and it holds as many requests as the known
             clients can send at once. A client (connection) is known once it has sent a
             second request, while it has a request in flight and for
@@ -323,8 +331,10 @@ class DynamicBatcher:
 
     @property
     def batch_waiting(self) -> bool:
-        """Whether the inference thread holds a batch that waits for more requests (announced
-        ones, or its preferred size)."""
+        """Whether the inference thread holds a batch, smaller than its preferred size, that
+        waits for more requests: until the delay has passed since its oldest request, or no
+        more can come (no announced request is being read and it holds as many requests as
+        the known clients can have in flight at once)."""
         with self._cond:
             return self._waiting
 

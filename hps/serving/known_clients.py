@@ -10,10 +10,10 @@ per call: grpcio tells the server nothing when a channel closes) never makes a b
 and a lone client never does either (its request is every request it can send). A known
 client stays known while it has a request in flight and for :data:`KNOWN_CLIENT_NS` after it
 last sent a request or got an answer; a connection that closes (:meth:`KnownClients.forget`)
-is forgotten as soon as nothing of it is in flight. Each known client counts as its *peak*:
-the most requests it had in flight at once over the last one to two windows of
-:data:`KNOWN_CLIENT_NS` (a windowed maximum, so a past burst stops counting once the client
-sends one request at a time). The sum of the peaks is capped by the most requests all
+is forgotten as soon as nothing of it is in flight, and counts only its requests in flight
+until then. Each other known client counts as its *peak*: the most requests it had in flight
+at once over the last one to two windows of :data:`KNOWN_CLIENT_NS` (a windowed maximum, so a
+past burst stops counting once the client sends one request at a time). The sum of the peaks is capped by the most requests all
 clients had in flight at once over the same windows: one client that switches connections
 (grpcio's channels share connections in a process, so a channel per call reuses some and
 opens others) leaves several known connections of which only one ever sends::
@@ -21,7 +21,8 @@ opens others) leaves several known connections of which only one ever sends::
     client a: one request, then a new connection   remembered, never counted
     client b: burst of 4, then 1 at a time         known from its 2nd request: peak 4 … 4,
                                                    then 1 after at most 2 s
-    client c: came back, then its connection closed  forgotten at once (nothing in flight)
+    client c: came back, then its connection closed  forgotten at once (nothing in flight;
+                                                   else counts what is, until answered)
     client d: came back, then silent for > 1 s      forgotten at the next sweep
     client e: came back on connections 1 and 2,    capacity 1 (never 2 in flight at once):
               one at a time, now on connection 3   its request on 3 closes its batch
@@ -85,8 +86,9 @@ class KnownClients:
 
     @property
     def remembered(self) -> int:
-        """How many clients are remembered, known or seen once (bounded by twice
-        :data:`MAX_KNOWN_CLIENTS`)."""
+        """How many clients are remembered, known or seen once: at most
+        :data:`MAX_KNOWN_CLIENTS` of each map, plus those with requests in flight that a full
+        map cannot forget (bounded by the server's limits on requests in flight)."""
         return len(self._known) + len(self._once)
 
     def sent(self, client: Hashable, now: int) -> None:
@@ -127,8 +129,11 @@ class KnownClients:
         c.in_flight -= 1
         c.last_ns = now
         self._all.in_flight -= 1
-        if c.closed and not c.in_flight:
-            self._drop(clients, client)
+        if c.closed:
+            if c.in_flight:
+                self._lower_to_in_flight(c, clients)
+            else:
+                self._drop(clients, client)
 
     def forget(self, client: Hashable, now: int) -> None:
         """``client``'s connection closed at ``now``: it sends no more. It is kept only while
@@ -139,6 +144,7 @@ class KnownClients:
             return
         if c.in_flight:
             c.closed = True
+            self._lower_to_in_flight(c, clients)
         else:
             self._drop(clients, client)
 
@@ -165,13 +171,17 @@ class KnownClients:
                 self._roll(c, now, False)
         self._total = sum(c.peak for c in self._known.values())
         self._roll(self._all, now, False)
-        # recency order: the silent ones are at the front (one with a request in flight for
-        # longer than KNOWN_CLIENT_NS is passed over and stays)
-        for k, c in list(self._once.items()):
+        # recency order: the silent ones are at the front, so the walk stops at the first
+        # active one (one with a request in flight for longer than KNOWN_CLIENT_NS is passed
+        # over and stays): O(forgotten + such long-running ones)
+        silent = []
+        for k, c in self._once.items():
             if c.last_ns >= oldest:
                 break
             if not c.in_flight:
-                del self._once[k]
+                silent.append(k)
+        for k in silent:
+            del self._once[k]
 
     # ------------------------------------------------------------------------------ internals
     def _find(self, client: Hashable) -> tuple[_Client | None, dict[Hashable, _Client]]:
@@ -192,6 +202,14 @@ class KnownClients:
         c.cur = c.in_flight
         c.window_ns = now
         if counted:
+            self._total += c.peak - before
+
+    def _lower_to_in_flight(self, c: _Client, clients: dict[Hashable, _Client]) -> None:
+        """A closed connection can send no more: it counts only the requests it still has in
+        flight, not its past peak."""
+        before = c.peak
+        c.cur = c.prev = c.in_flight
+        if clients is self._known:
             self._total += c.peak - before
 
     def _drop(self, clients: dict[Hashable, _Client], client: Hashable) -> None:

@@ -116,12 +116,18 @@ class ServerConfig:
     max_batch_size: int = 0  # samples per merged execution (0: each model's, from ps.json)
     # The longest a request waits for others to join its batch. A batch waits only while
     # known clients (connections that came back) may still send, so a lone client or one
-    # that connects per request never pays it; 16 closed-loop clients × batch 16 on the tiny
-    # model need a round of ~13 ms to fit p99 ≤ 2 × delay + one execution (5 ms never did;
-    # docs/benchmarks.md, "Default batching: a client counts once it comes back").
+    # that connects per request never pays it. Measured on the tiny model, 16 closed-loop
+    # clients × batch 16, 2 shared cores at load 9.7-14.2: 10 ms gives 20,629-23,541
+    # samples/s (100 µs: 14,389-17,333) and a p99 of 15.9-21.2 ms, within 2 × delay + one
+    # execution (~22 ms), for HTTP and raw gRPC (tritonclient's gRPC: 32.8-36.1 ms); at
+    # 5 ms the p99 (17.6-38.3 ms) never met its bound (12-13.7 ms). docs/benchmarks.md,
+    # "Default batching: a client counts once it comes back" and "v2 server over gRPC:
+    # preferred batches and known clients".
     max_queue_delay_us: int = 10_000
-    # A batch closes once it holds this many samples (Triton's preferred_batch_size; 0: the
-    # merged max_batch_size, as Triton's batcher without preferred sizes; every model)
+    # Once nothing more is waiting, a batch of fewer samples waits (at most the delay) and
+    # one of this many runs at once; every waiting request joins a batch up to the merged
+    # max_batch_size regardless (Triton sends its largest preferred size instead). 0: the
+    # merged max_batch_size; every model.
     preferred_batch_size: int = 0
     model_batching: tuple[ModelBatching, ...] = ()  # per-model overrides of the three above
     max_connections: int = 512  # open connections; past it a new one gets 503 and is closed

@@ -1,9 +1,10 @@
-"""The known clients of a preferred batch (:mod:`hps.serving.known_clients`): bounded,
-forgotten when silent or when their HTTP connection closes, peaks that decay; and a
-cancelled request that does not stop its batcher. Batcher-level tests run on a fake servable
-and an injected clock that only the test moves (a batch that would wait for the delay waits
-for ever, so a result that arrives proves no wait); one test serves the tiny model over
-loopback HTTP and gRPC."""
+"""The known clients (:mod:`hps.serving.known_clients`) that a batch smaller than its preferred
+size waits for (at most the delay): bounded, forgotten when silent or when their HTTP
+connection closes, peaks that decay, a closed connection that counts only its requests in
+flight; and a cancelled request that does not stop its batcher. Batcher-level tests run on a
+fake servable and an injected clock that only the test moves (a batch that would wait for the
+delay waits for ever, so a result that arrives proves no wait); one test serves the tiny
+model over loopback HTTP and gRPC."""
 
 from __future__ import annotations
 
@@ -128,6 +129,26 @@ def test_a_client_counts_from_its_second_request_as_its_decaying_peak() -> None:
     assert k.capacity(t) == 1 and len(k) == 1
 
 
+def test_a_closed_connection_counts_only_its_requests_in_flight() -> None:
+    """A known client with a peak of 4 whose connection closes with 2 requests in flight
+    counts as 2, then 1 as they are answered, not as its past peak 4."""
+    k, t = KnownClients(), 0
+    for _ in range(4):
+        k.sent("burst", t)
+    k.sent("other", t)
+    k.answered("other", t)
+    k.sent("other", t)  # came back: peak 1
+    assert k.capacity(t) == 4 + 1
+    k.answered("burst", t)
+    k.answered("burst", t)  # 2 of 4 in flight
+    k.forget("burst", t)
+    assert k.capacity(t) == 2 + 1
+    k.answered("burst", t)
+    assert k.capacity(t) == 1 + 1
+    k.answered("burst", t)
+    assert k.capacity(t) == 1 and len(k) == 1
+
+
 def test_a_request_submitted_after_its_connection_closed_is_a_new_client() -> None:
     """The HTTP server announces a request, the connection closes while its body is parsed
     (the client, known, is forgotten), then the request is submitted: it is the first request
@@ -203,8 +224,9 @@ def test_a_sequential_client_with_a_new_connection_per_request_never_waits() -> 
     try:
         old = [("127.0.0.1", 50000), ("127.0.0.1", 50001)]
         for _ in range(2):  # both come back, with requests in flight at once
-            pair = [b.submit(req(), client=c) for c in old]
-            assert [f.result(RESULT_S).batch_size for f in pair] in ([1, 1], [2, 2])
+            with b.arrival():  # holds their batch until both are queued
+                pair = [b.submit(req(), client=c) for c in old]
+            assert [f.result(RESULT_S).batch_size for f in pair] == [2, 2]
         waiting = b.submit(req(), client=("127.0.0.1", 50002))  # `old` may still send
         until(lambda: b.batch_waiting)
         assert not waiting.done()
@@ -300,7 +322,7 @@ def test_servers_name_each_connection_and_forget_closed_http_ones(
     ), seen
     assert len(set(seen)) == 3  # a new connection each
     for _ in range(100):  # the last close reaches the server's event loop
-        if b.known_clients == 0:
+        if b.remembered_clients == 0:
             break
         threading.Event().wait(0.05)
     assert b.remembered_clients == 0
@@ -314,12 +336,24 @@ def test_servers_name_each_connection_and_forget_closed_http_ones(
     assert isinstance(seen[0], str) and seen[0].startswith("ipv4:127.0.0.1:"), seen
 
 
-def test_a_sequential_grpc_client_with_a_channel_per_request_never_waits(served, tiny) -> None:
+def test_a_sequential_grpc_client_with_a_channel_per_request_never_waits(
+    served, tiny, monkeypatch
+) -> None:
     """A gRPC client that opens a channel per call (the server is never told it closed;
     grpcio may reuse a closed channel's connection, which then comes back): no request waits
     for the 1 s delay (a request that waited it shows queue ≥ 1 s), each is its own
-    execution, since no two of its connections ever had requests in flight at once."""
+    execution, since no two of its connections ever had requests in flight at once. Its
+    connections stay remembered (the server never learns a channel closed; the module's
+    earlier clients may or may not have been swept by then, so the count is a lower bound)."""
     b, counts = served.batchers["tiny"], served.counts["tiny"]
+    peers: list[object] = []
+    real = b.arrival
+
+    def spy(client=None):
+        peers.append(client)
+        return real(client)
+
+    monkeypatch.setattr(b, "arrival", spy)
     r = make_request(tiny, 2, seed=91)
     queue_ns, executions = [], counts.executions
     for _ in range(4):
@@ -330,4 +364,5 @@ def test_a_sequential_grpc_client_with_a_channel_per_request_never_waits(served,
         queue_ns.append(counts.phase_ns.queue - before)
     assert all(q < 10**9 for q in queue_ns), queue_ns
     assert counts.executions - executions == 4
-    assert b.remembered_clients >= 1
+    assert len(peers) == 4 and 1 <= len(set(peers)) <= 4, peers
+    assert b.remembered_clients >= len(set(peers))

@@ -93,7 +93,7 @@ def main() -> None:
     ap.add_argument("--broad", type=int, default=1270, help="broad calibration sentences")
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--patterns", default=",".join(PATTERNS))
-    ap.add_argument("--modes", default="uncalibrated,real,templated")
+    ap.add_argument("--modes", default="uncalibrated,real,templated,broad")
     ap.add_argument("--pairs", type=int, default=100, help="most news pairs evaluated")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(

@@ -12,6 +12,14 @@ calibrating on one real source and evaluating on another:
   stories, one per line (Lee, Pincombe & Welsh, 2005). Read from an installed ``gensim`` or
   from its wheel (``pip download --no-deps gensim==4.4.0``), never imported.
 
+- :func:`broad_sentences`: a calibration corpus broader than the Language Reference alone,
+  the five technical-prose sources below interleaved: the Language Reference, the standard
+  library's docstrings (:func:`stdlib_docstring_sentences`), installed packages' docstrings
+  (:func:`package_docstring_sentences`), the system's package documentation
+  (:func:`system_doc_sentences`, ``/usr/share/doc``) and GNU info manuals
+  (:func:`info_manual_sentences`, ``/usr/share/info``). It never reads scikit-learn's
+  ``datasets`` subpackage (where the dataset descriptions come from) nor gensim.
+
 A *pair* is two consecutive sentences of one paragraph or story; retrieval accuracy
 (:func:`retrieval_accuracy`) asks whether a sentence's embedding is nearest to its own pair's
 among all pairs.
@@ -19,15 +27,31 @@ among all pairs.
 
 from __future__ import annotations
 
+import ast
+import gzip
 import importlib.util
 import re
+import sysconfig
 import zipfile
+from collections.abc import Iterable, Iterator, Sequence
+from enum import StrEnum
 from pathlib import Path
 
 import torch
 
 __all__ = [
+    "BROAD_PACKAGES",
+    "CalibrationText",
+    "calibration_sentences",
+    "BROAD_SOURCES",
+    "INFO_DIR",
     "LEE_FILE",
+    "SYSTEM_DOC_DIR",
+    "broad_sentences",
+    "info_manual_sentences",
+    "package_docstring_sentences",
+    "stdlib_docstring_sentences",
+    "system_doc_sentences",
     "lee_news_pairs",
     "python_reference_sentences",
     "retrieval_accuracy",
@@ -139,3 +163,174 @@ def retrieval_accuracy(a: torch.Tensor, b: torch.Tensor) -> float:
     bn = torch.nn.functional.normalize(b.float(), dim=-1)
     hit = (an @ bn.T).argmax(dim=1) == torch.arange(a.shape[0])
     return float(hit.float().mean())
+
+
+# -- broad calibration text: docstrings and system documentation --------------------------------
+SYSTEM_DOC_DIR = Path("/usr/share/doc")
+INFO_DIR = Path("/usr/share/info")
+#: packages whose docstrings :func:`broad_sentences` reads (scikit-learn without ``datasets``)
+BROAD_PACKAGES = (
+    "numpy", "scipy", "torch", "pandas", "sympy", "networkx", "matplotlib", "transformers", "sklearn",
+)  # fmt: skip
+#: the sources :func:`broad_sentences` interleaves, in turn
+BROAD_SOURCES = ("reference", "stdlib", "packages", "system_doc", "info")
+
+# characters that mark code, markup or paths rather than prose
+_CODE = re.compile(r"[`_=<>{}\[\]\\|#$~@*^]|::|\(\)|\w\.\w|\.\.\.|https?:|/\w")
+# directories never read for docstrings: tests, and scikit-learn's dataset descriptions (B)
+_SKIP_DIRS = {"test", "tests", "idle_test", "lib2to3", "site-packages", "datasets"}
+_DOC_FILE = re.compile(r"^(readme|news|faq|todo|authors|thanks|.*\.(md|txt|rst|markdown))")
+_LICENCE_FILE = re.compile(r"copying|licen[cs]e|copyright|changelog")
+
+
+def _prose(sentences: Iterable[str]) -> list[str]:
+    """Sentences with no code, markup or path characters, each kept once, in order."""
+    seen: set[str] = set()
+    out = []
+    for s in sentences:
+        if not _CODE.search(s) and s not in seen:
+            seen.add(s)
+            out.append(s)
+    return out
+
+
+def _docstring_sentences(files: Iterable[Path]) -> Iterator[str]:
+    """Prose sentences of the module, class and function docstrings of ``files`` (parsed, never
+    imported), in file order and ``ast.walk`` order within a file."""
+    for f in files:
+        try:
+            tree = ast.parse(f.read_text(encoding="utf-8"))
+        except (SyntaxError, UnicodeDecodeError, ValueError):
+            continue  # a file of another Python version or encoding: not prose we need
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef):
+                doc = ast.get_docstring(node, clean=True)
+                for para in _prose_paragraphs(doc or ""):
+                    yield from _sentences(para)
+
+
+def _python_files(root: Path) -> list[Path]:
+    return sorted(p for p in root.rglob("*.py") if not _SKIP_DIRS & set(p.relative_to(root).parts))
+
+
+def stdlib_docstring_sentences() -> list[str]:
+    """Prose sentences of the running Python's standard library docstrings (its ``*.py`` files
+    in path order, tests left out), each once."""
+    return _prose(_docstring_sentences(_python_files(Path(sysconfig.get_paths()["stdlib"]))))
+
+
+def package_docstring_sentences(packages: Sequence[str] = BROAD_PACKAGES) -> list[str]:
+    """Prose sentences of the docstrings of installed ``packages`` (in the order given, files in
+    path order; tests and any ``datasets`` subpackage left out), each once.
+
+    Raises:
+        RuntimeError: naming a package that is not installed.
+    """
+    files: list[Path] = []
+    for name in packages:
+        spec = importlib.util.find_spec(name)
+        if spec is None or not spec.submodule_search_locations:
+            raise RuntimeError(f"package_docstring_sentences: package {name!r} is not installed")
+        files += _python_files(Path(next(iter(spec.submodule_search_locations))))
+    return _prose(_docstring_sentences(files))
+
+
+def _read_text(p: Path) -> str:
+    data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+    return data.decode("utf-8", errors="replace")
+
+
+def _need_dir(root: Path, what: str) -> None:
+    if not root.is_dir():
+        raise RuntimeError(f"{what} needs the directory {root}, which does not exist")
+
+
+def system_doc_sentences(root: Path = SYSTEM_DOC_DIR) -> list[str]:
+    """Prose sentences of the system packages' READMEs, NEWS, FAQs and text documents under
+    ``root`` (Debian's ``/usr/share/doc``; gzipped or not; copyright, licence and changelog
+    files left out), files in path order, each sentence once.
+
+    Raises:
+        RuntimeError: when ``root`` does not exist.
+    """
+    _need_dir(root, "system_doc_sentences")
+    files = sorted(
+        p
+        for p in root.rglob("*")
+        if p.is_file()
+        and _DOC_FILE.match(p.name.lower().removesuffix(".gz"))
+        and not _LICENCE_FILE.search(p.name.lower())
+    )
+    return _prose(
+        s for f in files for para in _prose_paragraphs(_read_text(f)) for s in _sentences(para)
+    )
+
+
+def info_manual_sentences(root: Path = INFO_DIR) -> list[str]:
+    """Prose sentences of the GNU info manuals under ``root`` (``*.info*.gz``: coreutils,
+    find, diff, ...), files in name order, each sentence once.
+
+    Raises:
+        RuntimeError: when ``root`` does not exist.
+    """
+    _need_dir(root, "info_manual_sentences")
+    texts = (_read_text(f).replace("\x1f", "\n\n") for f in sorted(root.glob("*.info*.gz")))
+    return _prose(s for t in texts for para in _prose_paragraphs(t) for s in _sentences(para))
+
+
+def evenly(sentences: Sequence[str], count: int) -> list[str]:
+    """``count`` items evenly spaced over ``sentences`` (all of them when there are fewer)."""
+    if count >= len(sentences):
+        return list(sentences)
+    return [sentences[i * len(sentences) // count] for i in range(count)]
+
+
+def interleave(*lists: Sequence[str]) -> list[str]:
+    """One item of each list in turn, until every list is used up."""
+    out = []
+    for i in range(max((len(x) for x in lists), default=0)):
+        out += [x[i] for x in lists if i < len(x)]
+    return out
+
+
+def broad_sentences(count: int = 1270) -> list[str]:
+    """About ``count`` calibration sentences from five technical-prose sources
+    (:data:`BROAD_SOURCES`): ``count // 5`` sentences evenly spaced over each of the Python
+    Language Reference (:func:`python_reference_sentences`), the standard library's
+    docstrings, :data:`BROAD_PACKAGES`' docstrings, ``/usr/share/doc`` and
+    ``/usr/share/info``, interleaved one of each in turn. Deterministic for a given set of
+    installed packages and system documents.
+
+    Raises:
+        RuntimeError: when a source is missing (a package, or a system directory).
+    """
+    each = count // len(BROAD_SOURCES)
+    sources = (
+        python_reference_sentences(),
+        stdlib_docstring_sentences(),
+        package_docstring_sentences(),
+        system_doc_sentences(),
+        info_manual_sentences(),
+    )
+    return interleave(*(evenly(s, each) for s in sources))
+
+
+class CalibrationText(StrEnum):
+    """Which real text calibrates a transformer prune."""
+
+    #: :func:`broad_sentences`: five technical-prose sources interleaved
+    BROAD = "broad"
+    #: :func:`python_reference_sentences`: the Python Language Reference alone
+    REFERENCE = "reference"
+
+
+def calibration_sentences(text: CalibrationText, count: int) -> list[str]:
+    """``count`` calibration sentences of ``text`` (at most as many as the source has;
+    :attr:`CalibrationText.BROAD` rounds ``count`` down to a multiple of five).
+
+    Raises:
+        RuntimeError: when a source of ``text`` is missing.
+    """
+    if text is CalibrationText.BROAD:
+        return broad_sentences(count)
+    return python_reference_sentences(count)

@@ -5,9 +5,12 @@ unlabelled text, and report how close it stays to the dense model and how fast i
 linears, TW 50 % with the default config plus a calibration) writes ``report.json``,
 ``report.md``, ``plots/layers.png`` and the compressed model (``model/``, reloadable with
 ``SentenceTransformer(path)`` + ``tilesparse.load_compressed``) into ``--out``. The text is
-real and from different sources (:mod:`recipes.corpora`): calibration and distillation on
-prose of the Python Language Reference (standard library ``pydoc_data/topics.py``),
-evaluation on scikit-learn's dataset descriptions (``sklearn/datasets/descr/*.rst``) and,
+real and from different sources (:mod:`recipes.corpora`): calibration on 1,270 sentences of
+five technical-prose sources interleaved (:func:`recipes.corpora.broad_sentences`: the Python
+Language Reference, docstrings of the standard library and of installed packages, the
+system's ``/usr/share/doc`` and ``/usr/share/info``; ``--calibration-text reference``: the
+Language Reference alone), distillation on Language Reference prose the calibration did not
+use, evaluation on scikit-learn's dataset descriptions (``sklearn/datasets/descr/*.rst``) and,
 given ``--lee-wheel``, on gensim's Lee background news corpus: cosine to dense and
 next-sentence retrieval accuracy, dense beside pruned.
 """
@@ -32,6 +35,8 @@ from torch import nn
 import tilesparse
 from recipes.cli import OutFolder, check_knobs, knob, parse_knobs, run_recipe
 from recipes.corpora import (
+    CalibrationText,
+    calibration_sentences,
     lee_news_pairs,
     python_reference_sentences,
     retrieval_accuracy,
@@ -44,6 +49,12 @@ Pairs = list[tuple[str, str]]
 SOURCES = {
     "sklearn_descr": "scikit-learn's dataset descriptions (sklearn/datasets/descr/*.rst)",
     "lee_news": "gensim's Lee background news corpus (gensim/test/test_data/lee_background.cor)",
+}
+
+CALIBRATION_SOURCES = {
+    CalibrationText.BROAD: "the Python Language Reference, standard-library and package "
+    "docstrings, /usr/share/doc and /usr/share/info, interleaved (recipes.corpora.broad_sentences)",
+    CalibrationText.REFERENCE: "the Python Language Reference (pydoc_data/topics.py)",
 }
 
 #: what a run writes into --out: all that --overwrite of such a run's folder removes
@@ -72,7 +83,10 @@ class PruneTransformerConfig:
     # the default: one threshold allocates the layers' sparsities, each layer's mask is then
     # chosen at its own (--no-global-threshold: every layer at the target, as SparseGPT)
     global_threshold: bool = knob(True, "one threshold across layers instead of per layer")
-    calibration_sentences: int = knob(256, "Python reference sentences calibrating", ge=1)
+    # broad: measured above the Language Reference alone on text neither saw (docs/benchmarks.md,
+    # "One-shot MiniLM: a broader calibration corpus"), at 1,270 sentences
+    calibration_text: CalibrationText = knob(CalibrationText.BROAD, "real text calibrating")
+    calibration_sentences: int = knob(1270, "calibration sentences", ge=1)
     held_out: int = knob(300, "most evaluation pairs per source", ge=1)
     lee_wheel: str | None = knob(None, "gensim wheel holding the Lee news corpus (evaluation)")
     distill_seconds: float = knob(0.0, "distillation budget in seconds (0: none)", ge=0)
@@ -187,10 +201,11 @@ def _layer_rows(pruner: tilesparse.TileSparsePruner) -> list[dict[str, Any]]:
 
 
 def _sources(cfg: PruneTransformerConfig) -> tuple[list[str], list[str], dict[str, Pairs]]:
-    """Calibration and distillation sentences (disjoint, Python reference prose) and the
-    evaluation pairs per source."""
-    ref = python_reference_sentences(cfg.calibration_sentences + cfg.distill_sentences)
-    calib, distil = ref[: cfg.calibration_sentences], ref[cfg.calibration_sentences :]
+    """Calibration sentences (``cfg.calibration_text``), distillation sentences (Python
+    reference prose the calibration does not hold) and the evaluation pairs per source."""
+    calib = calibration_sentences(cfg.calibration_text, cfg.calibration_sentences)
+    used = set(calib)
+    distil = [s for s in python_reference_sentences() if s not in used][: cfg.distill_sentences]
     evals: dict[str, Pairs] = {"sklearn_descr": sklearn_description_pairs()[: cfg.held_out]}
     if cfg.lee_wheel is not None:
         evals["lee_news"] = lee_news_pairs(cfg.lee_wheel)[: cfg.held_out]
@@ -262,9 +277,9 @@ def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
         "knobs": asdict(cfg),
         "config": pcfg.to_dict(),
         "text": {
-            "calibration": f"{len(calib)} sentences of the Python Language Reference "
+            "calibration": f"{len(calib)} sentences: {CALIBRATION_SOURCES[cfg.calibration_text]}",
+            "distillation": f"{len(distil)} other sentences of the Python Language Reference "
             "(pydoc_data/topics.py)",
-            "distillation": f"{len(distil)} further sentences of the same",
             "evaluation": {k: f"{len(p)} sentence pairs: {SOURCES[k]}" for k, p in evals.items()},
         },
         "achieved_sparsity": sparsity,

@@ -13,7 +13,9 @@ Per pattern (TW, TW rows-only, EW, 2:4) at 50 %, the *default* ``TileSparseConfi
 - ``uncalibrated``: no calibration (magnitude, one global threshold);
 - ``real``: ``calibration=`` the first ``--calibration`` prose sentences of the Python
   Language Reference (``pydoc_data/topics.py``, standard library);
-- ``templated``: ``calibration=`` 64 generated template sentences (:mod:`recipes.sentences`).
+- ``templated``: ``calibration=`` 64 generated template sentences (:mod:`recipes.sentences`);
+- ``broad``: ``calibration=`` ``--broad`` sentences of five technical-prose sources
+  interleaved (:func:`recipes.corpora.broad_sentences`, the transformer recipe's default).
 
 Evaluated on sources the calibration never saw (:mod:`recipes.corpora`): the first two
 sentences of each Lee background news story (gensim's ``lee_background.cor``: cosine to dense
@@ -36,6 +38,7 @@ from torch import nn
 import tilesparse
 from benchmarks.meta import RESULTS_DIR, write_json
 from recipes.corpora import (
+    broad_sentences,
     lee_news_pairs,
     python_reference_sentences,
     retrieval_accuracy,
@@ -87,9 +90,10 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--lee-wheel", default=None, help="the gensim wheel (news evaluation)")
     ap.add_argument("--calibration", type=int, default=128, help="reference sentences")
+    ap.add_argument("--broad", type=int, default=1270, help="broad calibration sentences")
     ap.add_argument("--sparsity", type=float, default=0.5)
     ap.add_argument("--patterns", default=",".join(PATTERNS))
-    ap.add_argument("--modes", default="uncalibrated,real,templated")
+    ap.add_argument("--modes", default="uncalibrated,real,templated,broad")
     ap.add_argument("--pairs", type=int, default=100, help="most news pairs evaluated")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument(
@@ -102,10 +106,13 @@ def main() -> None:
     evals: dict[str, list[tuple[str, str]]] = {"sklearn_descr": sklearn_description_pairs()}
     if args.lee_wheel:
         evals["lee_news"] = lee_news_pairs(args.lee_wheel)[: args.pairs]
+    modes = args.modes.split(",")
     calibrations = {
         "real": python_reference_sentences(args.calibration),
         "templated": make_sentences(64, seed=3),
     }
+    if "broad" in modes:  # harvested only when asked: 1-2 minutes of parsing
+        calibrations["broad"] = broad_sentences(args.broad)
     base = load_minilm()
     dense = {k: _encode(base, [a for a, _ in p] + [b for _, b in p]) for k, p in evals.items()}
     n = {k: len(p) for k, p in evals.items()}
@@ -114,7 +121,7 @@ def main() -> None:
     }
     print("dense", dense_scores, flush=True)
     rows = []
-    for mode in args.modes.split(","):  # every pattern's uncalibrated row first
+    for mode in modes:  # every pattern's uncalibrated row first
         for pattern in args.patterns.split(","):
             model = copy.deepcopy(base)
             cfg = tilesparse.TileSparseConfig(
@@ -170,6 +177,8 @@ def main() -> None:
         sources={
             "calibration_real": "pydoc_data/topics.py (Python standard library)",
             "calibration_templated": "recipes.sentences.make_sentences(64, seed=3)",
+            "calibration_broad": "recipes.corpora.broad_sentences: the Language Reference, "
+            "standard-library and package docstrings, /usr/share/doc, /usr/share/info",
             "sklearn_descr": "scikit-learn: sklearn/datasets/descr/*.rst (tuning set)",
             "lee_news": "gensim 4.4.0 wheel: gensim/test/test_data/lee_background.cor "
             "(evaluation set)",

@@ -13,7 +13,11 @@ import torch
 
 import tilesparse
 from recipes.cli import foreign_entries
-from recipes.corpora import python_reference_sentences, sklearn_description_pairs
+from recipes.corpora import (
+    CalibrationText,
+    python_reference_sentences,
+    sklearn_description_pairs,
+)
 from recipes.minilm import MINILM_PACKAGE, load_minilm
 from recipes.prune_transformer import OUTPUTS, PruneTransformerConfig, is_ffn, main
 from recipes.sentences import make_sentences, splits
@@ -90,7 +94,7 @@ def test_recipe_report(tmp_path) -> None:
     """The recipe on a few sentences: report.json, report.md, the plot, the saved model."""
     out = tmp_path / "run"
     cfg = PruneTransformerConfig(
-        calibration_sentences=8, held_out=8, speed_sentences=8, speed_repeats=1,
+        calibration_text=CalibrationText.REFERENCE, calibration_sentences=8, held_out=8, speed_sentences=8, speed_repeats=1,
         distill_seconds=1.0, distill_sentences=16, distill_batch=8, progress=False, out=str(out),
     )  # fmt: skip
     report = main(cfg)

@@ -600,6 +600,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("count_of", &KeyCounter::count_of, Release())
       .def("halve", &KeyCounter::halve, Release())
       .def("items", &KeyCounter::items, Release())
-      .def("assign", &KeyCounter::assign, Release())
+      .def("trim", &KeyCounter::trim, Release())
       .def("size", &KeyCounter::size, Release());
 }

@@ -78,22 +78,32 @@ class KeyCounter {
   }
 
   // halve() by a caller that holds the counter (a fused pass halving before it counts). In
-  // place, O(slots), no allocation: walking the slots once from a free one, each entry is
-  // taken out and put back (halved) from its home slot, which lands it at or before its old
-  // slot within its run of occupied slots (the slots already walked keep every probe path
-  // unbroken), so entries that reach 0 leave no gap a later probe would stop at.
+  // place, O(slots), no allocation: the slots are walked once from a free one; an entry that
+  // reaches 0 is freed, and a later entry of the same run of occupied slots is taken out and
+  // put back from its home slot (landing at or before its old slot, within the slots already
+  // walked), so no freed slot cuts a probe path short. Entries of runs with nothing freed
+  // before them only have their count shifted.
   void halve_held(int64_t times) {
     const int s = static_cast<int>(std::min<int64_t>(times, 63));
     if (s == 0) return;
     size_t start = 0;
     while (slots_[start].count >= 0) ++start;  // load <= 1/2: a free slot exists
+    bool freed = false;                         // a slot of the current run was freed
     for (size_t n = 1; n <= mask_; ++n) {
       Entry& e = slots_[(start + n) & mask_];
-      if (e.count < 0) continue;
-      const int64_t key = e.key, c = e.count >> s;
+      if (e.count < 0) {  // free before the walk: the run ends
+        freed = false;
+        continue;
+      }
+      const int64_t c = e.count >> s;
+      if (c > 0 && !freed) {
+        e.count = c;
+        continue;
+      }
       e.count = -1;
       --size_;
-      if (c > 0) add(key, c);
+      freed = true;
+      if (c > 0) add(e.key, c);
     }
   }
 

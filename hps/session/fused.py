@@ -266,10 +266,10 @@ def _run(
     try:
         _serve_all_misses(s, ts, ks, caches, res, per, buf, offsets, hot, pooling, failed, counted)
     except Exception:
-        # a call whose miss path raised counts its keys as one that succeeded, on both paths
-        # (the compiled pass may already hold them), the statistics the pass did not count
-        # aged first (the miss path aged them before serving any table). A failure to count
-        # is logged: the miss path's error is the call's
+        # the miss path raised: the call's keys are counted all the same (the pass may already
+        # hold some, so both paths count them, as after a success), the statistics the pass
+        # did not count first aged to their caches' epochs (as the miss path does before it
+        # serves a table). A failure to count is only logged: the call raises the miss path's
         try:
             if s.key_stats is not None:
                 s._age_key_stats_many(

@@ -144,3 +144,21 @@ def test_keys_counted_without_observed_keep_the_memory_bound() -> None:
     s.lookup_many(["t"], [torch.tensor([50])])
     assert counter.size() <= 8  # type: ignore[attr-defined]
     s.close()
+
+
+def test_trim_and_in_place_halving_equal_the_reference() -> None:
+    """Trims with tied counts keep the same keys as the reference (the hottest, ties the
+    smaller key); halvings that free many entries of crowded runs leave every key findable."""
+    _needs_ext()
+    rng = np.random.default_rng(5)
+    fast, ref = KeyCounts(max_keys=300), KeyStatistics(max_keys=300)
+    for step in range(6):
+        keys = rng.integers(0, 5000, 700).astype(np.int64)
+        counts = rng.integers(1, 4, 700).astype(np.int64)
+        for x in (fast, ref):
+            x.update(keys, counts)
+            if step % 2:
+                x.halve(1)
+        q = np.arange(5000, dtype=np.int64)
+        assert np.array_equal(fast.count_of(q), ref.count_of(q)), step
+        assert np.array_equal(fast.hottest(), ref.hottest())

@@ -70,10 +70,9 @@ class KeyStatistics:
             uk, inv = np.unique(k, return_inverse=True)
             uc = np.bincount(inv, weights=c, minlength=uk.size).astype(np.int64)
             if uk.size > 2 * self.max_keys:
-                top = np.argpartition(-uc, self.max_keys)[: self.max_keys]
+                # the hottest, ties the smaller key (uk ascending: a stable sort keeps them)
+                top = np.sort(np.argsort(-uc, kind="stable")[: self.max_keys])
                 uk, uc = uk[top], uc[top]
-                order = np.argsort(uk)
-                uk, uc = uk[order], uc[order]
             self._keys, self._counts = uk, uc
             self.total += int(counts.sum())
             self.aged_mass += float(counts.sum())

@@ -41,6 +41,7 @@ EXT = CpuExtension(
     headers=(
         CSRC / "cache_probe.h",
         CSRC / "common.h",
+        CSRC / "first_hits.h",
         CSRC / "gather_checks.h",
         CSRC / "key_counter.h",
         CSRC / "row_formats.h",

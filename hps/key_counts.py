@@ -35,9 +35,10 @@ class KeyCounts(KeyStatistics):
         super().__init__(max_keys)
         ext = load_extension()
         self._counter = ext.KeyCounter() if ext is not None else None
-        # an upper bound on the counter's distinct keys (it grows by at most the occurrences
-        # observed): its size is asked for, and a trim considered, only once this passes
-        # 2 × max_keys, not on every update
+        # an upper bound on the counter's distinct keys, kept one at every moment: it grows by
+        # the keys a caller is about to count (will_count, before the counter can gain them)
+        # and is set to the counter's size by a trim; the size is asked for, and a trim
+        # considered, only once it passes 2 × max_keys, not on every update
         self._size_bound = 0
 
     @property
@@ -57,35 +58,30 @@ class KeyCounts(KeyStatistics):
             if counts is None
             else torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int64))
         )
+        self.will_count(int(k.numel()))
         self._counter.update(k, c, False)
-        n = int(k.numel())
-        self._observe(n if counts is None else int(c.sum()), n)
+        self.observed(int(k.numel()) if counts is None else int(c.sum()))
+
+    def will_count(self, keys: int) -> None:
+        """A caller is about to count at most ``keys`` distinct new keys straight into
+        :attr:`counter` (a fused pass, :func:`hps.session.fused` counting): the size bound
+        grows first, so it holds whether or not :meth:`observed` follows."""
+        with self._lock:
+            self._size_bound += keys
 
     def observed(self, occurrences: int) -> None:
-        """Account for ``occurrences`` keys counted straight into :attr:`counter`, and trim
-        when more than ``2 × max_keys`` distinct keys are held."""
-        self._observe(occurrences, occurrences)
-
-    def _observe(self, occurrences: int, added: int) -> None:
-        """:meth:`observed`, the counter having been given ``added`` keys (an upper bound on
-        the distinct keys it gained)."""
+        """Account for ``occurrences`` keys counted straight into :attr:`counter` (after
+        :meth:`will_count`), and trim to the ``max_keys`` hottest when more than
+        ``2 × max_keys`` distinct keys are held."""
         with self._lock:
             self.total += occurrences
             self.aged_mass += float(occurrences)
-            self._size_bound += added
-            bound = self._size_bound
-            if bound <= 2 * self.max_keys:
-                return
-        assert self._counter is not None
-        size = self._counter.size()
-        if size > 2 * self.max_keys:
-            keys, counts = self._counter.items()
-            top = np.argpartition(-counts.numpy(), self.max_keys)[: self.max_keys]
-            order = np.sort(top)
-            self._counter.assign(keys[torch.from_numpy(order)], counts[torch.from_numpy(order)])
-            size = self.max_keys
-        with self._lock:  # and what other threads observed meanwhile
-            self._size_bound = size + self._size_bound - bound
+            if self._size_bound > 2 * self.max_keys:
+                # size and trim in one hold of the counter, the bound set under this lock:
+                # nothing counted meanwhile is lost or left out of the bound (no caller holds
+                # the counter and then waits for this lock)
+                assert self._counter is not None
+                self._size_bound = self._counter.trim(self.max_keys)
 
     def halve(self, times: int = 1) -> None:
         """Age the counts: ``c >> times`` each (keys reaching 0 dropped), ``aged_mass / 2**times``.

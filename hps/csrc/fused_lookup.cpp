@@ -38,6 +38,7 @@
 
 #include "cache_probe.h"
 #include "common.h"
+#include "first_hits.h"
 #include "gather_checks.h"
 #include "key_counter.h"
 #include "row_formats.h"
@@ -49,26 +50,11 @@ namespace hps_cpu {
 // keys before it is read, its key line kProbeAhead keys before that, its tag line kProbeAhead
 // keys earlier still. The row, 8 lines of 64 bytes in FP32 at dim 128, is the longest wait;
 // 26 tables of dlrm_dcnv2 ÷ 300, pooled: row distance 8 ran 2 % faster than 4, 12 to 24 no
-// faster than 8, probe distance 2 slower than 4, 8 about 2 % faster than 4 (the key line's
-// compare waited on it: 11 % of the probe's samples at 4; docs/benchmarks.md, "pooled bags").
+// faster than 8, probe distance 2 slower than 4; probe distance 8 against 4 differed within
+// the noise (docs/benchmarks.md, "pooled bags").
 constexpr int64_t kRowAhead = 8, kProbeAhead = 8;
 
 constexpr uint8_t kMark = 0x80;  // kMaxLevel (127): gather_checks.h
-
-// The slots first hit in a call, whose mark bits are cleared after its uses: room for every
-// key of the table is made before the pass, so recording one is a store (no growth check or
-// out-of-line push_back on the per-key path).
-struct FirstHits {
-  std::unique_ptr<int64_t[]> slots;
-  int64_t n = 0, room = 0;
-  void make_room(int64_t keys) {  // while empty
-    if (keys > room) {
-      slots.reset(new int64_t[keys]);
-      room = keys;
-    }
-  }
-  void add(int64_t s) { slots[n++] = s; }
-};
 
 // The use of slot s by the key at position j: LFU a Morris step of the level (up where the
 // draw × gap < 2**32), LRU the stamp; the mark bit makes a slot's first hit in this query a
@@ -502,15 +488,18 @@ std::vector<at::Tensor> cache_gather(
   float* out_base = out.data_ptr<float>();
   std::vector<TableView> views;
   std::vector<KeyCounter*> kcs(T, nullptr);
-  std::vector<int64_t> halvings(T, 0);
+  std::vector<int64_t> halvings(T, 0), row_bytes(T);
+  for (size_t i = 0; i < T; ++i) {  // every table checked before any is aged
+    row_bytes[i] = check_table(i, cache_keys[i], high_words[i], high_of[i], tags[i], counters[i],
+                               storage[i], formats[i], dims[i]);
+    if (hotness[i] > 0) check(keys[i].numel() % hotness[i] == 0, "bag keys must be (B, hotness)");
+  }
   for (size_t i = 0; i < T; ++i) {
     const auto& k = keys[i];
     const int64_t capacity = cache_keys[i].numel();
     const auto kt = cache_keys[i].scalar_type();
     const auto& hw = high_words[i];
     const auto& ho = high_of[i];
-    const int64_t row_bytes = check_table(i, cache_keys[i], hw, ho, tags[i], counters[i],
-                                          storage[i], formats[i], dims[i]);
     // LFU aging before this query's uses: one halving per multiple of the interval crossed
     const int64_t w = intervals[i];
     const int64_t crossed = w > 0 ? (looked_up[i] + valid[i]) / w - looked_up[i] / w : 0;
@@ -535,7 +524,7 @@ std::vector<at::Tensor> cache_gather(
                 capacity / ways[i],
                 ways[i],
                 dims[i],
-                row_bytes,
+                row_bytes[i],
                 formats[i],
                 stamps[i],
                 streams[i],
@@ -544,7 +533,6 @@ std::vector<at::Tensor> cache_gather(
                 mean[i] != 0,
                 out_base + out_offsets[i],
                 out_stride};
-    if (t.hotness > 0) check(t.n % t.hotness == 0, "bag keys must be (B, hotness)");
     views.push_back(t);
     pt[i * 5 + 4] = crossed;
     halvings[i] = crossed;  // a key counter is halved as its cache ages, before the query counts
@@ -600,6 +588,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("count_of", &KeyCounter::count_of, Release())
       .def("halve", &KeyCounter::halve, Release())
       .def("items", &KeyCounter::items, Release())
-      .def("assign", &KeyCounter::assign, Release())
+      .def("trim", &KeyCounter::trim, Release())
       .def("size", &KeyCounter::size, Release());
 }

@@ -77,14 +77,51 @@ class KeyCounter {
     halve_held(times);
   }
 
-  // halve() by a caller that holds the counter (a fused pass halving before it counts).
+  // halve() by a caller that holds the counter (a fused pass halving before it counts). In
+  // place, O(slots), no allocation: the slots are walked once from a free one; an entry that
+  // reaches 0 is freed, and a later entry of the same run of occupied slots is taken out and
+  // put back from its home slot (landing at or before its old slot, within the slots already
+  // walked), so no freed slot cuts a probe path short. Entries of runs with nothing freed
+  // before them only have their count shifted.
   void halve_held(int64_t times) {
     const int s = static_cast<int>(std::min<int64_t>(times, 63));
-    std::vector<std::pair<int64_t, int64_t>> kept;
-    kept.reserve(size_);
-    for (const Entry& e : slots_)
-      if (e.count >= 0 && (e.count >> s) > 0) kept.emplace_back(e.key, e.count >> s);
-    reset(kept);
+    if (s == 0) return;
+    size_t start = 0;
+    while (slots_[start].count >= 0) ++start;  // load <= 1/2: a free slot exists
+    bool freed = false;                         // a slot of the current run was freed
+    for (size_t n = 1; n <= mask_; ++n) {
+      Entry& e = slots_[(start + n) & mask_];
+      if (e.count < 0) {  // free before the walk: the run ends
+        freed = false;
+        continue;
+      }
+      const int64_t c = e.count >> s;
+      if (c > 0 && !freed) {
+        e.count = c;
+        continue;
+      }
+      e.count = -1;
+      --size_;
+      freed = true;
+      if (c > 0) add(e.key, c);
+    }
+  }
+
+  // Keeps the max_keys hottest keys (ties: the smaller key) once more than 2 × max_keys are
+  // held, in one hold of the counter (keys counted meanwhile by other callers wait, not
+  // lost); returns the keys held after.
+  int64_t trim(int64_t max_keys) {
+    std::lock_guard<std::mutex> g(mu_);
+    if (size_ <= 2 * max_keys) return size_;
+    std::vector<std::pair<int64_t, int64_t>> all = entries();
+    const auto hotter = [](const std::pair<int64_t, int64_t>& a,
+                           const std::pair<int64_t, int64_t>& b) {
+      return a.second != b.second ? a.second > b.second : a.first < b.first;
+    };
+    std::nth_element(all.begin(), all.begin() + max_keys, all.end(), hotter);
+    all.resize(max_keys);
+    reset(all);
+    return size_;
   }
 
   // {keys (k,) ascending, counts (k,)}.
@@ -99,15 +136,6 @@ class KeyCounter {
       c.data_ptr<int64_t>()[i] = all[i].second;
     }
     return {k, c};
-  }
-
-  // Replace the contents by keys/counts (the caller's trim).
-  void assign(const at::Tensor& keys, const at::Tensor& counts) {
-    std::lock_guard<std::mutex> g(mu_);
-    std::vector<std::pair<int64_t, int64_t>> kv(keys.numel());
-    for (int64_t i = 0; i < keys.numel(); ++i)
-      kv[i] = {keys.data_ptr<int64_t>()[i], counts.data_ptr<int64_t>()[i]};
-    reset(kv);
   }
 
   int64_t size() {

@@ -79,8 +79,8 @@ class SessionView(Protocol):
         self, tables: Sequence[tuple[SessionTable, EmbeddingCache]]
     ) -> list[int]: ...
 
-    def _key_stats_halved(
-        self, tables: Sequence[tuple[SessionTable, EmbeddingCache, int]]
+    def _advance_ages(
+        self, tables: Sequence[tuple[SessionTable, EmbeddingCache, int, int]]
     ) -> None: ...
 
     def lookup(self, table: str, keys: torch.Tensor | np.ndarray) -> torch.Tensor: ...
@@ -228,7 +228,7 @@ def _run(
             streams.append(c.lfu_stream())
             looked_up.append(c._looked_up)
             intervals.append(c.lfu_decay_interval)
-        counters = _pass_counters(s, ts, caches)
+        counters = _pass_counters(s, ts, ks, caches)
         args = GatherArgs(
             caches=caches,
             keys=ks,
@@ -248,42 +248,42 @@ def _run(
         except ValueError as e:
             raise ValueError(_name_table(str(e), ts)) from None
         per = res.per_table.tolist()
+        counted = res.counted or (False,) * len(ts)
+        # clocks, epochs and the labels of the statistics the pass halved move together, before
+        # the caches' locks go: no other lookup or aging halves these statistics twice
+        s._advance_ages(
+            [
+                (t, c, row[3], row[4] if done else 0)
+                for t, c, row, done in zip(ts, caches, per, counted, strict=True)
+            ]
+        )
         for c, row in zip(caches, per, strict=True):
-            c._advance_age(row[3])
             c.stats.hits += row[2]
             c.stats.queries += row[2]
-        counted = res.counted or (False,) * len(ts)
-        halved = [
-            (t, c, row[4])
-            for t, c, row, done in zip(ts, caches, per, counted, strict=True)
-            if done and row[4]
-        ]
-        if halved:  # before the caches' locks go: no other lookup ages these statistics twice
-            s._key_stats_halved(halved)
     finally:
         for c in reversed(order):
             c._lock.release()
     try:
         _serve_all_misses(s, ts, ks, caches, res, per, buf, offsets, hot, pooling, failed, counted)
     except Exception:
-        # a call whose miss path raised counts its keys as one that succeeded, on both paths
-        # (the compiled pass may already hold them), the statistics the pass did not count
-        # aged first (the miss path aged them before serving any table). A failure to count
-        # is logged: the miss path's error is the call's
+        # the miss path raised: the call's keys are counted all the same (the pass may already
+        # hold some, so both paths count them, as after a success), the statistics the pass
+        # did not count first aged to their caches' epochs (as the miss path does before it
+        # serves a table). A failure to count is only logged: the call raises the miss path's
         try:
             if s.key_stats is not None:
                 s._age_key_stats_many(
                     [(t, c) for t, c, done in zip(ts, caches, counted, strict=True) if not done]
                 )
-            _count_keys(s, ts, ks, per, counted)
+            _count_keys(s, ts, ks, per, counted, counters is not None)
         except Exception:
             log.exception("counting the keys of a failed lookup of %s failed", [t.name for t in ts])
         raise
-    _count_keys(s, ts, ks, per, counted)
+    _count_keys(s, ts, ks, per, counted, counters is not None)
 
 
 def _pass_counters(
-    s: SessionView, ts: list[SessionTable], caches: list[EmbeddingCache]
+    s: SessionView, ts: list[SessionTable], ks: list[torch.Tensor], caches: list[EmbeddingCache]
 ) -> list[object] | None:
     """The compiled key counters the fused pass may count into (``None``: it counts none),
     each table's statistics first halved for every aging of its cache so far."""
@@ -294,6 +294,8 @@ def _pass_counters(
     if None in counters:
         return None
     s._age_key_stats_many(list(zip(ts, caches, strict=True)))
+    for t, k in zip(ts, ks, strict=True):  # the size bounds hold whatever the pass counts
+        stats[t.name].will_count(k.numel())
     return counters
 
 
@@ -392,9 +394,11 @@ def _count_keys(
     ks: list[torch.Tensor],
     per: list[list[int]],
     counted: Sequence[bool],
+    bounds_grown: bool,
 ) -> None:
     """Key statistics of the tables the fused pass did not count (``counted[i]`` False), and
-    every table's observed total."""
+    every table's observed total; ``bounds_grown``: :func:`_pass_counters` already grew the
+    statistics' size bounds by these keys."""
     if s.key_stats is None:
         return
     stats = [s.key_stats[t.name] for t in ts]
@@ -402,6 +406,9 @@ def _count_keys(
     counters = [k.counter for k in stats]
     if ext is not None and all(c is not None for c in counters):
         todo = [(c, f) for c, f, done in zip(counters, ks, counted, strict=True) if not done]
+        if not bounds_grown:
+            for k, f in zip(stats, ks, strict=True):
+                k.will_count(f.numel())
         if sum(f.numel() for _, f in todo) < _SERIAL_COUNT_KEYS:
             # one table after another: a parallel region's wake-up costs more than these
             # counts (1-15 ms on a 2-core host at load 10, against ~0.1 ms serially)

@@ -519,17 +519,22 @@ class LookupSession:
         with self._aging_lock:
             return [self._age_locked(t.name, c) for t, c in tables]
 
-    def _key_stats_halved(self, tables: Sequence[tuple[SessionTable, EmbeddingCache, int]]) -> None:
-        """The fused pass halved the key counters of these ``(table, cache, times)`` itself
-        before counting their keys (``times`` agings of the cache fell in its query, now in
-        ``cache.decay_epoch``): their mass is aged to match and they are labelled with the
-        cache's epoch, so :meth:`_age_key_stats` does not halve them again. Called with the
-        caches' locks held, right after the pass."""
-        assert self.key_stats is not None
+    def _advance_ages(
+        self, tables: Sequence[tuple[SessionTable, EmbeddingCache, int, int]]
+    ) -> None:
+        """After a fused pass over ``(table, cache, looked_up, halved)``: each cache's aging
+        clock moves by the ``looked_up`` keys of its query (:meth:`EmbeddingCache._advance_age`)
+        and, where the pass halved the table's key counter ``halved > 0`` times itself before
+        counting its keys, the statistics' mass is aged to match and they are labelled with the
+        cache's new epoch. Both under one hold of the aging lock: :meth:`_age_key_stats` never
+        sees the new epoch with the old label (it would halve those statistics again). Called
+        with the caches' locks held, right after the pass (lock order: caches, then aging)."""
         with self._aging_lock:
-            for t, cache, times in tables:
-                self.key_stats[t.name].counter_halved(times)
-                self._stats_epoch[t.name] = (weakref.ref(cache), cache.decay_epoch)
+            for t, cache, looked_up, halved in tables:
+                cache._advance_age(looked_up)
+                if halved and self.key_stats is not None:
+                    self.key_stats[t.name].counter_halved(halved)
+                    self._stats_epoch[t.name] = (weakref.ref(cache), cache.decay_epoch)
 
     def _age_locked(self, name: str, cache: EmbeddingCache) -> int:
         """:meth:`_age_key_stats` of table ``name``, the aging lock held."""

@@ -90,6 +90,7 @@ def test_compiled_pass_equals_reference_bit_for_bit(policy: CachePolicy, compact
         ka, kb = a.key_stats[n], b.key_stats[n]  # type: ignore[index]
         assert np.array_equal(ka.hottest(), kb.hottest())
         assert np.array_equal(ka.counts(), kb.counts()) and ka.total == kb.total
+        assert ka.aged_mass == kb.aged_mass and a._stats_epoch[n][1] == b._stats_epoch[n][1]
 
 
 @pytest.mark.parametrize("compiled", [True, False])

@@ -132,6 +132,17 @@ def test_the_pass_counts_keys_only_when_one_thread_does_every_key() -> None:
         assert counted  # below 8,192 keys one thread does them all
         counted, stats = run(keys, 0, never)
         assert not counted and len(stats.hottest()) == 0  # split between two threads
+        pre = (
+            KeyCounts()
+        )  # a split call crossing agings: the counter is neither halved nor added to
+        pre.update(np.array([0, 1, 2]), np.array([5, 1, 4]))
+        epoch = c.decay_epoch
+        counted, stats = run(keys, 0, c, pre)
+        assert c.decay_epoch > epoch and not counted
+        want = KeyCounts()
+        want.update(np.array([0, 1, 2]), np.array([5, 1, 4]))
+        assert np.array_equal(stats.count_of(probe), want.count_of(probe))
+        assert np.array_equal(stats.counts(), want.counts())
     finally:
         torch.set_num_threads(threads)
 

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 import os
+import threading
 
 import numpy as np
 import pytest
+import torch
 
 from hps.advisor import KeyStatistics
 from hps.kernels import load_extension
@@ -57,3 +59,106 @@ def test_trim_keeps_the_hottest() -> None:
 def test_halve_rejects_negative_times() -> None:
     with pytest.raises(ValueError, match="times >= 0"):
         KeyCounts().halve(-1)
+
+
+class _PausedCounter:
+    """Delegates to a compiled counter; the first size/trim asked by the thread named
+    ``name`` signals ``reached`` and waits for ``go`` (a slow path held mid-way)."""
+
+    def __init__(self, inner: object, name: str) -> None:
+        self.inner, self.name = inner, name
+        self.reached, self.go = threading.Event(), threading.Event()
+
+    def _pause(self) -> None:
+        if threading.current_thread().name == self.name and not self.reached.is_set():
+            self.reached.set()
+            self.go.wait(5)
+
+    def size(self) -> int:
+        self._pause()
+        return int(self.inner.size())  # type: ignore[attr-defined]
+
+    def trim(self, max_keys: int) -> int:
+        self._pause()
+        return int(self.inner.trim(max_keys))  # type: ignore[attr-defined]
+
+    def __getattr__(self, name: str) -> object:
+        return getattr(self.inner, name)
+
+
+def test_overlapping_trims_keep_the_memory_bound() -> None:
+    """Two updates' slow paths overlapping (one held after it passed the bound): every later
+    update still leaves at most 2 × max_keys keys held."""
+    _needs_ext()
+    k = KeyCounts(max_keys=4)
+    paused = _PausedCounter(k.counter, "a")
+    k._counter = paused
+    b_done = threading.Event()
+
+    def b() -> None:
+        k.update(np.arange(100, 120, dtype=np.int64))
+        b_done.set()
+
+    a = threading.Thread(target=k.update, args=(np.arange(20, dtype=np.int64),), name="a")
+    a.start()
+    assert paused.reached.wait(5)
+    tb = threading.Thread(target=b)
+    tb.start()
+    b_done.wait(1.0)  # a bound on the wait, not an assertion: b may wait for a's slow path
+    paused.go.set()
+    a.join(5)
+    tb.join(5)
+    assert b_done.is_set()
+    for i in range(4):
+        k.update(np.arange(1000 + 20 * i, 1020 + 20 * i, dtype=np.int64))
+        assert paused.inner.size() <= 8  # type: ignore[attr-defined]
+
+
+def test_keys_counted_without_observed_keep_the_memory_bound() -> None:
+    """A fused call that counted its keys in the pass and failed before they were observed:
+    the next call still trims."""
+    _needs_ext()
+    from hps.session import LookupSession, SessionTable, fused
+    from hps.storage.cache import EmbeddingCache
+    from tests.hps.test_cache_aging import _AllKeys
+
+    c = EmbeddingCache(64, 1, policy="lfu", ways=4)
+    s = LookupSession(
+        [SessionTable("t", 1, -1.0, 10**6, c)], _AllKeys(100), None, hit_rate_threshold=1.0
+    )
+    assert s.key_stats is not None
+    stats = s.key_stats["t"] = KeyCounts(max_keys=4)
+    counter = stats.counter
+    real = fused._count_keys
+
+    def failing(*args: object, **kw: object) -> None:
+        raise RuntimeError("counting failed")
+
+    fused._count_keys = failing  # type: ignore[assignment]
+    try:
+        with pytest.raises(RuntimeError, match="counting failed"):
+            s.lookup_many(["t"], [torch.arange(20)])
+    finally:
+        fused._count_keys = real  # type: ignore[assignment]
+    assert counter.size() == 20  # type: ignore[attr-defined]  # counted in the pass
+    s.lookup_many(["t"], [torch.tensor([50])])
+    assert counter.size() <= 8  # type: ignore[attr-defined]
+    s.close()
+
+
+def test_trim_and_in_place_halving_equal_the_reference() -> None:
+    """Trims with tied counts keep the same keys as the reference (the hottest, ties the
+    smaller key); halvings that free many entries of crowded runs leave every key findable."""
+    _needs_ext()
+    rng = np.random.default_rng(5)
+    fast, ref = KeyCounts(max_keys=300), KeyStatistics(max_keys=300)
+    for step in range(6):
+        keys = rng.integers(0, 5000, 700).astype(np.int64)
+        counts = rng.integers(1, 4, 700).astype(np.int64)
+        for x in (fast, ref):
+            x.update(keys, counts)
+            if step % 2:
+                x.halve(1)
+        q = np.arange(5000, dtype=np.int64)
+        assert np.array_equal(fast.count_of(q), ref.count_of(q)), step
+        assert np.array_equal(fast.hottest(), ref.hottest())

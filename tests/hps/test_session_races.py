@@ -13,6 +13,8 @@ from hps.session import LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache
 from hps.storage.volatile import HashMapBackend
 from hps.updates import FileLogSource, UpdateApplier
+from tests.hps.hps_helpers import needs_ext
+from tests.hps.test_cache_aging import _AllKeys, _keys
 
 
 def _session(tmp_path, vdb: HashMapBackend, cache: EmbeddingCache, exact: bool, threshold: float):
@@ -110,3 +112,54 @@ def test_lfu_admits_a_key_hot_across_requests(tmp_path) -> None:
     assert bool(cache.contains(torch.tensor([500])).all())
     assert s.stats("t")["hits_all"]["cache"] >= 2 * 18
     s.close()
+
+
+def test_an_aging_in_the_fused_pass_halves_the_statistics_once_under_a_race() -> None:
+    """The fused pass halves a table's key counter itself when its query crosses an aging. An
+    aging of the statistics by another thread right after the pass (as the cache's clock
+    moves) must see the old epoch with the old label or the new epoch with the new one, never
+    the new epoch with the old label (the statistics would be halved twice)."""
+    needs_ext()
+
+    class Racing(EmbeddingCache):
+        racer: threading.Thread | None = None
+
+        def _advance_age(self, looked_up: int) -> int:
+            crossed = super()._advance_age(looked_up)
+            if crossed and Racing.racer is not None:
+                racer, Racing.racer = Racing.racer, None
+                racer.start()
+                # a bound on the wait, not an assertion: racing ahead, it would halve now
+                done.wait(1.0)
+            return crossed
+
+    def session(cache: EmbeddingCache) -> LookupSession:
+        return LookupSession(
+            [SessionTable("t", 1, -1.0, 10**6, cache)], _AllKeys(100), None, hit_rate_threshold=1.0
+        )
+
+    c = Racing(4, 1, policy="lfu", ways=4, lfu_decay_keys_per_slot=1.0)  # interval 4
+    ref_cache = EmbeddingCache(4, 1, policy="lfu", ways=4, lfu_decay_keys_per_slot=1.0)
+    s, ref = session(c), session(ref_cache)
+    for x in (s, ref):
+        x.lookup_many(["t"], [_keys(9, 9, 9)])
+    done = threading.Event()
+
+    def age() -> None:
+        s._age_key_stats(s.tables["t"], c)
+        done.set()
+
+    Racing.racer = threading.Thread(target=age)
+    racer = Racing.racer
+    for x in (s, ref):
+        x.lookup_many(["t"], [_keys(9, 9, 9)])  # crosses the aging at 4 keys
+    racer.join(5)
+    assert done.is_set() and c.decay_epoch == ref_cache.decay_epoch == 1
+    assert s.key_stats is not None and ref.key_stats is not None
+    assert s.key_stats["t"].counter is not None  # counted in the pass
+    assert s.key_stats["t"].count_of(np.array([9])).tolist() == [4]  # 3 >> 1, then + 3
+    assert s.key_stats["t"].count_of(np.array([9])) == ref.key_stats["t"].count_of(np.array([9]))
+    assert s.key_stats["t"].aged_mass == ref.key_stats["t"].aged_mass
+    assert s._stats_epoch["t"][1] == 1
+    s.close()
+    ref.close()

@@ -3,7 +3,10 @@
 // argument checks, scratch and output memory, the per-call plan of a layout, transposes.
 #pragma once
 
-#include <torch/extension.h>
+// ATen and the pybind11 casters of at::Tensor are all the kernels use; torch/extension.h
+// (the whole C++ frontend) would double the time every compile spends parsing headers.
+#include <ATen/ATen.h>
+#include <torch/csrc/utils/pybind.h>
 
 #include <ATen/Parallel.h>
 

@@ -232,7 +232,7 @@ def test_dispatch_takes_it_for_bf16_and_env_turns_it_off(bf16dot, monkeypatch):
 # Each source under a -march that takes the kernel paths this machine's -march=native build
 # may not: AMX (Sapphire Rapids), AVX512-BF16 without AMX (Cooper Lake, as Zen 4), AVX2 only (Zen 3: the AVX2
 # fp32 micro-kernel, no bf16 kernel), plain x86-64 (scalar C).
-# A variant the native build already compiled is left out (each compile takes ~20-40 s).
+# A variant the native build already compiled is left out (each compile parses ATen: ~10-20 s).
 CROSS_BUILDS = [
     ("tw_linear_amx.cpp", "sapphirerapids", "TILESPARSE_AMX", lambda ext, flags: ext.has_amx()),
     (

@@ -30,8 +30,10 @@ from __future__ import annotations
 import ast
 import gzip
 import importlib.util
+import logging
 import re
 import sysconfig
+import warnings
 import zipfile
 from collections.abc import Iterable, Iterator, Sequence
 from enum import StrEnum
@@ -40,25 +42,32 @@ from pathlib import Path
 import torch
 
 __all__ = [
+    "BROAD_LEAST",
     "BROAD_PACKAGES",
-    "CalibrationText",
-    "calibration_sentences",
     "BROAD_SOURCES",
+    "DEFAULT_CALIBRATION_SENTENCES",
     "INFO_DIR",
     "LEE_FILE",
+    "READ_CAP",
     "SYSTEM_DOC_DIR",
+    "CalibrationText",
     "broad_sentences",
+    "calibration_sentences",
+    "evenly",
     "info_manual_sentences",
-    "package_docstring_sentences",
-    "stdlib_docstring_sentences",
-    "system_doc_sentences",
+    "interleave",
     "lee_news_pairs",
+    "package_docstring_sentences",
     "python_reference_sentences",
     "retrieval_accuracy",
     "sklearn_description_pairs",
+    "stdlib_docstring_sentences",
+    "system_doc_sentences",
 ]
 
 LEE_FILE = "gensim/test/test_data/lee_background.cor"
+
+log = logging.getLogger("recipes.corpora")
 
 _SENTENCE_END = re.compile(r"(?<=[.!?])\s+(?=[A-Z\"'(])")
 
@@ -181,6 +190,14 @@ _CODE = re.compile(r"[`_=<>{}\[\]\\|#$~@*^]|::|\(\)|\w\.\w|\.\.\.|https?:|/\w")
 _SKIP_DIRS = {"test", "tests", "idle_test", "lib2to3", "site-packages", "datasets"}
 _DOC_FILE = re.compile(r"^(readme|news|faq|todo|authors|thanks|.*\.(md|txt|rst|markdown))")
 _LICENCE_FILE = re.compile(r"copying|licen[cs]e|copyright|changelog")
+# names the prefix match of _DOC_FILE takes that are never prose (symbol lists, checksums)
+_NOT_PROSE_FILE = re.compile(r"symbols|md5sums")
+# paths under the system documentation that may hold the evaluation text (B, C)
+_EVAL_DOC = re.compile(r"sklearn|scikit|gensim", re.IGNORECASE)
+#: most bytes read of one documentation file (decompressed)
+READ_CAP = 4 * 2**20
+#: calibration sentences per source of :func:`broad_sentences` below which it is refused
+BROAD_LEAST = len(BROAD_SOURCES)
 
 
 def _prose(sentences: Iterable[str]) -> list[str]:
@@ -199,7 +216,9 @@ def _docstring_sentences(files: Iterable[Path]) -> Iterator[str]:
     imported), in file order and ``ast.walk`` order within a file."""
     for f in files:
         try:
-            tree = ast.parse(f.read_text(encoding="utf-8"))
+            with warnings.catch_warnings():  # invalid escapes in old sources: not our code
+                warnings.simplefilter("ignore")
+                tree = ast.parse(f.read_text(encoding="utf-8"))
         except (SyntaxError, UnicodeDecodeError, ValueError):
             continue  # a file of another Python version or encoding: not prose we need
         for node in ast.walk(tree):
@@ -235,8 +254,10 @@ def package_docstring_sentences(packages: Sequence[str] = BROAD_PACKAGES) -> lis
     return _prose(_docstring_sentences(files))
 
 
-def _read_text(p: Path) -> str:
-    data = gzip.decompress(p.read_bytes()) if p.suffix == ".gz" else p.read_bytes()
+def _read_text(p: Path, cap: int = READ_CAP) -> str:
+    """The first ``cap`` bytes of ``p`` (decompressed when ``*.gz``), as text."""
+    with gzip.open(p, "rb") if p.suffix == ".gz" else p.open("rb") as f:
+        data = f.read(cap)
     return data.decode("utf-8", errors="replace")
 
 
@@ -248,7 +269,9 @@ def _need_dir(root: Path, what: str) -> None:
 def system_doc_sentences(root: Path = SYSTEM_DOC_DIR) -> list[str]:
     """Prose sentences of the system packages' READMEs, NEWS, FAQs and text documents under
     ``root`` (Debian's ``/usr/share/doc``; gzipped or not; copyright, licence and changelog
-    files left out), files in path order, each sentence once.
+    files, symbol lists and any path naming scikit-learn or gensim, whose text evaluates the
+    recipe, left out; at most :data:`READ_CAP` bytes of each), files in path order, each
+    sentence once.
 
     Raises:
         RuntimeError: when ``root`` does not exist.
@@ -260,6 +283,8 @@ def system_doc_sentences(root: Path = SYSTEM_DOC_DIR) -> list[str]:
         if p.is_file()
         and _DOC_FILE.match(p.name.lower().removesuffix(".gz"))
         and not _LICENCE_FILE.search(p.name.lower())
+        and not _NOT_PROSE_FILE.search(p.name.lower())
+        and not _EVAL_DOC.search(str(p.relative_to(root)))
     )
     return _prose(
         s for f in files for para in _prose_paragraphs(_read_text(f)) for s in _sentences(para)
@@ -293,25 +318,38 @@ def interleave(*lists: Sequence[str]) -> list[str]:
     return out
 
 
-def broad_sentences(count: int = 1270) -> list[str]:
-    """About ``count`` calibration sentences from five technical-prose sources
+def broad_sentences(
+    count: int = 1270, doc_root: Path = SYSTEM_DOC_DIR, info_root: Path = INFO_DIR
+) -> list[str]:
+    """``count // 5 * 5`` calibration sentences from five technical-prose sources
     (:data:`BROAD_SOURCES`): ``count // 5`` sentences evenly spaced over each of the Python
     Language Reference (:func:`python_reference_sentences`), the standard library's
-    docstrings, :data:`BROAD_PACKAGES`' docstrings, ``/usr/share/doc`` and
-    ``/usr/share/info``, interleaved one of each in turn. Deterministic for a given set of
-    installed packages and system documents.
+    docstrings, :data:`BROAD_PACKAGES`' docstrings, ``doc_root`` (``/usr/share/doc``) and
+    ``info_root`` (``/usr/share/info``), interleaved one of each in turn. Deterministic for a
+    given set of installed packages and system documents (so it differs between machines).
 
     Raises:
-        RuntimeError: when a source is missing (a package, or a system directory).
+        ValueError: when ``count`` is below :data:`BROAD_LEAST` (one sentence per source).
+        RuntimeError: when a source is missing (a package, or a system directory) or gives
+            fewer than ``count // 5`` sentences.
     """
+    if count < BROAD_LEAST:
+        raise ValueError(
+            f"broad_sentences: count {count} is below {BROAD_LEAST}, one sentence of each of "
+            f"{', '.join(BROAD_SOURCES)}"
+        )
     each = count // len(BROAD_SOURCES)
+    log.info("harvesting %d calibration sentences of %s", count, ", ".join(BROAD_SOURCES))
     sources = (
         python_reference_sentences(),
         stdlib_docstring_sentences(),
         package_docstring_sentences(),
-        system_doc_sentences(),
-        info_manual_sentences(),
+        system_doc_sentences(doc_root),
+        info_manual_sentences(info_root),
     )
+    for name, got in zip(BROAD_SOURCES, sources, strict=True):
+        if len(got) < each:
+            raise RuntimeError(f"broad_sentences: {name} gave {len(got)} sentences, {each} needed")
     return interleave(*(evenly(s, each) for s in sources))
 
 
@@ -324,13 +362,21 @@ class CalibrationText(StrEnum):
     REFERENCE = "reference"
 
 
-def calibration_sentences(text: CalibrationText, count: int) -> list[str]:
-    """``count`` calibration sentences of ``text`` (at most as many as the source has;
-    :attr:`CalibrationText.BROAD` rounds ``count`` down to a multiple of five).
+#: :func:`calibration_sentences`' count when none is given, per text (measured: docs/benchmarks.md)
+DEFAULT_CALIBRATION_SENTENCES = {CalibrationText.BROAD: 1270, CalibrationText.REFERENCE: 256}
+
+
+def calibration_sentences(text: CalibrationText, count: int | None = None) -> list[str]:
+    """``count`` calibration sentences of ``text`` (``None``:
+    :data:`DEFAULT_CALIBRATION_SENTENCES`, 1,270 broad, 256 reference; the reference gives
+    at most as many as it has; :attr:`CalibrationText.BROAD` rounds ``count`` down to a
+    multiple of five).
 
     Raises:
-        RuntimeError: when a source of ``text`` is missing.
+        ValueError: when ``count`` is too small for ``text`` (:func:`broad_sentences`).
+        RuntimeError: when a source of ``text`` is missing or too short.
     """
+    n = DEFAULT_CALIBRATION_SENTENCES[text] if count is None else count
     if text is CalibrationText.BROAD:
-        return broad_sentences(count)
-    return python_reference_sentences(count)
+        return broad_sentences(n)
+    return python_reference_sentences(n)

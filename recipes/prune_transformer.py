@@ -35,6 +35,8 @@ from torch import nn
 import tilesparse
 from recipes.cli import OutFolder, check_knobs, knob, parse_knobs, run_recipe
 from recipes.corpora import (
+    BROAD_LEAST,
+    BROAD_SOURCES,
     CalibrationText,
     calibration_sentences,
     lee_news_pairs,
@@ -86,11 +88,15 @@ class PruneTransformerConfig:
     # broad: measured above the Language Reference alone on text neither saw (docs/benchmarks.md,
     # "One-shot MiniLM: a broader calibration corpus"), at 1,270 sentences
     calibration_text: CalibrationText = knob(CalibrationText.BROAD, "real text calibrating")
-    calibration_sentences: int = knob(1270, "calibration sentences", ge=1)
+    # none: 1,270 broad (254 of each source), 256 reference (the rest of the Language
+    # Reference, ~1,000 sentences, is left to distil on)
+    calibration_sentences: int | None = knob(
+        None, "calibration sentences (none: 1270 broad, 256 reference)", ge=1
+    )
     held_out: int = knob(300, "most evaluation pairs per source", ge=1)
     lee_wheel: str | None = knob(None, "gensim wheel holding the Lee news corpus (evaluation)")
     distill_seconds: float = knob(0.0, "distillation budget in seconds (0: none)", ge=0)
-    distill_sentences: int = knob(1000, "Python reference sentences to distil on", ge=1)
+    distill_sentences: int = knob(1000, "most Python reference sentences to distil on", ge=1)
     distill_batch: int = knob(32, "sentences per distillation step", ge=1)
     distill_lr: float = knob(1e-4, "AdamW learning rate of the distillation", gt=0)
     speed_sentences: int = knob(256, "sentences per timed encode, dense vs condensed", ge=1)
@@ -202,13 +208,47 @@ def _layer_rows(pruner: tilesparse.TileSparsePruner) -> list[dict[str, Any]]:
 
 def _sources(cfg: PruneTransformerConfig) -> tuple[list[str], list[str], dict[str, Pairs]]:
     """Calibration sentences (``cfg.calibration_text``), distillation sentences (Python
-    reference prose the calibration does not hold) and the evaluation pairs per source."""
-    calib = calibration_sentences(cfg.calibration_text, cfg.calibration_sentences)
+    reference prose the calibration does not hold) and the evaluation pairs per source.
+
+    Raises:
+        ValueError: when ``--calibration-sentences`` is too small for broad text, when the
+            calibration holds a sentence of the evaluation pairs, or when a distillation is
+            asked for and fewer than one ``--distill-batch`` of sentences is left for it
+            (fewer than ``--distill-sentences``: a logged warning).
+    """
+    n = cfg.calibration_sentences
+    if cfg.calibration_text is CalibrationText.BROAD and n is not None and n < BROAD_LEAST:
+        raise ValueError(
+            f"--calibration-sentences {n} with --calibration-text broad: at least "
+            f"{BROAD_LEAST} needed (one of each source: {', '.join(BROAD_SOURCES)})"
+        )
+    calib = calibration_sentences(cfg.calibration_text, n)
     used = set(calib)
     distil = [s for s in python_reference_sentences() if s not in used][: cfg.distill_sentences]
+    if cfg.distill_seconds > 0 and len(distil) < cfg.distill_sentences:
+        # fewer than asked is the default's case (the reference holds ~1,190 prose sentences,
+        # the calibration takes 254 or 256 of them); fewer than one batch cannot distil
+        left = (
+            f"--distill-sentences {cfg.distill_sentences}: only {len(distil)} Python reference "
+            f"sentences are left after {len(calib)} {cfg.calibration_text} calibration sentences"
+        )
+        if len(distil) < cfg.distill_batch:
+            raise ValueError(
+                f"{left}, fewer than one --distill-batch ({cfg.distill_batch}); lower "
+                "--calibration-sentences"
+            )
+        log.warning("%s; distilling on those", left)
     evals: dict[str, Pairs] = {"sklearn_descr": sklearn_description_pairs()[: cfg.held_out]}
     if cfg.lee_wheel is not None:
         evals["lee_news"] = lee_news_pairs(cfg.lee_wheel)[: cfg.held_out]
+    held = {s for p in evals.values() for pair in p for s in pair}
+    leaked = used & held
+    if leaked:
+        raise ValueError(
+            f"{len(leaked)} calibration sentences are also evaluation sentences "
+            f"({', '.join(evals)}), e.g. {min(leaked)!r}: the evaluation must be text the "
+            "calibration never saw"
+        )
     return calib, distil, evals
 
 
@@ -237,7 +277,10 @@ def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
     cfg.folder.check()
     pcfg = cfg.prune_config()
     out = cfg.folder.open()
+    t0 = time.perf_counter()
+    print(f"harvesting the {cfg.calibration_text} calibration text", flush=True)
     calib, distil, evals = _sources(cfg)
+    harvest = time.perf_counter() - t0
     teacher = load_minilm(cfg.model)
     student = copy.deepcopy(teacher)
     dense_emb = {k: _encode(teacher, _flat(p)) for k, p in evals.items()}
@@ -247,7 +290,7 @@ def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
     pruner = tilesparse.prune_(
         student, pcfg, filter_fn, calibration=_Encoder(calib), progress=cfg.progress
     )
-    seconds: dict[str, float] = {"calibrate": time.perf_counter() - t0}
+    seconds: dict[str, float] = {"harvest": harvest, "calibrate": time.perf_counter() - t0}
     results["oneshot"] = evaluate(student, evals, dense_emb)
     print(f"one-shot with calibration: {_line(results['oneshot'])}", flush=True)
     distill_report = None

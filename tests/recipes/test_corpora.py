@@ -5,14 +5,17 @@ these read the system sources whole and packages built here."""
 
 from __future__ import annotations
 
+import gzip
 import re
 import sys
 from pathlib import Path
 
 import pytest
 
+import recipes.corpora as corpora
 from recipes.corpora import (
     CalibrationText,
+    broad_sentences,
     calibration_sentences,
     evenly,
     info_manual_sentences,
@@ -33,10 +36,65 @@ def _well_formed(sentences: list[str], least: int) -> None:
 
 
 def test_system_doc_and_info_manuals_yield_prose() -> None:
-    docs = system_doc_sentences()
-    _well_formed(docs, 5000)
-    assert not any("Permission is hereby granted" in s for s in docs)  # no licence files
-    _well_formed(info_manual_sentences(), 1000)
+    # at least what broad_sentences(1270) takes of each (254): a slimmer image still serves
+    _well_formed(system_doc_sentences(), 1270 // 5)
+    _well_formed(info_manual_sentences(), 1270 // 5)
+
+
+def test_system_doc_reads_prose_files_only(tmp_path: Path) -> None:
+    docs = tmp_path / "doc"
+    for rel, text in {
+        "pkg/README": "The tool copies files between two hosts.",
+        "pkg/copyright": "Permission is hereby granted to use this work freely.",
+        "pkg/changelog.Debian": "The release fixes a crash on empty input.",
+        "pkg/libfoo_symbols.txt.amd64": "The symbol list names every exported function.",
+        "python3-sklearn/README": "The estimator fits a model to the data given.",
+        "Gensim-data/notes.txt": "The corpus holds many short news stories.",
+        "pkg/data.bin": "The binary file holds nothing a reader wants.",
+    }.items():
+        (docs / rel).parent.mkdir(parents=True, exist_ok=True)
+        (docs / rel).write_text(text + "\n")
+    (docs / "pkg" / "NEWS.gz").write_bytes(gzip.compress(b"The new version reads gzip files.\n"))
+    assert system_doc_sentences(docs) == [
+        "The new version reads gzip files.",
+        "The tool copies files between two hosts.",
+    ]
+    info = tmp_path / "info"
+    info.mkdir()
+    (info / "tool.info.gz").write_bytes(gzip.compress(b"\x1fThe manual explains each option.\n"))
+    assert info_manual_sentences(info) == ["The manual explains each option."]
+
+
+def _fake_sources(monkeypatch, sizes: dict[str, int]) -> None:
+    """Each broad source monkeypatched to ``sizes[name]`` sentences named after it."""
+
+    def fake(name: str):
+        return lambda *a, **k: [f"{name} {i}" for i in range(sizes[name])]
+
+    for name, fn in {
+        "reference": "python_reference_sentences",
+        "stdlib": "stdlib_docstring_sentences",
+        "packages": "package_docstring_sentences",
+        "system_doc": "system_doc_sentences",
+        "info": "info_manual_sentences",
+    }.items():
+        monkeypatch.setattr(corpora, fn, fake(name))
+
+
+def test_broad_sentences_interleave_evenly(monkeypatch) -> None:
+    _fake_sources(monkeypatch, dict.fromkeys(corpora.BROAD_SOURCES, 4))
+    names = corpora.BROAD_SOURCES
+    assert broad_sentences(12) == [f"{n} {i}" for i in (0, 2) for n in names]  # 12 // 5 = 2
+    assert calibration_sentences(CalibrationText.BROAD, 5) == [f"{n} 0" for n in names]
+
+
+def test_broad_sentences_refuse_too_few(monkeypatch) -> None:
+    _fake_sources(monkeypatch, dict.fromkeys(corpora.BROAD_SOURCES, 4) | {"info": 1})
+    with pytest.raises(ValueError, match="count 4 is below 5"):
+        broad_sentences(4)
+    assert len(broad_sentences(5)) == 5
+    with pytest.raises(RuntimeError, match="info gave 1 sentences, 2 needed"):
+        broad_sentences(10)
 
 
 def test_missing_sources_are_errors(tmp_path: Path) -> None:
@@ -80,3 +138,4 @@ def test_evenly_and_interleave_are_exact() -> None:
 def test_reference_calibration_text() -> None:
     got = calibration_sentences(CalibrationText.REFERENCE, 40)
     assert got == python_reference_sentences(40)
+    assert calibration_sentences(CalibrationText.REFERENCE) == python_reference_sentences(256)

@@ -7,6 +7,7 @@ from __future__ import annotations
 import copy
 import importlib.util
 import json
+import logging
 
 import pytest
 import torch
@@ -135,3 +136,41 @@ def test_calibration_on_one_real_source_never_loses_on_another(minilm) -> None:
         return float(torch.nn.functional.cosine_similarity(got, dense).mean())
 
     assert cosine_after(real) >= cosine_after(None)
+
+
+def _tiny_sources(monkeypatch, calib: list[str], reference: list[str]) -> None:
+    import recipes.prune_transformer as pt
+
+    monkeypatch.setattr(pt, "calibration_sentences", lambda text, n: calib[: n or len(calib)])
+    monkeypatch.setattr(pt, "python_reference_sentences", lambda n=None: reference[:n])
+    monkeypatch.setattr(pt, "sklearn_description_pairs", lambda: [("e1", "e2"), ("e3", "e4")])
+
+
+def test_calibration_sources_disjoint_from_distillation_and_evaluation(monkeypatch, caplog) -> None:
+    from recipes.prune_transformer import _sources
+
+    _tiny_sources(monkeypatch, ["c1", "r1", "c2"], ["r1", "r2", "r3"])
+    cfg = PruneTransformerConfig(distill_seconds=1.0, distill_sentences=2)
+    assert _sources(cfg) == (
+        ["c1", "r1", "c2"], ["r2", "r3"], {"sklearn_descr": [("e1", "e2"), ("e3", "e4")]},
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="only 2 Python reference .* fewer than one --distill-b"):
+        _sources(PruneTransformerConfig(distill_seconds=1.0, distill_sentences=3, distill_batch=3))
+    with caplog.at_level(logging.WARNING, "recipes.prune_transformer"):
+        _sources(PruneTransformerConfig(distill_seconds=1.0, distill_sentences=3, distill_batch=2))
+    assert "--distill-sentences 3: only 2 Python reference sentences are left" in caplog.text
+    assert len(_sources(PruneTransformerConfig(distill_sentences=3))[1]) == 2  # no distillation
+    _tiny_sources(monkeypatch, ["c1", "e3", "e2"], ["r1", "r2"])
+    with pytest.raises(ValueError, match="2 calibration sentences are also evaluation"):
+        _sources(PruneTransformerConfig(distill_sentences=1))
+
+
+def test_calibration_sentences_default_and_least() -> None:
+    from recipes.prune_transformer import _sources
+
+    assert PruneTransformerConfig().calibration_sentences is None
+    with pytest.raises(ValueError, match="--calibration-sentences 4 with --calibration-text broad"):
+        _sources(PruneTransformerConfig(calibration_sentences=4))
+    calib, distil, _ = _sources(PruneTransformerConfig(calibration_text=CalibrationText.REFERENCE))
+    assert calib == python_reference_sentences(256)
+    assert len(distil) == min(1000, len(python_reference_sentences()) - 256)  # the rest

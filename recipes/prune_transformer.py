@@ -9,7 +9,7 @@ real and from different sources (:mod:`recipes.corpora`): calibration on 1,270 s
 five technical-prose sources interleaved (:func:`recipes.corpora.broad_sentences`: the Python
 Language Reference, docstrings of the standard library and of installed packages, the
 system's ``/usr/share/doc`` and ``/usr/share/info``; ``--calibration-text reference``: the
-Language Reference alone), distillation on Language Reference prose the calibration did not
+Language Reference alone, 256 sentences), distillation on Language Reference prose the calibration did not
 use, evaluation on scikit-learn's dataset descriptions (``sklearn/datasets/descr/*.rst``) and,
 given ``--lee-wheel``, on gensim's Lee background news corpus: cosine to dense and
 next-sentence retrieval accuracy, dense beside pruned.
@@ -226,8 +226,9 @@ def _sources(cfg: PruneTransformerConfig) -> tuple[list[str], list[str], dict[st
     used = set(calib)
     distil = [s for s in python_reference_sentences() if s not in used][: cfg.distill_sentences]
     if cfg.distill_seconds > 0 and len(distil) < cfg.distill_sentences:
-        # fewer than asked is the default's case (the reference holds ~1,190 prose sentences,
-        # the calibration takes 254 or 256 of them); fewer than one batch cannot distil
+        # fewer than asked is the default's case (the reference's 1,272 prose sentences, some
+        # repeated, less every copy of those the calibration holds: 935 left at 256); fewer
+        # than one batch cannot distil
         left = (
             f"--distill-sentences {cfg.distill_sentences}: only {len(distil)} Python reference "
             f"sentences are left after {len(calib)} {cfg.calibration_text} calibration sentences"

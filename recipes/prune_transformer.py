@@ -9,10 +9,10 @@ real and from different sources (:mod:`recipes.corpora`): calibration on 1,270 s
 five technical-prose sources interleaved (:func:`recipes.corpora.broad_sentences`: the Python
 Language Reference, docstrings of the standard library and of installed packages, the
 system's ``/usr/share/doc`` and ``/usr/share/info``; ``--calibration-text reference``: the
-Language Reference alone, 256 sentences), distillation on Language Reference prose the calibration did not
-use, evaluation on scikit-learn's dataset descriptions (``sklearn/datasets/descr/*.rst``) and,
-given ``--lee-wheel``, on gensim's Lee background news corpus: cosine to dense and
-next-sentence retrieval accuracy, dense beside pruned.
+Language Reference alone, 256 sentences), distillation on Language Reference prose the
+calibration did not use, evaluation on scikit-learn's dataset descriptions
+(``sklearn/datasets/descr/*.rst``) and, given ``--lee-wheel``, on gensim's Lee background
+news corpus: cosine to dense and next-sentence retrieval accuracy, dense beside pruned.
 """
 
 from __future__ import annotations

@@ -191,7 +191,7 @@ _SKIP_DIRS = {"test", "tests", "idle_test", "lib2to3", "site-packages", "dataset
 _DOC_FILE = re.compile(r"^(readme|news|faq|todo|authors|thanks|.*\.(md|txt|rst|markdown))")
 _LICENCE_FILE = re.compile(r"copying|licen[cs]e|copyright|changelog")
 # names the prefix match of _DOC_FILE takes that are never prose (symbol lists, checksums)
-_NOT_PROSE_FILE = re.compile(r"symbols|md5sums")
+_NOT_PROSE_FILE = re.compile(r"_symbols\.|md5sums")
 # paths under the system documentation that may hold the evaluation text (B, C)
 _EVAL_DOC = re.compile(r"sklearn|scikit|gensim", re.IGNORECASE)
 #: most bytes read of one documentation file (decompressed)

@@ -224,22 +224,32 @@ def bench_single(args: argparse.Namespace) -> list[dict[str, Any]]:
     return [row]
 
 
-def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
+def tables_setup(
+    scale: int,
+) -> tuple[list[str], list[torch.Tensor], list[int], int, list[torch.Tensor]]:
+    """The ``tables`` section's data: ``dlrm_dcnv2`` ÷ ``scale``'s table names, their rows
+    (``(rows, DIM)`` float32, seed 0), hotness, the batch (65,536 keys over all tables) and
+    each table's Zipf(``ALPHA``) keys (``(batch, hotness)`` int64, seed 10 + table)."""
     from embark.models.workloads import get_workload
 
-    wl = get_workload("dlrm_dcnv2").scaled(3000 if args.quick else 300)
+    wl = get_workload("dlrm_dcnv2").scaled(scale)
     rows = [t.num_rows for t in wl.tables]
     hot = [t.hotness for t in wl.tables]
     batch = 65_536 // sum(hot)
     g = torch.Generator().manual_seed(0)
     ws = [torch.randn(n, DIM, generator=g) for n in rows]
-    names = [t.name for t in wl.tables]
-    s = _resident_session(ws, names, 1 << 20, slack=2.0)
-    st = _static_session(ws, names, 1 << 20)
     keys = [
         torch.from_numpy(Zipf(n, ALPHA, seed=10 + i).sample(batch * h)).view(batch, h)
         for i, (n, h) in enumerate(zip(rows, hot, strict=True))
     ]
+    return [t.name for t in wl.tables], ws, hot, batch, keys
+
+
+def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
+    names, ws, hot, batch, keys = tables_setup(3000 if args.quick else 300)
+    rows = [int(w.shape[0]) for w in ws]
+    s = _resident_session(ws, names, 1 << 20, slack=2.0)
+    st = _static_session(ws, names, 1 << 20)
     stacked = torch.cat(ws)
     base = torch.tensor([0, *np.cumsum(rows)[:-1].tolist()])
     # one fused index_select: every table's keys offset into the stacked rows, table after table

@@ -26,8 +26,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.hps.bench_lookup import ALPHA, DIM, _resident_session
-from benchmarks.hps.zipf_keys import Zipf
+from benchmarks.hps.bench_lookup import DIM, _resident_session, tables_setup
 from benchmarks.meta import write_json
 from hps.types import Pooling
 
@@ -36,20 +35,9 @@ log = logging.getLogger(__name__)
 
 def run(repeats: int) -> dict[str, Any]:
     """One setup, ``repeats`` alternated pairs; medians in ms and the ratio (> 1: ours faster)."""
-    from embark.models.workloads import get_workload
-
-    wl = get_workload("dlrm_dcnv2").scaled(300)
-    rows = [t.num_rows for t in wl.tables]
-    hot = [t.hotness for t in wl.tables]
-    batch = 65_536 // sum(hot)
-    g = torch.Generator().manual_seed(0)
-    ws = [torch.randn(n, DIM, generator=g) for n in rows]
-    names = [t.name for t in wl.tables]
+    names, ws, hot, batch, keys = tables_setup(300)
+    rows = [int(w.shape[0]) for w in ws]
     s = _resident_session(ws, names, 1 << 20, slack=2.0)
-    keys = [
-        torch.from_numpy(Zipf(n, ALPHA, seed=10 + i).sample(batch * h)).view(batch, h)
-        for i, (n, h) in enumerate(zip(rows, hot, strict=True))
-    ]
     stacked = torch.cat(ws)
     base = torch.tensor([0, *np.cumsum(rows)[:-1].tolist()])
     ids = torch.cat([k.reshape(-1) + base[i] for i, k in enumerate(keys)])

@@ -292,13 +292,8 @@ def served(tiny_artifacts: Path) -> Iterator[InferenceServer]:
         ps.close()
 
 
-def test_servers_name_each_connection_and_forget_closed_http_ones(
-    served, tiny, monkeypatch
-) -> None:
-    """HTTP hands the batcher each connection's (host, port), gRPC ``context.peer()``. A
-    sequential HTTP client on a new connection per request never waits for the 1 s delay
-    (a request that waited it shows queue ≥ 1 s), and its closed connections are forgotten."""
-    b = served.batchers["tiny"]
+def _spy_arrivals(monkeypatch, b) -> list[object]:
+    """The clients a server hands ``b.arrival``, in order, from now on."""
     seen: list[object] = []
     real = b.arrival
 
@@ -307,6 +302,17 @@ def test_servers_name_each_connection_and_forget_closed_http_ones(
         return real(client)
 
     monkeypatch.setattr(b, "arrival", spy)
+    return seen
+
+
+def test_servers_name_each_connection_and_forget_closed_http_ones(
+    served, tiny, monkeypatch
+) -> None:
+    """HTTP hands the batcher each connection's (host, port), gRPC ``context.peer()``. A
+    sequential HTTP client on a new connection per request never waits for the 1 s delay
+    (a request that waited it shows queue ≥ 1 s), and its closed connections are forgotten."""
+    b = served.batchers["tiny"]
+    seen = _spy_arrivals(monkeypatch, b)
     counts = served.counts["tiny"]
     r = make_request(tiny, 2, seed=90)
     queue_ns = []
@@ -346,14 +352,7 @@ def test_a_sequential_grpc_client_with_a_channel_per_request_never_waits(
     connections stay remembered (the server never learns a channel closed; the module's
     earlier clients may or may not have been swept by then, so the count is a lower bound)."""
     b, counts = served.batchers["tiny"], served.counts["tiny"]
-    peers: list[object] = []
-    real = b.arrival
-
-    def spy(client=None):
-        peers.append(client)
-        return real(client)
-
-    monkeypatch.setattr(b, "arrival", spy)
+    peers = _spy_arrivals(monkeypatch, b)
     r = make_request(tiny, 2, seed=91)
     queue_ns, executions = [], counts.executions
     for _ in range(4):

@@ -35,10 +35,12 @@ class KeyCounts(KeyStatistics):
         super().__init__(max_keys)
         ext = load_extension()
         self._counter = ext.KeyCounter() if ext is not None else None
-        # an upper bound on the counter's distinct keys, kept one at every moment: it grows by
-        # the keys a caller is about to count (will_count, before the counter can gain them)
-        # and is set to the counter's size by a trim; the size is asked for, and a trim
-        # considered, only once it passes 2 × max_keys, not on every update
+        # an estimate of the counter's distinct keys from above: it grows by the keys a caller
+        # is about to count (will_count, before the counter can gain them) and is set to the
+        # counter's size by a trim; a pass that announced its keys before a concurrent trim and
+        # counts them after it is missed until the next updates, so the counter may pass
+        # 2 × max_keys by the keys of the calls in flight; the size is asked for, and a trim
+        # considered, only once the estimate passes 2 × max_keys, not on every update
         self._size_bound = 0
 
     @property
@@ -78,8 +80,8 @@ class KeyCounts(KeyStatistics):
             self.aged_mass += float(occurrences)
             if self._size_bound > 2 * self.max_keys:
                 # size and trim in one hold of the counter, the bound set under this lock:
-                # nothing counted meanwhile is lost or left out of the bound (no caller holds
-                # the counter and then waits for this lock)
+                # nothing counted meanwhile is lost (no caller holds the counter and then
+                # waits for this lock)
                 assert self._counter is not None
                 self._size_bound = self._counter.trim(self.max_keys)
 

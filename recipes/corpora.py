@@ -1,5 +1,5 @@
-"""Real English text that ships inside Python packages (no dataset download exists here), for
-calibrating on one real source and evaluating on another:
+"""Real English text that ships with Python, its packages or the system's documentation (no
+dataset download exists here), for calibrating on one real source and evaluating on another:
 
 - :func:`python_reference_sentences`: the Python Language Reference, as the standard library
   ships it for ``help()`` (module ``pydoc_data.topics``, file ``pydoc_data/topics.py``):
@@ -196,7 +196,7 @@ _NOT_PROSE_FILE = re.compile(r"_symbols\.|md5sums")
 _EVAL_DOC = re.compile(r"sklearn|scikit|gensim", re.IGNORECASE)
 #: most bytes read of one documentation file (decompressed)
 READ_CAP = 4 * 2**20
-#: calibration sentences per source of :func:`broad_sentences` below which it is refused
+#: the smallest ``count`` :func:`broad_sentences` takes: one sentence of each source
 BROAD_LEAST = len(BROAD_SOURCES)
 
 

@@ -429,21 +429,22 @@ def _per_table(
     s: SessionView,
     ts: list[SessionTable],
     keys: Sequence[torch.Tensor],
-    flat: list[torch.Tensor],
+    ks: list[torch.Tensor],
     pooling: list[Pooling] | None,
     buf: torch.Tensor,
     offsets: list[int],
 ) -> list[torch.Tensor]:
-    """Tables without a CPU cache: :meth:`LookupSession.lookup` each, written into ``buf``."""
+    """Tables without a CPU cache: :meth:`LookupSession.lookup` each, written into ``buf``
+    (``ks``: each table's keys contiguous, in the caller's shape ``keys``)."""
     outs = []
-    for i, (t, k, f) in enumerate(zip(ts, keys, flat, strict=True)):
+    for i, (t, k, kc) in enumerate(zip(ts, keys, ks, strict=True)):
         off, d = offsets[i], t.dim
         if pooling is None:
-            block = buf[off : off + f.numel() * d].view(*k.shape, d)
+            block = buf[off : off + kc.numel() * d].view(*k.shape, d)
             block.copy_(s.lookup(t.name, k))
             outs.append(block)
             continue
-        k2 = f.view(k.shape[0], -1)
+        k2 = kc.view(k.shape[0], -1)
         if k2.numel() and bool((k2 < -1).any()):
             raise ValueError(
                 f"table {t.name!r}: key {int(k2[k2 < -1][0])} (keys are >= 0; -1 pads a short bag)"

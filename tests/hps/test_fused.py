@@ -114,6 +114,18 @@ def test_fused_rows_equal_per_table_lookups(compiled: bool) -> None:
         )
 
 
+def _pooled(ref: LookupSession, name: str, k: torch.Tensor, mode: Pooling) -> torch.Tensor:
+    """The reference bags of table ``name``: ``ref``'s rows of the keys ``k`` (``(B, h)``,
+    negative: padding) summed per bag, or averaged over the bag's keys (an empty bag: 0)."""
+    valid = k >= 0
+    rows = ref.lookup(name, k.clamp(min=0)) * valid[..., None]
+    want = rows.sum(1)  # integer-valued rows: any summation order is exact
+    if mode is Pooling.MEAN:
+        n = valid.sum(1, keepdim=True)
+        want = torch.where(n > 0, want / n.clamp(min=1), want)
+    return want
+
+
 @pytest.mark.parametrize("compiled", [True, False])
 def test_pooled_bags_equal_pooled_rows(compiled: bool) -> None:
     if compiled:
@@ -128,13 +140,7 @@ def test_pooled_bags_equal_pooled_rows(compiled: bool) -> None:
         col = 0
         for name, k, mode in zip(NAMES, keys, modes, strict=True):
             d = s.tables[name].dim
-            valid = k >= 0
-            rows = ref.lookup(name, k.clamp(min=0)) * valid[..., None]
-            want = rows.sum(1)  # integer-valued rows: any summation order is exact
-            if mode is Pooling.MEAN:
-                n = valid.sum(1, keepdim=True)
-                want = torch.where(n > 0, want / n.clamp(min=1), want)
-            assert torch.equal(out[:, col : col + d], want), name
+            assert torch.equal(out[:, col : col + d], _pooled(ref, name, k, mode)), name
             col += d
 
 
@@ -152,9 +158,7 @@ def test_bags_of_no_keys_pool_to_zeros_in_a_reused_buffer(compiled: bool) -> Non
     d0, d1 = SPECS[0][1], SPECS[1][1]
     assert torch.equal(got[:, d0 : d0 + d1], torch.zeros(16, d1))
     for cols, name, k in ((slice(0, d0), "t0", keys[0]), (slice(d0 + d1, None), "t2", keys[2])):
-        valid = k >= 0
-        want = (ref.lookup(name, k.clamp(min=0)) * valid[..., None]).sum(1)
-        assert torch.equal(got[:, cols], want), name
+        assert torch.equal(got[:, cols], _pooled(ref, name, k, Pooling.SUM)), name
 
 
 def test_tags_follow_inserts_and_invalidations() -> None:

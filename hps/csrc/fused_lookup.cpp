@@ -53,6 +53,12 @@ namespace hps_cpu {
 // faster than 8, probe distance 2 slower than 4; probe distance 8 against 4 differed within
 // the noise (docs/benchmarks.md, "pooled bags").
 constexpr int64_t kRowAhead = 8, kProbeAhead = 8;
+// The per-key state of the keys in the pipeline, a ring indexed by the key's position: 1 KiB
+// that stays in L1 (a state per key of a 2,048-key piece, 64 KiB, evicted the tag and key
+// lines the pipeline had just prefetched).
+constexpr int64_t kRing = 32;
+static_assert(kRing > kRowAhead + 2 * kProbeAhead && (kRing & (kRing - 1)) == 0,
+              "the ring holds every key in flight");
 
 constexpr uint8_t kMark = 0x80;  // kMaxLevel (127): gather_checks.h
 
@@ -103,9 +109,9 @@ inline int64_t clear_marks(const TableView& t, FirstHits& firsts) {
 // With kProbeOnly (bags pooled afterwards by pool_bags from sl) no row is read here.
 template <bool kUses, int64_t kFormat, bool kProbeOnly = false>
 int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
-                  std::vector<ProbeState>& st, int64_t& hits, FirstHits& firsts) {
-  st.resize(static_cast<size_t>(i1 - i0));
-  ProbeState* ps = st.data() - i0;
+                  int64_t& hits, FirstHits& firsts) {
+  ProbeState ring[kRing];
+  const auto ps = [&ring](int64_t x) -> ProbeState& { return ring[x & (kRing - 1)]; };
   const int64_t first_ways = std::min<int64_t>(64, t.ways);
   const bool bags = t.hotness > 0;
   // bags: the bag before the first (the loop steps to it), the key's place in its bag (no
@@ -120,52 +126,52 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     if (a >= i0 && a < i1) {
       const int64_t key = t.keys[a];
       if (bags && key < 0) {
-        ps[a].base = -1;
+        ps(a).base = -1;
       } else {
         const uint64_t h = mix64(key);
-        ps[a].hash = h;
+        ps(a).hash = h;
         if (kUses && t.counter != nullptr && key >= 0) t.counter->prefetch_entry(h);
         const int64_t word = t.key32 ? word_index(t, key) : 0;
         if (word < 0) {
-          ps[a].base = -2;  // a high word the cache lacks: a miss without a probe
+          ps(a).base = -2;  // a high word the cache lacks: a miss without a probe
         } else {
-          ps[a].base = set_of(h, t.num_sets) * t.ways;
-          ps[a].tag = tag_of(h);
-          ps[a].word = static_cast<uint8_t>(word);
-          __builtin_prefetch(t.tags + ps[a].base, 0, 3);
+          ps(a).base = set_of(h, t.num_sets) * t.ways;
+          ps(a).tag = tag_of(h);
+          ps(a).word = static_cast<uint8_t>(word);
+          __builtin_prefetch(t.tags + ps(a).base, 0, 3);
         }
       }
     }
     const int64_t b = i + kRowAhead + kProbeAhead;  // stage 2: match the tags, prefetch the key line
-    if (b >= i0 && b < i1 && ps[b].base >= 0) {
-      const uint64_t m = match_tags(t.tags + ps[b].base, first_ways, ps[b].tag);
-      ps[b].match = m;
+    if (b >= i0 && b < i1 && ps(b).base >= 0) {
+      const uint64_t m = match_tags(t.tags + ps(b).base, first_ways, ps(b).tag);
+      ps(b).match = m;
       if (m) {
-        const int64_t s = ps[b].base + __builtin_ctzll(m);
+        const int64_t s = ps(b).base + __builtin_ctzll(m);
         __builtin_prefetch(key_addr(t, s), 0, 3);
         if (t.word_of) __builtin_prefetch(t.word_of + (s >> 1), 0, 3);
       }
     }
     const int64_t c = i + kRowAhead;  // stage 3: the slot; prefetch its row and counter
     if (c >= i0 && c < i1) {
-      int64_t slot = ps[c].base == -2 ? -1 : -2;
-      if (ps[c].base >= 0) {
+      int64_t slot = ps(c).base == -2 ? -1 : -2;
+      if (ps(c).base >= 0) {
         const int64_t key = t.keys[c];
-        const int64_t base = ps[c].base;
+        const int64_t base = ps(c).base;
         slot = -1;
-        for (uint64_t m = ps[c].match; m; m &= m - 1) {
+        for (uint64_t m = ps(c).match; m; m &= m - 1) {
           const int64_t w = __builtin_ctzll(m);
-          if (holds(t, base + w, key, ps[c].word)) {
+          if (holds(t, base + w, key, ps(c).word)) {
             slot = base + w;
             break;
           }
         }
         if (slot < 0 && t.ways > 64) {  // sets wider than one tag line: the rest of the set
           for (int64_t w0 = 64; w0 < t.ways && slot < 0; w0 += 64) {
-            uint64_t m = match_tags(t.tags + base + w0, std::min<int64_t>(64, t.ways - w0), ps[c].tag);
+            uint64_t m = match_tags(t.tags + base + w0, std::min<int64_t>(64, t.ways - w0), ps(c).tag);
             for (; m; m &= m - 1) {
               const int64_t w = w0 + __builtin_ctzll(m);
-              if (holds(t, base + w, key, ps[c].word)) {
+              if (holds(t, base + w, key, ps(c).word)) {
                 slot = base + w;
                 break;
               }
@@ -182,7 +188,7 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     }
     if (i < i0) continue;
     if (kUses && t.counter != nullptr && t.keys[i] >= 0)
-      t.counter->add_hashed(t.keys[i], ps[i].hash, 1);
+      t.counter->add_hashed(t.keys[i], ps(i).hash, 1);
     const int64_t slot = sl[i];  // stage 4: copy or add the row, use the slot
     if (!bags) {
       if (slot >= 0) {
@@ -338,7 +344,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
   std::vector<int64_t> hits(T, 0), uniq(T, 0);
   std::vector<FirstHits> firsts(T);  // alone: each table's first hits
   std::vector<int64_t> piece_misses(P, 0);
-  auto run = [&](int64_t p, std::vector<ProbeState>& st, bool uses) {
+  auto run = [&](int64_t p, bool uses) {
     const Piece& pc = pieces[p];
     const TableView& t = ts[pc.table];
     const int64_t h = std::max<int64_t>(1, t.hotness);
@@ -350,8 +356,8 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     FirstHits& ft = uses ? firsts[pc.table] : unused_f;
 #if defined(__AVX__)
     if (const int vecs = pooled_vecs(t)) {
-      piece_misses[p] = uses ? gather_piece<true, kFp32, true>(t, i0, i1, sl, st, ht, ft)
-                             : gather_piece<false, kFp32, true>(t, i0, i1, sl, st, ht, ft);
+      piece_misses[p] = uses ? gather_piece<true, kFp32, true>(t, i0, i1, sl, ht, ft)
+                             : gather_piece<false, kFp32, true>(t, i0, i1, sl, ht, ft);
       switch (vecs) {
         case 16: pool_bags<16>(t, i0, i1, sl); break;
         case 8: pool_bags<8>(t, i0, i1, sl); break;
@@ -362,8 +368,8 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     }
 #endif
 #define HPS_GATHER(F)                                                         \
-  piece_misses[p] = uses ? gather_piece<true, F>(t, i0, i1, sl, st, ht, ft)   \
-                         : gather_piece<false, F>(t, i0, i1, sl, st, ht, ft); \
+  piece_misses[p] = uses ? gather_piece<true, F>(t, i0, i1, sl, ht, ft)   \
+                         : gather_piece<false, F>(t, i0, i1, sl, ht, ft); \
   break;
     switch (t.format) {
       case kFp32: HPS_GATHER(kFp32)
@@ -382,13 +388,11 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
       if (key_counters[i] == nullptr) continue;
       held.push_back(key_counters[i]->hold());
       if (halvings[i] > 0) key_counters[i]->halve_held(halvings[i]);
-      key_counters[i]->make_room(ts[i].n);
       ts[i].counter = key_counters[i];
       counted[i] = 1;
     }
     for (int64_t i = 0; i < T; ++i) firsts[i].make_room(ts[i].n);
-    std::vector<ProbeState> st;
-    for (int64_t p = 0; p < P; ++p) run(p, st, true);
+    for (int64_t p = 0; p < P; ++p) run(p, true);
     for (int64_t i = 0; i < T; ++i) uniq[i] = clear_marks(ts[i], firsts[i]);
   } else {
     // one run of pieces per thread, cut where the keys so far cross k × total / threads
@@ -402,9 +406,8 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
       while (k < threads && keys_before * threads >= k * total) cut[k++] = p + 1;
     }
     at::parallel_for(0, threads, 1, [&](int64_t r0, int64_t r1) {
-      std::vector<ProbeState> st;
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t p = cut[r]; p < cut[r + 1]; ++p) run(p, st, false);
+        for (int64_t p = cut[r]; p < cut[r + 1]; ++p) run(p, false);
     });
     const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(threads, total / 4096));
     std::vector<int64_t> oh(owners * T, 0), ou(owners * T, 0);
@@ -589,5 +592,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("halve", &KeyCounter::halve, Release())
       .def("items", &KeyCounter::items, Release())
       .def("trim", &KeyCounter::trim, Release())
-      .def("size", &KeyCounter::size, Release());
+      .def("size", &KeyCounter::size, Release())
+      .def("capacity", &KeyCounter::capacity, Release());
 }

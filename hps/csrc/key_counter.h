@@ -19,7 +19,10 @@ namespace hps_cpu {
 // Exact running counts of keys: an open-addressing hash map (linear probing, load ≤ 1/2) of
 // 16-byte entries (key, count; count -1 marks a free entry), so an update is O(its keys)
 // whatever the number of keys counted so far, a key's probe reads about one cache line, and
-// the lines of the keys a few places ahead are prefetched.
+// the lines of the keys a few places ahead are prefetched. The map doubles when a new key
+// would take its load past 1/2, so it is sized by the distinct keys held, not by the keys of
+// one update (a call of 30,000 occurrences of 9,000 distinct keys keeps a 512 KiB map, which
+// stays in a core's L2, where room for every occurrence took 2 MiB).
 class KeyCounter {
  public:
   KeyCounter() { rehash(1 << 10); }
@@ -37,7 +40,6 @@ class KeyCounter {
       c = counts.contiguous();
       cp = c.data_ptr<int64_t>();
     }
-    reserve(size_ + n);
     // each key hashed once: its hash waits in a ring of `ahead` between its entry's prefetch
     // and its add
     constexpr int64_t ahead = 8;
@@ -143,19 +145,30 @@ class KeyCounter {
     return size_;
   }
 
+  // Entries the map has room for (its memory: 16 bytes each).
+  int64_t capacity() {
+    std::lock_guard<std::mutex> g(mu_);
+    return static_cast<int64_t>(slots_.size());
+  }
+
   // For a caller that counts keys inside its own pass (cache_gather): hold() the counter for
-  // the pass (halve_held() first where an aging falls in it), make_room() for its keys (no
-  // rehash while they are added), then per key prefetch_entry(mix64(key)) a few keys ahead of
-  // add_hashed(key, mix64(key), 1).
+  // the pass (halve_held() first where an aging falls in it), then per key
+  // prefetch_entry(mix64(key)) a few keys ahead of add_hashed(key, mix64(key), 1) (a prefetch
+  // is a hint: a growth in between only makes it miss).
   std::unique_lock<std::mutex> hold() { return std::unique_lock<std::mutex>(mu_); }
-  void make_room(int64_t keys) { reserve(size_ + keys); }
   void prefetch_entry(uint64_t h) const { __builtin_prefetch(&slots_[h & mask_], 1, 3); }
 
-  // add with the key's mix64 already computed (room made first)
+  // add with the key's mix64 already computed; a new key that would take the load past 1/2
+  // doubles the map first
   void add_hashed(int64_t key, uint64_t h, int64_t c) {
     for (size_t s = h & mask_;; s = (s + 1) & mask_) {
       Entry& e = slots_[s];
       if (e.count < 0) {
+        if (static_cast<size_t>(size_ + 1) * 2 > slots_.size()) {
+          reserve(size_ + 1);
+          add_hashed(key, h, c);
+          return;
+        }
         e.key = key;
         e.count = c;
         ++size_;

@@ -162,3 +162,44 @@ def test_trim_and_in_place_halving_equal_the_reference() -> None:
         q = np.arange(5000, dtype=np.int64)
         assert np.array_equal(fast.count_of(q), ref.count_of(q)), step
         assert np.array_equal(fast.hottest(), ref.hottest())
+
+
+def test_counter_memory_follows_distinct_keys_not_occurrences() -> None:
+    """30,000 occurrences of 600 distinct keys, counted by an update and by a fused pass
+    (from an empty counter, so the pass grows the map while it counts): exact counts, and a
+    map sized by the distinct keys (load <= 1/2), not by the occurrences of one call."""
+    _needs_ext()
+    from hps.session import LookupSession, SessionTable
+    from hps.storage.cache import EmbeddingCache
+    from tests.hps.test_cache_aging import _AllKeys
+
+    rng = np.random.default_rng(3)
+    keys = rng.integers(0, 600, 30_000).astype(np.int64)
+    distinct, occurrences = np.unique(keys, return_counts=True)
+    k = KeyCounts()
+    k.update(keys)
+    assert np.array_equal(k.count_of(distinct), occurrences)
+    assert k.counter is not None
+    size, cap = k.counter.size(), k.counter.capacity()  # type: ignore[attr-defined]
+    assert size == distinct.size and 2 * size <= cap <= 4 * max(size, 512)
+
+    c = EmbeddingCache(2048, 1, policy="lfu")
+    c.insert(torch.arange(600), torch.arange(600, dtype=torch.float32)[:, None])
+    s = LookupSession(
+        [SessionTable("t", 1, -1.0, 10**6, c)], _AllKeys(600), None, hit_rate_threshold=1.0
+    )
+    assert s.key_stats is not None
+    bags = torch.from_numpy(keys).view(-1, 10)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # one thread does every key: the pass itself counts them
+    try:
+        got = s.lookup_pooled(["t"], [bags])
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(got[:, 0], bags.to(torch.float32).sum(1))
+    counter = s.key_stats["t"].counter
+    assert counter is not None
+    assert np.array_equal(s.key_stats["t"].count_of(distinct), occurrences)
+    size, cap = counter.size(), counter.capacity()  # type: ignore[attr-defined]
+    assert size == distinct.size and 2 * size <= cap <= 4 * max(size, 512)
+    s.close()

@@ -393,10 +393,11 @@ def _parse_input(
         raise ProtocolError(f"{_where(name)} is given twice")
     # the hot path reads each field once and builds no message text: the checks' own
     # functions run (and word the error) only for a value they would refuse
-    dt_name = spec.get("datatype")
-    dtype = DTYPES.get(dt_name) if type(dt_name) is str else None
+    dt_given = spec.get("datatype")
+    dtype = DTYPES.get(dt_given) if type(dt_given) is str else None
     if dtype is None:
-        dtype = check_datatype(dt_name, _where(name))  # raises
+        dtype = check_datatype(dt_given, _where(name))  # raises
+    dt_name = _NAMES[dtype]
     shape_v = spec.get("shape")
     if type(shape_v) is list and all(type(d) is int for d in shape_v):
         shape = tuple(shape_v)

@@ -204,10 +204,11 @@ def merge_requests(servable: DLRMServable, requests: Sequence[CheckedInputs]) ->
     merged = CheckedInputs(dense=np.concatenate([r["dense"] for r in requests]))
     for name in servable.id_inputs:
         parts = [r[name] for r in requests]
-        width = max(p.shape[1] for p in parts)
-        if all(p.shape[1] == width for p in parts):
+        widths = {p.shape[1] for p in parts}
+        if len(widths) == 1:
             merged[name] = np.concatenate(parts)
             continue
+        width = max(widths)
         out = np.full((sum(p.shape[0] for p in parts), width), -1, dtype=np.int64)
         row = 0
         for p in parts:
@@ -439,15 +440,19 @@ class DynamicBatcher:
         size = sum(p.samples for p in batch)
         self.counts.executed(size, infer_ns)
         self._release(batch)
+        # one check of the whole execution; a request's own rows are checked only when some
+        # row is not finite (the error names its request's sample)
+        finite = all(np.isfinite(v).all() for v in outputs.values())
         row = 0
         for p in batch:
             part = {k: v[row : row + p.samples] for k, v in outputs.items()}
             row += p.samples
-            try:
-                check_outputs_finite(self.servable.name, part)
-            except Exception as e:
-                self._resolve_error(p, e)
-                continue
+            if not finite:
+                try:
+                    check_outputs_finite(self.servable.name, part)
+                except Exception as e:
+                    self._resolve_error(p, e)
+                    continue
             p.future.set_result(BatchedResult(part, start - p.submitted_ns, infer_ns, size))
 
     @staticmethod

@@ -25,7 +25,6 @@ metadata of another version, is refused.
 from __future__ import annotations
 
 import threading
-from collections import OrderedDict
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,7 +40,6 @@ from hps.types import FormatVersionError, Pooling
 from hps.vocabulary import ServingVocabulary
 
 __all__ = [
-    "BAG_INDEX_BUDGET_BYTES",
     "DLRMServable",
     "InputError",
     "NonFiniteOutputError",
@@ -49,9 +47,6 @@ __all__ = [
     "check_outputs_finite",
 ]
 
-
-#: Default bound, per calling thread, of a servable's cached bag indices (16 MiB).
-BAG_INDEX_BUDGET_BYTES = 16 << 20
 
 #: A request's or an execution's tensors by name.
 Tensors = dict[str, np.ndarray]
@@ -80,32 +75,6 @@ class _Table:
     combiner: str
 
 
-class _BagIndexCache:
-    """``(B, w)`` → ``(B·w,) int64`` tensors, at most ``budget`` bytes in all, the least
-    recently used dropped first; a tensor larger than ``budget`` is never kept."""
-
-    def __init__(self, budget: int) -> None:
-        self.budget = budget
-        self.nbytes = 0
-        self._items: OrderedDict[tuple[int, int], torch.Tensor] = OrderedDict()
-
-    def get(self, b: int, w: int) -> torch.Tensor | None:
-        idx = self._items.get((b, w))
-        if idx is not None:
-            self._items.move_to_end((b, w))
-        return idx
-
-    def put(self, b: int, w: int, idx: torch.Tensor) -> None:
-        size = idx.numel() * idx.element_size()
-        if size > self.budget:
-            return
-        while self._items and self.nbytes + size > self.budget:
-            old = self._items.popitem(last=False)[1]
-            self.nbytes -= old.numel() * old.element_size()
-        self._items[(b, w)] = idx
-        self.nbytes += size
-
-
 class DLRMServable:
     """One model of a ``ps.json``: HPS lookups + the dense ONNX graph.
 
@@ -114,15 +83,11 @@ class DLRMServable:
             (B, D) float32`` and ``pooled (B, T, dim) float32``, output ``(B,) float32``).
         session: the parameter server's lookup session of this model.
         ort_threads: onnxruntime intra-op threads per call (0: onnxruntime's default).
-        bag_index_budget_bytes: the most bytes each calling thread keeps of cached bag
-            indices (one ``(B·w,) int64`` per batch size ``B`` and bag width ``w``, least
-            recently used dropped first; 0: none cached).
 
     Raises:
         FormatVersionError: the graph's serving metadata is missing or of another version.
         ValueError: no ``network_file``, a graph whose inputs are not ``dense`` / ``pooled``,
-            or metadata whose tables disagree with ``ps.json``, or a negative
-            ``bag_index_budget_bytes``.
+            or metadata whose tables disagree with ``ps.json``.
     """
 
     def __init__(
@@ -130,15 +95,8 @@ class DLRMServable:
         model: ModelConfig,
         session: LookupSession,
         ort_threads: int = 0,
-        bag_index_budget_bytes: int = BAG_INDEX_BUDGET_BYTES,
     ) -> None:
         import onnxruntime as ort
-
-        if bag_index_budget_bytes < 0:
-            raise ValueError(
-                f"bag_index_budget_bytes must be >= 0 (0: no cache), got {bag_index_budget_bytes}"
-            )
-        self._bag_index_budget = bag_index_budget_bytes
 
         if not model.network_file:
             raise ValueError(
@@ -194,9 +152,9 @@ class DLRMServable:
         self._table_names = [t.name for t in self.tables]
         self._id_names = tuple(f"ids_{t.name}" for t in self.tables)
         self._input_names = frozenset({"dense", *self._id_names})
-        self._mean = [j for j, t in enumerate(self.tables) if Pooling(t.combiner) is Pooling.MEAN]
+        self._pooling = [Pooling(t.combiner) for t in self.tables]
         # per calling thread (the model's inference thread, or any thread calling ``infer``):
-        # grow-only float32 buffers (looked-up rows, pooled block) each execution writes into,
+        # a grow-only float32 buffer (the pooled block) each execution writes into,
         # so no two executions ever share one and no execution page-faults a fresh one
         self._buffers = threading.local()
 
@@ -407,76 +365,19 @@ class DLRMServable:
 
     def _pool(self, inputs: Tensors, b: int) -> np.ndarray:
         """Every table's bags of ``inputs`` (``ids_<t> (B, w_t) int64``, -1 = padding) as
-        ``(B, T, dim) float32``, valid until this thread's next call: the ids ≥ 0 of every
-        table looked up in one fused call (:meth:`LookupSession.lookup_many`), then pooled in
-        one ``index_add_`` that sums each bag's rows in the order its request gave them, from
-        0 (so a sample's vector does not depend on its batch mates, nor on which of its rows
-        were cache hits: merged executions stay bit-equal to each request alone)."""
+        ``(B, T, dim) float32``, valid until this thread's next call: gathered and pooled in
+        one fused call (:meth:`LookupSession.lookup_pooled`) that sums each bag's rows in the
+        order its request gave them, from 0 (so a sample's vector does not depend on its batch
+        mates, nor on which of its rows were cache hits: merged executions stay bit-equal to
+        each request alone), into this thread's reused buffer."""
         t, dim = len(self.tables), self.tables[0].dim
-        keys: list[torch.Tensor] = []
-        bags: list[torch.Tensor] = []  # bags[j]: table j's pooled row of each of its keys
-        hole = torch.empty(0, dtype=torch.int64)  # an unpadded table's, filled in below
-        counts = []
-        unpadded: dict[int, list[int]] = {}  # bag width → the unpadded tables of that width
-        sample: torch.Tensor | None = None
-        for j, name in enumerate(self._table_names):
-            arr = inputs[f"ids_{name}"]
-            w = arr.shape[1]
-            if w and int(arr.min()) >= 0:  # no padding (the common case): every id is a key
-                keys.append(torch.from_numpy(arr).reshape(-1))
-                bags.append(hole)
-                unpadded.setdefault(w, []).append(j)
-                if self._mean:
-                    counts.append(torch.full((b,), w, dtype=torch.int64))
-                continue
-            ids = torch.from_numpy(arr)
-            keep = ids >= 0
-            if sample is None:
-                sample = torch.arange(b).unsqueeze(1)
-            keys.append(ids[keep])
-            bags.append(sample.expand_as(ids)[keep] * t + j)
-            if self._mean:
-                counts.append(keep.sum(dim=1))
-        for w, js in unpadded.items():  # one add per width: base (B·w,) + j of each table
-            rows_of = self._bag_index(b, t, w).unsqueeze(0) + torch.tensor(js).unsqueeze(1)
-            for j, idx in zip(js, rows_of.unbind(0), strict=True):
-                bags[j] = idx
-        n_rows = sum(k.numel() for k in keys)
-        rows = self._buffer("rows", n_rows * dim)
-        pooled = self._buffer("pooled", b * t * dim).view(b * t, dim)
+        keys = [torch.from_numpy(inputs[name]) for name in self._id_names]
+        pooled = self._buffer("pooled", b * t * dim).view(b, t * dim)
         try:
-            self.session.lookup_many(self._table_names, keys, out=rows)
+            self.session.lookup_pooled(self._table_names, keys, self._pooling, out=pooled)
         except ValueError as e:  # a key the parameter server refuses, named by its table
             raise InputError(f"model {self.name!r}: {e}") from None
-        pooled.zero_().index_add_(0, torch.cat(bags), rows[: n_rows * dim].view(n_rows, dim))
-        out = pooled.view(b, t, dim)
-        if self._mean:
-            n = torch.stack(counts, dim=1)[:, self._mean].clamp(min=1).to(torch.float32)
-            out[:, self._mean] = out[:, self._mean] / n.unsqueeze(2)
-        return out.numpy()
-
-    def _bag_index(self, b: int, t: int, w: int) -> torch.Tensor:
-        """``(B·w,) int64``: ``sample · T`` of each id of unpadded ``(B, w)`` ids (a table's
-        pooled row less its index ``j``), cached per ``(B, w)`` in this thread and shared by
-        every table of that width (``B·w·8`` bytes, within the thread's byte budget)."""
-        cache = self._bag_index_cache()
-        base = cache.get(b, w)
-        if base is None:
-            base = (torch.arange(b) * t).repeat_interleave(w)
-            cache.put(b, w, base)
-        return base
-
-    def _bag_index_cache(self) -> _BagIndexCache:
-        """This thread's cache of base bag indices."""
-        cache: _BagIndexCache | None = getattr(self._buffers, "bag_index", None)
-        if cache is None:
-            cache = _BagIndexCache(self._bag_index_budget)
-            self._buffers.bag_index = cache
-        return cache
-
-    def bag_index_cache_bytes(self) -> int:
-        """Bytes the calling thread's cache of bag indices holds (≤ ``bag_index_budget_bytes``)."""
-        return self._bag_index_cache().nbytes
+        return pooled.view(b, t, dim).numpy()
 
     def _buffer(self, name: str, need: int) -> torch.Tensor:
         """This thread's grow-only float32 buffer ``name``, its first ``need`` elements."""

@@ -384,45 +384,60 @@ def _parse_input(
 ) -> tuple[str, str, np.ndarray, int]:
     """Input ``i`` of the request: ``(name, datatype, array, binary position after it)``;
     ``seen`` holds the inputs before it."""
-    where = f"inputs[{i}]"
     if not isinstance(spec, dict):
-        raise ProtocolError(f"{where} must be an object")
+        raise ProtocolError(f"inputs[{i}] must be an object")
     name = spec.get("name")
     if not isinstance(name, str) or not name:
-        raise ProtocolError(f"{where}.name must be a non-empty string")
-    where = f"input {clip(name)!r}"
+        raise ProtocolError(f"inputs[{i}].name must be a non-empty string")
     if name in seen:
-        raise ProtocolError(f"{where} is given twice")
-    dtype = check_datatype(spec.get("datatype"), where)
+        raise ProtocolError(f"{_where(name)} is given twice")
+    # the hot path reads each field once and builds no message text: the checks' own
+    # functions run (and word the error) only for a value they would refuse
+    dt_given = spec.get("datatype")
+    dtype = DTYPES.get(dt_given) if type(dt_given) is str else None
+    if dtype is None:
+        dtype = check_datatype(dt_given, _where(name))  # raises
     dt_name = _NAMES[dtype]
-    shape = check_shape(spec.get("shape"), where)
+    shape_v = spec.get("shape")
+    if type(shape_v) is list and all(type(d) is int for d in shape_v):
+        shape = tuple(shape_v)
+        if shape and min(shape) < 0:
+            check_shape(shape_v, _where(name))  # raises
+    else:
+        shape = check_shape(shape_v, _where(name))
     p = spec.get("parameters") or {}
     if not isinstance(p, dict):
-        raise ProtocolError(f"{where}.parameters must be an object")
+        raise ProtocolError(f"{_where(name)}.parameters must be an object")
     size = p.get("binary_data_size")
     if size is None:
+        where = _where(name)
         if "data" not in spec:
             raise ProtocolError(f"{where} has neither 'data' nor parameters.binary_data_size")
         return name, dt_name, _json_data(spec["data"], dtype, shape, where), pos
     if "data" in spec:
-        raise ProtocolError(f"{where} has both 'data' and binary_data_size")
+        raise ProtocolError(f"{_where(name)} has both 'data' and binary_data_size")
     if not isinstance(size, int) or isinstance(size, bool) or size < 0:
         raise ProtocolError(
-            f"{where}.binary_data_size must be a non-negative integer, got {clip(repr(size))}"
+            f"{_where(name)}.binary_data_size must be a non-negative integer, "
+            f"got {clip(repr(size))}"
         )
     need = math.prod(shape) * dtype.itemsize
     if size != need:
         raise ProtocolError(
-            f"{where}: binary_data_size {size} but shape {list(shape)} × "
+            f"{_where(name)}: binary_data_size {size} but shape {list(shape)} × "
             f"{dt_name} needs {need} bytes"
         )
     if pos + size > len(binary):
         raise ProtocolError(
-            f"{where}: binary data ends at byte {pos + size} but the body "
+            f"{_where(name)}: binary data ends at byte {pos + size} but the body "
             f"carries {len(binary)} bytes after the JSON header"
         )
     arr = np.frombuffer(binary[pos : pos + size], dtype=dtype).reshape(shape)
     return name, dt_name, arr, pos + size
+
+
+def _where(name: str) -> str:
+    return f"input {clip(name)!r}"
 
 
 def _parse_outputs(doc: dict[str, Any], binary_output: bool) -> list[RequestedOutput] | None:

@@ -73,6 +73,9 @@ class _V2Endpoints:
         m = "/v2/models/{model}"
         v = m + "/versions/{version}"
         return [
+            # inference first: the router tries routes in order, one regex each, per request
+            Route(m + "/infer", self.infer, methods=["POST"]),
+            Route(v + "/infer", self.infer, methods=["POST"]),
             Route("/v2", self.server_metadata),
             Route("/v2/health/live", self.live),
             Route("/v2/health/ready", self.ready),
@@ -86,8 +89,6 @@ class _V2Endpoints:
             Route(m + "/config", self.model_config),
             Route(v + "/config", self.model_config),
             Route("/v2/repository/index", self.repository_index, methods=["POST"]),
-            Route(m + "/infer", self.infer, methods=["POST"]),
-            Route(v + "/infer", self.infer, methods=["POST"]),
         ]
 
     def model_of(self, request: Request) -> DLRMServable:

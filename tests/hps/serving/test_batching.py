@@ -12,6 +12,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import torch
 import tritonclient.grpc as tg
 import tritonclient.http as th
 from tritonclient.utils import InferenceServerException
@@ -28,6 +29,7 @@ from hps.serving.batcher import (
 from hps.serving.http_server import InferenceServer, ModelBatching, ServerConfig, build_servables
 from hps.serving.servable import DLRMServable, Tensors
 from hps.serving.statistics import RECENT_REQUESTS, ModelCounts, PhaseNs
+from hps.types import Pooling
 from tests.hps.serving.tiny_dlrm import make_request, triton_inputs
 
 # (batch, narrow id lists, seed) of the concurrent requests: sizes 1 to 17, some narrow
@@ -280,34 +282,37 @@ def test_non_finite_scores_are_refused_and_counted(ps, servable, tiny) -> None:
     assert st["non_finite_output"] == 2 and st["inference_stats"]["fail"]["count"] == 2
 
 
-def _unpadded(req: Tensors) -> Tensors:
-    """``req`` with its -1 padding slots replaced by id 0 (so every table takes the unpadded,
-    cached bag index path)."""
-    return {n: np.where(a < 0, 0, a) if n.startswith("ids_") else a for n, a in req.items()}
+def _pooled_in_order(servable: DLRMServable, inputs: Tensors) -> np.ndarray:
+    """The reference pooled block ``(B, T, dim) float32``: each table's rows looked up one
+    table at a time (``lookup``), summed key by key in bag order from 0.0 in float32, padding
+    skipped, MEAN bags divided by their keys."""
+    b = inputs["dense"].shape[0]
+    tables = servable.tables
+    out = np.zeros((b, len(tables), tables[0].dim), np.float32)
+    for j, t in enumerate(tables):
+        ids = inputs[f"ids_{t.name}"]
+        rows = servable.session.lookup(t.name, torch.from_numpy(np.maximum(ids, 0))).numpy()
+        for i in range(b):
+            acc, n = np.zeros(t.dim, np.float32), 0
+            for k in range(ids.shape[1]):
+                if ids[i, k] >= 0:
+                    acc, n = acc + rows[i, k], n + 1
+            out[i, j] = acc / np.float32(n) if Pooling(t.combiner) is Pooling.MEAN and n else acc
+    return out
 
 
-def test_bag_index_cache_is_shared_by_tables_and_bounded_in_bytes(ps, tiny) -> None:
-    """The cached bag indices are one ``(B·w,) int64`` per batch size and bag width (not per
-    table), their bytes never exceed the budget over many batch sizes, and the scores are
-    bit-equal to a servable that caches nothing."""
-    cfg, session = ps.cfg.model("tiny"), ps.session("tiny")
-    uncached = DLRMServable(cfg, session, ort_threads=1, bag_index_budget_bytes=0)
-    first = _unpadded(make_request(tiny, 8, seed=7))
-    widths = {first[n].shape[1] for n in uncached.id_inputs}
-    assert len(widths) < len(uncached.id_inputs)  # tables share a width: the key drops the table
-    budget = 8 * 16 * sum(widths)  # the indices of ~16 samples: many batch sizes evict
-    cached = DLRMServable(cfg, session, ort_threads=1, bag_index_budget_bytes=budget)
-    assert np.array_equal(cached.infer(first)["logits"], uncached.infer(first)["logits"])
-    assert cached.bag_index_cache_bytes() == 8 * 8 * sum(widths)
-    for b in (*range(1, 13), 64, 3, 64):
-        req = _unpadded(make_request(tiny, b, seed=b))
-        got, want = cached.infer(req), uncached.infer(req)
-        for name in ("logits", "probability"):
-            assert np.array_equal(got[name], want[name]), (b, name)
-        assert 0 < cached.bag_index_cache_bytes() <= budget, b
-    assert uncached.bag_index_cache_bytes() == 0
-    with pytest.raises(ValueError, match="bag_index_budget_bytes must be >= 0.*got -1"):
-        DLRMServable(cfg, session, bag_index_budget_bytes=-1)
+def test_pooled_block_is_each_bag_summed_in_request_order(servable, tiny) -> None:
+    """The pooled block a (merged) execution feeds the dense graph is, bit for bit, each bag's
+    rows summed in request order from 0 (padding skipped, MEAN tables divided), for requests
+    with and without padding, merged and alone."""
+    assert {Pooling(t.combiner) for t in servable.tables} == set(Pooling)
+    reqs = [servable.check(make_request(tiny, b, seed=40 + b, narrow=b == 3)) for b in (1, 3, 5)]
+    full = {n: np.where(a < 0, 7, a) if n.startswith("ids_") else a for n, a in reqs[0].items()}
+    for inputs in (*reqs, merge_requests(servable, reqs), full):
+        b = inputs["dense"].shape[0]
+        got = servable._pool(inputs, b)
+        assert got.shape == (b, len(servable.tables), servable.tables[0].dim)
+        assert np.array_equal(got, _pooled_in_order(servable, inputs))
 
 
 class StillClock:

@@ -392,7 +392,12 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
       counted[i] = 1;
     }
     for (int64_t i = 0; i < T; ++i) firsts[i].make_room(ts[i].n);
-    for (int64_t p = 0; p < P; ++p) run(p, true);
+    try {
+      for (int64_t p = 0; p < P; ++p) run(p, true);
+    } catch (...) {  // a key counter that could not grow: no mark bit outlives the call
+      for (int64_t i = 0; i < T; ++i) clear_marks(ts[i], firsts[i]);
+      throw;
+    }
     for (int64_t i = 0; i < T; ++i) uniq[i] = clear_marks(ts[i], firsts[i]);
   } else {
     // one run of pieces per thread, cut where the keys so far cross k × total / threads

@@ -377,13 +377,14 @@ class DLRMServable:
             self.session.lookup_pooled(self._table_names, keys, self._pooling, out=pooled)
         except ValueError as e:  # a key the parameter server refuses, named by its table
             raise InputError(f"model {self.name!r}: {e}") from None
-        return pooled.view(b, t, dim).numpy()
+        return pooled.view(b, t, dim).cpu().numpy()  # a CUDA session's block is copied
 
     def _buffer(self, name: str, need: int) -> torch.Tensor:
-        """This thread's grow-only float32 buffer ``name``, its first ``need`` elements."""
+        """This thread's grow-only float32 buffer ``name``, its first ``need`` elements, on
+        the session's device (where the fused pass writes)."""
         buf: torch.Tensor | None = getattr(self._buffers, name, None)
         if buf is None or buf.numel() < need:
-            buf = torch.empty(need, dtype=torch.float32)
+            buf = torch.empty(need, dtype=torch.float32, device=self.session.device)
             setattr(self._buffers, name, buf)
         return buf[:need]
 

@@ -429,6 +429,16 @@ def test_model_counts_keep_the_latest_requests_latencies_in_order() -> None:
     assert len(counts.recent_ns(10**9)) == RECENT_REQUESTS and counts.recent_ns(0) == []
 
 
+def test_phase_add_sums_every_phase() -> None:
+    """PhaseNs.add names its fields one by one: a phase added later must be summed too."""
+    import dataclasses
+
+    names = [f.name for f in dataclasses.fields(PhaseNs)]
+    total = PhaseNs(**{n: 1 + i for i, n in enumerate(names)})
+    total.add(PhaseNs(**{n: 10 * (1 + i) for i, n in enumerate(names)}))
+    assert dataclasses.asdict(total) == {n: 11 * (1 + i) for i, n in enumerate(names)}
+
+
 def test_a_batch_closes_once_every_known_client_has_a_request_in_it(servable, tiny) -> None:
     """The default preferred size (the batch size, 64), a 1 s delay on a clock that stands
     still (a batch that waits for the delay never runs): a client's first requests never wait

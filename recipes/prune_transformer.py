@@ -57,6 +57,8 @@ CALIBRATION_SOURCES = {
     CalibrationText.BROAD: "the Python Language Reference, standard-library and package "
     "docstrings, /usr/share/doc and /usr/share/info, interleaved (recipes.corpora.broad_sentences)",
     CalibrationText.REFERENCE: "the Python Language Reference (pydoc_data/topics.py)",
+    CalibrationText.WIKIPEDIA: "English Wikipedia articles shipped with gensim "
+    "(gensim/test/test_data/enwiki-latest-pages-articles1.xml-...-shortened.bz2)",
 }
 
 #: what a run writes into --out: all that --overwrite of such a run's folder removes
@@ -91,10 +93,12 @@ class PruneTransformerConfig:
     # none: 1,270 broad (254 of each source), 256 reference (the rest of the Language
     # Reference, ~1,000 sentences, is left to distil on)
     calibration_sentences: int | None = knob(
-        None, "calibration sentences (none: 1270 broad, 256 reference)", ge=1
+        None, "calibration sentences (none: 1270 broad or wikipedia, 256 reference)", ge=1
     )
     held_out: int = knob(300, "most evaluation pairs per source", ge=1)
-    lee_wheel: str | None = knob(None, "gensim wheel holding the Lee news corpus (evaluation)")
+    lee_wheel: str | None = knob(
+        None, "gensim wheel: the Lee news evaluation and the Wikipedia calibration text"
+    )
     distill_seconds: float = knob(0.0, "distillation budget in seconds (0: none)", ge=0)
     distill_sentences: int = knob(1000, "most Python reference sentences to distil on", ge=1)
     distill_batch: int = knob(32, "sentences per distillation step", ge=1)
@@ -222,7 +226,7 @@ def _sources(cfg: PruneTransformerConfig) -> tuple[list[str], list[str], dict[st
             f"--calibration-sentences {n} with --calibration-text broad: at least "
             f"{BROAD_LEAST} needed (one of each source: {', '.join(BROAD_SOURCES)})"
         )
-    calib = calibration_sentences(cfg.calibration_text, n)
+    calib = calibration_sentences(cfg.calibration_text, n, cfg.lee_wheel)
     used = set(calib)
     distil = [s for s in python_reference_sentences() if s not in used][: cfg.distill_sentences]
     if cfg.distill_seconds > 0 and len(distil) < cfg.distill_sentences:

@@ -22,6 +22,9 @@ takes ``N`` sentences evenly spaced over the whole corpus, no suffix takes all):
   licence and changelog files skipped; :func:`recipes.corpora.system_doc_sentences`);
 - ``info``: the GNU info manuals of ``/usr/share/info`` (coreutils, find, diff, ...;
   :func:`recipes.corpora.info_manual_sentences`);
+- ``wiki``: English Wikipedia articles shipped in the gensim wheel (with ``--lee-wheel``;
+  :func:`recipes.corpora.wikipedia_sentences`, 15,790 sentences of encyclopedic prose:
+  general-domain text, another source than C's news stories);
 - ``mix``: the five above interleaved, one sentence of each in turn (``mix@N``: ``N / 5``
   evenly spaced sentences of each, so ``mix@1272`` is
   :func:`recipes.corpora.broad_sentences` ``(1270)``; ``a+stdlib+info@N`` mixes the
@@ -66,11 +69,13 @@ from recipes.corpora import (
     info_manual_sentences,
     interleave,
     lee_news_pairs,
+    movie_review_pairs,
     package_docstring_sentences,
     python_reference_sentences,
     sklearn_description_pairs,
     stdlib_docstring_sentences,
     system_doc_sentences,
+    wikipedia_sentences,
 )
 from recipes.minilm import load_minilm
 from recipes.prune_transformer import is_ffn
@@ -166,6 +171,8 @@ def main() -> None:
     evals: dict[str, Pairs] = {"sklearn_descr": sklearn_description_pairs()}
     if args.lee_wheel:
         evals["lee_news"] = lee_news_pairs(args.lee_wheel)[:100]
+        evals["reviews"] = movie_review_pairs(args.lee_wheel)
+        all_corpora["wiki"] = wikipedia_sentences(args.lee_wheel)
     held = {s for p in evals.values() for pair in p for s in pair}
     for name, sents in all_corpora.items():
         leaked = held & set(sents)

@@ -141,7 +141,9 @@ def test_calibration_on_one_real_source_never_loses_on_another(minilm) -> None:
 def _tiny_sources(monkeypatch, calib: list[str], reference: list[str]) -> None:
     import recipes.prune_transformer as pt
 
-    monkeypatch.setattr(pt, "calibration_sentences", lambda text, n, wheel=None: calib[: n or len(calib)])
+    monkeypatch.setattr(
+        pt, "calibration_sentences", lambda text, n, wheel=None: calib[: n or len(calib)]
+    )
     monkeypatch.setattr(pt, "python_reference_sentences", lambda n=None: reference[:n])
     monkeypatch.setattr(pt, "sklearn_description_pairs", lambda: [("e1", "e2"), ("e3", "e4")])
 

@@ -66,6 +66,7 @@ __all__ = [
     "CalibrationText",
     "broad_sentences",
     "calibration_sentences",
+    "default_calibration_text",
     "evenly",
     "info_manual_sentences",
     "interleave",
@@ -483,6 +484,16 @@ DEFAULT_CALIBRATION_SENTENCES = {
     CalibrationText.REFERENCE: 256,
     CalibrationText.WIKIPEDIA: 1270,
 }
+
+
+def default_calibration_text(wheel: str | Path | None = None) -> CalibrationText:
+    """The calibration text a transformer prune takes when none is named: Wikipedia's
+    general-domain prose where gensim's text is at hand (``wheel`` given, or gensim
+    installed), else the broad technical text, always installed. Chosen on validation text of
+    neither kind (movie reviews, :func:`movie_review_pairs`), docs/benchmarks.md."""
+    if wheel is not None or importlib.util.find_spec("gensim") is not None:
+        return CalibrationText.WIKIPEDIA
+    return CalibrationText.BROAD
 
 
 def calibration_sentences(

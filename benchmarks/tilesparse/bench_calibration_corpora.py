@@ -33,8 +33,9 @@ takes ``N`` sentences evenly spaced over the whole corpus, no suffix takes all):
 ``--runs "METHOD:CORPUS;..."`` with METHOD one of ``ew`` (SparseGPT, saliencies per output,
 damping 0.1: the EW candidate every layer of the library's default chose), ``ew-dX``
 (the same with damping X), ``tw`` (neuron pairs with ``fc2``'s refit, damping 0.01: the
-library's calibrated TW), ``library-ew`` / ``library-tw`` (``tilesparse.prune_`` with the
-default config plus ``calibration=``). JSON rows: cosine to dense and next-sentence retrieval
+library's calibrated TW), ``library-<pattern>`` (``tilesparse.prune_`` with the default
+config plus ``calibration=``; ``nm`` at 2:4, every other pattern at 50 %), ``plain-<pattern>``
+(the same without a calibration; its corpus is not read). JSON rows: cosine to dense and next-sentence retrieval
 on B and C, prune seconds, load average, the corpus's size in sentences and words. A run stops if any corpus holds a sentence
 of B or C.
 """
@@ -122,9 +123,13 @@ def prune(base: Any, method: str, sentences: list[str]) -> tuple[Any, dict[str, 
     """A pruned copy of ``base`` (``method`` as in the module docstring)."""
     model = copy.deepcopy(base)
     info: dict[str, Any] = {}
-    if method.startswith("library-"):
-        cfg = tilesparse.TileSparseConfig(pattern=tilesparse.Pattern(method[8:]), sparsity=0.5)
-        pruner = tilesparse.prune_(model, cfg, is_ffn, calibration=_Encode(sentences))
+    if method.startswith(("library-", "plain-")):
+        plain = method.startswith("plain-")
+        pattern = tilesparse.Pattern(method.partition("-")[2])
+        sparsity = None if pattern is tilesparse.Pattern.NM else 0.5
+        cfg = tilesparse.TileSparseConfig(pattern=pattern, sparsity=sparsity)
+        calibration = None if plain else _Encode(sentences)
+        pruner = tilesparse.prune_(model, cfg, is_ffn, calibration=calibration)
         info["achieved_sparsity"] = pruner.overall_sparsity()
         info["layers"] = [
             {

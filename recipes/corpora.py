@@ -12,6 +12,15 @@ dataset download exists here), for calibrating on one real source and evaluating
   stories, one per line (Lee, Pincombe & Welsh, 2005). Read from an installed ``gensim`` or
   from its wheel (``pip download --no-deps gensim==4.4.0``), never imported.
 
+- :func:`movie_review_pairs`: Pang & Lee's one-sentence movie reviews (package ``gensim``,
+  file :data:`REVIEWS_FILE`), everyday evaluative language, as shipped (lower-cased, tokenized).
+- :func:`wikipedia_sentences`: English Wikipedia articles (package ``gensim``, file
+  :data:`WIKI_FILE`, a shortened dump of 206 pages, 106 of them articles: anarchism,
+  Afghanistan, Aristotle, Albert Einstein, ...), wiki markup removed: encyclopedic prose on
+  history, science, places and people — general-domain text, unlike the technical sources
+  below, and another source than the Lee news stories. Read from an installed ``gensim`` or
+  its wheel, as :func:`lee_news_pairs`.
+
 - :func:`broad_sentences`: a calibration corpus broader than the Language Reference alone,
   the five technical-prose sources below interleaved: the Language Reference, the standard
   library's docstrings (:func:`stdlib_docstring_sentences`), installed packages' docstrings
@@ -28,7 +37,9 @@ among all pairs.
 from __future__ import annotations
 
 import ast
+import bz2
 import gzip
+import html
 import importlib.util
 import logging
 import re
@@ -50,22 +61,31 @@ __all__ = [
     "LEE_FILE",
     "READ_CAP",
     "SYSTEM_DOC_DIR",
+    "REVIEWS_FILE",
+    "WIKI_FILE",
     "CalibrationText",
     "broad_sentences",
     "calibration_sentences",
+    "default_calibration_text",
     "evenly",
     "info_manual_sentences",
     "interleave",
     "lee_news_pairs",
+    "movie_review_pairs",
     "package_docstring_sentences",
     "python_reference_sentences",
     "retrieval_accuracy",
     "sklearn_description_pairs",
     "stdlib_docstring_sentences",
     "system_doc_sentences",
+    "wikipedia_sentences",
 ]
 
 LEE_FILE = "gensim/test/test_data/lee_background.cor"
+REVIEWS_FILE = "gensim/test/test_data/pang_lee_polarity.cor"
+WIKI_FILE = (
+    "gensim/test/test_data/enwiki-latest-pages-articles1.xml-p000000010p000030302-shortened.bz2"
+)
 
 log = logging.getLogger("recipes.corpora")
 
@@ -135,18 +155,27 @@ def sklearn_description_pairs() -> list[tuple[str, str]]:
     return _pairs(paragraphs)
 
 
-def _lee_text(wheel: str | Path | None) -> str:
+def _gensim_file(name: str, wheel: str | Path | None, user: str) -> bytes:
+    """The bytes of gensim's file ``name`` from the wheel at ``wheel`` or an installed gensim.
+
+    Raises:
+        RuntimeError: when neither is available (naming ``user``, the function asking).
+    """
     if wheel is not None:
         with zipfile.ZipFile(wheel) as zf:
-            return zf.read(LEE_FILE).decode("utf-8")
+            return zf.read(name)
     spec = importlib.util.find_spec("gensim")
     if spec is None or not spec.submodule_search_locations:
         raise RuntimeError(
-            "lee_news_pairs needs gensim installed, or the path of its wheel "
+            f"{user} needs gensim installed, or the path of its wheel "
             "(pip download --no-deps gensim==4.4.0)"
         )
     root = Path(next(iter(spec.submodule_search_locations))).parent
-    return (root / LEE_FILE).read_text(encoding="utf-8")
+    return (root / name).read_bytes()
+
+
+def _lee_text(wheel: str | Path | None) -> str:
+    return _gensim_file(LEE_FILE, wheel, "lee_news_pairs").decode("utf-8")
 
 
 def lee_news_pairs(wheel: str | Path | None = None) -> list[tuple[str, str]]:
@@ -163,6 +192,91 @@ def lee_news_pairs(wheel: str | Path | None = None) -> list[tuple[str, str]]:
         if len(s) >= 2:
             out.append((s[0], s[1]))
     return out
+
+
+def movie_review_pairs(wheel: str | Path | None = None) -> list[tuple[str, str]]:
+    """The 200 one-sentence movie reviews of :data:`REVIEWS_FILE` (Pang & Lee's sentence
+    polarity data, lower-cased and tokenized as shipped; the label dropped), paired in file
+    order (review 0 with 1, 2 with 3, ...): everyday evaluative language, neither technical
+    prose nor news. Two reviews of a pair are unrelated, so only cosine means something on
+    them, not retrieval.
+
+    Raises:
+        RuntimeError: when neither gensim nor its wheel is available.
+    """
+    # shipped in Windows-1252 (its dashes are byte 0x97)
+    text = _gensim_file(REVIEWS_FILE, wheel, "movie_review_pairs").decode("cp1252")
+    lines = [x.split(" ", 1)[1].strip() for x in text.splitlines() if " " in x]
+    return list(zip(lines[0::2], lines[1::2], strict=False))
+
+
+def _outside(text: str, opening: str, closing: str) -> str:
+    """``text`` without what lies between ``opening`` and its ``closing`` (nested)."""
+    out, depth, i = [], 0, 0
+    while i < len(text):
+        if text.startswith(opening, i):
+            depth, i = depth + 1, i + len(opening)
+        elif depth and text.startswith(closing, i):
+            depth, i = depth - 1, i + len(closing)
+        else:
+            if not depth:
+                out.append(text[i])
+            i += 1
+    return "".join(out)
+
+
+_WIKI_DROP = (
+    re.compile(r"<!--.*?-->", re.S),  # comments
+    re.compile(r"<ref[^>/]*/>"),  # citations
+    re.compile(r"<ref[^>]*>.*?</ref>", re.S),
+    # files, images, categories and interlanguage links (their captions may hold links)
+    re.compile(r"\[\[(?:File|Image|Category|[a-z-]{2,12}):[^\[\]]*(?:\[\[[^\]]*\]\][^\[\]]*)*\]\]"),
+    re.compile(r"\[https?://\S+\]"),  # bare external links
+)
+_WIKI_LINK = re.compile(r"\[\[(?:[^\]|]*\|)?([^\]]*)\]\]")  # [[target|shown]] → shown
+_WIKI_EXTERNAL = re.compile(r"\[https?://\S+ ([^\]]*)\]")  # [url shown] → shown
+_WIKI_TAG = re.compile(r"<[^>]+>")
+_WIKI_NOT_PROSE = ("=", "*", "#", ":", ";", "|", "!")  # headings, lists, indents, tables
+
+
+def _wiki_paragraphs(wikitext: str) -> list[str]:
+    """The prose paragraphs of one article's wikitext: templates, tables, references, files,
+    categories and markup removed, links replaced by their text; headings, lists and
+    indented lines left out."""
+    t = wikitext
+    for drop in _WIKI_DROP[:3]:
+        t = drop.sub("", t)
+    t = _outside(_outside(t, "{{", "}}"), "{|", "|}")
+    for drop in _WIKI_DROP[3:]:
+        t = drop.sub("", t)
+    t = _WIKI_EXTERNAL.sub(r"\1", _WIKI_LINK.sub(r"\1", t))
+    t = _WIKI_TAG.sub("", t).replace("'''", "").replace("''", "")
+    out = []
+    for para in re.split(r"\n\s*\n", t):
+        lines = [x.strip() for x in para.splitlines()]
+        lines = [x for x in lines if x and not x.startswith(_WIKI_NOT_PROSE)]
+        if lines:
+            out.append(" ".join(lines))
+    return out
+
+
+def wikipedia_sentences(wheel: str | Path | None = None, count: int | None = None) -> list[str]:
+    """Prose sentences of the English Wikipedia articles of :data:`WIKI_FILE` (redirects
+    left out), each once, in article order (15,789 sentences); ``count``: that many evenly
+    spaced over them (:func:`evenly`).
+
+    Raises:
+        RuntimeError: when neither gensim nor its wheel is available.
+    """
+    raw = bz2.decompress(_gensim_file(WIKI_FILE, wheel, "wikipedia_sentences")).decode("utf-8")
+    sentences = []
+    for body in re.findall(r"<text[^>]*>(.*?)</text>", raw, re.S):
+        wikitext = html.unescape(html.unescape(body))  # the dump escapes entities twice
+        if wikitext.lstrip().upper().startswith("#REDIRECT"):
+            continue
+        sentences += [s for para in _wiki_paragraphs(wikitext) for s in _sentences(para)]
+    out = _prose(sentences)
+    return out if count is None else evenly(out, count)
 
 
 def retrieval_accuracy(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -360,17 +474,37 @@ class CalibrationText(StrEnum):
     BROAD = "broad"
     #: :func:`python_reference_sentences`: the Python Language Reference alone
     REFERENCE = "reference"
+    #: :func:`wikipedia_sentences`: English Wikipedia articles (gensim's wheel, or gensim)
+    WIKIPEDIA = "wikipedia"
 
 
 #: :func:`calibration_sentences`' count when none is given, per text (measured: docs/benchmarks.md)
-DEFAULT_CALIBRATION_SENTENCES = {CalibrationText.BROAD: 1270, CalibrationText.REFERENCE: 256}
+DEFAULT_CALIBRATION_SENTENCES = {
+    CalibrationText.BROAD: 1270,
+    CalibrationText.REFERENCE: 256,
+    CalibrationText.WIKIPEDIA: 1270,
+}
 
 
-def calibration_sentences(text: CalibrationText, count: int | None = None) -> list[str]:
+def default_calibration_text(wheel: str | Path | None = None) -> CalibrationText:
+    """The calibration text a transformer prune takes when none is named: Wikipedia's
+    general-domain prose where gensim's text is at hand (``wheel`` given, or gensim
+    installed), else the broad technical text, always installed. Chosen on validation text of
+    neither kind (movie reviews, :func:`movie_review_pairs`), docs/benchmarks.md."""
+    if wheel is not None or importlib.util.find_spec("gensim") is not None:
+        return CalibrationText.WIKIPEDIA
+    return CalibrationText.BROAD
+
+
+def calibration_sentences(
+    text: CalibrationText, count: int | None = None, wheel: str | Path | None = None
+) -> list[str]:
     """``count`` calibration sentences of ``text`` (``None``:
-    :data:`DEFAULT_CALIBRATION_SENTENCES`, 1,270 broad, 256 reference; the reference gives
-    at most as many as it has; :attr:`CalibrationText.BROAD` rounds ``count`` down to a
-    multiple of five).
+    :data:`DEFAULT_CALIBRATION_SENTENCES`, 1,270 broad or Wikipedia, 256 reference; the
+    reference gives at most as many as it has, Wikipedia's evenly spaced over its 15,790;
+    :attr:`CalibrationText.BROAD` rounds ``count`` down to a multiple of five). ``wheel``:
+    gensim's wheel, where :attr:`CalibrationText.WIKIPEDIA` reads from when gensim is not
+    installed.
 
     Raises:
         ValueError: when ``count`` is too small for ``text`` (:func:`broad_sentences`).
@@ -379,4 +513,6 @@ def calibration_sentences(text: CalibrationText, count: int | None = None) -> li
     n = DEFAULT_CALIBRATION_SENTENCES[text] if count is None else count
     if text is CalibrationText.BROAD:
         return broad_sentences(n)
+    if text is CalibrationText.WIKIPEDIA:
+        return wikipedia_sentences(wheel, n)
     return python_reference_sentences(n)

@@ -39,6 +39,7 @@ from recipes.corpora import (
     BROAD_SOURCES,
     CalibrationText,
     calibration_sentences,
+    default_calibration_text,
     lee_news_pairs,
     python_reference_sentences,
     retrieval_accuracy,
@@ -57,6 +58,8 @@ CALIBRATION_SOURCES = {
     CalibrationText.BROAD: "the Python Language Reference, standard-library and package "
     "docstrings, /usr/share/doc and /usr/share/info, interleaved (recipes.corpora.broad_sentences)",
     CalibrationText.REFERENCE: "the Python Language Reference (pydoc_data/topics.py)",
+    CalibrationText.WIKIPEDIA: "English Wikipedia articles shipped with gensim "
+    "(gensim/test/test_data/enwiki-latest-pages-articles1.xml-...-shortened.bz2)",
 }
 
 #: what a run writes into --out: all that --overwrite of such a run's folder removes
@@ -85,16 +88,21 @@ class PruneTransformerConfig:
     # the default: one threshold allocates the layers' sparsities, each layer's mask is then
     # chosen at its own (--no-global-threshold: every layer at the target, as SparseGPT)
     global_threshold: bool = knob(True, "one threshold across layers instead of per layer")
-    # broad: measured above the Language Reference alone on text neither saw (docs/benchmarks.md,
-    # "One-shot MiniLM: a broader calibration corpus"), at 1,270 sentences
-    calibration_text: CalibrationText = knob(CalibrationText.BROAD, "real text calibrating")
+    # none: wikipedia where gensim's text is at hand (--lee-wheel, or gensim installed), else
+    # broad; chosen on movie reviews, reported on news (docs/benchmarks.md, "One-shot MiniLM:
+    # general-domain calibration text")
+    calibration_text: CalibrationText | None = knob(
+        None, "real text calibrating (none: wikipedia with gensim's text at hand, else broad)"
+    )
     # none: 1,270 broad (254 of each source), 256 reference (the rest of the Language
     # Reference, ~1,000 sentences, is left to distil on)
     calibration_sentences: int | None = knob(
-        None, "calibration sentences (none: 1270 broad, 256 reference)", ge=1
+        None, "calibration sentences (none: 1270 broad or wikipedia, 256 reference)", ge=1
     )
     held_out: int = knob(300, "most evaluation pairs per source", ge=1)
-    lee_wheel: str | None = knob(None, "gensim wheel holding the Lee news corpus (evaluation)")
+    lee_wheel: str | None = knob(
+        None, "gensim wheel: the Lee news evaluation and the Wikipedia calibration text"
+    )
     distill_seconds: float = knob(0.0, "distillation budget in seconds (0: none)", ge=0)
     distill_sentences: int = knob(1000, "most Python reference sentences to distil on", ge=1)
     distill_batch: int = knob(32, "sentences per distillation step", ge=1)
@@ -116,6 +124,13 @@ class PruneTransformerConfig:
     @property
     def folder(self) -> OutFolder:
         return OutFolder("prune_transformer", self.out, self.overwrite, outputs=OUTPUTS)
+
+    def text(self) -> CalibrationText:
+        """The calibration text in effect (:func:`recipes.corpora.default_calibration_text`
+        when none is named)."""
+        if self.calibration_text is not None:
+            return self.calibration_text
+        return default_calibration_text(self.lee_wheel)
 
     def prune_config(self) -> tilesparse.TileSparseConfig:
         return tilesparse.TileSparseConfig(
@@ -216,13 +231,13 @@ def _sources(cfg: PruneTransformerConfig) -> tuple[list[str], list[str], dict[st
             asked for and fewer than one ``--distill-batch`` of sentences is left for it
             (fewer than ``--distill-sentences``: a logged warning).
     """
-    n = cfg.calibration_sentences
-    if cfg.calibration_text is CalibrationText.BROAD and n is not None and n < BROAD_LEAST:
+    n, text = cfg.calibration_sentences, cfg.text()
+    if text is CalibrationText.BROAD and n is not None and n < BROAD_LEAST:
         raise ValueError(
             f"--calibration-sentences {n} with --calibration-text broad: at least "
             f"{BROAD_LEAST} needed (one of each source: {', '.join(BROAD_SOURCES)})"
         )
-    calib = calibration_sentences(cfg.calibration_text, n)
+    calib = calibration_sentences(text, n, cfg.lee_wheel)
     used = set(calib)
     distil = [s for s in python_reference_sentences() if s not in used][: cfg.distill_sentences]
     if cfg.distill_seconds > 0 and len(distil) < cfg.distill_sentences:
@@ -231,7 +246,7 @@ def _sources(cfg: PruneTransformerConfig) -> tuple[list[str], list[str], dict[st
         # than one batch cannot distil
         left = (
             f"--distill-sentences {cfg.distill_sentences}: only {len(distil)} Python reference "
-            f"sentences are left after {len(calib)} {cfg.calibration_text} calibration sentences"
+            f"sentences are left after {len(calib)} {text} calibration sentences"
         )
         if len(distil) < cfg.distill_batch:
             raise ValueError(
@@ -279,7 +294,7 @@ def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
     pcfg = cfg.prune_config()
     out = cfg.folder.open()
     t0 = time.perf_counter()
-    print(f"harvesting the {cfg.calibration_text} calibration text", flush=True)
+    print(f"harvesting the {cfg.text()} calibration text", flush=True)
     calib, distil, evals = _sources(cfg)
     harvest = time.perf_counter() - t0
     teacher = load_minilm(cfg.model)
@@ -321,7 +336,7 @@ def main(cfg: PruneTransformerConfig) -> dict[str, Any]:
         "knobs": asdict(cfg),
         "config": pcfg.to_dict(),
         "text": {
-            "calibration": f"{len(calib)} sentences: {CALIBRATION_SOURCES[cfg.calibration_text]}",
+            "calibration": f"{len(calib)} sentences: {CALIBRATION_SOURCES[cfg.text()]}",
             "distillation": f"{len(distil)} other sentences of the Python Language Reference "
             "(pydoc_data/topics.py)",
             "evaluation": {k: f"{len(p)} sentence pairs: {SOURCES[k]}" for k, p in evals.items()},

@@ -22,6 +22,9 @@ takes ``N`` sentences evenly spaced over the whole corpus, no suffix takes all):
   licence and changelog files skipped; :func:`recipes.corpora.system_doc_sentences`);
 - ``info``: the GNU info manuals of ``/usr/share/info`` (coreutils, find, diff, ...;
   :func:`recipes.corpora.info_manual_sentences`);
+- ``wiki``: English Wikipedia articles shipped in the gensim wheel (with ``--lee-wheel``;
+  :func:`recipes.corpora.wikipedia_sentences`, 15,790 sentences of encyclopedic prose:
+  general-domain text, another source than C's news stories);
 - ``mix``: the five above interleaved, one sentence of each in turn (``mix@N``: ``N / 5``
   evenly spaced sentences of each, so ``mix@1272`` is
   :func:`recipes.corpora.broad_sentences` ``(1270)``; ``a+stdlib+info@N`` mixes the
@@ -30,8 +33,9 @@ takes ``N`` sentences evenly spaced over the whole corpus, no suffix takes all):
 ``--runs "METHOD:CORPUS;..."`` with METHOD one of ``ew`` (SparseGPT, saliencies per output,
 damping 0.1: the EW candidate every layer of the library's default chose), ``ew-dX``
 (the same with damping X), ``tw`` (neuron pairs with ``fc2``'s refit, damping 0.01: the
-library's calibrated TW), ``library-ew`` / ``library-tw`` (``tilesparse.prune_`` with the
-default config plus ``calibration=``). JSON rows: cosine to dense and next-sentence retrieval
+library's calibrated TW), ``library-<pattern>`` (``tilesparse.prune_`` with the default
+config plus ``calibration=``; ``nm`` at 2:4, every other pattern at 50 %), ``plain-<pattern>``
+(the same without a calibration; its corpus is not read). JSON rows: cosine to dense and next-sentence retrieval
 on B and C, prune seconds, load average, the corpus's size in sentences and words. A run stops if any corpus holds a sentence
 of B or C.
 """
@@ -66,11 +70,13 @@ from recipes.corpora import (
     info_manual_sentences,
     interleave,
     lee_news_pairs,
+    movie_review_pairs,
     package_docstring_sentences,
     python_reference_sentences,
     sklearn_description_pairs,
     stdlib_docstring_sentences,
     system_doc_sentences,
+    wikipedia_sentences,
 )
 from recipes.minilm import load_minilm
 from recipes.prune_transformer import is_ffn
@@ -117,9 +123,13 @@ def prune(base: Any, method: str, sentences: list[str]) -> tuple[Any, dict[str, 
     """A pruned copy of ``base`` (``method`` as in the module docstring)."""
     model = copy.deepcopy(base)
     info: dict[str, Any] = {}
-    if method.startswith("library-"):
-        cfg = tilesparse.TileSparseConfig(pattern=tilesparse.Pattern(method[8:]), sparsity=0.5)
-        pruner = tilesparse.prune_(model, cfg, is_ffn, calibration=_Encode(sentences))
+    if method.startswith(("library-", "plain-")):
+        plain = method.startswith("plain-")
+        pattern = tilesparse.Pattern(method.partition("-")[2])
+        sparsity = None if pattern is tilesparse.Pattern.NM else 0.5
+        cfg = tilesparse.TileSparseConfig(pattern=pattern, sparsity=sparsity)
+        calibration = None if plain else _Encode(sentences)
+        pruner = tilesparse.prune_(model, cfg, is_ffn, calibration=calibration)
         info["achieved_sparsity"] = pruner.overall_sparsity()
         info["layers"] = [
             {
@@ -166,6 +176,8 @@ def main() -> None:
     evals: dict[str, Pairs] = {"sklearn_descr": sklearn_description_pairs()}
     if args.lee_wheel:
         evals["lee_news"] = lee_news_pairs(args.lee_wheel)[:100]
+        evals["reviews"] = movie_review_pairs(args.lee_wheel)
+        all_corpora["wiki"] = wikipedia_sentences(args.lee_wheel)
     held = {s for p in evals.values() for pair in p for s in pair}
     for name, sents in all_corpora.items():
         leaked = held & set(sents)

@@ -139,3 +139,55 @@ def test_reference_calibration_text() -> None:
     got = calibration_sentences(CalibrationText.REFERENCE, 40)
     assert got == python_reference_sentences(40)
     assert calibration_sentences(CalibrationText.REFERENCE) == python_reference_sentences(256)
+
+
+_WIKI_PAGES = """<mediawiki><page><title>Old</title><text xml:space="preserve">#REDIRECT [[New]]</text></page>
+<page><title>New</title><text xml:space="preserve">{{Infobox place|name=New {{nested|x}}}}
+The river town of [[Newtown|New]] lies on the [[Avon River]] near the coast.&lt;ref&gt;A book, p. 4.&lt;/ref&gt; It was founded by farmers in 1850 and grew quickly afterwards.
+
+== History ==
+* A listed item that is not prose at all here.
+[[File:Town.jpg|thumb|The town in [[1900]] from the hill]]
+{| class="wikitable"
+| a table cell with words in it || another cell
+|}
+Its first school opened in 1861 with &amp;quot;forty pupils&amp;quot; and one teacher. The [http://example.org railway station] arrived twenty years later, in 1881.
+&lt;!-- an editor's comment that must go --&gt;
+[[Category:Towns]]
+[[fr:Nouvelle ville]]</text></page></mediawiki>"""
+
+
+def test_wikipedia_sentences_strip_markup(tmp_path: Path, monkeypatch) -> None:
+    """Redirects, templates (nested), tables, references, files, categories, interlanguage
+    links, comments, headings and lists are left out; links keep their shown text; the
+    dump's twice-escaped entities are read as text."""
+    import bz2
+    import zipfile
+
+    wheel = tmp_path / "gensim-0-py3-none-any.whl"
+    with zipfile.ZipFile(wheel, "w") as zf:
+        zf.writestr(corpora.WIKI_FILE, bz2.compress(_WIKI_PAGES.encode()))
+        reviews = (
+            "__label__neg dull \x97 and long .\n__label__pos a joy .\n__label__pos odd one .\n"
+        )
+        zf.writestr(corpora.REVIEWS_FILE, reviews.encode("latin-1"))
+    assert corpora.wikipedia_sentences(wheel) == [
+        "The river town of New lies on the Avon River near the coast.",
+        "It was founded by farmers in 1850 and grew quickly afterwards.",
+        'Its first school opened in 1861 with "forty pupils" and one teacher.',
+        "The railway station arrived twenty years later, in 1881.",
+    ]
+    assert corpora.wikipedia_sentences(wheel, 2) == [
+        "The river town of New lies on the Avon River near the coast.",
+        'Its first school opened in 1861 with "forty pupils" and one teacher.',
+    ]
+    assert calibration_sentences(
+        CalibrationText.WIKIPEDIA, 2, wheel
+    ) == corpora.wikipedia_sentences(wheel, 2)
+    # Windows-1252 as shipped (0x97: a dash); an odd review out has no pair
+    assert corpora.movie_review_pairs(wheel) == [("dull \u2014 and long .", "a joy .")]
+    monkeypatch.setattr(corpora.importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="wikipedia_sentences needs gensim installed"):
+        corpora.wikipedia_sentences()
+    with pytest.raises(RuntimeError, match="wikipedia_sentences needs gensim installed"):
+        calibration_sentences(CalibrationText.WIKIPEDIA)

@@ -141,7 +141,9 @@ def test_calibration_on_one_real_source_never_loses_on_another(minilm) -> None:
 def _tiny_sources(monkeypatch, calib: list[str], reference: list[str]) -> None:
     import recipes.prune_transformer as pt
 
-    monkeypatch.setattr(pt, "calibration_sentences", lambda text, n: calib[: n or len(calib)])
+    monkeypatch.setattr(
+        pt, "calibration_sentences", lambda text, n, wheel=None: calib[: n or len(calib)]
+    )
     monkeypatch.setattr(pt, "python_reference_sentences", lambda n=None: reference[:n])
     monkeypatch.setattr(pt, "sklearn_description_pairs", lambda: [("e1", "e2"), ("e3", "e4")])
 
@@ -170,7 +172,23 @@ def test_calibration_sentences_default_and_least() -> None:
 
     assert PruneTransformerConfig().calibration_sentences is None
     with pytest.raises(ValueError, match="--calibration-sentences 4 with --calibration-text broad"):
-        _sources(PruneTransformerConfig(calibration_sentences=4))
+        _sources(
+            PruneTransformerConfig(calibration_text=CalibrationText.BROAD, calibration_sentences=4)
+        )
     calib, distil, _ = _sources(PruneTransformerConfig(calibration_text=CalibrationText.REFERENCE))
     assert calib == python_reference_sentences(256)
     assert distil == [s for s in python_reference_sentences() if s not in set(calib)][:1000]
+
+
+def test_default_calibration_text_follows_gensim(monkeypatch) -> None:
+    """No --calibration-text: Wikipedia where gensim's text is at hand (its wheel, or gensim
+    installed), else the broad technical text; a named text is kept."""
+    import recipes.corpora as corpora
+
+    monkeypatch.setattr(corpora.importlib.util, "find_spec", lambda name: None)
+    assert PruneTransformerConfig().text() is CalibrationText.BROAD
+    assert PruneTransformerConfig(lee_wheel="gensim.whl").text() is CalibrationText.WIKIPEDIA
+    named = PruneTransformerConfig(lee_wheel="gensim.whl", calibration_text=CalibrationText.BROAD)
+    assert named.text() is CalibrationText.BROAD
+    monkeypatch.setattr(corpora.importlib.util, "find_spec", lambda name: object())
+    assert PruneTransformerConfig().text() is CalibrationText.WIKIPEDIA

@@ -16,7 +16,8 @@ dataset download exists here), for calibrating on one real source and evaluating
   file :data:`REVIEWS_FILE`), everyday evaluative language, as shipped (lower-cased, tokenized).
 - :func:`wikipedia_sentences`: English Wikipedia articles (package ``gensim``, file
   :data:`WIKI_FILE`, a shortened dump of 206 pages, 106 of them articles: anarchism,
-  Afghanistan, Aristotle, Albert Einstein, ...), wiki markup removed: encyclopedic prose on
+  Afghanistan, Aristotle, Albert Einstein, ...), wiki markup, formulas and code removed
+  (sentences a removed template left a hole in are left out): encyclopedic prose on
   history, science, places and people — general-domain text, unlike the technical sources
   below, and another source than the Lee news stories. Read from an installed ``gensim`` or
   its wheel, as :func:`lee_news_pairs`.
@@ -211,10 +212,15 @@ def movie_review_pairs(wheel: str | Path | None = None) -> list[tuple[str, str]]
 
 
 def _outside(text: str, opening: str, closing: str) -> str:
-    """``text`` without what lies between ``opening`` and its ``closing`` (nested)."""
-    out, depth, i = [], 0, 0
+    """``text`` without what lies between ``opening`` and its ``closing`` (nested). An
+    ``opening`` never closed stays as text (with what follows it), so a stray brace cannot
+    swallow the rest of an article."""
+    out: list[str] = []
+    depth, i, start = 0, 0, 0  # start: where the outermost open span began
     while i < len(text):
         if text.startswith(opening, i):
+            if not depth:
+                start = i
             depth, i = depth + 1, i + len(opening)
         elif depth and text.startswith(closing, i):
             depth, i = depth - 1, i + len(closing)
@@ -222,11 +228,19 @@ def _outside(text: str, opening: str, closing: str) -> str:
             if not depth:
                 out.append(text[i])
             i += 1
+    if depth:  # unclosed: keep it as it was (the sentence filter drops its markup)
+        out.append(text[start:])
     return "".join(out)
 
 
 _WIKI_DROP = (
     re.compile(r"<!--.*?-->", re.S),  # comments
+    # formulas, code and other verbatim blocks, whose braces are not templates
+    re.compile(
+        r"<(math|code|pre|nowiki|syntaxhighlight|source|chem|score|gallery|timeline|hiero)\b"
+        r"[^>]*>.*?</\1\s*>",
+        re.S | re.I,
+    ),
     re.compile(r"<ref[^>/]*/>"),  # citations
     re.compile(r"<ref[^>]*>.*?</ref>", re.S),
     # files, images, categories and interlanguage links (their captions may hold links)
@@ -237,6 +251,10 @@ _WIKI_LINK = re.compile(r"\[\[(?:[^\]|]*\|)?([^\]]*)\]\]")  # [[target|shown]] �
 _WIKI_EXTERNAL = re.compile(r"\[https?://\S+ ([^\]]*)\]")  # [url shown] → shown
 _WIKI_TAG = re.compile(r"<[^>]+>")
 _WIKI_NOT_PROSE = ("=", "*", "#", ":", ";", "|", "!")  # headings, lists, indents, tables
+_WIKI_HOLLOW = re.compile(r" ?\(\s*[;,]?\s*\)")  # brackets a removed template emptied
+# a removed template's hole in a sentence: punctuation after a space ("between ." for
+# "between {{convert|40|and|65|kg}}.")
+_WIKI_HOLE = re.compile(r"\s[.,;:]")
 
 
 def _wiki_paragraphs(wikitext: str) -> list[str]:
@@ -244,13 +262,14 @@ def _wiki_paragraphs(wikitext: str) -> list[str]:
     categories and markup removed, links replaced by their text; headings, lists and
     indented lines left out."""
     t = wikitext
-    for drop in _WIKI_DROP[:3]:
+    for drop in _WIKI_DROP[:4]:
         t = drop.sub("", t)
     t = _outside(_outside(t, "{{", "}}"), "{|", "|}")
-    for drop in _WIKI_DROP[3:]:
+    for drop in _WIKI_DROP[4:]:
         t = drop.sub("", t)
     t = _WIKI_EXTERNAL.sub(r"\1", _WIKI_LINK.sub(r"\1", t))
     t = _WIKI_TAG.sub("", t).replace("'''", "").replace("''", "")
+    t = _WIKI_HOLLOW.sub("", t)
     out = []
     for para in re.split(r"\n\s*\n", t):
         lines = [x.strip() for x in para.splitlines()]
@@ -262,7 +281,7 @@ def _wiki_paragraphs(wikitext: str) -> list[str]:
 
 def wikipedia_sentences(wheel: str | Path | None = None, count: int | None = None) -> list[str]:
     """Prose sentences of the English Wikipedia articles of :data:`WIKI_FILE` (redirects
-    left out), each once, in article order (15,789 sentences); ``count``: that many evenly
+    left out), each once, in article order (15,754 sentences); ``count``: that many evenly
     spaced over them (:func:`evenly`).
 
     Raises:
@@ -275,7 +294,7 @@ def wikipedia_sentences(wheel: str | Path | None = None, count: int | None = Non
         if wikitext.lstrip().upper().startswith("#REDIRECT"):
             continue
         sentences += [s for para in _wiki_paragraphs(wikitext) for s in _sentences(para)]
-    out = _prose(sentences)
+    out = _prose(s for s in sentences if not _WIKI_HOLE.search(s))
     return out if count is None else evenly(out, count)
 
 
@@ -488,11 +507,17 @@ DEFAULT_CALIBRATION_SENTENCES = {
 
 def default_calibration_text(wheel: str | Path | None = None) -> CalibrationText:
     """The calibration text a transformer prune takes when none is named: Wikipedia's
-    general-domain prose where gensim's text is at hand (``wheel`` given, or gensim
-    installed), else the broad technical text, always installed. Chosen on validation text of
-    neither kind (movie reviews, :func:`movie_review_pairs`), docs/benchmarks.md."""
-    if wheel is not None or importlib.util.find_spec("gensim") is not None:
+    general-domain prose where gensim's text is at hand (``wheel`` given, or an installed
+    gensim that holds :data:`WIKI_FILE`), else the broad technical text, always installed.
+    Chosen on validation text of neither kind (movie reviews, :func:`movie_review_pairs`),
+    docs/benchmarks.md."""
+    if wheel is not None:
         return CalibrationText.WIKIPEDIA
+    spec = importlib.util.find_spec("gensim")
+    if spec is not None and spec.submodule_search_locations:
+        root = Path(next(iter(spec.submodule_search_locations))).parent
+        if (root / WIKI_FILE).is_file():
+            return CalibrationText.WIKIPEDIA
     return CalibrationText.BROAD
 
 

@@ -222,7 +222,7 @@ def _layer_rows(pruner: tilesparse.TileSparsePruner) -> list[dict[str, Any]]:
 
 
 def _sources(cfg: PruneTransformerConfig) -> tuple[list[str], list[str], dict[str, Pairs]]:
-    """Calibration sentences (``cfg.calibration_text``), distillation sentences (Python
+    """Calibration sentences (:meth:`PruneTransformerConfig.text`), distillation sentences (Python
     reference prose the calibration does not hold) and the evaluation pairs per source.
 
     Raises:

@@ -194,7 +194,7 @@ def main() -> None:
     rows: list[dict[str, Any]] = []
     for spec in (x for x in args.runs.split(";") if x):
         method, _, cspec = spec.partition(":")
-        sents = corpus(cspec, all_corpora)
+        sents = [] if method.startswith("plain-") else corpus(cspec, all_corpora)
         t0 = time.perf_counter()
         model, info = prune(base, method, sents)
         seconds = time.perf_counter() - t0

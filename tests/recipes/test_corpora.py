@@ -143,24 +143,35 @@ def test_reference_calibration_text() -> None:
 
 _WIKI_PAGES = """<mediawiki><page><title>Old</title><text xml:space="preserve">#REDIRECT [[New]]</text></page>
 <page><title>New</title><text xml:space="preserve">{{Infobox place|name=New {{nested|x}}}}
-The river town of [[Newtown|New]] lies on the [[Avon River]] near the coast.&lt;ref&gt;A book, p. 4.&lt;/ref&gt; It was founded by farmers in 1850 and grew quickly afterwards.
+The river town of [[Newtown|New]] lies on the [[Avon River]] near the coast.&lt;ref&gt;A book of the town's history was printed.&lt;/ref&gt; It was founded by farmers in 1850 and grew quickly afterwards.
 
 == History ==
 * A listed item that is not prose at all here.
-[[File:Town.jpg|thumb|The town in [[1900]] from the hill]]
+The square has held a weekly market since 1870 in the town.
+: The founders wrote that the square would always hold a market.
+; A definition term written as a sentence.
+[[File:Town.jpg|The town was photographed from the hill in spring.]]
 {| class="wikitable"
 | a table cell with words in it || another cell
 |}
-Its first school opened in 1861 with &amp;quot;forty pupils&amp;quot; and one teacher. The [http://example.org railway station] arrived twenty years later, in 1881.
-&lt;!-- an editor's comment that must go --&gt;
-[[Category:Towns]]
-[[fr:Nouvelle ville]]</text></page></mediawiki>"""
+Its first school opened in 1861 with &amp;quot;forty pupils&amp;quot; and one teacher. The [http://example.org railway station] arrived twenty years later, in 1881. The harbour opened in 1890 for the fishing boats.[http://example.org/harbour]
+&lt;!-- This editor comment is a full sentence of prose. --&gt;
+The ratio of farms to houses &lt;math&gt;\frac{a}{b}&lt;/math&gt; stayed small for decades.
+Aruba ({{IPA|x}}; {{lang|y}}) is an island that traded with the town.
+A ship weighed between {{convert|40|and|65|t}}.
+&lt;math&gt;{{x^2&lt;/math&gt;
+The mill burned down in 1902 and was never rebuilt.
+[[Category:Towns founded in the nineteenth century by farmers.]]
+[[fr:La ville est au bord de la rivière et de la mer.]]</text></page></mediawiki>"""
 
 
 def test_wikipedia_sentences_strip_markup(tmp_path: Path, monkeypatch) -> None:
     """Redirects, templates (nested), tables, references, files, categories, interlanguage
-    links, comments, headings and lists are left out; links keep their shown text; the
-    dump's twice-escaped entities are read as text."""
+    links, formulas (one holding an unclosed brace pair), headings, lists and indented lines
+    are left out, each removed piece holding text that would pass as prose;
+    links keep their shown text; brackets a removed template emptied go, and a sentence a
+    removed template left a hole in is left out; the dump's twice-escaped entities are read
+    as text."""
     import bz2
     import zipfile
 
@@ -174,16 +185,23 @@ def test_wikipedia_sentences_strip_markup(tmp_path: Path, monkeypatch) -> None:
     assert corpora.wikipedia_sentences(wheel) == [
         "The river town of New lies on the Avon River near the coast.",
         "It was founded by farmers in 1850 and grew quickly afterwards.",
+        "The square has held a weekly market since 1870 in the town.",
         'Its first school opened in 1861 with "forty pupils" and one teacher.',
         "The railway station arrived twenty years later, in 1881.",
+        "The harbour opened in 1890 for the fishing boats.",
+        "The ratio of farms to houses stayed small for decades.",
+        "Aruba is an island that traded with the town.",
+        "The mill burned down in 1902 and was never rebuilt.",
     ]
-    assert corpora.wikipedia_sentences(wheel, 2) == [
+    assert corpora._outside("a {{b}} c {{d e", "{{", "}}") == "a  c {{d e"  # unclosed: kept
+    assert corpora.wikipedia_sentences(wheel, 3) == [
         "The river town of New lies on the Avon River near the coast.",
         'Its first school opened in 1861 with "forty pupils" and one teacher.',
+        "The ratio of farms to houses stayed small for decades.",
     ]
     assert calibration_sentences(
-        CalibrationText.WIKIPEDIA, 2, wheel
-    ) == corpora.wikipedia_sentences(wheel, 2)
+        CalibrationText.WIKIPEDIA, 3, wheel
+    ) == corpora.wikipedia_sentences(wheel, 3)
     # Windows-1252 as shipped (0x97: a dash); an odd review out has no pair
     assert corpora.movie_review_pairs(wheel) == [("dull \u2014 and long .", "a joy .")]
     monkeypatch.setattr(corpora.importlib.util, "find_spec", lambda name: None)

@@ -180,9 +180,11 @@ def test_calibration_sentences_default_and_least() -> None:
     assert distil == [s for s in python_reference_sentences() if s not in set(calib)][:1000]
 
 
-def test_default_calibration_text_follows_gensim(monkeypatch) -> None:
-    """No --calibration-text: Wikipedia where gensim's text is at hand (its wheel, or gensim
-    installed), else the broad technical text; a named text is kept."""
+def test_default_calibration_text_follows_gensim(monkeypatch, tmp_path) -> None:
+    """No --calibration-text: Wikipedia where gensim's text is at hand (its wheel, or an
+    installed gensim holding the file), else the broad technical text; a named text is kept."""
+    import types
+
     import recipes.corpora as corpora
 
     monkeypatch.setattr(corpora.importlib.util, "find_spec", lambda name: None)
@@ -190,5 +192,9 @@ def test_default_calibration_text_follows_gensim(monkeypatch) -> None:
     assert PruneTransformerConfig(lee_wheel="gensim.whl").text() is CalibrationText.WIKIPEDIA
     named = PruneTransformerConfig(lee_wheel="gensim.whl", calibration_text=CalibrationText.BROAD)
     assert named.text() is CalibrationText.BROAD
-    monkeypatch.setattr(corpora.importlib.util, "find_spec", lambda name: object())
+    installed = types.SimpleNamespace(submodule_search_locations=[str(tmp_path / "gensim")])
+    monkeypatch.setattr(corpora.importlib.util, "find_spec", lambda name: installed)
+    assert PruneTransformerConfig().text() is CalibrationText.BROAD  # gensim without its data
+    (tmp_path / corpora.WIKI_FILE).parent.mkdir(parents=True)
+    (tmp_path / corpora.WIKI_FILE).write_bytes(b"")
     assert PruneTransformerConfig().text() is CalibrationText.WIKIPEDIA

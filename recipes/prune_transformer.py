@@ -6,10 +6,12 @@ linears, TW 50 % with the default config plus a calibration) writes ``report.jso
 ``report.md``, ``plots/layers.png`` and the compressed model (``model/``, reloadable with
 ``SentenceTransformer(path)`` + ``tilesparse.load_compressed``) into ``--out``. The text is
 real and from different sources (:mod:`recipes.corpora`): calibration on 1,270 sentences of
-five technical-prose sources interleaved (:func:`recipes.corpora.broad_sentences`: the Python
-Language Reference, docstrings of the standard library and of installed packages, the
-system's ``/usr/share/doc`` and ``/usr/share/info``; ``--calibration-text reference``: the
-Language Reference alone, 256 sentences), distillation on Language Reference prose the
+English Wikipedia where gensim's text is at hand (``--lee-wheel``, or an installed gensim
+holding it: :func:`recipes.corpora.wikipedia_sentences`), else of five technical-prose
+sources interleaved (:func:`recipes.corpora.broad_sentences`: the Python Language Reference,
+docstrings of the standard library and of installed packages, the system's
+``/usr/share/doc`` and ``/usr/share/info``; ``--calibration-text`` names one, ``reference``
+the Language Reference alone, 256 sentences), distillation on Language Reference prose the
 calibration did not use, evaluation on scikit-learn's dataset descriptions
 (``sklearn/datasets/descr/*.rst``) and, given ``--lee-wheel``, on gensim's Lee background
 news corpus: cosine to dense and next-sentence retrieval accuracy, dense beside pruned.
@@ -88,9 +90,9 @@ class PruneTransformerConfig:
     # the default: one threshold allocates the layers' sparsities, each layer's mask is then
     # chosen at its own (--no-global-threshold: every layer at the target, as SparseGPT)
     global_threshold: bool = knob(True, "one threshold across layers instead of per layer")
-    # none: wikipedia where gensim's text is at hand (--lee-wheel, or gensim installed), else
-    # broad; chosen on movie reviews, reported on news (docs/benchmarks.md, "One-shot MiniLM:
-    # general-domain calibration text")
+    # none: wikipedia where gensim's text is at hand (--lee-wheel, or an installed gensim
+    # holding it), else broad; chosen on movie reviews, reported on news (docs/benchmarks.md,
+    # "One-shot MiniLM: general-domain calibration text")
     calibration_text: CalibrationText | None = knob(
         None, "real text calibrating (none: wikipedia with gensim's text at hand, else broad)"
     )

@@ -156,6 +156,14 @@ def sklearn_description_pairs() -> list[tuple[str, str]]:
     return _pairs(paragraphs)
 
 
+def _gensim_root() -> Path | None:
+    """The folder holding an installed gensim package (``None``: not installed)."""
+    spec = importlib.util.find_spec("gensim")
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations))).parent
+
+
 def _gensim_file(name: str, wheel: str | Path | None, user: str) -> bytes:
     """The bytes of gensim's file ``name`` from the wheel at ``wheel`` or an installed gensim.
 
@@ -165,13 +173,12 @@ def _gensim_file(name: str, wheel: str | Path | None, user: str) -> bytes:
     if wheel is not None:
         with zipfile.ZipFile(wheel) as zf:
             return zf.read(name)
-    spec = importlib.util.find_spec("gensim")
-    if spec is None or not spec.submodule_search_locations:
+    root = _gensim_root()
+    if root is None:
         raise RuntimeError(
             f"{user} needs gensim installed, or the path of its wheel "
             "(pip download --no-deps gensim==4.4.0)"
         )
-    root = Path(next(iter(spec.submodule_search_locations))).parent
     return (root / name).read_bytes()
 
 
@@ -511,13 +518,9 @@ def default_calibration_text(wheel: str | Path | None = None) -> CalibrationText
     gensim that holds :data:`WIKI_FILE`), else the broad technical text, always installed.
     Chosen on validation text of neither kind (movie reviews, :func:`movie_review_pairs`),
     docs/benchmarks.md."""
-    if wheel is not None:
+    root = _gensim_root()
+    if wheel is not None or (root is not None and (root / WIKI_FILE).is_file()):
         return CalibrationText.WIKIPEDIA
-    spec = importlib.util.find_spec("gensim")
-    if spec is not None and spec.submodule_search_locations:
-        root = Path(next(iter(spec.submodule_search_locations))).parent
-        if (root / WIKI_FILE).is_file():
-            return CalibrationText.WIKIPEDIA
     return CalibrationText.BROAD
 
 
@@ -526,7 +529,7 @@ def calibration_sentences(
 ) -> list[str]:
     """``count`` calibration sentences of ``text`` (``None``:
     :data:`DEFAULT_CALIBRATION_SENTENCES`, 1,270 broad or Wikipedia, 256 reference; the
-    reference gives at most as many as it has, Wikipedia's evenly spaced over its 15,790;
+    reference gives at most as many as it has, Wikipedia's evenly spaced over its 15,754;
     :attr:`CalibrationText.BROAD` rounds ``count`` down to a multiple of five). ``wheel``:
     gensim's wheel, where :attr:`CalibrationText.WIKIPEDIA` reads from when gensim is not
     installed.

@@ -66,6 +66,36 @@ def test_reconstruct_solves_each_tile_on_its_own_rows() -> None:
     assert torch.equal(got != 0, mask)
 
 
+def test_reconstruct_damping_pulls_toward_the_kept_weights() -> None:
+    """The damped solve against the stacked least squares ``[X; √λ·I]·Ŵ ≈ [X·W; √λ·W[R]]``,
+    and along directions the inputs never take (fewer rows than inputs) the kept weights stay
+    as they were instead of shrinking toward zero."""
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, 10, generator=g, dtype=torch.float64)  # 6 rows for 10 inputs: rank 6
+    w = torch.randn(10, 4, generator=g, dtype=torch.float64)
+    mask = torch.zeros(10, 4, dtype=torch.bool)
+    rows = [0, 1, 3, 4, 6, 7, 8, 9]
+    mask[rows, :] = True
+    h = x.T @ x
+    got = reconstruct(w, mask, h, damping=0.1)
+    lam = 0.1 * float(h.diagonal().mean())
+    a = torch.cat([x[:, rows], lam**0.5 * torch.eye(len(rows), dtype=torch.float64)])
+    b = torch.cat([x @ w, lam**0.5 * w[rows]])
+    want = torch.linalg.lstsq(a, b).solution
+    torch.testing.assert_close(got[rows], want, **tol("tw_layer", torch.float64))
+    assert torch.equal(got != 0, mask)
+    # the part of the change outside the inputs' row space: zero (the kept weights there are
+    # the dense ones); a ridge toward zero would shrink them
+    _, _, vh = torch.linalg.svd(x[:, rows])
+    null = vh[6:].T  # (8, 2): directions of the kept inputs no calibration row takes
+    torch.testing.assert_close(
+        null.T @ (got[rows] - w[rows]),
+        torch.zeros(2, 4, dtype=torch.float64),
+        **tol("tw_layer", torch.float64),
+    )
+    assert float((null.T @ w[rows]).abs().max()) > 0.1  # there was something to keep
+
+
 def _mlp(seed: int = 0) -> nn.Sequential:
     torch.manual_seed(seed)
     return nn.Sequential(nn.Linear(24, 40), nn.ReLU(), nn.Linear(40, 16))

@@ -93,7 +93,8 @@ class GatherArgs:
         intervals: per table, the cache's ``lfu_decay_interval`` (0: no aging): the counters
             are halved once per multiple of it that this query's keys cross, before its uses.
         key_counters: ``None``, or per table the compiled ``KeyCounter`` of its key statistics
-            (:attr:`hps.key_counts.KeyCounts.counter`): the compiled pass counts the table's
+            (:attr:`hps.key_counts.KeyCounts.counter`; ``None`` for a table whose statistics
+            do not count this call): the compiled pass counts the table's
             keys ``>= 0`` into it in the same pass (sharing the key's hash) when one thread
             does every key, first halving it once per LFU halving of the table's cache that
             this query crosses (``per_table[:, 4]``: the caller ages the rest of the table's
@@ -112,7 +113,7 @@ class GatherArgs:
     streams: Sequence[int]
     looked_up: Sequence[int]
     intervals: Sequence[int]
-    key_counters: Sequence[object] | None = None
+    key_counters: Sequence[object | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -188,7 +188,7 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     }
     if (i < i0) continue;
     if (kUses && t.counter != nullptr && t.keys[i] >= 0)
-      t.counter->add_hashed(t.keys[i], ps(i).hash, 1);
+      t.counter->add_hashed(t.keys[i], ps(i).hash, t.counter->weight());
     const int64_t slot = sl[i];  // stage 4: copy or add the row, use the slot
     if (!bags) {
       if (slot >= 0) {
@@ -598,5 +598,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("items", &KeyCounter::items, Release())
       .def("trim", &KeyCounter::trim, Release())
       .def("size", &KeyCounter::size, Release())
-      .def("capacity", &KeyCounter::capacity, Release());
+      .def("capacity", &KeyCounter::capacity, Release())
+      .def("set_weight", &KeyCounter::set_weight, Release())
+      .def("weight", &KeyCounter::weight);
 }

@@ -23,12 +23,24 @@ namespace hps_cpu {
 // would take its load past 1/2, so it is sized by the distinct keys held, not by the keys of
 // one update (a call of 30,000 occurrences of 9,000 distinct keys keeps a 512 KiB map, which
 // stays in a core's L2, where room for every occurrence took 2 MiB).
+//
+// An occurrence (a key of an update without counts, or of a fused pass) adds weight()
+// (set_weight; 1 unless set): a caller that counts about one call in w (sampled statistics,
+// hps.key_counts.KeyCounts) counts each call it takes as w. Pre-counted updates add their
+// counts as given.
 class KeyCounter {
  public:
   KeyCounter() { rehash(1 << 10); }
 
-  // Adds counts[i] (1 when counts is empty) for keys[i]; keys < 0 are padding, skipped
-  // when skip_negative.
+  void set_weight(int64_t w) {
+    check(w >= 1, "set_weight: the weight must be >= 1");
+    std::lock_guard<std::mutex> g(mu_);
+    weight_ = w;
+  }
+  int64_t weight() const { return weight_; }
+
+  // Adds counts[i] (weight() when counts is empty) for keys[i]; keys < 0 are padding,
+  // skipped when skip_negative.
   void update(const at::Tensor& keys, const at::Tensor& counts, bool skip_negative) {
     std::lock_guard<std::mutex> g(mu_);
     const auto k = keys.contiguous();
@@ -56,7 +68,7 @@ class KeyCounter {
         __builtin_prefetch(&slots_[ha & mask_], 1, 3);
       }
       if (skip_negative && kp[i] < 0) continue;
-      add_hashed(kp[i], h, cp ? cp[i] : 1);
+      add_hashed(kp[i], h, cp ? cp[i] : weight_);
     }
   }
 
@@ -153,8 +165,8 @@ class KeyCounter {
 
   // For a caller that counts keys inside its own pass (cache_gather): hold() the counter for
   // the pass (halve_held() first where an aging falls in it), then per key
-  // prefetch_entry(mix64(key)) a few keys ahead of add_hashed(key, mix64(key), 1) (a prefetch
-  // is a hint: a growth in between only makes it miss).
+  // prefetch_entry(mix64(key)) a few keys ahead of add_hashed(key, mix64(key), weight()) (a
+  // prefetch is a hint: a growth in between only makes it miss).
   std::unique_lock<std::mutex> hold() { return std::unique_lock<std::mutex>(mu_); }
   void prefetch_entry(uint64_t h) const { __builtin_prefetch(&slots_[h & mask_], 1, 3); }
 
@@ -232,6 +244,7 @@ class KeyCounter {
   std::vector<Entry> slots_;
   size_t mask_ = 0;
   int64_t size_ = 0;
+  int64_t weight_ = 1;  // what an occurrence adds
 };
 
 // Counts every table's keys into its counter (keys < 0 skipped), tables in parallel.

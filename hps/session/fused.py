@@ -14,11 +14,15 @@ One call, whatever the number of tables:
    their positions (rows), or into the rows the fused pass handed back for each bag with a
    miss, which is then summed key by key in request order (:func:`hps.fused.pool_in_order`),
    so a bag's floats never depend on which of its keys the cache held;
-4. key statistics: counted by the fused pass itself (one hash per key for the probe and the
-   count) where it can, i.e. when one thread does every key; the other tables in one call
-   (:class:`hps.key_counts.KeyCounts`). Either way a table's statistics are halved for every
-   aging of its cache before the keys of the query that aged it are added (by the pass itself
-   for the tables it counts, their mass and epoch then aged under the caches' locks).
+4. key statistics: each table's statistics first say whether this call is counted
+   (:meth:`hps.key_counts.KeyCounts.take_call`: always, or one call in ``sample_every``,
+   each counted key then as that many); the counted tables' keys are counted by the fused
+   pass itself (one hash per key for the probe and the count) where it can, i.e. when one
+   thread does every key, the others in one call (:class:`hps.key_counts.KeyCounts`). Either
+   way a table's statistics are halved for every aging of its cache before the keys of the
+   query that aged it are added (by the pass itself for the tables it counts, their mass and
+   epoch then aged under the caches' locks); a call a table's statistics do not take costs
+   them nothing but the draw.
 
 Tables without a cache, or caches off the CPU, go through :meth:`LookupSession.lookup` one by
 one (the same results).
@@ -214,6 +218,12 @@ def _run(
     failed: list[str],
 ) -> None:
     bags = pooling is not None
+    # which tables' statistics count this call (drawn first, the same on every path)
+    taken = (
+        [s.key_stats[t.name].take_call() for t in ts]
+        if s.key_stats is not None
+        else [False] * len(ts)
+    )
     locks = {id(c): c for c in caches}
     order = [locks[k] for k in sorted(locks)]  # one fixed order: two fused calls never deadlock
     for c in order:
@@ -228,7 +238,7 @@ def _run(
             streams.append(c.lfu_stream())
             looked_up.append(c._looked_up)
             intervals.append(c.lfu_decay_interval)
-        counters = _pass_counters(s, ts, ks, caches)
+        counters = _pass_counters(s, ts, ks, caches, taken)
         args = GatherArgs(
             caches=caches,
             keys=ks,
@@ -264,7 +274,9 @@ def _run(
         for c in reversed(order):
             c._lock.release()
     try:
-        _serve_all_misses(s, ts, ks, caches, res, per, buf, offsets, hot, pooling, failed, counted)
+        _serve_all_misses(
+            s, ts, ks, caches, res, per, buf, offsets, hot, pooling, failed, counted, taken
+        )
     except Exception:
         # the miss path raised: the call's keys are counted all the same (the pass may already
         # hold some, so both paths count them, as after a success), the statistics the pass
@@ -273,29 +285,41 @@ def _run(
         try:
             if s.key_stats is not None:
                 s._age_key_stats_many(
-                    [(t, c) for t, c, done in zip(ts, caches, counted, strict=True) if not done]
+                    [
+                        (t, c)
+                        for t, c, done, take in zip(ts, caches, counted, taken, strict=True)
+                        if take and not done
+                    ]
                 )
-            _count_keys(s, ts, ks, per, counted, counters is not None)
+            _count_keys(s, ts, ks, per, counted, counters is not None, taken)
         except Exception:
             log.exception("counting the keys of a failed lookup of %s failed", [t.name for t in ts])
         raise
-    _count_keys(s, ts, ks, per, counted, counters is not None)
+    _count_keys(s, ts, ks, per, counted, counters is not None, taken)
 
 
 def _pass_counters(
-    s: SessionView, ts: list[SessionTable], ks: list[torch.Tensor], caches: list[EmbeddingCache]
-) -> list[object] | None:
-    """The compiled key counters the fused pass may count into (``None``: it counts none),
-    each table's statistics first halved for every aging of its cache so far."""
-    if s.key_stats is None or not s.compiled:
+    s: SessionView,
+    ts: list[SessionTable],
+    ks: list[torch.Tensor],
+    caches: list[EmbeddingCache],
+    taken: list[bool],
+) -> list[object | None] | None:
+    """The compiled key counters the fused pass may count into: per table, its counter where
+    ``taken`` (the call is counted), else ``None``; ``None`` when the pass counts none (no
+    statistics, no table takes the call, the reference pass or the reference counts). Each
+    taken table's statistics
+    are first halved for every aging of its cache so far."""
+    if s.key_stats is None or not s.compiled or not any(taken):
         return None
     stats = s.key_stats
-    counters = [stats[t.name].counter for t in ts]
-    if None in counters:
+    counters = [stats[t.name].counter if take else None for t, take in zip(ts, taken, strict=True)]
+    if any(c is None for c, take in zip(counters, taken, strict=True) if take):
         return None
-    s._age_key_stats_many(list(zip(ts, caches, strict=True)))
-    for t, k in zip(ts, ks, strict=True):  # the size bounds hold whatever the pass counts
-        stats[t.name].will_count(k.numel())
+    s._age_key_stats_many([(t, c) for t, c, take in zip(ts, caches, taken, strict=True) if take])
+    for t, k, take in zip(ts, ks, taken, strict=True):  # bounds hold whatever the pass counts
+        if take:
+            stats[t.name].will_count(k.numel())
     return counters
 
 
@@ -321,18 +345,20 @@ def _serve_all_misses(
     pooling: list[Pooling] | None,
     failed: list[str],
     counted: Sequence[bool],
+    taken: Sequence[bool],
 ) -> None:
     """The miss path of each table that had misses; a table whose miss path fails is
     appended to ``failed`` before the error propagates (the later tables are not served).
-    Key statistics not counted by the pass, and those of every table with a miss, are aged
-    here (one acquisition of the aging lock), before :func:`_count_keys`."""
+    Key statistics that count this call (``taken``) but were not counted by the pass, and
+    those of every table with a miss, are aged here (one acquisition of the aging lock),
+    before :func:`_count_keys`."""
 
     start = 0
     all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
     # every served table's counts, recorded at the end under one statistics lock acquisition
     records: list[tuple[str, list[int], list[int], bool]] = []
     all_hit: list[tuple[str, int, int, bool]] = []  # tables without a miss
-    aged = [i for i, row in enumerate(per) if row[0] or not counted[i]]
+    aged = [i for i, row in enumerate(per) if row[0] or (taken[i] and not counted[i])]
     epochs = dict(zip(aged, s._age_key_stats_many([(ts[i], caches[i]) for i in aged]), strict=True))
     try:
         for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
@@ -383,7 +409,7 @@ def _serve_all_misses(
 
 class _KeyCounter(Protocol):
     """The compiled ``KeyCounter`` (:mod:`hps.key_counts`): counts ``keys`` (keys < 0 skipped
-    with ``skip_negative``; ``counts`` empty: one each)."""
+    with ``skip_negative``; ``counts`` empty: its weight each)."""
 
     def update(self, keys: torch.Tensor, counts: torch.Tensor, skip_negative: bool) -> None: ...
 
@@ -395,32 +421,36 @@ def _count_keys(
     per: list[list[int]],
     counted: Sequence[bool],
     bounds_grown: bool,
+    taken: Sequence[bool],
 ) -> None:
-    """Key statistics of the tables the fused pass did not count (``counted[i]`` False), and
-    every table's observed total; ``bounds_grown``: :func:`_pass_counters` already grew the
-    statistics' size bounds by these keys."""
-    if s.key_stats is None:
+    """Key statistics of the tables that count this call (``taken[i]``) and the fused pass
+    did not count (``counted[i]`` False), and their observed totals; ``bounds_grown``:
+    :func:`_pass_counters` already grew the statistics' size bounds by these keys."""
+    if s.key_stats is None or not any(taken):
         return
-    stats = [s.key_stats[t.name] for t in ts]
+    mine = [  # (statistics, keys, counted by the pass, per-table row) of the taking tables
+        (s.key_stats[t.name], f, done, row)
+        for t, f, done, row, take in zip(ts, ks, counted, per, taken, strict=True)
+        if take
+    ]
     ext = load_extension()
-    counters = [k.counter for k in stats]
-    if ext is not None and all(c is not None for c in counters):
-        todo = [(c, f) for c, f, done in zip(counters, ks, counted, strict=True) if not done]
+    if ext is not None and all(k.counter is not None for k, _, _, _ in mine):
+        todo = [(k.counter, f) for k, f, done, _ in mine if not done]
         if not bounds_grown:
-            for k, f in zip(stats, ks, strict=True):
+            for k, f, _, _ in mine:
                 k.will_count(f.numel())
-        if sum(f.numel() for _, f in todo) < _SERIAL_COUNT_KEYS:
+        if todo and sum(f.numel() for _, f in todo) < _SERIAL_COUNT_KEYS:
             # one table after another: a parallel region's wake-up costs more than these
             # counts (1-15 ms on a 2-core host at load 10, against ~0.1 ms serially)
             none = torch.empty(0, dtype=torch.int64)
             for c, f in todo:
                 cast(_KeyCounter, c).update(f, none, True)
-        else:
+        elif todo:
             ext.count_keys([c for c, _ in todo], [f for _, f in todo])
-        for k, row in zip(stats, per, strict=True):
-            k.observed(row[3])
+        for k, _, _, row in mine:  # as weighted as the counts: their sum
+            k.observed(row[3] * k.sample_every)
         return
-    for k, f in zip(stats, ks, strict=True):
+    for k, f, _, _ in mine:  # the reference (no extension: every call taken, exact)
         valid = f[f >= 0] if f.numel() else f.view(-1)
         k.update(valid.numpy())
 

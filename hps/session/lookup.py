@@ -37,9 +37,14 @@ order inside a set) is its count in this request plus its count in the session's
 statistics so far, so a key hot across requests gets in even if each request holds it once.
 With LFU aging (:mod:`hps.storage.cache`) those statistics are halved whenever the table's cache
 halves its counters, so a priority and a resident count are on one scale: a key hot long
-ago re-enters with its aged count, not its lifetime total. For sequential lookups this is
-exact (a missed key is admitted with what its counter would be had it been cached all
-along); concurrent lookups of one table may halve a priority once more or once less.
+ago re-enters with its aged count, not its lifetime total. With exact statistics
+(``key_stats_sampling=1``) and sequential lookups this is exact (a missed key is admitted with
+what its counter would be had it been cached all along); concurrent lookups of one table may
+halve a priority once more or once less. By default each table's statistics count about one
+fused lookup in :data:`DEFAULT_KEY_STATS_SAMPLING`, every key of it as that many
+(:mod:`hps.key_counts`): the history part of a priority is then an unbiased estimate, as the
+cache's own LFU counters (Morris steps) are, and the other lookups do not touch the
+statistics.
 """
 
 from __future__ import annotations
@@ -71,6 +76,12 @@ from hps.types import Pooling, StorageBackend, TierUnavailableError
 if TYPE_CHECKING:  # hps.updates imports this module: its types only, at run time lazily
     from hps.updates.health import UpdateHealth, UpdateStatus
 
+# Fused lookups per one counted into each table's key statistics by default (module
+# docstring): counting every key of every lookup cost 0.5-0.9 ms of a 6 ms pooled lookup of 26
+# tables (65,000 Zipf keys; docs/benchmarks.md); one in 8 estimates a key seen alike in 700
+# lookups within 10 % (one standard deviation).
+DEFAULT_KEY_STATS_SAMPLING = 8
+
 
 class LookupSession:
     """Serves lookups of one model's tables.
@@ -83,7 +94,10 @@ class LookupSession:
         exact: never return a default vector for a key that exists.
         max_concurrent: lookups running at once (``num_of_worker_buffer_in_pool``).
         cache_missed_embeddings: insert rows found only in the persistent DB into the volatile DB.
-        record_key_stats: keep per-table :class:`~hps.key_counts.KeyCounts` (warm-up, advisor).
+        record_key_stats: keep per-table :class:`~hps.key_counts.KeyCounts` (warm-up, advisor,
+            admission priority).
+        key_stats_sampling: each table's statistics count about one fused lookup in this
+            many, its keys as this many each (1: every lookup, exact; module docstring).
         device: where returned rows live (the caches' device).
         acquire_timeout_s: how long a caller waits for a free worker before ``TimeoutError``.
         update_health: the health of the online updates that reach this session's tables
@@ -115,9 +129,18 @@ class LookupSession:
         compiled: bool = True,
         max_absent_keys: int = DEFAULT_MAX_ABSENT_KEYS,
         max_absent_age_s: float = DEFAULT_MAX_ABSENT_AGE_S,
+        key_stats_sampling: int = DEFAULT_KEY_STATS_SAMPLING,
     ) -> None:
         if volatile is None and persistent is None:
             raise ValueError("a LookupSession needs a volatile or a persistent database")
+        if (
+            isinstance(key_stats_sampling, bool)
+            or not isinstance(key_stats_sampling, int)
+            or key_stats_sampling < 1
+        ):
+            raise ValueError(
+                f"key_stats_sampling must be an integer >= 1, got {key_stats_sampling!r}"
+            )
         self.tables = {t.name: t for t in tables}
         self._by_db_name = {t.db_name: t for t in tables}
         self.device = torch.device(device)
@@ -130,7 +153,14 @@ class LookupSession:
         self.statistics = SessionStats([t.name for t in tables])
         # (database, table) whose bytes could not be read, logged once as a warning
         self._bytes_warned: set[tuple[str, str]] = set()
-        self.key_stats = {t.name: KeyCounts() for t in tables} if record_key_stats else None
+        self.key_stats = (
+            {
+                t.name: KeyCounts(sample_every=key_stats_sampling, seed=i)
+                for i, t in enumerate(tables)
+            }
+            if record_key_stats
+            else None
+        )
         # per table: the cache whose decay_epoch key_stats were last aged to, and that epoch
         self._stats_epoch: dict[str, tuple[weakref.ref[EmbeddingCache], int]] = {}
         self._aging_lock = threading.Lock()

@@ -42,8 +42,14 @@ def _session(
             n // 3, d, policy=policy, ways=8, lfu_decay_keys_per_slot=0.5, compact_keys=compact
         )
         tables.append(SessionTable(name, d, DEFAULT, 10**6, cache))
-    return LookupSession(
-        tables, v, None, hit_rate_threshold=threshold, exact=exact, compiled=compiled
+    return LookupSession(  # exact key statistics: both passes' states compared bit for bit
+        tables,
+        v,
+        None,
+        hit_rate_threshold=threshold,
+        exact=exact,
+        compiled=compiled,
+        key_stats_sampling=1,
     )
 
 
@@ -266,7 +272,9 @@ def test_a_failed_call_leaves_the_same_key_statistics_on_both_paths() -> None:
             v.create_table(n, 2)
             v.insert(n, np.arange(200, dtype=np.int64), np.ones((200, 2), np.float32))
         ts = [SessionTable(n, 2, DEFAULT, 1000, EmbeddingCache(32, 2, ways=8)) for n in "tu"]
-        s = LookupSession(ts, v, None, hit_rate_threshold=1.0, compiled=compiled)
+        s = LookupSession(
+            ts, v, None, hit_rate_threshold=1.0, compiled=compiled, key_stats_sampling=1
+        )
         with pytest.raises(TierUnavailableError):
             s.lookup_pooled(["t", "u"], [torch.tensor([[1, 150]]), torch.tensor([[7, -1]])])
         assert s.key_stats is not None
@@ -503,7 +511,11 @@ def test_compiled_pass_reads_high_words_like_the_reference(spread: str) -> None:
         v.insert("t", keys, _rows(n, d))
         cache = EmbeddingCache(n // 3, d, policy="lfu", ways=8)
         t = SessionTable("t", d, DEFAULT, 10**6, cache)
-        sessions.append(LookupSession([t], v, None, hit_rate_threshold=1.0, compiled=compiled))
+        sessions.append(
+            LookupSession(
+                [t], v, None, hit_rate_threshold=1.0, compiled=compiled, key_stats_sampling=1
+            )
+        )
     a, b = sessions
     g = torch.Generator().manual_seed(3)
     for _ in range(4):

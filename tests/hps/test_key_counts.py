@@ -186,7 +186,11 @@ def test_counter_memory_follows_distinct_keys_not_occurrences() -> None:
     c = EmbeddingCache(2048, 1, policy="lfu")
     c.insert(torch.arange(600), torch.arange(600, dtype=torch.float32)[:, None])
     s = LookupSession(
-        [SessionTable("t", 1, -1.0, 10**6, c)], _AllKeys(600), None, hit_rate_threshold=1.0
+        [SessionTable("t", 1, -1.0, 10**6, c)],
+        _AllKeys(600),
+        None,
+        hit_rate_threshold=1.0,
+        key_stats_sampling=1,
     )
     assert s.key_stats is not None
     bags = torch.from_numpy(keys).view(-1, 10)

@@ -135,7 +135,11 @@ def test_an_aging_in_the_fused_pass_halves_the_statistics_once_under_a_race() ->
 
     def session(cache: EmbeddingCache) -> LookupSession:
         return LookupSession(
-            [SessionTable("t", 1, -1.0, 10**6, cache)], _AllKeys(100), None, hit_rate_threshold=1.0
+            [SessionTable("t", 1, -1.0, 10**6, cache)],
+            _AllKeys(100),
+            None,
+            hit_rate_threshold=1.0,
+            key_stats_sampling=1,
         )
 
     c = Racing(4, 1, policy="lfu", ways=4, lfu_decay_keys_per_slot=1.0)  # interval 4

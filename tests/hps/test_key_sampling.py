@@ -1,0 +1,135 @@
+"""Sampled key statistics (KeyCounts(sample_every=s), a session's key_stats_sampling): the
+calls counted are those the statistics' generator takes, every occurrence of one as ``s``."""
+
+from __future__ import annotations
+
+import random
+from collections import Counter
+
+import numpy as np
+import pytest
+import torch
+
+from hps.key_counts import KeyCounts
+from tests.hps.test_key_counts import _needs_ext
+
+
+def _taken(seed: int, every: int, calls: int) -> list[bool]:
+    """The statistics' draws in Python: a call is counted when ``random() · every < 1``."""
+    rng = random.Random(seed)
+    return [rng.random() * every < 1.0 for _ in range(calls)]
+
+
+def _check(ks: KeyCounts, want: Counter[int], universe: np.ndarray) -> None:
+    got = ks.count_of(universe).tolist()
+    assert got == [want.get(int(k), 0) for k in universe]
+    assert ks.counter is not None
+    assert ks.counter.size() == len(want)  # type: ignore[attr-defined]  # only counted keys held
+
+
+def test_update_counts_the_calls_the_generator_takes() -> None:
+    _needs_ext()
+    rng = np.random.default_rng(1)
+    calls = [(rng.zipf(1.2, 500) % 3000).astype(np.int64) for _ in range(40)]
+    ks = KeyCounts(sample_every=8, seed=11)
+    for keys in calls:
+        ks.update(keys)
+    want: Counter[int] = Counter()
+    for keys, take in zip(calls, _taken(11, 8, len(calls)), strict=True):
+        if take:
+            for k in keys.tolist():
+                want[k] += 8
+    assert 0 < sum(want.values()) < 8 * 500 * 40  # some calls counted, not all
+    _check(ks, want, np.arange(3000))
+    assert ks.total == sum(want.values())  # weighted alike: the counts' sum
+    ks.update(np.array([2999, 2998]), np.array([5, 7]))  # pre-counted: exact, never skipped
+    assert ks.count_of(np.array([2999, 2998])).tolist() == [
+        want.get(2999, 0) + 5,
+        want.get(2998, 0) + 7,
+    ]
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_session_counts_the_tables_whose_statistics_take_the_call(threads: int) -> None:
+    """Per table its own draws (seed: the table's index): one thread (the fused pass counts)
+    and two (large calls split between threads: counted after the pass) alike; rows and bags
+    unchanged."""
+    _needs_ext()
+    from hps.session import LookupSession, SessionTable
+    from hps.storage.cache import EmbeddingCache
+    from tests.hps.test_cache_aging import _AllKeys
+
+    rng = np.random.default_rng(2)
+    names = ["a", "b", "c"]
+    caches = []
+    for _ in names:
+        c = EmbeddingCache(2048, 1, policy="lfu", lfu_decay_keys_per_slot=0)  # no halving
+        c.insert(torch.arange(600), torch.arange(600, dtype=torch.float32)[:, None])
+        caches.append(c)
+    s = LookupSession(
+        [SessionTable(n, 1, -1.0, 10**6, c) for n, c in zip(names, caches, strict=True)],
+        _AllKeys(600),
+        None,
+        hit_rate_threshold=1.0,
+        key_stats_sampling=4,
+    )
+    calls = []
+    for _ in range(24):
+        keys = [(rng.zipf(1.1, 6000) % 600).reshape(-1, 6) for _ in names]  # 1,000 bags each
+        for k in keys:
+            k[rng.random(k.shape) < 0.03] = -1
+        calls.append([torch.from_numpy(k.astype(np.int64)) for k in keys])
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for keys in calls:
+            got = s.lookup_pooled(names, keys)
+            for i, k in enumerate(keys):
+                assert torch.equal(got[:, i], k.clamp_min(0).to(torch.float32).sum(1))
+    finally:
+        torch.set_num_threads(before)
+    assert s.key_stats is not None
+    for i, name in enumerate(names):
+        want: Counter[int] = Counter()
+        for keys, take in zip(calls, _taken(i, 4, len(calls)), strict=True):
+            if take:
+                for k in keys[i].view(-1).tolist():
+                    if k >= 0:
+                        want[k] += 4
+        ks = s.key_stats[name]
+        assert ks.sample_every == 4
+        _check(ks, want, np.arange(600))
+        assert ks.total == sum(want.values())
+    s.close()
+
+
+def test_sampled_counts_estimate_the_hot_keys() -> None:
+    _needs_ext()
+    rng = np.random.default_rng(4)
+    calls = [(rng.zipf(1.05, 4000) % 100_000).astype(np.int64) for _ in range(400)]
+    ks = KeyCounts(sample_every=8)
+    for keys in calls:
+        ks.update(keys)
+    distinct, true = np.unique(np.concatenate(calls), return_counts=True)
+    hot = np.argsort(-true)[:5]
+    est = ks.count_of(distinct[hot])
+    # per call the hottest keys recur steadily: about 50 of 400 calls counted, as 8 each
+    assert np.all(np.abs(est - true[hot]) <= 0.35 * true[hot])
+    assert abs(int(est[0]) - int(true[hot][0])) <= 0.2 * true[hot][0]
+    assert set(ks.hottest(3).tolist()) <= set(distinct[hot].tolist())
+
+
+@pytest.mark.parametrize("bad", [0, -3, 2.0, True])
+def test_a_bad_sampling_rate_is_refused(bad: object) -> None:
+    from hps.session import LookupSession, SessionTable
+    from tests.hps.test_cache_aging import _AllKeys
+
+    with pytest.raises(ValueError, match="sample_every must be an integer >= 1"):
+        KeyCounts(sample_every=bad)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="key_stats_sampling must be an integer >= 1"):
+        LookupSession(
+            [SessionTable("t", 1, -1.0, 10, None)],
+            _AllKeys(10),
+            None,
+            key_stats_sampling=bad,  # type: ignore[arg-type]
+        )

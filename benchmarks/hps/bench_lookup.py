@@ -46,7 +46,7 @@ from benchmarks.hps.zipf_keys import Zipf, side_by_side
 from benchmarks.meta import RESULTS_DIR, write_json
 from hps.kernels import load_extension
 from hps.rowformat import RowDtype, quantize_rows
-from hps.session import LookupSession, SessionTable
+from hps.session import DEFAULT_KEY_STATS_SAMPLING, LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache, StaticEmbeddingCache
 from hps.storage.volatile import HashMapBackend
 from hps.types import Pooling
@@ -141,11 +141,15 @@ def _restore(cache: EmbeddingCache, fp32: torch.Tensor) -> None:
 
 
 def _resident_session(
-    weights: list[torch.Tensor], names: list[str], max_keys: int, slack: float
+    weights: list[torch.Tensor],
+    names: list[str],
+    max_keys: int,
+    slack: float,
+    key_stats_sampling: int = DEFAULT_KEY_STATS_SAMPLING,
 ) -> LookupSession:
     """A session whose caches hold the rows of ``weights`` (capacity ``slack`` × rows: at 2 no
     64-way set overflows, at 1.25 a few percent of the rows stay out), in front of an empty
-    volatile DB."""
+    volatile DB; its key statistics count one lookup in ``key_stats_sampling`` (per table)."""
     tables = []
     v = HashMapBackend(num_partitions=1)
     for name, w in zip(names, weights, strict=True):
@@ -155,7 +159,9 @@ def _resident_session(
         for s in range(0, keys.numel(), 1 << 18):
             c.insert(keys[s : s + (1 << 18)], w[s : s + (1 << 18)])
         tables.append(SessionTable(name, DIM, 0.0, max_keys, c))
-    return LookupSession(tables, v, None, hit_rate_threshold=0.0)
+    return LookupSession(
+        tables, v, None, hit_rate_threshold=0.0, key_stats_sampling=key_stats_sampling
+    )
 
 
 def _static_session(weights: list[torch.Tensor], names: list[str], max_keys: int) -> LookupSession:

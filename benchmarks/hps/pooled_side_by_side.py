@@ -5,9 +5,11 @@
 The ``tables`` section of :mod:`benchmarks.hps.bench_lookup` reduced to its pooled pair: the
 26 tables of ``dlrm_dcnv2`` ÷ 300 (65,484 Zipf(1.05) keys, batch 306, 128-wide FP32), every
 row resident in a set-associative LFU cache (capacity 2 × rows), ``lookup_pooled`` into a
-reused buffer against ``F.embedding_bag`` (sum) over the stacked rows, the two calls
-alternated, CPU time of the calling thread with one torch thread, medians. Each run appends
-one row (``label``, both medians, the ratio, the load average) to ``--out``, so that runs of
+reused buffer against ``F.embedding_bag`` (sum) over the stacked rows, the calls alternated,
+CPU time of the calling thread with one torch thread, medians and means. ``--sampling 8,1``
+runs one session per key statistics sampling (the default counts one lookup in 8 per table;
+1 counts every one). Each run appends one row (``label``, the medians, means and ratios, the
+load average) to ``--out``, so that runs of
 two builds (this checkout and another one on ``PYTHONPATH``, run by file path) can alternate
 and land in one JSON. Only the bench's setup helpers are imported from ``benchmarks``.
 """
@@ -28,16 +30,23 @@ import torch.nn.functional as F
 
 from benchmarks.hps.bench_lookup import DIM, _resident_session, tables_setup
 from benchmarks.meta import write_json
+from hps.session import DEFAULT_KEY_STATS_SAMPLING
 from hps.types import Pooling
 
 log = logging.getLogger(__name__)
 
 
-def run(repeats: int) -> dict[str, Any]:
-    """One setup, ``repeats`` alternated pairs; medians in ms and the ratio (> 1: ours faster)."""
+def run(repeats: int, samplings: list[int]) -> dict[str, Any]:
+    """One setup, ``repeats`` alternated rounds (one call per session, one ``embedding_bag``);
+    per session (its key statistics sampling ``s``: one lookup in ``s`` counted per table) the
+    median and mean in ms and the ratios (> 1: ours faster). With ``s > 1`` one lookup in
+    ``s`` counts a given table's keys, so the calls' costs differ: the mean is the amortised
+    figure, the median a typical call's."""
     names, ws, hot, batch, keys = tables_setup(300)
     rows = [int(w.shape[0]) for w in ws]
-    s = _resident_session(ws, names, 1 << 20, slack=2.0)
+    sessions = {
+        s: _resident_session(ws, names, 1 << 20, slack=2.0, key_stats_sampling=s) for s in samplings
+    }
     stacked = torch.cat(ws)
     base = torch.tensor([0, *np.cumsum(rows)[:-1].tolist()])
     ids = torch.cat([k.reshape(-1) + base[i] for i, k in enumerate(keys)])
@@ -45,32 +54,50 @@ def run(repeats: int) -> dict[str, Any]:
     out = torch.empty(batch, DIM * len(names))
     pooling = [Pooling.SUM] * len(names)
     ref = F.embedding_bag(ids, stacked, offsets, mode="sum").view(len(names), batch, DIM)
-    got = s.lookup_pooled(names, keys, pooling, out=out).view(batch, len(names), DIM)
-    torch.testing.assert_close(got.transpose(0, 1), ref, rtol=1e-5, atol=1e-4)
+    for s in sessions.values():
+        got = s.lookup_pooled(names, keys, pooling, out=out).view(batch, len(names), DIM)
+        torch.testing.assert_close(got.transpose(0, 1), ref, rtol=1e-5, atol=1e-4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    ours: dict[int, list[float]] = {k: [] for k in sessions}
+    theirs: list[float] = []
     try:
         for _ in range(3):
-            s.lookup_pooled(names, keys, pooling, out=out)
+            for s in sessions.values():
+                s.lookup_pooled(names, keys, pooling, out=out)
             F.embedding_bag(ids, stacked, offsets, mode="sum")
-        ours, theirs = [], []
         for _ in range(repeats):
-            t0 = time.thread_time()
-            s.lookup_pooled(names, keys, pooling, out=out)
-            ours.append(time.thread_time() - t0)
+            for k, s in sessions.items():
+                t0 = time.thread_time()
+                s.lookup_pooled(names, keys, pooling, out=out)
+                ours[k].append(time.thread_time() - t0)
             t0 = time.thread_time()
             F.embedding_bag(ids, stacked, offsets, mode="sum")
             theirs.append(time.thread_time() - t0)
     finally:
         torch.set_num_threads(threads)
-    a, b = float(np.median(ours)) * 1e3, float(np.median(theirs)) * 1e3
-    return {"hps_pooled_cpu1_ms": a, "embedding_bag_cpu1_ms": b, "ratio": b / a}
+    b_med, b_mean = float(np.median(theirs)) * 1e3, float(np.mean(theirs)) * 1e3
+    res: dict[str, Any] = {"embedding_bag_cpu1_ms": b_med, "embedding_bag_cpu1_mean_ms": b_mean}
+    for k, v in ours.items():
+        a_med, a_mean = float(np.median(v)) * 1e3, float(np.mean(v)) * 1e3
+        res[f"sampling_{k}"] = {
+            "hps_pooled_cpu1_ms": a_med,
+            "hps_pooled_cpu1_mean_ms": a_mean,
+            "ratio": b_med / a_med,
+            "ratio_of_means": b_mean / a_mean,
+        }
+    return res
 
 
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--repeats", type=int, default=40)
     ap.add_argument("--label", default="this checkout")
+    ap.add_argument(
+        "--sampling",
+        default=str(DEFAULT_KEY_STATS_SAMPLING),
+        help="comma-separated key statistics samplings, one session each (1: exact counts)",
+    )
     # beside this file, not the imported checkout's: run by path with another build on
     # PYTHONPATH, the rows still land here
     here = Path(__file__).resolve().parent.parent / "results"
@@ -79,7 +106,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     load = os.getloadavg()[0]
     row: dict[str, Any] = {"label": args.label, "repeats": args.repeats, "load_1min": load}
-    row.update(run(args.repeats))
+    row.update(run(args.repeats, [int(x) for x in args.sampling.split(",")]))
     rows = json.loads(args.out.read_text())["rows"] if args.out.exists() else []
     write_json(args.out, [*rows, row], bench="hps_pooled_side_by_side")
     log.info("%s", json.dumps(row))

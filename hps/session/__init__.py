@@ -10,6 +10,11 @@ the table's default vector.
 Its statistics are :mod:`hps.session_stats`; its fused multi-table lookup :mod:`hps.session.fused`.
 """
 
-from hps.session.lookup import LookupSession, SessionTable, unique_with_inverse
+from hps.session.lookup import (
+    DEFAULT_KEY_STATS_SAMPLING,
+    LookupSession,
+    SessionTable,
+    unique_with_inverse,
+)
 
-__all__ = ["LookupSession", "SessionTable", "unique_with_inverse"]
+__all__ = ["DEFAULT_KEY_STATS_SAMPLING", "LookupSession", "SessionTable", "unique_with_inverse"]

@@ -17,8 +17,9 @@ estimate of its occurrences, and ``s - 1`` calls in ``s`` cost the map nothing. 
 (docs/benchmarks.md). A key seen ``n_c`` times in call ``c`` reads ``Σ n_c`` give or take
 ``sqrt((s - 1)·Σ n_c²)`` (one standard deviation): a key seen alike in ``C`` calls is within
 ``sqrt((s - 1) / C)`` of its count (10 % after 700 calls with ``s = 8``), so the hot keys that
-warm-up and admission read are ranked right, while a key seen a few times reads 0 or a
-multiple of ``s``.
+warm-up reads are ranked right, while a key seen a few times reads 0 or a multiple of ``s``
+(admission priorities of cold keys get noisier, and an advisor curve loses the tail: a
+session samples only when asked, docs/hps.md).
 The total (:attr:`~hps.advisor.KeyStatistics.total`, the aged mass) is weighted alike, so
 it is the sum of the counts, an estimate of the occurrences; a call not taken costs nothing
 but the draw. Pre-counted updates (``counts`` given) are exact and never skipped; the

@@ -404,8 +404,12 @@ def reconstruct(
         c = torch.tensor(cols)
         a = h[rows][:, rows]
         a.diagonal().add_(lam)
-        b = h[rows] @ w[:, c] + lam * w[rows.unsqueeze(1), c.unsqueeze(0)]
-        out[rows.unsqueeze(1), c.unsqueeze(0)] = _solve_psd(a, b)
+        kept = w[rows.unsqueeze(1), c.unsqueeze(0)]
+        # solved for the change from the kept weights: the same Ŵ for λ > 0, and with no
+        # damping and dependent inputs the least-norm change, never a move along directions
+        # the inputs do not take
+        rhs = h[rows] @ w[:, c] + lam * kept - a @ kept
+        out[rows.unsqueeze(1), c.unsqueeze(0)] = kept + _solve_psd(a, rhs)
     return out.to(weight_kn.dtype)
 
 

@@ -6,11 +6,12 @@ The ``tables`` section of :mod:`benchmarks.hps.bench_lookup` reduced to its pool
 26 tables of ``dlrm_dcnv2`` ÷ 300 (65,484 Zipf(1.05) keys, batch 306, 128-wide FP32), every
 row resident in a set-associative LFU cache (capacity 2 × rows), ``lookup_pooled`` into a
 reused buffer against ``F.embedding_bag`` (sum) over the stacked rows, the calls alternated,
-CPU time of the calling thread with one torch thread, medians and means. ``--sampling 8,1``
-runs one session per key statistics sampling (the default counts one lookup in 8 per table;
-1 counts every one). Each run appends one row (``label``, the medians, means and ratios, the
-load average) to ``--out``, so that runs of
-two builds (this checkout and another one on ``PYTHONPATH``, run by file path) can alternate
+CPU time of the calling thread with one torch thread, medians and means, the sessions' order
+rotated every round. ``--sampling 8,1`` (the default) runs one session per key statistics
+sampling (8: one lookup in 8 counted per table; 1, the session default: every one). Each run
+appends one row (``label``, the medians, means and ratios, the load average) to ``--out``, so
+that runs of two builds of stop 33 or later (this checkout and another one on ``PYTHONPATH``,
+run by file path) can alternate
 and land in one JSON. Only the bench's setup helpers are imported from ``benchmarks``.
 """
 
@@ -66,8 +67,9 @@ def run(repeats: int, samplings: list[int]) -> dict[str, Any]:
             for s in sessions.values():
                 s.lookup_pooled(names, keys, pooling, out=out)
             F.embedding_bag(ids, stacked, offsets, mode="sum")
-        for _ in range(repeats):
-            for k, s in sessions.items():
+        items = list(sessions.items())
+        for r in range(repeats):
+            for k, s in items[r % len(items) :] + items[: r % len(items)]:
                 t0 = time.thread_time()
                 s.lookup_pooled(names, keys, pooling, out=out)
                 ours[k].append(time.thread_time() - t0)
@@ -95,7 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--label", default="this checkout")
     ap.add_argument(
         "--sampling",
-        default=str(DEFAULT_KEY_STATS_SAMPLING),
+        default=f"8,{DEFAULT_KEY_STATS_SAMPLING}",
         help="comma-separated key statistics samplings, one session each (1: exact counts)",
     )
     # beside this file, not the imported checkout's: run by path with another build on

@@ -32,6 +32,8 @@ class KeyCounter {
  public:
   KeyCounter() { rehash(1 << 10); }
 
+  // Set before the counter is shared (KeyCounts sets it when it makes the counter): a pass
+  // reads weight() without the lock.
   void set_weight(int64_t w) {
     check(w >= 1, "set_weight: the weight must be >= 1");
     std::lock_guard<std::mutex> g(mu_);

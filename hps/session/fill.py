@@ -140,12 +140,18 @@ class CacheFill:
         self, t: SessionTable, mkeys: torch.Tensor, mcounts: torch.Tensor, counted: bool = False
     ) -> torch.Tensor:
         """Admission priority of missed keys: their uses in this request plus the history
-        before it (``counted``: the statistics already hold this request's keys ``>= 0``,
-        and every use of a missed key is a miss, so for those they are exactly that sum)."""
+        before it (``counted``: the statistics already hold this request's keys ``>= 0``, each
+        use as the statistics' weight ``s`` (1 unless they sample,
+        :class:`~hps.key_counts.KeyCounts`), and every use of a missed key is a miss, so for
+        those they hold the history plus ``s × mcounts``: ``(s - 1) × mcounts`` is taken off,
+        and the priority is the same whichever path counted the request)."""
         if self.key_stats is None:
             return mcounts
-        seen = torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
-        return seen + torch.where(mkeys < 0, mcounts, 0) if counted else mcounts + seen
+        ks = self.key_stats[t.name]
+        seen = torch.from_numpy(ks.count_of(mkeys.numpy()))
+        if not counted:
+            return mcounts + seen
+        return seen + torch.where(mkeys < 0, mcounts, (1 - ks.sample_every) * mcounts)
 
     def _read(
         self,

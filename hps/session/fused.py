@@ -278,8 +278,9 @@ def _run(
             s, ts, ks, caches, res, per, buf, offsets, hot, pooling, failed, counted, taken
         )
     except Exception:
-        # the miss path raised: the call's keys are counted all the same (the pass may already
-        # hold some, so both paths count them, as after a success), the statistics the pass
+        # the miss path raised: the call's keys are counted all the same by the statistics
+        # that take the call (the pass may already hold some, so both paths count them, as
+        # after a success), the statistics the pass
         # did not count first aged to their caches' epochs (as the miss path does before it
         # serves a table). A failure to count is only logged: the call raises the miss path's
         try:

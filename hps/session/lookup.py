@@ -40,11 +40,12 @@ halves its counters, so a priority and a resident count are on one scale: a key 
 ago re-enters with its aged count, not its lifetime total. With exact statistics
 (``key_stats_sampling=1``) and sequential lookups this is exact (a missed key is admitted with
 what its counter would be had it been cached all along); concurrent lookups of one table may
-halve a priority once more or once less. By default each table's statistics count about one
-fused lookup in :data:`DEFAULT_KEY_STATS_SAMPLING`, every key of it as that many
-(:mod:`hps.key_counts`): the history part of a priority is then an unbiased estimate, as the
-cache's own LFU counters (Morris steps) are, and the other lookups do not touch the
-statistics.
+halve a priority once more or once less. With ``key_stats_sampling=s > 1`` each table's
+statistics count about one fused lookup in ``s``, every key of it as ``s``
+(:mod:`hps.key_counts`): the history part of a priority is then an unbiased but noisy estimate,
+and the other lookups do not touch the statistics — faster lookups, less accurate admission
+(docs/benchmarks.md, "Issue 27 at stop 33": hit rate 0.621 against 0.642 with ``s = 8``), so
+the default counts every lookup.
 """
 
 from __future__ import annotations
@@ -76,11 +77,11 @@ from hps.types import Pooling, StorageBackend, TierUnavailableError
 if TYPE_CHECKING:  # hps.updates imports this module: its types only, at run time lazily
     from hps.updates.health import UpdateHealth, UpdateStatus
 
-# Fused lookups per one counted into each table's key statistics by default (module
-# docstring): counting every key of every lookup cost 0.5-0.9 ms of a 6 ms pooled lookup of 26
-# tables (65,000 Zipf keys; docs/benchmarks.md); one in 8 estimates a key seen alike in 700
-# lookups within 10 % (one standard deviation).
-DEFAULT_KEY_STATS_SAMPLING = 8
+# Fused lookups per one counted into each table's key statistics by default: every one.
+# Sampling one in 8 saves 0.36-0.50 ms of a 6 ms pooled lookup of 26 tables (65,000 Zipf keys)
+# but admits missed keys on noisier priorities: an LFU cache of 10 % of a Zipf(1.05) table
+# kept 0.621 of the unique keys against 0.642 (docs/benchmarks.md, "Issue 27 at stop 33").
+DEFAULT_KEY_STATS_SAMPLING = 1
 
 
 class LookupSession:

@@ -133,3 +133,53 @@ def test_a_bad_sampling_rate_is_refused(bad: object) -> None:
             None,
             key_stats_sampling=bad,  # type: ignore[arg-type]
         )
+
+
+def test_admission_is_the_same_whichever_path_counted_the_call() -> None:
+    """Sampling 4, a cache smaller than the keys: with one thread the fused pass counts a
+    taken call itself before its misses are admitted, with two the call is counted after
+    them; a missed key's priority (history plus its uses in the call) is the same either way,
+    so the two sessions end with the same resident keys and the same statistics."""
+    _needs_ext()
+    from hps.session import LookupSession, SessionTable
+    from hps.storage.cache import EmbeddingCache
+    from tests.hps.test_cache_aging import _AllKeys
+
+    rng = np.random.default_rng(5)
+    names = ["a", "b", "c"]
+    calls = [
+        [
+            torch.from_numpy((rng.zipf(1.1, 6000) % 600).reshape(-1, 6).astype(np.int64))
+            for _ in names
+        ]
+        for _ in range(20)
+    ]
+    finals = []
+    for threads in (1, 2):
+        caches = [
+            EmbeddingCache(128, 1, policy="lfu", ways=8, lfu_decay_keys_per_slot=0) for _ in names
+        ]
+        s = LookupSession(
+            [SessionTable(n, 1, -1.0, 10**6, c) for n, c in zip(names, caches, strict=True)],
+            _AllKeys(600),
+            None,
+            hit_rate_threshold=1.0,  # misses admitted within the call
+            key_stats_sampling=4,
+        )
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            for keys in calls:
+                s.lookup_pooled(names, keys)
+        finally:
+            torch.set_num_threads(before)
+        assert s.key_stats is not None
+        finals.append(
+            (
+                [sorted(c.cached_keys().tolist()) for c in caches],
+                [s.key_stats[n].count_of(np.arange(600)).tolist() for n in names],
+            )
+        )
+        s.close()
+    assert finals[0] == finals[1]
+    assert all(len(k) > 64 for k in finals[0][0])  # the caches did fill

@@ -94,6 +94,17 @@ def test_reconstruct_damping_pulls_toward_the_kept_weights() -> None:
         **tol("tw_layer", torch.float64),
     )
     assert float((null.T @ w[rows]).abs().max()) > 0.1  # there was something to keep
+    # no damping, dependent inputs: the least-norm change, still none along those directions
+    exact = reconstruct(w, mask, h, damping=0.0)
+    torch.testing.assert_close(
+        null.T @ (exact[rows] - w[rows]),
+        torch.zeros(2, 4, dtype=torch.float64),
+        **tol("tw_layer", torch.float64),
+    )
+    fit = torch.linalg.lstsq(x[:, rows], x @ w).solution  # the same outputs on the inputs
+    torch.testing.assert_close(
+        x[:, rows] @ exact[rows], x[:, rows] @ fit, **tol("tw_layer", torch.float64)
+    )
 
 
 def _mlp(seed: int = 0) -> nn.Sequential:

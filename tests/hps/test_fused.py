@@ -261,9 +261,21 @@ def test_a_failed_tier_is_refused_never_defaulted() -> None:
     assert s.stats("t")["unavailable"] == 1
 
 
-def test_a_failed_call_leaves_the_same_key_statistics_on_both_paths() -> None:
-    """The miss path of the first table raises: both paths count every table's keys (the
-    compiled pass counted them in the pass), totals included, as for a call that succeeded."""
+@pytest.mark.parametrize(
+    ("sampling", "want"),
+    [
+        (1, [([1, 150], [1, 1], 2), ([7], [1], 1)]),
+        # sampled: t's statistics (seed 0: draw 0.84 · 2 >= 1) skip the call, u's (seed 1:
+        # 0.13 · 2 < 1) count it, as 2
+        (2, [([], [], 0), ([7], [2], 2)]),
+    ],
+)
+def test_a_failed_call_leaves_the_same_key_statistics_on_both_paths(
+    sampling: int, want: list[tuple[list[int], list[int], int]]
+) -> None:
+    """The miss path of the first table raises: both paths count every table's keys that its
+    statistics take (the compiled pass counted them in the pass), totals included, as for a
+    call that succeeded."""
     needs_ext()
     stats = []
     for compiled in (True, False):
@@ -273,7 +285,7 @@ def test_a_failed_call_leaves_the_same_key_statistics_on_both_paths() -> None:
             v.insert(n, np.arange(200, dtype=np.int64), np.ones((200, 2), np.float32))
         ts = [SessionTable(n, 2, DEFAULT, 1000, EmbeddingCache(32, 2, ways=8)) for n in "tu"]
         s = LookupSession(
-            ts, v, None, hit_rate_threshold=1.0, compiled=compiled, key_stats_sampling=1
+            ts, v, None, hit_rate_threshold=1.0, compiled=compiled, key_stats_sampling=sampling
         )
         with pytest.raises(TierUnavailableError):
             s.lookup_pooled(["t", "u"], [torch.tensor([[1, 150]]), torch.tensor([[7, -1]])])
@@ -281,7 +293,7 @@ def test_a_failed_call_leaves_the_same_key_statistics_on_both_paths() -> None:
         stats.append(
             [(k.hottest().tolist(), k.counts().tolist(), k.total) for k in s.key_stats.values()]
         )
-    assert stats[0] == stats[1] == [([1, 150], [1, 1], 2), ([7], [1], 1)]
+    assert stats[0] == stats[1] == want
 
 
 def test_a_failure_to_count_keys_does_not_mask_the_miss_paths_error(monkeypatch, caplog) -> None:

@@ -280,9 +280,9 @@ def _run(
     except Exception:
         # the miss path raised: the call's keys are counted all the same by the statistics
         # that take the call (the pass may already hold some, so both paths count them, as
-        # after a success), the statistics the pass
-        # did not count first aged to their caches' epochs (as the miss path does before it
-        # serves a table). A failure to count is only logged: the call raises the miss path's
+        # after a success), those the pass did not count first aged to their caches' epochs
+        # (as the miss path does before it serves a table). A failure to count is only
+        # logged: the call raises the miss path's
         try:
             if s.key_stats is not None:
                 s._age_key_stats_many(
@@ -308,9 +308,9 @@ def _pass_counters(
 ) -> list[object | None] | None:
     """The compiled key counters the fused pass may count into: per table, its counter where
     ``taken`` (the call is counted), else ``None``; ``None`` when the pass counts none (no
-    statistics, no table takes the call, the reference pass or the reference counts). Each
-    taken table's statistics
-    are first halved for every aging of its cache so far."""
+    statistics, no table takes the call, the reference pass, or statistics without a compiled
+    counter). Each taken table's statistics are first halved for every aging of its cache so
+    far."""
     if s.key_stats is None or not s.compiled or not any(taken):
         return None
     stats = s.key_stats

@@ -9,21 +9,18 @@ run once per LFU aging period, once per ``max_keys`` new keys, and on warm-up. I
 equal the reference's (tests/hps/test_key_counts.py); without the extension it is the reference.
 
 With ``sample_every = s > 1`` the statistics sample whole calls: each update without counts
-(and each fused lookup's keys of the table, :mod:`hps.session.fused`) is counted with
+(and each fused lookup's hits of the table, :mod:`hps.session.fused`) is counted with
 probability ``1/s`` (:meth:`KeyCounts.take_call`, the statistics' own generator seeded by
 ``seed``), every occurrence of a counted call as ``s``, so a key's count is an unbiased
-estimate of its occurrences, and ``s - 1`` calls in ``s`` cost the map nothing. On 26 tables'
-65,000 Zipf keys, counting every occurrence is 0.5–0.9 ms of a 6 ms pooled lookup
-(docs/benchmarks.md). A key seen ``n_c`` times in call ``c`` reads ``Σ n_c`` give or take
-``sqrt((s - 1)·Σ n_c²)`` (one standard deviation): a key seen alike in ``C`` calls is within
-``sqrt((s - 1) / C)`` of its count (10 % after 700 calls with ``s = 8``), so the hot keys that
-warm-up reads are ranked right, while a key seen a few times reads 0 or a multiple of ``s``
-(admission priorities of cold keys get noisier, and an advisor curve loses the tail: a
-session samples only when asked, docs/hps.md).
-The total (:attr:`~hps.advisor.KeyStatistics.total`, the aged mass) is weighted alike, so
-it is the sum of the counts, an estimate of the occurrences; a call not taken costs nothing
-but the draw. Pre-counted updates (``counts`` given) are exact and never skipped; the
-reference path (no extension) counts every call.
+estimate of its occurrences, and ``s - 1`` calls in ``s`` cost the map nothing. A key seen
+``n_c`` times in call ``c`` reads ``Σ n_c`` give or take ``sqrt((s - 1)·Σ n_c²)`` (one
+standard deviation): a key seen alike in ``C`` calls is within ``sqrt((s - 1) / C)`` of its
+count (10 % after 700 calls with ``s = 8``). A session's fused lookups count their *misses*
+one for one, always (pre-counted updates: exact, never skipped), so a cold key's history,
+which admission weighs, stays exact; only the hits of resident keys are sampled. The total
+(:attr:`~hps.advisor.KeyStatistics.total`, the aged mass) is weighted alike, so it is the sum
+of the counts, an estimate of the occurrences. The reference path (no extension) counts every
+call.
 """
 
 from __future__ import annotations

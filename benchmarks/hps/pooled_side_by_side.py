@@ -8,7 +8,8 @@ row resident in a set-associative LFU cache (capacity 2 × rows), ``lookup_poole
 reused buffer against ``F.embedding_bag`` (sum) over the stacked rows, the calls alternated,
 CPU time of the calling thread with one torch thread, medians and means, the sessions' order
 rotated every round. ``--sampling 8,1`` (the default) runs one session per key statistics
-sampling (8: one lookup in 8 counted per table; 1, the session default: every one). Each run
+sampling (8, the session default: the hits of one lookup in 8 counted per table; 1: every
+key). Each run
 appends one row (``label``, the medians, means and ratios, the load average) to ``--out``, so
 that runs of two builds of stop 33 or later (this checkout and another one on ``PYTHONPATH``,
 run by file path) can alternate
@@ -97,7 +98,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--label", default="this checkout")
     ap.add_argument(
         "--sampling",
-        default=f"8,{DEFAULT_KEY_STATS_SAMPLING}",
+        default=f"{DEFAULT_KEY_STATS_SAMPLING},1",
         help="comma-separated key statistics samplings, one session each (1: exact counts)",
     )
     # beside this file, not the imported checkout's: run by path with another build on

@@ -104,8 +104,9 @@ inline int64_t clear_marks(const TableView& t, FirstHits& firsts) {
 // written as 0.0f + row (kZeroAdd), the later ones added, so its output row is written once
 // and never zero-filled first (a bag without a hit is zero-filled at its last key). With
 // ``uses`` (one thread does every key of the call) the counters are written here too, hits
-// counted and first hits recorded, and the keys >= 0 counted into t.counter when it is set
-// (the key's hash computed once for both; its counter entry prefetched with the tag line).
+// counted and first hits recorded, and the hits of keys >= 0 counted into t.counter when it is
+// set (the key's hash computed once for both; its counter entry prefetched with the tag line;
+// the misses are counted exactly by the caller's miss path, hps/session/fused.py).
 // With kProbeOnly (bags pooled afterwards by pool_bags from sl) no row is read here.
 template <bool kUses, int64_t kFormat, bool kProbeOnly = false>
 int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
@@ -187,7 +188,7 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
       n_missed += slot == -1;
     }
     if (i < i0) continue;
-    if (kUses && t.counter != nullptr && t.keys[i] >= 0)
+    if (kUses && t.counter != nullptr && t.keys[i] >= 0 && sl[i] >= 0)  // hits: misses later
       t.counter->add_hashed(t.keys[i], ps(i).hash, t.counter->weight());
     const int64_t slot = sl[i];  // stage 4: copy or add the row, use the slot
     if (!bags) {

@@ -93,8 +93,9 @@ class CacheFill:
             mcounts: ``(k,) int64`` their occurrences in the request.
             n_unique: distinct keys of the request (hits and misses): the hit rate's denominator.
             epoch: the cache's ``decay_epoch`` the key statistics were aged to.
-            counted: the request's keys are already in the key statistics (the fused pass
-                counted them): the admission priority does not add ``mcounts`` twice.
+            counted: the request's missed keys are already in the key statistics (a fused
+                lookup counts them before serving): the priority does not add ``mcounts``
+                twice.
 
         Returns:
             ``(rows (k, dim) float32 on the session's device, tier (k,) int8: 1 volatile,
@@ -140,18 +141,14 @@ class CacheFill:
         self, t: SessionTable, mkeys: torch.Tensor, mcounts: torch.Tensor, counted: bool = False
     ) -> torch.Tensor:
         """Admission priority of missed keys: their uses in this request plus the history
-        before it (``counted``: the statistics already hold this request's keys ``>= 0``, each
-        use as the statistics' weight ``s`` (1 unless they sample,
-        :class:`~hps.key_counts.KeyCounts`), and every use of a missed key is a miss, so for
-        those they hold the history plus ``s × mcounts``: ``(s - 1) × mcounts`` is taken off,
-        and the priority is the same whichever path counted the request)."""
+        before it (``counted``: the statistics already hold this request's missed keys
+        ``>= 0``, exactly — a fused lookup counts its misses one for one even where its
+        statistics sample the hits, :mod:`hps.session.fused` — so for those they are that
+        sum)."""
         if self.key_stats is None:
             return mcounts
-        ks = self.key_stats[t.name]
-        seen = torch.from_numpy(ks.count_of(mkeys.numpy()))
-        if not counted:
-            return mcounts + seen
-        return seen + torch.where(mkeys < 0, mcounts, (1 - ks.sample_every) * mcounts)
+        seen = torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
+        return seen + torch.where(mkeys < 0, mcounts, 0) if counted else mcounts + seen
 
     def _read(
         self,

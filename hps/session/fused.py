@@ -273,10 +273,9 @@ def _run(
     finally:
         for c in reversed(order):
             c._lock.release()
+    epochs, missed = _age_and_count_misses(s, ts, ks, caches, res, per, counted, taken)
     try:
-        _serve_all_misses(
-            s, ts, ks, caches, res, per, buf, offsets, hot, pooling, failed, counted, taken
-        )
+        _serve_all_misses(s, ts, ks, caches, res, per, buf, offsets, hot, pooling, failed, epochs)
     except Exception:
         # the miss path raised: the call's keys are counted all the same by the statistics
         # that take the call (the pass may already hold some, so both paths count them, as
@@ -292,11 +291,11 @@ def _run(
                         if take and not done
                     ]
                 )
-            _count_keys(s, ts, ks, per, counted, counters is not None, taken)
+            _count_keys(s, ts, ks, res, per, counted, counters is not None, taken, missed)
         except Exception:
             log.exception("counting the keys of a failed lookup of %s failed", [t.name for t in ts])
         raise
-    _count_keys(s, ts, ks, per, counted, counters is not None, taken)
+    _count_keys(s, ts, ks, res, per, counted, counters is not None, taken, missed)
 
 
 def _pass_counters(
@@ -345,22 +344,18 @@ def _serve_all_misses(
     hot: list[int],
     pooling: list[Pooling] | None,
     failed: list[str],
-    counted: Sequence[bool],
-    taken: Sequence[bool],
+    epochs: dict[int, int],
 ) -> None:
-    """The miss path of each table that had misses; a table whose miss path fails is
-    appended to ``failed`` before the error propagates (the later tables are not served).
-    Key statistics that count this call (``taken``) but were not counted by the pass, and
-    those of every table with a miss, are aged here (one acquisition of the aging lock),
-    before :func:`_count_keys`."""
+    """The miss path of each table that had misses (``epochs``: per such table, the
+    ``decay_epoch`` its key statistics were aged to, :func:`_age_and_count_misses`); a table
+    whose miss path fails is appended to ``failed`` before the error propagates (the later
+    tables are not served)."""
 
     start = 0
     all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
     # every served table's counts, recorded at the end under one statistics lock acquisition
     records: list[tuple[str, list[int], list[int], bool]] = []
     all_hit: list[tuple[str, int, int, bool]] = []  # tables without a miss
-    aged = [i for i, row in enumerate(per) if row[0] or (taken[i] and not counted[i])]
-    epochs = dict(zip(aged, s._age_key_stats_many([(ts[i], caches[i]) for i in aged]), strict=True))
     try:
         for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
             nm, hits, uniq_hits = row[0], row[1], row[2]
@@ -377,7 +372,13 @@ def _serve_all_misses(
                 c.stats.queries += uniq.numel()
             try:
                 rows, tier, is_async = s.fill.serve_misses(
-                    t, c, uniq, counts, n_unique, epoch, counted[i]
+                    t,
+                    c,
+                    uniq,
+                    counts,
+                    n_unique,
+                    epoch,
+                    True,  # misses counted: _count_misses
                 )
             except Exception:
                 failed.append(t.name)
@@ -408,6 +409,50 @@ def _serve_all_misses(
         s.statistics.record_counts_many(records, all_hit)
 
 
+def _miss_positions(res: GatherResult, per: list[list[int]]) -> list[torch.Tensor]:
+    """Per table, the positions of its missed keys (into its keys, row-major)."""
+    out, start = [], 0
+    for row in per:
+        out.append(res.misses[start : start + row[0]])
+        start += row[0]
+    return out
+
+
+def _age_and_count_misses(
+    s: SessionView,
+    ts: list[SessionTable],
+    ks: list[torch.Tensor],
+    caches: list[EmbeddingCache],
+    res: GatherResult,
+    per: list[list[int]],
+    counted: Sequence[bool],
+    taken: Sequence[bool],
+) -> tuple[dict[int, int], list[int]]:
+    """After the pass, before any miss is served: the key statistics of every table with a
+    miss, and of those that take the call but were not counted by the pass, aged to their
+    caches' epochs (one acquisition of the aging lock); then every table's missed keys
+    ``>= 0`` counted exactly, whether or not its statistics take the call (admission reads a
+    cold key's history, which a sample would blur; the hits are counted by the pass or
+    :func:`_count_keys`, as the sampling says). Counted before serving, so a miss path that
+    fails leaves them counted as one that succeeds. Returns ``(epochs, missed)``: per table
+    with a miss, the epoch its statistics match; per table, the missed occurrences counted.
+    """
+    aged = [i for i, row in enumerate(per) if row[0] or (taken[i] and not counted[i])]
+    epochs = dict(zip(aged, s._age_key_stats_many([(ts[i], caches[i]) for i in aged]), strict=True))
+    missed = [0] * len(ts)
+    if s.key_stats is None:
+        return epochs, missed
+    for i, (t, f, pos, row) in enumerate(zip(ts, ks, _miss_positions(res, per), per, strict=True)):
+        if not row[0]:
+            continue
+        keys = f.view(-1).index_select(0, pos)
+        uniq, counts = torch.unique(keys[keys >= 0], return_counts=True)
+        if uniq.numel():
+            s.key_stats[t.name].update(uniq.numpy(), counts.numpy())
+            missed[i] = int(counts.sum())
+    return epochs, missed
+
+
 class _KeyCounter(Protocol):
     """The compiled ``KeyCounter`` (:mod:`hps.key_counts`): counts ``keys`` (keys < 0 skipped
     with ``skip_negative``; ``counts`` empty: its weight each)."""
@@ -419,26 +464,34 @@ def _count_keys(
     s: SessionView,
     ts: list[SessionTable],
     ks: list[torch.Tensor],
+    res: GatherResult,
     per: list[list[int]],
     counted: Sequence[bool],
     bounds_grown: bool,
     taken: Sequence[bool],
+    missed: Sequence[int],
 ) -> None:
-    """Key statistics of the tables that count this call (``taken[i]``) and the fused pass
-    did not count (``counted[i]`` False), and their observed totals; ``bounds_grown``:
-    :func:`_pass_counters` already grew the statistics' size bounds by these keys."""
+    """The hits of the tables whose statistics take this call (``taken[i]``) and the fused
+    pass did not count (``counted[i]`` False: the pass counts only hits), as the statistics'
+    weight each, and the taken tables' observed totals (their hits weighted alike; the
+    ``missed`` occurrences were observed exactly by :func:`_age_and_count_misses`);
+    ``bounds_grown``: :func:`_pass_counters` already grew the statistics' size bounds by
+    these keys."""
     if s.key_stats is None or not any(taken):
         return
-    mine = [  # (statistics, keys, counted by the pass, per-table row) of the taking tables
-        (s.key_stats[t.name], f, done, row)
-        for t, f, done, row, take in zip(ts, ks, counted, per, taken, strict=True)
+    positions = _miss_positions(res, per)
+    mine = [  # (statistics, hits (misses as -1), counted by the pass, row, missed) when taken
+        (s.key_stats[t.name], _hits_only(f, pos) if not done else f, done, row, m)
+        for t, f, pos, done, row, m, take in zip(
+            ts, ks, positions, counted, per, missed, taken, strict=True
+        )
         if take
     ]
     ext = load_extension()
-    if ext is not None and all(k.counter is not None for k, _, _, _ in mine):
-        todo = [(k.counter, f) for k, f, done, _ in mine if not done]
+    if ext is not None and all(k.counter is not None for k, _, _, _, _ in mine):
+        todo = [(k.counter, f) for k, f, done, _, _ in mine if not done]
         if not bounds_grown:
-            for k, f, _, _ in mine:
+            for k, f, _, _, _ in mine:
                 k.will_count(f.numel())
         if todo and sum(f.numel() for _, f in todo) < _SERIAL_COUNT_KEYS:
             # one table after another: a parallel region's wake-up costs more than these
@@ -448,12 +501,21 @@ def _count_keys(
                 cast(_KeyCounter, c).update(f, none, True)
         elif todo:
             ext.count_keys([c for c, _ in todo], [f for _, f in todo])
-        for k, _, _, row in mine:  # as weighted as the counts: their sum
-            k.observed(row[3] * k.sample_every)
+        for k, _, _, row, m in mine:  # the hits, as weighted as their counts
+            k.observed((row[3] - m) * k.sample_every)
         return
-    for k, f, _, _ in mine:  # the reference (no extension: every call taken, exact)
+    for k, f, _, _, _ in mine:  # the reference (no extension: every call taken, exact)
         valid = f[f >= 0] if f.numel() else f.view(-1)
         k.update(valid.numpy())
+
+
+def _hits_only(keys: torch.Tensor, miss_positions: torch.Tensor) -> torch.Tensor:
+    """``keys`` flattened with the missed positions set to -1 (skipped as padding)."""
+    if miss_positions.numel() == 0:
+        return keys
+    out = keys.reshape(-1).clone()
+    out[miss_positions] = -1
+    return out
 
 
 def _per_table(

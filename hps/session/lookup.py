@@ -40,12 +40,12 @@ halves its counters, so a priority and a resident count are on one scale: a key 
 ago re-enters with its aged count, not its lifetime total. With exact statistics
 (``key_stats_sampling=1``) and sequential lookups this is exact (a missed key is admitted with
 what its counter would be had it been cached all along); concurrent lookups of one table may
-halve a priority once more or once less. With ``key_stats_sampling=s > 1`` each table's
-statistics count about one fused lookup in ``s``, every key of it as ``s``
-(:mod:`hps.key_counts`): the history part of a priority is then an unbiased but noisy estimate,
-and the other lookups do not touch the statistics — faster lookups, less accurate admission
-(docs/benchmarks.md, "Issue 27 at stop 33": hit rate 0.621 against 0.642 with ``s = 8``), so
-the default counts every lookup.
+halve a priority once more or once less. By default (``key_stats_sampling=8``,
+:data:`DEFAULT_KEY_STATS_SAMPLING`) a fused lookup counts its missed keys one for one, always,
+and its hits only where the table's statistics take the call (about one lookup in 8, each hit
+then as 8; :mod:`hps.key_counts`): a cold key's history — what admission weighs — stays exact,
+a resident key's is an unbiased estimate, and 7 lookups in 8 with no miss do not touch the
+statistics. ``key_stats_sampling=1`` counts every key of every lookup.
 """
 
 from __future__ import annotations
@@ -77,11 +77,11 @@ from hps.types import Pooling, StorageBackend, TierUnavailableError
 if TYPE_CHECKING:  # hps.updates imports this module: its types only, at run time lazily
     from hps.updates.health import UpdateHealth, UpdateStatus
 
-# Fused lookups per one counted into each table's key statistics by default: every one.
-# Sampling one in 8 saves 0.36-0.50 ms of a 6 ms pooled lookup of 26 tables (65,000 Zipf keys)
-# but admits missed keys on noisier priorities: an LFU cache of 10 % of a Zipf(1.05) table
-# kept 0.621 of the unique keys against 0.642 (docs/benchmarks.md, "Issue 27 at stop 33").
-DEFAULT_KEY_STATS_SAMPLING = 1
+# Fused lookups per one whose hits are counted into each table's key statistics by default
+# (misses are always counted): counting every hit cost 0.36-0.55 ms of a 6 ms pooled lookup of
+# 26 tables (65,000 Zipf keys); an LFU cache of 10 % of a Zipf(1.05) table keeps 0.642 of the
+# unique keys either way (docs/benchmarks.md, "Issue 27 at stop 33").
+DEFAULT_KEY_STATS_SAMPLING = 8
 
 
 class LookupSession:
@@ -97,8 +97,9 @@ class LookupSession:
         cache_missed_embeddings: insert rows found only in the persistent DB into the volatile DB.
         record_key_stats: keep per-table :class:`~hps.key_counts.KeyCounts` (warm-up, advisor,
             admission priority).
-        key_stats_sampling: each table's statistics count about one fused lookup in this
-            many, its keys as this many each (1: every lookup, exact; module docstring).
+        key_stats_sampling: each table's statistics count the hits of about one fused lookup
+            in this many, each as this many, and every miss one for one (1: every key of every
+            lookup, exact; module docstring).
         device: where returned rows live (the caches' device).
         acquire_timeout_s: how long a caller waits for a free worker before ``TimeoutError``.
         update_health: the health of the online updates that reach this session's tables

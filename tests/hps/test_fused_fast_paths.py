@@ -68,8 +68,9 @@ def test_register_pooled_bags_equal_reference_bit_for_bit(policy: CachePolicy) -
 
 
 def test_the_pass_counts_keys_only_when_one_thread_does_every_key() -> None:
-    """``key_counters``: the compiled pass counts each table's keys ``>= 0`` (padding skipped)
-    into its counter, exactly, when one thread does every key; where the query crosses LFU
+    """``key_counters``: the compiled pass counts each table's hits of keys ``>= 0`` (padding
+    and misses skipped: the caller counts the misses) into its counter, exactly, when one
+    thread does every key; where the query crosses LFU
     halvings of the cache, the counter is halved that many times first (``c >> times``, keys
     reaching 0 dropped, as :meth:`KeyCounts.halve`); a call split between threads is left to
     the caller (``counted`` False, counter untouched)."""
@@ -106,20 +107,23 @@ def test_the_pass_counts_keys_only_when_one_thread_does_every_key() -> None:
 
     for hot in (0, 3):
         keys = torch.randint(-1 if hot else 0, n + 50, (300,), generator=g)
+        resident = c.contains(keys.clamp_min(0)) & (keys >= 0)  # most even keys
         counted, stats = run(keys, hot)
-        valid = keys[keys >= 0]
-        uniq, counts = valid.unique(return_counts=True)
+        uniq, counts = keys[resident].unique(return_counts=True)
         assert counted and np.array_equal(stats.count_of(uniq.numpy()), counts.numpy())
+        missed = keys[(keys >= 0) & ~resident]
+        assert missed.numel() and not stats.count_of(missed.numpy()).any()
     before = KeyCounts()  # 0 seen 5 times, 1 once (halved to 0: dropped), 2 four times
     before.update(np.array([0, 1, 2]), np.array([5, 1, 4]))
     keys = torch.randint(0, n, (c.lfu_decay_interval,), generator=g)
+    resident = c.contains(keys)
     epoch = c.decay_epoch
     counted, stats = run(keys, 0, stats=before)
     assert c.decay_epoch == epoch + 1  # the query crossed one halving
     want = KeyCounts()
     want.update(np.array([0, 1, 2]), np.array([5, 1, 4]))
     want.halve(1)
-    want.update(keys.numpy())
+    want.update(keys[resident].numpy())  # the hits
     assert counted
     probe = np.arange(n)
     assert np.array_equal(stats.count_of(probe), want.count_of(probe))

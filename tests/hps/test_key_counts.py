@@ -122,7 +122,9 @@ def test_keys_counted_without_observed_keep_the_memory_bound() -> None:
     from hps.storage.cache import EmbeddingCache
     from tests.hps.test_cache_aging import _AllKeys
 
-    c = EmbeddingCache(64, 1, policy="lfu", ways=4)
+    c = EmbeddingCache(256, 1, policy="lfu", ways=8)
+    c.insert(torch.arange(20), torch.zeros(20, 1))  # hits: the pass counts them
+    assert bool(c.contains(torch.arange(20)).all())
     s = LookupSession(
         [SessionTable("t", 1, -1.0, 10**6, c)], _AllKeys(100), None, hit_rate_threshold=1.0
     )

@@ -1,5 +1,7 @@
 """Sampled key statistics (KeyCounts(sample_every=s), a session's key_stats_sampling): the
-calls counted are those the statistics' generator takes, every occurrence of one as ``s``."""
+calls counted are those the statistics' generator takes, every occurrence of one as ``s``; a
+session's fused lookups sample only their hits (misses are counted one for one: the failed-call
+test in test_fused.py, and admission below)."""
 
 from __future__ import annotations
 

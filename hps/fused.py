@@ -95,11 +95,12 @@ class GatherArgs:
         key_counters: ``None``, or per table the compiled ``KeyCounter`` of its key statistics
             (:attr:`hps.key_counts.KeyCounts.counter`; ``None`` for a table whose statistics
             do not count this call): the compiled pass counts the table's
-            keys ``>= 0`` into it in the same pass (sharing the key's hash) when one thread
-            does every key, first halving it once per LFU halving of the table's cache that
-            this query crosses (``per_table[:, 4]``: the caller ages the rest of the table's
-            statistics to match); :attr:`GatherResult.counted` says which tables it counted
-            (the caller ages and counts the others).
+            hits of keys ``>= 0`` into it in the same pass (sharing the key's hash; each as the
+            counter's weight) when one thread does every key, first halving it once per LFU
+            halving of the table's cache that this query crosses (``per_table[:, 4]``: the
+            caller ages the rest of the table's statistics to match); misses are never
+            counted here (the caller counts them); :attr:`GatherResult.counted` says which
+            tables' hits it counted (the caller ages and counts the others).
     """
 
     caches: Sequence[EmbeddingCache]
@@ -122,7 +123,7 @@ class GatherResult:
     ``per_table (T, 5) int64``: misses, hits, unique hits, looked-up keys, LFU halvings;
     ``pending`` per table (bags): ``(p × hotness, dim) float32`` rows of its ``p`` bags with a
     miss, ascending (hits copied, misses and padding zero); ``(0, dim)`` for rows or no miss;
-    ``counted``: per table, whether the pass counted its keys into ``args.key_counters[i]``
+    ``counted``: per table, whether the pass counted its hits into ``args.key_counters[i]``
     (empty: none counted)."""
 
     misses: torch.Tensor

@@ -149,7 +149,8 @@ def _resident_session(
 ) -> LookupSession:
     """A session whose caches hold the rows of ``weights`` (capacity ``slack`` × rows: at 2 no
     64-way set overflows, at 1.25 a few percent of the rows stay out), in front of an empty
-    volatile DB; its key statistics count one lookup in ``key_stats_sampling`` (per table)."""
+    volatile DB; its key statistics count the hits of one lookup in ``key_stats_sampling`` (per
+    table)."""
     tables = []
     v = HashMapBackend(num_partitions=1)
     for name, w in zip(names, weights, strict=True):

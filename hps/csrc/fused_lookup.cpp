@@ -315,9 +315,10 @@ void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<i
 // thread gathered) the uses in a second (each region costs a thread wake-up and a barrier,
 // so not two per table). Per table: {hits_all, hits_unique, looked_up}; misses (positions into
 // keys) ascending, table after table; pending: per table, the bags with a miss (ascending).
-// When one thread does every key, the keys of each table whose key_counters[i] is set are
+// When one thread does every key, the hits of each table whose key_counters[i] is set are
 // counted into it in the same pass (counted[i] = 1), the counter first halved halvings[i]
 // times (the LFU agings of the table's cache this query crosses); else nothing is counted.
+// Misses are never counted here (the caller counts them one for one).
 std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
                                                 const std::vector<KeyCounter*>& key_counters,
                                                 const std::vector<int64_t>& halvings,
@@ -461,12 +462,12 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
 
 // Rows (hotness all 0) or bags (hotness > 0) of every table, see the file comment.
 // key_counters: empty, or per table a KeyCounter (or None) that the pass counts the table's
-// keys >= 0 into when one thread does every key, first halving it once per LFU halving of the
+// hits of keys >= 0 into when one thread does every key, first halving it once per LFU halving of the
 // table's cache that falls in this query (the caller ages the rest of its statistics, e.g.
 // their mass, to match).
 // Returns {misses (k,) int64: positions into each table's keys, table after table;
 //          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings;
-//          counted (T,) uint8: 1 where the table's keys were counted into its KeyCounter;
+//          counted (T,) uint8: 1 where the table's hits were counted into its KeyCounter;
 //          then per table its pending rows (bags with a miss, see pending_rows; else empty)}.
 std::vector<at::Tensor> cache_gather(
     const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& cache_keys,

@@ -148,7 +148,11 @@ class CacheFill:
         if self.key_stats is None:
             return mcounts
         seen = torch.from_numpy(self.key_stats[t.name].count_of(mkeys.numpy()))
-        return seen + torch.where(mkeys < 0, mcounts, 0) if counted else mcounts + seen
+        if not counted:
+            return mcounts + seen
+        # at least this request's uses: a trim (or a concurrent halving) between the count and
+        # this read may have dropped or halved a key just counted
+        return torch.where(mkeys < 0, mcounts + seen, torch.maximum(seen, mcounts))
 
     def _read(
         self,

@@ -14,15 +14,16 @@ One call, whatever the number of tables:
    their positions (rows), or into the rows the fused pass handed back for each bag with a
    miss, which is then summed key by key in request order (:func:`hps.fused.pool_in_order`),
    so a bag's floats never depend on which of its keys the cache held;
-4. key statistics: each table's statistics first say whether this call is counted
+4. key statistics: every table's missed keys are counted one for one right after the pass,
+   before any miss is served; its hits only where its statistics take the call
    (:meth:`hps.key_counts.KeyCounts.take_call`: always, or one call in ``sample_every``,
-   each counted key then as that many); the counted tables' keys are counted by the fused
-   pass itself (one hash per key for the probe and the count) where it can, i.e. when one
-   thread does every key, the others in one call (:class:`hps.key_counts.KeyCounts`). Either
-   way a table's statistics are halved for every aging of its cache before the keys of the
-   query that aged it are added (by the pass itself for the tables it counts, their mass and
-   epoch then aged under the caches' locks); a call a table's statistics do not take costs
-   them nothing but the draw.
+   each hit then as that many), by the fused pass itself (one hash per key for the probe and
+   the count) where it can, i.e. when one thread does every key, else in one call after the
+   miss path (:class:`hps.key_counts.KeyCounts`). Either way a table's statistics are halved
+   for every aging of its cache before the keys of the query that aged it are added (by the
+   pass itself for the tables it counts, their mass and epoch then aged under the caches'
+   locks); a call without a miss that a table's statistics do not take costs them nothing
+   but the draw.
 
 Tables without a cache, or caches off the CPU, go through :meth:`LookupSession.lookup` one by
 one (the same results).
@@ -273,15 +274,15 @@ def _run(
     finally:
         for c in reversed(order):
             c._lock.release()
-    epochs, missed = _age_and_count_misses(s, ts, ks, caches, res, per, counted, taken)
+    missed = [0] * len(ts)
     try:
+        epochs, missed = _age_and_count_misses(s, ts, ks, caches, res, per, counted, taken)
         _serve_all_misses(s, ts, ks, caches, res, per, buf, offsets, hot, pooling, failed, epochs)
     except Exception:
-        # the miss path raised: the call's keys are counted all the same by the statistics
-        # that take the call (the pass may already hold some, so both paths count them, as
-        # after a success), those the pass did not count first aged to their caches' epochs
-        # (as the miss path does before it serves a table). A failure to count is only
-        # logged: the call raises the miss path's
+        # the miss path raised: the call's hits are counted all the same by the statistics
+        # that take the call (its misses were counted before it was served), those the pass
+        # did not count aged to their caches' epochs first, as after a success. A failure to
+        # count is only logged: the call raises the miss path's
         try:
             if s.key_stats is not None:
                 s._age_key_stats_many(
@@ -378,7 +379,7 @@ def _serve_all_misses(
                     counts,
                     n_unique,
                     epoch,
-                    True,  # misses counted: _count_misses
+                    True,  # the misses are counted: _age_and_count_misses
                 )
             except Exception:
                 failed.append(t.name)

@@ -273,9 +273,9 @@ def test_a_failed_tier_is_refused_never_defaulted() -> None:
 def test_a_failed_call_leaves_the_same_key_statistics_on_both_paths(
     sampling: int, want: list[tuple[list[int], list[int], int]]
 ) -> None:
-    """The miss path of the first table raises: both paths count every table's keys that its
-    statistics take (the compiled pass counted them in the pass), totals included, as for a
-    call that succeeded."""
+    """The miss path of the first table raises: both paths count every table's misses, one for
+    one, and the hits of those whose statistics take the call, totals included, as for a call
+    that succeeded."""
     needs_ext()
     stats = []
     for compiled in (True, False):

@@ -139,9 +139,10 @@ def test_a_bad_sampling_rate_is_refused(bad: object) -> None:
 
 def test_admission_is_the_same_whichever_path_counted_the_call() -> None:
     """Sampling 4, a cache smaller than the keys: with one thread the fused pass counts a
-    taken call itself before its misses are admitted, with two the call is counted after
-    them; a missed key's priority (history plus its uses in the call) is the same either way,
-    so the two sessions end with the same resident keys and the same statistics."""
+    taken call's hits itself, with two they are counted after the miss path; the misses are
+    counted one for one before they are admitted either way, so a missed key's priority
+    (history plus its uses in the call) is the same, and the two sessions end with the same
+    resident keys and the same statistics."""
     _needs_ext()
     from hps.session import LookupSession, SessionTable
     from hps.storage.cache import EmbeddingCache
@@ -185,3 +186,46 @@ def test_admission_is_the_same_whichever_path_counted_the_call() -> None:
         s.close()
     assert finals[0] == finals[1]
     assert all(len(k) > 64 for k in finals[0][0])  # the caches did fill
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_a_partly_hit_call_counts_its_misses_exactly_and_its_hits_when_taken(threads: int) -> None:
+    """One call, half of its keys resident: table ``a`` (seed 0: 0.84 · 4 >= 1) does not take
+    it, ``b`` (seed 1: 0.13 · 4 < 1) does; both count every miss once, ``b`` its hits as 4,
+    and the totals are the counts' sums."""
+    _needs_ext()
+    from hps.session import LookupSession, SessionTable
+    from hps.storage.cache import EmbeddingCache
+    from tests.hps.test_cache_aging import _AllKeys
+
+    rng = np.random.default_rng(7)
+    caches = []
+    for _ in "ab":
+        c = EmbeddingCache(1024, 1, policy="lfu", lfu_decay_keys_per_slot=0)
+        c.insert(torch.arange(300), torch.arange(300, dtype=torch.float32)[:, None])
+        caches.append(c)
+    s = LookupSession(
+        [SessionTable(n, 1, -1.0, 10**6, c) for n, c in zip("ab", caches, strict=True)],
+        _AllKeys(600),
+        None,
+        hit_rate_threshold=0.0,  # misses read, admitted in the background (not this call)
+        key_stats_sampling=4,
+    )
+    keys = [torch.from_numpy(rng.integers(0, 600, (1500, 4)).astype(np.int64)) for _ in "ab"]
+    resident = [c.contains(k.view(-1)) for c, k in zip(caches, keys, strict=True)]
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        s.lookup_pooled(["a", "b"], keys)
+    finally:
+        torch.set_num_threads(before)
+    assert s.key_stats is not None
+    for name, k, hit, weight in zip("ab", keys, resident, (0, 4), strict=True):
+        flat = k.view(-1)
+        want: Counter[int] = Counter(flat[~hit].tolist())
+        for key in flat[hit].tolist():
+            want[key] += weight
+        want = Counter({key: v for key, v in want.items() if v})
+        _check(s.key_stats[name], want, np.arange(600))
+        assert s.key_stats[name].total == sum(want.values())
+    s.close()

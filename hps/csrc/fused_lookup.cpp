@@ -601,6 +601,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("trim", &KeyCounter::trim, Release())
       .def("size", &KeyCounter::size, Release())
       .def("capacity", &KeyCounter::capacity, Release())
-      .def("set_weight", &KeyCounter::set_weight, Release())
-      .def("weight", &KeyCounter::weight);
+      .def("set_weight", &KeyCounter::set_weight, Release());
 }

@@ -36,7 +36,7 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from typing import Protocol, cast
+from typing import NamedTuple, Protocol, cast
 
 import numpy as np
 import torch
@@ -274,10 +274,13 @@ def _run(
     finally:
         for c in reversed(order):
             c._lock.release()
+    misses = _misses_of(ks, res, per)
     missed = [0] * len(ts)
     try:
-        epochs, missed = _age_and_count_misses(s, ts, ks, caches, res, per, counted, taken)
-        _serve_all_misses(s, ts, ks, caches, res, per, buf, offsets, hot, pooling, failed, epochs)
+        epochs, missed = _age_and_count_misses(s, ts, caches, misses, per, counted, taken)
+        _serve_all_misses(
+            s, ts, ks, caches, res, misses, per, buf, offsets, hot, pooling, failed, epochs
+        )
     except Exception:
         # the miss path raised: the call's hits are counted all the same by the statistics
         # that take the call (its misses were counted before it was served), those the pass
@@ -292,11 +295,11 @@ def _run(
                         if take and not done
                     ]
                 )
-            _count_keys(s, ts, ks, res, per, counted, counters is not None, taken, missed)
+            _count_keys(s, ts, ks, misses, per, counted, counters is not None, taken, missed)
         except Exception:
             log.exception("counting the keys of a failed lookup of %s failed", [t.name for t in ts])
         raise
-    _count_keys(s, ts, ks, res, per, counted, counters is not None, taken, missed)
+    _count_keys(s, ts, ks, misses, per, counted, counters is not None, taken, missed)
 
 
 def _pass_counters(
@@ -339,6 +342,7 @@ def _serve_all_misses(
     ks: list[torch.Tensor],
     caches: list[EmbeddingCache],
     res: GatherResult,
+    misses: list[_Misses | None],
     per: list[list[int]],
     buf: torch.Tensor,
     offsets: list[int],
@@ -347,27 +351,24 @@ def _serve_all_misses(
     failed: list[str],
     epochs: dict[int, int],
 ) -> None:
-    """The miss path of each table that had misses (``epochs``: per such table, the
-    ``decay_epoch`` its key statistics were aged to, :func:`_age_and_count_misses`); a table
-    whose miss path fails is appended to ``failed`` before the error propagates (the later
-    tables are not served)."""
+    """The miss path of each table that had misses (``misses``, :func:`_misses_of`;
+    ``epochs``: per such table, the ``decay_epoch`` its key statistics were aged to,
+    :func:`_age_and_count_misses`); a table whose miss path fails is appended to ``failed``
+    before the error propagates (the later tables are not served)."""
 
-    start = 0
     all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
     # every served table's counts, recorded at the end under one statistics lock acquisition
     records: list[tuple[str, list[int], list[int], bool]] = []
     all_hit: list[tuple[str, int, int, bool]] = []  # tables without a miss
     try:
-        for i, (t, c, row) in enumerate(zip(ts, caches, per, strict=True)):
-            nm, hits, uniq_hits = row[0], row[1], row[2]
-            if not nm:
+        for i, (t, c, row, m) in enumerate(zip(ts, caches, per, misses, strict=True)):
+            hits, uniq_hits = row[1], row[2]
+            if m is None:
                 all_hit.append((t.name, uniq_hits, hits, all_hit_async))
                 continue
             epoch = epochs[i]
-            pos = res.misses[start : start + nm]
-            start += nm
+            pos, uniq, inv, counts = m
             flat = ks[i].view(-1)
-            uniq, inv, counts = unique_with_inverse(flat.index_select(0, pos))
             n_unique = uniq_hits + uniq.numel()
             with c._lock:
                 c.stats.queries += uniq.numel()
@@ -410,21 +411,39 @@ def _serve_all_misses(
         s.statistics.record_counts_many(records, all_hit)
 
 
-def _miss_positions(res: GatherResult, per: list[list[int]]) -> list[torch.Tensor]:
-    """Per table, the positions of its missed keys (into its keys, row-major)."""
-    out, start = [], 0
-    for row in per:
-        out.append(res.misses[start : start + row[0]])
+class _Misses(NamedTuple):
+    """One table's missed keys in a call: ``pos`` their positions (into its keys, row-major),
+    ``uniq`` the distinct ones (sorted), ``inv`` each position's index into ``uniq``,
+    ``counts`` each distinct key's occurrences."""
+
+    pos: torch.Tensor
+    uniq: torch.Tensor
+    inv: torch.Tensor
+    counts: torch.Tensor
+
+
+def _misses_of(
+    ks: list[torch.Tensor], res: GatherResult, per: list[list[int]]
+) -> list[_Misses | None]:
+    """Per table, its misses deduplicated once (``None``: it had none), for the count, the
+    miss path and the hits' mask alike."""
+    out: list[_Misses | None] = []
+    start = 0
+    for f, row in zip(ks, per, strict=True):
+        if not row[0]:
+            out.append(None)
+            continue
+        pos = res.misses[start : start + row[0]]
         start += row[0]
+        out.append(_Misses(pos, *unique_with_inverse(f.view(-1).index_select(0, pos))))
     return out
 
 
 def _age_and_count_misses(
     s: SessionView,
     ts: list[SessionTable],
-    ks: list[torch.Tensor],
     caches: list[EmbeddingCache],
-    res: GatherResult,
+    misses: list[_Misses | None],
     per: list[list[int]],
     counted: Sequence[bool],
     taken: Sequence[bool],
@@ -443,11 +462,11 @@ def _age_and_count_misses(
     missed = [0] * len(ts)
     if s.key_stats is None:
         return epochs, missed
-    for i, (t, f, pos, row) in enumerate(zip(ts, ks, _miss_positions(res, per), per, strict=True)):
-        if not row[0]:
+    for i, (t, m) in enumerate(zip(ts, misses, strict=True)):
+        if m is None:
             continue
-        keys = f.view(-1).index_select(0, pos)
-        uniq, counts = torch.unique(keys[keys >= 0], return_counts=True)
+        keep = m.uniq >= 0
+        uniq, counts = m.uniq[keep], m.counts[keep]
         if uniq.numel():
             s.key_stats[t.name].update(uniq.numpy(), counts.numpy())
             missed[i] = int(counts.sum())
@@ -465,7 +484,7 @@ def _count_keys(
     s: SessionView,
     ts: list[SessionTable],
     ks: list[torch.Tensor],
-    res: GatherResult,
+    misses: list[_Misses | None],
     per: list[list[int]],
     counted: Sequence[bool],
     bounds_grown: bool,
@@ -480,11 +499,10 @@ def _count_keys(
     these keys."""
     if s.key_stats is None or not any(taken):
         return
-    positions = _miss_positions(res, per)
     mine = [  # (statistics, hits (misses as -1), counted by the pass, row, missed) when taken
-        (s.key_stats[t.name], _hits_only(f, pos) if not done else f, done, row, m)
-        for t, f, pos, done, row, m, take in zip(
-            ts, ks, positions, counted, per, missed, taken, strict=True
+        (s.key_stats[t.name], f if done else _hits_only(f, ms), done, row, m)
+        for t, f, ms, done, row, m, take in zip(
+            ts, ks, misses, counted, per, missed, taken, strict=True
         )
         if take
     ]
@@ -510,12 +528,12 @@ def _count_keys(
         k.update(valid.numpy())
 
 
-def _hits_only(keys: torch.Tensor, miss_positions: torch.Tensor) -> torch.Tensor:
+def _hits_only(keys: torch.Tensor, misses: _Misses | None) -> torch.Tensor:
     """``keys`` flattened with the missed positions set to -1 (skipped as padding)."""
-    if miss_positions.numel() == 0:
+    if misses is None:
         return keys
     out = keys.reshape(-1).clone()
-    out[miss_positions] = -1
+    out[misses.pos] = -1
     return out
 
 

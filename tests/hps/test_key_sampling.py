@@ -229,3 +229,22 @@ def test_a_partly_hit_call_counts_its_misses_exactly_and_its_hits_when_taken(thr
         _check(s.key_stats[name], want, np.arange(600))
         assert s.key_stats[name].total == sum(want.values())
     s.close()
+
+
+def test_a_counted_missed_key_keeps_at_least_its_uses_as_priority() -> None:
+    """The misses are counted before their priority is read; a trim (or a halving) in between
+    may drop or shrink a just-counted key: its priority is still at least its uses in the
+    call, and padding keys (< 0, never counted) add their uses to the history."""
+    _needs_ext()
+    from hps.session import LookupSession, SessionTable
+    from tests.hps.test_cache_aging import _AllKeys
+
+    t = SessionTable("t", 1, -1.0, 10**6, None)
+    s = LookupSession([t], _AllKeys(100), None, key_stats_sampling=1)
+    assert s.key_stats is not None
+    s.key_stats["t"].update(np.array([5, 6]), np.array([9, 1]))  # 7: dropped by a trim
+    mkeys, mcounts = torch.tensor([-1, 5, 6, 7]), torch.tensor([2, 3, 3, 4])
+    got = s.fill._priority(t, mkeys, mcounts, counted=True)
+    assert got.tolist() == [2, 9, 3, 4]
+    assert s.fill._priority(t, mkeys, mcounts, counted=False).tolist() == [2, 12, 4, 4]
+    s.close()

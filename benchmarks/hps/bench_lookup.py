@@ -12,6 +12,12 @@ Contenders, the same keys and the same FP32 rows (all resident: cache-hit path):
 - ``index_select``: ``torch.index_select(W, 0, keys, out=buf)`` into a reused buffer (26 tables:
   ONE call over the tables' rows stacked, keys offset per table);
 - ``embedding_bag``: one ``F.embedding_bag`` (sum) over the stacked rows, offsets per bag;
+- ``*_huge``: the same ``index_select`` / ``embedding_bag`` over a copy of the rows on
+  transparent huge pages (:func:`hps.storage.host_memory.huge_zeros`, as our caches hold their
+  arrays): the peer with the same memory advice. Where ``transparent_hugepage/enabled`` is
+  ``madvise`` (this machine) a user's tensors get 4 KiB pages; where it is ``always`` they get
+  huge pages too, and the ``*_huge`` ratios are the ones that machine sees.
+  ``peer_huge_pages_mib`` says how much of the copies the kernel backed with huge pages;
 - ``fbgemm_<dtype>``: FBGEMM's CPU inference TBE (``IntNBitTableBatchedEmbeddingBagsCodegen``)
   with FP32 / FP16 / INT8 / INT4 weights; rows as bags of one key;
 - ``hps_<dtype>`` (single table): :meth:`LookupSession.lookup_many` over a cache whose storage
@@ -48,6 +54,7 @@ from hps.kernels import load_extension
 from hps.rowformat import RowDtype, quantize_rows
 from hps.session import DEFAULT_KEY_STATS_SAMPLING, LookupSession, SessionTable
 from hps.storage.cache import EmbeddingCache, StaticEmbeddingCache
+from hps.storage.host_memory import huge_zeros
 from hps.storage.volatile import HashMapBackend
 from hps.types import Pooling
 
@@ -125,6 +132,26 @@ def _ratios(row: dict[str, Any], name: str, ours: str, theirs: str) -> None:
     row[f"cpu1_{name}"] = row[f"cpu1_{theirs}_ms"] / row[f"cpu1_{ours}_ms"]
 
 
+def anon_huge_mib() -> float:
+    """MiB of this process's anonymous memory backed by transparent huge pages (0 where
+    ``/proc/self/smaps`` is missing)."""
+    try:
+        with open("/proc/self/smaps") as f:
+            kb = sum(int(x.split()[1]) for x in f if x.startswith("AnonHugePages:"))
+    except OSError:
+        return 0.0
+    return kb / 1024
+
+
+def on_huge_pages(t: torch.Tensor) -> tuple[torch.Tensor, float]:
+    """A copy of ``t`` on transparent huge pages (where the kernel grants them), and the MiB
+    of huge pages it got."""
+    before = anon_huge_mib()
+    h = huge_zeros(tuple(t.shape), t.dtype, t.device)
+    h.copy_(t)
+    return h, anon_huge_mib() - before
+
+
 def _store_as(cache: EmbeddingCache, dtype: RowDtype) -> torch.Tensor:
     """Re-store ``cache``'s rows as ``dtype`` (hps.rowformat's layout, ``row_format`` set),
     as a cache holding such rows keeps them; returns the FP32 storage to put back."""
@@ -198,10 +225,12 @@ def bench_single(args: argparse.Namespace) -> list[dict[str, Any]]:
     ref = w.index_select(0, q)
     got = s.lookup_many(["t"], [q], out=buf)[0]
     assert torch.equal(got, ref), "hps rows differ from index_select"
+    w_huge, huge_mib = on_huge_pages(w)
     fns: dict[str, Any] = {
         "hps": lambda: s.lookup_many(["t"], [q], out=buf),
         "hps_per_table": lambda: s.lookup("t", q),
         "index_select": lambda: torch.index_select(w, 0, q, out=ibuf),
+        "index_select_huge": lambda: torch.index_select(w_huge, 0, q, out=ibuf),
     }
     q32 = q.to(torch.int32)
     offs = torch.arange(n_keys + 1, dtype=torch.int32)
@@ -212,9 +241,11 @@ def bench_single(args: argparse.Namespace) -> list[dict[str, Any]]:
         "rows": n_rows,
         "keys": n_keys,
         "unique": int(q.unique().numel()),
+        "peer_huge_pages_mib": huge_mib,
     }
     _timed(row, fns, args.repeats)
     _ratios(row, "hps_vs_index_select", "hps", "index_select")
+    _ratios(row, "hps_vs_index_select_huge", "hps", "index_select_huge")
     _ratios(row, "hps_vs_fbgemm_fp32", "hps", "fbgemm_fp32")
     for dt in DTYPES[1:]:  # the same dtype on both sides
         fp32 = _store_as(cache, RowDtype(dt))
@@ -288,11 +319,16 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
     assert torch.equal(got_static, got_bags), "static and set-associative bags differ"
     torch.testing.assert_close(got_static.transpose(0, 1), ref_bags, rtol=1e-5, atol=1e-4)
     del bag_keys
+    stacked_huge, huge_mib = on_huge_pages(stacked)
     fns: dict[str, Any] = {
         "hps_rows": lambda: s.lookup_many(names, keys, out=rbuf),
         "index_select_rows": lambda: torch.index_select(stacked, 0, flat, out=ibuf),
+        "index_select_rows_huge": lambda: torch.index_select(stacked_huge, 0, flat, out=ibuf),
         "hps_pooled": lambda: s.lookup_pooled(names, keys, pooling, out=pbuf),
         "embedding_bag_pooled": lambda: F.embedding_bag(bag_ids, stacked, bag_offsets, mode="sum"),
+        "embedding_bag_pooled_huge": lambda: F.embedding_bag(
+            bag_ids, stacked_huge, bag_offsets, mode="sum"
+        ),
         "hps_static_rows": lambda: st.lookup_many(names, keys, out=srbuf),
         "hps_static_pooled": lambda: st.lookup_pooled(names, keys, pooling, out=sbuf),
         "hps_per_table_rows": lambda: [s.lookup(n, k) for n, k in zip(names, keys, strict=True)],
@@ -310,8 +346,16 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
         "batch": batch,
         "keys": n_keys,
         "rows_total": int(sum(rows)),
+        "peer_huge_pages_mib": huge_mib,
     }
     _timed(row, fns, args.repeats)
+    for ours, theirs in (
+        ("hps_rows", "index_select_rows_huge"),
+        ("hps_pooled", "embedding_bag_pooled_huge"),
+        ("hps_static_rows", "index_select_rows_huge"),
+        ("hps_static_pooled", "embedding_bag_pooled_huge"),
+    ):
+        _ratios(row, f"{ours}_vs_{theirs}", ours, theirs)
     _ratios(row, "hps_rows_vs_index_select", "hps_rows", "index_select_rows")
     _ratios(row, "hps_pooled_vs_embedding_bag", "hps_pooled", "embedding_bag_pooled")
     _ratios(row, "hps_pooled_vs_fbgemm_fp32", "hps_pooled", "fbgemm_fp32_pooled")

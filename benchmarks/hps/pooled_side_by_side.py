@@ -7,7 +7,10 @@ The ``tables`` section of :mod:`benchmarks.hps.bench_lookup` reduced to its pool
 row resident in a set-associative LFU cache (capacity 2 × rows), ``lookup_pooled`` into a
 reused buffer against ``F.embedding_bag`` (sum) over the stacked rows, the calls alternated,
 CPU time of the calling thread with one torch thread, medians and means, the sessions' order
-rotated every round. ``--sampling 8,1`` (the default) runs one session per key statistics
+rotated every round. ``embedding_bag`` runs twice a round: over the stacked rows as torch
+allocates them, and over a copy on transparent huge pages (``embedding_bag_huge``, the memory
+advice our caches' arrays get; what every tensor gets where ``transparent_hugepage/enabled``
+is ``always``). ``--sampling 8,1`` (the default) runs one session per key statistics
 sampling (8, the session default: the hits of one lookup in 8 counted per table; 1: every
 key). Each run
 appends one row (``label``, the medians, means and ratios, the load average) to ``--out``, so
@@ -30,7 +33,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.hps.bench_lookup import DIM, _resident_session, tables_setup
+from benchmarks.hps.bench_lookup import DIM, _resident_session, on_huge_pages, tables_setup
 from benchmarks.meta import write_json
 from hps.session import DEFAULT_KEY_STATS_SAMPLING
 from hps.types import Pooling
@@ -50,12 +53,14 @@ def run(repeats: int, samplings: list[int]) -> dict[str, Any]:
         s: _resident_session(ws, names, 1 << 20, slack=2.0, key_stats_sampling=s) for s in samplings
     }
     stacked = torch.cat(ws)
+    stacked_huge, huge_mib = on_huge_pages(stacked)
     base = torch.tensor([0, *np.cumsum(rows)[:-1].tolist()])
     ids = torch.cat([k.reshape(-1) + base[i] for i, k in enumerate(keys)])
     offsets = torch.tensor([0, *np.cumsum([h for h in hot for _ in range(batch)])[:-1].tolist()])
     out = torch.empty(batch, DIM * len(names))
     pooling = [Pooling.SUM] * len(names)
     ref = F.embedding_bag(ids, stacked, offsets, mode="sum").view(len(names), batch, DIM)
+    assert torch.equal(F.embedding_bag(ids, stacked_huge, offsets, mode="sum").view_as(ref), ref)
     for s in sessions.values():
         got = s.lookup_pooled(names, keys, pooling, out=out).view(batch, len(names), DIM)
         torch.testing.assert_close(got.transpose(0, 1), ref, rtol=1e-5, atol=1e-4)
@@ -63,11 +68,13 @@ def run(repeats: int, samplings: list[int]) -> dict[str, Any]:
     torch.set_num_threads(1)
     ours: dict[int, list[float]] = {k: [] for k in sessions}
     theirs: list[float] = []
+    theirs_huge: list[float] = []
     try:
         for _ in range(3):
             for s in sessions.values():
                 s.lookup_pooled(names, keys, pooling, out=out)
             F.embedding_bag(ids, stacked, offsets, mode="sum")
+            F.embedding_bag(ids, stacked_huge, offsets, mode="sum")
         items = list(sessions.items())
         for r in range(repeats):
             for k, s in items[r % len(items) :] + items[: r % len(items)]:
@@ -77,10 +84,20 @@ def run(repeats: int, samplings: list[int]) -> dict[str, Any]:
             t0 = time.thread_time()
             F.embedding_bag(ids, stacked, offsets, mode="sum")
             theirs.append(time.thread_time() - t0)
+            t0 = time.thread_time()
+            F.embedding_bag(ids, stacked_huge, offsets, mode="sum")
+            theirs_huge.append(time.thread_time() - t0)
     finally:
         torch.set_num_threads(threads)
     b_med, b_mean = float(np.median(theirs)) * 1e3, float(np.mean(theirs)) * 1e3
-    res: dict[str, Any] = {"embedding_bag_cpu1_ms": b_med, "embedding_bag_cpu1_mean_ms": b_mean}
+    h_med, h_mean = float(np.median(theirs_huge)) * 1e3, float(np.mean(theirs_huge)) * 1e3
+    res: dict[str, Any] = {
+        "embedding_bag_cpu1_ms": b_med,
+        "embedding_bag_cpu1_mean_ms": b_mean,
+        "embedding_bag_huge_cpu1_ms": h_med,
+        "embedding_bag_huge_cpu1_mean_ms": h_mean,
+        "peer_huge_pages_mib": huge_mib,
+    }
     for k, v in ours.items():
         a_med, a_mean = float(np.median(v)) * 1e3, float(np.mean(v)) * 1e3
         res[f"sampling_{k}"] = {
@@ -88,6 +105,8 @@ def run(repeats: int, samplings: list[int]) -> dict[str, Any]:
             "hps_pooled_cpu1_mean_ms": a_mean,
             "ratio": b_med / a_med,
             "ratio_of_means": b_mean / a_mean,
+            "ratio_vs_huge": h_med / a_med,
+            "ratio_of_means_vs_huge": h_mean / a_mean,
         }
     return res
 

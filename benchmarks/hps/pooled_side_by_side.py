@@ -7,12 +7,12 @@ The ``tables`` section of :mod:`benchmarks.hps.bench_lookup` reduced to its pool
 row resident in a set-associative LFU cache (capacity 2 × rows), ``lookup_pooled`` into a
 reused buffer against ``F.embedding_bag`` (sum) over the stacked rows, the calls alternated,
 CPU time of the calling thread with one torch thread, medians and means, the sessions' order
-rotated every round. ``embedding_bag`` runs twice a round: over the stacked rows as torch
-allocates them, and over a copy on transparent huge pages (``embedding_bag_huge``, the memory
-advice our caches' arrays get; what every tensor gets where ``transparent_hugepage/enabled``
-is ``always``). ``--sampling 8,1`` (the default) runs one session per key statistics
-sampling (8, the session default: the hits of one lookup in 8 counted per table; 1: every
-key). Each run
+rotated every round. ``embedding_bag`` runs twice a round, in alternating order: over the
+stacked rows as torch allocates them, and over a copy on transparent huge pages
+(``embedding_bag_huge``: the memory advice our caches' arrays get, and what every tensor gets
+where ``transparent_hugepage/enabled`` is ``always``). ``--sampling 8,1`` (the default) runs
+one session per key statistics sampling (8, the session default: the hits of one lookup in 8
+counted per table; 1: every key). Each run
 appends one row (``label``, the medians, means and ratios, the load average) to ``--out``, so
 that runs of two builds of stop 33 or later (this checkout and another one on ``PYTHONPATH``,
 run by file path) can alternate
@@ -81,12 +81,11 @@ def run(repeats: int, samplings: list[int]) -> dict[str, Any]:
                 t0 = time.thread_time()
                 s.lookup_pooled(names, keys, pooling, out=out)
                 ours[k].append(time.thread_time() - t0)
-            t0 = time.thread_time()
-            F.embedding_bag(ids, stacked, offsets, mode="sum")
-            theirs.append(time.thread_time() - t0)
-            t0 = time.thread_time()
-            F.embedding_bag(ids, stacked_huge, offsets, mode="sum")
-            theirs_huge.append(time.thread_time() - t0)
+            peers = [(stacked, theirs), (stacked_huge, theirs_huge)]
+            for w, times in peers if r % 2 == 0 else peers[::-1]:  # neither always second
+                t0 = time.thread_time()
+                F.embedding_bag(ids, w, offsets, mode="sum")
+                times.append(time.thread_time() - t0)
     finally:
         torch.set_num_threads(threads)
     b_med, b_mean = float(np.median(theirs)) * 1e3, float(np.mean(theirs)) * 1e3

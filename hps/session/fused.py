@@ -49,7 +49,7 @@ from hps.session.fill import CacheFill
 from hps.session.static_gather import gather_any
 from hps.session.table import SessionTable, unique_with_inverse
 from hps.session_stats import SessionStats
-from hps.storage.cache import LRU_PERIOD, EmbeddingCache
+from hps.storage.cache import LRU_PERIOD, EmbeddingCache, StaticEmbeddingCache
 from hps.types import CachePolicy, Pooling, TierUnavailableError
 
 __all__ = ["fused_lookup"]
@@ -236,7 +236,8 @@ def _run(
         lru = CachePolicy.LRU
         for c in caches:  # one walk over the caches for the pass's per-table arguments
             stamps.append(c._clock % LRU_PERIOD if c.policy is lru else -1)
-            streams.append(c.lfu_stream())
+            # a static cache keeps no use counts: its pass reads no draw stream
+            streams.append(0 if isinstance(c, StaticEmbeddingCache) else c.lfu_stream())
             looked_up.append(c._looked_up)
             intervals.append(c.lfu_decay_interval)
         counters = _pass_counters(s, ts, ks, caches, taken)

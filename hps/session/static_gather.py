@@ -19,6 +19,7 @@ keys, a tensor off the CPU), rows take one range check over all tables (:func:`_
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from typing import TypeVar
@@ -72,20 +73,23 @@ def gather_static(args: GatherArgs, compiled: bool = True) -> GatherResult:
         ValueError: a key below -1 in a bag, or the reserved key ``-2**63`` in rows, naming
             the table's index and the key; nothing was read then.
     """
-    check_keys(args)
     caches: list[StaticEmbeddingCache] = []
     for i, c in enumerate(args.caches):
         if not isinstance(c, StaticEmbeddingCache):
             raise TypeError(f"table {i}: gather_static takes static caches, got {type(c).__name__}")
         caches.append(c)
     identity = all(c.full and c.layout is StaticLayout.IDENTITY for c in caches)
+    if identity and compiled and _compiled_applies(args, caches):
+        # its checks are stricter than check_keys' (every key in [lo, capacity), lo -1 for
+        # bags, 0 for rows): a call it takes has no key check_keys refuses, and a call it
+        # refuses has written nothing, so check_keys runs only then
+        fast = _all_hit_compiled(args, caches)
+        if fast is not None:
+            return fast
+        identity = False  # a key is not its table's: the rows' range check would fail too
+    check_keys(args)
     if identity:
-        # a key the compiled pass found not its table's fails the rows' range check too
-        fast = (
-            _all_hit_compiled(args, caches)
-            if compiled and _compiled_applies(args, caches)
-            else _all_rows_hit(flat_keys(args), caches, compiled)
-        )
+        fast = _all_rows_hit(flat_keys(args), caches, compiled)
         if fast is not None:
             return fast
     args = flat_keys(args)
@@ -97,19 +101,26 @@ def _compiled_applies(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> b
     every cache and every table's keys on the CPU, the keys int64."""
     if load_extension() is None or args.out.device.type != "cpu":
         return False
-    if any(c.storage.device.type != "cpu" for c in caches):
+    cpu, int64 = torch.device("cpu"), torch.int64
+    if any(c.storage.device != cpu for c in caches):
         return False
-    return all(k.dtype == torch.int64 and k.device.type == "cpu" for k in args.keys)
+    return all(k.dtype is int64 and k.device == cpu for k in args.keys)
+
+
+@functools.lru_cache(maxsize=64)
+def _no_pending(dim: int) -> torch.Tensor:
+    """The ``(0, dim)`` pending rows of a table without a miss (one per dim, never written)."""
+    return torch.zeros(0, dim)
 
 
 def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> GatherResult | None:
     """Rows or bags of tables whose static caches are full and laid out IDENTITY, when every
     key (bags: every key but -1 padding) is one of its table's: one compiled call checks and
     counts every key, then writes every table's output; ``None`` (nothing written) when a key
-    is not its table's, or when the pass cannot take the tables (:func:`_compiled_applies`)."""
+    is not its table's. The caller has checked that the pass applies
+    (:func:`_compiled_applies`)."""
     ext = load_extension()
-    if ext is None or not _compiled_applies(args, caches):
-        return None
+    assert ext is not None  # _compiled_applies
     per = ext.static_gather(
         list(args.keys),
         [c.storage for c in caches],
@@ -123,7 +134,7 @@ def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> G
     )
     if per.shape[0] != len(caches):
         return None
-    pending = [torch.zeros(0, c.dim) for c in caches]
+    pending = [_no_pending(c.dim) for c in caches]
     return GatherResult(torch.zeros(0, dtype=torch.int64), per, pending)
 
 

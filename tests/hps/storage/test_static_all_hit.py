@@ -145,6 +145,23 @@ def test_a_key_not_its_tables_leaves_the_all_hit_pass_without_a_write() -> None:
 
 
 @pytest.mark.parametrize("hot", [0, 2], ids=["rows", "bags"])
+def test_a_key_no_lookup_takes_raises_after_the_compiled_pass_wrote_nothing(hot: int) -> None:
+    """The compiled pass runs before the key check (its range check is stricter): a bag key
+    below -1, or the reserved key -2**63 in rows, still raises ValueError naming the table and
+    the key, and the output is untouched."""
+    needs_ext()
+    caches = _caches(RowDtype.FP32)
+    g = torch.Generator().manual_seed(12)
+    keys = [torch.randint(0, n, (16,), generator=g) for n in SIZES]
+    bad = -5 if hot else -(2**63)
+    keys[3][9] = bad
+    a = _args(caches, keys, [hot] * 5, [False] * 5)
+    with pytest.raises(ValueError, match=rf"table 3: key {bad} is not a key this lookup takes"):
+        gather_static(a)
+    assert bool((a.out == 7.0).all())
+
+
+@pytest.mark.parametrize("hot", [0, 2], ids=["rows", "bags"])
 def test_a_large_sparsely_hit_table_is_counted_by_its_keys(hot: int) -> None:
     """4 M rows (FP32, dim 16; only the hit rows' pages touched), 40 keys with repeats, so
     the pass counts distinct keys with its set sized to the keys: statistics and output equal

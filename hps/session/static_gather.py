@@ -109,8 +109,9 @@ def _compiled_applies(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> b
 
 @functools.lru_cache(maxsize=64)
 def _no_pending(dim: int) -> torch.Tensor:
-    """The ``(0, dim)`` pending rows of a table without a miss (one per dim, never written)."""
-    return torch.zeros(0, dim)
+    """The ``(0, dim)`` float32 pending rows of a table without a miss (one per dim, never
+    written)."""
+    return torch.zeros(0, dim, dtype=torch.float32)
 
 
 def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> GatherResult | None:

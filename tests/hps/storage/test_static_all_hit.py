@@ -145,10 +145,12 @@ def test_a_key_not_its_tables_leaves_the_all_hit_pass_without_a_write() -> None:
 
 
 @pytest.mark.parametrize("hot", [0, 2], ids=["rows", "bags"])
-def test_a_key_no_lookup_takes_raises_after_the_compiled_pass_wrote_nothing(hot: int) -> None:
-    """The compiled pass runs before the key check (its range check is stricter): a bag key
-    below -1, or the reserved key -2**63 in rows, still raises ValueError naming the table and
-    the key, and the output is untouched."""
+def test_a_key_no_lookup_takes_raises_after_the_compiled_pass_wrote_nothing(
+    hot: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The compiled pass runs before the key check (its range check is stricter): it refuses
+    a bag key below -1, or the reserved key -2**63 in rows, without a write, and the key check
+    then raises ValueError naming the table and the key."""
     needs_ext()
     caches = _caches(RowDtype.FP32)
     g = torch.Generator().manual_seed(12)
@@ -156,8 +158,17 @@ def test_a_key_no_lookup_takes_raises_after_the_compiled_pass_wrote_nothing(hot:
     bad = -5 if hot else -(2**63)
     keys[3][9] = bad
     a = _args(caches, keys, [hot] * 5, [False] * 5)
+    answers: list[GatherResult | None] = []
+    compiled_pass = static_gather._all_hit_compiled
+
+    def spy(args: GatherArgs, cs: list[StaticEmbeddingCache]) -> GatherResult | None:
+        answers.append(compiled_pass(args, cs))
+        return answers[-1]
+
+    monkeypatch.setattr(static_gather, "_all_hit_compiled", spy)
     with pytest.raises(ValueError, match=rf"table 3: key {bad} is not a key this lookup takes"):
         gather_static(a)
+    assert answers == [None]  # the compiled pass ran first and refused
     assert bool((a.out == 7.0).all())
 
 

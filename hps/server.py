@@ -17,6 +17,7 @@ from hps.parameter_server import HierarchicalParameterServer
 from hps.serving.connections import EventLoop, HttpParser
 from hps.serving.http_server import (
     MAX_CONNECTIONS,
+    MAX_GRPC_PROCESSES,
     MAX_QUEUED,
     MAX_WORKERS,
     ModelBatching,
@@ -43,6 +44,15 @@ class ServerKnobs:
         None,
         "also serve the KServe v2 gRPC protocol (tritonclient.grpc) on this port, on "
         "--host; 0 picks a free port (none: HTTP only)",
+    )
+    grpc_processes: int = knob(
+        _DEFAULTS.grpc_processes,
+        f"serve gRPC from this many front processes sharing --grpc-port (1 to "
+        f"{MAX_GRPC_PROCESSES}), each carrying its calls to this process, so grpcio's work "
+        "runs beside the batching and inference instead of in their interpreter; 0: grpcio "
+        "threads in this process; -1: one front where this process may use 2 or more cores, "
+        "else 0",
+        parse=int,
     )
     models: tuple[str, ...] | None = knob(None, "models to serve (none: all)")
     workers: int = knob(
@@ -144,6 +154,7 @@ class ServerKnobs:
             host=self.host,
             port=self.port,
             grpc_port=self.grpc_port,
+            grpc_processes=self.grpc_processes,
             workers=self.workers,
             max_queued=self.max_queued,
             ort_threads=self.ort_threads,

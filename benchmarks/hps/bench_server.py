@@ -23,7 +23,9 @@ Sections (``--only``):
   clients in their own processes; ``--conc-protocols`` picks tritonclient over ``http`` or
   ``grpc``, or ``grpc-raw``: pre-serialized requests through a bytes-only grpcio method, its
   answers compared byte for byte with answers checked in full before the cell; ``--servers``
-  items may set each server's queue delay and preferred batch size, ``@DELAY_US:PREFERRED``).
+  items may set each server's queue delay and preferred batch size, ``@DELAY_US:PREFERRED``,
+  and its gRPC front processes, ``#N`` (0: grpcio in the server's process; the rows' CPU per
+  request then has a ``fronts`` part).
 
 ``--threads`` threads for onnxruntime and torch; the server runs in a background thread of this
 process (the clients of all sections but ``concurrency`` too), so on 2 cores the figures include
@@ -111,6 +113,7 @@ class Served:
         preferred_batch: int = ServerConfig.preferred_batch_size,
         http: HttpParser = HttpParser.AUTO,
         loop: EventLoop = EventLoop.AUTO,
+        grpc_processes: int = ServerConfig.grpc_processes,
     ) -> None:
         write_serving_artifacts(
             model, folder, max_batch_size=max_batch, cache_fraction=1.0, overwrite=True
@@ -126,6 +129,7 @@ class Served:
             preferred_batch_size=preferred_batch,
             http=http,
             loop=loop,
+            grpc_processes=grpc_processes,
         )
         self.srv = InferenceServer(self.ps, cfg).start()
         self.servable = self.srv.servables["dlrm"]
@@ -366,13 +370,16 @@ def bench_pruned(tmp: Path, batch: int, threads: int, n: int) -> list[dict[str, 
     return rows
 
 
-def parse_servers(text: str) -> list[tuple[HttpParser, EventLoop, int | None, int | None]]:
-    """``--servers``: comma-separated ``PARSER/LOOP[@DELAY_US[:PREFERRED]]`` items
-    (``h11/asyncio,auto/auto@5000:256``); a server's queue delay and preferred batch size are
-    ``--queue-delay-us`` and ``--preferred-batch`` unless its item gives them (``None``)."""
-    out: list[tuple[HttpParser, EventLoop, int | None, int | None]] = []
+def parse_servers(text: str) -> list[tuple[HttpParser, EventLoop, int | None, int | None, int]]:
+    """``--servers``: comma-separated ``PARSER/LOOP[@DELAY_US[:PREFERRED]][#GRPC_PROCESSES]``
+    items (``h11/asyncio,auto/auto@5000:256,auto/auto#2``); a server's queue delay and
+    preferred batch size are ``--queue-delay-us`` and ``--preferred-batch`` unless its item
+    gives them (``None``); its gRPC front processes (0: grpcio in the server's process) the
+    server's default unless it gives them."""
+    out: list[tuple[HttpParser, EventLoop, int | None, int | None, int]] = []
     for item in text.split(","):
-        pair, _, batching = item.strip().partition("@")
+        head, _, procs = item.strip().partition("#")
+        pair, _, batching = head.partition("@")
         parser, _, loop = pair.partition("/")
         delay, _, preferred = batching.partition(":")
         try:
@@ -382,13 +389,14 @@ def parse_servers(text: str) -> list[tuple[HttpParser, EventLoop, int | None, in
                     EventLoop(loop or "auto"),
                     int(delay) if delay else None,
                     int(preferred) if preferred else None,
+                    int(procs) if procs else ServerConfig.grpc_processes,
                 )
             )
         except ValueError:
             raise ValueError(
-                f"--servers: {item!r} is not PARSER/LOOP[@DELAY_US[:PREFERRED]] with PARSER one "
-                f"of {[p.value for p in HttpParser]}, LOOP one of "
-                f"{[v.value for v in EventLoop]} and two integers"
+                f"--servers: {item!r} is not PARSER/LOOP[@DELAY_US[:PREFERRED]][#GRPC_PROCESSES] "
+                f"with PARSER one of {[p.value for p in HttpParser]}, LOOP one of "
+                f"{[v.value for v in EventLoop]} and integers"
             ) from None
     return out
 
@@ -402,7 +410,7 @@ def run_concurrency(
     model = build_model(w.scaled(1000) if name == "dlrm_dcnv2" else w, seed=0).eval()
     servers: dict[str, Served] = {}
     try:
-        for k, (parser, loop, delay, preferred) in enumerate(parse_servers(args.servers)):
+        for k, (parser, loop, delay, preferred, procs) in enumerate(parse_servers(args.servers)):
             delay = args.queue_delay_us if delay is None else delay
             preferred = args.preferred_batch if preferred is None else preferred
             s = Served(
@@ -415,8 +423,10 @@ def run_concurrency(
                 preferred_batch=preferred,
                 http=parser,
                 loop=loop,
+                grpc_processes=procs,
             )
             key = f"{s.srv.http_parser.value}/{s.srv.event_loop.value}@{delay}:{preferred}"
+            key += f"#{s.srv.cfg.grpc_fronts}"  # gRPC front processes (0: in-process)
             if key in servers:
                 raise ValueError(f"--servers names {key} twice")
             servers[key] = s
@@ -490,9 +500,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--servers",
         default="auto/auto",
-        help="concurrency: the servers compared cell by cell, PARSER/LOOP[@DELAY_US[:PREFERRED]] "
-        "each (e.g. h11/asyncio,httptools/uvloop@5000:256; auto: the fastest installed; "
-        "DELAY_US, PREFERRED: that server's queue delay and preferred batch size)",
+        help="concurrency: the servers compared cell by cell, "
+        "PARSER/LOOP[@DELAY_US[:PREFERRED]][#GRPC_PROCESSES] each (e.g. "
+        "h11/asyncio,httptools/uvloop@5000:256,auto/auto#0; auto: the fastest installed; "
+        "DELAY_US, PREFERRED: that server's queue delay and preferred batch size; "
+        "GRPC_PROCESSES: its gRPC front processes, 0 for grpcio in its process)",
     )
     p.add_argument("--out", default=str(RESULTS_DIR / "hps_server.json"))
     args = p.parse_args(argv)

@@ -22,13 +22,14 @@ import resource
 import statistics
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 import torch
 
 from embark.models.dlrm import DLRM
+from hps.serving.grpc_front.relay import GrpcFronts
 
 log = logging.getLogger("bench_server")
 
@@ -267,25 +268,23 @@ def _raw_client_process(
     out.put(result)
 
 
-def thread_cpu_s() -> dict[str, float]:
+def thread_cpu_s(fronts: Sequence[int] = ()) -> dict[str, float]:
     """CPU seconds (user + system) of this process's threads so far, by role: the model's
-    inference thread (``batcher``), the HTTP event loop (``http``), grpcio's threads
-    (``grpc``), everything else (``other``: the cache worker, onnxruntime's pool, the main
-    thread); read from ``/proc`` (``{}`` where there is none)."""
+    inference thread (``batcher``), the HTTP event loop (``http``), grpcio's threads or the
+    threads answering the gRPC front processes (``grpc``), everything else (``other``: the
+    cache worker, onnxruntime's pool, the main thread), and the gRPC front processes
+    ``fronts`` (pids; ``fronts``); read from ``/proc`` (``{}`` where there is none)."""
     roles = {t.native_id: t.name for t in threading.enumerate()}
     tick = os.sysconf("SC_CLK_TCK")
-    out = {"batcher": 0.0, "http": 0.0, "grpc": 0.0, "other": 0.0}
+    out = {"batcher": 0.0, "http": 0.0, "grpc": 0.0, "other": 0.0, "fronts": 0.0}
     try:
         tids = os.listdir("/proc/self/task")
     except OSError:
         return {}
     for tid in tids:
-        try:
-            with open(f"/proc/self/task/{tid}/stat") as f:
-                fields = f.read().rsplit(")", 1)[1].split()
-        except OSError:  # the thread ended meanwhile
+        cpu = _stat_cpu_s(f"/proc/self/task/{tid}/stat", tick)
+        if cpu is None:  # the thread ended meanwhile
             continue
-        cpu = (int(fields[11]) + int(fields[12])) / tick  # utime, stime
         name = roles.get(int(tid), "")
         role = (
             "batcher"
@@ -293,11 +292,23 @@ def thread_cpu_s() -> dict[str, float]:
             else "http"
             if name == "hps-v2-server"
             else "grpc"
-            if name.startswith("hps-v2-grpc")
+            if name.startswith(("hps-v2-grpc", "hps-grpc-relay"))
             else "other"
         )
         out[role] += cpu
+    for pid in fronts:
+        out["fronts"] += _stat_cpu_s(f"/proc/{pid}/stat", tick) or 0.0
     return out
+
+
+def _stat_cpu_s(path: str, tick: int) -> float | None:
+    """utime + stime of a ``/proc/.../stat`` file in seconds (``None``: it is gone)."""
+    try:
+        with open(path) as f:
+            fields = f.read().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+    return (int(fields[11]) + int(fields[12])) / tick
 
 
 def run_cell(
@@ -404,9 +415,10 @@ def bench_concurrency(
                 addr = served.srv.address if proto == "http" else str(served.srv.grpc_address)
                 before = served.stats()
                 hits0 = _cache_hits(served)
-                cpu0 = thread_cpu_s()
+                fronts = served.srv.grpc.pids if isinstance(served.srv.grpc, GrpcFronts) else []
+                cpu0 = thread_cpu_s(fronts)
                 cell = run_cell(addr, kind, c, reqs, wants, seconds)
-                cpu1 = thread_cpu_s()
+                cpu1 = thread_cpu_s(fronts)
                 after = served.stats()
                 execs = after["execution_count"] - before["execution_count"]
                 done = after["inference_count"] - before["inference_count"]

@@ -36,7 +36,7 @@ import logging
 import socket
 import time
 from collections.abc import Callable, Mapping
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any, NoReturn
 
 import grpc
@@ -45,8 +45,9 @@ from google.protobuf.message import DecodeError
 
 import hps.serving.protos.grpc_predict_v2_pb2 as pb
 import hps.serving.protos.triton_extensions_pb2 as ext
-from hps.serving.batcher import DynamicBatcher, model_config
+from hps.serving.batcher import BatchedResult, DynamicBatcher, model_config
 from hps.serving.clipping import clip
+from hps.serving.grpc_front.wire import RPC_NAMES, SERVICE, grpc_target
 from hps.serving.grpc_protocol import encode_grpc_response, parse_grpc_request
 from hps.serving.servable import DLRMServable, InputError, NonFiniteOutputError
 from hps.serving.statistics import ModelCounts, PhaseNs
@@ -65,17 +66,31 @@ log = logging.getLogger(__name__)
 __all__ = [
     "EXTENSIONS",
     "SERVICE",
+    "RPCS",
     "GrpcInferenceServicer",
     "GrpcServer",
+    "InferCall",
+    "RpcAbort",
+    "check_bindable",
+    "decode_request",
     "method_handlers",
     "status_of",
 ]
 
-SERVICE = "inference.GRPCInferenceService"
 EXTENSIONS = ("model_configuration",)
 # grpcio threads: each call in flight holds one while it waits for its batch, so up to
 # workers + max_queued of them, but no more than this many threads.
 MAX_GRPC_THREADS = 256
+
+
+class RpcAbort(Exception):
+    """A call that ends with ``code`` (not OK) and ``message``: raised by the servicer, turned
+    into the call's status by whichever transport carries it (grpcio in this process, or a
+    front process, :mod:`hps.serving.grpc_front`)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code, self.message = code, message
 
 
 def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> NoReturn:
@@ -83,11 +98,48 @@ def _abort(context: grpc.ServicerContext, code: grpc.StatusCode, msg: str) -> No
     raise AssertionError("grpc's context.abort returned")  # it raises; this line is unreachable
 
 
+class InferCall:
+    """A ``ModelInfer`` call submitted to its model's batcher: :attr:`future` resolves when its
+    execution ran; :meth:`finish` then encodes the response (or raises :class:`RpcAbort`) and
+    counts the call into the model's statistics."""
+
+    def __init__(
+        self,
+        servicer: GrpcInferenceServicer,
+        servable: DLRMServable,
+        req: Any,
+        samples: int,
+        future: Future[BatchedResult],
+        t0: int,
+        t1: int,
+    ) -> None:
+        self._servicer, self._s, self._req, self._samples = servicer, servable, req, samples
+        self.future, self._t0, self._t1 = future, t0, t1
+
+    def finish(self) -> pb.ModelInferResponse:
+        """The response of a call whose :attr:`future` is done.
+
+        Raises:
+            RpcAbort: the request failed (its status and message).
+        """
+        s, t0 = self._s, self._t0
+        try:
+            done = self.future.result()
+            t2 = time.perf_counter_ns()
+            resp = encode_grpc_response(s.name, MODEL_VERSION, done.outputs, self._req)
+        except Exception as e:  # every failure of a request ends its call, never the server
+            raise self._servicer._failed(s, t0, e) from e
+        t3 = time.perf_counter_ns()
+        phases = PhaseNs(done.queue_ns, self._t1 - t0, done.infer_ns, t3 - t2)
+        self._servicer.counts[s.name].succeeded(t3 - t0, self._samples, phases)
+        return resp
+
+
 class GrpcInferenceServicer:
     """The RPCs of the service over ``servables`` (model name → servable); each method takes a
-    request message and the call's context and returns the response message. ``ModelInfer``
-    calls go to ``batchers`` (model name → the model's dynamic batcher) and are counted into
-    ``counts`` (model name → statistics; both shared with the HTTP server, so
+    request message and returns the response message, or raises :class:`RpcAbort`.
+    ``ModelInfer`` calls go to ``batchers`` (model name → the model's dynamic batcher) and are
+    counted into ``counts`` (model name → statistics; both shared with the HTTP server, so
     ``GET /v2/models/{m}/stats`` counts both protocols); their queue time is their wait in the
     batcher (grpcio's own queue is not visible)."""
 
@@ -99,7 +151,7 @@ class GrpcInferenceServicer:
     ) -> None:
         self.servables, self.counts, self.batchers = servables, counts, batchers
 
-    def _model(self, context: grpc.ServicerContext, name: str, ver: str) -> DLRMServable:
+    def _model(self, name: str, ver: str) -> DLRMServable:
         """The servable named; an unknown model is ``NOT_FOUND``, an unknown version of a
         served model ``INVALID_ARGUMENT`` (both messages clip the name)."""
         try:
@@ -107,56 +159,40 @@ class GrpcInferenceServicer:
         except ProtocolError as e:
             served = name in self.servables
             code = grpc.StatusCode.INVALID_ARGUMENT if served else grpc.StatusCode.NOT_FOUND
-            _abort(context, code, str(e))
+            raise RpcAbort(code, str(e)) from e
 
-    def server_live(
-        self, request: pb.ServerLiveRequest, context: grpc.ServicerContext
-    ) -> pb.ServerLiveResponse:
+    def server_live(self, request: pb.ServerLiveRequest) -> pb.ServerLiveResponse:
         return pb.ServerLiveResponse(live=True)
 
-    def server_ready(
-        self, request: pb.ServerReadyRequest, context: grpc.ServicerContext
-    ) -> pb.ServerReadyResponse:
+    def server_ready(self, request: pb.ServerReadyRequest) -> pb.ServerReadyResponse:
         # the server exists once every model loaded; online updates' policy: hps.updates.health
         ready = all(s.session.update_status().ready for s in self.servables.values())
         return pb.ServerReadyResponse(ready=ready)
 
-    def server_metadata(
-        self, request: pb.ServerMetadataRequest, context: grpc.ServicerContext
-    ) -> pb.ServerMetadataResponse:
+    def server_metadata(self, request: pb.ServerMetadataRequest) -> pb.ServerMetadataResponse:
         return pb.ServerMetadataResponse(
             name=SERVER_NAME, version=server_version(), extensions=EXTENSIONS
         )
 
-    def model_ready(
-        self, request: pb.ModelReadyRequest, context: grpc.ServicerContext
-    ) -> pb.ModelReadyResponse:
+    def model_ready(self, request: pb.ModelReadyRequest) -> pb.ModelReadyResponse:
         try:
             find_model(self.servables, request.name, request.version)
         except ProtocolError:
             return pb.ModelReadyResponse(ready=False)
         return pb.ModelReadyResponse(ready=True)
 
-    def model_metadata(
-        self, request: pb.ModelMetadataRequest, context: grpc.ServicerContext
-    ) -> pb.ModelMetadataResponse:
-        doc = self._model(context, request.name, request.version).metadata()
+    def model_metadata(self, request: pb.ModelMetadataRequest) -> pb.ModelMetadataResponse:
+        doc = self._model(request.name, request.version).metadata()
         return json_format.ParseDict(doc, pb.ModelMetadataResponse())
 
-    def model_config(
-        self, request: ext.ModelConfigRequest, context: grpc.ServicerContext
-    ) -> ext.ModelConfigResponse:
-
-        s = self._model(context, request.name, request.version)
+    def model_config(self, request: ext.ModelConfigRequest) -> ext.ModelConfigResponse:
+        s = self._model(request.name, request.version)
         doc = model_config(s, self.batchers[s.name].cfg)
         return ext.ModelConfigResponse(config=json_format.ParseDict(doc, ext.ModelConfig()))
 
-    def repository_index(
-        self, request: ext.RepositoryIndexRequest, context: grpc.ServicerContext
-    ) -> ext.RepositoryIndexResponse:
+    def repository_index(self, request: ext.RepositoryIndexRequest) -> ext.RepositoryIndexResponse:
         if request.repository_name:
-            _abort(
-                context,
+            raise RpcAbort(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"unknown repository {clip(request.repository_name)!r}; this server has one, "
                 "named by an empty repository_name",
@@ -166,33 +202,36 @@ class GrpcInferenceServicer:
         ]
         return ext.RepositoryIndexResponse(models=models)
 
-    def model_infer(
-        self, request: pb.ModelInferRequest, context: grpc.ServicerContext
-    ) -> pb.ModelInferResponse:
-        """Parse, infer, encode; errors end the call with the status the HTTP code maps to."""
+    def start_infer(self, request: pb.ModelInferRequest, peer: str) -> InferCall:
+        """Parse and check a ``ModelInfer`` request from ``peer`` (the connection's address,
+        for the known clients) and submit it to its model's batcher.
+
+        Raises:
+            RpcAbort: an unknown model, or a request that failed before its execution.
+        """
         t0 = time.perf_counter_ns()
-        s = self._model(context, request.model_name, request.model_version)
+        s = self._model(request.model_name, request.model_version)
         try:
-            with self.batchers[s.name].arrival(context.peer()) as arrival:
+            with self.batchers[s.name].arrival(peer) as arrival:
                 req = parse_grpc_request(request)
                 inputs = s.check(req.inputs)
                 t1 = time.perf_counter_ns()
                 future = arrival.submit(inputs)
-            done = future.result()
-            t2 = time.perf_counter_ns()
-            resp = encode_grpc_response(s.name, MODEL_VERSION, done.outputs, req)
         except Exception as e:  # every failure of a request ends its call, never the server
-            self.counts[s.name].failed(
-                time.perf_counter_ns() - t0, isinstance(e, NonFiniteOutputError)
-            )
-            code, msg = status_of(e)
-            if code is grpc.StatusCode.INTERNAL:
-                log.exception("model %r: inference failed", s.name)
-            _abort(context, code, msg)
-        t3 = time.perf_counter_ns()
-        phases = PhaseNs(done.queue_ns, t1 - t0, done.infer_ns, t3 - t2)
-        self.counts[s.name].succeeded(t3 - t0, int(inputs["dense"].shape[0]), phases)
-        return resp
+            raise self._failed(s, t0, e) from e
+        return InferCall(self, s, req, int(inputs["dense"].shape[0]), future, t0, t1)
+
+    def model_infer(self, request: pb.ModelInferRequest, peer: str) -> pb.ModelInferResponse:
+        """Parse, infer, encode (waiting for the execution on this thread)."""
+        return self.start_infer(request, peer).finish()  # finish waits for the future
+
+    def _failed(self, s: DLRMServable, t0: int, e: Exception) -> RpcAbort:
+        """Count a failed call of model ``s`` and the status it ends with."""
+        self.counts[s.name].failed(time.perf_counter_ns() - t0, isinstance(e, NonFiniteOutputError))
+        code, msg = status_of(e)
+        if code is grpc.StatusCode.INTERNAL:
+            log.error("model %r: inference failed", s.name, exc_info=e)
+        return RpcAbort(code, msg)
 
 
 def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
@@ -208,7 +247,7 @@ def status_of(e: Exception) -> tuple[grpc.StatusCode, str]:
 
 
 # RPC name → (servicer method, request message class, response message class).
-_RPCS: dict[str, tuple[str, Any, Any]] = {
+RPCS: dict[str, tuple[str, Any, Any]] = {
     "ServerLive": ("server_live", pb.ServerLiveRequest, pb.ServerLiveResponse),
     "ServerReady": ("server_ready", pb.ServerReadyRequest, pb.ServerReadyResponse),
     "ServerMetadata": ("server_metadata", pb.ServerMetadataRequest, pb.ServerMetadataResponse),
@@ -222,44 +261,53 @@ _RPCS: dict[str, tuple[str, Any, Any]] = {
         ext.RepositoryIndexResponse,
     ),
 }
+assert tuple(RPCS) == RPC_NAMES, "the front processes' rpc numbers follow RPCS"
 
 
 class _Decoded:
     """An RPC method that receives the request's bytes and decodes them itself, so bytes that
     are not a message of its type end the call with ``INVALID_ARGUMENT`` naming the type
-    (grpcio's own deserializer answers ``INTERNAL``)."""
+    (grpcio's own deserializer answers ``INTERNAL``); the servicer's :class:`RpcAbort` ends
+    the call with its status."""
 
-    def __init__(self, fn: Callable[[Any, grpc.ServicerContext], Any], request_cls: Any) -> None:
-        self.fn, self.request_cls = fn, request_cls
+    def __init__(self, fn: Callable[..., Any], request_cls: Any, peer: bool) -> None:
+        self.fn, self.request_cls, self.peer = fn, request_cls, peer
 
     def __call__(self, data: bytes, context: grpc.ServicerContext) -> Any:
         try:
-            request = self.request_cls.FromString(data)
-        except DecodeError as e:
-            _abort(
-                context,
-                grpc.StatusCode.INVALID_ARGUMENT,
-                f"request is not a valid {self.request_cls.DESCRIPTOR.full_name} message: {e}",
-            )
-        return self.fn(request, context)
+            request = decode_request(self.request_cls, data)
+            return self.fn(request, context.peer()) if self.peer else self.fn(request)
+        except RpcAbort as e:
+            _abort(context, e.code, e.message)
+
+
+def decode_request(request_cls: Any, data: bytes) -> Any:
+    """``data`` as a message of ``request_cls``.
+
+    Raises:
+        RpcAbort: ``INVALID_ARGUMENT``, bytes that are not such a message.
+    """
+    try:
+        return request_cls.FromString(data)
+    except DecodeError as e:
+        raise RpcAbort(
+            grpc.StatusCode.INVALID_ARGUMENT,
+            f"request is not a valid {request_cls.DESCRIPTOR.full_name} message: {e}",
+        ) from e
 
 
 def method_handlers(servicer: GrpcInferenceServicer) -> dict[str, grpc.RpcMethodHandler]:
     """RPC name → grpcio handler of ``servicer``'s method (all unary-unary)."""
     out = {}
-    for rpc, (method, req_cls, resp_cls) in _RPCS.items():
+    for rpc, (method, req_cls, resp_cls) in RPCS.items():
         out[rpc] = grpc.unary_unary_rpc_method_handler(
-            _Decoded(getattr(servicer, method), req_cls),
+            _Decoded(getattr(servicer, method), req_cls, peer=rpc == "ModelInfer"),
             response_serializer=resp_cls.SerializeToString,
         )
     return out
 
 
-def _target(host: str, port: int) -> str:
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def _check_bindable(host: str, port: int) -> None:
+def check_bindable(host: str, port: int) -> None:
     """Raise ``OSError`` naming the address and the OS's reason if ``host:port`` cannot be
     bound (grpcio's own error does not say why)."""
     if port == 0:
@@ -303,7 +351,7 @@ class GrpcServer:
         counts: Mapping[str, ModelCounts],
         batchers: Mapping[str, DynamicBatcher],
     ) -> None:
-        _check_bindable(host, port)
+        check_bindable(host, port)
         self.host = host
         threads = min(workers + max_queued, MAX_GRPC_THREADS)
         self._executor = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="hps-v2-grpc")
@@ -319,7 +367,7 @@ class GrpcServer:
             (grpc.method_handlers_generic_handler(SERVICE, handlers),)
         )
         try:
-            self.port: int = self._server.add_insecure_port(_target(host, port))
+            self.port: int = self._server.add_insecure_port(grpc_target(host, port))
         except RuntimeError as e:
             self._executor.shutdown(wait=False)
             raise OSError(f"cannot listen on {host}:{port} (gRPC): {e}") from e
@@ -327,7 +375,7 @@ class GrpcServer:
     @property
     def address(self) -> str:
         """``host:port`` (what ``tritonclient.grpc.InferenceServerClient`` takes)."""
-        return _target(self.host, self.port)
+        return grpc_target(self.host, self.port)
 
     def start(self) -> GrpcServer:
         self._server.start()

@@ -53,6 +53,7 @@ With ``grpc_port`` set, the same servables are served over gRPC too
 from hps.serving.batcher import model_config
 from hps.serving.http_server.config import (
     MAX_CONNECTIONS,
+    MAX_GRPC_PROCESSES,
     MAX_ORT_THREADS,
     MAX_QUEUED,
     MAX_WORKERS,
@@ -65,6 +66,7 @@ from hps.serving.http_server.server import InferenceServer, build_servables, ope
 
 __all__ = [
     "MAX_CONNECTIONS",
+    "MAX_GRPC_PROCESSES",
     "MAX_ORT_THREADS",
     "MAX_QUEUED",
     "MAX_WORKERS",

@@ -9,10 +9,13 @@ from dataclasses import dataclass
 
 from hps.serving.batcher import MAX_QUEUE_DELAY_US, BatchingConfig
 from hps.serving.connections import ConnectionLimits, EventLoop, HttpParser
+from hps.serving.grpc_front.relay import MAX_PROCESSES
 from hps.serving.servable import DLRMServable
 
 __all__ = [
     "MAX_CONNECTIONS",
+    "GRPC_PROCESSES_AUTO",
+    "MAX_GRPC_PROCESSES",
     "MAX_ORT_THREADS",
     "MAX_QUEUED",
     "MAX_WORKERS",
@@ -28,6 +31,8 @@ MAX_WORKERS = 256
 MAX_ORT_THREADS = 256
 MAX_QUEUED = 65536  # each queued request holds its body (up to max_request_mb)
 MAX_CONNECTIONS = 65536  # one file descriptor each; also bounded by RLIMIT_NOFILE at start
+MAX_GRPC_PROCESSES = MAX_PROCESSES
+GRPC_PROCESSES_AUTO = -1  # one gRPC front process where 2 or more cores are available
 
 
 def available_cores() -> int:
@@ -134,6 +139,25 @@ class ServerConfig:
     header_timeout_s: float = 10.0  # connect (or last response) → request headers complete
     body_timeout_s: float = 60.0  # request headers complete → body complete
     grpc_port: int | None = None  # also serve the v2 gRPC protocol there (on host); 0: free
+    # gRPC in front processes (hps.serving.grpc_front) sharing grpc_port, each carrying its
+    # calls to this process; 0: grpcio's threads in this process; -1 (auto): one front where
+    # this process may use 2 or more cores, else 0. grpcio costs ~0.4 ms of CPU per call,
+    # which in this process competes with batching and inference for the interpreter: tiny
+    # model, 16 tritonclient gRPC clients × batch 16 on 2 cores, one front served 15-33 %
+    # more samples/s than grpcio's threads in four alternated pairs (docs/benchmarks.md,
+    # "gRPC front processes").
+    grpc_processes: int = GRPC_PROCESSES_AUTO
+
+    @property
+    def grpc_fronts(self) -> int:
+        """The gRPC front processes this configuration starts (``grpc_processes`` resolved;
+        0 without ``grpc_port``)."""
+        if self.grpc_port is None:
+            return 0
+        if self.grpc_processes == GRPC_PROCESSES_AUTO:
+            return 1 if available_cores() >= 2 else 0
+        return self.grpc_processes
+
     # The HTTP parser and event loop (auto: httptools and uvloop when installed, else h11 and
     # asyncio's, logged). Tiny model, 16 HTTP clients × batch 16, 2 shared cores: the event
     # loop's CPU per request 676 µs with h11 + asyncio, 438 µs with httptools + uvloop.
@@ -152,6 +176,7 @@ class ServerConfig:
             ("max_queue_delay_us", 0, MAX_QUEUE_DELAY_US),
             ("preferred_batch_size", 0, 2**31 - 1),
             ("port", 0, 65535),
+            ("grpc_processes", GRPC_PROCESSES_AUTO, MAX_GRPC_PROCESSES),
         ]
         if self.grpc_port is not None:
             bounds.append(("grpc_port", 0, 65535))
@@ -167,6 +192,10 @@ class ServerConfig:
                     f"ServerConfig.{f} must be one of {[k.value for k in kind]} "
                     f"({kind.__name__}), got {getattr(self, f)!r}"
                 )
+        if self.grpc_processes > 0 and self.grpc_port is None:
+            raise ValueError(
+                f"ServerConfig.grpc_processes {self.grpc_processes} needs a grpc_port to serve on"
+            )
         if self.grpc_port == self.port != 0:
             raise ValueError(
                 f"ServerConfig.grpc_port {self.grpc_port} is also the HTTP port; give each "

@@ -18,7 +18,8 @@ from typing import Any
 from hps.parameter_server import HierarchicalParameterServer
 from hps.serving.batcher import start_batchers
 from hps.serving.connections import EventLoop, HttpParser, pick_loop, pick_parser, protocol_class
-from hps.serving.grpc_server import GrpcServer
+from hps.serving.grpc_front.relay import GrpcFronts
+from hps.serving.grpc_server import GrpcInferenceServicer, GrpcServer
 from hps.serving.http_server.config import ServerConfig, available_cores
 from hps.serving.http_server.endpoints import create_app
 from hps.serving.servable import DLRMServable
@@ -134,7 +135,7 @@ class InferenceServer:
                 e.errno, f"cannot listen on {self.cfg.host}:{self.cfg.port}: {e.strerror}"
             ) from e
         self.port: int = self._sock.getsockname()[1]
-        self.grpc: GrpcServer | None = None
+        self.grpc: GrpcServer | GrpcFronts | None = None
         if self.cfg.grpc_port is not None:
             try:
                 self.grpc = self._grpc_server(self.cfg.grpc_port)
@@ -142,9 +143,13 @@ class InferenceServer:
                 self._sock.close()
                 raise
 
-    def _grpc_server(self, port: int) -> GrpcServer:
+    def _grpc_server(self, port: int) -> GrpcServer | GrpcFronts:
         c = self.cfg
         max_bytes = int(c.max_request_mb * 2**20)
+        if c.grpc_fronts:
+            servicer = GrpcInferenceServicer(self.servables, self.counts, self.batchers)
+            in_flight = c.workers + c.max_queued
+            return GrpcFronts(servicer, c.host, port, c.grpc_fronts, in_flight, max_bytes)
         return GrpcServer(
             self.servables,
             c.host,

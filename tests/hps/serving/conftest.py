@@ -1,5 +1,6 @@
-"""Fixtures shared by the gRPC tests: the tiny DLRM, its artifacts, and one server speaking
-HTTP and gRPC over them (session-scoped: exporting the model is the slow part)."""
+"""Fixtures shared by the gRPC tests: the tiny DLRM, its artifacts, and a server speaking
+HTTP and gRPC over them, gRPC in this process or from a front process (session-scoped:
+exporting the model is the slow part)."""
 
 from __future__ import annotations
 
@@ -24,11 +25,15 @@ def tiny_artifacts(tiny: DLRM, tmp_path_factory: pytest.TempPathFactory) -> Path
     return write_artifacts(tiny, tmp_path_factory.mktemp("serving"))
 
 
-@pytest.fixture(scope="session")
-def both_served(tiny_artifacts: Path) -> Iterator[InferenceServer]:
-    """HTTP and gRPC on free ports, 4 workers, requests up to 1 MiB."""
+@pytest.fixture(scope="session", params=[0, 1], ids=["grpc-in-process", "grpc-front"])
+def both_served(tiny_artifacts: Path, request: pytest.FixtureRequest) -> Iterator[InferenceServer]:
+    """HTTP and gRPC on free ports, 4 workers, requests up to 1 MiB; gRPC served by grpcio's
+    threads in this process, then by one front process (every test that uses it runs
+    against both)."""
     ps = HierarchicalParameterServer.from_config(tiny_artifacts / "ps.json")
-    cfg = ServerConfig(port=0, grpc_port=0, workers=4, max_request_mb=1.0)
+    cfg = ServerConfig(
+        port=0, grpc_port=0, workers=4, max_request_mb=1.0, grpc_processes=request.param
+    )
     srv = InferenceServer(ps, cfg).start()
     try:
         yield srv

@@ -6,7 +6,6 @@ and stops cleanly."""
 
 from __future__ import annotations
 
-import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -29,6 +28,7 @@ from hps.serving.http_server import InferenceServer, ServerConfig
 from hps.types import TierUnavailableError
 from tests.hps.serving.tiny_dlrm import (
     CliServer,
+    bindable,
     eager_logits,
     free_port,
     make_request,
@@ -395,19 +395,6 @@ def test_health_metadata_config_and_index_on_both(clients) -> None:
         http.get_model_config("nope")
 
 
-def _bindable(port: int) -> bool:
-    """Whether a new server could listen on ``port`` (SO_REUSEADDR as servers set it: a
-    connection of the stopped server in TIME_WAIT does not count, a listening socket does)."""
-    with socket.socket() as s:
-        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            s.bind(("127.0.0.1", port))
-            s.listen()
-        except OSError:
-            return False
-    return True
-
-
 def test_stop_leaves_no_threads_and_frees_both_ports(artifacts, model) -> None:
     before = set(threading.enumerate())
     ps = HierarchicalParameterServer.from_config(artifacts / "ps.json")
@@ -425,7 +412,7 @@ def test_stop_leaves_no_threads_and_frees_both_ports(artifacts, model) -> None:
     while (left := set(threading.enumerate()) - before) and time.monotonic() < deadline:
         time.sleep(0.05)
     assert not left, sorted(t.name for t in left)
-    assert all(_bindable(p) for p in ports), ports
+    assert all(bindable(p) for p in ports), ports
 
 
 def test_cli_grpc_port_serves_and_shuts_down_cleanly(artifacts, model) -> None:
@@ -441,7 +428,7 @@ def test_cli_grpc_port_serves_and_shuts_down_cleanly(artifacts, model) -> None:
     assert time.monotonic() - t0 < 15, "SIGTERM took too long to stop the server"
     assert srv.returncode == 0, srv.output
     assert f"grpc://127.0.0.1:{gport}" in srv.output and "Traceback" not in srv.output
-    assert _bindable(gport) and _bindable(srv.port)
+    assert bindable(gport) and bindable(srv.port)
 
 
 def test_grpc_calls_count_in_the_models_statistics(clients, model) -> None:

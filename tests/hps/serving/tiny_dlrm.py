@@ -89,6 +89,19 @@ def triton_inputs(
     return out
 
 
+def bindable(port: int) -> bool:
+    """Whether a new server could listen on ``port`` (SO_REUSEADDR as servers set it: a
+    connection of the stopped server in TIME_WAIT does not count, a listening socket does)."""
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind(("127.0.0.1", port))
+            s.listen()
+        except OSError:
+            return False
+    return True
+
+
 def free_port() -> int:
     """A TCP port on 127.0.0.1 free right now."""
     with socket.socket() as s:
@@ -142,6 +155,18 @@ class CliServer:
 
     def alive(self) -> bool:
         return self._proc.poll() is None
+
+    @property
+    def pid(self) -> int:
+        return self._proc.pid
+
+    def children(self) -> list[int]:
+        """The server's child processes now (its gRPC fronts), from ``/proc``."""
+        out: list[int] = []
+        for tid in os.listdir(f"/proc/{self.pid}/task"):
+            with open(f"/proc/{self.pid}/task/{tid}/children") as f:
+                out += [int(c) for c in f.read().split()]
+        return sorted(out)
 
     def stop(self) -> str:
         """SIGTERM (then SIGKILL after 30 s); the process's output."""

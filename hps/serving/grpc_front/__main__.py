@@ -1,0 +1,41 @@
+"""``python -m hps.serving.grpc_front --relay SOCKET --port P ...``: one gRPC front process,
+started by the v2 server with ``--grpc-processes`` (:mod:`hps.serving.grpc_front.relay`);
+not meant to be run by hand."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+from collections.abc import Sequence
+
+from hps.serving.grpc_front.front import serve
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m hps.serving.grpc_front", description=__doc__)
+    p.add_argument("--relay", required=True, help="the server's Unix socket")
+    p.add_argument("--host", required=True)
+    p.add_argument("--port", required=True, type=int)
+    p.add_argument("--max-request-bytes", required=True, type=int)
+    p.add_argument("--max-in-flight", required=True, type=int)
+    p.add_argument("--grace-s", type=float, default=10.0)
+    p.add_argument("--log-level", default="warning")
+    a = p.parse_args(argv)
+    logging.basicConfig(
+        level=a.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(message)s"
+    )
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's process stops its fronts
+    try:
+        return asyncio.run(
+            serve(a.relay, a.host, a.port, a.max_request_bytes, a.max_in_flight, a.grace_s)
+        )
+    except OSError as e:  # the server's socket is gone before the front connected
+        print(f"grpc front: cannot reach the server at {a.relay}: {e}", file=sys.stderr)
+        return 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

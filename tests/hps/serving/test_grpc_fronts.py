@@ -1,0 +1,283 @@
+"""gRPC from front processes (``grpc_processes``): the frames between a front and the server
+(exact bytes, split reads, refusals); a front killed mid-service is replaced on the same port
+and the next calls score exactly; stopping the server ends every front, frees the port and
+removes the relay's socket; a server killed with SIGKILL takes its fronts with it; concurrent
+clients through two fronts get bit-equal answers; the knobs' bad values are refused. The
+protocol itself (scores, errors, statistics, gzip, limits) is tested through a front by
+``test_grpc_server.py`` and ``test_grpc_fuzz.py``, whose server runs both ways."""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import struct
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+import pytest
+import tritonclient.grpc as tg
+import tritonclient.http as th
+from tritonclient.utils import InferenceServerException
+
+from embark.models.dlrm import DLRM
+from hps.parameter_server import HierarchicalParameterServer
+from hps.serving.grpc_front import wire
+from hps.serving.grpc_front.relay import GrpcFronts
+from hps.serving.grpc_server import RPCS
+from hps.serving.http_server import InferenceServer, ServerConfig
+from tests.hps.serving.test_grpc_server import grpc_inputs
+from tests.hps.serving.tiny_dlrm import (
+    CliServer,
+    bindable,
+    free_port,
+    make_request,
+    triton_inputs,
+)
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it has exited)."""
+    try:
+        with open(f"/proc/{pid}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait(cond, timeout_s: float = 20.0) -> bool:  # type: ignore[no-untyped-def]
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+# --- frames -------------------------------------------------------------------------------
+
+
+def test_frames_are_exact_bytes_and_survive_any_split() -> None:
+    call = wire.call_frame(7, 5, "ipv4:127.0.0.1:5", b"\x01\x02")
+    peer = b"ipv4:127.0.0.1:5"
+    body = struct.pack("<QBH", 7, 5, len(peer)) + peer + b"\x01\x02"
+    assert call == struct.pack("<I", len(body)) + body
+    answer = wire.answer_frame(7, 3, b"bad")
+    assert answer == struct.pack("<I", 12) + struct.pack("<QB", 7, 3) + b"bad"
+    stream = call + answer + wire.hello_frame(4321) + wire.stop_frame()
+    for step in (1, 3, 7, len(stream)):  # fed byte by byte, in odd pieces, at once
+        r = wire.FrameReader(max_frame=1 << 16)
+        frames = [f for i in range(0, len(stream), step) for f in r.feed(stream[i : i + step])]
+        assert r.buffered == 0 and len(frames) == 4
+        assert wire.decode_call(frames[0]) == wire.Call(7, 5, "ipv4:127.0.0.1:5", b"\x01\x02")
+        assert wire.decode_answer(frames[1]) == wire.Answer(7, 3, b"bad")
+        assert wire.parse_hello(wire.decode_call(frames[2])) == 4321
+        assert wire.decode_answer(frames[3]) == wire.Answer(0, wire.STOP, b"")
+
+
+def test_bad_frames_are_refused_naming_what_is_wrong() -> None:
+    r = wire.FrameReader(max_frame=100)
+    with pytest.raises(wire.FrameError, match="101 bytes exceeds the 100"):
+        r.feed(struct.pack("<I", 101))  # refused from its length, before its bytes arrive
+    with pytest.raises(wire.FrameError, match="unknown rpc 9"):
+        wire.decode_call(memoryview(struct.pack("<QBH", 1, 9, 0)))
+    with pytest.raises(wire.FrameError, match="shorter than its peer"):
+        wire.decode_call(memoryview(struct.pack("<QBH", 1, 0, 50) + b"ab"))
+    with pytest.raises(wire.FrameError, match="shorter than its header"):
+        wire.decode_answer(memoryview(b"\x00" * 8))
+    with pytest.raises(wire.FrameError, match="first frame must be its hello"):
+        wire.parse_hello(wire.Call(3, 0, "", b""))
+    with pytest.raises(wire.FrameError, match="names no port"):
+        wire.parse_hello(wire.Call(0, wire.HELLO, "", b'{"port": 0}'))
+    with pytest.raises(OSError, match="cannot listen on here"):
+        wire.parse_hello(
+            wire.decode_call(
+                wire.FrameReader(1 << 16).feed(wire.hello_frame(None, "cannot listen on here"))[0]
+            )
+        )
+    assert tuple(RPCS) == wire.RPC_NAMES  # the rpc byte means the same on both ends
+
+
+def test_grpc_processes_knob_is_checked() -> None:
+    with pytest.raises(ValueError, match="grpc_processes 2 needs a grpc_port"):
+        ServerConfig(grpc_processes=2)
+    with pytest.raises(
+        ValueError, match=r"grpc_processes must be an integer from -1 to 64, got 65"
+    ):
+        ServerConfig(grpc_port=0, grpc_processes=65)
+    assert ServerConfig(grpc_port=0, grpc_processes=3).grpc_fronts == 3
+    assert ServerConfig(grpc_processes=-1).grpc_fronts == 0  # no gRPC, no fronts
+    auto = ServerConfig(grpc_port=0).grpc_fronts
+    assert auto == (1 if len(os.sched_getaffinity(0)) >= 2 else 0)
+
+
+# --- a server with fronts -----------------------------------------------------------------
+
+
+def _server(artifacts: Path, fronts: int) -> tuple[HierarchicalParameterServer, InferenceServer]:
+    ps = HierarchicalParameterServer.from_config(artifacts / "ps.json")
+    cfg = ServerConfig(port=0, grpc_port=0, workers=4, grpc_processes=fronts)
+    return ps, InferenceServer(ps, cfg).start()
+
+
+def _fronts(srv: InferenceServer) -> GrpcFronts:
+    assert isinstance(srv.grpc, GrpcFronts)
+    return srv.grpc
+
+
+def test_a_killed_front_is_replaced_on_the_same_port(tiny_artifacts: Path, tiny: DLRM) -> None:
+    ps, srv = _server(tiny_artifacts, 1)
+    try:
+        fronts = _fronts(srv)
+        (old,) = fronts.pids
+        req = make_request(tiny, 6, seed=31)
+        want = th.InferenceServerClient(srv.address).infer("tiny", triton_inputs(req))
+        os.kill(old, signal.SIGKILL)
+        assert _wait(lambda: fronts.pids != [old] and all(_alive(p) for p in fronts.pids))
+        (new,) = fronts.pids
+        assert not _alive(old)
+        g = tg.InferenceServerClient(srv.grpc_address or "")
+        got = g.infer("tiny", grpc_inputs(req)).as_numpy("logits")
+        g.close()
+        np.testing.assert_array_equal(got, want.as_numpy("logits"))
+        assert srv.grpc_address == f"127.0.0.1:{fronts.port}"  # the port did not change
+    finally:
+        srv.stop()
+        ps.close()
+    assert not _alive(new)
+
+
+def test_stop_ends_every_front_and_frees_port_and_socket(tiny_artifacts: Path, tiny: DLRM) -> None:
+    """A call whose execution is running when the server stops gets its answer; then every
+    front has exited, the port is free, the relay's folder is gone, no thread is left."""
+    before = set(threading.enumerate())
+    ps, srv = _server(tiny_artifacts, 2)
+    release, entered = threading.Event(), threading.Event()
+    answers: list[np.ndarray] = []
+    try:
+        fronts = _fronts(srv)
+        pids, port = fronts.pids, fronts.port
+        relay_dir = Path(fronts._path).parent
+        assert len(pids) == 2 and all(_alive(p) for p in pids) and relay_dir.is_dir()
+        assert not bindable(port)
+        s = srv.servables["tiny"]
+        real = s.infer
+
+        def held(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+            entered.set()
+            release.wait(30)
+            return real(inputs)
+
+        s.infer = held  # type: ignore[method-assign]
+        req = make_request(tiny, 3, seed=32)
+        g = tg.InferenceServerClient(str(srv.grpc_address))
+        t = threading.Thread(
+            target=lambda: answers.append(g.infer("tiny", grpc_inputs(req)).as_numpy("logits"))
+        )
+        t.start()
+        assert entered.wait(30)
+        stopper = threading.Thread(target=srv.stop)
+        stopper.start()  # the fronts stop accepting and wait for the call in flight
+        time.sleep(0.3)
+        release.set()
+        stopper.join(30)
+        t.join(30)
+        g.close()
+        s.infer = real  # type: ignore[method-assign]
+        np.testing.assert_array_equal(answers[0], real(s.check(req))["logits"])
+    finally:
+        release.set()
+        srv.stop()
+        ps.close()
+    assert not any(_alive(p) for p in pids)
+    assert bindable(port) and not relay_dir.exists()
+    assert _wait(lambda: not (set(threading.enumerate()) - before), 5)
+
+
+def test_two_fronts_answer_concurrent_clients_bit_equal(tiny_artifacts: Path, tiny: DLRM) -> None:
+    """Eight clients, each on its own connection (spread over both fronts by the kernel),
+    merged by the batcher: each gets exactly the rows its request gets alone over HTTP."""
+    ps, srv = _server(tiny_artifacts, 2)
+    try:
+        reqs = [make_request(tiny, 1 + k % 5, seed=40 + k) for k in range(8)]
+        http = th.InferenceServerClient(srv.address)
+        wants = [http.infer("tiny", triton_inputs(r)).as_numpy("logits") for r in reqs]
+        errors: list[BaseException] = []
+
+        def client(k: int) -> None:
+            g = tg.InferenceServerClient(str(srv.grpc_address))
+            try:
+                for _ in range(25):
+                    got = g.infer("tiny", grpc_inputs(reqs[k])).as_numpy("logits")
+                    np.testing.assert_array_equal(got, wants[k])
+            except BaseException as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+            finally:
+                g.close()
+
+        threads = [threading.Thread(target=client, args=(k,)) for k in range(8)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        assert not errors, errors[0]
+        st = http.get_inference_statistics("tiny")["model_stats"][0]
+        assert st["inference_stats"]["success"]["count"] >= 200 + 8
+    finally:
+        srv.stop()
+        ps.close()
+
+
+def test_a_taken_port_is_refused_naming_it(tiny_artifacts: Path) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ps = HierarchicalParameterServer.from_config(tiny_artifacts / "ps.json")
+        try:
+            cfg = ServerConfig(port=0, grpc_port=port, grpc_processes=1)
+            with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} \\(gRPC\\)"):
+                InferenceServer(ps, cfg)
+        finally:
+            ps.close()
+
+
+def test_a_server_killed_outright_takes_its_fronts_with_it(
+    tiny_artifacts: Path, tiny: DLRM
+) -> None:
+    gport = free_port()
+    flags = ("--grpc-port", str(gport), "--grpc-processes", "2")
+    with CliServer(tiny_artifacts / "ps.json", *flags) as srv:
+        g = tg.InferenceServerClient(f"127.0.0.1:{gport}")
+        g.infer("tiny", grpc_inputs(make_request(tiny, 2, seed=33)))
+        fronts = srv.children()
+        assert len(fronts) == 2 and all(_alive(p) for p in fronts)
+        os.kill(srv.pid, signal.SIGKILL)
+        assert _wait(lambda: not any(_alive(p) for p in fronts)), "a front outlived its server"
+        with pytest.raises(InferenceServerException):
+            g.infer("tiny", grpc_inputs(make_request(tiny, 2, seed=33)), client_timeout=10)
+        g.close()
+    assert bindable(gport)
+
+
+def test_cli_fronts_stop_on_sigterm_and_ignore_sigint(tiny_artifacts: Path, tiny: DLRM) -> None:
+    """Ctrl-C reaches a terminal's whole process group: the fronts ignore it and the server
+    stops them once its own calls are done."""
+    gport = free_port()
+    req = make_request(tiny, 4, seed=34)
+    with CliServer(
+        tiny_artifacts / "ps.json", "--grpc-port", str(gport), "--grpc-processes", "1"
+    ) as srv:
+        (front,) = srv.children()
+        os.kill(front, signal.SIGINT)
+        g = tg.InferenceServerClient(f"127.0.0.1:{gport}")
+        got = g.infer("tiny", grpc_inputs(req)).as_numpy("logits")
+        g.close()
+        assert srv.children() == [front]  # still the same front
+        want = th.InferenceServerClient(srv.address).infer("tiny", triton_inputs(req))
+        np.testing.assert_array_equal(got, want.as_numpy("logits"))
+    assert srv.returncode == 0, srv.output
+    assert not _alive(front) and bindable(gport)
+    assert "Traceback" not in srv.output, srv.output

@@ -25,7 +25,10 @@ merged with the model's other waiting requests, HTTP's too, by the model's dynam
 (:mod:`hps.serving.batcher`). Limits: ``workers + max_queued`` calls in flight, past that
 grpcio answers ``RESOURCE_EXHAUSTED`` at once; a message larger than ``max_request_bytes``
 (after decompression) is refused by grpcio with ``RESOURCE_EXHAUSTED`` before it is read.
-Names a client gives are clipped in error messages (:mod:`hps.serving.clipping`), so a
+With ``--grpc-processes`` the calls arrive from front processes instead
+(:mod:`hps.serving.grpc_front`): the same :class:`GrpcInferenceServicer` answers them, so
+statuses, messages and statistics are the same. Names a client gives are clipped in error
+messages (:mod:`hps.serving.clipping`), so a
 100,000-character model name gets ``NOT_FOUND`` with a short message.
 Connections are HTTP/2's: grpcio bounds streams per connection and closes broken ones.
 """

@@ -77,6 +77,7 @@ __all__ = [
     "check_bindable",
     "decode_request",
     "method_handlers",
+    "unexpected_error",
     "status_of",
 ]
 
@@ -282,6 +283,15 @@ class _Decoded:
             return self.fn(request, context.peer()) if self.peer else self.fn(request)
         except RpcAbort as e:
             _abort(context, e.code, e.message)
+        except Exception as e:  # a bug of ours: the call fails INTERNAL, the server lives on
+            log.exception("grpc %s failed", self.request_cls.DESCRIPTOR.name)
+            bug = unexpected_error(e)
+            _abort(context, bug.code, bug.message)
+
+
+def unexpected_error(e: Exception) -> RpcAbort:
+    """The status a call ends with when the servicer fails unexpectedly: ``INTERNAL``."""
+    return RpcAbort(grpc.StatusCode.INTERNAL, f"internal error: {type(e).__name__}: {e}")
 
 
 def decode_request(request_cls: Any, data: bytes) -> Any:

@@ -16,7 +16,7 @@ from hps.serving.grpc_front.front import serve
 
 def main(argv: Sequence[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m hps.serving.grpc_front", description=__doc__)
-    p.add_argument("--relay", required=True, help="the server's Unix socket")
+    p.add_argument("--relay", required=True, help="the server's abstract Unix socket's name")
     p.add_argument("--host", required=True)
     p.add_argument("--port", required=True, type=int)
     p.add_argument("--max-request-bytes", required=True, type=int)

@@ -4,8 +4,9 @@ call's request bytes to the server's process over a Unix socket and its answer b
 (:mod:`hps.serving.grpc_front.wire`). It parses nothing: the server's process decodes, checks,
 batches and encodes as for its own grpcio threads, so both answer alike.
 
-It ends when the server asks (``STOP``: the calls in flight finish first), on SIGTERM (the
-same), or when the server's process goes away (its calls in flight end ``UNAVAILABLE``).
+It ends when the server asks (``STOP``: the calls in flight finish first, within the grace
+the server gives; exit status 0), on SIGTERM (the same), or when the server's process goes
+away (its calls in flight end ``UNAVAILABLE``; exit status 1).
 SIGINT is ignored: a terminal's Ctrl-C reaches the whole process group, and the server's
 process stops its fronts itself once its own calls are done.
 """
@@ -13,6 +14,7 @@ process stops its fronts itself once its own calls are done.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import signal
 from collections.abc import Awaitable, Callable
@@ -20,6 +22,7 @@ from collections.abc import Awaitable, Callable
 import grpc
 
 from hps.serving.grpc_front.wire import (
+    MAX_FRAME_BYTES,
     RPC_NAMES,
     SERVICE,
     STOP,
@@ -37,7 +40,6 @@ log = logging.getLogger(__name__)
 __all__ = ["RelayLink", "serve"]
 
 _STATUS = {c.value[0]: c for c in grpc.StatusCode}
-_ANSWER_SLACK = 1 << 20  # an answer may exceed the largest request by this much
 
 
 class RelayLink(asyncio.Protocol):
@@ -50,6 +52,7 @@ class RelayLink(asyncio.Protocol):
         self._next_id = 1
         self._transport: asyncio.Transport | None = None
         self.stop_requested = asyncio.Event()
+        self.grace_s = 10.0  # for the calls in flight, as the server's stop asks
         self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
@@ -72,6 +75,8 @@ class RelayLink(asyncio.Protocol):
                 return
             if a.call_id == 0:
                 if a.code == STOP:
+                    with contextlib.suppress(ValueError):
+                        self.grace_s = max(0.0, float(a.body))
                     self.stop_requested.set()
                 continue
             fut = self._pending.pop(a.call_id, None)
@@ -133,8 +138,9 @@ async def serve(
     """Serve the v2 gRPC service on ``host:port`` for the server whose Unix socket is
     ``relay`` until it asks to stop; the exit status (0, or 2 if the port cannot be bound)."""
     loop = asyncio.get_running_loop()
-    link = RelayLink(max_request_bytes + _ANSWER_SLACK)
-    await loop.create_unix_connection(lambda: link, relay)
+    link = RelayLink(MAX_FRAME_BYTES)  # answers come from the server, within its own bound
+    link.grace_s = grace_s
+    await loop.create_unix_connection(lambda: link, "\0" + relay)  # an abstract socket
     loop.add_signal_handler(signal.SIGTERM, link.stop_requested.set)
     options = [
         ("grpc.so_reuseport", 1),  # the fronts share the port; the server checked it was free
@@ -156,6 +162,10 @@ async def serve(
     await server.start()
     link.send(hello_frame(bound))
     await link.stop_requested.wait()
-    await server.stop(grace_s)  # calls in flight finish while the link lasts
+    await server.stop(link.grace_s)  # calls in flight finish while the link lasts
+    lost = link.lost
     link.close()
+    if lost:
+        log.warning("grpc front: the server's process closed its connection; exiting")
+        return 1
     return 0

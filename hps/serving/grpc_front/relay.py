@@ -1,13 +1,17 @@
 """The server's side of the gRPC front processes: :class:`GrpcFronts` starts them, answers the
-calls they carry (one reader thread per front; a ``ModelInfer`` answer is sent by the thread
-that resolves its execution, so no thread waits on a call), starts another front when one
-dies, and stops them.
+calls they carry, starts another front when one dies, and stops them.
 
-A front's first frame is its hello: the port it bound (the first front binds the one asked
-for, 0 included; the others bind the port the first got). An answer that cannot be sent
-within :data:`SEND_TIMEOUT_S` (a front that stopped reading) drops that front's connection,
-so a stuck front never holds up the batcher: it exits on the closed socket and another one is
+Per front, one reader thread decodes, parses, checks and submits its calls, and one writer
+thread sends the answers. A ``ModelInfer`` answer is encoded by the thread that resolves its
+execution and queued for the writer, so neither the reader nor the model's inference thread
+ever waits on a front. A writer that cannot send within :data:`SEND_TIMEOUT_S` (a front that
+stopped reading) drops that front: its socket is closed, so it exits, and another one is
 started.
+
+The fronts connect to an abstract Unix socket (no file to leave behind), named with a random
+token; a connection is taken only from the process just started (``SO_PEERCRED``), whose
+first frame is its hello: the port it bound. The first front binds the port asked for (0
+included); the others bind the port it got.
 """
 
 from __future__ import annotations
@@ -15,11 +19,12 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
+import queue
+import secrets
 import socket
+import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -29,6 +34,7 @@ from typing import Any
 import grpc
 
 from hps.serving.grpc_front.wire import (
+    MAX_FRAME_BYTES,
     MAX_PEER_BYTES,
     RPC_NAMES,
     Call,
@@ -47,6 +53,7 @@ from hps.serving.grpc_server import (
     RpcAbort,
     check_bindable,
     decode_request,
+    unexpected_error,
 )
 
 log = logging.getLogger(__name__)
@@ -55,33 +62,65 @@ __all__ = ["MAX_PROCESSES", "SEND_TIMEOUT_S", "GrpcFronts"]
 
 MAX_PROCESSES = 64
 SEND_TIMEOUT_S = 5.0
-_RESTARTS = 3  # attempts to replace a front that died, one after another, before giving up
+_RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between attempts to replace a front (then 5 s each)
 _INFER = RPC_NAMES.index("ModelInfer")
-_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding the hps package
 _OK = grpc.StatusCode.OK.value[0]
-_INTERNAL = grpc.StatusCode.INTERNAL.value[0]
+_ROOT = str(Path(__file__).resolve().parents[3])  # the folder holding the hps package
+_PEERCRED = struct.Struct("3i")  # pid, uid, gid
+
+
+class _Stopping(Exception):
+    """The server began stopping while a front was being started."""
+
+
+def _abort_frame(cid: int, e: RpcAbort) -> bytes:
+    return answer_frame(cid, e.code.value[0], e.message.encode())
 
 
 class _Front:
-    """One front process and the server's end of its socket."""
+    """One front process, the server's end of its socket, and the queue of its answers."""
 
     def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self.proc, self.sock = proc, sock
-        self.lock = threading.Lock()  # one frame at a time on the socket
+        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None: stop
         self.broken = False
+        self.reader: FrameReader | None = None
+        self.early: list[memoryview] = []  # frames that came with the hello
 
     def send(self, frame: bytes) -> None:
-        """Send one frame; a front that does not take it within the timeout is dropped."""
-        with self.lock:
-            if self.broken:
+        """Queue one frame for the writer (dropped once the front is broken)."""
+        if not self.broken:
+            self.outbox.put(frame)
+
+    def write(self) -> None:
+        """The writer thread: send queued frames, several per system call when they queue up,
+        until told to stop or the front breaks."""
+        while True:
+            frame = self.outbox.get()
+            if frame is None:
                 return
+            frames = [frame]
+            with contextlib.suppress(queue.Empty):
+                while len(frames) < 64:
+                    nxt = self.outbox.get_nowait()
+                    if nxt is None:
+                        self.outbox.put(None)
+                        break
+                    frames.append(nxt)
+            if self.broken:
+                continue
             try:
-                self.sock.sendall(frame)
+                self.sock.sendall(b"".join(frames) if len(frames) > 1 else frame)
             except OSError as e:  # gone, or stuck past SEND_TIMEOUT_S (the frame is cut)
-                self.broken = True
-                log.warning("grpc front (pid %d): dropped: %s", self.proc.pid, e)
-                with contextlib.suppress(OSError):  # its reader sees the end and replaces it
-                    self.sock.shutdown(socket.SHUT_RDWR)
+                self.drop(f"cannot send to it: {e}")
+
+    def drop(self, why: str) -> None:
+        """Give the front up: it sees its socket end and exits; its reader replaces it."""
+        if not self.broken:
+            self.broken = True
+            log.warning("grpc front pid %d dropped: %s", self.proc.pid, why)
+        with contextlib.suppress(OSError):
+            self.sock.shutdown(socket.SHUT_RDWR)
 
 
 class GrpcFronts:
@@ -117,29 +156,28 @@ class GrpcFronts:
         if not 1 <= processes <= MAX_PROCESSES:
             raise ValueError(f"grpc front processes must be 1 to {MAX_PROCESSES}, got {processes}")
         check_bindable(host, port)
-        self.servicer, self.host = servicer, host
+        self.servicer, self.host, self.port = servicer, host, port
         self._max_in_flight, self._max_request_bytes = max_in_flight, max_request_bytes
         self._start_timeout_s = start_timeout_s
-        self._max_frame = max_request_bytes + MAX_PEER_BYTES + 64
+        self._max_frame = min(max_request_bytes + MAX_PEER_BYTES + 64, MAX_FRAME_BYTES)
         self._methods: list[tuple[Callable[[Any], Any], Any]] = [
             (getattr(servicer, RPCS[name][0]), RPCS[name][1]) for name in RPC_NAMES
         ]
-        self._dir = tempfile.mkdtemp(prefix="hps-grpc-")  # 0700: this user's processes only
-        self._path = os.path.join(self._dir, "relay.sock")
+        self._name = f"hps-grpc-{os.getpid()}-{secrets.token_hex(8)}"
         self._listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        self._listener.bind(self._path)
-        self._listener.listen(processes + 4)
         self._fronts: list[_Front | None] = []
-        self._readers: list[threading.Thread] = []
+        self._threads: list[threading.Thread] = []
         self._started = self._stopping = False
         self._mu = threading.Lock()
-        self.port = port
+        self._spawning = threading.Lock()  # one front starts at a time (one listener)
         try:
+            self._listener.bind("\0" + self._name)
+            self._listener.listen(processes + 4)
             for _ in range(processes):
                 front, self.port = self._spawn(self.port)
                 self._fronts.append(front)
         except BaseException:
-            self._kill_all()
+            self._end_all()
             raise
 
     @property
@@ -148,77 +186,101 @@ class GrpcFronts:
         return grpc_target(self.host, self.port)
 
     @property
+    def socket_name(self) -> str:
+        """The abstract Unix socket the fronts connect to (``"\\0" + socket_name``)."""
+        return self._name
+
+    @property
     def pids(self) -> list[int]:
         """The front processes' ids (live or not)."""
         return [f.proc.pid for f in self._fronts if f is not None]
 
     def _spawn(self, port: int) -> tuple[_Front, int]:
-        """Start one front on ``port`` and read its hello: the front and the port it bound."""
-        cmd = [
-            sys.executable,
-            "-m",
-            "hps.serving.grpc_front",
-            "--relay",
-            self._path,
-            "--host",
-            self.host,
-            "--port",
-            str(port),
-            "--max-request-bytes",
-            str(self._max_request_bytes),
-            "--max-in-flight",
-            str(self._max_in_flight),
-            "--log-level",
-            logging.getLevelName(max(logging.getLogger().getEffectiveLevel(), logging.INFO)),
-        ]
-        # the front imports this checkout's hps, wherever the server was started from
-        path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
-        env = dict(os.environ, PYTHONPATH=path)
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
-        deadline = time.monotonic() + self._start_timeout_s
-        try:
-            sock = self._accept(proc, deadline)
+        """Start one front on ``port`` and read its hello: the front and the port it bound.
+
+        Raises:
+            OSError: it did not start (why); _Stopping: the server began stopping.
+        """
+        with self._spawning:
+            if self._stopping:
+                raise _Stopping
+            cmd = [
+                sys.executable,
+                "-m",
+                "hps.serving.grpc_front",
+                "--relay",
+                self._name,
+                "--host",
+                self.host,
+                "--port",
+                str(port),
+                "--max-request-bytes",
+                str(self._max_request_bytes),
+                "--max-in-flight",
+                str(self._max_in_flight),
+                "--log-level",
+                logging.getLevelName(max(logging.getLogger().getEffectiveLevel(), logging.INFO)),
+            ]
+            # the front imports this checkout's hps, wherever the server was started from
+            path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
+            env = dict(os.environ, PYTHONPATH=path)
+            proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, env=env)
+            deadline = time.monotonic() + self._start_timeout_s
             try:
-                bound = self._hello(sock, proc, deadline)
+                sock = self._accept(proc, deadline)
+                try:
+                    front = _Front(proc, sock)
+                    bound = self._hello(front, deadline)
+                except BaseException:
+                    sock.close()
+                    raise
             except BaseException:
-                sock.close()
+                _end(proc, timeout_s=0)
                 raise
-        except BaseException:
-            _end(proc)
-            raise
-        sock.settimeout(SEND_TIMEOUT_S)
+        sock.settimeout(SEND_TIMEOUT_S)  # bounds the writer's sends; the reader retries
         log.info("grpc front pid %d serving on %s", proc.pid, grpc_target(self.host, bound))
-        return _Front(proc, sock), bound
+        return front, bound
+
+    def _check_waiting(self, proc: subprocess.Popen[bytes], deadline: float, what: str) -> None:
+        if self._stopping:
+            raise _Stopping
+        if proc.poll() is not None:
+            raise OSError(f"a gRPC front process exited with status {proc.returncode} {what}")
+        if time.monotonic() > deadline:
+            raise OSError(f"a gRPC front process did not start in {self._start_timeout_s} s")
 
     def _accept(self, proc: subprocess.Popen[bytes], deadline: float) -> socket.socket:
+        """The connection of ``proc`` (others, e.g. of a front given up earlier, are closed)."""
         self._listener.settimeout(0.1)
         while True:
             try:
                 sock, _ = self._listener.accept()
-                return sock
             except TimeoutError:
-                pass
-            if proc.poll() is not None:
-                raise OSError(f"a gRPC front process exited with status {proc.returncode}")
-            if time.monotonic() > deadline:
-                raise OSError(f"a gRPC front process did not start in {self._start_timeout_s} s")
+                self._check_waiting(proc, deadline, "before connecting")
+                continue
+            cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            if _PEERCRED.unpack(cred)[0] == proc.pid:
+                return sock
+            sock.close()
 
-    def _hello(self, sock: socket.socket, proc: subprocess.Popen[bytes], deadline: float) -> int:
+    def _hello(self, front: _Front, deadline: float) -> int:
+        """The port in ``front``'s hello; frames that came with it wait in ``front.early``."""
         reader = FrameReader(self._max_frame)
-        sock.settimeout(0.1)
+        front.sock.settimeout(0.1)
         while True:
             try:
-                data = sock.recv(65536)
+                data = front.sock.recv(65536)
             except TimeoutError:
-                data = None
+                self._check_waiting(front.proc, deadline, "before its hello")
+                continue
             if data == b"":
-                raise OSError(f"a gRPC front process (pid {proc.pid}) closed before its hello")
-            if data:
-                frames = reader.feed(data)
-                if frames:
-                    return parse_hello(decode_call(frames[0]))
-            if time.monotonic() > deadline:
-                raise OSError(f"a gRPC front process sent no hello in {self._start_timeout_s} s")
+                raise OSError(
+                    f"a gRPC front process (pid {front.proc.pid}) closed before its hello"
+                )
+            frames = reader.feed(data)
+            if frames:
+                front.reader, front.early = reader, frames[1:]
+                return parse_hello(decode_call(frames[0]))
 
     def start(self) -> GrpcFronts:
         """Answer the fronts' calls (each front's calls waited in its socket until now)."""
@@ -226,43 +288,58 @@ class GrpcFronts:
             self._started = True
             for i, f in enumerate(self._fronts):
                 if f is not None:
-                    self._start_reader(i, f)
+                    self._serve(i, f)
         return self
 
-    def _start_reader(self, slot: int, front: _Front) -> None:
-        t = threading.Thread(
+    def _serve(self, slot: int, front: _Front) -> None:
+        """Start ``front``'s reader and writer threads (with ``self._mu`` held)."""
+        self._threads = [t for t in self._threads if t.is_alive()]
+        reader = threading.Thread(
             target=self._read, args=(slot, front), name=f"hps-grpc-relay-{slot}", daemon=True
         )
-        self._readers.append(t)
-        t.start()
+        writer = threading.Thread(target=front.write, name=f"hps-grpc-answers-{slot}", daemon=True)
+        for t in (writer, reader):
+            self._threads.append(t)
+            t.start()
 
     def _read(self, slot: int, front: _Front) -> None:
-        """Answer one front's calls until its socket closes; then replace the front unless
-        the server is stopping."""
-        reader = FrameReader(self._max_frame)
+        """Answer one front's calls until its socket ends; then replace the front unless the
+        server is stopping."""
+        reader = front.reader or FrameReader(self._max_frame)
         buf = bytearray(1 << 18)
         view = memoryview(buf)
         try:
+            for frame in front.early:
+                self._dispatch(front, decode_call(frame))
+            front.early = []
             while True:
                 try:
                     n = front.sock.recv_into(buf)
                 except TimeoutError:
                     continue
-                except OSError:
-                    break
                 if n == 0:
                     break
                 for frame in reader.feed(view[:n]):
                     self._dispatch(front, decode_call(frame))
         except FrameError as e:
-            log.error("grpc front (pid %d): malformed frame, dropped: %s", front.proc.pid, e)
-        front.broken = True
-        front.sock.close()
-        self._replace(slot, front)
+            log.error("grpc front pid %d sent a malformed frame: %s", front.proc.pid, e)
+        except OSError:
+            pass  # dropped by its writer, or the server is stopping
+        finally:
+            if not self._stopping:
+                front.drop("its connection ended")
+            front.outbox.put(None)  # its writer ends
+            self._replace(slot, front)
 
     def _dispatch(self, front: _Front, call: Call) -> None:
-        """Answer ``call``; a ``ModelInfer`` answer is sent when its execution resolves."""
+        """Answer ``call``; a ``ModelInfer`` answer is queued when its execution resolves.
+
+        Raises:
+            FrameError: a call that is not one of the service's RPCs.
+        """
         cid = call.call_id
+        if call.rpc >= len(RPC_NAMES):
+            raise FrameError(f"rpc {call.rpc} after the hello")
         method, request_cls = self._methods[call.rpc]
         try:
             request = decode_request(request_cls, call.message)
@@ -270,83 +347,105 @@ class GrpcFronts:
                 ic = self.servicer.start_infer(request, call.peer)
                 ic.future.add_done_callback(lambda _: self._finish(front, cid, ic))
                 return
-            frame = answer_frame(cid, _OK, method(request).SerializeToString())
+            frame = self._answer(cid, method(request).SerializeToString())
         except RpcAbort as e:
-            frame = answer_frame(cid, e.code.value[0], e.message.encode())
-        except Exception as e:  # a bug of ours: the call fails, the front lives on
+            frame = _abort_frame(cid, e)
+        except Exception as e:  # a bug of ours: the call fails INTERNAL, the front lives on
             log.exception("grpc %s failed", RPC_NAMES[call.rpc])
-            frame = answer_frame(
-                cid, _INTERNAL, f"internal error: {type(e).__name__}: {e}".encode()
-            )
+            frame = _abort_frame(cid, unexpected_error(e))
+        front.send(frame)
+
+    def _finish(self, front: _Front, cid: int, ic: InferCall) -> None:
+        try:
+            frame = self._answer(cid, ic.finish().SerializeToString())
+        except RpcAbort as e:
+            frame = _abort_frame(cid, e)
+        except Exception as e:
+            log.exception("grpc ModelInfer failed")
+            frame = _abort_frame(cid, unexpected_error(e))
         front.send(frame)
 
     @staticmethod
-    def _finish(front: _Front, cid: int, ic: InferCall) -> None:
-        try:
-            frame = answer_frame(cid, _OK, ic.finish().SerializeToString())
-        except RpcAbort as e:
-            frame = answer_frame(cid, e.code.value[0], e.message.encode())
-        except Exception as e:
-            log.exception("grpc ModelInfer failed")
-            frame = answer_frame(
-                cid, _INTERNAL, f"internal error: {type(e).__name__}: {e}".encode()
+    def _answer(cid: int, body: bytes) -> bytes:
+        """The answer frame of ``body``; one too large for a frame ends its call."""
+        if len(body) + 64 > MAX_FRAME_BYTES:
+            raise RpcAbort(
+                grpc.StatusCode.RESOURCE_EXHAUSTED,
+                f"the answer of {len(body)} bytes exceeds the {MAX_FRAME_BYTES - 64} a gRPC "
+                "front carries",
             )
-        front.send(frame)
+        return answer_frame(cid, _OK, body)
 
     def _replace(self, slot: int, dead: _Front) -> None:
-        """Start another front in ``slot`` after ``dead`` went away (not while stopping)."""
+        """Start another front in ``slot`` after ``dead`` went away, retrying until one
+        starts or the server stops."""
         code = _end(dead.proc, timeout_s=SEND_TIMEOUT_S)
-        with self._mu:
-            if self._stopping:
-                return
+        dead.sock.close()
+        if self._stopping:
+            return
         log.warning(
             "grpc front pid %d ended (status %s); starting another on port %d",
             dead.proc.pid,
             code,
             self.port,
         )
-        for attempt in range(_RESTARTS):
+        attempt = 0
+        while True:
             try:
                 front, _ = self._spawn(self.port)
-            except OSError as e:
-                log.error("grpc front: attempt %d to start another failed: %s", attempt + 1, e)
-                time.sleep(0.5 * (attempt + 1))
+            except _Stopping:
+                return
+            except (OSError, FrameError) as e:
+                wait = _RETRY_S[min(attempt, len(_RETRY_S) - 1)]
+                attempt += 1
+                log.error(
+                    "grpc front: attempt %d to start another failed (%s); again in %g s",
+                    attempt,
+                    e,
+                    wait,
+                )
+                time.sleep(wait)
                 continue
             with self._mu:
                 if self._stopping:
                     front.sock.close()
-                    _end(front.proc)
+                    _end(front.proc, timeout_s=0)
                     return
                 self._fronts[slot] = front
-                self._start_reader(slot, front)
+                self._serve(slot, front)
             return
-        log.error("grpc front: gave up replacing the front of slot %d", slot)
-        with self._mu:
-            self._fronts[slot] = None
 
     def stop(self, grace_s: float = 10.0) -> None:
         """Ask every front to stop accepting calls and finish those in flight (at most
-        ``grace_s``), then end them and release the socket."""
+        ``grace_s``), then end them; a front being started meanwhile is not started."""
         with self._mu:
             if self._stopping:
                 return
             self._stopping = True
             fronts = [f for f in self._fronts if f is not None]
+            started = self._started
         for f in fronts:
-            f.send(stop_frame())
+            if started:
+                f.send(stop_frame(grace_s))  # after the answers already queued
+            else:  # no writer runs: nothing was answered
+                with contextlib.suppress(OSError):
+                    f.sock.sendall(stop_frame(grace_s))
         for f in fronts:
             _end(f.proc, timeout_s=grace_s + 5)
-        for t in list(self._readers):
+        with self._spawning:  # a replacement under way gives up at its next check
+            pass
+        for t in list(self._threads):
             t.join(timeout=SEND_TIMEOUT_S + 1)
-        self._kill_all()
+        self._end_all()
 
-    def _kill_all(self) -> None:
+    def _end_all(self) -> None:
+        self._stopping = True
         for f in self._fronts:
             if f is not None:
                 _end(f.proc, timeout_s=0)
+                f.outbox.put(None)
                 f.sock.close()
         self._listener.close()
-        shutil.rmtree(self._dir, ignore_errors=True)
 
 
 def _end(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int | None:

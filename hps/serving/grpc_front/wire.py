@@ -7,7 +7,8 @@ Every frame is ``u32 length`` followed by ``length`` bytes::
     call     (front → server)   u64 call id ≥ 1 · u8 rpc · u16 peer length · peer · message
     answer   (server → front)   u64 call id · u8 status code · body
     hello    (front → server)   u64 0 · u8 HELLO · u16 0 · JSON {"port": p} or {"error": "..."}
-    stop     (server → front)   u64 0 · u8 STOP (no body): finish the calls in flight, then exit
+    stop     (server → front)   u64 0 · u8 STOP · grace seconds (ASCII): stop accepting calls,
+                                finish those in flight (at most the grace), then exit
 
 ``rpc`` indexes :data:`RPC_NAMES`; ``peer`` is the client's address as grpcio gives it (the
 batcher's known clients); ``message`` the request's serialized bytes. An answer's ``body`` is
@@ -23,6 +24,7 @@ from dataclasses import dataclass
 
 __all__ = [
     "HELLO",
+    "MAX_FRAME_BYTES",
     "MAX_PEER_BYTES",
     "RPC_NAMES",
     "STOP",
@@ -56,6 +58,9 @@ SERVICE = "inference.GRPCInferenceService"
 HELLO = 254  # rpc byte of a front's first frame
 STOP = 255  # rpc byte of the server's request that a front stop
 MAX_PEER_BYTES = 1024  # a longer peer address is cut (it only names a connection)
+#: The longest frame either end sends or takes (its length is a u32; grpcio's own messages
+#: are at most 2 GiB - 1): a larger answer ends its call RESOURCE_EXHAUSTED.
+MAX_FRAME_BYTES = 2**31 + MAX_PEER_BYTES + 64
 
 _LEN = struct.Struct("<I")
 _CALL = struct.Struct("<QBH")
@@ -102,8 +107,8 @@ def hello_frame(port: int | None, error: str | None = None) -> bytes:
     return call_frame(0, HELLO, "", json.dumps(doc).encode())
 
 
-def stop_frame() -> bytes:
-    return answer_frame(0, STOP, b"")
+def stop_frame(grace_s: float) -> bytes:
+    return answer_frame(0, STOP, repr(float(grace_s)).encode())
 
 
 def parse_hello(call: Call) -> int:
@@ -171,6 +176,8 @@ def decode_call(frame: memoryview) -> Call:
     call_id, rpc, peer_len = _CALL.unpack_from(frame, 0)
     if rpc >= len(RPC_NAMES) and rpc != HELLO:
         raise FrameError(f"unknown rpc {rpc} in a call frame")
+    if (rpc == HELLO) != (call_id == 0):
+        raise FrameError(f"call id {call_id} with rpc {rpc}: only a hello has call id 0")
     end = _CALL.size + peer_len
     if len(frame) < end:
         raise FrameError(f"a call frame of {len(frame)} bytes is shorter than its peer")

@@ -12,8 +12,11 @@ import os
 import signal
 import socket
 import struct
+import subprocess
+import sys
 import threading
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -66,7 +69,7 @@ def test_frames_are_exact_bytes_and_survive_any_split() -> None:
     assert call == struct.pack("<I", len(body)) + body
     answer = wire.answer_frame(7, 3, b"bad")
     assert answer == struct.pack("<I", 12) + struct.pack("<QB", 7, 3) + b"bad"
-    stream = call + answer + wire.hello_frame(4321) + wire.stop_frame()
+    stream = call + answer + wire.hello_frame(4321) + wire.stop_frame(2.5)
     for step in (1, 3, 7, len(stream)):  # fed byte by byte, in odd pieces, at once
         r = wire.FrameReader(max_frame=1 << 16)
         frames = [f for i in range(0, len(stream), step) for f in r.feed(stream[i : i + step])]
@@ -74,7 +77,7 @@ def test_frames_are_exact_bytes_and_survive_any_split() -> None:
         assert wire.decode_call(frames[0]) == wire.Call(7, 5, "ipv4:127.0.0.1:5", b"\x01\x02")
         assert wire.decode_answer(frames[1]) == wire.Answer(7, 3, b"bad")
         assert wire.parse_hello(wire.decode_call(frames[2])) == 4321
-        assert wire.decode_answer(frames[3]) == wire.Answer(0, wire.STOP, b"")
+        assert wire.decode_answer(frames[3]) == wire.Answer(0, wire.STOP, b"2.5")
 
 
 def test_bad_frames_are_refused_naming_what_is_wrong() -> None:
@@ -87,6 +90,8 @@ def test_bad_frames_are_refused_naming_what_is_wrong() -> None:
         wire.decode_call(memoryview(struct.pack("<QBH", 1, 0, 50) + b"ab"))
     with pytest.raises(wire.FrameError, match="shorter than its header"):
         wire.decode_answer(memoryview(b"\x00" * 8))
+    with pytest.raises(wire.FrameError, match="only a hello has call id 0"):
+        wire.decode_call(memoryview(struct.pack("<QBH", 0, 5, 0)))
     with pytest.raises(wire.FrameError, match="first frame must be its hello"):
         wire.parse_hello(wire.Call(3, 0, "", b""))
     with pytest.raises(wire.FrameError, match="names no port"):
@@ -149,28 +154,57 @@ def test_a_killed_front_is_replaced_on_the_same_port(tiny_artifacts: Path, tiny:
     assert not _alive(new)
 
 
+def _refused(port: int) -> bool:
+    """Whether nothing listens on ``port`` any more."""
+    with socket.socket() as s:
+        try:
+            s.connect(("127.0.0.1", port))
+        except ConnectionRefusedError:
+            return True
+    return False
+
+
+def _relay_closed(name: str) -> bool:
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        try:
+            s.connect("\0" + name)
+        except ConnectionRefusedError:
+            return True
+    return False
+
+
+def _hold(srv: InferenceServer) -> tuple[threading.Event, threading.Event, Callable[[], None]]:
+    """Make the tiny model's executions wait: (entered, release, undo)."""
+    s = srv.servables["tiny"]
+    real = s.infer
+    entered, release = threading.Event(), threading.Event()
+
+    def held(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        entered.set()
+        release.wait(30)
+        return real(inputs)
+
+    def undo() -> None:
+        release.set()
+        s.infer = real  # type: ignore[method-assign]
+
+    s.infer = held  # type: ignore[method-assign]
+    return entered, release, undo
+
+
 def test_stop_ends_every_front_and_frees_port_and_socket(tiny_artifacts: Path, tiny: DLRM) -> None:
-    """A call whose execution is running when the server stops gets its answer; then every
-    front has exited, the port is free, the relay's folder is gone, no thread is left."""
+    """A call whose execution is running when the server stops gets its answer after the
+    fronts stopped listening; then every front has exited, the port is free, the relay's
+    socket is closed and no thread is left."""
     before = set(threading.enumerate())
     ps, srv = _server(tiny_artifacts, 2)
-    release, entered = threading.Event(), threading.Event()
     answers: list[np.ndarray] = []
+    entered, release, undo = _hold(srv)
     try:
         fronts = _fronts(srv)
-        pids, port = fronts.pids, fronts.port
-        relay_dir = Path(fronts._path).parent
-        assert len(pids) == 2 and all(_alive(p) for p in pids) and relay_dir.is_dir()
+        pids, port, name = fronts.pids, fronts.port, fronts.socket_name
+        assert len(pids) == 2 and all(_alive(p) for p in pids) and not _relay_closed(name)
         assert not bindable(port)
-        s = srv.servables["tiny"]
-        real = s.infer
-
-        def held(inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-            entered.set()
-            release.wait(30)
-            return real(inputs)
-
-        s.infer = held  # type: ignore[method-assign]
         req = make_request(tiny, 3, seed=32)
         g = tg.InferenceServerClient(str(srv.grpc_address))
         t = threading.Thread(
@@ -179,26 +213,89 @@ def test_stop_ends_every_front_and_frees_port_and_socket(tiny_artifacts: Path, t
         t.start()
         assert entered.wait(30)
         stopper = threading.Thread(target=srv.stop)
-        stopper.start()  # the fronts stop accepting and wait for the call in flight
-        time.sleep(0.3)
+        stopper.start()
+        assert _wait(lambda: _refused(port))  # both fronts stopped accepting calls...
+        assert t.is_alive()  # ...while the call in flight still waits for its execution
         release.set()
         stopper.join(30)
         t.join(30)
         g.close()
-        s.infer = real  # type: ignore[method-assign]
-        np.testing.assert_array_equal(answers[0], real(s.check(req))["logits"])
+        undo()
+        want = srv.servables["tiny"].infer(srv.servables["tiny"].check(req))["logits"]
+        np.testing.assert_array_equal(answers[0], want)
     finally:
-        release.set()
+        undo()
         srv.stop()
         ps.close()
     assert not any(_alive(p) for p in pids)
-    assert bindable(port) and not relay_dir.exists()
+    assert bindable(port) and _relay_closed(name)
     assert _wait(lambda: not (set(threading.enumerate()) - before), 5)
 
 
+def test_a_call_in_flight_on_a_killed_front_fails_unavailable(
+    tiny_artifacts: Path, tiny: DLRM
+) -> None:
+    """Its client learns at once (no hang); the server goes on with a new front."""
+    ps, srv = _server(tiny_artifacts, 1)
+    entered, release, undo = _hold(srv)
+    try:
+        (front,) = _fronts(srv).pids
+        req = make_request(tiny, 2, seed=35)
+        g = tg.InferenceServerClient(str(srv.grpc_address))
+        errors: list[InferenceServerException] = []
+
+        def call() -> None:
+            try:
+                g.infer("tiny", grpc_inputs(req), client_timeout=60)
+            except InferenceServerException as e:
+                errors.append(e)
+
+        t = threading.Thread(target=call)
+        t.start()
+        assert entered.wait(30)
+        os.kill(front, signal.SIGKILL)
+        t.join(30)
+        assert not t.is_alive() and len(errors) == 1
+        assert errors[0].status() == "StatusCode.UNAVAILABLE", errors[0]
+        undo()
+        assert _wait(lambda: _fronts(srv).pids != [front])
+        got = g.infer("tiny", grpc_inputs(req)).as_numpy("logits")
+        g.close()
+        want = th.InferenceServerClient(srv.address).infer("tiny", triton_inputs(req))
+        np.testing.assert_array_equal(got, want.as_numpy("logits"))
+    finally:
+        undo()
+        srv.stop()
+        ps.close()
+
+
+def test_an_answer_larger_than_any_request_goes_through(tiny_artifacts: Path, tiny: DLRM) -> None:
+    """A request may name an output many times: its answer (here ~2.3 MiB) can exceed the
+    request limit (1 MiB); the front carries it like in-process gRPC, and lives on."""
+    ps = HierarchicalParameterServer.from_config(tiny_artifacts / "ps.json")
+    cfg = ServerConfig(port=0, grpc_port=0, max_request_mb=1.0, grpc_processes=1)
+    srv = InferenceServer(ps, cfg).start()
+    try:
+        (front,) = _fronts(srv).pids
+        req = make_request(tiny, 64, seed=36)
+        outputs = [tg.InferRequestedOutput("logits") for _ in range(9000)]
+        g = tg.InferenceServerClient(str(srv.grpc_address))
+        resp = g.infer("tiny", grpc_inputs(req), outputs=outputs)
+        assert len(resp.get_response().outputs) == 9000
+        assert resp.get_response().ByteSize() > 2 * 2**20
+        want = th.InferenceServerClient(srv.address).infer("tiny", triton_inputs(req))
+        np.testing.assert_array_equal(resp.as_numpy("logits"), want.as_numpy("logits"))
+        g.close()
+        assert _fronts(srv).pids == [front] and _alive(front)
+    finally:
+        srv.stop()
+        ps.close()
+
+
 def test_two_fronts_answer_concurrent_clients_bit_equal(tiny_artifacts: Path, tiny: DLRM) -> None:
-    """Eight clients, each on its own connection (spread over both fronts by the kernel),
-    merged by the batcher: each gets exactly the rows its request gets alone over HTTP."""
+    """Eight clients, each on its own connection (the kernel spreads connections over the
+    fronts by a hash of their addresses), merged by the batcher: each gets exactly the rows
+    its request gets alone over HTTP."""
     ps, srv = _server(tiny_artifacts, 2)
     try:
         reqs = [make_request(tiny, 1 + k % 5, seed=40 + k) for k in range(8)]
@@ -281,3 +378,74 @@ def test_cli_fronts_stop_on_sigterm_and_ignore_sigint(tiny_artifacts: Path, tiny
     assert srv.returncode == 0, srv.output
     assert not _alive(front) and bindable(gport)
     assert "Traceback" not in srv.output, srv.output
+
+
+# --- a front process alone, against a stand-in for the server -------------------------------
+
+
+class _FakeRelay:
+    """An abstract Unix socket a front started by hand connects to."""
+
+    def __init__(self, port: int) -> None:
+        self.name = f"hps-grpc-test-{os.getpid()}-{time.monotonic_ns()}"
+        self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        self.listener.bind("\0" + self.name)
+        self.listener.listen(1)
+        self.listener.settimeout(60)
+        argv = ["--relay", self.name, "--host", "127.0.0.1", "--port", str(port)]
+        argv += ["--max-request-bytes", "1048576", "--max-in-flight", "4"]
+        env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "hps.serving.grpc_front", *argv],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self.sock, _ = self.listener.accept()
+        self.sock.settimeout(60)
+
+    def first_frame(self) -> wire.Call:
+        reader = wire.FrameReader(1 << 20)
+        while True:
+            frames = reader.feed(self.sock.recv(65536))
+            if frames:
+                return wire.decode_call(frames[0])
+
+    def close(self) -> None:
+        self.sock.close()
+        self.listener.close()
+        if self.proc.poll() is None:
+            self.proc.kill()
+        self.proc.communicate()
+
+
+def test_a_front_that_cannot_bind_says_why_in_its_hello_and_exits_2() -> None:
+    with socket.socket() as taken:  # listening without SO_REUSEPORT: no front can share it
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        relay = _FakeRelay(port)
+        try:
+            hello = relay.first_frame()
+            with pytest.raises(OSError, match=f"cannot listen on 127.0.0.1:{port} \\(gRPC\\)"):
+                wire.parse_hello(hello)
+            assert relay.proc.wait(30) == 2
+        finally:
+            relay.close()
+
+
+def test_a_front_stops_on_sigterm_with_0_and_on_a_lost_server_with_1() -> None:
+    for how, status in (("sigterm", 0), ("lost", 1)):
+        relay = _FakeRelay(0)
+        try:
+            port = wire.parse_hello(relay.first_frame())
+            assert not _refused(port)
+            if how == "sigterm":
+                relay.proc.send_signal(signal.SIGTERM)
+            else:
+                relay.sock.close()
+            assert relay.proc.wait(30) == status
+            assert _refused(port)
+        finally:
+            relay.close()

@@ -86,6 +86,15 @@ class _Front:
         self.broken = False
         self.reader: FrameReader | None = None
         self.early: list[memoryview] = []  # frames that came with the hello
+        self.writer: threading.Thread | None = None
+
+    def close(self) -> None:
+        """End the writer, then close the socket (never under a send in flight, whose file
+        descriptor could be reused meanwhile)."""
+        self.outbox.put(None)
+        if self.writer is not None and self.writer is not threading.current_thread():
+            self.writer.join(timeout=SEND_TIMEOUT_S + 1)
+        self.sock.close()
 
     def send(self, frame: bytes) -> None:
         """Queue one frame for the writer (dropped once the front is broken)."""
@@ -298,6 +307,7 @@ class GrpcFronts:
             target=self._read, args=(slot, front), name=f"hps-grpc-relay-{slot}", daemon=True
         )
         writer = threading.Thread(target=front.write, name=f"hps-grpc-answers-{slot}", daemon=True)
+        front.writer = writer
         for t in (writer, reader):
             self._threads.append(t)
             t.start()
@@ -328,7 +338,6 @@ class GrpcFronts:
         finally:
             if not self._stopping:
                 front.drop("its connection ended")
-            front.outbox.put(None)  # its writer ends
             self._replace(slot, front)
 
     def _dispatch(self, front: _Front, call: Call) -> None:
@@ -380,7 +389,7 @@ class GrpcFronts:
         """Start another front in ``slot`` after ``dead`` went away, retrying until one
         starts or the server stops."""
         code = _end(dead.proc, timeout_s=SEND_TIMEOUT_S)
-        dead.sock.close()
+        dead.close()
         if self._stopping:
             return
         log.warning(
@@ -408,8 +417,8 @@ class GrpcFronts:
                 continue
             with self._mu:
                 if self._stopping:
-                    front.sock.close()
                     _end(front.proc, timeout_s=0)
+                    front.close()
                     return
                 self._fronts[slot] = front
                 self._serve(slot, front)
@@ -443,8 +452,7 @@ class GrpcFronts:
         for f in self._fronts:
             if f is not None:
                 _end(f.proc, timeout_s=0)
-                f.outbox.put(None)
-                f.sock.close()
+                f.close()
         self._listener.close()
 
 

@@ -24,10 +24,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--grace-s", type=float, default=10.0)
     p.add_argument("--log-level", default="warning")
     a = p.parse_args(argv)
-    logging.basicConfig(
-        level=a.log_level.upper(), format="%(asctime)s %(name)s[%(process)d] %(message)s"
-    )
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the server's process stops its fronts
+    level = int(a.log_level) if a.log_level.isdigit() else a.log_level.upper()
+    logging.basicConfig(level=level, format="%(asctime)s %(name)s[%(process)d] %(message)s")
+    # A terminal's Ctrl-C and a service manager's SIGTERM reach the whole process group; the
+    # server's process stops its fronts after its own calls (or its end closes their socket).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     try:
         return asyncio.run(
             serve(a.relay, a.host, a.port, a.max_request_bytes, a.max_in_flight, a.grace_s)

@@ -5,10 +5,11 @@ call's request bytes to the server's process over a Unix socket and its answer b
 batches and encodes as for its own grpcio threads, so both answer alike.
 
 It ends when the server asks (``STOP``: the calls in flight finish first, within the grace
-the server gives; exit status 0), on SIGTERM (the same), or when the server's process goes
-away (its calls in flight end ``UNAVAILABLE``; exit status 1).
-SIGINT is ignored: a terminal's Ctrl-C reaches the whole process group, and the server's
-process stops its fronts itself once its own calls are done.
+the server gives; exit status 0), or when the server's process goes away (its calls in
+flight end ``UNAVAILABLE``; exit status 1). SIGINT and SIGTERM are ignored
+(:mod:`hps.serving.grpc_front.__main__`): a terminal's Ctrl-C and a service manager's SIGTERM
+reach the whole process group, and the server's process stops its fronts itself once its own
+calls are done.
 """
 
 from __future__ import annotations
@@ -16,7 +17,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
-import signal
 from collections.abc import Awaitable, Callable
 
 import grpc
@@ -141,7 +141,6 @@ async def serve(
     link = RelayLink(MAX_FRAME_BYTES)  # answers come from the server, within its own bound
     link.grace_s = grace_s
     await loop.create_unix_connection(lambda: link, "\0" + relay)  # an abstract socket
-    loop.add_signal_handler(signal.SIGTERM, link.stop_requested.set)
     options = [
         ("grpc.so_reuseport", 1),  # the fronts share the port; the server checked it was free
         ("grpc.max_receive_message_length", max_request_bytes),

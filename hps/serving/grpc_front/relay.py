@@ -58,10 +58,11 @@ from hps.serving.grpc_server import (
 
 log = logging.getLogger(__name__)
 
-__all__ = ["MAX_PROCESSES", "SEND_TIMEOUT_S", "GrpcFronts"]
+__all__ = ["MAX_PROCESSES", "SEND_TIMEOUT_S", "GrpcFronts", "accept_from", "read_hello"]
 
 MAX_PROCESSES = 64
 SEND_TIMEOUT_S = 5.0
+_JOIN_BYTES = 1 << 20  # answers queued together are sent in one call up to this size
 _RETRY_S = (0.5, 1.0, 2.0, 5.0)  # waits between attempts to replace a front (then 5 s each)
 _INFER = RPC_NAMES.index("ModelInfer")
 _OK = grpc.StatusCode.OK.value[0]
@@ -91,6 +92,7 @@ class _Front:
     def close(self) -> None:
         """End the writer, then close the socket (never under a send in flight, whose file
         descriptor could be reused meanwhile)."""
+        self.broken = True  # at most the send under way is left
         self.outbox.put(None)
         if self.writer is not None and self.writer is not threading.current_thread():
             self.writer.join(timeout=SEND_TIMEOUT_S + 1)
@@ -102,26 +104,32 @@ class _Front:
             self.outbox.put(frame)
 
     def write(self) -> None:
-        """The writer thread: send queued frames, several per system call when they queue up,
-        until told to stop or the front breaks."""
+        """The writer thread: send queued frames (joined up to :data:`_JOIN_BYTES` per system
+        call when they queue up) until told to stop; a front that takes no byte for
+        ``SEND_TIMEOUT_S`` (its socket's timeout) is dropped."""
         while True:
             frame = self.outbox.get()
             if frame is None:
                 return
-            frames = [frame]
+            frames, size = [frame], len(frame)
             with contextlib.suppress(queue.Empty):
-                while len(frames) < 64:
+                while size < _JOIN_BYTES:
                     nxt = self.outbox.get_nowait()
                     if nxt is None:
                         self.outbox.put(None)
                         break
                     frames.append(nxt)
+                    size += len(nxt)
             if self.broken:
                 continue
             try:
-                self.sock.sendall(b"".join(frames) if len(frames) > 1 else frame)
-            except OSError as e:  # gone, or stuck past SEND_TIMEOUT_S (the frame is cut)
+                data = memoryview(b"".join(frames) if len(frames) > 1 else frame)
+                while data:  # each send() waits at most the timeout: progress resets it
+                    data = data[self.sock.send(data) :]
+            except OSError as e:  # gone, or no progress for SEND_TIMEOUT_S (the frame is cut)
                 self.drop(f"cannot send to it: {e}")
+            except BaseException as e:  # e.g. MemoryError: the front cannot be answered
+                self.drop(f"its answers failed: {type(e).__name__}: {e}")
 
     def drop(self, why: str) -> None:
         """Give the front up: it sees its socket end and exits; its reader replaces it."""
@@ -149,7 +157,8 @@ class GrpcFronts:
 
     Raises:
         OSError: the address cannot be bound (naming it and why), or a front did not start.
-        ValueError: ``processes`` out of range.
+        ValueError: ``processes`` out of range, or a front's hello was malformed
+            (:class:`~hps.serving.grpc_front.wire.FrameError`).
     """
 
     def __init__(
@@ -228,7 +237,7 @@ class GrpcFronts:
                 "--max-in-flight",
                 str(self._max_in_flight),
                 "--log-level",
-                logging.getLevelName(max(logging.getLogger().getEffectiveLevel(), logging.INFO)),
+                str(max(logging.getLogger().getEffectiveLevel(), logging.INFO)),
             ]
             # the front imports this checkout's hps, wherever the server was started from
             path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)
@@ -259,41 +268,26 @@ class GrpcFronts:
             raise OSError(f"a gRPC front process did not start in {self._start_timeout_s} s")
 
     def _accept(self, proc: subprocess.Popen[bytes], deadline: float) -> socket.socket:
-        """The connection of ``proc`` (others, e.g. of a front given up earlier, are closed)."""
-        self._listener.settimeout(0.1)
-        while True:
-            try:
-                sock, _ = self._listener.accept()
-            except TimeoutError:
-                self._check_waiting(proc, deadline, "before connecting")
-                continue
-            cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
-            if _PEERCRED.unpack(cred)[0] == proc.pid:
-                return sock
-            sock.close()
+        return accept_from(
+            self._listener,
+            proc.pid,
+            lambda: self._check_waiting(proc, deadline, "before connecting"),
+        )
 
     def _hello(self, front: _Front, deadline: float) -> int:
         """The port in ``front``'s hello; frames that came with it wait in ``front.early``."""
-        reader = FrameReader(self._max_frame)
-        front.sock.settimeout(0.1)
-        while True:
-            try:
-                data = front.sock.recv(65536)
-            except TimeoutError:
-                self._check_waiting(front.proc, deadline, "before its hello")
-                continue
-            if data == b"":
-                raise OSError(
-                    f"a gRPC front process (pid {front.proc.pid}) closed before its hello"
-                )
-            frames = reader.feed(data)
-            if frames:
-                front.reader, front.early = reader, frames[1:]
-                return parse_hello(decode_call(frames[0]))
+        port, front.reader, front.early = read_hello(
+            front.sock,
+            self._max_frame,
+            lambda: self._check_waiting(front.proc, deadline, "before its hello"),
+        )
+        return port
 
     def start(self) -> GrpcFronts:
         """Answer the fronts' calls (each front's calls waited in its socket until now)."""
         with self._mu:
+            if self._started or self._stopping:
+                raise RuntimeError("the gRPC fronts were already started or are stopped")
             self._started = True
             for i, f in enumerate(self._fronts):
                 if f is not None:
@@ -454,6 +448,49 @@ class GrpcFronts:
                 _end(f.proc, timeout_s=0)
                 f.close()
         self._listener.close()
+
+
+def accept_from(listener: socket.socket, pid: int, waiting: Callable[[], None]) -> socket.socket:
+    """The next connection to ``listener`` made by process ``pid``; connections of other
+    processes are closed. ``waiting`` runs every 0.1 s meanwhile (it raises to give up)."""
+    listener.settimeout(0.1)
+    while True:
+        try:
+            sock, _ = listener.accept()
+        except TimeoutError:
+            waiting()
+            continue
+        cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        if _PEERCRED.unpack(cred)[0] == pid:
+            return sock
+        log.warning("grpc fronts: refused a connection of process %d", _PEERCRED.unpack(cred)[0])
+        sock.close()
+
+
+def read_hello(
+    sock: socket.socket, max_frame: int, waiting: Callable[[], None]
+) -> tuple[int, FrameReader, list[memoryview]]:
+    """Read a front's hello from ``sock``: the port it bound, the reader holding any partial
+    frame after it, and the frames that came with it (calls, in order). ``waiting`` runs
+    every 0.1 s meanwhile (it raises to give up).
+
+    Raises:
+        OSError: the front closed first, or could not bind (its reason).
+        FrameError: a malformed hello.
+    """
+    reader = FrameReader(max_frame)
+    sock.settimeout(0.1)
+    while True:
+        try:
+            data = sock.recv(65536)
+        except TimeoutError:
+            waiting()
+            continue
+        if data == b"":
+            raise OSError("a gRPC front process closed its connection before its hello")
+        frames = reader.feed(data)
+        if frames:
+            return parse_hello(decode_call(frames[0])), reader, frames[1:]
 
 
 def _end(proc: subprocess.Popen[bytes], timeout_s: float = 5.0) -> int | None:

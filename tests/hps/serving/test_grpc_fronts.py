@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import grpc
 import numpy as np
 import pytest
 import tritonclient.grpc as tg
@@ -28,8 +29,8 @@ from tritonclient.utils import InferenceServerException
 from embark.models.dlrm import DLRM
 from hps.parameter_server import HierarchicalParameterServer
 from hps.serving.grpc_front import wire
-from hps.serving.grpc_front.relay import GrpcFronts
-from hps.serving.grpc_server import RPCS
+from hps.serving.grpc_front.relay import GrpcFronts, _Front, accept_from, read_hello
+from hps.serving.grpc_server import RPCS, GrpcInferenceServicer
 from hps.serving.http_server import InferenceServer, ServerConfig
 from tests.hps.serving.test_grpc_server import grpc_inputs
 from tests.hps.serving.tiny_dlrm import (
@@ -359,9 +360,11 @@ def test_a_server_killed_outright_takes_its_fronts_with_it(
     assert bindable(gport)
 
 
-def test_cli_fronts_stop_on_sigterm_and_ignore_sigint(tiny_artifacts: Path, tiny: DLRM) -> None:
-    """Ctrl-C reaches a terminal's whole process group: the fronts ignore it and the server
-    stops them once its own calls are done."""
+def test_cli_fronts_ignore_signals_and_stop_with_their_server(
+    tiny_artifacts: Path, tiny: DLRM
+) -> None:
+    """Ctrl-C and a service manager's SIGTERM reach the whole process group: the fronts ignore
+    both, and the server (SIGTERM) stops them once its own calls are done."""
     gport = free_port()
     req = make_request(tiny, 4, seed=34)
     with CliServer(
@@ -369,6 +372,7 @@ def test_cli_fronts_stop_on_sigterm_and_ignore_sigint(tiny_artifacts: Path, tiny
     ) as srv:
         (front,) = srv.children()
         os.kill(front, signal.SIGINT)
+        os.kill(front, signal.SIGTERM)
         g = tg.InferenceServerClient(f"127.0.0.1:{gport}")
         got = g.infer("tiny", grpc_inputs(req)).as_numpy("logits")
         g.close()
@@ -402,7 +406,13 @@ class _FakeRelay:
             stderr=subprocess.STDOUT,
             text=True,
         )
-        self.sock, _ = self.listener.accept()
+        try:
+            self.sock, _ = self.listener.accept()
+        except BaseException:
+            self.proc.kill()
+            self.proc.communicate()
+            self.listener.close()
+            raise
         self.sock.settimeout(60)
 
     def first_frame(self) -> wire.Call:
@@ -435,17 +445,164 @@ def test_a_front_that_cannot_bind_says_why_in_its_hello_and_exits_2() -> None:
             relay.close()
 
 
-def test_a_front_stops_on_sigterm_with_0_and_on_a_lost_server_with_1() -> None:
-    for how, status in (("sigterm", 0), ("lost", 1)):
-        relay = _FakeRelay(0)
+def _pending_call(port: int) -> tuple[grpc.Channel, grpc.Future]:
+    """A ServerLive call (raw bytes) in flight to the front on ``port``."""
+    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+    rpc = ch.unary_unary(f"/{wire.SERVICE}/ServerLive")
+    return ch, rpc.future(b"", timeout=60)
+
+
+def test_a_front_finishes_a_call_within_the_stop_grace_and_exits_0() -> None:
+    relay = _FakeRelay(0)
+    try:
+        port = wire.parse_hello(relay.first_frame())
+        relay.proc.send_signal(signal.SIGTERM)  # ignored: only the server stops its fronts
+        ch, fut = _pending_call(port)
+        call = relay.first_frame()
+        assert call.rpc == wire.RPC_NAMES.index("ServerLive") and call.peer.startswith("ipv4:")
+        relay.sock.sendall(wire.stop_frame(30.0))
+        assert _wait(lambda: _refused(port))  # it stopped listening, the call still waits
+        assert not fut.done() and relay.proc.poll() is None
+        relay.sock.sendall(wire.answer_frame(call.call_id, 0, b"\x08\x01"))
+        assert fut.result(timeout=30) == b"\x08\x01"
+        assert relay.proc.wait(30) == 0
+        ch.close()
+    finally:
+        relay.close()
+
+
+def test_a_front_with_no_grace_cancels_its_calls_and_exits_0() -> None:
+    relay = _FakeRelay(0)
+    try:
+        port = wire.parse_hello(relay.first_frame())
+        ch, fut = _pending_call(port)
+        relay.first_frame()
+        relay.sock.sendall(wire.stop_frame(0.0))
+        assert relay.proc.wait(30) == 0
+        with pytest.raises(grpc.RpcError):
+            fut.result(timeout=30)
+        ch.close()
+    finally:
+        relay.close()
+
+
+def test_a_front_whose_server_is_gone_fails_its_calls_unavailable_and_exits_1() -> None:
+    relay = _FakeRelay(0)
+    try:
+        port = wire.parse_hello(relay.first_frame())
+        ch, fut = _pending_call(port)
+        relay.first_frame()
+        relay.sock.close()
+        with pytest.raises(grpc.RpcError) as e:
+            fut.result(timeout=30)
+        assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
+        assert relay.proc.wait(30) == 1
+        assert _refused(port)
+        ch.close()
+    finally:
+        relay.close()
+
+
+# --- the relay's pieces -----------------------------------------------------------------------
+
+
+def test_the_hello_keeps_the_frames_that_came_with_it() -> None:
+    a, b = socket.socketpair()
+    with a, b:
+        nxt = wire.call_frame(2, 0, "p", b"xyz")
+        b.sendall(wire.hello_frame(5001) + wire.call_frame(1, 5, "p", b"ab") + nxt[:7])
+        port, reader, early = read_hello(a, 1 << 16, lambda: None)
+        assert port == 5001 and reader.buffered == 7
+        assert [wire.decode_call(f) for f in early] == [wire.Call(1, 5, "p", b"ab")]
+        assert [wire.decode_call(f) for f in reader.feed(nxt[7:])] == [wire.Call(2, 0, "p", b"xyz")]
+
+
+def test_only_the_started_process_is_accepted() -> None:
+    name = f"hps-grpc-test-accept-{os.getpid()}"
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as listener:
+        listener.bind("\0" + name)
+        listener.listen(4)
+        foreign = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        foreign.connect("\0" + name)  # this process: not the front
+        code = f"import socket,time; s=socket.socket(socket.AF_UNIX); s.connect('\\0{name}'); time.sleep(30)"
+        child = subprocess.Popen([sys.executable, "-c", code])
         try:
-            port = wire.parse_hello(relay.first_frame())
-            assert not _refused(port)
-            if how == "sigterm":
-                relay.proc.send_signal(signal.SIGTERM)
-            else:
-                relay.sock.close()
-            assert relay.proc.wait(30) == status
-            assert _refused(port)
+            deadline = time.monotonic() + 30
+
+            def waiting() -> None:
+                assert time.monotonic() < deadline, "the child never connected"
+
+            sock = accept_from(listener, child.pid, waiting)
+            with sock:
+                cred = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, 12)
+                assert struct.unpack("3i", cred)[0] == child.pid
+            foreign.settimeout(10)
+            assert foreign.recv(1) == b""  # closed by the relay
         finally:
-            relay.close()
+            foreign.close()
+            child.kill()
+            child.wait()
+
+
+def _front_on(sock: socket.socket) -> tuple[_Front, subprocess.Popen[bytes]]:
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    front = _Front(proc, sock)
+    front.writer = threading.Thread(target=front.write, daemon=True)
+    front.writer.start()
+    return front, proc
+
+
+def test_a_front_that_stops_reading_is_dropped_one_that_reads_slowly_is_not() -> None:
+    frames = [wire.answer_frame(k, 0, bytes([k % 251]) * 50_000) for k in range(1, 41)]
+    # a steady slow reader: 64 KiB every 50 ms, while the writer's timeout is 0.5 s
+    a, b = socket.socketpair()
+    a.settimeout(0.5)
+    front, proc = _front_on(a)
+    try:
+        for f in frames:
+            front.send(f)
+        got = bytearray()
+        while len(got) < sum(map(len, frames)):
+            time.sleep(0.05)
+            got += b.recv(65536)
+        assert bytes(got) == b"".join(frames) and not front.broken
+    finally:
+        front.close()
+        b.close()
+        proc.kill()
+        proc.wait()
+    # a reader that stopped: dropped once no byte moved for the timeout
+    a, b = socket.socketpair()
+    a.settimeout(0.5)
+    front, proc = _front_on(a)
+    try:
+        for f in frames:
+            front.send(f)
+        assert _wait(lambda: front.broken, 10)
+    finally:
+        front.close()
+        b.close()
+        proc.kill()
+        proc.wait()
+
+
+def test_an_unexpected_servicer_failure_is_internal_in_process_and_through_a_front(
+    tiny_artifacts: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def boom(self: GrpcInferenceServicer, request: object) -> object:
+        raise RuntimeError("boom")
+
+    monkeypatch.setattr(GrpcInferenceServicer, "server_live", boom)
+    for fronts in (0, 1):
+        ps, srv = _server(tiny_artifacts, fronts)
+        try:
+            g = tg.InferenceServerClient(str(srv.grpc_address))
+            with pytest.raises(InferenceServerException) as e:
+                g.is_server_live()
+            assert e.value.status() == "StatusCode.INTERNAL", (fronts, e.value)
+            assert "internal error: RuntimeError: boom" in str(e.value)
+            assert g.is_server_ready()  # the server lives on
+            g.close()
+        finally:
+            srv.stop()
+            ps.close()

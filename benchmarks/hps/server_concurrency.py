@@ -271,7 +271,7 @@ def _raw_client_process(
 def thread_cpu_s(fronts: Sequence[int] = ()) -> dict[str, float]:
     """CPU seconds (user + system) of this process's threads so far, by role: the model's
     inference thread (``batcher``), the HTTP event loop (``http``), grpcio's threads or the
-    threads answering the gRPC front processes (``grpc``), everything else (``other``: the
+    threads reading and answering the gRPC front processes (``grpc``), everything else (``other``: the
     cache worker, onnxruntime's pool, the main thread), and the gRPC front processes
     ``fronts`` (pids; ``fronts``); read from ``/proc`` (``{}`` where there is none)."""
     roles = {t.native_id: t.name for t in threading.enumerate()}
@@ -292,7 +292,7 @@ def thread_cpu_s(fronts: Sequence[int] = ()) -> dict[str, float]:
             else "http"
             if name == "hps-v2-server"
             else "grpc"
-            if name.startswith(("hps-v2-grpc", "hps-grpc-relay"))
+            if name.startswith(("hps-v2-grpc", "hps-grpc-"))
             else "other"
         )
         out[role] += cpu

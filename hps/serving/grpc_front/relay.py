@@ -1,12 +1,12 @@
 """The server's side of the gRPC front processes: :class:`GrpcFronts` starts them, answers the
 calls they carry, starts another front when one dies, and stops them.
 
-Per front, one reader thread decodes, parses, checks and submits its calls, and one writer
-thread sends the answers. A ``ModelInfer`` answer is encoded by the thread that resolves its
-execution and queued for the writer, so neither the reader nor the model's inference thread
-ever waits on a front. A writer that cannot send within :data:`SEND_TIMEOUT_S` (a front that
-stopped reading) drops that front: its socket is closed, so it exits, and another one is
-started.
+Per front, one reader thread decodes, parses, checks and submits its calls. A ``ModelInfer``
+answer is encoded by the thread that resolves its execution and written at once when the
+socket takes it without waiting; otherwise it waits for the front's writer thread. So
+neither the reader nor the model's inference thread ever blocks on a front. A front that
+takes no byte for :data:`SEND_TIMEOUT_S` (it stopped reading) is dropped: its socket is
+closed, so it exits, and another one is started.
 
 The fronts connect to an abstract Unix socket (no file to leave behind), named with a random
 token; a connection is taken only from the process just started (``SO_PEERCRED``), whose
@@ -19,7 +19,6 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import queue
 import secrets
 import socket
 import struct
@@ -27,6 +26,7 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -79,57 +79,80 @@ def _abort_frame(cid: int, e: RpcAbort) -> bytes:
 
 
 class _Front:
-    """One front process, the server's end of its socket, and the queue of its answers."""
+    """One front process, the server's end of its socket, and the answers waiting for it.
+
+    An answer is written at once when nothing waits before it and the socket takes it whole
+    without waiting (the socket is in timeout mode, so non-blocking at the OS level); the
+    rest waits for the front's writer thread. So the thread that resolves an execution never
+    blocks on a front, and a lone client's answer costs no thread hand-off.
+    """
 
     def __init__(self, proc: subprocess.Popen[bytes], sock: socket.socket) -> None:
         self.proc, self.sock = proc, sock
-        self.outbox: queue.SimpleQueue[bytes | None] = queue.SimpleQueue()  # None: stop
         self.broken = False
         self.reader: FrameReader | None = None
         self.early: list[memoryview] = []  # frames that came with the hello
         self.writer: threading.Thread | None = None
+        self._cond = threading.Condition()
+        self._waiting: deque[bytes] = deque()
+        self._writing = self._closing = False
 
     def close(self) -> None:
         """End the writer, then close the socket (never under a send in flight, whose file
         descriptor could be reused meanwhile)."""
-        self.broken = True  # at most the send under way is left
-        self.outbox.put(None)
+        with self._cond:
+            self.broken = self._closing = True
+            self._waiting.clear()
+            self._cond.notify()
         if self.writer is not None and self.writer is not threading.current_thread():
             self.writer.join(timeout=SEND_TIMEOUT_S + 1)
         self.sock.close()
 
     def send(self, frame: bytes) -> None:
-        """Queue one frame for the writer (dropped once the front is broken)."""
-        if not self.broken:
-            self.outbox.put(frame)
+        """Send ``frame`` (dropped once the front is broken); never blocks."""
+        with self._cond:
+            if self.broken:
+                return
+            if not self._waiting and not self._writing:
+                try:
+                    n = os.write(self.sock.fileno(), frame)
+                except BlockingIOError:
+                    n = 0
+                except OSError as e:
+                    self.drop(f"cannot send to it: {e}")
+                    return
+                if n == len(frame):
+                    return
+                frame = frame[n:]
+            self._waiting.append(frame)
+            self._cond.notify()
 
     def write(self) -> None:
-        """The writer thread: send queued frames (joined up to :data:`_JOIN_BYTES` per system
-        call when they queue up) until told to stop; a front that takes no byte for
-        ``SEND_TIMEOUT_S`` (its socket's timeout) is dropped."""
+        """The writer thread: send what waits (joined up to :data:`_JOIN_BYTES` per system
+        call) until the front is closed; a front that takes no byte for ``SEND_TIMEOUT_S``
+        (its socket's timeout) is dropped."""
         while True:
-            frame = self.outbox.get()
-            if frame is None:
-                return
-            frames, size = [frame], len(frame)
-            with contextlib.suppress(queue.Empty):
-                while size < _JOIN_BYTES:
-                    nxt = self.outbox.get_nowait()
-                    if nxt is None:
-                        self.outbox.put(None)
-                        break
-                    frames.append(nxt)
-                    size += len(nxt)
-            if self.broken:
-                continue
+            with self._cond:
+                while not self._waiting and not self._closing:
+                    self._cond.wait()
+                if self._closing:
+                    return
+                frames, size = [], 0
+                while self._waiting and size < _JOIN_BYTES:
+                    frames.append(self._waiting.popleft())
+                    size += len(frames[-1])
+                self._writing = True
             try:
-                data = memoryview(b"".join(frames) if len(frames) > 1 else frame)
-                while data:  # each send() waits at most the timeout: progress resets it
+                data = memoryview(b"".join(frames) if len(frames) > 1 else frames[0])
+                while data and not self.broken:  # each send() waits at most the timeout
                     data = data[self.sock.send(data) :]
             except OSError as e:  # gone, or no progress for SEND_TIMEOUT_S (the frame is cut)
                 self.drop(f"cannot send to it: {e}")
             except BaseException as e:  # e.g. MemoryError: the front cannot be answered
                 self.drop(f"its answers failed: {type(e).__name__}: {e}")
+            finally:
+                with self._cond:
+                    self._writing = False
 
     def drop(self, why: str) -> None:
         """Give the front up: it sees its socket end and exits; its reader replaces it."""
@@ -335,7 +358,7 @@ class GrpcFronts:
             self._replace(slot, front)
 
     def _dispatch(self, front: _Front, call: Call) -> None:
-        """Answer ``call``; a ``ModelInfer`` answer is queued when its execution resolves.
+        """Answer ``call``; a ``ModelInfer`` answer is sent when its execution resolves.
 
         Raises:
             FrameError: a call that is not one of the service's RPCs.
@@ -429,7 +452,7 @@ class GrpcFronts:
             started = self._started
         for f in fronts:
             if started:
-                f.send(stop_frame(grace_s))  # after the answers already queued
+                f.send(stop_frame(grace_s))  # after the answers already waiting
             else:  # no writer runs: nothing was answered
                 with contextlib.suppress(OSError):
                     f.sock.sendall(stop_frame(grace_s))

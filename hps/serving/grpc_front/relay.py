@@ -94,8 +94,9 @@ class _Front:
         self.early: list[memoryview] = []  # frames that came with the hello
         self.writer: threading.Thread | None = None
         self._cond = threading.Condition()
-        self._waiting: deque[bytes] = deque()
+        self._waiting: deque[bytes | memoryview] = deque()
         self._writing = self._closing = False
+        self._writer_done = self._writer_closes = False
 
     def close(self) -> None:
         """End the writer, then close the socket (never under a send in flight, whose file
@@ -106,9 +107,15 @@ class _Front:
             self._cond.notify()
         if self.writer is not None and self.writer is not threading.current_thread():
             self.writer.join(timeout=SEND_TIMEOUT_S + 1)
+        with self._cond:
+            if self.writer is not None and not self._writer_done:  # still in a send
+                self._writer_closes = True  # it closes the socket when the send ends
+                with contextlib.suppress(OSError):
+                    self.sock.shutdown(socket.SHUT_RDWR)
+                return
         self.sock.close()
 
-    def send(self, frame: bytes) -> None:
+    def send(self, frame: bytes | memoryview) -> None:
         """Send ``frame`` (dropped once the front is broken); never blocks."""
         with self._cond:
             if self.broken:
@@ -123,7 +130,7 @@ class _Front:
                     return
                 if n == len(frame):
                     return
-                frame = frame[n:]
+                frame = memoryview(frame)[n:]  # no copy under the lock
             self._waiting.append(frame)
             self._cond.notify()
 
@@ -136,6 +143,9 @@ class _Front:
                 while not self._waiting and not self._closing:
                     self._cond.wait()
                 if self._closing:
+                    self._writer_done = True
+                    if self._writer_closes:
+                        self.sock.close()
                     return
                 frames, size = [], 0
                 while self._waiting and size < _JOIN_BYTES:

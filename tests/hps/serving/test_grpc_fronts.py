@@ -8,6 +8,7 @@ protocol itself (scores, errors, statistics, gzip, limits) is tested through a f
 
 from __future__ import annotations
 
+import contextlib
 import os
 import signal
 import socket
@@ -16,7 +17,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -29,7 +30,13 @@ from tritonclient.utils import InferenceServerException
 from embark.models.dlrm import DLRM
 from hps.parameter_server import HierarchicalParameterServer
 from hps.serving.grpc_front import wire
-from hps.serving.grpc_front.relay import GrpcFronts, _Front, accept_from, read_hello
+from hps.serving.grpc_front.relay import (
+    SEND_TIMEOUT_S,
+    GrpcFronts,
+    _Front,
+    accept_from,
+    read_hello,
+)
 from hps.serving.grpc_server import RPCS, GrpcInferenceServicer
 from hps.serving.http_server import InferenceServer, ServerConfig
 from tests.hps.serving.test_grpc_server import grpc_inputs
@@ -205,6 +212,8 @@ def test_stop_ends_every_front_and_frees_port_and_socket(tiny_artifacts: Path, t
         fronts = _fronts(srv)
         pids, port, name = fronts.pids, fronts.port, fronts.socket_name
         assert len(pids) == 2 and all(_alive(p) for p in pids) and not _relay_closed(name)
+        # timeout mode (non-blocking at the OS level): an answer's write never blocks
+        assert all(f is not None and f.sock.gettimeout() == SEND_TIMEOUT_S for f in fronts._fronts)
         assert not bindable(port)
         req = make_request(tiny, 3, seed=32)
         g = tg.InferenceServerClient(str(srv.grpc_address))
@@ -445,62 +454,52 @@ def test_a_front_that_cannot_bind_says_why_in_its_hello_and_exits_2() -> None:
             relay.close()
 
 
-def _pending_call(port: int) -> tuple[grpc.Channel, grpc.Future]:
-    """A ServerLive call (raw bytes) in flight to the front on ``port``."""
-    ch = grpc.insecure_channel(f"127.0.0.1:{port}")
-    rpc = ch.unary_unary(f"/{wire.SERVICE}/ServerLive")
-    return ch, rpc.future(b"", timeout=60)
+@contextlib.contextmanager
+def _front_with_a_call() -> Iterator[tuple[_FakeRelay, int, grpc.Future, wire.Call]]:
+    """A front started by hand, its port, and a ServerLive call in flight through it (the
+    future, and the call as the stand-in server received it)."""
+    relay = _FakeRelay(0)
+    ch = None
+    try:
+        port = wire.parse_hello(relay.first_frame())
+        ch = grpc.insecure_channel(f"127.0.0.1:{port}")
+        fut = ch.unary_unary(f"/{wire.SERVICE}/ServerLive").future(b"", timeout=60)
+        call = relay.first_frame()
+        assert call.rpc == wire.RPC_NAMES.index("ServerLive") and call.peer.startswith("ipv4:")
+        yield relay, port, fut, call
+    finally:
+        if ch is not None:
+            ch.close()
+        relay.close()
 
 
 def test_a_front_finishes_a_call_within_the_stop_grace_and_exits_0() -> None:
-    relay = _FakeRelay(0)
-    try:
-        port = wire.parse_hello(relay.first_frame())
+    with _front_with_a_call() as (relay, port, fut, call):
         relay.proc.send_signal(signal.SIGTERM)  # ignored: only the server stops its fronts
-        ch, fut = _pending_call(port)
-        call = relay.first_frame()
-        assert call.rpc == wire.RPC_NAMES.index("ServerLive") and call.peer.startswith("ipv4:")
         relay.sock.sendall(wire.stop_frame(30.0))
         assert _wait(lambda: _refused(port))  # it stopped listening, the call still waits
         assert not fut.done() and relay.proc.poll() is None
         relay.sock.sendall(wire.answer_frame(call.call_id, 0, b"\x08\x01"))
         assert fut.result(timeout=30) == b"\x08\x01"
         assert relay.proc.wait(30) == 0
-        ch.close()
-    finally:
-        relay.close()
 
 
 def test_a_front_with_no_grace_cancels_its_calls_and_exits_0() -> None:
-    relay = _FakeRelay(0)
-    try:
-        port = wire.parse_hello(relay.first_frame())
-        ch, fut = _pending_call(port)
-        relay.first_frame()
+    with _front_with_a_call() as (relay, _, fut, _call):
         relay.sock.sendall(wire.stop_frame(0.0))
         assert relay.proc.wait(30) == 0
         with pytest.raises(grpc.RpcError):
             fut.result(timeout=30)
-        ch.close()
-    finally:
-        relay.close()
 
 
 def test_a_front_whose_server_is_gone_fails_its_calls_unavailable_and_exits_1() -> None:
-    relay = _FakeRelay(0)
-    try:
-        port = wire.parse_hello(relay.first_frame())
-        ch, fut = _pending_call(port)
-        relay.first_frame()
+    with _front_with_a_call() as (relay, port, fut, _call):
         relay.sock.close()
         with pytest.raises(grpc.RpcError) as e:
             fut.result(timeout=30)
         assert e.value.code() == grpc.StatusCode.UNAVAILABLE  # type: ignore[attr-defined]
         assert relay.proc.wait(30) == 1
         assert _refused(port)
-        ch.close()
-    finally:
-        relay.close()
 
 
 # --- the relay's pieces -----------------------------------------------------------------------
@@ -544,46 +543,42 @@ def test_only_the_started_process_is_accepted() -> None:
             child.wait()
 
 
-def _front_on(sock: socket.socket) -> tuple[_Front, subprocess.Popen[bytes]]:
+@contextlib.contextmanager
+def _front_on_a_socketpair() -> Iterator[tuple[_Front, socket.socket]]:
+    """A ``_Front`` whose writer runs, on one end of a socket pair with a 0.5 s send timeout
+    (a sleeping child stands for its process), and the pair's other end: its reader."""
+    a, b = socket.socketpair()
+    a.settimeout(0.5)
     proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
-    front = _Front(proc, sock)
+    front = _Front(proc, a)
     front.writer = threading.Thread(target=front.write, daemon=True)
     front.writer.start()
-    return front, proc
+    try:
+        yield front, b
+    finally:
+        front.close()
+        b.close()
+        proc.kill()
+        proc.wait()
 
 
 def test_a_front_that_stops_reading_is_dropped_one_that_reads_slowly_is_not() -> None:
+    """Answers go out in order whether written at once or by the writer; a reader taking
+    64 KiB every 50 ms keeps its front (the timeout is per send, not per answer), one that
+    reads nothing loses it."""
     frames = [wire.answer_frame(k, 0, bytes([k % 251]) * 50_000) for k in range(1, 41)]
-    # a steady slow reader: 64 KiB every 50 ms, while the writer's timeout is 0.5 s
-    a, b = socket.socketpair()
-    a.settimeout(0.5)
-    front, proc = _front_on(a)
-    try:
+    with _front_on_a_socketpair() as (front, reader):
         for f in frames:
             front.send(f)
         got = bytearray()
         while len(got) < sum(map(len, frames)):
             time.sleep(0.05)
-            got += b.recv(65536)
+            got += reader.recv(65536)
         assert bytes(got) == b"".join(frames) and not front.broken
-    finally:
-        front.close()
-        b.close()
-        proc.kill()
-        proc.wait()
-    # a reader that stopped: dropped once no byte moved for the timeout
-    a, b = socket.socketpair()
-    a.settimeout(0.5)
-    front, proc = _front_on(a)
-    try:
+    with _front_on_a_socketpair() as (front, _):
         for f in frames:
             front.send(f)
         assert _wait(lambda: front.broken, 10)
-    finally:
-        front.close()
-        b.close()
-        proc.kill()
-        proc.wait()
 
 
 def test_an_unexpected_servicer_failure_is_internal_in_process_and_through_a_front(

@@ -17,7 +17,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import socket
 from collections.abc import Awaitable, Callable
+from typing import cast
 
 import grpc
 
@@ -56,8 +58,8 @@ class RelayLink(asyncio.Protocol):
         self.lost = False
 
     def connection_made(self, transport: asyncio.BaseTransport) -> None:
-        assert isinstance(transport, asyncio.Transport)
-        self._transport = transport
+        # uvloop's transports implement asyncio.Transport without subclassing it
+        self._transport = cast(asyncio.Transport, transport)
 
     def data_received(self, data: bytes) -> None:
         try:
@@ -140,7 +142,13 @@ async def serve(
     loop = asyncio.get_running_loop()
     link = RelayLink(MAX_FRAME_BYTES)  # answers come from the server, within its own bound
     link.grace_s = grace_s
-    await loop.create_unix_connection(lambda: link, "\0" + relay)  # an abstract socket
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    try:
+        sock.connect("\0" + relay)  # an abstract socket (uvloop's connect cannot name one)
+        await loop.create_unix_connection(lambda: link, sock=sock)
+    except BaseException:
+        sock.close()
+        raise
     options = [
         ("grpc.so_reuseport", 1),  # the fronts share the port; the server checked it was free
         ("grpc.max_receive_message_length", max_request_bytes),

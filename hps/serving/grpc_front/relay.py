@@ -187,6 +187,7 @@ class GrpcFronts:
             ``RESOURCE_EXHAUSTED``.
         max_request_bytes: the largest request message, after decompression.
         start_timeout_s: how long a front may take to bind and say hello.
+        loop: the fronts' event loop, ``uvloop`` or ``asyncio`` (the HTTP server's).
 
     Raises:
         OSError: the address cannot be bound (naming it and why), or a front did not start.
@@ -203,6 +204,7 @@ class GrpcFronts:
         max_in_flight: int,
         max_request_bytes: int,
         start_timeout_s: float = 60.0,
+        loop: str = "asyncio",
     ) -> None:
         if not 1 <= processes <= MAX_PROCESSES:
             raise ValueError(f"grpc front processes must be 1 to {MAX_PROCESSES}, got {processes}")
@@ -210,6 +212,9 @@ class GrpcFronts:
         self.servicer, self.host, self.port = servicer, host, port
         self._max_in_flight, self._max_request_bytes = max_in_flight, max_request_bytes
         self._start_timeout_s = start_timeout_s
+        if loop not in ("uvloop", "asyncio"):
+            raise ValueError(f"grpc fronts' event loop must be uvloop or asyncio, got {loop!r}")
+        self._loop = loop
         self._max_frame = min(max_request_bytes + MAX_PEER_BYTES + 64, MAX_FRAME_BYTES)
         self._methods: list[tuple[Callable[[Any], Any], Any]] = [
             (getattr(servicer, RPCS[name][0]), RPCS[name][1]) for name in RPC_NAMES
@@ -271,6 +276,8 @@ class GrpcFronts:
                 str(self._max_in_flight),
                 "--log-level",
                 str(max(logging.getLogger().getEffectiveLevel(), logging.INFO)),
+                "--loop",
+                self._loop,
             ]
             # the front imports this checkout's hps, wherever the server was started from
             path = os.pathsep.join(p for p in (_ROOT, os.environ.get("PYTHONPATH")) if p)

@@ -88,14 +88,15 @@ class InferenceServer:
         self.batchers = start_batchers(  # shared by both protocols too
             self.servables, batching, self.counts, self.cfg.torch_threads
         )
+        #: the HTTP parser and event loop in use (``cfg``'s, resolved: :func:`pick_parser`); the
+        #: gRPC front processes run the same loop
+        self.http_parser: HttpParser = pick_parser(self.cfg.http)
+        self.event_loop: EventLoop = pick_loop(self.cfg.loop)
         try:
             self._bind()
         except BaseException:
             self._close_batchers()
             raise
-        #: the HTTP parser and event loop in use (``cfg``'s, resolved: :func:`pick_parser`)
-        self.http_parser: HttpParser = pick_parser(self.cfg.http)
-        self.event_loop: EventLoop = pick_loop(self.cfg.loop)
         self.http_protocol = protocol_class(
             self.cfg.limits(), self.http_parser, on_lost=self._connection_lost
         )
@@ -149,7 +150,10 @@ class InferenceServer:
         if c.grpc_fronts:
             servicer = GrpcInferenceServicer(self.servables, self.counts, self.batchers)
             in_flight = c.workers + c.max_queued
-            return GrpcFronts(servicer, c.host, port, c.grpc_fronts, in_flight, max_bytes)
+            loop = self.event_loop.value  # uvloop when installed, as the HTTP server's
+            return GrpcFronts(
+                servicer, c.host, port, c.grpc_fronts, in_flight, max_bytes, loop=loop
+            )
         return GrpcServer(
             self.servables,
             c.host,

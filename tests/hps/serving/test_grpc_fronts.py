@@ -130,6 +130,8 @@ def test_grpc_processes_knob_is_checked() -> None:
 
 
 def _server(artifacts: Path, fronts: int) -> tuple[HierarchicalParameterServer, InferenceServer]:
+    """The tiny model served with ``fronts`` gRPC front processes, on the default event loop
+    (uvloop, installed here, for HTTP and the fronts alike)."""
     ps = HierarchicalParameterServer.from_config(artifacts / "ps.json")
     cfg = ServerConfig(port=0, grpc_port=0, workers=4, grpc_processes=fronts)
     return ps, InferenceServer(ps, cfg).start()
@@ -145,6 +147,8 @@ def test_a_killed_front_is_replaced_on_the_same_port(tiny_artifacts: Path, tiny:
     try:
         fronts = _fronts(srv)
         (old,) = fronts.pids
+        with open(f"/proc/{old}/cmdline", "rb") as f:  # the HTTP server's loop, resolved
+            assert b"\0--loop\0" + srv.event_loop.value.encode() + b"\0" in f.read() + b"\0"
         req = make_request(tiny, 6, seed=31)
         want = th.InferenceServerClient(srv.address).infer("tiny", triton_inputs(req))
         os.kill(old, signal.SIGKILL)
@@ -399,14 +403,14 @@ def test_cli_fronts_ignore_signals_and_stop_with_their_server(
 class _FakeRelay:
     """An abstract Unix socket a front started by hand connects to."""
 
-    def __init__(self, port: int) -> None:
+    def __init__(self, port: int, loop: str = "asyncio") -> None:
         self.name = f"hps-grpc-test-{os.getpid()}-{time.monotonic_ns()}"
         self.listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         self.listener.bind("\0" + self.name)
         self.listener.listen(1)
         self.listener.settimeout(60)
         argv = ["--relay", self.name, "--host", "127.0.0.1", "--port", str(port)]
-        argv += ["--max-request-bytes", "1048576", "--max-in-flight", "4"]
+        argv += ["--max-request-bytes", "1048576", "--max-in-flight", "4", "--loop", loop]
         env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[3]))
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "hps.serving.grpc_front", *argv],
@@ -455,10 +459,12 @@ def test_a_front_that_cannot_bind_says_why_in_its_hello_and_exits_2() -> None:
 
 
 @contextlib.contextmanager
-def _front_with_a_call() -> Iterator[tuple[_FakeRelay, int, grpc.Future, wire.Call]]:
-    """A front started by hand, its port, and a ServerLive call in flight through it (the
-    future, and the call as the stand-in server received it)."""
-    relay = _FakeRelay(0)
+def _front_with_a_call(
+    loop: str = "asyncio",
+) -> Iterator[tuple[_FakeRelay, int, grpc.Future, wire.Call]]:
+    """A front started by hand (on event loop ``loop``), its port, and a ServerLive call in
+    flight through it (the future, and the call as the stand-in server received it)."""
+    relay = _FakeRelay(0, loop)
     ch = None
     try:
         port = wire.parse_hello(relay.first_frame())
@@ -473,8 +479,9 @@ def _front_with_a_call() -> Iterator[tuple[_FakeRelay, int, grpc.Future, wire.Ca
         relay.close()
 
 
-def test_a_front_finishes_a_call_within_the_stop_grace_and_exits_0() -> None:
-    with _front_with_a_call() as (relay, port, fut, call):
+@pytest.mark.parametrize("loop", ["asyncio", "uvloop"])
+def test_a_front_finishes_a_call_within_the_stop_grace_and_exits_0(loop: str) -> None:
+    with _front_with_a_call(loop) as (relay, port, fut, call):
         relay.proc.send_signal(signal.SIGTERM)  # ignored: only the server stops its fronts
         relay.sock.sendall(wire.stop_frame(30.0))
         assert _wait(lambda: _refused(port))  # it stopped listening, the call still waits

@@ -143,9 +143,10 @@ class ServerConfig:
     # calls to this process; 0: grpcio's threads in this process; -1 (auto): one front where
     # this process may use 2 or more cores, else 0. grpcio costs ~0.4 ms of CPU per call,
     # which in this process competes with batching and inference for the interpreter: tiny
-    # model, 16 tritonclient gRPC clients × batch 16 on 2 cores, one front served 1.19-1.34×
-    # the samples/s of grpcio's threads in four alternated pairs; a lone client ran 8-18 %
-    # slower for the extra hop (docs/benchmarks.md, "gRPC front processes").
+    # model, 16 tritonclient gRPC clients × batch 16 on 2 cores, one front served 1.19-1.44×
+    # the samples/s of grpcio's threads in six alternated pairs; a lone client ran 4-15 %
+    # slower for the extra hop with uvloop fronts (docs/benchmarks.md, "gRPC front
+    # processes").
     grpc_processes: int = GRPC_PROCESSES_AUTO
 
     @property

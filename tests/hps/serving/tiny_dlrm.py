@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from types import TracebackType
 
@@ -100,6 +101,26 @@ def bindable(port: int) -> bool:
         except OSError:
             return False
     return True
+
+
+def wait_until(cond: Callable[[], object], timeout_s: float = 20.0) -> bool:
+    """Poll ``cond`` every 50 ms until it is true (``True``) or ``timeout_s`` passed."""
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.05)
+    return True
+
+
+def refused(port: int) -> bool:
+    """Whether nothing listens on ``port`` of 127.0.0.1 any more."""
+    with socket.socket() as s:
+        try:
+            s.connect(("127.0.0.1", port))
+        except ConnectionRefusedError:
+            return True
+    return False
 
 
 def free_port() -> int:

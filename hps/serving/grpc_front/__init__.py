@@ -8,9 +8,9 @@ the server's process over a Unix socket: the server's process decodes, checks, b
 encodes exactly as for its own grpcio threads, so answers, status codes and statistics are
 the same; grpcio's work runs in the fronts, beside it.
 
-- :mod:`hps.serving.grpc_front.wire`: the frames on the Unix socket (grpcio-free, tiny).
-- :mod:`hps.serving.grpc_front.front`: a front process (grpcio and ``wire`` only: it imports
-  neither torch nor the servers).
+- :mod:`hps.serving.grpc_front.wire`: the frames on the Unix socket (the standard library only).
+- :mod:`hps.serving.grpc_front.front`: a front process (grpcio, ``wire`` and, on the
+  server's ``--loop uvloop``, uvloop: it imports neither torch nor the servers).
 - :mod:`hps.serving.grpc_front.relay`: the server's side: starts the fronts, answers their
   calls, starts another when one dies, stops them.
 

@@ -159,9 +159,9 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
     if ext is None:
         return gather_reference(args)
     n = len(args.caches)
-    ckeys, words, word_of, tags, counters, storage = [], [], [], [], [], []
+    ckeys, words, word_of, tags, counters, storage, dense = [], [], [], [], [], [], []
     ways, dims, formats = [0] * n, [0] * n, [0] * n
-    gaps_t, halve_t, no_nibbles = _level_tables()
+    gaps_t, halve_t, no_nibbles, no_index = _level_tables()
     for i, c in enumerate(args.caches):  # whole (num_sets, ways) arrays: the kernel reads data
         sk = c.slot_keys
         ckeys.append(sk.keys)
@@ -170,6 +170,7 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
         tags.append(c.tags)
         counters.append(c.counters)
         storage.append(c.storage)
+        dense.append(no_index if sk.dense is None else sk.dense.slots)
         ways[i], dims[i], formats[i] = c.ways, c.dim, FORMAT_CODES[row_format_of(c)]
     misses, per_table, counted, *pending = ext.cache_gather(
         list(args.keys),
@@ -194,16 +195,23 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
         gaps_t,
         halve_t,
         list(args.key_counters) if args.key_counters is not None else [],
+        dense,
     )
     return GatherResult(misses, per_table, pending, tuple(bool(x) for x in counted.tolist()))
 
 
 @functools.lru_cache(maxsize=1)
-def _level_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _level_tables() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """The kernel's read-only inputs, built once per process: the LFU tables ``gaps (128,)
-    int64`` and ``HALVE (128,) uint8`` (:mod:`hps.storage.cache.slot_counter`), and the
-    ``(0,) uint8`` nibbles of a cache with one high word."""
-    return gaps(), torch.tensor(HALVE, dtype=torch.uint8), torch.zeros(0, dtype=torch.uint8)
+    int64`` and ``HALVE (128,) uint8`` (:mod:`hps.storage.cache.slot_counter`), the ``(0,)
+    uint8`` nibbles of a cache with one high word and the ``(0,) int32`` dense index of a
+    cache without one."""
+    return (
+        gaps(),
+        torch.tensor(HALVE, dtype=torch.uint8),
+        torch.zeros(0, dtype=torch.uint8),
+        torch.zeros(0, dtype=torch.int32),
+    )
 
 
 def gather_reference(args: GatherArgs) -> GatherResult:

@@ -44,9 +44,9 @@ import numpy as np
 import torch
 
 from hps.config import ModelConfig, PSConfig, TableSpec, db_table_names, load_config
-from hps.rowformat import RowDtype, RowFormatError
+from hps.rowformat import RowDtype, RowFormatError, row_bytes
 from hps.session import LookupSession, SessionTable
-from hps.storage.cache import EmbeddingCache, StaticEmbeddingCache
+from hps.storage.cache import EmbeddingCache, StaticEmbeddingCache, dense_key_bound
 from hps.storage.persistent import RocksDBBackend
 from hps.storage.redis_cluster import RedisClusterBackend
 from hps.storage.row_codec import RowCodec
@@ -438,9 +438,19 @@ class HierarchicalParameterServer:
                 device=device,
                 lfu_decay_keys_per_slot=model.cache_lfu_decay_keys_per_slot,
                 row_format=t.row_format,
+                key_bound=self._key_bound(db_name, cap, t) if device.type == "cpu" else None,
             )
         self._attach(db_name, cache)
         return cache
+
+    def _key_bound(self, db_name: str, capacity: int, t: TableSpec) -> int | None:
+        """The dense key index's bound for a set-associative cache of ``t``
+        (:func:`~hps.storage.cache.dense_key_bound`): past the largest key this start loaded,
+        or the table's row count (keys ``0 .. rows - 1``) when none were loaded; ``None`` when
+        the index would not pay for its memory."""
+        keys = self._table_keys.get(db_name)
+        end = int(keys.max()) + 1 if keys is not None and keys.size else self.num_rows[db_name]
+        return dense_key_bound(end, capacity, row_bytes(RowDtype(t.row_format), t.dim))
 
     def _attach(self, name: str, cache: EmbeddingCache) -> None:
         """Make ``cache`` exclusive with the in-process hash map's table ``name`` when both

@@ -53,7 +53,7 @@ from benchmarks.meta import RESULTS_DIR, write_json
 from hps.kernels import load_extension
 from hps.rowformat import RowDtype, quantize_rows
 from hps.session import DEFAULT_KEY_STATS_SAMPLING, LookupSession, SessionTable
-from hps.storage.cache import EmbeddingCache, StaticEmbeddingCache
+from hps.storage.cache import EmbeddingCache, StaticEmbeddingCache, dense_key_bound
 from hps.storage.host_memory import huge_zeros
 from hps.storage.volatile import HashMapBackend
 from hps.types import Pooling
@@ -173,16 +173,21 @@ def _resident_session(
     max_keys: int,
     slack: float,
     key_stats_sampling: int = DEFAULT_KEY_STATS_SAMPLING,
+    dense_index: bool = True,
 ) -> LookupSession:
     """A session whose caches hold the rows of ``weights`` (capacity ``slack`` × rows: at 2 no
     64-way set overflows, at 1.25 a few percent of the rows stay out), in front of an empty
     volatile DB; its key statistics count the hits of one lookup in ``key_stats_sampling`` (per
-    table)."""
+    table). ``dense_index``: each cache keeps a dense key index of its table's keys ``0 ..
+    rows - 1`` where :func:`~hps.storage.cache.dense_key_bound` grants one, as the parameter
+    server builds it; ``False``: every key is hashed."""
     tables = []
     v = HashMapBackend(num_partitions=1)
     for name, w in zip(names, weights, strict=True):
         v.create_table(name, DIM)
-        c = EmbeddingCache(max(64, int(w.shape[0] * slack)), DIM, policy="lfu")
+        cap = max(64, int(w.shape[0] * slack))
+        bound = dense_key_bound(int(w.shape[0]), cap, 4 * DIM) if dense_index else None
+        c = EmbeddingCache(cap, DIM, policy="lfu", key_bound=bound)
         keys = torch.arange(w.shape[0])
         for s in range(0, keys.numel(), 1 << 18):
             c.insert(keys[s : s + (1 << 18)], w[s : s + (1 << 18)])

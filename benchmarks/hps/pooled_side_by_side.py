@@ -12,9 +12,11 @@ stacked rows as torch allocates them, and over a copy on transparent huge pages
 (``embedding_bag_huge``: the memory advice our caches' arrays get, and what every tensor gets
 where ``transparent_hugepage/enabled`` is ``always``). ``--sampling 8,1`` (the default) runs
 one session per key statistics sampling (8, the session default: the hits of one lookup in 8
-counted per table; 1: every key). Each run
+counted per table; 1: every key), each cache with its dense key index (as the parameter
+server builds it, :mod:`hps.storage.cache.dense_index`); one more session at the first sampling
+hashes every key (no index; ``--no-hashed`` leaves it out). Each run
 appends one row (``label``, the medians, means and ratios, the load average) to ``--out``, so
-that runs of two builds of stop 33 or later (this checkout and another one on ``PYTHONPATH``,
+that runs of two builds of stop 36 or later (this checkout and another one on ``PYTHONPATH``,
 run by file path) can alternate
 and land in one JSON. Only the bench's setup helpers are imported from ``benchmarks``.
 """
@@ -41,7 +43,7 @@ from hps.types import Pooling
 log = logging.getLogger(__name__)
 
 
-def run(repeats: int, samplings: list[int]) -> dict[str, Any]:
+def run(repeats: int, samplings: list[int], hashed: bool) -> dict[str, Any]:
     """One setup, ``repeats`` alternated rounds (one call per session, one ``embedding_bag``);
     per session (its key statistics sampling ``s``: one lookup in ``s`` counted per table) the
     median and mean in ms and the ratios (> 1: ours faster). With ``s > 1`` one lookup in
@@ -50,8 +52,14 @@ def run(repeats: int, samplings: list[int]) -> dict[str, Any]:
     names, ws, hot, batch, keys = tables_setup(300)
     rows = [int(w.shape[0]) for w in ws]
     sessions = {
-        s: _resident_session(ws, names, 1 << 20, slack=2.0, key_stats_sampling=s) for s in samplings
+        f"sampling_{s}": _resident_session(ws, names, 1 << 20, slack=2.0, key_stats_sampling=s)
+        for s in samplings
     }
+    if hashed:  # the same caches without their dense key index: every key hashed
+        s = samplings[0]
+        sessions[f"sampling_{s}_hashed"] = _resident_session(
+            ws, names, 1 << 20, slack=2.0, key_stats_sampling=s, dense_index=False
+        )
     stacked = torch.cat(ws)
     stacked_huge, huge_mib = on_huge_pages(stacked)
     base = torch.tensor([0, *np.cumsum(rows)[:-1].tolist()])
@@ -66,7 +74,7 @@ def run(repeats: int, samplings: list[int]) -> dict[str, Any]:
         torch.testing.assert_close(got.transpose(0, 1), ref, rtol=1e-5, atol=1e-4)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
-    ours: dict[int, list[float]] = {k: [] for k in sessions}
+    ours: dict[str, list[float]] = {k: [] for k in sessions}
     theirs: list[float] = []
     theirs_huge: list[float] = []
     try:
@@ -99,7 +107,7 @@ def run(repeats: int, samplings: list[int]) -> dict[str, Any]:
     }
     for k, v in ours.items():
         a_med, a_mean = float(np.median(v)) * 1e3, float(np.mean(v)) * 1e3
-        res[f"sampling_{k}"] = {
+        res[k] = {
             "hps_pooled_cpu1_ms": a_med,
             "hps_pooled_cpu1_mean_ms": a_mean,
             "ratio": b_med / a_med,
@@ -119,6 +127,11 @@ def main(argv: list[str] | None = None) -> None:
         default=f"{DEFAULT_KEY_STATS_SAMPLING},1",
         help="comma-separated key statistics samplings, one session each (1: exact counts)",
     )
+    ap.add_argument(
+        "--no-hashed",
+        action="store_true",
+        help="leave out the session whose caches hash every key (no dense key index)",
+    )
     # beside this file, not the imported checkout's: run by path with another build on
     # PYTHONPATH, the rows still land here
     here = Path(__file__).resolve().parent.parent / "results"
@@ -127,7 +140,7 @@ def main(argv: list[str] | None = None) -> None:
     logging.basicConfig(level=logging.INFO, format="%(message)s")
     load = os.getloadavg()[0]
     row: dict[str, Any] = {"label": args.label, "repeats": args.repeats, "load_1min": load}
-    row.update(run(args.repeats, [int(x) for x in args.sampling.split(",")]))
+    row.update(run(args.repeats, [int(x) for x in args.sampling.split(",")], not args.no_hashed))
     rows = json.loads(args.out.read_text())["rows"] if args.out.exists() else []
     write_json(args.out, [*rows, row], bench="hps_pooled_side_by_side")
     log.info("%s", json.dumps(row))

@@ -31,6 +31,10 @@ struct TableView {
   float* out;       // rows: this table's (n, dim) block; bags: column 0 of this table
   int64_t out_stride;  // bags: floats between two bags' rows
   KeyCounter* counter = nullptr;  // set: the pass also counts the table's keys >= 0 into it
+  // the cache's dense key index: slot of each key in [0, n_dense) (-1: not cached), exact
+  // under the cache's lock (hps/storage/cache/dense_index.py); null: every key is hashed
+  const int32_t* dense = nullptr;
+  int64_t n_dense = 0;
 };
 
 // The set of a hash: the high 32 bits scaled to [0, num_sets) (a multiply, no division);
@@ -96,7 +100,8 @@ struct Piece {
 
 // Per-key state of the probe pipeline.
 struct ProbeState {
-  int64_t base;    // first slot of the key's set; -1: padding; -2: a high word the cache lacks
+  int64_t base;    // first slot of the key's set; -1: padding; -2: a high word the cache lacks;
+                   // -3: a key of the dense index (its slot, or -1, in match)
   uint64_t hash;   // mix64(key) (keys >= 0, and every key of rows)
   uint64_t match;  // ways of the first tag line whose tag matches
   uint8_t tag;

@@ -18,7 +18,9 @@
 // its mark bit (bit 7) on its first hit, for this query's unique-hit count; the mark bits are
 // cleared again before the call returns. A miss records
 // its position for the caller, and a bag with a miss hands its rows back (pending_rows) so that
-// the caller sums it in request order once the missed rows are known.
+// the caller sums it in request order once the missed rows are known. A cache with a dense key
+// index (hps/storage/cache/dense_index.py) answers its keys in [0, bound) from their 4-byte
+// entries instead: no hash, tag line or key line (the hash is still computed for a key counter).
 // Rows are opaque bytes (row_bytes per table); the row format decides how a row is read.
 #include <torch/extension.h>
 
@@ -128,6 +130,13 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
       const int64_t key = t.keys[a];
       if (bags && key < 0) {
         ps(a).base = -1;
+      } else if (key >= 0 && key < t.n_dense) {  // the dense index: one 4-byte read, no hash
+        ps(a).base = -3;
+        __builtin_prefetch(t.dense + key, 0, 3);
+        if (kUses && t.counter != nullptr) {
+          ps(a).hash = mix64(key);
+          t.counter->prefetch_entry(ps(a).hash);
+        }
       } else {
         const uint64_t h = mix64(key);
         ps(a).hash = h;
@@ -144,7 +153,13 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
       }
     }
     const int64_t b = i + kRowAhead + kProbeAhead;  // stage 2: match the tags, prefetch the key line
-    if (b >= i0 && b < i1 && ps(b).base >= 0) {
+    if (b >= i0 && b < i1 && ps(b).base == -3) {  // the slot, known: its counter now
+      int64_t s = t.dense[t.keys[b]];
+      if (static_cast<uint64_t>(s) >= static_cast<uint64_t>(t.num_sets * t.ways))
+        s = -1;  // none (-1), or a slot outside the cache: a miss, never followed
+      ps(b).match = static_cast<uint64_t>(s);
+      if (s >= 0 && kUses) __builtin_prefetch(t.counters + s, 1, 3);
+    } else if (b >= i0 && b < i1 && ps(b).base >= 0) {
       const uint64_t m = match_tags(t.tags + ps(b).base, first_ways, ps(b).tag);
       ps(b).match = m;
       if (m) {
@@ -156,7 +171,10 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
     const int64_t c = i + kRowAhead;  // stage 3: the slot; prefetch its row and counter
     if (c >= i0 && c < i1) {
       int64_t slot = ps(c).base == -2 ? -1 : -2;
-      if (ps(c).base >= 0) {
+      if (ps(c).base == -3) {
+        slot = static_cast<int64_t>(ps(c).match);
+        if (slot >= 0 && !kProbeOnly) prefetch_bytes(row_of(t, slot), t.row_bytes);
+      } else if (ps(c).base >= 0) {
         const int64_t key = t.keys[c];
         const int64_t base = ps(c).base;
         slot = -1;
@@ -464,7 +482,9 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
 // key_counters: empty, or per table a KeyCounter (or None) that the pass counts the table's
 // hits of keys >= 0 into when one thread does every key, first halving it once per LFU halving of the
 // table's cache that falls in this query (the caller ages the rest of its statistics, e.g.
-// their mass, to match).
+// their mass, to match). dense: empty, or per table the cache's dense key index (int32, the
+// slot of each key in [0, numel), -1 where none; an empty tensor: none), which then answers
+// those keys in place of the hash probe (a slot outside the cache reads as a miss).
 // Returns {misses (k,) int64: positions into each table's keys, table after table;
 //          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings;
 //          counted (T,) uint8: 1 where the table's hits were counted into its KeyCounter;
@@ -480,10 +500,12 @@ std::vector<at::Tensor> cache_gather(
     const std::vector<int64_t>& intervals,
     at::Tensor out, const std::vector<int64_t>& out_offsets, int64_t out_stride,
     const std::vector<int64_t>& hotness, const std::vector<int64_t>& mean,
-    const at::Tensor& gaps, const at::Tensor& halve, const std::vector<KeyCounter*>& key_counters) {
+    const at::Tensor& gaps, const at::Tensor& halve, const std::vector<KeyCounter*>& key_counters,
+    const std::vector<at::Tensor>& dense) {
   const size_t T = keys.size();
   check(key_counters.empty() || key_counters.size() == T,
         "key_counters: none, or one KeyCounter (or None) per table");
+  check(dense.empty() || dense.size() == T, "dense: none, or one index (or an empty one) per table");
   check_gather_args(T, {&cache_keys, &high_words, &high_of, &tags, &counters, &storage},
                     {&ways, &dims, &formats, &stamps, &streams, &looked_up, &intervals,
                      &out_offsets, &hotness, &mean},
@@ -502,6 +524,7 @@ std::vector<at::Tensor> cache_gather(
   for (size_t i = 0; i < T; ++i) {  // every table checked before any is aged
     row_bytes[i] = check_table(i, cache_keys[i], high_words[i], high_of[i], tags[i], counters[i],
                                storage[i], formats[i], dims[i]);
+    if (!dense.empty()) check_dense(i, dense[i]);
     if (hotness[i] > 0) check(keys[i].numel() % hotness[i] == 0, "bag keys must be (B, hotness)");
   }
   for (size_t i = 0; i < T; ++i) {
@@ -543,6 +566,10 @@ std::vector<at::Tensor> cache_gather(
                 mean[i] != 0,
                 out_base + out_offsets[i],
                 out_stride};
+    if (!dense.empty() && dense[i].numel() > 0) {
+      t.dense = dense[i].data_ptr<int32_t>();
+      t.n_dense = dense[i].numel();
+    }
     views.push_back(t);
     pt[i * 5 + 4] = crossed;
     halvings[i] = crossed;  // a key counter is halved as its cache ages, before the query counts

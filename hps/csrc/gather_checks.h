@@ -95,4 +95,12 @@ inline int64_t check_table(size_t i, const at::Tensor& cache_keys, const at::Ten
   return row_bytes;
 }
 
+// One table's dense key index: empty (none), or (bound,) contiguous int32 slots (-1: no slot;
+// the pass reads any value outside [0, capacity) as a miss, never follows it).
+inline void check_dense(size_t i, const at::Tensor& dense) {
+  check(dense.numel() == 0 || (dense.scalar_type() == at::kInt && dense.dim() == 1 &&
+                               dense.is_contiguous() && dense.device().is_cpu()),
+        "table " + std::to_string(i) + ": a dense key index must be (bound,) contiguous CPU int32");
+}
+
 }  // namespace hps_cpu

@@ -5,6 +5,8 @@ fixed slot per key of a table that fits whole).
 Modules: :mod:`~hps.storage.cache.set_associative` (:class:`EmbeddingCache`),
 :mod:`~hps.storage.cache.static` (:class:`StaticEmbeddingCache`),
 :mod:`~hps.storage.cache.slot_keys` (:class:`SlotKeys`, the key of each slot),
+:mod:`~hps.storage.cache.dense_index` (:class:`DenseKeyIndex`, the slot of each key of a
+dense range),
 :mod:`~hps.storage.cache.slot_counter` (the one-byte LFU level / LRU stamp),
 :mod:`~hps.storage.cache.index` (set, tag, word and bit helpers),
 :mod:`~hps.storage.cache.records` (:class:`CacheStats`, :class:`Placed`, :class:`RowHome`).
@@ -40,7 +42,10 @@ A probe of the compiled path (:mod:`hps.fused`) looks the key's high word up amo
 cache's (at most 16, in one cache line; a key with none is a miss without a probe), reads the
 set's tag line (64 ways = one 64-byte cache line), then only the low word (and nibble) of a way
 whose tag matches (1 in 255 false matches per way), then the row and the slot's counter byte:
-O(1) cache lines per key. The reference
+O(1) cache lines per key. A cache built with a ``key_bound`` also keeps a dense key index
+(``(key_bound,) int32``, 4 bytes per key of ``[0, key_bound)``: the slot or -1), exact under
+its lock; the compiled probe of such a key reads its 4-byte entry instead of hashing it and
+reading the tag and key lines. The reference
 query below compares each key with the ``ways`` keys of its set in one vectorised ``==``; an
 insertion sorts the new keys by set and, inside a set, by their frequency in the request,
 and gives the r-th new key of a set that set's r-th victim (empty slots first, then the
@@ -77,6 +82,7 @@ decided by :class:`hps.session.LookupSession` (synchronous fill below the hit-ra
 default vector + background insertion above it, or the exact mode).
 """
 
+from hps.storage.cache.dense_index import DenseKeyIndex, dense_key_bound
 from hps.storage.cache.index import (
     EMPTY_KEY,
     MAX_HIGH_WORDS,
@@ -114,17 +120,18 @@ from hps.storage.cache.slot_keys import SlotKeys
 from hps.storage.cache.static import StaticEmbeddingCache, StaticLayout
 
 __all__ = [
+    "CacheStats",
     "DEFAULT_WAYS",
+    "DenseKeyIndex",
     "EMPTY_KEY",
     "EXACT_LEVELS",
+    "EmbeddingCache",
     "HALVE",
     "LEVEL_COUNTS",
     "LRU_PERIOD",
     "MARK_BIT",
     "MAX_HIGH_WORDS",
     "MAX_LEVEL",
-    "CacheStats",
-    "EmbeddingCache",
     "Placed",
     "RowHome",
     "SlotKeys",
@@ -133,6 +140,7 @@ __all__ = [
     "add_weighted",
     "aging_lut",
     "count_of",
+    "dense_key_bound",
     "draws",
     "gaps",
     "high_word",

@@ -60,10 +60,16 @@ class EmbeddingCache:
             (4 or 3.5 bytes less per slot, :mod:`hps.storage.cache`) until more than 16 high words
             are cached, then as int64; ``False``: int64 from the start.
         seed: seeds the LFU counters' draws (:mod:`hps.storage.cache.slot_counter`).
+        key_bound: keep a dense key index of the keys in ``[0, key_bound)``
+            (:mod:`hps.storage.cache.dense_index`: 4 bytes per key; the compiled cache-hit
+            pass then finds their slots without a hash probe); ``None``: every key is hashed.
+            Any bound is correct (other keys are hashed); see
+            :func:`~hps.storage.cache.dense_index.dense_key_bound`.
 
     Raises:
         ValueError: naming a non-positive capacity, dim or ways, or a negative,
-            non-finite or non-numeric ``lfu_decay_keys_per_slot``.
+            non-finite or non-numeric ``lfu_decay_keys_per_slot``, or a ``key_bound`` that
+            is not an int in ``[1, 2**31)``.
 
     All methods take ``keys: (n,) int64`` without duplicates on ``device`` and are
     thread-safe (one lock; each call is a few vectorised tensor ops).
@@ -80,6 +86,7 @@ class EmbeddingCache:
         row_format: RowDtype | str = RowDtype.FP32,
         compact_keys: bool = True,
         seed: int = 0,
+        key_bound: int | None = None,
     ) -> None:
         if capacity <= 0:
             raise ValueError(f"cache capacity must be > 0 rows, got {capacity}")
@@ -111,7 +118,7 @@ class EmbeddingCache:
         self.capacity = self.num_sets * self.ways
         sets = (self.num_sets, self.ways)
         #: the key of each slot (int32 low words and high words, or int64 keys)
-        self.slot_keys = SlotKeys(sets, self.device, compact_keys)
+        self.slot_keys = SlotKeys(sets, self.device, compact_keys, key_bound)
         # huge pages: the probe reads these at random (a TLB miss per read with 4 KiB pages)
         #: one byte per slot (:mod:`hps.storage.cache.slot_counter`): LFU level / LRU stamp,
         #: mark bit
@@ -534,9 +541,10 @@ class EmbeddingCache:
             return self.slot_keys.keys_of(idx[self.tags.view(-1)[idx] != 0])
 
     def nbytes(self) -> int:
-        """Host or device bytes this cache holds: rows, keys, counters, tags, homed bits and
-        high words (per slot: the row + 6.125 with one high word, + 6.625 with up to 16, +
-        10.125 with int64 keys; plus 8 B per high word)."""
+        """Host or device bytes this cache holds: rows, keys, counters, tags, homed bits,
+        high words and the dense key index (per slot: the row + 6.125 with one high word, +
+        6.625 with up to 16, + 10.125 with int64 keys; plus 8 B per high word and 4 B per key
+        of the dense index's range)."""
         arrays = [self.storage, self.counters, self.tags, self.homed_bits]
         return sum(t.numel() * t.element_size() for t in arrays) + self.slot_keys.nbytes()
 

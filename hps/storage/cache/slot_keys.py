@@ -3,7 +3,9 @@ index per slot into at most ``MAX_HIGH_WORDS`` high words held per cache, or who
 once more are in use (the layout is drawn in :mod:`hps.storage.cache`).
 
 The cache owns one :class:`SlotKeys` and calls it with its lock held; which slots hold a key
-(the cache's tags) comes in as an argument where a method needs it.
+(the cache's tags) comes in as an argument where a method needs it. With a key bound it keeps
+the cache's :class:`~hps.storage.cache.dense_index.DenseKeyIndex` exact: every key written or
+cleared here is pointed at its slot or forgotten there.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import logging
 
 import torch
 
+from hps.storage.cache.dense_index import DenseKeyIndex
 from hps.storage.cache.index import (
     EMPTY_KEY,
     MAX_HIGH_WORDS,
@@ -37,6 +40,7 @@ class SlotKeys:
         compact: hold each key as its low 32 bits and a nibble naming its high 32 bits until
             more than ``MAX_HIGH_WORDS`` high words are in use, then as int64; ``False``:
             int64 from the start.
+        key_bound: keep a dense index of the keys in ``[0, key_bound)``; ``None``: none.
 
     Attributes:
         keys: ``(num_sets, ways)`` int32 low words (-1 in an empty slot) or int64 keys
@@ -45,15 +49,23 @@ class SlotKeys:
             words (compact keys; empty with int64 keys).
         high_of: ``(ceil(capacity / 2),) uint8``, each slot's index into ``high_words`` (a
             nibble), once there are two high words; ``None`` before and with int64 keys.
+        dense: the dense key index, or ``None``.
     """
 
-    def __init__(self, shape: tuple[int, int], device: torch.device, compact: bool) -> None:
+    def __init__(
+        self,
+        shape: tuple[int, int],
+        device: torch.device,
+        compact: bool,
+        key_bound: int | None = None,
+    ) -> None:
         self.capacity = shape[0] * shape[1]
         self.device = device
         dtype = torch.int32 if compact else torch.int64
         self.keys = huge_zeros(shape, dtype, device).fill_(-1 if compact else EMPTY_KEY)
         self.high_words = torch.zeros(0, dtype=torch.int64, device=device)
         self.high_of: torch.Tensor | None = None
+        self.dense = DenseKeyIndex(key_bound, device) if key_bound is not None else None
 
     @property
     def wide(self) -> bool:
@@ -66,10 +78,11 @@ class SlotKeys:
         return EMPTY_KEY if self.wide else -1
 
     def nbytes(self) -> int:
-        """Bytes of ``keys``, ``high_words`` and ``high_of``."""
+        """Bytes of ``keys``, ``high_words``, ``high_of`` and the dense index."""
         arrays = [self.keys, self.high_words]
         arrays += [self.high_of] if self.high_of is not None else []
-        return sum(t.numel() * t.element_size() for t in arrays)
+        dense = self.dense.nbytes() if self.dense is not None else 0
+        return sum(t.numel() * t.element_size() for t in arrays) + dense
 
     def word_index(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(known (n,) bool, index (n,) int64)``: where each of ``keys (n,) int64``'s high
@@ -93,22 +106,30 @@ class SlotKeys:
         return join_words(high, k)
 
     def clear(self, slots: torch.Tensor) -> None:
-        """Mark ``slots (n,) int64`` empty (their nibbles are left: no held key reads them)."""
+        """Mark ``slots (n,) int64`` (held) empty (their nibbles are left: no held key reads
+        them); their keys leave the dense index."""
+        if self.dense is not None:
+            self.dense.forget(self.keys_of(slots))
         self.keys.view(-1)[slots] = self.empty_key
 
     def write(self, slots: torch.Tensor, keys: torch.Tensor, tags: torch.Tensor) -> None:
         """Store ``keys (n,) int64`` in ``slots (n,) int64`` (unique): low word and nibble,
         high words added (or widened to int64 keys) as needed. ``tags (capacity,) uint8``:
-        the cache's tags, 0 where a slot holds no key."""
+        the cache's tags, 0 where a slot holds no key. The keys these slots held leave the
+        dense index, and ``keys`` enter it."""
+        if self.dense is not None and slots.numel():  # before admit reuses any high word
+            self.dense.forget(self.keys_of(slots[tags[slots] != 0]))
         if not self.wide and keys.numel():
             self.admit(torch.unique(high_word(keys)), slots, tags)
         flat = self.keys.view(-1)
         if self.wide:
             flat[slots] = keys
-            return
-        flat[slots] = low_word(keys)
-        if self.high_of is not None:
-            set_nibbles(self.high_of, slots, self.word_index(keys)[1])
+        else:
+            flat[slots] = low_word(keys)
+            if self.high_of is not None:
+                set_nibbles(self.high_of, slots, self.word_index(keys)[1])
+        if self.dense is not None:
+            self.dense.point(keys, slots)
 
     def _nibbles(self) -> torch.Tensor:
         return huge_zeros((-(-self.capacity // 2),), torch.uint8, self.device)

@@ -379,8 +379,11 @@ def bench_memory(args: argparse.Namespace) -> list[dict[str, Any]]:
     v.create_table("t", DIM)
     for s in range(0, n_rows, 1 << 16):
         v.insert("t", keys[s : s + (1 << 16)], w[s : s + (1 << 16)].numpy())
-    c = EmbeddingCache(n_rows, DIM, policy="lfu")
-    v.attach_cache("t", c)  # exclusive tiers, as the parameter server wires them
+    # with its dense key index and exclusive with the hash map, as the parameter server builds it
+    c = EmbeddingCache(
+        n_rows, DIM, policy="lfu", key_bound=dense_key_bound(n_rows, n_rows, 4 * DIM)
+    )
+    v.attach_cache("t", c)
     s = LookupSession([SessionTable("t", DIM, 0.0, 1 << 20, c)], v, None, hit_rate_threshold=1.0)
     s.warm_up("t", keys)
     held = len(c)

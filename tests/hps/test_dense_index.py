@@ -14,7 +14,7 @@ from hps.kernels import load_extension
 from hps.parameter_server import HierarchicalParameterServer
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import MAX_HIGH_WORDS, EmbeddingCache, dense_key_bound
-from hps.storage.cache.dense_index import MAX_INDEX_SHARE
+from hps.storage.cache.dense_index import MAX_INDEX_SHARE, MAX_INDEXED_SLOTS
 from hps.storage.sparse_files import write_table
 from hps.storage.volatile import HashMapBackend
 from hps.types import CachePolicy, Pooling
@@ -82,6 +82,32 @@ def test_the_index_survives_widening_to_int64_keys() -> None:
     _assert_index_exact(c, bound)
 
 
+def test_an_evicted_key_leaves_the_index_before_its_high_word_is_reused() -> None:
+    """One set of 16 ways holding keys of 16 high words, the only key of high word 0 (3, in
+    the index's range) the coldest: a key of a 17th high word evicts it and reuses word 0.
+    The evicted key is read (and forgotten) before the word is reused, so the index drops 3
+    and does not keep a stale entry for it."""
+    c = EmbeddingCache(16, 1, policy="lfu", ways=16, key_bound=10)
+    far = torch.tensor([(w << 32) | 5 for w in range(1, 16)])
+    c.insert(far, torch.zeros(15, 1), priority=torch.full((15,), 100))
+    c.insert(torch.tensor([3]), torch.ones(1, 1), priority=torch.tensor([1]))
+    assert len(c) == 16 and c.slot_keys.dense is not None and c.slot_keys.dense.slots[3] >= 0
+    new = torch.tensor([(16 << 32) | 7])
+    assert c.insert(new, torch.full((1, 1), 2.0), priority=torch.tensor([50])) == 1
+    assert not c.slot_keys.wide and 16 in c.slot_keys.high_words.tolist()  # word 0 reused
+    assert int(c.slot_keys.dense.slots[3]) == -1
+    _assert_index_exact(c, 10)
+
+
+def test_a_cache_too_large_for_int32_slots_takes_no_index() -> None:
+    assert dense_key_bound(100, MAX_INDEXED_SLOTS + 1, 512) is None
+    assert dense_key_bound(100, MAX_INDEXED_SLOTS, 512) == 100
+    with pytest.raises(ValueError, match="names slots as int32.*2147483712 slots"):
+        EmbeddingCache(
+            MAX_INDEXED_SLOTS + 65, 1, ways=64, key_bound=10
+        )  # refused before allocating
+
+
 def test_nbytes_counts_the_index_and_bad_bounds_are_named() -> None:
     plain = EmbeddingCache(64, 4, ways=8)
     indexed = EmbeddingCache(64, 4, ways=8, key_bound=1000)
@@ -100,7 +126,9 @@ def test_dense_key_bound_takes_at_most_its_share_of_the_rows() -> None:
     assert dense_key_bound(2**31, 2**40, 512) is None
 
 
-def _session(compiled: bool, bound: bool, policy: str, sampling: int = 1) -> LookupSession:
+def _session(
+    compiled: bool, bound: bool, policy: str, sampling: int = 1, compact: bool = True
+) -> LookupSession:
     v = HashMapBackend(num_partitions=2)
     tables = []
     for name, (n, d) in zip(NAMES, SPECS, strict=True):
@@ -113,6 +141,7 @@ def _session(compiled: bool, bound: bool, policy: str, sampling: int = 1) -> Loo
             ways=8,
             lfu_decay_keys_per_slot=0.5,
             key_bound=n if bound else None,  # keys n .. n + 39 are hashed
+            compact_keys=compact,
         )
         tables.append(SessionTable(name, d, -1.0, 10**6, cache))
     return LookupSession(
@@ -139,20 +168,24 @@ def _same_state(a: LookupSession, b: LookupSession) -> None:
             assert sa[n][k] == sb[n][k], (n, k)
 
 
-@pytest.mark.parametrize("policy", [CachePolicy.LRU, CachePolicy.LFU])
+@pytest.mark.parametrize(
+    ("policy", "compact"),
+    [(CachePolicy.LRU, True), (CachePolicy.LFU, True), (CachePolicy.LFU, False)],
+)
 @pytest.mark.parametrize("threads", [1, 2])
 def test_the_compiled_pass_through_the_index_equals_the_reference(
-    policy: CachePolicy, threads: int
+    policy: CachePolicy, compact: bool, threads: int
 ) -> None:
-    """Bags (SUM, MEAN, padding) and rows, keys inside and past the bound, hits, misses and
-    evictions: the compiled pass reading the index equals the reference pass, outputs and
-    state bit for bit, and a session without an index in outputs. Two threads with over
-    8,192 keys: the parallel gather and its separate uses."""
+    """Bags (SUM, MEAN, padding) and rows (a -1 there is a key, hashed), keys inside and past
+    the bound, hits, misses and evictions, int32 and int64 slot keys: the compiled pass reading
+    the index equals the reference pass, outputs and state bit for bit, and a session without
+    an index in outputs. Two threads with over 8,192 keys: the parallel gather and its
+    separate uses."""
     needs_ext()
     a, b, c = (
-        _session(True, True, policy),
-        _session(False, True, policy),
-        _session(True, False, policy),
+        _session(True, True, policy, compact=compact),
+        _session(False, True, policy, compact=compact),
+        _session(True, False, policy, compact=compact),
     )
     g = torch.Generator().manual_seed(3)
     modes = [Pooling.SUM, Pooling.MEAN, Pooling.SUM]
@@ -165,7 +198,7 @@ def test_the_compiled_pass_through_the_index_equals_the_reference(
             got = a.lookup_pooled(NAMES, keys, modes)
             assert torch.equal(got, b.lookup_pooled(NAMES, keys, modes))
             assert torch.equal(got, c.lookup_pooled(NAMES, keys, modes))
-            rows = [k.clamp(min=0)[:8] for k in keys]
+            rows = [k[:8] for k in keys]
             for x, y, z in zip(
                 a.lookup_many(NAMES, rows),
                 b.lookup_many(NAMES, rows),

@@ -22,18 +22,23 @@ import torch
 
 from hps.storage.host_memory import huge_zeros
 
-__all__ = ["MAX_INDEX_SHARE", "DenseKeyIndex", "dense_key_bound"]
+__all__ = ["MAX_INDEXED_SLOTS", "MAX_INDEX_SHARE", "DenseKeyIndex", "dense_key_bound"]
 
 #: the most a dense index may take, as a share of its cache's row storage (4 bytes per key of
 #: ``[0, bound)`` against ``row_bytes`` per slot)
 MAX_INDEX_SHARE = 1 / 8
 
 
+#: the most slots a cache with a dense index may have: its int32 entries name every slot
+MAX_INDEXED_SLOTS = 2**31 - 1
+
+
 def dense_key_bound(key_end: int, capacity: int, row_bytes: int) -> int | None:
     """The bound of a dense index for a cache of ``capacity`` slots of ``row_bytes`` whose
     table's keys lie in ``[0, key_end)``: ``key_end`` when its 4 bytes per key take at most
-    :data:`MAX_INDEX_SHARE` of the row storage, else ``None`` (hash probes only)."""
-    if key_end <= 0 or key_end >= 2**31:
+    :data:`MAX_INDEX_SHARE` of the row storage, else ``None`` (hash probes only; also for a
+    cache of more than :data:`MAX_INDEXED_SLOTS` slots)."""
+    if key_end <= 0 or key_end >= 2**31 or capacity > MAX_INDEXED_SLOTS:
         return None
     return key_end if 4 * key_end <= MAX_INDEX_SHARE * capacity * row_bytes else None
 
@@ -44,17 +49,24 @@ class DenseKeyIndex:
     Args:
         bound: keys ``0 .. bound - 1`` are indexed; ``1 <= bound < 2**31``.
         device: where the index lives (the cache's device).
+        capacity: the cache's slots, at most :data:`MAX_INDEXED_SLOTS` (an int32 names each).
 
     Raises:
-        ValueError: naming a bound that is not an int in ``[1, 2**31)``.
+        ValueError: naming a bound that is not an int in ``[1, 2**31)``, or a capacity over
+            :data:`MAX_INDEXED_SLOTS`.
 
     Attributes:
         slots: ``(bound,)`` int32, huge pages (the pass reads it at random).
     """
 
-    def __init__(self, bound: int, device: torch.device) -> None:
+    def __init__(self, bound: int, device: torch.device, capacity: int) -> None:
         if isinstance(bound, bool) or not isinstance(bound, int) or not 1 <= bound < 2**31:
             raise ValueError(f"cache key_bound must be an int in [1, 2**31), got {bound!r}")
+        if capacity > MAX_INDEXED_SLOTS:
+            raise ValueError(
+                f"cache key_bound {bound}: a dense key index names slots as int32, and this "
+                f"cache has {capacity} slots (at most {MAX_INDEXED_SLOTS}); use key_bound=None"
+            )
         self.bound = bound
         self.slots = huge_zeros((bound,), torch.int32, device).fill_(-1)
 

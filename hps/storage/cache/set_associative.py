@@ -69,7 +69,8 @@ class EmbeddingCache:
     Raises:
         ValueError: naming a non-positive capacity, dim or ways, or a negative,
             non-finite or non-numeric ``lfu_decay_keys_per_slot``, or a ``key_bound`` that
-            is not an int in ``[1, 2**31)``.
+            is not an int in ``[1, 2**31)`` or given to a cache of more than ``2**31 - 1``
+            slots.
 
     All methods take ``keys: (n,) int64`` without duplicates on ``device`` and are
     thread-safe (one lock; each call is a few vectorised tensor ops).

@@ -61,11 +61,14 @@ class SlotKeys:
     ) -> None:
         self.capacity = shape[0] * shape[1]
         self.device = device
+        # first: a bound this cache cannot take is refused before any large allocation
+        self.dense = (
+            DenseKeyIndex(key_bound, device, self.capacity) if key_bound is not None else None
+        )
         dtype = torch.int32 if compact else torch.int64
         self.keys = huge_zeros(shape, dtype, device).fill_(-1 if compact else EMPTY_KEY)
         self.high_words = torch.zeros(0, dtype=torch.int64, device=device)
         self.high_of: torch.Tensor | None = None
-        self.dense = DenseKeyIndex(key_bound, device) if key_bound is not None else None
 
     @property
     def wide(self) -> bool:

@@ -12,7 +12,10 @@ table's :class:`~hps.rowformat.RowDtype` (``row_bytes``: 512 / 256 / 132 / 68 at
 FP32 / FP16 / INT8 / INT4) plus the slot's key, counter, tag and flags, as
 :meth:`hps.storage.cache.EmbeddingCache.nbytes` reports them (:func:`cache_slot_bytes`). At
 dim 128 with 6.125 bytes of slot metadata (rounded up per slot) an FP32 slot is 519 bytes and
-an INT8 slot 139, so the same budget caches 3.7× the rows of an INT8 table::
+an INT8 slot 139, so the same budget caches 3.7× the rows of an INT8 table. A table whose cache
+the parameter server gives a dense key index (:func:`~hps.storage.cache.dense_key_bound`, keys
+taken as ``0 .. num_rows - 1``) also costs that index's 4 bytes per row of the table: the
+budget holds both (:func:`recommend`)::
 
     budget 64 MiB, dim 128     fp32: 129,304 rows     int8: 482,797 rows     int4: 894,784 rows
 
@@ -33,7 +36,7 @@ from pathlib import Path
 import numpy as np
 
 from hps.rowformat import RowDtype, row_bytes
-from hps.storage.cache import DEFAULT_WAYS, EmbeddingCache
+from hps.storage.cache import DEFAULT_WAYS, EmbeddingCache, dense_key_bound
 
 _CURVE_POINTS = 2048  # breakpoints per table curve (piecewise linear between them)
 
@@ -268,17 +271,32 @@ class Recommendation:
     table: str
     fraction: float  # of the table's rows, for ps.json gpucacheper
     rows: int
-    bytes: int  # rows × slot_bytes: what the cache holds for them, metadata included
+    bytes: int  # rows × slot_bytes + index_bytes: what the cache holds, metadata included
     hit_rate: float  # ideal, at this size
     weight: float  # share of all lookups
     row_format: RowDtype  # how the table's rows are stored (cache and databases alike)
     slot_bytes: int  # one cached row: its stored bytes and its slot's metadata
+    index_bytes: int = 0  # the cache's dense key index (0: the server gives it none)
+
+
+def index_bytes(t: TableKeyStats, rows: int) -> int:
+    """Bytes of the dense key index the parameter server gives a set-associative cache of
+    ``rows`` slots of table ``t`` (its keys taken as ``0 .. num_rows - 1``): 4 per key where
+    :func:`~hps.storage.cache.dense_key_bound` grants one, else 0; 0 for no cache and for one
+    that covers the table (a static cache, which needs none)."""
+    if rows <= 0 or rows >= t.num_rows:
+        return 0
+    bound = dense_key_bound(t.num_rows, rows, row_bytes(t.row_format, t.dim))
+    return 4 * bound if bound is not None else 0
 
 
 def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recommendation]:
     """Split ``budget_bytes`` of cache between ``tables`` to maximise the overall hit rate,
     each cached row costing its table's :func:`cache_slot_bytes` (its row format's bytes and
-    the slot's metadata).
+    the slot's metadata). The dense key indexes the parameter server adds (:func:`index_bytes`)
+    come out of the same budget: the rows are split again within what the split's indexes
+    leave, until the indexes of a split fit what was set aside for them, so the total stays
+    within ``budget_bytes``.
 
     Returns:
         one :class:`Recommendation` per table, in the input order.
@@ -292,8 +310,42 @@ def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recom
         raise ValueError("recommend needs at least one table")
     total = sum(t.lookups for t in tables.values())
     slot = [cache_slot_bytes(t.dim, t.row_format) for t in tables.values()]
+    ts = list(tables.values())
+    reserved = 0  # for the indexes: grows strictly until the split's indexes fit it
+    while True:
+        granted = _split(ts, slot, total, budget_bytes - reserved)
+        idx = [index_bytes(t, int(min(g, t.num_rows))) for t, g in zip(ts, granted, strict=True)]
+        if sum(idx) <= reserved:
+            break
+        reserved = sum(idx)
+    out = []
+    for i, (name, t) in enumerate(tables.items()):
+        r = int(min(granted[i], t.num_rows))
+        out.append(
+            Recommendation(
+                name,
+                r / t.num_rows,
+                r,
+                r * slot[i] + idx[i],
+                float(t.curve(np.array([r]))[0]),
+                t.lookups / total,
+                t.row_format,
+                slot[i],
+                idx[i],
+            )
+        )
+    return out
+
+
+def _split(
+    tables: list[TableKeyStats], slot: list[int], total: float, budget_bytes: int
+) -> np.ndarray:
+    """Rows granted per table (``(T,) int64``, possibly above a table's rows): the greedy
+    split of ``budget_bytes`` by marginal hit per byte, each row costing ``slot[i]``."""
+    if budget_bytes <= 0:
+        return np.zeros(len(tables), dtype=np.int64)
     names, gains, costs, sizes = [], [], [], []
-    for i, t in enumerate(tables.values()):
+    for i, t in enumerate(tables):
         # Geometric breakpoints: the head, where the gain is, is resolved finely.
         pts = np.unique(
             np.concatenate([[0], np.geomspace(1, t.num_rows, _CURVE_POINTS).astype(np.int64)])
@@ -317,22 +369,7 @@ def recommend(tables: dict[str, TableKeyStats], budget_bytes: int) -> list[Recom
         i = int(names_a[nxt[0]])
         left = budget_bytes - (spent[spent <= budget_bytes][-1] if take.size else 0)
         granted[i] += int(left // slot[i])
-    out = []
-    for i, (name, t) in enumerate(tables.items()):
-        r = int(min(granted[i], t.num_rows))
-        out.append(
-            Recommendation(
-                name,
-                r / t.num_rows,
-                r,
-                r * slot[i],
-                float(t.curve(np.array([r]))[0]),
-                t.lookups / total,
-                t.row_format,
-                slot[i],
-            )
-        )
-    return out
+    return granted
 
 
 def overall_hit_rate(recs: list[Recommendation]) -> float:

@@ -12,13 +12,14 @@ from hps.advisor import (
     cache_slot_bytes,
     fit_zipf,
     format_table,
+    index_bytes,
     overall_hit_rate,
     plot_hit_curves,
     recommend,
     zipf_hit_curve,
 )
 from hps.rowformat import RowDtype, row_bytes
-from hps.storage.cache import EmbeddingCache
+from hps.storage.cache import EmbeddingCache, dense_key_bound
 
 
 def _zipf_counts(n: int, alpha: float, samples: int, seed: int) -> np.ndarray:
@@ -179,3 +180,42 @@ def test_a_budget_split_between_mixed_formats_counts_bytes() -> None:
     assert q.rows / f.rows == pytest.approx((sf / sq) ** (1 / 1.05), rel=0.05)
     text = format_table([f, q])
     assert "int8" in text and f"{q.bytes:>14d}" in text and str(sq) in text
+
+
+def test_a_cache_with_a_dense_key_index_pays_for_it_from_the_budget() -> None:
+    """A 100,000-row FP32 table of dim 128 cached at ~40 %: the server gives its cache a dense
+    key index (4 B per row of the table, within an eighth of the cached rows' bytes), which
+    the recommendation counts and the rows leave room for; the cache the server builds at that
+    size holds those bytes (up to the rounding of a slot's bytes and of its last set)."""
+    t = TableKeyStats.from_zipf(100_000, 128, 1.05)
+    budget = 20 * 2**20
+    (r,) = recommend({"t": t}, budget)
+    slot = cache_slot_bytes(128)
+    assert r.index_bytes == index_bytes(t, r.rows) == 4 * 100_000
+    assert r.bytes == r.rows * slot + r.index_bytes <= budget
+    assert r.rows == (budget - r.index_bytes) // slot  # the rest of the budget spent on rows
+    c = EmbeddingCache(r.rows, 128, key_bound=dense_key_bound(100_000, r.rows, 512))
+    # a slot's metadata rounded up to a byte; the cache rounded up to whole sets
+    assert -r.rows < c.nbytes() - r.bytes < 64 * slot
+    # no index: a cache under an eighth's threshold, and a cache of the whole table (static)
+    assert index_bytes(t, 100_000 * 32 // 512 - 1) == 0 < index_bytes(t, 100_000 * 32 // 512)
+    assert index_bytes(t, 100_000) == 0 and index_bytes(t, 0) == 0
+    (whole,) = recommend({"t": t}, 10**9)
+    assert whole.rows == 100_000 and whole.index_bytes == 0
+
+
+def test_budgets_around_the_index_threshold_are_never_exceeded() -> None:
+    """Two tables and budgets from a few rows to all of both: whichever caches get an index,
+    the recommendation's bytes (rows and indexes) stay within the budget, and each index is
+    the one the server would give a cache of that many rows."""
+    tables = {
+        "a": TableKeyStats.from_zipf(50_000, 128, 1.1, lookups=2.0),
+        "b": TableKeyStats.from_zipf(20_000, 64, 0.9),
+    }
+    whole = sum(cache_slot_bytes(t.dim) * t.num_rows for t in tables.values())
+    for budget in np.linspace(5_000, 1.1 * whole, 97).astype(np.int64):
+        recs = recommend(tables, int(budget))
+        assert sum(r.bytes for r in recs) <= budget
+        for r, t in zip(recs, tables.values(), strict=True):
+            assert r.index_bytes == index_bytes(t, r.rows)
+            assert r.bytes == r.rows * r.slot_bytes + r.index_bytes

@@ -28,7 +28,6 @@ __all__ = ["MAX_INDEXED_SLOTS", "MAX_INDEX_SHARE", "DenseKeyIndex", "dense_key_b
 #: ``[0, bound)`` against ``row_bytes`` per slot)
 MAX_INDEX_SHARE = 1 / 8
 
-
 #: the most slots a cache with a dense index may have: its int32 entries name every slot
 MAX_INDEXED_SLOTS = 2**31 - 1
 

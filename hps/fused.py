@@ -284,7 +284,7 @@ def _gather_one(
     crossed = (before + valid.numel()) // w - before // w if w > 0 else 0
     if crossed > 0:
         c.counters.copy_(aging_lut(crossed)[c.counters.long()])
-    hit, slot = c._slots(k[valid])
+    hit, slot = c._hashed_slots(k[valid])  # the specification: never the dense key index
     hpos, hslot, miss = valid[hit], slot[hit], valid[~hit]
     if c.policy is CachePolicy.LFU:
         _morris_steps(c.counters.view(-1), hslot, hpos, args.streams[i])

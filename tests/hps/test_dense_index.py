@@ -35,11 +35,21 @@ def _held_pairs(c: EmbeddingCache) -> dict[int, int]:
 
 
 def _assert_index_exact(c: EmbeddingCache, bound: int) -> None:
+    """The index names exactly the held keys' slots, and the cache's torch lookups through it
+    (:meth:`EmbeddingCache._slots`) find what the set probe finds, for keys inside the bound,
+    negative and past it (a miss's slot a slot of the cache)."""
     dense = c.slot_keys.dense
     assert dense is not None and dense.bound == bound
     want = {k: s for k, s in _held_pairs(c).items() if 0 <= k < bound}
     keys, slots = dense.held()
     assert dict(zip(keys.tolist(), slots.tolist(), strict=True)) == want
+    held = torch.tensor(sorted(_held_pairs(c)), dtype=torch.int64)
+    q = torch.cat([torch.arange(-5, bound + 50), held])
+    hit, slot = c._slots(q)
+    hit_h, slot_h = c._hashed_slots(q)
+    assert torch.equal(hit, hit_h) and torch.equal(slot[hit], slot_h[hit])
+    assert int(slot.min()) >= 0 and int(slot.max()) < c.capacity
+    assert torch.equal(c.contains(held), torch.ones(held.numel(), dtype=torch.bool))
 
 
 @pytest.mark.parametrize(
@@ -215,8 +225,10 @@ def test_the_compiled_pass_through_the_index_equals_the_reference(
 
 
 def test_an_index_entry_outside_the_cache_reads_as_a_miss() -> None:
-    """A corrupt entry (a slot past the cache, or below -1) is never followed: the key is a
-    miss, served by the tier below with its own row."""
+    """A corrupt entry (a slot past the cache, or below -1) is never followed: the compiled
+    pass reads the key as a miss, served by the tier below with its own row, and the cache's
+    torch lookups (the miss path's insertion among them) find the key by its set, so it is
+    not placed twice."""
     needs_ext()
     s = _session(True, True, "lfu")
     cache = s.tables["t2"].cache
@@ -225,11 +237,13 @@ def test_an_index_entry_outside_the_cache_reads_as_a_miss() -> None:
     want = torch.from_numpy(_rows(1040, 16)[7])
     assert torch.equal(s.lookup_pooled(["t2"], [key])[0], want)
     assert cache.slot_keys.dense.slots[7] >= 0  # now cached and indexed
+    held = len(cache)
     for bad in (cache.capacity + 5, -7):
         cache.slot_keys.dense.slots[7] = bad
         before = cache.stats.hits
         assert torch.equal(s.lookup_pooled(["t2"], [key])[0], want)
         assert cache.stats.hits == before  # answered by the miss path
+        assert bool(cache.contains(torch.tensor([7]))[0]) and len(cache) == held
 
 
 def test_the_kernel_refuses_an_index_of_the_wrong_dtype_naming_the_table() -> None:

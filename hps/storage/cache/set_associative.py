@@ -216,7 +216,26 @@ class EmbeddingCache:
 
     # ------------------------------------------------------------------ queries
     def _slots(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """``(hit (n,) bool, slot (n,) int64)``; ``slot`` is meaningful where ``hit``."""
+        """``(hit (n,) bool, slot (n,) int64)``; ``slot`` is meaningful where ``hit`` (a slot
+        of the cache elsewhere). Keys of the dense key index are one gather from it (exact
+        under the lock, as :meth:`_hashed_slots` finds them), the others are hashed, as is a
+        key whose entry names no slot of the cache (never written so; never followed)."""
+        dense = self.slot_keys.dense
+        if dense is None or keys.numel() == 0:
+            return self._hashed_slots(keys)
+        found = dense.slots.index_select(0, keys.clamp(0, dense.bound - 1)).to(torch.int64)
+        inside = (keys >= 0) & (keys < dense.bound) & (found >= -1) & (found < self.capacity)
+        hit = inside & (found >= 0)
+        slot = torch.where(hit, found, 0)
+        if not bool(inside.all()):
+            out = torch.nonzero(~inside).squeeze(1)
+            h, s = self._hashed_slots(keys.index_select(0, out))
+            hit[out], slot[out] = h, s
+        return hit, slot
+
+    def _hashed_slots(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_slots` by the set probe alone (every key hashed; the dense key index is
+        not read): what the torch reference pass reads (:func:`hps.fused.gather_reference`)."""
         s = set_of(keys, self.num_sets)
         sk = self.slot_keys
         if sk.wide:

@@ -134,6 +134,10 @@ class StaticEmbeddingCache(EmbeddingCache):
         slot, inside = self.home_slots(keys)
         return inside & (self.tags.view(-1).index_select(0, slot) != 0), slot
 
+    def _hashed_slots(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """:meth:`_slots`: a static cache has no set probe (a key's slot is its home)."""
+        return self._slots(keys)
+
     def _tick(self) -> int:
         """Advance the query clock (no LRU stamps to renormalise: nothing is replaced)."""
         self._clock += 1

@@ -1,6 +1,7 @@
 """A set-associative cache's dense key index (:class:`DenseKeyIndex`): the slot of every key
 in ``[0, bound)``, or -1, so that the compiled cache-hit pass finds a key's slot with one
-4-byte read instead of hashing it and reading its set's tag line and key line.
+4-byte read instead of hashing it and reading its set's tag line and key line (and the cache's
+torch operations with one gather instead of comparing it with its set's keys).
 
 Embedding tables are indexed by dense row ids (a Criteo feature's ids are its value's index
 modulo the table's rows), so a table's keys usually fill ``[0, rows)``; the index then costs

@@ -62,7 +62,8 @@ class EmbeddingCache:
         seed: seeds the LFU counters' draws (:mod:`hps.storage.cache.slot_counter`).
         key_bound: keep a dense key index of the keys in ``[0, key_bound)``
             (:mod:`hps.storage.cache.dense_index`: 4 bytes per key; the compiled cache-hit
-            pass then finds their slots without a hash probe); ``None``: every key is hashed.
+            pass and this cache's operations then find their slots without a set probe);
+            ``None``: every key is hashed.
             Any bound is correct (other keys are hashed); see
             :func:`~hps.storage.cache.dense_index.dense_key_bound`.
 

@@ -50,6 +50,10 @@ def _assert_index_exact(c: EmbeddingCache, bound: int) -> None:
     assert torch.equal(hit, hit_h) and torch.equal(slot[hit], slot_h[hit])
     assert int(slot.min()) >= 0 and int(slot.max()) < c.capacity
     assert torch.equal(c.contains(held), torch.ones(held.numel(), dtype=torch.bool))
+    inside = torch.arange(bound)  # every key indexed: the gather alone, no key hashed
+    hit, slot = c._slots(inside)
+    hit_h, slot_h = c._hashed_slots(inside)
+    assert torch.equal(hit, hit_h) and torch.equal(slot[hit], slot_h[hit])
 
 
 @pytest.mark.parametrize(
@@ -228,7 +232,7 @@ def test_an_index_entry_outside_the_cache_reads_as_a_miss() -> None:
     """A corrupt entry (a slot past the cache, or below -1) is never followed: the compiled
     pass reads the key as a miss, served by the tier below with its own row, and the cache's
     torch lookups (the miss path's insertion among them) find the key by its set, so it is
-    not placed twice."""
+    not placed twice, and the insertion mends the entry."""
     needs_ext()
     s = _session(True, True, "lfu")
     cache = s.tables["t2"].cache
@@ -236,7 +240,8 @@ def test_an_index_entry_outside_the_cache_reads_as_a_miss() -> None:
     key = torch.tensor([[7]])
     want = torch.from_numpy(_rows(1040, 16)[7])
     assert torch.equal(s.lookup_pooled(["t2"], [key])[0], want)
-    assert cache.slot_keys.dense.slots[7] >= 0  # now cached and indexed
+    slot = int(cache.slot_keys.dense.slots[7])
+    assert slot >= 0  # now cached and indexed
     held = len(cache)
     for bad in (cache.capacity + 5, -7):
         cache.slot_keys.dense.slots[7] = bad
@@ -244,6 +249,27 @@ def test_an_index_entry_outside_the_cache_reads_as_a_miss() -> None:
         assert torch.equal(s.lookup_pooled(["t2"], [key])[0], want)
         assert cache.stats.hits == before  # answered by the miss path
         assert bool(cache.contains(torch.tensor([7]))[0]) and len(cache) == held
+        assert int(cache.slot_keys.dense.slots[7]) == slot  # the miss path's insertion mended it
+
+
+def test_an_entry_naming_another_keys_slot_is_hashed_by_the_torch_operations_and_mended() -> None:
+    """An entry of a held key that names another held key's slot: the cache's torch
+    operations check the slot's key, find the key by its set instead (so an insertion
+    overwrites its own row, not the other key's, and places nothing twice), and the
+    insertion points the entry back at the key's slot."""
+    c = EmbeddingCache(64, 2, ways=8, key_bound=100)
+    c.insert(torch.arange(20), torch.arange(40, dtype=torch.float32).view(20, 2))
+    dense = c.slot_keys.dense
+    assert dense is not None
+    own, other = int(dense.slots[7]), int(dense.slots[8])
+    dense.slots[7] = other
+    hit, slot = c._slots(torch.tensor([7, 8]))
+    assert hit.tolist() == [True, True] and slot.tolist() == [own, other]
+    assert c.insert(torch.tensor([7]), torch.full((1, 2), -1.0)) == 0  # overwritten in place
+    assert int(dense.slots[7]) == own and len(c) == 20
+    rows, hit = c.query(torch.tensor([7, 8]))
+    assert hit.all() and rows.tolist() == [[-1.0, -1.0], [16.0, 17.0]]
+    _assert_index_exact(c, 100)
 
 
 def test_the_kernel_refuses_an_index_of_the_wrong_dtype_naming_the_table() -> None:

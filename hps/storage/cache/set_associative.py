@@ -219,8 +219,10 @@ class EmbeddingCache:
     def _slots(self, keys: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(hit (n,) bool, slot (n,) int64)``; ``slot`` is meaningful where ``hit`` (a slot
         of the cache elsewhere). Keys of the dense key index are one gather from it (exact
-        under the lock, as :meth:`_hashed_slots` finds them), the others are hashed, as is a
-        key whose entry names no slot of the cache (never written so; never followed)."""
+        under the lock, as :meth:`_hashed_slots` finds them), each slot it names checked to
+        hold its key (one more gather); the others are hashed, as is a key whose entry names
+        no slot of the cache or a slot holding another key (never written so). An entry of
+        -1 is trusted: the index is what says a key of its range is not cached."""
         dense = self.slot_keys.dense
         if dense is None or keys.numel() == 0:
             return self._hashed_slots(keys)
@@ -228,6 +230,12 @@ class EmbeddingCache:
         inside = (keys >= 0) & (keys < dense.bound) & (found >= -1) & (found < self.capacity)
         hit = inside & (found >= 0)
         slot = torch.where(hit, found, 0)
+        named = torch.nonzero(hit).squeeze(1)
+        held = self.tags.view(-1).index_select(0, slot.index_select(0, named)) != 0
+        held &= self.slot_keys.keys_of(slot.index_select(0, named)) == keys.index_select(0, named)
+        if not bool(held.all()):  # a slot that does not hold its key: hash the key
+            wrong = named[~held]
+            inside[wrong], hit[wrong], slot[wrong] = False, False, 0
         if not bool(inside.all()):
             out = torch.nonzero(~inside).squeeze(1)
             h, s = self._hashed_slots(keys.index_select(0, out))
@@ -392,6 +400,8 @@ class EmbeddingCache:
             hit, slot = self._slots(keys)
             if hit.any():
                 self.storage[slot[hit]] = values[hit]
+                if self.slot_keys.dense is not None:  # an entry that had to be hashed: mended
+                    self.slot_keys.dense.point(keys[hit], slot[hit])
             new = ~hit
             if not new.any():
                 return Placed.none(self.storage)

@@ -272,6 +272,18 @@ def test_an_entry_naming_another_keys_slot_is_hashed_by_the_torch_operations_and
     _assert_index_exact(c, 100)
 
 
+def test_an_entry_naming_an_empty_slot_of_an_empty_cache_is_hashed() -> None:
+    """No key written yet (no high word known): an entry naming a slot is checked against the
+    slot's tag before any key is read, and the key is a miss."""
+    c = EmbeddingCache(64, 2, ways=8, key_bound=100)
+    assert c.slot_keys.dense is not None
+    c.slot_keys.dense.slots[5] = 3
+    hit, _ = c._slots(torch.tensor([5, 6]))
+    assert hit.tolist() == [False, False]
+    assert c.insert(torch.tensor([5]), torch.ones(1, 2)) == 1
+    _assert_index_exact(c, 100)
+
+
 def test_the_kernel_refuses_an_index_of_the_wrong_dtype_naming_the_table() -> None:
     needs_ext()
     ext = load_extension()

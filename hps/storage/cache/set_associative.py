@@ -232,7 +232,8 @@ class EmbeddingCache:
         slot = torch.where(hit, found, 0)
         named = torch.nonzero(hit).squeeze(1)
         held = self.tags.view(-1).index_select(0, slot.index_select(0, named)) != 0
-        held &= self.slot_keys.keys_of(slot.index_select(0, named)) == keys.index_select(0, named)
+        kept = named[held]  # keys are read only from slots that hold one
+        held[held.clone()] = self.slot_keys.keys_of(slot.index_select(0, kept)) == keys[kept]
         if not bool(held.all()):  # a slot that does not hold its key: hash the key
             wrong = named[~held]
             inside[wrong], hit[wrong], slot[wrong] = False, False, 0

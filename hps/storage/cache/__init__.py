@@ -45,8 +45,9 @@ whose tag matches (1 in 255 false matches per way), then the row and the slot's 
 O(1) cache lines per key. A cache built with a ``key_bound`` also keeps a dense key index
 (``(key_bound,) int32``, 4 bytes per key of ``[0, key_bound)``: the slot or -1), exact under
 its lock; the compiled probe of such a key reads its 4-byte entry instead of hashing it and
-reading the tag and key lines. The reference
-query below compares each key with the ``ways`` keys of its set in one vectorised ``==``; an
+reading the tag and key lines, and the cache's own operations gather its slot from the entry
+(checked to hold the key). The torch query below compares every other key (and every key of
+a cache without an index) with the ``ways`` keys of its set in one vectorised ``==``; an
 insertion sorts the new keys by set and, inside a set, by their frequency in the request,
 and gives the r-th new key of a set that set's r-th victim (empty slots first, then the
 lowest counter) if that victim is colder (see :meth:`EmbeddingCache.insert`). No per-key

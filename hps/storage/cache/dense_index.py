@@ -14,7 +14,9 @@ The index is exact under the cache's lock: :class:`~hps.storage.cache.slot_keys.
 points a key at its slot whenever it writes the key and forgets it whenever it clears or
 overwrites the slot, the only two ways a slot's key changes (``tests/hps/test_dense_index.py``
 checks it against the slots' keys after every kind of change). The compiled pass reads any
-entry outside ``[0, capacity)`` as a miss and never follows it.
+entry outside ``[0, capacity)`` as a miss and never follows it; the cache's torch operations
+also check that the slot an entry names holds its key, and hash the key where it does not
+(:meth:`~hps.storage.cache.EmbeddingCache._slots`).
 """
 
 from __future__ import annotations

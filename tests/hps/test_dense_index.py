@@ -353,3 +353,46 @@ def test_the_parameter_server_indexes_a_cache_whose_index_pays(tmp_path) -> None
         _assert_index_exact(wide, wide.slot_keys.dense.bound)
     finally:
         ps.close()
+
+
+def test_a_replica_that_loads_no_keys_bounds_its_index_by_the_row_count(tmp_path) -> None:
+    """Keys 0, 2, .., 198 of a 100-row table: the loading server bounds its cache's index by
+    the largest key (199); a replica that loads nothing knows only the row count (100), and
+    hashes the keys past it. Both serve every key as the table."""
+    keys = np.arange(0, 200, 2, dtype=np.int64)
+    rows = _rows(100, 64)
+    write_table(tmp_path / "sparse/t", keys, rows)
+    doc = {
+        "volatile_db": {"type": "hash_map"},
+        "persistent_db": {"type": "rocks_db", "path": "pdb"},
+        "models": [
+            {
+                "model": "m",
+                "max_batch_size": 256,
+                "sparse_files": ["sparse/t"],
+                "embedding_table_names": ["t"],
+                "embedding_vecsize_per_table": [64],
+                "maxnum_catfeature_query_per_table_per_sample": [1],
+                "default_value_for_each_table": [0.0],
+                "gpucacheper": 0.5,
+                "cache_exact": True,
+            }
+        ],
+    }
+    q = torch.arange(-1, 205).view(-1, 1)
+    want = reference_lookup(keys, rows, q.clamp(min=0), 0.0)
+    want[0] = reference_lookup(keys, rows, torch.tensor([[-1]]), 0.0)[0]
+    for load, bound in ((True, 199), (False, 100)):
+        ps = HierarchicalParameterServer(parse_config(doc, tmp_path), load=load)
+        try:
+            s = ps.session("m")
+            cache = s.tables["t"].cache
+            assert cache is not None and cache.slot_keys.dense is not None
+            assert cache.slot_keys.dense.bound == bound
+            for _ in range(2):  # misses, then hits
+                got = s.lookup_many(["t"], [q])[0]
+                assert torch.equal(got, want)
+            assert cache.stats.hits > 0
+            _assert_index_exact(cache, bound)
+        finally:
+            ps.close()

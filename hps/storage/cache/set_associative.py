@@ -231,9 +231,10 @@ class EmbeddingCache:
         hit = inside & (found >= 0)
         slot = torch.where(hit, found, 0)
         named = torch.nonzero(hit).squeeze(1)
-        held = self.tags.view(-1).index_select(0, slot.index_select(0, named)) != 0
-        kept = named[held]  # keys are read only from slots that hold one
-        held[held.clone()] = self.slot_keys.keys_of(slot.index_select(0, kept)) == keys[kept]
+        tagged = self.tags.view(-1).index_select(0, slot.index_select(0, named)) != 0
+        kept = named[tagged]  # keys are read only from slots that hold one
+        held = tagged.clone()
+        held[tagged] = self.slot_keys.keys_of(slot.index_select(0, kept)) == keys[kept]
         if not bool(held.all()):  # a slot that does not hold its key: hash the key
             wrong = named[~held]
             inside[wrong], hit[wrong], slot[wrong] = False, False, 0

@@ -612,7 +612,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "rows or in-order bag sums of stored rows of any row format, dequantized to float32",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("static_gather", &static_gather,
-        "all-hit rows or bags of full IDENTITY static caches (per-table statistics, or none)",
+        "all-hit rows or bags of full IDENTITY static caches (per-table statistics, or none), "
+        "their keys counted into the given key counters",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("count_keys", &count_keys, "count every table's keys into its KeyCounter",
         pybind11::call_guard<pybind11::gil_scoped_release>());

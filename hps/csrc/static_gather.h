@@ -2,7 +2,7 @@
 // the caller): table i's key k lives in slot k, so a key is a hit exactly when
 // 0 <= k < capacity. First every key of every table is checked (a key out of range, or a -1
 // in rows, and the call returns without writing anything, for the caller's per-table path)
-// and counted: the table's keys >= 0 and its distinct ones (count_distinct); then every
+// and counted: the table's keys >= 0 and its distinct ones (check_and_count); then every
 // table's rows are copied (rows) or its bags summed in order from +0.0, -1 padding skipped
 // (pool_bag: FP32 dims 16/32/64/128 in AVX registers), MEAN bags with a key divided by it.
 // Included by hps/csrc/fused_lookup.cpp.
@@ -15,9 +15,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "common.h"
+#include "key_counter.h"
 #include "row_formats.h"
 
 namespace hps_cpu {
@@ -80,56 +82,62 @@ inline bool out_placed(int64_t n, int64_t h, int64_t dim, int64_t off, int64_t s
   return dim <= room && n / h - 1 <= (room - dim) / stride;  // stride >= dim > 0
 }
 
-// Distinct values of keys (each in [0, capacity)): one bit per slot when the table is small
-// beside the keys (capacity <= kBitmapRowsPerKey × keys, the torch path's bincount rule), else
-// an open-addressing set of >= 2 × keys slots, so a call costs O(keys), never O(table rows).
-// seen: scratch, reused across tables.
-constexpr int64_t kBitmapRowsPerKey = 8;
+// One bit per slot of the largest static cache this thread has checked, all zero between
+// calls: a table's keys set their bits while they are checked (a key whose bit was clear is a
+// distinct one) and clear them again after, so counting the distinct keys of a call costs
+// O(keys), never O(table rows), and allocates nothing once the bitmap has grown. Per thread, so
+// concurrent calls over the same caches never share it; it holds capacity / 8 bytes.
+inline std::vector<uint64_t>& slot_bits(int64_t capacity) {
+  thread_local std::vector<uint64_t> bits;
+  const size_t words = static_cast<size_t>((capacity + 63) / 64);
+  if (bits.size() < words) bits.resize(words, 0);
+  return bits;
+}
 
-inline int64_t count_distinct(const std::vector<int64_t>& keys, int64_t capacity,
-                              std::vector<uint64_t>& seen) {
-  const int64_t n = static_cast<int64_t>(keys.size());
-  if (n == 0) return 0;
-  int64_t unique = 0;
-  if (capacity > kBitmapRowsPerKey * n) {
-    int shift = 1;
-    while ((int64_t{1} << shift) < 2 * n) ++shift;
-    const uint64_t mask = (uint64_t{1} << shift) - 1;
-    constexpr uint64_t kEmpty = ~uint64_t{0};  // keys are >= 0
-    seen.assign(static_cast<size_t>(mask + 1), kEmpty);
-    for (const int64_t k : keys) {
-      const uint64_t u = static_cast<uint64_t>(k);
-      uint64_t at = (u * 0x9E3779B97F4A7C15ULL) >> (64 - shift);
-      while (seen[at] != kEmpty && seen[at] != u) at = (at + 1) & mask;
-      unique += seen[at] == kEmpty;
-      seen[at] = u;
-    }
-    return unique;
-  }
-  seen.assign(static_cast<size_t>((capacity + 63) / 64), 0);
-  for (const int64_t k : keys) {
-    uint64_t& w = seen[static_cast<size_t>(k >> 6)];
+// Checks table t's keys (each in [lo, capacity); lo -1 for bags, 0 for rows) and counts them:
+// returns {keys >= 0, distinct keys >= 0}, or {-1, -1} at the first key out of range. Every
+// bit it set is clear again when it returns.
+inline std::pair<int64_t, int64_t> check_and_count(const int64_t* keys, int64_t n, int64_t lo,
+                                                   int64_t capacity) {
+  std::vector<uint64_t>& bits = slot_bits(capacity);
+  uint64_t* w = bits.data();
+  int64_t valid = 0, unique = 0, j = 0;
+  for (; j < n; ++j) {
+    const int64_t k = keys[j];
+    if (k < lo || k >= capacity) break;
+    if (k < 0) continue;
+    ++valid;
     const uint64_t bit = uint64_t{1} << (k & 63);
-    unique += (w & bit) == 0;
-    w |= bit;
+    unique += (w[k >> 6] & bit) == 0;
+    w[k >> 6] |= bit;
   }
-  return unique;
+  const bool ok = j == n;
+  for (int64_t i = 0; i < j; ++i)  // whole words: only this table's keys set bits in them
+    if (keys[i] >= 0) w[keys[i] >> 6] = 0;
+  if (!ok) return {-1, -1};
+  return {valid, unique};
 }
 
 // Every table's rows (hotness 0) or bags (hotness h > 0) read from full IDENTITY static caches.
 // keys: per table (n,) int64 (bags: n = B × h, -1 pads); storage: per table the cache's
 // (capacity, >= row bytes) uint8 rows; out: contiguous float32, table i's rows at
-// out_offsets[i] + r × dims[i], its bags at out_offsets[i] + b × out_stride.
+// out_offsets[i] + r × dims[i], its bags at out_offsets[i] + b × out_stride; key_counters:
+// empty, or per table a KeyCounter (or None) that the table's keys >= 0 (every one a hit) are
+// counted into, as its weight each, once every key of the call has been checked.
 // Returns per_table (T, 5) int64 {0, hits, unique hits, looked-up keys, 0} (hits = looked-up
-// keys = keys >= 0), or a (0, 5) tensor, nothing written, when a key is not its table's.
+// keys = keys >= 0), or a (0, 5) tensor, nothing written or counted, when a key is not its
+// table's.
 inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
                                 const std::vector<at::Tensor>& storage,
                                 const std::vector<int64_t>& formats,
                                 const std::vector<int64_t>& dims,
                                 const std::vector<int64_t>& hotness,
                                 const std::vector<int64_t>& mean, at::Tensor out,
-                                const std::vector<int64_t>& out_offsets, int64_t out_stride) {
+                                const std::vector<int64_t>& out_offsets, int64_t out_stride,
+                                const std::vector<KeyCounter*>& key_counters) {
   const size_t T = keys.size();
+  check(key_counters.empty() || key_counters.size() == T,
+        "static_gather: key_counters: none, or one KeyCounter (or None) per table");
   check(storage.size() == T && formats.size() == T && dims.size() == T && hotness.size() == T &&
             mean.size() == T && out_offsets.size() == T,
         "static_gather: one storage, format, dim, hotness, mean and offset per table expected");
@@ -168,24 +176,18 @@ inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
   // every key checked and counted before anything is written
   auto per_table = at::zeros({static_cast<int64_t>(T), 5}, at::kLong);
   int64_t* pt = per_table.data_ptr<int64_t>();
-  std::vector<int64_t> valid_keys;
-  std::vector<uint64_t> seen;
   int64_t total = 0;
   for (size_t i = 0; i < T; ++i) {
     const StaticTable& t = ts[i];
-    const int64_t lo = t.hotness > 0 ? -1 : 0;
-    valid_keys.clear();
-    for (int64_t j = 0; j < t.n; ++j) {
-      const int64_t k = t.keys[j];
-      if (k < lo || k >= t.capacity) return at::zeros({0, 5}, at::kLong);
-      if (k >= 0) valid_keys.push_back(k);
-    }
-    const int64_t valid = static_cast<int64_t>(valid_keys.size());
+    const auto [valid, unique] = check_and_count(t.keys, t.n, t.hotness > 0 ? -1 : 0, t.capacity);
+    if (valid < 0) return at::zeros({0, 5}, at::kLong);
     pt[i * 5 + 1] = valid;
-    pt[i * 5 + 2] = count_distinct(valid_keys, t.capacity, seen);
+    pt[i * 5 + 2] = unique;
     pt[i * 5 + 3] = valid;
     total += t.n;
   }
+  for (size_t i = 0; i < key_counters.size(); ++i)  // every key is a hit: count them all
+    if (key_counters[i] != nullptr) key_counters[i]->update(held[i], at::Tensor(), true);
   // pieces of about 2048 keys (whole bags); small calls on the calling thread
   struct Span {
     size_t table;

@@ -117,11 +117,13 @@ def _no_pending(dim: int) -> torch.Tensor:
 def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> GatherResult | None:
     """Rows or bags of tables whose static caches are full and laid out IDENTITY, when every
     key (bags: every key but -1 padding) is one of its table's: one compiled call checks and
-    counts every key, then writes every table's output; ``None`` (nothing written) when a key
-    is not its table's. The caller has checked that the pass applies
+    counts every key, counts each table's keys into its ``args.key_counters`` entry (every key
+    a hit: :attr:`GatherResult.counted`), then writes every table's output; ``None`` (nothing
+    written or counted) when a key is not its table's. The caller has checked that the pass applies
     (:func:`_compiled_applies`)."""
     ext = load_extension()
     assert ext is not None  # _compiled_applies
+    counters = list(args.key_counters) if args.key_counters is not None else []
     per = ext.static_gather(
         list(args.keys),
         [c.storage for c in caches],
@@ -132,11 +134,13 @@ def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> G
         args.out,
         list(args.out_offsets),
         args.out_stride,
+        counters,
     )
     if per.shape[0] != len(caches):
         return None
     pending = [_no_pending(c.dim) for c in caches]
-    return GatherResult(torch.zeros(0, dtype=torch.int64), per, pending)
+    counted = tuple(c is not None for c in counters)
+    return GatherResult(torch.zeros(0, dtype=torch.int64), per, pending, counted)
 
 
 def _all_rows_hit(

@@ -51,21 +51,28 @@ def test_update_counts_the_calls_the_generator_takes() -> None:
     ]
 
 
+@pytest.mark.parametrize("static", [False, True], ids=["set_associative", "static"])
 @pytest.mark.parametrize("threads", [1, 2])
-def test_a_session_counts_the_tables_whose_statistics_take_the_call(threads: int) -> None:
+def test_a_session_counts_the_tables_whose_statistics_take_the_call(
+    threads: int, static: bool
+) -> None:
     """Per table its own draws (seed: the table's index): one thread (the fused pass counts)
-    and two (large calls split between threads: counted after the pass) alike; rows and bags
-    unchanged."""
+    and two (large calls split between threads: counted after the pass) alike, and full
+    static caches (the all-hit pass counts every key it takes); rows and bags unchanged."""
     _needs_ext()
     from hps.session import LookupSession, SessionTable
-    from hps.storage.cache import EmbeddingCache
+    from hps.storage.cache import EmbeddingCache, StaticEmbeddingCache
     from tests.hps.test_cache_aging import _AllKeys
 
     rng = np.random.default_rng(2)
     names = ["a", "b", "c"]
-    caches = []
+    caches: list[EmbeddingCache] = []
     for _ in names:
-        c = EmbeddingCache(2048, 1, policy="lfu", lfu_decay_keys_per_slot=0)  # no halving
+        c = (
+            StaticEmbeddingCache(np.arange(600), 1, policy="lfu")
+            if static
+            else EmbeddingCache(2048, 1, policy="lfu", lfu_decay_keys_per_slot=0)  # no halving
+        )
         c.insert(torch.arange(600), torch.arange(600, dtype=torch.float32)[:, None])
         caches.append(c)
     s = LookupSession(

@@ -130,11 +130,13 @@ def test_a_key_not_its_tables_leaves_the_all_hit_pass_without_a_write() -> None:
     keys = [torch.randint(-1, n, (16,), generator=g) for n in SIZES]
     keys[4][11] = SIZES[4]  # one past the table's last key: a miss
     a = _args(caches, keys, hot, mean)
+    counters = [ext.KeyCounter() for _ in caches]
     per = ext.static_gather(
         a.keys, [c.storage for c in caches], [FORMAT_CODES[fmt] for fmt in [RowDtype.FP32] * 5],
-        DIMS, hot, [0] * 5, a.out, a.out_offsets, a.out_stride,
+        DIMS, hot, [0] * 5, a.out, a.out_offsets, a.out_stride, counters,
     )  # fmt: skip
     assert per.shape == (0, 5) and bool((a.out == 7.0).all())
+    assert [c.size() for c in counters] == [0] * 5  # nothing counted either
     got = gather_static(a)
     b = _args(caches, keys, hot, mean)
     want = fused.gather_reference(b)
@@ -174,10 +176,9 @@ def test_a_key_no_lookup_takes_raises_after_the_compiled_pass_wrote_nothing(
 
 @pytest.mark.parametrize("hot", [0, 2], ids=["rows", "bags"])
 def test_a_large_sparsely_hit_table_is_counted_by_its_keys(hot: int) -> None:
-    """4 M rows (FP32, dim 16; only the hit rows' pages touched), 40 keys with repeats, so
-    the pass counts distinct keys with its set sized to the keys: statistics and output equal
-    the reference. (That the count's cost stays flat in the table's rows is measured, not
-    asserted here.)"""
+    """4 M rows (FP32, dim 16; only the hit rows' pages touched), 40 keys with repeats, the
+    first and last rows among them: statistics and output equal the reference. (That the
+    distinct count's cost stays flat in the table's rows is measured, not asserted here.)"""
     needs_ext()
     ext = load_extension()
     assert ext is not None
@@ -191,7 +192,7 @@ def test_a_large_sparsely_hit_table_is_counted_by_its_keys(hot: int) -> None:
     valid = keys[keys >= 0]
     out = torch.full((40 * dim,) if hot == 0 else (20, dim), 7.0)
     per = ext.static_gather(
-        [keys], [storage], [FORMAT_CODES[RowDtype.FP32]], [dim], [hot], [0], out, [0], dim
+        [keys], [storage], [FORMAT_CODES[RowDtype.FP32]], [dim], [hot], [0], out, [0], dim, []
     )
     n = int(valid.numel())
     assert per.tolist() == [[0, n, int(torch.unique(valid).numel()), n, 0]]
@@ -211,11 +212,11 @@ def test_an_output_that_does_not_fit_is_refused_before_a_write() -> None:
     k = torch.arange(4)
     out = torch.full((64,), 7.0)
     with pytest.raises(ValueError, match=r"table 0: its output \(offset 9223372036854775776, 4 keys of dim 16\)"):  # fmt: skip
-        ext.static_gather([k], [storage], [f], [dim], [0], [0], out, [2**63 - 32], 0)
+        ext.static_gather([k], [storage], [f], [dim], [0], [0], out, [2**63 - 32], 0, [])
     bags = torch.full((4, 24), 7.0)
     with pytest.raises(ValueError, match=r"table 1: .*offset 16, 4 keys of dim 16, hotness 1, stride 24"):  # fmt: skip
         ext.static_gather(
-            [k, k], [storage, storage], [f, f], [dim, dim], [1, 1], [0, 0], bags, [0, 16], 24
+            [k, k], [storage, storage], [f, f], [dim, dim], [1, 1], [0, 0], bags, [0, 16], 24, []
         )
     assert bool((out == 7.0).all()) and bool((bags == 7.0).all())
 
@@ -257,3 +258,42 @@ def test_a_row_key_not_its_tables_is_range_checked_once(monkeypatch: pytest.Monk
     hit[miss_at : miss_at + DIMS[2]] = False  # a miss's row is the session's to fill
     assert torch.equal(a.out[hit], b.out[hit]) and torch.equal(got.per_table, want.per_table)
     assert got.misses.tolist() == [4]
+
+
+def test_the_all_hit_pass_counts_every_tables_keys_and_leaves_its_bitmap_clear() -> None:
+    """With key counters, the compiled pass counts each table's keys >= 0 (all hits) as the
+    counter's weight, and none into a table given no counter. A call refused midway through a
+    table (after keys of it set their bits) leaves no bit set: the next call on the same
+    thread counts the same distinct keys as the reference."""
+    needs_ext()
+    ext = load_extension()
+    assert ext is not None
+    caches = _caches(RowDtype.FP32)
+    g = torch.Generator().manual_seed(13)
+    hot = [3] * 5
+    keys = [torch.randint(-1, n, (24,), generator=g) for n in SIZES]
+    storage = [c.storage for c in caches]
+    formats = [FORMAT_CODES[RowDtype.FP32]] * 5
+    counters = [ext.KeyCounter() for _ in caches]
+    counters[1].set_weight(8)
+    given = [counters[0], counters[1], None, counters[3], None]
+    bad = [k.clone() for k in keys]
+    bad[2][20] = SIZES[2]  # past table 2's rows, after 20 of its keys set their bits
+    for ks, cs in ((bad, given), (keys, given), (keys, [])):
+        a = _args(caches, ks, hot, [False] * 5)
+        per = ext.static_gather(
+            ks, storage, formats, DIMS, hot, [0] * 5, a.out, a.out_offsets, a.out_stride, cs
+        )
+        if ks is bad:
+            assert per.shape == (0, 5)
+            continue
+        unique = [int(torch.unique(k[k >= 0]).numel()) for k in keys]
+        assert per[:, 2].tolist() == unique
+    for i, c in enumerate(counters):
+        got_keys, got_counts = c.items()
+        if given[i] is None:
+            assert got_keys.numel() == 0
+            continue
+        want_keys, want_counts = torch.unique(keys[i][keys[i] >= 0], return_counts=True)
+        assert got_keys.tolist() == want_keys.tolist()
+        assert got_counts.tolist() == (want_counts * (8 if i == 1 else 1)).tolist()

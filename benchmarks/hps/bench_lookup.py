@@ -26,7 +26,11 @@ Contenders, the same keys and the same FP32 rows (all resident: cache-hit path):
 
 Every section is timed twice: wall-clock with the machine's threads (the contenders
 interleaved, ``side_by_side``), and CPU time of the calling thread with one thread
-(``cpu1_*``, interleaved too), which a loaded shared machine disturbs far less.
+(``cpu1_*``, interleaved too), which a loaded shared machine disturbs far less. Before every
+timed call 64 MiB are written (:class:`~benchmarks.hps.zipf_keys.CacheEvictor`, untimed), so
+each call starts with its rows out of the CPU's caches: without it a contender timed right
+after one that read the same rows (``hps_static_pooled`` after ``hps_static_rows``) found them
+in the 32 MiB last-level cache, and read 1.2–1.4× faster than it does alone.
 
 Sections: ``single`` one table of 1M × 128 with 65,536 Zipf(1.05) keys (rows); ``tables`` the 26
 tables of ``dlrm_dcnv2`` ÷ 300, one batch of ~65 k keys (rows and pooled); ``memory`` the bytes
@@ -48,7 +52,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.hps.zipf_keys import Zipf, side_by_side
+from benchmarks.hps.zipf_keys import CacheEvictor, Zipf, side_by_side
 from benchmarks.meta import RESULTS_DIR, write_json
 from hps.kernels import load_extension
 from hps.rowformat import RowDtype, quantize_rows
@@ -99,8 +103,11 @@ def _tbe(rows: list[int], dtype: str, weights: list[torch.Tensor], pooled: bool)
     return tbe
 
 
-def cpu_side_by_side(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
-    """Median CPU seconds of the calling thread per call, one torch thread, calls interleaved."""
+def cpu_side_by_side(
+    fns: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
+) -> dict[str, float]:
+    """Median CPU seconds of the calling thread per call, one torch thread, calls interleaved,
+    ``before`` (untimed) before each."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
@@ -109,6 +116,8 @@ def cpu_side_by_side(fns: dict[str, Callable[[], object]], repeats: int) -> dict
         ts: dict[str, list[float]] = {k: [] for k in fns}
         for _ in range(repeats):
             for k, fn in fns.items():
+                if before is not None:
+                    before()
                 t0 = time.thread_time()
                 fn()
                 ts[k].append(time.thread_time() - t0)
@@ -120,8 +129,9 @@ def cpu_side_by_side(fns: dict[str, Callable[[], object]], repeats: int) -> dict
 def _timed(row: dict[str, Any], fns: dict[str, Callable[[], object]], repeats: int) -> None:
     """Both timings of ``fns`` into ``row``: ``<name>_ms`` (wall, all threads) and
     ``cpu1_<name>_ms`` (CPU time, one thread; not for the slow per-table path)."""
-    wall = side_by_side(fns, repeats)
-    cpu = cpu_side_by_side({k: f for k, f in fns.items() if "per_table" not in k}, repeats)
+    evict = CacheEvictor()
+    wall = side_by_side(fns, repeats, evict)
+    cpu = cpu_side_by_side({k: f for k, f in fns.items() if "per_table" not in k}, repeats, evict)
     row.update({f"{k}_ms": v * 1e3 for k, v in wall.items()})
     row.update({f"cpu1_{k}_ms": v * 1e3 for k, v in cpu.items()})
 

@@ -25,15 +25,40 @@ class Zipf:
         return self.perm[:k]
 
 
-def side_by_side(fns: dict[str, Callable[[], object]], repeats: int) -> dict[str, float]:
+def side_by_side(
+    fns: dict[str, Callable[[], object]],
+    repeats: int,
+    before: Callable[[], object] | None = None,
+) -> dict[str, float]:
     """Median seconds per call of each function, calls interleaved (A B C A B C ...) so that
-    the load of a shared machine hits every contender alike."""
+    the load of a shared machine hits every contender alike; ``before`` (untimed) runs before
+    every timed call (e.g. :class:`CacheEvictor`, so that no contender reads what the one
+    before it left in cache)."""
     for fn in fns.values():
         fn()  # warm
     ts: dict[str, list[float]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
+            if before is not None:
+                before()
             t0 = time.perf_counter()
             fn()
             ts[k].append(time.perf_counter() - t0)
     return {k: float(np.median(v)) for k, v in ts.items()}
+
+
+class CacheEvictor:
+    """Writes ``mib`` MiB (twice a 32 MiB last-level cache by default) when called, so that
+    the next timed call finds none of its data in the CPU's caches: contenders that read the
+    same rows (rows and bags over the same caches, say) then start alike, and none is timed
+    on rows the one before it brought in."""
+
+    def __init__(self, mib: int = 64) -> None:
+        import torch  # the HPS benchmarks' dependency; this module itself needs only numpy
+
+        self._buf = torch.zeros(mib << 18, dtype=torch.float32)
+        self._n = 0
+
+    def __call__(self) -> None:
+        self._n += 1
+        self._buf.fill_(float(self._n))

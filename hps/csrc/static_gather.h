@@ -48,6 +48,7 @@ void static_piece(const StaticTable& t, int64_t i0, int64_t i1, int64_t out_stri
   const int vecs = bag_vecs<kFormat>(t.dim);
   for (int64_t b0 = i0; b0 < i1; b0 += h) {
     float* dst = t.out + (b0 / h) * out_stride;
+    if (b0 + kOutAhead * h < i1) prefetch_for_write(dst + kOutAhead * out_stride, t.dim);
     const int64_t n_valid = pool_bag<kFormat>(t.storage, rb, t.keys, b0, h, i1, t.dim, vecs, dst);
     if (t.mean && n_valid > 0) {
       const float cnt = static_cast<float>(n_valid);

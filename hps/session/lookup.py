@@ -310,7 +310,9 @@ class LookupSession:
         """
         t = len(tables)
         modes = (
-            [Pooling(pooling)] * t if isinstance(pooling, str) else [Pooling(p) for p in pooling]
+            [Pooling(pooling)] * t
+            if isinstance(pooling, str)
+            else [p if isinstance(p, Pooling) else Pooling(p) for p in pooling]
         )
         if len(modes) != t:
             raise ValueError(f"lookup_pooled: {len(modes)} pooling modes for {t} tables")

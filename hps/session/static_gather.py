@@ -74,11 +74,12 @@ def gather_static(args: GatherArgs, compiled: bool = True) -> GatherResult:
             the table's index and the key; nothing was read then.
     """
     caches: list[StaticEmbeddingCache] = []
-    for i, c in enumerate(args.caches):
+    identity = True
+    for i, c in enumerate(args.caches):  # one walk: the type, and whether every key may hit
         if not isinstance(c, StaticEmbeddingCache):
             raise TypeError(f"table {i}: gather_static takes static caches, got {type(c).__name__}")
         caches.append(c)
-    identity = all(c.full and c.layout is StaticLayout.IDENTITY for c in caches)
+        identity = identity and c.full and c.layout is StaticLayout.IDENTITY
     if identity and compiled and _compiled_applies(args, caches):
         # its checks are stricter than check_keys' (every key in [lo, capacity), lo -1 for
         # bags, 0 for rows): a call it takes has no key check_keys refuses, and a call it
@@ -101,10 +102,11 @@ def _compiled_applies(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> b
     every cache and every table's keys on the CPU, the keys int64."""
     if load_extension() is None or args.out.device.type != "cpu":
         return False
-    cpu, int64 = torch.device("cpu"), torch.int64
-    if any(c.storage.device != cpu for c in caches):
-        return False
-    return all(k.dtype is int64 and k.device == cpu for k in args.keys)
+    int64 = torch.int64
+    for c, k in zip(caches, args.keys, strict=True):
+        if c.storage.device.type != "cpu" or k.dtype is not int64 or k.device.type != "cpu":
+            return False
+    return True
 
 
 @functools.lru_cache(maxsize=64)
@@ -124,11 +126,16 @@ def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> G
     ext = load_extension()
     assert ext is not None  # _compiled_applies
     counters = list(args.key_counters) if args.key_counters is not None else []
+    storage, formats, dims = [], [], []
+    for c in caches:
+        storage.append(c.storage)
+        formats.append(FORMAT_CODES[row_format_of(c)])
+        dims.append(c.dim)
     per = ext.static_gather(
         list(args.keys),
-        [c.storage for c in caches],
-        [FORMAT_CODES[row_format_of(c)] for c in caches],
-        [c.dim for c in caches],
+        storage,
+        formats,
+        dims,
         list(args.hotness),
         [int(m) for m in args.mean],
         args.out,
@@ -138,7 +145,7 @@ def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> G
     )
     if per.shape[0] != len(caches):
         return None
-    pending = [_no_pending(c.dim) for c in caches]
+    pending = [_no_pending(d) for d in dims]
     counted = tuple(c is not None for c in counters)
     return GatherResult(torch.zeros(0, dtype=torch.int64), per, pending, counted)
 

@@ -203,8 +203,17 @@ def fused_lookup(
     ]
 
 
+_CPU = torch.device("cpu")
+
+
+def _on_cpu(device: torch.device) -> bool:
+    """``device.type == "cpu"``, answered by an equality first (reading ``.type`` builds a
+    string: 0.4 µs, per table per call)."""
+    return device == _CPU or device.type == "cpu"
+
+
 def _fusable(s: SessionView, caches: list[EmbeddingCache | None]) -> bool:
-    return s.device.type == "cpu" and all(c is not None and c.device.type == "cpu" for c in caches)
+    return _on_cpu(s.device) and all(c is not None and _on_cpu(c.device) for c in caches)
 
 
 def _run(

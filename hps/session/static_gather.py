@@ -100,11 +100,11 @@ def gather_static(args: GatherArgs, compiled: bool = True) -> GatherResult:
 def _compiled_applies(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> bool:
     """Whether the compiled all-hit pass can take these tables: the kernel built, the output,
     every cache and every table's keys on the CPU, the keys int64."""
-    if load_extension() is None or args.out.device.type != "cpu":
+    if load_extension() is None or not args.out.is_cpu:
         return False
     int64 = torch.int64
-    for c, k in zip(caches, args.keys, strict=True):
-        if c.storage.device.type != "cpu" or k.dtype is not int64 or k.device.type != "cpu":
+    for c, k in zip(caches, args.keys, strict=True):  # is_cpu: no device object per tensor
+        if not c.storage.is_cpu or k.dtype is not int64 or not k.is_cpu:
             return False
     return True
 

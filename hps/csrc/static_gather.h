@@ -2,10 +2,11 @@
 // the caller): table i's key k lives in slot k, so a key is a hit exactly when
 // 0 <= k < capacity. First every key of every table is checked (a key out of range, or a -1
 // in rows, and the call returns without writing anything, for the caller's per-table path)
-// and counted: the table's keys >= 0 and its distinct ones (check_and_count); then every
-// table's rows are copied (rows) or its bags summed in order from +0.0, -1 padding skipped
-// (pool_bag: FP32 dims 16/32/64/128 in AVX registers), MEAN bags with a key divided by it.
-// Included by hps/csrc/fused_lookup.cpp.
+// and counted: the table's keys >= 0 and its distinct ones (check_and_count); then the keys
+// of each table given a key counter are counted into it; then every table's rows are copied
+// (rows) or its bags summed in order from +0.0, -1 padding skipped (pool_bag: FP32 dims
+// 16/32/64/128 in AVX registers; each bag's output row prefetched for writing kOutAhead bags
+// ahead), MEAN bags with a key divided by it. Included by hps/csrc/fused_lookup.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -48,7 +49,7 @@ void static_piece(const StaticTable& t, int64_t i0, int64_t i1, int64_t out_stri
   const int vecs = bag_vecs<kFormat>(t.dim);
   for (int64_t b0 = i0; b0 < i1; b0 += h) {
     float* dst = t.out + (b0 / h) * out_stride;
-    if (b0 + kOutAhead * h < i1) prefetch_for_write(dst + kOutAhead * out_stride, t.dim);
+    if (b0 + kOutAhead * h < i1) prefetch_bytes<kWrite>(dst + kOutAhead * out_stride, t.dim * 4);
     const int64_t n_valid = pool_bag<kFormat>(t.storage, rb, t.keys, b0, h, i1, t.dim, vecs, dst);
     if (t.mean && n_valid > 0) {
       const float cnt = static_cast<float>(n_valid);

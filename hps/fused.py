@@ -100,7 +100,9 @@ class GatherArgs:
             halving of the table's cache that this query crosses (``per_table[:, 4]``: the
             caller ages the rest of the table's statistics to match); misses are never
             counted here (the caller counts them); :attr:`GatherResult.counted` says which
-            tables' hits it counted (the caller ages and counts the others).
+            tables' hits it counted (the caller ages and counts the others). The all-hit pass
+            over full static caches (:mod:`hps.session.static_gather`) counts every key
+            ``>= 0`` of each such table (all hits; no aging), whatever the thread count.
     """
 
     caches: Sequence[EmbeddingCache]

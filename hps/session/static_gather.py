@@ -11,9 +11,10 @@ come from one count over the hit slots. A static cache keeps no use counts.
 
 When every cache is full and laid out IDENTITY (key k in slot k) and every key is one of its
 table's, every key hits: the compiled ``static_gather`` checks and counts all tables' keys in
-one pass and then reads every table's rows or pools its bags (FP32 dims 16/32/64/128 in AVX
-registers), bit for bit the table-by-table path's output and statistics (distinct keys counted
-in O(keys), never O(table rows)); where the compiled pass cannot run (kernel not built, int32
+one pass (distinct keys in a per-thread bitmap: O(keys), never O(table rows)), counts the keys
+of the tables whose ``key_counters`` entry is set into it, and then reads every table's rows or
+pools its bags (FP32 dims 16/32/64/128 in AVX registers), bit for bit the table-by-table path's
+output and statistics; where the compiled pass cannot run (kernel not built, int32
 keys, a tensor off the CPU), rows take one range check over all tables (:func:`_all_rows_hit`).
 """
 

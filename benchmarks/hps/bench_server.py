@@ -18,7 +18,7 @@ Sections (``--only``):
   server, and torch's eager forward (the TW kernel) for reference; batch ``--pruned-batch``.
 - ``concurrency``: ``--conc-clients`` × ``--conc-batches`` × HTTP/gRPC against the dynamically
   batched server (``--queue-delay-us``), for the tiny model and ``dlrm_dcnv2`` ÷ 1000, beside
-  the in-process limit (one fused ``index_select`` + onnxruntime): samples/s, p50/p99, the
+  the in-process limit (one fused ``embedding_bag`` + onnxruntime): samples/s, p50/p99, the
   mean merged batch, every answer checked bit-equal (:mod:`benchmarks.hps.server_concurrency`;
   clients in their own processes; ``--conc-protocols`` picks tritonclient over ``http`` or
   ``grpc``, or ``grpc-raw``: pre-serialized requests through a bytes-only grpcio method, its
@@ -440,7 +440,7 @@ def run_concurrency(
             tuple(int(b) for b in args.conc_batches.split(",")),
             args.conc_seconds,
             threads=len(os.sched_getaffinity(0)),
-            limit_runs=10 if name == "tiny" else 3,
+            limit_runs=10,
             on_row=on_row,
             distinct=args.conc_requests,
             protocols=tuple(x.strip() for x in args.conc_protocols.split(",")),

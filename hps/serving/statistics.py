@@ -60,10 +60,10 @@ class ModelCounts:
     executions: int = 0
     batch_ns: dict[int, list[int]] = field(default_factory=dict)  # size → [count, infer ns]
     non_finite: int = 0
-    # ring of the latest successful requests' (whole request ns, queue + compute_infer ns):
-    # request k (counting successes from 0) is row k % RECENT_REQUESTS
+    # ring of the latest successful requests' (whole request ns, queue + compute_infer ns,
+    # compute_infer ns): request k (counting successes from 0) is row k % RECENT_REQUESTS
     recent: np.ndarray = field(
-        default_factory=lambda: np.zeros((RECENT_REQUESTS, 2), np.int64), repr=False, compare=False
+        default_factory=lambda: np.zeros((RECENT_REQUESTS, 3), np.int64), repr=False, compare=False
     )
     lock: threading.Lock = field(default_factory=threading.Lock)
 
@@ -75,6 +75,7 @@ class ModelCounts:
             self.recent[(self.success - 1) % RECENT_REQUESTS] = (
                 ns,
                 phases.queue + phases.compute_infer,
+                phases.compute_infer,
             )
             self.last_ms = int(time.time() * 1e3)
 
@@ -92,15 +93,15 @@ class ModelCounts:
             entry[0] += 1
             entry[1] += ns
 
-    def recent_ns(self, n: int) -> list[tuple[int, int]]:
+    def recent_ns(self, n: int) -> list[tuple[int, int, int]]:
         """The latest ``n`` successful requests (at most :data:`RECENT_REQUESTS`), oldest
         first: (ns from the request's start to its answer encoded, ns in the batcher: queue +
-        its execution)."""
+        its execution, ns of its execution alone)."""
         with self.lock:  # copies only the n rows asked for
             k = max(0, min(n, self.success, RECENT_REQUESTS))
             rows = np.arange(self.success - k, self.success) % RECENT_REQUESTS
             latest = self.recent[rows].tolist()
-        return [(a, b) for a, b in latest]
+        return [(a, b, c) for a, b, c in latest]
 
     def to_dict(self, name: str) -> dict[str, Any]:
         """The model's entry of Triton's statistics document."""

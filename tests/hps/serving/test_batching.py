@@ -425,7 +425,7 @@ def test_model_counts_keep_the_latest_requests_latencies_in_order() -> None:
         counts.succeeded(10 * k, 1, PhaseNs(queue=k, compute_infer=2 * k))
     latest = counts.recent_ns(2)
     k = RECENT_REQUESTS + 2
-    assert latest == [(10 * (k - 1), 3 * (k - 1)), (10 * k, 3 * k)]
+    assert latest == [(10 * (k - 1), 3 * (k - 1), 2 * (k - 1)), (10 * k, 3 * k, 2 * k)]
     assert len(counts.recent_ns(10**9)) == RECENT_REQUESTS and counts.recent_ns(0) == []
 
 

@@ -31,6 +31,7 @@
 #include <climits>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <stdexcept>
@@ -302,16 +303,18 @@ inline int64_t owner_of(int64_t slot, int64_t owners) {
   return static_cast<int64_t>(((h & 0xFFFFFFFFULL) * static_cast<uint64_t>(owners)) >> 32);
 }
 
-// The uses (counters, mark bits) of every table's hits after a parallel gather: each thread owns
-// the slots ``owner_of(slot) == thread`` of every table, so no two threads write one counter
-// (no atomics; counts independent of the thread count).
+// The uses (counters, mark bits) of the hits of tables `split` after a parallel gather cut
+// them into pieces across the threads: each thread owns the slots ``owner_of(slot) ==
+// thread`` of every such table, so no two threads write one counter (no atomics; counts
+// independent of the thread count).
 void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<int64_t>>& slots,
-               int64_t owners, std::vector<int64_t>& hits, std::vector<int64_t>& uniq) {
+               const std::vector<int64_t>& split, int64_t owners, std::vector<int64_t>& hits,
+               std::vector<int64_t>& uniq) {
   const int64_t T = static_cast<int64_t>(ts.size());
   at::parallel_for(0, owners, 1, [&](int64_t o0, int64_t o1) {
     FirstHits firsts;
     for (int64_t o = o0; o < o1; ++o) {
-      for (int64_t i = 0; i < T; ++i) {
+      for (const int64_t i : split) {
         const TableView& t = ts[i];
         firsts.make_room(t.n);
         const int64_t* sl = slots[i].data();
@@ -329,14 +332,42 @@ void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<i
   });
 }
 
+// A thread's share of a parallel gather: a whole table (every piece of it, its slots used
+// and its keys counted in the same pass) or one piece of a table split across the threads.
+struct Unit {
+  int64_t table, first, last;  // pieces [first, last)
+  bool whole;
+  int64_t keys;
+};
+
+// The units of each thread: the largest first, each to the thread with the fewest keys so far.
+std::vector<std::vector<int64_t>> assign_units(const std::vector<Unit>& units, int64_t threads) {
+  std::vector<int64_t> order(units.size());
+  for (size_t u = 0; u < units.size(); ++u) order[u] = static_cast<int64_t>(u);
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int64_t a, int64_t b) { return units[a].keys > units[b].keys; });
+  std::vector<std::vector<int64_t>> plan(threads);
+  std::vector<int64_t> load(threads, 0);
+  for (const int64_t u : order) {
+    const int64_t r = std::min_element(load.begin(), load.end()) - load.begin();
+    plan[r].push_back(u);
+    load[r] += units[u].keys;
+  }
+  return plan;
+}
+
 // Every table: the gathers of all pieces in one parallel region, then (when more than one
-// thread gathered) the uses in a second (each region costs a thread wake-up and a barrier,
-// so not two per table). Per table: {hits_all, hits_unique, looked_up}; misses (positions into
-// keys) ascending, table after table; pending: per table, the bags with a miss (ascending).
-// When one thread does every key, the hits of each table whose key_counters[i] is set are
-// counted into it in the same pass (counted[i] = 1), the counter first halved halvings[i]
-// times (the LFU agings of the table's cache this query crosses); else nothing is counted.
-// Misses are never counted here (the caller counts them one for one).
+// thread gathered and a table was split across them) the uses of the split tables in a second
+// (each region costs a thread wake-up and a barrier, so not two per table). A table of at most
+// total / threads keys is gathered whole by one thread, which also uses its slots and counts
+// its hits into key_counters[i] in the same pass, as a single thread does every table; only a
+// larger table is cut into pieces across the threads. Per table: {hits_all, hits_unique,
+// looked_up}; misses (positions into keys) ascending, table after table; pending: per table,
+// the bags with a miss (ascending).
+// The hits of each table whose key_counters[i] is set and that one thread gathered are
+// counted into it (counted[i] = 1), the counter first halved halvings[i] times (the LFU
+// agings of the table's cache this query crosses); a split table's are not. Misses are never
+// counted here (the caller counts them one for one).
 std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
                                                 const std::vector<KeyCounter*>& key_counters,
                                                 const std::vector<int64_t>& halvings,
@@ -362,7 +393,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
   // small calls run on the calling thread: a thread wake-up costs more than their gather
   const bool alone = threads <= 1 || total < 8192 || at::in_parallel_region();
   std::vector<int64_t> hits(T, 0), uniq(T, 0);
-  std::vector<FirstHits> firsts(T);  // alone: each table's first hits
+  std::vector<FirstHits> firsts(T);  // each table's first hits, where one thread does it all
   std::vector<int64_t> piece_misses(P, 0);
   auto run = [&](int64_t p, bool uses) {
     const Piece& pc = pieces[p];
@@ -420,28 +451,63 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     }
     for (int64_t i = 0; i < T; ++i) uniq[i] = clear_marks(ts[i], firsts[i]);
   } else {
-    // one run of pieces per thread, cut where the keys so far cross k × total / threads
-    // (pieces differ in size: a table of a few keys is one small piece)
-    std::vector<int64_t> cut(threads + 1, P);
-    cut[0] = 0;
-    int64_t keys_before = 0, k = 1;
-    for (int64_t p = 0; p < P && k < threads; ++p) {
-      const TableView& t = ts[pieces[p].table];
-      keys_before += (pieces[p].end - pieces[p].begin) * std::max<int64_t>(1, t.hotness);
-      while (k < threads && keys_before * threads >= k * total) cut[k++] = p + 1;
+    std::vector<Unit> units;
+    std::vector<int64_t> split;  // tables cut into pieces across the threads
+    for (int64_t p = 0; p < P;) {
+      const int64_t i = pieces[p].table;
+      int64_t q = p;
+      while (q < P && pieces[q].table == i) ++q;
+      if (ts[i].n * threads <= total) {
+        units.push_back({i, p, q, true, ts[i].n});
+      } else {
+        split.push_back(i);
+        const int64_t h = std::max<int64_t>(1, ts[i].hotness);
+        for (int64_t r = p; r < q; ++r)
+          units.push_back({i, r, r + 1, false, (pieces[r].end - pieces[r].begin) * h});
+      }
+      p = q;
     }
+    const std::vector<std::vector<int64_t>> plan = assign_units(units, threads);
+    std::vector<std::exception_ptr> errors(T);
     at::parallel_for(0, threads, 1, [&](int64_t r0, int64_t r1) {
       for (int64_t r = r0; r < r1; ++r)
-        for (int64_t p = cut[r]; p < cut[r + 1]; ++p) run(p, false);
+        for (const int64_t u : plan[r]) {
+          const Unit& w = units[u];
+          if (!w.whole) {
+            run(w.first, false);
+            continue;
+          }
+          const int64_t i = w.table;
+          std::unique_lock<std::mutex> held;  // the table's counter, for its whole pass
+          if (key_counters[i] != nullptr) {
+            held = key_counters[i]->hold();
+            if (halvings[i] > 0) key_counters[i]->halve_held(halvings[i]);
+            ts[i].counter = key_counters[i];
+            counted[i] = 1;
+          }
+          try {
+            firsts[i].make_room(ts[i].n);
+            for (int64_t p = w.first; p < w.last; ++p) run(p, true);
+          } catch (...) {  // a key counter that could not grow: no mark bit outlives the call
+            errors[i] = std::current_exception();
+          }
+          uniq[i] = clear_marks(ts[i], firsts[i]);
+        }
     });
-    const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(threads, total / 4096));
-    std::vector<int64_t> oh(owners * T, 0), ou(owners * T, 0);
-    use_slots(ts, slots, owners, oh, ou);
-    for (int64_t o = 0; o < owners; ++o)
-      for (int64_t i = 0; i < T; ++i) {
-        hits[i] += oh[o * T + i];
-        uniq[i] += ou[o * T + i];
-      }
+    for (const std::exception_ptr& e : errors)
+      if (e) std::rethrow_exception(e);
+    if (!split.empty()) {
+      int64_t split_keys = 0;
+      for (const int64_t i : split) split_keys += ts[i].n;
+      const int64_t owners = std::max<int64_t>(1, std::min<int64_t>(threads, split_keys / 4096));
+      std::vector<int64_t> oh(owners * T, 0), ou(owners * T, 0);
+      use_slots(ts, slots, split, owners, oh, ou);
+      for (int64_t o = 0; o < owners; ++o)
+        for (const int64_t i : split) {
+          hits[i] += oh[o * T + i];
+          uniq[i] += ou[o * T + i];
+        }
+    }
   }
   std::vector<std::vector<int64_t>> out(T, std::vector<int64_t>(3, 0));
   miss_counts.assign(T, 0);

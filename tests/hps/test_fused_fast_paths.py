@@ -151,6 +151,73 @@ def test_the_pass_counts_keys_only_when_one_thread_does_every_key() -> None:
         torch.set_num_threads(threads)
 
 
+def test_a_threaded_call_gathers_small_tables_whole_and_counts_their_keys_in_the_pass() -> None:
+    """Two threads, three pooled tables (bags of 2, 3 and 9 keys): a table of at most
+    total / threads keys is gathered by one thread, which also writes its counters and mark
+    bits and counts its hits into its key counter (halved first for the agings the query
+    crosses), as one thread doing every key would; the table of most keys is cut across both
+    threads and left to the caller (``counted`` False). Rows, bags, pending rows, statistics
+    and counters equal the reference's bit for bit, and the key counts equal those of one
+    thread doing every key."""
+    _needs_ext()
+    g = torch.Generator().manual_seed(29)
+    n, d = 600, 16
+    batch, hot = 1000, [2, 3, 9]  # 14,000 keys: 9,000 · 2 > 14,000 ≥ 3,000 · 2
+    weights = [torch.randn(n, d, generator=g) for _ in hot]
+    keys = [torch.randint(-1, n + 40, (batch * h,), generator=g) for h in hot]
+    runs = []
+    for compiled, threads in ((False, 1), (True, 1), (True, 2)):
+        caches = []
+        for w in weights:
+            c = EmbeddingCache(n, d, policy="lfu", ways=16, lfu_decay_keys_per_slot=2.0)
+            c.insert(torch.arange(0, n, 3), w[0:n:3])
+            c.insert(torch.arange(1, n, 3), w[1:n:3])
+            caches.append(c)
+        stats = [KeyCounts() for _ in hot]
+        for st in stats:  # earlier counts, halved by the agings the query crosses
+            st.update(np.array([0, 1, 2]), np.array([9, 1, 4]))
+        out = torch.zeros(batch, d * len(hot))
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)
+        try:
+            args = GatherArgs(
+                caches=caches,
+                keys=keys,
+                out=out,
+                out_offsets=[d * i for i in range(len(hot))],
+                out_stride=d * len(hot),
+                hotness=hot,
+                mean=[False] * len(hot),
+                stamps=[-1] * len(hot),
+                streams=[c.lfu_stream() for c in caches],
+                looked_up=[c._looked_up for c in caches],
+                intervals=[c.lfu_decay_interval for c in caches],
+                key_counters=[st.counter for st in stats] if compiled else None,
+            )
+            res = gather(args, compiled=compiled)
+        finally:
+            torch.set_num_threads(before)
+        runs.append((res, out, [c.counters.clone() for c in caches], stats))
+    (ref, ref_out, ref_counters, _), one, two = runs
+    assert int(ref.per_table[:, 4].min()) > 0  # every table's query crossed an aging
+    assert one[0].counted == (True, True, True) and two[0].counted == (True, True, False)
+    for res, out, counters, _ in (one, two):
+        assert torch.equal(out.view(torch.int32), ref_out.view(torch.int32))
+        assert torch.equal(res.per_table, ref.per_table)
+        assert torch.equal(res.misses, ref.misses)
+        for a, b in zip(res.pending, ref.pending, strict=True):
+            assert torch.equal(a, b)
+        for a, b in zip(counters, ref_counters, strict=True):
+            assert torch.equal(a, b) and int(a.max()) < 128  # mark bits cleared
+    probe = np.arange(n + 40)
+    for i in (0, 1):  # the whole tables: counted in the pass as by one thread
+        assert np.array_equal(two[3][i].count_of(probe), one[3][i].count_of(probe))
+        assert two[3][i].count_of(probe).sum() > 500
+    untouched = KeyCounts()  # the cut table: its counter left to the caller
+    untouched.update(np.array([0, 1, 2]), np.array([9, 1, 4]))
+    assert np.array_equal(two[3][2].count_of(probe), untouched.count_of(probe))
+
+
 def test_cache_hit_records_equal_per_tier_records() -> None:
     """A fused call's tables without a miss are recorded as ``(table, uniq, all, is_async)``
     (:meth:`SessionStats.record_counts_many`'s ``cache_hits``): the same statistics as the

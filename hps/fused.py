@@ -96,7 +96,8 @@ class GatherArgs:
             (:attr:`hps.key_counts.KeyCounts.counter`; ``None`` for a table whose statistics
             do not count this call): the compiled pass counts the table's
             hits of keys ``>= 0`` into it in the same pass (sharing the key's hash; each as the
-            counter's weight) when one thread does every key, first halving it once per LFU
+            counter's weight) when one thread does every key of the table (a call of fewer than
+            8,192 keys, or a table of at most total / threads keys), first halving it once per LFU
             halving of the table's cache that this query crosses (``per_table[:, 4]``: the
             caller ages the rest of the table's statistics to match); misses are never
             counted here (the caller counts them); :attr:`GatherResult.counted` says which

@@ -106,7 +106,7 @@ inline int64_t clear_marks(const TableView& t, FirstHits& firsts) {
 // each key's slot in sl (-1 miss, -2 padding); returns the misses. A bag's first hit is
 // written as 0.0f + row (kZeroAdd), the later ones added, so its output row is written once
 // and never zero-filled first (a bag without a hit is zero-filled at its last key). With
-// ``uses`` (one thread does every key of the call) the counters are written here too, hits
+// ``uses`` (one thread does every key of the table) the counters are written here too, hits
 // counted and first hits recorded, and the hits of keys >= 0 counted into t.counter when it is
 // set (the key's hash computed once for both; its counter entry prefetched with the tag line;
 // the misses are counted exactly by the caller's miss path, hps/session/fused.py).
@@ -546,7 +546,7 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
 
 // Rows (hotness all 0) or bags (hotness > 0) of every table, see the file comment.
 // key_counters: empty, or per table a KeyCounter (or None) that the pass counts the table's
-// hits of keys >= 0 into when one thread does every key, first halving it once per LFU halving of the
+// hits of keys >= 0 into when one thread does every key of the table, first halving it once per LFU halving of the
 // table's cache that falls in this query (the caller ages the rest of its statistics, e.g.
 // their mass, to match). dense: empty, or per table the cache's dense key index (int32, the
 // slot of each key in [0, numel), -1 where none; an empty tensor: none), which then answers

@@ -449,8 +449,9 @@ def test_fused_pass_reads_quantized_cache_rows(fmt: RowDtype) -> None:
 
 @pytest.mark.parametrize("policy", [CachePolicy.LRU, CachePolicy.LFU])
 def test_threaded_pass_equals_reference(policy: CachePolicy) -> None:
-    """A call large enough to be split between threads (≥ 8,192 keys, two threads: the
-    threads gather, then each writes the counters and mark bits of the slots it owns) gives the
+    """A call large enough to be split between threads (≥ 8,192 keys, two threads; its one
+    table is cut across them: the threads gather, then each writes the counters and mark bits
+    of the slots it owns) gives the
     reference's rows, bags, counters and statistics bit for bit; hot keys (~60 hits a slot)
     take LFU levels past the exact ones, where each hit's step is drawn."""
     needs_ext()

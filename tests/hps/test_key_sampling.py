@@ -57,7 +57,8 @@ def test_a_session_counts_the_tables_whose_statistics_take_the_call(
     threads: int, static: bool
 ) -> None:
     """Per table its own draws (seed: the table's index): one thread (the fused pass counts)
-    and two (large calls split between threads: counted after the pass) alike, and full
+    and two (a table of most of a call's keys cut across the threads: counted after the
+    pass; the others gathered whole by one thread: counted in it) alike, and full
     static caches (the all-hit pass counts every key it takes); rows and bags unchanged."""
     _needs_ext()
     from hps.session import LookupSession, SessionTable
@@ -84,7 +85,8 @@ def test_a_session_counts_the_tables_whose_statistics_take_the_call(
     )
     calls = []
     for _ in range(24):
-        keys = [(rng.zipf(1.1, 6000) % 600).reshape(-1, 6) for _ in names]  # 1,000 bags each
+        # 1,000 bags each; c of 24 keys: with two threads it is cut across them, a and b not
+        keys = [(rng.zipf(1.1, 1000 * w) % 600).reshape(-1, w) for w in (6, 6, 24)]
         for k in keys:
             k[rng.random(k.shape) < 0.03] = -1
         calls.append([torch.from_numpy(k.astype(np.int64)) for k in keys])
@@ -146,7 +148,8 @@ def test_a_bad_sampling_rate_is_refused(bad: object) -> None:
 
 def test_admission_is_the_same_whichever_path_counted_the_call() -> None:
     """Sampling 4, a cache smaller than the keys: with one thread the fused pass counts a
-    taken call's hits itself, with two they are counted after the miss path; the misses are
+    taken call's hits itself, with two those of table c (most of the keys, cut across the
+    threads) are counted after the miss path; the misses are
     counted one for one before they are admitted either way, so a missed key's priority
     (history plus its uses in the call) is the same, and the two sessions end with the same
     resident keys and the same statistics."""
@@ -159,8 +162,8 @@ def test_admission_is_the_same_whichever_path_counted_the_call() -> None:
     names = ["a", "b", "c"]
     calls = [
         [
-            torch.from_numpy((rng.zipf(1.1, 6000) % 600).reshape(-1, 6).astype(np.int64))
-            for _ in names
+            torch.from_numpy((rng.zipf(1.1, 1000 * w) % 600).reshape(-1, w).astype(np.int64))
+            for w in (6, 6, 24)  # 1,000 bags each
         ]
         for _ in range(20)
     ]

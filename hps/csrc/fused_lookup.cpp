@@ -433,15 +433,20 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
 #undef HPS_GATHER
   };
   counted.assign(T, 0);
+  // table i's key counter (where it has one) held for the pass that counts into it, halved
+  // for the agings the query crosses, and handed to the pass
+  auto take_counter = [&](int64_t i) {
+    std::unique_lock<std::mutex> held;
+    if (key_counters[i] == nullptr) return held;
+    held = key_counters[i]->hold();
+    if (halvings[i] > 0) key_counters[i]->halve_held(halvings[i]);
+    ts[i].counter = key_counters[i];
+    counted[i] = 1;
+    return held;
+  };
   if (alone) {
     std::vector<std::unique_lock<std::mutex>> held;  // each counter held for the pass
-    for (int64_t i = 0; i < T; ++i) {
-      if (key_counters[i] == nullptr) continue;
-      held.push_back(key_counters[i]->hold());
-      if (halvings[i] > 0) key_counters[i]->halve_held(halvings[i]);
-      ts[i].counter = key_counters[i];
-      counted[i] = 1;
-    }
+    for (int64_t i = 0; i < T; ++i) held.push_back(take_counter(i));
     for (int64_t i = 0; i < T; ++i) firsts[i].make_room(ts[i].n);
     try {
       for (int64_t p = 0; p < P; ++p) run(p, true);
@@ -478,13 +483,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
             continue;
           }
           const int64_t i = w.table;
-          std::unique_lock<std::mutex> held;  // the table's counter, for its whole pass
-          if (key_counters[i] != nullptr) {
-            held = key_counters[i]->hold();
-            if (halvings[i] > 0) key_counters[i]->halve_held(halvings[i]);
-            ts[i].counter = key_counters[i];
-            counted[i] = 1;
-          }
+          const std::unique_lock<std::mutex> held = take_counter(i);  // for the table's pass
           try {
             firsts[i].make_room(ts[i].n);
             for (int64_t p = w.first; p < w.last; ++p) run(p, true);

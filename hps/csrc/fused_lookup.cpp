@@ -545,9 +545,9 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
 
 // Rows (hotness all 0) or bags (hotness > 0) of every table, see the file comment.
 // key_counters: empty, or per table a KeyCounter (or None) that the pass counts the table's
-// hits of keys >= 0 into when one thread does every key of the table, first halving it once per LFU halving of the
-// table's cache that falls in this query (the caller ages the rest of its statistics, e.g.
-// their mass, to match). dense: empty, or per table the cache's dense key index (int32, the
+// hits of keys >= 0 into when one thread does every key of the table (gather_tables), first
+// halving it once per LFU halving of the table's cache that falls in this query (the caller
+// ages the rest of its statistics, e.g. their mass, to match). dense: empty, or per table the cache's dense key index (int32, the
 // slot of each key in [0, numel), -1 where none; an empty tensor: none), which then answers
 // those keys in place of the hash probe (a slot outside the cache reads as a miss).
 // Returns {misses (k,) int64: positions into each table's keys, table after table;

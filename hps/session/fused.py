@@ -18,8 +18,8 @@ One call, whatever the number of tables:
    before any miss is served; its hits only where its statistics take the call
    (:meth:`hps.key_counts.KeyCounts.take_call`: always, or one call in ``sample_every``,
    each hit then as that many), by the fused pass itself (one hash per key for the probe and
-   the count) where it can, i.e. when one thread does every key of the table, else in one call after the
-   miss path (:class:`hps.key_counts.KeyCounts`). Either way a table's statistics are halved
+   the count) where it can, i.e. when one thread does every key of the table, else in one
+   call after the miss path (:class:`hps.key_counts.KeyCounts`). Either way a table's statistics are halved
    for every aging of its cache before the keys of the query that aged it are added (by the
    pass itself for the tables it counts, their mass and epoch then aged under the caches'
    locks); a call without a miss that a table's statistics do not take costs them nothing

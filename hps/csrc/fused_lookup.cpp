@@ -646,6 +646,15 @@ std::vector<at::Tensor> cache_gather(
   const auto r = gather_tables(views, kcs, halvings, counted, valid, misses, miss_counts, slots);
   std::vector<at::Tensor> result;
   result.reserve(2 + T);
+  // the (0, dim) pending rows of the tables without a bag to complete, one per dim (a tensor
+  // per table cost more than a small call's gather)
+  std::vector<std::pair<int64_t, at::Tensor>> none;
+  const auto no_rows = [&none](int64_t dim) {
+    for (const auto& [d, t] : none)
+      if (d == dim) return t;
+    none.emplace_back(dim, at::empty({0, dim}, at::kFloat));
+    return none.back().second;
+  };
   int64_t first = 0;
   for (size_t i = 0; i < T; ++i) {
     int64_t* row = pt + i * 5;
@@ -655,7 +664,7 @@ std::vector<at::Tensor> cache_gather(
     row[3] = r[i][2];
     result.push_back(views[i].hotness > 0 && miss_counts[i] > 0
                          ? pending_rows(views[i], slots[i], misses.data() + first, miss_counts[i])
-                         : at::empty({0, views[i].dim}, at::kFloat));
+                         : no_rows(views[i].dim));
     first += miss_counts[i];
   }
   misses_all = at::empty({static_cast<int64_t>(misses.size())}, at::kLong);

@@ -68,8 +68,10 @@ inline int64_t check_table(size_t i, const at::Tensor& cache_keys, const at::Ten
                            const at::Tensor& counters, const at::Tensor& storage, int64_t format,
                            int64_t dim) {
   const int64_t need = format_row_bytes(format, dim);
-  check(need > 0, "row format code " + std::to_string(format) + " with dim " +
-                      std::to_string(dim) + " is not a row format (codes 0..5)");
+  check(need > 0, [&] {
+    return "row format code " + std::to_string(format) + " with dim " + std::to_string(dim) +
+           " is not a row format (codes 0..5)";
+  });
   const int64_t capacity = cache_keys.numel();
   const auto kt = cache_keys.scalar_type();
   check((kt == at::kInt || kt == at::kLong) && cache_keys.is_contiguous() &&
@@ -81,17 +83,20 @@ inline int64_t check_table(size_t i, const at::Tensor& cache_keys, const at::Ten
             ho.scalar_type() == at::kByte && ho.is_contiguous() &&
             (ho.numel() == 0 || ho.numel() == (capacity + 1) / 2),
         "high words must be (<= 16,) int64 and their nibbles (ceil(capacity / 2),) uint8");
-  check(ho.numel() > 0 || hw.numel() <= 1,
-        "table " + std::to_string(i) + ": " + std::to_string(hw.numel()) +
-            " high words but no nibbles: a nibble per slot (ceil(capacity / 2),) uint8 is "
-            "needed with more than one high word");
+  check(ho.numel() > 0 || hw.numel() <= 1, [&] {
+    return "table " + std::to_string(i) + ": " + std::to_string(hw.numel()) +
+           " high words but no nibbles: a nibble per slot (ceil(capacity / 2),) uint8 is "
+           "needed with more than one high word";
+  });
   check(storage.scalar_type() == at::kByte && storage.dim() == 2 &&
             storage.size(0) == capacity && storage.is_contiguous(),
         "storage must be (capacity, row_bytes) contiguous uint8");
   const int64_t row_bytes = storage.size(1);
-  check(row_bytes >= need, "rows of format " + std::to_string(format) + " and dim " +
-                               std::to_string(dim) + " need " + std::to_string(need) +
-                               " bytes, storage rows hold " + std::to_string(row_bytes));
+  check(row_bytes >= need, [&] {
+    return "rows of format " + std::to_string(format) + " and dim " + std::to_string(dim) +
+           " need " + std::to_string(need) + " bytes, storage rows hold " +
+           std::to_string(row_bytes);
+  });
   return row_bytes;
 }
 
@@ -100,7 +105,10 @@ inline int64_t check_table(size_t i, const at::Tensor& cache_keys, const at::Ten
 inline void check_dense(size_t i, const at::Tensor& dense) {
   check(dense.numel() == 0 || (dense.scalar_type() == at::kInt && dense.dim() == 1 &&
                                dense.is_contiguous() && dense.device().is_cpu()),
-        "table " + std::to_string(i) + ": a dense key index must be (bound,) contiguous CPU int32");
+        [&] {
+          return "table " + std::to_string(i) +
+                 ": a dense key index must be (bound,) contiguous CPU int32";
+        });
 }
 
 }  // namespace hps_cpu

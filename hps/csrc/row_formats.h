@@ -212,11 +212,15 @@ inline void gather_rows(const at::Tensor& storage, const at::Tensor& slots, int6
   check(storage.scalar_type() == at::kByte && storage.dim() == 2 && storage.is_contiguous(),
         "storage must be (capacity, row_bytes) contiguous uint8");
   const int64_t rb = format_row_bytes(format, dim);
-  check(rb > 0, "row format code " + std::to_string(format) + " with dim " + std::to_string(dim) +
-                    " is not a row format (codes 0..5; int4 needs an even dim, int2 a multiple of 4)");
-  check(storage.size(1) >= rb, "rows of format " + std::to_string(format) + " and dim " +
-                                   std::to_string(dim) + " need " + std::to_string(rb) +
-                                   " bytes, storage rows hold " + std::to_string(storage.size(1)));
+  check(rb > 0, [&] {
+    return "row format code " + std::to_string(format) + " with dim " + std::to_string(dim) +
+           " is not a row format (codes 0..5; int4 needs an even dim, int2 a multiple of 4)";
+  });
+  check(storage.size(1) >= rb, [&] {
+    return "rows of format " + std::to_string(format) + " and dim " + std::to_string(dim) +
+           " need " + std::to_string(rb) + " bytes, storage rows hold " +
+           std::to_string(storage.size(1));
+  });
   check(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.is_contiguous(),
         "slots must be (n,) contiguous int64");
   const int64_t n = slots.numel();
@@ -224,8 +228,10 @@ inline void gather_rows(const at::Tensor& storage, const at::Tensor& slots, int6
   const int64_t rows = hotness > 0 ? n / hotness : n;
   check(out.scalar_type() == at::kFloat && out.dim() == 2 && out.size(0) == rows &&
             out.size(1) >= dim && out.stride(1) == 1 && out.device().is_cpu(),
-        "out must be a CPU float32 (" + std::to_string(rows) + ", >= " + std::to_string(dim) +
-            ") tensor with unit last stride");
+        [&] {
+          return "out must be a CPU float32 (" + std::to_string(rows) + ", >= " +
+                 std::to_string(dim) + ") tensor with unit last stride";
+        });
   const int64_t cap = storage.size(0);
   const int64_t* sp = slots.data_ptr<int64_t>();
   for (int64_t i = 0; i < n; ++i)

@@ -149,29 +149,33 @@ inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
   std::vector<at::Tensor> held(T);  // contiguous keys, alive for the call
   std::vector<StaticTable> ts(T);
   for (size_t i = 0; i < T; ++i) {
-    const std::string tab = "static_gather: table " + std::to_string(i) + ": ";
+    const auto tab = [i] { return "static_gather: table " + std::to_string(i) + ": "; };
     held[i] = keys[i].contiguous();
     const at::Tensor& k = held[i];
     const at::Tensor& s = storage[i];
-    check(k.scalar_type() == at::kLong && k.device().is_cpu(), tab + "keys must be CPU int64");
+    check(k.scalar_type() == at::kLong && k.device().is_cpu(),
+          [&] { return tab() + "keys must be CPU int64"; });
     check(s.scalar_type() == at::kByte && s.dim() == 2 && s.is_contiguous() && s.device().is_cpu(),
-          tab + "storage must be (capacity, row_bytes) contiguous CPU uint8");
+          [&] { return tab() + "storage must be (capacity, row_bytes) contiguous CPU uint8"; });
     const int64_t rb = format_row_bytes(formats[i], dims[i]);
-    check(rb > 0 && s.size(1) >= rb, tab + "rows of format " + std::to_string(formats[i]) +
-                                         " and dim " + std::to_string(dims[i]) + " need " +
-                                         std::to_string(rb) + " bytes, storage rows hold " +
-                                         std::to_string(s.size(1)));
+    check(rb > 0 && s.size(1) >= rb, [&] {
+      return tab() + "rows of format " + std::to_string(formats[i]) + " and dim " +
+             std::to_string(dims[i]) + " need " + std::to_string(rb) +
+             " bytes, storage rows hold " + std::to_string(s.size(1));
+    });
     const int64_t n = k.numel(), h = hotness[i];
-    check(h >= 0 && (h == 0 || n % h == 0),
-          tab + std::to_string(n) + " keys are not bags of hotness " + std::to_string(h));
-    check(out_placed(n, h, dims[i], out_offsets[i], out_stride, out_n),
-          tab + "its output (offset " + std::to_string(out_offsets[i]) + ", " +
-              std::to_string(n) + " keys of dim " + std::to_string(dims[i]) +
-              (h == 0 ? std::string()
-                      : ", hotness " + std::to_string(h) + ", stride " +
-                            std::to_string(out_stride)) +
-              ") does not fit out of " + std::to_string(out_n) + " values" +
-              (h == 0 ? "" : " (each bag's offset + dim must be <= stride)"));
+    check(h >= 0 && (h == 0 || n % h == 0), [&] {
+      return tab() + std::to_string(n) + " keys are not bags of hotness " + std::to_string(h);
+    });
+    check(out_placed(n, h, dims[i], out_offsets[i], out_stride, out_n), [&] {
+      return tab() + "its output (offset " + std::to_string(out_offsets[i]) + ", " +
+             std::to_string(n) + " keys of dim " + std::to_string(dims[i]) +
+             (h == 0 ? std::string()
+                     : ", hotness " + std::to_string(h) + ", stride " +
+                           std::to_string(out_stride)) +
+             ") does not fit out of " + std::to_string(out_n) + " values" +
+             (h == 0 ? "" : " (each bag's offset + dim must be <= stride)");
+    });
     ts[i] = {k.data_ptr<int64_t>(), n, s.data_ptr<uint8_t>(), s.size(0), s.size(1), dims[i],
              formats[i], h, mean[i] != 0, out.data_ptr<float>() + out_offsets[i]};
   }

@@ -72,6 +72,7 @@ class SessionView(Protocol):
     fill: CacheFill
     key_stats: dict[str, KeyCounts] | None
     _slots: threading.BoundedSemaphore
+    _plans: dict[tuple[str, ...], CallPlan]
 
     @property
     def hit_rate_threshold(self) -> float: ...
@@ -91,17 +92,76 @@ class SessionView(Protocol):
     def lookup(self, table: str, keys: torch.Tensor | np.ndarray) -> torch.Tensor: ...
 
 
+class CallPlan:
+    """What a fused call over one list of tables needs that no call changes, built on the
+    first call naming those tables and kept by the session (:attr:`SessionView._plans`): a
+    session's tables and their caches are fixed when it is built, so a call then walks its
+    tables in a few passes rather than one per argument (the per-call Python work is most of
+    a small batch's cost: 26 tables at batch 1 spent ~10 µs per table in it)."""
+
+    __slots__ = (
+        "aging",
+        "all_static",
+        "caches",
+        "columns",
+        "dims",
+        "falses",
+        "fusable",
+        "intervals",
+        "key_counts",
+        "lru",
+        "names",
+        "order",
+        "static",
+        "tables",
+        "width",
+        "zeros",
+    )
+
+    def __init__(self, s: SessionView, tables: Sequence[str]) -> None:
+        if len(set(tables)) != len(tables):
+            raise ValueError(f"a table is named twice in one fused lookup: {list(tables)}")
+        self.tables = [s._table(n) for n in tables]
+        self.names = [t.name for t in self.tables]
+        self.dims = [t.dim for t in self.tables]
+        self.columns = (0, *itertools.accumulate(self.dims))[:-1]  # bags: each table's first
+        self.width = sum(self.dims)
+        caches = [t.cache for t in self.tables]
+        self.fusable = bool(self.tables) and _fusable(s, caches)
+        self.caches = [c for c in caches if c is not None]
+        by_id = {id(c): c for c in self.caches}
+        self.order = [by_id[k] for k in sorted(by_id)]  # one fixed order: no two calls deadlock
+        self.static = [isinstance(c, StaticEmbeddingCache) for c in self.caches]
+        self.all_static = all(self.static)
+        lru = CachePolicy.LRU
+        self.lru = [c.policy is lru for c in self.caches]
+        self.key_counts = [s.key_stats[n] for n in self.names] if s.key_stats is not None else None
+        self.intervals = tuple(c.lfu_decay_interval for c in self.caches)
+        self.aging = any(self.intervals)  # some cache halves its counts as keys are looked up
+        self.zeros = (0,) * len(self.tables)  # tuples: calls share them, none may change them
+        self.falses = (False,) * len(self.tables)
+
+
+def _plan(s: SessionView, tables: Sequence[str]) -> CallPlan:
+    key = tuple(tables)
+    plan = s._plans.get(key)
+    if plan is None:
+        plan = CallPlan(s, key)
+        s._plans[key] = plan
+    return plan
+
+
 def _check(
-    s: SessionView, tables: Sequence[str], keys: Sequence[torch.Tensor], bags: bool
-) -> tuple[list[SessionTable], list[torch.Tensor]]:
-    """The tables, and each one's keys contiguous in the caller's shape (the fused pass reads
-    any contiguous shape as its keys in row-major order: no view per table on the hot path)."""
-    if len(tables) != len(keys):
-        raise ValueError(f"{len(tables)} tables but {len(keys)} key tensors")
-    if len(set(tables)) != len(tables):
-        raise ValueError(f"a table is named twice in one fused lookup: {list(tables)}")
-    ts = [s._table(n) for n in tables]
+    plan: CallPlan, keys: Sequence[torch.Tensor], bags: bool
+) -> tuple[list[torch.Tensor], Sequence[int]]:
+    """Each table's keys contiguous in the caller's shape (the fused pass reads any contiguous
+    shape as its keys in row-major order: no view per table on the hot path), and each
+    table's keys per bag (bags; rows: 0)."""
+    ts = plan.tables
+    if len(ts) != len(keys):
+        raise ValueError(f"{len(ts)} tables but {len(keys)} key tensors")
     ks = []
+    hot = []
     batch = None
     int64 = torch.int64
     for t, k in zip(ts, keys, strict=True):
@@ -114,16 +174,18 @@ def _check(
                 f"(max_batch_size × maxnum_catfeature_query_per_table_per_sample)"
             )
         if bags:
-            if k.dim() != 2:
-                raise ValueError(f"table {t.name!r}: bags must be (B, w), got {tuple(k.shape)}")
+            shape = k.shape
+            if len(shape) != 2:
+                raise ValueError(f"table {t.name!r}: bags must be (B, w), got {tuple(shape)}")
             if batch is None:
-                batch = k.shape[0]
-            elif k.shape[0] != batch:
+                batch = shape[0]
+            elif shape[0] != batch:
                 raise ValueError(
-                    f"table {t.name!r}: {k.shape[0]} bags, but the first table has {batch}"
+                    f"table {t.name!r}: {shape[0]} bags, but the first table has {batch}"
                 )
+            hot.append(shape[1])
         ks.append(k if k.is_contiguous() else k.contiguous())
-    return ts, ks
+    return ks, hot if bags else plan.zeros
 
 
 def _out_buffer(
@@ -157,23 +219,22 @@ def fused_lookup(
 ) -> list[torch.Tensor]:
     """Rows (``pooling is None``: one view per table) or bags (one ``(B, Σ dim)`` tensor)."""
     bags = pooling is not None
-    ts, ks = _check(s, tables, keys, bags)
-    dims = [t.dim for t in ts]
+    plan = _plan(s, tables)
+    ks, hot = _check(plan, keys, bags)
+    ts, dims = plan.tables, plan.dims
     if bags:
         b = keys[0].shape[0] if keys else 0
-        hot = [int(k.shape[1]) for k in keys]
-        offsets = [0, *itertools.accumulate(dims)][:-1]
-        buf = _out_buffer(out, (b, sum(dims)), s.device)
-        for o, d, h in zip(offsets, dims, hot, strict=True):
-            if h == 0:  # bags of no keys: no pass writes their columns, and they pool to zeros
-                buf[:, o : o + d].zero_()
+        offsets: Sequence[int] = plan.columns
+        buf = _out_buffer(out, (b, plan.width), s.device)
+        if 0 in hot:
+            for o, d, h in zip(offsets, dims, hot, strict=True):
+                if h == 0:  # bags of no keys: no pass writes their columns; they pool to zeros
+                    buf[:, o : o + d].zero_()
     else:
-        hot = [0] * len(ts)
         sizes = [k.numel() * d for k, d in zip(ks, dims, strict=True)]
         offsets = [0, *itertools.accumulate(sizes)][:-1]
         buf = _out_buffer(out, (sum(sizes),), s.device)
-    caches = [t.cache for t in ts]
-    if not ts or not _fusable(s, caches):
+    if not plan.fusable:
         return _per_table(s, ts, keys, ks, pooling, buf, offsets)
     if not s._slots.acquire(timeout=s.acquire_timeout_s):
         raise TimeoutError(
@@ -184,17 +245,16 @@ def fused_lookup(
     try:
         s.update_lock.acquire_read()
         try:
-            cs = [c for c in caches if c is not None]
-            _run(s, ts, ks, cs, buf, offsets, hot, pooling, failed)
+            _run(s, plan, ks, buf, offsets, hot, pooling, failed)
         finally:
             s.update_lock.release_read()
     except Exception as e:
-        for name in failed or [t.name for t in ts]:
+        for name in failed or plan.names:
             s.statistics.count_error(name, isinstance(e, TierUnavailableError))
         raise
     finally:
         s._slots.release()
-    s.statistics.record_latencies([t.name for t in ts], time.perf_counter() - start)
+    s.statistics.record_latencies(plan.names, time.perf_counter() - start)
     if bags:
         return [buf]
     return [
@@ -218,37 +278,30 @@ def _fusable(s: SessionView, caches: list[EmbeddingCache | None]) -> bool:
 
 def _run(
     s: SessionView,
-    ts: list[SessionTable],
+    plan: CallPlan,
     ks: list[torch.Tensor],
-    caches: list[EmbeddingCache],
     buf: torch.Tensor,
-    offsets: list[int],
-    hot: list[int],
+    offsets: Sequence[int],
+    hot: Sequence[int],
     pooling: list[Pooling] | None,
     failed: list[str],
 ) -> None:
+    ts, caches = plan.tables, plan.caches
     bags = pooling is not None
     # which tables' statistics count this call (drawn first, the same on every path)
-    taken = (
-        [s.key_stats[t.name].take_call() for t in ts]
-        if s.key_stats is not None
-        else [False] * len(ts)
-    )
-    locks = {id(c): c for c in caches}
-    order = [locks[k] for k in sorted(locks)]  # one fixed order: two fused calls never deadlock
+    kc = plan.key_counts
+    taken = [k.take_call() for k in kc] if kc is not None else plan.falses
+    order = plan.order
     for c in order:
         c._lock.acquire()
     try:
         for c in order:
             c._tick()
-        stamps, streams, looked_up, intervals = [], [], [], []
-        lru = CachePolicy.LRU
-        for c in caches:  # one walk over the caches for the pass's per-table arguments
-            stamps.append(c._clock % LRU_PERIOD if c.policy is lru else -1)
-            # a static cache keeps no use counts: its pass reads no draw stream
-            streams.append(0 if isinstance(c, StaticEmbeddingCache) else c.lfu_stream())
-            looked_up.append(c._looked_up)
-            intervals.append(c.lfu_decay_interval)
+        stamps: Sequence[int] = plan.zeros  # the static pass reads no stamp, stream or clock
+        streams: Sequence[int] = plan.zeros
+        looked_up: Sequence[int] = plan.zeros
+        if not plan.all_static:  # one walk over the caches for the pass's per-table arguments
+            stamps, streams, looked_up = _clocks(caches, plan)
         counters = _pass_counters(s, ts, ks, caches, taken)
         args = GatherArgs(
             caches=caches,
@@ -257,11 +310,11 @@ def _run(
             out_offsets=offsets,
             out_stride=buf.shape[1] if bags else 0,
             hotness=hot,
-            mean=[p is Pooling.MEAN for p in pooling] if pooling is not None else [False] * len(ts),
+            mean=[p is Pooling.MEAN for p in pooling] if pooling is not None else plan.falses,
             stamps=stamps,
             streams=streams,
             looked_up=looked_up,
-            intervals=intervals,
+            intervals=plan.intervals,
             key_counters=counters,
         )
         try:
@@ -269,15 +322,16 @@ def _run(
         except ValueError as e:
             raise ValueError(_name_table(str(e), ts)) from None
         per = res.per_table.tolist()
-        counted = res.counted or (False,) * len(ts)
+        counted = res.counted or plan.falses
         # clocks, epochs and the labels of the statistics the pass halved move together, before
         # the caches' locks go: no other lookup or aging halves these statistics twice
-        s._advance_ages(
-            [
-                (t, c, row[3], row[4] if done else 0)
-                for t, c, row, done in zip(ts, caches, per, counted, strict=True)
-            ]
-        )
+        if plan.aging:  # else no cache has an aging clock, and no pass halves a counter
+            s._advance_ages(
+                [
+                    (t, c, row[3], row[4] if done else 0)
+                    for t, c, row, done in zip(ts, caches, per, counted, strict=True)
+                ]
+            )
         for c, row in zip(caches, per, strict=True):
             c.stats.hits += row[2]
             c.stats.queries += row[2]
@@ -312,12 +366,23 @@ def _run(
     _count_keys(s, ts, ks, misses, per, counted, counters is not None, taken, missed)
 
 
+def _clocks(caches: list[EmbeddingCache], plan: CallPlan) -> tuple[list[int], list[int], list[int]]:
+    """Per table, the LRU stamp a hit writes (-1: LFU), the LFU draw stream (0: a static
+    cache, which keeps no use counts) and the aging clock before this query."""
+    stamps, streams, looked_up = [], [], []
+    for c, lru, static in zip(caches, plan.lru, plan.static, strict=True):
+        stamps.append(c._clock % LRU_PERIOD if lru else -1)
+        streams.append(0 if static else c.lfu_stream())
+        looked_up.append(c._looked_up)
+    return stamps, streams, looked_up
+
+
 def _pass_counters(
     s: SessionView,
     ts: list[SessionTable],
     ks: list[torch.Tensor],
     caches: list[EmbeddingCache],
-    taken: list[bool],
+    taken: Sequence[bool],
 ) -> list[object | None] | None:
     """The compiled key counters the fused pass may count into: per table, its counter where
     ``taken`` (the call is counted), else ``None``; ``None`` when the pass counts none (no
@@ -355,8 +420,8 @@ def _serve_all_misses(
     misses: list[_Misses | None],
     per: list[list[int]],
     buf: torch.Tensor,
-    offsets: list[int],
-    hot: list[int],
+    offsets: Sequence[int],
+    hot: Sequence[int],
     pooling: list[Pooling] | None,
     failed: list[str],
     epochs: dict[int, int],
@@ -367,6 +432,11 @@ def _serve_all_misses(
     before the error propagates (the later tables are not served)."""
 
     all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
+    if misses.count(None) == len(misses):  # no table missed: one record per table
+        s.statistics.record_counts_many(
+            (), [(t.name, row[2], row[1], all_hit_async) for t, row in zip(ts, per, strict=True)]
+        )
+        return
     # every served table's counts, recorded at the end under one statistics lock acquisition
     records: list[tuple[str, list[int], list[int], bool]] = []
     all_hit: list[tuple[str, int, int, bool]] = []  # tables without a miss
@@ -437,6 +507,8 @@ def _misses_of(
 ) -> list[_Misses | None]:
     """Per table, its misses deduplicated once (``None``: it had none), for the count, the
     miss path and the hits' mask alike."""
+    if not res.misses.numel():
+        return [None] * len(ks)
     out: list[_Misses | None] = []
     start = 0
     for f, row in zip(ks, per, strict=True):
@@ -468,6 +540,8 @@ def _age_and_count_misses(
     with a miss, the epoch its statistics match; per table, the missed occurrences counted.
     """
     aged = [i for i, row in enumerate(per) if row[0] or (taken[i] and not counted[i])]
+    if not aged:  # no miss, and every table that takes the call was counted by the pass
+        return {}, [0] * len(ts)
     epochs = dict(zip(aged, s._age_key_stats_many([(ts[i], caches[i]) for i in aged]), strict=True))
     missed = [0] * len(ts)
     if s.key_stats is None:
@@ -554,7 +628,7 @@ def _per_table(
     ks: list[torch.Tensor],
     pooling: list[Pooling] | None,
     buf: torch.Tensor,
-    offsets: list[int],
+    offsets: Sequence[int],
 ) -> list[torch.Tensor]:
     """Tables without a CPU cache: :meth:`LookupSession.lookup` each, written into ``buf``
     (``ks``: each table's keys contiguous, in the caller's shape ``keys``)."""

@@ -62,7 +62,7 @@ import torch
 from hps.key_counts import KeyCounts
 from hps.rwlock import ReadWriteLock
 from hps.session.fill import CacheFill
-from hps.session.fused import fused_lookup
+from hps.session.fused import CallPlan, fused_lookup
 from hps.session.table import SessionTable, unique_with_inverse
 from hps.session.tiers import (
     DEFAULT_MAX_ABSENT_AGE_S,
@@ -150,6 +150,8 @@ class LookupSession:
         self.compiled = compiled
         self.max_concurrent = max_concurrent
         self._slots = threading.BoundedSemaphore(max_concurrent)
+        # fused calls' plans by their tables' names (hps.session.fused.CallPlan)
+        self._plans: dict[tuple[str, ...], CallPlan] = {}
         self.update_lock = ReadWriteLock()
         self.update_health = update_health
         self.statistics = SessionStats([t.name for t in tables])

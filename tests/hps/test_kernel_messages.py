@@ -1,0 +1,136 @@
+"""The compiled kernels' argument errors, whose messages are built only when a check fails
+(hps/csrc/common.h ``check``), and the fused call's plan (:class:`hps.session.fused.CallPlan`):
+each message names the table and the values at fault, and a plan is built once per list of
+tables and never for a call that is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from hps.fused import FORMAT_CODES, gather_rows
+from hps.kernels import load_extension
+from hps.rowformat import RowDtype
+from hps.session import LookupSession, SessionTable
+from hps.storage.cache import StaticEmbeddingCache
+from hps.storage.volatile import HashMapBackend
+from hps.types import Pooling
+from tests.hps.hps_helpers import needs_ext
+
+FP32 = FORMAT_CODES[RowDtype.FP32]
+
+
+def _static_args(n_tables: int = 2) -> dict[str, object]:
+    """Valid arguments of ``static_gather``: tables of 10 FP32 rows of dim 4, two keys each,
+    rows written one after another into one output."""
+    return {
+        "keys": [torch.tensor([1, 2]) for _ in range(n_tables)],
+        "storage": [torch.zeros(10, 16, dtype=torch.uint8) for _ in range(n_tables)],
+        "formats": [FP32] * n_tables,
+        "dims": [4] * n_tables,
+        "hotness": [0] * n_tables,
+        "mean": [0] * n_tables,
+        "out": torch.empty(8 * n_tables),
+        "out_offsets": [8 * i for i in range(n_tables)],
+        "out_stride": 0,
+        "key_counters": [],
+    }
+
+
+def _static_gather(**changed: object) -> torch.Tensor:
+    ext = load_extension()
+    assert ext is not None
+    a = {**_static_args(), **changed}
+    return ext.static_gather(
+        a["keys"],
+        a["storage"],
+        a["formats"],
+        a["dims"],
+        a["hotness"],
+        a["mean"],
+        a["out"],
+        a["out_offsets"],
+        a["out_stride"],
+        a["key_counters"],
+    )
+
+
+def test_static_gather_names_the_table_and_the_values_at_fault() -> None:
+    needs_ext()
+    per = _static_gather()  # the valid call runs: two tables, two hits each
+    assert per[:, 1].tolist() == [2, 2]
+    two = [torch.tensor([1, 2]), torch.tensor([1, 2], dtype=torch.int32)]
+    with pytest.raises(ValueError, match=r"^hps: static_gather: table 1: keys must be CPU int64$"):
+        _static_gather(keys=two)
+    narrow = [torch.zeros(10, 16, dtype=torch.uint8), torch.zeros(10, 12, dtype=torch.uint8)]
+    with pytest.raises(
+        ValueError,
+        match=r"^hps: static_gather: table 1: rows of format 0 and dim 4 need 16 bytes, "
+        r"storage rows hold 12$",
+    ):
+        _static_gather(storage=narrow)
+    with pytest.raises(
+        ValueError, match=r"^hps: static_gather: table 0: 2 keys are not bags of hotness 3$"
+    ):
+        _static_gather(hotness=[3, 0])
+    with pytest.raises(
+        ValueError,
+        match=r"^hps: static_gather: table 1: its output \(offset 9, 2 keys of dim 4\) does not "
+        r"fit out of 16 values$",
+    ):
+        _static_gather(out_offsets=[0, 9])
+    with pytest.raises(
+        ValueError,
+        match=r"static_gather: table 0: its output \(offset 2, 2 keys of dim 4, hotness 1, "
+        r"stride 4\) does not fit out of 16 values \(each bag's offset \+ dim must be <= stride\)",
+    ):
+        _static_gather(hotness=[1, 1], out_offsets=[2, 0], out_stride=4)
+
+
+def test_gather_rows_names_the_format_the_widths_and_the_shape_it_needs() -> None:
+    needs_ext()
+    storage = torch.zeros(10, 16, dtype=torch.uint8)
+    slots = torch.tensor([0, 3])
+    with pytest.raises(ValueError, match=r"^hps: row format code 9 with dim 4 is not a row format"):
+        load_extension().gather_rows(storage, slots, 9, 4, torch.empty(2, 4), 0)  # type: ignore[union-attr]
+    with pytest.raises(
+        ValueError, match=r"^hps: rows of format 0 and dim 8 need 32 bytes, storage rows hold 16$"
+    ):
+        gather_rows(storage, slots, RowDtype.FP32, 8, out=torch.empty(2, 8))
+    with pytest.raises(
+        ValueError, match=r"^hps: out must be a CPU float32 \(2, >= 4\) tensor with unit last"
+    ):
+        gather_rows(storage, slots, RowDtype.FP32, 4, out=torch.empty(3, 4))
+
+
+def _session() -> LookupSession:
+    v = HashMapBackend(num_partitions=1)
+    tables = []
+    for name in ("a", "b"):
+        v.create_table(name, 4)
+        keys = torch.arange(10)
+        c = StaticEmbeddingCache(keys, 4, policy="lfu")
+        c.insert(keys, torch.arange(40, dtype=torch.float32).view(10, 4) + (name == "b"))
+        tables.append(SessionTable(name, 4, 0.0, 64, c))
+    return LookupSession(tables, v, None, hit_rate_threshold=0.0)
+
+
+def test_a_fused_call_plans_its_tables_once_and_never_for_a_refused_call() -> None:
+    s = _session()
+    k = torch.tensor([[1], [2]])
+    first = s.lookup_pooled(["a", "b"], [k, k], Pooling.SUM).clone()
+    plan = s._plans[("a", "b")]
+    assert [t.name for t in plan.tables] == ["a", "b"] and plan.columns == (0, 4)
+    again = s.lookup_pooled(["a", "b"], [k, k], Pooling.SUM)
+    assert s._plans[("a", "b")] is plan and torch.equal(again, first)
+    # another order is another plan: its own columns
+    swapped = s.lookup_pooled(["b", "a"], [k, k], Pooling.SUM)
+    assert torch.equal(swapped, torch.cat([first[:, 4:], first[:, :4]], 1))
+    assert s._plans[("b", "a")].columns == (0, 4) and len(s._plans) == 2
+    for bad, msg in ((["a", "a"], "named twice"), (["a", "nope"], "unknown table 'nope'")):
+        for _ in range(2):  # refused on every call, not only the first
+            with pytest.raises(ValueError, match=msg):
+                s.lookup_pooled(bad, [k, k], Pooling.SUM)
+    assert set(s._plans) == {("a", "b"), ("b", "a")}
+    with pytest.raises(ValueError, match="2 tables but 1 key tensors"):
+        s.lookup_pooled(["a", "b"], [k], Pooling.SUM)

@@ -3,8 +3,9 @@
 
 One call, whatever the number of tables:
 
-1. checks (dtype, size per table; bad key values are refused by the fused pass before any
-   counter moves);
+1. the tables' :class:`CallPlan` (built on the first call naming them, then kept by the
+   session) and the checks (dtype, size per table; bad key values are refused by the fused
+   pass before any counter moves);
 2. under the session's worker slot and the reader side of its update lock, with every
    table's cache locked (in one fixed order), ONE fused cache-hit pass (:func:`hps.fused.gather`:
    probe, count, gather or pool, per-table statistics; static caches through

@@ -76,12 +76,16 @@ def gather_static(args: GatherArgs, compiled: bool = True) -> GatherResult:
     """
     caches: list[StaticEmbeddingCache] = []
     identity = True
-    for i, c in enumerate(args.caches):  # one walk: the type, and whether every key may hit
+    on_cpu = True
+    identity_layout = StaticLayout.IDENTITY
+    for i, c in enumerate(args.caches):  # one walk: the type, whether every key may hit,
+        # and whether the rows are where the compiled pass reads them
         if not isinstance(c, StaticEmbeddingCache):
             raise TypeError(f"table {i}: gather_static takes static caches, got {type(c).__name__}")
         caches.append(c)
-        identity = identity and c.full and c.layout is StaticLayout.IDENTITY
-    if identity and compiled and _compiled_applies(args, caches):
+        identity = identity and c.full and c.layout is identity_layout
+        on_cpu = on_cpu and c.storage.is_cpu
+    if identity and compiled and on_cpu and _compiled_applies(args):
         # its checks are stricter than check_keys' (every key in [lo, capacity), lo -1 for
         # bags, 0 for rows): a call it takes has no key check_keys refuses, and a call it
         # refuses has written nothing, so check_keys runs only then
@@ -98,16 +102,20 @@ def gather_static(args: GatherArgs, compiled: bool = True) -> GatherResult:
     return join_tables([_gather_one(args, i, c, compiled) for i, c in enumerate(caches)])
 
 
-def _compiled_applies(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> bool:
-    """Whether the compiled all-hit pass can take these tables: the kernel built, the output,
-    every cache and every table's keys on the CPU, the keys int64."""
+def _compiled_applies(args: GatherArgs) -> bool:
+    """Whether the compiled all-hit pass can take these tables, whose caches' rows the caller
+    found on the CPU: the kernel built, the output and every table's keys on the CPU, the
+    keys int64."""
     if load_extension() is None or not args.out.is_cpu:
         return False
     int64 = torch.int64
-    for c, k in zip(caches, args.keys, strict=True):  # is_cpu: no device object per tensor
-        if not c.storage.is_cpu or k.dtype is not int64 or not k.is_cpu:
+    for k in args.keys:  # is_cpu: no device object per tensor
+        if k.dtype is not int64 or not k.is_cpu:
             return False
     return True
+
+
+_NO_MISSES = torch.zeros(0, dtype=torch.int64)  # the misses of an all-hit call (never written)
 
 
 @functools.lru_cache(maxsize=64)
@@ -128,9 +136,10 @@ def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> G
     assert ext is not None  # _compiled_applies
     counters = list(args.key_counters) if args.key_counters is not None else []
     storage, formats, dims = [], [], []
+    codes = FORMAT_CODES
     for c in caches:
         storage.append(c.storage)
-        formats.append(FORMAT_CODES[row_format_of(c)])
+        formats.append(codes[c.row_format])
         dims.append(c.dim)
     per = ext.static_gather(
         list(args.keys),
@@ -148,7 +157,7 @@ def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> G
         return None
     pending = [_no_pending(d) for d in dims]
     counted = tuple(c is not None for c in counters)
-    return GatherResult(torch.zeros(0, dtype=torch.int64), per, pending, counted)
+    return GatherResult(_NO_MISSES, per, pending, counted)
 
 
 def _all_rows_hit(

@@ -43,8 +43,8 @@ constexpr int64_t kOutAhead = 3;
 
 // Refuse bad arguments (pybind11 raises std::invalid_argument as ValueError). The message is
 // a literal or a callable that builds it, so it is built only when the check fails: the checks
-// run per table on every call, and building their strings each time cost 26 tables about
-// 40 µs a call, more than the gather of a small batch.
+// run per table on every call, and building their strings each time would cost 26 tables
+// about 20 µs a call, more than the gather of a small batch.
 template <class Message>
 inline void check(bool ok, const Message& what) {
   if (__builtin_expect(ok, 1)) return;

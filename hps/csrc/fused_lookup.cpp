@@ -647,7 +647,7 @@ std::vector<at::Tensor> cache_gather(
   std::vector<at::Tensor> result;
   result.reserve(2 + T);
   // the (0, dim) pending rows of the tables without a bag to complete, one per dim (a tensor
-  // per table cost more than a small call's gather)
+  // per table would cost more than a small call's gather)
   std::vector<std::pair<int64_t, at::Tensor>> none;
   const auto no_rows = [&none](int64_t dim) {
     for (const auto& [d, t] : none)

@@ -97,8 +97,8 @@ class CallPlan:
     """What a fused call over one list of tables needs that no call changes, built on the
     first call naming those tables and kept by the session (:attr:`SessionView._plans`): a
     session's tables and their caches are fixed when it is built, so a call then walks its
-    tables in a few passes rather than one per argument (the per-call Python work is most of
-    a small batch's cost: 26 tables at batch 1 spent ~10 µs per table in it)."""
+    tables in a few passes rather than one per argument (at small batches the per-table
+    Python work of a call, not its gather, is most of its cost)."""
 
     __slots__ = (
         "aging",

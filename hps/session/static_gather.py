@@ -136,10 +136,9 @@ def _all_hit_compiled(args: GatherArgs, caches: list[StaticEmbeddingCache]) -> G
     assert ext is not None  # _compiled_applies
     counters = list(args.key_counters) if args.key_counters is not None else []
     storage, formats, dims = [], [], []
-    codes = FORMAT_CODES
     for c in caches:
         storage.append(c.storage)
-        formats.append(codes[c.row_format])
+        formats.append(FORMAT_CODES[row_format_of(c)])
         dims.append(c.dim)
     per = ext.static_gather(
         list(args.keys),

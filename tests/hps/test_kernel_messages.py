@@ -1,7 +1,8 @@
 """The compiled kernels' argument errors, whose messages are built only when a check fails
 (hps/csrc/common.h ``check``), and the fused call's plan (:class:`hps.session.fused.CallPlan`):
-each message names the table and the values at fault, and a plan is built once per list of
-tables and never for a call that is refused."""
+each message names the table and the values at fault, a plan is built once per list of
+tables and never for a call that is refused, and a planned call without a miss records its
+tables' statistics as one with misses does."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ from hps.rowformat import RowDtype
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import StaticEmbeddingCache
 from hps.storage.volatile import HashMapBackend
-from hps.types import Pooling
+from hps.types import Pooling, Tier
 from tests.hps.hps_helpers import needs_ext
 
 FP32 = FORMAT_CODES[RowDtype.FP32]
@@ -134,3 +135,25 @@ def test_a_fused_call_plans_its_tables_once_and_never_for_a_refused_call() -> No
     assert set(s._plans) == {("a", "b"), ("b", "a")}
     with pytest.raises(ValueError, match="2 tables but 1 key tensors"):
         s.lookup_pooled(["a", "b"], [k], Pooling.SUM)
+
+
+def test_an_all_hit_fused_call_counts_each_tables_distinct_keys_and_occurrences() -> None:
+    """A call without a miss records each table's counts in one pass: distinct keys and
+    every occurrence (padding excluded) as cache hits, as a call with misses records them."""
+    s = _session()
+    a = torch.tensor([[1, 1, 2], [2, -1, 1]])  # 5 occurrences of 2 distinct keys
+    b = torch.tensor([[3, -1, -1], [3, 4, -1]])  # 3 occurrences of 2 distinct keys
+    s.lookup_pooled(["a", "b"], [a, b], Pooling.SUM)
+    s.lookup_pooled(["b"], [b[:1]], Pooling.SUM)  # 1 occurrence of 1 key
+    st = s.stats()
+    cache = Tier.CACHE.value
+    for name, lookups, occurrences, distinct in (("a", 1, 5, 2), ("b", 2, 4, 3)):
+        got = st[name]
+        assert isinstance(got, dict)
+        assert (got["lookups"], got["keys_all"], got["keys_unique"]) == (
+            lookups,
+            occurrences,
+            distinct,
+        ), name
+        assert got["hits_all"] == {**dict.fromkeys(got["hits_all"], 0), cache: occurrences}
+        assert got["hits_unique"] == {**dict.fromkeys(got["hits_unique"], 0), cache: distinct}

@@ -28,8 +28,8 @@ ascending): the session writes the missed rows in and pools those bags in the sa
 
 Two implementations: :func:`gather_compiled` (``hps/csrc/fused_lookup.cpp``, probing the tag
 line of a set) and :func:`gather_reference` (torch ops, comparing the set's keys): the same
-outputs, counters (LFU levels drawn from the same streams, mark bits clear after each call)
-and statistics, bit for bit (tests/hps/test_fused.py).
+outputs, counters (LFU levels drawn from the same streams) and statistics, bit for bit
+(tests/hps/test_fused.py).
 """
 
 from __future__ import annotations
@@ -104,6 +104,11 @@ class GatherArgs:
             tables' hits it counted (the caller ages and counts the others). The all-hit pass
             over full static caches (:mod:`hps.session.static_gather`) counts every key
             ``>= 0`` of each such table (all hits; no aging), whatever the thread count.
+        weights: ``None`` (every table 1), or per table the uses each hit counts in its
+            cache's counters: 0 none (the counters are not read or written; the hits and
+            unique hits are counted all the same), 1 one (LFU a Morris step, LRU the stamp),
+            ``w > 1`` that many at once (LFU :func:`hps.storage.cache.add_weighted`, one
+            draw per hit; LRU the stamp).
     """
 
     caches: Sequence[EmbeddingCache]
@@ -118,6 +123,7 @@ class GatherArgs:
     looked_up: Sequence[int]
     intervals: Sequence[int]
     key_counters: Sequence[object | None] | None = None
+    weights: Sequence[int] | None = None
 
 
 @dataclass(frozen=True)
@@ -199,6 +205,7 @@ def gather(args: GatherArgs, compiled: bool = True) -> GatherResult:
         halve_t,
         list(args.key_counters) if args.key_counters is not None else [],
         dense,
+        list(args.weights) if args.weights is not None else [],
     )
     return GatherResult(misses, per_table, pending, tuple(bool(x) for x in counted.tolist()))
 
@@ -222,6 +229,9 @@ def gather_reference(args: GatherArgs) -> GatherResult:
     kernel is tested against (same outputs, counters, statistics)."""
     args = flat_keys(args)
     check_keys(args)
+    for i, w in enumerate(args.weights or ()):
+        if w < 0:
+            raise ValueError(f"table {i}: use weight {w} is negative")
     return join_tables([_gather_one(args, i, c) for i, c in enumerate(args.caches)])
 
 
@@ -289,8 +299,11 @@ def _gather_one(
         c.counters.copy_(aging_lut(crossed)[c.counters.long()])
     hit, slot = c._hashed_slots(k[valid])  # the specification: never the dense key index
     hpos, hslot, miss = valid[hit], slot[hit], valid[~hit]
-    if c.policy is CachePolicy.LFU:
-        _morris_steps(c.counters.view(-1), hslot, hpos, args.streams[i])
+    weight = 1 if args.weights is None else args.weights[i]
+    if weight == 0:
+        pass  # the hits count no use: the counters stay as they are
+    elif c.policy is CachePolicy.LFU:
+        _morris_steps(c.counters.view(-1), hslot, hpos, args.streams[i], weight)
     else:
         c.counters.view(-1)[hslot] = args.stamps[i]
     unique_hits = int(torch.unique(hslot).numel())
@@ -320,11 +333,12 @@ def _gather_one(
 
 
 def _morris_steps(
-    levels: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, stream: int
+    levels: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor, stream: int, weight: int
 ) -> None:
-    """One Morris step of ``levels[slots[i]]`` per hit, each slot's hits in position order
-    (``positions`` ascending), the hit at position ``j`` drawing ``mix64(stream + j)``: the
-    kernel's sequential uses, one rank of every slot's hits per round."""
+    """``weight`` uses of ``levels[slots[i]]`` per hit (:func:`add_weighted`; one: a Morris
+    step), each slot's hits in position order (``positions`` ascending), the hit at position
+    ``j`` drawing ``mix64(stream + j)``: the kernel's sequential uses, one rank of every slot's
+    hits per round."""
     if slots.numel() == 0:
         return
     u = draws(stream, positions)
@@ -335,7 +349,7 @@ def _morris_steps(
     for r in range(int(counts.max())):
         sel = rank == r
         s = ss[sel]
-        levels[s] = add_weighted(levels[s], torch.ones_like(s), uu[sel])
+        levels[s] = add_weighted(levels[s], torch.full_like(s, weight), uu[sel])
 
 
 def gather_rows(

@@ -437,6 +437,7 @@ class HierarchicalParameterServer:
                 policy=model.cache_policy,
                 device=device,
                 lfu_decay_keys_per_slot=model.cache_lfu_decay_keys_per_slot,
+                lfu_sampling=model.cache_lfu_sampling,
                 row_format=t.row_format,
                 key_bound=self._key_bound(db_name, cap, t) if device.type == "cpu" else None,
             )

@@ -22,7 +22,11 @@ Contenders, the same keys and the same FP32 rows (all resident: cache-hit path):
   with FP32 / FP16 / INT8 / INT4 weights; rows as bags of one key;
 - ``hps_<dtype>`` (single table): :meth:`LookupSession.lookup_many` over a cache whose storage
   holds the same rows in that :class:`hps.rowformat.RowDtype` (FBGEMM's layout, dequantized
-  by the fused pass), against ``fbgemm_<dtype>``: the same dtype on both sides.
+  by the fused pass), against ``fbgemm_<dtype>``: the same dtype on both sides;
+- ``hps_pooled_lfu_sampled`` (26 tables): ``hps_pooled`` over caches that count the LFU
+  uses of one lookup in ``LFU_SAMPLING`` (8), each hit of that lookup as 8 uses
+  (``EmbeddingCache(lfu_sampling=8)``): the other lookups read and write no counter. Its
+  median is such a lookup; one in eight costs what ``hps_pooled`` does.
 
 Every section is timed twice: wall-clock with the machine's threads (the contenders
 interleaved, ``side_by_side``), and CPU time of the calling thread with one thread
@@ -68,6 +72,8 @@ log = logging.getLogger(__name__)
 DIM = 128
 ALPHA = 1.05
 DTYPES = ("fp32", "fp16", "int8", "int4")
+#: ``hps_pooled_lfu_sampled``: its caches count the LFU uses of one lookup in this many
+LFU_SAMPLING = 8
 
 
 def _tbe(rows: list[int], dtype: str, weights: list[torch.Tensor], pooled: bool) -> Any:
@@ -185,20 +191,22 @@ def _resident_session(
     slack: float,
     key_stats_sampling: int = DEFAULT_KEY_STATS_SAMPLING,
     dense_index: bool = True,
+    lfu_sampling: int = 1,
 ) -> LookupSession:
     """A session whose caches hold the rows of ``weights`` (capacity ``slack`` × rows: at 2 no
     64-way set overflows, at 1.25 a few percent of the rows stay out), in front of an empty
     volatile DB; its key statistics count the hits of one lookup in ``key_stats_sampling`` (per
     table). ``dense_index``: each cache keeps a dense key index of its table's keys ``0 ..
     rows - 1`` where :func:`~hps.storage.cache.dense_key_bound` grants one, as the parameter
-    server builds it; ``False``: every key is hashed."""
+    server builds it; ``False``: every key is hashed. ``lfu_sampling``: each LFU cache counts
+    the uses of one lookup in that many (:class:`~hps.storage.cache.EmbeddingCache`)."""
     tables = []
     v = HashMapBackend(num_partitions=1)
     for name, w in zip(names, weights, strict=True):
         v.create_table(name, DIM)
         cap = max(64, int(w.shape[0] * slack))
         bound = dense_key_bound(int(w.shape[0]), cap, 4 * DIM) if dense_index else None
-        c = EmbeddingCache(cap, DIM, policy="lfu", key_bound=bound)
+        c = EmbeddingCache(cap, DIM, policy="lfu", key_bound=bound, lfu_sampling=lfu_sampling)
         keys = torch.arange(w.shape[0])
         for s in range(0, keys.numel(), 1 << 18):
             c.insert(keys[s : s + (1 << 18)], w[s : s + (1 << 18)])
@@ -303,6 +311,7 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
     names, ws, hot, batch, keys = tables_setup(3000 if args.quick else 300)
     rows = [int(w.shape[0]) for w in ws]
     s = _resident_session(ws, names, 1 << 20, slack=2.0)
+    s8 = _resident_session(ws, names, 1 << 20, slack=2.0, lfu_sampling=LFU_SAMPLING)
     st = _static_session(ws, names, 1 << 20)
     stacked = torch.cat(ws)
     base = torch.tensor([0, *np.cumsum(rows)[:-1].tolist()])
@@ -327,6 +336,9 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
     )
     got_bags = s.lookup_pooled(names, keys, pooling, out=pbuf).view(batch, len(names), DIM)
     torch.testing.assert_close(got_bags.transpose(0, 1), ref_bags, rtol=1e-5, atol=1e-4)
+    pbuf8 = torch.empty_like(pbuf)
+    got8 = s8.lookup_pooled(names, keys, pooling, out=pbuf8).view(batch, len(names), DIM)
+    assert torch.equal(got8, got_bags), "bags with sampled LFU uses differ"
     sbuf = torch.empty(batch, DIM * len(names))
     srbuf = torch.empty(n_keys * DIM)
     got = torch.cat([r.reshape(-1, DIM) for r in st.lookup_many(names, keys, out=srbuf)])
@@ -341,6 +353,7 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
         "index_select_rows": lambda: torch.index_select(stacked, 0, flat, out=ibuf),
         "index_select_rows_huge": lambda: torch.index_select(stacked_huge, 0, flat, out=ibuf),
         "hps_pooled": lambda: s.lookup_pooled(names, keys, pooling, out=pbuf),
+        "hps_pooled_lfu_sampled": lambda: s8.lookup_pooled(names, keys, pooling, out=pbuf8),
         "embedding_bag_pooled": lambda: F.embedding_bag(bag_ids, stacked, bag_offsets, mode="sum"),
         "embedding_bag_pooled_huge": lambda: F.embedding_bag(
             bag_ids, stacked_huge, bag_offsets, mode="sum"
@@ -375,6 +388,16 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
     _ratios(row, "hps_rows_vs_index_select", "hps_rows", "index_select_rows")
     _ratios(row, "hps_pooled_vs_embedding_bag", "hps_pooled", "embedding_bag_pooled")
     _ratios(row, "hps_pooled_vs_fbgemm_fp32", "hps_pooled", "fbgemm_fp32_pooled")
+    _ratios(
+        row, "hps_pooled_lfu_sampled_vs_fbgemm_fp32", "hps_pooled_lfu_sampled", "fbgemm_fp32_pooled"
+    )
+    _ratios(
+        row,
+        "hps_pooled_lfu_sampled_vs_embedding_bag",
+        "hps_pooled_lfu_sampled",
+        "embedding_bag_pooled",
+    )
+    row["lfu_sampling"] = LFU_SAMPLING
     _ratios(row, "hps_static_rows_vs_index_select", "hps_static_rows", "index_select_rows")
     _ratios(row, "hps_static_pooled_vs_embedding_bag", "hps_static_pooled", "embedding_bag_pooled")
     _ratios(row, "hps_static_pooled_vs_fbgemm_fp32", "hps_static_pooled", "fbgemm_fp32_pooled")

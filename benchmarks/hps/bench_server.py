@@ -25,7 +25,8 @@ Sections (``--only``):
   answers compared byte for byte with answers checked in full before the cell; ``--servers``
   items may set each server's queue delay and preferred batch size, ``@DELAY_US:PREFERRED``,
   and its gRPC front processes, ``#N`` (0: grpcio in the server's process; the rows' CPU per
-  request then has a ``fronts`` part).
+  request then has a ``fronts`` part); ``--conc-ort-threads`` sets the servers' onnxruntime
+  intra-op threads (default: the server's, every core the process may use).
 
 ``--threads`` threads for onnxruntime and torch; the server runs in a background thread of this
 process (the clients of all sections but ``concurrency`` too), so on 2 cores the figures include
@@ -416,7 +417,7 @@ def run_concurrency(
             s = Served(
                 model,
                 folder / f"server{k}",
-                threads=0,
+                threads=args.conc_ort_threads,
                 max_batch=max(args.merged_batch, 256),
                 merged_batch=args.merged_batch,
                 queue_delay_us=delay,
@@ -490,6 +491,13 @@ def main(argv: list[str] | None = None) -> None:
     )
     p.add_argument(
         "--merged-batch", type=int, default=2048, help="the server's max_batch_size per execution"
+    )
+    p.add_argument(
+        "--conc-ort-threads",
+        type=int,
+        default=ServerConfig.ort_threads,
+        help="concurrency: the servers' onnxruntime intra-op threads (default: the server's, "
+        "every core the process may use)",
     )
     p.add_argument(
         "--conc-requests",

@@ -109,6 +109,7 @@ _MODEL_FIELDS = {
     "cache_policy",
     "cache_exact",
     "cache_lfu_decay_keys_per_slot",
+    "cache_lfu_sampling",
     "cache_refresh_percentage_per_iteration",
     "num_of_worker_buffer_in_pool",
     "deployed_device_list",
@@ -238,6 +239,14 @@ def _parse_model(
         decay,
         "looked-up keys per cache slot between LFU halvings, a finite number >= 0 (0: never)",
     )
+    lfu_sampling = p.read(field, d, "cache_lfu_sampling", where, int, 1, fallback=1)
+    p.check(
+        lfu_sampling >= 1,
+        where,
+        "cache_lfu_sampling",
+        lfu_sampling,
+        "an integer >= 1 (one lookup in it counts its LFU uses; 1: every lookup)",
+    )
     refresh = _fraction(d, "cache_refresh_percentage_per_iteration", where, 0.0, p)
     p.check(
         0.0 <= refresh <= 1.0, where, "cache_refresh_percentage_per_iteration", refresh, "in [0, 1]"
@@ -271,6 +280,7 @@ def _parse_model(
         ),
         cache_exact=p.read(field, d, "cache_exact", where, bool, False, fallback=False),
         cache_lfu_decay_keys_per_slot=decay,
+        cache_lfu_sampling=lfu_sampling,
         cache_refresh_percentage_per_iteration=refresh,
         num_of_worker_buffer_in_pool=workers,
         deployed_device_list=tuple(devs),

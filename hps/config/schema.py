@@ -27,7 +27,7 @@ Example (every field shown; the ones marked *ours* are not in HugeCTR)::
         "default_value_for_each_table": [0.0, 0.0],
         "gpucache": true, "gpucacheper": 0.2, "hit_rate_threshold": 0.9,
         "cache_policy": "lru", "cache_exact": false,                          (ours)
-        "cache_lfu_decay_keys_per_slot": 20.0,                                (ours)
+        "cache_lfu_decay_keys_per_slot": 20.0, "cache_lfu_sampling": 1,       (ours)
         "cache_refresh_percentage_per_iteration": 0.0, "num_of_worker_buffer_in_pool": 4,
         "deployed_device_list": [0], "device": "auto"                         (device: ours)
       }]
@@ -39,6 +39,12 @@ misses), and so are the session's key statistics; 0 never ages. Default 20
 (:data:`hps.types.DEFAULT_LFU_DECAY_KEYS_PER_SLOT`): a key must keep being looked up to stay
 cached, so a drift in popularity is followed within a few periods, at ~0.01 of hit rate in a
 workload that never drifts (``docs/hps.md``, LFU aging).
+
+``cache_lfu_sampling`` (LFU only; ignored by LRU): a set-associative cache counts the uses of
+one lookup in this many, each hit of that lookup as that many uses (the same expected count;
+the other lookups read and write no counter); 1 (the default) counts every lookup. 8 made 26
+pooled tables' lookups 7 % faster and cost 0.012 of unique-key hit rate on a stationary Zipf
+stream (``docs/hps/caches.md``, LFU use sampling).
 
 ``tilerec_artifact_version`` is the version of the serving-artifact format that
 ``export.write_serving_artifacts`` writes (this ``ps.json``, the sparse files and the dense
@@ -156,6 +162,7 @@ class ModelConfig:
     cache_policy: CachePolicy = CachePolicy.LRU
     cache_exact: bool = False
     cache_lfu_decay_keys_per_slot: float = DEFAULT_LFU_DECAY_KEYS_PER_SLOT
+    cache_lfu_sampling: int = 1
     cache_refresh_percentage_per_iteration: float = 0.0
     num_of_worker_buffer_in_pool: int = 4
     deployed_device_list: tuple[int, ...] = (0,)

@@ -20,12 +20,16 @@ struct TableView {
   int64_t n_words;
   const uint8_t* word_of;  // key32: a nibble per slot naming its high word; null: word 0
   const uint8_t* tags;
-  uint8_t* counters;  // bit 7 mark, bits 0..6 level (LFU) or stamp (LRU)
+  uint8_t* counters;  // level (LFU) or stamp (LRU), 0..127
   const uint8_t* storage;
   int64_t num_sets, ways, dim, row_bytes, format;
   int64_t stamp;   // LRU: the stamp (0..127) a hit writes; -1: LFU
   int64_t stream;  // LFU: the draw of the use at position j is mix64(stream + j)
   const int64_t* gaps;  // LFU: (128,) a use at level v moves up where draw * gaps[v] < 2**32
+  const int64_t* level_counts;  // LFU: (128,) the count of each level (hps.storage.cache)
+  // the uses each hit counts: 0 none (its counter is not read or written), 1 one (a Morris
+  // step; LRU: the stamp), w > 1 w of them at once (hps.storage.cache.add_weighted)
+  int64_t weight = 1;
   int64_t hotness;  // 0: rows; > 0: bags of this many keys (-1 pads)
   bool mean;
   float* out;       // rows: this table's (n, dim) block; bags: column 0 of this table

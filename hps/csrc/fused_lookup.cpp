@@ -13,10 +13,12 @@
 // is pipelined over the keys (the tag line, key line and row of the keys a few places ahead are
 // prefetched while a row is copied), so several keys' memory reads are in flight at once. A hit
 // copies (rows) or accumulates (bags, key by key in request order) its row into the output,
-// counts a use in the slot's counter byte (hps/storage/cache/slot_counter.py: LFU a Morris step of
-// the 7-bit level with the draw of the key's position; LRU the query's 7-bit stamp) and sets
-// its mark bit (bit 7) on its first hit, for this query's unique-hit count; the mark bits are
-// cleared again before the call returns. A miss records
+// counts its table's use weight in the slot's counter byte (hps/storage/cache/slot_counter.py:
+// LFU a Morris step of the 7-bit level with the draw of the key's position, or a weighted
+// step; LRU the query's 7-bit stamp; weight 0: the counter is not touched), writing the byte
+// only when it changes, and sets the slot's bit in this thread's slot bitmap on its first hit,
+// for this query's unique-hit count (first_hits.h; the bits are clear again before the call
+// returns). A miss records
 // its position for the caller, and a bag with a miss hands its rows back (pending_rows) so that
 // the caller sums it in request order once the missed rows are known. A cache with a dense key
 // index (hps/storage/cache/dense_index.py) answers its keys in [0, bound) from their 4-byte
@@ -63,41 +65,43 @@ constexpr int64_t kRing = 32;
 static_assert(kRing > kRowAhead + 2 * kProbeAhead && (kRing & (kRing - 1)) == 0,
               "the ring holds every key in flight");
 
-constexpr uint8_t kMark = 0x80;  // kMaxLevel (127): gather_checks.h
-
-// The use of slot s by the key at position j: LFU a Morris step of the level (up where the
-// draw × gap < 2**32), LRU the stamp; the mark bit makes a slot's first hit in this query a
-// unique hit (its slot recorded in firsts, whose marks are cleared after the call's uses).
-__attribute__((always_inline)) inline void use_slot(const TableView& t, int64_t s, int64_t j, int64_t& hits,
-                     FirstHits& firsts) {
+// The uses of slot s by the hit at position j: LFU `weight` uses of the level (one: a Morris
+// step, up where the draw × gap < 2**32; more: the count LEVEL_COUNTS[level] + weight rounded
+// to a level below or above in proportion, hps.storage.cache.add_weighted), LRU the stamp;
+// weight 0: none. A slot's first hit in this call is recorded in firsts (the unique hits).
+// The counter byte is written only when it changes.
+__attribute__((always_inline)) inline void use_slot(const TableView& t, int64_t s, int64_t j,
+                                                     int64_t& hits, FirstHits& firsts) {
   ++hits;
+  firsts.see(s);
+  if (t.weight == 0) return;
   const uint8_t m = t.counters[s];
-  uint8_t lv = m & kMaxLevel;
-  if (t.stamp < 0) {
-    if (lv < kMaxLevel) {
-      const uint64_t gap = static_cast<uint64_t>(t.gaps[lv]);
-      if (gap == 1) {  // an exact level: every use counts (the draw could not miss)
-        ++lv;
-      } else {
-        const uint64_t u = mix64(static_cast<int64_t>(static_cast<uint64_t>(t.stream) +
-                                                      static_cast<uint64_t>(j))) &
-                           0xFFFFFFFFULL;
+  uint8_t lv = m;
+  if (t.stamp >= 0) {
+    lv = static_cast<uint8_t>(t.stamp);
+  } else if (lv < kMaxLevel) {
+    const uint64_t gap = static_cast<uint64_t>(t.gaps[lv]);
+    if (t.weight == 1 && gap == 1) {  // an exact level: every use counts (no draw can miss)
+      ++lv;
+    } else {
+      const uint64_t u = mix64(static_cast<int64_t>(static_cast<uint64_t>(t.stream) +
+                                                    static_cast<uint64_t>(j))) &
+                         0xFFFFFFFFULL;
+      if (t.weight == 1) {
         lv += u * gap < (1ULL << 32);
+      } else {
+        const int64_t* c = t.level_counts;
+        const int64_t target = c[lv] + t.weight;
+        int64_t lo = lv;
+        while (lo < kMaxLevel && c[lo + 1] <= target) ++lo;
+        const bool up = lo < kMaxLevel &&
+                        u * static_cast<uint64_t>(c[lo + 1] - c[lo]) <
+                            static_cast<uint64_t>(target - c[lo]) << 32;
+        lv = static_cast<uint8_t>(lo + up);
       }
     }
-  } else {
-    lv = static_cast<uint8_t>(t.stamp);
   }
-  if (!(m & kMark)) firsts.add(s);
-  t.counters[s] = kMark | lv;
-}
-
-// Clear the mark bits of the slots first hit (end of a call's uses); returns how many.
-inline int64_t clear_marks(const TableView& t, FirstHits& firsts) {
-  for (int64_t k = 0; k < firsts.n; ++k) t.counters[firsts.slots[k]] &= kMaxLevel;
-  const int64_t n = firsts.n;
-  firsts.n = 0;
-  return n;
+  if (lv != m) t.counters[s] = lv;
 }
 
 // The gather of one piece (keys [i0, i1) of one table; bags: whole bags), pipelined so that
@@ -159,7 +163,7 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
       if (static_cast<uint64_t>(s) >= static_cast<uint64_t>(t.num_sets * t.ways))
         s = -1;  // none (-1), or a slot outside the cache: a miss, never followed
       ps(b).match = static_cast<uint64_t>(s);
-      if (s >= 0 && kUses) __builtin_prefetch(t.counters + s, 1, 3);
+      if (s >= 0 && kUses && t.weight) __builtin_prefetch(t.counters + s, 1, 3);
     } else if (b >= i0 && b < i1 && ps(b).base >= 0) {
       const uint64_t m = match_tags(t.tags + ps(b).base, first_ways, ps(b).tag);
       ps(b).match = m;
@@ -200,7 +204,7 @@ int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
         }
         if (slot >= 0) {
           if (!kProbeOnly) prefetch_bytes(row_of(t, slot), t.row_bytes);
-          if (kUses) __builtin_prefetch(t.counters + slot, 1, 3);
+          if (kUses && t.weight) __builtin_prefetch(t.counters + slot, 1, 3);
         }
       }
       sl[c] = slot;
@@ -303,7 +307,7 @@ inline int64_t owner_of(int64_t slot, int64_t owners) {
   return static_cast<int64_t>(((h & 0xFFFFFFFFULL) * static_cast<uint64_t>(owners)) >> 32);
 }
 
-// The uses (counters, mark bits) of the hits of tables `split` after a parallel gather cut
+// The uses (counters, unique hits) of the hits of tables `split` after a parallel gather cut
 // them into pieces across the threads: each thread owns the slots ``owner_of(slot) ==
 // thread`` of every such table, so no two threads write one counter (no atomics; counts
 // independent of the thread count).
@@ -316,17 +320,18 @@ void use_slots(const std::vector<TableView>& ts, const std::vector<std::vector<i
     for (int64_t o = o0; o < o1; ++o) {
       for (const int64_t i : split) {
         const TableView& t = ts[i];
-        firsts.make_room(t.n);
+        firsts.make_room(t.n, slot_bits(t.num_sets * t.ways).data());
         const int64_t* sl = slots[i].data();
         int64_t h = 0;
         for (int64_t j = 0; j < t.n; ++j) {
-          if (j + 16 < t.n && sl[j + 16] >= 0) __builtin_prefetch(t.counters + sl[j + 16], 1, 3);
+          if (t.weight && j + 16 < t.n && sl[j + 16] >= 0)
+            __builtin_prefetch(t.counters + sl[j + 16], 1, 3);
           const int64_t s = sl[j];
           if (s < 0 || owner_of(s, owners) != o) continue;
           use_slot(t, s, j, h, firsts);
         }
         hits[o * T + i] = h;
-        uniq[o * T + i] = clear_marks(t, firsts);  // this owner's slots: no other thread's
+        uniq[o * T + i] = firsts.clear();  // this owner's slots: no other thread's
       }
     }
   });
@@ -447,14 +452,22 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
   if (alone) {
     std::vector<std::unique_lock<std::mutex>> held;  // each counter held for the pass
     for (int64_t i = 0; i < T; ++i) held.push_back(take_counter(i));
-    for (int64_t i = 0; i < T; ++i) firsts[i].make_room(ts[i].n);
+    // one table after another over this thread's slot bits (sized for the widest cache
+    // first, so no table's pointer into them moves), each table's bits cleared after it
+    int64_t widest = 0;
+    for (int64_t i = 0; i < T; ++i) widest = std::max(widest, ts[i].num_sets * ts[i].ways);
+    uint64_t* bits = slot_bits(widest).data();
+    for (int64_t i = 0; i < T; ++i) firsts[i].make_room(ts[i].n, bits);
     try {
-      for (int64_t p = 0; p < P; ++p) run(p, true);
-    } catch (...) {  // a key counter that could not grow: no mark bit outlives the call
-      for (int64_t i = 0; i < T; ++i) clear_marks(ts[i], firsts[i]);
+      for (int64_t p = 0; p < P; ++p) {
+        run(p, true);
+        const int64_t i = pieces[p].table;
+        if (p + 1 == P || pieces[p + 1].table != i) uniq[i] = firsts[i].clear();
+      }
+    } catch (...) {  // a key counter that could not grow: no slot bit outlives the call
+      for (int64_t i = 0; i < T; ++i) firsts[i].clear();
       throw;
     }
-    for (int64_t i = 0; i < T; ++i) uniq[i] = clear_marks(ts[i], firsts[i]);
   } else {
     std::vector<Unit> units;
     std::vector<int64_t> split;  // tables cut into pieces across the threads
@@ -485,12 +498,12 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
           const int64_t i = w.table;
           const std::unique_lock<std::mutex> held = take_counter(i);  // for the table's pass
           try {
-            firsts[i].make_room(ts[i].n);
+            firsts[i].make_room(ts[i].n, slot_bits(ts[i].num_sets * ts[i].ways).data());
             for (int64_t p = w.first; p < w.last; ++p) run(p, true);
-          } catch (...) {  // a key counter that could not grow: no mark bit outlives the call
+          } catch (...) {  // a key counter that could not grow: no slot bit outlives the call
             errors[i] = std::current_exception();
           }
-          uniq[i] = clear_marks(ts[i], firsts[i]);
+          uniq[i] = firsts[i].clear();
         }
     });
     for (const std::exception_ptr& e : errors)
@@ -550,6 +563,7 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
 // ages the rest of its statistics, e.g. their mass, to match). dense: empty, or per table the cache's dense key index (int32, the
 // slot of each key in [0, numel), -1 where none; an empty tensor: none), which then answers
 // those keys in place of the hash probe (a slot outside the cache reads as a miss).
+// weights: empty (every table 1), or per table the uses each hit counts (>= 0; see use_slot).
 // Returns {misses (k,) int64: positions into each table's keys, table after table;
 //          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings;
 //          counted (T,) uint8: 1 where the table's hits were counted into its KeyCounter;
@@ -566,8 +580,14 @@ std::vector<at::Tensor> cache_gather(
     at::Tensor out, const std::vector<int64_t>& out_offsets, int64_t out_stride,
     const std::vector<int64_t>& hotness, const std::vector<int64_t>& mean,
     const at::Tensor& gaps, const at::Tensor& halve, const std::vector<KeyCounter*>& key_counters,
-    const std::vector<at::Tensor>& dense) {
+    const std::vector<at::Tensor>& dense, const std::vector<int64_t>& weights) {
   const size_t T = keys.size();
+  check(weights.empty() || weights.size() == T, "weights: none, or one per table");
+  for (size_t i = 0; i < weights.size(); ++i)
+    check(weights[i] >= 0, [&] {
+      return "table " + std::to_string(i) + ": use weight " + std::to_string(weights[i]) +
+             " is negative";
+    });
   check(key_counters.empty() || key_counters.size() == T,
         "key_counters: none, or one KeyCounter (or None) per table");
   check(dense.empty() || dense.size() == T, "dense: none, or one index (or an empty one) per table");
@@ -576,6 +596,9 @@ std::vector<at::Tensor> cache_gather(
                      &out_offsets, &hotness, &mean},
                     out, gaps, halve);
   const int64_t* gp = gaps.data_ptr<int64_t>();
+  int64_t level_counts[kMaxLevel + 1];  // LEVEL_COUNTS: the sums of the gaps below each level
+  level_counts[0] = 0;
+  for (int v = 0; v < kMaxLevel; ++v) level_counts[v + 1] = level_counts[v] + gp[v];
   const uint8_t* hv = halve.data_ptr<uint8_t>();
   const std::vector<int64_t> valid = valid_keys(keys, hotness);  // refuses bad keys first
   at::Tensor misses_all;
@@ -601,7 +624,7 @@ std::vector<at::Tensor> cache_gather(
     // LFU aging before this query's uses: one halving per multiple of the interval crossed
     const int64_t w = intervals[i];
     const int64_t crossed = w > 0 ? (looked_up[i] + valid[i]) / w - looked_up[i] / w : 0;
-    if (crossed > 0) {  // the level of half the count, crossed times; mark bits are 0 here
+    if (crossed > 0) {  // the level of half the count, crossed times
       uint8_t lut[kMaxLevel + 1];
       for (int v = 0; v <= kMaxLevel; ++v) lut[v] = static_cast<uint8_t>(v);
       for (int64_t r = 0; r < std::min<int64_t>(crossed, kMaxLevel + 1); ++r)
@@ -627,6 +650,8 @@ std::vector<at::Tensor> cache_gather(
                 stamps[i],
                 streams[i],
                 gp,
+                level_counts,
+                weights.empty() ? 1 : weights[i],
                 hotness[i],
                 mean[i] != 0,
                 out_base + out_offsets[i],

@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "common.h"
+#include "first_hits.h"
 #include "key_counter.h"
 #include "row_formats.h"
 
@@ -82,18 +83,6 @@ inline bool out_placed(int64_t n, int64_t h, int64_t dim, int64_t off, int64_t s
   const int64_t room = out_n - off;
   if (h == 0) return n <= room / dim;
   return dim <= room && n / h - 1 <= (room - dim) / stride;  // stride >= dim > 0
-}
-
-// One bit per slot of the largest static cache this thread has checked, all zero between
-// calls: a table's keys set their bits while they are checked (a key whose bit was clear is a
-// distinct one) and clear them again after, so counting the distinct keys of a call costs
-// O(keys), never O(table rows), and allocates nothing once the bitmap has grown. Per thread, so
-// concurrent calls over the same caches never share it; it holds capacity / 8 bytes.
-inline std::vector<uint64_t>& slot_bits(int64_t capacity) {
-  thread_local std::vector<uint64_t> bits;
-  const size_t words = static_cast<size_t>((capacity + 63) / 64);
-  if (bits.size() < words) bits.resize(words, 0);
-  return bits;
 }
 
 // Checks table t's keys (each in [lo, capacity); lo -1 for bags, 0 for rows) and counts them:

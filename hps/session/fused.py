@@ -301,8 +301,9 @@ def _run(
         stamps: Sequence[int] = plan.zeros  # the static pass reads no stamp, stream or clock
         streams: Sequence[int] = plan.zeros
         looked_up: Sequence[int] = plan.zeros
+        weights: Sequence[int] | None = None  # every hit one use (a static cache counts none)
         if not plan.all_static:  # one walk over the caches for the pass's per-table arguments
-            stamps, streams, looked_up = _clocks(caches, plan)
+            stamps, streams, looked_up, weights = _clocks(caches, plan)
         counters = _pass_counters(s, ts, ks, caches, taken)
         args = GatherArgs(
             caches=caches,
@@ -317,6 +318,7 @@ def _run(
             looked_up=looked_up,
             intervals=plan.intervals,
             key_counters=counters,
+            weights=weights,
         )
         try:
             res = gather_any(args, compiled=s.compiled and load_extension() is not None)
@@ -367,15 +369,20 @@ def _run(
     _count_keys(s, ts, ks, misses, per, counted, counters is not None, taken, missed)
 
 
-def _clocks(caches: list[EmbeddingCache], plan: CallPlan) -> tuple[list[int], list[int], list[int]]:
+def _clocks(
+    caches: list[EmbeddingCache], plan: CallPlan
+) -> tuple[list[int], list[int], list[int], list[int]]:
     """Per table, the LRU stamp a hit writes (-1: LFU), the LFU draw stream (0: a static
-    cache, which keeps no use counts) and the aging clock before this query."""
-    stamps, streams, looked_up = [], [], []
+    cache, which keeps no use counts), the aging clock before this query and the uses each
+    hit counts (:meth:`EmbeddingCache.use_weight`: 0 where the cache's LFU sampling skips
+    this query)."""
+    stamps, streams, looked_up, weights = [], [], [], []
     for c, lru, static in zip(caches, plan.lru, plan.static, strict=True):
         stamps.append(c._clock % LRU_PERIOD if lru else -1)
         streams.append(0 if static else c.lfu_stream())
         looked_up.append(c._looked_up)
-    return stamps, streams, looked_up
+        weights.append(c.use_weight())
+    return stamps, streams, looked_up, weights
 
 
 def _pass_counters(

@@ -66,10 +66,16 @@ class EmbeddingCache:
             ``None``: every key is hashed.
             Any bound is correct (other keys are hashed); see
             :func:`~hps.storage.cache.dense_index.dense_key_bound`.
+        lfu_sampling: LFU counts the uses of one query in ``lfu_sampling`` (those whose
+            query clock is a multiple of it), each hit as ``lfu_sampling`` uses (a weighted
+            step, :func:`~hps.storage.cache.slot_counter.add_weighted`: the same expected
+            count), so the other queries' hits read no counter and write none; 1 (the
+            default) counts every query. Ignored by LRU, whose stamps every hit writes.
 
     Raises:
         ValueError: naming a non-positive capacity, dim or ways, or a negative,
-            non-finite or non-numeric ``lfu_decay_keys_per_slot``, or a ``key_bound`` that
+            non-finite or non-numeric ``lfu_decay_keys_per_slot``, an ``lfu_sampling`` that is
+            not an integer >= 1, or a ``key_bound`` that
             is not an int in ``[1, 2**31)`` or given to a cache of more than ``2**31 - 1``
             slots.
 
@@ -89,7 +95,13 @@ class EmbeddingCache:
         compact_keys: bool = True,
         seed: int = 0,
         key_bound: int | None = None,
+        lfu_sampling: int = 1,
     ) -> None:
+        if isinstance(lfu_sampling, bool) or not isinstance(lfu_sampling, int) or lfu_sampling < 1:
+            raise ValueError(
+                f"cache lfu_sampling must be an integer >= 1 (one query in it counts its LFU "
+                f"uses, each as that many), got {lfu_sampling!r}"
+            )
         if capacity <= 0:
             raise ValueError(f"cache capacity must be > 0 rows, got {capacity}")
         if dim <= 0:
@@ -122,8 +134,7 @@ class EmbeddingCache:
         #: the key of each slot (int32 low words and high words, or int64 keys)
         self.slot_keys = SlotKeys(sets, self.device, compact_keys, key_bound)
         # huge pages: the probe reads these at random (a TLB miss per read with 4 KiB pages)
-        #: one byte per slot (:mod:`hps.storage.cache.slot_counter`): LFU level / LRU stamp,
-        #: mark bit
+        #: one byte per slot (:mod:`hps.storage.cache.slot_counter`): LFU level / LRU stamp
         self.counters = huge_zeros(sets, torch.uint8, self.device)
         self.tags = huge_zeros(sets, torch.uint8, self.device)
         self.seed = int(seed)
@@ -152,6 +163,8 @@ class EmbeddingCache:
                 f"usable aging period (over 2**62 keys); use 0 for never"
             )
         self.lfu_decay_interval = max(1, round(interval)) if aging else 0
+        #: one query in this many counts its LFU uses (each hit as this many); LRU: 1
+        self.lfu_sampling = lfu_sampling if self.policy is CachePolicy.LFU else 1
         self._looked_up = 0  # the aging clock: keys (occurrences) looked up so far
         #: halvings applied so far; a priority counted at epoch e is worth ``p >> (decay_epoch - e)``
         self.decay_epoch = 0
@@ -196,6 +209,15 @@ class EmbeddingCache:
         if self.policy is CachePolicy.LRU and self._clock % LRU_RENORM == 0:
             self.counters.copy_(lru_renormalised(self.counters, self._clock))
         return self._clock
+
+    def use_weight(self) -> int:
+        """The uses each hit of the current query counts (``lfu_sampling`` on a sampled
+        query, 0 on the others; 1 for LRU or unsampled LFU). Call after :meth:`_tick`, with
+        the cache's lock held."""
+        k = self.lfu_sampling
+        if k == 1:
+            return 1
+        return k if self._clock % k == 0 else 0
 
     def lfu_stream(self) -> int:
         """The draw stream of the LFU uses of the current query (:func:`stream_of` of the seed
@@ -266,13 +288,17 @@ class EmbeddingCache:
         self, slots: torch.Tensor, counts: torch.Tensor | None, positions: torch.Tensor
     ) -> None:
         """Count a use of each of ``slots (n,) int64`` (unique): LRU stamps the clock; LFU adds
-        ``counts`` (default 1) to the levels with the draws of ``positions (n,) int64``."""
+        ``counts`` (default 1) times :meth:`use_weight` to the levels with the draws of
+        ``positions (n,) int64`` (nothing on a query whose uses are not sampled)."""
         flat = self.counters.view(-1)
         if self.policy is CachePolicy.LRU:
             flat[slots] = self._clock % LRU_PERIOD
             return
+        k = self.use_weight()
+        if k == 0:  # a query whose LFU uses are not sampled
+            return
         w = torch.ones_like(slots) if counts is None else counts
-        flat[slots] = add_weighted(flat[slots], w, draws(self.lfu_stream(), positions))
+        flat[slots] = add_weighted(flat[slots], w * k, draws(self.lfu_stream(), positions))
 
     def _homed_at(self, slots: torch.Tensor) -> torch.Tensor:
         """``(n,) bool``: the homed bit of each of ``slots (n,) int64``."""

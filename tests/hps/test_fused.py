@@ -65,7 +65,7 @@ def _assert_same_state(a: LookupSession, b: LookupSession) -> None:
             ca.counters, cb.counters
         )
         assert torch.equal(ca.tags, cb.tags) and torch.equal(ca.homed_bits, cb.homed_bits)
-        assert int(ca.counters.max()) < 128  # every mark bit cleared when the call returned
+        assert int(ca.counters.max()) < 128  # every counter byte a level (or stamp) 0..127
         assert ca.decay_epoch == cb.decay_epoch and ca.stats == cb.stats
     sa, sb = a.stats(), b.stats()
     for n in NAMES:
@@ -450,7 +450,7 @@ def test_fused_pass_reads_quantized_cache_rows(fmt: RowDtype) -> None:
 @pytest.mark.parametrize("policy", [CachePolicy.LRU, CachePolicy.LFU])
 def test_threaded_pass_equals_reference(policy: CachePolicy) -> None:
     """A call large enough to be split between threads (≥ 8,192 keys, two threads; its one
-    table is cut across them: the threads gather, then each writes the counters and mark bits
+    table is cut across them: the threads gather, then each writes the counters and counts the unique hits
     of the slots it owns) gives the
     reference's rows, bags, counters and statistics bit for bit; hot keys (~60 hits a slot)
     take LFU levels past the exact ones, where each hit's step is drawn."""
@@ -491,7 +491,7 @@ def test_threaded_pass_equals_reference(policy: CachePolicy) -> None:
             assert torch.equal(results[0].misses, results[1].misses)
             assert torch.equal(results[0].pending[0], results[1].pending[0])
             assert torch.equal(caches[0].counters, caches[1].counters)
-            assert int(caches[0].counters.max()) < 128  # mark bits cleared
+            assert int(caches[0].counters.max()) < 128  # counter bytes are levels 0..127
         if policy is CachePolicy.LFU:  # levels past the exact ones were drawn
             assert int(caches[0].counters.max()) > 18
     finally:

@@ -208,7 +208,7 @@ def test_a_threaded_call_gathers_small_tables_whole_and_counts_their_keys_in_the
         for a, b in zip(res.pending, ref.pending, strict=True):
             assert torch.equal(a, b)
         for a, b in zip(counters, ref_counters, strict=True):
-            assert torch.equal(a, b) and int(a.max()) < 128  # mark bits cleared
+            assert torch.equal(a, b) and int(a.max()) < 128  # levels 0..127
     probe = np.arange(n + 40)
     for i in (0, 1):  # the whole tables: counted in the pass as by one thread
         assert np.array_equal(two[3][i].count_of(probe), one[3][i].count_of(probe))

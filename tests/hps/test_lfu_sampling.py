@@ -259,3 +259,53 @@ def test_ps_json_carries_the_sampling_and_its_default() -> None:
 def test_ps_json_refuses_a_bad_sampling_by_name(bad: object) -> None:
     with pytest.raises(ValueError, match=r"models\[0\]\.cache_lfu_sampling"):
         parse_config(_ps_doc(cache_lfu_sampling=bad))
+
+
+@pytest.mark.parametrize("weights", [[3, 0, 8], [0, 5, 1]])
+def test_two_threads_count_weights_as_the_reference(weights: list[int]) -> None:
+    """A call of 11,000 keys on two threads: table 0 (9,000 keys) is cut across them and its
+    uses written by the slots' owners afterwards; tables 1 and 2 are each done whole by one
+    thread, uses in the same pass."""
+    needs_ext()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        a, b = _full_caches("lfu"), _full_caches("lfu")
+        g = torch.Generator().manual_seed(5)
+        for _ in range(2):
+            keys = [
+                (torch.rand(m, 1, generator=g) ** 3 * n).long()
+                for m, (n, _) in zip((9000, 1000, 1000), SPECS, strict=True)
+            ]
+            widths = [k.shape[1] for k in keys]
+            assert widths == [1, 1, 1]
+            ra = gather(_args_rows(a, keys, weights), compiled=True)
+            rb = gather_reference(_args_rows(b, keys, weights))
+            assert torch.equal(ra.per_table, rb.per_table)
+            for i, (ca, cb) in enumerate(zip(a, b, strict=True)):
+                assert torch.equal(ca.counters, cb.counters)
+                assert (int(ca.counters.max()) == 0) == (weights[i] == 0)
+                assert int(ra.per_table[i, 2]) == keys[i].unique().numel()
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _args_rows(
+    caches: list[EmbeddingCache], keys: list[torch.Tensor], weights: list[int]
+) -> GatherArgs:
+    """Rows (hotness 0) of every table into one flat buffer."""
+    sizes = [k.numel() * c.dim for k, c in zip(keys, caches, strict=True)]
+    return GatherArgs(
+        caches=caches,
+        keys=[k.reshape(-1).contiguous() for k in keys],
+        out=torch.zeros(sum(sizes)),
+        out_offsets=[0, *np.cumsum(sizes)[:-1].tolist()],
+        out_stride=0,
+        hotness=[0] * len(caches),
+        mean=[False] * len(caches),
+        stamps=[-1] * len(caches),
+        streams=[99 + i for i in range(len(caches))],
+        looked_up=[0] * len(caches),
+        intervals=[0] * len(caches),
+        weights=weights,
+    )

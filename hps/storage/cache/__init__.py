@@ -21,7 +21,7 @@ Layout for ``capacity = 8`` rows, ``ways = 4`` (HugeCTR: 2 slabs of 32 → 64 wa
     high_of  (capacity / 2,) uint8     4 bits per slot: its key's high word in ``high_words``
                                        (none while h ≤ 1: every key has ``high_words[0]``)
     counters (num_sets, ways) uint8    [[40, 38, 0, 12],      one byte (cache.slot_counter):
-                                        [41,  0, 0,  0]]      LFU log level / LRU stamp, mark bit
+                                        [41,  0, 0,  0]]      LFU log level / LRU stamp
     tags     (num_sets, ways) uint8    [[ 9, 201, 0, 77],     tag_of(key); 0 = empty
                                         [14,  0, 0,  0]]
     homed    (capacity / 8,) uint8     one bit per slot: the slot holds the in-process volatile
@@ -106,7 +106,6 @@ from hps.storage.cache.slot_counter import (
     HALVE,
     LEVEL_COUNTS,
     LRU_PERIOD,
-    MARK_BIT,
     MAX_LEVEL,
     add_weighted,
     aging_lut,
@@ -130,7 +129,6 @@ __all__ = [
     "HALVE",
     "LEVEL_COUNTS",
     "LRU_PERIOD",
-    "MARK_BIT",
     "MAX_HIGH_WORDS",
     "MAX_LEVEL",
     "Placed",

@@ -1,9 +1,8 @@
-"""The one-byte use counter of an embedding-cache slot: 7 bits of level, 1 bit of mark.
+"""The one-byte use counter of an embedding-cache slot: a 7-bit level.
 
 Byte layout (``EmbeddingCache.counters``, ``(num_sets, ways) uint8``)::
 
-    bit 7      mark: set by the compiled pass on a slot's first hit in a call (its unique-hit
-               count), cleared before the call returns: always 0 between calls
+    bit 7      0
     bits 0..6  level 0..127
                LFU: a logarithmic (Morris) use count, ``LEVEL_COUNTS[level]`` uses
                LRU: the query clock of the last use modulo 128 (ages renormalised every 64
@@ -55,7 +54,6 @@ __all__ = [
     "HALVE",
     "LEVEL_COUNTS",
     "LRU_PERIOD",
-    "MARK_BIT",
     "MAX_LEVEL",
     "add_weighted",
     "aging_lut",
@@ -68,7 +66,6 @@ __all__ = [
 ]
 
 MAX_LEVEL = 127
-MARK_BIT = 0x80
 EXACT_LEVELS = 18  # levels 0..18 are exact counts
 LRU_PERIOD = 128  # LRU stamps are the query clock modulo this
 LRU_RENORM = 64  # ... and ages are capped at LRU_RENORM - 1 every LRU_RENORM queries
@@ -101,7 +98,7 @@ HALVE: tuple[int, ...] = _halve()
 
 
 def count_of(levels: torch.Tensor) -> torch.Tensor:
-    """``levels`` uint8 (bits 0..6; the mark bit ignored) → the same shape of int64 counts."""
+    """``levels`` uint8 (bits 0..6) → the same shape of int64 counts."""
     table = torch.tensor(LEVEL_COUNTS, dtype=torch.int64, device=levels.device)
     return table[(levels & MAX_LEVEL).long()]
 
@@ -142,7 +139,7 @@ def draws(stream: int, positions: torch.Tensor) -> torch.Tensor:
 
 
 def add_weighted(levels: torch.Tensor, weights: torch.Tensor, u: torch.Tensor) -> torch.Tensor:
-    """LFU levels after ``weights`` more uses each (``levels (n,) uint8``, mark bit clear;
+    """LFU levels after ``weights`` more uses each (``levels (n,) uint8``;
     ``weights (n,) int64 ≥ 1``; ``u (n,) int64`` draws in ``[0, 2**32)``): the count
     ``LEVEL_COUNTS[v] + w`` rounded to the level below or above it, up with probability
     (count − lower) / (upper − lower). For ``w = 1`` this is one Morris step."""

@@ -43,7 +43,7 @@ workload that never drifts (``docs/hps.md``, LFU aging).
 ``cache_lfu_sampling`` (LFU only; ignored by LRU): a set-associative cache counts the uses of
 one lookup in this many, each hit of that lookup as that many uses (the same expected count;
 the other lookups read and write no counter); 1 (the default) counts every lookup. 8 made 26
-pooled tables' lookups 7 % faster and cost 0.012 of unique-key hit rate on a stationary Zipf
+pooled tables' lookups 7–15 % faster and cost 0.012 of unique-key hit rate on a stationary Zipf
 stream (``docs/hps/caches.md``, LFU use sampling).
 
 ``tilerec_artifact_version`` is the version of the serving-artifact format that

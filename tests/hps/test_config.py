@@ -332,3 +332,17 @@ def test_a_key_given_twice_is_refused_naming_it_and_both_lines(tmp_path) -> None
             f"{p}: key {key!r} at line {line} is given twice in one object (first at line "
             f"{first}); JSON keeps only the last value, so each key must be unique"
         )
+
+
+def test_ps_json_carries_the_lfu_sampling_and_its_default() -> None:
+    assert parse_config(_doc(cache_policy="lfu")).models[0].cache_lfu_sampling == 1
+    cfg = parse_config(_doc(cache_policy="lfu", cache_lfu_sampling=8))
+    assert cfg.models[0].cache_lfu_sampling == 8
+    assert cfg.to_dict()["models"][0]["cache_lfu_sampling"] == 8
+    assert parse_config(cfg.to_dict()).models[0].cache_lfu_sampling == 8
+
+
+@pytest.mark.parametrize("bad", [0, -3, 1.5, True])
+def test_ps_json_refuses_a_bad_lfu_sampling_by_name(bad: object) -> None:
+    with pytest.raises(ValueError, match=r"models\[0\]\.cache_lfu_sampling"):
+        parse_config(_doc(cache_policy="lfu", cache_lfu_sampling=bad))

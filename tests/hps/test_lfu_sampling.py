@@ -8,7 +8,6 @@ import numpy as np
 import pytest
 import torch
 
-from hps.config import parse_config
 from hps.fused import GatherArgs, gather, gather_reference
 from hps.session import LookupSession, SessionTable
 from hps.storage.cache import (
@@ -158,23 +157,41 @@ def _session(compiled: bool, sampling: int, small: bool) -> LookupSession:
     """LFU caches of a third of each table's rows aging every half a key per slot (misses,
     evictions, halvings), or (``small`` False) of 16 × its rows, never aging (every key hits
     once cached, and only the hits' uses write a counter)."""
+    tables = [
+        SessionTable(
+            name,
+            d,
+            -1.0,
+            10**6,
+            EmbeddingCache(
+                n // 3 if small else 16 * n,
+                d,
+                policy="lfu",
+                ways=8,
+                lfu_decay_keys_per_slot=0.5 if small else 0.0,
+                lfu_sampling=sampling,
+            ),
+        )
+        for name, (n, d) in zip(NAMES, SPECS, strict=True)
+    ]
+    return LookupSession(
+        tables,
+        _rows_in_a_hash_map(),
+        None,
+        hit_rate_threshold=1.0,
+        exact=True,
+        compiled=compiled,
+        key_stats_sampling=1,
+    )
+
+
+def _rows_in_a_hash_map() -> HashMapBackend:
+    """Every table's rows in the in-process volatile tier."""
     v = HashMapBackend(num_partitions=1)
-    tables = []
     for name, (n, d) in zip(NAMES, SPECS, strict=True):
         v.create_table(name, d)
         v.insert(name, np.arange(n, dtype=np.int64), _rows(n, d))
-        cache = EmbeddingCache(
-            n // 3 if small else 16 * n,
-            d,
-            policy="lfu",
-            ways=8,
-            lfu_decay_keys_per_slot=0.5 if small else 0.0,
-            lfu_sampling=sampling,
-        )
-        tables.append(SessionTable(name, d, -1.0, 10**6, cache))
-    return LookupSession(
-        tables, v, None, hit_rate_threshold=1.0, exact=True, compiled=compiled, key_stats_sampling=1
-    )
+    return v
 
 
 def _assert_same(a: LookupSession, b: LookupSession) -> None:
@@ -225,40 +242,6 @@ def test_only_sampled_calls_count_uses() -> None:
         assert a.tables["t0"].cache.stats.hits > 0  # type: ignore[union-attr]
     assert [m for s, m in changed if not s] == [False] * 6
     assert [m for s, m in changed if s] == [True, True]
-
-
-def _ps_doc(**model: object) -> dict[str, object]:
-    m = {
-        "model": "dlrm",
-        "max_batch_size": 64,
-        "sparse_files": ["s/t0"],
-        "embedding_table_names": ["t0"],
-        "embedding_vecsize_per_table": [8],
-        "maxnum_catfeature_query_per_table_per_sample": [2],
-        "default_value_for_each_table": [0.0],
-        "cache_policy": "lfu",
-    }
-    m.update(model)
-    return {
-        "supportlonglong": True,
-        "volatile_db": {"type": "parallel_hash_map"},
-        "persistent_db": {"type": "rocks_db", "path": "pdb"},
-        "models": [m],
-    }
-
-
-def test_ps_json_carries_the_sampling_and_its_default() -> None:
-    assert parse_config(_ps_doc()).models[0].cache_lfu_sampling == 1
-    cfg = parse_config(_ps_doc(cache_lfu_sampling=8))
-    assert cfg.models[0].cache_lfu_sampling == 8
-    assert cfg.to_dict()["models"][0]["cache_lfu_sampling"] == 8
-    assert parse_config(cfg.to_dict()).models[0].cache_lfu_sampling == 8
-
-
-@pytest.mark.parametrize("bad", [0, -3, 1.5, True])
-def test_ps_json_refuses_a_bad_sampling_by_name(bad: object) -> None:
-    with pytest.raises(ValueError, match=r"models\[0\]\.cache_lfu_sampling"):
-        parse_config(_ps_doc(cache_lfu_sampling=bad))
 
 
 @pytest.mark.parametrize("weights", [[3, 0, 8], [0, 5, 1]])

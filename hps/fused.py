@@ -299,12 +299,10 @@ def _gather_one(
         c.counters.copy_(aging_lut(crossed)[c.counters.long()])
     hit, slot = c._hashed_slots(k[valid])  # the specification: never the dense key index
     hpos, hslot, miss = valid[hit], slot[hit], valid[~hit]
-    weight = 1 if args.weights is None else args.weights[i]
-    if weight == 0:
-        pass  # the hits count no use: the counters stay as they are
-    elif c.policy is CachePolicy.LFU:
+    weight = 1 if args.weights is None else args.weights[i]  # 0: the counters stay as they are
+    if weight and c.policy is CachePolicy.LFU:
         _morris_steps(c.counters.view(-1), hslot, hpos, args.streams[i], weight)
-    else:
+    elif weight:
         c.counters.view(-1)[hslot] = args.stamps[i]
     unique_hits = int(torch.unique(hslot).numel())
     off = args.out_offsets[i]

@@ -292,3 +292,18 @@ def _args_rows(
         intervals=[0] * len(caches),
         weights=weights,
     )
+
+
+def test_the_per_table_query_counts_sampled_queries_only_and_as_k() -> None:
+    """:meth:`EmbeddingCache.query` (the per-table lookup's path): counters untouched on the
+    queries sampling skips; on a sampled one, each hit at an exact level moves up k levels."""
+    c = EmbeddingCache(64, 4, policy="lfu", ways=8, lfu_decay_keys_per_slot=0.0, lfu_sampling=4)
+    keys = torch.arange(10)
+    c.insert(keys, torch.zeros(10, 4))
+    c.counters.zero_()
+    for _ in range(4):
+        clock = c._clock + 1  # the query ticks first
+        _, hit = c.query(keys)
+        assert bool(hit.all())
+        levels = sorted(int(x) for x in c.counters.view(-1) if int(x))
+        assert levels == ([] if clock < 4 else [4] * 10), clock

@@ -211,9 +211,10 @@ class EmbeddingCache:
         return self._clock
 
     def use_weight(self) -> int:
-        """The uses each hit of the current query counts (``lfu_sampling`` on a sampled
-        query, 0 on the others; 1 for LRU or unsampled LFU). Call after :meth:`_tick`, with
-        the cache's lock held."""
+        """The uses each hit of the current query counts: ``lfu_sampling`` on a query whose
+        clock is a multiple of it, 0 on the others; 1 where ``lfu_sampling`` is 1 (every LFU
+        query counted, and always for LRU). Call after :meth:`_tick`, with the cache's lock
+        held."""
         k = self.lfu_sampling
         if k == 1:
             return 1

@@ -39,6 +39,10 @@ struct TableView {
   // under the cache's lock (hps/storage/cache/dense_index.py); null: every key is hashed
   const int32_t* dense = nullptr;
   int64_t n_dense = 0;
+  // every key of the table is in the dense index's range (bags: or -1): its unique hits are
+  // its distinct keys less its distinct missed keys (dense_distinct), and no hit sets a bit
+  // in the slot bitmap (first_hits.h)
+  bool by_key = false;
 };
 
 // The set of a hash: the high 32 bits scaled to [0, num_sets) (a multiply, no division);

@@ -22,7 +22,10 @@
 // its position for the caller, and a bag with a miss hands its rows back (pending_rows) so that
 // the caller sums it in request order once the missed rows are known. A cache with a dense key
 // index (hps/storage/cache/dense_index.py) answers its keys in [0, bound) from their 4-byte
-// entries instead: no hash, tag line or key line (the hash is still computed for a key counter).
+// entries instead: no hash, tag line or key line (the hash is still computed for a key counter);
+// a piece of FP32 bags whose keys all lie in the index's range is pooled in the index's own pass
+// (pool_bags_dense), and a table whose keys all do counts its unique hits by key
+// (dense_distinct), not in the slot bitmap.
 // Rows are opaque bytes (row_bytes per table); the row format decides how a row is read.
 #include <torch/extension.h>
 
@@ -46,259 +49,13 @@
 #include "first_hits.h"
 #include "gather_checks.h"
 #include "key_counter.h"
+#include "pooled_bags.h"
+#include "probe_pass.h"
 #include "row_formats.h"
+#include "slot_uses.h"
 #include "static_gather.h"
 
 namespace hps_cpu {
-
-// Distances of the probe pipeline, in keys: a key's row (and counter) is prefetched kRowAhead
-// keys before it is read, its key line kProbeAhead keys before that, its tag line kProbeAhead
-// keys earlier still. The row, 8 lines of 64 bytes in FP32 at dim 128, is the longest wait;
-// 26 tables of dlrm_dcnv2 ÷ 300, pooled: row distance 8 ran 2 % faster than 4, 12 to 24 no
-// faster than 8, probe distance 2 slower than 4; probe distance 8 against 4 differed within
-// the noise (docs/benchmarks.md, "pooled bags").
-constexpr int64_t kRowAhead = 8, kProbeAhead = 8;
-// The per-key state of the keys in the pipeline, a ring indexed by the key's position: 1 KiB
-// that stays in L1 (a state per key of a 2,048-key piece, 64 KiB, evicted the tag and key
-// lines the pipeline had just prefetched).
-constexpr int64_t kRing = 32;
-static_assert(kRing > kRowAhead + 2 * kProbeAhead && (kRing & (kRing - 1)) == 0,
-              "the ring holds every key in flight");
-
-// The uses of slot s by the hit at position j: LFU `weight` uses of the level (one: a Morris
-// step, up where the draw × gap < 2**32; more: the count LEVEL_COUNTS[level] + weight rounded
-// to a level below or above in proportion, hps.storage.cache.add_weighted), LRU the stamp;
-// weight 0: none. A slot's first hit in this call is recorded in firsts (the unique hits).
-// The counter byte is written only when it changes.
-__attribute__((always_inline)) inline void use_slot(const TableView& t, int64_t s, int64_t j,
-                                                     int64_t& hits, FirstHits& firsts) {
-  ++hits;
-  firsts.see(s);
-  if (t.weight == 0) return;
-  const uint8_t m = t.counters[s];
-  uint8_t lv = m;
-  if (t.stamp >= 0) {
-    lv = static_cast<uint8_t>(t.stamp);
-  } else if (lv < kMaxLevel) {
-    const uint64_t gap = static_cast<uint64_t>(t.gaps[lv]);
-    if (t.weight == 1 && gap == 1) {  // an exact level: every use counts (no draw can miss)
-      ++lv;
-    } else {
-      const uint64_t u = mix64(static_cast<int64_t>(static_cast<uint64_t>(t.stream) +
-                                                    static_cast<uint64_t>(j))) &
-                         0xFFFFFFFFULL;
-      if (t.weight == 1) {
-        lv += u * gap < (1ULL << 32);
-      } else {
-        const int64_t* c = t.level_counts;
-        const int64_t target = c[lv] + t.weight;
-        int64_t lo = lv;
-        while (lo < kMaxLevel && c[lo + 1] <= target) ++lo;
-        const bool up = lo < kMaxLevel &&
-                        u * static_cast<uint64_t>(c[lo + 1] - c[lo]) <
-                            static_cast<uint64_t>(target - c[lo]) << 32;
-        lv = static_cast<uint8_t>(lo + up);
-      }
-    }
-  }
-  if (lv != m) t.counters[s] = lv;
-}
-
-// The gather of one piece (keys [i0, i1) of one table; bags: whole bags), pipelined so that
-// the tag line, key line and row of later keys are in flight while a key's row is copied:
-// rows copied or bags summed key by key in request order (MEAN bags without a miss divided),
-// each key's slot in sl (-1 miss, -2 padding); returns the misses. A bag's first hit is
-// written as 0.0f + row (kZeroAdd), the later ones added, so its output row is written once
-// and never zero-filled first (a bag without a hit is zero-filled at its last key). With
-// ``uses`` (one thread does every key of the table) the counters are written here too, hits
-// counted and first hits recorded, and the hits of keys >= 0 counted into t.counter when it is
-// set (the key's hash computed once for both; its counter entry prefetched with the tag line;
-// the misses are counted exactly by the caller's miss path, hps/session/fused.py).
-// With kProbeOnly (bags pooled afterwards by pool_bags from sl) no row is read here.
-template <bool kUses, int64_t kFormat, bool kProbeOnly = false>
-int64_t gather_piece(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
-                  int64_t& hits, FirstHits& firsts) {
-  ProbeState ring[kRing];
-  const auto ps = [&ring](int64_t x) -> ProbeState& { return ring[x & (kRing - 1)]; };
-  const int64_t first_ways = std::min<int64_t>(64, t.ways);
-  const bool bags = t.hotness > 0;
-  // bags: the bag before the first (the loop steps to it), the key's place in its bag (no
-  // division per key), its output row
-  int64_t bag = bags ? i0 / t.hotness - 1 : 0;
-  int64_t j = bags ? t.hotness - 1 : 0;
-  float* dst = nullptr;
-  int64_t n_valid = 0, n_missed = 0;
-  bool missed = false, written = false;
-  for (int64_t i = i0 - kRowAhead - 2 * kProbeAhead; i < i1; ++i) {
-    const int64_t a = i + kRowAhead + 2 * kProbeAhead;  // stage 1: hash, prefetch the tag line
-    if (a >= i0 && a < i1) {
-      const int64_t key = t.keys[a];
-      if (bags && key < 0) {
-        ps(a).base = -1;
-      } else if (key >= 0 && key < t.n_dense) {  // the dense index: one 4-byte read, no hash
-        ps(a).base = -3;
-        __builtin_prefetch(t.dense + key, 0, 3);
-        if (kUses && t.counter != nullptr) {
-          ps(a).hash = mix64(key);
-          t.counter->prefetch_entry(ps(a).hash);
-        }
-      } else {
-        const uint64_t h = mix64(key);
-        ps(a).hash = h;
-        if (kUses && t.counter != nullptr && key >= 0) t.counter->prefetch_entry(h);
-        const int64_t word = t.key32 ? word_index(t, key) : 0;
-        if (word < 0) {
-          ps(a).base = -2;  // a high word the cache lacks: a miss without a probe
-        } else {
-          ps(a).base = set_of(h, t.num_sets) * t.ways;
-          ps(a).tag = tag_of(h);
-          ps(a).word = static_cast<uint8_t>(word);
-          __builtin_prefetch(t.tags + ps(a).base, 0, 3);
-        }
-      }
-    }
-    const int64_t b = i + kRowAhead + kProbeAhead;  // stage 2: match the tags, prefetch the key line
-    if (b >= i0 && b < i1 && ps(b).base == -3) {  // the slot, known: its counter now
-      int64_t s = t.dense[t.keys[b]];
-      if (static_cast<uint64_t>(s) >= static_cast<uint64_t>(t.num_sets * t.ways))
-        s = -1;  // none (-1), or a slot outside the cache: a miss, never followed
-      ps(b).match = static_cast<uint64_t>(s);
-      if (s >= 0 && kUses && t.weight) __builtin_prefetch(t.counters + s, 1, 3);
-    } else if (b >= i0 && b < i1 && ps(b).base >= 0) {
-      const uint64_t m = match_tags(t.tags + ps(b).base, first_ways, ps(b).tag);
-      ps(b).match = m;
-      if (m) {
-        const int64_t s = ps(b).base + __builtin_ctzll(m);
-        __builtin_prefetch(key_addr(t, s), 0, 3);
-        if (t.word_of) __builtin_prefetch(t.word_of + (s >> 1), 0, 3);
-      }
-    }
-    const int64_t c = i + kRowAhead;  // stage 3: the slot; prefetch its row and counter
-    if (c >= i0 && c < i1) {
-      int64_t slot = ps(c).base == -2 ? -1 : -2;
-      if (ps(c).base == -3) {
-        slot = static_cast<int64_t>(ps(c).match);
-        if (slot >= 0 && !kProbeOnly) prefetch_bytes(row_of(t, slot), t.row_bytes);
-      } else if (ps(c).base >= 0) {
-        const int64_t key = t.keys[c];
-        const int64_t base = ps(c).base;
-        slot = -1;
-        for (uint64_t m = ps(c).match; m; m &= m - 1) {
-          const int64_t w = __builtin_ctzll(m);
-          if (holds(t, base + w, key, ps(c).word)) {
-            slot = base + w;
-            break;
-          }
-        }
-        if (slot < 0 && t.ways > 64) {  // sets wider than one tag line: the rest of the set
-          for (int64_t w0 = 64; w0 < t.ways && slot < 0; w0 += 64) {
-            uint64_t m = match_tags(t.tags + base + w0, std::min<int64_t>(64, t.ways - w0), ps(c).tag);
-            for (; m; m &= m - 1) {
-              const int64_t w = w0 + __builtin_ctzll(m);
-              if (holds(t, base + w, key, ps(c).word)) {
-                slot = base + w;
-                break;
-              }
-            }
-          }
-        }
-        if (slot >= 0) {
-          if (!kProbeOnly) prefetch_bytes(row_of(t, slot), t.row_bytes);
-          if (kUses && t.weight) __builtin_prefetch(t.counters + slot, 1, 3);
-        }
-      }
-      sl[c] = slot;
-      n_missed += slot == -1;
-    }
-    if (i < i0) continue;
-    if (kUses && t.counter != nullptr && t.keys[i] >= 0 && sl[i] >= 0)  // hits: misses later
-      t.counter->add_hashed(t.keys[i], ps(i).hash, t.counter->weight());
-    const int64_t slot = sl[i];  // stage 4: copy or add the row, use the slot
-    if (!bags) {
-      if (slot >= 0) {
-        dequant_row<kFormat, kSet>(row_of(t, slot), t.dim, t.out + i * t.dim);
-        if (kUses) use_slot(t, slot, i, hits, firsts);
-      }
-      continue;
-    }
-    if constexpr (kProbeOnly) {
-      if (kUses && slot >= 0) use_slot(t, slot, i, hits, firsts);
-      continue;
-    }
-    if (++j == t.hotness) {
-      j = 0;
-      dst = t.out + (++bag) * t.out_stride;
-      n_valid = 0;
-      missed = written = false;
-    }
-    if (slot != -2) ++n_valid;
-    if (slot == -1) missed = true;
-    if (slot >= 0) {
-      if (written) {
-        dequant_row<kFormat, kAdd>(row_of(t, slot), t.dim, dst);
-      } else {
-        dequant_row<kFormat, kZeroAdd>(row_of(t, slot), t.dim, dst);
-        written = true;
-      }
-      if (kUses) use_slot(t, slot, i, hits, firsts);
-    }
-    if (j != t.hotness - 1) continue;
-    if (!written) std::fill(dst, dst + t.dim, 0.0f);
-    if (t.mean && !missed && n_valid > 0) {
-      const float cnt = static_cast<float>(n_valid);
-      for (int64_t d = 0; d < t.dim; ++d) dst[d] /= cnt;
-    }
-  }
-  return n_missed;
-}
-
-#if defined(__AVX__)
-// The bags of keys [i0, i1) (whole bags) of an FP32 table of dim 8 × kVecs, pooled from their
-// slots sl (-1 miss, -2 padding) after gather_piece<.., kProbeOnly> found them: each bag summed
-// in kVecs AVX registers key by key in request order from +0.0 (so the sum equals
-// ((0.0f + r0) + r1) + ..., as gather_piece's), stored once, MEAN bags without a miss divided;
-// rows prefetched kRowsAhead keys ahead. The output row is never re-read per key (26 pooled
-// tables of dlrm_dcnv2 ÷ 300: the rows by known slot 2.9 → 2.3 ms, CPU time of one thread).
-template <int kVecs>
-void pool_bags(const TableView& t, int64_t i0, int64_t i1, const int64_t* sl) {
-  const int64_t h = t.hotness;
-  float* dst = t.out + (i0 / h) * t.out_stride;
-  for (int64_t b0 = i0; b0 < i1; b0 += h, dst += t.out_stride) {
-    __m256 acc[kVecs];
-    for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_setzero_ps();
-    int64_t n_valid = 0;
-    bool missed = false;
-    for (int64_t i = b0; i < b0 + h; ++i) {
-      if (i + kRowsAhead < i1 && sl[i + kRowsAhead] >= 0)
-        prefetch_bytes(row_of(t, sl[i + kRowsAhead]), t.row_bytes);
-      const int64_t s = sl[i];
-      n_valid += s != -2;
-      missed |= s == -1;
-      if (s < 0) continue;
-      const float* f = reinterpret_cast<const float*>(row_of(t, s));
-      for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(f + 8 * r));
-    }
-    if (t.mean && !missed && n_valid > 0) {
-      const __m256 cnt = _mm256_set1_ps(static_cast<float>(n_valid));
-      for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_div_ps(acc[r], cnt);
-    }
-    for (int r = 0; r < kVecs; ++r) _mm256_storeu_ps(dst + 8 * r, acc[r]);
-  }
-}
-#endif
-
-// The AVX registers a bag of an FP32 table of dim `dim` is pooled in (pool_bags), 0: none
-// (dims other than 16, 32, 64, 128 take gather_piece's row-by-row path).
-// Without AVX every table takes the row-by-row path.
-inline int pooled_vecs(const TableView& t) {
-#if defined(__AVX__)
-  if (t.hotness <= 0 || t.format != kFp32) return 0;
-  return t.dim == 128 || t.dim == 64 || t.dim == 32 || t.dim == 16 ? static_cast<int>(t.dim / 8) : 0;
-#else
-  (void)t;
-  return 0;
-#endif
-}
 
 // The owner of a slot: a multiplicative hash of the slot scaled to [0, owners) (a multiply,
 // no division per key).
@@ -412,6 +169,20 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     FirstHits& ft = uses ? firsts[pc.table] : unused_f;
 #if defined(__AVX__)
     if (const int vecs = pooled_vecs(t)) {
+      if (t.dense != nullptr && all_dense(t, i0, i1)) {
+#define HPS_DENSE(V)                                                            \
+  piece_misses[p] = uses ? pool_bags_dense<V, true>(t, i0, i1, sl, ht, ft)     \
+                         : pool_bags_dense<V, false>(t, i0, i1, sl, ht, ft); \
+  break;
+        switch (vecs) {
+          case 16: HPS_DENSE(16)
+          case 8: HPS_DENSE(8)
+          case 4: HPS_DENSE(4)
+          default: HPS_DENSE(2)
+        }
+#undef HPS_DENSE
+        return;
+      }
       piece_misses[p] = uses ? gather_piece<true, kFp32, true>(t, i0, i1, sl, ht, ft)
                              : gather_piece<false, kFp32, true>(t, i0, i1, sl, ht, ft);
       switch (vecs) {
@@ -608,7 +379,7 @@ std::vector<at::Tensor> cache_gather(
   float* out_base = out.data_ptr<float>();
   std::vector<TableView> views;
   std::vector<KeyCounter*> kcs(T, nullptr);
-  std::vector<int64_t> halvings(T, 0), row_bytes(T);
+  std::vector<int64_t> halvings(T, 0), row_bytes(T), distinct(T, -1);
   for (size_t i = 0; i < T; ++i) {  // every table checked before any is aged
     row_bytes[i] = check_table(i, cache_keys[i], high_words[i], high_of[i], tags[i], counters[i],
                                storage[i], formats[i], dims[i]);
@@ -660,6 +431,10 @@ std::vector<at::Tensor> cache_gather(
       t.dense = dense[i].data_ptr<int32_t>();
       t.n_dense = dense[i].numel();
     }
+    if (t.dense != nullptr) {  // unique hits by key where every key is in the index's range
+      distinct[i] = dense_distinct(t, nullptr, t.n);
+      t.by_key = distinct[i] >= 0;
+    }
     views.push_back(t);
     pt[i * 5 + 4] = crossed;
     halvings[i] = crossed;  // a key counter is halved as its cache ages, before the query counts
@@ -685,7 +460,9 @@ std::vector<at::Tensor> cache_gather(
     int64_t* row = pt + i * 5;
     row[0] = miss_counts[i];
     row[1] = r[i][0];
-    row[2] = r[i][1];
+    row[2] = views[i].by_key
+                 ? distinct[i] - dense_distinct(views[i], misses.data() + first, miss_counts[i])
+                 : r[i][1];
     row[3] = r[i][2];
     result.push_back(views[i].hotness > 0 && miss_counts[i] > 0
                          ? pending_rows(views[i], slots[i], misses.data() + first, miss_counts[i])

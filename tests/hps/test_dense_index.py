@@ -187,14 +187,16 @@ def _same_state(a: LookupSession, b: LookupSession) -> None:
     [(CachePolicy.LRU, True), (CachePolicy.LFU, True), (CachePolicy.LFU, False)],
 )
 @pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("within", [False, True])
 def test_the_compiled_pass_through_the_index_equals_the_reference(
-    policy: CachePolicy, compact: bool, threads: int
+    policy: CachePolicy, compact: bool, threads: int, within: bool
 ) -> None:
     """Bags (SUM, MEAN, padding) and rows (a -1 there is a key, hashed), keys inside and past
     the bound, hits, misses and evictions, int32 and int64 slot keys: the compiled pass reading
     the index equals the reference pass, outputs and state bit for bit, and a session without
     an index in outputs. Two threads with over 8,192 keys: the parallel gather and its
-    separate uses."""
+    separate uses. ``within``: every key inside the bound (rows: and >= 0), so each table
+    counts its unique hits by key and pools its bags in the index's own pass."""
     needs_ext()
     a, b, c = (
         _session(True, True, policy, compact=compact),
@@ -208,11 +210,12 @@ def test_the_compiled_pass_through_the_index_equals_the_reference(
     torch.set_num_threads(threads)
     try:
         for _ in range(4):
-            keys = [torch.randint(-1, n + 40, (batch, 3), generator=g) for n, _ in SPECS]
+            past = 0 if within else 40
+            keys = [torch.randint(-1, n + past, (batch, 3), generator=g) for n, _ in SPECS]
             got = a.lookup_pooled(NAMES, keys, modes)
             assert torch.equal(got, b.lookup_pooled(NAMES, keys, modes))
             assert torch.equal(got, c.lookup_pooled(NAMES, keys, modes))
-            rows = [k[:8] for k in keys]
+            rows = [k[:8].clamp_min(0) if within else k[:8] for k in keys]
             for x, y, z in zip(
                 a.lookup_many(NAMES, rows),
                 b.lookup_many(NAMES, rows),

@@ -1,0 +1,143 @@
+// The pooled-bag passes of the fused lookup for FP32 tables of dim 16, 32, 64 or 128: pool_bags
+// (bags summed from the slots a probe pass found) and pool_bags_dense (a dense key index's
+// pieces, slots read and bags summed in one pass). Included by hps/csrc/fused_lookup.cpp.
+#pragma once
+
+#include <immintrin.h>
+
+#include <algorithm>
+#include <cstdint>
+
+#include "cache_probe.h"
+#include "common.h"
+#include "first_hits.h"
+#include "key_counter.h"
+#include "row_formats.h"
+#include "slot_uses.h"
+
+namespace hps_cpu {
+
+#if defined(__AVX__)
+// The bags of keys [i0, i1) (whole bags) of an FP32 table of dim 8 × kVecs, pooled from their
+// slots sl (-1 miss, -2 padding) after gather_piece<.., kProbeOnly> found them: each bag summed
+// in kVecs AVX registers key by key in request order from +0.0 (so the sum equals
+// ((0.0f + r0) + r1) + ..., as gather_piece's), stored once, MEAN bags without a miss divided;
+// rows prefetched kRowsAhead keys ahead. The output row is never re-read per key (26 pooled
+// tables of dlrm_dcnv2 ÷ 300: the rows by known slot 2.9 → 2.3 ms, CPU time of one thread).
+template <int kVecs>
+void pool_bags(const TableView& t, int64_t i0, int64_t i1, const int64_t* sl) {
+  const int64_t h = t.hotness;
+  float* dst = t.out + (i0 / h) * t.out_stride;
+  for (int64_t b0 = i0; b0 < i1; b0 += h, dst += t.out_stride) {
+    __m256 acc[kVecs];
+    for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t n_valid = 0;
+    bool missed = false;
+    for (int64_t i = b0; i < b0 + h; ++i) {
+      if (i + kRowsAhead < i1 && sl[i + kRowsAhead] >= 0)
+        prefetch_bytes(row_of(t, sl[i + kRowsAhead]), t.row_bytes);
+      const int64_t s = sl[i];
+      n_valid += s != -2;
+      missed |= s == -1;
+      if (s < 0) continue;
+      const float* f = reinterpret_cast<const float*>(row_of(t, s));
+      for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(f + 8 * r));
+    }
+    if (t.mean && !missed && n_valid > 0) {
+      const __m256 cnt = _mm256_set1_ps(static_cast<float>(n_valid));
+      for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_div_ps(acc[r], cnt);
+    }
+    for (int r = 0; r < kVecs; ++r) _mm256_storeu_ps(dst + 8 * r, acc[r]);
+  }
+}
+
+// Keys a dense index entry is prefetched ahead of the key whose slot is read from it
+// (pool_bags_dense; the slot is read kRowsAhead keys before the key's row is summed).
+constexpr int64_t kDenseAhead = 32;
+
+// Whether every key of [i0, i1) is in the table's dense index range or a -1 pad (bags: keys
+// below -1 were refused before the pass).
+inline bool all_dense(const TableView& t, int64_t i0, int64_t i1) {
+  int64_t hi = -1;
+  for (int64_t i = i0; i < i1; ++i) hi = std::max(hi, t.keys[i]);
+  return hi < t.n_dense;
+}
+
+// gather_piece and pool_bags in one pass for a piece of an FP32 table of dim 8 × kVecs whose
+// keys are all in its dense index's range (all_dense): no hash, tag or key line, so nothing
+// to pipeline but the index entry (prefetched kDenseAhead keys ahead) and the row (prefetched
+// kRowsAhead keys ahead, when its slot is read from the entry: with its counter byte and, for
+// the key counter, its entry). Each key's slot is written to sl (-1 miss, -2 padding); with
+// kUses the hits are used (use_slot) and counted into t.counter, key by key in order as
+// gather_piece<true> does. Returns the misses. 26 pooled FP32 tables of dlrm_dcnv2 ÷ 300
+// over caches holding every row, the CPU's caches evicted before each call, one thread: with
+// the unique hits counted by key (dense_distinct) the kernel took 3-5 % less time with every
+// use counted and 6-8 % less with none, six alternated rounds; this pass with the slot bitmap,
+// up to 10 % more with every use counted; the count by key with the probe pass, no less
+// (docs/benchmarks.md, "the dense index's own pooling pass").
+template <int kVecs, bool kUses>
+int64_t pool_bags_dense(const TableView& t, int64_t i0, int64_t i1, int64_t* sl, int64_t& hits,
+                        FirstHits& firsts) {
+  const int64_t h = t.hotness;
+  const uint64_t cap = static_cast<uint64_t>(t.num_sets * t.ways);
+  const int64_t* keys = t.keys;
+  const auto slot_at = [&](int64_t i) -> int64_t {  // and its row, counter and entry prefetched
+    const int64_t k = keys[i];
+    if (k < 0) return -2;
+    const int64_t s = t.dense[k];
+    if (static_cast<uint64_t>(s) >= cap) return -1;  // none, or a slot outside the cache
+    prefetch_bytes(row_of(t, s), t.row_bytes);
+    if (kUses && t.weight) __builtin_prefetch(t.counters + s, 1, 3);
+    if (kUses && t.counter != nullptr) t.counter->prefetch_entry(mix64(k));
+    return s;
+  };
+  for (int64_t i = i0; i < std::min(i1, i0 + kDenseAhead); ++i)
+    if (keys[i] >= 0) __builtin_prefetch(t.dense + keys[i], 0, 3);
+  for (int64_t i = i0; i < std::min(i1, i0 + kRowsAhead); ++i) sl[i] = slot_at(i);
+  int64_t n_missed = 0;
+  float* dst = t.out + (i0 / h) * t.out_stride;
+  for (int64_t b0 = i0; b0 < i1; b0 += h, dst += t.out_stride) {
+    __m256 acc[kVecs];
+    for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_setzero_ps();
+    int64_t n_valid = 0;
+    bool missed = false;
+    for (int64_t i = b0; i < b0 + h; ++i) {
+      if (i + kDenseAhead < i1 && keys[i + kDenseAhead] >= 0)
+        __builtin_prefetch(t.dense + keys[i + kDenseAhead], 0, 3);
+      if (i + kRowsAhead < i1) sl[i + kRowsAhead] = slot_at(i + kRowsAhead);
+      const int64_t s = sl[i];
+      n_valid += s != -2;
+      missed |= s == -1;
+      n_missed += s == -1;
+      if (s < 0) continue;
+      if (kUses) {
+        if (t.counter != nullptr) t.counter->add_hashed(keys[i], mix64(keys[i]), t.counter->weight());
+        use_slot(t, s, i, hits, firsts);
+      }
+      const float* f = reinterpret_cast<const float*>(row_of(t, s));
+      for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(f + 8 * r));
+    }
+    if (t.mean && !missed && n_valid > 0) {
+      const __m256 cnt = _mm256_set1_ps(static_cast<float>(n_valid));
+      for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_div_ps(acc[r], cnt);
+    }
+    for (int r = 0; r < kVecs; ++r) _mm256_storeu_ps(dst + 8 * r, acc[r]);
+  }
+  return n_missed;
+}
+#endif
+
+// The AVX registers a bag of an FP32 table of dim `dim` is pooled in (pool_bags), 0: none
+// (dims other than 16, 32, 64, 128 take gather_piece's row-by-row path).
+// Without AVX every table takes the row-by-row path.
+inline int pooled_vecs(const TableView& t) {
+#if defined(__AVX__)
+  if (t.hotness <= 0 || t.format != kFp32) return 0;
+  return t.dim == 128 || t.dim == 64 || t.dim == 32 || t.dim == 16 ? static_cast<int>(t.dim / 8) : 0;
+#else
+  (void)t;
+  return 0;
+#endif
+}
+
+}  // namespace hps_cpu

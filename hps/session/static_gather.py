@@ -259,6 +259,7 @@ def _subset(args: GatherArgs, idx: list[int]) -> GatherArgs:
         streams=pick(args.streams),
         looked_up=pick(args.looked_up),
         intervals=pick(args.intervals),
+        weights=pick(args.weights) if args.weights is not None else None,
     )
 
 

@@ -13,6 +13,7 @@ from hps.session import LookupSession, SessionTable
 from hps.storage.cache import (
     LEVEL_COUNTS,
     EmbeddingCache,
+    StaticEmbeddingCache,
     count_of,
 )
 from hps.storage.volatile import HashMapBackend
@@ -242,6 +243,34 @@ def test_only_sampled_calls_count_uses() -> None:
         assert a.tables["t0"].cache.stats.hits > 0  # type: ignore[union-attr]
     assert [m for s, m in changed if not s] == [False] * 6
     assert [m for s, m in changed if s] == [True, True]
+
+
+def test_a_call_mixing_a_static_cache_counts_only_its_sampled_calls() -> None:
+    """A fused call over a full static cache and sampled LFU caches runs the two kinds as two
+    passes: the set-associative ones still count the uses of one call in 4, as k each."""
+    needs_ext()
+    n0, d0 = SPECS[0]
+    tables = [
+        SessionTable("t0", d0, -1.0, 10**6, StaticEmbeddingCache(np.arange(n0), d0, policy="lfu"))
+    ]
+    for name, (n, d) in zip(NAMES[1:], SPECS[1:], strict=True):
+        cache = EmbeddingCache(16 * n, d, policy="lfu", ways=8, lfu_sampling=4)
+        tables.append(SessionTable(name, d, -1.0, 10**6, cache))
+    s = LookupSession(tables, _rows_in_a_hash_map(), None, hit_rate_threshold=1.0, exact=True)
+    for name, (n, _) in zip(NAMES, SPECS, strict=True):  # every row cached
+        s.lookup(name, torch.arange(n))
+    g = torch.Generator().manual_seed(2)
+    moved = []
+    for _ in range(8):
+        keys = [torch.randint(0, n, (32, 3), generator=g) for n, _ in SPECS]
+        caches = [s.tables[n].cache for n in NAMES[1:]]
+        before = [c.counters.clone() for c in caches]  # type: ignore[union-attr]
+        sampled = (caches[0]._clock + 1) % 4 == 0  # type: ignore[union-attr]
+        s.lookup_pooled(NAMES, keys, Pooling.SUM)
+        after = [c.counters for c in caches]  # type: ignore[union-attr]
+        moved.append((sampled, any(not torch.equal(x, y) for x, y in zip(before, after))))
+    assert [m for sampled, m in moved if not sampled] == [False] * 6
+    assert [m for sampled, m in moved if sampled] == [True, True]
 
 
 @pytest.mark.parametrize("weights", [[3, 0, 8], [0, 5, 1]])

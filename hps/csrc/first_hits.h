@@ -46,9 +46,10 @@ struct FirstHits {
   }
 };
 
-// One bit per slot of the widest cache this thread has passed over, all zero between calls
-// (FirstHits clears what it set); per thread, so concurrent calls over the same caches never
-// share it; capacity / 8 bytes, grown, never shrunk.
+// One bit per slot of the widest cache this thread has passed over (or per key of the widest
+// dense key index whose distinct keys it counted, slot_uses.h), all zero between calls (each
+// user clears what it set); per thread, so concurrent calls over the same caches never share
+// it; capacity / 8 bytes, grown, never shrunk.
 inline std::vector<uint64_t>& slot_bits(int64_t capacity) {
   thread_local std::vector<uint64_t> bits;
   const size_t words = static_cast<size_t>((capacity + 63) / 64);

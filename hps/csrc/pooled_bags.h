@@ -71,9 +71,9 @@ inline bool all_dense(const TableView& t, int64_t i0, int64_t i1) {
 // kUses the hits are used (use_slot) and counted into t.counter, key by key in order as
 // gather_piece<true> does. Returns the misses. 26 pooled FP32 tables of dlrm_dcnv2 ÷ 300
 // over caches holding every row, the CPU's caches evicted before each call, one thread: with
-// the unique hits counted by key (dense_distinct) the kernel took 3-5 % less time with every
-// use counted and 6-8 % less with none, six alternated rounds; this pass with the slot bitmap,
-// up to 10 % more with every use counted; the count by key with the probe pass, no less
+// the unique hits counted by key (dense_distinct) the kernel took 0.87-0.97 of the probe
+// pass's and pool_bags' time in 17 rounds (two at 0.99-1.03 with every use counted); this pass
+// with the slot bitmap, or the count by key with the probe pass, took no less
 // (docs/benchmarks.md, "the dense index's own pooling pass").
 template <int kVecs, bool kUses>
 int64_t pool_bags_dense(const TableView& t, int64_t i0, int64_t i1, int64_t* sl, int64_t& hits,

@@ -194,8 +194,9 @@ def test_the_compiled_pass_through_the_index_equals_the_reference(
     """Bags (SUM, MEAN, padding) and rows (a -1 there is a key, hashed), keys inside and past
     the bound, hits, misses and evictions, int32 and int64 slot keys: the compiled pass reading
     the index equals the reference pass, outputs and state bit for bit, and a session without
-    an index in outputs. Two threads with over 8,192 keys: the parallel gather and its
-    separate uses. ``within``: every key inside the bound (rows: and >= 0), so each table
+    an index in outputs. Two threads with over 8,192 keys: the parallel gather, each table
+    whole on one thread, and one table alone cut across both with its uses made separately.
+    ``within``: every key inside the bound (rows: and >= 0), so each table
     counts its unique hits by key and pools its bags in the index's own pass."""
     needs_ext()
     a, b, c = (
@@ -215,6 +216,11 @@ def test_the_compiled_pass_through_the_index_equals_the_reference(
             got = a.lookup_pooled(NAMES, keys, modes)
             assert torch.equal(got, b.lookup_pooled(NAMES, keys, modes))
             assert torch.equal(got, c.lookup_pooled(NAMES, keys, modes))
+            # one table alone: with two threads and over 8,192 keys it is cut across them
+            one = [keys[2]]
+            alone = a.lookup_pooled(["t2"], one, [Pooling.MEAN])
+            assert torch.equal(alone, b.lookup_pooled(["t2"], one, [Pooling.MEAN]))
+            assert torch.equal(alone, c.lookup_pooled(["t2"], one, [Pooling.MEAN]))
             rows = [k[:8].clamp_min(0) if within else k[:8] for k in keys]
             for x, y, z in zip(
                 a.lookup_many(NAMES, rows),

@@ -18,36 +18,50 @@
 namespace hps_cpu {
 
 #if defined(__AVX__)
-// The bags of keys [i0, i1) (whole bags) of an FP32 table of dim 8 × kVecs, pooled from their
-// slots sl (-1 miss, -2 padding) after gather_piece<.., kProbeOnly> found them: each bag summed
-// in kVecs AVX registers key by key in request order from +0.0 (so the sum equals
-// ((0.0f + r0) + r1) + ..., as gather_piece's), stored once, MEAN bags without a miss divided;
-// rows prefetched kRowsAhead keys ahead. The output row is never re-read per key (26 pooled
-// tables of dlrm_dcnv2 ÷ 300: the rows by known slot 2.9 → 2.3 ms, CPU time of one thread).
+// One bag of an FP32 table of dim 8 × kVecs being summed in kVecs AVX registers, key by key in
+// request order from +0.0 (so the sum equals ((0.0f + r0) + r1) + ..., as gather_piece's):
+// add() each key's slot (-1 miss, -2 padding: skipped), then store() it once, a MEAN bag
+// without a miss divided by its keys. The output row is never re-read per key.
 template <int kVecs>
-void pool_bags(const TableView& t, int64_t i0, int64_t i1, const int64_t* sl) {
-  const int64_t h = t.hotness;
-  float* dst = t.out + (i0 / h) * t.out_stride;
-  for (int64_t b0 = i0; b0 < i1; b0 += h, dst += t.out_stride) {
-    __m256 acc[kVecs];
+struct BagSum {
+  __m256 acc[kVecs];
+  int64_t n_valid = 0;
+  bool missed = false;
+  BagSum() {
     for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_setzero_ps();
-    int64_t n_valid = 0;
-    bool missed = false;
-    for (int64_t i = b0; i < b0 + h; ++i) {
-      if (i + kRowsAhead < i1 && sl[i + kRowsAhead] >= 0)
-        prefetch_bytes(row_of(t, sl[i + kRowsAhead]), t.row_bytes);
-      const int64_t s = sl[i];
-      n_valid += s != -2;
-      missed |= s == -1;
-      if (s < 0) continue;
-      const float* f = reinterpret_cast<const float*>(row_of(t, s));
-      for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(f + 8 * r));
-    }
+  }
+  void add(const TableView& t, int64_t s) {
+    n_valid += s != -2;
+    missed |= s == -1;
+    if (s < 0) return;
+    const float* f = reinterpret_cast<const float*>(row_of(t, s));
+    for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(f + 8 * r));
+  }
+  void store(const TableView& t, float* dst) {
     if (t.mean && !missed && n_valid > 0) {
       const __m256 cnt = _mm256_set1_ps(static_cast<float>(n_valid));
       for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_div_ps(acc[r], cnt);
     }
     for (int r = 0; r < kVecs; ++r) _mm256_storeu_ps(dst + 8 * r, acc[r]);
+  }
+};
+
+// The bags of keys [i0, i1) (whole bags) of an FP32 table of dim 8 × kVecs, pooled from their
+// slots sl (-1 miss, -2 padding) after gather_piece<.., kProbeOnly> found them (BagSum), rows
+// prefetched kRowsAhead keys ahead (26 pooled tables of dlrm_dcnv2 ÷ 300: the rows by known
+// slot 2.9 → 2.3 ms against a sum into the output row, CPU time of one thread).
+template <int kVecs>
+void pool_bags(const TableView& t, int64_t i0, int64_t i1, const int64_t* sl) {
+  const int64_t h = t.hotness;
+  float* dst = t.out + (i0 / h) * t.out_stride;
+  for (int64_t b0 = i0; b0 < i1; b0 += h, dst += t.out_stride) {
+    BagSum<kVecs> bag;
+    for (int64_t i = b0; i < b0 + h; ++i) {
+      if (i + kRowsAhead < i1 && sl[i + kRowsAhead] >= 0)
+        prefetch_bytes(row_of(t, sl[i + kRowsAhead]), t.row_bytes);
+      bag.add(t, sl[i]);
+    }
+    bag.store(t, dst);
   }
 }
 
@@ -97,31 +111,20 @@ int64_t pool_bags_dense(const TableView& t, int64_t i0, int64_t i1, int64_t* sl,
   int64_t n_missed = 0;
   float* dst = t.out + (i0 / h) * t.out_stride;
   for (int64_t b0 = i0; b0 < i1; b0 += h, dst += t.out_stride) {
-    __m256 acc[kVecs];
-    for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_setzero_ps();
-    int64_t n_valid = 0;
-    bool missed = false;
+    BagSum<kVecs> bag;
     for (int64_t i = b0; i < b0 + h; ++i) {
       if (i + kDenseAhead < i1 && keys[i + kDenseAhead] >= 0)
         __builtin_prefetch(t.dense + keys[i + kDenseAhead], 0, 3);
       if (i + kRowsAhead < i1) sl[i + kRowsAhead] = slot_at(i + kRowsAhead);
       const int64_t s = sl[i];
-      n_valid += s != -2;
-      missed |= s == -1;
       n_missed += s == -1;
-      if (s < 0) continue;
-      if (kUses) {
+      if (kUses && s >= 0) {
         if (t.counter != nullptr) t.counter->add_hashed(keys[i], mix64(keys[i]), t.counter->weight());
         use_slot(t, s, i, hits, firsts);
       }
-      const float* f = reinterpret_cast<const float*>(row_of(t, s));
-      for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_add_ps(acc[r], _mm256_loadu_ps(f + 8 * r));
+      bag.add(t, s);
     }
-    if (t.mean && !missed && n_valid > 0) {
-      const __m256 cnt = _mm256_set1_ps(static_cast<float>(n_valid));
-      for (int r = 0; r < kVecs; ++r) acc[r] = _mm256_div_ps(acc[r], cnt);
-    }
-    for (int r = 0; r < kVecs; ++r) _mm256_storeu_ps(dst + 8 * r, acc[r]);
+    bag.store(t, dst);
   }
   return n_missed;
 }

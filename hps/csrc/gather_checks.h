@@ -16,7 +16,7 @@
 
 namespace hps_cpu {
 
-// A slot counter's level (bits 0..6; bit 7 is the mark), hps/storage/cache/slot_counter.py.
+// A slot counter's largest level (7 bits), hps/storage/cache/slot_counter.py.
 constexpr uint8_t kMaxLevel = 127;
 
 // One tensor and one value per table of T; gaps (128,) int64 and halve (128,) uint8; out a

@@ -128,6 +128,12 @@ class ServerKnobs:
         "the interpreter's thread switch interval while serving (Python's default: 5000)",
         parse=int,
     )
+    gc_freeze: bool = knob(
+        _DEFAULTS.gc_freeze,
+        "freeze the interpreter's objects once serving starts (gc.freeze): the cyclic "
+        "collector then skips the imports' and models' objects, and what serving allocates "
+        "is collected as before",
+    )
     max_request_mb: float = knob(
         _DEFAULTS.max_request_mb, "largest request body in MB", parse=float
     )
@@ -160,6 +166,7 @@ class ServerKnobs:
             ort_threads=self.ort_threads,
             torch_threads=self.torch_threads,
             switch_interval_us=self.switch_interval_us,
+            gc_freeze=self.gc_freeze,
             max_request_mb=self.max_request_mb,
             max_json_mb=self.max_json_mb,
             max_batch_size=self.max_batch_size,

@@ -115,6 +115,7 @@ class Served:
         http: HttpParser = HttpParser.AUTO,
         loop: EventLoop = EventLoop.AUTO,
         grpc_processes: int = ServerConfig.grpc_processes,
+        gc_freeze: bool = ServerConfig.gc_freeze,
     ) -> None:
         write_serving_artifacts(
             model, folder, max_batch_size=max_batch, cache_fraction=1.0, overwrite=True
@@ -131,6 +132,7 @@ class Served:
             http=http,
             loop=loop,
             grpc_processes=grpc_processes,
+            gc_freeze=gc_freeze,
         )
         self.srv = InferenceServer(self.ps, cfg).start()
         self.servable = self.srv.servables["dlrm"]
@@ -145,6 +147,7 @@ class Served:
             "merged_max_batch": cfg.max_batch_size,
             "preferred_batch_size": cfg.preferred_batch_size,
             "preferred_batch_effective": cfg.preferred,
+            "gc_freeze": int(self.srv.cfg.gc_freeze),
         }
 
     def stats(self) -> dict[str, Any]:
@@ -425,6 +428,7 @@ def run_concurrency(
                 http=parser,
                 loop=loop,
                 grpc_processes=procs,
+                gc_freeze=args.gc_freeze,
             )
             key = f"{s.srv.http_parser.value}/{s.srv.event_loop.value}@{delay}:{preferred}"
             key += f"#{s.srv.cfg.grpc_fronts}"  # gRPC front processes (0: in-process)
@@ -500,6 +504,13 @@ def main(argv: list[str] | None = None) -> None:
         "every core the process may use)",
     )
     p.add_argument(
+        "--no-gc-freeze",
+        dest="gc_freeze",
+        action="store_false",
+        help="every server leaves the interpreter's objects unfrozen (ServerConfig.gc_freeze; "
+        "process-wide, so not a --servers variant)",
+    )
+    p.add_argument(
         "--conc-requests",
         type=int,
         default=8,
@@ -554,6 +565,7 @@ def main(argv: list[str] | None = None) -> None:
                 max_batch=biggest,
                 queue_delay_us=args.queue_delay_us,
                 preferred_batch=args.preferred_batch,
+                gc_freeze=args.gc_freeze,
             )
             try:
                 section: list[dict[str, Any]] = []

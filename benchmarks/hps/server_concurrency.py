@@ -16,6 +16,7 @@ for that request (bit-equal, batched or not).
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import os
@@ -369,6 +370,34 @@ def run_cell(
     }
 
 
+class GcClock:
+    """The cyclic collector's time and runs in this process (where the benchmark's servers
+    run) while it is entered: ``seconds``, the longest single run ``longest_s`` and
+    ``runs[g]`` per generation (from ``gc.callbacks``)."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.longest_s = 0.0
+        self.runs = [0, 0, 0]
+        self._t0 = 0.0
+
+    def _on_gc(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self._t0 = time.perf_counter()
+            return
+        dt = time.perf_counter() - self._t0
+        self.seconds += dt
+        self.longest_s = max(self.longest_s, dt)
+        self.runs[info["generation"]] += 1
+
+    def __enter__(self) -> GcClock:
+        gc.callbacks.append(self._on_gc)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        gc.callbacks.remove(self._on_gc)
+
+
 def _pct(sorted_ms: list[float], q: float) -> float | None:
     """The ``q`` quantile of ascending ``sorted_ms`` (nearest rank; ``None`` when empty)."""
     return sorted_ms[min(len(sorted_ms) - 1, int(q * len(sorted_ms)))] if sorted_ms else None
@@ -431,7 +460,8 @@ def bench_concurrency(
                 hits0 = _cache_hits(served)
                 fronts = served.srv.grpc.pids if isinstance(served.srv.grpc, GrpcFronts) else []
                 cpu0 = thread_cpu_s(fronts)
-                cell = run_cell(addr, kind, c, reqs, wants, seconds)
+                with GcClock() as gcs:
+                    cell = run_cell(addr, kind, c, reqs, wants, seconds)
                 cpu1 = thread_cpu_s(fronts)
                 after = served.stats()
                 execs = after["execution_count"] - before["execution_count"]
@@ -525,6 +555,11 @@ def bench_concurrency(
                         1e6 * cell["client_cpu_s"] / cell["requests"] if cell["requests"] else None
                     ),
                     **{f"server_mean_{k}_ms": v for k, v in phase_ms.items()},
+                    # the cyclic collector in the servers' process over the cell (it holds
+                    # the interpreter lock while it runs)
+                    "server_gc_s": gcs.seconds,
+                    "server_gc_longest_ms": 1e3 * gcs.longest_s,
+                    "server_gc_runs": list(gcs.runs),
                     "load_avg_1m": os.getloadavg()[0],
                     **served.batching(),
                     "distinct_requests": distinct,
@@ -535,7 +570,8 @@ def bench_concurrency(
                 log.info(
                     "%s %s %s %2d clients × B=%-3d: %8.0f samples/s (limit@256 %.0f: %.3fx), p50 %.1f "
                     "ms, p99 %.1f ms (bound %.1f; server p99 %.1f, batcher p99 %.1f, own execution p50/p99 %.1f/%.1f, outside it p99 %.1f), mean batch %.1f (%.2f ms), server CPU/request %s µs, "
-                    "client %.0f µs, %d errors, %d wrong, load %.1f",
+                    "client %.0f µs, %d errors, %d wrong, collector %.3f s (longest %.1f ms), "
+                    "load %.1f",
                     name,
                     variant,
                     kind,
@@ -558,6 +594,8 @@ def bench_concurrency(
                     row["client_cpu_us_per_request"] or 0,
                     cell["errors"],
                     cell["wrong_answers"],
+                    gcs.seconds,
+                    1e3 * gcs.longest_s,
                     row["load_avg_1m"],
                 )
     return rows

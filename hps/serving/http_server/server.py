@@ -20,6 +20,7 @@ from hps.serving.batcher import start_batchers
 from hps.serving.connections import EventLoop, HttpParser, pick_loop, pick_parser, protocol_class
 from hps.serving.grpc_front.relay import GrpcFronts
 from hps.serving.grpc_server import GrpcInferenceServicer, GrpcServer
+from hps.serving.http_server import heap
 from hps.serving.http_server.config import ServerConfig, available_cores
 from hps.serving.http_server.endpoints import create_app
 from hps.serving.servable import DLRMServable
@@ -111,6 +112,7 @@ class InferenceServer:
         )
         self._thread: threading.Thread | None = None
         self._saved_switch: float | None = None  # the switch interval before start()
+        self._froze = False  # this server holds the heap frozen (heap.freeze)
 
     def _connection_lost(self, peer: tuple[str, int]) -> None:
         """An HTTP connection closed: no batch waits for its next request any more."""
@@ -190,6 +192,9 @@ class InferenceServer:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the v2 server on {self.address} did not start")
             time.sleep(0.01)
+        if self.cfg.gc_freeze and not self._froze:  # models loaded: the collector skips them
+            heap.freeze()
+            self._froze = True
         return self
 
     def running_loop(self) -> asyncio.AbstractEventLoop | None:
@@ -238,6 +243,9 @@ class InferenceServer:
         if self._saved_switch is not None:
             sys.setswitchinterval(self._saved_switch)
             self._saved_switch = None
+        if self._froze:
+            self._froze = False
+            heap.thaw()
 
     def __enter__(self) -> InferenceServer:
         return self.start()

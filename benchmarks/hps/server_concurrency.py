@@ -363,6 +363,9 @@ def run_cell(
         "samples_per_s": batch * sum(r[1] for r in results) / seconds,
         "p50_ms": statistics.median(ms) if ms else None,
         "p99_ms": ms[min(len(ms) - 1, int(0.99 * len(ms)))] if ms else None,
+        # the tail past p99: a pause of the whole server (e.g. a full collection) shows here
+        "p999_ms": ms[min(len(ms) - 1, int(0.999 * len(ms)))] if ms else None,
+        "max_ms": ms[-1] if ms else None,
         "errors": len(errors),
         "first_error": errors[0] if errors else None,
         "wrong_answers": sum(r[3] for r in results),

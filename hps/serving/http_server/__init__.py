@@ -48,6 +48,8 @@ With ``grpc_port`` set, the same servables are served over gRPC too
   admission and error statuses.
 - :mod:`~hps.serving.http_server.server`: :class:`InferenceServer` (bind, start, stop) and
   :func:`open_server`.
+- :mod:`~hps.serving.http_server.heap`: the process's objects frozen out of the cyclic
+  collector's walks while a server runs (``gc_freeze``).
 """
 
 from hps.serving.batcher import model_config

@@ -6,8 +6,9 @@ each model's inference thread need. A serving process holds a few hundred thousa
 objects from its imports and models (206k in ``python -m hps.server`` for the tiny model,
 477k in ``bench_server``'s process, which also holds the model), while every request
 allocates containers that trigger collections. Unfrozen, tiny model, 16 HTTP clients × batch
-16 on 2 shared cores, collections took 0.41 s of a 4 s cell (docs/benchmarks.md, "v2 server:
-the collector's walk over the start-up heap").
+16 on 2 shared cores, a full collection stopped the server for 346-347 ms in each 20 s cell;
+in a server-only process one takes 125-197 ms (docs/benchmarks.md, "v2 server: the
+collector's walk over the start-up heap").
 
 :func:`freeze` moves every object tracked when a server starts into the collector's
 permanent generation (``gc.freeze``), which collections skip; what is allocated while

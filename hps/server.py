@@ -130,7 +130,8 @@ class ServerKnobs:
     )
     gc_freeze: bool = knob(
         _DEFAULTS.gc_freeze,
-        "freeze the interpreter's objects once serving starts (gc.freeze): the cyclic "
+        "collect the start-up's garbage, then freeze the interpreter's objects once serving "
+        "starts (gc.freeze): the cyclic "
         "collector then skips the imports' and models' objects, and what serving allocates "
         "is collected as before",
     )

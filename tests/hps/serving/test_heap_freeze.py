@@ -1,7 +1,8 @@
 """A running v2 server keeps the objects of its process's start out of the cyclic collector's
-walks (``ServerConfig.gc_freeze``, :mod:`hps.serving.http_server.heap`): frozen from its start
-to the stop of the last server that froze them, while what is made during serving is
-collected as before; a process that exits with a server still running exits cleanly."""
+walks (``ServerConfig.gc_freeze``, :mod:`hps.serving.http_server.heap`): the start-up's
+garbage collected, the rest frozen from its start to the stop of the last server that froze
+them, what is made during serving collected as before; a process that exits with a server
+still running exits cleanly."""
 
 from __future__ import annotations
 
@@ -45,7 +46,11 @@ _LIFECYCLE = textwrap.dedent(
     ps = HierarchicalParameterServer.from_config(sys.argv[1])
     assert heap.frozen_servers() == 0 and gc.get_freeze_count() == 0
     kept, at_start = cycle()
+    gc.disable()  # no automatic collection: only the server's start can free this garbage
+    start_garbage = cycle()[1]
     a = InferenceServer(ps, ServerConfig(port=0)).start()
+    gc.enable()
+    assert start_garbage() is None, "the start-up's garbage was frozen, not collected"
     assert heap.frozen_servers() == 1 and gc.get_freeze_count() > 0
     del kept
     gc.collect()

@@ -130,10 +130,9 @@ class ServerKnobs:
     )
     gc_freeze: bool = knob(
         _DEFAULTS.gc_freeze,
-        "collect the start-up's garbage, then freeze the interpreter's objects once serving "
-        "starts (gc.freeze): the cyclic "
-        "collector then skips the imports' and models' objects, and what serving allocates "
-        "is collected as before",
+        "collect the start-up's garbage, then freeze the interpreter's objects as serving "
+        "starts (gc.freeze): the cyclic collector then skips the imports' and models' "
+        "objects, and what serving allocates is collected as before",
     )
     max_request_mb: float = knob(
         _DEFAULTS.max_request_mb, "largest request body in MB", parse=float

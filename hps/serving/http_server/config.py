@@ -116,9 +116,10 @@ class ServerConfig:
     # while an inference thread runs Python: tiny model, 16 HTTP clients × batch 16 on 2
     # shared cores, 1,531 samples/s at 5 ms, 4,720 at 0.2 ms (benchmarks/hps/bench_server).
     switch_interval_us: int = 200
-    # Collect the start-up's garbage, then freeze the interpreter's objects once serving starts
-    # (gc.freeze, process-wide; the last server to stop unfreezes them): the cyclic collector then skips the few hundred thousand
-    # objects of the imports and models, which it walked while holding the interpreter lock.
+    # Collect the start-up's garbage, then freeze the interpreter's objects as serving starts
+    # (gc.freeze, process-wide; the last server to stop unfreezes them): the cyclic collector
+    # then skips the few hundred thousand objects of the imports and models, which it walked
+    # while holding the interpreter lock.
     # Tiny model, 16 HTTP clients × batch 16 on 2 shared cores, 20 s cells: unfrozen, one full
     # collection stopped the server for 346-347 ms (the cells' max latency 370-372 ms);
     # frozen, no collection took over 2.7 ms (max latency 35-38 ms). hps.serving.http_server.heap

@@ -181,6 +181,11 @@ class InferenceServer:
         if self._saved_switch is None:
             self._saved_switch = sys.getswitchinterval()
             sys.setswitchinterval(self.cfg.switch_interval_us / 1e6)
+        if self.cfg.gc_freeze and not self._froze:
+            # the models are loaded: the start-up's garbage collected and the rest frozen
+            # before any request comes, so none waits for that one walk of the heap
+            heap.freeze()
+            self._froze = True
         if self.grpc is not None:
             self.grpc.start()
         self._thread = threading.Thread(
@@ -192,9 +197,6 @@ class InferenceServer:
             if not self._thread.is_alive() or time.monotonic() > deadline:
                 raise RuntimeError(f"the v2 server on {self.address} did not start")
             time.sleep(0.01)
-        if self.cfg.gc_freeze and not self._froze:  # models loaded: the collector skips them
-            heap.freeze()
-            self._froze = True
         return self
 
     def running_loop(self) -> asyncio.AbstractEventLoop | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import gc
 import logging
 import socket
 from collections.abc import Awaitable, Callable
@@ -168,13 +167,9 @@ async def serve(
         link.close()
         return 2
     await server.start()
-    # the imports' objects skipped by the cyclic collector while serving, as in the server's
-    # own process (hps.serving.http_server.heap)
-    gc.freeze()
     link.send(hello_frame(bound))
     await link.stop_requested.wait()
     await server.stop(link.grace_s)  # calls in flight finish while the link lasts
-    gc.unfreeze()  # the interpreter exits over an unfrozen heap (heap._thaw_at_exit: why)
     lost = link.lost
     link.close()
     if lost:

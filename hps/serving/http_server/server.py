@@ -20,9 +20,10 @@ from hps.serving.batcher import start_batchers
 from hps.serving.connections import EventLoop, HttpParser, pick_loop, pick_parser, protocol_class
 from hps.serving.grpc_front.relay import GrpcFronts
 from hps.serving.grpc_server import GrpcInferenceServicer, GrpcServer
-from hps.serving.http_server import heap
 from hps.serving.http_server.config import ServerConfig, available_cores
 from hps.serving.http_server.endpoints import create_app
+from hps.serving.http_server.heap import freeze as freeze_heap
+from hps.serving.http_server.heap import thaw as thaw_heap
 from hps.serving.servable import DLRMServable
 from hps.serving.statistics import ModelCounts
 
@@ -112,7 +113,7 @@ class InferenceServer:
         )
         self._thread: threading.Thread | None = None
         self._saved_switch: float | None = None  # the switch interval before start()
-        self._froze = False  # this server holds the heap frozen (heap.freeze)
+        self._froze = False  # this server holds the heap frozen (freeze_heap)
 
     def _connection_lost(self, peer: tuple[str, int]) -> None:
         """An HTTP connection closed: no batch waits for its next request any more."""
@@ -184,7 +185,7 @@ class InferenceServer:
         if self.cfg.gc_freeze and not self._froze:
             # the models are loaded: the start-up's garbage collected and the rest frozen
             # before any request comes, so none waits for that one walk of the heap
-            heap.freeze()
+            freeze_heap()
             self._froze = True
         if self.grpc is not None:
             self.grpc.start()
@@ -247,7 +248,7 @@ class InferenceServer:
             self._saved_switch = None
         if self._froze:
             self._froze = False
-            heap.thaw()
+            thaw_heap()
 
     def __enter__(self) -> InferenceServer:
         return self.start()

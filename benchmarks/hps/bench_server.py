@@ -21,8 +21,9 @@ Sections (``--only``):
   the in-process limit (one fused ``embedding_bag`` + onnxruntime): samples/s, p50/p99, the
   mean merged batch, every answer checked bit-equal (:mod:`benchmarks.hps.server_concurrency`;
   clients in their own processes; ``--conc-protocols`` picks tritonclient over ``http`` or
-  ``grpc``, or ``grpc-raw``: pre-serialized requests through a bytes-only grpcio method, its
-  answers compared byte for byte with answers checked in full before the cell; ``--servers``
+  ``grpc``, or ``http-raw`` / ``grpc-raw``: pre-serialized requests (one ``sendall`` on a
+  kept-alive socket; a bytes-only grpcio method), their answers compared byte for byte with
+  answers checked in full before the cell (:mod:`benchmarks.hps.raw_clients`); ``--servers``
   items may set each server's queue delay and preferred batch size, ``@DELAY_US:PREFERRED``,
   and its gRPC front processes, ``#N`` (0: grpcio in the server's process; the rows' CPU per
   request then has a ``fronts`` part); ``--conc-ort-threads`` sets the servers' onnxruntime
@@ -478,8 +479,8 @@ def main(argv: list[str] | None = None) -> None:
         "--conc-protocols",
         default=",".join(PROTOCOLS),
         help=f"concurrency: the clients of each cell, in turn, some of {list(CLIENT_KINDS)} "
-        "(grpc-raw: pre-serialized requests, answers compared byte for byte with answers "
-        "checked in full before the cell)",
+        "(http-raw, grpc-raw: pre-serialized requests, answers compared byte for byte with "
+        "answers checked in full before the cell)",
     )
     p.add_argument(
         "--queue-delay-us",

@@ -31,6 +31,12 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from benchmarks.hps.raw_clients import (
+    MODEL_INFER,
+    check_raw_answer,
+    http_raw_client,
+    raw_request_bytes,
+)
 from embark.models.dlrm import DLRM
 from hps.serving.grpc_front.relay import GrpcFronts
 
@@ -39,12 +45,10 @@ log = logging.getLogger("bench_server")
 CLIENTS = (1, 4, 16, 64)
 BATCHES = (1, 16, 256)
 PROTOCOLS = ("http", "grpc")
-#: Every client a cell can run: tritonclient over HTTP or gRPC, or ``grpc-raw``: pre-serialized
-#: ``ModelInferRequest`` bytes through one generic grpcio method with no (de)serializers, each
-#: answer compared byte for byte with the answer checked in full before the cell (the cheapest
-#: client Python allows, as a C++ load generator like Triton's perf_analyzer is cheap).
-CLIENT_KINDS = ("http", "grpc", "grpc-raw")
-_MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+#: Every client a cell can run: tritonclient over HTTP or gRPC, or ``http-raw`` / ``grpc-raw``:
+#: pre-serialized requests, each answer compared byte for byte with the answer checked in full
+#: before the cell (:mod:`benchmarks.hps.raw_clients`).
+CLIENT_KINDS = ("http", "grpc", "http-raw", "grpc-raw")
 _MAX_PROCESSES = 4  # client processes per cell (threads share them)
 
 
@@ -119,6 +123,10 @@ def _client_process(
     requests completed within the window, errors, wrong answers)`` on ``out``."""
     if protocol == "grpc-raw":
         _raw_client_process(address, reqs, wants, threads, seconds, start, out)
+        return
+    if protocol == "http-raw":
+        raw_sender, right = http_raw_client(address, reqs, wants, start)
+        out.put(_closed_loop(threads, len(reqs), seconds, start, raw_sender, right))
         return
     import tritonclient.grpc as tg
     import tritonclient.http as th
@@ -215,37 +223,6 @@ def _closed_loop(
     return lat, in_window[0], errors, wrong[0], cpu.ru_utime + cpu.ru_stime - cpu0
 
 
-def raw_request_bytes(req: dict[str, np.ndarray]) -> bytes:
-    """The serialized ``ModelInferRequest`` of ``req`` for model ``dlrm``, raw tensors, as
-    ``tritonclient.grpc`` sends it."""
-    import hps.serving.protos.grpc_predict_v2_pb2 as pb
-
-    msg = pb.ModelInferRequest(model_name="dlrm")
-    for name, arr in req.items():
-        dt = "FP32" if arr.dtype == np.float32 else "INT64"
-        msg.inputs.add(name=name, datatype=dt, shape=list(arr.shape))
-        msg.raw_input_contents.append(np.ascontiguousarray(arr).tobytes())
-    return msg.SerializeToString()
-
-
-def check_raw_answer(data: bytes, want: np.ndarray) -> None:
-    """Parse a ``ModelInferResponse`` in full and check it holds ``logits`` equal to ``want``
-    (FP32, its shape, its bytes) and ``probability`` of the same shape, FP32; raise
-    ``AssertionError`` saying what differs."""
-    import hps.serving.protos.grpc_predict_v2_pb2 as pb
-
-    resp = pb.ModelInferResponse.FromString(data)
-    got = [(o.name, o.datatype, list(o.shape)) for o in resp.outputs]
-    shape = list(want.shape)
-    if got != [("logits", "FP32", shape), ("probability", "FP32", shape)]:
-        raise AssertionError(f"answer describes outputs {got}, expected logits, probability")
-    raw = list(resp.raw_output_contents)
-    if resp.model_name != "dlrm" or len(raw) != 2 or len(raw[1]) != 4 * want.size:
-        raise AssertionError(f"answer of model {resp.model_name!r} has {len(raw)} raw outputs")
-    if raw[0] != want.astype("<f4").tobytes():
-        raise AssertionError("answer's logits differ from the servable's own scores")
-
-
 def _raw_client_process(
     address: str,
     reqs: list[dict[str, np.ndarray]],
@@ -262,7 +239,7 @@ def _raw_client_process(
 
     bodies = [raw_request_bytes(r) for r in reqs]
     with grpc.insecure_channel(address) as ch:
-        call = ch.unary_unary(_MODEL_INFER)  # no (de)serializers: bytes in, bytes out
+        call = ch.unary_unary(MODEL_INFER)  # no (de)serializers: bytes in, bytes out
         expected = []
         try:
             for body, want in zip(bodies, wants, strict=True):  # untimed, full check
@@ -457,7 +434,7 @@ def bench_concurrency(
             shift = cell_no % len(names)
             for variant in names[shift:] + names[:shift]:
                 served = servers[variant]
-                proto = "http" if kind == "http" else "grpc"
+                proto = "http" if kind.startswith("http") else "grpc"
                 addr = served.srv.address if proto == "http" else str(served.srv.grpc_address)
                 before = served.stats()
                 hits0 = _cache_hits(served)
@@ -512,7 +489,7 @@ def bench_concurrency(
                     "bench": "concurrency",
                     "model": name,
                     "protocol": proto,
-                    "client": "raw" if kind == "grpc-raw" else "tritonclient",
+                    "client": "raw" if kind.endswith("-raw") else "tritonclient",
                     "server": variant,
                     "clients": c,
                     "batch": b,

@@ -152,6 +152,7 @@ class DLRMServable:
         self._table_names = [t.name for t in self.tables]
         self._id_names = tuple(f"ids_{t.name}" for t in self.tables)
         self._input_names = frozenset({"dense", *self._id_names})
+        self._plain_widths_for: tuple[ServingVocabulary | None, tuple[int, ...], bool] | None = None
         self._pooling = [Pooling(t.combiner) for t in self.tables]
         # per calling thread (the model's inference thread, or any thread calling ``infer``):
         # a grow-only float32 buffer (the pooled block) each execution writes into,
@@ -237,6 +238,64 @@ class DLRMServable:
             InputError: a missing, unknown, mistyped or misshaped input, a batch over
                 ``max_batch_size``, a dense value that is NaN or infinite, a key below -1.
         """
+        checked = self._check_plain(inputs)
+        if checked is not None:
+            return checked
+        return self._check_full(inputs)
+
+    def _check_plain(self, inputs: Tensors) -> CheckedInputs | None:
+        """:meth:`check` of a request every check passes without a word and every table takes
+        as it is: the model's inputs, FP32 dense ``(B, D)`` all finite within the batch bound,
+        ids int64 or int32 ``(B, w)`` with ``w`` within the table's hotness and its
+        vocabulary's, every key ≥ 0 (≥ -1, padding, when no table has a vocabulary entry), no
+        key list (so the vocabulary maps each id to itself). One
+        reduction over all keys instead of one per table: a small request's tables are many
+        small arrays. ``None`` for any other request (:meth:`_check_full` words its error)."""
+        if inputs.keys() != self._input_names:
+            return None
+        dense = inputs["dense"]
+        if dense.dtype != np.float32 or dense.ndim != 2 or dense.shape[1] != self.dense_features:
+            return None
+        b = dense.shape[0]
+        if b > self.max_batch_size:
+            return None
+        ids = [inputs[n] for n in self._id_names]
+        widths, any_entry = self._plain_widths()
+        for a, w in zip(ids, widths, strict=True):
+            if a.dtype not in _ID_DTYPES or a.ndim != 2 or a.shape[0] != b or a.shape[1] > w:
+                return None
+        keys = np.concatenate(ids, axis=None)
+        # -1 pads a short bag; a vocabulary entry moves padding, so it takes the full path
+        if keys.size and keys.min() < (0 if any_entry else -1):
+            return None
+        if not np.isfinite(dense).all():
+            return None
+        out = CheckedInputs(dense=np.ascontiguousarray(dense))
+        for name, a in zip(self._id_names, ids, strict=True):
+            out[name] = a.astype(np.int64)  # a copy: request buffers are read-only
+        return out
+
+    def _plain_widths(self) -> tuple[tuple[int, ...], bool]:
+        """Per table, the widest bag :meth:`_check_plain` takes (-1: none, the vocabulary has
+        a key list), and whether any table has a vocabulary entry; for the vocabulary in
+        effect."""
+        voc = self.vocabulary
+        cached = self._plain_widths_for
+        if cached is not None and cached[0] is voc:
+            return cached[1], cached[2]
+        widths = []
+        for t in self.tables:
+            entry = None if voc is None else voc.tables.get(t.name)
+            if entry is None:
+                widths.append(t.max_hotness)
+            else:
+                widths.append(min(t.max_hotness, entry.hotness) if entry.keys is None else -1)
+        any_entry = voc is not None and any(t.name in voc.tables for t in self.tables)
+        self._plain_widths_for = (voc, tuple(widths), any_entry)
+        return tuple(widths), any_entry
+
+    def _check_full(self, inputs: Tensors) -> CheckedInputs:
+        """:meth:`check` of any request: every check, each error worded."""
         want = self._input_names
         if inputs.keys() != want:
             missing, extra = sorted(want - set(inputs)), sorted(set(inputs) - want)
@@ -408,6 +467,9 @@ def check_outputs_finite(model: str, outputs: Tensors) -> None:
                 f"for sample {int(bad[0])} ({bad.size} of {arr.size} values): the inputs or the "
                 "embedding rows they look up overflow the model's float32 arithmetic"
             )
+
+
+_ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
 
 
 def _keys_floor(ids: list[np.ndarray]) -> int | None:

@@ -8,7 +8,8 @@ import anyio
 from starlette.requests import ClientDisconnect, Request
 
 from hps.serving.servable import CheckedInputs, DLRMServable
-from hps.serving.v2_protocol import HEADER_LENGTH, InferRequest, ProtocolError, parse_infer_request
+from hps.serving.v2_plans import parse_with_plans
+from hps.serving.v2_protocol import HEADER_LENGTH, InferRequest, ProtocolError
 
 __all__ = ["RequestBodies"]
 
@@ -86,11 +87,10 @@ class RequestBodies:
         header_length: str | None,
         encoding: str | None,
     ) -> tuple[InferRequest, CheckedInputs]:
-        """Parse ``body`` (decompressing ``encoding``, within the limits) and check its
-        inputs against ``s``: ``(InferRequest, checked inputs)``."""
-        req = parse_infer_request(
-            body, header_length, encoding, self.max_bytes, max_json_bytes=self.max_json_bytes
-        )
+        """Parse ``body`` (decompressing ``encoding``, within the limits; by its header's plan
+        when one is kept: :mod:`hps.serving.v2_plans`) and check its inputs against ``s``:
+        ``(InferRequest, checked inputs)``."""
+        req = parse_with_plans(body, header_length, encoding, self.max_bytes, self.max_json_bytes)
         return req, s.check(req.inputs)
 
 

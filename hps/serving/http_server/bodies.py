@@ -4,12 +4,15 @@ streamed), then parsed and decompressed within the same limit (JSON parts within
 
 from __future__ import annotations
 
+from collections.abc import Awaitable, Callable, MutableMapping
+from typing import Any
+
 import anyio
 from starlette.requests import ClientDisconnect, Request
 
 from hps.serving.servable import CheckedInputs, DLRMServable
 from hps.serving.v2_plans import parse_with_plans
-from hps.serving.v2_protocol import HEADER_LENGTH, InferRequest, ProtocolError
+from hps.serving.v2_protocol import InferRequest, ProtocolError
 
 __all__ = ["RequestBodies"]
 
@@ -36,10 +39,17 @@ class RequestBodies:
         self.max_bytes, self.max_json_bytes, self.limiter = max_bytes, max_json_bytes, limiter
 
     async def read(self, request: Request) -> bytes | bytearray:
-        """The request body, refused (``ProtocolError``) past ``max_request_mb``; with a
-        ``Content-Length``, read into one buffer of that size (no list of chunks to join)."""
+        """The body of ``request`` (:meth:`read_from`)."""
+        return await self.read_from(request.headers.get("content-length"), request.receive)
+
+    async def read_from(
+        self, declared: str | None, receive: Callable[[], Awaitable[MutableMapping[str, Any]]]
+    ) -> bytes | bytearray:
+        """The request body from the ASGI ``receive``, refused (``ProtocolError``) past
+        ``max_request_mb``; with a ``Content-Length`` (``declared``), read into one buffer of
+        that size (no list of chunks to join). ``ClientDisconnect`` when the client leaves
+        before the whole body is in."""
         limit = self.max_bytes
-        declared = request.headers.get("content-length")
         if declared is not None and declared.isdigit():
             if int(declared) > limit:
                 raise ProtocolError(
@@ -47,7 +57,9 @@ class RequestBodies:
                     f"{limit} bytes (--max-request-mb)"
                 )
             buf, size = bytearray(int(declared)), 0
-            async for chunk in request.stream():
+            more = True
+            while more:
+                chunk, more = await _next_chunk(receive)
                 if size + len(chunk) > len(buf):
                     raise ProtocolError(
                         f"request body is longer than its Content-Length {declared}"
@@ -57,8 +69,9 @@ class RequestBodies:
             if size != len(buf):
                 raise ClientDisconnect()  # uvicorn ends a short body only when the peer left
             return buf
-        chunks, size = [], 0
-        async for chunk in request.stream():
+        chunks, size, more = [], 0, True
+        while more:
+            chunk, more = await _next_chunk(receive)
             size += len(chunk)
             if size > limit:
                 raise ProtocolError(
@@ -68,12 +81,15 @@ class RequestBodies:
         return b"".join(chunks)
 
     async def parse(
-        self, s: DLRMServable, body: bytes | bytearray, request: Request
+        self,
+        s: DLRMServable,
+        body: bytes | bytearray,
+        header_length: str | None,
+        encoding: str | None,
     ) -> tuple[InferRequest, CheckedInputs]:
         """The request parsed and checked: ``(InferRequest, checked inputs)``; on the event
-        loop when small, else on a worker thread."""
-        header_length = request.headers.get(HEADER_LENGTH)
-        encoding = request.headers.get("content-encoding")
+        loop when small, else on a worker thread. ``header_length``, ``encoding``: its
+        ``Inference-Header-Content-Length`` and ``Content-Encoding`` headers."""
         if encoding is None and _parse_inline(len(body), header_length):
             return self.parse_checked(s, body, header_length, encoding)
         return await anyio.to_thread.run_sync(
@@ -92,6 +108,19 @@ class RequestBodies:
         ``(InferRequest, checked inputs)``."""
         req = parse_with_plans(body, header_length, encoding, self.max_bytes, self.max_json_bytes)
         return req, s.check(req.inputs)
+
+
+async def _next_chunk(
+    receive: Callable[[], Awaitable[MutableMapping[str, Any]]],
+) -> tuple[bytes, bool]:
+    """The next piece of a request body from ``receive``: ``(bytes, more to come)``;
+    ``ClientDisconnect`` when the client has gone."""
+    while True:
+        message = await receive()
+        if message["type"] == "http.request":
+            return message.get("body", b""), message.get("more_body", False)
+        if message["type"] == "http.disconnect":
+            raise ClientDisconnect()
 
 
 def _parse_inline(size: int, header_length: str | None) -> bool:

@@ -1,19 +1,13 @@
-"""The v2 HTTP application (:func:`create_app`): its routes and their handlers, the
-admission bound (``workers + max_queued`` requests in flight) and the mapping of errors to
-status codes (see :mod:`hps.serving.http_server`).
-
-``POST .../infer`` goes straight to its handler (:class:`InferFirst`); every other request
-goes through Starlette's router and middleware, which cost about 65 µs of CPU per request on
-this project's 2-core host (docs/benchmarks.md), a tenth of a small request's whole time on
-the event loop."""
+"""The v2 HTTP application (:func:`create_app`): its routes and their handlers, and the
+mapping of errors to status codes (see :mod:`hps.serving.http_server`). ``POST .../infer``
+goes straight to its handler (:mod:`hps.serving.http_server.inference`: admission, batching,
+statistics); every other request through Starlette's router."""
 
 from __future__ import annotations
 
-import asyncio
 import contextlib
 import logging
-import time
-from collections.abc import AsyncIterator, Awaitable, Callable, MutableMapping
+from collections.abc import AsyncIterator
 from typing import Any
 
 import anyio
@@ -23,33 +17,27 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from hps.serving.batcher import (
-    BatchedResult,
     DynamicBatcher,
     model_config,
     start_batchers,
 )
 from hps.serving.http_server.bodies import RequestBodies
 from hps.serving.http_server.config import ServerConfig
-from hps.serving.servable import DLRMServable, InputError, NonFiniteOutputError
-from hps.serving.statistics import ModelCounts, PhaseNs
+from hps.serving.http_server.inference import InferFirst, InferHandler, Receive, Scope, Send
+from hps.serving.servable import DLRMServable
+from hps.serving.statistics import ModelCounts
 from hps.serving.v2_protocol import (
     MODEL_VERSION,
     SERVER_NAME,
     ProtocolError,
-    encode_infer_response,
     find_model,
     repository_index,
     repository_index_request,
     server_version,
 )
 from hps.session_stats import bytes_per_tier
-from hps.types import TierUnavailableError
 
-__all__ = ["InferFirst", "create_app"]
-
-_Message = MutableMapping[str, Any]
-_Receive = Callable[[], Awaitable[_Message]]
-_Send = Callable[[_Message], Awaitable[None]]
+__all__ = ["create_app"]
 
 log = logging.getLogger(__name__)
 
@@ -60,7 +48,7 @@ def _error(msg: str, status: int = 400) -> JSONResponse:
 
 class _V2Endpoints:
     """The endpoints of the v2 protocol over ``servables`` (model name → servable): request
-    handlers, admission (requests in flight) and the statistics of one application."""
+    handlers and the statistics of one application; inference by :attr:`inference`."""
 
     def __init__(
         self,
@@ -70,21 +58,23 @@ class _V2Endpoints:
         batchers: dict[str, DynamicBatcher],
     ) -> None:
         self.servables, self.counts, self.batchers = servables, counts, batchers
-        self.workers, self.max_queued = cfg.workers, cfg.max_queued
-        self.in_flight = 0  # requests between their body's arrival and their answer
         self.bodies = RequestBodies(
             int(cfg.max_request_mb * 2**20),
             int(cfg.max_json_mb * 2**20),
             anyio.CapacityLimiter(cfg.workers),
+        )
+        self.inference = InferHandler(
+            servables, counts, batchers, self.bodies, cfg.workers, cfg.max_queued
         )
 
     def routes(self) -> list[Route]:
         m = "/v2/models/{model}"
         v = m + "/versions/{version}"
         return [
-            # inference first: the router tries routes in order, one regex each, per request
-            Route(m + "/infer", self.infer, methods=["POST"]),
-            Route(v + "/infer", self.infer, methods=["POST"]),
+            # POSTs to these two go straight to the handler (InferFirst); the router answers
+            # their other methods (405)
+            Route(m + "/infer", _InferRoute(self.inference), methods=["POST"]),
+            Route(v + "/infer", _InferRoute(self.inference), methods=["POST"]),
             Route("/v2", self.server_metadata),
             Route("/v2/health/live", self.live),
             Route("/v2/health/ready", self.ready),
@@ -184,68 +174,15 @@ class _V2Endpoints:
         docs = [await anyio.to_thread.run_sync(self.stats_of, n) for n in self.servables]
         return JSONResponse({"model_stats": docs})
 
-    # ------------------------------------------------------------------ inference
-    def busy(self) -> str | None:
-        """Why a request whose body has arrived cannot be taken now (``None``: it can):
-        ``workers + max_queued`` requests in flight. Only requests being processed count;
-        connections that have not sent a whole request do not (see
-        :mod:`hps.serving.connections`)."""
-        slots = self.workers + self.max_queued
-        if self.in_flight < slots:
-            return None
-        return (
-            f"server busy: all {slots} request slots are taken (--workers {self.workers} "
-            f"+ --max-queued {self.max_queued}); retry later"
-        )
 
-    async def infer(self, request: Request) -> Response:
-        start = time.perf_counter_ns()
-        name = request.path_params["model"]
-        try:
-            s = self.model_of(request)
-            body = await self.bodies.read(request)
-            if (busy := self.busy()) is not None:
-                return self._failed(name, start, _error(busy, 503))
-            self.in_flight += 1
-            try:
-                peer = request.client  # (host, port) of the connection, or None
-                with self.batchers[s.name].arrival(peer and (peer.host, peer.port)) as arrival:
-                    t0 = time.perf_counter_ns()
-                    req, inputs = await self.bodies.parse(s, body, request)
-                    del body
-                    t1 = time.perf_counter_ns()
-                    future = arrival.submit(inputs)
-                done: BatchedResult = await asyncio.wrap_future(future)
-                t2 = time.perf_counter_ns()
-                out, headers = encode_infer_response(s.name, MODEL_VERSION, done.outputs, req)
-            finally:
-                self.in_flight -= 1
-        except ClientDisconnect:  # the client went away mid-body: no one to answer, nothing failed
-            log.debug("model %r: the client disconnected before sending the whole request", name)
-            return Response(status_code=400)
-        except (ProtocolError, InputError, ValueError) as e:
-            return self._failed(name, start, _error(str(e)))
-        except NonFiniteOutputError as e:
-            return self._failed(name, start, _error(str(e), 422), non_finite=True)
-        except TimeoutError as e:
-            return self._failed(name, start, _error(f"parameter server busy: {e}", 503))
-        except TierUnavailableError as e:  # a key that may exist could not be read: retry later
-            return self._failed(name, start, _error(str(e), 503))
-        except Exception as e:  # a bug or a backend that went away: say so, keep serving
-            log.exception("model %r: inference failed", name)
-            return self._failed(
-                name, start, _error(f"internal error: {type(e).__name__}: {e}", 500)
-            )
-        t3 = time.perf_counter_ns()
-        phases = PhaseNs(done.queue_ns, t1 - t0, done.infer_ns, t3 - t2)
-        self.counts[s.name].succeeded(t3 - start, int(inputs["dense"].shape[0]), phases)
-        media = headers.pop("Content-Type")
-        return Response(out, media_type=media, headers=headers)
+class _InferRoute:
+    """The inference routes' ASGI endpoint: the handler, given the router's path parameters."""
 
-    def _failed(self, name: str, start: int, resp: Response, non_finite: bool = False) -> Response:
-        if name in self.counts:
-            self.counts[name].failed(time.perf_counter_ns() - start, non_finite)
-        return resp
+    def __init__(self, handler: InferHandler) -> None:
+        self.handler = handler
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        await self.handler(scope, receive, send, dict(scope["path_params"]))
 
 
 async def _http_error(request: Request, exc: Exception) -> Response:
@@ -253,39 +190,6 @@ async def _http_error(request: Request, exc: Exception) -> Response:
     code = getattr(exc, "status_code", 500)
     detail = getattr(exc, "detail", str(exc))
     return _error(f"{request.method} {request.url.path}: {detail}", code)
-
-
-def infer_path_params(path: str) -> dict[str, str] | None:
-    """The path parameters of an inference path (``/v2/models/{model}/infer`` or
-    ``/v2/models/{model}/versions/{version}/infer``; each parameter non-empty, without ``/``,
-    as Starlette's router matches them), or ``None`` for any other path."""
-    if not (path.startswith("/v2/models/") and path.endswith("/infer")):
-        return None
-    parts = path[len("/v2/models/") : -len("/infer")].split("/")
-    if len(parts) == 1 and parts[0]:
-        return {"model": parts[0]}
-    if len(parts) == 3 and parts[1] == "versions" and parts[0] and parts[2]:
-        return {"model": parts[0], "version": parts[2]}
-    return None
-
-
-class InferFirst:
-    """The ASGI application the server runs: ``POST`` to an inference path
-    (:func:`infer_path_params`) goes straight to the inference handler, as its route would
-    send it, every other request (and the lifespan) to the Starlette application ``app``."""
-
-    def __init__(self, app: Starlette, infer: Callable[[Request], Awaitable[Response]]) -> None:
-        self.app, self.infer = app, infer
-
-    async def __call__(self, scope: _Message, receive: _Receive, send: _Send) -> None:
-        if scope["type"] == "http" and scope["method"] == "POST":
-            params = infer_path_params(scope["path"])
-            if params is not None:
-                scope["path_params"] = params
-                response = await self.infer(Request(scope, receive, send))
-                await response(scope, receive, send)
-                return
-        await self.app(scope, receive, send)
 
 
 def create_app(
@@ -320,4 +224,4 @@ def create_app(
         exception_handlers={404: _http_error, 405: _http_error},
         lifespan=lifespan,
     )
-    return InferFirst(app, endpoints.infer)
+    return InferFirst(app, endpoints.inference)

@@ -1,5 +1,5 @@
 """The v2 application sends ``POST .../infer`` straight to its handler
-(:class:`~hps.serving.http_server.endpoints.InferFirst`): the paths it takes, and their
+(:class:`~hps.serving.http_server.inference.InferFirst`): the paths it takes, and their
 parameters, are exactly those Starlette's inference routes match; every other request still
 reaches the router."""
 
@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import PlainTextResponse, Response
 from starlette.routing import Match, Route
 
-from hps.serving.http_server.endpoints import InferFirst, infer_path_params
+from hps.serving.http_server.inference import InferFirst, Receive, Scope, Send, infer_path_params
 
 PATHS = [
     "/v2/models/dlrm/infer",
@@ -86,9 +86,9 @@ def _call(app: InferFirst, method: str, path: str) -> tuple[int, bytes]:
 def test_posts_to_inference_paths_reach_the_handler_and_the_rest_the_router() -> None:
     seen: list[dict[str, str]] = []
 
-    async def infer(request: Request) -> Response:
-        seen.append(dict(request.path_params))
-        return PlainTextResponse("inferred")
+    async def infer(scope: Scope, receive: Receive, send: Send, params: dict[str, str]) -> None:
+        seen.append(params)
+        await PlainTextResponse("inferred")(scope, receive, send)
 
     async def other(request: Request) -> Response:
         return PlainTextResponse(f"router {request.method}")

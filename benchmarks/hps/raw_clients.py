@@ -96,18 +96,36 @@ def http_request_bytes(req: dict[str, np.ndarray], host: str) -> bytes:
 
 class HttpConnection:
     """One kept-alive HTTP/1.1 connection (``TCP_NODELAY``): :meth:`call` sends a whole
-    request and returns the answer's ``(status, headers, body)``; a closed connection or an
-    answer without ``Content-Length`` raises ``ConnectionError``."""
+    request and returns the answer's ``(status, headers, body)``. A connection the server
+    closed before any byte of the answer came (an idle connection past the server's header
+    deadline, say) is opened again and the request sent once more, as HTTP clients do with
+    kept-alive connections; a connection closed mid-answer, or an answer without
+    ``Content-Length``, raises ``ConnectionError``."""
 
     def __init__(self, address: str, timeout_s: float = 60.0) -> None:
         host, _, port = address.rpartition(":")
-        self.sock = socket.create_connection((host, int(port)), timeout=timeout_s)
+        self.host, self.port, self.timeout_s = host, int(port), timeout_s
+        self.reconnects = 0
+        self._open()
+
+    def _open(self) -> None:
+        self.sock = socket.create_connection((self.host, self.port), timeout=self.timeout_s)
         self.sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
         self._buf = b""
 
     def call(self, request: bytes) -> tuple[int, dict[str, str], bytes]:
-        self.sock.sendall(request)
-        buf = self._buf
+        try:
+            self.sock.sendall(request)
+            first = self._buf or self._recv()
+        except ConnectionError:  # closed before any byte of the answer: open again, once
+            self.sock.close()
+            self._open()
+            self.reconnects += 1
+            self.sock.sendall(request)
+            first = self._recv()
+        return self._answer(first)
+
+    def _answer(self, buf: bytes) -> tuple[int, dict[str, str], bytes]:
         while (end := buf.find(b"\r\n\r\n")) < 0:
             buf += self._recv()
         head, buf = buf[:end].decode("latin-1"), buf[end + 4 :]

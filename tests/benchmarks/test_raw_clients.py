@@ -91,54 +91,84 @@ def test_check_raw_answer_takes_the_right_grpc_answer_and_refuses_one_ulp() -> N
         check_raw_answer(resp.SerializeToString(), want + np.float32(1))
 
 
-def _serve_once(listener: socket.socket, chunks: list[bytes], got: list[bytes]) -> None:
-    """Accept one connection, read one request's head, then send ``chunks`` one by one
-    (each its own segment: TCP_NODELAY) and close."""
-    conn, _ = listener.accept()
-    with conn:
-        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            data += conn.recv(4096)
-        got.append(data)
-        for c in chunks:
-            conn.sendall(c)
+def _serve(listener: socket.socket, conversations: list[list[bytes]]) -> None:
+    """Accept one connection per conversation; in each, per chunk list entry: read one
+    request's head, then send the entry (its own segment: TCP_NODELAY); then close."""
+    for chunks in conversations:
+        conn, _ = listener.accept()
+        with conn:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            for c in chunks:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    data += conn.recv(4096)
+                conn.sendall(c)
 
 
-def _connection_answering(chunks: list[bytes]) -> tuple[HttpConnection, threading.Thread]:
+def _connection_answering(
+    conversations: list[list[bytes]],
+) -> tuple[HttpConnection, threading.Thread, socket.socket]:
     listener = socket.create_server(("127.0.0.1", 0))
-    got: list[bytes] = []
-    t = threading.Thread(target=_serve_once, args=(listener, chunks, got), daemon=True)
+    t = threading.Thread(target=_serve, args=(listener, conversations), daemon=True)
     t.start()
     conn = HttpConnection(f"127.0.0.1:{listener.getsockname()[1]}", timeout_s=10)
-    listener.close()
-    return conn, t
+    return conn, t, listener
+
+
+ONE = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nX-A: b\r\n\r\nhello"
+TWO = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 2\r\n\r\nno"
+GET = b"GET / HTTP/1.1\r\n\r\n"
 
 
 def test_http_connection_reads_split_answers_and_two_answers_sent_as_one() -> None:
-    one = b"HTTP/1.1 200 OK\r\ncontent-length: 5\r\nX-A: b\r\n\r\nhello"
-    two = b"HTTP/1.1 400 Bad Request\r\nContent-Length: 2\r\n\r\nno"
     # the first answer in three pieces (one inside the head), the second glued to its end
-    conn, t = _connection_answering([one[:10], one[10:40], one[40:] + two])
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve() -> None:
+        c, _ = listener.accept()
+        with c:
+            c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            data = b""
+            while b"\r\n\r\n" not in data:
+                data += c.recv(4096)
+            for p in (ONE[:10], ONE[10:40], ONE[40:] + TWO):
+                c.sendall(p)
+
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    conn = HttpConnection(f"127.0.0.1:{listener.getsockname()[1]}", timeout_s=10)
     try:
-        assert conn.call(b"GET / HTTP/1.1\r\n\r\n") == (
-            200,
-            {"content-length": "5", "x-a": "b"},
-            b"hello",
-        )
-        assert conn.call(b"") == (400, {"content-length": "2"}, b"no")  # already received
-        with pytest.raises(ConnectionError, match="closed"):
-            conn.call(b"")
+        assert conn.call(GET) == (200, {"content-length": "5", "x-a": "b"}, b"hello")
+        assert conn.call(GET) == (400, {"content-length": "2"}, b"no")  # already received
+        assert conn.reconnects == 0
     finally:
         conn.close()
         t.join(10)
+        listener.close()
+
+
+def test_a_connection_the_server_closed_idle_is_opened_again_once() -> None:
+    conn, t, listener = _connection_answering([[ONE], [TWO]])
+    try:
+        assert conn.call(GET)[0] == 200  # then the server closes the connection
+        assert conn.call(GET) == (400, {"content-length": "2"}, b"no")  # on a new one
+        assert conn.reconnects == 1
+        t.join(10)
+        listener.close()
+        with pytest.raises(ConnectionError):  # closed again, and nothing listens now
+            conn.call(GET)
+    finally:
+        conn.close()
+        t.join(10)
+        listener.close()
 
 
 def test_http_connection_refuses_an_answer_without_content_length() -> None:
-    conn, t = _connection_answering([b"HTTP/1.1 200 OK\r\nX: y\r\n\r\nbody"])
+    conn, t, listener = _connection_answering([[b"HTTP/1.1 200 OK\r\nX: y\r\n\r\nbody"]])
     try:
         with pytest.raises(ConnectionError, match="without Content-Length"):
-            conn.call(b"GET / HTTP/1.1\r\n\r\n")
+            conn.call(GET)
     finally:
         conn.close()
         t.join(10)
+        listener.close()

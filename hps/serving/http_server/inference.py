@@ -15,7 +15,6 @@ import json
 import logging
 import time
 from collections.abc import Awaitable, Callable, MutableMapping
-from concurrent.futures import Future
 from typing import Any
 
 from starlette.applications import Starlette
@@ -151,7 +150,7 @@ class InferHandler:
                     del body
                     t1 = time.perf_counter_ns()
                     future = arrival.submit(inputs)
-                done = await _result_of(future)
+                done: BatchedResult = await asyncio.wrap_future(future)
                 t2 = time.perf_counter_ns()
                 out, out_headers = encode_infer_response(s.name, MODEL_VERSION, done.outputs, req)
             finally:
@@ -181,37 +180,6 @@ class InferHandler:
         if name in self.counts:
             self.counts[name].failed(time.perf_counter_ns() - start, non_finite)
         return status, list(_JSON), error_body(msg)
-
-
-async def _result_of(future: Future[BatchedResult]) -> BatchedResult:
-    """The batcher's result for a request, awaited on the event loop: what
-    ``asyncio.wrap_future`` does for this one case (the batcher's thread resolves the future,
-    one hop to the loop), with fewer steps per request. A cancelled wait cancels the request
-    (the batcher does not run a cancelled one)."""
-    loop = asyncio.get_running_loop()
-    waiter: asyncio.Future[BatchedResult] = loop.create_future()
-
-    def resolved(f: Future[BatchedResult]) -> None:  # on the batcher's thread
-        if not loop.is_closed():
-            loop.call_soon_threadsafe(_settle, waiter, f)
-
-    future.add_done_callback(resolved)
-    try:
-        return await waiter
-    except asyncio.CancelledError:
-        future.cancel()
-        raise
-
-
-def _settle(waiter: asyncio.Future[BatchedResult], f: Future[BatchedResult]) -> None:
-    if waiter.cancelled():
-        return
-    if f.cancelled():
-        waiter.cancel()
-    elif (e := f.exception()) is not None:
-        waiter.set_exception(e)
-    else:
-        waiter.set_result(f.result())
 
 
 class InferFirst:

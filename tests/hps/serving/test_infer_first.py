@@ -6,7 +6,6 @@ reaches the router."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -101,38 +100,3 @@ def test_posts_to_inference_paths_reach_the_handler_and_the_rest_the_router() ->
     assert _call(app, "GET", "/v2/models/m/infer") == (200, b"router GET")
     assert _call(app, "POST", "/v2/models/m/ready")[0] == 405  # the router's answer
     assert seen == [{"model": "m", "version": "7"}]
-
-
-def test_the_batchers_result_reaches_the_loop_as_wrap_future_would_bring_it() -> None:
-    import threading
-    from concurrent.futures import Future
-
-    from hps.serving.http_server.inference import _result_of
-
-    async def wait_for(future: Future, settle: Callable[[Future], None]) -> Any:
-        t = threading.Timer(0.05, settle, args=(future,))  # resolved by another thread
-        t.start()
-        try:
-            return await _result_of(future)
-        finally:
-            t.join()
-
-    ok: Future = Future()
-    assert asyncio.run(wait_for(ok, lambda f: f.set_result(7))) == 7
-    bad: Future = Future()
-    with pytest.raises(KeyError, match="gone"):
-        asyncio.run(wait_for(bad, lambda f: f.set_exception(KeyError("gone"))))
-    dropped: Future = Future()
-    with pytest.raises(asyncio.CancelledError):
-        asyncio.run(wait_for(dropped, lambda f: f.cancel()))
-
-    async def cancel_the_wait() -> Future:
-        pending: Future = Future()  # never resolved: the batcher has not run it
-        task = asyncio.ensure_future(_result_of(pending))
-        await asyncio.sleep(0.01)
-        task.cancel()
-        with pytest.raises(asyncio.CancelledError):
-            await task
-        return pending
-
-    assert asyncio.run(cancel_the_wait()).cancelled()  # so the batcher will not run it

@@ -3,7 +3,8 @@ from the parameter server and the dense graph run by onnxruntime, behind the KSe
 over HTTP and gRPC (``tritonclient.http`` and ``tritonclient.grpc`` work unchanged).
 
 - :mod:`hps.serving.servable`: one model: HPS lookups + the dense ONNX graph.
-- :mod:`hps.serving.v2_protocol`: request parsing and response encoding (binary tensors too).
+- :mod:`hps.serving.v2_protocol`: request parsing and response encoding (binary tensors too);
+  :mod:`hps.serving.v2_plans`: a repeated binary header's parse kept as a plan.
 - :mod:`hps.serving.http_server`: the HTTP application and the server
   (``python -m hps.server``, whose argument parsing lives in :mod:`hps.server`).
 - :mod:`hps.serving.connections`: below the application, per connection: the deadlines for

@@ -44,8 +44,10 @@ With ``grpc_port`` set, the same servables are served over gRPC too
 
 - :mod:`~hps.serving.http_server.config`: :class:`ServerConfig` and the bounds of its knobs.
 - :mod:`~hps.serving.http_server.bodies`: reading and parsing request bodies within the limits.
-- :mod:`~hps.serving.http_server.endpoints`: the application (:func:`create_app`), its routes,
-  admission and error statuses.
+- :mod:`~hps.serving.http_server.endpoints`: the application (:func:`create_app`), its routes
+  and error statuses.
+- :mod:`~hps.serving.http_server.inference`: ``POST .../infer`` at the ASGI level, past
+  Starlette's router: admission, batching, statistics.
 - :mod:`~hps.serving.http_server.server`: :class:`InferenceServer` (bind, start, stop) and
   :func:`open_server`.
 - :mod:`~hps.serving.http_server.heap`: the process's objects frozen out of the cyclic

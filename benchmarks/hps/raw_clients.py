@@ -21,9 +21,11 @@ from typing import Any
 import numpy as np
 
 __all__ = [
+    "MODEL_INFER",
     "HttpConnection",
     "check_http_answer",
     "check_raw_answer",
+    "http_raw_client",
     "http_request_bytes",
     "raw_request_bytes",
 ]

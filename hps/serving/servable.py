@@ -272,7 +272,9 @@ class DLRMServable:
             return None
         out = CheckedInputs(dense=np.ascontiguousarray(dense))
         for name, a in zip(self._id_names, ids, strict=True):
-            out[name] = a.astype(np.int64)  # a copy: request buffers are read-only
+            out[name] = a.astype(
+                np.int64
+            )  # a copy of its own: ids may be views of the request body
         return out
 
     def _plain_widths(self) -> tuple[tuple[int, ...], bool]:
@@ -392,7 +394,7 @@ class DLRMServable:
             low = None  # a bound over other inputs too: this input's own smallest key decides
         if ids.size and (low := int(ids.min()) if low is None else low) < -1:
             raise InputError(f"input {name!r} holds key {low}; keys are ≥ 0 (-1 pads a short bag)")
-        return ids.astype(np.int64)  # a copy: request buffers are read-only
+        return ids.astype(np.int64)  # a copy of its own: ids may be views of the request body
 
     def infer(self, inputs: Tensors) -> Tensors:
         """Score one batch (its outputs are not checked: see :func:`check_outputs_finite`).

@@ -8,17 +8,19 @@ So the first request with a given header is parsed in full
 (:func:`~hps.serving.v2_protocol.parse_infer_request`) and, when every input of it is binary,
 the result without its tensors is kept as a *plan*, under those exact header bytes. A later
 request with the same bytes and a binary part of the same length is then only sliced: each
-input a read-only view of its bytes (``np.frombuffer``), as the full parse gives it. Anything
-else (JSON tensors, a request ``id``, compressed bodies, a binary part of another length,
-nested parameters, headers over :data:`MAX_PLAN_HEADER_BYTES`) is parsed in full every time,
-so every error is the full parser's. At most :data:`MAX_PLANS` plans are kept (the oldest
-goes first): their memory does not grow with the requests served.
+input a view of its bytes (``np.frombuffer``; read-only when the body is ``bytes``), as the
+full parse gives it. Anything else (JSON tensors, a request ``id``, compressed bodies, a binary
+part of another length, nested parameters, headers over :data:`MAX_PLAN_HEADER_BYTES`) is
+parsed in full every time, so every error is the full parser's; deciding that such a request
+has no plan costs no second parse of its header. At most :data:`MAX_PLANS` plans are kept,
+the least recently used going first: their memory does not grow with the requests served.
 """
 
 from __future__ import annotations
 
 import json
 import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import numpy as np
@@ -63,7 +65,7 @@ class _Plan:
         )
 
 
-_plans: dict[bytes, _Plan] = {}
+_plans: OrderedDict[bytes, _Plan] = OrderedDict()
 _plans_lock = threading.Lock()
 
 
@@ -87,13 +89,17 @@ def parse_with_plans(
     head = bytes(body[:n_json])
     plan = _plans.get(head)
     if plan is not None and plan.binary_bytes == len(body) - n_json:
+        try:
+            _plans.move_to_end(head)  # the most recently used
+        except KeyError:  # another thread dropped it meanwhile: it was used all the same
+            pass
         return plan.request(memoryview(body)[n_json:])
     req = parse_infer_request(body, header_length, content_encoding, max_bytes, max_json_bytes)
     plan = _plan_of(head, req, len(body) - n_json)
     if plan is not None:
         with _plans_lock:
             if len(_plans) >= MAX_PLANS and head not in _plans:
-                _plans.pop(next(iter(_plans)))  # the oldest
+                _plans.popitem(last=False)  # the least recently used
             _plans[head] = plan
     return req
 
@@ -123,19 +129,22 @@ def _plain_header_length(
 
 def _plan_of(head: bytes, req: InferRequest, binary_bytes: int) -> _Plan | None:
     """The plan of a request the full parser accepted, whose header is ``head``; ``None``
-    unless every input is binary, there is no ``id`` and every parameter is a scalar."""
-    doc = json.loads(head)  # parsed without error a moment ago
-    specs = doc["inputs"]
+    unless every input is binary, there is no ``id`` and every parameter is a scalar. The
+    checks on the parsed request come first, so a request with an ``id`` or JSON tensors is
+    refused without parsing its header again."""
+    params = req.parameters
     if req.id is not None or not all(
-        "data" not in s and "binary_data_size" in (s.get("parameters") or {}) for s in specs
+        v is None or isinstance(v, (str, int, float, bool)) for v in params.values()
     ):
         return None
-    params = req.parameters
-    if not all(v is None or isinstance(v, (str, int, float, bool)) for v in params.values()):
-        return None
     inputs = tuple((n, a.dtype, a.shape, a.nbytes) for n, a in req.inputs.items())
-    if sum(x[3] for x in inputs) != binary_bytes:
+    if sum(x[3] for x in inputs) != binary_bytes:  # some input's values were JSON
         return None
+    specs = json.loads(head)["inputs"]  # parsed without error a moment ago
+    if not all(
+        "data" not in s and "binary_data_size" in (s.get("parameters") or {}) for s in specs
+    ):
+        return None  # an empty JSON tensor beside binary ones
     return _Plan(
         inputs,
         tuple(req.datatypes.items()),

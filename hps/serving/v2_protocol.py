@@ -308,7 +308,7 @@ def parse_infer_request(
             belong in the binary extension.
 
     Returns:
-        the request; binary inputs are read-only views of ``body``'s bytes.
+        the request; binary inputs are views of ``body``'s bytes (read-only when it is ``bytes``).
 
     Raises:
         ProtocolError: malformed or too deeply nested JSON, a missing or mistyped field (a

@@ -131,8 +131,9 @@ class InferHandler:
         await send({"type": "http.response.body", "body": body})
 
     async def answer(self, scope: Scope, receive: Receive, params: dict[str, str]) -> Answer:
-        """The answer to the inference request of ``scope``; every error is answered (its
-        status and ``{"error": ...}``), none raised."""
+        """The answer to the inference request of ``scope``: every error is answered with its
+        status and ``{"error": ...}``, not raised; a client that left mid-body gets an empty
+        400 (no one reads it)."""
         start = time.perf_counter_ns()
         name = params["model"]
         try:

@@ -150,12 +150,34 @@ def test_errors_are_the_full_parsers_and_leave_no_plan() -> None:
     assert plans_held() == 0
 
 
-def test_plans_are_bounded_the_oldest_goes_first(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_plans_are_bounded_the_least_recently_used_goes_first(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     monkeypatch.setattr(plans, "MAX_PLANS", 4)
-    heads = []
+    heads = {}
     for b in range(1, 8):  # each batch size its own header
         body, hl = _body(_arrays(b, b=b))
         parse_with_plans(body, hl, None, None, None)
-        heads.append(body[: int(hl)])
+        heads[b] = body[: int(hl)]
         assert plans_held() == min(b, 4)
-    assert list(plans._plans) == heads[-4:]
+        if b >= 2:  # batch size 1 is sent again after each other one: it stays
+            one, hl1 = _body(_arrays(100, b=1))
+            _same(parse_with_plans(one, hl1, None, None, None), parse_infer_request(one, hl1))
+    assert list(plans._plans) == [heads[5], heads[6], heads[7], heads[1]]
+
+
+@pytest.mark.parametrize(("extra", "json_input"), [({"id": "r1"}, ""), ({}, "ids_a")])
+def test_a_request_without_a_plan_parses_its_header_once(
+    monkeypatch: pytest.MonkeyPatch, extra: dict[str, Any], json_input: str
+) -> None:
+    calls = [0]
+    loads = json.loads
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls[0] += 1
+        return loads(*args, **kwargs)
+
+    body, hl = _body(_arrays(0), extra, json_input)
+    monkeypatch.setattr(json, "loads", counted)
+    parse_with_plans(body, hl, None, None, None)
+    assert calls[0] == 1 and plans_held() == 0  # the full parser's, none of its own

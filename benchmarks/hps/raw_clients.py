@@ -21,16 +21,16 @@ from typing import Any
 import numpy as np
 
 __all__ = [
-    "MODEL_INFER",
     "HttpConnection",
     "check_http_answer",
     "check_raw_answer",
+    "grpc_raw_client",
     "http_raw_client",
     "http_request_bytes",
     "raw_request_bytes",
 ]
 
-MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
+_MODEL_INFER = "/inference.GRPCInferenceService/ModelInfer"
 _HEADER_LENGTH = "Inference-Header-Content-Length"
 
 
@@ -216,3 +216,31 @@ def http_raw_client(
         return send
 
     return sender, lambda j, body: body == expected[j]
+
+
+def grpc_raw_client(
+    address: str,
+    reqs: list[dict[str, np.ndarray]],
+    wants: list[np.ndarray],
+    start: Any,
+) -> tuple[Callable[[int], Callable[[int], bytes]], Callable[[int, bytes], bool]]:
+    """:func:`http_raw_client` over gRPC: each request serialized once
+    (:func:`raw_request_bytes`) and sent through one generic grpcio method with no
+    (de)serializers, on one channel the clients share; every distinct answer parsed and
+    checked in full first (:func:`check_raw_answer`) and its bytes kept."""
+    import grpc
+
+    bodies = [raw_request_bytes(r) for r in reqs]
+    channel = grpc.insecure_channel(address)  # open while the process lives
+    call = channel.unary_unary(_MODEL_INFER)  # no (de)serializers: bytes in, bytes out
+    expected = []
+    try:
+        for body, want in zip(bodies, wants, strict=True):
+            data = call(body)
+            check_raw_answer(data, want)
+            expected.append(data)
+    except BaseException:
+        start.abort()
+        channel.close()
+        raise
+    return (lambda k: lambda j: call(bodies[j])), (lambda j, data: data == expected[j])

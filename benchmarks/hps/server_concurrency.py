@@ -31,12 +31,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from benchmarks.hps.raw_clients import (
-    MODEL_INFER,
-    check_raw_answer,
-    http_raw_client,
-    raw_request_bytes,
-)
+from benchmarks.hps.raw_clients import grpc_raw_client, http_raw_client
 from embark.models.dlrm import DLRM
 from hps.serving.grpc_front.relay import GrpcFronts
 
@@ -121,11 +116,9 @@ def _client_process(
     """One client process: ``threads`` clients, warmed up, wait on the ``start`` barrier (every
     process and the parent), then send ``reqs`` in turn for ``seconds``; puts ``(latencies s,
     requests completed within the window, errors, wrong answers)`` on ``out``."""
-    if protocol == "grpc-raw":
-        _raw_client_process(address, reqs, wants, threads, seconds, start, out)
-        return
-    if protocol == "http-raw":
-        raw_sender, right = http_raw_client(address, reqs, wants, start)
+    if protocol.endswith("-raw"):
+        raw = http_raw_client if protocol == "http-raw" else grpc_raw_client
+        raw_sender, right = raw(address, reqs, wants, start)
         out.put(_closed_loop(threads, len(reqs), seconds, start, raw_sender, right))
         return
     import tritonclient.grpc as tg
@@ -221,43 +214,6 @@ def _closed_loop(
         t.join()
     cpu = resource.getrusage(resource.RUSAGE_SELF)
     return lat, in_window[0], errors, wrong[0], cpu.ru_utime + cpu.ru_stime - cpu0
-
-
-def _raw_client_process(
-    address: str,
-    reqs: list[dict[str, np.ndarray]],
-    wants: list[np.ndarray],
-    threads: int,
-    seconds: float,
-    start: Any,
-    out: Any,
-) -> None:
-    """``_client_process`` with the cheapest client: each request serialized once; before the
-    cell every distinct answer is parsed and checked in full (:func:`check_raw_answer`) and its
-    bytes kept, so the timed loop checks each answer by comparing its bytes with those."""
-    import grpc
-
-    bodies = [raw_request_bytes(r) for r in reqs]
-    with grpc.insecure_channel(address) as ch:
-        call = ch.unary_unary(MODEL_INFER)  # no (de)serializers: bytes in, bytes out
-        expected = []
-        try:
-            for body, want in zip(bodies, wants, strict=True):  # untimed, full check
-                data = call(body)
-                check_raw_answer(data, want)
-                expected.append(data)
-        except BaseException:
-            start.abort()  # the parent's wait fails at once instead of timing out
-            raise
-        result = _closed_loop(
-            threads,
-            len(bodies),
-            seconds,
-            start,
-            lambda k: lambda j: call(bodies[j]),
-            lambda j, data: data == expected[j],
-        )
-    out.put(result)
 
 
 def thread_cpu_s(fronts: Sequence[int] = ()) -> dict[str, float]:

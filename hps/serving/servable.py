@@ -52,6 +52,9 @@ __all__ = [
 Tensors = dict[str, np.ndarray]
 
 
+_ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))  # the id inputs a request may send
+
+
 class CheckedInputs(dict[str, np.ndarray]):
     """A request's inputs after :meth:`DLRMServable.check`: ids already mapped through the
     model's vocabulary (row ids, not raw ids) and validated, so they are never checked or
@@ -272,9 +275,8 @@ class DLRMServable:
             return None
         out = CheckedInputs(dense=np.ascontiguousarray(dense))
         for name, a in zip(self._id_names, ids, strict=True):
-            out[name] = a.astype(
-                np.int64
-            )  # a copy of its own: ids may be views of the request body
+            # a copy of its own: ids may be views of the request body
+            out[name] = a.astype(np.int64)
         return out
 
     def _plain_widths(self) -> tuple[tuple[int, ...], bool]:
@@ -350,7 +352,7 @@ class DLRMServable:
                 continue
             if (
                 entry.keys is None
-                and ids.dtype in (np.int64, np.int32)
+                and ids.dtype in _ID_DTYPES
                 and ids.ndim == 2
                 and ids.shape[1] <= entry.hotness
             ):
@@ -377,7 +379,7 @@ class DLRMServable:
         lower bound of its keys when the caller knows one that is ≥ -1 (its smallest key
         otherwise, which names the bad key)."""
         name = f"ids_{t.name}"
-        if ids.dtype not in (np.int64, np.int32):
+        if ids.dtype not in _ID_DTYPES:
             raise InputError(f"input {name!r} must be INT64 or INT32, got {ids.dtype}")
         if ids.ndim != 2 or ids.shape[0] != b:
             raise InputError(
@@ -471,13 +473,10 @@ def check_outputs_finite(model: str, outputs: Tensors) -> None:
             )
 
 
-_ID_DTYPES = (np.dtype(np.int64), np.dtype(np.int32))
-
-
 def _keys_floor(ids: list[np.ndarray]) -> int | None:
     """The smallest key of all ``ids`` arrays (int64 or int32) in one reduction, or ``None``
     when one is of another type (the per-input checks name it) or there are no keys."""
-    if not ids or any(a.dtype not in (np.int64, np.int32) for a in ids):
+    if not ids or any(a.dtype not in _ID_DTYPES for a in ids):
         return None
     flat = np.concatenate([a.ravel() for a in ids])
     return int(flat.min()) if flat.size else None

@@ -15,6 +15,7 @@ from benchmarks.hps.raw_clients import (
     HttpConnection,
     check_http_answer,
     check_raw_answer,
+    http_raw_client,
     http_request_bytes,
     raw_request_bytes,
 )
@@ -170,5 +171,65 @@ def test_http_connection_refuses_an_answer_without_content_length() -> None:
             conn.call(GET)
     finally:
         conn.close()
+        t.join(10)
+        listener.close()
+
+
+def _http_answer_bytes(logits: np.ndarray) -> bytes:
+    status, headers, body = _answer(logits)
+    head = "".join(f"{k}: {v}\r\n" for k, v in headers.items())
+    return f"HTTP/1.1 {status} OK\r\n{head}content-length: {len(body)}\r\n\r\n".encode() + body
+
+
+class _Start:
+    """The cell's start barrier, as far as the client uses it."""
+
+    def __init__(self) -> None:
+        self.aborted = False
+
+    def abort(self) -> None:
+        self.aborted = True
+
+
+def test_the_http_raw_client_checks_every_answer_first_then_compares_bytes() -> None:
+    reqs = [_request(), {k: v[:2] for k, v in _request().items()}]
+    wants = [np.array([0.5, 1, 2, 3], np.float32), np.array([-1, 4], np.float32)]
+    answers = [_http_answer_bytes(w) for w in wants]
+    listener = socket.create_server(("127.0.0.1", 0))
+    # the checking connection: both answers; client 0's connection: answer 1, then a wrong one
+    wrong = _http_answer_bytes(np.array([-1, 5], np.float32))
+    t = threading.Thread(
+        target=_serve, args=(listener, [answers, [answers[1], wrong]]), daemon=True
+    )
+    t.start()
+    start = _Start()
+    try:
+        sender, right = http_raw_client(
+            f"127.0.0.1:{listener.getsockname()[1]}", reqs, wants, start
+        )
+        send = sender(0)
+        assert right(1, send(1)) and not right(1, send(1))
+        assert not start.aborted
+    finally:
+        t.join(10)
+        listener.close()
+
+
+def test_the_http_raw_client_aborts_the_cell_on_a_wrong_first_answer() -> None:
+    listener = socket.create_server(("127.0.0.1", 0))
+    answer = _http_answer_bytes(np.array([0.5, 1, 2, 9], np.float32))
+    t = threading.Thread(target=_serve, args=(listener, [[answer]]), daemon=True)
+    t.start()
+    start = _Start()
+    try:
+        with pytest.raises(AssertionError, match="logits differ"):
+            http_raw_client(
+                f"127.0.0.1:{listener.getsockname()[1]}",
+                [_request()],
+                [np.array([0.5, 1, 2, 3], np.float32)],
+                start,
+            )
+        assert start.aborted  # the parent's wait fails at once instead of timing out
+    finally:
         t.join(10)
         listener.close()

@@ -16,12 +16,16 @@ still being read, and it holds as many requests as its known clients
 (:mod:`hps.serving.known_clients`: connections that came back, i.e. sent a second request)
 can have in flight at once. A lone client therefore never waits (its request is all it can
 send), nor does one that opens a connection per request (it never comes back); closed-loop
-clients share one execution per round. Two differences from Triton's dynamic batcher: Triton
-sends the largest preferred size it can form and leaves the rest queued, where this batcher
-takes every waiting request up to ``max_batch_size`` (the preferred size only decides how
-long a smaller batch waits); and Triton waits the full delay unless its largest preferred
-size is reached, with no early close when its queue cannot grow.
-Requests that queue while an execution runs form the next batch whatever the delay::
+clients share one execution per round. A batch of requests that queued while an execution
+ran also waits, once it ends, for the known clients that execution has just answered (at most
+``max_queue_delay_us`` from its end, and only while one of them has not sent again), so
+closed-loop clients that fell into two groups, each queued behind the other's execution, are
+merged back into one execution per round. Two differences from Triton's dynamic batcher:
+Triton sends the largest preferred size it can form and leaves the rest queued, where this
+batcher takes every waiting request up to ``max_batch_size`` (the preferred size only decides
+how long a smaller batch waits); and Triton waits the full delay unless its largest preferred
+size is reached, with no early close when its queue cannot grow, and runs the requests that
+queued during an execution at once when their delay has passed::
 
     arrivals     r1 (B=16)  r2 (B=16)      r3 (B=250)
     queue        [r1, r2] ─────────────── r3 waits: 16 + 16 + 250 > max_batch_size 256
@@ -30,6 +34,8 @@ Requests that queue while an execution runs form the next batch whatever the del
     lone request r4, nothing announced      → runs at once (no queue delay)
     r5 submitted while r6 is being parsed   → waits for r6 (at most max_queue_delay_us)
     known clients a, b; a's request queued  → waits for b's (at most max_queue_delay_us)
+    a queued during an execution that       → waits for b's next request (at most
+      answered known client b                  max_queue_delay_us after that execution)
 
 Merging is exact: the merged run's rows are bit-equal to running each request alone
 (onnxruntime's CPU kernels compute each output row with the same reduction order whatever
@@ -99,8 +105,10 @@ class BatchingConfig:
             in flight at once over the last one to two seconds
             (:mod:`hps.serving.known_clients`). So a lone client does not wait, nor does one
             that opens a connection (HTTP) or channel (gRPC) per request, and closed-loop
-            clients that all come back within the delay share one execution. A request with
-            no client (``None``) counts as a client that never comes back.
+            clients that all come back within the delay share one execution. Requests that
+            queued while an execution ran also wait for the known clients it has just
+            answered (at most ``max_queue_delay_us`` from its end). A request with no client
+            (``None``) counts as a client that never comes back.
 
     Raises:
         ValueError: naming the knob, for a value outside its range.
@@ -258,6 +266,9 @@ class DynamicBatcher:
         self._cond = threading.Condition()
         self._closed = False
         self._waiting = False  # a batch waits for more requests (the inference thread)
+        # the known clients the latest execution answered that have not sent since: a batch
+        # of requests queued during that execution waits for them (closed-loop clients)
+        self._due: set[Hashable] = set()
         self._torch_threads = torch_threads
         self._thread = threading.Thread(
             target=self._loop, name=f"hps-batcher-{servable.name[:32]}", daemon=True
@@ -307,6 +318,7 @@ class DynamicBatcher:
             self._clients.sweep(now)  # also when no batch asks (a full one)
             if client is not None:
                 self._clients.sent(client, now)
+                self._due.discard(client)
             item = _Pending(inputs, int(inputs["dense"].shape[0]), now, fut, client)
             self._queue.append(item)
             self._cond.notify()
@@ -344,6 +356,7 @@ class DynamicBatcher:
         it (the HTTP server calls this when a connection is lost)."""
         with self._cond:
             self._clients.forget(client, self._clock())
+            self._due.discard(client)
             self._cond.notify()  # the batch waiting for it may close now
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -365,6 +378,8 @@ class DynamicBatcher:
             if len(live) < len(batch):
                 self._release([p for p in batch if p.future.cancelled()])
             if live:
+                with self._cond:
+                    self._due.clear()  # only this execution's answers are waited for
                 self._execute(live)
 
     def _next_batch(self) -> list[_Pending] | None:
@@ -372,6 +387,9 @@ class DynamicBatcher:
         limit, delay_ns = self.cfg.max_batch_size, self.cfg.max_queue_delay_us * 1000
         preferred = self.cfg.preferred
         with self._cond:
+            # the executor is free from now: requests queued behind the last execution may
+            # wait this long for the clients it answered (``_due``)
+            due_deadline = self._clock() + delay_ns
             while not self._queue:
                 if self._closed:
                     return None
@@ -391,9 +409,14 @@ class DynamicBatcher:
                     break
                 if not self._arriving and self._all_clients_in(batch):
                     break  # nothing is on its way and no one else is known to send
-                wait_ns = deadline - self._clock()
+                now = self._clock()
+                wait_ns = deadline - now
                 if wait_ns <= 0:
-                    break
+                    if not self._due:
+                        break
+                    wait_ns = due_deadline - now  # a just-answered client is on its way
+                    if wait_ns <= 0:
+                        break
                 wait_ns = min(wait_ns, SWEEP_NS)  # wake for the next sweep: silent clients
                 self._waiting = True
                 self._cond.wait(wait_ns / 1e9)
@@ -414,6 +437,8 @@ class DynamicBatcher:
             for p in batch:
                 if p.client is not None:
                     self._clients.answered(p.client, now)
+                    if self._clients.idle(p.client):
+                        self._due.add(p.client)
 
     def _execute(self, batch: list[_Pending]) -> None:
         """Run ``batch`` as one execution and resolve each request's future; a failed merged

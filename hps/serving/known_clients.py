@@ -148,6 +148,12 @@ class KnownClients:
         else:
             self._drop(clients, client)
 
+    def idle(self, client: Hashable) -> bool:
+        """Whether ``client`` is known, its connection open and nothing of it in flight: a
+        closed-loop client that was just answered sends its next request soon."""
+        c = self._known.get(client)
+        return c is not None and not c.closed and not c.in_flight
+
     def capacity(self, now: int) -> int:
         """How many requests the known clients can have in flight at once: the sum of their
         peaks, but no more than the most requests every client had in flight at once over

@@ -465,3 +465,70 @@ def test_a_batch_closes_once_every_known_client_has_a_request_in_it(servable, ti
     assert counts.executions == 3
     for got, x in zip([alone, *merged], r, strict=True):
         assert np.array_equal(got.outputs["logits"], servable.infer(x)["logits"])
+
+
+def test_a_request_queued_behind_an_execution_waits_for_the_clients_it_answered(
+    servable, tiny, monkeypatch
+) -> None:
+    """Known clients a and b, one request in flight each, a 0.3 s delay on a clock that moves
+    only when the test moves it (0.35 s at a time: within the second that keeps a silent
+    client known). b's request runs (held until the test lets it go) while a's queues and
+    a's delay passes. Once b's execution ends, a's request waits for b, whom it has just
+    answered: b's next request joins it and the two run as one execution (Triton would run
+    a's alone). The wait ends once the delay has passed since that execution ended, or when
+    b's connection closes. Each answer is bit-equal to its request alone."""
+    real = servable.infer
+    gate, entered = threading.Event(), threading.Event()
+
+    def held(inputs: Tensors) -> Tensors:
+        entered.set()
+        assert gate.wait(60)
+        return real(inputs)
+
+    step = 350_000_000  # ns: past the 0.3 s delay
+    clock = StillClock()
+    counts = ModelCounts()
+    cfg = BatchingConfig(64, max_queue_delay_us=300_000)
+    batcher = DynamicBatcher(servable, cfg, counts, clock=clock)
+    r = [make_request(tiny, n, seed=80 + n) for n in range(1, 8)]
+
+    def queued_behind_b(rb: Tensors, ra: Tensors) -> Future[BatchedResult]:
+        """b's ``rb`` runs, held, once its delay has passed; a's ``ra`` queues behind it and
+        its delay passes too; then ``rb``'s execution ends and ``ra``'s batch waits."""
+        gate.clear()
+        entered.clear()
+        fb = batcher.submit(servable.check(rb), client="b")
+        clock.ns += step  # rb no longer waits for a
+        assert entered.wait(60)
+        fa = batcher.submit(servable.check(ra), client="a")
+        clock.ns += step  # a's own delay has passed while b's execution ran
+        gate.set()
+        assert fb.result(timeout=60).batch_size == rb["dense"].shape[0]
+        _until_waiting(batcher)
+        assert not fa.done()  # b was just answered: a waits for its next request
+        return fa
+
+    try:
+        for _ in range(2):  # a and b come back: known, one request in flight each
+            [f.result(timeout=60) for f in _at_once(batcher, servable, tiny, "ab")]
+        monkeypatch.setattr(servable, "infer", held)
+        # b's next request comes: one execution of a's and b's
+        fa = queued_behind_b(r[0], r[1])
+        fb = batcher.submit(servable.check(r[2]), client="b")
+        merged = [fa.result(timeout=60), fb.result(timeout=60)]
+        # b sends nothing: a runs alone once the delay has passed since b's execution ended
+        fa = queued_behind_b(r[3], r[4])
+        clock.ns += step
+        late = fa.result(timeout=60)
+        # b's connection closes: a runs at once
+        fa = queued_behind_b(r[5], r[6])
+        batcher.forget("b")
+        gone = fa.result(timeout=60)
+    finally:
+        gate.set()
+        batcher.close()
+    monkeypatch.undo()
+    assert [m.batch_size for m in merged] == [2 + 3, 2 + 3]
+    assert late.batch_size == 5 and gone.batch_size == 7
+    for got, x in zip([*merged, late, gone], [r[1], r[2], r[4], r[6]], strict=True):
+        assert np.array_equal(got.outputs["logits"], real(x)["logits"])

@@ -149,6 +149,24 @@ def test_a_closed_connection_counts_only_its_requests_in_flight() -> None:
     assert k.capacity(t) == 1 and len(k) == 1
 
 
+def test_a_client_is_idle_when_known_open_and_answered() -> None:
+    """``idle``: known (came back), its connection open, nothing in flight: a closed-loop
+    client that is about to send again. A client seen once, one with a request in flight
+    and one whose connection closed are not."""
+    k, t = KnownClients(), 0
+    k.sent("a", t)
+    k.answered("a", t)
+    assert not k.idle("a")  # seen once
+    k.sent("a", t)
+    assert not k.idle("a")  # known, in flight
+    k.answered("a", t)
+    assert k.idle("a")
+    k.sent("a", t)
+    k.forget("a", t)  # closed with a request in flight
+    k.answered("a", t)
+    assert not k.idle("a") and not k.idle("never")
+
+
 def test_a_request_submitted_after_its_connection_closed_is_a_new_client() -> None:
     """The HTTP server announces a request, the connection closes while its body is parsed
     (the client, known, is forgotten), then the request is submitted: it is the first request

@@ -17,8 +17,9 @@ still being read, and it holds as many requests as its known clients
 can have in flight at once. A lone client therefore never waits (its request is all it can
 send), nor does one that opens a connection per request (it never comes back); closed-loop
 clients share one execution per round. A batch of requests that queued while an execution
-ran also waits, once it ends, for the known clients that execution has just answered (at most
-``max_queue_delay_us`` from its end, and only while one of them has not sent again), so
+ran also waits, once it ends, for the requests that execution has just answered to known
+clients to be sent again (at most ``max_queue_delay_us`` from its end, and only while fewer
+have come back from a client than it was answered; a closed connection sends none), so
 closed-loop clients that fell into two groups, each queued behind the other's execution, are
 merged back into one execution per round. Two differences from Triton's dynamic batcher:
 Triton sends the largest preferred size it can form and leaves the rest queued, where this
@@ -36,6 +37,7 @@ queued during an execution at once when their delay has passed::
     known clients a, b; a's request queued  → waits for b's (at most max_queue_delay_us)
     a queued during an execution that       → waits for b's next request (at most
       answered known client b                  max_queue_delay_us after that execution)
+      (b a connection of 4 callers, 2 of them answered: waits for 2 of b's requests)
 
 Merging is exact: the merged run's rows are bit-equal to running each request alone
 (onnxruntime's CPU kernels compute each output row with the same reduction order whatever
@@ -106,8 +108,8 @@ class BatchingConfig:
             (:mod:`hps.serving.known_clients`). So a lone client does not wait, nor does one
             that opens a connection (HTTP) or channel (gRPC) per request, and closed-loop
             clients that all come back within the delay share one execution. Requests that
-            queued while an execution ran also wait for the known clients it has just
-            answered (at most ``max_queue_delay_us`` from its end). A request with no client
+            queued while an execution ran also wait for as many requests as it has just
+            answered to each known client (at most ``max_queue_delay_us`` from its end). A request with no client
             (``None``) counts as a client that never comes back.
 
     Raises:
@@ -266,9 +268,12 @@ class DynamicBatcher:
         self._cond = threading.Condition()
         self._closed = False
         self._waiting = False  # a batch waits for more requests (the inference thread)
-        # the known clients the latest execution answered that have not sent since: a batch
-        # of requests queued during that execution waits for them (closed-loop clients)
-        self._due: set[Hashable] = set()
+        # the latest execution's answered requests of known clients, by client, less the
+        # requests each client has sent since: a batch of requests queued during that
+        # execution waits for them (closed-loop callers send again once answered; a
+        # connection may carry several, as grpcio's channels of one process share one)
+        self._due: dict[Hashable, int] = {}
+        self._due_total = 0
         self._torch_threads = torch_threads
         self._thread = threading.Thread(
             target=self._loop, name=f"hps-batcher-{servable.name[:32]}", daemon=True
@@ -318,7 +323,13 @@ class DynamicBatcher:
             self._clients.sweep(now)  # also when no batch asks (a full one)
             if client is not None:
                 self._clients.sent(client, now)
-                self._due.discard(client)
+                n = self._due.get(client)
+                if n is not None:  # one of the answered ones comes back
+                    self._due_total -= 1
+                    if n > 1:
+                        self._due[client] = n - 1
+                    else:
+                        del self._due[client]
             item = _Pending(inputs, int(inputs["dense"].shape[0]), now, fut, client)
             self._queue.append(item)
             self._cond.notify()
@@ -356,7 +367,7 @@ class DynamicBatcher:
         it (the HTTP server calls this when a connection is lost)."""
         with self._cond:
             self._clients.forget(client, self._clock())
-            self._due.discard(client)
+            self._due_total -= self._due.pop(client, 0)
             self._cond.notify()  # the batch waiting for it may close now
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -380,6 +391,7 @@ class DynamicBatcher:
             if live:
                 with self._cond:
                     self._due.clear()  # only this execution's answers are waited for
+                    self._due_total = 0
                 self._execute(live)
 
     def _next_batch(self) -> list[_Pending] | None:
@@ -388,7 +400,7 @@ class DynamicBatcher:
         preferred = self.cfg.preferred
         with self._cond:
             # the executor is free from now: requests queued behind the last execution may
-            # wait this long for the clients it answered (``_due``)
+            # wait this long for the requests it answered to come back (``_due``)
             due_deadline = self._clock() + delay_ns
             while not self._queue:
                 if self._closed:
@@ -412,9 +424,9 @@ class DynamicBatcher:
                 now = self._clock()
                 wait_ns = deadline - now
                 if wait_ns <= 0:
-                    if not self._due:
+                    if not self._due_total:
                         break
-                    wait_ns = due_deadline - now  # a just-answered client is on its way
+                    wait_ns = due_deadline - now  # a just-answered caller is on its way
                     if wait_ns <= 0:
                         break
                 wait_ns = min(wait_ns, SWEEP_NS)  # wake for the next sweep: silent clients
@@ -437,8 +449,9 @@ class DynamicBatcher:
             for p in batch:
                 if p.client is not None:
                     self._clients.answered(p.client, now)
-                    if self._clients.idle(p.client):
-                        self._due.add(p.client)
+                    if self._clients.open(p.client):
+                        self._due[p.client] = self._due.get(p.client, 0) + 1
+                        self._due_total += 1
 
     def _execute(self, batch: list[_Pending]) -> None:
         """Run ``batch`` as one execution and resolve each request's future; a failed merged

@@ -148,11 +148,11 @@ class KnownClients:
         else:
             self._drop(clients, client)
 
-    def idle(self, client: Hashable) -> bool:
-        """Whether ``client`` is known, its connection open and nothing of it in flight: a
-        closed-loop client that was just answered sends its next request soon."""
+    def open(self, client: Hashable) -> bool:
+        """Whether ``client`` is known and its connection open: each of its answered requests
+        may be followed by another (a closed-loop caller on it sends again)."""
         c = self._known.get(client)
-        return c is not None and not c.closed and not c.in_flight
+        return c is not None and not c.closed
 
     def capacity(self, now: int) -> int:
         """How many requests the known clients can have in flight at once: the sum of their

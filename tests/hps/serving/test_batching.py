@@ -532,3 +532,48 @@ def test_a_request_queued_behind_an_execution_waits_for_the_clients_it_answered(
     assert late.batch_size == 5 and gone.batch_size == 7
     for got, x in zip([*merged, late, gone], [r[1], r[2], r[4], r[6]], strict=True):
         assert np.array_equal(got.outputs["logits"], real(x)["logits"])
+
+
+def test_a_connection_of_several_callers_is_waited_for_once_per_answered_request(
+    servable, tiny, monkeypatch
+) -> None:
+    """Known client m, one connection carrying two callers (grpcio's channels of one process
+    share one). m's first request runs (held) while its second queues and its delay passes;
+    that execution answers one of m's requests, so the queued one waits for one more of m's
+    (m still has a request in flight: it is waited for per answered request, not only when
+    idle), and the two run as one execution."""
+    real = servable.infer
+    gate, entered = threading.Event(), threading.Event()
+
+    def held(inputs: Tensors) -> Tensors:
+        entered.set()
+        assert gate.wait(60)
+        return real(inputs)
+
+    clock = StillClock()
+    batcher = DynamicBatcher(
+        servable, BatchingConfig(64, max_queue_delay_us=300_000), ModelCounts(), clock=clock
+    )
+    r = [make_request(tiny, n, seed=90 + n) for n in (1, 2, 3)]
+    try:
+        for _ in range(2):  # m: two requests in flight at once, known
+            [f.result(timeout=60) for f in _at_once(batcher, servable, tiny, "mm")]
+        monkeypatch.setattr(servable, "infer", held)
+        first = batcher.submit(servable.check(r[0]), client="m")
+        clock.ns += 350_000_000  # it no longer waits for m's other caller
+        assert entered.wait(60)
+        second = batcher.submit(servable.check(r[1]), client="m")
+        clock.ns += 350_000_000  # its own delay has passed
+        gate.set()
+        assert first.result(timeout=60).batch_size == 1
+        _until_waiting(batcher)
+        assert not second.done()
+        third = batcher.submit(servable.check(r[2]), client="m")
+        merged = [second.result(timeout=60), third.result(timeout=60)]
+    finally:
+        gate.set()
+        batcher.close()
+    monkeypatch.undo()
+    assert [m.batch_size for m in merged] == [2 + 3, 2 + 3]
+    for got, x in zip(merged, r[1:], strict=True):
+        assert np.array_equal(got.outputs["logits"], real(x)["logits"])

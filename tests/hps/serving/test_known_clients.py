@@ -149,22 +149,23 @@ def test_a_closed_connection_counts_only_its_requests_in_flight() -> None:
     assert k.capacity(t) == 1 and len(k) == 1
 
 
-def test_a_client_is_idle_when_known_open_and_answered() -> None:
-    """``idle``: known (came back), its connection open, nothing in flight: a closed-loop
-    client that is about to send again. A client seen once, one with a request in flight
-    and one whose connection closed are not."""
+def test_a_client_is_open_when_known_and_its_connection_is() -> None:
+    """``open``: known (came back) and its connection open, whatever it has in flight (a
+    connection may carry several callers). A client seen once, a closed one and one never
+    seen are not."""
     k, t = KnownClients(), 0
     k.sent("a", t)
     k.answered("a", t)
-    assert not k.idle("a")  # seen once
+    assert not k.open("a")  # seen once
     k.sent("a", t)
-    assert not k.idle("a")  # known, in flight
+    assert k.open("a")  # known, in flight
     k.answered("a", t)
-    assert k.idle("a")
+    assert k.open("a")
     k.sent("a", t)
     k.forget("a", t)  # closed with a request in flight
+    assert not k.open("a")
     k.answered("a", t)
-    assert not k.idle("a") and not k.idle("never")
+    assert not k.open("a") and not k.open("never")
 
 
 def test_a_request_submitted_after_its_connection_closed_is_a_new_client() -> None:

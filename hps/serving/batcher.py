@@ -356,9 +356,11 @@ class DynamicBatcher:
     @property
     def batch_waiting(self) -> bool:
         """Whether the inference thread holds a batch, smaller than its preferred size, that
-        waits for more requests: until the delay has passed since its oldest request, or no
-        more can come (no announced request is being read and it holds as many requests as
-        the known clients can have in flight at once)."""
+        waits for more requests: until the delay has passed since its oldest request (for
+        requests queued behind an execution, while that execution's answered requests have
+        not come back: since its end), or no more can come (no announced request is being
+        read and it holds as many requests as the known clients can have in flight at
+        once)."""
         with self._cond:
             return self._waiting
 

@@ -75,10 +75,11 @@ class ServerKnobs:
     max_queue_delay_us: int = knob(
         _DEFAULTS.max_queue_delay_us,
         "dynamic batching: the most microseconds a request waits for others to join its "
-        "batch; a batch waits only while clients that came back (sent a second request on "
-        "their connection) may still send, so a lone client or one connecting per request "
-        "never waits; requests that queued behind an execution wait at most this long after "
-        "it ends for the clients it answered (0: merge only requests already waiting)",
+        "batch, counted from its arrival or, queued behind an execution, from that "
+        "execution's end (for the requests it answered to come back); a batch waits only "
+        "while clients that came back (sent a second request on their connection) may still "
+        "send, so a lone client or one connecting per request never waits (0: merge only "
+        "requests already waiting)",
         parse=int,
     )
     preferred_batch_size: int = knob(

@@ -331,6 +331,12 @@ class GcClock:
         self.longest_s = max(self.longest_s, dt)
         self.runs[info["generation"]] += 1
 
+    def reset(self) -> None:
+        """Count from now on (the collections so far are forgotten)."""
+        self.seconds = 0.0
+        self.longest_s = 0.0
+        self.runs = [0, 0, 0]
+
     def __enter__(self) -> GcClock:
         gc.callbacks.append(self._on_gc)
         return self
@@ -399,17 +405,23 @@ def bench_concurrency(
                 addr = served.srv.address if proto == "http" else str(served.srv.grpc_address)
                 fronts = served.srv.grpc.pids if isinstance(served.srv.grpc, GrpcFronts) else []
                 snap: dict[str, Any] = {}
+                gcs = GcClock()
 
                 def window_opens(
-                    served: Any = served, fronts: list[int] = fronts, snap: dict[str, Any] = snap
+                    served: Any = served,
+                    fronts: list[int] = fronts,
+                    snap: dict[str, Any] = snap,
+                    gcs: GcClock = gcs,
                 ) -> None:
-                    # the server's counters from the timed window on: the clients' untimed
-                    # first requests (single executions while the clients start) left out
+                    # the server's counters (and its collector's time) from the timed window
+                    # on: the clients' untimed first requests, single executions while the
+                    # clients start, left out
+                    gcs.reset()
                     snap.update(
                         stats=served.stats(), hits=_cache_hits(served), cpu=thread_cpu_s(fronts)
                     )
 
-                with GcClock() as gcs:
+                with gcs:
                     cell = run_cell(addr, kind, c, reqs, wants, seconds, window_opens)
                 before, hits0, cpu0 = snap["stats"], snap["hits"], snap["cpu"]
                 cpu1 = thread_cpu_s(fronts)

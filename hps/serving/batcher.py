@@ -36,8 +36,9 @@ queued during an execution at once when their delay has passed::
     r5 submitted while r6 is being parsed   → waits for r6 (at most max_queue_delay_us)
     known clients a, b; a's request queued  → waits for b's (at most max_queue_delay_us)
     a queued during an execution that       → waits for b's next request (at most
-      answered known client b                  max_queue_delay_us after that execution)
-      (b a connection of 4 callers, 2 of them answered: waits for 2 of b's requests)
+      answered known client b                  max_queue_delay_us after that execution;
+                                               b, a connection of 4 callers, 2 of them
+                                               answered: for 2 of b's requests)
 
 Merging is exact: the merged run's rows are bit-equal to running each request alone
 (onnxruntime's CPU kernels compute each output row with the same reduction order whatever
@@ -91,9 +92,11 @@ class BatchingConfig:
             ``max_batch_size`` of ``ps.json``, which bounds a lookup's keys); a request of more
             samples than this (but within the model's limit) runs alone.
         max_queue_delay_us: the longest the oldest waiting request waits for more requests
-            to join its batch (0: merge only what is waiting already, never wait).
+            to join its batch, or, for requests queued behind an execution, the longest they
+            wait after it ends (0: merge only what is waiting already, never wait).
         preferred_batch_size: once nothing more is waiting, a batch of fewer samples waits
-            for more (at most ``max_queue_delay_us`` since its oldest request); one of at
+            for more (at most ``max_queue_delay_us`` since its oldest request, or since the
+            end of the execution it queued behind); one of at
             least this many runs at once. Every waiting request joins a batch up to
             ``max_batch_size`` whatever this is (Triton's batcher sends its largest
             preferred size instead). 0 (the default): ``max_batch_size``. A smaller batch
@@ -109,8 +112,8 @@ class BatchingConfig:
             that opens a connection (HTTP) or channel (gRPC) per request, and closed-loop
             clients that all come back within the delay share one execution. Requests that
             queued while an execution ran also wait for as many requests as it has just
-            answered to each known client (at most ``max_queue_delay_us`` from its end). A request with no client
-            (``None``) counts as a client that never comes back.
+            answered to each known client (at most ``max_queue_delay_us`` from its end). A
+            request with no client (``None``) counts as a client that never comes back.
 
     Raises:
         ValueError: naming the knob, for a value outside its range.
@@ -274,6 +277,7 @@ class DynamicBatcher:
         # connection may carry several, as grpcio's channels of one process share one)
         self._due: dict[Hashable, int] = {}
         self._due_total = 0
+        self._due_deadline = 0  # the clock's ns: the latest execution's end + the delay
         self._torch_threads = torch_threads
         self._thread = threading.Thread(
             target=self._loop, name=f"hps-batcher-{servable.name[:32]}", daemon=True
@@ -388,8 +392,8 @@ class DynamicBatcher:
                 return
             # a request whose future was cancelled (its caller went away) is not run
             live = [p for p in batch if p.future.set_running_or_notify_cancel()]
-            if len(live) < len(batch):
-                self._release([p for p in batch if p.future.cancelled()])
+            if len(live) < len(batch):  # not answered: nothing of theirs is waited for
+                self._release([p for p in batch if p.future.cancelled()], due=False)
             if live:
                 with self._cond:
                     self._due.clear()  # only this execution's answers are waited for
@@ -401,9 +405,6 @@ class DynamicBatcher:
         limit, delay_ns = self.cfg.max_batch_size, self.cfg.max_queue_delay_us * 1000
         preferred = self.cfg.preferred
         with self._cond:
-            # the executor is free from now: requests queued behind the last execution may
-            # wait this long for the requests it answered to come back (``_due``)
-            due_deadline = self._clock() + delay_ns
             while not self._queue:
                 if self._closed:
                     return None
@@ -428,7 +429,8 @@ class DynamicBatcher:
                 if wait_ns <= 0:
                     if not self._due_total:
                         break
-                    wait_ns = due_deadline - now  # a just-answered caller is on its way
+                    # a just-answered caller is on its way (``_release`` set the deadline)
+                    wait_ns = self._due_deadline - now
                     if wait_ns <= 0:
                         break
                 wait_ns = min(wait_ns, SWEEP_NS)  # wake for the next sweep: silent clients
@@ -444,14 +446,19 @@ class DynamicBatcher:
         them. Called with the lock held."""
         return len(batch) >= self._clients.capacity(self._clock())
 
-    def _release(self, batch: list[_Pending]) -> None:
-        """The requests of ``batch`` are answered: their clients have fewer in flight."""
+    def _release(self, batch: list[_Pending], due: bool = True) -> None:
+        """The requests of ``batch`` are answered (before their futures resolve): their
+        clients have fewer in flight, and, with ``due``, each one of a known client is
+        waited for until ``max_queue_delay_us`` from now by the requests that queued behind
+        this execution."""
         with self._cond:
             now = self._clock()
+            if due:
+                self._due_deadline = now + self.cfg.max_queue_delay_us * 1000
             for p in batch:
                 if p.client is not None:
                     self._clients.answered(p.client, now)
-                    if self._clients.open(p.client):
+                    if due and self._clients.open(p.client):
                         self._due[p.client] = self._due.get(p.client, 0) + 1
                         self._due_total += 1
 

@@ -27,8 +27,10 @@ A request is parsed on the event loop (a large or compressed body on one of ``wo
 threads), checked, and handed to its model's dynamic batcher (:mod:`hps.serving.batcher`):
 one inference thread per model merges every waiting request into one execution of up to
 ``max_batch_size`` samples; a batch smaller than ``preferred_batch_size`` waits for more, at
-most ``max_queue_delay_us``, only while requests are still being parsed or its known clients
-(connections that came back) may still send, so a lone client does not wait; the answer is
+most ``max_queue_delay_us`` (from its oldest request, or from the end of the execution it
+queued behind, for the requests that execution answered), only while requests are still
+being parsed or its known clients (connections that came back) may still send, so a lone
+client does not wait; the answer is
 encoded on the event loop. The parser
 and the event loop are httptools and uvloop when installed (``http``, ``loop``:
 :mod:`hps.serving.connections`). At most ``workers + max_queued`` requests are in flight; beyond

@@ -127,9 +127,10 @@ class ServerConfig:
     max_request_mb: float = 256.0  # larger bodies (also once decompressed) are refused with 400
     max_json_mb: float = 16.0  # larger JSON parts are refused with 400 (binary tensors are not)
     max_batch_size: int = 0  # samples per merged execution (0: each model's, from ps.json)
-    # The longest a request waits for others to join its batch. A batch waits only while
-    # known clients (connections that came back) may still send, so a lone client or one
-    # that connects per request never pays it. Measured on the tiny model, 16 closed-loop
+    # The longest a request waits for others to join its batch (one queued behind an
+    # execution: the longest it waits after that execution ends, for the requests it answered
+    # to come back). A batch waits only while known clients (connections that came back) may
+    # still send, so a lone client or one that connects per request never pays it. Measured on the tiny model, 16 closed-loop
     # clients × batch 16, 2 shared cores at load 9.7-14.2: 10 ms gives 20,629-23,541
     # samples/s (100 µs: 14,389-17,333) and a p99 of 15.9-21.2 ms, within 2 × delay + one
     # execution (~22 ms), for HTTP and raw gRPC (tritonclient's gRPC: 32.8-36.1 ms); at

@@ -475,8 +475,8 @@ def test_a_request_queued_behind_an_execution_waits_for_the_clients_it_answered(
     client known). b's request runs (held until the test lets it go) while a's queues and
     a's delay passes. Once b's execution ends, a's request waits for b, whom it has just
     answered: b's next request joins it and the two run as one execution (Triton would run
-    a's alone). The wait ends once the delay has passed since that execution ended, or when
-    b's connection closes. Each answer is bit-equal to its request alone."""
+    a's alone). If b sends nothing, the wait ends once the delay has passed since that
+    execution ended. Each answer is bit-equal to its request alone."""
     real = servable.infer
     gate, entered = threading.Event(), threading.Event()
 
@@ -520,18 +520,56 @@ def test_a_request_queued_behind_an_execution_waits_for_the_clients_it_answered(
         fa = queued_behind_b(r[3], r[4])
         clock.ns += step
         late = fa.result(timeout=60)
-        # b's connection closes: a runs at once
-        fa = queued_behind_b(r[5], r[6])
-        batcher.forget("b")
-        gone = fa.result(timeout=60)
     finally:
         gate.set()
         batcher.close()
     monkeypatch.undo()
     assert [m.batch_size for m in merged] == [2 + 3, 2 + 3]
-    assert late.batch_size == 5 and gone.batch_size == 7
-    for got, x in zip([*merged, late, gone], [r[1], r[2], r[4], r[6]], strict=True):
+    assert late.batch_size == 5
+    for got, x in zip([*merged, late], [r[1], r[2], r[4]], strict=True):
         assert np.array_equal(got.outputs["logits"], real(x)["logits"])
+
+
+def test_a_closed_connection_is_not_waited_for_behind_an_execution(
+    servable, tiny, monkeypatch
+) -> None:
+    """Known clients a, b and c (c idle, so the batch cannot close for want of clients), a
+    0.3 s delay on a clock that moves only when the test moves it. b's request runs, held;
+    a's queues behind it and its delay passes; the execution ends and a's request waits for
+    b's next one. b's connection closes: a's request runs at once, alone."""
+    real = servable.infer
+    gate, entered = threading.Event(), threading.Event()
+
+    def held(inputs: Tensors) -> Tensors:
+        entered.set()
+        assert gate.wait(60)
+        return real(inputs)
+
+    clock = StillClock()
+    cfg = BatchingConfig(64, max_queue_delay_us=300_000)
+    batcher = DynamicBatcher(servable, cfg, ModelCounts(), clock=clock)
+    rb, ra = (make_request(tiny, n, seed=100 + n) for n in (1, 2))
+    try:
+        for _ in range(2):  # a, b, c come back: known, one request in flight each
+            [f.result(timeout=60) for f in _at_once(batcher, servable, tiny, "abc")]
+        monkeypatch.setattr(servable, "infer", held)
+        fb = batcher.submit(servable.check(rb), client="b")
+        clock.ns += 350_000_000  # rb no longer waits for a and c
+        assert entered.wait(60)
+        fa = batcher.submit(servable.check(ra), client="a")
+        clock.ns += 350_000_000  # a's own delay has passed (c, silent 0.7 s, stays known)
+        gate.set()
+        assert fb.result(timeout=60).batch_size == 1
+        _until_waiting(batcher)
+        assert not fa.done()  # b was just answered: a waits for its next request
+        batcher.forget("b")
+        alone = fa.result(timeout=60)
+    finally:
+        gate.set()
+        batcher.close()
+    monkeypatch.undo()
+    assert alone.batch_size == 2
+    assert np.array_equal(alone.outputs["logits"], real(ra)["logits"])
 
 
 def test_a_connection_of_several_callers_is_waited_for_once_per_answered_request(

@@ -6,7 +6,7 @@ a failed merged execution fails only the request that caused it."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
@@ -467,61 +467,79 @@ def test_a_batch_closes_once_every_known_client_has_a_request_in_it(servable, ti
         assert np.array_equal(got.outputs["logits"], servable.infer(x)["logits"])
 
 
+class HeldInfer:
+    """A servable's ``infer`` that holds each execution until the test lets it go (``gate``)
+    and tells when one has started (``entered``)."""
+
+    def __init__(self, real: Callable[[Tensors], Tensors]) -> None:
+        self.real = real
+        self.gate, self.entered = threading.Event(), threading.Event()
+
+    def __call__(self, inputs: Tensors) -> Tensors:
+        self.entered.set()
+        assert self.gate.wait(60)
+        return self.real(inputs)
+
+
+#: ns the tests' clock moves at a time: past their 0.3 s delay, within the second that keeps
+#: a silent client known
+STEP_NS = 350_000_000
+
+
+def _queued_behind(
+    batcher: DynamicBatcher,
+    servable: DLRMServable,
+    clock: StillClock,
+    held: HeldInfer,
+    first: tuple[Tensors, str],
+    queued: tuple[Tensors, str],
+) -> Future[BatchedResult]:
+    """``first`` (a request and its client) runs, held, once its own delay has passed; the
+    ``queued`` one is submitted behind it and its delay passes too; then the held execution
+    ends, and the queued request's batch is left waiting (asserted). Returns its future."""
+    held.gate.clear()
+    held.entered.clear()
+    running = batcher.submit(servable.check(first[0]), client=first[1])
+    clock.ns += STEP_NS  # it no longer waits for the other known clients
+    assert held.entered.wait(60)
+    behind = batcher.submit(servable.check(queued[0]), client=queued[1])
+    clock.ns += STEP_NS  # the queued request's own delay has passed
+    held.gate.set()
+    assert running.result(timeout=60).batch_size == first[0]["dense"].shape[0]
+    _until_waiting(batcher)
+    assert not behind.done()  # the execution just answered a caller that may send again
+    return behind
+
+
 def test_a_request_queued_behind_an_execution_waits_for_the_clients_it_answered(
     servable, tiny, monkeypatch
 ) -> None:
     """Known clients a and b, one request in flight each, a 0.3 s delay on a clock that moves
-    only when the test moves it (0.35 s at a time: within the second that keeps a silent
-    client known). b's request runs (held until the test lets it go) while a's queues and
-    a's delay passes. Once b's execution ends, a's request waits for b, whom it has just
-    answered: b's next request joins it and the two run as one execution (Triton would run
-    a's alone). If b sends nothing, the wait ends once the delay has passed since that
+    only when the test moves it. b's request runs (held until the test lets it go) while a's
+    queues and a's delay passes. Once b's execution ends, a's request waits for b, whom it has
+    just answered: b's next request joins it and the two run as one execution (Triton would
+    run a's alone). If b sends nothing, the wait ends once the delay has passed since that
     execution ended. Each answer is bit-equal to its request alone."""
     real = servable.infer
-    gate, entered = threading.Event(), threading.Event()
-
-    def held(inputs: Tensors) -> Tensors:
-        entered.set()
-        assert gate.wait(60)
-        return real(inputs)
-
-    step = 350_000_000  # ns: past the 0.3 s delay
+    held = HeldInfer(real)
     clock = StillClock()
-    counts = ModelCounts()
     cfg = BatchingConfig(64, max_queue_delay_us=300_000)
-    batcher = DynamicBatcher(servable, cfg, counts, clock=clock)
-    r = [make_request(tiny, n, seed=80 + n) for n in range(1, 8)]
-
-    def queued_behind_b(rb: Tensors, ra: Tensors) -> Future[BatchedResult]:
-        """b's ``rb`` runs, held, once its delay has passed; a's ``ra`` queues behind it and
-        its delay passes too; then ``rb``'s execution ends and ``ra``'s batch waits."""
-        gate.clear()
-        entered.clear()
-        fb = batcher.submit(servable.check(rb), client="b")
-        clock.ns += step  # rb no longer waits for a
-        assert entered.wait(60)
-        fa = batcher.submit(servable.check(ra), client="a")
-        clock.ns += step  # a's own delay has passed while b's execution ran
-        gate.set()
-        assert fb.result(timeout=60).batch_size == rb["dense"].shape[0]
-        _until_waiting(batcher)
-        assert not fa.done()  # b was just answered: a waits for its next request
-        return fa
-
+    batcher = DynamicBatcher(servable, cfg, ModelCounts(), clock=clock)
+    r = [make_request(tiny, n, seed=80 + n) for n in range(1, 6)]
     try:
         for _ in range(2):  # a and b come back: known, one request in flight each
             [f.result(timeout=60) for f in _at_once(batcher, servable, tiny, "ab")]
         monkeypatch.setattr(servable, "infer", held)
         # b's next request comes: one execution of a's and b's
-        fa = queued_behind_b(r[0], r[1])
+        fa = _queued_behind(batcher, servable, clock, held, (r[0], "b"), (r[1], "a"))
         fb = batcher.submit(servable.check(r[2]), client="b")
         merged = [fa.result(timeout=60), fb.result(timeout=60)]
         # b sends nothing: a runs alone once the delay has passed since b's execution ended
-        fa = queued_behind_b(r[3], r[4])
-        clock.ns += step
+        fa = _queued_behind(batcher, servable, clock, held, (r[3], "b"), (r[4], "a"))
+        clock.ns += STEP_NS
         late = fa.result(timeout=60)
     finally:
-        gate.set()
+        held.gate.set()
         batcher.close()
     monkeypatch.undo()
     assert [m.batch_size for m in merged] == [2 + 3, 2 + 3]
@@ -538,13 +556,7 @@ def test_a_closed_connection_is_not_waited_for_behind_an_execution(
     a's queues behind it and its delay passes; the execution ends and a's request waits for
     b's next one. b's connection closes: a's request runs at once, alone."""
     real = servable.infer
-    gate, entered = threading.Event(), threading.Event()
-
-    def held(inputs: Tensors) -> Tensors:
-        entered.set()
-        assert gate.wait(60)
-        return real(inputs)
-
+    held = HeldInfer(real)
     clock = StillClock()
     cfg = BatchingConfig(64, max_queue_delay_us=300_000)
     batcher = DynamicBatcher(servable, cfg, ModelCounts(), clock=clock)
@@ -553,19 +565,11 @@ def test_a_closed_connection_is_not_waited_for_behind_an_execution(
         for _ in range(2):  # a, b, c come back: known, one request in flight each
             [f.result(timeout=60) for f in _at_once(batcher, servable, tiny, "abc")]
         monkeypatch.setattr(servable, "infer", held)
-        fb = batcher.submit(servable.check(rb), client="b")
-        clock.ns += 350_000_000  # rb no longer waits for a and c
-        assert entered.wait(60)
-        fa = batcher.submit(servable.check(ra), client="a")
-        clock.ns += 350_000_000  # a's own delay has passed (c, silent 0.7 s, stays known)
-        gate.set()
-        assert fb.result(timeout=60).batch_size == 1
-        _until_waiting(batcher)
-        assert not fa.done()  # b was just answered: a waits for its next request
-        batcher.forget("b")
+        fa = _queued_behind(batcher, servable, clock, held, (rb, "b"), (ra, "a"))
+        batcher.forget("b")  # c, silent for 0.7 s, is still known
         alone = fa.result(timeout=60)
     finally:
-        gate.set()
+        held.gate.set()
         batcher.close()
     monkeypatch.undo()
     assert alone.batch_size == 2
@@ -581,35 +585,20 @@ def test_a_connection_of_several_callers_is_waited_for_once_per_answered_request
     (m still has a request in flight: it is waited for per answered request, not only when
     idle), and the two run as one execution."""
     real = servable.infer
-    gate, entered = threading.Event(), threading.Event()
-
-    def held(inputs: Tensors) -> Tensors:
-        entered.set()
-        assert gate.wait(60)
-        return real(inputs)
-
+    held = HeldInfer(real)
     clock = StillClock()
-    batcher = DynamicBatcher(
-        servable, BatchingConfig(64, max_queue_delay_us=300_000), ModelCounts(), clock=clock
-    )
+    cfg = BatchingConfig(64, max_queue_delay_us=300_000)
+    batcher = DynamicBatcher(servable, cfg, ModelCounts(), clock=clock)
     r = [make_request(tiny, n, seed=90 + n) for n in (1, 2, 3)]
     try:
         for _ in range(2):  # m: two requests in flight at once, known
             [f.result(timeout=60) for f in _at_once(batcher, servable, tiny, "mm")]
         monkeypatch.setattr(servable, "infer", held)
-        first = batcher.submit(servable.check(r[0]), client="m")
-        clock.ns += 350_000_000  # it no longer waits for m's other caller
-        assert entered.wait(60)
-        second = batcher.submit(servable.check(r[1]), client="m")
-        clock.ns += 350_000_000  # its own delay has passed
-        gate.set()
-        assert first.result(timeout=60).batch_size == 1
-        _until_waiting(batcher)
-        assert not second.done()
+        second = _queued_behind(batcher, servable, clock, held, (r[0], "m"), (r[1], "m"))
         third = batcher.submit(servable.check(r[2]), client="m")
         merged = [second.result(timeout=60), third.result(timeout=60)]
     finally:
-        gate.set()
+        held.gate.set()
         batcher.close()
     monkeypatch.undo()
     assert [m.batch_size for m in merged] == [2 + 3, 2 + 3]

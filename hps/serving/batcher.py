@@ -99,8 +99,9 @@ class BatchingConfig:
             end of the execution it queued behind); one of at least this many runs at once.
             Every waiting request joins a batch up to ``max_batch_size`` whatever this is
             (Triton's batcher sends its largest preferred size instead). 0 (the default):
-            ``max_batch_size``. A smaller batch also closes as soon as no more requests can come (this server's rule; Triton
-            waits the delay): nothing else is waiting or being read
+            ``max_batch_size``. A smaller batch also closes as soon as no more requests can
+            come (this server's rule; Triton waits the delay): nothing else is waiting or
+            being read
             (:meth:`DynamicBatcher.arrival`) and it holds as many requests as the known
             clients can send at once. A client (connection) is known once it has sent a
             second request, while it has a request in flight and for

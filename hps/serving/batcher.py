@@ -274,9 +274,9 @@ class DynamicBatcher:
         # the latest execution's answered requests of known clients, by client, less the
         # requests each client has sent since: a batch of requests queued during that
         # execution waits for them (closed-loop callers send again once answered; a
-        # connection may carry several, as grpcio's channels of one process share one)
+        # connection may carry several, as grpcio's channels of one process share one);
+        # a client none of whose answered requests is still awaited has no entry
         self._due: dict[Hashable, int] = {}
-        self._due_total = 0
         self._due_deadline = 0  # the clock's ns: the latest execution's end + the delay
         self._torch_threads = torch_threads
         self._thread = threading.Thread(
@@ -329,7 +329,6 @@ class DynamicBatcher:
                 self._clients.sent(client, now)
                 n = self._due.get(client)
                 if n is not None:  # one of the answered ones comes back
-                    self._due_total -= 1
                     if n > 1:
                         self._due[client] = n - 1
                     else:
@@ -373,7 +372,7 @@ class DynamicBatcher:
         it (the HTTP server calls this when a connection is lost)."""
         with self._cond:
             self._clients.forget(client, self._clock())
-            self._due_total -= self._due.pop(client, 0)
+            self._due.pop(client, None)
             self._cond.notify()  # the batch waiting for it may close now
 
     def close(self, timeout_s: float = 10.0) -> None:
@@ -397,7 +396,6 @@ class DynamicBatcher:
             if live:
                 with self._cond:
                     self._due.clear()  # only this execution's answers are waited for
-                    self._due_total = 0
                 self._execute(live)
 
     def _next_batch(self) -> list[_Pending] | None:
@@ -427,7 +425,7 @@ class DynamicBatcher:
                 now = self._clock()
                 wait_ns = deadline - now
                 if wait_ns <= 0:
-                    if not self._due_total:
+                    if not self._due:
                         break
                     # a just-answered caller is on its way (``_release`` set the deadline)
                     wait_ns = self._due_deadline - now
@@ -460,7 +458,6 @@ class DynamicBatcher:
                     self._clients.answered(p.client, now)
                     if due and self._clients.open(p.client):
                         self._due[p.client] = self._due.get(p.client, 0) + 1
-                        self._due_total += 1
 
     def _execute(self, batch: list[_Pending]) -> None:
         """Run ``batch`` as one execution and resolve each request's future; a failed merged

@@ -120,6 +120,13 @@ class ServerKnobs:
         "onnxruntime intra-op threads per execution (0: one per core this process may use)",
         parse=int,
     )
+    ort_parallel_min_macs: int = knob(
+        _DEFAULTS.ort_parallel_min_macs,
+        "an execution whose dense graph does fewer multiply-adds (of its weight matrices) "
+        "runs on one onnxruntime thread, larger ones on --ort-threads (0: all on "
+        "--ort-threads); the scores are the same",
+        parse=int,
+    )
     torch_threads: int = knob(
         _DEFAULTS.torch_threads,
         "torch intra-op threads of each model's inference thread (the lookups)",
@@ -166,6 +173,7 @@ class ServerKnobs:
             workers=self.workers,
             max_queued=self.max_queued,
             ort_threads=self.ort_threads,
+            ort_parallel_min_macs=self.ort_parallel_min_macs,
             torch_threads=self.torch_threads,
             switch_interval_us=self.switch_interval_us,
             gc_freeze=self.gc_freeze,

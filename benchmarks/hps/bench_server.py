@@ -117,6 +117,7 @@ class Served:
         loop: EventLoop = EventLoop.AUTO,
         grpc_processes: int = ServerConfig.grpc_processes,
         gc_freeze: bool = ServerConfig.gc_freeze,
+        parallel_min_macs: int = ServerConfig.ort_parallel_min_macs,
     ) -> None:
         write_serving_artifacts(
             model, folder, max_batch_size=max_batch, cache_fraction=1.0, overwrite=True
@@ -127,6 +128,7 @@ class Served:
             grpc_port=0,
             workers=workers,
             ort_threads=threads,
+            ort_parallel_min_macs=parallel_min_macs,
             max_batch_size=merged_batch,
             max_queue_delay_us=queue_delay_us,
             preferred_batch_size=preferred_batch,
@@ -149,6 +151,8 @@ class Served:
             "preferred_batch_size": cfg.preferred_batch_size,
             "preferred_batch_effective": cfg.preferred,
             "gc_freeze": int(self.srv.cfg.gc_freeze),
+            "ort_parallel_min_macs": self.srv.cfg.ort_parallel_min_macs,
+            "ort_serial_below": self.servable.serial_below,
         }
 
     def stats(self) -> dict[str, Any]:
@@ -430,6 +434,7 @@ def run_concurrency(
                 loop=loop,
                 grpc_processes=procs,
                 gc_freeze=args.gc_freeze,
+                parallel_min_macs=args.ort_parallel_min_macs,
             )
             key = f"{s.srv.http_parser.value}/{s.srv.event_loop.value}@{delay}:{preferred}"
             key += f"#{s.srv.cfg.grpc_fronts}"  # gRPC front processes (0: in-process)
@@ -503,6 +508,14 @@ def main(argv: list[str] | None = None) -> None:
         default=ServerConfig.ort_threads,
         help="concurrency: the servers' onnxruntime intra-op threads (default: the server's, "
         "every core the process may use)",
+    )
+    p.add_argument(
+        "--ort-parallel-min-macs",
+        type=int,
+        default=ServerConfig.ort_parallel_min_macs,
+        help="concurrency: the servers' bound under which an execution's dense graph runs on "
+        "one onnxruntime thread (0: every execution on --conc-ort-threads; default: the "
+        "server's)",
     )
     p.add_argument(
         "--no-gc-freeze",

@@ -35,6 +35,11 @@ import torch
 from hps.artifact_format import ARTIFACT_VERSION, SERVING_METADATA_KEY, ServingMetadata
 from hps.config import ModelConfig
 from hps.serving.clipping import clip
+from hps.serving.dense_cost import (
+    DEFAULT_PARALLEL_MIN_MACS,
+    serial_batch_limit,
+    weight_macs_per_sample,
+)
 from hps.session import LookupSession
 from hps.types import FormatVersionError, Pooling
 from hps.vocabulary import ServingVocabulary
@@ -86,11 +91,17 @@ class DLRMServable:
             (B, D) float32`` and ``pooled (B, T, dim) float32``, output ``(B,) float32``).
         session: the parameter server's lookup session of this model.
         ort_threads: onnxruntime intra-op threads per call (0: onnxruntime's default).
+        ort_parallel_min_macs: the fewest multiply-adds of the graph's weight matrices
+            (:func:`~hps.serving.dense_cost.weight_macs_per_sample` × batch) an execution
+            runs on ``ort_threads``; smaller ones run on one thread, where waking the pool
+            costs more than it saves (0: every execution on ``ort_threads``). The scores are
+            the same either way.
 
     Raises:
         FormatVersionError: the graph's serving metadata is missing or of another version.
         ValueError: no ``network_file``, a graph whose inputs are not ``dense`` / ``pooled``,
-            or metadata whose tables disagree with ``ps.json``.
+            metadata whose tables disagree with ``ps.json``, a negative thread count or
+            ``ort_parallel_min_macs``.
     """
 
     def __init__(
@@ -98,6 +109,7 @@ class DLRMServable:
         model: ModelConfig,
         session: LookupSession,
         ort_threads: int = 0,
+        ort_parallel_min_macs: int = DEFAULT_PARALLEL_MIN_MACS,
     ) -> None:
         import onnxruntime as ort
 
@@ -109,21 +121,40 @@ class DLRMServable:
         path = Path(model.network_file)
         if not path.is_file():
             raise ValueError(f"model {model.model!r}: network_file {str(path)!r} does not exist")
-        opts = ort.SessionOptions()
         if ort_threads < 0:
             raise ValueError(f"ort_threads must be >= 0, got {ort_threads}")
-        opts.intra_op_num_threads = ort_threads
-        opts.inter_op_num_threads = 1
-        # onnxruntime's pool threads otherwise spin after each run: on a shared host that
-        # burns the cores the event loop and the lookups need (2 threads, batch 16: 540 µs of
-        # CPU per 90 µs run spinning, 145 µs not)
-        opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
-        try:
-            self._ort = ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
-        except Exception as e:  # onnxruntime raises its own types for a corrupt file
-            raise ValueError(f"model {model.model!r}: cannot load {str(path)!r}: {e}") from None
+        if ort_parallel_min_macs < 0:
+            raise ValueError(f"ort_parallel_min_macs must be >= 0, got {ort_parallel_min_macs}")
+
+        def load(threads: int) -> Any:
+            opts = ort.SessionOptions()
+            opts.intra_op_num_threads = threads
+            opts.inter_op_num_threads = 1
+            # onnxruntime's pool threads otherwise spin after each run: on a shared host that
+            # burns the cores the event loop and the lookups need (2 threads, batch 16: 540 µs
+            # of CPU per 90 µs run spinning, 145 µs not)
+            opts.add_session_config_entry("session.intra_op.allow_spinning", "0")
+            try:
+                return ort.InferenceSession(str(path), opts, providers=["CPUExecutionProvider"])
+            except Exception as e:  # onnxruntime raises its own types for a corrupt file
+                raise ValueError(f"model {model.model!r}: cannot load {str(path)!r}: {e}") from None
+
+        self._ort = load(ort_threads)
         self.name = model.model
         self.max_batch_size = model.max_batch_size
+        #: multiply-adds of one sample in the dense graph's weight matrices
+        self.macs_per_sample = weight_macs_per_sample(path)
+        #: executions of fewer samples run the dense graph on one onnxruntime thread (0: none)
+        self.serial_below = (
+            0
+            if ort_threads == 1
+            else serial_batch_limit(
+                self.macs_per_sample, ort_parallel_min_macs, model.max_batch_size
+            )
+        )
+        # the same graph on one thread, with its own copy of the weights: only a graph whose
+        # one sample is under the bound has one, so the copy is under 4 × the bound bytes
+        self._ort_serial = load(1) if self.serial_below else None
         self.session = session
         ins = {i.name: i for i in self._ort.get_inputs()}
         if set(ins) != {"dense", "pooled"}:
@@ -421,7 +452,9 @@ class DLRMServable:
             logits = np.zeros((0,), dtype=np.float32)
         else:
             pooled = self._pool(inputs, b)
-            logits = self._ort.run([self._output], {"dense": dense, "pooled": pooled})[0]
+            serial = self._ort_serial
+            run = serial.run if serial is not None and b < self.serial_below else self._ort.run
+            logits = run([self._output], {"dense": dense, "pooled": pooled})[0]
             logits = logits.astype(np.float32, copy=False).reshape(b)
         prob = (1.0 / (1.0 + np.exp(-logits.astype(np.float64)))).astype(np.float32)
         return {"logits": logits, "probability": prob}

@@ -9,6 +9,7 @@ from dataclasses import dataclass
 
 from hps.serving.batcher import MAX_QUEUE_DELAY_US, BatchingConfig
 from hps.serving.connections import ConnectionLimits, EventLoop, HttpParser
+from hps.serving.dense_cost import DEFAULT_PARALLEL_MIN_MACS
 from hps.serving.grpc_front.relay import MAX_PROCESSES
 from hps.serving.servable import DLRMServable
 
@@ -99,7 +100,7 @@ class ServerConfig:
     Raises:
         ValueError: naming the knob, for a count outside its range (``workers`` 1 to
             ``MAX_WORKERS``, ``max_queued`` 0 to ``MAX_QUEUED``, ``ort_threads`` 0 to
-            ``MAX_ORT_THREADS``, ``max_connections`` 1 to ``MAX_CONNECTIONS``, ``port`` and
+            ``MAX_ORT_THREADS``, ``ort_parallel_min_macs`` 0 to 2**62, ``max_connections`` 1 to ``MAX_CONNECTIONS``, ``port`` and
             ``grpc_port`` 0 to 65535, ``grpc_port`` equal to a fixed ``port``), a timeout that
             is not a finite number of seconds > 0, or a request limit that is not a finite
             number of MiB of at least one byte.
@@ -110,6 +111,10 @@ class ServerConfig:
     workers: int = 4  # threads that parse large requests; with max_queued, requests in flight
     max_queued: int = 64  # requests in flight beyond workers before new ones get 503
     ort_threads: int = 0  # onnxruntime intra-op threads per execution (0: available_cores())
+    # An execution whose dense graph does fewer multiply-adds runs it on one onnxruntime
+    # thread (0: every execution on ort_threads): waking the pool costs a small one more than
+    # it saves. Scores are the same either way. hps.serving.dense_cost
+    ort_parallel_min_macs: int = DEFAULT_PARALLEL_MIN_MACS
     torch_threads: int = 1  # torch intra-op threads of each model's inference thread (lookups)
     # The interpreter's thread switch interval while serving (process-wide, restored on stop).
     # Python's 5 ms default makes the event loop wait up to 5 ms for the lock at every step
@@ -179,6 +184,7 @@ class ServerConfig:
             ("workers", 1, MAX_WORKERS),
             ("max_queued", 0, MAX_QUEUED),
             ("ort_threads", 0, MAX_ORT_THREADS),
+            ("ort_parallel_min_macs", 0, 2**62),
             ("torch_threads", 1, MAX_ORT_THREADS),
             ("switch_interval_us", 1, 5000),
             ("max_connections", 1, MAX_CONNECTIONS),

@@ -18,6 +18,7 @@ from typing import Any
 from hps.parameter_server import HierarchicalParameterServer
 from hps.serving.batcher import start_batchers
 from hps.serving.connections import EventLoop, HttpParser, pick_loop, pick_parser, protocol_class
+from hps.serving.dense_cost import DEFAULT_PARALLEL_MIN_MACS
 from hps.serving.grpc_front.relay import GrpcFronts
 from hps.serving.grpc_server import GrpcInferenceServicer, GrpcServer
 from hps.serving.http_server.config import ServerConfig, available_cores
@@ -35,11 +36,16 @@ _FD_RESERVE = 64  # file descriptors the process needs beside its connections (f
 
 
 def build_servables(
-    ps: HierarchicalParameterServer, models: Sequence[str] | None = None, ort_threads: int = 0
+    ps: HierarchicalParameterServer,
+    models: Sequence[str] | None = None,
+    ort_threads: int = 0,
+    ort_parallel_min_macs: int = DEFAULT_PARALLEL_MIN_MACS,
 ) -> dict[str, DLRMServable]:
     """One :class:`DLRMServable` per model of ``ps`` (or of ``models``), each running
     onnxruntime on ``ort_threads`` intra-op threads (0: :func:`available_cores`; one
-    execution runs at a time per model, so it may use them all).
+    execution runs at a time per model, so it may use them all), and an execution whose dense
+    graph does fewer than ``ort_parallel_min_macs`` multiply-adds on one thread (logged per
+    model).
 
     Raises:
         ValueError: an unknown model name, or a model that cannot be served (see
@@ -47,7 +53,21 @@ def build_servables(
     """
     names = list(models) if models else [m.model for m in ps.cfg.models]
     threads = ort_threads or available_cores()
-    return {n: DLRMServable(ps.cfg.model(n), ps.session(n), ort_threads=threads) for n in names}
+    out = {}
+    for n in names:
+        s = DLRMServable(ps.cfg.model(n), ps.session(n), threads, ort_parallel_min_macs)
+        if s.serial_below:
+            log.info(
+                "model %r: %d multiply-adds per sample; executions under %d samples run "
+                "onnxruntime on one thread, larger ones on %d (--ort-parallel-min-macs %d)",
+                n,
+                s.macs_per_sample,
+                s.serial_below,
+                threads,
+                ort_parallel_min_macs,
+            )
+        out[n] = s
+    return out
 
 
 def _check_fd_limit(max_connections: int) -> None:
@@ -84,7 +104,9 @@ class InferenceServer:
 
         self.cfg = cfg or ServerConfig()
         _check_fd_limit(self.cfg.max_connections)
-        self.servables = build_servables(ps, models, self.cfg.ort_threads)
+        self.servables = build_servables(
+            ps, models, self.cfg.ort_threads, self.cfg.ort_parallel_min_macs
+        )
         self.counts = {name: ModelCounts() for name in self.servables}  # both protocols' counts
         batching = {n: self.cfg.batching(s) for n, s in self.servables.items()}
         self.batchers = start_batchers(  # shared by both protocols too

@@ -223,6 +223,7 @@ def test_stalled_sockets_do_not_count_as_requests(ps, model, monkeypatch, parser
         ("workers", 0, "workers must be an integer from 1 to 256, got 0"),
         ("max_queued", 65537, "max_queued must be an integer from 0 to 65536"),
         ("ort_threads", 1000, "ort_threads must be an integer from 0 to 256"),
+        ("ort_parallel_min_macs", -1, "ort_parallel_min_macs must be an integer from 0 to "),
         ("max_connections", 0, "max_connections must be an integer from 1 to 65536, got 0"),
         ("max_connections", True, "max_connections must be an integer from 1 to 65536"),
         ("header_timeout_s", 0.0, "header_timeout_s must be a finite number of seconds > 0"),

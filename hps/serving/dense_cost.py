@@ -1,0 +1,77 @@
+"""What one sample costs the dense graph, and how many onnxruntime threads an execution of a
+given batch runs on.
+
+Onnxruntime wakes its intra-op pool for every node it splits between threads; with spinning
+off (the server's setting: spinning pool threads take the cores the event loop needs) each wake
+is a futex round trip. A small execution spends more waking the pool than it saves: the tiny
+model at batch 256 (12.4 M multiply-adds) ran its graph in 0.39-0.59 ms on one thread and
+0.42-0.64 ms on two, and the v2 server answered one client's batch-256 requests at 143,667-
+149,350 samples/s on one thread against 107,315-119,706 on two (2-core VM; docs/benchmarks.md,
+"v2 server: small executions on one onnxruntime thread"). ``dlrm_dcnv2``'s dense graph does
+16 M multiply-adds per sample, and two threads ran even a one-sample batch 1.4× faster.
+
+Each thread computes whole output rows with the same reduction order, so the scores do not
+depend on the thread count: an execution's samples come out bit-equal whichever session runs
+them (tests/hps/serving/test_dense_cost.py).
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+__all__ = ["DEFAULT_PARALLEL_MIN_MACS", "serial_batch_limit", "weight_macs_per_sample"]
+
+#: Multiply-adds below which an execution's dense graph runs on one onnxruntime thread: about
+#: half a millisecond of one core, between the tiny model's batch 256 (12.4 M, faster on one
+#: thread) and its batch 768 or ``dlrm_dcnv2``'s one sample (37 M and 16 M, faster on two).
+DEFAULT_PARALLEL_MIN_MACS = 16_000_000
+
+_WEIGHT_OPS = frozenset({"MatMul", "Gemm"})
+
+
+def weight_macs_per_sample(graph: Path) -> int:
+    """Multiply-adds one sample costs the weight matrices of ``graph`` (an ONNX file): for
+    each ``MatMul`` or ``Gemm`` node with a constant (initializer) operand of two or more
+    dimensions, that operand's element count (a ``(K, N)`` weight is ``K·N`` per row of the
+    other operand). Products of two activations (a dot interaction) are not counted: they are
+    a small share of a DLRM's dense graph.
+
+    Raises:
+        ValueError: ``graph`` is not a readable ONNX model.
+    """
+    import onnx
+
+    try:
+        model = onnx.load(str(graph), load_external_data=False)
+    except Exception as e:  # onnx raises DecodeError and OSError subclasses of its own
+        raise ValueError(f"cannot read ONNX graph {str(graph)!r}: {e}") from None
+    sizes = {t.name: math.prod(t.dims) for t in model.graph.initializer if len(t.dims) >= 2}
+    total = 0
+    for node in model.graph.node:
+        if node.op_type in _WEIGHT_OPS:
+            total += sum(sizes.get(name, 0) for name in node.input[:2])
+    return total
+
+
+def serial_batch_limit(macs_per_sample: int, parallel_min_macs: int, max_batch_size: int) -> int:
+    """The batch size from which an execution runs on every onnxruntime thread; smaller ones
+    run on one (0: none does). A graph with no weight matrices counted runs every batch up to
+    ``max_batch_size`` on one thread.
+
+    Raises:
+        ValueError: a negative count.
+    """
+    for name, v in (
+        ("macs_per_sample", macs_per_sample),
+        ("parallel_min_macs", parallel_min_macs),
+        ("max_batch_size", max_batch_size),
+    ):
+        if v < 0:
+            raise ValueError(f"{name} must be >= 0, got {v}")
+    if parallel_min_macs == 0:
+        return 0
+    if macs_per_sample == 0:
+        return max_batch_size + 1
+    limit = -(-parallel_min_macs // macs_per_sample)  # the fewest samples reaching the bound
+    return min(limit, max_batch_size + 1) if limit > 1 else 0

@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import torch
@@ -379,31 +379,50 @@ def bench_pruned(tmp: Path, batch: int, threads: int, n: int) -> list[dict[str, 
     return rows
 
 
-def parse_servers(text: str) -> list[tuple[HttpParser, EventLoop, int | None, int | None, int]]:
-    """``--servers``: comma-separated ``PARSER/LOOP[@DELAY_US[:PREFERRED]][#GRPC_PROCESSES]``
-    items (``h11/asyncio,auto/auto@5000:256,auto/auto#2``); a server's queue delay and
-    preferred batch size are ``--queue-delay-us`` and ``--preferred-batch`` unless its item
-    gives them (``None``); its gRPC front processes (0: grpcio in the server's process) the
-    server's default unless it gives them."""
-    out: list[tuple[HttpParser, EventLoop, int | None, int | None, int]] = []
+class ServerVariant(NamedTuple):
+    """One ``--servers`` item: a server's HTTP parser and event loop, its queue delay and
+    preferred batch size (``None``: ``--queue-delay-us``, ``--preferred-batch``), its gRPC
+    front processes and its ``ort_parallel_min_macs`` (``None``: ``--ort-parallel-min-macs``)."""
+
+    parser: HttpParser
+    loop: EventLoop
+    delay_us: int | None
+    preferred: int | None
+    grpc_processes: int
+    parallel_min_macs: int | None
+
+
+_SERVER_FORM = "PARSER/LOOP[@DELAY_US[:PREFERRED]][#GRPC_PROCESSES][^MACS]"
+
+
+def parse_servers(text: str) -> list[ServerVariant]:
+    """``--servers``: comma-separated ``PARSER/LOOP[@DELAY_US[:PREFERRED]][#GRPC_PROCESSES]
+    [^MACS]`` items (``h11/asyncio,auto/auto@5000:256,auto/auto#2,auto/auto^0``); a server's
+    queue delay, preferred batch size and onnxruntime single-thread bound are
+    ``--queue-delay-us``, ``--preferred-batch`` and ``--ort-parallel-min-macs`` unless its item
+    gives them; its gRPC front processes (0: grpcio in the server's process) the server's
+    default unless it gives them."""
+    out: list[ServerVariant] = []
     for item in text.split(","):
-        head, _, procs = item.strip().partition("#")
+        head, _, macs = item.strip().partition("^")
+        head, _, procs = head.partition("#")
         pair, _, batching = head.partition("@")
         parser, _, loop = pair.partition("/")
         delay, _, preferred = batching.partition(":")
         try:
             out.append(
-                (
+                ServerVariant(
                     HttpParser(parser),
                     EventLoop(loop or "auto"),
                     int(delay) if delay else None,
                     int(preferred) if preferred else None,
                     int(procs) if procs else ServerConfig.grpc_processes,
+                    int(macs) if macs else None,
                 )
             )
         except ValueError:
             raise ValueError(
-                f"--servers: {item!r} is not PARSER/LOOP[@DELAY_US[:PREFERRED]][#GRPC_PROCESSES] "
+                f"--servers: {item!r} is not {_SERVER_FORM} "
                 f"with PARSER one of {[p.value for p in HttpParser]}, LOOP one of "
                 f"{[v.value for v in EventLoop]} and integers"
             ) from None
@@ -419,9 +438,12 @@ def run_concurrency(
     model = build_model(w.scaled(1000) if name == "dlrm_dcnv2" else w, seed=0).eval()
     servers: dict[str, Served] = {}
     try:
-        for k, (parser, loop, delay, preferred, procs) in enumerate(parse_servers(args.servers)):
-            delay = args.queue_delay_us if delay is None else delay
-            preferred = args.preferred_batch if preferred is None else preferred
+        for k, v in enumerate(parse_servers(args.servers)):
+            delay = args.queue_delay_us if v.delay_us is None else v.delay_us
+            preferred = args.preferred_batch if v.preferred is None else v.preferred
+            macs = (
+                args.ort_parallel_min_macs if v.parallel_min_macs is None else v.parallel_min_macs
+            )
             s = Served(
                 model,
                 folder / f"server{k}",
@@ -430,14 +452,16 @@ def run_concurrency(
                 merged_batch=args.merged_batch,
                 queue_delay_us=delay,
                 preferred_batch=preferred,
-                http=parser,
-                loop=loop,
-                grpc_processes=procs,
+                http=v.parser,
+                loop=v.loop,
+                grpc_processes=v.grpc_processes,
                 gc_freeze=args.gc_freeze,
-                parallel_min_macs=args.ort_parallel_min_macs,
+                parallel_min_macs=macs,
             )
             key = f"{s.srv.http_parser.value}/{s.srv.event_loop.value}@{delay}:{preferred}"
             key += f"#{s.srv.cfg.grpc_fronts}"  # gRPC front processes (0: in-process)
+            if v.parallel_min_macs is not None:
+                key += f"^{macs}"
             if key in servers:
                 raise ValueError(f"--servers names {key} twice")
             servers[key] = s
@@ -534,10 +558,11 @@ def main(argv: list[str] | None = None) -> None:
         "--servers",
         default="auto/auto",
         help="concurrency: the servers compared cell by cell, "
-        "PARSER/LOOP[@DELAY_US[:PREFERRED]][#GRPC_PROCESSES] each (e.g. "
+        f"{_SERVER_FORM} each (e.g. "
         "h11/asyncio,httptools/uvloop@5000:256,auto/auto#0; auto: the fastest installed; "
         "DELAY_US, PREFERRED: that server's queue delay and preferred batch size; "
-        "GRPC_PROCESSES: its gRPC front processes, 0 for grpcio in its process)",
+        "GRPC_PROCESSES: its gRPC front processes, 0 for grpcio in its process; MACS: its "
+        "--ort-parallel-min-macs)",
     )
     p.add_argument("--out", default=str(RESULTS_DIR / "hps_server.json"))
     args = p.parse_args(argv)

@@ -3,12 +3,19 @@ given batch runs on.
 
 Onnxruntime wakes its intra-op pool for every node it splits between threads; with spinning
 off (the server's setting: spinning pool threads take the cores the event loop needs) each wake
-is a futex round trip. A small execution spends more waking the pool than it saves: the tiny
-model at batch 256 (12.4 M multiply-adds) ran its graph in 0.39-0.59 ms on one thread and
-0.42-0.64 ms on two, and the v2 server answered one client's batch-256 requests at 143,667-
-149,350 samples/s on one thread against 107,315-119,706 on two (2-core VM; docs/benchmarks.md,
-"v2 server: small executions on one onnxruntime thread"). ``dlrm_dcnv2``'s dense graph does
-16 M multiply-adds per sample, and two threads ran even a one-sample batch 1.4× faster.
+is a futex round trip, and a small execution spends more waking the pool than it saves. The
+tiny model (48,512 multiply-adds per sample) in the v2 server, one HTTP client, the two
+settings side by side (2-core VM; docs/benchmarks.md, "v2 server: small executions on one
+onnxruntime thread"):
+
+- batch 16: 0.42-0.45 ms per execution on one thread against 0.53-0.59 on two, 11,242-12,389
+  samples/s against 9,658-10,378;
+- batch 256: the same wall time within the host's noise, the pool thread's 280-390 µs of CPU
+  per request saved; with 16 clients merging 256-sample batches, even or slightly behind;
+- its graph alone: one thread behind from batch 768.
+
+``dlrm_dcnv2``'s dense graph does 16 M multiply-adds per sample, and two threads ran even a
+one-sample batch 1.4× faster.
 
 Each thread computes whole output rows with the same reduction order, so the scores do not
 depend on the thread count: an execution's samples come out bit-equal whichever session runs
@@ -20,12 +27,22 @@ from __future__ import annotations
 import math
 from pathlib import Path
 
-__all__ = ["DEFAULT_PARALLEL_MIN_MACS", "serial_batch_limit", "weight_macs_per_sample"]
+__all__ = [
+    "DEFAULT_PARALLEL_MIN_MACS",
+    "WEIGHT_READ_SAMPLES",
+    "serial_batch_limit",
+    "weight_macs_per_sample",
+]
 
 #: Multiply-adds below which an execution's dense graph runs on one onnxruntime thread: about
-#: half a millisecond of one core, between the tiny model's batch 256 (12.4 M, faster on one
-#: thread) and its batch 768 or ``dlrm_dcnv2``'s one sample (37 M and 16 M, faster on two).
-DEFAULT_PARALLEL_MIN_MACS = 16_000_000
+#: a quarter millisecond of one core; the tiny model's batches under 155 samples.
+DEFAULT_PARALLEL_MIN_MACS = 8_000_000
+
+#: An execution reads every weight once, which costs one thread about as long as this many
+#: samples' multiply-adds: ``dlrm_dcnv2``'s dense graph (64 MB of weights, 16 M multiply-adds
+#: per sample) took 3.8-4.3 ms for one sample and 0.38 ms per sample at batch 256. So a large
+#: graph's small batches still run on every thread (two threads: 2.7-3.0 ms for one sample).
+WEIGHT_READ_SAMPLES = 10
 
 _WEIGHT_OPS = frozenset({"MatMul", "Gemm"})
 
@@ -56,8 +73,10 @@ def weight_macs_per_sample(graph: Path) -> int:
 
 def serial_batch_limit(macs_per_sample: int, parallel_min_macs: int, max_batch_size: int) -> int:
     """The batch size from which an execution runs on every onnxruntime thread; smaller ones
-    run on one (0: none does). A graph with no weight matrices counted runs every batch up to
-    ``max_batch_size`` on one thread.
+    run on one (0: none does). An execution of ``b`` samples counts as
+    ``macs_per_sample × (b + WEIGHT_READ_SAMPLES)`` multiply-adds: it also reads every weight
+    once. A graph with no weight matrices counted runs every batch up to ``max_batch_size``
+    on one thread.
 
     Raises:
         ValueError: a negative count.
@@ -73,5 +92,6 @@ def serial_batch_limit(macs_per_sample: int, parallel_min_macs: int, max_batch_s
         return 0
     if macs_per_sample == 0:
         return max_batch_size + 1
-    limit = -(-parallel_min_macs // macs_per_sample)  # the fewest samples reaching the bound
+    # the fewest samples reaching the bound
+    limit = -(-parallel_min_macs // macs_per_sample) - WEIGHT_READ_SAMPLES
     return min(limit, max_batch_size + 1) if limit > 1 else 0

@@ -91,11 +91,11 @@ class DLRMServable:
             (B, D) float32`` and ``pooled (B, T, dim) float32``, output ``(B,) float32``).
         session: the parameter server's lookup session of this model.
         ort_threads: onnxruntime intra-op threads per call (0: onnxruntime's default).
-        ort_parallel_min_macs: the fewest multiply-adds of the graph's weight matrices
-            (:func:`~hps.serving.dense_cost.weight_macs_per_sample` × batch) an execution
-            runs on ``ort_threads``; smaller ones run on one thread, where waking the pool
-            costs more than it saves (0: every execution on ``ort_threads``). The scores are
-            the same either way.
+        ort_parallel_min_macs: the fewest multiply-adds of the graph's weight matrices an
+            execution runs on ``ort_threads`` (counted per sample and for the weights' read:
+            :func:`hps.serving.dense_cost.serial_batch_limit`); smaller ones run on one
+            thread, where waking the pool costs more than it saves (0: every execution on
+            ``ort_threads``). The scores are the same either way.
 
     Raises:
         FormatVersionError: the graph's serving metadata is missing or of another version.

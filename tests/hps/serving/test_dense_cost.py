@@ -14,7 +14,12 @@ from onnx import TensorProto, helper, numpy_helper
 
 from embark.models.dlrm import DLRM
 from hps.parameter_server import HierarchicalParameterServer
-from hps.serving.dense_cost import serial_batch_limit, weight_macs_per_sample
+from hps.serving.dense_cost import (
+    DEFAULT_PARALLEL_MIN_MACS,
+    WEIGHT_READ_SAMPLES,
+    serial_batch_limit,
+    weight_macs_per_sample,
+)
 from hps.serving.http_server import build_servables
 from hps.serving.servable import DLRMServable
 from tests.hps.serving.tiny_dlrm import make_request
@@ -81,13 +86,19 @@ def test_an_unreadable_graph_is_named(tmp_path: Path) -> None:
 @pytest.mark.parametrize(
     "macs,bound,max_batch,want",
     [
-        (48_512, 16_000_000, 2048, 330),  # the tiny model: 329 samples are 15.96 M
+        # the tiny model at the default: 154 samples and the read are 164 × 48,512 = 7.96 M
+        (48_512, DEFAULT_PARALLEL_MIN_MACS, 2048, 155),
+        (16_030_464, DEFAULT_PARALLEL_MIN_MACS, 2048, 0),  # dlrm_dcnv2 at the default
+        # 319 samples and the weights' read are 329 × 48,512 = 15.96 M
+        (48_512, 16_000_000, 2048, 320),
         (48_512, 16_000_000, 64, 65),  # every batch the model takes runs on one thread
         (16_030_464, 16_000_000, 256, 0),  # dlrm_dcnv2: one sample reaches the bound
+        (1_500_000, 16_000_000, 256, 0),  # 1 sample + the read: 16.5 M
+        (1_400_000, 16_000_000, 256, 2),  # 1 sample + the read: 15.4 M, 2 samples 16.8 M
         (48_512, 0, 2048, 0),  # the bound off
         (0, 16_000_000, 100, 101),  # no weight matrix: every batch on one thread
-        (100, 300, 10, 3),  # 300 multiply-adds from 3 samples
-        (100, 301, 10, 4),
+        (100, 1300, 10, 3),  # 1,300 multiply-adds from 3 samples (and the read)
+        (100, 1301, 10, 4),
     ],
 )
 def test_the_serial_batch_limit(macs: int, bound: int, max_batch: int, want: int) -> None:
@@ -117,7 +128,8 @@ def test_small_executions_run_on_one_thread_with_the_pool_s_scores(
     ps: HierarchicalParameterServer, tiny: DLRM, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     per_sample = weight_macs_per_sample(Path(ps.cfg.model("tiny").network_file))
-    s = build_servables(ps, ort_threads=2, ort_parallel_min_macs=3 * per_sample + 1)["tiny"]
+    bound = (3 + WEIGHT_READ_SAMPLES) * per_sample + 1  # 4 samples and the weights' read
+    s = build_servables(ps, ort_threads=2, ort_parallel_min_macs=bound)["tiny"]
     assert (s.macs_per_sample, s.serial_below) == (per_sample, 4)
     pool, serial = _Runs(s._ort), _Runs(s._ort_serial)
     monkeypatch.setattr(s, "_ort", pool)

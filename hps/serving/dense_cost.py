@@ -8,8 +8,8 @@ tiny model (48,512 multiply-adds per sample) in the v2 server, one HTTP client, 
 settings side by side (2-core VM; docs/benchmarks.md, "v2 server: small executions on one
 onnxruntime thread"):
 
-- batch 16: 0.42-0.45 ms per execution on one thread against 0.53-0.59 on two, 11,242-12,389
-  samples/s against 9,658-10,378;
+- batch 16: 0.42-0.45 ms per execution on one thread against 0.49-0.59 on two, 11,242-12,389
+  samples/s against 9,658-11,413;
 - batch 256: the same wall time within the host's noise, the pool thread's 280-390 µs of CPU
   per request saved; with 16 clients merging 256-sample batches, even or slightly behind;
 - its graph alone: one thread behind from batch 768.

@@ -122,9 +122,9 @@ class ServerKnobs:
     )
     ort_parallel_min_macs: int = knob(
         _DEFAULTS.ort_parallel_min_macs,
-        "an execution whose dense graph does fewer multiply-adds (of its weight matrices) "
-        "runs on one onnxruntime thread, larger ones on --ort-threads (0: all on "
-        "--ort-threads); the scores are the same",
+        "an execution whose dense graph does fewer multiply-adds (its weight matrices × "
+        "(batch + 10), the ten for reading the weights) runs on one onnxruntime thread, "
+        "larger ones on --ort-threads (0: all on --ort-threads); the scores are the same",
         parse=int,
     )
     torch_threads: int = knob(

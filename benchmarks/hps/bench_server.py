@@ -46,7 +46,7 @@ import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 import torch
@@ -60,6 +60,7 @@ from benchmarks.hps.server_concurrency import (
     PROTOCOLS,
     bench_concurrency,
 )
+from benchmarks.hps.server_variants import SERVER_FORM, parse_servers
 from benchmarks.meta import RESULTS_DIR, write_json
 from embark.models.dlrm import DLRM, build_model
 from embark.models.workloads import get_workload
@@ -379,56 +380,6 @@ def bench_pruned(tmp: Path, batch: int, threads: int, n: int) -> list[dict[str, 
     return rows
 
 
-class ServerVariant(NamedTuple):
-    """One ``--servers`` item: a server's HTTP parser and event loop, its queue delay and
-    preferred batch size (``None``: ``--queue-delay-us``, ``--preferred-batch``), its gRPC
-    front processes and its ``ort_parallel_min_macs`` (``None``: ``--ort-parallel-min-macs``)."""
-
-    parser: HttpParser
-    loop: EventLoop
-    delay_us: int | None
-    preferred: int | None
-    grpc_processes: int
-    parallel_min_macs: int | None
-
-
-_SERVER_FORM = "PARSER/LOOP[@DELAY_US[:PREFERRED]][#GRPC_PROCESSES][^MACS]"
-
-
-def parse_servers(text: str) -> list[ServerVariant]:
-    """``--servers``: comma-separated ``PARSER/LOOP[@DELAY_US[:PREFERRED]][#GRPC_PROCESSES]
-    [^MACS]`` items (``h11/asyncio,auto/auto@5000:256,auto/auto#2,auto/auto^0``); a server's
-    queue delay, preferred batch size and onnxruntime single-thread bound are
-    ``--queue-delay-us``, ``--preferred-batch`` and ``--ort-parallel-min-macs`` unless its item
-    gives them; its gRPC front processes (0: grpcio in the server's process) the server's
-    default unless it gives them."""
-    out: list[ServerVariant] = []
-    for item in text.split(","):
-        head, _, macs = item.strip().partition("^")
-        head, _, procs = head.partition("#")
-        pair, _, batching = head.partition("@")
-        parser, _, loop = pair.partition("/")
-        delay, _, preferred = batching.partition(":")
-        try:
-            out.append(
-                ServerVariant(
-                    HttpParser(parser),
-                    EventLoop(loop or "auto"),
-                    int(delay) if delay else None,
-                    int(preferred) if preferred else None,
-                    int(procs) if procs else ServerConfig.grpc_processes,
-                    int(macs) if macs else None,
-                )
-            )
-        except ValueError:
-            raise ValueError(
-                f"--servers: {item!r} is not {_SERVER_FORM} "
-                f"with PARSER one of {[p.value for p in HttpParser]}, LOOP one of "
-                f"{[v.value for v in EventLoop]} and integers"
-            ) from None
-    return out
-
-
 def run_concurrency(
     name: str, folder: Path, args: argparse.Namespace, on_row: Callable[[dict[str, Any]], None]
 ) -> list[dict[str, Any]]:
@@ -558,7 +509,7 @@ def main(argv: list[str] | None = None) -> None:
         "--servers",
         default="auto/auto",
         help="concurrency: the servers compared cell by cell, "
-        f"{_SERVER_FORM} each (e.g. "
+        f"{SERVER_FORM} each (e.g. "
         "h11/asyncio,httptools/uvloop@5000:256,auto/auto#0; auto: the fastest installed; "
         "DELAY_US, PREFERRED: that server's queue delay and preferred batch size; "
         "GRPC_PROCESSES: its gRPC front processes, 0 for grpcio in its process; MACS: its "

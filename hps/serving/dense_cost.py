@@ -8,8 +8,9 @@ tiny model (48,512 multiply-adds per sample) in the v2 server, one HTTP client, 
 settings side by side (2-core VM; docs/benchmarks.md, "v2 server: small executions on one
 onnxruntime thread"):
 
-- batch 16: 0.42-0.45 ms per execution on one thread against 0.49-0.59 on two, 11,242-12,389
-  samples/s against 9,658-11,413;
+- batch 16 over HTTP: 0.42-0.45 ms per execution on one thread against 0.49-0.59 on two,
+  11,242-12,389 samples/s against 9,658-11,413 (three cells); over gRPC, one cell, one thread
+  behind: 7,370 against 8,885 (0.63 against 0.51 ms, the host slower during it);
 - batch 256: the same wall time within the host's noise, the pool thread's 280-390 µs of CPU
   per request saved; with 16 clients merging 256-sample batches, even or slightly behind;
 - its graph alone: one thread behind from batch 768.
@@ -75,8 +76,7 @@ def serial_batch_limit(macs_per_sample: int, parallel_min_macs: int, max_batch_s
     """The batch size from which an execution runs on every onnxruntime thread; smaller ones
     run on one (0: none does). An execution of ``b`` samples counts as
     ``macs_per_sample × (b + WEIGHT_READ_SAMPLES)`` multiply-adds: it also reads every weight
-    once. A graph with no weight matrices counted runs every batch up to ``max_batch_size``
-    on one thread.
+    once. ``macs_per_sample`` 0 (nothing counted) or ``parallel_min_macs`` 0: 0.
 
     Raises:
         ValueError: a negative count.
@@ -88,10 +88,9 @@ def serial_batch_limit(macs_per_sample: int, parallel_min_macs: int, max_batch_s
     ):
         if v < 0:
             raise ValueError(f"{name} must be >= 0, got {v}")
-    if parallel_min_macs == 0:
+    if macs_per_sample == 0:  # not counted: no estimate to go by
         return 0
-    if macs_per_sample == 0:
-        return max_batch_size + 1
     # the fewest samples reaching the bound
     limit = -(-parallel_min_macs // macs_per_sample) - WEIGHT_READ_SAMPLES
-    return min(limit, max_batch_size + 1) if limit > 1 else 0
+    limit = min(limit, max_batch_size + 1)
+    return limit if limit > 1 else 0

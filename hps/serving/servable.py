@@ -24,6 +24,7 @@ metadata of another version, is refused.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,8 @@ __all__ = [
     "check_outputs_finite",
 ]
 
+
+log = logging.getLogger(__name__)
 
 #: A request's or an execution's tensors by name.
 Tensors = dict[str, np.ndarray]
@@ -142,19 +145,6 @@ class DLRMServable:
         self._ort = load(ort_threads)
         self.name = model.model
         self.max_batch_size = model.max_batch_size
-        #: multiply-adds of one sample in the dense graph's weight matrices
-        self.macs_per_sample = weight_macs_per_sample(path)
-        #: executions of fewer samples run the dense graph on one onnxruntime thread (0: none)
-        self.serial_below = (
-            0
-            if ort_threads == 1
-            else serial_batch_limit(
-                self.macs_per_sample, ort_parallel_min_macs, model.max_batch_size
-            )
-        )
-        # the same graph on one thread, with its own copy of the weights: only a graph whose
-        # one sample is under the bound has one, so the copy is under 4 × the bound bytes
-        self._ort_serial = load(1) if self.serial_below else None
         self.session = session
         ins = {i.name: i for i in self._ort.get_inputs()}
         if set(ins) != {"dense", "pooled"}:
@@ -192,6 +182,16 @@ class DLRMServable:
         # a grow-only float32 buffer (the pooled block) each execution writes into,
         # so no two executions ever share one and no execution page-faults a fresh one
         self._buffers = threading.local()
+        #: multiply-adds of one sample in the dense graph's weight matrices (0: not counted)
+        self.macs_per_sample = 0
+        if ort_threads != 1 and ort_parallel_min_macs:
+            self.macs_per_sample = _counted_macs(model.model, path)
+        #: executions of fewer samples run the dense graph on one onnxruntime thread (0: none)
+        self.serial_below = serial_batch_limit(
+            self.macs_per_sample, ort_parallel_min_macs, model.max_batch_size
+        )
+        # the same graph on one thread, with a copy of its weights of its own
+        self._ort_serial = load(1) if self.serial_below else None
 
     @staticmethod
     def _combiners(model: ModelConfig, meta: str | None, path: Path) -> dict[str, str]:
@@ -513,3 +513,26 @@ def _keys_floor(ids: list[np.ndarray]) -> int | None:
         return None
     flat = np.concatenate([a.ravel() for a in ids])
     return int(flat.min()) if flat.size else None
+
+
+def _counted_macs(model: str, path: Path) -> int:
+    """:func:`weight_macs_per_sample` of ``model``'s graph, 0 (logged) when it cannot be
+    counted: its executions then all run on the pool, as without the bound."""
+    try:
+        macs = weight_macs_per_sample(path)
+    except (ImportError, ValueError) as e:
+        log.warning(
+            "model %r: its dense graph's cost is not counted (%s); every execution "
+            "runs on all onnxruntime threads",
+            model,
+            e,
+        )
+        return 0
+    if macs == 0:
+        log.warning(
+            "model %r: no weight matrix of its dense graph was counted (MatMul or Gemm "
+            "with an initializer operand); every execution runs on all onnxruntime "
+            "threads",
+            model,
+        )
+    return macs

@@ -100,10 +100,10 @@ class ServerConfig:
     Raises:
         ValueError: naming the knob, for a count outside its range (``workers`` 1 to
             ``MAX_WORKERS``, ``max_queued`` 0 to ``MAX_QUEUED``, ``ort_threads`` 0 to
-            ``MAX_ORT_THREADS``, ``ort_parallel_min_macs`` 0 to 2**62, ``max_connections`` 1 to ``MAX_CONNECTIONS``, ``port`` and
-            ``grpc_port`` 0 to 65535, ``grpc_port`` equal to a fixed ``port``), a timeout that
-            is not a finite number of seconds > 0, or a request limit that is not a finite
-            number of MiB of at least one byte.
+            ``MAX_ORT_THREADS``, ``ort_parallel_min_macs`` 0 to 2**62, ``max_connections`` 1
+            to ``MAX_CONNECTIONS``, ``port`` and ``grpc_port`` 0 to 65535, ``grpc_port`` equal
+            to a fixed ``port``), a timeout that is not a finite number of seconds > 0, or a
+            request limit that is not a finite number of MiB of at least one byte.
     """
 
     host: str = "127.0.0.1"

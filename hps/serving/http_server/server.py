@@ -56,16 +56,19 @@ def build_servables(
     out = {}
     for n in names:
         s = DLRMServable(ps.cfg.model(n), ps.session(n), threads, ort_parallel_min_macs)
-        log.info(
-            "model %r: %d multiply-adds per sample in its dense graph; onnxruntime runs "
-            "executions under %d samples (0: none) on one thread, the others on %d "
-            "(--ort-parallel-min-macs %d)",
-            n,
-            s.macs_per_sample,
-            s.serial_below,
-            threads,
-            ort_parallel_min_macs,
-        )
+        if s.serial_below:
+            log.info(
+                "model %r: %d multiply-adds per sample in its dense graph; onnxruntime runs "
+                "batches of 1-%d samples on one thread, larger ones on %d "
+                "(ort_parallel_min_macs %d)",
+                n,
+                s.macs_per_sample,
+                s.serial_below - 1,
+                threads,
+                ort_parallel_min_macs,
+            )
+        else:
+            log.info("model %r: onnxruntime runs every execution on %d threads", n, threads)
         out[n] = s
     return out
 

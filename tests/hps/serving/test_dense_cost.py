@@ -3,6 +3,7 @@ the same scores as on the pool."""
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -21,7 +22,7 @@ from hps.serving.dense_cost import (
     weight_macs_per_sample,
 )
 from hps.serving.http_server import build_servables
-from hps.serving.servable import DLRMServable
+from hps.serving.servable import DLRMServable, _counted_macs
 from tests.hps.serving.tiny_dlrm import make_request
 
 
@@ -96,7 +97,9 @@ def test_an_unreadable_graph_is_named(tmp_path: Path) -> None:
         (1_500_000, 16_000_000, 256, 0),  # 1 sample + the read: 16.5 M
         (1_400_000, 16_000_000, 256, 2),  # 1 sample + the read: 15.4 M, 2 samples 16.8 M
         (48_512, 0, 2048, 0),  # the bound off
-        (0, 16_000_000, 100, 101),  # no weight matrix: every batch on one thread
+        (0, 16_000_000, 100, 0),  # nothing counted: no estimate, every batch on the pool
+        (48_512, 16_000_000, 0, 0),  # no batch reaches the pool, but none runs either
+        (48_512, 16_000_000, 1, 2),
         (100, 1300, 10, 3),  # 1,300 multiply-adds from 3 samples (and the read)
         (100, 1301, 10, 4),
     ],
@@ -142,6 +145,46 @@ def test_small_executions_run_on_one_thread_with_the_pool_s_scores(
         assert np.array_equal(whole[name], np.concatenate([p[name] for p in parts]))
     s.infer({k: v[:4] for k, v in req.items()})
     assert pool.batches == [12, 4]
+
+
+@pytest.mark.parametrize("batch", [1, 16, 64])
+def test_one_thread_and_the_pool_score_a_batch_bit_equally(
+    ps: HierarchicalParameterServer, tiny: DLRM, batch: int
+) -> None:
+    s = build_servables(ps, ort_threads=2, ort_parallel_min_macs=10**12)["tiny"]
+    assert s._ort_serial is not None
+    checked = s.check(make_request(tiny, batch, seed=batch))
+    feed = {"dense": checked["dense"], "pooled": s._pool(checked, batch).copy()}
+    one = s._ort_serial.run(None, feed)[0]
+    assert np.array_equal(one, s._ort.run(None, feed)[0])
+
+
+def test_a_graph_that_cannot_be_counted_runs_on_the_pool(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    bad = tmp_path / "dense.onnx"
+    bad.write_bytes(b"\x08not a model")
+    with caplog.at_level(logging.WARNING, logger="hps.serving.servable"):
+        assert _counted_macs("m", bad) == 0
+    assert "model 'm': its dense graph's cost is not counted (cannot read ONNX graph" in caplog.text
+    f32 = TensorProto.FLOAT
+    graph = helper.make_graph(  # a weight that is a Constant node's value: not counted
+        [
+            helper.make_node(
+                "Constant", [], ["w"], value=numpy_helper.from_array(np.ones((3, 5), np.float32))
+            ),
+            helper.make_node("MatMul", ["x", "w"], ["y"]),
+        ],
+        "g",
+        [helper.make_tensor_value_info("x", f32, ["B", 3])],
+        [helper.make_tensor_value_info("y", f32, ["B", 5])],
+    )
+    path = tmp_path / "const.onnx"
+    onnx.save(helper.make_model(graph), str(path))
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="hps.serving.servable"):
+        assert _counted_macs("m", path) == 0
+    assert "model 'm': no weight matrix of its dense graph was counted" in caplog.text
 
 
 @pytest.mark.parametrize(

@@ -7,7 +7,7 @@ import re
 
 import pytest
 
-from benchmarks.hps.bench_server import ServerVariant, parse_servers
+from benchmarks.hps.server_variants import ServerVariant, parse_servers
 from hps.serving.connections import EventLoop, HttpParser
 from hps.serving.http_server import ServerConfig
 

@@ -1,6 +1,6 @@
-"""Fixtures shared by the gRPC tests: the tiny DLRM, its artifacts, and a server speaking
-HTTP and gRPC over them, gRPC in this process or from a front process (session-scoped:
-exporting the model is the slow part)."""
+"""Fixtures shared by the serving tests: the tiny DLRM, its artifacts, a parameter server over
+them, and a server speaking HTTP and gRPC over them, gRPC in this process or from a front
+process (the model and its artifacts session-scoped: exporting the model is the slow part)."""
 
 from __future__ import annotations
 
@@ -23,6 +23,16 @@ def tiny() -> DLRM:
 @pytest.fixture(scope="session")
 def tiny_artifacts(tiny: DLRM, tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_artifacts(tiny, tmp_path_factory.mktemp("serving"))
+
+
+@pytest.fixture(scope="module")
+def ps(tiny_artifacts: Path) -> Iterator[HierarchicalParameterServer]:
+    """The parameter server over the tiny model's artifacts (one per test module)."""
+    p = HierarchicalParameterServer.from_config(tiny_artifacts / "ps.json")
+    try:
+        yield p
+    finally:
+        p.close()
 
 
 @pytest.fixture(scope="session", params=[0, 1], ids=["grpc-in-process", "grpc-front"])

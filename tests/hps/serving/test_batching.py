@@ -6,9 +6,8 @@ a failed merged execution fails only the request that caused it."""
 from __future__ import annotations
 
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -41,15 +40,6 @@ REQUESTS = [
     (17, False, 4),
     (2, False, 5),
 ]
-
-
-@pytest.fixture(scope="module")
-def ps(tiny_artifacts: Path) -> Iterator[HierarchicalParameterServer]:
-    p = HierarchicalParameterServer.from_config(tiny_artifacts / "ps.json")
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ the same scores as on the pool."""
 from __future__ import annotations
 
 import logging
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -24,15 +23,6 @@ from hps.serving.dense_cost import (
 from hps.serving.http_server import build_servables
 from hps.serving.servable import DLRMServable, _counted_macs
 from tests.hps.serving.tiny_dlrm import make_request
-
-
-@pytest.fixture(scope="module")
-def ps(tiny_artifacts: Path) -> Iterator[HierarchicalParameterServer]:
-    p = HierarchicalParameterServer.from_config(tiny_artifacts / "ps.json")
-    try:
-        yield p
-    finally:
-        p.close()
 
 
 def test_the_exported_graph_costs_its_weight_matrices_per_sample(

@@ -3,6 +3,7 @@ the same scores as on the pool."""
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from pathlib import Path
 from typing import Any
@@ -14,14 +15,16 @@ from onnx import TensorProto, helper, numpy_helper
 
 from embark.models.dlrm import DLRM
 from hps.parameter_server import HierarchicalParameterServer
+from hps.server import ServerKnobs, build_parser
 from hps.serving.dense_cost import (
     DEFAULT_PARALLEL_MIN_MACS,
     WEIGHT_READ_SAMPLES,
     serial_batch_limit,
     weight_macs_per_sample,
 )
-from hps.serving.http_server import build_servables
+from hps.serving.http_server import InferenceServer, build_servables
 from hps.serving.servable import DLRMServable, _counted_macs
+from knobs import from_namespace
 from tests.hps.serving.tiny_dlrm import make_request
 
 
@@ -193,3 +196,29 @@ def test_no_serial_session_when_every_execution_runs_on_the_pool(
 def test_a_negative_bound_is_refused(ps: HierarchicalParameterServer) -> None:
     with pytest.raises(ValueError, match="ort_parallel_min_macs must be >= 0, got -1"):
         DLRMServable(ps.cfg.model("tiny"), ps.session("tiny"), 2, -1)
+
+
+@pytest.mark.parametrize(
+    "argv,want",
+    [([], DEFAULT_PARALLEL_MIN_MACS), (["--ort-parallel-min-macs", "0"], 0)],
+    ids=["default", "off"],
+)
+def test_the_cli_flag_reaches_the_server_s_models(
+    ps: HierarchicalParameterServer, argv: list[str], want: int
+) -> None:
+    knobs = from_namespace(ServerKnobs, build_parser().parse_args(["--config", "x", *argv]))
+    cfg = dataclasses.replace(knobs.server_config(), port=0, ort_threads=2)
+    assert cfg.ort_parallel_min_macs == want
+    with InferenceServer(ps, cfg) as srv:
+        s = srv.servables["tiny"]
+        # the tiny model's bound at the default is 155 samples, capped at its batch of 64
+        assert s.serial_below == (s.max_batch_size + 1 if want else 0)
+        assert (s._ort_serial is None) == (want == 0)
+
+
+def test_a_bad_cli_value_is_named() -> None:
+    knobs = from_namespace(
+        ServerKnobs, build_parser().parse_args(["--config", "x", "--ort-parallel-min-macs", "-1"])
+    )
+    with pytest.raises(ValueError, match=r"ServerConfig\.ort_parallel_min_macs must be an integer"):
+        knobs.server_config()

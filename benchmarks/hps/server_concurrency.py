@@ -5,8 +5,11 @@ The **in-process limit** of a batch size is what the same process computes with 
 way: one ``torch.nn.functional.embedding_bag`` over all tables' rows fused into one resident
 tensor (each table's bags as wide as its hotness, as the server's requests carry them), and
 the exported dense graph in onnxruntime (all cores) — samples/s at that batch, the better of
-torch on one thread or on all. It is measured right before each cell, since a shared host's
-load drifts.
+torch on one thread or on all. It is measured right before and right after each server's
+window of a cell, and the window is set against the mean of the two: a shared host's speed
+drifts within seconds (the tiny model's limit at batch 256 read 380,000-810,000 samples/s
+minutes apart), and one measurement before a window of several seconds catches a fast or a
+slow stretch that the window does not.
 
 Clients run in separate processes (``clients_per_process`` threads each, tritonclient), so
 their Python work does not share the server's interpreter lock; each cell runs for
@@ -376,7 +379,8 @@ def bench_concurrency(
     """Every ``clients × batches × protocol`` cell of model ``name`` on each of ``servers``
     (variant name → a running ``bench_server.Served``; the variants of a cell run one after
     the other, in turn first), with the in-process limit at each batch and at 256 measured
-    right before the cell; ``on_row`` sees each row as it is measured. The clients cycle
+    right before and right after each variant's window (the one after a window is the
+    next's before; rows carry both and their mean, the ratios' yardstick); ``on_row`` sees each row as it is measured. The clients cycle
     through ``distinct`` requests of random keys (1: the same keys every time, which the
     cache holds after the first: the server without the cache's misses; each row's
     ``cache_hit_rate`` says). ``protocols``: the clients of each cell, of
@@ -396,7 +400,8 @@ def bench_concurrency(
                 if not np.array_equal(got, want):
                     raise AssertionError(f"server {variant} scores a request differently")
         for cell_no, (c, kind) in enumerate((c, p) for c in clients for p in protocols):
-            # the limit measured right before each cell: the host's load drifts
+            # the limit measured right before each window and right after it: the host's
+            # speed drifts, and the window is set against the mean of the two
             limits = {x: fused_limit(model, onnx_path, x, threads, reps) for x in {b, 256}}
             shift = cell_no % len(names)
             for variant in names[shift:] + names[:shift]:
@@ -473,6 +478,8 @@ def bench_concurrency(
                 bound99_ms = 2 * delay_ms + (_pct(own_exec_ms, 0.99) or 0.0)
                 hits1 = _cache_hits(served)
                 looked_up = hits1[1] - hits0[1]
+                later = {x: fused_limit(model, onnx_path, x, threads, reps) for x in limits}
+                around = {x: (limits[x] + later[x]) / 2 for x in limits}
                 row = {
                     "bench": "concurrency",
                     "model": name,
@@ -482,10 +489,13 @@ def bench_concurrency(
                     "clients": c,
                     "batch": b,
                     **cell,
-                    "limit_same_batch_samples_per_s": limits[b],
-                    "limit_b256_samples_per_s": limits[256],
-                    "ratio_vs_limit_b256": cell["samples_per_s"] / limits[256],
-                    "ratio_vs_limit_same_batch": cell["samples_per_s"] / limits[b],
+                    # the mean of the limits right before and right after the window
+                    "limit_same_batch_samples_per_s": around[b],
+                    "limit_b256_samples_per_s": around[256],
+                    "limit_b256_before_samples_per_s": limits[256],
+                    "limit_b256_after_samples_per_s": later[256],
+                    "ratio_vs_limit_b256": cell["samples_per_s"] / around[256],
+                    "ratio_vs_limit_same_batch": cell["samples_per_s"] / around[b],
                     "mean_execution_batch": done / execs if execs else None,
                     "mean_execution_ms": infer_ns / execs / 1e6 if execs else None,
                     "p99_bound_ms": bound_ms,
@@ -540,7 +550,8 @@ def bench_concurrency(
                 if on_row is not None:
                     on_row(row)
                 log.info(
-                    "%s %s %s %2d clients × B=%-3d: %8.0f samples/s (limit@256 %.0f: %.3fx), p50 %.1f "
+                    "%s %s %s %2d clients × B=%-3d: %8.0f samples/s (limit@256 %.0f, %.0f before, "
+                    "%.0f after: %.3fx), p50 %.1f "
                     "ms, p99 %.1f ms (bound %.1f; server p99 %.1f, batcher p99 %.1f, own execution p50/p99 %.1f/%.1f, outside it p99 %.1f), mean batch %.1f (%.2f ms), server CPU/request %s µs, "
                     "client %.0f µs, %d errors, %d wrong, collector %.3f s (longest %.1f ms), "
                     "load %.1f",
@@ -550,7 +561,9 @@ def bench_concurrency(
                     c,
                     b,
                     cell["samples_per_s"],
+                    around[256],
                     limits[256],
+                    later[256],
                     row["ratio_vs_limit_b256"],
                     cell["p50_ms"] or 0,
                     cell["p99_ms"] or 0,
@@ -570,4 +583,5 @@ def bench_concurrency(
                     1e3 * gcs.longest_s,
                     row["load_avg_1m"],
                 )
+                limits = later  # the next window's limit before it
     return rows

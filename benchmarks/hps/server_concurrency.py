@@ -380,10 +380,10 @@ def bench_concurrency(
     (variant name → a running ``bench_server.Served``; the variants of a cell run one after
     the other, in turn first), with the in-process limit at each batch and at 256 measured
     right before and right after each variant's window (the one after a window is the
-    next's before; rows carry both and their mean, the ratios' yardstick); ``on_row`` sees each row as it is measured. The clients cycle
-    through ``distinct`` requests of random keys (1: the same keys every time, which the
-    cache holds after the first: the server without the cache's misses; each row's
-    ``cache_hit_rate`` says). ``protocols``: the clients of each cell, of
+    next's before; rows carry both and their mean, the ratios' yardstick); ``on_row`` sees
+    each row as it is measured. The clients cycle through ``distinct`` requests of random
+    keys (1: the same keys every time, which the cache holds after the first: the server
+    without the cache's misses; each row's ``cache_hit_rate`` says). ``protocols``: the clients of each cell, of
     :data:`CLIENT_KINDS` (row field ``client``; ``protocol`` is ``http`` or ``grpc``)."""
     unknown = sorted(set(protocols) - set(CLIENT_KINDS))
     if unknown:

@@ -383,8 +383,9 @@ def bench_concurrency(
     next's before; rows carry both and their mean, the ratios' yardstick); ``on_row`` sees
     each row as it is measured. The clients cycle through ``distinct`` requests of random
     keys (1: the same keys every time, which the cache holds after the first: the server
-    without the cache's misses; each row's ``cache_hit_rate`` says). ``protocols``: the clients of each cell, of
-    :data:`CLIENT_KINDS` (row field ``client``; ``protocol`` is ``http`` or ``grpc``)."""
+    without the cache's misses; each row's ``cache_hit_rate`` says). ``protocols``: the
+    clients of each cell, of :data:`CLIENT_KINDS` (row field ``client``; ``protocol`` is
+    ``http`` or ``grpc``)."""
     unknown = sorted(set(protocols) - set(CLIENT_KINDS))
     if unknown:
         raise ValueError(f"unknown clients {unknown}; expected some of {list(CLIENT_KINDS)}")

@@ -40,6 +40,7 @@ EXT = CpuExtension(
     sources=(CSRC / "fused_lookup.cpp",),
     headers=(
         CSRC / "cache_probe.h",
+        CSRC / "cache_tables.h",
         CSRC / "common.h",
         CSRC / "first_hits.h",
         CSRC / "gather_checks.h",

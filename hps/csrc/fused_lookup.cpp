@@ -45,6 +45,7 @@
 #include <vector>
 
 #include "cache_probe.h"
+#include "cache_tables.h"
 #include "common.h"
 #include "first_hits.h"
 #include "gather_checks.h"
@@ -347,27 +348,22 @@ at::Tensor pending_rows(const TableView& t, const std::vector<int64_t>& sl,
 // key_counters: empty, or per table a KeyCounter (or None) that the pass counts the table's
 // hits of keys >= 0 into when one thread does every key of the table (gather_tables), first
 // halving it once per LFU halving of the table's cache that falls in this query (the caller
-// ages the rest of its statistics, e.g. their mass, to match). dense: empty, or per table the cache's dense key index (int32, the
-// slot of each key in [0, numel), -1 where none; an empty tensor: none), which then answers
-// those keys in place of the hash probe (a slot outside the cache reads as a miss).
+// ages the rest of its statistics, e.g. their mass, to match). c: the caches' arrays
+// (cache_tables.h), one table per key tensor; a table's dense key index (int32, the slot of
+// each key in [0, numel), -1 where none) answers those keys in place of the hash probe (a
+// slot outside the cache reads as a miss).
 // weights: empty (every table 1), or per table the uses each hit counts (>= 0; see use_slot).
 // Returns {misses (k,) int64: positions into each table's keys, table after table;
 //          per_table (T, 5) int64: misses, hits_all, hits_unique, looked_up, halvings;
 //          counted (T,) uint8: 1 where the table's hits were counted into its KeyCounter;
 //          then per table its pending rows (bags with a miss, see pending_rows; else empty)}.
 std::vector<at::Tensor> cache_gather(
-    const std::vector<at::Tensor>& keys, const std::vector<at::Tensor>& cache_keys,
-    const std::vector<at::Tensor>& high_words, const std::vector<at::Tensor>& high_of,
-    const std::vector<at::Tensor>& tags, const std::vector<at::Tensor>& counters,
-    const std::vector<at::Tensor>& storage,
-    const std::vector<int64_t>& ways, const std::vector<int64_t>& dims,
-    const std::vector<int64_t>& formats, const std::vector<int64_t>& stamps,
+    const std::vector<at::Tensor>& keys, const CacheTables& c, const std::vector<int64_t>& stamps,
     const std::vector<int64_t>& streams, const std::vector<int64_t>& looked_up,
-    const std::vector<int64_t>& intervals,
-    at::Tensor out, const std::vector<int64_t>& out_offsets, int64_t out_stride,
+    const std::vector<int64_t>& intervals, at::Tensor out,
+    const std::vector<int64_t>& out_offsets, int64_t out_stride,
     const std::vector<int64_t>& hotness, const std::vector<int64_t>& mean,
-    const at::Tensor& gaps, const at::Tensor& halve, const std::vector<KeyCounter*>& key_counters,
-    const std::vector<at::Tensor>& dense, const std::vector<int64_t>& weights) {
+    const std::vector<KeyCounter*>& key_counters, const std::vector<int64_t>& weights) {
   const size_t T = keys.size();
   check(weights.empty() || weights.size() == T, "weights: none, or one per table");
   for (size_t i = 0; i < weights.size(); ++i)
@@ -377,16 +373,20 @@ std::vector<at::Tensor> cache_gather(
     });
   check(key_counters.empty() || key_counters.size() == T,
         "key_counters: none, or one KeyCounter (or None) per table");
-  check(dense.empty() || dense.size() == T, "dense: none, or one index (or an empty one) per table");
-  check_gather_args(T, {&cache_keys, &high_words, &high_of, &tags, &counters, &storage},
-                    {&ways, &dims, &formats, &stamps, &streams, &looked_up, &intervals,
-                     &out_offsets, &hotness, &mean},
-                    out, gaps, halve);
-  const int64_t* gp = gaps.data_ptr<int64_t>();
+  check(c.size() == T, [&] {
+    return std::to_string(T) + " key tensors but " + std::to_string(c.size()) + " tables";
+  });
+  check_gather_args(T, {&stamps, &streams, &looked_up, &intervals, &out_offsets, &hotness, &mean},
+                    out);
+  const std::vector<at::Tensor>& cache_keys = c.cache_keys;
+  const std::vector<at::Tensor>& counters = c.counters;
+  const std::vector<at::Tensor>& dense = c.dense;
+  const std::vector<int64_t>& ways = c.ways;
+  const int64_t* gp = c.gaps.data_ptr<int64_t>();
   int64_t level_counts[kMaxLevel + 1];  // LEVEL_COUNTS: the sums of the gaps below each level
   level_counts[0] = 0;
   for (int v = 0; v < kMaxLevel; ++v) level_counts[v + 1] = level_counts[v] + gp[v];
-  const uint8_t* hv = halve.data_ptr<uint8_t>();
+  const uint8_t* hv = c.halve.data_ptr<uint8_t>();
   const std::vector<int64_t> valid = valid_keys(keys, hotness);  // refuses bad keys first
   at::Tensor misses_all;
   std::vector<int64_t> misses;
@@ -395,19 +395,15 @@ std::vector<at::Tensor> cache_gather(
   float* out_base = out.data_ptr<float>();
   std::vector<TableView> views;
   std::vector<KeyCounter*> kcs(T, nullptr);
-  std::vector<int64_t> halvings(T, 0), row_bytes(T), distinct(T, -1);
-  for (size_t i = 0; i < T; ++i) {  // every table checked before any is aged
-    row_bytes[i] = check_table(i, cache_keys[i], high_words[i], high_of[i], tags[i], counters[i],
-                               storage[i], formats[i], dims[i]);
-    if (!dense.empty()) check_dense(i, dense[i]);
+  std::vector<int64_t> halvings(T, 0), distinct(T, -1);
+  for (size_t i = 0; i < T; ++i)
     if (hotness[i] > 0) check(keys[i].numel() % hotness[i] == 0, "bag keys must be (B, hotness)");
-  }
   for (size_t i = 0; i < T; ++i) {
     const auto& k = keys[i];
     const int64_t capacity = cache_keys[i].numel();
     const auto kt = cache_keys[i].scalar_type();
-    const auto& hw = high_words[i];
-    const auto& ho = high_of[i];
+    const auto& hw = c.high_words[i];
+    const auto& ho = c.high_of[i];
     // LFU aging before this query's uses: one halving per multiple of the interval crossed
     const int64_t w = intervals[i];
     const int64_t crossed = w > 0 ? (looked_up[i] + valid[i]) / w - looked_up[i] / w : 0;
@@ -416,8 +412,8 @@ std::vector<at::Tensor> cache_gather(
       for (int v = 0; v <= kMaxLevel; ++v) lut[v] = static_cast<uint8_t>(v);
       for (int64_t r = 0; r < std::min<int64_t>(crossed, kMaxLevel + 1); ++r)
         for (int v = 0; v <= kMaxLevel; ++v) lut[v] = hv[lut[v]];
-      uint8_t* c = counters[i].data_ptr<uint8_t>();
-      for (int64_t j = 0; j < capacity; ++j) c[j] = lut[c[j] & kMaxLevel];  // once per period
+      uint8_t* lv = counters[i].data_ptr<uint8_t>();
+      for (int64_t j = 0; j < capacity; ++j) lv[j] = lut[lv[j] & kMaxLevel];  // once per period
     }
     TableView t{k.data_ptr<int64_t>(),
                 k.numel(),
@@ -426,14 +422,14 @@ std::vector<at::Tensor> cache_gather(
                 hw.data_ptr<int64_t>(),
                 hw.numel(),
                 ho.numel() ? ho.data_ptr<uint8_t>() : nullptr,
-                tags[i].data_ptr<uint8_t>(),
+                c.tags[i].data_ptr<uint8_t>(),
                 counters[i].data_ptr<uint8_t>(),
-                storage[i].data_ptr<uint8_t>(),
+                c.storage[i].data_ptr<uint8_t>(),
                 capacity / ways[i],
                 ways[i],
-                dims[i],
-                row_bytes[i],
-                formats[i],
+                c.dims[i],
+                c.row_bytes[i],
+                c.formats[i],
                 stamps[i],
                 streams[i],
                 gp,
@@ -443,7 +439,7 @@ std::vector<at::Tensor> cache_gather(
                 mean[i] != 0,
                 out_base + out_offsets[i],
                 out_stride};
-    if (!dense.empty() && dense[i].numel() > 0) {
+    if (dense[i].numel() > 0) {
       t.dense = dense[i].data_ptr<int32_t>();
       t.n_dense = dense[i].numel();
     }
@@ -491,10 +487,32 @@ std::vector<at::Tensor> cache_gather(
   return result;
 }
 
+// The LFU draw stream of each query: mix64(seed · 2**32 + clock) of each table's cache
+// (seeds and clocks: their low 32 bits), as hps.storage.cache.slot_counter.stream_of.
+std::vector<int64_t> lfu_streams(const std::vector<int64_t>& seeds,
+                                 const std::vector<int64_t>& clocks) {
+  check(seeds.size() == clocks.size(), "one seed per clock");
+  std::vector<int64_t> out(seeds.size());
+  for (size_t i = 0; i < seeds.size(); ++i) {
+    const uint64_t x = (static_cast<uint64_t>(seeds[i]) & 0xFFFFFFFFULL) << 32 |
+                       (static_cast<uint64_t>(clocks[i]) & 0xFFFFFFFFULL);
+    out[i] = static_cast<int64_t>(mix64(static_cast<int64_t>(x)));
+  }
+  return out;
+}
+
 }  // namespace hps_cpu
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   using namespace hps_cpu;
+  pybind11::class_<CacheTables>(m, "CacheTables")
+      .def(pybind11::init<std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, std::vector<at::Tensor>,
+                          std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
+                          std::vector<int64_t>, at::Tensor, at::Tensor>())
+      .def("__len__", &CacheTables::size);
+  m.def("lfu_streams", &lfu_streams, "each query's LFU draw stream from its cache's seed and clock");
   m.def("cache_gather", &cache_gather, "fused cache-hit lookup of every table (rows or bags)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gather_rows", &gather_rows,

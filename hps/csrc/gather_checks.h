@@ -1,5 +1,6 @@
-// The argument checks of cache_gather (fused_lookup.cpp): every tensor's dtype, shape and
-// layout, and every key, refused with a message naming the bad value before any counter moves.
+// The argument checks of cache_gather (fused_lookup.cpp) and of the cache arrays it reads
+// (cache_tables.h): every tensor's dtype, shape and layout, and every key, refused with a
+// message naming the bad value before any counter moves.
 #pragma once
 
 #include <torch/extension.h>
@@ -19,19 +20,10 @@ namespace hps_cpu {
 // A slot counter's largest level (7 bits), hps/storage/cache/slot_counter.py.
 constexpr uint8_t kMaxLevel = 127;
 
-// One tensor and one value per table of T; gaps (128,) int64 and halve (128,) uint8; out a
-// contiguous CPU float32 tensor.
-inline void check_gather_args(size_t T,
-                              std::initializer_list<const std::vector<at::Tensor>*> tensors,
-                              std::initializer_list<const std::vector<int64_t>*> values,
-                              const at::Tensor& out, const at::Tensor& gaps,
-                              const at::Tensor& halve) {
-  for (const auto* v : tensors) check(v->size() == T, "one tensor per table expected");
+// One value per table of T; out a contiguous CPU float32 tensor.
+inline void check_gather_args(size_t T, std::initializer_list<const std::vector<int64_t>*> values,
+                              const at::Tensor& out) {
   for (const auto* v : values) check(v->size() == T, "one value per table expected");
-  check(gaps.scalar_type() == at::kLong && gaps.numel() == kMaxLevel + 1 && gaps.is_contiguous() &&
-            halve.scalar_type() == at::kByte && halve.numel() == kMaxLevel + 1 &&
-            halve.is_contiguous(),
-        "gaps must be (128,) int64 and halve (128,) uint8 (hps.storage.cache.slot_counter)");
   check(out.scalar_type() == at::kFloat && out.is_contiguous() && out.device().is_cpu(),
         "out must be a contiguous CPU float32 tensor");
 }

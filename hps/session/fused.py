@@ -42,7 +42,7 @@ from typing import NamedTuple, Protocol, cast
 import numpy as np
 import torch
 
-from hps.fused import GatherArgs, GatherResult, pool_in_order
+from hps.fused import CompiledTables, GatherArgs, GatherResult, compiled_tables, pool_in_order
 from hps.kernels import load_extension
 from hps.key_counts import KeyCounts
 from hps.rwlock import ReadWriteLock
@@ -50,7 +50,7 @@ from hps.session.fill import CacheFill
 from hps.session.static_gather import gather_any
 from hps.session.table import SessionTable, unique_with_inverse
 from hps.session_stats import SessionStats
-from hps.storage.cache import LRU_PERIOD, EmbeddingCache, StaticEmbeddingCache
+from hps.storage.cache import LRU_PERIOD, EmbeddingCache, StaticEmbeddingCache, stream_of
 from hps.types import CachePolicy, Pooling, TierUnavailableError
 
 __all__ = ["fused_lookup"]
@@ -105,6 +105,7 @@ class CallPlan:
         "all_static",
         "caches",
         "columns",
+        "compiled",
         "dims",
         "falses",
         "fusable",
@@ -113,6 +114,7 @@ class CallPlan:
         "lru",
         "names",
         "order",
+        "seeds",
         "static",
         "tables",
         "width",
@@ -123,7 +125,7 @@ class CallPlan:
         if len(set(tables)) != len(tables):
             raise ValueError(f"a table is named twice in one fused lookup: {list(tables)}")
         self.tables = [s._table(n) for n in tables]
-        self.names = [t.name for t in self.tables]
+        self.names = tuple(t.name for t in self.tables)
         self.dims = [t.dim for t in self.tables]
         self.columns = (0, *itertools.accumulate(self.dims))[:-1]  # bags: each table's first
         self.width = sum(self.dims)
@@ -141,6 +143,9 @@ class CallPlan:
         self.aging = any(self.intervals)  # some cache halves its counts as keys are looked up
         self.zeros = (0,) * len(self.tables)  # tuples: calls share them, none may change them
         self.falses = (False,) * len(self.tables)
+        self.seeds = [c.seed & 0xFFFFFFFF for c in self.caches]  # of the LFU draw streams
+        #: the compiled pass's arrays of the caches, kept from call to call under their locks
+        self.compiled: CompiledTables | None = None
 
 
 def _plan(s: SessionView, tables: Sequence[str]) -> CallPlan:
@@ -255,7 +260,7 @@ def fused_lookup(
         raise
     finally:
         s._slots.release()
-    s.statistics.record_latencies(plan.names, time.perf_counter() - start)
+    s.statistics.record_fused_latency(plan.names, time.perf_counter() - start)
     if bags:
         return [buf]
     return [
@@ -302,8 +307,11 @@ def _run(
         streams: Sequence[int] = plan.zeros
         looked_up: Sequence[int] = plan.zeros
         weights: Sequence[int] | None = None  # every hit one use (a static cache counts none)
+        compiled = s.compiled and load_extension() is not None
         if not plan.all_static:  # one walk over the caches for the pass's per-table arguments
-            stamps, streams, looked_up, weights = _clocks(caches, plan)
+            stamps, streams, looked_up, weights = _clocks(caches, plan, compiled)
+            if compiled:  # the caches' arrays, as the compiled pass holds them
+                plan.compiled = compiled_tables(caches, plan.compiled)
         counters = _pass_counters(s, ts, ks, caches, taken)
         args = GatherArgs(
             caches=caches,
@@ -319,9 +327,10 @@ def _run(
             intervals=plan.intervals,
             key_counters=counters,
             weights=weights,
+            tables=plan.compiled if compiled and not any(plan.static) else None,
         )
         try:
-            res = gather_any(args, compiled=s.compiled and load_extension() is not None)
+            res = gather_any(args, compiled=compiled)
         except ValueError as e:
             raise ValueError(_name_table(str(e), ts)) from None
         per = res.per_table.tolist()
@@ -345,9 +354,7 @@ def _run(
     missed = [0] * len(ts)
     try:
         epochs, missed = _age_and_count_misses(s, ts, caches, misses, per, counted, taken)
-        _serve_all_misses(
-            s, ts, ks, caches, res, misses, per, buf, offsets, hot, pooling, failed, epochs
-        )
+        _serve_all_misses(s, plan, ks, res, misses, per, buf, offsets, hot, pooling, failed, epochs)
     except Exception:
         # the miss path raised: the call's hits are counted all the same by the statistics
         # that take the call (its misses were counted before it was served), those the pass
@@ -370,18 +377,27 @@ def _run(
 
 
 def _clocks(
-    caches: list[EmbeddingCache], plan: CallPlan
+    caches: list[EmbeddingCache], plan: CallPlan, compiled: bool
 ) -> tuple[list[int], list[int], list[int], list[int]]:
     """Per table, the LRU stamp a hit writes (-1: LFU), the LFU draw stream (0: a static
     cache, which keeps no use counts), the aging clock before this query and the uses each
     hit counts (:meth:`EmbeddingCache.use_weight`: 0 where the cache's LFU sampling skips
-    this query)."""
-    stamps, streams, looked_up, weights = [], [], [], []
-    for c, lru, static in zip(caches, plan.lru, plan.static, strict=True):
-        stamps.append(c._clock % LRU_PERIOD if lru else -1)
-        streams.append(0 if static else c.lfu_stream())
+    this query). ``compiled``: the streams are mixed by the extension in one call (the same
+    numbers as :meth:`EmbeddingCache.lfu_stream`; 26 of them in Python cost ~20 µs a call)."""
+    stamps, clocks, looked_up, weights = [], [], [], []
+    for c, lru in zip(caches, plan.lru, strict=True):
+        clock = c._clock
+        clocks.append(clock)
+        stamps.append(clock % LRU_PERIOD if lru else -1)
         looked_up.append(c._looked_up)
         weights.append(c.use_weight())
+    ext = load_extension() if compiled else None
+    if ext is not None:
+        streams = ext.lfu_streams(plan.seeds, clocks)
+    else:
+        streams = [stream_of(seed, clock) for seed, clock in zip(plan.seeds, clocks, strict=True)]
+    if any(plan.static):
+        streams = [0 if static else x for x, static in zip(streams, plan.static, strict=True)]
     return stamps, streams, looked_up, weights
 
 
@@ -421,9 +437,8 @@ def _name_table(msg: str, ts: list[SessionTable]) -> str:
 
 def _serve_all_misses(
     s: SessionView,
-    ts: list[SessionTable],
+    plan: CallPlan,
     ks: list[torch.Tensor],
-    caches: list[EmbeddingCache],
     res: GatherResult,
     misses: list[_Misses | None],
     per: list[list[int]],
@@ -440,11 +455,10 @@ def _serve_all_misses(
     before the error propagates (the later tables are not served)."""
 
     all_hit_async = 1.0 >= s.hit_rate_threshold  # a lookup whose keys all hit
-    if misses.count(None) == len(misses):  # no table missed: one record per table
-        s.statistics.record_counts_many(
-            (), [(t.name, row[2], row[1], all_hit_async) for t, row in zip(ts, per, strict=True)]
-        )
+    if misses.count(None) == len(misses):  # no table missed: the pass's counts, as they are
+        s.statistics.record_fused_hits(plan.names, res.per_table, all_hit_async)
         return
+    ts, caches = plan.tables, plan.caches
     # every served table's counts, recorded at the end under one statistics lock acquisition
     records: list[tuple[str, list[int], list[int], bool]] = []
     all_hit: list[tuple[str, int, int, bool]] = []  # tables without a miss

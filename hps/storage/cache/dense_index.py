@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import torch
 
+from hps.storage.cache.layout import LayoutField
 from hps.storage.host_memory import huge_zeros
 
 __all__ = ["MAX_INDEXED_SLOTS", "MAX_INDEX_SHARE", "DenseKeyIndex", "dense_key_bound"]
@@ -60,6 +61,9 @@ class DenseKeyIndex:
     Attributes:
         slots: ``(bound,)`` int32, huge pages (the pass reads it at random).
     """
+
+    #: the slot of each key (assigning it moves the layout clock, :mod:`hps.storage.cache.layout`)
+    slots = LayoutField[torch.Tensor]()
 
     def __init__(self, bound: int, device: torch.device, capacity: int) -> None:
         if isinstance(bound, bool) or not isinstance(bound, int) or not 1 <= bound < 2**31:

@@ -19,6 +19,7 @@ from hps.storage.cache.index import (
     set_of,
     tag_of,
 )
+from hps.storage.cache.layout import LayoutField
 from hps.storage.cache.records import CacheStats, Placed, RowHome
 from hps.storage.cache.slot_counter import (
     LRU_PERIOD,
@@ -82,6 +83,15 @@ class EmbeddingCache:
     All methods take ``keys: (n,) int64`` without duplicates on ``device`` and are
     thread-safe (one lock; each call is a few vectorised tensor ops).
     """
+
+    # the arrays the compiled fused pass reads: assigning one moves the layout clock
+    # (hps.storage.cache.layout), so that a pass holding them takes them again
+    slot_keys = LayoutField[SlotKeys]()
+    counters = LayoutField[torch.Tensor]()
+    tags = LayoutField[torch.Tensor]()
+    row_format = LayoutField[RowDtype]()
+    row_bytes = LayoutField[int]()
+    storage = LayoutField[torch.Tensor]()
 
     def __init__(
         self,

@@ -24,6 +24,7 @@ from hps.storage.cache.index import (
     nibble_at,
     set_nibbles,
 )
+from hps.storage.cache.layout import LayoutField
 from hps.storage.host_memory import huge_zeros
 
 __all__ = ["SlotKeys"]
@@ -50,7 +51,15 @@ class SlotKeys:
         high_of: ``(ceil(capacity / 2),) uint8``, each slot's index into ``high_words`` (a
             nibble), once there are two high words; ``None`` before and with int64 keys.
         dense: the dense key index, or ``None``.
+
+    Assigning ``keys``, ``high_words``, ``high_of`` or ``dense`` moves the layout clock
+    (:mod:`hps.storage.cache.layout`).
     """
+
+    keys = LayoutField[torch.Tensor]()
+    high_words = LayoutField[torch.Tensor]()
+    high_of = LayoutField["torch.Tensor | None"]()
+    dense = LayoutField["DenseKeyIndex | None"]()
 
     def __init__(
         self,
@@ -68,7 +77,7 @@ class SlotKeys:
         dtype = torch.int32 if compact else torch.int64
         self.keys = huge_zeros(shape, dtype, device).fill_(-1 if compact else EMPTY_KEY)
         self.high_words = torch.zeros(0, dtype=torch.int64, device=device)
-        self.high_of: torch.Tensor | None = None
+        self.high_of = None
 
     @property
     def wide(self) -> bool:

@@ -1,0 +1,160 @@
+"""What a fused call keeps from one call to the next (:mod:`hps.fused`, :mod:`hps.session.fused`):
+the caches' arrays as the compiled pass holds them (taken again once any cache replaces one,
+:mod:`hps.storage.cache.layout`), the LFU draw streams mixed by the extension, and the
+statistics of all-hit calls folded in when read (:class:`hps.session_stats.SessionStats`)."""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from hps.fused import compiled_tables
+from hps.kernels import load_extension
+from hps.session import LookupSession, SessionTable
+from hps.session_stats import LATENCY_WINDOW, SessionStats
+from hps.storage.cache import EmbeddingCache, stream_of
+from hps.storage.cache.layout import layout_now
+from hps.storage.volatile import HashMapBackend
+from hps.types import Pooling
+
+
+def _needs_ext() -> None:
+    if load_extension() is None:
+        if os.environ.get("CI"):
+            pytest.fail("the hps compiled kernel could not be built (python -m hps.build_ext -v)")
+        pytest.skip("the hps compiled kernel is not built")
+
+
+def test_assigning_a_cache_array_moves_the_layout_clock() -> None:
+    """Every array the compiled pass reads moves the clock when assigned (the cache's own and
+    its keys'), and reading them does not."""
+    c = EmbeddingCache(128, 4, policy="lfu", ways=8, key_bound=256)
+    before = layout_now()
+    _ = (c.storage, c.counters, c.tags, c.slot_keys.keys, c.slot_keys.high_words)
+    assert layout_now() == before
+    for owner, name in [
+        (c, "storage"),
+        (c, "counters"),
+        (c, "tags"),
+        (c, "row_bytes"),
+        (c, "row_format"),
+        (c.slot_keys, "keys"),
+        (c.slot_keys, "high_words"),
+        (c.slot_keys, "high_of"),
+        (c.slot_keys.dense, "slots"),
+    ]:
+        now = layout_now()
+        setattr(owner, name, getattr(owner, name))
+        assert layout_now() != now, name
+
+
+def test_compiled_tables_are_kept_until_an_array_is_replaced() -> None:
+    """The same handle while nothing changes; a new one for another list of caches, and once
+    a cache takes a second high word (its nibbles and high words replaced)."""
+    _needs_ext()
+    a = EmbeddingCache(64, 4, policy="lfu", ways=8)
+    b = EmbeddingCache(64, 4, policy="lfu", ways=8)
+    t = compiled_tables([a, b])
+    assert t is not None and len(t.handle) == 2  # type: ignore[arg-type]
+    assert compiled_tables([a, b], t) is t
+    assert compiled_tables([b, a], t) is not t
+    a.insert(torch.tensor([5]), torch.ones(1, 4))  # the first high word: keys 0 .. 2**32 - 1
+    t = compiled_tables([a, b], t)
+    assert compiled_tables([a, b], t) is t
+    a.insert(torch.tensor([(3 << 32) + 5]), torch.ones(1, 4))  # a second: nibbles made
+    assert a.slot_keys.high_of is not None
+    assert compiled_tables([a, b], t) is not t
+
+
+def test_a_session_reads_the_arrays_a_cache_replaced_between_calls() -> None:
+    """A session keeps the compiled arrays of its tables across calls; a cache whose keys take
+    new high words, then are widened to int64 (more than 16 high words), is read through its
+    new arrays on the next call: every row and bag equals the cache's own query."""
+    _needs_ext()
+    dim, n = 8, 40
+    cache = EmbeddingCache(1024, dim, policy="lfu", ways=16, lfu_decay_keys_per_slot=0)
+    other = EmbeddingCache(64, dim, policy="lru", ways=8)
+    g = torch.Generator().manual_seed(3)
+    truth: dict[int, torch.Tensor] = {}
+
+    def put(keys: torch.Tensor) -> None:
+        rows = torch.randn(keys.numel(), dim, generator=g)
+        cache.insert(keys, rows)
+        truth.update(zip(keys.tolist(), rows, strict=True))
+
+    base = torch.arange(n)
+    put(base)
+    other.insert(base[:10], torch.ones(10, dim))
+    v = HashMapBackend(num_partitions=1)
+    for name in ("t", "u"):
+        v.create_table(name, dim)
+    s = LookupSession(
+        [SessionTable("t", dim, 0.0, 1 << 12, cache), SessionTable("u", dim, 0.0, 1 << 12, other)],
+        v,
+        None,
+        hit_rate_threshold=0.0,
+    )
+
+    def check(keys: torch.Tensor) -> None:
+        want = torch.stack([truth[k] for k in keys.tolist()])
+        other_keys = torch.arange(keys.numel() // 2).remainder(10)
+        rows = s.lookup_many(["t", "u"], [keys, other_keys])[0]
+        assert torch.equal(rows, want)
+        bags = [keys.view(-1, 2), other_keys.view(-1, 1)]
+        pooled = s.lookup_pooled(["t", "u"], bags, [Pooling.SUM, Pooling.SUM])
+        pairs = want.view(-1, 2, dim)
+        assert torch.equal(pooled[:, :dim], pairs[:, 0] + pairs[:, 1])
+
+    check(base[:20])
+    layouts = [layout_now()]
+    for word in range(1, 18):  # words 0..15 in use, then word 16 widens the keys
+        k = (word << 32) + base[:4]
+        put(k)
+        layouts.append(layout_now())
+        check(torch.cat([k, base[:4]]))
+    assert cache.slot_keys.wide  # int64 keys: the arrays were replaced
+    # each new high word replaced arrays, the 17th (word 16) by widening the keys; a key of
+    # word 17 then goes into the int64 keys in place
+    assert layouts == sorted(set(layouts)) + [layouts[-1]]
+
+
+def test_extension_streams_equal_stream_of() -> None:
+    """The extension's LFU draw streams are :func:`stream_of` of the same seeds and clocks
+    (seeds masked to 32 bits as a plan keeps them, clocks of any size)."""
+    _needs_ext()
+    ext = load_extension()
+    assert ext is not None
+    seeds = [0, 1, 7, 0xFFFFFFFF, 123456789, (2**40 + 5) & 0xFFFFFFFF]
+    clocks = [1, 2, 2**31 + 3, 2**32 + 9, 5, 2**62]
+    assert ext.lfu_streams(seeds, clocks) == [
+        stream_of(s, c) for s, c in zip(seeds, clocks, strict=True)
+    ]
+
+
+def test_fused_all_hit_records_equal_per_table_records() -> None:
+    """All-hit fused calls recorded as the pass's ``(T, 5)`` counts and one latency each
+    (:meth:`SessionStats.record_fused_hits`, :meth:`SessionStats.record_fused_latency`)
+    read back as the per-table records of the same calls, interleaved with a per-table
+    lookup, and once more after more calls than the latency window holds."""
+    names = ("a", "b")
+    fast, ref = SessionStats(names), SessionStats(names)
+    rng = np.random.default_rng(0)
+    for call in range(LATENCY_WINDOW + 50):
+        per = torch.from_numpy(rng.integers(0, 50, (2, 5)))
+        seconds = float(rng.random())
+        is_async = call % 3 == 0
+        fast.record_fused_hits(names, per, is_async)
+        fast.record_fused_latency(names, seconds)
+        ref.record_counts_many(
+            (), [(n, int(per[i, 2]), int(per[i, 1]), is_async) for i, n in enumerate(names)]
+        )
+        ref.record_latencies(names, seconds)
+        if call == 10:
+            for s in (fast, ref):
+                s.record_counts("b", [1, 2, 0, 3], [4, 5, 0, 6], False)
+            assert fast.to_dict() == ref.to_dict()
+    assert fast.to_dict() == ref.to_dict()
+    assert fast.to_dict("a")["lookups"] == LATENCY_WINDOW + 50

@@ -396,8 +396,18 @@ std::vector<at::Tensor> cache_gather(
   std::vector<TableView> views;
   std::vector<KeyCounter*> kcs(T, nullptr);
   std::vector<int64_t> halvings(T, 0), distinct(T, -1);
-  for (size_t i = 0; i < T; ++i)
-    if (hotness[i] > 0) check(keys[i].numel() % hotness[i] == 0, "bag keys must be (B, hotness)");
+  const int64_t out_n = out.numel();
+  for (size_t i = 0; i < T; ++i) {  // every table's output inside out before anything is written
+    const int64_t n = keys[i].numel(), h = hotness[i];
+    check(h >= 0 && (h == 0 || n % h == 0), [&] {
+      return "table " + std::to_string(i) + ": " + std::to_string(n) +
+             " keys are not bags of hotness " + std::to_string(h);
+    });
+    check(out_placed(n, h, c.dims[i], out_offsets[i], out_stride, out_n), [&] {
+      return "table " + std::to_string(i) + ": " +
+             out_misplaced(n, h, c.dims[i], out_offsets[i], out_stride, out_n);
+    });
+  }
   for (size_t i = 0; i < T; ++i) {
     const auto& k = keys[i];
     const int64_t capacity = cache_keys[i].numel();

@@ -28,6 +28,33 @@ inline void check_gather_args(size_t T, std::initializer_list<const std::vector<
         "out must be a contiguous CPU float32 tensor");
 }
 
+// Whether n keys of hotness h (bags: n / h bags), dim dim, fit out (out_n values) at offset
+// off: rows at off + r * dim, bags at off + b * stride with off + dim <= stride (a bag's
+// values never reach the next bag's, nor another table's). Overflow-safe: no sum or product
+// below can exceed out_n.
+inline bool out_placed(int64_t n, int64_t h, int64_t dim, int64_t off, int64_t stride,
+                       int64_t out_n) {
+  if (dim <= 0 || off < 0) return false;
+  if (h > 0 && (stride < 0 || off > stride || dim > stride - off)) return false;
+  if (n == 0) return true;  // nothing written
+  if (off > out_n) return false;
+  const int64_t room = out_n - off;
+  if (h == 0) return n <= room / dim;
+  return dim <= room && n / h - 1 <= (room - dim) / stride;  // stride >= dim > 0
+}
+
+// Why out_placed refused a table's output: "its output (offset ..., n keys of dim ...[, hotness
+// h, stride s]) does not fit out of out_n values[ (each bag's offset + dim must be <= stride)]".
+inline std::string out_misplaced(int64_t n, int64_t h, int64_t dim, int64_t off, int64_t stride,
+                                 int64_t out_n) {
+  return "its output (offset " + std::to_string(off) + ", " + std::to_string(n) +
+         " keys of dim " + std::to_string(dim) +
+         (h == 0 ? std::string()
+                 : ", hotness " + std::to_string(h) + ", stride " + std::to_string(stride)) +
+         ") does not fit out of " + std::to_string(out_n) + " values" +
+         (h == 0 ? "" : " (each bag's offset + dim must be <= stride)");
+}
+
 // Per table, the keys that count as looked up (bags: not the -1 pads); throws at the first
 // reserved key (rows: INT64_MIN, the empty-slot sentinel; bags: any key < -1).
 inline std::vector<int64_t> valid_keys(const std::vector<at::Tensor>& keys,

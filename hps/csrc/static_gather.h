@@ -21,6 +21,7 @@
 
 #include "common.h"
 #include "first_hits.h"
+#include "gather_checks.h"
 #include "key_counter.h"
 #include "row_formats.h"
 
@@ -68,21 +69,6 @@ inline void static_piece_any(const StaticTable& t, int64_t i0, int64_t i1, int64
     case kInt4: static_piece<kInt4>(t, i0, i1, out_stride); break;
     default: static_piece<kInt2>(t, i0, i1, out_stride); break;
   }
-}
-
-// Whether n keys of hotness h (bags: n / h bags), dim dim, fit out (out_n values) at offset
-// off: rows at off + r * dim, bags at off + b * stride with off + dim <= stride (a bag's
-// values never reach the next bag's, nor another table's). Overflow-safe: no sum or product
-// below can exceed out_n.
-inline bool out_placed(int64_t n, int64_t h, int64_t dim, int64_t off, int64_t stride,
-                       int64_t out_n) {
-  if (dim <= 0 || off < 0) return false;
-  if (h > 0 && (stride < 0 || off > stride || dim > stride - off)) return false;
-  if (n == 0) return true;  // nothing written
-  if (off > out_n) return false;
-  const int64_t room = out_n - off;
-  if (h == 0) return n <= room / dim;
-  return dim <= room && n / h - 1 <= (room - dim) / stride;  // stride >= dim > 0
 }
 
 // Checks table t's keys (each in [lo, capacity); lo -1 for bags, 0 for rows) and counts them:
@@ -157,13 +143,7 @@ inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
       return tab() + std::to_string(n) + " keys are not bags of hotness " + std::to_string(h);
     });
     check(out_placed(n, h, dims[i], out_offsets[i], out_stride, out_n), [&] {
-      return tab() + "its output (offset " + std::to_string(out_offsets[i]) + ", " +
-             std::to_string(n) + " keys of dim " + std::to_string(dims[i]) +
-             (h == 0 ? std::string()
-                     : ", hotness " + std::to_string(h) + ", stride " +
-                           std::to_string(out_stride)) +
-             ") does not fit out of " + std::to_string(out_n) + " values" +
-             (h == 0 ? "" : " (each bag's offset + dim must be <= stride)");
+      return tab() + out_misplaced(n, h, dims[i], out_offsets[i], out_stride, out_n);
     });
     ts[i] = {k.data_ptr<int64_t>(), n, s.data_ptr<uint8_t>(), s.size(0), s.size(1), dims[i],
              formats[i], h, mean[i] != 0, out.data_ptr<float>() + out_offsets[i]};

@@ -9,11 +9,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from hps.fused import FORMAT_CODES, gather_rows
+from hps.fused import FORMAT_CODES, GatherArgs, gather, gather_rows
 from hps.kernels import load_extension
 from hps.rowformat import RowDtype
 from hps.session import LookupSession, SessionTable
-from hps.storage.cache import StaticEmbeddingCache
+from hps.storage.cache import EmbeddingCache, StaticEmbeddingCache
 from hps.storage.volatile import HashMapBackend
 from hps.types import Pooling, Tier
 from tests.hps.hps_helpers import needs_ext
@@ -157,3 +157,64 @@ def test_an_all_hit_fused_call_counts_each_tables_distinct_keys_and_occurrences(
         ), name
         assert got["hits_all"] == {**dict.fromkeys(got["hits_all"], 0), cache: occurrences}
         assert got["hits_unique"] == {**dict.fromkeys(got["hits_unique"], 0), cache: distinct}
+
+
+def test_a_fused_pass_refuses_an_output_its_tables_do_not_fit() -> None:
+    """:func:`hps.fused.gather` checks each table's place in ``out`` before any key is probed
+    or any counter moves: rows past its end, and bags whose stride leaves no room for a
+    table's columns, are refused naming the table, the shapes and ``out``'s size."""
+    needs_ext()
+    caches = [EmbeddingCache(64, 4, policy="lfu", ways=8) for _ in range(2)]
+    for c in caches:
+        c.insert(torch.arange(8), torch.ones(8, 4))
+    before = [c.counters.clone() for c in caches]
+
+    def call(
+        keys: list[torch.Tensor],
+        out: torch.Tensor,
+        offsets: list[int],
+        stride: int = 0,
+        hotness: tuple[int, int] = (0, 0),
+    ) -> None:
+        args = GatherArgs(
+            caches=caches,
+            keys=keys,
+            out=out,
+            out_offsets=offsets,
+            out_stride=stride,
+            hotness=hotness,
+            mean=[False, False],
+            stamps=[-1, -1],
+            streams=[c.lfu_stream() for c in caches],
+            looked_up=[0, 0],
+            intervals=[0, 0],
+        )
+        gather(args)
+
+    rows = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
+    with pytest.raises(
+        ValueError,
+        match=r"^hps: table 1: its output \(offset 12, 2 keys of dim 4\) does not fit out of "
+        r"16 values$",
+    ):
+        call(rows, torch.empty(16), [0, 12])
+    bags = [torch.tensor([[1, 2], [3, -1]]), torch.tensor([[4], [5]])]
+    with pytest.raises(
+        ValueError,
+        match=r"^hps: table 1: its output \(offset 4, 2 keys of dim 4, hotness 1, stride 6\) "
+        r"does not fit out of 12 values \(each bag's offset \+ dim must be <= stride\)$",
+    ):
+        call(bags, torch.empty(2, 6), [0, 4], stride=6, hotness=(2, 1))
+    with pytest.raises(ValueError, match=r"^hps: table 0: 3 keys are not bags of hotness 2$"):
+        call(
+            [torch.tensor([1, 2, 3]), torch.tensor([4, 5])],
+            torch.empty(2, 8),
+            [0, 4],
+            stride=8,
+            hotness=(2, 1),
+        )
+    for c, b in zip(caches, before, strict=True):
+        assert torch.equal(c.counters, b)  # refused before any use was counted
+    out = torch.empty(2, 8)
+    call(bags, out, [0, 4], stride=8, hotness=(2, 1))  # the same keys, room for both
+    assert out.tolist() == [[2.0] * 4 + [1.0] * 4, [1.0] * 8]

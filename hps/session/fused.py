@@ -103,6 +103,7 @@ class CallPlan:
     __slots__ = (
         "aging",
         "all_static",
+        "any_static",
         "caches",
         "columns",
         "compiled",
@@ -136,6 +137,7 @@ class CallPlan:
         self.order = [by_id[k] for k in sorted(by_id)]  # one fixed order: no two calls deadlock
         self.static = [isinstance(c, StaticEmbeddingCache) for c in self.caches]
         self.all_static = all(self.static)
+        self.any_static = any(self.static)  # static and set-associative caches mixed, or all static
         lru = CachePolicy.LRU
         self.lru = [c.policy is lru for c in self.caches]
         self.key_counts = [s.key_stats[n] for n in self.names] if s.key_stats is not None else None
@@ -310,7 +312,7 @@ def _run(
         compiled = s.compiled and load_extension() is not None
         if not plan.all_static:  # one walk over the caches for the pass's per-table arguments
             stamps, streams, looked_up, weights = _clocks(caches, plan, compiled)
-            if compiled:  # the caches' arrays, as the compiled pass holds them
+            if compiled and not plan.any_static:  # the caches' arrays, as the pass holds them
                 plan.compiled = compiled_tables(caches, plan.compiled)
         counters = _pass_counters(s, ts, ks, caches, taken)
         args = GatherArgs(
@@ -327,7 +329,7 @@ def _run(
             intervals=plan.intervals,
             key_counters=counters,
             weights=weights,
-            tables=plan.compiled if compiled and not any(plan.static) else None,
+            tables=plan.compiled if compiled and not plan.any_static else None,
         )
         try:
             res = gather_any(args, compiled=compiled)
@@ -396,7 +398,7 @@ def _clocks(
         streams = ext.lfu_streams(plan.seeds, clocks)
     else:
         streams = [stream_of(seed, clock) for seed, clock in zip(plan.seeds, clocks, strict=True)]
-    if any(plan.static):
+    if plan.any_static:
         streams = [0 if static else x for x, static in zip(streams, plan.static, strict=True)]
     return stamps, streams, looked_up, weights
 

@@ -497,6 +497,29 @@ std::vector<at::Tensor> cache_gather(
   return result;
 }
 
+// A fused call's keys as hps.session.fused._check takes them without a word, checked in one
+// call: each a contiguous CPU int64 tensor of at most max_keys[i] keys and, for bags, (B, w)
+// with one B for all. Returns each table's w (bags) or an empty list (rows), or None for any
+// other keys: the caller then checks them one by one, and words the error. (26 tables checked
+// in Python cost 20-38 µs a call.)
+pybind11::object plain_keys(const std::vector<at::Tensor>& keys,
+                            const std::vector<int64_t>& max_keys, bool bags) {
+  if (keys.size() != max_keys.size()) return pybind11::none();
+  std::vector<int64_t> hot;
+  int64_t batch = -1;
+  for (size_t i = 0; i < keys.size(); ++i) {
+    const at::Tensor& k = keys[i];
+    if (k.scalar_type() != at::kLong || !k.is_contiguous() || !k.device().is_cpu() ||
+        k.numel() > max_keys[i])
+      return pybind11::none();
+    if (!bags) continue;
+    if (k.dim() != 2 || (batch >= 0 && k.size(0) != batch)) return pybind11::none();
+    batch = k.size(0);
+    hot.push_back(k.size(1));
+  }
+  return pybind11::cast(hot);
+}
+
 // The LFU draw stream of each query: mix64(seed · 2**32 + clock) of each table's cache
 // (seeds and clocks: their low 32 bits), as hps.storage.cache.slot_counter.stream_of.
 std::vector<int64_t> lfu_streams(const std::vector<int64_t>& seeds,
@@ -523,6 +546,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<int64_t>, at::Tensor, at::Tensor>())
       .def("__len__", &CacheTables::size);
   m.def("lfu_streams", &lfu_streams, "each query's LFU draw stream from its cache's seed and clock");
+  m.def("plain_keys", &plain_keys,
+        "each table's bag width when every table's keys pass the fused call's checks, else None");
   m.def("cache_gather", &cache_gather, "fused cache-hit lookup of every table (rows or bags)",
         pybind11::call_guard<pybind11::gil_scoped_release>());
   m.def("gather_rows", &gather_rows,

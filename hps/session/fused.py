@@ -113,6 +113,7 @@ class CallPlan:
         "intervals",
         "key_counts",
         "lru",
+        "max_keys",
         "names",
         "order",
         "seeds",
@@ -128,6 +129,7 @@ class CallPlan:
         self.tables = [s._table(n) for n in tables]
         self.names = tuple(t.name for t in self.tables)
         self.dims = [t.dim for t in self.tables]
+        self.max_keys = [t.max_keys for t in self.tables]
         self.columns = (0, *itertools.accumulate(self.dims))[:-1]  # bags: each table's first
         self.width = sum(self.dims)
         caches = [t.cache for t in self.tables]
@@ -166,6 +168,14 @@ def _check(
     shape as its keys in row-major order: no view per table on the hot path), and each
     table's keys per bag (bags; rows: 0)."""
     ts = plan.tables
+    ext = load_extension()
+    if ext is not None and len(ts) == len(keys):  # every check in one call, when all pass
+        try:
+            plain = ext.plain_keys(keys, plan.max_keys, bags)
+        except TypeError:  # a key argument that is not a tensor: worded below
+            plain = None
+        if plain is not None:
+            return list(keys), plain if bags else plan.zeros
     if len(ts) != len(keys):
         raise ValueError(f"{len(ts)} tables but {len(keys)} key tensors")
     ks = []

@@ -218,3 +218,48 @@ def test_a_fused_pass_refuses_an_output_its_tables_do_not_fit() -> None:
     out = torch.empty(2, 8)
     call(bags, out, [0, 4], stride=8, hotness=(2, 1))  # the same keys, room for both
     assert out.tolist() == [[2.0] * 4 + [1.0] * 4, [1.0] * 8]
+
+
+def test_a_fused_calls_keys_are_checked_in_one_call_and_refused_in_words() -> None:
+    """Keys that pass every check are taken in one extension call (``plain_keys``: each
+    table's bag width, or ``None``); any other keys go through the per-table checks, whose
+    errors name the table and the value at fault. Keys that are not contiguous are taken as a
+    contiguous copy, with the same rows."""
+    needs_ext()
+    ext = load_extension()
+    assert ext is not None
+    k3, k2 = torch.tensor([[1, 2], [3, 4], [5, 6]]), torch.tensor([[7], [8], [9]])
+    assert ext.plain_keys([k3, k2], [64, 64], True) == [2, 1]
+    assert ext.plain_keys([k3.view(-1), k2.view(-1)], [64, 64], False) == []
+    for keys, bound in [
+        ([k3.int(), k2], [64, 64]),  # int32
+        ([k3.t(), k2], [64, 64]),  # not contiguous
+        ([k3, k2[:2]], [64, 64]),  # another batch
+        ([k3.view(-1), k2], [64, 64]),  # not (B, w)
+        ([k3, k2], [5, 64]),  # over the bound
+        ([k3], [64, 64]),  # one tensor short
+    ]:
+        assert ext.plain_keys(keys, bound, True) is None
+    with pytest.raises(TypeError):
+        ext.plain_keys([[1, 2], k2], [64, 64], True)
+
+    s = _session()
+    want = s.lookup_pooled(["a", "b"], [k3, k3], Pooling.SUM).clone()
+    assert torch.equal(
+        s.lookup_pooled(["a", "b"], [k3.t().contiguous().t(), k3], Pooling.SUM), want
+    )
+    rows = s.lookup_many(["a", "b"], [k3.t(), k3.t()])
+    assert torch.equal(rows[0], s.lookup_many(["a"], [k3.t().contiguous()])[0])
+    cases: list[tuple[list[object], str]] = [
+        ([k3.int(), k3], r"table 'a': keys must be an int64 torch.Tensor, got torch.int32"),
+        ([[1, 2], k3], r"table 'a': keys must be an int64 torch.Tensor, got list"),
+        (
+            [k3, torch.zeros(65, 1, dtype=torch.long)],
+            r"table 'b': 65 keys in one lookup, at most 64",
+        ),
+        ([k3.view(-1), k3], r"table 'a': bags must be \(B, w\), got \(6,\)"),
+        ([k3, k3[:2]], r"table 'b': 2 bags, but the first table has 3"),
+    ]
+    for keys, msg in cases:
+        with pytest.raises(ValueError, match=msg):
+            s.lookup_pooled(["a", "b"], keys, Pooling.SUM)  # type: ignore[arg-type]

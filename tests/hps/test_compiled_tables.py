@@ -5,10 +5,7 @@ statistics of all-hit calls folded in when read (:class:`hps.session_stats.Sessi
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
-import pytest
 import torch
 
 from hps.fused import compiled_tables
@@ -19,13 +16,7 @@ from hps.storage.cache import EmbeddingCache, stream_of
 from hps.storage.cache.layout import layout_now
 from hps.storage.volatile import HashMapBackend
 from hps.types import Pooling
-
-
-def _needs_ext() -> None:
-    if load_extension() is None:
-        if os.environ.get("CI"):
-            pytest.fail("the hps compiled kernel could not be built (python -m hps.build_ext -v)")
-        pytest.skip("the hps compiled kernel is not built")
+from tests.hps.hps_helpers import needs_ext
 
 
 def test_assigning_a_cache_array_moves_the_layout_clock() -> None:
@@ -54,7 +45,7 @@ def test_assigning_a_cache_array_moves_the_layout_clock() -> None:
 def test_compiled_tables_are_kept_until_an_array_is_replaced() -> None:
     """The same handle while nothing changes; a new one for another list of caches, and once
     a cache takes a second high word (its nibbles and high words replaced)."""
-    _needs_ext()
+    needs_ext()
     a = EmbeddingCache(64, 4, policy="lfu", ways=8)
     b = EmbeddingCache(64, 4, policy="lfu", ways=8)
     t = compiled_tables([a, b])
@@ -73,7 +64,7 @@ def test_a_session_reads_the_arrays_a_cache_replaced_between_calls() -> None:
     """A session keeps the compiled arrays of its tables across calls; a cache whose keys take
     new high words, then are widened to int64 (more than 16 high words), is read through its
     new arrays on the next call: every row and bag equals the cache's own query."""
-    _needs_ext()
+    needs_ext()
     dim, n = 8, 40
     cache = EmbeddingCache(1024, dim, policy="lfu", ways=16, lfu_decay_keys_per_slot=0)
     other = EmbeddingCache(64, dim, policy="lru", ways=8)
@@ -124,7 +115,7 @@ def test_a_session_reads_the_arrays_a_cache_replaced_between_calls() -> None:
 def test_extension_streams_equal_stream_of() -> None:
     """The extension's LFU draw streams are :func:`stream_of` of the same seeds and clocks
     (seeds masked to 32 bits as a plan keeps them, clocks of any size)."""
-    _needs_ext()
+    needs_ext()
     ext = load_extension()
     assert ext is not None
     seeds = [0, 1, 7, 0xFFFFFFFF, 123456789, (2**40 + 5) & 0xFFFFFFFF]

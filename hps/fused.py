@@ -81,8 +81,9 @@ class CompiledTables:
     extension's ``CacheTables``: each cache's keys, high words, nibbles, dense index, tags,
     counters and storage, held and checked once), taken when the layout clock read
     ``layout`` (:func:`hps.storage.cache.layout.layout_now`) from the caches whose ids
-    are ``ids``. A call passes the handle in place of seven lists of tensors: a 26-table call
-    built and converted those lists in 40-65 µs, more than the gather of a one-sample batch."""
+    are ``ids``. A call passes the handle in place of seven lists of tensors: building and
+    converting those lists takes a 26-table call 40-65 µs, more than the gather of a
+    one-sample batch."""
 
     ids: tuple[int, ...]
     layout: int

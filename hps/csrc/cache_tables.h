@@ -1,9 +1,9 @@
 // The arrays of the caches one fused call reads (cache_gather, fused_lookup.cpp), held and
 // checked once: hps.fused.CompiledTables builds one per list of caches and keeps it while no
 // cache replaces an array (hps.storage.cache.layout), so that a call converts and checks only
-// its keys and its per-query values. Converting seven lists of 26 tensors from Python and
-// checking every table cost a 26-table call about 15 µs, and building those lists in Python
-// 25-50 µs more, on every call (2-core VM).
+// its keys and its per-query values. Per call, converting seven lists of 26 tensors from
+// Python and checking every table takes a 26-table call about 15 µs, and building those lists
+// in Python 25-50 µs more (2-core VM).
 #pragma once
 
 #include <torch/extension.h>

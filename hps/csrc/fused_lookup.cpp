@@ -500,8 +500,8 @@ std::vector<at::Tensor> cache_gather(
 // A fused call's keys as hps.session.fused._check takes them without a word, checked in one
 // call: each a contiguous CPU int64 tensor of at most max_keys[i] keys and, for bags, (B, w)
 // with one B for all. Returns each table's w (bags) or an empty list (rows), or None for any
-// other keys: the caller then checks them one by one, and words the error. (26 tables checked
-// in Python cost 20-38 µs a call.)
+// other keys: the caller then checks them one by one, and words the error. (Checking 26
+// tables in Python takes 20-38 µs a call.)
 pybind11::object plain_keys(const std::vector<at::Tensor>& keys,
                             const std::vector<int64_t>& max_keys, bool bags) {
   if (keys.size() != max_keys.size()) return pybind11::none();

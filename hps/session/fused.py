@@ -395,7 +395,7 @@ def _clocks(
     cache, which keeps no use counts), the aging clock before this query and the uses each
     hit counts (:meth:`EmbeddingCache.use_weight`: 0 where the cache's LFU sampling skips
     this query). ``compiled``: the streams are mixed by the extension in one call (the same
-    numbers as :meth:`EmbeddingCache.lfu_stream`; 26 of them in Python cost ~20 µs a call)."""
+    numbers as :meth:`EmbeddingCache.lfu_stream`; 26 of them in Python take ~20 µs a call)."""
     stamps, clocks, looked_up, weights = [], [], [], []
     for c, lru in zip(caches, plan.lru, strict=True):
         clock = c._clock

@@ -142,7 +142,8 @@ def test_fused_all_hit_records_equal_per_table_records() -> None:
         ref.record_counts_many(
             (), [(n, int(per[i, 2]), int(per[i, 1]), is_async) for i, n in enumerate(names)]
         )
-        ref.record_latencies(names, seconds)
+        for n in names:
+            ref.record_latency(n, seconds)
         if call == 10:
             for s in (fast, ref):
                 s.record_counts("b", [1, 2, 0, 3], [4, 5, 0, 6], False)

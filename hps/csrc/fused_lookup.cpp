@@ -398,15 +398,8 @@ std::vector<at::Tensor> cache_gather(
   std::vector<int64_t> halvings(T, 0), distinct(T, -1);
   const int64_t out_n = out.numel();
   for (size_t i = 0; i < T; ++i) {  // every table's output inside out before anything is written
-    const int64_t n = keys[i].numel(), h = hotness[i];
-    check(h >= 0 && (h == 0 || n % h == 0), [&] {
-      return "table " + std::to_string(i) + ": " + std::to_string(n) +
-             " keys are not bags of hotness " + std::to_string(h);
-    });
-    check(out_placed(n, h, c.dims[i], out_offsets[i], out_stride, out_n), [&] {
-      return "table " + std::to_string(i) + ": " +
-             out_misplaced(n, h, c.dims[i], out_offsets[i], out_stride, out_n);
-    });
+    const auto tab = [i] { return "table " + std::to_string(i) + ": "; };
+    check_output(tab, keys[i].numel(), hotness[i], c.dims[i], out_offsets[i], out_stride, out_n);
   }
   for (size_t i = 0; i < T; ++i) {
     const auto& k = keys[i];

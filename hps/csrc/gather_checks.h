@@ -43,16 +43,24 @@ inline bool out_placed(int64_t n, int64_t h, int64_t dim, int64_t off, int64_t s
   return dim <= room && n / h - 1 <= (room - dim) / stride;  // stride >= dim > 0
 }
 
-// Why out_placed refused a table's output: "its output (offset ..., n keys of dim ...[, hotness
-// h, stride s]) does not fit out of out_n values[ (each bag's offset + dim must be <= stride)]".
-inline std::string out_misplaced(int64_t n, int64_t h, int64_t dim, int64_t off, int64_t stride,
-                                 int64_t out_n) {
-  return "its output (offset " + std::to_string(off) + ", " + std::to_string(n) +
-         " keys of dim " + std::to_string(dim) +
-         (h == 0 ? std::string()
-                 : ", hotness " + std::to_string(h) + ", stride " + std::to_string(stride)) +
-         ") does not fit out of " + std::to_string(out_n) + " values" +
-         (h == 0 ? "" : " (each bag's offset + dim must be <= stride)");
+// One table's n keys (bags of h when h > 0) and their place in out (out_placed), refused in
+// words that start with prefix() (e.g. "table 3: "): "n keys are not bags of hotness h", or
+// "its output (offset ..., n keys of dim ...[, hotness h, stride s]) does not fit out of out_n
+// values[ (each bag's offset + dim must be <= stride)]".
+template <class Prefix>
+inline void check_output(const Prefix& prefix, int64_t n, int64_t h, int64_t dim, int64_t off,
+                         int64_t stride, int64_t out_n) {
+  check(h >= 0 && (h == 0 || n % h == 0), [&] {
+    return prefix() + std::to_string(n) + " keys are not bags of hotness " + std::to_string(h);
+  });
+  check(out_placed(n, h, dim, off, stride, out_n), [&] {
+    return prefix() + "its output (offset " + std::to_string(off) + ", " + std::to_string(n) +
+           " keys of dim " + std::to_string(dim) +
+           (h == 0 ? std::string()
+                   : ", hotness " + std::to_string(h) + ", stride " + std::to_string(stride)) +
+           ") does not fit out of " + std::to_string(out_n) + " values" +
+           (h == 0 ? "" : " (each bag's offset + dim must be <= stride)");
+  });
 }
 
 // Per table, the keys that count as looked up (bags: not the -1 pads); throws at the first

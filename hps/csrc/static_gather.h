@@ -139,12 +139,7 @@ inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
              " bytes, storage rows hold " + std::to_string(s.size(1));
     });
     const int64_t n = k.numel(), h = hotness[i];
-    check(h >= 0 && (h == 0 || n % h == 0), [&] {
-      return tab() + std::to_string(n) + " keys are not bags of hotness " + std::to_string(h);
-    });
-    check(out_placed(n, h, dims[i], out_offsets[i], out_stride, out_n), [&] {
-      return tab() + out_misplaced(n, h, dims[i], out_offsets[i], out_stride, out_n);
-    });
+    check_output(tab, n, h, dims[i], out_offsets[i], out_stride, out_n);
     ts[i] = {k.data_ptr<int64_t>(), n, s.data_ptr<uint8_t>(), s.size(0), s.size(1), dims[i],
              formats[i], h, mean[i] != 0, out.data_ptr<float>() + out_offsets[i]};
   }

@@ -6,9 +6,10 @@ statistics of all-hit calls folded in when read (:class:`hps.session_stats.Sessi
 from __future__ import annotations
 
 import numpy as np
+import pytest
 import torch
 
-from hps.fused import compiled_tables
+from hps.fused import _level_tables, compiled_tables
 from hps.kernels import load_extension
 from hps.session import LookupSession, SessionTable
 from hps.session_stats import LATENCY_WINDOW, SessionStats
@@ -150,3 +151,48 @@ def test_fused_all_hit_records_equal_per_table_records() -> None:
             assert fast.to_dict() == ref.to_dict()
     assert fast.to_dict() == ref.to_dict()
     assert fast.to_dict("a")["lookups"] == LATENCY_WINDOW + 50
+
+
+def test_compiled_tables_refuse_arrays_that_are_not_a_caches() -> None:
+    """The held view checks each cache's arrays once, when built, naming the table: slots that
+    are not whole sets, storage rows too narrow for the row format, a dense index of another
+    dtype, and lists of unequal length."""
+    needs_ext()
+    ext = load_extension()
+    assert ext is not None
+    c = EmbeddingCache(64, 4, policy="lfu", ways=8, key_bound=32)
+    good = compiled_tables([c])
+    assert good is not None
+
+    def arrays(**over: object) -> list[object]:
+        sk = c.slot_keys
+        a: dict[str, object] = {
+            "keys": [sk.keys],
+            "words": [sk.high_words],
+            "nibbles": [torch.zeros(0, dtype=torch.uint8)],
+            "tags": [c.tags],
+            "counters": [c.counters],
+            "storage": [c.storage],
+            "dense": [
+                sk.dense.slots if sk.dense is not None else torch.zeros(0, dtype=torch.int32)
+            ],
+            "ways": [c.ways],
+            "dims": [c.dim],
+            "formats": [0],
+        }
+        a.update(over)
+        gaps_t, halve_t, _, _ = _level_tables()
+        return [*a.values(), gaps_t, halve_t]
+
+    assert len(ext.CacheTables(*arrays())) == 1
+    with pytest.raises(ValueError, match=r"^hps: table 0: 64 slots are not whole sets of 7 ways$"):
+        ext.CacheTables(*arrays(ways=[7]))
+    narrow = torch.zeros(64, 12, dtype=torch.uint8)
+    with pytest.raises(
+        ValueError, match=r"^hps: rows of format 0 and dim 4 need 16 bytes, storage rows hold 12$"
+    ):
+        ext.CacheTables(*arrays(storage=[narrow]))
+    with pytest.raises(ValueError, match=r"^hps: table 0: a dense key index must be"):
+        ext.CacheTables(*arrays(dense=[torch.zeros(32, dtype=torch.int64)]))
+    with pytest.raises(ValueError, match=r"^hps: one tensor per table expected$"):
+        ext.CacheTables(*arrays(tags=[c.tags, c.tags]))

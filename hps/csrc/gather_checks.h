@@ -64,7 +64,9 @@ inline void check_output(const Prefix& prefix, int64_t n, int64_t h, int64_t dim
 }
 
 // Per table, the keys that count as looked up (bags: not the -1 pads); throws at the first
-// reserved key (rows: INT64_MIN, the empty-slot sentinel; bags: any key < -1).
+// reserved key (rows: INT64_MIN, the empty-slot sentinel; bags: any key < -1). One branchless
+// pass per table (the count and the smallest key, which the compiler vectorizes); only a table
+// holding a reserved key is read again, for its first position.
 inline std::vector<int64_t> valid_keys(const std::vector<at::Tensor>& keys,
                                        const std::vector<int64_t>& hotness) {
   std::vector<int64_t> valid(keys.size(), 0);
@@ -72,17 +74,23 @@ inline std::vector<int64_t> valid_keys(const std::vector<at::Tensor>& keys,
     const auto& k = keys[i];
     check(k.scalar_type() == at::kLong && k.is_contiguous(), "keys must be contiguous int64");
     const int64_t* kp = k.data_ptr<int64_t>();
-    const int64_t lo = hotness[i] > 0 ? -1 : INT64_MIN + 1;
-    int64_t v = 0;
-    for (int64_t j = 0; j < k.numel(); ++j) {
-      v += kp[j] >= 0 || hotness[i] == 0;
-      if (kp[j] < lo)
-        throw std::invalid_argument("table " + std::to_string(i) + ": key " +
-                                    std::to_string(kp[j]) + " at position " + std::to_string(j) +
-                                    (hotness[i] > 0 ? " (keys are >= 0; -1 pads a short bag)"
-                                                    : " is reserved (the empty-slot sentinel)"));
+    const int64_t n = k.numel();
+    const bool bags = hotness[i] > 0;
+    const int64_t lo = bags ? -1 : INT64_MIN + 1;
+    int64_t below = 0, lowest = INT64_MAX;
+    for (int64_t j = 0; j < n; ++j) {
+      below += kp[j] < 0;
+      lowest = kp[j] < lowest ? kp[j] : lowest;
     }
-    valid[i] = v;
+    if (lowest < lo) {
+      int64_t j = 0;
+      while (kp[j] >= lo) ++j;
+      throw std::invalid_argument("table " + std::to_string(i) + ": key " +
+                                  std::to_string(kp[j]) + " at position " + std::to_string(j) +
+                                  (bags ? " (keys are >= 0; -1 pads a short bag)"
+                                        : " is reserved (the empty-slot sentinel)"));
+    }
+    valid[i] = bags ? n - below : n;
   }
   return valid;
 }

@@ -263,3 +263,63 @@ def test_a_fused_calls_keys_are_checked_in_one_call_and_refused_in_words() -> No
     for keys, msg in cases:
         with pytest.raises(ValueError, match=msg):
             s.lookup_pooled(["a", "b"], keys, Pooling.SUM)  # type: ignore[arg-type]
+
+
+def test_a_fused_pass_counts_its_keys_and_refuses_a_reserved_one_before_any_use() -> None:
+    """The fused pass's key check (``valid_keys``, one branchless pass per table): bags count
+    their keys but the -1 pads as looked up, rows every key; a bag key below -1, or the
+    reserved key -2**63 in rows, is refused naming the table, the key and its first position,
+    before any counter moves."""
+    needs_ext()
+    caches = [EmbeddingCache(64, 4, policy="lfu", ways=8) for _ in range(2)]
+    for c in caches:
+        c.insert(torch.arange(8), torch.ones(8, 4))
+    before = [c.counters.clone() for c in caches]
+
+    def call(keys: list[torch.Tensor], hotness: tuple[int, int]) -> torch.Tensor:
+        bags = hotness[0] > 0
+        out = torch.empty(keys[0].shape[0] if bags else sum(k.numel() * 4 for k in keys), 8)
+        args = GatherArgs(
+            caches=caches,
+            keys=keys,
+            out=out if bags else out.view(-1),
+            out_offsets=[0, 4] if bags else [0, keys[0].numel() * 4],
+            out_stride=8 if bags else 0,
+            hotness=hotness,
+            mean=[False, False],
+            stamps=[-1, -1],
+            streams=[c.lfu_stream() for c in caches],
+            looked_up=[0, 0],
+            intervals=[0, 0],
+        )
+        return gather(args).per_table
+
+    # a long table, so that the check's vector loop and its tail both see keys
+    long_bags = torch.full((40, 3), -1, dtype=torch.int64)
+    long_bags[:, 0] = torch.arange(40) % 8
+    long_bags[::3, 2] = 5
+    for pos, bad in ((0, -2), (61, -7), (119, -(2**63))):
+        keys = long_bags.clone()
+        keys.view(-1)[pos] = bad
+        keys.view(-1)[pos + 1 :] = torch.where(keys.view(-1)[pos + 1 :] >= 0, -5, -1)
+        with pytest.raises(
+            ValueError,
+            match=rf"^table 0: key {bad} at position {pos} \(keys are >= 0; -1 pads a short "
+            r"bag\)$",
+        ):
+            call([keys, torch.tensor([[1]] * 40)], (3, 1))
+    rows = torch.arange(37) % 8
+    rows[30] = -(2**63)
+    with pytest.raises(
+        ValueError,
+        match=r"^table 1: key -9223372036854775808 at position 30 is reserved \(the "
+        r"empty-slot sentinel\)$",
+    ):
+        call([torch.tensor([1, 2]), rows], (0, 0))
+    for c, b in zip(caches, before, strict=True):
+        assert torch.equal(c.counters, b)  # refused before any use was counted
+    per = call([long_bags, torch.tensor([[1]] * 40)], (3, 1))
+    assert per[:, 3].tolist() == [40 + 14, 40]  # looked up: the -1 pads are not keys
+    rows[30] = -5  # a negative key in rows is looked up (and missed), not refused
+    per = call([torch.tensor([1, 2]), rows], (0, 0))
+    assert per[:, 3].tolist() == [2, 37] and per[1, 0] == 1

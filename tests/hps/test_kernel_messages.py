@@ -159,6 +159,32 @@ def test_an_all_hit_fused_call_counts_each_tables_distinct_keys_and_occurrences(
         assert got["hits_unique"] == {**dict.fromkeys(got["hits_unique"], 0), cache: distinct}
 
 
+def _gather_lfu(
+    caches: list[EmbeddingCache],
+    keys: list[torch.Tensor],
+    out: torch.Tensor,
+    offsets: list[int],
+    stride: int,
+    hotness: tuple[int, int],
+) -> torch.Tensor:
+    """:func:`hps.fused.gather` over two LFU caches at their current clocks (no aging, every
+    hit one use); returns the pass's ``per_table``."""
+    args = GatherArgs(
+        caches=caches,
+        keys=keys,
+        out=out,
+        out_offsets=offsets,
+        out_stride=stride,
+        hotness=hotness,
+        mean=[False, False],
+        stamps=[-1, -1],
+        streams=[c.lfu_stream() for c in caches],
+        looked_up=[0, 0],
+        intervals=[0, 0],
+    )
+    return gather(args).per_table
+
+
 def test_a_fused_pass_refuses_an_output_its_tables_do_not_fit() -> None:
     """:func:`hps.fused.gather` checks each table's place in ``out`` before any key is probed
     or any counter moves: rows past its end, and bags whose stride leaves no room for a
@@ -176,20 +202,7 @@ def test_a_fused_pass_refuses_an_output_its_tables_do_not_fit() -> None:
         stride: int = 0,
         hotness: tuple[int, int] = (0, 0),
     ) -> None:
-        args = GatherArgs(
-            caches=caches,
-            keys=keys,
-            out=out,
-            out_offsets=offsets,
-            out_stride=stride,
-            hotness=hotness,
-            mean=[False, False],
-            stamps=[-1, -1],
-            streams=[c.lfu_stream() for c in caches],
-            looked_up=[0, 0],
-            intervals=[0, 0],
-        )
-        gather(args)
+        _gather_lfu(caches, keys, out, offsets, stride, hotness)
 
     rows = [torch.tensor([1, 2, 3]), torch.tensor([4, 5])]
     with pytest.raises(
@@ -277,22 +290,10 @@ def test_a_fused_pass_counts_its_keys_and_refuses_a_reserved_one_before_any_use(
     before = [c.counters.clone() for c in caches]
 
     def call(keys: list[torch.Tensor], hotness: tuple[int, int]) -> torch.Tensor:
-        bags = hotness[0] > 0
-        out = torch.empty(keys[0].shape[0] if bags else sum(k.numel() * 4 for k in keys), 8)
-        args = GatherArgs(
-            caches=caches,
-            keys=keys,
-            out=out if bags else out.view(-1),
-            out_offsets=[0, 4] if bags else [0, keys[0].numel() * 4],
-            out_stride=8 if bags else 0,
-            hotness=hotness,
-            mean=[False, False],
-            stamps=[-1, -1],
-            streams=[c.lfu_stream() for c in caches],
-            looked_up=[0, 0],
-            intervals=[0, 0],
-        )
-        return gather(args).per_table
+        if hotness[0] > 0:  # bags: table 0's columns 0-3, table 1's 4-7
+            return _gather_lfu(caches, keys, torch.empty(keys[0].shape[0], 8), [0, 4], 8, hotness)
+        out = torch.empty(sum(k.numel() * 4 for k in keys))
+        return _gather_lfu(caches, keys, out, [0, keys[0].numel() * 4], 0, hotness)
 
     # a long table, so that the check's vector loop and its tail both see keys
     long_bags = torch.full((40, 3), -1, dtype=torch.int64)

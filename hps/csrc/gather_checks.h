@@ -63,7 +63,7 @@ inline void check_output(const Prefix& prefix, int64_t n, int64_t h, int64_t dim
   });
 }
 
-// Per table, the keys that count as looked up (bags: not the -1 pads); throws at the first
+// Per table, the keys that count as looked up (bags: not the -1 pads); throws naming the first
 // reserved key (rows: INT64_MIN, the empty-slot sentinel; bags: any key < -1). One branchless
 // pass per table (the count and the smallest key, which the compiler vectorizes); only a table
 // holding a reserved key is read again, for its first position.

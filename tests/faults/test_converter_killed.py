@@ -61,7 +61,9 @@ def test_a_killed_conversion_never_leaves_a_folder_that_opens(tmp_path):
     """Each run converts three inputs into ``out`` — empty, or (every other run) holding an
     older conversion it replaces — and is killed (SIGKILL; SIGINT every fourth run) at a
     random point of its run. ``out`` then holds the old conversion or the new one, whole, or
-    nothing; a run with ``--resume`` finishes the new one byte for byte."""
+    nothing; a run with ``--resume`` finishes the new one byte for byte. The points spread
+    over the length of a timed run; a run that finishes before its signal (the timed one ran
+    on a busier host) halves what is left of that length for the later runs."""
     srcs = [write_criteo_like(tmp_path / f"day_{i}.tsv", 6_000, seed=i) for i in range(3)]
     ref, old = tmp_path / "ref", tmp_path / "old"
     convert_criteo(srcs, ref, chunk_bytes=1 << 20)
@@ -91,6 +93,8 @@ def test_a_killed_conversion_never_leaves_a_folder_that_opens(tmp_path):
         _, err = proc.communicate(timeout=60)
         # -SIGINT: the signal came as the interpreter exited, after the converter finished
         assert proc.returncode in (0, 130, -signal.SIGKILL, -signal.SIGINT), (proc.returncode, err)
+        if proc.returncode == 0:  # it finished before the signal: the timed run was slower
+            whole = startup + (whole - startup) / 2  # (a busy host), so later delays shrink
         assert b"Traceback" not in err, err
         if out.exists():
             is_new = _holds(out, ref)

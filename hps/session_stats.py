@@ -166,12 +166,12 @@ class SessionStats:
         self, tables: tuple[str, ...], per_table: torch.Tensor, is_async: bool
     ) -> None:
         """One fused call over ``tables`` whose keys were all cache hits: ``per_table (T, 5)
-        int64`` as the fused pass returns it (column 1 every hit, column 2 the distinct ones).
-        Added to the call's list of tables in one vector operation and folded into each
-        table's statistics when they are read (updated table by table, 26 tables take ~20 µs
-        a call)."""
+        int64`` as the fused pass returns it (column 1 every hit, column 2 the distinct ones;
+        held, not copied, until it is folded: the caller never writes it again). Kept with the
+        call's list of tables and folded into each table's statistics when they are read
+        (:class:`_FusedCalls`)."""
         with self._lock:
-            self._fused_calls(tables).add_hits(per_table.numpy(), is_async)
+            self._fused_calls(tables).add_hits(per_table, is_async)
 
     def record_fused_latency(self, tables: tuple[str, ...], seconds: float) -> None:
         """:meth:`record_latency` of one fused call for each of ``tables``, folded into their
@@ -189,6 +189,7 @@ class SessionStats:
         """Every fused call's pending counts and latencies into its tables' statistics (the
         lock held)."""
         for names, f in self._fused.items():
+            f.fold()
             if f.lookups:
                 for i, name in enumerate(names):
                     st = self._stats[name]
@@ -239,12 +240,25 @@ class SessionStats:
             self._stats[table].dropped_async += 1
 
 
+#: fused calls whose counts and latencies :class:`_FusedCalls` holds as they came before adding
+#: them up in one vector operation each (so memory stays bounded whether or not anyone reads
+#: the statistics)
+_PENDING_CALLS = 64
+
+
 class _FusedCalls:
     """The fused all-hit calls over one list of ``T`` tables since their statistics were last
     read: summed ``per_table`` rows, the calls (and those in asynchronous-insertion mode),
-    and the last :data:`LATENCY_WINDOW` latencies in a ring."""
+    and the last :data:`LATENCY_WINDOW` latencies in a ring.
 
-    __slots__ = ("async_lookups", "hits", "latencies", "lookups", "n_latencies")
+    A call only appends its ``(T, 5)`` tensor and its latency to a list; every
+    :data:`_PENDING_CALLS` calls, and before the statistics are read, the lists are added
+    into ``hits`` and the ring at once. A call that added its counts into the array itself ran
+    numpy's ufunc machinery each time, 55-60 µs of a 26-table pooled call whose CPU caches
+    the rest of the process had evicted (2-core VM; docs/benchmarks.md, "the all-hit call's
+    bookkeeping")."""
+
+    __slots__ = ("async_lookups", "hits", "latencies", "lookups", "n_latencies", "new", "new_s")
 
     def __init__(self, tables: int) -> None:
         self.hits = np.zeros((tables, 5), dtype=np.int64)
@@ -252,15 +266,42 @@ class _FusedCalls:
         self.async_lookups = 0
         self.latencies = np.zeros(LATENCY_WINDOW)
         self.n_latencies = 0
+        self.new: list[torch.Tensor] = []  # per_table of the calls not yet in hits
+        self.new_s: list[float] = []  # latencies not yet in the ring, in call order
 
-    def add_hits(self, per_table: np.ndarray, is_async: bool) -> None:
-        np.add(self.hits, per_table, out=self.hits)
+    def add_hits(self, per_table: torch.Tensor, is_async: bool) -> None:
+        self.new.append(per_table)
         self.lookups += 1
         self.async_lookups += is_async
+        if len(self.new) >= _PENDING_CALLS:
+            self._fold_hits()
 
     def add_latency(self, seconds: float) -> None:
-        self.latencies[self.n_latencies % LATENCY_WINDOW] = seconds
-        self.n_latencies += 1
+        self.new_s.append(seconds)
+        if len(self.new_s) >= _PENDING_CALLS:
+            self._fold_latencies()
+
+    def fold(self) -> None:
+        """The calls held as they came, added into ``hits`` and the ring."""
+        self._fold_hits()
+        self._fold_latencies()
+
+    def _fold_hits(self) -> None:
+        if self.new:
+            np.add(self.hits, torch.stack(self.new).sum(0).numpy(), out=self.hits)
+            self.new.clear()
+
+    def _fold_latencies(self) -> None:
+        new = self.new_s
+        if not new:
+            return
+        n = len(new)
+        if n > LATENCY_WINDOW:  # only the window's last reach the ring
+            new = new[n - LATENCY_WINDOW :]
+        where = (self.n_latencies + (n - len(new)) + np.arange(len(new))) % LATENCY_WINDOW
+        self.latencies[where] = new
+        self.n_latencies += n
+        self.new_s.clear()
 
     def pending_latencies(self) -> np.ndarray:
         """The pending latencies, oldest first (at most the window's)."""

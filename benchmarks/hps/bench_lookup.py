@@ -31,11 +31,15 @@ Contenders, the same keys and the same FP32 rows (all resident: cache-hit path):
 Every section is timed twice: wall-clock with the machine's threads (the contenders
 interleaved, ``side_by_side``), and CPU time of the calling thread with one thread
 (``cpu1_*``, interleaved too), which a loaded shared machine disturbs far less. Before every
-timed call 64 MiB are written (:class:`~benchmarks.hps.zipf_keys.CacheEvictor`, untimed), so
-each call starts with its rows out of the CPU's caches: without it a contender timed right
-after one that read the same rows (``hps_static_pooled`` after ``hps_static_rows``) found
-them in the 32 MiB last-level cache. On the same code, eviction slowed ``hps_static_pooled``
-by 6–9 % in CPU time of one thread, and FBGEMM and ``embedding_bag`` by 2–3 %.
+timed call twice the machine's largest CPU cache is written, at least 64 MiB
+(:class:`~benchmarks.hps.zipf_keys.CacheEvictor`, untimed; ``evicted_mib`` in each row), so
+each call starts with its rows and the process's own objects out of the CPU's caches: without
+it a contender timed right after one that read the same rows (``hps_static_pooled`` after
+``hps_static_rows``) found them in a 32 MiB last-level cache. On the same code, eviction
+slowed ``hps_static_pooled`` by 6–9 % in CPU time of one thread, and FBGEMM and
+``embedding_bag`` by 2–3 %. On a machine whose last-level cache is 480 MiB, 64 MiB left a
+contender's rows and objects in it: the exact-LFU pooled call read 1.9 ms timed alone and
+3.1 ms interleaved with FBGEMM's (FBGEMM 2.0 and 3.0 ms).
 
 Sections: ``single`` one table of 1M × 128 with 65,536 Zipf(1.05) keys (rows); ``tables`` the 26
 tables of ``dlrm_dcnv2`` ÷ 300, one batch of ~65 k keys (rows and pooled); ``memory`` the bytes
@@ -46,8 +50,11 @@ Writes ``benchmarks/results/hps_lookup.json``.
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import logging
+import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +75,9 @@ from hps.storage.volatile import HashMapBackend
 from hps.types import Pooling
 
 log = logging.getLogger(__name__)
+
+#: ``getrusage`` of the calling thread (Linux; elsewhere the process's)
+RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 DIM = 128
 ALPHA = 1.05
@@ -112,35 +122,66 @@ def _tbe(rows: list[int], dtype: str, weights: list[torch.Tensor], pooled: bool)
 
 def cpu_side_by_side(
     fns: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
-) -> dict[str, float]:
+) -> tuple[dict[str, float], dict[str, float]]:
     """Median CPU seconds of the calling thread per call, one torch thread, calls interleaved,
-    ``before`` (untimed) before each."""
+    ``before`` (untimed) before each; and the median minor page faults of the thread per
+    call (a contender that allocates its result afresh faults its pages in each time)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
         for fn in fns.values():
             fn()
         ts: dict[str, list[float]] = {k: [] for k in fns}
+        faults: dict[str, list[int]] = {k: [] for k in fns}
         for _ in range(repeats):
             for k, fn in fns.items():
                 if before is not None:
                     before()
+                f0 = resource.getrusage(RUSAGE_THREAD).ru_minflt
                 t0 = time.thread_time()
                 fn()
                 ts[k].append(time.thread_time() - t0)
+                faults[k].append(resource.getrusage(RUSAGE_THREAD).ru_minflt - f0)
     finally:
         torch.set_num_threads(threads)
-    return {k: float(np.median(v)) for k, v in ts.items()}
+    return (
+        {k: float(np.median(v)) for k, v in ts.items()},
+        {k: float(np.median(v)) for k, v in faults.items()},
+    )
 
 
-def _timed(row: dict[str, Any], fns: dict[str, Callable[[], object]], repeats: int) -> None:
+def _timed(
+    row: dict[str, Any], fns: dict[str, Callable[[], object]], repeats: int, evict_mib: int | None
+) -> None:
     """Both timings of ``fns`` into ``row``: ``<name>_ms`` (wall, all threads) and
-    ``cpu1_<name>_ms`` (CPU time, one thread; not for the slow per-table path)."""
-    evict = CacheEvictor()
+    ``cpu1_<name>_ms`` (CPU time, one thread; not for the slow per-table path), with
+    ``cpu1_<name>_faults`` (minor page faults per call) and ``evicted_mib``."""
+    evict = CacheEvictor(evict_mib)
+    row["evicted_mib"] = evict.mib
     wall = side_by_side(fns, repeats, evict)
-    cpu = cpu_side_by_side({k: f for k, f in fns.items() if "per_table" not in k}, repeats, evict)
+    cpu, faults = cpu_side_by_side(
+        {k: f for k, f in fns.items() if "per_table" not in k}, repeats, evict
+    )
     row.update({f"{k}_ms": v * 1e3 for k, v in wall.items()})
     row.update({f"cpu1_{k}_ms": v * 1e3 for k, v in cpu.items()})
+    row.update({f"cpu1_{k}_faults": v for k, v in faults.items()})
+
+
+def keep_freed_memory() -> bool:
+    """Ask glibc to serve every allocation below 1 GiB from its heap and never hand freed memory
+    back (``mallopt``): a contender that allocates its result on each call (FBGEMM's TBE,
+    ``embedding_bag``) then reuses the pages of its last one rather than faulting fresh ones
+    in. With glibc's defaults each such call of the ``tables`` section faulted in ~1,000 pages,
+    and after the cache eviction each fault took ~13 µs of kernel time (a 2-vCPU VM): 12-16 ms
+    of a 3-5 ms call. The peers are timed at their best; hps reuses its output buffer and
+    allocates nothing per call either way. Returns whether glibc took both settings."""
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    m_trim_threshold, m_mmap_threshold = -1, -3  # glibc's malloc.h
+    return bool(mallopt(m_mmap_threshold, 1 << 30)) and bool(mallopt(m_trim_threshold, 1 << 31))
 
 
 def _ratios(row: dict[str, Any], name: str, ours: str, theirs: str) -> None:
@@ -267,7 +308,7 @@ def bench_single(args: argparse.Namespace) -> list[dict[str, Any]]:
         "unique": int(q.unique().numel()),
         "peer_huge_pages_mib": huge_mib,
     }
-    _timed(row, fns, args.repeats)
+    _timed(row, fns, args.repeats, args.evict_mib)
     _ratios(row, "hps_vs_index_select", "hps", "index_select")
     _ratios(row, "hps_vs_index_select_huge", "hps", "index_select_huge")
     _ratios(row, "hps_vs_fbgemm_fp32", "hps", "fbgemm_fp32")
@@ -279,7 +320,7 @@ def bench_single(args: argparse.Namespace) -> list[dict[str, Any]]:
                 f"hps_{dt}": lambda: s.lookup_many(["t"], [q], out=buf),
                 f"fbgemm_{dt}": lambda tbe=tbes[dt]: tbe(q32, offs),
             }
-            _timed(row, pair, args.repeats)
+            _timed(row, pair, args.repeats, args.evict_mib)
         finally:
             _restore(cache, fp32)
         _ratios(row, f"hps_vs_fbgemm_{dt}", f"hps_{dt}", f"fbgemm_{dt}")
@@ -377,7 +418,7 @@ def bench_tables(args: argparse.Namespace) -> list[dict[str, Any]]:
         "rows_total": int(sum(rows)),
         "peer_huge_pages_mib": huge_mib,
     }
-    _timed(row, fns, args.repeats)
+    _timed(row, fns, args.repeats, args.evict_mib)
     for ours, theirs in (
         ("hps_rows", "index_select_rows_huge"),
         ("hps_pooled", "embedding_bag_pooled_huge"),
@@ -454,8 +495,20 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--repeats", type=int, default=30)
     ap.add_argument("--only", default="single,tables,memory")
     ap.add_argument("--out", type=Path, default=None, help="JSON to write (default: results/)")
+    ap.add_argument(
+        "--evict-mib",
+        type=int,
+        default=None,
+        help="MiB written before each timed call (default: twice the largest CPU cache, >= 64)",
+    )
+    ap.add_argument(
+        "--glibc-defaults",
+        action="store_true",
+        help="leave glibc's malloc as it is (peers then fault their results in on each call)",
+    )
     args = ap.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(message)s")
+    kept = False if args.glibc_defaults else keep_freed_memory()
     if load_extension() is None:
         log.warning("the compiled kernel is not built: hps runs its reference path")
     sections = {"single": bench_single, "tables": bench_tables, "memory": bench_memory}
@@ -464,6 +517,8 @@ def main(argv: list[str] | None = None) -> None:
         rows += sections[name](args)
         log.info("%s", rows[-1])
     out = args.out or RESULTS_DIR / ("hps_lookup_quick.json" if args.quick else "hps_lookup.json")
+    for r in rows:  # this run's rows (those kept from an earlier run say their own)
+        r["malloc_keeps_freed"] = kept
     rows = _kept_sections(out, {r["section"] for r in rows}) + rows
     write_json(out, rows, threads=torch.get_num_threads())
     log.info("wrote %s", out)

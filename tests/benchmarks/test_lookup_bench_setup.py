@@ -1,0 +1,93 @@
+"""What the HPS lookup benchmark sets up before it times anything: the cache evictor, sized
+from the caches the machine lists, and glibc kept from handing freed memory back."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from benchmarks.hps.zipf_keys import CacheEvictor, largest_cache_mib
+
+
+def _caches(root: Path, sizes: dict[str, str]) -> Path:
+    root.mkdir(parents=True, exist_ok=True)
+    for index, size in sizes.items():
+        (root / index).mkdir()
+        (root / index / "size").write_text(size + "\n")
+    return root
+
+
+def test_the_largest_listed_cache_in_whole_mib(tmp_path: Path) -> None:
+    """Sizes as Linux writes them (``48K``, ``2048K``, ``491520K``), the largest taken and
+    rounded up to whole MiB; a size that is not one is skipped."""
+    root = _caches(
+        tmp_path, {"index0": "48K", "index2": "2048K", "index3": "491520K", "index4": "big"}
+    )
+    assert largest_cache_mib(root) == 480
+    assert largest_cache_mib(_caches(tmp_path / "m", {"index0": "1536K", "index1": "3M"})) == 3
+    assert largest_cache_mib(_caches(tmp_path / "up", {"index0": "1025K"})) == 2
+
+
+def test_no_listed_cache_reads_as_none(tmp_path: Path) -> None:
+    assert largest_cache_mib(tmp_path / "none") is None
+    assert largest_cache_mib(_caches(tmp_path / "bad", {"index0": "K"})) is None
+
+
+@pytest.mark.parametrize("mib", [1, 3])
+def test_an_evictor_writes_its_whole_buffer_each_call(mib: int) -> None:
+    """Each call writes every float of its ``mib`` MiB with a value it has not written before."""
+    ev = CacheEvictor(mib)
+    assert ev.mib == mib
+    assert ev._buf.numel() * 4 == mib << 20
+    for n in (1, 2):
+        ev()
+        assert bool((ev._buf == n).all())
+
+
+def test_the_default_is_twice_the_largest_cache_and_at_least_64_mib() -> None:
+    llc = largest_cache_mib()
+    expect = max(64, 2 * llc) if llc is not None else 64
+    assert CacheEvictor().mib == expect
+
+
+_FAULTS = """
+import resource, statistics, sys, torch
+if sys.argv[1] == "keep":
+    from benchmarks.hps.bench_lookup import keep_freed_memory
+    assert keep_freed_memory()
+def call():
+    return torch.empty(1 << 20).fill_(1.0)  # a fresh 4 MiB result, as a peer's call makes
+for _ in range(3):
+    call()
+faults = []
+for _ in range(10):
+    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    call()
+    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+print(statistics.median(faults))
+"""
+
+
+def _median_faults(mode: str) -> float:
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run(
+        [sys.executable, "-c", _FAULTS, mode],
+        cwd=root,
+        env={"PYTHONPATH": str(root), "PATH": "/usr/bin:/bin"},
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=120,
+    )
+    return float(out.stdout.split()[-1])
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt (Linux)")
+def test_kept_freed_memory_spares_a_fresh_result_its_page_faults() -> None:
+    """With glibc's defaults a fresh 4 MiB result is faulted in on each call; once
+    :func:`keep_freed_memory` has run, a call reuses the pages of the one before (none)."""
+    assert _median_faults("default") >= 256
+    assert _median_faults("keep") == 0

@@ -84,11 +84,36 @@ inline void dequant_row(const uint8_t* src, int64_t dim, float* dst) {
     std::memcpy(sb, src, 4);
     const float scale = half_to_float(sb[0]), bias = half_to_float(sb[1]);
     const uint8_t* q = src + 4;
+    int64_t d = 0;
+#if defined(__AVX2__)
+    if constexpr (kFormat == kInt4) {  // 16 values (8 bytes) at a time, nibbles in order:
+      // the loop below computes the same floats, but the compiler did not vectorize its
+      // nibble shifts (a 1M × 128 table's INT4 rows were read slower than its INT8 rows)
+      const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(bias);
+      const __m128i low4 = _mm_set1_epi8(0x0F);
+      for (; d + 16 <= dim; d += 16) {
+        const __m128i b = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(q + d / 2));
+        const __m128i lo = _mm_and_si128(b, low4);
+        const __m128i hi = _mm_and_si128(_mm_srli_epi16(b, 4), low4);
+        const __m128i v16 = _mm_unpacklo_epi8(lo, hi);  // value 2k: byte k's low nibble
+        const __m128i halves[2] = {v16, _mm_srli_si128(v16, 8)};
+        for (int r = 0; r < 2; ++r) {
+          const __m256 v = _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(halves[r]));
+          // scale × v is exact in float32 (see above): fused or not, the same float
+          __m256 x = _mm256_add_ps(_mm256_mul_ps(vs, v), vb);
+          float* o = dst + d + 8 * r;
+          if (kMode == kAdd) x = _mm256_add_ps(_mm256_loadu_ps(o), x);
+          if (kMode == kZeroAdd) x = _mm256_add_ps(_mm256_setzero_ps(), x);
+          _mm256_storeu_ps(o, x);
+        }
+      }
+    }
+#endif
 #pragma omp simd
-    for (int64_t d = 0; d < dim; ++d) {
-      const uint32_t v = (static_cast<uint32_t>(q[d / per]) >> ((d % per) * bits)) & mask;
+    for (int64_t j = d; j < dim; ++j) {
+      const uint32_t v = (static_cast<uint32_t>(q[j / per]) >> ((j % per) * bits)) & mask;
       const float x = scale * static_cast<float>(v) + bias;
-      dst[d] = kMode == kAdd ? dst[d] + x : kMode == kZeroAdd ? 0.0f + x : x;
+      dst[j] = kMode == kAdd ? dst[j] + x : kMode == kZeroAdd ? 0.0f + x : x;
     }
   }
 }

@@ -361,12 +361,13 @@ def test_pooled_bags_sum_in_request_order_whatever_the_cache_holds(
         assert torch.equal(got, want), (mode, (got - want).abs().max())
 
 
-@pytest.mark.parametrize("d", [24, 16, 128])
+@pytest.mark.parametrize("d", [4, 24, 16, 36, 128])
 @pytest.mark.parametrize("fmt", list(RowDtype))
 def test_gather_rows_dequantizes_as_the_row_format_does(fmt: RowDtype, d: int) -> None:
     """The compiled dequantizing gather (rows, and bags summed in order into a column block
     of a wider buffer) equals hps.rowformat.dequantize_rows bit for bit, for every format
-    (FP32 bags of dims 16 and 128 summed in registers, of dim 24 row by row)."""
+    (FP32 bags of dims 16 and 128 summed in registers, of dims 4, 24 and 36 row by row; INT4
+    rows 16 values at a time, dims 4, 24 and 36 with values left over)."""
     needs_ext()
     g = torch.Generator().manual_seed(7)
     cap, h = 300, 5

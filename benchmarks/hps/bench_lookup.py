@@ -19,7 +19,7 @@ Contenders, the same keys and the same FP32 rows (all resident: cache-hit path):
   huge pages too, and the ``*_huge`` ratios are the ones that machine sees.
   ``peer_huge_pages_mib`` says how much of the copies the kernel backed with huge pages;
 - ``fbgemm_<dtype>``: FBGEMM's CPU inference TBE (``IntNBitTableBatchedEmbeddingBagsCodegen``)
-  with FP32 / FP16 / INT8 / INT4 weights; rows as bags of one key;
+  with FP32 / FP16 / INT8 / INT4 / INT2 weights; rows as bags of one key;
 - ``hps_<dtype>`` (single table): :meth:`LookupSession.lookup_many` over a cache whose storage
   holds the same rows in that :class:`hps.rowformat.RowDtype` (FBGEMM's layout, dequantized
   by the fused pass), against ``fbgemm_<dtype>``: the same dtype on both sides;
@@ -81,14 +81,14 @@ RUSAGE_THREAD = getattr(resource, "RUSAGE_THREAD", resource.RUSAGE_SELF)
 
 DIM = 128
 ALPHA = 1.05
-DTYPES = ("fp32", "fp16", "int8", "int4")
+DTYPES = ("fp32", "fp16", "int8", "int4", "int2")
 #: ``hps_pooled_lfu_sampled``: its caches count the LFU uses of one lookup in this many
 LFU_SAMPLING = 8
 
 
 def _tbe(rows: list[int], dtype: str, weights: list[torch.Tensor], pooled: bool) -> Any:
     """FBGEMM's CPU inference TBE over ``rows`` tables of DIM, its weights from ``weights``
-    (quantized row-wise for INT8/INT4, as FBGEMM stores them)."""
+    (quantized row-wise for INT8/INT4/INT2, as FBGEMM stores them)."""
     from fbgemm_gpu.split_embedding_configs import SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_inference import (
@@ -100,6 +100,7 @@ def _tbe(rows: list[int], dtype: str, weights: list[torch.Tensor], pooled: bool)
         "fp16": SparseType.FP16,
         "int8": SparseType.INT8,
         "int4": SparseType.INT4,
+        "int2": SparseType.INT2,
     }[dtype]
     tbe = IntNBitTableBatchedEmbeddingBagsCodegen(
         [(f"t{i}", n, DIM, st, EmbeddingLocation.HOST) for i, n in enumerate(rows)],

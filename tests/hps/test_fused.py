@@ -367,7 +367,7 @@ def test_gather_rows_dequantizes_as_the_row_format_does(fmt: RowDtype, d: int) -
     """The compiled dequantizing gather (rows, and bags summed in order into a column block
     of a wider buffer) equals hps.rowformat.dequantize_rows bit for bit, for every format
     (FP32 bags of dims 16 and 128 summed in registers, of dims 4, 24 and 36 row by row; INT4
-    rows 16 values at a time, dims 4, 24 and 36 with values left over)."""
+    and INT2 rows 16 values at a time, dims 4, 24 and 36 with values left over)."""
     needs_ext()
     g = torch.Generator().manual_seed(7)
     cap, h = 300, 5
@@ -404,9 +404,9 @@ def _quantized_cache(fmt: RowDtype, policy: CachePolicy) -> tuple[EmbeddingCache
     return c, dequantize_rows(quantize_rows(w, fmt), fmt, d)
 
 
-@pytest.mark.parametrize("fmt", [RowDtype.FP16, RowDtype.INT8, RowDtype.INT4])
+@pytest.mark.parametrize("fmt", [RowDtype.FP16, RowDtype.INT8, RowDtype.INT4, RowDtype.INT2])
 def test_fused_pass_reads_quantized_cache_rows(fmt: RowDtype) -> None:
-    """The fused pass over a cache holding fp16 / int8 / int4 rows: compiled equals the
+    """The fused pass over a cache holding fp16 / int8 / int4 / int2 rows: compiled equals the
     reference bit for bit (rows, in-order bags, counters) and rows equal the format's
     dequantization."""
     needs_ext()

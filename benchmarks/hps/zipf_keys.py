@@ -67,24 +67,27 @@ def largest_cache_mib(caches: Path = CPU_CACHES) -> int | None:
     return -(-max(sizes) // (1 << 20)) if sizes else None
 
 
+def default_evict_mib(caches: Path = CPU_CACHES) -> int:
+    """Twice the largest cache ``caches`` lists, at least 64 MiB (64 where none is listed)."""
+    llc = largest_cache_mib(caches)
+    return max(64, 2 * llc) if llc is not None else 64
+
+
 class CacheEvictor:
     """Writes ``mib`` MiB when called, so that the next timed call finds none of its data in
     the CPU's caches: contenders that read the same rows (rows and bags over the same caches,
     say) then start alike, and none is timed on rows the one before it brought in.
 
-    ``mib`` defaults to twice the machine's largest cache (:func:`largest_cache_mib`), and at
-    least 64: a fixed 64 MiB evicts a 32 MiB last-level cache but leaves most of a 480 MiB one
-    (seen here on a 2-vCPU VM on a Xeon), where a contender then read rows that the ones
-    before it brought in."""
+    ``mib`` defaults to twice the machine's largest cache, at least 64
+    (:func:`default_evict_mib`): a fixed 64 MiB evicts a 32 MiB last-level cache but leaves
+    most of a 480 MiB one (seen on a 2-vCPU VM on a Xeon), where a contender then read rows
+    that the ones before it brought in."""
 
     def __init__(self, mib: int | None = None) -> None:
         import torch  # the HPS benchmarks' dependency; this module itself needs only numpy
 
-        if mib is None:
-            llc = largest_cache_mib()
-            mib = max(64, 2 * llc) if llc is not None else 64
-        self.mib = mib
-        self._buf = torch.zeros(mib << 18, dtype=torch.float32)
+        self.mib = default_evict_mib() if mib is None else mib
+        self._buf = torch.zeros(self.mib << 18, dtype=torch.float32)
         self._n = 0
 
     def __call__(self) -> None:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from benchmarks.hps.zipf_keys import CacheEvictor, largest_cache_mib
+from benchmarks.hps.zipf_keys import CacheEvictor, default_evict_mib, largest_cache_mib
 
 
 def _caches(root: Path, sizes: dict[str, str]) -> Path:
@@ -47,10 +47,10 @@ def test_an_evictor_writes_its_whole_buffer_each_call(mib: int) -> None:
         assert bool((ev._buf == n).all())
 
 
-def test_the_default_is_twice_the_largest_cache_and_at_least_64_mib() -> None:
-    llc = largest_cache_mib()
-    expect = max(64, 2 * llc) if llc is not None else 64
-    assert CacheEvictor().mib == expect
+def test_the_default_is_twice_the_largest_cache_and_at_least_64_mib(tmp_path: Path) -> None:
+    assert default_evict_mib(_caches(tmp_path / "big", {"index3": "491520K"})) == 960
+    assert default_evict_mib(_caches(tmp_path / "small", {"index3": "16384K"})) == 64
+    assert default_evict_mib(tmp_path / "none") == 64
 
 
 _FAULTS = """

@@ -253,10 +253,10 @@ class _FusedCalls:
 
     A call only appends its ``(T, 5)`` tensor and its latency to a list; every
     :data:`_PENDING_CALLS` calls, and before the statistics are read, the lists are added
-    into ``hits`` and the ring at once. A call that added its counts into the array itself ran
-    numpy's ufunc machinery each time, 55-60 µs of a 26-table pooled call whose CPU caches
-    the rest of the process had evicted (2-core VM; docs/benchmarks.md, "the all-hit call's
-    bookkeeping")."""
+    into ``hits`` and the ring at once: adding each call's counts into the array with numpy
+    would run numpy's ufunc machinery on every call, 55-60 µs of a 26-table pooled call whose
+    CPU caches the rest of the process evicted (2-core VM; docs/benchmarks.md, "an all-hit
+    call's bookkeeping")."""
 
     __slots__ = ("async_lookups", "hits", "latencies", "lookups", "n_latencies", "new", "new_s")
 

@@ -88,8 +88,8 @@ inline void dequant_row(const uint8_t* src, int64_t dim, float* dst) {
 #if defined(__AVX2__)
     if constexpr (kFormat == kInt4 || kFormat == kInt2) {
       // 16 values at a time (8 bytes of INT4, 4 of INT2), their fields widened in order to
-      // bytes: the loop below computes the same floats, but the compiler did not vectorize its
-      // shifts (a 1M × 128 table's INT4 rows were read slower than its INT8 rows)
+      // bytes: the loop below computes the same floats, but the compiler does not vectorize
+      // its shifts (a 1M × 128 table's INT4 rows read slower than its INT8 rows through it)
       const __m256 vs = _mm256_set1_ps(scale), vb = _mm256_set1_ps(bias);
       for (; d + 16 <= dim; d += 16) {
         __m128i v16;

@@ -174,8 +174,9 @@ def keep_freed_memory() -> bool:
     ``embedding_bag``) then reuses the pages of its last one rather than faulting fresh ones
     in. With glibc's defaults each such call of the ``tables`` section faulted in ~1,000 pages,
     and after the cache eviction each fault took ~13 µs of kernel time (a 2-vCPU VM): 12-16 ms
-    of a 3-5 ms call. The peers are timed at their best; hps reuses its output buffer and
-    allocates nothing per call either way. Returns whether glibc took both settings."""
+    per call, on calls that take 3.5-7.5 ms of CPU without them. The peers are timed at their
+    best; hps reuses its output buffer and allocates nothing per call either way. Returns
+    whether glibc took both settings."""
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
         mallopt = libc.mallopt

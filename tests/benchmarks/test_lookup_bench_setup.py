@@ -59,14 +59,14 @@ if sys.argv[1] == "keep":
     from benchmarks.hps.bench_lookup import keep_freed_memory
     assert keep_freed_memory()
 def call():
-    return torch.empty(1 << 20).fill_(1.0)  # a fresh 4 MiB result, as a peer's call makes
+    return torch.empty(16 << 20).fill_(1.0)  # a fresh 64 MiB result, as a peer's call makes
 for _ in range(3):
     call()
 faults = []
 for _ in range(10):
-    before = resource.getrusage(resource.RUSAGE_THREAD).ru_minflt
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     call()
-    faults.append(resource.getrusage(resource.RUSAGE_THREAD).ru_minflt - before)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
 print(statistics.median(faults))
 """
 
@@ -87,7 +87,13 @@ def _median_faults(mode: str) -> float:
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt (Linux)")
 def test_kept_freed_memory_spares_a_fresh_result_its_page_faults() -> None:
-    """With glibc's defaults a fresh 4 MiB result is faulted in on each call; once
-    :func:`keep_freed_memory` has run, a call reuses the pages of the one before (none)."""
-    assert _median_faults("default") >= 256
+    """With glibc's defaults a fresh 64 MiB result is faulted in on each call; once
+    :func:`keep_freed_memory` has run, a call reuses the pages of the one before (none).
+
+    64 MiB is above the 32 MiB ceiling of glibc's sliding mmap threshold, so with the defaults
+    every call maps and unmaps its own result whatever the heap held before. A smaller result
+    may land on the heap, where whether freeing it trims the heap depends on what sits above it:
+    a 4 MiB result faulted 1,024 pages per call on one machine and none on another. At least 16
+    faults: 16,384 of 4 KiB pages, or 32 where the kernel backs the mapping with 2 MiB pages."""
+    assert _median_faults("default") >= 16
     assert _median_faults("keep") == 0

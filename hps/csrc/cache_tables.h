@@ -24,9 +24,29 @@ namespace hps_cpu {
 // (128,) int64 and halve (128,) uint8 (hps.storage.cache.slot_counter). The tensors are held
 // (a reference each), so they live as long as this object, whatever the caches do.
 struct CacheTables {
+  // Where one table's arrays lie, read once here: a call builds its tables' views from these
+  // 26 records, side by side, rather than from 7 tensors per table, each a tensor and a
+  // storage object to follow (~360 lines of memory a 26-table call no longer reads).
+  struct Arrays {
+    const void* keys;
+    bool key32;
+    const int64_t* high_words;
+    int64_t n_high_words;
+    const uint8_t* high_of;  // null: no nibbles
+    const uint8_t* tags;
+    uint8_t* counters;
+    const uint8_t* storage;
+    int64_t capacity;
+    const int32_t* dense;  // null: no dense key index
+    int64_t n_dense;
+  };
+
   std::vector<at::Tensor> cache_keys, high_words, high_of, tags, counters, storage, dense;
   std::vector<int64_t> ways, dims, formats, row_bytes;
   at::Tensor gaps, halve;
+  std::vector<Arrays> arrays;  // per table, of the tensors above (held: the pointers stay valid)
+  const int64_t* gaps_p = nullptr;
+  const uint8_t* halve_p = nullptr;
 
   CacheTables(std::vector<at::Tensor> cache_keys_, std::vector<at::Tensor> high_words_,
               std::vector<at::Tensor> high_of_, std::vector<at::Tensor> tags_,
@@ -65,6 +85,23 @@ struct CacheTables {
                                  counters[i], storage[i], formats[i], dims[i]);
       check_dense(i, dense[i]);
     }
+    arrays.resize(T);
+    for (size_t i = 0; i < T; ++i) {
+      const bool has_dense = dense[i].numel() > 0;
+      arrays[i] = {cache_keys[i].data_ptr(),
+                   cache_keys[i].scalar_type() == at::kInt,
+                   high_words[i].data_ptr<int64_t>(),
+                   high_words[i].numel(),
+                   high_of[i].numel() ? high_of[i].data_ptr<uint8_t>() : nullptr,
+                   tags[i].data_ptr<uint8_t>(),
+                   counters[i].data_ptr<uint8_t>(),
+                   storage[i].data_ptr<uint8_t>(),
+                   cache_keys[i].numel(),
+                   has_dense ? dense[i].data_ptr<int32_t>() : nullptr,
+                   has_dense ? dense[i].numel() : 0};
+    }
+    gaps_p = gaps.data_ptr<int64_t>();
+    halve_p = halve.data_ptr<uint8_t>();
   }
 
   size_t size() const { return cache_keys.size(); }

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import resource
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -33,21 +34,29 @@ def side_by_side(
     fns: dict[str, Callable[[], object]],
     repeats: int,
     before: Callable[[], object] | None = None,
+    faults: dict[str, float] | None = None,
 ) -> dict[str, float]:
     """Median seconds per call of each function, calls interleaved (A B C A B C ...) so that
     the load of a shared machine hits every contender alike; ``before`` (untimed) runs before
     every timed call (e.g. :class:`CacheEvictor`, so that no contender reads what the one
-    before it left in cache)."""
+    before it left in cache). ``faults``, where given, receives each function's median minor
+    page faults per call, of the whole process (every thread), read outside the timed span."""
     for fn in fns.values():
         fn()  # warm
     ts: dict[str, list[float]] = {k: [] for k in fns}
+    fl: dict[str, list[int]] = {k: [] for k in fns}
     for _ in range(repeats):
         for k, fn in fns.items():
             if before is not None:
                 before()
+            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if faults is not None else 0
             t0 = time.perf_counter()
             fn()
             ts[k].append(time.perf_counter() - t0)
+            if faults is not None:
+                fl[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    if faults is not None:
+        faults.update({k: float(np.median(v)) for k, v in fl.items()})
     return {k: float(np.median(v)) for k, v in ts.items()}
 
 

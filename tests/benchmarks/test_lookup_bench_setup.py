@@ -1,15 +1,22 @@
 """What the HPS lookup benchmark sets up before it times anything: the cache evictor, sized
-from the caches the machine lists, and glibc kept from handing freed memory back."""
+from the caches the machine lists, and glibc kept from handing freed memory back; and the
+page faults its side-by-side timer records per contender."""
 
 from __future__ import annotations
 
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
-from benchmarks.hps.zipf_keys import CacheEvictor, default_evict_mib, largest_cache_mib
+from benchmarks.hps.zipf_keys import (
+    CacheEvictor,
+    default_evict_mib,
+    largest_cache_mib,
+    side_by_side,
+)
 
 
 def _caches(root: Path, sizes: dict[str, str]) -> Path:
@@ -97,3 +104,34 @@ def test_kept_freed_memory_spares_a_fresh_result_its_page_faults() -> None:
     faults: 16,384 of 4 KiB pages, or 32 where the kernel backs the mapping with 2 MiB pages."""
     assert _median_faults("default") >= 16
     assert _median_faults("keep") == 0
+
+
+def test_the_side_by_side_timer_counts_each_contenders_faults_outside_its_timing() -> None:
+    """``side_by_side(..., faults=)``: per contender, the median minor faults of its calls. A
+    contender that writes a fresh 8 MiB anonymous mapping each call faults at least one page
+    per 2 MiB of it (4 KiB pages: 2,048); one that touches nothing faults none."""
+    import mmap
+
+    def fresh() -> None:
+        m = mmap.mmap(-1, 8 << 20)
+        for off in range(0, 8 << 20, 4096):
+            m[off] = 1
+        m.close()
+
+    calls = {"fresh": 0, "none": 0}
+
+    def counted(name: str, fn: Callable[[], None]) -> Callable[[], None]:
+        def call() -> None:
+            calls[name] += 1
+            fn()
+
+        return call
+
+    faults: dict[str, float] = {}
+    t = side_by_side(
+        {"fresh": counted("fresh", fresh), "none": counted("none", lambda: None)}, 5, None, faults
+    )
+    assert calls == {"fresh": 6, "none": 6}  # one warm-up call each, then the timed ones
+    assert set(t) == set(faults) == {"fresh", "none"}
+    assert faults["fresh"] >= 4
+    assert faults["none"] == 0

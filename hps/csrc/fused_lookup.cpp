@@ -419,7 +419,7 @@ std::vector<at::Tensor> cache_gather(
   const std::vector<int64_t> valid = valid_keys(keys, hotness);  // refuses bad keys first
   at::Tensor misses_all;
   std::vector<int64_t> misses;
-  auto per_table = at::zeros({static_cast<int64_t>(T), 5}, at::kLong);
+  auto per_table = cpu_tensor({static_cast<int64_t>(T), 5}, at::kLong, true);
   auto* pt = per_table.data_ptr<int64_t>();
   float* out_base = out.data_ptr<float>();
   std::vector<TableView> views;
@@ -491,7 +491,7 @@ std::vector<at::Tensor> cache_gather(
   const auto no_rows = [&none](int64_t dim) {
     for (const auto& [d, t] : none)
       if (d == dim) return t;
-    none.emplace_back(dim, at::empty({0, dim}, at::kFloat));
+    none.emplace_back(dim, cpu_tensor({0, dim}, at::kFloat, false));
     return none.back().second;
   };
   int64_t first = 0;
@@ -508,10 +508,10 @@ std::vector<at::Tensor> cache_gather(
                          : no_rows(views[i].dim));
     first += miss_counts[i];
   }
-  misses_all = at::empty({static_cast<int64_t>(misses.size())}, at::kLong);
+  misses_all = cpu_tensor({static_cast<int64_t>(misses.size())}, at::kLong, false);
   if (!misses.empty())
     std::memcpy(misses_all.data_ptr<int64_t>(), misses.data(), misses.size() * sizeof(int64_t));
-  auto counted_t = at::empty({static_cast<int64_t>(T)}, at::kByte);
+  auto counted_t = cpu_tensor({static_cast<int64_t>(T)}, at::kByte, false);
   if (T) std::memcpy(counted_t.data_ptr<uint8_t>(), counted.data(), T);
   result.insert(result.begin(), {misses_all, per_table, counted_t});
   return result;

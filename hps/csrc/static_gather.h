@@ -144,7 +144,7 @@ inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
              formats[i], h, mean[i] != 0, out.data_ptr<float>() + out_offsets[i]};
   }
   // every key checked and counted before anything is written
-  auto per_table = at::zeros({static_cast<int64_t>(T), 5}, at::kLong);
+  auto per_table = cpu_tensor({static_cast<int64_t>(T), 5}, at::kLong, true);
   int64_t* pt = per_table.data_ptr<int64_t>();
   int64_t total = 0;
   for (size_t i = 0; i < T; ++i) {

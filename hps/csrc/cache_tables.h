@@ -25,8 +25,8 @@ namespace hps_cpu {
 // (a reference each), so they live as long as this object, whatever the caches do.
 struct CacheTables {
   // Where one table's arrays lie, read once here: a call builds its tables' views from these
-  // 26 records, side by side, rather than from 7 tensors per table, each a tensor and a
-  // storage object to follow (~360 lines of memory a 26-table call no longer reads).
+  // records, side by side, rather than following a tensor and its storage object for each of
+  // the seven arrays of every table (objects a call finds out of the CPU's caches).
   struct Arrays {
     const void* keys;
     bool key32;

@@ -198,7 +198,8 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
   // small calls run on the calling thread: a thread wake-up costs more than their gather
   const bool alone = threads <= 1 || total < 8192 || at::in_parallel_region();
   std::vector<int64_t> hits(T, 0), uniq(T, 0);
-  std::vector<FirstHits>& firsts = call_scratch().firsts(T);  // each table's first hits, where one thread does it all
+  // each table's first hits, where one thread does it all
+  std::vector<FirstHits>& firsts = call_scratch().firsts(T);
   std::vector<int64_t> piece_misses(P, 0);
   auto run = [&](int64_t p, bool uses) {
     const Piece& pc = pieces[p];

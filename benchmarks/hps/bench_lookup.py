@@ -124,31 +124,17 @@ def _tbe(rows: list[int], dtype: str, weights: list[torch.Tensor], pooled: bool)
 def cpu_side_by_side(
     fns: dict[str, Callable[[], object]], repeats: int, before: Callable[[], object] | None = None
 ) -> tuple[dict[str, float], dict[str, float]]:
-    """Median CPU seconds of the calling thread per call, one torch thread, calls interleaved,
-    ``before`` (untimed) before each; and the median minor page faults of the thread per
-    call (a contender that allocates its result afresh faults its pages in each time)."""
+    """:func:`side_by_side` in CPU seconds of the calling thread, with one torch thread; and
+    the median minor page faults of that thread per call (a contender that allocates its
+    result afresh faults its pages in each time)."""
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
+    faults: dict[str, float] = {}
     try:
-        for fn in fns.values():
-            fn()
-        ts: dict[str, list[float]] = {k: [] for k in fns}
-        faults: dict[str, list[int]] = {k: [] for k in fns}
-        for _ in range(repeats):
-            for k, fn in fns.items():
-                if before is not None:
-                    before()
-                f0 = resource.getrusage(RUSAGE_THREAD).ru_minflt
-                t0 = time.thread_time()
-                fn()
-                ts[k].append(time.thread_time() - t0)
-                faults[k].append(resource.getrusage(RUSAGE_THREAD).ru_minflt - f0)
+        cpu = side_by_side(fns, repeats, before, faults, time.thread_time, RUSAGE_THREAD)
     finally:
         torch.set_num_threads(threads)
-    return (
-        {k: float(np.median(v)) for k, v in ts.items()},
-        {k: float(np.median(v)) for k, v in faults.items()},
-    )
+    return cpu, faults
 
 
 def _timed(

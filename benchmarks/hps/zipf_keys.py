@@ -35,12 +35,15 @@ def side_by_side(
     repeats: int,
     before: Callable[[], object] | None = None,
     faults: dict[str, float] | None = None,
+    clock: Callable[[], float] = time.perf_counter,
+    fault_scope: int = resource.RUSAGE_SELF,
 ) -> dict[str, float]:
-    """Median seconds per call of each function, calls interleaved (A B C A B C ...) so that
-    the load of a shared machine hits every contender alike; ``before`` (untimed) runs before
-    every timed call (e.g. :class:`CacheEvictor`, so that no contender reads what the one
-    before it left in cache). ``faults``, where given, receives each function's median minor
-    page faults per call, of the whole process (every thread), read outside the timed span."""
+    """Median seconds per call of each function by ``clock`` (wall time unless told), calls
+    interleaved (A B C A B C ...) so that the load of a shared machine hits every contender
+    alike; ``before`` (untimed) runs before every timed call (e.g. :class:`CacheEvictor`, so
+    that no contender reads what the one before it left in cache). ``faults``, where given,
+    receives each function's median minor page faults per call, counted by ``getrusage`` of
+    ``fault_scope`` (the whole process unless told) outside the timed span."""
     for fn in fns.values():
         fn()  # warm
     ts: dict[str, list[float]] = {k: [] for k in fns}
@@ -49,12 +52,12 @@ def side_by_side(
         for k, fn in fns.items():
             if before is not None:
                 before()
-            f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt if faults is not None else 0
-            t0 = time.perf_counter()
+            f0 = resource.getrusage(fault_scope).ru_minflt if faults is not None else 0
+            t0 = clock()
             fn()
-            ts[k].append(time.perf_counter() - t0)
+            ts[k].append(clock() - t0)
             if faults is not None:
-                fl[k].append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+                fl[k].append(resource.getrusage(fault_scope).ru_minflt - f0)
     if faults is not None:
         faults.update({k: float(np.median(v)) for k, v in fl.items()})
     return {k: float(np.median(v)) for k, v in ts.items()}

@@ -19,7 +19,8 @@ struct FirstHits {
   std::unique_ptr<int64_t[]> slots;
   int64_t n = 0, room = 0;
   uint64_t* bits = nullptr;  // capacity bits, all zero when a table's pass starts
-  // before the pass, while empty: n == 0 (the old slots go); bits: the table's capacity bits
+  // before the pass, while empty (n == 0): room for `keys` slots, grown only when short (a
+  // thread's kept FirstHits serve call after call); bits: the table's capacity bits
   void make_room(int64_t keys, uint64_t* slot_words) {
     assert(n == 0);
     if (keys > room) {

@@ -99,7 +99,8 @@ void use_slots(const std::vector<TableView>& ts, const std::vector<int64_t*>& sl
 // What a fused call needs per key and per table beyond its arguments, kept by the calling
 // thread from call to call and grown, never shrunk: each key's slot and each table's first
 // hits. Allocated afresh, a 65,000-key call zero-filled 0.5 MiB of slots and made 26
-// allocations before its pass, then freed them (~110 µs of a cold 3.6 ms call, 2-vCPU VM).
+// allocations before its pass, then freed them: the step before its pass took 61 µs and its
+// return 50 µs of a cold 3.6 ms call (2-vCPU VM), 5 and 37 µs with the scratch kept.
 // Per calling thread, so concurrent calls never share it; the pass's worker threads write
 // into the caller's.
 struct CallScratch {

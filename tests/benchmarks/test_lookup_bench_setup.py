@@ -106,18 +106,20 @@ def test_kept_freed_memory_spares_a_fresh_result_its_page_faults() -> None:
     assert _median_faults("keep") == 0
 
 
+def _fresh_8_mib() -> None:
+    """Writes a fresh 8 MiB anonymous mapping: at least one page fault per 2 MiB of it."""
+    import mmap
+
+    m = mmap.mmap(-1, 8 << 20)
+    for off in range(0, 8 << 20, 4096):
+        m[off] = 1
+    m.close()
+
+
 def test_the_side_by_side_timer_counts_each_contenders_faults_outside_its_timing() -> None:
     """``side_by_side(..., faults=)``: per contender, the median minor faults of its calls. A
     contender that writes a fresh 8 MiB anonymous mapping each call faults at least one page
     per 2 MiB of it (4 KiB pages: 2,048); one that touches nothing faults none."""
-    import mmap
-
-    def fresh() -> None:
-        m = mmap.mmap(-1, 8 << 20)
-        for off in range(0, 8 << 20, 4096):
-            m[off] = 1
-        m.close()
-
     calls = {"fresh": 0, "none": 0}
 
     def counted(name: str, fn: Callable[[], None]) -> Callable[[], None]:
@@ -129,9 +131,30 @@ def test_the_side_by_side_timer_counts_each_contenders_faults_outside_its_timing
 
     faults: dict[str, float] = {}
     t = side_by_side(
-        {"fresh": counted("fresh", fresh), "none": counted("none", lambda: None)}, 5, None, faults
+        {"fresh": counted("fresh", _fresh_8_mib), "none": counted("none", lambda: None)},
+        5,
+        None,
+        faults,
     )
     assert calls == {"fresh": 6, "none": 6}  # one warm-up call each, then the timed ones
     assert set(t) == set(faults) == {"fresh", "none"}
     assert faults["fresh"] >= 4
     assert faults["none"] == 0
+
+
+def test_the_one_thread_cpu_timer_counts_the_threads_faults_and_restores_the_threads() -> None:
+    """:func:`cpu_side_by_side`: CPU seconds and faults of the calling thread, each contender
+    run with one torch thread, the thread count restored afterwards."""
+    import torch
+
+    from benchmarks.hps.bench_lookup import cpu_side_by_side
+
+    seen: list[int] = []
+    before = torch.get_num_threads()
+    cpu, faults = cpu_side_by_side(
+        {"fresh": _fresh_8_mib, "threads": lambda: seen.append(torch.get_num_threads())}, 3
+    )
+    assert torch.get_num_threads() == before
+    assert seen == [1] * 4
+    assert faults["fresh"] >= 4 and faults["threads"] == 0
+    assert cpu["fresh"] > 0.0

@@ -14,6 +14,7 @@
 #include <ATen/Parallel.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdint>
 #include <string>
 #include <utility>
@@ -158,7 +159,7 @@ inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
   }
   for (size_t i = 0; i < key_counters.size(); ++i)  // every key is a hit: count them all
     if (key_counters[i] != nullptr) key_counters[i]->update(held[i], at::Tensor(), true);
-  // pieces of about 2048 keys (whole bags); small calls on the calling thread
+  // pieces of about 2048 keys (whole bags), in table order; small calls on the calling thread
   struct Span {
     size_t table;
     int64_t begin, end;
@@ -170,14 +171,24 @@ inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
     for (int64_t a = 0; a < ts[i].n; a += step) spans.push_back({i, a, std::min(ts[i].n, a + step)});
   }
   const int64_t P = static_cast<int64_t>(spans.size());
-  auto run = [&](int64_t p0, int64_t p1) {
-    for (int64_t p = p0; p < p1; ++p)
-      static_piece_any(ts[spans[p].table], spans[p].begin, spans[p].end, out_stride);
+  const auto run = [&](int64_t p) {
+    static_piece_any(ts[spans[p].table], spans[p].begin, spans[p].end, out_stride);
   };
-  if (total < 8192 || at::get_num_threads() <= 1 || at::in_parallel_region())
-    run(0, P);
-  else
-    at::parallel_for(0, P, 1, run);
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), P);
+  if (total < 8192 || threads <= 1 || at::in_parallel_region()) {
+    for (int64_t p = 0; p < P; ++p) run(p);
+    return per_table;
+  }
+  // each thread takes the next piece when it is done with its last (one shared counter): cut
+  // into two fixed halves of the pieces, the thread whose rows lay further away or that woke
+  // later finished last while the other waited (26 tables of dlrm_dcnv2 ÷ 300, rows: one
+  // thread's pass took 6.98 ms and two threads' 4.71 ms, against index_select's 7.18 and 3.62)
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
+    for (int64_t p = next.fetch_add(1, std::memory_order_relaxed); p < P;
+         p = next.fetch_add(1, std::memory_order_relaxed))
+      run(p);
+  });
   return per_table;
 }
 

@@ -105,14 +105,21 @@ def test_fused_rows_equal_per_table_lookups(compiled: bool) -> None:
         needs_ext()
     fused, single = _session(compiled, "lfu"), _session(compiled, "lfu")
     g = torch.Generator().manual_seed(1)
-    for _ in range(4):
+    for r in range(4):
         keys = [torch.randint(0, n + 20, (8, 5), generator=g) for n, _ in SPECS]
-        buf = torch.full((sum(k.numel() * d for k, (_, d) in zip(keys, SPECS, strict=True)),), 7.0)
+        need = sum(k.numel() * d for k, (_, d) in zip(keys, SPECS, strict=True))
+        # a flat buffer with room to spare (its tail never written), or one of another shape
+        buf = torch.full((need + 9,), 7.0) if r % 2 == 0 else torch.full((need // 4, 4), 7.0)
         got = fused.lookup_many(NAMES, keys, out=buf)
+        at = 0
         for name, k, x in zip(NAMES, keys, got, strict=True):
-            assert x.shape == (*k.shape, fused.tables[name].dim)
-            assert x.data_ptr() >= buf.data_ptr()  # a view of the reused buffer
+            dim = fused.tables[name].dim
+            assert x.shape == (*k.shape, dim) and x.is_contiguous()
+            # a view of the reused buffer, the tables' blocks one after another
+            assert x._base is buf and x.data_ptr() == buf.data_ptr() + 4 * at
+            at += k.numel() * dim
             assert torch.equal(x, single.lookup(name, k))
+        assert torch.equal(buf.view(-1)[need:], torch.full((buf.numel() - need,), 7.0))
     s1, s2 = fused.stats(), single.stats()
     for n in NAMES:
         assert (

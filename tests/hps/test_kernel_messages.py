@@ -324,3 +324,31 @@ def test_a_fused_pass_counts_its_keys_and_refuses_a_reserved_one_before_any_use(
     rows[30] = -5  # a negative key in rows is looked up (and missed), not refused
     per = call([torch.tensor([1, 2]), rows], (0, 0))
     assert per[:, 3].tolist() == [2, 37] and per[1, 0] == 1
+
+
+def test_row_views_are_views_of_the_output_at_each_tables_offset_and_refuse_what_overflows() -> (
+    None
+):
+    """``row_views``: table i's rows of a fused call's flat output, viewed in its keys' shape
+    plus its dim at offsets[i] (the output's own storage offset added), sharing its storage and
+    version counter; a block past the output's end is refused, naming the table."""
+    needs_ext()
+    ext = load_extension()
+    assert ext is not None
+    base = torch.arange(40, dtype=torch.float32)
+    out = base[3:]  # a view with a storage offset of its own
+    k0, k1 = torch.zeros(2, 3, dtype=torch.int64), torch.zeros(4, dtype=torch.int64)
+    v0, v1 = ext.row_views(out, [k0, k1], [0, 12], [2, 5])
+    assert v0.shape == (2, 3, 2) and v0.stride() == (6, 2, 1) and v0.storage_offset() == 3
+    assert v1.shape == (4, 5) and v1.stride() == (5, 1) and v1.storage_offset() == 15
+    assert torch.equal(v0.reshape(-1), out[:12]) and torch.equal(v1.reshape(-1), out[12:32])
+    assert v0._base is base and v1._base is base
+    v = out._version
+    v1.add_(1.0)  # written through the view: the output's version moves with it
+    assert out._version > v and torch.equal(out[12:32], torch.arange(15, 35).float() + 1.0)
+    with pytest.raises(ValueError, match="table 1's 20 values at 18 do not fit in 37"):
+        ext.row_views(out, [k0, k1], [0, 18], [2, 5])
+    with pytest.raises(ValueError, match="1-D"):
+        ext.row_views(out.view(37, 1), [k0], [0], [2])
+    with pytest.raises(ValueError, match="one offset and one dim per table"):
+        ext.row_views(out, [k0, k1], [0], [2, 5])

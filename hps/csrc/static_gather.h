@@ -2,11 +2,12 @@
 // the caller): table i's key k lives in slot k, so a key is a hit exactly when
 // 0 <= k < capacity. First every key of every table is checked (a key out of range, or a -1
 // in rows, and the call returns without writing anything, for the caller's per-table path)
-// and counted: the table's keys >= 0 and its distinct ones (check_and_count); then the keys
-// of each table given a key counter are counted into it; then every table's rows are copied
-// (rows) or its bags summed in order from +0.0, -1 padding skipped (pool_bag: FP32 dims
-// 16/32/64/128 in AVX registers; each bag's output row prefetched for writing kOutAhead bags
-// ahead), MEAN bags with a key divided by it. Included by hps/csrc/fused_lookup.cpp.
+// and counted: the table's keys >= 0 and its distinct ones (check_and_count); then, side by
+// side on the threads, the keys of each table given a key counter are counted into it and
+// every table's rows are copied (rows) or its bags summed in order from +0.0, -1 padding
+// skipped (pool_bag: FP32 dims 16/32/64/128 in AVX registers; each bag's output row prefetched
+// for writing kOutAhead bags ahead), MEAN bags with a key divided by it. Included by
+// hps/csrc/fused_lookup.cpp.
 #pragma once
 
 #include <torch/extension.h>
@@ -157,8 +158,11 @@ inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
     pt[i * 5 + 3] = valid;
     total += t.n;
   }
-  for (size_t i = 0; i < key_counters.size(); ++i)  // every key is a hit: count them all
-    if (key_counters[i] != nullptr) key_counters[i]->update(held[i], at::Tensor(), true);
+  // the tables whose keys are counted (every key is a hit: all of them), each one unit of work
+  std::vector<size_t> counted;
+  for (size_t i = 0; i < key_counters.size(); ++i)
+    if (key_counters[i] != nullptr) counted.push_back(i);
+  const auto count = [&](size_t i) { key_counters[i]->update(held[i], at::Tensor(), true); };
   // pieces of about 2048 keys (whole bags), in table order; small calls on the calling thread
   struct Span {
     size_t table;
@@ -174,20 +178,30 @@ inline at::Tensor static_gather(const std::vector<at::Tensor>& keys,
   const auto run = [&](int64_t p) {
     static_piece_any(ts[spans[p].table], spans[p].begin, spans[p].end, out_stride);
   };
-  const int64_t threads = std::min<int64_t>(at::get_num_threads(), P);
+  const int64_t C = static_cast<int64_t>(counted.size()), U = C + P;
+  const int64_t threads = std::min<int64_t>(at::get_num_threads(), U);
   if (total < 8192 || threads <= 1 || at::in_parallel_region()) {
+    for (const size_t i : counted) count(i);
     for (int64_t p = 0; p < P; ++p) run(p);
     return per_table;
   }
-  // each thread takes the next piece when it is done with its last (one shared counter): cut
-  // into two fixed halves of the pieces, the thread whose rows lay further away or that woke
-  // later finished last while the other waited (26 tables of dlrm_dcnv2 ÷ 300, rows: one
-  // thread's pass took 6.98 ms and two threads' 4.71 ms, against index_select's 7.18 and 3.62)
+  // units: each counted table's keys (first: one thread counts while the other copies), then
+  // the pieces. Each thread takes the next unit when it is done with its last (one shared
+  // counter): cut into two fixed halves of the pieces, the thread whose rows lay further away
+  // or that woke later finished last while the other waited (26 tables of dlrm_dcnv2 ÷ 300,
+  // rows: one thread's pass took 6.98 ms and two threads' 4.71 ms, against index_select's
+  // 7.18 and 3.62), and the keys were counted before the region by the calling thread alone.
+  // A counter that cannot grow throws out of the region (the first error, once every thread
+  // is done): rows may then be written, as they may by the tables counted before it.
   std::atomic<int64_t> next{0};
   at::parallel_for(0, threads, 1, [&](int64_t, int64_t) {
-    for (int64_t p = next.fetch_add(1, std::memory_order_relaxed); p < P;
-         p = next.fetch_add(1, std::memory_order_relaxed))
-      run(p);
+    for (int64_t u = next.fetch_add(1, std::memory_order_relaxed); u < U;
+         u = next.fetch_add(1, std::memory_order_relaxed)) {
+      if (u < C)
+        count(counted[u]);
+      else
+        run(u - C);
+    }
   });
   return per_table;
 }

@@ -260,18 +260,23 @@ def test_a_row_key_not_its_tables_is_range_checked_once(monkeypatch: pytest.Monk
     assert got.misses.tolist() == [4]
 
 
-def test_the_all_hit_pass_counts_every_tables_keys_and_leaves_its_bitmap_clear() -> None:
+@pytest.mark.parametrize("n_keys", [24, 3000])
+def test_the_all_hit_pass_counts_every_tables_keys_and_leaves_its_bitmap_clear(
+    n_keys: int,
+) -> None:
     """With key counters, the compiled pass counts each table's keys >= 0 (all hits) as the
-    counter's weight, and none into a table given no counter. A call refused midway through a
-    table (after keys of it set their bits) leaves no bit set: the next call on the same
-    thread counts the same distinct keys as the reference."""
+    counter's weight, and none into a table given no counter; 3,000 keys a table (over 8,192
+    in all) with two torch threads count the tables on whichever thread is free, beside the
+    copy. A call refused midway through a table (after keys of it set their bits) leaves no bit
+    set and counts nothing: the next call on the same thread counts the same distinct keys as
+    the reference."""
     needs_ext()
     ext = load_extension()
     assert ext is not None
     caches = _caches(RowDtype.FP32)
     g = torch.Generator().manual_seed(13)
     hot = [3] * 5
-    keys = [torch.randint(-1, n, (24,), generator=g) for n in SIZES]
+    keys = [torch.randint(-1, n, (n_keys,), generator=g) for n in SIZES]
     storage = [c.storage for c in caches]
     formats = [FORMAT_CODES[RowDtype.FP32]] * 5
     counters = [ext.KeyCounter() for _ in caches]
@@ -279,11 +284,16 @@ def test_the_all_hit_pass_counts_every_tables_keys_and_leaves_its_bitmap_clear()
     given = [counters[0], counters[1], None, counters[3], None]
     bad = [k.clone() for k in keys]
     bad[2][20] = SIZES[2]  # past table 2's rows, after 20 of its keys set their bits
+    threads = torch.get_num_threads()
     for ks, cs in ((bad, given), (keys, given), (keys, [])):
         a = _args(caches, ks, hot, [False] * 5)
-        per = ext.static_gather(
-            ks, storage, formats, DIMS, hot, [0] * 5, a.out, a.out_offsets, a.out_stride, cs
-        )
+        torch.set_num_threads(2)
+        try:
+            per = ext.static_gather(
+                ks, storage, formats, DIMS, hot, [0] * 5, a.out, a.out_offsets, a.out_stride, cs
+            )
+        finally:
+            torch.set_num_threads(threads)
         if ks is bad:
             assert per.shape == (0, 5)
             continue

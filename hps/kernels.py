@@ -42,6 +42,7 @@ EXT = CpuExtension(
         CSRC / "cache_probe.h",
         CSRC / "cache_tables.h",
         CSRC / "common.h",
+        CSRC / "dense_rows.h",
         CSRC / "first_hits.h",
         CSRC / "gather_checks.h",
         CSRC / "key_counter.h",

@@ -101,6 +101,11 @@ inline const uint8_t* row_of(const TableView& t, int64_t slot) {
   return t.storage + slot * t.row_bytes;
 }
 
+// Keys a dense index entry is prefetched ahead of the key whose slot is read from it
+// (pool_bags_dense, rows_dense; the slot is read kRowsAhead keys before the key's row is
+// summed or copied).
+constexpr int64_t kDenseAhead = 32;
+
 // A run of keys (rows) or bags of one table: the unit of parallel work.
 struct Piece {
   int64_t table, begin, end;

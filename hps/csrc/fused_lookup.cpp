@@ -24,8 +24,8 @@
 // index (hps/storage/cache/dense_index.py) answers its keys in [0, bound) from their 4-byte
 // entries instead: no hash, tag line or key line (the hash is still computed for a key counter);
 // a piece of FP32 bags whose keys all lie in the index's range is pooled in the index's own pass
-// (pool_bags_dense), and a table whose keys all do counts its unique hits by key
-// (dense_distinct), not in the slot bitmap.
+// (pool_bags_dense), a piece of FP32 rows copied in another (rows_dense), and a table whose
+// keys all do counts its unique hits by key (dense_distinct), not in the slot bitmap.
 // Rows are opaque bytes (row_bytes per table); the row format decides how a row is read.
 #include <torch/extension.h>
 
@@ -48,6 +48,7 @@
 #include "cache_probe.h"
 #include "cache_tables.h"
 #include "common.h"
+#include "dense_rows.h"
 #include "first_hits.h"
 #include "gather_checks.h"
 #include "key_counter.h"
@@ -239,6 +240,11 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
       return;
     }
 #endif
+    if (t.hotness == 0 && t.format == kFp32 && t.dense != nullptr && all_dense_rows(t, i0, i1)) {
+      piece_misses[p] = uses ? rows_dense<true>(t, i0, i1, sl, ht, ft)
+                             : rows_dense<false>(t, i0, i1, sl, ht, ft);
+      return;
+    }
 #define HPS_GATHER(F)                                                         \
   piece_misses[p] = uses ? gather_piece<true, F>(t, i0, i1, sl, ht, ft)   \
                          : gather_piece<false, F>(t, i0, i1, sl, ht, ft); \

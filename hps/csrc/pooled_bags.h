@@ -65,10 +65,6 @@ void pool_bags(const TableView& t, int64_t i0, int64_t i1, const int64_t* sl) {
   }
 }
 
-// Keys a dense index entry is prefetched ahead of the key whose slot is read from it
-// (pool_bags_dense; the slot is read kRowsAhead keys before the key's row is summed).
-constexpr int64_t kDenseAhead = 32;
-
 // Whether every key of [i0, i1) is in the table's dense index range or a -1 pad (bags: keys
 // below -1 were refused before the pass).
 inline bool all_dense(const TableView& t, int64_t i0, int64_t i1) {

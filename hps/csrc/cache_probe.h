@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "common.h"
 #include "key_counter.h"
 
 namespace hps_cpu {
@@ -105,6 +106,20 @@ inline const uint8_t* row_of(const TableView& t, int64_t slot) {
 // (pool_bags_dense, rows_dense; the slot is read kRowsAhead keys before the key's row is
 // summed or copied).
 constexpr int64_t kDenseAhead = 32;
+
+// The slot of key k (in [0, t.n_dense)) read from its dense index entry, -1 for none or a slot
+// outside the cache's `cap` slots; the slot's row prefetched and, with kUses, its counter byte
+// and the key counter's entry for k (pool_bags_dense, rows_dense: kRowsAhead keys before the
+// row is read).
+template <bool kUses>
+inline int64_t dense_slot(const TableView& t, int64_t k, uint64_t cap) {
+  const int64_t s = t.dense[k];
+  if (static_cast<uint64_t>(s) >= cap) return -1;
+  prefetch_bytes(row_of(t, s), t.row_bytes);
+  if (kUses && t.weight) __builtin_prefetch(t.counters + s, 1, 3);
+  if (kUses && t.counter != nullptr) t.counter->prefetch_entry(mix64(k));
+  return s;
+}
 
 // A run of keys (rows) or bags of one table: the unit of parallel work.
 struct Piece {

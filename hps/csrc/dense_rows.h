@@ -38,15 +38,7 @@ int64_t rows_dense(const TableView& t, int64_t i0, int64_t i1, int64_t* sl, int6
                    FirstHits& firsts) {
   const uint64_t cap = static_cast<uint64_t>(t.num_sets * t.ways);
   const int64_t* keys = t.keys;
-  const auto slot_at = [&](int64_t i) -> int64_t {  // and its row, counter and entry prefetched
-    const int64_t k = keys[i];
-    const int64_t s = t.dense[k];
-    if (static_cast<uint64_t>(s) >= cap) return -1;  // none, or a slot outside the cache
-    prefetch_bytes(row_of(t, s), t.row_bytes);
-    if (kUses && t.weight) __builtin_prefetch(t.counters + s, 1, 3);
-    if (kUses && t.counter != nullptr) t.counter->prefetch_entry(mix64(k));
-    return s;
-  };
+  const auto slot_at = [&](int64_t i) { return dense_slot<kUses>(t, keys[i], cap); };
   for (int64_t i = i0; i < std::min(i1, i0 + kDenseAhead); ++i)
     __builtin_prefetch(t.dense + keys[i], 0, 3);
   for (int64_t i = i0; i < std::min(i1, i0 + kRowsAhead); ++i) sl[i] = slot_at(i);

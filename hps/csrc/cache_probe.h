@@ -4,6 +4,7 @@
 
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
 
 #include "common.h"
@@ -119,6 +120,18 @@ inline int64_t dense_slot(const TableView& t, int64_t k, uint64_t cap) {
   if (kUses && t.weight) __builtin_prefetch(t.counters + s, 1, 3);
   if (kUses && t.counter != nullptr) t.counter->prefetch_entry(mix64(k));
   return s;
+}
+
+// Whether every key of [i0, i1) lies in the table's dense index range: bags may hold -1 pads
+// (keys below -1 were refused before the pass); in rows a negative key is a key like any
+// other, which the probe pass hashes.
+inline bool all_dense(const TableView& t, int64_t i0, int64_t i1, bool rows) {
+  int64_t lo = 0, hi = -1;
+  for (int64_t i = i0; i < i1; ++i) {
+    lo = std::min(lo, t.keys[i]);
+    hi = std::max(hi, t.keys[i]);
+  }
+  return lo >= (rows ? 0 : -1) && hi < t.n_dense;
 }
 
 // A run of keys (rows) or bags of one table: the unit of parallel work.

@@ -14,19 +14,8 @@
 
 namespace hps_cpu {
 
-// Whether every key of [i0, i1) is in the table's dense index range (rows: a negative key is
-// a key like any other, hashed by the probe pass).
-inline bool all_dense_rows(const TableView& t, int64_t i0, int64_t i1) {
-  int64_t lo = 0, hi = -1;
-  for (int64_t i = i0; i < i1; ++i) {
-    lo = std::min(lo, t.keys[i]);
-    hi = std::max(hi, t.keys[i]);
-  }
-  return lo >= 0 && hi < t.n_dense;
-}
-
 // gather_piece for the rows of a piece of an FP32 table whose keys all lie in its dense
-// index's range (all_dense_rows): the index entry prefetched kDenseAhead keys ahead, the slot
+// index's range (all_dense, rows): the index entry prefetched kDenseAhead keys ahead, the slot
 // read from it kRowsAhead keys ahead and the row (with its counter byte and, for the key
 // counter, its entry) prefetched then, as pool_bags_dense does for bags. The probe pass's
 // pipeline stages a dense key's entry, slot and row 24, 16 and 8 keys ahead in its ring of

@@ -215,7 +215,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
     FirstHits& ft = uses ? firsts[pc.table] : unused_f;
 #if defined(__AVX__)
     if (const int vecs = pooled_vecs(t)) {
-      if (t.dense != nullptr && all_dense(t, i0, i1)) {
+      if (t.dense != nullptr && all_dense(t, i0, i1, false)) {
 #define HPS_DENSE(V)                                                            \
   piece_misses[p] = uses ? pool_bags_dense<V, true>(t, i0, i1, sl, ht, ft)     \
                          : pool_bags_dense<V, false>(t, i0, i1, sl, ht, ft); \
@@ -240,7 +240,7 @@ std::vector<std::vector<int64_t>> gather_tables(std::vector<TableView>& ts,
       return;
     }
 #endif
-    if (t.hotness == 0 && t.format == kFp32 && t.dense != nullptr && all_dense_rows(t, i0, i1)) {
+    if (t.hotness == 0 && t.format == kFp32 && t.dense != nullptr && all_dense(t, i0, i1, true)) {
       piece_misses[p] = uses ? rows_dense<true>(t, i0, i1, sl, ht, ft)
                              : rows_dense<false>(t, i0, i1, sl, ht, ft);
       return;
@@ -606,7 +606,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                           std::vector<at::Tensor>, std::vector<int64_t>, std::vector<int64_t>,
                           std::vector<int64_t>, at::Tensor, at::Tensor>())
       .def("__len__", &CacheTables::size);
-  m.def("row_views", &row_views, "each table's rows of a fused call's flat output, in its keys' shape");
+  m.def("row_views", &row_views,
+        "each table's rows of a fused call's flat output, in its keys' shape");
   m.def("lfu_streams", &lfu_streams, "each query's LFU draw stream from its cache's seed and clock");
   m.def("plain_keys", &plain_keys,
         "each table's bag width when every table's keys pass the fused call's checks, else None");

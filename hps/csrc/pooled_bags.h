@@ -65,19 +65,11 @@ void pool_bags(const TableView& t, int64_t i0, int64_t i1, const int64_t* sl) {
   }
 }
 
-// Whether every key of [i0, i1) is in the table's dense index range or a -1 pad (bags: keys
-// below -1 were refused before the pass).
-inline bool all_dense(const TableView& t, int64_t i0, int64_t i1) {
-  int64_t hi = -1;
-  for (int64_t i = i0; i < i1; ++i) hi = std::max(hi, t.keys[i]);
-  return hi < t.n_dense;
-}
-
 // gather_piece and pool_bags in one pass for a piece of an FP32 table of dim 8 × kVecs whose
-// keys are all in its dense index's range (all_dense): no hash, tag or key line, so nothing
-// to pipeline but the index entry (prefetched kDenseAhead keys ahead) and the row (prefetched
-// kRowsAhead keys ahead, when its slot is read from the entry: with its counter byte and, for
-// the key counter, its entry). Each key's slot is written to sl (-1 miss, -2 padding); with
+// keys are all in its dense index's range (all_dense, bags): no hash, tag or key line, so
+// nothing to pipeline but the index entry (prefetched kDenseAhead keys ahead) and the row
+// (prefetched kRowsAhead keys ahead, when its slot is read from the entry: with its counter
+// byte and, for the key counter, its entry). Each key's slot is written to sl (-1 miss, -2 padding); with
 // kUses the hits are used (use_slot) and counted into t.counter, key by key in order as
 // gather_piece<true> does. Returns the misses. 26 pooled FP32 tables of dlrm_dcnv2 ÷ 300
 // over caches holding every row, the CPU's caches evicted before each call, one thread: with

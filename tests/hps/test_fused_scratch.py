@@ -36,8 +36,8 @@ def _call(
         out = torch.full((b, sum(dims)), 7.0)
         offsets = [sum(dims[:i]) for i in range(len(dims))]
     else:
-        out = torch.full((sum(k.numel() * d for k, d in zip(keys, dims, strict=True)),), 7.0)
         sizes = [k.numel() * d for k, d in zip(keys, dims, strict=True)]
+        out = torch.full((sum(sizes),), 7.0)
         offsets = [sum(sizes[:i]) for i in range(len(sizes))]
     args = GatherArgs(
         caches=caches,

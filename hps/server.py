@@ -127,6 +127,12 @@ class ServerKnobs:
         "larger ones on --ort-threads (0: all on --ort-threads); the scores are the same",
         parse=int,
     )
+    ort_measure_threads: bool = knob(
+        _DEFAULTS.ort_measure_threads,
+        "time each model's dense graph on --ort-threads and on one thread at load (batch 1, "
+        "2, 4, … its max batch) and run on one thread the batches it wins, rather than "
+        "counting multiply-adds against --ort-parallel-min-macs (0 still turns it off)",
+    )
     torch_threads: int = knob(
         _DEFAULTS.torch_threads,
         "torch intra-op threads of each model's inference thread (the lookups)",
@@ -174,6 +180,7 @@ class ServerKnobs:
             max_queued=self.max_queued,
             ort_threads=self.ort_threads,
             ort_parallel_min_macs=self.ort_parallel_min_macs,
+            ort_measure_threads=self.ort_measure_threads,
             torch_threads=self.torch_threads,
             switch_interval_us=self.switch_interval_us,
             gc_freeze=self.gc_freeze,

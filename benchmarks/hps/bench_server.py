@@ -119,6 +119,7 @@ class Served:
         grpc_processes: int = ServerConfig.grpc_processes,
         gc_freeze: bool = ServerConfig.gc_freeze,
         parallel_min_macs: int = ServerConfig.ort_parallel_min_macs,
+        measure_threads: bool = ServerConfig.ort_measure_threads,
     ) -> None:
         write_serving_artifacts(
             model, folder, max_batch_size=max_batch, cache_fraction=1.0, overwrite=True
@@ -130,6 +131,7 @@ class Served:
             workers=workers,
             ort_threads=threads,
             ort_parallel_min_macs=parallel_min_macs,
+            ort_measure_threads=measure_threads,
             max_batch_size=merged_batch,
             max_queue_delay_us=queue_delay_us,
             preferred_batch_size=preferred_batch,
@@ -153,6 +155,7 @@ class Served:
             "preferred_batch_effective": cfg.preferred,
             "gc_freeze": int(self.srv.cfg.gc_freeze),
             "ort_parallel_min_macs": self.srv.cfg.ort_parallel_min_macs,
+            "ort_measure_threads": int(self.srv.cfg.ort_measure_threads),
             "ort_serial_below": self.servable.serial_below,
         }
 
@@ -395,6 +398,7 @@ def run_concurrency(
             macs = (
                 args.ort_parallel_min_macs if v.parallel_min_macs is None else v.parallel_min_macs
             )
+            counted = macs is not None  # a bound given: multiply-adds counted, not timed
             s = Served(
                 model,
                 folder / f"server{k}",
@@ -407,11 +411,12 @@ def run_concurrency(
                 loop=v.loop,
                 grpc_processes=v.grpc_processes,
                 gc_freeze=args.gc_freeze,
-                parallel_min_macs=macs,
+                parallel_min_macs=ServerConfig.ort_parallel_min_macs if macs is None else macs,
+                measure_threads=not counted,
             )
             key = f"{s.srv.http_parser.value}/{s.srv.event_loop.value}@{delay}:{preferred}"
             key += f"#{s.srv.cfg.grpc_fronts}"  # gRPC front processes (0: in-process)
-            if v.parallel_min_macs is not None:
+            if counted:
                 key += f"^{macs}"
             if key in servers:
                 raise ValueError(f"--servers names {key} twice")
@@ -487,10 +492,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument(
         "--ort-parallel-min-macs",
         type=int,
-        default=ServerConfig.ort_parallel_min_macs,
+        default=None,
         help="concurrency: the servers' bound under which an execution's dense graph runs on "
-        "one onnxruntime thread (0: every execution on --conc-ort-threads; default: the "
-        "server's)",
+        "one onnxruntime thread, multiply-adds counted rather than both sessions timed at load "
+        "(0: every execution on --conc-ort-threads; default: the server's, timed)",
     )
     p.add_argument(
         "--no-gc-freeze",

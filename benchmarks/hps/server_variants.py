@@ -14,7 +14,8 @@ __all__ = ["SERVER_FORM", "ServerVariant", "parse_servers"]
 class ServerVariant(NamedTuple):
     """One ``--servers`` item: a server's HTTP parser and event loop, its queue delay and
     preferred batch size (``None``: ``--queue-delay-us``, ``--preferred-batch``), its gRPC
-    front processes and its ``ort_parallel_min_macs`` (``None``: ``--ort-parallel-min-macs``)."""
+    front processes and its ``ort_parallel_min_macs`` (``None``: ``--ort-parallel-min-macs``;
+    a bound given means multiply-adds counted against it rather than both sessions timed)."""
 
     parser: HttpParser
     loop: EventLoop

@@ -38,7 +38,10 @@ from hps.config import ModelConfig
 from hps.serving.clipping import clip
 from hps.serving.dense_cost import (
     DEFAULT_PARALLEL_MIN_MACS,
+    Crossover,
+    measure_crossover,
     serial_batch_limit,
+    time_sessions,
     weight_macs_per_sample,
 )
 from hps.session import LookupSession
@@ -99,6 +102,9 @@ class DLRMServable:
             :func:`hps.serving.dense_cost.serial_batch_limit`); smaller ones run on one
             thread, where waking the pool costs more than it saves (0: every execution on
             ``ort_threads``). The scores are the same either way.
+        ort_measure: time both sessions at load and run on one thread the batches it wins
+            (:func:`hps.serving.dense_cost.measure_crossover`), rather than counting
+            multiply-adds against ``ort_parallel_min_macs`` (which 0 still turns off).
 
     Raises:
         FormatVersionError: the graph's serving metadata is missing or of another version.
@@ -113,6 +119,7 @@ class DLRMServable:
         session: LookupSession,
         ort_threads: int = 0,
         ort_parallel_min_macs: int = DEFAULT_PARALLEL_MIN_MACS,
+        ort_measure: bool = True,
     ) -> None:
         import onnxruntime as ort
 
@@ -184,14 +191,30 @@ class DLRMServable:
         self._buffers = threading.local()
         #: multiply-adds of one sample in the dense graph's weight matrices (0: not counted)
         self.macs_per_sample = 0
+        #: what timing both sessions at load found (``None``: not measured)
+        self.crossover: Crossover | None = None
+        #: executions of fewer samples run the dense graph on one onnxruntime thread (0: none)
+        self.serial_below = 0
+        # the same graph on one thread, with a copy of its weights of its own
+        self._ort_serial: Any = None
         if ort_threads != 1 and ort_parallel_min_macs:
             self.macs_per_sample = _counted_macs(model.model, path)
-        #: executions of fewer samples run the dense graph on one onnxruntime thread (0: none)
-        self.serial_below = serial_batch_limit(
-            self.macs_per_sample, ort_parallel_min_macs, model.max_batch_size
-        )
-        # the same graph on one thread, with a copy of its weights of its own
-        self._ort_serial = load(1) if self.serial_below else None
+            if ort_measure:
+                self._ort_serial = load(1)
+                shapes = {"dense": (d,), "pooled": (len(self.tables), self.tables[0].dim)}
+                self.crossover = measure_crossover(
+                    time_sessions(self._ort.run, self._ort_serial.run, shapes, [self._output]),
+                    model.max_batch_size,
+                )
+                self.serial_below = self.crossover.serial_below
+            else:
+                self.serial_below = serial_batch_limit(
+                    self.macs_per_sample, ort_parallel_min_macs, model.max_batch_size
+                )
+        if not self.serial_below:
+            self._ort_serial = None
+        elif self._ort_serial is None:
+            self._ort_serial = load(1)
 
     @staticmethod
     def _combiners(model: ModelConfig, meta: str | None, path: Path) -> dict[str, str]:

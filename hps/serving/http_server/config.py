@@ -115,6 +115,11 @@ class ServerConfig:
     # thread (0: every execution on ort_threads): waking the pool costs a small one more than
     # it saves. Scores are the same either way. hps.serving.dense_cost
     ort_parallel_min_macs: int = DEFAULT_PARALLEL_MIN_MACS
+    # Time the dense graph on both sessions at load (batch 1, 2, 4, … max_batch_size) and run
+    # on one thread the batches it wins, rather than counting multiply-adds against
+    # ort_parallel_min_macs (0 still means every execution on ort_threads): where the pool
+    # starts to pay depends on the host (hps.serving.dense_cost).
+    ort_measure_threads: bool = True
     torch_threads: int = 1  # torch intra-op threads of each model's inference thread (lookups)
     # The interpreter's thread switch interval while serving (process-wide, restored on stop).
     # Python's 5 ms default makes the event loop wait up to 5 ms for the lock at every step
@@ -202,10 +207,11 @@ class ServerConfig:
                 raise ValueError(
                     f"ServerConfig.{f} must be an integer from {lo} to {hi}, got {v!r}"
                 )
-        if not isinstance(self.gc_freeze, bool):
-            raise ValueError(
-                f"ServerConfig.gc_freeze must be True or False, got {self.gc_freeze!r}"
-            )
+        for flag in ("gc_freeze", "ort_measure_threads"):
+            if not isinstance(getattr(self, flag), bool):
+                raise ValueError(
+                    f"ServerConfig.{flag} must be True or False, got {getattr(self, flag)!r}"
+                )
         for f, kind in (("http", HttpParser), ("loop", EventLoop)):
             if not isinstance(getattr(self, f), kind):
                 raise ValueError(

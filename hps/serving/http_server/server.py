@@ -40,12 +40,14 @@ def build_servables(
     models: Sequence[str] | None = None,
     ort_threads: int = 0,
     ort_parallel_min_macs: int = DEFAULT_PARALLEL_MIN_MACS,
+    ort_measure: bool = True,
 ) -> dict[str, DLRMServable]:
     """One :class:`DLRMServable` per model of ``ps`` (or of ``models``), each running
     onnxruntime on ``ort_threads`` intra-op threads (0: :func:`available_cores`; one
-    execution runs at a time per model, so it may use them all), and an execution whose dense
-    graph does fewer than ``ort_parallel_min_macs`` multiply-adds on one thread (logged per
-    model).
+    execution runs at a time per model, so it may use them all), and on one thread the
+    executions of the batch sizes one thread ran faster when both were timed at load
+    (``ort_measure``), or else of those whose dense graph does fewer than
+    ``ort_parallel_min_macs`` multiply-adds (0: none; logged per model).
 
     Raises:
         ValueError: an unknown model name, or a model that cannot be served (see
@@ -55,20 +57,30 @@ def build_servables(
     threads = ort_threads or available_cores()
     out = {}
     for n in names:
-        s = DLRMServable(ps.cfg.model(n), ps.session(n), threads, ort_parallel_min_macs)
+        s = DLRMServable(
+            ps.cfg.model(n), ps.session(n), threads, ort_parallel_min_macs, ort_measure
+        )
+        why = (
+            f"timed at load, median µs on {threads} threads/one: {s.crossover.describe()}"
+            if s.crossover is not None
+            else f"ort_parallel_min_macs {ort_parallel_min_macs}"
+        )
         if s.serial_below:
             log.info(
                 "model %r: %d multiply-adds per sample in its dense graph; onnxruntime runs "
-                "batches of 1-%d samples on one thread, larger ones on %d "
-                "(ort_parallel_min_macs %d)",
+                "batches of 1-%d samples on one thread, larger ones on %d (%s)",
                 n,
                 s.macs_per_sample,
                 s.serial_below - 1,
                 threads,
-                ort_parallel_min_macs,
+                why,
             )
-        else:
+        elif threads == 1 or not ort_parallel_min_macs:
             log.info("model %r: onnxruntime runs every execution on %d threads", n, threads)
+        else:
+            log.info(
+                "model %r: onnxruntime runs every execution on %d threads (%s)", n, threads, why
+            )
         out[n] = s
     return out
 
@@ -108,7 +120,11 @@ class InferenceServer:
         self.cfg = cfg or ServerConfig()
         _check_fd_limit(self.cfg.max_connections)
         self.servables = build_servables(
-            ps, models, self.cfg.ort_threads, self.cfg.ort_parallel_min_macs
+            ps,
+            models,
+            self.cfg.ort_threads,
+            self.cfg.ort_parallel_min_macs,
+            self.cfg.ort_measure_threads,
         )
         self.counts = {name: ModelCounts() for name in self.servables}  # both protocols' counts
         batching = {n: self.cfg.batching(s) for n, s in self.servables.items()}

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -18,8 +19,13 @@ from hps.parameter_server import HierarchicalParameterServer
 from hps.server import ServerKnobs, build_parser
 from hps.serving.dense_cost import (
     DEFAULT_PARALLEL_MIN_MACS,
+    PARALLEL_MIN_GAIN,
     WEIGHT_READ_SAMPLES,
+    SizeTiming,
+    crossover_sizes,
+    measure_crossover,
     serial_batch_limit,
+    time_sessions,
     weight_macs_per_sample,
 )
 from hps.serving.http_server import InferenceServer, build_servables
@@ -125,7 +131,7 @@ def test_small_executions_run_on_one_thread_with_the_pool_s_scores(
 ) -> None:
     per_sample = weight_macs_per_sample(Path(ps.cfg.model("tiny").network_file))
     bound = (3 + WEIGHT_READ_SAMPLES) * per_sample + 1  # 4 samples and the weights' read
-    s = build_servables(ps, ort_threads=2, ort_parallel_min_macs=bound)["tiny"]
+    s = build_servables(ps, ort_threads=2, ort_parallel_min_macs=bound, ort_measure=False)["tiny"]
     assert (s.macs_per_sample, s.serial_below) == (per_sample, 4)
     pool, serial = _Runs(s._ort), _Runs(s._ort_serial)
     monkeypatch.setattr(s, "_ort", pool)
@@ -144,7 +150,8 @@ def test_small_executions_run_on_one_thread_with_the_pool_s_scores(
 def test_one_thread_and_the_pool_score_a_batch_bit_equally(
     ps: HierarchicalParameterServer, tiny: DLRM, batch: int
 ) -> None:
-    s = build_servables(ps, ort_threads=2, ort_parallel_min_macs=10**12)["tiny"]
+    built = build_servables(ps, ort_threads=2, ort_parallel_min_macs=10**12, ort_measure=False)
+    s = built["tiny"]
     assert s._ort_serial is not None
     checked = s.check(make_request(tiny, batch, seed=batch))
     feed = {"dense": checked["dense"], "pooled": s._pool(checked, batch).copy()}
@@ -199,21 +206,31 @@ def test_a_negative_bound_is_refused(ps: HierarchicalParameterServer) -> None:
 
 
 @pytest.mark.parametrize(
-    "argv,want",
-    [([], DEFAULT_PARALLEL_MIN_MACS), (["--ort-parallel-min-macs", "0"], 0)],
-    ids=["default", "off"],
+    "argv,want,measured",
+    [
+        ([], DEFAULT_PARALLEL_MIN_MACS, True),
+        (["--no-ort-measure-threads"], DEFAULT_PARALLEL_MIN_MACS, False),
+        (["--ort-parallel-min-macs", "0"], 0, True),
+    ],
+    ids=["default", "counted", "off"],
 )
-def test_the_cli_flag_reaches_the_server_s_models(
-    ps: HierarchicalParameterServer, argv: list[str], want: int
+def test_the_cli_flags_reach_the_server_s_models(
+    ps: HierarchicalParameterServer, argv: list[str], want: int, measured: bool
 ) -> None:
     knobs = from_namespace(ServerKnobs, build_parser().parse_args(["--config", "x", *argv]))
     cfg = dataclasses.replace(knobs.server_config(), port=0, ort_threads=2)
-    assert cfg.ort_parallel_min_macs == want
+    assert (cfg.ort_parallel_min_macs, cfg.ort_measure_threads) == (want, measured)
     with InferenceServer(ps, cfg) as srv:
         s = srv.servables["tiny"]
-        # the tiny model's bound at the default is 155 samples, capped at its batch of 64
-        assert s.serial_below == (s.max_batch_size + 1 if want else 0)
-        assert (s._ort_serial is None) == (want == 0)
+        if not want:
+            assert (s.serial_below, s._ort_serial, s.crossover) == (0, None, None)
+        elif measured:  # what the host measured decides; the choice follows from its timings
+            assert s.crossover is not None
+            assert s.serial_below == _replayed(s.crossover.timings, s.max_batch_size)
+            assert (s._ort_serial is None) == (s.serial_below == 0)
+        else:  # the tiny model's bound at the default is 155 samples, capped at its batch of 64
+            assert (s.serial_below, s.crossover) == (s.max_batch_size + 1, None)
+            assert s._ort_serial is not None
 
 
 def test_a_bad_cli_value_is_named() -> None:
@@ -222,3 +239,125 @@ def test_a_bad_cli_value_is_named() -> None:
     )
     with pytest.raises(ValueError, match=r"ServerConfig\.ort_parallel_min_macs must be an integer"):
         knobs.server_config()
+
+
+# ---------------------------------------------------------------- the crossover measured at load
+def _replayed(timings: tuple[SizeTiming, ...], max_batch: int) -> int:
+    """The crossover :func:`measure_crossover` finds from ``timings`` timed again."""
+    by = {t.batch: t for t in timings}
+    return measure_crossover(by.__getitem__, max_batch).serial_below
+
+
+class _Timed:
+    """A ``time_both`` whose pool takes ``pool_us(b)`` and one thread ``one_us(b)``; it
+    records the sizes it was asked for."""
+
+    def __init__(self, pool_us: Callable[[int], float], one_us: Callable[[int], float]) -> None:
+        self.pool_us, self.one_us = pool_us, one_us
+        self.asked: list[int] = []
+
+    def __call__(self, b: int) -> SizeTiming:
+        self.asked.append(b)
+        return SizeTiming(b, self.pool_us(b) * 1e-6, self.one_us(b) * 1e-6)
+
+
+def test_the_measured_sizes() -> None:
+    assert [crossover_sizes(n) for n in (0, 1, 2, 3, 64, 100)] == [
+        [],
+        [1],
+        [1, 2],
+        [1, 2, 3],
+        [1, 2, 4, 8, 16, 32, 64],
+        [1, 2, 4, 8, 16, 32, 64, 100],
+    ]
+
+
+@pytest.mark.parametrize(
+    "pool_us,max_batch,want,asked",
+    [
+        # never faster on the pool: every batch the model takes on one thread
+        (lambda b: 2.0 * b, 100, 101, [1, 2, 4, 8, 16, 32, 64, 100]),
+        # faster from 64 on: found at 64, confirmed at 128, 256 not timed
+        (lambda b: 0.5 * b if b >= 64 else 2.0 * b, 256, 64, [1, 2, 4, 8, 16, 32, 64, 128]),
+        # faster from one sample on: no batch runs on one thread
+        (lambda b: 0.5 * b, 256, 0, [1, 2]),
+        # a lone win at 8 is noise; the run of wins from 32 decides
+        (lambda b: 0.5 * b if b == 8 or b >= 32 else 2.0 * b, 256, 32, [1, 2, 4, 8, 16, 32, 64]),
+        # a win at the last size needs no confirmation
+        (lambda b: 0.5 * b if b == 100 else 2.0 * b, 100, 100, [1, 2, 4, 8, 16, 32, 64, 100]),
+        # a tie, and a gain just short of the margin, go to one thread
+        (lambda b: 1.0 * b, 8, 9, [1, 2, 4, 8]),
+        (lambda b: (1.0 - PARALLEL_MIN_GAIN) * b, 8, 9, [1, 2, 4, 8]),
+        # nothing to time
+        (lambda b: 1.0, 0, 0, []),
+    ],
+    ids=["never", "from-64", "from-1", "lone-win", "last", "tie", "margin", "no-batch"],
+)
+def test_the_crossover_is_the_first_confirmed_win_of_the_pool(
+    pool_us: Callable[[int], float], max_batch: int, want: int, asked: list[int]
+) -> None:
+    timed = _Timed(pool_us, lambda b: 1.0 * b)
+    found = measure_crossover(timed, max_batch)
+    assert (found.serial_below, timed.asked) == (want, asked)
+    assert [t.batch for t in found.timings] == asked
+
+
+def test_past_the_budget_the_sizes_not_timed_run_on_the_pool() -> None:
+    ticks = iter(range(100))
+    clock = lambda: float(next(ticks))  # noqa: E731 - one second per reading
+    timed = _Timed(lambda b: 2.0 * b, lambda b: 1.0 * b)
+    found = measure_crossover(timed, 256, budget_s=2.5, clock=clock)
+    # readings 0 (start), then 1, 2 and 3 before the second, third and fourth sizes: the
+    # fourth (8) is past the budget and not timed, so one thread takes only what it won
+    assert (found.serial_below, timed.asked) == (8, [1, 2, 4])
+    ticks = iter(range(100))
+    timed = _Timed(lambda b: 0.5 * b if b >= 4 else 2.0 * b, lambda b: 1.0 * b)
+    found = measure_crossover(timed, 256, budget_s=2.5, clock=clock)
+    assert (found.serial_below, timed.asked) == (4, [1, 2, 4])  # the pending win counts
+
+
+def test_bad_measure_arguments_are_named() -> None:
+    timed = _Timed(lambda b: 1.0, lambda b: 1.0)
+    with pytest.raises(ValueError, match="max_batch_size must be >= 0, got -1"):
+        measure_crossover(timed, -1)
+    with pytest.raises(ValueError, match="budget_s must be > 0, got 0"):
+        measure_crossover(timed, 8, budget_s=0)
+    with pytest.raises(ValueError, match="runs must be >= 1, got 0"):
+        time_sessions(lambda n, f: None, lambda n, f: None, {"x": (3,)}, ["y"], runs=0)
+
+
+def test_both_sessions_run_alternately_on_the_same_inputs() -> None:
+    calls: list[tuple[str, list[str], dict[str, np.ndarray]]] = []
+
+    def runner(who: str) -> Callable[[list[str], dict[str, np.ndarray]], None]:
+        return lambda names, feed: calls.append((who, names, feed))
+
+    time_both = time_sessions(runner("pool"), runner("one"), {"d": (3,), "p": (2, 4)}, ["y"], 3)
+    t = time_both(5)
+    assert t.batch == 5 and t.pool_s > 0 and t.one_s > 0
+    # one warm-up run each, then three pairs whose first member takes turns
+    order = ["pool", "one", "pool", "one", "one", "pool", "pool", "one"]
+    assert [c[0] for c in calls] == order
+    assert all(c[1] == ["y"] for c in calls)
+    feed = calls[0][2]
+    assert all(c[2] is feed for c in calls)
+    assert {k: (v.shape, v.dtype) for k, v in feed.items()} == {
+        "d": ((5, 3), np.float32),
+        "p": ((5, 2, 4), np.float32),
+    }
+    assert all(np.isfinite(v).all() and v.std() > 0 for v in feed.values())
+    calls.clear()
+    time_both(2)
+    assert calls[0][2]["p"].shape == (2, 2, 4)
+
+
+def test_the_server_runs_on_one_thread_what_it_measured_one_thread_wins(
+    ps: HierarchicalParameterServer, caplog: pytest.LogCaptureFixture
+) -> None:
+    with caplog.at_level(logging.INFO, logger="hps.serving.http_server.server"):
+        s = build_servables(ps, ort_threads=2)["tiny"]
+    assert s.crossover is not None
+    assert [t.batch for t in s.crossover.timings][:2] == [1, 2]
+    assert s.serial_below == _replayed(s.crossover.timings, s.max_batch_size)
+    assert (s._ort_serial is None) == (s.serial_below == 0)
+    assert f"timed at load, median µs on 2 threads/one: {s.crossover.describe()}" in caplog.text

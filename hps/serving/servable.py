@@ -202,10 +202,16 @@ class DLRMServable:
             if ort_measure:
                 self._ort_serial = load(1)
                 shapes = {"dense": (d,), "pooled": (len(self.tables), self.tables[0].dim)}
-                self.crossover = measure_crossover(
-                    time_sessions(self._ort.run, self._ort_serial.run, shapes, [self._output]),
-                    model.max_batch_size,
-                )
+                try:
+                    self.crossover = measure_crossover(
+                        time_sessions(self._ort.run, self._ort_serial.run, shapes, [self._output]),
+                        model.max_batch_size,
+                    )
+                except Exception as e:  # onnxruntime raises its own types for a graph that fails
+                    raise ValueError(
+                        f"model {model.model!r}: its dense graph failed on random inputs "
+                        f"{shapes} (after the batch) while its threads were timed: {e}"
+                    ) from None
                 self.serial_below = self.crossover.serial_below
             else:
                 self.serial_below = serial_batch_limit(

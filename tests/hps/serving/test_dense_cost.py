@@ -361,3 +361,22 @@ def test_the_server_runs_on_one_thread_what_it_measured_one_thread_wins(
     assert s.serial_below == _replayed(s.crossover.timings, s.max_batch_size)
     assert (s._ort_serial is None) == (s.serial_below == 0)
     assert f"timed at load, median µs on 2 threads/one: {s.crossover.describe()}" in caplog.text
+
+
+def test_a_graph_that_fails_while_timed_is_named_at_load(
+    ps: HierarchicalParameterServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def failing(*args: object) -> Callable[[int], SizeTiming]:
+        def time_both(b: int) -> SizeTiming:
+            raise RuntimeError("[ONNXRuntimeError] : 2 : INVALID_ARGUMENT : Got invalid dims")
+
+        return time_both
+
+    monkeypatch.setattr("hps.serving.servable.time_sessions", failing)
+    with pytest.raises(
+        ValueError,
+        match=r"model 'tiny': its dense graph failed on random inputs \{'dense': \(13,\), "
+        r"'pooled': \(\d+, \d+\)\} \(after the batch\) while its threads were timed: "
+        r"\[ONNXRuntimeError\] : 2 : INVALID_ARGUMENT",
+    ):
+        build_servables(ps, ort_threads=2)

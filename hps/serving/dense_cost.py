@@ -44,6 +44,7 @@ import numpy as np
 __all__ = [
     "DEFAULT_PARALLEL_MIN_MACS",
     "MEASURE_BUDGET_S",
+    "MEASURE_MAX_BYTES",
     "MEASURE_RUNS",
     "PARALLEL_MIN_GAIN",
     "WEIGHT_READ_SAMPLES",
@@ -53,6 +54,7 @@ __all__ = [
     "measure_crossover",
     "serial_batch_limit",
     "time_sessions",
+    "timed_batch_limit",
     "weight_macs_per_sample",
 ]
 
@@ -127,6 +129,10 @@ MEASURE_RUNS = 9
 #: Seconds :func:`measure_crossover` spends at most; the sizes it did not reach run on the pool.
 MEASURE_BUDGET_S = 1.0
 
+#: Bytes of random inputs one timed size may take (:func:`timed_batch_limit`): a model of 26
+#: tables × 128 floats and a batch of 65,536 would otherwise allocate 872 MB at load.
+MEASURE_MAX_BYTES = 64 << 20
+
 
 @dataclass(frozen=True)
 class SizeTiming:
@@ -166,6 +172,22 @@ def crossover_sizes(max_batch_size: int) -> list[int]:
     """
     sizes = [1 << k for k in range(max(max_batch_size, 1).bit_length()) if 1 << k < max_batch_size]
     return [*sizes, max_batch_size] if max_batch_size > 0 else []
+
+
+def timed_batch_limit(max_batch_size: int, bytes_per_sample: int) -> int:
+    """The largest batch :func:`measure_crossover` times for a model taking ``max_batch_size``
+    samples of ``bytes_per_sample`` input bytes each: its inputs stay within
+    :data:`MEASURE_MAX_BYTES` (larger batches, not timed, run on the pool).
+
+    >>> timed_batch_limit(65_536, 26 * 128 * 4 + 13 * 4)
+    5021
+    """
+    if max_batch_size < 0 or bytes_per_sample < 1:
+        raise ValueError(
+            f"need max_batch_size >= 0 and bytes_per_sample >= 1, got {max_batch_size} "
+            f"and {bytes_per_sample}"
+        )
+    return min(max_batch_size, max(1, MEASURE_MAX_BYTES // bytes_per_sample))
 
 
 def measure_crossover(

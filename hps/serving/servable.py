@@ -42,6 +42,7 @@ from hps.serving.dense_cost import (
     measure_crossover,
     serial_batch_limit,
     time_sessions,
+    timed_batch_limit,
     weight_macs_per_sample,
 )
 from hps.session import LookupSession
@@ -202,10 +203,13 @@ class DLRMServable:
             if ort_measure:
                 self._ort_serial = load(1)
                 shapes = {"dense": (d,), "pooled": (len(self.tables), self.tables[0].dim)}
+                timed = timed_batch_limit(
+                    model.max_batch_size, 4 * (d + len(self.tables) * self.tables[0].dim)
+                )
                 try:
                     self.crossover = measure_crossover(
                         time_sessions(self._ort.run, self._ort_serial.run, shapes, [self._output]),
-                        model.max_batch_size,
+                        timed,
                     )
                 except Exception as e:  # onnxruntime raises its own types for a graph that fails
                     raise ValueError(

@@ -19,6 +19,7 @@ from hps.parameter_server import HierarchicalParameterServer
 from hps.server import ServerKnobs, build_parser
 from hps.serving.dense_cost import (
     DEFAULT_PARALLEL_MIN_MACS,
+    MEASURE_MAX_BYTES,
     PARALLEL_MIN_GAIN,
     WEIGHT_READ_SAMPLES,
     SizeTiming,
@@ -26,6 +27,7 @@ from hps.serving.dense_cost import (
     measure_crossover,
     serial_batch_limit,
     time_sessions,
+    timed_batch_limit,
     weight_macs_per_sample,
 )
 from hps.serving.http_server import InferenceServer, build_servables
@@ -380,3 +382,13 @@ def test_a_graph_that_fails_while_timed_is_named_at_load(
         r"\[ONNXRuntimeError\] : 2 : INVALID_ARGUMENT",
     ):
         build_servables(ps, ort_threads=2)
+
+
+def test_the_timed_sizes_stay_within_their_bytes() -> None:
+    per = 26 * 128 * 4 + 13 * 4  # dlrm_dcnv2's pooled block and dense features, float32
+    assert timed_batch_limit(65_536, per) == MEASURE_MAX_BYTES // per == 5_021
+    assert timed_batch_limit(64, per) == 64  # the model's own bound is smaller
+    assert timed_batch_limit(0, per) == 0
+    assert timed_batch_limit(10, MEASURE_MAX_BYTES + 1) == 1  # one sample is always timed
+    with pytest.raises(ValueError, match="bytes_per_sample >= 1, got 8 and 0"):
+        timed_batch_limit(8, 0)

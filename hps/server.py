@@ -122,9 +122,10 @@ class ServerKnobs:
     )
     ort_parallel_min_macs: int = knob(
         _DEFAULTS.ort_parallel_min_macs,
-        "an execution whose dense graph does fewer multiply-adds (its weight matrices × "
-        "(batch + 10), the ten for reading the weights) runs on one onnxruntime thread, "
-        "larger ones on --ort-threads (0: all on --ort-threads); the scores are the same",
+        "with --no-ort-measure-threads, an execution whose dense graph does fewer "
+        "multiply-adds (its weight matrices × (batch + 10), the ten for reading the weights) "
+        "runs on one onnxruntime thread, larger ones on --ort-threads (0, timed or not: all "
+        "on --ort-threads); the scores are the same",
         parse=int,
     )
     ort_measure_threads: bool = knob(

@@ -98,20 +98,24 @@ class DLRMServable:
             (B, D) float32`` and ``pooled (B, T, dim) float32``, output ``(B,) float32``).
         session: the parameter server's lookup session of this model.
         ort_threads: onnxruntime intra-op threads per call (0: onnxruntime's default).
-        ort_parallel_min_macs: the fewest multiply-adds of the graph's weight matrices an
-            execution runs on ``ort_threads`` (counted per sample and for the weights' read:
+        ort_parallel_min_macs: without ``ort_measure``, the fewest multiply-adds of the
+            graph's weight matrices an execution runs on ``ort_threads`` (counted per sample
+            and for the weights' read:
             :func:`hps.serving.dense_cost.serial_batch_limit`); smaller ones run on one
             thread, where waking the pool costs more than it saves (0: every execution on
             ``ort_threads``). The scores are the same either way.
         ort_measure: time both sessions at load and run on one thread the batches it wins
             (:func:`hps.serving.dense_cost.measure_crossover`), rather than counting
-            multiply-adds against ``ort_parallel_min_macs`` (which 0 still turns off).
+            multiply-adds against ``ort_parallel_min_macs`` (which 0 still turns off):
+            :attr:`crossover` holds the timings. Batches whose random inputs would pass
+            :data:`~hps.serving.dense_cost.MEASURE_MAX_BYTES` are not timed and run on the
+            pool.
 
     Raises:
         FormatVersionError: the graph's serving metadata is missing or of another version.
         ValueError: no ``network_file``, a graph whose inputs are not ``dense`` / ``pooled``,
             metadata whose tables disagree with ``ps.json``, a negative thread count or
-            ``ort_parallel_min_macs``.
+            ``ort_parallel_min_macs``, or a graph that fails on random inputs while timed.
     """
 
     def __init__(

@@ -111,9 +111,10 @@ class ServerConfig:
     workers: int = 4  # threads that parse large requests; with max_queued, requests in flight
     max_queued: int = 64  # requests in flight beyond workers before new ones get 503
     ort_threads: int = 0  # onnxruntime intra-op threads per execution (0: available_cores())
-    # An execution whose dense graph does fewer multiply-adds runs it on one onnxruntime
-    # thread (0: every execution on ort_threads): waking the pool costs a small one more than
-    # it saves. Scores are the same either way. hps.serving.dense_cost
+    # With ort_measure_threads off, an execution whose dense graph does fewer multiply-adds
+    # runs it on one onnxruntime thread (0, either way: every execution on ort_threads):
+    # waking the pool costs a small one more than it saves. Scores are the same either way.
+    # hps.serving.dense_cost
     ort_parallel_min_macs: int = DEFAULT_PARALLEL_MIN_MACS
     # Time the dense graph on both sessions at load (batch 1, 2, 4, … max_batch_size) and run
     # on one thread the batches it wins, rather than counting multiply-adds against

@@ -61,7 +61,7 @@ def build_servables(
             ps.cfg.model(n), ps.session(n), threads, ort_parallel_min_macs, ort_measure
         )
         why = (
-            f"timed at load, median µs on {threads} threads/one: {s.crossover.describe()}"
+            f"timed at load, median on {threads} threads/one: {s.crossover.describe()}"
             if s.crossover is not None
             else f"ort_parallel_min_macs {ort_parallel_min_macs}"
         )

@@ -362,7 +362,7 @@ def test_the_server_runs_on_one_thread_what_it_measured_one_thread_wins(
     assert [t.batch for t in s.crossover.timings][:2] == [1, 2]
     assert s.serial_below == _replayed(s.crossover.timings, s.max_batch_size)
     assert (s._ort_serial is None) == (s.serial_below == 0)
-    assert f"timed at load, median µs on 2 threads/one: {s.crossover.describe()}" in caplog.text
+    assert f"timed at load, median on 2 threads/one: {s.crossover.describe()}" in caplog.text
 
 
 def test_a_graph_that_fails_while_timed_is_named_at_load(

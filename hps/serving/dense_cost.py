@@ -254,18 +254,9 @@ def time_sessions(
     if runs < 1:
         raise ValueError(f"runs must be >= 1, got {runs}")
     rng = np.random.default_rng(0)
-    made: dict[int, dict[str, np.ndarray]] = {}
-
-    def feed(b: int) -> dict[str, np.ndarray]:
-        if b not in made:
-            made.clear()  # one size's inputs at a time
-            made[b] = {
-                n: rng.standard_normal((b, *shape), dtype=np.float32) for n, shape in inputs.items()
-            }
-        return made[b]
 
     def time_both(b: int) -> SizeTiming:
-        f = feed(b)
+        f = {n: rng.standard_normal((b, *shape), dtype=np.float32) for n, shape in inputs.items()}
         pool(outputs, f)
         one(outputs, f)
         took: dict[bool, list[float]] = {True: [], False: []}

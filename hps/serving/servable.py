@@ -194,7 +194,8 @@ class DLRMServable:
         # a grow-only float32 buffer (the pooled block) each execution writes into,
         # so no two executions ever share one and no execution page-faults a fresh one
         self._buffers = threading.local()
-        #: multiply-adds of one sample in the dense graph's weight matrices (0: not counted)
+        #: multiply-adds of one sample in the dense graph's weight matrices (0: not counted;
+        #: they are counted only where they decide the thread count, without ``ort_measure``)
         self.macs_per_sample = 0
         #: what timing both sessions at load found (``None``: not measured)
         self.crossover: Crossover | None = None
@@ -203,7 +204,6 @@ class DLRMServable:
         # the same graph on one thread, with a copy of its weights of its own
         self._ort_serial: Any = None
         if ort_threads != 1 and ort_parallel_min_macs:
-            self.macs_per_sample = _counted_macs(model.model, path)
             if ort_measure:
                 self._ort_serial = load(1)
                 shapes = {"dense": (d,), "pooled": (len(self.tables), self.tables[0].dim)}
@@ -222,6 +222,7 @@ class DLRMServable:
                     ) from None
                 self.serial_below = self.crossover.serial_below
             else:
+                self.macs_per_sample = _counted_macs(model.model, path)
                 self.serial_below = serial_batch_limit(
                     self.macs_per_sample, ort_parallel_min_macs, model.max_batch_size
                 )

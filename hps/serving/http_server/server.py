@@ -63,14 +63,14 @@ def build_servables(
         why = (
             f"timed at load, median on {threads} threads/one: {s.crossover.describe()}"
             if s.crossover is not None
-            else f"ort_parallel_min_macs {ort_parallel_min_macs}"
+            else f"{s.macs_per_sample} multiply-adds per sample in its dense graph, "
+            f"ort_parallel_min_macs {ort_parallel_min_macs}"
         )
         if s.serial_below:
             log.info(
-                "model %r: %d multiply-adds per sample in its dense graph; onnxruntime runs "
-                "batches of 1-%d samples on one thread, larger ones on %d (%s)",
+                "model %r: onnxruntime runs batches of 1-%d samples on one thread, larger "
+                "ones on %d (%s)",
                 n,
-                s.macs_per_sample,
                 s.serial_below - 1,
                 threads,
                 why,

@@ -30,7 +30,7 @@ from hps.serving.dense_cost import (
     timed_batch_limit,
     weight_macs_per_sample,
 )
-from hps.serving.http_server import InferenceServer, build_servables
+from hps.serving.http_server import InferenceServer, ServerConfig, build_servables
 from hps.serving.servable import DLRMServable, _counted_macs
 from knobs import from_namespace
 from tests.hps.serving.tiny_dlrm import make_request
@@ -392,3 +392,18 @@ def test_the_timed_sizes_stay_within_their_bytes() -> None:
     assert timed_batch_limit(10, MEASURE_MAX_BYTES + 1) == 1  # one sample is always timed
     with pytest.raises(ValueError, match="bytes_per_sample >= 1, got 8 and 0"):
         timed_batch_limit(8, 0)
+
+
+def test_the_timing_switch_must_be_a_bool() -> None:
+    with pytest.raises(
+        ValueError, match=r"ServerConfig\.ort_measure_threads must be True or False, got 'no'"
+    ):
+        ServerConfig(ort_measure_threads="no")  # type: ignore[arg-type]
+
+
+def test_multiply_adds_are_counted_only_where_they_decide(
+    ps: HierarchicalParameterServer,
+) -> None:
+    timed = build_servables(ps, ort_threads=2)["tiny"]
+    counted = build_servables(ps, ort_threads=2, ort_measure=False)["tiny"]
+    assert (timed.macs_per_sample, counted.macs_per_sample) == (0, 48_512)
